@@ -1,1 +1,24 @@
+"""jaxoverlap: tensor-parallel collective matmuls for JAX with communication hidden behind compute.
+
+>>> import jaxoverlap as jo
+>>> sorted(jo.info()["impls"])
+['native', 'ring', 'xla']
+"""
+
+from jaxoverlap._config import config as config
+from jaxoverlap._config import current_config as current_config
+from jaxoverlap._info import info as info
+from jaxoverlap.ops import NativeUnavailableError as NativeUnavailableError
+from jaxoverlap.ops import ag_matmul as ag_matmul
+from jaxoverlap.ops import matmul_rs as matmul_rs
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "NativeUnavailableError",
+    "ag_matmul",
+    "config",
+    "current_config",
+    "info",
+    "matmul_rs",
+]

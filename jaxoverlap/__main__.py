@@ -1,0 +1,22 @@
+"""``python -m jaxoverlap info``: the command-line entry."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxoverlap", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, devices, native build and effective configuration")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from jaxoverlap._info import format_info, info
+
+        print(format_info(info()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

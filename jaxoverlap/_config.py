@@ -1,0 +1,169 @@
+"""Scoped defaults for the ops: arguments > ``jo.config(...)`` > ``JAXOVERLAP_*`` variables.
+
+The values are resolved at trace time, so a ``jo.config`` block must enclose the
+*tracing* of a program (its first call under ``jit``), not only a later call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+IMPLS = ("auto", "xla", "ring", "native")
+TRANSPORTS = ("auto", "nccl", "p2p", "multicast")
+LOG_LEVELS = ("warning", "info", "debug")
+DEFAULT_TIMEOUT_S = 120.0
+
+logger = logging.getLogger("jaxoverlap")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Effective settings; ``None`` means "not set here, look further down"."""
+
+    impl: str | None = None
+    transport: str | None = None
+    chunks: int | None = None
+    bidirectional: bool | None = None
+    timeout_s: float | None = None
+
+
+_UNSET = Settings()
+_scoped: contextvars.ContextVar[Settings] = contextvars.ContextVar(
+    "jaxoverlap_config", default=_UNSET
+)
+
+
+def check_impl(impl: Any, where: str = "impl") -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"{where}={impl!r} is not an implementation; use one of {IMPLS}.")
+    return impl
+
+
+def check_transport(transport: Any, where: str = "transport") -> str | None:
+    if transport is not None and transport not in TRANSPORTS:
+        raise ValueError(f"{where}={transport!r} is not a transport; use one of {TRANSPORTS}.")
+    return transport
+
+
+def check_chunks(chunks: Any, where: str = "chunks") -> int | None:
+    if chunks is None:
+        return None
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{where}={chunks!r} must be a positive int (or None for automatic).")
+    return int(chunks)
+
+
+def check_bidirectional(bidirectional: Any, where: str = "bidirectional") -> bool | None:
+    if bidirectional is not None and not isinstance(bidirectional, bool):
+        raise TypeError(f"{where}={bidirectional!r} must be True, False or None (automatic).")
+    return bidirectional
+
+
+def check_timeout(timeout_s: Any, where: str = "timeout_s") -> float | None:
+    if timeout_s is None:
+        return None
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}={timeout_s!r} must be a number of seconds > 0.") from None
+    if not value > 0:
+        raise ValueError(f"{where}={timeout_s!r} must be a number of seconds > 0.")
+    return value
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value.strip() if value is not None and value.strip() else None
+
+
+def _from_env() -> Settings:
+    """Reads the environment each time, so a test or a user can change it at run time."""
+    impl = _env("JAXOVERLAP_IMPL")
+    transport = _env("JAXOVERLAP_TRANSPORT")
+    chunks = _env("JAXOVERLAP_CHUNKS")
+    timeout = _env("JAXOVERLAP_TIMEOUT_S")
+    if chunks is not None:
+        try:
+            chunks_value: int | None = int(chunks)
+        except ValueError:
+            raise ValueError(
+                f"JAXOVERLAP_CHUNKS={chunks!r} must be a positive integer; unset it for automatic."
+            ) from None
+    else:
+        chunks_value = None
+    return Settings(
+        impl=check_impl(impl, "JAXOVERLAP_IMPL") if impl is not None else None,
+        transport=check_transport(transport, "JAXOVERLAP_TRANSPORT"),
+        chunks=check_chunks(chunks_value, "JAXOVERLAP_CHUNKS"),
+        timeout_s=check_timeout(timeout, "JAXOVERLAP_TIMEOUT_S"),
+    )
+
+
+@contextlib.contextmanager
+def config(
+    *,
+    impl: str | None = None,
+    transport: str | None = None,
+    chunks: int | None = None,
+    bidirectional: bool | None = None,
+    timeout_s: float | None = None,
+) -> Iterator[Settings]:
+    """Sets default op arguments for the ops traced inside the block.
+
+    Arguments given to an op win over these, and these win over the
+    ``JAXOVERLAP_*`` environment variables. Blocks nest; an argument left as
+    ``None`` keeps the value of the enclosing block.
+
+    >>> import jaxoverlap as jo
+    >>> with jo.config(impl="ring", chunks=2):
+    ...     jo.current_config().impl
+    'ring'
+    """
+    outer = _scoped.get()
+    inner = Settings(
+        impl=check_impl(impl) if impl is not None else outer.impl,
+        transport=check_transport(transport) if transport is not None else outer.transport,
+        chunks=check_chunks(chunks) if chunks is not None else outer.chunks,
+        bidirectional=(
+            check_bidirectional(bidirectional) if bidirectional is not None
+            else outer.bidirectional
+        ),
+        timeout_s=check_timeout(timeout_s) if timeout_s is not None else outer.timeout_s,
+    )
+    token = _scoped.set(inner)
+    try:
+        yield inner
+    finally:
+        _scoped.reset(token)
+
+
+def current_config() -> Settings:
+    """The settings in force here: the innermost ``jo.config`` over the environment."""
+    scoped, env = _scoped.get(), _from_env()
+    return Settings(
+        impl=scoped.impl or env.impl or "auto",
+        transport=scoped.transport or env.transport or "auto",
+        chunks=scoped.chunks if scoped.chunks is not None else env.chunks,
+        bidirectional=scoped.bidirectional,
+        timeout_s=scoped.timeout_s or env.timeout_s or DEFAULT_TIMEOUT_S,
+    )
+
+
+def configure_logging() -> None:
+    """Applies ``JAXOVERLAP_LOG`` (info|debug) to the ``jaxoverlap`` logger."""
+    level = _env("JAXOVERLAP_LOG")
+    if level is None:
+        return
+    if level.lower() not in LOG_LEVELS:
+        raise ValueError(f"JAXOVERLAP_LOG={level!r} must be one of {LOG_LEVELS}.")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("jaxoverlap %(levelname)s: %(message)s"))
+        logger.addHandler(handler)

@@ -1,0 +1,58 @@
+"""``jo.info()``: what this installation and machine support."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jaxlib
+
+from jaxoverlap._config import current_config
+
+
+def _host_build() -> dict[str, Any] | None:
+    try:
+        from jaxoverlap import _host
+    except ImportError:
+        return None
+    return dict(_host.build_info())
+
+
+def info() -> dict[str, Any]:
+    """A plain dict describing versions, devices, the native build and the effective config."""
+    from jaxoverlap import ops
+
+    devices = jax.devices()
+    native = ops._native()
+    dtype = jax.numpy.float32
+    native_reason = ops._native_reason(dtype)
+    result: dict[str, Any] = {
+        "jaxoverlap": __import__("jaxoverlap").__version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": devices[0].platform,
+        "devices": len(devices),
+        "process_count": jax.process_count(),
+        "impls": {
+            "xla": "available",
+            "ring": "available",
+            "native": "available" if native_reason is None else f"unavailable: {native_reason}",
+        },
+        "host_extension": _host_build(),
+        "config": dataclasses.asdict(current_config()),
+    }
+    if native is not None:
+        result["native"] = native.info()
+    return result
+
+
+def format_info(data: dict[str, Any], indent: int = 0) -> str:
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(" " * indent + f"{key}:")
+            lines.append(format_info(value, indent + 2))
+        else:
+            lines.append(" " * indent + f"{key}: {value}")
+    return "\n".join(lines)

@@ -1,0 +1,32 @@
+"""The resolved choices for one call site, shared by every implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one op call will run. Hashable: it is a static argument of the custom_vjp.
+
+    ``axis`` is normalised (non-negative); ``n`` is the size of ``axis_name``;
+    ``chunks`` sub-chunks split every shard; ``bidirectional`` sends half the
+    traffic each way round the ring.
+    """
+
+    impl: str
+    axis_name: str
+    axis: int
+    n: int
+    chunks: int = 1
+    bidirectional: bool = False
+    transport: str = "auto"
+    timeout_s: float = 120.0
+
+    def describe(self) -> str:
+        text = f"impl={self.impl} axis_name={self.axis_name!r} N={self.n} axis={self.axis}"
+        if self.impl in ("ring", "native"):
+            text += f" chunks={self.chunks} bidirectional={self.bidirectional}"
+        if self.impl == "native":
+            text += f" transport={self.transport}"
+        return text

@@ -1,0 +1,120 @@
+"""The portable fused path: each collective decomposed into a ring of ``ppermute`` steps.
+
+Step t multiplies the shard that has arrived while the next one travels, so
+XLA's scheduler can overlap the collective-permute of step t+1 with the dot of
+step t. Works on every backend; the native path runs the same schedule with
+its own transports.
+
+Ring arithmetic (N ranks, rank r):
+
+* AG+GEMM: the local shard first; going forward (r -> r+1), step t holds shard
+  (r - t) mod N. Bidirectional: the forward ring carries each shard to the
+  next F = ceil((N-1)/2) ranks and the backward ring (r -> r-1) to the
+  previous B = floor((N-1)/2), so each rank still receives every shard once,
+  in F steps instead of N-1, both link directions busy.
+* GEMM+RS: going forward, step t computes the partial of chunk
+  (r + F - t) mod N, adds the accumulator received from r-1 and passes it on;
+  after F hops rank r holds chunk r summed over r-F..r. Bidirectional: the
+  backward ring brings the sum over r+1..r+B the other way.
+
+Rows are addressed on ``axis`` directly (dims before it act as a batch), so no
+transposes are needed for any ``axis``. ``chunks`` splits each shard into
+sub-chunks that travel and multiply independently, so the pipeline fills
+sooner.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxoverlap._plan import Plan
+from jaxoverlap._xla import local_matmul
+
+
+def _shift(x: jax.Array, plan: Plan, by: int) -> jax.Array:
+    """Sends ``x`` to rank r+by (mod N) and receives rank r-by's."""
+    n = plan.n
+    return lax.ppermute(x, plan.axis_name, perm=[(i, (i + by) % n) for i in range(n)])
+
+
+def _ring_lengths(plan: Plan) -> tuple[int, int]:
+    """Hops on the forward and the backward ring."""
+    if not plan.bidirectional:
+        return plan.n - 1, 0
+    return plan.n // 2, (plan.n - 1) // 2
+
+
+def _split(x: jax.Array, plan: Plan) -> list[jax.Array]:
+    size = x.shape[plan.axis] // plan.chunks
+    return [
+        lax.slice_in_dim(x, k * size, (k + 1) * size, axis=plan.axis) for k in range(plan.chunks)
+    ]
+
+
+def ag_matmul(x: jax.Array, w: jax.Array, plan: Plan, want_gathered: bool):
+    """y = all_gather(x) @ w as a ring; also returns the gathered x if asked."""
+    n, axis = plan.n, plan.axis
+    rows = x.shape[axis]
+    piece_rows = rows // plan.chunks
+    rank = lax.axis_index(plan.axis_name)
+    y_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
+    y = jnp.zeros(y_shape, x.dtype)
+    gathered_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 :]
+    gathered = jnp.zeros(gathered_shape, x.dtype) if want_gathered else None
+
+    def consume(y, gathered, pieces, shard):
+        for k, piece in enumerate(pieces):
+            start = shard * rows + k * piece_rows
+            y = lax.dynamic_update_slice_in_dim(y, local_matmul(piece, w), start, axis)
+            if gathered is not None:
+                gathered = lax.dynamic_update_slice_in_dim(gathered, piece, start, axis)
+        return y, gathered
+
+    local = _split(x, plan)
+    y, gathered = consume(y, gathered, local, rank)
+    forward_hops, backward_hops = _ring_lengths(plan)
+    forward = backward = local
+    for t in range(1, max(forward_hops, backward_hops) + 1):
+        if t <= forward_hops:
+            forward = [_shift(p, plan, +1) for p in forward]
+            y, gathered = consume(y, gathered, forward, (rank - t) % n)
+        if t <= backward_hops:
+            backward = [_shift(p, plan, -1) for p in backward]
+            y, gathered = consume(y, gathered, backward, (rank + t) % n)
+    return y, gathered
+
+
+def matmul_rs(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+    """y = psum_scatter(x @ w) as a ring of partial sums."""
+    n, axis = plan.n, plan.axis
+    rows = x.shape[axis] // n
+    piece_rows = rows // plan.chunks
+    rank = lax.axis_index(plan.axis_name)
+    forward_hops, backward_hops = _ring_lengths(plan)
+
+    def partial(chunk, k):
+        start = chunk * rows + k * piece_rows
+        block = lax.dynamic_slice_in_dim(x, start, piece_rows, axis)
+        return lax.dot_general(
+            block, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    def add(received, chunk, k):
+        # Travels in the input dtype (what the wire carries), adds in float32.
+        return (received.astype(jnp.float32) + partial(chunk, k)).astype(x.dtype)
+
+    pieces = []
+    for k in range(plan.chunks):
+        acc = partial((rank + forward_hops) % n, k).astype(x.dtype)
+        for t in range(1, forward_hops + 1):
+            acc = add(_shift(acc, plan, +1), (rank + forward_hops - t) % n, k)
+        if backward_hops:
+            back = partial((rank - backward_hops) % n, k).astype(x.dtype)
+            for t in range(1, backward_hops):
+                back = add(_shift(back, plan, -1), (rank - backward_hops + t) % n, k)
+            back = _shift(back, plan, -1)
+            acc = (acc.astype(jnp.float32) + back.astype(jnp.float32)).astype(x.dtype)
+        pieces.append(acc)
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
