@@ -1,0 +1,111 @@
+"""jo.config, the JAXOVERLAP_* variables and their precedence (DESIGN §6)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import rand, tp_mesh
+
+import jaxoverlap as jo
+from jaxoverlap import ops
+
+
+def _plan_for(**kw):
+    """The plan ag_matmul would run, captured while tracing inside shard_map."""
+    seen = []
+    real = ops._make_plan
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        seen.append(plan)
+        return plan
+
+    ops._make_plan = spy
+    try:
+        mesh = tp_mesh(4)
+        x, w = rand(0, (8, 4), jnp.float32), rand(1, (4, 8), jnp.float32)
+        jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh, **kw)).lower(x, w)
+    finally:
+        ops._make_plan = real
+    return seen[0]
+
+
+def test_defaults(monkeypatch):
+    for var in ("JAXOVERLAP_IMPL", "JAXOVERLAP_CHUNKS", "JAXOVERLAP_TRANSPORT"):
+        monkeypatch.delenv(var, raising=False)
+    settings = jo.current_config()
+    assert settings.impl == "auto" and settings.transport == "auto"
+    assert settings.timeout_s == 120.0 and settings.chunks is None
+
+
+def test_config_block_sets_and_restores():
+    with jo.config(impl="ring", chunks=2, bidirectional=False):
+        plan = _plan_for()
+        assert (plan.impl, plan.chunks, plan.bidirectional) == ("ring", 2, False)
+        with jo.config(chunks=1):
+            assert jo.current_config().impl == "ring"      # inherited from the outer block
+            assert jo.current_config().chunks == 1
+    assert jo.current_config().chunks is None
+
+
+def test_argument_beats_config_beats_environment(monkeypatch):
+    monkeypatch.setenv("JAXOVERLAP_IMPL", "ring")
+    monkeypatch.setenv("JAXOVERLAP_CHUNKS", "2")
+    assert _plan_for().impl == "ring" and _plan_for().chunks == 2
+    with jo.config(impl="xla"):
+        assert _plan_for().impl == "xla"
+        assert _plan_for(impl="ring").impl == "ring"
+    assert _plan_for(impl="ring", chunks=1).chunks == 1
+
+
+def test_bad_environment_values_name_the_variable(monkeypatch):
+    monkeypatch.setenv("JAXOVERLAP_IMPL", "fastest")
+    with pytest.raises(ValueError, match="JAXOVERLAP_IMPL='fastest'"):
+        jo.current_config()
+    monkeypatch.setenv("JAXOVERLAP_IMPL", "ring")
+    monkeypatch.setenv("JAXOVERLAP_CHUNKS", "two")
+    with pytest.raises(ValueError, match="JAXOVERLAP_CHUNKS='two'"):
+        jo.current_config()
+    monkeypatch.delenv("JAXOVERLAP_CHUNKS")
+    monkeypatch.setenv("JAXOVERLAP_TIMEOUT_S", "-1")
+    with pytest.raises(ValueError, match="JAXOVERLAP_TIMEOUT_S='-1'"):
+        jo.current_config()
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="impl='gpu'"):
+        with jo.config(impl="gpu"):
+            pass
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        with jo.config(timeout_s=0):
+            pass
+
+
+def test_configured_chunks_must_divide(monkeypatch):
+    monkeypatch.setenv("JAXOVERLAP_CHUNKS", "3")
+    with pytest.raises(ValueError, match=r"chunks \(from jo.config / JAXOVERLAP_CHUNKS\)=3"):
+        _plan_for(impl="ring")
+
+
+def test_timeout_reaches_the_plan(monkeypatch):
+    monkeypatch.setenv("JAXOVERLAP_TIMEOUT_S", "7.5")
+    assert _plan_for().timeout_s == 7.5
+    with jo.config(timeout_s=3):
+        assert _plan_for().timeout_s == 3.0
+
+
+def test_auto_impl_without_native_is_the_unfused_path():
+    if ops._native_reason(jnp.float32) is None:
+        pytest.skip("native is available; auto picks it (covered in tests/native)")
+    assert _plan_for().impl == "xla"
+
+
+def test_debug_log_prints_the_plan(monkeypatch, caplog):
+    monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
+    with caplog.at_level(logging.DEBUG, logger="jaxoverlap"):
+        _plan_for(impl="ring", chunks=2)
+    assert any("ag_matmul" in r.message and "impl=ring" in r.message and "chunks=2" in r.message
+               for r in caplog.records)

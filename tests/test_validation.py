@@ -1,0 +1,155 @@
+"""Every misuse raises at trace time, naming the argument and the fix (DESIGN §2)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import put, rand, tp_mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap as jo
+
+
+def _inside(fn, n=4, in_specs=(P("tp"), P(None, "tp")), out_specs=P()):
+    """Traces ``fn`` inside shard_map over a 'tp' axis of size n (only tracing matters here)."""
+    mesh = tp_mesh(n)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=False))
+
+
+X = rand(0, (8, 4), jnp.float32)
+W = rand(1, (4, 8), jnp.float32)
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+def test_unknown_axis_name_inside_shard_map(op):
+    with pytest.raises(ValueError, match="axis_name 'model' is not an axis of the mesh"):
+        _inside(lambda x, w: op(x, w, "model"))(X, W)
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+def test_axis_name_not_in_mesh(op):
+    mesh = tp_mesh(4)
+    with pytest.raises(ValueError, match=r"axis_name 'model' is not an axis of the mesh.*'tp'"):
+        op(X, W, "model", mesh=mesh)
+
+
+def test_no_mesh_outside_shard_map():
+    with pytest.raises(ValueError, match="no mesh is known.*mesh="):
+        jo.ag_matmul(np.ones((8, 4), np.float32), np.ones((4, 8), np.float32), "tp")
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+def test_contraction_mismatch(op):
+    with pytest.raises(ValueError, match=r"contraction dims differ: x.shape\[-1\]=4 but "
+                                         r"w.shape\[0\]=5"):
+        op(X, rand(2, (5, 8), jnp.float32), "tp", mesh=tp_mesh(4))
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+def test_axis_is_the_last_dim(op):
+    with pytest.raises(ValueError, match="axis=1 is x's last dim"):
+        op(X, W, "tp", axis=1, mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match="axis=-1 is out of range|axis=1 is x's last dim"):
+        op(X, W, "tp", axis=-1, mesh=tp_mesh(4))
+
+
+def test_axis_out_of_range_and_wrong_type():
+    with pytest.raises(ValueError, match="axis=5 is out of range"):
+        jo.ag_matmul(X, W, "tp", axis=5, mesh=tp_mesh(4))
+    with pytest.raises(TypeError, match="axis=0.5 must be an int"):
+        jo.ag_matmul(X, W, "tp", axis=0.5, mesh=tp_mesh(4))
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+def test_rank_errors(op):
+    with pytest.raises(ValueError, match="x must have rank >= 2"):
+        op(jnp.ones((8,)), W, "tp", mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match="w must have rank 2"):
+        op(X, jnp.ones((4, 8, 1)), "tp", mesh=tp_mesh(4))
+
+
+def test_not_an_array():
+    with pytest.raises(TypeError, match="x must be an array, got list"):
+        jo.ag_matmul([[1.0]], W, "tp", mesh=tp_mesh(4))
+
+
+def test_rows_not_divisible_global():
+    with pytest.raises(ValueError, match=r"x.shape\[0\] has 6 rows.*not divisible by the size 4"):
+        jo.ag_matmul(rand(3, (6, 4), jnp.float32), W, "tp", mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match=r"w.shape\[1\] has 6 columns.*size 4"):
+        jo.ag_matmul(X, rand(4, (4, 6), jnp.float32), "tp", mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] has 6 contraction features"):
+        jo.matmul_rs(rand(5, (8, 6), jnp.float32), rand(6, (6, 4), jnp.float32), "tp",
+                     mesh=tp_mesh(4))
+
+
+def test_rows_not_divisible_inside_shard_map():
+    with pytest.raises(ValueError, match=r"x.shape\[0\]=6 rows are not divisible by the size 4"):
+        _inside(lambda x, w: jo.matmul_rs(x, w, "tp"),
+                in_specs=(P(None, "tp"), P("tp", None)))(
+            rand(7, (6, 16), jnp.float32), rand(8, (16, 4), jnp.float32))
+
+
+def test_chunks_must_divide_rows():
+    with pytest.raises(ValueError, match="chunks=3 does not divide the 2 rows"):
+        jo.ag_matmul(X, W, "tp", impl="ring", chunks=3, mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match="chunks=0 must be a positive int"):
+        jo.ag_matmul(X, W, "tp", impl="ring", chunks=0, mesh=tp_mesh(4))
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+def test_unsupported_dtype(op):
+    xi = jnp.ones((8, 4), jnp.int32)
+    with pytest.raises(TypeError, match="x.dtype=int32 is not supported; use float32"):
+        op(xi, xi.T, "tp", mesh=tp_mesh(4))
+
+
+def test_mixed_dtypes():
+    with pytest.raises(TypeError, match="x.dtype=float32 and w.dtype=bfloat16 differ"):
+        jo.ag_matmul(X, W.astype(jnp.bfloat16), "tp", mesh=tp_mesh(4))
+
+
+def test_unknown_impl_and_transport():
+    with pytest.raises(ValueError, match="impl='fast' is not an implementation"):
+        jo.ag_matmul(X, W, "tp", impl="fast", mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match="transport='nvlink' is not a transport"):
+        jo.ag_matmul(X, W, "tp", transport="nvlink", mesh=tp_mesh(4))
+
+
+def test_transport_with_portable_impl():
+    with pytest.raises(ValueError, match="transport='p2p' applies to impl='native' only"):
+        jo.ag_matmul(X, W, "tp", impl="ring", transport="p2p", mesh=tp_mesh(4))
+
+
+def test_bad_flags():
+    with pytest.raises(TypeError, match="bidirectional='yes' must be True, False or None"):
+        jo.ag_matmul(X, W, "tp", impl="ring", bidirectional="yes", mesh=tp_mesh(4))
+    with pytest.raises(TypeError, match="return_gathered=1 must be True or False"):
+        jo.ag_matmul(X, W, "tp", return_gathered=1, mesh=tp_mesh(4))
+    with pytest.raises(TypeError, match="mesh=.* must be a jax.sharding.Mesh"):
+        jo.ag_matmul(X, W, "tp", mesh="tp")
+    with pytest.raises(TypeError, match="must be a single mesh axis name"):
+        jo.ag_matmul(X, W, ("dp", "tp"), mesh=tp_mesh(4))
+
+
+def test_native_request_is_never_silently_replaced():
+    """Asking for native where it cannot run is an error, not a quiet fallback."""
+    from jaxoverlap import ops
+
+    reason = ops._native_reason(jnp.float32)
+    if reason is None:
+        pytest.skip("the native path is available in this build; see tests/native")
+    with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested"):
+        jo.ag_matmul(X, W, "tp", impl="native", mesh=tp_mesh(4))
+
+
+def test_errors_raise_before_any_device_work():
+    """Misuse under jit fails while tracing: nothing is compiled or run."""
+    mesh = tp_mesh(4)
+    x = put(rand(9, (6, 4), jnp.float32), mesh, P())
+    f = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh))
+    with pytest.raises(ValueError, match="not divisible"):
+        f.trace(x, W) if hasattr(f, "trace") else f.lower(x, W)
