@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         mesh = Mesh(np.array(devices[:tp]), ("tp",), axis_types=(AxisType.Auto,))
         rng = np.random.default_rng(0)
 
-        def put(shape, spec):
+        def put(shape, spec, rng=rng, mesh=mesh):
             a = jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-1]), dtype)
             return jax.device_put(a, NamedSharding(mesh, spec))
 

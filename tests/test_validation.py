@@ -11,10 +11,13 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
 
+AG_SPECS = (P("tp"), P(None, "tp"))
 
-def _inside(fn, n=4, in_specs=(P("tp"), P(None, "tp")), out_specs=P()):
+
+def _inside(fn, n=4, in_specs=AG_SPECS):
     """Traces ``fn`` inside shard_map over a 'tp' axis of size n (only tracing matters here)."""
     mesh = tp_mesh(n)
+    out_specs = P()
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                  check_vma=False))
 

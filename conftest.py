@@ -1,4 +1,4 @@
-"""Every test runs on 8 host devices; the flag must be set before JAX starts."""
+"""Every test (and doctest) runs on 8 host devices; the flag must be set before JAX starts."""
 
 import os
 
