@@ -29,6 +29,19 @@ std::string HostClique::Where(const WaitContext& ctx) const {
          std::to_string(ctx.epoch) + ")";
 }
 
+std::string HostClique::Missing(const WaitContext& ctx, int32_t expected) const {
+  // A rank whose call counter is behind ours has not entered this call: that
+  // is the missing peer, even when the rank we wait on directly is another
+  // (ring forwarding makes stalls travel).
+  std::string late;
+  for (int32_t r = 0; r < nranks(); ++r)
+    if (Epoch(r) < ctx.epoch) late += (late.empty() ? "" : ", ") + std::to_string(r);
+  if (!late.empty())
+    return "missing peer rank(s) " + late + " did not arrive (have not started epoch " +
+           std::to_string(ctx.epoch) + ")";
+  return "every rank arrived; rank " + std::to_string(expected) + " did not deliver";
+}
+
 Status HostClique::BrokenStatus(const WaitContext& ctx) const {
   return Status(Code::kAborted,
                 Where(ctx) + ": clique aborted by an earlier failure: " + broken_);
@@ -139,8 +152,8 @@ Status HostClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag
                 Where(ctx) + ": timeout after " + Seconds(ctx.timeout) + " waiting for flag " +
                     std::to_string(flag) + " (has epoch " +
                     std::to_string(flags_[ctx.rank][index]) + ", needs " +
-                    std::to_string(ctx.epoch) + "): missing peer rank " + std::to_string(writer) +
-                    " did not arrive");
+                    std::to_string(ctx.epoch) + ") from rank " + std::to_string(writer) + ": " +
+                    Missing(ctx, writer));
 }
 
 Status HostClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
@@ -171,8 +184,7 @@ Status HostClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
   if (woke) return BrokenStatus(ctx);
   return Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
                                     " in Recv(tag " + std::to_string(tag) + ") from rank " +
-                                    std::to_string(peer) + ": missing peer rank " +
-                                    std::to_string(peer) + " did not arrive");
+                                    std::to_string(peer) + ": " + Missing(ctx, peer));
 }
 
 }  // namespace jo::host

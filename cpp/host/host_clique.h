@@ -71,6 +71,7 @@ class HostClique : public Clique {
   using MailKey = std::tuple<int64_t, int32_t, int32_t, int32_t>;  // epoch, src, dst, tag
   std::string Where(const WaitContext& ctx) const;
   Status BrokenStatus(const WaitContext& ctx) const;  // requires mu_
+  std::string Missing(const WaitContext& ctx, int32_t expected) const;
   Status Grow(int64_t workspace_bytes, int32_t num_flags);  // requires mu_, all ranks parked
 
   std::shared_ptr<WorkspaceAllocator> allocator_;
