@@ -77,11 +77,12 @@ def _mesh_facts(axis_name: str):
     return names, sizes, manual
 
 
-def _rank_table(axis_name: str, names: tuple, manual: tuple) -> np.ndarray:
+def _rank_table(axis_name: str, names: tuple, sizes: tuple, manual: tuple) -> np.ndarray:
     """Global device ids in (group, rank) order, or empty if the concrete mesh is unknown.
 
-    Only built when every mesh axis is manual, so that (group, rank) names
-    exactly one device.
+    Inside shard_map only the abstract mesh is known; the concrete one is
+    available when the user set it with ``jax.set_mesh``. Only built when
+    every mesh axis is manual, so that (group, rank) names exactly one device.
     """
     try:
         from jax._src import mesh as mesh_lib
@@ -91,7 +92,7 @@ def _rank_table(axis_name: str, names: tuple, manual: tuple) -> np.ndarray:
         return np.zeros((0,), np.int64)
     if concrete is None or getattr(concrete, "empty", True) or len(manual) != len(names):
         return np.zeros((0,), np.int64)
-    if tuple(concrete.axis_names) != names:
+    if tuple(concrete.axis_names) != names or tuple(concrete.axis_sizes) != sizes:
         return np.zeros((0,), np.int64)
     ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(concrete.devices)
     ids = np.moveaxis(ids, names.index(axis_name), -1)
@@ -119,7 +120,7 @@ def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirect
     assert transport in _TRANSPORTS, transport
     assert x.dtype == w.dtype and x.dtype in _DTYPES, (x.dtype, w.dtype)
     names, sizes, manual = _mesh_facts(axis_name)
-    devices = _rank_table(axis_name, names, manual)
+    devices = _rank_table(axis_name, names, sizes, manual)
     coords = jnp.stack(
         [lax.axis_index(axis_name).astype(jnp.int32),
          _group_index(axis_name, names, sizes, manual).astype(jnp.int32)]

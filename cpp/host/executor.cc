@@ -95,6 +95,7 @@ class Run {
   void Fail(const Status& status) {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!failed_) first_error_ = status.message();
       failed_ = true;
     }
     cv_.notify_all();
@@ -171,7 +172,9 @@ class Run {
         cv_.wait_until(lock, Clock::now() + ctx_.timeout,
                        [&] { return events_[op.id] != 0 || failed_; });
         if (events_[op.id] != 0) return OkStatus();
-        if (failed_) return Status(Code::kAborted, std::string(ctx_.op) + ": another stream failed");
+        if (failed_)
+          return Status(Code::kAborted,
+                        std::string(ctx_.op) + ": another stream of this rank failed: " + first_error_);
         return Status(Code::kTimeout, std::string(ctx_.op) + ": timeout waiting for event " +
                                           std::to_string(op.id) + " of this rank's own streams");
       }
@@ -262,6 +265,7 @@ class Run {
   std::condition_variable cv_;
   std::vector<char> events_;
   bool failed_ = false;
+  std::string first_error_;
 };
 
 }  // namespace
