@@ -168,8 +168,11 @@ class Run {
         return OkStatus();
       }
       case OpKind::kStreamWait: {
+        // The producing stream's own cross-rank waits time out after
+        // ctx_.timeout and then fail the run, which wakes us with the root
+        // cause; this wait's longer deadline only guards against our own bugs.
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_until(lock, Clock::now() + ctx_.timeout,
+        cv_.wait_until(lock, Clock::now() + 2 * ctx_.timeout + std::chrono::seconds(1),
                        [&] { return events_[op.id] != 0 || failed_; });
         if (events_[op.id] != 0) return OkStatus();
         if (failed_)

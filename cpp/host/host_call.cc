@@ -45,6 +45,15 @@ void LogPlanOnce(const Program& program, const CliqueKey& key) {
   JO_DEBUG("plan: " + CliqueName(key) + "\n" + ToString(program));
 }
 
+// The call as every rank of the clique must see it (everything but the rank).
+std::string Signature(const Problem& q) {
+  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) + " n=" +
+         std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
+         std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" + std::to_string(q.n) + " " +
+         DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
+         (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
+}
+
 }  // namespace
 
 void SetTestSkip(int32_t rank, int64_t calls) {
@@ -91,7 +100,8 @@ Status HostCall(const CallArgs& args) {
   ctx.rank = q.rank;
   ctx.epoch = clique->NextEpoch(q.rank);
   ctx.timeout = std::chrono::milliseconds(args.timeout_ms);
-  JO_CHECK(host->Prepare(ctx, program.workspace_elems * DTypeSize(q.dtype), program.num_flags));
+  JO_CHECK(host->Prepare(ctx, Signature(q), program.workspace_elems * DTypeSize(q.dtype),
+                         program.num_flags));
   JO_CHECK(RunProgram(program, *host, ctx.epoch, args.io, ctx.timeout, ctx.op));
   return OkStatus();
 }

@@ -85,9 +85,23 @@ Status HostClique::Grow(int64_t workspace_bytes, int32_t num_flags) {
   return OkStatus();
 }
 
-Status HostClique::Prepare(const WaitContext& ctx, int64_t workspace_bytes, int32_t num_flags) {
+Status HostClique::Prepare(const WaitContext& ctx, const std::string& signature,
+                           int64_t workspace_bytes, int32_t num_flags) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!broken_.empty()) return BrokenStatus(ctx);
+  auto& seen = signatures_[ctx.epoch];
+  if (seen.second == 0) seen.first = signature;
+  if (seen.first != signature) {
+    Status status = InvalidArgument(
+        Where(ctx) + ": ranks disagree on call " + std::to_string(ctx.epoch) + " of this clique: '" +
+        signature + "' here, '" + seen.first + "' on another rank (do all devices run the same "
+        "program, with the collective calls in the same order?)");
+    broken_ = status.message();
+    lock.unlock();
+    cv_.notify_all();
+    return status;
+  }
+  if (++seen.second == nranks()) signatures_.erase(ctx.epoch);
   if (workspace_bytes <= workspace_bytes_ && num_flags <= num_flags_) return OkStatus();
   // Rendezvous: every rank asks for the same size at the same epoch, since
   // all ranks run the same calls; the last one to arrive reallocates.

@@ -50,9 +50,12 @@ class HostClique : public Clique {
  public:
   HostClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceAllocator> allocator);
 
-  // Start of a call: fails fast if the clique is broken; grows workspace and
-  // flags with a rendezvous of all ranks if this call needs more.
-  Status Prepare(const WaitContext& ctx, int64_t workspace_bytes, int32_t num_flags);
+  // Start of a call: fails fast if the clique is broken; checks that every
+  // rank makes the same call at this epoch (`signature` describes the call
+  // without the rank: a mismatch means ranks disagree on the call order);
+  // grows workspace and flags with a rendezvous of all ranks if needed.
+  Status Prepare(const WaitContext& ctx, const std::string& signature, int64_t workspace_bytes,
+                 int32_t num_flags);
 
   // Base of `owner`'s workspace for the parity of `epoch`.
   std::byte* Workspace(int32_t owner, int64_t epoch);
@@ -82,6 +85,7 @@ class HostClique : public Clique {
   std::vector<std::unique_ptr<WorkspaceRegion>> workspace_;  // per rank
   std::vector<std::vector<int64_t>> flags_;                  // per rank
   std::map<MailKey, std::vector<std::byte>> mailbox_;
+  std::map<int64_t, std::pair<std::string, int32_t>> signatures_;  // epoch -> (call, seen)
   std::vector<bool> grow_arrived_;
   int32_t grow_count_ = 0;
   int64_t grow_generation_ = 0;

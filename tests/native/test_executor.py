@@ -113,7 +113,8 @@ def _check_rs(mesh, n, transport, dtype, chunks, bidir, layout, seed):
 
 # Full product over transport x N x chunks x bidirectional on small f32 shapes; the layout
 # (axis position) and return_gathered alternate deterministically across the cases.
-CASES = [(t, n, c, b) for t in TRANSPORTS for n in (1, 2, 4, 8) for c in (1, 4) for b in (False, True)]
+CASES = [(t, n, c, b) for t in TRANSPORTS for n in (1, 2, 4, 8) for c in (1, 4)
+         for b in (False, True)]
 
 
 @pytest.mark.parametrize("transport,n,chunks,bidir", CASES)
