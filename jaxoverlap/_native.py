@@ -74,6 +74,14 @@ def _mesh_facts(axis_name: str):
     sizes = tuple(int(s) for s in mesh.axis_sizes)
     manual = tuple(a for a in names if a in set(mesh.manual_axes))
     assert axis_name in manual, f"{axis_name!r} is not a manual axis of {names}"
+    auto = [a for a, s in zip(names, sizes, strict=True) if a not in manual and s > 1]
+    if auto:
+        # Devices that differ only in an automatic axis would get the same
+        # (rank, group) and share one clique rank: refuse at trace time.
+        raise ValueError(
+            f"jaxoverlap native ops need every mesh axis of size > 1 to be manual in the "
+            f"enclosing shard_map; mesh axes {auto} are not (pass axis_names covering all "
+            f"axes, or omit axis_names)")
     return names, sizes, manual
 
 

@@ -119,6 +119,7 @@ ffi::Error CheckCommon(Collective collective, int32_t device_ordinal, const ffi:
   args->clique_key = a.clique_key;
   args->group = group;
   args->timeout_ms = a.timeout_ms;
+  args->device = device_ordinal;
   return ffi::Error::Success();
 }
 

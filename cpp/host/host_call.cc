@@ -99,6 +99,12 @@ Status HostCall(const CallArgs& args) {
   ctx.op = CollectiveName(q.op);
   ctx.rank = q.rank;
   ctx.epoch = clique->NextEpoch(q.rank);
+  JO_CHECK(host->ClaimRank(ctx, args.device));
+  struct Release {  // RAII: the rank is free again however the call ends
+    HostClique* clique;
+    int32_t rank;
+    ~Release() { clique->ReleaseRank(rank); }
+  } release{host, q.rank};
   ctx.timeout = std::chrono::milliseconds(args.timeout_ms);
   JO_CHECK(host->Prepare(ctx, Signature(q), program.workspace_elems * DTypeSize(q.dtype),
                          program.num_flags));

@@ -17,6 +17,7 @@ struct CallArgs {
   int64_t clique_key = 0;
   int64_t group = 0;
   int64_t timeout_ms = 120000;
+  int64_t device = -1;       // the calling device (global id on CPU), -1 if unknown
   HostBuffers io;
 };
 

@@ -15,6 +15,12 @@ std::string Seconds(std::chrono::milliseconds ms) {
 
 int32_t Parity(int64_t epoch) { return static_cast<int32_t>(epoch & 1); }
 
+// Logs where a cross-rank failure starts (the text is kept for LastWarning()).
+Status Warn(Status status) {
+  JO_WARN(status.message());
+  return status;
+}
+
 }  // namespace
 
 HostClique::HostClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceAllocator> allocator)
@@ -22,7 +28,32 @@ HostClique::HostClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceA
       allocator_(std::move(allocator)),
       workspace_(nranks),
       flags_(nranks),
+      owner_device_(nranks, -1),
       grow_arrived_(nranks, false) {}
+
+Status HostClique::ClaimRank(const WaitContext& ctx, int64_t device) {
+  std::unique_lock<std::mutex> lock(mu_);
+  int64_t& owner = owner_device_[ctx.rank];
+  if (owner == -1 || owner == device) {
+    owner = device;
+    return OkStatus();
+  }
+  Status status = InvalidArgument(
+      Where(ctx) + ": devices " + std::to_string(owner) + " and " + std::to_string(device) +
+      " call as rank " + std::to_string(ctx.rank) + " at the same time (a shard_map that leaves "
+      "a mesh axis automatic gives devices that differ only in that axis the same rank and "
+      "group; two meshes of the same shape running at once need jax.set_mesh so that their "
+      "device ids enter the clique key)");
+  broken_ = status.message();
+  lock.unlock();
+  cv_.notify_all();
+  return status;
+}
+
+void HostClique::ReleaseRank(int32_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  owner_device_[rank] = -1;
+}
 
 std::string HostClique::Where(const WaitContext& ctx) const {
   return std::string(ctx.op) + " (" + name() + ", rank " + std::to_string(ctx.rank) + ", epoch " +
@@ -132,6 +163,7 @@ Status HostClique::Prepare(const WaitContext& ctx, const std::string& signature,
   broken_ = status.message();
   lock.unlock();
   cv_.notify_all();
+  JO_WARN(status.message());
   return status;
 }
 
@@ -162,12 +194,12 @@ Status HostClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag
   });
   if (flags_[ctx.rank][index] >= ctx.epoch) return OkStatus();
   if (arrived) return BrokenStatus(ctx);
-  return Status(Code::kTimeout,
+  return Warn(Status(Code::kTimeout,
                 Where(ctx) + ": timeout after " + Seconds(ctx.timeout) + " waiting for flag " +
                     std::to_string(flag) + " (has epoch " +
                     std::to_string(flags_[ctx.rank][index]) + ", needs " +
                     std::to_string(ctx.epoch) + ") from rank " + std::to_string(writer) + ": " +
-                    Missing(ctx, writer));
+                    Missing(ctx, writer)));
 }
 
 Status HostClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
@@ -196,9 +228,9 @@ Status HostClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
     return OkStatus();
   }
   if (woke) return BrokenStatus(ctx);
-  return Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
+  return Warn(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
                                     " in Recv(tag " + std::to_string(tag) + ") from rank " +
-                                    std::to_string(peer) + ": " + Missing(ctx, peer));
+                                    std::to_string(peer) + ": " + Missing(ctx, peer)));
 }
 
 }  // namespace jo::host

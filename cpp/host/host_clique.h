@@ -57,6 +57,14 @@ class HostClique : public Clique {
   Status Prepare(const WaitContext& ctx, const std::string& signature, int64_t workspace_bytes,
                  int32_t num_flags);
 
+  // Marks `device` as inside a call as rank ctx.rank until ReleaseRank. A
+  // second device calling as the same rank at the same time is an error that
+  // breaks the clique (two devices would share one rank's epochs and flags);
+  // different devices taking turns (same-shaped meshes used one after the
+  // other) are fine.
+  Status ClaimRank(const WaitContext& ctx, int64_t device);
+  void ReleaseRank(int32_t rank);
+
   // Base of `owner`'s workspace for the parity of `epoch`.
   std::byte* Workspace(int32_t owner, int64_t epoch);
   int64_t WorkspaceBytes() const;  // per parity per rank
@@ -86,6 +94,7 @@ class HostClique : public Clique {
   std::vector<std::vector<int64_t>> flags_;                  // per rank
   std::map<MailKey, std::vector<std::byte>> mailbox_;
   std::map<int64_t, std::pair<std::string, int32_t>> signatures_;  // epoch -> (call, seen)
+  std::vector<int64_t> owner_device_;  // per rank: device inside a call, or -1
   std::vector<bool> grow_arrived_;
   int32_t grow_count_ = 0;
   int64_t grow_generation_ = 0;

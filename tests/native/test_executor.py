@@ -288,3 +288,18 @@ def test_info_and_transports():
     info = _native.info()
     assert info["available"] and info["backends"]["cpu"]["transports"] == list(TRANSPORTS)
     assert "blas" in info["build"]
+
+
+def test_partially_manual_shard_map_is_an_error_not_a_corruption():
+    """Leaving dp automatic would give the two dp slices the same (rank, group)."""
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    x = jnp.ones((4, 16, 8), jnp.float32)
+    w = jnp.ones((8, 8), jnp.float32)
+
+    def body(x, w):
+        return _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+                              out_specs=P(None, None, "tp"), axis_names={"tp"}))
+    with pytest.raises(ValueError, match=r"mesh axes \['dp'\] are not"):
+        f(x, w)
