@@ -44,8 +44,6 @@ def spec(ndim, dim, name="tp"):
 
 
 def ag(mesh, x, w, *, axis, gathered=False, **kw):
-    n = mesh.shape["tp"]
-
     def body(x, w):
         return _native.ag_matmul_shard(x, w, axis_name="tp", axis=axis, return_gathered=gathered,
                                        **kw)
@@ -55,7 +53,6 @@ def ag(mesh, x, w, *, axis, gathered=False, **kw):
         out_specs = (out_specs, spec(x.ndim, 0))
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, axis), spec(2, 1)),
                               out_specs=out_specs))
-    del n
     return f(x, w)
 
 

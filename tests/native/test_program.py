@@ -6,7 +6,8 @@ import itertools
 import pytest
 
 from jaxoverlap._runtime import load_host
-from tests.native.schedule_check import ScheduleError, check_deadlock_free
+
+from .schedule_check import ScheduleError, check_deadlock_free
 
 host = load_host()
 TRANSPORTS = ("nccl", "p2p", "multicast")
