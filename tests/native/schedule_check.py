@@ -84,3 +84,132 @@ def check_deadlock_free(programs):
     if mailbox:
         raise ScheduleError(f"sends never received: {sorted(mailbox)}")
     return executed
+
+
+# ---- data races ----------------------------------------------------------------------------
+
+_INPUTS = ("X", "W")
+
+
+def _elements(ref, batch, rows, cols):
+    out = set()
+    for b in range(batch):
+        for i in range(rows):
+            start = ref["offset"] + b * ref["batch_stride"] + i * ref["ld"]
+            out.update(range(start, start + cols))
+    return out
+
+
+def _accesses(program, op):
+    """[(owner rank, buffer, element set, is_write)] of one op (inputs X and W left out)."""
+    me, n = program["rank"], program["nranks"]
+    kind, acc = op["kind"], []
+
+    def add(ref, cols, write, owner=None):
+        if ref["buf"] in _INPUTS:
+            return
+        if owner is None:
+            owner = ref["rank"] if ref["buf"] == "WORKSPACE" else me
+        elements = frozenset(_elements(ref, op["batch"], op["m"], cols))
+        acc.append((owner, ref["buf"], elements, write))
+
+    if kind == "Gemm":
+        add(op["a"], op["k"], False)
+        if op["accumulate"]:
+            add(op["c"], op["n"], False)
+        add(op["d"], op["n"], True)
+    elif kind == "Add":
+        add(op["a"], op["n"], False)
+        add(op["d"], op["n"], False)
+        add(op["d"], op["n"], True)
+    elif kind == "Copy":
+        add(op["a"], op["n"], False)
+        add(op["d"], op["n"], True)
+    elif kind == "Send":
+        add(op["a"], op["n"], False)
+    elif kind == "Recv":
+        add(op["d"], op["n"], True)
+    elif kind == "McStore":
+        add(op["a"], op["n"], False)
+        for owner in range(n):
+            add(op["d"], op["n"], True, owner)
+    elif kind == "McReduce":
+        for owner in range(n):
+            add(op["a"], op["n"], False, owner)
+        add(op["d"], op["n"], True)
+    return acc
+
+
+def check_race_free(programs):
+    """Raises ScheduleError unless every conflicting pair of accesses is ordered.
+
+    Happens-before comes from stream order, Signal -> Wait, Record -> StreamWait and
+    Send -> Recv (vector clocks). Two accesses to one element of a rank's SCRATCH,
+    WORKSPACE, XGATHERED or Y conflict when one writes; every read must also follow
+    some write of that element in the same call (no stale or uninitialized data).
+    """
+    check_deadlock_free(programs)  # also guarantees the replay below terminates
+    n = len(programs)
+    streams = [_streams(p) for p in programs]
+    sid = {}
+    for r in range(n):
+        for s in range(len(streams[r])):
+            sid[(r, s)] = len(sid)
+    clocks = {key: [0] * len(sid) for key in sid}
+    signals, records, sends = {}, {}, {}
+    log = {}  # (owner, buf, element) -> [(clock, stream id, is_write, text)]
+    pos = {key: 0 for key in sid}
+
+    def join(clock, other):
+        for i, v in enumerate(other):
+            if v > clock[i]:
+                clock[i] = v
+
+    progress = True
+    while progress:
+        progress = False
+        for (r, s), i in sid.items():
+            ops = streams[r][s]
+            while pos[(r, s)] < len(ops):
+                op = ops[pos[(r, s)]]
+                clock = clocks[(r, s)]
+                kind = op["kind"]
+                if kind == "Wait":
+                    if (r, op["id"]) not in signals:
+                        break
+                    join(clock, signals[(r, op["id"])])
+                elif kind == "StreamWait":
+                    if (r, op["id"]) not in records:
+                        break
+                    join(clock, records[(r, op["id"])])
+                elif kind == "Recv":
+                    if (op["peer"], r, op["id"]) not in sends:
+                        break
+                    join(clock, sends[(op["peer"], r, op["id"])])
+                clock[i] += 1
+                snapshot = list(clock)
+                if kind == "Signal":
+                    signals[(op["peer"], op["id"])] = snapshot
+                elif kind == "Record":
+                    records[(r, op["id"])] = snapshot
+                elif kind == "Send":
+                    sends[(r, op["peer"], op["id"])] = snapshot
+                for owner, buf, elements, write in _accesses(programs[r], op):
+                    for e in elements:
+                        log.setdefault((owner, buf, e), []).append(
+                            (snapshot, i, write, f"rank {r} stream {s}: {op['text']}"))
+                pos[(r, s)] += 1
+                progress = True
+
+    def before(a, b):  # a happens-before b
+        return a[0][a[1]] <= b[0][a[1]] and a is not b
+
+    for (owner, buf, e), accesses in log.items():
+        for j, a in enumerate(accesses):
+            if not a[2] and not any(w[2] and before(w, a) for w in accesses):
+                raise ScheduleError(f"read of {buf}@{owner}[{e}] with no earlier write: {a[3]}")
+            for b in accesses[j + 1:]:
+                if (a[2] or b[2]) and a[3] != b[3] and not (before(a, b) or before(b, a)):
+                    raise ScheduleError(
+                        f"race on {buf}@{owner}[{e}]:\n  {a[3]}\n  {b[3]}")
+    return len(log)

@@ -7,7 +7,7 @@ import pytest
 
 from jaxoverlap._runtime import load_host
 
-from .schedule_check import ScheduleError, check_deadlock_free
+from .schedule_check import ScheduleError, check_deadlock_free, check_race_free
 
 host = load_host()
 TRANSPORTS = ("nccl", "p2p", "multicast")
@@ -199,3 +199,37 @@ def test_program_is_printable_and_invalid_problems_raise():
         build("ag_matmul", "p2p", 4, 4)
     with pytest.raises(ValueError, match="transport"):
         build("ag_matmul", "smoke-signals", 4, 0)
+
+
+# ---- data races ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("chunks,bidir", [(1, False), (3, True), (2, False), (1, True)])
+def test_every_clique_is_race_free(op, transport, n, chunks, bidir):
+    programs = clique(op, transport, n, rows=3, k=2, n_out=2, chunks=chunks, bidirectional=bidir,
+                      return_gathered=op == "ag_matmul")
+    check_race_free(programs)
+
+
+def _drop_all(programs, rank, stream, kind):
+    broken = copy.deepcopy(programs)
+    broken[rank]["ops"] = [o for o in broken[rank]["ops"]
+                           if not (o["stream"] == stream and o["kind"] == kind)]
+    return broken
+
+
+@pytest.mark.parametrize("op,transport,kind", [
+    ("ag_matmul", "p2p", "Wait"),          # GEMM would read a slot before the peer's push lands
+    ("ag_matmul", "nccl", "StreamWait"),   # GEMM would read before the Recv completed
+    ("matmul_rs", "p2p", "Wait"),
+    ("matmul_rs", "multicast", "Wait"),    # reduce before the peers' partials are written
+])
+def test_race_checker_catches_a_missing_dependency(op, transport, kind):
+    programs = clique(op, transport, 4, rows=3, k=2, n_out=2, chunks=2)
+    check_race_free(programs)
+    broken = _drop_all(programs, 1, 0, kind)  # compute stream of rank 1 stops waiting
+    check_deadlock_free(broken)               # still deadlock-free ...
+    with pytest.raises(ScheduleError, match="race|no earlier write"):
+        check_race_free(broken)               # ... but racy
