@@ -140,15 +140,20 @@ def _accesses(program, op):
     return acc
 
 
-def check_race_free(programs):
+def check_race_free(programs, calls=1, parities=2):
     """Raises ScheduleError unless every conflicting pair of accesses is ordered.
 
-    Happens-before comes from stream order, Signal -> Wait, Record -> StreamWait and
-    Send -> Recv (vector clocks). Two accesses to one element of a rank's SCRATCH,
-    WORKSPACE, XGATHERED or Y conflict when one writes; every read must also follow
-    some write of that element in the same call (no stale or uninitialized data).
+    Replays `calls` back-to-back calls of the same programs (call c has epoch c+1 and
+    uses the WORKSPACE half and flag set of parity (c+1) % 2; a rank enters call c+1
+    once all its streams finished call c, as the handler does). Happens-before comes
+    from stream order, call order per rank, Signal -> Wait (same epoch),
+    Record -> StreamWait and Send -> Recv (vector clocks). Two accesses to one
+    element conflict when one writes; every read must see, as its latest ordered
+    write, a write of the same call (no stale or uninitialized data). With calls > 1
+    this checks the epoch-parity double-buffering across calls (`parities=1` models a
+    single buffer, which tests use to show that double-buffering is needed).
     """
-    check_deadlock_free(programs)  # also guarantees the replay below terminates
+    check_deadlock_free(programs)
     n = len(programs)
     streams = [_streams(p) for p in programs]
     sid = {}
@@ -156,60 +161,92 @@ def check_race_free(programs):
         for s in range(len(streams[r])):
             sid[(r, s)] = len(sid)
     clocks = {key: [0] * len(sid) for key in sid}
+    pos = {key: (0, 0) for key in sid}  # (call, op index)
+    finished = {}  # (rank, call) -> [clock of each stream at its end of that call]
     signals, records, sends = {}, {}, {}
-    log = {}  # (owner, buf, element) -> [(clock, stream id, is_write, text)]
-    pos = {key: 0 for key in sid}
+    log = {}  # element key -> [(clock, stream id, is_write, call, text)]
 
     def join(clock, other):
         for i, v in enumerate(other):
             if v > clock[i]:
                 clock[i] = v
 
+    def key_of(owner, buf, element, call):
+        if buf == "WORKSPACE":  # symmetric memory: shared across calls of one parity
+            return (owner, buf, (call + 1) % parities, element)
+        return (owner, buf, call, element)  # per-call buffers
+
     progress = True
     while progress:
         progress = False
         for (r, s), i in sid.items():
             ops = streams[r][s]
-            while pos[(r, s)] < len(ops):
-                op = ops[pos[(r, s)]]
-                clock = clocks[(r, s)]
+            clock = clocks[(r, s)]
+            while True:
+                call, k = pos[(r, s)]
+                if call == calls:
+                    break
+                if k == 0 and call > 0:  # enter call: the rank's previous call is over
+                    ends = finished.get((r, call - 1), [])
+                    if len(ends) < len(streams[r]):
+                        break
+                    for end in ends:
+                        join(clock, end)
+                if k == len(ops):  # leave call
+                    finished.setdefault((r, call), []).append(list(clock))
+                    pos[(r, s)] = (call + 1, 0)
+                    progress = True
+                    continue
+                op = ops[k]
+                epoch = call + 1
                 kind = op["kind"]
                 if kind == "Wait":
-                    if (r, op["id"]) not in signals:
+                    got = signals.get((r, epoch, op["id"]))
+                    if got is None:
                         break
-                    join(clock, signals[(r, op["id"])])
+                    join(clock, got)
                 elif kind == "StreamWait":
-                    if (r, op["id"]) not in records:
+                    if (r, call, op["id"]) not in records:
                         break
-                    join(clock, records[(r, op["id"])])
+                    join(clock, records[(r, call, op["id"])])
                 elif kind == "Recv":
-                    if (op["peer"], r, op["id"]) not in sends:
+                    if (epoch, op["peer"], r, op["id"]) not in sends:
                         break
-                    join(clock, sends[(op["peer"], r, op["id"])])
+                    join(clock, sends[(epoch, op["peer"], r, op["id"])])
                 clock[i] += 1
                 snapshot = list(clock)
                 if kind == "Signal":
-                    signals[(op["peer"], op["id"])] = snapshot
+                    signals[(op["peer"], epoch, op["id"])] = snapshot
                 elif kind == "Record":
-                    records[(r, op["id"])] = snapshot
+                    records[(r, call, op["id"])] = snapshot
                 elif kind == "Send":
-                    sends[(r, op["peer"], op["id"])] = snapshot
+                    sends[(epoch, r, op["peer"], op["id"])] = snapshot
+                text = f"call {call} rank {r} stream {s}: {op['text']}"
                 for owner, buf, elements, write in _accesses(programs[r], op):
                     for e in elements:
-                        log.setdefault((owner, buf, e), []).append(
-                            (snapshot, i, write, f"rank {r} stream {s}: {op['text']}"))
-                pos[(r, s)] += 1
+                        log.setdefault(key_of(owner, buf, e, call), []).append(
+                            (snapshot, i, write, call, text))
+                pos[(r, s)] = (call, k + 1)
                 progress = True
 
-    def before(a, b):  # a happens-before b
-        return a[0][a[1]] <= b[0][a[1]] and a is not b
+    stuck = [key for key, (call, _) in pos.items() if call < calls]
+    if stuck:
+        raise ScheduleError(f"streams stuck across calls: {stuck}")
 
-    for (owner, buf, e), accesses in log.items():
+    def before(a, b):  # a happens-before b
+        return a is not b and a[0][a[1]] <= b[0][a[1]]
+
+    for key, accesses in log.items():
         for j, a in enumerate(accesses):
-            if not a[2] and not any(w[2] and before(w, a) for w in accesses):
-                raise ScheduleError(f"read of {buf}@{owner}[{e}] with no earlier write: {a[3]}")
+            if not a[2]:
+                writes = [w for w in accesses if w[2] and before(w, a)]
+                mine = [w for w in writes if w[3] == a[3]]
+                if not mine:
+                    raise ScheduleError(f"read of {key} with no write of its call before it: "
+                                        f"{a[4]}")
+                if any(not any(before(w, m) for m in mine) for w in writes if w[3] != a[3]):
+                    raise ScheduleError(f"read of {key} may see another call's data: {a[4]}")
             for b in accesses[j + 1:]:
-                if (a[2] or b[2]) and a[3] != b[3] and not (before(a, b) or before(b, a)):
-                    raise ScheduleError(
-                        f"race on {buf}@{owner}[{e}]:\n  {a[3]}\n  {b[3]}")
+                if (a[2] or b[2]) and a[4] != b[4] and not (before(a, b) or before(b, a)):
+                    raise ScheduleError(f"race on {key}:\n  {a[4]}\n  {b[4]}")
     return len(log)
