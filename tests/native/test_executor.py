@@ -300,3 +300,23 @@ def test_partially_manual_shard_map_is_an_error_not_a_corruption():
                               out_specs=P(None, None, "tp"), axis_names={"tp"}))
     with pytest.raises(ValueError, match=r"mesh axes \['dp'\] are not"):
         f(x, w)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_conversion_is_exact_and_rounds_to_nearest_even(dtype):
+    """x @ I returns every finite value bit for bit; x @ (I/2) rounds like XLA (subnormals too)."""
+    jdt = DTYPES[dtype]
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    values = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(bits), jdt))
+    finite = values[np.isfinite(values.astype(np.float32))]
+    k = 16
+    finite = finite[: finite.size // k * k].reshape(-1, k)
+    mesh = mesh_1d(1)
+    x = jnp.asarray(finite, jdt)
+    for scale in (1.0, 0.5):
+        w = jnp.asarray(np.eye(k, dtype=np.float32) * scale, jdt)
+        y = ag(mesh, x, w, axis=0, transport="p2p")
+        want = (x.astype(jnp.float32) * scale).astype(jdt)
+        # Values, not bits: the GEMM sums -0 with +0 terms, so -0 comes back as +0.
+        np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)),
+                                      np.asarray(want.astype(jnp.float32)))
