@@ -1,0 +1,51 @@
+#include "core/build.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/build_internal.h"
+
+namespace jo {
+
+void RingSteps(int32_t nranks, bool bidirectional, int32_t* cw, int32_t* ccw) {
+  if (!bidirectional) {
+    *cw = nranks - 1;
+    *ccw = 0;
+    return;
+  }
+  *cw = nranks / 2;             // ceil((N-1)/2)
+  *ccw = (nranks - 1) / 2;      // floor((N-1)/2)
+}
+
+Status BuildProgram(const Problem& q, Program* program) {
+  const std::string op = CollectiveName(q.op);
+  JO_REQUIRE(q.nranks >= 1, op + ": nranks must be >= 1, got " + std::to_string(q.nranks));
+  JO_REQUIRE(q.rank >= 0 && q.rank < q.nranks,
+             op + ": rank must be in [0, " + std::to_string(q.nranks) + "), got " +
+                 std::to_string(q.rank));
+  JO_REQUIRE(q.batch >= 1 && q.rows >= 1 && q.k >= 1 && q.n >= 1,
+             op + ": batch, rows, k, n must be >= 1, got " + std::to_string(q.batch) + ", " +
+                 std::to_string(q.rows) + ", " + std::to_string(q.k) + ", " + std::to_string(q.n));
+  JO_REQUIRE(q.chunks >= 1, op + ": chunks must be >= 1, got " + std::to_string(q.chunks));
+  JO_REQUIRE(q.op == Collective::kAgMatmul || !q.return_gathered,
+             op + ": return_gathered applies to ag_matmul only");
+
+  *program = Program();
+  program->problem = q;
+  program->chunks = std::min<int64_t>(q.chunks, q.rows);
+  if (q.transport == Transport::kMulticast) {
+    // Multicast has no ring; every transfer is a single store or load-reduce.
+    program->cw_steps = q.nranks - 1;
+    program->ccw_steps = 0;
+  } else {
+    RingSteps(q.nranks, q.bidirectional, &program->cw_steps, &program->ccw_steps);
+  }
+  if (q.op == Collective::kAgMatmul) {
+    JO_CHECK(internal::BuildAgMatmul(program));
+  } else {
+    JO_CHECK(internal::BuildMatmulRs(program));
+  }
+  return OkStatus();
+}
+
+}  // namespace jo

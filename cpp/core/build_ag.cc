@@ -1,0 +1,156 @@
+// AG+GEMM programs: y[:, shard j rows] = x_j @ w for every shard j, the local
+// shard first (it needs no transfer), then shards in arrival order.
+#include <vector>
+
+#include "core/build_internal.h"
+
+namespace jo::internal {
+namespace {
+
+struct Arrival {
+  int32_t shard;
+  int32_t dir;  // 0: came clockwise from rank-1; 1: counter-clockwise from rank+1
+};
+
+}  // namespace
+
+Status BuildAgMatmul(Program* p) {
+  const Problem& q = p->problem;
+  const int32_t N = q.nranks, r = q.rank;
+  const int64_t P = q.batch, R = q.rows, K = q.k, Nw = q.n, C = p->chunks;
+  Emitter e(p);
+
+  auto rows = [&](int64_t sub) { return SubRows(R, C, sub); };
+  auto x_ref = [&](int64_t sub) { return Ref{BufId::kX, r, SubBegin(R, C, sub) * K, R * K, K}; };
+  // A shard's sub-chunk inside a gathered-layout buffer [P, N*R, K].
+  auto g_ref = [&](BufId buf, int32_t owner, int32_t shard, int64_t sub) {
+    return Ref{buf, owner, (shard * R + SubBegin(R, C, sub)) * K, N * R * K, K};
+  };
+  auto y_ref = [&](int32_t shard, int64_t sub) {
+    return Ref{BufId::kY, r, (shard * R + SubBegin(R, C, sub)) * Nw, N * R * Nw, Nw};
+  };
+  auto flag = [&](int32_t shard, int64_t sub) { return static_cast<int32_t>(shard * C + sub); };
+  auto tag = [&](int32_t dir, int32_t shard, int64_t sub) {
+    return static_cast<int32_t>((dir * N + shard) * C + sub);
+  };
+  auto label = [](Op& op, int32_t shard, int64_t sub) {
+    op.chunk = shard;
+    op.sub = static_cast<int32_t>(sub);
+  };
+
+  // Local shard first: no transfer to wait for.
+  for (int64_t s = 0; s < C; ++s) {
+    label(e.Gemm(0, x_ref(s), y_ref(r, s), nullptr, P, rows(s)), r, s);
+    if (q.return_gathered)
+      label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K), r, s);
+  }
+  if (N == 1) return OkStatus();
+
+  p->num_flags = static_cast<int32_t>(N * C);
+  std::vector<Arrival> arrivals;
+  const int32_t steps = p->cw_steps > p->ccw_steps ? p->cw_steps : p->ccw_steps;
+  for (int32_t t = 0; t < steps; ++t) {
+    if (t < p->cw_steps) arrivals.push_back({Mod(r - 1 - t, N), 0});
+    if (t < p->ccw_steps) arrivals.push_back({Mod(r + 1 + t, N), 1});
+  }
+  auto prev_of = [&](int32_t dir) { return Mod(dir == 0 ? r - 1 : r + 1, N); };
+  auto next_of = [&](int32_t dir) { return Mod(dir == 0 ? r + 1 : r - 1, N); };
+  auto dir_steps = [&](int32_t dir) { return dir == 0 ? p->cw_steps : p->ccw_steps; };
+
+  // Gemms on arrived shards, optionally copying them out to XGATHERED.
+  auto consume = [&](BufId buf, const Arrival& a, int64_t s) {
+    Ref src = g_ref(buf, r, a.shard, s);
+    label(e.Gemm(0, src, y_ref(a.shard, s), nullptr, P, rows(s)), a.shard, s);
+    if (q.return_gathered && buf != BufId::kXGathered)
+      label(e.Block(OpKind::kCopy, 0, src, g_ref(BufId::kXGathered, r, a.shard, s), P, rows(s), K),
+            a.shard, s);
+  };
+
+  switch (q.transport) {
+    case Transport::kNccl: {
+      // Receive straight into the gathered buffer (XGATHERED if returned,
+      // else private scratch); forward from there on the next step.
+      const BufId gbuf = q.return_gathered ? BufId::kXGathered : BufId::kScratch;
+      if (!q.return_gathered) p->scratch_elems = P * N * R * K;
+      std::vector<int32_t> arrived(N * C, -1);  // event per (shard, sub)
+      for (int32_t dir = 0; dir < 2; ++dir) {
+        const int32_t stream = 1 + dir;
+        for (int32_t t = 0; t < dir_steps(dir); ++t) {
+          const int32_t send_shard = Mod(dir == 0 ? r - t : r + t, N);
+          const int32_t recv_shard = Mod(dir == 0 ? r - 1 - t : r + 1 + t, N);
+          for (int64_t s = 0; s < C; ++s) {
+            const int32_t group = e.NewGroup();
+            Ref src = t == 0 ? x_ref(s) : g_ref(gbuf, r, send_shard, s);
+            Op& send = e.Block(OpKind::kSend, stream, src, Ref{}, P, rows(s), K);
+            send.peer = next_of(dir);
+            send.id = tag(dir, send_shard, s);
+            send.group = group;
+            label(send, send_shard, s);
+            Op& recv = e.Block(OpKind::kRecv, stream, Ref{}, g_ref(gbuf, r, recv_shard, s), P, rows(s), K);
+            recv.peer = prev_of(dir);
+            recv.id = tag(dir, recv_shard, s);
+            recv.group = group;
+            label(recv, recv_shard, s);
+            arrived[recv_shard * C + s] = e.NewEvent();
+            e.Record(stream, arrived[recv_shard * C + s]);
+          }
+        }
+      }
+      for (const Arrival& a : arrivals)
+        for (int64_t s = 0; s < C; ++s) {
+          e.StreamWait(0, arrived[a.shard * C + s]);
+          consume(gbuf, a, s);
+        }
+      break;
+    }
+    case Transport::kP2p: {
+      // Push each sub-chunk into the next rank's workspace, then raise its flag.
+      p->workspace_elems = P * N * R * K;
+      for (int32_t dir = 0; dir < 2; ++dir) {
+        const int32_t stream = 1 + dir;
+        for (int32_t t = 0; t < dir_steps(dir); ++t) {
+          const int32_t shard = Mod(dir == 0 ? r - t : r + t, N);
+          for (int64_t s = 0; s < C; ++s) {
+            Ref src = x_ref(s);
+            if (t > 0) {
+              e.Wait(stream, prev_of(dir), flag(shard, s));
+              src = g_ref(BufId::kWorkspace, r, shard, s);
+            }
+            label(e.Block(OpKind::kCopy, stream, src, g_ref(BufId::kWorkspace, next_of(dir), shard, s),
+                          P, rows(s), K),
+                  shard, s);
+            e.Signal(stream, next_of(dir), flag(shard, s));
+          }
+        }
+      }
+      for (const Arrival& a : arrivals)
+        for (int64_t s = 0; s < C; ++s) {
+          e.Wait(0, prev_of(a.dir), flag(a.shard, s));
+          consume(BufId::kWorkspace, a, s);
+        }
+      break;
+    }
+    case Transport::kMulticast: {
+      // Store the own shard once through the multicast mapping; every rank
+      // multiplies shards as their flags arrive.
+      p->workspace_elems = P * N * R * K;
+      for (int64_t s = 0; s < C; ++s) {
+        label(e.Block(OpKind::kMcStore, 1, x_ref(s), g_ref(BufId::kWorkspace, r, r, s), P, rows(s), K),
+              r, s);
+        for (int32_t peer = 0; peer < N; ++peer)
+          if (peer != r) e.Signal(1, peer, flag(r, s));
+      }
+      for (int32_t t = 1; t < N; ++t) {
+        const Arrival a{Mod(r - t, N), 0};
+        for (int64_t s = 0; s < C; ++s) {
+          e.Wait(0, a.shard, flag(a.shard, s));
+          consume(BufId::kWorkspace, a, s);
+        }
+      }
+      break;
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace jo::internal

@@ -1,0 +1,80 @@
+// Helpers shared by the builders (not part of the core's interface).
+#pragma once
+
+#include "core/program.h"
+#include "core/status.h"
+
+namespace jo::internal {
+
+inline int32_t Mod(int64_t a, int32_t n) { return static_cast<int32_t>(((a % n) + n) % n); }
+
+// Row range [begin, end) of sub-chunk `sub` of a block of `rows` rows.
+inline int64_t SubBegin(int64_t rows, int64_t chunks, int64_t sub) { return rows * sub / chunks; }
+inline int64_t SubRows(int64_t rows, int64_t chunks, int64_t sub) {
+  return SubBegin(rows, chunks, sub + 1) - SubBegin(rows, chunks, sub);
+}
+
+// Appends ops to a program, allocating event ids.
+class Emitter {
+ public:
+  explicit Emitter(Program* program) : p_(program) {}
+
+  Op& Add(OpKind kind, int32_t stream) {
+    p_->ops.emplace_back();
+    Op& op = p_->ops.back();
+    op.kind = kind;
+    op.stream = stream;
+    if (stream + 1 > p_->num_streams) p_->num_streams = stream + 1;
+    return op;
+  }
+  int32_t NewEvent() { return p_->num_events++; }
+  int32_t NewGroup() { return next_group_++; }
+  void Record(int32_t stream, int32_t event) { Add(OpKind::kRecord, stream).id = event; }
+  void StreamWait(int32_t stream, int32_t event) { Add(OpKind::kStreamWait, stream).id = event; }
+  void Signal(int32_t stream, int32_t peer, int32_t flag) {
+    Op& op = Add(OpKind::kSignal, stream);
+    op.peer = peer;
+    op.id = flag;
+  }
+  void Wait(int32_t stream, int32_t writer, int32_t flag) {
+    Op& op = Add(OpKind::kWait, stream);
+    op.peer = writer;
+    op.id = flag;
+  }
+  // Block ops (Copy, Add, Send, Recv, McStore, McReduce): batch x rows x cols.
+  Op& Block(OpKind kind, int32_t stream, const Ref& src, const Ref& dst, int64_t batch,
+            int64_t rows, int64_t cols) {
+    Op& op = Add(kind, stream);
+    op.a = src;
+    op.d = dst;
+    op.batch = batch;
+    op.m = rows;
+    op.n = cols;
+    return op;
+  }
+  Op& Gemm(int32_t stream, const Ref& a, const Ref& d, const Ref* c, int64_t batch, int64_t m) {
+    const Problem& q = p_->problem;
+    Op& op = Add(OpKind::kGemm, stream);
+    op.a = a;
+    op.b = Ref{BufId::kW, q.rank, 0, 0, q.n};
+    op.d = d;
+    if (c != nullptr) {
+      op.c = *c;
+      op.accumulate = true;
+    }
+    op.batch = batch;
+    op.m = m;
+    op.n = q.n;
+    op.k = q.k;
+    return op;
+  }
+
+ private:
+  Program* p_;
+  int32_t next_group_ = 0;
+};
+
+Status BuildAgMatmul(Program* program);
+Status BuildMatmulRs(Program* program);
+
+}  // namespace jo::internal

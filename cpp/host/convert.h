@@ -1,0 +1,19 @@
+// bf16 / f16 <-> f32 conversion for the host executor, which computes every
+// GEMM and reduction in f32 (round-to-nearest-even on the way back, as the
+// accelerators do).
+#pragma once
+
+#include <cstdint>
+
+#include "core/program.h"
+
+namespace jo::host {
+
+float LoadElement(DType dtype, const void* base, int64_t index);
+void StoreElement(DType dtype, void* base, int64_t index, float value);
+
+// Row-major block (rows x cols, leading dim ld) <-> contiguous f32.
+void ToF32(DType dtype, const void* src, int64_t ld, int64_t rows, int64_t cols, float* dst);
+void FromF32(DType dtype, const float* src, int64_t rows, int64_t cols, void* dst, int64_t ld);
+
+}  // namespace jo::host

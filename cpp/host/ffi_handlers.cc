@@ -1,0 +1,232 @@
+// The CPU FFI handlers: decode and check operands, then HostCall.
+//
+// Interface (identical for both targets except the optional second result):
+//   operands  x, w, coords: int32[2] = (rank, group)
+//   results   y [, x_gathered (ag_matmul, when return_gathered)]
+//   attrs     clique_key i64, axis i64, axis_size i64, transport i32,
+//             chunks i64, bidirectional bool, timeout_ms i64,
+//             devices i64[] (rank table in (group, rank) order, or empty)
+// Handlers never throw; every failure is an ffi::Error naming the op, the
+// operand, and the expected vs actual value.
+#include "host/ffi_handlers.h"
+
+#include <exception>
+#include <optional>
+#include <string>
+
+#include "host/host_call.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jo::host {
+namespace {
+
+std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+ffi::Error Invalid(const char* op, const std::string& text) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + text);
+}
+
+ffi::Error ToFfi(const Status& status) {
+  switch (status.code()) {
+    case Code::kOk: return ffi::Error::Success();
+    case Code::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message());
+    case Code::kTimeout: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message());
+    case Code::kAborted: return ffi::Error(ffi::ErrorCode::kAborted, status.message());
+    case Code::kResource: return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message());
+    case Code::kInternal: break;
+  }
+  return ffi::Error::Internal(status.message());
+}
+
+std::optional<DType> ToDType(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return DType::kF32;
+    case ffi::DataType::BF16: return DType::kBF16;
+    case ffi::DataType::F16: return DType::kF16;
+    default: return std::nullopt;
+  }
+}
+
+struct Attrs {
+  int64_t clique_key, axis, axis_size;
+  int32_t transport;
+  int64_t chunks;
+  bool bidirectional;
+  int64_t timeout_ms;
+  ffi::Span<const int64_t> devices;
+};
+
+// Checks everything common to both ops and fills `args` (not the buffers).
+ffi::Error CheckCommon(Collective collective, int32_t device_ordinal, const ffi::AnyBuffer& x,
+                       const ffi::AnyBuffer& w, const ffi::Buffer<ffi::S32>& coords,
+                       const Attrs& a, CallArgs* args) {
+  const char* op = CollectiveName(collective);
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 2) return Invalid(op, "operand x expected rank >= 2, got rank " + std::to_string(xd.size()) + " (shape " + Dims(xd) + ")");
+  if (wd.size() != 2) return Invalid(op, "operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " + Dims(wd) + ")");
+  auto dtype = ToDType(x.element_type());
+  if (!dtype) return Invalid(op, "operand x expected dtype float32, bfloat16 or float16");
+  if (w.element_type() != x.element_type()) return Invalid(op, "operand w expected the dtype of x");
+  if (wd[0] != xd[xd.size() - 1])
+    return Invalid(op, "operand w expected " + std::to_string(xd[xd.size() - 1]) + " rows (x's last dim), got shape " + Dims(wd));
+  if (a.axis < 0 || a.axis > static_cast<int64_t>(xd.size()) - 2)
+    return Invalid(op, "attribute axis expected in [0, " + std::to_string(xd.size() - 2) + "], got " + std::to_string(a.axis));
+  if (a.axis_size < 1) return Invalid(op, "attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
+  if (a.transport < 0 || a.transport > 2) return Invalid(op, "attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " + std::to_string(a.transport));
+  if (a.chunks < 1) return Invalid(op, "attribute chunks expected >= 1, got " + std::to_string(a.chunks));
+  if (a.timeout_ms < 1) return Invalid(op, "attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
+  if (coords.element_count() != 2) return Invalid(op, "operand coords expected int32[2] (rank, group), got shape " + Dims(coords.dimensions()));
+  const int32_t* c = coords.typed_data();
+  const int64_t rank = c[0], group = c[1];
+  if (rank < 0 || rank >= a.axis_size) return Invalid(op, "operand coords: rank expected in [0, " + std::to_string(a.axis_size) + "), got " + std::to_string(rank));
+  if (group < 0) return Invalid(op, "operand coords: group expected >= 0, got " + std::to_string(group));
+  if (a.devices.size() != 0) {
+    const int64_t index = group * a.axis_size + rank;
+    if (static_cast<int64_t>(a.devices.size()) % a.axis_size != 0 || index >= static_cast<int64_t>(a.devices.size()))
+      return Invalid(op, "attribute devices (" + std::to_string(a.devices.size()) + " entries) has no entry for group " + std::to_string(group) + ", rank " + std::to_string(rank));
+    if (a.devices[index] != device_ordinal)
+      return Invalid(op, "device mismatch: the rank table puts device " + std::to_string(a.devices[index]) + " at (group " + std::to_string(group) + ", rank " + std::to_string(rank) + "), but this call runs on device " + std::to_string(device_ordinal));
+  }
+
+  Problem& q = args->problem;
+  q.op = collective;
+  q.transport = static_cast<Transport>(a.transport);
+  q.nranks = static_cast<int32_t>(a.axis_size);
+  q.rank = static_cast<int32_t>(rank);
+  q.dtype = *dtype;
+  q.chunks = a.chunks;
+  q.bidirectional = a.bidirectional;
+  q.k = xd[xd.size() - 1];
+  q.n = wd[1];
+  q.batch = 1;
+  for (int64_t i = 0; i < a.axis; ++i) q.batch *= xd[i];
+  int64_t post = 1;
+  for (size_t i = static_cast<size_t>(a.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
+  if (collective == Collective::kAgMatmul) {
+    q.rows = xd[a.axis] * post;
+  } else {
+    if (xd[a.axis] % a.axis_size != 0)
+      return Invalid(op, "operand x dim " + std::to_string(a.axis) + " (" + std::to_string(xd[a.axis]) + ") expected divisible by axis_size " + std::to_string(a.axis_size));
+    q.rows = xd[a.axis] / a.axis_size * post;
+  }
+  args->clique_key = a.clique_key;
+  args->group = group;
+  args->timeout_ms = a.timeout_ms;
+  args->device = device_ordinal;
+  return ffi::Error::Success();
+}
+
+// Checks a result against the shape it must have: x's dims with dim `axis`
+// scaled and the last dim replaced.
+ffi::Error CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
+                       ffi::Span<const int64_t> got, ffi::DataType got_type, int64_t axis,
+                       int64_t axis_dim, int64_t last) {
+  auto xd = x.dimensions();
+  std::vector<int64_t> want(xd.begin(), xd.end());
+  want[axis] = axis_dim;
+  want.back() = last;
+  bool same = got.size() == want.size();
+  for (size_t i = 0; same && i < want.size(); ++i) same = got[i] == want[i];
+  if (!same)
+    return Invalid(op, std::string("result ") + name + " expected shape " +
+                           Dims(ffi::Span<const int64_t>(want.data(), want.size())) + ", got " + Dims(got));
+  if (got_type != x.element_type()) return Invalid(op, std::string("result ") + name + " expected the dtype of x");
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(const CallArgs& args) {
+  try {
+    return ToFfi(HostCall(args));
+  } catch (const std::exception& e) {  // bad_alloc and friends: never cross the FFI boundary
+    return ffi::Error::Internal(std::string(CollectiveName(args.problem.op)) + ": " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(CollectiveName(args.problem.op)) + ": unknown exception");
+  }
+}
+
+ffi::Error AgMatmulImpl(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
+                        std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered, int64_t clique_key,
+                        int64_t axis, int64_t axis_size, int32_t transport, int64_t chunks,
+                        bool bidirectional, int64_t timeout_ms, ffi::Span<const int64_t> devices) {
+  const char* op = "ag_matmul";
+  CallArgs args;
+  const Attrs a{clique_key, axis, axis_size, transport, chunks, bidirectional, timeout_ms, devices};
+  if (auto e = CheckCommon(Collective::kAgMatmul, device_ordinal, x, w, coords, a, &args); e.failure()) return e;
+  const int64_t gathered_dim = x.dimensions()[axis] * axis_size;
+  if (auto e = CheckResult(op, "y", x, y->dimensions(), y->element_type(), axis, gathered_dim, args.problem.n); e.failure()) return e;
+  args.problem.return_gathered = x_gathered.has_value();
+  if (x_gathered.has_value()) {
+    auto& g = *x_gathered;
+    if (auto e = CheckResult(op, "x_gathered", x, g->dimensions(), g->element_type(), axis, gathered_dim, args.problem.k); e.failure()) return e;
+    args.io.x_gathered = g->untyped_data();
+  }
+  args.io.x = x.untyped_data();
+  args.io.w = w.untyped_data();
+  args.io.y = y->untyped_data();
+  return Run(args);
+}
+
+ffi::Error MatmulRsImpl(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t clique_key, int64_t axis, int64_t axis_size, int32_t transport,
+                        int64_t chunks, bool bidirectional, int64_t timeout_ms,
+                        ffi::Span<const int64_t> devices) {
+  const char* op = "matmul_rs";
+  CallArgs args;
+  const Attrs a{clique_key, axis, axis_size, transport, chunks, bidirectional, timeout_ms, devices};
+  if (auto e = CheckCommon(Collective::kMatmulRs, device_ordinal, x, w, coords, a, &args); e.failure()) return e;
+  const int64_t scattered_dim = x.dimensions()[axis] / axis_size;
+  if (auto e = CheckResult(op, "y", x, y->dimensions(), y->element_type(), axis, scattered_dim, args.problem.n); e.failure()) return e;
+  args.io.x = x.untyped_data();
+  args.io.w = w.untyped_data();
+  args.io.y = y->untyped_data();
+  return Run(args);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kAgMatmul, AgMatmulImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::DeviceOrdinal>()             // global device id on CPU
+                           .Arg<ffi::AnyBuffer>()                 // x
+                           .Arg<ffi::AnyBuffer>()                 // w
+                           .Arg<ffi::Buffer<ffi::S32>>()          // coords = (rank, group)
+                           .Ret<ffi::AnyBuffer>()                 // y
+                           .OptionalRet<ffi::AnyBuffer>()         // x_gathered
+                           .Attr<int64_t>("clique_key")
+                           .Attr<int64_t>("axis")
+                           .Attr<int64_t>("axis_size")
+                           .Attr<int32_t>("transport")
+                           .Attr<int64_t>("chunks")
+                           .Attr<bool>("bidirectional")
+                           .Attr<int64_t>("timeout_ms")
+                           .Attr<ffi::Span<const int64_t>>("devices"));
+
+XLA_FFI_DEFINE_HANDLER(kMatmulRs, MatmulRsImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::DeviceOrdinal>()             // global device id on CPU
+                           .Arg<ffi::AnyBuffer>()                 // x
+                           .Arg<ffi::AnyBuffer>()                 // w
+                           .Arg<ffi::Buffer<ffi::S32>>()          // coords = (rank, group)
+                           .Ret<ffi::AnyBuffer>()                 // y
+                           .Attr<int64_t>("clique_key")
+                           .Attr<int64_t>("axis")
+                           .Attr<int64_t>("axis_size")
+                           .Attr<int32_t>("transport")
+                           .Attr<int64_t>("chunks")
+                           .Attr<bool>("bidirectional")
+                           .Attr<int64_t>("timeout_ms")
+                           .Attr<ffi::Span<const int64_t>>("devices"));
+
+XLA_FFI_Error* AgMatmulHandler(XLA_FFI_CallFrame* call_frame) { return kAgMatmul(call_frame); }
+XLA_FFI_Error* MatmulRsHandler(XLA_FFI_CallFrame* call_frame) { return kMatmulRs(call_frame); }
+
+}  // namespace jo::host

@@ -1,0 +1,185 @@
+"""The native path: XLA FFI custom calls run by the host executor (CPU).
+
+Call ``ag_matmul_shard`` / ``matmul_rs_shard`` inside ``jax.shard_map`` on
+local shards. They lower to the custom calls ``jaxoverlap_ag_matmul`` and
+``jaxoverlap_matmul_rs`` (see ``docs/native.md`` for the handler interface);
+argument validation is the caller's job (``ops.py``), this module only
+asserts its own invariants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxoverlap import _runtime
+
+# Order must match jo::Transport in cpp/core/program.h.
+_TRANSPORTS = ("nccl", "p2p", "multicast")
+_TARGETS = ("jaxoverlap_ag_matmul", "jaxoverlap_matmul_rs")
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+_lock = threading.Lock()
+_registered = False
+
+
+def available() -> bool:
+    """True when the host extension loads (it is built with the package)."""
+    return _runtime.host_error() is None
+
+
+def transports() -> tuple[str, ...]:
+    """Transports the host executor emulates (all of them, on the CPU)."""
+    return _TRANSPORTS if available() else ()
+
+
+def info() -> dict:
+    """What the native path offers on this machine, for ``jo.info()``."""
+    error = _runtime.host_error()
+    if error is not None:
+        return {"available": False, "error": error}
+    host = _runtime.load_host()
+    return {
+        "available": True,
+        "backends": {"cpu": {"executor": "host", "transports": list(_TRANSPORTS)}},
+        "dtypes": ["float32", "bfloat16", "float16"],
+        "build": dict(host.build_info()),
+        "cliques": host.cliques(),
+    }
+
+
+def _ensure_registered() -> None:
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        host = _runtime.load_host()
+        # The CPU backend must exist before handlers are registered
+        # (BUILD-NOTES: registering early fails with FAILED_PRECONDITION).
+        jax.devices()
+        for name, capsule in host.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        _registered = True
+
+
+def _mesh_facts(axis_name: str):
+    """(axis names, sizes, manual axes) of the mesh we are tracing under."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(mesh.axis_names)
+    sizes = tuple(int(s) for s in mesh.axis_sizes)
+    manual = tuple(a for a in names if a in set(mesh.manual_axes))
+    assert axis_name in manual, f"{axis_name!r} is not a manual axis of {names}"
+    auto = [a for a, s in zip(names, sizes, strict=True) if a not in manual and s > 1]
+    if auto:
+        # Devices that differ only in an automatic axis would get the same
+        # (rank, group) and share one clique rank: refuse at trace time.
+        raise ValueError(
+            f"jaxoverlap native ops need every mesh axis of size > 1 to be manual in the "
+            f"enclosing shard_map; mesh axes {auto} are not (pass axis_names covering all "
+            f"axes, or omit axis_names)")
+    return names, sizes, manual
+
+
+def _rank_table(axis_name: str, names: tuple, sizes: tuple, manual: tuple) -> np.ndarray:
+    """Global device ids in (group, rank) order, or empty if the concrete mesh is unknown.
+
+    Inside shard_map only the abstract mesh is known; the concrete one is
+    available when the user set it with ``jax.set_mesh``. Only built when
+    every mesh axis is manual, so that (group, rank) names exactly one device.
+    """
+    try:
+        from jax._src import mesh as mesh_lib
+
+        concrete = mesh_lib.get_concrete_mesh()
+    except Exception:  # noqa: BLE001 - private API: any failure means "unknown"
+        return np.zeros((0,), np.int64)
+    if concrete is None or getattr(concrete, "empty", True) or len(manual) != len(names):
+        return np.zeros((0,), np.int64)
+    if tuple(concrete.axis_names) != names or tuple(concrete.axis_sizes) != sizes:
+        return np.zeros((0,), np.int64)
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(concrete.devices)
+    ids = np.moveaxis(ids, names.index(axis_name), -1)
+    return ids.reshape(-1).astype(np.int64)
+
+
+def _group_index(axis_name: str, names: tuple, sizes: tuple, manual: tuple):
+    """Linear index of this device over the other manual axes (mesh order)."""
+    group = jnp.int32(0)
+    for name, size in zip(names, sizes, strict=True):
+        if name == axis_name or name not in manual:
+            continue
+        group = group * size + lax.axis_index(name)
+    return group
+
+
+def _clique_key(names, sizes, axis_name, transport, devices: np.ndarray) -> np.int64:
+    text = repr((names, sizes, axis_name, transport, tuple(int(d) for d in devices)))
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return np.int64(int.from_bytes(digest, "little", signed=True))
+
+
+def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirectional, timeout_s):
+    _ensure_registered()
+    assert transport in _TRANSPORTS, transport
+    assert x.dtype == w.dtype and x.dtype in _DTYPES, (x.dtype, w.dtype)
+    names, sizes, manual = _mesh_facts(axis_name)
+    devices = _rank_table(axis_name, names, sizes, manual)
+    coords = jnp.stack(
+        [lax.axis_index(axis_name).astype(jnp.int32),
+         _group_index(axis_name, names, sizes, manual).astype(jnp.int32)]
+    )
+    call = jax.ffi.ffi_call(target, results, vmap_method="sequential", has_side_effect=False)
+    return call(
+        x,
+        w,
+        coords,
+        # Attributes carry the exact C++ types of the handler binding.
+        clique_key=_clique_key(names, sizes, axis_name, transport, devices),
+        axis=np.int64(axis),
+        axis_size=np.int64(sizes[names.index(axis_name)]),
+        transport=np.int32(_TRANSPORTS.index(transport)),
+        chunks=np.int64(chunks),
+        bidirectional=bool(bidirectional),
+        timeout_ms=np.int64(max(1, round(timeout_s * 1000))),
+        devices=devices,
+    )
+
+
+def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="nccl", chunks=1, bidirectional=False,
+                    return_gathered=False, timeout_s=120.0):
+    """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards.
+
+    Returns y, or (y, x_gathered) when ``return_gathered``.
+    """
+    n = lax.axis_size(axis_name)
+    gathered = list(x.shape)
+    gathered[axis] *= n
+    y_shape = (*gathered[:-1], w.shape[1])
+    x_type = jax.typeof(x)
+    results = [x_type.update(shape=y_shape, dtype=x.dtype)]
+    if return_gathered:
+        results.append(x_type.update(shape=tuple(gathered), dtype=x.dtype))
+    out = _call("jaxoverlap_ag_matmul", x, w, results, axis_name=axis_name, axis=axis,
+                transport=transport, chunks=chunks, bidirectional=bidirectional,
+                timeout_s=timeout_s)
+    return (out[0], out[1]) if return_gathered else out[0]
+
+
+def matmul_rs_shard(x, w, *, axis_name, axis=0, transport="nccl", chunks=1, bidirectional=False,
+                    timeout_s=120.0):
+    """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local shards."""
+    n = lax.axis_size(axis_name)
+    assert x.shape[axis] % n == 0, (x.shape, axis, n)
+    y_shape = list(x.shape)
+    y_shape[axis] //= n
+    y_shape[-1] = w.shape[1]
+    results = [jax.typeof(x).update(shape=tuple(y_shape), dtype=x.dtype)]
+    (y,) = _call("jaxoverlap_matmul_rs", x, w, results, axis_name=axis_name, axis=axis,
+                 transport=transport, chunks=chunks, bidirectional=bidirectional,
+                 timeout_s=timeout_s)
+    return y

@@ -1,0 +1,252 @@
+"""Whole-clique checks of programs from ``_host.build_program``.
+
+``check_deadlock_free(programs)`` plays every stream of every rank of one
+clique forward: an op runs once its dependency is met (Wait: its flag was
+signalled by the named writer; StreamWait: the event was recorded; Recv: the
+matching Send was posted; everything else: always). Dependencies only ever
+become true, so running any enabled op greedily finds a complete schedule if
+one exists: the programs are deadlock-free exactly when this finishes.
+Sends are eager (posted without waiting for the receiver), as the host
+mailbox and NCCL's grouped send/recv treat them.
+"""
+
+from __future__ import annotations
+
+
+class ScheduleError(AssertionError):
+    pass
+
+
+def _streams(program):
+    streams = [[] for _ in range(program["num_streams"])]
+    for op in program["ops"]:
+        streams[op["stream"]].append(op)
+    return streams
+
+
+def check_deadlock_free(programs):
+    """Raises ScheduleError naming the blocked ops; returns the op count run."""
+    n = len(programs)
+    assert [p["rank"] for p in programs] == list(range(n))
+    streams = [_streams(p) for p in programs]
+    pos = [[0] * len(s) for s in streams]
+    flags = {}  # (rank, flag) -> writer
+    events = set()  # (rank, event)
+    mailbox = {}  # (src, dst, tag) -> bytes
+    executed = 0
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):
+            for s, ops in enumerate(streams[r]):
+                while pos[r][s] < len(ops):
+                    op = ops[pos[r][s]]
+                    kind = op["kind"]
+                    if kind == "Wait":
+                        writer = flags.get((r, op["id"]))
+                        if writer is None:
+                            break
+                        if writer != op["peer"]:
+                            raise ScheduleError(
+                                f"rank {r}: {op['text']} satisfied by rank {writer}, "
+                                f"expected writer {op['peer']}")
+                    elif kind == "StreamWait":
+                        if (r, op["id"]) not in events:
+                            break
+                    elif kind == "Recv":
+                        key = (op["peer"], r, op["id"])
+                        if key not in mailbox:
+                            break
+                        if mailbox.pop(key) != op["bytes"]:
+                            raise ScheduleError(f"rank {r}: {op['text']} size mismatch")
+                    elif kind == "Signal":
+                        if (op["peer"], op["id"]) in flags:
+                            raise ScheduleError(f"rank {r}: {op['text']} signals a flag twice")
+                        flags[(op["peer"], op["id"])] = r
+                    elif kind == "Record":
+                        events.add((r, op["id"]))
+                    elif kind == "Send":
+                        key = (r, op["peer"], op["id"])
+                        if key in mailbox:
+                            raise ScheduleError(f"rank {r}: {op['text']} duplicate message")
+                        mailbox[key] = op["bytes"]
+                    pos[r][s] += 1
+                    executed += 1
+                    progress = True
+    blocked = [
+        f"rank {r} stream {s}: {ops[pos[r][s]]['text']}"
+        for r in range(n)
+        for s, ops in enumerate(streams[r])
+        if pos[r][s] < len(ops)
+    ]
+    if blocked:
+        raise ScheduleError("deadlock; blocked ops:\n  " + "\n  ".join(blocked))
+    if mailbox:
+        raise ScheduleError(f"sends never received: {sorted(mailbox)}")
+    return executed
+
+
+# ---- data races ----------------------------------------------------------------------------
+
+_INPUTS = ("X", "W")
+
+
+def _elements(ref, batch, rows, cols):
+    out = set()
+    for b in range(batch):
+        for i in range(rows):
+            start = ref["offset"] + b * ref["batch_stride"] + i * ref["ld"]
+            out.update(range(start, start + cols))
+    return out
+
+
+def _accesses(program, op):
+    """[(owner rank, buffer, element set, is_write)] of one op (inputs X and W left out)."""
+    me, n = program["rank"], program["nranks"]
+    kind, acc = op["kind"], []
+
+    def add(ref, cols, write, owner=None):
+        if ref["buf"] in _INPUTS:
+            return
+        if owner is None:
+            owner = ref["rank"] if ref["buf"] == "WORKSPACE" else me
+        elements = frozenset(_elements(ref, op["batch"], op["m"], cols))
+        acc.append((owner, ref["buf"], elements, write))
+
+    if kind == "Gemm":
+        add(op["a"], op["k"], False)
+        if op["accumulate"]:
+            add(op["c"], op["n"], False)
+        add(op["d"], op["n"], True)
+    elif kind == "Add":
+        add(op["a"], op["n"], False)
+        add(op["d"], op["n"], False)
+        add(op["d"], op["n"], True)
+    elif kind == "Copy":
+        add(op["a"], op["n"], False)
+        add(op["d"], op["n"], True)
+    elif kind == "Send":
+        add(op["a"], op["n"], False)
+    elif kind == "Recv":
+        add(op["d"], op["n"], True)
+    elif kind == "McStore":
+        add(op["a"], op["n"], False)
+        for owner in range(n):
+            add(op["d"], op["n"], True, owner)
+    elif kind == "McReduce":
+        for owner in range(n):
+            add(op["a"], op["n"], False, owner)
+        add(op["d"], op["n"], True)
+    return acc
+
+
+def check_race_free(programs, calls=1, parities=2):
+    """Raises ScheduleError unless every conflicting pair of accesses is ordered.
+
+    Replays `calls` back-to-back calls of the same programs (call c has epoch c+1 and
+    uses the WORKSPACE half and flag set of parity (c+1) % 2; a rank enters call c+1
+    once all its streams finished call c, as the handler does). Happens-before comes
+    from stream order, call order per rank, Signal -> Wait (same epoch),
+    Record -> StreamWait and Send -> Recv (vector clocks). Two accesses to one
+    element conflict when one writes; every read must see, as its latest ordered
+    write, a write of the same call (no stale or uninitialized data). With calls > 1
+    this checks the epoch-parity double-buffering across calls (`parities=1` models a
+    single buffer, which tests use to show that double-buffering is needed).
+    """
+    check_deadlock_free(programs)
+    n = len(programs)
+    streams = [_streams(p) for p in programs]
+    sid = {}
+    for r in range(n):
+        for s in range(len(streams[r])):
+            sid[(r, s)] = len(sid)
+    clocks = {key: [0] * len(sid) for key in sid}
+    pos = {key: (0, 0) for key in sid}  # (call, op index)
+    finished = {}  # (rank, call) -> [clock of each stream at its end of that call]
+    signals, records, sends = {}, {}, {}
+    log = {}  # element key -> [(clock, stream id, is_write, call, text)]
+
+    def join(clock, other):
+        for i, v in enumerate(other):
+            if v > clock[i]:
+                clock[i] = v
+
+    def key_of(owner, buf, element, call):
+        if buf == "WORKSPACE":  # symmetric memory: shared across calls of one parity
+            return (owner, buf, (call + 1) % parities, element)
+        return (owner, buf, call, element)  # per-call buffers
+
+    progress = True
+    while progress:
+        progress = False
+        for (r, s), i in sid.items():
+            ops = streams[r][s]
+            clock = clocks[(r, s)]
+            while True:
+                call, k = pos[(r, s)]
+                if call == calls:
+                    break
+                if k == 0 and call > 0:  # enter call: the rank's previous call is over
+                    ends = finished.get((r, call - 1), [])
+                    if len(ends) < len(streams[r]):
+                        break
+                    for end in ends:
+                        join(clock, end)
+                if k == len(ops):  # leave call
+                    finished.setdefault((r, call), []).append(list(clock))
+                    pos[(r, s)] = (call + 1, 0)
+                    progress = True
+                    continue
+                op = ops[k]
+                epoch = call + 1
+                kind = op["kind"]
+                if kind == "Wait":
+                    got = signals.get((r, epoch, op["id"]))
+                    if got is None:
+                        break
+                    join(clock, got)
+                elif kind == "StreamWait":
+                    if (r, call, op["id"]) not in records:
+                        break
+                    join(clock, records[(r, call, op["id"])])
+                elif kind == "Recv":
+                    if (epoch, op["peer"], r, op["id"]) not in sends:
+                        break
+                    join(clock, sends[(epoch, op["peer"], r, op["id"])])
+                clock[i] += 1
+                snapshot = list(clock)
+                if kind == "Signal":
+                    signals[(op["peer"], epoch, op["id"])] = snapshot
+                elif kind == "Record":
+                    records[(r, call, op["id"])] = snapshot
+                elif kind == "Send":
+                    sends[(epoch, r, op["peer"], op["id"])] = snapshot
+                text = f"call {call} rank {r} stream {s}: {op['text']}"
+                for owner, buf, elements, write in _accesses(programs[r], op):
+                    for e in elements:
+                        log.setdefault(key_of(owner, buf, e, call), []).append(
+                            (snapshot, i, write, call, text))
+                pos[(r, s)] = (call, k + 1)
+                progress = True
+
+    stuck = [key for key, (call, _) in pos.items() if call < calls]
+    if stuck:
+        raise ScheduleError(f"streams stuck across calls: {stuck}")
+
+    def before(a, b):  # a happens-before b
+        return a is not b and a[0][a[1]] <= b[0][a[1]]
+
+    for key, accesses in log.items():
+        for j, a in enumerate(accesses):
+            if not a[2]:
+                writes = [w for w in accesses if w[2] and before(w, a)]
+                mine = [w for w in writes if w[3] == a[3]]
+                if not mine:
+                    raise ScheduleError(f"read of {key} with no write of its call before it: "
+                                        f"{a[4]}")
+                if any(not any(before(w, m) for m in mine) for w in writes if w[3] != a[3]):
+                    raise ScheduleError(f"read of {key} may see another call's data: {a[4]}")
+            for b in accesses[j + 1:]:
+                if (a[2] or b[2]) and a[4] != b[4] and not (before(a, b) or before(b, a)):
+                    raise ScheduleError(f"race on {key}:\n  {a[4]}\n  {b[4]}")
+    return len(log)

@@ -1,0 +1,322 @@
+"""The host executor through the FFI custom calls, inside jax.shard_map, against float64 NumPy."""
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxoverlap import _native
+from jaxoverlap._runtime import load_host
+
+TRANSPORTS = ("nccl", "p2p", "multicast")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=2e-3),
+       "float16": dict(rtol=2e-2, atol=2e-3)}
+
+
+def mesh_1d(n, reverse=False):
+    devices = jax.devices()[:n]
+    if reverse:
+        devices = devices[::-1]
+    return Mesh(np.array(devices), ("tp",), axis_types=(AxisType.Auto,))
+
+
+def data(shape, dtype, seed):
+    # Positive values: partial sums never cancel, so a low-precision ring that
+    # rounds its accumulator on every hop stays within the relative tolerance.
+    values = np.random.default_rng(seed).uniform(0.0, 1.0, size=shape).astype(np.float32)
+    rounded = jnp.asarray(values, dtype=DTYPES[dtype])
+    return rounded, np.asarray(rounded.astype(jnp.float32), dtype=np.float64)
+
+
+def spec(ndim, dim, name="tp"):
+    parts = [None] * ndim
+    parts[dim] = name
+    return P(*parts)
+
+
+def ag(mesh, x, w, *, axis, gathered=False, **kw):
+    def body(x, w):
+        return _native.ag_matmul_shard(x, w, axis_name="tp", axis=axis, return_gathered=gathered,
+                                       **kw)
+
+    out_specs = spec(x.ndim, x.ndim - 1)
+    if gathered:  # every rank's copy of the gathered x, stacked along dim 0
+        out_specs = (out_specs, spec(x.ndim, 0))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, axis), spec(2, 1)),
+                              out_specs=out_specs))
+    return f(x, w)
+
+
+def rs(mesh, x, w, *, axis, **kw):
+    def body(x, w):
+        return _native.matmul_rs_shard(x, w, axis_name="tp", axis=axis, **kw)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, x.ndim - 1), spec(2, 0)),
+                              out_specs=spec(x.ndim, axis)))
+    return f(x, w)
+
+
+def x_shape(layout, n, k):
+    # "batch": [2, n*3, k] gathered on dim 1 (dims before axis are a batch).
+    # "post":  [n*3, 2, k] gathered on dim 0 (dims after axis join the rows).
+    return ((2, n * 3, k), 1) if layout == "batch" else ((n * 3, 2, k), 0)
+
+
+def check_ag(n, transport, dtype, chunks, bidir, layout, gathered, reverse=False, seed=0):
+    mesh = mesh_1d(n, reverse)
+    # With the concrete mesh set, the handler also checks the rank table.
+    with jax.set_mesh(mesh) if reverse else contextlib.nullcontext():
+        _check_ag(mesh, n, transport, dtype, chunks, bidir, layout, gathered, seed)
+
+
+def _check_ag(mesh, n, transport, dtype, chunks, bidir, layout, gathered, seed):
+    shape, axis = x_shape(layout, n, 8)
+    x, x64 = data(shape, dtype, seed)
+    w, w64 = data((8, 4 * n), dtype, seed + 1)
+    out = ag(mesh, x, w, axis=axis, gathered=gathered, transport=transport, chunks=chunks,
+             bidirectional=bidir, timeout_s=60.0)
+    y = out[0] if gathered else out
+    assert y.dtype == x.dtype and y.shape == shape[:-1] + (4 * n,)
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), x64 @ w64, **TOL[dtype])
+    if gathered:
+        copies = np.asarray(out[1].astype(jnp.float32))
+        np.testing.assert_array_equal(copies, np.concatenate([x64] * n, axis=0))
+
+
+def check_rs(n, transport, dtype, chunks, bidir, layout, reverse=False, seed=0):
+    mesh = mesh_1d(n, reverse)
+    with jax.set_mesh(mesh) if reverse else contextlib.nullcontext():
+        _check_rs(mesh, n, transport, dtype, chunks, bidir, layout, seed)
+
+
+def _check_rs(mesh, n, transport, dtype, chunks, bidir, layout, seed):
+    shape, axis = x_shape(layout, n, 4 * n)
+    x, x64 = data(shape, dtype, seed)
+    w, w64 = data((4 * n, 5), dtype, seed + 1)
+    y = rs(mesh, x, w, axis=axis, transport=transport, chunks=chunks, bidirectional=bidir,
+           timeout_s=60.0)
+    assert y.dtype == x.dtype and y.shape == shape[:-1] + (5,)
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), x64 @ w64, **TOL[dtype])
+
+
+# Full product over transport x N x chunks x bidirectional on small f32 shapes; the layout
+# (axis position) and return_gathered alternate deterministically across the cases.
+CASES = [(t, n, c, b) for t in TRANSPORTS for n in (1, 2, 4, 8) for c in (1, 4)
+         for b in (False, True)]
+
+
+@pytest.mark.parametrize("transport,n,chunks,bidir", CASES)
+def test_ag_matmul_f32(transport, n, chunks, bidir):
+    layout = "batch" if (n + chunks) % 2 else "post"
+    check_ag(n, transport, "float32", chunks, bidir, layout, gathered=(chunks == 4) != bidir)
+
+
+@pytest.mark.parametrize("transport,n,chunks,bidir", CASES)
+def test_matmul_rs_f32(transport, n, chunks, bidir):
+    layout = "post" if (n + chunks) % 2 else "batch"
+    check_rs(n, transport, "float32", chunks, bidir, layout)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n", [2, 8])
+def test_low_precision(transport, dtype, n):
+    check_ag(n, transport, dtype, 2, True, "batch", gathered=True, seed=n)
+    check_rs(n, transport, dtype, 2, n == 8, "post", seed=n)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_any_axis_of_a_4d_input(axis):
+    n = 4
+    mesh = mesh_1d(n)
+    shape = [2, 3, 2, 8]
+    shape[axis] *= n
+    x, x64 = data(tuple(shape), "float32", axis)
+    w, w64 = data((8, 8), "float32", 7)
+    y, g = ag(mesh, x, w, axis=axis, gathered=True, transport="p2p", chunks=2)
+    np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
+    np.testing.assert_array_equal(np.asarray(g), np.concatenate([x64] * n, axis=0))
+    y = rs(mesh, x, w, axis=axis, transport="nccl", chunks=2, bidirectional=True)
+    np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_reversed_mesh_uses_axis_index_not_device_id(transport):
+    check_ag(4, transport, "float32", 2, False, "batch", gathered=True, reverse=True)
+    check_rs(4, transport, "float32", 2, True, "batch", reverse=True)
+
+
+def test_rank_table_attribute_matches_the_mesh():
+    mesh = mesh_1d(4, reverse=True)
+    x = jnp.ones((8, 4), jnp.float32)
+    w = jnp.ones((4, 4), jnp.float32)
+    f = jax.jit(jax.shard_map(
+        lambda x, w: _native.ag_matmul_shard(x, w, axis_name="tp", transport="p2p"),
+        mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
+    # Without a concrete mesh in context the table is empty (the handler trusts coords) ...
+    assert "devices = dense<> : tensor<0xi64>" in f.lower(x, w).as_text()
+    # ... with one, it lists the global device ids in (group, rank) order.
+    with jax.set_mesh(mesh):
+        text = f.lower(x, w).as_text()
+        assert "devices = dense<[3, 2, 1, 0]> : tensor<4xi64>" in text
+        np.testing.assert_allclose(np.asarray(f(x, w)), np.full((8, 4), 4.0))
+
+
+def test_2d_mesh_two_cliques_run_concurrently():
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    x, x64 = data((4, 16, 8), "float32", 11)
+    w, w64 = data((8, 12), "float32", 12)
+    w2, w2_64 = data((12, 8), "float32", 13)
+
+    def body(x, w, w2):
+        y = _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p", chunks=2)
+        z = _native.matmul_rs_shard(y, w2, axis_name="tp", axis=1, transport="multicast")
+        return y, z
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh,
+                              in_specs=(P("dp", "tp", None), P(None, "tp"), P("tp", None)),
+                              out_specs=(P("dp", None, "tp"), P("dp", "tp", None))))
+    y, z = f(x, w, w2)
+    np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
+    np.testing.assert_allclose(np.asarray(z), np.asarray(y, np.float64) @ w2_64, rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_two_call_sites_with_different_shapes_in_one_program():
+    mesh = mesh_1d(4)
+    x1, x1_64 = data((2, 8, 8), "float32", 21)
+    w1, w1_64 = data((8, 12), "float32", 22)
+    x2, x2_64 = data((12, 16), "float32", 23)
+    w2, w2_64 = data((16, 4), "float32", 24)
+
+    def body(x1, w1, x2, w2):
+        y1 = _native.ag_matmul_shard(x1, w1, axis_name="tp", axis=1, transport="nccl")
+        y2 = _native.matmul_rs_shard(x2, w2, axis_name="tp", axis=0, transport="nccl", chunks=3)
+        return y1, y2
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh,
+                              in_specs=(P(None, "tp", None), P(None, "tp"), P(None, "tp"),
+                                        P("tp", None)),
+                              out_specs=(P(None, None, "tp"), P("tp", None))))
+    for _ in range(3):
+        y1, y2 = f(x1, w1, x2, w2)
+        np.testing.assert_allclose(np.asarray(y1), x1_64 @ w1_64, **TOL["float32"])
+        np.testing.assert_allclose(np.asarray(y2), x2_64 @ w2_64, **TOL["float32"])
+
+
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+def test_200_back_to_back_calls_with_changing_shapes(transport):
+    """Epoch parity and workspace growth: results stay right while shapes grow and shrink."""
+    n = 4
+    mesh = mesh_1d(n)
+
+    def body(x, w1, w2):
+        h = _native.ag_matmul_shard(x, w1, axis_name="tp", axis=1, transport=transport, chunks=2)
+        return _native.matmul_rs_shard(h, w2, axis_name="tp", axis=1, transport=transport)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh,
+                              in_specs=(P(None, "tp", None), P(None, "tp"), P("tp", None)),
+                              out_specs=P(None, "tp", None)))
+    inputs = []
+    for i, s in enumerate((4, 16, 8, 32, 4)):
+        x, x64 = data((2, s, 8), "float32", 100 + i)
+        w1, w1_64 = data((8, 8), "float32", 200 + i)
+        w2, w2_64 = data((8, 8), "float32", 300 + i)
+        inputs.append(((x, w1, w2), (x64 @ w1_64) @ w2_64))
+    outs = [f(*inputs[i % len(inputs)][0]) for i in range(200)]
+    for i, y in enumerate(outs):
+        np.testing.assert_allclose(np.asarray(y), inputs[i % len(inputs)][1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_missing_peer_times_out_with_a_clear_error(transport):
+    host = load_host()
+    mesh = mesh_1d(4)
+    x = jnp.ones((2, 8, 8), jnp.float32)
+    w = jnp.ones((8, 4), jnp.float32)
+    f = jax.jit(jax.shard_map(
+        lambda x, w: _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport=transport,
+                                             timeout_s=0.5),
+        mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")), out_specs=P(None, None, "tp")))
+    f(x, w).block_until_ready()  # compile and run once with every rank present
+    host._set_test_skip(2, 1)
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match=r"missing peer rank\(s\) 2 did not arrive") as info:
+            f(x, w).block_until_ready()
+    finally:
+        host._set_test_skip(-1, 0)
+        host._reset_cliques()
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "ag_matmul" in message and "clique 0x" in message and "epoch " in message
+
+
+def test_debug_log_prints_the_plan():
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from jax.sharding import PartitionSpec as P, AxisType\n"
+        "from jaxoverlap import _native\n"
+        "mesh = jax.make_mesh((2,), ('tp',), axis_types=(AxisType.Auto,))\n"
+        "f = jax.shard_map(lambda x, w: _native.matmul_rs_shard(x, w, axis_name='tp',"
+        " transport='p2p'), mesh=mesh, in_specs=(P(None, 'tp'), P('tp')), out_specs=P('tp'))\n"
+        "jax.jit(f)(jnp.ones((4, 4)), jnp.ones((4, 2))).block_until_ready()\n"
+    )
+    env = dict(os.environ, JAXOVERLAP_LOG="debug",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "plan:" in proc.stderr and "matmul_rs transport=p2p" in proc.stderr
+
+
+def test_info_and_transports():
+    assert _native.available()
+    assert _native.transports() == TRANSPORTS
+    info = _native.info()
+    assert info["available"] and info["backends"]["cpu"]["transports"] == list(TRANSPORTS)
+    assert "blas" in info["build"]
+
+
+def test_partially_manual_shard_map_is_an_error_not_a_corruption():
+    """Leaving dp automatic would give the two dp slices the same (rank, group)."""
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    x = jnp.ones((4, 16, 8), jnp.float32)
+    w = jnp.ones((8, 8), jnp.float32)
+
+    def body(x, w):
+        return _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+                              out_specs=P(None, None, "tp"), axis_names={"tp"}))
+    with pytest.raises(ValueError, match=r"mesh axes \['dp'\] are not"):
+        f(x, w)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_conversion_is_exact_and_rounds_to_nearest_even(dtype):
+    """x @ I returns every finite value bit for bit; x @ (I/2) rounds like XLA (subnormals too)."""
+    jdt = DTYPES[dtype]
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    values = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(bits), jdt))
+    finite = values[np.isfinite(values.astype(np.float32))]
+    k = 16
+    finite = finite[: finite.size // k * k].reshape(-1, k)
+    mesh = mesh_1d(1)
+    x = jnp.asarray(finite, jdt)
+    for scale in (1.0, 0.5):
+        w = jnp.asarray(np.eye(k, dtype=np.float32) * scale, jdt)
+        y = ag(mesh, x, w, axis=0, transport="p2p")
+        want = (x.astype(jnp.float32) * scale).astype(jdt)
+        # Values, not bits: the GEMM sums -0 with +0 terms, so -0 comes back as +0.
+        np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)),
+                                      np.asarray(want.astype(jnp.float32)))

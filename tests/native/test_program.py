@@ -1,0 +1,254 @@
+"""The program builders, read through the bindings: order, offsets, bytes, deadlock freedom."""
+
+import copy
+import itertools
+
+import pytest
+
+from jaxoverlap._runtime import load_host
+
+from .schedule_check import ScheduleError, check_deadlock_free, check_race_free
+
+host = load_host()
+TRANSPORTS = ("nccl", "p2p", "multicast")
+OPS = ("ag_matmul", "matmul_rs")
+
+
+def build(op, transport, n, rank, *, batch=2, rows=6, k=5, n_out=3, dtype="float32", chunks=1,
+          bidirectional=False, return_gathered=False):
+    return host.build_program(op, transport, n, rank, batch, rows, k, n_out, dtype, chunks,
+                              bidirectional, return_gathered)
+
+
+def clique(op, transport, n, **kw):
+    return [build(op, transport, n, r, **kw) for r in range(n)]
+
+
+def gemm_chunks(program):
+    return [(op["chunk"], op["sub"]) for op in program["ops"] if op["kind"] == "Gemm"]
+
+
+# ---- chunk order ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 8])
+def test_ag_ring_order_local_first_then_ring(transport, n):
+    for r in range(n):
+        order = [c for c, _ in gemm_chunks(build("ag_matmul", transport, n, r))]
+        assert order == [(r - t) % n for t in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_ag_bidirectional_order_interleaves_directions(n):
+    for r in range(n):
+        p = build("ag_matmul", "p2p", n, r, bidirectional=True)
+        cw, ccw = p["cw_steps"], p["ccw_steps"]
+        assert (cw, ccw) == ((n - 1 + 1) // 2, (n - 1) // 2)
+        want = [r]
+        for t in range(cw):
+            want.append((r - 1 - t) % n)
+            if t < ccw:
+                want.append((r + 1 + t) % n)
+        assert [c for c, _ in gemm_chunks(p)] == want
+        assert sorted(want) == list(range(n))  # every shard exactly once
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_rs_ring_order(transport, n):
+    for r in range(n):
+        order = [c for c, _ in gemm_chunks(build("matmul_rs", transport, n, r))]
+        assert order == [(r - t - 1) % n for t in range(n)]  # own block r last
+
+
+def test_sub_chunks_in_order_and_uneven():
+    p = build("ag_matmul", "p2p", 4, 1, rows=7, chunks=3)
+    gemms = [op for op in p["ops"] if op["kind"] == "Gemm"]
+    assert [(g["chunk"], g["sub"]) for g in gemms[:3]] == [(1, 0), (1, 1), (1, 2)]
+    assert [g["m"] for g in gemms[:3]] == [2, 2, 3]  # 7 rows split as evenly as possible
+    assert build("ag_matmul", "p2p", 4, 1, rows=2, chunks=5)["chunks"] == 2  # clamped to rows
+
+
+# ---- offsets: every output row written exactly once, from the right input rows -------------
+
+def _rows_written(program, buf, row_width, total_rows):
+    """Multiset of (batch, row) written into `buf` by Gemm/McReduce ops."""
+    rows = []
+    for op in program["ops"]:
+        if op["kind"] in ("Gemm", "McReduce") and op["d"]["buf"] == buf:
+            d = op["d"]
+            assert d["offset"] % row_width == 0 and d["ld"] == row_width
+            assert d["batch_stride"] == total_rows * row_width
+            for b in range(op["batch"]):
+                rows += [(b, d["offset"] // row_width + i) for i in range(op["m"])]
+    return rows
+
+
+@pytest.mark.parametrize("op,transport,n,chunks,bidir", [
+    (op, t, n, c, b) for op, t, n, c, b in itertools.product(
+        OPS, TRANSPORTS, [1, 3, 4], [1, 4], [False, True])])
+def test_output_rows_written_once(op, transport, n, chunks, bidir):
+    batch, rows, k, n_out = 2, 6, 5, 3
+    for r in range(n):
+        p = build(op, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out, chunks=chunks,
+                  bidirectional=bidir)
+        total_rows = rows * n if op == "ag_matmul" else rows
+        written = sorted(_rows_written(p, "Y", n_out, total_rows))
+        assert written == [(b, i) for b in range(batch) for i in range(total_rows)]
+        for g in (o for o in p["ops"] if o["kind"] == "Gemm" and o["d"]["buf"] == "Y"):
+            # The GEMM reads the same row block of (gathered or full) x that it writes.
+            a, d = g["a"], g["d"]
+            a_row = (a["offset"] % (a["batch_stride"] or 1)) // k
+            d_row = (d["offset"] % d["batch_stride"]) // n_out
+            if op == "ag_matmul":
+                if a["buf"] == "X":
+                    a_row += r * rows  # the local shard is row block r of the gathered x
+                assert a_row == d_row
+            else:
+                assert a_row == r * rows + d_row
+
+
+# ---- byte accounting -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("bidir", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ring_sends_exactly_n_minus_1_over_n(op, transport, n, chunks, bidir, dtype):
+    batch, rows, k, n_out = 2, 6, 5, 3
+    elem = 4 if dtype == "float32" else 2
+    width = k if op == "ag_matmul" else n_out
+    gathered_bytes = batch * n * rows * width * elem
+    for r in range(n):
+        p = build(op, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out, dtype=dtype,
+                  chunks=chunks, bidirectional=bidir)
+        sent = sum(o["remote_bytes"] for o in p["ops"])
+        assert sent * n == (n - 1) * gathered_bytes, (r, sent)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_multicast_ag_stores_each_shard_once(n, chunks):
+    batch, rows, k = 2, 6, 5
+    for r in range(n):
+        p = build("ag_matmul", "multicast", n, r, batch=batch, rows=rows, k=k, chunks=chunks)
+        stores = [o for o in p["ops"] if o["kind"] == "McStore"]
+        if n == 1:
+            assert not stores
+            continue
+        assert sum(o["bytes"] for o in stores) == batch * rows * k * 4
+        assert {o["chunk"] for o in stores} == {r}
+        assert sum(o["remote_bytes"] for o in p["ops"]) == batch * rows * k * 4
+
+
+def test_multicast_rs_reduces_own_block_only():
+    for r in range(4):
+        p = build("matmul_rs", "multicast", 4, r, chunks=2)
+        reduces = [o for o in p["ops"] if o["kind"] == "McReduce"]
+        assert [o["chunk"] for o in reduces] == [r, r]
+        assert sum(o["remote_bytes"] for o in p["ops"]) == 0
+
+
+# ---- deadlock freedom ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("bidir", [False, True])
+def test_every_clique_is_deadlock_free(op, transport, n, chunks, bidir):
+    programs = clique(op, transport, n, chunks=chunks, bidirectional=bidir,
+                      return_gathered=op == "ag_matmul")
+    assert check_deadlock_free(programs) == sum(len(p["ops"]) for p in programs)
+
+
+def _drop_first(programs, rank, kind):
+    broken = copy.deepcopy(programs)
+    ops = broken[rank]["ops"]
+    ops.pop(next(i for i, o in enumerate(ops) if o["kind"] == kind))
+    return broken
+
+
+@pytest.mark.parametrize("transport,kind", [("p2p", "Signal"), ("nccl", "Send"),
+                                            ("multicast", "Signal"), ("nccl", "Record")])
+def test_checker_catches_broken_programs(transport, kind):
+    programs = clique("ag_matmul", transport, 4, chunks=2)
+    check_deadlock_free(programs)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_deadlock_free(_drop_first(programs, 1, kind))
+
+
+def test_checker_catches_a_cyclic_wait():
+    # Rank 0 waits for rank 1 before signalling it, and vice versa.
+    def prog(rank):
+        peer = 1 - rank
+        return {"rank": rank, "num_streams": 1, "ops": [
+            {"kind": "Wait", "stream": 0, "peer": peer, "id": 0, "text": f"Wait({rank})"},
+            {"kind": "Signal", "stream": 0, "peer": peer, "id": 0, "text": f"Signal({rank})"},
+        ]}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_deadlock_free([prog(0), prog(1)])
+
+
+def test_program_is_printable_and_invalid_problems_raise():
+    p = build("matmul_rs", "p2p", 4, 2, chunks=2, bidirectional=True)
+    assert "stream 0 (compute)" in p["text"] and "Signal" in p["text"]
+    with pytest.raises(ValueError, match="rank must be in"):
+        build("ag_matmul", "p2p", 4, 4)
+    with pytest.raises(ValueError, match="transport"):
+        build("ag_matmul", "smoke-signals", 4, 0)
+
+
+# ---- data races ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("chunks,bidir", [(1, False), (3, True), (2, False), (1, True)])
+def test_every_clique_is_race_free(op, transport, n, chunks, bidir):
+    programs = clique(op, transport, n, rows=3, k=2, n_out=2, chunks=chunks, bidirectional=bidir,
+                      return_gathered=op == "ag_matmul")
+    check_race_free(programs)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("chunks,bidir", [(1, False), (2, True)])
+def test_back_to_back_calls_reuse_buffers_safely(op, transport, n, chunks, bidir):
+    """Three calls in a row: parity double-buffering never lets a call clobber data in use."""
+    programs = clique(op, transport, n, rows=2, k=2, n_out=2, chunks=chunks, bidirectional=bidir,
+                      return_gathered=op == "ag_matmul")
+    check_race_free(programs, calls=3)
+
+
+@pytest.mark.parametrize("op,transport", [("ag_matmul", "p2p"), ("matmul_rs", "multicast")])
+def test_a_single_workspace_buffer_would_race_across_calls(op, transport):
+    programs = clique(op, transport, 4, rows=2, k=2, n_out=2)
+    check_race_free(programs, calls=3, parities=2)
+    with pytest.raises(ScheduleError, match="race|another call"):
+        check_race_free(programs, calls=3, parities=1)
+
+
+def _drop_all(programs, rank, stream, kind):
+    broken = copy.deepcopy(programs)
+    broken[rank]["ops"] = [o for o in broken[rank]["ops"]
+                           if not (o["stream"] == stream and o["kind"] == kind)]
+    return broken
+
+
+@pytest.mark.parametrize("op,transport,kind", [
+    ("ag_matmul", "p2p", "Wait"),          # GEMM would read a slot before the peer's push lands
+    ("ag_matmul", "nccl", "StreamWait"),   # GEMM would read before the Recv completed
+    ("matmul_rs", "p2p", "Wait"),
+    ("matmul_rs", "multicast", "Wait"),    # reduce before the peers' partials are written
+])
+def test_race_checker_catches_a_missing_dependency(op, transport, kind):
+    programs = clique(op, transport, 4, rows=3, k=2, n_out=2, chunks=2)
+    check_race_free(programs)
+    broken = _drop_all(programs, 1, 0, kind)  # compute stream of rank 1 stops waiting
+    check_deadlock_free(broken)               # still deadlock-free ...
+    with pytest.raises(ScheduleError, match="race|no write of its call"):
+        check_race_free(broken)               # ... but racy
