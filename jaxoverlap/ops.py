@@ -11,6 +11,7 @@ versa, so the backward pass is overlapped by the same implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -103,7 +104,7 @@ def _check_axis_name(op: str, axis_name: Any) -> None:
 
 
 def _native():
-    """The native module, or None if this build has none."""
+    """The native module (FFI custom calls), or None if this installation lacks it."""
     try:
         from jaxoverlap import _native
     except ImportError:
@@ -111,12 +112,46 @@ def _native():
     return _native
 
 
+# Transport preference for transport="auto" (DESIGN §3.2).
+_TRANSPORT_ORDER = ("multicast", "p2p", "nccl")
+
+
+def _platform() -> str:
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform or jax.default_backend()
+
+
 def _native_reason(dtype) -> str | None:
     """Why the native path cannot run here (None if it can)."""
     native = _native()
     if native is None:
-        return "this version of jaxoverlap has no native path yet"
-    return native.unavailable_reason(dtype)
+        return "this installation of jaxoverlap has no native module"
+    if not native.available():
+        return f"the native extension does not load ({native.info().get('error')})"
+    platform = _platform()
+    if platform != "cpu":
+        return (f"there is no native executor for platform {platform!r} in this build "
+                "(only the CPU host executor)")
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not supported"
+    return None
+
+
+def _native_transport(op: str, transport: str | None) -> str:
+    """The transport native will use: the one asked for, or the best this machine has."""
+    available = _native().transports()
+    if transport in (None, "auto"):
+        chosen = next(t for t in _TRANSPORT_ORDER if t in available)
+        logger.debug("%s: transport=auto picks %s (available: %s)", op, chosen, available)
+        return chosen
+    if transport not in available:
+        raise NativeUnavailableError(
+            f"{op}: transport={transport!r} is not available on this machine (available: "
+            f"{available}). Use transport='auto' to pick the best available one."
+        )
+    return transport
 
 
 def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> str:
@@ -130,9 +165,11 @@ def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> s
             )
         return "native"
     if impl == "auto":
-        # Native where it can run; otherwise the unfused path, which is never
-        # slower by choice until a cost model says otherwise.
-        return "native" if n > 1 and _native_reason(dtype) is None else "xla"
+        # The only native executor in this build is the CPU host executor: an
+        # exact emulation for testing schedules, not a speed-up (host devices
+        # share the cores). Until a cost model says otherwise, auto stays with
+        # the unfused path, which is never slower by choice.
+        return "xla"
     if transport not in (None, "auto"):
         raise ValueError(
             f"{op}: transport={transport!r} applies to impl='native' only, but impl={impl!r}. "
@@ -178,7 +215,7 @@ def _make_plan(
         timeout_s=settings.timeout_s,
     )
     if chosen_impl == "native":
-        plan = _native().refine_plan(plan, x.dtype)
+        plan = dataclasses.replace(plan, transport=_native_transport(op, plan.transport))
     configure_logging()
     logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape), plan.describe())
     return plan
@@ -193,7 +230,8 @@ def _run_ag(x, w, plan: Plan, want_gathered: bool):
     elif plan.impl == "ring":
         y, gathered = _ring.ag_matmul(x, w, plan, want_gathered)
     else:
-        y, gathered = _native().ag_matmul_shard(x, w, plan, want_gathered)
+        out = _native().ag_matmul_shard(x, w, return_gathered=want_gathered, **_native_args(plan))
+        y, gathered = out if want_gathered else (out, None)
     return y, (gathered if want_gathered else None)
 
 
@@ -202,7 +240,12 @@ def _run_rs(x, w, plan: Plan):
         return _xla.matmul_rs(x, w, plan)
     if plan.impl == "ring":
         return _ring.matmul_rs(x, w, plan)
-    return _native().matmul_rs_shard(x, w, plan)
+    return _native().matmul_rs_shard(x, w, **_native_args(plan))
+
+
+def _native_args(plan: Plan) -> dict:
+    return dict(axis_name=plan.axis_name, axis=plan.axis, transport=plan.transport,
+                chunks=plan.chunks, bidirectional=plan.bidirectional, timeout_s=plan.timeout_s)
 
 
 def _weight_grad(a, b, dtype):

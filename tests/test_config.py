@@ -97,10 +97,22 @@ def test_timeout_reaches_the_plan(monkeypatch):
         assert _plan_for().timeout_s == 3.0
 
 
-def test_auto_impl_without_native_is_the_unfused_path():
-    if ops._native_reason(jnp.float32) is None:
-        pytest.skip("native is available; auto picks it (covered in tests/native)")
-    assert _plan_for().impl == "xla"
+def test_auto_impl_on_cpu_is_the_unfused_path():
+    """On CPU native is an emulator, not a speed-up: auto keeps the unfused path."""
+    assert ops._native_reason(jnp.float32) is None      # native can run here...
+    assert _plan_for().impl == "xla"                    # ...but auto does not pick it
+
+
+def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
+    from jaxoverlap import _native
+
+    assert _plan_for(impl="native").transport == "multicast"
+    monkeypatch.setattr(_native, "transports", lambda: ("nccl", "p2p"))
+    assert _plan_for(impl="native").transport == "p2p"
+    monkeypatch.setattr(_native, "transports", lambda: ("nccl",))
+    assert _plan_for(impl="native").transport == "nccl"
+    monkeypatch.setenv("JAXOVERLAP_TRANSPORT", "nccl")
+    assert _plan_for(impl="native").transport == "nccl"
 
 
 def test_debug_log_prints_the_plan(monkeypatch, caplog):

@@ -20,7 +20,7 @@ def _mesh(kind):
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_ag_matmul_global_with_mesh_argument(kind, impl):
     mesh = _mesh(kind)
     x = put(rand(0, (4, 8, 6), jnp.float32), mesh, P("dp", "tp", None))   # [B, S, H]
@@ -34,7 +34,7 @@ def test_ag_matmul_global_with_mesh_argument(kind, impl):
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_matmul_rs_global_with_set_mesh(kind, impl):
     mesh = _mesh(kind)
     x = put(rand(2, (4, 8, 12), jnp.float32), mesh, P("dp", None, "tp"))
@@ -47,7 +47,7 @@ def test_matmul_rs_global_with_set_mesh(kind, impl):
         assert y.sharding.spec == P("dp", "tp", None)
 
 
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_mesh_taken_from_input_sharding(impl):
     mesh = _mesh("explicit")
     x = put(rand(4, (8, 6), jnp.float32), mesh, P("tp", None))
@@ -69,7 +69,7 @@ def test_unsharded_inputs_are_laid_out_by_the_op():
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_global_mlp_gradients(kind, impl):
     mesh = _mesh(kind)
     x = put(rand(8, (4, 8, 6), jnp.float32), mesh, P("dp", "tp", None))
@@ -90,7 +90,7 @@ def test_global_mlp_gradients(kind, impl):
         assert_close(a, f64(b), jnp.float32)
 
 
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_global_return_gathered(impl):
     mesh = _mesh("explicit")
     x = put(rand(11, (2, 8, 6), jnp.float32), mesh, P("dp", "tp", None))

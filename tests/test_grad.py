@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
 
-IMPLS = ["xla", "ring"]
+IMPLS = ["xla", "ring", "native"]
 
 
 def _mlp(impl, n, axis, checkpoint=False, **kw):
@@ -66,13 +66,16 @@ def test_grads_match_reference(impl, n, axis, dtype):
         assert_close(g, ref, dtype)
 
 
+@pytest.mark.parametrize("impl,transport", [("ring", None), ("native", "nccl"),
+                                            ("native", "p2p"), ("native", "multicast")])
 @pytest.mark.parametrize("chunks,bidirectional", [(1, False), (2, True), (2, False)])
-def test_ring_grads_equal_xla_grads(chunks, bidirectional):
+def test_fused_grads_equal_xla_grads(impl, transport, chunks, bidirectional):
     n, axis = 4, 1
     x = rand(13, (2, 8, 8), jnp.float32)
     w1 = rand(14, (8, 8), jnp.float32)
     w2 = rand(15, (8, 8), jnp.float32)
-    ring = jax.grad(_mlp("ring", n, axis, chunks=chunks, bidirectional=bidirectional),
+    extra = {"transport": transport} if transport else {}
+    ring = jax.grad(_mlp(impl, n, axis, chunks=chunks, bidirectional=bidirectional, **extra),
                     argnums=(0, 1, 2))
     xla = jax.grad(_mlp("xla", n, axis), argnums=(0, 1, 2))
     for a, b in zip(jax.jit(ring)(x, w1, w2), jax.jit(xla)(x, w1, w2), strict=True):

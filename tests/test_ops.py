@@ -83,7 +83,7 @@ def test_ring_rs_matches_reference(n, dtype, layout, chunks, bidirectional):
     assert_close(y, ref, dtype)
 
 
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_return_gathered(impl):
     n, axis = 4, 1
     x = rand(4, (2, 8, 6), jnp.float32)
@@ -108,3 +108,17 @@ def test_four_dim_input_with_axis_in_the_middle():
         mesh=mesh, in_specs=(spec_on(4, 2, "tp"), spec_on(2, 1, "tp")),
         out_specs=spec_on(4, 3, "tp")))
     assert_close(fn(x, w), f64(x) @ f64(w), jnp.float32)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("chunks,bidirectional", [(1, False), (2, True)], ids=lambda v: str(v))
+def test_native_through_the_public_ops(transport, dtype, n, chunks, bidirectional):
+    """impl="native" via jo.ag_matmul / jo.matmul_rs (the executor's own matrix: tests/native)."""
+    kw = dict(impl="native", transport=transport, chunks=chunks, bidirectional=bidirectional)
+    y, ref = _ag_case(n, dtype, LAYOUTS[1], **kw)
+    assert y.dtype == dtype
+    assert_close(y, ref, dtype)
+    y, ref = _rs_case(n, dtype, LAYOUTS[2], **kw)
+    assert_close(y, ref, dtype)

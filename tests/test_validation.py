@@ -138,15 +138,24 @@ def test_bad_flags():
         jo.ag_matmul(X, W, ("dp", "tp"), mesh=tp_mesh(4))
 
 
-def test_native_request_is_never_silently_replaced():
+def test_native_request_is_never_silently_replaced(monkeypatch):
     """Asking for native where it cannot run is an error, not a quiet fallback."""
     from jaxoverlap import ops
 
-    reason = ops._native_reason(jnp.float32)
-    if reason is None:
-        pytest.skip("the native path is available in this build; see tests/native")
-    with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested"):
+    monkeypatch.setattr(ops, "_native", lambda: None)    # an installation without the module
+    with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested.*no native"):
         jo.ag_matmul(X, W, "tp", impl="native", mesh=tp_mesh(4))
+    with pytest.raises(jo.NativeUnavailableError, match=r"\(transport='p2p'\)"):
+        jo.matmul_rs(X, W, "tp", transport="p2p", mesh=tp_mesh(4))
+
+
+def test_transport_the_machine_lacks(monkeypatch):
+    from jaxoverlap import _native
+
+    monkeypatch.setattr(_native, "transports", lambda: ("nccl",))
+    with pytest.raises(jo.NativeUnavailableError,
+                       match=r"transport='multicast' is not available on this machine"):
+        jo.ag_matmul(X, W, "tp", impl="native", transport="multicast", mesh=tp_mesh(4))
 
 
 def test_errors_raise_before_any_device_work():
