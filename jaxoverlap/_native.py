@@ -33,9 +33,22 @@ def available() -> bool:
     return _runtime.host_error() is None
 
 
-def transports() -> tuple[str, ...]:
-    """Transports the host executor emulates (all of them, on the CPU)."""
-    return _TRANSPORTS if available() else ()
+def transports(platform: str = "cpu") -> tuple[str, ...]:
+    """Transports the native path offers on ``platform`` (the host executor emulates all)."""
+    return _TRANSPORTS if platform == "cpu" and available() else ()
+
+
+def unavailable_reason(platform: str, dtype) -> str | None:
+    """Why the native path cannot run on ``platform`` with ``dtype``; None if it can."""
+    error = _runtime.host_error()
+    if error is not None:
+        return f"the native extension does not load ({error})"
+    if platform != "cpu":
+        return (f"there is no native executor for platform {platform!r} in this build "
+                "(only the CPU host executor)")
+    if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in _DTYPES):
+        return f"dtype {jnp.dtype(dtype).name} is not supported"
+    return None
 
 
 def info() -> dict:

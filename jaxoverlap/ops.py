@@ -128,20 +128,12 @@ def _native_reason(dtype) -> str | None:
     native = _native()
     if native is None:
         return "this installation of jaxoverlap has no native module"
-    if not native.available():
-        return f"the native extension does not load ({native.info().get('error')})"
-    platform = _platform()
-    if platform != "cpu":
-        return (f"there is no native executor for platform {platform!r} in this build "
-                "(only the CPU host executor)")
-    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} is not supported"
-    return None
+    return native.unavailable_reason(_platform(), dtype)
 
 
 def _native_transport(op: str, transport: str | None) -> str:
     """The transport native will use: the one asked for, or the best this machine has."""
-    available = _native().transports()
+    available = _native().transports(_platform())
     if transport in (None, "auto"):
         chosen = next(t for t in _TRANSPORT_ORDER if t in available)
         logger.debug("%s: transport=auto picks %s (available: %s)", op, chosen, available)

@@ -107,9 +107,9 @@ def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
     from jaxoverlap import _native
 
     assert _plan_for(impl="native").transport == "multicast"
-    monkeypatch.setattr(_native, "transports", lambda: ("nccl", "p2p"))
+    monkeypatch.setattr(_native, "transports", lambda platform: ("nccl", "p2p"))
     assert _plan_for(impl="native").transport == "p2p"
-    monkeypatch.setattr(_native, "transports", lambda: ("nccl",))
+    monkeypatch.setattr(_native, "transports", lambda platform: ("nccl",))
     assert _plan_for(impl="native").transport == "nccl"
     monkeypatch.setenv("JAXOVERLAP_TRANSPORT", "nccl")
     assert _plan_for(impl="native").transport == "nccl"

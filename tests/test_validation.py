@@ -152,7 +152,7 @@ def test_native_request_is_never_silently_replaced(monkeypatch):
 def test_transport_the_machine_lacks(monkeypatch):
     from jaxoverlap import _native
 
-    monkeypatch.setattr(_native, "transports", lambda: ("nccl",))
+    monkeypatch.setattr(_native, "transports", lambda platform: ("nccl",))
     with pytest.raises(jo.NativeUnavailableError,
                        match=r"transport='multicast' is not available on this machine"):
         jo.ag_matmul(X, W, "tp", impl="native", transport="multicast", mesh=tp_mesh(4))
