@@ -1,0 +1,42 @@
+"""jaxoverlap.sim: a performance model of the native programs (a model, not a measurement).
+
+It simulates the programs the executors run (``_host.build_program``) on a
+hardware preset, to project speedups where no GPU is at hand and to make the
+automatic choices (impl, transport, chunks, direction). See docs/performance.md.
+"""
+
+from jaxoverlap.sim.engine import SimulationError, Span, Timeline, simulate_programs
+from jaxoverlap.sim.model import collective_time, gemm_efficiency, gemm_time
+from jaxoverlap.sim.plan import (
+    Candidate,
+    Choice,
+    Shape,
+    SimResult,
+    baseline_times,
+    candidates,
+    choose,
+    simulate,
+)
+from jaxoverlap.sim.presets import PRESETS, Preset, get_preset, load_preset
+
+__all__ = [
+    "PRESETS",
+    "Candidate",
+    "Choice",
+    "Preset",
+    "Shape",
+    "SimResult",
+    "SimulationError",
+    "Span",
+    "Timeline",
+    "baseline_times",
+    "candidates",
+    "choose",
+    "collective_time",
+    "gemm_efficiency",
+    "gemm_time",
+    "get_preset",
+    "load_preset",
+    "simulate",
+    "simulate_programs",
+]
