@@ -18,9 +18,21 @@ from jaxoverlap.sim.plan import (
     simulate,
 )
 from jaxoverlap.sim.presets import PRESETS, Preset, get_preset, load_preset
+from jaxoverlap.sim.report import (
+    MODEL_LABEL,
+    STANDARD_CASES,
+    Case,
+    calibrate,
+    format_table,
+    gantt,
+    projection_table,
+)
 
 __all__ = [
+    "MODEL_LABEL",
     "PRESETS",
+    "STANDARD_CASES",
+    "Case",
     "Candidate",
     "Choice",
     "Preset",
@@ -30,13 +42,17 @@ __all__ = [
     "Span",
     "Timeline",
     "baseline_times",
+    "calibrate",
     "candidates",
     "choose",
     "collective_time",
+    "format_table",
+    "gantt",
     "gemm_efficiency",
     "gemm_time",
     "get_preset",
     "load_preset",
+    "projection_table",
     "simulate",
     "simulate_programs",
 ]
