@@ -172,10 +172,13 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
     timeline = simulate_programs(programs, p, gemm_extra_passes=extra)
     _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
-    t_compute = max(sum(model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"],
-                                        bool(o["accumulate"]))
-                        if o["kind"] == "Gemm" else model.elementwise_time(p, o["bytes"], 3)
-                        for o in pr["ops"] if o["kind"] in ("Gemm", "Add"))
+    def alone(o: dict) -> float:  # one compute op with every SM, as the engine costs it
+        if o["kind"] == "Add":
+            return model.elementwise_time(p, o["bytes"], 3)
+        t = model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
+        return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
+
+    t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in ("Gemm", "Add"))
                     for pr in programs)
     return SimResult(op, shape, dtype, nranks, p.name, c, timeline.total, t_gemm, t_comm,
                      t_comm_xla, t_compute, timeline.spans,
