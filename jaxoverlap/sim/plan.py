@@ -8,7 +8,7 @@ NCCL collective, then one GEMM) unless a plan beats it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from jaxoverlap.sim import model
@@ -217,6 +217,10 @@ class Choice:
     @property
     def candidate(self) -> Candidate:
         return self.best.candidate
+
+    def __iter__(self) -> Iterator[object]:
+        """``pick, table = sim.choose(...)``: the chosen Candidate and every SimResult."""
+        return iter((self.candidate, self.table))
 
     def format(self) -> str:
         lines = [f"{'plan':<36} {'t_us':>9} {'vs_xla':>7} {'overlap':>8}"]
