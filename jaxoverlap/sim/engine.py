@@ -1,0 +1,324 @@
+"""Discrete-event simulation of one call: every rank's program, every stream.
+
+Consumes the program dicts of ``_host.build_program`` (the very programs the
+executors run). Semantics follow ``tests/native/schedule_check.py``: each
+stream runs its ops in list order; Wait blocks until the flag's Signal has
+arrived, StreamWait until the event was recorded, a Send/Recv group is posted
+together and its stream continues when every op of the group completed; a
+Send/Recv transfer starts once both sides are posted (NCCL rendezvous).
+
+Resources (fluid model): each rank has an egress and an ingress port of
+``link_gbps``; every active transfer moves its wire bytes at
+``min(capacity / active transfers)`` over the ports it uses. A GEMM runs at
+``1 - taken / sms`` of its full speed while NCCL send/recv or multicast kernels
+of its rank are running (they occupy SMs; the copy engine takes none).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxoverlap.sim import model
+from jaxoverlap.sim.presets import Preset
+
+Program = dict[str, Any]
+COMPUTE_KINDS = ("Gemm", "Add")
+TRANSFER_KINDS = ("Copy", "Send", "Recv", "McStore", "McReduce")
+
+
+class SimulationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Span:
+    """One op on one stream: [start, end) in seconds from the call's start.
+
+    ``start`` is when the stream reached the op, so blocking time (Wait, a
+    transfer waiting for its peer, a GEMM slowed by NCCL) is inside the span.
+    """
+
+    rank: int
+    stream: int
+    index: int  # position in the rank's program
+    kind: str
+    text: str
+    start: float
+    end: float
+    chunk: int = -1
+    sub: int = -1
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    """The raw outcome of a simulation: end time and every op's span."""
+
+    total: float
+    spans: list[Span] = field(default_factory=list)
+
+    def of(self, rank: int, stream: int | None = None) -> list[Span]:
+        return [s for s in self.spans
+                if s.rank == rank and (stream is None or s.stream == stream)]
+
+
+@dataclass
+class _Activity:
+    remaining: float  # compute: seconds at full speed; transfer: wire bytes
+    on_done: Callable[[], None]
+    rank: int = -1  # compute: whose SMs
+    ports: tuple[tuple[str, int], ...] = ()  # transfer: ("out"|"in", rank)
+    sm_user: tuple[str, tuple[int, ...]] | None = None  # ("nccl"|"mc", ranks whose SMs)
+    rate: float = 0.0
+
+
+class _Engine:
+    def __init__(self, programs: Sequence[Program], preset: Preset, gemm_extra_passes: int = 0):
+        self.p = preset
+        self.extra = gemm_extra_passes
+        self.n = len(programs)
+        if [pr["rank"] for pr in programs] != list(range(self.n)):
+            raise SimulationError("programs must be ranks 0..N-1 of one call, in order")
+        self.programs = programs
+        self.streams: dict[tuple[int, int], list[tuple[int, dict[str, Any]]]] = {}
+        for pr in programs:
+            for s in range(pr["num_streams"]):
+                self.streams[(pr["rank"], s)] = []
+            for i, op in enumerate(pr["ops"]):
+                self.streams[(pr["rank"], op["stream"])].append((i, op))
+        self.pos = dict.fromkeys(self.streams, 0)
+        self.busy = dict.fromkeys(self.streams, False)
+        self.reached = dict.fromkeys(self.streams, 0.0)
+        self.now = 0.0
+        self.flags: dict[tuple[int, int], float] = {}  # (rank, flag) -> visible at
+        self.events: dict[tuple[int, int], float] = {}
+        self.posted: dict[tuple[str, int, int, int], Callable[[], None]] = {}
+        self.heap: list[tuple[float, int, Callable[[], None]]] = []
+        self.seq = 0
+        self.activities: list[_Activity] = []
+        self.spans: list[Span] = []
+        self.cap = preset.link_gbps * 1e9
+
+    # ---- helpers -------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, fn))
+
+    def span(self, key: tuple[int, int], idx: int, op: dict[str, Any], start: float) -> None:
+        self.spans.append(Span(key[0], key[1], idx, op["kind"], op["text"], start, self.now,
+                               op.get("chunk", -1), op.get("sub", -1)))
+
+    def finish(self, key: tuple[int, int], count: int = 1) -> None:
+        self.pos[key] += count
+        self.busy[key] = False
+        self.reached[key] = self.now
+
+    def elem(self, rank: int) -> int:
+        return int(self.programs[rank]["elem_bytes"])
+
+    def wire(self, nbytes: int, transport: str) -> float:
+        return nbytes * self.p.link_gbps / self.p.transport_gbps(transport)
+
+    def transfer(self, delay: float, wire_bytes: float, ports: tuple[tuple[str, int], ...],
+                 sm_user: tuple[str, tuple[int, ...]] | None,
+                 on_done: Callable[[], None]) -> None:
+        """Latency first (no bandwidth used), then the fluid transfer."""
+        def start() -> None:
+            self.activities.append(_Activity(wire_bytes, on_done, ports=ports, sm_user=sm_user))
+        self.at(self.now + delay, start)
+
+    # ---- one stream ----------------------------------------------------------------------
+    def advance(self, key: tuple[int, int]) -> bool:
+        """Runs the stream as far as it can at ``now``; True if anything happened."""
+        ops = self.streams[key]
+        moved = False
+        r = key[0]
+        while self.pos[key] < len(ops) and not self.busy[key]:
+            idx, op = ops[self.pos[key]]
+            kind, start = op["kind"], self.reached[key]
+            if kind == "Wait":
+                t = self.flags.get((r, op["id"]))
+                if t is None or t > self.now:
+                    return moved
+                self.span(key, idx, op, start)
+                self.finish(key)
+            elif kind == "StreamWait":
+                t = self.events.get((r, op["id"]))
+                if t is None or t + self.p.event_latency_us * model.US > self.now:
+                    return moved
+                self.span(key, idx, op, start)
+                self.finish(key)
+            elif kind == "Signal":
+                t = self.now + self.p.signal_latency_us * model.US
+                self.flags[(op["peer"], op["id"])] = t
+                self.at(t, lambda: None)  # wake the loop when it becomes visible
+                self.span(key, idx, op, start)
+                self.finish(key)
+            elif kind == "Record":
+                self.events[(r, op["id"])] = self.now
+                if self.p.event_latency_us:
+                    self.at(self.now + self.p.event_latency_us * model.US, lambda: None)
+                self.span(key, idx, op, start)
+                self.finish(key)
+            elif kind in ("Send", "Recv"):
+                self.post_group(key)
+            else:
+                self.start_work(key, idx, op)
+            moved = True
+        return moved
+
+    def start_work(self, key: tuple[int, int], idx: int, op: dict[str, Any]) -> None:
+        r, kind, p = key[0], op["kind"], self.p
+        self.busy[key] = True
+        start = self.now
+
+        def done() -> None:
+            self.span(key, idx, op, start)
+            self.finish(key)
+
+        dtype = self.programs[r]["dtype"]
+        if kind == "Gemm":
+            t = model.gemm_time(p, dtype, op["batch"], op["m"], op["n"], op["k"],
+                                bool(op.get("accumulate")))
+            if self.extra:
+                t += model.elementwise_time(p, op["bytes"], self.extra)
+            self.activities.append(_Activity(t, done, rank=r))
+        elif kind == "Add":
+            self.activities.append(_Activity(model.elementwise_time(p, op["bytes"], 3), done,
+                                             rank=r))
+        elif kind == "Copy":
+            dst = op["d"]["rank"] if op["d"]["buf"] == "WORKSPACE" else r
+            if dst == r:  # local copy: HBM traffic on the copy engine
+                self.at(self.now + model.elementwise_time(p, op["bytes"], 2), done)
+            else:
+                self.transfer(p.ce_latency_us * model.US, self.wire(op["bytes"], "p2p"),
+                              (("out", r), ("in", dst)), None, done)
+        elif kind == "McStore":
+            others = tuple(("in", q) for q in range(self.n) if q != r)
+            self.transfer(p.mc_latency_us * model.US, self.wire(op["bytes"], "multicast"),
+                          (("out", r), *others), ("mc", (r,)), done)
+        elif kind == "McReduce":
+            others = tuple(("out", q) for q in range(self.n) if q != r)
+            self.transfer(p.mc_latency_us * model.US, self.wire(op["bytes"], "multicast"),
+                          (("in", r), *others), ("mc", (r,)), done)
+        else:
+            raise SimulationError(f"rank {r}: op kind {kind!r} has no cost model")
+
+    def post_group(self, key: tuple[int, int]) -> None:
+        """Posts every op of the Send/Recv group at the stream's position (one ncclGroup)."""
+        ops = self.streams[key]
+        first = self.pos[key]
+        group = ops[first][1]["group"]
+        members = [ops[first]]
+        if group >= 0:
+            j = first + 1
+            while (j < len(ops) and ops[j][1]["kind"] in ("Send", "Recv")
+                   and ops[j][1]["group"] == group):
+                members.append(ops[j])
+                j += 1
+        self.busy[key] = True
+        start = self.now
+        left = [len(members)]
+        r = key[0]
+
+        for idx, op in members:
+            def done(idx: int = idx, op: dict[str, Any] = op) -> None:
+                self.span(key, idx, op, start)
+                left[0] -= 1
+                if left[0] == 0:
+                    self.finish(key, len(members))
+
+            if op["kind"] == "Send":
+                mine, other = ("send", r, op["peer"], op["id"]), ("recv", r, op["peer"], op["id"])
+                src, dst = r, op["peer"]
+            else:
+                mine, other = ("recv", op["peer"], r, op["id"]), ("send", op["peer"], r, op["id"])
+                src, dst = op["peer"], r
+            if mine in self.posted:
+                raise SimulationError(f"rank {r}: {op['text']} posted twice")
+            if other in self.posted:
+                peer_done = self.posted.pop(other)
+
+                def both(a: Callable[[], None] = done, b: Callable[[], None] = peer_done) -> None:
+                    a()
+                    b()
+
+                self.transfer(self.p.nccl_latency_us * model.US,
+                              self.wire(op["bytes"], "nccl"), (("out", src), ("in", dst)),
+                              ("nccl", (src, dst)), both)
+            else:
+                self.posted[mine] = done
+
+    # ---- the fluid part ------------------------------------------------------------------
+    def set_rates(self) -> None:
+        count: dict[tuple[str, int], int] = {}
+        taken = [0] * self.n
+        for a in self.activities:
+            for port in a.ports:
+                count[port] = count.get(port, 0) + 1
+        users: set[tuple[str, int]] = set()
+        for a in self.activities:
+            if a.sm_user:
+                for q in a.sm_user[1]:
+                    users.add((a.sm_user[0], q))
+        for what, q in users:
+            taken[q] += self.p.nccl_sms if what == "nccl" else self.p.mc_sms
+        for a in self.activities:
+            if a.ports:
+                a.rate = min(self.cap / count[port] for port in a.ports)
+            else:
+                a.rate = max(0.0, 1.0 - taken[a.rank] / self.p.sms)
+
+    def run(self) -> Timeline:
+        while True:
+            progress = True
+            while progress:
+                progress = False
+                for key in self.streams:
+                    if not self.busy[key] and self.advance(key):
+                        progress = True
+            if not self.activities and not self.heap:
+                break
+            self.set_rates()
+            t_next = self.heap[0][0] if self.heap else float("inf")
+            finishing: _Activity | None = None
+            for a in self.activities:
+                if a.rate > 0 and self.now + a.remaining / a.rate < t_next:
+                    t_next, finishing = self.now + a.remaining / a.rate, a
+            if t_next == float("inf"):
+                break
+            dt = t_next - self.now
+            self.now = t_next
+            done = []
+            for a in self.activities:
+                a.remaining -= a.rate * dt
+                scale = 1e-3 if a.ports else 1e-15  # bytes / seconds
+                if a is finishing or a.remaining <= scale:
+                    done.append(a)
+            for a in done:
+                self.activities.remove(a)
+                a.on_done()
+            while self.heap and self.heap[0][0] <= self.now:
+                heapq.heappop(self.heap)[2]()
+        blocked = [f"rank {k[0]} stream {k[1]}: {ops[self.pos[k]][1]['text']}"
+                   for k, ops in self.streams.items() if self.pos[k] < len(ops)]
+        if blocked:
+            raise SimulationError("deadlock; blocked ops:\n  " + "\n  ".join(blocked))
+        if self.posted:
+            raise SimulationError(f"unmatched send/recv: {sorted(self.posted)}")
+        return Timeline(self.now, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
+
+
+def simulate_programs(programs: Sequence[Program], preset: Preset,
+                      gemm_extra_passes: int = 0) -> Timeline:
+    """Simulates one call given every rank's program (rank order); raises on deadlock.
+
+    ``gemm_extra_passes``: extra HBM passes over each GEMM's output (impl="ring").
+    """
+    return _Engine(programs, preset, gemm_extra_passes).run()

@@ -1,0 +1,253 @@
+"""Projections of whole calls and the model-driven choice among plans.
+
+``simulate`` builds every rank's program with ``_host.build_program`` (no
+planning path of its own) and runs the event engine; ``choose`` predicts each
+candidate plan and picks the fastest, keeping the unfused path (``impl="xla"``:
+NCCL collective, then one GEMM) unless a plan beats it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from jaxoverlap.sim import model
+from jaxoverlap.sim.engine import Span, simulate_programs
+from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
+
+OPS = ("ag_matmul", "matmul_rs")
+IMPLS = ("xla", "ring", "native")
+# The pure-JAX ring (impl="ring") runs the NCCL ring schedule through XLA's
+# collective-permute; each step also writes its GEMM output into the result with a
+# dynamic-update-slice (one read + one write of the output block) — modelled as
+# this many extra HBM passes over every GEMM's output.
+RING_EXTRA_PASSES = 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The canonical problem of docs/native.md §1, per rank.
+
+    AG: x [batch, rows, k] -> y [batch, nranks*rows, n];
+    RS: x [batch, nranks*rows, k] -> y [batch, rows, n].
+    """
+
+    batch: int
+    rows: int
+    k: int
+    n: int
+
+    @classmethod
+    def from_global(cls, m: int, k: int, n: int, nranks: int, batch: int = 1) -> Shape:
+        """M = the gathered / full sequence rows (must divide by nranks)."""
+        if m % nranks:
+            raise ValueError(f"M={m} is not divisible by nranks={nranks}")
+        return cls(batch, m // nranks, k, n)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the call: impl, and for native the transport, chunks, direction."""
+
+    impl: str = "native"
+    transport: str | None = "nccl"
+    chunks: int = 1
+    bidirectional: bool = False
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
+
+    @property
+    def label(self) -> str:
+        if self.impl == "xla":
+            return "xla (unfused)"
+        bidi = " bidi" if self.bidirectional else ""
+        if self.impl == "ring":
+            return f"ring{bidi}"
+        return f"native {self.transport} chunks={self.chunks}{bidi}"
+
+
+@dataclass
+class SimResult:
+    """A projected call. A model, not a measurement.
+
+    t_gemm: the unchunked GEMM alone; t_comm: the standalone (unfused) collective
+    on the plan's transport; t_comm_xla: the NCCL collective of the ``xla`` path;
+    t_compute: the plan's own compute ops alone (chunking makes it >= t_gemm);
+    t_fused: the simulated call.
+    """
+
+    op: str
+    shape: Shape
+    dtype: str
+    nranks: int
+    preset: str
+    candidate: Candidate
+    t_fused: float
+    t_gemm: float
+    t_comm: float
+    t_comm_xla: float
+    t_compute: float
+    spans: list[Span] = field(default_factory=list, repr=False)
+    num_streams: int = 1
+
+    @property
+    def t_unfused(self) -> float:
+        """The unfused sequence on the plan's transport: collective, then GEMM."""
+        return self.t_gemm + self.t_comm
+
+    @property
+    def t_xla(self) -> float:
+        """The ``xla`` baseline: NCCL collective, then the GEMM."""
+        return self.t_gemm + self.t_comm_xla
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """(T_gemm + T_comm - T_fused) / T_comm: 1 = communication fully hidden."""
+        return (self.t_gemm + self.t_comm - self.t_fused) / self.t_comm if self.t_comm else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Over the unfused sequence on the same transport."""
+        return self.t_unfused / self.t_fused
+
+    @property
+    def speedup_vs_xla(self) -> float:
+        return self.t_xla / self.t_fused
+
+    @property
+    def ideal_speedup(self) -> float:
+        """(T_gemm + T_comm) / max(T_gemm, T_comm): perfect overlap, free chunking."""
+        return self.t_unfused / max(self.t_gemm, self.t_comm)
+
+    def row(self) -> dict[str, object]:
+        return {
+            "plan": self.candidate.label,
+            "t_us": round(self.t_fused * 1e6, 1),
+            "vs_xla": round(self.speedup_vs_xla, 3),
+            "overlap_eff": round(self.overlap_efficiency, 3),
+            "t_gemm_us": round(self.t_gemm * 1e6, 1),
+            "t_comm_us": round(self.t_comm * 1e6, 1),
+        }
+
+
+def _programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
+              bidirectional: bool, return_gathered: bool) -> list[dict]:
+    from jaxoverlap._runtime import load_host
+
+    host = load_host()
+    return [host.build_program(op, transport, nranks, r, shape.batch, shape.rows, shape.k,
+                               shape.n, dtype=dtype, chunks=chunks,
+                               bidirectional=bidirectional, return_gathered=return_gathered)
+            for r in range(nranks)]
+
+
+def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
+                   preset: Preset, transport: str = "nccl") -> tuple[float, float]:
+    """(T_gemm of the whole unchunked GEMM, T_comm of the standalone collective)."""
+    m = nranks * shape.rows  # AG: gathered rows; RS: full rows of the local x
+    t_gemm = model.gemm_time(preset, dtype, shape.batch, m, shape.n, shape.k)
+    s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
+    return t_gemm, model.collective_time(preset, transport, nranks, s)
+
+
+def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
+             candidate: Candidate | None = None, return_gathered: bool = False) -> SimResult:
+    """Projects one call of ``candidate`` (default: native nccl, 1 chunk) on ``preset``."""
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+    p = load_preset(preset)
+    dtype = canonical_dtype(dtype)
+    c = candidate or Candidate()
+    t_gemm, t_comm_xla = baseline_times(op, shape, dtype, nranks, p)
+    if c.impl == "xla":
+        return SimResult(op, shape, dtype, nranks, p.name, c, t_gemm + t_comm_xla, t_gemm,
+                         t_comm_xla, t_comm_xla, t_gemm)
+    transport = "nccl" if c.impl == "ring" else (c.transport or "nccl")
+    p.transport_gbps(transport)  # raises when the machine lacks it
+    chunks = 1 if c.impl == "ring" else c.chunks
+    programs = _programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
+                         return_gathered)
+    extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
+    timeline = simulate_programs(programs, p, gemm_extra_passes=extra)
+    _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
+    def alone(o: dict) -> float:  # one compute op with every SM, as the engine costs it
+        if o["kind"] == "Add":
+            return model.elementwise_time(p, o["bytes"], 3)
+        t = model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
+        return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
+
+    t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in ("Gemm", "Add"))
+                    for pr in programs)
+    return SimResult(op, shape, dtype, nranks, p.name, c, timeline.total, t_gemm, t_comm,
+                     t_comm_xla, t_compute, timeline.spans,
+                     max(pr["num_streams"] for pr in programs))
+
+
+def candidates(preset: Preset | str, nranks: int, shape: Shape,
+               chunk_options: Sequence[int] = (1, 2, 4, 8),
+               impls: Iterable[str] = IMPLS,
+               transports: Iterable[str] | None = None) -> list[Candidate]:
+    """Every plan the machine supports, simplest first (ties keep the simplest)."""
+    p = load_preset(preset)
+    impls = tuple(impls)
+    allowed = tuple(t for t in (transports or p.transports) if t in p.transports)
+    directions = (False, True) if nranks > 2 else (False,)
+    out: list[Candidate] = []
+    if "xla" in impls:
+        out.append(Candidate("xla", None))
+    if "ring" in impls:
+        out += [Candidate("ring", None, 1, b) for b in directions]
+    if "native" in impls:
+        for t in allowed:
+            for c in sorted({min(max(1, c), shape.rows) for c in chunk_options}):
+                for b in (directions if t != "multicast" else (False,)):
+                    out.append(Candidate("native", t, c, b))
+    return out
+
+
+@dataclass
+class Choice:
+    """The pick and every candidate's projection (for a debug log)."""
+
+    best: SimResult
+    table: list[SimResult]
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.best.candidate
+
+    def __iter__(self) -> Iterator[object]:
+        """``pick, table = sim.choose(...)``: the chosen Candidate and every SimResult."""
+        return iter((self.candidate, self.table))
+
+    def format(self) -> str:
+        lines = [f"{'plan':<36} {'t_us':>9} {'vs_xla':>7} {'overlap':>8}"]
+        for r in sorted(self.table, key=lambda r: r.t_fused):
+            mark = "  <- pick" if r is self.best else ""
+            lines.append(f"{r.candidate.label:<36} {r.t_fused * 1e6:>9.1f} "
+                         f"{r.speedup_vs_xla:>7.3f} {r.overlap_efficiency:>8.3f}{mark}")
+        return "\n".join(lines)
+
+
+def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
+           cands: Sequence[Candidate] | None = None, min_gain: float = 0.02) -> Choice:
+    """Predicts each candidate and picks the fastest.
+
+    The unfused ``xla`` path is always among the candidates and wins unless a
+    plan is predicted at least ``min_gain`` (a fraction, default 2%: a margin for
+    the model's error) faster: never slower by choice. Ties keep the earlier
+    (simpler) candidate.
+    """
+    p = load_preset(preset)
+    cands = list(cands) if cands is not None else candidates(p, nranks, shape)
+    if not any(c.impl == "xla" for c in cands):
+        cands.insert(0, Candidate("xla", None))
+    table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]
+    xla = next(r for r in table if r.candidate.impl == "xla")
+    best = xla
+    for r in table:
+        if r.t_fused < best.t_fused and r.t_fused <= xla.t_fused * (1 - min_gain):
+            best = r
+    return Choice(best, table)

@@ -1,0 +1,169 @@
+"""Projected tables, Gantt charts and preset calibration (all model output, labelled so)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from jaxoverlap.sim import model
+from jaxoverlap.sim.plan import Shape, SimResult, choose
+from jaxoverlap.sim.presets import PRESETS, Preset, canonical_dtype, load_preset
+
+MODEL_LABEL = "MODEL PROJECTION (jaxoverlap.sim), not a measurement"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem of the projected table; ``ref`` names the peer number it mirrors."""
+
+    label: str
+    op: str
+    m: int  # global rows (gathered / full sequence)
+    k: int  # per rank: AG hidden; RS the local contraction slice
+    n: int  # per rank: AG local output columns; RS hidden
+    nranks: int = 8
+    dtype: str = "bfloat16"
+    ref: str = ""
+
+    @property
+    def shape(self) -> Shape:
+        return Shape.from_global(self.m, self.k, self.n, self.nranks)
+
+
+STANDARD_CASES: tuple[Case, ...] = (
+    Case("AG std", "ag_matmul", 8192, 8192, 3584,
+         ref="brief §5 worked example: ideal 1.5x (1.45x with ~5% chunk cost)"),
+    Case("RS std", "matmul_rs", 8192, 3584, 8192, ref="brief §5: symmetric to AG std"),
+    Case("AG M2048", "ag_matmul", 2048, 8192, 3584,
+         ref="PyTorch PR #143160 (GPU n/s): 0.85x / 1.02x / 1.09x"),
+    Case("AG flux", "ag_matmul", 4096, 12288, 6144,
+         ref="Flux 8xL20 PCIe: 2.87x; Triton-dist 8xH800 AG M8192: 1.30-1.65x"),
+    Case("RS flux", "matmul_rs", 4096, 6144, 12288, ref="Flux 8xL20 PCIe: 3.08x"),
+    Case("RS M32768", "matmul_rs", 32768, 3584, 8192,
+         ref="Flux on 8xH100 (flux#90): 0.80x (fused slower)"),
+    Case("AG decode", "ag_matmul", 64, 8192, 3584, ref="tiny GEMM: unfused expected"),
+)
+
+
+def projection_table(presets: Iterable[str | Preset] = tuple(PRESETS),
+                     cases: Sequence[Case] = STANDARD_CASES) -> list[dict[str, object]]:
+    """One row per (preset, case): the xla baseline, the chosen plan and its metrics."""
+    rows: list[dict[str, object]] = []
+    for spec in presets:
+        p = load_preset(spec)
+        for case in cases:
+            choice = choose(case.op, case.shape, case.dtype, case.nranks, p)
+            b = choice.best
+            rows.append({
+                "preset": p.name, "case": case.label, "op": case.op,
+                "shape": f"TP{case.nranks} M{case.m} K{case.k} N{case.n}",
+                "t_gemm_us": b.t_gemm * 1e6, "t_comm_us": b.t_comm_xla * 1e6,
+                "t_xla_us": b.t_xla * 1e6, "plan": b.candidate.label,
+                "t_plan_us": b.t_fused * 1e6, "vs_xla": b.speedup_vs_xla,
+                "speedup": b.speedup, "overlap_eff": b.overlap_efficiency,
+                "ideal": b.ideal_speedup,
+                "ref": case.ref,
+            })
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> str:
+    cols = [("preset", "preset"), ("case", "case"), ("shape", "shape (per-rank K/N)"),
+            ("t_xla_us", "xla µs"), ("plan", "chosen plan"), ("t_plan_us", "plan µs"),
+            ("vs_xla", "vs xla"), ("speedup", "speedup¹"), ("overlap_eff", "overlap eff¹"),
+            ("ideal", "ideal¹")]
+
+    def fmt(key: str, v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.0f}" if key.endswith("_us") else f"{v:.2f}"
+        return str(v)
+
+    lines = []
+    if markdown:
+        lines.append("| " + " | ".join(h for _, h in cols) + " |")
+        lines.append("|" + "---|" * len(cols))
+        for r in rows:
+            lines.append("| " + " | ".join(fmt(k, r[k]) for k, _ in cols) + " |")
+    else:
+        lines.append(MODEL_LABEL)
+        lines.append("  ".join(f"{h:>14}" for _, h in cols))
+        for r in rows:
+            lines.append("  ".join(f"{fmt(k, r[k]):>14}" for k, _ in cols))
+    return "\n".join(lines)
+
+
+def gantt(result: SimResult, path: str | os.PathLike[str], ranks: Sequence[int] | None = None,
+          title: str | None = None) -> str:
+    """Draws one plan's per-stream timeline (one row per rank x stream) to a PNG.
+
+    Blocking (Wait / StreamWait) is drawn light grey so the exposed communication
+    shows; labelled as a model. Returns the path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"Gemm": "tab:blue", "Add": "tab:cyan", "Copy": "tab:orange",
+              "Send": "tab:red", "Recv": "tab:pink", "McStore": "tab:purple",
+              "McReduce": "tab:purple", "Wait": "0.85", "StreamWait": "0.85"}
+    ranks = list(ranks) if ranks is not None else sorted({s.rank for s in result.spans})
+    rows = sorted({(s.rank, s.stream) for s in result.spans if s.rank in ranks})
+    y = {key: i for i, key in enumerate(rows)}
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.8))
+    for s in result.spans:
+        if (s.rank, s.stream) not in y or s.end <= s.start or s.kind not in colors:
+            continue
+        if s.kind == "Recv":  # same transfer as the Send drawn on the peer's row
+            continue
+        ax.barh(y[(s.rank, s.stream)], (s.end - s.start) * 1e6, left=s.start * 1e6,
+                height=0.7, color=colors[s.kind], edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r} {'compute' if st == 0 else f'comm {st}'}" for r, st in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("µs")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k])
+               for k in ("Gemm", "Add", "Copy", "Send", "McStore", "Wait")]
+    ax.legend(handles, ["Gemm", "Add", "Copy (CE)", "Send/Recv (NCCL)", "Multicast", "waiting"],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    shape = result.shape
+    ax.set_title(title or (
+        f"{MODEL_LABEL}\n{result.preset}: {result.op} TP{result.nranks} rows/rank={shape.rows} "
+        f"K={shape.k} N={shape.n} {result.dtype}, {result.candidate.label}: "
+        f"{result.t_fused * 1e6:.0f} µs vs xla {result.t_xla * 1e6:.0f} µs, "
+        f"overlap eff {result.overlap_efficiency:.2f}"), fontsize=9)
+    fig.tight_layout()
+    out = os.fspath(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def calibrate(base: str | Preset, *, name: str | None = None, dtype: str = "bfloat16",
+              gemm: tuple[int, int, int, float] | None = None,
+              nccl_allgather: tuple[int, int, float] | None = None,
+              p2p_copy: tuple[int, float] | None = None) -> Preset:
+    """A preset fitted to measurements on the user's machine.
+
+    gemm = (m, n, k, seconds) of one large GEMM -> gemm_efficiency (inverts the
+    shape curve and the per-kernel overhead); nccl_allgather = (total bytes S,
+    nranks, seconds) -> nccl_gbps (nccl-tests busbw); p2p_copy = (bytes, seconds)
+    of one peer cudaMemcpyAsync -> p2p_gbps. Latencies stay the base's unless set
+    with ``.replace`` afterwards.
+    """
+    p = load_preset(base)
+    changes: dict[str, object] = {"name": name or f"{p.name}-calibrated"}
+    if gemm is not None:
+        m, n, k, t = gemm
+        busy = t - p.gemm_overhead_us * model.US
+        shape = model.gemm_efficiency(p, m, n, k) / p.gemm_efficiency
+        changes["gemm_efficiency"] = (2.0 * m * n * k / busy
+                                      / (p.peak_tflops[canonical_dtype(dtype)] * 1e12) / shape)
+    if nccl_allgather is not None:
+        s, nranks, t = nccl_allgather
+        changes["nccl_gbps"] = s * (nranks - 1) / nranks / (t - p.nccl_latency_us * model.US) / 1e9
+    if p2p_copy is not None:
+        b, t = p2p_copy
+        changes["p2p_gbps"] = b / (t - p.ce_latency_us * model.US) / 1e9
+    return p.replace(**changes)
