@@ -31,6 +31,7 @@ class Settings:
     chunks: int | None = None
     bidirectional: bool | None = None
     timeout_s: float | None = None
+    preset: str | None = None
 
 
 _UNSET = Settings()
@@ -77,6 +78,13 @@ def check_timeout(timeout_s: Any, where: str = "timeout_s") -> float | None:
     return value
 
 
+def check_preset(preset: Any, where: str = "preset") -> str | None:
+    """A built-in preset name or a preset JSON file (checked when first used)."""
+    if preset is not None and (not isinstance(preset, str) or not preset):
+        raise TypeError(f"{where}={preset!r} must be a preset name (e.g. 'h100') or a JSON path.")
+    return preset
+
+
 def _env(name: str) -> str | None:
     value = os.environ.get(name)
     return value.strip() if value is not None and value.strip() else None
@@ -102,6 +110,7 @@ def _from_env() -> Settings:
         transport=check_transport(transport, "JAXOVERLAP_TRANSPORT"),
         chunks=check_chunks(chunks_value, "JAXOVERLAP_CHUNKS"),
         timeout_s=check_timeout(timeout, "JAXOVERLAP_TIMEOUT_S"),
+        preset=_env("JAXOVERLAP_PRESET"),
     )
 
 
@@ -113,11 +122,13 @@ def config(
     chunks: int | None = None,
     bidirectional: bool | None = None,
     timeout_s: float | None = None,
+    preset: str | None = None,
 ) -> Iterator[Settings]:
     """Sets default op arguments for the ops traced inside the block.
 
     Arguments given to an op win over these, and these win over the
-    ``JAXOVERLAP_*`` environment variables. Blocks nest; an argument left as
+    ``JAXOVERLAP_*`` environment variables. ``preset`` names the hardware model
+    (``jaxoverlap.sim``) that makes the automatic choices. Blocks nest; an argument left as
     ``None`` keeps the value of the enclosing block.
 
     >>> import jaxoverlap as jo
@@ -135,6 +146,7 @@ def config(
             else outer.bidirectional
         ),
         timeout_s=check_timeout(timeout_s) if timeout_s is not None else outer.timeout_s,
+        preset=check_preset(preset) if preset is not None else outer.preset,
     )
     token = _scoped.set(inner)
     try:
@@ -152,6 +164,7 @@ def current_config() -> Settings:
         chunks=scoped.chunks if scoped.chunks is not None else env.chunks,
         bidirectional=scoped.bidirectional,
         timeout_s=scoped.timeout_s or env.timeout_s or DEFAULT_TIMEOUT_S,
+        preset=scoped.preset or env.preset,
     )
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxoverlap import _ring, _spmd, _xla
+from jaxoverlap import _choose, _ring, _spmd, _xla
 from jaxoverlap._compat import bound_axis_size, match_varying, varying_axes
 from jaxoverlap._config import (
     check_bidirectional,
@@ -171,46 +171,91 @@ def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> s
 
 
 def _make_plan(
-    op: str, x, axis_name, n: int, axis: int, rows_per_shard: int,
+    op: str, x, w, axis_name, n: int, axis: int, rows_per_shard: int,
     impl: Any, transport: Any, chunks: Any, bidirectional: Any,
 ) -> Plan:
     check_impl(impl)
     check_transport(transport)
     check_chunks(chunks)
     check_bidirectional(bidirectional)
+    configure_logging()
     settings = current_config()
     chosen_impl = impl if impl != "auto" else settings.impl
     explicit_transport = transport if transport not in (None, "auto") else None
-    chosen_impl = _resolve_impl(op, chosen_impl, explicit_transport, x.dtype, n)
     source = "chunks"
     if chunks is None and settings.chunks is not None:
         chunks, source = settings.chunks, "chunks (from jo.config / JAXOVERLAP_CHUNKS)"
-    if chunks is None:
-        chunks = 1
-    if rows_per_shard % chunks:
+    if chunks is not None and rows_per_shard % chunks:
         raise ValueError(
             f"{op}: {source}={chunks} does not divide the {rows_per_shard} rows each rank holds "
             f"on axis {axis}; pick a divisor of {rows_per_shard}."
         )
     if bidirectional is None:
         bidirectional = settings.bidirectional
-    if bidirectional is None:
-        bidirectional = n > 2
+    transport_wanted = explicit_transport or (
+        settings.transport if settings.transport != "auto" else None)
+
+    forced_native = chosen_impl == "native" or (
+        chosen_impl == "auto" and explicit_transport is not None)
+    picked = _model_pick(op, x, w, n, axis, rows_per_shard, chosen_impl, forced_native,
+                         transport_wanted, chunks, bidirectional, settings.preset)
+    if picked is not None:
+        chosen_impl = picked.impl
+        chunks = picked.chunks if chunks is None else chunks
+        bidirectional = picked.bidirectional if bidirectional is None else bidirectional
+        if picked.impl == "native":
+            transport_wanted = transport_wanted or picked.transport
+    else:
+        chosen_impl = _resolve_impl(op, chosen_impl, explicit_transport, x.dtype, n)
     plan = Plan(
         impl=chosen_impl,
         axis_name=axis_name,
         axis=axis,
         n=n,
-        chunks=chunks,
-        bidirectional=bidirectional,
-        transport=explicit_transport or settings.transport or "auto",
+        chunks=1 if chunks is None else chunks,
+        bidirectional=(n > 2) if bidirectional is None else bidirectional,
+        transport=transport_wanted or "auto",
         timeout_s=settings.timeout_s,
     )
     if chosen_impl == "native":
         plan = dataclasses.replace(plan, transport=_native_transport(op, plan.transport))
-    configure_logging()
     logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape), plan.describe())
     return plan
+
+
+def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,
+                bidirectional, preset):
+    """The performance model's candidate for what the caller left open, or None.
+
+    None means no model applies (no preset: host devices by default) or nothing
+    is left open; the simple defaults then hold.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
+    preset = _choose.machine_preset(preset, device_kind)
+    open_choice = (impl == "auto" or chunks is None or bidirectional is None
+                   or transport is None)
+    if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
+        return None                      # xla/ring asked for: nothing for the model to pick
+    native_ok = _native_reason(x.dtype) is None
+    if forced_native and not native_ok:
+        return None                      # _resolve_impl raises the clear error
+    if forced_native:
+        impls: tuple = ("native",)
+    else:
+        impls = ("xla", "ring", "native") if native_ok else ("xla", "ring")
+    transports = ((transport,) if transport else _native().transports(_platform())) \
+        if native_ok else ()
+    try:
+        pick = _choose.choose(
+            op, _choose.canonical_shape(op, tuple(x.shape), tuple(w.shape), axis, n),
+            jnp.dtype(x.dtype).name, n, preset, impls, tuple(transports),
+            tuple(c for c in (1, 2, 4, 8) if rows_per_shard % c == 0)
+            if chunks is None else (chunks,),
+            (False, True) if bidirectional is None else (bidirectional,))
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{op}: the performance model (preset={preset!r}) failed: {err}") from err
+    return pick
 
 
 # ---------------------------------------------------------------- dispatch
@@ -342,7 +387,7 @@ def ag_matmul(
             chunks=chunks, bidirectional=bidirectional, return_gathered=return_gathered,
         )
         return _spmd.ag_matmul_global(local, x, w, axis_name, axis, return_gathered, mesh)
-    plan = _make_plan(op, x, axis_name, n, axis, x.shape[axis], impl, transport, chunks,
+    plan = _make_plan(op, x, w, axis_name, n, axis, x.shape[axis], impl, transport, chunks,
                       bidirectional)
     return _ag_matmul(x, w, plan, return_gathered, _types(x, w))
 
@@ -382,6 +427,6 @@ def matmul_rs(
             f"{op}: x.shape[{axis}]={x.shape[axis]} rows are not divisible by the size {n} of "
             f"mesh axis {axis_name!r}; pad the rows to a multiple of {n}."
         )
-    plan = _make_plan(op, x, axis_name, n, axis, x.shape[axis] // n, impl, transport, chunks,
+    plan = _make_plan(op, x, w, axis_name, n, axis, x.shape[axis] // n, impl, transport, chunks,
                       bidirectional)
     return _matmul_rs(x, w, plan, _types(x, w))

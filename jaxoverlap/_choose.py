@@ -1,0 +1,65 @@
+"""Automatic choices by the performance model (``jaxoverlap.sim``), per call site.
+
+When a hardware preset applies — named with ``jo.config(preset=...)`` /
+``JAXOVERLAP_PRESET`` (a built-in name or a JSON file), or recognised from the
+GPU's device kind — whatever the caller left open (``impl="auto"``,
+``chunks=None``, ``bidirectional=None``, ``transport="auto"``) is picked by
+simulating every candidate plan the machine supports, the unfused ``"xla"``
+path included: a fused plan must be predicted at least 2% faster to be chosen,
+so the model never makes a call slower by choice.
+
+Host devices (CPU) have no preset by default: there the ops keep the simple
+defaults (``"xla"``, one chunk), since host devices share the cores and
+nothing overlaps.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from jaxoverlap._config import logger
+
+# Device-kind substrings of the GPUs that have a built-in preset.
+_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100"))
+_CHUNK_OPTIONS = (1, 2, 4, 8)
+
+
+def machine_preset(configured: str | None, device_kind: str | None) -> str | None:
+    """The preset that applies: the configured one, else the GPU's, else None."""
+    if configured:
+        return configured
+    for needle, name in _DEVICE_PRESETS:
+        if device_kind and needle in device_kind.upper():
+            return name
+    return None
+
+
+def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
+    """The per-rank problem of docs/native.md §1: (batch, rows, k, n)."""
+    from jaxoverlap.sim import Shape
+
+    batch = math.prod(x_shape[:axis])
+    rows = math.prod(x_shape[axis:-1])
+    if op == "matmul_rs":
+        rows //= n
+    return Shape(batch, rows, x_shape[-1], w_shape[1])
+
+
+@functools.lru_cache(maxsize=512)
+def choose(op: str, shape: Any, dtype: str, n: int, preset: str, impls: tuple,
+           transports: tuple, chunks: tuple, bidirectional: tuple):
+    """The model's pick among the allowed plans (cached per call-site signature)."""
+    from jaxoverlap import sim
+
+    cands = [
+        c for c in sim.candidates(preset, n, shape, chunk_options=_CHUNK_OPTIONS, impls=impls,
+                                  transports=transports or None)
+        if c.impl == "xla"
+        or (c.chunks in chunks and c.bidirectional in bidirectional)
+    ]
+    choice = sim.choose(op, shape, dtype, n, preset, cands)
+    logger.debug("%s %s on %s, N=%d (model, not a measurement):\n%s", op, shape, preset, n,
+                 choice.format())
+    return choice.candidate

@@ -1,0 +1,118 @@
+"""Automatic choices by the performance model, wired into the ops (issue: performance model).
+
+Only tracing happens here: the standard shape is far too big to run on the CPU,
+but the choice is made at trace time, so lowering with abstract inputs shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import spec_on, tp_mesh
+
+import jaxoverlap as jo
+from jaxoverlap import ops, sim
+
+
+def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):
+    """The plan the op picks for these global shapes on a tp=8 mesh (traced, not run)."""
+    seen = []
+    real = ops._make_plan
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    mesh = tp_mesh(8)
+    ndim = len(x_shape)
+    if op is jo.ag_matmul:
+        specs = (spec_on(ndim, axis, "tp"), spec_on(2, 1, "tp"))
+        out = spec_on(ndim, ndim - 1, "tp")
+    else:
+        specs = (spec_on(ndim, ndim - 1, "tp"), spec_on(2, 0, "tp"))
+        out = spec_on(ndim, axis, "tp")
+    f = jax.jit(jax.shard_map(lambda x, w: op(x, w, "tp", axis=axis, **kw), mesh=mesh,
+                              in_specs=specs, out_specs=out))
+    ops._make_plan = spy
+    try:
+        f.lower(jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype))
+    finally:
+        ops._make_plan = real
+    return seen[0]
+
+
+# The standard shape of the research brief: TP=8, M=8192, K=8192, N=3584 per rank.
+AG_STD = ((8192, 8192), (8192, 8 * 3584))
+RS_STD = ((8192, 8 * 3584), (8 * 3584, 8192))
+
+
+def test_no_preset_on_host_devices_keeps_the_simple_defaults(monkeypatch):
+    monkeypatch.delenv("JAXOVERLAP_PRESET", raising=False)
+    plan = _plan(jo.ag_matmul, *AG_STD)
+    assert (plan.impl, plan.chunks) == ("xla", 1)
+
+
+@pytest.mark.parametrize("op,shapes,sim_op", [(jo.ag_matmul, AG_STD, "ag_matmul"),
+                                              (jo.matmul_rs, RS_STD, "matmul_rs")])
+def test_standard_shape_on_h100_picks_the_models_overlapped_plan(monkeypatch, op, shapes, sim_op):
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    plan = _plan(op, *shapes)
+    assert plan.impl == "native"
+    # The pick is the model's: the same as asking the simulator directly.
+    shape = sim.Shape(1, 1024, shapes[1][0] // (8 if sim_op == "matmul_rs" else 1),
+                      shapes[1][1] // (8 if sim_op == "ag_matmul" else 1))
+    cands = sim.candidates("h100", 8, shape, impls=("xla", "ring", "native"),
+                           transports=jo.ops._native().transports("cpu"))
+    best = sim.choose(sim_op, shape, "bfloat16", 8, "h100", cands).candidate
+    assert (plan.impl, plan.transport, plan.chunks, plan.bidirectional) == (
+        best.impl, best.transport, best.chunks, best.bidirectional)
+
+
+def test_tiny_gemm_falls_back_to_unfused(monkeypatch):
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    assert _plan(jo.ag_matmul, (64, 32), (32, 64)).impl == "xla"
+    assert _plan(jo.matmul_rs, (64, 64), (64, 32)).impl == "xla"
+
+
+def test_the_choice_follows_the_model_not_a_rule(tmp_path):
+    """Same shape, two machines: free communication -> unfused; slow links -> overlapped."""
+    h100 = sim.get_preset("h100")
+    free = h100.replace(name="free-comm", link_gbps=1e9, nccl_gbps=1e9, p2p_gbps=1e9,
+                        multicast_gbps=1e9, nccl_latency_us=0.0, ce_latency_us=0.0,
+                        mc_latency_us=0.0, signal_latency_us=0.0, nccl_sms=0, mc_sms=0)
+    path = tmp_path / "free.json"
+    free.to_json(path)
+    assert json.loads(path.read_text())["name"] == "free-comm"
+    with jo.config(preset=str(path)):
+        assert _plan(jo.ag_matmul, *AG_STD).impl == "xla"
+    with jo.config(preset="h100"):
+        assert _plan(jo.ag_matmul, *AG_STD).impl == "native"
+
+
+def test_user_arguments_constrain_the_model(monkeypatch):
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    plan = _plan(jo.ag_matmul, *AG_STD, chunks=4, bidirectional=True)
+    assert (plan.chunks, plan.bidirectional) == (4, True)
+    plan = _plan(jo.ag_matmul, *AG_STD, impl="native", transport="nccl")
+    assert (plan.impl, plan.transport) == ("native", "nccl")
+    assert _plan(jo.ag_matmul, *AG_STD, impl="ring").impl == "ring"
+
+
+def test_debug_log_lists_candidates_with_predicted_times(monkeypatch, caplog):
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
+    with caplog.at_level(logging.DEBUG, logger="jaxoverlap"):
+        _plan(jo.ag_matmul, (4096, 4096), (4096, 8 * 2048))
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "model, not a measurement" in text
+    assert "xla (unfused)" in text and "native" in text and "t_us" in text
+
+
+def test_unknown_preset_is_a_clear_error():
+    with jo.config(preset="tpu-v9"):
+        with pytest.raises(ValueError, match="preset='tpu-v9'.*not a built-in"):
+            _plan(jo.ag_matmul, *AG_STD)
