@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -10,12 +11,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxoverlap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices, native build and effective configuration")
+    from jaxoverlap import _bench
+
+    _bench.add_arguments(sub.add_parser(
+        "bench", help="time every impl side by side (or --model PRESET: the projection)"))
     args = parser.parse_args(argv)
     if args.command == "info":
         from jaxoverlap._info import format_info, info
 
         print(format_info(info()))
+    elif args.command == "bench":
+        _host_devices()
+        return _bench.run(args)
     return 0
+
+
+def _host_devices() -> None:
+    """Eight host devices when no accelerator is present (set before JAX starts)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 
 if __name__ == "__main__":

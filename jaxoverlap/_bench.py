@@ -1,0 +1,175 @@
+"""``python -m jaxoverlap bench``: measured ratios on the devices present, or the model's.
+
+Measured mode times every impl side by side in one run (warm-up, repeats,
+median, ratio to ``"xla"``) for the standard cases of ``jaxoverlap.sim`` —
+TP=8, M=8192, K=8192, N=3584 per rank and friends — scaled down on host
+devices, and writes a JSON and a table. ``--model PRESET`` prints the
+simulator's projection for the same cases and a Gantt chart of one plan,
+labelled as a model. ``--calibrate`` also times one GEMM and one all-gather
+and writes a preset fitted to this machine (meaningful on GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--impls", nargs="+", default=["xla", "ring", "native"])
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default: the largest power of two of the devices)")
+    p.add_argument("--cases", nargs="+", default=None,
+                   help="labels of jaxoverlap.sim.STANDARD_CASES (default: all)")
+    p.add_argument("--scale", type=int, default=None,
+                   help="divide M, K and N by this (default: 32 on host devices, 1 on GPUs)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on CPU")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="results", help="directory for bench.json / the Gantt PNG")
+    p.add_argument("--model", default=None, metavar="PRESET",
+                   help="print the model's projection on PRESET (name or JSON) instead of timing")
+    p.add_argument("--calibrate", default=None, metavar="BASE_PRESET",
+                   help="also fit BASE_PRESET to this machine; writes OUT/preset-calibrated.json")
+
+
+def median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _model(args: argparse.Namespace) -> int:
+    from jaxoverlap import sim
+
+    preset = sim.load_preset(args.model)
+    cases = _cases(args.cases)
+    print(f"{sim.MODEL_LABEL} — preset {preset.name} ({preset.gpu})")
+    print(sim.format_table(sim.projection_table([preset], cases), markdown=False))
+    case = cases[0]
+    choice = sim.choose(case.op, case.shape, case.dtype, case.nranks, preset)
+    print(f"\n{case.label}: candidates ({sim.MODEL_LABEL})\n{choice.format()}")
+    os.makedirs(args.out, exist_ok=True)
+    path = sim.gantt(choice.best, os.path.join(args.out, f"gantt-{preset.name}.png"))
+    print(f"Gantt chart of the chosen plan (model): {path}")
+    return 0
+
+
+def _cases(labels: Sequence[str] | None):
+    from jaxoverlap import sim
+
+    if not labels:
+        return list(sim.STANDARD_CASES)
+    known = {c.label: c for c in sim.STANDARD_CASES}
+    missing = [label for label in labels if label not in known]
+    if missing:
+        raise SystemExit(f"bench: unknown case(s) {missing}; known: {sorted(known)}")
+    return [known[label] for label in labels]
+
+
+def _round(value: int, multiple: int) -> int:
+    return max(multiple, value // multiple * multiple)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap as jo
+
+    devices = jax.devices()
+    platform = devices[0].platform
+    tp = args.tp or 2 ** (len(devices).bit_length() - 1)
+    if tp > len(devices):
+        raise SystemExit(f"bench: --tp {tp} but only {len(devices)} devices")
+    scale = args.scale or (1 if platform == "gpu" else 32)
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if platform == "gpu" else "float32"))
+    mesh = Mesh(np.array(devices[:tp]), ("tp",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(0)
+
+    def put(shape, spec):
+        a = rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+        return jax.device_put(jnp.asarray(a, dtype), NamedSharding(mesh, spec))
+
+    print(f"jaxoverlap bench: {tp} {platform} devices, {dtype.name}, shapes / {scale} "
+          f"(measured, medians of {args.repeats})")
+    rows: list[dict[str, Any]] = []
+    for case in _cases(args.cases):
+        m = _round(case.m // scale, tp * 8)
+        k, n = _round(case.k // scale, 8), _round(case.n // scale, 8)
+        if case.op == "ag_matmul":
+            x, w = put((m, k), P("tp", None)), put((k, n * tp), P(None, "tp"))
+        else:
+            x, w = put((m, k * tp), P(None, "tp")), put((k * tp, n), P("tp", None))
+        op = getattr(jo, case.op)
+        times: dict[str, float] = {}
+        for impl in args.impls:
+            fn = jax.jit(lambda x, w, impl=impl, op=op: op(x, w, "tp", impl=impl, mesh=mesh))
+            try:
+                times[impl] = median_seconds(functools.partial(fn, x, w), args.warmup,
+                                             args.repeats)
+            except (ValueError, TypeError) as err:
+                print(f"  {case.label} impl={impl}: skipped ({str(err).splitlines()[0]})")
+        for impl, t in times.items():
+            rows.append({"case": case.label, "op": case.op, "tp": tp, "m": m, "k": k, "n": n,
+                         "dtype": dtype.name, "impl": impl, "median_ms": t * 1e3,
+                         "vs_xla": times["xla"] / t if "xla" in times else None})
+            print(f"  {case.label:<10} M{m} K{k} N{n}  {impl:<7} {t * 1e3:9.3f} ms  "
+                  f"x{rows[-1]['vs_xla'] or float('nan'):.2f} vs xla")
+    os.makedirs(args.out, exist_ok=True)
+    result = {"platform": platform, "devices": len(devices), "tp": tp, "scale": scale,
+              "dtype": dtype.name, "jax": jax.__version__, "jaxoverlap": jo.__version__,
+              "rows": rows}
+    if args.calibrate:
+        result["calibrated_preset"] = _calibrate(args, mesh, tp, scale, dtype, put)
+    path = os.path.join(args.out, "bench.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+    return 0 if rows else 1
+
+
+def _calibrate(args, mesh, tp: int, scale: int, dtype, put) -> str:
+    """Times one GEMM and one all-gather and fits the base preset to them."""
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxoverlap import sim
+
+    m, k, n = 8192 // scale, 8192 // scale, 3584 // scale
+    a, b = put((m, k), P()), put((k, n), P())
+    t_gemm = median_seconds(jax.jit(lambda: a @ b), args.warmup, args.repeats)
+    x = put((m, k), P("tp", None))
+    gather = jax.jit(jax.shard_map(lambda x: lax.all_gather(x, "tp", tiled=True), mesh=mesh,
+                                   in_specs=P("tp", None), out_specs=P(None, None),
+                                   check_vma=False))
+    t_ag = median_seconds(lambda: gather(x), args.warmup, args.repeats)
+    nbytes = m * k * dtype.itemsize
+    preset = sim.calibrate(args.calibrate, dtype=dtype.name, gemm=(m, n, k, t_gemm),
+                           nccl_allgather=(nbytes, tp, t_ag))
+    path = os.path.join(args.out, "preset-calibrated.json")
+    preset.to_json(path)
+    print(f"calibrated {args.calibrate}: GEMM {m}x{n}x{k} {t_gemm * 1e3:.3f} ms, all-gather "
+          f"{nbytes / 1e6:.1f} MB {t_ag * 1e3:.3f} ms -> {path} (use JAXOVERLAP_PRESET={path})")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    return _model(args) if args.model else _measure(args)

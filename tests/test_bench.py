@@ -1,0 +1,48 @@
+"""`python -m jaxoverlap bench`: measured ratios side by side, and the model's projection."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _run(*args: str, tmp_path) -> str:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)     # the command sets up its own host devices
+    return subprocess.run([sys.executable, "-m", "jaxoverlap", "bench", "--out", str(tmp_path),
+                           *args], capture_output=True, text=True, env=env, timeout=300,
+                          check=True).stdout
+
+
+def test_bench_measures_every_impl_side_by_side(tmp_path):
+    out = _run("--cases", "AG std", "RS std", "--warmup", "1", "--repeats", "2",
+               tmp_path=tmp_path)
+    assert "measured" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["tp"] == 8 and data["platform"] == "cpu"
+    seen = {(r["case"], r["impl"]) for r in data["rows"]}
+    assert seen == {(c, i) for c in ("AG std", "RS std") for i in ("xla", "ring", "native")}
+    for row in data["rows"]:
+        assert row["median_ms"] > 0
+        if row["impl"] == "xla":
+            assert row["vs_xla"] == 1.0
+
+
+def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
+    out = _run("--model", "h100", "--cases", "AG std", tmp_path=tmp_path)
+    assert "MODEL PROJECTION" in out and "not a measurement" in out
+    assert "AG std" in out and "<- pick" in out
+    png = tmp_path / "gantt-h100.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_calibrate_writes_a_loadable_preset(tmp_path):
+    from jaxoverlap import sim
+
+    _run("--cases", "AG std", "--impls", "xla", "--warmup", "1", "--repeats", "1",
+         "--calibrate", "h100", tmp_path=tmp_path)
+    preset = sim.load_preset(str(tmp_path / "preset-calibrated.json"))
+    assert preset.name == "h100-calibrated"
+    assert preset.gemm_efficiency != sim.get_preset("h100").gemm_efficiency
