@@ -86,6 +86,14 @@ def divide(layer: str, name: str, size: int, n: int, axis_name: str) -> int:
     return size // n
 
 
+def known_tp_size(axis_name: str, mesh: Any) -> int | None:
+    """The size of ``axis_name`` in ``mesh`` or the ``jax.set_mesh`` mesh, if it is there."""
+    target = mesh if mesh is not None else context_mesh()
+    if target is None or axis_name not in target.axis_names:
+        return None
+    return target.shape[axis_name]
+
+
 def tp_size_if_bound(axis_name: str) -> int | None:
     """The size of ``axis_name`` inside shard_map, else None (global mode)."""
     return bound_axis_size(axis_name)
@@ -101,52 +109,23 @@ def partition_names(kind: str, axis_name: str, param: str) -> tuple[Any, ...] | 
 # ---------------------------------------------------------------- Megatron f / g
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _copy_untyped(x, axis_name):
-    return x
-
-
-def _copy_untyped_fwd(x, axis_name):
-    return x, None
-
-
-def _copy_untyped_bwd(axis_name, _, ct):
-    return (lax.psum(ct, axis_name),)
-
-
-_copy_untyped.defvjp(_copy_untyped_fwd, _copy_untyped_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _reduce_untyped(x, axis_name):
-    return lax.psum(x, axis_name)
-
-
-def _reduce_untyped_fwd(x, axis_name):
-    return lax.psum(x, axis_name), None
-
-
-def _reduce_untyped_bwd(axis_name, _, ct):
-    return (ct,)
-
-
-_reduce_untyped.defvjp(_reduce_untyped_fwd, _reduce_untyped_bwd)
-
-
 def copy_to_tp(x, axis_name: str, typed: bool):
-    """Megatron f: identity forward, all-reduce of the gradient backward."""
-    if not typed:
-        return _copy_untyped(x, axis_name)
-    if axis_name in varying_axes(x):
+    """Megatron f: identity forward, all-reduce of the gradient backward.
+
+    Under ``check_vma=True``, ``pcast`` to varying moves no data and transposes
+    to the psum f needs. Under ``check_vma=False`` JAX transposes every value as
+    if it varied: the all-reduce then happens where the gradient meets a
+    ``psum`` (Megatron g, whose transpose is a psum there) or the shard_map
+    boundary, so f is the identity both ways.
+    """
+    if not typed or axis_name in varying_axes(x):
         return x
-    # pcast to varying moves no data; its transpose is the psum f needs.
     return lax.pcast(x, (axis_name,), to="varying")
 
 
 def reduce_from_tp(x, axis_name: str, typed: bool):
-    """Megatron g: all-reduce forward, identity backward."""
-    if not typed:
-        return _reduce_untyped(x, axis_name)
+    """Megatron g: all-reduce forward; the backward follows from ``psum``'s transpose."""
+    del typed  # psum's transpose is right under both check_vma settings
     return lax.psum(x, axis_name)
 
 

@@ -116,6 +116,13 @@ class _ParallelDense(nn.Module):
         if n is not None:  # inside shard_map: the parameters are local shards
             if self._kind == COLUMN:
                 features = _common.divide(layer, "features", self.features, n, self.axis_name)
+        elif (known := _common.known_tp_size(self.axis_name, self.mesh)) is not None:
+            # Checked before the parameters are created and laid out on the mesh.
+            if self._kind == COLUMN:
+                _common.divide(layer, "features", self.features, known, self.axis_name)
+            else:
+                _common.divide(layer, "inputs.shape[-1] (the input features)", in_features,
+                               known, self.axis_name)
         kernel = self._param("kernel", self.kernel_init, (in_features, features))
         bias = self._param("bias", self.bias_init, (features if self._kind == COLUMN
                                                     else self.features,)) \

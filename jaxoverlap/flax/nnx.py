@@ -30,7 +30,6 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from jaxoverlap._compat import context_mesh
 from jaxoverlap.flax import _common
 from jaxoverlap.flax._common import COLUMN, ROW
 
@@ -73,10 +72,9 @@ class _ParallelLinear(nnx.Module):
                              bias_init=bias_init, mesh=mesh)
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(f"{layer}: rngs={rngs!r} must be an nnx.Rngs.")
-        target = mesh if mesh is not None else context_mesh()
-        known = target is not None and axis_name in target.axis_names
+        n = _common.known_tp_size(axis_name, mesh)
+        known = n is not None
         if known:  # fail at construction when the mesh is already known
-            n = target.shape[axis_name]
             if self._kind == COLUMN:
                 _common.divide(layer, "out_features", out_features, n, axis_name)
             else:
