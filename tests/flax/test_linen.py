@@ -256,3 +256,31 @@ def test_misuse_raises_naming_the_argument():
                                                    names=("tp", None))
     with pytest.raises(ValueError, match="partitioning"):
         ColumnParallelDense(F, mesh=mesh).apply(variables, x)
+
+
+@pytest.mark.parametrize("precision", ["highest", lax.Precision.HIGHEST, None])
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_precision_is_accepted_on_both_paths(precision, sequence_parallel):
+    mesh = make_mesh("tp4_auto")
+    params, x, target = setup()
+    model = ParallelMLP(F, precision=precision, sequence_parallel=sequence_parallel, mesh=mesh,
+                        impl="xla")
+    y = jax.jit(model.apply)(params, x)
+    np.testing.assert_allclose(y, ReferenceMLP(F).apply(params, x), rtol=1e-5, atol=1e-5)
+
+
+def test_init_inside_users_shard_map_gives_local_shards():
+    mesh = make_mesh("tp4_auto")
+    x = rand(0, (B, S, H))
+    model = ParallelMLP(F)
+    shapes = {}
+
+    def init(x):
+        variables = unbox(model.init(jax.random.key(0), x))
+        shapes.update(jax.tree.map(jnp.shape, variables["params"]))   # recorded while tracing
+        return model.apply(variables, x)
+
+    fn = jax.shard_map(init, mesh=mesh, in_specs=P(None, "tp"), out_specs=P(None, "tp"))
+    assert jax.eval_shape(fn, x).shape == (B, S, H)
+    assert shapes["up"] == {"kernel": (H, F // 4), "bias": (F // 4,)}
+    assert shapes["down"] == {"kernel": (F // 4, H), "bias": (H,)}
