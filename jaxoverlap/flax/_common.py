@@ -13,10 +13,12 @@ A layer runs in one of two modes, chosen at trace time:
   axes behave alike.
 
 The Megatron f (identity forward, all-reduce backward) and g (all-reduce
-forward, identity backward) operators are written for both kinds of
-``shard_map``: with ``check_vma=True`` JAX's varying-axes types already give
-``pcast``/``psum`` the right transposes; with ``check_vma=False`` the types are
-empty, so explicit ``custom_vjp`` rules supply them.
+forward, identity backward) need no custom rules: with ``check_vma=True``
+JAX's varying-axes types give ``pcast``/``psum`` exactly those transposes;
+with ``check_vma=False`` JAX transposes every value as if it varied (``psum``
+transposes to ``psum``, a replicated output's cotangent is split over the
+ranks), which sums the gradient where Megatron needs it. Hand-written
+custom_vjps would double count there (the tests cover both settings).
 """
 
 from __future__ import annotations
