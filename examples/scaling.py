@@ -1,40 +1,122 @@
-"""Times the Megatron MLP pair (AG+GEMM -> GEMM+RS), forward and backward, for each impl.
+"""Times the tensor-parallel MLP block, forward and backward, per impl, tp size and problem size.
 
-    python examples/scaling.py                 # host devices: tp in {2, 4, 8}
-    python examples/scaling.py --tp 8 --rows 4096 --hidden 1024 --ffn 4096 --dtype bfloat16
+    python examples/scaling.py                       # the `make demo` run: host devices, short
+    python examples/scaling.py --tp 2 4 8 --rows 1024 4096 --hidden 1024 --ffn 4096 \\
+        --dtype bfloat16 --repeats 20 --out results/gpu
 
-Each configuration is timed side by side in one run (warm-up, then repeats;
-the median is reported) and compared with the unfused ``"xla"`` impl, so the
-ratios are meaningful even on a noisy machine. On a CPU-only machine the
-devices are host devices sharing the cores: the numbers show the machinery
-works, not the GPU gain.
+The block is ``jaxoverlap.flax.linen.ParallelMLP`` (AG+GEMM -> gelu -> GEMM+RS)
+on ``[batch, rows, hidden]`` inputs sharded on the rows. Every configuration
+is timed side by side in one run (warm-up, then repeats; the median is
+reported) and compared with the unfused ``"xla"`` impl, so the ratios mean
+something even on a noisy machine. Results go to ``--out`` (default
+``results/``): ``scaling.json`` with every sample and ``scaling.png``.
+
+Devices: the accelerators when JAX finds some (GPUs), else ``--host-devices``
+CPU devices. On a CPU the host devices share the cores, so the table shows
+that everything runs, not the GPU gain.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8], help="tensor-parallel sizes")
+    p.add_argument("--rows", type=int, nargs="+", default=[256, 1024],
+                   help="problem sizes: sequence lengths (global rows)")
     p.add_argument("--impls", nargs="+", default=["xla", "ring", "native"],
-                   help="impls to time; those not available here are reported and skipped")
+                   help="impls to time; those that cannot run here are reported and skipped")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--rows", type=int, default=512, help="sequence length (global)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--chunks", type=int, default=None)
+    p.add_argument("--chunks", type=int, default=None, help="sub-chunks per shard (jo.config)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("results"),
+                   help="directory for scaling.json and scaling.png")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--host-devices", type=int, default=8,
                    help="host devices to create when no accelerator is present")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("tp", "rows"):
+        if any(v < 1 for v in getattr(args, name)):
+            p.error(f"--{name} values must be positive")
+    if args.warmup < 0 or args.repeats < 1:
+        p.error("--warmup must be >= 0 and --repeats >= 1")
+    return args
+
+
+class _Progress:
+    """A rich progress bar when rich is installed and wanted, else one line per configuration."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            try:
+                from rich.progress import Progress
+            except ImportError:
+                Progress = None
+            if Progress is not None:
+                self._bar = Progress(transient=True)
+                self._task = self._bar.add_task("timing", total=total)
+        self._done, self._total = 0, total
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def step(self, label: str) -> None:
+        self._done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=label)
+        else:
+            print(f"[{self._done}/{self._total}] {label}", flush=True)
+
+
+def _plot(results: list[dict], rows_list: list[int], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows_list), figsize=(4.5 * len(rows_list), 3.8),
+                             squeeze=False)
+    for ax, rows in zip(axes[0], rows_list, strict=True):
+        for impl in sorted({r["impl"] for r in results}):
+            pts = sorted((r["tp"], r["median_ms"]) for r in results
+                         if r["rows"] == rows and r["impl"] == impl)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
+        ax.set_title(f"rows={rows}, hidden={meta['hidden']}, ffn={meta['ffn']}")
+        ax.set_xlabel("tensor-parallel size")
+        ax.set_ylabel("median fwd+bwd time (ms)")
+        ax.set_xscale("log", base=2)
+        tps = sorted({r["tp"] for r in results})
+        ax.set_xticks(tps, [str(t) for t in tps])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"jaxoverlap ParallelMLP on {meta['devices']} x {meta['platform']} "
+                 f"({meta['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -49,58 +131,96 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap as jo
+    from jaxoverlap.flax.linen import ParallelMLP
 
     dtype = jnp.dtype(args.dtype)
     devices = jax.devices()
-    print(f"jaxoverlap {jo.__version__} on {len(devices)} {devices[0].platform} devices "
-          f"(jax {jax.__version__}); dtype {dtype.name}; batch {args.batch}, rows {args.rows}, "
-          f"hidden {args.hidden}, ffn {args.ffn}")
+    platform = devices[0].platform
+    meta = dict(
+        jaxoverlap=jo.__version__, jax=jax.__version__, platform=platform,
+        devices=len(devices), device_kind=devices[0].device_kind, dtype=dtype.name,
+        batch=args.batch, hidden=args.hidden, ffn=args.ffn, chunks=args.chunks,
+        warmup=args.warmup, repeats=args.repeats,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    print(f"jaxoverlap {jo.__version__} on {len(devices)} {platform} devices "
+          f"(jax {jax.__version__}); dtype {dtype.name}; batch {args.batch}, hidden "
+          f"{args.hidden}, ffn {args.ffn}; tp {args.tp}, rows {args.rows}; impls {args.impls}")
 
-    def loss(x, w1, w2, mesh, impl):
-        h = jo.ag_matmul(x, w1, "tp", axis=1, impl=impl, chunks=args.chunks, mesh=mesh)
-        y = jo.matmul_rs(jax.nn.gelu(h), w2, "tp", axis=1, impl=impl, chunks=args.chunks,
-                         mesh=mesh)
-        return jnp.sum(y.astype(jnp.float32) ** 2)
+    def make_step(model):
+        def loss(params, x):
+            return jnp.sum(model.apply(params, x).astype(jnp.float32) ** 2)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=(3, 4))
-    rows = []
-    for tp in args.tp:
-        if tp > len(devices):
-            print(f"tp={tp}: skipped, only {len(devices)} devices")
-            continue
-        mesh = Mesh(np.array(devices[:tp]), ("tp",), axis_types=(AxisType.Auto,))
-        rng = np.random.default_rng(0)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
-        def put(shape, spec, rng=rng, mesh=mesh):
-            a = jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-1]), dtype)
-            return jax.device_put(a, NamedSharding(mesh, spec))
-
-        x = put((args.batch, args.rows, args.hidden), P(None, "tp", None))
-        w1 = put((args.hidden, args.ffn), P(None, "tp"))
-        w2 = put((args.ffn, args.hidden), P("tp", None))
-        times = {}
-        for impl in args.impls:
-            try:
-                for _ in range(args.warmup):
-                    jax.block_until_ready(step(x, w1, w2, mesh, impl))
-            except (ValueError, TypeError) as err:
-                print(f"tp={tp} impl={impl}: skipped ({str(err).splitlines()[0]})")
+    results: list[dict] = []
+    skipped: list[dict] = []
+    configs = [(tp, rows) for tp in args.tp for rows in args.rows]
+    with _Progress(len(configs) * len(args.impls), not args.no_progress) as progress:
+        for tp, rows in configs:
+            reason = None
+            if tp > len(devices):
+                reason = f"only {len(devices)} devices"
+            elif rows % tp or args.ffn % tp:
+                reason = f"rows={rows} and ffn={args.ffn} must be multiples of tp={tp}"
+            if reason is not None:
+                for impl in args.impls:
+                    skipped.append(dict(tp=tp, rows=rows, impl=impl, reason=reason))
+                    progress.step(f"tp={tp} rows={rows} {impl}: skipped")
                 continue
-            samples = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(step(x, w1, w2, mesh, impl))
-                samples.append(time.perf_counter() - start)
-            times[impl] = statistics.median(samples)
-        base = times.get("xla")
-        for impl, t in times.items():
-            rows.append((tp, impl, t * 1e3, (base / t) if base else float("nan")))
+            mesh = Mesh(np.array(devices[:tp]), ("tp",), axis_types=(AxisType.Auto,))
+            rng = np.random.default_rng(0)
+            x = jax.device_put(
+                jnp.asarray(rng.standard_normal((args.batch, rows, args.hidden)), dtype),
+                NamedSharding(mesh, P(None, "tp", None)))
+            times: dict[str, list[float]] = {}
+            for impl in args.impls:
+                model = ParallelMLP(args.ffn, dtype=dtype, param_dtype=dtype, impl=impl,
+                                    mesh=mesh)
+                try:
+                    with jo.config(chunks=args.chunks):
+                        params = jax.jit(model.init)(jax.random.key(0), x)
+                        step = make_step(model)
+                        for _ in range(args.warmup):
+                            jax.block_until_ready(step(params, x))
+                        samples = []
+                        for _ in range(args.repeats):
+                            start = time.perf_counter()
+                            jax.block_until_ready(step(params, x))
+                            samples.append((time.perf_counter() - start) * 1e3)
+                except (ValueError, TypeError) as err:
+                    skipped.append(dict(tp=tp, rows=rows, impl=impl,
+                                        reason=str(err).splitlines()[0]))
+                    progress.step(f"tp={tp} rows={rows} {impl}: skipped")
+                    continue
+                times[impl] = samples
+                progress.step(f"tp={tp} rows={rows} {impl}")
+            base = statistics.median(times["xla"]) if "xla" in times else None
+            for impl, samples in times.items():
+                median = statistics.median(samples)
+                results.append(dict(tp=tp, rows=rows, impl=impl, median_ms=median,
+                                    min_ms=min(samples), samples_ms=samples,
+                                    speedup_vs_xla=(base / median) if base else None))
 
     print()
-    print(f"{'tp':>4} {'impl':>8} {'median ms':>10} {'speedup vs xla':>15}")
-    for tp, impl, ms, ratio in rows:
-        print(f"{tp:>4} {impl:>8} {ms:>10.2f} {ratio:>15.2f}")
-    return 0 if rows else 1
+    print(f"{'tp':>4} {'rows':>7} {'impl':>8} {'median ms':>10} {'speedup vs xla':>15}")
+    for r in results:
+        ratio = f"{r['speedup_vs_xla']:.2f}" if r["speedup_vs_xla"] is not None else "-"
+        print(f"{r['tp']:>4} {r['rows']:>7} {r['impl']:>8} {r['median_ms']:>10.2f} {ratio:>15}")
+    reasons = sorted({(s["impl"], s["reason"]) for s in skipped})
+    for impl, reason in reasons:
+        print(f"skipped {impl}: {reason}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / "scaling.json"
+    json_path.write_text(json.dumps(dict(meta=meta, results=results, skipped=skipped),
+                                    indent=2) + "\n")
+    print(f"\nwrote {json_path}")
+    if results and not args.no_plot:
+        png_path = args.out / "scaling.png"
+        _plot(results, sorted({r["rows"] for r in results}), meta, png_path)
+        print(f"wrote {png_path}")
+    return 0 if results else 1
 
 
 if __name__ == "__main__":

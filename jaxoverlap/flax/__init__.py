@@ -1,0 +1,7 @@
+"""Flax layers on the collective matmuls: ``jaxoverlap.flax.linen`` and ``jaxoverlap.flax.nnx``.
+
+Import the API you use; each imports only its own part of Flax::
+
+    from jaxoverlap.flax.linen import ColumnParallelDense, RowParallelDense, ParallelMLP
+    from jaxoverlap.flax.nnx import ColumnParallelLinear, RowParallelLinear, ParallelMLP
+"""
