@@ -5,7 +5,9 @@
 // programs the executors run, and (3) build information and test hooks.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <stdexcept>
 #include <string>
 
 #include "core/build.h"
@@ -13,6 +15,7 @@
 #include "host/blas.h"
 #include "host/ffi_handlers.h"
 #include "host/host_call.h"
+#include "host/shm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -162,6 +165,24 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   return out;
 }
 
+void ThrowIfError(const jo::Status& status) {
+  if (!status.ok()) throw std::runtime_error(status.ToString());
+}
+
+std::string ShmCliqueCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                            int32_t process) {
+  std::string name;
+  ThrowIfError(jo::host::CreateShmClique(key, group, rank_process, process, &name));
+  return name;
+}
+
+void ShmCliqueAttach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                     int32_t process, const std::string& name) {
+  ThrowIfError(jo::host::AttachShmClique(key, group, rank_process, process, name));
+}
+
+void ShmUnlink(const std::string& name) { ThrowIfError(jo::host::UnlinkShm(name)); }
+
 }  // namespace
 
 NB_MODULE(_host, m) {
@@ -180,4 +201,16 @@ NB_MODULE(_host, m) {
   m.def("_set_test_skip", &jo::host::SetTestSkip, nb::arg("rank"), nb::arg("calls"),
         "Tests only: the next `calls` calls of `rank` skip the protocol (peers time out).");
   m.def("_reset_cliques", &jo::host::ResetCliques, "Tests only: forget every clique.");
+  // Multi-process bootstrap (jaxoverlap/_bootstrap.py); errors are RuntimeError.
+  m.def("_shm_clique_create", &ShmCliqueCreate, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("rank_process"), nb::arg("process"),
+        "Leader: creates and registers a clique spanning processes; returns the shm name.");
+  m.def("_shm_clique_attach", &ShmCliqueAttach, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("rank_process"), nb::arg("process"), nb::arg("name"),
+        "Other processes: attaches to the leader's segment and registers the clique.");
+  m.def("_shm_unlink", &ShmUnlink, nb::arg("name"), "Unlinks a shm name (gone is fine).");
+  m.def("_shm_cleanup", &jo::host::UnlinkTrackedNames,
+        "Unlinks every shm name this process created or opened and has not unlinked.");
+  m.def("_has_clique", &jo::host::HasClique, nb::arg("clique_key"), nb::arg("group"));
+  m.def("_forget_clique", &jo::host::ForgetClique, nb::arg("clique_key"), nb::arg("group"));
 }

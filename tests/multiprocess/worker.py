@@ -118,6 +118,31 @@ def portable(impls: list[str]) -> dict[str, Any]:
     return {"checked": done}
 
 
+def native(transports: list[str], order: list[int] | None = None, dtype: str = "float32",
+           axes: list[int] | None = None) -> dict[str, Any]:
+    """impl="native" of both ops, fwd+bwd, every transport, over a tp mesh of every device.
+
+    With several devices per process one clique mixes local threads and remote processes.
+    ``order`` permutes the devices (e.g. interleaving processes round the ring).
+    """
+    mesh = mesh_of((len(jax.devices()),), ("tp",), order)
+    done = []
+    for transport in transports:
+        for op in ("ag_matmul", "matmul_rs"):
+            for axis in axes or [0, 1]:
+                bidir = axis == 1
+                check_op(op, mesh, "native", dtype=dtype, axis=axis, transport=transport,
+                         chunks=2, bidirectional=bidir, seed=axis)
+                done.append(f"{op}/{transport}/axis{axis}")
+    return {"checked": done, "cliques": _cliques()}
+
+
+def _cliques() -> str:
+    from jaxoverlap import _runtime
+
+    return _runtime.load_host().cliques()
+
+
 def hang() -> dict[str, Any]:
     """Harness self-test: never returns (the harness must kill it at its deadline)."""
     while True:
@@ -140,6 +165,7 @@ def fail() -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
+    "native": native,
     "hang": hang,
     "leak_shm": leak_shm,
     "fail": fail,
