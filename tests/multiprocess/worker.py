@@ -137,6 +137,178 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
     return {"checked": done, "cliques": _cliques()}
 
 
+def mixed(transport: str = "p2p") -> dict[str, Any]:
+    """Cliques of several kinds in one job (run with 2 processes x 2 devices).
+
+    * tp=4 over [0, 2, 1, 3]: every ring hop crosses processes (one clique, two processes);
+    * (dp=2, tp=2) with tp inside a process: in-process cliques, no shared memory;
+    * (dp=2, tp=2) with tp across processes: two cliques spanning both processes;
+    * changing shapes back to back (the data segment grows across processes).
+    """
+    devices = jax.devices()
+    assert len(devices) == 4 and jax.process_count() == 2, "run with 2 processes x 2 devices"
+    done = []
+    mesh = mesh_of((4,), ("tp",), order=[0, 2, 1, 3])
+    check_op("ag_matmul", mesh, "native", transport=transport, chunks=1, seed=3)
+    check_op("matmul_rs", mesh, "native", transport="nccl", chunks=2, seed=4)
+    done.append("interleaved ring")
+    for name, order in (("tp within a process", [0, 1, 2, 3]),
+                        ("tp across processes", [0, 2, 1, 3])):
+        mesh2 = mesh_of((2, 2), ("dp", "tp"), order)
+        check_dp_tp(mesh2, transport)
+        done.append(name)
+    growth(mesh, transport)
+    done.append("growth")
+    return {"checked": done, "cliques": _cliques()}
+
+
+def check_dp_tp(mesh: Mesh, transport: str) -> None:
+    """x [dp*2, 4*tp, 8] sharded (dp, tp): ag_matmul then matmul_rs, forward and grads."""
+    x64 = values(20, (4, 8, 8), "float32")
+    w1 = values(21, (8, 8), "float32")
+    w2 = values(22, (8, 8), "float32")
+    x = global_array(x64, mesh, P("dp", "tp", None), "float32")
+    a = global_array(w1, mesh, P(None, "tp"), "float32")
+    b = global_array(w2, mesh, P("tp", None), "float32")
+
+    def block(x, a, b):
+        h = jo.ag_matmul(x, a, "tp", axis=1, impl="native", transport=transport, mesh=mesh)
+        return jo.matmul_rs(h, b, "tp", axis=1, impl="native", transport=transport, mesh=mesh)
+
+    y = jax.jit(block)(x, a, b)
+    check_shards("dp,tp block", y, x64 @ w1 @ w2, "float32")
+    loss = lambda x, a, b: jnp.sum(block(x, a, b) ** 2)  # noqa: E731
+    dx = jax.jit(jax.grad(loss))(x, a, b)
+    ref = x64 @ w1 @ w2
+    check_shards("dp,tp dx", dx, (2 * ref) @ w2.T @ w1.T, "float32")
+
+
+def growth(mesh: Mesh, transport: str) -> None:
+    """Shapes grow and shrink over back-to-back calls; every result stays right."""
+    for i, s in enumerate((8, 32, 16, 64, 8, 128)):
+        x64 = values(100 + i, (2, s, 8), "float32")
+        w64 = values(200 + i, (8, 8), "float32")
+        x = global_array(x64, mesh, P(None, "tp", None), "float32")
+        w = global_array(w64, mesh, P(None, "tp"), "float32")
+        for t in (transport, "nccl"):
+            y = jax.jit(lambda x, w, t=t: jo.ag_matmul(x, w, "tp", axis=1, impl="native",
+                                                       transport=t, chunks=2, mesh=mesh))(x, w)
+            check_shards(f"growth {s} {t}", y, x64 @ w64, "float32")
+
+
+def early_exit(victim: int, timeout_s: float) -> dict[str, Any]:
+    """Every process runs a native call; then ``victim`` exits and the others call again.
+
+    The survivors must fail with the timeout error naming the victim's rank and process,
+    within the configured timeout (plus scheduling slack), not hang. They report what they saw
+    and leave with os._exit: jax.distributed's own shutdown would wait for the dead peer.
+    """
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64 = values(1, (2, 2 * n, 8), "float32")
+    w64 = values(2, (8, 2 * n), "float32")
+    x = global_array(x64, mesh, P(None, "tp", None), "float32")
+    w = global_array(w64, mesh, P(None, "tp"), "float32")
+    with jo.config(timeout_s=timeout_s):
+        f = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", mesh=mesh,
+                                              transport="p2p"))
+        check_shards("before the exit", f(x, w), x64 @ w64, "float32")
+    if jax.process_index() == victim:
+        log("exiting early on purpose")
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        f(x, w).block_until_ready()
+    except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
+        result = {"error": str(e), "elapsed_s": time.monotonic() - start,
+                  "process_id": jax.process_index()}
+    else:
+        result = {"error": None, "elapsed_s": time.monotonic() - start,
+                  "process_id": jax.process_index()}
+    print("JO_MP_RESULT " + json.dumps(result), flush=True)
+    from jaxoverlap import _bootstrap
+
+    _bootstrap._cleanup()
+    # Process 0 hosts the coordination service: it leaves last, or it would take the others
+    # down with it before they report.
+    me = jax.process_index()
+    store = _bootstrap.client()
+    if me != 0:
+        store.key_value_set(f"jo_test/early_exit/{me}", "done")
+    else:
+        for p in range(1, jax.process_count()):
+            if p != victim:
+                store.blocking_key_value_get(f"jo_test/early_exit/{p}", 60_000)
+    os._exit(0)
+
+
+def bootstrap_missing(timeout_s: float) -> dict[str, Any]:
+    """Process 1 never reaches the native call: the leader's bootstrap names it."""
+    if jax.process_index() == 1:
+        time.sleep(timeout_s + 20)  # stays alive (the harness kills it), never traces
+        return {}
+    mesh = mesh_of((len(jax.devices()),), ("tp",))
+    x = global_array(np.ones((4, 8)), mesh, P("tp", None), "float32")
+    w = global_array(np.ones((8, 4)), mesh, P(None, "tp"), "float32")
+    start = time.monotonic()
+    try:
+        with jo.config(timeout_s=timeout_s):
+            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh))(x, w)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    result = {"error": error, "elapsed_s": time.monotonic() - start,
+              "leftover": harness_segments()}
+    print("JO_MP_RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
+
+
+def harness_segments() -> list[str]:
+    tag = os.environ.get("JAXOVERLAP_SHM_TAG", "")
+    return sorted(n for n in os.listdir("/dev/shm") if tag and tag in n)
+
+
+def exchange() -> dict[str, Any]:
+    """The bytes-in, bytes-out exchange API (what the CUDA executor calls), on CPU."""
+    from jaxoverlap import _bootstrap
+
+    me, n = jax.process_index(), jax.process_count()
+    procs = list(range(n))
+    got = _bootstrap.allgather_bytes("cafe-g0", "handles", bytes([me]) * (me + 1),
+                                     processes=procs, timeout_s=60)
+    assert got == {p: bytes([p]) * (p + 1) for p in procs}, got
+    # The same (clique, tag) again gets fresh keys.
+    again = _bootstrap.allgather_bytes("cafe-g0", "handles", b"x%d" % me, processes=procs,
+                                       timeout_s=60)
+    assert again == {p: b"x%d" % p for p in procs}, again
+    uid = np.random.default_rng(7).bytes(128)  # an ncclUniqueId's size
+    root = n - 1
+    out = _bootstrap.broadcast_bytes("cafe-g0", "uid", uid if me == root else None, root=root,
+                                     processes=procs, timeout_s=60)
+    assert out == uid
+    table = [p for p in procs for _ in range(2)]
+    nccl_id, handles = _bootstrap.exchange_cuda_handles(
+        "beef-g1", rank_process=table, local_handles=b"ipc%d" % me,
+        nccl_unique_id=uid if me == 0 else None, timeout_s=60)
+    assert nccl_id == uid and handles == {p: b"ipc%d" % p for p in procs}
+    # A subset of the processes exchanges alone; a process outside it is refused.
+    if me < 2:
+        pair = _bootstrap.allgather_bytes("pair-g0", "t", b"%d" % me, processes=[0, 1],
+                                          timeout_s=60)
+        assert pair == {0: b"0", 1: b"1"}
+    # Nobody answers: the error names the silent process.
+    error = None
+    if me == 0:
+        try:
+            _bootstrap.broadcast_bytes("dead-g0", "uid", None, root=1, processes=procs,
+                                       timeout_s=1.0)
+        except _bootstrap.BootstrapError as e:
+            error = str(e)
+        assert error is not None and "process 1 did not answer" in error, error
+    return {"checked": ["allgather", "broadcast", "cuda handles", "subset", "timeout"],
+            "error": error}
+
+
 def _cliques() -> str:
     from jaxoverlap import _runtime
 
@@ -166,6 +338,10 @@ def fail() -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
+    "mixed": mixed,
+    "early_exit": early_exit,
+    "bootstrap_missing": bootstrap_missing,
+    "exchange": exchange,
     "hang": hang,
     "leak_shm": leak_shm,
     "fail": fail,
