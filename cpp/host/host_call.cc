@@ -148,9 +148,10 @@ std::string DescribeCliques() {
   std::string out;
   for (const auto& clique : Registry().List()) {
     auto* host = static_cast<HostClique*>(clique.get());
+    int64_t epoch = 0;  // the furthest call of the ranks in this process
+    for (int32_t r = 0; r < clique->nranks(); ++r) epoch = std::max(epoch, clique->Epoch(r));
     out += clique->name() + ": " + std::to_string(clique->nranks()) + " ranks, " + host->Kind() +
-           ", epoch " +
-           std::to_string(clique->Epoch(0)) + ", workspace 2 x " +
+           ", epoch " + std::to_string(epoch) + ", workspace 2 x " +
            std::to_string(host->WorkspaceBytes()) + " bytes per rank";
     const std::string broken = host->BrokenReason();
     if (!broken.empty()) out += ", BROKEN: " + broken;

@@ -43,7 +43,8 @@ nb::dict BuildInfo() {
   info["blas"] = JO_BLAS_NAME;
   info["gemm"] = jo::host::BlasName();
   info["transports"] = nb::make_tuple("nccl", "p2p", "multicast");
-  info["workspace_allocator"] = "heap";
+  // heap for in-process cliques; POSIX shm for cliques spanning processes.
+  info["workspace_allocator"] = "heap, shm (cliques spanning processes)";
   return info;
 }
 
