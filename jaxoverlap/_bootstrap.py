@@ -22,7 +22,8 @@ Host clique protocol (once per clique per process, at trace time, from ``_native
    0600) and publishes ``{"name", "rank_process"}`` under ``.../host/leader``;
 2. every other process reads it (deadline: the call's timeout), checks that the leader's rank
    table equals its own, attaches, and publishes ``.../host/attached/<process>``;
-3. the leader waits for every ``attached`` key, naming the processes that do not answer, then
+3. the leader waits for every ``attached`` key, naming the processes that do not answer (or
+   reporting the reason one could not attach: a different rank table, another machine), then
    unlinks the name (the last process to attach has usually done so already).
 
 From then on ranks talk through shared memory only (``cpp/host/shm_clique.h``). The host
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -192,6 +194,16 @@ def exchange_cuda_handles(clique_id: str, *, rank_process: Sequence[int], local_
     return uid, handles
 
 
+def machine_id() -> str:
+    """This machine, as shared memory sees it: hostname and kernel boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
 def clique_id(clique_key: int, group: int) -> str:
     """The clique's name in keys: its key as 16 hex digits and its group."""
     return f"{clique_key & 0xFFFFFFFFFFFFFFFF:016x}-g{group}"
@@ -218,18 +230,24 @@ def ensure_host_clique(host: Any, clique_key: int, group: int, rank_process: Seq
         name = host._shm_clique_create(clique_key, group, table, me)
         try:
             _set(_key(cid, generation, "host", "leader"),
-                 json.dumps({"name": name, "rank_process": table}).encode())
+                 json.dumps({"name": name, "rank_process": table,
+                             "machine": machine_id()}).encode())
             missing, errors = [], []
             for p in procs:
                 if p == me:
                     continue
                 try:
-                    _get(_key(cid, generation, "host", "attached", p), deadline, f"process {p}",
-                         f"attach to the shared memory of host clique {cid}")
+                    answer = _get(_key(cid, generation, "host", "attached", p), deadline,
+                                  f"process {p}",
+                                  f"attach to the shared memory of host clique {cid}")
                 except BootstrapError as e:
                     missing.append(p)
                     errors.append(str(e))
                     deadline = time.monotonic() + 0.01
+                    continue
+                if answer != b"ok":
+                    raise BootstrapError(f"jaxoverlap: process {p} could not attach to host "
+                                         f"clique {cid}: {answer.decode(errors='replace')}")
             if missing:
                 raise BootstrapError(
                     f"jaxoverlap: process(es) {missing} did not attach to host clique {cid} "
@@ -244,13 +262,27 @@ def ensure_host_clique(host: Any, clique_key: int, group: int, rank_process: Seq
     info = json.loads(_get(_key(cid, generation, "host", "leader"), deadline,
                            f"process {leader}",
                            f"leader (rank 0) of host clique {cid} publishing its shared memory"))
+    problem = None
     if info["rank_process"] != table:
-        raise BootstrapError(
+        problem = (
             f"jaxoverlap: host clique {cid}: the leader (process {leader}) has rank table "
-            f"{info['rank_process']} (rank -> process), this process ({me}) has {table}. All "
+            f"{info['rank_process']} (rank -> process), process {me} has {table}. All "
             "processes must build the mesh from the same devices in the same order.")
-    host._shm_clique_attach(clique_key, group, table, me, info["name"])
-    _set(_key(cid, generation, "host", "attached", me), b"1")
+    elif info["machine"] != machine_id():
+        problem = (
+            f"jaxoverlap: host clique {cid} spans machines (process {leader} runs on "
+            f"{info['machine']}, process {me} on {machine_id()}): the host executor shares "
+            "memory between processes, which works on one machine only. Use impl='ring' or "
+            "impl='xla' for CPU meshes that span machines.")
+    else:
+        try:
+            host._shm_clique_attach(clique_key, group, table, me, info["name"])
+        except RuntimeError as e:
+            problem = f"jaxoverlap: process {me}: {e}"
+    attached = _key(cid, generation, "host", "attached", me)
+    _set(attached, b"ok" if problem is None else problem.encode())
+    if problem is not None:
+        raise BootstrapError(problem)
     return True
 
 
