@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
+import secrets
 import socket
 import threading
 import time
@@ -46,6 +48,7 @@ import jax
 NAMESPACE = "jaxoverlap/v1"
 
 _lock = threading.Lock()
+_host_lock = threading.RLock()  # one host-clique bootstrap at a time in this process
 _generations: dict[tuple[str, str], int] = {}
 
 
@@ -194,6 +197,61 @@ def exchange_cuda_handles(clique_id: str, *, rank_process: Sequence[int], local_
     return uid, handles
 
 
+def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequence[int],
+              timeout_s: float, method: str = "socket") -> dict[int, list[int]]:
+    """Every process of ``processes`` shares its ``fds`` with the others (same machine only).
+
+    For POSIX-fd handles (``cuMemExportToShareableHandle``). Returns process -> duplicates, in
+    this process, of that process's fds, in order; the caller owns (and closes) them.
+    ``method="socket"``: SCM_RIGHTS over an abstract Unix socket that only serves the expected
+    peers' pids (works under any ptrace policy). ``method="pidfd"``: ``pidfd_getfd`` (Linux >= 5.6,
+    needs ptrace access to the owner). Pids, fd numbers and socket names go through the store.
+    """
+    from jaxoverlap import _runtime
+
+    if method not in ("socket", "pidfd"):
+        raise ValueError(f"jaxoverlap: share_fds method={method!r}: use 'socket' or 'pidfd'")
+    if not fds:
+        raise ValueError("jaxoverlap: share_fds needs at least one fd")
+    host = _runtime.load_host()
+    procs = _check_processes(processes)
+    me = jax.process_index()
+    name = f"jaxoverlap-{clique_id}-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+    mine = {"pid": os.getpid(), "fds": [int(f) for f in fds], "socket": name}
+    deadline = time.monotonic() + timeout_s
+    peers = {p: json.loads(b) for p, b in allgather_bytes(
+        clique_id, f"fds/{tag}", json.dumps(mine).encode(), processes=procs,
+        timeout_s=timeout_s).items()}
+    out: dict[int, list[int]] = {}
+    try:
+        if method == "pidfd":
+            for p in procs:
+                if p != me:
+                    out[p] = []
+                    for fd in peers[p]["fds"]:
+                        out[p].append(host._fd_dup_from_process(peers[p]["pid"], fd))
+            # Owners keep their fds open until every peer has its copies.
+            allgather_bytes(clique_id, f"fds/{tag}/done", b"1", processes=procs,
+                            timeout_s=max(0.1, deadline - time.monotonic()))
+            return out
+        others = [peers[p]["pid"] for p in procs if p != me]
+        server = host._fd_serve(name, mine["fds"], others, int(timeout_s * 1000))
+        try:
+            for p in procs:
+                if p != me:
+                    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    out[p] = host._fd_receive(peers[p]["socket"], len(peers[p]["fds"]),
+                                              remaining_ms)
+        finally:
+            server.finish()  # raises if a peer never fetched its copies
+        return out
+    except BaseException:
+        for got in out.values():
+            for fd in got:
+                os.close(fd)
+        raise
+
+
 def machine_id() -> str:
     """This machine, as shared memory sees it: hostname and kernel boot id."""
     try:
@@ -217,7 +275,13 @@ def ensure_host_clique(host: Any, clique_key: int, group: int, rank_process: Seq
     clique exists already in this process or all its ranks are local (an in-process clique is
     made on first use).
     """
-    table = [int(p) for p in rank_process]
+    with _host_lock:
+        return _ensure_host_clique(host, clique_key, group, [int(p) for p in rank_process],
+                                   timeout_s)
+
+
+def _ensure_host_clique(host: Any, clique_key: int, group: int, table: list[int],
+                        timeout_s: float) -> bool:
     me = jax.process_index()
     if me not in table or len(set(table)) == 1 or host._has_clique(clique_key, group):
         return False

@@ -15,6 +15,7 @@
 #include "host/blas.h"
 #include "host/ffi_handlers.h"
 #include "host/host_call.h"
+#include "host/fd_share.h"
 #include "host/shm.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -184,6 +185,40 @@ void ShmCliqueAttach(int64_t key, int64_t group, const std::vector<int32_t>& ran
 
 void ShmUnlink(const std::string& name) { ThrowIfError(jo::host::UnlinkShm(name)); }
 
+// Sharing fds between processes (host/fd_share.h); fds returned to Python are
+// owned by the caller (close them with os.close).
+int FdDupFromProcess(int pid, int fd) {
+  jo::host::UniqueFd out;
+  ThrowIfError(jo::host::DupFromProcess(pid, fd, &out));
+  return out.release();
+}
+
+struct FdServerHandle {
+  std::unique_ptr<jo::host::FdServer> server;
+  void Finish() {
+    if (server == nullptr) return;
+    jo::Status status = server->Finish();
+    server.reset();
+    ThrowIfError(status);
+  }
+};
+
+FdServerHandle* FdServe(const std::string& name, const std::vector<int>& fds,
+                        const std::vector<int>& allowed_pids, int64_t timeout_ms) {
+  auto handle = std::make_unique<FdServerHandle>();
+  ThrowIfError(jo::host::FdServer::Start(name, fds, allowed_pids,
+                                         std::chrono::milliseconds(timeout_ms), &handle->server));
+  return handle.release();
+}
+
+std::vector<int> FdReceive(const std::string& name, size_t count, int64_t timeout_ms) {
+  std::vector<jo::host::UniqueFd> fds;
+  ThrowIfError(jo::host::ReceiveFds(name, count, std::chrono::milliseconds(timeout_ms), &fds));
+  std::vector<int> out;
+  for (auto& fd : fds) out.push_back(fd.release());
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_host, m) {
@@ -212,6 +247,16 @@ NB_MODULE(_host, m) {
   m.def("_shm_unlink", &ShmUnlink, nb::arg("name"), "Unlinks a shm name (gone is fine).");
   m.def("_shm_cleanup", &jo::host::UnlinkTrackedNames,
         "Unlinks every shm name this process created or opened and has not unlinked.");
+  nb::class_<FdServerHandle>(m, "_FdServer")
+      .def("finish", &FdServerHandle::Finish, nb::call_guard<nb::gil_scoped_release>(),
+           "Waits until every expected peer fetched the fds (or the deadline): raises if not.");
+  m.def("_fd_dup_from_process", &FdDupFromProcess, nb::arg("pid"), nb::arg("fd"),
+        "pidfd_getfd: a new fd in this process duplicating `fd` of process `pid`.");
+  m.def("_fd_serve", &FdServe, nb::arg("name"), nb::arg("fds"), nb::arg("allowed_pids"),
+        nb::arg("timeout_ms"), nb::rv_policy::take_ownership,
+        "Serves `fds` over the abstract Unix socket `name` to each of `allowed_pids` once.");
+  m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("timeout_ms"),
+        nb::call_guard<nb::gil_scoped_release>(), "Receives `count` fds from `_fd_serve`.");
   m.def("_has_clique", &jo::host::HasClique, nb::arg("clique_key"), nb::arg("group"));
   m.def("_forget_clique", &jo::host::ForgetClique, nb::arg("clique_key"), nb::arg("group"));
 }

@@ -72,7 +72,9 @@ def test_a_process_that_exits_early_gives_a_timeout_error_not_a_hang():
         assert "rank 1 (process 1)" in error and "clique 0x" in error and "epoch 2" in error
         assert "DEADLINE_EXCEEDED" in error or "ABORTED" in error
         # Failed within the configured time (plus scheduling slack), not at a hang's deadline.
-        assert timeout_s - 0.5 <= result["elapsed_s"] < timeout_s + 10, result
+        # (A survivor that started its call later than the one that timed out is woken
+        # earlier, by the broken clique.)
+        assert result["elapsed_s"] < timeout_s + 10, result
 
 
 def test_a_process_that_never_bootstraps_is_named_by_the_leader():
@@ -88,10 +90,14 @@ def test_a_process_that_never_bootstraps_is_named_by_the_leader():
 
 @pytest.mark.parametrize("nprocs", [3])
 def test_exchange_api_bytes_through_the_store(nprocs):
-    """allgather / broadcast / CUDA-handle exchange keyed by clique id, and their timeout."""
+    """allgather / broadcast / CUDA-handle exchange keyed by clique id, their timeout, fds."""
     procs = harness.run("exchange", nprocs, 1)
     assert "process 1 did not answer" in procs[0].result()["error"]
-    assert all(len(p.result()["checked"]) == 5 for p in procs)
+    for p in procs:
+        checked = p.result()["checked"]
+        assert len(checked) == 7 and "fds over socket" in checked, checked
+        # pidfd_getfd works where ptrace is allowed; elsewhere it must say why.
+        assert checked[-1] == "fds over pidfd" or "no ptrace access" in checked[-1], checked
 
 
 def test_harness_kills_children_at_its_deadline():
@@ -109,3 +115,13 @@ def test_harness_reports_failures_and_removes_leftover_segments():
     with pytest.raises(harness.HarnessError, match="segments left behind"):
         harness.run("leak_shm", 1)
     assert not harness.shm_segments(f"jotest{os.getpid()}x")
+
+
+def test_processes_that_disagree_on_a_call_fail_fast_with_both_calls_named():
+    procs = harness.run("disagree", 2, 1, params={"timeout_s": 30.0}, timeout_s=120)
+    for p in procs:
+        result = p.result()
+        error = result["error"]
+        assert error is not None and "ranks disagree on call 1 of this clique" in error, result
+        assert "[1,2,16]x2" in error and "[1,2,8]x2" in error, error
+        assert result["elapsed_s"] < 20, result  # the check, not the 30 s timeout

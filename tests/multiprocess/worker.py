@@ -263,6 +263,23 @@ def bootstrap_missing(timeout_s: float) -> dict[str, Any]:
     os._exit(0)
 
 
+def disagree(timeout_s: float) -> dict[str, Any]:
+    """Process 1 calls with another contraction size: the agreement check names the call."""
+    mesh = mesh_of((len(jax.devices()),), ("tp",))
+    k = 8 if jax.process_index() == 0 else 16
+    x = global_array(np.ones((4, k)), mesh, P("tp", None), "float32")
+    w = global_array(np.ones((k, 4)), mesh, P(None, "tp"), "float32")
+    start = time.monotonic()
+    try:
+        with jo.config(timeout_s=timeout_s):
+            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh,
+                                              transport="nccl"))(x, w).block_until_ready()
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = str(e)
+    return {"error": error, "elapsed_s": time.monotonic() - start}
+
+
 def harness_segments() -> list[str]:
     tag = os.environ.get("JAXOVERLAP_SHM_TAG", "")
     return sorted(n for n in os.listdir("/dev/shm") if tag and tag in n)
@@ -305,8 +322,26 @@ def exchange() -> dict[str, Any]:
         except _bootstrap.BootstrapError as e:
             error = str(e)
         assert error is not None and "process 1 did not answer" in error, error
-    return {"checked": ["allgather", "broadcast", "cuda handles", "subset", "timeout"],
-            "error": error}
+    # POSIX fds (what cuMemExportToShareableHandle gives) travel both ways.
+    checked = ["allgather", "broadcast", "cuda handles", "subset", "timeout"]
+    for method in ("socket", "pidfd"):
+        fd = os.memfd_create(f"jo-test-{me}")
+        os.write(fd, b"process %d" % me)
+        try:
+            shared = _bootstrap.share_fds("cafe-g0", "fds", [fd], processes=procs, timeout_s=60,
+                                          method=method)
+        except RuntimeError as e:
+            assert method == "pidfd" and "no ptrace access" in str(e), e
+            checked.append(f"pidfd refused: {e}")
+            os.close(fd)
+            continue
+        os.close(fd)
+        assert sorted(shared) == [p for p in procs if p != me], shared
+        for p, (dup,) in shared.items():
+            assert os.pread(dup, 64, 0) == b"process %d" % p, (method, p)
+            os.close(dup)
+        checked.append(f"fds over {method}")
+    return {"checked": checked, "error": error}
 
 
 def _cliques() -> str:
@@ -342,6 +377,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "early_exit": early_exit,
     "bootstrap_missing": bootstrap_missing,
     "exchange": exchange,
+    "disagree": disagree,
     "hang": hang,
     "leak_shm": leak_shm,
     "fail": fail,
