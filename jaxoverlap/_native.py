@@ -174,10 +174,12 @@ def _bootstrap_cliques(key: np.int64, devices: np.ndarray, axis_size: int,
             "jaxoverlap native ops in a multi-process run need the concrete mesh to know which "
             "process owns each rank: call the op on global arrays (with mesh= or jax.set_mesh), "
             "or trace your shard_map under `with jax.set_mesh(mesh):`")
-    process_of = {d.id: d.process_index for d in jax.devices()}
+    by_id = {d.id: d for d in jax.devices()}
+    if any(by_id[int(i)].platform != "cpu" for i in devices):
+        return  # the host executor's cliques only; another executor bootstraps its own
     host = _runtime.load_host()
     for group, ids in enumerate(devices.reshape(-1, axis_size)):
-        table = [process_of[int(i)] for i in ids]
+        table = [by_id[int(i)].process_index for i in ids]
         _bootstrap.ensure_host_clique(host, int(key), group, table, timeout_s)
 
 

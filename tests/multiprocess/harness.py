@@ -81,6 +81,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+_PORT_TAKEN = ("Address already in use", "Failed to add port", "Failed to bind")
+
+
 def run(
     scenario: str,
     nprocs: int,
@@ -94,7 +97,26 @@ def run(
 
     Raises ``HarnessError`` when the deadline passes (the children are killed), when
     ``expect_success`` and a child failed, or when a shared-memory segment is left behind.
+    If the coordinator's port was taken between choosing and binding it (the machine is
+    shared), the job is started once more on another port.
     """
+    try:
+        return _run_once(scenario, nprocs, devices, params, timeout_s, env, expect_success)
+    except HarnessError as e:
+        if not any(text in str(e) for text in _PORT_TAKEN):
+            raise
+    return _run_once(scenario, nprocs, devices, params, timeout_s, env, expect_success)
+
+
+def _run_once(
+    scenario: str,
+    nprocs: int,
+    devices: int = 1,
+    params: dict[str, Any] | None = None,
+    timeout_s: float = 150.0,
+    env: dict[str, str] | None = None,
+    expect_success: bool = True,
+) -> list[Proc]:
     tag = f"jotest{os.getpid()}x{next(_runs)}"
     port = free_port()
     base = dict(os.environ)

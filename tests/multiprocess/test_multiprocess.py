@@ -102,9 +102,9 @@ def test_exchange_api_bytes_through_the_store(nprocs):
 
 def test_harness_kills_children_at_its_deadline():
     start = time.monotonic()
-    with pytest.raises(harness.HarnessError, match="hard timeout after 8 s") as info:
-        harness.run("hang", 2, timeout_s=8)
-    assert time.monotonic() - start < 20
+    with pytest.raises(harness.HarnessError, match="hard timeout after 5 s") as info:
+        harness.run("hang", 2, timeout_s=5)
+    assert time.monotonic() - start < 15
     assert "process 1: exit None" in str(info.value)
 
 
