@@ -80,6 +80,8 @@ def info() -> dict:
         "dtypes": ["float32", "bfloat16", "float16"],
         "build": dict(host.build_info()),
         "cliques": host.cliques(),
+        # Cliques spanning processes bootstrap through jax.distributed (docs/multiprocess.md).
+        "processes": jax.process_count() if _bootstrap.is_multiprocess() else 1,
     }
 
 

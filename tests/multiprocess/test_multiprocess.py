@@ -47,12 +47,13 @@ def test_native_bfloat16_across_processes():
 
 
 def test_mixed_meshes_interleaved_ring_and_growth():
-    """A ring alternating processes, dp x tp with tp inside / across processes, growing shapes."""
+    """A ring alternating processes, dp x tp with tp inside / across processes, growing shapes,
+    and a user's own shard_map (refused without the concrete mesh, right under jax.set_mesh)."""
     procs = harness.run("mixed", 2, 2)
     for p in procs:
         result = p.result()
         assert result["checked"] == ["interleaved ring", "tp within a process",
-                                     "tp across processes", "growth"], p.stdout
+                                     "tp across processes", "growth", "user shard_map"], p.stdout
         kinds = result["cliques"]
         assert "in-process" in kinds and "shared memory across 2 processes" in kinds, kinds
 

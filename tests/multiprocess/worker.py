@@ -159,7 +159,29 @@ def mixed(transport: str = "p2p") -> dict[str, Any]:
         done.append(name)
     growth(mesh, transport)
     done.append("growth")
+    user_shard_map(mesh, transport)
+    done.append("user shard_map")
     return {"checked": done, "cliques": _cliques()}
+
+
+def user_shard_map(mesh: Mesh, transport: str) -> None:
+    """A user's own shard_map: refused without the concrete mesh, right under jax.set_mesh."""
+    x64 = values(30, (16, 8), "float32")
+    w64 = values(31, (8, 8), "float32")
+    x = global_array(x64, mesh, P("tp", None), "float32")
+    w = global_array(w64, mesh, P(None, "tp"), "float32")
+    f = jax.jit(jax.shard_map(
+        lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", transport=transport),
+        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    try:
+        f(x, w)
+    except ValueError as e:
+        assert "need the concrete mesh" in str(e), e
+    else:
+        raise AssertionError("a multi-process native call without the mesh was not refused")
+    with jax.set_mesh(mesh):
+        y = f(x, w)
+    check_shards("user shard_map", y, x64 @ w64, "float32")
 
 
 def check_dp_tp(mesh: Mesh, transport: str) -> None:
