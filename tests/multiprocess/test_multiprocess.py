@@ -38,6 +38,8 @@ def test_native_every_transport_fwd_and_bwd(nprocs, devices):
         cliques = result["cliques"].strip().splitlines()
         assert len(cliques) == len(TRANSPORTS), cliques
         assert all(f"shared memory across {nprocs} processes" in c for c in cliques), cliques
+        # Names are unlinked as soon as every process attached, while the job still runs.
+        assert result["linked"] == [], result["linked"]
 
 
 def test_native_bfloat16_across_processes():
@@ -56,6 +58,7 @@ def test_mixed_meshes_interleaved_ring_and_growth():
                                      "tp across processes", "growth", "user shard_map"], p.stdout
         kinds = result["cliques"]
         assert "in-process" in kinds and "shared memory across 2 processes" in kinds, kinds
+        assert result["linked"] == [], result["linked"]  # growth generations unlinked too
 
 
 def test_a_process_that_exits_early_gives_a_timeout_error_not_a_hang():

@@ -134,7 +134,8 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
                 check_op(op, mesh, "native", dtype=dtype, axis=axis, transport=transport,
                          chunks=2, bidirectional=bidir, seed=axis)
                 done.append(f"{op}/{transport}/axis{axis}")
-    return {"checked": done, "cliques": _cliques()}
+    # Every segment was unlinked once all processes had attached (not only at exit).
+    return {"checked": done, "cliques": _cliques(), "linked": harness_segments()}
 
 
 def mixed(transport: str = "p2p") -> dict[str, Any]:
@@ -161,7 +162,7 @@ def mixed(transport: str = "p2p") -> dict[str, Any]:
     done.append("growth")
     user_shard_map(mesh, transport)
     done.append("user shard_map")
-    return {"checked": done, "cliques": _cliques()}
+    return {"checked": done, "cliques": _cliques(), "linked": harness_segments()}
 
 
 def user_shard_map(mesh: Mesh, transport: str) -> None:
