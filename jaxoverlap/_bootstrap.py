@@ -13,7 +13,9 @@ Two layers:
 
 * ``broadcast_bytes`` / ``allgather_bytes``: bytes in, bytes out, keyed by clique id and tag,
   among a list of processes. This is what the CUDA executor calls for the NCCL unique id and
-  CUDA IPC / multicast handles (``exchange_cuda_handles`` spells out that protocol).
+  CUDA IPC / multicast handles (``exchange_cuda_handles`` spells out that protocol), from Python
+  or, through ``StoreExchange`` and ``jo::Exchange`` (``cpp/core/exchange.h``), from C++;
+  ``share_fds`` moves POSIX-fd handles.
 * ``ensure_host_clique``: the host executor's cliques spanning processes (protocol below).
 
 Host clique protocol (once per clique per process, at trace time, from ``_native``):
@@ -176,6 +178,29 @@ def allgather_bytes(clique_id: str, tag: str, data: bytes, *, processes: Sequenc
             f"jaxoverlap: process(es) {missing} did not answer the allgather {tag!r} of "
             f"clique {clique_id} within {timeout_s:g} s (this is process {me})") from first_error
     return out
+
+
+class StoreExchange:
+    """One clique's exchange for C++ set-up code: the Python side of ``jo::Exchange``.
+
+    ``cpp/core/exchange.h`` declares the interface and ``cpp/python/py_exchange.h`` adapts an
+    object of this class to it, so the CUDA executor's clique creation (called from Python at
+    trace time) can broadcast its NCCL unique id and allgather its handles from C++.
+    """
+
+    def __init__(self, clique_id: str, processes: Sequence[int], timeout_s: float) -> None:
+        self.clique_id = clique_id
+        self.processes = _check_processes(processes)
+        self.process = jax.process_index()
+        self.timeout_s = float(timeout_s)
+
+    def broadcast(self, tag: str, root: int, data: bytes | None) -> bytes:
+        return broadcast_bytes(self.clique_id, tag, data, root=root, processes=self.processes,
+                               timeout_s=self.timeout_s)
+
+    def allgather(self, tag: str, data: bytes) -> dict[int, bytes]:
+        return allgather_bytes(self.clique_id, tag, data, processes=self.processes,
+                               timeout_s=self.timeout_s)
 
 
 def exchange_cuda_handles(clique_id: str, *, rank_process: Sequence[int], local_handles: bytes,

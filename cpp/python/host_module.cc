@@ -17,6 +17,7 @@
 #include "host/host_call.h"
 #include "host/fd_share.h"
 #include "host/shm.h"
+#include "python/py_exchange.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -219,6 +220,33 @@ std::vector<int> FdReceive(const std::string& name, size_t count, int64_t timeou
   return out;
 }
 
+// Tests only: drives a jo::Exchange from C++ (as the CUDA executor's set-up will).
+nb::dict ExchangeSelftest(nb::object impl) {
+  jo::python::PyExchange exchange(std::move(impl));
+  const std::vector<int32_t> procs = exchange.processes();
+  const int32_t me = exchange.process();
+  if (procs.empty()) throw nb::value_error("exchange: no processes");
+  std::string uid;
+  if (me == procs.front()) {
+    uid.assign(128, '\0');  // an ncclUniqueId's size, NULs included
+    for (size_t i = 0; i < uid.size(); ++i) uid[i] = static_cast<char>(i * 7 + 3);
+  }
+  nb::dict out;
+  {
+    nb::gil_scoped_release release;  // as set-up code on another thread might run
+    ThrowIfError(exchange.Broadcast("selftest/uid", procs.front(), &uid));
+  }
+  std::string mine = "handles of process " + std::to_string(me);
+  mine.push_back('\0');
+  std::map<int32_t, std::string> all;
+  ThrowIfError(exchange.AllGather("selftest/handles", mine, &all));
+  out["uid"] = nb::bytes(uid.data(), uid.size());
+  nb::dict gathered;
+  for (const auto& [p, bytes] : all) gathered[nb::int_(p)] = nb::bytes(bytes.data(), bytes.size());
+  out["handles"] = gathered;
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_host, m) {
@@ -257,6 +285,8 @@ NB_MODULE(_host, m) {
         "Serves `fds` over the abstract Unix socket `name` to each of `allowed_pids` once.");
   m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("timeout_ms"),
         nb::call_guard<nb::gil_scoped_release>(), "Receives `count` fds from `_fd_serve`.");
+  m.def("_exchange_selftest", &ExchangeSelftest, nb::arg("exchange"),
+        "Tests only: a broadcast and an allgather through jo::Exchange over a Python object.");
   m.def("_has_clique", &jo::host::HasClique, nb::arg("clique_key"), nb::arg("group"));
   m.def("_forget_clique", &jo::host::ForgetClique, nb::arg("clique_key"), nb::arg("group"));
 }

@@ -99,7 +99,8 @@ def test_exchange_api_bytes_through_the_store(nprocs):
     assert "process 1 did not answer" in procs[0].result()["error"]
     for p in procs:
         checked = p.result()["checked"]
-        assert len(checked) == 7 and "fds over socket" in checked, checked
+        assert len(checked) == 8 and "fds over socket" in checked, checked
+        assert "c++ exchange" in checked, checked
         # pidfd_getfd works where ptrace is allowed; elsewhere it must say why.
         assert checked[-1] == "fds over pidfd" or "no ptrace access" in checked[-1], checked
 

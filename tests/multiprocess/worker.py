@@ -345,8 +345,24 @@ def exchange() -> dict[str, Any]:
         except _bootstrap.BootstrapError as e:
             error = str(e)
         assert error is not None and "process 1 did not answer" in error, error
+    # The same from C++, through jo::Exchange over a StoreExchange (a 128-byte id with NULs).
+    from jaxoverlap import _runtime
+
+    got_cpp = _runtime.load_host()._exchange_selftest(
+        _bootstrap.StoreExchange("c0de-g0", procs, timeout_s=60))
+    assert got_cpp["uid"] == bytes((i * 7 + 3) % 256 for i in range(128)), got_cpp["uid"]
+    assert got_cpp["handles"] == {p: b"handles of process %d\0" % p for p in procs}, got_cpp
+    if me == 0:  # process 1 stays silent: the C++ caller gets a timeout naming it
+        try:
+            _runtime.load_host()._exchange_selftest(
+                _bootstrap.StoreExchange("silent-g0", [0, 1], timeout_s=1.0))
+        except RuntimeError as e:
+            assert "did not answer" in str(e) and "[1]" in str(e), e
+            assert str(e).startswith("timeout: exchange allgather"), e
+        else:
+            raise AssertionError("a silent process did not fail the C++ exchange")
     # POSIX fds (what cuMemExportToShareableHandle gives) travel both ways.
-    checked = ["allgather", "broadcast", "cuda handles", "subset", "timeout"]
+    checked = ["allgather", "broadcast", "cuda handles", "subset", "timeout", "c++ exchange"]
     for method in ("socket", "pidfd"):
         fd = os.memfd_create(f"jo-test-{me}")
         os.write(fd, b"process %d" % me)
