@@ -9,15 +9,18 @@ asserts its own invariants.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import threading
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxoverlap import _runtime
+from jaxoverlap import _bootstrap, _runtime
 
 # Order must match jo::Transport in cpp/core/program.h.
 _TRANSPORTS = ("nccl", "p2p", "multicast")
@@ -26,6 +29,20 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 _lock = threading.Lock()
 _registered = False
+# The concrete mesh of the global-array entry (``_spmd``): jax.shard_map(mesh=...) does not make
+# it visible inside the body, and multi-process runs need it for the rank table.
+_entry_mesh: contextvars.ContextVar[jax.sharding.Mesh | None] = contextvars.ContextVar(
+    "jaxoverlap_entry_mesh", default=None)
+
+
+@contextlib.contextmanager
+def entry_mesh(mesh) -> Iterator[None]:
+    """Makes ``mesh`` the concrete mesh of the native calls traced inside the block."""
+    token = _entry_mesh.set(mesh if isinstance(mesh, jax.sharding.Mesh) else None)
+    try:
+        yield
+    finally:
+        _entry_mesh.reset(token)
 
 
 def available() -> bool:
@@ -63,6 +80,8 @@ def info() -> dict:
         "dtypes": ["float32", "bfloat16", "float16"],
         "build": dict(host.build_info()),
         "cliques": host.cliques(),
+        # Cliques spanning processes bootstrap through jax.distributed (docs/multiprocess.md).
+        "processes": jax.process_count() if _bootstrap.is_multiprocess() else 1,
     }
 
 
@@ -98,19 +117,28 @@ def _mesh_facts(axis_name: str):
     return names, sizes, manual
 
 
-def _rank_table(axis_name: str, names: tuple, sizes: tuple, manual: tuple) -> np.ndarray:
+def current_mesh() -> jax.sharding.Mesh | None:
+    """The concrete mesh known here: ``jax.set_mesh``'s, else the global-array entry's."""
+    try:
+        from jax._src import mesh as mesh_lib
+
+        concrete = mesh_lib.get_concrete_mesh()
+    except Exception:  # noqa: BLE001 - private API: any failure means "unknown"
+        concrete = None
+    if concrete is None or getattr(concrete, "empty", True):
+        concrete = _entry_mesh.get()
+    return concrete
+
+
+def _rank_table(axis_name: str, names: tuple, sizes: tuple, manual: tuple,
+                mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
     """Global device ids in (group, rank) order, or empty if the concrete mesh is unknown.
 
     Inside shard_map only the abstract mesh is known; the concrete one is
     available when the user set it with ``jax.set_mesh``. Only built when
     every mesh axis is manual, so that (group, rank) names exactly one device.
     """
-    try:
-        from jax._src import mesh as mesh_lib
-
-        concrete = mesh_lib.get_concrete_mesh()
-    except Exception:  # noqa: BLE001 - private API: any failure means "unknown"
-        return np.zeros((0,), np.int64)
+    concrete = mesh if mesh is not None else current_mesh()
     if concrete is None or getattr(concrete, "empty", True) or len(manual) != len(names):
         return np.zeros((0,), np.int64)
     if tuple(concrete.axis_names) != names or tuple(concrete.axis_sizes) != sizes:
@@ -136,12 +164,38 @@ def _clique_key(names, sizes, axis_name, transport, devices: np.ndarray) -> np.i
     return np.int64(int.from_bytes(digest, "little", signed=True))
 
 
-def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirectional, timeout_s):
+def _bootstrap_cliques(key: np.int64, devices: np.ndarray, axis_size: int,
+                       timeout_s: float) -> None:
+    """Multi-process runs: sets up every clique of this call that has a rank here.
+
+    Each group of the rank table is one clique; its ranks' processes come from the global
+    device list. Cliques whose ranks are all local need nothing (made on first use).
+    """
+    if devices.size == 0:
+        raise ValueError(
+            "jaxoverlap native ops in a multi-process run need the concrete mesh to know which "
+            "process owns each rank: call the op on global arrays (with mesh= or jax.set_mesh), "
+            "or trace your shard_map under `with jax.set_mesh(mesh):`")
+    by_id = {d.id: d for d in jax.devices()}
+    if any(by_id[int(i)].platform != "cpu" for i in devices):
+        return  # the host executor's cliques only; another executor bootstraps its own
+    host = _runtime.load_host()
+    for group, ids in enumerate(devices.reshape(-1, axis_size)):
+        table = [by_id[int(i)].process_index for i in ids]
+        _bootstrap.ensure_host_clique(host, int(key), group, table, timeout_s)
+
+
+def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirectional, timeout_s,
+          mesh=None):
     _ensure_registered()
     assert transport in _TRANSPORTS, transport
     assert x.dtype == w.dtype and x.dtype in _DTYPES, (x.dtype, w.dtype)
     names, sizes, manual = _mesh_facts(axis_name)
-    devices = _rank_table(axis_name, names, sizes, manual)
+    devices = _rank_table(axis_name, names, sizes, manual, mesh)
+    clique_key = _clique_key(names, sizes, axis_name, transport, devices)
+    axis_size = sizes[names.index(axis_name)]
+    if _bootstrap.is_multiprocess():
+        _bootstrap_cliques(clique_key, devices, axis_size, timeout_s)
     coords = jnp.stack(
         [lax.axis_index(axis_name).astype(jnp.int32),
          _group_index(axis_name, names, sizes, manual).astype(jnp.int32)]
@@ -152,9 +206,9 @@ def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirect
         w,
         coords,
         # Attributes carry the exact C++ types of the handler binding.
-        clique_key=_clique_key(names, sizes, axis_name, transport, devices),
+        clique_key=clique_key,
         axis=np.int64(axis),
-        axis_size=np.int64(sizes[names.index(axis_name)]),
+        axis_size=np.int64(axis_size),
         transport=np.int32(_TRANSPORTS.index(transport)),
         chunks=np.int64(chunks),
         bidirectional=bool(bidirectional),
@@ -164,10 +218,11 @@ def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirect
 
 
 def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="nccl", chunks=1, bidirectional=False,
-                    return_gathered=False, timeout_s=120.0):
+                    return_gathered=False, timeout_s=120.0, mesh=None):
     """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards.
 
-    Returns y, or (y, x_gathered) when ``return_gathered``.
+    Returns y, or (y, x_gathered) when ``return_gathered``. ``mesh``: the concrete mesh, when
+    the caller knows it and it is not set with ``jax.set_mesh`` (it gives the rank table).
     """
     n = lax.axis_size(axis_name)
     gathered = list(x.shape)
@@ -179,12 +234,12 @@ def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="nccl", chunks=1, bidi
         results.append(x_type.update(shape=tuple(gathered), dtype=x.dtype))
     out = _call("jaxoverlap_ag_matmul", x, w, results, axis_name=axis_name, axis=axis,
                 transport=transport, chunks=chunks, bidirectional=bidirectional,
-                timeout_s=timeout_s)
+                timeout_s=timeout_s, mesh=mesh)
     return (out[0], out[1]) if return_gathered else out[0]
 
 
 def matmul_rs_shard(x, w, *, axis_name, axis=0, transport="nccl", chunks=1, bidirectional=False,
-                    timeout_s=120.0):
+                    timeout_s=120.0, mesh=None):
     """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local shards."""
     n = lax.axis_size(axis_name)
     assert x.shape[axis] % n == 0, (x.shape, axis, n)
@@ -194,5 +249,5 @@ def matmul_rs_shard(x, w, *, axis_name, axis=0, transport="nccl", chunks=1, bidi
     results = [jax.typeof(x).update(shape=tuple(y_shape), dtype=x.dtype)]
     (y,) = _call("jaxoverlap_matmul_rs", x, w, results, axis_name=axis_name, axis=axis,
                  transport=transport, chunks=chunks, bidirectional=bidirectional,
-                 timeout_s=timeout_s)
+                 timeout_s=timeout_s, mesh=mesh)
     return y

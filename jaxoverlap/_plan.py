@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,9 @@ class Plan:
     bidirectional: bool = False
     transport: str = "auto"
     timeout_s: float = 120.0
+    # native: the concrete mesh when known at the forward trace (the backward pass is traced
+    # later, outside the global-array entry that knew it); gives the rank table.
+    mesh: Any = None
 
     def describe(self) -> str:
         text = f"impl={self.impl} axis_name={self.axis_name!r} N={self.n} axis={self.axis}"

@@ -218,7 +218,8 @@ def _make_plan(
         timeout_s=settings.timeout_s,
     )
     if chosen_impl == "native":
-        plan = dataclasses.replace(plan, transport=_native_transport(op, plan.transport))
+        plan = dataclasses.replace(plan, transport=_native_transport(op, plan.transport),
+                                   mesh=_native().current_mesh())
     logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape), plan.describe())
     return plan
 
@@ -282,7 +283,8 @@ def _run_rs(x, w, plan: Plan):
 
 def _native_args(plan: Plan) -> dict:
     return dict(axis_name=plan.axis_name, axis=plan.axis, transport=plan.transport,
-                chunks=plan.chunks, bidirectional=plan.bidirectional, timeout_s=plan.timeout_s)
+                chunks=plan.chunks, bidirectional=plan.bidirectional, timeout_s=plan.timeout_s,
+                mesh=plan.mesh)
 
 
 def _weight_grad(a, b, dtype):

@@ -47,6 +47,11 @@ std::vector<std::shared_ptr<Clique>> CliqueRegistry::List() const {
   return out;
 }
 
+bool CliqueRegistry::Erase(const CliqueKey& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cliques_.erase(key) != 0;
+}
+
 void CliqueRegistry::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   cliques_.clear();

@@ -68,6 +68,7 @@ class CliqueRegistry {
   Status GetOrCreate(const CliqueKey& key, int32_t nranks, const Factory& make,
                      std::shared_ptr<Clique>* out);
   std::vector<std::shared_ptr<Clique>> List() const;
+  bool Erase(const CliqueKey& key);  // a clique whose bootstrap failed
   void Clear();  // tests only: calls in flight keep their shared_ptr
 
  private:

@@ -1,6 +1,8 @@
 #include "host/host_call.h"
 
+#include <algorithm>
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -9,6 +11,7 @@
 #include "core/clique.h"
 #include "core/log.h"
 #include "host/heap_workspace.h"
+#include "host/shm_clique.h"
 
 namespace jo::host {
 namespace {
@@ -54,7 +57,84 @@ std::string Signature(const Problem& q) {
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
 }
 
+// What a call needs per rank: the maximum over the programs of ALL ranks, so
+// that every rank of a clique decides the same way whether the call needs a
+// growth rendezvous (the programs of a ring are symmetric today; this does
+// not rely on it). Cached per call signature.
+Status NeedsOf(const Problem& q, const std::string& signature, CallNeeds* out) {
+  static std::mutex mu;
+  static std::map<std::string, CallNeeds> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(signature);
+    if (it != cache.end()) {
+      *out = it->second;
+      return OkStatus();
+    }
+  }
+  CallNeeds needs;
+  const int64_t es = DTypeSize(q.dtype);
+  for (int32_t r = 0; r < q.nranks; ++r) {
+    Problem other = q;
+    other.rank = r;
+    Program program;
+    JO_CHECK(BuildProgram(other, &program));
+    needs.workspace_bytes = std::max(needs.workspace_bytes, program.workspace_elems * es);
+    needs.num_flags = std::max(needs.num_flags, program.num_flags);
+    int64_t mail = 0;
+    int32_t messages = 0;
+    for (const Op& op : program.ops) {
+      if (op.kind != OpKind::kSend) continue;
+      mail += op.batch * op.m * op.n * es;
+      ++messages;
+    }
+    needs.mail_bytes = std::max(needs.mail_bytes, mail);
+    needs.mail_messages = std::max(needs.mail_messages, messages);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache.emplace(signature, needs);
+  *out = needs;
+  return OkStatus();
+}
+
+// Adds a clique made by the bootstrap; fails if (key, group) already has one.
+Status Register(std::unique_ptr<HostClique> made) {
+  HostClique* raw = made.get();
+  const CliqueKey key = made->key();
+  std::shared_ptr<Clique> clique;
+  JO_CHECK(Registry().GetOrCreate(key, made->nranks(), [&] { return std::move(made); }, &clique));
+  JO_REQUIRE(clique.get() == raw, CliqueName(key) + " already exists in this process");
+  return OkStatus();
+}
+
 }  // namespace
+
+Status CreateShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, std::string* name) {
+  std::unique_ptr<ShmClique> clique;
+  JO_CHECK(ShmClique::Create(CliqueKey{clique_key, group}, rank_process, process, &clique));
+  *name = clique->control_name();
+  Status status = Register(std::move(clique));
+  if (!status.ok()) (void)UnlinkShm(*name);
+  return status;
+}
+
+Status AttachShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, const std::string& name) {
+  std::unique_ptr<ShmClique> clique;
+  JO_CHECK(ShmClique::Attach(CliqueKey{clique_key, group}, rank_process, process, name, &clique));
+  return Register(std::move(clique));
+}
+
+bool ForgetClique(int64_t clique_key, int64_t group) {
+  return Registry().Erase(CliqueKey{clique_key, group});
+}
+
+bool HasClique(int64_t clique_key, int64_t group) {
+  for (const auto& clique : Registry().List())
+    if (clique->key().key == clique_key && clique->key().group == group) return true;
+  return false;
+}
 
 void SetTestSkip(int32_t rank, int64_t calls) {
   std::lock_guard<std::mutex> lock(g_skip_mu);
@@ -68,8 +148,10 @@ std::string DescribeCliques() {
   std::string out;
   for (const auto& clique : Registry().List()) {
     auto* host = static_cast<HostClique*>(clique.get());
-    out += clique->name() + ": " + std::to_string(clique->nranks()) + " ranks, epoch " +
-           std::to_string(clique->Epoch(0)) + ", workspace 2 x " +
+    int64_t epoch = 0;  // the furthest call of the ranks in this process
+    for (int32_t r = 0; r < clique->nranks(); ++r) epoch = std::max(epoch, clique->Epoch(r));
+    out += clique->name() + ": " + std::to_string(clique->nranks()) + " ranks, " + host->Kind() +
+           ", epoch " + std::to_string(epoch) + ", workspace 2 x " +
            std::to_string(host->WorkspaceBytes()) + " bytes per rank";
     const std::string broken = host->BrokenReason();
     if (!broken.empty()) out += ", BROKEN: " + broken;
@@ -90,7 +172,7 @@ Status HostCall(const CallArgs& args) {
   const CliqueKey key{args.clique_key, args.group};
   std::shared_ptr<Clique> clique;
   JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&] {
-    return std::make_unique<HostClique>(key, q.nranks, Allocator());
+    return std::make_unique<LocalClique>(key, q.nranks, Allocator());
   }, &clique));
   auto* host = static_cast<HostClique*>(clique.get());
   LogPlanOnce(program, key);
@@ -106,8 +188,10 @@ Status HostCall(const CallArgs& args) {
     ~Release() { clique->ReleaseRank(rank); }
   } release{host, q.rank};
   ctx.timeout = std::chrono::milliseconds(args.timeout_ms);
-  JO_CHECK(host->Prepare(ctx, Signature(q), program.workspace_elems * DTypeSize(q.dtype),
-                         program.num_flags));
+  const std::string signature = Signature(q);
+  CallNeeds needs;
+  JO_CHECK(NeedsOf(q, signature, &needs));
+  JO_CHECK(host->Prepare(ctx, signature, needs));
   JO_CHECK(RunProgram(program, *host, ctx.epoch, args.io, ctx.timeout, ctx.op));
   return OkStatus();
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/program.h"
 #include "core/status.h"
@@ -22,6 +23,18 @@ struct CallArgs {
 };
 
 Status HostCall(const CallArgs& args);
+
+// Multi-process cliques (cpp/host/shm_clique.h), called by the Python
+// bootstrap (jaxoverlap/_bootstrap.py) at trace time, before any call runs.
+// rank_process[r] is the process index of rank r; `process` is ours.
+// The leader (the process of rank 0) creates the control segment and returns
+// its name for the key-value store; the others attach to it by name.
+Status CreateShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, std::string* name);
+Status AttachShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, const std::string& name);
+bool HasClique(int64_t clique_key, int64_t group);
+bool ForgetClique(int64_t clique_key, int64_t group);  // after a failed bootstrap
 
 // Test hook: the next `calls` calls of rank `rank` (any clique) return at
 // once without taking part, so their peers must time out.

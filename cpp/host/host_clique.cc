@@ -23,15 +23,15 @@ Status Warn(Status status) {
 
 }  // namespace
 
-HostClique::HostClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceAllocator> allocator)
-    : Clique(key, nranks),
+LocalClique::LocalClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceAllocator> allocator)
+    : HostClique(key, nranks),
       allocator_(std::move(allocator)),
       workspace_(nranks),
       flags_(nranks),
       owner_device_(nranks, -1),
       grow_arrived_(nranks, false) {}
 
-Status HostClique::ClaimRank(const WaitContext& ctx, int64_t device) {
+Status LocalClique::ClaimRank(const WaitContext& ctx, int64_t device) {
   std::unique_lock<std::mutex> lock(mu_);
   int64_t& owner = owner_device_[ctx.rank];
   if (owner == -1 || owner == device) {
@@ -50,17 +50,17 @@ Status HostClique::ClaimRank(const WaitContext& ctx, int64_t device) {
   return status;
 }
 
-void HostClique::ReleaseRank(int32_t rank) {
+void LocalClique::ReleaseRank(int32_t rank) {
   std::lock_guard<std::mutex> lock(mu_);
   owner_device_[rank] = -1;
 }
 
-std::string HostClique::Where(const WaitContext& ctx) const {
+std::string LocalClique::Where(const WaitContext& ctx) const {
   return std::string(ctx.op) + " (" + name() + ", rank " + std::to_string(ctx.rank) + ", epoch " +
          std::to_string(ctx.epoch) + ")";
 }
 
-std::string HostClique::Missing(const WaitContext& ctx, int32_t expected) const {
+std::string LocalClique::Missing(const WaitContext& ctx, int32_t expected) const {
   // A rank whose call counter is behind ours has not entered this call: that
   // is the missing peer, even when the rank we wait on directly is another
   // (ring forwarding makes stalls travel).
@@ -73,12 +73,12 @@ std::string HostClique::Missing(const WaitContext& ctx, int32_t expected) const 
   return "every rank arrived; rank " + std::to_string(expected) + " did not deliver";
 }
 
-Status HostClique::BrokenStatus(const WaitContext& ctx) const {
+Status LocalClique::BrokenStatus(const WaitContext& ctx) const {
   return Status(Code::kAborted,
                 Where(ctx) + ": clique aborted by an earlier failure: " + broken_);
 }
 
-void HostClique::Break(const Status& status) {
+void LocalClique::Break(const Status& status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.empty()) return;
@@ -87,17 +87,17 @@ void HostClique::Break(const Status& status) {
   cv_.notify_all();
 }
 
-std::string HostClique::BrokenReason() const {
+std::string LocalClique::BrokenReason() const {
   std::lock_guard<std::mutex> lock(mu_);
   return broken_;
 }
 
-int64_t HostClique::WorkspaceBytes() const {
+int64_t LocalClique::WorkspaceBytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return workspace_bytes_;
 }
 
-Status HostClique::Grow(int64_t workspace_bytes, int32_t num_flags) {
+Status LocalClique::Grow(int64_t workspace_bytes, int32_t num_flags) {
   // Round up so that a slowly growing sequence of shapes does not rendezvous
   // on every call.
   const int64_t bytes = std::max<int64_t>(workspace_bytes, workspace_bytes_ + workspace_bytes_ / 2);
@@ -116,8 +116,10 @@ Status HostClique::Grow(int64_t workspace_bytes, int32_t num_flags) {
   return OkStatus();
 }
 
-Status HostClique::Prepare(const WaitContext& ctx, const std::string& signature,
-                           int64_t workspace_bytes, int32_t num_flags) {
+Status LocalClique::Prepare(const WaitContext& ctx, const std::string& signature,
+                            const CallNeeds& needs) {
+  const int64_t workspace_bytes = needs.workspace_bytes;
+  const int32_t num_flags = needs.num_flags;
   std::unique_lock<std::mutex> lock(mu_);
   if (!broken_.empty()) return BrokenStatus(ctx);
   auto& seen = signatures_[ctx.epoch];
@@ -167,13 +169,13 @@ Status HostClique::Prepare(const WaitContext& ctx, const std::string& signature,
   return status;
 }
 
-std::byte* HostClique::Workspace(int32_t owner, int64_t epoch) {
+std::byte* LocalClique::Workspace(int32_t owner, int64_t epoch) {
   // Only written during a growth rendezvous, when no call is in flight.
   WorkspaceRegion* region = workspace_[owner].get();
   return region == nullptr ? nullptr : region->data() + Parity(epoch) * workspace_bytes_;
 }
 
-Status HostClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
+Status LocalClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.empty()) return BrokenStatus(ctx);
@@ -185,7 +187,7 @@ Status HostClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
   return OkStatus();
 }
 
-Status HostClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) {
+Status LocalClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) {
   std::unique_lock<std::mutex> lock(mu_);
   JO_ASSERT(flag >= 0 && flag < num_flags_);
   const size_t index = static_cast<size_t>(Parity(ctx.epoch) * num_flags_ + flag);
@@ -202,7 +204,7 @@ Status HostClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag
                     Missing(ctx, writer)));
 }
 
-Status HostClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
+Status LocalClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
                         std::vector<std::byte> data) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -214,7 +216,7 @@ Status HostClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
   return OkStatus();
 }
 
-Status HostClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
+Status LocalClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
                         std::vector<std::byte>* data) {
   std::unique_lock<std::mutex> lock(mu_);
   const MailKey key{ctx.epoch, peer, ctx.rank, tag};

@@ -1,4 +1,4 @@
-// HostClique: the in-process transport state of one clique.
+// HostClique: the transport state of one clique; LocalClique: in-process.
 //
 // * Flags: per rank, 2 parities x num_flags int64 values. Signal sets a
 //   peer's flag to the call's epoch; Wait blocks until the own flag is >= the
@@ -46,37 +46,77 @@ struct WaitContext {
   std::chrono::milliseconds timeout{0};
 };
 
+// What one call needs from its clique, per rank and per parity. For a clique
+// spanning processes these must be the same on every rank (host_call.cc takes
+// the maximum over the programs of all ranks), since every rank decides on
+// its own whether the call needs a growth rendezvous.
+struct CallNeeds {
+  int64_t workspace_bytes = 0;
+  int32_t num_flags = 0;
+  int64_t mail_bytes = 0;     // bytes one rank Sends in one call (all peers)
+  int32_t mail_messages = 0;  // Sends of one rank in one call
+};
+
+// The transport state of one clique as the host executor sees it. Two
+// implementations: LocalClique (below: every rank is a thread of this
+// process) and ShmClique (cpp/host/shm_clique.h: ranks in several
+// processes, everything in POSIX shared memory).
 class HostClique : public Clique {
  public:
-  HostClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceAllocator> allocator);
+  using Clique::Clique;
 
   // Start of a call: fails fast if the clique is broken; checks that every
   // rank makes the same call at this epoch (`signature` describes the call
   // without the rank: a mismatch means ranks disagree on the call order);
   // grows workspace and flags with a rendezvous of all ranks if needed.
-  Status Prepare(const WaitContext& ctx, const std::string& signature, int64_t workspace_bytes,
-                 int32_t num_flags);
+  virtual Status Prepare(const WaitContext& ctx, const std::string& signature,
+                         const CallNeeds& needs) = 0;
 
   // Marks `device` as inside a call as rank ctx.rank until ReleaseRank. A
   // second device calling as the same rank at the same time is an error that
   // breaks the clique (two devices would share one rank's epochs and flags);
   // different devices taking turns (same-shaped meshes used one after the
   // other) are fine.
-  Status ClaimRank(const WaitContext& ctx, int64_t device);
-  void ReleaseRank(int32_t rank);
+  virtual Status ClaimRank(const WaitContext& ctx, int64_t device) = 0;
+  virtual void ReleaseRank(int32_t rank) = 0;
 
   // Base of `owner`'s workspace for the parity of `epoch`.
-  std::byte* Workspace(int32_t owner, int64_t epoch);
-  int64_t WorkspaceBytes() const;  // per parity per rank
+  virtual std::byte* Workspace(int32_t owner, int64_t epoch) = 0;
+  virtual int64_t WorkspaceBytes() const = 0;  // per parity per rank
 
-  Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag);
-  Status WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag);
-  Status Send(const WaitContext& ctx, int32_t peer, int32_t tag, std::vector<std::byte> data);
-  Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag, std::vector<std::byte>* data);
+  virtual Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag) = 0;
+  virtual Status WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) = 0;
+  virtual Status Send(const WaitContext& ctx, int32_t peer, int32_t tag,
+                      std::vector<std::byte> data) = 0;
+  virtual Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
+                      std::vector<std::byte>* data) = 0;
 
   // Marks the clique broken (first error wins) and wakes every waiter.
-  void Break(const Status& status);
-  std::string BrokenReason() const;
+  virtual void Break(const Status& status) = 0;
+  virtual std::string BrokenReason() const = 0;
+  // "in-process" or how the clique spans processes, for info().
+  virtual std::string Kind() const = 0;
+};
+
+class LocalClique : public HostClique {
+ public:
+  LocalClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceAllocator> allocator);
+
+  Status Prepare(const WaitContext& ctx, const std::string& signature,
+                 const CallNeeds& needs) override;
+  Status ClaimRank(const WaitContext& ctx, int64_t device) override;
+  void ReleaseRank(int32_t rank) override;
+  std::byte* Workspace(int32_t owner, int64_t epoch) override;
+  int64_t WorkspaceBytes() const override;
+  Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag) override;
+  Status WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) override;
+  Status Send(const WaitContext& ctx, int32_t peer, int32_t tag,
+              std::vector<std::byte> data) override;
+  Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
+              std::vector<std::byte>* data) override;
+  void Break(const Status& status) override;
+  std::string BrokenReason() const override;
+  std::string Kind() const override { return "in-process"; }
 
  private:
   using MailKey = std::tuple<int64_t, int32_t, int32_t, int32_t>;  // epoch, src, dst, tag

@@ -5,7 +5,9 @@
 // programs the executors run, and (3) build information and test hooks.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <stdexcept>
 #include <string>
 
 #include "core/build.h"
@@ -13,6 +15,9 @@
 #include "host/blas.h"
 #include "host/ffi_handlers.h"
 #include "host/host_call.h"
+#include "host/fd_share.h"
+#include "host/shm.h"
+#include "python/py_exchange.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -40,7 +45,8 @@ nb::dict BuildInfo() {
   info["blas"] = JO_BLAS_NAME;
   info["gemm"] = jo::host::BlasName();
   info["transports"] = nb::make_tuple("nccl", "p2p", "multicast");
-  info["workspace_allocator"] = "heap";
+  // heap for in-process cliques; POSIX shm for cliques spanning processes.
+  info["workspace_allocator"] = "heap, shm (cliques spanning processes)";
   return info;
 }
 
@@ -162,6 +168,85 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   return out;
 }
 
+void ThrowIfError(const jo::Status& status) {
+  if (!status.ok()) throw std::runtime_error(status.ToString());
+}
+
+std::string ShmCliqueCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                            int32_t process) {
+  std::string name;
+  ThrowIfError(jo::host::CreateShmClique(key, group, rank_process, process, &name));
+  return name;
+}
+
+void ShmCliqueAttach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                     int32_t process, const std::string& name) {
+  ThrowIfError(jo::host::AttachShmClique(key, group, rank_process, process, name));
+}
+
+void ShmUnlink(const std::string& name) { ThrowIfError(jo::host::UnlinkShm(name)); }
+
+// Sharing fds between processes (host/fd_share.h); fds returned to Python are
+// owned by the caller (close them with os.close).
+int FdDupFromProcess(int pid, int fd) {
+  jo::host::UniqueFd out;
+  ThrowIfError(jo::host::DupFromProcess(pid, fd, &out));
+  return out.release();
+}
+
+struct FdServerHandle {
+  std::unique_ptr<jo::host::FdServer> server;
+  void Finish() {
+    if (server == nullptr) return;
+    jo::Status status = server->Finish();
+    server.reset();
+    ThrowIfError(status);
+  }
+};
+
+FdServerHandle* FdServe(const std::string& name, const std::vector<int>& fds,
+                        const std::vector<int>& allowed_pids, int64_t timeout_ms) {
+  auto handle = std::make_unique<FdServerHandle>();
+  ThrowIfError(jo::host::FdServer::Start(name, fds, allowed_pids,
+                                         std::chrono::milliseconds(timeout_ms), &handle->server));
+  return handle.release();
+}
+
+std::vector<int> FdReceive(const std::string& name, size_t count, int64_t timeout_ms) {
+  std::vector<jo::host::UniqueFd> fds;
+  ThrowIfError(jo::host::ReceiveFds(name, count, std::chrono::milliseconds(timeout_ms), &fds));
+  std::vector<int> out;
+  for (auto& fd : fds) out.push_back(fd.release());
+  return out;
+}
+
+// Tests only: drives a jo::Exchange from C++ (as the CUDA executor's set-up will).
+nb::dict ExchangeSelftest(nb::object impl) {
+  jo::python::PyExchange exchange(std::move(impl));
+  const std::vector<int32_t> procs = exchange.processes();
+  const int32_t me = exchange.process();
+  if (procs.empty()) throw nb::value_error("exchange: no processes");
+  std::string uid;
+  if (me == procs.front()) {
+    uid.assign(128, '\0');  // an ncclUniqueId's size, NULs included
+    for (size_t i = 0; i < uid.size(); ++i) uid[i] = static_cast<char>(i * 7 + 3);
+  }
+  nb::dict out;
+  {
+    nb::gil_scoped_release release;  // as set-up code on another thread might run
+    ThrowIfError(exchange.Broadcast("selftest/uid", procs.front(), &uid));
+  }
+  std::string mine = "handles of process " + std::to_string(me);
+  mine.push_back('\0');
+  std::map<int32_t, std::string> all;
+  ThrowIfError(exchange.AllGather("selftest/handles", mine, &all));
+  out["uid"] = nb::bytes(uid.data(), uid.size());
+  nb::dict gathered;
+  for (const auto& [p, bytes] : all) gathered[nb::int_(p)] = nb::bytes(bytes.data(), bytes.size());
+  out["handles"] = gathered;
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_host, m) {
@@ -180,4 +265,28 @@ NB_MODULE(_host, m) {
   m.def("_set_test_skip", &jo::host::SetTestSkip, nb::arg("rank"), nb::arg("calls"),
         "Tests only: the next `calls` calls of `rank` skip the protocol (peers time out).");
   m.def("_reset_cliques", &jo::host::ResetCliques, "Tests only: forget every clique.");
+  // Multi-process bootstrap (jaxoverlap/_bootstrap.py); errors are RuntimeError.
+  m.def("_shm_clique_create", &ShmCliqueCreate, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("rank_process"), nb::arg("process"),
+        "Leader: creates and registers a clique spanning processes; returns the shm name.");
+  m.def("_shm_clique_attach", &ShmCliqueAttach, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("rank_process"), nb::arg("process"), nb::arg("name"),
+        "Other processes: attaches to the leader's segment and registers the clique.");
+  m.def("_shm_unlink", &ShmUnlink, nb::arg("name"), "Unlinks a shm name (gone is fine).");
+  m.def("_shm_cleanup", &jo::host::UnlinkTrackedNames,
+        "Unlinks every shm name this process created or opened and has not unlinked.");
+  nb::class_<FdServerHandle>(m, "_FdServer")
+      .def("finish", &FdServerHandle::Finish, nb::call_guard<nb::gil_scoped_release>(),
+           "Waits until every expected peer fetched the fds (or the deadline): raises if not.");
+  m.def("_fd_dup_from_process", &FdDupFromProcess, nb::arg("pid"), nb::arg("fd"),
+        "pidfd_getfd: a new fd in this process duplicating `fd` of process `pid`.");
+  m.def("_fd_serve", &FdServe, nb::arg("name"), nb::arg("fds"), nb::arg("allowed_pids"),
+        nb::arg("timeout_ms"), nb::rv_policy::take_ownership,
+        "Serves `fds` over the abstract Unix socket `name` to each of `allowed_pids` once.");
+  m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("timeout_ms"),
+        nb::call_guard<nb::gil_scoped_release>(), "Receives `count` fds from `_fd_serve`.");
+  m.def("_exchange_selftest", &ExchangeSelftest, nb::arg("exchange"),
+        "Tests only: a broadcast and an allgather through jo::Exchange over a Python object.");
+  m.def("_has_clique", &jo::host::HasClique, nb::arg("clique_key"), nb::arg("group"));
+  m.def("_forget_clique", &jo::host::ForgetClique, nb::arg("clique_key"), nb::arg("group"));
 }

@@ -1,0 +1,212 @@
+#include "host/fd_share.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <system_error>
+
+namespace jo::host {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kMaxFds = 64;
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+int Remaining(Clock::time_point deadline) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(ms.count(), 100)));
+}
+
+Status Address(const std::string& name, sockaddr_un* addr, socklen_t* len) {
+  JO_REQUIRE(!name.empty() && name.size() + 1 < sizeof(addr->sun_path),
+             "fd socket name must have 1.." + std::to_string(sizeof(addr->sun_path) - 2) +
+                 " characters, got '" + name + "'");
+  std::memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  std::memcpy(addr->sun_path + 1, name.data(), name.size());  // abstract: leading NUL
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return OkStatus();
+}
+
+}  // namespace
+
+UniqueFd::~UniqueFd() {
+  if (fd_ >= 0) close(fd_);
+}
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+Status DupFromProcess(int pid, int fd, UniqueFd* out) {
+#if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
+  UniqueFd pidfd(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
+  if (pidfd.get() < 0)
+    return Status(Code::kResource, Errno("pidfd_open(pid " + std::to_string(pid) + ")"));
+  const int got = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd.get(), fd, 0));
+  if (got < 0) {
+    const bool denied = errno == EPERM;
+    return Status(Code::kResource,
+                  Errno("pidfd_getfd(pid " + std::to_string(pid) + ", fd " + std::to_string(fd) +
+                        ")") + (denied ? " (no ptrace access to that process: use the socket "
+                                         "method)" : ""));
+  }
+  *out = UniqueFd(got);
+  return OkStatus();
+#else
+  (void)pid;
+  (void)fd;
+  (void)out;
+  return Status(Code::kResource, "pidfd_getfd is not available in this build (Linux >= 5.6)");
+#endif
+}
+
+Status FdServer::Start(const std::string& name, const std::vector<int>& fds,
+                       const std::vector<int>& allowed_pids, std::chrono::milliseconds timeout,
+                       std::unique_ptr<FdServer>* out) {
+  JO_REQUIRE(!fds.empty() && fds.size() <= kMaxFds,
+             "FdServer: expected 1.." + std::to_string(kMaxFds) + " fds, got " +
+                 std::to_string(fds.size()));
+  sockaddr_un addr;
+  socklen_t len = 0;
+  JO_CHECK(Address(name, &addr, &len));
+  UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (listener.get() < 0) return Status(Code::kResource, Errno("socket(AF_UNIX)"));
+  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
+    return Status(Code::kResource, Errno("bind(@" + name + ")"));
+  if (listen(listener.get(), static_cast<int>(allowed_pids.size()) + 4) != 0)
+    return Status(Code::kResource, Errno("listen(@" + name + ")"));
+  std::unique_ptr<FdServer> server(new FdServer());
+  server->name_ = name;
+  server->listener_ = std::move(listener);
+  server->fds_ = fds;
+  server->pending_ = allowed_pids;
+  server->deadline_ = Clock::now() + timeout;
+  try {
+    server->thread_ = std::thread([s = server.get()] { s->Serve(); });
+  } catch (const std::system_error& e) {
+    return Status(Code::kResource, std::string("FdServer: could not start its thread: ") + e.what());
+  }
+  *out = std::move(server);
+  return OkStatus();
+}
+
+void FdServer::Serve() {
+  while (!pending_.empty()) {
+    if (stop_.load()) {
+      result_ = Status(Code::kAborted, "FdServer @" + name_ + ": stopped before every peer was "
+                                       "served");
+      return;
+    }
+    if (Clock::now() >= deadline_) {
+      std::string who;
+      for (int pid : pending_) who += (who.empty() ? "" : ", ") + std::to_string(pid);
+      result_ = Status(Code::kTimeout, "FdServer @" + name_ + ": process(es) with pid " + who +
+                                           " did not fetch their fds before the deadline");
+      return;
+    }
+    pollfd p{listener_.get(), POLLIN, 0};
+    if (poll(&p, 1, Remaining(deadline_)) <= 0) continue;
+    UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (conn.get() < 0) continue;
+    ucred cred;
+    socklen_t cred_len = sizeof(cred);
+    if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) continue;
+    auto it = std::find(pending_.begin(), pending_.end(), static_cast<int>(cred.pid));
+    if (cred.uid != getuid() || it == pending_.end()) continue;  // not a peer we expect: drop
+    char byte = 'j';
+    iovec iov{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+    std::memset(control, 0, sizeof(control));
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds_.size());
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds_.size());
+    std::memcpy(CMSG_DATA(cmsg), fds_.data(), sizeof(int) * fds_.size());
+    if (sendmsg(conn.get(), &msg, MSG_NOSIGNAL) == 1) pending_.erase(it);
+  }
+  result_ = OkStatus();
+}
+
+Status FdServer::Finish() {
+  if (thread_.joinable()) thread_.join();
+  return result_;
+}
+
+FdServer::~FdServer() {
+  stop_.store(true);  // the thread sees it within one poll slice
+  if (thread_.joinable()) thread_.join();
+}
+
+Status ReceiveFds(const std::string& name, size_t count, std::chrono::milliseconds timeout,
+                  std::vector<UniqueFd>* out) {
+  JO_REQUIRE(count >= 1 && count <= kMaxFds, "ReceiveFds: expected 1.." +
+                                                 std::to_string(kMaxFds) + " fds, got " +
+                                                 std::to_string(count));
+  sockaddr_un addr;
+  socklen_t len = 0;
+  JO_CHECK(Address(name, &addr, &len));
+  const auto deadline = Clock::now() + timeout;
+  UniqueFd conn;
+  while (true) {  // the server may not listen yet
+    conn = UniqueFd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (conn.get() < 0) return Status(Code::kResource, Errno("socket(AF_UNIX)"));
+    if (connect(conn.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) break;
+    if (errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN)
+      return Status(Code::kResource, Errno("connect(@" + name + ")"));
+    if (Clock::now() >= deadline)
+      return Status(Code::kTimeout, "ReceiveFds: nobody listens on @" + name +
+                                        " (did the owner start sharing?)");
+    usleep(10000);
+  }
+  pollfd p{conn.get(), POLLIN, 0};
+  while (poll(&p, 1, Remaining(deadline)) <= 0) {
+    if (Clock::now() >= deadline)
+      return Status(Code::kTimeout, "ReceiveFds: @" + name + " sent nothing before the deadline "
+                                    "(is this process among the owner's expected peers?)");
+  }
+  char byte = 0;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  if (recvmsg(conn.get(), &msg, MSG_CMSG_CLOEXEC) != 1)
+    return Status(Code::kResource, Errno("recvmsg(@" + name + ")"));
+  std::vector<UniqueFd> got;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      got.emplace_back(fd);
+    }
+  }
+  JO_REQUIRE(got.size() == count && !(msg.msg_flags & MSG_CTRUNC),
+             "ReceiveFds: @" + name + " sent " + std::to_string(got.size()) + " fds, expected " +
+                 std::to_string(count));
+  *out = std::move(got);
+  return OkStatus();
+}
+
+}  // namespace jo::host

@@ -1,0 +1,81 @@
+// Sharing file descriptors between the processes of one job.
+//
+// For the GPU side's POSIX-fd handles (cuMemExportToShareableHandle of a
+// workspace or multicast object gives an fd, meaningless elsewhere). Two ways,
+// both driven from jaxoverlap/_bootstrap.py (share_fds), which exchanges pids,
+// fd numbers and socket names through the jax.distributed key-value store:
+//
+// * DupFromProcess: pidfd_open + pidfd_getfd (Linux >= 5.6). Needs ptrace
+//   access to the owner (same user; Yama ptrace_scope=1 allows parents only).
+// * FdServer / ReceiveFds: SCM_RIGHTS over a Unix socket in the abstract
+//   namespace (no file anywhere). The server only serves peers whose
+//   SO_PEERCRED pid it was told to expect and whose uid is ours.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/status.h"
+
+namespace jo::host {
+
+// Owns one fd: closed by the destructor unless released.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd();
+  UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// A duplicate of `fd` of process `pid` in this process.
+Status DupFromProcess(int pid, int fd, UniqueFd* out);
+
+class FdServer {
+ public:
+  // Listens on the abstract socket `name` and, on a background thread, sends
+  // `fds` to each of `allowed_pids` once, until all are served or `timeout`.
+  static Status Start(const std::string& name, const std::vector<int>& fds,
+                      const std::vector<int>& allowed_pids, std::chrono::milliseconds timeout,
+                      std::unique_ptr<FdServer>* out);
+  ~FdServer();  // stops and joins
+  FdServer(const FdServer&) = delete;
+  FdServer& operator=(const FdServer&) = delete;
+  // Waits for the thread; its result (names the peers never served).
+  Status Finish();
+
+ private:
+  FdServer() = default;
+  void Serve();
+  std::string name_;
+  UniqueFd listener_;
+  std::vector<int> fds_;
+  std::vector<int> pending_;  // pids still to serve
+  std::chrono::steady_clock::time_point deadline_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  Status result_;
+};
+
+// Connects to the abstract socket `name` (retrying until it listens or the
+// deadline) and receives `count` fds.
+Status ReceiveFds(const std::string& name, size_t count, std::chrono::milliseconds timeout,
+                  std::vector<UniqueFd>* out);
+
+}  // namespace jo::host

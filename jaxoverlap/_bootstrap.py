@@ -1,0 +1,389 @@
+"""Bootstrap over ``jax.distributed``: what cliques spanning processes exchange, and how.
+
+Everything goes through the key-value store of the ``jax.distributed`` job — no MPI, no files,
+no launcher of ours. The client is reachable only through the private
+``jax._src.distributed.global_state.client`` (BUILD-NOTES); every use of it is in this module.
+
+Keys are namespaced ``jaxoverlap/v1/<clique id>/<n>/<tag>[/<process>]``: the clique id is derived
+from the mesh and is the same in every process, and ``n`` counts how often this process has
+bootstrapped that clique, which agrees across processes because they all trace the same program.
+Every wait has a deadline and its error names the process that did not answer.
+
+Two layers:
+
+* ``broadcast_bytes`` / ``allgather_bytes``: bytes in, bytes out, keyed by clique id and tag,
+  among a list of processes. This is what the CUDA executor calls for the NCCL unique id and
+  CUDA IPC / multicast handles (``exchange_cuda_handles`` spells out that protocol), from Python
+  or, through ``StoreExchange`` and ``jo::Exchange`` (``cpp/core/exchange.h``), from C++;
+  ``share_fds`` moves POSIX-fd handles.
+* ``ensure_host_clique``: the host executor's cliques spanning processes (protocol below).
+
+Host clique protocol (once per clique per process, at trace time, from ``_native``):
+
+1. the leader (the process of rank 0) creates the control segment (``shm_open`` O_EXCL, mode
+   0600) and publishes ``{"name", "rank_process"}`` under ``.../host/leader``;
+2. every other process reads it (deadline: the call's timeout), checks that the leader's rank
+   table equals its own, attaches, and publishes ``.../host/attached/<process>``;
+3. the leader waits for every ``attached`` key, naming the processes that do not answer (or
+   reporting the reason one could not attach: a different rank table, another machine), then
+   unlinks the name (the last process to attach has usually done so already).
+
+From then on ranks talk through shared memory only (``cpp/host/shm_clique.h``). The host
+executor learns which ranks are threads of this process and which are other processes from the
+rank table given here (``rank_process``); it treats both alike, all through shared memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+NAMESPACE = "jaxoverlap/v1"
+
+_lock = threading.Lock()
+_host_lock = threading.RLock()  # one host-clique bootstrap at a time in this process
+_generations: dict[tuple[str, str], int] = {}
+
+
+class BootstrapError(RuntimeError):
+    """A process did not answer in time, or the processes disagree on a clique."""
+
+
+def client() -> Any | None:
+    """The ``jax.distributed`` key-value client, or None when no distributed job runs."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:  # pragma: no cover - layout of a future jax
+        return None
+    return getattr(global_state, "client", None)
+
+
+def is_multiprocess() -> bool:
+    """True when this is one process of a ``jax.distributed`` job with more than one process."""
+    return client() is not None and jax.process_count() > 1
+
+
+def _require_client() -> Any:
+    c = client()
+    if c is None:
+        raise BootstrapError(
+            "jaxoverlap: exchanging data between processes needs jax.distributed; call "
+            "jax.distributed.initialize() in every process first")
+    return c
+
+
+def _next_generation(clique_id: str, tag: str) -> int:
+    with _lock:
+        n = _generations.get((clique_id, tag), 0)
+        _generations[(clique_id, tag)] = n + 1
+        return n
+
+
+def _key(clique_id: str, generation: int, tag: str, *rest: object) -> str:
+    return "/".join([NAMESPACE, clique_id, str(generation), tag, *map(str, rest)])
+
+
+def _set(key: str, value: bytes) -> None:
+    try:
+        _require_client().key_value_set_bytes(key, value)
+    except BootstrapError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError subclasses
+        raise BootstrapError(f"jaxoverlap: could not publish {key!r} in the jax.distributed "
+                             f"key-value store: {e}") from e
+
+
+def _get(key: str, deadline: float, who: str, what: str) -> bytes:
+    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    try:
+        return bytes(_require_client().blocking_key_value_get_bytes(key, remaining_ms))
+    except BootstrapError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        text = str(e)
+        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+            raise BootstrapError(
+                f"jaxoverlap: {who} did not answer within the timeout ({what}; key {key!r}). "
+                f"Is that process still running the same program, and did it reach the same "
+                f"jaxoverlap call? (JAXOVERLAP_TIMEOUT_S / timeout_s set the deadline)") from e
+        raise BootstrapError(f"jaxoverlap: reading {key!r} ({what}) failed: {e}") from e
+
+
+def _check_processes(processes: Sequence[int]) -> list[int]:
+    procs = sorted({int(p) for p in processes})
+    me = jax.process_index()
+    if me not in procs:
+        raise ValueError(f"jaxoverlap: process {me} is not among the processes {procs} of this "
+                         "exchange")
+    return procs
+
+
+def broadcast_bytes(clique_id: str, tag: str, data: bytes | None, *, root: int,
+                    processes: Sequence[int], timeout_s: float) -> bytes:
+    """``root`` publishes ``data``; every process of ``processes`` returns it.
+
+    Non-root processes pass ``data=None``. ``clique_id`` must be the same string in every
+    process (e.g. ``f"{clique_key:016x}-{group}"``); a (clique_id, tag) pair may be used
+    repeatedly: each use gets fresh keys.
+    """
+    procs = _check_processes(processes)
+    if root not in procs:
+        raise ValueError(f"jaxoverlap: root {root} is not among the processes {procs}")
+    generation = _next_generation(clique_id, tag)
+    key = _key(clique_id, generation, tag, "root")
+    if jax.process_index() == root:
+        if data is None:
+            raise ValueError("jaxoverlap: the root of broadcast_bytes must pass data")
+        _set(key, bytes(data))
+        return bytes(data)
+    deadline = time.monotonic() + timeout_s
+    return _get(key, deadline, f"process {root}", f"root of broadcast {tag!r} of {clique_id}")
+
+
+def allgather_bytes(clique_id: str, tag: str, data: bytes, *, processes: Sequence[int],
+                    timeout_s: float) -> dict[int, bytes]:
+    """Every process of ``processes`` contributes ``data``; returns process -> its bytes.
+
+    A timeout names every process that did not contribute.
+    """
+    procs = _check_processes(processes)
+    me = jax.process_index()
+    generation = _next_generation(clique_id, tag)
+    _set(_key(clique_id, generation, tag, me), bytes(data))
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, bytes] = {me: bytes(data)}
+    missing: list[int] = []
+    first_error: BootstrapError | None = None
+    for p in procs:
+        if p == me:
+            continue
+        try:
+            out[p] = _get(_key(clique_id, generation, tag, p), deadline, f"process {p}",
+                          f"allgather {tag!r} of {clique_id}")
+        except BootstrapError as e:
+            missing.append(p)
+            first_error = first_error or e
+            deadline = time.monotonic() + 0.01  # only collect who else is missing
+    if missing:
+        raise BootstrapError(
+            f"jaxoverlap: process(es) {missing} did not answer the allgather {tag!r} of "
+            f"clique {clique_id} within {timeout_s:g} s (this is process {me})") from first_error
+    return out
+
+
+class StoreExchange:
+    """One clique's exchange for C++ set-up code: the Python side of ``jo::Exchange``.
+
+    ``cpp/core/exchange.h`` declares the interface and ``cpp/python/py_exchange.h`` adapts an
+    object of this class to it, so the CUDA executor's clique creation (called from Python at
+    trace time) can broadcast its NCCL unique id and allgather its handles from C++.
+    """
+
+    def __init__(self, clique_id: str, processes: Sequence[int], timeout_s: float) -> None:
+        self.clique_id = clique_id
+        self.processes = _check_processes(processes)
+        self.process = jax.process_index()
+        self.timeout_s = float(timeout_s)
+
+    def broadcast(self, tag: str, root: int, data: bytes | None) -> bytes:
+        return broadcast_bytes(self.clique_id, tag, data, root=root, processes=self.processes,
+                               timeout_s=self.timeout_s)
+
+    def allgather(self, tag: str, data: bytes) -> dict[int, bytes]:
+        return allgather_bytes(self.clique_id, tag, data, processes=self.processes,
+                               timeout_s=self.timeout_s)
+
+
+def exchange_cuda_handles(clique_id: str, *, rank_process: Sequence[int], local_handles: bytes,
+                          nccl_unique_id: bytes | None, timeout_s: float
+                          ) -> tuple[bytes, dict[int, bytes]]:
+    """The exchange the CUDA executor makes when it sets up a clique spanning processes.
+
+    ``rank_process[r]`` is the process of rank r. The process of rank 0 passes the NCCL unique id
+    (``ncclGetUniqueId``, 128 bytes), the others None; every process passes its own packed
+    handles (CUDA IPC handles of its ranks' workspaces, a multicast fabric handle, ...).
+    Returns the unique id and process -> that process's handles. The bytes are opaque here.
+    """
+    procs = sorted(set(int(p) for p in rank_process))
+    root = int(rank_process[0])
+    uid = broadcast_bytes(clique_id, "nccl_id", nccl_unique_id, root=root, processes=procs,
+                          timeout_s=timeout_s)
+    handles = allgather_bytes(clique_id, "cuda_handles", local_handles, processes=procs,
+                              timeout_s=timeout_s)
+    return uid, handles
+
+
+def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequence[int],
+              timeout_s: float, method: str = "socket") -> dict[int, list[int]]:
+    """Every process of ``processes`` shares its ``fds`` with the others (same machine only).
+
+    For POSIX-fd handles (``cuMemExportToShareableHandle``). Returns process -> duplicates, in
+    this process, of that process's fds, in order; the caller owns (and closes) them.
+    ``method="socket"``: SCM_RIGHTS over an abstract Unix socket that only serves the expected
+    peers' pids (works under any ptrace policy). ``method="pidfd"``: ``pidfd_getfd`` (Linux >= 5.6,
+    needs ptrace access to the owner). Pids, fd numbers and socket names go through the store.
+    """
+    from jaxoverlap import _runtime
+
+    if method not in ("socket", "pidfd"):
+        raise ValueError(f"jaxoverlap: share_fds method={method!r}: use 'socket' or 'pidfd'")
+    if not fds:
+        raise ValueError("jaxoverlap: share_fds needs at least one fd")
+    host = _runtime.load_host()
+    procs = _check_processes(processes)
+    me = jax.process_index()
+    name = f"jaxoverlap-{clique_id}-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+    mine = {"pid": os.getpid(), "fds": [int(f) for f in fds], "socket": name}
+    deadline = time.monotonic() + timeout_s
+    peers = {p: json.loads(b) for p, b in allgather_bytes(
+        clique_id, f"fds/{tag}", json.dumps(mine).encode(), processes=procs,
+        timeout_s=timeout_s).items()}
+    out: dict[int, list[int]] = {}
+    try:
+        if method == "pidfd":
+            for p in procs:
+                if p != me:
+                    out[p] = []
+                    for fd in peers[p]["fds"]:
+                        out[p].append(host._fd_dup_from_process(peers[p]["pid"], fd))
+            # Owners keep their fds open until every peer has its copies.
+            allgather_bytes(clique_id, f"fds/{tag}/done", b"1", processes=procs,
+                            timeout_s=max(0.1, deadline - time.monotonic()))
+            return out
+        others = [peers[p]["pid"] for p in procs if p != me]
+        server = host._fd_serve(name, mine["fds"], others, int(timeout_s * 1000))
+        try:
+            for p in procs:
+                if p != me:
+                    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    out[p] = host._fd_receive(peers[p]["socket"], len(peers[p]["fds"]),
+                                              remaining_ms)
+        finally:
+            server.finish()  # raises if a peer never fetched its copies
+        return out
+    except BaseException:
+        for got in out.values():
+            for fd in got:
+                os.close(fd)
+        raise
+
+
+def machine_id() -> str:
+    """This machine, as shared memory sees it: hostname and kernel boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def clique_id(clique_key: int, group: int) -> str:
+    """The clique's name in keys: its key as 16 hex digits and its group."""
+    return f"{clique_key & 0xFFFFFFFFFFFFFFFF:016x}-g{group}"
+
+
+def ensure_host_clique(host: Any, clique_key: int, group: int, rank_process: Sequence[int],
+                       timeout_s: float) -> bool:
+    """Sets up the host clique (clique_key, group) spanning processes; True if it did now.
+
+    Called at trace time by every process that owns a rank of the clique. Does nothing when the
+    clique exists already in this process or all its ranks are local (an in-process clique is
+    made on first use).
+    """
+    with _host_lock:
+        return _ensure_host_clique(host, clique_key, group, [int(p) for p in rank_process],
+                                   timeout_s)
+
+
+def _ensure_host_clique(host: Any, clique_key: int, group: int, table: list[int],
+                        timeout_s: float) -> bool:
+    me = jax.process_index()
+    if me not in table or len(set(table)) == 1 or host._has_clique(clique_key, group):
+        return False
+    cid = clique_id(clique_key, group)
+    generation = _next_generation(cid, "host")
+    leader = table[0]
+    procs = sorted(set(table))
+    deadline = time.monotonic() + timeout_s
+    if me == leader:
+        name = host._shm_clique_create(clique_key, group, table, me)
+        try:
+            _set(_key(cid, generation, "host", "leader"),
+                 json.dumps({"name": name, "rank_process": table,
+                             "machine": machine_id()}).encode())
+            missing, errors = [], []
+            for p in procs:
+                if p == me:
+                    continue
+                try:
+                    answer = _get(_key(cid, generation, "host", "attached", p), deadline,
+                                  f"process {p}",
+                                  f"attach to the shared memory of host clique {cid}")
+                except BootstrapError as e:
+                    missing.append(p)
+                    errors.append(str(e))
+                    deadline = time.monotonic() + 0.01
+                    continue
+                if answer != b"ok":
+                    raise BootstrapError(f"jaxoverlap: process {p} could not attach to host "
+                                         f"clique {cid}: {answer.decode(errors='replace')}")
+            if missing:
+                raise BootstrapError(
+                    f"jaxoverlap: process(es) {missing} did not attach to host clique {cid} "
+                    f"(rank table {table}) within {timeout_s:g} s; this is its leader, process "
+                    f"{me}. First error: {errors[0]}")
+        except BaseException:
+            host._forget_clique(clique_key, group)
+            host._shm_unlink(name)
+            raise
+        host._shm_unlink(name)
+        return True
+    info = json.loads(_get(_key(cid, generation, "host", "leader"), deadline,
+                           f"process {leader}",
+                           f"leader (rank 0) of host clique {cid} publishing its shared memory"))
+    problem = None
+    if info["rank_process"] != table:
+        problem = (
+            f"jaxoverlap: host clique {cid}: the leader (process {leader}) has rank table "
+            f"{info['rank_process']} (rank -> process), process {me} has {table}. All "
+            "processes must build the mesh from the same devices in the same order.")
+    elif info["machine"] != machine_id():
+        problem = (
+            f"jaxoverlap: host clique {cid} spans machines (process {leader} runs on "
+            f"{info['machine']}, process {me} on {machine_id()}): the host executor shares "
+            "memory between processes, which works on one machine only. Use impl='ring' or "
+            "impl='xla' for CPU meshes that span machines.")
+    else:
+        try:
+            host._shm_clique_attach(clique_key, group, table, me, info["name"])
+        except RuntimeError as e:
+            problem = f"jaxoverlap: process {me}: {e}"
+    attached = _key(cid, generation, "host", "attached", me)
+    _set(attached, b"ok" if problem is None else problem.encode())
+    if problem is not None:
+        raise BootstrapError(problem)
+    return True
+
+
+def _cleanup() -> None:
+    """Unlinks shared-memory names this process still knows (normal exit runs it too)."""
+    try:
+        from jaxoverlap import _runtime
+
+        if _runtime.host_error() is None:
+            _runtime.load_host()._shm_cleanup()
+    except Exception:  # noqa: BLE001 - never fail at exit
+        pass
+
+
+atexit.register(_cleanup)

@@ -1,0 +1,186 @@
+"""Starts real processes that join one ``jax.distributed`` job on loopback; cleans up after them.
+
+``run(scenario, nprocs, devices)`` launches ``nprocs`` copies of ``worker.py`` (one JAX process
+each, ``devices`` CPU devices each), gives them a free coordinator port, waits for all of them
+under a hard deadline, and returns what each printed. Whatever happens (timeout, failure,
+KeyboardInterrupt), every child's process group is killed and reaped before ``run`` returns, and
+shared-memory segments the run left in ``/dev/shm`` are removed and reported: the children get
+a unique ``JAXOVERLAP_SHM_TAG`` that every segment name of theirs contains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+SHM_DIR = "/dev/shm"
+_runs = itertools.count()
+
+
+@dataclasses.dataclass
+class Proc:
+    """What one child did: exit code (None if it had to be killed), output, wall time."""
+
+    process_id: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+    def result(self) -> dict[str, Any]:
+        """The JSON the worker printed on its ``JO_MP_RESULT`` line ({} if none)."""
+        for line in self.stdout.splitlines():
+            if line.startswith("JO_MP_RESULT "):
+                return json.loads(line[len("JO_MP_RESULT "):])
+        return {}
+
+
+class HarnessError(AssertionError):
+    """A run that timed out, failed, or left something behind; carries every child's output."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def shm_segments(tag: str) -> list[str]:
+    """Names in /dev/shm that contain ``tag``."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if tag in n)
+    except FileNotFoundError:
+        return []
+
+
+def describe(procs: list[Proc], tail: int = 4000) -> str:
+    parts = []
+    for p in procs:
+        parts.append(
+            f"--- process {p.process_id}: exit {p.returncode}, {p.elapsed_s:.1f} s\n"
+            f"[stdout]\n{p.stdout[-tail:]}\n[stderr]\n{p.stderr[-tail:]}"
+        )
+    return "\n".join(parts)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_PORT_TAKEN = ("Address already in use", "Failed to add port", "Failed to bind")
+
+
+def run(
+    scenario: str,
+    nprocs: int,
+    devices: int = 1,
+    params: dict[str, Any] | None = None,
+    timeout_s: float = 150.0,
+    env: dict[str, str] | None = None,
+    expect_success: bool = True,
+) -> list[Proc]:
+    """Runs ``worker.py scenario`` in ``nprocs`` processes; returns their ``Proc`` records.
+
+    Raises ``HarnessError`` when the deadline passes (the children are killed), when
+    ``expect_success`` and a child failed, or when a shared-memory segment is left behind.
+    If the coordinator's port was taken between choosing and binding it (the machine is
+    shared), the job is started once more on another port.
+    """
+    try:
+        return _run_once(scenario, nprocs, devices, params, timeout_s, env, expect_success)
+    except HarnessError as e:
+        if not any(text in str(e) for text in _PORT_TAKEN):
+            raise
+    return _run_once(scenario, nprocs, devices, params, timeout_s, env, expect_success)
+
+
+def _run_once(
+    scenario: str,
+    nprocs: int,
+    devices: int = 1,
+    params: dict[str, Any] | None = None,
+    timeout_s: float = 150.0,
+    env: dict[str, str] | None = None,
+    expect_success: bool = True,
+) -> list[Proc]:
+    tag = f"jotest{os.getpid()}x{next(_runs)}"
+    port = free_port()
+    base = dict(os.environ)
+    base.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JO_MP_COORDINATOR=f"127.0.0.1:{port}",
+        JO_MP_NUM_PROCESSES=str(nprocs),
+        JAXOVERLAP_SHM_TAG=tag,
+        PYTHONUNBUFFERED="1",
+    )
+    base.update(env or {})
+    argv = [sys.executable, WORKER, scenario, json.dumps(params or {})]
+    children: list[tuple[subprocess.Popen, Any, Any, float]] = []
+    ended: dict[int, float] = {}
+    start = time.monotonic()
+    timed_out = False
+    try:
+        for pid in range(nprocs):
+            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+            child_env = dict(base, JO_MP_PROCESS_ID=str(pid))
+            proc = subprocess.Popen(argv, env=child_env, stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            children.append((proc, out, err, time.monotonic()))
+        deadline = start + timeout_s
+        while len(ended) < nprocs:
+            for i, (proc, _, _, _) in enumerate(children):
+                if i not in ended and proc.poll() is not None:
+                    ended[i] = time.monotonic()
+            if len(ended) == nprocs:
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+    finally:
+        for proc, _, _, _ in children:
+            _kill_group(proc)  # the child is done or must go: also kills anything it started
+            proc.wait()
+    procs = []
+    for i, (proc, out, err, t0) in enumerate(children):
+        out.seek(0)
+        err.seek(0)
+        procs.append(Proc(
+            process_id=i,
+            returncode=proc.returncode if i in ended else None,
+            stdout=out.read().decode(errors="replace"),
+            stderr=err.read().decode(errors="replace"),
+            elapsed_s=ended.get(i, time.monotonic()) - t0,
+        ))
+        out.close()
+        err.close()
+    leftovers = shm_segments(tag)
+    for name in leftovers:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+    if timed_out:
+        raise HarnessError(f"{scenario}: hard timeout after {timeout_s:.0f} s; children killed\n"
+                           + describe(procs))
+    if expect_success and any(p.returncode != 0 for p in procs):
+        raise HarnessError(f"{scenario}: a process failed\n" + describe(procs))
+    if leftovers:
+        raise HarnessError(f"{scenario}: shared-memory segments left behind: {leftovers}\n"
+                           + describe(procs))
+    return procs

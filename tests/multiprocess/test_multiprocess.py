@@ -1,0 +1,132 @@
+"""Real processes joined by jax.distributed on loopback (see harness.py and worker.py).
+
+Each test starts its own job: 2 or 4 processes with 1 or 2 CPU devices each. The harness kills
+every child at its deadline and fails the test if a shared-memory segment is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from . import harness
+
+TRANSPORTS = ["nccl", "p2p", "multicast"]
+
+
+@pytest.mark.parametrize("nprocs,devices", [(2, 2)])
+def test_portable_impls_across_processes(nprocs, devices):
+    procs = harness.run("portable", nprocs, devices, params={"impls": ["xla", "ring"]})
+    for p in procs:
+        assert len(p.result()["checked"]) == 8, p.stdout
+
+
+@pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)])
+def test_native_every_transport_fwd_and_bwd(nprocs, devices):
+    """Both ops, forward and gradients, every transport, against float64 NumPy.
+
+    With 2 processes x 2 devices the one clique mixes threads and processes; with 4 x 1 every
+    rank is its own process.
+    """
+    procs = harness.run("native", nprocs, devices, params={"transports": TRANSPORTS})
+    for p in procs:
+        result = p.result()
+        assert len(result["checked"]) == 2 * 2 * len(TRANSPORTS), p.stdout
+        # Every clique of the run spans processes (none fell back to an in-process clique).
+        cliques = result["cliques"].strip().splitlines()
+        assert len(cliques) == len(TRANSPORTS), cliques
+        assert all(f"shared memory across {nprocs} processes" in c for c in cliques), cliques
+        # Names are unlinked as soon as every process attached, while the job still runs.
+        assert result["linked"] == [], result["linked"]
+
+
+def test_native_bfloat16_across_processes():
+    procs = harness.run("native", 2, 1, params={"transports": TRANSPORTS, "dtype": "bfloat16",
+                                                "axes": [1]})
+    assert all(len(p.result()["checked"]) == 2 * len(TRANSPORTS) for p in procs)
+
+
+def test_mixed_meshes_interleaved_ring_and_growth():
+    """A ring alternating processes, dp x tp with tp inside / across processes, growing shapes,
+    and a user's own shard_map (refused without the concrete mesh, right under jax.set_mesh)."""
+    procs = harness.run("mixed", 2, 2)
+    for p in procs:
+        result = p.result()
+        assert result["checked"] == ["interleaved ring", "tp within a process",
+                                     "tp across processes", "growth", "user shard_map"], p.stdout
+        kinds = result["cliques"]
+        assert "in-process" in kinds and "shared memory across 2 processes" in kinds, kinds
+        assert result["linked"] == [], result["linked"]  # growth generations unlinked too
+
+
+def test_a_process_that_exits_early_gives_a_timeout_error_not_a_hang():
+    timeout_s = 4.0
+    start = time.monotonic()
+    procs = harness.run("early_exit", 3, 1, params={"victim": 1, "timeout_s": timeout_s},
+                        timeout_s=120)
+    assert time.monotonic() - start < 90
+    survivors = [p.result() for p in procs if p.process_id != 1]
+    assert len(survivors) == 2 and all(survivors), harness.describe(procs)
+    for result in survivors:
+        error = result["error"]
+        assert error is not None, result
+        assert "timeout after 4.000 s" in error and "missing peer rank(s) 1 did not arrive" in error
+        assert "rank 1 (process 1)" in error and "clique 0x" in error and "epoch 2" in error
+        assert "DEADLINE_EXCEEDED" in error or "ABORTED" in error
+        # Failed within the configured time (plus scheduling slack), not at a hang's deadline.
+        # (A survivor that started its call later than the one that timed out is woken
+        # earlier, by the broken clique.)
+        assert result["elapsed_s"] < timeout_s + 10, result
+
+
+def test_a_process_that_never_bootstraps_is_named_by_the_leader():
+    procs = harness.run("bootstrap_missing", 2, 1, params={"timeout_s": 3.0}, timeout_s=120,
+                        expect_success=False)
+    result = procs[0].result()
+    assert procs[0].returncode == 0, harness.describe(procs)
+    assert "BootstrapError" in result["error"], result
+    assert "process(es) [1] did not attach to host clique" in result["error"], result
+    assert 2.5 <= result["elapsed_s"] < 15, result
+    assert result["leftover"] == [], result  # the leader unlinked its segment on the error
+
+
+@pytest.mark.parametrize("nprocs", [3])
+def test_exchange_api_bytes_through_the_store(nprocs):
+    """allgather / broadcast / CUDA-handle exchange keyed by clique id, their timeout, fds."""
+    procs = harness.run("exchange", nprocs, 1)
+    assert "process 1 did not answer" in procs[0].result()["error"]
+    for p in procs:
+        checked = p.result()["checked"]
+        assert len(checked) == 8 and "fds over socket" in checked, checked
+        assert "c++ exchange" in checked, checked
+        # pidfd_getfd works where ptrace is allowed; elsewhere it must say why.
+        assert checked[-1] == "fds over pidfd" or "no ptrace access" in checked[-1], checked
+
+
+def test_harness_kills_children_at_its_deadline():
+    start = time.monotonic()
+    with pytest.raises(harness.HarnessError, match="hard timeout after 5 s") as info:
+        harness.run("hang", 2, timeout_s=5)
+    assert time.monotonic() - start < 15
+    assert "process 1: exit None" in str(info.value)
+
+
+def test_harness_reports_failures_and_removes_leftover_segments():
+    with pytest.raises(harness.HarnessError, match="a process failed") as info:
+        harness.run("fail", 2)
+    assert "Not equal to tolerance" in str(info.value)
+    with pytest.raises(harness.HarnessError, match="segments left behind"):
+        harness.run("leak_shm", 1)
+    assert not harness.shm_segments(f"jotest{os.getpid()}x")
+
+
+def test_processes_that_disagree_on_a_call_fail_fast_with_both_calls_named():
+    procs = harness.run("disagree", 2, 1, params={"timeout_s": 30.0}, timeout_s=120)
+    for p in procs:
+        result = p.result()
+        error = result["error"]
+        assert error is not None and "ranks disagree on call 1 of this clique" in error, result
+        assert "[1,2,16]x2" in error and "[1,2,8]x2" in error, error
+        assert result["elapsed_s"] < 20, result  # the check, not the 30 s timeout

@@ -1,0 +1,443 @@
+"""One process of a multi-process test, started by ``harness.py`` (never collected by pytest).
+
+Usage: ``worker.py SCENARIO PARAMS_JSON`` with ``JO_MP_COORDINATOR``, ``JO_MP_NUM_PROCESSES`` and
+``JO_MP_PROCESS_ID`` in the environment. The process joins the ``jax.distributed`` job, runs the
+scenario (which raises on any mismatch), prints ``JO_MP_RESULT <json>`` and exits 0.
+
+Every check compares the shards this process holds with a float64 NumPy reference computed
+from the same seeded inputs in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap as jo
+
+TOL = {"float32": dict(rtol=1e-5, atol=1e-4), "bfloat16": dict(rtol=2e-2, atol=2e-2)}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def log(*args: Any) -> None:
+    print(f"[process {jax.process_index()}]", *args, file=sys.stderr, flush=True)
+
+
+def mesh_of(shape: tuple[int, ...], names: tuple[str, ...], order: list[int] | None = None) -> Mesh:
+    devices = jax.devices()
+    if order is not None:
+        devices = [devices[i] for i in order]
+    return Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def values(seed: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Seeded inputs, rounded to ``dtype`` and returned as float64 (the reference sees them)."""
+    v = np.random.default_rng(seed).uniform(-1.0, 1.0, size=shape).astype(np.float32)
+    return np.asarray(jnp.asarray(v, DTYPES[dtype]).astype(jnp.float32), np.float64)
+
+
+def global_array(a: np.ndarray, mesh: Mesh, spec: P, dtype: str) -> jax.Array:
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(
+        a.shape, sharding, lambda idx: np.asarray(a[idx], np.float32).astype(DTYPES[dtype]))
+
+
+def check_shards(name: str, got: jax.Array, want: np.ndarray, dtype: str) -> None:
+    """Every shard this process holds equals the reference's slice of it."""
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    scale = float(np.abs(want).max(initial=0.0))
+    tol = dict(TOL[dtype])
+    tol["atol"] = max(tol["atol"], tol["rtol"] * scale)
+    assert got.addressable_shards, name
+    for shard in got.addressable_shards:
+        data = np.asarray(shard.data.astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(data, want[shard.index], err_msg=f"{name} {shard.index}", **tol)
+
+
+def check_op(op: str, mesh: Mesh, impl: str, dtype: str = "float32", axis: int = 1,
+             seed: int = 0, **kw: Any) -> None:
+    """Forward and gradients of one op on global arrays against float64 NumPy.
+
+    x is [B, S, K] with the rows on ``axis`` (0 or 1), y = x @ w, loss = sum(y * c), so
+    dx = c @ w.T and dw = sum over rows of x.T @ c.
+    """
+    n = mesh.shape["tp"]
+    shape = [2, 2, 8]
+    shape[axis] = 2 * n
+    k, nw = 8, 2 * n
+    x64 = values(seed, tuple(shape), dtype)
+    w64 = values(seed + 1, (k, nw), dtype)
+    c64 = values(seed + 2, tuple(shape[:-1]) + (nw,), dtype)
+    rows = [None] * 3
+    rows[axis] = "tp"
+    fn = jo.ag_matmul if op == "ag_matmul" else jo.matmul_rs
+    if op == "ag_matmul":
+        x_spec, w_spec, y_spec = P(*rows), P(None, "tp"), P(None, None, "tp")
+    else:
+        x_spec, w_spec, y_spec = P(None, None, "tp"), P("tp", None), P(*rows)
+    x = global_array(x64, mesh, x_spec, dtype)
+    w = global_array(w64, mesh, w_spec, dtype)
+    c = global_array(c64, mesh, y_spec, dtype)
+
+    def forward(x, w):
+        return fn(x, w, "tp", axis=axis, impl=impl, mesh=mesh, **kw)
+
+    def loss(x, w, c):
+        return jnp.sum(forward(x, w).astype(jnp.float32) * c.astype(jnp.float32))
+
+    y = jax.jit(forward)(x, w)
+    check_shards(f"{op} {impl} {kw} y", y, x64 @ w64, dtype)
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, c)
+    check_shards(f"{op} {impl} {kw} dx", dx, c64 @ w64.T, dtype)
+    dw_ref = x64.reshape(-1, k).T @ c64.reshape(-1, nw)
+    check_shards(f"{op} {impl} {kw} dw", dw, dw_ref, dtype)
+
+
+# ------------------------------------------------------------------ scenarios
+
+
+def portable(impls: list[str]) -> dict[str, Any]:
+    """impl="xla"/"ring" of both ops, forward and backward, over a tp mesh of every device."""
+    mesh = mesh_of((len(jax.devices()),), ("tp",))
+    done = []
+    for impl in impls:
+        for op in ("ag_matmul", "matmul_rs"):
+            for axis in (0, 1):
+                check_op(op, mesh, impl, axis=axis, chunks=2 if impl == "ring" else None)
+                done.append(f"{op}/{impl}/axis{axis}")
+    return {"checked": done}
+
+
+def native(transports: list[str], order: list[int] | None = None, dtype: str = "float32",
+           axes: list[int] | None = None) -> dict[str, Any]:
+    """impl="native" of both ops, fwd+bwd, every transport, over a tp mesh of every device.
+
+    With several devices per process one clique mixes local threads and remote processes.
+    ``order`` permutes the devices (e.g. interleaving processes round the ring).
+    """
+    mesh = mesh_of((len(jax.devices()),), ("tp",), order)
+    done = []
+    for transport in transports:
+        for op in ("ag_matmul", "matmul_rs"):
+            for axis in axes or [0, 1]:
+                bidir = axis == 1
+                check_op(op, mesh, "native", dtype=dtype, axis=axis, transport=transport,
+                         chunks=2, bidirectional=bidir, seed=axis)
+                done.append(f"{op}/{transport}/axis{axis}")
+    # Every segment was unlinked once all processes had attached (not only at exit).
+    return {"checked": done, "cliques": _cliques(), "linked": harness_segments()}
+
+
+def mixed(transport: str = "p2p") -> dict[str, Any]:
+    """Cliques of several kinds in one job (run with 2 processes x 2 devices).
+
+    * tp=4 over [0, 2, 1, 3]: every ring hop crosses processes (one clique, two processes);
+    * (dp=2, tp=2) with tp inside a process: in-process cliques, no shared memory;
+    * (dp=2, tp=2) with tp across processes: two cliques spanning both processes;
+    * changing shapes back to back (the data segment grows across processes).
+    """
+    devices = jax.devices()
+    assert len(devices) == 4 and jax.process_count() == 2, "run with 2 processes x 2 devices"
+    done = []
+    mesh = mesh_of((4,), ("tp",), order=[0, 2, 1, 3])
+    check_op("ag_matmul", mesh, "native", transport=transport, chunks=1, seed=3)
+    check_op("matmul_rs", mesh, "native", transport="nccl", chunks=2, seed=4)
+    done.append("interleaved ring")
+    for name, order in (("tp within a process", [0, 1, 2, 3]),
+                        ("tp across processes", [0, 2, 1, 3])):
+        mesh2 = mesh_of((2, 2), ("dp", "tp"), order)
+        check_dp_tp(mesh2, transport)
+        done.append(name)
+    growth(mesh, transport)
+    done.append("growth")
+    user_shard_map(mesh, transport)
+    done.append("user shard_map")
+    return {"checked": done, "cliques": _cliques(), "linked": harness_segments()}
+
+
+def user_shard_map(mesh: Mesh, transport: str) -> None:
+    """A user's own shard_map: refused without the concrete mesh, right under jax.set_mesh."""
+    x64 = values(30, (16, 8), "float32")
+    w64 = values(31, (8, 8), "float32")
+    x = global_array(x64, mesh, P("tp", None), "float32")
+    w = global_array(w64, mesh, P(None, "tp"), "float32")
+    f = jax.jit(jax.shard_map(
+        lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", transport=transport),
+        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    try:
+        f(x, w)
+    except ValueError as e:
+        assert "need the concrete mesh" in str(e), e
+    else:
+        raise AssertionError("a multi-process native call without the mesh was not refused")
+    with jax.set_mesh(mesh):
+        y = f(x, w)
+    check_shards("user shard_map", y, x64 @ w64, "float32")
+
+
+def check_dp_tp(mesh: Mesh, transport: str) -> None:
+    """x [dp*2, 4*tp, 8] sharded (dp, tp): ag_matmul then matmul_rs, forward and grads."""
+    x64 = values(20, (4, 8, 8), "float32")
+    w1 = values(21, (8, 8), "float32")
+    w2 = values(22, (8, 8), "float32")
+    x = global_array(x64, mesh, P("dp", "tp", None), "float32")
+    a = global_array(w1, mesh, P(None, "tp"), "float32")
+    b = global_array(w2, mesh, P("tp", None), "float32")
+
+    def block(x, a, b):
+        h = jo.ag_matmul(x, a, "tp", axis=1, impl="native", transport=transport, mesh=mesh)
+        return jo.matmul_rs(h, b, "tp", axis=1, impl="native", transport=transport, mesh=mesh)
+
+    y = jax.jit(block)(x, a, b)
+    check_shards("dp,tp block", y, x64 @ w1 @ w2, "float32")
+    loss = lambda x, a, b: jnp.sum(block(x, a, b) ** 2)  # noqa: E731
+    dx = jax.jit(jax.grad(loss))(x, a, b)
+    ref = x64 @ w1 @ w2
+    check_shards("dp,tp dx", dx, (2 * ref) @ w2.T @ w1.T, "float32")
+
+
+def growth(mesh: Mesh, transport: str) -> None:
+    """Shapes grow and shrink over back-to-back calls; every result stays right."""
+    for i, s in enumerate((8, 32, 16, 64, 8, 128)):
+        x64 = values(100 + i, (2, s, 8), "float32")
+        w64 = values(200 + i, (8, 8), "float32")
+        x = global_array(x64, mesh, P(None, "tp", None), "float32")
+        w = global_array(w64, mesh, P(None, "tp"), "float32")
+        for t in (transport, "nccl"):
+            y = jax.jit(lambda x, w, t=t: jo.ag_matmul(x, w, "tp", axis=1, impl="native",
+                                                       transport=t, chunks=2, mesh=mesh))(x, w)
+            check_shards(f"growth {s} {t}", y, x64 @ w64, "float32")
+
+
+def early_exit(victim: int, timeout_s: float) -> dict[str, Any]:
+    """Every process runs a native call; then ``victim`` exits and the others call again.
+
+    The survivors must fail with the timeout error naming the victim's rank and process,
+    within the configured timeout (plus scheduling slack), not hang. They report what they saw
+    and leave with os._exit: jax.distributed's own shutdown would wait for the dead peer.
+    """
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64 = values(1, (2, 2 * n, 8), "float32")
+    w64 = values(2, (8, 2 * n), "float32")
+    x = global_array(x64, mesh, P(None, "tp", None), "float32")
+    w = global_array(w64, mesh, P(None, "tp"), "float32")
+    with jo.config(timeout_s=timeout_s):
+        f = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", mesh=mesh,
+                                              transport="p2p"))
+        check_shards("before the exit", f(x, w), x64 @ w64, "float32")
+    if jax.process_index() == victim:
+        log("exiting early on purpose")
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        f(x, w).block_until_ready()
+    except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
+        result = {"error": str(e), "elapsed_s": time.monotonic() - start,
+                  "process_id": jax.process_index()}
+    else:
+        result = {"error": None, "elapsed_s": time.monotonic() - start,
+                  "process_id": jax.process_index()}
+    print("JO_MP_RESULT " + json.dumps(result), flush=True)
+    from jaxoverlap import _bootstrap
+
+    _bootstrap._cleanup()
+    # Process 0 hosts the coordination service: it leaves last, or it would take the others
+    # down with it before they report.
+    me = jax.process_index()
+    store = _bootstrap.client()
+    if me != 0:
+        store.key_value_set(f"jo_test/early_exit/{me}", "done")
+    else:
+        for p in range(1, jax.process_count()):
+            if p != victim:
+                store.blocking_key_value_get(f"jo_test/early_exit/{p}", 60_000)
+    os._exit(0)
+
+
+def bootstrap_missing(timeout_s: float) -> dict[str, Any]:
+    """Process 1 never reaches the native call: the leader's bootstrap names it."""
+    if jax.process_index() == 1:
+        time.sleep(timeout_s + 20)  # stays alive (the harness kills it), never traces
+        return {}
+    mesh = mesh_of((len(jax.devices()),), ("tp",))
+    x = global_array(np.ones((4, 8)), mesh, P("tp", None), "float32")
+    w = global_array(np.ones((8, 4)), mesh, P(None, "tp"), "float32")
+    start = time.monotonic()
+    try:
+        with jo.config(timeout_s=timeout_s):
+            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh))(x, w)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    result = {"error": error, "elapsed_s": time.monotonic() - start,
+              "leftover": harness_segments()}
+    print("JO_MP_RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
+
+
+def disagree(timeout_s: float) -> dict[str, Any]:
+    """Process 1 calls with another contraction size: the agreement check names the call."""
+    mesh = mesh_of((len(jax.devices()),), ("tp",))
+    k = 8 if jax.process_index() == 0 else 16
+    x = global_array(np.ones((4, k)), mesh, P("tp", None), "float32")
+    w = global_array(np.ones((k, 4)), mesh, P(None, "tp"), "float32")
+    start = time.monotonic()
+    try:
+        with jo.config(timeout_s=timeout_s):
+            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh,
+                                              transport="nccl"))(x, w).block_until_ready()
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = str(e)
+    return {"error": error, "elapsed_s": time.monotonic() - start}
+
+
+def harness_segments() -> list[str]:
+    tag = os.environ.get("JAXOVERLAP_SHM_TAG", "")
+    return sorted(n for n in os.listdir("/dev/shm") if tag and tag in n)
+
+
+def exchange() -> dict[str, Any]:
+    """The bytes-in, bytes-out exchange API (what the CUDA executor calls), on CPU."""
+    from jaxoverlap import _bootstrap
+
+    me, n = jax.process_index(), jax.process_count()
+    procs = list(range(n))
+    got = _bootstrap.allgather_bytes("cafe-g0", "handles", bytes([me]) * (me + 1),
+                                     processes=procs, timeout_s=60)
+    assert got == {p: bytes([p]) * (p + 1) for p in procs}, got
+    # The same (clique, tag) again gets fresh keys.
+    again = _bootstrap.allgather_bytes("cafe-g0", "handles", b"x%d" % me, processes=procs,
+                                       timeout_s=60)
+    assert again == {p: b"x%d" % p for p in procs}, again
+    uid = np.random.default_rng(7).bytes(128)  # an ncclUniqueId's size
+    root = n - 1
+    out = _bootstrap.broadcast_bytes("cafe-g0", "uid", uid if me == root else None, root=root,
+                                     processes=procs, timeout_s=60)
+    assert out == uid
+    table = [p for p in procs for _ in range(2)]
+    nccl_id, handles = _bootstrap.exchange_cuda_handles(
+        "beef-g1", rank_process=table, local_handles=b"ipc%d" % me,
+        nccl_unique_id=uid if me == 0 else None, timeout_s=60)
+    assert nccl_id == uid and handles == {p: b"ipc%d" % p for p in procs}
+    # A subset of the processes exchanges alone; a process outside it is refused.
+    if me < 2:
+        pair = _bootstrap.allgather_bytes("pair-g0", "t", b"%d" % me, processes=[0, 1],
+                                          timeout_s=60)
+        assert pair == {0: b"0", 1: b"1"}
+    # Nobody answers: the error names the silent process.
+    error = None
+    if me == 0:
+        try:
+            _bootstrap.broadcast_bytes("dead-g0", "uid", None, root=1, processes=procs,
+                                       timeout_s=1.0)
+        except _bootstrap.BootstrapError as e:
+            error = str(e)
+        assert error is not None and "process 1 did not answer" in error, error
+    # The same from C++, through jo::Exchange over a StoreExchange (a 128-byte id with NULs).
+    from jaxoverlap import _runtime
+
+    got_cpp = _runtime.load_host()._exchange_selftest(
+        _bootstrap.StoreExchange("c0de-g0", procs, timeout_s=60))
+    assert got_cpp["uid"] == bytes((i * 7 + 3) % 256 for i in range(128)), got_cpp["uid"]
+    assert got_cpp["handles"] == {p: b"handles of process %d\0" % p for p in procs}, got_cpp
+    if me == 0:  # process 1 stays silent: the C++ caller gets a timeout naming it
+        try:
+            _runtime.load_host()._exchange_selftest(
+                _bootstrap.StoreExchange("silent-g0", [0, 1], timeout_s=1.0))
+        except RuntimeError as e:
+            assert "did not answer" in str(e) and "[1]" in str(e), e
+            assert str(e).startswith("timeout: exchange allgather"), e
+        else:
+            raise AssertionError("a silent process did not fail the C++ exchange")
+    # POSIX fds (what cuMemExportToShareableHandle gives) travel both ways.
+    checked = ["allgather", "broadcast", "cuda handles", "subset", "timeout", "c++ exchange"]
+    for method in ("socket", "pidfd"):
+        fd = os.memfd_create(f"jo-test-{me}")
+        os.write(fd, b"process %d" % me)
+        try:
+            shared = _bootstrap.share_fds("cafe-g0", "fds", [fd], processes=procs, timeout_s=60,
+                                          method=method)
+        except RuntimeError as e:
+            assert method == "pidfd" and "no ptrace access" in str(e), e
+            checked.append(f"pidfd refused: {e}")
+            os.close(fd)
+            continue
+        os.close(fd)
+        assert sorted(shared) == [p for p in procs if p != me], shared
+        for p, (dup,) in shared.items():
+            assert os.pread(dup, 64, 0) == b"process %d" % p, (method, p)
+            os.close(dup)
+        checked.append(f"fds over {method}")
+    return {"checked": checked, "error": error}
+
+
+def _cliques() -> str:
+    from jaxoverlap import _runtime
+
+    return _runtime.load_host().cliques()
+
+
+def hang() -> dict[str, Any]:
+    """Harness self-test: never returns (the harness must kill it at its deadline)."""
+    while True:
+        time.sleep(1.0)
+
+
+def leak_shm() -> dict[str, Any]:
+    """Harness self-test: leaves a segment named with the run's tag in /dev/shm."""
+    path = f"/dev/shm/jaxoverlap-{os.environ['JAXOVERLAP_SHM_TAG']}-leak"
+    with open(path, "wb") as f:
+        f.write(b"x")
+    return {"leaked": path}
+
+
+def fail() -> dict[str, Any]:
+    """Harness self-test: a failed check."""
+    np.testing.assert_allclose(np.zeros(2), np.ones(2))
+    return {}
+
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "portable": portable,
+    "native": native,
+    "mixed": mixed,
+    "early_exit": early_exit,
+    "bootstrap_missing": bootstrap_missing,
+    "exchange": exchange,
+    "disagree": disagree,
+    "hang": hang,
+    "leak_shm": leak_shm,
+    "fail": fail,
+}
+
+
+def main() -> int:
+    scenario, params = sys.argv[1], json.loads(sys.argv[2])
+    process_id = int(os.environ["JO_MP_PROCESS_ID"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    start = time.monotonic()
+    jax.distributed.initialize(os.environ["JO_MP_COORDINATOR"],
+                               num_processes=int(os.environ["JO_MP_NUM_PROCESSES"]),
+                               process_id=process_id, initialization_timeout=90)
+    result = SCENARIOS[scenario](**params)
+    result["process_id"] = process_id
+    result["elapsed_s"] = round(time.monotonic() - start, 2)
+    print("JO_MP_RESULT " + json.dumps(result), flush=True)
+    jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
