@@ -2,13 +2,14 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <iterator>
 
 namespace jo {
 
 std::string CliqueName(const CliqueKey& key) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/group %" PRId64,
-                static_cast<uint64_t>(key.key), key.group);
+  char text[96];
+  std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/site %" PRId64 "/group %" PRId64,
+                static_cast<uint64_t>(key.key), key.site, key.group);
   return text;
 }
 
@@ -45,6 +46,12 @@ std::vector<std::shared_ptr<Clique>> CliqueRegistry::List() const {
   std::vector<std::shared_ptr<Clique>> out;
   for (const auto& entry : cliques_) out.push_back(entry.second);
   return out;
+}
+
+void CliqueRegistry::EraseSite(int64_t key, int64_t site) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = cliques_.begin(); it != cliques_.end();)
+    it = it->first.key == key && it->first.site == site ? cliques_.erase(it) : std::next(it);
 }
 
 void CliqueRegistry::Clear() {
