@@ -1,4 +1,4 @@
-// The CPU FFI handlers: decode and check operands, then HostCall.
+// The CPU FFI handlers: decode and check operands, then StartHostCall.
 //
 // Interface (identical for both targets except the optional second result):
 //   operands  x, w, coords: int32[2] = (rank, group)
@@ -11,12 +11,11 @@
 //
 // Stages: instantiate (once per call site per executable, shared by every
 // local device) creates a CallSite state that names the call site; execute
-// checks the operands, starts the call (HostCall) and returns an
+// checks the operands, starts the call (StartHostCall) and returns an
 // ffi::Future that a host worker completes, so the XLA device thread never
 // blocks on peers (docs/native.md §4). Every stage declares every attribute.
 #include "host/ffi_handlers.h"
 
-#include <exception>
 #include <optional>
 #include <string>
 
