@@ -93,9 +93,13 @@ def _ensure_registered() -> None:
         host = _runtime.load_host()
         # The CPU backend must exist before handlers are registered
         # (BUILD-NOTES: registering early fails with FAILED_PRECONDITION).
+        # The instantiate-stage state type goes first: XLA checks that the
+        # types a handler uses are registered before the handler.
         jax.devices()
-        for name, capsule in host.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        for name, capsules in host.types().items():
+            jax.ffi.register_ffi_type(name, capsules, platform="cpu")
+        for name, stages in host.registrations().items():
+            jax.ffi.register_ffi_target(name, stages, platform="cpu")
         _registered = True
 
 

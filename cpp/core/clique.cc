@@ -2,13 +2,14 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <iterator>
 
 namespace jo {
 
 std::string CliqueName(const CliqueKey& key) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/group %" PRId64,
-                static_cast<uint64_t>(key.key), key.group);
+  char text[96];
+  std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/site %" PRId64 "/group %" PRId64,
+                static_cast<uint64_t>(key.key), key.site, key.group);
   return text;
 }
 
@@ -50,6 +51,18 @@ std::vector<std::shared_ptr<Clique>> CliqueRegistry::List() const {
 bool CliqueRegistry::Erase(const CliqueKey& key) {
   std::lock_guard<std::mutex> lock(mu_);
   return cliques_.erase(key) != 0;
+}
+
+std::shared_ptr<Clique> CliqueRegistry::Find(const CliqueKey& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = cliques_.find(key);
+  return it == cliques_.end() ? nullptr : it->second;
+}
+
+void CliqueRegistry::EraseSite(int64_t key, int64_t site) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = cliques_.begin(); it != cliques_.end();)
+    it = it->first.key == key && it->first.site == site ? cliques_.erase(it) : std::next(it);
 }
 
 void CliqueRegistry::Clear() {

@@ -1,12 +1,15 @@
 // Cliques: the ranks of one group of a mesh axis that run a collective
 // together, and the registry that keeps them for the life of the process.
 //
-// A clique is keyed by (clique_key, group). clique_key is computed in Python
-// from the mesh axis names/sizes, the axis name, the transport and the device
-// ids when known, so it is identical in every process; group is the linear
-// index of the other manual mesh axes (dp=2, tp=4 along tp: groups 0 and 1).
-// Per rank the clique counts calls: the k-th call of a clique has epoch k on
-// every rank (all ranks run the same HLO, so they make the same calls).
+// A clique is keyed by (clique_key, group, site). clique_key is computed in
+// Python from the mesh axis names/sizes, the axis name, the transport and the
+// device ids when known, so it is identical in every process; group is the
+// linear index of the other manual mesh axes (dp=2, tp=4 along tp: groups 0
+// and 1); site names the call site (one custom-call instruction of one
+// executable, see host_call.h NewCallSite), so two call sites never share
+// epochs, flags or workspace even when XLA runs them in a different order on
+// different devices. Per rank the clique counts calls: the k-th execution of
+// a call site has epoch k on every rank.
 //
 // Nothing here assumes one address space; executors derive from Clique to
 // attach their transport state (the host executor: in-process flags,
@@ -28,12 +31,15 @@ namespace jo {
 struct CliqueKey {
   int64_t key = 0;
   int64_t group = 0;
+  int64_t site = 0;  // call-site ordinal (0 = not tied to a call site)
   bool operator<(const CliqueKey& other) const {
-    return key != other.key ? key < other.key : group < other.group;
+    if (key != other.key) return key < other.key;
+    if (site != other.site) return site < other.site;
+    return group < other.group;
   }
 };
 
-// "clique 0x0123abcd.../group 1": how errors name a clique.
+// "clique 0x0123abcd.../site 2/group 1": how errors name a clique.
 std::string CliqueName(const CliqueKey& key);
 
 class Clique {
@@ -69,7 +75,11 @@ class CliqueRegistry {
                      std::shared_ptr<Clique>* out);
   std::vector<std::shared_ptr<Clique>> List() const;
   bool Erase(const CliqueKey& key);  // a clique whose bootstrap failed
+  std::shared_ptr<Clique> Find(const CliqueKey& key) const;  // null if absent
   void Clear();  // tests only: calls in flight keep their shared_ptr
+  // Forgets the cliques of one call site (every group) when its executable
+  // goes away; calls in flight keep their shared_ptr.
+  void EraseSite(int64_t key, int64_t site);
 
  private:
   mutable std::mutex mu_;

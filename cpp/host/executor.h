@@ -1,6 +1,6 @@
 // The host executor: runs one rank's Program on the CPU.
 //
-// Each stream is a thread (stream 0 on the caller's thread) executing its
+// Each stream is a thread (stream 0 on the calling worker) executing its
 // ops in FIFO order; Record/StreamWait are in-process events; Signal/Wait,
 // Send/Recv and the workspace go through the HostClique, so a p2p program
 // really waits on flags raised by the peer rank's thread. GEMMs and

@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "host/heap_workspace.h"
 #include "host/shm_clique.h"
+#include "host/workers.h"
 
 namespace jo::host {
 namespace {
@@ -132,7 +133,9 @@ bool ForgetClique(int64_t clique_key, int64_t group) {
 
 bool HasClique(int64_t clique_key, int64_t group) {
   for (const auto& clique : Registry().List())
-    if (clique->key().key == clique_key && clique->key().group == group) return true;
+    if (clique->key().key == clique_key && clique->key().group == group &&
+        clique->key().site == 0)
+      return true;
   return false;
 }
 
@@ -160,40 +163,113 @@ std::string DescribeCliques() {
   return out;
 }
 
-Status HostCall(const CallArgs& args) {
-  const Problem& q = args.problem;
-  if (ConsumeSkip(q.rank)) {
-    JO_WARN(std::string(CollectiveName(q.op)) + ": test hook: rank " + std::to_string(q.rank) +
-            " skips this call");
-    return OkStatus();
-  }
-  Program program;
-  JO_CHECK(BuildProgram(q, &program));
-  const CliqueKey key{args.clique_key, args.group};
-  std::shared_ptr<Clique> clique;
-  JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&] {
-    return std::make_unique<LocalClique>(key, q.nranks, Allocator());
-  }, &clique));
-  auto* host = static_cast<HostClique*>(clique.get());
-  LogPlanOnce(program, key);
+namespace {
 
+// A call between its synchronous start and its run on a worker.
+struct PendingCall {
+  CallArgs args;
+  Program program;
+  std::shared_ptr<Clique> clique;
+  int64_t epoch = 0;
+};
+
+// On the calling (XLA device) thread: the epoch is taken here, so it follows
+// this rank's order of executions of the call site.
+Status Begin(const CallArgs& args, PendingCall* call) {
+  const Problem& q = args.problem;
+  call->args = args;
+  JO_CHECK(BuildProgram(q, &call->program));
+  // A clique spanning processes is bootstrapped per (key, group) at trace time
+  // (site 0, shared by the call sites of that mesh axis); an in-process one is
+  // made here, one per call site (docs/native.md §4).
+  CliqueKey key{args.clique_key, args.group, 0};
+  call->clique = Registry().Find(key);
+  if (call->clique == nullptr) {
+    key.site = args.site;
+    JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&] {
+      return std::make_unique<LocalClique>(key, q.nranks, Allocator());
+    }, &call->clique));
+  }
+  LogPlanOnce(call->program, key);
+  call->epoch = call->clique->NextEpoch(q.rank);
+  return OkStatus();
+}
+
+// On a worker thread.
+Status Finish(const PendingCall& call) {
+  const Problem& q = call.args.problem;
+  auto* host = static_cast<HostClique*>(call.clique.get());
   WaitContext ctx;
   ctx.op = CollectiveName(q.op);
   ctx.rank = q.rank;
-  ctx.epoch = clique->NextEpoch(q.rank);
-  JO_CHECK(host->ClaimRank(ctx, args.device));
+  ctx.epoch = call.epoch;
+  JO_CHECK(host->ClaimRank(ctx, call.args.device));
   struct Release {  // RAII: the rank is free again however the call ends
     HostClique* clique;
     int32_t rank;
     ~Release() { clique->ReleaseRank(rank); }
   } release{host, q.rank};
-  ctx.timeout = std::chrono::milliseconds(args.timeout_ms);
+  ctx.timeout = std::chrono::milliseconds(call.args.timeout_ms);
   const std::string signature = Signature(q);
   CallNeeds needs;
   JO_CHECK(NeedsOf(q, signature, &needs));
   JO_CHECK(host->Prepare(ctx, signature, needs));
-  JO_CHECK(RunProgram(program, *host, ctx.epoch, args.io, ctx.timeout, ctx.op));
+  JO_CHECK(RunProgram(call.program, *host, ctx.epoch, call.args.io, ctx.timeout, ctx.op));
   return OkStatus();
 }
+
+// Nothing throws past here (bad_alloc and friends become a Status).
+template <typename F>
+Status Guarded(const char* op, F&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return Internal(std::string(op) + ": " + e.what());
+  } catch (...) {
+    return Internal(std::string(op) + ": unknown exception");
+  }
+}
+
+std::mutex g_sites_mu;
+std::map<int64_t, int64_t> g_sites;  // clique_key -> call sites created
+
+}  // namespace
+
+void StartHostCall(const CallArgs& args, std::function<void(const Status&)> done) {
+  const Problem& q = args.problem;
+  const char* op = CollectiveName(q.op);
+  if (ConsumeSkip(q.rank)) {
+    JO_WARN(std::string(op) + ": test hook: rank " + std::to_string(q.rank) +
+            " skips this call");
+    done(OkStatus());
+    return;
+  }
+  auto call = std::make_shared<PendingCall>();
+  Status begun = Guarded(op, [&] { return Begin(args, call.get()); });
+  if (!begun.ok()) {
+    done(begun);
+    return;
+  }
+  std::shared_ptr<Clique> clique = call->clique;
+  Status posted = Guarded(op, [&] {
+    return PostToWorker([call, done, op]() mutable {
+      Status status = Guarded(op, [&] { return Finish(*call); });
+      call.reset();  // release the program and the clique before XLA continues
+      done(status);
+    });
+  });
+  if (!posted.ok()) {
+    // This rank took an epoch it will not run: let its peers fail fast.
+    static_cast<HostClique*>(clique.get())->Break(posted);
+    done(posted);
+  }
+}
+
+int64_t NewCallSite(int64_t clique_key) {
+  std::lock_guard<std::mutex> lock(g_sites_mu);
+  return ++g_sites[clique_key];
+}
+
+void ForgetCallSite(int64_t clique_key, int64_t site) { Registry().EraseSite(clique_key, site); }
 
 }  // namespace jo::host

@@ -1,9 +1,14 @@
 // One collective-matmul call on the host executor, with no XLA types: find
 // the clique, take the epoch, build the program, prepare the workspace and
 // run. The FFI handlers decode and check their operands, then call this.
+//
+// Calls are asynchronous (StartHostCall): XLA:CPU may run an independent XLA
+// collective on some devices while others run our call, so blocking the
+// device thread on peers can deadlock (docs/native.md §4).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -17,12 +22,30 @@ struct CallArgs {
   Problem problem;           // op, transport, nranks, rank, shape, dtype, chunks, ...
   int64_t clique_key = 0;
   int64_t group = 0;
+  int64_t site = 0;          // call site (NewCallSite), 0 if none
   int64_t timeout_ms = 120000;
   int64_t device = -1;       // the calling device (global id on CPU), -1 if unknown
   HostBuffers io;
 };
 
-Status HostCall(const CallArgs& args);
+// Starts a call. The part that fixes the call's place in this rank's order
+// (program, clique, epoch) runs on the calling thread; claiming the rank,
+// the workspace and the program run on a worker thread, which finally calls
+// `done` with the result (also for failures of the synchronous part, which
+// are reported inline on the calling thread). `done` runs after every
+// resource of the call is released and may run for a long time (it
+// completes XLA's future; XLA may continue the device's program inline).
+void StartHostCall(const CallArgs& args, std::function<void(const Status&)> done);
+
+// Call sites. A call site is one custom-call instruction of one executable;
+// the FFI instantiate stage runs once per call site (for all local devices)
+// and takes a site id here: the ordinal of this call site among those with
+// the same clique_key created in this process (1, 2, ...). Every process
+// compiles the same programs in the same order and XLA instantiates an
+// executable's thunks in program order, so every process derives the same
+// ids. ForgetCallSite drops the site's cliques when the executable goes.
+int64_t NewCallSite(int64_t clique_key);
+void ForgetCallSite(int64_t clique_key, int64_t site);
 
 // Multi-process cliques (cpp/host/shm_clique.h), called by the Python
 // bootstrap (jaxoverlap/_bootstrap.py) at trace time, before any call runs.

@@ -17,6 +17,7 @@
 #include "host/host_call.h"
 #include "host/fd_share.h"
 #include "host/shm.h"
+#include "host/workers.h"
 #include "python/py_exchange.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -57,10 +58,36 @@ nb::capsule Encapsulate(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// name -> {stage: capsule}, the dict form of jax.ffi.register_ffi_target.
 nb::dict Registrations() {
   nb::dict out;
-  out["jaxoverlap_ag_matmul"] = Encapsulate(jo::host::AgMatmulHandler);
-  out["jaxoverlap_matmul_rs"] = Encapsulate(jo::host::MatmulRsHandler);
+  nb::dict ag, rs;
+  ag["instantiate"] = Encapsulate(jo::host::InstantiateHandler);
+  ag["execute"] = Encapsulate(jo::host::AgMatmulHandler);
+  rs["instantiate"] = Encapsulate(jo::host::InstantiateHandler);
+  rs["execute"] = Encapsulate(jo::host::MatmulRsHandler);
+  out["jaxoverlap_ag_matmul"] = ag;
+  out["jaxoverlap_matmul_rs"] = rs;
+  return out;
+}
+
+// name -> {"type_id", "type_info"} for jax.ffi.register_ffi_type (register
+// these before the targets, and after the CPU backend exists).
+nb::dict Types() {
+  nb::dict site;
+  site["type_id"] = nb::capsule(jo::host::CallSiteTypeId());
+  site["type_info"] = nb::capsule(const_cast<void*>(jo::host::CallSiteTypeInfo()));
+  nb::dict out;
+  out["jaxoverlap_call_site"] = site;
+  return out;
+}
+
+nb::dict Workers() {
+  int alive = 0, idle = 0;
+  jo::host::WorkerCounts(&alive, &idle);
+  nb::dict out;
+  out["alive"] = alive;
+  out["idle"] = idle;
   return out;
 }
 
@@ -254,7 +281,10 @@ NB_MODULE(_host, m) {
   m.attr("__version__") = JO_VERSION;
   jo::host::ConfigureBlas();
   m.def("build_info", &BuildInfo, "What this extension was built with.");
-  m.def("registrations", &Registrations, "FFI target name -> handler capsule (platform cpu).");
+  m.def("registrations", &Registrations,
+        "FFI target name -> {stage: handler capsule} (platform cpu).");
+  m.def("types", &Types, "FFI type name -> {'type_id', 'type_info'} capsules (platform cpu).");
+  m.def("_workers", &Workers, "Tests only: host worker threads alive and idle.");
   m.def("build_program", &BuildProgramDict, nb::arg("op"), nb::arg("transport"),
         nb::arg("nranks"), nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"),
         nb::arg("n"), nb::arg("dtype") = "float32", nb::arg("chunks") = 1,

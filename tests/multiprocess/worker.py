@@ -148,7 +148,7 @@ def mixed(transport: str = "p2p") -> dict[str, Any]:
     """
     devices = jax.devices()
     assert len(devices) == 4 and jax.process_count() == 2, "run with 2 processes x 2 devices"
-    done = []
+    done, kinds = [], []
     mesh = mesh_of((4,), ("tp",), order=[0, 2, 1, 3])
     check_op("ag_matmul", mesh, "native", transport=transport, chunks=1, seed=3)
     check_op("matmul_rs", mesh, "native", transport="nccl", chunks=2, seed=4)
@@ -156,13 +156,14 @@ def mixed(transport: str = "p2p") -> dict[str, Any]:
     for name, order in (("tp within a process", [0, 1, 2, 3]),
                         ("tp across processes", [0, 2, 1, 3])):
         mesh2 = mesh_of((2, 2), ("dp", "tp"), order)
-        check_dp_tp(mesh2, transport)
+        kinds.append(check_dp_tp(mesh2, transport))
         done.append(name)
     growth(mesh, transport)
     done.append("growth")
     user_shard_map(mesh, transport)
     done.append("user shard_map")
-    return {"checked": done, "cliques": _cliques(), "linked": harness_segments()}
+    return {"checked": done, "cliques": "".join(kinds) + _cliques(),
+            "linked": harness_segments()}
 
 
 def user_shard_map(mesh: Mesh, transport: str) -> None:
@@ -185,8 +186,12 @@ def user_shard_map(mesh: Mesh, transport: str) -> None:
     check_shards("user shard_map", y, x64 @ w64, "float32")
 
 
-def check_dp_tp(mesh: Mesh, transport: str) -> None:
-    """x [dp*2, 4*tp, 8] sharded (dp, tp): ag_matmul then matmul_rs, forward and grads."""
+def check_dp_tp(mesh: Mesh, transport: str) -> str:
+    """x [dp*2, 4*tp, 8] sharded (dp, tp): ag_matmul then matmul_rs, forward and grads.
+
+    Returns the cliques while the programs are alive (in-process cliques belong to
+    their call sites and go with the executable).
+    """
     x64 = values(20, (4, 8, 8), "float32")
     w1 = values(21, (8, 8), "float32")
     w2 = values(22, (8, 8), "float32")
@@ -201,9 +206,13 @@ def check_dp_tp(mesh: Mesh, transport: str) -> None:
     y = jax.jit(block)(x, a, b)
     check_shards("dp,tp block", y, x64 @ w1 @ w2, "float32")
     loss = lambda x, a, b: jnp.sum(block(x, a, b) ** 2)  # noqa: E731
-    dx = jax.jit(jax.grad(loss))(x, a, b)
+    grad = jax.jit(jax.grad(loss))
+    dx = grad(x, a, b)
     ref = x64 @ w1 @ w2
     check_shards("dp,tp dx", dx, (2 * ref) @ w2.T @ w1.T, "float32")
+    cliques = _cliques()
+    del grad
+    return cliques
 
 
 def growth(mesh: Mesh, transport: str) -> None:
