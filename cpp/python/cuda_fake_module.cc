@@ -1,0 +1,175 @@
+// jaxoverlap._cuda_fake: the CUDA executor linked against the host-side fake
+// (cpp/cuda/fake). Tests only: run() drives CudaCall — the very function the
+// CUDA FFI handlers call — for every rank of a clique, one host thread per
+// rank as XLA does, then lets the fake "GPU" run the queued work.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/cuda_call.h"
+#include "cuda/fake/fake_runtime.h"
+#include "cuda/gemm.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+jo::DType ParseDType(const std::string& s) {
+  if (s == "float32") return jo::DType::kF32;
+  if (s == "bfloat16") return jo::DType::kBF16;
+  if (s == "float16") return jo::DType::kF16;
+  throw nb::value_error(("dtype: expected float32, bfloat16 or float16, got " + s).c_str());
+}
+
+jo::Transport ParseTransport(const std::string& s) {
+  if (s == "nccl") return jo::Transport::kNccl;
+  if (s == "p2p") return jo::Transport::kP2p;
+  if (s == "multicast") return jo::Transport::kMulticast;
+  throw nb::value_error(("transport: expected nccl, p2p or multicast, got " + s).c_str());
+}
+
+void Reset(int devices, int cc_major, bool multicast,
+           std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed) {
+  jo::cuda::ResetCudaCliques();
+  jo::cuda::ReleaseGemmCaches();
+  jo::fake::Config config;
+  config.devices = devices;
+  config.cc_major = cc_major;
+  config.multicast = multicast;
+  if (peer) config.peer = *peer;
+  config.seed = seed;
+  jo::fake::Reset(config);
+}
+
+// Runs `calls` back-to-back calls on every rank; returns ys, x_gathered (per
+// rank, bytes), statuses (per rank: None or the error text) and drained.
+nb::dict Run(const std::string& op, const std::string& transport, int nranks, int64_t batch,
+             int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
+             bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
+             std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
+             int calls) {
+  const bool ag = op == "ag_matmul";
+  if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
+  if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
+      static_cast<int>(devices.size()) != nranks)
+    throw nb::value_error("xs, ws and devices need one entry per rank");
+  jo::Problem q;
+  q.op = ag ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
+  q.transport = ParseTransport(transport);
+  q.nranks = nranks;
+  q.batch = batch;
+  q.rows = rows;
+  q.k = k;
+  q.n = n;
+  q.dtype = ParseDType(dtype);
+  q.chunks = chunks;
+  q.bidirectional = bidirectional;
+  q.return_gathered = return_gathered;
+  const size_t es = static_cast<size_t>(jo::DTypeSize(q.dtype));
+  const size_t x_elems = static_cast<size_t>(batch * (ag ? rows : rows * nranks) * k);
+  const size_t y_elems = static_cast<size_t>(batch * (ag ? rows * nranks : rows) * n);
+  const size_t g_elems = static_cast<size_t>(batch * rows * nranks * k);
+  std::vector<void*> x(nranks), w(nranks), y(nranks), g(nranks, nullptr);
+  for (int r = 0; r < nranks; ++r) {
+    if (xs[r].size() != x_elems * es || ws[r].size() != static_cast<size_t>(k * n) * es)
+      throw nb::value_error("xs/ws: wrong byte size");
+    const int dev = static_cast<int>(devices[r]);
+    x[r] = jo::fake::Malloc(dev, x_elems * es);
+    w[r] = jo::fake::Malloc(dev, static_cast<size_t>(k * n) * es);
+    y[r] = jo::fake::Malloc(dev, y_elems * es);
+    std::memcpy(x[r], xs[r].c_str(), x_elems * es);
+    std::memcpy(w[r], ws[r].c_str(), static_cast<size_t>(k * n) * es);
+    std::memset(y[r], 0x7F, y_elems * es);  // unwritten output shows up as huge values
+    if (return_gathered) {
+      g[r] = jo::fake::Malloc(dev, g_elems * es);
+      std::memset(g[r], 0x7F, g_elems * es);
+    }
+  }
+  std::vector<std::string> statuses(nranks);
+  {
+    nb::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < nranks; ++r)
+      threads.emplace_back([&, r] {
+        const int dev = static_cast<int>(devices[r]);
+        if (cudaSetDevice(dev) != cudaSuccess) {
+          statuses[r] = "cudaSetDevice failed";
+          return;
+        }
+        cudaStream_t xla = nullptr;  // stands for XLA's stream of this device
+        if (cudaStreamCreateWithFlags(&xla, cudaStreamNonBlocking) != cudaSuccess) {
+          statuses[r] = "stream creation failed";
+          return;
+        }
+        jo::cuda::CudaCallArgs args;
+        args.problem = q;
+        args.clique_key = clique_key;
+        args.table.axis_size = nranks;
+        args.table.devices = devices;
+        args.table.processes.assign(devices.size(), 0);
+        args.process_index = 0;
+        args.device = dev;
+        args.stream = xla;
+        args.io = {x[r], w[r], y[r], g[r]};
+        for (int c = 0; c < calls; ++c) {
+          jo::Status status = jo::cuda::CudaCall(args);
+          if (!status.ok()) {
+            statuses[r] = status.ToString();
+            return;
+          }
+        }
+      });
+    for (auto& t : threads) t.join();
+  }
+  const bool drained = jo::fake::Drain();
+  nb::list ys, gs, st;
+  for (int r = 0; r < nranks; ++r) {
+    ys.append(nb::bytes(static_cast<const char*>(y[r]), y_elems * es));
+    gs.append(return_gathered ? nb::object(nb::bytes(static_cast<const char*>(g[r]), g_elems * es))
+                              : nb::none());
+    st.append(statuses[r].empty() ? nb::none() : nb::object(nb::str(statuses[r].c_str())));
+  }
+  nb::dict out;
+  out["ys"] = ys;
+  out["x_gathered"] = gs;
+  out["statuses"] = st;
+  out["drained"] = drained;
+  return out;
+}
+
+std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
+                                      std::vector<int64_t> devices, int64_t process_index,
+                                      int device) {
+  jo::cuda::RankTable table{axis_size, std::move(processes), std::move(devices)};
+  jo::cuda::Placement place;
+  jo::Status status = jo::cuda::Place(table, process_index, device, "ag_matmul", &place);
+  if (!status.ok()) return status.message();
+  return "rank " + std::to_string(place.rank) + " group " + std::to_string(place.group);
+}
+
+}  // namespace
+
+NB_MODULE(_cuda_fake, m) {
+  m.doc() = "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
+  m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9, nb::arg("multicast") = true,
+        nb::arg("peer") = nb::none(), nb::arg("seed") = 1,
+        "Forget every clique and fake object; configure the fake machine.");
+  m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
+        nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
+        nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
+        nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1);
+  m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
+        nb::arg("process_index"), nb::arg("device"),
+        "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
+  m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
+  m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
+  m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");
+}
