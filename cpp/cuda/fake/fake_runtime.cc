@@ -118,6 +118,7 @@ struct State {
   std::map<cublasLtMatmulPreference_t, Pref> prefs;
   std::vector<std::unique_ptr<cublasLtContext>> handles;
   int stream_ids = 0;
+  int64_t side_effects = 0;  // NCCL posts and matches done inside ready() checks
 };
 
 State& S() {
@@ -474,12 +475,14 @@ bool Drain() {
   for (;;) {
     std::vector<CUstream_st*> ready;
     bool pending = false;
+    const int64_t effects_before = s.side_effects;
     for (auto& st : s.streams) {
       if (st->tasks.empty()) continue;
       pending = true;
       if (st->tasks.front().ready()) ready.push_back(st.get());
     }
     if (!pending) return true;
+    if (ready.empty() && s.side_effects != effects_before) continue;  // a match enabled more
     if (ready.empty()) {
       std::string text = "deadlock: no stream can progress;";
       for (auto& st : s.streams)
@@ -762,6 +765,7 @@ static ncclResult_t FlushGroup() {
       auto& channels = S().channels;
       if (!gs->posted) {
         gs->posted = true;
+        ++S().side_effects;
         for (const auto& op : list) {
           if (!op.send) continue;
           auto msg = std::make_shared<jo::fake::Message>();
@@ -789,6 +793,7 @@ static ncclResult_t FlushGroup() {
         std::memcpy(op.buf, msg->data.data(), std::min(msg->data.size(), op.count * jo::fake::NcclSize(op.type)));
         *msg->taken_flag = true;
         gs->recv_done[i] = true;
+        ++S().side_effects;
       }
       for (const auto& taken : gs->sends_taken) done = done && *taken;
       return done;
