@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m ruff check jaxoverlap tests examples
-	$(VENV)/bin/python -m pytest -q
+	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q
 
 install: $(VENV)/.installed
 

@@ -151,7 +151,14 @@ def _concrete_mesh():
     except Exception:  # noqa: BLE001 - private API: any failure means "unknown"
         return None
     if concrete is None or getattr(concrete, "empty", True):
-        return None
+        # The ops' global path (mesh=...) remembers its mesh; use it when unambiguous.
+        from jaxoverlap import _spmd
+
+        abstract = jax.sharding.get_abstract_mesh()
+        names = tuple(getattr(abstract, "axis_names", ()))
+        if not names:
+            return None
+        return _spmd.seen_mesh(names, tuple(int(s) for s in abstract.axis_sizes))
     return concrete
 
 

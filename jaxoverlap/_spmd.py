@@ -24,6 +24,24 @@ from jax.sharding import PartitionSpec as P
 
 from jaxoverlap._compat import context_mesh
 
+# Concrete meshes the global path has wrapped ops in, by (axis names, sizes).
+# Inside shard_map JAX exposes only the abstract mesh (unless jax.set_mesh is
+# active); the CUDA lowering needs the devices (jaxoverlap._native), also when
+# a custom_vjp backward is traced after the forward's context has ended.
+_SEEN_MESHES: dict[tuple, set] = {}
+
+
+def remember_mesh(mesh: Any) -> None:
+    if isinstance(mesh, Mesh):
+        key = (tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes))
+        _SEEN_MESHES.setdefault(key, set()).add(mesh)
+
+
+def seen_mesh(names: tuple, sizes: tuple) -> Mesh | None:
+    """The concrete mesh of this shape the global path used, if exactly one."""
+    meshes = _SEEN_MESHES.get((tuple(names), tuple(sizes)), set())
+    return next(iter(meshes)) if len(meshes) == 1 else None
+
 
 def resolve_mesh(op: str, axis_name: Any, mesh: Any, *arrays: Any) -> Mesh | AbstractMesh:
     """The mesh to run on: ``mesh=``, then ``jax.set_mesh``'s, then the inputs' own."""
@@ -122,6 +140,7 @@ def ag_matmul_global(local_op: Callable, x, w, axis_name, axis: int, return_gath
     # so that output is declared replicated with the check off.
     fn = jax.shard_map(local_op, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_specs,
                        check_vma=not return_gathered)
+    remember_mesh(mesh)
     return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
@@ -135,4 +154,5 @@ def matmul_rs_global(local_op: Callable, x, w, axis_name, axis: int, mesh):
     w_spec = P(axis_name, None)
     y_spec = P(*[axis_name if d == axis else e for d, e in enumerate(batch)])
     fn = jax.shard_map(local_op, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)
+    remember_mesh(mesh)
     return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
