@@ -180,6 +180,12 @@ def _gpu_rank_table(axis_name: str, names: tuple, sizes: tuple, manual: tuple):
             "shard_map; the CUDA handler finds its rank from the mesh's device table")
     devices = np.moveaxis(np.asarray(concrete.devices), names.index(axis_name), -1).reshape(-1)
     processes = np.array([d.process_index for d in devices], np.int64)
+    groups = processes.reshape(-1, sizes[names.index(axis_name)])
+    if (groups != groups[:, :1]).any():
+        raise ValueError(
+            f"jaxoverlap impl='native' on GPU: mesh axis {axis_name!r} spans processes; not yet: "
+            "multi-process GPU cliques arrive with the multi-process issue. Use impl='xla' or "
+            "'ring', or one process driving all GPUs of the axis")
     ordinals = np.array([_local_ordinal(d) for d in devices], np.int64)
     return processes, ordinals
 
