@@ -8,9 +8,9 @@ VENV ?= .venv
 JAX ?= jax>=0.10.2
 PIP = $(VENV)/bin/python -m pip
 # CUDA=ON builds jaxoverlap._cuda (needs nvcc; installs the NCCL/cuBLAS wheels it links,
-# and the cuobjdump wheel its compile-check test reads). Default: ON when nvcc is on PATH.
+# and the cuobjdump + nvdisasm wheels its compile-check test reads). Default: ON when nvcc is on PATH.
 CUDA ?= $(shell command -v nvcc >/dev/null 2>&1 && echo ON || echo OFF)
-CUDA_PKGS_ON = nvidia-nccl-cu13 nvidia-cublas nvidia-cuda-cuobjdump
+CUDA_PKGS_ON = nvidia-nccl-cu13 nvidia-cublas nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 SOURCES := pyproject.toml CMakeLists.txt $(shell find cpp -type f 2>/dev/null)
 
 .PHONY: demo test install clean

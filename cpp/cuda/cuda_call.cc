@@ -30,6 +30,16 @@ void LogPlanOnce(const Program& program, const CliqueKey& key) {
   JO_DEBUG("plan (cuda): " + CliqueName(key) + "\n" + ToString(program));
 }
 
+// The call as every rank of the clique must see it (everything but the
+// rank); the same text as the host executor's check (host_call.cc).
+std::string Signature(const Problem& q) {
+  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) + " n=" +
+         std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
+         std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" + std::to_string(q.n) + " " +
+         DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
+         (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
+}
+
 }  // namespace
 
 void SetProcessIndex(int64_t index) { g_process_index = index; }
@@ -116,8 +126,11 @@ Status CudaCall(const CudaCallArgs& args) {
   run.epoch = clique->NextEpoch(q.rank);
   run.io = args.io;
   run.site = site;
-  JO_CHECK(cuda->Prepare(program, run.epoch, site, &run.gen, &run.resources, &run.comm));
-  JO_CHECK(EnqueueProgram(run));
+  Status status = cuda->Prepare(program, run.epoch, Signature(q), site, &run.gen, &run.resources,
+                                &run.comm);
+  if (status.ok()) status = EnqueueProgram(run);
+  if (!status.ok() && status.code() != Code::kAborted) cuda->Break(status);
+  JO_CHECK(status);
   return OkStatus();
 }
 

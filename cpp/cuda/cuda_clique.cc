@@ -276,11 +276,32 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   return OkStatus();
 }
 
-Status CudaClique::Prepare(const Program& program, int64_t epoch, const CallSite& site,
-                           const Generation** gen, RankResources** resources, ncclComm_t* comm) {
+void CudaClique::Break(const Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (broken_.empty()) broken_ = status.message();
+}
+
+Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::string& signature,
+                           const CallSite& site, const Generation** gen, RankResources** resources,
+                           ncclComm_t* comm) {
   const int32_t rank = program.problem.rank;
   const int64_t ws_bytes = program.workspace_elems * DTypeSize(program.problem.dtype);
   std::lock_guard<std::mutex> lock(mu_);
+  if (!broken_.empty())
+    return Status(Code::kAborted, site.Describe() + ": this clique is broken by an earlier "
+                                  "failure: " + broken_);
+  auto& seen = signatures_[epoch];
+  if (seen.second == 0) seen.first = signature;
+  if (seen.first != signature) {
+    Status status = InvalidArgument(
+        site.Describe() + ": ranks disagree on call " + std::to_string(epoch) +
+        " of this clique: '" + signature + "' here, '" + seen.first +
+        "' on another rank (do all devices run the same program, with the collective calls in "
+        "the same order?); peers that already enqueued this call will wait on the GPU");
+    broken_ = status.message();
+    return status;
+  }
+  if (++seen.second == nranks()) signatures_.erase(epoch);
   if (transport_ != Transport::kNccl && nranks() > 1) JO_CHECK(EnablePeerAccess(site));
   if (transport_ == Transport::kNccl && nranks() > 1) JO_CHECK(CreateComms(site));
   // The newest generation valid at this epoch (see the header).
@@ -312,6 +333,7 @@ std::string CudaClique::Describe() const {
   std::string out = name() + ": " + TransportName(transport_) + ", GPUs [";
   for (size_t i = 0; i < devices_.size(); ++i) out += (i ? "," : "") + std::to_string(devices_[i]);
   out += "], epoch " + std::to_string(Epoch(0));
+  if (!broken_.empty()) out += ", BROKEN: " + broken_;
   if (!generations_.empty())
     out += ", workspace 2 x " + std::to_string(generations_.back()->workspace_bytes) +
            " bytes per rank (" + std::to_string(generations_.size()) + " generation(s))";

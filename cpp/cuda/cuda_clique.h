@@ -30,7 +30,9 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <vector>
 
@@ -110,8 +112,16 @@ class CudaClique : public Clique {
   // Start of call `epoch` of `rank`: creates what the transport needs (once)
   // and a buffer generation big enough for `program`. Returns the generation
   // the call must use and the rank's resources.
-  Status Prepare(const Program& program, int64_t epoch, const CallSite& site,
-                 const Generation** gen, RankResources** resources, ncclComm_t* comm);
+  // `signature` describes the call without the rank: ranks that disagree at
+  // one epoch (different programs, or collectives in a different order) get
+  // an error here instead of a GPU hang later, and the clique is broken.
+  Status Prepare(const Program& program, int64_t epoch, const std::string& signature,
+                 const CallSite& site, const Generation** gen, RankResources** resources,
+                 ncclComm_t* comm);
+
+  // Marks the clique broken (first error wins): every later call fails fast
+  // with it. Peers' work already queued on their GPUs is not recalled.
+  void Break(const Status& status);
 
   std::string Describe() const;
 
@@ -129,6 +139,8 @@ class CudaClique : public Clique {
   std::vector<ncclComm_t> comms_;
   std::vector<std::unique_ptr<Generation>> generations_;  // newest last
   std::vector<std::unique_ptr<RankResources>> ranks_;
+  std::map<int64_t, std::pair<std::string, int32_t>> signatures_;  // epoch -> (call, seen)
+  std::string broken_;
 };
 
 }  // namespace jo::cuda

@@ -55,7 +55,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
              bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
-             int calls) {
+             int calls, int skew_rank) {
   const bool ag = op == "ag_matmul";
   if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -111,6 +111,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         }
         jo::cuda::CudaCallArgs args;
         args.problem = q;
+        if (r == skew_rank) ++args.problem.chunks;  // tests: this rank disagrees on the call
         args.clique_key = clique_key;
         args.table.axis_size = nranks;
         args.table.devices = devices;
@@ -165,7 +166,8 @@ NB_MODULE(_cuda_fake, m) {
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
         nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
-        nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1);
+        nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
+        nb::arg("skew_rank") = -1);
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

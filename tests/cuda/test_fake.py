@@ -196,14 +196,25 @@ def test_rank_table_groups(fake):
     assert fake.place(2, [0] * 4, [0, 1, 2, 3], 0, 3) == "rank 1 group 1"
 
 
-def test_ranks_disagreeing_on_the_call_is_an_error_not_a_hang(fake):
-    """Rank 3 sends a different shape: NCCL pairs mismatch; the fake reports it."""
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+def test_ranks_disagreeing_on_the_call(fake, transport):
+    """Rank 2 asks for other chunks: the later of the disagreeing ranks gets an error naming
+    both calls and the clique is broken (later calls fail fast). Peers that had already
+    enqueued the call wait on the "GPU" (a deadlock in the fake): no GPU-side timeout yet."""
+    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
+    args = ("ag_matmul", transport, 4, 1, 4, 8, 6, "float32", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    out = fake.run(*args, clique_key=5, skew_rank=2)
+    failed = [s for s in out["statuses"] if s]
+    assert failed and all("ranks disagree on call 1" in s for s in failed), out["statuses"]
+    assert "chunks=2" in failed[0] and "chunks=1" in failed[0]
+    assert not out["drained"] and "deadlock" in fake.errors()[-1]
+    again = fake.run(*args, clique_key=5)
+    assert all(s and "broken by an earlier failure" in s for s in again["statuses"])
+
+
+def test_rank_table_membership_errors_are_clean(fake):
     xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", "nccl", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], 3, 1)
-    assert out["drained"] and fake.errors() == []  # the honest case first
-    fake.reset()
-    # Rank tables that disagree about membership: rank lookup fails cleanly on the stray device.
     out = fake.run("ag_matmul", "nccl", 2, 1, 3, 8, 6, "float32", 1, False, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], 3, 1)
     assert all(s and "twice" in s for s in out["statuses"])

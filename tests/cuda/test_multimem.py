@@ -1,7 +1,8 @@
 """Compile check: the sm_90a code of _cuda really contains the multimem instructions.
 
 Reads the fatbinary of the built module with cuobjdump (from the
-``nvidia-cuda-cuobjdump`` wheel), so a refactor cannot silently drop them.
+``nvidia-cuda-cuobjdump`` wheel; SASS needs ``nvidia-cuda-nvdisasm`` too), so a
+refactor cannot silently drop them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def _cuobjdump() -> str:
 
 
 def _dump(cuda, *args) -> str:
-    return subprocess.run([_cuobjdump(), *args, cuda.__file__], capture_output=True, text=True,
-                          check=True).stdout
+    # -sass needs nvdisasm next to cuobjdump (the nvidia-cuda-nvdisasm wheel).
+    done = subprocess.run([_cuobjdump(), *args, cuda.__file__], capture_output=True, text=True)
+    assert done.returncode == 0, f"cuobjdump {' '.join(args)} failed: {done.stderr.strip()}"
+    return done.stdout
 
 
 def test_both_architectures_are_embedded(cuda):
