@@ -80,7 +80,8 @@ def _fake_rows() -> list[tuple[str, bool, str]]:
         _cuda_caps.load_cuda()
         from jaxoverlap import _cuda_fake
     except ImportError as e:
-        return [("cuda executor on the fake", False, f"not built: {e}")]
+        print(f"  (CUDA executor on the fake: not built in this installation, skipped: {e})")
+        return []
     import numpy as np
 
     for op in ("ag_matmul", "matmul_rs"):
