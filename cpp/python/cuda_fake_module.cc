@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda/cuda_call.h"
+#include "cuda/driver.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/gemm.h"
 
@@ -146,6 +147,119 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   return out;
 }
 
+// The fake must fail loudly on what it does not model and on misuse, or the
+// executor tests prove nothing. Each check does one wrong thing through the
+// real API names and returns what the fake recorded ("" = not caught).
+std::map<std::string, std::string> MisuseChecks() {
+  std::map<std::string, std::string> out;
+  auto check = [&](const std::string& name, auto&& body) {
+    Reset(4, 9, true, std::nullopt, 1);
+    cudaSetDevice(0);
+    body();
+    jo::fake::Drain();
+    const auto errors = jo::fake::Errors();
+    out[name] = errors.empty() ? "" : errors.front();
+  };
+  auto stream_on = [](int device) {
+    cudaSetDevice(device);
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    return s;
+  };
+  check("unmodeled cuBLASLt attribute", [] {
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    const int32_t epilogue = CUBLASLT_EPILOGUE_RELU;
+    cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue));
+  });
+  // A valid 4x4 f32 GEMM set-up, then one thing changed.
+  auto gemm = [&](int32_t order, int64_t ld_d, bool misalign, bool c_differs) {
+    cudaStream_t s = stream_on(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatrixLayout_t la, lb, lc, ldd;
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&ldd, CUDA_R_32F, 4, 4, ld_d);
+    cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_ORDER, &order, sizeof(order));
+    cublasLtMatmulPreference_t p = nullptr;
+    cublasLtMatmulPreferenceCreate(&p);
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, d, la, lb, lc, ldd, p, 1, &r, &found);
+    float* a = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    float* c = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    float* dst = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    const float one = 1.0f;
+    cublasLtMatmul(h, d, &one, misalign ? a + 1 : a, la, a, lb, &one, c_differs ? c : dst, lc, dst,
+                   ldd, &r.algo, nullptr, 0, s);
+  };
+  check("row-major layout", [&] { gemm(CUBLASLT_ORDER_ROW, 4, false, false); });
+  check("leading dim below rows", [&] { gemm(CUBLASLT_ORDER_COL, 2, false, false); });
+  check("misaligned pointer", [&] { gemm(CUBLASLT_ORDER_COL, 4, true, false); });
+  check("C != D with different layouts", [&] { gemm(CUBLASLT_ORDER_COL, 8, false, true); });
+  check("copy out of range", [&] {
+    cudaStream_t s = stream_on(0);
+    void* a = jo::fake::Malloc(0, 64);
+    void* b = jo::fake::Malloc(0, 64);
+    cudaMemcpyAsync(static_cast<char*>(b) + 32, a, 64, cudaMemcpyDefault, s);
+  });
+  check("peer copy without peer access", [&] {
+    cudaStream_t s = stream_on(0);
+    void* a = jo::fake::Malloc(0, 64);
+    void* b = jo::fake::Malloc(1, 64);
+    cudaMemcpyAsync(b, a, 64, cudaMemcpyDefault, s);
+  });
+  check("wait on an event never recorded", [&] {
+    cudaStream_t s = stream_on(0);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaStreamWaitEvent(s, e, 0);
+  });
+  check("flag never raised (deadlock)", [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    cudaStream_t s = stream_on(0);
+    void* flag = jo::fake::Malloc(0, 4);
+    if (drv != nullptr)
+      drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
+                               CU_STREAM_WAIT_VALUE_GEQ);
+  });
+  check("mismatched send/recv sizes", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    cudaStream_t s0 = stream_on(0), s1 = stream_on(1);
+    void* a = jo::fake::Malloc(0, 64);
+    void* b = jo::fake::Malloc(1, 64);
+    cudaSetDevice(0);
+    ncclSend(a, 16, ncclFloat32, 1, comms[0], s0);
+    cudaSetDevice(1);
+    ncclRecv(b, 8, ncclFloat32, 0, comms[1], s1);
+  });
+  check("multicast address outside a multimem kernel", [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    CUmulticastObjectProp prop{};
+    prop.numDevices = 1;
+    prop.size = size_t{2} << 20;
+    CUmemGenericAllocationHandle mc = 0;
+    drv->cuMulticastCreate(&mc, &prop);
+    CUdeviceptr va = 0;
+    drv->cuMemAddressReserve(&va, prop.size, 0, 0, 0);
+    drv->cuMemMap(va, prop.size, 0, mc, 0);
+    cudaStream_t s = stream_on(0);
+    void* a = jo::fake::Malloc(0, 64);
+    cudaMemcpyAsync(reinterpret_cast<void*>(va), a, 64, cudaMemcpyDefault, s);
+  });
+  Reset(8, 9, true, std::nullopt, 1);
+  return out;
+}
+
 std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
                                       std::vector<int64_t> devices, int64_t process_index,
                                       int device) {
@@ -171,6 +285,8 @@ NB_MODULE(_cuda_fake, m) {
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
+  m.def("misuse_checks", &MisuseChecks,
+        "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");

@@ -154,6 +154,29 @@ def test_the_fake_was_really_used(fake):
 # ---------------------------------------------------------------- errors
 
 
+MISUSES = {
+    "unmodeled cuBLASLt attribute": "not modeled",
+    "row-major layout": "ORDER other than COL",
+    "leading dim below rows": "leading dimension smaller",
+    "misaligned pointer": "less aligned",
+    "C != D with different layouts": "out-of-place rule",
+    "copy out of range": "not inside one device allocation",
+    "peer copy without peer access": "without peer access enabled",
+    "wait on an event never recorded": "never recorded",
+    "flag never raised (deadlock)": "deadlock",
+    "mismatched send/recv sizes": "mismatched",
+    "multicast address outside a multimem kernel": "multicast address outside a multimem kernel",
+}
+
+
+def test_the_fake_fails_loudly_on_misuse(fake):
+    """Without this the executor tests would prove little: every misuse must be caught."""
+    caught = fake.misuse_checks()
+    assert set(caught) == set(MISUSES)
+    for name, keyword in MISUSES.items():
+        assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
+
+
 def test_p2p_without_peer_access_says_so(fake):
     peer = [[a == b or {a, b} != {0, 1} for b in range(4)] for a in range(4)]
     fake.reset(peer=peer)
