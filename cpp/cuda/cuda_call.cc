@@ -9,6 +9,7 @@
 #include "core/clique.h"
 #include "core/log.h"
 #include "cuda/cuda_clique.h"
+#include "cuda/watchdog.h"
 
 namespace jo::cuda {
 namespace {
@@ -129,6 +130,29 @@ Status CudaCall(const CudaCallArgs& args) {
   Status status = cuda->Prepare(program, run.epoch, Signature(q), site, &run.gen, &run.resources,
                                 &run.comm);
   if (status.ok()) status = EnqueueProgram(run);
+  if (status.ok()) {
+    // The watchdog turns a peer that never arrives into an error, not a hang.
+    WatchedCall watched;
+    watched.clique = clique;
+    watched.rank = q.rank;
+    watched.device = args.device;
+    watched.done = run.resources->done;
+    watched.epoch = run.epoch;
+    watched.gen = run.gen;
+    std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
+    for (const Op& o : program.ops)
+      if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
+    watched.waits.assign(waits.begin(), waits.end());
+    watched.nccl = q.transport == Transport::kNccl && q.nranks > 1;
+    watched.op = op;
+    watched.timeout = std::chrono::milliseconds(args.timeout_ms);
+    const cudaError_t recorded = cudaEventRecord(run.resources->done, args.stream);
+    if (recorded == cudaSuccess) {
+      Watch(std::move(watched));
+    } else {
+      status = CudaFailure(recorded, "cudaEventRecord(done)", &site);
+    }
+  }
   if (!status.ok() && status.code() != Code::kAborted) cuda->Break(status);
   JO_CHECK(status);
   return OkStatus();

@@ -43,6 +43,7 @@ struct CudaCallArgs {
   int64_t process_index = 0;
   int device = -1;  // DeviceOrdinal: the local ordinal on GPU
   cudaStream_t stream = nullptr;
+  int64_t timeout_ms = 120000;  // the watchdog's deadline for this call on the GPU
   CudaBuffers io;
 };
 

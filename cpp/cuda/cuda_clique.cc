@@ -86,6 +86,7 @@ RankResources::~RankResources() {
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return;
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
+  if (done != nullptr) (void)cudaEventDestroy(done);
   for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
   if (setup != nullptr) (void)cudaStreamDestroy(setup);
 }
@@ -102,6 +103,7 @@ Status RankResources::Reserve(const Program& p, const CallSite& site) {
     JO_CUDA_CHECK(&site, cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
     streams.push_back(s);
   }
+  if (done == nullptr) JO_CUDA_CHECK(&site, cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   // Program events, then 1 fork event and one join event per comm stream.
   const size_t need = static_cast<size_t>(p.num_events + p.num_streams);
   while (events.size() < need) {
@@ -274,6 +276,14 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
           " flags per rank");
   generations_.push_back(std::move(gen));
   return OkStatus();
+}
+
+void CudaClique::AbortComms() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (ncclComm_t& comm : comms_) {
+    if (comm != nullptr) (void)ncclCommAbort(comm);  // frees the communicator
+    comm = nullptr;
+  }
 }
 
 void CudaClique::Break(const Status& status) {

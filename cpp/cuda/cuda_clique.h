@@ -90,6 +90,7 @@ struct RankResources {
   int device = -1;
   std::vector<cudaStream_t> streams;  // program streams 1.. (stream 0 is XLA's)
   std::vector<cudaEvent_t> events;    // program events, then fork/join
+  cudaEvent_t done = nullptr;         // recorded on XLA's stream after each call (watchdog)
   std::unique_ptr<DeviceAlloc> scratch;
   std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
   cudaStream_t setup = nullptr;       // zero-fills new buffers
@@ -122,6 +123,8 @@ class CudaClique : public Clique {
   // Marks the clique broken (first error wins): every later call fails fast
   // with it. Peers' work already queued on their GPUs is not recalled.
   void Break(const Status& status);
+  // Aborts the NCCL communicators (the watchdog releasing stuck kernels).
+  void AbortComms();
 
   std::string Describe() const;
 

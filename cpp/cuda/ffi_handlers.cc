@@ -91,6 +91,7 @@ ffi::Error Decode(Collective collective, cudaStream_t stream, int32_t device,
   if (a.axis_size < 1) return Invalid(op, "attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
   if (a.transport < 0 || a.transport > 2) return Invalid(op, "attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " + std::to_string(a.transport));
   if (a.chunks < 1) return Invalid(op, "attribute chunks expected >= 1, got " + std::to_string(a.chunks));
+  if (a.timeout_ms < 1) return Invalid(op, "attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
   if (a.devices.size() != a.processes.size() || a.devices.size() == 0)
     return Invalid(op, "attributes devices/processes (the rank table) expected equal, non-zero lengths, got " +
                            std::to_string(a.devices.size()) + " and " + std::to_string(a.processes.size()));
@@ -119,6 +120,7 @@ ffi::Error Decode(Collective collective, cudaStream_t stream, int32_t device,
   args->table.devices.assign(a.devices.begin(), a.devices.end());
   args->table.processes.assign(a.processes.begin(), a.processes.end());
   args->process_index = ProcessIndex();
+  args->timeout_ms = a.timeout_ms;
   args->device = device;
   args->stream = stream;
   args->io.x = x.untyped_data();

@@ -16,6 +16,8 @@
 
 #include "cuda/cuda_call.h"
 #include "cuda/driver.h"
+#include "cuda/watchdog.h"
+#include "core/log.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/gemm.h"
 
@@ -38,7 +40,7 @@ jo::Transport ParseTransport(const std::string& s) {
 }
 
 void Reset(int devices, int cc_major, bool multicast,
-           std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed) {
+           std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms) {
   jo::cuda::ResetCudaCliques();
   jo::cuda::ReleaseGemmCaches();
   jo::fake::Config config;
@@ -47,6 +49,7 @@ void Reset(int devices, int cc_major, bool multicast,
   config.multicast = multicast;
   if (peer) config.peer = *peer;
   config.seed = seed;
+  config.grace_ms = grace_ms;
   jo::fake::Reset(config);
 }
 
@@ -56,7 +59,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
              bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
-             int calls, int skew_rank) {
+             int calls, int skew_rank, int skip_rank, int64_t timeout_ms) {
   const bool ag = op == "ag_matmul";
   if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -113,6 +116,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         jo::cuda::CudaCallArgs args;
         args.problem = q;
         if (r == skew_rank) ++args.problem.chunks;  // tests: this rank disagrees on the call
+        if (r == skip_rank) return;                  // tests: this rank never makes the call
+        args.timeout_ms = timeout_ms;
         args.clique_key = clique_key;
         args.table.axis_size = nranks;
         args.table.devices = devices;
@@ -153,7 +158,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
 std::map<std::string, std::string> MisuseChecks() {
   std::map<std::string, std::string> out;
   auto check = [&](const std::string& name, auto&& body) {
-    Reset(4, 9, true, std::nullopt, 1);
+    Reset(4, 9, true, std::nullopt, 1, 0);
     cudaSetDevice(0);
     body();
     jo::fake::Drain();
@@ -256,7 +261,7 @@ std::map<std::string, std::string> MisuseChecks() {
     void* a = jo::fake::Malloc(0, 64);
     cudaMemcpyAsync(reinterpret_cast<void*>(va), a, 64, cudaMemcpyDefault, s);
   });
-  Reset(8, 9, true, std::nullopt, 1);
+  Reset(8, 9, true, std::nullopt, 1, 0);
   return out;
 }
 
@@ -275,18 +280,20 @@ std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> pr
 NB_MODULE(_cuda_fake, m) {
   m.doc() = "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
   m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9, nb::arg("multicast") = true,
-        nb::arg("peer") = nb::none(), nb::arg("seed") = 1,
+        nb::arg("peer") = nb::none(), nb::arg("seed") = 1, nb::arg("grace_ms") = 0,
         "Forget every clique and fake object; configure the fake machine.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
         nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
-        nb::arg("skew_rank") = -1);
+        nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000);
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
   m.def("misuse_checks", &MisuseChecks,
         "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
+  m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");
+  m.def("pending_watches", &jo::cuda::PendingWatches, "Ranks with calls the watchdog still watches.");
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");

@@ -257,3 +257,23 @@ def test_case_table_covers_every_op_kind(fake):
         kinds |= {o["kind"] for o in program["ops"]}
     assert kinds >= {"Gemm", "Add", "Copy", "Send", "Recv", "McStore", "McReduce", "Signal",
                      "Wait", "Record", "StreamWait"}, kinds
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_watchdog_turns_a_missing_peer_into_an_error(fake, op, transport):
+    """Rank 2 never makes the call: its peers' streams wait on the "GPU". The watchdog reports
+    who waits for what, releases the streams (no hang) and breaks the clique."""
+    fake.reset(grace_ms=10000)
+    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
+    args = (op, transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    out = fake.run(*args, clique_key=9, skip_rank=2, timeout_ms=200)
+    assert out["drained"], fake.errors()  # released: the process does not hang
+    assert fake.errors() == []
+    warning = fake.last_warning()
+    assert "not finished on GPU" in warning and "epoch 1" in warning, warning
+    assert ("inside NCCL" if transport == "nccl" else "waiting for flag") in warning, warning
+    again = fake.run(*args, clique_key=9)
+    assert all(s and "broken by an earlier failure" in s and "not finished" in s
+               for s in again["statuses"]), again["statuses"]

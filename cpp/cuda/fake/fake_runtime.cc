@@ -8,6 +8,8 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -470,8 +472,9 @@ void Enqueue(cudaStream_t s, const std::string& what, std::function<void()> run)
 }
 
 bool Drain() {
-  Lock lock(S().mu);
+  std::unique_lock<std::recursive_mutex> lock(S().mu);
   State& s = S();
+  auto grace_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(s.config.grace_ms);
   for (;;) {
     std::vector<CUstream_st*> ready;
     bool pending = false;
@@ -483,6 +486,12 @@ bool Drain() {
     }
     if (!pending) return true;
     if (ready.empty() && s.side_effects != effects_before) continue;  // a match enabled more
+    if (ready.empty() && std::chrono::steady_clock::now() < grace_end) {
+      lock.unlock();  // let another host thread (the watchdog) enqueue a release
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      lock.lock();
+      continue;
+    }
     if (ready.empty()) {
       std::string text = "deadlock: no stream can progress;";
       for (auto& st : s.streams)
@@ -607,6 +616,15 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
 
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  Lock lock(S().mu);
+  Count("cudaEventQuery");
+  bool known = false;
+  for (auto& ev : S().events) known = known || ev.get() == e;
+  if (!known) return cudaErrorInvalidResourceHandle;  // (destroyed by a reset)
+  return e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady;
+}
+
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   Lock lock(S().mu);
   Count("cudaEventRecord");
@@ -646,6 +664,12 @@ cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
   Lock lock(S().mu);
   Count("cudaMemcpyAsync");
+  if (kind == cudaMemcpyDeviceToHost) {  // the watchdog reading flags into host memory
+    if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") || !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync D2H src"))
+      return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync D2H");
+    jo::fake::Push(s, "cudaMemcpyAsync D2H", [] { return true; }, [=] { std::memcpy(dst, src, bytes); });
+    return cudaSuccess;
+  }
   if (kind != cudaMemcpyDefault && kind != cudaMemcpyDeviceToDevice) return RtFail(cudaErrorInvalidMemcpyDirection, "cudaMemcpyAsync kind");
   if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") || !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync src") ||
       !jo::fake::CheckAccess(dst, bytes, s->device, "cudaMemcpyAsync dst"))
@@ -743,6 +767,15 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t) { return ncclSuccess; }
+ncclResult_t ncclCommAbort(ncclComm_t) {
+  Lock lock(S().mu);
+  Count("ncclCommAbort");
+  // Aborted communicators' queued groups complete (their kernels exit).
+  for (auto& st : S().streams)
+    for (auto& task : st->tasks)
+      if (task.what.rfind("ncclGroup", 0) == 0) task.ready = [] { return true; };
+  return ncclSuccess;
+}
 
 ncclResult_t ncclGroupStart() { ++jo::fake::t_group_depth; return ncclSuccess; }
 

@@ -44,6 +44,9 @@ struct Config {
   bool multicast = true;
   std::vector<std::vector<bool>> peer;  // empty: all pairs can access
   uint64_t seed = 1;
+  // When no stream can progress, Drain waits this long for another host
+  // thread (the watchdog) to release something before calling it a deadlock.
+  int grace_ms = 0;
 };
 
 void Reset(const Config& config);  // forgets everything (no live objects may remain in use)
