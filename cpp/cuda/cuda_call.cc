@@ -136,7 +136,7 @@ Status CudaCall(const CudaCallArgs& args) {
     watched.clique = clique;
     watched.rank = q.rank;
     watched.device = args.device;
-    watched.done = run.resources->done;
+    watched.done = run.resources->done[static_cast<size_t>(run.epoch % RankResources::kDoneSlots)];
     watched.epoch = run.epoch;
     watched.gen = run.gen;
     std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
@@ -146,7 +146,8 @@ Status CudaCall(const CudaCallArgs& args) {
     watched.nccl = q.transport == Transport::kNccl && q.nranks > 1;
     watched.op = op;
     watched.timeout = std::chrono::milliseconds(args.timeout_ms);
-    const cudaError_t recorded = cudaEventRecord(run.resources->done, args.stream);
+    watched.slots = RankResources::kDoneSlots;
+    const cudaError_t recorded = cudaEventRecord(watched.done, args.stream);
     if (recorded == cudaSuccess) {
       Watch(std::move(watched));
     } else {

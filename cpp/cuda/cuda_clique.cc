@@ -86,7 +86,7 @@ RankResources::~RankResources() {
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return;
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
-  if (done != nullptr) (void)cudaEventDestroy(done);
+  for (cudaEvent_t e : done) (void)cudaEventDestroy(e);
   for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
   if (setup != nullptr) (void)cudaStreamDestroy(setup);
 }
@@ -103,7 +103,11 @@ Status RankResources::Reserve(const Program& p, const CallSite& site) {
     JO_CUDA_CHECK(&site, cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
     streams.push_back(s);
   }
-  if (done == nullptr) JO_CUDA_CHECK(&site, cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  while (static_cast<int64_t>(done.size()) < kDoneSlots) {
+    cudaEvent_t e = nullptr;
+    JO_CUDA_CHECK(&site, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    done.push_back(e);
+  }
   // Program events, then 1 fork event and one join event per comm stream.
   const size_t need = static_cast<size_t>(p.num_events + p.num_streams);
   while (events.size() < need) {

@@ -90,7 +90,10 @@ struct RankResources {
   int device = -1;
   std::vector<cudaStream_t> streams;  // program streams 1.. (stream 0 is XLA's)
   std::vector<cudaEvent_t> events;    // program events, then fork/join
-  cudaEvent_t done = nullptr;         // recorded on XLA's stream after each call (watchdog)
+  // Recorded on XLA's stream after call `epoch` (slot epoch % size): the watchdog's view
+  // of which calls the GPU has finished.
+  std::vector<cudaEvent_t> done;
+  static constexpr int64_t kDoneSlots = 32;
   std::unique_ptr<DeviceAlloc> scratch;
   std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
   cudaStream_t setup = nullptr;       // zero-fills new buffers

@@ -256,6 +256,14 @@ class Enqueuer {
       g.c_bs = c == g.d ? op.d.batch_stride : op.c.batch_stride;
       g.c_ld = c == g.d ? op.d.ld : op.c.ld;
     }
+    // Batches laid out back to back (every row the same ld apart) are one
+    // taller GEMM: fewer, larger cuBLASLt calls, and no stride-0 W.
+    if (g.batch > 1 && g.a_bs == g.m * g.a_ld && g.d_bs == g.m * g.d_ld &&
+        (g.c == nullptr || g.c_bs == g.m * g.c_ld)) {
+      g.m *= g.batch;
+      g.batch = 1;
+      g.a_bs = g.d_bs = g.c_bs = 0;
+    }
     return LtMatmul(a_.device, g, stream, a_.site);
   }
 

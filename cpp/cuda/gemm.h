@@ -18,6 +18,9 @@
 // The host-side fake (cpp/cuda/fake) implements exactly these attributes and
 // refuses any other, so a change here must be mirrored there.
 //
+// Batches laid out back to back are folded into one taller GEMM by the
+// executor first; the batched form (stride 0 for W) remains for the others.
+//
 // C and D may differ only with identical layouts (cuBLASLt's out-of-place
 // rule); the executor copies C into D first otherwise.
 //

@@ -1,6 +1,7 @@
 #include "cuda/watchdog.h"
 
 #include <condition_variable>
+#include <deque>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -16,10 +17,8 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(20);
 
 struct Entry {
-  WatchedCall first;   // the oldest pending call: what the report describes
-  int64_t latest_epoch = 0;
-  cudaEvent_t done = nullptr;  // the newest call's event (completes after all older ones)
-  Clock::time_point since;
+  std::deque<WatchedCall> calls;  // pending, oldest first
+  Clock::time_point front_since;  // when calls.front() became the oldest pending call
 };
 
 class Watchdog {
@@ -27,17 +26,14 @@ class Watchdog {
   void Add(WatchedCall call) {
     std::lock_guard<std::mutex> lock(mu_);
     const Key key{call.clique.lock().get(), call.rank};
-    auto it = entries_.find(key);
-    if (it == entries_.end()) {
-      Entry e;
-      e.latest_epoch = call.epoch;
-      e.done = call.done;
-      e.since = Clock::now();
-      e.first = std::move(call);
-      entries_.emplace(key, std::move(e));
-    } else {
-      it->second.latest_epoch = call.epoch;
-      it->second.done = call.done;
+    Entry& e = entries_[key];
+    if (e.calls.empty()) e.front_since = Clock::now();
+    e.calls.push_back(std::move(call));
+    // A done event is reused every `slots` epochs: stop watching calls whose
+    // event a newer call has re-recorded (the host ran that far ahead).
+    while (static_cast<int64_t>(e.calls.size()) > e.calls.back().slots - 1) {
+      e.calls.pop_front();
+      e.front_since = Clock::now();
     }
     if (!thread_started_) {
       thread_started_ = true;
@@ -60,30 +56,34 @@ class Watchdog {
       cv_.wait(lock, [&] { return !entries_.empty(); });
       for (auto it = entries_.begin(); it != entries_.end();) {
         Entry& e = it->second;
-        std::shared_ptr<Clique> clique = e.first.clique.lock();
-        if (!clique) {  // the clique is gone (tests reset them): nothing to watch
+        std::shared_ptr<Clique> clique =
+            e.calls.empty() ? nullptr : e.calls.front().clique.lock();
+        if (!clique) {  // nothing pending, or the clique is gone (tests reset them)
           it = entries_.erase(it);
           continue;
         }
+        const WatchedCall& front = e.calls.front();
         int prev = 0;
         (void)cudaGetDevice(&prev);
-        (void)cudaSetDevice(e.first.device);
-        const cudaError_t q = cudaEventQuery(e.done);
+        (void)cudaSetDevice(front.device);
+        const cudaError_t q = cudaEventQuery(front.done);
         (void)cudaSetDevice(prev);
         if (q == cudaSuccess) {
-          it = entries_.erase(it);
-          continue;
+          e.calls.pop_front();
+          e.front_since = Clock::now();
+          continue;  // look at the next one (or erase the entry) on this same pass
         }
         if (q != cudaErrorNotReady) {
-          (void)cudaGetLastError();  // e.g. the runtime is shutting down: stop watching this one
+          (void)cudaGetLastError();  // e.g. the runtime is shutting down: stop watching
           it = entries_.erase(it);
           continue;
         }
-        if (Clock::now() - e.since > e.first.timeout) {
-          Entry fired = std::move(e);
+        if (Clock::now() - e.front_since > front.timeout) {
+          const WatchedCall late = front;
+          const int64_t latest_epoch = e.calls.back().epoch;
           it = entries_.erase(it);
           lock.unlock();
-          Fire(static_cast<CudaClique*>(clique.get()), fired);
+          Fire(static_cast<CudaClique*>(clique.get()), late, latest_epoch);
           lock.lock();
           it = entries_.begin();  // the map may have changed meanwhile
           continue;
@@ -96,8 +96,7 @@ class Watchdog {
 
   // Report, break, release (see the header). Best effort: every step goes on
   // even if an earlier one failed, and failures are added to the report.
-  static void Fire(CudaClique* clique, const Entry& e) {
-    const WatchedCall& c = e.first;
+  static void Fire(CudaClique* clique, const WatchedCall& c, int64_t latest_epoch) {
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(c.timeout).count());
     std::string text = c.op + " rank " + std::to_string(c.rank) + " (" + clique->name() +
@@ -138,7 +137,7 @@ class Watchdog {
       for (int32_t i = 0; i < 2 * c.gen->num_flags; ++i)
         (void)drv->cuStreamWriteValue32(reinterpret_cast<CUstream>(side),
                                         c.gen->Flag(c.rank, i / c.gen->num_flags, i % c.gen->num_flags),
-                                        static_cast<cuuint32_t>(e.latest_epoch),
+                                        static_cast<cuuint32_t>(latest_epoch),
                                         CU_STREAM_WRITE_VALUE_DEFAULT);
     }
     if (c.nccl) clique->AbortComms();
