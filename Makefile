@@ -7,6 +7,10 @@ PYTHON ?= python3
 VENV ?= .venv
 JAX ?= jax>=0.10.2
 PIP = $(VENV)/bin/python -m pip
+# CUDA=ON builds jaxoverlap._cuda (needs nvcc; installs the NCCL/cuBLAS wheels it links,
+# and the cuobjdump + nvdisasm wheels its compile-check test reads). Default: ON when nvcc is on PATH.
+CUDA ?= $(shell command -v nvcc >/dev/null 2>&1 && echo ON || echo OFF)
+CUDA_PKGS_ON = nvidia-nccl-cu13 nvidia-cublas nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 SOURCES := pyproject.toml CMakeLists.txt $(shell find cpp -type f 2>/dev/null)
 
 .PHONY: demo test install clean
@@ -16,7 +20,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m ruff check jaxoverlap tests examples
-	$(VENV)/bin/python -m pytest -q
+	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q
 
 install: $(VENV)/.installed
 
@@ -24,7 +28,8 @@ $(VENV)/.installed: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind \
 		pytest ruff flax optax matplotlib rich
-	$(PIP) install -q --no-build-isolation -e .
+	$(if $(filter ON,$(CUDA)),$(PIP) install -q $(CUDA_PKGS_ON))
+	CMAKE_ARGS="-DJAXOVERLAP_CUDA=$(CUDA)" $(PIP) install -q --no-build-isolation -e .
 	touch $@
 
 clean:

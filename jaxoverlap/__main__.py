@@ -1,4 +1,4 @@
-"""``python -m jaxoverlap info``: the command-line entry."""
+"""``python -m jaxoverlap info|bench|selftest``: the command-line entry."""
 
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ def main(argv: list[str] | None = None) -> int:
 
     _bench.add_arguments(sub.add_parser(
         "bench", help="time every impl side by side (or --model PRESET: the projection)"))
+    selftest = sub.add_parser("selftest", help="run the native ops against the xla impl on this "
+                              "machine (every transport, dtype, a few shapes)")
+    selftest.add_argument("--quick", action="store_true", help="one shape instead of three")
     args = parser.parse_args(argv)
+    if args.command == "selftest":
+        from jaxoverlap._selftest import main as selftest_main
+
+        return selftest_main(quick=args.quick)
     if args.command == "info":
         from jaxoverlap._info import format_info, info
 

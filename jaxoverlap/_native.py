@@ -1,10 +1,14 @@
-"""The native path: XLA FFI custom calls run by the host executor (CPU).
+"""The native path: XLA FFI custom calls run by the host executor (CPU) or the CUDA executor (GPU).
 
 Call ``ag_matmul_shard`` / ``matmul_rs_shard`` inside ``jax.shard_map`` on
 local shards. They lower to the custom calls ``jaxoverlap_ag_matmul`` and
 ``jaxoverlap_matmul_rs`` (see ``docs/native.md`` for the handler interface);
 argument validation is the caller's job (``ops.py``), this module only
-asserts its own invariants.
+asserts its own invariants. On GPU the calls lower to ``jaxoverlap_cuda_ag_matmul``
+/ ``jaxoverlap_cuda_matmul_rs`` (``jaxoverlap._cuda``, docs/gpu.md): those take no
+``coords`` operand (a device scalar would force a sync); the handler finds its
+rank in the rank table attributes from its device ordinal, so the concrete mesh
+must be known at trace time (``jax.set_mesh`` or the ops' ``mesh=``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ _TRANSPORTS = ("nccl", "p2p", "multicast")
 _TARGETS = ("jaxoverlap_ag_matmul", "jaxoverlap_matmul_rs")
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
+_CUDA_TARGETS = {"jaxoverlap_ag_matmul": "jaxoverlap_cuda_ag_matmul",
+                 "jaxoverlap_matmul_rs": "jaxoverlap_cuda_matmul_rs"}
+_GPU_PLATFORMS = ("gpu", "cuda")
+
 _lock = threading.Lock()
 _registered = False
 # The concrete mesh of the global-array entry (``_spmd``): jax.shard_map(mesh=...) does not make
@@ -44,6 +52,8 @@ def entry_mesh(mesh) -> Iterator[None]:
     finally:
         _entry_mesh.reset(token)
 
+_cuda_registered = False
+
 
 def available() -> bool:
     """True when the host extension loads (it is built with the package)."""
@@ -51,8 +61,33 @@ def available() -> bool:
 
 
 def transports(platform: str = "cpu") -> tuple[str, ...]:
-    """Transports the native path offers on ``platform`` (the host executor emulates all)."""
+    """Transports the native path offers on ``platform`` (the host executor emulates all).
+
+    On GPU: those every GPU of the concrete mesh (else every local GPU) supports,
+    from the real capability queries (``_cuda_caps``).
+    """
+    if platform in _GPU_PLATFORMS:
+        from jaxoverlap import _cuda_caps
+
+        if _cuda_caps.cuda_error() is not None:
+            return ()
+        reasons = _cuda_caps.transport_reasons(_cuda_caps.capabilities(), _local_gpu_ordinals())
+        return tuple(t for t in _TRANSPORTS if reasons.get(t) is None)
     return _TRANSPORTS if platform == "cpu" and available() else ()
+
+
+def _local_gpu_ordinals() -> list[int]:
+    """Local ordinals of this process's GPUs in the concrete mesh (all local GPUs if unknown)."""
+    concrete = _concrete_mesh()
+    devices = (list(concrete.devices.flat) if concrete is not None
+               else jax.local_devices(backend="gpu"))
+    me = jax.process_index()
+    return sorted({_local_ordinal(d) for d in devices if d.process_index == me})
+
+
+def _local_ordinal(device) -> int:
+    ordinal = getattr(device, "local_hardware_id", None)
+    return int(device.id if ordinal is None else ordinal)
 
 
 def unavailable_reason(platform: str, dtype) -> str | None:
@@ -60,6 +95,15 @@ def unavailable_reason(platform: str, dtype) -> str | None:
     error = _runtime.host_error()
     if error is not None:
         return f"the native extension does not load ({error})"
+    if platform in _GPU_PLATFORMS:
+        from jaxoverlap import _cuda_caps
+
+        cuda_error = _cuda_caps.cuda_error()
+        if cuda_error is not None:
+            return f"the CUDA extension does not load ({cuda_error})"
+        if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in _DTYPES):
+            return f"dtype {jnp.dtype(dtype).name} is not supported"
+        return None
     if platform != "cpu":
         return (f"there is no native executor for platform {platform!r} in this build "
                 "(only the CPU host executor)")
@@ -74,9 +118,12 @@ def info() -> dict:
     if error is not None:
         return {"available": False, "error": error}
     host = _runtime.load_host()
+    from jaxoverlap import _cuda_caps
+
     return {
         "available": True,
-        "backends": {"cpu": {"executor": "host", "transports": list(_TRANSPORTS)}},
+        "backends": {"cpu": {"executor": "host", "transports": list(_TRANSPORTS)},
+                     "gpu": _cuda_caps.info()},
         "dtypes": ["float32", "bfloat16", "float16"],
         "build": dict(host.build_info()),
         "cliques": host.cliques(),
@@ -101,6 +148,84 @@ def _ensure_registered() -> None:
         for name, stages in host.registrations().items():
             jax.ffi.register_ffi_target(name, stages, platform="cpu")
         _registered = True
+
+
+def _ensure_cuda_registered() -> None:
+    global _cuda_registered
+    with _lock:
+        if _cuda_registered:
+            return
+        from jaxoverlap import _cuda_caps
+
+        cuda = _cuda_caps.load_cuda()
+        cuda.set_process_index(jax.process_index())
+        # No traits: the handlers are not command-buffer compatible (and the
+        # CUDA plugin rejects traits= at registration anyway).
+        for name, capsule in cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        _cuda_registered = True
+
+
+def _concrete_mesh(mesh=None):
+    """The concrete mesh of this call: the plan's, else ``current_mesh()``; None if unknown."""
+    return mesh if mesh is not None else current_mesh()
+
+
+def _call_platform(mesh=None) -> str:
+    concrete = _concrete_mesh(mesh)
+    if concrete is not None:
+        return concrete.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def _gpu_rank_table(axis_name: str, names: tuple, sizes: tuple, manual: tuple, mesh=None):
+    """(processes, local ordinals) of the mesh's devices in (group, rank) order."""
+    concrete = _concrete_mesh(mesh)
+    if concrete is None or tuple(concrete.axis_names) != names or \
+            tuple(concrete.axis_sizes) != sizes:
+        raise ValueError(
+            "jaxoverlap impl='native' on GPU needs the concrete mesh at trace time: call the "
+            "op with mesh=... (global arrays) or inside `with jax.set_mesh(mesh):` around the "
+            "shard_map; the CUDA handler finds its rank from the mesh's device table")
+    devices = np.moveaxis(np.asarray(concrete.devices), names.index(axis_name), -1).reshape(-1)
+    processes = np.array([d.process_index for d in devices], np.int64)
+    groups = processes.reshape(-1, sizes[names.index(axis_name)])
+    if (groups != groups[:, :1]).any():
+        raise ValueError(
+            f"jaxoverlap impl='native' on GPU: mesh axis {axis_name!r} spans processes; not yet: "
+            "multi-process GPU cliques arrive with the multi-process issue. Use impl='xla' or "
+            "'ring', or one process driving all GPUs of the axis")
+    ordinals = np.array([_local_ordinal(d) for d in devices], np.int64)
+    return processes, ordinals
+
+
+def _cuda_call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirectional,
+               timeout_s, mesh=None):
+    from jaxoverlap import _cuda_caps
+
+    _ensure_cuda_registered()
+    names, sizes, manual = _mesh_facts(axis_name)
+    processes, ordinals = _gpu_rank_table(axis_name, names, sizes, manual, mesh)
+    mine = sorted({int(o) for p, o in zip(processes, ordinals, strict=True)
+                   if p == jax.process_index()})
+    # An explicit transport this machine's GPUs cannot serve raises here, with the reason.
+    transport = _cuda_caps.choose_transport(_cuda_caps.capabilities(), mine, transport)
+    key_devices = processes * (1 << 32) + ordinals
+    call = jax.ffi.ffi_call(_CUDA_TARGETS[target], results, vmap_method="sequential",
+                            has_side_effect=False)
+    return call(
+        x,
+        w,
+        clique_key=_clique_key(names, sizes, axis_name, transport, key_devices),
+        axis=np.int64(axis),
+        axis_size=np.int64(sizes[names.index(axis_name)]),
+        transport=np.int32(_TRANSPORTS.index(transport)),
+        chunks=np.int64(chunks),
+        bidirectional=bool(bidirectional),
+        timeout_ms=np.int64(max(1, round(timeout_s * 1000))),
+        devices=ordinals,
+        processes=processes,
+    )
 
 
 def _mesh_facts(axis_name: str):
@@ -191,6 +316,10 @@ def _bootstrap_cliques(key: np.int64, devices: np.ndarray, axis_size: int,
 
 def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirectional, timeout_s,
           mesh=None):
+    if _call_platform(mesh) in _GPU_PLATFORMS:
+        return _cuda_call(target, x, w, results, axis_name=axis_name, axis=axis,
+                          transport=transport, chunks=chunks, bidirectional=bidirectional,
+                          timeout_s=timeout_s, mesh=mesh)
     _ensure_registered()
     assert transport in _TRANSPORTS, transport
     assert x.dtype == w.dtype and x.dtype in _DTYPES, (x.dtype, w.dtype)

@@ -1,0 +1,65 @@
+// Return-code checks for the CUDA runtime, the driver API, cuBLASLt and NCCL.
+//
+// Every foreign call of the CUDA executor goes through one of these macros:
+// a failure becomes a jo::Status naming the call (its source text), the
+// foreign error name and text, and the context the caller set (op, rank,
+// clique), plus the usual file:line breadcrumb — the NCCL habit of
+// converting foreign codes at the call (STYLE.md §3, habit 7). Nothing here
+// aborts. After a failed runtime call the sticky "last error" is cleared so
+// that it is not reported again by an unrelated later check.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <string>
+
+#include "core/status.h"
+
+namespace jo::cuda {
+
+// Who is calling, for error messages: "ag_matmul rank 2 (clique 0x.../group 0)".
+struct CallSite {
+  std::string op = "jaxoverlap";
+  int32_t rank = -1;
+  std::string clique;
+  std::string Describe() const;
+};
+
+Status CudaFailure(cudaError_t code, const char* call, const CallSite* site);
+Status DriverFailure(CUresult code, const char* call, const CallSite* site);
+Status CublasFailure(cublasStatus_t code, const char* call, const CallSite* site);
+Status NcclFailure(ncclResult_t code, const char* call, const CallSite* site);
+
+}  // namespace jo::cuda
+
+// `site` is a `const CallSite*` in scope (nullptr when there is none yet).
+#define JO_CUDA_CHECK(site, call)                                                         \
+  do {                                                                                    \
+    const cudaError_t jo_code_ = (call);                                                  \
+    if (jo_code_ != cudaSuccess)                                                          \
+      return ::jo::cuda::CudaFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__);  \
+  } while (0)
+
+#define JO_CU_CHECK(site, call)                                                           \
+  do {                                                                                    \
+    const CUresult jo_code_ = (call);                                                     \
+    if (jo_code_ != CUDA_SUCCESS)                                                         \
+      return ::jo::cuda::DriverFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__); \
+  } while (0)
+
+#define JO_CUBLAS_CHECK(site, call)                                                       \
+  do {                                                                                    \
+    const cublasStatus_t jo_code_ = (call);                                               \
+    if (jo_code_ != CUBLAS_STATUS_SUCCESS)                                                \
+      return ::jo::cuda::CublasFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__); \
+  } while (0)
+
+#define JO_NCCL_CHECK(site, call)                                                         \
+  do {                                                                                    \
+    const ncclResult_t jo_code_ = (call);                                                 \
+    if (jo_code_ != ncclSuccess)                                                          \
+      return ::jo::cuda::NcclFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__);  \
+  } while (0)

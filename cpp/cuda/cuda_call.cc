@@ -1,0 +1,171 @@
+#include "cuda/cuda_call.h"
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <set>
+
+#include "core/build.h"
+#include "core/clique.h"
+#include "core/log.h"
+#include "cuda/cuda_clique.h"
+#include "cuda/watchdog.h"
+
+namespace jo::cuda {
+namespace {
+
+std::atomic<int64_t> g_process_index{0};
+
+CliqueRegistry& Registry() {
+  static auto* registry = new CliqueRegistry();  // outlives static destructors: handlers may run late
+  return *registry;
+}
+
+void LogPlanOnce(const Program& program, const CliqueKey& key) {
+  if (CurrentLogLevel() < LogLevel::kDebug || program.problem.rank != 0) return;
+  static std::mutex mu;
+  static std::set<std::string> seen;
+  const std::string summary = CliqueName(key) + " " + Summary(program);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!seen.insert(summary).second) return;
+  JO_DEBUG("plan (cuda): " + CliqueName(key) + "\n" + ToString(program));
+}
+
+// The call as every rank of the clique must see it (everything but the
+// rank); the same text as the host executor's check (host_call.cc).
+std::string Signature(const Problem& q) {
+  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) + " n=" +
+         std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
+         std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" + std::to_string(q.n) + " " +
+         DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
+         (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
+}
+
+}  // namespace
+
+void SetProcessIndex(int64_t index) { g_process_index = index; }
+int64_t ProcessIndex() { return g_process_index; }
+
+Status Place(const RankTable& t, int64_t process_index, int device_ordinal, const char* op,
+             Placement* out) {
+  const std::string who = std::string(op) + ": ";
+  if (t.axis_size < 1 || t.devices.empty() || t.devices.size() != t.processes.size() ||
+      t.devices.size() % static_cast<size_t>(t.axis_size) != 0)
+    return InvalidArgument(who + "rank table attribute expected axis_size * groups entries of "
+                           "(process, device), got " + std::to_string(t.devices.size()) +
+                           " devices and " + std::to_string(t.processes.size()) + " processes");
+  int64_t found = -1;
+  for (size_t i = 0; i < t.devices.size(); ++i) {
+    if (t.processes[i] != process_index || t.devices[i] != device_ordinal) continue;
+    if (found >= 0)
+      return InvalidArgument(who + "the rank table lists process " + std::to_string(process_index) +
+                             " GPU " + std::to_string(device_ordinal) + " twice");
+    found = static_cast<int64_t>(i);
+  }
+  if (found < 0)
+    return InvalidArgument(who + "this call runs on process " + std::to_string(process_index) +
+                           " GPU " + std::to_string(device_ordinal) +
+                           ", which the rank table (the mesh of the enclosing shard_map) does not "
+                           "contain");
+  out->group = found / t.axis_size;
+  out->rank = static_cast<int32_t>(found % t.axis_size);
+  out->clique_devices.clear();
+  for (int64_t r = 0; r < t.axis_size; ++r) {
+    const size_t i = static_cast<size_t>(out->group * t.axis_size + r);
+    if (t.processes[i] != process_index)
+      return Status(Code::kInvalidArgument,
+                    who + "not yet: this clique spans processes (rank " + std::to_string(r) +
+                        " is in process " + std::to_string(t.processes[i]) +
+                        "); multi-process GPU cliques arrive with the multi-process issue. "
+                        "Use impl='xla' or 'ring', or one process driving all GPUs of the axis");
+    out->clique_devices.push_back(static_cast<int>(t.devices[i]));
+  }
+  return OkStatus();
+}
+
+Status CudaCall(const CudaCallArgs& args) {
+  const char* op = CollectiveName(args.problem.op);
+  Placement place;
+  JO_CHECK(Place(args.table, args.process_index, args.device, op, &place));
+  Problem q = args.problem;
+  q.rank = place.rank;
+  JO_REQUIRE(q.nranks == static_cast<int32_t>(args.table.axis_size),
+             std::string(op) + ": nranks does not match the rank table");
+
+  CallSite site;
+  site.op = op;
+  site.rank = q.rank;
+  const CliqueKey key{args.clique_key, place.group};
+  site.clique = CliqueName(key);
+
+  // Never under CUDA-graph capture: NCCL set-up, buffer growth and event
+  // bookkeeping here are not capturable (the handlers are not declared
+  // command-buffer compatible, so XLA should never try).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  JO_CUDA_CHECK(&site, cudaStreamIsCapturing(args.stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    return Status(Code::kInvalidArgument,
+                  site.Describe() + ": called on a stream under CUDA-graph capture; jaxoverlap's "
+                  "handlers are not command-buffer compatible (disable XLA command buffers for "
+                  "custom calls: XLA_FLAGS=--xla_gpu_enable_command_buffer=)");
+
+  Program program;
+  JO_CHECK(BuildProgram(q, &program));
+  std::shared_ptr<Clique> clique;
+  JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&] {
+    return std::make_unique<CudaClique>(key, q.transport, place.clique_devices);
+  }, &clique));
+  auto* cuda = static_cast<CudaClique*>(clique.get());
+  if (cuda->transport() != q.transport || cuda->devices() != place.clique_devices)
+    return Internal(site.Describe() + ": clique key collision (transport or devices differ)");
+  LogPlanOnce(program, key);
+
+  RunArgs run;
+  run.program = &program;
+  run.device = args.device;
+  run.stream = args.stream;
+  run.epoch = clique->NextEpoch(q.rank);
+  run.io = args.io;
+  run.site = site;
+  Status status = cuda->Prepare(program, run.epoch, Signature(q), site, &run.gen, &run.resources,
+                                &run.comm);
+  if (status.ok()) status = EnqueueProgram(run);
+  if (status.ok()) {
+    // The watchdog turns a peer that never arrives into an error, not a hang.
+    WatchedCall watched;
+    watched.clique = clique;
+    watched.rank = q.rank;
+    watched.device = args.device;
+    watched.done = run.resources->done[static_cast<size_t>(run.epoch % RankResources::kDoneSlots)];
+    watched.epoch = run.epoch;
+    watched.gen = run.gen;
+    std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
+    for (const Op& o : program.ops)
+      if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
+    watched.waits.assign(waits.begin(), waits.end());
+    watched.nccl = q.transport == Transport::kNccl && q.nranks > 1;
+    watched.op = op;
+    watched.timeout = std::chrono::milliseconds(args.timeout_ms);
+    watched.slots = RankResources::kDoneSlots;
+    const cudaError_t recorded = cudaEventRecord(watched.done, args.stream);
+    if (recorded == cudaSuccess) {
+      Watch(std::move(watched));
+    } else {
+      status = CudaFailure(recorded, "cudaEventRecord(done)", &site);
+    }
+  }
+  if (!status.ok() && status.code() != Code::kAborted) cuda->Break(status);
+  JO_CHECK(status);
+  return OkStatus();
+}
+
+std::string DescribeCudaCliques() {
+  std::string out;
+  for (const auto& clique : Registry().List())
+    out += static_cast<CudaClique*>(clique.get())->Describe() + "\n";
+  return out;
+}
+
+void ResetCudaCliques() { Registry().Clear(); }
+
+}  // namespace jo::cuda

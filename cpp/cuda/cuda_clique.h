@@ -1,0 +1,152 @@
+// CudaClique: the GPU transport state of one clique in this process.
+//
+// Single process (JAX's default on one node: one process drives every local
+// GPU) is complete: all ranks' devices are here, so the first rank to need
+// a resource creates it for every rank, without a rendezvous:
+//   * peer access between every pair (p2p, multicast: flags live in peer memory);
+//   * NCCL communicators (transport nccl) with ncclCommInitAll, in Prepare —
+//     i.e. at the first execution, never under CUDA-graph capture (the
+//     handlers are not command-buffer compatible, and the call refuses a
+//     capturing stream);
+//   * flags (uint32, cudaMalloc) and the symmetric workspace: cudaMalloc for
+//     p2p, cuMemCreate + cuMulticastCreate/AddDevice/BindMem for multicast.
+// One process per GPU (cliques spanning processes) needs NCCL ids and CUDA
+// IPC / multicast handles exchanged through jax.distributed: not yet — that
+// arrives with the multi-process issue, and Prepare says so.
+//
+// Buffer generations. GPU work is asynchronous: when a call needs a bigger
+// workspace, peers' streams may still run the previous call on the old one.
+// So buffers are never freed while the clique lives; a new Generation is
+// made, valid from the epoch of the call that needed it (every rank makes
+// the same calls, so every rank switches at the same epoch), and the old
+// ones are kept until the clique is destroyed. Within a generation, calls
+// alternate between two halves by epoch parity (docs/native.md §4; the fork
+// and join of every call on XLA's stream make the host argument hold on the
+// GPU too).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <mutex>
+#include <vector>
+
+#include "core/clique.h"
+#include "core/program.h"
+#include "cuda/check.h"
+#include "cuda/driver.h"
+
+namespace jo::cuda {
+
+// Device memory from cudaMalloc, freed on its device.
+struct DeviceAlloc {
+  int device = -1;
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceAlloc() = default;
+  DeviceAlloc(const DeviceAlloc&) = delete;
+  DeviceAlloc& operator=(const DeviceAlloc&) = delete;
+  ~DeviceAlloc();
+};
+
+// The multicast workspace: physical memory per device bound to one multicast object.
+struct MulticastRegion {
+  const DriverApi* drv = nullptr;
+  std::vector<int> devices;
+  size_t bytes = 0;
+  CUmemGenericAllocationHandle mc = 0;
+  bool mc_created = false;
+  std::vector<CUmemGenericAllocationHandle> phys;  // per rank (0: not created)
+  std::vector<int> bound;                          // per rank: bound to mc
+  std::vector<CUdeviceptr> unicast;                // per rank: its own mapping
+  CUdeviceptr mc_va = 0;                           // one mapping, accessible by every device
+  bool mc_mapped = false;
+  MulticastRegion() = default;
+  MulticastRegion(const MulticastRegion&) = delete;
+  MulticastRegion& operator=(const MulticastRegion&) = delete;
+  ~MulticastRegion();
+};
+
+struct Generation {
+  int64_t since_epoch = 0;
+  int64_t workspace_bytes = 0;  // per parity per rank
+  int32_t num_flags = 0;        // per parity per rank
+  std::vector<std::unique_ptr<DeviceAlloc>> workspace;  // per rank (p2p)
+  std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: 2 * num_flags uint32
+  std::unique_ptr<MulticastRegion> multicast;           // multicast transport
+
+  std::byte* Workspace(int32_t rank, int64_t epoch) const;  // unicast, parity of epoch
+  std::byte* MulticastAddress(int64_t epoch) const;          // parity of epoch
+  CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id) const;
+};
+
+// Per-rank execution resources: comm streams, events, private scratch.
+struct RankResources {
+  int device = -1;
+  std::vector<cudaStream_t> streams;  // program streams 1.. (stream 0 is XLA's)
+  std::vector<cudaEvent_t> events;    // program events, then fork/join
+  // Recorded on XLA's stream after call `epoch` (slot epoch % size): the watchdog's view
+  // of which calls the GPU has finished.
+  std::vector<cudaEvent_t> done;
+  static constexpr int64_t kDoneSlots = 32;
+  std::unique_ptr<DeviceAlloc> scratch;
+  std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
+  cudaStream_t setup = nullptr;       // zero-fills new buffers
+  RankResources() = default;
+  RankResources(const RankResources&) = delete;
+  RankResources& operator=(const RankResources&) = delete;
+  ~RankResources();
+  // Grows streams/events/scratch to what `program` needs.
+  Status Reserve(const Program& program, const CallSite& site);
+};
+
+class CudaClique : public Clique {
+ public:
+  CudaClique(CliqueKey key, Transport transport, std::vector<int> devices);
+  ~CudaClique() override;
+
+  Transport transport() const { return transport_; }
+  const std::vector<int>& devices() const { return devices_; }
+
+  // Start of call `epoch` of `rank`: creates what the transport needs (once)
+  // and a buffer generation big enough for `program`. Returns the generation
+  // the call must use and the rank's resources.
+  // `signature` describes the call without the rank: ranks that disagree at
+  // one epoch (different programs, or collectives in a different order) get
+  // an error here instead of a GPU hang later, and the clique is broken.
+  Status Prepare(const Program& program, int64_t epoch, const std::string& signature,
+                 const CallSite& site, const Generation** gen, RankResources** resources,
+                 ncclComm_t* comm);
+
+  // Marks the clique broken (first error wins): every later call fails fast
+  // with it. Peers' work already queued on their GPUs is not recalled.
+  void Break(const Status& status);
+  // Aborts the NCCL communicators (the watchdog releasing stuck kernels).
+  void AbortComms();
+
+  std::string Describe() const;
+
+ private:
+  Status EnablePeerAccess(const CallSite& site);           // requires mu_
+  Status CreateComms(const CallSite& site);                // requires mu_
+  Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
+                       const CallSite& site);              // requires mu_
+  Status AllocMulticast(Generation* gen, const CallSite& site);
+
+  const Transport transport_;
+  const std::vector<int> devices_;  // local ordinal of each rank
+  mutable std::mutex mu_;
+  bool peers_enabled_ = false;
+  std::vector<ncclComm_t> comms_;
+  std::vector<std::unique_ptr<Generation>> generations_;  // newest last
+  std::vector<std::unique_ptr<RankResources>> ranks_;
+  std::map<int64_t, std::pair<std::string, int32_t>> signatures_;  // epoch -> (call, seen)
+  std::string broken_;
+};
+
+}  // namespace jo::cuda

@@ -1,0 +1,57 @@
+// The CUDA driver API, reached only through cudaGetDriverEntryPointByVersion.
+//
+// There is no link-time dependency on libcuda (BUILD-NOTES: CI machines have
+// none): every driver function we use is looked up once, at the CUDA version
+// that introduced the signature we call, and kept in Driver(). A machine
+// without a driver fails the lookup with a clear status, never at load time.
+#pragma once
+
+#include <cuda.h>
+
+#include "core/status.h"
+
+namespace jo::cuda {
+
+struct DriverApi {
+  CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*cuDriverGetVersion)(int*) = nullptr;
+  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  // 32-bit stream memory operations (flags).
+  CUresult (*cuStreamWriteValue32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+  CUresult (*cuStreamWaitValue32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
+  // Virtual memory management (the multicast workspace).
+  CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,
+                                            CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                          unsigned long long) = nullptr;
+  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                                  unsigned long long) = nullptr;
+  CUresult (*cuMemAddressFree)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long) = nullptr;
+  CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  // Multicast objects (CUDA >= 12.1 driver; null when the driver lacks them).
+  CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle*, const CUmulticastObjectProp*) =
+      nullptr;
+  CUresult (*cuMulticastAddDevice)(CUmemGenericAllocationHandle, CUdevice) = nullptr;
+  CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t,
+                                 CUmemGenericAllocationHandle, size_t, size_t,
+                                 unsigned long long) = nullptr;
+  CUresult (*cuMulticastUnbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t) = nullptr;
+  CUresult (*cuMulticastGetGranularity)(size_t*, const CUmulticastObjectProp*,
+                                        CUmulticastGranularity_flags) = nullptr;
+  bool has_multicast = false;
+};
+
+// Looks every entry point up once. Fails (with the reason) when the driver
+// is missing or lacks a required function; multicast entry points are
+// optional (has_multicast says whether all were found).
+Status LoadDriver(const DriverApi** out);
+
+// Text of a driver error (falls back to the number when no driver is loaded).
+std::string DriverErrorText(CUresult code);
+
+}  // namespace jo::cuda

@@ -1,0 +1,219 @@
+#include "cuda/ffi_handlers.h"
+
+#include <cuda_runtime_api.h>
+
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_call.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jo::cuda {
+namespace {
+
+std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+ffi::Error Invalid(const char* op, const std::string& text) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + text);
+}
+
+ffi::Error ToFfi(const Status& status) {
+  switch (status.code()) {
+    case Code::kOk: return ffi::Error::Success();
+    case Code::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message());
+    case Code::kTimeout: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message());
+    case Code::kAborted: return ffi::Error(ffi::ErrorCode::kAborted, status.message());
+    case Code::kResource: return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message());
+    case Code::kInternal: break;
+  }
+  return ffi::Error::Internal(status.message());
+}
+
+std::optional<DType> ToDType(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return DType::kF32;
+    case ffi::DataType::BF16: return DType::kBF16;
+    case ffi::DataType::F16: return DType::kF16;
+    default: return std::nullopt;
+  }
+}
+
+struct Attrs {
+  int64_t clique_key, axis, axis_size;
+  int32_t transport;
+  int64_t chunks;
+  bool bidirectional;
+  int64_t timeout_ms;
+  ffi::Span<const int64_t> devices, processes;
+};
+
+ffi::Error CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
+                       const ffi::AnyBuffer& got, int64_t axis, int64_t axis_dim, int64_t last) {
+  auto xd = x.dimensions();
+  std::vector<int64_t> want(xd.begin(), xd.end());
+  want[axis] = axis_dim;
+  want.back() = last;
+  auto gd = got.dimensions();
+  bool same = gd.size() == want.size();
+  for (size_t i = 0; same && i < want.size(); ++i) same = gd[i] == want[i];
+  if (!same)
+    return Invalid(op, std::string("result ") + name + " expected shape " +
+                           Dims(ffi::Span<const int64_t>(want.data(), want.size())) + ", got " + Dims(gd));
+  if (got.element_type() != x.element_type())
+    return Invalid(op, std::string("result ") + name + " expected the dtype of x");
+  return ffi::Error::Success();
+}
+
+// Checks what both ops share and fills `args` (not the results).
+ffi::Error Decode(Collective collective, cudaStream_t stream, int32_t device,
+                  const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const Attrs& a,
+                  CudaCallArgs* args) {
+  const char* op = CollectiveName(collective);
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 2) return Invalid(op, "operand x expected rank >= 2, got rank " + std::to_string(xd.size()) + " (shape " + Dims(xd) + ")");
+  if (wd.size() != 2) return Invalid(op, "operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " + Dims(wd) + ")");
+  auto dtype = ToDType(x.element_type());
+  if (!dtype) return Invalid(op, "operand x expected dtype float32, bfloat16 or float16");
+  if (w.element_type() != x.element_type()) return Invalid(op, "operand w expected the dtype of x");
+  if (wd[0] != xd[xd.size() - 1])
+    return Invalid(op, "operand w expected " + std::to_string(xd[xd.size() - 1]) + " rows (x's last dim), got shape " + Dims(wd));
+  if (a.axis < 0 || a.axis > static_cast<int64_t>(xd.size()) - 2)
+    return Invalid(op, "attribute axis expected in [0, " + std::to_string(xd.size() - 2) + "], got " + std::to_string(a.axis));
+  if (a.axis_size < 1) return Invalid(op, "attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
+  if (a.transport < 0 || a.transport > 2) return Invalid(op, "attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " + std::to_string(a.transport));
+  if (a.chunks < 1) return Invalid(op, "attribute chunks expected >= 1, got " + std::to_string(a.chunks));
+  if (a.timeout_ms < 1) return Invalid(op, "attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
+  if (a.devices.size() != a.processes.size() || a.devices.size() == 0)
+    return Invalid(op, "attributes devices/processes (the rank table) expected equal, non-zero lengths, got " +
+                           std::to_string(a.devices.size()) + " and " + std::to_string(a.processes.size()));
+  Problem& q = args->problem;
+  q.op = collective;
+  q.transport = static_cast<Transport>(a.transport);
+  q.nranks = static_cast<int32_t>(a.axis_size);
+  q.dtype = *dtype;
+  q.chunks = a.chunks;
+  q.bidirectional = a.bidirectional;
+  q.k = xd[xd.size() - 1];
+  q.n = wd[1];
+  q.batch = 1;
+  for (int64_t i = 0; i < a.axis; ++i) q.batch *= xd[i];
+  int64_t post = 1;
+  for (size_t i = static_cast<size_t>(a.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
+  if (collective == Collective::kAgMatmul) {
+    q.rows = xd[a.axis] * post;
+  } else {
+    if (xd[a.axis] % a.axis_size != 0)
+      return Invalid(op, "operand x dim " + std::to_string(a.axis) + " (" + std::to_string(xd[a.axis]) + ") expected divisible by axis_size " + std::to_string(a.axis_size));
+    q.rows = xd[a.axis] / a.axis_size * post;
+  }
+  args->clique_key = a.clique_key;
+  args->table.axis_size = a.axis_size;
+  args->table.devices.assign(a.devices.begin(), a.devices.end());
+  args->table.processes.assign(a.processes.begin(), a.processes.end());
+  args->process_index = ProcessIndex();
+  args->timeout_ms = a.timeout_ms;
+  args->device = device;
+  args->stream = stream;
+  args->io.x = x.untyped_data();
+  args->io.w = w.untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(const CudaCallArgs& args) {
+  try {
+    return ToFfi(CudaCall(args));
+  } catch (const std::exception& e) {  // bad_alloc and friends never cross the FFI boundary
+    return ffi::Error::Internal(std::string(CollectiveName(args.problem.op)) + ": " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(CollectiveName(args.problem.op)) + ": unknown exception");
+  }
+}
+
+ffi::Error AgMatmulImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Result<ffi::AnyBuffer> y,
+                        std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered, int64_t clique_key,
+                        int64_t axis, int64_t axis_size, int32_t transport, int64_t chunks,
+                        bool bidirectional, int64_t timeout_ms, ffi::Span<const int64_t> devices,
+                        ffi::Span<const int64_t> processes) {
+  const char* op = "ag_matmul";
+  CudaCallArgs args;
+  const Attrs a{clique_key, axis, axis_size, transport, chunks, bidirectional, timeout_ms, devices, processes};
+  if (auto e = Decode(Collective::kAgMatmul, stream, device, x, w, a, &args); e.failure()) return e;
+  const int64_t gathered = x.dimensions()[axis] * axis_size;
+  if (auto e = CheckResult(op, "y", x, *y, axis, gathered, args.problem.n); e.failure()) return e;
+  args.problem.return_gathered = x_gathered.has_value();
+  if (x_gathered.has_value()) {
+    if (auto e = CheckResult(op, "x_gathered", x, **x_gathered, axis, gathered, args.problem.k); e.failure()) return e;
+    args.io.x_gathered = (*x_gathered)->untyped_data();
+  }
+  args.io.y = y->untyped_data();
+  return Run(args);
+}
+
+ffi::Error MatmulRsImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t clique_key, int64_t axis,
+                        int64_t axis_size, int32_t transport, int64_t chunks, bool bidirectional,
+                        int64_t timeout_ms, ffi::Span<const int64_t> devices,
+                        ffi::Span<const int64_t> processes) {
+  const char* op = "matmul_rs";
+  CudaCallArgs args;
+  const Attrs a{clique_key, axis, axis_size, transport, chunks, bidirectional, timeout_ms, devices, processes};
+  if (auto e = Decode(Collective::kMatmulRs, stream, device, x, w, a, &args); e.failure()) return e;
+  const int64_t scattered = x.dimensions()[axis] / axis_size;
+  if (auto e = CheckResult(op, "y", x, *y, axis, scattered, args.problem.n); e.failure()) return e;
+  args.io.y = y->untyped_data();
+  return Run(args);
+}
+
+}  // namespace
+
+// No traits: NOT command-buffer compatible (research/xla_ffi.md §2; and the
+// CUDA plugin rejects traits passed at registration).
+XLA_FFI_DEFINE_HANDLER(kAgMatmul, AgMatmulImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                           .Ctx<ffi::DeviceOrdinal>()                 // local GPU ordinal
+                           .Arg<ffi::AnyBuffer>()                     // x
+                           .Arg<ffi::AnyBuffer>()                     // w
+                           .Ret<ffi::AnyBuffer>()                     // y
+                           .OptionalRet<ffi::AnyBuffer>()             // x_gathered
+                           .Attr<int64_t>("clique_key")
+                           .Attr<int64_t>("axis")
+                           .Attr<int64_t>("axis_size")
+                           .Attr<int32_t>("transport")
+                           .Attr<int64_t>("chunks")
+                           .Attr<bool>("bidirectional")
+                           .Attr<int64_t>("timeout_ms")
+                           .Attr<ffi::Span<const int64_t>>("devices")
+                           .Attr<ffi::Span<const int64_t>>("processes"));
+
+XLA_FFI_DEFINE_HANDLER(kMatmulRs, MatmulRsImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                           .Ctx<ffi::DeviceOrdinal>()                 // local GPU ordinal
+                           .Arg<ffi::AnyBuffer>()                     // x
+                           .Arg<ffi::AnyBuffer>()                     // w
+                           .Ret<ffi::AnyBuffer>()                     // y
+                           .Attr<int64_t>("clique_key")
+                           .Attr<int64_t>("axis")
+                           .Attr<int64_t>("axis_size")
+                           .Attr<int32_t>("transport")
+                           .Attr<int64_t>("chunks")
+                           .Attr<bool>("bidirectional")
+                           .Attr<int64_t>("timeout_ms")
+                           .Attr<ffi::Span<const int64_t>>("devices")
+                           .Attr<ffi::Span<const int64_t>>("processes"));
+
+XLA_FFI_Error* AgMatmulHandler(XLA_FFI_CallFrame* call_frame) { return kAgMatmul(call_frame); }
+XLA_FFI_Error* MatmulRsHandler(XLA_FFI_CallFrame* call_frame) { return kMatmulRs(call_frame); }
+
+}  // namespace jo::cuda

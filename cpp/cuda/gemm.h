@@ -1,0 +1,64 @@
+// GEMMs of the CUDA executor on cuBLASLt.
+//
+// LAYOUT MAPPING (the one place it is decided). The program IR is row-major:
+//   D[b] (m x n, ld d_ld) = A[b] (m x k, ld a_ld) @ W (k x n, ld w_ld) (+ C[b])
+// cuBLASLt is column-major. A row-major M x N block with leading dim ld is
+// the column-major N x M block with the same ld, so we ask cuBLASLt for the
+// transposed product, with no transpose flags at all:
+//   Dᵀ (n x m) = Wᵀ (n x k) · Aᵀ (k x m) (+ Cᵀ)
+//   cuBLASLt "A" := W  as a column-major n x k matrix, ld w_ld, batch stride 0
+//   cuBLASLt "B" := A  as a column-major k x m matrix, ld a_ld, batch stride a_bs
+//   cuBLASLt "C" := C  as a column-major n x m matrix, ld c_ld, batch stride c_bs
+//   cuBLASLt "D" := D  as a column-major n x m matrix, ld d_ld, batch stride d_bs
+// Every layout sets ORDER=COL, BATCH_COUNT and STRIDED_BATCH_OFFSET
+// explicitly; the matmul descriptor sets TRANSA=TRANSB=N, compute type
+// CUBLAS_COMPUTE_32F and scale type CUDA_R_32F (f32 accumulation for
+// bf16/f16 too); alpha = 1, beta = 1 when accumulating, else 0. The
+// preference sets the workspace size and the real alignment of each pointer.
+// The host-side fake (cpp/cuda/fake) implements exactly these attributes and
+// refuses any other, so a change here must be mirrored there.
+//
+// Batches laid out back to back are folded into one taller GEMM by the
+// executor first; the batched form (stride 0 for W) remains for the others.
+//
+// C and D may differ only with identical layouts (cuBLASLt's out-of-place
+// rule); the executor copies C into D first otherwise.
+//
+// Handles, descriptors, heuristic results and workspaces are cached per
+// device (and per stream for the workspace) and shape.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "core/program.h"
+#include "core/status.h"
+#include "cuda/check.h"
+
+namespace jo::cuda {
+
+struct GemmArgs {
+  DType dtype = DType::kF32;
+  int64_t batch = 1, m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t a_bs = 0, a_ld = 0;
+  const void* w = nullptr;
+  int64_t w_ld = 0;
+  const void* c = nullptr;  // nullptr: beta = 0
+  int64_t c_bs = 0, c_ld = 0;
+  void* d = nullptr;
+  int64_t d_bs = 0, d_ld = 0;
+};
+
+// Runs the GEMM on `stream` of the current device.
+Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const CallSite& site);
+
+// Frees every cached handle and workspace (tests and process exit).
+void ReleaseGemmCaches();
+
+// cublasLtGetVersion() of the loaded library.
+size_t CublasLtVersion();
+
+}  // namespace jo::cuda

@@ -1,0 +1,52 @@
+// The GPU-side timeout: a host thread watching every rank's queued calls.
+//
+// On the GPU a Wait (cuStreamWaitValue32) or an NCCL receive waits forever
+// if the peer never arrives. After each enqueue, CudaCall records a `done`
+// event on XLA's stream and hands it to the watchdog. A polling thread (it
+// runs only while calls are pending) queries each rank's oldest pending
+// call; the clock of a call starts when it becomes the oldest pending one
+// (the host may run many calls ahead of the GPU: time spent queued behind
+// earlier calls does not count). When it is older than the call's timeout
+// (JAXOVERLAP_TIMEOUT_S, the timeout_ms attribute), it
+//   1. reads the rank's flags and reports, with JO_WARN, which flag from
+//      which peer never arrived (or that it is stuck inside NCCL);
+//   2. breaks the clique: every later call fails with that message;
+//   3. releases the GPU: writes the newest epoch into the rank's flags on
+//      its own stream (cuStreamWriteValue32) and aborts the clique's NCCL
+//      communicators, so the streams drain instead of hanging the process.
+// The call that timed out has already returned to XLA, so its results are
+// garbage; the error surfaces at the next call of the clique.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/program.h"
+#include "cuda/cuda_clique.h"
+
+namespace jo::cuda {
+
+struct WatchedCall {
+  std::weak_ptr<Clique> clique;      // a CudaClique
+  int32_t rank = 0;
+  int device = 0;
+  cudaEvent_t done = nullptr;        // recorded on XLA's stream after the call
+  int64_t slots = 1;                 // done events are reused every `slots` epochs
+  int64_t epoch = 0;
+  const Generation* gen = nullptr;   // owned by the clique
+  std::vector<std::pair<int32_t, int32_t>> waits;  // (flag id, writer) of the program's Waits
+  bool nccl = false;
+  std::string op;
+  std::chrono::milliseconds timeout{0};
+};
+
+// Registers the newest call of (clique, rank), after the rank's earlier ones.
+void Watch(WatchedCall call);
+
+// For info() and tests: number of ranks with pending calls.
+int PendingWatches();
+
+}  // namespace jo::cuda

@@ -1,0 +1,300 @@
+// jaxoverlap._cuda_fake: the CUDA executor linked against the host-side fake
+// (cpp/cuda/fake). Tests only: run() drives CudaCall — the very function the
+// CUDA FFI handlers call — for every rank of a clique, one host thread per
+// rank as XLA does, then lets the fake "GPU" run the queued work.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/cuda_call.h"
+#include "cuda/driver.h"
+#include "cuda/watchdog.h"
+#include "core/log.h"
+#include "cuda/fake/fake_runtime.h"
+#include "cuda/gemm.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+jo::DType ParseDType(const std::string& s) {
+  if (s == "float32") return jo::DType::kF32;
+  if (s == "bfloat16") return jo::DType::kBF16;
+  if (s == "float16") return jo::DType::kF16;
+  throw nb::value_error(("dtype: expected float32, bfloat16 or float16, got " + s).c_str());
+}
+
+jo::Transport ParseTransport(const std::string& s) {
+  if (s == "nccl") return jo::Transport::kNccl;
+  if (s == "p2p") return jo::Transport::kP2p;
+  if (s == "multicast") return jo::Transport::kMulticast;
+  throw nb::value_error(("transport: expected nccl, p2p or multicast, got " + s).c_str());
+}
+
+void Reset(int devices, int cc_major, bool multicast,
+           std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms) {
+  jo::cuda::ResetCudaCliques();
+  jo::cuda::ReleaseGemmCaches();
+  jo::fake::Config config;
+  config.devices = devices;
+  config.cc_major = cc_major;
+  config.multicast = multicast;
+  if (peer) config.peer = *peer;
+  config.seed = seed;
+  config.grace_ms = grace_ms;
+  jo::fake::Reset(config);
+}
+
+// Runs `calls` back-to-back calls on every rank; returns ys, x_gathered (per
+// rank, bytes), statuses (per rank: None or the error text) and drained.
+nb::dict Run(const std::string& op, const std::string& transport, int nranks, int64_t batch,
+             int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
+             bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
+             std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
+             int calls, int skew_rank, int skip_rank, int64_t timeout_ms) {
+  const bool ag = op == "ag_matmul";
+  if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
+  if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
+      static_cast<int>(devices.size()) != nranks)
+    throw nb::value_error("xs, ws and devices need one entry per rank");
+  jo::Problem q;
+  q.op = ag ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
+  q.transport = ParseTransport(transport);
+  q.nranks = nranks;
+  q.batch = batch;
+  q.rows = rows;
+  q.k = k;
+  q.n = n;
+  q.dtype = ParseDType(dtype);
+  q.chunks = chunks;
+  q.bidirectional = bidirectional;
+  q.return_gathered = return_gathered;
+  const size_t es = static_cast<size_t>(jo::DTypeSize(q.dtype));
+  const size_t x_elems = static_cast<size_t>(batch * (ag ? rows : rows * nranks) * k);
+  const size_t y_elems = static_cast<size_t>(batch * (ag ? rows * nranks : rows) * n);
+  const size_t g_elems = static_cast<size_t>(batch * rows * nranks * k);
+  std::vector<void*> x(nranks), w(nranks), y(nranks), g(nranks, nullptr);
+  for (int r = 0; r < nranks; ++r) {
+    if (xs[r].size() != x_elems * es || ws[r].size() != static_cast<size_t>(k * n) * es)
+      throw nb::value_error("xs/ws: wrong byte size");
+    const int dev = static_cast<int>(devices[r]);
+    x[r] = jo::fake::Malloc(dev, x_elems * es);
+    w[r] = jo::fake::Malloc(dev, static_cast<size_t>(k * n) * es);
+    y[r] = jo::fake::Malloc(dev, y_elems * es);
+    std::memcpy(x[r], xs[r].c_str(), x_elems * es);
+    std::memcpy(w[r], ws[r].c_str(), static_cast<size_t>(k * n) * es);
+    std::memset(y[r], 0x7F, y_elems * es);  // unwritten output shows up as huge values
+    if (return_gathered) {
+      g[r] = jo::fake::Malloc(dev, g_elems * es);
+      std::memset(g[r], 0x7F, g_elems * es);
+    }
+  }
+  std::vector<std::string> statuses(nranks);
+  {
+    nb::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < nranks; ++r)
+      threads.emplace_back([&, r] {
+        const int dev = static_cast<int>(devices[r]);
+        if (cudaSetDevice(dev) != cudaSuccess) {
+          statuses[r] = "cudaSetDevice failed";
+          return;
+        }
+        cudaStream_t xla = nullptr;  // stands for XLA's stream of this device
+        if (cudaStreamCreateWithFlags(&xla, cudaStreamNonBlocking) != cudaSuccess) {
+          statuses[r] = "stream creation failed";
+          return;
+        }
+        jo::cuda::CudaCallArgs args;
+        args.problem = q;
+        if (r == skew_rank) ++args.problem.chunks;  // tests: this rank disagrees on the call
+        if (r == skip_rank) return;                  // tests: this rank never makes the call
+        args.timeout_ms = timeout_ms;
+        args.clique_key = clique_key;
+        args.table.axis_size = nranks;
+        args.table.devices = devices;
+        args.table.processes.assign(devices.size(), 0);
+        args.process_index = 0;
+        args.device = dev;
+        args.stream = xla;
+        args.io = {x[r], w[r], y[r], g[r]};
+        for (int c = 0; c < calls; ++c) {
+          jo::Status status = jo::cuda::CudaCall(args);
+          if (!status.ok()) {
+            statuses[r] = status.ToString();
+            return;
+          }
+        }
+      });
+    for (auto& t : threads) t.join();
+  }
+  const bool drained = jo::fake::Drain();
+  nb::list ys, gs, st;
+  for (int r = 0; r < nranks; ++r) {
+    ys.append(nb::bytes(static_cast<const char*>(y[r]), y_elems * es));
+    gs.append(return_gathered ? nb::object(nb::bytes(static_cast<const char*>(g[r]), g_elems * es))
+                              : nb::none());
+    st.append(statuses[r].empty() ? nb::none() : nb::object(nb::str(statuses[r].c_str())));
+  }
+  nb::dict out;
+  out["ys"] = ys;
+  out["x_gathered"] = gs;
+  out["statuses"] = st;
+  out["drained"] = drained;
+  return out;
+}
+
+// The fake must fail loudly on what it does not model and on misuse, or the
+// executor tests prove nothing. Each check does one wrong thing through the
+// real API names and returns what the fake recorded ("" = not caught).
+std::map<std::string, std::string> MisuseChecks() {
+  std::map<std::string, std::string> out;
+  auto check = [&](const std::string& name, auto&& body) {
+    Reset(4, 9, true, std::nullopt, 1, 0);
+    cudaSetDevice(0);
+    body();
+    jo::fake::Drain();
+    const auto errors = jo::fake::Errors();
+    out[name] = errors.empty() ? "" : errors.front();
+  };
+  auto stream_on = [](int device) {
+    cudaSetDevice(device);
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    return s;
+  };
+  check("unmodeled cuBLASLt attribute", [] {
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    const int32_t epilogue = CUBLASLT_EPILOGUE_RELU;
+    cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue));
+  });
+  // A valid 4x4 f32 GEMM set-up, then one thing changed.
+  auto gemm = [&](int32_t order, int64_t ld_d, bool misalign, bool c_differs) {
+    cudaStream_t s = stream_on(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatrixLayout_t la, lb, lc, ldd;
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&ldd, CUDA_R_32F, 4, 4, ld_d);
+    cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_ORDER, &order, sizeof(order));
+    cublasLtMatmulPreference_t p = nullptr;
+    cublasLtMatmulPreferenceCreate(&p);
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, d, la, lb, lc, ldd, p, 1, &r, &found);
+    float* a = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    float* c = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    float* dst = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    const float one = 1.0f;
+    cublasLtMatmul(h, d, &one, misalign ? a + 1 : a, la, a, lb, &one, c_differs ? c : dst, lc, dst,
+                   ldd, &r.algo, nullptr, 0, s);
+  };
+  check("row-major layout", [&] { gemm(CUBLASLT_ORDER_ROW, 4, false, false); });
+  check("leading dim below rows", [&] { gemm(CUBLASLT_ORDER_COL, 2, false, false); });
+  check("misaligned pointer", [&] { gemm(CUBLASLT_ORDER_COL, 4, true, false); });
+  check("C != D with different layouts", [&] { gemm(CUBLASLT_ORDER_COL, 8, false, true); });
+  check("copy out of range", [&] {
+    cudaStream_t s = stream_on(0);
+    void* a = jo::fake::Malloc(0, 64);
+    void* b = jo::fake::Malloc(0, 64);
+    cudaMemcpyAsync(static_cast<char*>(b) + 32, a, 64, cudaMemcpyDefault, s);
+  });
+  check("peer copy without peer access", [&] {
+    cudaStream_t s = stream_on(0);
+    void* a = jo::fake::Malloc(0, 64);
+    void* b = jo::fake::Malloc(1, 64);
+    cudaMemcpyAsync(b, a, 64, cudaMemcpyDefault, s);
+  });
+  check("wait on an event never recorded", [&] {
+    cudaStream_t s = stream_on(0);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaStreamWaitEvent(s, e, 0);
+  });
+  check("flag never raised (deadlock)", [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    cudaStream_t s = stream_on(0);
+    void* flag = jo::fake::Malloc(0, 4);
+    if (drv != nullptr)
+      drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
+                               CU_STREAM_WAIT_VALUE_GEQ);
+  });
+  check("mismatched send/recv sizes", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    cudaStream_t s0 = stream_on(0), s1 = stream_on(1);
+    void* a = jo::fake::Malloc(0, 64);
+    void* b = jo::fake::Malloc(1, 64);
+    cudaSetDevice(0);
+    ncclSend(a, 16, ncclFloat32, 1, comms[0], s0);
+    cudaSetDevice(1);
+    ncclRecv(b, 8, ncclFloat32, 0, comms[1], s1);
+  });
+  check("multicast address outside a multimem kernel", [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    CUmulticastObjectProp prop{};
+    prop.numDevices = 1;
+    prop.size = size_t{2} << 20;
+    CUmemGenericAllocationHandle mc = 0;
+    drv->cuMulticastCreate(&mc, &prop);
+    CUdeviceptr va = 0;
+    drv->cuMemAddressReserve(&va, prop.size, 0, 0, 0);
+    drv->cuMemMap(va, prop.size, 0, mc, 0);
+    cudaStream_t s = stream_on(0);
+    void* a = jo::fake::Malloc(0, 64);
+    cudaMemcpyAsync(reinterpret_cast<void*>(va), a, 64, cudaMemcpyDefault, s);
+  });
+  Reset(8, 9, true, std::nullopt, 1, 0);
+  return out;
+}
+
+std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
+                                      std::vector<int64_t> devices, int64_t process_index,
+                                      int device) {
+  jo::cuda::RankTable table{axis_size, std::move(processes), std::move(devices)};
+  jo::cuda::Placement place;
+  jo::Status status = jo::cuda::Place(table, process_index, device, "ag_matmul", &place);
+  if (!status.ok()) return status.message();
+  return "rank " + std::to_string(place.rank) + " group " + std::to_string(place.group);
+}
+
+}  // namespace
+
+NB_MODULE(_cuda_fake, m) {
+  m.doc() = "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
+  m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9, nb::arg("multicast") = true,
+        nb::arg("peer") = nb::none(), nb::arg("seed") = 1, nb::arg("grace_ms") = 0,
+        "Forget every clique and fake object; configure the fake machine.");
+  m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
+        nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
+        nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
+        nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
+        nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000);
+  m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
+        nb::arg("process_index"), nb::arg("device"),
+        "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
+  m.def("misuse_checks", &MisuseChecks,
+        "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
+  m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");
+  m.def("pending_watches", &jo::cuda::PendingWatches, "Ranks with calls the watchdog still watches.");
+  m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
+  m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
+  m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");
+}

@@ -1,0 +1,163 @@
+// jaxoverlap._cuda: the CUDA executor's module.
+//
+// Exposes (1) the CUDA FFI handlers as capsules through registrations()
+// (registered for platform "CUDA" by jaxoverlap/_native.py), (2) what this
+// machine offers — capabilities() never fails: without a GPU or driver it
+// says so in its "error" field — and (3) build information. Importing it
+// needs neither a GPU nor a driver (static CUDA runtime, driver entry points
+// looked up on first use).
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "cuda/cuda_call.h"
+#include "cuda/driver.h"
+#include "cuda/ffi_handlers.h"
+#include "cuda/gemm.h"
+#include "cuda/kernels.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule Encapsulate(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "Encapsulate takes an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict out;
+  out["jaxoverlap_cuda_ag_matmul"] = Encapsulate(jo::cuda::AgMatmulHandler);
+  out["jaxoverlap_cuda_matmul_rs"] = Encapsulate(jo::cuda::MatmulRsHandler);
+  return out;
+}
+
+std::string Version(int v) {  // 12080 -> "12.8"
+  return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+}
+
+std::string NcclVersion() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
+  // NCCL_VERSION(X,Y,Z) = X*10000 + Y*100 + Z since 2.9.
+  return std::to_string(v / 10000) + "." + std::to_string(v % 10000 / 100) + "." +
+         std::to_string(v % 100);
+}
+
+std::string CublasVersion() {
+  const size_t v = jo::cuda::CublasLtVersion();  // MAJOR*10000 + MINOR*100 + PATCH
+  return std::to_string(v / 10000) + "." + std::to_string(v % 10000 / 100) + "." +
+         std::to_string(v % 100);
+}
+
+std::string CudaErrorText(cudaError_t code) {
+  (void)cudaGetLastError();
+  return std::string(cudaGetErrorName(code)) + ": " + cudaGetErrorString(code);
+}
+
+nb::dict BuildInfo() {
+  nb::dict info;
+  info["version"] = JO_VERSION;
+  info["cuda_toolkit"] = JO_CUDA_TOOLKIT_VERSION;
+  int runtime = 0;
+  info["cuda_runtime"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess ? Version(runtime) : "unknown";
+  info["cuda_runtime_linkage"] = "static";
+  info["nccl_headers"] = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
+                         std::to_string(NCCL_PATCH);
+  info["cublas_headers"] = std::to_string(CUBLAS_VER_MAJOR) + "." + std::to_string(CUBLAS_VER_MINOR) +
+                           "." + std::to_string(CUBLAS_VER_PATCH);
+  info["nvidia_wheels"] = JO_NVIDIA_WHEELS;
+  info["kernels"] = jo::cuda::KernelsDescription();
+  info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
+  info["transports"] = nb::make_tuple("nccl", "p2p", "multicast");
+  return info;
+}
+
+// What this machine offers; never raises. Keys: error (str or None),
+// driver / runtime / nccl / cublas versions, devices (list of dicts with
+// ordinal, name, compute capability, multicast), peer_access (matrix).
+nb::dict Capabilities() {
+  nb::dict caps;
+  caps["nccl"] = NcclVersion();
+  caps["cublas"] = CublasVersion();
+  int runtime = 0, driver = 0;
+  caps["cuda_runtime"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess ? Version(runtime) : "unknown";
+  const cudaError_t drv_code = cudaDriverGetVersion(&driver);
+  caps["cuda_driver"] = drv_code == cudaSuccess && driver > 0 ? nb::object(nb::str(Version(driver).c_str())) : nb::none();
+  caps["cuda_driver_int"] = driver;
+  caps["runtime_int"] = runtime;
+  nb::list devices, peers;
+  caps["devices"] = devices;
+  caps["peer_access"] = peers;
+  caps["driver_multicast_api"] = false;
+  int count = 0;
+  const cudaError_t code = cudaGetDeviceCount(&count);
+  if (code != cudaSuccess) {
+    caps["error"] = "no usable GPU: " + CudaErrorText(code);
+    return caps;
+  }
+  const jo::cuda::DriverApi* drv = nullptr;
+  jo::Status drv_status = jo::cuda::LoadDriver(&drv);
+  caps["driver_multicast_api"] = drv != nullptr && drv->has_multicast;
+  std::string errors;
+  if (!drv_status.ok()) errors += drv_status.message() + "; ";
+  for (int d = 0; d < count; ++d) {
+    nb::dict dev;
+    dev["ordinal"] = d;
+    cudaDeviceProp prop{};
+    const cudaError_t pc = cudaGetDeviceProperties(&prop, d);
+    if (pc != cudaSuccess) {
+      errors += "device " + std::to_string(d) + ": " + CudaErrorText(pc) + "; ";
+      dev["name"] = "unknown";
+      dev["compute_capability"] = nb::make_tuple(0, 0);
+    } else {
+      dev["name"] = std::string(prop.name);
+      dev["compute_capability"] = nb::make_tuple(prop.major, prop.minor);
+      dev["memory_bytes"] = static_cast<long long>(prop.totalGlobalMem);
+    }
+    int mc = 0;
+    if (drv != nullptr) {
+      CUdevice handle = 0;
+      if (drv->cuDeviceGet(&handle, d) != CUDA_SUCCESS ||
+          drv->cuDeviceGetAttribute(&mc, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, handle) != CUDA_SUCCESS)
+        mc = 0;
+    }
+    dev["multicast"] = mc != 0;
+    devices.append(dev);
+    nb::list row;
+    for (int e = 0; e < count; ++e) {
+      int can = 0;
+      if (e == d) {
+        can = 1;
+      } else if (cudaDeviceCanAccessPeer(&can, d, e) != cudaSuccess) {
+        (void)cudaGetLastError();
+        can = 0;
+      }
+      row.append(can != 0);
+    }
+    peers.append(row);
+  }
+  caps["error"] = errors.empty() ? nb::none() : nb::object(nb::str(errors.c_str()));
+  return caps;
+}
+
+}  // namespace
+
+NB_MODULE(_cuda, m) {
+  m.doc() = "jaxoverlap CUDA extension: CUDA executor and CUDA FFI handlers.";
+  m.attr("__version__") = JO_VERSION;
+  m.def("build_info", &BuildInfo, "What this extension was built with.");
+  m.def("registrations", &Registrations, "FFI target name -> handler capsule (platform CUDA).");
+  m.def("capabilities", &Capabilities,
+        "GPUs, driver/runtime/NCCL/cuBLAS versions, peer access, multicast (never raises).");
+  m.def("set_process_index", &jo::cuda::SetProcessIndex, nb::arg("index"),
+        "The process index the handlers find themselves with in the rank table.");
+  m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
+  m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Tests only: forget every clique.");
+}

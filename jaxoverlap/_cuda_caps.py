@@ -1,0 +1,176 @@
+"""The CUDA side of the native path: loading ``_cuda``, capabilities, transport choice.
+
+``_cuda`` links cuBLASLt and NCCL from the ``nvidia-*`` wheels (``nvidia-cublas``,
+``nvidia-nccl-cu13``). Its rpath points into site-packages, but an editable install
+or another layout breaks that, so the libraries are preloaded here with
+``RTLD_GLOBAL`` before the import (as ``_runtime.load_host`` does for the BLAS).
+Importing ``_cuda`` needs no GPU and no driver.
+
+Transport selection is a pure function of a capability table
+(:func:`choose_transport`) so that it is unit-tested with injected tables; the
+real table comes from :func:`capabilities` (``_cuda.capabilities()``: devices,
+compute capability, ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``, the peer-access
+matrix, driver/runtime/NCCL/cuBLAS versions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+# Order of preference for transport="auto" (DESIGN §3.2).
+AUTO_ORDER = ("multicast", "p2p", "nccl")
+# Multicast objects need the CUDA 12.1 driver API; our runtime is CUDA 13 (driver >= 580).
+MULTICAST_MIN_DRIVER = 12010
+
+
+def _preload(wheel_dirs: Sequence[str]) -> list[str]:
+    import nvidia  # namespace package of the nvidia-* wheels
+
+    loaded = []
+    wanted = [("nccl/lib", "libnccl.so")] + [(f"{d}/lib", "libcublasLt.so") for d in wheel_dirs]
+    for rel, prefix in wanted:
+        for root in nvidia.__path__:
+            lib_dir = os.path.join(root, rel)
+            if not os.path.isdir(lib_dir):
+                continue
+            for name in sorted(os.listdir(lib_dir)):
+                if name.startswith(prefix + "."):
+                    path = os.path.join(lib_dir, name)
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    loaded.append(path)
+                    break
+    return loaded
+
+
+@functools.cache
+def load_cuda() -> ModuleType:
+    """Returns ``jaxoverlap._cuda`` (ImportError when it was not built or cannot load)."""
+    try:
+        _preload(("cu13", "cublas", "cu12"))
+    except (ImportError, OSError) as e:
+        raise ImportError(
+            f"jaxoverlap._cuda needs NCCL and cuBLASLt from the nvidia-* wheels "
+            f"(pip install nvidia-nccl-cu13 nvidia-cublas): {e}") from e
+    from jaxoverlap import _cuda
+
+    return _cuda
+
+
+def cuda_error() -> str | None:
+    """Why ``load_cuda()`` fails, or None when it works."""
+    try:
+        load_cuda()
+    except ImportError as e:
+        return str(e) or "jaxoverlap._cuda is not built (build with nvcc, see docs/gpu.md)"
+    return None
+
+
+@functools.cache
+def capabilities() -> dict[str, Any]:
+    """This machine's GPU capability table (never raises; ``error`` says what is missing)."""
+    error = cuda_error()
+    if error is not None:
+        return {"error": error, "devices": [], "peer_access": []}
+    return dict(load_cuda().capabilities())
+
+
+def transport_reasons(caps: dict[str, Any], devices: Sequence[int]) -> dict[str, str | None]:
+    """For each transport, why it cannot serve a clique of local GPUs ``devices`` (None: it can)."""
+    reasons: dict[str, str | None] = {}
+    if caps.get("error") and not caps.get("devices"):
+        return {t: f"no usable GPU ({caps['error']})" for t in AUTO_ORDER}
+    known = {d["ordinal"]: d for d in caps.get("devices", [])}
+    missing = [d for d in devices if d not in known]
+    if missing:
+        return {t: f"GPU(s) {missing} not visible to this process" for t in AUTO_ORDER}
+    peer = caps.get("peer_access", [])
+    no_peer = [(a, b) for a in devices for b in devices
+               if a != b and not (a < len(peer) and b < len(peer[a]) and peer[a][b])]
+    p2p_reason = (None if not no_peer else
+                  f"no peer access between GPUs {no_peer[0][0]} and {no_peer[0][1]} "
+                  "(no NVLink/PCIe P2P path, or disabled)")
+    reasons["nccl"] = None
+    reasons["p2p"] = p2p_reason
+    old_sm = [d for d in devices if tuple(known[d]["compute_capability"]) < (9, 0)]
+    no_mc = [d for d in devices if not known[d].get("multicast")]
+    driver = int(caps.get("cuda_driver_int") or 0)
+    if not caps.get("driver_multicast_api", False) or driver < MULTICAST_MIN_DRIVER:
+        reasons["multicast"] = ("the driver lacks the multicast API (cuMulticastCreate needs a "
+                                "CUDA >= 12.1 driver)")
+    elif old_sm:
+        reasons["multicast"] = f"GPU(s) {old_sm} are older than sm_90 (multimem needs Hopper+)"
+    elif no_mc:
+        reasons["multicast"] = (f"GPU(s) {no_mc} report no CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED "
+                                "(needs NVSwitch with Fabric Manager running)")
+    elif p2p_reason is not None:
+        reasons["multicast"] = p2p_reason + " (flags live in peer memory)"
+    else:
+        reasons["multicast"] = None
+    if len(devices) == 1:
+        reasons = {t: None for t in AUTO_ORDER}  # nothing moves: every transport is trivially fine
+    return reasons
+
+
+def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: str = "auto") -> str:
+    """The transport to use for a clique of local GPUs ``devices``.
+
+    ``auto``: multicast, else p2p, else nccl. An explicit request that cannot be
+    honoured raises ``ValueError`` naming the reason and the alternatives.
+    """
+    reasons = transport_reasons(caps, devices)
+    if requested == "auto":
+        for transport in AUTO_ORDER:
+            if reasons[transport] is None:
+                return transport
+        raise ValueError(f"jaxoverlap: no GPU transport can run here: {reasons['nccl']}")
+    if requested not in reasons:
+        raise ValueError(
+            f"transport: expected one of auto, {', '.join(AUTO_ORDER)}; got {requested!r}")
+    if reasons[requested] is not None:
+        usable = [t for t in AUTO_ORDER if reasons[t] is None]
+        raise ValueError(
+            f"transport={requested!r} is not available on GPUs {list(devices)}: "
+            f"{reasons[requested]}. Available: {usable or 'none'} (or transport='auto')")
+    return requested
+
+
+def info() -> dict[str, Any]:
+    """The GPU section of ``jo.info()``."""
+    error = cuda_error()
+    if error is not None:
+        return {"cuda_extension": f"unavailable: {error}"}
+    cuda = load_cuda()
+    caps = capabilities()
+    out: dict[str, Any] = {
+        "cuda_extension": dict(cuda.build_info()),
+        "driver": caps.get("cuda_driver") or "none found",
+        "cuda_runtime": caps.get("cuda_runtime"),
+        "cublas": caps.get("cublas"),
+        "nccl": caps.get("nccl"),
+    }
+    devices = caps.get("devices", [])
+    if not devices:
+        out["gpus"] = f"none ({caps.get('error')})"
+        return out
+    out["gpus"] = {
+        str(d["ordinal"]): "{} sm_{}{}, multicast {}".format(
+            d["name"], *d["compute_capability"], "yes" if d.get("multicast") else "no")
+        for d in devices
+    }
+    out["peer_access"] = "\n" + "\n".join(
+        "      " + " ".join("x" if v else "." for v in row) for row in caps.get("peer_access", []))
+    ordinals = [d["ordinal"] for d in devices]
+    reasons = transport_reasons(caps, ordinals)
+    out["transports (all GPUs)"] = {
+        t: "yes" if r is None else f"no: {r}" for t, r in reasons.items()}
+    try:
+        out["auto picks"] = choose_transport(caps, ordinals)
+    except ValueError as e:
+        out["auto picks"] = f"nothing: {e}"
+    out["cliques"] = cuda.cliques() or "none yet"
+    return out

@@ -1,0 +1,279 @@
+"""The CUDA executor's host code, run in CI against the host-side fake.
+
+``_cuda_fake`` links the executor (everything but the device kernels) against
+cpp/cuda/fake: a model of exactly the CUDA runtime/driver, cuBLASLt and NCCL
+calls it makes (see fake_runtime.h). ``run`` drives ``CudaCall`` — the function
+the CUDA FFI handlers call — for every rank on its own host thread, then lets
+the fake "GPU" execute the queues in a seeded random interleaving. Results
+must match a float64 reference for every transport; the fake must have seen
+no misuse (out-of-range pointer, missing peer access, unmodeled cuBLASLt
+attribute, mismatched send/recv, deadlock, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+TOL = {"float32": dict(rtol=1e-5, atol=1e-4), "bfloat16": dict(rtol=2e-2, atol=3e-2),
+       "float16": dict(rtol=2e-2, atol=3e-2)}
+
+
+def _inputs(op, n, batch, rows, k, nw, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    np_dtype = DTYPES[dtype]
+    x_rows = rows if op == "ag_matmul" else rows * n
+    xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(np_dtype)
+          for _ in range(n)]
+    ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(np_dtype) for _ in range(n)]
+    return xs, ws
+
+
+def _reference(op, xs, ws, rows):
+    x64 = [x.astype(np.float64) for x in xs]
+    w64 = [w.astype(np.float64) for w in ws]
+    if op == "ag_matmul":
+        gathered = np.concatenate(x64, axis=1)
+        return [gathered @ w for w in w64], gathered
+    total = sum(x @ w for x, w in zip(x64, w64, strict=True))
+    return [total[:, r * rows:(r + 1) * rows] for r in range(len(xs))], None
+
+
+def run_case(fake, op, transport, n, *, batch=2, rows=3, k=8, nw=6, dtype="float32", chunks=1,
+             bidirectional=False, return_gathered=False, devices=None, calls=1, clique_key=7):
+    xs, ws = _inputs(op, n, batch, rows, k, nw, dtype)
+    devices = list(range(n)) if devices is None else devices
+    out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional,
+                   return_gathered, [x.tobytes() for x in xs], [w.tobytes() for w in ws],
+                   devices, clique_key=clique_key, calls=calls)
+    return out, xs, ws
+
+
+def check(fake, out, op, xs, ws, rows, dtype, return_gathered=False):
+    assert out["statuses"] == [None] * len(xs), out["statuses"]
+    assert out["drained"], fake.errors()
+    assert fake.errors() == []
+    refs, gathered = _reference(op, xs, ws, rows)
+    np_dtype = DTYPES[dtype]
+    for r, (y, ref) in enumerate(zip(out["ys"], refs, strict=True)):
+        got = np.frombuffer(y, np_dtype).reshape(ref.shape).astype(np.float64)
+        np.testing.assert_allclose(got, ref, **TOL[dtype], err_msg=f"rank {r}")
+    if return_gathered:
+        for g in out["x_gathered"]:
+            got = np.frombuffer(g, np_dtype).reshape(gathered.shape).astype(np.float64)
+            np.testing.assert_array_equal(got, gathered)
+
+
+CASES = [
+    # (n, batch, rows, k, nw, chunks, bidirectional)
+    (1, 1, 4, 8, 6, 1, False),
+    (2, 1, 4, 8, 6, 1, False),
+    (2, 3, 5, 6, 4, 2, False),
+    (3, 2, 3, 8, 6, 1, True),
+    (4, 2, 3, 8, 6, 2, False),
+    (4, 1, 6, 4, 10, 3, True),
+    (8, 2, 2, 8, 4, 2, True),
+]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}b{}r{}k{}n{}c{}{}".format(
+    *c[:6], "bi" if c[6] else ""))
+def test_every_transport_matches_reference(fake, op, transport, case):
+    n, batch, rows, k, nw, chunks, bidi = case
+    out, xs, ws = run_case(fake, op, transport, n, batch=batch, rows=rows, k=k, nw=nw,
+                           chunks=chunks, bidirectional=bidi)
+    check(fake, out, op, xs, ws, rows, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_half_dtypes(fake, op, transport, dtype):
+    out, xs, ws = run_case(fake, op, transport, 4, batch=2, rows=4, k=8, nw=6, dtype=dtype,
+                           chunks=2, bidirectional=True)
+    check(fake, out, op, xs, ws, 4, dtype)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+def test_return_gathered(fake, transport):
+    out, xs, ws = run_case(fake, "ag_matmul", transport, 4, chunks=2, return_gathered=True)
+    check(fake, out, "ag_matmul", xs, ws, 3, "float32", return_gathered=True)
+
+
+@pytest.mark.parametrize("seed", [2, 3, 4])
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+def test_other_interleavings_and_back_to_back_calls(fake, transport, seed):
+    """Five calls queued before the GPU runs any: epochs, parities, flags, events reused."""
+    fake.reset(seed=seed)
+    for op in ("ag_matmul", "matmul_rs"):
+        out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True, calls=5)
+        check(fake, out, op, xs, ws, 3, "float32")
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+def test_workspace_growth_keeps_old_buffers(fake, transport):
+    """A larger call on a live clique gets a new buffer generation; both shapes stay right."""
+    for rows in (2, 6, 3):
+        out, xs, ws = run_case(fake, "matmul_rs", transport, 4, rows=rows, chunks=2)
+        check(fake, out, "matmul_rs", xs, ws, rows, "float32")
+
+
+def test_devices_out_of_order_and_two_groups(fake):
+    """A rank table that is not 0..N-1 (a reversed mesh axis), and two cliques side by side."""
+    out, xs, ws = run_case(fake, "ag_matmul", "p2p", 4, devices=[3, 1, 2, 0], clique_key=11)
+    check(fake, out, "ag_matmul", xs, ws, 3, "float32")
+    out, xs, ws = run_case(fake, "ag_matmul", "nccl", 4, devices=[4, 5, 6, 7], clique_key=12)
+    check(fake, out, "ag_matmul", xs, ws, 3, "float32")
+
+
+def test_the_fake_was_really_used(fake):
+    run_case(fake, "ag_matmul", "nccl", 4, chunks=2)
+    nccl = fake.counters()
+    assert nccl["ncclCommInitAll"] == 1
+    assert nccl["ncclSend"] == nccl["ncclRecv"] > 0
+    assert nccl["cublasLtMatmul"] > 0
+    fake.reset()
+    run_case(fake, "matmul_rs", "p2p", 4, chunks=2)
+    p2p = fake.counters()
+    assert p2p["cuStreamWriteValue32"] > 0 and p2p["cuStreamWaitValue32"] > 0
+    assert p2p.get("cudaMemcpyAsync", 0) + p2p.get("cudaMemcpy2DAsync", 0) > 0
+    assert p2p["cudaDeviceEnablePeerAccess"] == 12  # 4 GPUs: every ordered pair once
+    fake.reset()
+    run_case(fake, "matmul_rs", "multicast", 4)
+    mc = fake.counters()
+    assert mc["cuMulticastCreate"] == 1 and mc["cuMulticastBindMem"] == 4
+    assert mc["McReduce"] > 0
+
+
+# ---------------------------------------------------------------- errors
+
+
+MISUSES = {
+    "unmodeled cuBLASLt attribute": "not modeled",
+    "row-major layout": "ORDER other than COL",
+    "leading dim below rows": "leading dimension smaller",
+    "misaligned pointer": "less aligned",
+    "C != D with different layouts": "out-of-place rule",
+    "copy out of range": "not inside one device allocation",
+    "peer copy without peer access": "without peer access enabled",
+    "wait on an event never recorded": "never recorded",
+    "flag never raised (deadlock)": "deadlock",
+    "mismatched send/recv sizes": "mismatched",
+    "multicast address outside a multimem kernel": "multicast address outside a multimem kernel",
+}
+
+
+def test_the_fake_fails_loudly_on_misuse(fake):
+    """Without this the executor tests would prove little: every misuse must be caught."""
+    caught = fake.misuse_checks()
+    assert set(caught) == set(MISUSES)
+    for name, keyword in MISUSES.items():
+        assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
+
+
+def test_p2p_without_peer_access_says_so(fake):
+    peer = [[a == b or {a, b} != {0, 1} for b in range(4)] for a in range(4)]
+    fake.reset(peer=peer)
+    out, *_ = run_case(fake, "ag_matmul", "p2p", 4)
+    status = next(s for s in out["statuses"] if s)
+    assert "peer access from GPU 0 to GPU 1" in status and "transport='nccl'" in status
+
+
+def test_multicast_needs_sm90(fake):
+    fake.reset(cc_major=8)
+    out, *_ = run_case(fake, "ag_matmul", "multicast", 2)
+    assert any(s and "sm_90" in s for s in out["statuses"]), out["statuses"]
+
+
+def test_multicast_needs_the_driver_api(fake):
+    fake.reset(multicast=False)
+    out, *_ = run_case(fake, "matmul_rs", "multicast", 2)
+    assert any(s and "cuMulticastCreate" in s for s in out["statuses"]), out["statuses"]
+
+
+def test_multicast_half_needs_even_width(fake):
+    out, *_ = run_case(fake, "ag_matmul", "multicast", 2, k=7, dtype="bfloat16")
+    assert any(s and "even row width" in s for s in out["statuses"]), out["statuses"]
+
+
+@pytest.mark.parametrize("processes,devices,process,device,expected", [
+    ([0, 0, 0, 0], [0, 1, 2, 3], 0, 2, "rank 2 group 0"),
+    ([0, 0, 0, 0], [3, 2, 1, 0], 0, 3, "rank 0 group 0"),
+    ([0, 0, 0, 0], [0, 1, 2, 3], 0, 5, "does not contain"),
+    ([0, 0, 0, 0], [0, 1, 1, 3], 0, 1, "twice"),
+    ([0, 0, 1, 1], [0, 1, 0, 1], 1, 1, "not yet"),
+])
+def test_rank_table_lookup(fake, processes, devices, process, device, expected):
+    got = fake.place(4, processes, devices, process, device)
+    assert expected in got
+
+
+def test_rank_table_groups(fake):
+    # mesh (dp=2, tp=2) along tp: groups [0, 1] and [2, 3].
+    assert fake.place(2, [0] * 4, [0, 1, 2, 3], 0, 3) == "rank 1 group 1"
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+def test_ranks_disagreeing_on_the_call(fake, transport):
+    """Rank 2 asks for other chunks: the later of the disagreeing ranks gets an error naming
+    both calls and the clique is broken (later calls fail fast). Peers that had already
+    enqueued the call wait on the "GPU" (a deadlock in the fake): no GPU-side timeout yet."""
+    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
+    args = ("ag_matmul", transport, 4, 1, 4, 8, 6, "float32", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    out = fake.run(*args, clique_key=5, skew_rank=2)
+    failed = [s for s in out["statuses"] if s]
+    assert failed and all("ranks disagree on call 1" in s for s in failed), out["statuses"]
+    assert "chunks=2" in failed[0] and "chunks=1" in failed[0]
+    assert not out["drained"] and "deadlock" in fake.errors()[-1]
+    again = fake.run(*args, clique_key=5)
+    assert all(s and "broken by an earlier failure" in s for s in again["statuses"])
+
+
+def test_rank_table_membership_errors_are_clean(fake):
+    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
+    out = fake.run("ag_matmul", "nccl", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], 3, 1)
+    assert all(s and "twice" in s for s in out["statuses"])
+
+
+def test_case_table_covers_every_op_kind(fake):
+    """The cases above exercise every op of the program IR at least once."""
+    from jaxoverlap import _runtime
+
+    host = _runtime.load_host()
+    kinds = set()
+    for op, transport, case in itertools.product(("ag_matmul", "matmul_rs"),
+                                                 ("nccl", "p2p", "multicast"), CASES):
+        n, batch, rows, k, nw, chunks, bidi = case
+        program = host.build_program(op, transport, n, 0, batch, rows, k, nw, "float32", chunks,
+                                     bidi, op == "ag_matmul")
+        kinds |= {o["kind"] for o in program["ops"]}
+    assert kinds >= {"Gemm", "Add", "Copy", "Send", "Recv", "McStore", "McReduce", "Signal",
+                     "Wait", "Record", "StreamWait"}, kinds
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_watchdog_turns_a_missing_peer_into_an_error(fake, op, transport):
+    """Rank 2 never makes the call: its peers' streams wait on the "GPU". The watchdog reports
+    who waits for what, releases the streams (no hang) and breaks the clique."""
+    fake.reset(grace_ms=10000)
+    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
+    args = (op, transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    out = fake.run(*args, clique_key=9, skip_rank=2, timeout_ms=200)
+    assert out["drained"], fake.errors()  # released: the process does not hang
+    assert fake.errors() == []
+    warning = fake.last_warning()
+    assert "not finished on GPU" in warning and "epoch 1" in warning, warning
+    assert ("inside NCCL" if transport == "nccl" else "waiting for flag") in warning, warning
+    again = fake.run(*args, clique_key=9)
+    assert all(s and "broken by an earlier failure" in s and "not finished" in s
+               for s in again["statuses"]), again["statuses"]

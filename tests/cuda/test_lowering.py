@@ -1,0 +1,92 @@
+"""The GPU lowering in _native, run on a CPU-only machine.
+
+JAX can lower for a platform it does not have (``lowering_platforms=("cuda",)``).
+With the platform probe and the capability table injected, the ops lower to the
+CUDA custom calls; the HLO must carry the rank table and the attributes the
+handler binds (names and element types), and no ``coords`` operand.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap as jo
+from jaxoverlap import _cuda_caps, _native
+
+from .test_caps import table
+
+
+@pytest.fixture()
+def gpu_lowering(monkeypatch, cuda):
+    monkeypatch.setattr(_native, "_call_platform", lambda mesh=None: "gpu")
+    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
+    devices = np.array(jax.devices()[:8]).reshape(2, 4)[:, ::-1]  # dp=2, tp=4, reversed tp
+    mesh = Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    x = jax.device_put(jnp.ones((8, 16, 32), jnp.bfloat16), NamedSharding(mesh, P("dp", "tp")))
+    w = jax.device_put(jnp.ones((32, 24), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
+    text = _lower(lambda a, b: jo.ag_matmul(a, b, "tp", axis=1, impl="native",
+                                            transport=transport, mesh=mesh), x, w)
+    call = next(line for line in text.splitlines() if "jaxoverlap_cuda_ag_matmul" in line)
+    assert "jaxoverlap_ag_matmul\"" not in text  # not the CPU target
+    # Operands x and w only (no coords): two tensor operands in the call's type signature.
+    signature = call.split(":")[-1]
+    assert signature.count("tensor<") == 3, call  # x, w -> y
+    ids = [d.id for d in np.moveaxis(devices, 1, -1).reshape(-1)]
+    # i64 arrays, the handler's Span<const int64_t> (the rank table in (group, rank) order).
+    assert f"devices = dense<[{', '.join(map(str, ids))}]> : tensor<8xi64>" in call, call
+    assert "processes = dense<0> : tensor<8xi64>" in call, call
+    assert f"transport = {('nccl', 'p2p', 'multicast').index(transport)} : i32" in call
+    for attr in ("axis = 1 : i64", "axis_size = 4 : i64", "chunks =", "timeout_ms =",
+                 "clique_key =", "bidirectional ="):
+        assert attr in call, (attr, call)
+
+
+def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    x = jax.device_put(jnp.ones((16, 32), jnp.float32), NamedSharding(mesh, P(None, "tp")))
+    w = jax.device_put(jnp.ones((32, 8), jnp.float32), NamedSharding(mesh, P("tp", None)))
+
+    def loss(a, b):
+        return jo.matmul_rs(a, b, "tp", impl="native", transport="p2p", mesh=mesh).sum()
+
+    text = _lower(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+    assert "jaxoverlap_cuda_matmul_rs" in text
+    assert "jaxoverlap_cuda_ag_matmul" in text  # the backward of matmul_rs is an ag_matmul
+
+
+def test_explicit_transport_the_gpus_lack_is_a_trace_time_error(monkeypatch, cuda):
+    monkeypatch.setattr(_native, "_call_platform", lambda mesh=None: "gpu")
+    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8, multicast=False))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    x = jnp.ones((16, 32), jnp.float32)
+    w = jnp.ones((32, 8), jnp.float32)
+    with pytest.raises(ValueError, match="Fabric Manager"):
+        _lower(lambda a, b: jo.ag_matmul(a, b, "tp", impl="native", transport="multicast",
+                                         mesh=mesh), x, w)
+
+
+def test_without_a_concrete_mesh_the_error_says_what_to_do(monkeypatch, cuda):
+    monkeypatch.setattr(_native, "_call_platform", lambda mesh=None: "gpu")
+    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+
+    def local(a, b):
+        return jo.ag_matmul(a, b, "tp", impl="native", transport="nccl")
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                       out_specs=P(None, "tp"))
+    with pytest.raises(ValueError, match="needs the concrete mesh"):
+        _lower(fn, jnp.ones((16, 32)), jnp.ones((32, 8)))
