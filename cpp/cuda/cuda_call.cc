@@ -1,9 +1,12 @@
 #include "cuda/cuda_call.h"
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
+#include <vector>
 
 #include "core/build.h"
 #include "core/clique.h"
@@ -166,6 +169,17 @@ std::string DescribeCudaCliques() {
   return out;
 }
 
-void ResetCudaCliques() { Registry().Clear(); }
+void ResetCudaCliques() {
+  // The watchdog may hold a clique for a moment while it polls; wait (bounded)
+  // until every clique is really gone, so its buffers are freed before the
+  // caller (the fake's reset) forgets the allocations they came from.
+  std::vector<std::weak_ptr<Clique>> gone;
+  for (const auto& clique : Registry().List()) gone.push_back(clique);
+  Registry().Clear();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (const auto& weak : gone)
+    while (!weak.expired() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
 
 }  // namespace jo::cuda
