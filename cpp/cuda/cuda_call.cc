@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/build.h"
+#include "core/call.h"
 #include "core/clique.h"
 #include "core/log.h"
 #include "cuda/cuda_clique.h"
@@ -22,26 +23,6 @@ std::atomic<int64_t> g_process_index{0};
 CliqueRegistry& Registry() {
   static auto* registry = new CliqueRegistry();  // outlives static destructors: handlers may run late
   return *registry;
-}
-
-void LogPlanOnce(const Program& program, const CliqueKey& key) {
-  if (CurrentLogLevel() < LogLevel::kDebug || program.problem.rank != 0) return;
-  static std::mutex mu;
-  static std::set<std::string> seen;
-  const std::string summary = CliqueName(key) + " " + Summary(program);
-  std::lock_guard<std::mutex> lock(mu);
-  if (!seen.insert(summary).second) return;
-  JO_DEBUG("plan (cuda): " + CliqueName(key) + "\n" + ToString(program));
-}
-
-// The call as every rank of the clique must see it (everything but the
-// rank); the same text as the host executor's check (host_call.cc).
-std::string Signature(const Problem& q) {
-  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) + " n=" +
-         std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
-         std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" + std::to_string(q.n) + " " +
-         DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
-         (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
 }
 
 }  // namespace
@@ -121,7 +102,7 @@ Status CudaCall(const CudaCallArgs& args) {
   auto* cuda = static_cast<CudaClique*>(clique.get());
   if (cuda->transport() != q.transport || cuda->devices() != place.clique_devices)
     return Internal(site.Describe() + ": clique key collision (transport or devices differ)");
-  LogPlanOnce(program, key);
+  LogPlanOnce(program, key, "cuda");
 
   RunArgs run;
   run.program = &program;
@@ -130,7 +111,7 @@ Status CudaCall(const CudaCallArgs& args) {
   run.epoch = clique->NextEpoch(q.rank);
   run.io = args.io;
   run.site = site;
-  Status status = cuda->Prepare(program, run.epoch, Signature(q), site, &run.gen, &run.resources,
+  Status status = cuda->Prepare(program, run.epoch, CallSignature(q), site, &run.gen, &run.resources,
                                 &run.comm);
   if (status.ok()) status = EnqueueProgram(run);
   if (status.ok()) {

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "host/host_call.h"
+#include "ffi/ffi_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -40,36 +41,10 @@ namespace {
 
 const XLA_FFI_TypeInfo kCallSiteTypeInfo = ffi::MakeTypeInfo<CallSite>();
 
-std::string Dims(ffi::Span<const int64_t> dims) {
-  std::string out = "[";
-  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
-  return out + "]";
-}
-
-ffi::Error Invalid(const char* op, const std::string& text) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + text);
-}
-
-ffi::Error ToFfi(const Status& status) {
-  switch (status.code()) {
-    case Code::kOk: return ffi::Error::Success();
-    case Code::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message());
-    case Code::kTimeout: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message());
-    case Code::kAborted: return ffi::Error(ffi::ErrorCode::kAborted, status.message());
-    case Code::kResource: return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message());
-    case Code::kInternal: break;
-  }
-  return ffi::Error::Internal(status.message());
-}
-
-std::optional<DType> ToDType(ffi::DataType type) {
-  switch (type) {
-    case ffi::DataType::F32: return DType::kF32;
-    case ffi::DataType::BF16: return DType::kBF16;
-    case ffi::DataType::F16: return DType::kF16;
-    default: return std::nullopt;
-  }
-}
+using ffi_common::Dims;
+using ffi_common::Invalid;
+using ffi_common::ToDType;
+using ffi_common::ToFfi;
 
 struct Attrs {
   int64_t clique_key, axis, axis_size;

@@ -5,9 +5,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 
 #include "core/build.h"
+#include "core/call.h"
 #include "core/clique.h"
 #include "core/log.h"
 #include "host/heap_workspace.h"
@@ -38,25 +38,6 @@ bool ConsumeSkip(int32_t rank) {
   return true;
 }
 
-// JAXOVERLAP_LOG=debug: print each distinct plan once (rank 0 prints it).
-void LogPlanOnce(const Program& program, const CliqueKey& key) {
-  if (CurrentLogLevel() < LogLevel::kDebug || program.problem.rank != 0) return;
-  static std::mutex mu;
-  static std::set<std::string> seen;
-  const std::string summary = CliqueName(key) + " " + Summary(program);
-  std::lock_guard<std::mutex> lock(mu);
-  if (!seen.insert(summary).second) return;
-  JO_DEBUG("plan: " + CliqueName(key) + "\n" + ToString(program));
-}
-
-// The call as every rank of the clique must see it (everything but the rank).
-std::string Signature(const Problem& q) {
-  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) + " n=" +
-         std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
-         std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" + std::to_string(q.n) + " " +
-         DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
-         (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
-}
 
 // What a call needs per rank: the maximum over the programs of ALL ranks, so
 // that every rank of a clique decides the same way whether the call needs a
@@ -190,7 +171,7 @@ Status Begin(const CallArgs& args, PendingCall* call) {
       return std::make_unique<LocalClique>(key, q.nranks, Allocator());
     }, &call->clique));
   }
-  LogPlanOnce(call->program, key);
+  LogPlanOnce(call->program, key, "host");
   call->epoch = call->clique->NextEpoch(q.rank);
   return OkStatus();
 }
@@ -210,7 +191,7 @@ Status Finish(const PendingCall& call) {
     ~Release() { clique->ReleaseRank(rank); }
   } release{host, q.rank};
   ctx.timeout = std::chrono::milliseconds(call.args.timeout_ms);
-  const std::string signature = Signature(q);
+  const std::string signature = CallSignature(q);
   CallNeeds needs;
   JO_CHECK(NeedsOf(q, signature, &needs));
   JO_CHECK(host->Prepare(ctx, signature, needs));
