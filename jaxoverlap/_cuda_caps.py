@@ -116,13 +116,21 @@ def transport_reasons(caps: dict[str, Any], devices: Sequence[int]) -> dict[str,
     return reasons
 
 
-def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: str = "auto") -> str:
+def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: str = "auto", *,
+                     across_processes: bool = False) -> str:
     """The transport to use for a clique of local GPUs ``devices``.
 
     ``auto``: multicast, else p2p, else nccl. An explicit request that cannot be
     honoured raises ``ValueError`` naming the reason and the alternatives.
+    ``across_processes``: the clique has ranks in other processes (``devices`` are this
+    process's); only nccl runs across processes so far (docs/gpu.md §"One process per GPU").
     """
     reasons = transport_reasons(caps, devices)
+    if across_processes:
+        for transport in ("multicast", "p2p"):
+            reasons[transport] = (
+                "not yet across processes: it needs CUDA IPC / multicast handles of the "
+                "buffers exchanged between processes, which jaxoverlap does not do yet")
     if requested == "auto":
         for transport in AUTO_ORDER:
             if reasons[transport] is None:

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -11,6 +12,7 @@
 #include "core/build.h"
 #include "core/clique.h"
 #include "core/log.h"
+#include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_clique.h"
 #include "cuda/watchdog.h"
 
@@ -19,9 +21,27 @@ namespace {
 
 std::atomic<int64_t> g_process_index{0};
 
-CliqueRegistry& Registry() {
-  static auto* registry = new CliqueRegistry();  // outlives static destructors: handlers may run late
-  return *registry;
+// One registry per process index: a real process only ever uses its own;
+// the host-side fake test plays several processes in one (cliques spanning
+// them must then be distinct objects, as they are in distinct processes).
+std::mutex g_registries_mu;
+std::map<int64_t, CliqueRegistry*>& Registries() {
+  static auto* registries = new std::map<int64_t, CliqueRegistry*>();  // outlives static destructors
+  return *registries;
+}
+
+CliqueRegistry& Registry(int64_t process) {
+  std::lock_guard<std::mutex> lock(g_registries_mu);
+  CliqueRegistry*& r = Registries()[process];
+  if (r == nullptr) r = new CliqueRegistry();  // never freed: handlers may run late
+  return *r;
+}
+
+std::vector<CliqueRegistry*> AllRegistries() {
+  std::lock_guard<std::mutex> lock(g_registries_mu);
+  std::vector<CliqueRegistry*> out;
+  for (auto& [process, r] : Registries()) out.push_back(r);
+  return out;
 }
 
 void LogPlanOnce(const Program& program, const CliqueKey& key) {
@@ -73,15 +93,12 @@ Status Place(const RankTable& t, int64_t process_index, int device_ordinal, cons
   out->group = found / t.axis_size;
   out->rank = static_cast<int32_t>(found % t.axis_size);
   out->clique_devices.clear();
+  out->remote_process = -1;
   for (int64_t r = 0; r < t.axis_size; ++r) {
     const size_t i = static_cast<size_t>(out->group * t.axis_size + r);
-    if (t.processes[i] != process_index)
-      return Status(Code::kInvalidArgument,
-                    who + "not yet: this clique spans processes (rank " + std::to_string(r) +
-                        " is in process " + std::to_string(t.processes[i]) +
-                        "); multi-process GPU cliques arrive with the multi-process issue. "
-                        "Use impl='xla' or 'ring', or one process driving all GPUs of the axis");
-    out->clique_devices.push_back(static_cast<int>(t.devices[i]));
+    const bool here = t.processes[i] == process_index;
+    if (!here && out->remote_process < 0) out->remote_process = t.processes[i];
+    out->clique_devices.push_back(here ? static_cast<int>(t.devices[i]) : -1);
   }
   return OkStatus();
 }
@@ -101,6 +118,21 @@ Status CudaCall(const CudaCallArgs& args) {
   const CliqueKey key{args.clique_key, place.group};
   site.clique = CliqueName(key);
 
+  // Cliques spanning processes: nccl only, with the id exchanged at trace time.
+  ncclUniqueId nccl_id{};
+  const bool spans = place.remote_process >= 0;
+  if (spans && q.transport != Transport::kNccl)
+    return Status(Code::kInvalidArgument,
+                  site.Describe() + ": not yet: transport " + TransportName(q.transport) +
+                      " across processes (this clique has a rank in process " +
+                      std::to_string(place.remote_process) +
+                      "); it needs CUDA IPC / multicast handles of the buffers exchanged between "
+                      "processes, which jaxoverlap does not do yet. Use transport='nccl' (or "
+                      "'auto', which picks it for cliques spanning processes)");
+  if (spans)
+    JO_CHECK(FindNcclId(args.clique_key, place.group, args.process_index, site.Describe(),
+                        &nccl_id));
+
   // Never under CUDA-graph capture: NCCL set-up, buffer growth and event
   // bookkeeping here are not capturable (the handlers are not declared
   // command-buffer compatible, so XLA should never try).
@@ -115,8 +147,9 @@ Status CudaCall(const CudaCallArgs& args) {
   Program program;
   JO_CHECK(BuildProgram(q, &program));
   std::shared_ptr<Clique> clique;
-  JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&] {
-    return std::make_unique<CudaClique>(key, q.transport, place.clique_devices);
+  JO_CHECK(Registry(args.process_index).GetOrCreate(key, q.nranks, [&] {
+    return std::make_unique<CudaClique>(key, q.transport, place.clique_devices,
+                                        spans ? &nccl_id : nullptr);
   }, &clique));
   auto* cuda = static_cast<CudaClique*>(clique.get());
   if (cuda->transport() != q.transport || cuda->devices() != place.clique_devices)
@@ -164,8 +197,9 @@ Status CudaCall(const CudaCallArgs& args) {
 
 std::string DescribeCudaCliques() {
   std::string out;
-  for (const auto& clique : Registry().List())
-    out += static_cast<CudaClique*>(clique.get())->Describe() + "\n";
+  for (CliqueRegistry* registry : AllRegistries())
+    for (const auto& clique : registry->List())
+      out += static_cast<CudaClique*>(clique.get())->Describe() + "\n";
   return out;
 }
 
@@ -174,8 +208,10 @@ void ResetCudaCliques() {
   // until every clique is really gone, so its buffers are freed before the
   // caller (the fake's reset) forgets the allocations they came from.
   std::vector<std::weak_ptr<Clique>> gone;
-  for (const auto& clique : Registry().List()) gone.push_back(clique);
-  Registry().Clear();
+  for (CliqueRegistry* registry : AllRegistries()) {
+    for (const auto& clique : registry->List()) gone.push_back(clique);
+    registry->Clear();
+  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   for (const auto& weak : gone)
     while (!weak.expired() && std::chrono::steady_clock::now() < deadline)

@@ -83,6 +83,7 @@ CUdeviceptr Generation::Flag(int32_t rank, int64_t epoch, int32_t id) const {
 }
 
 RankResources::~RankResources() {
+  if (device < 0) return;  // a rank of another process: nothing here
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return;
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
@@ -124,9 +125,13 @@ Status RankResources::Reserve(const Program& p, const CallSite& site) {
   return OkStatus();
 }
 
-CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devices)
+CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
+                       const ncclUniqueId* nccl_id)
     : Clique(key, static_cast<int32_t>(devices.size())), transport_(transport),
-      devices_(std::move(devices)) {
+      devices_(std::move(devices)),
+      local_ranks_(static_cast<int32_t>(
+          std::count_if(devices_.begin(), devices_.end(), [](int d) { return d >= 0; }))) {
+  if (nccl_id != nullptr) nccl_id_ = *nccl_id;
   for (int device : devices_) {
     ranks_.push_back(std::make_unique<RankResources>());
     ranks_.back()->device = device;
@@ -136,7 +141,7 @@ CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devi
 CudaClique::~CudaClique() {
   // Work still queued may use these buffers; wait for it (best effort).
   for (int device : devices_) {
-    if (cudaSetDevice(device) == cudaSuccess) (void)cudaDeviceSynchronize();
+    if (device >= 0 && cudaSetDevice(device) == cudaSuccess) (void)cudaDeviceSynchronize();
   }
   for (ncclComm_t comm : comms_)
     if (comm != nullptr) (void)ncclCommDestroy(comm);
@@ -172,6 +177,37 @@ Status CudaClique::CreateComms(const CallSite& site) {
   if (!comms_.empty()) return OkStatus();
   DeviceGuard guard;
   std::vector<ncclComm_t> comms(devices_.size(), nullptr);
+  if (spans_processes()) {
+    // One ncclCommInitRank per local rank, in one group (NCCL requires the
+    // group when one thread initialises several ranks). It returns once every
+    // process's ranks have joined: NCCL's own bootstrap, bounded by NCCL's
+    // timeouts, not ours; peers reach it at their first execution too.
+    JO_NCCL_CHECK(&site, ncclGroupStart());
+    Status status = OkStatus();
+    for (size_t r = 0; r < devices_.size() && status.ok(); ++r) {
+      if (devices_[r] < 0) continue;
+      const cudaError_t set = cudaSetDevice(devices_[r]);
+      if (set != cudaSuccess) {
+        status = CudaFailure(set, "cudaSetDevice", &site);
+        break;
+      }
+      const ncclResult_t code = ncclCommInitRank(&comms[r], static_cast<int>(devices_.size()),
+                                                 nccl_id_, static_cast<int>(r));
+      if (code != ncclSuccess) status = NcclFailure(code, "ncclCommInitRank", &site);
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (status.ok() && end != ncclSuccess) status = NcclFailure(end, "ncclGroupEnd", &site);
+    if (!status.ok()) {
+      for (ncclComm_t c : comms)
+        if (c != nullptr) (void)ncclCommAbort(c);
+      return status;
+    }
+    comms_ = std::move(comms);
+    JO_INFO(site.Describe() + ": NCCL communicators created for " +
+            std::to_string(local_ranks_) + " of " + std::to_string(devices_.size()) +
+            " ranks (the others in other processes)");
+    return OkStatus();
+  }
   JO_NCCL_CHECK(&site, ncclCommInitAll(comms.data(), static_cast<int>(devices_.size()),
                                        devices_.data()));
   comms_ = std::move(comms);
@@ -260,6 +296,11 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   gen->num_flags = num_flags;
   for (size_t r = 0; r < devices_.size(); ++r) {
     RankResources& res = *ranks_[r];
+    if (res.device < 0) {  // another process's rank: its buffers are there
+      gen->flags.push_back(nullptr);
+      if (transport_ != Transport::kMulticast) gen->workspace.push_back(nullptr);
+      continue;
+    }
     JO_CUDA_CHECK(&site, cudaSetDevice(res.device));
     if (res.setup == nullptr)
       JO_CUDA_CHECK(&site, cudaStreamCreateWithFlags(&res.setup, cudaStreamNonBlocking));
@@ -315,7 +356,12 @@ Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::str
     broken_ = status.message();
     return status;
   }
-  if (++seen.second == nranks()) signatures_.erase(epoch);
+  // Only this process's ranks check in here (ranks of other processes agree
+  // through NCCL's matching, or hang there until the watchdog fires).
+  if (++seen.second == local_ranks_) signatures_.erase(epoch);
+  if (spans_processes() && transport_ != Transport::kNccl)
+    return Internal(site.Describe() + ": a clique spanning processes with transport " +
+                    TransportName(transport_) + " (CudaCall should have refused it)");
   if (transport_ != Transport::kNccl && nranks() > 1) JO_CHECK(EnablePeerAccess(site));
   if (transport_ == Transport::kNccl && nranks() > 1) JO_CHECK(CreateComms(site));
   // The newest generation valid at this epoch (see the header).
@@ -345,8 +391,11 @@ Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::str
 std::string CudaClique::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out = name() + ": " + TransportName(transport_) + ", GPUs [";
-  for (size_t i = 0; i < devices_.size(); ++i) out += (i ? "," : "") + std::to_string(devices_[i]);
-  out += "], epoch " + std::to_string(Epoch(0));
+  for (size_t i = 0; i < devices_.size(); ++i)
+    out += (i ? "," : "") + (devices_[i] < 0 ? std::string("remote") : std::to_string(devices_[i]));
+  int32_t first_local = 0;
+  while (first_local < nranks() && devices_[first_local] < 0) ++first_local;
+  out += "], epoch " + std::to_string(Epoch(first_local < nranks() ? first_local : 0));
   if (!broken_.empty()) out += ", BROKEN: " + broken_;
   if (!generations_.empty())
     out += ", workspace 2 x " + std::to_string(generations_.back()->workspace_bytes) +

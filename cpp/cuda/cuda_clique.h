@@ -10,9 +10,13 @@
 //     capturing stream);
 //   * flags (uint32, cudaMalloc) and the symmetric workspace: cudaMalloc for
 //     p2p, cuMemCreate + cuMulticastCreate/AddDevice/BindMem for multicast.
-// One process per GPU (cliques spanning processes) needs NCCL ids and CUDA
-// IPC / multicast handles exchanged through jax.distributed: not yet — that
-// arrives with the multi-process issue, and Prepare says so.
+// Cliques spanning processes (one process per GPU): each process holds the
+// ranks whose GPUs it drives (devices() is -1 for the others) and creates
+// resources for those only. Transport nccl: every process calls
+// ncclCommInitRank for its ranks (in one NCCL group) with the clique's
+// ncclUniqueId, exchanged through jax.distributed at trace time
+// (cuda_bootstrap.h). p2p and multicast across processes need CUDA IPC /
+// multicast handles of the buffers: not yet (CudaCall refuses them).
 //
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
@@ -107,11 +111,15 @@ struct RankResources {
 
 class CudaClique : public Clique {
  public:
-  CudaClique(CliqueKey key, Transport transport, std::vector<int> devices);
+  // `devices`: the local ordinal of each rank, -1 for a rank of another
+  // process; then `nccl_id` is the clique's ncclUniqueId (transport nccl).
+  CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
+             const ncclUniqueId* nccl_id = nullptr);
   ~CudaClique() override;
 
   Transport transport() const { return transport_; }
   const std::vector<int>& devices() const { return devices_; }
+  bool spans_processes() const { return local_ranks_ != nranks(); }
 
   // Start of call `epoch` of `rank`: creates what the transport needs (once)
   // and a buffer generation big enough for `program`. Returns the generation
@@ -139,7 +147,9 @@ class CudaClique : public Clique {
   Status AllocMulticast(Generation* gen, const CallSite& site);
 
   const Transport transport_;
-  const std::vector<int> devices_;  // local ordinal of each rank
+  const std::vector<int> devices_;  // local ordinal of each rank (-1: another process's)
+  const int32_t local_ranks_;       // ranks of this process
+  ncclUniqueId nccl_id_{};          // spanning cliques, transport nccl
   mutable std::mutex mu_;
   bool peers_enabled_ = false;
   std::vector<ncclComm_t> comms_;

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "python/cuda_bootstrap_bindings.h"
 #include "cuda/cuda_call.h"
 #include "cuda/driver.h"
 #include "cuda/watchdog.h"
@@ -42,6 +43,7 @@ jo::Transport ParseTransport(const std::string& s) {
 void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms) {
   jo::cuda::ResetCudaCliques();
+  jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
   jo::fake::Config config;
   config.devices = devices;
@@ -59,12 +61,14 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
              bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
-             int calls, int skew_rank, int skip_rank, int64_t timeout_ms) {
+             int calls, int skew_rank, int skip_rank, int64_t timeout_ms,
+             std::optional<std::vector<int64_t>> processes) {
   const bool ag = op == "ag_matmul";
   if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
-      static_cast<int>(devices.size()) != nranks)
-    throw nb::value_error("xs, ws and devices need one entry per rank");
+      static_cast<int>(devices.size()) != nranks ||
+      (processes && static_cast<int>(processes->size()) != nranks))
+    throw nb::value_error("xs, ws, devices and processes need one entry per rank");
   jo::Problem q;
   q.op = ag ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
   q.transport = ParseTransport(transport);
@@ -121,8 +125,15 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         args.clique_key = clique_key;
         args.table.axis_size = nranks;
         args.table.devices = devices;
-        args.table.processes.assign(devices.size(), 0);
-        args.process_index = 0;
+        // processes: which (played) process each rank belongs to; a clique
+        // spanning them is one clique object per process, as in real life.
+        if (processes) {
+          args.table.processes = *processes;
+          args.process_index = (*processes)[r];
+        } else {
+          args.table.processes.assign(devices.size(), 0);
+          args.process_index = 0;
+        }
         args.device = dev;
         args.stream = xla;
         args.io = {x[r], w[r], y[r], g[r]};
@@ -286,7 +297,8 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
         nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
-        nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000);
+        nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
+        nb::arg("processes") = nb::none());
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
@@ -297,4 +309,6 @@ NB_MODULE(_cuda_fake, m) {
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");
+  m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
+  jo::python::BindCudaBootstrap(m);
 }

@@ -12,6 +12,7 @@
 #include <thread>
 #include <cstdlib>
 #include <cstring>
+#include <unistd.h>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -114,6 +115,9 @@ struct State {
   CUmemGenericAllocationHandle next_handle = 1;
   std::vector<std::unique_ptr<ncclComm>> comms;
   int next_clique = 0;
+  // ncclCommInitRank: the clique each unique id names, and its ranks so far.
+  std::map<std::string, std::pair<int, std::set<int>>> id_cliques;
+  uint64_t next_unique_id = 1;
   std::map<std::tuple<int, int, int>, std::deque<std::shared_ptr<Message>>> channels;
   std::map<cublasLtMatmulDesc_t, Desc> descs;
   std::map<cublasLtMatrixLayout_t, Layout> layouts;
@@ -410,6 +414,7 @@ void Reset(const Config& config) {
   s.phys.clear();
   s.mcs.clear();
   s.comms.clear();
+  s.id_cliques.clear();
   s.channels.clear();
   s.descs.clear();
   s.layouts.clear();
@@ -763,6 +768,55 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
     comms[r] = c.get();
     S().comms.push_back(std::move(c));
   }
+  return ncclSuccess;
+}
+
+// ncclGetUniqueId: distinct bytes per call and per OS process (pid, counter).
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  Lock lock(S().mu);
+  Count("ncclGetUniqueId");
+  std::memset(id->internal, 0, sizeof(id->internal));
+  const std::string text = "fake-nccl-id pid=" + std::to_string(::getpid()) + " n=" +
+                           std::to_string(S().next_unique_id++);
+  std::memcpy(id->internal, text.data(), std::min(text.size(), sizeof(id->internal)));
+  return ncclSuccess;
+}
+
+// ncclCommInitRank: ranks giving the same id join one clique (the fake's
+// NCCL world is this process, so "other processes" are other callers here).
+// Each rank joins once; nranks must agree. Unlike NCCL it does not block
+// until every rank has joined: the fake's send/recv rendezvous in Drain()
+// is what would hang on a missing rank.
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  Lock lock(S().mu);
+  Count("ncclCommInitRank");
+  if (nranks < 1 || rank < 0 || rank >= nranks || !jo::fake::ValidDevice(t_device)) {
+    Fail("ncclCommInitRank: bad nranks/rank/current device");
+    return ncclInvalidArgument;
+  }
+  const std::string key(id.internal, sizeof(id.internal));
+  if (key.rfind("fake-nccl-id", 0) != 0) {
+    Fail("ncclCommInitRank: the id was not made by ncclGetUniqueId");
+    return ncclInvalidArgument;
+  }
+  auto [it, fresh] = S().id_cliques.try_emplace(key, S().next_clique, std::set<int>{});
+  if (fresh) ++S().next_clique;
+  if (!it->second.second.insert(rank).second) {
+    Fail("ncclCommInitRank: rank " + std::to_string(rank) + " joined this id twice");
+    return ncclInvalidUsage;
+  }
+  auto c = std::make_unique<ncclComm>();
+  c->clique = it->second.first;
+  c->rank = rank;
+  c->nranks = nranks;
+  c->device = t_device;
+  for (const auto& other : S().comms)
+    if (other->clique == c->clique && other->nranks != nranks) {
+      Fail("ncclCommInitRank: ranks of one id disagree on nranks");
+      return ncclInvalidUsage;
+    }
+  *comm = c.get();
+  S().comms.push_back(std::move(c));
   return ncclSuccess;
 }
 

@@ -1,0 +1,42 @@
+// Multi-process GPU cliques: what a process learns about a clique at trace
+// time, before the first execution needs it.
+//
+// A clique whose ranks live in different processes (one process per GPU,
+// SLURM style) cannot make its NCCL communicators with ncclCommInitAll: every
+// process calls ncclCommInitRank for its own ranks with one ncclUniqueId,
+// made by the process of rank 0. That id travels through the jax.distributed
+// key-value store at trace time (jaxoverlap/_native.py -> _bootstrap.py
+// broadcast_bytes), and lands here, keyed by (clique key, group, process),
+// until CudaCall creates the clique at its first execution. The process is
+// part of the key only so that the host-side fake test can play several
+// processes in one; in a real process it is always jax.process_index().
+//
+// What works across processes: transport nccl. p2p and multicast need CUDA
+// IPC / multicast handles of per-call buffers, which are not exchanged yet;
+// CudaCall refuses them with a "not yet" error naming the alternative.
+#pragma once
+
+#include <nccl.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/status.h"
+
+namespace jo::cuda {
+
+// ncclGetUniqueId, as bytes (NCCL_UNIQUE_ID_BYTES).
+Status NewNcclUniqueId(std::string* out);
+
+// Remembers the id of clique (clique_key, group) for `process`; a second id
+// for the same clique replaces the first only if no clique was created from it.
+Status RegisterNcclId(int64_t clique_key, int64_t group, int64_t process, const std::string& id);
+
+// The registered id, or an error saying that this process never traced the call.
+Status FindNcclId(int64_t clique_key, int64_t group, int64_t process, const std::string& who,
+                  ncclUniqueId* out);
+
+// Tests only: forgets every id.
+void ForgetNcclIds();
+
+}  // namespace jo::cuda
