@@ -234,7 +234,7 @@ _gpu_bootstrapped: set[tuple[int, int, int]] = set()
 
 
 def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: int,
-                          timeout_s: float) -> list[int]:
+                          timeout_s: float) -> dict[int, bytes]:
     """Trace time, cliques spanning processes: the NCCL unique id of every clique with a rank here.
 
     The process of each clique's rank 0 makes the id (``cuda.nccl_unique_id()``); it travels
@@ -242,10 +242,10 @@ def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: in
     after ``timeout_s``) and is registered with ``cuda.set_nccl_id`` for the handler to find at
     the first execution, where every process calls ``ncclCommInitRank`` for its ranks. Once per
     clique per process (every process traces the same programs, so all skip alike). ``cuda`` is
-    ``_cuda``, or ``_cuda_fake`` in tests. Returns the groups bootstrapped now.
+    ``_cuda``, or ``_cuda_fake`` in tests. Returns group -> id for the cliques bootstrapped now.
     """
     me = jax.process_index()
-    done = []
+    done: dict[int, bytes] = {}
     for group, ranks in enumerate(np.asarray(processes).reshape(-1, axis_size)):
         table = [int(p) for p in ranks]
         if me not in table or len(set(table)) == 1:
@@ -262,7 +262,7 @@ def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: in
         cuda.set_nccl_id(int(clique_key), group, me, uid)
         with _lock:
             _gpu_bootstrapped.add(token)
-        done.append(group)
+        done[group] = uid
     return done
 
 
