@@ -123,14 +123,21 @@ def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: st
     ``auto``: multicast, else p2p, else nccl. An explicit request that cannot be
     honoured raises ``ValueError`` naming the reason and the alternatives.
     ``across_processes``: the clique has ranks in other processes (``devices`` are this
-    process's); only nccl runs across processes so far (docs/gpu.md §"One process per GPU").
+    process's). Then ``auto`` picks nccl (whether peers in other processes can reach this GPU
+    over P2P is not known here); p2p must be asked for and needs one GPU per process; multicast
+    is not done yet (docs/gpu.md, "One process per GPU").
     """
     reasons = transport_reasons(caps, devices)
     if across_processes:
-        for transport in ("multicast", "p2p"):
-            reasons[transport] = (
-                "not yet across processes: it needs CUDA IPC / multicast handles of the "
-                "buffers exchanged between processes, which jaxoverlap does not do yet")
+        reasons["multicast"] = (
+            "not yet across processes: it needs multicast handles shared between processes, "
+            "which jaxoverlap does not do yet")
+        if len(set(devices)) != 1:
+            reasons["p2p"] = (
+                "not yet across processes with several GPUs of one clique in a process "
+                "(p2p across processes needs one GPU per process)")
+        if requested == "auto":
+            requested = "nccl"
     if requested == "auto":
         for transport in AUTO_ORDER:
             if reasons[transport] is None:

@@ -235,7 +235,7 @@ _gpu_bootstrapped: set[tuple[int, int, int]] = set()
 
 def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: int,
                           timeout_s: float) -> dict[int, bytes]:
-    """Trace time, cliques spanning processes: the NCCL unique id of every clique with a rank here.
+    """Trace time, cliques spanning processes: NCCL id and exchange of each clique here.
 
     The process of each clique's rank 0 makes the id (``cuda.nccl_unique_id()``); it travels
     through the jax.distributed store (``_bootstrap.broadcast_bytes``; a silent root is named
@@ -260,6 +260,10 @@ def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: in
             f"{cid}-gpu", "nccl_id", bytes(cuda.nccl_unique_id()) if me == root else None,
             root=root, processes=sorted(set(table)), timeout_s=timeout_s)
         cuda.set_nccl_id(int(clique_key), group, me, uid)
+        # p2p: the CUDA IPC handles of each buffer generation go through this exchange from
+        # C++ at the first execution (cpp/cuda/cuda_clique.cc ImportPeerBuffers).
+        cuda.set_exchange(int(clique_key), group, me,
+                          _bootstrap.StoreExchange(f"{cid}-gpu", sorted(set(table)), timeout_s))
         with _lock:
             _gpu_bootstrapped.add(token)
         done[group] = uid

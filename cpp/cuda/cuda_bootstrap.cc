@@ -15,6 +15,7 @@ using Key = std::tuple<int64_t, int64_t, int64_t>;  // clique key, group, proces
 struct Ids {
   std::mutex mu;
   std::map<Key, std::string> ids;
+  std::map<Key, std::shared_ptr<Exchange>> exchanges;
 };
 
 Ids& Registry() {
@@ -62,10 +63,27 @@ Status FindNcclId(int64_t clique_key, int64_t group, int64_t process, const std:
   return OkStatus();
 }
 
+Status RegisterExchange(int64_t clique_key, int64_t group, int64_t process,
+                        std::shared_ptr<Exchange> exchange) {
+  if (!exchange) return InvalidArgument("RegisterExchange: no exchange");
+  Ids& r = Registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.exchanges[{clique_key, group, process}] = std::move(exchange);
+  return OkStatus();
+}
+
+std::shared_ptr<Exchange> FindExchange(int64_t clique_key, int64_t group, int64_t process) {
+  Ids& r = Registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.exchanges.find({clique_key, group, process});
+  return it == r.exchanges.end() ? nullptr : it->second;
+}
+
 void ForgetNcclIds() {
   Ids& r = Registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.ids.clear();
+  r.exchanges.clear();
 }
 
 }  // namespace jo::cuda

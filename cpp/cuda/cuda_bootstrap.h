@@ -11,16 +11,19 @@
 // part of the key only so that the host-side fake test can play several
 // processes in one; in a real process it is always jax.process_index().
 //
-// What works across processes: transport nccl. p2p and multicast need CUDA
-// IPC / multicast handles of per-call buffers, which are not exchanged yet;
-// CudaCall refuses them with a "not yet" error naming the alternative.
+// What works across processes: transport nccl; p2p with one GPU per process
+// (CUDA IPC handles of the workspace and flags, exchanged per buffer
+// generation through RegisterExchange's jo::Exchange). multicast across
+// processes (shareable handles) is not done yet: CudaCall refuses it.
 #pragma once
 
 #include <nccl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
+#include "core/exchange.h"
 #include "core/status.h"
 
 namespace jo::cuda {
@@ -36,7 +39,18 @@ Status RegisterNcclId(int64_t clique_key, int64_t group, int64_t process, const 
 Status FindNcclId(int64_t clique_key, int64_t group, int64_t process, const std::string& who,
                   ncclUniqueId* out);
 
-// Tests only: forgets every id.
+// The clique's exchange among its processes (jo::Exchange over the
+// jax.distributed store, registered at trace time), for what can only be
+// exchanged once buffers exist: the CUDA IPC handles of each new buffer
+// generation of a p2p clique spanning processes (CudaClique::NewGeneration,
+// at the first execution and when a call needs bigger buffers — never under
+// graph capture). Kept for the life of the process (the registry holds a
+// reference, so no clique ever drops the last one from a GPU thread).
+Status RegisterExchange(int64_t clique_key, int64_t group, int64_t process,
+                        std::shared_ptr<Exchange> exchange);
+std::shared_ptr<Exchange> FindExchange(int64_t clique_key, int64_t group, int64_t process);
+
+// Tests only: forgets every id and exchange.
 void ForgetNcclIds();
 
 }  // namespace jo::cuda

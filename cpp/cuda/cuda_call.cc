@@ -1,5 +1,6 @@
 #include "cuda/cuda_call.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -118,38 +119,46 @@ Status CudaCall(const CudaCallArgs& args) {
   const CliqueKey key{args.clique_key, place.group};
   site.clique = CliqueName(key);
 
-  // Cliques spanning processes: nccl only, with the id exchanged at trace time.
+  // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
+  // with one GPU per process and the clique's exchange (IPC handles).
   ncclUniqueId nccl_id{};
+  std::shared_ptr<Exchange> exchange;
   const bool spans = place.remote_process >= 0;
-  if (spans && q.transport != Transport::kNccl)
+  const auto local = std::count_if(place.clique_devices.begin(), place.clique_devices.end(),
+                                   [](int d) { return d >= 0; });
+  const std::string elsewhere = "this clique has a rank in process " +
+                                std::to_string(place.remote_process);
+  if (spans && q.transport == Transport::kMulticast)
     return Status(Code::kInvalidArgument,
-                  site.Describe() + ": not yet: transport " + TransportName(q.transport) +
-                      " across processes (this clique has a rank in process " +
-                      std::to_string(place.remote_process) +
-                      "); it needs CUDA IPC / multicast handles of the buffers exchanged between "
-                      "processes, which jaxoverlap does not do yet. Use transport='nccl' (or "
-                      "'auto', which picks it for cliques spanning processes)");
-  if (spans)
+                  site.Describe() + ": not yet: transport multicast across processes (" +
+                      elsewhere + "); it needs multicast handles shared between processes, "
+                      "which jaxoverlap does not do yet. Use transport='p2p' or 'nccl' (or "
+                      "'auto', which picks nccl for cliques spanning processes)");
+  if (spans && q.transport == Transport::kP2p && local != 1)
+    return Status(Code::kInvalidArgument,
+                  site.Describe() + ": not yet: transport p2p across processes with " +
+                      std::to_string(local) + " GPUs of the clique in this process (" +
+                      elsewhere + "); p2p across processes needs one GPU per process. Use "
+                      "transport='nccl' (or 'auto')");
+  if (spans && q.transport == Transport::kNccl)
     JO_CHECK(FindNcclId(args.clique_key, place.group, args.process_index, site.Describe(),
                         &nccl_id));
-
-  // Never under CUDA-graph capture: NCCL set-up, buffer growth and event
-  // bookkeeping here are not capturable (the handlers are not declared
-  // command-buffer compatible, so XLA should never try).
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  JO_CUDA_CHECK(&site, cudaStreamIsCapturing(args.stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone)
-    return Status(Code::kInvalidArgument,
-                  site.Describe() + ": called on a stream under CUDA-graph capture; jaxoverlap's "
-                  "handlers are not command-buffer compatible (disable XLA command buffers for "
-                  "custom calls: XLA_FLAGS=--xla_gpu_enable_command_buffer=)");
+  if (spans && q.transport == Transport::kP2p) {
+    exchange = FindExchange(args.clique_key, place.group, args.process_index);
+    if (!exchange)
+      return Status(Code::kInvalidArgument,
+                    site.Describe() + ": this p2p clique spans processes (" + elsewhere +
+                        ") but process " + std::to_string(args.process_index) +
+                        " has no exchange for it: jaxoverlap registers one when it traces the "
+                        "call (jax.distributed.initialize() first, and trace in this process)");
+  }
 
   Program program;
   JO_CHECK(BuildProgram(q, &program));
   std::shared_ptr<Clique> clique;
   JO_CHECK(Registry(args.process_index).GetOrCreate(key, q.nranks, [&] {
     return std::make_unique<CudaClique>(key, q.transport, place.clique_devices,
-                                        spans ? &nccl_id : nullptr);
+                                        spans ? &nccl_id : nullptr, exchange);
   }, &clique));
   auto* cuda = static_cast<CudaClique*>(clique.get());
   if (cuda->transport() != q.transport || cuda->devices() != place.clique_devices)

@@ -15,8 +15,11 @@
 // resources for those only. Transport nccl: every process calls
 // ncclCommInitRank for its ranks (in one NCCL group) with the clique's
 // ncclUniqueId, exchanged through jax.distributed at trace time
-// (cuda_bootstrap.h). p2p and multicast across processes need CUDA IPC /
-// multicast handles of the buffers: not yet (CudaCall refuses them).
+// (cuda_bootstrap.h). p2p (one GPU per process): each new buffer generation
+// exports its workspace and flags with cudaIpcGetMemHandle, allgathers the
+// handles through the clique's jo::Exchange and opens the peers' with
+// cudaIpcOpenMemHandle; the opened mappings stand in the generation for the
+// remote ranks' buffers. multicast across processes: not yet (refused).
 //
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
@@ -41,17 +44,20 @@
 #include <vector>
 
 #include "core/clique.h"
+#include "core/exchange.h"
 #include "core/program.h"
 #include "cuda/check.h"
 #include "cuda/driver.h"
 
 namespace jo::cuda {
 
-// Device memory from cudaMalloc, freed on its device.
+// Device memory from cudaMalloc, freed on its device; or (ipc) another
+// process's allocation opened with cudaIpcOpenMemHandle, closed on `device`.
 struct DeviceAlloc {
   int device = -1;
   void* ptr = nullptr;
   size_t bytes = 0;
+  bool ipc = false;
   DeviceAlloc() = default;
   DeviceAlloc(const DeviceAlloc&) = delete;
   DeviceAlloc& operator=(const DeviceAlloc&) = delete;
@@ -114,7 +120,7 @@ class CudaClique : public Clique {
   // `devices`: the local ordinal of each rank, -1 for a rank of another
   // process; then `nccl_id` is the clique's ncclUniqueId (transport nccl).
   CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
-             const ncclUniqueId* nccl_id = nullptr);
+             const ncclUniqueId* nccl_id = nullptr, std::shared_ptr<Exchange> exchange = nullptr);
   ~CudaClique() override;
 
   Transport transport() const { return transport_; }
@@ -145,11 +151,13 @@ class CudaClique : public Clique {
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
                        const CallSite& site);              // requires mu_
   Status AllocMulticast(Generation* gen, const CallSite& site);
+  Status ImportPeerBuffers(Generation* gen, const CallSite& site);  // p2p spanning processes
 
   const Transport transport_;
   const std::vector<int> devices_;  // local ordinal of each rank (-1: another process's)
   const int32_t local_ranks_;       // ranks of this process
   ncclUniqueId nccl_id_{};          // spanning cliques, transport nccl
+  std::shared_ptr<Exchange> exchange_;  // spanning cliques, transport p2p
   mutable std::mutex mu_;
   bool peers_enabled_ = false;
   std::vector<ncclComm_t> comms_;

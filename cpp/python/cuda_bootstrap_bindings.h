@@ -7,10 +7,12 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
 #include "cuda/cuda_bootstrap.h"
+#include "python/py_exchange.h"
 
 namespace jo::python {
 
@@ -34,7 +36,17 @@ inline void BindCudaBootstrap(nanobind::module_& m) {
       },
       nb::arg("clique_key"), nb::arg("group"), nb::arg("process"), nb::arg("id"),
       "Registers the NCCL unique id of clique (clique_key, group) for `process`.");
-  m.def("_forget_nccl_ids", &cuda::ForgetNcclIds, "Tests only: forget every registered id.");
+  m.def(
+      "set_exchange",
+      [](int64_t clique_key, int64_t group, int64_t process, nb::object exchange) {
+        const Status status = cuda::RegisterExchange(
+            clique_key, group, process, std::make_shared<PyExchange>(std::move(exchange)));
+        if (!status.ok()) throw std::invalid_argument(status.message());
+      },
+      nb::arg("clique_key"), nb::arg("group"), nb::arg("process"), nb::arg("exchange"),
+      "Registers the clique's exchange (a _bootstrap.StoreExchange) for `process`: p2p cliques "
+      "spanning processes allgather their CUDA IPC handles through it at the first execution.");
+  m.def("_forget_nccl_ids", &cuda::ForgetNcclIds, "Tests only: forget every id and exchange.");
 }
 
 }  // namespace jo::python

@@ -8,13 +8,21 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "python/cuda_bootstrap_bindings.h"
+#include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_call.h"
 #include "cuda/driver.h"
 #include "cuda/watchdog.h"
@@ -25,6 +33,54 @@
 namespace nb = nanobind;
 
 namespace {
+
+// The jo::Exchange of played processes (tests): one board shared by every
+// played process of a clique; a call's n-th use of a tag meets the other
+// processes' n-th use, like StoreExchange's fresh keys per use. A process that
+// does not post in time is named, as the store's exchange does.
+struct Board {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::tuple<std::string, int64_t, int32_t>, std::string> posts;  // (tag, use, process)
+  std::map<std::pair<std::string, int32_t>, int64_t> uses;
+};
+
+class PlayedExchange : public jo::Exchange {
+ public:
+  PlayedExchange(std::shared_ptr<Board> board, int32_t me, std::vector<int32_t> procs,
+                 int64_t timeout_ms)
+      : board_(std::move(board)), me_(me), procs_(std::move(procs)), timeout_ms_(timeout_ms) {}
+  int32_t process() const override { return me_; }
+  std::vector<int32_t> processes() const override { return procs_; }
+  jo::Status Broadcast(const std::string& tag, int32_t root, std::string* data) override {
+    std::map<int32_t, std::string> all;
+    JO_CHECK(AllGather(tag, me_ == root ? *data : std::string(), &all));
+    *data = all[root];
+    return jo::OkStatus();
+  }
+  jo::Status AllGather(const std::string& tag, const std::string& mine,
+                       std::map<int32_t, std::string>* all) override {
+    std::unique_lock<std::mutex> lock(board_->mu);
+    const int64_t use = board_->uses[{tag, me_}]++;
+    board_->posts[{tag, use, me_}] = mine;
+    board_->cv.notify_all();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+    for (int32_t p : procs_) {
+      const auto key = std::make_tuple(tag, use, p);
+      if (!board_->cv.wait_until(lock, deadline, [&] { return board_->posts.count(key) > 0; }))
+        return jo::Status(jo::Code::kTimeout, "exchange allgather '" + tag + "': process " +
+                                                  std::to_string(p) + " did not answer (played)");
+      (*all)[p] = board_->posts[key];
+    }
+    return jo::OkStatus();
+  }
+
+ private:
+  std::shared_ptr<Board> board_;
+  int32_t me_;
+  std::vector<int32_t> procs_;
+  int64_t timeout_ms_;
+};
 
 jo::DType ParseDType(const std::string& s) {
   if (s == "float32") return jo::DType::kF32;
@@ -100,6 +156,18 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
       g[r] = jo::fake::Malloc(dev, g_elems * es);
       std::memset(g[r], 0x7F, g_elems * es);
     }
+  }
+  if (processes && q.transport == jo::Transport::kP2p) {
+    // Each played process gets its exchange for this clique (group 0), unless the test
+    // registered its own (set_exchange).
+    std::vector<int32_t> procs(processes->begin(), processes->end());
+    std::sort(procs.begin(), procs.end());
+    procs.erase(std::unique(procs.begin(), procs.end()), procs.end());
+    auto board = std::make_shared<Board>();
+    for (int32_t p : procs)
+      if (!jo::cuda::FindExchange(clique_key, 0, p))
+        (void)jo::cuda::RegisterExchange(
+            clique_key, 0, p, std::make_shared<PlayedExchange>(board, p, procs, timeout_ms));
   }
   std::vector<std::string> statuses(nranks);
   {
@@ -310,5 +378,6 @@ NB_MODULE(_cuda_fake, m) {
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");
   m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
+  m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Forget every clique (the fake keeps its state).");
   jo::python::BindCudaBootstrap(m);
 }

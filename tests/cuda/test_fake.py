@@ -308,7 +308,7 @@ def _spanning(fake, key, processes, group=0):
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_clique_spanning_processes_nccl(fake, op, processes, devices):
     n = len(processes)
-    fake.reset(devices=max(devices) + 1)
+    fake.reset()
     _spanning(fake, 11, processes)
     xs, ws = _inputs(op, n, 2, 3, 8, 6, "float32")
     out = fake.run(op, "nccl", n, 2, 3, 8, 6, "float32", 2, n > 2, op == "ag_matmul",
@@ -321,15 +321,68 @@ def test_clique_spanning_processes_nccl(fake, op, processes, devices):
     assert cliques is None or cliques.count("remote") >= n
 
 
-@pytest.mark.parametrize("transport", ["p2p", "multicast"])
-def test_clique_spanning_processes_refuses_p2p_and_multicast(fake, transport):
-    _spanning(fake, 12, [0, 1])
+@pytest.mark.parametrize("processes,devices", [
+    ([0, 1], [0, 0]),              # one process per GPU, each its GPU 0
+    ([0, 1, 2], [0, 1, 2]),        # distinct GPUs: the IPC mapping enables peer access
+    ([3, 1, 0, 2], [0, 0, 0, 0]),
+])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_clique_spanning_processes_p2p(fake, op, processes, devices):
+    """p2p, one GPU per process: each buffer generation's workspace and flags go out as CUDA IPC
+    handles through the clique's exchange (played here) and peers' are opened; a bigger second
+    shape may grow the buffers: a new generation is exchanged the same way."""
+    n = len(processes)
+    fake.reset()
+    for rows in (3, 5):
+        xs, ws = _inputs(op, n, 2, rows, 8, 6, "float32")
+        out = fake.run(op, "p2p", n, 2, rows, 8, 6, "float32", 2, n > 2, False,
+                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
+                       clique_key=15, calls=2, processes=processes)
+        check(fake, out, op, xs, ws, rows, "float32")
+    counters = fake.counters()
+    # Per generation, every rank exports 2 buffers and opens its n - 1 peers' 2 buffers.
+    generations, rest = divmod(counters["cudaIpcGetMemHandle"], 2 * n)
+    assert rest == 0 and generations >= 1, counters
+    assert counters["cudaIpcOpenMemHandle"] == 2 * n * (n - 1) * generations, counters
+    cliques = fake.cliques()
+    fake.reset()
+    assert fake.counters() == {} and "remote" in cliques
+
+
+def test_clique_spanning_processes_p2p_closes_its_mappings(fake):
     xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", transport, 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=12,
+    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=16,
                    processes=[0, 1])
-    assert all(s and "not yet: transport " + transport + " across processes" in s
-               and "transport='nccl'" in s for s in out["statuses"]), out["statuses"]
+    check(fake, out, "ag_matmul", xs, ws, 3, "float32")
+    fake._reset_cliques()
+    counters = fake.counters()
+    assert counters["cudaIpcCloseMemHandle"] == counters["cudaIpcOpenMemHandle"] == 4, counters
+    assert fake.errors() == []
+
+
+def test_clique_spanning_processes_p2p_silent_process(fake):
+    """Process 1 never calls: process 0's exchange of IPC handles names it after the timeout."""
+    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
+    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=17,
+                   processes=[0, 1], skip_rank=1, timeout_ms=300)
+    assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
+    assert "p2p_ipc" in out["statuses"][0]
+
+
+@pytest.mark.parametrize("transport,processes,expected", [
+    ("multicast", [0, 1], "not yet: transport multicast across processes"),
+    ("p2p", [0, 0, 1, 1], "p2p across processes needs one GPU per process"),
+])
+def test_clique_spanning_processes_refusals(fake, transport, processes, expected):
+    n = len(processes)
+    _spanning(fake, 12, processes)
+    xs, ws = _inputs("ag_matmul", n, 1, 3, 8, 6, "float32")
+    out = fake.run("ag_matmul", transport, n, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
+                   clique_key=12, processes=processes)
+    assert all(s and expected in s for s in out["statuses"]), out["statuses"]
 
 
 def test_clique_spanning_processes_without_the_id(fake):

@@ -489,8 +489,39 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
                 np.testing.assert_allclose(np.frombuffer(y, np.float32).reshape(ref.shape), ref,
                                            rtol=1e-5, atol=1e-4)
             checked.append(f"{op}/g{group}")
+    if me < 2:
+        checked.append(p2p_handles_cross(fake, key + 7, timeout_s))
     fake.reset()
     return {"checked": checked, "made_ids": made}
+
+
+def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
+    """p2p across processes 0 and 1: CUDA IPC handles travel from C++ through jo::Exchange.
+
+    Each process runs only its own rank of a 2-rank p2p clique. At its first execution the
+    clique exports its buffers (the fake's cudaIpcGetMemHandle), allgathers the handles through
+    the exchange ``bootstrap_gpu_cliques`` registered (PyExchange -> StoreExchange -> this job's
+    store) and opens the peer's: the fake refuses that, since its "device memory" is this
+    process's heap, and its error names the pid the handle came from — the peer's.
+    """
+    from jaxoverlap import _bootstrap, _native
+
+    me = jax.process_index()
+    _native.bootstrap_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)
+    pids = _bootstrap.allgather_bytes("p2p-pids", "pid", str(os.getpid()).encode(),
+                                      processes=[0, 1], timeout_s=timeout_s)
+    xs = [np.ones((1, 3, 8), np.float32)] * 2
+    ws = [np.ones((8, 6), np.float32)] * 2
+    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
+                   clique_key=key, processes=[0, 1], skip_rank=1 - me,
+                   timeout_ms=int(timeout_s * 1000))
+    status = out["statuses"][me] or ""
+    assert "cudaIpcOpenMemHandle" in status and "failed" in status, status
+    errors = " ".join(fake.errors())
+    assert f"handle from pid {pids[1 - me].decode()}" in errors, errors
+    assert fake.counters().get("cudaIpcGetMemHandle") == 2, fake.counters()
+    return "p2p-ipc-handles"
 
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {

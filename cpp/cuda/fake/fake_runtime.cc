@@ -118,6 +118,7 @@ struct State {
   // ncclCommInitRank: the clique each unique id names, and its ranks so far.
   std::map<std::string, std::pair<int, std::set<int>>> id_cliques;
   uint64_t next_unique_id = 1;
+  std::map<uintptr_t, int> ipc_open;  // cudaIpcOpenMemHandle mappings (base -> opens)
   std::map<std::tuple<int, int, int>, std::deque<std::shared_ptr<Message>>> channels;
   std::map<cublasLtMatmulDesc_t, Desc> descs;
   std::map<cublasLtMatrixLayout_t, Layout> layouts;
@@ -415,6 +416,7 @@ void Reset(const Config& config) {
   s.mcs.clear();
   s.comms.clear();
   s.id_cliques.clear();
+  s.ipc_open.clear();
   s.channels.clear();
   s.descs.clear();
   s.layouts.clear();
@@ -647,6 +649,76 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
   const int64_t target = e->recorded;  // the record enqueued before this call
   if (target == 0) Fail("cudaStreamWaitEvent on an event never recorded (a no-op on a GPU: a missing dependency)");
   jo::fake::Push(s, "cudaStreamWaitEvent", [e, target] { return e->completed >= target; }, [] {});
+  return cudaSuccess;
+}
+
+// CUDA IPC. The fake's "device memory" is this OS process's heap, so IPC is
+// modelled within one OS process (the tests play several processes in one):
+// a handle names the allocation's base (and the pid, checked); opening it
+// returns that same base (a real driver returns a new mapping) and, with
+// cudaIpcMemLazyEnablePeerAccess, gives the current device access to it.
+// Like the driver: only a whole allocation's base can be exported, opening
+// in another "process" requires the handle be well-formed, close needs an open.
+namespace {
+constexpr char kIpcTag[] = "fake-ipc";
+struct FakeIpc {
+  char tag[sizeof(kIpcTag)];
+  int64_t pid;
+  uint64_t base;
+  uint64_t bytes;
+};
+static_assert(sizeof(FakeIpc) <= sizeof(cudaIpcMemHandle_t), "fake IPC handle too big");
+}  // namespace
+
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
+  Lock lock(S().mu);
+  Count("cudaIpcGetMemHandle");
+  auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));
+  if (it == S().allocs.end() || it->second.multicast)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcGetMemHandle: not the base of a cudaMalloc allocation");
+  FakeIpc ipc{};
+  std::memcpy(ipc.tag, kIpcTag, sizeof(kIpcTag));
+  ipc.pid = ::getpid();
+  ipc.base = it->first;
+  ipc.bytes = it->second.bytes;
+  std::memset(handle, 0, sizeof(*handle));
+  std::memcpy(handle, &ipc, sizeof(ipc));
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned int flags) {
+  Lock lock(S().mu);
+  Count("cudaIpcOpenMemHandle");
+  FakeIpc ipc{};
+  std::memcpy(&ipc, &handle, sizeof(ipc));
+  if (std::memcmp(ipc.tag, kIpcTag, sizeof(kIpcTag)) != 0)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: not a handle from cudaIpcGetMemHandle");
+  if (ipc.pid != ::getpid())
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the fake models CUDA IPC within one "
+                                         "OS process only (handle from pid " + std::to_string(ipc.pid) + ")");
+  auto it = S().allocs.find(ipc.base);
+  if (it == S().allocs.end() || it->second.bytes != ipc.bytes)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the exported allocation is gone");
+  if (flags != cudaIpcMemLazyEnablePeerAccess)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: flags other than cudaIpcMemLazyEnablePeerAccess are not modelled");
+  if (it->second.device != t_device) {
+    if (!jo::fake::CanAccessPeer(t_device, it->second.device))
+      return RtFail(cudaErrorPeerAccessUnsupported, "cudaIpcOpenMemHandle: device " + std::to_string(t_device) +
+                                                    " cannot access device " + std::to_string(it->second.device));
+    S().peer_enabled.insert({t_device, it->second.device});
+  }
+  ++S().ipc_open[ipc.base];
+  *p = reinterpret_cast<void*>(ipc.base);
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcCloseMemHandle(void* p) {
+  Lock lock(S().mu);
+  Count("cudaIpcCloseMemHandle");
+  auto it = S().ipc_open.find(reinterpret_cast<uintptr_t>(p));
+  if (it == S().ipc_open.end() || it->second == 0)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcCloseMemHandle: not an opened IPC mapping");
+  --it->second;
   return cudaSuccess;
 }
 
