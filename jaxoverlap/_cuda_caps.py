@@ -116,13 +116,28 @@ def transport_reasons(caps: dict[str, Any], devices: Sequence[int]) -> dict[str,
     return reasons
 
 
-def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: str = "auto") -> str:
+def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: str = "auto", *,
+                     across_processes: bool = False) -> str:
     """The transport to use for a clique of local GPUs ``devices``.
 
     ``auto``: multicast, else p2p, else nccl. An explicit request that cannot be
     honoured raises ``ValueError`` naming the reason and the alternatives.
+    ``across_processes``: the clique has ranks in other processes (``devices`` are this
+    process's). Then ``auto`` picks nccl (whether peers in other processes can reach this GPU
+    over P2P is not known here); p2p must be asked for and needs one GPU per process; multicast
+    is not done yet (docs/gpu.md, "One process per GPU").
     """
     reasons = transport_reasons(caps, devices)
+    if across_processes:
+        reasons["multicast"] = (
+            "not yet across processes: it needs multicast handles shared between processes, "
+            "which jaxoverlap does not do yet")
+        if len(set(devices)) != 1:
+            reasons["p2p"] = (
+                "not yet across processes with several GPUs of one clique in a process "
+                "(p2p across processes needs one GPU per process)")
+        if requested == "auto":
+            requested = "nccl"
     if requested == "auto":
         for transport in AUTO_ORDER:
             if reasons[transport] is None:

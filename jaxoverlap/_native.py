@@ -189,12 +189,6 @@ def _gpu_rank_table(axis_name: str, names: tuple, sizes: tuple, manual: tuple, m
             "shard_map; the CUDA handler finds its rank from the mesh's device table")
     devices = np.moveaxis(np.asarray(concrete.devices), names.index(axis_name), -1).reshape(-1)
     processes = np.array([d.process_index for d in devices], np.int64)
-    groups = processes.reshape(-1, sizes[names.index(axis_name)])
-    if (groups != groups[:, :1]).any():
-        raise ValueError(
-            f"jaxoverlap impl='native' on GPU: mesh axis {axis_name!r} spans processes; not yet: "
-            "multi-process GPU cliques arrive with the multi-process issue. Use impl='xla' or "
-            "'ring', or one process driving all GPUs of the axis")
     ordinals = np.array([_local_ordinal(d) for d in devices], np.int64)
     return processes, ordinals
 
@@ -208,9 +202,17 @@ def _cuda_call(target, x, w, results, *, axis_name, axis, transport, chunks, bid
     processes, ordinals = _gpu_rank_table(axis_name, names, sizes, manual, mesh)
     mine = sorted({int(o) for p, o in zip(processes, ordinals, strict=True)
                    if p == jax.process_index()})
+    axis_size = sizes[names.index(axis_name)]
+    groups = processes.reshape(-1, axis_size)
+    spans = bool((groups != groups[:, :1]).any())
     # An explicit transport this machine's GPUs cannot serve raises here, with the reason.
-    transport = _cuda_caps.choose_transport(_cuda_caps.capabilities(), mine, transport)
+    transport = _cuda_caps.choose_transport(_cuda_caps.capabilities(), mine, transport,
+                                            across_processes=spans)
     key_devices = processes * (1 << 32) + ordinals
+    if spans:
+        bootstrap_gpu_cliques(_cuda_caps.load_cuda(),
+                              _clique_key(names, sizes, axis_name, transport, key_devices),
+                              processes, axis_size, timeout_s)
     call = jax.ffi.ffi_call(_CUDA_TARGETS[target], results, vmap_method="sequential",
                             has_side_effect=False)
     return call(
@@ -226,6 +228,46 @@ def _cuda_call(target, x, w, results, *, axis_name, axis, transport, chunks, bid
         devices=ordinals,
         processes=processes,
     )
+
+
+_gpu_bootstrapped: set[tuple[int, int, int]] = set()
+
+
+def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: int,
+                          timeout_s: float) -> dict[int, bytes]:
+    """Trace time, cliques spanning processes: NCCL id and exchange of each clique here.
+
+    The process of each clique's rank 0 makes the id (``cuda.nccl_unique_id()``); it travels
+    through the jax.distributed store (``_bootstrap.broadcast_bytes``; a silent root is named
+    after ``timeout_s``) and is registered with ``cuda.set_nccl_id`` for the handler to find at
+    the first execution, where every process calls ``ncclCommInitRank`` for its ranks. Once per
+    clique per process (every process traces the same programs, so all skip alike). ``cuda`` is
+    ``_cuda``, or ``_cuda_fake`` in tests. Returns group -> id for the cliques bootstrapped now.
+    """
+    me = jax.process_index()
+    done: dict[int, bytes] = {}
+    for group, ranks in enumerate(np.asarray(processes).reshape(-1, axis_size)):
+        table = [int(p) for p in ranks]
+        if me not in table or len(set(table)) == 1:
+            continue
+        token = (id(cuda), int(clique_key), group)
+        with _lock:
+            if token in _gpu_bootstrapped:
+                continue
+        cid = _bootstrap.clique_id(int(clique_key), group)
+        root = table[0]
+        uid = _bootstrap.broadcast_bytes(
+            f"{cid}-gpu", "nccl_id", bytes(cuda.nccl_unique_id()) if me == root else None,
+            root=root, processes=sorted(set(table)), timeout_s=timeout_s)
+        cuda.set_nccl_id(int(clique_key), group, me, uid)
+        # p2p: the CUDA IPC handles of each buffer generation go through this exchange from
+        # C++ at the first execution (cpp/cuda/cuda_clique.cc ImportPeerBuffers).
+        cuda.set_exchange(int(clique_key), group, me,
+                          _bootstrap.StoreExchange(f"{cid}-gpu", sorted(set(table)), timeout_s))
+        with _lock:
+            _gpu_bootstrapped.add(token)
+        done[group] = uid
+    return done
 
 
 def _mesh_facts(axis_name: str):

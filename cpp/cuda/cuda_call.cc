@@ -1,7 +1,9 @@
 #include "cuda/cuda_call.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -12,6 +14,7 @@
 #include "core/call.h"
 #include "core/clique.h"
 #include "core/log.h"
+#include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_clique.h"
 #include "cuda/watchdog.h"
 
@@ -20,9 +23,27 @@ namespace {
 
 std::atomic<int64_t> g_process_index{0};
 
-CliqueRegistry& Registry() {
-  static auto* registry = new CliqueRegistry();  // outlives static destructors: handlers may run late
-  return *registry;
+// One registry per process index: a real process only ever uses its own;
+// the host-side fake test plays several processes in one (cliques spanning
+// them must then be distinct objects, as they are in distinct processes).
+std::mutex g_registries_mu;
+std::map<int64_t, CliqueRegistry*>& Registries() {
+  static auto* registries = new std::map<int64_t, CliqueRegistry*>();  // outlives static destructors
+  return *registries;
+}
+
+CliqueRegistry& Registry(int64_t process) {
+  std::lock_guard<std::mutex> lock(g_registries_mu);
+  CliqueRegistry*& r = Registries()[process];
+  if (r == nullptr) r = new CliqueRegistry();  // never freed: handlers may run late
+  return *r;
+}
+
+std::vector<CliqueRegistry*> AllRegistries() {
+  std::lock_guard<std::mutex> lock(g_registries_mu);
+  std::vector<CliqueRegistry*> out;
+  for (auto& [process, r] : Registries()) out.push_back(r);
+  return out;
 }
 
 }  // namespace
@@ -54,15 +75,12 @@ Status Place(const RankTable& t, int64_t process_index, int device_ordinal, cons
   out->group = found / t.axis_size;
   out->rank = static_cast<int32_t>(found % t.axis_size);
   out->clique_devices.clear();
+  out->remote_process = -1;
   for (int64_t r = 0; r < t.axis_size; ++r) {
     const size_t i = static_cast<size_t>(out->group * t.axis_size + r);
-    if (t.processes[i] != process_index)
-      return Status(Code::kInvalidArgument,
-                    who + "not yet: this clique spans processes (rank " + std::to_string(r) +
-                        " is in process " + std::to_string(t.processes[i]) +
-                        "); multi-process GPU cliques arrive with the multi-process issue. "
-                        "Use impl='xla' or 'ring', or one process driving all GPUs of the axis");
-    out->clique_devices.push_back(static_cast<int>(t.devices[i]));
+    const bool here = t.processes[i] == process_index;
+    if (!here && out->remote_process < 0) out->remote_process = t.processes[i];
+    out->clique_devices.push_back(here ? static_cast<int>(t.devices[i]) : -1);
   }
   return OkStatus();
 }
@@ -82,22 +100,46 @@ Status CudaCall(const CudaCallArgs& args) {
   const CliqueKey key{args.clique_key, place.group};
   site.clique = CliqueName(key);
 
-  // Never under CUDA-graph capture: NCCL set-up, buffer growth and event
-  // bookkeeping here are not capturable (the handlers are not declared
-  // command-buffer compatible, so XLA should never try).
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  JO_CUDA_CHECK(&site, cudaStreamIsCapturing(args.stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone)
+  // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
+  // with one GPU per process and the clique's exchange (IPC handles).
+  ncclUniqueId nccl_id{};
+  std::shared_ptr<Exchange> exchange;
+  const bool spans = place.remote_process >= 0;
+  const auto local = std::count_if(place.clique_devices.begin(), place.clique_devices.end(),
+                                   [](int d) { return d >= 0; });
+  const std::string elsewhere = "this clique has a rank in process " +
+                                std::to_string(place.remote_process);
+  if (spans && q.transport == Transport::kMulticast)
     return Status(Code::kInvalidArgument,
-                  site.Describe() + ": called on a stream under CUDA-graph capture; jaxoverlap's "
-                  "handlers are not command-buffer compatible (disable XLA command buffers for "
-                  "custom calls: XLA_FLAGS=--xla_gpu_enable_command_buffer=)");
+                  site.Describe() + ": not yet: transport multicast across processes (" +
+                      elsewhere + "); it needs multicast handles shared between processes, "
+                      "which jaxoverlap does not do yet. Use transport='p2p' or 'nccl' (or "
+                      "'auto', which picks nccl for cliques spanning processes)");
+  if (spans && q.transport == Transport::kP2p && local != 1)
+    return Status(Code::kInvalidArgument,
+                  site.Describe() + ": not yet: transport p2p across processes with " +
+                      std::to_string(local) + " GPUs of the clique in this process (" +
+                      elsewhere + "); p2p across processes needs one GPU per process. Use "
+                      "transport='nccl' (or 'auto')");
+  if (spans && q.transport == Transport::kNccl)
+    JO_CHECK(FindNcclId(args.clique_key, place.group, args.process_index, site.Describe(),
+                        &nccl_id));
+  if (spans && q.transport == Transport::kP2p) {
+    exchange = FindExchange(args.clique_key, place.group, args.process_index);
+    if (!exchange)
+      return Status(Code::kInvalidArgument,
+                    site.Describe() + ": this p2p clique spans processes (" + elsewhere +
+                        ") but process " + std::to_string(args.process_index) +
+                        " has no exchange for it: jaxoverlap registers one when it traces the "
+                        "call (jax.distributed.initialize() first, and trace in this process)");
+  }
 
   Program program;
   JO_CHECK(BuildProgram(q, &program));
   std::shared_ptr<Clique> clique;
-  JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&] {
-    return std::make_unique<CudaClique>(key, q.transport, place.clique_devices);
+  JO_CHECK(Registry(args.process_index).GetOrCreate(key, q.nranks, [&] {
+    return std::make_unique<CudaClique>(key, q.transport, place.clique_devices,
+                                        spans ? &nccl_id : nullptr, exchange);
   }, &clique));
   auto* cuda = static_cast<CudaClique*>(clique.get());
   if (cuda->transport() != q.transport || cuda->devices() != place.clique_devices)
@@ -145,8 +187,9 @@ Status CudaCall(const CudaCallArgs& args) {
 
 std::string DescribeCudaCliques() {
   std::string out;
-  for (const auto& clique : Registry().List())
-    out += static_cast<CudaClique*>(clique.get())->Describe() + "\n";
+  for (CliqueRegistry* registry : AllRegistries())
+    for (const auto& clique : registry->List())
+      out += static_cast<CudaClique*>(clique.get())->Describe() + "\n";
   return out;
 }
 
@@ -155,8 +198,10 @@ void ResetCudaCliques() {
   // until every clique is really gone, so its buffers are freed before the
   // caller (the fake's reset) forgets the allocations they came from.
   std::vector<std::weak_ptr<Clique>> gone;
-  for (const auto& clique : Registry().List()) gone.push_back(clique);
-  Registry().Clear();
+  for (CliqueRegistry* registry : AllRegistries()) {
+    for (const auto& clique : registry->List()) gone.push_back(clique);
+    registry->Clear();
+  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   for (const auto& weak : gone)
     while (!weak.expired() && std::chrono::steady_clock::now() < deadline)

@@ -28,11 +28,13 @@ struct RankTable {
 struct Placement {
   int32_t rank = -1;
   int64_t group = -1;
-  std::vector<int> clique_devices;  // local ordinals of the group's ranks, rank order
+  std::vector<int> clique_devices;  // local ordinals of the group's ranks, rank order (-1: remote)
+  int64_t remote_process = -1;      // a process holding another rank of the group, or -1
 };
 
 // Finds (process_index, device_ordinal) in the table. Fails with a clear
-// message when absent, duplicated, or when the group spans processes (not yet).
+// message when absent or duplicated. Ranks of the group in other processes
+// get device -1 (see cuda_bootstrap.h for what works across processes).
 Status Place(const RankTable& table, int64_t process_index, int device_ordinal, const char* op,
              Placement* out);
 

@@ -1,7 +1,9 @@
 #include "cuda/cuda_clique.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <tuple>
 
 #include "core/log.h"
 
@@ -46,7 +48,12 @@ size_t RoundUp(size_t v, size_t to) { return to == 0 ? v : (v + to - 1) / to * t
 DeviceAlloc::~DeviceAlloc() {
   if (ptr == nullptr) return;
   DeviceGuard guard;
-  if (cudaSetDevice(device) == cudaSuccess) (void)cudaFree(ptr);  // teardown: nobody to tell
+  if (cudaSetDevice(device) != cudaSuccess) return;  // teardown: nobody to tell
+  if (ipc) {
+    (void)cudaIpcCloseMemHandle(ptr);
+  } else {
+    (void)cudaFree(ptr);
+  }
 }
 
 MulticastRegion::~MulticastRegion() {
@@ -83,6 +90,7 @@ CUdeviceptr Generation::Flag(int32_t rank, int64_t epoch, int32_t id) const {
 }
 
 RankResources::~RankResources() {
+  if (device < 0) return;  // a rank of another process: nothing here
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return;
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
@@ -124,9 +132,14 @@ Status RankResources::Reserve(const Program& p, const CallSite& site) {
   return OkStatus();
 }
 
-CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devices)
+CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
+                       const ncclUniqueId* nccl_id, std::shared_ptr<Exchange> exchange)
     : Clique(key, static_cast<int32_t>(devices.size())), transport_(transport),
-      devices_(std::move(devices)) {
+      devices_(std::move(devices)),
+      local_ranks_(static_cast<int32_t>(
+          std::count_if(devices_.begin(), devices_.end(), [](int d) { return d >= 0; }))),
+      exchange_(std::move(exchange)) {
+  if (nccl_id != nullptr) nccl_id_ = *nccl_id;
   for (int device : devices_) {
     ranks_.push_back(std::make_unique<RankResources>());
     ranks_.back()->device = device;
@@ -136,7 +149,7 @@ CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devi
 CudaClique::~CudaClique() {
   // Work still queued may use these buffers; wait for it (best effort).
   for (int device : devices_) {
-    if (cudaSetDevice(device) == cudaSuccess) (void)cudaDeviceSynchronize();
+    if (device >= 0 && cudaSetDevice(device) == cudaSuccess) (void)cudaDeviceSynchronize();
   }
   for (ncclComm_t comm : comms_)
     if (comm != nullptr) (void)ncclCommDestroy(comm);
@@ -172,6 +185,37 @@ Status CudaClique::CreateComms(const CallSite& site) {
   if (!comms_.empty()) return OkStatus();
   DeviceGuard guard;
   std::vector<ncclComm_t> comms(devices_.size(), nullptr);
+  if (spans_processes()) {
+    // One ncclCommInitRank per local rank, in one group (NCCL requires the
+    // group when one thread initialises several ranks). It returns once every
+    // process's ranks have joined: NCCL's own bootstrap, bounded by NCCL's
+    // timeouts, not ours; peers reach it at their first execution too.
+    JO_NCCL_CHECK(&site, ncclGroupStart());
+    Status status = OkStatus();
+    for (size_t r = 0; r < devices_.size() && status.ok(); ++r) {
+      if (devices_[r] < 0) continue;
+      const cudaError_t set = cudaSetDevice(devices_[r]);
+      if (set != cudaSuccess) {
+        status = CudaFailure(set, "cudaSetDevice", &site);
+        break;
+      }
+      const ncclResult_t code = ncclCommInitRank(&comms[r], static_cast<int>(devices_.size()),
+                                                 nccl_id_, static_cast<int>(r));
+      if (code != ncclSuccess) status = NcclFailure(code, "ncclCommInitRank", &site);
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (status.ok() && end != ncclSuccess) status = NcclFailure(end, "ncclGroupEnd", &site);
+    if (!status.ok()) {
+      for (ncclComm_t c : comms)
+        if (c != nullptr) (void)ncclCommAbort(c);
+      return status;
+    }
+    comms_ = std::move(comms);
+    JO_INFO(site.Describe() + ": NCCL communicators created for " +
+            std::to_string(local_ranks_) + " of " + std::to_string(devices_.size()) +
+            " ranks (the others in other processes)");
+    return OkStatus();
+  }
   JO_NCCL_CHECK(&site, ncclCommInitAll(comms.data(), static_cast<int>(devices_.size()),
                                        devices_.data()));
   comms_ = std::move(comms);
@@ -260,6 +304,11 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   gen->num_flags = num_flags;
   for (size_t r = 0; r < devices_.size(); ++r) {
     RankResources& res = *ranks_[r];
+    if (res.device < 0) {  // another process's rank: its buffers are there
+      gen->flags.push_back(nullptr);
+      if (transport_ != Transport::kMulticast) gen->workspace.push_back(nullptr);
+      continue;
+    }
     JO_CUDA_CHECK(&site, cudaSetDevice(res.device));
     if (res.setup == nullptr)
       JO_CUDA_CHECK(&site, cudaStreamCreateWithFlags(&res.setup, cudaStreamNonBlocking));
@@ -275,10 +324,77 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   }
   if (transport_ == Transport::kMulticast && gen->workspace_bytes > 0)
     JO_CHECK(AllocMulticast(gen.get(), site));
+  if (spans_processes() && transport_ == Transport::kP2p)
+    JO_CHECK(ImportPeerBuffers(gen.get(), site));
   JO_INFO(site.Describe() + ": new buffers from epoch " + std::to_string(epoch) + ": workspace 2 x " +
           std::to_string(gen->workspace_bytes) + " bytes, " + std::to_string(num_flags) +
           " flags per rank");
   generations_.push_back(std::move(gen));
+  return OkStatus();
+}
+
+// Record of one local rank in the exchange: rank, then the IPC handles of its
+// flags and of its workspace.
+struct IpcRecord {
+  int32_t rank = -1;
+  cudaIpcMemHandle_t flags{};
+  cudaIpcMemHandle_t workspace{};
+};
+
+Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
+  if (!exchange_)
+    return Internal(site.Describe() + ": p2p clique spanning processes without an exchange");
+  int local_device = -1;
+  std::string mine;
+  for (size_t r = 0; r < devices_.size(); ++r) {
+    if (devices_[r] < 0) continue;
+    local_device = devices_[r];
+    IpcRecord rec;
+    rec.rank = static_cast<int32_t>(r);
+    JO_CUDA_CHECK(&site, cudaSetDevice(devices_[r]));
+    JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&rec.flags, gen->flags[r]->ptr));
+    JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&rec.workspace, gen->workspace[r]->ptr));
+    mine.append(reinterpret_cast<const char*>(&rec), sizeof(rec));
+  }
+  std::map<int32_t, std::string> all;
+  JO_CHECK(exchange_->AllGather("p2p_ipc", mine, &all));
+  const size_t flag_bytes = static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t);
+  const size_t ws_bytes = static_cast<size_t>(2 * gen->workspace_bytes);
+  JO_CUDA_CHECK(&site, cudaSetDevice(local_device));
+  for (const auto& [process, bytes] : all) {
+    if (process == exchange_->process()) continue;
+    if (bytes.size() % sizeof(IpcRecord) != 0)
+      return Internal(site.Describe() + ": process " + std::to_string(process) +
+                      " sent a malformed IPC handle record");
+    for (size_t off = 0; off < bytes.size(); off += sizeof(IpcRecord)) {
+      IpcRecord rec;
+      std::memcpy(&rec, bytes.data() + off, sizeof(rec));
+      if (rec.rank < 0 || rec.rank >= nranks() || devices_[rec.rank] >= 0 ||
+          gen->flags[rec.rank] != nullptr)
+        return InvalidArgument(site.Describe() + ": process " + std::to_string(process) +
+                               " sent IPC handles for rank " + std::to_string(rec.rank) +
+                               ", which is not one of its ranks here: the processes disagree "
+                               "on the rank table");
+      for (auto [handle, slot, size] :
+           {std::tuple{&rec.flags, &gen->flags[rec.rank], flag_bytes},
+            std::tuple{&rec.workspace, &gen->workspace[rec.rank], ws_bytes}}) {
+        auto mapping = std::make_unique<DeviceAlloc>();
+        mapping->device = local_device;
+        mapping->bytes = size;
+        mapping->ipc = true;
+        // Lazy peer access: the mapping is usable from local_device at once.
+        JO_CUDA_CHECK(&site, cudaIpcOpenMemHandle(&mapping->ptr, *handle,
+                                                  cudaIpcMemLazyEnablePeerAccess));
+        *slot = std::move(mapping);
+      }
+    }
+  }
+  for (size_t r = 0; r < devices_.size(); ++r)
+    if (gen->flags[r] == nullptr || gen->workspace[r] == nullptr)
+      return InvalidArgument(site.Describe() + ": no process sent the IPC handles of rank " +
+                             std::to_string(r));
+  JO_INFO(site.Describe() + ": opened the IPC buffers of " +
+          std::to_string(nranks() - local_ranks_) + " ranks in other processes");
   return OkStatus();
 }
 
@@ -315,8 +431,16 @@ Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::str
     broken_ = status.message();
     return status;
   }
-  if (++seen.second == nranks()) signatures_.erase(epoch);
-  if (transport_ != Transport::kNccl && nranks() > 1) JO_CHECK(EnablePeerAccess(site));
+  // Only this process's ranks check in here (ranks of other processes agree
+  // through NCCL's matching, or hang there until the watchdog fires).
+  if (++seen.second == local_ranks_) signatures_.erase(epoch);
+  if (spans_processes() && transport_ == Transport::kMulticast)
+    return Internal(site.Describe() + ": a clique spanning processes with transport multicast "
+                    "(CudaCall should have refused it)");
+  // Across processes, p2p reaches peers through CUDA IPC mappings (opened with
+  // cudaIpcMemLazyEnablePeerAccess) and has one local GPU: nothing to enable.
+  if (transport_ != Transport::kNccl && nranks() > 1 && !spans_processes())
+    JO_CHECK(EnablePeerAccess(site));
   if (transport_ == Transport::kNccl && nranks() > 1) JO_CHECK(CreateComms(site));
   // The newest generation valid at this epoch (see the header).
   const Generation* use = nullptr;
@@ -345,8 +469,11 @@ Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::str
 std::string CudaClique::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out = name() + ": " + TransportName(transport_) + ", GPUs [";
-  for (size_t i = 0; i < devices_.size(); ++i) out += (i ? "," : "") + std::to_string(devices_[i]);
-  out += "], epoch " + std::to_string(Epoch(0));
+  for (size_t i = 0; i < devices_.size(); ++i)
+    out += (i ? "," : "") + (devices_[i] < 0 ? std::string("remote") : std::to_string(devices_[i]));
+  int32_t first_local = 0;
+  while (first_local < nranks() && devices_[first_local] < 0) ++first_local;
+  out += "], epoch " + std::to_string(Epoch(first_local < nranks() ? first_local : 0));
   if (!broken_.empty()) out += ", BROKEN: " + broken_;
   if (!generations_.empty())
     out += ", workspace 2 x " + std::to_string(generations_.back()->workspace_bytes) +

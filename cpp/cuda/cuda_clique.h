@@ -10,9 +10,16 @@
 //     capturing stream);
 //   * flags (uint32, cudaMalloc) and the symmetric workspace: cudaMalloc for
 //     p2p, cuMemCreate + cuMulticastCreate/AddDevice/BindMem for multicast.
-// One process per GPU (cliques spanning processes) needs NCCL ids and CUDA
-// IPC / multicast handles exchanged through jax.distributed: not yet — that
-// arrives with the multi-process issue, and Prepare says so.
+// Cliques spanning processes (one process per GPU): each process holds the
+// ranks whose GPUs it drives (devices() is -1 for the others) and creates
+// resources for those only. Transport nccl: every process calls
+// ncclCommInitRank for its ranks (in one NCCL group) with the clique's
+// ncclUniqueId, exchanged through jax.distributed at trace time
+// (cuda_bootstrap.h). p2p (one GPU per process): each new buffer generation
+// exports its workspace and flags with cudaIpcGetMemHandle, allgathers the
+// handles through the clique's jo::Exchange and opens the peers' with
+// cudaIpcOpenMemHandle; the opened mappings stand in the generation for the
+// remote ranks' buffers. multicast across processes: not yet (refused).
 //
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
@@ -37,17 +44,20 @@
 #include <vector>
 
 #include "core/clique.h"
+#include "core/exchange.h"
 #include "core/program.h"
 #include "cuda/check.h"
 #include "cuda/driver.h"
 
 namespace jo::cuda {
 
-// Device memory from cudaMalloc, freed on its device.
+// Device memory from cudaMalloc, freed on its device; or (ipc) another
+// process's allocation opened with cudaIpcOpenMemHandle, closed on `device`.
 struct DeviceAlloc {
   int device = -1;
   void* ptr = nullptr;
   size_t bytes = 0;
+  bool ipc = false;
   DeviceAlloc() = default;
   DeviceAlloc(const DeviceAlloc&) = delete;
   DeviceAlloc& operator=(const DeviceAlloc&) = delete;
@@ -107,11 +117,15 @@ struct RankResources {
 
 class CudaClique : public Clique {
  public:
-  CudaClique(CliqueKey key, Transport transport, std::vector<int> devices);
+  // `devices`: the local ordinal of each rank, -1 for a rank of another
+  // process; then `nccl_id` is the clique's ncclUniqueId (transport nccl).
+  CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
+             const ncclUniqueId* nccl_id = nullptr, std::shared_ptr<Exchange> exchange = nullptr);
   ~CudaClique() override;
 
   Transport transport() const { return transport_; }
   const std::vector<int>& devices() const { return devices_; }
+  bool spans_processes() const { return local_ranks_ != nranks(); }
 
   // Start of call `epoch` of `rank`: creates what the transport needs (once)
   // and a buffer generation big enough for `program`. Returns the generation
@@ -137,9 +151,13 @@ class CudaClique : public Clique {
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
                        const CallSite& site);              // requires mu_
   Status AllocMulticast(Generation* gen, const CallSite& site);
+  Status ImportPeerBuffers(Generation* gen, const CallSite& site);  // p2p spanning processes
 
   const Transport transport_;
-  const std::vector<int> devices_;  // local ordinal of each rank
+  const std::vector<int> devices_;  // local ordinal of each rank (-1: another process's)
+  const int32_t local_ranks_;       // ranks of this process
+  ncclUniqueId nccl_id_{};          // spanning cliques, transport nccl
+  std::shared_ptr<Exchange> exchange_;  // spanning cliques, transport p2p
   mutable std::mutex mu_;
   bool peers_enabled_ = false;
   std::vector<ncclComm_t> comms_;

@@ -8,12 +8,21 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "python/cuda_bootstrap_bindings.h"
+#include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_call.h"
 #include "cuda/driver.h"
 #include "cuda/watchdog.h"
@@ -24,6 +33,54 @@
 namespace nb = nanobind;
 
 namespace {
+
+// The jo::Exchange of played processes (tests): one board shared by every
+// played process of a clique; a call's n-th use of a tag meets the other
+// processes' n-th use, like StoreExchange's fresh keys per use. A process that
+// does not post in time is named, as the store's exchange does.
+struct Board {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::tuple<std::string, int64_t, int32_t>, std::string> posts;  // (tag, use, process)
+  std::map<std::pair<std::string, int32_t>, int64_t> uses;
+};
+
+class PlayedExchange : public jo::Exchange {
+ public:
+  PlayedExchange(std::shared_ptr<Board> board, int32_t me, std::vector<int32_t> procs,
+                 int64_t timeout_ms)
+      : board_(std::move(board)), me_(me), procs_(std::move(procs)), timeout_ms_(timeout_ms) {}
+  int32_t process() const override { return me_; }
+  std::vector<int32_t> processes() const override { return procs_; }
+  jo::Status Broadcast(const std::string& tag, int32_t root, std::string* data) override {
+    std::map<int32_t, std::string> all;
+    JO_CHECK(AllGather(tag, me_ == root ? *data : std::string(), &all));
+    *data = all[root];
+    return jo::OkStatus();
+  }
+  jo::Status AllGather(const std::string& tag, const std::string& mine,
+                       std::map<int32_t, std::string>* all) override {
+    std::unique_lock<std::mutex> lock(board_->mu);
+    const int64_t use = board_->uses[{tag, me_}]++;
+    board_->posts[{tag, use, me_}] = mine;
+    board_->cv.notify_all();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+    for (int32_t p : procs_) {
+      const auto key = std::make_tuple(tag, use, p);
+      if (!board_->cv.wait_until(lock, deadline, [&] { return board_->posts.count(key) > 0; }))
+        return jo::Status(jo::Code::kTimeout, "exchange allgather '" + tag + "': process " +
+                                                  std::to_string(p) + " did not answer (played)");
+      (*all)[p] = board_->posts[key];
+    }
+    return jo::OkStatus();
+  }
+
+ private:
+  std::shared_ptr<Board> board_;
+  int32_t me_;
+  std::vector<int32_t> procs_;
+  int64_t timeout_ms_;
+};
 
 jo::DType ParseDType(const std::string& s) {
   if (s == "float32") return jo::DType::kF32;
@@ -42,6 +99,7 @@ jo::Transport ParseTransport(const std::string& s) {
 void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms) {
   jo::cuda::ResetCudaCliques();
+  jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
   jo::fake::Config config;
   config.devices = devices;
@@ -59,12 +117,14 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
              bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
-             int calls, int skew_rank, int skip_rank, int64_t timeout_ms) {
+             int calls, int skew_rank, int skip_rank, int64_t timeout_ms,
+             std::optional<std::vector<int64_t>> processes) {
   const bool ag = op == "ag_matmul";
   if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
-      static_cast<int>(devices.size()) != nranks)
-    throw nb::value_error("xs, ws and devices need one entry per rank");
+      static_cast<int>(devices.size()) != nranks ||
+      (processes && static_cast<int>(processes->size()) != nranks))
+    throw nb::value_error("xs, ws, devices and processes need one entry per rank");
   jo::Problem q;
   q.op = ag ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
   q.transport = ParseTransport(transport);
@@ -97,6 +157,18 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
       std::memset(g[r], 0x7F, g_elems * es);
     }
   }
+  if (processes && q.transport == jo::Transport::kP2p) {
+    // Each played process gets its exchange for this clique (group 0), unless the test
+    // registered its own (set_exchange).
+    std::vector<int32_t> procs(processes->begin(), processes->end());
+    std::sort(procs.begin(), procs.end());
+    procs.erase(std::unique(procs.begin(), procs.end()), procs.end());
+    auto board = std::make_shared<Board>();
+    for (int32_t p : procs)
+      if (!jo::cuda::FindExchange(clique_key, 0, p))
+        (void)jo::cuda::RegisterExchange(
+            clique_key, 0, p, std::make_shared<PlayedExchange>(board, p, procs, timeout_ms));
+  }
   std::vector<std::string> statuses(nranks);
   {
     nb::gil_scoped_release release;
@@ -121,8 +193,15 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         args.clique_key = clique_key;
         args.table.axis_size = nranks;
         args.table.devices = devices;
-        args.table.processes.assign(devices.size(), 0);
-        args.process_index = 0;
+        // processes: which (played) process each rank belongs to; a clique
+        // spanning them is one clique object per process, as in real life.
+        if (processes) {
+          args.table.processes = *processes;
+          args.process_index = (*processes)[r];
+        } else {
+          args.table.processes.assign(devices.size(), 0);
+          args.process_index = 0;
+        }
         args.device = dev;
         args.stream = xla;
         args.io = {x[r], w[r], y[r], g[r]};
@@ -286,7 +365,8 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
         nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
-        nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000);
+        nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
+        nb::arg("processes") = nb::none());
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
@@ -297,4 +377,7 @@ NB_MODULE(_cuda_fake, m) {
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");
+  m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
+  m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Forget every clique (the fake keeps its state).");
+  jo::python::BindCudaBootstrap(m);
 }

@@ -13,6 +13,7 @@
 
 #include <string>
 
+#include "python/cuda_bootstrap_bindings.h"
 #include "cuda/cuda_call.h"
 #include "cuda/driver.h"
 #include "cuda/ffi_handlers.h"
@@ -160,4 +161,5 @@ NB_MODULE(_cuda, m) {
         "The process index the handlers find themselves with in the rank table.");
   m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
   m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Tests only: forget every clique.");
+  jo::python::BindCudaBootstrap(m);
 }

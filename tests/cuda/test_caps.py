@@ -93,3 +93,18 @@ def test_real_table_has_the_same_shape():
     ordinals = [d["ordinal"] for d in caps["devices"]]
     reasons = transport_reasons(caps, ordinals or [0])
     assert set(reasons) == {"multicast", "p2p", "nccl"}
+
+
+def test_cliques_spanning_processes():
+    """One process per GPU: auto picks nccl; p2p on request with one GPU per process;
+    multicast across processes says "not yet"."""
+    caps = table()
+    assert choose_transport(caps, [0], "auto", across_processes=True) == "nccl"
+    assert choose_transport(caps, [0], "nccl", across_processes=True) == "nccl"
+    assert choose_transport(caps, [0], "p2p", across_processes=True) == "p2p"
+    with pytest.raises(ValueError, match="one GPU per process"):
+        choose_transport(caps, [0, 1], "p2p", across_processes=True)
+    with pytest.raises(ValueError, match="not yet across processes"):
+        choose_transport(caps, [0], "multicast", across_processes=True)
+    # In one process the same GPUs keep every transport.
+    assert choose_transport(caps, [0, 1], "auto") == "multicast"

@@ -207,7 +207,8 @@ def test_multicast_half_needs_even_width(fake):
     ([0, 0, 0, 0], [3, 2, 1, 0], 0, 3, "rank 0 group 0"),
     ([0, 0, 0, 0], [0, 1, 2, 3], 0, 5, "does not contain"),
     ([0, 0, 0, 0], [0, 1, 1, 3], 0, 1, "twice"),
-    ([0, 0, 1, 1], [0, 1, 0, 1], 1, 1, "not yet"),
+    # A clique spanning processes: the rank is found; ranks elsewhere are remote (device -1).
+    ([0, 0, 1, 1], [0, 1, 0, 1], 1, 1, "rank 3 group 0"),
 ])
 def test_rank_table_lookup(fake, processes, devices, process, device, expected):
     got = fake.place(4, processes, devices, process, device)
@@ -277,3 +278,136 @@ def test_watchdog_turns_a_missing_peer_into_an_error(fake, op, transport):
     again = fake.run(*args, clique_key=9)
     assert all(s and "broken by an earlier failure" in s and "not finished" in s
                for s in again["statuses"]), again["statuses"]
+
+
+# ---- cliques spanning processes, played in one process -------------------------------------
+#
+# ``processes`` gives each rank's (played) process: every played process gets its own clique
+# object holding only its ranks (the others are device -1), exactly as in separate processes; the
+# NCCL unique id is made once (ncclGetUniqueId, "in the process of rank 0") and registered for
+# every process, as _native does after moving it through the jax.distributed store. The fake's
+# ncclCommInitRank joins the ranks that give the same id; its send/recv then run between them.
+# What is real here: the executor's multi-process code path (placement with remote ranks,
+# per-process cliques, ncclCommInitRank in a group, local-only buffers and signature checks).
+# What is modelled: all played processes share one fake "GPU" world and one NCCL rendezvous.
+# tests/multiprocess/test_cuda_multiprocess.py moves the id between real processes.
+
+
+def _spanning(fake, key, processes, group=0):
+    uid = fake.nccl_unique_id()
+    for p in sorted(set(processes)):
+        fake.set_nccl_id(key, group, p, uid)
+
+
+@pytest.mark.parametrize("processes,devices", [
+    ([0, 1], [0, 0]),              # one process per GPU, each its GPU 0 (SLURM style)
+    ([0, 1, 2, 3], [0, 0, 0, 0]),
+    ([0, 0, 1, 1], [0, 1, 0, 1]),  # two processes with two GPUs each
+    ([1, 0, 0, 1], [0, 0, 1, 1]),  # ranks interleaved across processes
+])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_clique_spanning_processes_nccl(fake, op, processes, devices):
+    n = len(processes)
+    fake.reset()
+    _spanning(fake, 11, processes)
+    xs, ws = _inputs(op, n, 2, 3, 8, 6, "float32")
+    out = fake.run(op, "nccl", n, 2, 3, 8, 6, "float32", 2, n > 2, op == "ag_matmul",
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
+                   clique_key=11, calls=2, processes=processes)
+    check(fake, out, op, xs, ws, 3, "float32", return_gathered=op == "ag_matmul")
+    counters = fake.counters()
+    assert counters.get("ncclCommInitRank") == n and "ncclCommInitAll" not in counters, counters
+    cliques = fake.cliques() if hasattr(fake, "cliques") else None
+    assert cliques is None or cliques.count("remote") >= n
+
+
+@pytest.mark.parametrize("processes,devices", [
+    ([0, 1], [0, 0]),              # one process per GPU, each its GPU 0
+    ([0, 1, 2], [0, 1, 2]),        # distinct GPUs: the IPC mapping enables peer access
+    ([3, 1, 0, 2], [0, 0, 0, 0]),
+])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_clique_spanning_processes_p2p(fake, op, processes, devices):
+    """p2p, one GPU per process: each buffer generation's workspace and flags go out as CUDA IPC
+    handles through the clique's exchange (played here) and peers' are opened; a bigger second
+    shape may grow the buffers: a new generation is exchanged the same way."""
+    n = len(processes)
+    fake.reset()
+    for rows in (3, 5):
+        xs, ws = _inputs(op, n, 2, rows, 8, 6, "float32")
+        out = fake.run(op, "p2p", n, 2, rows, 8, 6, "float32", 2, n > 2, False,
+                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
+                       clique_key=15, calls=2, processes=processes)
+        check(fake, out, op, xs, ws, rows, "float32")
+    counters = fake.counters()
+    # Per generation, every rank exports 2 buffers and opens its n - 1 peers' 2 buffers.
+    generations, rest = divmod(counters["cudaIpcGetMemHandle"], 2 * n)
+    assert rest == 0 and generations >= 1, counters
+    assert counters["cudaIpcOpenMemHandle"] == 2 * n * (n - 1) * generations, counters
+    cliques = fake.cliques()
+    fake.reset()
+    assert fake.counters() == {} and "remote" in cliques
+
+
+def test_clique_spanning_processes_p2p_closes_its_mappings(fake):
+    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
+    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=16,
+                   processes=[0, 1])
+    check(fake, out, "ag_matmul", xs, ws, 3, "float32")
+    fake._reset_cliques()
+    counters = fake.counters()
+    assert counters["cudaIpcCloseMemHandle"] == counters["cudaIpcOpenMemHandle"] == 4, counters
+    assert fake.errors() == []
+
+
+def test_clique_spanning_processes_p2p_silent_process(fake):
+    """Process 1 never calls: process 0's exchange of IPC handles names it after the timeout."""
+    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
+    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=17,
+                   processes=[0, 1], skip_rank=1, timeout_ms=300)
+    assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
+    assert "p2p_ipc" in out["statuses"][0]
+
+
+@pytest.mark.parametrize("transport,processes,expected", [
+    ("multicast", [0, 1], "not yet: transport multicast across processes"),
+    ("p2p", [0, 0, 1, 1], "p2p across processes needs one GPU per process"),
+])
+def test_clique_spanning_processes_refusals(fake, transport, processes, expected):
+    n = len(processes)
+    _spanning(fake, 12, processes)
+    xs, ws = _inputs("ag_matmul", n, 1, 3, 8, 6, "float32")
+    out = fake.run("ag_matmul", transport, n, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
+                   clique_key=12, processes=processes)
+    assert all(s and expected in s for s in out["statuses"]), out["statuses"]
+
+
+def test_clique_spanning_processes_without_the_id(fake):
+    """A process that never traced the call (no id registered) gets a clear error, not a hang."""
+    xs, ws = _inputs("matmul_rs", 2, 1, 3, 8, 6, "float32")
+    out = fake.run("matmul_rs", "nccl", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=13,
+                   processes=[0, 1])
+    assert all(s and "has no NCCL unique id" in s and "jax.distributed" in s
+               for s in out["statuses"]), out["statuses"]
+
+
+def test_clique_spanning_processes_missing_peer_times_out(fake):
+    """Process 1 never calls: process 0's rank waits inside NCCL; the watchdog reports it."""
+    fake.reset(grace_ms=10000)
+    _spanning(fake, 14, [0, 1])
+    xs, ws = _inputs("ag_matmul", 2, 1, 4, 8, 6, "float32")
+    out = fake.run("ag_matmul", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=14,
+                   processes=[0, 1], skip_rank=1, timeout_ms=200)
+    assert out["drained"], fake.errors()
+    warning = fake.last_warning()
+    assert "not finished on GPU" in warning and "inside NCCL" in warning, warning
+
+
+def test_nccl_ids_are_checked(fake):
+    with pytest.raises(ValueError, match="128 bytes"):
+        fake.set_nccl_id(1, 0, 0, b"short")

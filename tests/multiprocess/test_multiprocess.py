@@ -130,3 +130,46 @@ def test_processes_that_disagree_on_a_call_fail_fast_with_both_calls_named():
         assert error is not None and "ranks disagree on call 1 of this clique" in error, result
         assert "[1,2,16]x2" in error and "[1,2,8]x2" in error, error
         assert result["elapsed_s"] < 20, result  # the check, not the 30 s timeout
+
+
+def require_module(name: str) -> None:
+    """Skips (fails under JAXOVERLAP_REQUIRE_CUDA=1) when ``jaxoverlap.<name>`` is not built."""
+    import importlib
+
+    from jaxoverlap import _cuda_caps
+
+    try:
+        _cuda_caps.load_cuda()
+        importlib.import_module(f"jaxoverlap.{name}")
+    except ImportError as e:
+        if os.environ.get("JAXOVERLAP_REQUIRE_CUDA", "") == "1":
+            pytest.fail(f"jaxoverlap.{name} must be built (JAXOVERLAP_REQUIRE_CUDA=1): {e}")
+        pytest.skip(f"jaxoverlap.{name} is not built in this installation: {e}")
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_gpu_clique_bootstrap_across_processes_on_the_fake(nprocs):
+    """The NCCL unique id of GPU cliques spanning processes travels through the store; each
+    process then runs the CUDA executor's multi-process path on its host-side fake. Processes 0
+    and 1 also send each other the CUDA IPC handles of a p2p clique from C++ (jo::Exchange over
+    the store); the fake cannot open another process's memory and says whose handle it got."""
+    require_module("_cuda_fake")
+    procs = harness.run("cuda_nccl_id", nprocs, 1)
+    for p in procs:
+        result = p.result()
+        want = [f"{op}/g{g}" for op in ("ag_matmul", "matmul_rs") for g in (0, 1)]
+        if p.process_id < 2:
+            want.append("p2p-ipc-handles")
+        assert sorted(result["checked"]) == sorted(want), p.stdout
+
+
+def test_gpu_clique_bootstrap_names_a_silent_root():
+    require_module("_cuda_fake")
+    procs = harness.run("cuda_nccl_id", 2, 1, params={"timeout_s": 3.0, "root_absent": True},
+                        timeout_s=120, expect_success=False)
+    result = procs[1].result()
+    assert procs[1].returncode == 0, harness.describe(procs)
+    assert "BootstrapError" in result["error"] and "process 0 did not answer" in result["error"], \
+        result
+    assert "nccl_id" in result["error"], result
+    assert 2.5 <= result["elapsed_s"] < 15, result

@@ -418,6 +418,112 @@ def fail() -> dict[str, Any]:
     return {}
 
 
+def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str, Any]:
+    """Multi-process GPU cliques on the host-side fake: the trace-time exchange for real.
+
+    Two cliques span every process (group 0: rank r in process r; group 1: reversed, so its
+    root is the last process). ``_native.bootstrap_gpu_cliques`` makes the NCCL unique id in the
+    root process (the fake's ncclGetUniqueId), moves it through this job's jax.distributed store
+    and registers it with the module, exactly as a GPU trace does. Then every process runs each
+    whole clique through the CUDA executor on its own fake, playing the other processes' ranks
+    (they register the id this process received): the executor's multi-process path
+    (ncclCommInitRank with the exchanged id) against the reference. What does not cross
+    processes here is the fake's NCCL traffic itself (no GPU, no NCCL network).
+    """
+    from jaxoverlap import _bootstrap, _cuda_caps, _native
+
+    _cuda_caps.load_cuda()
+    import jaxoverlap._cuda_fake as fake
+
+    me, n = jax.process_index(), jax.process_count()
+    table = np.array(list(range(n)) + list(reversed(range(n))), np.int64)
+    key = 0x5EED
+    fake.reset(devices=1)
+    if root_absent:
+        if me == 0:
+            time.sleep(timeout_s + 20)  # never traces; the harness kills it
+            return {}
+        start = time.monotonic()
+        try:
+            _native.bootstrap_gpu_cliques(fake, key, table, n, timeout_s)
+            error = None
+        except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
+            error = f"{type(e).__name__}: {e}"
+        result = {"error": error, "elapsed_s": time.monotonic() - start}
+        print("JO_MP_RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    ids = _native.bootstrap_gpu_cliques(fake, key, table, n, timeout_s)
+    assert sorted(ids) == [0, 1], ids
+    assert _native.bootstrap_gpu_cliques(fake, key, table, n, timeout_s) == {}  # once per clique
+    made = fake.counters().get("ncclGetUniqueId", 0)
+    assert made == (me == 0) + (me == n - 1), (me, made)  # only the roots made ids
+    everyone = _bootstrap.allgather_bytes("nccl-id-check", "ids", ids[0] + ids[1],
+                                          processes=list(range(n)), timeout_s=timeout_s)
+    assert len(set(everyone.values())) == 1, "processes got different NCCL ids"
+    assert ids[0] != ids[1] and all(i.startswith(b"fake-nccl-id") for i in ids.values())
+    rows, k, nw = 3, 8, 6
+    checked = []
+    for group in (0, 1):
+        procs = [int(p) for p in table[group * n:(group + 1) * n]]
+        # The whole clique plays here as one group of its own: the id this process received
+        # is registered for every played process.
+        run_key = key + 1000 * (group + 1)
+        for p in range(n):
+            fake.set_nccl_id(run_key, 0, p, ids[group])
+        for op in ("ag_matmul", "matmul_rs"):
+            rng = np.random.default_rng(group)
+            x_rows = rows if op == "ag_matmul" else rows * n
+            xs = [rng.standard_normal((1, x_rows, k)).astype(np.float32) for _ in range(n)]
+            ws = [rng.standard_normal((k, nw)).astype(np.float32) for _ in range(n)]
+            out = fake.run(op, "nccl", n, 1, rows, k, nw, "float32", 2, False, False,
+                           [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0] * n,
+                           clique_key=run_key, calls=1, processes=procs)
+            assert out["statuses"] == [None] * n and out["drained"], (out["statuses"],
+                                                                       fake.errors())
+            if op == "ag_matmul":
+                refs = [np.concatenate(xs, axis=1) @ w for w in ws]
+            else:
+                total = sum(x @ w for x, w in zip(xs, ws, strict=True))
+                refs = [total[:, r * rows:(r + 1) * rows] for r in range(n)]
+            for y, ref in zip(out["ys"], refs, strict=True):
+                np.testing.assert_allclose(np.frombuffer(y, np.float32).reshape(ref.shape), ref,
+                                           rtol=1e-5, atol=1e-4)
+            checked.append(f"{op}/g{group}")
+    if me < 2:
+        checked.append(p2p_handles_cross(fake, key + 7, timeout_s))
+    fake.reset()
+    return {"checked": checked, "made_ids": made}
+
+
+def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
+    """p2p across processes 0 and 1: CUDA IPC handles travel from C++ through jo::Exchange.
+
+    Each process runs only its own rank of a 2-rank p2p clique. At its first execution the
+    clique exports its buffers (the fake's cudaIpcGetMemHandle), allgathers the handles through
+    the exchange ``bootstrap_gpu_cliques`` registered (PyExchange -> StoreExchange -> this job's
+    store) and opens the peer's: the fake refuses that, since its "device memory" is this
+    process's heap, and its error names the pid the handle came from — the peer's.
+    """
+    from jaxoverlap import _bootstrap, _native
+
+    me = jax.process_index()
+    _native.bootstrap_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)
+    pids = _bootstrap.allgather_bytes("p2p-pids", "pid", str(os.getpid()).encode(),
+                                      processes=[0, 1], timeout_s=timeout_s)
+    xs = [np.ones((1, 3, 8), np.float32)] * 2
+    ws = [np.ones((8, 6), np.float32)] * 2
+    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
+                   clique_key=key, processes=[0, 1], skip_rank=1 - me,
+                   timeout_ms=int(timeout_s * 1000))
+    status = out["statuses"][me] or ""
+    assert "cudaIpcOpenMemHandle" in status and "failed" in status, status
+    errors = " ".join(fake.errors())
+    assert f"handle from pid {pids[1 - me].decode()}" in errors, errors
+    assert fake.counters().get("cudaIpcGetMemHandle") == 2, fake.counters()
+    return "p2p-ipc-handles"
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
@@ -425,6 +531,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "early_exit": early_exit,
     "bootstrap_missing": bootstrap_missing,
     "exchange": exchange,
+    "cuda_nccl_id": cuda_nccl_id,
     "disagree": disagree,
     "hang": hang,
     "leak_shm": leak_shm,

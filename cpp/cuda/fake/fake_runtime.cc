@@ -12,6 +12,7 @@
 #include <thread>
 #include <cstdlib>
 #include <cstring>
+#include <unistd.h>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -114,6 +115,10 @@ struct State {
   CUmemGenericAllocationHandle next_handle = 1;
   std::vector<std::unique_ptr<ncclComm>> comms;
   int next_clique = 0;
+  // ncclCommInitRank: the clique each unique id names, and its ranks so far.
+  std::map<std::string, std::pair<int, std::set<int>>> id_cliques;
+  uint64_t next_unique_id = 1;
+  std::map<uintptr_t, int> ipc_open;  // cudaIpcOpenMemHandle mappings (base -> opens)
   std::map<std::tuple<int, int, int>, std::deque<std::shared_ptr<Message>>> channels;
   std::map<cublasLtMatmulDesc_t, Desc> descs;
   std::map<cublasLtMatrixLayout_t, Layout> layouts;
@@ -410,6 +415,8 @@ void Reset(const Config& config) {
   s.phys.clear();
   s.mcs.clear();
   s.comms.clear();
+  s.id_cliques.clear();
+  s.ipc_open.clear();
   s.channels.clear();
   s.descs.clear();
   s.layouts.clear();
@@ -645,6 +652,76 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
   return cudaSuccess;
 }
 
+// CUDA IPC. The fake's "device memory" is this OS process's heap, so IPC is
+// modelled within one OS process (the tests play several processes in one):
+// a handle names the allocation's base (and the pid, checked); opening it
+// returns that same base (a real driver returns a new mapping) and, with
+// cudaIpcMemLazyEnablePeerAccess, gives the current device access to it.
+// Like the driver: only a whole allocation's base can be exported, opening
+// in another "process" requires the handle be well-formed, close needs an open.
+namespace {
+constexpr char kIpcTag[] = "fake-ipc";
+struct FakeIpc {
+  char tag[sizeof(kIpcTag)];
+  int64_t pid;
+  uint64_t base;
+  uint64_t bytes;
+};
+static_assert(sizeof(FakeIpc) <= sizeof(cudaIpcMemHandle_t), "fake IPC handle too big");
+}  // namespace
+
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
+  Lock lock(S().mu);
+  Count("cudaIpcGetMemHandle");
+  auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));
+  if (it == S().allocs.end() || it->second.multicast)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcGetMemHandle: not the base of a cudaMalloc allocation");
+  FakeIpc ipc{};
+  std::memcpy(ipc.tag, kIpcTag, sizeof(kIpcTag));
+  ipc.pid = ::getpid();
+  ipc.base = it->first;
+  ipc.bytes = it->second.bytes;
+  std::memset(handle, 0, sizeof(*handle));
+  std::memcpy(handle, &ipc, sizeof(ipc));
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned int flags) {
+  Lock lock(S().mu);
+  Count("cudaIpcOpenMemHandle");
+  FakeIpc ipc{};
+  std::memcpy(&ipc, &handle, sizeof(ipc));
+  if (std::memcmp(ipc.tag, kIpcTag, sizeof(kIpcTag)) != 0)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: not a handle from cudaIpcGetMemHandle");
+  if (ipc.pid != ::getpid())
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the fake models CUDA IPC within one "
+                                         "OS process only (handle from pid " + std::to_string(ipc.pid) + ")");
+  auto it = S().allocs.find(ipc.base);
+  if (it == S().allocs.end() || it->second.bytes != ipc.bytes)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the exported allocation is gone");
+  if (flags != cudaIpcMemLazyEnablePeerAccess)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: flags other than cudaIpcMemLazyEnablePeerAccess are not modelled");
+  if (it->second.device != t_device) {
+    if (!jo::fake::CanAccessPeer(t_device, it->second.device))
+      return RtFail(cudaErrorPeerAccessUnsupported, "cudaIpcOpenMemHandle: device " + std::to_string(t_device) +
+                                                    " cannot access device " + std::to_string(it->second.device));
+    S().peer_enabled.insert({t_device, it->second.device});
+  }
+  ++S().ipc_open[ipc.base];
+  *p = reinterpret_cast<void*>(ipc.base);
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcCloseMemHandle(void* p) {
+  Lock lock(S().mu);
+  Count("cudaIpcCloseMemHandle");
+  auto it = S().ipc_open.find(reinterpret_cast<uintptr_t>(p));
+  if (it == S().ipc_open.end() || it->second == 0)
+    return RtFail(cudaErrorInvalidValue, "cudaIpcCloseMemHandle: not an opened IPC mapping");
+  --it->second;
+  return cudaSuccess;
+}
+
 cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) {
   Lock lock(S().mu);
   if (!jo::fake::ValidDevice(a) || !jo::fake::ValidDevice(b)) return RtFail(cudaErrorInvalidDevice, "cudaDeviceCanAccessPeer");
@@ -763,6 +840,55 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
     comms[r] = c.get();
     S().comms.push_back(std::move(c));
   }
+  return ncclSuccess;
+}
+
+// ncclGetUniqueId: distinct bytes per call and per OS process (pid, counter).
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+  Lock lock(S().mu);
+  Count("ncclGetUniqueId");
+  std::memset(id->internal, 0, sizeof(id->internal));
+  const std::string text = "fake-nccl-id pid=" + std::to_string(::getpid()) + " n=" +
+                           std::to_string(S().next_unique_id++);
+  std::memcpy(id->internal, text.data(), std::min(text.size(), sizeof(id->internal)));
+  return ncclSuccess;
+}
+
+// ncclCommInitRank: ranks giving the same id join one clique (the fake's
+// NCCL world is this process, so "other processes" are other callers here).
+// Each rank joins once; nranks must agree. Unlike NCCL it does not block
+// until every rank has joined: the fake's send/recv rendezvous in Drain()
+// is what would hang on a missing rank.
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  Lock lock(S().mu);
+  Count("ncclCommInitRank");
+  if (nranks < 1 || rank < 0 || rank >= nranks || !jo::fake::ValidDevice(t_device)) {
+    Fail("ncclCommInitRank: bad nranks/rank/current device");
+    return ncclInvalidArgument;
+  }
+  const std::string key(id.internal, sizeof(id.internal));
+  if (key.rfind("fake-nccl-id", 0) != 0) {
+    Fail("ncclCommInitRank: the id was not made by ncclGetUniqueId");
+    return ncclInvalidArgument;
+  }
+  auto [it, fresh] = S().id_cliques.try_emplace(key, S().next_clique, std::set<int>{});
+  if (fresh) ++S().next_clique;
+  if (!it->second.second.insert(rank).second) {
+    Fail("ncclCommInitRank: rank " + std::to_string(rank) + " joined this id twice");
+    return ncclInvalidUsage;
+  }
+  auto c = std::make_unique<ncclComm>();
+  c->clique = it->second.first;
+  c->rank = rank;
+  c->nranks = nranks;
+  c->device = t_device;
+  for (const auto& other : S().comms)
+    if (other->clique == c->clique && other->nranks != nranks) {
+      Fail("ncclCommInitRank: ranks of one id disagree on nranks");
+      return ncclInvalidUsage;
+    }
+  *comm = c.get();
+  S().comms.push_back(std::move(c));
   return ncclSuccess;
 }
 
