@@ -61,12 +61,23 @@ def test_mixed_meshes_interleaved_ring_and_growth():
         assert result["linked"] == [], result["linked"]  # growth generations unlinked too
 
 
+# JAX's own failure handling: its coordination service may notice the dead process and
+# terminate the others before our timeout fires (seen on a loaded 2-core machine).
+_JAX_TERMINATED = "Terminating process because the JAX distributed service detected fatal errors"
+
+
 def test_a_process_that_exits_early_gives_a_timeout_error_not_a_hang():
     timeout_s = 4.0
-    start = time.monotonic()
-    procs = harness.run("early_exit", 3, 1, params={"victim": 1, "timeout_s": timeout_s},
-                        timeout_s=120)
-    assert time.monotonic() - start < 90
+    for attempt in range(2):
+        start = time.monotonic()
+        procs = harness.run("early_exit", 3, 1, params={"victim": 1, "timeout_s": timeout_s},
+                            timeout_s=120, expect_success=False)
+        assert time.monotonic() - start < 90
+        if not any(_JAX_TERMINATED in p.stderr for p in procs if p.process_id != 1):
+            break
+        # That outcome is no hang either, but it is JAX's, not ours: run once more to see ours.
+        assert attempt == 0, harness.describe(procs)
+    assert all(p.returncode == 0 for p in procs), harness.describe(procs)
     survivors = [p.result() for p in procs if p.process_id != 1]
     assert len(survivors) == 2 and all(survivors), harness.describe(procs)
     for result in survivors:
