@@ -202,6 +202,10 @@ class StoreExchange:
         return allgather_bytes(self.clique_id, tag, data, processes=self.processes,
                                timeout_s=self.timeout_s)
 
+    def share_fds(self, tag: str, fds: Sequence[int]) -> dict[int, list[int]]:
+        return share_fds(self.clique_id, tag, fds, processes=self.processes,
+                         timeout_s=self.timeout_s, allow_empty=True)
+
 
 def exchange_cuda_handles(clique_id: str, *, rank_process: Sequence[int], local_handles: bytes,
                           nccl_unique_id: bytes | None, timeout_s: float
@@ -223,7 +227,8 @@ def exchange_cuda_handles(clique_id: str, *, rank_process: Sequence[int], local_
 
 
 def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequence[int],
-              timeout_s: float, method: str = "socket") -> dict[int, list[int]]:
+              timeout_s: float, method: str = "socket",
+              allow_empty: bool = False) -> dict[int, list[int]]:
     """Every process of ``processes`` shares its ``fds`` with the others (same machine only).
 
     For POSIX-fd handles (``cuMemExportToShareableHandle``). Returns process -> duplicates, in
@@ -231,12 +236,14 @@ def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequen
     ``method="socket"``: SCM_RIGHTS over an abstract Unix socket that only serves the expected
     peers' pids (works under any ptrace policy). ``method="pidfd"``: ``pidfd_getfd`` (Linux >= 5.6,
     needs ptrace access to the owner). Pids, fd numbers and socket names go through the store.
+    ``allow_empty``: a process may offer no fds (e.g. only the owner of a multicast object
+    exports it); processes that offered none get no entry in the result.
     """
     from jaxoverlap import _runtime
 
     if method not in ("socket", "pidfd"):
         raise ValueError(f"jaxoverlap: share_fds method={method!r}: use 'socket' or 'pidfd'")
-    if not fds:
+    if not fds and not allow_empty:
         raise ValueError("jaxoverlap: share_fds needs at least one fd")
     host = _runtime.load_host()
     procs = _check_processes(processes)
@@ -251,7 +258,7 @@ def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequen
     try:
         if method == "pidfd":
             for p in procs:
-                if p != me:
+                if p != me and peers[p]["fds"]:
                     out[p] = []
                     for fd in peers[p]["fds"]:
                         out[p].append(host._fd_dup_from_process(peers[p]["pid"], fd))
@@ -260,15 +267,17 @@ def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequen
                             timeout_s=max(0.1, deadline - time.monotonic()))
             return out
         others = [peers[p]["pid"] for p in procs if p != me]
-        server = host._fd_serve(name, mine["fds"], others, int(timeout_s * 1000))
+        server = (host._fd_serve(name, mine["fds"], others, int(timeout_s * 1000))
+                  if mine["fds"] else None)
         try:
             for p in procs:
-                if p != me:
+                if p != me and peers[p]["fds"]:
                     remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
                     out[p] = host._fd_receive(peers[p]["socket"], len(peers[p]["fds"]),
                                               remaining_ms)
         finally:
-            server.finish()  # raises if a peer never fetched its copies
+            if server is not None:
+                server.finish()  # raises if a peer never fetched its copies
         return out
     except BaseException:
         for got in out.values():

@@ -29,6 +29,17 @@ class Exchange {
   // Every process contributes `mine`; *all maps each process to its bytes.
   virtual Status AllGather(const std::string& tag, const std::string& mine,
                            std::map<int32_t, std::string>* all) = 0;
+  // POSIX fds (same machine): every process offers its `fds` (possibly none);
+  // *got maps each other process that offered any to duplicates, in this
+  // process, of its fds, in order. The caller owns (and closes) them. Owners
+  // may close theirs once this returns. Default: not available.
+  virtual Status ShareFds(const std::string& tag, const std::vector<int>& fds,
+                          std::map<int32_t, std::vector<int>>* got) {
+    (void)fds;
+    got->clear();
+    return Status(Code::kInvalidArgument,
+                  "exchange share_fds '" + tag + "': this exchange cannot move file descriptors");
+  }
 };
 
 }  // namespace jo

@@ -73,6 +73,22 @@ class PyExchange : public Exchange {
                       "{process: bytes}");
     }
   }
+  Status ShareFds(const std::string& tag, const std::vector<int>& fds,
+                  std::map<int32_t, std::vector<int>>* got) override {
+    nanobind::gil_scoped_acquire gil;
+    got->clear();
+    try {
+      nanobind::dict out = nanobind::cast<nanobind::dict>(impl_.attr("share_fds")(tag, fds));
+      for (auto item : out)
+        (*got)[nanobind::cast<int32_t>(item.first)] = nanobind::cast<std::vector<int>>(item.second);
+      return OkStatus();
+    } catch (const nanobind::python_error& e) {
+      return FromPython("share_fds '" + tag + "'", e);
+    } catch (const nanobind::cast_error&) {
+      return Internal("exchange share_fds '" + tag + "': the Python side did not return "
+                      "{process: [fd]}");
+    }
+  }
 
  private:
   static Status FromPython(const std::string& what, const nanobind::python_error& e) {
