@@ -96,24 +96,29 @@ def transport_reasons(caps: dict[str, Any], devices: Sequence[int]) -> dict[str,
                   "(no NVLink/PCIe P2P path, or disabled)")
     reasons["nccl"] = None
     reasons["p2p"] = p2p_reason
+    reasons["multicast"] = _multicast_device_reason(caps, devices, known)
+    if reasons["multicast"] is None and p2p_reason is not None:
+        reasons["multicast"] = p2p_reason + " (flags live in peer memory)"
+    if len(devices) == 1:
+        reasons = {t: None for t in AUTO_ORDER}  # nothing moves: every transport is trivially fine
+    return reasons
+
+
+def _multicast_device_reason(caps: dict[str, Any], devices: Sequence[int],
+                             known: dict[int, Any]) -> str | None:
+    """Why the GPUs ``devices`` themselves cannot take part in multicast (None: they can)."""
     old_sm = [d for d in devices if tuple(known[d]["compute_capability"]) < (9, 0)]
     no_mc = [d for d in devices if not known[d].get("multicast")]
     driver = int(caps.get("cuda_driver_int") or 0)
     if not caps.get("driver_multicast_api", False) or driver < MULTICAST_MIN_DRIVER:
-        reasons["multicast"] = ("the driver lacks the multicast API (cuMulticastCreate needs a "
-                                "CUDA >= 12.1 driver)")
-    elif old_sm:
-        reasons["multicast"] = f"GPU(s) {old_sm} are older than sm_90 (multimem needs Hopper+)"
-    elif no_mc:
-        reasons["multicast"] = (f"GPU(s) {no_mc} report no CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED "
-                                "(needs NVSwitch with Fabric Manager running)")
-    elif p2p_reason is not None:
-        reasons["multicast"] = p2p_reason + " (flags live in peer memory)"
-    else:
-        reasons["multicast"] = None
-    if len(devices) == 1:
-        reasons = {t: None for t in AUTO_ORDER}  # nothing moves: every transport is trivially fine
-    return reasons
+        return ("the driver lacks the multicast API (cuMulticastCreate needs a CUDA >= 12.1 "
+                "driver)")
+    if old_sm:
+        return f"GPU(s) {old_sm} are older than sm_90 (multimem needs Hopper+)"
+    if no_mc:
+        return (f"GPU(s) {no_mc} report no CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED "
+                "(needs NVSwitch with Fabric Manager running)")
+    return None
 
 
 def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: str = "auto", *,
@@ -124,18 +129,20 @@ def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: st
     honoured raises ``ValueError`` naming the reason and the alternatives.
     ``across_processes``: the clique has ranks in other processes (``devices`` are this
     process's). Then ``auto`` picks nccl (whether peers in other processes can reach this GPU
-    over P2P is not known here); p2p must be asked for and needs one GPU per process; multicast
-    is not done yet (docs/gpu.md, "One process per GPU").
+    over P2P is not known here); p2p and multicast must be asked for and need one GPU per
+    process (multicast: one that supports it; docs/gpu.md, "One process per GPU").
     """
     reasons = transport_reasons(caps, devices)
     if across_processes:
-        reasons["multicast"] = (
-            "not yet across processes: it needs multicast handles shared between processes, "
-            "which jaxoverlap does not do yet")
         if len(set(devices)) != 1:
-            reasons["p2p"] = (
-                "not yet across processes with several GPUs of one clique in a process "
-                "(p2p across processes needs one GPU per process)")
+            for t in ("p2p", "multicast"):
+                reasons[t] = (
+                    "not yet across processes with several GPUs of one clique in a process "
+                    f"({t} across processes needs one GPU per process)")
+        elif reasons["multicast"] is None:
+            known = {d["ordinal"]: d for d in caps.get("devices", [])}
+            if all(d in known for d in devices):
+                reasons["multicast"] = _multicast_device_reason(caps, devices, known)
         if requested == "auto":
             requested = "nccl"
     if requested == "auto":

@@ -260,8 +260,9 @@ def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: in
             f"{cid}-gpu", "nccl_id", bytes(cuda.nccl_unique_id()) if me == root else None,
             root=root, processes=sorted(set(table)), timeout_s=timeout_s)
         cuda.set_nccl_id(int(clique_key), group, me, uid)
-        # p2p: the CUDA IPC handles of each buffer generation go through this exchange from
-        # C++ at the first execution (cpp/cuda/cuda_clique.cc ImportPeerBuffers).
+        # p2p and multicast: the CUDA IPC handles of each buffer generation (and the multicast
+        # object's fd, through its share_fds) go through this exchange from C++ at the first
+        # execution (cpp/cuda/cuda_clique.cc ImportPeerBuffers, ShareMulticastObject).
         cuda.set_exchange(int(clique_key), group, me,
                           _bootstrap.StoreExchange(f"{cid}-gpu", sorted(set(table)), timeout_s))
         with _lock:

@@ -101,7 +101,8 @@ Status CudaCall(const CudaCallArgs& args) {
   site.clique = CliqueName(key);
 
   // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
-  // with one GPU per process and the clique's exchange (IPC handles).
+  // and multicast with one GPU per process and the clique's exchange (IPC
+  // handles; the multicast object's fd).
   ncclUniqueId nccl_id{};
   std::shared_ptr<Exchange> exchange;
   const bool spans = place.remote_process >= 0;
@@ -109,26 +110,23 @@ Status CudaCall(const CudaCallArgs& args) {
                                    [](int d) { return d >= 0; });
   const std::string elsewhere = "this clique has a rank in process " +
                                 std::to_string(place.remote_process);
-  if (spans && q.transport == Transport::kMulticast)
+  const bool direct = q.transport == Transport::kP2p || q.transport == Transport::kMulticast;
+  if (spans && direct && local != 1)
     return Status(Code::kInvalidArgument,
-                  site.Describe() + ": not yet: transport multicast across processes (" +
-                      elsewhere + "); it needs multicast handles shared between processes, "
-                      "which jaxoverlap does not do yet. Use transport='p2p' or 'nccl' (or "
-                      "'auto', which picks nccl for cliques spanning processes)");
-  if (spans && q.transport == Transport::kP2p && local != 1)
-    return Status(Code::kInvalidArgument,
-                  site.Describe() + ": not yet: transport p2p across processes with " +
-                      std::to_string(local) + " GPUs of the clique in this process (" +
-                      elsewhere + "); p2p across processes needs one GPU per process. Use "
-                      "transport='nccl' (or 'auto')");
+                  site.Describe() + ": not yet: transport " + TransportName(q.transport) +
+                      " across processes with " + std::to_string(local) +
+                      " GPUs of the clique in this process (" + elsewhere + "); " +
+                      TransportName(q.transport) + " across processes needs one GPU per "
+                      "process. Use transport='nccl' (or 'auto')");
   if (spans && q.transport == Transport::kNccl)
     JO_CHECK(FindNcclId(args.clique_key, place.group, args.process_index, site.Describe(),
                         &nccl_id));
-  if (spans && q.transport == Transport::kP2p) {
+  if (spans && direct) {
     exchange = FindExchange(args.clique_key, place.group, args.process_index);
     if (!exchange)
       return Status(Code::kInvalidArgument,
-                    site.Describe() + ": this p2p clique spans processes (" + elsewhere +
+                    site.Describe() + ": this " + TransportName(q.transport) +
+                        " clique spans processes (" + elsewhere +
                         ") but process " + std::to_string(args.process_index) +
                         " has no exchange for it: jaxoverlap registers one when it traces the "
                         "call (jax.distributed.initialize() first, and trace in this process)");

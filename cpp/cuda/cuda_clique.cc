@@ -5,6 +5,8 @@
 #include <string>
 #include <tuple>
 
+#include <unistd.h>
+
 #include "core/log.h"
 
 namespace jo::cuda {
@@ -40,6 +42,21 @@ Status Alloc(int device, size_t bytes, cudaStream_t zero_on, const CallSite& sit
   *out = std::move(alloc);
   return OkStatus();
 }
+
+// Owns the fds it is given: closed on every path out.
+class Fds {
+ public:
+  Fds() = default;
+  ~Fds() {
+    for (int fd : fds_) (void)::close(fd);
+  }
+  Fds(const Fds&) = delete;
+  Fds& operator=(const Fds&) = delete;
+  void Add(int fd) { fds_.push_back(fd); }
+
+ private:
+  std::vector<int> fds_;
+};
 
 size_t RoundUp(size_t v, size_t to) { return to == 0 ? v : (v + to - 1) / to * to; }
 
@@ -248,23 +265,28 @@ Status CudaClique::AllocMulticast(Generation* gen, const CallSite& site) {
   CUmemAllocationProp mem_prop{};
   mem_prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   mem_prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  mem_prop.location.id = devices_[0];
+  mem_prop.location.id = *std::max_element(devices_.begin(), devices_.end());  // a local GPU
   mem_prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   JO_CU_CHECK(&site, drv->cuMemGetAllocationGranularity(&mem_gran, &mem_prop,
                                                           CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   const size_t gran = std::max(mc_gran, mem_gran);
   region->bytes = RoundUp(std::max<size_t>(mc_prop.size, 1), gran);
   mc_prop.size = region->bytes;
-  JO_CU_CHECK(&site, drv->cuMulticastCreate(&region->mc, &mc_prop));
-  region->mc_created = true;
-  for (int device : devices_) {
-    CUdevice dev = 0;
-    JO_CU_CHECK(&site, drv->cuDeviceGet(&dev, device));
-    JO_CU_CHECK(&site, drv->cuMulticastAddDevice(region->mc, dev));
+  if (spans_processes()) {
+    JO_CHECK(ShareMulticastObject(drv, &mc_prop, region.get(), site));
+  } else {
+    JO_CU_CHECK(&site, drv->cuMulticastCreate(&region->mc, &mc_prop));
+    region->mc_created = true;
+    for (int device : devices_) {
+      CUdevice dev = 0;
+      JO_CU_CHECK(&site, drv->cuDeviceGet(&dev, device));
+      JO_CU_CHECK(&site, drv->cuMulticastAddDevice(region->mc, dev));
+    }
   }
   // Every device must be added before memory is bound.
   std::vector<CUmemAccessDesc> access;
   for (size_t r = 0; r < n; ++r) {
+    if (devices_[r] < 0) continue;  // another process binds and maps its own
     mem_prop.location.id = devices_[r];
     JO_CU_CHECK(&site, drv->cuMemCreate(&region->phys[r], region->bytes, &mem_prop, 0));
     JO_CU_CHECK(&site, drv->cuMulticastBindMem(region->mc, 0, region->phys[r], 0, region->bytes, 0));
@@ -285,6 +307,7 @@ Status CudaClique::AllocMulticast(Generation* gen, const CallSite& site) {
   // cuMemCreate memory is not zeroed; the workspace carries no state between
   // calls, but zero it anyway so a protocol bug reads zeros, not garbage.
   for (size_t r = 0; r < n; ++r) {
+    if (devices_[r] < 0) continue;
     JO_CUDA_CHECK(&site, cudaSetDevice(devices_[r]));
     cudaStream_t setup = ranks_[r]->setup;
     JO_CUDA_CHECK(&site, cudaMemsetAsync(reinterpret_cast<void*>(region->unicast[r]), 0,
@@ -292,6 +315,63 @@ Status CudaClique::AllocMulticast(Generation* gen, const CallSite& site) {
     JO_CUDA_CHECK(&site, cudaStreamSynchronize(setup));
   }
   gen->multicast = std::move(region);
+  return OkStatus();
+}
+
+// Multicast across processes: the process of rank 0 creates the object with a
+// POSIX-fd handle type and exports it; the fd goes to the other processes
+// through the clique's exchange (share_fds: SCM_RIGHTS or pidfd_getfd); they
+// import it. Each process adds its own devices; an allgather then makes sure
+// every device of the clique is added before anyone binds memory (the driver
+// requires it). Binding and mapping are per process (AllocMulticast).
+Status CudaClique::ShareMulticastObject(const DriverApi* drv, const CUmulticastObjectProp* prop,
+                                        MulticastRegion* region, const CallSite& site) {
+  if (!exchange_)
+    return Internal(site.Describe() + ": multicast clique spanning processes without an exchange");
+  if (!drv->has_shareable)
+    return InvalidArgument(site.Describe() + ": transport multicast across processes needs "
+                           "cuMemExportToShareableHandle/cuMemImportFromShareableHandle, which "
+                           "this driver lacks. Use transport='nccl'");
+  const bool owner = devices_[0] >= 0;  // this process holds rank 0
+  Fds own;
+  std::vector<int> offer;
+  if (owner) {
+    JO_CU_CHECK(&site, drv->cuMulticastCreate(&region->mc, prop));
+    region->mc_created = true;
+    int fd = -1;
+    JO_CU_CHECK(&site, drv->cuMemExportToShareableHandle(
+                           &fd, region->mc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    own.Add(fd);
+    offer.push_back(fd);
+  }
+  std::map<int32_t, std::vector<int>> got;
+  const Status shared = exchange_->ShareFds("mc_fd", offer, &got);
+  Fds received;
+  for (const auto& [process, fds] : got)
+    for (int fd : fds) received.Add(fd);
+  JO_CHECK(shared);
+  if (!owner) {
+    if (got.size() != 1 || got.begin()->second.size() != 1)
+      return InvalidArgument(site.Describe() + ": expected the multicast handle (one fd) from "
+                             "the process of rank 0, got fds from " + std::to_string(got.size()) +
+                             " processes: the processes disagree on the rank table");
+    const int fd = got.begin()->second[0];
+    JO_CU_CHECK(&site, drv->cuMemImportFromShareableHandle(
+                           &region->mc, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    region->mc_created = true;  // released (one reference) like the owner's
+  }
+  for (int device : devices_) {
+    if (device < 0) continue;
+    CUdevice dev = 0;
+    JO_CU_CHECK(&site, drv->cuDeviceGet(&dev, device));
+    JO_CU_CHECK(&site, drv->cuMulticastAddDevice(region->mc, dev));
+  }
+  std::map<int32_t, std::string> added;
+  JO_CHECK(exchange_->AllGather("mc_added", "", &added));
+  JO_INFO(site.Describe() + std::string(owner ? ": exported" : ": imported") +
+          " the multicast object across " + std::to_string(exchange_->processes().size()) +
+          " processes");
   return OkStatus();
 }
 
@@ -324,7 +404,7 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   }
   if (transport_ == Transport::kMulticast && gen->workspace_bytes > 0)
     JO_CHECK(AllocMulticast(gen.get(), site));
-  if (spans_processes() && transport_ == Transport::kP2p)
+  if (spans_processes() && transport_ != Transport::kNccl)
     JO_CHECK(ImportPeerBuffers(gen.get(), site));
   JO_INFO(site.Describe() + ": new buffers from epoch " + std::to_string(epoch) + ": workspace 2 x " +
           std::to_string(gen->workspace_bytes) + " bytes, " + std::to_string(num_flags) +
@@ -353,11 +433,14 @@ Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
     rec.rank = static_cast<int32_t>(r);
     JO_CUDA_CHECK(&site, cudaSetDevice(devices_[r]));
     JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&rec.flags, gen->flags[r]->ptr));
-    JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&rec.workspace, gen->workspace[r]->ptr));
+    if (transport_ == Transport::kP2p)
+      JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&rec.workspace, gen->workspace[r]->ptr));
     mine.append(reinterpret_cast<const char*>(&rec), sizeof(rec));
   }
   std::map<int32_t, std::string> all;
-  JO_CHECK(exchange_->AllGather("p2p_ipc", mine, &all));
+  // multicast: only the flags (peers signal into them); the workspace is the multicast object.
+  const bool with_workspace = transport_ == Transport::kP2p;
+  JO_CHECK(exchange_->AllGather(with_workspace ? "p2p_ipc" : "mc_flags_ipc", mine, &all));
   const size_t flag_bytes = static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t);
   const size_t ws_bytes = static_cast<size_t>(2 * gen->workspace_bytes);
   JO_CUDA_CHECK(&site, cudaSetDevice(local_device));
@@ -377,7 +460,9 @@ Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
                                "on the rank table");
       for (auto [handle, slot, size] :
            {std::tuple{&rec.flags, &gen->flags[rec.rank], flag_bytes},
-            std::tuple{&rec.workspace, &gen->workspace[rec.rank], ws_bytes}}) {
+            std::tuple{&rec.workspace, with_workspace ? &gen->workspace[rec.rank] : nullptr,
+                       ws_bytes}}) {
+        if (slot == nullptr) continue;
         auto mapping = std::make_unique<DeviceAlloc>();
         mapping->device = local_device;
         mapping->bytes = size;
@@ -390,7 +475,7 @@ Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
     }
   }
   for (size_t r = 0; r < devices_.size(); ++r)
-    if (gen->flags[r] == nullptr || gen->workspace[r] == nullptr)
+    if (gen->flags[r] == nullptr || (with_workspace && gen->workspace[r] == nullptr))
       return InvalidArgument(site.Describe() + ": no process sent the IPC handles of rank " +
                              std::to_string(r));
   JO_INFO(site.Describe() + ": opened the IPC buffers of " +
@@ -434,11 +519,9 @@ Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::str
   // Only this process's ranks check in here (ranks of other processes agree
   // through NCCL's matching, or hang there until the watchdog fires).
   if (++seen.second == local_ranks_) signatures_.erase(epoch);
-  if (spans_processes() && transport_ == Transport::kMulticast)
-    return Internal(site.Describe() + ": a clique spanning processes with transport multicast "
-                    "(CudaCall should have refused it)");
-  // Across processes, p2p reaches peers through CUDA IPC mappings (opened with
-  // cudaIpcMemLazyEnablePeerAccess) and has one local GPU: nothing to enable.
+  // Across processes, p2p and multicast reach peers' flags (and p2p their
+  // workspaces) through CUDA IPC mappings (opened with
+  // cudaIpcMemLazyEnablePeerAccess) and have one local GPU: nothing to enable.
   if (transport_ != Transport::kNccl && nranks() > 1 && !spans_processes())
     JO_CHECK(EnablePeerAccess(site));
   if (transport_ == Transport::kNccl && nranks() > 1) JO_CHECK(CreateComms(site));

@@ -19,7 +19,11 @@
 // exports its workspace and flags with cudaIpcGetMemHandle, allgathers the
 // handles through the clique's jo::Exchange and opens the peers' with
 // cudaIpcOpenMemHandle; the opened mappings stand in the generation for the
-// remote ranks' buffers. multicast across processes: not yet (refused).
+// remote ranks' buffers. multicast (one GPU per process): the process of rank
+// 0 creates the multicast object and exports it as a POSIX fd, which the
+// exchange moves (share_fds) to the others, who import it; each process adds
+// its device, and after an allgather (all devices added) binds and maps its
+// own memory; flags go over CUDA IPC as for p2p.
 //
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
@@ -151,13 +155,16 @@ class CudaClique : public Clique {
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
                        const CallSite& site);              // requires mu_
   Status AllocMulticast(Generation* gen, const CallSite& site);
-  Status ImportPeerBuffers(Generation* gen, const CallSite& site);  // p2p spanning processes
+  Status ShareMulticastObject(const DriverApi* drv, const CUmulticastObjectProp* prop,
+                              MulticastRegion* region, const CallSite& site);  // spanning
+  // Spanning processes: p2p (flags, workspace) and multicast (flags) over CUDA IPC.
+  Status ImportPeerBuffers(Generation* gen, const CallSite& site);
 
   const Transport transport_;
   const std::vector<int> devices_;  // local ordinal of each rank (-1: another process's)
   const int32_t local_ranks_;       // ranks of this process
   ncclUniqueId nccl_id_{};          // spanning cliques, transport nccl
-  std::shared_ptr<Exchange> exchange_;  // spanning cliques, transport p2p
+  std::shared_ptr<Exchange> exchange_;  // spanning cliques, transports p2p and multicast
   mutable std::mutex mu_;
   bool peers_enabled_ = false;
   std::vector<ncclComm_t> comms_;

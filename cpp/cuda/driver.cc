@@ -52,6 +52,11 @@ Status LoadAll(DriverApi* d) {
   JO_CHECK(Lookup("cuMemMap", kBase, true, &d->cuMemMap));
   JO_CHECK(Lookup("cuMemUnmap", kBase, true, &d->cuMemUnmap));
   JO_CHECK(Lookup("cuMemSetAccess", kBase, true, &d->cuMemSetAccess));
+  JO_CHECK(Lookup("cuMemExportToShareableHandle", kBase, false, &d->cuMemExportToShareableHandle));
+  JO_CHECK(Lookup("cuMemImportFromShareableHandle", kBase, false,
+                  &d->cuMemImportFromShareableHandle));
+  d->has_shareable =
+      d->cuMemExportToShareableHandle != nullptr && d->cuMemImportFromShareableHandle != nullptr;
   JO_CHECK(Lookup("cuMulticastCreate", kMulticast, false, &d->cuMulticastCreate));
   JO_CHECK(Lookup("cuMulticastAddDevice", kMulticast, false, &d->cuMulticastAddDevice));
   JO_CHECK(Lookup("cuMulticastBindMem", kMulticast, false, &d->cuMulticastBindMem));

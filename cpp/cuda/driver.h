@@ -33,6 +33,11 @@ struct DriverApi {
                        unsigned long long) = nullptr;
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  // Shareable handles (multicast across processes; null when the driver lacks them).
+  CUresult (*cuMemExportToShareableHandle)(void*, CUmemGenericAllocationHandle,
+                                           CUmemAllocationHandleType, unsigned long long) = nullptr;
+  CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*,
+                                             CUmemAllocationHandleType) = nullptr;
   // Multicast objects (CUDA >= 12.1 driver; null when the driver lacks them).
   CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle*, const CUmulticastObjectProp*) =
       nullptr;
@@ -44,6 +49,7 @@ struct DriverApi {
   CUresult (*cuMulticastGetGranularity)(size_t*, const CUmulticastObjectProp*,
                                         CUmulticastGranularity_flags) = nullptr;
   bool has_multicast = false;
+  bool has_shareable = false;  // both shareable-handle entry points found
 };
 
 // Looks every entry point up once. Fails (with the reason) when the driver

@@ -21,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "python/cuda_bootstrap_bindings.h"
 #include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_call.h"
@@ -74,6 +76,35 @@ class PlayedExchange : public jo::Exchange {
     }
     return jo::OkStatus();
   }
+  // Played processes share one OS process: the "duplicate" of a peer's fd is dup() of it,
+  // taken before the owner may close it (the done round), as share_fds guarantees.
+  jo::Status ShareFds(const std::string& tag, const std::vector<int>& fds,
+                      std::map<int32_t, std::vector<int>>* got) override {
+    got->clear();
+    std::string mine;
+    for (int fd : fds) mine += std::to_string(fd) + " ";
+    std::map<int32_t, std::string> all;
+    JO_CHECK(AllGather("fds/" + tag, mine, &all));
+    for (const auto& [p, text] : all) {
+      if (p == me_ || text.empty()) continue;
+      std::vector<int>& out = (*got)[p];
+      size_t pos = 0;
+      while (pos < text.size()) {
+        const size_t end = text.find(' ', pos);
+        const int dup = ::dup(std::stoi(text.substr(pos, end - pos)));
+        if (dup < 0) {
+          for (auto& [q, list] : *got)
+            for (int f : list) ::close(f);
+          got->clear();
+          return jo::Internal("played share_fds '" + tag + "': dup failed");
+        }
+        out.push_back(dup);
+        pos = end + 1;
+      }
+    }
+    std::map<int32_t, std::string> done;
+    return AllGather("fds/" + tag + "/done", "", &done);
+  }
 
  private:
   std::shared_ptr<Board> board_;
@@ -97,7 +128,8 @@ jo::Transport ParseTransport(const std::string& s) {
 }
 
 void Reset(int devices, int cc_major, bool multicast,
-           std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms) {
+           std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms,
+           bool shareable) {
   jo::cuda::ResetCudaCliques();
   jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
@@ -108,6 +140,7 @@ void Reset(int devices, int cc_major, bool multicast,
   if (peer) config.peer = *peer;
   config.seed = seed;
   config.grace_ms = grace_ms;
+  config.shareable = shareable;
   jo::fake::Reset(config);
 }
 
@@ -157,7 +190,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
       std::memset(g[r], 0x7F, g_elems * es);
     }
   }
-  if (processes && q.transport == jo::Transport::kP2p) {
+  if (processes && q.transport != jo::Transport::kNccl) {
     // Each played process gets its exchange for this clique (group 0), unless the test
     // registered its own (set_exchange).
     std::vector<int32_t> procs(processes->begin(), processes->end());
@@ -237,7 +270,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
 std::map<std::string, std::string> MisuseChecks() {
   std::map<std::string, std::string> out;
   auto check = [&](const std::string& name, auto&& body) {
-    Reset(4, 9, true, std::nullopt, 1, 0);
+    Reset(4, 9, true, std::nullopt, 1, 0, true);
     cudaSetDevice(0);
     body();
     jo::fake::Drain();
@@ -340,7 +373,7 @@ std::map<std::string, std::string> MisuseChecks() {
     void* a = jo::fake::Malloc(0, 64);
     cudaMemcpyAsync(reinterpret_cast<void*>(va), a, 64, cudaMemcpyDefault, s);
   });
-  Reset(8, 9, true, std::nullopt, 1, 0);
+  Reset(8, 9, true, std::nullopt, 1, 0, true);
   return out;
 }
 
@@ -360,6 +393,7 @@ NB_MODULE(_cuda_fake, m) {
   m.doc() = "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
   m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9, nb::arg("multicast") = true,
         nb::arg("peer") = nb::none(), nb::arg("seed") = 1, nb::arg("grace_ms") = 0,
+        nb::arg("shareable") = true,
         "Forget every clique and fake object; configure the fake machine.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),

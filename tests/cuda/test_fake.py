@@ -371,8 +371,63 @@ def test_clique_spanning_processes_p2p_silent_process(fake):
     assert "p2p_ipc" in out["statuses"][0]
 
 
+@pytest.mark.parametrize("processes,devices", [
+    ([0, 1], [0, 1]),              # one process per GPU
+    ([1, 0], [0, 1]),              # rank 0 (the multicast object's owner) in process 1
+    ([0, 1, 2, 3], [0, 1, 2, 3]),
+])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_clique_spanning_processes_multicast(fake, op, processes, devices):
+    """multicast, one GPU per process: rank 0's process creates the multicast object, exports it
+    as a POSIX fd, the clique's exchange (played) duplicates it into the others, which import it;
+    everyone adds its device, binds its own memory and maps; flags go over CUDA IPC. A bigger
+    second shape makes a new generation, shared the same way. (The played processes share one
+    fake GPU world, so their GPUs are distinct ordinals here.)"""
+    n = len(processes)
+    fake.reset()
+    for rows in (3, 5):
+        xs, ws = _inputs(op, n, 2, rows, 8, 6, "float32")
+        out = fake.run(op, "multicast", n, 2, rows, 8, 6, "float32", 2, False, False,
+                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
+                       clique_key=18, calls=2, processes=processes)
+        check(fake, out, op, xs, ws, rows, "float32")
+    counters = fake.counters()
+    generations = counters["cuMulticastCreate"]
+    assert generations >= 1, counters
+    assert counters["cuMemExportToShareableHandle"] == generations, counters
+    assert counters["cuMemImportFromShareableHandle"] == (n - 1) * generations, counters
+    assert counters["cuMulticastBindMem"] == n * generations, counters
+    # Flags only (the workspace is the multicast object): one handle per rank and generation.
+    assert counters["cudaIpcGetMemHandle"] == n * generations, counters
+    assert counters["cudaIpcOpenMemHandle"] == n * (n - 1) * generations, counters
+    fake._reset_cliques()
+    assert fake.errors() == []
+
+
+def test_clique_spanning_processes_multicast_silent_process(fake):
+    """Process 1 never calls: process 0 (the owner) names it when sharing the handle's fd."""
+    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
+    out = fake.run("ag_matmul", "multicast", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=19,
+                   processes=[0, 1], skip_rank=1, timeout_ms=300)
+    assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
+    assert "mc_fd" in out["statuses"][0]
+
+
+def test_clique_spanning_processes_multicast_unshareable(fake):
+    """A driver that cannot export POSIX-fd handles: the owner's export fails naming the call;
+    the other process, never getting the fd, names the owner's process after the timeout."""
+    fake.reset(shareable=False)
+    xs, ws = _inputs("matmul_rs", 2, 1, 3, 8, 6, "float32")
+    out = fake.run("matmul_rs", "multicast", 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=20,
+                   processes=[0, 1], timeout_ms=300)
+    assert "cuMemExportToShareableHandle" in out["statuses"][0], out
+    assert "process 0 did not answer" in out["statuses"][1], out
+
+
 @pytest.mark.parametrize("transport,processes,expected", [
-    ("multicast", [0, 1], "not yet: transport multicast across processes"),
+    ("multicast", [0, 0, 1, 1], "multicast across processes needs one GPU per process"),
     ("p2p", [0, 0, 1, 1], "p2p across processes needs one GPU per process"),
 ])
 def test_clique_spanning_processes_refusals(fake, transport, processes, expected):

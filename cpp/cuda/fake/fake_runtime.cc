@@ -12,6 +12,8 @@
 #include <thread>
 #include <cstdlib>
 #include <cstring>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <deque>
 #include <memory>
@@ -69,6 +71,8 @@ struct McObject {
   unsigned num_devices = 0;
   std::vector<int> devices;
   std::map<int, CUmemGenericAllocationHandle> bound;  // device -> phys
+  unsigned long long handle_types = 0;  // CUmulticastObjectProp::handleTypes
+  int refs = 1;                         // creation + imports, each dropped by cuMemRelease
 };
 
 struct Message {
@@ -119,6 +123,7 @@ struct State {
   std::map<std::string, std::pair<int, std::set<int>>> id_cliques;
   uint64_t next_unique_id = 1;
   std::map<uintptr_t, int> ipc_open;  // cudaIpcOpenMemHandle mappings (base -> opens)
+  std::map<ino_t, CUmemGenericAllocationHandle> exported;  // memfd inode -> multicast object
   std::map<std::tuple<int, int, int>, std::deque<std::shared_ptr<Message>>> channels;
   std::map<cublasLtMatmulDesc_t, Desc> descs;
   std::map<cublasLtMatrixLayout_t, Layout> layouts;
@@ -288,7 +293,61 @@ CUresult FakeMemCreate(CUmemGenericAllocationHandle* h, size_t bytes, const CUme
 
 CUresult FakeMemRelease(CUmemGenericAllocationHandle h) {
   Lock lock(S().mu);
-  if (!S().phys.erase(h) && !S().mcs.erase(h)) return CUDA_ERROR_INVALID_VALUE;
+  if (S().phys.erase(h)) return CUDA_SUCCESS;
+  auto mc = S().mcs.find(h);
+  if (mc == S().mcs.end()) return CUDA_ERROR_INVALID_VALUE;
+  if (--mc->second.refs == 0) S().mcs.erase(mc);
+  return CUDA_SUCCESS;
+}
+
+// Shareable handles of multicast objects, modelled within one OS process: the
+// exported POSIX fd is a memfd (a unique inode); importing an fd (a dup of it,
+// as another process would get through SCM_RIGHTS) finds the object by inode
+// and returns its handle, holding one more reference.
+CUresult FakeMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h,
+                                        CUmemAllocationHandleType type, unsigned long long flags) {
+  Lock lock(S().mu);
+  Count("cuMemExportToShareableHandle");
+  auto mc = S().mcs.find(h);
+  if (mc == S().mcs.end() || flags != 0) {
+    Fail("cuMemExportToShareableHandle: only multicast objects are modelled");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !S().config.shareable ||
+      (mc->second.handle_types & type) == 0)
+    return CUDA_ERROR_NOT_SUPPORTED;
+  const int fd = memfd_create("jaxoverlap-fake-multicast", MFD_CLOEXEC);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  struct stat st{};
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    return CUDA_ERROR_UNKNOWN;
+  }
+  S().exported[st.st_ino] = h;
+  *static_cast<int*>(out) = fd;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* os_handle,
+                                          CUmemAllocationHandleType type) {
+  Lock lock(S().mu);
+  Count("cuMemImportFromShareableHandle");
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+  const int fd = static_cast<int>(reinterpret_cast<uintptr_t>(os_handle));
+  struct stat st{};
+  if (fstat(fd, &st) != 0) {
+    Fail("cuMemImportFromShareableHandle: not an open fd");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  auto it = S().exported.find(st.st_ino);
+  auto mc = it == S().exported.end() ? S().mcs.end() : S().mcs.find(it->second);
+  if (mc == S().mcs.end()) {
+    Fail("cuMemImportFromShareableHandle: not an fd from cuMemExportToShareableHandle, or its "
+         "object is gone");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  ++mc->second.refs;
+  *h = mc->first;
   return CUDA_SUCCESS;
 }
 
@@ -355,7 +414,7 @@ CUresult FakeMulticastCreate(CUmemGenericAllocationHandle* h, const CUmulticastO
   if (!S().config.multicast) return CUDA_ERROR_NOT_SUPPORTED;
   if (prop->size % (size_t{2} << 20) != 0 || prop->numDevices < 1) { Fail("cuMulticastCreate: bad size/devices"); return CUDA_ERROR_INVALID_VALUE; }
   *h = S().next_handle++;
-  S().mcs[*h] = McObject{prop->size, prop->numDevices, {}, {}};
+  S().mcs[*h] = McObject{prop->size, prop->numDevices, {}, {}, prop->handleTypes, 1};
   return CUDA_SUCCESS;
 }
 
@@ -414,6 +473,7 @@ void Reset(const Config& config) {
   s.peer_enabled.clear();
   s.phys.clear();
   s.mcs.clear();
+  s.exported.clear();
   s.comms.clear();
   s.id_cliques.clear();
   s.ipc_open.clear();
@@ -792,6 +852,8 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsi
       {"cuMemMap", {reinterpret_cast<void*>(&jo::fake::FakeMemMap), 10020}},
       {"cuMemUnmap", {reinterpret_cast<void*>(&jo::fake::FakeMemUnmap), 10020}},
       {"cuMemSetAccess", {reinterpret_cast<void*>(&jo::fake::FakeMemSetAccess), 10020}},
+      {"cuMemExportToShareableHandle", {reinterpret_cast<void*>(&jo::fake::FakeMemExportToShareableHandle), 10020}},
+      {"cuMemImportFromShareableHandle", {reinterpret_cast<void*>(&jo::fake::FakeMemImportFromShareableHandle), 10020}},
       {"cuMulticastCreate", {reinterpret_cast<void*>(&jo::fake::FakeMulticastCreate), 12010}},
       {"cuMulticastAddDevice", {reinterpret_cast<void*>(&jo::fake::FakeMulticastAddDevice), 12010}},
       {"cuMulticastBindMem", {reinterpret_cast<void*>(&jo::fake::FakeMulticastBindMem), 12010}},

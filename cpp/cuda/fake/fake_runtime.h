@@ -21,6 +21,9 @@
 //    different layouts), fails loudly.
 //  * multicast: cuMulticastCreate/AddDevice/BindMem/cuMemCreate/Map; the
 //    multimem kernels are replaced by host equivalents (fake_kernels.cc).
+//    cuMemExportToShareableHandle (POSIX fd; a memfd) and
+//    cuMemImportFromShareableHandle (finds the object by the fd's inode, one
+//    more reference) model shareable handles within one OS process.
 // Drain() runs the queues; the order among ready streams is pseudo-random
 // (seeded), one task at a time, so different interleavings get exercised.
 // A state where no stream can progress but some are non-empty is a deadlock.
@@ -42,6 +45,7 @@ struct Config {
   int devices = 8;
   int cc_major = 9;
   bool multicast = true;
+  bool shareable = true;  // cuMemExportToShareableHandle supports POSIX fds
   std::vector<std::vector<bool>> peer;  // empty: all pairs can access
   uint64_t seed = 1;
   // When no stream can progress, Drain waits this long for another host
