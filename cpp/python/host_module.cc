@@ -248,7 +248,7 @@ std::vector<int> FdReceive(const std::string& name, size_t count, int64_t timeou
 }
 
 // Tests only: drives a jo::Exchange from C++ (as the CUDA executor's set-up will).
-nb::dict ExchangeSelftest(nb::object impl) {
+nb::dict ExchangeSelftest(nb::object impl, bool share_fds, int owner_fd) {
   jo::python::PyExchange exchange(std::move(impl));
   const std::vector<int32_t> procs = exchange.processes();
   const int32_t me = exchange.process();
@@ -271,6 +271,23 @@ nb::dict ExchangeSelftest(nb::object impl) {
   nb::dict gathered;
   for (const auto& [p, bytes] : all) gathered[nb::int_(p)] = nb::bytes(bytes.data(), bytes.size());
   out["handles"] = gathered;
+  // The multicast shape of ShareFds: only the first process offers an fd.
+  if (share_fds) {
+    std::vector<int> offer;
+    if (me == procs.front()) offer.push_back(owner_fd);
+    std::map<int32_t, std::vector<int>> got;
+    {
+      nb::gil_scoped_release release;
+      ThrowIfError(exchange.ShareFds("selftest/fd", offer, &got));
+    }
+    nb::dict fds;
+    for (const auto& [p, list] : got) {
+      nb::list l;
+      for (int fd : list) l.append(nb::int_(fd));
+      fds[nb::int_(p)] = l;
+    }
+    out["fds"] = fds;
+  }
   return out;
 }
 
@@ -316,7 +333,10 @@ NB_MODULE(_host, m) {
   m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("timeout_ms"),
         nb::call_guard<nb::gil_scoped_release>(), "Receives `count` fds from `_fd_serve`.");
   m.def("_exchange_selftest", &ExchangeSelftest, nb::arg("exchange"),
-        "Tests only: a broadcast and an allgather through jo::Exchange over a Python object.");
+        nb::arg("share_fds") = false, nb::arg("owner_fd") = -1,
+        "Tests only: a broadcast and an allgather through jo::Exchange over a Python object; "
+        "with share_fds, ShareFds where the first process offers owner_fd and the others "
+        "nothing (the caller owns the duplicates returned under 'fds').");
   m.def("_has_clique", &jo::host::HasClique, nb::arg("clique_key"), nb::arg("group"));
   m.def("_forget_clique", &jo::host::ForgetClique, nb::arg("clique_key"), nb::arg("group"));
 }

@@ -372,6 +372,26 @@ def exchange() -> dict[str, Any]:
             raise AssertionError("a silent process did not fail the C++ exchange")
     # POSIX fds (what cuMemExportToShareableHandle gives) travel both ways.
     checked = ["allgather", "broadcast", "cuda handles", "subset", "timeout", "c++ exchange"]
+    # The multicast shape, from C++ (jo::Exchange::ShareFds -> StoreExchange.share_fds): only
+    # the first process (the multicast object's owner) offers an fd; the others get a duplicate.
+    owner_fd = os.memfd_create("jo-test-owner") if me == procs[0] else -1
+    if owner_fd >= 0:
+        os.write(owner_fd, b"the owner's handle")
+    try:
+        got_fds = _runtime.load_host()._exchange_selftest(
+            _bootstrap.StoreExchange("f00d-g0", procs, timeout_s=60), share_fds=True,
+            owner_fd=owner_fd)["fds"]
+    finally:
+        if owner_fd >= 0:
+            os.close(owner_fd)
+    if me == procs[0]:
+        assert got_fds == {}, got_fds
+    else:
+        assert list(got_fds) == [procs[0]] and len(got_fds[procs[0]]) == 1, got_fds
+        dup = got_fds[procs[0]][0]
+        assert os.pread(dup, 64, 0) == b"the owner's handle"
+        os.close(dup)
+    checked.append("c++ share_fds from one owner")
     for method in ("socket", "pidfd"):
         fd = os.memfd_create(f"jo-test-{me}")
         os.write(fd, b"process %d" % me)
