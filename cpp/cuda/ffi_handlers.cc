@@ -52,44 +52,13 @@ ffi::Error Decode(Collective collective, cudaStream_t stream, int32_t device,
                   const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const Attrs& a,
                   CudaCallArgs* args) {
   const char* op = CollectiveName(collective);
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() < 2) return Invalid(op, "operand x expected rank >= 2, got rank " + std::to_string(xd.size()) + " (shape " + Dims(xd) + ")");
-  if (wd.size() != 2) return Invalid(op, "operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " + Dims(wd) + ")");
-  auto dtype = ToDType(x.element_type());
-  if (!dtype) return Invalid(op, "operand x expected dtype float32, bfloat16 or float16");
-  if (w.element_type() != x.element_type()) return Invalid(op, "operand w expected the dtype of x");
-  if (wd[0] != xd[xd.size() - 1])
-    return Invalid(op, "operand w expected " + std::to_string(xd[xd.size() - 1]) + " rows (x's last dim), got shape " + Dims(wd));
-  if (a.axis < 0 || a.axis > static_cast<int64_t>(xd.size()) - 2)
-    return Invalid(op, "attribute axis expected in [0, " + std::to_string(xd.size() - 2) + "], got " + std::to_string(a.axis));
-  if (a.axis_size < 1) return Invalid(op, "attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
-  if (a.transport < 0 || a.transport > 2) return Invalid(op, "attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " + std::to_string(a.transport));
-  if (a.chunks < 1) return Invalid(op, "attribute chunks expected >= 1, got " + std::to_string(a.chunks));
-  if (a.timeout_ms < 1) return Invalid(op, "attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
+  if (ffi::Error error = ffi_common::CheckOperands(op, x, w, a); error.failure()) return error;
   if (a.devices.size() != a.processes.size() || a.devices.size() == 0)
     return Invalid(op, "attributes devices/processes (the rank table) expected equal, non-zero lengths, got " +
                            std::to_string(a.devices.size()) + " and " + std::to_string(a.processes.size()));
   Problem& q = args->problem;
-  q.op = collective;
-  q.transport = static_cast<Transport>(a.transport);
-  q.nranks = static_cast<int32_t>(a.axis_size);
-  q.dtype = *dtype;
-  q.chunks = a.chunks;
-  q.bidirectional = a.bidirectional;
-  q.k = xd[xd.size() - 1];
-  q.n = wd[1];
-  q.batch = 1;
-  for (int64_t i = 0; i < a.axis; ++i) q.batch *= xd[i];
-  int64_t post = 1;
-  for (size_t i = static_cast<size_t>(a.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
-  if (collective == Collective::kAgMatmul) {
-    q.rows = xd[a.axis] * post;
-  } else {
-    if (xd[a.axis] % a.axis_size != 0)
-      return Invalid(op, "operand x dim " + std::to_string(a.axis) + " (" + std::to_string(xd[a.axis]) + ") expected divisible by axis_size " + std::to_string(a.axis_size));
-    q.rows = xd[a.axis] / a.axis_size * post;
-  }
+  if (ffi::Error error = ffi_common::FillProblem(collective, x, w, a, &q); error.failure())
+    return error;
   args->clique_key = a.clique_key;
   args->table.axis_size = a.axis_size;
   args->table.devices.assign(a.devices.begin(), a.devices.end());

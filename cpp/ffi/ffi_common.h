@@ -45,4 +45,56 @@ inline std::optional<DType> ToDType(ffi::DataType type) {
   }
 }
 
+// The checks both executors' handlers make of x, w and the attributes they
+// share (`A`: any struct with axis, axis_size, transport, chunks, timeout_ms).
+template <typename A>
+ffi::Error CheckOperands(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                         const A& a) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 2) return Invalid(op, "operand x expected rank >= 2, got rank " + std::to_string(xd.size()) + " (shape " + Dims(xd) + ")");
+  if (wd.size() != 2) return Invalid(op, "operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " + Dims(wd) + ")");
+  if (!ToDType(x.element_type())) return Invalid(op, "operand x expected dtype float32, bfloat16 or float16");
+  if (w.element_type() != x.element_type()) return Invalid(op, "operand w expected the dtype of x");
+  if (wd[0] != xd[xd.size() - 1])
+    return Invalid(op, "operand w expected " + std::to_string(xd[xd.size() - 1]) + " rows (x's last dim), got shape " + Dims(wd));
+  if (a.axis < 0 || a.axis > static_cast<int64_t>(xd.size()) - 2)
+    return Invalid(op, "attribute axis expected in [0, " + std::to_string(xd.size() - 2) + "], got " + std::to_string(a.axis));
+  if (a.axis_size < 1) return Invalid(op, "attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
+  if (a.transport < 0 || a.transport > 2) return Invalid(op, "attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " + std::to_string(a.transport));
+  if (a.chunks < 1) return Invalid(op, "attribute chunks expected >= 1, got " + std::to_string(a.chunks));
+  if (a.timeout_ms < 1) return Invalid(op, "attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
+  return ffi::Error::Success();
+}
+
+// The canonical problem (docs/native.md §1) of checked operands: everything
+// but the rank. `A` as for CheckOperands, plus bidirectional.
+template <typename A>
+ffi::Error FillProblem(Collective collective, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                       const A& a, Problem* q) {
+  const char* op = CollectiveName(collective);
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  q->op = collective;
+  q->transport = static_cast<Transport>(a.transport);
+  q->nranks = static_cast<int32_t>(a.axis_size);
+  q->dtype = *ToDType(x.element_type());
+  q->chunks = a.chunks;
+  q->bidirectional = a.bidirectional;
+  q->k = xd[xd.size() - 1];
+  q->n = wd[1];
+  q->batch = 1;
+  for (int64_t i = 0; i < a.axis; ++i) q->batch *= xd[i];
+  int64_t post = 1;
+  for (size_t i = static_cast<size_t>(a.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
+  if (collective == Collective::kAgMatmul) {
+    q->rows = xd[a.axis] * post;
+  } else {
+    if (xd[a.axis] % a.axis_size != 0)
+      return Invalid(op, "operand x dim " + std::to_string(a.axis) + " (" + std::to_string(xd[a.axis]) + ") expected divisible by axis_size " + std::to_string(a.axis_size));
+    q->rows = xd[a.axis] / a.axis_size * post;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jo::ffi_common
