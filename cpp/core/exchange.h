@@ -9,6 +9,8 @@
 // deadline the object was made with; a timeout names the silent process.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <map>
 #include <string>
@@ -24,6 +26,14 @@ class Exchange {
   // This process's index and the processes taking part (sorted).
   virtual int32_t process() const = 0;
   virtual std::vector<int32_t> processes() const = 0;
+  // The machine this process runs on, as its peers should compare it (what
+  // can move between processes depends on it: fds and CUDA IPC only within
+  // one machine). Default: the host name.
+  virtual std::string host() const {
+    char name[256] = {};
+    if (::gethostname(name, sizeof(name) - 1) != 0) return "unknown-host";
+    return name;
+  }
   // `root` passes *data in; every other process gets root's bytes in *data.
   virtual Status Broadcast(const std::string& tag, int32_t root, std::string* data) = 0;
   // Every process contributes `mine`; *all maps each process to its bytes.

@@ -50,9 +50,11 @@ struct Board {
 class PlayedExchange : public jo::Exchange {
  public:
   PlayedExchange(std::shared_ptr<Board> board, int32_t me, std::vector<int32_t> procs,
-                 int64_t timeout_ms)
-      : board_(std::move(board)), me_(me), procs_(std::move(procs)), timeout_ms_(timeout_ms) {}
+                 int64_t timeout_ms, std::string host)
+      : board_(std::move(board)), me_(me), procs_(std::move(procs)), timeout_ms_(timeout_ms),
+        host_(std::move(host)) {}
   int32_t process() const override { return me_; }
+  std::string host() const override { return host_.empty() ? jo::Exchange::host() : host_; }
   std::vector<int32_t> processes() const override { return procs_; }
   jo::Status Broadcast(const std::string& tag, int32_t root, std::string* data) override {
     std::map<int32_t, std::string> all;
@@ -111,6 +113,7 @@ class PlayedExchange : public jo::Exchange {
   int32_t me_;
   std::vector<int32_t> procs_;
   int64_t timeout_ms_;
+  std::string host_;  // the machine this played process pretends to run on ("": this one)
 };
 
 jo::DType ParseDType(const std::string& s) {
@@ -129,7 +132,7 @@ jo::Transport ParseTransport(const std::string& s) {
 
 void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms,
-           bool shareable) {
+           bool shareable, bool fabric, bool imex_channel) {
   jo::cuda::ResetCudaCliques();
   jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
@@ -141,6 +144,8 @@ void Reset(int devices, int cc_major, bool multicast,
   config.seed = seed;
   config.grace_ms = grace_ms;
   config.shareable = shareable;
+  config.fabric = fabric;
+  config.imex_channel = imex_channel;
   jo::fake::Reset(config);
 }
 
@@ -151,7 +156,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
              int calls, int skew_rank, int skip_rank, int64_t timeout_ms,
-             std::optional<std::vector<int64_t>> processes) {
+             std::optional<std::vector<int64_t>> processes,
+             std::optional<std::map<int32_t, std::string>> hosts) {
   const bool ag = op == "ag_matmul";
   if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -200,7 +206,9 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
     for (int32_t p : procs)
       if (!jo::cuda::FindExchange(clique_key, 0, p))
         (void)jo::cuda::RegisterExchange(
-            clique_key, 0, p, std::make_shared<PlayedExchange>(board, p, procs, timeout_ms));
+            clique_key, 0, p,
+            std::make_shared<PlayedExchange>(board, p, procs, timeout_ms,
+                                             hosts && hosts->count(p) ? hosts->at(p) : ""));
   }
   std::vector<std::string> statuses(nranks);
   {
@@ -270,7 +278,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
 std::map<std::string, std::string> MisuseChecks() {
   std::map<std::string, std::string> out;
   auto check = [&](const std::string& name, auto&& body) {
-    Reset(4, 9, true, std::nullopt, 1, 0, true);
+    Reset(4, 9, true, std::nullopt, 1, 0, true, true, true);
     cudaSetDevice(0);
     body();
     jo::fake::Drain();
@@ -373,7 +381,45 @@ std::map<std::string, std::string> MisuseChecks() {
     void* a = jo::fake::Malloc(0, 64);
     cudaMemcpyAsync(reinterpret_cast<void*>(va), a, 64, cudaMemcpyDefault, s);
   });
-  Reset(8, 9, true, std::nullopt, 1, 0, true);
+  check("IPC mapping touched by a device that did not open it", [&] {
+    void* a = jo::fake::Malloc(0, 64);
+    cudaIpcMemHandle_t handle{};
+    cudaIpcGetMemHandle(&handle, a);
+    cudaSetDevice(1);
+    void* mapped = nullptr;
+    cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
+    cudaStream_t s = stream_on(2);
+    void* b = jo::fake::Malloc(2, 64);
+    cudaMemcpyAsync(b, mapped, 64, cudaMemcpyDefault, s);
+  });
+  check("cuMemMap mapping touched without cuMemSetAccess", [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+    const size_t bytes = size_t{2} << 20;
+    CUmemGenericAllocationHandle h = 0, imported = 0;
+    drv->cuMemCreate(&h, bytes, &prop, 0);
+    CUmemFabricHandle fabric{};
+    drv->cuMemExportToShareableHandle(&fabric, h, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+    drv->cuMemImportFromShareableHandle(&imported, &fabric, CU_MEM_HANDLE_TYPE_FABRIC);
+    CUdeviceptr va = 0;
+    drv->cuMemAddressReserve(&va, bytes, 0, 0, 0);
+    drv->cuMemMap(va, bytes, 0, imported, 0);
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = 1;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    drv->cuMemSetAccess(va, bytes, &desc, 1);  // device 1 only
+    cudaStream_t s = stream_on(2);
+    void* b = jo::fake::Malloc(2, 64);
+    cudaMemcpyAsync(b, reinterpret_cast<void*>(va), 64, cudaMemcpyDefault, s);
+  });
+  Reset(8, 9, true, std::nullopt, 1, 0, true, false, true);
   return out;
 }
 
@@ -393,14 +439,14 @@ NB_MODULE(_cuda_fake, m) {
   m.doc() = "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
   m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9, nb::arg("multicast") = true,
         nb::arg("peer") = nb::none(), nb::arg("seed") = 1, nb::arg("grace_ms") = 0,
-        nb::arg("shareable") = true,
+        nb::arg("shareable") = true, nb::arg("fabric") = false, nb::arg("imex_channel") = true,
         "Forget every clique and fake object; configure the fake machine.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
         nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
-        nb::arg("processes") = nb::none());
+        nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none());
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

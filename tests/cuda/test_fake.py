@@ -166,6 +166,8 @@ MISUSES = {
     "flag never raised (deadlock)": "deadlock",
     "mismatched send/recv sizes": "mismatched",
     "multicast address outside a multimem kernel": "multicast address outside a multimem kernel",
+    "IPC mapping touched by a device that did not open it": "opened on device 1",
+    "cuMemMap mapping touched without cuMemSetAccess": "not given access",
 }
 
 

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sys/mman.h>
+#include <sys/types.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <deque>
@@ -52,18 +53,60 @@ struct cublasLtContext {
 namespace jo::fake {
 namespace {
 
+// Every fake "device" memory range is a shared anonymous mapping, so a second
+// mapping of the same pages (mremap with old size 0) models what the driver
+// does for CUDA IPC opens and cuMemMap of imported memory: a new address,
+// valid only where the driver made it valid.
+size_t PageRound(size_t bytes) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return (std::max<size_t>(bytes, 1) + page - 1) / page * page;
+}
+std::byte* MapShared(size_t bytes) {
+  void* p = ::mmap(nullptr, PageRound(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                   -1, 0);
+  return p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
+}
+void Unmap(std::byte* p, size_t bytes) {
+  if (p != nullptr) (void)::munmap(p, PageRound(bytes));
+}
+// A second address for the pages at `p` (at `at` when given, replacing what was there).
+std::byte* Alias(std::byte* p, size_t bytes, std::byte* at = nullptr) {
+  void* q = at == nullptr ? ::mremap(p, 0, PageRound(bytes), MREMAP_MAYMOVE)
+                          : ::mremap(p, 0, PageRound(bytes), MREMAP_MAYMOVE | MREMAP_FIXED, at);
+  return q == MAP_FAILED ? nullptr : static_cast<std::byte*>(q);
+}
+
 struct Alloc {
   size_t bytes = 0;
   int device = -1;
   bool multicast = false;  // a multicast mapping: only multimem may touch it
   CUmemGenericAllocationHandle mc = 0;
   std::byte* mem = nullptr;
+  // A cuMemMap mapping: only the devices cuMemSetAccess named may touch it.
+  bool vmm = false;
+  std::set<int> access;
+  // A cudaIpcOpenMemHandle mapping: only the device that opened it may touch it.
+  int viewer = -1;
+  Alloc() = default;
+  Alloc(size_t b, int d, bool m, CUmemGenericAllocationHandle h, std::byte* p)
+      : bytes(b), device(d), multicast(m), mc(h), mem(p) {}
+};
+
+// Physical memory (cuMemCreate); imported handles share the pages.
+struct Pages {
+  std::byte* mem = nullptr;
+  size_t bytes = 0;
+  explicit Pages(size_t n) : mem(MapShared(n)), bytes(n) {}
+  ~Pages() { Unmap(mem, bytes); }
+  Pages(const Pages&) = delete;
+  Pages& operator=(const Pages&) = delete;
 };
 
 struct Phys {
   int device = 0;
   size_t bytes = 0;
-  std::byte* mapped = nullptr;  // host memory it is mapped at (once)
+  std::shared_ptr<Pages> pages;
+  unsigned long long handle_types = 0;  // CUmemAllocationProp::requestedHandleTypes
 };
 
 struct McObject {
@@ -183,6 +226,18 @@ bool CheckAccess(const void* p, size_t bytes, int device, const char* what) {
     Fail(std::string(what) + ": touches a multicast address outside a multimem kernel");
     return false;
   }
+  if (a->vmm) {
+    if (a->access.count(device)) return true;
+    Fail(std::string(what) + ": device " + std::to_string(device) + " touches a cuMemMap mapping "
+         "it was not given access to (cuMemSetAccess)");
+    return false;
+  }
+  if (a->viewer >= 0) {
+    if (a->viewer == device) return true;
+    Fail(std::string(what) + ": device " + std::to_string(device) + " touches a CUDA IPC mapping "
+         "opened on device " + std::to_string(a->viewer) + " (each device must open its own)");
+    return false;
+  }
   if (a->device != device && !S().peer_enabled.count({device, a->device})) {
     Fail(std::string(what) + ": device " + std::to_string(device) + " touches memory of device " +
          std::to_string(a->device) + " without peer access enabled");
@@ -242,6 +297,7 @@ CUresult FakeDeviceGet(CUdevice* d, int ordinal) {
 CUresult FakeDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice d) {
   Lock lock(S().mu);
   if (attr == CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) { *v = S().config.multicast; return CUDA_SUCCESS; }
+  if (attr == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED) { *v = S().config.fabric; return CUDA_SUCCESS; }
   Fail("cuDeviceGetAttribute: attribute " + std::to_string(attr) + " not modeled (device " + std::to_string(d) + ")");
   return CUDA_ERROR_NOT_SUPPORTED;
 }
@@ -286,8 +342,16 @@ CUresult FakeMemCreate(CUmemGenericAllocationHandle* h, size_t bytes, const CUme
     Fail("cuMemCreate: unsupported properties or size not a multiple of the granularity");
     return CUDA_ERROR_INVALID_VALUE;
   }
+  if (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC) {
+    if (!S().config.fabric) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!S().config.imex_channel) return CUDA_ERROR_NOT_PERMITTED;  // no IMEX channel for this user
+  }
+  auto pages = std::make_shared<Pages>(bytes);
+  if (pages->mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  std::memset(pages->mem, 0xA5, bytes);  // cuMemCreate memory is not zeroed
   *h = S().next_handle++;
-  S().phys[*h] = Phys{prop->location.id, bytes, nullptr};
+  S().phys[*h] = Phys{prop->location.id, bytes, std::move(pages),
+                      static_cast<unsigned long long>(prop->requestedHandleTypes)};
   return CUDA_SUCCESS;
 }
 
@@ -300,6 +364,61 @@ CUresult FakeMemRelease(CUmemGenericAllocationHandle h) {
   return CUDA_SUCCESS;
 }
 
+// Fabric handles: 64 bytes naming the object (physical memory or a multicast
+// object) in the one fake world; importing one returns a new handle to the
+// same pages (physical memory) or one more reference (multicast object).
+constexpr char kFabricTag[] = "fake-fabric";
+struct FakeFabric {
+  char tag[sizeof(kFabricTag)];
+  int64_t pid;
+  uint64_t handle;
+};
+static_assert(sizeof(FakeFabric) <= sizeof(CUmemFabricHandle), "fake fabric handle too big");
+
+CUresult ExportFabric(void* out, CUmemGenericAllocationHandle h) {
+  auto ph = S().phys.find(h);
+  auto mc = S().mcs.find(h);
+  const unsigned long long types = ph != S().phys.end() ? ph->second.handle_types
+                                   : mc != S().mcs.end() ? mc->second.handle_types : 0;
+  if (ph == S().phys.end() && mc == S().mcs.end()) {
+    Fail("cuMemExportToShareableHandle(FABRIC): unknown handle");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (!S().config.fabric || (types & CU_MEM_HANDLE_TYPE_FABRIC) == 0) return CUDA_ERROR_NOT_SUPPORTED;
+  FakeFabric f{};
+  std::memcpy(f.tag, kFabricTag, sizeof(kFabricTag));
+  f.pid = ::getpid();
+  f.handle = h;
+  std::memset(out, 0, sizeof(CUmemFabricHandle));
+  std::memcpy(out, &f, sizeof(f));
+  return CUDA_SUCCESS;
+}
+
+CUresult ImportFabric(CUmemGenericAllocationHandle* h, const void* handle) {
+  FakeFabric f{};
+  std::memcpy(&f, handle, sizeof(f));
+  if (std::memcmp(f.tag, kFabricTag, sizeof(kFabricTag)) != 0 || f.pid != ::getpid()) {
+    Fail("cuMemImportFromShareableHandle(FABRIC): not a handle from cuMemExportToShareableHandle");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (!S().config.fabric) return CUDA_ERROR_NOT_SUPPORTED;
+  if (!S().config.imex_channel) return CUDA_ERROR_NOT_PERMITTED;
+  if (auto mc = S().mcs.find(f.handle); mc != S().mcs.end()) {
+    ++mc->second.refs;
+    *h = mc->first;
+    return CUDA_SUCCESS;
+  }
+  auto ph = S().phys.find(f.handle);
+  if (ph == S().phys.end()) {
+    Fail("cuMemImportFromShareableHandle(FABRIC): the exported memory is gone");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  *h = S().next_handle++;
+  Phys imported = ph->second;  // shares the pages
+  S().phys[*h] = imported;
+  return CUDA_SUCCESS;
+}
+
 // Shareable handles of multicast objects, modelled within one OS process: the
 // exported POSIX fd is a memfd (a unique inode); importing an fd (a dup of it,
 // as another process would get through SCM_RIGHTS) finds the object by inode
@@ -308,6 +427,7 @@ CUresult FakeMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle 
                                         CUmemAllocationHandleType type, unsigned long long flags) {
   Lock lock(S().mu);
   Count("cuMemExportToShareableHandle");
+  if (type == CU_MEM_HANDLE_TYPE_FABRIC && flags == 0) return ExportFabric(out, h);
   auto mc = S().mcs.find(h);
   if (mc == S().mcs.end() || flags != 0) {
     Fail("cuMemExportToShareableHandle: only multicast objects are modelled");
@@ -332,6 +452,7 @@ CUresult FakeMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void*
                                           CUmemAllocationHandleType type) {
   Lock lock(S().mu);
   Count("cuMemImportFromShareableHandle");
+  if (type == CU_MEM_HANDLE_TYPE_FABRIC) return ImportFabric(h, os_handle);
   if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
   const int fd = static_cast<int>(reinterpret_cast<uintptr_t>(os_handle));
   struct stat st{};
@@ -354,10 +475,12 @@ CUresult FakeMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void*
 CUresult FakeMemAddressReserve(CUdeviceptr* p, size_t bytes, size_t, CUdeviceptr, unsigned long long) {
   Lock lock(S().mu);
   Count("cuMemAddressReserve");
-  void* mem = std::aligned_alloc(256, bytes);
+  std::byte* mem = MapShared(bytes);
   if (mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
   std::memset(mem, 0xA5, bytes);  // not zero: unmapped/uninitialised memory must not look clean
-  S().allocs[reinterpret_cast<uintptr_t>(mem)] = Alloc{bytes, -2, false, 0, static_cast<std::byte*>(mem)};
+  Alloc reserved{bytes, -2, false, 0, mem};
+  reserved.vmm = true;  // nobody may touch it before cuMemMap + cuMemSetAccess
+  S().allocs[reinterpret_cast<uintptr_t>(mem)] = reserved;
   *p = reinterpret_cast<CUdeviceptr>(mem);
   return CUDA_SUCCESS;
 }
@@ -366,7 +489,7 @@ CUresult FakeMemAddressFree(CUdeviceptr p, size_t) {
   Lock lock(S().mu);
   auto it = S().allocs.find(static_cast<uintptr_t>(p));
   if (it == S().allocs.end()) return CUDA_ERROR_INVALID_VALUE;
-  std::free(it->second.mem);
+  Unmap(it->second.mem, it->second.bytes);
   S().allocs.erase(it);
   return CUDA_SUCCESS;
 }
@@ -379,9 +502,11 @@ CUresult FakeMemMap(CUdeviceptr p, size_t bytes, size_t offset, CUmemGenericAllo
     Fail("cuMemMap: only whole reserved ranges at offset 0 are modeled");
     return CUDA_ERROR_INVALID_VALUE;
   }
+  if (it->second.device != -2) { Fail("cuMemMap: the range is already mapped"); return CUDA_ERROR_INVALID_VALUE; }
   if (auto ph = S().phys.find(h); ph != S().phys.end()) {
-    if (ph->second.mapped != nullptr || ph->second.bytes != bytes) { Fail("cuMemMap: physical memory mapped twice or size mismatch"); return CUDA_ERROR_INVALID_VALUE; }
-    ph->second.mapped = it->second.mem;
+    if (ph->second.bytes != bytes) { Fail("cuMemMap: size mismatch"); return CUDA_ERROR_INVALID_VALUE; }
+    // The reserved range now shows the physical pages (and stays theirs until unmapped).
+    if (Alias(ph->second.pages->mem, bytes, it->second.mem) != it->second.mem) return CUDA_ERROR_OUT_OF_MEMORY;
     it->second.device = ph->second.device;
     return CUDA_SUCCESS;
   }
@@ -389,13 +514,22 @@ CUresult FakeMemMap(CUdeviceptr p, size_t bytes, size_t offset, CUmemGenericAllo
     if (mc->second.bytes != bytes) { Fail("cuMemMap: multicast size mismatch"); return CUDA_ERROR_INVALID_VALUE; }
     it->second.multicast = true;
     it->second.mc = h;
+    it->second.device = -1;  // every bound device's memory at once
     return CUDA_SUCCESS;
   }
   Fail("cuMemMap: unknown handle");
   return CUDA_ERROR_INVALID_VALUE;
 }
 
-CUresult FakeMemUnmap(CUdeviceptr, size_t) { return CUDA_SUCCESS; }
+CUresult FakeMemUnmap(CUdeviceptr p, size_t bytes) {
+  Lock lock(S().mu);
+  auto it = S().allocs.find(static_cast<uintptr_t>(p));
+  if (it == S().allocs.end() || it->second.bytes != bytes) return CUDA_ERROR_INVALID_VALUE;
+  it->second.device = -2;  // reserved again: nobody may touch it
+  it->second.access.clear();
+  it->second.multicast = false;
+  return CUDA_SUCCESS;
+}
 
 CUresult FakeMemSetAccess(CUdeviceptr p, size_t bytes, const CUmemAccessDesc* desc, size_t count) {
   Lock lock(S().mu);
@@ -405,6 +539,11 @@ CUresult FakeMemSetAccess(CUdeviceptr p, size_t bytes, const CUmemAccessDesc* de
   for (size_t i = 0; i < count; ++i)
     if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE || !ValidDevice(desc[i].location.id))
       return CUDA_ERROR_INVALID_VALUE;
+  if (it->second.device == -2) { Fail("cuMemSetAccess on a range nothing is mapped at"); return CUDA_ERROR_INVALID_VALUE; }
+  for (size_t i = 0; i < count; ++i)
+    if (!it->second.multicast && !CanAccessPeer(desc[i].location.id, it->second.device))
+      return CUDA_ERROR_INVALID_DEVICE;  // no P2P path from that device to the memory's
+  for (size_t i = 0; i < count; ++i) it->second.access.insert(desc[i].location.id);
   return CUDA_SUCCESS;
 }
 
@@ -412,6 +551,10 @@ CUresult FakeMulticastCreate(CUmemGenericAllocationHandle* h, const CUmulticastO
   Lock lock(S().mu);
   Count("cuMulticastCreate");
   if (!S().config.multicast) return CUDA_ERROR_NOT_SUPPORTED;
+  if (prop->handleTypes & CU_MEM_HANDLE_TYPE_FABRIC) {
+    if (!S().config.fabric) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!S().config.imex_channel) return CUDA_ERROR_NOT_PERMITTED;
+  }
   if (prop->size % (size_t{2} << 20) != 0 || prop->numDevices < 1) { Fail("cuMulticastCreate: bad size/devices"); return CUDA_ERROR_INVALID_VALUE; }
   *h = S().next_handle++;
   S().mcs[*h] = McObject{prop->size, prop->numDevices, {}, {}, prop->handleTypes, 1};
@@ -466,7 +609,7 @@ void Fail(const std::string& text) {
 void Reset(const Config& config) {
   Lock lock(S().mu);
   State& s = S();
-  for (auto& [base, a] : s.allocs) std::free(a.mem);
+  for (auto& [base, a] : s.allocs) Unmap(a.mem, a.bytes);
   s.allocs.clear();
   s.streams.clear();
   s.events.clear();
@@ -500,9 +643,13 @@ std::map<std::string, int64_t> Counters() {
 
 void* Malloc(int device, size_t bytes) {
   Lock lock(S().mu);
-  void* mem = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  std::byte* mem = MapShared(bytes);
+  if (mem == nullptr) {
+    Fail("fake: out of host memory");
+    return nullptr;
+  }
   std::memset(mem, 0, bytes);
-  S().allocs[reinterpret_cast<uintptr_t>(mem)] = Alloc{bytes, device, false, 0, static_cast<std::byte*>(mem)};
+  S().allocs[reinterpret_cast<uintptr_t>(mem)] = Alloc{bytes, device, false, 0, mem};
   return mem;
 }
 
@@ -527,8 +674,7 @@ bool MulticastTargets(const void* mc, size_t bytes, std::vector<std::byte*>* out
   out->clear();
   for (const auto& [device, handle] : obj.bound) {
     const Phys& ph = S().phys[handle];
-    if (ph.mapped == nullptr) return false;
-    out->push_back(ph.mapped + offset);
+    out->push_back(ph.pages->mem + offset);
   }
   return obj.bound.size() == obj.num_devices;
 }
@@ -611,8 +757,9 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 cudaError_t cudaFree(void* p) {
   Lock lock(S().mu);
   auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));
-  if (it == S().allocs.end()) return RtFail(cudaErrorInvalidValue, "cudaFree of an unknown pointer");
-  std::free(it->second.mem);
+  if (it == S().allocs.end() || it->second.viewer >= 0 || it->second.vmm)
+    return RtFail(cudaErrorInvalidValue, "cudaFree of an unknown pointer");
+  jo::fake::Unmap(it->second.mem, it->second.bytes);
   S().allocs.erase(it);
   return cudaSuccess;
 }
@@ -715,8 +862,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
 // CUDA IPC. The fake's "device memory" is this OS process's heap, so IPC is
 // modelled within one OS process (the tests play several processes in one):
 // a handle names the allocation's base (and the pid, checked); opening it
-// returns that same base (a real driver returns a new mapping) and, with
-// cudaIpcMemLazyEnablePeerAccess, gives the current device access to it.
+// returns a new mapping of the same pages that only the opening device may
+// touch (cudaIpcMemLazyEnablePeerAccess: no other peer access is implied).
 // Like the driver: only a whole allocation's base can be exported, opening
 // in another "process" requires the handle be well-formed, close needs an open.
 namespace {
@@ -734,7 +881,7 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
   Lock lock(S().mu);
   Count("cudaIpcGetMemHandle");
   auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));
-  if (it == S().allocs.end() || it->second.multicast)
+  if (it == S().allocs.end() || it->second.multicast || it->second.vmm || it->second.viewer >= 0)
     return RtFail(cudaErrorInvalidValue, "cudaIpcGetMemHandle: not the base of a cudaMalloc allocation");
   FakeIpc ipc{};
   std::memcpy(ipc.tag, kIpcTag, sizeof(kIpcTag));
@@ -757,7 +904,7 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
     return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the fake models CUDA IPC within one "
                                          "OS process only (handle from pid " + std::to_string(ipc.pid) + ")");
   auto it = S().allocs.find(ipc.base);
-  if (it == S().allocs.end() || it->second.bytes != ipc.bytes)
+  if (it == S().allocs.end() || it->second.bytes != ipc.bytes || it->second.viewer >= 0)
     return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the exported allocation is gone");
   if (flags != cudaIpcMemLazyEnablePeerAccess)
     return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: flags other than cudaIpcMemLazyEnablePeerAccess are not modelled");
@@ -765,10 +912,14 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
     if (!jo::fake::CanAccessPeer(t_device, it->second.device))
       return RtFail(cudaErrorPeerAccessUnsupported, "cudaIpcOpenMemHandle: device " + std::to_string(t_device) +
                                                     " cannot access device " + std::to_string(it->second.device));
-    S().peer_enabled.insert({t_device, it->second.device});
   }
-  ++S().ipc_open[ipc.base];
-  *p = reinterpret_cast<void*>(ipc.base);
+  std::byte* alias = jo::fake::Alias(it->second.mem, it->second.bytes);
+  if (alias == nullptr) return RtFail(cudaErrorMemoryAllocation, "cudaIpcOpenMemHandle: mremap failed");
+  jo::fake::Alloc mapping{it->second.bytes, it->second.device, false, 0, alias};
+  mapping.viewer = t_device;
+  S().allocs[reinterpret_cast<uintptr_t>(alias)] = mapping;
+  ++S().ipc_open[reinterpret_cast<uintptr_t>(alias)];
+  *p = alias;
   return cudaSuccess;
 }
 
@@ -779,6 +930,12 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
   if (it == S().ipc_open.end() || it->second == 0)
     return RtFail(cudaErrorInvalidValue, "cudaIpcCloseMemHandle: not an opened IPC mapping");
   --it->second;
+  auto alloc = S().allocs.find(it->first);
+  if (alloc != S().allocs.end()) {
+    jo::fake::Unmap(alloc->second.mem, alloc->second.bytes);
+    S().allocs.erase(alloc);
+  }
+  S().ipc_open.erase(it);
   return cudaSuccess;
 }
 

@@ -23,7 +23,12 @@
 //    multimem kernels are replaced by host equivalents (fake_kernels.cc).
 //    cuMemExportToShareableHandle (POSIX fd; a memfd) and
 //    cuMemImportFromShareableHandle (finds the object by the fd's inode, one
-//    more reference) model shareable handles within one OS process.
+//    more reference) model shareable handles within one OS process; fabric
+//    handles (64 bytes) likewise, for multicast objects and cuMemCreate memory.
+//  * mappings: device memory is shared anonymous host memory, so CUDA IPC
+//    opens and cuMemMap of imported memory get a new address of the same
+//    pages; an IPC mapping may be touched only by the device that opened it,
+//    a cuMemMap mapping only by the devices cuMemSetAccess named.
 // Drain() runs the queues; the order among ready streams is pseudo-random
 // (seeded), one task at a time, so different interleavings get exercised.
 // A state where no stream can progress but some are non-empty is a deadlock.
@@ -46,6 +51,8 @@ struct Config {
   int cc_major = 9;
   bool multicast = true;
   bool shareable = true;  // cuMemExportToShareableHandle supports POSIX fds
+  bool fabric = false;    // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (multi-node NVLink)
+  bool imex_channel = true;  // this user may use fabric handles (an IMEX channel exists)
   std::vector<std::vector<bool>> peer;  // empty: all pairs can access
   uint64_t seed = 1;
   // When no stream can progress, Drain waits this long for another host
