@@ -101,23 +101,14 @@ Status CudaCall(const CudaCallArgs& args) {
   site.clique = CliqueName(key);
 
   // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
-  // and multicast with one GPU per process and the clique's exchange (IPC
-  // handles; the multicast object's fd).
+  // and multicast with the clique's exchange (buffer handles; the multicast
+  // object's handle).
   ncclUniqueId nccl_id{};
   std::shared_ptr<Exchange> exchange;
   const bool spans = place.remote_process >= 0;
-  const auto local = std::count_if(place.clique_devices.begin(), place.clique_devices.end(),
-                                   [](int d) { return d >= 0; });
   const std::string elsewhere = "this clique has a rank in process " +
                                 std::to_string(place.remote_process);
   const bool direct = q.transport == Transport::kP2p || q.transport == Transport::kMulticast;
-  if (spans && direct && local != 1)
-    return Status(Code::kInvalidArgument,
-                  site.Describe() + ": not yet: transport " + TransportName(q.transport) +
-                      " across processes with " + std::to_string(local) +
-                      " GPUs of the clique in this process (" + elsewhere + "); " +
-                      TransportName(q.transport) + " across processes needs one GPU per "
-                      "process. Use transport='nccl' (or 'auto')");
   if (spans && q.transport == Transport::kNccl)
     JO_CHECK(FindNcclId(args.clique_key, place.group, args.process_index, site.Describe(),
                         &nccl_id));

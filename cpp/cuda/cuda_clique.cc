@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <tuple>
 
@@ -60,13 +61,106 @@ class Fds {
 
 size_t RoundUp(size_t v, size_t to) { return to == 0 ? v : (v + to - 1) / to * to; }
 
+CUmemAllocationProp FabricProp(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+  return prop;
+}
+
+// Gives every device of `devices` read-write access to [va, va + bytes).
+Status SetAccess(const DriverApi* drv, CUdeviceptr va, size_t bytes, const std::vector<int>& devices,
+                 const CallSite& site) {
+  std::vector<CUmemAccessDesc> access;
+  for (int d : devices) {
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = d;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access.push_back(desc);
+  }
+  JO_CU_CHECK(&site, drv->cuMemSetAccess(va, bytes, access.data(), access.size()));
+  return OkStatus();
+}
+
+// Maps `alloc->handle` (mapped_bytes) at a new address, for `devices`.
+Status MapForDevices(DeviceAlloc* alloc, const std::vector<int>& devices, size_t granularity,
+                     const CallSite& site) {
+  const DriverApi* drv = alloc->drv;
+  CUdeviceptr va = 0;
+  JO_CU_CHECK(&site, drv->cuMemAddressReserve(&va, alloc->mapped_bytes, granularity, 0, 0));
+  alloc->ptr = reinterpret_cast<void*>(va);
+  JO_CU_CHECK(&site, drv->cuMemMap(va, alloc->mapped_bytes, 0, alloc->handle, 0));
+  alloc->mapped = true;
+  return SetAccess(drv, va, alloc->mapped_bytes, devices, site);
+}
+
+std::mutex g_fabric_mu;
+std::map<int, std::string>& FabricKnown() {
+  static auto* known = new std::map<int, std::string>();  // outlives static destructors
+  return *known;
+}
+
+// Why `device` cannot share memory through fabric handles ("" when it can),
+// found by asking the driver and then trying (a missing IMEX channel shows
+// only when creating). Once per device per process.
+std::string FabricReason(const DriverApi* drv, int device) {
+  std::lock_guard<std::mutex> lock(g_fabric_mu);
+  std::map<int, std::string>& known = FabricKnown();
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  std::string why;
+  CUdevice dev = 0;
+  int supported = 0;
+  if (!drv->has_shareable) {
+    why = "the driver lacks cuMemExportToShareableHandle";
+  } else if (drv->cuDeviceGet(&dev, device) != CUDA_SUCCESS ||
+             drv->cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
+                                       dev) != CUDA_SUCCESS ||
+             !supported) {
+    why = "GPU " + std::to_string(device) + " does not support fabric handles "
+          "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED; needs multi-node NVLink)";
+  } else {
+    const CUmemAllocationProp prop = FabricProp(device);
+    size_t gran = 0;
+    CUmemGenericAllocationHandle h = 0;
+    CUmemFabricHandle exported{};
+    CUresult code = drv->cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (code == CUDA_SUCCESS) code = drv->cuMemCreate(&h, gran, &prop, 0);
+    if (code == CUDA_SUCCESS) {
+      code = drv->cuMemExportToShareableHandle(&exported, h, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+      (void)drv->cuMemRelease(h);
+    }
+    if (code != CUDA_SUCCESS)
+      why = "GPU " + std::to_string(device) + " cannot create a fabric-shareable allocation (" +
+            DriverErrorText(code) + "; is an IMEX channel, /dev/nvidia-caps-imex-channels/channel*, "
+            "accessible to this user?)";
+  }
+  known[device] = why;
+  return why;
+}
+
 }  // namespace
 
+void ForgetFabricProbes() {
+  std::lock_guard<std::mutex> lock(g_fabric_mu);
+  FabricKnown().clear();
+}
+
 DeviceAlloc::~DeviceAlloc() {
+  if (kind == Kind::kVmm) {
+    if (drv == nullptr) return;
+    if (mapped) (void)drv->cuMemUnmap(reinterpret_cast<CUdeviceptr>(ptr), mapped_bytes);
+    if (ptr != nullptr) (void)drv->cuMemAddressFree(reinterpret_cast<CUdeviceptr>(ptr), mapped_bytes);
+    if (handle != 0) (void)drv->cuMemRelease(handle);
+    return;
+  }
   if (ptr == nullptr) return;
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return;  // teardown: nobody to tell
-  if (ipc) {
+  if (kind == Kind::kIpc) {
     (void)cudaIpcCloseMemHandle(ptr);
   } else {
     (void)cudaFree(ptr);
@@ -90,10 +184,11 @@ MulticastRegion::~MulticastRegion() {
   if (mc_created) (void)drv->cuMemRelease(mc);
 }
 
-std::byte* Generation::Workspace(int32_t rank, int64_t epoch) const {
+std::byte* Generation::Workspace(int32_t rank, int64_t epoch, int32_t viewer) const {
   const size_t parity = static_cast<size_t>(epoch % 2) * static_cast<size_t>(workspace_bytes);
   if (multicast) return reinterpret_cast<std::byte*>(multicast->unicast[rank]) + parity;
-  return static_cast<std::byte*>(workspace[rank]->ptr) + parity;
+  if (workspace[rank]) return static_cast<std::byte*>(workspace[rank]->ptr) + parity;
+  return remote[viewer][rank].workspace + parity;
 }
 
 std::byte* Generation::MulticastAddress(int64_t epoch) const {
@@ -101,9 +196,10 @@ std::byte* Generation::MulticastAddress(int64_t epoch) const {
   return multicast ? reinterpret_cast<std::byte*>(multicast->mc_va) + parity : nullptr;
 }
 
-CUdeviceptr Generation::Flag(int32_t rank, int64_t epoch, int32_t id) const {
+CUdeviceptr Generation::Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const {
   const int64_t index = (epoch % 2) * num_flags + id;
-  return reinterpret_cast<CUdeviceptr>(static_cast<uint32_t*>(flags[rank]->ptr) + index);
+  void* base = flags[rank] ? flags[rank]->ptr : remote[viewer][rank].flags;
+  return reinterpret_cast<CUdeviceptr>(static_cast<uint32_t*>(base) + index);
 }
 
 RankResources::~RankResources() {
@@ -177,7 +273,8 @@ Status CudaClique::EnablePeerAccess(const CallSite& site) {
   DeviceGuard guard;
   for (size_t i = 0; i < devices_.size(); ++i)
     for (size_t j = 0; j < devices_.size(); ++j) {
-      if (i == j || devices_[i] == devices_[j]) continue;
+      // This process's GPUs only (another process's rank is reached through a mapping).
+      if (i == j || devices_[i] == devices_[j] || devices_[i] < 0 || devices_[j] < 0) continue;
       int can = 0;
       JO_CUDA_CHECK(&site, cudaDeviceCanAccessPeer(&can, devices_[i], devices_[j]));
       if (!can)
@@ -257,7 +354,8 @@ Status CudaClique::AllocMulticast(Generation* gen, const CallSite& site) {
   region->unicast.assign(n, 0);
   CUmulticastObjectProp mc_prop{};
   mc_prop.numDevices = static_cast<unsigned>(n);
-  mc_prop.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  mc_prop.handleTypes = handles_ == Handles::kFabric ? CU_MEM_HANDLE_TYPE_FABRIC
+                                                     : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   mc_prop.size = static_cast<size_t>(2 * gen->workspace_bytes);
   size_t mc_gran = 0, mem_gran = 0;
   JO_CU_CHECK(&site, drv->cuMulticastGetGranularity(&mc_gran, &mc_prop,
@@ -318,9 +416,9 @@ Status CudaClique::AllocMulticast(Generation* gen, const CallSite& site) {
   return OkStatus();
 }
 
-// Multicast across processes: the process of rank 0 creates the object with a
-// POSIX-fd handle type and exports it; the fd goes to the other processes
-// through the clique's exchange (share_fds: SCM_RIGHTS or pidfd_getfd); they
+// Multicast across processes: the process of rank 0 creates the object and
+// exports it — a fabric handle (bytes, allgathered) or a POSIX fd (moved by
+// the clique's exchange, share_fds: SCM_RIGHTS or pidfd_getfd); the others
 // import it. Each process adds its own devices; an allgather then makes sure
 // every device of the clique is added before anyone binds memory (the driver
 // requires it). Binding and mapping are per process (AllocMulticast).
@@ -333,33 +431,61 @@ Status CudaClique::ShareMulticastObject(const DriverApi* drv, const CUmulticastO
                            "cuMemExportToShareableHandle/cuMemImportFromShareableHandle, which "
                            "this driver lacks. Use transport='nccl'");
   const bool owner = devices_[0] >= 0;  // this process holds rank 0
-  Fds own;
-  std::vector<int> offer;
   if (owner) {
     JO_CU_CHECK(&site, drv->cuMulticastCreate(&region->mc, prop));
     region->mc_created = true;
-    int fd = -1;
-    JO_CU_CHECK(&site, drv->cuMemExportToShareableHandle(
-                           &fd, region->mc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-    own.Add(fd);
-    offer.push_back(fd);
   }
-  std::map<int32_t, std::vector<int>> got;
-  const Status shared = exchange_->ShareFds("mc_fd", offer, &got);
-  Fds received;
-  for (const auto& [process, fds] : got)
-    for (int fd : fds) received.Add(fd);
-  JO_CHECK(shared);
-  if (!owner) {
-    if (got.size() != 1 || got.begin()->second.size() != 1)
-      return InvalidArgument(site.Describe() + ": expected the multicast handle (one fd) from "
-                             "the process of rank 0, got fds from " + std::to_string(got.size()) +
-                             " processes: the processes disagree on the rank table");
-    const int fd = got.begin()->second[0];
-    JO_CU_CHECK(&site, drv->cuMemImportFromShareableHandle(
-                           &region->mc, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
-    region->mc_created = true;  // released (one reference) like the owner's
+  if (handles_ == Handles::kFabric) {
+    std::string mine;
+    if (owner) {
+      CUmemFabricHandle handle{};
+      JO_CU_CHECK(&site, drv->cuMemExportToShareableHandle(&handle, region->mc,
+                                                           CU_MEM_HANDLE_TYPE_FABRIC, 0));
+      mine.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    }
+    std::map<int32_t, std::string> all;
+    JO_CHECK(exchange_->AllGather("mc_fabric", mine, &all));
+    if (!owner) {
+      const std::string* from_owner = nullptr;
+      for (const auto& [process, bytes] : all)
+        if (!bytes.empty()) from_owner = &bytes;
+      if (from_owner == nullptr || from_owner->size() != sizeof(CUmemFabricHandle))
+        return InvalidArgument(site.Describe() + ": expected the multicast object's fabric handle "
+                               "from the process of rank 0: the processes disagree on the rank table");
+      CUmemFabricHandle handle{};
+      std::memcpy(&handle, from_owner->data(), sizeof(handle));
+      JO_CU_CHECK(&site, drv->cuMemImportFromShareableHandle(&region->mc, &handle,
+                                                             CU_MEM_HANDLE_TYPE_FABRIC));
+      region->mc_created = true;  // released (one reference) like the owner's
+    }
+  } else {
+    Fds own;
+    std::vector<int> offer;
+    if (owner) {
+      int fd = -1;
+      JO_CU_CHECK(&site, drv->cuMemExportToShareableHandle(
+                             &fd, region->mc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+      own.Add(fd);
+      offer.push_back(fd);
+    }
+    std::map<int32_t, std::vector<int>> got;
+    const Status shared = exchange_->ShareFds("mc_fd", offer, &got);
+    Fds received;
+    for (const auto& [process, fds] : got)
+      for (int fd : fds) received.Add(fd);
+    JO_CHECK(shared);
+    if (!owner) {
+      if (got.size() != 1 || got.begin()->second.size() != 1)
+        return InvalidArgument(site.Describe() + ": expected the multicast handle (one fd) from "
+                               "the process of rank 0, got fds from " +
+                               std::to_string(got.size()) +
+                               " processes: the processes disagree on the rank table");
+      const int fd = got.begin()->second[0];
+      JO_CU_CHECK(&site, drv->cuMemImportFromShareableHandle(
+                             &region->mc, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+      region->mc_created = true;  // released (one reference) like the owner's
+    }
   }
   for (int device : devices_) {
     if (device < 0) continue;
@@ -371,7 +497,78 @@ Status CudaClique::ShareMulticastObject(const DriverApi* drv, const CUmulticastO
   JO_CHECK(exchange_->AllGather("mc_added", "", &added));
   JO_INFO(site.Describe() + std::string(owner ? ": exported" : ": imported") +
           " the multicast object across " + std::to_string(exchange_->processes().size()) +
-          " processes");
+          " processes (" + (handles_ == Handles::kFabric ? "fabric handle" : "POSIX fd") + ")");
+  return OkStatus();
+}
+
+// What one process says in Negotiate: its host, and whether (or why not) its
+// GPUs of this clique can use fabric handles.
+Status CudaClique::Negotiate(const CallSite& site) {
+  if (!exchange_)
+    return Internal(site.Describe() + ": clique spanning processes without an exchange");
+  const DriverApi* drv = nullptr;
+  JO_CHECK(LoadDriver(&drv));
+  std::string why_not;
+  for (int device : devices_)
+    if (device >= 0 && why_not.empty()) why_not = FabricReason(drv, device);
+  // host '\n' fabric reason ("" = fabric works here)
+  std::map<int32_t, std::string> all;
+  JO_CHECK(exchange_->AllGather("handles", exchange_->host() + "\n" + why_not, &all));
+  std::map<std::string, std::vector<int32_t>> hosts;
+  std::string first_refusal;
+  for (const auto& [process, record] : all) {
+    const size_t cut = record.find('\n');
+    hosts[record.substr(0, cut)].push_back(process);
+    const std::string reason = cut == std::string::npos ? "no answer" : record.substr(cut + 1);
+    if (!reason.empty() && first_refusal.empty())
+      first_refusal = "process " + std::to_string(process) + ": " + reason;
+  }
+  if (first_refusal.empty()) {
+    handles_ = Handles::kFabric;
+  } else if (hosts.size() == 1) {
+    handles_ = Handles::kIpc;
+  } else {
+    std::string where;
+    for (const auto& [host, procs] : hosts) {
+      where += (where.empty() ? "" : ", ") + std::string("processes");
+      for (int32_t p : procs) where += " " + std::to_string(p);
+      where += " on " + host;
+    }
+    return InvalidArgument(site.Describe() + ": transport " + TransportName(transport_) +
+                           " between hosts (" + where + ") needs fabric handles (multi-node "
+                           "NVLink with IMEX), which are not available (" + first_refusal +
+                           "). Use transport='nccl' (or 'auto')");
+  }
+  JO_INFO(site.Describe() + ": peers' buffers through " +
+          (handles_ == Handles::kFabric ? std::string("fabric handles")
+                                        : "CUDA IPC (fabric handles: " + first_refusal + ")"));
+  return OkStatus();
+}
+
+Status CudaClique::AllocShared(int32_t rank, size_t bytes, const CallSite& site,
+                               std::unique_ptr<DeviceAlloc>* out) {
+  const int device = devices_[rank];
+  cudaStream_t setup = ranks_[rank]->setup;
+  if (handles_ != Handles::kFabric) return Alloc(device, bytes, setup, site, out);
+  auto alloc = std::make_unique<DeviceAlloc>();
+  alloc->kind = DeviceAlloc::Kind::kVmm;
+  JO_CHECK(LoadDriver(&alloc->drv));
+  alloc->device = device;
+  alloc->bytes = bytes;
+  const CUmemAllocationProp prop = FabricProp(device);
+  size_t gran = 0;
+  JO_CU_CHECK(&site, alloc->drv->cuMemGetAllocationGranularity(&gran, &prop,
+                                                                CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  alloc->mapped_bytes = RoundUp(std::max<size_t>(bytes, 1), gran);
+  JO_CU_CHECK(&site, alloc->drv->cuMemCreate(&alloc->handle, alloc->mapped_bytes, &prop, 0));
+  std::vector<int> local;
+  for (int d : devices_)
+    if (d >= 0) local.push_back(d);
+  JO_CHECK(MapForDevices(alloc.get(), local, gran, site));
+  JO_CUDA_CHECK(&site, cudaSetDevice(device));
+  JO_CUDA_CHECK(&site, cudaMemsetAsync(alloc->ptr, 0, alloc->mapped_bytes, setup));
+  JO_CUDA_CHECK(&site, cudaStreamSynchronize(setup));
+  *out = std::move(alloc);
   return OkStatus();
 }
 
@@ -382,6 +579,8 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   gen->since_epoch = epoch;
   gen->workspace_bytes = RoundUp(static_cast<size_t>(workspace_bytes), 256);  // keep halves aligned
   gen->num_flags = num_flags;
+  if (spans_processes() && transport_ != Transport::kNccl && handles_ == Handles::kUnset)
+    JO_CHECK(Negotiate(site));
   for (size_t r = 0; r < devices_.size(); ++r) {
     RankResources& res = *ranks_[r];
     if (res.device < 0) {  // another process's rank: its buffers are there
@@ -393,12 +592,13 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
     if (res.setup == nullptr)
       JO_CUDA_CHECK(&site, cudaStreamCreateWithFlags(&res.setup, cudaStreamNonBlocking));
     std::unique_ptr<DeviceAlloc> flags;
-    JO_CHECK(Alloc(res.device, static_cast<size_t>(2 * num_flags) * sizeof(uint32_t), res.setup,
-                   site, &flags));
+    JO_CHECK(AllocShared(static_cast<int32_t>(r), static_cast<size_t>(2 * num_flags) * sizeof(uint32_t),
+                         site, &flags));
     gen->flags.push_back(std::move(flags));
     if (transport_ != Transport::kMulticast) {
       std::unique_ptr<DeviceAlloc> ws;
-      JO_CHECK(Alloc(res.device, static_cast<size_t>(2 * gen->workspace_bytes), res.setup, site, &ws));
+      JO_CHECK(AllocShared(static_cast<int32_t>(r), static_cast<size_t>(2 * gen->workspace_bytes),
+                           site, &ws));
       gen->workspace.push_back(std::move(ws));
     }
   }
@@ -413,73 +613,129 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   return OkStatus();
 }
 
-// Record of one local rank in the exchange: rank, then the IPC handles of its
-// flags and of its workspace.
-struct IpcRecord {
+// Record of one local rank in the exchange: its rank, then the handles of its
+// flags and of its workspace (CUDA IPC or fabric: both 64 bytes) and, for
+// fabric, the sizes of the allocations they name.
+struct PeerRecord {
   int32_t rank = -1;
-  cudaIpcMemHandle_t flags{};
-  cudaIpcMemHandle_t workspace{};
+  uint32_t kind = 0;  // Handles
+  uint64_t flags_bytes = 0;
+  uint64_t workspace_bytes = 0;
+  unsigned char flags[64] = {};
+  unsigned char workspace[64] = {};
 };
+static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(CUmemFabricHandle) == 64,
+              "IPC and fabric handles are 64 bytes");
 
 Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
   if (!exchange_)
     return Internal(site.Describe() + ": p2p clique spanning processes without an exchange");
-  int local_device = -1;
+  const bool fabric = handles_ == Handles::kFabric;
+  // multicast: only the flags (peers signal into them); the workspace is the multicast object.
+  const bool with_workspace = transport_ == Transport::kP2p;
+  const DriverApi* drv = nullptr;
+  if (fabric) JO_CHECK(LoadDriver(&drv));
+  std::vector<int> local;
   std::string mine;
   for (size_t r = 0; r < devices_.size(); ++r) {
     if (devices_[r] < 0) continue;
-    local_device = devices_[r];
-    IpcRecord rec;
+    local.push_back(devices_[r]);
+    PeerRecord rec;
     rec.rank = static_cast<int32_t>(r);
+    rec.kind = static_cast<uint32_t>(handles_);
+    const DeviceAlloc* bufs[2] = {gen->flags[r].get(),
+                                  with_workspace ? gen->workspace[r].get() : nullptr};
+    unsigned char* out[2] = {rec.flags, rec.workspace};
+    uint64_t* sizes[2] = {&rec.flags_bytes, &rec.workspace_bytes};
     JO_CUDA_CHECK(&site, cudaSetDevice(devices_[r]));
-    JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&rec.flags, gen->flags[r]->ptr));
-    if (transport_ == Transport::kP2p)
-      JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&rec.workspace, gen->workspace[r]->ptr));
+    for (int b = 0; b < 2; ++b) {
+      if (bufs[b] == nullptr) continue;
+      if (fabric) {
+        CUmemFabricHandle handle{};
+        JO_CU_CHECK(&site, drv->cuMemExportToShareableHandle(&handle, bufs[b]->handle,
+                                                             CU_MEM_HANDLE_TYPE_FABRIC, 0));
+        std::memcpy(out[b], &handle, sizeof(handle));
+        *sizes[b] = bufs[b]->mapped_bytes;
+      } else {
+        cudaIpcMemHandle_t handle{};
+        JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&handle, bufs[b]->ptr));
+        std::memcpy(out[b], &handle, sizeof(handle));
+        *sizes[b] = bufs[b]->bytes;
+      }
+    }
     mine.append(reinterpret_cast<const char*>(&rec), sizeof(rec));
   }
   std::map<int32_t, std::string> all;
-  // multicast: only the flags (peers signal into them); the workspace is the multicast object.
-  const bool with_workspace = transport_ == Transport::kP2p;
-  JO_CHECK(exchange_->AllGather(with_workspace ? "p2p_ipc" : "mc_flags_ipc", mine, &all));
-  const size_t flag_bytes = static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t);
-  const size_t ws_bytes = static_cast<size_t>(2 * gen->workspace_bytes);
-  JO_CUDA_CHECK(&site, cudaSetDevice(local_device));
+  JO_CHECK(exchange_->AllGather(with_workspace ? "p2p_buffers" : "mc_flags", mine, &all));
+  gen->remote.assign(devices_.size(), std::vector<Generation::Remote>(devices_.size()));
+  std::vector<bool> seen(devices_.size(), false);
   for (const auto& [process, bytes] : all) {
     if (process == exchange_->process()) continue;
-    if (bytes.size() % sizeof(IpcRecord) != 0)
+    if (bytes.size() % sizeof(PeerRecord) != 0)
       return Internal(site.Describe() + ": process " + std::to_string(process) +
-                      " sent a malformed IPC handle record");
-    for (size_t off = 0; off < bytes.size(); off += sizeof(IpcRecord)) {
-      IpcRecord rec;
+                      " sent a malformed buffer handle record");
+    for (size_t off = 0; off < bytes.size(); off += sizeof(PeerRecord)) {
+      PeerRecord rec;
       std::memcpy(&rec, bytes.data() + off, sizeof(rec));
-      if (rec.rank < 0 || rec.rank >= nranks() || devices_[rec.rank] >= 0 ||
-          gen->flags[rec.rank] != nullptr)
+      if (rec.rank < 0 || rec.rank >= nranks() || devices_[rec.rank] >= 0 || seen[rec.rank] ||
+          rec.kind != static_cast<uint32_t>(handles_))
         return InvalidArgument(site.Describe() + ": process " + std::to_string(process) +
-                               " sent IPC handles for rank " + std::to_string(rec.rank) +
+                               " sent buffer handles for rank " + std::to_string(rec.rank) +
                                ", which is not one of its ranks here: the processes disagree "
                                "on the rank table");
-      for (auto [handle, slot, size] :
-           {std::tuple{&rec.flags, &gen->flags[rec.rank], flag_bytes},
-            std::tuple{&rec.workspace, with_workspace ? &gen->workspace[rec.rank] : nullptr,
-                       ws_bytes}}) {
-        if (slot == nullptr) continue;
-        auto mapping = std::make_unique<DeviceAlloc>();
-        mapping->device = local_device;
-        mapping->bytes = size;
-        mapping->ipc = true;
-        // Lazy peer access: the mapping is usable from local_device at once.
-        JO_CUDA_CHECK(&site, cudaIpcOpenMemHandle(&mapping->ptr, *handle,
-                                                  cudaIpcMemLazyEnablePeerAccess));
-        *slot = std::move(mapping);
+      seen[rec.rank] = true;
+      const unsigned char* handles[2] = {rec.flags, with_workspace ? rec.workspace : nullptr};
+      const uint64_t sizes[2] = {rec.flags_bytes, rec.workspace_bytes};
+      for (int b = 0; b < 2; ++b) {
+        if (handles[b] == nullptr) continue;
+        std::vector<std::byte*> views(devices_.size(), nullptr);
+        if (fabric) {
+          // One mapping in this process, accessible to every local GPU.
+          auto mapping = std::make_unique<DeviceAlloc>();
+          mapping->kind = DeviceAlloc::Kind::kVmm;
+          mapping->drv = drv;
+          mapping->device = local.front();
+          mapping->bytes = mapping->mapped_bytes = sizes[b];
+          CUmemFabricHandle handle{};
+          std::memcpy(&handle, handles[b], sizeof(handle));
+          JO_CU_CHECK(&site, drv->cuMemImportFromShareableHandle(&mapping->handle, &handle,
+                                                                 CU_MEM_HANDLE_TYPE_FABRIC));
+          JO_CHECK(MapForDevices(mapping.get(), local, 0, site));
+          for (size_t v = 0; v < devices_.size(); ++v)
+            if (devices_[v] >= 0) views[v] = static_cast<std::byte*>(mapping->ptr);
+          gen->mappings.push_back(std::move(mapping));
+        } else {
+          // cudaIpcOpenMemHandle maps into the current device's context: one per local GPU.
+          cudaIpcMemHandle_t handle{};
+          std::memcpy(&handle, handles[b], sizeof(handle));
+          for (size_t v = 0; v < devices_.size(); ++v) {
+            if (devices_[v] < 0) continue;
+            auto mapping = std::make_unique<DeviceAlloc>();
+            mapping->kind = DeviceAlloc::Kind::kIpc;
+            mapping->device = devices_[v];
+            mapping->bytes = sizes[b];
+            JO_CUDA_CHECK(&site, cudaSetDevice(devices_[v]));
+            // Lazy peer access: the mapping is usable from this GPU at once.
+            JO_CUDA_CHECK(&site, cudaIpcOpenMemHandle(&mapping->ptr, handle,
+                                                      cudaIpcMemLazyEnablePeerAccess));
+            views[v] = static_cast<std::byte*>(mapping->ptr);
+            gen->mappings.push_back(std::move(mapping));
+          }
+        }
+        for (size_t v = 0; v < devices_.size(); ++v) {
+          if (views[v] == nullptr) continue;
+          (b == 0 ? gen->remote[v][rec.rank].flags : gen->remote[v][rec.rank].workspace) = views[v];
+        }
       }
     }
   }
   for (size_t r = 0; r < devices_.size(); ++r)
-    if (gen->flags[r] == nullptr || (with_workspace && gen->workspace[r] == nullptr))
-      return InvalidArgument(site.Describe() + ": no process sent the IPC handles of rank " +
+    if (devices_[r] < 0 && !seen[r])
+      return InvalidArgument(site.Describe() + ": no process sent the buffer handles of rank " +
                              std::to_string(r));
-  JO_INFO(site.Describe() + ": opened the IPC buffers of " +
-          std::to_string(nranks() - local_ranks_) + " ranks in other processes");
+  JO_INFO(site.Describe() + ": mapped the buffers of " + std::to_string(nranks() - local_ranks_) +
+          " ranks in other processes (" + (fabric ? "fabric handles" : "CUDA IPC") + ") for " +
+          std::to_string(local_ranks_) + " local GPU(s)");
   return OkStatus();
 }
 
@@ -519,11 +775,9 @@ Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::str
   // Only this process's ranks check in here (ranks of other processes agree
   // through NCCL's matching, or hang there until the watchdog fires).
   if (++seen.second == local_ranks_) signatures_.erase(epoch);
-  // Across processes, p2p and multicast reach peers' flags (and p2p their
-  // workspaces) through CUDA IPC mappings (opened with
-  // cudaIpcMemLazyEnablePeerAccess) and have one local GPU: nothing to enable.
-  if (transport_ != Transport::kNccl && nranks() > 1 && !spans_processes())
-    JO_CHECK(EnablePeerAccess(site));
+  // Peer access among this process's GPUs; other processes' buffers are
+  // reached through their mappings (ImportPeerBuffers), which need none.
+  if (transport_ != Transport::kNccl && local_ranks_ > 1) JO_CHECK(EnablePeerAccess(site));
   if (transport_ == Transport::kNccl && nranks() > 1) JO_CHECK(CreateComms(site));
   // The newest generation valid at this epoch (see the header).
   const Generation* use = nullptr;
@@ -557,6 +811,8 @@ std::string CudaClique::Describe() const {
   int32_t first_local = 0;
   while (first_local < nranks() && devices_[first_local] < 0) ++first_local;
   out += "], epoch " + std::to_string(Epoch(first_local < nranks() ? first_local : 0));
+  if (handles_ != Handles::kUnset)
+    out += handles_ == Handles::kFabric ? ", peers through fabric handles" : ", peers through CUDA IPC";
   if (!broken_.empty()) out += ", BROKEN: " + broken_;
   if (!generations_.empty())
     out += ", workspace 2 x " + std::to_string(generations_.back()->workspace_bytes) +

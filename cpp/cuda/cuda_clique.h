@@ -10,20 +10,29 @@
 //     capturing stream);
 //   * flags (uint32, cudaMalloc) and the symmetric workspace: cudaMalloc for
 //     p2p, cuMemCreate + cuMulticastCreate/AddDevice/BindMem for multicast.
-// Cliques spanning processes (one process per GPU): each process holds the
-// ranks whose GPUs it drives (devices() is -1 for the others) and creates
-// resources for those only. Transport nccl: every process calls
-// ncclCommInitRank for its ranks (in one NCCL group) with the clique's
-// ncclUniqueId, exchanged through jax.distributed at trace time
-// (cuda_bootstrap.h). p2p (one GPU per process): each new buffer generation
-// exports its workspace and flags with cudaIpcGetMemHandle, allgathers the
-// handles through the clique's jo::Exchange and opens the peers' with
-// cudaIpcOpenMemHandle; the opened mappings stand in the generation for the
-// remote ranks' buffers. multicast (one GPU per process): the process of rank
-// 0 creates the multicast object and exports it as a POSIX fd, which the
-// exchange moves (share_fds) to the others, who import it; each process adds
-// its device, and after an allgather (all devices added) binds and maps its
-// own memory; flags go over CUDA IPC as for p2p.
+// Cliques spanning processes (one process per GPU or per node, or anything
+// between): each process holds the ranks whose GPUs it drives (devices() is
+// -1 for the others) and creates resources for those only. Transport nccl:
+// every process calls ncclCommInitRank for its ranks (in one NCCL group) with
+// the clique's ncclUniqueId, exchanged through jax.distributed at trace time
+// (cuda_bootstrap.h). p2p and multicast: peers' buffers must be mapped into
+// this process, with one of two kinds of handle, agreed by every process at
+// the first buffer generation (Negotiate):
+//   * fabric handles (CU_MEM_HANDLE_TYPE_FABRIC: multi-node NVLink with IMEX,
+//     e.g. GB200 NVL72), when every process's GPUs support them and may use
+//     them; they are plain bytes, so they work across hosts. Buffers are
+//     cuMemCreate'd with a fabric handle, exported, allgathered, imported
+//     and mapped once per process, accessible to every local GPU;
+//   * otherwise CUDA IPC (one host only; processes on different hosts get an
+//     error saying why): buffers are cudaMalloc'd; each local GPU opens its
+//     own mapping of every remote rank's buffers (cudaIpcOpenMemHandle maps
+//     into the opening device's context only).
+// The mappings stand in the generation for the remote ranks' buffers, per
+// viewing rank. multicast: the process of rank 0 creates the multicast object
+// and exports it (a fabric handle allgathered as bytes, or a POSIX fd that the
+// exchange moves with share_fds); the others import it; each process adds its
+// devices, and after an allgather (all devices added) binds and maps its own
+// memory; flags go over the same handles as p2p's.
 //
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
@@ -55,13 +64,21 @@
 
 namespace jo::cuda {
 
-// Device memory from cudaMalloc, freed on its device; or (ipc) another
-// process's allocation opened with cudaIpcOpenMemHandle, closed on `device`.
+// Device memory a rank addresses: cudaMalloc'd on `device` (kMalloc);
+// another process's allocation opened with cudaIpcOpenMemHandle on `device`
+// (kIpc); or cuMem physical memory — created here with a fabric handle, or
+// imported from one — mapped at `ptr` for the local GPUs (kVmm).
 struct DeviceAlloc {
+  enum class Kind { kMalloc, kIpc, kVmm };
+  Kind kind = Kind::kMalloc;
   int device = -1;
   void* ptr = nullptr;
   size_t bytes = 0;
-  bool ipc = false;
+  // kVmm only.
+  const DriverApi* drv = nullptr;
+  CUmemGenericAllocationHandle handle = 0;
+  size_t mapped_bytes = 0;  // bytes rounded up to the allocation granularity
+  bool mapped = false;
   DeviceAlloc() = default;
   DeviceAlloc(const DeviceAlloc&) = delete;
   DeviceAlloc& operator=(const DeviceAlloc&) = delete;
@@ -90,14 +107,27 @@ struct Generation {
   int64_t since_epoch = 0;
   int64_t workspace_bytes = 0;  // per parity per rank
   int32_t num_flags = 0;        // per parity per rank
+  // This process's ranks' buffers (null for another process's rank).
   std::vector<std::unique_ptr<DeviceAlloc>> workspace;  // per rank (p2p)
   std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: 2 * num_flags uint32
   std::unique_ptr<MulticastRegion> multicast;           // multicast transport
+  // Cliques spanning processes: other processes' ranks' buffers as local rank
+  // `viewer` addresses them, remote[viewer][rank]; `mappings` owns them.
+  struct Remote {
+    std::byte* flags = nullptr;
+    std::byte* workspace = nullptr;
+  };
+  std::vector<std::vector<Remote>> remote;
+  std::vector<std::unique_ptr<DeviceAlloc>> mappings;
 
-  std::byte* Workspace(int32_t rank, int64_t epoch) const;  // unicast, parity of epoch
-  std::byte* MulticastAddress(int64_t epoch) const;          // parity of epoch
-  CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id) const;
+  // Addresses as seen by local rank `viewer` (the rank whose GPU runs the op).
+  std::byte* Workspace(int32_t rank, int64_t epoch, int32_t viewer) const;  // unicast
+  std::byte* MulticastAddress(int64_t epoch) const;                          // parity of epoch
+  CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const;
 };
+
+// How peers' buffers reach a process (cliques spanning processes; Negotiate).
+enum class Handles { kUnset, kIpc, kFabric };
 
 // Per-rank execution resources: comm streams, events, private scratch.
 struct RankResources {
@@ -157,7 +187,15 @@ class CudaClique : public Clique {
   Status AllocMulticast(Generation* gen, const CallSite& site);
   Status ShareMulticastObject(const DriverApi* drv, const CUmulticastObjectProp* prop,
                               MulticastRegion* region, const CallSite& site);  // spanning
-  // Spanning processes: p2p (flags, workspace) and multicast (flags) over CUDA IPC.
+  // Spanning processes: every process agrees on handles_ (and all run on one
+  // host unless fabric handles work everywhere).
+  Status Negotiate(const CallSite& site);
+  // A buffer of local rank `rank` that peers address: cudaMalloc'd, or (fabric)
+  // cuMemCreate'd with a fabric handle and mapped for every local GPU.
+  Status AllocShared(int32_t rank, size_t bytes, const CallSite& site,
+                     std::unique_ptr<DeviceAlloc>* out);
+  // Spanning processes: p2p (flags, workspace) and multicast (flags), through
+  // CUDA IPC or fabric handles.
   Status ImportPeerBuffers(Generation* gen, const CallSite& site);
 
   const Transport transport_;
@@ -166,6 +204,7 @@ class CudaClique : public Clique {
   ncclUniqueId nccl_id_{};          // spanning cliques, transport nccl
   std::shared_ptr<Exchange> exchange_;  // spanning cliques, transports p2p and multicast
   mutable std::mutex mu_;
+  Handles handles_ = Handles::kUnset;   // spanning p2p / multicast (Negotiate)
   bool peers_enabled_ = false;
   std::vector<ncclComm_t> comms_;
   std::vector<std::unique_ptr<Generation>> generations_;  // newest last
@@ -173,5 +212,8 @@ class CudaClique : public Clique {
   std::map<int64_t, std::pair<std::string, int32_t>> signatures_;  // epoch -> (call, seen)
   std::string broken_;
 };
+
+// Tests (the fake's reset changes the machine): probe fabric support again.
+void ForgetFabricProbes();
 
 }  // namespace jo::cuda

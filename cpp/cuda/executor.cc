@@ -126,7 +126,7 @@ class Enqueuer {
       case BufId::kScratch:
         base = a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
         break;
-      case BufId::kWorkspace: base = a_.gen->Workspace(ref.rank, a_.epoch); break;
+      case BufId::kWorkspace: base = a_.gen->Workspace(ref.rank, a_.epoch, p_.problem.rank); break;
     }
     return base == nullptr ? nullptr : base + ref.offset * es_;
   }
@@ -164,7 +164,7 @@ class Enqueuer {
         JO_ASSERT(op.peer >= 0 && op.peer < p_.problem.nranks && op.id < a_.gen->num_flags);
         // Default flags: the write is fenced after every prior write of the stream.
         JO_CU_CHECK(site_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(stream),
-                                                      a_.gen->Flag(op.peer, a_.epoch, op.id),
+                                                      a_.gen->Flag(op.peer, a_.epoch, op.id, p_.problem.rank),
                                                       static_cast<cuuint32_t>(a_.epoch),
                                                       CU_STREAM_WRITE_VALUE_DEFAULT));
         return OkStatus();
@@ -173,7 +173,7 @@ class Enqueuer {
         JO_ASSERT(op.id >= 0 && op.id < a_.gen->num_flags);
         // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
         JO_CU_CHECK(site_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(stream),
-                                                     a_.gen->Flag(p_.problem.rank, a_.epoch, op.id),
+                                                     a_.gen->Flag(p_.problem.rank, a_.epoch, op.id, p_.problem.rank),
                                                      static_cast<cuuint32_t>(a_.epoch),
                                                      CU_STREAM_WAIT_VALUE_GEQ));
         return OkStatus();

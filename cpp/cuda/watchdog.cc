@@ -110,7 +110,7 @@ class Watchdog {
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess && c.gen != nullptr &&
         c.gen->num_flags > 0) {
       flags.assign(static_cast<size_t>(2 * c.gen->num_flags), 0);
-      const void* base = reinterpret_cast<const void*>(c.gen->Flag(c.rank, 0, 0));
+      const void* base = reinterpret_cast<const void*>(c.gen->Flag(c.rank, 0, 0, c.rank));
       if (cudaMemcpyAsync(flags.data(), base, flags.size() * sizeof(uint32_t),
                           cudaMemcpyDeviceToHost, side) != cudaSuccess ||
           cudaStreamSynchronize(side) != cudaSuccess)
@@ -136,7 +136,7 @@ class Watchdog {
     if (side != nullptr && c.gen != nullptr && c.gen->num_flags > 0 && LoadDriver(&drv).ok()) {
       for (int32_t i = 0; i < 2 * c.gen->num_flags; ++i)
         (void)drv->cuStreamWriteValue32(reinterpret_cast<CUstream>(side),
-                                        c.gen->Flag(c.rank, i / c.gen->num_flags, i % c.gen->num_flags),
+                                        c.gen->Flag(c.rank, i / c.gen->num_flags, i % c.gen->num_flags, c.rank),
                                         static_cast<cuuint32_t>(latest_epoch),
                                         CU_STREAM_WRITE_VALUE_DEFAULT);
     }

@@ -26,6 +26,7 @@
 #include "python/cuda_bootstrap_bindings.h"
 #include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_call.h"
+#include "cuda/cuda_clique.h"
 #include "cuda/driver.h"
 #include "cuda/watchdog.h"
 #include "core/log.h"
@@ -136,6 +137,7 @@ void Reset(int devices, int cc_major, bool multicast,
   jo::cuda::ResetCudaCliques();
   jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
+  jo::cuda::ForgetFabricProbes();
   jo::fake::Config config;
   config.devices = devices;
   config.cc_major = cc_major;

@@ -364,13 +364,14 @@ def test_clique_spanning_processes_p2p_closes_its_mappings(fake):
 
 
 def test_clique_spanning_processes_p2p_silent_process(fake):
-    """Process 1 never calls: process 0's exchange of IPC handles names it after the timeout."""
+    """Process 1 never calls: process 0's first exchange (agreeing on the kind of buffer handle)
+    names it after the timeout."""
     xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
     out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=17,
                    processes=[0, 1], skip_rank=1, timeout_ms=300)
     assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
-    assert "p2p_ipc" in out["statuses"][0]
+    assert "'handles'" in out["statuses"][0]
 
 
 @pytest.mark.parametrize("processes,devices", [
@@ -407,13 +408,13 @@ def test_clique_spanning_processes_multicast(fake, op, processes, devices):
 
 
 def test_clique_spanning_processes_multicast_silent_process(fake):
-    """Process 1 never calls: process 0 (the owner) names it when sharing the handle's fd."""
+    """Process 1 never calls: process 0 (the owner) names it at the first exchange."""
     xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
     out = fake.run("ag_matmul", "multicast", 2, 1, 3, 8, 6, "float32", 1, False, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=19,
                    processes=[0, 1], skip_rank=1, timeout_ms=300)
     assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
-    assert "mc_fd" in out["statuses"][0]
+    assert "'handles'" in out["statuses"][0]
 
 
 def test_clique_spanning_processes_multicast_unshareable(fake):
@@ -428,18 +429,135 @@ def test_clique_spanning_processes_multicast_unshareable(fake):
     assert "process 0 did not answer" in out["statuses"][1], out
 
 
-@pytest.mark.parametrize("transport,processes,expected", [
-    ("multicast", [0, 0, 1, 1], "multicast across processes needs one GPU per process"),
-    ("p2p", [0, 0, 1, 1], "p2p across processes needs one GPU per process"),
-])
-def test_clique_spanning_processes_refusals(fake, transport, processes, expected):
+def _run_spanning(fake, op, transport, processes, devices, rows, *, key, hosts=None, calls=2,
+                  timeout_ms=120000):
     n = len(processes)
-    _spanning(fake, 12, processes)
-    xs, ws = _inputs("ag_matmul", n, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", transport, n, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
-                   clique_key=12, processes=processes)
-    assert all(s and expected in s for s in out["statuses"]), out["statuses"]
+    xs, ws = _inputs(op, n, 2, rows, 8, 6, "float32")
+    out = fake.run(op, transport, n, 2, rows, 8, 6, "float32", 2, n > 2, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
+                   clique_key=key, calls=calls, processes=processes, hosts=hosts,
+                   timeout_ms=timeout_ms)
+    return out, xs, ws
+
+
+def _local_remote_pairs(processes):
+    """Sum over processes of (its ranks) x (other processes' ranks): IPC opens per buffer."""
+    n = len(processes)
+    return sum(processes.count(p) * (n - processes.count(p)) for p in set(processes))
+
+
+@pytest.mark.parametrize("transport,processes,devices", [
+    ("p2p", [0, 0, 1, 1], [0, 1, 2, 3]),        # one process per pair of GPUs
+    ("p2p", [1, 0, 0, 1], [0, 1, 2, 3]),        # ranks interleaved across processes
+    ("p2p", [0, 0, 1, 1], [0, 1, 0, 1]),        # each process its GPUs 0 and 1 (one per node)
+    ("p2p", [0, 0, 0, 1], [0, 1, 2, 3]),        # uneven
+    ("multicast", [0, 0, 1, 1], [0, 1, 2, 3]),
+    ("multicast", [1, 1, 0, 0], [0, 1, 2, 3]),  # rank 0 (the owner) in process 1
+])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_clique_spanning_processes_several_gpus_per_process(fake, op, transport, processes,
+                                                            devices):
+    """Several GPUs of one clique in each process, CUDA IPC: local peers reach each other with
+    peer access; every local GPU opens its own mapping of each remote rank's buffers (a mapping
+    belongs to the device that opened it: the fake rejects any other device touching it). Two
+    shapes: the second may grow the buffers, exchanged again."""
+    fake.reset()
+    for rows in (3, 5):
+        out, xs, ws = _run_spanning(fake, op, transport, processes, devices, rows, key=21)
+        check(fake, out, op, xs, ws, rows, "float32")
+    counters = fake.counters()
+    buffers = 2 if transport == "p2p" else 1  # multicast: flags only
+    n = len(processes)
+    generations, rest = divmod(counters["cudaIpcGetMemHandle"], buffers * n)
+    assert rest == 0 and generations >= 1, counters
+    assert counters["cudaIpcOpenMemHandle"] == \
+        buffers * _local_remote_pairs(processes) * generations, counters
+    assert counters["cudaDeviceEnablePeerAccess"] > 0, counters
+    assert "peers through CUDA IPC" in fake.cliques()
+    fake._reset_cliques()
+    assert counters.get("cudaIpcCloseMemHandle", 0) == 0
+    assert fake.counters()["cudaIpcCloseMemHandle"] == counters["cudaIpcOpenMemHandle"]
+    assert fake.errors() == []
+
+
+@pytest.mark.parametrize("transport,processes,devices", [
+    ("p2p", [0, 1], [0, 1]),
+    ("p2p", [0, 0, 1, 1], [0, 1, 2, 3]),
+    ("multicast", [0, 1], [0, 1]),
+    ("multicast", [1, 0, 0, 1], [0, 1, 2, 3]),
+])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_clique_spanning_hosts_with_fabric_handles(fake, op, transport, processes, devices):
+    """Multi-node NVLink: when every process's GPUs support fabric handles (and an IMEX channel
+    lets them be used), buffers are cuMemCreate'd with a fabric handle, exported as bytes and
+    mapped once per process for all its GPUs; the multicast object goes as a fabric handle too.
+    No fd and no CUDA IPC: so processes on different hosts work."""
+    fake.reset(fabric=True)
+    hosts = {p: f"node-{p}" for p in set(processes)}
+    for rows in (3, 5):
+        out, xs, ws = _run_spanning(fake, op, transport, processes, devices, rows, key=22,
+                                    hosts=hosts)
+        check(fake, out, op, xs, ws, rows, "float32")
+    counters = fake.counters()
+    assert "cudaIpcOpenMemHandle" not in counters and "cudaIpcGetMemHandle" not in counters
+    buffers = 2 if transport == "p2p" else 1
+    procs = len(set(processes))
+    n = len(processes)
+    imports = counters["cuMemImportFromShareableHandle"]
+    generations = counters.get("cuMulticastCreate", 0)
+    if transport == "multicast":
+        # Per generation: (procs - 1) imports of the object, and each process maps each remote
+        # rank's flags once.
+        per_generation = (procs - 1) + sum(n - processes.count(p) for p in set(processes))
+        assert imports == per_generation * generations, counters
+    else:
+        per_generation = buffers * sum(n - processes.count(p) for p in set(processes))
+        assert imports % per_generation == 0 and imports >= per_generation, counters
+    assert "peers through fabric handles" in fake.cliques()
+    fake._reset_cliques()
+    assert fake.errors() == []
+
+
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+def test_clique_spanning_hosts_without_fabric_handles_says_so(fake, transport):
+    """Processes on two hosts, GPUs without fabric support: CUDA IPC cannot cross hosts, so every
+    process gets an error naming the hosts, the reason and the way out, instead of a failed
+    mapping later."""
+    fake.reset(fabric=False)
+    out, _, _ = _run_spanning(fake, "ag_matmul", transport, [0, 1], [0, 1], 3, key=23,
+                              hosts={0: "node-a", 1: "node-b"}, calls=1)
+    for status in out["statuses"]:
+        assert status and "between hosts" in status, out["statuses"]
+        assert "processes 0 on node-a" in status and "processes 1 on node-b" in status
+        assert "does not support fabric handles" in status and "transport='nccl'" in status
+    assert fake.errors() == []
+
+
+def test_fabric_without_an_imex_channel_falls_back_on_one_host(fake):
+    """The GPUs support fabric handles but this user has no IMEX channel: creating one fails
+    (the probe finds out), so processes on one host use CUDA IPC; across hosts the error says
+    what is missing."""
+    fake.reset(fabric=True, imex_channel=False)
+    out, xs, ws = _run_spanning(fake, "matmul_rs", "p2p", [0, 1], [0, 1], 3, key=24)
+    check(fake, out, "matmul_rs", xs, ws, 3, "float32")
+    assert "peers through CUDA IPC" in fake.cliques()
+    fake.reset(fabric=True, imex_channel=False)
+    out, _, _ = _run_spanning(fake, "matmul_rs", "p2p", [0, 1], [0, 1], 3, key=25,
+                              hosts={0: "a", 1: "b"}, calls=1)
+    assert all(s and "IMEX channel" in s for s in out["statuses"]), out["statuses"]
+
+
+def test_clique_spanning_processes_without_peer_access_between_local_gpus(fake):
+    """Two GPUs of one process that cannot reach each other: a clear error naming them; the
+    other process, left waiting at the exchange, names the silent process after the timeout."""
+    peer = [[True] * 4 for _ in range(4)]
+    peer[0][1] = peer[1][0] = False
+    fake.reset(peer=peer)
+    out, _, _ = _run_spanning(fake, "ag_matmul", "p2p", [0, 0, 1, 1], [0, 1, 2, 3], 3, key=26,
+                              calls=1, timeout_ms=300)
+    statuses = out["statuses"]
+    assert statuses[0] and "peer access from GPU 0 to GPU 1" in statuses[0], statuses
+    assert statuses[2] and "process 0 did not answer" in statuses[2], statuses
 
 
 def test_clique_spanning_processes_without_the_id(fake):
