@@ -128,18 +128,15 @@ def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: st
     ``auto``: multicast, else p2p, else nccl. An explicit request that cannot be
     honoured raises ``ValueError`` naming the reason and the alternatives.
     ``across_processes``: the clique has ranks in other processes (``devices`` are this
-    process's). Then ``auto`` picks nccl (whether peers in other processes can reach this GPU
-    over P2P is not known here); p2p and multicast must be asked for and need one GPU per
-    process (multicast: one that supports it; docs/gpu.md, "One process per GPU").
+    process's). Then ``auto`` picks nccl (whether peers in other processes can reach these GPUs
+    is not known here); p2p and multicast must be asked for: this process's GPUs must serve
+    them (peer access among them; multicast support), and the peers' buffers are mapped at the
+    first execution, through fabric handles or CUDA IPC (docs/gpu.md, "Across processes").
     """
     reasons = transport_reasons(caps, devices)
     if across_processes:
-        if len(set(devices)) != 1:
-            for t in ("p2p", "multicast"):
-                reasons[t] = (
-                    "not yet across processes with several GPUs of one clique in a process "
-                    f"({t} across processes needs one GPU per process)")
-        elif reasons["multicast"] is None:
+        if len(set(devices)) == 1 and reasons["multicast"] is None:
+            # One local GPU: transport_reasons calls everything fine; multicast still needs it.
             known = {d["ordinal"]: d for d in caps.get("devices", [])}
             if all(d in known for d in devices):
                 reasons["multicast"] = _multicast_device_reason(caps, devices, known)

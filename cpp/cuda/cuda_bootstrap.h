@@ -11,10 +11,9 @@
 // part of the key only so that the host-side fake test can play several
 // processes in one; in a real process it is always jax.process_index().
 //
-// What works across processes: transport nccl; p2p with one GPU per process
-// (CUDA IPC handles of the workspace and flags, exchanged per buffer
-// generation through RegisterExchange's jo::Exchange). multicast across
-// processes (shareable handles) is not done yet: CudaCall refuses it.
+// What works across processes: transport nccl; p2p and multicast through
+// RegisterExchange's jo::Exchange (buffer handles per generation, CUDA IPC
+// or fabric, and the multicast object's handle; cuda_clique.h).
 #pragma once
 
 #include <nccl.h>
@@ -41,8 +40,9 @@ Status FindNcclId(int64_t clique_key, int64_t group, int64_t process, const std:
 
 // The clique's exchange among its processes (jo::Exchange over the
 // jax.distributed store, registered at trace time), for what can only be
-// exchanged once buffers exist: the CUDA IPC handles of each new buffer
-// generation of a p2p clique spanning processes (CudaClique::NewGeneration,
+// exchanged once buffers exist: which kind of handle (fabric or CUDA IPC),
+// the handles of each new buffer generation of a p2p or multicast clique
+// spanning processes, and the multicast object (CudaClique::NewGeneration,
 // at the first execution and when a call needs bigger buffers — never under
 // graph capture). Kept for the life of the process (the registry holds a
 // reference, so no clique ever drops the last one from a GPU thread).

@@ -96,17 +96,20 @@ def test_real_table_has_the_same_shape():
 
 
 def test_cliques_spanning_processes():
-    """One process per GPU: auto picks nccl; p2p and multicast on request with one GPU per
-    process (multicast: one that supports it)."""
+    """Across processes: auto picks nccl; p2p and multicast on request when this process's GPUs
+    serve them (multicast: ones that support it; several: peer access among them)."""
     caps = table()
     assert choose_transport(caps, [0], "auto", across_processes=True) == "nccl"
+    assert choose_transport(caps, [0, 1], "auto", across_processes=True) == "nccl"
     assert choose_transport(caps, [0], "nccl", across_processes=True) == "nccl"
     assert choose_transport(caps, [0], "p2p", across_processes=True) == "p2p"
-    with pytest.raises(ValueError, match="one GPU per process"):
-        choose_transport(caps, [0, 1], "p2p", across_processes=True)
+    assert choose_transport(caps, [0, 1], "p2p", across_processes=True) == "p2p"
     assert choose_transport(caps, [0], "multicast", across_processes=True) == "multicast"
-    with pytest.raises(ValueError, match="multicast across processes needs one GPU per process"):
-        choose_transport(caps, [0, 1], "multicast", across_processes=True)
+    assert choose_transport(caps, [0, 1, 2, 3], "multicast", across_processes=True) == "multicast"
+    with pytest.raises(ValueError, match="peer access"):
+        choose_transport(table(peer=False), [0, 1], "p2p", across_processes=True)
+    with pytest.raises(ValueError, match="MULTICAST_SUPPORTED"):
+        choose_transport(table(multicast=False), [0, 1], "multicast", across_processes=True)
     with pytest.raises(ValueError, match="older than sm_90"):
         choose_transport(table(cc=(8, 0)), [0], "multicast", across_processes=True)
     with pytest.raises(ValueError, match="MULTICAST_SUPPORTED"):

@@ -397,8 +397,13 @@ CUresult ExportFabric(void* out, CUmemGenericAllocationHandle h) {
 CUresult ImportFabric(CUmemGenericAllocationHandle* h, const void* handle) {
   FakeFabric f{};
   std::memcpy(&f, handle, sizeof(f));
-  if (std::memcmp(f.tag, kFabricTag, sizeof(kFabricTag)) != 0 || f.pid != ::getpid()) {
+  if (std::memcmp(f.tag, kFabricTag, sizeof(kFabricTag)) != 0) {
     Fail("cuMemImportFromShareableHandle(FABRIC): not a handle from cuMemExportToShareableHandle");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (f.pid != ::getpid()) {
+    Fail("cuMemImportFromShareableHandle(FABRIC): the fake models fabric handles within one OS "
+         "process only (handle from pid " + std::to_string(f.pid) + ")");
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (!S().config.fabric) return CUDA_ERROR_NOT_SUPPORTED;
