@@ -158,6 +158,10 @@ Status CudaCall(const CudaCallArgs& args) {
     for (const Op& o : program.ops)
       if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
     watched.waits.assign(waits.begin(), waits.end());
+    watched.process = args.process_index;
+    for (int64_t r = 0; r < args.table.axis_size; ++r)
+      watched.rank_processes.push_back(
+          args.table.processes[static_cast<size_t>(place.group * args.table.axis_size + r)]);
     watched.nccl = q.transport == Transport::kNccl && q.nranks > 1;
     watched.op = op;
     watched.timeout = std::chrono::milliseconds(args.timeout_ms);

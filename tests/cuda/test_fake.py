@@ -583,6 +583,20 @@ def test_clique_spanning_processes_missing_peer_times_out(fake):
     assert "not finished on GPU" in warning and "inside NCCL" in warning, warning
 
 
+def test_watchdog_names_the_process_of_a_missing_peer(fake):
+    """A p2p clique over two processes is set up (first call), then process 1's rank skips a
+    call: process 0's watchdog says which flag, from which rank, in which process."""
+    fake.reset(grace_ms=10000)
+    out, xs, ws = _run_spanning(fake, "ag_matmul", "p2p", [0, 1], [0, 1], 3, key=27, calls=1)
+    check(fake, out, "ag_matmul", xs, ws, 3, "float32")
+    out = fake.run("ag_matmul", "p2p", 2, 2, 3, 8, 6, "float32", 2, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=27,
+                   processes=[0, 1], skip_rank=1, timeout_ms=200)
+    assert out["drained"], fake.errors()
+    warning = fake.last_warning()
+    assert "waiting for flag" in warning and "from rank 1 (process 1)" in warning, warning
+
+
 def test_nccl_ids_are_checked(fake):
     with pytest.raises(ValueError, match="128 bytes"):
         fake.set_nccl_id(1, 0, 0, b"short")
