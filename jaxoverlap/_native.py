@@ -240,7 +240,7 @@ def bootstrap_gpu_cliques(cuda, clique_key, processes: np.ndarray, axis_size: in
     The process of each clique's rank 0 makes the id (``cuda.nccl_unique_id()``); it travels
     through the jax.distributed store (``_bootstrap.broadcast_bytes``; a silent root is named
     after ``timeout_s``) and is registered with ``cuda.set_nccl_id`` for the handler to find at
-    the first execution, where every process calls ``ncclCommInitRank`` for its ranks. Once per
+    the first execution, where every process creates its ranks' communicators. Once per
     clique per process (every process traces the same programs, so all skip alike). ``cuda`` is
     ``_cuda``, or ``_cuda_fake`` in tests. Returns group -> id for the cliques bootstrapped now.
     """

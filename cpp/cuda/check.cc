@@ -1,5 +1,7 @@
 #include "cuda/check.h"
 
+#include <thread>
+
 #include "core/log.h"
 #include "cuda/driver.h"
 
@@ -51,6 +53,23 @@ Status NcclFailure(ncclResult_t code, const char* call, const CallSite* site) {
   return Failure(code == ncclInvalidArgument || code == ncclInvalidUsage ? Code::kInvalidArgument
                                                                           : Code::kInternal,
                  what, call, site);
+}
+
+Status AwaitNccl(ncclComm_t comm, std::chrono::steady_clock::time_point deadline, const char* what,
+                 const CallSite* site) {
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t asked = ncclCommGetAsyncError(comm, &state);
+    if (asked != ncclSuccess) return NcclFailure(asked, "ncclCommGetAsyncError", site);
+    if (state == ncclSuccess) return OkStatus();
+    if (state != ncclInProgress) return NcclFailure(state, what, site);
+    if (std::chrono::steady_clock::now() >= deadline)
+      return Status(Code::kTimeout,
+                    (site ? site->Describe() + ": " : std::string()) + what +
+                        " did not complete within JAXOVERLAP_TIMEOUT_S: a peer rank did not take "
+                        "part (it failed, exited, or runs different calls)");
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 
 }  // namespace jo::cuda

@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <string>
 
 #include "core/status.h"
@@ -32,6 +33,15 @@ Status CudaFailure(cudaError_t code, const char* call, const CallSite* site);
 Status DriverFailure(CUresult code, const char* call, const CallSite* site);
 Status CublasFailure(cublasStatus_t code, const char* call, const CallSite* site);
 Status NcclFailure(ncclResult_t code, const char* call, const CallSite* site);
+
+// Our communicators are non-blocking (config.blocking = 0), so that nothing
+// NCCL does on the host — joining peers at creation, connecting to a peer at
+// the first send/recv — can wait forever: a call may answer ncclInProgress,
+// and the communicator must then be polled (ncclCommGetAsyncError) until it
+// reports success before its next call. This polls until `deadline` (then a
+// kTimeout status saying `what` did not complete). `what` names the call.
+Status AwaitNccl(ncclComm_t comm, std::chrono::steady_clock::time_point deadline, const char* what,
+                 const CallSite* site);
 
 }  // namespace jo::cuda
 
@@ -61,5 +71,14 @@ Status NcclFailure(ncclResult_t code, const char* call, const CallSite* site);
   do {                                                                                    \
     const ncclResult_t jo_code_ = (call);                                                 \
     if (jo_code_ != ncclSuccess)                                                          \
+      return ::jo::cuda::NcclFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__);  \
+  } while (0)
+
+// For calls on non-blocking communicators: ncclInProgress is not a failure
+// (the caller then awaits the communicator, AwaitNccl).
+#define JO_NCCL_CHECK_ASYNC(site, call)                                                   \
+  do {                                                                                    \
+    const ncclResult_t jo_code_ = (call);                                                 \
+    if (jo_code_ != ncclSuccess && jo_code_ != ncclInProgress)                            \
       return ::jo::cuda::NcclFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__);  \
   } while (0)

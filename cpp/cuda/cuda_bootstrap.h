@@ -2,8 +2,8 @@
 // time, before the first execution needs it.
 //
 // A clique whose ranks live in different processes (one process per GPU,
-// SLURM style) cannot make its NCCL communicators with ncclCommInitAll: every
-// process calls ncclCommInitRank for its own ranks with one ncclUniqueId,
+// SLURM style) cannot make its NCCL communicators in one process: every
+// process calls ncclCommInitRankConfig for its own ranks with one ncclUniqueId,
 // made by the process of rank 0. That id travels through the jax.distributed
 // key-value store at trace time (jaxoverlap/_native.py -> _bootstrap.py
 // broadcast_bytes), and lands here, keyed by (clique key, group, process),

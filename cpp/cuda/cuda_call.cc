@@ -128,7 +128,8 @@ Status CudaCall(const CudaCallArgs& args) {
   std::shared_ptr<Clique> clique;
   JO_CHECK(Registry(args.process_index).GetOrCreate(key, q.nranks, [&] {
     return std::make_unique<CudaClique>(key, q.transport, place.clique_devices,
-                                        spans ? &nccl_id : nullptr, exchange);
+                                        spans ? &nccl_id : nullptr, exchange,
+                                        std::chrono::milliseconds(args.timeout_ms));
   }, &clique));
   auto* cuda = static_cast<CudaClique*>(clique.get());
   if (cuda->transport() != q.transport || cuda->devices() != place.clique_devices)
@@ -142,6 +143,7 @@ Status CudaCall(const CudaCallArgs& args) {
   run.epoch = clique->NextEpoch(q.rank);
   run.io = args.io;
   run.site = site;
+  run.timeout = std::chrono::milliseconds(args.timeout_ms);
   Status status = cuda->Prepare(program, run.epoch, CallSignature(q), site, &run.gen, &run.resources,
                                 &run.comm);
   if (status.ok()) status = EnqueueProgram(run);
@@ -174,6 +176,9 @@ Status CudaCall(const CudaCallArgs& args) {
     }
   }
   if (!status.ok() && status.code() != Code::kAborted) cuda->Break(status);
+  // NCCL did not get its peers in time (AwaitNccl): abort the communicators,
+  // so that no NCCL thread keeps waiting for them.
+  if (status.code() == Code::kTimeout && q.transport == Transport::kNccl) cuda->AbortComms();
   JO_CHECK(status);
   return OkStatus();
 }

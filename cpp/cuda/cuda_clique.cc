@@ -246,12 +246,13 @@ Status RankResources::Reserve(const Program& p, const CallSite& site) {
 }
 
 CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
-                       const ncclUniqueId* nccl_id, std::shared_ptr<Exchange> exchange)
+                       const ncclUniqueId* nccl_id, std::shared_ptr<Exchange> exchange,
+                       std::chrono::milliseconds timeout)
     : Clique(key, static_cast<int32_t>(devices.size())), transport_(transport),
       devices_(std::move(devices)),
       local_ranks_(static_cast<int32_t>(
           std::count_if(devices_.begin(), devices_.end(), [](int d) { return d >= 0; }))),
-      exchange_(std::move(exchange)) {
+      exchange_(std::move(exchange)), timeout_(timeout) {
   if (nccl_id != nullptr) nccl_id_ = *nccl_id;
   for (int device : devices_) {
     ranks_.push_back(std::make_unique<RankResources>());
@@ -298,43 +299,51 @@ Status CudaClique::EnablePeerAccess(const CallSite& site) {
 Status CudaClique::CreateComms(const CallSite& site) {
   if (!comms_.empty()) return OkStatus();
   DeviceGuard guard;
+  // One process: an id of our own. Spanning processes: the clique's id,
+  // exchanged through jax.distributed at trace time; every process creates
+  // its ranks' communicators with it, and creation completes once every
+  // process's ranks have joined — awaited until our deadline, not forever.
+  ncclUniqueId id = nccl_id_;
+  if (!spans_processes()) JO_NCCL_CHECK(&site, ncclGetUniqueId(&id));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
   std::vector<ncclComm_t> comms(devices_.size(), nullptr);
-  if (spans_processes()) {
-    // One ncclCommInitRank per local rank, in one group (NCCL requires the
-    // group when one thread initialises several ranks). It returns once every
-    // process's ranks have joined: NCCL's own bootstrap, bounded by NCCL's
-    // timeouts, not ours; peers reach it at their first execution too.
-    JO_NCCL_CHECK(&site, ncclGroupStart());
-    Status status = OkStatus();
-    for (size_t r = 0; r < devices_.size() && status.ok(); ++r) {
-      if (devices_[r] < 0) continue;
-      const cudaError_t set = cudaSetDevice(devices_[r]);
-      if (set != cudaSuccess) {
-        status = CudaFailure(set, "cudaSetDevice", &site);
-        break;
-      }
-      const ncclResult_t code = ncclCommInitRank(&comms[r], static_cast<int>(devices_.size()),
-                                                 nccl_id_, static_cast<int>(r));
-      if (code != ncclSuccess) status = NcclFailure(code, "ncclCommInitRank", &site);
+  // One ncclCommInitRankConfig per local rank, in one group (NCCL requires
+  // the group when one thread initialises several ranks).
+  JO_NCCL_CHECK(&site, ncclGroupStart());
+  Status status = OkStatus();
+  for (size_t r = 0; r < devices_.size() && status.ok(); ++r) {
+    if (devices_[r] < 0) continue;
+    const cudaError_t set = cudaSetDevice(devices_[r]);
+    if (set != cudaSuccess) {
+      status = CudaFailure(set, "cudaSetDevice", &site);
+      break;
     }
-    const ncclResult_t end = ncclGroupEnd();
-    if (status.ok() && end != ncclSuccess) status = NcclFailure(end, "ncclGroupEnd", &site);
-    if (!status.ok()) {
-      for (ncclComm_t c : comms)
-        if (c != nullptr) (void)ncclCommAbort(c);
-      return status;
-    }
-    comms_ = std::move(comms);
-    JO_INFO(site.Describe() + ": NCCL communicators created for " +
-            std::to_string(local_ranks_) + " of " + std::to_string(devices_.size()) +
-            " ranks (the others in other processes)");
-    return OkStatus();
+    const ncclResult_t code = ncclCommInitRankConfig(&comms[r], static_cast<int>(devices_.size()),
+                                                     id, static_cast<int>(r), &config);
+    if (code != ncclSuccess && code != ncclInProgress)
+      status = NcclFailure(code, "ncclCommInitRankConfig", &site);
   }
-  JO_NCCL_CHECK(&site, ncclCommInitAll(comms.data(), static_cast<int>(devices_.size()),
-                                       devices_.data()));
+  const ncclResult_t end = ncclGroupEnd();
+  if (status.ok() && end != ncclSuccess && end != ncclInProgress)
+    status = NcclFailure(end, "ncclGroupEnd", &site);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (size_t r = 0; r < comms.size() && status.ok(); ++r)
+    if (comms[r] != nullptr)
+      status = AwaitNccl(comms[r], deadline,
+                         spans_processes() ? "NCCL communicator creation (every process's ranks "
+                                             "must join: they do at their first call)"
+                                           : "NCCL communicator creation",
+                         &site);
+  if (!status.ok()) {
+    for (ncclComm_t c : comms)
+      if (c != nullptr) (void)ncclCommAbort(c);
+    return status;
+  }
   comms_ = std::move(comms);
-  JO_INFO(site.Describe() + ": NCCL communicators created for " + std::to_string(devices_.size()) +
-          " GPUs");
+  JO_INFO(site.Describe() + ": NCCL communicators created for " + std::to_string(local_ranks_) +
+          " of " + std::to_string(devices_.size()) + " ranks" +
+          (spans_processes() ? " (the others in other processes)" : ""));
   return OkStatus();
 }
 

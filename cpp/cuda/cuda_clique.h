@@ -4,16 +4,17 @@
 // GPU) is complete: all ranks' devices are here, so the first rank to need
 // a resource creates it for every rank, without a rendezvous:
 //   * peer access between every pair (p2p, multicast: flags live in peer memory);
-//   * NCCL communicators (transport nccl) with ncclCommInitAll, in Prepare —
-//     i.e. at the first execution, never under CUDA-graph capture (the
-//     handlers are not command-buffer compatible, and the call refuses a
-//     capturing stream);
+//   * NCCL communicators (transport nccl), non-blocking (every host-side NCCL
+//     wait is bounded by the call's timeout; check.h AwaitNccl): one
+//     ncclCommInitRankConfig per rank in one group, in Prepare — i.e. at the
+//     first execution, never under CUDA-graph capture (the handlers are not
+//     command-buffer compatible, and the call refuses a capturing stream);
 //   * flags (uint32, cudaMalloc) and the symmetric workspace: cudaMalloc for
 //     p2p, cuMemCreate + cuMulticastCreate/AddDevice/BindMem for multicast.
 // Cliques spanning processes (one process per GPU or per node, or anything
 // between): each process holds the ranks whose GPUs it drives (devices() is
 // -1 for the others) and creates resources for those only. Transport nccl:
-// every process calls ncclCommInitRank for its ranks (in one NCCL group) with
+// every process creates its ranks' communicators (in one NCCL group) with
 // the clique's ncclUniqueId, exchanged through jax.distributed at trace time
 // (cuda_bootstrap.h). p2p and multicast: peers' buffers must be mapped into
 // this process, with one of two kinds of handle, agreed by every process at
@@ -49,6 +50,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -153,8 +155,10 @@ class CudaClique : public Clique {
  public:
   // `devices`: the local ordinal of each rank, -1 for a rank of another
   // process; then `nccl_id` is the clique's ncclUniqueId (transport nccl).
+  // `timeout` bounds the creation of NCCL communicators (peers joining).
   CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
-             const ncclUniqueId* nccl_id = nullptr, std::shared_ptr<Exchange> exchange = nullptr);
+             const ncclUniqueId* nccl_id = nullptr, std::shared_ptr<Exchange> exchange = nullptr,
+             std::chrono::milliseconds timeout = std::chrono::milliseconds(120000));
   ~CudaClique() override;
 
   Transport transport() const { return transport_; }
@@ -203,6 +207,7 @@ class CudaClique : public Clique {
   const int32_t local_ranks_;       // ranks of this process
   ncclUniqueId nccl_id_{};          // spanning cliques, transport nccl
   std::shared_ptr<Exchange> exchange_;  // spanning cliques, transports p2p and multicast
+  const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   Handles handles_ = Handles::kUnset;   // spanning p2p / multicast (Negotiate)
   bool peers_enabled_ = false;

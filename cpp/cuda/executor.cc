@@ -276,7 +276,12 @@ class Enqueuer {
     // Always close the group, even after a failure inside it.
     const ncclResult_t closed = ncclGroupEnd();
     JO_CHECK(status);
-    JO_NCCL_CHECK(site_, closed);
+    JO_NCCL_CHECK_ASYNC(site_, closed);
+    // Non-blocking communicator: the first send/recv to a peer connects to it
+    // on the host, which needs the peer; bounded by the call's timeout.
+    if (closed == ncclInProgress)
+      JO_CHECK(AwaitNccl(a_.comm, std::chrono::steady_clock::now() + a_.timeout,
+                         "ncclGroupEnd (send/recv)", site_));
     return OkStatus();
   }
 
@@ -298,9 +303,9 @@ class Enqueuer {
     for (int64_t b = 0; b < op.batch; ++b) {
       std::byte* ptr = base + b * ref.batch_stride * es_;
       if (send) {
-        JO_NCCL_CHECK(site_, ncclSend(ptr, count, type, op.peer, a_.comm, stream));
+        JO_NCCL_CHECK_ASYNC(site_, ncclSend(ptr, count, type, op.peer, a_.comm, stream));
       } else {
-        JO_NCCL_CHECK(site_, ncclRecv(ptr, count, type, op.peer, a_.comm, stream));
+        JO_NCCL_CHECK_ASYNC(site_, ncclRecv(ptr, count, type, op.peer, a_.comm, stream));
       }
     }
     return OkStatus();

@@ -43,6 +43,7 @@ struct RunArgs {
   ncclComm_t comm = nullptr;
   CudaBuffers io;
   CallSite site;
+  std::chrono::milliseconds timeout{0};  // for host-side NCCL progress (AwaitNccl)
 };
 
 Status EnqueueProgram(const RunArgs& args);

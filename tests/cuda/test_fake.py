@@ -135,7 +135,8 @@ def test_devices_out_of_order_and_two_groups(fake):
 def test_the_fake_was_really_used(fake):
     run_case(fake, "ag_matmul", "nccl", 4, chunks=2)
     nccl = fake.counters()
-    assert nccl["ncclCommInitAll"] == 1
+    # Non-blocking communicators, one per rank in one group, awaited until all joined.
+    assert nccl["ncclCommInitRankConfig"] == 4 and nccl["ncclCommGetAsyncError"] >= 4
     assert nccl["ncclSend"] == nccl["ncclRecv"] > 0
     assert nccl["cublasLtMatmul"] > 0
     fake.reset()
@@ -318,7 +319,7 @@ def test_clique_spanning_processes_nccl(fake, op, processes, devices):
                    clique_key=11, calls=2, processes=processes)
     check(fake, out, op, xs, ws, 3, "float32", return_gathered=op == "ag_matmul")
     counters = fake.counters()
-    assert counters.get("ncclCommInitRank") == n and "ncclCommInitAll" not in counters, counters
+    assert counters.get("ncclCommInitRankConfig") == n, counters
     cliques = fake.cliques() if hasattr(fake, "cliques") else None
     assert cliques is None or cliques.count("remote") >= n
 
@@ -571,16 +572,37 @@ def test_clique_spanning_processes_without_the_id(fake):
 
 
 def test_clique_spanning_processes_missing_peer_times_out(fake):
-    """Process 1 never calls: process 0's rank waits inside NCCL; the watchdog reports it."""
+    """After a first call together, process 1 skips one: process 0's rank waits inside NCCL on
+    the GPU; the watchdog reports it."""
     fake.reset(grace_ms=10000)
     _spanning(fake, 14, [0, 1])
     xs, ws = _inputs("ag_matmul", 2, 1, 4, 8, 6, "float32")
-    out = fake.run("ag_matmul", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=14,
-                   processes=[0, 1], skip_rank=1, timeout_ms=200)
+    args = ("ag_matmul", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0])
+    first = fake.run(*args, clique_key=14, processes=[0, 1], timeout_ms=200)
+    assert first["statuses"] == [None, None], first
+    out = fake.run(*args, clique_key=14, processes=[0, 1], skip_rank=1, timeout_ms=200)
     assert out["drained"], fake.errors()
     warning = fake.last_warning()
     assert "not finished on GPU" in warning and "inside NCCL" in warning, warning
+
+
+def test_nccl_communicator_creation_has_a_deadline(fake):
+    """Process 1 never makes its first call: process 0's communicator creation (which needs
+    every rank to join) does not wait forever: after the call's timeout it fails saying so, and
+    the half-made communicator is aborted. The process goes on (a later call fails fast)."""
+    _spanning(fake, 28, [0, 1])
+    xs, ws = _inputs("matmul_rs", 2, 1, 4, 8, 6, "float32")
+    args = ("matmul_rs", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0])
+    out = fake.run(*args, clique_key=28, processes=[0, 1], skip_rank=1, timeout_ms=300)
+    status = out["statuses"][0]
+    assert status and status.startswith("timeout") and "NCCL communicator creation" in status, out
+    assert "every process's ranks must join" in status, status
+    assert fake.counters()["ncclCommAbort"] >= 1
+    assert fake.errors() == []
+    again = fake.run(*args, clique_key=28, processes=[0, 1], skip_rank=1, timeout_ms=300)
+    assert "broken by an earlier failure" in again["statuses"][0], again
 
 
 def test_watchdog_names_the_process_of_a_missing_peer(fake):

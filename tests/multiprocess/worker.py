@@ -447,7 +447,7 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
     and registers it with the module, exactly as a GPU trace does. Then every process runs each
     whole clique through the CUDA executor on its own fake, playing the other processes' ranks
     (they register the id this process received): the executor's multi-process path
-    (ncclCommInitRank with the exchanged id) against the reference. What does not cross
+    (NCCL communicators made with the exchanged id) against the reference. What does not cross
     processes here is the fake's NCCL traffic itself (no GPU, no NCCL network).
     """
     from jaxoverlap import _bootstrap, _cuda_caps, _native

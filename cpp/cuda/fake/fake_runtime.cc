@@ -45,6 +45,11 @@ struct ncclComm {
   int rank = 0;
   int nranks = 0;
   int device = 0;
+  bool nonblocking = false;
+  // Non-blocking: creation completes once all nranks have joined; a call that
+  // answered ncclInProgress must be awaited (ncclCommGetAsyncError) first.
+  bool joining = false;
+  bool in_progress = false;
 };
 struct cublasLtContext {
   int device = 0;
@@ -184,6 +189,7 @@ State& S() {
 thread_local int t_device = 0;
 thread_local int t_group_depth = 0;
 thread_local std::vector<NcclP2p> t_group;
+thread_local bool t_group_nonblocking_init = false;  // the open group created a non-blocking comm
 thread_local cudaError_t t_last = cudaSuccess;
 
 using Lock = std::lock_guard<std::recursive_mutex>;
@@ -1083,9 +1089,32 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
 // Each rank joins once; nranks must agree. Unlike NCCL it does not block
 // until every rank has joined: the fake's send/recv rendezvous in Drain()
 // is what would hang on a missing rank.
+static ncclResult_t InitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, bool nonblocking);
+
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
   Lock lock(S().mu);
   Count("ncclCommInitRank");
+  return InitRank(comm, nranks, id, rank, false);
+}
+
+// Non-blocking (config->blocking == 0): the communicator is usable only once
+// every rank of the id has joined (ncclCommGetAsyncError says when), so a
+// rank whose peers never come waits — as long as its caller lets it.
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t* config) {
+  Lock lock(S().mu);
+  Count("ncclCommInitRankConfig");
+  const bool nonblocking = config != nullptr && config->blocking == 0;
+  const ncclResult_t r = InitRank(comm, nranks, id, rank, nonblocking);
+  if (r != ncclSuccess || !nonblocking) return r;
+  if (jo::fake::t_group_depth > 0) {
+    jo::fake::t_group_nonblocking_init = true;
+    return ncclSuccess;  // deferred to ncclGroupEnd
+  }
+  return ncclInProgress;
+}
+
+static ncclResult_t InitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, bool nonblocking) {
   if (nranks < 1 || rank < 0 || rank >= nranks || !jo::fake::ValidDevice(t_device)) {
     Fail("ncclCommInitRank: bad nranks/rank/current device");
     return ncclInvalidArgument;
@@ -1106,6 +1135,9 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
   c->rank = rank;
   c->nranks = nranks;
   c->device = t_device;
+  c->nonblocking = nonblocking;
+  c->joining = nonblocking;
+  c->in_progress = nonblocking;
   for (const auto& other : S().comms)
     if (other->clique == c->clique && other->nranks != nranks) {
       Fail("ncclCommInitRank: ranks of one id disagree on nranks");
@@ -1117,6 +1149,23 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t) { return ncclSuccess; }
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
+  Lock lock(S().mu);
+  Count("ncclCommGetAsyncError");
+  if (comm == nullptr || state == nullptr) {
+    Fail("ncclCommGetAsyncError: null argument");
+    return ncclInvalidArgument;
+  }
+  if (comm->joining) {
+    int joined = 0;
+    for (const auto& other : S().comms) joined += other->clique == comm->clique;
+    if (joined == comm->nranks) comm->joining = false;
+  }
+  comm->in_progress = comm->joining;  // a group's connection set-up completes at once here
+  *state = comm->in_progress ? ncclInProgress : ncclSuccess;
+  return ncclSuccess;
+}
 ncclResult_t ncclCommAbort(ncclComm_t) {
   Lock lock(S().mu);
   Count("ncclCommAbort");
@@ -1183,13 +1232,21 @@ static ncclResult_t FlushGroup() {
     };
     jo::fake::Push(stream, "ncclGroup(" + std::to_string(list.size()) + " ops)", ready, [] {});
   }
-  return ncclSuccess;
+  // Non-blocking communicators answer ncclInProgress (real NCCL may, e.g. while
+  // it connects to a new peer): the caller must await them before their next call.
+  bool in_progress = false;
+  for (auto& op : ops)
+    if (op.comm->nonblocking) in_progress = op.comm->in_progress = true;
+  return in_progress ? ncclInProgress : ncclSuccess;
 }
 
 ncclResult_t ncclGroupEnd() {
   if (jo::fake::t_group_depth <= 0) { Fail("ncclGroupEnd without ncclGroupStart"); return ncclInvalidUsage; }
   if (--jo::fake::t_group_depth > 0) return ncclSuccess;
-  return FlushGroup();
+  const bool inits = jo::fake::t_group_nonblocking_init;
+  jo::fake::t_group_nonblocking_init = false;
+  const ncclResult_t flushed = FlushGroup();
+  return flushed == ncclSuccess && inits ? ncclInProgress : flushed;
 }
 
 static ncclResult_t P2p(bool send, void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t s) {
@@ -1204,6 +1261,11 @@ static ncclResult_t P2p(bool send, void* buf, size_t count, ncclDataType_t type,
     }
     if (s->device != comm->device || t_device != comm->device) {
       Fail(std::string(what) + ": stream/current device differ from the communicator's device");
+      return ncclInvalidUsage;
+    }
+    if (comm->in_progress) {
+      Fail(std::string(what) + ": on a non-blocking communicator whose last call is still in "
+           "progress (await ncclCommGetAsyncError == ncclSuccess first)");
       return ncclInvalidUsage;
     }
     if (!jo::fake::CheckAccess(buf, count * jo::fake::NcclSize(type), comm->device, what)) return ncclInvalidArgument;
