@@ -373,7 +373,8 @@ Status CudaClique::AllocMulticast(Generation* gen, const CallSite& site) {
   mem_prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   mem_prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   mem_prop.location.id = *std::max_element(devices_.begin(), devices_.end());  // a local GPU
-  mem_prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  // The same handle type as the multicast object's (as NCCL's NVLS does).
+  mem_prop.requestedHandleTypes = static_cast<CUmemAllocationHandleType>(mc_prop.handleTypes);
   JO_CU_CHECK(&site, drv->cuMemGetAllocationGranularity(&mem_gran, &mem_prop,
                                                           CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   const size_t gran = std::max(mc_gran, mem_gran);
