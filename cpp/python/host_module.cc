@@ -7,6 +7,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -20,8 +22,10 @@
 #include "host/workers.h"
 #include "python/py_exchange.h"
 #include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
+namespace ffi = xla::ffi;
 
 namespace {
 
@@ -69,6 +73,43 @@ nb::dict Registrations() {
   out["jaxoverlap_ag_matmul"] = ag;
   out["jaxoverlap_matmul_rs"] = rs;
   return out;
+}
+
+// Tests only: the CUDA handlers' first execution runs set-up exchanges
+// through Python (PyExchange: takes the GIL, calls the jax.distributed store)
+// from inside an XLA execution. This CPU handler does exactly that, so a
+// test can show that it completes under jit (jaxlib does not hold the GIL
+// while XLA executes) with real processes: y = x + the sum, over the
+// exchange's processes, of (process + 1).
+std::mutex g_probe_mu;
+std::shared_ptr<jo::Exchange> g_probe_exchange;
+
+ffi::Error ExchangeProbeImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  std::shared_ptr<jo::Exchange> exchange;
+  {
+    std::lock_guard<std::mutex> lock(g_probe_mu);
+    exchange = g_probe_exchange;
+  }
+  if (!exchange)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no probe exchange set");
+  std::map<int32_t, std::string> all;
+  const jo::Status status =
+      exchange->AllGather("probe", std::to_string(exchange->process() + 1), &all);
+  if (!status.ok()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.ToString());
+  float total = 0;
+  for (const auto& [process, text] : all) total += std::stof(text);
+  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = x.typed_data()[i] + total;
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER(kExchangeProbe, ExchangeProbeImpl,
+                       ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+
+void SetProbeExchange(nb::object impl) {
+  std::shared_ptr<jo::Exchange> exchange;
+  if (!impl.is_none()) exchange = std::make_shared<jo::python::PyExchange>(std::move(impl));
+  std::lock_guard<std::mutex> lock(g_probe_mu);
+  g_probe_exchange = std::move(exchange);
 }
 
 // name -> {"type_id", "type_info"} for jax.ffi.register_ffi_type (register
@@ -338,5 +379,9 @@ NB_MODULE(_host, m) {
         "with share_fds, ShareFds where the first process offers owner_fd and the others "
         "nothing (the caller owns the duplicates returned under 'fds').");
   m.def("_has_clique", &jo::host::HasClique, nb::arg("clique_key"), nb::arg("group"));
+  m.def("_exchange_probe_target", [] { return Encapsulate(kExchangeProbe); },
+        "Tests only: a CPU FFI handler that allgathers through the probe exchange.");
+  m.def("_set_probe_exchange", &SetProbeExchange, nb::arg("exchange").none(),
+        "Tests only: the exchange the probe handler uses (None: forget it).");
   m.def("_forget_clique", &jo::host::ForgetClique, nb::arg("clique_key"), nb::arg("group"));
 }

@@ -106,12 +106,14 @@ def test_a_process_that_never_bootstraps_is_named_by_the_leader():
 @pytest.mark.parametrize("nprocs", [3])
 def test_exchange_api_bytes_through_the_store(nprocs):
     """allgather / broadcast / CUDA-handle exchange keyed by clique id, their timeout, fds (also
-    from C++, one owner's fd as for a multicast object)."""
+    from C++, one owner's fd as for a multicast object), and a C++ exchange from inside a jitted
+    XLA execution (as the CUDA handlers' first execution does)."""
     procs = harness.run("exchange", nprocs, 1)
     assert "process 1 did not answer" in procs[0].result()["error"]
     for p in procs:
         checked = p.result()["checked"]
-        assert len(checked) == 9 and "fds over socket" in checked, checked
+        assert len(checked) == 10 and "fds over socket" in checked, checked
+        assert "exchange inside an XLA execution" in checked, checked
         assert "c++ exchange" in checked and "c++ share_fds from one owner" in checked, checked
         # pidfd_getfd works where ptrace is allowed; elsewhere it must say why.
         assert checked[-1] == "fds over pidfd" or "no ptrace access" in checked[-1], checked

@@ -392,6 +392,20 @@ def exchange() -> dict[str, Any]:
         assert os.pread(dup, 64, 0) == b"the owner's handle"
         os.close(dup)
     checked.append("c++ share_fds from one owner")
+    # The same exchange from inside a jitted XLA execution (what the CUDA handlers do at their
+    # first execution): the handler takes the GIL and uses the store while XLA runs.
+    host = _runtime.load_host()
+    jax.ffi.register_ffi_target("jaxoverlap_test_exchange_probe", host._exchange_probe_target(),
+                                platform="cpu")
+    host._set_probe_exchange(_bootstrap.StoreExchange("ab1e-g0", procs, timeout_s=60))
+    probe = jax.jit(lambda x: jax.ffi.ffi_call(
+        "jaxoverlap_test_exchange_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
+    total = sum(p + 1 for p in procs)
+    for step in range(2):
+        y = np.asarray(probe(np.full(4, float(step), np.float32)))
+        assert np.array_equal(y, np.full(4, step + total, np.float32)), y
+    host._set_probe_exchange(None)
+    checked.append("exchange inside an XLA execution")
     for method in ("socket", "pidfd"):
         fd = os.memfd_create(f"jo-test-{me}")
         os.write(fd, b"process %d" % me)
