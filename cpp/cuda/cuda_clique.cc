@@ -511,25 +511,34 @@ Status CudaClique::ShareMulticastObject(const DriverApi* drv, const CUmulticastO
   return OkStatus();
 }
 
-// What one process says in Negotiate: its host, and whether (or why not) its
-// GPUs of this clique can use fabric handles.
-Status CudaClique::Negotiate(const CallSite& site) {
+// What one process says in Negotiate: its host, whether (or why not) its
+// GPUs of this clique can use fabric handles, and its own set-up failure.
+Status CudaClique::Negotiate(const CallSite& site, const Status& local) {
   if (!exchange_)
     return Internal(site.Describe() + ": clique spanning processes without an exchange");
   const DriverApi* drv = nullptr;
   JO_CHECK(LoadDriver(&drv));
   std::string why_not;
   for (int device : devices_)
-    if (device >= 0 && why_not.empty()) why_not = FabricReason(drv, device);
-  // host '\n' fabric reason ("" = fabric works here)
+    if (device >= 0 && why_not.empty() && local.ok()) why_not = FabricReason(drv, device);
+  // host '\n' fabric reason ("" = fabric works here) '\n' set-up failure ("" = none)
   std::map<int32_t, std::string> all;
-  JO_CHECK(exchange_->AllGather("handles", exchange_->host() + "\n" + why_not, &all));
+  JO_CHECK(exchange_->AllGather("handles", exchange_->host() + "\n" + why_not + "\n" +
+                                               (local.ok() ? std::string() : local.message()),
+                                &all));
+  JO_CHECK(local);
   std::map<std::string, std::vector<int32_t>> hosts;
   std::string first_refusal;
   for (const auto& [process, record] : all) {
     const size_t cut = record.find('\n');
+    const size_t cut2 = cut == std::string::npos ? cut : record.find('\n', cut + 1);
     hosts[record.substr(0, cut)].push_back(process);
-    const std::string reason = cut == std::string::npos ? "no answer" : record.substr(cut + 1);
+    const std::string reason =
+        cut == std::string::npos ? "no answer" : record.substr(cut + 1, cut2 - cut - 1);
+    const std::string failed = cut2 == std::string::npos ? "" : record.substr(cut2 + 1);
+    if (!failed.empty())
+      return InvalidArgument(site.Describe() + ": process " + std::to_string(process) +
+                             " could not set up its GPUs of this clique: " + failed);
     if (!reason.empty() && first_refusal.empty())
       first_refusal = "process " + std::to_string(process) + ": " + reason;
   }
@@ -787,7 +796,12 @@ Status CudaClique::Prepare(const Program& program, int64_t epoch, const std::str
   if (++seen.second == local_ranks_) signatures_.erase(epoch);
   // Peer access among this process's GPUs; other processes' buffers are
   // reached through their mappings (ImportPeerBuffers), which need none.
-  if (transport_ != Transport::kNccl && local_ranks_ > 1) JO_CHECK(EnablePeerAccess(site));
+  if (transport_ != Transport::kNccl && local_ranks_ > 1) {
+    const Status peers = EnablePeerAccess(site);
+    // Spanning processes: agree on the handles now, telling the peers if this failed.
+    if (spans_processes() && handles_ == Handles::kUnset) JO_CHECK(Negotiate(site, peers));
+    JO_CHECK(peers);
+  }
   if (transport_ == Transport::kNccl && nranks() > 1) JO_CHECK(CreateComms(site));
   // The newest generation valid at this epoch (see the header).
   const Generation* use = nullptr;

@@ -192,8 +192,10 @@ class CudaClique : public Clique {
   Status ShareMulticastObject(const DriverApi* drv, const CUmulticastObjectProp* prop,
                               MulticastRegion* region, const CallSite& site);  // spanning
   // Spanning processes: every process agrees on handles_ (and all run on one
-  // host unless fabric handles work everywhere).
-  Status Negotiate(const CallSite& site);
+  // host unless fabric handles work everywhere). `local` is this process's
+  // own set-up so far: a failure is told to the peers, so that they fail at
+  // once naming it instead of waiting for this process until the timeout.
+  Status Negotiate(const CallSite& site, const Status& local = OkStatus());
   // A buffer of local rank `rank` that peers address: cudaMalloc'd, or (fabric)
   // cuMemCreate'd with a fabric handle and mapped for every local GPU.
   Status AllocShared(int32_t rank, size_t bytes, const CallSite& site,
