@@ -75,12 +75,14 @@ Status Place(const RankTable& t, int64_t process_index, int device_ordinal, cons
   out->group = found / t.axis_size;
   out->rank = static_cast<int32_t>(found % t.axis_size);
   out->clique_devices.clear();
+  out->clique_processes.clear();
   out->remote_process = -1;
   for (int64_t r = 0; r < t.axis_size; ++r) {
     const size_t i = static_cast<size_t>(out->group * t.axis_size + r);
     const bool here = t.processes[i] == process_index;
     if (!here && out->remote_process < 0) out->remote_process = t.processes[i];
     out->clique_devices.push_back(here ? static_cast<int>(t.devices[i]) : -1);
+    out->clique_processes.push_back(t.processes[i]);
   }
   return OkStatus();
 }
@@ -128,7 +130,7 @@ Status CudaCall(const CudaCallArgs& args) {
   std::shared_ptr<Clique> clique;
   JO_CHECK(Registry(args.process_index).GetOrCreate(key, q.nranks, [&] {
     return std::make_unique<CudaClique>(key, q.transport, place.clique_devices,
-                                        spans ? &nccl_id : nullptr, exchange,
+                                        place.clique_processes, spans ? &nccl_id : nullptr, exchange,
                                         std::chrono::milliseconds(args.timeout_ms));
   }, &clique));
   auto* cuda = static_cast<CudaClique*>(clique.get());
@@ -160,10 +162,6 @@ Status CudaCall(const CudaCallArgs& args) {
     for (const Op& o : program.ops)
       if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
     watched.waits.assign(waits.begin(), waits.end());
-    watched.process = args.process_index;
-    for (int64_t r = 0; r < args.table.axis_size; ++r)
-      watched.rank_processes.push_back(
-          args.table.processes[static_cast<size_t>(place.group * args.table.axis_size + r)]);
     watched.nccl = q.transport == Transport::kNccl && q.nranks > 1;
     watched.op = op;
     watched.timeout = std::chrono::milliseconds(args.timeout_ms);

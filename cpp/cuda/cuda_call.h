@@ -29,6 +29,7 @@ struct Placement {
   int32_t rank = -1;
   int64_t group = -1;
   std::vector<int> clique_devices;  // local ordinals of the group's ranks, rank order (-1: remote)
+  std::vector<int64_t> clique_processes;  // the process of each of the group's ranks
   int64_t remote_process = -1;      // a process holding another rank of the group, or -1
 };
 

@@ -61,6 +61,13 @@ class Fds {
 
 size_t RoundUp(size_t v, size_t to) { return to == 0 ? v : (v + to - 1) / to * to; }
 
+std::vector<int> LocalDevices(const std::vector<int>& devices) {
+  std::vector<int> local;
+  for (int d : devices)
+    if (d >= 0) local.push_back(d);
+  return local;
+}
+
 CUmemAllocationProp FabricProp(int device) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -246,12 +253,13 @@ Status RankResources::Reserve(const Program& p, const CallSite& site) {
 }
 
 CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
-                       const ncclUniqueId* nccl_id, std::shared_ptr<Exchange> exchange,
+                       std::vector<int64_t> processes, const ncclUniqueId* nccl_id,
+                       std::shared_ptr<Exchange> exchange,
                        std::chrono::milliseconds timeout)
     : Clique(key, static_cast<int32_t>(devices.size())), transport_(transport),
-      devices_(std::move(devices)),
-      local_ranks_(static_cast<int32_t>(
-          std::count_if(devices_.begin(), devices_.end(), [](int d) { return d >= 0; }))),
+      devices_(std::move(devices)), processes_(std::move(processes)),
+      local_devices_(LocalDevices(devices_)),
+      local_ranks_(static_cast<int32_t>(local_devices_.size())),
       exchange_(std::move(exchange)), timeout_(timeout) {
   if (nccl_id != nullptr) nccl_id_ = *nccl_id;
   for (int device : devices_) {
@@ -580,10 +588,7 @@ Status CudaClique::AllocShared(int32_t rank, size_t bytes, const CallSite& site,
                                                                 CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   alloc->mapped_bytes = RoundUp(std::max<size_t>(bytes, 1), gran);
   JO_CU_CHECK(&site, alloc->drv->cuMemCreate(&alloc->handle, alloc->mapped_bytes, &prop, 0));
-  std::vector<int> local;
-  for (int d : devices_)
-    if (d >= 0) local.push_back(d);
-  JO_CHECK(MapForDevices(alloc.get(), local, gran, site));
+  JO_CHECK(MapForDevices(alloc.get(), local_devices_, gran, site));
   JO_CUDA_CHECK(&site, cudaSetDevice(device));
   JO_CUDA_CHECK(&site, cudaMemsetAsync(alloc->ptr, 0, alloc->mapped_bytes, setup));
   JO_CUDA_CHECK(&site, cudaStreamSynchronize(setup));
@@ -646,19 +651,73 @@ struct PeerRecord {
 static_assert(sizeof(cudaIpcMemHandle_t) == 64 && sizeof(CUmemFabricHandle) == 64,
               "IPC and fabric handles are 64 bytes");
 
+// The 64-byte handle peers map `buf` with, and the size they map.
+Status CudaClique::ExportBuffer(const DeviceAlloc& buf, unsigned char* handle, uint64_t* bytes,
+                                const CallSite& site) {
+  if (handles_ == Handles::kFabric) {
+    CUmemFabricHandle fabric{};
+    JO_CU_CHECK(&site, buf.drv->cuMemExportToShareableHandle(&fabric, buf.handle,
+                                                             CU_MEM_HANDLE_TYPE_FABRIC, 0));
+    std::memcpy(handle, &fabric, sizeof(fabric));
+    *bytes = buf.mapped_bytes;
+    return OkStatus();
+  }
+  cudaIpcMemHandle_t ipc{};
+  JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&ipc, buf.ptr));
+  std::memcpy(handle, &ipc, sizeof(ipc));
+  *bytes = buf.bytes;
+  return OkStatus();
+}
+
+// One remote rank's buffer, named by `handle`, as each local rank addresses
+// it: fabric — imported and mapped once, for every local GPU; CUDA IPC —
+// cudaIpcOpenMemHandle maps into the current device's context only, so each
+// local GPU opens its own. The mappings go to gen->mappings.
+Status CudaClique::MapRemoteBuffer(const unsigned char* handle, uint64_t bytes, Generation* gen,
+                                   std::vector<std::byte*>* views, const CallSite& site) {
+  views->assign(devices_.size(), nullptr);
+  if (handles_ == Handles::kFabric) {
+    auto mapping = std::make_unique<DeviceAlloc>();
+    mapping->kind = DeviceAlloc::Kind::kVmm;
+    JO_CHECK(LoadDriver(&mapping->drv));
+    mapping->device = local_devices_.front();
+    mapping->bytes = mapping->mapped_bytes = bytes;
+    CUmemFabricHandle fabric{};
+    std::memcpy(&fabric, handle, sizeof(fabric));
+    JO_CU_CHECK(&site, mapping->drv->cuMemImportFromShareableHandle(&mapping->handle, &fabric,
+                                                                    CU_MEM_HANDLE_TYPE_FABRIC));
+    JO_CHECK(MapForDevices(mapping.get(), local_devices_, 0, site));
+    for (size_t v = 0; v < devices_.size(); ++v)
+      if (devices_[v] >= 0) (*views)[v] = static_cast<std::byte*>(mapping->ptr);
+    gen->mappings.push_back(std::move(mapping));
+    return OkStatus();
+  }
+  cudaIpcMemHandle_t ipc{};
+  std::memcpy(&ipc, handle, sizeof(ipc));
+  for (size_t v = 0; v < devices_.size(); ++v) {
+    if (devices_[v] < 0) continue;
+    auto mapping = std::make_unique<DeviceAlloc>();
+    mapping->kind = DeviceAlloc::Kind::kIpc;
+    mapping->device = devices_[v];
+    mapping->bytes = bytes;
+    JO_CUDA_CHECK(&site, cudaSetDevice(devices_[v]));
+    // Lazy peer access: the mapping is usable from this GPU at once.
+    JO_CUDA_CHECK(&site, cudaIpcOpenMemHandle(&mapping->ptr, ipc, cudaIpcMemLazyEnablePeerAccess));
+    (*views)[v] = static_cast<std::byte*>(mapping->ptr);
+    gen->mappings.push_back(std::move(mapping));
+  }
+  return OkStatus();
+}
+
 Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
   if (!exchange_)
     return Internal(site.Describe() + ": p2p clique spanning processes without an exchange");
   const bool fabric = handles_ == Handles::kFabric;
   // multicast: only the flags (peers signal into them); the workspace is the multicast object.
   const bool with_workspace = transport_ == Transport::kP2p;
-  const DriverApi* drv = nullptr;
-  if (fabric) JO_CHECK(LoadDriver(&drv));
-  std::vector<int> local;
   std::string mine;
   for (size_t r = 0; r < devices_.size(); ++r) {
     if (devices_[r] < 0) continue;
-    local.push_back(devices_[r]);
     PeerRecord rec;
     rec.rank = static_cast<int32_t>(r);
     rec.kind = static_cast<uint32_t>(handles_);
@@ -667,21 +726,8 @@ Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
     unsigned char* out[2] = {rec.flags, rec.workspace};
     uint64_t* sizes[2] = {&rec.flags_bytes, &rec.workspace_bytes};
     JO_CUDA_CHECK(&site, cudaSetDevice(devices_[r]));
-    for (int b = 0; b < 2; ++b) {
-      if (bufs[b] == nullptr) continue;
-      if (fabric) {
-        CUmemFabricHandle handle{};
-        JO_CU_CHECK(&site, drv->cuMemExportToShareableHandle(&handle, bufs[b]->handle,
-                                                             CU_MEM_HANDLE_TYPE_FABRIC, 0));
-        std::memcpy(out[b], &handle, sizeof(handle));
-        *sizes[b] = bufs[b]->mapped_bytes;
-      } else {
-        cudaIpcMemHandle_t handle{};
-        JO_CUDA_CHECK(&site, cudaIpcGetMemHandle(&handle, bufs[b]->ptr));
-        std::memcpy(out[b], &handle, sizeof(handle));
-        *sizes[b] = bufs[b]->bytes;
-      }
-    }
+    for (int b = 0; b < 2; ++b)
+      if (bufs[b] != nullptr) JO_CHECK(ExportBuffer(*bufs[b], out[b], sizes[b], site));
     mine.append(reinterpret_cast<const char*>(&rec), sizeof(rec));
   }
   std::map<int32_t, std::string> all;
@@ -707,40 +753,8 @@ Status CudaClique::ImportPeerBuffers(Generation* gen, const CallSite& site) {
       const uint64_t sizes[2] = {rec.flags_bytes, rec.workspace_bytes};
       for (int b = 0; b < 2; ++b) {
         if (handles[b] == nullptr) continue;
-        std::vector<std::byte*> views(devices_.size(), nullptr);
-        if (fabric) {
-          // One mapping in this process, accessible to every local GPU.
-          auto mapping = std::make_unique<DeviceAlloc>();
-          mapping->kind = DeviceAlloc::Kind::kVmm;
-          mapping->drv = drv;
-          mapping->device = local.front();
-          mapping->bytes = mapping->mapped_bytes = sizes[b];
-          CUmemFabricHandle handle{};
-          std::memcpy(&handle, handles[b], sizeof(handle));
-          JO_CU_CHECK(&site, drv->cuMemImportFromShareableHandle(&mapping->handle, &handle,
-                                                                 CU_MEM_HANDLE_TYPE_FABRIC));
-          JO_CHECK(MapForDevices(mapping.get(), local, 0, site));
-          for (size_t v = 0; v < devices_.size(); ++v)
-            if (devices_[v] >= 0) views[v] = static_cast<std::byte*>(mapping->ptr);
-          gen->mappings.push_back(std::move(mapping));
-        } else {
-          // cudaIpcOpenMemHandle maps into the current device's context: one per local GPU.
-          cudaIpcMemHandle_t handle{};
-          std::memcpy(&handle, handles[b], sizeof(handle));
-          for (size_t v = 0; v < devices_.size(); ++v) {
-            if (devices_[v] < 0) continue;
-            auto mapping = std::make_unique<DeviceAlloc>();
-            mapping->kind = DeviceAlloc::Kind::kIpc;
-            mapping->device = devices_[v];
-            mapping->bytes = sizes[b];
-            JO_CUDA_CHECK(&site, cudaSetDevice(devices_[v]));
-            // Lazy peer access: the mapping is usable from this GPU at once.
-            JO_CUDA_CHECK(&site, cudaIpcOpenMemHandle(&mapping->ptr, handle,
-                                                      cudaIpcMemLazyEnablePeerAccess));
-            views[v] = static_cast<std::byte*>(mapping->ptr);
-            gen->mappings.push_back(std::move(mapping));
-          }
-        }
+        std::vector<std::byte*> views;
+        JO_CHECK(MapRemoteBuffer(handles[b], sizes[b], gen, &views, site));
         for (size_t v = 0; v < devices_.size(); ++v) {
           if (views[v] == nullptr) continue;
           (b == 0 ? gen->remote[v][rec.rank].flags : gen->remote[v][rec.rank].workspace) = views[v];

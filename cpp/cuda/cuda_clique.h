@@ -155,14 +155,17 @@ class CudaClique : public Clique {
  public:
   // `devices`: the local ordinal of each rank, -1 for a rank of another
   // process; then `nccl_id` is the clique's ncclUniqueId (transport nccl).
-  // `timeout` bounds the creation of NCCL communicators (peers joining).
+  // `processes`: the process of each rank. `timeout` bounds the creation of
+  // NCCL communicators (peers joining).
   CudaClique(CliqueKey key, Transport transport, std::vector<int> devices,
-             const ncclUniqueId* nccl_id = nullptr, std::shared_ptr<Exchange> exchange = nullptr,
+             std::vector<int64_t> processes, const ncclUniqueId* nccl_id = nullptr,
+             std::shared_ptr<Exchange> exchange = nullptr,
              std::chrono::milliseconds timeout = std::chrono::milliseconds(120000));
   ~CudaClique() override;
 
   Transport transport() const { return transport_; }
   const std::vector<int>& devices() const { return devices_; }
+  const std::vector<int64_t>& processes() const { return processes_; }
   bool spans_processes() const { return local_ranks_ != nranks(); }
 
   // Start of call `epoch` of `rank`: creates what the transport needs (once)
@@ -203,10 +206,16 @@ class CudaClique : public Clique {
   // Spanning processes: p2p (flags, workspace) and multicast (flags), through
   // CUDA IPC or fabric handles.
   Status ImportPeerBuffers(Generation* gen, const CallSite& site);
+  Status ExportBuffer(const DeviceAlloc& buf, unsigned char* handle, uint64_t* bytes,
+                      const CallSite& site);
+  Status MapRemoteBuffer(const unsigned char* handle, uint64_t bytes, Generation* gen,
+                         std::vector<std::byte*>* views, const CallSite& site);
 
   const Transport transport_;
   const std::vector<int> devices_;  // local ordinal of each rank (-1: another process's)
-  const int32_t local_ranks_;       // ranks of this process
+  const std::vector<int64_t> processes_;  // process of each rank
+  const std::vector<int> local_devices_;  // this process's GPUs of the clique
+  const int32_t local_ranks_;             // their number
   ncclUniqueId nccl_id_{};          // spanning cliques, transport nccl
   std::shared_ptr<Exchange> exchange_;  // spanning cliques, transports p2p and multicast
   const std::chrono::milliseconds timeout_;

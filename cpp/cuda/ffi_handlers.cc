@@ -5,7 +5,6 @@
 #include <exception>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "cuda/cuda_call.h"
 #include "ffi/ffi_common.h"
@@ -16,9 +15,8 @@ namespace ffi = xla::ffi;
 namespace jo::cuda {
 namespace {
 
-using ffi_common::Dims;
+using ffi_common::CheckResult;
 using ffi_common::Invalid;
-using ffi_common::ToDType;
 using ffi_common::ToFfi;
 
 struct Attrs {
@@ -29,23 +27,6 @@ struct Attrs {
   int64_t timeout_ms;
   ffi::Span<const int64_t> devices, processes;
 };
-
-ffi::Error CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
-                       const ffi::AnyBuffer& got, int64_t axis, int64_t axis_dim, int64_t last) {
-  auto xd = x.dimensions();
-  std::vector<int64_t> want(xd.begin(), xd.end());
-  want[axis] = axis_dim;
-  want.back() = last;
-  auto gd = got.dimensions();
-  bool same = gd.size() == want.size();
-  for (size_t i = 0; same && i < want.size(); ++i) same = gd[i] == want[i];
-  if (!same)
-    return Invalid(op, std::string("result ") + name + " expected shape " +
-                           Dims(ffi::Span<const int64_t>(want.data(), want.size())) + ", got " + Dims(gd));
-  if (got.element_type() != x.element_type())
-    return Invalid(op, std::string("result ") + name + " expected the dtype of x");
-  return ffi::Error::Success();
-}
 
 // Checks what both ops share and fills `args` (not the results).
 ffi::Error Decode(Collective collective, cudaStream_t stream, int32_t device,
@@ -93,10 +74,11 @@ ffi::Error AgMatmulImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   const Attrs a{clique_key, axis, axis_size, transport, chunks, bidirectional, timeout_ms, devices, processes};
   if (auto e = Decode(Collective::kAgMatmul, stream, device, x, w, a, &args); e.failure()) return e;
   const int64_t gathered = x.dimensions()[axis] * axis_size;
-  if (auto e = CheckResult(op, "y", x, *y, axis, gathered, args.problem.n); e.failure()) return e;
+  if (auto e = CheckResult(op, "y", x, y->dimensions(), y->element_type(), axis, gathered, args.problem.n); e.failure()) return e;
   args.problem.return_gathered = x_gathered.has_value();
   if (x_gathered.has_value()) {
-    if (auto e = CheckResult(op, "x_gathered", x, **x_gathered, axis, gathered, args.problem.k); e.failure()) return e;
+    if (auto e = CheckResult(op, "x_gathered", x, (*x_gathered)->dimensions(),
+                                (*x_gathered)->element_type(), axis, gathered, args.problem.k); e.failure()) return e;
     args.io.x_gathered = (*x_gathered)->untyped_data();
   }
   args.io.y = y->untyped_data();
@@ -113,7 +95,7 @@ ffi::Error MatmulRsImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   const Attrs a{clique_key, axis, axis_size, transport, chunks, bidirectional, timeout_ms, devices, processes};
   if (auto e = Decode(Collective::kMatmulRs, stream, device, x, w, a, &args); e.failure()) return e;
   const int64_t scattered = x.dimensions()[axis] / axis_size;
-  if (auto e = CheckResult(op, "y", x, *y, axis, scattered, args.problem.n); e.failure()) return e;
+  if (auto e = CheckResult(op, "y", x, y->dimensions(), y->element_type(), axis, scattered, args.problem.n); e.failure()) return e;
   args.io.y = y->untyped_data();
   return Run(args);
 }

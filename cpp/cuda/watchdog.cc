@@ -122,10 +122,10 @@ class Watchdog {
       if (index < flags.size() && static_cast<int32_t>(flags[index] - static_cast<uint32_t>(c.epoch)) >= 0)
         continue;
       const size_t w = static_cast<size_t>(writer);
-      const bool elsewhere = w < c.rank_processes.size() && c.rank_processes[w] != c.process;
+      const bool elsewhere = clique->devices()[w] < 0;  // a rank of another process
       missing += (missing.empty() ? "" : ", ") + std::string("flag ") + std::to_string(id) +
                  " from rank " + std::to_string(writer) +
-                 (elsewhere ? " (process " + std::to_string(c.rank_processes[w]) + ")" : "") +
+                 (elsewhere ? " (process " + std::to_string(clique->processes()[w]) + ")" : "") +
                  (index < flags.size() ? " (is " + std::to_string(flags[index]) + ")" : "");
     }
     if (!missing.empty()) text += "waiting for " + missing + "; ";

@@ -38,8 +38,6 @@ struct WatchedCall {
   int64_t epoch = 0;
   const Generation* gen = nullptr;   // owned by the clique
   std::vector<std::pair<int32_t, int32_t>> waits;  // (flag id, writer) of the program's Waits
-  int64_t process = 0;                   // this process's index
-  std::vector<int64_t> rank_processes;   // the process of each rank of the clique
   bool nccl = false;
   std::string op;
   std::chrono::milliseconds timeout{0};

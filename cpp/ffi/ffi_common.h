@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/program.h"
 #include "core/status.h"
@@ -43,6 +44,24 @@ inline std::optional<DType> ToDType(ffi::DataType type) {
     case ffi::DataType::F16: return DType::kF16;
     default: return std::nullopt;
   }
+}
+
+// Checks a result against the shape it must have: x's dims with dim `axis`
+// made `axis_dim` and the last dim `last`; and x's dtype.
+inline ffi::Error CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
+                              ffi::Span<const int64_t> got, ffi::DataType got_type, int64_t axis,
+                              int64_t axis_dim, int64_t last) {
+  auto xd = x.dimensions();
+  std::vector<int64_t> want(xd.begin(), xd.end());
+  want[axis] = axis_dim;
+  want.back() = last;
+  bool same = got.size() == want.size();
+  for (size_t i = 0; same && i < want.size(); ++i) same = got[i] == want[i];
+  if (!same)
+    return Invalid(op, std::string("result ") + name + " expected shape " +
+                           Dims(ffi::Span<const int64_t>(want.data(), want.size())) + ", got " + Dims(got));
+  if (got_type != x.element_type()) return Invalid(op, std::string("result ") + name + " expected the dtype of x");
+  return ffi::Error::Success();
 }
 
 // The checks both executors' handlers make of x, w and the attributes they

@@ -19,18 +19,14 @@
 #include "cuda/ffi_handlers.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
 namespace {
 
-template <typename Fn>
-nb::capsule Encapsulate(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "Encapsulate takes an XLA FFI handler");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+using jo::python::Encapsulate;
 
 nb::dict Registrations() {
   nb::dict out;

@@ -21,6 +21,7 @@
 #include "host/shm.h"
 #include "host/workers.h"
 #include "python/py_exchange.h"
+#include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -55,12 +56,7 @@ nb::dict BuildInfo() {
   return info;
 }
 
-template <typename Fn>
-nb::capsule Encapsulate(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "Encapsulate takes an XLA FFI handler");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+using jo::python::Encapsulate;
 
 // name -> {stage: capsule}, the dict form of jax.ffi.register_ffi_target.
 nb::dict Registrations() {

@@ -364,12 +364,14 @@ def test_clique_spanning_processes_p2p_closes_its_mappings(fake):
     assert fake.errors() == []
 
 
-def test_clique_spanning_processes_p2p_silent_process(fake):
-    """Process 1 never calls: process 0's first exchange (agreeing on the kind of buffer handle)
-    names it after the timeout."""
+@pytest.mark.parametrize("transport,devices,key", [("p2p", [0, 0], 17),
+                                                 ("multicast", [0, 1], 19)])
+def test_clique_spanning_processes_silent_process(fake, transport, devices, key):
+    """Process 1 never calls: process 0's first exchange (agreeing on the kind of buffer handle;
+    for multicast, process 0 is the owner) names it after the timeout."""
     xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=17,
+    out = fake.run("ag_matmul", transport, 2, 1, 3, 8, 6, "float32", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices, clique_key=key,
                    processes=[0, 1], skip_rank=1, timeout_ms=300)
     assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
     assert "'handles'" in out["statuses"][0]
@@ -406,16 +408,6 @@ def test_clique_spanning_processes_multicast(fake, op, processes, devices):
     assert counters["cudaIpcOpenMemHandle"] == n * (n - 1) * generations, counters
     fake._reset_cliques()
     assert fake.errors() == []
-
-
-def test_clique_spanning_processes_multicast_silent_process(fake):
-    """Process 1 never calls: process 0 (the owner) names it at the first exchange."""
-    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", "multicast", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=19,
-                   processes=[0, 1], skip_rank=1, timeout_ms=300)
-    assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
-    assert "'handles'" in out["statuses"][0]
 
 
 def test_clique_spanning_processes_multicast_unshareable(fake):
