@@ -303,85 +303,182 @@ def clique_id(clique_key: int, group: int) -> str:
 
 def ensure_host_clique(host: Any, clique_key: int, group: int, rank_process: Sequence[int],
                        timeout_s: float) -> bool:
-    """Sets up the host clique (clique_key, group) spanning processes; True if it did now.
+    """Sets up the domain of host clique (clique_key, group) spanning processes; True if now.
 
-    Called at trace time by every process that owns a rank of the clique. Does nothing when the
-    clique exists already in this process or all its ranks are local (an in-process clique is
-    made on first use).
+    Called at trace time by every process that owns a rank of the clique. Does nothing when
+    the domain exists (and is not broken) in this process, or when all its ranks are local (an
+    in-process clique is made on first use). A broken domain (an earlier failure) is replaced:
+    re-tracing after a failure bootstraps the clique again.
     """
     with _host_lock:
         return _ensure_host_clique(host, clique_key, group, [int(p) for p in rank_process],
                                    timeout_s)
 
 
+# Per clique id: the newest bootstrap attempt this process took part in (a follower never
+# joins an attempt older than that: its leader key may still be in the store).
+_attempts_seen: dict[str, int] = {}
+
+
 def _ensure_host_clique(host: Any, clique_key: int, group: int, table: list[int],
                         timeout_s: float) -> bool:
     me = jax.process_index()
-    if me not in table or len(set(table)) == 1 or host._has_clique(clique_key, group):
+    if me not in table or len(set(table)) == 1:
+        return False
+    if host._domain_state(clique_key, group) == "ok":
         return False
     cid = clique_id(clique_key, group)
-    generation = _next_generation(cid, "host")
-    leader = table[0]
-    procs = sorted(set(table))
     deadline = time.monotonic() + timeout_s
-    if me == leader:
-        name = host._shm_clique_create(clique_key, group, table, me)
-        try:
-            _set(_key(cid, generation, "host", "leader"),
-                 json.dumps({"name": name, "rank_process": table,
-                             "machine": machine_id()}).encode())
-            missing, errors = [], []
-            for p in procs:
-                if p == me:
-                    continue
-                try:
-                    answer = _get(_key(cid, generation, "host", "attached", p), deadline,
-                                  f"process {p}",
-                                  f"attach to the shared memory of host clique {cid}")
-                except BootstrapError as e:
-                    missing.append(p)
-                    errors.append(str(e))
-                    deadline = time.monotonic() + 0.01
-                    continue
-                if answer != b"ok":
-                    raise BootstrapError(f"jaxoverlap: process {p} could not attach to host "
-                                         f"clique {cid}: {answer.decode(errors='replace')}")
-            if missing:
-                raise BootstrapError(
-                    f"jaxoverlap: process(es) {missing} did not attach to host clique {cid} "
-                    f"(rank table {table}) within {timeout_s:g} s; this is its leader, process "
-                    f"{me}. First error: {errors[0]}")
-        except BaseException:
-            host._forget_clique(clique_key, group)
-            host._shm_unlink(name)
-            raise
-        host._shm_unlink(name)
-        return True
-    info = json.loads(_get(_key(cid, generation, "host", "leader"), deadline,
-                           f"process {leader}",
-                           f"leader (rank 0) of host clique {cid} publishing its shared memory"))
-    problem = None
-    if info["rank_process"] != table:
-        problem = (
-            f"jaxoverlap: host clique {cid}: the leader (process {leader}) has rank table "
-            f"{info['rank_process']} (rank -> process), process {me} has {table}. All "
-            "processes must build the mesh from the same devices in the same order.")
-    elif info["machine"] != machine_id():
-        problem = (
-            f"jaxoverlap: host clique {cid} spans machines (process {leader} runs on "
-            f"{info['machine']}, process {me} on {machine_id()}): the host executor shares "
-            "memory between processes, which works on one machine only. Use impl='ring' or "
-            "impl='xla' for CPU meshes that span machines.")
+    if me == table[0]:
+        _lead_host_bootstrap(host, clique_key, group, table, cid, deadline, timeout_s)
     else:
-        try:
-            host._shm_clique_attach(clique_key, group, table, me, info["name"])
-        except RuntimeError as e:
-            problem = f"jaxoverlap: process {me}: {e}"
-    attached = _key(cid, generation, "host", "attached", me)
-    _set(attached, b"ok" if problem is None else problem.encode())
-    if problem is not None:
-        raise BootstrapError(problem)
+        _follow_host_bootstrap(host, clique_key, group, table, cid, deadline)
     return True
+
+
+def _host_key(cid: str, *rest: object) -> str:
+    return "/".join([NAMESPACE, cid, "host", *map(str, rest)])
+
+
+def _delete(key: str) -> None:
+    """Deletes ``key`` and every key under it (best effort: a leftover key is harmless)."""
+    try:
+        _require_client().key_value_delete(key)
+    except Exception:  # noqa: BLE001 - cleanup must not mask the real outcome
+        pass
+
+
+def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int], cid: str,
+                         deadline: float, timeout_s: float) -> None:
+    """The leader (process of rank 0): create, publish, collect every answer, give the verdict.
+
+    Attempts are numbered by an atomic counter in the store, so every process agrees on which
+    attempt it joins whatever failed before; the previous attempt's keys are deleted.
+    """
+    me = jax.process_index()
+    attempt = int(_require_client().key_value_increment(_host_key(cid, "attempts"), 1))
+    if attempt > 1:
+        _delete(_host_key(cid, attempt - 1))
+    _attempts_seen[cid] = attempt
+    name = host._shm_domain_create(clique_key, group, table, me, attempt)
+    try:
+        _set_overwrite(_host_key(cid, "leader"), json.dumps(
+            {"attempt": attempt, "name": name, "rank_process": table,
+             "machine": machine_id()}).encode())
+        missing, errors = [], []
+        for p in sorted(set(table)):
+            if p == me:
+                continue
+            try:
+                answer = _get(_host_key(cid, attempt, "attached", p), deadline, f"process {p}",
+                              f"attach to the shared memory of host clique {cid}")
+            except BootstrapError as e:
+                missing.append(p)
+                errors.append(str(e))
+                deadline = time.monotonic() + 0.01  # only collect who else is missing
+                continue
+            if answer != b"ok":
+                raise BootstrapError(f"jaxoverlap: process {p} could not attach to host "
+                                     f"clique {cid}: {answer.decode(errors='replace')}")
+        if missing:
+            raise BootstrapError(
+                f"jaxoverlap: process(es) {missing} did not attach to host clique {cid} "
+                f"(rank table {table}) within {timeout_s:g} s; this is its leader, process "
+                f"{me}. First error: {errors[0]}")
+    except BaseException as e:
+        # Processes that attached hold the domain too: break it (their calls fail fast) and
+        # tell them, before this process forgets it; a later trace bootstraps anew.
+        reason = str(e) or type(e).__name__
+        host._break_domain(clique_key, group, f"the bootstrap of host clique {cid} failed: "
+                                              f"{reason}")
+        try:
+            _set(_host_key(cid, attempt, "result"), reason.encode())
+        except BootstrapError:
+            pass
+        _delete(_host_key(cid, "leader"))
+        host._forget_domain(clique_key, group)
+        host._shm_unlink(name)
+        raise
+    _set(_host_key(cid, attempt, "result"), b"ok")
+    host._shm_unlink(name)
+
+
+def _follow_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int], cid: str,
+                           deadline: float) -> None:
+    """Every other process: join the leader's newest attempt, answer, await the verdict."""
+    me, leader = jax.process_index(), table[0]
+    what = f"leader (rank 0) of host clique {cid} publishing its shared memory"
+    while True:
+        info = json.loads(_poll(_host_key(cid, "leader"), deadline, f"process {leader}", what,
+                                lambda raw: json.loads(raw)["attempt"]
+                                > _attempts_seen.get(cid, 0)))
+        attempt = int(info["attempt"])
+        _attempts_seen[cid] = attempt
+        problem = None
+        if info["rank_process"] != table:
+            problem = (
+                f"jaxoverlap: host clique {cid}: the leader (process {leader}) has rank table "
+                f"{info['rank_process']} (rank -> process), process {me} has {table}. All "
+                "processes must build the mesh from the same devices in the same order.")
+        elif info["machine"] != machine_id():
+            problem = (
+                f"jaxoverlap: host clique {cid} spans machines (process {leader} runs on "
+                f"{info['machine']}, process {me} on {machine_id()}): the host executor shares "
+                "memory between processes, which works on one machine only. Use impl='ring' or "
+                "impl='xla' for CPU meshes that span machines.")
+        else:
+            try:
+                host._shm_domain_attach(clique_key, group, table, me, attempt, info["name"])
+            except RuntimeError as e:
+                if "already unlinked" in str(e):
+                    continue  # the leader gave this attempt up meanwhile: wait for the next
+                problem = f"jaxoverlap: process {me}: {e}"
+        _set(_host_key(cid, attempt, "attached", me),
+             b"ok" if problem is None else problem.encode())
+        if problem is not None:
+            raise BootstrapError(problem)
+        verdict = _get(_host_key(cid, attempt, "result"), deadline, f"process {leader}",
+                       f"leader of host clique {cid} confirming that every process attached")
+        if verdict != b"ok":
+            host._forget_domain(clique_key, group)
+            raise BootstrapError(f"jaxoverlap: the bootstrap of host clique {cid} failed (its "
+                                 f"leader, process {leader}, reports): "
+                                 f"{verdict.decode(errors='replace')}")
+        return
+
+
+def _set_overwrite(key: str, value: bytes) -> None:
+    try:
+        _require_client().key_value_set_bytes(key, value, allow_overwrite=True)
+    except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError subclasses
+        raise BootstrapError(f"jaxoverlap: could not publish {key!r} in the jax.distributed "
+                             f"key-value store: {e}") from e
+
+
+def _poll(key: str, deadline: float, who: str, what: str, accept) -> bytes:
+    """The value of ``key`` once ``accept(value)`` holds; polls the store until ``deadline``.
+
+    For keys that are rewritten (a leader's newest attempt): a blocking get would return the
+    stale value at once.
+    """
+    client_ = _require_client()
+    delay = 0.005
+    while True:
+        try:
+            value = bytes(client_.key_value_try_get_bytes(key))
+        except Exception as e:  # noqa: BLE001 - NOT_FOUND until the key is written
+            if "NOT_FOUND" not in str(e) and "not found" not in str(e).lower():
+                raise BootstrapError(f"jaxoverlap: reading {key!r} ({what}) failed: {e}") from e
+        else:
+            if accept(value):
+                return value
+        if time.monotonic() >= deadline:
+            raise BootstrapError(
+                f"jaxoverlap: {who} did not answer within the timeout ({what}; key {key!r}). "
+                f"Is that process still running the same program, and did it reach the same "
+                f"jaxoverlap call? (JAXOVERLAP_TIMEOUT_S / timeout_s set the deadline)")
+        time.sleep(delay)
+        delay = min(0.1, delay * 2)
 
 
 def _cleanup() -> None:

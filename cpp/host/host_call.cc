@@ -9,6 +9,7 @@
 #include "core/build.h"
 #include "core/call.h"
 #include "core/clique.h"
+#include "core/deadline.h"
 #include "core/log.h"
 #include "host/heap_workspace.h"
 #include "host/shm_clique.h"
@@ -17,14 +18,35 @@
 namespace jo::host {
 namespace {
 
+// Process-wide state is never destroyed: worker threads may still run calls
+// while the process exits, and must not find it gone.
 CliqueRegistry& Registry() {
-  static CliqueRegistry registry;
-  return registry;
+  static auto* registry = new CliqueRegistry;
+  return *registry;
 }
 
 std::shared_ptr<WorkspaceAllocator> Allocator() {
-  static std::shared_ptr<WorkspaceAllocator> allocator = std::make_shared<HeapAllocator>();
-  return allocator;
+  static auto* allocator = new std::shared_ptr<WorkspaceAllocator>(std::make_shared<HeapAllocator>());
+  return *allocator;
+}
+
+// The domains of cliques spanning processes, by (clique_key, group): made by
+// the bootstrap at trace time, used by every call site of that group.
+struct Domains {
+  std::mutex mu;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<ShmDomain>> by_key;
+};
+
+Domains& AllDomains() {
+  static auto* domains = new Domains;
+  return *domains;
+}
+
+std::shared_ptr<ShmDomain> FindDomain(int64_t key, int64_t group) {
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.by_key.find({key, group});
+  return it == d.by_key.end() ? nullptr : it->second;
 }
 
 std::mutex g_skip_mu;
@@ -44,12 +66,12 @@ bool ConsumeSkip(int32_t rank) {
 // growth rendezvous (the programs of a ring are symmetric today; this does
 // not rely on it). Cached per call signature.
 Status NeedsOf(const Problem& q, const std::string& signature, CallNeeds* out) {
-  static std::mutex mu;
-  static std::map<std::string, CallNeeds> cache;
+  static auto* mu = new std::mutex;
+  static auto* cache = new std::map<std::string, CallNeeds>;
   {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(signature);
-    if (it != cache.end()) {
+    std::lock_guard<std::mutex> lock(*mu);
+    auto it = cache->find(signature);
+    if (it != cache->end()) {
       *out = it->second;
       return OkStatus();
     }
@@ -73,51 +95,56 @@ Status NeedsOf(const Problem& q, const std::string& signature, CallNeeds* out) {
     needs.mail_bytes = std::max(needs.mail_bytes, mail);
     needs.mail_messages = std::max(needs.mail_messages, messages);
   }
-  std::lock_guard<std::mutex> lock(mu);
-  cache.emplace(signature, needs);
+  std::lock_guard<std::mutex> lock(*mu);
+  cache->emplace(signature, needs);
   *out = needs;
   return OkStatus();
 }
 
-// Adds a clique made by the bootstrap; fails if (key, group) already has one.
-Status Register(std::unique_ptr<HostClique> made) {
-  HostClique* raw = made.get();
-  const CliqueKey key = made->key();
-  std::shared_ptr<Clique> clique;
-  JO_CHECK(Registry().GetOrCreate(key, made->nranks(), [&] { return std::move(made); }, &clique));
-  JO_REQUIRE(clique.get() == raw, CliqueName(key) + " already exists in this process");
+Status AddDomain(std::shared_ptr<ShmDomain> domain) {
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto& slot = d.by_key[{domain->key(), domain->group()}];
+  JO_REQUIRE(slot == nullptr || slot->broken(),
+             domain->name() + " already exists in this process");
+  slot = std::move(domain);  // a broken one is replaced: its call sites keep it
   return OkStatus();
 }
 
 }  // namespace
 
-Status CreateShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, std::string* name) {
-  std::unique_ptr<ShmClique> clique;
-  JO_CHECK(ShmClique::Create(CliqueKey{clique_key, group}, rank_process, process, &clique));
-  *name = clique->control_name();
-  Status status = Register(std::move(clique));
+Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, std::string* name) {
+  std::shared_ptr<ShmDomain> domain;
+  JO_CHECK(ShmDomain::Create(clique_key, group, rank_process, process, attempt, &domain));
+  *name = domain->control_name();
+  Status status = AddDomain(std::move(domain));
   if (!status.ok()) (void)UnlinkShm(*name);
   return status;
 }
 
-Status AttachShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, const std::string& name) {
-  std::unique_ptr<ShmClique> clique;
-  JO_CHECK(ShmClique::Attach(CliqueKey{clique_key, group}, rank_process, process, name, &clique));
-  return Register(std::move(clique));
+Status AttachShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, const std::string& name) {
+  std::shared_ptr<ShmDomain> domain;
+  JO_CHECK(ShmDomain::Attach(clique_key, group, rank_process, process, attempt, name, &domain));
+  return AddDomain(std::move(domain));
 }
 
-bool ForgetClique(int64_t clique_key, int64_t group) {
-  return Registry().Erase(CliqueKey{clique_key, group});
+std::string DomainState(int64_t clique_key, int64_t group) {
+  std::shared_ptr<ShmDomain> domain = FindDomain(clique_key, group);
+  if (domain == nullptr) return "absent";
+  return domain->broken() ? "broken" : "ok";
 }
 
-bool HasClique(int64_t clique_key, int64_t group) {
-  for (const auto& clique : Registry().List())
-    if (clique->key().key == clique_key && clique->key().group == group &&
-        clique->key().site == 0)
-      return true;
-  return false;
+void BreakDomain(int64_t clique_key, int64_t group, const std::string& reason) {
+  if (std::shared_ptr<ShmDomain> domain = FindDomain(clique_key, group))
+    domain->Break(Status(Code::kAborted, reason));
+}
+
+bool ForgetDomain(int64_t clique_key, int64_t group) {
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return d.by_key.erase({clique_key, group}) != 0;
 }
 
 void SetTestSkip(int32_t rank, int64_t calls) {
@@ -141,6 +168,9 @@ std::string DescribeCliques() {
     if (!broken.empty()) out += ", BROKEN: " + broken;
     out += "\n";
   }
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  for (const auto& entry : d.by_key) out += entry.second->Describe() + "\n";
   return out;
 }
 
@@ -160,17 +190,17 @@ Status Begin(const CallArgs& args, PendingCall* call) {
   const Problem& q = args.problem;
   call->args = args;
   JO_CHECK(BuildProgram(q, &call->program));
-  // A clique spanning processes is bootstrapped per (key, group) at trace time
-  // (site 0, shared by the call sites of that mesh axis); an in-process one is
-  // made here, one per call site (docs/native.md §4).
-  CliqueKey key{args.clique_key, args.group, 0};
-  call->clique = Registry().Find(key);
-  if (call->clique == nullptr) {
-    key.site = args.site;
-    JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&] {
-      return std::make_unique<LocalClique>(key, q.nranks, Allocator());
-    }, &call->clique));
-  }
+  // Every call site has its own clique (docs/native.md §4): in-process, or,
+  // when the bootstrap made a domain for this group, spanning processes.
+  const CliqueKey key{args.clique_key, args.group, args.site};
+  std::shared_ptr<ShmDomain> domain = FindDomain(args.clique_key, args.group);
+  JO_REQUIRE(domain == nullptr || domain->nranks() == q.nranks,
+             domain->name() + " has " + std::to_string(domain->nranks()) +
+                 " ranks, but this call has axis_size " + std::to_string(q.nranks));
+  JO_CHECK(Registry().GetOrCreate(key, q.nranks, [&]() -> std::unique_ptr<Clique> {
+    if (domain != nullptr) return std::make_unique<ShmClique>(domain, args.site);
+    return std::make_unique<LocalClique>(key, q.nranks, Allocator());
+  }, &call->clique));
   LogPlanOnce(call->program, key, "host");
   call->epoch = call->clique->NextEpoch(q.rank);
   return OkStatus();
@@ -184,13 +214,13 @@ Status Finish(const PendingCall& call) {
   ctx.op = CollectiveName(q.op);
   ctx.rank = q.rank;
   ctx.epoch = call.epoch;
+  ctx.timeout = Millis(call.args.timeout_ms);
   JO_CHECK(host->ClaimRank(ctx, call.args.device));
   struct Release {  // RAII: the rank is free again however the call ends
     HostClique* clique;
     int32_t rank;
     ~Release() { clique->ReleaseRank(rank); }
   } release{host, q.rank};
-  ctx.timeout = std::chrono::milliseconds(call.args.timeout_ms);
   const std::string signature = CallSignature(q);
   CallNeeds needs;
   JO_CHECK(NeedsOf(q, signature, &needs));
@@ -211,8 +241,15 @@ Status Guarded(const char* op, F&& fn) {
   }
 }
 
-std::mutex g_sites_mu;
-std::map<int64_t, int64_t> g_sites;  // clique_key -> call sites created
+struct Sites {
+  std::mutex mu;
+  std::map<int64_t, int64_t> count;  // clique_key -> call sites created
+};
+
+Sites& AllSites() {
+  static auto* sites = new Sites;
+  return *sites;
+}
 
 }  // namespace
 
@@ -247,8 +284,9 @@ void StartHostCall(const CallArgs& args, std::function<void(const Status&)> done
 }
 
 int64_t NewCallSite(int64_t clique_key) {
-  std::lock_guard<std::mutex> lock(g_sites_mu);
-  return ++g_sites[clique_key];
+  Sites& sites = AllSites();
+  std::lock_guard<std::mutex> lock(sites.mu);
+  return ++sites.count[clique_key];
 }
 
 void ForgetCallSite(int64_t clique_key, int64_t site) { Registry().EraseSite(clique_key, site); }

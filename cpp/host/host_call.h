@@ -47,17 +47,24 @@ void StartHostCall(const CallArgs& args, std::function<void(const Status&)> done
 int64_t NewCallSite(int64_t clique_key);
 void ForgetCallSite(int64_t clique_key, int64_t site);
 
-// Multi-process cliques (cpp/host/shm_clique.h), called by the Python
-// bootstrap (jaxoverlap/_bootstrap.py) at trace time, before any call runs.
-// rank_process[r] is the process index of rank r; `process` is ours.
-// The leader (the process of rank 0) creates the control segment and returns
-// its name for the key-value store; the others attach to it by name.
-Status CreateShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, std::string* name);
-Status AttachShmClique(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, const std::string& name);
-bool HasClique(int64_t clique_key, int64_t group);
-bool ForgetClique(int64_t clique_key, int64_t group);  // after a failed bootstrap
+// Multi-process cliques: the domain of one group of a mesh axis
+// (cpp/host/shm_domain.h), made by the Python bootstrap
+// (jaxoverlap/_bootstrap.py) at trace time, before any call runs; every call
+// site of the group then gets its own clique in it (cpp/host/shm_clique.h).
+// rank_process[r] is the process index of rank r; `process` is ours;
+// `attempt` names the bootstrap attempt (agreed through the store). The
+// leader (the process of rank 0) creates the control segment and returns its
+// name for the key-value store; the others attach to it by name. A broken
+// domain is replaced by the next bootstrap (its call sites keep the old one).
+Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, std::string* name);
+Status AttachShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, const std::string& name);
+// "absent", "ok" or "broken".
+std::string DomainState(int64_t clique_key, int64_t group);
+// Marks the domain broken (a failed bootstrap): its processes' calls fail fast.
+void BreakDomain(int64_t clique_key, int64_t group, const std::string& reason);
+bool ForgetDomain(int64_t clique_key, int64_t group);
 
 // Test hook: the next `calls` calls of rank `rank` (any clique) return at
 // once without taking part, so their peers must time out.

@@ -1,13 +1,22 @@
 // POSIX shared memory and futexes: the pieces a clique spanning processes is
-// built from (cpp/host/shm_clique.h).
+// built from (cpp/host/shm_domain.h, cpp/host/shm_clique.h).
 //
-// ShmSegment owns one mapping of one shm object: the destructor unmaps it and
-// closes the fd (RAII). Names are created with O_CREAT | O_EXCL and mode 0600
-// and unlinked as soon as every process attached (the clique decides when).
-// Every name this process created or opened is also tracked, and whatever is
-// still linked at normal process exit is unlinked then (UnlinkTrackedNames;
-// Python calls it from atexit too), so a peer that died before attaching
-// does not leave a segment behind in /dev/shm.
+// ShmSegment owns one mapping of one shm object; the destructor unmaps it.
+// The file descriptor is closed as soon as the object is mapped (the mapping
+// keeps the memory alive). Objects are created with O_CREAT | O_EXCL, mode
+// 0600, and their space is reserved with posix_fallocate: on tmpfs, a size
+// that does not fit fails here with an error naming the size, instead of
+// killing the process with SIGBUS at the first write past the free space.
+// Opening checks that the object is a regular file owned by this user,
+// readable by nobody else, of exactly the expected size.
+//
+// Names are "/jaxoverlap-[<JAXOVERLAP_SHM_TAG>-]p<pid namespace>.<pid>-<128
+// random bits>": unguessable (nobody can pre-create the next one), and they
+// name the creating process, so that SweepStaleSegments can remove what a
+// killed process left behind. Names are unlinked as soon as every process
+// attached (the clique decides when); every name this process created or
+// opened is also tracked, and whatever is still linked at normal process exit
+// is unlinked then (UnlinkTrackedNames; Python calls it from atexit too).
 #pragma once
 
 #include <atomic>
@@ -23,11 +32,12 @@ namespace jo::host {
 
 class ShmSegment {
  public:
-  // A new object of exactly `bytes` (zero-filled), mapped read-write. Fails
-  // if the name exists.
-  static Status Create(const std::string& name, size_t bytes, std::unique_ptr<ShmSegment>* out);
-  // An existing object, mapped read-write; fails if it is smaller than `min_bytes`.
-  static Status Open(const std::string& name, size_t min_bytes, std::unique_ptr<ShmSegment>* out);
+  // A new object of exactly `bytes` (zero-filled, reserved), mapped read-write.
+  // `what` says what it is for, in errors ("the data segment of clique ...").
+  static Status Create(const std::string& name, size_t bytes, const std::string& what,
+                       std::unique_ptr<ShmSegment>* out);
+  // An existing object of exactly `bytes`, mapped read-write.
+  static Status Open(const std::string& name, size_t bytes, std::unique_ptr<ShmSegment>* out);
 
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
@@ -38,9 +48,8 @@ class ShmSegment {
   const std::string& name() const { return name_; }
 
  private:
-  ShmSegment(std::string name, int fd, std::byte* data, size_t size);
+  ShmSegment(std::string name, std::byte* data, size_t size);
   std::string name_;
-  int fd_ = -1;
   std::byte* data_ = nullptr;
   size_t size_ = 0;
 };
@@ -52,14 +61,22 @@ Status UnlinkShm(const std::string& name);
 // returns how many were still there.
 int UnlinkTrackedNames();
 
-// "/jaxoverlap-[<JAXOVERLAP_SHM_TAG>-]<16 random hex digits>": a fresh base
-// name for one clique (the tag lets a test harness find what its run made).
-std::string NewShmBaseName();
+// A fresh name (see above). Fails only if the kernel has no randomness.
+Status NewShmName(std::string* name);
+
+// Unlinks the segments of this user whose creating process, in this pid
+// namespace, no longer exists (a job killed between creating a segment and
+// the last attach). Returns how many it removed.
+int SweepStaleSegments();
 
 // Futex wait on a 32-bit word that may be shared between processes: returns
 // when *word != expected, on a wake, or after `timeout` (spurious wake-ups
 // are possible; callers re-check their condition).
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout);
 void FutexWakeAll(std::atomic<uint32_t>* word);
+
+// This process's pid namespace (the inode of /proc/self/ns/pid), 0 if unknown:
+// pids are comparable only between processes of one namespace.
+uint64_t PidNamespace();
 
 }  // namespace jo::host

@@ -5,22 +5,24 @@
 #include <cstdio>
 #include <cstring>
 #include <new>
-#include <set>
 
 #include "core/log.h"
 
 namespace jo::host {
 namespace {
 
-constexpr uint64_t kMagic = 0x716c636d6873656aULL;  // "jeshmclq"
-constexpr uint32_t kVersion = 1;
-constexpr size_t kReasonBytes = 2048;
+constexpr uint64_t kMagic = 0x746973736873656aULL;  // "jeshssit"
+constexpr uint32_t kVersion = 2;
 constexpr size_t kSignatureBytes = 192;
+constexpr size_t kNameBytes = 160;
 constexpr size_t kAlign = 64;
 constexpr auto kPollSlice = std::chrono::milliseconds(100);
+// Sanity bounds for sizes a peer publishes (a data segment is at most 1 TiB).
+constexpr int64_t kMaxBytes = int64_t{1} << 40;
+constexpr int32_t kMaxCount = 1 << 24;
 
 size_t RoundUp(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
-int32_t Parity(int64_t epoch) { return static_cast<int32_t>(epoch & 1); }
+int32_t ParityOf(int64_t epoch) { return static_cast<int32_t>(epoch & 1); }
 
 std::string Seconds(std::chrono::milliseconds ms) {
   char text[32];
@@ -50,18 +52,15 @@ struct alignas(kAlign) MailEntry {
 
 }  // namespace
 
-struct ShmClique::Header {
+struct ShmClique::SiteHeader {
   uint64_t magic;
   uint32_t version;
   int32_t nranks;
-  int32_t nprocs;
-  int32_t pad;
   int64_t key;
   int64_t group;
-  std::atomic<int32_t> attached;  // processes that mapped the control segment
-  std::atomic<int32_t> broken;    // 0 ok; 1 being written; 2 `reason` is valid
-  char reason[kReasonBytes];
-  // The published data generation (0: none yet) and its sizes (written before it).
+  int64_t site;
+  // The published data generation (0: none yet); its sizes and name are
+  // written before it (release/acquire on `generation`).
   std::atomic<int64_t> generation;
   std::atomic<int64_t> workspace_bytes;
   std::atomic<int64_t> mail_bytes;
@@ -69,14 +68,13 @@ struct ShmClique::Header {
   std::atomic<int32_t> num_flags;
   std::atomic<int32_t> data_attached;  // processes that mapped the current generation
   std::atomic<int32_t> grow_count;     // ranks in the current growth rendezvous
+  char data_name[kNameBytes];
 };
 
-struct alignas(kAlign) ShmClique::RankSlot {
+struct alignas(kAlign) ShmClique::RankState {
   std::atomic<int64_t> epoch;         // the call this rank is in (set in Prepare)
   std::atomic<int64_t> owner_device;  // device inside a call as this rank, or -1
   std::atomic<int64_t> grow_epoch;    // epoch of its last growth-rendezvous arrival
-  std::atomic<uint32_t> doorbell;     // bumped (and futex-woken) for every event it may await
-  int32_t process;
   std::atomic<int64_t> signature_epoch[2];
   std::atomic<uint64_t> signature_hash[2];
   char signature[2][kSignatureBytes];
@@ -105,136 +103,72 @@ struct ShmClique::Layout {
 
 namespace {
 
-size_t ControlBytes(int32_t nranks) {
-  return RoundUp(sizeof(ShmClique::Header), kAlign) +
-         static_cast<size_t>(nranks) * sizeof(ShmClique::RankSlot);
+size_t SiteBytes(int32_t nranks) {
+  return RoundUp(sizeof(ShmClique::SiteHeader), kAlign) +
+         static_cast<size_t>(nranks) * sizeof(ShmClique::RankState);
 }
 
-int32_t CountProcesses(const std::vector<int32_t>& rank_process) {
-  return static_cast<int32_t>(std::set<int32_t>(rank_process.begin(), rank_process.end()).size());
-}
-
-std::string TableText(const std::vector<int32_t>& rank_process) {
-  std::string out = "[";
-  for (size_t r = 0; r < rank_process.size(); ++r)
-    out += (r ? ", " : "") + std::to_string(rank_process[r]);
-  return out + "]";
-}
-
-Status CheckTable(CliqueKey key, const std::vector<int32_t>& rank_process, int32_t process) {
-  JO_REQUIRE(!rank_process.empty(), CliqueName(key) + ": empty rank table");
-  JO_REQUIRE(std::find(rank_process.begin(), rank_process.end(), process) != rank_process.end(),
-             CliqueName(key) + ": process " + std::to_string(process) +
-                 " has no rank in the rank table " + TableText(rank_process));
-  return OkStatus();
+// Fills a new site segment (the first process to run the site does it).
+void InitSite(std::byte* base, const ShmDomain& domain, int64_t site) {
+  auto* h = new (base) ShmClique::SiteHeader();
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->nranks = domain.nranks();
+  h->key = domain.key();
+  h->group = domain.group();
+  h->site = site;
+  for (int32_t r = 0; r < domain.nranks(); ++r) {
+    auto* s = new (base + RoundUp(sizeof(ShmClique::SiteHeader), kAlign) +
+                   r * sizeof(ShmClique::RankState)) ShmClique::RankState();
+    s->owner_device.store(-1);
+  }
 }
 
 }  // namespace
 
-ShmClique::ShmClique(CliqueKey key, int32_t nranks, std::vector<int32_t> rank_process,
-                     int32_t process, std::unique_ptr<ShmSegment> control)
-    : HostClique(key, nranks),
-      rank_process_(std::move(rank_process)),
-      process_(process),
-      nprocs_(CountProcesses(rank_process_)),
-      control_(std::move(control)) {}
+ShmClique::ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site)
+    : HostClique(CliqueKey{domain->key(), domain->group(), site}, domain->nranks()),
+      domain_(std::move(domain)) {}
 
-ShmClique::~ShmClique() = default;
-
-Status ShmClique::Create(CliqueKey key, const std::vector<int32_t>& rank_process,
-                         int32_t process, std::unique_ptr<ShmClique>* out) {
-  JO_CHECK(CheckTable(key, rank_process, process));
-  const int32_t nranks = static_cast<int32_t>(rank_process.size());
-  char suffix[64];
-  std::snprintf(suffix, sizeof(suffix), "-%016" PRIx64 "-g%" PRId64,
-                static_cast<uint64_t>(key.key), key.group);
-  std::unique_ptr<ShmSegment> control;
-  JO_CHECK(ShmSegment::Create(NewShmBaseName() + suffix, ControlBytes(nranks), &control));
-  auto* h = new (control->data()) Header();
-  h->magic = kMagic;
-  h->version = kVersion;
-  h->nranks = nranks;
-  h->nprocs = CountProcesses(rank_process);
-  h->key = key.key;
-  h->group = key.group;
-  for (int32_t r = 0; r < nranks; ++r) {
-    auto* s = new (control->data() + RoundUp(sizeof(Header), kAlign) + r * sizeof(RankSlot))
-        RankSlot();
-    s->owner_device.store(-1);
-    s->process = rank_process[r];
-  }
-  h->attached.store(1);
-  out->reset(new ShmClique(key, nranks, rank_process, process, std::move(control)));
-  JO_INFO((*out)->name() + ": created shared-memory control segment " +
-          (*out)->control_name() + " for " + std::to_string(h->nprocs) + " processes");
-  return OkStatus();
+ShmClique::~ShmClique() {
+  data_.reset();
+  if (site_ != nullptr) domain_->ReleaseSite(key().site);
 }
 
-Status ShmClique::Attach(CliqueKey key, const std::vector<int32_t>& rank_process,
-                         int32_t process, const std::string& name,
-                         std::unique_ptr<ShmClique>* out) {
-  JO_CHECK(CheckTable(key, rank_process, process));
-  const int32_t nranks = static_cast<int32_t>(rank_process.size());
-  std::unique_ptr<ShmSegment> control;
-  JO_CHECK(ShmSegment::Open(name, ControlBytes(nranks), &control));
-  const auto* h = reinterpret_cast<const Header*>(control->data());
-  JO_REQUIRE(h->magic == kMagic && h->version == kVersion,
-             name + " is not a jaxoverlap clique segment of version " + std::to_string(kVersion));
-  JO_REQUIRE(h->key == key.key && h->group == key.group && h->nranks == nranks,
-             name + " describes " + CliqueName(CliqueKey{h->key, h->group}) + " with " +
-                 std::to_string(h->nranks) + " ranks, but this process bootstraps " +
-                 CliqueName(key) + " with " + std::to_string(nranks));
-  auto clique = std::unique_ptr<ShmClique>(
-      new ShmClique(key, nranks, rank_process, process, std::move(control)));
-  for (int32_t r = 0; r < nranks; ++r)
-    JO_REQUIRE(clique->slot(r)->process == rank_process[r],
-               clique->name() + ": the leader puts rank " + std::to_string(r) + " in process " +
-                   std::to_string(clique->slot(r)->process) + ", this process's rank table " +
-                   TableText(rank_process) + " puts it in process " +
-                   std::to_string(rank_process[r]) + " (do all processes use the same mesh?)");
-  if (clique->header()->attached.fetch_add(1) + 1 == clique->nprocs_)
-    JO_CHECK(UnlinkShm(name));  // every process has it mapped: the name is no longer needed
-  *out = std::move(clique);
-  return OkStatus();
+ShmClique::SiteHeader* ShmClique::header() const {
+  return reinterpret_cast<SiteHeader*>(site_->data());
 }
 
-ShmClique::Header* ShmClique::header() const {
-  return reinterpret_cast<Header*>(control_->data());
-}
-
-ShmClique::RankSlot* ShmClique::slot(int32_t rank) const {
-  return reinterpret_cast<RankSlot*>(control_->data() + RoundUp(sizeof(Header), kAlign) +
-                                     static_cast<size_t>(rank) * sizeof(RankSlot));
+ShmClique::RankState* ShmClique::rank_state(int32_t rank) const {
+  return reinterpret_cast<RankState*>(site_->data() + RoundUp(sizeof(SiteHeader), kAlign) +
+                                      static_cast<size_t>(rank) * sizeof(RankState));
 }
 
 std::string ShmClique::Kind() const {
   std::string local;
   for (int32_t r = 0; r < nranks(); ++r)
-    if (rank_process_[r] == process_) local += (local.empty() ? "" : ",") + std::to_string(r);
-  return "shared memory across " + std::to_string(nprocs_) + " processes (ranks " + local +
-         " in this process " + std::to_string(process_) + ")";
-}
-
-std::string ShmClique::RankName(int32_t rank) const {
-  return "rank " + std::to_string(rank) + " (process " + std::to_string(rank_process_[rank]) + ")";
+    if (domain_->Local(r)) local += (local.empty() ? "" : ",") + std::to_string(r);
+  return "shared memory across " + std::to_string(domain_->nprocs()) + " processes (ranks " +
+         local + " in this process " + std::to_string(domain_->process()) + ")";
 }
 
 std::string ShmClique::Where(const WaitContext& ctx) const {
   return std::string(ctx.op) + " (" + name() + ", rank " + std::to_string(ctx.rank) +
-         " in process " + std::to_string(process_) + ", epoch " + std::to_string(ctx.epoch) + ")";
+         " in process " + std::to_string(domain_->process()) + ", epoch " +
+         std::to_string(ctx.epoch) + ")";
 }
 
 std::string ShmClique::Missing(const WaitContext& ctx, int32_t expected) const {
   std::string late, where;
   for (int32_t r = 0; r < nranks(); ++r) {
-    if (slot(r)->epoch.load() >= ctx.epoch) continue;
+    if (rank_state(r)->epoch.load() >= ctx.epoch) continue;
     late += (late.empty() ? "" : ", ") + std::to_string(r);
-    where += (where.empty() ? "" : ", ") + RankName(r);
+    where += (where.empty() ? "" : ", ") + domain_->RankName(r);
   }
   if (!late.empty())
     return "missing peer rank(s) " + late + " did not arrive (have not started epoch " +
            std::to_string(ctx.epoch) + "; " + where + ")";
-  return "every rank arrived; " + RankName(expected) + " did not deliver";
+  return "every rank arrived; " + domain_->RankName(expected) + " did not deliver";
 }
 
 Status ShmClique::BrokenStatus(const WaitContext& ctx) const {
@@ -248,84 +182,87 @@ Status ShmClique::Fail(Status status) {
   return status;
 }
 
-void ShmClique::Ring(int32_t rank) {
-  std::atomic<uint32_t>* bell = &slot(rank)->doorbell;
-  bell->fetch_add(1);
-  FutexWakeAll(bell);
-}
+void ShmClique::Break(const Status& status) { domain_->Break(status); }
 
-void ShmClique::RingAll() {
-  for (int32_t r = 0; r < nranks(); ++r) Ring(r);
-}
-
-void ShmClique::Break(const Status& status) {
-  Header* h = header();
-  int32_t expected = 0;
-  if (!h->broken.compare_exchange_strong(expected, 1)) return;  // first error wins
-  std::snprintf(h->reason, kReasonBytes, "%s", status.message().c_str());
-  h->broken.store(2, std::memory_order_release);
-  RingAll();
-}
-
-std::string ShmClique::BrokenReason() const {
-  const Header* h = header();
-  if (h->broken.load(std::memory_order_acquire) != 2) return "";
-  return std::string(h->reason, strnlen(h->reason, kReasonBytes));
-}
+std::string ShmClique::BrokenReason() const { return domain_->BrokenReason(); }
 
 template <typename Pred>
 Status ShmClique::WaitFor(const WaitContext& ctx, Pred pred) {
-  const auto deadline = Clock::now() + ctx.timeout;
-  std::atomic<uint32_t>* bell = &slot(ctx.rank)->doorbell;
+  const auto deadline = DeadlineAfter(ctx.timeout);
+  std::atomic<uint32_t>* bell = domain_->Doorbell(ctx.rank);
   while (true) {
     const uint32_t seq = bell->load();
     if (pred()) return OkStatus();
-    if (header()->broken.load(std::memory_order_acquire) == 2) return BrokenStatus(ctx);
+    if (domain_->broken()) return BrokenStatus(ctx);
+    JO_CHECK(domain_->CheckPeers(Where(ctx)));
     const auto now = Clock::now();
     if (now >= deadline) return Status(Code::kTimeout, "");
-    FutexWait(bell, seq,
-              std::min<std::chrono::nanoseconds>(deadline - now, kPollSlice));
+    FutexWait(bell, seq, std::min<Clock::duration>(deadline - now, kPollSlice));
   }
 }
 
+Status ShmClique::Open(const WaitContext& ctx) {
+  std::lock_guard<std::mutex> lock(open_mu_);
+  if (site_ != nullptr) return OkStatus();
+  std::unique_ptr<ShmSegment> segment;
+  JO_CHECK(domain_->OpenSite(key().site, SiteBytes(nranks()), DeadlineAfter(ctx.timeout),
+                             Where(ctx), &InitSite, &segment));
+  const auto* h = reinterpret_cast<const SiteHeader*>(segment->data());
+  if (h->magic != kMagic || h->version != kVersion || h->nranks != nranks() ||
+      h->key != key().key || h->group != key().group || h->site != key().site) {
+    const std::string name = segment->name();
+    segment.reset();
+    domain_->ReleaseSite(key().site);
+    return Fail(Internal(Where(ctx) + ": the segment " + name +
+                         " in the call-site directory does not describe this call site"));
+  }
+  site_ = std::move(segment);
+  return OkStatus();
+}
+
 Status ShmClique::ClaimRank(const WaitContext& ctx, int64_t device) {
+  JO_CHECK(Open(ctx));
   int64_t owner = -1;
-  if (slot(ctx.rank)->owner_device.compare_exchange_strong(owner, device) || owner == device)
+  if (rank_state(ctx.rank)->owner_device.compare_exchange_strong(owner, device) ||
+      owner == device)
     return OkStatus();
   return Fail(InvalidArgument(Where(ctx) + ": devices " + std::to_string(owner) + " and " +
                               std::to_string(device) + " call as rank " +
                               std::to_string(ctx.rank) + " at the same time"));
 }
 
-void ShmClique::ReleaseRank(int32_t rank) { slot(rank)->owner_device.store(-1); }
+void ShmClique::ReleaseRank(int32_t rank) {
+  if (site_ != nullptr) rank_state(rank)->owner_device.store(-1);
+}
 
 Status ShmClique::CheckSignature(const WaitContext& ctx, const std::string& signature) {
-  const int32_t p = Parity(ctx.epoch);
+  const int32_t p = ParityOf(ctx.epoch);
   const uint64_t hash = Fnv1a(signature);
-  RankSlot* mine = slot(ctx.rank);
+  RankState* mine = rank_state(ctx.rank);
   mine->signature_hash[p].store(hash);
   std::snprintf(mine->signature[p], kSignatureBytes, "%s", signature.c_str());
   mine->signature_epoch[p].store(ctx.epoch);
   // Whichever of two disagreeing ranks publishes second sees the other.
   for (int32_t r = 0; r < nranks(); ++r) {
-    RankSlot* other = slot(r);
+    RankState* other = rank_state(r);
     if (r == ctx.rank || other->signature_epoch[p].load() != ctx.epoch) continue;
     if (other->signature_hash[p].load() == hash) continue;
     return Fail(InvalidArgument(
         Where(ctx) + ": ranks disagree on call " + std::to_string(ctx.epoch) +
         " of this clique: '" + signature + "' here, '" +
         std::string(other->signature[p], strnlen(other->signature[p], kSignatureBytes)) +
-        "' on " + RankName(r) + " (do all processes run the same program, with the collective "
-        "calls in the same order?)"));
+        "' on " + domain_->RankName(r) + " (do all processes run the same program, with the "
+        "collective calls in the same order?)"));
   }
   return OkStatus();
 }
 
 Status ShmClique::Prepare(const WaitContext& ctx, const std::string& signature,
                           const CallNeeds& needs) {
-  Header* h = header();
-  slot(ctx.rank)->epoch.store(ctx.epoch);
-  if (h->broken.load(std::memory_order_acquire) == 2) return BrokenStatus(ctx);
+  JO_CHECK(Open(ctx));
+  SiteHeader* h = header();
+  rank_state(ctx.rank)->epoch.store(ctx.epoch);
+  if (domain_->broken()) return BrokenStatus(ctx);
   JO_CHECK(CheckSignature(ctx, signature));
   const bool fits = h->generation.load(std::memory_order_acquire) > 0 &&
                     needs.workspace_bytes <= h->workspace_bytes.load() &&
@@ -333,26 +270,24 @@ Status ShmClique::Prepare(const WaitContext& ctx, const std::string& signature,
                     needs.mail_bytes <= h->mail_bytes.load() &&
                     needs.mail_messages <= h->mail_messages.load();
   if (fits) {
-    JO_CHECK(MapCurrentData());
+    JO_CHECK(MapCurrentData(ctx));
   } else {
     JO_CHECK(Grow(ctx, needs));
   }
   // A fresh outbox for this call's parity (nobody reads its call e-2 any more).
   std::lock_guard<std::mutex> lock(mu_);
-  std::byte* base = data_->data() + static_cast<size_t>(ctx.rank) * layout_->rank_bytes +
-                    Parity(ctx.epoch) * layout_->parity_bytes;
-  auto* outbox = reinterpret_cast<OutboxHeader*>(base + layout_->outbox_off);
+  auto* outbox = reinterpret_cast<OutboxHeader*>(Parity(ctx.rank, ctx.epoch) + layout_->outbox_off);
   outbox->reserve.store(0);
   outbox->cursor.store(0);
   return OkStatus();
 }
 
 Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
-  Header* h = header();
+  SiteHeader* h = header();
   const int64_t generation = h->generation.load(std::memory_order_acquire);
-  slot(ctx.rank)->grow_epoch.store(ctx.epoch);
+  rank_state(ctx.rank)->grow_epoch.store(ctx.epoch);
   if (h->grow_count.fetch_add(1) + 1 == nranks()) {
-    // Last to arrive: every rank is parked here, no call is in flight.
+    // Last to arrive: every rank of this site is parked here, none is in a call.
     auto grown = [](int64_t need, int64_t have) {
       if (need <= have) return have;
       const int64_t bytes = std::max<int64_t>(need, have + have / 2);
@@ -363,13 +298,16 @@ Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
     const int32_t messages = std::max(needs.mail_messages, h->mail_messages.load());
     const int32_t flags = std::max(needs.num_flags, h->num_flags.load());
     auto layout = std::make_unique<Layout>(nranks(), ws, mail, messages, flags);
-    const std::string data_name = control_name() + "-d" + std::to_string(generation + 1);
+    std::string data_name;
     std::unique_ptr<ShmSegment> segment;
-    Status created = ShmSegment::Create(data_name, layout->total, &segment);
+    Status created = NewShmName(&data_name);
+    if (created.ok())
+      created = ShmSegment::Create(data_name, layout->total, "the buffers of " + name(), &segment);
     if (!created.ok())
       return Fail(Status(created.code(), Where(ctx) + ": workspace growth to " +
                                              std::to_string(layout->total) + " bytes: " +
                                              created.message()));
+    std::snprintf(h->data_name, kNameBytes, "%s", data_name.c_str());
     h->workspace_bytes.store(ws);
     h->mail_bytes.store(mail);
     h->mail_messages.store(messages);
@@ -383,11 +321,11 @@ Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
       data_generation_ = generation + 1;
     }
     h->generation.store(generation + 1, std::memory_order_release);
-    RingAll();
+    domain_->RingAll();
     JO_INFO(name() + ": data segment generation " + std::to_string(generation + 1) + ": 2 x " +
             std::to_string(ws) + " workspace bytes, " + std::to_string(flags) + " flags, 2 x " +
             std::to_string(mail) + " mailbox bytes per rank");
-    if (h->data_attached.fetch_add(1) + 1 == nprocs_) JO_CHECK(UnlinkShm(data_name));
+    if (h->data_attached.fetch_add(1) + 1 == domain_->nprocs()) JO_CHECK(UnlinkShm(data_name));
     return OkStatus();
   }
   Status status = WaitFor(ctx, [&] {
@@ -396,61 +334,73 @@ Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
   if (status.code() == Code::kTimeout) {
     std::string missing;
     for (int32_t r = 0; r < nranks(); ++r)
-      if (slot(r)->grow_epoch.load() != ctx.epoch)
-        missing += (missing.empty() ? "" : ", ") + RankName(r);
+      if (rank_state(r)->grow_epoch.load() != ctx.epoch)
+        missing += (missing.empty() ? "" : ", ") + domain_->RankName(r);
     return Fail(Status(Code::kTimeout,
                        Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
                            " in the workspace-growth rendezvous; missing peer rank(s) did not "
                            "arrive: " + missing + "; " + Missing(ctx, ctx.rank)));
   }
   JO_CHECK(status);
-  return MapCurrentData();
+  return MapCurrentData(ctx);
 }
 
-Status ShmClique::MapCurrentData() {
-  Header* h = header();
+Status ShmClique::MapCurrentData(const WaitContext& ctx) {
+  SiteHeader* h = header();
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t generation = h->generation.load(std::memory_order_acquire);
   if (generation == data_generation_) return OkStatus();
-  auto layout = std::make_unique<Layout>(nranks(), h->workspace_bytes.load(), h->mail_bytes.load(),
-                                         h->mail_messages.load(), h->num_flags.load());
-  const std::string data_name = control_name() + "-d" + std::to_string(generation);
+  // Sizes and the name come from another process: check them before use.
+  const int64_t ws = h->workspace_bytes.load(), mail = h->mail_bytes.load();
+  const int32_t messages = h->mail_messages.load(), flags = h->num_flags.load();
+  const std::string data_name(h->data_name, strnlen(h->data_name, kNameBytes));
+  if (ws < 0 || ws > kMaxBytes || mail < 0 || mail > kMaxBytes || messages < 0 ||
+      messages > kMaxCount || flags < 0 || flags > kMaxCount ||
+      data_name.rfind("/jaxoverlap-", 0) != 0)
+    return Fail(Internal(Where(ctx) + ": the published data generation " +
+                         std::to_string(generation) + " is invalid (workspace " +
+                         std::to_string(ws) + " bytes, mailbox " + std::to_string(mail) +
+                         " bytes, " + std::to_string(messages) + " messages, " +
+                         std::to_string(flags) + " flags, name '" + data_name + "')"));
+  auto layout = std::make_unique<Layout>(nranks(), ws, mail, messages, flags);
   std::unique_ptr<ShmSegment> segment;
   Status opened = ShmSegment::Open(data_name, layout->total, &segment);
-  if (!opened.ok()) {
-    Break(opened);
-    return opened;
-  }
-  data_ = std::move(segment);  // the previous generation: no call is using it
+  if (!opened.ok()) return Fail(Status(opened.code(), Where(ctx) + ": " + opened.message()));
+  data_ = std::move(segment);  // the previous generation: no call of this site is using it
   layout_ = std::move(layout);
   data_generation_ = generation;
-  if (h->data_attached.fetch_add(1) + 1 == nprocs_) JO_CHECK(UnlinkShm(data_name));
+  if (h->data_attached.fetch_add(1) + 1 == domain_->nprocs()) JO_CHECK(UnlinkShm(data_name));
   return OkStatus();
 }
 
-std::byte* ShmClique::Workspace(int32_t owner, int64_t epoch) {
-  if (data_ == nullptr) return nullptr;
+std::byte* ShmClique::Parity(int32_t owner, int64_t epoch) const {
   return data_->data() + static_cast<size_t>(owner) * layout_->rank_bytes +
-         Parity(epoch) * layout_->parity_bytes + layout_->workspace_off;
+         ParityOf(epoch) * layout_->parity_bytes;
 }
 
-int64_t ShmClique::WorkspaceBytes() const { return header()->workspace_bytes.load(); }
+std::byte* ShmClique::Workspace(int32_t owner, int64_t epoch) {
+  if (data_ == nullptr || owner < 0 || owner >= nranks()) return nullptr;
+  return Parity(owner, epoch) + layout_->workspace_off;
+}
+
+int64_t ShmClique::WorkspaceBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return layout_ == nullptr ? 0 : layout_->workspace_bytes;
+}
 
 std::atomic<int64_t>* ShmClique::Flag(int32_t owner, int64_t epoch, int32_t flag) const {
-  std::byte* base = data_->data() + static_cast<size_t>(owner) * layout_->rank_bytes +
-                    Parity(epoch) * layout_->parity_bytes + layout_->flags_off;
-  return reinterpret_cast<std::atomic<int64_t>*>(base) + flag;
+  return reinterpret_cast<std::atomic<int64_t>*>(Parity(owner, epoch) + layout_->flags_off) + flag;
 }
 
 Status ShmClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
-  if (header()->broken.load(std::memory_order_acquire) == 2) return BrokenStatus(ctx);
+  if (domain_->broken()) return BrokenStatus(ctx);
   JO_ASSERT(data_ != nullptr && peer >= 0 && peer < nranks() && flag >= 0 &&
             flag < layout_->num_flags);
   std::atomic<int64_t>* value = Flag(peer, ctx.epoch, flag);
   int64_t seen = value->load();
   while (seen < ctx.epoch && !value->compare_exchange_weak(seen, ctx.epoch)) {
   }
-  Ring(peer);
+  domain_->Ring(peer);
   return OkStatus();
 }
 
@@ -462,26 +412,26 @@ Status ShmClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag)
   return Fail(Status(Code::kTimeout,
                      Where(ctx) + ": timeout after " + Seconds(ctx.timeout) + " waiting for flag " +
                          std::to_string(flag) + " (has epoch " + std::to_string(value->load()) +
-                         ", needs " + std::to_string(ctx.epoch) + ") from " + RankName(writer) +
-                         ": " + Missing(ctx, writer)));
+                         ", needs " + std::to_string(ctx.epoch) + ") from " +
+                         domain_->RankName(writer) + ": " + Missing(ctx, writer)));
 }
 
 Status ShmClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
                        std::vector<std::byte> data) {
-  if (header()->broken.load(std::memory_order_acquire) == 2) return BrokenStatus(ctx);
+  if (domain_->broken()) return BrokenStatus(ctx);
   JO_ASSERT(data_ != nullptr && peer >= 0 && peer < nranks());
-  std::byte* base = data_->data() + static_cast<size_t>(ctx.rank) * layout_->rank_bytes +
-                    Parity(ctx.epoch) * layout_->parity_bytes;
+  std::byte* base = Parity(ctx.rank, ctx.epoch);
   auto* outbox = reinterpret_cast<OutboxHeader*>(base + layout_->outbox_off);
   auto* entries = reinterpret_cast<MailEntry*>(base + layout_->entries_off);
   const int32_t index = outbox->reserve.fetch_add(1);
   const int64_t bytes = static_cast<int64_t>(data.size());
   const int64_t offset = outbox->cursor.fetch_add(bytes);
-  if (index >= layout_->mail_messages || offset + bytes > layout_->mail_bytes)
-    return Internal(Where(ctx) + ": outbox overflow (message " + std::to_string(index) + " of " +
-                    std::to_string(bytes) + " bytes at " + std::to_string(offset) + "; room for " +
-                    std::to_string(layout_->mail_messages) + " messages, " +
-                    std::to_string(layout_->mail_bytes) + " bytes)");
+  if (index < 0 || index >= layout_->mail_messages || offset < 0 ||
+      offset + bytes > layout_->mail_bytes)
+    return Fail(Internal(Where(ctx) + ": outbox overflow (message " + std::to_string(index) +
+                         " of " + std::to_string(bytes) + " bytes at " + std::to_string(offset) +
+                         "; room for " + std::to_string(layout_->mail_messages) + " messages, " +
+                         std::to_string(layout_->mail_bytes) + " bytes)"));
   if (bytes > 0) std::memcpy(base + layout_->mail_off + offset, data.data(), data.size());
   MailEntry& entry = entries[index];
   entry.dst = peer;
@@ -489,15 +439,14 @@ Status ShmClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
   entry.offset = offset;
   entry.bytes = bytes;
   entry.ready_epoch.store(ctx.epoch, std::memory_order_release);
-  Ring(peer);
+  domain_->Ring(peer);
   return OkStatus();
 }
 
 Status ShmClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
                        std::vector<std::byte>* data) {
   JO_ASSERT(data_ != nullptr && peer >= 0 && peer < nranks());
-  std::byte* base = data_->data() + static_cast<size_t>(peer) * layout_->rank_bytes +
-                    Parity(ctx.epoch) * layout_->parity_bytes;
+  std::byte* base = Parity(peer, ctx.epoch);
   auto* entries = reinterpret_cast<MailEntry*>(base + layout_->entries_off);
   const MailEntry* found = nullptr;
   Status status = WaitFor(ctx, [&] {
@@ -512,14 +461,22 @@ Status ShmClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
     return false;
   });
   if (status.ok()) {
-    const std::byte* src = base + layout_->mail_off + found->offset;
-    data->assign(src, src + found->bytes);
+    // The entry was written by the peer: it must lie inside the peer's outbox.
+    const int64_t offset = found->offset, bytes = found->bytes;
+    if (offset < 0 || bytes < 0 || bytes > layout_->mail_bytes ||
+        offset > layout_->mail_bytes - bytes)
+      return Fail(Internal(Where(ctx) + ": the message (tag " + std::to_string(tag) + ") from " +
+                           domain_->RankName(peer) + " points outside its outbox (" +
+                           std::to_string(bytes) + " bytes at " + std::to_string(offset) +
+                           " of " + std::to_string(layout_->mail_bytes) + ")"));
+    const std::byte* src = base + layout_->mail_off + offset;
+    data->assign(src, src + bytes);
     return OkStatus();
   }
   if (status.code() != Code::kTimeout) return status;
   return Fail(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
                                          " in Recv(tag " + std::to_string(tag) + ") from " +
-                                         RankName(peer) + ": " + Missing(ctx, peer)));
+                                         domain_->RankName(peer) + ": " + Missing(ctx, peer)));
 }
 
 }  // namespace jo::host

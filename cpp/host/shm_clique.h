@@ -1,32 +1,35 @@
-// ShmClique: a host clique whose ranks live in several processes.
+// ShmClique: the clique of ONE call site whose ranks live in several
+// processes (the host executor's counterpart of LocalClique).
+//
+// Every call site has its own clique, in every process, exactly as in one
+// process: XLA runs independent calls concurrently and in different orders on
+// different devices, so two calls must never share epochs, flags or buffers.
+// The processes of a site find each other through the site directory of
+// their ShmDomain (shm_domain.h), which was bootstrapped for the mesh-axis
+// group through the jax.distributed store; nothing of a site goes through the
+// store.
 //
 // Everything the ranks share is in POSIX shared memory, and local ranks
-// (threads of one process) use it exactly like remote ones, so a program runs
-// the same whether its peers are threads or processes:
+// (threads of one process) use it exactly like remote ones:
 //
-// * the CONTROL segment (fixed size, created when the clique is bootstrapped
-//   through the jax.distributed key-value store, see jaxoverlap/_bootstrap.py):
-//   per rank its epoch, its process, its doorbell, the call signature per
-//   parity, and the clique's broken flag + reason;
-// * a DATA segment per growth generation, named <control>-d<generation>: per
-//   rank and parity, the flags, an outbox (the nccl-style mailbox) and the
+// * the SITE segment (fixed size, made by the first process to run the site):
+//   per rank its epoch, the device inside a call as this rank, its growth
+//   rendezvous arrival, and the call signature per parity; the published data
+//   generation with its sizes and segment name;
+// * a DATA segment per growth generation, under a fresh random name: per rank
+//   and parity, the flags, an outbox (the nccl-style mailbox) and the
 //   workspace. The last rank to enter a growth rendezvous creates it; every
 //   process maps it when its first rank leaves the rendezvous; the process
 //   whose attach completes the count unlinks the name.
 //
-// Waiting: each rank has a 32-bit doorbell; whoever raises a flag, posts a
-// message to, or breaks the clique for a rank bumps its doorbell and
-// futex-wakes it. Waiters re-check their condition after every wake and at
-// least every 100 ms, and give up at their deadline with an error naming the
-// clique, epoch, rank and the missing peer with its process.
+// Waiting: on the rank's doorbell in the domain (futex), re-checking the
+// condition after every wake and at least every 100 ms, looking for dead
+// peers (ShmDomain::CheckPeers) and giving up at the deadline with an error
+// naming the clique, epoch, rank and the missing peer with its process.
 //
-// Mailbox: Send appends (dst, tag, bytes) to the sender's outbox of the
-// call's parity; Recv scans the peer's outbox for its (epoch, dst, tag). An
-// outbox is reset by its owner at the start of each call: by the same
-// argument as the workspace's double-buffering (host_clique.h), no receiver
-// still reads the call two epochs back.
-//
-// Buffer reuse, growth, the agreement check and ClaimRank follow LocalClique.
+// Buffer reuse (double-buffering by epoch parity), growth, the agreement
+// check and ClaimRank follow LocalClique (host_clique.h): they hold because
+// the calls of ONE site are sequential on each rank.
 #pragma once
 
 #include <atomic>
@@ -38,23 +41,16 @@
 
 #include "host/host_clique.h"
 #include "host/shm.h"
+#include "host/shm_domain.h"
 
 namespace jo::host {
 
 class ShmClique : public HostClique {
  public:
-  // Leader (the process of rank 0): creates the control segment under a new
-  // name. `rank_process[r]` is the process index of rank r; `process` is ours.
-  static Status Create(CliqueKey key, const std::vector<int32_t>& rank_process, int32_t process,
-                       std::unique_ptr<ShmClique>* out);
-  // The other processes: maps the leader's control segment and checks that it
-  // describes the same clique.
-  static Status Attach(CliqueKey key, const std::vector<int32_t>& rank_process, int32_t process,
-                       const std::string& name, std::unique_ptr<ShmClique>* out);
+  // The clique of call site `site` in `domain`. Its segment is opened (or
+  // created) at the first call, on a worker thread: nothing here blocks.
+  ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site);
   ~ShmClique() override;
-
-  const std::string& control_name() const { return control_->name(); }
-  int32_t process() const { return process_; }
 
   Status Prepare(const WaitContext& ctx, const std::string& signature,
                  const CallNeeds& needs) override;
@@ -72,36 +68,32 @@ class ShmClique : public HostClique {
   std::string BrokenReason() const override;
   std::string Kind() const override;
 
-  struct Header;
-  struct RankSlot;
+  struct SiteHeader;
+  struct RankState;
   struct Layout;
 
  private:
-  ShmClique(CliqueKey key, int32_t nranks, std::vector<int32_t> rank_process, int32_t process,
-            std::unique_ptr<ShmSegment> control);
-
-  Header* header() const;
-  RankSlot* slot(int32_t rank) const;
+  SiteHeader* header() const;
+  RankState* rank_state(int32_t rank) const;
   std::string Where(const WaitContext& ctx) const;
-  std::string RankName(int32_t rank) const;  // "rank 2 (process 1)"
   std::string Missing(const WaitContext& ctx, int32_t expected) const;
   Status BrokenStatus(const WaitContext& ctx) const;
-  Status Fail(Status status);  // breaks the clique with `status`, logs, returns it
-  void Ring(int32_t rank);
-  void RingAll();
-  // Waits until pred() or the clique breaks or the deadline passes; returns
-  // OK, the broken status, or kTimeout with an empty message (caller words it).
+  Status Fail(Status status);  // breaks the domain with `status`, logs, returns it
+  Status Open(const WaitContext& ctx);  // maps the site segment (first call)
+  // Waits until pred() or the clique breaks, a peer dies or the deadline
+  // passes; returns OK, the failure, or kTimeout with an empty message
+  // (the caller words it).
   template <typename Pred>
   Status WaitFor(const WaitContext& ctx, Pred pred);
   Status CheckSignature(const WaitContext& ctx, const std::string& signature);
   Status Grow(const WaitContext& ctx, const CallNeeds& needs);
-  Status MapCurrentData();  // maps the published data generation (process mutex)
+  Status MapCurrentData(const WaitContext& ctx);  // maps the published data generation
   std::atomic<int64_t>* Flag(int32_t owner, int64_t epoch, int32_t flag) const;
+  std::byte* Parity(int32_t owner, int64_t epoch) const;  // base of owner's half for `epoch`
 
-  const std::vector<int32_t> rank_process_;
-  const int32_t process_;
-  const int32_t nprocs_;
-  std::unique_ptr<ShmSegment> control_;
+  const std::shared_ptr<ShmDomain> domain_;
+  std::mutex open_mu_;                // the first call of each local rank opens the site
+  std::unique_ptr<ShmSegment> site_;  // null until opened
   mutable std::mutex mu_;             // guards the local mapping of the data segment
   std::unique_ptr<ShmSegment> data_;  // current generation, mapped here
   int64_t data_generation_ = 0;

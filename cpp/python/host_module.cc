@@ -236,16 +236,16 @@ void ThrowIfError(const jo::Status& status) {
   if (!status.ok()) throw std::runtime_error(status.ToString());
 }
 
-std::string ShmCliqueCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                            int32_t process) {
+std::string ShmDomainCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                            int32_t process, int64_t attempt) {
   std::string name;
-  ThrowIfError(jo::host::CreateShmClique(key, group, rank_process, process, &name));
+  ThrowIfError(jo::host::CreateShmDomain(key, group, rank_process, process, attempt, &name));
   return name;
 }
 
-void ShmCliqueAttach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                     int32_t process, const std::string& name) {
-  ThrowIfError(jo::host::AttachShmClique(key, group, rank_process, process, name));
+void ShmDomainAttach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                     int32_t process, int64_t attempt, const std::string& name) {
+  ThrowIfError(jo::host::AttachShmDomain(key, group, rank_process, process, attempt, name));
 }
 
 void ShmUnlink(const std::string& name) { ThrowIfError(jo::host::UnlinkShm(name)); }
@@ -350,12 +350,13 @@ NB_MODULE(_host, m) {
         "Tests only: the next `calls` calls of `rank` skip the protocol (peers time out).");
   m.def("_reset_cliques", &jo::host::ResetCliques, "Tests only: forget every clique.");
   // Multi-process bootstrap (jaxoverlap/_bootstrap.py); errors are RuntimeError.
-  m.def("_shm_clique_create", &ShmCliqueCreate, nb::arg("clique_key"), nb::arg("group"),
-        nb::arg("rank_process"), nb::arg("process"),
-        "Leader: creates and registers a clique spanning processes; returns the shm name.");
-  m.def("_shm_clique_attach", &ShmCliqueAttach, nb::arg("clique_key"), nb::arg("group"),
-        nb::arg("rank_process"), nb::arg("process"), nb::arg("name"),
-        "Other processes: attaches to the leader's segment and registers the clique.");
+  m.def("_shm_domain_create", &ShmDomainCreate, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"),
+        "Leader: creates and registers the domain of a group spanning processes; returns the "
+        "name of its shared-memory segment.");
+  m.def("_shm_domain_attach", &ShmDomainAttach, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"), nb::arg("name"),
+        "Other processes: attaches to the leader's segment and registers the domain.");
   m.def("_shm_unlink", &ShmUnlink, nb::arg("name"), "Unlinks a shm name (gone is fine).");
   m.def("_shm_cleanup", &jo::host::UnlinkTrackedNames,
         "Unlinks every shm name this process created or opened and has not unlinked.");
@@ -374,10 +375,13 @@ NB_MODULE(_host, m) {
         "Tests only: a broadcast and an allgather through jo::Exchange over a Python object; "
         "with share_fds, ShareFds where the first process offers owner_fd and the others "
         "nothing (the caller owns the duplicates returned under 'fds').");
-  m.def("_has_clique", &jo::host::HasClique, nb::arg("clique_key"), nb::arg("group"));
+  m.def("_domain_state", &jo::host::DomainState, nb::arg("clique_key"), nb::arg("group"),
+        "'absent', 'ok' or 'broken': the domain of a group spanning processes here.");
+  m.def("_break_domain", &jo::host::BreakDomain, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("reason"));
   m.def("_exchange_probe_target", [] { return Encapsulate(kExchangeProbe); },
         "Tests only: a CPU FFI handler that allgathers through the probe exchange.");
   m.def("_set_probe_exchange", &SetProbeExchange, nb::arg("exchange").none(),
         "Tests only: the exchange the probe handler uses (None: forget it).");
-  m.def("_forget_clique", &jo::host::ForgetClique, nb::arg("clique_key"), nb::arg("group"));
+  m.def("_forget_domain", &jo::host::ForgetDomain, nb::arg("clique_key"), nb::arg("group"));
 }

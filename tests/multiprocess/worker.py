@@ -228,49 +228,80 @@ def growth(mesh: Mesh, transport: str) -> None:
             check_shards(f"growth {s} {t}", y, x64 @ w64, "float32")
 
 
-def early_exit(victim: int, timeout_s: float) -> dict[str, Any]:
-    """Every process runs a native call; then ``victim`` exits and the others call again.
+def peer_loss(victim: int, mode: str, timeout_s: float) -> dict[str, Any]:
+    """Every process runs a native call; then ``victim`` goes and the others call again.
 
-    The survivors must fail with the timeout error naming the victim's rank and process,
-    within the configured timeout (plus scheduling slack), not hang. They report what they saw
-    and leave with os._exit: jax.distributed's own shutdown would wait for the dead peer.
+    ``mode``: "exit" (the victim exits between two calls), "kill" (SIGKILL while its rank is
+    inside a call, waiting for its peers) or "stall" (it stays alive but never calls again).
+    The survivors must fail, not hang: a dead peer is reported within seconds, a stalled one at
+    the timeout, naming the victim's rank and process. They report what they saw and leave
+    with os._exit: jax.distributed's own shutdown would wait for the lost peer.
     """
+    from jax import lax
+
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     x64 = values(1, (2, 2 * n, 8), "float32")
     w64 = values(2, (8, 2 * n), "float32")
     x = global_array(x64, mesh, P(None, "tp", None), "float32")
     w = global_array(w64, mesh, P(None, "tp"), "float32")
+    me = jax.process_index()
+
+    def late(a):  # the survivors enter the second call a moment after the victim
+        def host(a):
+            if me != victim:
+                time.sleep(1.0)
+            return a
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+
     with jo.config(timeout_s=timeout_s):
         f = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", mesh=mesh,
                                               transport="p2p"))
-        check_shards("before the exit", f(x, w), x64 @ w64, "float32")
-    if jax.process_index() == victim:
-        log("exiting early on purpose")
-        os._exit(0)
+        check_shards("before the loss", f(x, w), x64 @ w64, "float32")
+        # late() runs per device, inside the shard_map (no collective of XLA's own).
+        g = jax.jit(jax.shard_map(
+            lambda x, w: jo.ag_matmul(lax.stop_gradient(late(x)), w, "tp", axis=1,
+                                      impl="native", transport="p2p"),
+            mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+            out_specs=P(None, None, "tp")))
+    if me == victim:
+        if mode == "exit":
+            log("exiting early on purpose")
+            os._exit(0)
+        if mode == "stall":
+            log("stalling on purpose")
+            time.sleep(timeout_s + 60)  # the harness kills it
+            os._exit(0)
+        import signal
+        import threading
+
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        log("entering a call, to be killed inside it")
+        with jax.set_mesh(mesh), jo.config(timeout_s=timeout_s):
+            g(x, w).block_until_ready()
+        time.sleep(60)
     start = time.monotonic()
     try:
-        f(x, w).block_until_ready()
+        with jax.set_mesh(mesh), jo.config(timeout_s=timeout_s):  # read when g is traced
+            g(x, w).block_until_ready()
     except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
-        result = {"error": str(e), "elapsed_s": time.monotonic() - start,
-                  "process_id": jax.process_index()}
+        result = {"error": str(e), "elapsed_s": time.monotonic() - start - 1.0}
     else:
-        result = {"error": None, "elapsed_s": time.monotonic() - start,
-                  "process_id": jax.process_index()}
+        result = {"error": None, "elapsed_s": time.monotonic() - start - 1.0}
+    result["process_id"] = me
     print("JO_MP_RESULT " + json.dumps(result), flush=True)
     from jaxoverlap import _bootstrap
 
     _bootstrap._cleanup()
     # Process 0 hosts the coordination service: it leaves last, or it would take the others
     # down with it before they report.
-    me = jax.process_index()
     store = _bootstrap.client()
     if me != 0:
-        store.key_value_set(f"jo_test/early_exit/{me}", "done")
+        store.key_value_set(f"jo_test/peer_loss/{me}", "done")
     else:
         for p in range(1, jax.process_count()):
             if p != victim:
-                store.blocking_key_value_get(f"jo_test/early_exit/{p}", 60_000)
+                store.blocking_key_value_get(f"jo_test/peer_loss/{p}", 60_000)
     os._exit(0)
 
 
@@ -310,6 +341,91 @@ def disagree(timeout_s: float) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         error = str(e)
     return {"error": error, "elapsed_s": time.monotonic() - start}
+
+
+def qkv(transports: list[str], steps: int = 30, skew_s: float = 0.02, backward: bool = True,
+        dtype: str = "float32") -> dict[str, Any]:
+    """Three independent native calls over one mesh axis (the Q/K/V projections of an
+    attention layer), with ranks at uneven speeds: at each step one rank sleeps before one of
+    the calls (a different rank and call every step), so devices run the three calls in
+    different orders. Every output shard of every step must equal the float64 reference;
+    returns how many were wrong (the test requires none) per transport.
+    """
+    from jax import lax
+
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    # Big enough that XLA:CPU runs the program's thunks concurrently: it runs programs whose
+    # buffers are all tiny one thunk at a time, in program order.
+    b, s, k, nw = 2, 16 * n, 64, 16 * n
+    x64 = values(50, (b, s, k), dtype)
+    ws64 = [values(51 + i, (k, nw), dtype) for i in range(3)]
+    cs64 = [values(61 + i, (b, s, nw), dtype) for i in range(3)]
+    x = global_array(x64, mesh, P(None, "tp", None), dtype)
+    ws = [global_array(w, mesh, P(None, "tp"), dtype) for w in ws64]
+    cs = [global_array(c, mesh, P(None, None, "tp"), dtype) for c in cs64]
+
+    def nap(a, rank, step, call):
+        def host(a, rank, step):
+            if int(rank) == int(step) % n and int(step) // n % 3 == call:
+                time.sleep(skew_s)
+            return a
+        # The callback runs on the primal value only (callbacks have no derivative); adding
+        # (slept - a) keeps the call's data dependency on it and leaves the value exact.
+        held = lax.stop_gradient(a)
+        slept = jax.pure_callback(host, jax.ShapeDtypeStruct(a.shape, a.dtype), held, rank, step)
+        return a + (slept - held)
+
+    wrong: dict[str, int] = {}
+    for transport in transports:
+        def local(x, wq, wk, wv, step, transport=transport):
+            rank = lax.axis_index("tp")
+            return tuple(jo.ag_matmul(nap(x, rank, step, i), w, "tp", axis=1, impl="native",
+                                      transport=transport)
+                         for i, w in enumerate((wq, wk, wv)))
+
+        spec_w = P(None, "tp")
+        f = jax.shard_map(local, mesh=mesh,
+                          in_specs=(P(None, "tp", None), spec_w, spec_w, spec_w, P()),
+                          out_specs=(P(None, None, "tp"),) * 3)
+
+        def loss(x, wq, wk, wv, step, cq, ck, cv, f=f):
+            ys = f(x, wq, wk, wv, step)
+            return sum(jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32))
+                       for y, c in zip(ys, (cq, ck, cv), strict=True))
+
+        with jax.set_mesh(mesh):
+            fwd = jax.jit(f)
+            grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+            bad = 0
+            for step in range(steps):
+                st = jnp.int32(step)
+                ys = fwd(x, *ws, st)
+                for i, y in enumerate(ys):
+                    bad += _wrong_shards(y, x64 @ ws64[i], dtype)
+                if backward:
+                    dx, *dws = grad(x, *ws, st, *cs)
+                    dx_ref = sum(c @ w.T for c, w in zip(cs64, ws64, strict=True))
+                    bad += _wrong_shards(dx, dx_ref, dtype)
+                    for i, dw in enumerate(dws):
+                        dw_ref = x64.reshape(-1, k).T @ cs64[i].reshape(-1, nw)
+                        bad += _wrong_shards(dw, dw_ref, dtype)
+        wrong[transport] = bad
+        log(f"qkv {transport}: {bad} wrong shards over {steps} steps")
+    return {"wrong": wrong, "cliques": _cliques()}
+
+
+def _wrong_shards(got: jax.Array, want: np.ndarray, dtype: str) -> int:
+    """How many of this process's shards of ``got`` differ from the reference's."""
+    scale = float(np.abs(want).max(initial=0.0))
+    tol = dict(TOL[dtype])
+    tol["atol"] = max(tol["atol"], tol["rtol"] * scale)
+    bad = 0
+    for shard in got.addressable_shards:
+        data = np.asarray(shard.data.astype(jnp.float32), np.float64)
+        if not np.allclose(data, want[shard.index], **tol):
+            bad += 1
+    return bad
 
 
 def harness_segments() -> list[str]:
@@ -577,8 +693,9 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
+    "qkv": qkv,
     "mixed": mixed,
-    "early_exit": early_exit,
+    "peer_loss": peer_loss,
     "bootstrap_missing": bootstrap_missing,
     "exchange": exchange,
     "cuda_nccl_id": cuda_nccl_id,
