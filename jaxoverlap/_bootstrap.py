@@ -47,6 +47,8 @@ from typing import Any
 
 import jax
 
+from jaxoverlap._config import timeout_ms
+
 NAMESPACE = "jaxoverlap/v1"
 
 _lock = threading.Lock()
@@ -103,7 +105,8 @@ def _set(key: str, value: bytes) -> None:
 
 
 def _get(key: str, deadline: float, who: str, what: str) -> bytes:
-    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    # The store takes a 32-bit millisecond count: ~24 days is "forever" enough there.
+    remaining_ms = min(timeout_ms(deadline - time.monotonic()), 2**31 - 1)
     try:
         return bytes(_require_client().blocking_key_value_get_bytes(key, remaining_ms))
     except BootstrapError:
@@ -248,9 +251,8 @@ def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequen
     host = _runtime.load_host()
     procs = _check_processes(processes)
     me = jax.process_index()
-    name = f"jaxoverlap-{clique_id}-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
-    mine = {"pid": os.getpid(), "fds": [int(f) for f in fds], "socket": name}
     deadline = time.monotonic() + timeout_s
+    mine = {"pid": os.getpid(), "fds": [int(f) for f in fds]}
     peers = {p: json.loads(b) for p, b in allgather_bytes(
         clique_id, f"fds/{tag}", json.dumps(mine).encode(), processes=procs,
         timeout_s=timeout_s).items()}
@@ -266,15 +268,21 @@ def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequen
             allgather_bytes(clique_id, f"fds/{tag}/done", b"1", processes=procs,
                             timeout_s=max(0.1, deadline - time.monotonic()))
             return out
+        # The socket is bound before its name is published (an unguessable name: nobody can
+        # bind it first), and each side checks the other's pid and uid (cpp/host/fd_share.h).
         others = [peers[p]["pid"] for p in procs if p != me]
-        server = (host._fd_serve(name, mine["fds"], others, int(timeout_s * 1000))
+        name = f"jaxoverlap-{os.getpid()}-{secrets.token_hex(16)}"
+        server = (host._fd_serve(name, mine["fds"], others, timeout_ms(timeout_s))
                   if mine["fds"] else None)
         try:
+            sockets = allgather_bytes(clique_id, f"fds/{tag}/socket", name.encode(),
+                                      processes=procs,
+                                      timeout_s=max(0.1, deadline - time.monotonic()))
             for p in procs:
                 if p != me and peers[p]["fds"]:
-                    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-                    out[p] = host._fd_receive(peers[p]["socket"], len(peers[p]["fds"]),
-                                              remaining_ms)
+                    out[p] = host._fd_receive(sockets[p].decode(), len(peers[p]["fds"]),
+                                              peers[p]["pid"],
+                                              timeout_ms(deadline - time.monotonic()))
         finally:
             if server is not None:
                 server.finish()  # raises if a peer never fetched its copies

@@ -66,6 +66,12 @@ def check_bidirectional(bidirectional: Any, where: str = "bidirectional") -> boo
     return bidirectional
 
 
+def timeout_ms(timeout_s: float) -> int:
+    """A timeout in whole milliseconds for the C++ side: at least 1; ``inf`` and anything past
+    ~146 years are "forever" (the C++ deadlines saturate, they never wrap around)."""
+    return int(min(max(1.0, timeout_s * 1000.0), 2.0**62))
+
+
 def check_timeout(timeout_s: Any, where: str = "timeout_s") -> float | None:
     if timeout_s is None:
         return None
@@ -73,8 +79,9 @@ def check_timeout(timeout_s: Any, where: str = "timeout_s") -> float | None:
         value = float(timeout_s)
     except (TypeError, ValueError):
         raise ValueError(f"{where}={timeout_s!r} must be a number of seconds > 0.") from None
-    if not value > 0:
-        raise ValueError(f"{where}={timeout_s!r} must be a number of seconds > 0.")
+    if not value > 0:  # also refuses nan
+        raise ValueError(f"{where}={timeout_s!r} must be a number of seconds > 0 (inf: wait "
+                         "forever).")
     return value
 
 

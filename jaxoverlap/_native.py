@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from jaxoverlap import _bootstrap, _runtime
+from jaxoverlap._config import timeout_ms
 
 # Order must match jo::Transport in cpp/core/program.h.
 _TRANSPORTS = ("nccl", "p2p", "multicast")
@@ -224,7 +225,7 @@ def _cuda_call(target, x, w, results, *, axis_name, axis, transport, chunks, bid
         transport=np.int32(_TRANSPORTS.index(transport)),
         chunks=np.int64(chunks),
         bidirectional=bool(bidirectional),
-        timeout_ms=np.int64(max(1, round(timeout_s * 1000))),
+        timeout_ms=np.int64(timeout_ms(timeout_s)),
         devices=ordinals,
         processes=processes,
     )
@@ -388,7 +389,7 @@ def _call(target, x, w, results, *, axis_name, axis, transport, chunks, bidirect
         transport=np.int32(_TRANSPORTS.index(transport)),
         chunks=np.int64(chunks),
         bidirectional=bool(bidirectional),
-        timeout_ms=np.int64(max(1, round(timeout_s * 1000))),
+        timeout_ms=np.int64(timeout_ms(timeout_s)),
         devices=devices,
     )
 

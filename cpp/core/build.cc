@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/build_internal.h"
+#include "core/check_program.h"
 
 namespace jo {
 
@@ -45,7 +46,8 @@ Status BuildProgram(const Problem& q, Program* program) {
   } else {
     JO_CHECK(internal::BuildMatmulRs(program));
   }
-  return OkStatus();
+  // Everything the program touches lies inside the sizes it declares.
+  return CheckProgram(*program, BufferSizes::Of(*program));
 }
 
 }  // namespace jo

@@ -8,8 +8,12 @@ namespace jo {
 
 std::string CliqueName(const CliqueKey& key) {
   char text[96];
-  std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/site %" PRId64 "/group %" PRId64,
-                static_cast<uint64_t>(key.key), key.site, key.group);
+  if (key.site == 0)  // a mesh-axis group, not one call site
+    std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/group %" PRId64,
+                  static_cast<uint64_t>(key.key), key.group);
+  else
+    std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/site %" PRId64 "/group %" PRId64,
+                  static_cast<uint64_t>(key.key), key.site, key.group);
   return text;
 }
 

@@ -39,7 +39,8 @@ struct CliqueKey {
   }
 };
 
-// "clique 0x0123abcd.../site 2/group 1": how errors name a clique.
+// "clique 0x0123abcd.../site 2/group 1": how errors name a clique (a
+// mesh-axis group, site 0, is "clique 0x0123abcd.../group 1").
 std::string CliqueName(const CliqueKey& key);
 
 class Clique {

@@ -7,18 +7,23 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 
 namespace jo {
 
 using Clock = std::chrono::steady_clock;
 
-// now + timeout, or the far future when that does not fit the clock.
-inline Clock::time_point DeadlineAfter(std::chrono::nanoseconds timeout,
-                                       Clock::time_point now = Clock::now()) {
+// now + timeout, or the far future when that does not fit the clock. The
+// comparison is made in floating-point seconds: converting a huge timeout to
+// the clock's nanoseconds would overflow already.
+template <typename Rep, typename Period>
+Clock::time_point DeadlineAfter(std::chrono::duration<Rep, Period> timeout,
+                                Clock::time_point now = Clock::now()) {
   // Leave room so that adding a poll slice to the result cannot overflow either.
   const Clock::time_point far = Clock::time_point::max() - std::chrono::hours(24 * 365);
-  if (timeout <= Clock::duration::zero()) return now;
-  if (timeout >= far - now) return far;
+  if (timeout <= timeout.zero()) return now;
+  using Seconds = std::chrono::duration<double>;
+  if (Seconds(timeout).count() >= Seconds(far - now).count()) return far;
   return now + std::chrono::duration_cast<Clock::duration>(timeout);
 }
 

@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/check_program.h"
+#include "core/deadline.h"
 #include "host/blas.h"
 #include "host/convert.h"
 
@@ -48,6 +50,12 @@ class Run {
   }
 
   Status Execute() {
+    // The program against the buffers this call really has (the clique's
+    // workspace may be larger than the program needs, never smaller).
+    BufferSizes sizes = BufferSizes::Of(p_);
+    sizes.workspace = clique_.WorkspaceBytes() / es_;
+    if (io_.x_gathered == nullptr) sizes.x_gathered = 0;
+    JO_CHECK(CheckProgram(p_, sizes));
     try {
       scratch_.assign(static_cast<size_t>(p_.scratch_elems * es_), std::byte{0});
       if (p_.problem.dtype != DType::kF32) {
@@ -172,7 +180,7 @@ class Run {
         // ctx_.timeout and then fail the run, which wakes us with the root
         // cause; this wait's longer deadline only guards against our own bugs.
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_until(lock, Clock::now() + 2 * ctx_.timeout + std::chrono::seconds(1),
+        cv_.wait_until(lock, DeadlineAfter(2.0 * std::chrono::duration<double>(ctx_.timeout) + std::chrono::seconds(1)),
                        [&] { return events_[op.id] != 0 || failed_; });
         if (events_[op.id] != 0) return OkStatus();
         if (failed_)

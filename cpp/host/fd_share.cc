@@ -1,5 +1,7 @@
 #include "host/fd_share.h"
 
+#include "core/deadline.h"
+
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -15,7 +17,6 @@
 namespace jo::host {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxFds = 64;
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
@@ -93,7 +94,7 @@ Status FdServer::Start(const std::string& name, const std::vector<int>& fds,
   server->listener_ = std::move(listener);
   server->fds_ = fds;
   server->pending_ = allowed_pids;
-  server->deadline_ = Clock::now() + timeout;
+  server->deadline_ = DeadlineAfter(timeout);
   try {
     server->thread_ = std::thread([s = server.get()] { s->Serve(); });
   } catch (const std::system_error& e) {
@@ -155,15 +156,15 @@ FdServer::~FdServer() {
   if (thread_.joinable()) thread_.join();
 }
 
-Status ReceiveFds(const std::string& name, size_t count, std::chrono::milliseconds timeout,
-                  std::vector<UniqueFd>* out) {
+Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
+                  std::chrono::milliseconds timeout, std::vector<UniqueFd>* out) {
   JO_REQUIRE(count >= 1 && count <= kMaxFds, "ReceiveFds: expected 1.." +
                                                  std::to_string(kMaxFds) + " fds, got " +
                                                  std::to_string(count));
   sockaddr_un addr;
   socklen_t len = 0;
   JO_CHECK(Address(name, &addr, &len));
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = DeadlineAfter(timeout);
   UniqueFd conn;
   while (true) {  // the server may not listen yet
     conn = UniqueFd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -176,6 +177,17 @@ Status ReceiveFds(const std::string& name, size_t count, std::chrono::millisecon
                                         " (did the owner start sharing?)");
     usleep(10000);
   }
+  // Whoever listens must be the owner: anyone may bind an abstract name first.
+  ucred cred;
+  socklen_t cred_len = sizeof(cred);
+  if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
+    return Status(Code::kResource, Errno("getsockopt(SO_PEERCRED, @" + name + ")"));
+  if (static_cast<int>(cred.pid) != owner_pid || cred.uid != getuid())
+    return Status(Code::kInvalidArgument,
+                  "ReceiveFds: refusing @" + name + ": it is served by pid " +
+                      std::to_string(cred.pid) + " (uid " + std::to_string(cred.uid) +
+                      "), not by the owner, pid " + std::to_string(owner_pid) + " (uid " +
+                      std::to_string(getuid()) + "); another process holds the socket name");
   pollfd p{conn.get(), POLLIN, 0};
   while (poll(&p, 1, Remaining(deadline)) <= 0) {
     if (Clock::now() >= deadline)

@@ -8,8 +8,11 @@
 // * DupFromProcess: pidfd_open + pidfd_getfd (Linux >= 5.6). Needs ptrace
 //   access to the owner (same user; Yama ptrace_scope=1 allows parents only).
 // * FdServer / ReceiveFds: SCM_RIGHTS over a Unix socket in the abstract
-//   namespace (no file anywhere). The server only serves peers whose
-//   SO_PEERCRED pid it was told to expect and whose uid is ours.
+//   namespace (no file anywhere). Both ends check the other's credentials
+//   (SO_PEERCRED): the server serves only the pids it was told to expect, of
+//   our uid; the client accepts fds only from the owner's pid, of our uid. An
+//   abstract name is first come, first served: whoever bound it first (a
+//   squatter) gets no fd from us and gives us none.
 #pragma once
 
 #include <atomic>
@@ -74,8 +77,9 @@ class FdServer {
 };
 
 // Connects to the abstract socket `name` (retrying until it listens or the
-// deadline) and receives `count` fds.
-Status ReceiveFds(const std::string& name, size_t count, std::chrono::milliseconds timeout,
-                  std::vector<UniqueFd>* out);
+// deadline), checks that process `owner_pid` of our uid serves it, and
+// receives `count` fds.
+Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
+                  std::chrono::milliseconds timeout, std::vector<UniqueFd>* out);
 
 }  // namespace jo::host

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/deadline.h"
 #include "core/log.h"
 
 namespace jo::host {
@@ -150,7 +151,7 @@ Status LocalClique::Prepare(const WaitContext& ctx, const std::string& signature
     cv_.notify_all();
     return status;
   }
-  const bool done = cv_.wait_until(lock, Clock::now() + ctx.timeout, [&] {
+  const bool done = cv_.wait_until(lock, DeadlineAfter(ctx.timeout), [&] {
     return grow_generation_ != generation || !broken_.empty();
   });
   if (grow_generation_ != generation) return OkStatus();
@@ -191,7 +192,7 @@ Status LocalClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t fla
   std::unique_lock<std::mutex> lock(mu_);
   JO_ASSERT(flag >= 0 && flag < num_flags_);
   const size_t index = static_cast<size_t>(Parity(ctx.epoch) * num_flags_ + flag);
-  const bool arrived = cv_.wait_until(lock, Clock::now() + ctx.timeout, [&] {
+  const bool arrived = cv_.wait_until(lock, DeadlineAfter(ctx.timeout), [&] {
     return flags_[ctx.rank][index] >= ctx.epoch || !broken_.empty();
   });
   if (flags_[ctx.rank][index] >= ctx.epoch) return OkStatus();
@@ -220,7 +221,7 @@ Status LocalClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
                         std::vector<std::byte>* data) {
   std::unique_lock<std::mutex> lock(mu_);
   const MailKey key{ctx.epoch, peer, ctx.rank, tag};
-  const bool woke = cv_.wait_until(lock, Clock::now() + ctx.timeout, [&] {
+  const bool woke = cv_.wait_until(lock, DeadlineAfter(ctx.timeout), [&] {
     return mailbox_.count(key) != 0 || !broken_.empty();
   });
   auto it = mailbox_.find(key);

@@ -69,7 +69,7 @@ struct alignas(kAlign) ShmDomain::RankSlot {
   std::atomic<uint32_t> doorbell;
 };
 
-struct alignas(kAlign) ShmDomain::SiteEntry {
+struct ShmDomain::SiteEntry {  // not padded: entries are only touched under the lock
   int64_t site;      // 0: free. All fields under Header::sites_lock.
   int32_t attached;  // processes that opened the site's segment
   int32_t released;  // processes that let go of it

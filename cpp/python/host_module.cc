@@ -13,11 +13,13 @@
 #include <string>
 
 #include "core/build.h"
+#include "core/check_program.h"
 #include "core/program.h"
 #include "host/blas.h"
 #include "host/ffi_handlers.h"
 #include "host/host_call.h"
 #include "host/fd_share.h"
+#include "core/deadline.h"
 #include "host/shm.h"
 #include "host/workers.h"
 #include "python/py_exchange.h"
@@ -218,6 +220,8 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   out["dtype"] = jo::DTypeName(p.problem.dtype);
   out["elem_bytes"] = jo::DTypeSize(p.problem.dtype);
   out["chunks"] = p.chunks;
+  out["bidirectional"] = p.problem.bidirectional;
+  out["return_gathered"] = p.problem.return_gathered;
   out["cw_steps"] = p.cw_steps;
   out["ccw_steps"] = p.ccw_steps;
   out["num_streams"] = p.num_streams;
@@ -234,6 +238,78 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
 
 void ThrowIfError(const jo::Status& status) {
   if (!status.ok()) throw std::runtime_error(status.ToString());
+}
+
+// The inverse of BuildProgramDict (what check_program takes back).
+jo::Ref RefFromDict(nb::handle d) {
+  jo::Ref ref;
+  if (d.is_none()) return ref;
+  const std::string buf = nb::cast<std::string>(d["buf"]);
+  static const std::pair<const char*, jo::BufId> kBufs[] = {
+      {"X", jo::BufId::kX}, {"W", jo::BufId::kW}, {"Y", jo::BufId::kY},
+      {"XGATHERED", jo::BufId::kXGathered}, {"SCRATCH", jo::BufId::kScratch},
+      {"WORKSPACE", jo::BufId::kWorkspace}};
+  bool known = false;
+  for (const auto& [name, id] : kBufs)
+    if (buf == name) ref.buf = id, known = true;
+  if (!known) throw nb::value_error(("unknown buffer '" + buf + "'").c_str());
+  ref.rank = nb::cast<int32_t>(d["rank"]);
+  ref.offset = nb::cast<int64_t>(d["offset"]);
+  ref.batch_stride = nb::cast<int64_t>(d["batch_stride"]);
+  ref.ld = nb::cast<int64_t>(d["ld"]);
+  return ref;
+}
+
+jo::Program ProgramFromDict(const nb::dict& d) {
+  jo::Program p;
+  p.problem = MakeProblem(nb::cast<std::string>(d["op"]), nb::cast<std::string>(d["transport"]),
+                          nb::cast<int>(d["nranks"]), nb::cast<int>(d["rank"]),
+                          nb::cast<int64_t>(d["batch"]), nb::cast<int64_t>(d["rows"]),
+                          nb::cast<int64_t>(d["k"]), nb::cast<int64_t>(d["n"]),
+                          nb::cast<std::string>(d["dtype"]), nb::cast<int64_t>(d["chunks"]),
+                          nb::cast<bool>(d["bidirectional"]), nb::cast<bool>(d["return_gathered"]));
+  p.chunks = nb::cast<int64_t>(d["chunks"]);
+  p.cw_steps = nb::cast<int32_t>(d["cw_steps"]);
+  p.ccw_steps = nb::cast<int32_t>(d["ccw_steps"]);
+  p.num_streams = nb::cast<int32_t>(d["num_streams"]);
+  p.num_events = nb::cast<int32_t>(d["num_events"]);
+  p.num_flags = nb::cast<int32_t>(d["num_flags"]);
+  p.workspace_elems = nb::cast<int64_t>(d["workspace_elems"]);
+  p.scratch_elems = nb::cast<int64_t>(d["scratch_elems"]);
+  for (nb::handle o : nb::cast<nb::list>(d["ops"])) {
+    jo::Op op;
+    const std::string kind = nb::cast<std::string>(o["kind"]);
+    bool known = false;
+    for (int k = 0; k <= static_cast<int>(jo::OpKind::kStreamWait); ++k)
+      if (kind == jo::OpKindName(static_cast<jo::OpKind>(k)))
+        op.kind = static_cast<jo::OpKind>(k), known = true;
+    if (!known) throw nb::value_error(("unknown op kind '" + kind + "'").c_str());
+    op.stream = nb::cast<int32_t>(o["stream"]);
+    op.a = RefFromDict(o["a"]);
+    op.b = RefFromDict(o["b"]);
+    op.c = RefFromDict(o["c"]);
+    op.d = RefFromDict(o["d"]);
+    op.accumulate = nb::cast<bool>(o["accumulate"]);
+    op.batch = nb::cast<int64_t>(o["batch"]);
+    op.m = nb::cast<int64_t>(o["m"]);
+    op.n = nb::cast<int64_t>(o["n"]);
+    op.k = nb::cast<int64_t>(o["k"]);
+    op.peer = nb::cast<int32_t>(o["peer"]);
+    op.id = nb::cast<int32_t>(o["id"]);
+    op.group = nb::cast<int32_t>(o["group"]);
+    op.chunk = nb::cast<int32_t>(o["chunk"]);
+    op.sub = nb::cast<int32_t>(o["sub"]);
+    p.ops.push_back(op);
+  }
+  return p;
+}
+
+// Raises ValueError naming the first op that reaches outside its buffer (or
+// names a peer, flag, event or stream out of range).
+void CheckProgramDict(const nb::dict& d) {
+  const jo::Program p = ProgramFromDict(d);
+  const jo::Status status = jo::CheckProgram(p, jo::BufferSizes::Of(p));
+  if (!status.ok()) throw nb::value_error(status.ToString().c_str());
 }
 
 std::string ShmDomainCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
@@ -271,14 +347,15 @@ struct FdServerHandle {
 FdServerHandle* FdServe(const std::string& name, const std::vector<int>& fds,
                         const std::vector<int>& allowed_pids, int64_t timeout_ms) {
   auto handle = std::make_unique<FdServerHandle>();
-  ThrowIfError(jo::host::FdServer::Start(name, fds, allowed_pids,
-                                         std::chrono::milliseconds(timeout_ms), &handle->server));
+  ThrowIfError(jo::host::FdServer::Start(name, fds, allowed_pids, jo::Millis(timeout_ms),
+                                         &handle->server));
   return handle.release();
 }
 
-std::vector<int> FdReceive(const std::string& name, size_t count, int64_t timeout_ms) {
+std::vector<int> FdReceive(const std::string& name, size_t count, int owner_pid,
+                           int64_t timeout_ms) {
   std::vector<jo::host::UniqueFd> fds;
-  ThrowIfError(jo::host::ReceiveFds(name, count, std::chrono::milliseconds(timeout_ms), &fds));
+  ThrowIfError(jo::host::ReceiveFds(name, count, owner_pid, jo::Millis(timeout_ms), &fds));
   std::vector<int> out;
   for (auto& fd : fds) out.push_back(fd.release());
   return out;
@@ -345,6 +422,9 @@ NB_MODULE(_host, m) {
         nb::arg("bidirectional") = false, nb::arg("return_gathered") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form).");
+  m.def("check_program", &CheckProgramDict, nb::arg("program"),
+        "Checks a program dict (as build_program returns it): every operand inside its buffer, "
+        "every peer, flag, event and stream in range; raises ValueError naming the op.");
   m.def("cliques", &jo::host::DescribeCliques, "One line per live clique.");
   m.def("_set_test_skip", &jo::host::SetTestSkip, nb::arg("rank"), nb::arg("calls"),
         "Tests only: the next `calls` calls of `rank` skip the protocol (peers time out).");
@@ -368,7 +448,8 @@ NB_MODULE(_host, m) {
   m.def("_fd_serve", &FdServe, nb::arg("name"), nb::arg("fds"), nb::arg("allowed_pids"),
         nb::arg("timeout_ms"), nb::rv_policy::take_ownership,
         "Serves `fds` over the abstract Unix socket `name` to each of `allowed_pids` once.");
-  m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("timeout_ms"),
+  m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("owner_pid"),
+        nb::arg("timeout_ms"),
         nb::call_guard<nb::gil_scoped_release>(), "Receives `count` fds from `_fd_serve`.");
   m.def("_exchange_selftest", &ExchangeSelftest, nb::arg("exchange"),
         nb::arg("share_fds") = false, nb::arg("owner_fd") = -1,

@@ -125,6 +125,29 @@ def test_a_process_that_never_bootstraps_is_named_by_the_leader():
     assert result["leftover"] == [], result  # the leader unlinked its segment on the error
 
 
+def test_a_failed_bootstrap_recovers_when_the_call_is_retried():
+    procs = harness.run("bootstrap_retry", 2, 1, params={"timeout_s": 3.0}, timeout_s=150)
+    leader, late = procs[0].result(), procs[1].result()
+    assert len(leader["errors"]) == 1, leader
+    assert "process(es) [1] did not attach to host clique" in leader["errors"][0], leader
+    assert late["errors"] == [], late  # it joined the second attempt, never the failed one
+    for result in (leader, late):
+        assert "BROKEN" not in result["cliques"], result["cliques"]
+        assert result["linked"] == [], result
+
+
+@pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)])
+def test_independent_calls_in_flight_with_rank_skew_are_right(nprocs, devices):
+    """Q/K/V-style: three independent native calls over one mesh axis in one program, ranks
+    at uneven speeds (a different rank sleeps before a different call every step), forward
+    and backward, every transport. Not one shard may be wrong, and nothing may fail."""
+    procs = harness.run("qkv", nprocs, devices,
+                        params={"transports": TRANSPORTS, "steps": 12, "skew_s": 0.03},
+                        timeout_s=400)
+    for p in procs:
+        assert p.result()["wrong"] == {t: 0 for t in TRANSPORTS}, p.stdout
+
+
 @pytest.mark.parametrize("nprocs", [3])
 def test_exchange_api_bytes_through_the_store(nprocs):
     """allgather / broadcast / CUDA-handle exchange keyed by clique id, their timeout, fds (also

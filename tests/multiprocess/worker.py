@@ -326,6 +326,34 @@ def bootstrap_missing(timeout_s: float) -> dict[str, Any]:
     os._exit(0)
 
 
+def bootstrap_retry(timeout_s: float) -> dict[str, Any]:
+    """Process 1 reaches the first native call late: the leader's bootstrap fails naming it.
+    Process 0 then simply calls again (a re-trace, as after any trace-time error) and the
+    clique comes up: attempts are agreed through the store, so the late process joins the new
+    attempt, not the failed one, and both get the right numbers."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64 = values(5, (8, 16), "float32")
+    w64 = values(6, (16, 4 * n), "float32")
+    x = global_array(x64, mesh, P("tp", None), "float32")
+    w = global_array(w64, mesh, P(None, "tp"), "float32")
+    errors = []
+    if jax.process_index() == 1:
+        time.sleep(timeout_s + 2)  # alive, just late
+    for _ in range(3):
+        try:
+            with jo.config(timeout_s=timeout_s):
+                y = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh,
+                                                      transport="p2p"))(x, w)
+            break
+        except Exception as e:  # noqa: BLE001 - the first failure is part of the scenario
+            errors.append(f"{type(e).__name__}: {e}")
+    else:
+        raise AssertionError(f"the bootstrap never recovered: {errors}")
+    check_shards("after the retry", y, x64 @ w64, "float32")
+    return {"errors": errors, "cliques": _cliques(), "linked": harness_segments()}
+
+
 def disagree(timeout_s: float) -> dict[str, Any]:
     """Process 1 calls with another contraction size: the agreement check names the call."""
     mesh = mesh_of((len(jax.devices()),), ("tp",))
@@ -426,6 +454,24 @@ def _wrong_shards(got: jax.Array, want: np.ndarray, dtype: str) -> int:
         if not np.allclose(data, want[shard.index], **tol):
             bad += 1
     return bad
+
+
+def shm_full() -> dict[str, Any]:
+    """A call whose buffers need more than /dev/shm has (run inside a 4 MiB tmpfs): the growth
+    must fail with an error naming the size, in every process, not kill them with SIGBUS."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x = global_array(np.ones((1, 4096, 256)), mesh, P(None, "tp", None), "float32")
+    w = global_array(np.ones((256, 2 * n)), mesh, P(None, "tp"), "float32")
+    try:
+        with jo.config(timeout_s=30.0):
+            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", mesh=mesh,
+                                              transport="p2p"))(x, w).block_until_ready()
+        error = None
+    except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
+        error = str(e)
+    print("JO_MP_RESULT " + json.dumps({"error": error}), flush=True)
+    os._exit(0)  # the clique is broken: jax.distributed's shutdown barrier is not needed
 
 
 def harness_segments() -> list[str]:
@@ -694,12 +740,14 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
     "qkv": qkv,
+    "shm_full": shm_full,
     "mixed": mixed,
     "peer_loss": peer_loss,
     "bootstrap_missing": bootstrap_missing,
     "exchange": exchange,
     "cuda_nccl_id": cuda_nccl_id,
     "disagree": disagree,
+    "bootstrap_retry": bootstrap_retry,
     "hang": hang,
     "leak_shm": leak_shm,
     "fail": fail,

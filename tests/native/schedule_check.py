@@ -140,6 +140,69 @@ def _accesses(program, op):
     return acc
 
 
+def buffer_sizes(program):
+    """Elements of each buffer of one rank's call (the workspace per parity)."""
+    local = program["batch"] * program["rows"]
+    gathered = local * program["nranks"]
+    ag = program["op"] == "ag_matmul"
+    return {
+        "X": (local if ag else gathered) * program["k"],
+        "W": program["k"] * program["n"],
+        "Y": (gathered if ag else local) * program["n"],
+        "XGATHERED": gathered * program["k"] if ag and program["return_gathered"] else 0,
+        "SCRATCH": program["scratch_elems"],
+        "WORKSPACE": program["workspace_elems"],
+    }
+
+
+def _blocks(op):
+    """(role, ref, batch, rows, cols) of every block an op touches."""
+    b, m, n, k = op["batch"], op["m"], op["n"], op["k"]
+    kind = op["kind"]
+    if kind == "Gemm":
+        out = [("a", op["a"], b, m, k), ("b", op["b"], 1, k, n), ("d", op["d"], b, m, n)]
+        if op["accumulate"]:
+            out.append(("c", op["c"], b, m, n))
+        return out
+    if kind in ("Add", "Copy", "McStore", "McReduce"):
+        return [("a", op["a"], b, m, n), ("d", op["d"], b, m, n)]
+    if kind == "Send":
+        return [("a", op["a"], b, m, n)]
+    if kind == "Recv":
+        return [("d", op["d"], b, m, n)]
+    return []
+
+
+def check_bounds(program):
+    """Raises ScheduleError unless every block an op touches lies inside its buffer and every
+    peer, flag, event, stream and workspace owner is in range (an independent check of what
+    the executors check in C++ before running a program)."""
+    sizes = buffer_sizes(program)
+    nranks = program["nranks"]
+    for op in program["ops"]:
+        where = f"rank {program['rank']}: {op['text']}"
+        if not 0 <= op["stream"] < program["num_streams"]:
+            raise ScheduleError(f"{where}: stream out of range")
+        for role, ref, batch, rows, cols in _blocks(op):
+            if ref["offset"] < 0 or ref["batch_stride"] < 0 or ref["ld"] < cols:
+                raise ScheduleError(f"{where}: operand {role} has a negative offset or stride, "
+                                    f"or ld < {cols}")
+            if ref["buf"] == "WORKSPACE" and not 0 <= ref["rank"] < nranks:
+                raise ScheduleError(f"{where}: operand {role} names workspace owner "
+                                    f"{ref['rank']}")
+            end = (ref["offset"] + (batch - 1) * ref["batch_stride"] + (rows - 1) * ref["ld"]
+                   + cols)
+            if end > sizes[ref["buf"]]:
+                raise ScheduleError(f"{where}: operand {role} reaches element {end} of a "
+                                    f"{ref['buf']} buffer of {sizes[ref['buf']]} elements")
+        if op["kind"] in ("Send", "Recv", "Signal", "Wait") and not 0 <= op["peer"] < nranks:
+            raise ScheduleError(f"{where}: peer out of range")
+        if op["kind"] in ("Signal", "Wait") and not 0 <= op["id"] < program["num_flags"]:
+            raise ScheduleError(f"{where}: flag out of range")
+        if op["kind"] in ("Record", "StreamWait") and not 0 <= op["id"] < program["num_events"]:
+            raise ScheduleError(f"{where}: event out of range")
+
+
 def check_race_free(programs, calls=1, parities=2):
     """Raises ScheduleError unless every conflicting pair of accesses is ordered.
 
@@ -153,6 +216,8 @@ def check_race_free(programs, calls=1, parities=2):
     this checks the epoch-parity double-buffering across calls (`parities=1` models a
     single buffer, which tests use to show that double-buffering is needed).
     """
+    for program in programs:
+        check_bounds(program)
     check_deadlock_free(programs)
     n = len(programs)
     streams = [_streams(p) for p in programs]

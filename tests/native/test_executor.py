@@ -320,3 +320,46 @@ def test_low_precision_conversion_is_exact_and_rounds_to_nearest_even(dtype):
         # Values, not bits: the GEMM sums -0 with +0 terms, so -0 comes back as +0.
         np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)),
                                       np.asarray(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("timeout_s", [1e10, float("inf")])
+def test_a_huge_timeout_means_wait_long_not_fail_at_once(timeout_s):
+    """1e10 s is 1e19 ns, past the clock's int64 range: the deadline must saturate, not wrap
+    around into the past (which failed every wait at once)."""
+    mesh = mesh_1d(4)
+    shape, axis = x_shape("batch", 4, 8)
+    x, x64 = data(shape, "float32", 3)
+    w, w64 = data((8, 16), "float32", 4)
+    for transport in TRANSPORTS:
+        y = ag(mesh, x, w, axis=axis, transport=transport, chunks=2, timeout_s=timeout_s)
+        np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
+
+
+def test_exit_while_a_call_waits_for_a_peer_is_clean():
+    """A process that leaves while a native call still waits on a worker thread (a peer never
+    arrived) exits normally: the worker must not touch process-wide state that exit has
+    already destroyed."""
+    script = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxoverlap import _native
+from jaxoverlap._runtime import load_host
+mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+f = jax.jit(jax.shard_map(
+    lambda x, w: _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p",
+                                         timeout_s=1.0),
+    mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")), out_specs=P(None, None, "tp")))
+x, w = jnp.ones((2, 8, 8)), jnp.ones((8, 4))
+f(x, w).block_until_ready()
+load_host()._set_test_skip(2, 1)
+f(x, w)          # dispatched; ranks 0, 1, 3 wait for rank 2 on worker threads
+print("leaving", flush=True)
+sys.exit(0)      # normal exit while they wait (their timeout fires during or after it)
+"""
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120)
+        assert "leaving" in run.stdout, run.stderr
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])

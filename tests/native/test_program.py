@@ -7,7 +7,13 @@ import pytest
 
 from jaxoverlap._runtime import load_host
 
-from .schedule_check import ScheduleError, check_deadlock_free, check_race_free
+from .schedule_check import (
+    ScheduleError,
+    buffer_sizes,
+    check_bounds,
+    check_deadlock_free,
+    check_race_free,
+)
 
 host = load_host()
 TRANSPORTS = ("nccl", "p2p", "multicast")
@@ -252,3 +258,65 @@ def test_race_checker_catches_a_missing_dependency(op, transport, kind):
     check_deadlock_free(broken)               # still deadlock-free ...
     with pytest.raises(ScheduleError, match="race|no write of its call"):
         check_race_free(broken)               # ... but racy
+
+
+# ---- bounds ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+@pytest.mark.parametrize("chunks,bidir,gathered", [(1, False, False), (3, True, True)])
+def test_every_program_stays_inside_its_buffers(op, transport, n, chunks, bidir, gathered):
+    """Both checkers (C++ _host.check_program, which BuildProgram and the executors run, and
+    the independent Python one) accept every program the builders make."""
+    for p in clique(op, transport, n, rows=3, k=2, n_out=5, chunks=chunks, bidirectional=bidir,
+                    return_gathered=gathered and op == "ag_matmul"):
+        host.check_program(p)
+        check_bounds(p)
+
+
+def _shifted(program, index, role, by):
+    """A copy of `program` whose op `index` has operand `role` moved by `by` elements."""
+    broken = copy.deepcopy(program)
+    broken["ops"][index][role]["offset"] += by
+    return broken
+
+
+@pytest.mark.parametrize("op,transport,kind,role,buf", [
+    ("ag_matmul", "p2p", "Copy", "d", "WORKSPACE"),      # a push one block past the slot
+    ("ag_matmul", "nccl", "Recv", "d", "SCRATCH"),
+    ("matmul_rs", "p2p", "Gemm", "c", "WORKSPACE"),     # accumulating onto a slot past the end
+    ("matmul_rs", "multicast", "McReduce", "d", "Y"),
+    ("ag_matmul", "multicast", "Gemm", "a", "WORKSPACE"),
+])
+def test_an_operand_past_its_buffer_is_refused_by_both_checkers(op, transport, kind, role, buf):
+    program = clique(op, transport, 4, rows=3, k=2, n_out=2, chunks=2)[1]
+    size = buffer_sizes(program)[buf]
+    index, first = next((i, o) for i, o in enumerate(program["ops"])
+                        if o["kind"] == kind and o[role] and o[role]["buf"] == buf)
+    rows, cols = first["m"], first["k"] if (kind, role) == ("Gemm", "a") else first["n"]
+    ref = first[role]
+    end = ref["offset"] + (first["batch"] - 1) * ref["batch_stride"] + (rows - 1) * ref["ld"] + cols
+    # Moved to end exactly at the buffer's end: still inside (the checks are exact) ...
+    inside = _shifted(program, index, role, size - end)
+    host.check_program(inside)
+    check_bounds(inside)
+    # ... one element further: refused, naming the op, the operand and the buffer.
+    broken = _shifted(program, index, role, size - end + 1)
+    with pytest.raises(ValueError, match=f"operand {role} .* reaches element {size + 1} of a "
+                                         f"{buf} buffer of {size} elements"):
+        host.check_program(broken)
+    with pytest.raises(ScheduleError, match=f"operand {role} reaches element {size + 1}"):
+        check_bounds(broken)
+
+
+def test_out_of_range_ids_are_refused():
+    program = clique("ag_matmul", "p2p", 4, rows=3, k=2, n_out=2)[0]
+    for kind, field, value, what in [("Signal", "peer", 4, "peer"), ("Wait", "id", 99, "flag"),
+                                     ("Copy", "stream", 7, "stream")]:
+        broken = copy.deepcopy(program)
+        next(o for o in broken["ops"] if o["kind"] == kind)[field] = value
+        with pytest.raises(ValueError, match=f"{what} {value} is outside"):
+            host.check_program(broken)
+        with pytest.raises(ScheduleError, match=f"{what} out of range"):
+            check_bounds(broken)

@@ -1,0 +1,119 @@
+#include "core/check_program.h"
+
+#include <string>
+
+namespace jo {
+namespace {
+
+int64_t SizeOf(const BufferSizes& s, BufId buf) {
+  switch (buf) {
+    case BufId::kX: return s.x;
+    case BufId::kW: return s.w;
+    case BufId::kY: return s.y;
+    case BufId::kXGathered: return s.x_gathered;
+    case BufId::kScratch: return s.scratch;
+    case BufId::kWorkspace: return s.workspace;
+  }
+  return 0;
+}
+
+// A batch x rows x cols block at `ref` lies inside its buffer. Sizes are far
+// below 2^62 elements, so the sums below cannot overflow once each factor is
+// known to be non-negative and below that.
+Status CheckRef(const Program& p, const Op& op, const char* role, const Ref& ref, int64_t batch,
+                int64_t rows, int64_t cols, const BufferSizes& sizes) {
+  const auto where = [&] {
+    return std::string(CollectiveName(p.problem.op)) + " program of rank " +
+           std::to_string(p.problem.rank) + ": " + ToString(op) + ": operand " + role + " " +
+           ToString(ref);
+  };
+  constexpr int64_t kLimit = int64_t{1} << 40;
+  if (batch < 1 || rows < 1 || cols < 1 || batch > kLimit || rows > kLimit || cols > kLimit)
+    return Internal(where() + " has an empty or huge block " + std::to_string(batch) + "x" +
+                    std::to_string(rows) + "x" + std::to_string(cols));
+  if (ref.offset < 0 || ref.batch_stride < 0 || ref.ld < cols || ref.offset > kLimit ||
+      ref.batch_stride > kLimit || ref.ld > kLimit)
+    return Internal(where() + " has a negative offset or stride, or ld < " +
+                    std::to_string(cols) + " columns");
+  if (ref.buf == BufId::kWorkspace && (ref.rank < 0 || ref.rank >= p.problem.nranks))
+    return Internal(where() + " names workspace owner " + std::to_string(ref.rank) + " of " +
+                    std::to_string(p.problem.nranks) + " ranks");
+  const int64_t last = ref.offset + (batch - 1) * ref.batch_stride + (rows - 1) * ref.ld + cols;
+  const int64_t size = SizeOf(sizes, ref.buf);
+  if (last > size)
+    return Internal(where() + " reaches element " + std::to_string(last) + " of a " +
+                    std::string(BufName(ref.buf)) + " buffer of " + std::to_string(size) +
+                    " elements");
+  return OkStatus();
+}
+
+Status CheckId(const Program& p, const Op& op, const char* what, int64_t value, int64_t limit) {
+  if (value >= 0 && value < limit) return OkStatus();
+  return Internal(std::string(CollectiveName(p.problem.op)) + " program of rank " +
+                  std::to_string(p.problem.rank) + ": " + ToString(op) + ": " + what + " " +
+                  std::to_string(value) + " is outside [0, " + std::to_string(limit) + ")");
+}
+
+}  // namespace
+
+BufferSizes BufferSizes::Of(const Program& p) {
+  const Problem& q = p.problem;
+  const int64_t local = q.batch * q.rows, gathered = local * q.nranks;
+  BufferSizes s;
+  const bool ag = q.op == Collective::kAgMatmul;
+  s.x = (ag ? local : gathered) * q.k;
+  s.w = q.k * q.n;
+  s.y = (ag ? gathered : local) * q.n;
+  s.x_gathered = ag && q.return_gathered ? gathered * q.k : 0;
+  s.scratch = p.scratch_elems;
+  s.workspace = p.workspace_elems;
+  return s;
+}
+
+Status CheckProgram(const Program& p, const BufferSizes& sizes) {
+  const int32_t nranks = p.problem.nranks;
+  for (const Op& op : p.ops) {
+    JO_CHECK(CheckId(p, op, "stream", op.stream, p.num_streams));
+    switch (op.kind) {
+      case OpKind::kGemm:
+        JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.k, sizes));
+        JO_CHECK(CheckRef(p, op, "b", op.b, 1, op.k, op.n, sizes));
+        if (op.accumulate) JO_CHECK(CheckRef(p, op, "c", op.c, op.batch, op.m, op.n, sizes));
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        break;
+      case OpKind::kAdd:
+      case OpKind::kCopy:
+      case OpKind::kMcReduce:
+        JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.n, sizes));
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        break;
+      case OpKind::kMcStore:  // d names the offset in EVERY rank's workspace
+        JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.n, sizes));
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        break;
+      case OpKind::kSend:
+        JO_CHECK(CheckId(p, op, "peer", op.peer, nranks));
+        JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.n, sizes));
+        break;
+      case OpKind::kRecv:
+        JO_CHECK(CheckId(p, op, "peer", op.peer, nranks));
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        break;
+      case OpKind::kSignal:
+        JO_CHECK(CheckId(p, op, "peer", op.peer, nranks));
+        JO_CHECK(CheckId(p, op, "flag", op.id, p.num_flags));
+        break;
+      case OpKind::kWait:
+        JO_CHECK(CheckId(p, op, "writer", op.peer, nranks));
+        JO_CHECK(CheckId(p, op, "flag", op.id, p.num_flags));
+        break;
+      case OpKind::kRecord:
+      case OpKind::kStreamWait:
+        JO_CHECK(CheckId(p, op, "event", op.id, p.num_events));
+        break;
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace jo
