@@ -2,12 +2,11 @@
 
 Everything goes through the key-value store of the ``jax.distributed`` job — no MPI, no files,
 no launcher of ours. The client is reachable only through the private
-``jax._src.distributed.global_state.client`` (BUILD-NOTES); every use of it is in this module.
+``jax._src.distributed.global_state.client``; every use of it is in this module.
 
-Keys are namespaced ``jaxoverlap/v1/<clique id>/<n>/<tag>[/<process>]``: the clique id is derived
-from the mesh and is the same in every process, and ``n`` counts how often this process has
-bootstrapped that clique, which agrees across processes because they all trace the same program.
-Every wait has a deadline and its error names the process that did not answer.
+Keys are namespaced ``jaxoverlap/v1/<clique id>/...``: the clique id is derived from the mesh
+and is the same in every process. Every wait has a deadline and its error names the process
+that did not answer.
 
 Two layers:
 
@@ -18,19 +17,23 @@ Two layers:
   ``share_fds`` moves POSIX-fd handles.
 * ``ensure_host_clique``: the host executor's cliques spanning processes (protocol below).
 
-Host clique protocol (once per clique per process, at trace time, from ``_native``):
+Host clique protocol (once per mesh-axis group per process, at trace time, from ``_native``;
+docs/multiprocess.md §3 has the whole story):
 
-1. the leader (the process of rank 0) creates the control segment (``shm_open`` O_EXCL, mode
-   0600) and publishes ``{"name", "rank_process"}`` under ``.../host/leader``;
-2. every other process reads it (deadline: the call's timeout), checks that the leader's rank
-   table equals its own, attaches, and publishes ``.../host/attached/<process>``;
-3. the leader waits for every ``attached`` key, naming the processes that do not answer (or
-   reporting the reason one could not attach: a different rank table, another machine), then
-   unlinks the name (the last process to attach has usually done so already).
+1. the leader (the process of rank 0) takes the next attempt number from an atomic counter in
+   the store, creates the group's control segment (``shm_open`` O_EXCL, mode 0600, a random
+   name) and publishes ``{"attempt", "name", "rank_process", "machine"}`` under ``.../leader``;
+2. every other process waits for a leader entry newer than any attempt it has seen, checks
+   that the leader's rank table and machine equal its own, attaches, and answers
+   ``.../<attempt>/attached/<process>`` (``ok`` or the reason);
+3. the leader collects every answer (naming the processes that do not answer) and publishes
+   the verdict ``.../<attempt>/result``, which every process waits for: a failure is raised
+   everywhere, the segment is marked broken, and the next trace bootstraps anew.
 
-From then on ranks talk through shared memory only (``cpp/host/shm_clique.h``). The host
-executor learns which ranks are threads of this process and which are other processes from the
-rank table given here (``rank_process``); it treats both alike, all through shared memory.
+From then on ranks talk through shared memory only (``cpp/host/shm_domain.h``: each call site
+gets its own clique in the group's domain at its first call). The host executor learns which
+ranks are threads of this process and which are other processes from the rank table given
+here (``rank_process``); it treats both alike, all through shared memory.
 """
 
 from __future__ import annotations
