@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxoverlap._config import timeout_ms
 
@@ -310,6 +311,65 @@ def machine_id() -> str:
 def clique_id(clique_key: int, group: int) -> str:
     """The clique's name in keys: its key as 16 hex digits and its group."""
     return f"{clique_key & 0xFFFFFFFFFFFFFFFF:016x}-g{group}"
+
+
+def setup_cliques(call: Any, timeout_s: float) -> None:
+    """Sets up every clique of ``call`` (a ``_native_call.NativeCall``) that spans processes and
+    has a rank here. Called when the call lowers, in every process; cliques whose ranks are all
+    in one process need nothing (they are made at their first call)."""
+    processes = np.array([r.process for r in call.ranks], np.int64)
+    if call.platform == "cpu":
+        from jaxoverlap import _runtime
+
+        host = _runtime.load_host()
+        for group, ranks in enumerate(call.groups()):
+            ensure_host_clique(host, call.clique_key, group, [r.process for r in ranks],
+                               timeout_s)
+    else:
+        from jaxoverlap import _cuda_caps
+
+        ensure_gpu_cliques(_cuda_caps.load_cuda(), call.clique_key, processes, call.axis_size,
+                           timeout_s)
+
+
+_gpu_bootstrapped: set[tuple[int, int, int]] = set()
+
+
+def ensure_gpu_cliques(cuda: Any, clique_key: int, processes: np.ndarray, axis_size: int,
+                       timeout_s: float) -> dict[int, bytes]:
+    """GPU cliques spanning processes: the NCCL id and the exchange of each clique here.
+
+    The process of each clique's rank 0 makes the id (``cuda.nccl_unique_id()``); it travels
+    through the store (``broadcast_bytes``; a silent root is named after ``timeout_s``) and is
+    registered with ``cuda.set_nccl_id`` for the handler to find at the first execution, where
+    every process creates its ranks' communicators. The clique's exchange (``StoreExchange``)
+    is registered too: p2p and multicast move their buffer handles through it from C++ at the
+    first execution. Once per clique per process (every process lowers the same programs, so
+    all skip alike). ``cuda`` is ``_cuda``, or ``_cuda_fake`` in tests. Returns group -> id for
+    the cliques set up now.
+    """
+    me = jax.process_index()
+    done: dict[int, bytes] = {}
+    for group, ranks in enumerate(np.asarray(processes).reshape(-1, axis_size)):
+        table = [int(p) for p in ranks]
+        if me not in table or len(set(table)) == 1:
+            continue
+        token = (id(cuda), int(clique_key), group)
+        with _lock:
+            if token in _gpu_bootstrapped:
+                continue
+        cid = clique_id(int(clique_key), group)
+        root = table[0]
+        uid = broadcast_bytes(
+            f"{cid}-gpu", "nccl_id", bytes(cuda.nccl_unique_id()) if me == root else None,
+            root=root, processes=sorted(set(table)), timeout_s=timeout_s)
+        cuda.set_nccl_id(int(clique_key), group, me, uid)
+        cuda.set_exchange(int(clique_key), group, me,
+                          StoreExchange(f"{cid}-gpu", sorted(set(table)), timeout_s))
+        with _lock:
+            _gpu_bootstrapped.add(token)
+        done[group] = uid
+    return done
 
 
 def ensure_host_clique(host: Any, clique_key: int, group: int, rank_process: Sequence[int],

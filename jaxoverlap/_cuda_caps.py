@@ -6,11 +6,12 @@ or another layout breaks that, so the libraries are preloaded here with
 ``RTLD_GLOBAL`` before the import (as ``_runtime.load_host`` does for the BLAS).
 Importing ``_cuda`` needs no GPU and no driver.
 
-Transport selection is a pure function of a capability table
-(:func:`choose_transport`) so that it is unit-tested with injected tables; the
+What each transport needs of the GPUs is a pure function of a capability table
+(:func:`transport_reasons`), so that it is unit-tested with injected tables; the
 real table comes from :func:`capabilities` (``_cuda.capabilities()``: devices,
 compute capability, ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``, the peer-access
-matrix, driver/runtime/NCCL/cuBLAS versions).
+matrix, driver/runtime/NCCL/cuBLAS versions). The choice among them is made in one
+place, ``_native_call.resolve_transport``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-# Order of preference for transport="auto" (DESIGN §3.2).
-AUTO_ORDER = ("multicast", "p2p", "nccl")
+from jaxoverlap._native_call import AUTO_ORDER
+
 # Multicast objects need the CUDA 12.1 driver API; our runtime is CUDA 13 (driver >= 580).
 MULTICAST_MIN_DRIVER = 12010
 
@@ -79,8 +80,15 @@ def capabilities() -> dict[str, Any]:
     return dict(load_cuda().capabilities())
 
 
-def transport_reasons(caps: dict[str, Any], devices: Sequence[int]) -> dict[str, str | None]:
-    """For each transport, why it cannot serve a clique of local GPUs ``devices`` (None: it can)."""
+def transport_reasons(caps: dict[str, Any], devices: Sequence[int], *,
+                      across_processes: bool = False) -> dict[str, str | None]:
+    """For each transport, why it cannot serve a clique of local GPUs ``devices`` (None: it can).
+
+    ``across_processes``: the clique also has ranks in other processes (``devices`` are this
+    process's). Then this process's GPUs must serve p2p and multicast themselves (peer access
+    among them, multicast support); the peers' buffers are mapped at the first execution,
+    through fabric handles or CUDA IPC (docs/gpu.md, "Across processes").
+    """
     reasons: dict[str, str | None] = {}
     if caps.get("error") and not caps.get("devices"):
         return {t: f"no usable GPU ({caps['error']})" for t in AUTO_ORDER}
@@ -99,8 +107,12 @@ def transport_reasons(caps: dict[str, Any], devices: Sequence[int]) -> dict[str,
     reasons["multicast"] = _multicast_device_reason(caps, devices, known)
     if reasons["multicast"] is None and p2p_reason is not None:
         reasons["multicast"] = p2p_reason + " (flags live in peer memory)"
-    if len(devices) == 1:
-        reasons = {t: None for t in AUTO_ORDER}  # nothing moves: every transport is trivially fine
+    if len(set(devices)) == 1:
+        # One GPU here: nothing moves between our own GPUs. Alone, every transport is
+        # trivially fine; with peers in other processes, multicast still needs this GPU.
+        reasons = {t: None for t in AUTO_ORDER}
+        if across_processes:
+            reasons["multicast"] = _multicast_device_reason(caps, devices, known)
     return reasons
 
 
@@ -119,43 +131,6 @@ def _multicast_device_reason(caps: dict[str, Any], devices: Sequence[int],
         return (f"GPU(s) {no_mc} report no CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED "
                 "(needs NVSwitch with Fabric Manager running)")
     return None
-
-
-def choose_transport(caps: dict[str, Any], devices: Sequence[int], requested: str = "auto", *,
-                     across_processes: bool = False) -> str:
-    """The transport to use for a clique of local GPUs ``devices``.
-
-    ``auto``: multicast, else p2p, else nccl. An explicit request that cannot be
-    honoured raises ``ValueError`` naming the reason and the alternatives.
-    ``across_processes``: the clique has ranks in other processes (``devices`` are this
-    process's). Then ``auto`` picks nccl (whether peers in other processes can reach these GPUs
-    is not known here); p2p and multicast must be asked for: this process's GPUs must serve
-    them (peer access among them; multicast support), and the peers' buffers are mapped at the
-    first execution, through fabric handles or CUDA IPC (docs/gpu.md, "Across processes").
-    """
-    reasons = transport_reasons(caps, devices)
-    if across_processes:
-        if len(set(devices)) == 1 and reasons["multicast"] is None:
-            # One local GPU: transport_reasons calls everything fine; multicast still needs it.
-            known = {d["ordinal"]: d for d in caps.get("devices", [])}
-            if all(d in known for d in devices):
-                reasons["multicast"] = _multicast_device_reason(caps, devices, known)
-        if requested == "auto":
-            requested = "nccl"
-    if requested == "auto":
-        for transport in AUTO_ORDER:
-            if reasons[transport] is None:
-                return transport
-        raise ValueError(f"jaxoverlap: no GPU transport can run here: {reasons['nccl']}")
-    if requested not in reasons:
-        raise ValueError(
-            f"transport: expected one of auto, {', '.join(AUTO_ORDER)}; got {requested!r}")
-    if reasons[requested] is not None:
-        usable = [t for t in AUTO_ORDER if reasons[t] is None]
-        raise ValueError(
-            f"transport={requested!r} is not available on GPUs {list(devices)}: "
-            f"{reasons[requested]}. Available: {usable or 'none'} (or transport='auto')")
-    return requested
 
 
 def info() -> dict[str, Any]:
@@ -187,8 +162,11 @@ def info() -> dict[str, Any]:
     reasons = transport_reasons(caps, ordinals)
     out["transports (all GPUs)"] = {
         t: "yes" if r is None else f"no: {r}" for t, r in reasons.items()}
+    from jaxoverlap._native_call import resolve_transport
+
     try:
-        out["auto picks"] = choose_transport(caps, ordinals)
+        out["auto picks"] = resolve_transport("cuda", "auto", None, spans_processes=False,
+                                              local_ordinals=ordinals)
     except ValueError as e:
         out["auto picks"] = f"nothing: {e}"
     out["cliques"] = cuda.cliques() or "none yet"

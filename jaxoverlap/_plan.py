@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,11 +20,9 @@ class Plan:
     n: int
     chunks: int = 1
     bidirectional: bool = False
-    transport: str = "auto"
+    transport: str = "auto"     # native: as asked ("auto" is resolved when the call lowers)
+    preferred: str | None = None  # native, transport "auto": the performance model's pick
     timeout_s: float = 120.0
-    # native: the concrete mesh when known at the forward trace (the backward pass is traced
-    # later, outside the global-array entry that knew it); gives the rank table.
-    mesh: Any = None
 
     def describe(self) -> str:
         text = f"impl={self.impl} axis_name={self.axis_name!r} N={self.n} axis={self.axis}"
@@ -33,4 +30,6 @@ class Plan:
             text += f" chunks={self.chunks} bidirectional={self.bidirectional}"
         if self.impl == "native":
             text += f" transport={self.transport}"
+            if self.preferred is not None:
+                text += f" (model prefers {self.preferred})"
         return text

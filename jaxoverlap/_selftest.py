@@ -142,7 +142,7 @@ def main(quick: bool = False) -> int:
               "test the CUDA executor on a GPU.")
     n = min(len(devices), 8)
     mesh = Mesh(np.array(devices[:n]), ("tp",), axis_types=(AxisType.Auto,))
-    transports = _native.transports(platform)
+    transports = _native.offered_transports(platform)
     print(f"devices in the test mesh: {n}; transports offered on {platform}: {list(transports)}")
     results: list[tuple[str, bool, str]] = []
     shapes = SHAPES[:1] if quick else SHAPES

@@ -15,8 +15,7 @@ axes ``shard_map`` reshards by itself.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,18 +23,6 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap._compat import context_mesh
-
-
-@contextlib.contextmanager
-def _entry_mesh(mesh) -> Iterator[None]:
-    """Tells the native path the concrete mesh (multi-process runs need its rank table)."""
-    try:
-        from jaxoverlap import _native
-    except ImportError:
-        yield
-        return
-    with _native.entry_mesh(mesh):
-        yield
 
 
 def resolve_mesh(op: str, axis_name: Any, mesh: Any, *arrays: Any) -> Mesh | AbstractMesh:
@@ -135,8 +122,7 @@ def ag_matmul_global(local_op: Callable, x, w, axis_name, axis: int, return_gath
     # so that output is declared replicated with the check off.
     fn = jax.shard_map(local_op, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_specs,
                        check_vma=not return_gathered)
-    with _entry_mesh(mesh):
-        return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
+    return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
 def matmul_rs_global(local_op: Callable, x, w, axis_name, axis: int, mesh):
@@ -149,5 +135,4 @@ def matmul_rs_global(local_op: Callable, x, w, axis_name, axis: int, mesh):
     w_spec = P(axis_name, None)
     y_spec = P(*[axis_name if d == axis else e for d, e in enumerate(batch)])
     fn = jax.shard_map(local_op, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)
-    with _entry_mesh(mesh):
-        return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
+    return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))

@@ -11,7 +11,6 @@ versa, so the backward pass is overlapped by the same implementation.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -35,9 +34,7 @@ from jaxoverlap._plan import Plan
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-class NativeUnavailableError(ValueError):
-    """``impl="native"`` (or a native transport) was asked for but cannot run here."""
-
+from jaxoverlap._native_call import NativeUnavailableError  # noqa: E402 - re-exported
 
 # ---------------------------------------------------------------- checks
 
@@ -112,10 +109,6 @@ def _native():
     return _native
 
 
-# Transport preference for transport="auto" (DESIGN §3.2).
-_TRANSPORT_ORDER = ("multicast", "p2p", "nccl")
-
-
 def _platform() -> str:
     mesh = jax.sharding.get_abstract_mesh()
     device = getattr(mesh, "abstract_device", None)
@@ -129,21 +122,6 @@ def _native_reason(dtype) -> str | None:
     if native is None:
         return "this installation of jaxoverlap has no native module"
     return native.unavailable_reason(_platform(), dtype)
-
-
-def _native_transport(op: str, transport: str | None) -> str:
-    """The transport native will use: the one asked for, or the best this machine has."""
-    available = _native().transports(_platform())
-    if transport in (None, "auto"):
-        chosen = next(t for t in _TRANSPORT_ORDER if t in available)
-        logger.debug("%s: transport=auto picks %s (available: %s)", op, chosen, available)
-        return chosen
-    if transport not in available:
-        raise NativeUnavailableError(
-            f"{op}: transport={transport!r} is not available on this machine (available: "
-            f"{available}). Use transport='auto' to pick the best available one."
-        )
-    return transport
 
 
 def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> str:
@@ -203,8 +181,6 @@ def _make_plan(
         chosen_impl = picked.impl
         chunks = picked.chunks if chunks is None else chunks
         bidirectional = picked.bidirectional if bidirectional is None else bidirectional
-        if picked.impl == "native":
-            transport_wanted = transport_wanted or picked.transport
     else:
         chosen_impl = _resolve_impl(op, chosen_impl, explicit_transport, x.dtype, n)
     plan = Plan(
@@ -215,11 +191,9 @@ def _make_plan(
         chunks=1 if chunks is None else chunks,
         bidirectional=(n > 2) if bidirectional is None else bidirectional,
         transport=transport_wanted or "auto",
+        preferred=picked.transport if picked is not None and picked.impl == "native" else None,
         timeout_s=settings.timeout_s,
     )
-    if chosen_impl == "native":
-        plan = dataclasses.replace(plan, transport=_native_transport(op, plan.transport),
-                                   mesh=_native().current_mesh())
     logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape), plan.describe())
     return plan
 
@@ -245,7 +219,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
         impls: tuple = ("native",)
     else:
         impls = ("xla", "ring", "native") if native_ok else ("xla", "ring")
-    transports = ((transport,) if transport else _native().transports(_platform())) \
+    transports = ((transport,) if transport else _native().offered_transports(_platform())) \
         if native_ok else ()
     try:
         pick = _choose.choose(
@@ -283,8 +257,8 @@ def _run_rs(x, w, plan: Plan):
 
 def _native_args(plan: Plan) -> dict:
     return dict(axis_name=plan.axis_name, axis=plan.axis, transport=plan.transport,
-                chunks=plan.chunks, bidirectional=plan.bidirectional, timeout_s=plan.timeout_s,
-                mesh=plan.mesh)
+                preferred=plan.preferred, chunks=plan.chunks, bidirectional=plan.bidirectional,
+                timeout_s=plan.timeout_s)
 
 
 def _weight_grad(a, b, dtype):

@@ -51,3 +51,22 @@ def assert_close(actual, expected, dtype) -> None:
     tol = dict(TOLERANCE[jnp.dtype(dtype)])
     tol["atol"] = max(tol["atol"], tol["rtol"] * float(np.abs(expected).max(initial=0.0)))
     np.testing.assert_allclose(f64(actual), expected, **tol)
+
+
+def late(x, rank: int, seconds: float, enabled=lambda: True, axis_name: str = "tp"):
+    """``x``, after ``seconds`` of sleep on ``rank`` of ``axis_name`` while ``enabled()``: a peer
+    that reaches the next call late (call inside shard_map). The sleep runs in a callback on
+    the device's own thread, so that device's next call starts late, as with OS jitter."""
+    import time
+
+    from jax import lax
+
+    def host(value, r):
+        if enabled() and int(r) == rank:
+            time.sleep(seconds)
+        return value
+
+    held = lax.stop_gradient(x)
+    slept = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
+                              lax.axis_index(axis_name))
+    return x + (slept - held)  # exactly x, but ordered after the callback

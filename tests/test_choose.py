@@ -66,9 +66,9 @@ def test_standard_shape_on_h100_picks_the_models_overlapped_plan(monkeypatch, op
     shape = sim.Shape(1, 1024, shapes[1][0] // (8 if sim_op == "matmul_rs" else 1),
                       shapes[1][1] // (8 if sim_op == "ag_matmul" else 1))
     cands = sim.candidates("h100", 8, shape, impls=("xla", "ring", "native"),
-                           transports=jo.ops._native().transports("cpu"))
+                           transports=jo.ops._native().offered_transports("cpu"))
     best = sim.choose(sim_op, shape, "bfloat16", 8, "h100", cands).candidate
-    assert (plan.impl, plan.transport, plan.chunks, plan.bidirectional) == (
+    assert (plan.impl, plan.preferred, plan.chunks, plan.bidirectional) == (
         best.impl, best.transport, best.chunks, best.bidirectional)
 
 

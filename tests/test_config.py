@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -104,13 +105,20 @@ def test_auto_impl_on_cpu_is_the_unfused_path():
 
 
 def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
-    from jaxoverlap import _native
+    """transport="auto" stays "auto" in the plan and is resolved once, when the call lowers:
+    the best transport that can serve, nccl for a clique spanning processes."""
+    from jaxoverlap import _native_call
 
-    assert _plan_for(impl="native").transport == "multicast"
-    monkeypatch.setattr(_native, "transports", lambda platform: ("nccl", "p2p"))
-    assert _plan_for(impl="native").transport == "p2p"
-    monkeypatch.setattr(_native, "transports", lambda platform: ("nccl",))
-    assert _plan_for(impl="native").transport == "nccl"
+    assert _plan_for(impl="native").transport == "auto"
+    resolve = functools.partial(_native_call.resolve_transport, "cpu", "auto", None,
+                                local_ordinals=[0, 1])
+    assert resolve(spans_processes=False) == "multicast"
+    assert resolve(spans_processes=True) == "nccl"
+    lacking = {"multicast": "no NVSwitch", "p2p": None, "nccl": None}
+    monkeypatch.setattr(_native_call, "transport_reasons", lambda *a: dict(lacking))
+    assert resolve(spans_processes=False) == "p2p"
+    lacking["p2p"] = "no peer access"
+    assert resolve(spans_processes=False) == "nccl"
     monkeypatch.setenv("JAXOVERLAP_TRANSPORT", "nccl")
     assert _plan_for(impl="native").transport == "nccl"
 

@@ -150,11 +150,15 @@ def test_native_request_is_never_silently_replaced(monkeypatch):
 
 
 def test_transport_the_machine_lacks(monkeypatch):
-    from jaxoverlap import _native
+    """An explicit transport that cannot serve the call is an error when the program lowers
+    (only there is it known whether the clique spans processes), never a silent fallback."""
+    from jaxoverlap import _native_call
 
-    monkeypatch.setattr(_native, "transports", lambda platform: ("nccl",))
+    monkeypatch.setattr(_native_call, "transport_reasons", lambda platform, ordinals, spans: {
+        "nccl": None, "p2p": None, "multicast": "this machine has no NVSwitch"})
     with pytest.raises(jo.NativeUnavailableError,
-                       match=r"transport='multicast' is not available on this machine"):
+                       match=r"transport='multicast' is not available on cpu: this machine has no "
+                             r"NVSwitch. Available: \['p2p', 'nccl'\]"):
         jo.ag_matmul(X, W, "tp", impl="native", transport="multicast", mesh=tp_mesh(4))
 
 

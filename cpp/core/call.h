@@ -1,14 +1,120 @@
-// What every executor does with one call's identity, whatever runs it: the
-// signature all ranks of a clique must agree on, and the debug print of the
-// plan.
+// One native call as every layer below the FFI boundary sees it (no XLA
+// types): the decoded attributes, where the calling device sits in the rank
+// table, what the call needs of its clique, and its plan.
+//
+// The lifecycle is the same on both platforms (docs/native.md): the FFI
+// instantiate stage makes a call site (one custom call of one executable)
+// with a CallDesc; the first execution on a device places it and builds its
+// CallPlan — the program, the sizes, the agreement signature — which later
+// executions only fetch; each execution then runs the plan on the site's
+// clique (host executor) or enqueues it (CUDA executor).
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/clique.h"
 #include "core/program.h"
+#include "core/status.h"
 
 namespace jo {
+
+// The mesh's devices in (group, rank) order: each one's process, JAX's
+// global device id, and its ordinal within its process.
+struct RankTable {
+  int64_t axis_size = 0;
+  std::vector<int64_t> processes;
+  std::vector<int64_t> device_ids;
+  std::vector<int64_t> ordinals;
+};
+
+// How the FFI names the calling device: XLA:CPU gives the global device id,
+// XLA:GPU the local ordinal.
+enum class DeviceNaming { kGlobalId, kLocalOrdinal };
+
+// The calling device: its process, its device as the FFI names it, and, for
+// a CPU call, its (rank, group) from the coords operand (-1: not given).
+struct Caller {
+  int64_t process = 0;
+  int64_t device = 0;
+  DeviceNaming naming = DeviceNaming::kGlobalId;
+  int32_t rank = -1;
+  int64_t group = -1;
+};
+
+// Where one device sits: its rank and group, and its group's ranks.
+struct Placement {
+  int32_t rank = -1;
+  int64_t group = -1;
+  std::vector<int64_t> processes;  // the process of each rank of the group
+  std::vector<int64_t> device_ids;  // each rank's global device id
+  std::vector<int> ordinals;        // each rank's local ordinal here, -1 for another process's
+  bool spans_processes() const;
+};
+
+// Finds the caller in the table; a clear error when it is absent or listed
+// twice (the mesh of the enclosing shard_map must contain it), or when its
+// coords disagree with the table. An empty table (a CPU call in one process
+// whose mesh was abstract where it lowered) takes the caller's coords.
+Status Place(const RankTable& table, const Caller& caller, const char* op, Placement* out);
+
+// The call's operands and results on the device.
+struct CallBuffers {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  void* y = nullptr;
+  void* x_gathered = nullptr;  // ag_matmul with return_gathered
+};
+
+// The custom call's attributes, checked and decoded.
+struct CallDesc {
+  Collective op = Collective::kAgMatmul;
+  Transport transport = Transport::kNccl;
+  int64_t clique_key = 0;
+  int64_t axis = 0;
+  int64_t chunks = 1;
+  bool bidirectional = false;
+  int64_t timeout_ms = 120000;
+  RankTable table;
+};
+
+// What one call needs of its clique, per rank and per parity: the maximum
+// over the programs of ALL ranks, so that every rank decides the same way
+// whether the call needs bigger buffers (across processes each rank decides
+// on its own). The one sizing rule of both executors.
+struct CallNeeds {
+  int64_t workspace_bytes = 0;
+  int32_t num_flags = 0;
+  int64_t mail_bytes = 0;     // bytes one rank Sends in one call (host mailbox)
+  int32_t mail_messages = 0;  // Sends of one rank in one call
+};
+Status NeedsOf(const Problem& problem, CallNeeds* out);
+
+// One call site's plan on one device.
+struct CallPlan {
+  Placement place;
+  Program program;     // of place.rank; program.problem is the whole problem
+  CallNeeds needs;
+  std::string signature;  // what every rank must agree on (everything but the rank)
+  CliqueKey clique;       // (clique_key, group, site)
+};
+
+// `problem` is the call's canonical problem without its rank (from the
+// operands); places the device and builds the program.
+Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
+                CallPlan* out);
+
+// This process's index in the jax.distributed job (0 alone), set from Python
+// when the handlers are registered.
+void SetProcessIndex(int64_t index);
+int64_t ProcessIndex();
+
+// Call-site ids: the ordinal of a call site among those with the same clique
+// key created in this process (1, 2, ...). Every process compiles the same
+// programs in the same order and XLA instantiates an executable's custom
+// calls in program order, so every process derives the same ids.
+int64_t NewCallSiteId(int64_t clique_key);
 
 // The call as every rank of a clique must see it (everything but the rank):
 // ranks that disagree on it at the same epoch are running different calls.

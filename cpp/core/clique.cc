@@ -2,7 +2,6 @@
 
 #include <cinttypes>
 #include <cstdio>
-#include <iterator>
 
 namespace jo {
 
@@ -29,49 +28,47 @@ int64_t Clique::Epoch(int32_t rank) const {
   return epochs_[rank];
 }
 
-Status CliqueRegistry::GetOrCreate(const CliqueKey& key, int32_t nranks, const Factory& make,
-                                   std::shared_ptr<Clique>* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = cliques_.find(key);
-  if (it == cliques_.end()) {
-    std::shared_ptr<Clique> clique(make());
-    JO_ASSERT(clique != nullptr);
-    it = cliques_.emplace(key, std::move(clique)).first;
+Status Clique::Agree(const std::string& where, int32_t rank, int64_t epoch,
+                     const std::string& signature) {
+  (void)rank;
+  JO_CHECK(CheckNotBroken(where));  // a broken clique fails fast, whatever the call
+  Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& seen = signatures_[epoch];
+    if (seen.second == 0) seen.first = signature;
+    if (seen.first == signature) {
+      // Every rank of this process has checked in: nobody compares with it again.
+      if (++seen.second == LocalRanks()) signatures_.erase(epoch);
+      return OkStatus();
+    }
+    status = InvalidArgument(where + ": ranks disagree on call " + std::to_string(epoch) +
+                             " of this clique: '" + signature + "' here, '" + seen.first +
+                             "' on another rank (do all devices run the same program, with the "
+                             "collective calls in the same order?)");
   }
-  JO_REQUIRE(it->second->nranks() == nranks,
-             CliqueName(key) + " has " + std::to_string(it->second->nranks()) +
-                 " ranks, but this call has axis_size " + std::to_string(nranks));
-  *out = it->second;
-  return OkStatus();
+  Break(status);
+  return status;
 }
 
-std::vector<std::shared_ptr<Clique>> CliqueRegistry::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::shared_ptr<Clique>> out;
-  for (const auto& entry : cliques_) out.push_back(entry.second);
-  return out;
+void Clique::Break(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.empty()) return;
+    broken_ = status.message();
+  }
+  WakeAll();
 }
 
-bool CliqueRegistry::Erase(const CliqueKey& key) {
+std::string Clique::BrokenReason() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return cliques_.erase(key) != 0;
+  return broken_;
 }
 
-std::shared_ptr<Clique> CliqueRegistry::Find(const CliqueKey& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = cliques_.find(key);
-  return it == cliques_.end() ? nullptr : it->second;
-}
-
-void CliqueRegistry::EraseSite(int64_t key, int64_t site) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = cliques_.begin(); it != cliques_.end();)
-    it = it->first.key == key && it->first.site == site ? cliques_.erase(it) : std::next(it);
-}
-
-void CliqueRegistry::Clear() {
-  std::lock_guard<std::mutex> lock(mu_);
-  cliques_.clear();
+Status Clique::CheckNotBroken(const std::string& where) const {
+  const std::string reason = BrokenReason();
+  if (reason.empty()) return OkStatus();
+  return Status(Code::kAborted, where + ": clique aborted by an earlier failure: " + reason);
 }
 
 }  // namespace jo

@@ -22,17 +22,17 @@
 namespace jo::cuda {
 
 // Who is calling, for error messages: "ag_matmul rank 2 (clique 0x.../group 0)".
-struct CallSite {
+struct ErrorContext {
   std::string op = "jaxoverlap";
   int32_t rank = -1;
   std::string clique;
   std::string Describe() const;
 };
 
-Status CudaFailure(cudaError_t code, const char* call, const CallSite* site);
-Status DriverFailure(CUresult code, const char* call, const CallSite* site);
-Status CublasFailure(cublasStatus_t code, const char* call, const CallSite* site);
-Status NcclFailure(ncclResult_t code, const char* call, const CallSite* site);
+Status CudaFailure(cudaError_t code, const char* call, const ErrorContext* ctx);
+Status DriverFailure(CUresult code, const char* call, const ErrorContext* ctx);
+Status CublasFailure(cublasStatus_t code, const char* call, const ErrorContext* ctx);
+Status NcclFailure(ncclResult_t code, const char* call, const ErrorContext* ctx);
 
 // Our communicators are non-blocking (config.blocking = 0), so that nothing
 // NCCL does on the host — joining peers at creation, connecting to a peer at
@@ -41,44 +41,44 @@ Status NcclFailure(ncclResult_t code, const char* call, const CallSite* site);
 // reports success before its next call. This polls until `deadline` (then a
 // kTimeout status saying `what` did not complete). `what` names the call.
 Status AwaitNccl(ncclComm_t comm, std::chrono::steady_clock::time_point deadline, const char* what,
-                 const CallSite* site);
+                 const ErrorContext* ctx);
 
 }  // namespace jo::cuda
 
-// `site` is a `const CallSite*` in scope (nullptr when there is none yet).
-#define JO_CUDA_CHECK(site, call)                                                         \
+// `ctx` is a `const ErrorContext*` in scope (nullptr when there is none yet).
+#define JO_CUDA_CHECK(ctx, call)                                                         \
   do {                                                                                    \
     const cudaError_t jo_code_ = (call);                                                  \
     if (jo_code_ != cudaSuccess)                                                          \
-      return ::jo::cuda::CudaFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__);  \
+      return ::jo::cuda::CudaFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__);  \
   } while (0)
 
-#define JO_CU_CHECK(site, call)                                                           \
+#define JO_CU_CHECK(ctx, call)                                                           \
   do {                                                                                    \
     const CUresult jo_code_ = (call);                                                     \
     if (jo_code_ != CUDA_SUCCESS)                                                         \
-      return ::jo::cuda::DriverFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__); \
+      return ::jo::cuda::DriverFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__); \
   } while (0)
 
-#define JO_CUBLAS_CHECK(site, call)                                                       \
+#define JO_CUBLAS_CHECK(ctx, call)                                                       \
   do {                                                                                    \
     const cublasStatus_t jo_code_ = (call);                                               \
     if (jo_code_ != CUBLAS_STATUS_SUCCESS)                                                \
-      return ::jo::cuda::CublasFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__); \
+      return ::jo::cuda::CublasFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__); \
   } while (0)
 
-#define JO_NCCL_CHECK(site, call)                                                         \
+#define JO_NCCL_CHECK(ctx, call)                                                         \
   do {                                                                                    \
     const ncclResult_t jo_code_ = (call);                                                 \
     if (jo_code_ != ncclSuccess)                                                          \
-      return ::jo::cuda::NcclFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__);  \
+      return ::jo::cuda::NcclFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__);  \
   } while (0)
 
 // For calls on non-blocking communicators: ncclInProgress is not a failure
 // (the caller then awaits the communicator, AwaitNccl).
-#define JO_NCCL_CHECK_ASYNC(site, call)                                                   \
+#define JO_NCCL_CHECK_ASYNC(ctx, call)                                                   \
   do {                                                                                    \
     const ncclResult_t jo_code_ = (call);                                                 \
     if (jo_code_ != ncclSuccess && jo_code_ != ncclInProgress)                            \
-      return ::jo::cuda::NcclFailure(jo_code_, #call, (site)).Trail(__FILE__, __LINE__);  \
+      return ::jo::cuda::NcclFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__);  \
   } while (0)

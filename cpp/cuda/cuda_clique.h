@@ -58,6 +58,7 @@
 #include <mutex>
 #include <vector>
 
+#include "core/call.h"
 #include "core/clique.h"
 #include "core/exchange.h"
 #include "core/program.h"
@@ -148,7 +149,7 @@ struct RankResources {
   RankResources& operator=(const RankResources&) = delete;
   ~RankResources();
   // Grows streams/events/scratch to what `program` needs.
-  Status Reserve(const Program& program, const CallSite& site);
+  Status Reserve(const Program& program, const ErrorContext& ctx);
 };
 
 class CudaClique : public Clique {
@@ -168,48 +169,47 @@ class CudaClique : public Clique {
   const std::vector<int64_t>& processes() const { return processes_; }
   bool spans_processes() const { return local_ranks_ != nranks(); }
 
-  // Start of call `epoch` of `rank`: creates what the transport needs (once)
-  // and a buffer generation big enough for `program`. Returns the generation
-  // the call must use and the rank's resources.
-  // `signature` describes the call without the rank: ranks that disagree at
-  // one epoch (different programs, or collectives in a different order) get
-  // an error here instead of a GPU hang later, and the clique is broken.
-  Status Prepare(const Program& program, int64_t epoch, const std::string& signature,
-                 const CallSite& site, const Generation** gen, RankResources** resources,
+  // Reserve, before call `epoch` of `rank` (the agreement check has passed):
+  // creates what the transport needs (once) and a buffer generation as big
+  // as `needs` (core/call.h: the same on every rank), and the rank's streams,
+  // events and scratch for `program`. Returns the generation the call must
+  // use, the rank's resources and its communicator.
+  Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
+                 const ErrorContext& ctx, const Generation** gen, RankResources** resources,
                  ncclComm_t* comm);
 
-  // Marks the clique broken (first error wins): every later call fails fast
-  // with it. Peers' work already queued on their GPUs is not recalled.
-  void Break(const Status& status);
   // Aborts the NCCL communicators (the watchdog releasing stuck kernels).
   void AbortComms();
 
   std::string Describe() const;
 
  private:
-  Status EnablePeerAccess(const CallSite& site);           // requires mu_
-  Status CreateComms(const CallSite& site);                // requires mu_
+  Status ReserveLocked(const Program& program, const CallNeeds& needs, int64_t epoch,
+                       const ErrorContext& ctx, const Generation** gen,
+                       RankResources** resources, ncclComm_t* comm);  // requires mu_
+  Status EnablePeerAccess(const ErrorContext& ctx);           // requires mu_
+  Status CreateComms(const ErrorContext& ctx);                // requires mu_
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                       const CallSite& site);              // requires mu_
-  Status AllocMulticast(Generation* gen, const CallSite& site);
+                       const ErrorContext& ctx);              // requires mu_
+  Status AllocMulticast(Generation* gen, const ErrorContext& ctx);
   Status ShareMulticastObject(const DriverApi* drv, const CUmulticastObjectProp* prop,
-                              MulticastRegion* region, const CallSite& site);  // spanning
+                              MulticastRegion* region, const ErrorContext& ctx);  // spanning
   // Spanning processes: every process agrees on handles_ (and all run on one
   // host unless fabric handles work everywhere). `local` is this process's
   // own set-up so far: a failure is told to the peers, so that they fail at
   // once naming it instead of waiting for this process until the timeout.
-  Status Negotiate(const CallSite& site, const Status& local = OkStatus());
+  Status Negotiate(const ErrorContext& ctx, const Status& local = OkStatus());
   // A buffer of local rank `rank` that peers address: cudaMalloc'd, or (fabric)
   // cuMemCreate'd with a fabric handle and mapped for every local GPU.
-  Status AllocShared(int32_t rank, size_t bytes, const CallSite& site,
+  Status AllocShared(int32_t rank, size_t bytes, const ErrorContext& ctx,
                      std::unique_ptr<DeviceAlloc>* out);
   // Spanning processes: p2p (flags, workspace) and multicast (flags), through
   // CUDA IPC or fabric handles.
-  Status ImportPeerBuffers(Generation* gen, const CallSite& site);
+  Status ImportPeerBuffers(Generation* gen, const ErrorContext& ctx);
   Status ExportBuffer(const DeviceAlloc& buf, unsigned char* handle, uint64_t* bytes,
-                      const CallSite& site);
+                      const ErrorContext& ctx);
   Status MapRemoteBuffer(const unsigned char* handle, uint64_t bytes, Generation* gen,
-                         std::vector<std::byte*>* views, const CallSite& site);
+                         std::vector<std::byte*>* views, const ErrorContext& ctx);
 
   const Transport transport_;
   const std::vector<int> devices_;  // local ordinal of each rank (-1: another process's)
@@ -225,8 +225,9 @@ class CudaClique : public Clique {
   std::vector<ncclComm_t> comms_;
   std::vector<std::unique_ptr<Generation>> generations_;  // newest last
   std::vector<std::unique_ptr<RankResources>> ranks_;
-  std::map<int64_t, std::pair<std::string, int32_t>> signatures_;  // epoch -> (call, seen)
-  std::string broken_;
+
+ protected:
+  int32_t LocalRanks() const override { return local_ranks_; }
 };
 
 // Tests (the fake's reset changes the machine): probe fabric support again.

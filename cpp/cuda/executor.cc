@@ -22,12 +22,12 @@ ncclDataType_t NcclType(DType dtype) {
 class Enqueuer {
  public:
   explicit Enqueuer(const RunArgs& a)
-      : a_(a), p_(*a.program), es_(DTypeSize(p_.problem.dtype)), site_(&a.site),
+      : a_(a), p_(*a.program), es_(DTypeSize(p_.problem.dtype)), ctx_(&a.ctx),
         recorded_(p_.num_events, false) {}
 
   Status Run() {
     JO_CHECK(LoadDriver(&drv_));
-    JO_CUDA_CHECK(site_, cudaSetDevice(a_.device));
+    JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
     JO_CHECK(Fork());
     // Units: one op, or one NCCL group (consecutive Send/Recv of one stream and group).
     const std::vector<Op>& ops = p_.ops;
@@ -74,7 +74,7 @@ class Enqueuer {
     JO_CHECK(flush());
     for (const auto& queue : deferred)
       if (!queue.empty())
-        return Internal(a_.site.Describe() + ": program has a StreamWait whose event is never "
+        return Internal(a_.ctx.Describe() + ": program has a StreamWait whose event is never "
                         "recorded before it on any stream: " + ToString(ops[units[queue.front()].first]));
     JO_CHECK(Join());
     return OkStatus();
@@ -102,16 +102,16 @@ class Enqueuer {
 
   Status Fork() {
     if (p_.num_streams <= 1) return OkStatus();
-    JO_CUDA_CHECK(site_, cudaEventRecord(ForkEvent(), a_.stream));
+    JO_CUDA_CHECK(ctx_, cudaEventRecord(ForkEvent(), a_.stream));
     for (int32_t s = 1; s < p_.num_streams; ++s)
-      JO_CUDA_CHECK(site_, cudaStreamWaitEvent(Stream(s), ForkEvent(), 0));
+      JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(Stream(s), ForkEvent(), 0));
     return OkStatus();
   }
 
   Status Join() {
     for (int32_t s = 1; s < p_.num_streams; ++s) {
-      JO_CUDA_CHECK(site_, cudaEventRecord(JoinEvent(s), Stream(s)));
-      JO_CUDA_CHECK(site_, cudaStreamWaitEvent(a_.stream, JoinEvent(s), 0));
+      JO_CUDA_CHECK(ctx_, cudaEventRecord(JoinEvent(s), Stream(s)));
+      JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(a_.stream, JoinEvent(s), 0));
     }
     return OkStatus();
   }
@@ -138,7 +138,7 @@ class Enqueuer {
       case OpKind::kAdd: {
         BlockArgs b = Block(op, Resolve(op.a), op.a, Resolve(op.d), op.d);
         JO_ASSERT(b.src != nullptr && b.dst != nullptr);
-        return LaunchAddBlock(b, stream, a_.site);
+        return LaunchAddBlock(b, stream, a_.ctx);
       }
       case OpKind::kCopy: {
         std::byte* src = Resolve(op.a);
@@ -151,19 +151,19 @@ class Enqueuer {
         JO_ASSERT(mc != nullptr);
         BlockArgs b = Block(op, Resolve(op.a), op.a, mc + op.d.offset * es_, op.d);
         JO_ASSERT(b.src != nullptr);
-        return LaunchMcStore(b, stream, a_.site);
+        return LaunchMcStore(b, stream, a_.ctx);
       }
       case OpKind::kMcReduce: {
         std::byte* mc = a_.gen->MulticastAddress(a_.epoch);
         JO_ASSERT(mc != nullptr);
         BlockArgs b = Block(op, mc + op.a.offset * es_, op.a, Resolve(op.d), op.d);
         JO_ASSERT(b.dst != nullptr);
-        return LaunchMcReduce(b, stream, a_.site);
+        return LaunchMcReduce(b, stream, a_.ctx);
       }
       case OpKind::kSignal: {
         JO_ASSERT(op.peer >= 0 && op.peer < p_.problem.nranks && op.id < a_.gen->num_flags);
         // Default flags: the write is fenced after every prior write of the stream.
-        JO_CU_CHECK(site_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(stream),
+        JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(stream),
                                                       a_.gen->Flag(op.peer, a_.epoch, op.id, p_.problem.rank),
                                                       static_cast<cuuint32_t>(a_.epoch),
                                                       CU_STREAM_WRITE_VALUE_DEFAULT));
@@ -172,7 +172,7 @@ class Enqueuer {
       case OpKind::kWait: {
         JO_ASSERT(op.id >= 0 && op.id < a_.gen->num_flags);
         // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
-        JO_CU_CHECK(site_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(stream),
+        JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(stream),
                                                      a_.gen->Flag(p_.problem.rank, a_.epoch, op.id, p_.problem.rank),
                                                      static_cast<cuuint32_t>(a_.epoch),
                                                      CU_STREAM_WAIT_VALUE_GEQ));
@@ -180,13 +180,13 @@ class Enqueuer {
       }
       case OpKind::kRecord:
         JO_ASSERT(op.id >= 0 && op.id < p_.num_events);
-        JO_CUDA_CHECK(site_, cudaEventRecord(a_.resources->events[op.id], stream));
+        JO_CUDA_CHECK(ctx_, cudaEventRecord(a_.resources->events[op.id], stream));
         recorded_[op.id] = true;
         return OkStatus();
       case OpKind::kStreamWait:
         JO_ASSERT(op.id >= 0 && op.id < p_.num_events);
         JO_ASSERT(recorded_[op.id]);  // Run() defers StreamWaits until their Record
-        JO_CUDA_CHECK(site_, cudaStreamWaitEvent(stream, a_.resources->events[op.id], 0));
+        JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(stream, a_.resources->events[op.id], 0));
         return OkStatus();
       case OpKind::kSend:
       case OpKind::kRecv: break;  // handled as groups
@@ -216,11 +216,11 @@ class Enqueuer {
     const bool dense = s.ld == op.n && d.ld == op.n &&
                        (op.batch == 1 || (s.batch_stride == op.m * op.n && d.batch_stride == op.m * op.n));
     if (dense) {
-      JO_CUDA_CHECK(site_, cudaMemcpyAsync(dst, src, row * op.m * op.batch, cudaMemcpyDefault, stream));
+      JO_CUDA_CHECK(ctx_, cudaMemcpyAsync(dst, src, row * op.m * op.batch, cudaMemcpyDefault, stream));
       return OkStatus();
     }
     for (int64_t b = 0; b < op.batch; ++b)
-      JO_CUDA_CHECK(site_, cudaMemcpy2DAsync(dst + b * d.batch_stride * es_, d.ld * es_,
+      JO_CUDA_CHECK(ctx_, cudaMemcpy2DAsync(dst + b * d.batch_stride * es_, d.ld * es_,
                                              src + b * s.batch_stride * es_, s.ld * es_, row,
                                              static_cast<size_t>(op.m), cudaMemcpyDefault, stream));
     return OkStatus();
@@ -264,24 +264,24 @@ class Enqueuer {
       g.batch = 1;
       g.a_bs = g.d_bs = g.c_bs = 0;
     }
-    return LtMatmul(a_.device, g, stream, a_.site);
+    return LtMatmul(a_.device, g, stream, a_.ctx);
   }
 
   Status NcclGroup(size_t begin, size_t end) {
     JO_ASSERT(a_.comm != nullptr);
     const ncclDataType_t type = NcclType(p_.problem.dtype);
-    JO_NCCL_CHECK(site_, ncclGroupStart());
+    JO_NCCL_CHECK(ctx_, ncclGroupStart());
     Status status;
     for (size_t i = begin; i < end && status.ok(); ++i) status = NcclOp(p_.ops[i], type);
     // Always close the group, even after a failure inside it.
     const ncclResult_t closed = ncclGroupEnd();
     JO_CHECK(status);
-    JO_NCCL_CHECK_ASYNC(site_, closed);
+    JO_NCCL_CHECK_ASYNC(ctx_, closed);
     // Non-blocking communicator: the first send/recv to a peer connects to it
     // on the host, which needs the peer; bounded by the call's timeout.
     if (closed == ncclInProgress)
       JO_CHECK(AwaitNccl(a_.comm, std::chrono::steady_clock::now() + a_.timeout,
-                         "ncclGroupEnd (send/recv)", site_));
+                         "ncclGroupEnd (send/recv)", ctx_));
     return OkStatus();
   }
 
@@ -295,7 +295,7 @@ class Enqueuer {
     std::byte* base = Resolve(ref);
     JO_ASSERT(base != nullptr && op.peer >= 0 && op.peer < p_.problem.nranks);
     if (ref.ld != op.n)
-      return Internal(a_.site.Describe() + ": NCCL block rows must be dense (ld " +
+      return Internal(a_.ctx.Describe() + ": NCCL block rows must be dense (ld " +
                       std::to_string(ref.ld) + " != n " + std::to_string(op.n) + ")");
     // Always one call per batch (never merged when one side happens to be
     // dense): the peer's side of the pair may be strided.
@@ -303,9 +303,9 @@ class Enqueuer {
     for (int64_t b = 0; b < op.batch; ++b) {
       std::byte* ptr = base + b * ref.batch_stride * es_;
       if (send) {
-        JO_NCCL_CHECK_ASYNC(site_, ncclSend(ptr, count, type, op.peer, a_.comm, stream));
+        JO_NCCL_CHECK_ASYNC(ctx_, ncclSend(ptr, count, type, op.peer, a_.comm, stream));
       } else {
-        JO_NCCL_CHECK_ASYNC(site_, ncclRecv(ptr, count, type, op.peer, a_.comm, stream));
+        JO_NCCL_CHECK_ASYNC(ctx_, ncclRecv(ptr, count, type, op.peer, a_.comm, stream));
       }
     }
     return OkStatus();
@@ -314,7 +314,7 @@ class Enqueuer {
   const RunArgs& a_;
   const Program& p_;
   const int64_t es_;
-  const CallSite* site_;
+  const ErrorContext* ctx_;
   const DriverApi* drv_ = nullptr;
   std::vector<bool> recorded_;
 };

@@ -19,19 +19,13 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "core/call.h"
 #include "core/program.h"
 #include "core/status.h"
 #include "cuda/check.h"
 #include "cuda/cuda_clique.h"
 
 namespace jo::cuda {
-
-struct CudaBuffers {
-  const void* x = nullptr;
-  const void* w = nullptr;
-  void* y = nullptr;
-  void* x_gathered = nullptr;
-};
 
 struct RunArgs {
   const Program* program = nullptr;
@@ -41,8 +35,8 @@ struct RunArgs {
   const Generation* gen = nullptr;
   RankResources* resources = nullptr;
   ncclComm_t comm = nullptr;
-  CudaBuffers io;
-  CallSite site;
+  CallBuffers io;
+  ErrorContext ctx;
   std::chrono::milliseconds timeout{0};  // for host-side NCCL progress (AwaitNccl)
 };
 

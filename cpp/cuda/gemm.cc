@@ -95,53 +95,53 @@ DeviceCache& CacheOf(int device) {
 }
 
 Status MakeLayout(Layout* layout, cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
-                  int32_t batch, int64_t batch_stride, const CallSite& site) {
-  JO_CUBLAS_CHECK(&site, cublasLtMatrixLayoutCreate(&layout->value, type, static_cast<uint64_t>(rows),
+                  int32_t batch, int64_t batch_stride, const ErrorContext& ctx) {
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutCreate(&layout->value, type, static_cast<uint64_t>(rows),
                                                     static_cast<uint64_t>(cols), ld));
   const int32_t order = CUBLASLT_ORDER_COL;
-  JO_CUBLAS_CHECK(&site, cublasLtMatrixLayoutSetAttribute(layout->value, CUBLASLT_MATRIX_LAYOUT_ORDER,
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutSetAttribute(layout->value, CUBLASLT_MATRIX_LAYOUT_ORDER,
                                                           &order, sizeof(order)));
-  JO_CUBLAS_CHECK(&site, cublasLtMatrixLayoutSetAttribute(
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutSetAttribute(
                              layout->value, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
-  JO_CUBLAS_CHECK(&site, cublasLtMatrixLayoutSetAttribute(
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutSetAttribute(
                              layout->value, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                              &batch_stride, sizeof(batch_stride)));
   return OkStatus();
 }
 
 Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64_t c_bs,
-                int64_t c_ld, const CallSite& site, Plan* plan) {
+                int64_t c_ld, const ErrorContext& ctx, Plan* plan) {
   const cudaDataType_t type = LtType(g.dtype);
   const int32_t batch = static_cast<int32_t>(g.batch);
-  JO_CUBLAS_CHECK(&site, cublasLtMatmulDescCreate(&plan->desc.value, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescCreate(&plan->desc.value, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const int32_t no_transpose = CUBLAS_OP_N;
-  JO_CUBLAS_CHECK(&site, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSA,
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSA,
                                                         &no_transpose, sizeof(no_transpose)));
-  JO_CUBLAS_CHECK(&site, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSB,
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSB,
                                                         &no_transpose, sizeof(no_transpose)));
   // See the layout mapping in gemm.h: A_lt = W (n x k), B_lt = A (k x m), C/D (n x m).
-  JO_CHECK(MakeLayout(&plan->a, type, g.n, g.k, g.w_ld, batch, 0, site));
-  JO_CHECK(MakeLayout(&plan->b, type, g.k, g.m, g.a_ld, batch, g.a_bs, site));
-  JO_CHECK(MakeLayout(&plan->c, type, g.n, g.m, c_ld, batch, c_bs, site));
-  JO_CHECK(MakeLayout(&plan->d, type, g.n, g.m, g.d_ld, batch, g.d_bs, site));
-  JO_CUBLAS_CHECK(&site, cublasLtMatmulPreferenceCreate(&plan->pref.value));
+  JO_CHECK(MakeLayout(&plan->a, type, g.n, g.k, g.w_ld, batch, 0, ctx));
+  JO_CHECK(MakeLayout(&plan->b, type, g.k, g.m, g.a_ld, batch, g.a_bs, ctx));
+  JO_CHECK(MakeLayout(&plan->c, type, g.n, g.m, c_ld, batch, c_bs, ctx));
+  JO_CHECK(MakeLayout(&plan->d, type, g.n, g.m, g.d_ld, batch, g.d_bs, ctx));
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceCreate(&plan->pref.value));
   const uint64_t ws = kWorkspaceBytes;
-  JO_CUBLAS_CHECK(&site, cublasLtMatmulPreferenceSetAttribute(
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceSetAttribute(
                              plan->pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   const uint32_t align[4] = {Alignment(g.w), Alignment(g.a), Alignment(c), Alignment(g.d)};
   const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
-    JO_CUBLAS_CHECK(&site, cublasLtMatmulPreferenceSetAttribute(plan->pref.value, align_attr[i],
+    JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceSetAttribute(plan->pref.value, align_attr[i],
                                                                 &align[i], sizeof(align[i])));
   int found = 0;
-  JO_CUBLAS_CHECK(&site, cublasLtMatmulAlgoGetHeuristic(handle, plan->desc.value, plan->a.value,
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulAlgoGetHeuristic(handle, plan->desc.value, plan->a.value,
                                                         plan->b.value, plan->c.value, plan->d.value,
                                                         plan->pref.value, 1, &plan->heuristic, &found));
   if (found < 1)
     return Status(Code::kInternal,
-                  site.Describe() + ": cuBLASLt has no algorithm for " + DTypeName(g.dtype) +
+                  ctx.Describe() + ": cuBLASLt has no algorithm for " + DTypeName(g.dtype) +
                       " batch=" + std::to_string(g.batch) + " m=" + std::to_string(g.m) +
                       " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k));
   return OkStatus();
@@ -149,23 +149,23 @@ Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64
 
 }  // namespace
 
-Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const CallSite& site) {
+Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx) {
   const bool accumulate = g.c != nullptr;
   // beta = 0: C is not read; describe it as D (cuBLASLt's in-place form).
   const void* c = accumulate ? g.c : g.d;
   const int64_t c_bs = accumulate ? g.c_bs : g.d_bs;
   const int64_t c_ld = accumulate ? g.c_ld : g.d_ld;
   if (c != g.d && (c_bs != g.d_bs || c_ld != g.d_ld))
-    return Internal(site.Describe() + ": GEMM with C != D needs identical C and D layouts");
-  if (g.batch > INT32_MAX) return Internal(site.Describe() + ": GEMM batch exceeds int32");
+    return Internal(ctx.Describe() + ": GEMM with C != D needs identical C and D layouts");
+  if (g.batch > INT32_MAX) return Internal(ctx.Describe() + ": GEMM batch exceeds int32");
   DeviceCache& cache = CacheOf(device);
   std::lock_guard<std::mutex> lock(cache.mu);
-  if (cache.handle.value == nullptr) JO_CUBLAS_CHECK(&site, cublasLtCreate(&cache.handle.value));
+  if (cache.handle.value == nullptr) JO_CUBLAS_CHECK(&ctx, cublasLtCreate(&cache.handle.value));
   auto& ws = cache.workspaces[stream];
   if (!ws) {
     auto buffer = std::make_unique<DeviceBuffer>();
     buffer->device = device;
-    JO_CUDA_CHECK(&site, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
+    JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
     ws = std::move(buffer);
   }
   const PlanKey key{static_cast<int>(g.dtype), g.batch, g.m, g.n, g.k, g.a_bs, g.a_ld, g.w_ld,
@@ -174,12 +174,12 @@ Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const CallSi
   auto& plan = cache.plans[key];
   if (!plan) {
     auto fresh = std::make_unique<Plan>();
-    JO_CHECK(MakePlan(cache.handle.value, g, c, c_bs, c_ld, site, fresh.get()));
+    JO_CHECK(MakePlan(cache.handle.value, g, c, c_bs, c_ld, ctx, fresh.get()));
     plan = std::move(fresh);
   }
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
-  JO_CUBLAS_CHECK(&site, cublasLtMatmul(cache.handle.value, plan->desc.value, &alpha, g.w,
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmul(cache.handle.value, plan->desc.value, &alpha, g.w,
                                         plan->a.value, g.a, plan->b.value, &beta, c, plan->c.value,
                                         g.d, plan->d.value, &plan->heuristic.algo, ws->ptr,
                                         plan->heuristic.workspaceSize, stream));

@@ -53,7 +53,7 @@ struct GemmArgs {
 };
 
 // Runs the GEMM on `stream` of the current device.
-Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const CallSite& site);
+Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // Frees every cached handle and workspace (tests and process exit).
 void ReleaseGemmCaches();

@@ -129,36 +129,36 @@ Globals MakeGlobals(const BlockArgs& a, int64_t words_per_elem_div) {
                  a.dst_batch_stride / words_per_elem_div, a.dst_ld / words_per_elem_div};
 }
 
-Status CheckMulticastDevice(const char* what, const BlockArgs& a, const CallSite& site) {
+Status CheckMulticastDevice(const char* what, const BlockArgs& a, const ErrorContext& ctx) {
   int device = 0, major = 0;
-  JO_CUDA_CHECK(&site, cudaGetDevice(&device));
-  JO_CUDA_CHECK(&site, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
+  JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   if (major < 9)
     return Status(Code::kInvalidArgument,
-                  site.Describe() + ": " + what + " needs an sm_90 (Hopper) or newer GPU; device " +
+                  ctx.Describe() + ": " + what + " needs an sm_90 (Hopper) or newer GPU; device " +
                       std::to_string(device) + " is sm_" + std::to_string(major) + "x");
   if (!MulticastBlockOk(a))
     return Status(Code::kInvalidArgument,
-                  site.Describe() + ": " + what + " on 16-bit data needs an even row width, even "
+                  ctx.Describe() + ": " + what + " on 16-bit data needs an even row width, even "
                   "strides and 4-byte aligned addresses (multimem works on element pairs); use "
                   "transport='p2p' or 'nccl' for this shape");
   return OkStatus();
 }
 
-Status LaunchMc(const char* what, const BlockArgs& a, cudaStream_t stream, const CallSite& site,
+Status LaunchMc(const char* what, const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx,
                 void (*f32)(Globals), void (*bf16)(Globals), void (*f16)(Globals)) {
-  JO_CHECK(CheckMulticastDevice(what, a, site));
+  JO_CHECK(CheckMulticastDevice(what, a, ctx));
   const bool pairs = a.dtype != DType::kF32;
   const Globals g = MakeGlobals(a, pairs ? 2 : 1);
   void (*kernel)(Globals) = a.dtype == DType::kF32 ? f32 : a.dtype == DType::kBF16 ? bf16 : f16;
   kernel<<<Blocks(g.batch * g.m * g.n), Config::kThreads, 0, stream>>>(g);
-  JO_CUDA_CHECK(&site, cudaGetLastError());
+  JO_CUDA_CHECK(&ctx, cudaGetLastError());
   return OkStatus();
 }
 
 }  // namespace
 
-Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const CallSite& site) {
+Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
   const Globals g = MakeGlobals(a, 1);
   const unsigned blocks = Blocks(g.batch * g.m * g.n);
   switch (a.dtype) {
@@ -166,18 +166,18 @@ Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const CallSite& s
     case DType::kBF16: AddBlockKernel<__nv_bfloat16><<<blocks, Config::kThreads, 0, stream>>>(g); break;
     case DType::kF16: AddBlockKernel<__half><<<blocks, Config::kThreads, 0, stream>>>(g); break;
   }
-  JO_CUDA_CHECK(&site, cudaGetLastError());
+  JO_CUDA_CHECK(&ctx, cudaGetLastError());
   return OkStatus();
 }
 
-Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const CallSite& site) {
-  return LaunchMc("multicast store (multimem.st)", a, stream, site,
+Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
+  return LaunchMc("multicast store (multimem.st)", a, stream, ctx,
                           McStoreKernel<McType::kF32>, McStoreKernel<McType::kBF16x2>,
                           McStoreKernel<McType::kF16x2>);
 }
 
-Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const CallSite& site) {
-  return LaunchMc("multicast load-reduce (multimem.ld_reduce)", a, stream, site,
+Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
+  return LaunchMc("multicast load-reduce (multimem.ld_reduce)", a, stream, ctx,
                           McReduceKernel<McType::kF32>, McReduceKernel<McType::kBF16x2>,
                           McReduceKernel<McType::kF16x2>);
 }

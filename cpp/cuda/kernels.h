@@ -37,9 +37,9 @@ struct BlockArgs {
 // Whether a multicast block satisfies the pairing rule above.
 bool MulticastBlockOk(const BlockArgs& args);
 
-Status LaunchAddBlock(const BlockArgs& args, cudaStream_t stream, const CallSite& site);
-Status LaunchMcStore(const BlockArgs& args, cudaStream_t stream, const CallSite& site);
-Status LaunchMcReduce(const BlockArgs& args, cudaStream_t stream, const CallSite& site);
+Status LaunchAddBlock(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
+Status LaunchMcStore(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
+Status LaunchMcReduce(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // "kernels: sm_80 sm_90a (multimem)" for build_info().
 const char* KernelsDescription();

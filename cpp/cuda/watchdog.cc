@@ -56,7 +56,7 @@ class Watchdog {
       cv_.wait(lock, [&] { return !entries_.empty(); });
       for (auto it = entries_.begin(); it != entries_.end();) {
         Entry& e = it->second;
-        std::shared_ptr<Clique> clique =
+        std::shared_ptr<CudaClique> clique =
             e.calls.empty() ? nullptr : e.calls.front().clique.lock();
         if (!clique) {  // nothing pending, or the clique is gone (tests reset them)
           it = entries_.erase(it);
@@ -83,7 +83,7 @@ class Watchdog {
           const int64_t latest_epoch = e.calls.back().epoch;
           it = entries_.erase(it);
           lock.unlock();
-          Fire(static_cast<CudaClique*>(clique.get()), late, latest_epoch);
+          Fire(clique.get(), late, latest_epoch);
           lock.lock();
           it = entries_.begin();  // the map may have changed meanwhile
           continue;

@@ -30,7 +30,7 @@
 namespace jo::cuda {
 
 struct WatchedCall {
-  std::weak_ptr<Clique> clique;      // a CudaClique
+  std::weak_ptr<CudaClique> clique;
   int32_t rank = 0;
   int device = 0;
   cudaEvent_t done = nullptr;        // recorded on XLA's stream after the call

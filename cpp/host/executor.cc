@@ -39,15 +39,9 @@ class ThreadGroup {
 
 class Run {
  public:
-  Run(const Program& p, HostClique& clique, int64_t epoch, const HostBuffers& io,
-      std::chrono::milliseconds timeout, const char* op_name)
-      : p_(p), clique_(clique), epoch_(epoch), io_(io), es_(DTypeSize(p.problem.dtype)),
-        events_(p.num_events, 0) {
-    ctx_.op = op_name;
-    ctx_.rank = p.problem.rank;
-    ctx_.epoch = epoch;
-    ctx_.timeout = timeout;
-  }
+  Run(const Program& p, HostClique& clique, const WaitContext& ctx, const CallBuffers& io)
+      : p_(p), clique_(clique), epoch_(ctx.epoch), io_(io), es_(DTypeSize(p.problem.dtype)),
+        ctx_(ctx), events_(p.num_events, 0) {}
 
   Status Execute() {
     // The program against the buffers this call really has (the clique's
@@ -267,7 +261,7 @@ class Run {
   const Program& p_;
   HostClique& clique_;
   const int64_t epoch_;
-  const HostBuffers io_;
+  const CallBuffers io_;
   const int64_t es_;
   WaitContext ctx_;
   std::vector<std::byte> scratch_;
@@ -281,9 +275,9 @@ class Run {
 
 }  // namespace
 
-Status RunProgram(const Program& program, HostClique& clique, int64_t epoch,
-                  const HostBuffers& io, std::chrono::milliseconds timeout, const char* op_name) {
-  Run run(program, clique, epoch, io, timeout, op_name);
+Status RunProgram(const Program& program, HostClique& clique, const WaitContext& ctx,
+                  const CallBuffers& io) {
+  Run run(program, clique, ctx, io);
   return run.Execute();
 }
 

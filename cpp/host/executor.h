@@ -7,25 +7,19 @@
 // reductions run in f32 (bf16/f16 converted on the way in and out).
 #pragma once
 
-#include <chrono>
-
+#include "core/call.h"
 #include "core/program.h"
 #include "core/status.h"
 #include "host/host_clique.h"
 
 namespace jo::host {
 
-struct HostBuffers {
-  const void* x = nullptr;
-  const void* w = nullptr;
-  void* y = nullptr;
-  void* x_gathered = nullptr;  // required iff the program writes XGATHERED
-};
-
-// Runs `program` as call `epoch` of `clique`. The caller has run
-// clique.Prepare for this program's workspace and flags. On failure the
-// clique is broken (its peers stop waiting) and the error names the op.
-Status RunProgram(const Program& program, HostClique& clique, int64_t epoch,
-                  const HostBuffers& io, std::chrono::milliseconds timeout, const char* op_name);
+// Runs `program` as call ctx.epoch of `clique` (ctx names the op, the rank
+// and the timeout). The caller has reserved the clique's buffers for it.
+// First the program is checked against the buffers it gets
+// (core/check_program.h). On failure the clique is broken (its peers stop
+// waiting) and the error names the op.
+Status RunProgram(const Program& program, HostClique& clique, const WaitContext& ctx,
+                  const CallBuffers& io);
 
 }  // namespace jo::host

@@ -1,20 +1,15 @@
-// XLA FFI handlers for the cpu platform (targets jaxoverlap_ag_matmul and
-// jaxoverlap_matmul_rs). Defined in ffi_handlers.cc; this header only
-// declares the handler symbols for the nanobind module. The instantiate
-// handler is shared by both targets.
+// The CPU FFI handlers (cpp/host/ffi_handlers.cc), exported as capsules by
+// the _host module and registered by jaxoverlap/_native.py.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
 
 namespace jo::host {
 
-XLA_FFI_Error* InstantiateHandler(XLA_FFI_CallFrame* call_frame);  // both targets
-XLA_FFI_Error* AgMatmulHandler(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* MatmulRsHandler(XLA_FFI_CallFrame* call_frame);
-
-// The instantiate-stage state type, registered as "jaxoverlap_call_site":
-// its XLA_FFI_TypeId (in-out, filled by the registration) and TypeInfo.
-void* CallSiteTypeId();
-const void* CallSiteTypeInfo();
+XLA_FFI_Error* InstantiateHandler(XLA_FFI_CallFrame* frame);
+XLA_FFI_Error* ExecuteHandler(XLA_FFI_CallFrame* frame);
+// The instantiate-stage state type: for jax.ffi.register_ffi_type.
+void* SiteTypeId();
+const void* SiteTypeInfo();
 
 }  // namespace jo::host

@@ -4,7 +4,7 @@
 //   peer's flag to the call's epoch; Wait blocks until the own flag is >= the
 //   epoch. Flags are never reset (epochs only grow).
 // * Workspace: per rank, 2 parities x workspace bytes (symmetric: every rank
-//   has the same layout), from a WorkspaceAllocator.
+//   has the same layout), on the heap.
 // * Mailbox: Send deposits a copy keyed by (epoch, src, dst, tag); Recv takes
 //   it (sends are eager, like NCCL's for small messages).
 //
@@ -18,7 +18,8 @@
 // all ranks (no rank is inside a call then), and one thread reallocates.
 //
 // Every wait has a deadline and wakes up early when the clique is broken (a
-// rank failed): the first error is kept and later calls fail fast with it.
+// rank failed): the first error is kept (core/clique.h) and later calls fail
+// fast with it. The agreement check is the base's.
 #pragma once
 
 #include <chrono>
@@ -31,8 +32,8 @@
 #include <tuple>
 #include <vector>
 
+#include "core/call.h"
 #include "core/clique.h"
-#include "core/workspace.h"
 
 namespace jo::host {
 
@@ -46,17 +47,6 @@ struct WaitContext {
   std::chrono::milliseconds timeout{0};
 };
 
-// What one call needs from its clique, per rank and per parity. For a clique
-// spanning processes these must be the same on every rank (host_call.cc takes
-// the maximum over the programs of all ranks), since every rank decides on
-// its own whether the call needs a growth rendezvous.
-struct CallNeeds {
-  int64_t workspace_bytes = 0;
-  int32_t num_flags = 0;
-  int64_t mail_bytes = 0;     // bytes one rank Sends in one call (all peers)
-  int32_t mail_messages = 0;  // Sends of one rank in one call
-};
-
 // The transport state of one clique as the host executor sees it. Two
 // implementations: LocalClique (below: every rank is a thread of this
 // process) and ShmClique (cpp/host/shm_clique.h: ranks in several
@@ -65,18 +55,14 @@ class HostClique : public Clique {
  public:
   using Clique::Clique;
 
-  // Start of a call: fails fast if the clique is broken; checks that every
-  // rank makes the same call at this epoch (`signature` describes the call
-  // without the rank: a mismatch means ranks disagree on the call order);
-  // grows workspace and flags with a rendezvous of all ranks if needed.
-  virtual Status Prepare(const WaitContext& ctx, const std::string& signature,
-                         const CallNeeds& needs) = 0;
+  // Reserve: before a call, grows workspace, flags and mailbox to `needs`
+  // with a rendezvous of all ranks if they are too small. Every rank asks
+  // for the same sizes at the same epoch (core/call.h NeedsOf).
+  virtual Status Reserve(const WaitContext& ctx, const CallNeeds& needs) = 0;
 
   // Marks `device` as inside a call as rank ctx.rank until ReleaseRank. A
   // second device calling as the same rank at the same time is an error that
-  // breaks the clique (two devices would share one rank's epochs and flags);
-  // different devices taking turns (same-shaped meshes used one after the
-  // other) are fine.
+  // breaks the clique (two devices would share one rank's epochs and flags).
   virtual Status ClaimRank(const WaitContext& ctx, int64_t device) = 0;
   virtual void ReleaseRank(int32_t rank) = 0;
 
@@ -91,19 +77,17 @@ class HostClique : public Clique {
   virtual Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
                       std::vector<std::byte>* data) = 0;
 
-  // Marks the clique broken (first error wins) and wakes every waiter.
-  virtual void Break(const Status& status) = 0;
-  virtual std::string BrokenReason() const = 0;
   // "in-process" or how the clique spans processes, for info().
   virtual std::string Kind() const = 0;
+  // "ag_matmul (clique ..., rank 2, epoch 5)": how errors name a waiter.
+  virtual std::string Where(const WaitContext& ctx) const;
 };
 
 class LocalClique : public HostClique {
  public:
-  LocalClique(CliqueKey key, int32_t nranks, std::shared_ptr<WorkspaceAllocator> allocator);
+  LocalClique(CliqueKey key, int32_t nranks);
 
-  Status Prepare(const WaitContext& ctx, const std::string& signature,
-                 const CallNeeds& needs) override;
+  Status Reserve(const WaitContext& ctx, const CallNeeds& needs) override;
   Status ClaimRank(const WaitContext& ctx, int64_t device) override;
   void ReleaseRank(int32_t rank) override;
   std::byte* Workspace(int32_t owner, int64_t epoch) override;
@@ -114,31 +98,28 @@ class LocalClique : public HostClique {
               std::vector<std::byte> data) override;
   Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
               std::vector<std::byte>* data) override;
-  void Break(const Status& status) override;
-  std::string BrokenReason() const override;
   std::string Kind() const override { return "in-process"; }
+
+ protected:
+  void WakeAll() override;
 
  private:
   using MailKey = std::tuple<int64_t, int32_t, int32_t, int32_t>;  // epoch, src, dst, tag
-  std::string Where(const WaitContext& ctx) const;
-  Status BrokenStatus(const WaitContext& ctx) const;  // requires mu_
   std::string Missing(const WaitContext& ctx, int32_t expected) const;
-  Status Grow(int64_t workspace_bytes, int32_t num_flags);  // requires mu_, all ranks parked
+  Status Fail(Status status);  // breaks the clique with `status` and returns it
+  void Grow(int64_t workspace_bytes, int32_t num_flags);  // requires mu_, all ranks parked
 
-  std::shared_ptr<WorkspaceAllocator> allocator_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   int64_t workspace_bytes_ = 0;  // per parity
   int32_t num_flags_ = 0;        // per parity
-  std::vector<std::unique_ptr<WorkspaceRegion>> workspace_;  // per rank
-  std::vector<std::vector<int64_t>> flags_;                  // per rank
+  std::vector<std::vector<std::byte>> workspace_;  // per rank: 2 parities
+  std::vector<std::vector<int64_t>> flags_;        // per rank: 2 parities x num_flags_
   std::map<MailKey, std::vector<std::byte>> mailbox_;
-  std::map<int64_t, std::pair<std::string, int32_t>> signatures_;  // epoch -> (call, seen)
   std::vector<int64_t> owner_device_;  // per rank: device inside a call, or -1
   std::vector<bool> grow_arrived_;
   int32_t grow_count_ = 0;
   int64_t grow_generation_ = 0;
-  std::string broken_;
 };
 
 }  // namespace jo::host

@@ -72,7 +72,7 @@ struct ShmClique::SiteHeader {
 };
 
 struct alignas(kAlign) ShmClique::RankState {
-  std::atomic<int64_t> epoch;         // the call this rank is in (set in Prepare)
+  std::atomic<int64_t> epoch;         // the call this rank is in (set in Agree)
   std::atomic<int64_t> owner_device;  // device inside a call as this rank, or -1
   std::atomic<int64_t> grow_epoch;    // epoch of its last growth-rendezvous arrival
   std::atomic<int64_t> signature_epoch[2];
@@ -235,20 +235,26 @@ void ShmClique::ReleaseRank(int32_t rank) {
   if (site_ != nullptr) rank_state(rank)->owner_device.store(-1);
 }
 
-Status ShmClique::CheckSignature(const WaitContext& ctx, const std::string& signature) {
-  const int32_t p = ParityOf(ctx.epoch);
+Status ShmClique::Agree(const std::string& where, int32_t rank, int64_t epoch,
+                        const std::string& signature) {
+  JO_ASSERT(site_ != nullptr);  // ClaimRank opened it
+  rank_state(rank)->epoch.store(epoch);
+  JO_CHECK(domain_->broken() ? Status(Code::kAborted, where + ": clique aborted by an earlier "
+                                                      "failure: " + BrokenReason())
+                             : OkStatus());
+  const int32_t p = ParityOf(epoch);
   const uint64_t hash = Fnv1a(signature);
-  RankState* mine = rank_state(ctx.rank);
+  RankState* mine = rank_state(rank);
   mine->signature_hash[p].store(hash);
   std::snprintf(mine->signature[p], kSignatureBytes, "%s", signature.c_str());
-  mine->signature_epoch[p].store(ctx.epoch);
+  mine->signature_epoch[p].store(epoch);
   // Whichever of two disagreeing ranks publishes second sees the other.
   for (int32_t r = 0; r < nranks(); ++r) {
     RankState* other = rank_state(r);
-    if (r == ctx.rank || other->signature_epoch[p].load() != ctx.epoch) continue;
+    if (r == rank || other->signature_epoch[p].load() != epoch) continue;
     if (other->signature_hash[p].load() == hash) continue;
     return Fail(InvalidArgument(
-        Where(ctx) + ": ranks disagree on call " + std::to_string(ctx.epoch) +
+        where + ": ranks disagree on call " + std::to_string(epoch) +
         " of this clique: '" + signature + "' here, '" +
         std::string(other->signature[p], strnlen(other->signature[p], kSignatureBytes)) +
         "' on " + domain_->RankName(r) + " (do all processes run the same program, with the "
@@ -257,13 +263,10 @@ Status ShmClique::CheckSignature(const WaitContext& ctx, const std::string& sign
   return OkStatus();
 }
 
-Status ShmClique::Prepare(const WaitContext& ctx, const std::string& signature,
-                          const CallNeeds& needs) {
+Status ShmClique::Reserve(const WaitContext& ctx, const CallNeeds& needs) {
   JO_CHECK(Open(ctx));
   SiteHeader* h = header();
-  rank_state(ctx.rank)->epoch.store(ctx.epoch);
   if (domain_->broken()) return BrokenStatus(ctx);
-  JO_CHECK(CheckSignature(ctx, signature));
   const bool fits = h->generation.load(std::memory_order_acquire) > 0 &&
                     needs.workspace_bytes <= h->workspace_bytes.load() &&
                     needs.num_flags <= h->num_flags.load() &&

@@ -52,8 +52,13 @@ class ShmClique : public HostClique {
   ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site);
   ~ShmClique() override;
 
-  Status Prepare(const WaitContext& ctx, const std::string& signature,
-                 const CallNeeds& needs) override;
+  // The agreement and the broken state live in shared memory (every process
+  // of the clique sees them), not in the base.
+  Status Agree(const std::string& where, int32_t rank, int64_t epoch,
+               const std::string& signature) override;
+  void Break(const Status& status) override;
+  std::string BrokenReason() const override;
+  Status Reserve(const WaitContext& ctx, const CallNeeds& needs) override;
   Status ClaimRank(const WaitContext& ctx, int64_t device) override;
   void ReleaseRank(int32_t rank) override;
   std::byte* Workspace(int32_t owner, int64_t epoch) override;
@@ -64,9 +69,8 @@ class ShmClique : public HostClique {
               std::vector<std::byte> data) override;
   Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
               std::vector<std::byte>* data) override;
-  void Break(const Status& status) override;
-  std::string BrokenReason() const override;
   std::string Kind() const override;
+  std::string Where(const WaitContext& ctx) const override;
 
   struct SiteHeader;
   struct RankState;
@@ -75,7 +79,6 @@ class ShmClique : public HostClique {
  private:
   SiteHeader* header() const;
   RankState* rank_state(int32_t rank) const;
-  std::string Where(const WaitContext& ctx) const;
   std::string Missing(const WaitContext& ctx, int32_t expected) const;
   Status BrokenStatus(const WaitContext& ctx) const;
   Status Fail(Status status);  // breaks the domain with `status`, logs, returns it
@@ -85,7 +88,6 @@ class ShmClique : public HostClique {
   // (the caller words it).
   template <typename Pred>
   Status WaitFor(const WaitContext& ctx, Pred pred);
-  Status CheckSignature(const WaitContext& ctx, const std::string& signature);
   Status Grow(const WaitContext& ctx, const CallNeeds& needs);
   Status MapCurrentData(const WaitContext& ctx);  // maps the published data generation
   std::atomic<int64_t>* Flag(int32_t owner, int64_t epoch, int32_t flag) const;

@@ -9,6 +9,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <new>
 #include <set>
 
@@ -231,7 +232,7 @@ Status ShmDomain::Attach(int64_t key, int64_t group, const std::vector<int32_t>&
 }
 
 void ShmDomain::Announce() {
-  ProcessSlot* slot = process_slot(ProcessIndex(process_));
+  ProcessSlot* slot = process_slot(SlotOf(process_));
   slot->pidns.store(PidNamespace());
   slot->pid.store(static_cast<int32_t>(getpid()));
 }
@@ -256,7 +257,7 @@ ShmDomain::SiteEntry* ShmDomain::site_entry(int64_t site) const {
                                       index * sizeof(SiteEntry));
 }
 
-int32_t ShmDomain::ProcessIndex(int32_t process) const {
+int32_t ShmDomain::SlotOf(int32_t process) const {
   auto it = std::lower_bound(processes_.begin(), processes_.end(), process);
   return it != processes_.end() && *it == process ? static_cast<int32_t>(it - processes_.begin())
                                                   : -1;
@@ -301,7 +302,7 @@ void ShmDomain::RingAll() const {
 void ShmDomain::Break(const Status& status) {
   Header* h = header();
   if (h->broken.load(std::memory_order_acquire) != 0) return;
-  const int32_t me = ProcessIndex(process_);
+  const int32_t me = SlotOf(process_);
   {
     std::lock_guard<std::mutex> lock(break_mu_);
     if (h->broken.load(std::memory_order_acquire) != 0) return;
@@ -465,6 +466,83 @@ void ShmDomain::ReleaseSite(int64_t site) {
   e->released = 0;
   e->site = 0;
   RingAll();
+}
+
+namespace {
+
+struct Domains {
+  std::mutex mu;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<ShmDomain>> by_key;
+};
+
+Domains& AllDomains() {
+  static auto* domains = new Domains;  // never destroyed: workers may run at exit
+  return *domains;
+}
+
+Status AddDomain(std::shared_ptr<ShmDomain> domain) {
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto& slot = d.by_key[{domain->key(), domain->group()}];
+  JO_REQUIRE(slot == nullptr || slot->broken(),
+             domain->name() + " already exists in this process");
+  slot = std::move(domain);  // a broken one is replaced: its call sites keep it
+  return OkStatus();
+}
+
+}  // namespace
+
+Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, std::string* name) {
+  std::shared_ptr<ShmDomain> domain;
+  JO_CHECK(ShmDomain::Create(clique_key, group, rank_process, process, attempt, &domain));
+  *name = domain->control_name();
+  Status status = AddDomain(std::move(domain));
+  if (!status.ok()) (void)UnlinkShm(*name);
+  return status;
+}
+
+Status AttachShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, const std::string& name) {
+  std::shared_ptr<ShmDomain> domain;
+  JO_CHECK(ShmDomain::Attach(clique_key, group, rank_process, process, attempt, name, &domain));
+  return AddDomain(std::move(domain));
+}
+
+std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group) {
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.by_key.find({clique_key, group});
+  return it == d.by_key.end() ? nullptr : it->second;
+}
+
+std::string DomainState(int64_t clique_key, int64_t group) {
+  std::shared_ptr<ShmDomain> domain = FindDomain(clique_key, group);
+  if (domain == nullptr) return "absent";
+  return domain->broken() ? "broken" : "ok";
+}
+
+void BreakDomain(int64_t clique_key, int64_t group, const std::string& reason) {
+  if (std::shared_ptr<ShmDomain> domain = FindDomain(clique_key, group))
+    domain->Break(Status(Code::kAborted, reason));
+}
+
+bool ForgetDomain(int64_t clique_key, int64_t group) {
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return d.by_key.erase({clique_key, group}) != 0;
+}
+
+std::string DescribeDomains() {
+  std::vector<std::shared_ptr<ShmDomain>> domains;
+  {
+    Domains& d = AllDomains();
+    std::lock_guard<std::mutex> lock(d.mu);
+    for (const auto& entry : d.by_key) domains.push_back(entry.second);
+  }
+  std::string out;
+  for (const auto& domain : domains) out += domain->Describe() + "\n";
+  return out;
 }
 
 }  // namespace jo::host

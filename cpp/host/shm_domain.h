@@ -114,7 +114,7 @@ class ShmDomain {
   ProcessSlot* process_slot(int32_t index) const;
   RankSlot* rank_slot(int32_t rank) const;
   SiteEntry* site_entry(int64_t site) const;
-  int32_t ProcessIndex(int32_t process) const;  // dense index, -1 if not ours
+  int32_t SlotOf(int32_t process) const;  // its process slot (dense index), -1 if not ours
   void Announce();  // writes our pid into our process slot
 
   const int64_t key_;
@@ -132,5 +132,24 @@ class ShmDomain {
   std::mutex sites_mu_;
   std::vector<int64_t> opened_sites_;  // sites this process opened (to release)
 };
+
+// The domains of this process, by (clique_key, group). The Python bootstrap
+// (jaxoverlap/_bootstrap.py) makes them at trace time, before any call runs:
+// rank_process[r] is the process index of rank r; `process` is ours;
+// `attempt` names the bootstrap attempt (agreed through the store). The
+// leader (the process of rank 0) creates the control segment and returns its
+// name for the key-value store; the others attach to it by name. A broken
+// domain is replaced by the next bootstrap (its call sites keep the old one).
+Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, std::string* name);
+Status AttachShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
+                       int32_t process, int64_t attempt, const std::string& name);
+std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group);  // null if none
+// "absent", "ok" or "broken".
+std::string DomainState(int64_t clique_key, int64_t group);
+// Marks the domain broken (a failed bootstrap): its processes' calls fail fast.
+void BreakDomain(int64_t clique_key, int64_t group, const std::string& reason);
+bool ForgetDomain(int64_t clique_key, int64_t group);
+std::string DescribeDomains();  // one line per domain
 
 }  // namespace jo::host

@@ -1,5 +1,5 @@
 // jaxoverlap._cuda_fake: the CUDA executor linked against the host-side fake
-// (cpp/cuda/fake). Tests only: run() drives CudaCall — the very function the
+// (cpp/cuda/fake). run() drives CudaSite::Enqueue — what the
 // CUDA FFI handlers call — for every rank of a clique, one host thread per
 // rank as XLA does, then lets the fake "GPU" run the queued work.
 #include <nanobind/nanobind.h>
@@ -25,7 +25,8 @@
 
 #include "python/cuda_bootstrap_bindings.h"
 #include "cuda/cuda_bootstrap.h"
-#include "cuda/cuda_call.h"
+#include "core/call.h"
+#include "cuda/cuda_site.h"
 #include "cuda/cuda_clique.h"
 #include "cuda/driver.h"
 #include "cuda/watchdog.h"
@@ -212,6 +213,22 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
             std::make_shared<PlayedExchange>(board, p, procs, timeout_ms,
                                              hosts && hosts->count(p) ? hosts->at(p) : ""));
   }
+  // One call site, as one custom call of one executable: every rank's calls go through it.
+  jo::CallDesc desc;
+  desc.op = q.op;
+  desc.transport = q.transport;
+  desc.clique_key = clique_key;
+  desc.axis = 0;
+  desc.chunks = chunks;
+  desc.bidirectional = bidirectional;
+  desc.timeout_ms = timeout_ms;
+  desc.table.axis_size = nranks;
+  // processes: which (played) process each rank belongs to; a clique spanning
+  // them is one clique object per process, as in real life.
+  desc.table.processes = processes ? *processes : std::vector<int64_t>(devices.size(), 0);
+  desc.table.ordinals = devices;
+  desc.table.device_ids = devices;
+  jo::cuda::CudaSite site(desc, jo::NewCallSiteId(clique_key));
   std::vector<std::string> statuses(nranks);
   {
     nb::gil_scoped_release release;
@@ -228,28 +245,16 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
           statuses[r] = "stream creation failed";
           return;
         }
-        jo::cuda::CudaCallArgs args;
-        args.problem = q;
-        if (r == skew_rank) ++args.problem.chunks;  // tests: this rank disagrees on the call
-        if (r == skip_rank) return;                  // tests: this rank never makes the call
-        args.timeout_ms = timeout_ms;
-        args.clique_key = clique_key;
-        args.table.axis_size = nranks;
-        args.table.devices = devices;
-        // processes: which (played) process each rank belongs to; a clique
-        // spanning them is one clique object per process, as in real life.
-        if (processes) {
-          args.table.processes = *processes;
-          args.process_index = (*processes)[r];
-        } else {
-          args.table.processes.assign(devices.size(), 0);
-          args.process_index = 0;
-        }
-        args.device = dev;
-        args.stream = xla;
-        args.io = {x[r], w[r], y[r], g[r]};
+        jo::Problem problem = q;
+        if (r == skew_rank) ++problem.chunks;  // tests: this rank disagrees on the call
+        if (r == skip_rank) return;            // tests: this rank never makes the call
+        jo::Caller caller;
+        caller.process = desc.table.processes[static_cast<size_t>(r)];
+        caller.device = dev;
+        caller.naming = jo::DeviceNaming::kLocalOrdinal;
+        const jo::CallBuffers io{x[r], w[r], y[r], g[r]};
         for (int c = 0; c < calls; ++c) {
-          jo::Status status = jo::cuda::CudaCall(args);
+          jo::Status status = site.Enqueue(caller, problem, io, xla);
           if (!status.ok()) {
             statuses[r] = status.ToString();
             return;
@@ -428,9 +433,13 @@ std::map<std::string, std::string> MisuseChecks() {
 std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
                                       std::vector<int64_t> devices, int64_t process_index,
                                       int device) {
-  jo::cuda::RankTable table{axis_size, std::move(processes), std::move(devices)};
-  jo::cuda::Placement place;
-  jo::Status status = jo::cuda::Place(table, process_index, device, "ag_matmul", &place);
+  jo::RankTable table{axis_size, std::move(processes), devices, devices};
+  jo::Caller caller;
+  caller.process = process_index;
+  caller.device = device;
+  caller.naming = jo::DeviceNaming::kLocalOrdinal;
+  jo::Placement place;
+  jo::Status status = jo::Place(table, caller, "ag_matmul", &place);
   if (!status.ok()) return status.message();
   return "rank " + std::to_string(place.rank) + " group " + std::to_string(place.group);
 }

@@ -14,7 +14,8 @@
 #include <string>
 
 #include "python/cuda_bootstrap_bindings.h"
-#include "cuda/cuda_call.h"
+#include "core/call.h"
+#include "cuda/cuda_site.h"
 #include "cuda/driver.h"
 #include "cuda/ffi_handlers.h"
 #include "cuda/gemm.h"
@@ -28,10 +29,26 @@ namespace {
 
 using jo::python::Encapsulate;
 
+// name -> {stage: capsule} (platform CUDA); both targets run the same handler
+// (the `op` attribute tells the ops apart).
 nb::dict Registrations() {
   nb::dict out;
-  out["jaxoverlap_cuda_ag_matmul"] = Encapsulate(jo::cuda::AgMatmulHandler);
-  out["jaxoverlap_cuda_matmul_rs"] = Encapsulate(jo::cuda::MatmulRsHandler);
+  for (const char* name : {"jaxoverlap_cuda_ag_matmul", "jaxoverlap_cuda_matmul_rs"}) {
+    nb::dict stages;
+    stages["instantiate"] = Encapsulate(jo::cuda::InstantiateHandler);
+    stages["execute"] = Encapsulate(jo::cuda::ExecuteHandler);
+    out[name] = stages;
+  }
+  return out;
+}
+
+// name -> {"type_id", "type_info"} for jax.ffi.register_ffi_type (platform CUDA).
+nb::dict Types() {
+  nb::dict site;
+  site["type_id"] = nb::capsule(jo::cuda::SiteTypeId());
+  site["type_info"] = nb::capsule(const_cast<void*>(jo::cuda::SiteTypeInfo()));
+  nb::dict out;
+  out["jaxoverlap_cuda_call_site"] = site;
   return out;
 }
 
@@ -72,7 +89,9 @@ nb::dict BuildInfo() {
   info["nvidia_wheels"] = JO_NVIDIA_WHEELS;
   info["kernels"] = jo::cuda::KernelsDescription();
   info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
-  info["transports"] = nb::make_tuple("nccl", "p2p", "multicast");
+  info["transports"] = nb::make_tuple(jo::TransportName(jo::Transport::kNccl),
+                                      jo::TransportName(jo::Transport::kP2p),
+                                      jo::TransportName(jo::Transport::kMulticast));
   return info;
 }
 
@@ -150,10 +169,12 @@ NB_MODULE(_cuda, m) {
   m.doc() = "jaxoverlap CUDA extension: CUDA executor and CUDA FFI handlers.";
   m.attr("__version__") = JO_VERSION;
   m.def("build_info", &BuildInfo, "What this extension was built with.");
-  m.def("registrations", &Registrations, "FFI target name -> handler capsule (platform CUDA).");
+  m.def("registrations", &Registrations,
+        "FFI target name -> {stage: handler capsule} (platform CUDA).");
+  m.def("types", &Types, "FFI type name -> {'type_id', 'type_info'} capsules (platform CUDA).");
   m.def("capabilities", &Capabilities,
         "GPUs, driver/runtime/NCCL/cuBLAS versions, peer access, multicast (never raises).");
-  m.def("set_process_index", &jo::cuda::SetProcessIndex, nb::arg("index"),
+  m.def("set_process_index", &jo::SetProcessIndex, nb::arg("index"),
         "The process index the handlers find themselves with in the rank table.");
   m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
   m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Tests only: forget every clique.");

@@ -2,7 +2,10 @@
 //
 // Exposes (1) the CPU FFI handlers as capsules through registrations(),
 // (2) the program builder, so Python tests and jaxoverlap.sim read the very
-// programs the executors run, and (3) build information and test hooks.
+// programs the executors run, (3) the multi-process bootstrap's pieces
+// (shared-memory domains, fd passing) and (4) build information. Test-only
+// helpers live in a module of their own that is not installed
+// (cpp/python/testing_module.cc).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -17,12 +20,11 @@
 #include "core/program.h"
 #include "host/blas.h"
 #include "host/ffi_handlers.h"
-#include "host/host_call.h"
+#include "host/host_site.h"
+#include "host/shm_domain.h"
 #include "host/fd_share.h"
 #include "core/deadline.h"
 #include "host/shm.h"
-#include "host/workers.h"
-#include "python/py_exchange.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
@@ -43,6 +45,13 @@ std::string CompilerName() {
 #endif
 }
 
+// The transports, in the order of jo::Transport (Python reads this list).
+nb::tuple Transports() {
+  return nb::make_tuple(jo::TransportName(jo::Transport::kNccl),
+                        jo::TransportName(jo::Transport::kP2p),
+                        jo::TransportName(jo::Transport::kMulticast));
+}
+
 nb::dict BuildInfo() {
   nb::dict info;
   info["version"] = JO_VERSION;
@@ -52,81 +61,36 @@ nb::dict BuildInfo() {
   info["jaxlib_headers"] = JO_JAXLIB_VERSION;
   info["blas"] = JO_BLAS_NAME;
   info["gemm"] = jo::host::BlasName();
-  info["transports"] = nb::make_tuple("nccl", "p2p", "multicast");
+  info["transports"] = Transports();
   // heap for in-process cliques; POSIX shm for cliques spanning processes.
-  info["workspace_allocator"] = "heap, shm (cliques spanning processes)";
+  info["workspace"] = "heap in one process, POSIX shared memory across processes";
   return info;
 }
 
 using jo::python::Encapsulate;
 
-// name -> {stage: capsule}, the dict form of jax.ffi.register_ffi_target.
+// name -> {stage: capsule}, the dict form of jax.ffi.register_ffi_target. Both
+// targets run the same handler (the `op` attribute tells the ops apart); two
+// names keep them apart in HLO and in profiles.
 nb::dict Registrations() {
   nb::dict out;
-  nb::dict ag, rs;
-  ag["instantiate"] = Encapsulate(jo::host::InstantiateHandler);
-  ag["execute"] = Encapsulate(jo::host::AgMatmulHandler);
-  rs["instantiate"] = Encapsulate(jo::host::InstantiateHandler);
-  rs["execute"] = Encapsulate(jo::host::MatmulRsHandler);
-  out["jaxoverlap_ag_matmul"] = ag;
-  out["jaxoverlap_matmul_rs"] = rs;
-  return out;
-}
-
-// Tests only: the CUDA handlers' first execution runs set-up exchanges
-// through Python (PyExchange: takes the GIL, calls the jax.distributed store)
-// from inside an XLA execution. This CPU handler does exactly that, so a
-// test can show that it completes under jit (jaxlib does not hold the GIL
-// while XLA executes) with real processes: y = x + the sum, over the
-// exchange's processes, of (process + 1).
-std::mutex g_probe_mu;
-std::shared_ptr<jo::Exchange> g_probe_exchange;
-
-ffi::Error ExchangeProbeImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  std::shared_ptr<jo::Exchange> exchange;
-  {
-    std::lock_guard<std::mutex> lock(g_probe_mu);
-    exchange = g_probe_exchange;
+  for (const char* name : {"jaxoverlap_ag_matmul", "jaxoverlap_matmul_rs"}) {
+    nb::dict stages;
+    stages["instantiate"] = Encapsulate(jo::host::InstantiateHandler);
+    stages["execute"] = Encapsulate(jo::host::ExecuteHandler);
+    out[name] = stages;
   }
-  if (!exchange)
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no probe exchange set");
-  std::map<int32_t, std::string> all;
-  const jo::Status status =
-      exchange->AllGather("probe", std::to_string(exchange->process() + 1), &all);
-  if (!status.ok()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.ToString());
-  float total = 0;
-  for (const auto& [process, text] : all) total += std::stof(text);
-  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = x.typed_data()[i] + total;
-  return ffi::Error::Success();
-}
-
-XLA_FFI_DEFINE_HANDLER(kExchangeProbe, ExchangeProbeImpl,
-                       ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
-
-void SetProbeExchange(nb::object impl) {
-  std::shared_ptr<jo::Exchange> exchange;
-  if (!impl.is_none()) exchange = std::make_shared<jo::python::PyExchange>(std::move(impl));
-  std::lock_guard<std::mutex> lock(g_probe_mu);
-  g_probe_exchange = std::move(exchange);
+  return out;
 }
 
 // name -> {"type_id", "type_info"} for jax.ffi.register_ffi_type (register
 // these before the targets, and after the CPU backend exists).
 nb::dict Types() {
   nb::dict site;
-  site["type_id"] = nb::capsule(jo::host::CallSiteTypeId());
-  site["type_info"] = nb::capsule(const_cast<void*>(jo::host::CallSiteTypeInfo()));
+  site["type_id"] = nb::capsule(jo::host::SiteTypeId());
+  site["type_info"] = nb::capsule(const_cast<void*>(jo::host::SiteTypeInfo()));
   nb::dict out;
   out["jaxoverlap_call_site"] = site;
-  return out;
-}
-
-nb::dict Workers() {
-  int alive = 0, idle = 0;
-  jo::host::WorkerCounts(&alive, &idle);
-  nb::dict out;
-  out["alive"] = alive;
-  out["idle"] = idle;
   return out;
 }
 
@@ -361,50 +325,6 @@ std::vector<int> FdReceive(const std::string& name, size_t count, int owner_pid,
   return out;
 }
 
-// Tests only: drives a jo::Exchange from C++ (as the CUDA executor's set-up will).
-nb::dict ExchangeSelftest(nb::object impl, bool share_fds, int owner_fd) {
-  jo::python::PyExchange exchange(std::move(impl));
-  const std::vector<int32_t> procs = exchange.processes();
-  const int32_t me = exchange.process();
-  if (procs.empty()) throw nb::value_error("exchange: no processes");
-  std::string uid;
-  if (me == procs.front()) {
-    uid.assign(128, '\0');  // an ncclUniqueId's size, NULs included
-    for (size_t i = 0; i < uid.size(); ++i) uid[i] = static_cast<char>(i * 7 + 3);
-  }
-  nb::dict out;
-  {
-    nb::gil_scoped_release release;  // as set-up code on another thread might run
-    ThrowIfError(exchange.Broadcast("selftest/uid", procs.front(), &uid));
-  }
-  std::string mine = "handles of process " + std::to_string(me);
-  mine.push_back('\0');
-  std::map<int32_t, std::string> all;
-  ThrowIfError(exchange.AllGather("selftest/handles", mine, &all));
-  out["uid"] = nb::bytes(uid.data(), uid.size());
-  nb::dict gathered;
-  for (const auto& [p, bytes] : all) gathered[nb::int_(p)] = nb::bytes(bytes.data(), bytes.size());
-  out["handles"] = gathered;
-  // The multicast shape of ShareFds: only the first process offers an fd.
-  if (share_fds) {
-    std::vector<int> offer;
-    if (me == procs.front()) offer.push_back(owner_fd);
-    std::map<int32_t, std::vector<int>> got;
-    {
-      nb::gil_scoped_release release;
-      ThrowIfError(exchange.ShareFds("selftest/fd", offer, &got));
-    }
-    nb::dict fds;
-    for (const auto& [p, list] : got) {
-      nb::list l;
-      for (int fd : list) l.append(nb::int_(fd));
-      fds[nb::int_(p)] = l;
-    }
-    out["fds"] = fds;
-  }
-  return out;
-}
-
 }  // namespace
 
 NB_MODULE(_host, m) {
@@ -415,7 +335,9 @@ NB_MODULE(_host, m) {
   m.def("registrations", &Registrations,
         "FFI target name -> {stage: handler capsule} (platform cpu).");
   m.def("types", &Types, "FFI type name -> {'type_id', 'type_info'} capsules (platform cpu).");
-  m.def("_workers", &Workers, "Tests only: host worker threads alive and idle.");
+  m.attr("TRANSPORTS") = Transports();
+  m.def("set_process_index", &jo::SetProcessIndex, nb::arg("index"),
+        "This process's index in the jax.distributed job (placement, shared memory).");
   m.def("build_program", &BuildProgramDict, nb::arg("op"), nb::arg("transport"),
         nb::arg("nranks"), nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"),
         nb::arg("n"), nb::arg("dtype") = "float32", nb::arg("chunks") = 1,
@@ -426,9 +348,6 @@ NB_MODULE(_host, m) {
         "Checks a program dict (as build_program returns it): every operand inside its buffer, "
         "every peer, flag, event and stream in range; raises ValueError naming the op.");
   m.def("cliques", &jo::host::DescribeCliques, "One line per live clique.");
-  m.def("_set_test_skip", &jo::host::SetTestSkip, nb::arg("rank"), nb::arg("calls"),
-        "Tests only: the next `calls` calls of `rank` skip the protocol (peers time out).");
-  m.def("_reset_cliques", &jo::host::ResetCliques, "Tests only: forget every clique.");
   // Multi-process bootstrap (jaxoverlap/_bootstrap.py); errors are RuntimeError.
   m.def("_shm_domain_create", &ShmDomainCreate, nb::arg("clique_key"), nb::arg("group"),
         nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"),
@@ -451,18 +370,9 @@ NB_MODULE(_host, m) {
   m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("owner_pid"),
         nb::arg("timeout_ms"),
         nb::call_guard<nb::gil_scoped_release>(), "Receives `count` fds from `_fd_serve`.");
-  m.def("_exchange_selftest", &ExchangeSelftest, nb::arg("exchange"),
-        nb::arg("share_fds") = false, nb::arg("owner_fd") = -1,
-        "Tests only: a broadcast and an allgather through jo::Exchange over a Python object; "
-        "with share_fds, ShareFds where the first process offers owner_fd and the others "
-        "nothing (the caller owns the duplicates returned under 'fds').");
   m.def("_domain_state", &jo::host::DomainState, nb::arg("clique_key"), nb::arg("group"),
         "'absent', 'ok' or 'broken': the domain of a group spanning processes here.");
   m.def("_break_domain", &jo::host::BreakDomain, nb::arg("clique_key"), nb::arg("group"),
         nb::arg("reason"));
-  m.def("_exchange_probe_target", [] { return Encapsulate(kExchangeProbe); },
-        "Tests only: a CPU FFI handler that allgathers through the probe exchange.");
-  m.def("_set_probe_exchange", &SetProbeExchange, nb::arg("exchange").none(),
-        "Tests only: the exchange the probe handler uses (None: forget it).");
   m.def("_forget_domain", &jo::host::ForgetDomain, nb::arg("clique_key"), nb::arg("group"));
 }

@@ -210,16 +210,14 @@ def global_forward(layer: str, kind: str, x, kernel, bias, *, axis_name: str,
     local = functools.partial(local_forward, kind, axis_name=axis_name,
                               sequence_parallel=sequence_parallel, impl=impl,
                               precision=precision)
-    # The native path needs the concrete mesh (its rank table) while the body is traced.
-    with _spmd._entry_mesh(mesh):
-        if bias is None:
-            fn = jax.shard_map(lambda x, k: local(x, k, None), mesh=mesh,
-                               in_specs=(x_spec, k_spec), out_specs=y_spec)
-            return fn(_spmd._place(x, mesh, x_spec), _spmd._place(kernel, mesh, k_spec))
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, k_spec, b_spec),
-                           out_specs=y_spec)
-        return fn(_spmd._place(x, mesh, x_spec), _spmd._place(kernel, mesh, k_spec),
-                  _spmd._place(bias, mesh, b_spec))
+    if bias is None:
+        fn = jax.shard_map(lambda x, k: local(x, k, None), mesh=mesh,
+                           in_specs=(x_spec, k_spec), out_specs=y_spec)
+        return fn(_spmd._place(x, mesh, x_spec), _spmd._place(kernel, mesh, k_spec))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, k_spec, b_spec),
+                       out_specs=y_spec)
+    return fn(_spmd._place(x, mesh, x_spec), _spmd._place(kernel, mesh, k_spec),
+              _spmd._place(bias, mesh, b_spec))
 
 
 def forward(layer: str, kind: str, x, kernel, bias, *, axis_name: str,

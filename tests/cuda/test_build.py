@@ -60,7 +60,7 @@ def test_fake_build_resolves_every_cuda_call_itself(fake):
 def test_handlers_registered_for_cuda(cuda):
     from jax._src.lib import xla_client
 
-    _native._ensure_cuda_registered()
+    _native._ensure_registered("cuda")
     with xla_client._custom_callback_lock:
         pending = list(xla_client._custom_callback.get("CUDA", []))
     if "CUDA" in xla_client._custom_callback_handler:
@@ -80,7 +80,7 @@ def test_native_gpu_questions(cuda):
     assert _native.unavailable_reason("gpu", jnp.float32) is None
     assert _native.unavailable_reason("gpu", jnp.bfloat16) is None
     assert "int32" in _native.unavailable_reason("gpu", jnp.int32)
-    assert _native.transports("cpu") == ("nccl", "p2p", "multicast")
+    assert _native.transports() == ("nccl", "p2p", "multicast")
 
 
 def test_info_has_a_gpu_section(cuda):

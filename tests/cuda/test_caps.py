@@ -1,10 +1,24 @@
-"""Transport selection from capability tables (injected: no GPU needed)."""
+"""Transport selection from capability tables (injected: no GPU needed).
+
+``choose_transport`` runs the one resolver (``_native_call.resolve_transport``) with the
+table injected as this machine's capabilities.
+"""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
-from jaxoverlap._cuda_caps import choose_transport, transport_reasons
+from jaxoverlap import _cuda_caps
+from jaxoverlap._cuda_caps import transport_reasons
+from jaxoverlap._native_call import resolve_transport
+
+
+def choose_transport(caps, devices, requested="auto", *, across_processes=False):
+    with mock.patch.object(_cuda_caps, "capabilities", lambda: caps):
+        return resolve_transport("cuda", requested, None, spans_processes=across_processes,
+                                 local_ordinals=list(devices))
 
 
 def table(n=8, cc=(9, 0), multicast=True, peer=True, driver=13000, api=True, name="H100"):
@@ -62,7 +76,7 @@ def test_partial_peer_access_only_matters_inside_the_clique():
 
 def test_no_gpu():
     caps = {"error": "no usable GPU: cudaErrorNoDevice", "devices": [], "peer_access": []}
-    with pytest.raises(ValueError, match="no GPU transport can run here"):
+    with pytest.raises(ValueError, match="no transport can run here"):
         choose_transport(caps, [0])
     with pytest.raises(ValueError, match="not available"):
         choose_transport(caps, [0], "nccl")

@@ -237,7 +237,7 @@ def test_ranks_disagreeing_on_the_call(fake, transport):
     assert "chunks=2" in failed[0] and "chunks=1" in failed[0]
     assert not out["drained"] and "deadlock" in fake.errors()[-1]
     again = fake.run(*args, clique_key=5)
-    assert all(s and "broken by an earlier failure" in s for s in again["statuses"])
+    assert all(s and "aborted by an earlier failure" in s for s in again["statuses"])
 
 
 def test_rank_table_membership_errors_are_clean(fake):
@@ -279,7 +279,7 @@ def test_watchdog_turns_a_missing_peer_into_an_error(fake, op, transport):
     assert "not finished on GPU" in warning and "epoch 1" in warning, warning
     assert ("inside NCCL" if transport == "nccl" else "waiting for flag") in warning, warning
     again = fake.run(*args, clique_key=9)
-    assert all(s and "broken by an earlier failure" in s and "not finished" in s
+    assert all(s and "aborted by an earlier failure" in s and "not finished" in s
                for s in again["statuses"]), again["statuses"]
 
 
@@ -559,7 +559,7 @@ def test_clique_spanning_processes_without_peer_access_between_local_gpus(fake):
     assert "peer access from GPU 0 to GPU 1" in statuses[2], statuses
     again, _, _ = _run_spanning(fake, "ag_matmul", "p2p", [0, 0, 1, 1], [0, 1, 2, 3], 3, key=26,
                                 calls=1, timeout_ms=60000)
-    assert all(s and "broken by an earlier failure" in s for s in again["statuses"]), again
+    assert all(s and "aborted by an earlier failure" in s for s in again["statuses"]), again
 
 
 def test_clique_spanning_processes_without_the_id(fake):
@@ -603,7 +603,7 @@ def test_nccl_communicator_creation_has_a_deadline(fake):
     assert fake.counters()["ncclCommAbort"] >= 1
     assert fake.errors() == []
     again = fake.run(*args, clique_key=28, processes=[0, 1], skip_rank=1, timeout_ms=300)
-    assert "broken by an earlier failure" in again["statuses"][0], again
+    assert "aborted by an earlier failure" in again["statuses"][0], again
 
 
 def test_watchdog_names_the_process_of_a_missing_peer(fake):

@@ -1,9 +1,9 @@
 """The GPU lowering in _native, run on a CPU-only machine.
 
-JAX can lower for a platform it does not have (``lowering_platforms=("cuda",)``).
-With the platform probe and the capability table injected, the ops lower to the
-CUDA custom calls; the HLO must carry the rank table and the attributes the
-handler binds (names and element types), and no ``coords`` operand.
+JAX can lower for a platform it does not have (``lowering_platforms=("cuda",)``); the native
+primitive's lowering rule then emits the CUDA custom calls. With the capability table
+injected, the HLO must carry the rank table and the attributes the handler binds (names and
+element types), and no ``coords`` operand.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap import _cuda_caps, _native
+from jaxoverlap import _cuda_caps
 
 from .test_caps import table
 
 
 @pytest.fixture()
 def gpu_lowering(monkeypatch, cuda):
-    monkeypatch.setattr(_native, "_call_platform", lambda mesh=None: "gpu")
     monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
 
 
@@ -46,8 +45,10 @@ def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
     assert signature.count("tensor<") == 3, call  # x, w -> y
     ids = [d.id for d in np.moveaxis(devices, 1, -1).reshape(-1)]
     # i64 arrays, the handler's Span<const int64_t> (the rank table in (group, rank) order).
-    assert f"devices = dense<[{', '.join(map(str, ids))}]> : tensor<8xi64>" in call, call
+    assert f"device_ids = dense<[{', '.join(map(str, ids))}]> : tensor<8xi64>" in call, call
+    assert f"ordinals = dense<[{', '.join(map(str, ids))}]> : tensor<8xi64>" in call, call
     assert "processes = dense<0> : tensor<8xi64>" in call, call
+    assert "op = 0 : i32" in call, call
     assert f"transport = {('nccl', 'p2p', 'multicast').index(transport)} : i32" in call
     for attr in ("axis = 1 : i64", "axis_size = 4 : i64", "chunks =", "timeout_ms =",
                  "clique_key =", "bidirectional ="):
@@ -67,8 +68,7 @@ def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
     assert "jaxoverlap_cuda_ag_matmul" in text  # the backward of matmul_rs is an ag_matmul
 
 
-def test_explicit_transport_the_gpus_lack_is_a_trace_time_error(monkeypatch, cuda):
-    monkeypatch.setattr(_native, "_call_platform", lambda mesh=None: "gpu")
+def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch, cuda):
     monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8, multicast=False))
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
     x = jnp.ones((16, 32), jnp.float32)
@@ -78,8 +78,8 @@ def test_explicit_transport_the_gpus_lack_is_a_trace_time_error(monkeypatch, cud
                                          mesh=mesh), x, w)
 
 
-def test_without_a_concrete_mesh_the_error_says_what_to_do(monkeypatch, cuda):
-    monkeypatch.setattr(_native, "_call_platform", lambda mesh=None: "gpu")
+def test_a_users_shard_map_needs_no_set_mesh(monkeypatch, cuda):
+    """The concrete mesh of a plain jit(shard_map(mesh=...)) is known where the call lowers."""
     monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
 
@@ -88,5 +88,19 @@ def test_without_a_concrete_mesh_the_error_says_what_to_do(monkeypatch, cuda):
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
                        out_specs=P(None, "tp"))
-    with pytest.raises(ValueError, match="needs the concrete mesh"):
+    text = _lower(fn, jnp.ones((16, 32)), jnp.ones((32, 8)))
+    assert "jaxoverlap_cuda_ag_matmul" in text and "device_ids = dense<[0, 1, 2, 3]>" in text
+
+
+def test_an_abstract_mesh_on_gpu_gets_an_error_saying_what_to_do(monkeypatch, cuda):
+    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
+    abstract = Mesh(np.array(jax.devices()[:4]), ("tp",),
+                    axis_types=(AxisType.Auto,)).abstract_mesh
+
+    def local(a, b):
+        return jo.ag_matmul(a, b, "tp", impl="native", transport="nccl")
+
+    fn = jax.shard_map(local, mesh=abstract, in_specs=(P("tp"), P(None, "tp")),
+                       out_specs=P(None, "tp"))
+    with pytest.raises(ValueError, match="need the concrete mesh where the program lowers"):
         _lower(fn, jnp.ones((16, 32)), jnp.ones((32, 8)))

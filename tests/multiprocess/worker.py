@@ -167,23 +167,21 @@ def mixed(transport: str = "p2p") -> dict[str, Any]:
 
 
 def user_shard_map(mesh: Mesh, transport: str) -> None:
-    """A user's own shard_map: refused without the concrete mesh, right under jax.set_mesh."""
+    """A user's own jit(shard_map(mesh=...)), the plain way, without jax.set_mesh: the call
+    learns the concrete mesh where it lowers. Also with "auto", which must pick nccl for a
+    clique spanning processes."""
     x64 = values(30, (16, 8), "float32")
     w64 = values(31, (8, 8), "float32")
     x = global_array(x64, mesh, P("tp", None), "float32")
     w = global_array(w64, mesh, P(None, "tp"), "float32")
-    f = jax.jit(jax.shard_map(
-        lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", transport=transport),
-        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
-    try:
-        f(x, w)
-    except ValueError as e:
-        assert "need the concrete mesh" in str(e), e
-    else:
-        raise AssertionError("a multi-process native call without the mesh was not refused")
-    with jax.set_mesh(mesh):
-        y = f(x, w)
-    check_shards("user shard_map", y, x64 @ w64, "float32")
+    for t in (transport, "auto"):
+        f = jax.jit(jax.shard_map(
+            lambda x, w, t=t: jo.ag_matmul(x, w, "tp", impl="native", transport=t),
+            mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+        check_shards(f"user shard_map {t}", f(x, w), x64 @ w64, "float32")
+        text = f.lower(x, w).as_text()
+        want = transport if t != "auto" else "nccl"
+        assert f"transport = {('nccl', 'p2p', 'multicast').index(want)} : i32" in text, text
 
 
 def check_dp_tp(mesh: Mesh, transport: str) -> str:
@@ -474,6 +472,14 @@ def shm_full() -> dict[str, Any]:
     os._exit(0)  # the clique is broken: jax.distributed's shutdown barrier is not needed
 
 
+def _testing_module():
+    """The test helpers' extension module (built in the checkout, not installed)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import testing_ext
+
+    return testing_ext.load()
+
+
 def harness_segments() -> list[str]:
     tag = os.environ.get("JAXOVERLAP_SHM_TAG", "")
     return sorted(n for n in os.listdir("/dev/shm") if tag and tag in n)
@@ -517,15 +523,14 @@ def exchange() -> dict[str, Any]:
             error = str(e)
         assert error is not None and "process 1 did not answer" in error, error
     # The same from C++, through jo::Exchange over a StoreExchange (a 128-byte id with NULs).
-    from jaxoverlap import _runtime
-
-    got_cpp = _runtime.load_host()._exchange_selftest(
+    testing = _testing_module()
+    got_cpp = testing.exchange_selftest(
         _bootstrap.StoreExchange("c0de-g0", procs, timeout_s=60))
     assert got_cpp["uid"] == bytes((i * 7 + 3) % 256 for i in range(128)), got_cpp["uid"]
     assert got_cpp["handles"] == {p: b"handles of process %d\0" % p for p in procs}, got_cpp
     if me == 0:  # process 1 stays silent: the C++ caller gets a timeout naming it
         try:
-            _runtime.load_host()._exchange_selftest(
+            testing.exchange_selftest(
                 _bootstrap.StoreExchange("silent-g0", [0, 1], timeout_s=1.0))
         except RuntimeError as e:
             assert "did not answer" in str(e) and "[1]" in str(e), e
@@ -540,7 +545,7 @@ def exchange() -> dict[str, Any]:
     if owner_fd >= 0:
         os.write(owner_fd, b"the owner's handle")
     try:
-        got_fds = _runtime.load_host()._exchange_selftest(
+        got_fds = testing.exchange_selftest(
             _bootstrap.StoreExchange("f00d-g0", procs, timeout_s=60), share_fds=True,
             owner_fd=owner_fd)["fds"]
     finally:
@@ -556,17 +561,16 @@ def exchange() -> dict[str, Any]:
     checked.append("c++ share_fds from one owner")
     # The same exchange from inside a jitted XLA execution (what the CUDA handlers do at their
     # first execution): the handler takes the GIL and uses the store while XLA runs.
-    host = _runtime.load_host()
-    jax.ffi.register_ffi_target("jaxoverlap_test_exchange_probe", host._exchange_probe_target(),
-                                platform="cpu")
-    host._set_probe_exchange(_bootstrap.StoreExchange("ab1e-g0", procs, timeout_s=60))
+    jax.ffi.register_ffi_target("jaxoverlap_test_exchange_probe",
+                                testing.exchange_probe_target(), platform="cpu")
+    testing.set_probe_exchange(_bootstrap.StoreExchange("ab1e-g0", procs, timeout_s=60))
     probe = jax.jit(lambda x: jax.ffi.ffi_call(
         "jaxoverlap_test_exchange_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
     total = sum(p + 1 for p in procs)
     for step in range(2):
         y = np.asarray(probe(np.full(4, float(step), np.float32)))
         assert np.array_equal(y, np.full(4, step + total, np.float32)), y
-    host._set_probe_exchange(None)
+    testing.set_probe_exchange(None)
     checked.append("exchange inside an XLA execution")
     for method in ("socket", "pidfd"):
         fd = os.memfd_create(f"jo-test-{me}")
@@ -618,7 +622,7 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
     """Multi-process GPU cliques on the host-side fake: the trace-time exchange for real.
 
     Two cliques span every process (group 0: rank r in process r; group 1: reversed, so its
-    root is the last process). ``_native.bootstrap_gpu_cliques`` makes the NCCL unique id in the
+    root is the last process). ``_bootstrap.ensure_gpu_cliques`` makes the NCCL unique id in the
     root process (the fake's ncclGetUniqueId), moves it through this job's jax.distributed store
     and registers it with the module, exactly as a GPU trace does. Then every process runs each
     whole clique through the CUDA executor on its own fake, playing the other processes' ranks
@@ -626,7 +630,7 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
     (NCCL communicators made with the exchanged id) against the reference. What does not cross
     processes here is the fake's NCCL traffic itself (no GPU, no NCCL network).
     """
-    from jaxoverlap import _bootstrap, _cuda_caps, _native
+    from jaxoverlap import _bootstrap, _cuda_caps
 
     _cuda_caps.load_cuda()
     import jaxoverlap._cuda_fake as fake
@@ -643,16 +647,16 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
             os._exit(0)
         start = time.monotonic()
         try:
-            _native.bootstrap_gpu_cliques(fake, key, table, n, timeout_s)
+            _bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s)
             error = None
         except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
             error = f"{type(e).__name__}: {e}"
         result = {"error": error, "elapsed_s": time.monotonic() - start}
         print("JO_MP_RESULT " + json.dumps(result), flush=True)
         os._exit(0)
-    ids = _native.bootstrap_gpu_cliques(fake, key, table, n, timeout_s)
+    ids = _bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s)
     assert sorted(ids) == [0, 1], ids
-    assert _native.bootstrap_gpu_cliques(fake, key, table, n, timeout_s) == {}  # once per clique
+    assert _bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s) == {}  # once per clique
     made = fake.counters().get("ncclGetUniqueId", 0)
     assert made == (me == 0) + (me == n - 1), (me, made)  # only the roots made ids
     everyone = _bootstrap.allgather_bytes("nccl-id-check", "ids", ids[0] + ids[1],
@@ -703,10 +707,10 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     store) and opens the peer's: the fake refuses that, since its "device memory" is this
     process's heap, and its error names the pid the handle came from — the peer's.
     """
-    from jaxoverlap import _bootstrap, _native
+    from jaxoverlap import _bootstrap
 
     me = jax.process_index()
-    _native.bootstrap_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)
+    _bootstrap.ensure_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)
     pids = _bootstrap.allgather_bytes("p2p-pids", "pid", str(os.getpid()).encode(),
                                       processes=[0, 1], timeout_s=timeout_s)
     xs = [np.ones((1, 3, 8), np.float32)] * 2
@@ -723,7 +727,7 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     # Again with GPUs that support fabric handles: both processes agree on them through the
     # store, and the peer's fabric handle (bytes) arrives here and is imported.
     fake.reset(fabric=True)
-    _native.bootstrap_gpu_cliques(fake, key + 1, np.array([0, 1], np.int64), 2, timeout_s)
+    _bootstrap.ensure_gpu_cliques(fake, key + 1, np.array([0, 1], np.int64), 2, timeout_s)
     out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
                    clique_key=key + 1, processes=[0, 1], skip_rank=1 - me,

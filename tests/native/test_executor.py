@@ -14,7 +14,9 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _native
-from jaxoverlap._runtime import load_host
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import late  # noqa: E402
 
 TRANSPORTS = ("nccl", "p2p", "multicast")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -150,7 +152,7 @@ def test_any_axis_of_a_4d_input(axis):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_reversed_mesh_uses_axis_index_not_device_id(transport):
+def test_reversed_mesh_places_ranks_by_the_rank_table(transport):
     check_ag(4, transport, "float32", 2, False, "batch", gathered=True, reverse=True)
     check_rs(4, transport, "float32", 2, True, "batch", reverse=True)
 
@@ -162,13 +164,14 @@ def test_rank_table_attribute_matches_the_mesh():
     f = jax.jit(jax.shard_map(
         lambda x, w: _native.ag_matmul_shard(x, w, axis_name="tp", transport="p2p"),
         mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
-    # Without a concrete mesh in context the table is empty (the handler trusts coords) ...
-    assert "devices = dense<> : tensor<0xi64>" in f.lower(x, w).as_text()
-    # ... with one, it lists the global device ids in (group, rank) order.
-    with jax.set_mesh(mesh):
-        text = f.lower(x, w).as_text()
-        assert "devices = dense<[3, 2, 1, 0]> : tensor<4xi64>" in text
-        np.testing.assert_allclose(np.asarray(f(x, w)), np.full((8, 4), 4.0))
+    # The shard_map's concrete mesh is known where the call lowers (no jax.set_mesh needed):
+    # the table lists the global device ids in (group, rank) order, and the handler finds its
+    # rank there from the device it runs on.
+    text = f.lower(x, w).as_text()
+    assert "device_ids = dense<[3, 2, 1, 0]> : tensor<4xi64>" in text, text
+    assert "processes = dense<0> : tensor<4xi64>" in text, text
+    assert "coords" not in text
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.full((8, 4), 4.0))
 
 
 def test_2d_mesh_two_cliques_run_concurrently():
@@ -239,26 +242,23 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_missing_peer_times_out_with_a_clear_error(transport):
-    host = load_host()
     mesh = mesh_1d(4)
     x = jnp.ones((2, 8, 8), jnp.float32)
     w = jnp.ones((8, 4), jnp.float32)
+    stall = {"on": False}
     f = jax.jit(jax.shard_map(
-        lambda x, w: _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport=transport,
+        lambda x, w: _native.ag_matmul_shard(late(x, 2, 3.0, lambda: stall["on"]), w,
+                                             axis_name="tp", axis=1, transport=transport,
                                              timeout_s=0.5),
         mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")), out_specs=P(None, None, "tp")))
     f(x, w).block_until_ready()  # compile and run once with every rank present
-    host._set_test_skip(2, 1)
+    stall["on"] = True  # rank 2 reaches the next call 3 s late; its peers wait 0.5 s
     start = time.monotonic()
-    try:
-        with pytest.raises(Exception, match=r"missing peer rank\(s\) 2 did not arrive") as info:
-            f(x, w).block_until_ready()
-    finally:
-        host._set_test_skip(-1, 0)
-        host._reset_cliques()
+    with pytest.raises(Exception, match=r"missing peer rank\(s\) 2 did not arrive") as info:
+        f(x, w).block_until_ready()
     assert time.monotonic() - start < 30
     message = str(info.value)
-    assert "ag_matmul" in message and "clique 0x" in message and "epoch " in message
+    assert "ag_matmul" in message and "clique 0x" in message and "epoch 2" in message
 
 
 def test_debug_log_prints_the_plan():
@@ -336,25 +336,29 @@ def test_a_huge_timeout_means_wait_long_not_fail_at_once(timeout_s):
 
 
 def test_exit_while_a_call_waits_for_a_peer_is_clean():
-    """A process that leaves while a native call still waits on a worker thread (a peer never
-    arrived) exits normally: the worker must not touch process-wide state that exit has
-    already destroyed."""
-    script = """
+    """A process that leaves while a native call still waits on a worker thread (a peer is
+    late) exits normally: the worker must not touch process-wide state that exit has already
+    destroyed."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = f"""
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxoverlap import _native
-from jaxoverlap._runtime import load_host
+from helpers import late
+stall = {{"on": False}}
 mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
 f = jax.jit(jax.shard_map(
-    lambda x, w: _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p",
+    lambda x, w: _native.ag_matmul_shard(late(x, 2, 2.0, lambda: stall["on"]), w,
+                                         axis_name="tp", axis=1, transport="p2p",
                                          timeout_s=1.0),
     mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")), out_specs=P(None, None, "tp")))
 x, w = jnp.ones((2, 8, 8)), jnp.ones((8, 4))
 f(x, w).block_until_ready()
-load_host()._set_test_skip(2, 1)
-f(x, w)          # dispatched; ranks 0, 1, 3 wait for rank 2 on worker threads
+stall["on"] = True
+f(x, w)          # dispatched; ranks 0, 1, 3 wait for the late rank 2 on worker threads
 print("leaving", flush=True)
 sys.exit(0)      # normal exit while they wait (their timeout fires during or after it)
 """

@@ -20,26 +20,26 @@ size_t Span(const BlockArgs& a, bool src) {
   return static_cast<size_t>(((a.batch - 1) * bs + (a.m - 1) * ld + a.n) * DTypeSize(a.dtype));
 }
 
-Status Refuse(const CallSite& site, const std::string& what) {
+Status Refuse(const ErrorContext& ctx, const std::string& what) {
   fake::Fail(what);
-  return Status(Code::kInternal, site.Describe() + ": " + what);
+  return Status(Code::kInternal, ctx.Describe() + ": " + what);
 }
 
-Status CheckLaunch(const char* name, cudaStream_t stream, const CallSite& site) {
+Status CheckLaunch(const char* name, cudaStream_t stream, const ErrorContext& ctx) {
   fake::Count(name);
   const int device = fake::StreamDevice(stream);
-  if (device < 0) return Refuse(site, std::string(name) + ": unknown stream");
+  if (device < 0) return Refuse(ctx, std::string(name) + ": unknown stream");
   if (device != fake::CurrentDevice())
-    return Refuse(site, std::string(name) + ": launched on a stream of device " + std::to_string(device) +
+    return Refuse(ctx, std::string(name) + ": launched on a stream of device " + std::to_string(device) +
                             " while device " + std::to_string(fake::CurrentDevice()) + " is current");
   return OkStatus();
 }
 
-Status CheckMulticast(const char* name, const BlockArgs& a, const CallSite& site) {
+Status CheckMulticast(const char* name, const BlockArgs& a, const ErrorContext& ctx) {
   if (fake::DeviceCc(fake::CurrentDevice()) < 9)
-    return Status(Code::kInvalidArgument, site.Describe() + ": " + name + " needs an sm_90 (Hopper) or newer GPU");
+    return Status(Code::kInvalidArgument, ctx.Describe() + ": " + name + " needs an sm_90 (Hopper) or newer GPU");
   if (!MulticastBlockOk(a))
-    return Status(Code::kInvalidArgument, site.Describe() + ": " + name + " on 16-bit data needs an even row width");
+    return Status(Code::kInvalidArgument, ctx.Describe() + ": " + name + " on 16-bit data needs an even row width");
   return OkStatus();
 }
 
@@ -53,11 +53,11 @@ void ForEach(const BlockArgs& a, F&& f) {
 
 }  // namespace
 
-Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const CallSite& site) {
-  JO_CHECK(CheckLaunch("AddBlock", stream, site));
+Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
+  JO_CHECK(CheckLaunch("AddBlock", stream, ctx));
   if (!fake::CheckRange(a.src, Span(a, true), "AddBlock src") ||
       !fake::CheckRange(a.dst, Span(a, false), "AddBlock dst"))
-    return Refuse(site, "AddBlock: out of range");
+    return Refuse(ctx, "AddBlock: out of range");
   fake::Enqueue(stream, "AddBlock", [a] {
     ForEach(a, [&](int64_t s, int64_t d) {
       host::StoreElement(a.dtype, a.dst, d,
@@ -67,13 +67,13 @@ Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const CallSite& s
   return OkStatus();
 }
 
-Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const CallSite& site) {
-  JO_CHECK(CheckLaunch("McStore", stream, site));
-  JO_CHECK(CheckMulticast("multicast store (multimem.st)", a, site));
+Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
+  JO_CHECK(CheckLaunch("McStore", stream, ctx));
+  JO_CHECK(CheckMulticast("multicast store (multimem.st)", a, ctx));
   std::vector<std::byte*> targets;
   if (!fake::CheckRange(a.src, Span(a, true), "McStore src") ||
       !fake::MulticastTargets(a.dst, Span(a, false), &targets))
-    return Refuse(site, "McStore: source out of range or destination not a bound multicast address");
+    return Refuse(ctx, "McStore: source out of range or destination not a bound multicast address");
   fake::Enqueue(stream, "McStore", [a, targets] {
     const size_t es = static_cast<size_t>(DTypeSize(a.dtype));
     for (std::byte* t : targets)
@@ -84,13 +84,13 @@ Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const CallSite& si
   return OkStatus();
 }
 
-Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const CallSite& site) {
-  JO_CHECK(CheckLaunch("McReduce", stream, site));
-  JO_CHECK(CheckMulticast("multicast load-reduce (multimem.ld_reduce)", a, site));
+Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
+  JO_CHECK(CheckLaunch("McReduce", stream, ctx));
+  JO_CHECK(CheckMulticast("multicast load-reduce (multimem.ld_reduce)", a, ctx));
   std::vector<std::byte*> sources;
   if (!fake::CheckRange(a.dst, Span(a, false), "McReduce dst") ||
       !fake::MulticastTargets(a.src, Span(a, true), &sources))
-    return Refuse(site, "McReduce: destination out of range or source not a bound multicast address");
+    return Refuse(ctx, "McReduce: destination out of range or source not a bound multicast address");
   fake::Enqueue(stream, "McReduce", [a, sources] {
     ForEach(a, [&](int64_t s, int64_t d) {
       float sum = 0.0f;  // acc::f32, as the .acc::f32 instructions

@@ -1,0 +1,192 @@
+#include "cuda/cuda_site.h"
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "core/deadline.h"
+#include "core/log.h"
+#include "cuda/cuda_bootstrap.h"
+#include "cuda/executor.h"
+#include "cuda/watchdog.h"
+
+namespace jo::cuda {
+namespace {
+
+// One registry per process index: a real process only ever uses its own;
+// the host-side fake plays several processes in one (cliques spanning them
+// must then be distinct objects, as they are in distinct processes). Never
+// destroyed: handlers and the watchdog may run late.
+std::mutex g_registries_mu;
+std::map<int64_t, CliqueRegistry<CudaClique>*>& Registries() {
+  static auto* registries = new std::map<int64_t, CliqueRegistry<CudaClique>*>();
+  return *registries;
+}
+
+CliqueRegistry<CudaClique>& Registry(int64_t process) {
+  std::lock_guard<std::mutex> lock(g_registries_mu);
+  CliqueRegistry<CudaClique>*& r = Registries()[process];
+  if (r == nullptr) r = new CliqueRegistry<CudaClique>();
+  return *r;
+}
+
+std::vector<CliqueRegistry<CudaClique>*> AllRegistries() {
+  std::lock_guard<std::mutex> lock(g_registries_mu);
+  std::vector<CliqueRegistry<CudaClique>*> out;
+  for (auto& [process, r] : Registries()) out.push_back(r);
+  return out;
+}
+
+// Makes the group's clique (first call of any of its sites on this process).
+Status MakeClique(const CallDesc& desc, const CallPlan& plan, const Caller& caller,
+                  std::unique_ptr<CudaClique>* out) {
+  const Placement& place = plan.place;
+  const CliqueKey key{desc.clique_key, place.group, 0};
+  ErrorContext ctx;
+  ctx.op = CollectiveName(desc.op);
+  ctx.rank = place.rank;
+  ctx.clique = CliqueName(key);
+  // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
+  // and multicast with the clique's exchange (buffer handles; the multicast
+  // object's handle).
+  ncclUniqueId nccl_id{};
+  std::shared_ptr<Exchange> exchange;
+  const bool spans = place.spans_processes();
+  if (spans && desc.transport == Transport::kNccl)
+    JO_CHECK(FindNcclId(desc.clique_key, place.group, caller.process, ctx.Describe(), &nccl_id));
+  if (spans && desc.transport != Transport::kNccl) {
+    exchange = FindExchange(desc.clique_key, place.group, caller.process);
+    if (!exchange)
+      return InvalidArgument(ctx.Describe() + ": this " + TransportName(desc.transport) +
+                             " clique spans processes but process " +
+                             std::to_string(caller.process) +
+                             " has no exchange for it: jaxoverlap registers one when the call "
+                             "lowers (jax.distributed.initialize() first, and lower in this "
+                             "process)");
+  }
+  *out = std::make_unique<CudaClique>(key, desc.transport, place.ordinals, place.processes,
+                                      spans ? &nccl_id : nullptr, exchange,
+                                      Millis(desc.timeout_ms));
+  return OkStatus();
+}
+
+}  // namespace
+
+CudaSite::CudaSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(site) {}
+
+Status CudaSite::PlanFor(const Caller& caller, const Problem& problem,
+                         std::shared_ptr<const Plan>* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::pair<int64_t, int64_t> where{caller.process, caller.device};
+  auto it = plans_.find(where);
+  if (it != plans_.end()) {
+    *out = it->second;
+    return OkStatus();
+  }
+  auto plan = std::make_shared<Plan>();
+  JO_CHECK(MakePlan(desc_, problem, site_, caller, &plan->call));
+  JO_REQUIRE(!desc_.table.processes.empty(),
+             std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
+  plan->signature = plan->call.signature + " at call site " + std::to_string(site_);
+  const CliqueKey key{desc_.clique_key, plan->call.place.group, 0};
+  Status made = OkStatus();
+  Status got = Registry(caller.process).GetOrCreate(key, problem.nranks, [&] {
+    std::unique_ptr<CudaClique> clique;
+    made = MakeClique(desc_, plan->call, caller, &clique);
+    return clique;
+  }, &plan->clique);
+  JO_CHECK(made);
+  JO_CHECK(got);
+  if (plan->clique->transport() != desc_.transport ||
+      plan->clique->devices() != plan->call.place.ordinals)
+    return Internal(CliqueName(key) + ": clique key collision (transport or devices differ)");
+  plans_.emplace(where, plan);
+  *out = std::move(plan);
+  return OkStatus();
+}
+
+Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
+                         cudaStream_t stream) {
+  const char* op = CollectiveName(problem.op);
+  std::shared_ptr<const Plan> plan;
+  JO_CHECK(PlanFor(caller, problem, &plan));
+  const Program& program = plan->call.program;
+  CudaClique& clique = *plan->clique;
+  ErrorContext ctx;
+  ctx.op = op;
+  ctx.rank = program.problem.rank;
+  ctx.clique = clique.name();
+
+  RunArgs run;
+  run.program = &program;
+  run.device = static_cast<int>(caller.device);
+  run.stream = stream;
+  run.epoch = clique.NextEpoch(ctx.rank);
+  run.io = io;
+  run.ctx = ctx;
+  run.timeout = Millis(desc_.timeout_ms);
+  const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
+  Status status = clique.Agree(where, ctx.rank, run.epoch, plan->signature);
+  if (status.ok())
+    status = clique.Reserve(program, plan->call.needs, run.epoch, ctx, &run.gen, &run.resources,
+                            &run.comm);
+  if (status.ok()) status = EnqueueProgram(run);
+  if (status.ok()) {
+    // The watchdog turns a peer that never arrives into an error, not a hang.
+    WatchedCall watched;
+    watched.clique = plan->clique;
+    watched.rank = ctx.rank;
+    watched.device = run.device;
+    watched.done = run.resources->done[static_cast<size_t>(run.epoch % RankResources::kDoneSlots)];
+    watched.epoch = run.epoch;
+    watched.gen = run.gen;
+    std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
+    for (const Op& o : program.ops)
+      if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
+    watched.waits.assign(waits.begin(), waits.end());
+    watched.nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
+    watched.op = op;
+    watched.timeout = Millis(desc_.timeout_ms);
+    watched.slots = RankResources::kDoneSlots;
+    const cudaError_t recorded = cudaEventRecord(watched.done, stream);
+    if (recorded == cudaSuccess) {
+      Watch(std::move(watched));
+    } else {
+      status = CudaFailure(recorded, "cudaEventRecord(done)", &ctx);
+    }
+  }
+  if (!status.ok() && status.code() != Code::kAborted) clique.Break(status);
+  // NCCL did not get its peers in time (AwaitNccl): abort the communicators,
+  // so that no NCCL thread keeps waiting for them.
+  if (status.code() == Code::kTimeout && problem.transport == Transport::kNccl)
+    clique.AbortComms();
+  return status;
+}
+
+std::string DescribeCudaCliques() {
+  std::string out;
+  for (auto* registry : AllRegistries())
+    for (const auto& clique : registry->List()) out += clique->Describe() + "\n";
+  return out;
+}
+
+void ResetCudaCliques() {
+  // The watchdog may hold a clique for a moment while it polls; wait (bounded)
+  // until every clique is really gone, so its buffers are freed before the
+  // caller (the fake's reset) forgets the allocations they came from.
+  std::vector<std::weak_ptr<CudaClique>> gone;
+  for (auto* registry : AllRegistries()) {
+    for (const auto& clique : registry->List()) gone.push_back(clique);
+    registry->Clear();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (const auto& weak : gone)
+    while (!weak.expired() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+}  // namespace jo::cuda

@@ -1,0 +1,66 @@
+// The CUDA executor's side of one call site: its plans, the group's clique,
+// and enqueueing its calls.
+//
+// A CudaSite is the FFI instantiate-stage state of one custom call of one
+// executable (ffi/ffi_call.h). The first execution on a GPU places it and
+// builds its plan (core/call.h); later executions fetch it, so an execution
+// only agrees, reserves and enqueues.
+//
+// The clique is the mesh-axis group's, shared by the group's call sites (its
+// buffers are GPU memory: one set per call site would not fit a model's
+// hundreds of sites). Sharing is sound on XLA:GPU: a device's calls are
+// enqueued by one host thread in the executable's program order (thunks run
+// in sequence; the handlers are not command-buffer compatible, so never
+// captured and replayed out of order), every process compiles the same HLO,
+// and each call forks from and joins back into XLA's stream, so a device
+// runs the group's calls one after another, in the same order on every
+// device. The agreement check includes the call site: should a device ever
+// run another site at the same epoch, the call fails instead of exchanging
+// wrong data (docs/gpu.md).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/call.h"
+#include "core/status.h"
+#include "cuda/cuda_clique.h"
+
+namespace jo::cuda {
+
+class CudaSite {
+ public:
+  CudaSite(CallDesc desc, int64_t site);
+
+  // Enqueues one call of `caller` (XLA:GPU names devices by local ordinal) on
+  // `stream`, XLA's stream of that GPU. Returns once the work is enqueued.
+  Status Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
+                 cudaStream_t stream);
+
+  const CallDesc& desc() const { return desc_; }
+
+ private:
+  struct Plan {
+    CallPlan call;
+    std::string signature;  // the call's and the site's
+    std::shared_ptr<CudaClique> clique;
+  };
+  Status PlanFor(const Caller& caller, const Problem& problem, std::shared_ptr<const Plan>* out);
+
+  const CallDesc desc_;
+  const int64_t site_;
+  std::mutex mu_;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const Plan>> plans_;  // (process, device)
+};
+
+// One line per live clique (for info()).
+std::string DescribeCudaCliques();
+// Tests only: forgets every clique (waits for their queued work first).
+void ResetCudaCliques();
+
+}  // namespace jo::cuda

@@ -1,0 +1,240 @@
+// The XLA FFI boundary, shared by both platforms' handlers: the attributes
+// every stage binds (one struct), their checks, the operands' checks, the
+// binding itself, and turning our Status into an ffi::Error (once, here).
+//
+// Every native custom call has the operands x, w, the result y and, for
+// ag_matmul with return_gathered, x_gathered, and these attributes:
+//   op i32 (0 ag_matmul, 1 matmul_rs), clique_key i64, axis i64,
+//   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
+//   bidirectional bool, timeout_ms i64, and the rank table in (group, rank)
+//   order: processes i64[], device_ids i64[] (JAX's global ids),
+//   ordinals i64[] (local ordinals). The table is empty only for a CPU call
+//   in one process whose mesh was abstract where it lowered; the CPU call
+//   then has a third operand, coords: int32[2] = (rank, group) from
+//   lax.axis_index (the GPU handler needs the table: reading a device scalar
+//   would need a sync).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/call.h"
+#include "core/program.h"
+#include "core/status.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jo::ffi_call {
+
+namespace ffi = xla::ffi;
+
+struct CallAttrs {
+  int32_t op;
+  int64_t clique_key, axis, axis_size;
+  int32_t transport;
+  int64_t chunks;
+  bool bidirectional;
+  int64_t timeout_ms;
+  ffi::Span<const int64_t> processes, device_ids, ordinals;
+};
+
+}  // namespace jo::ffi_call
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jo::ffi_call::CallAttrs, ::xla::ffi::StructMember<int32_t>("op"),
+    ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("axis"),
+    ::xla::ffi::StructMember<int64_t>("axis_size"),
+    ::xla::ffi::StructMember<int32_t>("transport"), ::xla::ffi::StructMember<int64_t>("chunks"),
+    ::xla::ffi::StructMember<bool>("bidirectional"),
+    ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("ordinals"));
+
+namespace jo::ffi_call {
+
+inline std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+inline ffi::Error ToFfi(const Status& status) {
+  switch (status.code()) {
+    case Code::kOk: return ffi::Error::Success();
+    case Code::kInvalidArgument:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message());
+    case Code::kTimeout: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message());
+    case Code::kAborted: return ffi::Error(ffi::ErrorCode::kAborted, status.message());
+    case Code::kResource: return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message());
+    case Code::kInternal: break;
+  }
+  return ffi::Error::Internal(status.message());
+}
+
+// Checks the attributes and copies them out of XLA's storage (the call site
+// outlives the instantiate stage that sees them).
+inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
+  const std::string op = a.op == 0 ? "ag_matmul" : a.op == 1 ? "matmul_rs" : "jaxoverlap";
+  const size_t n = a.processes.size();
+  const auto bad = [&](const std::string& text) { return InvalidArgument(op + ": " + text); };
+  if (a.op != 0 && a.op != 1)
+    return bad("attribute op expected 0 (ag_matmul) or 1 (matmul_rs), got " + std::to_string(a.op));
+  if (a.axis_size < 1)
+    return bad("attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
+  if (a.transport < 0 || a.transport > 2)
+    return bad("attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " +
+               std::to_string(a.transport));
+  if (a.chunks < 1) return bad("attribute chunks expected >= 1, got " + std::to_string(a.chunks));
+  if (a.timeout_ms < 1)
+    return bad("attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
+  if (a.device_ids.size() != n || a.ordinals.size() != n ||
+      n % static_cast<size_t>(a.axis_size) != 0)  // (n == 0: coords place the caller)
+    return bad("the rank table attributes (processes, device_ids, ordinals) expected "
+               "axis_size * groups entries each, got " + std::to_string(n) + ", " +
+               std::to_string(a.device_ids.size()) + ", " + std::to_string(a.ordinals.size()) +
+               " for axis_size " + std::to_string(a.axis_size));
+  out->op = static_cast<Collective>(a.op);
+  out->transport = static_cast<Transport>(a.transport);
+  out->clique_key = a.clique_key;
+  out->axis = a.axis;
+  out->chunks = a.chunks;
+  out->bidirectional = a.bidirectional;
+  out->timeout_ms = a.timeout_ms;
+  out->table.axis_size = a.axis_size;
+  out->table.processes.assign(a.processes.begin(), a.processes.end());
+  out->table.device_ids.assign(a.device_ids.begin(), a.device_ids.end());
+  out->table.ordinals.assign(a.ordinals.begin(), a.ordinals.end());
+  return OkStatus();
+}
+
+inline std::optional<DType> ToDType(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return DType::kF32;
+    case ffi::DataType::BF16: return DType::kBF16;
+    case ffi::DataType::F16: return DType::kF16;
+    default: return std::nullopt;
+  }
+}
+
+// A result must have x's dims with dim `axis` made `axis_dim` and the last
+// dim `last`, and x's dtype.
+inline Status CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
+                          const ffi::AnyBuffer& got, int64_t axis, int64_t axis_dim,
+                          int64_t last) {
+  auto xd = x.dimensions();
+  std::vector<int64_t> want(xd.begin(), xd.end());
+  want[axis] = axis_dim;
+  want.back() = last;
+  auto gd = got.dimensions();
+  const bool same = std::vector<int64_t>(gd.begin(), gd.end()) == want;
+  if (!same)
+    return InvalidArgument(std::string(op) + ": result " + name + " expected shape " +
+                           Dims(ffi::Span<const int64_t>(want.data(), want.size())) + ", got " +
+                           Dims(gd));
+  if (got.element_type() != x.element_type())
+    return InvalidArgument(std::string(op) + ": result " + name + " expected the dtype of x");
+  return OkStatus();
+}
+
+// Checks the operands against the call and gives its canonical problem
+// (docs/native.md §1; everything but the rank) and buffers.
+inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                             const ffi::AnyBuffer& y, const ffi::AnyBuffer* x_gathered,
+                             Problem* q, CallBuffers* io) {
+  const char* op = CollectiveName(d.op);
+  const auto bad = [&](const std::string& text) {
+    return InvalidArgument(std::string(op) + ": " + text);
+  };
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  const int64_t n = d.table.axis_size;
+  if (xd.size() < 2)
+    return bad("operand x expected rank >= 2, got rank " + std::to_string(xd.size()) +
+               " (shape " + Dims(xd) + ")");
+  if (wd.size() != 2)
+    return bad("operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " +
+               Dims(wd) + ")");
+  if (!ToDType(x.element_type())) return bad("operand x expected dtype float32, bfloat16 or float16");
+  if (w.element_type() != x.element_type()) return bad("operand w expected the dtype of x");
+  if (wd[0] != xd[xd.size() - 1])
+    return bad("operand w expected " + std::to_string(xd[xd.size() - 1]) +
+               " rows (x's last dim), got shape " + Dims(wd));
+  if (d.axis < 0 || d.axis > static_cast<int64_t>(xd.size()) - 2)
+    return bad("attribute axis expected in [0, " + std::to_string(xd.size() - 2) + "], got " +
+               std::to_string(d.axis));
+  q->op = d.op;
+  q->transport = d.transport;
+  q->nranks = static_cast<int32_t>(n);
+  q->dtype = *ToDType(x.element_type());
+  q->chunks = d.chunks;
+  q->bidirectional = d.bidirectional;
+  q->k = xd[xd.size() - 1];
+  q->n = wd[1];
+  q->batch = 1;
+  for (int64_t i = 0; i < d.axis; ++i) q->batch *= xd[i];
+  int64_t post = 1;
+  for (size_t i = static_cast<size_t>(d.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
+  if (d.op == Collective::kAgMatmul) {
+    q->rows = xd[d.axis] * post;
+    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] * n, q->n));
+    q->return_gathered = x_gathered != nullptr;
+    if (x_gathered != nullptr)
+      JO_CHECK(CheckResult(op, "x_gathered", x, *x_gathered, d.axis, xd[d.axis] * n, q->k));
+  } else {
+    if (xd[d.axis] % n != 0)
+      return bad("operand x dim " + std::to_string(d.axis) + " (" + std::to_string(xd[d.axis]) +
+                 ") expected divisible by axis_size " + std::to_string(n));
+    if (x_gathered != nullptr) return bad("matmul_rs has one result");
+    q->rows = xd[d.axis] / n * post;
+    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] / n, q->n));
+  }
+  io->x = x.untyped_data();
+  io->w = w.untyped_data();
+  io->y = y.untyped_data();
+  io->x_gathered = x_gathered != nullptr ? x_gathered->untyped_data() : nullptr;
+  return OkStatus();
+}
+
+// The execute stage's binding, in two halves around the platform's extra
+// operands: after the platform's own context (the CUDA stream), the device,
+// the call-site state and x, w; then the results and the attributes.
+template <typename Site, typename Binding>
+auto BindOperands(Binding binding) {
+  return std::move(binding)
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Ctx<ffi::State<Site>>()
+      .template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::AnyBuffer>();  // w
+}
+
+template <typename Binding>
+auto BindResults(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()          // y
+      .template OptionalRet<ffi::AnyBuffer>()  // x_gathered (ag_matmul, return_gathered)
+      .template Attrs<CallAttrs>();
+}
+
+// The instantiate stage: once per call site (one custom call of one
+// executable), for every local device; makes the site. Newer XLA passes
+// placeholder arguments and results here, older passes none.
+inline auto BindInstantiate() {
+  return ffi::Ffi::BindInstantiate().RemainingArgs().RemainingRets().Attrs<CallAttrs>();
+}
+
+// Makes a Site (whose constructor takes (CallDesc, site id)) from the attributes.
+template <typename Site>
+ffi::ErrorOr<std::unique_ptr<Site>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
+                                                CallAttrs attrs) {
+  CallDesc desc;
+  if (Status status = DecodeDesc(attrs, &desc); !status.ok())
+    return ffi::Unexpected<ffi::Error>(ToFfi(status));
+  const int64_t id = NewCallSiteId(desc.clique_key);
+  return std::make_unique<Site>(std::move(desc), id);
+}
+
+}  // namespace jo::ffi_call

@@ -1,0 +1,122 @@
+#include "host/host_site.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "core/log.h"
+#include "host/executor.h"
+#include "host/shm_clique.h"
+#include "host/shm_domain.h"
+#include "host/workers.h"
+
+namespace jo::host {
+namespace {
+
+// Never destroyed: worker threads may still run calls while the process exits.
+CliqueRegistry<HostClique>& Registry() {
+  static auto* registry = new CliqueRegistry<HostClique>;
+  return *registry;
+}
+
+// Nothing throws past here (bad_alloc and friends become a Status).
+template <typename F>
+Status Guarded(const char* op, F&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return Internal(std::string(op) + ": " + e.what());
+  } catch (...) {
+    return Internal(std::string(op) + ": unknown exception");
+  }
+}
+
+}  // namespace
+
+HostSite::HostSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(site) {}
+
+HostSite::~HostSite() { Registry().EraseSite(desc_.clique_key, site_); }
+
+Status HostSite::PlanFor(const Caller& caller, const Problem& problem,
+                         std::shared_ptr<const Plan>* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(caller.device);
+  if (it != plans_.end()) {
+    *out = it->second;
+    return OkStatus();
+  }
+  auto plan = std::make_shared<Plan>();
+  JO_CHECK(MakePlan(desc_, problem, site_, caller, &plan->call));
+  // Every call site has its own clique (docs/native.md §4): in-process, or,
+  // when the bootstrap made a domain for this group, spanning processes.
+  const CliqueKey key = plan->call.clique;
+  std::shared_ptr<ShmDomain> domain = FindDomain(key.key, key.group);
+  JO_REQUIRE(domain == nullptr || domain->nranks() == problem.nranks,
+             domain->name() + " has " + std::to_string(domain->nranks()) +
+                 " ranks, but this call has axis_size " + std::to_string(problem.nranks));
+  JO_CHECK(Registry().GetOrCreate(key, problem.nranks, [&]() -> std::unique_ptr<HostClique> {
+    if (domain != nullptr) return std::make_unique<ShmClique>(domain, key.site);
+    return std::make_unique<LocalClique>(key, problem.nranks);
+  }, &plan->clique));
+  plans_.emplace(caller.device, plan);
+  *out = std::move(plan);
+  return OkStatus();
+}
+
+void HostSite::Start(const Caller& caller, const Problem& problem, const CallBuffers& io,
+                     std::function<void(const Status&)> done) {
+  const char* op = CollectiveName(problem.op);
+  const int64_t device = caller.device;
+  std::shared_ptr<const Plan> plan;
+  Status status = Guarded(op, [&] { return PlanFor(caller, problem, &plan); });
+  if (!status.ok()) {
+    done(status);
+    return;
+  }
+  WaitContext ctx;
+  ctx.op = op;
+  ctx.rank = plan->call.place.rank;
+  ctx.epoch = plan->clique->NextEpoch(ctx.rank);  // here: this device's order of executions
+  ctx.timeout = Millis(desc_.timeout_ms);
+  std::function<Status()> run = [plan, ctx, device, io]() -> Status {
+    HostClique& clique = *plan->clique;
+    JO_CHECK(clique.ClaimRank(ctx, device));
+    struct Release {  // the rank is free again however the call ends
+      HostClique& clique;
+      int32_t rank;
+      ~Release() { clique.ReleaseRank(rank); }
+    } release{clique, ctx.rank};
+    JO_CHECK(clique.Agree(clique.Where(ctx), ctx.rank, ctx.epoch, plan->call.signature));
+    JO_CHECK(clique.Reserve(ctx, plan->call.needs));
+    return RunProgram(plan->call.program, clique, ctx, io);
+  };
+  std::shared_ptr<HostClique> clique = plan->clique;
+  Status posted = Guarded(op, [&] {
+    return PostToWorker([run, done, op]() mutable {
+      Status status = Guarded(op, run);
+      run = nullptr;  // release the plan and the clique before XLA continues
+      done(status);
+    });
+  });
+  if (!posted.ok()) {
+    // This rank took an epoch it will not run: let its peers fail fast.
+    clique->Break(posted);
+    done(posted);
+  }
+}
+
+std::string DescribeCliques() {
+  std::string out;
+  for (const auto& clique : Registry().List()) {
+    int64_t epoch = 0;  // the furthest call of the ranks in this process
+    for (int32_t r = 0; r < clique->nranks(); ++r) epoch = std::max(epoch, clique->Epoch(r));
+    out += clique->name() + ": " + std::to_string(clique->nranks()) + " ranks, " +
+           clique->Kind() + ", epoch " + std::to_string(epoch) + ", workspace 2 x " +
+           std::to_string(clique->WorkspaceBytes()) + " bytes per rank";
+    const std::string broken = clique->BrokenReason();
+    if (!broken.empty()) out += ", BROKEN: " + broken;
+    out += "\n";
+  }
+  return out + DescribeDomains();
+}
+
+}  // namespace jo::host
