@@ -252,7 +252,8 @@ def _bind(op, x, w, *, axis_name, axis, transport, chunks, bidirectional, timeou
     return native_p.bind(
         x, w, _coords(axis_name), op=op, axis_name=axis_name, axis=int(axis),
         axis_size=int(lax.axis_size(axis_name)), chunks=int(chunks),
-        bidirectional=bool(bidirectional), transport=transport or "auto", preferred=preferred, timeout_s=float(timeout_s), return_gathered=bool(return_gathered))
+        bidirectional=bool(bidirectional), transport=transport or "auto", preferred=preferred,
+        timeout_s=float(timeout_s), return_gathered=bool(return_gathered))
 
 
 def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidirectional=False,
