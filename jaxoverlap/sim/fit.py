@@ -159,8 +159,8 @@ def fit_gemm(p: Preset, points: Sequence[GemmPoint], serial: Sequence[SerialPoin
         q = preset(x)
         return sum(_log_error(_gemm_seconds(q, g), g.seconds) ** 4 for g in every)
 
-    start = [getattr(p, n) for n in names]
-    bounds = [(0.05, 1.0), (0.0, 16384.0), (0.0, 100.0)][:len(names)]
+    bounds = [(1e-6, 1.0), (0.0, 16384.0), (0.0, 1000.0)][:len(names)]
+    start = [min(max(getattr(p, n), lo), hi) for n, (lo, hi) in zip(names, bounds, strict=True)]
     x = minimize(cost, start, method="Nelder-Mead", bounds=bounds,
                  options={"xatol": 1e-4, "fatol": 1e-16, "maxiter": 4000}).x
     digits = {"gemm_efficiency": 4, "gemm_k_half": 1, "gemm_overhead_us": 2}

@@ -228,6 +228,7 @@ class Choice:
     table: list[SimResult]
     outside: list[str] = field(default_factory=list)
     min_gain: float = 0.0
+    unfused: bool = True  # the unfused path was allowed to win
 
     @property
     def candidate(self) -> Candidate:
@@ -243,22 +244,29 @@ class Choice:
             mark = "  <- pick" if r is self.best else ""
             lines.append(f"{r.candidate.label:<36} {r.t_fused * 1e6:>9.1f} "
                          f"{r.speedup_vs_xla:>7.3f} {r.overlap_efficiency:>8.3f}{mark}")
-        lines.append(f"fallback margin: a plan must be predicted {self.min_gain:.0%} faster "
-                     "than xla (the model's measured error)")
+        if self.unfused:
+            lines.append(f"fallback margin: a plan must be predicted {self.min_gain:.0%} "
+                         "faster than xla (the model's measured error)")
+        else:
+            lines.append("a fused impl was asked for: the fastest fused plan, even if slower "
+                         "than xla")
         if self.outside:
             lines.append("OUTSIDE THE CALIBRATED RANGE (extrapolated): " + "; ".join(self.outside))
         return "\n".join(lines)
 
 
 def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
-           cands: Sequence[Candidate] | None = None, min_gain: float | None = None) -> Choice:
+           cands: Sequence[Candidate] | None = None, min_gain: float | None = None,
+           unfused: bool = True) -> Choice:
     """Predicts each candidate and picks the fastest.
 
     The unfused ``xla`` path is always among the candidates and wins unless a
     plan is predicted at least ``min_gain`` faster (a fraction; default the
-    preset's ``min_gain``, derived from the model's measured error against
+    preset's margin for ``op``, derived from the model's measured error against
     published measurements, ``sim.published.fallback_margin``): never slower by
-    choice. Ties keep the earlier (simpler) candidate.
+    choice. Ties keep the earlier (simpler) candidate. ``unfused=False``: the caller
+    has fixed a fused impl, so the fastest of ``cands`` is picked (the xla path is
+    still simulated, for the log, but never picked).
     """
     p = load_preset(preset)
     min_gain = p.margin(op) if min_gain is None else min_gain
@@ -267,6 +275,13 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
         cands.insert(0, Candidate("xla", None))
     table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]
     xla = next(r for r in table if r.candidate.impl == "xla")
+    if not unfused:
+        fused = [r for r in table if r.candidate.impl != "xla"]
+        if not fused:
+            raise ValueError("choose(unfused=False) needs at least one fused candidate")
+        best = min(fused, key=lambda r: r.t_fused)
+        return Choice(best, table, outside_calibrated(p, op, shape, dtype, nranks), 0.0,
+                      unfused=False)
     best = xla
     for r in table:
         if r.t_fused < best.t_fused and r.t_fused <= xla.t_fused * (1 - min_gain):

@@ -159,6 +159,21 @@ def test_chooser_margin_keeps_unfused_on_near_ties():
     assert H100.margin("matmul_rs") > H100.margin("ag_matmul")
 
 
+def test_a_fused_impl_asked_for_is_never_replaced_by_xla():
+    # NCCL-only H100, a small call: every native plan is projected slower than xla
+    nccl_only = H100.replace(p2p_gbps=None, multicast_gbps=None)
+    small = sim.Shape.from_global(1024, 8192, 7168, 8)
+    cands = sim.candidates(nccl_only, 8, small, impls=("native",))
+    choice = sim.choose("ag_matmul", small, "bf16", 8, nccl_only, cands, unfused=False)
+    assert choice.candidate.impl == "native" and choice.best.speedup_vs_xla < 1.0
+    assert choice.best.t_fused == min(r.t_fused for r in choice.table
+                                      if r.candidate.impl == "native")
+    assert "even if slower than xla" in choice.format()
+    with pytest.raises(ValueError, match="fused candidate"):
+        sim.choose("ag_matmul", small, "bf16", 8, nccl_only, [sim.Candidate("xla", None)],
+                   unfused=False)
+
+
 def test_speedup_never_exceeds_the_ideal_bound():
     rng = random.Random(7)
     presets = list(sim.PRESETS.values()) + [NO_LATENCY, FREE_COMM, SLOW_COMM]
