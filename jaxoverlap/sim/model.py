@@ -4,9 +4,9 @@ Kept apart from the event engine so the formulas are few, readable and testable 
 hand. Each formula names the mechanism it stands for and where its form comes from;
 the numbers live in the presets (``presets.py``), which cite theirs.
 
-The ops a call can have are described once, in ``OPS``: what its collective moves and
-how many rows its GEMM has. A new op (say GEMM + all-reduce) is one more entry there
-and its programs in ``_host.build_program``.
+The ops a call can have are described once, in ``OPS``: which collective the unfused
+path runs and which array it moves. A new op (say GEMM + all-reduce) is one more entry
+there and its programs in ``_host.build_program``.
 """
 
 from __future__ import annotations

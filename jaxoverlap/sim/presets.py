@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
-DEFAULT_MIN_GAIN = 0.15  # for a preset without a derived margin
 _DTYPE_ALIASES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
@@ -34,6 +33,20 @@ def canonical_dtype(dtype: str) -> str:
 
 def dtype_bytes(dtype: str) -> int:
     return 4 if canonical_dtype(dtype) == "float32" else 2
+
+
+# ---- what the fits of sim.published give (tests/sim/test_published.py re-fits them) ---------
+
+# The h100's GEMM, NCCL and interference numbers (sim.published.fit_h100).
+H100_FIT = dict(gemm_efficiency=0.7884, gemm_k_half=807.9, gemm_overhead_us=8.72,
+                nccl_gbps=375.5, nccl_ramp_us=0.451, interference=1.184, nccl_sms=42)
+# The fused path's per-step costs, shared by every preset (sim.published.fit_fixed_costs).
+FUSED_PATH_FIT = dict(ce_latency_us=17.38, ce_ramp_us=6.96, signal_latency_us=6.96,
+                      event_latency_us=6.96, host_op_us=6.96, host_call_us=34.72)
+# The chooser's margins per op (sim.published.fallback_margin): the model's worst serial
+# error, and for GEMM+RS on the h100 its optimism against Flux's published losses (F8).
+MARGINS = {"h100": {"ag_matmul": 0.076, "matmul_rs": 0.377},
+           "other": {"ag_matmul": 0.076, "matmul_rs": 0.076}}
 
 
 @dataclass(frozen=True)
@@ -59,36 +72,37 @@ class Preset:
     nccl_gbps: float  # NCCL ring all-gather / reduce-scatter bus bandwidth, large messages
     p2p_gbps: float | None  # copy-engine peer copies (None: no peer access)
     multicast_gbps: float | None  # multimem.st / ld_reduce throughput (None: no multicast)
+    # Defaults below: the fitted h100's (a preset built from scratch starts there).
     # GEMM shape: eff = gemm_efficiency * min(1, s(m,n,k) / s(best shape)), s = tile and
     # wave quantisation (model.quantisation) x f(k), f(x) = x / (x + x_half).
     gemm_best_shape: tuple[int, int, int] = (2048, 2048, 13312)  # m, n, k
     gemm_m_half: float = 0.0
     gemm_n_half: float = 0.0
-    gemm_k_half: float = 1024.0
+    gemm_k_half: float = H100_FIT["gemm_k_half"]
     gemm_tiles: tuple[tuple[int, int], ...] = ((128, 256), (256, 128), (128, 128), (64, 256),
                                                (64, 128))
     gemm_min_split_k: int = 256
-    gemm_overhead_us: float = 2.0  # per kernel (launch and ramp on a busy stream)
+    gemm_overhead_us: float = H100_FIT["gemm_overhead_us"]  # per kernel: launch, ramp, drain
     # Transfers: t = latency + (sqrt(hops * ramp) + sqrt(bytes / bandwidth))^2.
     nccl_p2p_gbps: float | None = None  # one NCCL send/recv's top rate (None: nccl_gbps)
     nccl_latency_us: float = 4.0  # per NCCL call / send-recv group (launch, rendezvous)
-    nccl_ramp_us: float = 0.5  # per hop
-    ce_latency_us: float = 17.38  # per copy-engine copy (launch, DMA start)
-    ce_ramp_us: float = 6.96
-    mc_latency_us: float = 3.0  # per multicast kernel
-    mc_ramp_us: float = 0.5
-    signal_latency_us: float = 6.96  # Signal -> visible to the peer's Wait
-    event_latency_us: float = 6.96  # Record -> StreamWait (also the call's fork and join)
+    nccl_ramp_us: float = H100_FIT["nccl_ramp_us"]  # per hop
+    ce_latency_us: float = FUSED_PATH_FIT["ce_latency_us"]  # per copy: launch, DMA start
+    ce_ramp_us: float = FUSED_PATH_FIT["ce_ramp_us"]
+    mc_latency_us: float = 3.0  # per multicast kernel (assumption)
+    mc_ramp_us: float = H100_FIT["nccl_ramp_us"]
+    signal_latency_us: float = FUSED_PATH_FIT["signal_latency_us"]  # Signal -> peer's Wait
+    event_latency_us: float = FUSED_PATH_FIT["event_latency_us"]  # Record -> StreamWait; fork, join
     # Ops running together (model.compute_rate).
-    nccl_sms: int = 16  # SMs a running NCCL kernel takes from the GEMM
-    mc_sms: int = 16  # SMs a running multicast kernel takes
-    interference: float = 1.0  # GEMM slowdown per unit of HBM bandwidth moved by transfers
+    nccl_sms: int = H100_FIT["nccl_sms"]  # SMs a running NCCL kernel takes from the GEMM
+    mc_sms: int = 16  # SMs a running multicast kernel takes (assumption)
+    interference: float = H100_FIT["interference"]  # slowdown per unit of HBM bandwidth moved
     # The host enqueues every op of a call (model.host_time).
-    host_op_us: float = 6.96
-    host_call_us: float = 34.72
+    host_op_us: float = FUSED_PATH_FIT["host_op_us"]
+    host_call_us: float = FUSED_PATH_FIT["host_call_us"]
     # The chooser's fallback margin per op: a plan must be predicted this much faster
     # than the unfused path (derived from the model's measured error, sim.published).
-    min_gain: dict[str, float] = field(default_factory=dict)
+    min_gain: dict[str, float] = field(default_factory=lambda: dict(MARGINS["h100"]))
     # Where the model was checked against measurements on this machine: ranges of
     # "gemm_flop" (one call's GEMM), "collective_bytes" (S) and, per op, the GEMM
     # FLOPs of the fused calls checked. Empty: nothing measured on this machine.
@@ -104,8 +118,10 @@ class Preset:
         object.__setattr__(self, "min_gain", {k: float(v) for k, v in self.min_gain.items()})
 
     def margin(self, op: str) -> float:
-        """The fallback margin for ``op`` (an op without one gets the largest known)."""
-        return self.min_gain.get(op, max(self.min_gain.values(), default=DEFAULT_MIN_GAIN))
+        """The fallback margin for ``op``; an op without one gets the largest the preset has
+        (none at all: the largest derived for a built-in)."""
+        largest = max(self.min_gain.values(), default=max(MARGINS["h100"].values()))
+        return self.min_gain.get(op, largest)
 
     @property
     def transports(self) -> tuple[str, ...]:
@@ -178,10 +194,7 @@ _LINE = "assumption: the fitted h100's fraction of the line rate ({:.0f}/450 GB/
 _MARGIN = "derived: sim.published.fallback_margin (the model's measured error)"
 _AS_H100 = "assumed as the fitted h100"
 
-# Fitted on the h100 rows (sim.published.fit_h100).
-_H100_FIT = dict(gemm_efficiency=0.7884, gemm_k_half=807.9, gemm_overhead_us=8.72,
-                 nccl_gbps=375.5, nccl_ramp_us=0.451, interference=1.184, nccl_sms=42)
-_NCCL_FRACTION = _H100_FIT["nccl_gbps"] / 450.0
+_NCCL_FRACTION = H100_FIT["nccl_gbps"] / 450.0
 _NCCL_P2P_FRACTION = 180.0 / 450.0
 _CE_FRACTION = 391.5 / 450.0
 
@@ -208,10 +221,6 @@ _CALIBRATED = {
     "a800": _ONE_FLUX_SHAPE,
     "pcie8": _ONE_FLUX_SHAPE,
 }
-# The chooser's margins (sim.published.fallback_margin): the model's worst serial error,
-# and for GEMM+RS on the h100 its optimism against Flux's published losses (F8).
-_MARGINS = {"h100": {"ag_matmul": 0.076, "matmul_rs": 0.377},
-            "other": {"ag_matmul": 0.076, "matmul_rs": 0.076}}
 
 
 def _per_link(line: float) -> dict[str, float]:
@@ -226,8 +235,8 @@ _HOPPER = dict(
     peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 494.7},
     gemm_best_shape=(2048, 2048, 13312),
     hbm_gbps=3350.0,
-    mc_ramp_us=_H100_FIT["nccl_ramp_us"],
-    **{k: v for k, v in _H100_FIT.items() if k != "nccl_gbps"},  # rates: _per_link
+    mc_ramp_us=H100_FIT["nccl_ramp_us"],
+    **{k: v for k, v in H100_FIT.items() if k != "nccl_gbps"},  # rates: _per_link
 )
 _HOPPER_SOURCES = {
     "peak_tflops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.7 TF32",
@@ -262,8 +271,8 @@ PRESETS: dict[str, Preset] = {
             gpu="H100 SXM 80GB, HGX 8-GPU, NVLink4 via NVSwitch",
             **_HOPPER,
             **_per_link(450.0),
-            multicast_gbps=_H100_FIT["nccl_gbps"],
-            min_gain=_MARGINS["h100"],
+            multicast_gbps=H100_FIT["nccl_gbps"],
+            min_gain=MARGINS["h100"],
             calibrated=_CALIBRATED["h100"],
             description="The reference machine: HGX H100, where most published rows ran.",
             sources={**_HOPPER_SOURCES,
@@ -277,14 +286,14 @@ PRESETS: dict[str, Preset] = {
             **_HOPPER,
             **_per_link(200.0),
             multicast_gbps=round(200.0 * _NCCL_FRACTION, 1),
-            min_gain=_MARGINS["other"],
+            min_gain=MARGINS["other"],
             calibrated=_CALIBRATED["h800"],
             description="H100 compute with the export NVLink: 400 GB/s bidirectional.",
             sources={**_HOPPER_SOURCES,
                      "peak_tflops": "the H100 die: same SMs and tensor cores",
                      "link_gbps": "NVLink 400 GB/s bidirectional -> 200 per direction "
                                   "(bytedance/flux README 'Performance', 8xH800)",
-                     "nccl_gbps": _LINE.format(_H100_FIT["nccl_gbps"]),
+                     "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]),
                      "nccl_p2p_gbps": _LINE.format(180.0),
                      "p2p_gbps": _LINE.format(391.5),
                      "calibrated": "the h800 rows of sim.published"},
@@ -294,8 +303,8 @@ PRESETS: dict[str, Preset] = {
             gpu="H200 SXM 141GB, HGX 8-GPU, NVLink4 via NVSwitch",
             **{**_HOPPER, "hbm_gbps": 4800.0},
             **_per_link(450.0),
-            multicast_gbps=_H100_FIT["nccl_gbps"],
-            min_gain=_MARGINS["h100"],
+            multicast_gbps=H100_FIT["nccl_gbps"],
+            min_gain=MARGINS["h100"],
             description="H100 compute and NVLink with faster HBM3e.",
             sources={**_HOPPER_SOURCES,
                      "peak_tflops": "same Hopper die as H100 (NVIDIA H200 datasheet)",
@@ -311,15 +320,15 @@ PRESETS: dict[str, Preset] = {
             peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
             gemm_efficiency=0.869,
             gemm_best_shape=(1024, 10240, 5120),
-            gemm_k_half=_H100_FIT["gemm_k_half"],
-            gemm_overhead_us=_H100_FIT["gemm_overhead_us"],
+            gemm_k_half=H100_FIT["gemm_k_half"],
+            gemm_overhead_us=H100_FIT["gemm_overhead_us"],
             hbm_gbps=2039.0,
             **_per_link(300.0),
             multicast_gbps=None,
-            nccl_ramp_us=_H100_FIT["nccl_ramp_us"],
-            interference=_H100_FIT["interference"],
+            nccl_ramp_us=H100_FIT["nccl_ramp_us"],
+            interference=H100_FIT["interference"],
             nccl_sms=24,
-            min_gain=_MARGINS["h100"],
+            min_gain=MARGINS["h100"],
             description="No multicast: multimem needs sm_90.",
             sources={
                 "peak_tflops": "NVIDIA A100 datasheet: 312 TFLOP/s BF16 dense, TF32 156",
@@ -330,7 +339,7 @@ PRESETS: dict[str, Preset] = {
                 "hbm_gbps": "NVIDIA A100 80GB SXM datasheet, 2.04 TB/s",
                 "link_gbps": "NVLink3: 600 GB/s bidirectional -> 300 per direction (datasheet); "
                              "NCCL reaches ~230 GB/s busbw (NVIDIA/nccl-tests#149, maintainer)",
-                "nccl_gbps": _LINE.format(_H100_FIT["nccl_gbps"]),
+                "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]),
                 "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(391.5),
                 "multicast_gbps": "multimem PTX needs sm_90+ -> unsupported",
                 "interference": _AS_H100,
@@ -346,15 +355,15 @@ PRESETS: dict[str, Preset] = {
             peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
             gemm_efficiency=0.869,
             gemm_best_shape=(1024, 10240, 5120),
-            gemm_k_half=_H100_FIT["gemm_k_half"],
-            gemm_overhead_us=_H100_FIT["gemm_overhead_us"],
+            gemm_k_half=H100_FIT["gemm_k_half"],
+            gemm_overhead_us=H100_FIT["gemm_overhead_us"],
             hbm_gbps=2039.0,
             **_per_link(200.0),
             multicast_gbps=None,
-            nccl_ramp_us=_H100_FIT["nccl_ramp_us"],
-            interference=_H100_FIT["interference"],
+            nccl_ramp_us=H100_FIT["nccl_ramp_us"],
+            interference=H100_FIT["interference"],
             nccl_sms=24,
-            min_gain=_MARGINS["other"],
+            min_gain=MARGINS["other"],
             calibrated=_CALIBRATED["a800"],
             description="A100 compute with the export NVLink: 400 GB/s bidirectional.",
             sources={
@@ -364,7 +373,7 @@ PRESETS: dict[str, Preset] = {
                 "hbm_gbps": "as A100 80GB SXM, 2.04 TB/s",
                 "link_gbps": "NVLink3 400 GB/s bidirectional -> 200 per direction "
                              "(bytedance/flux README 'Performance', 8xA800)",
-                "nccl_gbps": _LINE.format(_H100_FIT["nccl_gbps"]),
+                "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]),
                 "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(391.5),
                 "multicast_gbps": "multimem PTX needs sm_90+ -> unsupported",
                 "interference": _AS_H100,
@@ -380,16 +389,16 @@ PRESETS: dict[str, Preset] = {
             peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0},
             gemm_efficiency=0.776,
             gemm_best_shape=(1792, 16128, 3072),
-            gemm_k_half=_H100_FIT["gemm_k_half"],
-            gemm_overhead_us=_H100_FIT["gemm_overhead_us"],
+            gemm_k_half=H100_FIT["gemm_k_half"],
+            gemm_overhead_us=H100_FIT["gemm_overhead_us"],
             hbm_gbps=8000.0,
             **_per_link(900.0),
             multicast_gbps=round(900.0 * _NCCL_FRACTION, 1),
-            nccl_ramp_us=_H100_FIT["nccl_ramp_us"],
-            mc_ramp_us=_H100_FIT["nccl_ramp_us"],
-            interference=_H100_FIT["interference"],
-            nccl_sms=_H100_FIT["nccl_sms"],
-            min_gain=_MARGINS["h100"],
+            nccl_ramp_us=H100_FIT["nccl_ramp_us"],
+            mc_ramp_us=H100_FIT["nccl_ramp_us"],
+            interference=H100_FIT["interference"],
+            nccl_sms=H100_FIT["nccl_sms"],
+            min_gain=MARGINS["h100"],
             description="Blackwell: twice H100's NVLink, ~2.3x its dense BF16.",
             sources={
                 "peak_tflops": "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU",
@@ -399,7 +408,7 @@ PRESETS: dict[str, Preset] = {
                 "sms": "B200: 148 SMs (datasheet)",
                 "hbm_gbps": "NVIDIA B200 datasheet, 8 TB/s",
                 "link_gbps": "NVLink5: 1.8 TB/s bidirectional -> 900 per direction (datasheet)",
-                "nccl_gbps": _LINE.format(_H100_FIT["nccl_gbps"]) + "; NVIDIA/nccl#2140 "
+                "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]) + "; NVIDIA/nccl#2140 "
                              "reports B300 ring all-reduce busbw 695 GB/s",
                 "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(391.5),
                 "multicast_gbps": "assumption: NVLS at the NCCL rate",
@@ -415,8 +424,8 @@ PRESETS: dict[str, Preset] = {
             peak_tflops={"bfloat16": 119.5, "float16": 119.5, "float32": 59.8},
             gemm_efficiency=0.9313,
             gemm_best_shape=(4096, 12288, 6144),
-            gemm_k_half=_H100_FIT["gemm_k_half"],
-            gemm_overhead_us=_H100_FIT["gemm_overhead_us"],
+            gemm_k_half=H100_FIT["gemm_k_half"],
+            gemm_overhead_us=H100_FIT["gemm_overhead_us"],
             hbm_gbps=864.0,
             link_gbps=32.0,
             nccl_gbps=8.1,
@@ -424,9 +433,9 @@ PRESETS: dict[str, Preset] = {
             multicast_gbps=None,
             nccl_latency_us=15.0,
             nccl_ramp_us=2.0,
-            interference=_H100_FIT["interference"],
+            interference=H100_FIT["interference"],
             nccl_sms=16,
-            min_gain=_MARGINS["other"],
+            min_gain=MARGINS["other"],
             calibrated=_CALIBRATED["pcie8"],
             description="A PCIe-only box: the 8xL20 of bytedance/flux docs/performance.md.",
             sources={

@@ -309,12 +309,17 @@ def machine(name: str) -> Preset:
                              "relative to the h100"})
 
 
-def fits_of(row_id: str) -> bool:
-    """Whether a row's serial / input numbers went into a fit (else they are held out)."""
-    row = next((r for r in CALLS if r.id == row_id), None)
-    if row is None:  # an input row: every GEMM, collective and concurrency row is fitted
-        return True
-    return row.machine in ("h100", "h100-hbm2e", "pcie8") and row.serial_us is not None
+def fitted_parts(row: CallRow) -> str:
+    """Which of a row's published times went into a preset fit ("—": held out)."""
+    if row.machine == "h100" and row.serial_us:
+        return "serial"  # fit_h100's unfused calls
+    if row.machine in ("h100-hbm2e", "pcie8") and row.gemm_us:
+        return "GEMM, comm"  # the machine is fitted to its rows' parts
+    if any(g.id == f"{row.id}-gemm" for g in GEMMS):
+        return "GEMM"  # the H800 GEMMs alone calibrate the h100 (the same die)
+    if row.id == "P4":
+        return "decomposed"  # the fused-path costs (fit_fixed_costs)
+    return "—"
 
 
 # ---- the model on every row -----------------------------------------------------------------
@@ -461,7 +466,7 @@ def _pair(model_us: float, published: float | None, error: float | None) -> str:
 def markdown_table() -> str:
     """Model vs published, one line per row: the table of docs/performance.md."""
     lines = ["| id | machine | op M / K / N | serial µs model / published (error) | "
-             "GEMM alone | comm alone | serial in a fit? | our best plan (model) | "
+             "GEMM alone | comm alone | in a fit | our best plan (model) | "
              "best published fused | chooser picks | source |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in evaluate():
@@ -478,7 +483,7 @@ def markdown_table() -> str:
             f"| {row.id}{mark}{disagree} | {row.machine} | {op} {row.m} / {row.k} / {row.n} | "
             f"{serial} | {_pair(r.xla.t_gemm * 1e6, row.gemm_us, r.gemm_error)} | "
             f"{_pair(r.xla.t_comm_xla * 1e6, row.comm_us, r.comm_error)} | "
-            f"{'fit' if fits_of(row.id) and row.serial_us else 'held out'} | "
+            f"{fitted_parts(row)} | "
             f"{r.speedup:.2f}x {r.best_native.candidate.label} | {published} | "
             f"{r.pick.candidate.label} | {row.source} |")
     return "\n".join(lines)

@@ -103,6 +103,26 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> st
     return "\n".join(lines)
 
 
+def preset_table(presets: Iterable[str | Preset] = tuple(PRESETS)) -> str:
+    """The presets' main numbers as a markdown table (docs/performance.md §3)."""
+    lines = ["| preset | GPU / fabric | dense BF16 TFLOP/s | best-shape eff | HBM | link | "
+             "NCCL ring | NCCL send/recv | CE p2p | multicast | margin AG / RS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def rate(v: float | None, none: str) -> str:
+        return f"{v:g}" if v else none
+
+    for spec in presets:
+        p = load_preset(spec)
+        shape = "x".join(map(str, p.gemm_best_shape))
+        lines.append(
+            f"| `{p.name}` | {p.gpu} | {p.peak_tflops['bfloat16']:g} | "
+            f"{p.gemm_efficiency:.3f} at {shape} | {p.hbm_gbps:g} | {p.link_gbps:g} | "
+            f"{p.nccl_gbps:g} | {rate(p.nccl_p2p_gbps, '—')} | {rate(p.p2p_gbps, 'no')} | "
+            f"{rate(p.multicast_gbps, 'no')} | "
+            f"{p.margin('ag_matmul'):.1%} / {p.margin('matmul_rs'):.1%} |")
+    return "\n".join(lines)
+
+
 def gantt(result: SimResult, path: str | os.PathLike[str], ranks: Sequence[int] | None = None,
           title: str | None = None) -> str:
     """Draws one plan's per-stream timeline (one row per rank x stream) to a PNG.

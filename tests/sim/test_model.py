@@ -210,3 +210,13 @@ def test_unsupported_transport_is_refused():
         run("ag_matmul", sim.get_preset("a100"), sim.Candidate("native", "multicast"))
     assert "multicast" not in {c.transport for c in sim.candidates("pcie8", 8,
                                                                      STANDARD["ag_matmul"])}
+
+
+def test_ops_are_described_once():
+    """An op is one entry of model.OPS: its unfused collective and the array it moves."""
+    assert tuple(sim.OPS) == ("ag_matmul", "matmul_rs")
+    assert sim.model.op_spec("ag_matmul").bus_factor(8) == pytest.approx(7 / 8)
+    # an all-reduce moves twice (nvidia/nccl-tests doc/PERFORMANCE.md), ready for a third op
+    assert sim.model.OpSpec("all_reduce", "n").bus_factor(8) == pytest.approx(2 * 7 / 8)
+    with pytest.raises(ValueError, match="op: expected one of"):
+        sim.model.op_spec("matmul_ar")

@@ -76,6 +76,7 @@ def test_docs_show_the_generated_tables():
     assert published.markdown_table() in text
     assert published.markdown_inputs_table() in text
     assert sim.format_table(sim.projection_table(["h100"])) in text
+    assert sim.report.preset_table() in text
 
 
 def _close(fitted, preset, keys, rel=5e-3):
