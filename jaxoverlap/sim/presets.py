@@ -39,13 +39,13 @@ def dtype_bytes(dtype: str) -> int:
 
 # The h100's GEMM, NCCL and interference numbers (sim.published.fit_h100).
 H100_FIT = dict(gemm_efficiency=0.7884, gemm_k_half=807.9, gemm_overhead_us=8.72,
-                nccl_gbps=375.5, nccl_ramp_us=0.451, interference=1.184, nccl_sms=42)
+                nccl_gbps=375.5, nccl_ramp_us=0.451, interference=1.343, nccl_sms=39)
 # The fused path's per-step costs, shared by every preset (sim.published.fit_fixed_costs).
-FUSED_PATH_FIT = dict(ce_latency_us=17.38, ce_ramp_us=6.96, signal_latency_us=6.96,
-                      event_latency_us=6.96, host_op_us=6.96, host_call_us=34.72)
+FUSED_PATH_FIT = dict(ce_latency_us=16.92, ce_ramp_us=6.78, signal_latency_us=6.78,
+                      event_latency_us=6.78, host_op_us=6.78, host_call_us=33.8)
 # The chooser's margins per op (sim.published.fallback_margin): the model's worst serial
 # error, and for GEMM+RS on the h100 its optimism against Flux's published losses (F8).
-MARGINS = {"h100": {"ag_matmul": 0.076, "matmul_rs": 0.377},
+MARGINS = {"h100": {"ag_matmul": 0.076, "matmul_rs": 0.372},
            "other": {"ag_matmul": 0.076, "matmul_rs": 0.076}}
 
 
@@ -196,7 +196,7 @@ _AS_H100 = "assumed as the fitted h100"
 
 _NCCL_FRACTION = H100_FIT["nccl_gbps"] / 450.0
 _NCCL_P2P_FRACTION = 180.0 / 450.0
-_CE_FRACTION = 391.5 / 450.0
+_CE_FRACTION = 380.0 / 450.0
 
 
 def _flop(m: int, n: int, k: int) -> float:
@@ -254,8 +254,8 @@ _HOPPER_SOURCES = {
     "nccl_gbps": _NCCL_FIT,
     "nccl_ramp_us": _NCCL_FIT,
     "nccl_p2p_gbps": _NCCL_P2P,
-    "p2p_gbps": "raw P2P ~783 GB/s bidirectional of 900 on 8xH100 SXM (NVIDIA/nccl#1264) -> "
-                "391.5 per direction",
+    "p2p_gbps": "p2pBandwidthLatencyTest on HGX H100 SXM: 380 GB/s unidirectional of 450 "
+                "(NVIDIA/nccl#1264: '~783GByte/s out of theoretical 900GB/s' bidirectional)",
     "multicast_gbps": "assumption: NVLS stores / load-reduces at the NCCL rate",
     "interference": _INTERFERENCE_FIT,
     "nccl_sms": _INTERFERENCE_FIT,
@@ -295,7 +295,7 @@ PRESETS: dict[str, Preset] = {
                                   "(bytedance/flux README 'Performance', 8xH800)",
                      "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]),
                      "nccl_p2p_gbps": _LINE.format(180.0),
-                     "p2p_gbps": _LINE.format(391.5),
+                     "p2p_gbps": _LINE.format(380.0),
                      "calibrated": "the h800 rows of sim.published"},
         ),
         Preset(
@@ -340,7 +340,7 @@ PRESETS: dict[str, Preset] = {
                 "link_gbps": "NVLink3: 600 GB/s bidirectional -> 300 per direction (datasheet); "
                              "NCCL reaches ~230 GB/s busbw (NVIDIA/nccl-tests#149, maintainer)",
                 "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]),
-                "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(391.5),
+                "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(380.0),
                 "multicast_gbps": "multimem PTX needs sm_90+ -> unsupported",
                 "interference": _AS_H100,
                 "nccl_sms": "assumption: fewer NCCL channels than on H100",
@@ -374,7 +374,7 @@ PRESETS: dict[str, Preset] = {
                 "link_gbps": "NVLink3 400 GB/s bidirectional -> 200 per direction "
                              "(bytedance/flux README 'Performance', 8xA800)",
                 "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]),
-                "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(391.5),
+                "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(380.0),
                 "multicast_gbps": "multimem PTX needs sm_90+ -> unsupported",
                 "interference": _AS_H100,
                 "latencies": _FIXED_FIT,
@@ -408,9 +408,9 @@ PRESETS: dict[str, Preset] = {
                 "sms": "B200: 148 SMs (datasheet)",
                 "hbm_gbps": "NVIDIA B200 datasheet, 8 TB/s",
                 "link_gbps": "NVLink5: 1.8 TB/s bidirectional -> 900 per direction (datasheet)",
-                "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]) + "; NVIDIA/nccl#2140 "
-                             "reports B300 ring all-reduce busbw 695 GB/s",
-                "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(391.5),
+                "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]) + "; an 8xB200 node reaches "
+                             "830+ GB/s all-reduce busbw with NVLS (NVIDIA/nccl#1807)",
+                "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(380.0),
                 "multicast_gbps": "assumption: NVLS at the NCCL rate",
                 "interference": _AS_H100, "nccl_sms": _AS_H100,
                 "latencies": _FIXED_FIT,
