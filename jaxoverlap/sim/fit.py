@@ -1,18 +1,19 @@
 """Fitting a preset to measured points: ``sim.calibrate``.
 
-Four kinds of points, each fitting the parameters only it can see:
+Five kinds of points, each fitting the parameters only it can see, in this order:
 
-* ``GemmPoint`` (one GEMM alone): the fastest point becomes the best shape and
-  its efficiency; the others fit ``gemm_k_half`` (the shape curve).
 * ``CollectivePoint`` (one collective alone, by size): per transport the
   asymptotic bandwidth and the per-hop ramp. ``model.collective_time`` is linear
   in the square roots: sqrt(t - latency) = sqrt(ramp) sqrt(N-1) + sqrt(bus_bytes / B),
   so this is a non-negative linear least-squares fit (relative errors).
+* ``GemmPoint`` (one GEMM alone) and ``SerialPoint`` (an unfused call, whose
+  collective is now known): the fastest GEMM point becomes the best shape; the
+  efficiency there, ``gemm_k_half`` and ``gemm_overhead_us`` are fitted to all of them.
 * ``ConcurrentPoint`` (a GEMM next to an independent collective): ``interference``
   from copy-engine points, then ``nccl_sms`` from NCCL points.
 * ``FusedPoint`` (a call of our own native program): one scale on the fused path's
-  fixed costs (flags, events, host enqueue), then ``min_gain`` from the errors
-  left: the margin that keeps a plan predicted faster from being slower for real.
+  own costs (copy-engine start and ramp, flags, events, host enqueue), then the
+  margins per op (``margin``) from the errors left.
 
 Every parameter the points do not reach stays the base preset's.
 """
@@ -114,7 +115,7 @@ def _minimize(f: Callable[[float], float], lo: float, hi: float) -> float:
     from scipy.optimize import minimize_scalar
 
     return float(minimize_scalar(f, bounds=(lo, hi), method="bounded",
-                                 options={"xatol": 1e-3 * (hi - lo)}).x)
+                                 options={"xatol": 1e-4 * (hi - lo)}).x)
 
 
 def _achieved(p: Preset, g: GemmPoint) -> float:
@@ -250,8 +251,8 @@ def fit_concurrent(p: Preset, points: Sequence[ConcurrentPoint]) -> Preset:
 
 
 # The fused path's per-step costs: what a fused call pays that the unfused path does not.
-_FIXED = ("ce_latency_us", "ce_ramp_us", "signal_latency_us", "event_latency_us", "host_op_us",
-          "host_call_us")
+FUSED_PATH_COSTS = ("ce_latency_us", "ce_ramp_us", "signal_latency_us", "event_latency_us",
+                    "host_op_us", "host_call_us")
 
 
 def fused_error(p: Preset, points: Sequence[FusedPoint]) -> list[tuple[float, float | None]]:
@@ -283,7 +284,7 @@ def margin(serial_errors: Sequence[float], fused_ratios: Sequence[float]) -> flo
 def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
     if not points:
         return p
-    base = {k: getattr(p, k) for k in _FIXED}
+    base = {k: getattr(p, k) for k in FUSED_PATH_COSTS}
 
     def scaled(s: float) -> Preset:
         return p.replace(**{k: v * s for k, v in base.items()})
@@ -292,7 +293,7 @@ def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
         return sum(math.log(r) ** 2 for r, _ in fused_error(scaled(s), points))
 
     p = scaled(_minimize(cost, 0.0, 20.0))
-    p = p.replace(**{k: round(getattr(p, k), 2) for k in _FIXED})
+    p = p.replace(**{k: round(getattr(p, k), 2) for k in FUSED_PATH_COSTS})
     ratios = fused_error(p, points)
     serial = [s for _, s in ratios if s is not None]
     gains = dict(p.min_gain)

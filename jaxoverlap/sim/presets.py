@@ -36,6 +36,9 @@ def dtype_bytes(dtype: str) -> int:
 
 
 # ---- what the fits of sim.published give (tests/sim/test_published.py re-fits them) ---------
+# The h100 fit (its interference uses the copy engine's start and ramp) and the fused-path
+# fit (on a machine derived from the h100) depend on each other: these are their fixed point,
+# each fit re-run on the other's result gives back its own numbers.
 
 # The h100's GEMM, NCCL and interference numbers (sim.published.fit_h100).
 H100_FIT = dict(gemm_efficiency=0.7884, gemm_k_half=807.9, gemm_overhead_us=8.72,

@@ -61,7 +61,7 @@ def test_concurrent_points_recover_interference_and_nccl_sms():
 
 def test_fused_points_recover_the_fixed_costs_and_set_the_margin():
     scale = 1.7
-    truth = BASE.replace(**{k: getattr(BASE, k) * scale for k in fit._FIXED})
+    truth = BASE.replace(**{k: getattr(BASE, k) * scale for k in fit.FUSED_PATH_COSTS})
     points = []
     for op, m, k, n in (("ag_matmul", 2048, 8192, 3584), ("matmul_rs", 4096, 3584, 8192)):
         shape = sim.Shape.from_global(m, k, n, 8)
@@ -69,7 +69,7 @@ def test_fused_points_recover_the_fixed_costs_and_set_the_margin():
         r = sim.simulate(op, shape, "bf16", 8, truth, c)
         points.append(sim.FusedPoint(op, shape, "bf16", 8, c, r.t_fused, r.t_xla))
     fitted = sim.calibrate(BASE, fused=points)
-    for key in fit._FIXED:
+    for key in fit.FUSED_PATH_COSTS:
         assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-2), key
     # the model now matches every point: the margins are only what rounding leaves
     assert all(0.0 <= g < 0.01 for g in fitted.min_gain.values()) and len(fitted.min_gain) == 2

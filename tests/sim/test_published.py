@@ -102,7 +102,7 @@ def test_the_pcie8_numbers_are_the_fit_of_its_rows():
 
 def test_the_fused_path_costs_are_the_fit_of_the_decomposed_program():
     fitted = published.fit_fixed_costs(published.machine("h100-hbm2e"))
-    _close(fitted, sim.get_preset("h100"), fit._FIXED, rel=1e-2)
+    _close(fitted, sim.get_preset("h100"), fit.FUSED_PATH_COSTS, rel=1e-2)
 
 
 def test_the_margins_are_derived_from_the_measured_error():
