@@ -5,8 +5,10 @@ median, ratio to ``"xla"``) for the standard cases of ``jaxoverlap.sim`` —
 TP=8, M=8192, K=8192, N=3584 per rank and friends — scaled down on host
 devices, and writes a JSON and a table. ``--model PRESET`` prints the
 simulator's projection for the same cases and a Gantt chart of one plan,
-labelled as a model. ``--calibrate`` also times one GEMM and one all-gather
-and writes a preset fitted to this machine (meaningful on GPUs).
+labelled as a model, with projections outside the preset's calibrated range
+marked. ``--calibrate`` also times GEMMs, all-gathers and reduce-scatters by size
+and our native calls, and writes a preset fitted to them with ``sim.calibrate``
+(meaningful on GPUs).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def _measure(args: argparse.Namespace) -> int:
               "dtype": dtype.name, "jax": jax.__version__, "jaxoverlap": jo.__version__,
               "rows": rows}
     if args.calibrate:
-        result["calibrated_preset"] = _calibrate(args, mesh, tp, scale, dtype, put)
+        result["calibrated_preset"] = _calibrate(args, mesh, tp, scale, dtype, put, rows)
     path = os.path.join(args.out, "bench.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
@@ -145,29 +147,63 @@ def _measure(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
-def _calibrate(args, mesh, tp: int, scale: int, dtype, put) -> str:
-    """Times one GEMM and one all-gather and fits the base preset to them."""
+def _calibrate(args, mesh, tp: int, scale: int, dtype, put, rows) -> str:
+    """Times GEMMs alone, collectives by size and native calls; fits the base preset."""
     import jax
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
+    import jaxoverlap as jo
     from jaxoverlap import sim
 
-    m, k, n = 8192 // scale, 8192 // scale, 3584 // scale
-    a, b = put((m, k), P()), put((k, n), P())
-    t_gemm = median_seconds(jax.jit(lambda: a @ b), args.warmup, args.repeats)
-    x = put((m, k), P("tp", None))
-    gather = jax.jit(jax.shard_map(lambda x: lax.all_gather(x, "tp", tiled=True), mesh=mesh,
-                                   in_specs=P("tp", None), out_specs=P(None, None),
-                                   check_vma=False))
-    t_ag = median_seconds(lambda: gather(x), args.warmup, args.repeats)
-    nbytes = m * k * dtype.itemsize
-    preset = sim.calibrate(args.calibrate, dtype=dtype.name, gemm=(m, n, k, t_gemm),
-                           nccl_allgather=(nbytes, tp, t_ag))
+    def timed(fn) -> float:
+        return median_seconds(fn, args.warmup, args.repeats)
+
+    gemm = []
+    for m, n, k in ((8192, 3584, 8192), (2048, 2048, 13312), (1024, 3584, 8192)):
+        m, n, k = _round(m // scale, 8), _round(n // scale, 8), _round(k // scale, 8)
+        a, b = put((m, k), P()), put((k, n), P())
+        gemm.append(sim.GemmPoint(m, n, k, timed(jax.jit(lambda a=a, b=b: a @ b)), dtype.name))
+    collectives = []
+    for mib in (2, 8, 32, 128):  # S of nccl-tests: AG the gathered array, RS each rank's input
+        rows_ = _round((mib << 20) // scale // (dtype.itemsize * 1024), tp * tp)
+        nbytes = rows_ * 1024 * dtype.itemsize
+        for op, body, global_rows, out in (
+                ("ag_matmul", lambda v: lax.all_gather(v, "tp", tiled=True), rows_,
+                 P(None, None)),
+                ("matmul_rs", lambda v: lax.psum_scatter(v, "tp", tiled=True), rows_ * tp,
+                 P("tp", None))):
+            x = put((global_rows, 1024), P("tp", None))
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp", None), out_specs=out,
+                                      check_vma=False))
+            collectives.append(sim.CollectivePoint(op, tp, nbytes, timed(lambda f=f, x=x: f(x))))
+    serial, fused = [], []
+    for case in _cases(args.cases):
+        m = _round(case.m // scale, tp * 8)
+        k, n = _round(case.k // scale, 8), _round(case.n // scale, 8)
+        shape = sim.Shape.from_global(m, k, n, tp)
+        if case.op == "ag_matmul":
+            x, w = put((m, k), P("tp", None)), put((k, n * tp), P(None, "tp"))
+        else:
+            x, w = put((m, k * tp), P(None, "tp")), put((k * tp, n), P("tp", None))
+        op = getattr(jo, case.op)
+        plan = sim.Candidate("native", "nccl", 1, tp > 2)  # this exact plan, not the model's
+        t_xla = next((r["median_ms"] * 1e-3 for r in rows
+                      if r["case"] == case.label and r["impl"] == "xla"), None)
+        fn = jax.jit(lambda x, w, op=op, plan=plan: op(
+            x, w, "tp", impl="native", transport=plan.transport, chunks=plan.chunks,
+            bidirectional=plan.bidirectional, mesh=mesh))
+        fused.append(sim.FusedPoint(case.op, shape, dtype.name, tp, plan,
+                                    timed(lambda fn=fn, x=x, w=w: fn(x, w)), t_xla))
+        if t_xla is not None:
+            serial.append(sim.SerialPoint(case.op, shape, dtype.name, tp, t_xla))
+    preset = sim.calibrate(args.calibrate, gemm=gemm, collectives=collectives, serial=serial,
+                           fused=fused)
     path = os.path.join(args.out, "preset-calibrated.json")
     preset.to_json(path)
-    print(f"calibrated {args.calibrate}: GEMM {m}x{n}x{k} {t_gemm * 1e3:.3f} ms, all-gather "
-          f"{nbytes / 1e6:.1f} MB {t_ag * 1e3:.3f} ms -> {path} (use JAXOVERLAP_PRESET={path})")
+    print(f"calibrated {args.calibrate} on {len(gemm)} GEMMs, {len(collectives)} collectives, "
+          f"{len(serial)} unfused and {len(fused)} native calls -> {path} "
+          f"(use JAXOVERLAP_PRESET={path}); margins {preset.min_gain}")
     return path
 
 

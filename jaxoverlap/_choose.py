@@ -5,8 +5,10 @@ When a hardware preset applies — named with ``jo.config(preset=...)`` /
 GPU's device kind — whatever the caller left open (``impl="auto"``,
 ``chunks=None``, ``bidirectional=None``, ``transport="auto"``) is picked by
 simulating every candidate plan the machine supports, the unfused ``"xla"``
-path included: a fused plan must be predicted at least 2% faster to be chosen,
-so the model never makes a call slower by choice.
+path included: a fused plan must be predicted faster by more than the preset's
+margin for the op (derived from the model's measured error,
+docs/performance.md §5) to be chosen, so the model does not make a call slower by
+choice. The debug log marks projections outside the preset's calibrated range.
 
 Host devices (CPU) have no preset by default: there the ops keep the simple
 defaults (``"xla"``, one chunk), since host devices share the cores and
@@ -22,7 +24,8 @@ from typing import Any
 from jaxoverlap._config import logger
 
 # Device-kind substrings of the GPUs that have a built-in preset.
-_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("A100", "a100"))
+_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("B200", "b200"),
+                   ("A100", "a100"), ("A800", "a800"))
 _CHUNK_OPTIONS = (1, 2, 4, 8)
 
 
@@ -59,7 +62,8 @@ def choose(op: str, shape: Any, dtype: str, n: int, preset: str, impls: tuple,
         if c.impl == "xla"
         or (c.chunks in chunks and c.bidirectional in bidirectional)
     ]
-    choice = sim.choose(op, shape, dtype, n, preset, cands)
+    # impl="native" (or a transport) asked for: pick among the native plans only
+    choice = sim.choose(op, shape, dtype, n, preset, cands, unfused="xla" in impls)
     logger.debug("%s %s on %s, N=%d (model, not a measurement):\n%s", op, shape, preset, n,
                  choice.format())
     return choice.candidate

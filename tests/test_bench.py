@@ -31,18 +31,29 @@ def test_bench_measures_every_impl_side_by_side(tmp_path):
 
 
 def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
-    out = _run("--model", "h100", "--cases", "AG std", tmp_path=tmp_path)
+    out = _run("--model", "h100", "--cases", "AG std", "AG decode", tmp_path=tmp_path)
     assert "MODEL PROJECTION" in out and "not a measurement" in out
     assert "AG std" in out and "<- pick" in out
+    # a projection outside the preset's calibrated range is marked, with the reason
+    assert "* h100 AG decode: outside the calibrated range" in out
+    assert "* h100 AG std" not in out
     png = tmp_path / "gantt-h100.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_calibrate_writes_a_loadable_preset(tmp_path):
+    """The fit runs on whatever this machine measures (host devices here: the numbers are
+    meaningless, the plumbing is what is checked); on GPUs the same run fits a preset."""
     from jaxoverlap import sim
 
-    _run("--cases", "AG std", "--impls", "xla", "--warmup", "1", "--repeats", "1",
-         "--calibrate", "h100", tmp_path=tmp_path)
+    out = _run("--cases", "AG std", "--impls", "xla", "--warmup", "1", "--repeats", "1",
+               "--calibrate", "h100", tmp_path=tmp_path)
+    assert "3 GEMMs, 8 collectives, 1 unfused and 1 native calls" in out
     preset = sim.load_preset(str(tmp_path / "preset-calibrated.json"))
     assert preset.name == "h100-calibrated"
-    assert preset.gemm_efficiency != sim.get_preset("h100").gemm_efficiency
+    h100 = sim.get_preset("h100")
+    assert preset.gemm_efficiency != h100.gemm_efficiency
+    assert preset.nccl_gbps != h100.nccl_gbps
+    # the preset records where it was measured, and its own margin from its own errors
+    assert set(preset.calibrated) >= {"gemm_flop", "collective_bytes", "ag_matmul"}
+    assert preset.min_gain["ag_matmul"] != h100.min_gain["ag_matmul"]

@@ -2,11 +2,28 @@
 
 It simulates the programs the executors run (``_host.build_program``) on a
 hardware preset, to project speedups where no GPU is at hand and to make the
-automatic choices (impl, transport, chunks, direction). See docs/performance.md.
+automatic choices (impl, transport, chunks, direction, and the fallback to the
+unfused path). ``sim.published`` checks it against published measurements and
+``sim.calibrate`` fits a preset to measured points. See docs/performance.md.
 """
 
+from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import SimulationError, Span, Timeline, simulate_programs
-from jaxoverlap.sim.model import collective_time, gemm_efficiency, gemm_time
+from jaxoverlap.sim.fit import (
+    CollectivePoint,
+    ConcurrentPoint,
+    FusedPoint,
+    GemmPoint,
+    SerialPoint,
+    calibrate,
+)
+from jaxoverlap.sim.model import (
+    OPS,
+    collective_time,
+    gemm_efficiency,
+    gemm_time,
+    pipelined_time,
+)
 from jaxoverlap.sim.plan import (
     Candidate,
     Choice,
@@ -22,7 +39,6 @@ from jaxoverlap.sim.report import (
     MODEL_LABEL,
     STANDARD_CASES,
     Case,
-    calibrate,
     format_table,
     gantt,
     projection_table,
@@ -30,12 +46,18 @@ from jaxoverlap.sim.report import (
 
 __all__ = [
     "MODEL_LABEL",
+    "OPS",
     "PRESETS",
     "STANDARD_CASES",
-    "Case",
     "Candidate",
+    "Case",
     "Choice",
+    "CollectivePoint",
+    "ConcurrentPoint",
+    "FusedPoint",
+    "GemmPoint",
     "Preset",
+    "SerialPoint",
     "Shape",
     "SimResult",
     "SimulationError",
@@ -52,6 +74,8 @@ __all__ = [
     "gemm_time",
     "get_preset",
     "load_preset",
+    "outside_calibrated",
+    "pipelined_time",
     "projection_table",
     "simulate",
     "simulate_programs",

@@ -1,9 +1,10 @@
-"""python -m jaxoverlap.sim table|gantt|preset: the model from the shell (a model, not a
-measurement).
+"""python -m jaxoverlap.sim table|gantt|preset|published: the model from the shell (a model,
+not a measurement).
 
   python -m jaxoverlap.sim table [--preset h100 --preset my.json] [--text]
-  python -m jaxoverlap.sim gantt --preset h100 --case "AG std" [--plan best|xla] --out plan.png
+  python -m jaxoverlap.sim gantt --preset h100 --case "AG std" --out plan.png
   python -m jaxoverlap.sim preset h100 > my.json      # a preset file to edit / calibrate
+  python -m jaxoverlap.sim published                  # the model vs published measurements
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ranks", default="0,1", help="comma-separated ranks to draw")
     pr = sub.add_parser("preset", help="print a preset as JSON")
     pr.add_argument("name", choices=sorted(PRESETS))
+    sub.add_parser("published", help="the model against published measurements (markdown, "
+                                     "the tables of docs/performance.md)")
     a = ap.parse_args(argv)
     if a.cmd == "table":
         rows = projection_table(a.preset or tuple(PRESETS))
@@ -41,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         choice = choose(case.op, case.shape, case.dtype, case.nranks, load_preset(a.preset))
         print(choice.format())
         print(gantt(choice.best, a.out, ranks=[int(r) for r in a.ranks.split(",")]))
+    elif a.cmd == "published":
+        from jaxoverlap.sim import published
+
+        print(published.markdown_inputs_table())
+        print()
+        print(published.markdown_table())
     else:
         json.dump(PRESETS[a.name].to_dict(), sys.stdout, indent=2, sort_keys=True)
         print()

@@ -7,11 +7,22 @@ arrived, StreamWait until the event was recorded, a Send/Recv group is posted
 together and its stream continues when every op of the group completed; a
 Send/Recv transfer starts once both sides are posted (NCCL rendezvous).
 
+What a call costs beyond its ops (``model.py`` has the formulas):
+
+* the fork and the join: the communication streams start one event latency
+  after the call (the executor records an event on XLA's stream and the comm
+  streams wait on it), and the call ends one event latency after the last comm
+  stream (XLA's stream waits on them);
+* every transfer pays its fixed start and its size ramp before its bytes flow
+  (``model.transfer_fill``);
+* the host enqueues every op: a call takes at least ``model.host_time``.
+
 Resources (fluid model): each rank has an egress and an ingress port of
 ``link_gbps``; every active transfer moves its wire bytes at
-``min(capacity / active transfers)`` over the ports it uses. A GEMM runs at
-``1 - taken / sms`` of its full speed while NCCL send/recv or multicast kernels
-of its rank are running (they occupy SMs; the copy engine takes none).
+``min(capacity / active transfers)`` over the ports it uses. A compute op runs at
+``model.compute_rate`` of its full speed: less while NCCL or multicast kernels
+of its rank take SMs, and less while transfers move bytes through its rank's
+memory (the copy engine takes no SMs, but its traffic still interferes).
 """
 
 from __future__ import annotations
@@ -75,6 +86,9 @@ class _Activity:
     rank: int = -1  # compute: whose SMs
     ports: tuple[tuple[str, int], ...] = ()  # transfer: ("out"|"in", rank)
     sm_user: tuple[str, tuple[int, ...]] | None = None  # ("nccl"|"mc", ranks whose SMs)
+    memory: tuple[int, ...] = ()  # transfer: ranks whose HBM each payload byte passes
+    payload_per_wire: float = 1.0  # transfer: payload bytes per wire byte
+    cap: float = float("inf")  # transfer: its own top rate (wire bytes/s)
     rate: float = 0.0
 
 
@@ -104,6 +118,11 @@ class _Engine:
         self.activities: list[_Activity] = []
         self.spans: list[Span] = []
         self.cap = preset.link_gbps * 1e9
+        fork = preset.event_latency_us * model.US
+        for key in self.streams:
+            if key[1] > 0 and fork > 0:  # comm streams wait for the fork event
+                self.busy[key] = True
+                self.at(fork, lambda key=key: self.release(key))
 
     # ---- helpers -------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -114,6 +133,10 @@ class _Engine:
         self.spans.append(Span(key[0], key[1], idx, op["kind"], op["text"], start, self.now,
                                op.get("chunk", -1), op.get("sub", -1)))
 
+    def release(self, key: tuple[int, int]) -> None:
+        self.busy[key] = False
+        self.reached[key] = self.now
+
     def finish(self, key: tuple[int, int], count: int = 1) -> None:
         self.pos[key] += count
         self.busy[key] = False
@@ -122,16 +145,24 @@ class _Engine:
     def elem(self, rank: int) -> int:
         return int(self.programs[rank]["elem_bytes"])
 
-    def wire(self, nbytes: int, transport: str) -> float:
-        return nbytes * self.p.link_gbps / self.p.transport_gbps(transport)
+    def transfer(self, transport: str, nbytes: int, ports: tuple[tuple[str, int], ...],
+                 memory: tuple[int, ...], sm_user: tuple[str, tuple[int, ...]] | None,
+                 on_done: Callable[[], None], hops: int = 1) -> None:
+        """Fixed start and size ramp first (no bandwidth used), then the fluid transfer.
 
-    def transfer(self, delay: float, wire_bytes: float, ports: tuple[tuple[str, int], ...],
-                 sm_user: tuple[str, tuple[int, ...]] | None,
-                 on_done: Callable[[], None]) -> None:
-        """Latency first (no bandwidth used), then the fluid transfer."""
+        A payload byte costs link / transport-rate wire bytes (protocol overhead); one
+        transfer moves at most ``model.transfer_gbps`` (NCCL send/recv: fewer channels
+        than a ring collective). ``hops`` > 1: a ring collective's pipeline.
+        """
+        per_wire = self.p.transport_gbps(transport) / self.p.link_gbps
+        wire_bytes = nbytes / per_wire
+        single = model.transfer_gbps(self.p, transport, collective=hops > 1)
+        cap = single * 1e9 / per_wire
+
         def start() -> None:
-            self.activities.append(_Activity(wire_bytes, on_done, ports=ports, sm_user=sm_user))
-        self.at(self.now + delay, start)
+            self.activities.append(_Activity(wire_bytes, on_done, ports=ports, sm_user=sm_user,
+                                             memory=memory, payload_per_wire=per_wire, cap=cap))
+        self.at(self.now + model.transfer_fill(self.p, transport, nbytes, hops), start)
 
     # ---- one stream ----------------------------------------------------------------------
     def advance(self, key: tuple[int, int]) -> bool:
@@ -197,16 +228,16 @@ class _Engine:
             if dst == r:  # local copy: HBM traffic on the copy engine
                 self.at(self.now + model.elementwise_time(p, op["bytes"], 2), done)
             else:
-                self.transfer(p.ce_latency_us * model.US, self.wire(op["bytes"], "p2p"),
-                              (("out", r), ("in", dst)), None, done)
-        elif kind == "McStore":
-            others = tuple(("in", q) for q in range(self.n) if q != r)
-            self.transfer(p.mc_latency_us * model.US, self.wire(op["bytes"], "multicast"),
-                          (("out", r), *others), ("mc", (r,)), done)
-        elif kind == "McReduce":
-            others = tuple(("out", q) for q in range(self.n) if q != r)
-            self.transfer(p.mc_latency_us * model.US, self.wire(op["bytes"], "multicast"),
-                          (("in", r), *others), ("mc", (r,)), done)
+                self.transfer("p2p", op["bytes"], (("out", r), ("in", dst)), (r, dst), None,
+                              done, hops=int(op.get("hops", 1)))
+        elif kind == "McStore":  # the switch replicates: every peer's memory is written
+            peers = tuple(q for q in range(self.n) if q != r)
+            self.transfer("multicast", op["bytes"], (("out", r), *(("in", q) for q in peers)),
+                          (r, *peers), ("mc", (r,)), done)
+        elif kind == "McReduce":  # every peer's memory is read, the switch reduces
+            peers = tuple(q for q in range(self.n) if q != r)
+            self.transfer("multicast", op["bytes"], (("in", r), *(("out", q) for q in peers)),
+                          (r, *peers), ("mc", (r,)), done)
         else:
             raise SimulationError(f"rank {r}: op kind {kind!r} has no cost model")
 
@@ -249,16 +280,17 @@ class _Engine:
                     a()
                     b()
 
-                self.transfer(self.p.nccl_latency_us * model.US,
-                              self.wire(op["bytes"], "nccl"), (("out", src), ("in", dst)),
-                              ("nccl", (src, dst)), both)
+                self.transfer("nccl", op["bytes"], (("out", src), ("in", dst)), (src, dst),
+                              ("nccl", (src, dst)), both, hops=int(op.get("hops", 1)))
             else:
                 self.posted[mine] = done
 
     # ---- the fluid part ------------------------------------------------------------------
     def set_rates(self) -> None:
+        """Transfers share their ports; compute ops then run at model.compute_rate."""
         count: dict[tuple[str, int], int] = {}
         taken = [0] * self.n
+        traffic = [0.0] * self.n  # payload bytes/s through each rank's memory
         for a in self.activities:
             for port in a.ports:
                 count[port] = count.get(port, 0) + 1
@@ -271,9 +303,12 @@ class _Engine:
             taken[q] += self.p.nccl_sms if what == "nccl" else self.p.mc_sms
         for a in self.activities:
             if a.ports:
-                a.rate = min(self.cap / count[port] for port in a.ports)
-            else:
-                a.rate = max(0.0, 1.0 - taken[a.rank] / self.p.sms)
+                a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
+                for q in a.memory:
+                    traffic[q] += a.rate * a.payload_per_wire
+        for a in self.activities:
+            if not a.ports:
+                a.rate = model.compute_rate(self.p, taken[a.rank], traffic[a.rank])
 
     def run(self) -> Timeline:
         while True:
@@ -312,7 +347,10 @@ class _Engine:
             raise SimulationError("deadlock; blocked ops:\n  " + "\n  ".join(blocked))
         if self.posted:
             raise SimulationError(f"unmatched send/recv: {sorted(self.posted)}")
-        return Timeline(self.now, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
+        join = self.p.event_latency_us * model.US  # XLA's stream waits on the comm streams
+        end = max((s.end + (join if s.stream > 0 else 0.0) for s in self.spans), default=0.0)
+        total = max(end, model.host_time(self.p, self.programs))
+        return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
 
 
 def simulate_programs(programs: Sequence[Program], preset: Preset,

@@ -1,47 +1,166 @@
-"""The cost model: how long one op takes alone on a preset.
+"""The cost model: the formulas that price one op, and how concurrent ops slow each other.
 
-Kept apart from the event engine so the formulas are few, readable and
-testable by hand. Contention (shared ports, SMs taken by communication
-kernels) is the engine's job; here every cost assumes the op runs alone.
+Kept apart from the event engine so the formulas are few, readable and testable by
+hand. Each formula names the mechanism it stands for and where its form comes from;
+the numbers live in the presets (``presets.py``), which cite theirs.
+
+The ops a call can have are described once, in ``OPS``: which collective the unfused
+path runs and which array it moves. A new op (say GEMM + all-reduce) is one more entry
+there and its programs in ``_host.build_program``.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes
 
 US = 1e-6
 
 
-def shape_factor(x: float, half: float) -> float:
-    """x / (x + half): 1 for large dims, 1/2 at x == half.
+# ---- the ops --------------------------------------------------------------------------------
 
-    Why this shape: time per unit of work of a GEMM with dimension x behaves like
-    (x + half) / x — a fixed per-tile cost (prologue/epilogue, partial tiles, the
-    pipeline fill of the K loop) amortised over x. So splitting a dimension into c
-    chunks costs c * half extra "rows": chunking never helps the GEMM itself.
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What the unfused path of an op does, per rank, for the canonical shape.
+
+    collective: the NCCL collective of the unfused path; bus_factor: its nccl-tests
+    bus-bandwidth factor (bytes each rank moves = bus_factor * S, S the whole array,
+    nvidia/nccl-tests doc/PERFORMANCE.md); comm_cols: which per-rank dimension the
+    moved array has as columns ("k": the gathered input, "n": the output).
     """
-    return x / (x + half)
+
+    collective: str
+    comm_cols: str
+
+    def bus_factor(self, nranks: int) -> float:
+        if self.collective == "all_reduce":
+            return 2.0 * (nranks - 1) / nranks
+        return (nranks - 1) / nranks
 
 
-def gemm_efficiency(p: Preset, m: int, n: int, k: int) -> float:
-    """Fraction of the dense peak a GEMM of this shape reaches (model)."""
-    return (p.gemm_efficiency * shape_factor(m, p.gemm_m_half) * shape_factor(n, p.gemm_n_half)
-            * shape_factor(k, p.gemm_k_half))
+OPS: dict[str, OpSpec] = {
+    "ag_matmul": OpSpec("all_gather", "k"),
+    "matmul_rs": OpSpec("reduce_scatter", "n"),
+}
+
+
+def op_spec(op: str) -> OpSpec:
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {tuple(OPS)}, got {op!r}")
+    return OPS[op]
+
+
+# ---- GEMM -----------------------------------------------------------------------------------
+
+
+def shape_factor(x: float, half: float) -> float:
+    """x / (x + half): a fixed cost per tile amortised over a dimension of length x.
+
+    Per output tile a GEMM pays a prologue (filling the operand pipeline) and an
+    epilogue (writing the tile) whatever its K, so the time per unit of K behaves like
+    (k + k_half) / k. (``gemm_m_half`` / ``gemm_n_half`` do the same along M and N;
+    0 by default: tile and wave quantisation stand for M and N, below.)
+    """
+    return x / (x + half) if half > 0 else 1.0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _configs(tiles: tuple[tuple[int, int], ...], sms: int, min_split_k: int, batch: int,
+             m: int, n: int, k: int) -> tuple[tuple[float, int], ...]:
+    """(useful fraction of the SM-time, K splits) of every tile shape x split-K choice,
+    the best fraction per split count. No tiles: an idealised GEMM without quantisation."""
+    if not tiles:
+        return ((1.0, 1),)
+    best: dict[int, float] = {}
+    for tm, tn in tiles:
+        count = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        padding = (m * n) / (math.ceil(m / tm) * tm * math.ceil(n / tn) * tn)
+        max_splits = max(1, min(2 * math.ceil(sms / count), k // max(1, min_split_k)))
+        for splits in range(1, max_splits + 1):
+            if splits > 1 and count >= sms:
+                break
+            units = count * splits
+            useful = padding * units / (math.ceil(units / sms) * sms)
+            best[splits] = max(best.get(splits, 0.0), useful)
+    return tuple((useful, splits) for splits, useful in sorted(best.items()))
+
+
+def quantisation(p: Preset, batch: int, m: int, n: int, k: int) -> tuple[tuple[float, int], ...]:
+    """Tile and wave quantisation: (useful fraction of the SM-time, K splits) per choice.
+
+    A GEMM runs as output tiles, one per SM at a time, in waves: a partial tile costs
+    a whole one and the last partial wave leaves SMs idle. With fewer tiles than SMs
+    the library can split K (split-K: fp32 partial tiles written and reduced). It
+    picks the tile shape (``p.gemm_tiles``) and split that run fastest (``gemm_time``;
+    Osama et al., "Stream-K", PPoPP 2023, arXiv:2301.03598, §2 describes this
+    quantisation). Small GEMMs — the chunks of a chunked program — lose most: one
+    persistent fused kernel schedules every chunk's tiles in one grid and does not pay
+    it per chunk.
+    """
+    return _configs(p.gemm_tiles, p.sms, p.gemm_min_split_k, batch, m, n, k)
+
+
+def _shape(halves: tuple[float, float, float], useful: float, splits: int, m: int, n: int,
+           k: int) -> float:
+    return (useful * shape_factor(m, halves[0]) * shape_factor(n, halves[1])
+            * shape_factor(k / splits, halves[2]))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate: bool
+          ) -> tuple[float, float, int]:
+    peak, efficiency, best_shape, halves, tiles, sms, min_split_k, hbm = key
+    ref = max(_shape(halves, u, s, *best_shape)
+              for u, s in _configs(tiles, sms, min_split_k, 1, *best_shape))
+    flops = 2.0 * batch * m * n * k
+    base_bytes = elem * (batch * m * k + k * n + batch * m * n * (2 if accumulate else 1))
+    best = (math.inf, 0.0, 1)
+    for useful, splits in _configs(tiles, sms, min_split_k, batch, m, n, k):
+        eff = efficiency * min(1.0, _shape(halves, useful, splits, m, n, k) / ref)
+        moved = base_bytes + (2 * 4 * batch * m * n * splits if splits > 1 else 0)
+        t = max(flops / (peak * eff), moved / hbm)
+        if t < best[0]:
+            best = (t, eff, splits)
+    return best
+
+
+def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
+              accumulate: bool = False) -> tuple[float, float, int]:
+    """(seconds, efficiency, K splits) of the fastest way to run d = a @ w (+ c) alone.
+
+    Per tile/split choice: the roofline of FLOPs at ``gemm_efficiency`` scaled by the
+    shape (quantisation, and the K curve over each split's K) relative to the best
+    shape — ``p.gemm_efficiency`` is a measurement *at* ``p.gemm_best_shape`` (the
+    MAMF search's best shape, stas00/ml-engineering), so no shape gets more and the
+    shape effects are never applied on top of it — against the HBM bytes (A, W
+    once, D, C when accumulating, split-K partials); plus a fixed cost per kernel
+    (``gemm_overhead_us``: launch, first-wave ramp, drain).
+    """
+    dtype = canonical_dtype(dtype)
+    key = (p.peak_tflops[dtype] * 1e12, p.gemm_efficiency, p.gemm_best_shape,
+           (p.gemm_m_half, p.gemm_n_half, p.gemm_k_half), p.gemm_tiles, p.sms,
+           p.gemm_min_split_k, p.hbm_gbps * 1e9)
+    t, eff, splits = _plan(key, batch, m, n, k, dtype_bytes(dtype), bool(accumulate))
+    return t + p.gemm_overhead_us * US, eff, splits
+
+
+def gemm_efficiency(p: Preset, m: int, n: int, k: int, batch: int = 1) -> float:
+    """Fraction of the dense peak the fastest way to run this GEMM reaches (model)."""
+    return gemm_plan(p, "bfloat16", batch, m, n, k)[1]
 
 
 def gemm_time(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
               accumulate: bool = False) -> float:
-    """Seconds for d = a @ w (+ c) with every SM: roofline of FLOPs at the shape's
-    efficiency and HBM bytes, plus a fixed per-kernel overhead."""
+    """Seconds for d = a @ w (+ c) alone on the GPU (``gemm_plan``)."""
     if batch * m * n * k == 0:
         return 0.0
-    dtype = canonical_dtype(dtype)
-    e = dtype_bytes(dtype)
-    flops = 2.0 * batch * m * n * k
-    t_flops = flops / (p.peak_tflops[dtype] * 1e12 * gemm_efficiency(p, m, n, k))
-    moved = e * (batch * m * k + k * n + batch * m * n * (2 if accumulate else 1))
-    t_mem = moved / (p.hbm_gbps * 1e9)
-    return max(t_flops, t_mem) + p.gemm_overhead_us * US
+    return gemm_plan(p, dtype, batch, m, n, k, accumulate)[0]
 
 
 def elementwise_time(p: Preset, nbytes: int, passes: int) -> float:
@@ -49,28 +168,122 @@ def elementwise_time(p: Preset, nbytes: int, passes: int) -> float:
     return passes * nbytes / (p.hbm_gbps * 1e9) + p.gemm_overhead_us * US
 
 
+# ---- moving bytes ---------------------------------------------------------------------------
+
+
+def pipelined_time(ramp: float, x: float) -> float:
+    """(sqrt(ramp) + sqrt(x))^2 seconds to move ``x`` seconds' worth of bytes in chunks.
+
+    A transfer is cut into c chunks that flow through a pipeline of d stages (the hops
+    of a ring; inside one hop the DMA read, the link, the remote write), each chunk
+    paying a fixed overhead alpha per stage: T(c) = (c + d - 1) (alpha + x / c). The
+    best c gives T = (sqrt(ramp) + sqrt(x))^2 with ramp = (d - 1) alpha — the classic
+    pipelined-broadcast result (e.g. Sanders, Speck, Traeff, "Two-tree algorithms for
+    full bandwidth broadcast, reduction and scan", Parallel Computing 35, 2009). The
+    effective bandwidth ramps with size: x / T = 1 / (1 + sqrt(ramp / x))^2.
+    """
+    if x <= 0:
+        return ramp
+    return (math.sqrt(ramp) + math.sqrt(x)) ** 2
+
+
 def transport_latency(p: Preset, transport: str) -> float:
+    """Fixed start of one transfer op (launch, and for NCCL the send/recv rendezvous)."""
     return {"nccl": p.nccl_latency_us, "p2p": p.ce_latency_us,
             "multicast": p.mc_latency_us}[transport] * US
+
+
+def transport_ramp(p: Preset, transport: str) -> float:
+    """Per-hop pipeline overhead of a transport (the ``ramp`` of ``pipelined_time``)."""
+    return {"nccl": p.nccl_ramp_us, "p2p": p.ce_ramp_us,
+            "multicast": p.mc_ramp_us}[transport] * US
+
+
+def transfer_gbps(p: Preset, transport: str, collective: bool = False) -> float:
+    """Top rate of one transfer: a point-to-point NCCL send/recv runs on fewer channels
+    (SMs) than a ring collective and plateaus far below it (~180 vs ~360 GB/s on
+    H100 NVLink: NVIDIA/nccl-tests#268, #326); a copy-engine copy or a multicast kernel
+    reaches the transport's rate."""
+    rate = p.transport_gbps(transport)
+    if transport == "nccl" and not collective and p.nccl_p2p_gbps:
+        return min(rate, p.nccl_p2p_gbps)
+    return rate
+
+
+def transfer_fill(p: Preset, transport: str, nbytes: float, hops: int = 1) -> float:
+    """Seconds a transfer of ``nbytes`` alone spends beyond bytes / its top rate.
+
+    ``latency + pipelined_time(hops * ramp, x) - x``, x = nbytes / ``transfer_gbps``:
+    the engine charges it before the bytes flow (it uses no link capacity), so that a
+    transfer alone takes exactly latency + (sqrt(hops * ramp) + sqrt(x))^2.
+    """
+    x = nbytes / (transfer_gbps(p, transport, collective=hops > 1) * 1e9)
+    ramp = hops * transport_ramp(p, transport)
+    return transport_latency(p, transport) + pipelined_time(ramp, x) - x
 
 
 def collective_bytes(op: str, nranks: int, batch: int, rows: int, k: int, n: int,
                      dtype: str) -> int:
     """S of nccl-tests: the whole gathered (AG) or pre-reduction (RS) array in bytes."""
-    cols = k if op == "ag_matmul" else n
+    cols = k if op_spec(op).comm_cols == "k" else n
     return nranks * batch * rows * cols * dtype_bytes(dtype)
 
 
-def collective_time(p: Preset, transport: str, nranks: int, total_bytes: int) -> float:
-    """Standalone all-gather / reduce-scatter of S = total_bytes (unfused, one call).
+def collective_time(p: Preset, transport: str, nranks: int, total_bytes: int,
+                    op: str = "ag_matmul") -> float:
+    """The standalone collective of ``op``'s unfused path moving S = total_bytes.
 
-    Ring bound of nccl-tests (brief §5): t = latency + (S/B)(n-1)/n with B the
-    transport's bus bandwidth. Every rank must receive (AG) or send (RS)
-    (n-1)/n S through its own port at that rate, whatever the schedule, so no
-    program on the same transport moves the data faster in the engine either —
-    which is what keeps projected speedups under the ideal bound.
+    A ring over N ranks is a pipeline of N-1 hops (NCCL's ring algorithm), so
+    t = latency + pipelined_time((N-1) * ramp, bus_factor * S / B), B the
+    transport's asymptotic bus bandwidth (nccl-tests busbw). This is what makes NCCL's
+    bandwidth ramp with message size: on 8xH100 the bus bandwidth is 91 GB/s at 2 MiB
+    and 305 GB/s at 128 MiB (NVIDIA/Megatron-LM PR #5596), ~360 GB/s at several GB
+    (NVIDIA/nccl-tests #212, #326). Every rank must move bus_factor * S through its
+    own port whatever the schedule, so no program moves the data faster in the engine.
     """
     if nranks <= 1:
         return 0.0
-    bw = p.transport_gbps(transport) * 1e9
-    return transport_latency(p, transport) + total_bytes * (nranks - 1) / nranks / bw
+    x = op_spec(op).bus_factor(nranks) * total_bytes / (p.transport_gbps(transport) * 1e9)
+    return (transport_latency(p, transport)
+            + pipelined_time((nranks - 1) * transport_ramp(p, transport), x))
+
+
+def collective_floor(p: Preset, transport: str, nranks: int, total_bytes: int,
+                     op: str = "ag_matmul") -> float:
+    """Bytes alone: bus_factor * S / B. Every rank must move that through its own port
+    at the transport's rate, whatever the schedule — no program beats it."""
+    if nranks <= 1:
+        return 0.0
+    return (op_spec(op).bus_factor(nranks) * total_bytes
+            / (p.transport_gbps(transport) * 1e9))
+
+
+# ---- ops running together ------------------------------------------------------------------
+
+
+def compute_rate(p: Preset, sms_taken: float, hbm_bytes_per_s: float) -> float:
+    """Speed of a compute kernel (1 = alone) next to running transfers.
+
+    Two mechanisms: SM-based transports (NCCL kernels, multicast kernels) take SMs
+    from it, ``1 - taken / sms``; and bytes moved through this GPU's memory by
+    transfers (read at the sender, written at the receiver, copy engine or not) slow
+    it by ``1 + interference * traffic / hbm_bandwidth`` (memory, cache and power
+    contention). ``interference`` is fitted to a GEMM running next to an independent
+    copy-engine all-gather on 8xH100 (pytorch/pytorch PR #172714); compute-bound fused
+    AG+GEMM kernels then take 1.12-1.14x their GEMM alone, as published.
+    """
+    free = max(0.0, 1.0 - sms_taken / p.sms)
+    return free / (1.0 + p.interference * hbm_bytes_per_s / (p.hbm_gbps * 1e9))
+
+
+def host_time(p: Preset, programs: Sequence[dict[str, Any]]) -> float:
+    """Seconds the host needs to enqueue one call (the slowest rank's program).
+
+    The executor issues every op of the program from the host (a kernel, a copy, a
+    stream memory op, an event) after a fixed per-call cost (the FFI handler, the
+    clique and program look-up). In a loop of calls the GPU cannot run faster than
+    the host enqueues, so a call takes at least this long: the cost of many small
+    chunks that a single fused kernel does not pay.
+    """
+    most = max((len(pr["ops"]) for pr in programs), default=0)
+    return (p.host_call_us + most * p.host_op_us) * US

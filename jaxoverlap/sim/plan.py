@@ -8,14 +8,16 @@ NCCL collective, then one GEMM) unless a plan beats it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from jaxoverlap.sim import model
+from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import Span, simulate_programs
 from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
 
-OPS = ("ag_matmul", "matmul_rs")
+OPS = tuple(model.OPS)
 IMPLS = ("xla", "ring", "native")
 # The pure-JAX ring (impl="ring") runs the NCCL ring schedule through XLA's
 # collective-permute; each step also writes its GEMM output into the result with a
@@ -74,8 +76,8 @@ class SimResult:
 
     t_gemm: the unchunked GEMM alone; t_comm: the standalone (unfused) collective
     on the plan's transport; t_comm_xla: the NCCL collective of the ``xla`` path;
-    t_compute: the plan's own compute ops alone (chunking makes it >= t_gemm);
-    t_fused: the simulated call.
+    t_compute: the plan's own compute ops alone; t_wire: the bytes each rank must move,
+    at the transport's rate (no schedule beats it); t_fused: the simulated call.
     """
 
     op: str
@@ -89,6 +91,7 @@ class SimResult:
     t_comm: float
     t_comm_xla: float
     t_compute: float
+    t_wire: float = 0.0
     spans: list[Span] = field(default_factory=list, repr=False)
     num_streams: int = 1
 
@@ -118,8 +121,9 @@ class SimResult:
 
     @property
     def ideal_speedup(self) -> float:
-        """(T_gemm + T_comm) / max(T_gemm, T_comm): perfect overlap, free chunking."""
-        return self.t_unfused / max(self.t_gemm, self.t_comm)
+        """(T_gemm + T_comm) / max(T_gemm, T_wire): perfect overlap, free chunking, and every
+        start-up cost of the transfers hidden too."""
+        return self.t_unfused / max(self.t_gemm, self.t_wire, 1e-30)
 
     def row(self) -> dict[str, object]:
         return {
@@ -132,15 +136,18 @@ class SimResult:
         }
 
 
+@functools.lru_cache(maxsize=512)
 def _programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
-              bidirectional: bool, return_gathered: bool) -> list[dict]:
+              bidirectional: bool, return_gathered: bool) -> tuple[dict, ...]:
+    """Every rank's program (cached: the simulator only reads them)."""
     from jaxoverlap._runtime import load_host
 
     host = load_host()
-    return [host.build_program(op, transport, nranks, r, shape.batch, shape.rows, shape.k,
-                               shape.n, dtype=dtype, chunks=chunks,
-                               bidirectional=bidirectional, return_gathered=return_gathered)
-            for r in range(nranks)]
+    return tuple(host.build_program(op, transport, nranks, r, shape.batch, shape.rows, shape.k,
+                                    shape.n, dtype=dtype, chunks=chunks,
+                                    bidirectional=bidirectional,
+                                    return_gathered=return_gathered)
+                 for r in range(nranks))
 
 
 def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
@@ -149,7 +156,7 @@ def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
     m = nranks * shape.rows  # AG: gathered rows; RS: full rows of the local x
     t_gemm = model.gemm_time(preset, dtype, shape.batch, m, shape.n, shape.k)
     s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
-    return t_gemm, model.collective_time(preset, transport, nranks, s)
+    return t_gemm, model.collective_time(preset, transport, nranks, s, op)
 
 
 def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
@@ -161,9 +168,11 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     dtype = canonical_dtype(dtype)
     c = candidate or Candidate()
     t_gemm, t_comm_xla = baseline_times(op, shape, dtype, nranks, p)
+    s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
     if c.impl == "xla":
         return SimResult(op, shape, dtype, nranks, p.name, c, t_gemm + t_comm_xla, t_gemm,
-                         t_comm_xla, t_comm_xla, t_gemm)
+                         t_comm_xla, t_comm_xla, t_gemm,
+                         model.collective_floor(p, "nccl", nranks, s, op))
     transport = "nccl" if c.impl == "ring" else (c.transport or "nccl")
     p.transport_gbps(transport)  # raises when the machine lacks it
     chunks = 1 if c.impl == "ring" else c.chunks
@@ -181,8 +190,8 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in ("Gemm", "Add"))
                     for pr in programs)
     return SimResult(op, shape, dtype, nranks, p.name, c, timeline.total, t_gemm, t_comm,
-                     t_comm_xla, t_compute, timeline.spans,
-                     max(pr["num_streams"] for pr in programs))
+                     t_comm_xla, t_compute, model.collective_floor(p, transport, nranks, s, op),
+                     timeline.spans, max(pr["num_streams"] for pr in programs))
 
 
 def candidates(preset: Preset | str, nranks: int, shape: Shape,
@@ -209,10 +218,17 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
 
 @dataclass
 class Choice:
-    """The pick and every candidate's projection (for a debug log)."""
+    """The pick and every candidate's projection (for a debug log).
+
+    ``outside``: why this projection lies outside the range the preset was checked
+    against measurements (empty when inside); ``min_gain``: the margin applied.
+    """
 
     best: SimResult
     table: list[SimResult]
+    outside: list[str] = field(default_factory=list)
+    min_gain: float = 0.0
+    unfused: bool = True  # the unfused path was allowed to win
 
     @property
     def candidate(self) -> Candidate:
@@ -228,26 +244,46 @@ class Choice:
             mark = "  <- pick" if r is self.best else ""
             lines.append(f"{r.candidate.label:<36} {r.t_fused * 1e6:>9.1f} "
                          f"{r.speedup_vs_xla:>7.3f} {r.overlap_efficiency:>8.3f}{mark}")
+        if self.unfused:
+            lines.append(f"fallback margin: a plan must be predicted {self.min_gain:.0%} "
+                         "faster than xla (the model's measured error)")
+        else:
+            lines.append("a fused impl was asked for: the fastest fused plan, even if slower "
+                         "than xla")
+        if self.outside:
+            lines.append("OUTSIDE THE CALIBRATED RANGE (extrapolated): " + "; ".join(self.outside))
         return "\n".join(lines)
 
 
 def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
-           cands: Sequence[Candidate] | None = None, min_gain: float = 0.02) -> Choice:
+           cands: Sequence[Candidate] | None = None, min_gain: float | None = None,
+           unfused: bool = True) -> Choice:
     """Predicts each candidate and picks the fastest.
 
     The unfused ``xla`` path is always among the candidates and wins unless a
-    plan is predicted at least ``min_gain`` (a fraction, default 2%: a margin for
-    the model's error) faster: never slower by choice. Ties keep the earlier
-    (simpler) candidate.
+    plan is predicted at least ``min_gain`` faster (a fraction; default the
+    preset's margin for ``op``, derived from the model's measured error against
+    published measurements, ``sim.published.fallback_margin``): never slower by
+    choice. Ties keep the earlier (simpler) candidate. ``unfused=False``: the caller
+    has fixed a fused impl, so the fastest of ``cands`` is picked (the xla path is
+    still simulated, for the log, but never picked).
     """
     p = load_preset(preset)
+    min_gain = p.margin(op) if min_gain is None else min_gain
     cands = list(cands) if cands is not None else candidates(p, nranks, shape)
     if not any(c.impl == "xla" for c in cands):
         cands.insert(0, Candidate("xla", None))
     table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]
     xla = next(r for r in table if r.candidate.impl == "xla")
+    if not unfused:
+        fused = [r for r in table if r.candidate.impl != "xla"]
+        if not fused:
+            raise ValueError("choose(unfused=False) needs at least one fused candidate")
+        best = min(fused, key=lambda r: r.t_fused)
+        return Choice(best, table, outside_calibrated(p, op, shape, dtype, nranks), 0.0,
+                      unfused=False)
     best = xla
     for r in table:
         if r.t_fused < best.t_fused and r.t_fused <= xla.t_fused * (1 - min_gain):
             best = r
-    return Choice(best, table)
+    return Choice(best, table, outside_calibrated(p, op, shape, dtype, nranks), min_gain)

@@ -1,4 +1,4 @@
-"""Projected tables, Gantt charts and preset calibration (all model output, labelled so)."""
+"""Projected tables and Gantt charts (all model output, labelled so)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from jaxoverlap.sim import model
 from jaxoverlap.sim.plan import Shape, SimResult, choose
-from jaxoverlap.sim.presets import PRESETS, Preset, canonical_dtype, load_preset
+from jaxoverlap.sim.presets import PRESETS, Preset, load_preset
 
 MODEL_LABEL = "MODEL PROJECTION (jaxoverlap.sim), not a measurement"
 
@@ -33,15 +32,17 @@ class Case:
 
 STANDARD_CASES: tuple[Case, ...] = (
     Case("AG std", "ag_matmul", 8192, 8192, 3584,
-         ref="brief §5 worked example: ideal 1.5x (1.45x with ~5% chunk cost)"),
-    Case("RS std", "matmul_rs", 8192, 3584, 8192, ref="brief §5: symmetric to AG std"),
+         ref="P2/8192 (symm-mem, 8xH100 HBM2e): 1.36x published"),
+    Case("RS std", "matmul_rs", 8192, 3584, 8192,
+         ref="F8/8192 (Flux, 8xH100): 0.84x; TD-RS5 (Triton-distributed, 8xH800): 1.55x"),
     Case("AG M2048", "ag_matmul", 2048, 8192, 3584,
-         ref="PyTorch PR #143160 (GPU n/s): 0.85x / 1.02x / 1.09x"),
+         ref="P4 (PyTorch PR #143160): multicast 1.09x, decomposed 0.85x"),
     Case("AG flux", "ag_matmul", 4096, 12288, 6144,
-         ref="Flux 8xL20 PCIe: 2.87x; Triton-dist 8xH800 AG M8192: 1.30-1.65x"),
-    Case("RS flux", "matmul_rs", 4096, 6144, 12288, ref="Flux 8xL20 PCIe: 3.08x"),
+         ref="F1 (Flux, 8xH800): 1.49x; L1 (Flux, 8xL20 PCIe): 2.87x"),
+    Case("RS flux", "matmul_rs", 4096, 6144, 12288,
+         ref="F2 (Flux, 8xH800): 1.51x; L2 (Flux, 8xL20 PCIe): 3.08x"),
     Case("RS M32768", "matmul_rs", 32768, 3584, 8192,
-         ref="Flux on 8xH100 (flux#90): 0.80x (fused slower)"),
+         ref="F8/32768 (Flux, 8xH100): 0.80x (fused slower)"),
     Case("AG decode", "ag_matmul", 64, 8192, 3584, ref="tiny GEMM: unfused expected"),
 )
 
@@ -64,17 +65,22 @@ def projection_table(presets: Iterable[str | Preset] = tuple(PRESETS),
                 "speedup": b.speedup, "overlap_eff": b.overlap_efficiency,
                 "ideal": b.ideal_speedup,
                 "ref": case.ref,
+                "outside": choice.outside,
             })
     return rows
 
 
 def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> str:
+    """The projection table; a case outside its preset's calibrated range is marked "*"
+    (text: with the reasons under the table)."""
     cols = [("preset", "preset"), ("case", "case"), ("shape", "shape (per-rank K/N)"),
             ("t_xla_us", "xla µs"), ("plan", "chosen plan"), ("t_plan_us", "plan µs"),
             ("vs_xla", "vs xla"), ("speedup", "speedup¹"), ("overlap_eff", "overlap eff¹"),
-            ("ideal", "ideal¹")]
+            ("ideal", "ideal¹"), ("outside", "calibrated")]
 
     def fmt(key: str, v: object) -> str:
+        if key == "outside":
+            return "no*" if v else "yes"
         if isinstance(v, float):
             return f"{v:.0f}" if key.endswith("_us") else f"{v:.2f}"
         return str(v)
@@ -90,6 +96,30 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> st
         lines.append("  ".join(f"{h:>14}" for _, h in cols))
         for r in rows:
             lines.append("  ".join(f"{fmt(k, r[k]):>14}" for k, _ in cols))
+        for r in rows:
+            if r["outside"]:
+                lines.append(f"* {r['preset']} {r['case']}: outside the calibrated range "
+                             f"(extrapolated): {'; '.join(r['outside'])}")
+    return "\n".join(lines)
+
+
+def preset_table(presets: Iterable[str | Preset] = tuple(PRESETS)) -> str:
+    """The presets' main numbers as a markdown table (docs/performance.md §3)."""
+    lines = ["| preset | GPU / fabric | dense BF16 TFLOP/s | best-shape eff | HBM | link | "
+             "NCCL ring | NCCL send/recv | CE p2p | multicast | margin AG / RS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def rate(v: float | None, none: str) -> str:
+        return f"{v:g}" if v else none
+
+    for spec in presets:
+        p = load_preset(spec)
+        shape = "x".join(map(str, p.gemm_best_shape))
+        lines.append(
+            f"| `{p.name}` | {p.gpu} | {p.peak_tflops['bfloat16']:g} | "
+            f"{p.gemm_efficiency:.3f} at {shape} | {p.hbm_gbps:g} | {p.link_gbps:g} | "
+            f"{p.nccl_gbps:g} | {rate(p.nccl_p2p_gbps, '—')} | {rate(p.p2p_gbps, 'no')} | "
+            f"{rate(p.multicast_gbps, 'no')} | "
+            f"{p.margin('ag_matmul'):.1%} / {p.margin('matmul_rs'):.1%} |")
     return "\n".join(lines)
 
 
@@ -138,32 +168,3 @@ def gantt(result: SimResult, path: str | os.PathLike[str], ranks: Sequence[int] 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def calibrate(base: str | Preset, *, name: str | None = None, dtype: str = "bfloat16",
-              gemm: tuple[int, int, int, float] | None = None,
-              nccl_allgather: tuple[int, int, float] | None = None,
-              p2p_copy: tuple[int, float] | None = None) -> Preset:
-    """A preset fitted to measurements on the user's machine.
-
-    gemm = (m, n, k, seconds) of one large GEMM -> gemm_efficiency (inverts the
-    shape curve and the per-kernel overhead); nccl_allgather = (total bytes S,
-    nranks, seconds) -> nccl_gbps (nccl-tests busbw); p2p_copy = (bytes, seconds)
-    of one peer cudaMemcpyAsync -> p2p_gbps. Latencies stay the base's unless set
-    with ``.replace`` afterwards.
-    """
-    p = load_preset(base)
-    changes: dict[str, object] = {"name": name or f"{p.name}-calibrated"}
-    if gemm is not None:
-        m, n, k, t = gemm
-        busy = t - p.gemm_overhead_us * model.US
-        shape = model.gemm_efficiency(p, m, n, k) / p.gemm_efficiency
-        changes["gemm_efficiency"] = (2.0 * m * n * k / busy
-                                      / (p.peak_tflops[canonical_dtype(dtype)] * 1e12) / shape)
-    if nccl_allgather is not None:
-        s, nranks, t = nccl_allgather
-        changes["nccl_gbps"] = s * (nranks - 1) / nranks / (t - p.nccl_latency_us * model.US) / 1e9
-    if p2p_copy is not None:
-        b, t = p2p_copy
-        changes["p2p_gbps"] = b / (t - p.ce_latency_us * model.US) / 1e9
-    return p.replace(**changes)

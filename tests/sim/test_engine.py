@@ -1,6 +1,7 @@
 """The event engine on timelines computable by hand (real programs where possible)."""
 
 import copy
+import math
 
 import pytest
 
@@ -10,15 +11,19 @@ from jaxoverlap._runtime import load_host
 host = load_host()
 US = 1e-6
 
-# A machine with round numbers: 1 TFLOP/s, no shape penalty, no per-kernel cost,
-# "infinite" HBM; links of 10 GB/s; NCCL at half the line rate.
+# A machine with round numbers: 1 TFLOP/s, no shape or quantisation penalty, no
+# per-kernel cost, "infinite" HBM; links of 10 GB/s; NCCL at half the line rate; fixed
+# latencies but no size ramp, no memory interference, no host cost (the tests of those
+# mechanisms switch them on one at a time).
 TOY = sim.Preset(
     name="toy", gpu="toy", sms=100,
     peak_tflops={"bfloat16": 1.0, "float16": 1.0, "float32": 1.0},
     gemm_efficiency=1.0, hbm_gbps=1e12, link_gbps=10.0, nccl_gbps=5.0, p2p_gbps=10.0,
-    multicast_gbps=10.0, gemm_m_half=0.0, gemm_n_half=0.0, gemm_k_half=0.0,
+    multicast_gbps=10.0, gemm_m_half=0.0, gemm_n_half=0.0, gemm_k_half=0.0, gemm_tiles=(),
     gemm_overhead_us=0.0, nccl_latency_us=3.0, ce_latency_us=5.0, mc_latency_us=1.0,
-    signal_latency_us=2.0, event_latency_us=0.0, nccl_sms=25, mc_sms=10)
+    nccl_ramp_us=0.0, ce_ramp_us=0.0, mc_ramp_us=0.0, signal_latency_us=2.0,
+    event_latency_us=0.0, nccl_sms=25, mc_sms=10, interference=0.0, host_op_us=0.0,
+    host_call_us=0.0)
 
 
 def clique(op, transport, n, rows, k, n_out, **kw):
@@ -34,10 +39,12 @@ def test_pure_compute_is_the_sum_of_gemm_times():
     progs = clique("ag_matmul", "nccl", 1, 256, 512, 1024)
     tl = sim.simulate_programs(progs, TOY)
     assert tl.total == pytest.approx(gemm_s(256, 512, 1024))
-    # with an overhead per kernel and the shape curve the time grows accordingly
+    # with an overhead per kernel and the shape effects the GEMM takes longer; and a call
+    # cannot finish before the host has enqueued it (one op after the per-call cost)
     p = sim.get_preset("h100")
     tl = sim.simulate_programs(progs, p)
-    assert tl.total == pytest.approx(sim.gemm_time(p, "bf16", 1, 256, 1024, 512))
+    host_s = (p.host_call_us + p.host_op_us) * US
+    assert tl.total == pytest.approx(max(sim.gemm_time(p, "bf16", 1, 256, 1024, 512), host_s))
     assert tl.total > 2 * 256 * 512 * 1024 / (989e12 * 0.803)
 
 
@@ -124,3 +131,77 @@ def test_all_programs_run_on_every_preset(op, transport):
     for preset in sim.PRESETS.values():
         if transport in preset.transports:
             assert sim.simulate_programs(progs, preset).total > 0
+
+
+def _one_copy(nbytes, transport="p2p"):
+    """Rank 0 sends ``nbytes`` to rank 1 (a Copy, or an NCCL Send/Recv), nothing else."""
+    progs = [{"rank": r, "nranks": 2, "num_streams": 2, "dtype": "bf16", "elem_bytes": 2,
+              "ops": []} for r in range(2)]
+    if transport == "p2p":
+        progs[0]["ops"].append({"kind": "Copy", "stream": 1, "bytes": nbytes, "text": "Copy",
+                                "d": {"buf": "WORKSPACE", "rank": 1}})
+    else:
+        base = {"stream": 1, "bytes": nbytes, "id": 0, "group": 0}
+        progs[0]["ops"].append({**base, "kind": "Send", "peer": 1, "text": "Send"})
+        progs[1]["ops"].append({**base, "kind": "Recv", "peer": 0, "text": "Recv"})
+    return progs
+
+
+@pytest.mark.parametrize("nbytes", [10_000, 1_000_000, 100_000_000])
+def test_a_transfer_ramps_with_its_size(nbytes):
+    """latency + (sqrt(ramp) + sqrt(bytes / rate))^2: the bandwidth a copy gets grows
+    with its size (pipelined chunks, each paying a fixed overhead)."""
+    p = TOY.replace(ce_ramp_us=4.0)
+    x = nbytes / 10e9
+    expected = 5 * US + (math.sqrt(4 * US) + math.sqrt(x)) ** 2
+    assert sim.simulate_programs(_one_copy(nbytes), p).total == pytest.approx(expected)
+    # small copies get a small fraction of the rate, large ones nearly all of it
+    achieved = x / (expected - 5 * US)
+    assert achieved < 0.5 if nbytes == 10_000 else achieved > 0.6
+
+
+def test_a_send_recv_runs_below_the_ring_collective_rate():
+    """One NCCL send/recv is capped at nccl_p2p_gbps (fewer channels than a ring)."""
+    nbytes = 10_000_000
+    capped = TOY.replace(nccl_p2p_gbps=2.0)
+    assert sim.simulate_programs(_one_copy(nbytes, "nccl"), TOY).total == pytest.approx(
+        3 * US + nbytes / 5e9)
+    assert sim.simulate_programs(_one_copy(nbytes, "nccl"), capped).total == pytest.approx(
+        3 * US + nbytes / 2e9)
+
+
+def test_transfers_through_a_ranks_memory_slow_its_gemm():
+    """A copy-engine copy takes no SMs, but its bytes pass the memory of both ranks:
+    the GEMM runs at 1 / (1 + interference * traffic / hbm) while it flows."""
+    rows, k, n_out = 1024, 1024, 2048
+    g = gemm_s(rows, k, n_out)  # 4.29 ms
+    nbytes = 20_000_000  # 2 ms at 10 GB/s, after the 5 us start
+    progs = clique("ag_matmul", "nccl", 1, rows, k, n_out)
+    progs[0]["num_streams"] = 2
+    progs[0]["nranks"] = 2
+    progs.append({"rank": 1, "nranks": 2, "num_streams": 2, "dtype": "bf16", "elem_bytes": 2,
+                  "ops": []})
+    progs[0]["ops"].append({"kind": "Copy", "stream": 1, "bytes": nbytes, "text": "Copy",
+                            "d": {"buf": "WORKSPACE", "rank": 1}})
+    p = TOY.replace(interference=2.0, hbm_gbps=100.0)
+    rate = 1 / (1 + 2.0 * 10e9 / 100e9)  # traffic 10 GB/s out of rank 0's memory
+    xfer = nbytes / 10e9
+    end = 5 * US + xfer + (g - 5 * US - rate * xfer)
+    assert sim.simulate_programs(progs, p).total == pytest.approx(end)
+    assert sim.simulate_programs(progs, TOY).total == pytest.approx(g)
+
+
+def test_the_host_enqueue_bounds_a_call_of_many_small_ops():
+    progs = clique("ag_matmul", "p2p", 4, 64, 64, 64, chunks=8)
+    ops = max(len(pr["ops"]) for pr in progs)
+    p = TOY.replace(host_op_us=10.0, host_call_us=50.0)
+    assert sim.simulate_programs(progs, TOY).total < (50 + 10 * ops) * US
+    assert sim.simulate_programs(progs, p).total == pytest.approx((50 + 10 * ops) * US)
+
+
+def test_fork_and_join_cost_an_event_latency_each():
+    """Comm streams start one event after the call and the call ends one event after them."""
+    nbytes = 1_000_000
+    p = TOY.replace(event_latency_us=7.0)
+    assert sim.simulate_programs(_one_copy(nbytes), p).total == pytest.approx(
+        7 * US + 5 * US + nbytes / 10e9 + 7 * US)

@@ -1,0 +1,57 @@
+"""Where a projection stands relative to the measurements its preset was checked against.
+
+A preset records the ranges it was calibrated on (``Preset.calibrated``: the GEMM
+FLOPs of one call, the collective's bytes, and per op the GEMM FLOPs of the fused
+calls checked). A projection outside them is an extrapolation of the formulas;
+``bench --model`` and the chooser's debug log say so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from jaxoverlap.sim import model
+
+if TYPE_CHECKING:
+    from jaxoverlap.sim.plan import Shape
+    from jaxoverlap.sim.presets import Preset
+
+# A projection this close to a calibrated range's ends still counts as inside it.
+_SLACK = 1.25
+
+
+def ranges(gemm_flops: Iterable[float], collective_bytes: Iterable[float],
+           fused_flops: Mapping[str, Iterable[float]]) -> dict[str, tuple[float, float]]:
+    """The ``Preset.calibrated`` of a set of measurements: min and max of each kind."""
+    out: dict[str, tuple[float, float]] = {}
+    for key, values in (("gemm_flop", gemm_flops), ("collective_bytes", collective_bytes),
+                        *fused_flops.items()):
+        values = [float(v) for v in values]
+        if values:
+            out[key] = (min(values), max(values))
+    return out
+
+
+def _check(ranges: dict[str, tuple[float, float]], key: str, value: float, what: str,
+           unit: str) -> list[str]:
+    if key not in ranges:
+        return [f"no measured {what} on this machine"]
+    lo, hi = ranges[key]
+    if value < lo / _SLACK:
+        return [f"{what} {value:.3g} {unit} below the measured {lo:.3g}"]
+    if value > hi * _SLACK:
+        return [f"{what} {value:.3g} {unit} above the measured {hi:.3g}"]
+    return []
+
+
+def outside_calibrated(p: Preset, op: str, shape: Shape, dtype: str, nranks: int) -> list[str]:
+    """Why this call's projection is outside the preset's calibrated range ([] = inside)."""
+    if not p.calibrated:
+        return [f"preset {p.name!r} has no published or measured point: every number is "
+                "extrapolated from its sources"]
+    flop = 2.0 * shape.batch * nranks * shape.rows * shape.n * shape.k
+    nbytes = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
+    return (_check(p.calibrated, "gemm_flop", flop, "GEMM", "FLOP")
+            + _check(p.calibrated, "collective_bytes", nbytes, "collective", "bytes")
+            + _check(p.calibrated, op, flop, f"fused {op}", "FLOP"))

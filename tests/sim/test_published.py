@@ -1,0 +1,135 @@
+"""The model against every published measurement of sim.published (the calibration test).
+
+Asserted on every row: the serial times and the GEMM-alone / collective-alone inputs
+within 10%; our projected speedup never more than 5% above the best published fused
+speedup at the same shape (except the rows of ``DISAGREES``, which must be exactly
+the rows that disagree, each with its reason); every published loss keeps the unfused
+path. Also: the presets hold what the published fits give, and docs/performance.md
+shows the tables this very code generates.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from jaxoverlap import sim
+from jaxoverlap.sim import fit, published
+
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+TOLERANCE = 0.10  # serial and input times
+OVERSHOOT = 1.05  # our speedup over the best published one
+
+
+@pytest.fixture(scope="module")
+def calls():
+    return published.evaluate()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return published.evaluate_inputs()
+
+
+def test_every_model_input_is_within_10_percent(inputs):
+    bad = [(r.id, f"{r.error:+.1%}") for r in inputs if abs(r.error) > TOLERANCE]
+    assert not bad, bad
+    assert len(inputs) == len(published.GEMMS) + len(published.COLLECTIVES) + 3
+
+
+def test_serial_times_and_their_parts_are_within_10_percent(calls):
+    checked = 0
+    for r in calls:
+        for what, err in (("serial", r.serial_error), ("GEMM", r.gemm_error),
+                          ("comm", r.comm_error)):
+            if err is not None:
+                assert abs(err) <= TOLERANCE, (r.row.id, what, f"{err:+.1%}")
+                checked += 1
+    assert checked >= 40
+
+
+def test_our_speedup_never_beats_the_best_published_by_more_than_5_percent(calls):
+    over = {r.row.id for r in calls if r.overshoot > OVERSHOOT}
+    assert over == set(published.DISAGREES), sorted(over ^ set(published.DISAGREES))
+    for r in calls:
+        if r.row.id not in published.DISAGREES:
+            assert r.overshoot <= OVERSHOOT, (r.row.id, r.speedup, r.row.published_speedup)
+
+
+def test_every_published_loss_keeps_the_unfused_path(calls):
+    losses = [r for r in calls if r.row.loss]
+    assert {r.row.id for r in losses} >= {"F7/1024", "F8/1024", "F8/2048", "F8/32768"}
+    for r in losses:
+        assert r.pick.candidate.impl == "xla", (r.row.id, r.pick.candidate)
+        if r.row.id not in published.DISAGREES:  # the mechanisms alone predict the loss
+            assert r.speedup < 1.0 + r.margin, (r.row.id, r.speedup)
+
+
+def test_the_disagreements_say_why():
+    for row_id, why in published.DISAGREES.items():
+        assert any(r.id == row_id for r in published.CALLS) and len(why) > 80
+
+
+def test_docs_show_the_generated_tables():
+    text = DOC.read_text()
+    assert published.markdown_table() in text
+    assert published.markdown_inputs_table() in text
+    assert sim.format_table(sim.projection_table(["h100"])) in text
+    assert sim.report.preset_table() in text
+
+
+def _close(fitted, preset, keys, rel=5e-3):
+    for key in keys:
+        assert getattr(fitted, key) == pytest.approx(getattr(preset, key), rel=rel), key
+
+
+def test_the_h100_numbers_are_the_fit_of_its_rows():
+    h100 = sim.get_preset("h100")
+    _close(published.fit_h100(h100), h100,
+           ("gemm_efficiency", "gemm_k_half", "gemm_overhead_us", "nccl_gbps", "nccl_ramp_us",
+            "interference", "nccl_sms"))
+    # every NVLink preset takes the same protocol fractions of its line rate
+    for name in ("h800", "a100", "a800", "b200"):
+        p = sim.get_preset(name)
+        assert p.nccl_gbps == pytest.approx(p.link_gbps * h100.nccl_gbps / 450.0, abs=0.06)
+
+
+def test_the_pcie8_numbers_are_the_fit_of_its_rows():
+    pcie8 = sim.get_preset("pcie8")
+    _close(published.fit_pcie8(pcie8), pcie8, ("gemm_efficiency", "nccl_gbps"))
+
+
+def test_the_fused_path_costs_are_the_fit_of_the_decomposed_program():
+    fitted = published.fit_fixed_costs(published.machine("h100-hbm2e"))
+    _close(fitted, sim.get_preset("h100"), fit.FUSED_PATH_COSTS, rel=1e-2)
+
+
+def test_the_margins_are_derived_from_the_measured_error():
+    for name in ("h100", "h800", "a800", "pcie8"):
+        p = sim.get_preset(name)
+        for op in sim.OPS:
+            assert p.margin(op) == pytest.approx(published.fallback_margin(name, op),
+                                                 abs=1e-3), (name, op)
+    h100 = sim.get_preset("h100")
+    for name in ("h200", "a100", "b200"):  # no published row: the h100's
+        assert sim.get_preset(name).min_gain == h100.min_gain
+
+
+def test_the_calibrated_ranges_are_those_of_the_rows():
+    for name in ("h100", "h800", "a800", "pcie8"):
+        assert sim.get_preset(name).calibrated == published.calibrated_ranges(name), name
+    for name in ("h200", "a100", "b200"):
+        assert sim.get_preset(name).calibrated == {}
+
+
+def test_projections_outside_the_calibrated_range_are_marked():
+    std = sim.Shape.from_global(8192, 8192, 3584, 8)
+    assert sim.outside_calibrated(sim.get_preset("h100"), "ag_matmul", std, "bf16", 8) == []
+    huge = sim.Shape.from_global(262144, 16384, 16384, 8)
+    reasons = sim.outside_calibrated(sim.get_preset("h100"), "ag_matmul", huge, "bf16", 8)
+    assert any("above the measured" in r for r in reasons)
+    b200 = sim.outside_calibrated(sim.get_preset("b200"), "ag_matmul", std, "bf16", 8)
+    assert b200 and "no published or measured point" in b200[0]
+    choice = sim.choose("ag_matmul", std, "bf16", 8, "b200")
+    assert "OUTSIDE THE CALIBRATED RANGE" in choice.format()
