@@ -87,17 +87,22 @@ def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:
 
 
 def _check_axis_name(op: str, axis_name: Any) -> None:
-    try:
-        hash(axis_name)
-    except TypeError:
-        raise TypeError(
-            f"{op}: axis_name={axis_name!r} must be a mesh axis name (a str)."
-        ) from None
     if isinstance(axis_name, (tuple, list)):
         raise TypeError(
             f"{op}: axis_name={axis_name!r} must be a single mesh axis name; several axes are "
             "not supported."
         )
+    if not isinstance(axis_name, str):
+        raise TypeError(
+            f"{op}: axis_name={axis_name!r} must be a mesh axis name (a str, e.g. \"tp\"), "
+            f"got {type(axis_name).__name__}. It is the third positional argument: "
+            f"{op}(x, w, \"tp\", ...)."
+        )
+
+
+def _check_mesh(op: str, mesh: Any) -> None:
+    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"{op}: mesh={mesh!r} must be a jax.sharding.Mesh (or None).")
 
 
 # ---------------------------------------------------------------- plan
@@ -378,6 +383,7 @@ def ag_matmul(
     """
     op = "ag_matmul"
     _check_axis_name(op, axis_name)
+    _check_mesh(op, mesh)
     axis = _check_operands(op, x, w, axis)
     if not isinstance(return_gathered, bool):
         raise TypeError(f"{op}: return_gathered={return_gathered!r} must be True or False.")
@@ -415,6 +421,7 @@ def matmul_rs(
     """
     op = "matmul_rs"
     _check_axis_name(op, axis_name)
+    _check_mesh(op, mesh)
     axis = _check_operands(op, x, w, axis)
     n = bound_axis_size(axis_name)
     if n is None:
