@@ -100,7 +100,7 @@ def unavailable_reason(platform: str, dtype) -> str | None:
 
         cuda_error = _cuda_caps.cuda_error()
         if cuda_error is not None:
-            return f"the CUDA extension does not load ({cuda_error})"
+            return f"the CUDA extension is unavailable: {cuda_error}"
         if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in _DTYPES):
             return f"dtype {jnp.dtype(dtype).name} is not supported"
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -128,6 +129,30 @@ def _platform() -> str:
     return platform or jax.default_backend()
 
 
+_GPU_PLATFORMS = ("gpu", "cuda")
+_gpu_fallback_warned = False
+
+
+def _warn_gpu_fallback(op: str) -> None:
+    """Once per process: on GPUs without the CUDA extension, impl='auto' cannot fuse; say so.
+
+    The product's point would otherwise be off without a word; the warning names the cause
+    and the fix (``_cuda_caps.cuda_error``).
+    """
+    global _gpu_fallback_warned
+    if _gpu_fallback_warned or _platform() not in _GPU_PLATFORMS:
+        return
+    from jaxoverlap import _cuda_caps
+
+    error = _cuda_caps.cuda_error()
+    if error is None:
+        return
+    _gpu_fallback_warned = True
+    warnings.warn(
+        f"jaxoverlap: {op} with impl='auto' runs on GPUs without jaxoverlap's CUDA extension, "
+        f"so it falls back to the unfused path: {error}", RuntimeWarning, stacklevel=3)
+
+
 def _native_reason(dtype) -> str | None:
     """Why the native path cannot run here (None if it can)."""
     native = _native()
@@ -202,6 +227,8 @@ def _make_plan(
 
     forced_native = chosen_impl == "native" or (
         chosen_impl == "auto" and explicit_transport is not None)
+    if chosen_impl == "auto" and not forced_native:
+        _warn_gpu_fallback(op)
     picked = _model_pick(op, x, w, n, axis, rows_per_shard, chosen_impl, forced_native,
                          transport_wanted, chunks, bidirectional, settings.preset)
     if picked is not None:
