@@ -25,14 +25,16 @@ from jaxoverlap import _optional
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--impls", nargs="+", default=["xla", "ring", "native"])
+    p.add_argument("--impls", nargs="+", default=["xla", "ring", "native"],
+                   choices=["xla", "ring", "native", "auto"])
     p.add_argument("--tp", type=_count(1), default=None,
                    help="tensor-parallel size (default: the largest power of two of the devices)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="labels of jaxoverlap.sim.STANDARD_CASES (default: all)")
     p.add_argument("--scale", type=_count(1), default=None,
                    help="divide M, K and N by this (default: 32 on host devices, 1 on GPUs)")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on CPU")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on GPUs, float32 on CPU")
     p.add_argument("--warmup", type=_count(0), default=2)
     p.add_argument("--repeats", type=_count(1), default=5)
     p.add_argument("--out", default="results", help="directory for bench.json / the Gantt PNG")
