@@ -7,29 +7,39 @@ PYTHON ?= python3
 VENV ?= .venv
 JAX ?= jax>=0.10.2
 PIP = $(VENV)/bin/python -m pip
-# CUDA=ON builds jaxoverlap._cuda (needs nvcc; installs the NCCL/cuBLAS wheels it links,
-# and the cuobjdump + nvdisasm wheels its compile-check test reads). Default: ON when nvcc is on PATH.
-CUDA ?= $(shell command -v nvcc >/dev/null 2>&1 && echo ON || echo OFF)
+# CUDA=ON builds jaxoverlap._cuda (needs nvcc; installs the NCCL/cuBLAS wheels it links, and the
+# cuobjdump + nvdisasm wheels its compile-check test reads). Default for `make test` and
+# `make install`: ON when nvcc is on PATH. `make demo` builds it only where the demo uses it:
+# nvcc and a GPU (nvidia-smi -L lists one), unless CUDA= is given.
+NVCC := $(shell command -v nvcc 2>/dev/null)
+GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+CUDA ?= $(if $(NVCC),ON,OFF)
+DEMO_CUDA = $(if $(filter file,$(origin CUDA)),$(if $(and $(NVCC),$(GPU)),ON,OFF),$(CUDA))
 CUDA_PKGS_ON = nvidia-nccl-cu13 nvidia-cublas nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
-SOURCES := pyproject.toml CMakeLists.txt $(shell find cpp -type f 2>/dev/null)
+SOURCES := pyproject.toml CMakeLists.txt $(shell find cmake cpp build_backend -type f 2>/dev/null)
+# One stamp per build flavour: $(VENV)/.installed-ON or -OFF, newer than every source.
+STAMP = $(VENV)/.installed-
+# A CUDA=ON install that is up to date serves the demo too (it has the host executor).
+ON_FRESH := $(shell [ -f $(STAMP)ON ] && [ -z "$$(find $(SOURCES) -newer $(STAMP)ON | head -n 1)" ] && echo yes)
 
 .PHONY: demo test install clean
 
-demo: $(VENV)/.installed
+demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 	$(VENV)/bin/python examples/scaling.py
 
-test: $(VENV)/.installed
-	$(VENV)/bin/python -m ruff check jaxoverlap tests examples
+test: $(STAMP)$(CUDA)
+	$(VENV)/bin/python -m ruff check jaxoverlap tests examples build_backend
 	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q
 
-install: $(VENV)/.installed
+install: $(STAMP)$(CUDA)
 
-$(VENV)/.installed: $(SOURCES)
+$(STAMP)%: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind \
 		pytest ruff flax optax matplotlib rich
-	$(if $(filter ON,$(CUDA)),$(PIP) install -q $(CUDA_PKGS_ON))
-	CMAKE_ARGS="-DJAXOVERLAP_CUDA=$(CUDA)" $(PIP) install -q --no-build-isolation -e .
+	$(if $(filter ON,$*),$(PIP) install -q $(CUDA_PKGS_ON))
+	JAXOVERLAP_CUDA=$* $(PIP) install -q --no-build-isolation -e .
+	rm -f $(STAMP)ON $(STAMP)OFF
 	touch $@
 
 clean:

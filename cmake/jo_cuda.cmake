@@ -1,19 +1,42 @@
 # Decides JO_BUILD_CUDA and finds what _cuda links: the CUDA toolkit (nvcc,
 # headers, static runtime) and cuBLASLt + NCCL from the nvidia-* wheels of the
 # building Python (nvidia-cublas + nvidia-nccl-cu13; cu12: nvidia-cublas-cu12 +
-# nvidia-nccl-cu12, docs/gpu.md).
+# nvidia-nccl-cu12, docs/gpu.md). Under pip's build isolation the wheels come from
+# the build backend (build_backend/jaxoverlap_backend.py), which adds them to the
+# build requirements when it finds nvcc as check_language(CUDA) does.
+#
+# JO_CUDA_STATUS says in one line what happened: printed here, and recorded in
+# jaxoverlap/_build_config.py for jo.info() and the first GPU fallback's warning.
+# In AUTO mode a missing piece is that line, never an error.
 set(JO_BUILD_CUDA OFF)
-if(JAXOVERLAP_CUDA STREQUAL "OFF")
+string(TOUPPER "${JAXOVERLAP_CUDA}" _jo_cuda)
+if(_jo_cuda MATCHES "^(ON|1|TRUE|YES)$")
+  set(_jo_cuda ON)
+elseif(_jo_cuda MATCHES "^(OFF|0|FALSE|NO)$")
+  set(_jo_cuda OFF)
+elseif(NOT _jo_cuda STREQUAL "AUTO")
+  message(FATAL_ERROR "jaxoverlap: JAXOVERLAP_CUDA=${JAXOVERLAP_CUDA}: use AUTO, ON or OFF")
+endif()
+
+# Not building _cuda: an error when it was asked for (ON), else the one line.
+macro(jo_cuda_skip reason)
+  if(_jo_cuda STREQUAL "ON")
+    message(FATAL_ERROR "jaxoverlap: JAXOVERLAP_CUDA=ON but ${reason}")
+  endif()
+  set(JO_CUDA_STATUS "not built: ${reason}")
+  message(STATUS "jaxoverlap: CUDA extension (_cuda) not built: ${reason}")
+  return()
+endmacro()
+
+if(_jo_cuda STREQUAL "OFF")
+  set(JO_CUDA_STATUS "not built: the build was asked not to (JAXOVERLAP_CUDA=OFF)")
+  message(STATUS "jaxoverlap: CUDA extension (_cuda) not built: JAXOVERLAP_CUDA=OFF")
   return()
 endif()
 include(CheckLanguage)
 check_language(CUDA)
 if(NOT CMAKE_CUDA_COMPILER)
-  if(JAXOVERLAP_CUDA STREQUAL "ON")
-    message(FATAL_ERROR "jaxoverlap: JAXOVERLAP_CUDA=ON but no CUDA compiler (nvcc) was found")
-  endif()
-  message(STATUS "jaxoverlap: no nvcc: building without _cuda")
-  return()
+  jo_cuda_skip("no CUDA compiler: nvcc is not on PATH (nor named by CUDACXX) where this was built")
 endif()
 
 # The wheels: nvidia/nccl/{include,lib}, nvidia/cu13/{include,lib} (or cublas/ for cu12).
@@ -23,7 +46,7 @@ import os, sys
 try:
     import nvidia
 except ImportError:
-    sys.exit("no 'nvidia' package (pip install nvidia-nccl-cu13 nvidia-cublas)")
+    sys.exit("no 'nvidia' package")
 roots = [os.path.join(p) for p in nvidia.__path__]
 def find(rel):
     for r in roots:
@@ -40,12 +63,9 @@ print(";".join([nccl, cublas_dir, cb, sorted(lt)[0] if lt else ""]), end="")
 ]=]
   OUTPUT_VARIABLE _jo_wheels RESULT_VARIABLE _jo_rc ERROR_VARIABLE _jo_err)
 if(NOT _jo_rc EQUAL 0)
-  if(JAXOVERLAP_CUDA STREQUAL "ON")
-    message(FATAL_ERROR "jaxoverlap: JAXOVERLAP_CUDA=ON but the NCCL/cuBLAS wheels are missing: ${_jo_err}")
-  endif()
   string(STRIP "${_jo_err}" _jo_err)
-  message(STATUS "jaxoverlap: nvcc found but not the NCCL/cuBLAS wheels, building without _cuda: ${_jo_err}")
-  return()
+  string(REGEX REPLACE "[\r\n]+" " " _jo_err "${_jo_err}")
+  jo_cuda_skip("nvcc was found but not the NCCL/cuBLAS wheels in the building Python: ${_jo_err} (pip's isolated build brings them; before a --no-build-isolation build: pip install nvidia-nccl-cu13 nvidia-cublas)")
 endif()
 list(GET _jo_wheels 0 _jo_nccl_root)
 list(GET _jo_wheels 1 JO_CUBLAS_WHEEL_DIR)
@@ -64,5 +84,16 @@ enable_language(CUDA)
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 find_package(CUDAToolkit REQUIRED)
+# The cu13 wheels (nvidia/cu13) go with nvcc 13, the cu12 ones (nvidia/cublas) with nvcc 12.
+string(REGEX MATCH "^[0-9]+" _jo_nvcc_major "${CUDAToolkit_VERSION}")
+if(JO_CUBLAS_WHEEL_DIR STREQUAL "cu13")
+  set(_jo_wheel_major 13)
+else()
+  set(_jo_wheel_major 12)
+endif()
+if(NOT _jo_nvcc_major STREQUAL _jo_wheel_major)
+  jo_cuda_skip("nvcc is CUDA ${CUDAToolkit_VERSION} but the cuBLAS wheel is for CUDA ${_jo_wheel_major} (nvidia/${JO_CUBLAS_WHEEL_DIR}); install the wheels of nvcc's major")
+endif()
 set(JO_BUILD_CUDA ON)
-message(STATUS "jaxoverlap: building _cuda with CUDA ${CUDAToolkit_VERSION}, NCCL ${JO_NCCL_LIBRARY}, cuBLASLt ${JO_CUBLASLT_LIBRARY}")
+set(JO_CUDA_STATUS "built with CUDA ${CUDAToolkit_VERSION} for sm_80 and sm_90a")
+message(STATUS "jaxoverlap: CUDA extension (_cuda) built with CUDA ${CUDAToolkit_VERSION}, NCCL ${JO_NCCL_LIBRARY}, cuBLASLt ${JO_CUBLASLT_LIBRARY}")

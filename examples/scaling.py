@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import statistics
@@ -119,8 +120,17 @@ def _plot(results: list[dict], rows_list: list[int], meta: dict, path: Path) -> 
     plt.close(fig)
 
 
+def _missing(*modules: str) -> list[str]:
+    """The optional packages among ``modules`` that are not installed."""
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
+    if _missing("flax"):
+        print("examples/scaling.py needs flax (its block is jaxoverlap.flax.linen.ParallelMLP): "
+              "pip install 'jaxoverlap[examples]'")
+        return 2
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.host_devices}")
@@ -216,7 +226,9 @@ def main(argv=None) -> int:
     json_path.write_text(json.dumps(dict(meta=meta, results=results, skipped=skipped),
                                     indent=2) + "\n")
     print(f"\nwrote {json_path}")
-    if results and not args.no_plot:
+    if results and not args.no_plot and _missing("matplotlib"):
+        print("scaling.png skipped: matplotlib is not installed (pip install matplotlib)")
+    elif results and not args.no_plot:
         png_path = args.out / "scaling.png"
         _plot(results, sorted({r["rows"] for r in results}), meta, png_path)
         print(f"wrote {png_path}")

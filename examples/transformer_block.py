@@ -14,6 +14,7 @@ printed side by side, and the script exits non-zero if they diverge.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -40,6 +41,11 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    missing = [m for m in ("flax", "optax") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"examples/transformer_block.py needs {' and '.join(missing)}: "
+              "pip install 'jaxoverlap[examples]'")
+        return 2
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.host_devices}")

@@ -5,6 +5,13 @@
 ['native', 'ring', 'xla']
 """
 
+from jaxoverlap import _runtime
+
+if (_source_tree_error := _runtime.source_tree_error()) is not None:
+    if _runtime.run_as_command():
+        raise SystemExit(_source_tree_error)
+    raise ImportError(_source_tree_error)
+
 from jaxoverlap._config import config as config
 from jaxoverlap._config import current_config as current_config
 from jaxoverlap._info import info as info

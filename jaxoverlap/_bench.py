@@ -4,10 +4,11 @@ Measured mode times every impl side by side in one run (warm-up, repeats,
 median, ratio to ``"xla"``) for the standard cases of ``jaxoverlap.sim`` —
 TP=8, M=8192, K=8192, N=3584 per rank and friends — scaled down on host
 devices, and writes a JSON and a table. ``--model PRESET`` prints the
-simulator's projection for the same cases and a Gantt chart of one plan,
-labelled as a model, with projections outside the preset's calibrated range
-marked. ``--calibrate`` also times GEMMs, all-gathers and reduce-scatters by size
-and our native calls, and writes a preset fitted to them with ``sim.calibrate``
+simulator's projection for the same cases and a Gantt chart of one plan (when
+matplotlib is installed), labelled as a model, with projections outside the
+preset's calibrated range marked. ``--calibrate`` also times GEMMs, all-gathers
+and reduce-scatters by size and our native calls, and writes a preset fitted to
+them with ``sim.calibrate``
 (meaningful on GPUs).
 """
 
@@ -22,23 +23,40 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxoverlap import _optional
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--impls", nargs="+", default=["xla", "ring", "native"])
-    p.add_argument("--tp", type=int, default=None,
+    p.add_argument("--impls", nargs="+", default=["xla", "ring", "native"],
+                   choices=["xla", "ring", "native", "auto"])
+    p.add_argument("--tp", type=_count(1), default=None,
                    help="tensor-parallel size (default: the largest power of two of the devices)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="labels of jaxoverlap.sim.STANDARD_CASES (default: all)")
-    p.add_argument("--scale", type=int, default=None,
+    p.add_argument("--scale", type=_count(1), default=None,
                    help="divide M, K and N by this (default: 32 on host devices, 1 on GPUs)")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on CPU")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on GPUs, float32 on CPU")
+    p.add_argument("--warmup", type=_count(0), default=2)
+    p.add_argument("--repeats", type=_count(1), default=5)
     p.add_argument("--out", default="results", help="directory for bench.json / the Gantt PNG")
     p.add_argument("--model", default=None, metavar="PRESET",
                    help="print the model's projection on PRESET (name or JSON) instead of timing")
     p.add_argument("--calibrate", default=None, metavar="BASE_PRESET",
                    help="also fit BASE_PRESET to this machine; writes OUT/preset-calibrated.json")
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``least`` (argparse names the flag when it raises)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's message: "invalid integer value: 'x'"
+    return parse
 
 
 def median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
@@ -57,13 +75,20 @@ def median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
 def _model(args: argparse.Namespace) -> int:
     from jaxoverlap import sim
 
-    preset = sim.load_preset(args.model)
+    try:
+        preset = sim.load_preset(args.model)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"bench: --model {args.model}: {err}") from None
     cases = _cases(args.cases)
     print(f"{sim.MODEL_LABEL} — preset {preset.name} ({preset.gpu})")
     print(sim.format_table(sim.projection_table([preset], cases), markdown=False))
     case = cases[0]
     choice = sim.choose(case.op, case.shape, case.dtype, case.nranks, preset)
     print(f"\n{case.label}: candidates ({sim.MODEL_LABEL})\n{choice.format()}")
+    absent = _optional.missing("matplotlib")
+    if absent:
+        print(f"Gantt chart skipped: {_optional.install_hint(absent, 'examples')}")
+        return 0
     os.makedirs(args.out, exist_ok=True)
     path = sim.gantt(choice.best, os.path.join(args.out, f"gantt-{preset.name}.png"))
     print(f"Gantt chart of the chosen plan (model): {path}")

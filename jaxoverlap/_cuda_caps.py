@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import os
 from collections.abc import Sequence
 from types import ModuleType
@@ -48,27 +49,56 @@ def _preload(wheel_dirs: Sequence[str]) -> list[str]:
     return loaded
 
 
+# What to do about a missing extension, by cause.
+REBUILD_FIX = ("to get it, rebuild where nvcc (CUDA 13) is on PATH, without JAXOVERLAP_CUDA=OFF: "
+               "pip install --force-reinstall --no-deps <jaxoverlap source> (README, Install)")
+WHEELS_FIX = "pip install 'jaxoverlap[cuda]' (the nvidia-nccl-cu13 and nvidia-cublas wheels)"
+
+
+def build_record() -> str:
+    """What the build made of ``_cuda``: ``"built with CUDA ..."`` or ``"not built: <why>"``."""
+    try:
+        from jaxoverlap._build_config import CUDA_EXTENSION
+    except ImportError:
+        return "not built (this installation has no record of its build)"
+    return CUDA_EXTENSION
+
+
 @functools.cache
 def load_cuda() -> ModuleType:
-    """Returns ``jaxoverlap._cuda`` (ImportError when it was not built or cannot load)."""
+    """Returns ``jaxoverlap._cuda`` (ImportError, naming the cause and the fix, when it was not
+    built or cannot load)."""
+    if importlib.util.find_spec("jaxoverlap._cuda") is None:
+        record = build_record()
+        if record.startswith("built"):
+            record = "not in this installation"
+        raise ImportError(f"jaxoverlap._cuda was {record}; {REBUILD_FIX}")
     try:
         _preload(("cu13", "cublas", "cu12"))
     except (ImportError, OSError) as e:
         raise ImportError(
-            f"jaxoverlap._cuda needs NCCL and cuBLASLt from the nvidia-* wheels "
-            f"(pip install nvidia-nccl-cu13 nvidia-cublas): {e}") from e
+            f"jaxoverlap._cuda needs NCCL and cuBLASLt from the nvidia-* wheels ({e}); "
+            f"{WHEELS_FIX}") from e
     from jaxoverlap import _cuda
 
     return _cuda
 
 
 def cuda_error() -> str | None:
-    """Why ``load_cuda()`` fails, or None when it works."""
+    """Why ``load_cuda()`` fails (the cause and the fix), or None when it works."""
     try:
         load_cuda()
     except ImportError as e:
-        return str(e) or "jaxoverlap._cuda is not built (build with nvcc, see docs/gpu.md)"
+        return str(e) or f"jaxoverlap._cuda does not load; {REBUILD_FIX}"
     return None
+
+
+def extension_summary() -> str:
+    """One line for ``jo.info()``: the CUDA extension as built, and whether it loads here."""
+    error = cuda_error()
+    if error is None:
+        return f"{build_record()}; loads"
+    return f"unavailable: {error}"
 
 
 @functools.cache

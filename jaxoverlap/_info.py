@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jaxlib
 
+from jaxoverlap import _cuda_caps
 from jaxoverlap._config import current_config
 
 
@@ -40,8 +41,12 @@ def info() -> dict[str, Any]:
             "native": "available" if native_reason is None else f"unavailable: {native_reason}",
         },
         "host_extension": _host_build(),
+        "cuda_extension": _cuda_caps.extension_summary(),
         "config": dataclasses.asdict(current_config()),
     }
+    if devices[0].platform in ("gpu", "cuda") and _cuda_caps.cuda_error() is not None:
+        result["warning"] = (f"JAX sees {len(devices)} GPUs but jaxoverlap has no CUDA extension "
+                             "here: impl='auto' runs unfused (see cuda_extension for the fix)")
     if native is not None:
         result["native"] = native.info()
     return result

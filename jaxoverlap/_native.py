@@ -55,7 +55,7 @@ def unavailable_reason(platform: str, dtype) -> str | None:
 
         cuda_error = _cuda_caps.cuda_error()
         if cuda_error is not None:
-            return f"the CUDA extension does not load ({cuda_error})"
+            return f"the CUDA extension is unavailable: {cuda_error}"
     elif platform != "cpu":
         return (f"there is no native executor for platform {platform!r} in this build "
                 "(the host executor runs on CPU, the CUDA executor on NVIDIA GPUs)")

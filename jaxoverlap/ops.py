@@ -12,6 +12,7 @@ versa, so the backward pass is overlapped by the same implementation.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -84,17 +85,22 @@ def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:
 
 
 def _check_axis_name(op: str, axis_name: Any) -> None:
-    try:
-        hash(axis_name)
-    except TypeError:
-        raise TypeError(
-            f"{op}: axis_name={axis_name!r} must be a mesh axis name (a str)."
-        ) from None
     if isinstance(axis_name, (tuple, list)):
         raise TypeError(
             f"{op}: axis_name={axis_name!r} must be a single mesh axis name; several axes are "
             "not supported."
         )
+    if not isinstance(axis_name, str):
+        raise TypeError(
+            f"{op}: axis_name={axis_name!r} must be a mesh axis name (a str, e.g. \"tp\"), "
+            f"got {type(axis_name).__name__}. It is the third positional argument: "
+            f"{op}(x, w, \"tp\", ...)."
+        )
+
+
+def _check_mesh(op: str, mesh: Any) -> None:
+    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"{op}: mesh={mesh!r} must be a jax.sharding.Mesh (or None).")
 
 
 # ---------------------------------------------------------------- plan
@@ -114,6 +120,30 @@ def _platform() -> str:
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None)
     return platform or jax.default_backend()
+
+
+_GPU_PLATFORMS = ("gpu", "cuda")
+_gpu_fallback_warned = False
+
+
+def _warn_gpu_fallback(op: str) -> None:
+    """Once per process: on GPUs without the CUDA extension, impl='auto' cannot fuse; say so.
+
+    The product's point would otherwise be off without a word; the warning names the cause
+    and the fix (``_cuda_caps.cuda_error``).
+    """
+    global _gpu_fallback_warned
+    if _gpu_fallback_warned or _platform() not in _GPU_PLATFORMS:
+        return
+    from jaxoverlap import _cuda_caps
+
+    error = _cuda_caps.cuda_error()
+    if error is None:
+        return
+    _gpu_fallback_warned = True
+    warnings.warn(
+        f"jaxoverlap: {op} with impl='auto' runs on GPUs without jaxoverlap's CUDA extension, "
+        f"so it falls back to the unfused path: {error}", RuntimeWarning, stacklevel=3)
 
 
 def _native_reason(dtype) -> str | None:
@@ -175,6 +205,8 @@ def _make_plan(
 
     forced_native = chosen_impl == "native" or (
         chosen_impl == "auto" and explicit_transport is not None)
+    if chosen_impl == "auto" and not forced_native:
+        _warn_gpu_fallback(op)
     picked = _model_pick(op, x, w, n, axis, rows_per_shard, chosen_impl, forced_native,
                          transport_wanted, chunks, bidirectional, settings.preset)
     if picked is not None:
@@ -352,6 +384,7 @@ def ag_matmul(
     """
     op = "ag_matmul"
     _check_axis_name(op, axis_name)
+    _check_mesh(op, mesh)
     axis = _check_operands(op, x, w, axis)
     if not isinstance(return_gathered, bool):
         raise TypeError(f"{op}: return_gathered={return_gathered!r} must be True or False.")
@@ -389,6 +422,7 @@ def matmul_rs(
     """
     op = "matmul_rs"
     _check_axis_name(op, axis_name)
+    _check_mesh(op, mesh)
     axis = _check_operands(op, x, w, axis)
     n = bound_axis_size(axis_name)
     if n is None:

@@ -169,3 +169,21 @@ def test_errors_raise_before_any_device_work():
     f = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh))
     with pytest.raises(ValueError, match="not divisible"):
         f.trace(x, W) if hasattr(f, "trace") else f.lower(x, W)
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+@pytest.mark.parametrize("bad", [3, None, b"tp", 1.5])
+def test_axis_name_of_the_wrong_type_is_named(op, bad):
+    # jo.ag_matmul(x, w, 3) once failed deep inside JAX with "axis 3 is out of bounds".
+    with pytest.raises(TypeError, match=rf"axis_name={bad!r} must be a mesh axis name \(a str"):
+        op(X, W, bad, mesh=tp_mesh(4))
+    with pytest.raises(TypeError, match=rf"axis_name={bad!r} must be a mesh axis name"):
+        op(X, W, bad)
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
+def test_mesh_of_the_wrong_type_is_named_inside_shard_map_too(op):
+    with pytest.raises(TypeError, match="mesh='tp' must be a jax.sharding.Mesh"):
+        op(X, W, "tp", mesh="tp")
+    with pytest.raises(TypeError, match="mesh='tp' must be a jax.sharding.Mesh"):
+        _inside(lambda x, w: op(x, w, "tp", mesh="tp"))(X, W)

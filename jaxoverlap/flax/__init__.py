@@ -5,3 +5,9 @@ Import the API you use; each imports only its own part of Flax::
     from jaxoverlap.flax.linen import ColumnParallelDense, RowParallelDense, ParallelMLP
     from jaxoverlap.flax.nnx import ColumnParallelLinear, RowParallelLinear, ParallelMLP
 """
+
+from jaxoverlap import _optional
+
+if _optional.missing("flax"):
+    raise ModuleNotFoundError(
+        f"jaxoverlap.flax needs Flax: {_optional.install_hint(['flax'], 'flax')}", name="flax")

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from jaxoverlap import _optional
 from jaxoverlap.sim.plan import choose
 from jaxoverlap.sim.presets import PRESETS, load_preset
 from jaxoverlap.sim.report import STANDARD_CASES, format_table, gantt, projection_table
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = projection_table(a.preset or tuple(PRESETS))
         print(format_table(rows, markdown=not a.text))
     elif a.cmd == "gantt":
+        absent = _optional.missing("matplotlib")
+        if absent:
+            print(f"gantt needs matplotlib: {_optional.install_hint(absent, 'examples')}")
+            return 2
         case = next(c for c in STANDARD_CASES if c.label == a.case)
         choice = choose(case.op, case.shape, case.dtype, case.nranks, load_preset(a.preset))
         print(choice.format())

@@ -27,7 +27,7 @@ def require_module(name: str):
     except ImportError as e:
         if REQUIRED:
             pytest.fail(f"jaxoverlap.{name} must be built (JAXOVERLAP_REQUIRE_CUDA=1): {e}")
-        pytest.skip(f"jaxoverlap.{name} is not built in this installation: {e}")
+        pytest.skip(f"jaxoverlap.{name} is unavailable here: {e}")
 
 
 @pytest.fixture(scope="module")
