@@ -22,21 +22,27 @@ STAMP = $(VENV)/.installed-
 # A CUDA=ON install that is up to date serves the demo too (it has the host executor).
 ON_FRESH := $(shell [ -f $(STAMP)ON ] && [ -z "$$(find $(SOURCES) -newer $(STAMP)ON | head -n 1)" ] && echo yes)
 
-.PHONY: demo test install clean
+CPP_SOURCES = $(shell git ls-files 'cpp/*.cc' 'cpp/*.h' 'cpp/*.cu' 2>/dev/null)
+
+.PHONY: demo test install format clean
 
 demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 	$(VENV)/bin/python examples/scaling.py
 
 test: $(STAMP)$(CUDA)
 	$(VENV)/bin/python -m ruff check jaxoverlap tests examples build_backend
+	$(VENV)/bin/clang-format --dry-run --Werror $(CPP_SOURCES)
 	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q
 
 install: $(STAMP)$(CUDA)
 
+format: $(STAMP)$(CUDA)
+	$(VENV)/bin/clang-format -i $(CPP_SOURCES)
+
 $(STAMP)%: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind \
-		pytest ruff flax optax matplotlib rich
+		pytest ruff clang-format flax optax matplotlib rich
 	$(if $(filter ON,$*),$(PIP) install -q $(CUDA_PKGS_ON))
 	JAXOVERLAP_CUDA=$* $(PIP) install -q --no-build-isolation -e .
 	rm -f $(STAMP)ON $(STAMP)OFF

@@ -1,6 +1,6 @@
 """Global-array entry: wraps an op in ``shard_map`` when it is called outside one.
 
-Global layouts (DESIGN §2):
+Global layouts (README, "The API on one screen"):
 
 * ``ag_matmul``: x ``[.., S, .., K]`` sharded on ``axis`` over ``axis_name``,
   w ``[K, N]`` sharded on dim 1 -> y ``[.., S, .., N]`` sharded on its last dim.

@@ -1,4 +1,4 @@
-"""jo.config, the JAXOVERLAP_* variables and their precedence (DESIGN §6)."""
+"""jo.config, the JAXOVERLAP_* variables and their precedence (README, "Configuration")."""
 
 from __future__ import annotations
 

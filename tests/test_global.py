@@ -1,4 +1,4 @@
-"""The ops on global arrays under jit: they wrap themselves in shard_map (DESIGN §2)."""
+"""The ops on global arrays under jit: they wrap themselves in shard_map (README)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every misuse raises at trace time, naming the argument and the fix (DESIGN §2)."""
+"""Every misuse raises at trace time, naming the argument and the fix (README)."""
 
 from __future__ import annotations
 

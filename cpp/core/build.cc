@@ -14,16 +14,16 @@ void RingSteps(int32_t nranks, bool bidirectional, int32_t* cw, int32_t* ccw) {
     *ccw = 0;
     return;
   }
-  *cw = nranks / 2;             // ceil((N-1)/2)
-  *ccw = (nranks - 1) / 2;      // floor((N-1)/2)
+  *cw = nranks / 2;         // ceil((N-1)/2)
+  *ccw = (nranks - 1) / 2;  // floor((N-1)/2)
 }
 
 Status BuildProgram(const Problem& q, Program* program) {
   const std::string op = CollectiveName(q.op);
   JO_REQUIRE(q.nranks >= 1, op + ": nranks must be >= 1, got " + std::to_string(q.nranks));
-  JO_REQUIRE(q.rank >= 0 && q.rank < q.nranks,
-             op + ": rank must be in [0, " + std::to_string(q.nranks) + "), got " +
-                 std::to_string(q.rank));
+  JO_REQUIRE(q.rank >= 0 && q.rank < q.nranks, op + ": rank must be in [0, " +
+                                                   std::to_string(q.nranks) + "), got " +
+                                                   std::to_string(q.rank));
   JO_REQUIRE(q.batch >= 1 && q.rows >= 1 && q.k >= 1 && q.n >= 1,
              op + ": batch, rows, k, n must be >= 1, got " + std::to_string(q.batch) + ", " +
                  std::to_string(q.rows) + ", " + std::to_string(q.k) + ", " + std::to_string(q.n));

@@ -34,7 +34,7 @@ Status BuildAgMatmul(Program* p) {
     return static_cast<int32_t>((dir * N + shard) * C + sub);
   };
   auto label = [](Op& op, int32_t shard, int64_t sub) {
-    op.chunk = shard;
+    op.shard = shard;
     op.sub = static_cast<int32_t>(sub);
   };
 
@@ -42,7 +42,8 @@ Status BuildAgMatmul(Program* p) {
   for (int64_t s = 0; s < C; ++s) {
     label(e.Gemm(0, x_ref(s), y_ref(r, s), nullptr, P, rows(s)), r, s);
     if (q.return_gathered)
-      label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K), r, s);
+      label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K),
+            r, s);
   }
   if (N == 1) return OkStatus();
 
@@ -79,17 +80,18 @@ Status BuildAgMatmul(Program* p) {
           const int32_t send_shard = Mod(dir == 0 ? r - t : r + t, N);
           const int32_t recv_shard = Mod(dir == 0 ? r - 1 - t : r + 1 + t, N);
           for (int64_t s = 0; s < C; ++s) {
-            const int32_t group = e.NewGroup();
+            const int32_t bundle = e.NewBundle();
             Ref src = t == 0 ? x_ref(s) : g_ref(gbuf, r, send_shard, s);
             Op& send = e.Block(OpKind::kSend, stream, src, Ref{}, P, rows(s), K);
             send.peer = next_of(dir);
             send.id = tag(dir, send_shard, s);
-            send.group = group;
+            send.bundle = bundle;
             label(send, send_shard, s);
-            Op& recv = e.Block(OpKind::kRecv, stream, Ref{}, g_ref(gbuf, r, recv_shard, s), P, rows(s), K);
+            Op& recv =
+                e.Block(OpKind::kRecv, stream, Ref{}, g_ref(gbuf, r, recv_shard, s), P, rows(s), K);
             recv.peer = prev_of(dir);
             recv.id = tag(dir, recv_shard, s);
-            recv.group = group;
+            recv.bundle = bundle;
             label(recv, recv_shard, s);
             arrived[recv_shard * C + s] = e.NewEvent();
             e.Record(stream, arrived[recv_shard * C + s]);
@@ -116,8 +118,8 @@ Status BuildAgMatmul(Program* p) {
               e.Wait(stream, prev_of(dir), flag(shard, s));
               src = g_ref(BufId::kWorkspace, r, shard, s);
             }
-            label(e.Block(OpKind::kCopy, stream, src, g_ref(BufId::kWorkspace, next_of(dir), shard, s),
-                          P, rows(s), K),
+            label(e.Block(OpKind::kCopy, stream, src,
+                          g_ref(BufId::kWorkspace, next_of(dir), shard, s), P, rows(s), K),
                   shard, s);
             e.Signal(stream, next_of(dir), flag(shard, s));
           }
@@ -135,7 +137,8 @@ Status BuildAgMatmul(Program* p) {
       // multiplies shards as their flags arrive.
       p->workspace_elems = P * N * R * K;
       for (int64_t s = 0; s < C; ++s) {
-        label(e.Block(OpKind::kMcStore, 1, x_ref(s), g_ref(BufId::kWorkspace, r, r, s), P, rows(s), K),
+        label(e.Block(OpKind::kMcStore, 1, x_ref(s), g_ref(BufId::kWorkspace, r, r, s), P, rows(s),
+                      K),
               r, s);
         for (int32_t peer = 0; peer < N; ++peer)
           if (peer != r) e.Signal(1, peer, flag(r, s));

@@ -28,7 +28,7 @@ class Emitter {
     return op;
   }
   int32_t NewEvent() { return p_->num_events++; }
-  int32_t NewGroup() { return next_group_++; }
+  int32_t NewBundle() { return next_bundle_++; }
   void Record(int32_t stream, int32_t event) { Add(OpKind::kRecord, stream).id = event; }
   void StreamWait(int32_t stream, int32_t event) { Add(OpKind::kStreamWait, stream).id = event; }
   void Signal(int32_t stream, int32_t peer, int32_t flag) {
@@ -71,7 +71,7 @@ class Emitter {
 
  private:
   Program* p_;
-  int32_t next_group_ = 0;
+  int32_t next_bundle_ = 0;
 };
 
 Status BuildAgMatmul(Program* program);

@@ -5,7 +5,7 @@
 // each rank on the way adds its partial with a beta=1 GEMM on the received
 // buffer and forwards it. Rank j adds its own partial to both chains' results.
 // Unidirectional (cw_steps = N-1): at step t rank r computes block
-// (r - t - 1) mod N, as in DESIGN §3.2.
+// (r - t - 1) mod N (docs/native.md §3).
 #include <vector>
 
 #include "core/build_internal.h"
@@ -27,7 +27,7 @@ Status BuildMatmulRs(Program* p) {
       Op& op = e.Gemm(0, Ref{BufId::kX, 0, begin * q.k, q.rows * q.k, q.k},
                       Ref{BufId::kY, 0, begin * q.n, q.rows * q.n, q.n}, nullptr, q.batch,
                       SubRows(q.rows, p->chunks, s));
-      op.chunk = 0;
+      op.shard = 0;
       op.sub = static_cast<int32_t>(s);
     }
     return OkStatus();
@@ -58,7 +58,7 @@ Geometry MakeGeometry(const Program* p) {
 }
 
 void Label(Op& op, int32_t block, int64_t s) {
-  op.chunk = block;
+  op.shard = block;
   op.sub = static_cast<int32_t>(s);
 }
 
@@ -139,17 +139,17 @@ Status BuildRing(Program* p, Emitter& e) {
         e.StreamWait(stream, gemm_done[idx(dir, t, s)]);
         Ref partial = g.slot(BufId::kScratch, g.r, send_slot(dir, t), s);
         if (nccl) {
-          const int32_t group = e.NewGroup();
+          const int32_t bundle = e.NewBundle();
           Op& send = e.Block(OpKind::kSend, stream, partial, Ref{}, g.P, g.rows(s), g.Nw);
           send.peer = next_of(dir);
           send.id = flag(dir, t + 1, s);
-          send.group = group;
+          send.bundle = bundle;
           Label(send, block, s);
           Op& recv = e.Block(OpKind::kRecv, stream, Ref{}, recv_ref(g.r, dir, t + 1, s), g.P,
                              g.rows(s), g.Nw);
           recv.peer = prev_of(dir);
           recv.id = flag(dir, t + 1, s);
-          recv.group = group;
+          recv.bundle = bundle;
           Label(recv, block_of(dir, t + 1), s);
           e.Record(stream, received[idx(dir, t + 1, s)]);
         } else {

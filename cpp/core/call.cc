@@ -55,9 +55,9 @@ Status Place(const RankTable& t, const Caller& caller, const char* op, Placement
   out->group = found / size;
   out->rank = static_cast<int32_t>(found % size);
   JO_REQUIRE(caller.rank < 0 || (caller.rank == out->rank && caller.group == out->group),
-             who + "device mismatch: the rank table puts device " +
-                 std::to_string(caller.device) + " at (group " + std::to_string(out->group) +
-                 ", rank " + std::to_string(out->rank) + "), but its coords say (group " +
+             who + "device mismatch: the rank table puts device " + std::to_string(caller.device) +
+                 " at (group " + std::to_string(out->group) + ", rank " +
+                 std::to_string(out->rank) + "), but its coords say (group " +
                  std::to_string(caller.group) + ", rank " + std::to_string(caller.rank) + ")");
   for (int64_t r = 0; r < size; ++r) {
     const size_t i = static_cast<size_t>(out->group * size + r);
@@ -138,8 +138,8 @@ int64_t NewCallSiteId(int64_t clique_key) {
 }
 
 std::string CallSignature(const Problem& q) {
-  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) + " n=" +
-         std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
+  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) +
+         " n=" + std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
          std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" + std::to_string(q.n) + " " +
          DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");

@@ -47,7 +47,7 @@ struct Caller {
 struct Placement {
   int32_t rank = -1;
   int64_t group = -1;
-  std::vector<int64_t> processes;  // the process of each rank of the group
+  std::vector<int64_t> processes;   // the process of each rank of the group
   std::vector<int64_t> device_ids;  // each rank's global device id
   std::vector<int> ordinals;        // each rank's local ordinal here, -1 for another process's
   bool spans_processes() const;
@@ -94,7 +94,7 @@ Status NeedsOf(const Problem& problem, CallNeeds* out);
 // One call site's plan on one device.
 struct CallPlan {
   Placement place;
-  Program program;     // of place.rank; program.problem is the whole problem
+  Program program;  // of place.rank; program.problem is the whole problem
   CallNeeds needs;
   std::string signature;  // what every rank must agree on (everything but the rank)
   CliqueKey clique;       // (clique_key, group, site)

@@ -7,12 +7,18 @@ namespace {
 
 int64_t SizeOf(const BufferSizes& s, BufId buf) {
   switch (buf) {
-    case BufId::kX: return s.x;
-    case BufId::kW: return s.w;
-    case BufId::kY: return s.y;
-    case BufId::kXGathered: return s.x_gathered;
-    case BufId::kScratch: return s.scratch;
-    case BufId::kWorkspace: return s.workspace;
+    case BufId::kX:
+      return s.x;
+    case BufId::kW:
+      return s.w;
+    case BufId::kY:
+      return s.y;
+    case BufId::kXGathered:
+      return s.x_gathered;
+    case BufId::kScratch:
+      return s.scratch;
+    case BufId::kWorkspace:
+      return s.workspace;
   }
   return 0;
 }
@@ -33,8 +39,8 @@ Status CheckRef(const Program& p, const Op& op, const char* role, const Ref& ref
                     std::to_string(rows) + "x" + std::to_string(cols));
   if (ref.offset < 0 || ref.batch_stride < 0 || ref.ld < cols || ref.offset > kLimit ||
       ref.batch_stride > kLimit || ref.ld > kLimit)
-    return Internal(where() + " has a negative offset or stride, or ld < " +
-                    std::to_string(cols) + " columns");
+    return Internal(where() + " has a negative offset or stride, or ld < " + std::to_string(cols) +
+                    " columns");
   if (ref.buf == BufId::kWorkspace && (ref.rank < 0 || ref.rank >= p.problem.nranks))
     return Internal(where() + " names workspace owner " + std::to_string(ref.rank) + " of " +
                     std::to_string(p.problem.nranks) + " ranks");

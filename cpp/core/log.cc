@@ -34,7 +34,9 @@ std::string& Last() {
 
 }  // namespace
 
-LogLevel CurrentLogLevel() { return static_cast<LogLevel>(Level().load(std::memory_order_relaxed)); }
+LogLevel CurrentLogLevel() {
+  return static_cast<LogLevel>(Level().load(std::memory_order_relaxed));
+}
 void SetLogLevel(LogLevel level) { Level().store(static_cast<int>(level)); }
 
 void LogMessage(LogLevel level, const char* file, int line, const std::string& text) {

@@ -17,10 +17,10 @@ std::string LastWarning();
 
 }  // namespace jo
 
-#define JO_LOG_AT(level, text)                                         \
-  do {                                                                 \
+#define JO_LOG_AT(level, text)                                                \
+  do {                                                                        \
     if (static_cast<int>(::jo::CurrentLogLevel()) >= static_cast<int>(level)) \
-      ::jo::LogMessage(level, __FILE__, __LINE__, (text));             \
+      ::jo::LogMessage(level, __FILE__, __LINE__, (text));                    \
   } while (0)
 #define JO_WARN(text) JO_LOG_AT(::jo::LogLevel::kWarn, text)
 #define JO_INFO(text) JO_LOG_AT(::jo::LogLevel::kInfo, text)

@@ -8,9 +8,12 @@ int64_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
   }
   return "?";
 }
@@ -21,38 +24,58 @@ const char* CollectiveName(Collective op) {
 
 const char* TransportName(Transport transport) {
   switch (transport) {
-    case Transport::kNccl: return "nccl";
-    case Transport::kP2p: return "p2p";
-    case Transport::kMulticast: return "multicast";
+    case Transport::kNccl:
+      return "nccl";
+    case Transport::kP2p:
+      return "p2p";
+    case Transport::kMulticast:
+      return "multicast";
   }
   return "?";
 }
 
 const char* BufName(BufId buf) {
   switch (buf) {
-    case BufId::kX: return "X";
-    case BufId::kW: return "W";
-    case BufId::kY: return "Y";
-    case BufId::kXGathered: return "XGATHERED";
-    case BufId::kScratch: return "SCRATCH";
-    case BufId::kWorkspace: return "WORKSPACE";
+    case BufId::kX:
+      return "X";
+    case BufId::kW:
+      return "W";
+    case BufId::kY:
+      return "Y";
+    case BufId::kXGathered:
+      return "XGATHERED";
+    case BufId::kScratch:
+      return "SCRATCH";
+    case BufId::kWorkspace:
+      return "WORKSPACE";
   }
   return "?";
 }
 
 const char* OpKindName(OpKind kind) {
   switch (kind) {
-    case OpKind::kGemm: return "Gemm";
-    case OpKind::kAdd: return "Add";
-    case OpKind::kCopy: return "Copy";
-    case OpKind::kSend: return "Send";
-    case OpKind::kRecv: return "Recv";
-    case OpKind::kMcStore: return "McStore";
-    case OpKind::kMcReduce: return "McReduce";
-    case OpKind::kSignal: return "Signal";
-    case OpKind::kWait: return "Wait";
-    case OpKind::kRecord: return "Record";
-    case OpKind::kStreamWait: return "StreamWait";
+    case OpKind::kGemm:
+      return "Gemm";
+    case OpKind::kAdd:
+      return "Add";
+    case OpKind::kCopy:
+      return "Copy";
+    case OpKind::kSend:
+      return "Send";
+    case OpKind::kRecv:
+      return "Recv";
+    case OpKind::kMcStore:
+      return "McStore";
+    case OpKind::kMcReduce:
+      return "McReduce";
+    case OpKind::kSignal:
+      return "Signal";
+    case OpKind::kWait:
+      return "Wait";
+    case OpKind::kRecord:
+      return "Record";
+    case OpKind::kStreamWait:
+      return "StreamWait";
   }
   return "?";
 }
@@ -83,18 +106,24 @@ std::string ToString(const Op& op) {
       break;
     case OpKind::kSend:
       out << "to=" << op.peer << " a=" << ToString(op.a) << ", " << op.batch << "x" << op.m << "x"
-          << op.n << " tag=" << op.id << " group=" << op.group;
+          << op.n << " tag=" << op.id << " bundle=" << op.bundle;
       break;
     case OpKind::kRecv:
       out << "from=" << op.peer << " d=" << ToString(op.d) << ", " << op.batch << "x" << op.m << "x"
-          << op.n << " tag=" << op.id << " group=" << op.group;
+          << op.n << " tag=" << op.id << " bundle=" << op.bundle;
       break;
-    case OpKind::kSignal: out << "peer=" << op.peer << " flag=" << op.id << " = epoch"; break;
-    case OpKind::kWait: out << "flag=" << op.id << " >= epoch, writer=" << op.peer; break;
+    case OpKind::kSignal:
+      out << "peer=" << op.peer << " flag=" << op.id << " = epoch";
+      break;
+    case OpKind::kWait:
+      out << "flag=" << op.id << " >= epoch, writer=" << op.peer;
+      break;
     case OpKind::kRecord:
-    case OpKind::kStreamWait: out << "event=" << op.id; break;
+    case OpKind::kStreamWait:
+      out << "event=" << op.id;
+      break;
   }
-  if (op.chunk >= 0) out << " chunk=" << op.chunk << "." << op.sub;
+  if (op.shard >= 0) out << " shard=" << op.shard << "." << op.sub;
   out << ")";
   return out.str();
 }
@@ -125,10 +154,13 @@ std::string ToString(const Program& p) {
 int64_t RemoteBytes(const Program& p, const Op& op) {
   const int64_t bytes = op.batch * op.m * op.n * DTypeSize(p.problem.dtype);
   switch (op.kind) {
-    case OpKind::kCopy: return op.d.buf == BufId::kWorkspace && op.d.rank != p.problem.rank ? bytes : 0;
+    case OpKind::kCopy:
+      return op.d.buf == BufId::kWorkspace && op.d.rank != p.problem.rank ? bytes : 0;
     case OpKind::kSend:
-    case OpKind::kMcStore: return bytes;
-    default: return 0;
+    case OpKind::kMcStore:
+      return bytes;
+    default:
+      return 0;
   }
 }
 

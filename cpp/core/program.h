@@ -63,13 +63,13 @@ struct Op {
   OpKind kind = OpKind::kGemm;
   int32_t stream = 0;
   Ref a, b, c, d;
-  bool accumulate = false;  // Gemm: add c
+  bool accumulate = false;                 // Gemm: add c
   int64_t batch = 0, m = 0, n = 0, k = 0;  // Gemm dims; block ops copy batch x m x n
-  int32_t peer = -1;   // Send/Recv/Signal/Wait
-  int32_t id = -1;     // flag id (Signal/Wait), event id (Record/StreamWait), tag (Send/Recv)
-  int32_t group = -1;  // Send/Recv issued together (ncclGroupStart/End on the GPU)
-  int32_t chunk = -1;  // which shard / row block of the problem this op works on (readability, tests)
-  int32_t sub = -1;    // which sub-chunk of that block
+  int32_t peer = -1;                       // Send/Recv/Signal/Wait
+  int32_t id = -1;      // flag id (Signal/Wait), event id (Record/StreamWait), tag (Send/Recv)
+  int32_t bundle = -1;  // Send/Recv issued together (one ncclGroupStart/End on the GPU)
+  int32_t shard = -1;   // which shard (AG) / row block (RS) this op works on (readability, tests)
+  int32_t sub = -1;     // which sub-chunk of that shard
 };
 
 // The problem one call solves, in canonical form (docs/native.md):
@@ -92,14 +92,14 @@ struct Problem {
 
 struct Program {
   Problem problem;
-  int64_t chunks = 1;            // effective sub-chunk count (clamped to [1, rows])
-  int32_t cw_steps = 0;          // ring transfer steps clockwise (to rank+1)
-  int32_t ccw_steps = 0;         // ring transfer steps counter-clockwise (to rank-1)
-  int32_t num_streams = 1;       // stream 0 is compute (XLA's stream on GPU)
+  int64_t chunks = 1;       // effective sub-chunk count (clamped to [1, rows])
+  int32_t cw_steps = 0;     // ring transfer steps clockwise (to rank+1)
+  int32_t ccw_steps = 0;    // ring transfer steps counter-clockwise (to rank-1)
+  int32_t num_streams = 1;  // stream 0 is compute (XLA's stream on GPU)
   int32_t num_events = 0;
-  int32_t num_flags = 0;         // flags per parity per rank
-  int64_t workspace_elems = 0;   // symmetric workspace per parity per rank
-  int64_t scratch_elems = 0;     // private scratch per rank
+  int32_t num_flags = 0;        // flags per parity per rank
+  int64_t workspace_elems = 0;  // symmetric workspace per parity per rank
+  int64_t scratch_elems = 0;    // private scratch per rank
   std::vector<Op> ops;
 };
 

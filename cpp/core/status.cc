@@ -6,12 +6,18 @@ namespace jo {
 
 const char* CodeName(Code code) {
   switch (code) {
-    case Code::kOk: return "ok";
-    case Code::kInvalidArgument: return "invalid argument";
-    case Code::kTimeout: return "timeout";
-    case Code::kAborted: return "aborted";
-    case Code::kInternal: return "internal error";
-    case Code::kResource: return "out of resources";
+    case Code::kOk:
+      return "ok";
+    case Code::kInvalidArgument:
+      return "invalid argument";
+    case Code::kTimeout:
+      return "timeout";
+    case Code::kAborted:
+      return "aborted";
+    case Code::kInternal:
+      return "internal error";
+    case Code::kResource:
+      return "out of resources";
   }
   return "unknown";
 }

@@ -4,7 +4,7 @@
 // fallible function returns a Status, and the FFI handlers convert it to an
 // ffi::Error exactly once. JO_CHECK propagates a failure and appends a
 // "file:line" breadcrumb, so an error read in Python shows the path it took
-// through the C++ (the NCCL habit, see STYLE.md §3).
+// through the C++ (as NCCL's NCCLCHECK does: src/include/checks.h).
 #pragma once
 
 #include <string>
@@ -51,22 +51,22 @@ const char* BaseName(const char* path);
 }  // namespace jo
 
 // Returns the failure of `expr` to the caller with a file:line breadcrumb.
-#define JO_CHECK(expr)                                  \
-  do {                                                  \
-    ::jo::Status jo_status_ = (expr);                   \
-    if (!jo_status_.ok()) {                             \
-      jo_status_.Trail(__FILE__, __LINE__);             \
-      return jo_status_;                                \
-    }                                                   \
+#define JO_CHECK(expr)                      \
+  do {                                      \
+    ::jo::Status jo_status_ = (expr);       \
+    if (!jo_status_.ok()) {                 \
+      jo_status_.Trail(__FILE__, __LINE__); \
+      return jo_status_;                    \
+    }                                       \
   } while (0)
 
 // Returns an InvalidArgument / Internal status if `cond` does not hold.
-#define JO_REQUIRE(cond, message)                                            \
-  do {                                                                       \
+#define JO_REQUIRE(cond, message)                                                 \
+  do {                                                                            \
     if (!(cond)) return ::jo::InvalidArgument(message).Trail(__FILE__, __LINE__); \
   } while (0)
 
-#define JO_ASSERT(cond)                                                                   \
-  do {                                                                                    \
+#define JO_ASSERT(cond)                                                                       \
+  do {                                                                                        \
     if (!(cond)) return ::jo::Internal("invariant failed: " #cond).Trail(__FILE__, __LINE__); \
   } while (0)

@@ -34,16 +34,18 @@ Status CudaFailure(cudaError_t code, const char* call, const ErrorContext* ctx) 
 
 Status DriverFailure(CUresult code, const char* call, const ErrorContext* ctx) {
   const Code jo_code = code == CUDA_ERROR_OUT_OF_MEMORY ? Code::kResource : Code::kInternal;
-  return Failure(jo_code, "CUresult " + std::to_string(static_cast<int>(code)) + " (" +
-                              DriverErrorText(code) + ")",
-                 call, ctx);
+  return Failure(
+      jo_code,
+      "CUresult " + std::to_string(static_cast<int>(code)) + " (" + DriverErrorText(code) + ")",
+      call, ctx);
 }
 
 Status CublasFailure(cublasStatus_t code, const char* call, const ErrorContext* ctx) {
   const Code jo_code = code == CUBLAS_STATUS_ALLOC_FAILED ? Code::kResource : Code::kInternal;
-  return Failure(jo_code, std::string(cublasLtGetStatusName(code)) + " (" +
-                              cublasLtGetStatusString(code) + ")",
-                 call, ctx);
+  return Failure(
+      jo_code,
+      std::string(cublasLtGetStatusName(code)) + " (" + cublasLtGetStatusString(code) + ")", call,
+      ctx);
 }
 
 Status NcclFailure(ncclResult_t code, const char* call, const ErrorContext* ctx) {
@@ -51,7 +53,7 @@ Status NcclFailure(ncclResult_t code, const char* call, const ErrorContext* ctx)
   const char* last = ncclGetLastError(nullptr);
   if (last != nullptr && last[0] != '\0') what += ": " + std::string(last);
   return Failure(code == ncclInvalidArgument || code == ncclInvalidUsage ? Code::kInvalidArgument
-                                                                          : Code::kInternal,
+                                                                         : Code::kInternal,
                  what, call, ctx);
 }
 

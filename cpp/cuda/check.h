@@ -4,7 +4,7 @@
 // a failure becomes a jo::Status naming the call (its source text), the
 // foreign error name and text, and the context the caller set (op, rank,
 // clique), plus the usual file:line breadcrumb — the NCCL habit of
-// converting foreign codes at the call (STYLE.md §3, habit 7). Nothing here
+// converting foreign codes at the call. Nothing here
 // aborts. After a failed runtime call the sticky "last error" is cleared so
 // that it is not reported again by an unrelated later check.
 #pragma once
@@ -46,39 +46,39 @@ Status AwaitNccl(ncclComm_t comm, std::chrono::steady_clock::time_point deadline
 }  // namespace jo::cuda
 
 // `ctx` is a `const ErrorContext*` in scope (nullptr when there is none yet).
-#define JO_CUDA_CHECK(ctx, call)                                                         \
-  do {                                                                                    \
-    const cudaError_t jo_code_ = (call);                                                  \
-    if (jo_code_ != cudaSuccess)                                                          \
-      return ::jo::cuda::CudaFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__);  \
+#define JO_CUDA_CHECK(ctx, call)                                                        \
+  do {                                                                                  \
+    const cudaError_t jo_code_ = (call);                                                \
+    if (jo_code_ != cudaSuccess)                                                        \
+      return ::jo::cuda::CudaFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__); \
   } while (0)
 
-#define JO_CU_CHECK(ctx, call)                                                           \
+#define JO_CU_CHECK(ctx, call)                                                            \
   do {                                                                                    \
     const CUresult jo_code_ = (call);                                                     \
     if (jo_code_ != CUDA_SUCCESS)                                                         \
       return ::jo::cuda::DriverFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__); \
   } while (0)
 
-#define JO_CUBLAS_CHECK(ctx, call)                                                       \
+#define JO_CUBLAS_CHECK(ctx, call)                                                        \
   do {                                                                                    \
     const cublasStatus_t jo_code_ = (call);                                               \
     if (jo_code_ != CUBLAS_STATUS_SUCCESS)                                                \
       return ::jo::cuda::CublasFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__); \
   } while (0)
 
-#define JO_NCCL_CHECK(ctx, call)                                                         \
-  do {                                                                                    \
-    const ncclResult_t jo_code_ = (call);                                                 \
-    if (jo_code_ != ncclSuccess)                                                          \
-      return ::jo::cuda::NcclFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__);  \
+#define JO_NCCL_CHECK(ctx, call)                                                        \
+  do {                                                                                  \
+    const ncclResult_t jo_code_ = (call);                                               \
+    if (jo_code_ != ncclSuccess)                                                        \
+      return ::jo::cuda::NcclFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__); \
   } while (0)
 
 // For calls on non-blocking communicators: ncclInProgress is not a failure
 // (the caller then awaits the communicator, AwaitNccl).
-#define JO_NCCL_CHECK_ASYNC(ctx, call)                                                   \
-  do {                                                                                    \
-    const ncclResult_t jo_code_ = (call);                                                 \
-    if (jo_code_ != ncclSuccess && jo_code_ != ncclInProgress)                            \
-      return ::jo::cuda::NcclFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__);  \
+#define JO_NCCL_CHECK_ASYNC(ctx, call)                                                  \
+  do {                                                                                  \
+    const ncclResult_t jo_code_ = (call);                                               \
+    if (jo_code_ != ncclSuccess && jo_code_ != ncclInProgress)                          \
+      return ::jo::cuda::NcclFailure(jo_code_, #call, (ctx)).Trail(__FILE__, __LINE__); \
   } while (0)

@@ -68,9 +68,9 @@ Status MakeClique(const CallDesc& desc, const CallPlan& plan, const Caller& call
                              "lowers (jax.distributed.initialize() first, and lower in this "
                              "process)");
   }
-  *out = std::make_unique<CudaClique>(key, desc.transport, place.ordinals, place.processes,
-                                      spans ? &nccl_id : nullptr, exchange,
-                                      Millis(desc.timeout_ms));
+  *out =
+      std::make_unique<CudaClique>(key, desc.transport, place.ordinals, place.processes,
+                                   spans ? &nccl_id : nullptr, exchange, Millis(desc.timeout_ms));
   return OkStatus();
 }
 
@@ -94,11 +94,15 @@ Status CudaSite::PlanFor(const Caller& caller, const Problem& problem,
   plan->signature = plan->call.signature + " at call site " + std::to_string(site_);
   const CliqueKey key{desc_.clique_key, plan->call.place.group, 0};
   Status made = OkStatus();
-  Status got = Registry(caller.process).GetOrCreate(key, problem.nranks, [&] {
-    std::unique_ptr<CudaClique> clique;
-    made = MakeClique(desc_, plan->call, caller, &clique);
-    return clique;
-  }, &plan->clique);
+  Status got = Registry(caller.process)
+                   .GetOrCreate(
+                       key, problem.nranks,
+                       [&] {
+                         std::unique_ptr<CudaClique> clique;
+                         made = MakeClique(desc_, plan->call, caller, &clique);
+                         return clique;
+                       },
+                       &plan->clique);
   JO_CHECK(made);
   JO_CHECK(got);
   if (plan->clique->transport() != desc_.transport ||
@@ -162,8 +166,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (!status.ok() && status.code() != Code::kAborted) clique.Break(status);
   // NCCL did not get its peers in time (AwaitNccl): abort the communicators,
   // so that no NCCL thread keeps waiting for them.
-  if (status.code() == Code::kTimeout && problem.transport == Transport::kNccl)
-    clique.AbortComms();
+  if (status.code() == Code::kTimeout && problem.transport == Transport::kNccl) clique.AbortComms();
   return status;
 }
 

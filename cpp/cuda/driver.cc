@@ -23,12 +23,13 @@ Status Lookup(const char* name, unsigned version, bool required, Fn* fn) {
     (void)cudaGetLastError();
     *fn = nullptr;
     if (!required) return OkStatus();
-    std::string why = code != cudaSuccess
-                          ? std::string(cudaGetErrorName(code)) + " (" + cudaGetErrorString(code) + ")"
-                          : (found == cudaDriverEntryPointVersionNotSufficent
-                                 ? "the driver is older than CUDA " + std::to_string(version / 1000) +
-                                       "." + std::to_string(version % 1000 / 10)
-                                 : "symbol not found");
+    std::string why =
+        code != cudaSuccess
+            ? std::string(cudaGetErrorName(code)) + " (" + cudaGetErrorString(code) + ")"
+            : (found == cudaDriverEntryPointVersionNotSufficent
+                   ? "the driver is older than CUDA " + std::to_string(version / 1000) + "." +
+                         std::to_string(version % 1000 / 10)
+                   : "symbol not found");
     return Status(Code::kInternal, std::string("CUDA driver entry point ") + name +
                                        " is unavailable: " + why +
                                        " (is an NVIDIA driver installed? see docs/gpu.md)");
@@ -53,8 +54,8 @@ Status LoadAll(DriverApi* d) {
   JO_CHECK(Lookup("cuMemUnmap", kBase, true, &d->cuMemUnmap));
   JO_CHECK(Lookup("cuMemSetAccess", kBase, true, &d->cuMemSetAccess));
   JO_CHECK(Lookup("cuMemExportToShareableHandle", kBase, false, &d->cuMemExportToShareableHandle));
-  JO_CHECK(Lookup("cuMemImportFromShareableHandle", kBase, false,
-                  &d->cuMemImportFromShareableHandle));
+  JO_CHECK(
+      Lookup("cuMemImportFromShareableHandle", kBase, false, &d->cuMemImportFromShareableHandle));
   d->has_shareable =
       d->cuMemExportToShareableHandle != nullptr && d->cuMemImportFromShareableHandle != nullptr;
   JO_CHECK(Lookup("cuMulticastCreate", kMulticast, false, &d->cuMulticastCreate));

@@ -1,7 +1,7 @@
 // The CUDA driver API, reached only through cudaGetDriverEntryPointByVersion.
 //
-// There is no link-time dependency on libcuda (BUILD-NOTES: CI machines have
-// none): every driver function we use is looked up once, at the CUDA version
+// There is no link-time dependency on libcuda (build machines may have no
+// driver at all): every driver function we use is looked up once, at the CUDA version
 // that introduced the signature we call, and kept in Driver(). A machine
 // without a driver fails the lookup with a clear status, never at load time.
 #pragma once
@@ -39,12 +39,11 @@ struct DriverApi {
   CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*,
                                              CUmemAllocationHandleType) = nullptr;
   // Multicast objects (CUDA >= 12.1 driver; null when the driver lacks them).
-  CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle*, const CUmulticastObjectProp*) =
-      nullptr;
+  CUresult (*cuMulticastCreate)(CUmemGenericAllocationHandle*,
+                                const CUmulticastObjectProp*) = nullptr;
   CUresult (*cuMulticastAddDevice)(CUmemGenericAllocationHandle, CUdevice) = nullptr;
-  CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t,
-                                 CUmemGenericAllocationHandle, size_t, size_t,
-                                 unsigned long long) = nullptr;
+  CUresult (*cuMulticastBindMem)(CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle,
+                                 size_t, size_t, unsigned long long) = nullptr;
   CUresult (*cuMulticastUnbind)(CUmemGenericAllocationHandle, CUdevice, size_t, size_t) = nullptr;
   CUresult (*cuMulticastGetGranularity)(size_t*, const CUmulticastObjectProp*,
                                         CUmulticastGranularity_flags) = nullptr;

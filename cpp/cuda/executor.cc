@@ -12,9 +12,12 @@ namespace {
 
 ncclDataType_t NcclType(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return ncclFloat32;
-    case DType::kBF16: return ncclBfloat16;
-    case DType::kF16: return ncclFloat16;
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kBF16:
+      return ncclBfloat16;
+    case DType::kF16:
+      return ncclFloat16;
   }
   return ncclFloat32;
 }
@@ -22,7 +25,10 @@ ncclDataType_t NcclType(DType dtype) {
 class Enqueuer {
  public:
   explicit Enqueuer(const RunArgs& a)
-      : a_(a), p_(*a.program), es_(DTypeSize(p_.problem.dtype)), ctx_(&a.ctx),
+      : a_(a),
+        p_(*a.program),
+        es_(DTypeSize(p_.problem.dtype)),
+        ctx_(&a.ctx),
         recorded_(p_.num_events, false) {}
 
   Status Run() {
@@ -35,8 +41,9 @@ class Enqueuer {
     for (size_t i = 0; i < ops.size();) {
       size_t end = i + 1;
       if (ops[i].kind == OpKind::kSend || ops[i].kind == OpKind::kRecv)
-        while (end < ops.size() && (ops[end].kind == OpKind::kSend || ops[end].kind == OpKind::kRecv) &&
-               ops[end].group == ops[i].group && ops[end].stream == ops[i].stream)
+        while (end < ops.size() &&
+               (ops[end].kind == OpKind::kSend || ops[end].kind == OpKind::kRecv) &&
+               ops[end].bundle == ops[i].bundle && ops[end].stream == ops[i].stream)
           ++end;
       units.emplace_back(i, end);
       i = end;
@@ -48,7 +55,8 @@ class Enqueuer {
     std::vector<std::vector<size_t>> deferred(static_cast<size_t>(p_.num_streams));
     auto blocked = [&](size_t u) {
       const Op& op = ops[units[u].first];
-      return op.kind == OpKind::kStreamWait && op.id >= 0 && op.id < p_.num_events && !recorded_[op.id];
+      return op.kind == OpKind::kStreamWait && op.id >= 0 && op.id < p_.num_events &&
+             !recorded_[op.id];
     };
     auto flush = [&]() -> Status {
       for (bool progress = true; progress;) {
@@ -74,8 +82,10 @@ class Enqueuer {
     JO_CHECK(flush());
     for (const auto& queue : deferred)
       if (!queue.empty())
-        return Internal(a_.ctx.Describe() + ": program has a StreamWait whose event is never "
-                        "recorded before it on any stream: " + ToString(ops[units[queue.front()].first]));
+        return Internal(a_.ctx.Describe() +
+                        ": program has a StreamWait whose event is never "
+                        "recorded before it on any stream: " +
+                        ToString(ops[units[queue.front()].first]));
     JO_CHECK(Join());
     return OkStatus();
   }
@@ -119,14 +129,25 @@ class Enqueuer {
   std::byte* Resolve(const Ref& ref) const {
     std::byte* base = nullptr;
     switch (ref.buf) {
-      case BufId::kX: base = static_cast<std::byte*>(const_cast<void*>(a_.io.x)); break;
-      case BufId::kW: base = static_cast<std::byte*>(const_cast<void*>(a_.io.w)); break;
-      case BufId::kY: base = static_cast<std::byte*>(a_.io.y); break;
-      case BufId::kXGathered: base = static_cast<std::byte*>(a_.io.x_gathered); break;
-      case BufId::kScratch:
-        base = a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
+      case BufId::kX:
+        base = static_cast<std::byte*>(const_cast<void*>(a_.io.x));
         break;
-      case BufId::kWorkspace: base = a_.gen->Workspace(ref.rank, a_.epoch, p_.problem.rank); break;
+      case BufId::kW:
+        base = static_cast<std::byte*>(const_cast<void*>(a_.io.w));
+        break;
+      case BufId::kY:
+        base = static_cast<std::byte*>(a_.io.y);
+        break;
+      case BufId::kXGathered:
+        base = static_cast<std::byte*>(a_.io.x_gathered);
+        break;
+      case BufId::kScratch:
+        base =
+            a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
+        break;
+      case BufId::kWorkspace:
+        base = a_.gen->Workspace(ref.rank, a_.epoch, p_.problem.rank);
+        break;
     }
     return base == nullptr ? nullptr : base + ref.offset * es_;
   }
@@ -134,7 +155,8 @@ class Enqueuer {
   Status Exec(const Op& op) {
     const cudaStream_t stream = Stream(op.stream);
     switch (op.kind) {
-      case OpKind::kGemm: return Gemm(op, stream);
+      case OpKind::kGemm:
+        return Gemm(op, stream);
       case OpKind::kAdd: {
         BlockArgs b = Block(op, Resolve(op.a), op.a, Resolve(op.d), op.d);
         JO_ASSERT(b.src != nullptr && b.dst != nullptr);
@@ -163,19 +185,19 @@ class Enqueuer {
       case OpKind::kSignal: {
         JO_ASSERT(op.peer >= 0 && op.peer < p_.problem.nranks && op.id < a_.gen->num_flags);
         // Default flags: the write is fenced after every prior write of the stream.
-        JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(stream),
-                                                      a_.gen->Flag(op.peer, a_.epoch, op.id, p_.problem.rank),
-                                                      static_cast<cuuint32_t>(a_.epoch),
-                                                      CU_STREAM_WRITE_VALUE_DEFAULT));
+        JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(
+                              reinterpret_cast<CUstream>(stream),
+                              a_.gen->Flag(op.peer, a_.epoch, op.id, p_.problem.rank),
+                              static_cast<cuuint32_t>(a_.epoch), CU_STREAM_WRITE_VALUE_DEFAULT));
         return OkStatus();
       }
       case OpKind::kWait: {
         JO_ASSERT(op.id >= 0 && op.id < a_.gen->num_flags);
         // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
-        JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(stream),
-                                                     a_.gen->Flag(p_.problem.rank, a_.epoch, op.id, p_.problem.rank),
-                                                     static_cast<cuuint32_t>(a_.epoch),
-                                                     CU_STREAM_WAIT_VALUE_GEQ));
+        JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(
+                              reinterpret_cast<CUstream>(stream),
+                              a_.gen->Flag(p_.problem.rank, a_.epoch, op.id, p_.problem.rank),
+                              static_cast<cuuint32_t>(a_.epoch), CU_STREAM_WAIT_VALUE_GEQ));
         return OkStatus();
       }
       case OpKind::kRecord:
@@ -189,7 +211,8 @@ class Enqueuer {
         JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(stream, a_.resources->events[op.id], 0));
         return OkStatus();
       case OpKind::kSend:
-      case OpKind::kRecv: break;  // handled as groups
+      case OpKind::kRecv:
+        break;  // handled as groups
     }
     return Internal("unknown op kind");
   }
@@ -213,16 +236,18 @@ class Enqueuer {
   Status CopyBlock(const Op& op, const std::byte* src, const Ref& s, std::byte* dst, const Ref& d,
                    cudaStream_t stream) {
     const size_t row = static_cast<size_t>(op.n * es_);
-    const bool dense = s.ld == op.n && d.ld == op.n &&
-                       (op.batch == 1 || (s.batch_stride == op.m * op.n && d.batch_stride == op.m * op.n));
+    const bool dense =
+        s.ld == op.n && d.ld == op.n &&
+        (op.batch == 1 || (s.batch_stride == op.m * op.n && d.batch_stride == op.m * op.n));
     if (dense) {
-      JO_CUDA_CHECK(ctx_, cudaMemcpyAsync(dst, src, row * op.m * op.batch, cudaMemcpyDefault, stream));
+      JO_CUDA_CHECK(ctx_,
+                    cudaMemcpyAsync(dst, src, row * op.m * op.batch, cudaMemcpyDefault, stream));
       return OkStatus();
     }
     for (int64_t b = 0; b < op.batch; ++b)
       JO_CUDA_CHECK(ctx_, cudaMemcpy2DAsync(dst + b * d.batch_stride * es_, d.ld * es_,
-                                             src + b * s.batch_stride * es_, s.ld * es_, row,
-                                             static_cast<size_t>(op.m), cudaMemcpyDefault, stream));
+                                            src + b * s.batch_stride * es_, s.ld * es_, row,
+                                            static_cast<size_t>(op.m), cudaMemcpyDefault, stream));
     return OkStatus();
   }
 

@@ -14,9 +14,12 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation
 
 cudaDataType_t LtType(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return CUDA_R_32F;
-    case DType::kBF16: return CUDA_R_16BF;
-    case DType::kF16: return CUDA_R_16F;
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
   }
   return CUDA_R_32F;
 }
@@ -70,9 +73,9 @@ struct Plan {
 };
 
 // dtype, batch, m, n, k, lds, strides, beta != 0, alignments.
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int64_t, bool, uint32_t, uint32_t,
-                           uint32_t, uint32_t>;
+using PlanKey =
+    std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+               int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 struct DeviceCache {
   std::mutex mu;
@@ -96,16 +99,18 @@ DeviceCache& CacheOf(int device) {
 
 Status MakeLayout(Layout* layout, cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
                   int32_t batch, int64_t batch_stride, const ErrorContext& ctx) {
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutCreate(&layout->value, type, static_cast<uint64_t>(rows),
-                                                    static_cast<uint64_t>(cols), ld));
+  JO_CUBLAS_CHECK(&ctx,
+                  cublasLtMatrixLayoutCreate(&layout->value, type, static_cast<uint64_t>(rows),
+                                             static_cast<uint64_t>(cols), ld));
   const int32_t order = CUBLASLT_ORDER_COL;
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutSetAttribute(layout->value, CUBLASLT_MATRIX_LAYOUT_ORDER,
-                                                          &order, sizeof(order)));
   JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutSetAttribute(
-                             layout->value, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
+                            layout->value, CUBLASLT_MATRIX_LAYOUT_ORDER, &order, sizeof(order)));
+  JO_CUBLAS_CHECK(
+      &ctx, cublasLtMatrixLayoutSetAttribute(layout->value, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                             &batch, sizeof(batch)));
   JO_CUBLAS_CHECK(&ctx, cublasLtMatrixLayoutSetAttribute(
-                             layout->value, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                             &batch_stride, sizeof(batch_stride)));
+                            layout->value, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                            &batch_stride, sizeof(batch_stride)));
   return OkStatus();
 }
 
@@ -113,12 +118,15 @@ Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64
                 int64_t c_ld, const ErrorContext& ctx, Plan* plan) {
   const cudaDataType_t type = LtType(g.dtype);
   const int32_t batch = static_cast<int32_t>(g.batch);
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescCreate(&plan->desc.value, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  JO_CUBLAS_CHECK(&ctx,
+                  cublasLtMatmulDescCreate(&plan->desc.value, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const int32_t no_transpose = CUBLAS_OP_N;
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                        &no_transpose, sizeof(no_transpose)));
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSB,
-                                                        &no_transpose, sizeof(no_transpose)));
+  JO_CUBLAS_CHECK(&ctx,
+                  cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                 &no_transpose, sizeof(no_transpose)));
+  JO_CUBLAS_CHECK(&ctx,
+                  cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSB,
+                                                 &no_transpose, sizeof(no_transpose)));
   // See the layout mapping in gemm.h: A_lt = W (n x k), B_lt = A (k x m), C/D (n x m).
   JO_CHECK(MakeLayout(&plan->a, type, g.n, g.k, g.w_ld, batch, 0, ctx));
   JO_CHECK(MakeLayout(&plan->b, type, g.k, g.m, g.a_ld, batch, g.a_bs, ctx));
@@ -126,24 +134,25 @@ Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64
   JO_CHECK(MakeLayout(&plan->d, type, g.n, g.m, g.d_ld, batch, g.d_bs, ctx));
   JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceCreate(&plan->pref.value));
   const uint64_t ws = kWorkspaceBytes;
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceSetAttribute(
-                             plan->pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  JO_CUBLAS_CHECK(&ctx,
+                  cublasLtMatmulPreferenceSetAttribute(
+                      plan->pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   const uint32_t align[4] = {Alignment(g.w), Alignment(g.a), Alignment(c), Alignment(g.d)};
   const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
     JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceSetAttribute(plan->pref.value, align_attr[i],
-                                                                &align[i], sizeof(align[i])));
+                                                               &align[i], sizeof(align[i])));
   int found = 0;
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulAlgoGetHeuristic(handle, plan->desc.value, plan->a.value,
-                                                        plan->b.value, plan->c.value, plan->d.value,
-                                                        plan->pref.value, 1, &plan->heuristic, &found));
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulAlgoGetHeuristic(
+                            handle, plan->desc.value, plan->a.value, plan->b.value, plan->c.value,
+                            plan->d.value, plan->pref.value, 1, &plan->heuristic, &found));
   if (found < 1)
-    return Status(Code::kInternal,
-                  ctx.Describe() + ": cuBLASLt has no algorithm for " + DTypeName(g.dtype) +
-                      " batch=" + std::to_string(g.batch) + " m=" + std::to_string(g.m) +
-                      " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k));
+    return Status(Code::kInternal, ctx.Describe() + ": cuBLASLt has no algorithm for " +
+                                       DTypeName(g.dtype) + " batch=" + std::to_string(g.batch) +
+                                       " m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
+                                       " k=" + std::to_string(g.k));
   return OkStatus();
 }
 
@@ -168,9 +177,24 @@ Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorC
     JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
     ws = std::move(buffer);
   }
-  const PlanKey key{static_cast<int>(g.dtype), g.batch, g.m, g.n, g.k, g.a_bs, g.a_ld, g.w_ld,
-                    c_bs, c_ld, g.d_bs, g.d_ld, 0, accumulate, Alignment(g.w), Alignment(g.a),
-                    Alignment(c), Alignment(g.d)};
+  const PlanKey key{static_cast<int>(g.dtype),
+                    g.batch,
+                    g.m,
+                    g.n,
+                    g.k,
+                    g.a_bs,
+                    g.a_ld,
+                    g.w_ld,
+                    c_bs,
+                    c_ld,
+                    g.d_bs,
+                    g.d_ld,
+                    0,
+                    accumulate,
+                    Alignment(g.w),
+                    Alignment(g.a),
+                    Alignment(c),
+                    Alignment(g.d)};
   auto& plan = cache.plans[key];
   if (!plan) {
     auto fresh = std::make_unique<Plan>();
@@ -179,10 +203,10 @@ Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorC
   }
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatmul(cache.handle.value, plan->desc.value, &alpha, g.w,
-                                        plan->a.value, g.a, plan->b.value, &beta, c, plan->c.value,
-                                        g.d, plan->d.value, &plan->heuristic.algo, ws->ptr,
-                                        plan->heuristic.workspaceSize, stream));
+  JO_CUBLAS_CHECK(
+      &ctx, cublasLtMatmul(cache.handle.value, plan->desc.value, &alpha, g.w, plan->a.value, g.a,
+                           plan->b.value, &beta, c, plan->c.value, g.d, plan->d.value,
+                           &plan->heuristic.algo, ws->ptr, plan->heuristic.workspaceSize, stream));
   return OkStatus();
 }
 

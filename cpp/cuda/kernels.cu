@@ -1,6 +1,5 @@
-// Device kernels of the CUDA executor (see kernels.h). Skeleton (STYLE.md
-// habit 18): `Config` holds the launch geometry, `Globals` the runtime
-// arguments, one role function per kernel, one launcher each.
+// Device kernels of the CUDA executor (see kernels.h). Skeleton: `Config` holds the launch
+// geometry, `Globals` the runtime arguments, one role function per kernel, one launcher each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -23,14 +22,34 @@ struct Globals {
   int64_t s_bs, s_ld, d_bs, d_ld;
 };
 
-template <typename T> __device__ float ToFloat(T v);
-template <> __device__ float ToFloat<float>(float v) { return v; }
-template <> __device__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ float ToFloat<__half>(__half v) { return __half2float(v); }
-template <typename T> __device__ T FromFloat(float v);
-template <> __device__ float FromFloat<float>(float v) { return v; }
-template <> __device__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __half FromFloat<__half>(float v) { return __float2half_rn(v); }
+template <typename T>
+__device__ float ToFloat(T v);
+template <>
+__device__ float ToFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ float ToFloat<__half>(__half v) {
+  return __half2float(v);
+}
+template <typename T>
+__device__ T FromFloat(float v);
+template <>
+__device__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 // Element `i` of the block -> (source offset, destination offset).
 __device__ inline void Locate(const Globals& g, int64_t i, int64_t* s, int64_t* d) {
@@ -62,13 +81,16 @@ template <McType kType>
 __device__ inline void McStoreWord(void* mc, uint32_t bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (kType == McType::kF32)
-    asm volatile("multimem.st.relaxed.sys.global.f32 [%0], %1;" ::"l"(mc), "f"(__uint_as_float(bits)) : "memory");
+    asm volatile("multimem.st.relaxed.sys.global.f32 [%0], %1;" ::"l"(mc),
+                 "f"(__uint_as_float(bits))
+                 : "memory");
   else if constexpr (kType == McType::kBF16x2)
     asm volatile("multimem.st.relaxed.sys.global.bf16x2 [%0], %1;" ::"l"(mc), "r"(bits) : "memory");
   else
     asm volatile("multimem.st.relaxed.sys.global.f16x2 [%0], %1;" ::"l"(mc), "r"(bits) : "memory");
 #else
-  (void)mc; (void)bits;
+  (void)mc;
+  (void)bits;
   __trap();  // unreachable: the launcher refuses devices below sm_90
 #endif
 }
@@ -79,12 +101,21 @@ __device__ inline uint32_t McLoadReduceWord(const void* mc) {
   uint32_t bits;
   if constexpr (kType == McType::kF32) {
     float v;
-    asm volatile("multimem.ld_reduce.relaxed.sys.global.add.f32 %0, [%1];" : "=f"(v) : "l"(mc) : "memory");
+    asm volatile("multimem.ld_reduce.relaxed.sys.global.add.f32 %0, [%1];"
+                 : "=f"(v)
+                 : "l"(mc)
+                 : "memory");
     bits = __float_as_uint(v);
   } else if constexpr (kType == McType::kBF16x2) {
-    asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.bf16x2 %0, [%1];" : "=r"(bits) : "l"(mc) : "memory");
+    asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.bf16x2 %0, [%1];"
+                 : "=r"(bits)
+                 : "l"(mc)
+                 : "memory");
   } else {
-    asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.f16x2 %0, [%1];" : "=r"(bits) : "l"(mc) : "memory");
+    asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.f16x2 %0, [%1];"
+                 : "=r"(bits)
+                 : "l"(mc)
+                 : "memory");
   }
   return bits;
 #else
@@ -112,7 +143,8 @@ __global__ void __launch_bounds__(Config::kThreads) McReduceKernel(Globals g) {
        i += int64_t(gridDim.x) * blockDim.x) {
     int64_t s, d;
     Locate(g, i, &s, &d);
-    static_cast<uint32_t*>(g.dst)[d] = McLoadReduceWord<kType>(static_cast<const uint32_t*>(g.src) + s);
+    static_cast<uint32_t*>(g.dst)[d] =
+        McLoadReduceWord<kType>(static_cast<const uint32_t*>(g.src) + s);
   }
 }
 
@@ -124,9 +156,15 @@ unsigned Blocks(int64_t total) {
 
 Globals MakeGlobals(const BlockArgs& a, int64_t words_per_elem_div) {
   // words_per_elem_div = 2 packs bf16/f16 pairs into one 32-bit word.
-  return Globals{a.dst, a.src, a.batch, a.m, a.n / words_per_elem_div,
-                 a.src_batch_stride / words_per_elem_div, a.src_ld / words_per_elem_div,
-                 a.dst_batch_stride / words_per_elem_div, a.dst_ld / words_per_elem_div};
+  return Globals{a.dst,
+                 a.src,
+                 a.batch,
+                 a.m,
+                 a.n / words_per_elem_div,
+                 a.src_batch_stride / words_per_elem_div,
+                 a.src_ld / words_per_elem_div,
+                 a.dst_batch_stride / words_per_elem_div,
+                 a.dst_ld / words_per_elem_div};
 }
 
 Status CheckMulticastDevice(const char* what, const BlockArgs& a, const ErrorContext& ctx) {
@@ -139,9 +177,10 @@ Status CheckMulticastDevice(const char* what, const BlockArgs& a, const ErrorCon
                       std::to_string(device) + " is sm_" + std::to_string(major) + "x");
   if (!MulticastBlockOk(a))
     return Status(Code::kInvalidArgument,
-                  ctx.Describe() + ": " + what + " on 16-bit data needs an even row width, even "
-                  "strides and 4-byte aligned addresses (multimem works on element pairs); use "
-                  "transport='p2p' or 'nccl' for this shape");
+                  ctx.Describe() + ": " + what +
+                      " on 16-bit data needs an even row width, even "
+                      "strides and 4-byte aligned addresses (multimem works on element pairs); use "
+                      "transport='p2p' or 'nccl' for this shape");
   return OkStatus();
 }
 
@@ -162,24 +201,29 @@ Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const ErrorContex
   const Globals g = MakeGlobals(a, 1);
   const unsigned blocks = Blocks(g.batch * g.m * g.n);
   switch (a.dtype) {
-    case DType::kF32: AddBlockKernel<float><<<blocks, Config::kThreads, 0, stream>>>(g); break;
-    case DType::kBF16: AddBlockKernel<__nv_bfloat16><<<blocks, Config::kThreads, 0, stream>>>(g); break;
-    case DType::kF16: AddBlockKernel<__half><<<blocks, Config::kThreads, 0, stream>>>(g); break;
+    case DType::kF32:
+      AddBlockKernel<float><<<blocks, Config::kThreads, 0, stream>>>(g);
+      break;
+    case DType::kBF16:
+      AddBlockKernel<__nv_bfloat16><<<blocks, Config::kThreads, 0, stream>>>(g);
+      break;
+    case DType::kF16:
+      AddBlockKernel<__half><<<blocks, Config::kThreads, 0, stream>>>(g);
+      break;
   }
   JO_CUDA_CHECK(&ctx, cudaGetLastError());
   return OkStatus();
 }
 
 Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
-  return LaunchMc("multicast store (multimem.st)", a, stream, ctx,
-                          McStoreKernel<McType::kF32>, McStoreKernel<McType::kBF16x2>,
-                          McStoreKernel<McType::kF16x2>);
+  return LaunchMc("multicast store (multimem.st)", a, stream, ctx, McStoreKernel<McType::kF32>,
+                  McStoreKernel<McType::kBF16x2>, McStoreKernel<McType::kF16x2>);
 }
 
 Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
   return LaunchMc("multicast load-reduce (multimem.ld_reduce)", a, stream, ctx,
-                          McReduceKernel<McType::kF32>, McReduceKernel<McType::kBF16x2>,
-                          McReduceKernel<McType::kF16x2>);
+                  McReduceKernel<McType::kF32>, McReduceKernel<McType::kBF16x2>,
+                  McReduceKernel<McType::kF16x2>);
 }
 
 const char* KernelsDescription() {

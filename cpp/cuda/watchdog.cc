@@ -1,8 +1,8 @@
 #include "cuda/watchdog.h"
 
 #include <condition_variable>
-#include <deque>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -98,7 +98,8 @@ class Watchdog {
   // even if an earlier one failed, and failures are added to the report.
   static void Fire(CudaClique* clique, const WatchedCall& c, int64_t latest_epoch) {
     char seconds[32];
-    std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(c.timeout).count());
+    std::snprintf(seconds, sizeof(seconds), "%.1f",
+                  std::chrono::duration<double>(c.timeout).count());
     std::string text = c.op + " rank " + std::to_string(c.rank) + " (" + clique->name() +
                        ") epoch " + std::to_string(c.epoch) + ": not finished on GPU " +
                        std::to_string(c.device) + " after " + seconds + " s; ";
@@ -107,8 +108,8 @@ class Watchdog {
     (void)cudaSetDevice(c.device);
     cudaStream_t side = nullptr;
     std::vector<uint32_t> flags;
-    if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess && c.gen != nullptr &&
-        c.gen->num_flags > 0) {
+    if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess &&
+        c.gen != nullptr && c.gen->num_flags > 0) {
       flags.assign(static_cast<size_t>(2 * c.gen->num_flags), 0);
       const void* base = reinterpret_cast<const void*>(c.gen->Flag(c.rank, 0, 0, c.rank));
       if (cudaMemcpyAsync(flags.data(), base, flags.size() * sizeof(uint32_t),
@@ -119,7 +120,8 @@ class Watchdog {
     std::string missing;
     for (const auto& [id, writer] : c.waits) {
       const size_t index = static_cast<size_t>((c.epoch % 2) * c.gen->num_flags + id);
-      if (index < flags.size() && static_cast<int32_t>(flags[index] - static_cast<uint32_t>(c.epoch)) >= 0)
+      if (index < flags.size() &&
+          static_cast<int32_t>(flags[index] - static_cast<uint32_t>(c.epoch)) >= 0)
         continue;
       const size_t w = static_cast<size_t>(writer);
       const bool elsewhere = clique->devices()[w] < 0;  // a rank of another process
@@ -130,18 +132,19 @@ class Watchdog {
     }
     if (!missing.empty()) text += "waiting for " + missing + "; ";
     if (c.nccl) text += "waiting inside NCCL (a peer did not make the matching send/recv); ";
-    text += "the peer did not arrive (ranks disagree on the calls, or a peer failed). "
-            "This call's results are invalid; the clique is broken.";
+    text +=
+        "the peer did not arrive (ranks disagree on the calls, or a peer failed). "
+        "This call's results are invalid; the clique is broken.";
     JO_WARN(text);
     clique->Break(Status(Code::kTimeout, text));
     // Release the GPU so that the process does not hang.
     const DriverApi* drv = nullptr;
     if (side != nullptr && c.gen != nullptr && c.gen->num_flags > 0 && LoadDriver(&drv).ok()) {
       for (int32_t i = 0; i < 2 * c.gen->num_flags; ++i)
-        (void)drv->cuStreamWriteValue32(reinterpret_cast<CUstream>(side),
-                                        c.gen->Flag(c.rank, i / c.gen->num_flags, i % c.gen->num_flags, c.rank),
-                                        static_cast<cuuint32_t>(latest_epoch),
-                                        CU_STREAM_WRITE_VALUE_DEFAULT);
+        (void)drv->cuStreamWriteValue32(
+            reinterpret_cast<CUstream>(side),
+            c.gen->Flag(c.rank, i / c.gen->num_flags, i % c.gen->num_flags, c.rank),
+            static_cast<cuuint32_t>(latest_epoch), CU_STREAM_WRITE_VALUE_DEFAULT);
     }
     if (c.nccl) clique->AbortComms();
     if (side != nullptr) (void)cudaStreamDestroy(side);

@@ -33,10 +33,10 @@ struct WatchedCall {
   std::weak_ptr<CudaClique> clique;
   int32_t rank = 0;
   int device = 0;
-  cudaEvent_t done = nullptr;        // recorded on XLA's stream after the call
-  int64_t slots = 1;                 // done events are reused every `slots` epochs
+  cudaEvent_t done = nullptr;  // recorded on XLA's stream after the call
+  int64_t slots = 1;           // done events are reused every `slots` epochs
   int64_t epoch = 0;
-  const Generation* gen = nullptr;   // owned by the clique
+  const Generation* gen = nullptr;                 // owned by the clique
   std::vector<std::pair<int32_t, int32_t>> waits;  // (flag id, writer) of the program's Waits
   bool nccl = false;
   std::string op;

@@ -46,9 +46,8 @@ struct CallAttrs {
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jo::ffi_call::CallAttrs, ::xla::ffi::StructMember<int32_t>("op"),
     ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("axis"),
-    ::xla::ffi::StructMember<int64_t>("axis_size"),
-    ::xla::ffi::StructMember<int32_t>("transport"), ::xla::ffi::StructMember<int64_t>("chunks"),
-    ::xla::ffi::StructMember<bool>("bidirectional"),
+    ::xla::ffi::StructMember<int64_t>("axis_size"), ::xla::ffi::StructMember<int32_t>("transport"),
+    ::xla::ffi::StructMember<int64_t>("chunks"), ::xla::ffi::StructMember<bool>("bidirectional"),
     ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
@@ -64,13 +63,18 @@ inline std::string Dims(ffi::Span<const int64_t> dims) {
 
 inline ffi::Error ToFfi(const Status& status) {
   switch (status.code()) {
-    case Code::kOk: return ffi::Error::Success();
+    case Code::kOk:
+      return ffi::Error::Success();
     case Code::kInvalidArgument:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message());
-    case Code::kTimeout: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message());
-    case Code::kAborted: return ffi::Error(ffi::ErrorCode::kAborted, status.message());
-    case Code::kResource: return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message());
-    case Code::kInternal: break;
+    case Code::kTimeout:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message());
+    case Code::kAborted:
+      return ffi::Error(ffi::ErrorCode::kAborted, status.message());
+    case Code::kResource:
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message());
+    case Code::kInternal:
+      break;
   }
   return ffi::Error::Internal(status.message());
 }
@@ -93,10 +97,11 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
     return bad("attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
   if (a.device_ids.size() != n || a.ordinals.size() != n ||
       n % static_cast<size_t>(a.axis_size) != 0)  // (n == 0: coords place the caller)
-    return bad("the rank table attributes (processes, device_ids, ordinals) expected "
-               "axis_size * groups entries each, got " + std::to_string(n) + ", " +
-               std::to_string(a.device_ids.size()) + ", " + std::to_string(a.ordinals.size()) +
-               " for axis_size " + std::to_string(a.axis_size));
+    return bad(
+        "the rank table attributes (processes, device_ids, ordinals) expected "
+        "axis_size * groups entries each, got " +
+        std::to_string(n) + ", " + std::to_string(a.device_ids.size()) + ", " +
+        std::to_string(a.ordinals.size()) + " for axis_size " + std::to_string(a.axis_size));
   out->op = static_cast<Collective>(a.op);
   out->transport = static_cast<Transport>(a.transport);
   out->clique_key = a.clique_key;
@@ -113,18 +118,21 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
 
 inline std::optional<DType> ToDType(ffi::DataType type) {
   switch (type) {
-    case ffi::DataType::F32: return DType::kF32;
-    case ffi::DataType::BF16: return DType::kBF16;
-    case ffi::DataType::F16: return DType::kF16;
-    default: return std::nullopt;
+    case ffi::DataType::F32:
+      return DType::kF32;
+    case ffi::DataType::BF16:
+      return DType::kBF16;
+    case ffi::DataType::F16:
+      return DType::kF16;
+    default:
+      return std::nullopt;
   }
 }
 
 // A result must have x's dims with dim `axis` made `axis_dim` and the last
 // dim `last`, and x's dtype.
 inline Status CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
-                          const ffi::AnyBuffer& got, int64_t axis, int64_t axis_dim,
-                          int64_t last) {
+                          const ffi::AnyBuffer& got, int64_t axis, int64_t axis_dim, int64_t last) {
   auto xd = x.dimensions();
   std::vector<int64_t> want(xd.begin(), xd.end());
   want[axis] = axis_dim;
@@ -143,8 +151,8 @@ inline Status CheckResult(const char* op, const char* name, const ffi::AnyBuffer
 // Checks the operands against the call and gives its canonical problem
 // (docs/native.md §1; everything but the rank) and buffers.
 inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
-                             const ffi::AnyBuffer& y, const ffi::AnyBuffer* x_gathered,
-                             Problem* q, CallBuffers* io) {
+                             const ffi::AnyBuffer& y, const ffi::AnyBuffer* x_gathered, Problem* q,
+                             CallBuffers* io) {
   const char* op = CollectiveName(d.op);
   const auto bad = [&](const std::string& text) {
     return InvalidArgument(std::string(op) + ": " + text);
@@ -153,12 +161,13 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   auto wd = w.dimensions();
   const int64_t n = d.table.axis_size;
   if (xd.size() < 2)
-    return bad("operand x expected rank >= 2, got rank " + std::to_string(xd.size()) +
-               " (shape " + Dims(xd) + ")");
+    return bad("operand x expected rank >= 2, got rank " + std::to_string(xd.size()) + " (shape " +
+               Dims(xd) + ")");
   if (wd.size() != 2)
     return bad("operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " +
                Dims(wd) + ")");
-  if (!ToDType(x.element_type())) return bad("operand x expected dtype float32, bfloat16 or float16");
+  if (!ToDType(x.element_type()))
+    return bad("operand x expected dtype float32, bfloat16 or float16");
   if (w.element_type() != x.element_type()) return bad("operand w expected the dtype of x");
   if (wd[0] != xd[xd.size() - 1])
     return bad("operand w expected " + std::to_string(xd[xd.size() - 1]) +

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "core/check_program.h"
+#include "core/convert.h"
 #include "core/deadline.h"
 #include "host/blas.h"
-#include "host/convert.h"
 
 namespace jo::host {
 namespace {
@@ -40,8 +40,13 @@ class ThreadGroup {
 class Run {
  public:
   Run(const Program& p, HostClique& clique, const WaitContext& ctx, const CallBuffers& io)
-      : p_(p), clique_(clique), epoch_(ctx.epoch), io_(io), es_(DTypeSize(p.problem.dtype)),
-        ctx_(ctx), events_(p.num_events, 0) {}
+      : p_(p),
+        clique_(clique),
+        epoch_(ctx.epoch),
+        io_(io),
+        es_(DTypeSize(p.problem.dtype)),
+        ctx_(ctx),
+        events_(p.num_events, 0) {}
 
   Status Execute() {
     // The program against the buffers this call really has (the clique's
@@ -107,21 +112,36 @@ class Run {
   std::byte* Resolve(const Ref& ref) {
     std::byte* base = nullptr;
     switch (ref.buf) {
-      case BufId::kX: base = static_cast<std::byte*>(const_cast<void*>(io_.x)); break;
-      case BufId::kW: base = static_cast<std::byte*>(const_cast<void*>(io_.w)); break;
-      case BufId::kY: base = static_cast<std::byte*>(io_.y); break;
-      case BufId::kXGathered: base = static_cast<std::byte*>(io_.x_gathered); break;
-      case BufId::kScratch: base = scratch_.data(); break;
-      case BufId::kWorkspace: base = clique_.Workspace(ref.rank, epoch_); break;
+      case BufId::kX:
+        base = static_cast<std::byte*>(const_cast<void*>(io_.x));
+        break;
+      case BufId::kW:
+        base = static_cast<std::byte*>(const_cast<void*>(io_.w));
+        break;
+      case BufId::kY:
+        base = static_cast<std::byte*>(io_.y);
+        break;
+      case BufId::kXGathered:
+        base = static_cast<std::byte*>(io_.x_gathered);
+        break;
+      case BufId::kScratch:
+        base = scratch_.data();
+        break;
+      case BufId::kWorkspace:
+        base = clique_.Workspace(ref.rank, epoch_);
+        break;
     }
     return base == nullptr ? nullptr : base + ref.offset * es_;
   }
 
   Status Exec(const Op& op) {
     switch (op.kind) {
-      case OpKind::kGemm: return Gemm(op);
-      case OpKind::kAdd: return Elementwise(op, /*reduce_all=*/false);
-      case OpKind::kMcReduce: return Elementwise(op, /*reduce_all=*/true);
+      case OpKind::kGemm:
+        return Gemm(op);
+      case OpKind::kAdd:
+        return Elementwise(op, /*reduce_all=*/false);
+      case OpKind::kMcReduce:
+        return Elementwise(op, /*reduce_all=*/true);
       case OpKind::kCopy: {
         std::byte* src = Resolve(op.a);
         std::byte* dst = Resolve(op.d);
@@ -159,8 +179,10 @@ class Run {
         CopyBlock(op, packed.data(), dense, dst, op.d);
         return OkStatus();
       }
-      case OpKind::kSignal: return clique_.Signal(ctx_, op.peer, op.id);
-      case OpKind::kWait: return clique_.WaitFlag(ctx_, op.peer, op.id);
+      case OpKind::kSignal:
+        return clique_.Signal(ctx_, op.peer, op.id);
+      case OpKind::kWait:
+        return clique_.WaitFlag(ctx_, op.peer, op.id);
       case OpKind::kRecord: {
         {
           std::lock_guard<std::mutex> lock(mu_);
@@ -174,12 +196,15 @@ class Run {
         // ctx_.timeout and then fail the run, which wakes us with the root
         // cause; this wait's longer deadline only guards against our own bugs.
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_until(lock, DeadlineAfter(2.0 * std::chrono::duration<double>(ctx_.timeout) + std::chrono::seconds(1)),
+        cv_.wait_until(lock,
+                       DeadlineAfter(2.0 * std::chrono::duration<double>(ctx_.timeout) +
+                                     std::chrono::seconds(1)),
                        [&] { return events_[op.id] != 0 || failed_; });
         if (events_[op.id] != 0) return OkStatus();
         if (failed_)
-          return Status(Code::kAborted,
-                        std::string(ctx_.op) + ": another stream of this rank failed: " + first_error_);
+          return Status(
+              Code::kAborted,
+              std::string(ctx_.op) + ": another stream of this rank failed: " + first_error_);
         return Status(Code::kTimeout, std::string(ctx_.op) + ": timeout waiting for event " +
                                           std::to_string(op.id) + " of this rank's own streams");
       }

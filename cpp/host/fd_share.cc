@@ -59,10 +59,12 @@ Status DupFromProcess(int pid, int fd, UniqueFd* out) {
   const int got = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd.get(), fd, 0));
   if (got < 0) {
     const bool denied = errno == EPERM;
-    return Status(Code::kResource,
-                  Errno("pidfd_getfd(pid " + std::to_string(pid) + ", fd " + std::to_string(fd) +
-                        ")") + (denied ? " (no ptrace access to that process: use the socket "
-                                         "method)" : ""));
+    return Status(
+        Code::kResource,
+        Errno("pidfd_getfd(pid " + std::to_string(pid) + ", fd " + std::to_string(fd) + ")") +
+            (denied ? " (no ptrace access to that process: use the socket "
+                      "method)"
+                    : ""));
   }
   *out = UniqueFd(got);
   return OkStatus();
@@ -77,9 +79,9 @@ Status DupFromProcess(int pid, int fd, UniqueFd* out) {
 Status FdServer::Start(const std::string& name, const std::vector<int>& fds,
                        const std::vector<int>& allowed_pids, std::chrono::milliseconds timeout,
                        std::unique_ptr<FdServer>* out) {
-  JO_REQUIRE(!fds.empty() && fds.size() <= kMaxFds,
-             "FdServer: expected 1.." + std::to_string(kMaxFds) + " fds, got " +
-                 std::to_string(fds.size()));
+  JO_REQUIRE(!fds.empty() && fds.size() <= kMaxFds, "FdServer: expected 1.." +
+                                                        std::to_string(kMaxFds) + " fds, got " +
+                                                        std::to_string(fds.size()));
   sockaddr_un addr;
   socklen_t len = 0;
   JO_CHECK(Address(name, &addr, &len));
@@ -98,7 +100,8 @@ Status FdServer::Start(const std::string& name, const std::vector<int>& fds,
   try {
     server->thread_ = std::thread([s = server.get()] { s->Serve(); });
   } catch (const std::system_error& e) {
-    return Status(Code::kResource, std::string("FdServer: could not start its thread: ") + e.what());
+    return Status(Code::kResource,
+                  std::string("FdServer: could not start its thread: ") + e.what());
   }
   *out = std::move(server);
   return OkStatus();
@@ -107,8 +110,9 @@ Status FdServer::Start(const std::string& name, const std::vector<int>& fds,
 void FdServer::Serve() {
   while (!pending_.empty()) {
     if (stop_.load()) {
-      result_ = Status(Code::kAborted, "FdServer @" + name_ + ": stopped before every peer was "
-                                       "served");
+      result_ = Status(Code::kAborted, "FdServer @" + name_ +
+                                           ": stopped before every peer was "
+                                           "served");
       return;
     }
     if (Clock::now() >= deadline_) {
@@ -158,9 +162,8 @@ FdServer::~FdServer() {
 
 Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
                   std::chrono::milliseconds timeout, std::vector<UniqueFd>* out) {
-  JO_REQUIRE(count >= 1 && count <= kMaxFds, "ReceiveFds: expected 1.." +
-                                                 std::to_string(kMaxFds) + " fds, got " +
-                                                 std::to_string(count));
+  JO_REQUIRE(count >= 1 && count <= kMaxFds, "ReceiveFds: expected 1.." + std::to_string(kMaxFds) +
+                                                 " fds, got " + std::to_string(count));
   sockaddr_un addr;
   socklen_t len = 0;
   JO_CHECK(Address(name, &addr, &len));
@@ -173,8 +176,8 @@ Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
     if (errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN)
       return Status(Code::kResource, Errno("connect(@" + name + ")"));
     if (Clock::now() >= deadline)
-      return Status(Code::kTimeout, "ReceiveFds: nobody listens on @" + name +
-                                        " (did the owner start sharing?)");
+      return Status(Code::kTimeout,
+                    "ReceiveFds: nobody listens on @" + name + " (did the owner start sharing?)");
     usleep(10000);
   }
   // Whoever listens must be the owner: anyone may bind an abstract name first.
@@ -191,8 +194,9 @@ Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
   pollfd p{conn.get(), POLLIN, 0};
   while (poll(&p, 1, Remaining(deadline)) <= 0) {
     if (Clock::now() >= deadline)
-      return Status(Code::kTimeout, "ReceiveFds: @" + name + " sent nothing before the deadline "
-                                    "(is this process among the owner's expected peers?)");
+      return Status(Code::kTimeout, "ReceiveFds: @" + name +
+                                        " sent nothing before the deadline "
+                                        "(is this process among the owner's expected peers?)");
   }
   char byte = 0;
   iovec iov{&byte, 1};

@@ -1,12 +1,11 @@
 // The CPU FFI handlers: jaxoverlap_ag_matmul and jaxoverlap_matmul_rs (the
 // same handler: the `op` attribute says which). ffi/ffi_call.h has their
 // interface; the CPU call has a third operand, coords = (rank, group) from
-// lax.axis_index, checked against the rank table. instantiate makes the call site's state (a HostSite, shared by
-// every local device); execute decodes and checks the operands, starts the
-// call (HostSite::Start) and returns an ffi::Future that a host worker
-// completes, so the XLA device thread never blocks on peers. Nothing throws
-// across this boundary; every failure is an ffi::Error naming the op, the
-// operand and the expected vs actual value.
+// lax.axis_index, checked against the rank table. instantiate makes the call site's state (a
+// HostSite, shared by every local device); execute decodes and checks the operands, starts the call
+// (HostSite::Start) and returns an ffi::Future that a host worker completes, so the XLA device
+// thread never blocks on peers. Nothing throws across this boundary; every failure is an ffi::Error
+// naming the op, the operand and the expected vs actual value.
 #include "host/ffi_handlers.h"
 
 #include <memory>

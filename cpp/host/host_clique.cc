@@ -31,7 +31,9 @@ LocalClique::LocalClique(CliqueKey key, int32_t nranks)
       grow_arrived_(nranks, false) {}
 
 void LocalClique::WakeAll() {
-  { std::lock_guard<std::mutex> lock(mu_); }  // a waiter is either before its check or waiting
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+  }  // a waiter is either before its check or waiting
   cv_.notify_all();
 }
 
@@ -99,8 +101,7 @@ void LocalClique::Grow(int64_t workspace_bytes, int32_t num_flags) {
 
 Status LocalClique::Reserve(const WaitContext& ctx, const CallNeeds& needs) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (needs.workspace_bytes <= workspace_bytes_ && needs.num_flags <= num_flags_)
-    return OkStatus();
+  if (needs.workspace_bytes <= workspace_bytes_ && needs.num_flags <= num_flags_) return OkStatus();
   // Rendezvous: every rank asks for the same size at the same epoch, since
   // all ranks run the same calls; the last one to arrive reallocates.
   const int64_t generation = grow_generation_;
@@ -121,9 +122,8 @@ Status LocalClique::Reserve(const WaitContext& ctx, const CallNeeds& needs) {
     cv_.notify_all();
     return OkStatus();
   }
-  cv_.wait_until(lock, DeadlineAfter(ctx.timeout), [&] {
-    return grow_generation_ != generation || !BrokenReason().empty();
-  });
+  cv_.wait_until(lock, DeadlineAfter(ctx.timeout),
+                 [&] { return grow_generation_ != generation || !BrokenReason().empty(); });
   if (grow_generation_ != generation) return OkStatus();
   lock.unlock();
   JO_CHECK(CheckNotBroken(Where(ctx)));
@@ -135,7 +135,8 @@ Status LocalClique::Reserve(const WaitContext& ctx, const CallNeeds& needs) {
   }
   return Fail(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
                                          " in the workspace-growth rendezvous; missing peer "
-                                         "rank(s) " + missing + " did not arrive"));
+                                         "rank(s) " +
+                                         missing + " did not arrive"));
 }
 
 std::byte* LocalClique::Workspace(int32_t owner, int64_t epoch) {
@@ -160,18 +161,17 @@ Status LocalClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t fla
   std::unique_lock<std::mutex> lock(mu_);
   JO_ASSERT(flag >= 0 && flag < num_flags_);
   const size_t index = static_cast<size_t>(Parity(ctx.epoch) * num_flags_ + flag);
-  cv_.wait_until(lock, DeadlineAfter(ctx.timeout), [&] {
-    return flags_[ctx.rank][index] >= ctx.epoch || !BrokenReason().empty();
-  });
+  cv_.wait_until(lock, DeadlineAfter(ctx.timeout),
+                 [&] { return flags_[ctx.rank][index] >= ctx.epoch || !BrokenReason().empty(); });
   if (flags_[ctx.rank][index] >= ctx.epoch) return OkStatus();
   const int64_t has = flags_[ctx.rank][index];
   lock.unlock();
   JO_CHECK(CheckNotBroken(Where(ctx)));
-  return Fail(Status(Code::kTimeout,
-                     Where(ctx) + ": timeout after " + Seconds(ctx.timeout) + " waiting for flag " +
-                         std::to_string(flag) + " (has epoch " + std::to_string(has) +
-                         ", needs " + std::to_string(ctx.epoch) + ") from rank " +
-                         std::to_string(writer) + ": " + Missing(ctx, writer)));
+  return Fail(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
+                                         " waiting for flag " + std::to_string(flag) +
+                                         " (has epoch " + std::to_string(has) + ", needs " +
+                                         std::to_string(ctx.epoch) + ") from rank " +
+                                         std::to_string(writer) + ": " + Missing(ctx, writer)));
 }
 
 Status LocalClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
@@ -190,9 +190,8 @@ Status LocalClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
                          std::vector<std::byte>* data) {
   std::unique_lock<std::mutex> lock(mu_);
   const MailKey key{ctx.epoch, peer, ctx.rank, tag};
-  cv_.wait_until(lock, DeadlineAfter(ctx.timeout), [&] {
-    return mailbox_.count(key) != 0 || !BrokenReason().empty();
-  });
+  cv_.wait_until(lock, DeadlineAfter(ctx.timeout),
+                 [&] { return mailbox_.count(key) != 0 || !BrokenReason().empty(); });
   auto it = mailbox_.find(key);
   if (it != mailbox_.end()) {
     *data = std::move(it->second);

@@ -111,8 +111,8 @@ class LocalClique : public HostClique {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  int64_t workspace_bytes_ = 0;  // per parity
-  int32_t num_flags_ = 0;        // per parity
+  int64_t workspace_bytes_ = 0;                    // per parity
+  int32_t num_flags_ = 0;                          // per parity
   std::vector<std::vector<std::byte>> workspace_;  // per rank: 2 parities
   std::vector<std::vector<int64_t>> flags_;        // per rank: 2 parities x num_flags_
   std::map<MailKey, std::vector<std::byte>> mailbox_;

@@ -53,10 +53,13 @@ Status HostSite::PlanFor(const Caller& caller, const Problem& problem,
   JO_REQUIRE(domain == nullptr || domain->nranks() == problem.nranks,
              domain->name() + " has " + std::to_string(domain->nranks()) +
                  " ranks, but this call has axis_size " + std::to_string(problem.nranks));
-  JO_CHECK(Registry().GetOrCreate(key, problem.nranks, [&]() -> std::unique_ptr<HostClique> {
-    if (domain != nullptr) return std::make_unique<ShmClique>(domain, key.site);
-    return std::make_unique<LocalClique>(key, problem.nranks);
-  }, &plan->clique));
+  JO_CHECK(Registry().GetOrCreate(
+      key, problem.nranks,
+      [&]() -> std::unique_ptr<HostClique> {
+        if (domain != nullptr) return std::make_unique<ShmClique>(domain, key.site);
+        return std::make_unique<LocalClique>(key, problem.nranks);
+      },
+      &plan->clique));
   plans_.emplace(caller.device, plan);
   *out = std::move(plan);
   return OkStatus();
@@ -109,8 +112,8 @@ std::string DescribeCliques() {
   for (const auto& clique : Registry().List()) {
     int64_t epoch = 0;  // the furthest call of the ranks in this process
     for (int32_t r = 0; r < clique->nranks(); ++r) epoch = std::max(epoch, clique->Epoch(r));
-    out += clique->name() + ": " + std::to_string(clique->nranks()) + " ranks, " +
-           clique->Kind() + ", epoch " + std::to_string(epoch) + ", workspace 2 x " +
+    out += clique->name() + ": " + std::to_string(clique->nranks()) + " ranks, " + clique->Kind() +
+           ", epoch " + std::to_string(epoch) + ", workspace 2 x " +
            std::to_string(clique->WorkspaceBytes()) + " bytes per rank";
     const std::string broken = clique->BrokenReason();
     if (!broken.empty()) out += ", BROKEN: " + broken;

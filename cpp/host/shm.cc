@@ -2,11 +2,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <linux/futex.h>
+#include <signal.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -95,10 +95,13 @@ std::string NoSpace(const std::string& name, size_t bytes, const std::string& wh
   }
   // Suggest a size with room for the other segments of the job.
   const size_t suggest_mib = std::max<size_t>(256, (4 * bytes) / (1024 * 1024) + 64);
-  out += ". The processes of a job share their cliques' buffers through /dev/shm: make it "
-         "larger (Docker: --shm-size=" + std::to_string(suggest_mib) + "m or --ipc=host; "
-         "Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm), or use smaller "
-         "shapes per call";
+  out +=
+      ". The processes of a job share their cliques' buffers through /dev/shm: make it "
+      "larger (Docker: --shm-size=" +
+      std::to_string(suggest_mib) +
+      "m or --ipc=host; "
+      "Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm), or use smaller "
+      "shapes per call";
   return out;
 }
 
@@ -172,9 +175,10 @@ Status ShmSegment::Open(const std::string& name, size_t bytes, std::unique_ptr<S
   const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
   if (fd < 0) {
     const int err = errno;
-    return Status(err == ENOENT ? Code::kInvalidArgument : Code::kResource,
-                  Errno("shm_open", name, err) +
-                      (err == ENOENT ? " (already unlinked: did every process attach in time?)" : ""));
+    return Status(
+        err == ENOENT ? Code::kInvalidArgument : Code::kResource,
+        Errno("shm_open", name, err) +
+            (err == ENOENT ? " (already unlinked: did every process attach in time?)" : ""));
   }
   Tracked().Add(name);
   struct stat st;
@@ -185,7 +189,8 @@ Status ShmSegment::Open(const std::string& name, size_t bytes, std::unique_ptr<S
   }
   // Only a segment of ours that nobody else may read or write is trusted.
   std::string problem;
-  if (!S_ISREG(st.st_mode)) problem = "is not a regular shared-memory object";
+  if (!S_ISREG(st.st_mode))
+    problem = "is not a regular shared-memory object";
   else if (st.st_uid != geteuid())
     problem = "belongs to uid " + std::to_string(st.st_uid) + ", not to this user (uid " +
               std::to_string(geteuid()) + ")";
@@ -227,7 +232,8 @@ Status NewShmName(std::string* out) {
   while (got < sizeof(bytes)) {
     const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Status(Code::kResource, std::string("getrandom failed: ") + std::strerror(errno));
+    if (n <= 0)
+      return Status(Code::kResource, std::string("getrandom failed: ") + std::strerror(errno));
     got += static_cast<size_t>(n);
   }
   std::string name = "/jaxoverlap-";
@@ -260,8 +266,7 @@ int SweepStaleSegments() {
     if (!CreatorOf(name, &pidns, &pid) || pidns != mine || pid <= 0) continue;
     if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or unknown)
     struct stat st;
-    if (fstatat(dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-        st.st_uid != geteuid())
+    if (fstatat(dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != geteuid())
       continue;
     if (shm_unlink(("/" + name).c_str()) == 0) {
       ++removed;

@@ -39,7 +39,7 @@ uint64_t Fnv1a(const std::string& text) {
 struct OutboxHeader {
   std::atomic<int32_t> reserve;  // next entry index
   int32_t pad;
-  std::atomic<int64_t> cursor;   // next free byte of the outbox data
+  std::atomic<int64_t> cursor;  // next free byte of the outbox data
 };
 
 struct alignas(kAlign) MailEntry {
@@ -223,12 +223,11 @@ Status ShmClique::Open(const WaitContext& ctx) {
 Status ShmClique::ClaimRank(const WaitContext& ctx, int64_t device) {
   JO_CHECK(Open(ctx));
   int64_t owner = -1;
-  if (rank_state(ctx.rank)->owner_device.compare_exchange_strong(owner, device) ||
-      owner == device)
+  if (rank_state(ctx.rank)->owner_device.compare_exchange_strong(owner, device) || owner == device)
     return OkStatus();
   return Fail(InvalidArgument(Where(ctx) + ": devices " + std::to_string(owner) + " and " +
-                              std::to_string(device) + " call as rank " +
-                              std::to_string(ctx.rank) + " at the same time"));
+                              std::to_string(device) + " call as rank " + std::to_string(ctx.rank) +
+                              " at the same time"));
 }
 
 void ShmClique::ReleaseRank(int32_t rank) {
@@ -239,8 +238,10 @@ Status ShmClique::Agree(const std::string& where, int32_t rank, int64_t epoch,
                         const std::string& signature) {
   JO_ASSERT(site_ != nullptr);  // ClaimRank opened it
   rank_state(rank)->epoch.store(epoch);
-  JO_CHECK(domain_->broken() ? Status(Code::kAborted, where + ": clique aborted by an earlier "
-                                                      "failure: " + BrokenReason())
+  JO_CHECK(domain_->broken() ? Status(Code::kAborted, where +
+                                                          ": clique aborted by an earlier "
+                                                          "failure: " +
+                                                          BrokenReason())
                              : OkStatus());
   const int32_t p = ParityOf(epoch);
   const uint64_t hash = Fnv1a(signature);
@@ -254,10 +255,11 @@ Status ShmClique::Agree(const std::string& where, int32_t rank, int64_t epoch,
     if (r == rank || other->signature_epoch[p].load() != epoch) continue;
     if (other->signature_hash[p].load() == hash) continue;
     return Fail(InvalidArgument(
-        where + ": ranks disagree on call " + std::to_string(epoch) +
-        " of this clique: '" + signature + "' here, '" +
-        std::string(other->signature[p], strnlen(other->signature[p], kSignatureBytes)) +
-        "' on " + domain_->RankName(r) + " (do all processes run the same program, with the "
+        where + ": ranks disagree on call " + std::to_string(epoch) + " of this clique: '" +
+        signature + "' here, '" +
+        std::string(other->signature[p], strnlen(other->signature[p], kSignatureBytes)) + "' on " +
+        domain_->RankName(r) +
+        " (do all processes run the same program, with the "
         "collective calls in the same order?)"));
   }
   return OkStatus();
@@ -308,8 +310,8 @@ Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
       created = ShmSegment::Create(data_name, layout->total, "the buffers of " + name(), &segment);
     if (!created.ok())
       return Fail(Status(created.code(), Where(ctx) + ": workspace growth to " +
-                                             std::to_string(layout->total) + " bytes: " +
-                                             created.message()));
+                                             std::to_string(layout->total) +
+                                             " bytes: " + created.message()));
     std::snprintf(h->data_name, kNameBytes, "%s", data_name.c_str());
     h->workspace_bytes.store(ws);
     h->mail_bytes.store(mail);
@@ -331,9 +333,8 @@ Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
     if (h->data_attached.fetch_add(1) + 1 == domain_->nprocs()) JO_CHECK(UnlinkShm(data_name));
     return OkStatus();
   }
-  Status status = WaitFor(ctx, [&] {
-    return h->generation.load(std::memory_order_acquire) != generation;
-  });
+  Status status =
+      WaitFor(ctx, [&] { return h->generation.load(std::memory_order_acquire) != generation; });
   if (status.code() == Code::kTimeout) {
     std::string missing;
     for (int32_t r = 0; r < nranks(); ++r)
@@ -342,7 +343,8 @@ Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
     return Fail(Status(Code::kTimeout,
                        Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
                            " in the workspace-growth rendezvous; missing peer rank(s) did not "
-                           "arrive: " + missing + "; " + Missing(ctx, ctx.rank)));
+                           "arrive: " +
+                           missing + "; " + Missing(ctx, ctx.rank)));
   }
   JO_CHECK(status);
   return MapCurrentData(ctx);
@@ -412,11 +414,11 @@ Status ShmClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag)
   std::atomic<int64_t>* value = Flag(ctx.rank, ctx.epoch, flag);
   Status status = WaitFor(ctx, [&] { return value->load(std::memory_order_acquire) >= ctx.epoch; });
   if (status.code() != Code::kTimeout) return status;
-  return Fail(Status(Code::kTimeout,
-                     Where(ctx) + ": timeout after " + Seconds(ctx.timeout) + " waiting for flag " +
-                         std::to_string(flag) + " (has epoch " + std::to_string(value->load()) +
-                         ", needs " + std::to_string(ctx.epoch) + ") from " +
-                         domain_->RankName(writer) + ": " + Missing(ctx, writer)));
+  return Fail(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
+                                         " waiting for flag " + std::to_string(flag) +
+                                         " (has epoch " + std::to_string(value->load()) +
+                                         ", needs " + std::to_string(ctx.epoch) + ") from " +
+                                         domain_->RankName(writer) + ": " + Missing(ctx, writer)));
 }
 
 Status ShmClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
@@ -470,8 +472,8 @@ Status ShmClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
         offset > layout_->mail_bytes - bytes)
       return Fail(Internal(Where(ctx) + ": the message (tag " + std::to_string(tag) + ") from " +
                            domain_->RankName(peer) + " points outside its outbox (" +
-                           std::to_string(bytes) + " bytes at " + std::to_string(offset) +
-                           " of " + std::to_string(layout_->mail_bytes) + ")"));
+                           std::to_string(bytes) + " bytes at " + std::to_string(offset) + " of " +
+                           std::to_string(layout_->mail_bytes) + ")"));
     const std::byte* src = base + layout_->mail_off + offset;
     data->assign(src, src + bytes);
     return OkStatus();

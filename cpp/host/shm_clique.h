@@ -81,7 +81,7 @@ class ShmClique : public HostClique {
   RankState* rank_state(int32_t rank) const;
   std::string Missing(const WaitContext& ctx, int32_t expected) const;
   Status BrokenStatus(const WaitContext& ctx) const;
-  Status Fail(Status status);  // breaks the domain with `status`, logs, returns it
+  Status Fail(Status status);           // breaks the domain with `status`, logs, returns it
   Status Open(const WaitContext& ctx);  // maps the site segment (first call)
   // Waits until pred() or the clique breaks, a peer dies or the deadline
   // passes; returns OK, the failure, or kTimeout with an empty message

@@ -59,10 +59,10 @@ struct ShmDomain::Header {
 };
 
 struct alignas(kAlign) ShmDomain::ProcessSlot {
-  int32_t process;               // its process index (written by the leader)
-  std::atomic<int32_t> pid;      // written by that process when it maps the segment
-  std::atomic<uint64_t> pidns;   // its pid namespace (pids compare only within one)
-  char reason[kReasonBytes];     // its failure text; valid once `broken` points here
+  int32_t process;              // its process index (written by the leader)
+  std::atomic<int32_t> pid;     // written by that process when it maps the segment
+  std::atomic<uint64_t> pidns;  // its pid namespace (pids compare only within one)
+  char reason[kReasonBytes];    // its failure text; valid once `broken` points here
 };
 
 struct alignas(kAlign) ShmDomain::RankSlot {
@@ -71,9 +71,9 @@ struct alignas(kAlign) ShmDomain::RankSlot {
 };
 
 struct ShmDomain::SiteEntry {  // not padded: entries are only touched under the lock
-  int64_t site;      // 0: free. All fields under Header::sites_lock.
-  int32_t attached;  // processes that opened the site's segment
-  int32_t released;  // processes that let go of it
+  int64_t site;                // 0: free. All fields under Header::sites_lock.
+  int32_t attached;            // processes that opened the site's segment
+  int32_t released;            // processes that let go of it
   char name[kNameBytes];
 };
 
@@ -94,8 +94,8 @@ struct Offsets {
 class SitesLock {
  public:
   SitesLock(pthread_mutex_t* mu, Clock::time_point deadline) : mu_(mu) {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-        deadline.time_since_epoch()).count();
+    const auto ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count();
     timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
     result_ = pthread_mutex_clocklock(mu_, CLOCK_MONOTONIC, &ts);
     if (result_ == EOWNERDEAD) pthread_mutex_consistent(mu_);
@@ -112,8 +112,8 @@ class SitesLock {
 
 }  // namespace
 
-ShmDomain::ShmDomain(int64_t key, int64_t group, std::vector<int32_t> rank_process,
-                     int32_t process, std::unique_ptr<ShmSegment> control)
+ShmDomain::ShmDomain(int64_t key, int64_t group, std::vector<int32_t> rank_process, int32_t process,
+                     std::unique_ptr<ShmSegment> control)
     : key_(key),
       group_(group),
       rank_process_(std::move(rank_process)),
@@ -155,9 +155,8 @@ Status ShmDomain::Create(int64_t key, int64_t group, const std::vector<int32_t>&
   std::string name;
   JO_CHECK(NewShmName(&name));
   std::unique_ptr<ShmSegment> control;
-  JO_CHECK(ShmSegment::Create(name, at.total,
-                              "the control segment of " + CliqueName(CliqueKey{key, group, 0}),
-                              &control));
+  JO_CHECK(ShmSegment::Create(
+      name, at.total, "the control segment of " + CliqueName(CliqueKey{key, group, 0}), &control));
   std::byte* base = control->data();
   auto* h = new (base) Header();
   h->magic = kMagic;
@@ -237,9 +236,7 @@ void ShmDomain::Announce() {
   slot->pid.store(static_cast<int32_t>(getpid()));
 }
 
-ShmDomain::Header* ShmDomain::header() const {
-  return reinterpret_cast<Header*>(control_->data());
-}
+ShmDomain::Header* ShmDomain::header() const { return reinterpret_cast<Header*>(control_->data()); }
 
 ShmDomain::ProcessSlot* ShmDomain::process_slot(int32_t index) const {
   return reinterpret_cast<ProcessSlot*>(control_->data() + Offsets(nranks(), nprocs()).processes +
@@ -274,10 +271,12 @@ std::string ShmDomain::Describe() {
     std::lock_guard<std::mutex> lock(sites_mu_);
     sites = opened_sites_.size();
   }
-  std::string out = name() + ": domain of " + std::to_string(nranks()) + " ranks, shared memory "
-                    "across " + std::to_string(nprocs()) + " processes (ranks " + local +
-                    " in this process " + std::to_string(process_) + "), " +
-                    std::to_string(sites) + " call sites open here";
+  std::string out = name() + ": domain of " + std::to_string(nranks()) +
+                    " ranks, shared memory "
+                    "across " +
+                    std::to_string(nprocs()) + " processes (ranks " + local + " in this process " +
+                    std::to_string(process_) + "), " + std::to_string(sites) +
+                    " call sites open here";
   const std::string reason = BrokenReason();
   if (!reason.empty()) out += ", BROKEN: " + reason;
   return out;
@@ -287,7 +286,9 @@ std::string ShmDomain::RankName(int32_t rank) const {
   return "rank " + std::to_string(rank) + " (process " + std::to_string(rank_process_[rank]) + ")";
 }
 
-std::atomic<uint32_t>* ShmDomain::Doorbell(int32_t rank) const { return &rank_slot(rank)->doorbell; }
+std::atomic<uint32_t>* ShmDomain::Doorbell(int32_t rank) const {
+  return &rank_slot(rank)->doorbell;
+}
 
 void ShmDomain::Ring(int32_t rank) const {
   std::atomic<uint32_t>* bell = Doorbell(rank);
@@ -372,8 +373,10 @@ Status ShmDomain::CheckPeers(const std::string& during) {
   for (int32_t r = 0; r < nranks(); ++r)
     if (dead.find("process " + std::to_string(rank_process_[r]) + " ") == 0)
       ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  Status status(Code::kAborted, during + ": peer " + dead + " of this clique has exited (its "
-                                    "rank(s) " + ranks + " will never arrive)");
+  Status status(Code::kAborted, during + ": peer " + dead +
+                                    " of this clique has exited (its "
+                                    "rank(s) " +
+                                    ranks + " will never arrive)");
   JO_WARN(status.message());
   Break(status);
   return status;
@@ -396,17 +399,21 @@ Status ShmDomain::OpenSite(int64_t site, size_t site_bytes, Clock::time_point de
     {
       SitesLock lock(&header()->sites_lock, deadline);
       if (lock.result() == EOWNERDEAD) {
-        Status status(Code::kAborted, during + ": a process died while it changed the call-site "
-                                               "directory of " + name());
+        Status status(Code::kAborted, during +
+                                          ": a process died while it changed the call-site "
+                                          "directory of " +
+                                          name());
         Break(status);
         return status;
       }
       if (lock.result() == ETIMEDOUT)
-        return Status(Code::kTimeout, during + ": timeout waiting for the call-site directory "
-                                               "lock of " + name());
+        return Status(Code::kTimeout, during +
+                                          ": timeout waiting for the call-site directory "
+                                          "lock of " +
+                                          name());
       if (lock.result() != 0)
-        return Status(Code::kResource, std::string("pthread_mutex_clocklock: ") +
-                                           std::strerror(lock.result()));
+        return Status(Code::kResource,
+                      std::string("pthread_mutex_clocklock: ") + std::strerror(lock.result()));
       SiteEntry* e = site_entry(site);
       if (e->site == 0) {  // first process to run this site: create it
         std::string segment_name;
@@ -439,10 +446,11 @@ Status ShmDomain::OpenSite(int64_t site, size_t site_bytes, Clock::time_point de
     JO_CHECK(CheckPeers(during));
     const auto now = Clock::now();
     if (now >= deadline)
-      return Status(Code::kTimeout,
-                    during + ": more than " + std::to_string(kSiteCapacity) +
-                        " call sites of " + name() + " are alive at once (the directory entry "
-                        "of site " + std::to_string(site) + " is still held by an older site)");
+      return Status(Code::kTimeout, during + ": more than " + std::to_string(kSiteCapacity) +
+                                        " call sites of " + name() +
+                                        " are alive at once (the directory entry "
+                                        "of site " +
+                                        std::to_string(site) + " is still held by an older site)");
     FutexWait(bell, seq, std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100)));
   }
 }
@@ -484,8 +492,7 @@ Status AddDomain(std::shared_ptr<ShmDomain> domain) {
   Domains& d = AllDomains();
   std::lock_guard<std::mutex> lock(d.mu);
   auto& slot = d.by_key[{domain->key(), domain->group()}];
-  JO_REQUIRE(slot == nullptr || slot->broken(),
-             domain->name() + " already exists in this process");
+  JO_REQUIRE(slot == nullptr || slot->broken(), domain->name() + " already exists in this process");
   slot = std::move(domain);  // a broken one is replaced: its call sites keep it
   return OkStatus();
 }

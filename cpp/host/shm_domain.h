@@ -72,8 +72,8 @@ class ShmDomain {
   int32_t nprocs() const { return static_cast<int32_t>(processes_.size()); }
   int32_t process() const { return process_; }
   const std::string& control_name() const { return control_->name(); }
-  std::string name() const;                   // "clique 0x.../group 1" (no site)
-  std::string RankName(int32_t rank) const;   // "rank 2 (process 1)"
+  std::string name() const;                  // "clique 0x.../group 1" (no site)
+  std::string RankName(int32_t rank) const;  // "rank 2 (process 1)"
   bool Local(int32_t rank) const { return rank_process_[rank] == process_; }
   // For info(): "clique 0x.../group 0: domain of 4 ranks, shared memory across 2 processes
   // (ranks 0,1 in this process 0), 3 call sites open here".
@@ -115,7 +115,7 @@ class ShmDomain {
   RankSlot* rank_slot(int32_t rank) const;
   SiteEntry* site_entry(int64_t site) const;
   int32_t SlotOf(int32_t process) const;  // its process slot (dense index), -1 if not ours
-  void Announce();  // writes our pid into our process slot
+  void Announce();                        // writes our pid into our process slot
 
   const int64_t key_;
   const int64_t group_;
@@ -124,8 +124,8 @@ class ShmDomain {
   const int32_t process_;
   std::unique_ptr<ShmSegment> control_;
 
-  std::mutex break_mu_;  // one writer of our reason slot at a time
-  std::mutex peers_mu_;  // the pidfds below
+  std::mutex break_mu_;      // one writer of our reason slot at a time
+  std::mutex peers_mu_;      // the pidfds below
   std::vector<int> pidfds_;  // per dense process index, -1 until opened (or not checkable)
   std::vector<bool> uncheckable_;
   std::atomic<int64_t> last_check_ns_{0};

@@ -46,7 +46,8 @@ class Workers {
     for (;;) {
       if (tasks_.empty()) {
         ++idle_;
-        const bool got = cv_.wait_for(lock, std::chrono::seconds(30), [&] { return !tasks_.empty(); });
+        const bool got =
+            cv_.wait_for(lock, std::chrono::seconds(30), [&] { return !tasks_.empty(); });
         --idle_;
         if (!got) {
           --alive_;

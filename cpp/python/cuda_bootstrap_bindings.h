@@ -30,8 +30,8 @@ inline void BindCudaBootstrap(nanobind::module_& m) {
   m.def(
       "set_nccl_id",
       [](int64_t clique_key, int64_t group, int64_t process, nb::bytes id) {
-        const Status status = cuda::RegisterNcclId(clique_key, group, process,
-                                                   std::string(id.c_str(), id.size()));
+        const Status status =
+            cuda::RegisterNcclId(clique_key, group, process, std::string(id.c_str(), id.size()));
         if (!status.ok()) throw std::invalid_argument(status.message());
       },
       nb::arg("clique_key"), nb::arg("group"), nb::arg("process"), nb::arg("id"),

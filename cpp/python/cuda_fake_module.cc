@@ -16,23 +16,24 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <tuple>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <unistd.h>
 
-#include "python/cuda_bootstrap_bindings.h"
-#include "cuda/cuda_bootstrap.h"
 #include "core/call.h"
-#include "cuda/cuda_site.h"
-#include "cuda/cuda_clique.h"
-#include "cuda/driver.h"
-#include "cuda/watchdog.h"
 #include "core/log.h"
+#include "cuda/cuda_bootstrap.h"
+#include "cuda/cuda_clique.h"
+#include "cuda/cuda_site.h"
+#include "cuda/driver.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/gemm.h"
+#include "cuda/peer_handles.h"
+#include "cuda/watchdog.h"
+#include "python/cuda_bootstrap_bindings.h"
 
 namespace nb = nanobind;
 
@@ -53,7 +54,10 @@ class PlayedExchange : public jo::Exchange {
  public:
   PlayedExchange(std::shared_ptr<Board> board, int32_t me, std::vector<int32_t> procs,
                  int64_t timeout_ms, std::string host)
-      : board_(std::move(board)), me_(me), procs_(std::move(procs)), timeout_ms_(timeout_ms),
+      : board_(std::move(board)),
+        me_(me),
+        procs_(std::move(procs)),
+        timeout_ms_(timeout_ms),
         host_(std::move(host)) {}
   int32_t process() const override { return me_; }
   std::string host() const override { return host_.empty() ? jo::Exchange::host() : host_; }
@@ -157,8 +161,8 @@ void Reset(int devices, int cc_major, bool multicast,
 nb::dict Run(const std::string& op, const std::string& transport, int nranks, int64_t batch,
              int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
              bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
-             std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key,
-             int calls, int skew_rank, int skip_rank, int64_t timeout_ms,
+             std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key, int calls,
+             int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
              std::optional<std::map<int32_t, std::string>> hosts) {
   const bool ag = op == "ag_matmul";
@@ -357,8 +361,8 @@ std::map<std::string, std::string> MisuseChecks() {
     cudaStream_t s = stream_on(0);
     void* flag = jo::fake::Malloc(0, 4);
     if (drv != nullptr)
-      drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
-                               CU_STREAM_WAIT_VALUE_GEQ);
+      drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
+                               1, CU_STREAM_WAIT_VALUE_GEQ);
   });
   check("mismatched send/recv sizes", [&] {
     ncclComm_t comms[2];
@@ -447,10 +451,12 @@ std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> pr
 }  // namespace
 
 NB_MODULE(_cuda_fake, m) {
-  m.doc() = "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
-  m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9, nb::arg("multicast") = true,
-        nb::arg("peer") = nb::none(), nb::arg("seed") = 1, nb::arg("grace_ms") = 0,
-        nb::arg("shareable") = true, nb::arg("fabric") = false, nb::arg("imex_channel") = true,
+  m.doc() =
+      "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
+  m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9,
+        nb::arg("multicast") = true, nb::arg("peer") = nb::none(), nb::arg("seed") = 1,
+        nb::arg("grace_ms") = 0, nb::arg("shareable") = true, nb::arg("fabric") = false,
+        nb::arg("imex_channel") = true,
         "Forget every clique and fake object; configure the fake machine.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
@@ -464,11 +470,13 @@ NB_MODULE(_cuda_fake, m) {
   m.def("misuse_checks", &MisuseChecks,
         "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");
-  m.def("pending_watches", &jo::cuda::PendingWatches, "Ranks with calls the watchdog still watches.");
+  m.def("pending_watches", &jo::cuda::PendingWatches,
+        "Ranks with calls the watchdog still watches.");
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");
   m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
-  m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Forget every clique (the fake keeps its state).");
+  m.def("_reset_cliques", &jo::cuda::ResetCudaCliques,
+        "Forget every clique (the fake keeps its state).");
   jo::python::BindCudaBootstrap(m);
 }

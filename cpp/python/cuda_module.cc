@@ -13,13 +13,13 @@
 
 #include <string>
 
-#include "python/cuda_bootstrap_bindings.h"
 #include "core/call.h"
 #include "cuda/cuda_site.h"
 #include "cuda/driver.h"
 #include "cuda/ffi_handlers.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "python/cuda_bootstrap_bindings.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -80,12 +80,14 @@ nb::dict BuildInfo() {
   info["version"] = JO_VERSION;
   info["cuda_toolkit"] = JO_CUDA_TOOLKIT_VERSION;
   int runtime = 0;
-  info["cuda_runtime"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess ? Version(runtime) : "unknown";
+  info["cuda_runtime"] =
+      cudaRuntimeGetVersion(&runtime) == cudaSuccess ? Version(runtime) : "unknown";
   info["cuda_runtime_linkage"] = "static";
   info["nccl_headers"] = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
                          std::to_string(NCCL_PATCH);
-  info["cublas_headers"] = std::to_string(CUBLAS_VER_MAJOR) + "." + std::to_string(CUBLAS_VER_MINOR) +
-                           "." + std::to_string(CUBLAS_VER_PATCH);
+  info["cublas_headers"] = std::to_string(CUBLAS_VER_MAJOR) + "." +
+                           std::to_string(CUBLAS_VER_MINOR) + "." +
+                           std::to_string(CUBLAS_VER_PATCH);
   info["nvidia_wheels"] = JO_NVIDIA_WHEELS;
   info["kernels"] = jo::cuda::KernelsDescription();
   info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
@@ -103,9 +105,12 @@ nb::dict Capabilities() {
   caps["nccl"] = NcclVersion();
   caps["cublas"] = CublasVersion();
   int runtime = 0, driver = 0;
-  caps["cuda_runtime"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess ? Version(runtime) : "unknown";
+  caps["cuda_runtime"] =
+      cudaRuntimeGetVersion(&runtime) == cudaSuccess ? Version(runtime) : "unknown";
   const cudaError_t drv_code = cudaDriverGetVersion(&driver);
-  caps["cuda_driver"] = drv_code == cudaSuccess && driver > 0 ? nb::object(nb::str(Version(driver).c_str())) : nb::none();
+  caps["cuda_driver"] = drv_code == cudaSuccess && driver > 0
+                            ? nb::object(nb::str(Version(driver).c_str()))
+                            : nb::none();
   caps["cuda_driver_int"] = driver;
   caps["runtime_int"] = runtime;
   nb::list devices, peers;
@@ -141,7 +146,8 @@ nb::dict Capabilities() {
     if (drv != nullptr) {
       CUdevice handle = 0;
       if (drv->cuDeviceGet(&handle, d) != CUDA_SUCCESS ||
-          drv->cuDeviceGetAttribute(&mc, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, handle) != CUDA_SUCCESS)
+          drv->cuDeviceGetAttribute(&mc, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, handle) !=
+              CUDA_SUCCESS)
         mc = 0;
     }
     dev["multicast"] = mc != 0;

@@ -17,14 +17,14 @@
 
 #include "core/build.h"
 #include "core/check_program.h"
+#include "core/deadline.h"
 #include "core/program.h"
 #include "host/blas.h"
+#include "host/fd_share.h"
 #include "host/ffi_handlers.h"
 #include "host/host_site.h"
-#include "host/shm_domain.h"
-#include "host/fd_share.h"
-#include "core/deadline.h"
 #include "host/shm.h"
+#include "host/shm_domain.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
@@ -98,17 +98,30 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
                         int64_t batch, int64_t rows, int64_t k, int64_t n, const std::string& dtype,
                         int64_t chunks, bool bidirectional, bool return_gathered) {
   jo::Problem q;
-  if (op == "ag_matmul") q.op = jo::Collective::kAgMatmul;
-  else if (op == "matmul_rs") q.op = jo::Collective::kMatmulRs;
-  else throw nb::value_error(("op: expected 'ag_matmul' or 'matmul_rs', got '" + op + "'").c_str());
-  if (transport == "nccl") q.transport = jo::Transport::kNccl;
-  else if (transport == "p2p") q.transport = jo::Transport::kP2p;
-  else if (transport == "multicast") q.transport = jo::Transport::kMulticast;
-  else throw nb::value_error(("transport: expected nccl, p2p or multicast, got '" + transport + "'").c_str());
-  if (dtype == "float32" || dtype == "f32") q.dtype = jo::DType::kF32;
-  else if (dtype == "bfloat16" || dtype == "bf16") q.dtype = jo::DType::kBF16;
-  else if (dtype == "float16" || dtype == "f16") q.dtype = jo::DType::kF16;
-  else throw nb::value_error(("dtype: expected float32, bfloat16 or float16, got '" + dtype + "'").c_str());
+  if (op == "ag_matmul")
+    q.op = jo::Collective::kAgMatmul;
+  else if (op == "matmul_rs")
+    q.op = jo::Collective::kMatmulRs;
+  else
+    throw nb::value_error(("op: expected 'ag_matmul' or 'matmul_rs', got '" + op + "'").c_str());
+  if (transport == "nccl")
+    q.transport = jo::Transport::kNccl;
+  else if (transport == "p2p")
+    q.transport = jo::Transport::kP2p;
+  else if (transport == "multicast")
+    q.transport = jo::Transport::kMulticast;
+  else
+    throw nb::value_error(
+        ("transport: expected nccl, p2p or multicast, got '" + transport + "'").c_str());
+  if (dtype == "float32" || dtype == "f32")
+    q.dtype = jo::DType::kF32;
+  else if (dtype == "bfloat16" || dtype == "bf16")
+    q.dtype = jo::DType::kBF16;
+  else if (dtype == "float16" || dtype == "f16")
+    q.dtype = jo::DType::kF16;
+  else
+    throw nb::value_error(
+        ("dtype: expected float32, bfloat16 or float16, got '" + dtype + "'").c_str());
   q.nranks = nranks;
   q.rank = rank;
   q.batch = batch;
@@ -148,8 +161,8 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   d["k"] = op.k;
   d["peer"] = op.peer;
   d["id"] = op.id;
-  d["group"] = op.group;
-  d["chunk"] = op.chunk;
+  d["bundle"] = op.bundle;
+  d["shard"] = op.shard;
   d["sub"] = op.sub;
   d["accumulate"] = op.accumulate;
   d["bytes"] = op.batch * op.m * op.n * jo::DTypeSize(p.problem.dtype);
@@ -209,10 +222,12 @@ jo::Ref RefFromDict(nb::handle d) {
   jo::Ref ref;
   if (d.is_none()) return ref;
   const std::string buf = nb::cast<std::string>(d["buf"]);
-  static const std::pair<const char*, jo::BufId> kBufs[] = {
-      {"X", jo::BufId::kX}, {"W", jo::BufId::kW}, {"Y", jo::BufId::kY},
-      {"XGATHERED", jo::BufId::kXGathered}, {"SCRATCH", jo::BufId::kScratch},
-      {"WORKSPACE", jo::BufId::kWorkspace}};
+  static const std::pair<const char*, jo::BufId> kBufs[] = {{"X", jo::BufId::kX},
+                                                            {"W", jo::BufId::kW},
+                                                            {"Y", jo::BufId::kY},
+                                                            {"XGATHERED", jo::BufId::kXGathered},
+                                                            {"SCRATCH", jo::BufId::kScratch},
+                                                            {"WORKSPACE", jo::BufId::kWorkspace}};
   bool known = false;
   for (const auto& [name, id] : kBufs)
     if (buf == name) ref.buf = id, known = true;
@@ -260,8 +275,8 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     op.k = nb::cast<int64_t>(o["k"]);
     op.peer = nb::cast<int32_t>(o["peer"]);
     op.id = nb::cast<int32_t>(o["id"]);
-    op.group = nb::cast<int32_t>(o["group"]);
-    op.chunk = nb::cast<int32_t>(o["chunk"]);
+    op.bundle = nb::cast<int32_t>(o["bundle"]);
+    op.shard = nb::cast<int32_t>(o["shard"]);
     op.sub = nb::cast<int32_t>(o["sub"]);
     p.ops.push_back(op);
   }
@@ -311,8 +326,8 @@ struct FdServerHandle {
 FdServerHandle* FdServe(const std::string& name, const std::vector<int>& fds,
                         const std::vector<int>& allowed_pids, int64_t timeout_ms) {
   auto handle = std::make_unique<FdServerHandle>();
-  ThrowIfError(jo::host::FdServer::Start(name, fds, allowed_pids, jo::Millis(timeout_ms),
-                                         &handle->server));
+  ThrowIfError(
+      jo::host::FdServer::Start(name, fds, allowed_pids, jo::Millis(timeout_ms), &handle->server));
   return handle.release();
 }
 
@@ -338,10 +353,10 @@ NB_MODULE(_host, m) {
   m.attr("TRANSPORTS") = Transports();
   m.def("set_process_index", &jo::SetProcessIndex, nb::arg("index"),
         "This process's index in the jax.distributed job (placement, shared memory).");
-  m.def("build_program", &BuildProgramDict, nb::arg("op"), nb::arg("transport"),
-        nb::arg("nranks"), nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"),
-        nb::arg("n"), nb::arg("dtype") = "float32", nb::arg("chunks") = 1,
-        nb::arg("bidirectional") = false, nb::arg("return_gathered") = false,
+  m.def("build_program", &BuildProgramDict, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
+        nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"), nb::arg("n"),
+        nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
+        nb::arg("return_gathered") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form).");
   m.def("check_program", &CheckProgramDict, nb::arg("program"),
@@ -368,8 +383,8 @@ NB_MODULE(_host, m) {
         nb::arg("timeout_ms"), nb::rv_policy::take_ownership,
         "Serves `fds` over the abstract Unix socket `name` to each of `allowed_pids` once.");
   m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("owner_pid"),
-        nb::arg("timeout_ms"),
-        nb::call_guard<nb::gil_scoped_release>(), "Receives `count` fds from `_fd_serve`.");
+        nb::arg("timeout_ms"), nb::call_guard<nb::gil_scoped_release>(),
+        "Receives `count` fds from `_fd_serve`.");
   m.def("_domain_state", &jo::host::DomainState, nb::arg("clique_key"), nb::arg("group"),
         "'absent', 'ok' or 'broken': the domain of a group spanning processes here.");
   m.def("_break_domain", &jo::host::BreakDomain, nb::arg("clique_key"), nb::arg("group"),

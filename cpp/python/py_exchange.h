@@ -69,7 +69,8 @@ class PyExchange : public Exchange {
     } catch (const nanobind::python_error& e) {
       return FromPython("allgather '" + tag + "'", e);
     } catch (const nanobind::cast_error&) {
-      return Internal("exchange allgather '" + tag + "': the Python side did not return "
+      return Internal("exchange allgather '" + tag +
+                      "': the Python side did not return "
                       "{process: bytes}");
     }
   }
@@ -85,7 +86,8 @@ class PyExchange : public Exchange {
     } catch (const nanobind::python_error& e) {
       return FromPython("share_fds '" + tag + "'", e);
     } catch (const nanobind::cast_error&) {
-      return Internal("exchange share_fds '" + tag + "': the Python side did not return "
+      return Internal("exchange share_fds '" + tag +
+                      "': the Python side did not return "
                       "{process: [fd]}");
     }
   }

@@ -111,13 +111,14 @@ nb::dict ExchangeSelftest(nb::object impl, bool share_fds, int owner_fd) {
 
 NB_MODULE(jaxoverlap_testing, m) {
   m.doc() = "jaxoverlap test helpers (not installed).";
-  m.def("exchange_selftest", &ExchangeSelftest, nb::arg("exchange"),
-        nb::arg("share_fds") = false, nb::arg("owner_fd") = -1,
+  m.def("exchange_selftest", &ExchangeSelftest, nb::arg("exchange"), nb::arg("share_fds") = false,
+        nb::arg("owner_fd") = -1,
         "A broadcast and an allgather through jo::Exchange over a Python object; with "
         "share_fds, ShareFds where the first process offers owner_fd and the others nothing "
         "(the caller owns the duplicates returned under 'fds').");
-  m.def("exchange_probe_target", [] { return jo::python::Encapsulate(kExchangeProbe); },
-        "A CPU FFI handler that allgathers through the probe exchange.");
+  m.def(
+      "exchange_probe_target", [] { return jo::python::Encapsulate(kExchangeProbe); },
+      "A CPU FFI handler that allgathers through the probe exchange.");
   m.def("set_probe_exchange", &SetProbeExchange, nb::arg("exchange").none(),
         "The exchange the probe handler uses (None: forget it).");
 }

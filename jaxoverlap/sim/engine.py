@@ -245,12 +245,12 @@ class _Engine:
         """Posts every op of the Send/Recv group at the stream's position (one ncclGroup)."""
         ops = self.streams[key]
         first = self.pos[key]
-        group = ops[first][1]["group"]
+        group = ops[first][1]["bundle"]
         members = [ops[first]]
         if group >= 0:
             j = first + 1
             while (j < len(ops) and ops[j][1]["kind"] in ("Send", "Recv")
-                   and ops[j][1]["group"] == group):
+                   and ops[j][1]["bundle"] == group):
                 members.append(ops[j])
                 j += 1
         self.busy[key] = True

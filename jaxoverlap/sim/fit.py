@@ -214,9 +214,9 @@ def concurrent_programs(point: ConcurrentPoint) -> list[dict]:
                 "k": point.k, "accumulate": False, "bytes": 0, "text": "Gemm"}
         ring = {"stream": 1, "bytes": bus, "hops": n - 1}  # a ring collective, not a send/recv
         if point.transport == "nccl":
-            comm = [{**ring, "kind": "Send", "peer": (r + 1) % n, "id": 0, "group": 0,
+            comm = [{**ring, "kind": "Send", "peer": (r + 1) % n, "id": 0, "bundle": 0,
                      "text": "Send"},
-                    {**ring, "kind": "Recv", "peer": (r - 1) % n, "id": 0, "group": 0,
+                    {**ring, "kind": "Recv", "peer": (r - 1) % n, "id": 0, "bundle": 0,
                      "text": "Recv"}]
         else:
             comm = [{**ring, "kind": "Copy", "text": "Copy",

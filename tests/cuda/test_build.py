@@ -70,7 +70,7 @@ def test_handlers_registered_for_cuda(cuda):
         assert target in entries, f"{target} not registered for CUDA"
         api, traits = entries[target]
         assert api == 1  # typed FFI
-        # Not command-buffer compatible (research/xla_ffi.md §2).
+        # Not command-buffer compatible (no traits: docs/gpu.md).
         assert traits == xla_client.CustomCallTargetTraits.DEFAULT
 
 

@@ -31,7 +31,7 @@ def clique(op, transport, n, **kw):
 
 
 def gemm_chunks(program):
-    return [(op["chunk"], op["sub"]) for op in program["ops"] if op["kind"] == "Gemm"]
+    return [(op["shard"], op["sub"]) for op in program["ops"] if op["kind"] == "Gemm"]
 
 
 # ---- chunk order ---------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_rs_ring_order(transport, n):
 def test_sub_chunks_in_order_and_uneven():
     p = build("ag_matmul", "p2p", 4, 1, rows=7, chunks=3)
     gemms = [op for op in p["ops"] if op["kind"] == "Gemm"]
-    assert [(g["chunk"], g["sub"]) for g in gemms[:3]] == [(1, 0), (1, 1), (1, 2)]
+    assert [(g["shard"], g["sub"]) for g in gemms[:3]] == [(1, 0), (1, 1), (1, 2)]
     assert [g["m"] for g in gemms[:3]] == [2, 2, 3]  # 7 rows split as evenly as possible
     assert build("ag_matmul", "p2p", 4, 1, rows=2, chunks=5)["chunks"] == 2  # clamped to rows
 
@@ -145,7 +145,7 @@ def test_multicast_ag_stores_each_shard_once(n, chunks):
             assert not stores
             continue
         assert sum(o["bytes"] for o in stores) == batch * rows * k * 4
-        assert {o["chunk"] for o in stores} == {r}
+        assert {o["shard"] for o in stores} == {r}
         assert sum(o["remote_bytes"] for o in p["ops"]) == batch * rows * k * 4
 
 
@@ -153,7 +153,7 @@ def test_multicast_rs_reduces_own_block_only():
     for r in range(4):
         p = build("matmul_rs", "multicast", 4, r, chunks=2)
         reduces = [o for o in p["ops"] if o["kind"] == "McReduce"]
-        assert [o["chunk"] for o in reduces] == [r, r]
+        assert [o["shard"] for o in reduces] == [r, r]
         assert sum(o["remote_bytes"] for o in p["ops"]) == 0
 
 

@@ -87,10 +87,10 @@ def _comm_only(sends):
               "ops": []} for r in range(3)]
     for tag, (src, dst) in enumerate(sends):
         base = {"stream": 1, "batch": 1, "m": 1000, "n": 500, "k": 0, "bytes": 1_000_000,
-                "id": tag, "chunk": -1, "sub": -1, "accumulate": False}
-        progs[src]["ops"].append({**base, "kind": "Send", "peer": dst, "group": 0,
+                "id": tag, "shard": -1, "sub": -1, "accumulate": False}
+        progs[src]["ops"].append({**base, "kind": "Send", "peer": dst, "bundle": 0,
                                   "text": f"Send {src}->{dst}"})
-        progs[dst]["ops"].append({**base, "kind": "Recv", "peer": src, "group": 0,
+        progs[dst]["ops"].append({**base, "kind": "Recv", "peer": src, "bundle": 0,
                                   "text": f"Recv {src}->{dst}"})
     return progs
 
@@ -141,7 +141,7 @@ def _one_copy(nbytes, transport="p2p"):
         progs[0]["ops"].append({"kind": "Copy", "stream": 1, "bytes": nbytes, "text": "Copy",
                                 "d": {"buf": "WORKSPACE", "rank": 1}})
     else:
-        base = {"stream": 1, "bytes": nbytes, "id": 0, "group": 0}
+        base = {"stream": 1, "bytes": nbytes, "id": 0, "bundle": 0}
         progs[0]["ops"].append({**base, "kind": "Send", "peer": 1, "text": "Send"})
         progs[1]["ops"].append({**base, "kind": "Recv", "peer": 0, "text": "Recv"})
     return progs

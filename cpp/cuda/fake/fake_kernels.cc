@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "core/convert.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/kernels.h"
-#include "host/convert.h"
 
 namespace jo::cuda {
 namespace {
@@ -30,16 +30,19 @@ Status CheckLaunch(const char* name, cudaStream_t stream, const ErrorContext& ct
   const int device = fake::StreamDevice(stream);
   if (device < 0) return Refuse(ctx, std::string(name) + ": unknown stream");
   if (device != fake::CurrentDevice())
-    return Refuse(ctx, std::string(name) + ": launched on a stream of device " + std::to_string(device) +
-                            " while device " + std::to_string(fake::CurrentDevice()) + " is current");
+    return Refuse(ctx, std::string(name) + ": launched on a stream of device " +
+                           std::to_string(device) + " while device " +
+                           std::to_string(fake::CurrentDevice()) + " is current");
   return OkStatus();
 }
 
 Status CheckMulticast(const char* name, const BlockArgs& a, const ErrorContext& ctx) {
   if (fake::DeviceCc(fake::CurrentDevice()) < 9)
-    return Status(Code::kInvalidArgument, ctx.Describe() + ": " + name + " needs an sm_90 (Hopper) or newer GPU");
+    return Status(Code::kInvalidArgument,
+                  ctx.Describe() + ": " + name + " needs an sm_90 (Hopper) or newer GPU");
   if (!MulticastBlockOk(a))
-    return Status(Code::kInvalidArgument, ctx.Describe() + ": " + name + " on 16-bit data needs an even row width");
+    return Status(Code::kInvalidArgument,
+                  ctx.Describe() + ": " + name + " on 16-bit data needs an even row width");
   return OkStatus();
 }
 
@@ -60,8 +63,8 @@ Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const ErrorContex
     return Refuse(ctx, "AddBlock: out of range");
   fake::Enqueue(stream, "AddBlock", [a] {
     ForEach(a, [&](int64_t s, int64_t d) {
-      host::StoreElement(a.dtype, a.dst, d,
-                         host::LoadElement(a.dtype, a.dst, d) + host::LoadElement(a.dtype, a.src, s));
+      StoreElement(a.dtype, a.dst, d,
+                   LoadElement(a.dtype, a.dst, d) + LoadElement(a.dtype, a.src, s));
     });
   });
   return OkStatus();
@@ -90,12 +93,13 @@ Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const ErrorContex
   std::vector<std::byte*> sources;
   if (!fake::CheckRange(a.dst, Span(a, false), "McReduce dst") ||
       !fake::MulticastTargets(a.src, Span(a, true), &sources))
-    return Refuse(ctx, "McReduce: destination out of range or source not a bound multicast address");
+    return Refuse(ctx,
+                  "McReduce: destination out of range or source not a bound multicast address");
   fake::Enqueue(stream, "McReduce", [a, sources] {
     ForEach(a, [&](int64_t s, int64_t d) {
       float sum = 0.0f;  // acc::f32, as the .acc::f32 instructions
-      for (const std::byte* src : sources) sum += host::LoadElement(a.dtype, src, s);
-      host::StoreElement(a.dtype, a.dst, d, sum);
+      for (const std::byte* src : sources) sum += LoadElement(a.dtype, src, s);
+      StoreElement(a.dtype, a.dst, d, sum);
     });
   });
   return OkStatus();

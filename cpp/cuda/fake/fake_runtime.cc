@@ -7,22 +7,22 @@
 #include <cuda.h>
 #include <nccl.h>
 
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
-#include <thread>
 #include <cstdlib>
 #include <cstring>
-#include <sys/mman.h>
-#include <sys/types.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <set>
+#include <thread>
 
-#include "host/convert.h"
+#include "core/convert.h"
 
 // Opaque handle types of the real headers, defined by the fake.
 struct CUstream_st {
@@ -67,8 +67,8 @@ size_t PageRound(size_t bytes) {
   return (std::max<size_t>(bytes, 1) + page - 1) / page * page;
 }
 std::byte* MapShared(size_t bytes) {
-  void* p = ::mmap(nullptr, PageRound(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                   -1, 0);
+  void* p =
+      ::mmap(nullptr, PageRound(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   return p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
 }
 void Unmap(std::byte* p, size_t bytes) {
@@ -119,8 +119,8 @@ struct McObject {
   unsigned num_devices = 0;
   std::vector<int> devices;
   std::map<int, CUmemGenericAllocationHandle> bound;  // device -> phys
-  unsigned long long handle_types = 0;  // CUmulticastObjectProp::handleTypes
-  int refs = 1;                         // creation + imports, each dropped by cuMemRelease
+  unsigned long long handle_types = 0;                // CUmulticastObjectProp::handleTypes
+  int refs = 1;  // creation + imports, each dropped by cuMemRelease
 };
 
 struct Message {
@@ -141,7 +141,9 @@ struct NcclP2p {
   cudaStream_t stream = nullptr;
 };
 
-struct Desc { int32_t compute = -1, scale = -1, transa = CUBLAS_OP_N, transb = CUBLAS_OP_N; };
+struct Desc {
+  int32_t compute = -1, scale = -1, transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
+};
 struct Layout {
   int32_t type = -1;
   uint64_t rows = 0, cols = 0;
@@ -150,7 +152,10 @@ struct Layout {
   int32_t batch = 1;
   int64_t stride = 0;
 };
-struct Pref { uint64_t workspace = 0; uint32_t align[4] = {256, 256, 256, 256}; };
+struct Pref {
+  uint64_t workspace = 0;
+  uint32_t align[4] = {256, 256, 256, 256};
+};
 
 struct State {
   std::recursive_mutex mu;
@@ -234,14 +239,17 @@ bool CheckAccess(const void* p, size_t bytes, int device, const char* what) {
   }
   if (a->vmm) {
     if (a->access.count(device)) return true;
-    Fail(std::string(what) + ": device " + std::to_string(device) + " touches a cuMemMap mapping "
+    Fail(std::string(what) + ": device " + std::to_string(device) +
+         " touches a cuMemMap mapping "
          "it was not given access to (cuMemSetAccess)");
     return false;
   }
   if (a->viewer >= 0) {
     if (a->viewer == device) return true;
-    Fail(std::string(what) + ": device " + std::to_string(device) + " touches a CUDA IPC mapping "
-         "opened on device " + std::to_string(a->viewer) + " (each device must open its own)");
+    Fail(std::string(what) + ": device " + std::to_string(device) +
+         " touches a CUDA IPC mapping "
+         "opened on device " +
+         std::to_string(a->viewer) + " (each device must open its own)");
     return false;
   }
   if (a->device != device && !S().peer_enabled.count({device, a->device})) {
@@ -266,25 +274,35 @@ bool StreamOk(cudaStream_t s, const char* what) {
   return true;
 }
 
-void Push(cudaStream_t s, std::string what, std::function<bool()> ready, std::function<void()> run) {
+void Push(cudaStream_t s, std::string what, std::function<bool()> ready,
+          std::function<void()> run) {
   s->tasks.push_back({std::move(what), std::move(ready), std::move(run)});
 }
 
 jo::DType FromCuda(int32_t type, bool* ok) {
   *ok = true;
   switch (type) {
-    case CUDA_R_32F: return jo::DType::kF32;
-    case CUDA_R_16BF: return jo::DType::kBF16;
-    case CUDA_R_16F: return jo::DType::kF16;
-    default: *ok = false; return jo::DType::kF32;
+    case CUDA_R_32F:
+      return jo::DType::kF32;
+    case CUDA_R_16BF:
+      return jo::DType::kBF16;
+    case CUDA_R_16F:
+      return jo::DType::kF16;
+    default:
+      *ok = false;
+      return jo::DType::kF32;
   }
 }
 
 size_t NcclSize(ncclDataType_t t) {
   switch (t) {
-    case ncclFloat32: return 4;
-    case ncclBfloat16: case ncclFloat16: return 2;
-    default: return 0;
+    case ncclFloat32:
+      return 4;
+    case ncclBfloat16:
+    case ncclFloat16:
+      return 2;
+    default:
+      return 0;
   }
 }
 
@@ -294,7 +312,10 @@ CUresult FakeGetErrorString(CUresult code, const char** out) {
   *out = code == CUDA_SUCCESS ? "no error" : "fake driver error";
   return CUDA_SUCCESS;
 }
-CUresult FakeDriverGetVersion(int* v) { *v = 13000; return CUDA_SUCCESS; }
+CUresult FakeDriverGetVersion(int* v) {
+  *v = 13000;
+  return CUDA_SUCCESS;
+}
 CUresult FakeDeviceGet(CUdevice* d, int ordinal) {
   if (!ValidDevice(ordinal)) return CUDA_ERROR_INVALID_DEVICE;
   *d = ordinal;
@@ -302,9 +323,16 @@ CUresult FakeDeviceGet(CUdevice* d, int ordinal) {
 }
 CUresult FakeDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice d) {
   Lock lock(S().mu);
-  if (attr == CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) { *v = S().config.multicast; return CUDA_SUCCESS; }
-  if (attr == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED) { *v = S().config.fabric; return CUDA_SUCCESS; }
-  Fail("cuDeviceGetAttribute: attribute " + std::to_string(attr) + " not modeled (device " + std::to_string(d) + ")");
+  if (attr == CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) {
+    *v = S().config.multicast;
+    return CUDA_SUCCESS;
+  }
+  if (attr == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED) {
+    *v = S().config.fabric;
+    return CUDA_SUCCESS;
+  }
+  Fail("cuDeviceGetAttribute: attribute " + std::to_string(attr) + " not modeled (device " +
+       std::to_string(d) + ")");
   return CUDA_ERROR_NOT_SUPPORTED;
 }
 
@@ -312,10 +340,16 @@ CUresult FakeWriteValue32(CUstream s, CUdeviceptr addr, cuuint32_t value, unsign
   Lock lock(S().mu);
   Count("cuStreamWriteValue32");
   if (!StreamOk(s, "cuStreamWriteValue32")) return CUDA_ERROR_INVALID_HANDLE;
-  if (flags != CU_STREAM_WRITE_VALUE_DEFAULT) { Fail("cuStreamWriteValue32: flags not modeled"); return CUDA_ERROR_NOT_SUPPORTED; }
+  if (flags != CU_STREAM_WRITE_VALUE_DEFAULT) {
+    Fail("cuStreamWriteValue32: flags not modeled");
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
   auto* p = reinterpret_cast<uint32_t*>(addr);
-  if (addr % 4 != 0 || !CheckAccess(p, 4, s->device, "cuStreamWriteValue32")) return CUDA_ERROR_INVALID_VALUE;
-  Push(s, "cuStreamWriteValue32(" + std::to_string(value) + ")", [] { return true; }, [p, value] { *p = value; });
+  if (addr % 4 != 0 || !CheckAccess(p, 4, s->device, "cuStreamWriteValue32"))
+    return CUDA_ERROR_INVALID_VALUE;
+  Push(
+      s, "cuStreamWriteValue32(" + std::to_string(value) + ")", [] { return true; },
+      [p, value] { *p = value; });
   return CUDA_SUCCESS;
 }
 
@@ -323,28 +357,37 @@ CUresult FakeWaitValue32(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigne
   Lock lock(S().mu);
   Count("cuStreamWaitValue32");
   if (!StreamOk(s, "cuStreamWaitValue32")) return CUDA_ERROR_INVALID_HANDLE;
-  if (flags != CU_STREAM_WAIT_VALUE_GEQ) { Fail("cuStreamWaitValue32: only GEQ is modeled"); return CUDA_ERROR_NOT_SUPPORTED; }
+  if (flags != CU_STREAM_WAIT_VALUE_GEQ) {
+    Fail("cuStreamWaitValue32: only GEQ is modeled");
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
   auto* p = reinterpret_cast<const uint32_t*>(addr);
-  if (addr % 4 != 0 || !CheckAccess(p, 4, s->device, "cuStreamWaitValue32")) return CUDA_ERROR_INVALID_VALUE;
-  Push(s, "cuStreamWaitValue32(>= " + std::to_string(value) + ")",
-       [p, value] { return static_cast<int32_t>(*p - value) >= 0; }, [] {});
+  if (addr % 4 != 0 || !CheckAccess(p, 4, s->device, "cuStreamWaitValue32"))
+    return CUDA_ERROR_INVALID_VALUE;
+  Push(
+      s, "cuStreamWaitValue32(>= " + std::to_string(value) + ")",
+      [p, value] { return static_cast<int32_t>(*p - value) >= 0; }, [] {});
   return CUDA_SUCCESS;
 }
 
-CUresult FakeMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) {
+CUresult FakeMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp*,
+                                         CUmemAllocationGranularity_flags) {
   *g = size_t{2} << 20;
   return CUDA_SUCCESS;
 }
-CUresult FakeMulticastGetGranularity(size_t* g, const CUmulticastObjectProp*, CUmulticastGranularity_flags) {
+CUresult FakeMulticastGetGranularity(size_t* g, const CUmulticastObjectProp*,
+                                     CUmulticastGranularity_flags) {
   *g = size_t{2} << 20;
   return CUDA_SUCCESS;
 }
 
-CUresult FakeMemCreate(CUmemGenericAllocationHandle* h, size_t bytes, const CUmemAllocationProp* prop, unsigned long long) {
+CUresult FakeMemCreate(CUmemGenericAllocationHandle* h, size_t bytes,
+                       const CUmemAllocationProp* prop, unsigned long long) {
   Lock lock(S().mu);
   Count("cuMemCreate");
-  if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-      !ValidDevice(prop->location.id) || bytes % (size_t{2} << 20) != 0) {
+  if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+      prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || !ValidDevice(prop->location.id) ||
+      bytes % (size_t{2} << 20) != 0) {
     Fail("cuMemCreate: unsupported properties or size not a multiple of the granularity");
     return CUDA_ERROR_INVALID_VALUE;
   }
@@ -384,13 +427,15 @@ static_assert(sizeof(FakeFabric) <= sizeof(CUmemFabricHandle), "fake fabric hand
 CUresult ExportFabric(void* out, CUmemGenericAllocationHandle h) {
   auto ph = S().phys.find(h);
   auto mc = S().mcs.find(h);
-  const unsigned long long types = ph != S().phys.end() ? ph->second.handle_types
-                                   : mc != S().mcs.end() ? mc->second.handle_types : 0;
+  const unsigned long long types = ph != S().phys.end()  ? ph->second.handle_types
+                                   : mc != S().mcs.end() ? mc->second.handle_types
+                                                         : 0;
   if (ph == S().phys.end() && mc == S().mcs.end()) {
     Fail("cuMemExportToShareableHandle(FABRIC): unknown handle");
     return CUDA_ERROR_INVALID_VALUE;
   }
-  if (!S().config.fabric || (types & CU_MEM_HANDLE_TYPE_FABRIC) == 0) return CUDA_ERROR_NOT_SUPPORTED;
+  if (!S().config.fabric || (types & CU_MEM_HANDLE_TYPE_FABRIC) == 0)
+    return CUDA_ERROR_NOT_SUPPORTED;
   FakeFabric f{};
   std::memcpy(f.tag, kFabricTag, sizeof(kFabricTag));
   f.pid = ::getpid();
@@ -408,8 +453,10 @@ CUresult ImportFabric(CUmemGenericAllocationHandle* h, const void* handle) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (f.pid != ::getpid()) {
-    Fail("cuMemImportFromShareableHandle(FABRIC): the fake models fabric handles within one OS "
-         "process only (handle from pid " + std::to_string(f.pid) + ")");
+    Fail(
+        "cuMemImportFromShareableHandle(FABRIC): the fake models fabric handles within one OS "
+        "process only (handle from pid " +
+        std::to_string(f.pid) + ")");
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (!S().config.fabric) return CUDA_ERROR_NOT_SUPPORTED;
@@ -474,8 +521,9 @@ CUresult FakeMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void*
   auto it = S().exported.find(st.st_ino);
   auto mc = it == S().exported.end() ? S().mcs.end() : S().mcs.find(it->second);
   if (mc == S().mcs.end()) {
-    Fail("cuMemImportFromShareableHandle: not an fd from cuMemExportToShareableHandle, or its "
-         "object is gone");
+    Fail(
+        "cuMemImportFromShareableHandle: not an fd from cuMemExportToShareableHandle, or its "
+        "object is gone");
     return CUDA_ERROR_INVALID_VALUE;
   }
   ++mc->second.refs;
@@ -483,7 +531,8 @@ CUresult FakeMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void*
   return CUDA_SUCCESS;
 }
 
-CUresult FakeMemAddressReserve(CUdeviceptr* p, size_t bytes, size_t, CUdeviceptr, unsigned long long) {
+CUresult FakeMemAddressReserve(CUdeviceptr* p, size_t bytes, size_t, CUdeviceptr,
+                               unsigned long long) {
   Lock lock(S().mu);
   Count("cuMemAddressReserve");
   std::byte* mem = MapShared(bytes);
@@ -505,7 +554,8 @@ CUresult FakeMemAddressFree(CUdeviceptr p, size_t) {
   return CUDA_SUCCESS;
 }
 
-CUresult FakeMemMap(CUdeviceptr p, size_t bytes, size_t offset, CUmemGenericAllocationHandle h, unsigned long long) {
+CUresult FakeMemMap(CUdeviceptr p, size_t bytes, size_t offset, CUmemGenericAllocationHandle h,
+                    unsigned long long) {
   Lock lock(S().mu);
   Count("cuMemMap");
   auto it = S().allocs.find(static_cast<uintptr_t>(p));
@@ -513,16 +563,26 @@ CUresult FakeMemMap(CUdeviceptr p, size_t bytes, size_t offset, CUmemGenericAllo
     Fail("cuMemMap: only whole reserved ranges at offset 0 are modeled");
     return CUDA_ERROR_INVALID_VALUE;
   }
-  if (it->second.device != -2) { Fail("cuMemMap: the range is already mapped"); return CUDA_ERROR_INVALID_VALUE; }
+  if (it->second.device != -2) {
+    Fail("cuMemMap: the range is already mapped");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   if (auto ph = S().phys.find(h); ph != S().phys.end()) {
-    if (ph->second.bytes != bytes) { Fail("cuMemMap: size mismatch"); return CUDA_ERROR_INVALID_VALUE; }
+    if (ph->second.bytes != bytes) {
+      Fail("cuMemMap: size mismatch");
+      return CUDA_ERROR_INVALID_VALUE;
+    }
     // The reserved range now shows the physical pages (and stays theirs until unmapped).
-    if (Alias(ph->second.pages->mem, bytes, it->second.mem) != it->second.mem) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (Alias(ph->second.pages->mem, bytes, it->second.mem) != it->second.mem)
+      return CUDA_ERROR_OUT_OF_MEMORY;
     it->second.device = ph->second.device;
     return CUDA_SUCCESS;
   }
   if (auto mc = S().mcs.find(h); mc != S().mcs.end()) {
-    if (mc->second.bytes != bytes) { Fail("cuMemMap: multicast size mismatch"); return CUDA_ERROR_INVALID_VALUE; }
+    if (mc->second.bytes != bytes) {
+      Fail("cuMemMap: multicast size mismatch");
+      return CUDA_ERROR_INVALID_VALUE;
+    }
     it->second.multicast = true;
     it->second.mc = h;
     it->second.device = -1;  // every bound device's memory at once
@@ -546,11 +606,15 @@ CUresult FakeMemSetAccess(CUdeviceptr p, size_t bytes, const CUmemAccessDesc* de
   Lock lock(S().mu);
   Count("cuMemSetAccess");
   auto it = S().allocs.find(static_cast<uintptr_t>(p));
-  if (it == S().allocs.end() || it->second.bytes != bytes || count == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (it == S().allocs.end() || it->second.bytes != bytes || count == 0)
+    return CUDA_ERROR_INVALID_VALUE;
   for (size_t i = 0; i < count; ++i)
     if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE || !ValidDevice(desc[i].location.id))
       return CUDA_ERROR_INVALID_VALUE;
-  if (it->second.device == -2) { Fail("cuMemSetAccess on a range nothing is mapped at"); return CUDA_ERROR_INVALID_VALUE; }
+  if (it->second.device == -2) {
+    Fail("cuMemSetAccess on a range nothing is mapped at");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   for (size_t i = 0; i < count; ++i)
     if (!it->second.multicast && !CanAccessPeer(desc[i].location.id, it->second.device))
       return CUDA_ERROR_INVALID_DEVICE;  // no P2P path from that device to the memory's
@@ -566,7 +630,10 @@ CUresult FakeMulticastCreate(CUmemGenericAllocationHandle* h, const CUmulticastO
     if (!S().config.fabric) return CUDA_ERROR_NOT_SUPPORTED;
     if (!S().config.imex_channel) return CUDA_ERROR_NOT_PERMITTED;
   }
-  if (prop->size % (size_t{2} << 20) != 0 || prop->numDevices < 1) { Fail("cuMulticastCreate: bad size/devices"); return CUDA_ERROR_INVALID_VALUE; }
+  if (prop->size % (size_t{2} << 20) != 0 || prop->numDevices < 1) {
+    Fail("cuMulticastCreate: bad size/devices");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   *h = S().next_handle++;
   S().mcs[*h] = McObject{prop->size, prop->numDevices, {}, {}, prop->handleTypes, 1};
   return CUDA_SUCCESS;
@@ -575,30 +642,42 @@ CUresult FakeMulticastCreate(CUmemGenericAllocationHandle* h, const CUmulticastO
 CUresult FakeMulticastAddDevice(CUmemGenericAllocationHandle h, CUdevice d) {
   Lock lock(S().mu);
   auto it = S().mcs.find(h);
-  if (it == S().mcs.end() || !ValidDevice(d) || it->second.devices.size() >= it->second.num_devices) return CUDA_ERROR_INVALID_VALUE;
-  if (!it->second.bound.empty()) { Fail("cuMulticastAddDevice after cuMulticastBindMem"); return CUDA_ERROR_INVALID_VALUE; }
+  if (it == S().mcs.end() || !ValidDevice(d) || it->second.devices.size() >= it->second.num_devices)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (!it->second.bound.empty()) {
+    Fail("cuMulticastAddDevice after cuMulticastBindMem");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   it->second.devices.push_back(d);
   return CUDA_SUCCESS;
 }
 
-CUresult FakeMulticastBindMem(CUmemGenericAllocationHandle h, size_t mc_offset, CUmemGenericAllocationHandle mem,
-                              size_t mem_offset, size_t bytes, unsigned long long) {
+CUresult FakeMulticastBindMem(CUmemGenericAllocationHandle h, size_t mc_offset,
+                              CUmemGenericAllocationHandle mem, size_t mem_offset, size_t bytes,
+                              unsigned long long) {
   Lock lock(S().mu);
   Count("cuMulticastBindMem");
   auto it = S().mcs.find(h);
   auto ph = S().phys.find(mem);
-  if (it == S().mcs.end() || ph == S().phys.end() || mc_offset != 0 || mem_offset != 0 || bytes != it->second.bytes) {
+  if (it == S().mcs.end() || ph == S().phys.end() || mc_offset != 0 || mem_offset != 0 ||
+      bytes != it->second.bytes) {
     Fail("cuMulticastBindMem: only whole-object binds are modeled");
     return CUDA_ERROR_INVALID_VALUE;
   }
   McObject& mc = it->second;
-  if (mc.devices.size() != mc.num_devices) { Fail("cuMulticastBindMem before every device was added"); return CUDA_ERROR_INVALID_VALUE; }
-  if (std::find(mc.devices.begin(), mc.devices.end(), ph->second.device) == mc.devices.end()) return CUDA_ERROR_INVALID_DEVICE;
+  if (mc.devices.size() != mc.num_devices) {
+    Fail("cuMulticastBindMem before every device was added");
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (std::find(mc.devices.begin(), mc.devices.end(), ph->second.device) == mc.devices.end())
+    return CUDA_ERROR_INVALID_DEVICE;
   mc.bound[ph->second.device] = mem;
   return CUDA_SUCCESS;
 }
 
-CUresult FakeMulticastUnbind(CUmemGenericAllocationHandle, CUdevice, size_t, size_t) { return CUDA_SUCCESS; }
+CUresult FakeMulticastUnbind(CUmemGenericAllocationHandle, CUdevice, size_t, size_t) {
+  return CUDA_SUCCESS;
+}
 
 // ---- cuBLASLt reference ----
 
@@ -737,22 +816,34 @@ bool Drain() {
 
 using jo::fake::Count;
 using jo::fake::Fail;
-using jo::fake::S;
 using jo::fake::Lock;
 using jo::fake::RtFail;
+using jo::fake::S;
 using jo::fake::t_device;
 using jo::fake::t_last;
 
 // ============================ CUDA runtime ============================
 
-cudaError_t cudaGetLastError(void) { cudaError_t e = t_last; t_last = cudaSuccess; return e; }
-const char* cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaErrorFake"; }
-const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "fake CUDA error (see fake errors)"; }
+cudaError_t cudaGetLastError(void) {
+  cudaError_t e = t_last;
+  t_last = cudaSuccess;
+  return e;
+}
+const char* cudaGetErrorName(cudaError_t e) {
+  return e == cudaSuccess ? "cudaSuccess" : "cudaErrorFake";
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : "fake CUDA error (see fake errors)";
+}
 
-cudaError_t cudaGetDevice(int* d) { *d = t_device; return cudaSuccess; }
+cudaError_t cudaGetDevice(int* d) {
+  *d = t_device;
+  return cudaSuccess;
+}
 cudaError_t cudaSetDevice(int d) {
   Lock lock(S().mu);
-  if (!jo::fake::ValidDevice(d)) return RtFail(cudaErrorInvalidDevice, "cudaSetDevice(" + std::to_string(d) + ")");
+  if (!jo::fake::ValidDevice(d))
+    return RtFail(cudaErrorInvalidDevice, "cudaSetDevice(" + std::to_string(d) + ")");
   t_device = d;
   return cudaSuccess;
 }
@@ -778,18 +869,23 @@ cudaError_t cudaFree(void* p) {
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   Lock lock(S().mu);
   Count("cudaMemsetAsync");
-  if (!jo::fake::StreamOk(s, "cudaMemsetAsync") || !jo::fake::CheckAccess(p, bytes, s->device, "cudaMemsetAsync"))
+  if (!jo::fake::StreamOk(s, "cudaMemsetAsync") ||
+      !jo::fake::CheckAccess(p, bytes, s->device, "cudaMemsetAsync"))
     return RtFail(cudaErrorInvalidValue, "cudaMemsetAsync");
-  jo::fake::Push(s, "cudaMemsetAsync", [] { return true; }, [p, value, bytes] { std::memset(p, value, bytes); });
+  jo::fake::Push(
+      s, "cudaMemsetAsync", [] { return true; },
+      [p, value, bytes] { std::memset(p, value, bytes); });
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   Lock lock(S().mu);
-  if (!jo::fake::StreamOk(s, "cudaStreamSynchronize")) return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize");
+  if (!jo::fake::StreamOk(s, "cudaStreamSynchronize"))
+    return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize");
   // Only the setup stream is ever synchronized; it must not wait on others.
   while (!s->tasks.empty()) {
-    if (!s->tasks.front().ready()) return RtFail(cudaErrorInvalidValue, "cudaStreamSynchronize would block forever");
+    if (!s->tasks.front().ready())
+      return RtFail(cudaErrorInvalidValue, "cudaStreamSynchronize would block forever");
     auto task = std::move(s->tasks.front());
     s->tasks.pop_front();
     task.run();
@@ -813,26 +909,34 @@ static cudaError_t MakeStream(cudaStream_t* out) {
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
-  if (flags != cudaStreamNonBlocking) return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
+  if (flags != cudaStreamNonBlocking)
+    return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
   return MakeStream(s);
 }
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int) {
-  if (flags != cudaStreamNonBlocking) return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
+  if (flags != cudaStreamNonBlocking)
+    return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
   return MakeStream(s);
 }
-cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) { *least = 0; *greatest = -5; return cudaSuccess; }
+cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  *least = 0;
+  *greatest = -5;
+  return cudaSuccess;
+}
 cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }  // kept until Reset
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
   Lock lock(S().mu);
-  if (!jo::fake::StreamOk(s, "cudaStreamIsCapturing")) return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamIsCapturing");
+  if (!jo::fake::StreamOk(s, "cudaStreamIsCapturing"))
+    return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamIsCapturing");
   *status = cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
   Lock lock(S().mu);
-  if (flags != cudaEventDisableTiming) return RtFail(cudaErrorInvalidValue, "events must disable timing");
+  if (flags != cudaEventDisableTiming)
+    return RtFail(cudaErrorInvalidValue, "events must disable timing");
   auto ev = std::make_unique<CUevent_st>();
   ev->device = t_device;
   *e = ev.get();
@@ -853,19 +957,26 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   Lock lock(S().mu);
   Count("cudaEventRecord");
-  if (!jo::fake::StreamOk(s, "cudaEventRecord")) return RtFail(cudaErrorInvalidResourceHandle, "cudaEventRecord");
-  if (e->device != s->device) return RtFail(cudaErrorInvalidResourceHandle, "cudaEventRecord: event and stream on different devices");
+  if (!jo::fake::StreamOk(s, "cudaEventRecord"))
+    return RtFail(cudaErrorInvalidResourceHandle, "cudaEventRecord");
+  if (e->device != s->device)
+    return RtFail(cudaErrorInvalidResourceHandle,
+                  "cudaEventRecord: event and stream on different devices");
   const int64_t seq = ++e->recorded;
-  jo::fake::Push(s, "cudaEventRecord", [] { return true; }, [e, seq] { e->completed = std::max(e->completed, seq); });
+  jo::fake::Push(
+      s, "cudaEventRecord", [] { return true; },
+      [e, seq] { e->completed = std::max(e->completed, seq); });
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
   Lock lock(S().mu);
   Count("cudaStreamWaitEvent");
-  if (!jo::fake::StreamOk(s, "cudaStreamWaitEvent") || flags != 0) return RtFail(cudaErrorInvalidValue, "cudaStreamWaitEvent");
+  if (!jo::fake::StreamOk(s, "cudaStreamWaitEvent") || flags != 0)
+    return RtFail(cudaErrorInvalidValue, "cudaStreamWaitEvent");
   const int64_t target = e->recorded;  // the record enqueued before this call
-  if (target == 0) Fail("cudaStreamWaitEvent on an event never recorded (a no-op on a GPU: a missing dependency)");
+  if (target == 0)
+    Fail("cudaStreamWaitEvent on an event never recorded (a no-op on a GPU: a missing dependency)");
   jo::fake::Push(s, "cudaStreamWaitEvent", [e, target] { return e->completed >= target; }, [] {});
   return cudaSuccess;
 }
@@ -893,7 +1004,8 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
   Count("cudaIpcGetMemHandle");
   auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));
   if (it == S().allocs.end() || it->second.multicast || it->second.vmm || it->second.viewer >= 0)
-    return RtFail(cudaErrorInvalidValue, "cudaIpcGetMemHandle: not the base of a cudaMalloc allocation");
+    return RtFail(cudaErrorInvalidValue,
+                  "cudaIpcGetMemHandle: not the base of a cudaMalloc allocation");
   FakeIpc ipc{};
   std::memcpy(ipc.tag, kIpcTag, sizeof(kIpcTag));
   ipc.pid = ::getpid();
@@ -910,22 +1022,29 @@ cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t handle, unsigned i
   FakeIpc ipc{};
   std::memcpy(&ipc, &handle, sizeof(ipc));
   if (std::memcmp(ipc.tag, kIpcTag, sizeof(kIpcTag)) != 0)
-    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: not a handle from cudaIpcGetMemHandle");
+    return RtFail(cudaErrorInvalidValue,
+                  "cudaIpcOpenMemHandle: not a handle from cudaIpcGetMemHandle");
   if (ipc.pid != ::getpid())
-    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the fake models CUDA IPC within one "
-                                         "OS process only (handle from pid " + std::to_string(ipc.pid) + ")");
+    return RtFail(cudaErrorInvalidValue,
+                  "cudaIpcOpenMemHandle: the fake models CUDA IPC within one "
+                  "OS process only (handle from pid " +
+                      std::to_string(ipc.pid) + ")");
   auto it = S().allocs.find(ipc.base);
   if (it == S().allocs.end() || it->second.bytes != ipc.bytes || it->second.viewer >= 0)
     return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: the exported allocation is gone");
   if (flags != cudaIpcMemLazyEnablePeerAccess)
-    return RtFail(cudaErrorInvalidValue, "cudaIpcOpenMemHandle: flags other than cudaIpcMemLazyEnablePeerAccess are not modelled");
+    return RtFail(
+        cudaErrorInvalidValue,
+        "cudaIpcOpenMemHandle: flags other than cudaIpcMemLazyEnablePeerAccess are not modelled");
   if (it->second.device != t_device) {
     if (!jo::fake::CanAccessPeer(t_device, it->second.device))
-      return RtFail(cudaErrorPeerAccessUnsupported, "cudaIpcOpenMemHandle: device " + std::to_string(t_device) +
-                                                    " cannot access device " + std::to_string(it->second.device));
+      return RtFail(cudaErrorPeerAccessUnsupported,
+                    "cudaIpcOpenMemHandle: device " + std::to_string(t_device) +
+                        " cannot access device " + std::to_string(it->second.device));
   }
   std::byte* alias = jo::fake::Alias(it->second.mem, it->second.bytes);
-  if (alias == nullptr) return RtFail(cudaErrorMemoryAllocation, "cudaIpcOpenMemHandle: mremap failed");
+  if (alias == nullptr)
+    return RtFail(cudaErrorMemoryAllocation, "cudaIpcOpenMemHandle: mremap failed");
   jo::fake::Alloc mapping{it->second.bytes, it->second.device, false, 0, alias};
   mapping.viewer = t_device;
   S().allocs[reinterpret_cast<uintptr_t>(alias)] = mapping;
@@ -952,7 +1071,8 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
 
 cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) {
   Lock lock(S().mu);
-  if (!jo::fake::ValidDevice(a) || !jo::fake::ValidDevice(b)) return RtFail(cudaErrorInvalidDevice, "cudaDeviceCanAccessPeer");
+  if (!jo::fake::ValidDevice(a) || !jo::fake::ValidDevice(b))
+    return RtFail(cudaErrorInvalidDevice, "cudaDeviceCanAccessPeer");
   *can = jo::fake::CanAccessPeer(a, b);
   return cudaSuccess;
 }
@@ -960,44 +1080,59 @@ cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) {
 cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
   Lock lock(S().mu);
   Count("cudaDeviceEnablePeerAccess");
-  if (!jo::fake::ValidDevice(peer) || flags != 0 || peer == t_device || !jo::fake::CanAccessPeer(t_device, peer))
+  if (!jo::fake::ValidDevice(peer) || flags != 0 || peer == t_device ||
+      !jo::fake::CanAccessPeer(t_device, peer))
     return RtFail(cudaErrorInvalidDevice, "cudaDeviceEnablePeerAccess");
-  if (!S().peer_enabled.insert({t_device, peer}).second) { t_last = cudaErrorPeerAccessAlreadyEnabled; return cudaErrorPeerAccessAlreadyEnabled; }
+  if (!S().peer_enabled.insert({t_device, peer}).second) {
+    t_last = cudaErrorPeerAccessAlreadyEnabled;
+    return cudaErrorPeerAccessAlreadyEnabled;
+  }
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t s) {
   Lock lock(S().mu);
   Count("cudaMemcpyAsync");
   if (kind == cudaMemcpyDeviceToHost) {  // the watchdog reading flags into host memory
-    if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") || !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync D2H src"))
+    if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||
+        !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync D2H src"))
       return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync D2H");
-    jo::fake::Push(s, "cudaMemcpyAsync D2H", [] { return true; }, [=] { std::memcpy(dst, src, bytes); });
+    jo::fake::Push(
+        s, "cudaMemcpyAsync D2H", [] { return true; }, [=] { std::memcpy(dst, src, bytes); });
     return cudaSuccess;
   }
-  if (kind != cudaMemcpyDefault && kind != cudaMemcpyDeviceToDevice) return RtFail(cudaErrorInvalidMemcpyDirection, "cudaMemcpyAsync kind");
-  if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") || !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync src") ||
+  if (kind != cudaMemcpyDefault && kind != cudaMemcpyDeviceToDevice)
+    return RtFail(cudaErrorInvalidMemcpyDirection, "cudaMemcpyAsync kind");
+  if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||
+      !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync src") ||
       !jo::fake::CheckAccess(dst, bytes, s->device, "cudaMemcpyAsync dst"))
     return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync");
   jo::fake::Push(s, "cudaMemcpyAsync", [] { return true; }, [=] { std::memmove(dst, src, bytes); });
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-                              size_t height, cudaMemcpyKind kind, cudaStream_t s) {
+cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
+                              size_t width, size_t height, cudaMemcpyKind kind, cudaStream_t s) {
   Lock lock(S().mu);
   Count("cudaMemcpy2DAsync");
-  if (kind != cudaMemcpyDefault && kind != cudaMemcpyDeviceToDevice) return RtFail(cudaErrorInvalidMemcpyDirection, "cudaMemcpy2DAsync kind");
-  if (width > dpitch || width > spitch) return RtFail(cudaErrorInvalidPitchValue, "cudaMemcpy2DAsync: width exceeds a pitch");
+  if (kind != cudaMemcpyDefault && kind != cudaMemcpyDeviceToDevice)
+    return RtFail(cudaErrorInvalidMemcpyDirection, "cudaMemcpy2DAsync kind");
+  if (width > dpitch || width > spitch)
+    return RtFail(cudaErrorInvalidPitchValue, "cudaMemcpy2DAsync: width exceeds a pitch");
   if (height == 0 || width == 0) return cudaSuccess;
   const size_t dspan = (height - 1) * dpitch + width, sspan = (height - 1) * spitch + width;
-  if (!jo::fake::StreamOk(s, "cudaMemcpy2DAsync") || !jo::fake::CheckAccess(src, sspan, s->device, "cudaMemcpy2DAsync src") ||
+  if (!jo::fake::StreamOk(s, "cudaMemcpy2DAsync") ||
+      !jo::fake::CheckAccess(src, sspan, s->device, "cudaMemcpy2DAsync src") ||
       !jo::fake::CheckAccess(dst, dspan, s->device, "cudaMemcpy2DAsync dst"))
     return RtFail(cudaErrorInvalidValue, "cudaMemcpy2DAsync");
-  jo::fake::Push(s, "cudaMemcpy2DAsync", [] { return true; }, [=] {
-    for (size_t r = 0; r < height; ++r)
-      std::memmove(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
-  });
+  jo::fake::Push(
+      s, "cudaMemcpy2DAsync", [] { return true; },
+      [=] {
+        for (size_t r = 0; r < height; ++r)
+          std::memmove(static_cast<char*>(dst) + r * dpitch,
+                       static_cast<const char*>(src) + r * spitch, width);
+      });
   return cudaSuccess;
 }
 
@@ -1012,7 +1147,8 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsi
       {"cuDeviceGetAttribute", {reinterpret_cast<void*>(&jo::fake::FakeDeviceGetAttribute), 2000}},
       {"cuStreamWriteValue32", {reinterpret_cast<void*>(&jo::fake::FakeWriteValue32), 11070}},
       {"cuStreamWaitValue32", {reinterpret_cast<void*>(&jo::fake::FakeWaitValue32), 11070}},
-      {"cuMemGetAllocationGranularity", {reinterpret_cast<void*>(&jo::fake::FakeMemGetAllocationGranularity), 10020}},
+      {"cuMemGetAllocationGranularity",
+       {reinterpret_cast<void*>(&jo::fake::FakeMemGetAllocationGranularity), 10020}},
       {"cuMemCreate", {reinterpret_cast<void*>(&jo::fake::FakeMemCreate), 10020}},
       {"cuMemRelease", {reinterpret_cast<void*>(&jo::fake::FakeMemRelease), 10020}},
       {"cuMemAddressReserve", {reinterpret_cast<void*>(&jo::fake::FakeMemAddressReserve), 10020}},
@@ -1020,16 +1156,20 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsi
       {"cuMemMap", {reinterpret_cast<void*>(&jo::fake::FakeMemMap), 10020}},
       {"cuMemUnmap", {reinterpret_cast<void*>(&jo::fake::FakeMemUnmap), 10020}},
       {"cuMemSetAccess", {reinterpret_cast<void*>(&jo::fake::FakeMemSetAccess), 10020}},
-      {"cuMemExportToShareableHandle", {reinterpret_cast<void*>(&jo::fake::FakeMemExportToShareableHandle), 10020}},
-      {"cuMemImportFromShareableHandle", {reinterpret_cast<void*>(&jo::fake::FakeMemImportFromShareableHandle), 10020}},
+      {"cuMemExportToShareableHandle",
+       {reinterpret_cast<void*>(&jo::fake::FakeMemExportToShareableHandle), 10020}},
+      {"cuMemImportFromShareableHandle",
+       {reinterpret_cast<void*>(&jo::fake::FakeMemImportFromShareableHandle), 10020}},
       {"cuMulticastCreate", {reinterpret_cast<void*>(&jo::fake::FakeMulticastCreate), 12010}},
       {"cuMulticastAddDevice", {reinterpret_cast<void*>(&jo::fake::FakeMulticastAddDevice), 12010}},
       {"cuMulticastBindMem", {reinterpret_cast<void*>(&jo::fake::FakeMulticastBindMem), 12010}},
       {"cuMulticastUnbind", {reinterpret_cast<void*>(&jo::fake::FakeMulticastUnbind), 12010}},
-      {"cuMulticastGetGranularity", {reinterpret_cast<void*>(&jo::fake::FakeMulticastGetGranularity), 12010}},
+      {"cuMulticastGetGranularity",
+       {reinterpret_cast<void*>(&jo::fake::FakeMulticastGetGranularity), 12010}},
   };
   *fn = nullptr;
-  if (flags != cudaEnableDefault) return RtFail(cudaErrorInvalidValue, "cudaGetDriverEntryPointByVersion flags");
+  if (flags != cudaEnableDefault)
+    return RtFail(cudaErrorInvalidValue, "cudaGetDriverEntryPointByVersion flags");
   auto it = table.find(symbol);
   if (it == table.end()) {
     Fail(std::string("driver entry point not modeled by the fake: ") + symbol);
@@ -1052,16 +1192,24 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsi
 
 // ================================ NCCL ================================
 
-const char* ncclGetErrorString(ncclResult_t r) { return r == ncclSuccess ? "no error" : "fake NCCL error (see fake errors)"; }
+const char* ncclGetErrorString(ncclResult_t r) {
+  return r == ncclSuccess ? "no error" : "fake NCCL error (see fake errors)";
+}
 const char* ncclGetLastError(ncclComm_t) { return ""; }
-ncclResult_t ncclGetVersion(int* v) { *v = NCCL_VERSION_CODE; return ncclSuccess; }
+ncclResult_t ncclGetVersion(int* v) {
+  *v = NCCL_VERSION_CODE;
+  return ncclSuccess;
+}
 
 ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
   Lock lock(S().mu);
   Count("ncclCommInitAll");
   const int clique = S().next_clique++;
   for (int r = 0; r < ndev; ++r) {
-    if (!jo::fake::ValidDevice(devlist[r])) { Fail("ncclCommInitAll: bad device"); return ncclInvalidArgument; }
+    if (!jo::fake::ValidDevice(devlist[r])) {
+      Fail("ncclCommInitAll: bad device");
+      return ncclInvalidArgument;
+    }
     auto c = std::make_unique<ncclComm>();
     c->clique = clique;
     c->rank = r;
@@ -1078,8 +1226,8 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   Lock lock(S().mu);
   Count("ncclGetUniqueId");
   std::memset(id->internal, 0, sizeof(id->internal));
-  const std::string text = "fake-nccl-id pid=" + std::to_string(::getpid()) + " n=" +
-                           std::to_string(S().next_unique_id++);
+  const std::string text = "fake-nccl-id pid=" + std::to_string(::getpid()) +
+                           " n=" + std::to_string(S().next_unique_id++);
   std::memcpy(id->internal, text.data(), std::min(text.size(), sizeof(id->internal)));
   return ncclSuccess;
 }
@@ -1089,7 +1237,8 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
 // Each rank joins once; nranks must agree. Unlike NCCL it does not block
 // until every rank has joined: the fake's send/recv rendezvous in Drain()
 // is what would hang on a missing rank.
-static ncclResult_t InitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, bool nonblocking);
+static ncclResult_t InitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                             bool nonblocking);
 
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
   Lock lock(S().mu);
@@ -1114,7 +1263,8 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId i
   return ncclInProgress;
 }
 
-static ncclResult_t InitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, bool nonblocking) {
+static ncclResult_t InitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                             bool nonblocking) {
   if (nranks < 1 || rank < 0 || rank >= nranks || !jo::fake::ValidDevice(t_device)) {
     Fail("ncclCommInitRank: bad nranks/rank/current device");
     return ncclInvalidArgument;
@@ -1176,7 +1326,10 @@ ncclResult_t ncclCommAbort(ncclComm_t) {
   return ncclSuccess;
 }
 
-ncclResult_t ncclGroupStart() { ++jo::fake::t_group_depth; return ncclSuccess; }
+ncclResult_t ncclGroupStart() {
+  ++jo::fake::t_group_depth;
+  return ncclSuccess;
+}
 
 static ncclResult_t FlushGroup() {
   using jo::fake::NcclP2p;
@@ -1202,7 +1355,8 @@ static ncclResult_t FlushGroup() {
           if (!op.send) continue;
           auto msg = std::make_shared<jo::fake::Message>();
           const size_t bytes = op.count * jo::fake::NcclSize(op.type);
-          msg->data.assign(static_cast<std::byte*>(op.buf), static_cast<std::byte*>(op.buf) + bytes);
+          msg->data.assign(static_cast<std::byte*>(op.buf),
+                           static_cast<std::byte*>(op.buf) + bytes);
           msg->count = op.count;
           msg->type = op.type;
           msg->taken_flag = std::make_shared<bool>(false);
@@ -1215,14 +1369,18 @@ static ncclResult_t FlushGroup() {
         const auto& op = list[i];
         if (op.send || gs->recv_done[i]) continue;
         auto& q = channels[{op.comm->clique, op.peer, op.comm->rank}];
-        if (q.empty()) { done = false; continue; }
+        if (q.empty()) {
+          done = false;
+          continue;
+        }
         auto msg = q.front();
         q.pop_front();
         if (msg->count != op.count || msg->type != op.type)
-          Fail("NCCL: rank " + std::to_string(op.comm->rank) + " receives " + std::to_string(op.count) +
-               " elements from rank " + std::to_string(op.peer) + ", which sent " + std::to_string(msg->count) +
-               " (send/recv pairs mismatched)");
-        std::memcpy(op.buf, msg->data.data(), std::min(msg->data.size(), op.count * jo::fake::NcclSize(op.type)));
+          Fail("NCCL: rank " + std::to_string(op.comm->rank) + " receives " +
+               std::to_string(op.count) + " elements from rank " + std::to_string(op.peer) +
+               ", which sent " + std::to_string(msg->count) + " (send/recv pairs mismatched)");
+        std::memcpy(op.buf, msg->data.data(),
+                    std::min(msg->data.size(), op.count * jo::fake::NcclSize(op.type)));
         *msg->taken_flag = true;
         gs->recv_done[i] = true;
         ++S().side_effects;
@@ -1241,7 +1399,10 @@ static ncclResult_t FlushGroup() {
 }
 
 ncclResult_t ncclGroupEnd() {
-  if (jo::fake::t_group_depth <= 0) { Fail("ncclGroupEnd without ncclGroupStart"); return ncclInvalidUsage; }
+  if (jo::fake::t_group_depth <= 0) {
+    Fail("ncclGroupEnd without ncclGroupStart");
+    return ncclInvalidUsage;
+  }
   if (--jo::fake::t_group_depth > 0) return ncclSuccess;
   const bool inits = jo::fake::t_group_nonblocking_init;
   jo::fake::t_group_nonblocking_init = false;
@@ -1249,13 +1410,15 @@ ncclResult_t ncclGroupEnd() {
   return flushed == ncclSuccess && inits ? ncclInProgress : flushed;
 }
 
-static ncclResult_t P2p(bool send, void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t s) {
+static ncclResult_t P2p(bool send, void* buf, size_t count, ncclDataType_t type, int peer,
+                        ncclComm_t comm, cudaStream_t s) {
   {
     Lock lock(S().mu);
     Count(send ? "ncclSend" : "ncclRecv");
     const char* what = send ? "ncclSend" : "ncclRecv";
     if (!jo::fake::StreamOk(s, what)) return ncclInvalidArgument;
-    if (comm == nullptr || peer < 0 || peer >= comm->nranks || peer == comm->rank || jo::fake::NcclSize(type) == 0) {
+    if (comm == nullptr || peer < 0 || peer >= comm->nranks || peer == comm->rank ||
+        jo::fake::NcclSize(type) == 0) {
       Fail(std::string(what) + ": bad comm, peer or type");
       return ncclInvalidArgument;
     }
@@ -1264,28 +1427,36 @@ static ncclResult_t P2p(bool send, void* buf, size_t count, ncclDataType_t type,
       return ncclInvalidUsage;
     }
     if (comm->in_progress) {
-      Fail(std::string(what) + ": on a non-blocking communicator whose last call is still in "
+      Fail(std::string(what) +
+           ": on a non-blocking communicator whose last call is still in "
            "progress (await ncclCommGetAsyncError == ncclSuccess first)");
       return ncclInvalidUsage;
     }
-    if (!jo::fake::CheckAccess(buf, count * jo::fake::NcclSize(type), comm->device, what)) return ncclInvalidArgument;
+    if (!jo::fake::CheckAccess(buf, count * jo::fake::NcclSize(type), comm->device, what))
+      return ncclInvalidArgument;
   }
   jo::fake::t_group.push_back({send, buf, count, type, peer, comm, s});
   if (jo::fake::t_group_depth == 0) return FlushGroup();
   return ncclSuccess;
 }
 
-ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t s) {
+ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t s) {
   return P2p(true, const_cast<void*>(buf), count, type, peer, comm, s);
 }
-ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t s) {
+ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
+                      cudaStream_t s) {
   return P2p(false, buf, count, type, peer, comm, s);
 }
 
 // ============================== cuBLASLt ==============================
 
-const char* cublasLtGetStatusName(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_FAKE_ERROR"; }
-const char* cublasLtGetStatusString(cublasStatus_t) { return "fake cuBLASLt status (see fake errors)"; }
+const char* cublasLtGetStatusName(cublasStatus_t s) {
+  return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_FAKE_ERROR";
+}
+const char* cublasLtGetStatusString(cublasStatus_t) {
+  return "fake cuBLASLt status (see fake errors)";
+}
 size_t cublasLtGetVersion(void) { return CUBLAS_VERSION; }
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
@@ -1298,7 +1469,8 @@ cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
 }
 cublasStatus_t cublasLtDestroy(cublasLtHandle_t) { return CUBLAS_STATUS_SUCCESS; }
 
-cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t compute, cudaDataType_t scale) {
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t compute,
+                                        cudaDataType_t scale) {
   Lock lock(S().mu);
   *d = new cublasLtMatmulDescOpaque_t();
   S().descs[*d] = jo::fake::Desc{static_cast<int32_t>(compute), static_cast<int32_t>(scale)};
@@ -1310,22 +1482,30 @@ cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
   delete d;
   return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const void* buf, size_t size) {
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
+                                              cublasLtMatmulDescAttributes_t attr, const void* buf,
+                                              size_t size) {
   Lock lock(S().mu);
   auto it = S().descs.find(d);
   if (it == S().descs.end()) return CUBLAS_STATUS_INVALID_VALUE;
-  if ((attr == CUBLASLT_MATMUL_DESC_TRANSA || attr == CUBLASLT_MATMUL_DESC_TRANSB) && size == sizeof(int32_t)) {
+  if ((attr == CUBLASLT_MATMUL_DESC_TRANSA || attr == CUBLASLT_MATMUL_DESC_TRANSB) &&
+      size == sizeof(int32_t)) {
     int32_t v;
     std::memcpy(&v, buf, sizeof(v));
-    if (v != CUBLAS_OP_N && v != CUBLAS_OP_T) { Fail("cuBLASLt: transpose op " + std::to_string(v) + " not modeled"); return CUBLAS_STATUS_NOT_SUPPORTED; }
+    if (v != CUBLAS_OP_N && v != CUBLAS_OP_T) {
+      Fail("cuBLASLt: transpose op " + std::to_string(v) + " not modeled");
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
     (attr == CUBLASLT_MATMUL_DESC_TRANSA ? it->second.transa : it->second.transb) = v;
     return CUBLAS_STATUS_SUCCESS;
   }
-  Fail("cuBLASLt: matmul descriptor attribute " + std::to_string(attr) + " is not modeled by the fake");
+  Fail("cuBLASLt: matmul descriptor attribute " + std::to_string(attr) +
+       " is not modeled by the fake");
   return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
-cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type, uint64_t rows, uint64_t cols, int64_t ld) {
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type,
+                                          uint64_t rows, uint64_t cols, int64_t ld) {
   Lock lock(S().mu);
   *l = new cublasLtMatrixLayoutOpaque_t();
   jo::fake::Layout layout;
@@ -1342,19 +1522,31 @@ cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
   delete l;
   return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l, cublasLtMatrixLayoutAttribute_t attr, const void* buf, size_t size) {
+cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
+                                                cublasLtMatrixLayoutAttribute_t attr,
+                                                const void* buf, size_t size) {
   Lock lock(S().mu);
   auto it = S().layouts.find(l);
   if (it == S().layouts.end()) return CUBLAS_STATUS_INVALID_VALUE;
   jo::fake::Layout& layout = it->second;
   if (attr == CUBLASLT_MATRIX_LAYOUT_ORDER && size == sizeof(int32_t)) {
     std::memcpy(&layout.order, buf, size);
-    if (layout.order != CUBLASLT_ORDER_COL && layout.order != CUBLASLT_ORDER_ROW) { Fail("cuBLASLt: layout order not modeled"); return CUBLAS_STATUS_NOT_SUPPORTED; }
+    if (layout.order != CUBLASLT_ORDER_COL && layout.order != CUBLASLT_ORDER_ROW) {
+      Fail("cuBLASLt: layout order not modeled");
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
     return CUBLAS_STATUS_SUCCESS;
   }
-  if (attr == CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT && size == sizeof(int32_t)) { std::memcpy(&layout.batch, buf, size); return CUBLAS_STATUS_SUCCESS; }
-  if (attr == CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET && size == sizeof(int64_t)) { std::memcpy(&layout.stride, buf, size); return CUBLAS_STATUS_SUCCESS; }
-  Fail("cuBLASLt: matrix layout attribute " + std::to_string(attr) + " (size " + std::to_string(size) + ") is not modeled by the fake");
+  if (attr == CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT && size == sizeof(int32_t)) {
+    std::memcpy(&layout.batch, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  if (attr == CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET && size == sizeof(int64_t)) {
+    std::memcpy(&layout.stride, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  Fail("cuBLASLt: matrix layout attribute " + std::to_string(attr) + " (size " +
+       std::to_string(size) + ") is not modeled by the fake");
   return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
@@ -1370,26 +1562,38 @@ cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
   delete p;
   return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr, const void* buf, size_t size) {
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr,
+                                                    const void* buf, size_t size) {
   Lock lock(S().mu);
   auto it = S().prefs.find(p);
   if (it == S().prefs.end()) return CUBLAS_STATUS_INVALID_VALUE;
-  if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES && size == sizeof(uint64_t)) { std::memcpy(&it->second.workspace, buf, size); return CUBLAS_STATUS_SUCCESS; }
-  const cublasLtMatmulPreferenceAttributes_t align[4] = {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES && size == sizeof(uint64_t)) {
+    std::memcpy(&it->second.workspace, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  const cublasLtMatmulPreferenceAttributes_t align[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
-    if (attr == align[i] && size == sizeof(uint32_t)) { std::memcpy(&it->second.align[i], buf, size); return CUBLAS_STATUS_SUCCESS; }
+    if (attr == align[i] && size == sizeof(uint32_t)) {
+      std::memcpy(&it->second.align[i], buf, size);
+      return CUBLAS_STATUS_SUCCESS;
+    }
   Fail("cuBLASLt: preference attribute " + std::to_string(attr) + " is not modeled by the fake");
   return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 
-cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
-                                              cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dd, cublasLtMatmulPreference_t p,
-                                              int requested, cublasLtMatmulHeuristicResult_t* results, int* count) {
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d,
+                                              cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                              cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dd,
+                                              cublasLtMatmulPreference_t p, int requested,
+                                              cublasLtMatmulHeuristicResult_t* results,
+                                              int* count) {
   Lock lock(S().mu);
   Count("cublasLtMatmulAlgoGetHeuristic");
-  if (!S().descs.count(d) || !S().layouts.count(a) || !S().layouts.count(b) || !S().layouts.count(c) ||
-      !S().layouts.count(dd) || !S().prefs.count(p) || requested < 1)
+  if (!S().descs.count(d) || !S().layouts.count(a) || !S().layouts.count(b) ||
+      !S().layouts.count(c) || !S().layouts.count(dd) || !S().prefs.count(p) || requested < 1)
     return CUBLAS_STATUS_INVALID_VALUE;
   std::memset(results, 0, sizeof(*results));
   // The fake's "algorithm" carries the alignments the preference promised.
@@ -1400,71 +1604,95 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const void* alpha, const void* A, cublasLtMatrixLayout_t Adesc,
-                              const void* B, cublasLtMatrixLayout_t Bdesc, const void* beta, const void* C, cublasLtMatrixLayout_t Cdesc,
-                              void* D, cublasLtMatrixLayout_t Ddesc, const cublasLtMatmulAlgo_t* algo, void* workspace,
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const void* alpha,
+                              const void* A, cublasLtMatrixLayout_t Adesc, const void* B,
+                              cublasLtMatrixLayout_t Bdesc, const void* beta, const void* C,
+                              cublasLtMatrixLayout_t Cdesc, void* D, cublasLtMatrixLayout_t Ddesc,
+                              const cublasLtMatmulAlgo_t* algo, void* workspace,
                               size_t workspace_bytes, cudaStream_t s) {
   using jo::fake::Layout;
   Lock lock(S().mu);
   Count("cublasLtMatmul");
-  auto fail = [](const std::string& t) { Fail("cublasLtMatmul: " + t); return CUBLAS_STATUS_NOT_SUPPORTED; };
+  auto fail = [](const std::string& t) {
+    Fail("cublasLtMatmul: " + t);
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  };
   if (!jo::fake::StreamOk(s, "cublasLtMatmul")) return CUBLAS_STATUS_INVALID_VALUE;
-  if (h->device != s->device || t_device != s->device) return fail("handle, stream and current device differ");
-  if (!S().descs.count(desc) || !S().layouts.count(Adesc) || !S().layouts.count(Bdesc) || !S().layouts.count(Cdesc) || !S().layouts.count(Ddesc))
+  if (h->device != s->device || t_device != s->device)
+    return fail("handle, stream and current device differ");
+  if (!S().descs.count(desc) || !S().layouts.count(Adesc) || !S().layouts.count(Bdesc) ||
+      !S().layouts.count(Cdesc) || !S().layouts.count(Ddesc))
     return fail("unknown descriptor");
   const jo::fake::Desc dsc = S().descs[desc];
-  const Layout la = S().layouts[Adesc], lb = S().layouts[Bdesc], lc = S().layouts[Cdesc], ld = S().layouts[Ddesc];
-  if (dsc.compute != CUBLAS_COMPUTE_32F || dsc.scale != CUDA_R_32F) return fail("only CUBLAS_COMPUTE_32F with CUDA_R_32F scale is modeled");
-  if (la.type != lb.type || la.type != lc.type || la.type != ld.type) return fail("mixed matrix types are not modeled");
+  const Layout la = S().layouts[Adesc], lb = S().layouts[Bdesc], lc = S().layouts[Cdesc],
+               ld = S().layouts[Ddesc];
+  if (dsc.compute != CUBLAS_COMPUTE_32F || dsc.scale != CUDA_R_32F)
+    return fail("only CUBLAS_COMPUTE_32F with CUDA_R_32F scale is modeled");
+  if (la.type != lb.type || la.type != lc.type || la.type != ld.type)
+    return fail("mixed matrix types are not modeled");
   bool ok = false;
   const jo::DType dt = jo::fake::FromCuda(la.type, &ok);
   if (!ok) return fail("matrix type not modeled");
   for (const Layout* l : {&la, &lb, &lc, &ld}) {
     if (l->order != CUBLASLT_ORDER_COL) return fail("ORDER other than COL is not modeled");
-    if (l->ld < static_cast<int64_t>(l->rows)) return fail("leading dimension smaller than the rows of a column-major layout");
+    if (l->ld < static_cast<int64_t>(l->rows))
+      return fail("leading dimension smaller than the rows of a column-major layout");
     if (l->batch != la.batch) return fail("batch counts differ");
   }
   const uint64_t m = dsc.transa == CUBLAS_OP_N ? la.rows : la.cols;
   const uint64_t k = dsc.transa == CUBLAS_OP_N ? la.cols : la.rows;
   const uint64_t kb = dsc.transb == CUBLAS_OP_N ? lb.rows : lb.cols;
   const uint64_t n = dsc.transb == CUBLAS_OP_N ? lb.cols : lb.rows;
-  if (k != kb || lc.rows != m || lc.cols != n || ld.rows != m || ld.cols != n) return fail("inconsistent dimensions");
-  if (C != D && (lc.ld != ld.ld || lc.stride != ld.stride)) return fail("C != D with different layouts (cuBLASLt's out-of-place rule)");
+  if (k != kb || lc.rows != m || lc.cols != n || ld.rows != m || ld.cols != n)
+    return fail("inconsistent dimensions");
+  if (C != D && (lc.ld != ld.ld || lc.stride != ld.stride))
+    return fail("C != D with different layouts (cuBLASLt's out-of-place rule)");
   const void* ptrs[4] = {A, B, C, D};
   for (int i = 0; i < 4; ++i)
-    if (reinterpret_cast<uintptr_t>(ptrs[i]) % algo->data[i] != 0) return fail("a pointer is less aligned than the preference promised");
+    if (reinterpret_cast<uintptr_t>(ptrs[i]) % algo->data[i] != 0)
+      return fail("a pointer is less aligned than the preference promised");
   (void)workspace;
   (void)workspace_bytes;
   const size_t es = static_cast<size_t>(jo::DTypeSize(dt));
   const float fa = *static_cast<const float*>(alpha), fb = *static_cast<const float*>(beta);
-  if (!jo::fake::CheckAccess(A, static_cast<size_t>(Extent(la)) * es, s->device, "cublasLtMatmul A") ||
-      !jo::fake::CheckAccess(B, static_cast<size_t>(Extent(lb)) * es, s->device, "cublasLtMatmul B") ||
-      (fb != 0.0f && !jo::fake::CheckAccess(C, static_cast<size_t>(Extent(lc)) * es, s->device, "cublasLtMatmul C")) ||
-      !jo::fake::CheckAccess(D, static_cast<size_t>(Extent(ld)) * es, s->device, "cublasLtMatmul D"))
+  if (!jo::fake::CheckAccess(A, static_cast<size_t>(Extent(la)) * es, s->device,
+                             "cublasLtMatmul A") ||
+      !jo::fake::CheckAccess(B, static_cast<size_t>(Extent(lb)) * es, s->device,
+                             "cublasLtMatmul B") ||
+      (fb != 0.0f && !jo::fake::CheckAccess(C, static_cast<size_t>(Extent(lc)) * es, s->device,
+                                            "cublasLtMatmul C")) ||
+      !jo::fake::CheckAccess(D, static_cast<size_t>(Extent(ld)) * es, s->device,
+                             "cublasLtMatmul D"))
     return CUBLAS_STATUS_INVALID_VALUE;
   const int32_t ta = dsc.transa, tb = dsc.transb;
-  jo::fake::Push(s, "cublasLtMatmul", [] { return true; }, [=] {
-    auto at = [&](const void* base, const Layout& l, int64_t bt, uint64_t r, uint64_t c) {  // column-major element
-      return jo::host::LoadElement(dt, static_cast<const std::byte*>(base),
-                                   bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
-    };
-    std::vector<float> out(m * n);
-    for (int64_t bt = 0; bt < la.batch; ++bt) {
-      for (uint64_t i = 0; i < m; ++i)
-        for (uint64_t j = 0; j < n; ++j) {
-          float acc = 0.0f;
-          for (uint64_t p = 0; p < k; ++p) {
-            const float av = ta == CUBLAS_OP_N ? at(A, la, bt, i, p) : at(A, la, bt, p, i);
-            const float bv = tb == CUBLAS_OP_N ? at(B, lb, bt, p, j) : at(B, lb, bt, j, p);
-            acc += av * bv;
-          }
-          out[i * n + j] = fa * acc + (fb != 0.0f ? fb * at(C, lc, bt, i, j) : 0.0f);
+  jo::fake::Push(
+      s, "cublasLtMatmul", [] { return true; },
+      [=] {
+        auto at = [&](const void* base, const Layout& l, int64_t bt, uint64_t r,
+                      uint64_t c) {  // column-major element
+          return jo::LoadElement(
+              dt, static_cast<const std::byte*>(base),
+              bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
+        };
+        std::vector<float> out(m * n);
+        for (int64_t bt = 0; bt < la.batch; ++bt) {
+          for (uint64_t i = 0; i < m; ++i)
+            for (uint64_t j = 0; j < n; ++j) {
+              float acc = 0.0f;
+              for (uint64_t p = 0; p < k; ++p) {
+                const float av = ta == CUBLAS_OP_N ? at(A, la, bt, i, p) : at(A, la, bt, p, i);
+                const float bv = tb == CUBLAS_OP_N ? at(B, lb, bt, p, j) : at(B, lb, bt, j, p);
+                acc += av * bv;
+              }
+              out[i * n + j] = fa * acc + (fb != 0.0f ? fb * at(C, lc, bt, i, j) : 0.0f);
+            }
+          for (uint64_t i = 0; i < m; ++i)
+            for (uint64_t j = 0; j < n; ++j)
+              jo::StoreElement(
+                  dt, static_cast<std::byte*>(D),
+                  bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i),
+                  out[i * n + j]);
         }
-      for (uint64_t i = 0; i < m; ++i)
-        for (uint64_t j = 0; j < n; ++j)
-          jo::host::StoreElement(dt, static_cast<std::byte*>(D),
-                                 bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i), out[i * n + j]);
-    }
-  });
+      });
   return CUBLAS_STATUS_SUCCESS;
 }

@@ -50,8 +50,8 @@ struct Config {
   int devices = 8;
   int cc_major = 9;
   bool multicast = true;
-  bool shareable = true;  // cuMemExportToShareableHandle supports POSIX fds
-  bool fabric = false;    // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (multi-node NVLink)
+  bool shareable = true;     // cuMemExportToShareableHandle supports POSIX fds
+  bool fabric = false;       // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (multi-node NVLink)
   bool imex_channel = true;  // this user may use fabric handles (an IMEX channel exists)
   std::vector<std::vector<bool>> peer;  // empty: all pairs can access
   uint64_t seed = 1;

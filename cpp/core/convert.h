@@ -1,13 +1,13 @@
-// bf16 / f16 <-> f32 conversion for the host executor, which computes every
-// GEMM and reduction in f32 (round-to-nearest-even on the way back, as the
-// accelerators do).
+// bf16 / f16 <-> f32 conversion, for whatever computes on the host in f32
+// (the host executor, the CUDA fake): every GEMM and reduction in f32 (round-to-nearest-even on the
+// way back, as the accelerators do).
 #pragma once
 
 #include <cstdint>
 
 #include "core/program.h"
 
-namespace jo::host {
+namespace jo {
 
 float LoadElement(DType dtype, const void* base, int64_t index);
 void StoreElement(DType dtype, void* base, int64_t index, float value);
@@ -16,4 +16,4 @@ void StoreElement(DType dtype, void* base, int64_t index, float value);
 void ToF32(DType dtype, const void* src, int64_t ld, int64_t rows, int64_t cols, float* dst);
 void FromF32(DType dtype, const float* src, int64_t rows, int64_t cols, void* dst, int64_t ld);
 
-}  // namespace jo::host
+}  // namespace jo

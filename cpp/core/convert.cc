@@ -1,9 +1,9 @@
-#include "host/convert.h"
+#include "core/convert.h"
 
 #include <cmath>
 #include <cstring>
 
-namespace jo::host {
+namespace jo {
 namespace {
 
 uint32_t Bits(float value) {
@@ -59,18 +59,27 @@ uint16_t F32ToF16(float value) {
 
 float LoadElement(DType dtype, const void* base, int64_t i) {
   switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(base)[i];
-    case DType::kBF16: return Bf16ToF32(static_cast<const uint16_t*>(base)[i]);
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(base)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(base)[i];
+    case DType::kBF16:
+      return Bf16ToF32(static_cast<const uint16_t*>(base)[i]);
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(base)[i]);
   }
   return 0.0f;
 }
 
 void StoreElement(DType dtype, void* base, int64_t i, float value) {
   switch (dtype) {
-    case DType::kF32: static_cast<float*>(base)[i] = value; break;
-    case DType::kBF16: static_cast<uint16_t*>(base)[i] = F32ToBf16(value); break;
-    case DType::kF16: static_cast<uint16_t*>(base)[i] = F32ToF16(value); break;
+    case DType::kF32:
+      static_cast<float*>(base)[i] = value;
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(base)[i] = F32ToBf16(value);
+      break;
+    case DType::kF16:
+      static_cast<uint16_t*>(base)[i] = F32ToF16(value);
+      break;
   }
 }
 
@@ -84,4 +93,4 @@ void FromF32(DType dtype, const float* src, int64_t rows, int64_t cols, void* ds
     for (int64_t j = 0; j < cols; ++j) StoreElement(dtype, dst, i * ld + j, src[i * cols + j]);
 }
 
-}  // namespace jo::host
+}  // namespace jo

@@ -1,0 +1,2 @@
+# Empty dependencies file for jaxoverlap_testing.
+# This may be replaced when dependencies are built.

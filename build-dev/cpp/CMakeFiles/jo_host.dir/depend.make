@@ -1,0 +1,2 @@
+# Empty dependencies file for jo_host.
+# This may be replaced when dependencies are built.

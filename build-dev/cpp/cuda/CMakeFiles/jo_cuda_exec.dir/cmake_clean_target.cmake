@@ -1,0 +1,3 @@
+file(REMOVE_RECURSE
+  "libjo_cuda_exec.a"
+)

@@ -1,0 +1,2 @@
+# Empty dependencies file for jo_cuda_exec.
+# This may be replaced when dependencies are built.

@@ -1,0 +1,2 @@
+# Empty dependencies file for jo_cuda_kernels.
+# This may be replaced when dependencies are built.

@@ -1,0 +1,104 @@
+// What a GPU clique's set-up works on: its devices and processes, how it
+// reaches peers in other processes, what it has created (communicators,
+// per-rank streams and events), and the buffer generations calls run on.
+//
+// The transports (transports.h) and the peer-handle exchange
+// (peer_handles.h) are free functions over a CliqueState; CudaClique
+// (cuda_clique.h) owns one and serialises every use of it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/exchange.h"
+#include "core/program.h"
+#include "core/status.h"
+#include "cuda/check.h"
+#include "cuda/device_memory.h"
+
+namespace jo::cuda {
+
+// Buffer generations. GPU work is asynchronous: when a call needs a bigger
+// workspace, peers' streams may still run the previous call on the old one.
+// So buffers are never freed while the clique lives; a new Generation is
+// made, valid from the epoch of the call that needed it (every rank makes
+// the same calls, so every rank switches at the same epoch), and the old
+// ones are kept until the clique is destroyed. Within a generation, calls
+// alternate between two halves by epoch parity (docs/native.md §4; the fork
+// and join of every call on XLA's stream make the host argument hold on the
+// GPU too).
+struct Generation {
+  int64_t since_epoch = 0;
+  int64_t workspace_bytes = 0;  // per parity per rank
+  int32_t num_flags = 0;        // per parity per rank
+  // This process's ranks' buffers (null for another process's rank).
+  std::vector<std::unique_ptr<DeviceAlloc>> workspace;  // per rank (nccl, p2p)
+  std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: 2 * num_flags uint32
+  std::unique_ptr<MulticastRegion> multicast;           // multicast transport
+  // Cliques spanning processes: other processes' ranks' buffers as local rank
+  // `viewer` addresses them, remote[viewer][rank]; `mappings` owns them.
+  struct Remote {
+    std::byte* flags = nullptr;
+    std::byte* workspace = nullptr;
+  };
+  std::vector<std::vector<Remote>> remote;
+  std::vector<std::unique_ptr<DeviceAlloc>> mappings;
+
+  // Addresses as seen by local rank `viewer` (the rank whose GPU runs the op).
+  std::byte* Workspace(int32_t rank, int64_t epoch, int32_t viewer) const;  // unicast
+  std::byte* MulticastAddress(int64_t epoch) const;                         // parity of epoch
+  CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const;
+};
+
+// Per-rank execution resources: comm streams, events, private scratch.
+struct RankResources {
+  int device = -1;
+  std::vector<cudaStream_t> streams;  // program streams 1.. (stream 0 is XLA's)
+  std::vector<cudaEvent_t> events;    // program events, then fork/join
+  // Recorded on XLA's stream after call `epoch` (slot epoch % size): the watchdog's view
+  // of which calls the GPU has finished.
+  std::vector<cudaEvent_t> done;
+  static constexpr int64_t kDoneSlots = 32;
+  std::unique_ptr<DeviceAlloc> scratch;
+  std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
+  cudaStream_t setup = nullptr;                               // zero-fills new buffers
+  RankResources() = default;
+  RankResources(const RankResources&) = delete;
+  RankResources& operator=(const RankResources&) = delete;
+  ~RankResources();
+  // Grows streams/events/scratch to what `program` needs.
+  Status Reserve(const Program& program, const ErrorContext& ctx);
+};
+
+// How peers' buffers reach a process (cliques spanning processes).
+enum class Handles { kUnset, kIpc, kFabric };
+
+struct CliqueState {
+  Transport transport = Transport::kNccl;
+  std::vector<int> devices;                   // local ordinal of each rank (-1: another process's)
+  std::vector<int64_t> processes;             // process of each rank
+  std::vector<int> local_devices;             // this process's GPUs of the clique
+  int32_t local_ranks = 0;                    // their number
+  ncclUniqueId nccl_id{};                     // spanning cliques, transport nccl
+  std::shared_ptr<Exchange> exchange;         // spanning cliques, transports p2p and multicast
+  std::chrono::milliseconds timeout{120000};  // bounds waiting for peers in set-up
+  Handles handles = Handles::kUnset;          // spanning p2p / multicast (peer_handles.h Negotiate)
+  bool peers_enabled = false;
+  std::vector<ncclComm_t> comms;  // nccl: one per rank (null for other processes')
+  std::vector<std::unique_ptr<RankResources>> ranks;
+
+  int32_t nranks() const { return static_cast<int32_t>(devices.size()); }
+  bool spans_processes() const { return local_ranks != nranks(); }
+};
+
+// This process's ranks' flags and (with_workspace) workspace for `gen`:
+// cudaMalloc'd, or cuMemCreate'd with a fabric handle when peers map them so.
+Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
+                         const ErrorContext& ctx);
+
+}  // namespace jo::cuda

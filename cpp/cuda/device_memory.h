@@ -1,0 +1,103 @@
+// GPU memory the CUDA executor owns, as RAII objects, and the few helpers
+// that make and map it. Nothing here knows about cliques or transports.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "core/status.h"
+#include "cuda/check.h"
+#include "cuda/driver.h"
+
+namespace jo::cuda {
+
+// Device memory a rank addresses: cudaMalloc'd on `device` (kMalloc);
+// another process's allocation opened with cudaIpcOpenMemHandle on `device`
+// (kIpc); or cuMem physical memory — created here with a fabric handle, or
+// imported from one — mapped at `ptr` for the local GPUs (kVmm).
+struct DeviceAlloc {
+  enum class Kind { kMalloc, kIpc, kVmm };
+  Kind kind = Kind::kMalloc;
+  int device = -1;
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  // kVmm only.
+  const DriverApi* drv = nullptr;
+  CUmemGenericAllocationHandle handle = 0;
+  size_t mapped_bytes = 0;  // bytes rounded up to the allocation granularity
+  bool mapped = false;
+  DeviceAlloc() = default;
+  DeviceAlloc(const DeviceAlloc&) = delete;
+  DeviceAlloc& operator=(const DeviceAlloc&) = delete;
+  ~DeviceAlloc();
+};
+
+// The multicast workspace: physical memory per device bound to one multicast object.
+struct MulticastRegion {
+  const DriverApi* drv = nullptr;
+  std::vector<int> devices;
+  size_t bytes = 0;
+  CUmemGenericAllocationHandle mc = 0;
+  bool mc_created = false;
+  std::vector<CUmemGenericAllocationHandle> phys;  // per rank (0: not created)
+  std::vector<int> bound;                          // per rank: bound to mc
+  std::vector<CUdeviceptr> unicast;                // per rank: its own mapping
+  CUdeviceptr mc_va = 0;                           // one mapping, accessible by every device
+  bool mc_mapped = false;
+  MulticastRegion() = default;
+  MulticastRegion(const MulticastRegion&) = delete;
+  MulticastRegion& operator=(const MulticastRegion&) = delete;
+  ~MulticastRegion();
+};
+
+// Sets the current device for a scope and restores the caller's.
+class DeviceGuard {
+ public:
+  DeviceGuard() { ok_ = cudaGetDevice(&prev_) == cudaSuccess; }
+  ~DeviceGuard() {
+    if (ok_) (void)cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool ok_ = false;
+};
+
+// Owns the fds it is given: closed on every path out.
+class Fds {
+ public:
+  Fds() = default;
+  ~Fds();
+  Fds(const Fds&) = delete;
+  Fds& operator=(const Fds&) = delete;
+  void Add(int fd) { fds_.push_back(fd); }
+
+ private:
+  std::vector<int> fds_;
+};
+
+size_t RoundUp(size_t v, size_t to);
+
+// cudaMalloc on `device`, zero-filled on `zero_on` (a private stream: it
+// never waits for possibly flag-blocked work of the call streams).
+Status Alloc(int device, size_t bytes, cudaStream_t zero_on, const ErrorContext& ctx,
+             std::unique_ptr<DeviceAlloc>* out);
+
+// Pinned device memory on `device` that can be exported as a fabric handle.
+CUmemAllocationProp FabricProp(int device);
+
+// Gives every device of `devices` read-write access to [va, va + bytes).
+Status SetAccess(const DriverApi* drv, CUdeviceptr va, size_t bytes,
+                 const std::vector<int>& devices, const ErrorContext& ctx);
+
+// Maps `alloc->handle` (mapped_bytes) at a new address, for `devices`.
+Status MapForDevices(DeviceAlloc* alloc, const std::vector<int>& devices, size_t granularity,
+                     const ErrorContext& ctx);
+
+}  // namespace jo::cuda
