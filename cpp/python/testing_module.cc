@@ -6,12 +6,15 @@
 //   over a Python object, as the CUDA executor's set-up does;
 // * exchange_probe_target / set_probe_exchange: a CPU FFI handler that
 //   exchanges through the jax.distributed store from inside an XLA execution
-//   (the CUDA handlers' first execution does that).
+//   (the CUDA handlers' first execution does that);
+// * busy_worker: a host worker that keeps using the process-wide state a
+//   native call uses, for a test that exits while it runs.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,7 +22,10 @@
 #include <string>
 #include <vector>
 
+#include "core/call.h"
 #include "core/exchange.h"
+#include "host/host_site.h"
+#include "host/workers.h"
 #include "python/ffi_capsule.h"
 #include "python/py_exchange.h"
 #include "xla/ffi/api/ffi.h"
@@ -107,6 +113,30 @@ nb::dict ExchangeSelftest(nb::object impl, bool share_fds, int owner_fd) {
   return out;
 }
 
+// A worker that, for `seconds`, keeps touching what a call's worker touches
+// (the sizing cache, the clique registry, the call-site counter) — as a call
+// still waiting for a peer does while its process exits. This module links
+// its own copy of that state; the test shows exit is clean all the same.
+void BusyWorker(double seconds) {
+  jo::Status posted = jo::host::PostToWorker([seconds] {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    jo::Problem q;
+    q.nranks = 4;
+    q.rows = 8;
+    q.k = 8;
+    q.n = 8;
+    int64_t i = 0;
+    while (std::chrono::steady_clock::now() < end) {
+      q.batch = 1 + (i++ % 64);
+      jo::CallNeeds needs;
+      (void)jo::NeedsOf(q, &needs);
+      (void)jo::host::DescribeCliques();
+      (void)jo::NewCallSiteId(i);
+    }
+  });
+  ThrowIfError(posted);
+}
+
 }  // namespace
 
 NB_MODULE(jaxoverlap_testing, m) {
@@ -121,4 +151,6 @@ NB_MODULE(jaxoverlap_testing, m) {
       "A CPU FFI handler that allgathers through the probe exchange.");
   m.def("set_probe_exchange", &SetProbeExchange, nb::arg("exchange").none(),
         "The exchange the probe handler uses (None: forget it).");
+  m.def("busy_worker", &BusyWorker, nb::arg("seconds"),
+        "A host worker that keeps using process-wide state for `seconds`.");
 }

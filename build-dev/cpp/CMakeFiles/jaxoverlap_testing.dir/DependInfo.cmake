@@ -14,6 +14,7 @@ set(CMAKE_DEPENDS_DEPENDENCY_FILES
 # Targets to which this target links.
 set(CMAKE_TARGET_LINKED_INFO_FILES
   "/work/wt11/build-dev/cpp/CMakeFiles/nanobind-static.dir/DependInfo.cmake"
+  "/work/wt11/build-dev/cpp/CMakeFiles/jo_host.dir/DependInfo.cmake"
   "/work/wt11/build-dev/cpp/CMakeFiles/jo_core.dir/DependInfo.cmake"
   )
 

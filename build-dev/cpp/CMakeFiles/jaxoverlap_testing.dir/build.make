@@ -93,7 +93,10 @@ jaxoverlap_testing_EXTERNAL_OBJECTS =
 cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o
 cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: cpp/CMakeFiles/jaxoverlap_testing.dir/build.make
 cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: cpp/libnanobind-static.a
+cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: cpp/libjo_host.a
 cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: cpp/libjo_core.a
+cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: /work/main/.venv-py311/lib/python3.11/site-packages/scipy_openblas32/lib/libscipy_openblas.so
+cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: /usr/lib/x86_64-linux-gnu/librt.a
 cpp/jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so: cpp/CMakeFiles/jaxoverlap_testing.dir/link.txt
 	@$(CMAKE_COMMAND) -E cmake_echo_color --switch=$(COLOR) --green --bold --progress-dir=/work/wt11/build-dev/CMakeFiles --progress-num=$(CMAKE_PROGRESS_2) "Linking CXX shared module jaxoverlap_testing.cpython-311-x86_64-linux-gnu.so"
 	cd /work/wt11/build-dev/cpp && $(CMAKE_COMMAND) -E cmake_link_script CMakeFiles/jaxoverlap_testing.dir/link.txt --verbose=$(VERBOSE)

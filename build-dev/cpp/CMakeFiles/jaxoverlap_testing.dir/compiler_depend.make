@@ -375,6 +375,11 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
   /usr/include/c++/12/bits/stl_vector.h \
   /usr/include/c++/12/bits/stl_bvector.h \
   /usr/include/c++/12/bits/vector.tcc \
+  /usr/include/c++/12/chrono \
+  /usr/include/c++/12/bits/chrono.h \
+  /usr/include/c++/12/ratio \
+  /usr/include/c++/12/ctime \
+  /usr/include/c++/12/bits/parse_numbers.h \
   /usr/include/c++/12/memory \
   /usr/include/c++/12/bits/stl_tempbuf.h \
   /usr/include/c++/12/bits/stl_raw_storage_iter.h \
@@ -399,23 +404,35 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
   /usr/include/c++/12/mutex \
   /usr/include/c++/12/system_error \
   /usr/include/x86_64-linux-gnu/c++/12/bits/error_constants.h \
-  /usr/include/c++/12/bits/chrono.h \
-  /usr/include/c++/12/ratio \
-  /usr/include/c++/12/ctime \
-  /usr/include/c++/12/bits/parse_numbers.h \
   /usr/include/c++/12/bits/std_mutex.h \
   /usr/include/c++/12/bits/unique_lock.h \
-  /work/wt11/cpp/core/exchange.h \
+  /work/wt11/cpp/core/call.h \
+  /work/wt11/cpp/core/clique.h \
+  /usr/include/c++/12/functional \
+  /usr/include/c++/12/bits/std_function.h \
+  /usr/include/c++/12/unordered_map \
+  /usr/include/c++/12/bits/hashtable.h \
+  /usr/include/c++/12/bits/hashtable_policy.h \
+  /usr/include/c++/12/bits/enable_special_members.h \
+  /usr/include/c++/12/bits/unordered_map.h \
+  /usr/include/c++/12/array \
+  /usr/include/c++/12/compare \
+  /usr/include/c++/12/bits/stl_algo.h \
+  /usr/include/c++/12/bits/algorithmfwd.h \
+  /usr/include/c++/12/bits/stl_heap.h \
+  /usr/include/c++/12/bits/uniform_int_dist.h \
   /work/wt11/cpp/core/status.h \
+  /work/wt11/cpp/core/program.h \
+  /work/wt11/cpp/core/exchange.h \
+  /work/wt11/cpp/host/host_site.h \
+  /work/wt11/cpp/host/host_clique.h \
+  /usr/include/c++/12/condition_variable \
+  /work/wt11/cpp/host/workers.h \
   /work/wt11/cpp/python/ffi_capsule.h \
   /work/main/.venv-py311/lib/python3.11/site-packages/jaxlib/include/xla/ffi/api/c_api.h \
   /work/wt11/cpp/python/py_exchange.h \
   /work/main/.venv-py311/lib/python3.11/site-packages/jaxlib/include/xla/ffi/api/ffi.h \
   /usr/include/c++/12/algorithm \
-  /usr/include/c++/12/bits/stl_algo.h \
-  /usr/include/c++/12/bits/algorithmfwd.h \
-  /usr/include/c++/12/bits/stl_heap.h \
-  /usr/include/c++/12/bits/uniform_int_dist.h \
   /usr/include/c++/12/pstl/glue_algorithm_defs.h \
   /usr/include/c++/12/atomic \
   /usr/include/c++/12/cassert \
@@ -442,15 +459,6 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
   /usr/include/c++/12/bits/ostream.tcc \
   /usr/include/c++/12/bits/istream.tcc \
   /usr/include/c++/12/bits/sstream.tcc \
-  /usr/include/c++/12/functional \
-  /usr/include/c++/12/bits/std_function.h \
-  /usr/include/c++/12/unordered_map \
-  /usr/include/c++/12/bits/hashtable.h \
-  /usr/include/c++/12/bits/hashtable_policy.h \
-  /usr/include/c++/12/bits/enable_special_members.h \
-  /usr/include/c++/12/bits/unordered_map.h \
-  /usr/include/c++/12/array \
-  /usr/include/c++/12/compare \
   /usr/include/c++/12/iostream \
   /usr/include/c++/12/numeric \
   /usr/include/c++/12/bits/stl_numeric.h \
@@ -473,16 +481,6 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 /usr/include/c++/12/bits/stl_numeric.h:
 
 /usr/include/c++/12/numeric:
-
-/usr/include/c++/12/compare:
-
-/usr/include/c++/12/array:
-
-/usr/include/c++/12/bits/unordered_map.h:
-
-/usr/include/c++/12/unordered_map:
-
-/usr/include/c++/12/bits/std_function.h:
 
 /usr/include/c++/12/bits/sstream.tcc:
 
@@ -522,17 +520,31 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 
 /work/main/.venv-py311/lib/python3.11/site-packages/jaxlib/include/xla/ffi/api/ffi.h:
 
-/usr/include/c++/12/bits/hashtable_policy.h:
-
-/work/main/.venv-py311/lib/python3.11/site-packages/jaxlib/include/xla/ffi/api/c_api.h:
-
 /work/wt11/cpp/python/ffi_capsule.h:
+
+/work/wt11/cpp/host/host_clique.h:
+
+/work/wt11/cpp/host/host_site.h:
 
 /work/wt11/cpp/core/exchange.h:
 
-/usr/include/c++/12/bits/std_mutex.h:
+/work/wt11/cpp/core/program.h:
 
-/usr/include/c++/12/bits/parse_numbers.h:
+/usr/include/c++/12/compare:
+
+/usr/include/c++/12/array:
+
+/usr/include/c++/12/bits/unordered_map.h:
+
+/work/main/.venv-py311/lib/python3.11/site-packages/jaxlib/include/xla/ffi/api/c_api.h:
+
+/usr/include/c++/12/bits/hashtable_policy.h:
+
+/usr/include/c++/12/unordered_map:
+
+/usr/include/c++/12/bits/std_function.h:
+
+/usr/include/c++/12/bits/std_mutex.h:
 
 /usr/include/c++/12/system_error:
 
@@ -556,6 +568,8 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 
 /usr/include/c++/12/bits/stl_tempbuf.h:
 
+/usr/include/c++/12/bits/parse_numbers.h:
+
 /usr/include/c++/12/bits/stl_bvector.h:
 
 /usr/include/c++/12/bits/stl_vector.h:
@@ -569,6 +583,8 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 /work/main/.venv-py311/lib/python3.11/site-packages/nanobind/include/nanobind/stl/string.h:
 
 /usr/include/c++/12/bits/erase_if.h:
+
+/usr/include/c++/12/condition_variable:
 
 /usr/include/c++/12/bits/stl_multimap.h:
 
@@ -661,6 +677,8 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 /usr/include/c++/12/bits/hash_bytes.h:
 
 /usr/include/c++/12/bits/exception_ptr.h:
+
+/work/wt11/cpp/core/clique.h:
 
 /usr/include/c++/12/bits/exception.h:
 
@@ -869,6 +887,8 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 /usr/include/c++/12/bits/stringfwd.h:
 
 /usr/include/x86_64-linux-gnu/bits/types/struct_statx.h:
+
+/usr/include/c++/12/chrono:
 
 /usr/include/x86_64-linux-gnu/bits/waitflags.h:
 
@@ -1342,6 +1362,8 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 
 /usr/include/x86_64-linux-gnu/bits/types/struct_sched_param.h:
 
+/work/wt11/cpp/core/call.h:
+
 /root/.pyenv/versions/3.11.7/include/python3.11/cpython/weakrefobject.h:
 
 /usr/include/c++/12/iterator:
@@ -1371,6 +1393,8 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: /work/wt11/cpp
 /usr/include/wctype.h:
 
 /usr/include/sched.h:
+
+/work/wt11/cpp/host/workers.h:
 
 /usr/include/x86_64-linux-gnu/bits/sched.h:
 

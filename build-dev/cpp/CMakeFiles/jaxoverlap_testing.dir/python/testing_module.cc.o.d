@@ -326,8 +326,10 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: \
  /usr/include/c++/12/vector /usr/include/c++/12/bits/stl_uninitialized.h \
  /usr/include/c++/12/bits/stl_vector.h \
  /usr/include/c++/12/bits/stl_bvector.h \
- /usr/include/c++/12/bits/vector.tcc /usr/include/c++/12/memory \
- /usr/include/c++/12/bits/stl_tempbuf.h \
+ /usr/include/c++/12/bits/vector.tcc /usr/include/c++/12/chrono \
+ /usr/include/c++/12/bits/chrono.h /usr/include/c++/12/ratio \
+ /usr/include/c++/12/ctime /usr/include/c++/12/bits/parse_numbers.h \
+ /usr/include/c++/12/memory /usr/include/c++/12/bits/stl_tempbuf.h \
  /usr/include/c++/12/bits/stl_raw_storage_iter.h \
  /usr/include/c++/12/bits/align.h /usr/include/c++/12/bit \
  /usr/include/c++/12/bits/unique_ptr.h \
@@ -348,18 +350,26 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: \
  /usr/include/c++/12/pstl/execution_defs.h /usr/include/c++/12/mutex \
  /usr/include/c++/12/system_error \
  /usr/include/x86_64-linux-gnu/c++/12/bits/error_constants.h \
- /usr/include/c++/12/bits/chrono.h /usr/include/c++/12/ratio \
- /usr/include/c++/12/ctime /usr/include/c++/12/bits/parse_numbers.h \
  /usr/include/c++/12/bits/std_mutex.h \
- /usr/include/c++/12/bits/unique_lock.h /work/wt11/cpp/core/exchange.h \
- /work/wt11/cpp/core/status.h /work/wt11/cpp/python/ffi_capsule.h \
+ /usr/include/c++/12/bits/unique_lock.h /work/wt11/cpp/core/call.h \
+ /work/wt11/cpp/core/clique.h /usr/include/c++/12/functional \
+ /usr/include/c++/12/bits/std_function.h \
+ /usr/include/c++/12/unordered_map /usr/include/c++/12/bits/hashtable.h \
+ /usr/include/c++/12/bits/hashtable_policy.h \
+ /usr/include/c++/12/bits/enable_special_members.h \
+ /usr/include/c++/12/bits/unordered_map.h /usr/include/c++/12/array \
+ /usr/include/c++/12/compare /usr/include/c++/12/bits/stl_algo.h \
+ /usr/include/c++/12/bits/algorithmfwd.h \
+ /usr/include/c++/12/bits/stl_heap.h \
+ /usr/include/c++/12/bits/uniform_int_dist.h /work/wt11/cpp/core/status.h \
+ /work/wt11/cpp/core/program.h /work/wt11/cpp/core/exchange.h \
+ /work/wt11/cpp/host/host_site.h /work/wt11/cpp/host/host_clique.h \
+ /usr/include/c++/12/condition_variable /work/wt11/cpp/host/workers.h \
+ /work/wt11/cpp/python/ffi_capsule.h \
  /work/main/.venv-py311/lib/python3.11/site-packages/jaxlib/include/xla/ffi/api/c_api.h \
  /work/wt11/cpp/python/py_exchange.h \
  /work/main/.venv-py311/lib/python3.11/site-packages/jaxlib/include/xla/ffi/api/ffi.h \
- /usr/include/c++/12/algorithm /usr/include/c++/12/bits/stl_algo.h \
- /usr/include/c++/12/bits/algorithmfwd.h \
- /usr/include/c++/12/bits/stl_heap.h \
- /usr/include/c++/12/bits/uniform_int_dist.h \
+ /usr/include/c++/12/algorithm \
  /usr/include/c++/12/pstl/glue_algorithm_defs.h \
  /usr/include/c++/12/atomic /usr/include/c++/12/cassert \
  /usr/include/c++/12/complex /usr/include/c++/12/sstream \
@@ -378,13 +388,7 @@ cpp/CMakeFiles/jaxoverlap_testing.dir/python/testing_module.cc.o: \
  /usr/include/c++/12/bits/basic_ios.tcc /usr/include/c++/12/ostream \
  /usr/include/c++/12/bits/ostream.tcc \
  /usr/include/c++/12/bits/istream.tcc \
- /usr/include/c++/12/bits/sstream.tcc /usr/include/c++/12/functional \
- /usr/include/c++/12/bits/std_function.h \
- /usr/include/c++/12/unordered_map /usr/include/c++/12/bits/hashtable.h \
- /usr/include/c++/12/bits/hashtable_policy.h \
- /usr/include/c++/12/bits/enable_special_members.h \
- /usr/include/c++/12/bits/unordered_map.h /usr/include/c++/12/array \
- /usr/include/c++/12/compare /usr/include/c++/12/iostream \
+ /usr/include/c++/12/bits/sstream.tcc /usr/include/c++/12/iostream \
  /usr/include/c++/12/numeric /usr/include/c++/12/bits/stl_numeric.h \
  /usr/include/c++/12/pstl/glue_numeric_defs.h \
  /usr/include/c++/12/optional /usr/include/c++/12/variant \
