@@ -1,2 +1,0 @@
-# Empty dependencies file for jaxoverlap_testing.
-# This may be replaced when dependencies are built.

@@ -1,2 +1,0 @@
-# Empty dependencies file for nanobind-static.
-# This may be replaced when dependencies are built.

@@ -1,2 +1,0 @@
-# Empty dependencies file for _cuda_fake.
-# This may be replaced when dependencies are built.
