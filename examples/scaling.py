@@ -3,9 +3,13 @@
     python examples/scaling.py                       # the `make demo` run: host devices, short
     python examples/scaling.py --tp 2 4 8 --rows 1024 4096 --hidden 1024 --ffn 4096 \\
         --dtype bfloat16 --repeats 20 --out results/gpu
+    python examples/scaling.py --no-sequence-parallel  # the MLP ending in GEMM+AR
 
 The block is ``jaxoverlap.flax.linen.ParallelMLP`` (AG+GEMM -> gelu -> GEMM+RS)
-on ``[batch, rows, hidden]`` inputs sharded on the rows. Every configuration
+on ``[batch, rows, hidden]`` inputs sharded on the rows. With
+``--no-sequence-parallel`` it is the MLP with ``sequence_parallel=False``: a
+replicated input, a local GEMM -> gelu -> GEMM+AR (``jaxoverlap.matmul_ar``),
+a replicated output. Every configuration
 is timed side by side in one run (warm-up, then repeats; the median is
 reported) and compared with the unfused ``"xla"`` impl, so the ratios mean
 something even on a noisy machine. Results go to ``--out`` (default
@@ -41,6 +45,9 @@ def _parse(argv):
     p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--chunks", type=int, default=None, help="sub-chunks per shard (jo.config)")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="time the MLP with sequence_parallel=False (replicated input, GEMM + "
+                        "all-reduce in the row-parallel layer)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("results"),
@@ -113,8 +120,9 @@ def _plot(results: list[dict], rows_list: list[int], meta: dict, path: Path) -> 
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend()
+    kind = "" if meta["sequence_parallel"] else ", no sequence parallelism: GEMM+AR"
     fig.suptitle(f"jaxoverlap ParallelMLP on {meta['devices']} x {meta['platform']} "
-                 f"({meta['dtype']})")
+                 f"({meta['dtype']}{kind})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -150,12 +158,15 @@ def main(argv=None) -> int:
         jaxoverlap=jo.__version__, jax=jax.__version__, platform=platform,
         devices=len(devices), device_kind=devices[0].device_kind, dtype=dtype.name,
         batch=args.batch, hidden=args.hidden, ffn=args.ffn, chunks=args.chunks,
+        sequence_parallel=args.sequence_parallel,
         warmup=args.warmup, repeats=args.repeats,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     print(f"jaxoverlap {jo.__version__} on {len(devices)} {platform} devices "
           f"(jax {jax.__version__}); dtype {dtype.name}; batch {args.batch}, hidden "
-          f"{args.hidden}, ffn {args.ffn}; tp {args.tp}, rows {args.rows}; impls {args.impls}")
+          f"{args.hidden}, ffn {args.ffn}; tp {args.tp}, rows {args.rows}; impls {args.impls}; "
+          + ("sequence parallel (AG+GEMM, GEMM+RS)" if args.sequence_parallel
+             else "no sequence parallelism (GEMM+AR)"))
 
     def make_step(model):
         def loss(params, x):
@@ -171,8 +182,9 @@ def main(argv=None) -> int:
             reason = None
             if tp > len(devices):
                 reason = f"only {len(devices)} devices"
-            elif rows % tp or args.ffn % tp:
-                reason = f"rows={rows} and ffn={args.ffn} must be multiples of tp={tp}"
+            elif (rows if args.sequence_parallel else args.batch * rows) % tp or args.ffn % tp:
+                what = "rows" if args.sequence_parallel else "batch * rows"
+                reason = f"{what} and ffn={args.ffn} must be multiples of tp={tp}"
             if reason is not None:
                 for impl in args.impls:
                     skipped.append(dict(tp=tp, rows=rows, impl=impl, reason=reason))
@@ -182,11 +194,11 @@ def main(argv=None) -> int:
             rng = np.random.default_rng(0)
             x = jax.device_put(
                 jnp.asarray(rng.standard_normal((args.batch, rows, args.hidden)), dtype),
-                NamedSharding(mesh, P(None, "tp", None)))
+                NamedSharding(mesh, P(None, "tp" if args.sequence_parallel else None, None)))
             times: dict[str, list[float]] = {}
             for impl in args.impls:
                 model = ParallelMLP(args.ffn, dtype=dtype, param_dtype=dtype, impl=impl,
-                                    mesh=mesh)
+                                    sequence_parallel=args.sequence_parallel, mesh=mesh)
                 try:
                     with jo.config(chunks=args.chunks):
                         params = jax.jit(model.init)(jax.random.key(0), x)

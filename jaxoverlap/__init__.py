@@ -17,6 +17,7 @@ from jaxoverlap._config import current_config as current_config
 from jaxoverlap._info import info as info
 from jaxoverlap.ops import NativeUnavailableError as NativeUnavailableError
 from jaxoverlap.ops import ag_matmul as ag_matmul
+from jaxoverlap.ops import matmul_ar as matmul_ar
 from jaxoverlap.ops import matmul_rs as matmul_rs
 
 __version__ = "0.1.0"
@@ -27,5 +28,6 @@ __all__ = [
     "config",
     "current_config",
     "info",
+    "matmul_ar",
     "matmul_rs",
 ]

@@ -43,6 +43,8 @@ def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
     """The per-rank problem of docs/native.md §1: (batch, rows, k, n)."""
     from jaxoverlap.sim import Shape
 
+    if op == "matmul_ar":  # every dim of x but the last is a row, in N blocks
+        return Shape(1, math.prod(x_shape[:-1]) // n, x_shape[-1], w_shape[1])
     batch = math.prod(x_shape[:axis])
     rows = math.prod(x_shape[axis:-1])
     if op == "matmul_rs":

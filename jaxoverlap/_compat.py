@@ -8,12 +8,29 @@ from jax.sharding import AbstractMesh, Mesh
 
 
 def varying_axes(x) -> frozenset[str]:
-    """The manual mesh axes along which ``x`` varies (empty outside shard_map or unchecked)."""
-    aval = jax.typeof(x)
+    """The manual mesh axes along which ``x`` (a value or an abstract value) varies (empty
+    outside shard_map or unchecked)."""
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+def with_varying(aval, axes: frozenset):
+    """``aval`` varying over exactly ``axes`` (a primitive's result type under check_vma)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return aval.update(manual_axis_type=mat.update(varying=frozenset(axes)))
+    return aval.update(vma=frozenset(axes))
+
+
+def check_vma_active() -> bool:
+    """True while tracing the body of a shard_map with ``check_vma=True`` (JAX then tracks
+    which values vary over which manual axes, and transposes collectives accordingly)."""
+    from jax._src import config
+
+    return bool(config._check_vma.value)
 
 
 def match_varying(ct, primal_axes: frozenset):

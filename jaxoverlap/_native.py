@@ -1,13 +1,14 @@
 """The native path: a JAX primitive lowered to the XLA FFI custom calls of the executors.
 
-Call ``ag_matmul_shard`` / ``matmul_rs_shard`` inside ``jax.shard_map`` on local shards
-(argument validation is ``ops.py``'s job; this module only asserts its own invariants). They
-bind one primitive; its lowering rule is where a native call gets its identity: it reads the
-concrete mesh from the lowering context (the mesh ``shard_map`` lowers for, known there even
-when the trace saw only the abstract mesh), describes the call once (``_native_call``: rank
-table, clique, transport), sets up cliques spanning processes (``_bootstrap``) and emits the
-custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host executor;
-``jaxoverlap_cuda_*`` on GPU, the CUDA executor). docs/native.md follows one call through.
+Call ``ag_matmul_shard`` / ``matmul_rs_shard`` / ``matmul_ar_shard`` inside ``jax.shard_map``
+on local shards (argument validation is ``ops.py``'s job; this module only asserts its own
+invariants). They bind one primitive; its lowering rule is where a native call gets its
+identity: it reads the concrete mesh from the lowering context (the mesh ``shard_map`` lowers
+for, known there even when the trace saw only the abstract mesh), describes the call once
+(``_native_call``: rank table, clique, transport), sets up cliques spanning processes
+(``_bootstrap``) and emits the custom call of the platform it lowers for (``jaxoverlap_*``
+on CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA executor). docs/native.md
+follows one call through.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
 from jaxoverlap import _bootstrap, _native_call, _runtime
+from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._config import timeout_ms
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+OPS = ("ag_matmul", "matmul_rs", "matmul_ar")  # the `op` attribute is the index
 _TARGETS = {
-    "cpu": {"ag_matmul": "jaxoverlap_ag_matmul", "matmul_rs": "jaxoverlap_matmul_rs"},
-    "cuda": {"ag_matmul": "jaxoverlap_cuda_ag_matmul", "matmul_rs": "jaxoverlap_cuda_matmul_rs"},
+    "cpu": {op: f"jaxoverlap_{op}" for op in OPS},
+    "cuda": {op: f"jaxoverlap_cuda_{op}" for op in OPS},
 }
 
 _lock = threading.Lock()
@@ -137,10 +140,14 @@ native_p = core.Primitive("jaxoverlap_native")
 native_p.multiple_results = True
 
 
-def _abstract_eval(x, w, coords, *, op, axis, axis_size, return_gathered, **_):
+def _abstract_eval(x, w, coords, *, op, axis_name, axis, axis_size, return_gathered, **_):
     # The results vary over the same manual axes as x (an x_gathered too, although every rank
-    # holds the same values: the type system cannot prove it).
+    # holds the same values: the type system cannot prove it); matmul_ar's sum is the same on
+    # every rank of axis_name, as psum's.
     shape = list(x.shape)
+    if op == "matmul_ar":
+        y = x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)
+        return [with_varying(y, (varying_axes(x) | varying_axes(w)) - {axis_name})]
     if op == "ag_matmul":
         shape[axis] *= axis_size
         outs = [x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)]
@@ -206,7 +213,7 @@ def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirec
     if platform != "cpu":  # the GPU handler finds its rank in the table, never in device memory
         operands, ctx = operands[:2], ctx.replace(avals_in=ctx.avals_in[:2])
     # Attributes carry the exact C++ types of the handler binding.
-    return rule(ctx, *operands, op=np.int32(("ag_matmul", "matmul_rs").index(op)),
+    return rule(ctx, *operands, op=np.int32(OPS.index(op)),
                 axis=np.int64(axis), axis_size=np.int64(axis_size),
                 transport=np.int32(transports().index(call.transport)),
                 chunks=np.int64(chunks), bidirectional=bool(bidirectional),
@@ -273,6 +280,17 @@ def matmul_rs_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidi
                     timeout_s=120.0, preferred=None):
     """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local shards."""
     (y,) = _bind("matmul_rs", x, w, axis_name=axis_name, axis=axis, transport=transport,
+                 chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
+                 preferred=preferred)
+    return y
+
+
+def matmul_ar_shard(x, w, *, axis_name, transport="auto", chunks=1, bidirectional=False,
+                    timeout_s=120.0, preferred=None):
+    """``psum(x @ w, axis_name)`` on local shards; the result is typed invariant over
+    ``axis_name`` (as psum's). The rows (every dim of x but the last) split into
+    ``lax.axis_size(axis_name)`` blocks."""
+    (y,) = _bind("matmul_ar", x, w, axis_name=axis_name, axis=0, transport=transport,
                  chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
                  preferred=preferred)
     return y

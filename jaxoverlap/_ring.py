@@ -16,6 +16,10 @@ Ring arithmetic (N ranks, rank r):
   (r + F - t) mod N, adds the accumulator received from r-1 and passes it on;
   after F hops rank r holds chunk r summed over r-F..r. Bidirectional: the
   backward ring brings the sum over r+1..r+B the other way.
+* GEMM+AR: the GEMM+RS ring over the rows of x (every dim but the last), then
+  the reduced blocks travel round the ring as AG+GEMM's shards do; each
+  sub-chunk's gather depends only on its own reduction, so it can overlap the
+  GEMMs of the later sub-chunks.
 
 Rows are addressed on ``axis`` directly (dims before it act as a batch), so no
 transposes are needed for any ``axis``. ``chunks`` splits each shard into
@@ -25,10 +29,13 @@ sooner.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxoverlap._invariant import mark_invariant
 from jaxoverlap._plan import Plan
 from jaxoverlap._xla import local_matmul
 
@@ -53,18 +60,36 @@ def _split(x: jax.Array, plan: Plan) -> list[jax.Array]:
     ]
 
 
+def _ring_gather(local: list[jax.Array], plan: Plan, state, consume):
+    """Sends the pieces ``local`` round the ring; ``state = consume(state, pieces, shard)``
+    for the own shard, then for every shard as it arrives. Returns the final state."""
+    n = plan.n
+    rank = lax.axis_index(plan.axis_name)
+    state = consume(state, local, rank)
+    forward_hops, backward_hops = _ring_lengths(plan)
+    forward = backward = local
+    for t in range(1, max(forward_hops, backward_hops) + 1):
+        if t <= forward_hops:
+            forward = [_shift(p, plan, +1) for p in forward]
+            state = consume(state, forward, (rank - t) % n)
+        if t <= backward_hops:
+            backward = [_shift(p, plan, -1) for p in backward]
+            state = consume(state, backward, (rank + t) % n)
+    return state
+
+
 def ag_matmul(x: jax.Array, w: jax.Array, plan: Plan, want_gathered: bool):
     """y = all_gather(x) @ w as a ring; also returns the gathered x if asked."""
     n, axis = plan.n, plan.axis
     rows = x.shape[axis]
     piece_rows = rows // plan.chunks
-    rank = lax.axis_index(plan.axis_name)
     y_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
     y = jnp.zeros(y_shape, x.dtype)
     gathered_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 :]
     gathered = jnp.zeros(gathered_shape, x.dtype) if want_gathered else None
 
-    def consume(y, gathered, pieces, shard):
+    def consume(state, pieces, shard):
+        y, gathered = state
         for k, piece in enumerate(pieces):
             start = shard * rows + k * piece_rows
             y = lax.dynamic_update_slice_in_dim(y, local_matmul(piece, w), start, axis)
@@ -72,22 +97,36 @@ def ag_matmul(x: jax.Array, w: jax.Array, plan: Plan, want_gathered: bool):
                 gathered = lax.dynamic_update_slice_in_dim(gathered, piece, start, axis)
         return y, gathered
 
-    local = _split(x, plan)
-    y, gathered = consume(y, gathered, local, rank)
-    forward_hops, backward_hops = _ring_lengths(plan)
-    forward = backward = local
-    for t in range(1, max(forward_hops, backward_hops) + 1):
-        if t <= forward_hops:
-            forward = [_shift(p, plan, +1) for p in forward]
-            y, gathered = consume(y, gathered, forward, (rank - t) % n)
-        if t <= backward_hops:
-            backward = [_shift(p, plan, -1) for p in backward]
-            y, gathered = consume(y, gathered, backward, (rank + t) % n)
-    return y, gathered
+    return _ring_gather(_split(x, plan), plan, (y, gathered), consume)
 
 
 def matmul_rs(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
     """y = psum_scatter(x @ w) as a ring of partial sums."""
+    pieces = _reduce_scatter(x, w, plan)
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=plan.axis)
+
+
+def matmul_ar(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+    """y = psum(x @ w): the reduce-scatter ring over x's rows, then a ring all-gather of the
+    reduced blocks; typed invariant over the axis, as psum's result."""
+    n = plan.n
+    rows = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])          # every dim but the last is a row
+    block = flat.shape[0] // n
+    piece_rows = block // plan.chunks
+    rows_plan = dataclasses.replace(plan, axis=0)
+    y = jnp.zeros((flat.shape[0], w.shape[1]), x.dtype)
+    for k, piece in enumerate(_reduce_scatter(flat, w, rows_plan)):
+        # Sub-chunk k goes round on its own, as soon as it is reduced.
+        def place(y, pieces, owner, k=k):
+            return lax.dynamic_update_slice_in_dim(y, pieces[0], owner * block + k * piece_rows,
+                                                   0)
+        y = _ring_gather([piece], rows_plan, y, place)
+    return mark_invariant(y.reshape(*rows, w.shape[1]), plan.axis_name)
+
+
+def _reduce_scatter(x: jax.Array, w: jax.Array, plan: Plan) -> list[jax.Array]:
+    """The rank's row block of psum(x @ w) along ``plan.axis``, as ``plan.chunks`` pieces."""
     n, axis = plan.n, plan.axis
     rows = x.shape[axis] // n
     piece_rows = rows // plan.chunks
@@ -117,4 +156,4 @@ def matmul_rs(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
             back = _shift(back, plan, -1)
             acc = (acc.astype(jnp.float32) + back.astype(jnp.float32)).astype(x.dtype)
         pieces.append(acc)
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
+    return pieces

@@ -6,6 +6,8 @@ Global layouts (README, "The API on one screen"):
   w ``[K, N]`` sharded on dim 1 -> y ``[.., S, .., N]`` sharded on its last dim.
 * ``matmul_rs``: x ``[.., S, .., F]`` sharded on its last dim, w ``[F, N]``
   sharded on dim 0 -> y ``[.., S, .., N]`` sharded on ``axis``.
+* ``matmul_ar``: x ``[.., S, .., F]`` sharded on its last dim, w ``[F, N]``
+  sharded on dim 0 -> y ``[.., S, .., N]`` replicated over ``axis_name``.
 
 Mesh axes that x carries on its other dims (data parallel on a batch dim) pass
 through to y. Under ``Explicit`` mesh axes the inputs are resharded to these
@@ -134,5 +136,17 @@ def matmul_rs_global(local_op: Callable, x, w, axis_name, axis: int, mesh):
     x_spec = P(*batch[:-1], axis_name)
     w_spec = P(axis_name, None)
     y_spec = P(*[axis_name if d == axis else e for d, e in enumerate(batch)])
+    fn = jax.shard_map(local_op, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)
+    return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
+
+
+def matmul_ar_global(local_op: Callable, x, w, axis_name, mesh):
+    op = "matmul_ar"
+    n = mesh.shape[axis_name]
+    _check_divisible(op, "x.shape[-1]", x.shape[-1], n, axis_name, "contraction features")
+    batch = _batch_entries(op, x, mesh, axis_name, x.ndim - 1)
+    x_spec = P(*batch[:-1], axis_name)
+    w_spec = P(axis_name, None)
+    y_spec = P(*batch)  # the last dim free: y is the same on every rank of axis_name
     fn = jax.shard_map(local_op, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=y_spec)
     return fn(_place(x, mesh, x_spec), _place(w, mesh, w_spec))

@@ -1,17 +1,19 @@
-"""The two public ops: argument checks, autodiff, and the choice of implementation.
+"""The public ops: argument checks, autodiff, and the choice of implementation.
 
-Both ops work on local shards inside ``jax.shard_map`` (where ``axis_name`` is
+The ops work on local shards inside ``jax.shard_map`` (where ``axis_name`` is
 bound) and on global arrays outside it (they then wrap themselves in
 ``shard_map``, see ``_spmd``). Every misuse is reported here, at trace time,
 naming the argument and the fix, before any implementation runs.
 
-Autodiff pairs the two ops: the backward pass of AG+GEMM is a GEMM+RS and vice
-versa, so the backward pass is overlapped by the same implementation.
+Autodiff pairs AG+GEMM and GEMM+RS: the backward pass of one is the other, so
+the backward pass is overlapped by the same implementation. GEMM+AR's result is
+replicated, so its backward pass is two local GEMMs on the cotangent.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxoverlap import _choose, _ring, _spmd, _xla
-from jaxoverlap._compat import bound_axis_size, match_varying, varying_axes
+from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
 from jaxoverlap._config import (
     check_bidirectional,
     check_chunks,
@@ -180,8 +182,10 @@ def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> s
 
 def _make_plan(
     op: str, x, w, axis_name, n: int, axis: int, rows_per_shard: int,
-    impl: Any, transport: Any, chunks: Any, bidirectional: Any,
+    impl: Any, transport: Any, chunks: Any, bidirectional: Any, rows_what: str | None = None,
 ) -> Plan:
+    """The plan of one call site. ``rows_what`` names the ``rows_per_shard`` rows that
+    ``chunks`` must divide (default: those each rank holds on ``axis``)."""
     check_impl(impl)
     check_transport(transport)
     check_chunks(chunks)
@@ -194,9 +198,10 @@ def _make_plan(
     if chunks is None and settings.chunks is not None:
         chunks, source = settings.chunks, "chunks (from jo.config / JAXOVERLAP_CHUNKS)"
     if chunks is not None and rows_per_shard % chunks:
+        what = rows_what or f"rows each rank holds on axis {axis}"
         raise ValueError(
-            f"{op}: {source}={chunks} does not divide the {rows_per_shard} rows each rank holds "
-            f"on axis {axis}; pick a divisor of {rows_per_shard}."
+            f"{op}: {source}={chunks} does not divide the {rows_per_shard} {what}; pick a "
+            f"divisor of {rows_per_shard}."
         )
     if bidirectional is None:
         bidirectional = settings.bidirectional
@@ -287,6 +292,16 @@ def _run_rs(x, w, plan: Plan):
     return _native().matmul_rs_shard(x, w, **_native_args(plan))
 
 
+def _run_ar(x, w, plan: Plan):
+    if plan.impl == "xla":
+        return _xla.matmul_ar(x, w, plan)
+    if plan.impl == "ring":
+        return _ring.matmul_ar(x, w, plan)
+    args = _native_args(plan)
+    del args["axis"]  # matmul_ar splits all of x's rows
+    return _native().matmul_ar_shard(x, w, **args)
+
+
 def _native_args(plan: Plan) -> dict:
     return dict(axis_name=plan.axis_name, axis=plan.axis, transport=plan.transport,
                 preferred=plan.preferred, chunks=plan.chunks, bidirectional=plan.bidirectional,
@@ -350,6 +365,33 @@ def _matmul_rs_bwd(plan, types, res, dy):
 
 
 _matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul_ar(x, w, plan: Plan, types: tuple, typed: bool):
+    return _run_ar(x, w, plan)
+
+
+def _matmul_ar_fwd(x, w, plan, types, typed):
+    return _run_ar(x, w, plan), (x, w)
+
+
+def _matmul_ar_bwd(plan, types, typed, res, dy):
+    x, w = res
+    x_type, w_type = types
+    # y is the same on every rank, so its cotangent goes straight into the GEMMs:
+    # dX = dY @ Wᵀ, dW = Xᵀ·dY. Under check_vma=True dY is that cotangent (invariant, as
+    # psum's transpose would take it: no communication). Under check_vma=False JAX hands each
+    # rank a share of a replicated value's cotangent; the shares are summed first, as JAX's
+    # own transpose of psum does there.
+    if not typed:
+        dy = lax.psum(dy, plan.axis_name)
+    dx = _xla.local_matmul(dy, w.T)
+    dw = _weight_grad(x, dy, w.dtype)
+    return match_varying(dx, x_type), match_varying(dw, w_type)
+
+
+_matmul_ar.defvjp(_matmul_ar_fwd, _matmul_ar_bwd)
 
 
 def _types(*arrays) -> tuple[frozenset, ...]:
@@ -440,3 +482,80 @@ def matmul_rs(
     plan = _make_plan(op, x, w, axis_name, n, axis, x.shape[axis] // n, impl, transport, chunks,
                       bidirectional)
     return _matmul_rs(x, w, plan, _types(x, w))
+
+
+def matmul_ar(
+    x: jax.Array,
+    w: jax.Array,
+    axis_name: str,
+    *,
+    impl: str = "auto",
+    transport: str | None = None,
+    chunks: int | None = None,
+    bidirectional: bool | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+):
+    """Multiply ``x`` by ``w``, then all-reduce (sum) the product over ``axis_name``.
+
+    Equals ``psum(x @ w, axis_name)`` with the reduction hidden behind the multiply.
+    Inside ``shard_map`` x is ``[.., S, .., Kf]`` with Kf the local slice of the
+    contraction and w is ``[Kf, Nw]``; y ``[.., S, .., Nw]`` is the same on every rank
+    of ``axis_name`` (typed invariant over it, as psum's result). Outside it they are
+    global arrays (see ``_spmd``). The fused impls split the rows of x — every dim
+    but the last — into N blocks (a reduce-scatter ring, then an all-gather ring of
+    the reduced blocks; or a reduction in the switch with multicast), so their
+    number must divide by N; ``impl="auto"`` falls back to ``"xla"`` when it does not.
+
+    Autodiff: the backward pass takes the replicated cotangent straight into the
+    GEMMs, dx = dy @ wᵀ and dw = xᵀ·dy, with no communication under
+    ``check_vma=True``; under ``check_vma=False`` each rank's share of the cotangent
+    is summed first, as JAX's transpose of ``psum`` does there.
+    """
+    op = "matmul_ar"
+    _check_axis_name(op, axis_name)
+    _check_mesh(op, mesh)
+    _check_operands(op, x, w, 0)
+    n = bound_axis_size(axis_name)
+    if n is None:
+        mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
+        local = functools.partial(
+            matmul_ar, axis_name=axis_name, impl=impl, transport=transport, chunks=chunks,
+            bidirectional=bidirectional,
+        )
+        return _spmd.matmul_ar_global(local, x, w, axis_name, mesh)
+    rows = math.prod(x.shape[:-1])
+    if rows % n:
+        plan = _unsplittable_plan(op, x, axis_name, n, rows, impl, transport, chunks,
+                                  bidirectional)
+    else:
+        plan = _make_plan(op, x, w, axis_name, n, 0, rows // n, impl, transport, chunks,
+                          bidirectional,
+                          rows_what=f"rows of each rank's block (x's {rows} rows, every dim "
+                                    f"but the last, over the {n} ranks of {axis_name!r})")
+    typed = check_vma_active()
+    if typed:
+        # The sum over ranks of x_r @ w_r, as psum sums an invariant operand's N copies.
+        x, w = (a if axis_name in varying_axes(a) else lax.pcast(a, (axis_name,), to="varying")
+                for a in (x, w))
+    if plan.impl == "xla":
+        return _run_ar(x, w, plan)  # dot + psum: JAX differentiates it
+    return _matmul_ar(x, w, plan, _types(x, w), typed)
+
+
+def _unsplittable_plan(op, x, axis_name, n, rows, impl, transport, chunks, bidirectional) -> Plan:
+    """The unfused plan for rows that do not split into N blocks; a fused impl asked for
+    (as an argument or by jo.config) is an error naming the shape."""
+    check_impl(impl)
+    check_transport(transport)
+    check_chunks(chunks)
+    check_bidirectional(bidirectional)
+    settings = current_config()
+    asked = impl if impl != "auto" else settings.impl
+    if asked in ("ring", "native") or transport not in (None, "auto"):
+        what = f"impl={asked!r}" if asked in ("ring", "native") else f"transport={transport!r}"
+        raise ValueError(
+            f"{op}: {what} splits the rows of x (every dim but the last: {rows} for shape "
+            f"{tuple(x.shape)}) into one block per rank of {axis_name!r} ({n}), but {rows} is "
+            f"not divisible by {n}. Pad the rows to a multiple of {n}, or use impl='xla'."
+        )
+    return Plan(impl="xla", axis_name=axis_name, axis=0, n=n, timeout_s=settings.timeout_s)

@@ -41,10 +41,19 @@ Status BuildProgram(const Problem& q, Program* program) {
   } else {
     RingSteps(q.nranks, q.bidirectional, &program->cw_steps, &program->ccw_steps);
   }
-  if (q.op == Collective::kAgMatmul) {
-    JO_CHECK(internal::BuildAgMatmul(program));
-  } else {
-    JO_CHECK(internal::BuildMatmulRs(program));
+  switch (q.op) {
+    case Collective::kAgMatmul:
+      JO_CHECK(internal::BuildAgMatmul(program));
+      break;
+    case Collective::kMatmulRs:
+      JO_CHECK(internal::BuildMatmulRs(program));
+      break;
+    case Collective::kMatmulAr:
+      JO_CHECK(internal::BuildMatmulAr(program));
+      break;
+    default:
+      return InvalidArgument(op + ": unknown collective " +
+                             std::to_string(static_cast<int32_t>(q.op)));
   }
   // Everything the program touches lies inside the sizes it declares.
   return CheckProgram(*program, BufferSizes::Of(*program));

@@ -10,7 +10,11 @@
 //  * multicast: AG stores each shard once into every rank's workspace; RS
 //    writes all partials into the own workspace and rank r load-reduces its
 //    row block over all ranks.
-// Each shard (AG) or row block (RS) is split into `chunks` sub-chunks of
+//  * GEMM+AR: the RS ring followed by an all-gather ring of the reduced
+//    blocks (each rank sends 2(N-1) blocks, the ring all-reduce bound); on
+//    multicast, rank r load-reduces row block r and stores the result to
+//    every rank (build_ar.cc).
+// Each shard (AG) or row block (RS, AR) is split into `chunks` sub-chunks of
 // rows that move and multiply separately, so the pipeline fills sooner.
 #pragma once
 

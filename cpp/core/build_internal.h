@@ -1,6 +1,8 @@
 // Helpers shared by the builders (not part of the core's interface).
 #pragma once
 
+#include <vector>
+
 #include "core/program.h"
 #include "core/status.h"
 
@@ -76,5 +78,25 @@ class Emitter {
 
 Status BuildAgMatmul(Program* program);
 Status BuildMatmulRs(Program* program);
+Status BuildMatmulAr(Program* program);
+
+// Pieces shared by GEMM+RS and GEMM+AR (build_rs.cc).
+
+// One rank (RS and AR alike): y = x @ w, sub-chunk by sub-chunk.
+Status BuildSingleRank(Program* program, Emitter& e);
+
+// Where the reduce-scatter ring leaves row block `rank` of the sum: at row
+// `y_row0` of each batch of `y_rows` rows of Y (RS: {0, rows}; AR: {rank *
+// rows, nranks * rows}).
+struct RsTarget {
+  int64_t y_row0 = 0;
+  int64_t y_rows = 0;
+};
+
+// The reduce-scatter ring (transports nccl and p2p). With `reduced`, one
+// event per sub-chunk is recorded on the compute stream once that sub-chunk
+// of the rank's block is complete in Y (what GEMM+AR's all-gather waits for).
+Status BuildRsRing(Program* program, Emitter& e, const RsTarget& target,
+                   std::vector<int32_t>* reduced);
 
 }  // namespace jo::internal

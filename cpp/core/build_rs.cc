@@ -5,7 +5,8 @@
 // each rank on the way adds its partial with a beta=1 GEMM on the received
 // buffer and forwards it. Rank j adds its own partial to both chains' results.
 // Unidirectional (cw_steps = N-1): at step t rank r computes block
-// (r - t - 1) mod N (docs/native.md §3).
+// (r - t - 1) mod N (docs/native.md §3). The ring is also the first half of
+// GEMM+AR's (build_ar.cc).
 #include <vector>
 
 #include "core/build_internal.h"
@@ -13,26 +14,29 @@
 namespace jo::internal {
 namespace {
 
-Status BuildRing(Program* p, Emitter& e);
 Status BuildMulticast(Program* p, Emitter& e);
 
 }  // namespace
 
+Status BuildSingleRank(Program* p, Emitter& e) {
+  const Problem& q = p->problem;
+  for (int64_t s = 0; s < p->chunks; ++s) {
+    const int64_t begin = SubBegin(q.rows, p->chunks, s);
+    Op& op = e.Gemm(0, Ref{BufId::kX, 0, begin * q.k, q.rows * q.k, q.k},
+                    Ref{BufId::kY, 0, begin * q.n, q.rows * q.n, q.n}, nullptr, q.batch,
+                    SubRows(q.rows, p->chunks, s));
+    op.shard = 0;
+    op.sub = static_cast<int32_t>(s);
+  }
+  return OkStatus();
+}
+
 Status BuildMatmulRs(Program* p) {
   const Problem& q = p->problem;
   Emitter e(p);
-  if (q.nranks == 1) {
-    for (int64_t s = 0; s < p->chunks; ++s) {
-      const int64_t begin = SubBegin(q.rows, p->chunks, s);
-      Op& op = e.Gemm(0, Ref{BufId::kX, 0, begin * q.k, q.rows * q.k, q.k},
-                      Ref{BufId::kY, 0, begin * q.n, q.rows * q.n, q.n}, nullptr, q.batch,
-                      SubRows(q.rows, p->chunks, s));
-      op.shard = 0;
-      op.sub = static_cast<int32_t>(s);
-    }
-    return OkStatus();
-  }
-  return q.transport == Transport::kMulticast ? BuildMulticast(p, e) : BuildRing(p, e);
+  if (q.nranks == 1) return BuildSingleRank(p, e);
+  if (q.transport == Transport::kMulticast) return BuildMulticast(p, e);
+  return BuildRsRing(p, e, RsTarget{0, q.rows}, nullptr);
 }
 
 namespace {
@@ -40,21 +44,26 @@ namespace {
 struct Geometry {
   int32_t N, r;
   int64_t P, R, K, Nw, C;
+  RsTarget target;  // where the reduced block goes in Y
   int64_t rows(int64_t s) const { return SubRows(R, C, s); }
   int64_t begin(int64_t s) const { return SubBegin(R, C, s); }
   Ref x(int32_t block, int64_t s) const {
     return Ref{BufId::kX, r, (block * R + begin(s)) * K, N * R * K, K};
   }
-  Ref y(int64_t s) const { return Ref{BufId::kY, r, begin(s) * Nw, R * Nw, Nw}; }
+  Ref y(int64_t s) const {
+    return Ref{BufId::kY, r, (target.y_row0 + begin(s)) * Nw, target.y_rows * Nw, Nw};
+  }
   // Slot `slot` of [P, R, Nw] accumulators in `buf` of rank `owner`.
   Ref slot(BufId buf, int32_t owner, int64_t slot, int64_t s) const {
     return Ref{buf, owner, slot * P * R * Nw + begin(s) * Nw, R * Nw, Nw};
   }
 };
 
-Geometry MakeGeometry(const Program* p) {
+// `target`: where the reduced block goes; by default all of Y ([batch, rows, n]).
+Geometry MakeGeometry(const Program* p, const RsTarget* target = nullptr) {
   const Problem& q = p->problem;
-  return Geometry{q.nranks, q.rank, q.batch, q.rows, q.k, q.n, p->chunks};
+  return Geometry{q.nranks, q.rank, q.batch,   q.rows,
+                  q.k,      q.n,    p->chunks, target != nullptr ? *target : RsTarget{0, q.rows}};
 }
 
 void Label(Op& op, int32_t block, int64_t s) {
@@ -62,8 +71,10 @@ void Label(Op& op, int32_t block, int64_t s) {
   op.sub = static_cast<int32_t>(s);
 }
 
-Status BuildRing(Program* p, Emitter& e) {
-  const Geometry g = MakeGeometry(p);
+}  // namespace
+
+Status BuildRsRing(Program* p, Emitter& e, const RsTarget& target, std::vector<int32_t>* reduced) {
+  const Geometry g = MakeGeometry(p, &target);
   const bool nccl = p->problem.transport == Transport::kNccl;
   const int32_t steps[2] = {p->cw_steps, p->ccw_steps};
   const int32_t total = steps[0] + steps[1];
@@ -128,6 +139,10 @@ Status BuildRing(Program* p, Emitter& e) {
     if (steps[1] > 0)
       Label(e.Block(OpKind::kAdd, 0, recv_ref(g.r, 1, steps[1], s), g.y(s), g.P, g.rows(s), g.Nw),
             g.r, s);
+    if (reduced != nullptr) {
+      reduced->push_back(e.NewEvent());
+      e.Record(0, reduced->back());
+    }
   }
 
   // Comm streams: forward each partial as soon as its GEMM is done.
@@ -163,6 +178,8 @@ Status BuildRing(Program* p, Emitter& e) {
   }
   return OkStatus();
 }
+
+namespace {
 
 Status BuildMulticast(Program* p, Emitter& e) {
   const Geometry g = MakeGeometry(p);

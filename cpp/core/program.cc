@@ -19,7 +19,15 @@ const char* DTypeName(DType dtype) {
 }
 
 const char* CollectiveName(Collective op) {
-  return op == Collective::kAgMatmul ? "ag_matmul" : "matmul_rs";
+  switch (op) {
+    case Collective::kAgMatmul:
+      return "ag_matmul";
+    case Collective::kMatmulRs:
+      return "matmul_rs";
+    case Collective::kMatmulAr:
+      return "matmul_ar";
+  }
+  return "?";
 }
 
 const char* TransportName(Transport transport) {

@@ -22,7 +22,7 @@ enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 int64_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);
 
-enum class Collective : int32_t { kAgMatmul = 0, kMatmulRs = 1 };
+enum class Collective : int32_t { kAgMatmul = 0, kMatmulRs = 1, kMatmulAr = 2 };
 const char* CollectiveName(Collective op);
 
 // Matches the Python-side enum in jaxoverlap/_native.py (order must match).
@@ -68,13 +68,14 @@ struct Op {
   int32_t peer = -1;                       // Send/Recv/Signal/Wait
   int32_t id = -1;      // flag id (Signal/Wait), event id (Record/StreamWait), tag (Send/Recv)
   int32_t bundle = -1;  // Send/Recv issued together (one ncclGroupStart/End on the GPU)
-  int32_t shard = -1;   // which shard (AG) / row block (RS) this op works on (readability, tests)
+  int32_t shard = -1;   // which shard (AG) / row block (RS, AR) this op works on (for tests)
   int32_t sub = -1;     // which sub-chunk of that shard
 };
 
 // The problem one call solves, in canonical form (docs/native.md):
 //   AG: x [batch, rows, k] local shard -> y [batch, nranks*rows, n]
 //   RS: x [batch, nranks*rows, k]      -> y [batch, rows, n]
+//   AR: x [batch, nranks*rows, k]      -> y [batch, nranks*rows, n]
 struct Problem {
   Collective op = Collective::kAgMatmul;
   Transport transport = Transport::kNccl;

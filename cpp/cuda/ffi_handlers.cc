@@ -1,5 +1,5 @@
-// The CUDA FFI handlers: jaxoverlap_cuda_ag_matmul and
-// jaxoverlap_cuda_matmul_rs (the same handler: the `op` attribute says
+// The CUDA FFI handlers: jaxoverlap_cuda_ag_matmul, jaxoverlap_cuda_matmul_rs
+// and jaxoverlap_cuda_matmul_ar (the same handler: the `op` attribute says
 // which). ffi/ffi_call.h has their interface (no coords operand: the GPU
 // handler finds its rank in the rank table from its device ordinal).
 // instantiate makes the call site's state (a CudaSite); execute decodes and

@@ -4,7 +4,9 @@
 //
 // Every native custom call has the operands x, w, the result y and, for
 // ag_matmul with return_gathered, x_gathered, and these attributes:
-//   op i32 (0 ag_matmul, 1 matmul_rs), clique_key i64, axis i64,
+//   op i32 (0 ag_matmul, 1 matmul_rs, 2 matmul_ar), clique_key i64, axis i64
+//   (matmul_ar: 0; it splits the rows of x, all dims but the last, into N
+//   blocks),
 //   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
 //   bidirectional bool, timeout_ms i64, and the rank table in (group, rank)
 //   order: processes i64[], device_ids i64[] (JAX's global ids),
@@ -82,11 +84,13 @@ inline ffi::Error ToFfi(const Status& status) {
 // Checks the attributes and copies them out of XLA's storage (the call site
 // outlives the instantiate stage that sees them).
 inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
-  const std::string op = a.op == 0 ? "ag_matmul" : a.op == 1 ? "matmul_rs" : "jaxoverlap";
+  const bool known = a.op >= 0 && a.op <= 2;
+  const std::string op = known ? CollectiveName(static_cast<Collective>(a.op)) : "jaxoverlap";
   const size_t n = a.processes.size();
   const auto bad = [&](const std::string& text) { return InvalidArgument(op + ": " + text); };
-  if (a.op != 0 && a.op != 1)
-    return bad("attribute op expected 0 (ag_matmul) or 1 (matmul_rs), got " + std::to_string(a.op));
+  if (!known)
+    return bad("attribute op expected 0 (ag_matmul), 1 (matmul_rs) or 2 (matmul_ar), got " +
+               std::to_string(a.op));
   if (a.axis_size < 1)
     return bad("attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
   if (a.transport < 0 || a.transport > 2)
@@ -193,6 +197,18 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
     q->return_gathered = x_gathered != nullptr;
     if (x_gathered != nullptr)
       JO_CHECK(CheckResult(op, "x_gathered", x, *x_gathered, d.axis, xd[d.axis] * n, q->k));
+  } else if (d.op == Collective::kMatmulAr) {
+    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, n].
+    int64_t total = 1;
+    for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
+    if (d.axis != 0) return bad("attribute axis expected 0, got " + std::to_string(d.axis));
+    if (total % n != 0)
+      return bad("operand x expected rows (the product of all dims but the last, " +
+                 std::to_string(total) + ") divisible by axis_size " + std::to_string(n));
+    if (x_gathered != nullptr) return bad("matmul_ar has one result");
+    q->batch = 1;
+    q->rows = total / n;
+    JO_CHECK(CheckResult(op, "y", x, y, 0, xd[0], q->n));
   } else {
     if (xd[d.axis] % n != 0)
       return bad("operand x dim " + std::to_string(d.axis) + " (" + std::to_string(xd[d.axis]) +

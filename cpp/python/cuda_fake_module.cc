@@ -165,14 +165,16 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
              std::optional<std::map<int32_t, std::string>> hosts) {
-  const bool ag = op == "ag_matmul";
-  if (!ag && op != "matmul_rs") throw nb::value_error("op: expected ag_matmul or matmul_rs");
+  const bool ag = op == "ag_matmul", rs = op == "matmul_rs", ar = op == "matmul_ar";
+  if (!ag && !rs && !ar) throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
       static_cast<int>(devices.size()) != nranks ||
       (processes && static_cast<int>(processes->size()) != nranks))
     throw nb::value_error("xs, ws, devices and processes need one entry per rank");
   jo::Problem q;
-  q.op = ag ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
+  q.op = ag   ? jo::Collective::kAgMatmul
+         : rs ? jo::Collective::kMatmulRs
+              : jo::Collective::kMatmulAr;
   q.transport = ParseTransport(transport);
   q.nranks = nranks;
   q.batch = batch;
@@ -185,7 +187,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.return_gathered = return_gathered;
   const size_t es = static_cast<size_t>(jo::DTypeSize(q.dtype));
   const size_t x_elems = static_cast<size_t>(batch * (ag ? rows : rows * nranks) * k);
-  const size_t y_elems = static_cast<size_t>(batch * (ag ? rows * nranks : rows) * n);
+  const size_t y_elems = static_cast<size_t>(batch * (rs ? rows : rows * nranks) * n);
   const size_t g_elems = static_cast<size_t>(batch * rows * nranks * k);
   std::vector<void*> x(nranks), w(nranks), y(nranks), g(nranks, nullptr);
   for (int r = 0; r < nranks; ++r) {

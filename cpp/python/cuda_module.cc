@@ -29,11 +29,12 @@ namespace {
 
 using jo::python::Encapsulate;
 
-// name -> {stage: capsule} (platform CUDA); both targets run the same handler
+// name -> {stage: capsule} (platform CUDA); every target runs the same handler
 // (the `op` attribute tells the ops apart).
 nb::dict Registrations() {
   nb::dict out;
-  for (const char* name : {"jaxoverlap_cuda_ag_matmul", "jaxoverlap_cuda_matmul_rs"}) {
+  for (const char* name :
+       {"jaxoverlap_cuda_ag_matmul", "jaxoverlap_cuda_matmul_rs", "jaxoverlap_cuda_matmul_ar"}) {
     nb::dict stages;
     stages["instantiate"] = Encapsulate(jo::cuda::InstantiateHandler);
     stages["execute"] = Encapsulate(jo::cuda::ExecuteHandler);

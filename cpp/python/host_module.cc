@@ -69,12 +69,13 @@ nb::dict BuildInfo() {
 
 using jo::python::Encapsulate;
 
-// name -> {stage: capsule}, the dict form of jax.ffi.register_ffi_target. Both
-// targets run the same handler (the `op` attribute tells the ops apart); two
-// names keep them apart in HLO and in profiles.
+// name -> {stage: capsule}, the dict form of jax.ffi.register_ffi_target. Every
+// target runs the same handler (the `op` attribute tells the ops apart); one
+// name per op keeps them apart in HLO and in profiles.
 nb::dict Registrations() {
   nb::dict out;
-  for (const char* name : {"jaxoverlap_ag_matmul", "jaxoverlap_matmul_rs"}) {
+  for (const char* name :
+       {"jaxoverlap_ag_matmul", "jaxoverlap_matmul_rs", "jaxoverlap_matmul_ar"}) {
     nb::dict stages;
     stages["instantiate"] = Encapsulate(jo::host::InstantiateHandler);
     stages["execute"] = Encapsulate(jo::host::ExecuteHandler);
@@ -102,8 +103,11 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
     q.op = jo::Collective::kAgMatmul;
   else if (op == "matmul_rs")
     q.op = jo::Collective::kMatmulRs;
+  else if (op == "matmul_ar")
+    q.op = jo::Collective::kMatmulAr;
   else
-    throw nb::value_error(("op: expected 'ag_matmul' or 'matmul_rs', got '" + op + "'").c_str());
+    throw nb::value_error(
+        ("op: expected 'ag_matmul', 'matmul_rs' or 'matmul_ar', got '" + op + "'").c_str());
   if (transport == "nccl")
     q.transport = jo::Transport::kNccl;
   else if (transport == "p2p")

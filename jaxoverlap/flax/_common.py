@@ -12,13 +12,15 @@ A layer runs in one of two modes, chosen at trace time:
   f/g collectives inside the same manual region, so Explicit and Auto mesh
   axes behave alike.
 
-The Megatron f (identity forward, all-reduce backward) and g (all-reduce
-forward, identity backward) need no custom rules: with ``check_vma=True``
-JAX's varying-axes types give ``pcast``/``psum`` exactly those transposes;
-with ``check_vma=False`` JAX transposes every value as if it varied (``psum``
-transposes to ``psum``, a replicated output's cotangent is split over the
-ranks), which sums the gradient where Megatron needs it. Hand-written
-custom_vjps would double count there (the tests cover both settings).
+The Megatron f (identity forward, all-reduce backward) needs no custom rule:
+with ``check_vma=True`` JAX's varying-axes types give ``pcast`` exactly that
+transpose; with ``check_vma=False`` JAX transposes every value as if it
+varied (``psum`` transposes to ``psum``, a replicated output's cotangent is
+split over the ranks), which sums the gradient where Megatron needs it. A
+hand-written custom_vjp would double count there (the tests cover both
+settings). Megatron g (all-reduce forward, identity backward) is the GEMM
+before it fused with the all-reduce, ``jaxoverlap.matmul_ar``, whose backward
+follows the same two rules.
 """
 
 from __future__ import annotations
@@ -125,12 +127,6 @@ def copy_to_tp(x, axis_name: str, typed: bool):
     return lax.pcast(x, (axis_name,), to="varying")
 
 
-def reduce_from_tp(x, axis_name: str, typed: bool):
-    """Megatron g: all-reduce forward; the backward follows from ``psum``'s transpose."""
-    del typed  # psum's transpose is right under both check_vma settings
-    return lax.psum(x, axis_name)
-
-
 # ---------------------------------------------------------------- local computation
 
 
@@ -170,8 +166,9 @@ def local_forward(kind: str, x, kernel, bias, *, axis_name: str, sequence_parall
         if sequence_parallel:
             with _precision_scope(precision):
                 y = ops.matmul_rs(x, kernel, axis_name, axis=seq, impl=impl)
-        else:
-            y = reduce_from_tp(_dot(x, kernel, precision), axis_name, typed)
+        else:  # Megatron g, fused with the GEMM before it
+            with _precision_scope(precision):
+                y = ops.matmul_ar(x, kernel, axis_name, impl=impl)
     if bias is not None:
         y = y + bias
     return y

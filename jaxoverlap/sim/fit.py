@@ -297,9 +297,12 @@ def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
     ratios = fused_error(p, points)
     serial = [s for _, s in ratios if s is not None]
     gains = dict(p.min_gain)
-    for op in sorted({f.op for f in points}):
+    measured = {f.op for f in points}
+    for op in sorted(measured):
         gains[op] = margin(serial, [r for (r, _), f in zip(ratios, points, strict=True)
                                     if f.op == op])
+    if "matmul_ar" not in measured:  # the GEMM+RS ring then an all-gather: the larger margin
+        gains["matmul_ar"] = max(gains.get("ag_matmul", 0.0), gains.get("matmul_rs", 0.0))
     return p.replace(min_gain=gains)
 
 

@@ -47,6 +47,7 @@ class OpSpec:
 OPS: dict[str, OpSpec] = {
     "ag_matmul": OpSpec("all_gather", "k"),
     "matmul_rs": OpSpec("reduce_scatter", "n"),
+    "matmul_ar": OpSpec("all_reduce", "n"),
 }
 
 

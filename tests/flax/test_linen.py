@@ -194,9 +194,14 @@ def test_check_fails_on_a_transposed_kernel():
 
 
 def test_check_fails_without_the_forward_reduction(monkeypatch):
-    # Megatron g keeping one rank's partial product instead of the sum (types still valid).
-    monkeypatch.setattr(_common, "reduce_from_tp", lambda y, axis_name, typed: lax.psum(
-        jnp.where(lax.axis_index(axis_name) == 0, y, jnp.zeros_like(y)), axis_name))
+    # Megatron g (GEMM + all-reduce) keeping one rank's partial product instead of the sum
+    # (types still valid).
+    def broken_g(x, kernel, axis_name, impl):
+        y = x @ kernel
+        return lax.psum(jnp.where(lax.axis_index(axis_name) == 0, y, jnp.zeros_like(y)),
+                        axis_name)
+
+    monkeypatch.setattr(_common.ops, "matmul_ar", broken_g)
     mesh = make_mesh("tp4_auto")
     params, x, target = setup()
     model = ParallelMLP(F, sequence_parallel=False, mesh=mesh, impl="xla")

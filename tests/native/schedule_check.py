@@ -144,11 +144,11 @@ def buffer_sizes(program):
     """Elements of each buffer of one rank's call (the workspace per parity)."""
     local = program["batch"] * program["rows"]
     gathered = local * program["nranks"]
-    ag = program["op"] == "ag_matmul"
+    ag, rs = program["op"] == "ag_matmul", program["op"] == "matmul_rs"
     return {
-        "X": (local if ag else gathered) * program["k"],
+        "X": (local if ag else gathered) * program["k"],  # AG: the shard; RS, AR: all rows
         "W": program["k"] * program["n"],
-        "Y": (gathered if ag else local) * program["n"],
+        "Y": (local if rs else gathered) * program["n"],  # RS: the own block; AG, AR: all
         "XGATHERED": gathered * program["k"] if ag and program["return_gathered"] else 0,
         "SCRATCH": program["scratch_elems"],
         "WORKSPACE": program["workspace_elems"],

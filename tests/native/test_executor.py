@@ -67,6 +67,16 @@ def rs(mesh, x, w, *, axis, **kw):
     return f(x, w)
 
 
+def ar(mesh, x, w, **kw):
+    def body(x, w):
+        return _native.matmul_ar_shard(x, w, axis_name="tp", **kw)[None]
+
+    # every rank's copy of y, stacked along a new dim 0 (the result is replicated)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, x.ndim - 1), spec(2, 0)),
+                              out_specs=P("tp"), check_vma=False))
+    return f(x, w)
+
+
 def x_shape(layout, n, k):
     # "batch": [2, n*3, k] gathered on dim 1 (dims before axis are a batch).
     # "post":  [n*3, 2, k] gathered on dim 0 (dims after axis join the rows).
@@ -110,6 +120,19 @@ def _check_rs(mesh, n, transport, dtype, chunks, bidir, layout, seed):
     np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), x64 @ w64, **TOL[dtype])
 
 
+def check_ar(n, transport, dtype, chunks, bidir, layout, reverse=False, seed=0):
+    mesh = mesh_1d(n, reverse)
+    with jax.set_mesh(mesh) if reverse else contextlib.nullcontext():
+        shape, _ = x_shape(layout, n, 4 * n)  # every dim but the last is a row
+        x, x64 = data(shape, dtype, seed)
+        w, w64 = data((4 * n, 6), dtype, seed + 1)
+        copies = ar(mesh, x, w, transport=transport, chunks=chunks, bidirectional=bidir,
+                    timeout_s=60.0)
+    assert copies.dtype == x.dtype and copies.shape == (n, *shape[:-1], 6)
+    for y in np.asarray(copies.astype(jnp.float32)):
+        np.testing.assert_allclose(y, x64 @ w64, **TOL[dtype])
+
+
 # Full product over transport x N x chunks x bidirectional on small f32 shapes; the layout
 # (axis position) and return_gathered alternate deterministically across the cases.
 CASES = [(t, n, c, b) for t in TRANSPORTS for n in (1, 2, 4, 8) for c in (1, 4)
@@ -128,12 +151,18 @@ def test_matmul_rs_f32(transport, n, chunks, bidir):
     check_rs(n, transport, "float32", chunks, bidir, layout)
 
 
+@pytest.mark.parametrize("transport,n,chunks,bidir", CASES)
+def test_matmul_ar_f32(transport, n, chunks, bidir):
+    check_ar(n, transport, "float32", chunks, bidir, "batch" if (n + chunks) % 2 else "post")
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("n", [2, 8])
 def test_low_precision(transport, dtype, n):
     check_ag(n, transport, dtype, 2, True, "batch", gathered=True, seed=n)
     check_rs(n, transport, dtype, 2, n == 8, "post", seed=n)
+    check_ar(n, transport, dtype, 2, n == 8, "batch", seed=n)
 
 
 @pytest.mark.parametrize("axis", [0, 1, 2])
@@ -149,12 +178,15 @@ def test_any_axis_of_a_4d_input(axis):
     np.testing.assert_array_equal(np.asarray(g), np.concatenate([x64] * n, axis=0))
     y = rs(mesh, x, w, axis=axis, transport="nccl", chunks=2, bidirectional=True)
     np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
+    y = ar(mesh, x, w, transport="multicast", chunks=2)[axis]
+    np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_reversed_mesh_places_ranks_by_the_rank_table(transport):
     check_ag(4, transport, "float32", 2, False, "batch", gathered=True, reverse=True)
     check_rs(4, transport, "float32", 2, True, "batch", reverse=True)
+    check_ar(4, transport, "float32", 2, True, "post", reverse=True)
 
 
 def test_rank_table_attribute_matches_the_mesh():
@@ -183,14 +215,17 @@ def test_2d_mesh_two_cliques_run_concurrently():
     def body(x, w, w2):
         y = _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p", chunks=2)
         z = _native.matmul_rs_shard(y, w2, axis_name="tp", axis=1, transport="multicast")
-        return y, z
+        a = _native.matmul_ar_shard(y, w2, axis_name="tp", transport="nccl", chunks=2)
+        return y, z, a
 
     f = jax.jit(jax.shard_map(body, mesh=mesh,
                               in_specs=(P("dp", "tp", None), P(None, "tp"), P("tp", None)),
-                              out_specs=(P("dp", None, "tp"), P("dp", "tp", None))))
-    y, z = f(x, w, w2)
+                              out_specs=(P("dp", None, "tp"), P("dp", "tp", None), P("dp"))))
+    y, z, a = f(x, w, w2)
     np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
     np.testing.assert_allclose(np.asarray(z), np.asarray(y, np.float64) @ w2_64, rtol=1e-5,
+                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(y, np.float64) @ w2_64, rtol=1e-5,
                                atol=1e-4)
 
 
@@ -224,11 +259,13 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
 
     def body(x, w1, w2):
         h = _native.ag_matmul_shard(x, w1, axis_name="tp", axis=1, transport=transport, chunks=2)
-        return _native.matmul_rs_shard(h, w2, axis_name="tp", axis=1, transport=transport)
+        y = _native.matmul_rs_shard(h, w2, axis_name="tp", axis=1, transport=transport)
+        # GEMM+AR on the same h (its own call site), compared with the reduce-scatter's result
+        return y, _native.matmul_ar_shard(h, w2, axis_name="tp", transport=transport)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh,
                               in_specs=(P(None, "tp", None), P(None, "tp"), P("tp", None)),
-                              out_specs=P(None, "tp", None)))
+                              out_specs=(P(None, "tp", None), P()), check_vma=False))
     inputs = []
     for i, s in enumerate((4, 16, 8, 32, 4)):
         x, x64 = data((2, s, 8), "float32", 100 + i)
@@ -236,8 +273,9 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
         w2, w2_64 = data((8, 8), "float32", 300 + i)
         inputs.append(((x, w1, w2), (x64 @ w1_64) @ w2_64))
     outs = [f(*inputs[i % len(inputs)][0]) for i in range(200)]
-    for i, y in enumerate(outs):
+    for i, (y, a) in enumerate(outs):
         np.testing.assert_allclose(np.asarray(y), inputs[i % len(inputs)][1], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(a), inputs[i % len(inputs)][1], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -259,6 +297,25 @@ def test_missing_peer_times_out_with_a_clear_error(transport):
     assert time.monotonic() - start < 30
     message = str(info.value)
     assert "ag_matmul" in message and "clique 0x" in message and "epoch 2" in message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_matmul_ar_missing_peer_times_out_with_a_clear_error(transport):
+    mesh = mesh_1d(4)
+    x = jnp.ones((2, 8, 8), jnp.float32)
+    w = jnp.ones((8, 4), jnp.float32)
+    stall = {"on": False}
+    f = jax.jit(jax.shard_map(
+        lambda x, w: _native.matmul_ar_shard(late(x, 1, 3.0, lambda: stall["on"]), w,
+                                             axis_name="tp", transport=transport, timeout_s=0.5),
+        mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=P()))
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.full((2, 8, 4), 8.0))
+    stall["on"] = True  # rank 1 reaches the next call 3 s late; its peers wait 0.5 s
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"missing peer rank\(s\) 1 did not arrive") as info:
+        f(x, w).block_until_ready()
+    assert time.monotonic() - start < 30
+    assert "matmul_ar" in str(info.value) and "epoch 2" in str(info.value)
 
 
 def test_debug_log_prints_the_plan():

@@ -214,9 +214,9 @@ def test_unsupported_transport_is_refused():
 
 def test_ops_are_described_once():
     """An op is one entry of model.OPS: its unfused collective and the array it moves."""
-    assert tuple(sim.OPS) == ("ag_matmul", "matmul_rs")
+    assert tuple(sim.OPS) == ("ag_matmul", "matmul_rs", "matmul_ar")
     assert sim.model.op_spec("ag_matmul").bus_factor(8) == pytest.approx(7 / 8)
-    # an all-reduce moves twice (nvidia/nccl-tests doc/PERFORMANCE.md), ready for a third op
-    assert sim.model.OpSpec("all_reduce", "n").bus_factor(8) == pytest.approx(2 * 7 / 8)
+    # an all-reduce moves twice (nvidia/nccl-tests doc/PERFORMANCE.md)
+    assert sim.model.op_spec("matmul_ar").bus_factor(8) == pytest.approx(2 * 7 / 8)
     with pytest.raises(ValueError, match="op: expected one of"):
-        sim.model.op_spec("matmul_ar")
+        sim.model.op_spec("matmul_xy")

@@ -1,0 +1,187 @@
+// GEMM+AR programs: y = sum over ranks of (x @ w), every rank gets all of it.
+//
+// Ring (transports nccl and p2p): the reduce-scatter ring of GEMM+RS
+// (build_rs.cc) leaves row block r of the sum in rank r's Y; an all-gather
+// ring of those blocks then fills the other blocks of Y. Block (r - t) mod N
+// leaves rank r clockwise at step t (and (r + t) mod N counter-clockwise, for
+// ccw_steps), sub-chunk by sub-chunk: a sub-chunk's first hop starts as soon
+// as its reduction is done, while the GEMMs of the later sub-chunks still
+// run, and goes all the way round before the next sub-chunk starts. Every
+// rank sends N-1 partial blocks and N-1 reduced blocks: 2(N-1)/N of Y, the
+// bound of a ring all-reduce.
+//
+// Multicast: every rank computes block b at step b (the same block on every
+// rank at once) into its own workspace and signals b's owner; the owner, on a
+// communication stream, load-reduces block b through the switch into its Y
+// (McReduce, multimem.ld_reduce), stores the result back through the switch
+// into every rank's workspace over the consumed partials (McStore,
+// multimem.st) and signals every rank, which copies it into its Y. Block b's
+// reduction runs while the GEMMs of the blocks after it run.
+#include <vector>
+
+#include "core/build_internal.h"
+
+namespace jo::internal {
+namespace {
+
+struct Geometry {
+  int32_t N, r;
+  int64_t P, R, K, Nw, C;
+  int64_t rows(int64_t s) const { return SubRows(R, C, s); }
+  int64_t begin(int64_t s) const { return SubBegin(R, C, s); }
+  Ref x(int32_t block, int64_t s) const {
+    return Ref{BufId::kX, r, (block * R + begin(s)) * K, N * R * K, K};
+  }
+  // Sub-chunk s of row block `block` of a [P, N*R, Nw] buffer at `base`.
+  Ref block(BufId buf, int32_t owner, int64_t base, int32_t block, int64_t s) const {
+    return Ref{buf, owner, base + (block * R + begin(s)) * Nw, N * R * Nw, Nw};
+  }
+  Ref y(int32_t block_index, int64_t s) const { return block(BufId::kY, r, 0, block_index, s); }
+};
+
+Geometry MakeGeometry(const Program* p) {
+  const Problem& q = p->problem;
+  return Geometry{q.nranks, q.rank, q.batch, q.rows, q.k, q.n, p->chunks};
+}
+
+void Label(Op& op, int32_t block, int64_t s) {
+  op.shard = block;
+  op.sub = static_cast<int32_t>(s);
+}
+
+// The all-gather half of the ring, after BuildRsRing: `reduced[s]` is
+// recorded once sub-chunk s of the own block is complete in Y.
+Status BuildRingAllGather(Program* p, Emitter& e, const std::vector<int32_t>& reduced) {
+  const Geometry g = MakeGeometry(p);
+  const bool nccl = p->problem.transport == Transport::kNccl;
+  const int32_t steps[2] = {p->cw_steps, p->ccw_steps};
+  auto prev_of = [&](int32_t dir) { return Mod(dir == 0 ? g.r - 1 : g.r + 1, g.N); };
+  auto next_of = [&](int32_t dir) { return Mod(dir == 0 ? g.r + 1 : g.r - 1, g.N); };
+  // The block that leaves at step t (it arrived at step t-1, or is the own one).
+  auto block_at = [&](int32_t dir, int32_t t) { return Mod(dir == 0 ? g.r - t : g.r + t, g.N); };
+  // Ids after the reduce-scatter's: flags (p2p) per arriving block, tags
+  // (nccl) per step; each rank receives every other block exactly once.
+  const int32_t base = p->num_flags;
+  auto flag = [&](int32_t block, int64_t s) {
+    return static_cast<int32_t>(base + block * g.C + s);
+  };
+  auto tag = [&](int32_t dir, int32_t t, int64_t s) {
+    return static_cast<int32_t>(base + (dir * g.N + t) * g.C + s);
+  };
+  // p2p: arriving blocks land in a [P, N*R, Nw] area after the reduce-scatter's slots.
+  const int64_t area = p->workspace_elems;
+  if (!nccl) {
+    p->workspace_elems += g.P * g.N * g.R * g.Nw;
+    p->num_flags += static_cast<int32_t>(g.N * g.C);
+  }
+
+  for (int32_t dir = 0; dir < 2; ++dir) {
+    const int32_t stream = 1 + dir;
+    for (int64_t s = 0; s < g.C; ++s) {
+      if (steps[dir] == 0) continue;
+      e.StreamWait(stream, reduced[s]);
+      if (nccl) {
+        // Step t sends the block received at step t-1 straight from Y.
+        for (int32_t t = 0; t < steps[dir]; ++t) {
+          const int32_t bundle = e.NewBundle();
+          const int32_t out = block_at(dir, t), in = block_at(dir, t + 1);
+          Op& send = e.Block(OpKind::kSend, stream, g.y(out, s), Ref{}, g.P, g.rows(s), g.Nw);
+          send.peer = next_of(dir);
+          send.id = tag(dir, t, s);
+          send.bundle = bundle;
+          Label(send, out, s);
+          Op& recv = e.Block(OpKind::kRecv, stream, Ref{}, g.y(in, s), g.P, g.rows(s), g.Nw);
+          recv.peer = prev_of(dir);
+          recv.id = tag(dir, t, s);
+          recv.bundle = bundle;
+          Label(recv, in, s);
+        }
+        continue;
+      }
+      // p2p: push into the next rank's area and raise its flag; forward what
+      // arrives (from the area), then copy it into Y.
+      Label(e.Block(OpKind::kCopy, stream, g.y(g.r, s),
+                    g.block(BufId::kWorkspace, next_of(dir), area, g.r, s), g.P, g.rows(s), g.Nw),
+            g.r, s);
+      e.Signal(stream, next_of(dir), flag(g.r, s));
+      for (int32_t t = 1; t <= steps[dir]; ++t) {
+        const int32_t in = block_at(dir, t);
+        const Ref arrived = g.block(BufId::kWorkspace, g.r, area, in, s);
+        e.Wait(stream, prev_of(dir), flag(in, s));
+        if (t < steps[dir]) {
+          Label(
+              e.Block(OpKind::kCopy, stream, arrived,
+                      g.block(BufId::kWorkspace, next_of(dir), area, in, s), g.P, g.rows(s), g.Nw),
+              in, s);
+          e.Signal(stream, next_of(dir), flag(in, s));
+        }
+        Label(e.Block(OpKind::kCopy, stream, arrived, g.y(in, s), g.P, g.rows(s), g.Nw), in, s);
+      }
+    }
+  }
+  return OkStatus();
+}
+
+Status BuildMulticast(Program* p, Emitter& e) {
+  const Geometry g = MakeGeometry(p);
+  // Partials of every block in the own workspace [P, N*R, Nw]; the owner's
+  // result is stored over them.
+  p->workspace_elems = g.P * g.N * g.R * g.Nw;
+  p->num_flags = static_cast<int32_t>(2 * g.N * g.C);
+  auto part = [&](int32_t owner, int32_t block, int64_t s) {
+    return g.block(BufId::kWorkspace, owner, 0, block, s);
+  };
+  auto partial_flag = [&](int32_t writer, int64_t s) {
+    return static_cast<int32_t>(writer * g.C + s);
+  };
+  auto result_flag = [&](int32_t owner, int64_t s) {
+    return static_cast<int32_t>((g.N + owner) * g.C + s);
+  };
+  std::vector<int32_t> own_done(static_cast<size_t>(g.C));
+  for (auto& ev : own_done) ev = e.NewEvent();
+
+  // Compute stream: block b at step b on every rank.
+  for (int32_t b = 0; b < g.N; ++b)
+    for (int64_t s = 0; s < g.C; ++s) {
+      Label(e.Gemm(0, g.x(b, s), part(g.r, b, s), nullptr, g.P, g.rows(s)), b, s);
+      if (b == g.r)
+        e.Record(0, own_done[s]);
+      else
+        e.Signal(0, b, partial_flag(g.r, s));
+    }
+  // Stream 1: the own block, reduced through the switch and stored to everyone.
+  for (int64_t s = 0; s < g.C; ++s) {
+    e.StreamWait(1, own_done[s]);
+    for (int32_t peer = 0; peer < g.N; ++peer)
+      if (peer != g.r) e.Wait(1, peer, partial_flag(peer, s));
+    Label(e.Block(OpKind::kMcReduce, 1, part(g.r, g.r, s), g.y(g.r, s), g.P, g.rows(s), g.Nw), g.r,
+          s);
+    Label(e.Block(OpKind::kMcStore, 1, g.y(g.r, s), part(g.r, g.r, s), g.P, g.rows(s), g.Nw), g.r,
+          s);
+    for (int32_t peer = 0; peer < g.N; ++peer)
+      if (peer != g.r) e.Signal(1, peer, result_flag(g.r, s));
+  }
+  // Stream 2: the other blocks, in the order their owners finish them.
+  for (int32_t b = 0; b < g.N; ++b) {
+    if (b == g.r) continue;
+    for (int64_t s = 0; s < g.C; ++s) {
+      e.Wait(2, b, result_flag(b, s));
+      Label(e.Block(OpKind::kCopy, 2, part(g.r, b, s), g.y(b, s), g.P, g.rows(s), g.Nw), b, s);
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status BuildMatmulAr(Program* p) {
+  const Problem& q = p->problem;
+  Emitter e(p);
+  if (q.nranks == 1) return BuildSingleRank(p, e);
+  if (q.transport == Transport::kMulticast) return BuildMulticast(p, e);
+  std::vector<int32_t> reduced;
+  JO_CHECK(BuildRsRing(p, e, RsTarget{q.rank * q.rows, q.nranks * q.rows}, &reduced));
+  return BuildRingAllGather(p, e, reduced);
+}
+
+}  // namespace jo::internal

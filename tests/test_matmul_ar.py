@@ -1,0 +1,392 @@
+"""jo.matmul_ar: GEMM + all-reduce, against psum(x @ w) — forward, types, autodiff, global
+arrays, validation and config, as the other two ops are tested."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, f64, put, rand, tp_mesh
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap as jo
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+NS = [1, 2, 4, 8]
+# (impl, transport): every implementation, the native one on each transport.
+IMPLS = [("xla", None), ("ring", None), ("native", "nccl"), ("native", "p2p"),
+         ("native", "multicast")]
+IMPL_IDS = ["xla", "ring", "nccl", "p2p", "multicast"]
+
+
+def _x_spec(ndim):
+    return P(*([None] * (ndim - 1)), "tp")
+
+
+def _run(x, w, n, check_vma=True, **kw):
+    """matmul_ar inside shard_map over 'tp' (x on its last dim, w on dim 0), y replicated."""
+    fn = jax.jit(jax.shard_map(lambda x, w: jo.matmul_ar(x, w, "tp", **kw), mesh=tp_mesh(n),
+                               in_specs=(_x_spec(x.ndim), P("tp", None)), out_specs=P(),
+                               check_vma=check_vma))
+    return fn(x, w)
+
+
+def _case(n, dtype, rows=(2, 4), kf=4, nw=6, seed=0):
+    x = rand(seed, (*rows, kf * n), dtype)
+    w = rand(seed + 1, (kf * n, nw), dtype)
+    return x, w
+
+
+def _options(impl, transport):
+    """The plans a fused impl is run with: one chunk one way, two chunks both ways."""
+    if impl == "xla":
+        return [{}]
+    extra = {"transport": transport} if transport else {}
+    return [dict(chunks=1, bidirectional=False, **extra),
+            dict(chunks=2, bidirectional=True, **extra)]
+
+
+# ---------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_matches_psum_of_the_product(impl, transport, n, dtype):
+    x, w = _case(n, dtype, rows=(2, 2 * n))
+    for kw in _options(impl, transport):
+        y = _run(x, w, n, impl=impl, **kw)
+        assert y.dtype == dtype and y.shape == (2, 2 * n, 6), kw
+        assert_close(y, f64(x) @ f64(w), dtype)
+
+
+@pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("rows", [(16,), (2, 8), (8, 2), (2, 2, 4)],
+                         ids=["2d", "batch_first", "seq_first", "4d"])
+def test_every_rank_of_x(impl, transport, rows):
+    """Every dim of x but the last is a row, whatever x's rank."""
+    n = 4
+    x, w = _case(n, jnp.float32, rows=rows, seed=3)
+    for kw in _options(impl, transport):
+        assert_close(_run(x, w, n, impl=impl, **kw), f64(x) @ f64(w), jnp.float32)
+
+
+@pytest.mark.parametrize("impl,transport", IMPLS[1:], ids=IMPL_IDS[1:])
+def test_every_rank_holds_the_same_bits(impl, transport):
+    """The result is replicated for real (what its invariant type claims): every rank's copy
+    of y is bitwise the same."""
+    n = 4
+    x, w = _case(n, jnp.bfloat16, rows=(2, 8), seed=5)
+    extra = {"transport": transport} if transport else {}
+    fn = jax.jit(jax.shard_map(
+        lambda x, w: jo.matmul_ar(x, w, "tp", impl=impl, chunks=2, bidirectional=True,
+                                  **extra)[None],
+        mesh=tp_mesh(n), in_specs=(_x_spec(3), P("tp", None)), out_specs=P("tp"),
+        check_vma=False))
+    copies = np.asarray(fn(x, w).astype(jnp.float32))
+    assert copies.shape == (n, 2, 8, 6)
+    for r in range(1, n):
+        np.testing.assert_array_equal(copies[r], copies[0])
+
+
+@pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
+def test_result_is_typed_invariant_over_the_axis(impl, transport):
+    """As psum's: out_specs=P() passes check_vma=True, and the type keeps the other axes."""
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    x = rand(7, (4, 4, 8), jnp.float32)
+    w = rand(8, (8, 6), jnp.float32)
+    extra = {"transport": transport} if transport else {}
+    seen = []
+
+    def body(x, w):
+        y = jo.matmul_ar(x, w, "tp", impl=impl, **extra)
+        seen.append(jax.typeof(y))
+        return y
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp", None, "tp"), P("tp", None)),
+                               out_specs=P("dp")))
+    assert_close(fn(x, w), f64(x) @ f64(w), jnp.float32)
+    from jaxoverlap._compat import varying_axes
+
+    assert varying_axes(seen[0]) == {"dp"}
+
+
+def test_one_row_block_per_rank_at_the_smallest():
+    """Rows equal to N: one row per rank's block (and chunks clamp to it)."""
+    n = 4
+    x, w = _case(n, jnp.float32, rows=(4,), seed=9)
+    for impl, transport in IMPLS[1:]:
+        extra = {"transport": transport} if transport else {}
+        y = _run(x, w, n, impl=impl, bidirectional=True, **extra)
+        assert_close(y, f64(x) @ f64(w), jnp.float32)
+
+
+# ---------------------------------------------------------------- autodiff
+
+
+def _reference_loss(n, dp=False):
+    """sum((psum(x @ w)) ** 2) in plain JAX (dot + psum, differentiated by JAX)."""
+    return _loss(n, lambda x, w: lax.psum(x @ w, "tp"), dp=dp)
+
+
+def _loss(n, op, dp=False, check_vma=True):
+    if dp:
+        mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+        specs, out = (P("dp", None, "tp"), P("tp", None)), P("dp")
+    else:
+        mesh = tp_mesh(n)
+        specs, out = (P(None, None, "tp"), P("tp", None)), P()
+    fn = jax.shard_map(op, mesh=mesh, in_specs=specs, out_specs=out, check_vma=check_vma)
+    return lambda x, w: jnp.sum(jnp.tanh(fn(x, w).astype(jnp.float32)) ** 2)
+
+
+@pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+@pytest.mark.parametrize("dp", [False, True], ids=["tp", "dp_tp"])
+def test_grads_match_jax_grad_of_dot_plus_psum(impl, transport, check_vma, dp):
+    """dx = dy @ wᵀ, dw = xᵀ·dy through the replicated cotangent, under both check_vma
+    settings; with a data-parallel axis the replicated w gets the sum of its parts."""
+    n = 4
+    x = rand(11, (4, 4, 8), jnp.float32)
+    w = rand(12, (8, 6), jnp.float32) * 0.5
+    extra = {"transport": transport} if transport else {}
+    ours = _loss(n, lambda x, w: jo.matmul_ar(x, w, "tp", impl=impl, chunks=2, **extra),
+                 dp=dp, check_vma=check_vma)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w)
+    want = jax.jit(jax.grad(_reference_loss(n, dp), argnums=(0, 1)))(x, w)
+    for g, e, p in zip(got, want, (x, w), strict=True):
+        assert g.shape == p.shape and g.dtype == p.dtype
+        assert_close(g, f64(e), jnp.float32)
+    # and against float64 NumPy
+    xf, wf = f64(x), f64(w)
+    y = xf @ wf
+    dy = 2 * np.tanh(y) * (1 - np.tanh(y) ** 2)
+    assert_close(got[0], dy @ wf.T, jnp.float32)
+    assert_close(got[1], np.einsum("bsk,bsn->kn", xf, dy), jnp.float32)
+
+
+@pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+def test_megatron_mlp_grads(impl, transport, check_vma):
+    """The f/g pair: a replicated x, a column GEMM on its shard, gelu, then GEMM+AR (what
+    RowParallelDense(sequence_parallel=False) runs); gradients of x, w1, w2 against float64."""
+    n = 4
+    x = rand(13, (2, 8, 8), jnp.float32)
+    w1 = rand(14, (8, 16), jnp.float32) * 0.4
+    w2 = rand(15, (16, 8), jnp.float32) * 0.4
+    extra = {"transport": transport} if transport else {}
+
+    def block(x, w1, w2):
+        if check_vma:
+            x = lax.pcast(x, ("tp",), to="varying")   # Megatron f
+        h = jnp.tanh(x @ w1)
+        return jo.matmul_ar(h, w2, "tp", impl=impl, bidirectional=True, **extra)
+
+    fn = jax.shard_map(block, mesh=tp_mesh(n), in_specs=(P(), P(None, "tp"), P("tp", None)),
+                       out_specs=P(), check_vma=check_vma)
+    loss = lambda x, w1, w2: jnp.sum(fn(x, w1, w2) ** 2)
+    dx, dw1, dw2 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+    xf, w1f, w2f = f64(x), f64(w1), f64(w2)
+    h = np.tanh(xf @ w1f)
+    dy = 2 * (h @ w2f)
+    dh = dy @ w2f.T * (1 - h**2)
+    assert_close(dw2, np.einsum("bsf,bsn->fn", h, dy), jnp.float32)
+    assert_close(dw1, np.einsum("bsh,bsf->hf", xf, dh), jnp.float32)
+    assert_close(dx, dh @ w1f.T, jnp.float32)
+
+
+@pytest.mark.parametrize("impl,transport", [("ring", None), ("native", "p2p")])
+def test_grads_under_checkpoint_and_two_calls_in_flight(impl, transport):
+    """Two independent GEMM+AR calls in one program, forward and backward, under remat."""
+    n = 4
+    x = rand(16, (2, 4, 8), jnp.float32)
+    w1 = rand(17, (8, 6), jnp.float32)
+    w2 = rand(18, (8, 6), jnp.float32)
+    extra = {"transport": transport} if transport else {}
+
+    def two(x, w1, w2):
+        return (jo.matmul_ar(x, w1, "tp", impl=impl, **extra)
+                * jo.matmul_ar(x, w2, "tp", impl=impl, chunks=2, **extra))
+
+    def loss_of(body):
+        fn = jax.shard_map(body, mesh=tp_mesh(n),
+                           in_specs=(P(None, None, "tp"), P("tp", None), P("tp", None)),
+                           out_specs=P())
+        return lambda *a: jnp.sum(fn(*a) ** 2)
+
+    got = jax.jit(jax.grad(loss_of(jax.checkpoint(two)), argnums=(0, 1, 2)))(x, w1, w2)
+    ref = jax.grad(loss_of(lambda x, w1, w2: lax.psum(x @ w1, "tp") * lax.psum(x @ w2, "tp")),
+                   argnums=(0, 1, 2))(x, w1, w2)
+    for g, e in zip(got, ref, strict=True):
+        assert_close(g, f64(e), jnp.float32)
+
+
+# ---------------------------------------------------------------- global arrays
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
+def test_global_arrays(kind, impl, transport):
+    axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+    x = put(rand(20, (4, 8, 12), jnp.float32), mesh, P("dp", None, "tp"))
+    w = put(rand(21, (12, 6), jnp.float32), mesh, P("tp", None))
+    extra = {"transport": transport} if transport else {}
+    f = jax.jit(lambda x, w: jo.matmul_ar(x, w, "tp", impl=impl, mesh=mesh, **extra))
+    y = f(x, w)
+    assert y.shape == (4, 8, 6)
+    assert_close(y, f64(x) @ f64(w), jnp.float32)
+    if kind == "explicit":  # dp passes through; y is replicated over tp
+        assert y.sharding.spec == P("dp", None, None)
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1)))(x, w)
+    y64 = f64(x) @ f64(w)
+    assert_close(dx, 2 * y64 @ f64(w).T, jnp.float32)
+    assert_close(dw, np.einsum("bsk,bsn->kn", f64(x), 2 * y64), jnp.float32)
+
+
+def test_global_mesh_from_set_mesh_and_from_inputs():
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    x = put(rand(22, (8, 8), jnp.float32), mesh, P(None, "tp"))
+    w = put(rand(23, (8, 4), jnp.float32), mesh, P("tp", None))
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda x, w: jo.matmul_ar(x, w, "tp", impl="ring"))(x, w)
+    assert_close(y, f64(x) @ f64(w), jnp.float32)
+    assert_close(jo.matmul_ar(x, w, "tp", impl="ring"), f64(x) @ f64(w), jnp.float32)  # eager
+
+
+# ---------------------------------------------------------------- plan, config, HLO
+
+
+def _hlo(impl, **kw):
+    x, w = _case(4, jnp.float32, rows=(8,))
+    fn = jax.jit(jax.shard_map(lambda x, w: jo.matmul_ar(x, w, "tp", impl=impl, **kw),
+                               mesh=tp_mesh(4), in_specs=(P(None, "tp"), P("tp", None)),
+                               out_specs=P()))
+    return fn.lower(x, w).compile().as_text()
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_ring_lowers_to_collective_permutes_only(bidirectional):
+    text = _hlo("ring", chunks=2, bidirectional=bidirectional)
+    assert "collective-permute" in text
+    for collective in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all"):
+        assert collective not in text
+
+
+def test_xla_is_an_all_reduce_and_native_a_custom_call():
+    text = _hlo("xla")
+    assert "all-reduce" in text and "collective-permute" not in text
+    text = _hlo("native", transport="p2p")
+    assert "jaxoverlap_matmul_ar" in text and "all-reduce" not in text
+
+
+def test_config_and_environment_pick_the_impl(monkeypatch):
+    with jo.config(impl="ring"):
+        assert "collective-permute" in _hlo("auto")
+    monkeypatch.setenv("JAXOVERLAP_IMPL", "native")
+    assert "jaxoverlap_matmul_ar" in _hlo("auto")
+    assert "all-reduce" in _hlo("xla")                      # the argument wins
+    monkeypatch.setenv("JAXOVERLAP_CHUNKS", "3")
+    with pytest.raises(ValueError, match=r"chunks \(from jo.config / JAXOVERLAP_CHUNKS\)=3 "
+                                         "does not divide the 2 rows of each rank's block"):
+        _hlo("auto")
+
+
+def test_auto_on_cpu_is_the_unfused_path():
+    assert "all-reduce" in _hlo("auto")
+
+
+# ---------------------------------------------------------------- misuse
+
+
+def _inside(fn, x, w, n=4):
+    f = jax.jit(jax.shard_map(fn, mesh=tp_mesh(n), in_specs=(_x_spec(x.ndim), P("tp", None)),
+                              out_specs=P(), check_vma=False))
+    return f(x, w)
+
+
+X = rand(30, (8, 16), jnp.float32)
+W = rand(31, (16, 4), jnp.float32)
+
+
+def test_rows_that_do_not_split_into_n_blocks():
+    x = rand(32, (3, 2, 16), jnp.float32)   # 6 rows, 4 ranks
+    # auto (and xla) take any number of rows ...
+    assert_close(_run(x, W, 4), f64(x) @ f64(W), jnp.float32)
+    assert_close(_run(x, W, 4, impl="xla", chunks=4), f64(x) @ f64(W), jnp.float32)
+    # ... a fused impl asked for names the shape and the fix
+    for kw, what in ((dict(impl="ring"), "impl='ring'"), (dict(impl="native"), "impl='native'"),
+                     (dict(transport="p2p"), "transport='p2p'")):
+        with pytest.raises(ValueError, match=rf"{what} splits the rows of x \(every dim but the "
+                                             rf"last: 6 for shape \(3, 2, 4\)\) into one block "
+                                             rf"per rank of 'tp' \(4\).*impl='xla'"):
+            _run(x, W, 4, **kw)
+    with jo.config(impl="ring"), pytest.raises(ValueError, match="impl='ring' splits"):
+        _run(x, W, 4)
+
+
+def test_chunks_must_divide_each_ranks_block():
+    with pytest.raises(ValueError, match=r"chunks=3 does not divide the 2 rows of each rank's "
+                                         r"block \(x's 8 rows, every dim but the last, over the "
+                                         r"4 ranks of 'tp'\)"):
+        _run(X, W, 4, impl="ring", chunks=3)
+    with pytest.raises(ValueError, match="chunks=0 must be a positive int"):
+        _run(X, W, 4, impl="ring", chunks=0)
+
+
+def test_operand_errors_name_the_argument():
+    mesh = tp_mesh(4)
+    with pytest.raises(ValueError, match=r"contraction dims differ: x.shape\[-1\]=16 but "
+                                         r"w.shape\[0\]=5"):
+        jo.matmul_ar(X, rand(33, (5, 4), jnp.float32), "tp", mesh=mesh)
+    with pytest.raises(ValueError, match="x must have rank >= 2"):
+        jo.matmul_ar(jnp.ones((16,)), W, "tp", mesh=mesh)
+    with pytest.raises(ValueError, match="w must have rank 2"):
+        jo.matmul_ar(X, jnp.ones((16, 4, 1)), "tp", mesh=mesh)
+    with pytest.raises(TypeError, match="x must be an array, got list"):
+        jo.matmul_ar([[1.0]], W, "tp", mesh=mesh)
+    with pytest.raises(TypeError, match="x.dtype=int32 is not supported; use float32"):
+        jo.matmul_ar(X.astype(jnp.int32), W.astype(jnp.int32), "tp", mesh=mesh)
+    with pytest.raises(TypeError, match="x.dtype=float32 and w.dtype=bfloat16 differ"):
+        jo.matmul_ar(X, W.astype(jnp.bfloat16), "tp", mesh=mesh)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] has 6 contraction features, not "
+                                         r"divisible by the size 4"):
+        jo.matmul_ar(rand(34, (8, 6), jnp.float32), rand(35, (6, 4), jnp.float32), "tp",
+                     mesh=mesh)
+
+
+def test_argument_errors_name_the_argument():
+    mesh = tp_mesh(4)
+    with pytest.raises(ValueError, match="impl='fast' is not an implementation"):
+        jo.matmul_ar(X, W, "tp", impl="fast", mesh=mesh)
+    with pytest.raises(ValueError, match="transport='nvlink' is not a transport"):
+        jo.matmul_ar(X, W, "tp", transport="nvlink", mesh=mesh)
+    with pytest.raises(ValueError, match="transport='p2p' applies to impl='native' only"):
+        jo.matmul_ar(X, W, "tp", impl="ring", transport="p2p", mesh=mesh)
+    with pytest.raises(TypeError, match="bidirectional='yes' must be True, False or None"):
+        jo.matmul_ar(X, W, "tp", impl="ring", bidirectional="yes", mesh=mesh)
+    with pytest.raises(TypeError, match="mesh=.* must be a jax.sharding.Mesh"):
+        jo.matmul_ar(X, W, "tp", mesh="tp")
+    with pytest.raises(TypeError, match="must be a single mesh axis name"):
+        jo.matmul_ar(X, W, ("dp", "tp"), mesh=mesh)
+    with pytest.raises(TypeError, match=r"axis_name=3 must be a mesh axis name \(a str"):
+        jo.matmul_ar(X, W, 3, mesh=mesh)
+    with pytest.raises(ValueError, match="axis_name 'model' is not an axis of the mesh"):
+        jo.matmul_ar(X, W, "model", mesh=mesh)
+    with pytest.raises(ValueError, match="axis_name 'model' is not an axis of the mesh"):
+        _inside(lambda x, w: jo.matmul_ar(x, w, "model"), X, W)
+    with pytest.raises(ValueError, match="no mesh is known.*mesh="):
+        jo.matmul_ar(np.ones((8, 16), np.float32), np.ones((16, 4), np.float32), "tp")
+    with pytest.raises(TypeError, match="axis"):
+        jo.matmul_ar(X, W, "tp", axis=0, mesh=mesh)  # no axis: every dim but the last is a row
+
+
+def test_native_request_is_never_silently_replaced(monkeypatch):
+    from jaxoverlap import ops
+
+    monkeypatch.setattr(ops, "_native", lambda: None)
+    with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested.*no native"):
+        jo.matmul_ar(X, W, "tp", impl="native", mesh=tp_mesh(4))
