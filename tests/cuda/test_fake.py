@@ -40,6 +40,8 @@ def _reference(op, xs, ws, rows):
         gathered = np.concatenate(x64, axis=1)
         return [gathered @ w for w in w64], gathered
     total = sum(x @ w for x, w in zip(x64, w64, strict=True))
+    if op == "matmul_ar":  # every rank holds the whole sum
+        return [total] * len(xs), None
     return [total[:, r * rows:(r + 1) * rows] for r in range(len(xs))], None
 
 
@@ -93,7 +95,7 @@ def test_every_transport_matches_reference(fake, op, transport, case):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
 def test_half_dtypes(fake, op, transport, dtype):
     out, xs, ws = run_case(fake, op, transport, 4, batch=2, rows=4, k=8, nw=6, dtype=dtype,
                            chunks=2, bidirectional=True)
@@ -111,7 +113,7 @@ def test_return_gathered(fake, transport):
 def test_other_interleavings_and_back_to_back_calls(fake, transport, seed):
     """Five calls queued before the GPU runs any: epochs, parities, flags, events reused."""
     fake.reset(seed=seed)
-    for op in ("ag_matmul", "matmul_rs"):
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
         out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True, calls=5)
         check(fake, out, op, xs, ws, 3, "float32")
 
@@ -264,7 +266,7 @@ def test_case_table_covers_every_op_kind(fake):
 
 
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
 def test_watchdog_turns_a_missing_peer_into_an_error(fake, op, transport):
     """Rank 2 never makes the call: its peers' streams wait on the "GPU". The watchdog reports
     who waits for what, releases the streams (no hang) and breaks the clique."""

@@ -18,6 +18,7 @@ from .schedule_check import (
 host = load_host()
 TRANSPORTS = ("nccl", "p2p", "multicast")
 OPS = ("ag_matmul", "matmul_rs")
+ALL_OPS = (*OPS, "matmul_ar")  # GEMM + all-reduce: the RS ring, then an AG ring of Y's blocks
 
 
 def build(op, transport, n, rank, *, batch=2, rows=6, k=5, n_out=3, dtype="float32", chunks=1,
@@ -134,6 +135,30 @@ def test_ring_sends_exactly_n_minus_1_over_n(op, transport, n, chunks, bidir, dt
         assert sent * n == (n - 1) * gathered_bytes, (r, sent)
 
 
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("bidir", [False, True])
+def test_ring_all_reduce_sends_exactly_2_n_minus_1_over_n(transport, n, chunks, bidir):
+    """GEMM + AR sends the ring all-reduce bound: 2(N-1)/N of Y per rank, no more."""
+    batch, rows, k, n_out = 2, 6, 5, 3
+    y_bytes = batch * n * rows * n_out * 4
+    for r in range(n):
+        p = build("matmul_ar", transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out,
+                  chunks=chunks, bidirectional=bidir)
+        sent = sum(o["remote_bytes"] for o in p["ops"])
+        assert sent * n == 2 * (n - 1) * y_bytes, (r, sent)
+
+
+def test_multicast_ar_reduces_and_stores_own_block_only():
+    """In the switch: each rank load-reduces its own block and stores it back, Y/N each way."""
+    n, batch, rows, n_out = 4, 2, 6, 3
+    for r in range(n):
+        p = build("matmul_ar", "multicast", n, r, batch=batch, rows=rows, n_out=n_out, chunks=2)
+        reduces = [o for o in p["ops"] if o["kind"] == "McReduce"]
+        assert reduces and {o["shard"] for o in reduces} == {r}
+
+
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_multicast_ag_stores_each_shard_once(n, chunks):
@@ -159,7 +184,7 @@ def test_multicast_rs_reduces_own_block_only():
 
 # ---- deadlock freedom ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", ALL_OPS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("chunks", [1, 3])
@@ -209,7 +234,7 @@ def test_program_is_printable_and_invalid_problems_raise():
 
 # ---- data races ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", ALL_OPS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("chunks,bidir", [(1, False), (3, True), (2, False), (1, True)])
@@ -219,7 +244,7 @@ def test_every_clique_is_race_free(op, transport, n, chunks, bidir):
     check_race_free(programs)
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", ALL_OPS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("chunks,bidir", [(1, False), (2, True)])
@@ -262,7 +287,7 @@ def test_race_checker_catches_a_missing_dependency(op, transport, kind):
 
 # ---- bounds ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", ALL_OPS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
 @pytest.mark.parametrize("chunks,bidir,gathered", [(1, False, False), (3, True, True)])
