@@ -172,7 +172,7 @@ def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> s
 
 def _make_plan(
     op: str, x, w, axis_name, n: int, axis: int, rows_per_shard: int,
-    impl: Any, transport: Any, chunks: Any, bidirectional: Any,
+    impl: Any, transport: Any, chunks: Any, bidirectional: Any, log: bool = True,
 ) -> Plan:
     check_impl(impl)
     check_transport(transport)
@@ -220,7 +220,9 @@ def _make_plan(
     if chosen_impl == "native":
         plan = dataclasses.replace(plan, transport=_native_transport(op, plan.transport),
                                    mesh=_native().current_mesh())
-    logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape), plan.describe())
+    if log:
+        logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape),
+                     plan.describe())
     return plan
 
 
@@ -351,6 +353,31 @@ def _types(*arrays) -> tuple[frozenset, ...]:
     return tuple(varying_axes(a) for a in arrays)
 
 
+# ---------------------------------------------------------------- global arrays
+
+
+def _global(op: str, x, w, axis_name, axis: int, mesh, want_gathered: bool, op_args: dict):
+    """The op on global arrays (outside shard_map), through ``_spmd``."""
+    mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
+    call = _spmd.make_call(op, axis_name, x.ndim, axis, **op_args)
+    _spmd.check_shapes(call, x, w, mesh)
+    # The per-device plan may be made later (when XLA partitions the program):
+    # make it once now for the shards' shapes, so that every misuse is reported
+    # here, at trace time.
+    n = mesh.shape[axis_name]
+    x_shape = list(x.shape)
+    if op == "ag_matmul":         # x split on its rows, w on its columns
+        x_shape[axis] //= n
+        w_shape, rows = (w.shape[0], w.shape[1] // n), x_shape[axis]
+    else:                         # x split on its features, w on its rows
+        x_shape[-1] //= n
+        w_shape, rows = (w.shape[0] // n, w.shape[1]), x_shape[axis] // n
+    local_x = jax.ShapeDtypeStruct(tuple(x_shape), x.dtype)
+    local_w = jax.ShapeDtypeStruct(w_shape, w.dtype)
+    _make_plan(op, local_x, local_w, axis_name, n, axis, rows, log=False, **op_args)
+    return _spmd.run(call, mesh, x, w, want_gathered=want_gathered)
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -383,12 +410,9 @@ def ag_matmul(
         raise TypeError(f"{op}: return_gathered={return_gathered!r} must be True or False.")
     n = bound_axis_size(axis_name)
     if n is None:
-        mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
-        local = functools.partial(
-            ag_matmul, axis_name=axis_name, axis=axis, impl=impl, transport=transport,
-            chunks=chunks, bidirectional=bidirectional, return_gathered=return_gathered,
-        )
-        return _spmd.ag_matmul_global(local, x, w, axis_name, axis, return_gathered, mesh)
+        return _global(op, x, w, axis_name, axis, mesh, return_gathered,
+                       dict(impl=impl, transport=transport, chunks=chunks,
+                            bidirectional=bidirectional))
     plan = _make_plan(op, x, w, axis_name, n, axis, x.shape[axis], impl, transport, chunks,
                       bidirectional)
     return _ag_matmul(x, w, plan, return_gathered, _types(x, w))
@@ -418,12 +442,9 @@ def matmul_rs(
     axis = _check_operands(op, x, w, axis)
     n = bound_axis_size(axis_name)
     if n is None:
-        mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
-        local = functools.partial(
-            matmul_rs, axis_name=axis_name, axis=axis, impl=impl, transport=transport,
-            chunks=chunks, bidirectional=bidirectional,
-        )
-        return _spmd.matmul_rs_global(local, x, w, axis_name, axis, mesh)
+        return _global(op, x, w, axis_name, axis, mesh, False,
+                       dict(impl=impl, transport=transport, chunks=chunks,
+                            bidirectional=bidirectional))
     if x.shape[axis] % n:
         raise ValueError(
             f"{op}: x.shape[{axis}]={x.shape[axis]} rows are not divisible by the size {n} of "
