@@ -14,28 +14,18 @@ uses it the same way, see github.com/NVIDIA/TransformerEngine,
   other, so a data or FSDP axis on the batch flows through the op;
 * the partition callback receives the shardings propagation chose and the
   concrete mesh, keeps the other mesh axes x carries on its pass-through dims,
-  asks for the tensor-parallel layout on ``axis_name`` (parameters sharded on
-  their other dim, FSDP, are gathered for the call) and returns the per-device
-  function: the op on local shards, exactly what runs inside ``shard_map``;
+  asks for the layout of ``_spmd.layouts`` (a kernel sharded on its other dim,
+  FSDP, is gathered for the call) and returns the per-device function: the op
+  on local shards, the very code that runs inside ``shard_map``;
 * autodiff is a ``custom_vjp`` over the primitives: AG+GEMM's backward is a
-  GEMM+RS primitive and vice versa, the weight gradients are plain dots that
-  XLA partitions (reducing over data axes, or reduce-scattering onto an FSDP
-  layout).
-
-Four primitive kinds, each with its per-device layout (``r`` the row dim
-``axis``, ``..`` the pass-through dims, ``tp`` = ``axis_name``):
-
-==============  =====================  ============  ====================
-kind            x                      w             y
-==============  =====================  ============  ====================
-``ag_matmul``   ``[.., r:tp, k]``      ``[k, n:tp]``  ``[.., r, n:tp]`` (+ gathered x)
-``matmul_rs``   ``[.., r, f:tp]``      ``[f:tp, n]``  ``[.., r:tp, n]``
-``matmul``      ``[.., k]``            ``[k, n:tp]``  ``[.., n:tp]`` (Megatron f)
-``matmul_psum`` ``[.., f:tp]``         ``[f:tp, n]``  ``[.., n]`` (Megatron g)
-==============  =====================  ============  ====================
+  GEMM+RS primitive and vice versa (f and g likewise). The weight gradient is a
+  primitive of its own that reduces over the batch's mesh axes: a
+  reduce-scatter onto the kernel's own layout for the axes that also shard the
+  kernel (FSDP), an all-reduce for the others (data parallel).
 
 Settings read at trace time (``jo.config``, ``jax.default_matmul_precision``)
-are carried into the partition callback, which runs when XLA compiles.
+travel in the static :class:`~jaxoverlap._spmd.Call` to the partition
+callback, which runs when XLA compiles the program.
 """
 
 from __future__ import annotations
@@ -43,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +45,8 @@ from jax.sharding import PartitionSpec as P
 from jaxoverlap import _spmd
 from jaxoverlap._config import config
 from jaxoverlap._spmd import AG, RS, Call, free_dims, layouts
+
+# ---------------------------------------------------------------- layouts and rules
 
 
 def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
@@ -68,28 +61,36 @@ def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
     return reopen(x_spec), tuple(reopen(s) for s in out_specs)
 
 
+def _factors(call: Call, row: str, last: str) -> str:
+    """One factor per dim of x: ``b<d>`` for the pass-through dims."""
+    return " ".join(row if d == call.axis else (last if d == call.ndim - 1 else f"b{d}")
+                    for d in range(call.ndim))
+
+
 def sharding_rule(call: Call, mesh, value_types, result_types) -> str:
     """The Shardy rule: pass-through dims shared by x and the outputs; tp dims tied together.
 
-    Factors ``b<d>`` are x's pass-through dims. The row dims and the contraction
-    dims that are not split over ``axis_name`` get factors of their own, so
-    propagation carries nothing across them (an FSDP axis on a kernel's other
-    dim must not leak onto the activations).
+    The row dims and the contraction dims that are not split over
+    ``axis_name`` get factors of their own, so propagation carries nothing
+    across them (an FSDP axis on a kernel's other dim must not leak onto the
+    activations).
     """
     del mesh, value_types, result_types
-    last, row = call.ndim - 1, call.axis
-
-    def dims(row_factor: str, last_factor: str) -> str:
-        return " ".join(row_factor if d == row else (last_factor if d == last else f"b{d}")
-                        for d in range(call.ndim))
-
     if call.kind == AG:      # y's columns are w's (split over tp); the gathered x is free
-        return f"{dims('r', 'k')}, q n -> {dims('s', 'n')}, {dims('t', 'c')}"
+        return (f"{_factors(call, 'r', 'k')}, q n -> {_factors(call, 's', 'n')}, "
+                f"{_factors(call, 't', 'c')}")
     if call.kind == RS:      # x's features are w's rows (split over tp)
-        return f"{dims('r', 'f')}, f m -> {dims('s', 'n')}"
+        return f"{_factors(call, 'r', 'f')}, f m -> {_factors(call, 's', 'n')}"
     if call.kind == _spmd.F:
-        return f"{dims('', 'k')}, q n -> {dims('', 'n')}"
-    return f"{dims('', 'f')}, f m -> {dims('', 'n')}"
+        return f"{_factors(call, '', 'k')}, q n -> {_factors(call, '', 'n')}"
+    return f"{_factors(call, '', 'f')}, f m -> {_factors(call, '', 'n')}"
+
+
+def _grad_rule(call: Call, mesh, value_types, result_types) -> str:
+    """Weight gradient ``(a, b, w) -> dw``: a and b share their leading dims, dw is w's."""
+    del mesh, value_types, result_types
+    lead = " ".join(f"b{d}" for d in range(call.ndim - 1))
+    return f"{lead} k, {lead} n, p q -> p q"
 
 
 # ---------------------------------------------------------------- per device
@@ -108,36 +109,33 @@ def _device_context(call: Call, mesh: Mesh) -> Iterator[None]:
                                        preset=s.preset))
         if call.matmul_precision is not None:
             stack.enter_context(jax.default_matmul_precision(call.matmul_precision))
-        stack.enter_context(_native_mesh(mesh))
+        # The native path needs the concrete mesh (its rank table), as in the shard_map entry.
+        stack.enter_context(_spmd._entry_mesh(mesh))
         yield
 
 
-@contextlib.contextmanager
-def _native_mesh(mesh: Mesh) -> Iterator[None]:
-    """Tells the native path the concrete mesh (its rank table), as the shard_map entry does."""
-    try:
-        from jaxoverlap import _native
-    except ImportError:
-        yield
-        return
-    with _native.entry_mesh(mesh):
-        yield
+def _matmul_f32(x, w, precision=None):
+    return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _global_body(call: Call, x, w):
+def _body(call: Call, x, w):
     """The op's meaning on global arrays: what fixes the output types, and XLA's fallback."""
-    y = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=call.precision,
-                        preferred_element_type=jnp.float32).astype(x.dtype)
+    y = _matmul_f32(x, w, call.precision)
     return (y, x) if call.kind == AG else (y,)
 
 
-def _partition(call: Call, mesh, arg_shapes, result_shape):
-    x_sharding = arg_shapes[0].sharding
-    if not isinstance(x_sharding, NamedSharding) or call.axis_name not in mesh.axis_names:
+def _check_mesh(call: Call, mesh, sharding) -> None:
+    if not isinstance(sharding, NamedSharding) or call.axis_name not in mesh.axis_names:
         raise ValueError(
             f"jaxoverlap {call.kind}: the compiled program's mesh {mesh} does not have axis "
             f"{call.axis_name!r}; pass mesh= or use jax.set_mesh(mesh) around jit.")
-    x_spec, w_spec, out_specs = layouts(call, tuple(x_sharding.spec))
+
+
+def _partition(call: Call, mesh, arg_shapes, result_shape):
+    del result_shape
+    _check_mesh(call, mesh, arg_shapes[0].sharding)
+    x_spec, w_spec, out_specs = layouts(call, tuple(arg_shapes[0].sharding.spec))
 
     def lower(x, w):
         with _device_context(call, mesh):
@@ -148,8 +146,63 @@ def _partition(call: Call, mesh, arg_shapes, result_shape):
     return mesh, lower, tuple(map(named, out_specs)), (named(x_spec), named(w_spec))
 
 
-_primitive = custom_partitioning(_global_body, static_argnums=(0,))
+_primitive = custom_partitioning(_body, static_argnums=(0,))
 _primitive.def_partition(partition=_partition, sharding_rule=sharding_rule)
+
+
+def _grad_body(call: Call, a, b, w):
+    dims = tuple(range(a.ndim - 1))
+    dw = lax.dot_general(a, b, ((dims, dims), ((), ())), preferred_element_type=jnp.float32)
+    return dw.astype(w.dtype)
+
+
+def _axes(entry: Any) -> tuple[Any, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
+    """``aᵀ·b`` reduced over the batch's mesh axes, scattered onto w's own layout where it can."""
+    del result_shape
+    _check_mesh(call, mesh, arg_shapes[0].sharding)
+    tp = call.axis_name
+    column = call.kind in (AG, _spmd.F)          # dw [k, n]: tp on n (column) or on k (row)
+    tp_dim, other = (1, 0) if column else (0, 1)
+    lead = [_spmd._without(e, tp) for e in tuple(arg_shapes[0].sharding.spec)[: call.ndim - 1]]
+    lead += [None] * (call.ndim - 1 - len(lead))
+    batch_axes = tuple(a for e in lead for a in _axes(e))
+    w_entry = tuple(arg_shapes[2].sharding.spec)[other] \
+        if len(tuple(arg_shapes[2].sharding.spec)) > other else None
+    scatter = _axes(w_entry) if _axes(w_entry) and set(_axes(w_entry)) <= set(batch_axes) \
+        else ()
+    reduce = tuple(a for a in batch_axes if a not in scatter)
+    a_spec = P(*lead, None if column else tp)
+    b_spec = P(*lead, tp if column else None)
+    dw_entries = [None, None]
+    dw_entries[tp_dim] = tp
+    dw_entries[other] = (scatter if len(scatter) > 1 else scatter[0]) if scatter else None
+    w_spec = arg_shapes[2].sharding.spec
+
+    def lower(a, b, w):
+        del w
+        with _device_context(call, mesh):
+            dims = tuple(range(a.ndim - 1))
+            dw = lax.dot_general(a, b, ((dims, dims), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            if reduce:
+                dw = lax.psum(dw, reduce)
+            if scatter:
+                dw = lax.psum_scatter(dw, scatter, scatter_dimension=other, tiled=True)
+            return dw.astype(arg_shapes[2].dtype)
+
+    named = functools.partial(NamedSharding, mesh)
+    return (mesh, lower, named(P(*dw_entries)),
+            (named(a_spec), named(b_spec), named(w_spec)))
+
+
+_grad_primitive = custom_partitioning(_grad_body, static_argnums=(0,))
+_grad_primitive.def_partition(partition=_grad_partition, sharding_rule=_grad_rule)
 
 
 # ---------------------------------------------------------------- global entry + autodiff
@@ -162,13 +215,6 @@ def _apply(call: Call, mesh, x, w):
     outs = _primitive(call, x, w)
     return tuple(lax.with_sharding_constraint(o, NamedSharding(mesh, s))
                  for o, s in zip(outs, out_open, strict=True))
-
-
-def _weight_grad(a, b, dtype):
-    """aᵀ·b over every dim but the last, accumulated in float32."""
-    dims = tuple(range(a.ndim - 1))
-    return lax.dot_general(a, b, ((dims, dims), ((), ())),
-                           preferred_element_type=jnp.float32).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -186,14 +232,13 @@ def _call_fwd(call, mesh, want_gathered, x, w):
 def _call_bwd(call, mesh, want_gathered, res, ct):
     x_full, w = res
     dy, dgathered = ct if want_gathered else (ct, None)
-    wt = w.T
     if call.kind == RS:           # GEMM+RS's backward: all_gather(dY) @ Wᵀ, reusing gathered dY
-        dx, dy_full = _apply(call.transposed(), mesh, dy, wt)
-        return dx, _weight_grad(x_full, dy_full, w.dtype)
-    (dx, *_) = _apply(call.transposed(), mesh, dy, wt)
+        dx, dy_full = _apply(call.transposed(), mesh, dy, w.T)
+        return dx, _grad_primitive(call, x_full, dy_full, w)
+    (dx, *_) = _apply(call.transposed(), mesh, dy, w.T)
     if dgathered is not None:
         dx = dx + dgathered
-    return dx, _weight_grad(x_full, dy, w.dtype)
+    return dx, _grad_primitive(call, x_full, dy, w)
 
 
 _call.defvjp(_call_fwd, _call_bwd)
@@ -202,4 +247,3 @@ _call.defvjp(_call_fwd, _call_bwd)
 def call(c: Call, mesh, x, w, *, want_gathered: bool = False):
     """Runs ``c`` on global arrays ``x``, ``w`` over ``mesh`` (Auto axes), differentiably."""
     return _call(c, mesh, want_gathered, x, w)
-
