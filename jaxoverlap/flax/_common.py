@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -359,6 +360,45 @@ def general_forward(m: Matmul, x, kernel, bias, n_contract: int, *, out_sharding
     else:
         y = y.reshape(y.shape[:-1] + tuple(features))
     return constrain_output(m, y, out_sharding, x)
+
+
+def fused_columns(m: Matmul, x, kernels: list, biases: list):
+    """Several column-parallel projections of one input ``x [..., S, K]`` in one multiply.
+
+    Each kernel is ``[K, H_i, *rest_i]``, split over ``axis_name`` on ``H_i``
+    (an attention's query, key and value). They are interleaved so that every
+    device's block of the joint kernel holds its own block of each: one
+    all-gather of x feeds all of them (and, backward, one reduce-scatter sums
+    their input gradients). Returns the outputs ``[..., S, H_i, *rest_i]``.
+    """
+    n = 1                                      # blocks to interleave (1 on local shards)
+    if tp_size_if_bound(m.axis_name) is None:
+        mesh = _spmd.find_mesh(m.layer, m.mesh, x, *kernels)
+        if mesh is not None and m.axis_name in mesh.axis_names:
+            n = mesh.shape[m.axis_name]
+            for k in kernels:
+                divide(m.layer, "the number of heads", k.shape[1], n, m.axis_name)
+    k_dim = kernels[0].shape[0]
+    sizes = [int(np.prod(k.shape[1:])) // n for k in kernels]
+    # [K, H, *rest] -> [K, n, H/n, *rest] -> [K, n, H/n * prod(rest)]: the split dim stays major.
+    blocks = [k.reshape((k_dim, n, k.shape[1] // n) + k.shape[2:]).reshape((k_dim, n, s))
+              for k, s in zip(kernels, sizes, strict=True)]
+    kernel = jnp.concatenate(blocks, axis=-1).reshape((k_dim, n * sum(sizes)))
+    bias = None
+    if biases[0] is not None:
+        bias = jnp.concatenate([b.reshape((n, b.shape[0] // n) + b.shape[1:]).reshape((n, s))
+                                for b, s in zip(biases, sizes, strict=True)], axis=-1)
+        bias = bias.reshape(-1)
+    y = forward(m, x, kernel, bias)
+    lead = y.shape[:-1]
+    y = y.reshape(lead + (n, sum(sizes)))
+    outs, start = [], 0
+    for k, s in zip(kernels, sizes, strict=True):
+        part = y[..., start:start + s]
+        start += s
+        part = part.reshape(lead + (n, k.shape[1] // n) + k.shape[2:])
+        outs.append(part.reshape(lead + k.shape[1:]))
+    return outs
 
 
 def choose_dot_general(layer: str, dot_general: Callable | None, reason: str | None = None):

@@ -41,6 +41,9 @@ local shards), and with no mesh at all as the plain Flax layer (so
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -516,3 +519,236 @@ class ParallelMLP(nn.Module):
         )
         h = ColumnParallelDense(self.features, name="up", **shared)(inputs)
         return RowParallelDense(out, name="down", **shared)(self.activation(h))
+
+
+class _Projection(nn.Module):
+    """The parameters of one column-parallel projection, made as
+    :class:`ColumnParallelDenseGeneral` makes them, for a fused multiply."""
+
+    features: tuple[int, ...]
+    use_bias: bool
+    param_dtype: Dtype
+    kernel_init: Initializer
+    bias_init: Initializer
+    axis_name: str
+    mesh: Any
+    layer: str
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        features = self.features
+        n = _common.tp_size_if_bound(self.axis_name)
+        if n is not None:
+            features = (_common.divide(self.layer, "num_heads", features[0], n,
+                                       self.axis_name), *features[1:])
+        kernel = _param(self, self.layer, COLUMN, "kernel", self.kernel_init,
+                        (in_features, *features), 1, 1, self.mesh, self.axis_name)
+        bias = _param(self, self.layer, COLUMN, "bias", self.bias_init, features, 0, 0,
+                      self.mesh, self.axis_name) if self.use_bias else None
+        return kernel, bias
+
+
+class ParallelMultiHeadDotProductAttention(nn.Module):
+    """A ``nn.MultiHeadDotProductAttention`` whose heads are split over ``axis_name``.
+
+    Same fields (then ``axis_name``, ``sequence_parallel``, ``impl``, ``mesh``),
+    same call, same parameters (``query``, ``key``, ``value``: kernels
+    ``[features, heads, head_dim]``; ``out``: ``[heads, head_dim, features]``)
+    with their global shapes and initial values. Megatron's layout: each device
+    holds ``num_heads / N`` heads.
+
+    * The query, key and value projections of one input are one column-parallel
+      multiply (self-attention: one ``ag_matmul`` for all three; its backward
+      one GEMM+reduce-scatter); the output projection is row-parallel
+      (``matmul_rs``). With ``sequence_parallel=False`` they are Megatron's f/g.
+    * ``attention_fn`` runs per head on each device's heads; masks broadcast
+      over heads as in Flax, and dropout draws the same bits as the unsplit
+      layer on global arrays (threefry is partitionable).
+    * ``qkv_dot_general`` / ``out_dot_general`` (or their ``_cls``) run the
+      projections unfused with the user's function, as the dense layers do.
+    * ``decode=True`` (the autoregressive cache) is not supported: use
+      ``nn.MultiHeadDotProductAttention`` with the same parameters to decode.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoverlap.flax.linen import ParallelMultiHeadDotProductAttention
+      >>> mesh = jax.make_mesh((4,), ("tp",))
+      >>> attn = ParallelMultiHeadDotProductAttention(num_heads=8, qkv_features=16, mesh=mesh)
+      >>> x = jnp.ones((2, 8, 16))
+      >>> variables = attn.init(jax.random.key(0), x)
+      >>> variables["params"]["query"]["kernel"].value.shape
+      (16, 8, 2)
+      >>> jax.jit(attn.apply)(variables, x).shape
+      (2, 8, 16)
+
+    Attributes:
+      num_heads, dtype, param_dtype, qkv_features, out_features,
+      broadcast_dropout, dropout_rate, deterministic, precision, kernel_init,
+      out_kernel_init, bias_init, out_bias_init, use_bias, attention_fn, decode,
+      normalize_qk, force_fp32_for_softmax, qkv_dot_general, out_dot_general,
+      qkv_dot_general_cls, out_dot_general_cls, qk_attn_weights_einsum_cls,
+      attn_weights_value_einsum_cls: as in ``nn.MultiHeadDotProductAttention``
+        (``num_heads`` divisible by the size of ``axis_name``).
+      axis_name, sequence_parallel, impl, mesh: as in ``ColumnParallelDense``.
+    """
+
+    num_heads: int
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    qkv_features: int | None = None
+    out_features: int | None = None
+    broadcast_dropout: bool = True
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    out_kernel_init: Initializer | None = None
+    bias_init: Initializer = default_bias_init
+    out_bias_init: Initializer | None = None
+    use_bias: bool = True
+    attention_fn: Callable[..., jax.Array] = nn.dot_product_attention
+    decode: bool = False
+    normalize_qk: bool = False
+    force_fp32_for_softmax: bool = False
+    qkv_dot_general: Callable[..., Any] | None = None
+    out_dot_general: Callable[..., Any] | None = None
+    qkv_dot_general_cls: Any = None
+    out_dot_general_cls: Any = None
+    qk_attn_weights_einsum_cls: Callable[..., Callable[..., jax.Array]] | None = None
+    attn_weights_value_einsum_cls: Callable[..., Callable[..., jax.Array]] | None = None
+    axis_name: str = "tp"
+    sequence_parallel: bool = True
+    impl: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        inputs_kv: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        dropout_rng: jax.Array | None = None,
+        sow_weights: bool = False,
+    ) -> jax.Array:
+        """Applies multi-head dot-product attention, as ``nn.MultiHeadDotProductAttention``.
+
+        Args:
+          inputs_q: ``[batch..., length, features]`` queries (global, or the local
+            shard inside ``shard_map``; sharded on length with sequence parallelism).
+          inputs_k, inputs_v, inputs_kv: keys and values (default: ``inputs_q``).
+          mask: ``[batch..., num_heads or 1, q_length, kv_length]``; False masks out.
+          deterministic: disables dropout when True.
+          dropout_rng: the dropout key (default: ``self.make_rng('dropout')``).
+          sow_weights: sow the attention weights into ``intermediates``.
+
+        Returns:
+          ``[batch..., length, out_features]``, laid out as ``RowParallelDense``'s output.
+        """
+        layer = type(self).__name__
+        if self.decode:
+            raise ValueError(f"{layer}: decode=True (the autoregressive cache) is not "
+                             "supported; decode with nn.MultiHeadDotProductAttention on the "
+                             "same parameters.")
+        if inputs_kv is not None:
+            if inputs_k is not None or inputs_v is not None:
+                raise ValueError(f"{layer}: give either inputs_kv or inputs_k/inputs_v.")
+            inputs_k = inputs_v = inputs_kv
+            warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and "
+                          "inputs_v instead.", DeprecationWarning, stacklevel=2)
+        else:
+            if inputs_k is None:
+                if inputs_v is not None:
+                    raise ValueError(f"{layer}: inputs_k cannot be None if inputs_v is not "
+                                     "None.")
+                inputs_k = inputs_q
+            if inputs_v is None:
+                inputs_v = inputs_k
+        _common.check_input(layer, inputs_q)
+        _common.check_features(layer, "num_heads", self.num_heads)
+        features = self.out_features or inputs_q.shape[-1]
+        qkv_features = self.qkv_features or inputs_q.shape[-1]
+        if qkv_features % self.num_heads:
+            raise ValueError(f"{layer}: qkv_features={qkv_features} must be divisible by "
+                             f"num_heads={self.num_heads}.")
+        head_dim = qkv_features // self.num_heads
+        shared = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=self.use_bias,
+                      precision=self.precision, axis_name=self.axis_name,
+                      sequence_parallel=self.sequence_parallel, impl=self.impl, mesh=self.mesh)
+        inputs = (inputs_q, inputs_k, inputs_v)
+        names = ("query", "key", "value")
+        if self.qkv_dot_general is not None or self.qkv_dot_general_cls is not None:
+            dense = functools.partial(
+                ColumnParallelDenseGeneral, features=(self.num_heads, head_dim), axis=-1,
+                kernel_init=self.kernel_init, bias_init=self.bias_init,
+                dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls,
+                **shared)
+            query, key, value = (dense(name=n)(x) for n, x in zip(names, inputs, strict=True))
+        else:
+            query, key, value = self._fused_qkv(layer, inputs, names, head_dim)
+        if self.normalize_qk:
+            query = nn.LayerNorm(name="query_ln", use_bias=False, dtype=self.dtype,
+                                 param_dtype=self.param_dtype)(query)
+            key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
+                               param_dtype=self.param_dtype)(key)
+        if self.dropout_rate > 0.0:
+            m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+            if not m_deterministic and dropout_rng is None:
+                dropout_rng = self.make_rng("dropout")
+        else:
+            m_deterministic = True
+        if dropout_rng is not None and _common.tp_size_if_bound(self.axis_name) is not None:
+            # On local shards each device holds other heads: give them other bits.
+            dropout_rng = jax.random.fold_in(dropout_rng, jax.lax.axis_index(self.axis_name))
+        attn_kwargs = dict(
+            mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+            broadcast_dropout=self.broadcast_dropout, deterministic=m_deterministic,
+            dtype=self.dtype, precision=self.precision,
+            force_fp32_for_softmax=self.force_fp32_for_softmax,
+            qk_attn_weights_einsum=(self.qk_attn_weights_einsum_cls()
+                                    if self.qk_attn_weights_einsum_cls else None),
+            attn_weights_value_einsum=(self.attn_weights_value_einsum_cls()
+                                       if self.attn_weights_value_einsum_cls else None),
+        )
+        accepted = inspect.signature(self.attention_fn).parameters
+        attn_kwargs = {k: v for k, v in attn_kwargs.items() if k in accepted}
+        if sow_weights:
+            attn_kwargs["module"] = self
+        x = self.attention_fn(query, key, value, **attn_kwargs)
+        return RowParallelDenseGeneral(
+            features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+            bias_init=self.out_bias_init or self.bias_init, dot_general=self.out_dot_general,
+            dot_general_cls=self.out_dot_general_cls, name="out", **shared)(x)
+
+    def _fused_qkv(self, layer: str, inputs: tuple, names: tuple[str, ...], head_dim: int):
+        """The three projections, one multiply per distinct input (self-attention: one)."""
+        projections = {
+            name: _Projection((self.num_heads, head_dim), self.use_bias, self.param_dtype,
+                              self.kernel_init, self.bias_init, self.axis_name, self.mesh,
+                              layer, name=name)(x.shape[-1])
+            for name, x in zip(names, inputs, strict=True)}
+        groups: list[tuple[Any, list[str]]] = []      # inputs by identity, in order
+        for name, x in zip(names, inputs, strict=True):
+            for group_x, members in groups:
+                if group_x is x:
+                    members.append(name)
+                    break
+            else:
+                groups.append((x, [name]))
+        m = _common.Matmul(layer=layer, kind=COLUMN, axis_name=self.axis_name,
+                           sequence_parallel=self.sequence_parallel, impl=self.impl,
+                           precision=self.precision, mesh=self.mesh)
+        out: dict[str, jax.Array] = {}
+        for x, members in groups:
+            kernels, biases = [], []
+            for name in members:
+                kernel, bias = projections[name]
+                x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
+                kernels.append(kernel)
+                biases.append(bias)
+            out.update(zip(members, _common.fused_columns(m, x, kernels, biases), strict=True))
+        return tuple(out[n] for n in names)

@@ -574,3 +574,273 @@ class ParallelMLP(nnx.Module):
           ``[..., S, out_features]``, laid out as for ``RowParallelLinear``.
         """
         return self.down(self.activation(self.up(inputs)))
+
+
+class ParallelMultiHeadAttention(nnx.Module):
+    """An ``nnx.MultiHeadAttention`` whose heads are split over ``axis_name``.
+
+    Same arguments (then ``axis_name``, ``sequence_parallel``, ``impl``,
+    ``mesh``), same call, same attributes and parameters (``query``, ``key``,
+    ``value``: ``ColumnParallelLinearGeneral`` with kernels ``[in, heads,
+    head_dim]``; ``out``: ``RowParallelLinearGeneral``; ``query_ln``,
+    ``key_ln``) with their global shapes and initial values. Each device holds
+    ``num_heads / N`` query heads and ``num_kv_heads / N`` key/value heads.
+
+    The projections of one input are one column-parallel multiply
+    (self-attention: one ``ag_matmul`` for query, key and value), the output
+    projection is row-parallel (``matmul_rs``); with ``sequence_parallel=False``
+    Megatron's f/g. ``attention_fn`` runs per head; masks and dropout as in
+    ``nnx.MultiHeadAttention``. A ``qkv_dot_general`` (or ``_cls``) runs the
+    projections unfused. ``decode`` (the autoregressive cache) is not supported.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxoverlap.flax.nnx import ParallelMultiHeadAttention
+      >>> mesh = jax.make_mesh((4,), ("tp",))
+      >>> attn = ParallelMultiHeadAttention(8, 16, decode=False, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> attn.query.kernel.shape
+      (16, 8, 2)
+      >>> nnx.jit(lambda m, x: m(x))(attn, jnp.ones((2, 8, 16))).shape
+      (2, 8, 16)
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        num_kv_heads: int | None = None,
+        in_kv_features: int | None = None,
+        *,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        broadcast_dropout: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        out_kernel_init: Initializer | None = None,
+        bias_init: Initializer = default_bias_init,
+        out_bias_init: Initializer | None = None,
+        use_bias: bool = True,
+        attention_fn: Callable[..., jax.Array] = nnx.dot_product_attention,
+        decode: bool | None = None,
+        normalize_qk: bool = False,
+        qkv_promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        out_promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        ln_promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        qkv_dot_general: Callable[..., Any] | None = None,
+        out_dot_general: Callable[..., Any] | None = None,
+        qkv_dot_general_cls: Any = None,
+        out_dot_general_cls: Any = None,
+        rngs: nnx.Rngs,
+        keep_rngs: bool = True,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        axis_name: str = "tp",
+        sequence_parallel: bool = True,
+        impl: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        layer = type(self).__name__
+        _common.check_features(layer, "num_heads", num_heads)
+        self.num_heads = num_heads
+        self.in_features = in_features
+        self.qkv_features = qkv_features if qkv_features is not None else in_features
+        self.out_features = out_features if out_features is not None else in_features
+        self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{layer}: num_heads={num_heads} must be divisible by "
+                             f"num_kv_heads={self.num_kv_heads}.")
+        if self.qkv_features % self.num_heads:
+            raise ValueError(f"{layer}: qkv_features={self.qkv_features} must be divisible by "
+                             f"num_heads={num_heads}.")
+        self.head_dim = self.qkv_features // self.num_heads
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.broadcast_dropout = broadcast_dropout
+        self.dropout_rate = dropout_rate
+        self.deterministic = deterministic
+        self.precision = precision
+        self.use_bias = use_bias
+        self.attention_fn = attention_fn
+        self.decode = decode
+        self.normalize_qk = normalize_qk
+        self.qkv_promote_dtype = qkv_promote_dtype
+        self.out_promote_dtype = out_promote_dtype
+        self.ln_promote_dtype = ln_promote_dtype
+        self.qkv_dot_general = qkv_dot_general
+        self.out_dot_general = out_dot_general
+        self.qkv_dot_general_cls = qkv_dot_general_cls
+        self.out_dot_general_cls = out_dot_general_cls
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel
+        self.impl = impl
+        self.mesh = mesh
+        parallel = dict(axis_name=axis_name, sequence_parallel=sequence_parallel, impl=impl,
+                        mesh=mesh)
+        n = _common.known_tp_size(axis_name, mesh)
+        if n is not None:
+            for name, heads in (("num_heads", num_heads), ("num_kv_heads", self.num_kv_heads)):
+                _common.divide(layer, name, heads, n, axis_name)
+
+        def projection(in_f: int, heads: int) -> ColumnParallelLinearGeneral:
+            return ColumnParallelLinearGeneral(
+                in_f, (heads, self.head_dim), dtype=dtype, param_dtype=param_dtype,
+                kernel_init=kernel_init, bias_init=bias_init, use_bias=use_bias,
+                precision=precision, promote_dtype=qkv_promote_dtype,
+                dot_general=qkv_dot_general, dot_general_cls=qkv_dot_general_cls,
+                kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, rngs=rngs,
+                **parallel)
+
+        self.query = projection(in_features, num_heads)
+        self.key = projection(self.in_kv_features, self.num_kv_heads)
+        self.value = projection(self.in_kv_features, self.num_kv_heads)
+        self.query_ln: nnx.LayerNorm | None
+        self.key_ln: nnx.LayerNorm | None
+        if normalize_qk:
+            self.query_ln = nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype,
+                                          param_dtype=param_dtype, promote_dtype=ln_promote_dtype,
+                                          rngs=rngs, scale_metadata=query_ln_scale_metadata)
+            self.key_ln = nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype,
+                                        param_dtype=param_dtype, promote_dtype=ln_promote_dtype,
+                                        rngs=rngs, scale_metadata=key_ln_scale_metadata)
+        else:
+            self.query_ln = nnx.data(None)
+            self.key_ln = nnx.data(None)
+        self.out = RowParallelLinearGeneral(
+            (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+            kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+            use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
+            promote_dtype=out_promote_dtype, dot_general=out_dot_general,
+            dot_general_cls=out_dot_general_cls, rngs=rngs,
+            kernel_metadata=out_kernel_metadata or kernel_metadata,
+            bias_metadata=out_bias_metadata or bias_metadata, **parallel)
+        self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
+
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | nnx.RngStream | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
+        is_causal: bool = False,
+        out_sharding: Any = None,
+        qkv_sharding: Any = None,
+        input_positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Applies multi-head dot-product attention, as ``nnx.MultiHeadAttention``.
+
+        Args:
+          inputs_q: ``[batch..., length, in_features]`` queries (global, or the
+            local shard inside ``shard_map``; sharded on length with sequence
+            parallelism).
+          inputs_k, inputs_v: keys and values (default: ``inputs_q``).
+          mask: ``[batch..., num_heads or 1, q_length, kv_length]``; False masks out.
+          deterministic, rngs, sow_weights, is_causal, input_positions: as in
+            ``nnx.MultiHeadAttention`` (``input_positions`` goes to ``attention_fn``).
+          decode: must be False or None (the cache is not supported).
+          out_sharding, qkv_sharding: the output's and the projections' sharding.
+
+        Returns:
+          ``[batch..., length, out_features]``, laid out as ``RowParallelLinear``'s output.
+        """
+        layer = type(self).__name__
+        if decode or (decode is None and self.decode):
+            raise ValueError(f"{layer}: decode=True (the autoregressive cache) is not "
+                             "supported; decode with nnx.MultiHeadAttention on the same state.")
+        if rngs is None:
+            rngs = self.rngs
+        elif isinstance(rngs, nnx.Rngs):
+            rngs = rngs.dropout
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError(f"{layer}: inputs_k cannot be None if inputs_v is not None.")
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(f"{layer}: inputs_q.shape[-1]={inputs_q.shape[-1]} but the module "
+                             f"expects in_features={self.in_features}.")
+        projections = (self.query, self.key, self.value)
+        inputs = (inputs_q, inputs_k, inputs_v)
+        if self.qkv_dot_general is not None or self.qkv_dot_general_cls is not None:
+            query, key, value = (p(x, out_sharding=qkv_sharding)
+                                 for p, x in zip(projections, inputs, strict=True))
+        else:
+            query, key, value = self._fused_qkv(layer, projections, inputs, qkv_sharding)
+        if self.normalize_qk:
+            query = self.query_ln(query)
+            key = self.key_ln(key)
+        if self.dropout_rate > 0.0:
+            deterministic = deterministic if deterministic is not None else self.deterministic
+            if deterministic is None:
+                raise ValueError(f"{layer}: no `deterministic` argument was given as a call "
+                                 "argument or at construction.")
+            if not deterministic:
+                if rngs is None:
+                    raise ValueError(f"{layer}: 'rngs' must be given to __call__ when the "
+                                     "module is built with keep_rngs=False.")
+                dropout_rng = rngs()
+                if _common.tp_size_if_bound(self.axis_name) is not None:
+                    # On local shards each device holds other heads: give them other bits.
+                    dropout_rng = jax.random.fold_in(dropout_rng,
+                                                     lax.axis_index(self.axis_name))
+            else:
+                dropout_rng = None
+        else:
+            deterministic, dropout_rng = True, None
+        attn_kwargs: dict[str, Any] = {}
+        if input_positions is not None:
+            attn_kwargs["input_positions"] = input_positions
+        x = self.attention_fn(
+            query, key, value, mask=mask, dropout_rng=dropout_rng,
+            dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+            deterministic=deterministic, dtype=self.dtype, precision=self.precision,
+            module=self if sow_weights else None, is_causal=is_causal, **attn_kwargs)
+        return self.out(x, out_sharding=out_sharding)
+
+    def _fused_qkv(self, layer: str, projections: tuple, inputs: tuple, qkv_sharding: Any):
+        """The three projections, one multiply per distinct input (self-attention: one)."""
+        groups: list[tuple[Any, list[int]]] = []
+        for i, x in enumerate(inputs):
+            for group_x, members in groups:
+                if group_x is x:
+                    members.append(i)
+                    break
+            else:
+                groups.append((x, [i]))
+        out: dict[int, jax.Array] = {}
+        for x, members in groups:
+            kernels, biases = [], []
+            for i in members:
+                p = projections[i]
+                _common.check_input(layer, x)
+                kernel = p.kernel[...]
+                if x.shape[-1] != kernel.shape[0]:
+                    raise ValueError(
+                        f"{layer}: {('inputs_q', 'inputs_k', 'inputs_v')[i]}.shape[-1]="
+                        f"{x.shape[-1]} but the {('query', 'key', 'value')[i]} projection "
+                        f"expects {kernel.shape[0]} features.")
+                bias = p.bias[...] if p.bias is not None else None
+                x, kernel, bias = self.qkv_promote_dtype((x, kernel, bias), dtype=self.dtype)
+                kernels.append(kernel)
+                biases.append(bias)
+            m = projections[members[0]]._matmul(layer, x.dtype)
+            ys = _common.fused_columns(m, x, kernels, biases)
+            for i, y in zip(members, ys, strict=True):
+                out[i] = _common.constrain_output(m, y, qkv_sharding, x)
+        return out[0], out[1], out[2]
