@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap.flax.linen import ParallelMLP
+from jaxoverlap.flax.linen import ParallelMLP, ParallelMultiHeadDotProductAttention
 
 B, S, H, F = 4, 16, 32, 64
 
@@ -164,3 +164,33 @@ class _FsdpMLP(nn.Module):
             kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(
             nn.gelu(h))
+
+
+def test_self_attention_is_one_gather_and_one_scatter_each_way():
+    """Query, key and value share one all-gather forward (and one reduce-scatter backward);
+    the batch's data axis stays put; every device does 1/(data·tensor) of the matmul FLOPs."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"),
+                axis_types=(AxisType.Auto,) * 2)
+    x = rand(0, (B, S, H), jnp.float32)
+    mask = nn.make_causal_mask(np.ones((B, S)))
+    ref = nn.MultiHeadDotProductAttention(num_heads=8)
+    ours = ParallelMultiHeadDotProductAttention(num_heads=8, impl="xla")
+    params = ref.init(jax.random.key(0), x, mask=mask)
+
+    def loss(model):
+        return jax.grad(lambda p, x: jnp.sum(model.apply(p, x, mask=mask) ** 2),
+                        argnums=(0, 1))
+
+    reference = dot_flops(jax.jit(loss(ref)).lower(params, x).compile().as_text())
+    specs = nn.get_partition_spec(jax.eval_shape(ours.init, jax.random.key(0), x, mask=mask))
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+    text = jax.jit(loss(ours)).lower(
+        placed, jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))).compile().as_text()
+    over_tp = [c.op for c in collectives(text) if axes_spanned(c.groups, mesh) == {"tp"}
+               and c.op in ("all-gather", "reduce-scatter")]
+    # Forward: the q/k/v gather and the output's scatter; backward: the mirror images.
+    assert sorted(over_tp) == ["all-gather", "all-gather", "reduce-scatter", "reduce-scatter"]
+    for c in collectives(text):
+        if "dp" in axes_spanned(c.groups, mesh):
+            assert c.op == "all-reduce", c.line       # the parameters' gradients only
+    assert dot_flops(text) * 8 == reference

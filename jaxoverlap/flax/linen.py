@@ -676,6 +676,10 @@ class ParallelMultiHeadDotProductAttention(nn.Module):
             raise ValueError(f"{layer}: qkv_features={qkv_features} must be divisible by "
                              f"num_heads={self.num_heads}.")
         head_dim = qkv_features // self.num_heads
+        n = _common.tp_size_if_bound(self.axis_name) or _common.known_tp_size(self.axis_name,
+                                                                              self.mesh)
+        if n is not None:
+            _common.divide(layer, "num_heads", self.num_heads, n, self.axis_name)
         shared = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=self.use_bias,
                       precision=self.precision, axis_name=self.axis_name,
                       sequence_parallel=self.sequence_parallel, impl=self.impl, mesh=self.mesh)
