@@ -95,7 +95,9 @@ def _param(module: nn.Module, layer: str, kind: str, name: str, init: Callable,
             (int(np.prod(shape)),)
         value = init(key, flat, dtype)
         if isinstance(value, meta.AxisMetadata):
-            return meta.replace_boxed(value, jnp.reshape(_raw(value), shape))
+            # replace_boxed of the box itself: flax's meta.replace_boxed unboxes with a
+            # sharding constraint, an assertion that fails under Explicit mesh axes.
+            return value.replace_boxed(jnp.reshape(_raw(value), shape))
         value = jnp.reshape(value, shape)
         if own is None:
             return value
