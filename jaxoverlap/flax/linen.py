@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
+from flax.linen import module as _flax_module
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer, PrecisionLike
 
@@ -142,10 +143,40 @@ def _checked_value(layer: str, kind: str, name: str, boxed: Any, shape: tuple[in
     return _raw(boxed)
 
 
+# ---------------------------------------------------------------- Flax's auto-names
+
+
+class _NamedLikeFlax:
+    """Makes an unnamed layer take the name Flax gives the layer it replaces.
+
+    Flax names an unnamed submodule after its class (``Dense_0``, ``Dense_1``,
+    ...). Counting under the Flax layer's name keeps the parameter paths of a
+    model whose ``nn.Dense`` were swapped for these layers, so its checkpoints
+    and partitioning rules keep working. Flax's own autonaming
+    (``flax.linen.Module.__post_init__``) does the same with the class name.
+    """
+
+    _flax_name: str = ""
+
+    def __post_init__(self) -> None:
+        parent = self.parent
+        if parent is getattr(_flax_module, "_unspecified_parent", None):
+            # Flax takes the parent from its module stack in its own __post_init__.
+            stack = getattr(getattr(_flax_module, "_context", None), "module_stack", [None])
+            parent = stack[-1]
+        state = getattr(parent, "_state", None)
+        if (self.name is None and isinstance(parent, nn.Module) and state is not None
+                and not state.in_setup and hasattr(state, "autoname_cursor")):
+            cursor = state.autoname_cursor.get(self._flax_name, 0)
+            object.__setattr__(self, "name", f"{self._flax_name}_{cursor}")
+            state.autoname_cursor[self._flax_name] = cursor + 1
+        super().__post_init__()
+
+
 # ---------------------------------------------------------------- the layers
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(_NamedLikeFlax, nn.Module):
     """Shared computation of the dense layers (the fields live in the subclasses)."""
 
     _kind = COLUMN
@@ -262,6 +293,7 @@ class ColumnParallelDense(_ParallelLinear):
     mesh: jax.sharding.Mesh | None = None
 
     _kind = COLUMN
+    _flax_name = "Dense"
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -319,6 +351,7 @@ class RowParallelDense(_ParallelLinear):
     mesh: jax.sharding.Mesh | None = None
 
     _kind = ROW
+    _flax_name = "Dense"
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -392,6 +425,7 @@ class ColumnParallelDenseGeneral(_ParallelLinear):
     mesh: jax.sharding.Mesh | None = None
 
     _kind = COLUMN
+    _flax_name = "DenseGeneral"
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -437,6 +471,7 @@ class RowParallelDenseGeneral(_ParallelLinear):
     mesh: jax.sharding.Mesh | None = None
 
     _kind = ROW
+    _flax_name = "DenseGeneral"
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -550,7 +585,7 @@ class _Projection(nn.Module):
         return kernel, bias
 
 
-class ParallelMultiHeadDotProductAttention(nn.Module):
+class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
     """A ``nn.MultiHeadDotProductAttention`` whose heads are split over ``axis_name``.
 
     Same fields (then ``axis_name``, ``sequence_parallel``, ``impl``, ``mesh``),
@@ -623,6 +658,8 @@ class ParallelMultiHeadDotProductAttention(nn.Module):
     sequence_parallel: bool = True
     impl: str = "auto"
     mesh: jax.sharding.Mesh | None = None
+
+    _flax_name = "MultiHeadDotProductAttention"
 
     @nn.compact
     def __call__(

@@ -91,8 +91,11 @@ def _param(layer: str, kind: str, name: str, init: Callable, key, shape: tuple[i
     if sharding_key is not None:
         source = f"{name}_metadata[{sharding_key!r}]" if user.get(sharding_key) else \
             f"{name}_init's {sharding_key}"
-        _check(layer, kind, source, tuple(given[sharding_key]), given.get("sharding_rules"),
-               tp_dim, axis_name, mesh)
+        names = tuple(given[sharding_key])
+        if len(names) != len(shape) and len(names) == 2 and n_in and tp_dim is not None:
+            # Names for the flat 2-d kernel, as nnx.LinearGeneral's initialiser sees it.
+            tp_dim = 0 if tp_dim < n_in else 1
+        _check(layer, kind, source, names, given.get("sharding_rules"), tp_dim, axis_name, mesh)
         return nnx.Param(value, **user)
     metadata = {k: v for k, v in user.items() if k not in _SHARDING_KEYS}
     names = _common.own_names(kind, name, len(shape), tp_dim, axis_name)
