@@ -453,3 +453,26 @@ def test_an_nnx_model_with_logical_names_trains_identically(mesh_name, sequence_
         want = train(_NnxBlock(False, nnx.Rngs(0)), batches)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     assert_tree_close(got[1], want[1], jnp.float32, "trained parameters")
+
+
+def test_unnamed_linen_layers_take_flax_names():
+    """A model whose unnamed nn.Dense / attention were swapped keeps its parameter paths."""
+
+    class Model(nn.Module):
+        swap: bool
+
+        @nn.compact
+        def __call__(self, x):
+            column, row = (jl.ColumnParallelDense, jl.RowParallelDense) if self.swap else \
+                (nn.Dense, nn.Dense)
+            attention = jl.ParallelMultiHeadDotProductAttention if self.swap else \
+                nn.MultiHeadDotProductAttention
+            h = nn.Dense(F)(x)                          # an unswapped one in between
+            h = attention(num_heads=4)(column(F)(row(H)(h)))
+            return nn.DenseGeneral((4, 2))(h)
+
+    x = rand(0, (B, S, H))
+    ours, theirs = (jax.eval_shape(Model(swap).init, jax.random.key(0), x) for swap in (1, 0))
+    assert jax.tree.map(jnp.shape, nn.unbox(ours)) == jax.tree.map(jnp.shape, nn.unbox(theirs))
+    assert set(ours["params"]) == {"Dense_0", "Dense_1", "Dense_2",
+                                   "MultiHeadDotProductAttention_0", "DenseGeneral_0"}
