@@ -115,19 +115,17 @@ def tp_size_if_bound(axis_name: str) -> int | None:
 # ---------------------------------------------------------------- partitioning metadata
 
 
-def own_names(kind: str, param: str, ndim: int, tp_dim: int | None,
-              axis_name: str) -> tuple[Any, ...] | None:
+def own_names(ndim: int, tp_dim: int | None, axis_name: str) -> tuple[Any, ...] | None:
     """The layout a layer annotates a parameter with when the user gave none.
 
     ``tp_dim`` is the dim split over ``axis_name`` (None: replicated, no metadata).
     """
-    del kind, param
     if tp_dim is None:
         return None
     return tuple(axis_name if d == tp_dim else None for d in range(ndim))
 
 
-def _entry_axes(entry: Any) -> tuple[Any, ...]:
+def entry_axes(entry: Any) -> tuple[Any, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
@@ -144,7 +142,7 @@ def check_layout(layer: str, param: str, kind: str, axis_name: str, tp_dim: int 
     are fine; the ops gather them.
     """
     for d, entry in enumerate(mesh_axes):
-        axes = _entry_axes(entry)
+        axes = entry_axes(entry)
         if d == tp_dim:
             if axes == (axis_name,):
                 continue

@@ -89,7 +89,7 @@ def _param(module: nn.Module, layer: str, kind: str, name: str, init: Callable,
     equal Flax's for the same key. A user's box stays as written; an
     unannotated value gets ``tp_dim`` split over ``axis_name``.
     """
-    own = _common.own_names(kind, name, len(shape), tp_dim, axis_name)
+    own = _common.own_names(len(shape), tp_dim, axis_name)
 
     def init_fn(key, shape, dtype):
         flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))) if n_in else \

@@ -98,7 +98,7 @@ def _param(layer: str, kind: str, name: str, init: Callable, key, shape: tuple[i
         _check(layer, kind, source, names, given.get("sharding_rules"), tp_dim, axis_name, mesh)
         return nnx.Param(value, **user)
     metadata = {k: v for k, v in user.items() if k not in _SHARDING_KEYS}
-    names = _common.own_names(kind, name, len(shape), tp_dim, axis_name)
+    names = _common.own_names(len(shape), tp_dim, axis_name)
     if names is not None:
         metadata["out_sharding"] = names
         if mesh is not None:
@@ -121,7 +121,7 @@ def _check(layer: str, kind: str, source: str, names: tuple[Any, ...], local_rul
     rules = core_spmd.composite_rules(core_spmd.get_logical_axis_rules(), local_rules or ())
     target = mesh if mesh is not None else _common.context_mesh()
     mesh_names = set(target.axis_names) if target is not None else set()
-    flat = {a for e in names for a in _common._entry_axes(e)}
+    flat = {a for e in names for a in _common.entry_axes(e)}
     if not rules and axis_name not in flat and not (flat and flat <= mesh_names):
         return
     axes = tuple(core_spmd.from_sharding_rules(names, rules)) if rules else names

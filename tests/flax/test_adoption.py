@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap.flax import _common
 from jaxoverlap.flax import linen as jl
 from jaxoverlap.flax import nnx as jn
 
@@ -227,7 +228,8 @@ def test_nnx_layers_take_every_argument_of_flax(ours, theirs):
 # ---------------------------------------------------------------- a user's dot_general
 
 
-def test_custom_dot_general_runs_unfused_and_is_said_once(caplog):
+def test_custom_dot_general_runs_unfused_and_is_said_once(caplog, monkeypatch):
+    monkeypatch.setattr(_common, "_said", set())      # what earlier tests said is forgotten
     calls = []
 
     def rounding_dot(x, k, dims, precision=None, **kw):
