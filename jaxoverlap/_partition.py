@@ -110,7 +110,7 @@ def _device_context(call: Call, mesh: Mesh) -> Iterator[None]:
         if call.matmul_precision is not None:
             stack.enter_context(jax.default_matmul_precision(call.matmul_precision))
         # The native path needs the concrete mesh (its rank table), as in the shard_map entry.
-        stack.enter_context(_spmd._entry_mesh(mesh))
+        stack.enter_context(_spmd.native_entry_mesh(mesh))
         yield
 
 
@@ -163,29 +163,33 @@ def _axes(entry: Any) -> tuple[Any, ...]:
 
 
 def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
-    """``aᵀ·b`` reduced over the batch's mesh axes, scattered onto w's own layout where it can."""
+    """``aᵀ·b`` reduced over the batch's mesh axes, scattered onto w's own layout where it can.
+
+    The mesh axes on a's leading (contracted) dims are the batch's: each device
+    sums its share, then the partial sums are reduce-scattered over the axes
+    that also split w's other dim (FSDP: dw lands on the kernel's layout) and
+    all-reduced over the rest (data parallel).
+    """
     del result_shape
-    _check_mesh(call, mesh, arg_shapes[0].sharding)
+    a_shape, _, w_shape = arg_shapes
+    _check_mesh(call, mesh, a_shape.sharding)
     tp = call.axis_name
-    column = call.kind in (AG, _spmd.F)          # dw [k, n]: tp on n (column) or on k (row)
+    column = call.kind in (AG, _spmd.F)            # dw [k, n] is split over tp on n, else on k
     tp_dim, other = (1, 0) if column else (0, 1)
-    lead = [_spmd._without(e, tp) for e in tuple(arg_shapes[0].sharding.spec)[: call.ndim - 1]]
-    lead += [None] * (call.ndim - 1 - len(lead))
-    batch_axes = tuple(a for e in lead for a in _axes(e))
-    w_entry = tuple(arg_shapes[2].sharding.spec)[other] \
-        if len(tuple(arg_shapes[2].sharding.spec)) > other else None
-    scatter = _axes(w_entry) if _axes(w_entry) and set(_axes(w_entry)) <= set(batch_axes) \
-        else ()
+    a_spec = tuple(a_shape.sharding.spec)
+    lead = [_spmd.without_axis(a_spec[d] if d < len(a_spec) else None, tp)
+            for d in range(call.ndim - 1)]
+    batch_axes = [axis for entry in lead for axis in _axes(entry)]
+    w_spec = tuple(w_shape.sharding.spec)
+    w_other = _axes(w_spec[other] if other < len(w_spec) else None)
+    scatter = w_other if w_other and set(w_other) <= set(batch_axes) else ()
     reduce = tuple(a for a in batch_axes if a not in scatter)
-    a_spec = P(*lead, None if column else tp)
-    b_spec = P(*lead, tp if column else None)
-    dw_entries = [None, None]
-    dw_entries[tp_dim] = tp
-    dw_entries[other] = (scatter if len(scatter) > 1 else scatter[0]) if scatter else None
-    w_spec = arg_shapes[2].sharding.spec
+    dw_spec = [None, None]
+    dw_spec[tp_dim] = tp
+    dw_spec[other] = (scatter if len(scatter) > 1 else scatter[0]) if scatter else None
 
     def lower(a, b, w):
-        del w
+        del w                                       # an operand for its layout only
         with _device_context(call, mesh):
             dims = tuple(range(a.ndim - 1))
             dw = lax.dot_general(a, b, ((dims, dims), ((), ())),
@@ -194,11 +198,12 @@ def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
                 dw = lax.psum(dw, reduce)
             if scatter:
                 dw = lax.psum_scatter(dw, scatter, scatter_dimension=other, tiled=True)
-            return dw.astype(arg_shapes[2].dtype)
+            return dw.astype(w_shape.dtype)
 
     named = functools.partial(NamedSharding, mesh)
-    return (mesh, lower, named(P(*dw_entries)),
-            (named(a_spec), named(b_spec), named(w_spec)))
+    return (mesh, lower, named(P(*dw_spec)),
+            (named(P(*lead, None if column else tp)), named(P(*lead, tp if column else None)),
+             named(w_shape.sharding.spec)))
 
 
 _grad_primitive = custom_partitioning(_grad_body, static_argnums=(0,))

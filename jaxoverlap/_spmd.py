@@ -52,7 +52,7 @@ _TRANSPOSE = {AG: RS, RS: AG, F: G, G: F}
 
 
 @contextlib.contextmanager
-def _entry_mesh(mesh) -> Iterator[None]:
+def native_entry_mesh(mesh) -> Iterator[None]:
     """Tells the native path the concrete mesh (multi-process runs need its rank table)."""
     try:
         from jaxoverlap import _native
@@ -154,7 +154,7 @@ def make_call(kind: str, axis_name: str, ndim: int, axis: int | None = None,
                 matmul_precision=jax.config.jax_default_matmul_precision)
 
 
-def _without(entry: Any, name: Any) -> Any:
+def without_axis(entry: Any, name: Any) -> Any:
     """A spec entry with mesh axis ``name`` removed."""
     if isinstance(entry, tuple):
         rest = tuple(a for a in entry if a != name)
@@ -176,7 +176,7 @@ def layouts(call: Call, x_entries: tuple[Any, ...]) -> tuple[P, P, tuple[P, ...]
     tp, last, row = call.axis_name, call.ndim - 1, call.axis
     free = free_dims(call)
     entries = list(x_entries)[: call.ndim] + [None] * (call.ndim - len(x_entries))
-    keep = [None if d in free else _without(e, tp) for d, e in enumerate(entries)]
+    keep = [None if d in free else without_axis(e, tp) for d, e in enumerate(entries)]
 
     def spec(at_row: Any = None, at_last: Any = None) -> P:
         return P(*[at_row if d == row else (at_last if d == last else keep[d])
@@ -240,7 +240,7 @@ def local_op(call: Call, want_gathered: bool) -> Callable:
     return functools.partial(fn, axis_name=call.axis_name, precision=call.precision)
 
 
-def _entries(a: Any, mesh: Mesh | AbstractMesh) -> tuple[Any, ...]:
+def spec_entries(a: Any, mesh: Mesh | AbstractMesh) -> tuple[Any, ...]:
     """a's partition spec as one entry per dim (None where unknown or replicated)."""
     sharding = _sharding_of(a)
     if isinstance(sharding, NamedSharding) and set(sharding.mesh.axis_names) == set(
@@ -259,13 +259,13 @@ def place(a: Any, mesh, spec: P):
 
 
 def _shard_mapped(call: Call, mesh, x, w, want_gathered: bool):
-    x_spec, w_spec, out_specs = layouts(call, _entries(x, mesh))
+    x_spec, w_spec, out_specs = layouts(call, spec_entries(x, mesh))
     out = out_specs if want_gathered else out_specs[0]
     # The gathered x is the same on every rank of `axis_name`, but the type
     # system cannot prove it for a gather built from ppermutes or a custom call,
     # so that output is declared replicated with the check off.
     fn = jax.shard_map(local_op(call, want_gathered), mesh=mesh, in_specs=(x_spec, w_spec),
                        out_specs=out, check_vma=not want_gathered)
-    with _entry_mesh(mesh):
+    with native_entry_mesh(mesh):
         return fn(place(x, mesh, x_spec), place(w, mesh, w_spec))
 

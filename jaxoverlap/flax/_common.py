@@ -280,7 +280,7 @@ def unfused_global(m: Matmul, x, kernel, mesh):
                       axis=x.ndim - 2 if m.sequence_parallel else None)
     _spmd.check_shapes(call, x, kernel, mesh)
     if _spmd.is_explicit(mesh) or not _spmd.uses_propagation(mesh):
-        x_spec, k_spec, (y_spec, *_) = _spmd.layouts(call, _spmd._entries(x, mesh))
+        x_spec, k_spec, (y_spec, *_) = _spmd.layouts(call, _spmd.spec_entries(x, mesh))
         x, kernel = _spmd.place(x, mesh, x_spec), _spmd.place(kernel, mesh, k_spec)
         if _spmd.is_explicit(mesh):
             return jax.sharding.auto_axes(lambda a, b: _user_dot(m, a, b),
