@@ -183,6 +183,7 @@ def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> s
 def _make_plan(
     op: str, x, w, axis_name, n: int, axis: int, rows_per_shard: int,
     impl: Any, transport: Any, chunks: Any, bidirectional: Any, rows_what: str | None = None,
+    log: bool = True,
 ) -> Plan:
     """The plan of one call site. ``rows_what`` names the ``rows_per_shard`` rows that
     ``chunks`` must divide (default: those each rank holds on ``axis``)."""
@@ -231,7 +232,9 @@ def _make_plan(
         preferred=picked.transport if picked is not None and picked.impl == "native" else None,
         timeout_s=settings.timeout_s,
     )
-    logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape), plan.describe())
+    if log:
+        logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape),
+                     plan.describe())
     return plan
 
 
@@ -399,6 +402,36 @@ def _types(*arrays) -> tuple[frozenset, ...]:
     return tuple(varying_axes(a) for a in arrays)
 
 
+# ---------------------------------------------------------------- global arrays
+
+
+def _global(op: str, x, w, axis_name, axis: int | None, mesh, want_gathered: bool,
+            op_args: dict):
+    """The op on global arrays (outside shard_map), through ``_spmd``."""
+    mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
+    call = _spmd.make_call(op, axis_name, x.ndim, axis, **op_args)
+    _spmd.check_shapes(call, x, w, mesh)
+    # The per-device plan may be made later (when XLA partitions the program):
+    # make it once now for the shards' shapes, so that every misuse is reported
+    # here, at trace time.
+    n = mesh.shape[axis_name]
+    x_shape = list(x.shape)
+    if op == "ag_matmul":         # x split on its rows, w on its columns
+        x_shape[axis] //= n
+        w_shape = (w.shape[0], w.shape[1] // n)
+    else:                         # x split on its features, w on its rows
+        x_shape[-1] //= n
+        w_shape = (w.shape[0] // n, w.shape[1])
+    local_x = jax.ShapeDtypeStruct(tuple(x_shape), x.dtype)
+    local_w = jax.ShapeDtypeStruct(w_shape, w.dtype)
+    if op == "matmul_ar":
+        _ar_plan(local_x, local_w, axis_name, n, log=False, **op_args)
+    else:
+        rows = x_shape[axis] if op == "ag_matmul" else x_shape[axis] // n
+        _make_plan(op, local_x, local_w, axis_name, n, axis, rows, log=False, **op_args)
+    return _spmd.run(call, mesh, x, w, want_gathered=want_gathered)
+
+
 # ---------------------------------------------------------------- public API
 
 
@@ -432,12 +465,9 @@ def ag_matmul(
         raise TypeError(f"{op}: return_gathered={return_gathered!r} must be True or False.")
     n = bound_axis_size(axis_name)
     if n is None:
-        mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
-        local = functools.partial(
-            ag_matmul, axis_name=axis_name, axis=axis, impl=impl, transport=transport,
-            chunks=chunks, bidirectional=bidirectional, return_gathered=return_gathered,
-        )
-        return _spmd.ag_matmul_global(local, x, w, axis_name, axis, return_gathered, mesh)
+        return _global(op, x, w, axis_name, axis, mesh, return_gathered,
+                       dict(impl=impl, transport=transport, chunks=chunks,
+                            bidirectional=bidirectional))
     plan = _make_plan(op, x, w, axis_name, n, axis, x.shape[axis], impl, transport, chunks,
                       bidirectional)
     return _ag_matmul(x, w, plan, return_gathered, _types(x, w))
@@ -468,12 +498,9 @@ def matmul_rs(
     axis = _check_operands(op, x, w, axis)
     n = bound_axis_size(axis_name)
     if n is None:
-        mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
-        local = functools.partial(
-            matmul_rs, axis_name=axis_name, axis=axis, impl=impl, transport=transport,
-            chunks=chunks, bidirectional=bidirectional,
-        )
-        return _spmd.matmul_rs_global(local, x, w, axis_name, axis, mesh)
+        return _global(op, x, w, axis_name, axis, mesh, False,
+                       dict(impl=impl, transport=transport, chunks=chunks,
+                            bidirectional=bidirectional))
     if x.shape[axis] % n:
         raise ValueError(
             f"{op}: x.shape[{axis}]={x.shape[axis]} rows are not divisible by the size {n} of "
@@ -517,21 +544,10 @@ def matmul_ar(
     _check_operands(op, x, w, 0)
     n = bound_axis_size(axis_name)
     if n is None:
-        mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
-        local = functools.partial(
-            matmul_ar, axis_name=axis_name, impl=impl, transport=transport, chunks=chunks,
-            bidirectional=bidirectional,
-        )
-        return _spmd.matmul_ar_global(local, x, w, axis_name, mesh)
-    rows = math.prod(x.shape[:-1])
-    if rows % n:
-        plan = _unsplittable_plan(op, x, axis_name, n, rows, impl, transport, chunks,
-                                  bidirectional)
-    else:
-        plan = _make_plan(op, x, w, axis_name, n, 0, rows // n, impl, transport, chunks,
-                          bidirectional,
-                          rows_what=f"rows of each rank's block (x's {rows} rows, every dim "
-                                    f"but the last, over the {n} ranks of {axis_name!r})")
+        return _global(op, x, w, axis_name, None, mesh, False,
+                       dict(impl=impl, transport=transport, chunks=chunks,
+                            bidirectional=bidirectional))
+    plan = _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional)
     typed = check_vma_active()
     if typed:
         # The sum over ranks of x_r @ w_r, as psum sums an invariant operand's N copies.
@@ -540,6 +556,19 @@ def matmul_ar(
     if plan.impl == "xla":
         return _run_ar(x, w, plan)  # dot + psum: JAX differentiates it
     return _matmul_ar(x, w, plan, _types(x, w), typed)
+
+
+def _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional, log=True) -> Plan:
+    """matmul_ar's plan: the fused impls split x's rows (every dim but the last) in N blocks."""
+    op = "matmul_ar"
+    rows = math.prod(x.shape[:-1])
+    if rows % n:
+        return _unsplittable_plan(op, x, axis_name, n, rows, impl, transport, chunks,
+                                  bidirectional)
+    return _make_plan(op, x, w, axis_name, n, 0, rows // n, impl, transport, chunks,
+                      bidirectional,
+                      rows_what=f"rows of each rank's block (x's {rows} rows, every dim but "
+                                f"the last, over the {n} ranks of {axis_name!r})", log=log)
 
 
 def _unsplittable_plan(op, x, axis_name, n, rows, impl, transport, chunks, bidirectional) -> Plan:

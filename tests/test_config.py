@@ -15,7 +15,11 @@ from jaxoverlap import ops
 
 
 def _plan_for(**kw):
-    """The plan ag_matmul would run, captured while tracing inside shard_map."""
+    """The plan ag_matmul runs on each device, captured while the program is compiled.
+
+    On global arrays under Auto mesh axes the per-device code is traced when
+    XLA partitions the program; the settings are those in force at trace time.
+    """
     seen = []
     real = ops._make_plan
 
@@ -28,10 +32,31 @@ def _plan_for(**kw):
     try:
         mesh = tp_mesh(4)
         x, w = rand(0, (8, 4), jnp.float32), rand(1, (4, 8), jnp.float32)
-        jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh, **kw)).lower(x, w)
+        jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh, **kw)).lower(x, w).compile()
     finally:
         ops._make_plan = real
-    return seen[0]
+    return seen[-1]
+
+
+def test_settings_of_the_trace_reach_the_partitioned_program():
+    """Traced inside a jo.config block, compiled after it: the block's settings still apply."""
+    seen = []
+    real = ops._make_plan
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    mesh = tp_mesh(4)
+    x, w = rand(0, (8, 4), jnp.float32), rand(1, (4, 8), jnp.float32)
+    with jo.config(impl="ring", chunks=2):
+        lowered = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh)).lower(x, w)
+    ops._make_plan = spy
+    try:
+        lowered.compile()
+    finally:
+        ops._make_plan = real
+    assert seen and (seen[-1].impl, seen[-1].chunks) == ("ring", 2)
 
 
 def test_defaults(monkeypatch):

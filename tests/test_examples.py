@@ -62,3 +62,72 @@ def test_scaling_writes_table_json_and_plot(tmp_path, capsys):
                for rows in (16, 32) for impl in ("xla", "ring", "native"))
     png = (tmp_path / "scaling.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+@pytest.mark.parametrize("flags", [
+    ["--api", "linen"],
+    ["--api", "linen", "--no-sequence-parallel", "--impl", "ring"],
+    ["--api", "nnx", "--impl", "ring"],
+    ["--api", "nnx", "--no-sequence-parallel"],
+], ids=["linen-sp", "linen-ring", "nnx-sp-ring", "nnx"])
+def test_flax_lm1b_trains_like_flax_after_the_swap(flags, capsys):
+    """Flax's own lm1b models, original and swapped, through the same set-up and steps."""
+    code = _load("flax_lm1b").main([*flags, "--steps", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "OK: the losses agree" in out
+    assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 3
+
+
+def test_flax_lm1b_swap_puts_jaxoverlap_layers_in_the_models():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxoverlap.flax import linen as jl
+    from jaxoverlap.flax import nnx as jn
+
+    example = _load("flax_lm1b")
+    models = example.swapped_module(
+        example.THIRD_PARTY / "flax_lm1b" / "models.py", example.LINEN_SWAP, {
+            "ColumnParallelDense": jl.ColumnParallelDense,
+            "RowParallelDense": jl.RowParallelDense,
+            "ParallelMultiHeadDotProductAttention": jl.ParallelMultiHeadDotProductAttention,
+        }, "flax_lm1b_models_check")
+    config = models.TransformerConfig(vocab_size=8, output_vocab_size=8, emb_dim=8, num_heads=2,
+                                      qkv_dim=8, mlp_dim=16, num_layers=1, max_len=4,
+                                      deterministic=True)
+    seen = []
+
+    def record(next_fun, args, kwargs, context):
+        seen.append(type(context.module).__name__)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(models.TransformerLM(config).init, jax.random.key(0),
+                       jnp.ones((1, 4), jnp.int32))
+    assert {"ColumnParallelDense", "RowParallelDense",
+            "ParallelMultiHeadDotProductAttention"} <= set(seen)
+    assert "Dense" not in seen and "MultiHeadDotProductAttention" not in seen   # all swapped
+    nnx_models = example.swapped_module(
+        example.THIRD_PARTY / "flax_lm1b_nnx" / "models.py", example.NNX_SWAP, {
+            "ColumnParallelLinear": jn.ColumnParallelLinear,
+            "RowParallelLinear": jn.RowParallelLinear,
+            "ParallelMultiHeadAttention": jn.ParallelMultiHeadAttention,
+        }, "flax_lm1b_nnx_models_check")
+    with nnx.use_eager_sharding(False):      # no mesh here: the params are not placed
+        model = nnx.eval_shape(lambda: nnx_models.TransformerLM(nnx_models.TransformerConfig(
+            vocab_size=8, output_vocab_size=8, emb_dim=8, num_heads=2, qkv_dim=8, mlp_dim=16,
+            num_layers=1, max_len=4), rngs=nnx.Rngs(0)))
+    block = model.decoder.encoderdecoderblock_0
+    assert isinstance(block.mlp.linear1, jn.ColumnParallelLinear)
+    assert isinstance(block.mlp.linear2, jn.RowParallelLinear)
+    assert isinstance(block.attention, jn.ParallelMultiHeadAttention)
+    assert isinstance(model.decoder.logitdense, jn.ColumnParallelLinear)
+
+
+def test_flax_lm1b_reports_divergence(capsys):
+    code = _load("flax_lm1b").main(["--api", "nnx", "--steps", "1", "--rtol", "-1"])
+    assert code == 1
+    assert "DIVERGED" in capsys.readouterr().out

@@ -2,8 +2,12 @@
 
 Import the API you use; each imports only its own part of Flax::
 
-    from jaxoverlap.flax.linen import ColumnParallelDense, RowParallelDense, ParallelMLP
-    from jaxoverlap.flax.nnx import ColumnParallelLinear, RowParallelLinear, ParallelMLP
+    from jaxoverlap.flax.linen import (
+        ColumnParallelDense, RowParallelDense, ColumnParallelDenseGeneral,
+        RowParallelDenseGeneral, ParallelMultiHeadDotProductAttention, ParallelMLP)
+    from jaxoverlap.flax.nnx import (
+        ColumnParallelLinear, RowParallelLinear, ColumnParallelLinearGeneral,
+        RowParallelLinearGeneral, ParallelMultiHeadAttention, ParallelMLP)
 """
 
 from jaxoverlap import _optional

@@ -1,43 +1,52 @@
 """The computation shared by the linen and nnx layers: one place for both APIs.
 
-A layer runs in one of two modes, chosen at trace time:
+A layer multiplies ``x [..., S, K]`` by a kernel ``[K, N]`` (the general
+layers flatten their dims to this form first) in one of three modes, chosen
+at trace time:
 
 * **local** - ``axis_name`` is bound (the layer is called inside the user's
-  ``jax.shard_map``): x, kernel and bias are local shards and the public ops
-  run on them directly.
-* **global** - ``axis_name`` is not bound: x, kernel and bias are global arrays
-  and the whole layer (matmul *and* bias) is wrapped in one ``shard_map`` over
-  the mesh from ``mesh=``, ``jax.set_mesh`` or the inputs' ``NamedSharding``.
-  Wrapping the layer rather than the op keeps the bias add and the Megatron
-  f/g collectives inside the same manual region, so Explicit and Auto mesh
-  axes behave alike.
+  ``jax.shard_map``): x, kernel and bias are local shards and the ops run on
+  them directly.
+* **global** - a mesh is known (``mesh=``, ``jax.set_mesh``, or the inputs'
+  ``NamedSharding``): x, kernel and bias are global arrays; the ops lay them
+  out (``jaxoverlap._spmd``: a primitive taking part in sharding propagation
+  under Auto mesh axes, a ``shard_map`` under Explicit ones).
+* **no mesh** at all: there is one device and nothing to split; the layer
+  computes what ``nn.Dense`` computes. This is what lets
+  ``jax.eval_shape(model.init, ...)`` run before any mesh exists.
 
-The Megatron f (identity forward, all-reduce backward) needs no custom rule:
-with ``check_vma=True`` JAX's varying-axes types give ``pcast`` exactly that
-transpose; with ``check_vma=False`` JAX transposes every value as if it
-varied (``psum`` transposes to ``psum``, a replicated output's cotangent is
-split over the ranks), which sums the gradient where Megatron needs it. A
-hand-written custom_vjp would double count there (the tests cover both
-settings). Megatron g (all-reduce forward, identity backward) is the GEMM
-before it fused with the all-reduce, ``jaxoverlap.matmul_ar``, whose backward
-follows the same two rules.
+Per kind and ``sequence_parallel`` the multiply is:
+
+===========  ==========================  ==========================================
+kind         sequence_parallel=True      sequence_parallel=False (Megatron f / g)
+===========  ==========================  ==========================================
+column       ``jaxoverlap.ag_matmul``    ``_megatron.copy_matmul``
+row          ``jaxoverlap.matmul_rs``    ``jaxoverlap.matmul_ar``
+===========  ==========================  ==========================================
+
+A user's ``dot_general`` (Flax's FP8 ops, quantisation libraries) cannot run
+inside the fused ops: the layer then runs the unfused computation with it
+(``dot_general`` next to XLA's collectives) and says so once in the log.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap.ops as ops
-from jaxoverlap import _spmd
+from jaxoverlap import _megatron, _spmd
 from jaxoverlap._compat import bound_axis_size, context_mesh, varying_axes
-from jaxoverlap._config import check_impl
+from jaxoverlap._config import check_impl, logger
 
 COLUMN = "column"
 ROW = "row"
@@ -74,12 +83,12 @@ def check_common(layer: str, *, axis_name: Any, sequence_parallel: Any, impl: An
                          f"{tuple(mesh.axis_names)}).")
 
 
-def check_input(layer: str, x: Any) -> None:
+def check_input(layer: str, x: Any, min_ndim: int = 2) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{layer}: inputs must be an array, got {type(x).__name__}.")
-    if x.ndim < 2:
-        raise ValueError(f"{layer}: inputs must have rank >= 2 ([..., S, features], the sequence "
-                         f"dim second to last); got shape {tuple(x.shape)}.")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{layer}: inputs must have rank >= {min_ndim} ([..., S, features], the "
+                         f"sequence dim before the features); got shape {tuple(x.shape)}.")
 
 
 def divide(layer: str, name: str, size: int, n: int, axis_name: str) -> int:
@@ -103,31 +112,102 @@ def tp_size_if_bound(axis_name: str) -> int | None:
     return bound_axis_size(axis_name)
 
 
-def partition_names(kind: str, axis_name: str, param: str) -> tuple[Any, ...] | None:
-    """The global layout of a parameter; None means replicated (no metadata)."""
-    if kind == COLUMN:
-        return (None, axis_name) if param == "kernel" else (axis_name,)
-    return (axis_name, None) if param == "kernel" else None
+# ---------------------------------------------------------------- partitioning metadata
 
 
-# ---------------------------------------------------------------- Megatron f / g
+def own_names(ndim: int, tp_dim: int | None, axis_name: str) -> tuple[Any, ...] | None:
+    """The layout a layer annotates a parameter with when the user gave none.
 
-
-def copy_to_tp(x, axis_name: str, typed: bool):
-    """Megatron f: identity forward, all-reduce of the gradient backward.
-
-    Under ``check_vma=True``, ``pcast`` to varying moves no data and transposes
-    to the psum f needs. Under ``check_vma=False`` JAX transposes every value as
-    if it varied: the all-reduce then happens where the gradient meets a
-    ``psum`` (Megatron g, whose transpose is a psum there) or the shard_map
-    boundary, so f is the identity both ways.
+    ``tp_dim`` is the dim split over ``axis_name`` (None: replicated, no metadata).
     """
-    if not typed or axis_name in varying_axes(x):
-        return x
-    return lax.pcast(x, (axis_name,), to="varying")
+    if tp_dim is None:
+        return None
+    return tuple(axis_name if d == tp_dim else None for d in range(ndim))
 
 
-# ---------------------------------------------------------------- local computation
+def entry_axes(entry: Any) -> tuple[Any, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def check_layout(layer: str, param: str, kind: str, axis_name: str, tp_dim: int | None,
+                 mesh_axes: tuple[Any, ...], names: tuple[Any, ...] | None = None,
+                 how: str = "") -> None:
+    """Raises unless ``mesh_axes`` (a parameter's resolved layout) splits ``tp_dim`` over
+    ``axis_name`` and no other dim over it.
+
+    ``names`` are the user's logical names when ``mesh_axes`` came from rules:
+    the error then names the rule to add. Other mesh axes on other dims (FSDP)
+    are fine; the ops gather them.
+    """
+    for d, entry in enumerate(mesh_axes):
+        axes = entry_axes(entry)
+        if d == tp_dim:
+            if axes == (axis_name,):
+                continue
+            want = f"dim {d} split over {axis_name!r}"
+        elif axis_name in axes:
+            want = f"only dim {tp_dim} split over {axis_name!r}" if tp_dim is not None else \
+                f"no dim split over {axis_name!r}"
+        else:
+            continue
+        where = f"{layer}: {param} has the partitioning {P(*mesh_axes)}{how}, but a " \
+                f"{kind}-parallel layer over {axis_name!r} needs {want}."
+        if names is not None and d == tp_dim:
+            name = names[d] if d < len(names) else None
+            if name is None:
+                fix = (f" Give dim {d} a logical name and a rule mapping it to {axis_name!r} "
+                       f"(e.g. nn.with_logical_partitioning(init, names) with names[{d}]='mlp' "
+                       f"and the rule ('mlp', {axis_name!r})).")
+            else:
+                fix = (f" Add the rule ({name!r}, {axis_name!r}) to your logical axis rules "
+                       "(the rules of nn.logical_axis_rules / nnx.logical_axis_rules and of "
+                       "nn.logical_to_mesh_sharding).")
+        elif names is not None:
+            fix = (f" The rules map logical axis {names[d]!r} to {entry!r}; map it to another "
+                   f"mesh axis (or none).")
+        else:
+            fix = " Annotate it accordingly, or leave the initializer unannotated and the layer " \
+                  "annotates it."
+        raise ValueError(where + fix)
+    if tp_dim is not None and tp_dim >= len(mesh_axes):
+        raise ValueError(
+            f"{layer}: {param} has the partitioning {P(*mesh_axes)}{how}, but a {kind}-parallel "
+            f"layer over {axis_name!r} needs dim {tp_dim} split over {axis_name!r}.")
+
+
+# ---------------------------------------------------------------- how a layer multiplies
+
+
+_said: set[tuple[str, str]] = set()
+
+
+def say_once(layer: str, message: str) -> None:
+    """A warning in the ``jaxoverlap`` log, once per layer class and message."""
+    if (layer, message) not in _said:
+        _said.add((layer, message))
+        logger.warning("%s: %s", layer, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """How one layer multiplies: its kind, parallelism and the user's dot_general, if any.
+
+    ``dot_general`` None means the fused ops; otherwise the unfused path calls
+    it as Flax's layer would, with ``dot_general_kwargs`` (nnx passes
+    ``out_sharding`` and ``preferred_element_type`` there).
+    """
+
+    layer: str
+    kind: str
+    axis_name: str
+    sequence_parallel: bool
+    impl: str
+    precision: Any
+    mesh: Any
+    dot_general: Callable | None = None
+    dot_general_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _precision_scope(precision: Any):
@@ -145,87 +225,191 @@ def _precision_scope(precision: Any):
     return jax.default_matmul_precision(str(precision).lower())
 
 
-def _dot(x, k, precision):
-    return lax.dot_general(x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+def _dims(x) -> tuple:
+    return (((x.ndim - 1,), (0,)), ((), ()))
 
 
-def local_forward(kind: str, x, kernel, bias, *, axis_name: str, sequence_parallel: bool,
-                  impl: str, precision: Any):
-    """The layer on local shards, inside a shard_map where ``axis_name`` is bound."""
-    # The kernel is sharded over axis_name, so under check_vma=True it varies
-    # over it; check_vma=False leaves every type empty.
-    typed = axis_name in varying_axes(kernel)
-    seq = x.ndim - 2
-    if kind == COLUMN:
-        if sequence_parallel:
-            with _precision_scope(precision):
-                y = ops.ag_matmul(x, kernel, axis_name, axis=seq, impl=impl)
-        else:
-            y = _dot(copy_to_tp(x, axis_name, typed), kernel, precision)
-    else:
-        if sequence_parallel:
-            with _precision_scope(precision):
-                y = ops.matmul_rs(x, kernel, axis_name, axis=seq, impl=impl)
-        else:  # Megatron g, fused with the GEMM before it
-            with _precision_scope(precision):
-                y = ops.matmul_ar(x, kernel, axis_name, impl=impl)
-    if bias is not None:
-        y = y + bias
-    return y
-
-
-# ---------------------------------------------------------------- global mode
-
-
-def global_forward(layer: str, kind: str, x, kernel, bias, *, axis_name: str,
-                   sequence_parallel: bool, impl: str, precision: Any, mesh: Any):
-    """The layer on global arrays: one shard_map around :func:`local_forward`."""
-    mesh = _spmd.resolve_mesh(layer, axis_name, mesh, x, kernel)
-    n = mesh.shape[axis_name]
-    seq, last = x.ndim - 2, x.ndim - 1
-    if sequence_parallel:
-        divide(layer, f"inputs.shape[{seq}] (the sequence length)", x.shape[seq], n, axis_name)
-    if kind == COLUMN:
-        divide(layer, "features", kernel.shape[1], n, axis_name)
-    else:
-        divide(layer, "inputs.shape[-1] (the input features)", x.shape[-1], n, axis_name)
-
-    # Keep the other mesh axes (data parallel) x carries on its batch dims.
-    entries = _spmd._batch_entries(layer, x, mesh, axis_name, last)
-    if sequence_parallel:
-        entries[seq] = None
-    with_tp = lambda d: P(*[axis_name if i == d else e for i, e in enumerate(entries)])
-    if kind == COLUMN:
-        x_spec = with_tp(seq) if sequence_parallel else with_tp(None)
-        y_spec = with_tp(last)
-        k_spec, b_spec = P(None, axis_name), P(axis_name)
-    else:
-        x_spec = with_tp(last)
-        y_spec = with_tp(seq) if sequence_parallel else with_tp(None)
-        k_spec, b_spec = P(axis_name, None), P()
-
-    local = functools.partial(local_forward, kind, axis_name=axis_name,
-                              sequence_parallel=sequence_parallel, impl=impl,
-                              precision=precision)
+def _add_bias(y, bias):
     if bias is None:
-        fn = jax.shard_map(lambda x, k: local(x, k, None), mesh=mesh,
-                           in_specs=(x_spec, k_spec), out_specs=y_spec)
-        return fn(_spmd._place(x, mesh, x_spec), _spmd._place(kernel, mesh, k_spec))
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, k_spec, b_spec),
-                       out_specs=y_spec)
-    return fn(_spmd._place(x, mesh, x_spec), _spmd._place(kernel, mesh, k_spec),
-              _spmd._place(bias, mesh, b_spec))
+        return y
+    return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
-def forward(layer: str, kind: str, x, kernel, bias, *, axis_name: str,
-            sequence_parallel: bool, impl: str, precision: Any, mesh: Any):
-    """Dispatches to the local or the global mode (see the module docstring)."""
-    if tp_size_if_bound(axis_name) is not None:
-        return local_forward(kind, x, kernel, bias, axis_name=axis_name,
-                             sequence_parallel=sequence_parallel, impl=impl, precision=precision)
-    return global_forward(layer, kind, x, kernel, bias, axis_name=axis_name,
-                          sequence_parallel=sequence_parallel, impl=impl, precision=precision,
-                          mesh=mesh)
+def fused(m: Matmul, x, kernel, mesh: Any):
+    """The fused multiply: the ops on local shards (mesh None) or on global arrays."""
+    seq = x.ndim - 2
+    if m.kind == COLUMN:
+        if m.sequence_parallel:
+            with _precision_scope(m.precision):
+                return ops.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, mesh=mesh)
+        return _megatron.copy_matmul(x, kernel, m.axis_name, precision=m.precision, mesh=mesh)
+    with _precision_scope(m.precision):
+        if m.sequence_parallel:
+            return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, mesh=mesh)
+        return ops.matmul_ar(x, kernel, m.axis_name, impl=m.impl, mesh=mesh)  # Megatron g
+
+
+def _kind_of(m: Matmul) -> str:
+    if m.kind == COLUMN:
+        return _spmd.AG if m.sequence_parallel else _spmd.F
+    return _spmd.RS if m.sequence_parallel else _spmd.G
+
+
+def _user_dot(m: Matmul, x, kernel):
+    return m.dot_general(x, kernel, _dims(x), precision=m.precision, **m.dot_general_kwargs)
+
+
+def unfused_local(m: Matmul, x, kernel):
+    """The user's dot_general on local shards, next to XLA's collectives."""
+    seq = x.ndim - 2
+    if m.kind == COLUMN:
+        if m.sequence_parallel:
+            x = lax.all_gather(x, m.axis_name, axis=seq, tiled=True)
+        else:
+            x = _megatron.copy_to_tp(x, m.axis_name, m.axis_name in varying_axes(kernel))
+        return _user_dot(m, x, kernel)
+    y = _user_dot(m, x, kernel)
+    if m.sequence_parallel:
+        return lax.psum_scatter(y, m.axis_name, scatter_dimension=seq, tiled=True)
+    return lax.psum(y, m.axis_name)
+
+
+def unfused_global(m: Matmul, x, kernel, mesh):
+    """The user's dot_general on global arrays; XLA partitions it onto the layer's layout."""
+    call = _spmd.Call(kind=_kind_of(m), axis_name=m.axis_name, ndim=x.ndim,
+                      axis=x.ndim - 2 if m.sequence_parallel else None)
+    _spmd.check_shapes(call, x, kernel, mesh)
+    if _spmd.is_explicit(mesh) or not _spmd.uses_propagation(mesh):
+        x_spec, k_spec, (y_spec, *_) = _spmd.layouts(call, _spmd.spec_entries(x, mesh))
+        x, kernel = _spmd.place(x, mesh, x_spec), _spmd.place(kernel, mesh, k_spec)
+        if _spmd.is_explicit(mesh):
+            return jax.sharding.auto_axes(lambda a, b: _user_dot(m, a, b),
+                                          out_sharding=NamedSharding(mesh, y_spec))(x, kernel)
+        return _user_dot(m, x, kernel)
+    from jaxoverlap._partition import open_layouts
+
+    x_open, (y_open, *_) = open_layouts(call)
+    x = lax.with_sharding_constraint(x, NamedSharding(mesh, x_open))
+    kernel = lax.with_sharding_constraint(kernel, NamedSharding(mesh, _spmd.layouts(
+        call, (None,) * x.ndim)[1]))
+    return lax.with_sharding_constraint(_user_dot(m, x, kernel), NamedSharding(mesh, y_open))
+
+
+def forward(m: Matmul, x, kernel, bias, *, out_sharding: Any = None):
+    """``x @ kernel + bias`` for ``x [..., S, K]`` and ``kernel [K, N]``, in the layer's mode."""
+    if tp_size_if_bound(m.axis_name) is not None:          # local shards
+        y = fused(m, x, kernel, None) if m.dot_general is None else unfused_local(m, x, kernel)
+        return constrain_output(m, _add_bias(y, bias), out_sharding, x)
+    mesh = _spmd.find_mesh(m.layer, m.mesh, x, kernel)
+    if mesh is None:                                         # one device: nn.Dense's math
+        dot = m.dot_general or lax.dot_general
+        y = dot(x, kernel, _dims(x), precision=m.precision, **m.dot_general_kwargs)
+        return constrain_output(m, _add_bias(y, bias), out_sharding, x)
+    if m.axis_name not in mesh.axis_names:
+        raise ValueError(f"{m.layer}: axis_name={m.axis_name!r} is not an axis of the mesh "
+                         f"(its axes: {tuple(mesh.axis_names)}).")
+    n = mesh.shape[m.axis_name]
+    if m.sequence_parallel:
+        divide(m.layer, f"inputs.shape[{x.ndim - 2}] (the sequence length)", x.shape[-2], n,
+               m.axis_name)
+    if m.kind == COLUMN:
+        divide(m.layer, "features", kernel.shape[1], n, m.axis_name)
+    else:
+        divide(m.layer, "inputs.shape[-1] (the input features)", x.shape[-1], n, m.axis_name)
+    y = fused(m, x, kernel, mesh) if m.dot_general is None else unfused_global(m, x, kernel, mesh)
+    return constrain_output(m, _add_bias(y, bias), out_sharding, x)
+
+
+def constrain_output(m: Matmul, y, out_sharding: Any, x):
+    """Lays ``y`` out as ``out_sharding`` (nnx's call argument; a PartitionSpec or Sharding)."""
+    if out_sharding is None:
+        return y
+    if tp_size_if_bound(m.axis_name) is not None:
+        raise ValueError(f"{m.layer}: out_sharding={out_sharding!r} applies to global arrays; "
+                         "inside shard_map the output is this device's shard.")
+    if isinstance(out_sharding, jax.sharding.Sharding):
+        sharding = out_sharding
+    else:
+        mesh = _spmd.find_mesh(m.layer, m.mesh, x)
+        if mesh is None:
+            raise ValueError(f"{m.layer}: out_sharding={out_sharding!r} needs a mesh: pass "
+                             "mesh=, use jax.set_mesh(mesh), or give a NamedSharding.")
+        spec = out_sharding if isinstance(out_sharding, P) else P(*out_sharding)
+        sharding = NamedSharding(mesh, spec)
+    if _spmd.is_explicit(sharding.mesh):
+        return jax.reshard(y, sharding)
+    return lax.with_sharding_constraint(y, sharding)
+
+
+def general_forward(m: Matmul, x, kernel, bias, n_contract: int, *, out_sharding: Any = None):
+    """``DenseGeneral`` on the trailing ``n_contract`` dims of x: flattened to :func:`forward`.
+
+    The kernel is ``[*contracted, *features]``; a column layer splits
+    ``features[0]``, a row layer the first contracted dim, so flattening keeps
+    the split dim major and the reshapes move no data.
+    """
+    features = kernel.shape[n_contract:]
+    x2 = x.reshape(x.shape[: x.ndim - n_contract] + (-1,))
+    k2 = kernel.reshape((x2.shape[-1], -1))
+    b2 = None if bias is None else bias.reshape(-1)
+    y = forward(m, x2, k2, b2)
+    if m.kind == COLUMN:     # the first feature dim may be a local shard
+        y = y.reshape(y.shape[:-1] + (-1,) + tuple(features[1:]))
+    else:
+        y = y.reshape(y.shape[:-1] + tuple(features))
+    return constrain_output(m, y, out_sharding, x)
+
+
+def fused_columns(m: Matmul, x, kernels: list, biases: list):
+    """Several column-parallel projections of one input ``x [..., S, K]`` in one multiply.
+
+    Each kernel is ``[K, H_i, *rest_i]``, split over ``axis_name`` on ``H_i``
+    (an attention's query, key and value). They are interleaved so that every
+    device's block of the joint kernel holds its own block of each: one
+    all-gather of x feeds all of them (and, backward, one reduce-scatter sums
+    their input gradients). Returns the outputs ``[..., S, H_i, *rest_i]``.
+    """
+    n = 1                                      # blocks to interleave (1 on local shards)
+    if tp_size_if_bound(m.axis_name) is None:
+        mesh = _spmd.find_mesh(m.layer, m.mesh, x, *kernels)
+        if mesh is not None and m.axis_name in mesh.axis_names:
+            n = mesh.shape[m.axis_name]
+            for k in kernels:
+                divide(m.layer, "the number of heads", k.shape[1], n, m.axis_name)
+    k_dim = kernels[0].shape[0]
+    sizes = [int(np.prod(k.shape[1:])) // n for k in kernels]
+    # [K, H, *rest] -> [K, n, H/n, *rest] -> [K, n, H/n * prod(rest)]: the split dim stays major.
+    blocks = [k.reshape((k_dim, n, k.shape[1] // n) + k.shape[2:]).reshape((k_dim, n, s))
+              for k, s in zip(kernels, sizes, strict=True)]
+    kernel = jnp.concatenate(blocks, axis=-1).reshape((k_dim, n * sum(sizes)))
+    bias = None
+    if biases[0] is not None:
+        bias = jnp.concatenate([b.reshape((n, b.shape[0] // n) + b.shape[1:]).reshape((n, s))
+                                for b, s in zip(biases, sizes, strict=True)], axis=-1)
+        bias = bias.reshape(-1)
+    y = forward(m, x, kernel, bias)
+    lead = y.shape[:-1]
+    y = y.reshape(lead + (n, sum(sizes)))
+    outs, start = [], 0
+    for k, s in zip(kernels, sizes, strict=True):
+        part = y[..., start:start + s]
+        start += s
+        part = part.reshape(lead + (n, k.shape[1] // n) + k.shape[2:])
+        outs.append(part.reshape(lead + k.shape[1:]))
+    return outs
+
+
+def choose_dot_general(layer: str, dot_general: Callable | None, reason: str | None = None):
+    """The user's dot_general when it is not ``lax.dot_general`` (then said once), else None."""
+    if reason is None and (dot_general is None or dot_general is lax.dot_general):
+        return None
+    say_once(layer, (reason or "a custom dot_general was given")
+             + ": the layer runs the unfused computation with it (dot_general next to XLA's "
+             "collectives), without overlapping communication.")
+    return dot_general or lax.dot_general
+
+
+# ---------------------------------------------------------------- parameter placement
 
 
 def placed_init(init: Callable, names: tuple[Any, ...] | None, axis_name: str,
@@ -242,14 +426,18 @@ def placed_init(init: Callable, names: tuple[Any, ...] | None, axis_name: str,
 
     def wrapped(key, shape, *args, **kwargs):
         value = init(key, shape, *args, **kwargs)
-        if bound_axis_size(axis_name) is not None:
-            return value
-        target = mesh if mesh is not None else context_mesh()
-        if target is None or axis_name not in target.axis_names:
-            return value
-        sharding = jax.sharding.NamedSharding(target, P(*names))
-        if _spmd._is_explicit(target):
-            return jax.reshard(value, sharding)
-        return lax.with_sharding_constraint(value, sharding)
+        return place_value(value, names, axis_name, mesh)
 
     return wrapped
+
+
+def place_value(value, names: tuple[Any, ...], axis_name: str, mesh: Any):
+    if bound_axis_size(axis_name) is not None:
+        return value
+    target = mesh if mesh is not None else context_mesh()
+    if target is None or axis_name not in target.axis_names:
+        return value
+    sharding = NamedSharding(target, P(*names))
+    if _spmd.is_explicit(target):
+        return jax.reshard(value, sharding)
+    return lax.with_sharding_constraint(value, sharding)

@@ -1,42 +1,58 @@
-"""Tensor-parallel Flax linen layers: drop-in replacements for ``nn.Dense``.
+"""Tensor-parallel Flax linen layers: drop-in replacements for ``nn.Dense``, ``nn.DenseGeneral``
+and ``nn.MultiHeadDotProductAttention``.
 
-``ColumnParallelDense`` and ``RowParallelDense`` have ``nn.Dense``'s fields,
-parameter names (``kernel``, ``bias``) and *global* parameter shapes, so a
-checkpoint of the unparallel model loads unchanged. Their kernels and biases
-carry ``nn.with_partitioning`` metadata, so ``nn.get_partition_spec`` gives the
-layout a ``jit`` with a mesh needs:
+The layers take every field of the Flax layer they replace (in the same
+order, then ``axis_name``, ``sequence_parallel``, ``impl`` and ``mesh``), have
+its parameter names and *global* parameter shapes, and initialise them the
+same way, so a checkpoint of the unparallel model loads unchanged.
 
-=================  ======================  ==================
-layer              kernel                  bias
-=================  ======================  ==================
-column-parallel    ``(None, axis_name)``   ``(axis_name,)``
-row-parallel       ``(axis_name, None)``   replicated ``()``
-=================  ======================  ==================
+Partitioning metadata: an initialiser wrapped in ``nn.with_logical_partitioning``
+or ``nn.with_partitioning`` keeps the user's names (``nn.get_partition_spec``
+reports them; the user's logical rules place the parameter). When rules are in
+force (``nn.logical_axis_rules`` or the box's own) or the names are mesh axes,
+the layer checks that they split the right dim over ``axis_name`` and raises
+naming the rule to add otherwise. An unannotated initialiser gets the layer's
+own ``nn.Partitioned`` names:
 
-Inputs are batch-first, ``[..., S, features]``; the sequence dim is the second
-to last. With ``sequence_parallel=True`` the column layer is an all-gather +
-GEMM (``jaxoverlap.ag_matmul``: ``[B, S, H]`` sharded on S to ``[B, S, F]``
-sharded on F) and the row layer a GEMM + reduce-scatter
+==========================  ===========================  ====================
+layer                       kernel                       bias
+==========================  ===========================  ====================
+column-parallel             ``(None, axis_name)``        ``(axis_name,)``
+column-parallel general     ``axis_name`` on features[0]  ``axis_name`` on dim 0
+row-parallel (general)      ``axis_name`` on dim 0        replicated
+==========================  ===========================  ====================
+
+Inputs are batch-first, ``[..., S, features]``: the sequence dim is the one
+before the contracted dims. With ``sequence_parallel=True`` the column layer is
+an all-gather + GEMM (``jaxoverlap.ag_matmul``: ``[B, S, H]`` sharded on S to
+``[B, S, F]`` sharded on F) and the row layer a GEMM + reduce-scatter
 (``jaxoverlap.matmul_rs``: back to ``[B, S, H]`` sharded on S). With
 ``sequence_parallel=False`` they are Megatron's f/g pair: the column layer
 takes a replicated input (its gradient is all-reduced), the row layer
 all-reduces its output.
 
-The layers work on global arrays under ``jax.jit`` (with a mesh from ``mesh=``,
-``jax.set_mesh`` or the inputs' sharding) and on local shards inside the user's
-own ``jax.shard_map`` over ``axis_name``; there the parameters are the local
-shards (``kernel`` of a column layer is ``[in, features / N]``).
+The layers work on global arrays under ``jax.jit`` (the mesh from ``mesh=``,
+``jax.set_mesh`` or the inputs' sharding; mesh axes other than ``axis_name`` on
+the batch, data parallel or FSDP, pass through), on local shards inside the
+user's own ``jax.shard_map`` over ``axis_name`` (then the parameters are the
+local shards), and with no mesh at all as the plain Flax layer (so
+``jax.eval_shape(model.init, ...)`` needs no mesh).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core import meta
+from flax.linen import module as _flax_module
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer, PrecisionLike
 
@@ -46,95 +62,177 @@ from jaxoverlap.flax._common import COLUMN, ROW
 default_kernel_init = nn.initializers.lecun_normal()
 default_bias_init = nn.initializers.zeros_init()
 
-__all__ = ["ColumnParallelDense", "ParallelMLP", "RowParallelDense"]
+__all__ = [
+    "ColumnParallelDense",
+    "ColumnParallelDenseGeneral",
+    "ParallelMLP",
+    "ParallelMultiHeadDotProductAttention",
+    "RowParallelDense",
+    "RowParallelDenseGeneral",
+]
 
 
-class _ParallelDense(nn.Module):
-    """Shared fields and the parameter handling of the two linen layers."""
+def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+    return tuple(x) if isinstance(x, Sequence) else (x,)
 
-    features: int
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    precision: PrecisionLike = None
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
-    axis_name: str = "tp"
-    sequence_parallel: bool = True
-    impl: str = "auto"
-    mesh: jax.sharding.Mesh | None = None
+
+# ---------------------------------------------------------------- parameters
+
+
+def _param(module: nn.Module, layer: str, kind: str, name: str, init: Callable,
+           shape: tuple[int, ...], n_in: int, tp_dim: int | None, mesh: Any,
+           axis_name: str) -> jax.Array:
+    """Creates or fetches ``name`` like ``nn.DenseGeneral`` does; keeps and checks its metadata.
+
+    The initialiser sees the flat shape ``(prod(shape[:n_in]), prod(shape[n_in:]))``
+    (``n_in`` = 0: ``(prod(shape),)``), as in ``nn.DenseGeneral``, so the values
+    equal Flax's for the same key. A user's box stays as written; an
+    unannotated value gets ``tp_dim`` split over ``axis_name``.
+    """
+    own = _common.own_names(len(shape), tp_dim, axis_name)
+
+    def init_fn(key, shape, dtype):
+        flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))) if n_in else \
+            (int(np.prod(shape)),)
+        value = init(key, flat, dtype)
+        if isinstance(value, meta.AxisMetadata):
+            # replace_boxed of the box itself: flax's meta.replace_boxed unboxes with a
+            # sharding constraint, an assertion that fails under Explicit mesh axes.
+            return value.replace_boxed(jnp.reshape(_raw(value), shape))
+        value = jnp.reshape(value, shape)
+        if own is None:
+            return value
+        # No mesh in the box: flax would then constrain every nn.unbox to it,
+        # which fails under Explicit axes; the value is placed here instead.
+        return nn.Partitioned(_common.place_value(value, own, axis_name, mesh), names=own)
+
+    boxed = module.param(name, init_fn, shape, module.param_dtype, unbox=False)
+    return _checked_value(layer, kind, name, boxed, shape, n_in, tp_dim, axis_name)
+
+
+def _raw(box: meta.AxisMetadata):
+    """The value inside a box, without flax's sharding constraint (see below)."""
+    return box.unbox(apply_constraint=False) if isinstance(box, nn.Partitioned) else box.unbox()
+
+
+def _checked_value(layer: str, kind: str, name: str, boxed: Any, shape: tuple[int, ...],
+                   n_in: int, tp_dim: int | None, axis_name: str):
+    """The parameter's value; its partitioning names checked first when they can be resolved.
+
+    Unboxed by hand: flax's own unboxing adds a sharding constraint, which is
+    an assertion under Explicit mesh axes and invalid inside shard_map; the ops
+    lay the parameters out themselves.
+    """
+    if not isinstance(boxed, meta.AxisMetadata):
+        return boxed
+    if isinstance(boxed, nn.Partitioned):
+        names = tuple(boxed.names)
+        # Names given for the flat (2-d) kernel, as nn.DenseGeneral's initialiser sees it.
+        flat_dim = tp_dim
+        if len(names) != len(shape) and len(names) == 2 and n_in and tp_dim is not None:
+            flat_dim = 0 if tp_dim < n_in else 1
+        if isinstance(boxed, nn.LogicallyPartitioned):
+            rules = boxed.rules if boxed.rules is not None else nn.get_logical_axis_rules()
+            if rules:
+                axes = tuple(nn.logical_to_mesh_axes(names, rules))
+                _common.check_layout(layer, name, kind, axis_name, flat_dim, axes, names=names,
+                                     how=f" (its logical names {names} under the rules in "
+                                         "force)")
+        else:
+            _common.check_layout(layer, name, kind, axis_name, flat_dim, names)
+    return _raw(boxed)
+
+
+# ---------------------------------------------------------------- Flax's auto-names
+
+
+class _NamedLikeFlax:
+    """Makes an unnamed layer take the name Flax gives the layer it replaces.
+
+    Flax names an unnamed submodule after its class (``Dense_0``, ``Dense_1``,
+    ...). Counting under the Flax layer's name keeps the parameter paths of a
+    model whose ``nn.Dense`` were swapped for these layers, so its checkpoints
+    and partitioning rules keep working. Flax's own autonaming
+    (``flax.linen.Module.__post_init__``) does the same with the class name.
+    """
+
+    _flax_name: str = ""
+
+    def __post_init__(self) -> None:
+        parent = self.parent
+        if parent is getattr(_flax_module, "_unspecified_parent", None):
+            # Flax takes the parent from its module stack in its own __post_init__.
+            stack = getattr(getattr(_flax_module, "_context", None), "module_stack", [None])
+            parent = stack[-1]
+        state = getattr(parent, "_state", None)
+        if (self.name is None and isinstance(parent, nn.Module) and state is not None
+                and not state.in_setup and hasattr(state, "autoname_cursor")):
+            cursor = state.autoname_cursor.get(self._flax_name, 0)
+            object.__setattr__(self, "name", f"{self._flax_name}_{cursor}")
+            state.autoname_cursor[self._flax_name] = cursor + 1
+        super().__post_init__()
+
+
+# ---------------------------------------------------------------- the layers
+
+
+class _ParallelLinear(_NamedLikeFlax, nn.Module):
+    """Shared computation of the dense layers (the fields live in the subclasses)."""
 
     _kind = COLUMN
 
-    def _param(self, name: str, init: Callable, shape: tuple[int, ...]) -> jax.Array:
-        """Creates or fetches ``name``; checks that any stored layout is the one the op needs."""
-        layer = type(self).__name__
-        names = _common.partition_names(self._kind, self.axis_name, name)
-        init_fn = _common.placed_init(init, names, self.axis_name, self.mesh)
-        if names is not None:
-            # No mesh in the box: flax would then constrain every nn.unbox to
-            # it, which fails under Explicit axes; placement is done above.
-            init_fn = nn.with_partitioning(init_fn, names)
-        # Unboxed by hand: flax's own unboxing adds a sharding constraint, which
-        # is an assertion under Explicit mesh axes and invalid inside shard_map;
-        # the layer's shard_map lays the parameters out itself.
-        value = self.param(name, init_fn, shape, self.param_dtype, unbox=False)
-        if isinstance(value, meta.Partitioned):
-            expected = tuple(names) if names is not None else (None,) * len(shape)
-            if tuple(value.names) != expected:
-                raise ValueError(
-                    f"{layer}: parameter {name!r} carries partitioning {tuple(value.names)} but "
-                    f"a {self._kind}-parallel layer over {self.axis_name!r} needs {expected}."
-                )
-            value = value.unbox(apply_constraint=False)
-        elif isinstance(value, meta.AxisMetadata):
-            value = value.unbox()
-        return value
-
-    @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """Applies the layer to ``inputs``.
-
-        Args:
-          inputs: ``[..., S, in_features]`` (global, or the local shard inside
-            ``shard_map``; the sequence dim is the second to last).
-
-        Returns:
-          The transformed input, ``[..., S, features]``, laid out as the class
-          docstring says.
-        """
-        layer = type(self).__name__
-        _common.check_features(layer, "features", self.features)
+    def _check_fields(self, layer: str) -> None:
         _common.check_common(layer, axis_name=self.axis_name,
                              sequence_parallel=self.sequence_parallel, impl=self.impl,
                              use_bias=self.use_bias, kernel_init=self.kernel_init,
                              bias_init=self.bias_init, mesh=self.mesh)
-        _common.check_input(layer, inputs)
+
+    def _matmul(self, layer: str, dot_general: Callable | None) -> _common.Matmul:
+        return _common.Matmul(layer=layer, kind=self._kind, axis_name=self.axis_name,
+                              sequence_parallel=self.sequence_parallel, impl=self.impl,
+                              precision=self.precision, mesh=self.mesh, dot_general=dot_general)
+
+    def _dot_general(self, layer: str) -> Callable | None:
+        """The user's dot_general (an instance of ``dot_general_cls`` made here, as nn.Dense
+        does), or None for the fused ops."""
+        if self.dot_general_cls is not None:
+            return _common.choose_dot_general(layer, self.dot_general_cls(),
+                                              "dot_general_cls was given")
+        return _common.choose_dot_general(layer, self.dot_general)
+
+    def _general(self, inputs: jax.Array, features: tuple[int, ...], n_contract: int):
+        """The layer on ``inputs [..., S, *contracted]``: kernel ``[*contracted, *features]``."""
+        layer = type(self).__name__
+        self._check_fields(layer)
+        _common.check_input(layer, inputs, n_contract + 1)
+        for f in features:
+            _common.check_features(layer, "features", f)
+        contracted = tuple(inputs.shape[inputs.ndim - n_contract:])
         n = _common.tp_size_if_bound(self.axis_name)
-        in_features = jnp.shape(inputs)[-1]
-        features = self.features
         if n is not None:  # inside shard_map: the parameters are local shards
             if self._kind == COLUMN:
-                features = _common.divide(layer, "features", self.features, n, self.axis_name)
+                features = (_common.divide(layer, "features", features[0], n, self.axis_name),
+                            *features[1:])
         elif (known := _common.known_tp_size(self.axis_name, self.mesh)) is not None:
             # Checked before the parameters are created and laid out on the mesh.
             if self._kind == COLUMN:
-                _common.divide(layer, "features", self.features, known, self.axis_name)
+                _common.divide(layer, "features", features[0], known, self.axis_name)
             else:
-                _common.divide(layer, "inputs.shape[-1] (the input features)", in_features,
-                               known, self.axis_name)
-        kernel = self._param("kernel", self.kernel_init, (in_features, features))
-        bias = self._param("bias", self.bias_init, (features if self._kind == COLUMN
-                                                    else self.features,)) \
-            if self.use_bias else None
-        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return _common.forward(layer, self._kind, inputs, kernel, bias,
-                               axis_name=self.axis_name,
-                               sequence_parallel=self.sequence_parallel, impl=self.impl,
-                               precision=self.precision, mesh=self.mesh)
+                _common.divide(layer, f"inputs.shape[{-n_contract}] (the input features)",
+                               contracted[0], known, self.axis_name)
+        kernel = _param(self, layer, self._kind, "kernel", self.kernel_init,
+                        contracted + features, n_contract,
+                        n_contract if self._kind == COLUMN else 0, self.mesh, self.axis_name)
+        bias = None
+        if self.use_bias:
+            bias = _param(self, layer, self._kind, "bias", self.bias_init, features, 0,
+                          0 if self._kind == COLUMN else None, self.mesh, self.axis_name)
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return _common.general_forward(self._matmul(layer, self._dot_general(layer)), inputs,
+                                       kernel, bias, n_contract)
 
 
-class ColumnParallelDense(_ParallelDense):
+class ColumnParallelDense(_ParallelLinear):
     """A ``nn.Dense`` whose output features are split over ``axis_name``.
 
     With ``sequence_parallel=True``: ``[..., S, H]`` sharded on S -> all-gather
@@ -163,20 +261,49 @@ class ColumnParallelDense(_ParallelDense):
       param_dtype: the dtype passed to parameter initializers (default: float32).
       precision: numerical precision of the computation, see ``jax.lax.Precision``
         (for the fused ops it is applied as ``jax.default_matmul_precision``).
-      kernel_init: initializer function for the weight matrix.
-      bias_init: initializer function for the bias.
+      kernel_init: initializer function for the weight matrix; one wrapped in
+        ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` keeps its names.
+      bias_init: initializer function for the bias (likewise).
+      promote_dtype: function to promote the dtype of the arrays to the desired
+        dtype (as in ``nn.Dense``).
+      dot_general: a custom ``dot_general``; the layer then runs unfused with it.
+      dot_general_cls: a module class whose instance is the ``dot_general`` (Flax's
+        FP8 ops, quantisation); likewise unfused.
       axis_name: the tensor-parallel mesh axis (default: "tp").
-      sequence_parallel: inputs sharded on the sequence dim (all-gather + GEMM)
-        if True, replicated (Megatron f) if False (default: True).
       impl: "auto", "xla", "ring" or "native", passed to the op (default: "auto").
       mesh: the mesh for global arrays; None takes the ``jax.set_mesh`` mesh or
         the inputs' sharding (default: None).
+      sequence_parallel: inputs sharded on the sequence dim (all-gather + GEMM)
+        if True, replicated (Megatron f) if False (default: True).
     """
 
+    features: int
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    promote_dtype: Callable[..., Any] = promote_dtype
+    dot_general: Callable[..., Any] | None = None
+    dot_general_cls: Any = None
+    axis_name: str = "tp"
+    sequence_parallel: bool = True
+    impl: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
+
     _kind = COLUMN
+    _flax_name = "Dense"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies the layer to ``inputs`` ``[..., S, in_features]`` (global, or the local
+        shard inside ``shard_map``); returns ``[..., S, features]``."""
+        _common.check_features(type(self).__name__, "features", self.features)
+        return self._general(inputs, (self.features,), 1)
 
 
-class RowParallelDense(_ParallelDense):
+class RowParallelDense(_ParallelLinear):
     """A ``nn.Dense`` whose input features are split over ``axis_name``.
 
     With ``sequence_parallel=True``: ``[..., S, F]`` sharded on F -> GEMM
@@ -201,22 +328,158 @@ class RowParallelDense(_ParallelDense):
 
     Attributes:
       features: the number of output features.
-      use_bias: whether to add a bias to the output (default: True).
-      dtype: the dtype of the computation (default: infer from input and params).
-      param_dtype: the dtype passed to parameter initializers (default: float32).
-      precision: numerical precision of the computation, see ``jax.lax.Precision``
-        (for the fused ops it is applied as ``jax.default_matmul_precision``).
-      kernel_init: initializer function for the weight matrix.
-      bias_init: initializer function for the bias.
-      axis_name: the tensor-parallel mesh axis (default: "tp").
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
+      promote_dtype, dot_general, dot_general_cls, axis_name, impl, mesh: as in
+        :class:`ColumnParallelDense`.
       sequence_parallel: output sharded on the sequence dim (GEMM +
         reduce-scatter) if True, replicated (Megatron g) if False (default: True).
-      impl: "auto", "xla", "ring" or "native", passed to the op (default: "auto").
-      mesh: the mesh for global arrays; None takes the ``jax.set_mesh`` mesh or
-        the inputs' sharding (default: None).
     """
 
+    features: int
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    promote_dtype: Callable[..., Any] = promote_dtype
+    dot_general: Callable[..., Any] | None = None
+    dot_general_cls: Any = None
+    axis_name: str = "tp"
+    sequence_parallel: bool = True
+    impl: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
+
     _kind = ROW
+    _flax_name = "Dense"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies the layer to ``inputs`` ``[..., S, in_features]`` (global, or the local
+        shard inside ``shard_map``); returns ``[..., S, features]``."""
+        _common.check_features(type(self).__name__, "features", self.features)
+        return self._general(inputs, (self.features,), 1)
+
+
+def _contracted_dims(layer: str, axis: Any, batch_dims: Any, ndim: int) -> int:
+    """How many trailing dims ``axis`` contracts; raises unless they are x's last ones."""
+    if _tuple(batch_dims):
+        raise ValueError(f"{layer}: batch_dims={batch_dims!r} is not supported (the tensor-"
+                         "parallel layers contract the trailing dims of a batch-first input); "
+                         "use batch_dims=().")
+    dims = sorted(a % ndim for a in _tuple(axis))
+    if dims != list(range(ndim - len(dims), ndim)) or len(dims) >= ndim:
+        raise ValueError(f"{layer}: axis={axis!r} must name the trailing dims of the inputs "
+                         f"(e.g. -1 or (-2, -1)), with a sequence dim before them; inputs have "
+                         f"rank {ndim}.")
+    return len(dims)
+
+
+class ColumnParallelDenseGeneral(_ParallelLinear):
+    """A ``nn.DenseGeneral`` whose first output feature dim is split over ``axis_name``.
+
+    ``features=(heads, head_dim)`` gives the attention projections: kernel
+    ``[..in, heads, head_dim]`` split on ``heads``. ``axis`` names the trailing
+    input dims contracted (default: the last); the dim before them is the
+    sequence dim. Otherwise as :class:`ColumnParallelDense`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoverlap.flax.linen import ColumnParallelDenseGeneral
+      >>> mesh = jax.make_mesh((4,), ("tp",))
+      >>> qkv = ColumnParallelDenseGeneral(features=(8, 2), mesh=mesh)
+      >>> x = jnp.ones((2, 8, 16))
+      >>> variables = qkv.init(jax.random.key(0), x)
+      >>> variables["params"]["kernel"].value.shape
+      (16, 8, 2)
+      >>> jax.jit(qkv.apply)(variables, x).shape
+      (2, 8, 8, 2)
+
+    Attributes:
+      features: int or tuple of the output features; ``features[0]`` is split
+        over ``axis_name`` (divisible by its size).
+      axis: int or tuple of the trailing input dims to contract (default: -1).
+      batch_dims: must be () (kept for ``nn.DenseGeneral``'s signature).
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
+      promote_dtype, dot_general, dot_general_cls, axis_name, impl, mesh: as in
+        :class:`ColumnParallelDense`.
+      sequence_parallel: as in :class:`ColumnParallelDense`.
+    """
+
+    features: int | Sequence[int]
+    axis: int | Sequence[int] = -1
+    batch_dims: Sequence[int] = ()
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    precision: PrecisionLike = None
+    promote_dtype: Callable[..., Any] = promote_dtype
+    dot_general: Callable[..., Any] | None = None
+    dot_general_cls: Any = None
+    axis_name: str = "tp"
+    sequence_parallel: bool = True
+    impl: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
+
+    _kind = COLUMN
+    _flax_name = "DenseGeneral"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies the layer: ``[..., S, *in]`` -> ``[..., S, *features]``."""
+        layer = type(self).__name__
+        _common.check_input(layer, inputs)
+        n_contract = _contracted_dims(layer, self.axis, self.batch_dims, inputs.ndim)
+        return self._general(inputs, _tuple(self.features), n_contract)
+
+
+class RowParallelDenseGeneral(_ParallelLinear):
+    """A ``nn.DenseGeneral`` whose first contracted input dim is split over ``axis_name``.
+
+    ``axis=(-2, -1)`` on ``[..., S, heads, head_dim]`` inputs split on ``heads``
+    gives the attention output projection. Otherwise as :class:`RowParallelDense`.
+
+    Attributes:
+      features: int or tuple of the output features.
+      axis: int or tuple of the trailing input dims to contract; the first one
+        is split over ``axis_name`` (default: -1).
+      batch_dims: must be () (kept for ``nn.DenseGeneral``'s signature).
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
+      promote_dtype, dot_general, dot_general_cls, axis_name, impl, mesh: as in
+        :class:`ColumnParallelDense`.
+      sequence_parallel: as in :class:`RowParallelDense`.
+    """
+
+    features: int | Sequence[int]
+    axis: int | Sequence[int] = -1
+    batch_dims: Sequence[int] = ()
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    precision: PrecisionLike = None
+    promote_dtype: Callable[..., Any] = promote_dtype
+    dot_general: Callable[..., Any] | None = None
+    dot_general_cls: Any = None
+    axis_name: str = "tp"
+    sequence_parallel: bool = True
+    impl: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
+
+    _kind = ROW
+    _flax_name = "DenseGeneral"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies the layer: ``[..., S, *contracted]`` -> ``[..., S, *features]``."""
+        layer = type(self).__name__
+        _common.check_input(layer, inputs)
+        n_contract = _contracted_dims(layer, self.axis, self.batch_dims, inputs.ndim)
+        return self._general(inputs, _tuple(self.features), n_contract)
 
 
 class ParallelMLP(nn.Module):
@@ -247,8 +510,9 @@ class ParallelMLP(nn.Module):
       out_features: the output width (default: None, the input's width).
       activation: applied between the two layers (default: ``nn.gelu``).
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
-      axis_name, sequence_parallel, impl, mesh: as in ``ColumnParallelDense``,
-        for both layers.
+      promote_dtype, dot_general, dot_general_cls, axis_name,
+      sequence_parallel, impl, mesh: as in ``ColumnParallelDense``, for both
+        layers.
     """
 
     features: int
@@ -260,6 +524,9 @@ class ParallelMLP(nn.Module):
     precision: PrecisionLike = None
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = default_bias_init
+    promote_dtype: Callable[..., Any] = promote_dtype
+    dot_general: Callable[..., Any] | None = None
+    dot_general_cls: Any = None
     axis_name: str = "tp"
     sequence_parallel: bool = True
     impl: str = "auto"
@@ -283,8 +550,248 @@ class ParallelMLP(nn.Module):
         shared: dict[str, Any] = dict(
             use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
             precision=self.precision, kernel_init=self.kernel_init, bias_init=self.bias_init,
-            axis_name=self.axis_name, sequence_parallel=self.sequence_parallel, impl=self.impl,
-            mesh=self.mesh,
+            promote_dtype=self.promote_dtype, dot_general=self.dot_general,
+            dot_general_cls=self.dot_general_cls, axis_name=self.axis_name,
+            sequence_parallel=self.sequence_parallel, impl=self.impl, mesh=self.mesh,
         )
         h = ColumnParallelDense(self.features, name="up", **shared)(inputs)
         return RowParallelDense(out, name="down", **shared)(self.activation(h))
+
+
+class _Projection(nn.Module):
+    """The parameters of one column-parallel projection, made as
+    :class:`ColumnParallelDenseGeneral` makes them, for a fused multiply."""
+
+    features: tuple[int, ...]
+    use_bias: bool
+    param_dtype: Dtype
+    kernel_init: Initializer
+    bias_init: Initializer
+    axis_name: str
+    mesh: Any
+    layer: str
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        features = self.features
+        n = _common.tp_size_if_bound(self.axis_name)
+        if n is not None:
+            features = (_common.divide(self.layer, "num_heads", features[0], n,
+                                       self.axis_name), *features[1:])
+        kernel = _param(self, self.layer, COLUMN, "kernel", self.kernel_init,
+                        (in_features, *features), 1, 1, self.mesh, self.axis_name)
+        bias = _param(self, self.layer, COLUMN, "bias", self.bias_init, features, 0, 0,
+                      self.mesh, self.axis_name) if self.use_bias else None
+        return kernel, bias
+
+
+class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
+    """A ``nn.MultiHeadDotProductAttention`` whose heads are split over ``axis_name``.
+
+    Same fields (then ``axis_name``, ``sequence_parallel``, ``impl``, ``mesh``),
+    same call, same parameters (``query``, ``key``, ``value``: kernels
+    ``[features, heads, head_dim]``; ``out``: ``[heads, head_dim, features]``)
+    with their global shapes and initial values. Megatron's layout: each device
+    holds ``num_heads / N`` heads.
+
+    * The query, key and value projections of one input are one column-parallel
+      multiply (self-attention: one ``ag_matmul`` for all three; its backward
+      one GEMM+reduce-scatter); the output projection is row-parallel
+      (``matmul_rs``). With ``sequence_parallel=False`` they are Megatron's f/g.
+    * ``attention_fn`` runs per head on each device's heads; masks broadcast
+      over heads as in Flax, and dropout draws the same bits as the unsplit
+      layer on global arrays (threefry is partitionable).
+    * ``qkv_dot_general`` / ``out_dot_general`` (or their ``_cls``) run the
+      projections unfused with the user's function, as the dense layers do.
+    * ``decode=True`` (the autoregressive cache) is not supported: use
+      ``nn.MultiHeadDotProductAttention`` with the same parameters to decode.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoverlap.flax.linen import ParallelMultiHeadDotProductAttention
+      >>> mesh = jax.make_mesh((4,), ("tp",))
+      >>> attn = ParallelMultiHeadDotProductAttention(num_heads=8, qkv_features=16, mesh=mesh)
+      >>> x = jnp.ones((2, 8, 16))
+      >>> variables = attn.init(jax.random.key(0), x)
+      >>> variables["params"]["query"]["kernel"].value.shape
+      (16, 8, 2)
+      >>> jax.jit(attn.apply)(variables, x).shape
+      (2, 8, 16)
+
+    Attributes:
+      num_heads, dtype, param_dtype, qkv_features, out_features,
+      broadcast_dropout, dropout_rate, deterministic, precision, kernel_init,
+      out_kernel_init, bias_init, out_bias_init, use_bias, attention_fn, decode,
+      normalize_qk, force_fp32_for_softmax, qkv_dot_general, out_dot_general,
+      qkv_dot_general_cls, out_dot_general_cls, qk_attn_weights_einsum_cls,
+      attn_weights_value_einsum_cls: as in ``nn.MultiHeadDotProductAttention``
+        (``num_heads`` divisible by the size of ``axis_name``).
+      axis_name, sequence_parallel, impl, mesh: as in ``ColumnParallelDense``.
+    """
+
+    num_heads: int
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    qkv_features: int | None = None
+    out_features: int | None = None
+    broadcast_dropout: bool = True
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    out_kernel_init: Initializer | None = None
+    bias_init: Initializer = default_bias_init
+    out_bias_init: Initializer | None = None
+    use_bias: bool = True
+    attention_fn: Callable[..., jax.Array] = nn.dot_product_attention
+    decode: bool = False
+    normalize_qk: bool = False
+    force_fp32_for_softmax: bool = False
+    qkv_dot_general: Callable[..., Any] | None = None
+    out_dot_general: Callable[..., Any] | None = None
+    qkv_dot_general_cls: Any = None
+    out_dot_general_cls: Any = None
+    qk_attn_weights_einsum_cls: Callable[..., Callable[..., jax.Array]] | None = None
+    attn_weights_value_einsum_cls: Callable[..., Callable[..., jax.Array]] | None = None
+    axis_name: str = "tp"
+    sequence_parallel: bool = True
+    impl: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
+
+    _flax_name = "MultiHeadDotProductAttention"
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        inputs_kv: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        dropout_rng: jax.Array | None = None,
+        sow_weights: bool = False,
+    ) -> jax.Array:
+        """Applies multi-head dot-product attention, as ``nn.MultiHeadDotProductAttention``.
+
+        Args:
+          inputs_q: ``[batch..., length, features]`` queries (global, or the local
+            shard inside ``shard_map``; sharded on length with sequence parallelism).
+          inputs_k, inputs_v, inputs_kv: keys and values (default: ``inputs_q``).
+          mask: ``[batch..., num_heads or 1, q_length, kv_length]``; False masks out.
+          deterministic: disables dropout when True.
+          dropout_rng: the dropout key (default: ``self.make_rng('dropout')``).
+          sow_weights: sow the attention weights into ``intermediates``.
+
+        Returns:
+          ``[batch..., length, out_features]``, laid out as ``RowParallelDense``'s output.
+        """
+        layer = type(self).__name__
+        if self.decode:
+            raise ValueError(f"{layer}: decode=True (the autoregressive cache) is not "
+                             "supported; decode with nn.MultiHeadDotProductAttention on the "
+                             "same parameters.")
+        if inputs_kv is not None:
+            if inputs_k is not None or inputs_v is not None:
+                raise ValueError(f"{layer}: give either inputs_kv or inputs_k/inputs_v.")
+            inputs_k = inputs_v = inputs_kv
+            warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and "
+                          "inputs_v instead.", DeprecationWarning, stacklevel=2)
+        else:
+            if inputs_k is None:
+                if inputs_v is not None:
+                    raise ValueError(f"{layer}: inputs_k cannot be None if inputs_v is not "
+                                     "None.")
+                inputs_k = inputs_q
+            if inputs_v is None:
+                inputs_v = inputs_k
+        _common.check_input(layer, inputs_q)
+        _common.check_features(layer, "num_heads", self.num_heads)
+        features = self.out_features or inputs_q.shape[-1]
+        qkv_features = self.qkv_features or inputs_q.shape[-1]
+        if qkv_features % self.num_heads:
+            raise ValueError(f"{layer}: qkv_features={qkv_features} must be divisible by "
+                             f"num_heads={self.num_heads}.")
+        head_dim = qkv_features // self.num_heads
+        n = _common.tp_size_if_bound(self.axis_name) or _common.known_tp_size(self.axis_name,
+                                                                              self.mesh)
+        if n is not None:
+            _common.divide(layer, "num_heads", self.num_heads, n, self.axis_name)
+        shared = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=self.use_bias,
+                      precision=self.precision, axis_name=self.axis_name,
+                      sequence_parallel=self.sequence_parallel, impl=self.impl, mesh=self.mesh)
+        inputs = (inputs_q, inputs_k, inputs_v)
+        names = ("query", "key", "value")
+        if self.qkv_dot_general is not None or self.qkv_dot_general_cls is not None:
+            dense = functools.partial(
+                ColumnParallelDenseGeneral, features=(self.num_heads, head_dim), axis=-1,
+                kernel_init=self.kernel_init, bias_init=self.bias_init,
+                dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls,
+                **shared)
+            query, key, value = (dense(name=n)(x) for n, x in zip(names, inputs, strict=True))
+        else:
+            query, key, value = self._fused_qkv(layer, inputs, names, head_dim)
+        if self.normalize_qk:
+            query = nn.LayerNorm(name="query_ln", use_bias=False, dtype=self.dtype,
+                                 param_dtype=self.param_dtype)(query)
+            key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
+                               param_dtype=self.param_dtype)(key)
+        if self.dropout_rate > 0.0:
+            m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+            if not m_deterministic and dropout_rng is None:
+                dropout_rng = self.make_rng("dropout")
+        else:
+            m_deterministic = True
+        if dropout_rng is not None and _common.tp_size_if_bound(self.axis_name) is not None:
+            # On local shards each device holds other heads: give them other bits.
+            dropout_rng = jax.random.fold_in(dropout_rng, jax.lax.axis_index(self.axis_name))
+        attn_kwargs = dict(
+            mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+            broadcast_dropout=self.broadcast_dropout, deterministic=m_deterministic,
+            dtype=self.dtype, precision=self.precision,
+            force_fp32_for_softmax=self.force_fp32_for_softmax,
+            qk_attn_weights_einsum=(self.qk_attn_weights_einsum_cls()
+                                    if self.qk_attn_weights_einsum_cls else None),
+            attn_weights_value_einsum=(self.attn_weights_value_einsum_cls()
+                                       if self.attn_weights_value_einsum_cls else None),
+        )
+        accepted = inspect.signature(self.attention_fn).parameters
+        attn_kwargs = {k: v for k, v in attn_kwargs.items() if k in accepted}
+        if sow_weights:
+            attn_kwargs["module"] = self
+        x = self.attention_fn(query, key, value, **attn_kwargs)
+        return RowParallelDenseGeneral(
+            features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+            bias_init=self.out_bias_init or self.bias_init, dot_general=self.out_dot_general,
+            dot_general_cls=self.out_dot_general_cls, name="out", **shared)(x)
+
+    def _fused_qkv(self, layer: str, inputs: tuple, names: tuple[str, ...], head_dim: int):
+        """The three projections, one multiply per distinct input (self-attention: one)."""
+        projections = {
+            name: _Projection((self.num_heads, head_dim), self.use_bias, self.param_dtype,
+                              self.kernel_init, self.bias_init, self.axis_name, self.mesh,
+                              layer, name=name)(x.shape[-1])
+            for name, x in zip(names, inputs, strict=True)}
+        groups: list[tuple[Any, list[str]]] = []      # inputs by identity, in order
+        for name, x in zip(names, inputs, strict=True):
+            for group_x, members in groups:
+                if group_x is x:
+                    members.append(name)
+                    break
+            else:
+                groups.append((x, [name]))
+        m = _common.Matmul(layer=layer, kind=COLUMN, axis_name=self.axis_name,
+                           sequence_parallel=self.sequence_parallel, impl=self.impl,
+                           precision=self.precision, mesh=self.mesh)
+        out: dict[str, jax.Array] = {}
+        for x, members in groups:
+            kernels, biases = [], []
+            for name in members:
+                kernel, bias = projections[name]
+                x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
+                kernels.append(kernel)
+                biases.append(bias)
+            out.update(zip(members, _common.fused_columns(m, x, kernels, biases), strict=True))
+        return tuple(out[n] for n in names)

@@ -1,34 +1,49 @@
-"""Tensor-parallel Flax NNX layers: drop-in replacements for ``nnx.Linear``.
+"""Tensor-parallel Flax NNX layers: drop-in replacements for ``nnx.Linear``,
+``nnx.LinearGeneral`` and ``nnx.MultiHeadAttention``.
 
-``ColumnParallelLinear(in_features, out_features, *, rngs, ...)`` and
-``RowParallelLinear`` take ``nnx.Linear``'s arguments and hold ``kernel`` and
-``bias`` ``nnx.Param``s of ``nnx.Linear``'s *global* shapes, so the state of an
-unparallel model loads unchanged. The params carry ``out_sharding`` metadata,
-so ``nnx.get_partition_spec`` gives column kernel ``(None, axis_name)``, column
-bias ``(axis_name,)``, row kernel ``(axis_name, None)`` and a replicated row
-bias; built under a mesh (``mesh=`` or ``jax.set_mesh``) the params are placed
-that way at once (Flax's eager sharding). Without a mesh they are built
+The layers take every argument of the nnx layer they replace (and the call's
+``out_sharding``), then ``axis_name``, ``sequence_parallel``, ``impl`` and
+``mesh``; they hold ``kernel`` and ``bias`` ``nnx.Param``s of the *global*
+shapes and initial values of the nnx layer, so the state of an unparallel model
+loads unchanged.
+
+Sharding metadata: ``kernel_metadata`` / ``bias_metadata`` (or an initialiser
+from ``nnx.with_partitioning``) with an ``out_sharding`` are kept as written, so
+``nnx.get_partition_spec`` reports the user's names and the user's logical
+rules apply; when they can be resolved (logical rules in force, or mesh axis
+names) the layer checks that they split the right dim over ``axis_name`` and
+raises naming the rule to add otherwise. Without them the layer adds its own:
+column kernel ``(None, axis_name)`` (``axis_name`` on the first output feature
+dim), column bias ``(axis_name, ...)``, row kernel ``(axis_name, ...)``, row
+bias replicated. Built under a mesh (``mesh=`` or ``jax.set_mesh``) the params
+are placed at once (Flax's eager sharding); without one they are built
 unplaced, with the metadata kept.
 
 Semantics are those of ``jaxoverlap.flax.linen`` (see there): batch-first
 ``[..., S, features]`` inputs; ``sequence_parallel=True`` gives all-gather +
 GEMM / GEMM + reduce-scatter, ``False`` Megatron's f/g pair. Global arrays under
-``jit`` with a mesh, or local shards inside the user's ``jax.shard_map`` (then
-the state holds local shards, e.g. ``nnx.split`` the model and give the state
-to ``shard_map`` with ``in_specs=nnx.get_partition_spec(state)``).
+``jit`` with a mesh, local shards inside the user's ``jax.shard_map`` (then the
+state holds local shards, e.g. ``nnx.split`` the model and give the state to
+``shard_map`` with ``in_specs=nnx.get_partition_spec(state)``), or no mesh at
+all, where the layers compute what the nnx layers compute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from flax.core import spmd as core_spmd
+from flax.core.frozen_dict import FrozenDict
+from flax.nnx import variablelib
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike
+from jax import lax
 
 from jaxoverlap.flax import _common
 from jaxoverlap.flax._common import COLUMN, ROW
@@ -36,13 +51,216 @@ from jaxoverlap.flax._common import COLUMN, ROW
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "ColumnParallelLinearGeneral",
+    "ParallelMLP",
+    "ParallelMultiHeadAttention",
+    "RowParallelLinear",
+    "RowParallelLinearGeneral",
+]
+
+_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+    return tuple(x) if isinstance(x, Sequence) else (x,)
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def _param(layer: str, kind: str, name: str, init: Callable, key, shape: tuple[int, ...],
+           n_in: int, tp_dim: int | None, dtype, user: Mapping[str, Any], axis_name: str,
+           mesh: Any, tp_known: bool) -> nnx.Param:
+    """An ``nnx.Param`` made as ``nnx.LinearGeneral`` makes it; the user's sharding kept.
+
+    The initialiser sees the flat shape (``nnx.LinearGeneral``'s), so the
+    values equal Flax's for the same key.
+    """
+    flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))) if n_in else \
+        (int(np.prod(shape)),)
+    value = init(key, flat, dtype)
+    if isinstance(value, variablelib.VariableMetadata):
+        value.raw_value = jnp.reshape(value.raw_value, shape)
+        given = {**value.metadata, **user}
+    else:
+        value = jnp.reshape(value, shape)
+        given = dict(user)
+    sharding_key = next((k for k in _SHARDING_KEYS if given.get(k)), None)
+    if sharding_key is not None:
+        source = f"{name}_metadata[{sharding_key!r}]" if user.get(sharding_key) else \
+            f"{name}_init's {sharding_key}"
+        names = tuple(given[sharding_key])
+        if len(names) != len(shape) and len(names) == 2 and n_in and tp_dim is not None:
+            # Names for the flat 2-d kernel, as nnx.LinearGeneral's initialiser sees it.
+            tp_dim = 0 if tp_dim < n_in else 1
+        _check(layer, kind, source, names, given.get("sharding_rules"), tp_dim, axis_name, mesh)
+        return nnx.Param(value, **user)
+    metadata = {k: v for k, v in user.items() if k not in _SHARDING_KEYS}
+    names = _common.own_names(len(shape), tp_dim, axis_name)
+    if names is not None:
+        metadata["out_sharding"] = names
+        if mesh is not None:
+            metadata["mesh"] = mesh
+        # Eager placement needs a mesh with the axis, outside shard_map.
+        if not tp_known or _common.tp_size_if_bound(axis_name) is not None:
+            metadata["eager_sharding"] = False
+    return nnx.Param(value, **metadata)
+
+
+def _check(layer: str, kind: str, source: str, names: tuple[Any, ...], local_rules: Any,
+           tp_dim: int | None, axis_name: str, mesh: Any) -> None:
+    """Checks the user's sharding names when they can be resolved to mesh axes.
+
+    They resolve through the logical rules in force (``nnx.logical_axis_rules``)
+    and the param's own ``sharding_rules``, as ``nnx.get_partition_spec`` does;
+    without rules they are mesh axes if they name ``axis_name`` or the known
+    mesh's axes, else logical names whose rules are not known yet.
+    """
+    rules = core_spmd.composite_rules(core_spmd.get_logical_axis_rules(), local_rules or ())
+    target = mesh if mesh is not None else _common.context_mesh()
+    mesh_names = set(target.axis_names) if target is not None else set()
+    flat = {a for e in names for a in _common.entry_axes(e)}
+    if not rules and axis_name not in flat and not (flat and flat <= mesh_names):
+        return
+    axes = tuple(core_spmd.from_sharding_rules(names, rules)) if rules else names
+    _common.check_layout(layer, source, kind, axis_name, tp_dim, axes,
+                         names=names if rules else None,
+                         how=f" (from {names} under the rules in force)" if rules else "")
+
+
+# ---------------------------------------------------------------- the layers
 
 
 class _ParallelLinear(nnx.Module):
-    """Shared constructor and call of the two nnx layers."""
+    """Shared constructor and call of the nnx layers (general form)."""
 
     _kind = COLUMN
+
+    def _build(
+        self,
+        layer: str,
+        in_features: tuple[int, ...],
+        out_features: tuple[int, ...],
+        *,
+        axis: Any,
+        use_bias: bool,
+        dtype: Dtype | None,
+        param_dtype: Dtype,
+        precision: PrecisionLike,
+        kernel_init: Initializer,
+        bias_init: Initializer,
+        dot_general: Callable[..., Any] | None,
+        dot_general_cls: Any,
+        promote_dtype: Callable[..., Any],
+        preferred_element_type: Dtype | None,
+        axis_name: str,
+        sequence_parallel: bool,
+        impl: str,
+        mesh: jax.sharding.Mesh | None,
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any],
+        bias_metadata: Mapping[str, Any],
+    ) -> None:
+        for name, sizes in (("in_features", in_features), ("out_features", out_features)):
+            for size in sizes:
+                _common.check_features(layer, name, size)
+        _common.check_common(layer, axis_name=axis_name, sequence_parallel=sequence_parallel,
+                             impl=impl, use_bias=use_bias, kernel_init=kernel_init,
+                             bias_init=bias_init, mesh=mesh)
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"{layer}: rngs={rngs!r} must be an nnx.Rngs.")
+        n = _common.known_tp_size(axis_name, mesh)
+        if n is not None:  # fail at construction when the mesh is already known
+            if self._kind == COLUMN:
+                _common.divide(layer, "out_features", out_features[0], n, axis_name)
+            else:
+                _common.divide(layer, "in_features", in_features[0], n, axis_name)
+        n_in = len(in_features)
+        tp_kernel = n_in if self._kind == COLUMN else 0
+        self.kernel = _param(layer, self._kind, "kernel", kernel_init, rngs.params(),
+                             in_features + out_features, n_in, tp_kernel, param_dtype,
+                             kernel_metadata, axis_name, mesh, n is not None)
+        self.bias: nnx.Param | None
+        if use_bias:
+            self.bias = _param(layer, self._kind, "bias", bias_init, rngs.params(), out_features,
+                               0, 0 if self._kind == COLUMN else None, param_dtype,
+                               bias_metadata, axis_name, mesh, n is not None)
+        else:
+            self.bias = nnx.data(None)
+        self.axis = axis
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.dot_general = dot_general
+        self.dot_general_cls = dot_general_cls
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel
+        self.impl = impl
+        self.mesh = mesh
+
+    def _local_shapes(self, layer: str, in_f: tuple[int, ...], out_f: tuple[int, ...]):
+        """(in, out) feature shapes of the kernel this call sees: local shards inside shard_map."""
+        n = _common.tp_size_if_bound(self.axis_name)
+        if n is None:
+            return in_f, out_f, None
+        if self._kind == COLUMN:
+            out_f = (_common.divide(layer, "out_features", out_f[0], n, self.axis_name),
+                     *out_f[1:])
+        else:
+            in_f = (_common.divide(layer, "in_features", in_f[0], n, self.axis_name), *in_f[1:])
+        return in_f, out_f, n
+
+    def _apply(self, inputs: jax.Array, in_f: tuple[int, ...], out_f: tuple[int, ...],
+               out_sharding: Any) -> jax.Array:
+        layer = type(self).__name__
+        n_contract = len(in_f)
+        _common.check_input(layer, inputs, n_contract + 1)
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        local_in, local_out, n = self._local_shapes(layer, in_f, out_f)
+        if n is not None and tuple(kernel.shape) != local_in + local_out:
+            raise ValueError(
+                f"{layer}: inside shard_map over {self.axis_name!r} the kernel must be the "
+                f"local shard of shape {local_in + local_out}, got {tuple(kernel.shape)}. Pass "
+                "the state with in_specs=nnx.get_partition_spec(state).")
+        got = tuple(inputs.shape[inputs.ndim - n_contract:])
+        if got != local_in:
+            what = f"inputs.shape[-1]={got[-1]}" if n_contract == 1 else \
+                f"inputs.shape[-{n_contract}:]={got}"
+            raise ValueError(
+                f"{layer}: {what} but the layer expects {local_in if n_contract > 1 else in_f[0]}"
+                f" input features (in_features={in_f if n_contract > 1 else in_f[0]}"
+                + (f", split over {n} ranks" if n is not None and local_in != in_f else "")
+                + ").")
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        return _common.general_forward(self._matmul(layer, inputs.dtype), inputs, kernel, bias,
+                                       n_contract, out_sharding=out_sharding)
+
+    def _matmul(self, layer: str, compute_dtype) -> _common.Matmul:
+        kwargs: dict[str, Any] = {"out_sharding": None}
+        reason = None
+        if self.preferred_element_type is not None:
+            kwargs["preferred_element_type"] = self.preferred_element_type
+            if jnp.dtype(self.preferred_element_type) != jnp.dtype(compute_dtype):
+                reason = f"preferred_element_type={jnp.dtype(self.preferred_element_type).name}"
+        if self.dot_general_cls is not None:
+            dot = _common.choose_dot_general(layer, self.dot_general_cls(),
+                                             "dot_general_cls was given")
+        else:
+            dot = _common.choose_dot_general(layer, self.dot_general, reason)
+        return _common.Matmul(layer=layer, kind=self._kind, axis_name=self.axis_name,
+                              sequence_parallel=self.sequence_parallel, impl=self.impl,
+                              precision=self.precision, mesh=self.mesh, dot_general=dot,
+                              dot_general_kwargs=kwargs if dot is not None else {})
+
+
+class _Linear(_ParallelLinear):
+    """``nnx.Linear``'s signature over the general form."""
 
     def __init__(
         self,
@@ -55,117 +273,107 @@ class _ParallelLinear(nnx.Module):
         precision: PrecisionLike = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
+        dot_general: Callable[..., Any] = lax.dot_general,
         promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        preferred_element_type: Dtype | None = None,
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         axis_name: str = "tp",
         sequence_parallel: bool = True,
         impl: str = "auto",
         mesh: jax.sharding.Mesh | None = None,
-        rngs: nnx.Rngs,
-        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         layer = type(self).__name__
         _common.check_features(layer, "in_features", in_features)
         _common.check_features(layer, "out_features", out_features)
-        _common.check_common(layer, axis_name=axis_name, sequence_parallel=sequence_parallel,
-                             impl=impl, use_bias=use_bias, kernel_init=kernel_init,
-                             bias_init=bias_init, mesh=mesh)
-        if not isinstance(rngs, nnx.Rngs):
-            raise TypeError(f"{layer}: rngs={rngs!r} must be an nnx.Rngs.")
-        n = _common.known_tp_size(axis_name, mesh)
-        known = n is not None
-        if known:  # fail at construction when the mesh is already known
-            if self._kind == COLUMN:
-                _common.divide(layer, "out_features", out_features, n, axis_name)
-            else:
-                _common.divide(layer, "in_features", in_features, n, axis_name)
-
-        def metadata(param: str, user: Mapping[str, Any]) -> dict[str, Any]:
-            names = _common.partition_names(self._kind, axis_name, param)
-            given = dict(user)
-            for key in ("out_sharding", "sharding_names", "sharding"):
-                if key in given and tuple(given[key]) != (names or ()):
-                    raise ValueError(
-                        f"{layer}: {param}_metadata[{key!r}]={given[key]!r} disagrees with the "
-                        f"layout a {self._kind}-parallel layer over {axis_name!r} needs: {names}."
-                    )
-                given.pop(key, None)
-            if names is None:
-                return given
-            given["out_sharding"] = names
-            if mesh is not None:
-                given["mesh"] = mesh
-            # Eager placement needs a mesh with the axis, outside shard_map.
-            if not known or _common.tp_size_if_bound(axis_name) is not None:
-                given["eager_sharding"] = False
-            return given
-
-        self.kernel = nnx.Param(
-            kernel_init(rngs.params(), (in_features, out_features), param_dtype),
-            **metadata("kernel", kernel_metadata),
-        )
-        self.bias: nnx.Param | None
-        if use_bias:
-            self.bias = nnx.Param(
-                bias_init(rngs.params(), (out_features,), param_dtype),
-                **metadata("bias", bias_metadata),
-            )
-        else:
-            self.bias = nnx.data(None)
+        self._build(layer, (in_features,), (out_features,), axis=-1, use_bias=use_bias,
+                    dtype=dtype, param_dtype=param_dtype, precision=precision,
+                    kernel_init=kernel_init, bias_init=bias_init, dot_general=dot_general,
+                    dot_general_cls=None, promote_dtype=promote_dtype,
+                    preferred_element_type=preferred_element_type, axis_name=axis_name,
+                    sequence_parallel=sequence_parallel, impl=impl, mesh=mesh, rngs=rngs,
+                    kernel_metadata=kernel_metadata, bias_metadata=bias_metadata)
         self.in_features = in_features
         self.out_features = out_features
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.promote_dtype = promote_dtype
-        self.axis_name = axis_name
-        self.sequence_parallel = sequence_parallel
-        self.impl = impl
-        self.mesh = mesh
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Applies the layer to ``inputs``.
 
         Args:
           inputs: ``[..., S, in_features]`` (global, or the local shard inside
             ``shard_map``; the sequence dim is the second to last).
+          out_sharding: the output's sharding (a ``PartitionSpec`` on the mesh,
+            or a ``Sharding``), as ``nnx.Linear`` takes it; None keeps the
+            layer's layout.
 
         Returns:
           ``[..., S, out_features]``, laid out as the class docstring says.
         """
+        return self._apply(inputs, (self.in_features,), (self.out_features,), out_sharding)
+
+
+class _LinearGeneral(_ParallelLinear):
+    """``nnx.LinearGeneral``'s signature over the general form."""
+
+    def __init__(
+        self,
+        in_features: int | Sequence[int],
+        out_features: int | Sequence[int],
+        *,
+        axis: int | Sequence[int] = -1,
+        batch_axis: Mapping[int, int] = FrozenDict({}),
+        use_bias: bool = True,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        precision: PrecisionLike = None,
+        promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        dot_general: Callable[..., Any] | None = None,
+        dot_general_cls: Any = None,
+        preferred_element_type: Dtype | None = None,
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        axis_name: str = "tp",
+        sequence_parallel: bool = True,
+        impl: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
+    ):
         layer = type(self).__name__
-        _common.check_input(layer, inputs)
-        kernel = self.kernel[...]
-        bias = self.bias[...] if self.bias is not None else None
-        n = _common.tp_size_if_bound(self.axis_name)
-        in_f, out_f = self.in_features, self.out_features
-        if n is not None:  # inside shard_map the state holds local shards
-            if self._kind == COLUMN:
-                out_f = _common.divide(layer, "out_features", out_f, n, self.axis_name)
-            else:
-                in_f = _common.divide(layer, "in_features", in_f, n, self.axis_name)
-            if tuple(kernel.shape) != (in_f, out_f):
-                raise ValueError(
-                    f"{layer}: inside shard_map over {self.axis_name!r} the kernel must be the "
-                    f"local shard of shape {(in_f, out_f)}, got {tuple(kernel.shape)}. Pass the "
-                    "state with in_specs=nnx.get_partition_spec(state)."
-                )
-        if inputs.shape[-1] != in_f:
-            raise ValueError(
-                f"{layer}: inputs.shape[-1]={inputs.shape[-1]} but the layer expects {in_f} "
-                f"input features (in_features={self.in_features}"
-                + (f", split over {n} ranks" if n is not None and in_f != self.in_features
-                   else "") + ")."
-            )
-        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        return _common.forward(layer, self._kind, inputs, kernel, bias,
-                               axis_name=self.axis_name,
-                               sequence_parallel=self.sequence_parallel, impl=self.impl,
-                               precision=self.precision, mesh=self.mesh)
+        in_f, out_f, axes = _tuple(in_features), _tuple(out_features), _tuple(axis)
+        if batch_axis:
+            raise ValueError(f"{layer}: batch_axis={dict(batch_axis)!r} is not supported (the "
+                             "tensor-parallel layers contract the trailing dims of a "
+                             "batch-first input); leave it empty.")
+        if len(axes) != len(in_f):
+            raise ValueError(f"{layer}: in_features={in_f} and axis={axes} must have the same "
+                             "length.")
+        if any(a >= 0 for a in axes) or sorted(axes) != list(range(-len(axes), 0)):
+            raise ValueError(f"{layer}: axis={axis!r} must name the trailing dims of the "
+                             "inputs as negative indices (e.g. -1 or (-2, -1)); the dim before "
+                             "them is the sequence dim.")
+        self._build(layer, in_f, out_f, axis=axes, use_bias=use_bias, dtype=dtype,
+                    param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
+                    bias_init=bias_init, dot_general=dot_general,
+                    dot_general_cls=dot_general_cls, promote_dtype=promote_dtype,
+                    preferred_element_type=preferred_element_type, axis_name=axis_name,
+                    sequence_parallel=sequence_parallel, impl=impl, mesh=mesh, rngs=rngs,
+                    kernel_metadata=kernel_metadata, bias_metadata=bias_metadata)
+        self.in_features = in_f
+        self.out_features = out_f
+        self.batch_axis = FrozenDict(batch_axis)
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """Applies the layer: ``[..., S, *in_features]`` -> ``[..., S, *out_features]``.
+
+        ``out_sharding`` as in :class:`ColumnParallelLinear`.
+        """
+        return self._apply(inputs, self.in_features, self.out_features, out_sharding)
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(_Linear):
     """An ``nnx.Linear`` whose output features are split over ``axis_name``.
 
     With ``sequence_parallel=True``: ``[..., S, H]`` sharded on S -> all-gather
@@ -196,10 +404,16 @@ class ColumnParallelLinear(_ParallelLinear):
       param_dtype: the dtype passed to parameter initializers (default: float32).
       precision: numerical precision of the computation, see ``jax.lax.Precision``
         (for the fused ops it is applied as ``jax.default_matmul_precision``).
-      kernel_init: initializer function for the weight matrix.
+      kernel_init: initializer function for the weight matrix (one from
+        ``nnx.with_partitioning`` keeps its sharding names).
       bias_init: initializer function for the bias.
+      dot_general: a custom ``dot_general`` (Flax's FP8 ops, quantisation); the
+        layer then runs the unfused computation with it, and says so once.
       promote_dtype: function to promote the dtype of the arrays to the desired
         dtype; takes a tuple ``(inputs, kernel, bias)`` and a ``dtype`` keyword.
+      preferred_element_type: the dot's accumulation and output dtype; one other
+        than the computation's dtype runs unfused (the fused ops accumulate in
+        float32 and return the inputs' dtype).
       axis_name: the tensor-parallel mesh axis (default: "tp").
       sequence_parallel: inputs sharded on the sequence dim (all-gather + GEMM)
         if True, replicated (Megatron f) if False (default: True).
@@ -207,14 +421,15 @@ class ColumnParallelLinear(_ParallelLinear):
       mesh: the mesh for global arrays and for placing the params; None takes
         the ``jax.set_mesh`` mesh or the inputs' sharding (default: None).
       rngs: rng key.
-      kernel_metadata: extra metadata for the kernel ``nnx.Param``.
+      kernel_metadata: extra metadata for the kernel ``nnx.Param``; an
+        ``out_sharding`` there is kept as written (see the module docstring).
       bias_metadata: extra metadata for the bias ``nnx.Param``.
     """
 
     _kind = COLUMN
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(_Linear):
     """An ``nnx.Linear`` whose input features are split over ``axis_name``.
 
     With ``sequence_parallel=True``: ``[..., S, F]`` sharded on F -> GEMM
@@ -241,10 +456,44 @@ class RowParallelLinear(_ParallelLinear):
         of ``axis_name``).
       out_features: the number of output features.
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
-      promote_dtype, axis_name, impl, mesh, rngs, kernel_metadata, bias_metadata:
-        as in ``ColumnParallelLinear``.
+      dot_general, promote_dtype, preferred_element_type, axis_name, impl, mesh,
+      rngs, kernel_metadata, bias_metadata: as in ``ColumnParallelLinear``.
       sequence_parallel: output sharded on the sequence dim (GEMM +
         reduce-scatter) if True, replicated (Megatron g) if False (default: True).
+    """
+
+    _kind = ROW
+
+
+class ColumnParallelLinearGeneral(_LinearGeneral):
+    """An ``nnx.LinearGeneral`` whose first output feature dim is split over ``axis_name``.
+
+    ``out_features=(heads, head_dim)`` gives the attention projections: kernel
+    ``[*in_features, heads, head_dim]`` split on ``heads``. ``axis`` names the
+    trailing input dims contracted (negative indices; default -1); the dim
+    before them is the sequence dim. ``batch_axis`` must be empty. Otherwise as
+    :class:`ColumnParallelLinear` (``dot_general_cls`` as in ``nnx.LinearGeneral``).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxoverlap.flax.nnx import ColumnParallelLinearGeneral
+      >>> mesh = jax.make_mesh((4,), ("tp",))
+      >>> q = ColumnParallelLinearGeneral(16, (8, 2), mesh=mesh, rngs=nnx.Rngs(0))
+      >>> q.kernel.shape, nnx.jit(lambda m, x: m(x))(q, jnp.ones((2, 8, 16))).shape
+      ((16, 8, 2), (2, 8, 8, 2))
+    """
+
+    _kind = COLUMN
+
+
+class RowParallelLinearGeneral(_LinearGeneral):
+    """An ``nnx.LinearGeneral`` whose first contracted input dim is split over ``axis_name``.
+
+    ``in_features=(heads, head_dim), axis=(-2, -1)`` on ``[..., S, heads,
+    head_dim]`` inputs split on ``heads`` gives the attention output projection.
+    Otherwise as :class:`RowParallelLinear`.
     """
 
     _kind = ROW
@@ -277,8 +526,9 @@ class ParallelMLP(nnx.Module):
       out_features: the output width (default: None, ``in_features``).
       activation: applied between the two layers (default: ``nnx.gelu``).
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
-      promote_dtype, axis_name, sequence_parallel, impl, mesh, rngs: as in
-        ``ColumnParallelLinear``, for both layers.
+      promote_dtype, dot_general, preferred_element_type, axis_name,
+      sequence_parallel, impl, mesh, rngs: as in ``ColumnParallelLinear``, for
+        both layers.
     """
 
     def __init__(
@@ -295,6 +545,8 @@ class ParallelMLP(nnx.Module):
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        dot_general: Callable[..., Any] = lax.dot_general,
+        preferred_element_type: Dtype | None = None,
         axis_name: str = "tp",
         sequence_parallel: bool = True,
         impl: str = "auto",
@@ -307,6 +559,7 @@ class ParallelMLP(nnx.Module):
         shared: dict[str, Any] = dict(
             use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
             kernel_init=kernel_init, bias_init=bias_init, promote_dtype=promote_dtype,
+            dot_general=dot_general, preferred_element_type=preferred_element_type,
             axis_name=axis_name, sequence_parallel=sequence_parallel, impl=impl, mesh=mesh,
             rngs=rngs,
         )
@@ -324,3 +577,273 @@ class ParallelMLP(nnx.Module):
           ``[..., S, out_features]``, laid out as for ``RowParallelLinear``.
         """
         return self.down(self.activation(self.up(inputs)))
+
+
+class ParallelMultiHeadAttention(nnx.Module):
+    """An ``nnx.MultiHeadAttention`` whose heads are split over ``axis_name``.
+
+    Same arguments (then ``axis_name``, ``sequence_parallel``, ``impl``,
+    ``mesh``), same call, same attributes and parameters (``query``, ``key``,
+    ``value``: ``ColumnParallelLinearGeneral`` with kernels ``[in, heads,
+    head_dim]``; ``out``: ``RowParallelLinearGeneral``; ``query_ln``,
+    ``key_ln``) with their global shapes and initial values. Each device holds
+    ``num_heads / N`` query heads and ``num_kv_heads / N`` key/value heads.
+
+    The projections of one input are one column-parallel multiply
+    (self-attention: one ``ag_matmul`` for query, key and value), the output
+    projection is row-parallel (``matmul_rs``); with ``sequence_parallel=False``
+    Megatron's f/g. ``attention_fn`` runs per head; masks and dropout as in
+    ``nnx.MultiHeadAttention``. A ``qkv_dot_general`` (or ``_cls``) runs the
+    projections unfused. ``decode`` (the autoregressive cache) is not supported.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxoverlap.flax.nnx import ParallelMultiHeadAttention
+      >>> mesh = jax.make_mesh((4,), ("tp",))
+      >>> attn = ParallelMultiHeadAttention(8, 16, decode=False, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> attn.query.kernel.shape
+      (16, 8, 2)
+      >>> nnx.jit(lambda m, x: m(x))(attn, jnp.ones((2, 8, 16))).shape
+      (2, 8, 16)
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        num_kv_heads: int | None = None,
+        in_kv_features: int | None = None,
+        *,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        broadcast_dropout: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: bool | None = None,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        out_kernel_init: Initializer | None = None,
+        bias_init: Initializer = default_bias_init,
+        out_bias_init: Initializer | None = None,
+        use_bias: bool = True,
+        attention_fn: Callable[..., jax.Array] = nnx.dot_product_attention,
+        decode: bool | None = None,
+        normalize_qk: bool = False,
+        qkv_promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        out_promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        ln_promote_dtype: Callable[..., Any] = nnx_dtypes.promote_dtype,
+        qkv_dot_general: Callable[..., Any] | None = None,
+        out_dot_general: Callable[..., Any] | None = None,
+        qkv_dot_general_cls: Any = None,
+        out_dot_general_cls: Any = None,
+        rngs: nnx.Rngs,
+        keep_rngs: bool = True,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        axis_name: str = "tp",
+        sequence_parallel: bool = True,
+        impl: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        layer = type(self).__name__
+        _common.check_features(layer, "num_heads", num_heads)
+        self.num_heads = num_heads
+        self.in_features = in_features
+        self.qkv_features = qkv_features if qkv_features is not None else in_features
+        self.out_features = out_features if out_features is not None else in_features
+        self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{layer}: num_heads={num_heads} must be divisible by "
+                             f"num_kv_heads={self.num_kv_heads}.")
+        if self.qkv_features % self.num_heads:
+            raise ValueError(f"{layer}: qkv_features={self.qkv_features} must be divisible by "
+                             f"num_heads={num_heads}.")
+        self.head_dim = self.qkv_features // self.num_heads
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.broadcast_dropout = broadcast_dropout
+        self.dropout_rate = dropout_rate
+        self.deterministic = deterministic
+        self.precision = precision
+        self.use_bias = use_bias
+        self.attention_fn = attention_fn
+        self.decode = decode
+        self.normalize_qk = normalize_qk
+        self.qkv_promote_dtype = qkv_promote_dtype
+        self.out_promote_dtype = out_promote_dtype
+        self.ln_promote_dtype = ln_promote_dtype
+        self.qkv_dot_general = qkv_dot_general
+        self.out_dot_general = out_dot_general
+        self.qkv_dot_general_cls = qkv_dot_general_cls
+        self.out_dot_general_cls = out_dot_general_cls
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel
+        self.impl = impl
+        self.mesh = mesh
+        parallel = dict(axis_name=axis_name, sequence_parallel=sequence_parallel, impl=impl,
+                        mesh=mesh)
+        n = _common.known_tp_size(axis_name, mesh)
+        if n is not None:
+            for name, heads in (("num_heads", num_heads), ("num_kv_heads", self.num_kv_heads)):
+                _common.divide(layer, name, heads, n, axis_name)
+
+        def projection(in_f: int, heads: int) -> ColumnParallelLinearGeneral:
+            return ColumnParallelLinearGeneral(
+                in_f, (heads, self.head_dim), dtype=dtype, param_dtype=param_dtype,
+                kernel_init=kernel_init, bias_init=bias_init, use_bias=use_bias,
+                precision=precision, promote_dtype=qkv_promote_dtype,
+                dot_general=qkv_dot_general, dot_general_cls=qkv_dot_general_cls,
+                kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, rngs=rngs,
+                **parallel)
+
+        self.query = projection(in_features, num_heads)
+        self.key = projection(self.in_kv_features, self.num_kv_heads)
+        self.value = projection(self.in_kv_features, self.num_kv_heads)
+        self.query_ln: nnx.LayerNorm | None
+        self.key_ln: nnx.LayerNorm | None
+        if normalize_qk:
+            self.query_ln = nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype,
+                                          param_dtype=param_dtype, promote_dtype=ln_promote_dtype,
+                                          rngs=rngs, scale_metadata=query_ln_scale_metadata)
+            self.key_ln = nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype,
+                                        param_dtype=param_dtype, promote_dtype=ln_promote_dtype,
+                                        rngs=rngs, scale_metadata=key_ln_scale_metadata)
+        else:
+            self.query_ln = nnx.data(None)
+            self.key_ln = nnx.data(None)
+        self.out = RowParallelLinearGeneral(
+            (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+            kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+            use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
+            promote_dtype=out_promote_dtype, dot_general=out_dot_general,
+            dot_general_cls=out_dot_general_cls, rngs=rngs,
+            kernel_metadata=out_kernel_metadata or kernel_metadata,
+            bias_metadata=out_bias_metadata or bias_metadata, **parallel)
+        self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
+
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | nnx.RngStream | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
+        is_causal: bool = False,
+        out_sharding: Any = None,
+        qkv_sharding: Any = None,
+        input_positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Applies multi-head dot-product attention, as ``nnx.MultiHeadAttention``.
+
+        Args:
+          inputs_q: ``[batch..., length, in_features]`` queries (global, or the
+            local shard inside ``shard_map``; sharded on length with sequence
+            parallelism).
+          inputs_k, inputs_v: keys and values (default: ``inputs_q``).
+          mask: ``[batch..., num_heads or 1, q_length, kv_length]``; False masks out.
+          deterministic, rngs, sow_weights, is_causal, input_positions: as in
+            ``nnx.MultiHeadAttention`` (``input_positions`` goes to ``attention_fn``).
+          decode: must be False or None (the cache is not supported).
+          out_sharding, qkv_sharding: the output's and the projections' sharding.
+
+        Returns:
+          ``[batch..., length, out_features]``, laid out as ``RowParallelLinear``'s output.
+        """
+        layer = type(self).__name__
+        if decode or (decode is None and self.decode):
+            raise ValueError(f"{layer}: decode=True (the autoregressive cache) is not "
+                             "supported; decode with nnx.MultiHeadAttention on the same state.")
+        if rngs is None:
+            rngs = self.rngs
+        elif isinstance(rngs, nnx.Rngs):
+            rngs = rngs.dropout
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError(f"{layer}: inputs_k cannot be None if inputs_v is not None.")
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(f"{layer}: inputs_q.shape[-1]={inputs_q.shape[-1]} but the module "
+                             f"expects in_features={self.in_features}.")
+        projections = (self.query, self.key, self.value)
+        inputs = (inputs_q, inputs_k, inputs_v)
+        if self.qkv_dot_general is not None or self.qkv_dot_general_cls is not None:
+            query, key, value = (p(x, out_sharding=qkv_sharding)
+                                 for p, x in zip(projections, inputs, strict=True))
+        else:
+            query, key, value = self._fused_qkv(layer, projections, inputs, qkv_sharding)
+        if self.normalize_qk:
+            query = self.query_ln(query)
+            key = self.key_ln(key)
+        if self.dropout_rate > 0.0:
+            deterministic = deterministic if deterministic is not None else self.deterministic
+            if deterministic is None:
+                raise ValueError(f"{layer}: no `deterministic` argument was given as a call "
+                                 "argument or at construction.")
+            if not deterministic:
+                if rngs is None:
+                    raise ValueError(f"{layer}: 'rngs' must be given to __call__ when the "
+                                     "module is built with keep_rngs=False.")
+                dropout_rng = rngs()
+                if _common.tp_size_if_bound(self.axis_name) is not None:
+                    # On local shards each device holds other heads: give them other bits.
+                    dropout_rng = jax.random.fold_in(dropout_rng,
+                                                     lax.axis_index(self.axis_name))
+            else:
+                dropout_rng = None
+        else:
+            deterministic, dropout_rng = True, None
+        attn_kwargs: dict[str, Any] = {}
+        if input_positions is not None:
+            attn_kwargs["input_positions"] = input_positions
+        x = self.attention_fn(
+            query, key, value, mask=mask, dropout_rng=dropout_rng,
+            dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+            deterministic=deterministic, dtype=self.dtype, precision=self.precision,
+            module=self if sow_weights else None, is_causal=is_causal, **attn_kwargs)
+        return self.out(x, out_sharding=out_sharding)
+
+    def _fused_qkv(self, layer: str, projections: tuple, inputs: tuple, qkv_sharding: Any):
+        """The three projections, one multiply per distinct input (self-attention: one)."""
+        groups: list[tuple[Any, list[int]]] = []
+        for i, x in enumerate(inputs):
+            for group_x, members in groups:
+                if group_x is x:
+                    members.append(i)
+                    break
+            else:
+                groups.append((x, [i]))
+        out: dict[int, jax.Array] = {}
+        for x, members in groups:
+            kernels, biases = [], []
+            for i in members:
+                p = projections[i]
+                _common.check_input(layer, x)
+                kernel = p.kernel[...]
+                if x.shape[-1] != kernel.shape[0]:
+                    raise ValueError(
+                        f"{layer}: {('inputs_q', 'inputs_k', 'inputs_v')[i]}.shape[-1]="
+                        f"{x.shape[-1]} but the {('query', 'key', 'value')[i]} projection "
+                        f"expects {kernel.shape[0]} features.")
+                bias = p.bias[...] if p.bias is not None else None
+                x, kernel, bias = self.qkv_promote_dtype((x, kernel, bias), dtype=self.dtype)
+                kernels.append(kernel)
+                biases.append(bias)
+            m = projections[members[0]]._matmul(layer, x.dtype)
+            ys = _common.fused_columns(m, x, kernels, biases)
+            for i, y in zip(members, ys, strict=True):
+                out[i] = _common.constrain_output(m, y, qkv_sharding, x)
+        return out[0], out[1], out[2]

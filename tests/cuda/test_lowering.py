@@ -4,6 +4,11 @@ JAX can lower for a platform it does not have (``lowering_platforms=("cuda",)``)
 primitive's lowering rule then emits the CUDA custom calls. With the capability table
 injected, the HLO must carry the rank table and the attributes the handler binds (names and
 element types), and no ``coords`` operand.
+
+The global-array calls use Explicit mesh axes: their per-device code is then a
+``shard_map`` traced while lowering. Under Auto axes it is traced when XLA
+partitions the program (``_partition``), i.e. while compiling, which needs the
+platform itself.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ def _lower(fn, *args) -> str:
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
 def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
     devices = np.array(jax.devices()[:8]).reshape(2, 4)[:, ::-1]  # dp=2, tp=4, reversed tp
-    mesh = Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    mesh = Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Explicit))
     x = jax.device_put(jnp.ones((8, 16, 32), jnp.bfloat16), NamedSharding(mesh, P("dp", "tp")))
     w = jax.device_put(jnp.ones((32, 24), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
     text = _lower(lambda a, b: jo.ag_matmul(a, b, "tp", axis=1, impl="native",
@@ -56,7 +61,7 @@ def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
 
 
 def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Explicit,))
     x = jax.device_put(jnp.ones((16, 32), jnp.float32), NamedSharding(mesh, P(None, "tp")))
     w = jax.device_put(jnp.ones((32, 8), jnp.float32), NamedSharding(mesh, P("tp", None)))
 
@@ -70,7 +75,7 @@ def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
 
 def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch, cuda):
     monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8, multicast=False))
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Explicit,))
     x = jnp.ones((16, 32), jnp.float32)
     w = jnp.ones((32, 8), jnp.float32)
     with pytest.raises(ValueError, match="Fabric Manager"):

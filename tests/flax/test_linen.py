@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap import _megatron
 from jaxoverlap.flax import _common
 from jaxoverlap.flax.linen import ColumnParallelDense, ParallelMLP, RowParallelDense
 
@@ -193,16 +194,21 @@ def test_check_fails_on_a_transposed_kernel():
         assert_equivalent(got, reference(flipped, x, target, features=H))
 
 
-def test_check_fails_without_the_forward_reduction(monkeypatch):
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_check_fails_without_the_forward_reduction(monkeypatch, mesh_name):
     # Megatron g (GEMM + all-reduce) keeping one rank's partial product instead of the sum
     # (types still valid).
-    def broken_g(x, kernel, axis_name, impl):
+    real = _common.ops.matmul_ar
+
+    def broken_g(x, kernel, axis_name, impl="auto", mesh=None, **kw):
+        if mesh is not None:  # global arrays: the per-device op comes back here
+            return real(x, kernel, axis_name, impl=impl, mesh=mesh, **kw)
         y = x @ kernel
         return lax.psum(jnp.where(lax.axis_index(axis_name) == 0, y, jnp.zeros_like(y)),
                         axis_name)
 
     monkeypatch.setattr(_common.ops, "matmul_ar", broken_g)
-    mesh = make_mesh("tp4_auto")
+    mesh = make_mesh(mesh_name)
     params, x, target = setup()
     model = ParallelMLP(F, sequence_parallel=False, mesh=mesh, impl="xla")
     got = value_and_grads(model.apply, params, x, target)
@@ -221,8 +227,10 @@ def test_check_fails_without_the_backward_psum(monkeypatch):
         return (lax.psum(jnp.where(lax.axis_index("tp") == 0, ct, jnp.zeros_like(ct)), "tp"),)
 
     broken_f.defvjp(lambda x: (broken_f(x), None), bwd)
-    monkeypatch.setattr(_common, "copy_to_tp", lambda x, axis_name, typed: broken_f(x))
-    mesh = make_mesh("tp4_auto")
+    monkeypatch.setattr(_megatron, "copy_to_tp", lambda x, axis_name, typed: broken_f(x))
+    # Explicit axes: the layer runs in a shard_map, where f's backward is copy_to_tp's
+    # transpose (under Auto axes it is the g primitive, covered by the test above).
+    mesh = make_mesh("dp2_tp4_explicit")
     params, x, target = setup()
     model = ParallelMLP(F, sequence_parallel=False, mesh=mesh, impl="xla")
     got = value_and_grads(model.apply, params, x, target)
@@ -245,8 +253,6 @@ def test_misuse_raises_naming_the_argument():
         ColumnParallelDense(F, mesh=mesh).init(jax.random.key(0), rand(0, (B, 6, H)))
     with pytest.raises(ValueError, match="axis_name='model'"):
         ColumnParallelDense(F, axis_name="model", mesh=mesh).init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match="no mesh is known"):
-        ColumnParallelDense(F).init(jax.random.key(0), x)
     with pytest.raises(TypeError, match="sequence_parallel"):
         ColumnParallelDense(F, sequence_parallel="yes", mesh=mesh).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="impl='fast'"):

@@ -1,0 +1,252 @@
+"""Global arrays under ``Auto`` mesh axes: the ops as primitives that take part in propagation.
+
+Under Auto axes a jitted program's shardings are decided by XLA's sharding
+propagation (Shardy) after tracing, so an op cannot read them from its inputs'
+types: a ``shard_map`` placed at trace time would have to guess the mesh axes
+of the batch, and guessing "replicated" makes every data-parallel group compute
+the whole batch. Here each op is a ``jax.experimental.custom_partitioning``
+primitive instead, the mechanism JAX provides for fused ops (TransformerEngine
+uses it the same way, see github.com/NVIDIA/TransformerEngine,
+``transformer_engine/jax/cpp_extensions``):
+
+* a Shardy sharding rule ties each pass-through dim of x (the batch dims) to the
+  same dim of the outputs, and the tensor-parallel dims of x, w and y to each
+  other, so a data or FSDP axis on the batch flows through the op;
+* the partition callback receives the shardings propagation chose and the
+  concrete mesh, keeps the other mesh axes x carries on its pass-through dims,
+  asks for the layout of ``_spmd.layouts`` (a kernel sharded on its other dim,
+  FSDP, is gathered for the call) and returns the per-device function: the op
+  on local shards, the very code that runs inside ``shard_map``;
+* autodiff is a ``custom_vjp`` over the primitives: AG+GEMM's backward is a
+  GEMM+RS primitive and vice versa (f and g likewise). The weight gradient is a
+  primitive of its own that reduces over the batch's mesh axes: a
+  reduce-scatter onto the kernel's own layout for the axes that also shard the
+  kernel (FSDP), an all-reduce for the others (data parallel).
+
+Settings read at trace time (``jo.config``, ``jax.default_matmul_precision``)
+travel in the static :class:`~jaxoverlap._spmd.Call` to the partition
+callback, which runs when XLA compiles the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxoverlap import _spmd
+from jaxoverlap._config import config
+from jaxoverlap._spmd import AG, RS, Call, free_dims, layouts
+
+# ---------------------------------------------------------------- layouts and rules
+
+
+def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
+    """x's and the outputs' layouts with the pass-through dims left to propagation."""
+    u = P.UNCONSTRAINED
+    x_spec, _, out_specs = layouts(call, (None,) * call.ndim)
+    free = free_dims(call)
+
+    def reopen(spec: P) -> P:
+        return P(*[e if d in free else u for d, e in enumerate(spec)])
+
+    return reopen(x_spec), tuple(reopen(s) for s in out_specs)
+
+
+def _factors(call: Call, row: str, last: str) -> str:
+    """One factor per dim of x: ``b<d>`` for the pass-through dims."""
+    return " ".join(row if d == call.axis else (last if d == call.ndim - 1 else f"b{d}")
+                    for d in range(call.ndim))
+
+
+def sharding_rule(call: Call, mesh, value_types, result_types) -> str:
+    """The Shardy rule: pass-through dims shared by x and the outputs; tp dims tied together.
+
+    The row dims and the contraction dims that are not split over
+    ``axis_name`` get factors of their own, so propagation carries nothing
+    across them (an FSDP axis on a kernel's other dim must not leak onto the
+    activations).
+    """
+    del mesh, value_types, result_types
+    if call.kind == AG:      # y's columns are w's (split over tp); the gathered x is free
+        return (f"{_factors(call, 'r', 'k')}, q n -> {_factors(call, 's', 'n')}, "
+                f"{_factors(call, 't', 'c')}")
+    if call.kind == RS:      # x's features are w's rows (split over tp)
+        return f"{_factors(call, 'r', 'f')}, f m -> {_factors(call, 's', 'n')}"
+    if call.kind == _spmd.F:
+        return f"{_factors(call, '', 'k')}, q n -> {_factors(call, '', 'n')}"
+    return f"{_factors(call, '', 'f')}, f m -> {_factors(call, '', 'n')}"
+
+
+def _grad_rule(call: Call, mesh, value_types, result_types) -> str:
+    """Weight gradient ``(a, b, w) -> dw``: a and b share their leading dims, dw is w's."""
+    del mesh, value_types, result_types
+    lead = " ".join(f"b{d}" for d in range(call.ndim - 1))
+    return f"{lead} k, {lead} n, p q -> p q"
+
+
+# ---------------------------------------------------------------- per device
+
+
+@contextlib.contextmanager
+def _device_context(call: Call, mesh: Mesh) -> Iterator[None]:
+    """Where the per-device function is traced: every mesh axis manual, trace-time settings."""
+    manual = mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.sharding.use_abstract_mesh(manual))
+        if call.settings is not None:
+            s = call.settings
+            stack.enter_context(config(impl=s.impl, transport=s.transport, chunks=s.chunks,
+                                       bidirectional=s.bidirectional, timeout_s=s.timeout_s,
+                                       preset=s.preset))
+        if call.matmul_precision is not None:
+            stack.enter_context(jax.default_matmul_precision(call.matmul_precision))
+        yield
+
+
+def _matmul_f32(x, w, precision=None):
+    return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _body(call: Call, x, w):
+    """The op's meaning on global arrays: what fixes the output types, and XLA's fallback."""
+    y = _matmul_f32(x, w, call.precision)
+    return (y, x) if call.kind == AG else (y,)
+
+
+def _check_mesh(call: Call, mesh, sharding) -> None:
+    if not isinstance(sharding, NamedSharding) or call.axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"jaxoverlap {call.kind}: the compiled program's mesh {mesh} does not have axis "
+            f"{call.axis_name!r}; pass mesh= or use jax.set_mesh(mesh) around jit.")
+
+
+def _partition(call: Call, mesh, arg_shapes, result_shape):
+    del result_shape
+    _check_mesh(call, mesh, arg_shapes[0].sharding)
+    x_spec, w_spec, out_specs = layouts(call, tuple(arg_shapes[0].sharding.spec))
+
+    def lower(x, w):
+        with _device_context(call, mesh):
+            out = _spmd.local_op(call, want_gathered=True)(x, w)
+        return out if call.kind == AG else (out,)
+
+    named = functools.partial(NamedSharding, mesh)
+    return mesh, lower, tuple(map(named, out_specs)), (named(x_spec), named(w_spec))
+
+
+_primitive = custom_partitioning(_body, static_argnums=(0,))
+_primitive.def_partition(partition=_partition, sharding_rule=sharding_rule)
+
+
+def _grad_body(call: Call, a, b, w):
+    dims = tuple(range(a.ndim - 1))
+    dw = lax.dot_general(a, b, ((dims, dims), ((), ())), preferred_element_type=jnp.float32)
+    return dw.astype(w.dtype)
+
+
+def _axes(entry: Any) -> tuple[Any, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
+    """``aᵀ·b`` reduced over the batch's mesh axes, scattered onto w's own layout where it can.
+
+    The mesh axes on a's leading (contracted) dims are the batch's: each device
+    sums its share, then the partial sums are reduce-scattered over the axes
+    that also split w's other dim (FSDP: dw lands on the kernel's layout) and
+    all-reduced over the rest (data parallel).
+    """
+    del result_shape
+    a_shape, _, w_shape = arg_shapes
+    _check_mesh(call, mesh, a_shape.sharding)
+    tp = call.axis_name
+    column = call.kind in (AG, _spmd.F)            # dw [k, n] is split over tp on n, else on k
+    tp_dim, other = (1, 0) if column else (0, 1)
+    a_spec = tuple(a_shape.sharding.spec)
+    lead = [_spmd.without_axis(a_spec[d] if d < len(a_spec) else None, tp)
+            for d in range(call.ndim - 1)]
+    batch_axes = [axis for entry in lead for axis in _axes(entry)]
+    w_spec = tuple(w_shape.sharding.spec)
+    w_other = _axes(w_spec[other] if other < len(w_spec) else None)
+    scatter = w_other if w_other and set(w_other) <= set(batch_axes) else ()
+    reduce = tuple(a for a in batch_axes if a not in scatter)
+    dw_spec = [None, None]
+    dw_spec[tp_dim] = tp
+    dw_spec[other] = (scatter if len(scatter) > 1 else scatter[0]) if scatter else None
+
+    def lower(a, b, w):
+        del w                                       # an operand for its layout only
+        with _device_context(call, mesh):
+            dims = tuple(range(a.ndim - 1))
+            dw = lax.dot_general(a, b, ((dims, dims), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            if reduce:
+                dw = lax.psum(dw, reduce)
+            if scatter:
+                dw = lax.psum_scatter(dw, scatter, scatter_dimension=other, tiled=True)
+            return dw.astype(w_shape.dtype)
+
+    named = functools.partial(NamedSharding, mesh)
+    return (mesh, lower, named(P(*dw_spec)),
+            (named(P(*lead, None if column else tp)), named(P(*lead, tp if column else None)),
+             named(w_shape.sharding.spec)))
+
+
+_grad_primitive = custom_partitioning(_grad_body, static_argnums=(0,))
+_grad_primitive.def_partition(partition=_grad_partition, sharding_rule=_grad_rule)
+
+
+# ---------------------------------------------------------------- global entry + autodiff
+
+
+def _apply(call: Call, mesh, x, w):
+    """One primitive call, its input and outputs pinned to the tensor-parallel layout."""
+    x_open, out_open = open_layouts(call)
+    x = lax.with_sharding_constraint(x, NamedSharding(mesh, x_open))
+    outs = _primitive(call, x, w)
+    return tuple(lax.with_sharding_constraint(o, NamedSharding(mesh, s))
+                 for o, s in zip(outs, out_open, strict=True))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _call(call: Call, mesh, want_gathered: bool, x, w):
+    outs = _apply(call, mesh, x, w)
+    return outs if want_gathered else outs[0]
+
+
+def _call_fwd(call, mesh, want_gathered, x, w):
+    outs = _apply(call, mesh, x, w)
+    # The gathered x (AG+GEMM) is what the weight gradient needs; the others keep x.
+    return (outs if want_gathered else outs[0]), (outs[1] if call.kind == AG else x, w)
+
+
+def _call_bwd(call, mesh, want_gathered, res, ct):
+    x_full, w = res
+    dy, dgathered = ct if want_gathered else (ct, None)
+    if call.kind == RS:           # GEMM+RS's backward: all_gather(dY) @ Wᵀ, reusing gathered dY
+        dx, dy_full = _apply(call.transposed(), mesh, dy, w.T)
+        return dx, _grad_primitive(call, x_full, dy_full, w)
+    (dx, *_) = _apply(call.transposed(), mesh, dy, w.T)
+    if dgathered is not None:
+        dx = dx + dgathered
+    return dx, _grad_primitive(call, x_full, dy, w)
+
+
+_call.defvjp(_call_fwd, _call_bwd)
+
+
+def call(c: Call, mesh, x, w, *, want_gathered: bool = False):
+    """Runs ``c`` on global arrays ``x``, ``w`` over ``mesh`` (Auto axes), differentiably."""
+    return _call(c, mesh, want_gathered, x, w)

@@ -1,0 +1,222 @@
+"""The general layers and the tensor-parallel attention against Flax's own (linen and nnx).
+
+Same parameters (Flax initialises them; ours must have the same paths, shapes
+and initial values), same outputs, loss and gradients w.r.t. parameters and
+inputs, with masks and dropout, under Explicit and Auto meshes, with and
+without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax_helpers import assert_tree_close, make_mesh, place, rand, x_spec
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxoverlap.flax import linen as jl
+from jaxoverlap.flax import nnx as jn
+
+B, S, E, HEADS = 4, 8, 16, 8          # batch, sequence, width, heads (2 per tp rank)
+
+
+def _mesh_scope(mesh: Mesh, explicit: bool):
+    """Explicit meshes come from jax.set_mesh, Auto ones from the layers' mesh=."""
+    return jax.set_mesh(mesh) if explicit else contextlib.nullcontext()
+
+
+def _grads(apply, params, *inputs):
+    def loss(params, *inputs):
+        y = apply(params, *inputs)
+        return jnp.mean(y.astype(jnp.float32) ** 2), y
+
+    argnums = tuple(range(len(inputs) + 1))
+    (value, y), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
+        params, *inputs)
+    return y, value, grads
+
+
+# ---------------------------------------------------------------- linen
+
+
+@pytest.mark.parametrize("mesh_name", ["dp2_tp4_explicit", "tp4_auto"])
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
+    """Column (features=(heads, head_dim)) then row (axis=(-2, -1)), as an attention's
+    projections are, against the same nn.DenseGeneral pair."""
+    mesh = make_mesh(mesh_name)
+    explicit = mesh_name.endswith("explicit")
+
+    class Pair(nn.Module):
+        column: type
+        row: type
+        kw: dict
+
+        @nn.compact
+        def __call__(self, x):
+            h = self.column(features=(HEADS, 2), name="q", **self.kw)(x)
+            return self.row(features=E, axis=(-2, -1), name="o", **self.kw)(jnp.tanh(h))
+
+    x = rand(0, (B, S, E))
+    ref = Pair(nn.DenseGeneral, nn.DenseGeneral, {})
+    params = ref.init(jax.random.key(1), x)
+    ours = Pair(jl.ColumnParallelDenseGeneral, jl.RowParallelDenseGeneral,
+                dict(sequence_parallel=sequence_parallel, impl="ring",
+                     mesh=None if explicit else mesh))
+    with _mesh_scope(mesh, explicit):
+        own = ours.init(jax.random.key(1), x)       # same initial values as Flax's
+        assert_tree_close(nn.unbox(own), params, jnp.float32, "initial parameters")
+        specs = nn.get_partition_spec(own)["params"]
+        assert specs["q"] == {"kernel": P(None, "tp", None), "bias": P("tp", None)}
+        assert specs["o"] == {"kernel": P("tp", None, None), "bias": P()}
+        got = _grads(ours.apply, params, place(x, mesh, x_spec(mesh, sequence_parallel)))
+    assert_tree_close(got, _grads(ref.apply, params, x), jnp.float32, "y, loss, grads")
+
+
+@pytest.mark.parametrize("mesh_name,sequence_parallel,dropout", [
+    ("dp2_tp4_explicit", True, 0.3), ("tp4_auto", False, 0.3), ("tp4_auto", True, 0.0)])
+def test_linen_attention_matches_flax(mesh_name, sequence_parallel, dropout):
+    mesh = make_mesh(mesh_name)
+    explicit = mesh_name.endswith("explicit")
+    x = rand(0, (B, S, E))
+    mask = nn.make_causal_mask(np.ones((B, S)))
+    ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=dropout,
+                                          deterministic=dropout == 0.0)
+    ours = jl.ParallelMultiHeadDotProductAttention(
+        num_heads=HEADS, dropout_rate=dropout, deterministic=dropout == 0.0,
+        sequence_parallel=sequence_parallel, impl="xla", mesh=None if explicit else mesh)
+    rngs = {"dropout": jax.random.key(3)}
+
+    def apply(model):
+        return lambda p, x: model.apply(p, x, mask=mask, rngs=rngs)
+
+    params = ref.init(jax.random.key(0), x, mask=mask)
+    with _mesh_scope(mesh, explicit):
+        own = ours.init(jax.random.key(0), x, mask=mask)
+        assert_tree_close(nn.unbox(own), params, jnp.float32, "initial parameters")
+        specs = nn.get_partition_spec(own)
+        placed = jax.tree.map(lambda a, s: place(a, mesh, s), params, specs)
+        got = _grads(apply(ours), placed, place(x, mesh, x_spec(mesh, sequence_parallel)))
+    assert_tree_close(got, _grads(apply(ref), params, x), jnp.float32, "y, loss, grads")
+
+
+def test_linen_cross_attention_and_normalize_qk():
+    mesh = make_mesh("tp4_auto")
+    x, kv = rand(0, (B, S, E)), rand(1, (B, 2 * S, E))
+    kw = dict(num_heads=HEADS, qkv_features=32, out_features=12, normalize_qk=True)
+    ref = nn.MultiHeadDotProductAttention(**kw)
+    ours = jl.ParallelMultiHeadDotProductAttention(**kw, mesh=mesh, impl="ring")
+    params = ref.init(jax.random.key(0), x, kv)
+    got = _grads(lambda p, x, kv: ours.apply(p, x, kv), params, x, kv)
+    assert_tree_close(got, _grads(lambda p, x, kv: ref.apply(p, x, kv), params, x, kv),
+                      jnp.float32, "y, loss, grads")
+
+
+def test_linen_attention_misuse():
+    mesh = make_mesh("tp4_auto")
+    x = rand(0, (B, S, E))
+    with pytest.raises(ValueError, match="num_heads"):
+        jl.ParallelMultiHeadDotProductAttention(num_heads=2, mesh=mesh).init(
+            jax.random.key(0), x)
+    with pytest.raises(ValueError, match="decode=True"):
+        jl.ParallelMultiHeadDotProductAttention(num_heads=HEADS, decode=True, mesh=mesh).init(
+            jax.random.key(0), x)
+    with pytest.raises(ValueError, match="batch_dims"):
+        jl.ColumnParallelDenseGeneral((HEADS, 2), batch_dims=(0,), mesh=mesh).init(
+            jax.random.key(0), x)
+    with pytest.raises(ValueError, match="trailing dims"):
+        jl.RowParallelDenseGeneral(E, axis=(1, 2), mesh=mesh).init(
+            jax.random.key(0), rand(0, (B, S, HEADS, 2)))
+
+
+# ---------------------------------------------------------------- nnx
+
+
+def _nnx_grads(model, *inputs, **kw):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def apply(params, *inputs):
+        return nnx.merge(graphdef, params, rest)(*inputs, **kw)
+
+    y, value, (g_params, *g_inputs) = _grads(apply, params, *inputs)
+    return y, value, (nnx.to_pure_dict(g_params), *g_inputs)
+
+
+@pytest.mark.parametrize("mesh_name,sequence_parallel,dropout,kv_heads", [
+    ("dp2_tp4_explicit", True, 0.3, None), ("tp4_auto", False, 0.3, None),
+    ("dp2_tp4_explicit", False, 0.0, 4), ("tp4_auto", True, 0.0, 4)])
+def test_nnx_attention_matches_flax(mesh_name, sequence_parallel, dropout, kv_heads):
+    mesh = make_mesh(mesh_name)
+    explicit = mesh_name.endswith("explicit")
+    x = rand(0, (B, S, E))
+    mask = nnx.make_causal_mask(np.ones((B, S)))
+    kw = dict(num_kv_heads=kv_heads, dropout_rate=dropout, deterministic=dropout == 0.0,
+              decode=False)
+    ref = nnx.MultiHeadAttention(HEADS, E, **kw, rngs=nnx.Rngs(0))
+    call = dict(mask=mask)
+
+    def run(model, x):        # a fresh dropout stream inside the traced function, for both
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def apply(params, x):
+            return nnx.merge(graphdef, params, rest)(x, **call, rngs=nnx.Rngs(dropout=7))
+
+        y, value, (g_params, g_x) = _grads(apply, params, x)
+        return y, value, (nnx.to_pure_dict(g_params), g_x)
+
+    with _mesh_scope(mesh, explicit):
+        ours = jn.ParallelMultiHeadAttention(
+            HEADS, E, **kw, sequence_parallel=sequence_parallel, impl="ring",
+            mesh=None if explicit else mesh, rngs=nnx.Rngs(0))
+        # Same initial values as Flax's, and the heads split over tp.
+        assert_tree_close(nnx.to_pure_dict(nnx.state(ours, nnx.Param)),
+                          nnx.to_pure_dict(nnx.state(ref, nnx.Param)), jnp.float32, "init")
+        specs = nnx.get_partition_spec(nnx.state(ours))
+        assert specs["query"]["kernel"].get_value() == P(None, "tp", None)
+        assert specs["out"]["kernel"].get_value() == P("tp", None, None)
+        got = run(ours, place(x, mesh, x_spec(mesh, sequence_parallel)))
+    assert_tree_close(got, run(ref, x), jnp.float32, "y, loss, grads")
+
+
+class _Pair(nnx.Module):
+    """A column projection to (heads, head_dim), tanh, a row projection back."""
+
+    def __init__(self, column, row):
+        self.column, self.row = column, row
+
+    def __call__(self, x):
+        return self.row(jnp.tanh(self.column(x)))
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_nnx_general_layers_match_linear_general(sequence_parallel):
+    mesh = make_mesh("dp2_tp4_explicit")
+    x = rand(0, (B, S, E))
+    with jax.set_mesh(mesh):
+        ours = _Pair(
+            jn.ColumnParallelLinearGeneral(E, (HEADS, 2), sequence_parallel=sequence_parallel,
+                                           impl="xla", rngs=nnx.Rngs(0)),
+            jn.RowParallelLinearGeneral((HEADS, 2), E, axis=(-2, -1),
+                                        sequence_parallel=sequence_parallel, impl="xla",
+                                        rngs=nnx.Rngs(1)))
+        got = _nnx_grads(ours, place(x, mesh, x_spec(mesh, sequence_parallel)))
+    ref = _Pair(nnx.LinearGeneral(E, (HEADS, 2), rngs=nnx.Rngs(0)),
+                nnx.LinearGeneral((HEADS, 2), E, axis=(-2, -1), rngs=nnx.Rngs(1)))
+    assert_tree_close(got, _nnx_grads(ref, x), jnp.float32, "y, loss, grads")
+
+
+def test_nnx_attention_misuse():
+    mesh = make_mesh("tp4_auto")
+    with pytest.raises(ValueError, match="num_kv_heads=2"):
+        jn.ParallelMultiHeadAttention(HEADS, E, num_kv_heads=2, mesh=mesh, rngs=nnx.Rngs(0))
+    attn = jn.ParallelMultiHeadAttention(HEADS, E, decode=True, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="decode=True"):
+        attn(rand(0, (B, S, E)))
+    with pytest.raises(ValueError, match="batch_axis"):
+        jn.ColumnParallelLinearGeneral(E, (HEADS, 2), batch_axis={0: B}, rngs=nnx.Rngs(0))
