@@ -32,7 +32,7 @@ demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 test: $(STAMP)$(CUDA)
 	$(VENV)/bin/python -m ruff check jaxoverlap tests examples build_backend
 	$(VENV)/bin/clang-format --dry-run --Werror $(CPP_SOURCES)
-	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q
+	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q -m "slow or not slow"
 
 install: $(STAMP)$(CUDA)
 

@@ -247,6 +247,11 @@ def _call_bwd(call, mesh, want_gathered, res, ct):
 _call.defvjp(_call_fwd, _call_bwd)
 
 
+# Under jit, so that a call made eagerly is partitioned too: evaluated op by op, a
+# custom_partitioning primitive runs its body (_body, plain XLA) and never its partition rule.
+_jitted = jax.jit(_call, static_argnums=(0, 1, 2))
+
+
 def call(c: Call, mesh, x, w, *, want_gathered: bool = False):
     """Runs ``c`` on global arrays ``x``, ``w`` over ``mesh`` (Auto axes), differentiably."""
-    return _call(c, mesh, want_gathered, x, w)
+    return _jitted(c, mesh, want_gathered, x, w)

@@ -425,10 +425,18 @@ def _global(op: str, x, w, axis_name, axis: int | None, mesh, want_gathered: boo
     local_x = jax.ShapeDtypeStruct(tuple(x_shape), x.dtype)
     local_w = jax.ShapeDtypeStruct(w_shape, w.dtype)
     if op == "matmul_ar":
-        _ar_plan(local_x, local_w, axis_name, n, log=False, **op_args)
+        plan = _ar_plan(local_x, local_w, axis_name, n, log=False, **op_args)
     else:
         rows = x_shape[axis] if op == "ag_matmul" else x_shape[axis] // n
-        _make_plan(op, local_x, local_w, axis_name, n, axis, rows, log=False, **op_args)
+        plan = _make_plan(op, local_x, local_w, axis_name, n, axis, rows, log=False, **op_args)
+    if plan.impl == "native" and isinstance(mesh, jax.sharding.Mesh):
+        # Under Auto axes the call lowers while XLA compiles, where a refusal surfaces as an
+        # XLA error: ask the one transport resolver now, for this very mesh.
+        from jaxoverlap import _native_call
+
+        platform = mesh.devices.flat[0].platform
+        _native_call.describe(mesh, axis_name, "cuda" if platform == "gpu" else platform,
+                              plan.transport, plan.preferred, jax.process_index())
     return _spmd.run(call, mesh, x, w, want_gathered=want_gathered)
 
 

@@ -125,3 +125,19 @@ def test_global_output_sharding_is_named():
     y = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="ring", mesh=mesh))(x, w)
     assert isinstance(y.sharding, NamedSharding)
     assert y.sharding.spec == P(None, "tp")
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+def test_an_eager_call_under_auto_axes_runs_the_native_program(op):
+    """Called outside jit on single-device inputs, the op still runs natively when asked:
+    evaluated eagerly, a custom_partitioning primitive would run its plain-XLA body instead."""
+    from jaxoverlap._runtime import load_host
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    x, w = rand(31, (8, 16), jnp.float32), rand(32, (16, 8), jnp.float32)
+    before = load_host().cliques()
+    kw = {} if op == "matmul_ar" else {"axis": 0}
+    y = getattr(jo, op)(x, w, "tp", impl="native", transport="p2p", chunks=1, mesh=mesh, **kw)
+    assert_close(y, f64(x) @ f64(w), jnp.float32)
+    after = load_host().cliques()
+    assert after.count("clique") == before.count("clique") + 1, (before, after)
