@@ -50,6 +50,7 @@ _DEFAULT_PRESET = "h100"
 _lock = threading.Lock()
 _collectors: list[list[dict]] = []
 _env_session: Profile | None = None
+_process = (0, 1)  # (index, count) when recording started: jax.distributed may be gone at exit
 
 
 @dataclass
@@ -85,21 +86,20 @@ def _host():
 def _drain() -> None:
     """Moves the calls the executors logged into every active collector."""
     calls = _host().take_calls()
-    if not calls:
-        return
-    import jax
-
-    process = jax.process_index()
     for call in calls:
-        call["process"] = process
+        call["process"] = _process[0]
     with _lock:
         for collector in _collectors:
             collector.extend(calls)
 
 
 def _start() -> list[dict]:
+    global _process
+    import jax
+
     collector: list[dict] = []
     host = _host()
+    _process = (jax.process_index(), jax.process_count())
     _drain()  # what was recorded before now belongs to the sessions already running
     with _lock:
         _collectors.append(collector)
@@ -146,9 +146,10 @@ def _finish(session: Profile, calls: list[dict], preset: str | None, show: bool)
     session.sites = site_report(session.calls, session.preset)
     if session.directory is not None:
         os.makedirs(session.directory, exist_ok=True)
-        session.trace_path = write_trace(session.calls,
-                                         os.path.join(session.directory, "trace.json"))
-        session.report_path = os.path.join(session.directory, "report.json")
+        suffix = _process_suffix()
+        session.trace_path = write_trace(
+            session.calls, os.path.join(session.directory, f"trace{suffix}.json"))
+        session.report_path = os.path.join(session.directory, f"report{suffix}.json")
         with open(session.report_path, "w") as f:
             json.dump({"preset": session.preset, "emulation": session.emulation,
                        "note": EMULATION_NOTE if session.emulation else None,
@@ -157,6 +158,11 @@ def _finish(session: Profile, calls: list[dict], preset: str | None, show: bool)
         print_report(session.sites, session.preset, session.emulation)
         if session.trace_path:
             print(f"trace: {session.trace_path} (open in ui.perfetto.dev or chrome://tracing)")
+
+
+def _process_suffix() -> str:
+    """"" in one process; ".process3" in process 3 of several (each writes its own ranks)."""
+    return f".process{_process[0]}" if _process[1] > 1 else ""
 
 
 def start_from_env() -> None:
