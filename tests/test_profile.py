@@ -111,6 +111,11 @@ def test_host_executor_records_every_ops_spans_inside_its_call(op, transport):
         assert all(s["stream"] != 0 for s in movers)
         if program["num_streams"] > 1:
             assert movers
+        # A p2p push names the rank whose workspace it writes.
+        for s in call["ops"]:
+            d = program["ops"][s["index"]]["d"]
+            if s["kind"] == "Copy" and d["buf"] == "WORKSPACE" and d["rank"] != call["rank"]:
+                assert s["peer"] == d["rank"]
     row, = prof.sites
     assert row["op"] == op and row["calls"] == 8 and row["executions"] == 2
     assert row["t_call"] > 0 and row["t_gemm"] > 0

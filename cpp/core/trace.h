@@ -18,7 +18,7 @@ struct OpSpan {
   int32_t index = 0;  // position in the program's op list
   int32_t stream = 0;
   OpKind kind = OpKind::kGemm;
-  int32_t shard = -1, sub = -1, peer = -1;
+  int32_t shard = -1, sub = -1, peer = -1;  // peer: Send/Recv/Signal/Wait's, a p2p Copy's target
   int64_t bytes = 0;     // what it moved or multiplied out (batch * m * n * element)
   int64_t start_ns = 0;  // it was reached on its stream
   int64_t ready_ns = 0;  // what it waited for was there (a flag, a message); = start otherwise

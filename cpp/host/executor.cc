@@ -103,7 +103,12 @@ class Run {
       OpSpan* span = nullptr;
       if (recording) {
         auto& mine = spans_[static_cast<size_t>(stream)];
-        mine.push_back(OpSpan{static_cast<int32_t>(i), stream, op.kind, op.shard, op.sub, op.peer,
+        // A p2p push names its peer by the workspace it writes.
+        const int32_t peer = op.kind == OpKind::kCopy && op.d.buf == BufId::kWorkspace &&
+                                     op.d.rank != p_.problem.rank
+                                 ? op.d.rank
+                                 : op.peer;
+        mine.push_back(OpSpan{static_cast<int32_t>(i), stream, op.kind, op.shard, op.sub, peer,
                               op.batch * op.m * op.n * es_, NowNs(), 0, 0});
         span = &mine.back();
         span->ready_ns = span->start_ns;
