@@ -141,7 +141,7 @@ def profile(directory: str | os.PathLike[str] | None = None, *, preset: str | No
 
 def _finish(session: Profile, calls: list[dict], preset: str | None, show: bool) -> None:
     session.calls = list(calls)
-    session.emulation = all(c.get("executor") == "host" for c in calls)
+    session.emulation = bool(calls) and all(c.get("executor") == "host" for c in calls)
     session.preset = _preset_name(preset)
     session.sites = site_report(session.calls, session.preset)
     if session.directory is not None:
@@ -395,7 +395,8 @@ def _notes(rows: Sequence[dict], preset: str | None, emulation: bool) -> list[st
 def format_report(rows: Sequence[dict], preset: str | None, emulation: bool) -> str:
     """The report as plain text."""
     if not rows:
-        return "jaxoverlap profile: no native calls were recorded."
+        return ("jaxoverlap profile: no native calls were recorded (only the host executor "
+                "records timelines; the CUDA executor's are not recorded yet).")
     lines = ["jaxoverlap overlap report", " | ".join(_COLUMNS)]
     for row in rows:
         lines.append(" | ".join(c.replace("\n", " ") for c in _cells(row)))
