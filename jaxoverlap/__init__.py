@@ -15,6 +15,7 @@ if (_source_tree_error := _runtime.source_tree_error()) is not None:
 from jaxoverlap._config import config as config
 from jaxoverlap._config import current_config as current_config
 from jaxoverlap._info import info as info
+from jaxoverlap._profile import profile as profile
 from jaxoverlap.ops import NativeUnavailableError as NativeUnavailableError
 from jaxoverlap.ops import ag_matmul as ag_matmul
 from jaxoverlap.ops import matmul_ar as matmul_ar
@@ -30,4 +31,5 @@ __all__ = [
     "info",
     "matmul_ar",
     "matmul_rs",
+    "profile",
 ]

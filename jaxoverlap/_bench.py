@@ -3,13 +3,13 @@
 Measured mode times every impl side by side in one run (warm-up, repeats,
 median, ratio to ``"xla"``) for the standard cases of ``jaxoverlap.sim`` —
 TP=8, M=8192, K=8192, N=3584 per rank and friends — scaled down on host
-devices, and writes a JSON and a table. ``--model PRESET`` prints the
-simulator's projection for the same cases and a Gantt chart of one plan (when
-matplotlib is installed), labelled as a model, with projections outside the
-preset's calibrated range marked. ``--calibrate`` also times GEMMs, all-gathers
-and reduce-scatters by size and our native calls, and writes a preset fitted to
-them with ``sim.calibrate``
-(meaningful on GPUs).
+devices, and writes a JSON and a table; then runs the native calls again under
+``jo.profile`` and prints the overlap report (``--no-profile`` skips it).
+``--model PRESET`` prints the simulator's projection for the same cases and a
+Gantt chart of one plan (when matplotlib is installed), labelled as a model,
+with projections outside the preset's calibrated range marked. ``--calibrate``
+also times GEMMs, all-gathers and reduce-scatters by size and our native calls,
+and writes a preset fitted to them with ``sim.calibrate`` (meaningful on GPUs).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the model's projection on PRESET (name or JSON) instead of timing")
     p.add_argument("--calibrate", default=None, metavar="BASE_PRESET",
                    help="also fit BASE_PRESET to this machine; writes OUT/preset-calibrated.json")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the overlap report: by default the native calls run REPEATS more "
+                        "times under jo.profile after the timing (OUT/profile/trace.json)")
 
 
 def _count(least: int) -> Callable[[str], int]:
@@ -137,6 +140,7 @@ def _measure(args: argparse.Namespace) -> int:
     print(f"jaxoverlap bench: {tp} {platform} devices, {dtype.name}, shapes / {scale} "
           f"(measured, medians of {args.repeats})")
     rows: list[dict[str, Any]] = []
+    profiled: list[Callable[[], Any]] = []  # the native calls, run again under jo.profile
     for case in _cases(args.cases):
         m = _round(case.m // scale, tp * 8)
         k, n = _round(case.k // scale, 8), _round(case.n // scale, 8)
@@ -153,6 +157,9 @@ def _measure(args: argparse.Namespace) -> int:
                                              args.repeats)
             except (ValueError, TypeError) as err:
                 print(f"  {case.label} impl={impl}: skipped ({str(err).splitlines()[0]})")
+            else:
+                if impl == "native":
+                    profiled.append(functools.partial(fn, x, w))
         for impl, t in times.items():
             rows.append({"case": case.label, "op": case.op, "tp": tp, "m": m, "k": k, "n": n,
                          "dtype": dtype.name, "impl": impl, "median_ms": t * 1e3,
@@ -163,6 +170,8 @@ def _measure(args: argparse.Namespace) -> int:
     result = {"platform": platform, "devices": len(devices), "tp": tp, "scale": scale,
               "dtype": dtype.name, "jax": jax.__version__, "jaxoverlap": jo.__version__,
               "rows": rows}
+    if args.profile and profiled:
+        result["profile"] = _profile(args, profiled)
     if args.calibrate:
         result["calibrated_preset"] = _calibrate(args, mesh, tp, scale, dtype, put, rows)
     path = os.path.join(args.out, "bench.json")
@@ -170,6 +179,22 @@ def _measure(args: argparse.Namespace) -> int:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
     return 0 if rows else 1
+
+
+def _profile(args: argparse.Namespace, calls: Sequence[Callable[[], Any]]) -> dict[str, Any]:
+    """Runs the native calls again under jo.profile (not timed above: recording costs a little)
+    and prints the overlap report; returns what bench.json keeps of it."""
+    import jax
+
+    import jaxoverlap as jo
+
+    print(f"\noverlap report: the native calls again, {args.repeats} times each, recorded")
+    with jo.profile(os.path.join(args.out, "profile")) as prof:
+        for call in calls:
+            for _ in range(args.repeats):
+                jax.block_until_ready(call())
+    return {"preset": prof.preset, "emulation": prof.emulation, "trace": prof.trace_path,
+            "sites": prof.sites}
 
 
 def _calibrate(args, mesh, tp: int, scale: int, dtype, put, rows) -> str:

@@ -23,7 +23,7 @@ from jax._src import core
 from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
-from jaxoverlap import _bootstrap, _native_call, _runtime
+from jaxoverlap import _bootstrap, _native_call, _profile, _runtime
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._config import timeout_ms
 
@@ -111,6 +111,7 @@ def _ensure_registered(platform: str) -> None:
             return
         host = _runtime.load_host()
         host.set_process_index(jax.process_index())
+        _profile.start_from_env()  # JAXOVERLAP_PROFILE=DIR: record from the first call on
         if platform == "cpu":
             # The CPU backend must exist before a stateful handler is registered (registering
             # earlier fails with FAILED_PRECONDITION), and the instantiate-stage state type

@@ -28,6 +28,22 @@ def test_bench_measures_every_impl_side_by_side(tmp_path):
         assert row["median_ms"] > 0
         if row["impl"] == "xla":
             assert row["vs_xla"] == 1.0
+    # The overlap report of the native calls, labelled as the host executor's emulation.
+    assert "overlap report" in out and "emulation" in out and "not a GPU" in out
+    profile = data["profile"]
+    assert profile["emulation"] is True and profile["preset"]
+    assert {s["op"] for s in profile["sites"]} == {"ag_matmul", "matmul_rs"}
+    for site in profile["sites"]:
+        assert site["calls"] == 8 * 2 and site["t_call"] > 0 and "model_t_fused" in site
+    trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
+    assert any(e["ph"] == "X" for e in trace["traceEvents"])
+
+
+def test_bench_no_profile_skips_the_report(tmp_path):
+    out = _run("--cases", "AG std", "--impls", "native", "--warmup", "1", "--repeats", "1",
+               "--no-profile", tmp_path=tmp_path)
+    assert "overlap report" not in out
+    assert "profile" not in json.loads((tmp_path / "bench.json").read_text())
 
 
 def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):

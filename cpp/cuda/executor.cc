@@ -1,5 +1,6 @@
 #include "cuda/executor.h"
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -7,8 +8,53 @@
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 
+// NVTX ranges (NVTX3: header-only, in the CUDA toolkit). Without a tool
+// attached (Nsight Systems sets NVTX_INJECTION64_PATH) every call is a
+// cheap no-op.
+#if __has_include(<nvtx3/nvToolsExt.h>)
+#include <nvtx3/nvToolsExt.h>
+#define JO_HAVE_NVTX 1
+#else
+#define JO_HAVE_NVTX 0
+#endif
+
 namespace jo::cuda {
 namespace {
+
+// Whether a tool collects NVTX ranges: Nsight Systems and Nsight Compute
+// attach through NVTX_INJECTION64_PATH. Without one, no range names are built.
+bool NvtxOn() {
+#if JO_HAVE_NVTX
+  static const bool on = std::getenv("NVTX_INJECTION64_PATH") != nullptr;
+  return on;
+#else
+  return false;
+#endif
+}
+
+// One NVTX range on the enqueueing thread while it lives; `name()` is only
+// called when a tool collects the ranges.
+class NvtxRange {
+ public:
+  template <typename F>
+  explicit NvtxRange(F&& name) : on_(NvtxOn()) {
+#if JO_HAVE_NVTX
+    if (on_) nvtxRangePushA(name().c_str());
+#else
+    (void)name;
+#endif
+  }
+  ~NvtxRange() {
+#if JO_HAVE_NVTX
+    if (on_) nvtxRangePop();
+#endif
+  }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+
+ private:
+  const bool on_;
+};
 
 ncclDataType_t NcclType(DType dtype) {
   switch (dtype) {
@@ -32,6 +78,11 @@ class Enqueuer {
         recorded_(p_.num_events, false) {}
 
   Status Run() {
+    // "jaxoverlap ag_matmul nccl rank 2 epoch 7": the call, around its enqueue.
+    const NvtxRange call_range([&] {
+      return "jaxoverlap " + Label() + " rank " + std::to_string(p_.problem.rank) + " epoch " +
+             std::to_string(a_.epoch);
+    });
     JO_CHECK(LoadDriver(&drv_));
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
     JO_CHECK(Fork());
@@ -91,8 +142,24 @@ class Enqueuer {
   }
 
  private:
+  // "ag_matmul nccl": the op and the transport, as the ranges name them.
+  std::string Label() const {
+    return std::string(CollectiveName(p_.problem.op)) + " " + TransportName(p_.problem.transport);
+  }
+
+  // "ag_matmul nccl Gemm shard 2 sub 0 stream 0 #5": one unit of the schedule
+  // (#: its position in the program; an NCCL group is named by its first op).
+  std::string UnitName(const Op& op, size_t index) const {
+    std::string name = Label() + " " + OpKindName(op.kind);
+    if (op.shard >= 0) name += " shard " + std::to_string(op.shard);
+    if (op.sub >= 0) name += " sub " + std::to_string(op.sub);
+    if (op.peer >= 0) name += " peer " + std::to_string(op.peer);
+    return name + " stream " + std::to_string(op.stream) + " #" + std::to_string(index);
+  }
+
   Status EnqueueUnit(const std::pair<size_t, size_t>& unit) {
     const Op& op = p_.ops[unit.first];
+    const NvtxRange range([&] { return UnitName(op, unit.first); });
     Status status = (op.kind == OpKind::kSend || op.kind == OpKind::kRecv)
                         ? NcclGroup(unit.first, unit.second)
                         : Exec(op);

@@ -1,5 +1,6 @@
 #include "host/executor.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -11,6 +12,7 @@
 #include "core/check_program.h"
 #include "core/convert.h"
 #include "core/deadline.h"
+#include "core/trace.h"
 #include "host/blas.h"
 
 namespace jo::host {
@@ -65,6 +67,13 @@ class Run {
       return Status(Code::kResource, std::string(ctx_.op) + ": host scratch allocation failed");
     }
     std::vector<Status> results(p_.num_streams);
+    const bool recording = Recording();
+    if (recording) {
+      spans_.assign(static_cast<size_t>(p_.num_streams), {});
+      for (auto& stream : spans_) stream.reserve(p_.ops.size());
+      current_.assign(static_cast<size_t>(p_.num_streams), nullptr);
+    }
+    const int64_t start_ns = recording ? NowNs() : 0;
     {
       ThreadGroup threads;
       for (int32_t s = 1; s < p_.num_streams; ++s) {
@@ -76,6 +85,7 @@ class Run {
       }
       results[0] = RunStream(0);
     }
+    if (recording) LogSpans(start_ns, results);
     // Report the root cause, not the aborts it caused in the other streams.
     for (const Status& status : results)
       if (!status.ok() && status.code() != Code::kAborted) return status;
@@ -86,9 +96,32 @@ class Run {
 
  private:
   Status RunStream(int32_t stream) {
-    for (const Op& op : p_.ops) {
+    const bool recording = !spans_.empty();
+    for (size_t i = 0; i < p_.ops.size(); ++i) {
+      const Op& op = p_.ops[i];
       if (op.stream != stream) continue;
+      OpSpan* span = nullptr;
+      if (recording) {
+        auto& mine = spans_[static_cast<size_t>(stream)];
+        // A p2p push names its peer by the workspace it writes.
+        const int32_t peer = op.kind == OpKind::kCopy && op.d.buf == BufId::kWorkspace &&
+                                     op.d.rank != p_.problem.rank
+                                 ? op.d.rank
+                                 : op.peer;
+        mine.push_back(OpSpan{static_cast<int32_t>(i), stream, op.kind, op.shard, op.sub, peer,
+                              op.batch * op.m * op.n * es_, NowNs(), 0, 0});
+        span = &mine.back();
+        span->ready_ns = span->start_ns;
+        current_[static_cast<size_t>(stream)] = span;
+      }
       Status status = Exec(op);
+      if (span != nullptr) {
+        span->end_ns = NowNs();
+        // A wait's whole time is waiting.
+        if (op.kind == OpKind::kWait || op.kind == OpKind::kStreamWait)
+          span->ready_ns = span->end_ns;
+        current_[static_cast<size_t>(stream)] = nullptr;
+      }
       if (!status.ok()) {
         status = Status(status.code(), status.message() + "; during " + ToString(op) +
                                            " on stream " + std::to_string(stream));
@@ -97,6 +130,27 @@ class Run {
       }
     }
     return OkStatus();
+  }
+
+  // While recording: what the op on `stream` waited for is there.
+  void MarkReady(int32_t stream) {
+    if (!current_.empty() && current_[static_cast<size_t>(stream)] != nullptr)
+      current_[static_cast<size_t>(stream)]->ready_ns = NowNs();
+  }
+
+  void LogSpans(int64_t start_ns, const std::vector<Status>& results) {
+    CallSpan call;
+    call.executor = "host";
+    call.clique = clique_.name();
+    call.epoch = epoch_;
+    call.problem = p_.problem;
+    call.start_ns = start_ns;
+    call.end_ns = NowNs();
+    call.ok = std::all_of(results.begin(), results.end(), [](const Status& s) { return s.ok(); });
+    for (auto& stream : spans_) call.ops.insert(call.ops.end(), stream.begin(), stream.end());
+    std::stable_sort(call.ops.begin(), call.ops.end(),
+                     [](const OpSpan& a, const OpSpan& b) { return a.start_ns < b.start_ns; });
+    LogCall(std::move(call));
   }
 
   void Fail(const Status& status) {
@@ -174,6 +228,7 @@ class Run {
         JO_ASSERT(dst != nullptr);
         std::vector<std::byte> packed;
         JO_CHECK(clique_.Recv(ctx_, op.peer, op.id, &packed));
+        MarkReady(op.stream);  // the rest is the copy out of the message
         JO_ASSERT(packed.size() == static_cast<size_t>(op.batch * op.m * op.n * es_));
         const Ref dense{BufId::kScratch, 0, 0, op.m * op.n, op.n};
         CopyBlock(op, packed.data(), dense, dst, op.d);
@@ -294,6 +349,8 @@ class Run {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<char> events_;
+  std::vector<std::vector<OpSpan>> spans_;  // per stream, while recording
+  std::vector<OpSpan*> current_;            // per stream: the op running, while recording
   bool failed_ = false;
   std::string first_error_;
 };

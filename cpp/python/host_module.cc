@@ -19,6 +19,7 @@
 #include "core/check_program.h"
 #include "core/deadline.h"
 #include "core/program.h"
+#include "core/trace.h"
 #include "host/blas.h"
 #include "host/fd_share.h"
 #include "host/ffi_handlers.h"
@@ -295,6 +296,57 @@ void CheckProgramDict(const nb::dict& d) {
   if (!status.ok()) throw nb::value_error(status.ToString().c_str());
 }
 
+// The calls recorded since the last take (core/trace.h), oldest first; times
+// in nanoseconds of the steady clock.
+nb::list TakeCalls() {
+  std::vector<jo::CallSpan> calls;
+  {
+    nb::gil_scoped_release release;
+    calls = jo::TakeCalls();
+  }
+  nb::list out;
+  for (const jo::CallSpan& call : calls) {
+    const jo::Problem& q = call.problem;
+    nb::dict d;
+    d["executor"] = call.executor;
+    d["clique"] = call.clique;
+    d["epoch"] = call.epoch;
+    d["op"] = jo::CollectiveName(q.op);
+    d["transport"] = jo::TransportName(q.transport);
+    d["nranks"] = q.nranks;
+    d["rank"] = q.rank;
+    d["batch"] = q.batch;
+    d["rows"] = q.rows;
+    d["k"] = q.k;
+    d["n"] = q.n;
+    d["dtype"] = jo::DTypeName(q.dtype);
+    d["chunks"] = q.chunks;
+    d["bidirectional"] = q.bidirectional;
+    d["return_gathered"] = q.return_gathered;
+    d["start_ns"] = call.start_ns;
+    d["end_ns"] = call.end_ns;
+    d["ok"] = call.ok;
+    nb::list ops;
+    for (const jo::OpSpan& s : call.ops) {
+      nb::dict o;
+      o["index"] = s.index;
+      o["stream"] = s.stream;
+      o["kind"] = jo::OpKindName(s.kind);
+      o["shard"] = s.shard;
+      o["sub"] = s.sub;
+      o["peer"] = s.peer;
+      o["bytes"] = s.bytes;
+      o["start_ns"] = s.start_ns;
+      o["ready_ns"] = s.ready_ns;
+      o["end_ns"] = s.end_ns;
+      ops.append(o);
+    }
+    d["ops"] = ops;
+    out.append(d);
+  }
+  return out;
+}
+
 std::string ShmDomainCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
                             int32_t process, int64_t attempt) {
   std::string name;
@@ -367,6 +419,14 @@ NB_MODULE(_host, m) {
         "Checks a program dict (as build_program returns it): every operand inside its buffer, "
         "every peer, flag, event and stream in range; raises ValueError naming the op.");
   m.def("cliques", &jo::host::DescribeCliques, "One line per live clique.");
+  m.def("set_recording", &jo::SetRecording, nb::arg("on"),
+        "Turns the recording of native calls' timelines on or off (off by default).");
+  m.def("recording", &jo::Recording, "Whether native calls' timelines are being recorded.");
+  m.def("take_calls", &TakeCalls,
+        "The calls recorded since the last take, as dicts (problem, clique, epoch, start_ns, "
+        "end_ns, ok, 'ops': one dict per op with stream, kind, shard, sub, peer, bytes, "
+        "start_ns, ready_ns, end_ns), and forgets them.");
+  m.def("now_ns", &jo::NowNs, "The clock of the recorded spans (steady, nanoseconds).");
   // Multi-process bootstrap (jaxoverlap/_bootstrap.py); errors are RuntimeError.
   m.def("_shm_domain_create", &ShmDomainCreate, nb::arg("clique_key"), nb::arg("group"),
         nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"),

@@ -232,3 +232,19 @@ def test_gpu_clique_bootstrap_names_a_silent_root():
         result
     assert "nccl_id" in result["error"], result
     assert 2.5 <= result["elapsed_s"] < 15, result
+
+
+def test_jaxoverlap_profile_writes_one_trace_per_process(tmp_path):
+    """JAXOVERLAP_PROFILE in a job of 2 processes: each writes the ranks it ran, under its own
+    name, at exit (after jax.distributed shut down)."""
+    import json
+
+    harness.run("native", 2, 1, params={"transports": ["p2p"], "axes": [0]},
+                env={"JAXOVERLAP_PROFILE": str(tmp_path)})
+    for process in (0, 1):
+        trace = json.loads((tmp_path / f"trace.process{process}.json").read_text())
+        calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "call"]
+        assert calls and all(e["pid"] // 1_000_000 == process for e in calls)
+        report = json.loads((tmp_path / f"report.process{process}.json").read_text())
+        assert {s["op"] for s in report["sites"]} == {"ag_matmul", "matmul_rs"}
+    assert not (tmp_path / "trace.json").exists()
