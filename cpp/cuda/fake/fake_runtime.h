@@ -2,6 +2,13 @@
 // the CUDA executor makes — the test build (_cuda_fake) links it instead of
 // the real libraries, so the executor's argument building runs in CI.
 //
+// Files, by API family: fake_model.cc (the state, memory checks, the "GPU"
+// running the queues), fake_runtime.cc (CUDA runtime: devices, memory,
+// streams, events, copies, IPC), fake_driver.cc (driver entry points:
+// stream memory operations, virtual memory, multicast, shareable handles),
+// fake_nccl.cc, fake_cublaslt.cc, fake_kernels.cc (host equivalents of the
+// kernels); fake_internal.h is what they share.
+//
 // Model (everything under one lock; the "GPU" runs only inside Drain()):
 //  * devices: a configurable count, compute capability, peer-access matrix
 //    and multicast support; the current device is per host thread.
