@@ -169,15 +169,50 @@ MISUSES = {
     "multicast address outside a multimem kernel": "multicast address outside a multimem kernel",
     "IPC mapping touched by a device that did not open it": "opened on device 1",
     "cuMemMap mapping touched without cuMemSetAccess": "not given access",
+    # The documented rules of the GPU path (fake_queues.cc, fake_nccl.cc, fake_runtime.cc cite
+    # them): one work queue shared by two streams, where the wait enqueued first holds up the
+    # write behind it that would satisfy it;
+    "blocked wait holds up its work queue":
+        "behind it in this queue: device 0 stream",
+    # NCCL serialising one communicator used from two streams;
+    "one communicator on two streams": "blocked at ncclGroup",
+    # a handler whose forked stream is not joined back into XLA's stream;
+    "handler returns with a forked stream not joined": "neither joined into XLA's stream",
+    # a communicator used after ncclCommAbort freed it (a watchdog firing under an enqueue);
+    "communicator used after ncclCommAbort": "already freed by ncclCommAbort",
+    # a non-blocking communicator destroyed before its finalization completed;
+    "non-blocking communicator destroyed without finalize": "not finalized",
+    # the host querying work recorded into a stream capture;
+    "host query of an event recorded in a stream capture": "during stream capture",
+    # an unbounded host synchronisation behind work that never completes.
+    "device synchronisation behind a wait that never ends": "would block forever",
 }
+# The same wait/write pair, each stream with a work queue of its own: no misuse (so the rule above
+# is about sharing a queue, not about the pair).
+CONTROLS = {"blocked wait, one work queue per stream (control)"}
 
 
 def test_the_fake_fails_loudly_on_misuse(fake):
     """Without this the executor tests would prove little: every misuse must be caught."""
     caught = fake.misuse_checks()
-    assert set(caught) == set(MISUSES)
+    assert set(caught) == set(MISUSES) | CONTROLS
     for name, keyword in MISUSES.items():
         assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
+    for name in CONTROLS:
+        assert caught[name] == "", f"{name}: fake recorded {caught[name]!r}"
+
+
+def test_work_queues_follow_the_environment(fake, monkeypatch):
+    """The fake reads CUDA_DEVICE_MAX_CONNECTIONS as the driver does: 1..32, default 8."""
+    for value, expected in (("1", 1), ("4", 4), (None, 8), ("0", 8), ("junk", 8)):
+        if value is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        fake.reset()
+        assert fake.connections() == expected, value
+    fake.reset(connections=2)
+    assert fake.connections() == 2
 
 
 def test_p2p_without_peer_access_says_so(fake):

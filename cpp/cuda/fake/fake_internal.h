@@ -1,5 +1,6 @@
 // Internals shared by the fake's translation units (fake_model.cc: the
-// state, memory checks and the "GPU" that runs the queues; fake_runtime.cc:
+// state and memory checks; fake_queues.cc: the "GPU" that runs the work
+// queues; fake_runtime.cc:
 // CUDA runtime streams, events, memory; fake_driver.cc: driver entry points;
 // fake_nccl.cc; fake_cublaslt.cc). Not an interface of the executor: it sees
 // only the real CUDA, NCCL and cuBLASLt headers and fake_runtime.h.
@@ -27,20 +28,42 @@
 #include "cuda/fake/fake_runtime.h"
 
 // Opaque handle types of the real headers, defined by the fake.
+
+// One unit of queued work.
+struct FakeTask {
+  std::string what;
+  std::function<bool()> ready;  // may it start now (its waits are met)? no side effects
+  std::function<void()> run;    // its effect, when it starts
+  // Null: complete as soon as it starts. Else it stays in flight (a kernel
+  // that waits for its peers: an NCCL group) until this returns true; the
+  // stream's next task waits for it, other streams' do not.
+  std::function<bool()> done;
+  cudaEvent_t records = nullptr;  // the event this task records, if any
+  ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
+};
+
 struct CUstream_st {
+  int process = 0;  // the played process that made it (fake_runtime.h SetPlayedProcess)
   int device = 0;
   int id = 0;
-  struct Task {
-    std::string what;
-    std::function<bool()> ready;  // may have side effects (NCCL posting)
-    std::function<void()> run;
-  };
-  std::deque<Task> tasks;
+  int queue = 0;                      // the hardware work queue it is mapped onto
+  std::deque<FakeTask> tasks;         // enqueued, not started (front: next in stream order)
+  std::unique_ptr<FakeTask> running;  // started, in flight
+  int64_t enqueued = 0;               // tasks ever enqueued
+  int64_t completed = 0;              // tasks completed (in stream order)
+  // Vector clock: for each stream, the number of its tasks ordered before
+  // this stream's next task (its own, and others' through events).
+  std::map<const CUstream_st*, int64_t> clock;
+  // Stream capture (cudaStreamBeginCapture): work is recorded, not run.
+  uint64_t capture = 0;  // 0: not capturing
 };
 struct CUevent_st {
   int device = 0;
-  int64_t recorded = 0;   // records enqueued
-  int64_t completed = 0;  // records executed
+  int64_t recorded = 0;                         // records enqueued
+  int64_t completed = 0;                        // records executed
+  std::map<const CUstream_st*, int64_t> clock;  // of the last record
+  uint64_t captured = 0;                        // last recorded into this stream capture (0: none)
+  bool abandoned = false;                       // its last record was dropped by a deadlock
 };
 struct ncclComm {
   int clique = 0;
@@ -52,6 +75,13 @@ struct ncclComm {
   // answered ncclInProgress must be awaited (ncclCommGetAsyncError) first.
   bool joining = false;
   bool in_progress = false;
+  // NCCL serialises a communicator's operations in issue order, across streams.
+  int64_t groups_issued = 0;
+  int64_t groups_done = 0;
+  int splits = 0;           // ncclCommSplit calls made on it (the n-th split of every rank meets)
+  bool finalizing = false;  // ncclCommFinalize called
+  bool aborted = false;     // freed by ncclCommAbort: every later use is a misuse
+  bool destroyed = false;   // freed by ncclCommDestroy
 };
 struct cublasLtContext {
   int device = 0;
@@ -162,6 +192,8 @@ struct State {
   int next_clique = 0;
   // ncclCommInitRank: the clique each unique id names, and its ranks so far.
   std::map<std::string, std::pair<int, std::set<int>>> id_cliques;
+  // ncclCommSplit: (parent clique, n-th split, colour) -> the new clique.
+  std::map<std::tuple<int, int, int>, int> split_cliques;
   uint64_t next_unique_id = 1;
   std::map<uintptr_t, int> ipc_open;  // cudaIpcOpenMemHandle mappings (base -> opens)
   std::map<ino_t, CUmemGenericAllocationHandle> exported;  // memfd inode -> multicast object
@@ -171,13 +203,21 @@ struct State {
   std::map<cublasLtMatmulPreference_t, Pref> prefs;
   std::vector<std::unique_ptr<cublasLtContext>> handles;
   int stream_ids = 0;
-  int64_t side_effects = 0;  // NCCL posts and matches done inside ready() checks
+  int64_t side_effects = 0;  // NCCL matches done inside done() checks
+  // The hardware work queues: per device, CUDA_DEVICE_MAX_CONNECTIONS FIFOs,
+  // each entry the stream whose next task it is.
+  int connections = 8;
+  // Keyed by (played process, device): each played process's GPU d is its own GPU.
+  std::map<std::pair<int, int>, std::vector<std::deque<CUstream_st*>>> queues;
+  std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
+  uint64_t next_capture = 1;
 };
 
 // The one fake world (never destroyed: handler threads may run late).
 State& S();
 
 extern thread_local int t_device;
+extern thread_local int t_process;
 extern thread_local int t_group_depth;
 extern thread_local std::vector<NcclP2p> t_group;
 extern thread_local bool t_group_nonblocking_init;  // the open group created a non-blocking comm
@@ -195,7 +235,20 @@ Alloc* Find(const void* p, size_t bytes);
 bool CheckAccess(const void* p, size_t bytes, int device, const char* what);
 bool KnownStream(cudaStream_t s);
 bool StreamOk(cudaStream_t s, const char* what);
+// Enqueues `task` on `s` (its hardware queue too); recorded, not run, while
+// `s` is capturing.
+void Push(cudaStream_t s, FakeTask task);
 void Push(cudaStream_t s, std::string what, std::function<bool()> ready, std::function<void()> run);
+// Lets the fake GPU run, without choosing at random, until `until` holds or
+// nothing more can run (a host poll or synchronisation: the real GPU runs
+// meanwhile). Returns `until()`.
+bool RunUntil(const std::function<bool()>& until);
+// Forgets the work queues and sets their number (Config::connections, else
+// CUDA_DEVICE_MAX_CONNECTIONS as the driver reads it).
+void ResetQueues();
+int ConnectionsFromEnvironment();
+// Maps a new stream onto one of its device's work queues (round-robin).
+void MapOntoQueue(CUstream_st* st);
 jo::DType FromCuda(int32_t type, bool* ok);
 size_t NcclSize(ncclDataType_t t);
 

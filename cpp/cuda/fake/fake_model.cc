@@ -1,5 +1,5 @@
-// The fake's model (see fake_runtime.h): its state, the memory checks every
-// call makes, and the "GPU" that runs the queued work (Drain).
+// The fake's model (see fake_runtime.h): its state and the memory checks
+// every call makes (fake_queues.cc has the GPU that runs the queued work).
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -18,6 +18,7 @@ State& S() {
 }
 
 thread_local int t_device = 0;
+thread_local int t_process = 0;
 thread_local int t_group_depth = 0;
 thread_local std::vector<NcclP2p> t_group;
 thread_local bool t_group_nonblocking_init = false;
@@ -114,11 +115,6 @@ bool StreamOk(cudaStream_t s, const char* what) {
   return true;
 }
 
-void Push(cudaStream_t s, std::string what, std::function<bool()> ready,
-          std::function<void()> run) {
-  s->tasks.push_back({std::move(what), std::move(ready), std::move(run)});
-}
-
 jo::DType FromCuda(int32_t type, bool* ok) {
   *ok = true;
   switch (type) {
@@ -166,6 +162,7 @@ void Reset(const Config& config) {
   s.exported.clear();
   s.comms.clear();
   s.id_cliques.clear();
+  s.split_cliques.clear();
   s.ipc_open.clear();
   s.channels.clear();
   s.descs.clear();
@@ -176,6 +173,7 @@ void Reset(const Config& config) {
   s.counters.clear();
   s.config = config;
   s.rng.seed(config.seed);
+  ResetQueues();
 }
 
 std::vector<std::string> Errors() {
@@ -206,6 +204,7 @@ bool CheckRange(const void* p, size_t bytes, const char* what) {
 }
 
 int DeviceCc(int) { return S().config.cc_major; }
+void SetPlayedProcess(int process) { t_process = process; }
 int CurrentDevice() { return t_device; }
 int StreamDevice(cudaStream_t s) {
   Lock lock(S().mu);
@@ -224,49 +223,6 @@ bool MulticastTargets(const void* mc, size_t bytes, std::vector<std::byte*>* out
     out->push_back(ph.pages->mem + offset);
   }
   return obj.bound.size() == obj.num_devices;
-}
-
-void Enqueue(cudaStream_t s, const std::string& what, std::function<void()> run) {
-  Lock lock(S().mu);
-  Push(s, what, [] { return true; }, std::move(run));
-}
-
-bool Drain() {
-  std::unique_lock<std::recursive_mutex> lock(S().mu);
-  State& s = S();
-  auto grace_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(s.config.grace_ms);
-  for (;;) {
-    std::vector<CUstream_st*> ready;
-    bool pending = false;
-    const int64_t effects_before = s.side_effects;
-    for (auto& st : s.streams) {
-      if (st->tasks.empty()) continue;
-      pending = true;
-      if (st->tasks.front().ready()) ready.push_back(st.get());
-    }
-    if (!pending) return true;
-    if (ready.empty() && s.side_effects != effects_before) continue;  // a match enabled more
-    if (ready.empty() && std::chrono::steady_clock::now() < grace_end) {
-      lock.unlock();  // let another host thread (the watchdog) enqueue a release
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      lock.lock();
-      continue;
-    }
-    if (ready.empty()) {
-      std::string text = "deadlock: no stream can progress;";
-      for (auto& st : s.streams)
-        if (!st->tasks.empty())
-          text += " [device " + std::to_string(st->device) + " stream " + std::to_string(st->id) +
-                  " blocked at " + st->tasks.front().what + "]";
-      s.errors.push_back(text);
-      for (auto& st : s.streams) st->tasks.clear();
-      return false;
-    }
-    CUstream_st* pick = ready[std::uniform_int_distribution<size_t>(0, ready.size() - 1)(s.rng)];
-    auto task = std::move(pick->tasks.front());
-    pick->tasks.pop_front();
-    task.run();
-  }
 }
 
 }  // namespace jo::fake

@@ -73,23 +73,35 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   return cudaSuccess;
 }
 
+// Host synchronisation lets the fake GPU run (deterministically) until the
+// stream is idle; if it cannot get there the real call would never return.
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamSynchronize"))
     return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize");
-  // Only the setup stream is ever synchronized; it must not wait on others.
-  while (!s->tasks.empty()) {
-    if (!s->tasks.front().ready())
-      return RtFail(cudaErrorInvalidValue, "cudaStreamSynchronize would block forever");
-    auto task = std::move(s->tasks.front());
-    s->tasks.pop_front();
-    task.run();
-  }
+  if (s->capture != 0)
+    return RtFail(cudaErrorStreamCaptureUnsupported,
+                  "cudaStreamSynchronize on a capturing stream (CUDA programming guide, stream "
+                  "capture: synchronizing or querying a capturing stream is prohibited)");
+  if (!jo::fake::RunUntil([s] { return s->tasks.empty() && !s->running; }))
+    return RtFail(cudaErrorInvalidValue,
+                  "cudaStreamSynchronize would block forever: its work waits behind work that "
+                  "never completes");
   return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
-  jo::fake::Drain();
+  Lock lock(S().mu);
+  const int device = t_device;
+  auto idle = [device] {
+    for (auto& st : S().streams)
+      if (st->device == device && (!st->tasks.empty() || st->running)) return false;
+    return true;
+  };
+  if (!jo::fake::RunUntil(idle))
+    return RtFail(cudaErrorInvalidValue, "cudaDeviceSynchronize on device " +
+                                             std::to_string(device) +
+                                             " would block forever: queued work never completes");
   return cudaSuccess;
 }
 
@@ -97,7 +109,9 @@ static cudaError_t MakeStream(cudaStream_t* out) {
   Lock lock(S().mu);
   auto st = std::make_unique<CUstream_st>();
   st->device = t_device;
+  st->process = jo::fake::t_process;
   st->id = S().stream_ids++;
+  jo::fake::MapOntoQueue(st.get());
   *out = st.get();
   S().streams.push_back(std::move(st));
   return cudaSuccess;
@@ -120,11 +134,48 @@ cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
 }
 cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }  // kept until Reset
 
+// Stream capture: begun and ended by the caller; work on a capturing stream
+// is recorded into the graph, not run (Push drops it here).
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+  Lock lock(S().mu);
+  if (!jo::fake::StreamOk(s, "cudaStreamBeginCapture") || s->capture != 0)
+    return RtFail(cudaErrorIllegalState, "cudaStreamBeginCapture");
+  s->capture = S().next_capture++;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  Lock lock(S().mu);
+  if (!jo::fake::StreamOk(s, "cudaStreamEndCapture") || s->capture == 0)
+    return RtFail(cudaErrorIllegalState, "cudaStreamEndCapture");
+  const uint64_t capture = s->capture;
+  for (auto& st : S().streams)
+    if (st->capture == capture) st->capture = 0;
+  if (graph != nullptr) *graph = nullptr;  // the fake keeps no graphs
+  return cudaSuccess;
+}
+
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamIsCapturing"))
     return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamIsCapturing");
-  *status = cudaStreamCaptureStatusNone;
+  *status = s->capture != 0 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* status,
+                                     unsigned long long* id, cudaGraph_t* graph,
+                                     const cudaGraphNode_t** dependencies,
+                                     const cudaGraphEdgeData** edges, size_t* count) {
+  Lock lock(S().mu);
+  Count("cudaStreamGetCaptureInfo");
+  if (!jo::fake::StreamOk(s, "cudaStreamGetCaptureInfo"))
+    return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamGetCaptureInfo");
+  if (graph != nullptr || dependencies != nullptr || edges != nullptr || count != nullptr)
+    return RtFail(cudaErrorInvalidValue,
+                  "cudaStreamGetCaptureInfo: only the status and the id are modelled");
+  *status = s->capture != 0 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  if (id != nullptr) *id = s->capture;
   return cudaSuccess;
 }
 
@@ -140,13 +191,21 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
 
+// A host query sees the GPU as far as it could have run on the event's device.
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   Lock lock(S().mu);
   Count("cudaEventQuery");
   bool known = false;
   for (auto& ev : S().events) known = known || ev.get() == e;
   if (!known) return cudaErrorInvalidResourceHandle;  // (destroyed by a reset)
-  return e->completed >= e->recorded ? cudaSuccess : cudaErrorNotReady;
+  if (e->captured != 0)
+    return RtFail(cudaErrorStreamCaptureUnsupported,
+                  "cudaEventQuery of an event recorded during stream capture (CUDA programming "
+                  "guide, stream capture: querying the execution status of a captured event is "
+                  "prohibited; a handler must refuse a capturing stream)");
+  jo::fake::RunUntil([e] { return e->completed >= e->recorded || e->abandoned; });
+  if (e->completed >= e->recorded) return cudaSuccess;
+  return e->abandoned ? cudaErrorLaunchFailure : cudaErrorNotReady;
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
@@ -157,10 +216,20 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   if (e->device != s->device)
     return RtFail(cudaErrorInvalidResourceHandle,
                   "cudaEventRecord: event and stream on different devices");
+  if (s->capture != 0) {  // a node of the capture's graph
+    e->captured = s->capture;
+    return cudaSuccess;
+  }
   const int64_t seq = ++e->recorded;
-  jo::fake::Push(
-      s, "cudaEventRecord", [] { return true; },
-      [e, seq] { e->completed = std::max(e->completed, seq); });
+  e->captured = 0;
+  e->abandoned = false;
+  FakeTask task;
+  task.what = "cudaEventRecord";
+  task.ready = [] { return true; };
+  task.run = [e, seq] { e->completed = std::max(e->completed, seq); };
+  task.records = e;
+  jo::fake::Push(s, std::move(task));
+  e->clock = s->clock;  // what this record is ordered after (itself included)
   return cudaSuccess;
 }
 
@@ -169,10 +238,22 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
   Count("cudaStreamWaitEvent");
   if (!jo::fake::StreamOk(s, "cudaStreamWaitEvent") || flags != 0)
     return RtFail(cudaErrorInvalidValue, "cudaStreamWaitEvent");
+  if (e->captured != 0 && s->capture == 0) {
+    s->capture = e->captured;  // waiting on a captured event joins the capture
+    return cudaSuccess;
+  }
+  if (s->capture != 0 && e->captured != s->capture)
+    return RtFail(cudaErrorStreamCaptureIsolation,
+                  "cudaStreamWaitEvent: a capturing stream waits on an event recorded outside "
+                  "its capture");
   const int64_t target = e->recorded;  // the record enqueued before this call
   if (target == 0)
     Fail("cudaStreamWaitEvent on an event never recorded (a no-op on a GPU: a missing dependency)");
   jo::fake::Push(s, "cudaStreamWaitEvent", [e, target] { return e->completed >= target; }, [] {});
+  for (const auto& [st, seq] : e->clock) {  // ordered after everything before the record
+    int64_t& mine = s->clock[st];
+    if (seq > mine) mine = seq;
+  }
   return cudaSuccess;
 }
 
