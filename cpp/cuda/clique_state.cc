@@ -1,5 +1,7 @@
 #include "cuda/clique_state.h"
 
+#include <thread>
+
 #include "cuda/peer_handles.h"
 
 namespace jo::cuda {
@@ -29,13 +31,22 @@ RankResources::~RankResources() {
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
   for (cudaEvent_t e : done) (void)cudaEventDestroy(e);
   for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
+  if (setup_done != nullptr) (void)cudaEventDestroy(setup_done);
   if (setup != nullptr) (void)cudaStreamDestroy(setup);
 }
 
-Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
+Status RankResources::MakeSetup(const ErrorContext& ctx) {
+  if (setup != nullptr) return OkStatus();
+  DeviceGuard guard;
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
-  if (setup == nullptr)
-    JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&setup, cudaStreamNonBlocking));
+  JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&setup_done, cudaEventDisableTiming));
+  JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&setup, cudaStreamNonBlocking));
+  return OkStatus();
+}
+
+Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
+  JO_CHECK(MakeSetup(ctx));
+  JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
   int least = 0, greatest = 0;
   JO_CUDA_CHECK(&ctx, cudaDeviceGetStreamPriorityRange(&least, &greatest));
   while (static_cast<int32_t>(streams.size()) < p.num_streams - 1) {
@@ -75,9 +86,8 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
       if (with_workspace) gen->workspace.push_back(nullptr);
       continue;
     }
+    JO_ASSERT(res.setup != nullptr);  // made before the clique's lock is released (MakeSetup)
     JO_CUDA_CHECK(&ctx, cudaSetDevice(res.device));
-    if (res.setup == nullptr)
-      JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&res.setup, cudaStreamNonBlocking));
     std::unique_ptr<DeviceAlloc> flags;
     JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
                          static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx, &flags));
@@ -87,6 +97,32 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
       JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
                            static_cast<size_t>(2 * gen->workspace_bytes), ctx, &ws));
       gen->workspace.push_back(std::move(ws));
+    }
+  }
+  return OkStatus();
+}
+
+Status AwaitSetup(CliqueState& s, const ErrorContext& ctx) {
+  DeviceGuard guard;
+  for (const auto& res : s.ranks) {
+    if (res->device < 0) continue;
+    JO_CUDA_CHECK(&ctx, cudaSetDevice(res->device));
+    JO_CUDA_CHECK(&ctx, cudaEventRecord(res->setup_done, res->setup));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+  for (const auto& res : s.ranks) {
+    if (res->device < 0) continue;
+    for (;;) {
+      const cudaError_t q = cudaEventQuery(res->setup_done);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) return CudaFailure(q, "cudaEventQuery (buffer set-up)", &ctx);
+      if (std::chrono::steady_clock::now() >= deadline)
+        return Status(Code::kTimeout,
+                      ctx.Describe() + ": zero-filling new buffers on GPU " +
+                          std::to_string(res->device) +
+                          " did not complete within JAXOVERLAP_TIMEOUT_S: earlier work on that "
+                          "GPU is stuck (a peer did not arrive)");
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
   return OkStatus();

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -20,18 +21,21 @@
 #include "core/status.h"
 #include "cuda/check.h"
 #include "cuda/device_memory.h"
+#include "cuda/nccl_comms.h"
 
 namespace jo::cuda {
 
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
-// So buffers are never freed while the clique lives; a new Generation is
-// made, valid from the epoch of the call that needed it (every rank makes
-// the same calls, so every rank switches at the same epoch), and the old
-// ones are kept until the clique is destroyed. Within a generation, calls
-// alternate between two halves by epoch parity (docs/native.md §4; the fork
-// and join of every call on XLA's stream make the host argument hold on the
-// GPU too).
+// So a new Generation is made, valid from the epoch of the call that needed
+// it (every rank makes the same calls, so every rank switches at the same
+// epoch), and an old one is freed only once every rank is past it
+// (CudaClique: this process's ranks have finished a call of a newer
+// generation on the GPU; a peer in another process touches a rank's buffers
+// only before it signals that rank in the same call, which that rank's call
+// waits for). Within a generation, calls alternate between two halves by
+// epoch parity (docs/native.md §4; the fork and join of every call on XLA's
+// stream make the host argument hold on the GPU too).
 struct Generation {
   int64_t since_epoch = 0;
   int64_t workspace_bytes = 0;  // per parity per rank
@@ -64,15 +68,20 @@ struct RankResources {
   // of which calls the GPU has finished.
   std::vector<cudaEvent_t> done;
   static constexpr int64_t kDoneSlots = 32;
+  // The last epoch whose `done` event was recorded (for freeing generations).
+  std::atomic<int64_t> last_epoch{0};
   std::unique_ptr<DeviceAlloc> scratch;
   std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
   cudaStream_t setup = nullptr;                               // zero-fills new buffers
+  cudaEvent_t setup_done = nullptr;  // recorded after the zero-fills, polled (AwaitSetup)
   RankResources() = default;
   RankResources(const RankResources&) = delete;
   RankResources& operator=(const RankResources&) = delete;
   ~RankResources();
   // Grows streams/events/scratch to what `program` needs.
   Status Reserve(const Program& program, const ErrorContext& ctx);
+  // The setup stream and its event (before buffers are zero-filled on it).
+  Status MakeSetup(const ErrorContext& ctx);
 };
 
 // How peers' buffers reach a process (cliques spanning processes).
@@ -89,7 +98,7 @@ struct CliqueState {
   std::chrono::milliseconds timeout{120000};  // bounds waiting for peers in set-up
   Handles handles = Handles::kUnset;          // spanning p2p / multicast (peer_handles.h Negotiate)
   bool peers_enabled = false;
-  std::vector<ncclComm_t> comms;  // nccl: one per rank (null for other processes')
+  std::unique_ptr<NcclComms> nccl;  // transport nccl: this process's ranks' communicators
   std::vector<std::unique_ptr<RankResources>> ranks;
 
   int32_t nranks() const { return static_cast<int32_t>(devices.size()); }
@@ -97,8 +106,17 @@ struct CliqueState {
 };
 
 // This process's ranks' flags and (with_workspace) workspace for `gen`:
-// cudaMalloc'd, or cuMemCreate'd with a fabric handle when peers map them so.
+// cudaMalloc'd, or cuMemCreate'd with a fabric handle when peers map them so;
+// zero-filled on each rank's setup stream (not waited for: AwaitSetup).
 Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
                          const ErrorContext& ctx);
+
+// Waits, polling and at most `s.timeout`, until every local rank's setup
+// stream has run what was enqueued on it (the zero-fills of a new
+// generation), so that no peer can use the buffers before. Never called
+// with a lock held that another rank, the watchdog or a peer needs to make
+// progress: the setup stream may share a hardware queue with earlier calls
+// that wait for peers (CUDA_DEVICE_MAX_CONNECTIONS).
+Status AwaitSetup(CliqueState& s, const ErrorContext& ctx);
 
 }  // namespace jo::cuda

@@ -15,13 +15,22 @@
 // generation, its memory. The clique itself keeps the generations
 // (clique_state.h), the per-rank streams and events, and the base's epochs,
 // agreement check and broken state. Set-up happens in Reserve, at a call's
-// first execution — never under CUDA-graph capture (the handlers are not
-// command-buffer compatible).
+// first execution — never under CUDA-graph capture (the handlers refuse a
+// capturing stream).
+//
+// Locking: the clique's lock guards its state, never a wait for the GPU or
+// for a peer process. A new generation is made with the lock released (its
+// zero-fill is awaited, its handles exchanged); ranks that need it wait for
+// it, ranks still on older epochs go on — their calls are what lets the GPU
+// get to the zero-fill when streams share a hardware queue. The watchdog
+// needs no lock of the clique (the communicators have their own, with
+// leases: nccl_comms.h).
 #pragma once
 
 #include <nccl.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -36,6 +45,13 @@
 #include "cuda/clique_state.h"
 
 namespace jo::cuda {
+
+// What one call gets from Reserve.
+struct Reservation {
+  std::shared_ptr<const Generation> gen;  // held until the call is watched (or done)
+  RankResources* resources = nullptr;
+  NcclComms::Lease comms;  // transport nccl: the rank's communicators, while it enqueues
+};
 
 class CudaClique : public Clique {
  public:
@@ -57,32 +73,55 @@ class CudaClique : public Clique {
   // Reserve, before call `epoch` of `rank` (the agreement check has passed):
   // connects the transport (once), makes a buffer generation as big as
   // `needs` (core/call.h: the same on every rank) when the current one is
-  // smaller, and the rank's streams, events and scratch for `program`.
-  // Returns the generation the call must use, the rank's resources and its
-  // communicator. A failure breaks the clique.
+  // smaller, and the rank's streams, events and scratch for `program`;
+  // frees generations every local rank is past. A failure breaks the clique.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
-                 const ErrorContext& ctx, const Generation** gen, RankResources** resources,
-                 ncclComm_t* comm);
+                 const ErrorContext& ctx, Reservation* out);
 
-  // Aborts the NCCL communicators (the watchdog releasing stuck kernels).
+  // Aborts the NCCL communicators (the watchdog releasing kernels stuck in
+  // NCCL): those no enqueue holds at once, the others when it lets go.
   void AbortComms();
+
+  // Buffer generations alive (for info() and tests).
+  int64_t Generations() const;
 
   std::string Describe() const;
 
+  // CudaClique objects not yet fully destroyed (members included): the last
+  // reference may be dropped on another thread (the watchdog's poll), whose
+  // destructor then frees the buffers after ResetCudaCliques saw it expire.
+  static int Live();
+
  protected:
   int32_t LocalRanks() const override { return state_.local_ranks; }
+  void WakeAll() override { made_.notify_all(); }  // waiters for a generation see the break
 
  private:
-  Status ReserveLocked(const Program& program, const CallNeeds& needs, int64_t epoch,
-                       const ErrorContext& ctx, const Generation** gen, RankResources** resources,
-                       ncclComm_t* comm);  // requires mu_
+  Status ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
+                       const CallNeeds& needs, int64_t epoch, const ErrorContext& ctx,
+                       Reservation* out);
+  // Makes a generation valid from `epoch`; called WITHOUT the lock.
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                       const ErrorContext& ctx);  // requires mu_
+                       const ErrorContext& ctx, std::shared_ptr<Generation>* out);
+  // Moves the generations every local rank is past into `out` (requires mu_).
+  void TakePast(std::vector<std::shared_ptr<Generation>>* out);
+  // Whether each local rank's last enqueued call has finished on the GPU,
+  // waiting for it until `deadline`.
+  bool AwaitIdle(std::chrono::steady_clock::time_point deadline);
 
+  // Counts this object in Live() until every member below is destroyed
+  // (declared first: destroyed last).
+  struct LiveToken {
+    LiveToken();
+    ~LiveToken();
+  } live_;
   mutable std::mutex mu_;
+  std::condition_variable made_;  // a generation was made (or its making failed)
   CliqueState state_;
   bool connected_ = false;
-  std::vector<std::unique_ptr<Generation>> generations_;  // newest last
+  std::vector<std::shared_ptr<Generation>> generations_;  // newest last
+  int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
+  int64_t freed_ = 0;    // generations freed so far
 };
 
 }  // namespace jo::cuda

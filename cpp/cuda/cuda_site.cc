@@ -113,9 +113,31 @@ Status CudaSite::PlanFor(const Caller& caller, const Problem& problem,
   return OkStatus();
 }
 
+namespace {
+
+// The handlers are not command-buffer compatible (no FFI traits): XLA must
+// not capture them into a CUDA graph, whose replays would skip the host side
+// (epochs, the agreement check, the watchdog). Refuse rather than record.
+Status RefuseCapture(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  JO_CUDA_CHECK(nullptr, cudaStreamGetCaptureInfo(stream, &capture, &id));
+  if (capture == cudaStreamCaptureStatusNone) return OkStatus();
+  return Status(Code::kInvalidArgument,
+                std::string(op) +
+                    ": XLA's stream is being captured into a CUDA graph (a command buffer); "
+                    "jaxoverlap's GPU calls cannot run inside one (their host side would not "
+                    "replay). Run without command buffers for them, e.g. "
+                    "XLA_FLAGS=--xla_gpu_enable_command_buffer= (empty list)");
+}
+
+}  // namespace
+
 Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
                          cudaStream_t stream) {
   const char* op = CollectiveName(problem.op);
+  // Before the call takes an epoch: every rank refuses alike, the clique stays usable.
+  JO_CHECK(RefuseCapture(stream, op));
   std::shared_ptr<const Plan> plan;
   JO_CHECK(PlanFor(caller, problem, &plan));
   const Program& program = plan->call.program;
@@ -127,6 +149,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
 
   RunArgs run;
   run.program = &program;
+  run.order = &plan->call.issue;
   run.device = static_cast<int>(caller.device);
   run.stream = stream;
   run.epoch = clique.NextEpoch(ctx.rank);
@@ -134,12 +157,23 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   run.ctx = ctx;
   run.timeout = Millis(desc_.timeout_ms);
   const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
+  Reservation reserved;
   Status status = clique.Agree(where, ctx.rank, run.epoch, plan->signature);
-  if (status.ok())
-    status = clique.Reserve(program, plan->call.needs, run.epoch, ctx, &run.gen, &run.resources,
-                            &run.comm);
-  if (status.ok()) status = EnqueueProgram(run);
+  if (status.ok()) status = clique.Reserve(program, plan->call.needs, run.epoch, ctx, &reserved);
+  // Everything is checked and made before anything is enqueued (PrepareProgram);
+  // then only enqueueing is left, and once it began the call is always joined
+  // into XLA's stream and watched, whatever happens.
+  std::unique_ptr<PreparedCall> prepared;
   if (status.ok()) {
+    run.gen = reserved.gen.get();
+    run.resources = reserved.resources;
+    run.comms = reserved.comms.ForStreams(program.num_streams);
+    status = PrepareProgram(run, &prepared);
+  }
+  bool enqueued = false;
+  if (status.ok()) status = prepared->Execute(&enqueued);
+  reserved.comms.Drop();  // the watchdog may abort the communicators from here on
+  if (enqueued) {
     // The watchdog turns a peer that never arrives into an error, not a hang.
     WatchedCall watched;
     watched.clique = plan->clique;
@@ -147,7 +181,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.device = run.device;
     watched.done = run.resources->done[static_cast<size_t>(run.epoch % RankResources::kDoneSlots)];
     watched.epoch = run.epoch;
-    watched.gen = run.gen;
+    watched.gen = reserved.gen;
     std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
     for (const Op& o : program.ops)
       if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
@@ -158,8 +192,9 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.slots = RankResources::kDoneSlots;
     const cudaError_t recorded = cudaEventRecord(watched.done, stream);
     if (recorded == cudaSuccess) {
+      run.resources->last_epoch = run.epoch;
       Watch(std::move(watched));
-    } else {
+    } else if (status.ok()) {
       status = CudaFailure(recorded, "cudaEventRecord(done)", &ctx);
     }
   }
@@ -190,6 +225,10 @@ void ResetCudaCliques() {
   for (const auto& weak : gone)
     while (!weak.expired() && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Expired is not destroyed: the destructor may still be running on the thread
+  // that dropped the last reference.
+  while (CudaClique::Live() > 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 }  // namespace jo::cuda

@@ -53,11 +53,8 @@ Status Alloc(int device, size_t bytes, cudaStream_t zero_on, const ErrorContext&
   alloc->bytes = bytes;
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
   JO_CUDA_CHECK(&ctx, cudaMalloc(&alloc->ptr, bytes == 0 ? 1 : bytes));
-  if (zero_on != nullptr && bytes > 0) {
-    // A private stream: never waits for (possibly flag-blocked) work of the call streams.
+  if (zero_on != nullptr && bytes > 0)
     JO_CUDA_CHECK(&ctx, cudaMemsetAsync(alloc->ptr, 0, bytes, zero_on));
-    JO_CUDA_CHECK(&ctx, cudaStreamSynchronize(zero_on));
-  }
   *out = std::move(alloc);
   return OkStatus();
 }

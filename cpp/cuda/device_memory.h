@@ -84,8 +84,8 @@ class Fds {
 
 size_t RoundUp(size_t v, size_t to);
 
-// cudaMalloc on `device`, zero-filled on `zero_on` (a private stream: it
-// never waits for possibly flag-blocked work of the call streams).
+// cudaMalloc on `device`, zero-filled on stream `zero_on` (enqueued, not
+// waited for: the caller polls, clique_state.h AwaitSetup).
 Status Alloc(int device, size_t bytes, cudaStream_t zero_on, const ErrorContext& ctx,
              std::unique_ptr<DeviceAlloc>* out);
 

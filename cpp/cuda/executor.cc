@@ -68,77 +68,81 @@ ncclDataType_t NcclType(DType dtype) {
   return ncclFloat32;
 }
 
+// One op, checked and resolved: what Execute hands to the API.
+struct Step {
+  cudaStream_t stream = nullptr;
+  std::byte* src = nullptr;     // Copy, Send; Gemm: C when it must be copied into D first
+  std::byte* dst = nullptr;     // Copy, Recv
+  BlockArgs block;              // Add, McStore, McReduce
+  GemmArgs gemm;                // Gemm
+  bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
+  CUdeviceptr flag = 0;         // Signal, Wait
+  cudaEvent_t event = nullptr;  // Record, StreamWait
+  ncclComm_t comm = nullptr;    // Send, Recv
+};
+
+}  // namespace
+
 class Enqueuer {
  public:
   explicit Enqueuer(const RunArgs& a)
-      : a_(a),
-        p_(*a.program),
-        es_(DTypeSize(p_.problem.dtype)),
-        ctx_(&a.ctx),
-        recorded_(p_.num_events, false) {}
+      : a_(a), p_(*a.program), es_(DTypeSize(p_.problem.dtype)), ctx_(&a.ctx) {}
 
-  Status Run() {
+  Status Prepare() {
+    JO_CHECK(LoadDriver(&drv_));
+    JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
+    JO_ASSERT(a_.order != nullptr && a_.resources != nullptr && a_.gen != nullptr);
+    JO_ASSERT(static_cast<int32_t>(a_.resources->streams.size()) >= p_.num_streams - 1);
+    JO_ASSERT(a_.resources->events.size() >= static_cast<size_t>(p_.num_events + p_.num_streams));
+    // The issue order names every op exactly once.
+    std::vector<int> issued(p_.ops.size(), 0);
+    for (const IssueUnit& unit : *a_.order)
+      for (int32_t i = unit.begin; i < unit.end; ++i) {
+        JO_ASSERT(i >= 0 && static_cast<size_t>(i) < p_.ops.size());
+        ++issued[static_cast<size_t>(i)];
+      }
+    for (size_t i = 0; i < issued.size(); ++i)
+      if (issued[i] != 1)
+        return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
+                        " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
+    steps_.resize(p_.ops.size());
+    for (size_t i = 0; i < p_.ops.size(); ++i) {
+      const Status status = PrepareOp(p_.ops[i], &steps_[i]);
+      if (!status.ok())
+        return Status(status.code(), status.message() + "; while preparing " + ToString(p_.ops[i]) +
+                                         " on stream " + std::to_string(p_.ops[i].stream));
+    }
+    return OkStatus();
+  }
+
+  Status Execute(bool* enqueued) {
     // "jaxoverlap ag_matmul nccl rank 2 epoch 7": the call, around its enqueue.
     const NvtxRange call_range([&] {
       return "jaxoverlap " + Label() + " rank " + std::to_string(p_.problem.rank) + " epoch " +
              std::to_string(a_.epoch);
     });
-    JO_CHECK(LoadDriver(&drv_));
+    *enqueued = false;
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
-    JO_CHECK(Fork());
-    // Units: one op, or one NCCL group (consecutive Send/Recv of one stream and group).
-    const std::vector<Op>& ops = p_.ops;
-    std::vector<std::pair<size_t, size_t>> units;
-    for (size_t i = 0; i < ops.size();) {
-      size_t end = i + 1;
-      if (ops[i].kind == OpKind::kSend || ops[i].kind == OpKind::kRecv)
-        while (end < ops.size() &&
-               (ops[end].kind == OpKind::kSend || ops[end].kind == OpKind::kRecv) &&
-               ops[end].bundle == ops[i].bundle && ops[end].stream == ops[i].stream)
-          ++end;
-      units.emplace_back(i, end);
-      i = end;
+    *enqueued = true;  // from here on work may reach the GPU: the caller must watch it
+    bool forked = false;
+    Status status = Fork(&forked);
+    for (size_t u = 0; u < a_.order->size() && status.ok(); ++u) {
+      const IssueUnit& unit = (*a_.order)[u];
+      const Op& op = p_.ops[static_cast<size_t>(unit.begin)];
+      const NvtxRange range([&] { return UnitName(op, static_cast<size_t>(unit.begin)); });
+      status =
+          IsNccl(op.kind) ? NcclGroup(unit) : Exec(op, steps_[static_cast<size_t>(unit.begin)]);
+      if (!status.ok())
+        status = Status(status.code(), status.message() + "; while enqueueing " + ToString(op) +
+                                           " on stream " + std::to_string(op.stream));
     }
-    // Enqueue in list order, except that a StreamWait whose Record is listed
-    // later (fine for the host executor's one-shot events) is deferred, with
-    // the rest of its stream, until the Record is enqueued:
-    // cudaStreamWaitEvent waits for the record enqueued BEFORE it.
-    std::vector<std::vector<size_t>> deferred(static_cast<size_t>(p_.num_streams));
-    auto blocked = [&](size_t u) {
-      const Op& op = ops[units[u].first];
-      return op.kind == OpKind::kStreamWait && op.id >= 0 && op.id < p_.num_events &&
-             !recorded_[op.id];
-    };
-    auto flush = [&]() -> Status {
-      for (bool progress = true; progress;) {
-        progress = false;
-        for (auto& queue : deferred)
-          while (!queue.empty() && !blocked(queue.front())) {
-            JO_CHECK(EnqueueUnit(units[queue.front()]));
-            queue.erase(queue.begin());
-            progress = true;
-          }
-      }
-      return OkStatus();
-    };
-    for (size_t u = 0; u < units.size(); ++u) {
-      auto& queue = deferred[static_cast<size_t>(ops[units[u].first].stream)];
-      if (!queue.empty() || blocked(u)) {
-        queue.push_back(u);
-        continue;
-      }
-      JO_CHECK(EnqueueUnit(units[u]));
-      if (ops[units[u].first].kind == OpKind::kRecord) JO_CHECK(flush());
+    // Once forked, always joined: XLA's stream must not run ahead of work
+    // that still reads x or writes y, even when enqueueing failed half-way.
+    if (forked) {
+      const Status joined = Join();
+      if (status.ok()) status = joined;
     }
-    JO_CHECK(flush());
-    for (const auto& queue : deferred)
-      if (!queue.empty())
-        return Internal(a_.ctx.Describe() +
-                        ": program has a StreamWait whose event is never "
-                        "recorded before it on any stream: " +
-                        ToString(ops[units[queue.front()].first]));
-    JO_CHECK(Join());
-    return OkStatus();
+    return status;
   }
 
  private:
@@ -157,17 +161,7 @@ class Enqueuer {
     return name + " stream " + std::to_string(op.stream) + " #" + std::to_string(index);
   }
 
-  Status EnqueueUnit(const std::pair<size_t, size_t>& unit) {
-    const Op& op = p_.ops[unit.first];
-    const NvtxRange range([&] { return UnitName(op, unit.first); });
-    Status status = (op.kind == OpKind::kSend || op.kind == OpKind::kRecv)
-                        ? NcclGroup(unit.first, unit.second)
-                        : Exec(op);
-    if (!status.ok())
-      return Status(status.code(), status.message() + "; while enqueueing " + ToString(op) +
-                                       " on stream " + std::to_string(op.stream));
-    return OkStatus();
-  }
+  static bool IsNccl(OpKind kind) { return kind == OpKind::kSend || kind == OpKind::kRecv; }
 
   cudaStream_t Stream(int32_t s) const {
     return s == 0 ? a_.stream : a_.resources->streams[static_cast<size_t>(s - 1)];
@@ -177,20 +171,25 @@ class Enqueuer {
     return a_.resources->events[static_cast<size_t>(p_.num_events + s)];
   }
 
-  Status Fork() {
+  Status Fork(bool* forked) {
     if (p_.num_streams <= 1) return OkStatus();
     JO_CUDA_CHECK(ctx_, cudaEventRecord(ForkEvent(), a_.stream));
+    *forked = true;  // the comm streams may now hold our work: join whatever happens
     for (int32_t s = 1; s < p_.num_streams; ++s)
       JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(Stream(s), ForkEvent(), 0));
     return OkStatus();
   }
 
+  // Best effort on every stream (a failed record must not skip the others).
   Status Join() {
+    Status first = OkStatus();
     for (int32_t s = 1; s < p_.num_streams; ++s) {
-      JO_CUDA_CHECK(ctx_, cudaEventRecord(JoinEvent(s), Stream(s)));
-      JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(a_.stream, JoinEvent(s), 0));
+      cudaError_t code = cudaEventRecord(JoinEvent(s), Stream(s));
+      if (code == cudaSuccess) code = cudaStreamWaitEvent(a_.stream, JoinEvent(s), 0);
+      if (code != cudaSuccess && first.ok())
+        first = CudaFailure(code, "join of the comm streams into XLA's stream", ctx_);
     }
-    return OkStatus();
+    return first;
   }
 
   std::byte* Resolve(const Ref& ref) const {
@@ -219,67 +218,151 @@ class Enqueuer {
     return base == nullptr ? nullptr : base + ref.offset * es_;
   }
 
-  Status Exec(const Op& op) {
-    const cudaStream_t stream = Stream(op.stream);
+  Status PrepareOp(const Op& op, Step* step) {
+    JO_ASSERT(op.stream >= 0 && op.stream < p_.num_streams);
+    step->stream = Stream(op.stream);
     switch (op.kind) {
       case OpKind::kGemm:
-        return Gemm(op, stream);
-      case OpKind::kAdd: {
-        BlockArgs b = Block(op, Resolve(op.a), op.a, Resolve(op.d), op.d);
-        JO_ASSERT(b.src != nullptr && b.dst != nullptr);
-        return LaunchAddBlock(b, stream, a_.ctx);
-      }
-      case OpKind::kCopy: {
-        std::byte* src = Resolve(op.a);
-        std::byte* dst = Resolve(op.d);
-        JO_ASSERT(src != nullptr && dst != nullptr);
-        return CopyBlock(op, src, op.a, dst, op.d, stream);
-      }
+        return PrepareGemm(op, step);
+      case OpKind::kAdd:
+        step->block = Block(op, Resolve(op.a), op.a, Resolve(op.d), op.d);
+        JO_ASSERT(step->block.src != nullptr && step->block.dst != nullptr);
+        return OkStatus();
+      case OpKind::kCopy:
+        step->src = Resolve(op.a);
+        step->dst = Resolve(op.d);
+        JO_ASSERT(step->src != nullptr && step->dst != nullptr);
+        return OkStatus();
       case OpKind::kMcStore: {
         std::byte* mc = a_.gen->MulticastAddress(a_.epoch);
         JO_ASSERT(mc != nullptr);
-        BlockArgs b = Block(op, Resolve(op.a), op.a, mc + op.d.offset * es_, op.d);
-        JO_ASSERT(b.src != nullptr);
-        return LaunchMcStore(b, stream, a_.ctx);
+        step->block = Block(op, Resolve(op.a), op.a, mc + op.d.offset * es_, op.d);
+        JO_ASSERT(step->block.src != nullptr);
+        return OkStatus();
       }
       case OpKind::kMcReduce: {
         std::byte* mc = a_.gen->MulticastAddress(a_.epoch);
         JO_ASSERT(mc != nullptr);
-        BlockArgs b = Block(op, mc + op.a.offset * es_, op.a, Resolve(op.d), op.d);
-        JO_ASSERT(b.dst != nullptr);
-        return LaunchMcReduce(b, stream, a_.ctx);
-      }
-      case OpKind::kSignal: {
-        JO_ASSERT(op.peer >= 0 && op.peer < p_.problem.nranks && op.id < a_.gen->num_flags);
-        // Default flags: the write is fenced after every prior write of the stream.
-        JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(
-                              reinterpret_cast<CUstream>(stream),
-                              a_.gen->Flag(op.peer, a_.epoch, op.id, p_.problem.rank),
-                              static_cast<cuuint32_t>(a_.epoch), CU_STREAM_WRITE_VALUE_DEFAULT));
+        step->block = Block(op, mc + op.a.offset * es_, op.a, Resolve(op.d), op.d);
+        JO_ASSERT(step->block.dst != nullptr);
         return OkStatus();
       }
-      case OpKind::kWait: {
+      case OpKind::kSignal:
+        JO_ASSERT(op.peer >= 0 && op.peer < p_.problem.nranks && op.id >= 0 &&
+                  op.id < a_.gen->num_flags);
+        step->flag = a_.gen->Flag(op.peer, a_.epoch, op.id, p_.problem.rank);
+        return OkStatus();
+      case OpKind::kWait:
         JO_ASSERT(op.id >= 0 && op.id < a_.gen->num_flags);
-        // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
-        JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(
-                              reinterpret_cast<CUstream>(stream),
-                              a_.gen->Flag(p_.problem.rank, a_.epoch, op.id, p_.problem.rank),
-                              static_cast<cuuint32_t>(a_.epoch), CU_STREAM_WAIT_VALUE_GEQ));
+        step->flag = a_.gen->Flag(p_.problem.rank, a_.epoch, op.id, p_.problem.rank);
         return OkStatus();
-      }
       case OpKind::kRecord:
-        JO_ASSERT(op.id >= 0 && op.id < p_.num_events);
-        JO_CUDA_CHECK(ctx_, cudaEventRecord(a_.resources->events[op.id], stream));
-        recorded_[op.id] = true;
-        return OkStatus();
       case OpKind::kStreamWait:
         JO_ASSERT(op.id >= 0 && op.id < p_.num_events);
-        JO_ASSERT(recorded_[op.id]);  // Run() defers StreamWaits until their Record
-        JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(stream, a_.resources->events[op.id], 0));
+        step->event = a_.resources->events[static_cast<size_t>(op.id)];
+        return OkStatus();
+      case OpKind::kSend:
+      case OpKind::kRecv: {
+        const bool send = op.kind == OpKind::kSend;
+        const Ref& ref = send ? op.a : op.d;
+        (send ? step->src : step->dst) = Resolve(ref);
+        JO_ASSERT((send ? step->src : step->dst) != nullptr && op.peer >= 0 &&
+                  op.peer < p_.problem.nranks);
+        if (ref.ld != op.n)
+          return Internal(a_.ctx.Describe() + ": NCCL block rows must be dense (ld " +
+                          std::to_string(ref.ld) + " != n " + std::to_string(op.n) + ")");
+        if (static_cast<size_t>(op.stream) >= a_.comms.size() ||
+            a_.comms[static_cast<size_t>(op.stream)] == nullptr)
+          return Internal(a_.ctx.Describe() + ": no NCCL communicator for stream " +
+                          std::to_string(op.stream));
+        step->comm = a_.comms[static_cast<size_t>(op.stream)];
+        return OkStatus();
+      }
+    }
+    return Internal("unknown op kind");
+  }
+
+  Status PrepareGemm(const Op& op, Step* step) {
+    GemmArgs& g = step->gemm;
+    g.dtype = p_.problem.dtype;
+    g.batch = op.batch;
+    g.m = op.m;
+    g.n = op.n;
+    g.k = op.k;
+    g.a = Resolve(op.a);
+    g.a_bs = op.a.batch_stride;
+    g.a_ld = op.a.ld;
+    g.w = Resolve(op.b);  // W: one matrix for every batch (batch stride 0 in cuBLASLt)
+    g.w_ld = op.b.ld;
+    g.d = Resolve(op.d);
+    g.d_bs = op.d.batch_stride;
+    g.d_ld = op.d.ld;
+    JO_ASSERT(g.a != nullptr && g.w != nullptr && g.d != nullptr);
+    if (op.accumulate) {
+      std::byte* c = Resolve(op.c);
+      JO_ASSERT(c != nullptr);
+      if (c != g.d && (op.c.ld != op.d.ld || op.c.batch_stride != op.d.batch_stride)) {
+        // cuBLASLt's out-of-place form needs equal layouts: bring C into D first.
+        step->copy_c = true;
+        step->src = c;
+        c = static_cast<std::byte*>(g.d);
+      }
+      g.c = c;
+      g.c_bs = c == g.d ? op.d.batch_stride : op.c.batch_stride;
+      g.c_ld = c == g.d ? op.d.ld : op.c.ld;
+    }
+    // Batches laid out back to back (every row the same ld apart) are one
+    // taller GEMM: fewer, larger cuBLASLt calls, and no stride-0 W.
+    if (g.batch > 1 && g.a_bs == g.m * g.a_ld && g.d_bs == g.m * g.d_ld &&
+        (g.c == nullptr || g.c_bs == g.m * g.c_ld)) {
+      g.m *= g.batch;
+      g.batch = 1;
+      g.a_bs = g.d_bs = g.c_bs = 0;
+    }
+    return PrepareLtMatmul(a_.device, g, step->stream, a_.ctx);
+  }
+
+  Status Exec(const Op& op, const Step& step) {
+    switch (op.kind) {
+      case OpKind::kGemm:
+        if (step.copy_c) {
+          Op copy = op;
+          copy.k = 0;
+          JO_CHECK(CopyBlock(copy, step.src, op.c, static_cast<std::byte*>(step.gemm.d), op.d,
+                             step.stream));
+        }
+        return LtMatmul(a_.device, step.gemm, step.stream, a_.ctx);
+      case OpKind::kAdd:
+        return LaunchAddBlock(step.block, step.stream, a_.ctx);
+      case OpKind::kCopy:
+        return CopyBlock(op, step.src, op.a, step.dst, op.d, step.stream);
+      case OpKind::kMcStore:
+        return LaunchMcStore(step.block, step.stream, a_.ctx);
+      case OpKind::kMcReduce:
+        return LaunchMcReduce(step.block, step.stream, a_.ctx);
+      case OpKind::kSignal:
+        // Default flags: the write is fenced after every prior write of the stream.
+        JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(step.stream),
+                                                     step.flag, static_cast<cuuint32_t>(a_.epoch),
+                                                     CU_STREAM_WRITE_VALUE_DEFAULT));
+        return OkStatus();
+      case OpKind::kWait:
+        // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
+        JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(step.stream),
+                                                    step.flag, static_cast<cuuint32_t>(a_.epoch),
+                                                    CU_STREAM_WAIT_VALUE_GEQ));
+        return OkStatus();
+      case OpKind::kRecord:
+        JO_CUDA_CHECK(ctx_, cudaEventRecord(step.event, step.stream));
+        return OkStatus();
+      case OpKind::kStreamWait:
+        // The issue order puts every StreamWait after its Record (cudaStreamWaitEvent
+        // waits for the record enqueued BEFORE it).
+        JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(step.stream, step.event, 0));
         return OkStatus();
       case OpKind::kSend:
       case OpKind::kRecv:
-        break;  // handled as groups
+        break;  // issued as groups
     }
     return Internal("unknown op kind");
   }
@@ -318,53 +401,14 @@ class Enqueuer {
     return OkStatus();
   }
 
-  Status Gemm(const Op& op, cudaStream_t stream) {
-    GemmArgs g;
-    g.dtype = p_.problem.dtype;
-    g.batch = op.batch;
-    g.m = op.m;
-    g.n = op.n;
-    g.k = op.k;
-    g.a = Resolve(op.a);
-    g.a_bs = op.a.batch_stride;
-    g.a_ld = op.a.ld;
-    g.w = Resolve(op.b);  // W: one matrix for every batch (batch stride 0 in cuBLASLt)
-    g.w_ld = op.b.ld;
-    g.d = Resolve(op.d);
-    g.d_bs = op.d.batch_stride;
-    g.d_ld = op.d.ld;
-    JO_ASSERT(g.a != nullptr && g.w != nullptr && g.d != nullptr);
-    if (op.accumulate) {
-      std::byte* c = Resolve(op.c);
-      JO_ASSERT(c != nullptr);
-      if (c != g.d && (op.c.ld != op.d.ld || op.c.batch_stride != op.d.batch_stride)) {
-        // cuBLASLt's out-of-place form needs equal layouts: bring C into D first.
-        Op copy = op;
-        copy.k = 0;
-        JO_CHECK(CopyBlock(copy, c, op.c, static_cast<std::byte*>(g.d), op.d, stream));
-        c = static_cast<std::byte*>(g.d);
-      }
-      g.c = c;
-      g.c_bs = c == g.d ? op.d.batch_stride : op.c.batch_stride;
-      g.c_ld = c == g.d ? op.d.ld : op.c.ld;
-    }
-    // Batches laid out back to back (every row the same ld apart) are one
-    // taller GEMM: fewer, larger cuBLASLt calls, and no stride-0 W.
-    if (g.batch > 1 && g.a_bs == g.m * g.a_ld && g.d_bs == g.m * g.d_ld &&
-        (g.c == nullptr || g.c_bs == g.m * g.c_ld)) {
-      g.m *= g.batch;
-      g.batch = 1;
-      g.a_bs = g.d_bs = g.c_bs = 0;
-    }
-    return LtMatmul(a_.device, g, stream, a_.ctx);
-  }
-
-  Status NcclGroup(size_t begin, size_t end) {
-    JO_ASSERT(a_.comm != nullptr);
+  // The Send/Recv of one bundle: one NCCL group on their stream's communicator.
+  Status NcclGroup(const IssueUnit& unit) {
+    const ncclComm_t comm = steps_[static_cast<size_t>(unit.begin)].comm;
     const ncclDataType_t type = NcclType(p_.problem.dtype);
     JO_NCCL_CHECK(ctx_, ncclGroupStart());
     Status status;
-    for (size_t i = begin; i < end && status.ok(); ++i) status = NcclOp(p_.ops[i], type);
+    for (int32_t i = unit.begin; i < unit.end && status.ok(); ++i)
+      status = NcclOp(p_.ops[static_cast<size_t>(i)], steps_[static_cast<size_t>(i)], type);
     // Always close the group, even after a failure inside it.
     const ncclResult_t closed = ncclGroupEnd();
     JO_CHECK(status);
@@ -372,32 +416,26 @@ class Enqueuer {
     // Non-blocking communicator: the first send/recv to a peer connects to it
     // on the host, which needs the peer; bounded by the call's timeout.
     if (closed == ncclInProgress)
-      JO_CHECK(AwaitNccl(a_.comm, std::chrono::steady_clock::now() + a_.timeout,
+      JO_CHECK(AwaitNccl(comm, std::chrono::steady_clock::now() + a_.timeout,
                          "ncclGroupEnd (send/recv)", ctx_));
     return OkStatus();
   }
 
   // A block is sent per batch (each batch's m x n rows must be dense): both
   // sides of a pair issue the same number of calls of the same sizes in the
-  // same order, which is how NCCL matches sends with receives.
-  Status NcclOp(const Op& op, ncclDataType_t type) {
-    const cudaStream_t stream = Stream(op.stream);
+  // same order, which is how NCCL matches sends with receives. Never merged
+  // when one side happens to be dense: the peer's side may be strided.
+  Status NcclOp(const Op& op, const Step& step, ncclDataType_t type) {
     const bool send = op.kind == OpKind::kSend;
     const Ref& ref = send ? op.a : op.d;
-    std::byte* base = Resolve(ref);
-    JO_ASSERT(base != nullptr && op.peer >= 0 && op.peer < p_.problem.nranks);
-    if (ref.ld != op.n)
-      return Internal(a_.ctx.Describe() + ": NCCL block rows must be dense (ld " +
-                      std::to_string(ref.ld) + " != n " + std::to_string(op.n) + ")");
-    // Always one call per batch (never merged when one side happens to be
-    // dense): the peer's side of the pair may be strided.
+    std::byte* base = send ? step.src : step.dst;
     const size_t count = static_cast<size_t>(op.m * op.n);
     for (int64_t b = 0; b < op.batch; ++b) {
       std::byte* ptr = base + b * ref.batch_stride * es_;
       if (send) {
-        JO_NCCL_CHECK_ASYNC(ctx_, ncclSend(ptr, count, type, op.peer, a_.comm, stream));
+        JO_NCCL_CHECK_ASYNC(ctx_, ncclSend(ptr, count, type, op.peer, step.comm, step.stream));
       } else {
-        JO_NCCL_CHECK_ASYNC(ctx_, ncclRecv(ptr, count, type, op.peer, a_.comm, stream));
+        JO_NCCL_CHECK_ASYNC(ctx_, ncclRecv(ptr, count, type, op.peer, step.comm, step.stream));
       }
     }
     return OkStatus();
@@ -408,14 +446,19 @@ class Enqueuer {
   const int64_t es_;
   const ErrorContext* ctx_;
   const DriverApi* drv_ = nullptr;
-  std::vector<bool> recorded_;
+  std::vector<Step> steps_;
 };
 
-}  // namespace
+PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}
+PreparedCall::~PreparedCall() = default;
 
-Status EnqueueProgram(const RunArgs& args) {
-  Enqueuer enqueuer(args);
-  return enqueuer.Run();
+Status PreparedCall::Execute(bool* enqueued) { return enqueuer_->Execute(enqueued); }
+
+Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
+  auto enqueuer = std::make_unique<Enqueuer>(args);
+  JO_CHECK(enqueuer->Prepare());
+  out->reset(new PreparedCall(std::move(enqueuer)));
+  return OkStatus();
 }
 
 }  // namespace jo::cuda

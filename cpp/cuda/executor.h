@@ -4,7 +4,9 @@
 //   Gemm        cuBLASLt matmul on the op's stream (gemm.h has the layout mapping)
 //   Add         AddBlock kernel
 //   Copy        cudaMemcpyAsync / cudaMemcpy2DAsync (to the peer's mapping: copy engine)
-//   Send/Recv   ncclSend / ncclRecv, ops of one `group` inside ncclGroupStart/End
+//   Send/Recv   ncclSend / ncclRecv, ops of one `bundle` inside ncclGroupStart/End, on the
+//               communicator of their stream (one per comm stream: NCCL serialises the
+//               launches of one communicator across streams)
 //   McStore     multimem.st kernel through the multicast address
 //   McReduce    multimem.ld_reduce kernel through the multicast address
 //   Signal      cuStreamWriteValue32(peer's flag, epoch)   (default: with a memory fence)
@@ -14,32 +16,72 @@
 // (high-priority, non-blocking). They are forked from XLA's stream with an
 // event at the start and joined back into it at the end, so XLA sees one
 // ordinary op on its stream. Nothing here blocks the host.
+//
+// Two phases, so that a call is never left half-enqueued:
+//  * Prepare checks every op and makes everything it needs (pointers,
+//    cuBLASLt plans and workspaces) without enqueueing anything: a failure
+//    there leaves the GPU untouched.
+//  * Execute only enqueues: the fork, the units in the plan's issue order
+//    (core/issue_order.h: it completes even when every stream of the device
+//    shares one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1), the join.
+//    Once the fork is enqueued the join always is too, even after a failure
+//    in between, so XLA's stream never runs ahead of work that reads x and
+//    writes y.
 #pragma once
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <memory>
+#include <vector>
+
 #include "core/call.h"
+#include "core/issue_order.h"
 #include "core/program.h"
 #include "core/status.h"
 #include "cuda/check.h"
-#include "cuda/cuda_clique.h"
+#include "cuda/clique_state.h"
 
 namespace jo::cuda {
 
 struct RunArgs {
   const Program* program = nullptr;
+  const std::vector<IssueUnit>* order = nullptr;  // the plan's issue order
   int device = -1;
   cudaStream_t stream = nullptr;  // XLA's stream (program stream 0)
   int64_t epoch = 0;
   const Generation* gen = nullptr;
   RankResources* resources = nullptr;
-  ncclComm_t comm = nullptr;
+  // NCCL: the communicator of each program stream (index = stream; null
+  // where the stream issues no Send/Recv). Held by the caller's lease.
+  std::vector<ncclComm_t> comms;
   CallBuffers io;
   ErrorContext ctx;
   std::chrono::milliseconds timeout{0};  // for host-side NCCL progress (AwaitNccl)
 };
 
-Status EnqueueProgram(const RunArgs& args);
+class Enqueuer;
+
+// One call ready to enqueue: every op checked, every pointer resolved,
+// every cuBLASLt plan made.
+class PreparedCall {
+ public:
+  ~PreparedCall();
+  PreparedCall(const PreparedCall&) = delete;
+  PreparedCall& operator=(const PreparedCall&) = delete;
+
+  // Enqueues the call. `*enqueued` says whether work may have reached the
+  // GPU (the caller must then watch the call, whatever the status); if the
+  // comm streams were forked, they were joined back too.
+  Status Execute(bool* enqueued);
+
+ private:
+  friend Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out);
+  explicit PreparedCall(std::unique_ptr<Enqueuer> enqueuer);
+  std::unique_ptr<Enqueuer> enqueuer_;
+};
+
+// Checks and prepares `args` (nothing is enqueued). `args` must outlive the result.
+Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out);
 
 }  // namespace jo::cuda

@@ -156,9 +156,9 @@ Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64
   return OkStatus();
 }
 
-}  // namespace
-
-Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx) {
+// Makes (or finds) the handle, workspace and plan; enqueues the matmul when `enqueue`.
+Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx,
+              bool enqueue) {
   const bool accumulate = g.c != nullptr;
   // beta = 0: C is not read; describe it as D (cuBLASLt's in-place form).
   const void* c = accumulate ? g.c : g.d;
@@ -201,6 +201,7 @@ Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorC
     JO_CHECK(MakePlan(cache.handle.value, g, c, c_bs, c_ld, ctx, fresh.get()));
     plan = std::move(fresh);
   }
+  if (!enqueue) return OkStatus();
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
   JO_CUBLAS_CHECK(
@@ -208,6 +209,17 @@ Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorC
                            plan->b.value, &beta, c, plan->c.value, g.d, plan->d.value,
                            &plan->heuristic.algo, ws->ptr, plan->heuristic.workspaceSize, stream));
   return OkStatus();
+}
+
+}  // namespace
+
+Status PrepareLtMatmul(int device, const GemmArgs& g, cudaStream_t stream,
+                       const ErrorContext& ctx) {
+  return Matmul(device, g, stream, ctx, /*enqueue=*/false);
+}
+
+Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx) {
+  return Matmul(device, g, stream, ctx, /*enqueue=*/true);
 }
 
 void ReleaseGemmCaches() {

@@ -52,7 +52,13 @@ struct GemmArgs {
   int64_t d_bs = 0, d_ld = 0;
 };
 
-// Runs the GEMM on `stream` of the current device.
+// Makes everything the GEMM needs on `stream` (handle, workspace, plan) and
+// enqueues nothing: the executor's prepare phase, so that enqueueing cannot
+// fail half-way for want of a plan.
+Status PrepareLtMatmul(int device, const GemmArgs& args, cudaStream_t stream,
+                       const ErrorContext& ctx);
+
+// Runs the GEMM on `stream` of the current device (preparing it first if needed).
 Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // Frees every cached handle and workspace (tests and process exit).

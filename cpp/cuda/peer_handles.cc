@@ -135,7 +135,6 @@ Status AllocShared(CliqueState& s, int32_t rank, size_t bytes, const ErrorContex
   JO_CHECK(MapForDevices(alloc.get(), s.local_devices, gran, ctx));
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
   JO_CUDA_CHECK(&ctx, cudaMemsetAsync(alloc->ptr, 0, alloc->mapped_bytes, setup));
-  JO_CUDA_CHECK(&ctx, cudaStreamSynchronize(setup));
   *out = std::move(alloc);
   return OkStatus();
 }

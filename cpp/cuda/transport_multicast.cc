@@ -85,8 +85,7 @@ Status AllocMulticast(CliqueState& s, Generation* gen, const ErrorContext& ctx) 
     JO_CUDA_CHECK(&ctx, cudaSetDevice(s.devices[r]));
     cudaStream_t setup = s.ranks[r]->setup;
     JO_CUDA_CHECK(&ctx, cudaMemsetAsync(reinterpret_cast<void*>(region->unicast[r]), 0,
-                                        region->bytes, setup));
-    JO_CUDA_CHECK(&ctx, cudaStreamSynchronize(setup));
+                                        region->bytes, setup));  // awaited by AwaitSetup
   }
   gen->multicast = std::move(region);
   return OkStatus();
@@ -95,6 +94,7 @@ Status AllocMulticast(CliqueState& s, Generation* gen, const ErrorContext& ctx) 
 Status MulticastAllocBuffers(CliqueState& s, Generation* gen, const ErrorContext& ctx) {
   JO_CHECK(AllocLocalBuffers(s, gen, /*with_workspace=*/false, ctx));
   if (gen->workspace_bytes > 0) JO_CHECK(AllocMulticast(s, gen, ctx));
+  JO_CHECK(AwaitSetup(s, ctx));  // zero before any peer can use them
   // Peers signal into our flags: across processes they map them.
   if (s.spans_processes()) JO_CHECK(ImportPeerBuffers(s, gen, /*with_workspace=*/false, ctx));
   return OkStatus();

@@ -38,6 +38,7 @@ Status EnablePeerAccess(CliqueState& s, const ErrorContext& ctx) {
 
 Status P2pAllocBuffers(CliqueState& s, Generation* gen, const ErrorContext& ctx) {
   JO_CHECK(AllocLocalBuffers(s, gen, /*with_workspace=*/true, ctx));
+  JO_CHECK(AwaitSetup(s, ctx));  // zero before any peer can use them
   if (s.spans_processes()) JO_CHECK(ImportPeerBuffers(s, gen, /*with_workspace=*/true, ctx));
   return OkStatus();
 }

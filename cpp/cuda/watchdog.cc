@@ -15,6 +15,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(20);
+constexpr auto kFlagRead = std::chrono::milliseconds(500);  // bound on reading the flags
 
 struct Entry {
   std::deque<WatchedCall> calls;  // pending, oldest first
@@ -97,6 +98,9 @@ class Watchdog {
   // Report, break, release (see the header). Best effort: every step goes on
   // even if an earlier one failed, and failures are added to the report.
   static void Fire(CudaClique* clique, const WatchedCall& c, int64_t latest_epoch) {
+    // The call is not finished, so its generation is alive (the clique frees
+    // one only after every rank finished a later call); held while we use it.
+    const std::shared_ptr<const Generation> gen = c.gen.lock();
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f",
                   std::chrono::duration<double>(c.timeout).count());
@@ -107,19 +111,37 @@ class Watchdog {
     (void)cudaGetDevice(&prev);
     (void)cudaSetDevice(c.device);
     cudaStream_t side = nullptr;
+    cudaEvent_t read = nullptr;
     std::vector<uint32_t> flags;
+    bool unreadable = false;
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess &&
-        c.gen != nullptr && c.gen->num_flags > 0) {
-      flags.assign(static_cast<size_t>(2 * c.gen->num_flags), 0);
-      const void* base = reinterpret_cast<const void*>(c.gen->Flag(c.rank, 0, 0, c.rank));
-      if (cudaMemcpyAsync(flags.data(), base, flags.size() * sizeof(uint32_t),
-                          cudaMemcpyDeviceToHost, side) != cudaSuccess ||
-          cudaStreamSynchronize(side) != cudaSuccess)
-        flags.clear();
+        cudaEventCreateWithFlags(&read, cudaEventDisableTiming) == cudaSuccess && gen != nullptr &&
+        gen->num_flags > 0) {
+      // The flags, read on a stream of our own and awaited with a bound: that
+      // stream may share the blocked hardware queue. The host buffer outlives
+      // an unfinished copy (leaked then, never freed under the GPU).
+      auto* host = new std::vector<uint32_t>(static_cast<size_t>(2 * gen->num_flags), 0);
+      const void* base = reinterpret_cast<const void*>(gen->Flag(c.rank, 0, 0, c.rank));
+      bool done = cudaMemcpyAsync(host->data(), base, host->size() * sizeof(uint32_t),
+                                  cudaMemcpyDeviceToHost, side) == cudaSuccess &&
+                  cudaEventRecord(read, side) == cudaSuccess;
+      const auto until = Clock::now() + kFlagRead;
+      cudaError_t q = cudaErrorNotReady;
+      while (done && (q = cudaEventQuery(read)) == cudaErrorNotReady && Clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (done && q == cudaSuccess) {
+        flags = *host;
+        delete host;
+      } else {
+        (void)cudaGetLastError();
+        unreadable = done;  // still queued: keep `host` alive for the copy
+        if (!done) delete host;
+      }
     }
     std::string missing;
     for (const auto& [id, writer] : c.waits) {
-      const size_t index = static_cast<size_t>((c.epoch % 2) * c.gen->num_flags + id);
+      const size_t index =
+          gen == nullptr ? flags.size() : static_cast<size_t>((c.epoch % 2) * gen->num_flags + id);
       if (index < flags.size() &&
           static_cast<int32_t>(flags[index] - static_cast<uint32_t>(c.epoch)) >= 0)
         continue;
@@ -131,6 +153,10 @@ class Watchdog {
                  (index < flags.size() ? " (is " + std::to_string(flags[index]) + ")" : "");
     }
     if (!missing.empty()) text += "waiting for " + missing + "; ";
+    if (unreadable)
+      text +=
+          "(the flags could not be read: the watchdog's stream waits behind the blocked "
+          "work in the GPU's hardware queue, see CUDA_DEVICE_MAX_CONNECTIONS); ";
     if (c.nccl) text += "waiting inside NCCL (a peer did not make the matching send/recv); ";
     text +=
         "the peer did not arrive (ranks disagree on the calls, or a peer failed). "
@@ -139,14 +165,15 @@ class Watchdog {
     clique->Break(Status(Code::kTimeout, text));
     // Release the GPU so that the process does not hang.
     const DriverApi* drv = nullptr;
-    if (side != nullptr && c.gen != nullptr && c.gen->num_flags > 0 && LoadDriver(&drv).ok()) {
-      for (int32_t i = 0; i < 2 * c.gen->num_flags; ++i)
+    if (side != nullptr && gen != nullptr && gen->num_flags > 0 && LoadDriver(&drv).ok()) {
+      for (int32_t i = 0; i < 2 * gen->num_flags; ++i)
         (void)drv->cuStreamWriteValue32(
             reinterpret_cast<CUstream>(side),
-            c.gen->Flag(c.rank, i / c.gen->num_flags, i % c.gen->num_flags, c.rank),
+            gen->Flag(c.rank, i / gen->num_flags, i % gen->num_flags, c.rank),
             static_cast<cuuint32_t>(latest_epoch), CU_STREAM_WRITE_VALUE_DEFAULT);
     }
     if (c.nccl) clique->AbortComms();
+    if (read != nullptr) (void)cudaEventDestroy(read);
     if (side != nullptr) (void)cudaStreamDestroy(side);
     (void)cudaSetDevice(prev);
   }

@@ -14,6 +14,14 @@
 //   3. releases the GPU: writes the newest epoch into the rank's flags on
 //      its own stream (cuStreamWriteValue32) and aborts the clique's NCCL
 //      communicators, so the streams drain instead of hanging the process.
+// The watchdog never waits without a bound and takes no lock of a clique
+// (the communicators guard themselves: nccl_comms.h). Its flag read and its
+// release go through a stream of its own, which the driver may map onto
+// the hardware queue the stuck wait blocks (CUDA_DEVICE_MAX_CONNECTIONS; the
+// only queue when it is 1): then the flags are reported unreadable and the
+// release of stream-memory-op waits cannot reach the GPU — the clique is
+// still broken and reported, and an NCCL wait is still released (the abort
+// needs no queue). docs/gpu.md says what that means for a process.
 // The call that timed out has already returned to XLA, so its results are
 // garbage; the error surfaces at the next call of the clique.
 #pragma once
@@ -36,7 +44,7 @@ struct WatchedCall {
   cudaEvent_t done = nullptr;  // recorded on XLA's stream after the call
   int64_t slots = 1;           // done events are reused every `slots` epochs
   int64_t epoch = 0;
-  const Generation* gen = nullptr;                 // owned by the clique
+  std::weak_ptr<const Generation> gen;             // the clique frees it once every rank is past it
   std::vector<std::pair<int32_t, int32_t>> waits;  // (flag id, writer) of the program's Waits
   bool nccl = false;
   std::string op;

@@ -138,7 +138,7 @@ jo::Transport ParseTransport(const std::string& s) {
 
 void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms,
-           bool shareable, bool fabric, bool imex_channel) {
+           bool shareable, bool fabric, bool imex_channel, int connections) {
   jo::cuda::ResetCudaCliques();
   jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
@@ -153,6 +153,7 @@ void Reset(int devices, int cc_major, bool multicast,
   config.shareable = shareable;
   config.fabric = fabric;
   config.imex_channel = imex_channel;
+  config.connections = connections;
   jo::fake::Reset(config);
 }
 
@@ -164,7 +165,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key, int calls,
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
-             std::optional<std::map<int32_t, std::string>> hosts) {
+             std::optional<std::map<int32_t, std::string>> hosts, bool capture) {
   const bool ag = op == "ag_matmul", rs = op == "matmul_rs", ar = op == "matmul_ar";
   if (!ag && !rs && !ar) throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -242,6 +243,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
     for (int r = 0; r < nranks; ++r)
       threads.emplace_back([&, r] {
         const int dev = static_cast<int>(devices[r]);
+        jo::fake::SetPlayedProcess(static_cast<int>(desc.table.processes[static_cast<size_t>(r)]));
         if (cudaSetDevice(dev) != cudaSuccess) {
           statuses[r] = "cudaSetDevice failed";
           return;
@@ -251,6 +253,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
           statuses[r] = "stream creation failed";
           return;
         }
+        // tests: XLA captures this stream into a CUDA graph (a command buffer).
+        if (capture) (void)cudaStreamBeginCapture(xla, cudaStreamCaptureModeThreadLocal);
         jo::Problem problem = q;
         if (r == skew_rank) ++problem.chunks;  // tests: this rank disagrees on the call
         if (r == skip_rank) return;            // tests: this rank never makes the call
@@ -259,12 +263,17 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         caller.device = dev;
         caller.naming = jo::DeviceNaming::kLocalOrdinal;
         const jo::CallBuffers io{x[r], w[r], y[r], g[r]};
-        for (int c = 0; c < calls; ++c) {
+        for (int c = 0; c < calls && statuses[r].empty(); ++c) {
+          // As XLA runs a thunk: the handler's work on other streams must be joined into
+          // XLA's stream (or complete) when it returns, whatever its status.
+          jo::fake::BeginHandler(xla);
           jo::Status status = site.Enqueue(caller, problem, io, xla);
-          if (!status.ok()) {
-            statuses[r] = status.ToString();
-            return;
-          }
+          jo::fake::EndHandler(xla, "CudaSite::Enqueue (rank " + std::to_string(r) + ")");
+          if (!status.ok()) statuses[r] = status.ToString();
+        }
+        if (capture) {
+          cudaGraph_t graph = nullptr;
+          (void)cudaStreamEndCapture(xla, &graph);
         }
       });
     for (auto& t : threads) t.join();
@@ -290,8 +299,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
 // real API names and returns what the fake recorded ("" = not caught).
 std::map<std::string, std::string> MisuseChecks() {
   std::map<std::string, std::string> out;
-  auto check = [&](const std::string& name, auto&& body) {
-    Reset(4, 9, true, std::nullopt, 1, 0, true, true, true);
+  auto check = [&](const std::string& name, auto&& body, int connections = 8) {
+    Reset(4, 9, true, std::nullopt, 1, 0, true, true, true, connections);
     cudaSetDevice(0);
     body();
     jo::fake::Drain();
@@ -432,7 +441,92 @@ std::map<std::string, std::string> MisuseChecks() {
     void* b = jo::fake::Malloc(2, 64);
     cudaMemcpyAsync(b, reinterpret_cast<void*>(va), 64, cudaMemcpyDefault, s);
   });
-  Reset(8, 9, true, std::nullopt, 1, 0, true, false, true);
+  // Two streams of one device share its only work queue (CUDA_DEVICE_MAX_CONNECTIONS=1):
+  // the wait enqueued first blocks the write behind it that would satisfy it.
+  auto wait_then_write = [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    cudaStream_t waits = stream_on(0), writes = stream_on(0);
+    void* flag = jo::fake::Malloc(0, 4);
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(waits), reinterpret_cast<CUdeviceptr>(flag),
+                             1, CU_STREAM_WAIT_VALUE_GEQ);
+    drv->cuStreamWriteValue32(reinterpret_cast<CUstream>(writes),
+                              reinterpret_cast<CUdeviceptr>(flag), 1,
+                              CU_STREAM_WRITE_VALUE_DEFAULT);
+  };
+  check("blocked wait holds up its work queue", wait_then_write, 1);
+  check("blocked wait, one work queue per stream (control)", wait_then_write, 8);
+  // One communicator on two streams: rank 0 issues a receive on stream A,
+  // then a send on stream B; rank 1 the same. Concurrent streams would
+  // complete; NCCL serialises a communicator, so each receive waits for a
+  // send the peer issued after its own receive.
+  check("one communicator on two streams", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    for (int r = 0; r < 2; ++r) {
+      cudaStream_t a = stream_on(r), b = stream_on(r);
+      void* in = jo::fake::Malloc(r, 64);
+      void* out = jo::fake::Malloc(r, 64);
+      cudaSetDevice(r);
+      ncclRecv(in, 16, ncclFloat32, 1 - r, comms[r], a);
+      ncclSend(out, 16, ncclFloat32, 1 - r, comms[r], b);
+    }
+  });
+  check("handler returns with a forked stream not joined", [&] {
+    cudaStream_t xla = stream_on(0), side = stream_on(0);
+    cudaEvent_t fork = nullptr;
+    cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+    void* a = jo::fake::Malloc(0, 64);
+    void* b = jo::fake::Malloc(0, 64);
+    jo::fake::BeginHandler(xla);
+    cudaEventRecord(fork, xla);
+    cudaStreamWaitEvent(side, fork, 0);
+    cudaMemcpyAsync(b, a, 64, cudaMemcpyDefault, side);  // ... and no join back into xla
+    jo::fake::EndHandler(xla, "a deliberately broken handler");
+  });
+  check("communicator used after ncclCommAbort", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    cudaStream_t s = stream_on(0);
+    void* a = jo::fake::Malloc(0, 64);
+    ncclCommAbort(comms[0]);  // as a watchdog would, from another thread
+    cudaSetDevice(0);
+    ncclSend(a, 16, ncclFloat32, 1, comms[0], s);
+  });
+  check("non-blocking communicator destroyed without finalize", [&] {
+    ncclUniqueId id{};
+    ncclGetUniqueId(&id);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    cudaSetDevice(0);
+    ncclCommInitRankConfig(&comm, 1, id, 0, &config);
+    ncclResult_t state = ncclInProgress;
+    while (state == ncclInProgress) ncclCommGetAsyncError(comm, &state);
+    ncclCommDestroy(comm);
+  });
+  check("host query of an event recorded in a stream capture", [&] {
+    cudaStream_t s = stream_on(0);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    cudaEventRecord(e, s);
+    (void)cudaEventQuery(e);
+  });
+  check("device synchronisation behind a wait that never ends", [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    cudaStream_t s = stream_on(0);
+    void* flag = jo::fake::Malloc(0, 4);
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
+                             CU_STREAM_WAIT_VALUE_GEQ);
+    (void)cudaDeviceSynchronize();
+  });
+  Reset(8, 9, true, std::nullopt, 1, 0, true, false, true, 0);
   return out;
 }
 
@@ -458,14 +552,18 @@ NB_MODULE(_cuda_fake, m) {
   m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9,
         nb::arg("multicast") = true, nb::arg("peer") = nb::none(), nb::arg("seed") = 1,
         nb::arg("grace_ms") = 0, nb::arg("shareable") = true, nb::arg("fabric") = false,
-        nb::arg("imex_channel") = true,
-        "Forget every clique and fake object; configure the fake machine.");
+        nb::arg("imex_channel") = true, nb::arg("connections") = 0,
+        "Forget every clique and fake object; configure the fake machine (connections: hardware "
+        "work queues per device, 0: CUDA_DEVICE_MAX_CONNECTIONS from the environment).");
+  m.def("connections", &jo::fake::Connections,
+        "Hardware work queues per device the fake models now.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
         nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
         nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
-        nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none());
+        nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
+        nb::arg("capture") = false);
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

@@ -2,18 +2,49 @@
 // the CUDA executor makes — the test build (_cuda_fake) links it instead of
 // the real libraries, so the executor's argument building runs in CI.
 //
-// Model (everything under one lock; the "GPU" runs only inside Drain()):
+// Files, by API family: fake_model.cc (the state, memory checks, the "GPU"
+// running the queues), fake_runtime.cc (CUDA runtime: devices, memory,
+// streams, events, copies, IPC), fake_driver.cc (driver entry points:
+// stream memory operations, virtual memory, multicast, shareable handles),
+// fake_nccl.cc, fake_cublaslt.cc, fake_kernels.cc (host equivalents of the
+// kernels); fake_internal.h is what they share.
+//
+// Model (everything under one lock; the "GPU" runs inside Drain(), and as
+// far as it can when the host polls or synchronises):
 //  * devices: a configurable count, compute capability, peer-access matrix
 //    and multicast support; the current device is per host thread.
 //  * memory: host allocations registered with their device; every pointer a
 //    call receives is range-checked against them (an offset bug is an error,
 //    not a silent read of neighbouring memory).
-//  * streams: FIFO queues of tasks; events record/complete in stream order
-//    and cudaStreamWaitEvent waits for the record enqueued before it.
+//  * hardware work queues: each device has CUDA_DEVICE_MAX_CONNECTIONS FIFOs
+//    (read from the environment like the driver does, default 8; CUDA
+//    programming guide, "CUDA Environment Variables"); streams are mapped
+//    onto them round-robin in creation order, and a queue starts only its
+//    head: a head that waits (an unmet event or flag wait, a stream whose
+//    previous task is still in flight) blocks everything behind it (CUDA
+//    driver API, "Stream Memory Operations": improper use deadlocks; the
+//    scheduler may serialise tasks in an improper order).
+//  * streams: tasks in order; events record/complete in stream order and
+//    cudaStreamWaitEvent waits for the record enqueued before it. A vector
+//    clock per stream says which work is ordered before what.
+//  * handlers: BeginHandler/EndHandler around a handler's enqueue check that
+//    every task it put on another stream is ordered before the end of its
+//    work on XLA's stream (joined) or already complete: XLA runs the next
+//    op on that stream once the handler's work there is done (XLA custom
+//    calls, https://openxla.org/xla/custom_call).
+//  * stream capture: work on a capturing stream is recorded, not run; host
+//    queries of a capturing stream or of an event recorded in a capture are
+//    errors (CUDA programming guide, "CUDA Graphs", stream capture:
+//    prohibited operations).
 //  * 32-bit stream memory operations: write; wait with the cyclic GEQ test.
-//  * NCCL: send/recv matched in order per (comm, src, dst); a group
-//    completes when all its receives have data and all its sends were taken
-//    (rendezvous), so a schedule that would deadlock on NCCL deadlocks here.
+//  * NCCL: send/recv matched in order per (comm, src, dst); a group is a
+//    kernel that completes when all its receives have data and all its
+//    sends were taken (rendezvous), so a schedule that would deadlock on
+//    NCCL deadlocks here; a communicator's groups start in the order they
+//    were issued, whatever their stream (NCCL serialises a communicator);
+//    any use of a communicator after ncclCommAbort or ncclCommDestroy is an
+//    error (both free it), and a non-blocking one must be finalized (and
+//    polled until done) before ncclCommDestroy.
 //  * cuBLASLt: a reference GEMM honouring exactly the attributes we set
 //    (order, transposes, leading dims, batch count/strides, alpha/beta,
 //    compute/scale type, pointer alignment promised in the preference);
@@ -29,9 +60,11 @@
 //    opens and cuMemMap of imported memory get a new address of the same
 //    pages; an IPC mapping may be touched only by the device that opened it,
 //    a cuMemMap mapping only by the devices cuMemSetAccess named.
-// Drain() runs the queues; the order among ready streams is pseudo-random
-// (seeded), one task at a time, so different interleavings get exercised.
-// A state where no stream can progress but some are non-empty is a deadlock.
+// Drain() runs the queues; the order among startable queue heads is
+// pseudo-random (seeded), one task at a time, so different interleavings get
+// exercised. A state where nothing can start or complete but work remains
+// is a deadlock: reported (which queue head blocks what), and the work is
+// abandoned (its events report a failure, as after a hung GPU).
 // Every misuse is recorded in Errors() and makes the call fail.
 #pragma once
 
@@ -58,6 +91,9 @@ struct Config {
   // When no stream can progress, Drain waits this long for another host
   // thread (the watchdog) to release something before calling it a deadlock.
   int grace_ms = 0;
+  // Hardware work queues per device; 0: CUDA_DEVICE_MAX_CONNECTIONS from the
+  // environment (the driver's default, 8, when unset).
+  int connections = 0;
 };
 
 void Reset(const Config& config);  // forgets everything (no live objects may remain in use)
@@ -65,6 +101,17 @@ std::vector<std::string> Errors();
 std::map<std::string, int64_t> Counters();  // calls made, by API name
 // Runs every stream until empty; false on deadlock (recorded in Errors()).
 bool Drain();
+// The tests play several processes in one: streams this thread makes from
+// now on belong to played process `process`, whose GPU d has work queues of
+// its own (not those of another played process's GPU d).
+void SetPlayedProcess(int process);
+// Hardware work queues per device in effect (after Reset).
+int Connections();
+// Around one handler's enqueue on XLA's stream `xla` (this thread): at the
+// end, every task the handler put on another stream must be joined into
+// `xla` or complete; else a misuse naming `who`.
+void BeginHandler(cudaStream_t xla);
+void EndHandler(cudaStream_t xla, const std::string& who);
 // Host memory of the fake device allocation (for the test driver).
 void* Malloc(int device, size_t bytes);
 

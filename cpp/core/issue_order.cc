@@ -1,0 +1,220 @@
+#include "core/issue_order.h"
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "core/build.h"
+#include "core/call.h"
+
+namespace jo {
+namespace {
+
+bool IsNccl(OpKind kind) { return kind == OpKind::kSend || kind == OpKind::kRecv; }
+
+using Message = std::tuple<int32_t, int32_t, int32_t>;  // (sender, receiver, tag)
+
+// One rank of the play.
+struct Player {
+  Program program;
+  std::vector<IssueUnit> units;
+  std::vector<std::deque<int32_t>> queues;  // per stream: its units not issued yet
+  std::vector<bool> in_flight;              // per stream: an NCCL group not yet matched
+  std::set<int32_t> recorded;               // events
+  std::vector<IssueUnit> order;
+};
+
+// An NCCL group launched and not yet matched by its peers.
+struct Launched {
+  int32_t rank = 0;
+  int32_t stream = 0;
+  std::vector<Message> sends, recvs;
+};
+
+class Play {
+ public:
+  explicit Play(std::vector<Player> players) : p_(std::move(players)) {}
+
+  Status Run() {
+    for (;;) {
+      bool progress = false;
+      for (size_t r = 0; r < p_.size(); ++r) progress |= IssueWhatCanRun(static_cast<int32_t>(r));
+      // The round's effects reach the peers.
+      flags_.insert(new_flags_.begin(), new_flags_.end());
+      sends_.insert(new_sends_.begin(), new_sends_.end());
+      recvs_.insert(new_recvs_.begin(), new_recvs_.end());
+      new_flags_.clear();
+      new_sends_.clear();
+      new_recvs_.clear();
+      for (auto it = launched_.begin(); it != launched_.end();) {
+        if (!Matched(*it)) {
+          ++it;
+          continue;
+        }
+        p_[static_cast<size_t>(it->rank)].in_flight[static_cast<size_t>(it->stream)] = false;
+        it = launched_.erase(it);
+        progress = true;
+      }
+      if (Done()) return OkStatus();
+      if (!progress) return Blocked();
+    }
+  }
+
+  std::vector<std::vector<IssueUnit>> Orders() const {
+    std::vector<std::vector<IssueUnit>> out;
+    for (const Player& player : p_) out.push_back(player.order);
+    return out;
+  }
+
+ private:
+  bool Ready(int32_t r, int32_t unit) const {
+    const Player& me = p_[static_cast<size_t>(r)];
+    const Op& op = me.program.ops[static_cast<size_t>(me.units[static_cast<size_t>(unit)].begin)];
+    if (op.kind == OpKind::kWait) return flags_.count({r, op.id}) > 0;
+    if (op.kind == OpKind::kStreamWait) return me.recorded.count(op.id) > 0;
+    return true;
+  }
+
+  // Issues, on rank r, every unit that can run, preferring list order.
+  bool IssueWhatCanRun(int32_t r) {
+    Player& me = p_[static_cast<size_t>(r)];
+    bool issued = false;
+    for (;;) {
+      int32_t best = -1;
+      for (size_t s = 0; s < me.queues.size(); ++s) {
+        if (me.in_flight[s] || me.queues[s].empty()) continue;
+        const int32_t unit = me.queues[s].front();
+        if ((best < 0 || unit < best) && Ready(r, unit)) best = unit;
+      }
+      if (best < 0) return issued;
+      const IssueUnit& unit = me.units[static_cast<size_t>(best)];
+      const Op& first = me.program.ops[static_cast<size_t>(unit.begin)];
+      me.queues[static_cast<size_t>(first.stream)].pop_front();
+      me.order.push_back(unit);
+      issued = true;
+      if (first.kind == OpKind::kRecord) me.recorded.insert(first.id);
+      if (first.kind == OpKind::kSignal) new_flags_.insert({first.peer, first.id});
+      if (IsNccl(first.kind)) {
+        Launched group;
+        group.rank = r;
+        group.stream = first.stream;
+        for (int32_t i = unit.begin; i < unit.end; ++i) {
+          const Op& op = me.program.ops[static_cast<size_t>(i)];
+          if (op.kind == OpKind::kSend) {
+            group.sends.emplace_back(r, op.peer, op.id);
+            new_sends_.emplace(r, op.peer, op.id);
+          } else {
+            group.recvs.emplace_back(op.peer, r, op.id);
+            new_recvs_.emplace(op.peer, r, op.id);
+          }
+        }
+        me.in_flight[static_cast<size_t>(first.stream)] = true;
+        launched_.push_back(std::move(group));
+      }
+    }
+  }
+
+  // NCCL send/recv are rendezvous: a group completes once every peer it
+  // sends to and receives from has launched the matching group.
+  bool Matched(const Launched& group) const {
+    for (const Message& m : group.sends)
+      if (!recvs_.count(m)) return false;
+    for (const Message& m : group.recvs)
+      if (!sends_.count(m)) return false;
+    return true;
+  }
+
+  bool Done() const {
+    if (!launched_.empty()) return false;
+    for (const Player& player : p_)
+      for (const auto& queue : player.queues)
+        if (!queue.empty()) return false;
+    return true;
+  }
+
+  Status Blocked() const {
+    std::string where;
+    for (size_t r = 0; r < p_.size(); ++r) {
+      const Player& me = p_[r];
+      for (size_t s = 0; s < me.queues.size(); ++s) {
+        if (me.queues[s].empty() && !me.in_flight[s]) continue;
+        std::string what = me.in_flight[s]
+                               ? "an NCCL group its peers never match"
+                               : ToString(me.program.ops[static_cast<size_t>(
+                                     me.units[static_cast<size_t>(me.queues[s].front())].begin)]);
+        where += "; rank " + std::to_string(r) + " stream " + std::to_string(s) + ": " + what;
+      }
+    }
+    return Internal(Summary(p_.front().program) +
+                    ": the programs cannot complete with one work queue per device" + where);
+  }
+
+  std::vector<Player> p_;
+  std::set<std::pair<int32_t, int32_t>> flags_, new_flags_;  // (rank whose flag, id)
+  std::set<Message> sends_, recvs_, new_sends_, new_recvs_;  // launched
+  std::vector<Launched> launched_;
+};
+
+}  // namespace
+
+std::vector<IssueUnit> IssueUnits(const Program& program) {
+  const std::vector<Op>& ops = program.ops;
+  std::vector<IssueUnit> units;
+  for (size_t i = 0; i < ops.size();) {
+    size_t end = i + 1;
+    if (IsNccl(ops[i].kind))
+      while (end < ops.size() && IsNccl(ops[end].kind) && ops[end].bundle == ops[i].bundle &&
+             ops[end].stream == ops[i].stream)
+        ++end;
+    units.push_back({static_cast<int32_t>(i), static_cast<int32_t>(end)});
+    i = end;
+  }
+  return units;
+}
+
+Status IssueOrder(const Problem& problem, std::vector<IssueUnit>* order) {
+  static auto* mu = new std::mutex;  // never destroyed: handlers may run at exit
+  static auto* cache = new std::map<std::string, std::vector<std::vector<IssueUnit>>>;
+  const std::string signature = CallSignature(problem);
+  JO_REQUIRE(problem.rank >= 0 && problem.rank < problem.nranks,
+             "IssueOrder: rank " + std::to_string(problem.rank) + " outside [0, " +
+                 std::to_string(problem.nranks) + ")");
+  {
+    std::lock_guard<std::mutex> lock(*mu);
+    auto it = cache->find(signature);
+    if (it != cache->end()) {
+      *order = it->second[static_cast<size_t>(problem.rank)];
+      return OkStatus();
+    }
+  }
+  std::vector<Player> players(static_cast<size_t>(problem.nranks));
+  for (int32_t r = 0; r < problem.nranks; ++r) {
+    Player& player = players[static_cast<size_t>(r)];
+    Problem q = problem;
+    q.rank = r;
+    JO_CHECK(BuildProgram(q, &player.program));
+    player.units = IssueUnits(player.program);
+    const size_t streams = static_cast<size_t>(player.program.num_streams);
+    player.queues.resize(streams);
+    player.in_flight.assign(streams, false);
+    for (size_t u = 0; u < player.units.size(); ++u) {
+      const Op& op = player.program.ops[static_cast<size_t>(player.units[u].begin)];
+      JO_ASSERT(op.stream >= 0 && static_cast<size_t>(op.stream) < streams);
+      player.queues[static_cast<size_t>(op.stream)].push_back(static_cast<int32_t>(u));
+    }
+  }
+  Play play(std::move(players));
+  JO_CHECK(play.Run());
+  std::vector<std::vector<IssueUnit>> orders = play.Orders();
+  *order = orders[static_cast<size_t>(problem.rank)];
+  std::lock_guard<std::mutex> lock(*mu);
+  cache->emplace(signature, std::move(orders));
+  return OkStatus();
+}
+
+}  // namespace jo

@@ -1,0 +1,272 @@
+// The fake cuBLASLt: descriptors, layouts and preferences holding exactly
+// the attributes the executor sets, and a reference GEMM honouring them.
+#include <cstring>
+
+#include "core/convert.h"
+#include "cuda/fake/fake_internal.h"
+
+namespace jo::fake {
+
+static int64_t Extent(const Layout& l) {  // elements spanned by one layout, all batches
+  if (l.rows == 0 || l.cols == 0) return 0;
+  return static_cast<int64_t>(l.batch - 1) * l.stride + static_cast<int64_t>(l.cols - 1) * l.ld +
+         static_cast<int64_t>(l.rows);
+}
+
+}  // namespace jo::fake
+
+using jo::fake::Count;
+using jo::fake::Fail;
+using jo::fake::Lock;
+using jo::fake::RtFail;
+using jo::fake::S;
+using jo::fake::t_device;
+using jo::fake::t_last;
+
+// ============================== cuBLASLt ==============================
+
+const char* cublasLtGetStatusName(cublasStatus_t s) {
+  return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_FAKE_ERROR";
+}
+const char* cublasLtGetStatusString(cublasStatus_t) {
+  return "fake cuBLASLt status (see fake errors)";
+}
+size_t cublasLtGetVersion(void) { return CUBLAS_VERSION; }
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
+  Lock lock(S().mu);
+  auto c = std::make_unique<cublasLtContext>();
+  c->device = t_device;
+  *h = c.get();
+  S().handles.push_back(std::move(c));
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t) { return CUBLAS_STATUS_SUCCESS; }
+
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t compute,
+                                        cudaDataType_t scale) {
+  Lock lock(S().mu);
+  *d = new cublasLtMatmulDescOpaque_t();
+  S().descs[*d] = jo::fake::Desc{static_cast<int32_t>(compute), static_cast<int32_t>(scale)};
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+  Lock lock(S().mu);
+  S().descs.erase(d);
+  delete d;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
+                                              cublasLtMatmulDescAttributes_t attr, const void* buf,
+                                              size_t size) {
+  Lock lock(S().mu);
+  auto it = S().descs.find(d);
+  if (it == S().descs.end()) return CUBLAS_STATUS_INVALID_VALUE;
+  if ((attr == CUBLASLT_MATMUL_DESC_TRANSA || attr == CUBLASLT_MATMUL_DESC_TRANSB) &&
+      size == sizeof(int32_t)) {
+    int32_t v;
+    std::memcpy(&v, buf, sizeof(v));
+    if (v != CUBLAS_OP_N && v != CUBLAS_OP_T) {
+      Fail("cuBLASLt: transpose op " + std::to_string(v) + " not modeled");
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    (attr == CUBLASLT_MATMUL_DESC_TRANSA ? it->second.transa : it->second.transb) = v;
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  Fail("cuBLASLt: matmul descriptor attribute " + std::to_string(attr) +
+       " is not modeled by the fake");
+  return CUBLAS_STATUS_NOT_SUPPORTED;
+}
+
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type,
+                                          uint64_t rows, uint64_t cols, int64_t ld) {
+  Lock lock(S().mu);
+  *l = new cublasLtMatrixLayoutOpaque_t();
+  jo::fake::Layout layout;
+  layout.type = type;
+  layout.rows = rows;
+  layout.cols = cols;
+  layout.ld = ld;
+  S().layouts[*l] = layout;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+  Lock lock(S().mu);
+  S().layouts.erase(l);
+  delete l;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
+                                                cublasLtMatrixLayoutAttribute_t attr,
+                                                const void* buf, size_t size) {
+  Lock lock(S().mu);
+  auto it = S().layouts.find(l);
+  if (it == S().layouts.end()) return CUBLAS_STATUS_INVALID_VALUE;
+  jo::fake::Layout& layout = it->second;
+  if (attr == CUBLASLT_MATRIX_LAYOUT_ORDER && size == sizeof(int32_t)) {
+    std::memcpy(&layout.order, buf, size);
+    if (layout.order != CUBLASLT_ORDER_COL && layout.order != CUBLASLT_ORDER_ROW) {
+      Fail("cuBLASLt: layout order not modeled");
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  if (attr == CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT && size == sizeof(int32_t)) {
+    std::memcpy(&layout.batch, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  if (attr == CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET && size == sizeof(int64_t)) {
+    std::memcpy(&layout.stride, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  Fail("cuBLASLt: matrix layout attribute " + std::to_string(attr) + " (size " +
+       std::to_string(size) + ") is not modeled by the fake");
+  return CUBLAS_STATUS_NOT_SUPPORTED;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* p) {
+  Lock lock(S().mu);
+  *p = new cublasLtMatmulPreferenceOpaque_t();
+  S().prefs[*p] = jo::fake::Pref{};
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+  Lock lock(S().mu);
+  S().prefs.erase(p);
+  delete p;
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr,
+                                                    const void* buf, size_t size) {
+  Lock lock(S().mu);
+  auto it = S().prefs.find(p);
+  if (it == S().prefs.end()) return CUBLAS_STATUS_INVALID_VALUE;
+  if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES && size == sizeof(uint64_t)) {
+    std::memcpy(&it->second.workspace, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  const cublasLtMatmulPreferenceAttributes_t align[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i)
+    if (attr == align[i] && size == sizeof(uint32_t)) {
+      std::memcpy(&it->second.align[i], buf, size);
+      return CUBLAS_STATUS_SUCCESS;
+    }
+  Fail("cuBLASLt: preference attribute " + std::to_string(attr) + " is not modeled by the fake");
+  return CUBLAS_STATUS_NOT_SUPPORTED;
+}
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d,
+                                              cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                              cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dd,
+                                              cublasLtMatmulPreference_t p, int requested,
+                                              cublasLtMatmulHeuristicResult_t* results,
+                                              int* count) {
+  Lock lock(S().mu);
+  Count("cublasLtMatmulAlgoGetHeuristic");
+  if (!S().descs.count(d) || !S().layouts.count(a) || !S().layouts.count(b) ||
+      !S().layouts.count(c) || !S().layouts.count(dd) || !S().prefs.count(p) || requested < 1)
+    return CUBLAS_STATUS_INVALID_VALUE;
+  std::memset(results, 0, sizeof(*results));
+  // The fake's "algorithm" carries the alignments the preference promised.
+  for (int i = 0; i < 4; ++i) results->algo.data[i] = S().prefs[p].align[i];
+  results->workspaceSize = 0;
+  results->state = CUBLAS_STATUS_SUCCESS;
+  *count = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const void* alpha,
+                              const void* A, cublasLtMatrixLayout_t Adesc, const void* B,
+                              cublasLtMatrixLayout_t Bdesc, const void* beta, const void* C,
+                              cublasLtMatrixLayout_t Cdesc, void* D, cublasLtMatrixLayout_t Ddesc,
+                              const cublasLtMatmulAlgo_t* algo, void* workspace,
+                              size_t workspace_bytes, cudaStream_t s) {
+  using jo::fake::Layout;
+  Lock lock(S().mu);
+  Count("cublasLtMatmul");
+  auto fail = [](const std::string& t) {
+    Fail("cublasLtMatmul: " + t);
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  };
+  if (!jo::fake::StreamOk(s, "cublasLtMatmul")) return CUBLAS_STATUS_INVALID_VALUE;
+  if (h->device != s->device || t_device != s->device)
+    return fail("handle, stream and current device differ");
+  if (!S().descs.count(desc) || !S().layouts.count(Adesc) || !S().layouts.count(Bdesc) ||
+      !S().layouts.count(Cdesc) || !S().layouts.count(Ddesc))
+    return fail("unknown descriptor");
+  const jo::fake::Desc dsc = S().descs[desc];
+  const Layout la = S().layouts[Adesc], lb = S().layouts[Bdesc], lc = S().layouts[Cdesc],
+               ld = S().layouts[Ddesc];
+  if (dsc.compute != CUBLAS_COMPUTE_32F || dsc.scale != CUDA_R_32F)
+    return fail("only CUBLAS_COMPUTE_32F with CUDA_R_32F scale is modeled");
+  if (la.type != lb.type || la.type != lc.type || la.type != ld.type)
+    return fail("mixed matrix types are not modeled");
+  bool ok = false;
+  const jo::DType dt = jo::fake::FromCuda(la.type, &ok);
+  if (!ok) return fail("matrix type not modeled");
+  for (const Layout* l : {&la, &lb, &lc, &ld}) {
+    if (l->order != CUBLASLT_ORDER_COL) return fail("ORDER other than COL is not modeled");
+    if (l->ld < static_cast<int64_t>(l->rows))
+      return fail("leading dimension smaller than the rows of a column-major layout");
+    if (l->batch != la.batch) return fail("batch counts differ");
+  }
+  const uint64_t m = dsc.transa == CUBLAS_OP_N ? la.rows : la.cols;
+  const uint64_t k = dsc.transa == CUBLAS_OP_N ? la.cols : la.rows;
+  const uint64_t kb = dsc.transb == CUBLAS_OP_N ? lb.rows : lb.cols;
+  const uint64_t n = dsc.transb == CUBLAS_OP_N ? lb.cols : lb.rows;
+  if (k != kb || lc.rows != m || lc.cols != n || ld.rows != m || ld.cols != n)
+    return fail("inconsistent dimensions");
+  if (C != D && (lc.ld != ld.ld || lc.stride != ld.stride))
+    return fail("C != D with different layouts (cuBLASLt's out-of-place rule)");
+  const void* ptrs[4] = {A, B, C, D};
+  for (int i = 0; i < 4; ++i)
+    if (reinterpret_cast<uintptr_t>(ptrs[i]) % algo->data[i] != 0)
+      return fail("a pointer is less aligned than the preference promised");
+  (void)workspace;
+  (void)workspace_bytes;
+  const size_t es = static_cast<size_t>(jo::DTypeSize(dt));
+  const float fa = *static_cast<const float*>(alpha), fb = *static_cast<const float*>(beta);
+  if (!jo::fake::CheckAccess(A, static_cast<size_t>(Extent(la)) * es, s->device,
+                             "cublasLtMatmul A") ||
+      !jo::fake::CheckAccess(B, static_cast<size_t>(Extent(lb)) * es, s->device,
+                             "cublasLtMatmul B") ||
+      (fb != 0.0f && !jo::fake::CheckAccess(C, static_cast<size_t>(Extent(lc)) * es, s->device,
+                                            "cublasLtMatmul C")) ||
+      !jo::fake::CheckAccess(D, static_cast<size_t>(Extent(ld)) * es, s->device,
+                             "cublasLtMatmul D"))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  const int32_t ta = dsc.transa, tb = dsc.transb;
+  jo::fake::Push(
+      s, "cublasLtMatmul", [] { return true; },
+      [=] {
+        auto at = [&](const void* base, const Layout& l, int64_t bt, uint64_t r,
+                      uint64_t c) {  // column-major element
+          return jo::LoadElement(
+              dt, static_cast<const std::byte*>(base),
+              bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
+        };
+        std::vector<float> out(m * n);
+        for (int64_t bt = 0; bt < la.batch; ++bt) {
+          for (uint64_t i = 0; i < m; ++i)
+            for (uint64_t j = 0; j < n; ++j) {
+              float acc = 0.0f;
+              for (uint64_t p = 0; p < k; ++p) {
+                const float av = ta == CUBLAS_OP_N ? at(A, la, bt, i, p) : at(A, la, bt, p, i);
+                const float bv = tb == CUBLAS_OP_N ? at(B, lb, bt, p, j) : at(B, lb, bt, j, p);
+                acc += av * bv;
+              }
+              out[i * n + j] = fa * acc + (fb != 0.0f ? fb * at(C, lc, bt, i, j) : 0.0f);
+            }
+          for (uint64_t i = 0; i < m; ++i)
+            for (uint64_t j = 0; j < n; ++j)
+              jo::StoreElement(
+                  dt, static_cast<std::byte*>(D),
+                  bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i),
+                  out[i * n + j]);
+        }
+      });
+  return CUBLAS_STATUS_SUCCESS;
+}

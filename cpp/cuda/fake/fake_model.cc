@@ -1,0 +1,228 @@
+// The fake's model (see fake_runtime.h): its state and the memory checks
+// every call makes (fake_queues.cc has the GPU that runs the queued work).
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "cuda/fake/fake_internal.h"
+
+namespace jo::fake {
+
+State& S() {
+  static auto* s = new State();
+  return *s;
+}
+
+thread_local int t_device = 0;
+thread_local int t_process = 0;
+thread_local int t_group_depth = 0;
+thread_local std::vector<NcclP2p> t_group;
+thread_local bool t_group_nonblocking_init = false;
+thread_local cudaError_t t_last = cudaSuccess;
+
+size_t PageRound(size_t bytes) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return (std::max<size_t>(bytes, 1) + page - 1) / page * page;
+}
+std::byte* MapShared(size_t bytes) {
+  void* p =
+      ::mmap(nullptr, PageRound(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
+}
+void Unmap(std::byte* p, size_t bytes) {
+  if (p != nullptr) (void)::munmap(p, PageRound(bytes));
+}
+std::byte* Alias(std::byte* p, size_t bytes, std::byte* at) {
+  void* q = at == nullptr ? ::mremap(p, 0, PageRound(bytes), MREMAP_MAYMOVE)
+                          : ::mremap(p, 0, PageRound(bytes), MREMAP_MAYMOVE | MREMAP_FIXED, at);
+  return q == MAP_FAILED ? nullptr : static_cast<std::byte*>(q);
+}
+
+bool ValidDevice(int d) { return d >= 0 && d < S().config.devices; }
+
+bool CanAccessPeer(int a, int b) {
+  const auto& peer = S().config.peer;
+  if (a == b) return true;
+  if (peer.empty()) return true;
+  return peer[static_cast<size_t>(a)][static_cast<size_t>(b)];
+}
+
+cudaError_t RtFail(cudaError_t code, const std::string& text) {
+  Fail("cuda: " + text);
+  t_last = code;
+  return code;
+}
+
+Alloc* Find(const void* p, size_t bytes) {
+  auto& allocs = S().allocs;
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  auto it = allocs.upper_bound(v);
+  if (it == allocs.begin()) return nullptr;
+  --it;
+  if (v < it->first || v + bytes > it->first + it->second.bytes) return nullptr;
+  return &it->second;
+}
+
+bool CheckAccess(const void* p, size_t bytes, int device, const char* what) {
+  Alloc* a = Find(p, bytes);
+  if (a == nullptr) {
+    Fail(std::string(what) + ": " + std::to_string(bytes) + " bytes at " +
+         std::to_string(reinterpret_cast<uintptr_t>(p)) + " are not inside one device allocation");
+    return false;
+  }
+  if (a->multicast) {
+    Fail(std::string(what) + ": touches a multicast address outside a multimem kernel");
+    return false;
+  }
+  if (a->vmm) {
+    if (a->access.count(device)) return true;
+    Fail(std::string(what) + ": device " + std::to_string(device) +
+         " touches a cuMemMap mapping "
+         "it was not given access to (cuMemSetAccess)");
+    return false;
+  }
+  if (a->viewer >= 0) {
+    if (a->viewer == device) return true;
+    Fail(std::string(what) + ": device " + std::to_string(device) +
+         " touches a CUDA IPC mapping "
+         "opened on device " +
+         std::to_string(a->viewer) + " (each device must open its own)");
+    return false;
+  }
+  if (a->device != device && !S().peer_enabled.count({device, a->device})) {
+    Fail(std::string(what) + ": device " + std::to_string(device) + " touches memory of device " +
+         std::to_string(a->device) + " without peer access enabled");
+    return false;
+  }
+  return true;
+}
+
+bool KnownStream(cudaStream_t s) {
+  for (auto& st : S().streams)
+    if (st.get() == s) return true;
+  return false;
+}
+
+bool StreamOk(cudaStream_t s, const char* what) {
+  if (s == nullptr || !KnownStream(s)) {
+    Fail(std::string(what) + ": unknown or default stream (the executor must name its streams)");
+    return false;
+  }
+  return true;
+}
+
+jo::DType FromCuda(int32_t type, bool* ok) {
+  *ok = true;
+  switch (type) {
+    case CUDA_R_32F:
+      return jo::DType::kF32;
+    case CUDA_R_16BF:
+      return jo::DType::kBF16;
+    case CUDA_R_16F:
+      return jo::DType::kF16;
+    default:
+      *ok = false;
+      return jo::DType::kF32;
+  }
+}
+
+size_t NcclSize(ncclDataType_t t) {
+  switch (t) {
+    case ncclFloat32:
+      return 4;
+    case ncclBfloat16:
+    case ncclFloat16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+void Count(const char* api) { ++S().counters[api]; }
+
+void Fail(const std::string& text) {
+  Lock lock(S().mu);
+  S().errors.push_back(text);
+}
+
+void Reset(const Config& config) {
+  Lock lock(S().mu);
+  State& s = S();
+  for (auto& [base, a] : s.allocs) Unmap(a.mem, a.bytes);
+  s.allocs.clear();
+  s.streams.clear();
+  s.events.clear();
+  s.peer_enabled.clear();
+  s.phys.clear();
+  s.mcs.clear();
+  s.exported.clear();
+  s.comms.clear();
+  s.id_cliques.clear();
+  s.split_cliques.clear();
+  s.ipc_open.clear();
+  s.channels.clear();
+  s.descs.clear();
+  s.layouts.clear();
+  s.prefs.clear();
+  s.handles.clear();
+  s.errors.clear();
+  s.counters.clear();
+  s.config = config;
+  s.rng.seed(config.seed);
+  ResetQueues();
+}
+
+std::vector<std::string> Errors() {
+  Lock lock(S().mu);
+  return S().errors;
+}
+
+std::map<std::string, int64_t> Counters() {
+  Lock lock(S().mu);
+  return S().counters;
+}
+
+void* Malloc(int device, size_t bytes) {
+  Lock lock(S().mu);
+  std::byte* mem = MapShared(bytes);
+  if (mem == nullptr) {
+    Fail("fake: out of host memory");
+    return nullptr;
+  }
+  std::memset(mem, 0, bytes);
+  S().allocs[reinterpret_cast<uintptr_t>(mem)] = Alloc{bytes, device, false, 0, mem};
+  return mem;
+}
+
+bool CheckRange(const void* p, size_t bytes, const char* what) {
+  Lock lock(S().mu);
+  return CheckAccess(p, bytes, t_device, what);
+}
+
+int DeviceCc(int) { return S().config.cc_major; }
+void SetPlayedProcess(int process) { t_process = process; }
+int CurrentDevice() { return t_device; }
+int StreamDevice(cudaStream_t s) {
+  Lock lock(S().mu);
+  return KnownStream(s) ? s->device : -1;
+}
+
+bool MulticastTargets(const void* mc, size_t bytes, std::vector<std::byte*>* out) {
+  Lock lock(S().mu);
+  Alloc* a = Find(mc, bytes);
+  if (a == nullptr || !a->multicast) return false;
+  const size_t offset = static_cast<size_t>(static_cast<const std::byte*>(mc) - a->mem);
+  const McObject& obj = S().mcs[a->mc];
+  out->clear();
+  for (const auto& [device, handle] : obj.bound) {
+    const Phys& ph = S().phys[handle];
+    out->push_back(ph.pages->mem + offset);
+  }
+  return obj.bound.size() == obj.num_devices;
+}
+
+}  // namespace jo::fake

@@ -1,0 +1,229 @@
+#include "cuda/nccl_comms.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "cuda/device_memory.h"
+
+namespace jo::cuda {
+
+std::mutex& DeviceNcclLock(int device) {
+  static auto* mu = new std::mutex;  // never destroyed: handlers may run at exit
+  static auto* locks = new std::map<int, std::unique_ptr<std::mutex>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  auto& slot = (*locks)[device];
+  if (!slot) slot = std::make_unique<std::mutex>();
+  return *slot;
+}
+
+namespace {
+
+// Holds the NCCL locks of several devices (ascending order: no lock-order cycles).
+class DeviceLocks {
+ public:
+  explicit DeviceLocks(std::vector<int> devices) {
+    std::sort(devices.begin(), devices.end());
+    devices.erase(std::unique(devices.begin(), devices.end()), devices.end());
+    for (int d : devices)
+      if (d >= 0) held_.emplace_back(DeviceNcclLock(d));
+  }
+
+ private:
+  std::vector<std::unique_lock<std::mutex>> held_;
+};
+
+// Polls every communicator of `comms` until it reports success (AwaitNccl).
+Status AwaitAll(const std::vector<ncclComm_t>& comms,
+                std::chrono::steady_clock::time_point deadline, const char* what,
+                const ErrorContext& ctx) {
+  for (ncclComm_t c : comms)
+    if (c != nullptr) JO_CHECK(AwaitNccl(c, deadline, what, &ctx));
+  return OkStatus();
+}
+
+}  // namespace
+
+NcclComms::~NcclComms() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t r = 0; r < comms_.size(); ++r) AbortRankLocked(r);
+}
+
+bool NcclComms::created() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !comms_.empty();
+}
+
+Status NcclComms::Create(const std::vector<int>& devices, const ncclUniqueId& id,
+                         std::chrono::steady_clock::time_point deadline, const char* joining,
+                         const ErrorContext& ctx) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!comms_.empty()) return OkStatus();
+  DeviceGuard guard;
+  const size_t n = devices.size();
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  std::vector<ncclComm_t> base(n, nullptr), split(n, nullptr);
+  auto abort_all = [&] {
+    DeviceLocks locks(devices);
+    for (ncclComm_t c : split)
+      if (c != nullptr) (void)ncclCommAbort(c);
+    for (ncclComm_t c : base)
+      if (c != nullptr) (void)ncclCommAbort(c);
+  };
+  // One ncclCommInitRankConfig per local rank, in one group (NCCL requires
+  // the group when one thread initialises several ranks).
+  Status status = OkStatus();
+  {
+    DeviceLocks locks(devices);
+    JO_NCCL_CHECK(&ctx, ncclGroupStart());
+    for (size_t r = 0; r < n && status.ok(); ++r) {
+      if (devices[r] < 0) continue;
+      const cudaError_t set = cudaSetDevice(devices[r]);
+      if (set != cudaSuccess) {
+        status = CudaFailure(set, "cudaSetDevice", &ctx);
+        break;
+      }
+      const ncclResult_t code =
+          ncclCommInitRankConfig(&base[r], static_cast<int>(n), id, static_cast<int>(r), &config);
+      if (code != ncclSuccess && code != ncclInProgress)
+        status = NcclFailure(code, "ncclCommInitRankConfig", &ctx);
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (status.ok() && end != ncclSuccess && end != ncclInProgress)
+      status = NcclFailure(end, "ncclGroupEnd", &ctx);
+  }
+  if (status.ok()) status = AwaitAll(base, deadline, joining, ctx);
+  // The second direction's communicator: a split of the first (a collective
+  // of the parent: every rank of every process does it, in one group here).
+  if (status.ok()) {
+    DeviceLocks locks(devices);
+    JO_NCCL_CHECK(&ctx, ncclGroupStart());
+    for (size_t r = 0; r < n && status.ok(); ++r) {
+      if (base[r] == nullptr) continue;
+      (void)cudaSetDevice(devices[r]);
+      const ncclResult_t code =
+          ncclCommSplit(base[r], /*color=*/0, /*key=*/static_cast<int>(r), &split[r], &config);
+      if (code != ncclSuccess && code != ncclInProgress)
+        status = NcclFailure(code, "ncclCommSplit", &ctx);
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (status.ok() && end != ncclSuccess && end != ncclInProgress)
+      status = NcclFailure(end, "ncclGroupEnd (split)", &ctx);
+  }
+  if (status.ok())
+    status = AwaitAll(split, deadline, "ncclCommSplit (one communicator per ring direction)", ctx);
+  if (!status.ok()) {
+    abort_all();
+    return status;
+  }
+  devices_ = devices;
+  comms_.assign(n, std::vector<ncclComm_t>(kChannels, nullptr));
+  for (size_t r = 0; r < n; ++r) {
+    comms_[r][0] = base[r];
+    comms_[r][1] = split[r];
+  }
+  leases_.assign(n, 0);
+  return OkStatus();
+}
+
+NcclComms::Lease& NcclComms::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    Drop();
+    owner_ = other.owner_;
+    rank_ = other.rank_;
+    other.owner_ = nullptr;
+    other.rank_ = -1;
+  }
+  return *this;
+}
+
+std::vector<ncclComm_t> NcclComms::Lease::ForStreams(int32_t num_streams) const {
+  std::vector<ncclComm_t> out(static_cast<size_t>(std::max(num_streams, 0)), nullptr);
+  if (owner_ == nullptr) return out;
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  const auto& mine = owner_->comms_[static_cast<size_t>(rank_)];
+  for (int32_t s = 1; s < num_streams && s <= kChannels; ++s)
+    out[static_cast<size_t>(s)] = mine[static_cast<size_t>(s - 1)];
+  return out;
+}
+
+void NcclComms::Lease::Drop() {
+  if (owner_ != nullptr) owner_->Release(rank_);
+  owner_ = nullptr;
+  rank_ = -1;
+}
+
+Status NcclComms::Acquire(int32_t rank, const ErrorContext& ctx, Lease* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborting_)
+    return Status(Code::kAborted, ctx.Describe() +
+                                      ": the clique's NCCL communicators were aborted (an earlier "
+                                      "failure or timeout)");
+  if (rank < 0 || static_cast<size_t>(rank) >= comms_.size() ||
+      comms_[static_cast<size_t>(rank)][0] == nullptr)
+    return Internal(ctx.Describe() + ": no NCCL communicator for rank " + std::to_string(rank));
+  ++leases_[static_cast<size_t>(rank)];
+  out->Drop();
+  out->owner_ = this;
+  out->rank_ = rank;
+  return OkStatus();
+}
+
+void NcclComms::Release(int32_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t r = static_cast<size_t>(rank);
+  if (--leases_[r] == 0 && aborting_) AbortRankLocked(r);  // deferred by this lease
+}
+
+void NcclComms::Abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  aborting_ = true;
+  for (size_t r = 0; r < comms_.size(); ++r)
+    if (leases_[r] == 0) AbortRankLocked(r);
+}
+
+void NcclComms::AbortRankLocked(size_t rank) {
+  if (rank >= comms_.size()) return;
+  std::vector<ncclComm_t>& mine = comms_[rank];
+  if (mine.empty() || (mine[0] == nullptr && mine[1] == nullptr)) return;
+  std::lock_guard<std::mutex> device(DeviceNcclLock(devices_[rank]));
+  for (ncclComm_t& c : mine) {
+    if (c != nullptr) (void)ncclCommAbort(c);  // frees the communicator
+    c = nullptr;
+  }
+}
+
+void NcclComms::Finalize(std::chrono::steady_clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t r = 0; r < comms_.size(); ++r) {
+    std::vector<ncclComm_t>& mine = comms_[r];
+    bool finalized = true;
+    {
+      std::lock_guard<std::mutex> device(DeviceNcclLock(devices_[r]));
+      for (ncclComm_t c : mine) {
+        if (c == nullptr) continue;
+        const ncclResult_t code = ncclCommFinalize(c);
+        finalized = finalized && (code == ncclSuccess || code == ncclInProgress);
+      }
+    }
+    // Poll (NCCL API: a non-blocking communicator under finalization reports
+    // ncclInProgress until its operations are flushed).
+    for (ncclComm_t c : mine)
+      if (c != nullptr && finalized)
+        finalized = AwaitNccl(c, deadline, "ncclCommFinalize", nullptr).ok();
+    if (!finalized) {
+      AbortRankLocked(r);
+      continue;
+    }
+    std::lock_guard<std::mutex> device(DeviceNcclLock(devices_[r]));
+    for (ncclComm_t& c : mine) {
+      if (c != nullptr) (void)ncclCommDestroy(c);
+      c = nullptr;
+    }
+  }
+}
+
+}  // namespace jo::cuda

@@ -1,0 +1,105 @@
+// The NCCL communicators of a clique's ranks in this process (transport nccl).
+//
+// One communicator per comm stream of each rank — program stream 1 (the
+// clockwise ring) and stream 2 (counter-clockwise): NCCL serialises the
+// operations of one communicator in the order they are issued, whatever
+// stream they are issued on, so two ring directions sharing one
+// communicator would complete only in the order the host happened to issue
+// them. The second is split from the first (ncclCommSplit, every rank the
+// same colour): no second unique id has to cross processes.
+//
+// Communicators are non-blocking (config.blocking = 0): creation, split,
+// finalize and a send/recv group that connects to a new peer may answer
+// ncclInProgress, and are then polled (ncclCommGetAsyncError) until a
+// deadline, never waited on without one.
+//
+// Lifetime: an enqueue holds a Lease on its rank's communicators while it
+// issues NCCL calls. Abort (the watchdog releasing kernels that wait for a
+// peer, or a failed creation) aborts at once what no lease holds and the
+// rest when their lease is dropped: ncclCommAbort frees a communicator, so
+// one must never be aborted under a thread still issuing calls on it. After
+// Abort, Acquire fails. Teardown finalizes (ncclCommFinalize, polled) and
+// destroys; a communicator that does not finalize in time is aborted.
+//
+// NCCL's thread-safety rule (NCCL user guide, "Thread Safety": issuing
+// operations in parallel to independent communicators located on the same
+// device from several threads is not safe) is kept with one process-wide
+// lock per device (DeviceNcclLock), taken by every NCCL call sequence here
+// and by the executor's groups.
+#pragma once
+
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "core/status.h"
+#include "cuda/check.h"
+
+namespace jo::cuda {
+
+// Process-wide: serialises NCCL host calls on communicators of one device.
+std::mutex& DeviceNcclLock(int device);
+
+class NcclComms {
+ public:
+  static constexpr int32_t kChannels = 2;  // program streams 1 and 2
+
+  NcclComms() = default;
+  ~NcclComms();  // aborts whatever Finalize did not take down
+  NcclComms(const NcclComms&) = delete;
+  NcclComms& operator=(const NcclComms&) = delete;
+
+  // Creates every local rank's communicators: one ncclCommInitRankConfig
+  // per local rank (devices[r] >= 0) in one group, awaited, then one split
+  // per local rank in one group, awaited; `deadline` bounds both. On
+  // failure everything made is aborted.
+  Status Create(const std::vector<int>& devices, const ncclUniqueId& id,
+                std::chrono::steady_clock::time_point deadline, const char* joining,
+                const ErrorContext& ctx);
+
+  class Lease {
+   public:
+    Lease() = default;
+    ~Lease() { Drop(); }
+    Lease(Lease&& other) noexcept { *this = std::move(other); }
+    Lease& operator=(Lease&& other) noexcept;
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    // The communicator of each program stream (index = stream; stream 0 and
+    // streams beyond the channels get null).
+    std::vector<ncclComm_t> ForStreams(int32_t num_streams) const;
+    void Drop();
+
+   private:
+    friend class NcclComms;
+    NcclComms* owner_ = nullptr;
+    int32_t rank_ = -1;
+  };
+  // Leases `rank`'s communicators; kAborted once Abort was called.
+  Status Acquire(int32_t rank, const ErrorContext& ctx, Lease* out);
+
+  // Aborts every communicator: now where no lease holds it, else when the
+  // last lease of its rank is dropped.
+  void Abort();
+
+  // Teardown: ncclCommFinalize + poll until `deadline`, ncclCommDestroy;
+  // aborts what does not finalize in time. Requires no lease.
+  void Finalize(std::chrono::steady_clock::time_point deadline);
+
+  bool created() const;
+
+ private:
+  void AbortRankLocked(size_t rank);  // requires mu_
+  void Release(int32_t rank);
+
+  mutable std::mutex mu_;
+  std::vector<int> devices_;
+  std::vector<std::vector<ncclComm_t>> comms_;  // [rank][channel]; null: another process's
+  std::vector<int> leases_;
+  bool aborting_ = false;
+};
+
+}  // namespace jo::cuda

@@ -1,0 +1,33 @@
+"""Every program the CUDA executor enqueues completes with one hardware work queue per device.
+
+CUDA multiplexes a device's streams onto ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues (default 8;
+Megatron-LM/TransformerEngine jobs set 1); a blocked wait at a queue's head blocks everything
+behind it. The fake models exactly that (``reset(connections=...)``), and NCCL's serialisation of
+a communicator's launches in issue order. This runs the executor itself (``CudaCall``, through
+``_cuda_fake.run``: the order is the one the handlers enqueue, not a re-implementation of it) for
+op x transport x N in 2..8 x chunks 1..4 x direction, with 1 queue and with the default 8, and
+requires every call to complete with the right result and no misuse the fake recognises. The
+fake interleaves the queues in a seeded random order; each case uses its own seed. N = 2, 3 and
+8 run every time; N = 4..7 are ``slow`` (the whole grid takes minutes).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_fake import check, run_case
+
+
+@pytest.mark.parametrize("n", [n if n in (2, 3, 8) else pytest.param(n, marks=pytest.mark.slow)
+                               for n in range(2, 9)])
+@pytest.mark.parametrize("connections", [1, 8])
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+def test_every_program_completes_through_the_work_queues(fake, op, transport, connections, n):
+    for chunks in range(1, 5):
+        for bidirectional in (False, True):
+            fake.reset(connections=connections, seed=1 + 8 * n + 2 * chunks + bidirectional)
+            assert fake.connections() == connections
+            out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=2, k=4, nw=3,
+                                   chunks=chunks, bidirectional=bidirectional)
+            check(fake, out, op, xs, ws, 2, "float32")
