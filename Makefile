@@ -1,6 +1,7 @@
 # The two commands of the README, each doing its own set-up in a virtualenv:
 #   make demo   - build, install and run examples/scaling.py on this machine
-#   make test   - build, install and run the test suite (and ruff)
+#   make test   - build, install and run the test suite (and ruff; with CUDA=ON also
+#                 selftest --fake under CUDA_DEVICE_MAX_CONNECTIONS=1 and the default)
 # PYTHON picks the interpreter, VENV the environment, JAX the jax requirement.
 
 PYTHON ?= python3
@@ -24,7 +25,7 @@ ON_FRESH := $(shell [ -f $(STAMP)ON ] && [ -z "$$(find $(SOURCES) -newer $(STAMP
 
 CPP_SOURCES = $(shell git ls-files 'cpp/*.cc' 'cpp/*.h' 'cpp/*.cu' 2>/dev/null)
 
-.PHONY: demo test install format clean
+.PHONY: demo test install format clean selftest-fake
 
 demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 	$(VENV)/bin/python examples/scaling.py
@@ -33,6 +34,18 @@ test: $(STAMP)$(CUDA)
 	$(VENV)/bin/python -m ruff check jaxoverlap tests examples build_backend
 	$(VENV)/bin/clang-format --dry-run --Werror $(CPP_SOURCES)
 	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q -m "slow or not slow"
+	$(if $(filter ON,$(CUDA)),$(MAKE) --no-print-directory selftest-fake)
+
+# The whole selftest on the CUDA executor against the host-side fake, with one hardware work
+# queue per device (as Megatron/TransformerEngine jobs set it) and with the driver's default.
+selftest-fake:
+	@for c in 1 default; do \
+	  log=$(VENV)/selftest-fake-$$c.log; \
+	  if [ $$c = default ]; then env -u CUDA_DEVICE_MAX_CONNECTIONS $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; \
+	  else CUDA_DEVICE_MAX_CONNECTIONS=$$c $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; fi; \
+	  status=$$?; echo "selftest --fake, CUDA_DEVICE_MAX_CONNECTIONS=$$c: $$(grep -E "^[0-9]+/[0-9]+ passed" $$log || tail -n 1 $$log)"; \
+	  if [ $$status -ne 0 ]; then grep -E "FAIL|Error" $$log | head -n 40; exit 1; fi; \
+	done
 
 install: $(STAMP)$(CUDA)
 

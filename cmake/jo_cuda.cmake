@@ -77,8 +77,10 @@ set(JO_CUBLAS_INCLUDE_DIR "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/include")
 set(JO_CUBLASLT_LIBRARY "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/lib/${_jo_cublaslt_name}")
 set(JO_NVIDIA_WHEELS "nvidia/nccl,nvidia/${JO_CUBLAS_WHEEL_DIR}")
 
+# enable_language(CUDA) needs a default; every kernel target sets its own
+# architectures (cpp/cuda/CMakeLists.txt: JO_ADD_KERNEL_ARCHS, JO_MULTIMEM_KERNEL_ARCHS).
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES "80;90a")
+  set(CMAKE_CUDA_ARCHITECTURES "80-real;90")
 endif()
 enable_language(CUDA)
 set(CMAKE_CUDA_STANDARD 17)
@@ -95,5 +97,5 @@ if(NOT _jo_nvcc_major STREQUAL _jo_wheel_major)
   jo_cuda_skip("nvcc is CUDA ${CUDAToolkit_VERSION} but the cuBLAS wheel is for CUDA ${_jo_wheel_major} (nvidia/${JO_CUBLAS_WHEEL_DIR}); install the wheels of nvcc's major")
 endif()
 set(JO_BUILD_CUDA ON)
-set(JO_CUDA_STATUS "built with CUDA ${CUDAToolkit_VERSION} for sm_80 and sm_90a")
+set(JO_CUDA_STATUS "built with CUDA ${CUDAToolkit_VERSION} (kernels: sm_80, sm_90 and compute_90 PTX)")
 message(STATUS "jaxoverlap: CUDA extension (_cuda) built with CUDA ${CUDAToolkit_VERSION}, NCCL ${JO_NCCL_LIBRARY}, cuBLASLt ${JO_CUBLASLT_LIBRARY}")

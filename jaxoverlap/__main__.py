@@ -18,11 +18,14 @@ def main(argv: list[str] | None = None) -> int:
     selftest = sub.add_parser("selftest", help="run the native ops against the xla impl on this "
                               "machine (every transport, dtype, a few shapes)")
     selftest.add_argument("--quick", action="store_true", help="one shape instead of three")
+    selftest.add_argument("--fake", action="store_true", help="run the CUDA executor against "
+                          "the host-side fake of CUDA/NCCL/cuBLASLt instead (no GPU needed; "
+                          "honours CUDA_DEVICE_MAX_CONNECTIONS)")
     args = parser.parse_args(argv)
     if args.command == "selftest":
         from jaxoverlap._selftest import main as selftest_main
 
-        return selftest_main(quick=args.quick)
+        return selftest_main(quick=args.quick, fake=args.fake)
     if args.command == "info":
         from jaxoverlap._info import format_info, info
 

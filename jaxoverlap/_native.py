@@ -195,7 +195,7 @@ def _lowering_mesh(ctx, axis_name: str, platform: str):
 
 
 def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirectional,
-           transport, preferred, timeout_s, return_gathered):
+           transport, preferred, timeout_s, return_gathered, tf32):
     platforms = tuple(ctx.module_context.platforms)
     if len(platforms) != 1:
         raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "
@@ -218,7 +218,8 @@ def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirec
                 axis=np.int64(axis), axis_size=np.int64(axis_size),
                 transport=np.int32(transports().index(call.transport)),
                 chunks=np.int64(chunks), bidirectional=bool(bidirectional),
-                timeout_ms=np.int64(timeout_ms(timeout_s)), **call.attributes())
+                tf32=bool(tf32), timeout_ms=np.int64(timeout_ms(timeout_s)),
+                **call.attributes())
 
 
 mlir.register_lowering(native_p, _lower)
@@ -254,44 +255,46 @@ def _coords(axis_name: str):
 
 
 def _bind(op, x, w, *, axis_name, axis, transport, chunks, bidirectional, timeout_s,
-          return_gathered=False, preferred=None):
+          return_gathered=False, preferred=None, tf32=False):
     assert x.dtype == w.dtype and x.dtype in _DTYPES, (x.dtype, w.dtype)
     _check_manual(axis_name)
     return native_p.bind(
         x, w, _coords(axis_name), op=op, axis_name=axis_name, axis=int(axis),
         axis_size=int(lax.axis_size(axis_name)), chunks=int(chunks),
         bidirectional=bool(bidirectional), transport=transport or "auto", preferred=preferred,
-        timeout_s=float(timeout_s), return_gathered=bool(return_gathered))
+        timeout_s=float(timeout_s), return_gathered=bool(return_gathered),
+        tf32=bool(tf32) and x.dtype == jnp.float32)
 
 
 def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidirectional=False,
-                    return_gathered=False, timeout_s=120.0, preferred=None):
+                    return_gathered=False, timeout_s=120.0, preferred=None, tf32=False):
     """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards.
 
     Returns y, or (y, x_gathered) when ``return_gathered``. ``transport``: one of
     ``transports()`` or "auto" (``preferred``: the performance model's pick for "auto").
+    ``tf32``: float32 GEMMs may use TF32 (on GPU; ``_precision.allows_tf32``).
     """
     out = _bind("ag_matmul", x, w, axis_name=axis_name, axis=axis, transport=transport,
                 chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
-                return_gathered=return_gathered, preferred=preferred)
+                return_gathered=return_gathered, preferred=preferred, tf32=tf32)
     return (out[0], out[1]) if return_gathered else out[0]
 
 
 def matmul_rs_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidirectional=False,
-                    timeout_s=120.0, preferred=None):
+                    timeout_s=120.0, preferred=None, tf32=False):
     """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local shards."""
     (y,) = _bind("matmul_rs", x, w, axis_name=axis_name, axis=axis, transport=transport,
                  chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
-                 preferred=preferred)
+                 preferred=preferred, tf32=tf32)
     return y
 
 
 def matmul_ar_shard(x, w, *, axis_name, transport="auto", chunks=1, bidirectional=False,
-                    timeout_s=120.0, preferred=None):
+                    timeout_s=120.0, preferred=None, tf32=False):
     """``psum(x @ w, axis_name)`` on local shards; the result is typed invariant over
     ``axis_name`` (as psum's). The rows (every dim of x but the last) split into
     ``lax.axis_size(axis_name)`` blocks."""
     (y,) = _bind("matmul_ar", x, w, axis_name=axis_name, axis=0, transport=transport,
                  chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
-                 preferred=preferred)
+                 preferred=preferred, tf32=tf32)
     return y

@@ -23,11 +23,14 @@ class Plan:
     transport: str = "auto"     # native: as asked ("auto" is resolved when the call lowers)
     preferred: str | None = None  # native, transport "auto": the performance model's pick
     timeout_s: float = 120.0
+    precision: str | None = None  # _precision.normalize'd; None: jax.default_matmul_precision
 
     def describe(self) -> str:
         text = f"impl={self.impl} axis_name={self.axis_name!r} N={self.n} axis={self.axis}"
         if self.impl in ("ring", "native"):
             text += f" chunks={self.chunks} bidirectional={self.bidirectional}"
+        if self.precision is not None:
+            text += f" precision={self.precision}"
         if self.impl == "native":
             text += f" transport={self.transport}"
             if self.preferred is not None:

@@ -218,7 +218,7 @@ def local_op(call: Call, want_gathered: bool) -> Callable:
     """The op on local shards (``axis_name`` bound), as both mechanisms run it per device."""
     from jaxoverlap import _megatron, ops
 
-    kw = dict(call.op_args)
+    kw = dict(call.op_args, precision=call.precision)
     if call.kind == AG:
         return functools.partial(ops.ag_matmul, axis_name=call.axis_name, axis=call.axis,
                                  return_gathered=want_gathered, **kw)
@@ -226,8 +226,7 @@ def local_op(call: Call, want_gathered: bool) -> Callable:
         return functools.partial(ops.matmul_rs, axis_name=call.axis_name, axis=call.axis, **kw)
     if call.kind == G:
         return functools.partial(ops.matmul_ar, axis_name=call.axis_name, **kw)
-    return functools.partial(_megatron.copy_matmul, axis_name=call.axis_name,
-                             precision=call.precision)
+    return functools.partial(_megatron.copy_matmul, axis_name=call.axis_name, **kw)
 
 
 def spec_entries(a: Any, mesh: Mesh | AbstractMesh) -> tuple[Any, ...]:

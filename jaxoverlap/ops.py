@@ -12,6 +12,7 @@ replicated, so its backward pass is two local GEMMs on the cotangent.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxoverlap import _choose, _ring, _spmd, _xla
+from jaxoverlap import _choose, _precision, _ring, _spmd, _xla
 from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
 from jaxoverlap._config import (
     check_bidirectional,
@@ -279,7 +280,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
 def _run_ag(x, w, plan: Plan, want_gathered: bool):
     # Every impl of every op under its own name: JAX's profiler and the HLO op_name metadata
     # show "jaxoverlap.ag_matmul/..." (the backward passes run the other op, named as such).
-    with jax.named_scope("jaxoverlap.ag_matmul"):
+    with jax.named_scope("jaxoverlap.ag_matmul"), _precision.scope(plan.precision):
         return _run_ag_impl(x, w, plan, want_gathered)
 
 
@@ -295,7 +296,7 @@ def _run_ag_impl(x, w, plan: Plan, want_gathered: bool):
 
 
 def _run_rs(x, w, plan: Plan):
-    with jax.named_scope("jaxoverlap.matmul_rs"):
+    with jax.named_scope("jaxoverlap.matmul_rs"), _precision.scope(plan.precision):
         return _run_rs_impl(x, w, plan)
 
 
@@ -308,7 +309,7 @@ def _run_rs_impl(x, w, plan: Plan):
 
 
 def _run_ar(x, w, plan: Plan):
-    with jax.named_scope("jaxoverlap.matmul_ar"):
+    with jax.named_scope("jaxoverlap.matmul_ar"), _precision.scope(plan.precision):
         return _run_ar_impl(x, w, plan)
 
 
@@ -325,7 +326,7 @@ def _run_ar_impl(x, w, plan: Plan):
 def _native_args(plan: Plan) -> dict:
     return dict(axis_name=plan.axis_name, axis=plan.axis, transport=plan.transport,
                 preferred=plan.preferred, chunks=plan.chunks, bidirectional=plan.bidirectional,
-                timeout_s=plan.timeout_s)
+                timeout_s=plan.timeout_s, tf32=_precision.allows_tf32(plan.precision))
 
 
 def _weight_grad(a, b, dtype):
@@ -358,7 +359,8 @@ def _ag_matmul_bwd(plan, want_gathered, types, res, ct):
     if dgathered is not None:  # only when the caller asked for the gathered x
         dx = dx + lax.psum_scatter(dgathered, plan.axis_name, scatter_dimension=plan.axis,
                                    tiled=True)
-    dw = _weight_grad(gathered, dy, w.dtype)
+    with _precision.scope(plan.precision):
+        dw = _weight_grad(gathered, dy, w.dtype)
     return match_varying(dx, x_type), match_varying(dw, w_type)
 
 
@@ -380,7 +382,8 @@ def _matmul_rs_bwd(plan, types, res, dy):
     # GEMM+RS's backward is AG+GEMM: dX = all_gather(dY) @ Wᵀ, reusing the
     # gathered dY for dW = Xᵀ·dY_gathered.
     dx, dy_gathered = _run_ag(dy, w.T, plan, True)
-    dw = _weight_grad(x, dy_gathered, w.dtype)
+    with _precision.scope(plan.precision):
+        dw = _weight_grad(x, dy_gathered, w.dtype)
     return match_varying(dx, x_type), match_varying(dw, w_type)
 
 
@@ -406,8 +409,9 @@ def _matmul_ar_bwd(plan, types, typed, res, dy):
     # own transpose of psum does there.
     if not typed:
         dy = lax.psum(dy, plan.axis_name)
-    dx = _xla.local_matmul(dy, w.T)
-    dw = _weight_grad(x, dy, w.dtype)
+    with _precision.scope(plan.precision):
+        dx = _xla.local_matmul(dy, w.T)
+        dw = _weight_grad(x, dy, w.dtype)
     return match_varying(dx, x_type), match_varying(dw, w_type)
 
 
@@ -423,10 +427,10 @@ def _types(*arrays) -> tuple[frozenset, ...]:
 
 
 def _global(op: str, x, w, axis_name, axis: int | None, mesh, want_gathered: bool,
-            op_args: dict):
+            op_args: dict, precision: str | None):
     """The op on global arrays (outside shard_map), through ``_spmd``."""
     mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
-    call = _spmd.make_call(op, axis_name, x.ndim, axis, **op_args)
+    call = _spmd.make_call(op, axis_name, x.ndim, axis, precision=precision, **op_args)
     _spmd.check_shapes(call, x, w, mesh)
     # The per-device plan may be made later (when XLA partitions the program):
     # make it once now for the shards' shapes, so that every misuse is reported
@@ -471,6 +475,7 @@ def ag_matmul(
     chunks: int | None = None,
     bidirectional: bool | None = None,
     return_gathered: bool = False,
+    precision: Any = None,
     mesh: jax.sharding.Mesh | None = None,
 ):
     """All-gather ``x`` over ``axis_name`` along ``axis``, then multiply by ``w``.
@@ -480,21 +485,24 @@ def ag_matmul(
     (x: ``[.., S/N, .., K]``, w: ``[K, Nw]`` column shard); outside it they are
     global arrays (see ``_spmd``). ``return_gathered=True`` also returns the
     gathered x. Dims before ``axis`` act as a batch; ``axis`` may be any dim
-    but the last.
+    but the last. ``precision`` is ``lax.dot_general``'s (None: JAX's default
+    matmul precision); at ``HIGHEST`` no impl uses TF32 for float32.
     """
     op = "ag_matmul"
     _check_axis_name(op, axis_name)
     _check_mesh(op, mesh)
     axis = _check_operands(op, x, w, axis)
+    precision = _precision.normalize(op, precision)
     if not isinstance(return_gathered, bool):
         raise TypeError(f"{op}: return_gathered={return_gathered!r} must be True or False.")
     n = bound_axis_size(axis_name)
     if n is None:
         return _global(op, x, w, axis_name, axis, mesh, return_gathered,
                        dict(impl=impl, transport=transport, chunks=chunks,
-                            bidirectional=bidirectional))
+                            bidirectional=bidirectional), precision)
     plan = _make_plan(op, x, w, axis_name, n, axis, x.shape[axis], impl, transport, chunks,
                       bidirectional)
+    plan = dataclasses.replace(plan, precision=precision)
     return _ag_matmul(x, w, plan, return_gathered, _types(x, w))
 
 
@@ -508,6 +516,7 @@ def matmul_rs(
     transport: str | None = None,
     chunks: int | None = None,
     bidirectional: bool | None = None,
+    precision: Any = None,
     mesh: jax.sharding.Mesh | None = None,
 ):
     """Multiply ``x`` by ``w``, then reduce-scatter the product over ``axis_name`` along ``axis``.
@@ -516,16 +525,18 @@ def matmul_rs(
     with the reduction hidden behind the multiply. Inside ``shard_map`` x is
     ``[.., S, .., Kf]`` with Kf the local slice of the contraction and w is
     ``[Kf, Nw]``; outside it they are global arrays (see ``_spmd``).
+    ``precision`` as in :func:`ag_matmul`.
     """
     op = "matmul_rs"
     _check_axis_name(op, axis_name)
     _check_mesh(op, mesh)
     axis = _check_operands(op, x, w, axis)
+    precision = _precision.normalize(op, precision)
     n = bound_axis_size(axis_name)
     if n is None:
         return _global(op, x, w, axis_name, axis, mesh, False,
                        dict(impl=impl, transport=transport, chunks=chunks,
-                            bidirectional=bidirectional))
+                            bidirectional=bidirectional), precision)
     if x.shape[axis] % n:
         raise ValueError(
             f"{op}: x.shape[{axis}]={x.shape[axis]} rows are not divisible by the size {n} of "
@@ -533,6 +544,7 @@ def matmul_rs(
         )
     plan = _make_plan(op, x, w, axis_name, n, axis, x.shape[axis] // n, impl, transport, chunks,
                       bidirectional)
+    plan = dataclasses.replace(plan, precision=precision)
     return _matmul_rs(x, w, plan, _types(x, w))
 
 
@@ -545,6 +557,7 @@ def matmul_ar(
     transport: str | None = None,
     chunks: int | None = None,
     bidirectional: bool | None = None,
+    precision: Any = None,
     mesh: jax.sharding.Mesh | None = None,
 ):
     """Multiply ``x`` by ``w``, then all-reduce (sum) the product over ``axis_name``.
@@ -561,18 +574,21 @@ def matmul_ar(
     Autodiff: the backward pass takes the replicated cotangent straight into the
     GEMMs, dx = dy @ wᵀ and dw = xᵀ·dy, with no communication under
     ``check_vma=True``; under ``check_vma=False`` each rank's share of the cotangent
-    is summed first, as JAX's transpose of ``psum`` does there.
+    is summed first, as JAX's transpose of ``psum`` does there. ``precision`` as in
+    :func:`ag_matmul`.
     """
     op = "matmul_ar"
     _check_axis_name(op, axis_name)
     _check_mesh(op, mesh)
     _check_operands(op, x, w, 0)
+    precision = _precision.normalize(op, precision)
     n = bound_axis_size(axis_name)
     if n is None:
         return _global(op, x, w, axis_name, None, mesh, False,
                        dict(impl=impl, transport=transport, chunks=chunks,
-                            bidirectional=bidirectional))
+                            bidirectional=bidirectional), precision)
     plan = _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional)
+    plan = dataclasses.replace(plan, precision=precision)
     typed = check_vma_active()
     if typed:
         # The sum over ranks of x_r @ w_r, as psum sums an invariant operand's N copies.

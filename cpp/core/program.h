@@ -89,6 +89,9 @@ struct Problem {
   int64_t chunks = 1;
   bool bidirectional = false;
   bool return_gathered = false;  // AG only: also write XGathered
+  // float32 GEMMs may round their inputs to TF32 (the op's precision is not
+  // HIGHEST); the CUDA executor's cuBLASLt compute type, ignored on the host.
+  bool tf32 = false;
 };
 
 struct Program {

@@ -2,8 +2,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <mutex>
 #include <string>
+
+#include "cuda/check.h"
 
 namespace jo::cuda {
 namespace {
@@ -89,6 +92,42 @@ Status LoadDriver(const DriverApi** out) {
   const Loaded& l = Get();
   *out = l.status.ok() ? &l.api : nullptr;
   return l.status;
+}
+
+namespace {
+std::mutex g_attr_mu;
+std::map<int, unsigned>& WaitFlagsByDevice() {
+  static auto* flags = new std::map<int, unsigned>();
+  return *flags;
+}
+}  // namespace
+
+Status WaitValueFlags(int device, unsigned* flags) {
+  {
+    std::lock_guard<std::mutex> lock(g_attr_mu);
+    auto it = WaitFlagsByDevice().find(device);
+    if (it != WaitFlagsByDevice().end()) {
+      *flags = it->second;
+      return OkStatus();
+    }
+  }
+  const DriverApi* drv = nullptr;
+  JO_CHECK(LoadDriver(&drv));
+  CUdevice dev = 0;
+  int can_flush = 0;
+  JO_CU_CHECK(nullptr, drv->cuDeviceGet(&dev, device));
+  JO_CU_CHECK(nullptr, drv->cuDeviceGetAttribute(&can_flush,
+                                                 CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES, dev));
+  *flags = static_cast<unsigned>(CU_STREAM_WAIT_VALUE_GEQ) |
+           (can_flush ? static_cast<unsigned>(CU_STREAM_WAIT_VALUE_FLUSH) : 0u);
+  std::lock_guard<std::mutex> lock(g_attr_mu);
+  WaitFlagsByDevice()[device] = *flags;
+  return OkStatus();
+}
+
+void ForgetDeviceAttributes() {
+  std::lock_guard<std::mutex> lock(g_attr_mu);
+  WaitFlagsByDevice().clear();
 }
 
 std::string DriverErrorText(CUresult code) {

@@ -56,6 +56,19 @@ struct DriverApi {
 // optional (has_multicast says whether all were found).
 Status LoadDriver(const DriverApi** out);
 
+// The flags of a flag wait on `device`: CU_STREAM_WAIT_VALUE_GEQ, plus
+// CU_STREAM_WAIT_VALUE_FLUSH where the device supports it
+// (CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES; asked once per device). The
+// data a flag announces arrives as remote writes (a peer's copy engine, or
+// multimem stores through the switch) before the flag, itself a remote write;
+// the driver documents FLUSH for exactly this: "two remote writes arrive in a
+// defined order, the wait is satisfied by the second write, and downstream
+// work needs to observe the first write" (cuda.h, CUstreamWaitValue_flags).
+Status WaitValueFlags(int device, unsigned* flags);
+
+// Forgets what WaitValueFlags learnt (tests: the fake's devices change).
+void ForgetDeviceAttributes();
+
 // Text of a driver error (falls back to the number when no driver is loaded).
 std::string DriverErrorText(CUresult code);
 

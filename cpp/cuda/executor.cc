@@ -90,6 +90,7 @@ class Enqueuer {
 
   Status Prepare() {
     JO_CHECK(LoadDriver(&drv_));
+    JO_CHECK(WaitValueFlags(a_.device, &wait_flags_));
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
     JO_ASSERT(a_.order != nullptr && a_.resources != nullptr && a_.gen != nullptr);
     JO_ASSERT(static_cast<int32_t>(a_.resources->streams.size()) >= p_.num_streams - 1);
@@ -285,6 +286,7 @@ class Enqueuer {
   Status PrepareGemm(const Op& op, Step* step) {
     GemmArgs& g = step->gemm;
     g.dtype = p_.problem.dtype;
+    g.tf32 = p_.problem.tf32;
     g.batch = op.batch;
     g.m = op.m;
     g.n = op.n;
@@ -348,9 +350,10 @@ class Enqueuer {
         return OkStatus();
       case OpKind::kWait:
         // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
-        JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(step.stream),
-                                                    step.flag, static_cast<cuuint32_t>(a_.epoch),
-                                                    CU_STREAM_WAIT_VALUE_GEQ));
+        // FLUSH where the device has it: the data before the flag are remote writes too.
+        JO_CU_CHECK(ctx_,
+                    drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(step.stream), step.flag,
+                                              static_cast<cuuint32_t>(a_.epoch), wait_flags_));
         return OkStatus();
       case OpKind::kRecord:
         JO_CUDA_CHECK(ctx_, cudaEventRecord(step.event, step.stream));
@@ -446,6 +449,7 @@ class Enqueuer {
   const int64_t es_;
   const ErrorContext* ctx_;
   const DriverApi* drv_ = nullptr;
+  unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
 };
 

@@ -24,12 +24,29 @@ cudaDataType_t LtType(DType dtype) {
   return CUDA_R_32F;
 }
 
-// Largest power of two (<= 256) dividing the address: the alignment we promise cuBLASLt.
-uint32_t Alignment(const void* p) {
-  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+// The alignment we promise cuBLASLt for one matrix: the largest power of two
+// (<= 256) dividing its pointer, its leading dimension and, when batched, its
+// batch stride, in bytes. The promise covers them all: an algorithm's minimum
+// alignment is "required for buffer pointer, leading dimension, and possibly
+// other strides" (cublasLt.h, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES), and
+// batch b's matrix starts at pointer + b * stride.
+uint32_t Alignment(const void* p, int64_t ld, int64_t batch, int64_t batch_stride, int64_t es) {
+  const uint64_t v = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)) |
+                     static_cast<uint64_t>(ld * es) |
+                     static_cast<uint64_t>(batch > 1 ? batch_stride * es : 0);
   uint32_t a = 256;
   while (a > 1 && v % a != 0) a /= 2;
   return a;
+}
+
+// The four promises, in cuBLASLt's A, B, C, D order (the layout mapping of gemm.h).
+struct Alignments {
+  uint32_t a, b, c, d;
+};
+Alignments AlignmentsOf(const GemmArgs& g, const void* c, int64_t c_bs, int64_t c_ld) {
+  const int64_t es = DTypeSize(g.dtype);
+  return {Alignment(g.w, g.w_ld, g.batch, 0, es), Alignment(g.a, g.a_ld, g.batch, g.a_bs, es),
+          Alignment(c, c_ld, g.batch, c_bs, es), Alignment(g.d, g.d_ld, g.batch, g.d_bs, es)};
 }
 
 template <typename T, cublasStatus_t (*Destroy)(T)>
@@ -72,7 +89,7 @@ struct Plan {
   cublasLtMatmulHeuristicResult_t heuristic{};
 };
 
-// dtype, batch, m, n, k, lds, strides, beta != 0, alignments.
+// dtype (x2, +1 with TF32), batch, m, n, k, lds, strides, beta != 0, alignments.
 using PlanKey =
     std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
@@ -118,8 +135,9 @@ Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64
                 int64_t c_ld, const ErrorContext& ctx, Plan* plan) {
   const cudaDataType_t type = LtType(g.dtype);
   const int32_t batch = static_cast<int32_t>(g.batch);
-  JO_CUBLAS_CHECK(&ctx,
-                  cublasLtMatmulDescCreate(&plan->desc.value, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasComputeType_t compute =
+      g.tf32 && g.dtype == DType::kF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescCreate(&plan->desc.value, compute, CUDA_R_32F));
   const int32_t no_transpose = CUBLAS_OP_N;
   JO_CUBLAS_CHECK(&ctx,
                   cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSA,
@@ -137,7 +155,8 @@ Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64
   JO_CUBLAS_CHECK(&ctx,
                   cublasLtMatmulPreferenceSetAttribute(
                       plan->pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  const uint32_t align[4] = {Alignment(g.w), Alignment(g.a), Alignment(c), Alignment(g.d)};
+  const Alignments al = AlignmentsOf(g, c, c_bs, c_ld);
+  const uint32_t align[4] = {al.a, al.b, al.c, al.d};
   const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -177,7 +196,8 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
     JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
     ws = std::move(buffer);
   }
-  const PlanKey key{static_cast<int>(g.dtype),
+  const Alignments al = AlignmentsOf(g, c, c_bs, c_ld);
+  const PlanKey key{static_cast<int>(g.dtype) * 2 + (g.tf32 ? 1 : 0),
                     g.batch,
                     g.m,
                     g.n,
@@ -191,10 +211,10 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
                     g.d_ld,
                     0,
                     accumulate,
-                    Alignment(g.w),
-                    Alignment(g.a),
-                    Alignment(c),
-                    Alignment(g.d)};
+                    al.a,
+                    al.b,
+                    al.c,
+                    al.d};
   auto& plan = cache.plans[key];
   if (!plan) {
     auto fresh = std::make_unique<Plan>();

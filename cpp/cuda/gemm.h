@@ -14,7 +14,8 @@
 // explicitly; the matmul descriptor sets TRANSA=TRANSB=N, compute type
 // CUBLAS_COMPUTE_32F and scale type CUDA_R_32F (f32 accumulation for
 // bf16/f16 too); alpha = 1, beta = 1 when accumulating, else 0. The
-// preference sets the workspace size and the real alignment of each pointer.
+// preference sets the workspace size and, per matrix, the alignment its pointer,
+// leading dimension and batch stride all share (what cuBLASLt requires of them).
 // The host-side fake (cpp/cuda/fake) implements exactly these attributes and
 // refuses any other, so a change here must be mirrored there.
 //
@@ -41,6 +42,11 @@ namespace jo::cuda {
 
 struct GemmArgs {
   DType dtype = DType::kF32;
+  // f32 only: CUBLAS_COMPUTE_32F_FAST_TF32 ("allows the library to use Tensor
+  // Cores with automatic down-conversion and TF32 compute for 32-bit input and
+  // output matrices", cublas docs, cublasComputeType_t) instead of
+  // CUBLAS_COMPUTE_32F, which keeps full float32 products.
+  bool tf32 = false;
   int64_t batch = 1, m = 0, n = 0, k = 0;
   const void* a = nullptr;
   int64_t a_bs = 0, a_ld = 0;

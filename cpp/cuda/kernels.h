@@ -5,19 +5,25 @@
 //   McStore    a -> every rank's workspace   through the multicast address (multimem.st)
 //   McReduce   d <- sum over ranks           through the multicast address (multimem.ld_reduce)
 // All three work on a batched-strided block (batch x m x n; strides and
-// leading dims in elements, as in the program IR) with f32 arithmetic.
-// McStore/McReduce exist for sm_90 only (NVLS); the launchers refuse other
-// devices with a clear status. bf16/f16 multimem instructions only come in
-// pairs (.bf16x2/.f16x2, checked with ptxas): the block must then have an
-// even width, even strides and 4-byte aligned addresses.
+// leading dims in elements, as in the program IR) with f32 arithmetic, in the
+// widest accesses (16, 8, 4 or 2 bytes) the block's addresses allow.
 //
-// kernels.cu implements the launchers on the GPU; the host-side fake build
-// (cpp/cuda/fake/) links host equivalents instead — in that build only.
+// What each thread does is kernel_body.h, one source for the GPU and the fake.
+// The launchers (kernels_common.cc, also shared) choose the access width and
+// grid and launch with cudaLaunchKernel; the multimem ones first check, once
+// per device and kernel, that the variant of the kernel this GPU runs was
+// compiled with multimem (cudaFuncGetAttributes: ptxVersion >= 90) — never the
+// compute capability, which says nothing about the code the driver loaded.
+// bf16/f16 multimem instructions only come in pairs (.bf16x2/.f16x2): such a
+// block needs an even width, even strides and 4-byte aligned addresses.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "core/program.h"
 #include "core/status.h"
@@ -41,7 +47,19 @@ Status LaunchAddBlock(const BlockArgs& args, cudaStream_t stream, const ErrorCon
 Status LaunchMcStore(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 Status LaunchMcReduce(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
-// "kernels: sm_80 sm_90a (multimem)" for build_info().
-const char* KernelsDescription();
+// The width of the accesses the launchers use for a block (bytes; 0: none
+// fits — a multicast block breaking the pairing rule).
+int AccessBytes(const BlockArgs& args, bool multimem);
+
+// Forgets which kernels each device was found to run (tests: the fake's
+// devices change between cases; a real device's never do).
+void ForgetKernelVerdicts();
+
+// What the build put in the fatbinary for each kernel family ("add",
+// "multimem"): cubins as "sm_XY", PTX as "compute_XY" (CMakeLists.txt).
+const std::map<std::string, std::vector<std::string>>& KernelImages();
+
+// "add: sm_80 sm_90 compute_90; multimem: sm_90 compute_90" for build_info().
+std::string KernelsDescription();
 
 }  // namespace jo::cuda

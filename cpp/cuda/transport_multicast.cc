@@ -31,9 +31,14 @@ Status AllocMulticast(CliqueState& s, Generation* gen, const ErrorContext& ctx) 
   mc_prop.handleTypes = s.handles == Handles::kFabric ? CU_MEM_HANDLE_TYPE_FABRIC
                                                       : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   mc_prop.size = static_cast<size_t>(2 * gen->workspace_bytes);
+  // Sizes rounded to the MINIMUM granularities: that is what cuMulticastCreate,
+  // cuMulticastBindMem and cuMemCreate require ("must be a multiple of" them,
+  // cuda.h); RECOMMENDED is only "for best performance" and may be far larger,
+  // while NVSwitch multicast resources are finite and every generation holds
+  // one object.
   size_t mc_gran = 0, mem_gran = 0;
-  JO_CU_CHECK(&ctx, drv->cuMulticastGetGranularity(&mc_gran, &mc_prop,
-                                                   CU_MULTICAST_GRANULARITY_RECOMMENDED));
+  JO_CU_CHECK(&ctx,
+              drv->cuMulticastGetGranularity(&mc_gran, &mc_prop, CU_MULTICAST_GRANULARITY_MINIMUM));
   CUmemAllocationProp mem_prop{};
   mem_prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   mem_prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -41,7 +46,7 @@ Status AllocMulticast(CliqueState& s, Generation* gen, const ErrorContext& ctx) 
   // The same handle type as the multicast object's (as NCCL's NVLS does).
   mem_prop.requestedHandleTypes = static_cast<CUmemAllocationHandleType>(mc_prop.handleTypes);
   JO_CU_CHECK(&ctx, drv->cuMemGetAllocationGranularity(&mem_gran, &mem_prop,
-                                                       CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+                                                       CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   const size_t gran = std::max(mc_gran, mem_gran);
   region->bytes = RoundUp(std::max<size_t>(mc_prop.size, 1), gran);
   mc_prop.size = region->bytes;

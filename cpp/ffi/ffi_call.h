@@ -8,7 +8,8 @@
 //   (matmul_ar: 0; it splits the rows of x, all dims but the last, into N
 //   blocks),
 //   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
-//   bidirectional bool, timeout_ms i64, and the rank table in (group, rank)
+//   bidirectional bool, tf32 bool (float32 GEMMs may use TF32: the op's
+//   precision allows it), timeout_ms i64, and the rank table in (group, rank)
 //   order: processes i64[], device_ids i64[] (JAX's global ids),
 //   ordinals i64[] (local ordinals). The table is empty only for a CPU call
 //   in one process whose mesh was abstract where it lowered; the CPU call
@@ -39,6 +40,7 @@ struct CallAttrs {
   int32_t transport;
   int64_t chunks;
   bool bidirectional;
+  bool tf32;
   int64_t timeout_ms;
   ffi::Span<const int64_t> processes, device_ids, ordinals;
 };
@@ -50,7 +52,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("axis"),
     ::xla::ffi::StructMember<int64_t>("axis_size"), ::xla::ffi::StructMember<int32_t>("transport"),
     ::xla::ffi::StructMember<int64_t>("chunks"), ::xla::ffi::StructMember<bool>("bidirectional"),
-    ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<bool>("tf32"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("ordinals"));
@@ -112,6 +114,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   out->axis = a.axis;
   out->chunks = a.chunks;
   out->bidirectional = a.bidirectional;
+  out->tf32 = a.tf32;
   out->timeout_ms = a.timeout_ms;
   out->table.axis_size = a.axis_size;
   out->table.processes.assign(a.processes.begin(), a.processes.end());
@@ -185,6 +188,7 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->dtype = *ToDType(x.element_type());
   q->chunks = d.chunks;
   q->bidirectional = d.bidirectional;
+  q->tf32 = d.tf32 && q->dtype == DType::kF32;
   q->k = xd[xd.size() - 1];
   q->n = wd[1];
   q->batch = 1;

@@ -29,11 +29,14 @@
 #include "cuda/cuda_clique.h"
 #include "cuda/cuda_site.h"
 #include "cuda/driver.h"
+#include "cuda/fake/fake_kernels.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/gemm.h"
+#include "cuda/kernels.h"
 #include "cuda/peer_handles.h"
 #include "cuda/watchdog.h"
 #include "python/cuda_bootstrap_bindings.h"
+#include "python/cuda_fake_kernels.h"
 
 namespace nb = nanobind;
 
@@ -138,11 +141,15 @@ jo::Transport ParseTransport(const std::string& s) {
 
 void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms,
-           bool shareable, bool fabric, bool imex_channel, int connections) {
+           bool shareable, bool fabric, bool imex_channel, int connections, int cc_minor,
+           bool flush_remote_writes,
+           std::optional<std::map<std::string, std::vector<std::string>>> kernel_images) {
   jo::cuda::ResetCudaCliques();
   jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
   jo::cuda::ForgetFabricProbes();
+  jo::cuda::ForgetKernelVerdicts();
+  jo::cuda::ForgetDeviceAttributes();
   jo::fake::Config config;
   config.devices = devices;
   config.cc_major = cc_major;
@@ -154,7 +161,11 @@ void Reset(int devices, int cc_major, bool multicast,
   config.fabric = fabric;
   config.imex_channel = imex_channel;
   config.connections = connections;
+  config.cc_minor = cc_minor;
+  config.flush_remote_writes = flush_remote_writes;
   jo::fake::Reset(config);
+  // Which compiled variants each kernel has: this build's record unless a test says otherwise.
+  jo::fake::SetKernelImages(kernel_images ? *kernel_images : jo::cuda::KernelImages());
 }
 
 // Runs `calls` back-to-back calls on every rank; returns ys, x_gathered (per
@@ -165,7 +176,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key, int calls,
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
-             std::optional<std::map<int32_t, std::string>> hosts, bool capture) {
+             std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32) {
   const bool ag = op == "ag_matmul", rs = op == "matmul_rs", ar = op == "matmul_ar";
   if (!ag && !rs && !ar) throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -186,6 +197,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.chunks = chunks;
   q.bidirectional = bidirectional;
   q.return_gathered = return_gathered;
+  q.tf32 = tf32;  // as given: the executor itself must drop it for half types
   const size_t es = static_cast<size_t>(jo::DTypeSize(q.dtype));
   const size_t x_elems = static_cast<size_t>(batch * (ag ? rows : rows * nranks) * k);
   const size_t y_elems = static_cast<size_t>(batch * (rs ? rows : rows * nranks) * n);
@@ -228,6 +240,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   desc.axis = 0;
   desc.chunks = chunks;
   desc.bidirectional = bidirectional;
+  desc.tf32 = tf32;
   desc.timeout_ms = timeout_ms;
   desc.table.axis_size = nranks;
   // processes: which (played) process each rank belongs to; a clique spanning
@@ -300,7 +313,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
 std::map<std::string, std::string> MisuseChecks() {
   std::map<std::string, std::string> out;
   auto check = [&](const std::string& name, auto&& body, int connections = 8) {
-    Reset(4, 9, true, std::nullopt, 1, 0, true, true, true, connections);
+    Reset(4, 9, true, std::nullopt, 1, 0, true, true, true, connections, 0, false, std::nullopt);
     cudaSetDevice(0);
     body();
     jo::fake::Drain();
@@ -348,6 +361,60 @@ std::map<std::string, std::string> MisuseChecks() {
   check("leading dim below rows", [&] { gemm(CUBLASLT_ORDER_COL, 2, false, false); });
   check("misaligned pointer", [&] { gemm(CUBLASLT_ORDER_COL, 4, true, false); });
   check("C != D with different layouts", [&] { gemm(CUBLASLT_ORDER_COL, 8, false, true); });
+  // A valid batched 4x4 f32 GEMM promising `align` bytes for every matrix, B's batch
+  // stride `b_stride` elements: the promise must hold for leading dims and strides too.
+  auto batched = [&](uint32_t align, int64_t b_stride) {
+    cudaStream_t s = stream_on(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatrixLayout_t l[4];
+    const int32_t batch = 2;
+    for (int i = 0; i < 4; ++i) {
+      cublasLtMatrixLayoutCreate(&l[i], CUDA_R_32F, 4, 4, 4);
+      const int64_t stride = i == 1 ? b_stride : 16;
+      cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                       sizeof(batch));
+      cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                       sizeof(stride));
+    }
+    cublasLtMatmulPreference_t p = nullptr;
+    cublasLtMatmulPreferenceCreate(&p);
+    for (auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, d, l[0], l[1], l[2], l[3], p, 1, &r, &found);
+    float* a = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    float* dst = static_cast<float*>(jo::fake::Malloc(0, 64 * sizeof(float)));
+    const float one = 1.0f;
+    cublasLtMatmul(h, d, &one, a, l[0], a, l[1], &one, dst, l[2], dst, l[3], &r.algo, nullptr, 0,
+                   s);
+  };
+  check("leading dim less aligned than promised", [&] { batched(32, 16); });
+  check("batch stride less aligned than promised", [&] { batched(16, 17); });
+  check("cublasLt tf32 with bf16", [&] {
+    cudaStream_t s = stream_on(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F_FAST_TF32, CUDA_R_32F);
+    cublasLtMatrixLayout_t l[4];
+    for (auto& layout : l) cublasLtMatrixLayoutCreate(&layout, CUDA_R_16BF, 4, 4, 4);
+    cublasLtMatmulPreference_t p = nullptr;
+    cublasLtMatmulPreferenceCreate(&p);
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, d, l[0], l[1], l[2], l[3], p, 1, &r, &found);
+    void* a = jo::fake::Malloc(0, 64 * sizeof(float));
+    void* dst = jo::fake::Malloc(0, 64 * sizeof(float));
+    const float one = 1.0f, zero = 0.0f;
+    cublasLtMatmul(h, d, &one, a, l[0], a, l[1], &zero, dst, l[2], dst, l[3], &r.algo, nullptr, 0,
+                   s);
+  });
   check("copy out of range", [&] {
     cudaStream_t s = stream_on(0);
     void* a = jo::fake::Malloc(0, 64);
@@ -374,6 +441,15 @@ std::map<std::string, std::string> MisuseChecks() {
     if (drv != nullptr)
       drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
                                1, CU_STREAM_WAIT_VALUE_GEQ);
+  });
+  check("wait with FLUSH where remote writes cannot be flushed", [&] {
+    const jo::cuda::DriverApi* drv = nullptr;
+    (void)jo::cuda::LoadDriver(&drv);
+    cudaStream_t s = stream_on(0);
+    void* flag = jo::fake::Malloc(0, 4);
+    if (drv != nullptr)
+      drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
+                               0, CU_STREAM_WAIT_VALUE_GEQ | CU_STREAM_WAIT_VALUE_FLUSH);
   });
   check("mismatched send/recv sizes", [&] {
     ncclComm_t comms[2];
@@ -526,7 +602,7 @@ std::map<std::string, std::string> MisuseChecks() {
                              CU_STREAM_WAIT_VALUE_GEQ);
     (void)cudaDeviceSynchronize();
   });
-  Reset(8, 9, true, std::nullopt, 1, 0, true, false, true, 0);
+  Reset(8, 9, true, std::nullopt, 1, 0, true, false, true, 0, 0, false, std::nullopt);
   return out;
 }
 
@@ -552,9 +628,11 @@ NB_MODULE(_cuda_fake, m) {
   m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9,
         nb::arg("multicast") = true, nb::arg("peer") = nb::none(), nb::arg("seed") = 1,
         nb::arg("grace_ms") = 0, nb::arg("shareable") = true, nb::arg("fabric") = false,
-        nb::arg("imex_channel") = true, nb::arg("connections") = 0,
+        nb::arg("imex_channel") = true, nb::arg("connections") = 0, nb::arg("cc_minor") = 0,
+        nb::arg("flush_remote_writes") = false, nb::arg("kernel_images") = nb::none(),
         "Forget every clique and fake object; configure the fake machine (connections: hardware "
-        "work queues per device, 0: CUDA_DEVICE_MAX_CONNECTIONS from the environment).");
+        "work queues per device, 0: CUDA_DEVICE_MAX_CONNECTIONS from the environment; "
+        "kernel_images: the fatbinary's variants per kernel family, default this build's).");
   m.def("connections", &jo::fake::Connections,
         "Hardware work queues per device the fake models now.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
@@ -563,7 +641,7 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
-        nb::arg("capture") = false);
+        nb::arg("capture") = false, nb::arg("tf32") = false);
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
@@ -579,4 +657,5 @@ NB_MODULE(_cuda_fake, m) {
   m.def("_reset_cliques", &jo::cuda::ResetCudaCliques,
         "Forget every clique (the fake keeps its state).");
   jo::python::BindCudaBootstrap(m);
+  jo::python::BindFakeKernels(m);
 }

@@ -91,6 +91,13 @@ nb::dict BuildInfo() {
                            std::to_string(CUBLAS_VER_PATCH);
   info["nvidia_wheels"] = JO_NVIDIA_WHEELS;
   info["kernels"] = jo::cuda::KernelsDescription();
+  nb::dict images;  // family -> the cubins ("sm_XY") and PTX ("compute_XY") the build compiled
+  for (const auto& [family, list] : jo::cuda::KernelImages()) {
+    nb::list entries;
+    for (const std::string& image : list) entries.append(nb::str(image.c_str()));
+    images[family.c_str()] = nb::tuple(entries);
+  }
+  info["kernel_images"] = images;
   info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
   info["transports"] = nb::make_tuple(jo::TransportName(jo::Transport::kNccl),
                                       jo::TransportName(jo::Transport::kP2p),

@@ -31,7 +31,6 @@ inside the fused ops: the layer then runs the unfused computation with it
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -210,21 +209,6 @@ class Matmul:
     dot_general_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _precision_scope(precision: Any):
-    """Applies ``precision`` to the fused ops, which take no precision argument."""
-    if precision is None:
-        return contextlib.nullcontext()
-    if isinstance(precision, (tuple, list)):
-        if len(set(precision)) != 1:
-            raise ValueError(f"precision={precision!r}: the fused ops take one precision for "
-                             "both operands.")
-        precision = precision[0]
-    if isinstance(precision, lax.Precision):
-        precision = {lax.Precision.DEFAULT: "default", lax.Precision.HIGH: "high",
-                     lax.Precision.HIGHEST: "highest"}[precision]
-    return jax.default_matmul_precision(str(precision).lower())
-
-
 def _dims(x) -> tuple:
     return (((x.ndim - 1,), (0,)), ((), ()))
 
@@ -238,15 +222,14 @@ def _add_bias(y, bias):
 def fused(m: Matmul, x, kernel, mesh: Any):
     """The fused multiply: the ops on local shards (mesh None) or on global arrays."""
     seq = x.ndim - 2
+    kw = dict(precision=m.precision, mesh=mesh)
     if m.kind == COLUMN:
         if m.sequence_parallel:
-            with _precision_scope(m.precision):
-                return ops.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, mesh=mesh)
-        return _megatron.copy_matmul(x, kernel, m.axis_name, precision=m.precision, mesh=mesh)
-    with _precision_scope(m.precision):
-        if m.sequence_parallel:
-            return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, mesh=mesh)
-        return ops.matmul_ar(x, kernel, m.axis_name, impl=m.impl, mesh=mesh)  # Megatron g
+            return ops.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
+        return _megatron.copy_matmul(x, kernel, m.axis_name, **kw)
+    if m.sequence_parallel:
+        return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
+    return ops.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)  # Megatron g
 
 
 def _kind_of(m: Matmul) -> str:

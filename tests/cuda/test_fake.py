@@ -162,11 +162,14 @@ MISUSES = {
     "row-major layout": "ORDER other than COL",
     "leading dim below rows": "leading dimension smaller",
     "misaligned pointer": "less aligned",
+    "leading dim less aligned than promised": "leading dimension is less aligned",
+    "batch stride less aligned than promised": "batch stride is less aligned",
     "C != D with different layouts": "out-of-place rule",
     "copy out of range": "not inside one device allocation",
     "peer copy without peer access": "without peer access enabled",
     "wait on an event never recorded": "never recorded",
     "flag never raised (deadlock)": "deadlock",
+    "wait with FLUSH where remote writes cannot be flushed": "CAN_FLUSH_REMOTE_WRITES",
     "mismatched send/recv sizes": "mismatched",
     "multicast address outside a multimem kernel": "multicast address outside a multimem kernel",
     "IPC mapping touched by a device that did not open it": "opened on device 1",
@@ -188,6 +191,8 @@ MISUSES = {
     "host query of an event recorded in a stream capture": "during stream capture",
     # an unbounded host synchronisation behind work that never completes.
     "device synchronisation behind a wait that never ends": "would block forever",
+    # TF32 compute asked for matrices that are not float32 (cuBLAS docs, cublasComputeType_t).
+    "cublasLt tf32 with bf16": "FAST_TF32",
 }
 # The same wait/write pair, each stream with a work queue of its own: no misuse (so the rule above
 # is about sharing a queue, not about the pair).

@@ -28,3 +28,22 @@ def test_info_prints_the_gpu_section():
     assert "gpu:" in text
     if _cuda_caps.cuda_error() is None:
         assert "nccl: 2." in text and "cublas:" in text and "gpus:" in text
+
+
+def test_selftest_on_the_fake_honours_the_work_queue_setting(capsys, monkeypatch):
+    """``selftest --fake`` (quick): the executor on the fake with one work queue per device."""
+    from .conftest import require_module
+
+    fake = require_module("_cuda_fake")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert main(quick=True, fake=True) == 0
+    out = capsys.readouterr().out
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out and "FAIL " not in out
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+        for transport in ("nccl", "p2p", "multicast"):
+            assert f"PASS  {op:9s} {transport:9s}" in out
+    fake.reset()
+    assert fake.connections() == 1  # the fake read the variable as the driver does
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    fake.reset()
+    assert fake.connections() == 8

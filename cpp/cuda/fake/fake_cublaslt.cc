@@ -13,6 +13,22 @@ static int64_t Extent(const Layout& l) {  // elements spanned by one layout, all
          static_cast<int64_t>(l.rows);
 }
 
+// TF32: float32 with a 10-bit mantissa (NVIDIA A100 Tensor Core whitepaper,
+// "TF32": 8-bit exponent, 10-bit mantissa). The fake rounds each input to it
+// (to nearest, ties to even: the fake's choice; the hardware's rounding is not
+// documented), so a float32 result at FAST_TF32 really is less accurate than
+// at CUBLAS_COMPUTE_32F, as on a GPU.
+static float ToTf32(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7f800000u) != 0x7f800000u) {  // finite: round away the low 13 bits
+    bits += 0x0fffu + ((bits >> 13) & 1u);
+    bits &= ~0x1fffu;
+  }
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 }  // namespace jo::fake
 
 using jo::fake::Count;
@@ -200,13 +216,18 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   const jo::fake::Desc dsc = S().descs[desc];
   const Layout la = S().layouts[Adesc], lb = S().layouts[Bdesc], lc = S().layouts[Cdesc],
                ld = S().layouts[Ddesc];
-  if (dsc.compute != CUBLAS_COMPUTE_32F || dsc.scale != CUDA_R_32F)
-    return fail("only CUBLAS_COMPUTE_32F with CUDA_R_32F scale is modeled");
+  const bool tf32 = dsc.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+  if ((dsc.compute != CUBLAS_COMPUTE_32F && !tf32) || dsc.scale != CUDA_R_32F)
+    return fail("only CUBLAS_COMPUTE_32F(_FAST_TF32) with CUDA_R_32F scale is modeled");
   if (la.type != lb.type || la.type != lc.type || la.type != ld.type)
     return fail("mixed matrix types are not modeled");
   bool ok = false;
   const jo::DType dt = jo::fake::FromCuda(la.type, &ok);
   if (!ok) return fail("matrix type not modeled");
+  // FAST_TF32 is a compute type for float32 matrices ("CUBLAS_COMPUTE_32F_FAST_TF32 ... for
+  // 32-bit input and output matrices", cuBLAS docs, cublasComputeType_t).
+  if (tf32 && dt != jo::DType::kF32)
+    return fail("CUBLAS_COMPUTE_32F_FAST_TF32 with matrices that are not CUDA_R_32F");
   for (const Layout* l : {&la, &lb, &lc, &ld}) {
     if (l->order != CUBLASLT_ORDER_COL) return fail("ORDER other than COL is not modeled");
     if (l->ld < static_cast<int64_t>(l->rows))
@@ -221,13 +242,23 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     return fail("inconsistent dimensions");
   if (C != D && (lc.ld != ld.ld || lc.stride != ld.stride))
     return fail("C != D with different layouts (cuBLASLt's out-of-place rule)");
+  const size_t es = static_cast<size_t>(jo::DTypeSize(dt));
+  // The promised alignment must hold for the "buffer pointer, leading dimension,
+  // and possibly other strides" (cublasLt.h, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_*):
+  // every batch's matrix and every column of it starts that aligned.
   const void* ptrs[4] = {A, B, C, D};
-  for (int i = 0; i < 4; ++i)
-    if (reinterpret_cast<uintptr_t>(ptrs[i]) % algo->data[i] != 0)
+  const Layout* layouts[4] = {&la, &lb, &lc, &ld};
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t align = algo->data[i];
+    if (reinterpret_cast<uintptr_t>(ptrs[i]) % align != 0)
       return fail("a pointer is less aligned than the preference promised");
+    if (static_cast<uint64_t>(layouts[i]->ld) * es % align != 0)
+      return fail("a leading dimension is less aligned than the preference promised");
+    if (layouts[i]->batch > 1 && static_cast<uint64_t>(layouts[i]->stride) * es % align != 0)
+      return fail("a batch stride is less aligned than the preference promised");
+  }
   (void)workspace;
   (void)workspace_bytes;
-  const size_t es = static_cast<size_t>(jo::DTypeSize(dt));
   const float fa = *static_cast<const float*>(alpha), fb = *static_cast<const float*>(beta);
   if (!jo::fake::CheckAccess(A, static_cast<size_t>(Extent(la)) * es, s->device,
                              "cublasLtMatmul A") ||
@@ -256,7 +287,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
               for (uint64_t p = 0; p < k; ++p) {
                 const float av = ta == CUBLAS_OP_N ? at(A, la, bt, i, p) : at(A, la, bt, p, i);
                 const float bv = tb == CUBLAS_OP_N ? at(B, lb, bt, p, j) : at(B, lb, bt, j, p);
-                acc += av * bv;
+                acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
               }
               out[i * n + j] = fa * acc + (fb != 0.0f ? fb * at(C, lc, bt, i, j) : 0.0f);
             }

@@ -36,6 +36,10 @@ CUresult FakeDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice d) {
     *v = S().config.fabric;
     return CUDA_SUCCESS;
   }
+  if (attr == CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES) {
+    *v = S().config.flush_remote_writes;
+    return CUDA_SUCCESS;
+  }
   Fail("cuDeviceGetAttribute: attribute " + std::to_string(attr) + " not modeled (device " +
        std::to_string(d) + ")");
   return CUDA_ERROR_NOT_SUPPORTED;
@@ -62,6 +66,18 @@ CUresult FakeWaitValue32(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigne
   Lock lock(S().mu);
   Count("cuStreamWaitValue32");
   if (!StreamOk(s, "cuStreamWaitValue32")) return CUDA_ERROR_INVALID_HANDLE;
+  // CU_STREAM_WAIT_VALUE_FLUSH "is restricted to selected platforms and can be
+  // queried with CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES" (cuda.h).
+  if ((flags & CU_STREAM_WAIT_VALUE_FLUSH) != 0) {
+    Count("cuStreamWaitValue32(FLUSH)");
+    if (!S().config.flush_remote_writes) {
+      Fail(
+          "cuStreamWaitValue32: CU_STREAM_WAIT_VALUE_FLUSH on a device without "
+          "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES");
+      return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    flags &= ~static_cast<unsigned>(CU_STREAM_WAIT_VALUE_FLUSH);
+  }
   if (flags != CU_STREAM_WAIT_VALUE_GEQ) {
     Fail("cuStreamWaitValue32: only GEQ is modeled");
     return CUDA_ERROR_NOT_SUPPORTED;
@@ -75,14 +91,22 @@ CUresult FakeWaitValue32(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigne
   return CUDA_SUCCESS;
 }
 
+// Granularities: MINIMUM is what sizes must be multiples of (cuMemCreate,
+// cuMulticastCreate, cuMulticastBindMem); RECOMMENDED only "for best
+// performance" (cuda.h). The fake's RECOMMENDED multicast value is larger than
+// MINIMUM, as the driver's may be (the values are the fake's own).
 CUresult FakeMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp*,
-                                         CUmemAllocationGranularity_flags) {
+                                         CUmemAllocationGranularity_flags flags) {
+  Count(flags == CU_MEM_ALLOC_GRANULARITY_MINIMUM ? "cuMemGetAllocationGranularity(MINIMUM)"
+                                                  : "cuMemGetAllocationGranularity(RECOMMENDED)");
   *g = size_t{2} << 20;
   return CUDA_SUCCESS;
 }
 CUresult FakeMulticastGetGranularity(size_t* g, const CUmulticastObjectProp*,
-                                     CUmulticastGranularity_flags) {
-  *g = size_t{2} << 20;
+                                     CUmulticastGranularity_flags flags) {
+  const bool minimum = flags == CU_MULTICAST_GRANULARITY_MINIMUM;
+  Count(minimum ? "cuMulticastGetGranularity(MINIMUM)" : "cuMulticastGetGranularity(RECOMMENDED)");
+  *g = minimum ? size_t{2} << 20 : size_t{64} << 20;
   return CUDA_SUCCESS;
 }
 

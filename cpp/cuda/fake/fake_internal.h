@@ -211,6 +211,7 @@ struct State {
   std::map<std::pair<int, int>, std::vector<std::deque<CUstream_st*>>> queues;
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
+  std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
 };
 
 // The one fake world (never destroyed: handler threads may run late).

@@ -112,6 +112,12 @@ bool StreamOk(cudaStream_t s, const char* what) {
     Fail(std::string(what) + ": unknown or default stream (the executor must name its streams)");
     return false;
   }
+  if (auto it = S().sticky.find(s->device); it != S().sticky.end()) {
+    Fail(std::string(what) + ": device " + std::to_string(s->device) +
+         " has a sticky error from an earlier kernel (" + it->second.second +
+         "); every later call on its context fails");
+    return false;
+  }
   return true;
 }
 
@@ -171,6 +177,7 @@ void Reset(const Config& config) {
   s.handles.clear();
   s.errors.clear();
   s.counters.clear();
+  s.sticky.clear();
   s.config = config;
   s.rng.seed(config.seed);
   ResetQueues();
@@ -204,6 +211,13 @@ bool CheckRange(const void* p, size_t bytes, const char* what) {
 }
 
 int DeviceCc(int) { return S().config.cc_major; }
+int DeviceArch(int) { return S().config.cc_major * 10 + S().config.cc_minor; }
+
+cudaError_t StickyError(int device) {
+  Lock lock(S().mu);
+  auto it = S().sticky.find(device);
+  return it == S().sticky.end() ? cudaSuccess : it->second.first;
+}
 void SetPlayedProcess(int process) { t_process = process; }
 int CurrentDevice() { return t_device; }
 int StreamDevice(cudaStream_t s) {

@@ -142,6 +142,26 @@ void Abandon() {
 
 }  // namespace
 
+void Poison(int device, cudaError_t code, const std::string& why) {
+  Lock lock(S().mu);
+  State& s = S();
+  Fail("sticky error on device " + std::to_string(device) + ": " + why);
+  s.sticky.emplace(device, std::make_pair(code, why));
+  // The context's queued work never runs; its events report the failure.
+  for (auto& st : s.streams) {
+    if (st->device != device) continue;
+    for (FakeTask& task : st->tasks)
+      if (task.records != nullptr) task.records->abandoned = true;
+    if (st->running && st->running->records != nullptr) st->running->records->abandoned = true;
+    st->tasks.clear();
+    st->running.reset();
+  }
+  for (auto& [where, queues] : s.queues) {
+    if (where.second != device) continue;
+    for (auto& queue : queues) queue.clear();
+  }
+}
+
 int ConnectionsFromEnvironment() {
   const char* text = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   if (text == nullptr || *text == '\0') return 8;  // the driver's default

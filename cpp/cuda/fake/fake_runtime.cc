@@ -20,6 +20,10 @@ using jo::fake::t_last;
 // ============================ CUDA runtime ============================
 
 cudaError_t cudaGetLastError(void) {
+  if (const cudaError_t sticky = jo::fake::StickyError(t_device); sticky != cudaSuccess) {
+    t_last = cudaSuccess;
+    return sticky;  // a sticky error is never reset
+  }
   cudaError_t e = t_last;
   t_last = cudaSuccess;
   return e;

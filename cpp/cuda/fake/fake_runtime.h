@@ -82,10 +82,14 @@ namespace jo::fake {
 struct Config {
   int devices = 8;
   int cc_major = 9;
+  int cc_minor = 0;
   bool multicast = true;
   bool shareable = true;     // cuMemExportToShareableHandle supports POSIX fds
   bool fabric = false;       // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (multi-node NVLink)
   bool imex_channel = true;  // this user may use fabric handles (an IMEX channel exists)
+  // CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES: cuStreamWaitValue32 accepts
+  // CU_STREAM_WAIT_VALUE_FLUSH (refused where the attribute is 0, as the driver does).
+  bool flush_remote_writes = false;
   std::vector<std::vector<bool>> peer;  // empty: all pairs can access
   uint64_t seed = 1;
   // When no stream can progress, Drain waits this long for another host
@@ -119,6 +123,7 @@ void* Malloc(int device, size_t bytes);
 void Fail(const std::string& text);
 bool CheckRange(const void* p, size_t bytes, const char* what);
 int DeviceCc(int device);
+int DeviceArch(int device);  // compute capability major * 10 + minor
 int CurrentDevice();
 int StreamDevice(cudaStream_t stream);  // -1: unknown stream
 // Per bound device, the memory behind multicast address `mc` (+ bytes);
@@ -126,5 +131,11 @@ int StreamDevice(cudaStream_t stream);  // -1: unknown stream
 bool MulticastTargets(const void* mc, size_t bytes, std::vector<std::byte*>* out);
 void Enqueue(cudaStream_t stream, const std::string& what, std::function<void()> run);
 void Count(const char* api);
+
+// Sticky errors (a kernel that trapped or faulted): the device's context is
+// dead — its queued work is dropped and every later call on it fails with
+// `code` ("any further CUDA work will return the same error", driver_types.h).
+void Poison(int device, cudaError_t code, const std::string& why);
+cudaError_t StickyError(int device);  // cudaSuccess while the context is usable
 
 }  // namespace jo::fake

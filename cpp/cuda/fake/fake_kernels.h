@@ -1,0 +1,50 @@
+// The fake's model of kernels (fake_kernels.cc): which compiled variant of a
+// kernel a device runs, the launch, and the per-thread execution of the
+// shared kernel bodies (cuda/kernel_body.h) over the grid.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace jo::fake {
+
+// What a fatbinary holds for each kernel family ("add", "multimem"): cubins
+// "sm_XY[a|f]" and PTX "compute_XY[a|f]". Default: what this build compiled
+// (jo::cuda::KernelImages()); tests may install another (e.g. the table read
+// from the real module with cuobjdump, or an older build's).
+void SetKernelImages(const std::map<std::string, std::vector<std::string>>& images);
+const std::map<std::string, std::vector<std::string>>& KernelImagesInUse();
+
+// The variant a device of compute capability `arch` (major * 10 + minor)
+// runs, as the driver picks it; false when none can run there.
+struct KernelVariant {
+  std::string image;  // "sm_90" (a cubin) or "compute_90" (PTX the driver JIT-compiles)
+  bool jit = false;
+  int ptx_version = 0;     // cudaFuncAttributes::ptxVersion
+  int binary_version = 0;  // cudaFuncAttributes::binaryVersion
+};
+bool SelectKernelVariant(const std::vector<std::string>& images, int arch, KernelVariant* out);
+
+// Per-access record of kernel executions while tracing is on (tests).
+struct KernelAccess {
+  uint32_t block_x, block_y, block_z, thread;
+  // 'l' load, 's' store, 'm' multimem store, 'r' multimem load-reduce,
+  // 'a' fence.proxy.alias, 'f' fence.acq_rel.sys
+  char op;
+  char region;     // 's' source, 'd' destination (0 for fences)
+  int64_t offset;  // bytes from the region's base pointer (the launch's first access)
+  int32_t bytes;
+};
+struct KernelTrace {
+  std::string kernel;
+  std::string variant;
+  uint32_t grid[3];
+  uint32_t block[3];
+  std::vector<KernelAccess> accesses;  // in the order the threads ran them
+};
+void TraceKernels(bool on);
+std::vector<KernelTrace> TakeKernelTraces();
+
+}  // namespace jo::fake

@@ -1,0 +1,178 @@
+// What every thread of the executor's kernels does: ONE source, compiled by
+// nvcc for the GPU (kernels.cu, kernels_multimem.cu) and by the host compiler
+// for the fake (fake/fake_kernels.cc, which runs it for every thread of the
+// grid). The index math, the access widths and the offsets below therefore
+// run in CI exactly as they run on a GPU.
+//
+// A kernel walks a batched-strided block (batch x rows x cols) in ACCESSES of
+// `Body::kBytes` bytes (16, 8, 4 or 2): the launcher (kernels_common.cc) has
+// chosen the widest width every address divides and expressed the block in
+// accesses. Blocks cover batches (z) and rows (y) grid-stride, threads cover
+// the accesses of a row (x) grid-stride: no division per element.
+//
+// What only a GPU has is a call on `ops`, the one seam between the two builds:
+//   Load / Store            a plain global access of kBytes (one vector instruction)
+//   ToFloat / FromFloat     f32 / bf16 / f16 <-> f32 (round to nearest even)
+//   MultimemStore           multimem.st         through a multicast address
+//   MultimemLoadReduce      multimem.ld_reduce  through a multicast address (.acc::f32)
+//   FenceProxyAlias         fence.proxy.alias   (multicast vs unicast aliases of one memory)
+//   FenceReleaseSys         fence.acq_rel.sys
+// DeviceOps (device_ops.cuh) is inline PTX; FakeOps (fake/fake_kernels.cc)
+// models each on the host.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JO_KERNEL_FN __host__ __device__ __forceinline__
+#else
+#define JO_KERNEL_FN inline
+#endif
+
+namespace jo::cuda::kernel {
+
+// Threads per block of every kernel (one dimension).
+inline constexpr int kThreads = 128;
+
+// The element type of a block. Multimem works on element pairs for the
+// 16-bit types (.bf16x2 / .f16x2), so their multimem accesses are >= 4 bytes.
+enum class Elem : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+JO_KERNEL_FN constexpr int ElemBytes(Elem e) { return e == Elem::kF32 ? 4 : 2; }
+
+// One access: kBytes / 4 32-bit words (a 2-byte access uses the low half of
+// word[0]). NVIDIA GPUs are little-endian (CUDA Programming Guide, "Compute
+// Capabilities"): element i of a word holding two 16-bit elements is its
+// low half for i = 0.
+template <int kBytes>
+struct Vec {
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "access width");
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+  uint32_t word[kWords];
+};
+
+// The bits of element `i` of an access (zero-extended for 16-bit elements).
+template <Elem kElem, int kBytes>
+JO_KERNEL_FN uint32_t GetLane(const Vec<kBytes>& v, int i) {
+  if constexpr (kElem == Elem::kF32) {
+    return v.word[i];
+  } else {
+    return (v.word[i / 2] >> (16 * (i % 2))) & 0xffffu;
+  }
+}
+
+template <Elem kElem, int kBytes>
+JO_KERNEL_FN void SetLane(Vec<kBytes>* v, int i, uint32_t bits) {
+  if constexpr (kElem == Elem::kF32) {
+    v->word[i] = bits;
+  } else {
+    const int shift = 16 * (i % 2);
+    v->word[i / 2] = (v->word[i / 2] & ~(0xffffu << shift)) | ((bits & 0xffffu) << shift);
+  }
+}
+
+// Where one thread is: blockIdx, gridDim, threadIdx.x and blockDim.x on a GPU.
+struct Thread {
+  uint32_t block_x, block_y, block_z;
+  uint32_t grid_x, grid_y, grid_z;
+  uint32_t thread, threads;
+};
+
+// A batched-strided block in accesses. `dst` and `src` point at the first
+// access; strides and leading dims count accesses.
+struct Geometry {
+  void* dst;
+  const void* src;
+  int64_t batch, rows, cols;
+  int64_t src_batch_stride, src_ld;
+  int64_t dst_batch_stride, dst_ld;
+};
+
+// The loop every kernel runs: each access of the block exactly once, by the
+// thread whose (z, y, x) coordinates it falls on grid-stride.
+template <class Body, class Ops>
+JO_KERNEL_FN void RunThread(Ops& ops, const Geometry& g, const Thread& t) {
+  constexpr int64_t kBytes = Body::kBytes;
+  Body::Begin(ops);
+  char* const dst = static_cast<char*>(g.dst);
+  const char* const src = static_cast<const char*>(g.src);
+  const int64_t first = static_cast<int64_t>(t.block_x) * t.threads + t.thread;
+  const int64_t step = static_cast<int64_t>(t.grid_x) * t.threads;
+  for (int64_t b = t.block_z; b < g.batch; b += t.grid_z) {
+    for (int64_t r = t.block_y; r < g.rows; r += t.grid_y) {
+      char* const d = dst + (b * g.dst_batch_stride + r * g.dst_ld) * kBytes;
+      const char* const s = src + (b * g.src_batch_stride + r * g.src_ld) * kBytes;
+      for (int64_t j = first; j < g.cols; j += step)
+        Body::Access(ops, d + j * kBytes, s + j * kBytes);
+    }
+  }
+  Body::End(ops);
+}
+
+// AddBlock: d += s, elementwise in f32 (the second accumulator of a
+// bidirectional reduce-scatter).
+template <Elem kElem, int kAccessBytes>
+struct AddBody {
+  static constexpr int kBytes = kAccessBytes;
+  static_assert(kBytes >= ElemBytes(kElem), "an access holds whole elements");
+  template <class Ops>
+  JO_KERNEL_FN static void Begin(Ops&) {}
+  template <class Ops>
+  JO_KERNEL_FN static void End(Ops&) {}
+  template <class Ops>
+  JO_KERNEL_FN static void Access(Ops& ops, char* d, const char* s) {
+    Vec<kBytes> dv = ops.template Load<kBytes>(d);
+    const Vec<kBytes> sv = ops.template Load<kBytes>(s);
+    for (int i = 0; i < kBytes / ElemBytes(kElem); ++i) {
+      const float sum = ops.template ToFloat<kElem>(GetLane<kElem>(dv, i)) +
+                        ops.template ToFloat<kElem>(GetLane<kElem>(sv, i));
+      SetLane<kElem>(&dv, i, ops.template FromFloat<kElem>(sum));
+    }
+    ops.template Store<kBytes>(d, dv);
+  }
+};
+
+// McStore: the own block -> every rank's workspace through the multicast
+// address (d). Then, per thread, the release the consumers' flag relies on:
+// a proxy fence (the peers read these bytes through their unicast mapping, an
+// alias of the multicast one) and a system-scope fence, so that every store
+// of the thread is performed at system scope before the kernel completes and
+// the stream's fenced flag write (cuStreamWriteValue32) follows it.
+template <Elem kElem, int kAccessBytes>
+struct McStoreBody {
+  static constexpr int kBytes = kAccessBytes;
+  static_assert(kBytes >= 4, "multimem moves whole 32-bit words (element pairs for 16-bit types)");
+  template <class Ops>
+  JO_KERNEL_FN static void Begin(Ops&) {}
+  template <class Ops>
+  JO_KERNEL_FN static void End(Ops& ops) {
+    ops.FenceProxyAlias();
+    ops.FenceReleaseSys();
+  }
+  template <class Ops>
+  JO_KERNEL_FN static void Access(Ops& ops, char* mc, const char* s) {
+    ops.template MultimemStore<kElem, kBytes>(mc, ops.template Load<kBytes>(s));
+  }
+};
+
+// McReduce: d <- the sum over every rank's workspace, read through the
+// multicast address (s). The partials were written through unicast mappings
+// (cuBLASLt, before the flags this kernel's stream waited for): a proxy fence
+// first, as between any unicast and multicast access of the same memory.
+template <Elem kElem, int kAccessBytes>
+struct McReduceBody {
+  static constexpr int kBytes = kAccessBytes;
+  static_assert(kBytes >= 4, "multimem moves whole 32-bit words (element pairs for 16-bit types)");
+  template <class Ops>
+  JO_KERNEL_FN static void Begin(Ops& ops) {
+    ops.FenceProxyAlias();
+  }
+  template <class Ops>
+  JO_KERNEL_FN static void End(Ops&) {}
+  template <class Ops>
+  JO_KERNEL_FN static void Access(Ops& ops, char* d, const char* mc) {
+    ops.template Store<kBytes>(d, ops.template MultimemLoadReduce<kElem, kBytes>(mc));
+  }
+};
+
+}  // namespace jo::cuda::kernel

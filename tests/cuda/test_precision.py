@@ -1,0 +1,50 @@
+"""TF32 on the CUDA executor, on the fake: what precision does to a float32 result.
+
+The native ops hand the executor ``tf32`` (tests/test_precision.py: true below HIGHEST); the
+executor then asks cuBLASLt for ``CUBLAS_COMPUTE_32F_FAST_TF32``, and the fake's cuBLASLt rounds
+each input to TF32's 10-bit mantissa, as tensor cores do. A float32 result computed so misses the
+selftest's float32 tolerance against a float64 reference — the reason the selftest compares at
+HIGHEST — while the same call at HIGHEST meets it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxoverlap._selftest import TOLERANCE
+
+from .test_fake import _inputs, _reference
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+def test_tf32_only_when_asked_and_it_shows(fake, op, transport):
+    n, batch, rows, k, nw = 4, 2, 4, 256, 8
+    xs, ws = _inputs(op, n, batch, rows, k, nw, "float32")
+    refs, _ = _reference(op, xs, ws, rows)
+    errors = {}
+    for tf32 in (False, True):
+        fake.reset()
+        out = fake.run(op, transport, n, batch, rows, k, nw, "float32", 2, False, False,
+                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
+                       tf32=tf32)
+        assert out["drained"] and fake.errors() == [] and all(s is None for s in out["statuses"])
+        ys = [np.frombuffer(y, np.float32).reshape(r.shape) for y, r in zip(out["ys"], refs,
+                                                                            strict=True)]
+        errors[tf32] = max(float(np.max(np.abs(y - r))) for y, r in zip(ys, refs, strict=True))
+        close = all(np.allclose(y, r, **TOLERANCE["float32"]) for y, r in zip(ys, refs,
+                                                                             strict=True))
+        assert close != tf32, (tf32, errors)
+    assert errors[True] > 10 * errors[False]
+
+
+def test_tf32_is_dropped_for_half_matrices(fake):
+    """FAST_TF32 is a compute type for float32 matrices only: the executor never asks for it
+    with bf16, even when told tf32 (the fake would refuse it)."""
+    xs, ws = _inputs("ag_matmul", 2, 1, 4, 8, 4, "bfloat16")
+    out = fake.run("ag_matmul", "nccl", 2, 1, 4, 8, 4, "bfloat16", 1, False, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], tf32=True)
+    # The executor drops the bit for non-float32 problems, so nothing is refused ...
+    assert fake.errors() == [] and all(s is None for s in out["statuses"])
+    # (the rule itself is broken on purpose in test_fake's misuse checks).
