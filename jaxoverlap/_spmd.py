@@ -226,7 +226,9 @@ def local_op(call: Call, want_gathered: bool) -> Callable:
         return functools.partial(ops.matmul_rs, axis_name=call.axis_name, axis=call.axis, **kw)
     if call.kind == G:
         return functools.partial(ops.matmul_ar, axis_name=call.axis_name, **kw)
-    return functools.partial(_megatron.copy_matmul, axis_name=call.axis_name, **kw)
+    # f (also the transpose of g, whose op_args it does not take): only the precision.
+    return functools.partial(_megatron.copy_matmul, axis_name=call.axis_name,
+                             precision=call.precision)
 
 
 def spec_entries(a: Any, mesh: Mesh | AbstractMesh) -> tuple[Any, ...]:
