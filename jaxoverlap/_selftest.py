@@ -18,6 +18,7 @@ It checks what decides hangs and wrong results, not a GPU's speed.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import traceback
@@ -143,21 +144,16 @@ def _fake_rows(quick: bool = True, ops=("ag_matmul", "matmul_rs")) -> list[tuple
     shapes = SHAPES[:1] if quick else SHAPES
     dtypes = DTYPES[:1] if quick else DTYPES
     variants = VARIANTS[-1:] if quick else VARIANTS
+    cases = itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)
     try:
-        for op in ops:
-            for transport in ("nccl", "p2p", "multicast"):
-                for dtype in dtypes:
-                    for shape in shapes:
-                        for chunks, bidi in variants:
-                            dims = (*shape[0], shape[1] * FAKE_RANKS, shape[2])
-                            name = (f"{op:9s} {transport:9s} {dtype:8s} "
-                                    f"{'x'.join(map(str, dims))}"
-                                    f" chunks={chunks}{' bidi' if bidi else ''}"
-                                    " (CUDA executor on the host-side fake)")
-                            ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape,
-                                                   chunks, bidi)
-                            rows.append((name, ok, detail))
-                            print(f"  {'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+        for op, transport, dtype, shape, (chunks, bidi) in cases:
+            dims = (*shape[0], shape[1] * FAKE_RANKS, shape[2])
+            name = (f"{op:9s} {transport:9s} {dtype:8s} {'x'.join(map(str, dims))}"
+                    f" chunks={chunks}{' bidi' if bidi else ''}"
+                    " (CUDA executor on the host-side fake)")
+            ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi)
+            rows.append((name, ok, detail))
+            print(f"  {'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
     finally:
         _cuda_fake.reset()
     return rows

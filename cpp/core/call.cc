@@ -116,7 +116,6 @@ Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, cons
              std::string(op) + ": the problem has " + std::to_string(q.nranks) +
                  " ranks, the rank table " + std::to_string(desc.table.axis_size));
   JO_CHECK(BuildProgram(q, &out->program));
-  JO_CHECK(IssueOrder(q, &out->issue));
   JO_CHECK(NeedsOf(q, &out->needs));
   out->signature = CallSignature(q);
   out->clique = CliqueKey{desc.clique_key, out->place.group, site};

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "core/clique.h"
-#include "core/issue_order.h"
 #include "core/program.h"
 #include "core/status.h"
 
@@ -97,16 +96,13 @@ Status NeedsOf(const Problem& problem, CallNeeds* out);
 struct CallPlan {
   Placement place;
   Program program;  // of place.rank; program.problem is the whole problem
-  // The order a GPU executor issues the program in (core/issue_order.h);
-  // the host executor runs each stream on a thread of its own and ignores it.
-  std::vector<IssueUnit> issue;
   CallNeeds needs;
   std::string signature;  // what every rank must agree on (everything but the rank)
   CliqueKey clique;       // (clique_key, group, site)
 };
 
 // `problem` is the call's canonical problem without its rank (from the
-// operands); places the device and builds the program and its issue order.
+// operands); places the device and builds the program.
 Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
                 CallPlan* out);
 

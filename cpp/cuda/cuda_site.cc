@@ -89,6 +89,7 @@ Status CudaSite::PlanFor(const Caller& caller, const Problem& problem,
   }
   auto plan = std::make_shared<Plan>();
   JO_CHECK(MakePlan(desc_, problem, site_, caller, &plan->call));
+  JO_CHECK(IssueOrder(plan->call.program.problem, &plan->issue));
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
   plan->signature = plan->call.signature + " at call site " + std::to_string(site_);
@@ -149,7 +150,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
 
   RunArgs run;
   run.program = &program;
-  run.order = &plan->call.issue;
+  run.order = &plan->issue;
   run.device = static_cast<int>(caller.device);
   run.stream = stream;
   run.epoch = clique.NextEpoch(ctx.rank);

@@ -26,8 +26,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/call.h"
+#include "core/issue_order.h"
 #include "core/status.h"
 #include "cuda/cuda_clique.h"
 
@@ -47,6 +49,9 @@ class CudaSite {
  private:
   struct Plan {
     CallPlan call;
+    // The order the executor issues the program in (core/issue_order.h): one
+    // that completes through a single hardware work queue per device.
+    std::vector<IssueUnit> issue;
     std::string signature;  // the call's and the site's
     std::shared_ptr<CudaClique> clique;
   };

@@ -188,7 +188,7 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->dtype = *ToDType(x.element_type());
   q->chunks = d.chunks;
   q->bidirectional = d.bidirectional;
-  q->tf32 = d.tf32 && q->dtype == DType::kF32;
+  q->tf32 = d.tf32;  // the GEMM ignores it for half types (cuda/gemm.cc)
   q->k = xd[xd.size() - 1];
   q->n = wd[1];
   q->batch = 1;

@@ -375,7 +375,38 @@ def _contracted_dims(layer: str, axis: Any, batch_dims: Any, ndim: int) -> int:
     return len(dims)
 
 
-class ColumnParallelDenseGeneral(_ParallelLinear):
+class _ParallelDenseGeneral(_ParallelLinear):
+    """``nn.DenseGeneral``'s fields and call, shared by the column and row variants."""
+
+    features: int | Sequence[int]
+    axis: int | Sequence[int] = -1
+    batch_dims: Sequence[int] = ()
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    precision: PrecisionLike = None
+    promote_dtype: Callable[..., Any] = promote_dtype
+    dot_general: Callable[..., Any] | None = None
+    dot_general_cls: Any = None
+    axis_name: str = "tp"
+    sequence_parallel: bool = True
+    impl: str = "auto"
+    mesh: jax.sharding.Mesh | None = None
+
+    _flax_name = "DenseGeneral"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies the layer: ``[..., S, *contracted]`` -> ``[..., S, *features]``."""
+        layer = type(self).__name__
+        _common.check_input(layer, inputs)
+        n_contract = _contracted_dims(layer, self.axis, self.batch_dims, inputs.ndim)
+        return self._general(inputs, _tuple(self.features), n_contract)
+
+
+class ColumnParallelDenseGeneral(_ParallelDenseGeneral):
     """A ``nn.DenseGeneral`` whose first output feature dim is split over ``axis_name``.
 
     ``features=(heads, head_dim)`` gives the attention projections: kernel
@@ -407,36 +438,11 @@ class ColumnParallelDenseGeneral(_ParallelLinear):
       sequence_parallel: as in :class:`ColumnParallelDense`.
     """
 
-    features: int | Sequence[int]
-    axis: int | Sequence[int] = -1
-    batch_dims: Sequence[int] = ()
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
-    precision: PrecisionLike = None
-    promote_dtype: Callable[..., Any] = promote_dtype
-    dot_general: Callable[..., Any] | None = None
-    dot_general_cls: Any = None
-    axis_name: str = "tp"
-    sequence_parallel: bool = True
-    impl: str = "auto"
-    mesh: jax.sharding.Mesh | None = None
 
     _kind = COLUMN
-    _flax_name = "DenseGeneral"
-
-    @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """Applies the layer: ``[..., S, *in]`` -> ``[..., S, *features]``."""
-        layer = type(self).__name__
-        _common.check_input(layer, inputs)
-        n_contract = _contracted_dims(layer, self.axis, self.batch_dims, inputs.ndim)
-        return self._general(inputs, _tuple(self.features), n_contract)
 
 
-class RowParallelDenseGeneral(_ParallelLinear):
+class RowParallelDenseGeneral(_ParallelDenseGeneral):
     """A ``nn.DenseGeneral`` whose first contracted input dim is split over ``axis_name``.
 
     ``axis=(-2, -1)`` on ``[..., S, heads, head_dim]`` inputs split on ``heads``
@@ -453,33 +459,8 @@ class RowParallelDenseGeneral(_ParallelLinear):
       sequence_parallel: as in :class:`RowParallelDense`.
     """
 
-    features: int | Sequence[int]
-    axis: int | Sequence[int] = -1
-    batch_dims: Sequence[int] = ()
-    use_bias: bool = True
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
-    precision: PrecisionLike = None
-    promote_dtype: Callable[..., Any] = promote_dtype
-    dot_general: Callable[..., Any] | None = None
-    dot_general_cls: Any = None
-    axis_name: str = "tp"
-    sequence_parallel: bool = True
-    impl: str = "auto"
-    mesh: jax.sharding.Mesh | None = None
 
     _kind = ROW
-    _flax_name = "DenseGeneral"
-
-    @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        """Applies the layer: ``[..., S, *contracted]`` -> ``[..., S, *features]``."""
-        layer = type(self).__name__
-        _common.check_input(layer, inputs)
-        n_contract = _contracted_dims(layer, self.axis, self.batch_dims, inputs.ndim)
-        return self._general(inputs, _tuple(self.features), n_contract)
 
 
 class ParallelMLP(nn.Module):

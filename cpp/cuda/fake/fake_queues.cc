@@ -125,31 +125,13 @@ std::string DeadlockReport() {
   return text;
 }
 
-// After a deadlock the queued work never runs: drop it, and make its events
-// report a failure to whoever polls them (as after a hung GPU).
-void Abandon() {
+// Work that will never run (a hung or dead GPU): dropped from the streams and
+// work queues of `device` (-1: every device); its events report a failure to
+// whoever polls them.
+void DropWork(int device) {
   State& s = S();
   for (auto& st : s.streams) {
-    for (FakeTask& task : st->tasks)
-      if (task.records != nullptr) task.records->abandoned = true;
-    if (st->running && st->running->records != nullptr) st->running->records->abandoned = true;
-    st->tasks.clear();
-    st->running.reset();
-  }
-  for (auto& [where, queues] : s.queues)
-    for (auto& queue : queues) queue.clear();
-}
-
-}  // namespace
-
-void Poison(int device, cudaError_t code, const std::string& why) {
-  Lock lock(S().mu);
-  State& s = S();
-  Fail("sticky error on device " + std::to_string(device) + ": " + why);
-  s.sticky.emplace(device, std::make_pair(code, why));
-  // The context's queued work never runs; its events report the failure.
-  for (auto& st : s.streams) {
-    if (st->device != device) continue;
+    if (device >= 0 && st->device != device) continue;
     for (FakeTask& task : st->tasks)
       if (task.records != nullptr) task.records->abandoned = true;
     if (st->running && st->running->records != nullptr) st->running->records->abandoned = true;
@@ -157,9 +139,18 @@ void Poison(int device, cudaError_t code, const std::string& why) {
     st->running.reset();
   }
   for (auto& [where, queues] : s.queues) {
-    if (where.second != device) continue;
+    if (device >= 0 && where.second != device) continue;
     for (auto& queue : queues) queue.clear();
   }
+}
+
+}  // namespace
+
+void Poison(int device, cudaError_t code, const std::string& why) {
+  Lock lock(S().mu);
+  Fail("sticky error on device " + std::to_string(device) + ": " + why);
+  S().sticky.emplace(device, std::make_pair(code, why));
+  DropWork(device);  // the context's queued work never runs
 }
 
 int ConnectionsFromEnvironment() {
@@ -231,7 +222,7 @@ bool Drain() {
       continue;
     }
     s.errors.push_back(DeadlockReport());
-    Abandon();
+    DropWork(-1);
     return false;
   }
 }
