@@ -33,6 +33,7 @@
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/nccl_comms.h"
 #include "cuda/peer_handles.h"
 #include "cuda/watchdog.h"
 #include "python/cuda_bootstrap_bindings.h"
@@ -304,6 +305,68 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   out["x_gathered"] = gs;
   out["statuses"] = st;
   out["drained"] = drained;
+  return out;
+}
+
+// The watchdog's Abort racing an enqueue, as NcclComms orders them: an
+// "enqueue" thread takes rank 0's lease (hold_lease) or takes the
+// communicators and drops the lease at once (the misuse a lease prevents);
+// then a "watchdog" thread aborts the clique's communicators while the
+// enqueue thread waits; then the enqueue thread issues NCCL calls on the
+// communicators it got and drops the lease. Returns the aborts done when
+// Abort returned and at the end, a new Acquire's error, and the fake's record.
+nb::dict LeaseRace(bool hold_lease) {
+  Reset(2, 9, true, std::nullopt, 1, 0, true, false, true, 0, 0, false, std::nullopt);
+  jo::cuda::ErrorContext ctx;
+  ctx.op = "lease_race";
+  ncclUniqueId id{};
+  ncclGetUniqueId(&id);
+  jo::cuda::NcclComms comms;
+  const jo::Status made = comms.Create(
+      {0, 1}, id, std::chrono::steady_clock::now() + std::chrono::seconds(10), "test", ctx);
+  if (!made.ok()) throw std::runtime_error("NcclComms::Create failed: " + made.message());
+  std::mutex mu;
+  std::condition_variable cv;
+  int stage = 0;  // 1: the enqueue thread has its communicators; 2: Abort returned
+  auto wait_for = [&](int s) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return stage >= s; });
+  };
+  auto reach = [&](int s) {
+    std::lock_guard<std::mutex> lock(mu);
+    stage = s;
+    cv.notify_all();
+  };
+  int64_t aborts_when_abort_returned = 0;
+  std::thread enqueue([&] {
+    jo::cuda::NcclComms::Lease lease;
+    if (!comms.Acquire(0, ctx, &lease).ok()) return reach(1);
+    const std::vector<ncclComm_t> mine = lease.ForStreams(3);
+    if (!hold_lease) lease.Drop();
+    reach(1);
+    wait_for(2);
+    cudaSetDevice(0);
+    for (ncclComm_t comm : mine) {
+      ncclResult_t state = ncclSuccess;
+      if (comm != nullptr) (void)ncclCommGetAsyncError(comm, &state);
+    }
+    lease.Drop();
+  });
+  wait_for(1);
+  std::thread watchdog([&] {
+    comms.Abort();
+    aborts_when_abort_returned = jo::fake::Counters()["ncclCommAbort"];
+  });
+  watchdog.join();
+  reach(2);
+  enqueue.join();
+  jo::cuda::NcclComms::Lease again;
+  const jo::Status late = comms.Acquire(0, ctx, &again);
+  nb::dict out;
+  out["aborts_when_abort_returned"] = aborts_when_abort_returned;
+  out["aborts_at_end"] = jo::fake::Counters()["ncclCommAbort"];
+  out["acquire_after_abort"] = late.ok() ? std::string() : late.message();
+  out["errors"] = jo::fake::Errors();
   return out;
 }
 
@@ -645,6 +708,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
+  m.def("lease_race", &LeaseRace, nb::arg("hold_lease"),
+        "The watchdog's NcclComms::Abort on another thread while an enqueue has the "
+        "communicators (with or without its lease); what the fake recorded.");
   m.def("misuse_checks", &MisuseChecks,
         "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");

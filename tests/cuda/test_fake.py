@@ -715,3 +715,23 @@ def test_nvtx_ranges_named_when_a_tool_is_attached(fake):  # fake: skip/fail as 
     done = subprocess.run([sys.executable, "-c", script, here], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_watchdog_aborts_leased_communicators_only_when_the_enqueue_lets_go(fake):
+    """Item 5 of the GPU rules, with the watchdog on another thread: while an enqueue holds its
+    rank's lease, the watchdog's Abort takes down only the other rank's communicators; the
+    enqueue's NCCL calls after the abort still find theirs alive, and dropping the lease aborts
+    them. A new Acquire after Abort is refused."""
+    got = fake.lease_race(hold_lease=True)
+    assert got["errors"] == [], got["errors"]
+    assert got["aborts_when_abort_returned"] == 2   # rank 1's two; rank 0's are leased
+    assert got["aborts_at_end"] == 4                # rank 0's when the lease was dropped
+    assert "abort" in got["acquire_after_abort"].lower()
+
+
+def test_without_the_lease_the_same_race_is_a_use_after_abort(fake):
+    """Deliberate misuse: the enqueue keeps the communicators but drops the lease, so the
+    watchdog's Abort frees them under it; the fake reports the use after abort."""
+    got = fake.lease_race(hold_lease=False)
+    assert got["aborts_when_abort_returned"] == 4
+    assert any("already freed by ncclCommAbort" in e for e in got["errors"]), got["errors"]
