@@ -27,11 +27,20 @@ row          ``jaxoverlap.matmul_rs``    ``jaxoverlap.matmul_ar``
 A user's ``dot_general`` (Flax's FP8 ops, quantisation libraries) cannot run
 inside the fused ops: the layer then runs the unfused computation with it
 (``dot_general`` next to XLA's collectives) and says so once in the log.
+
+Rows that do not split: on global arrays, a sequence-parallel call whose
+sequence does not divide over ``axis_name`` (a decode step's single token, any
+odd length) runs the ``sequence_parallel=False`` form for that call, and a
+GEMM + all-reduce whose rows per device do not split into N blocks (what the
+fused ``matmul_ar`` impls need) runs unfused for that call; each is said once
+at debug level. A layer never refuses a shape the Flax layer accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 import jaxoverlap.ops as ops
 from jaxoverlap import _megatron, _spmd
 from jaxoverlap._compat import bound_axis_size, context_mesh, varying_axes
-from jaxoverlap._config import check_impl, logger
+from jaxoverlap._config import check_impl, current_config, logger
 
 COLUMN = "column"
 ROW = "row"
@@ -182,11 +191,12 @@ def check_layout(layer: str, param: str, kind: str, axis_name: str, tp_dim: int 
 _said: set[tuple[str, str]] = set()
 
 
-def say_once(layer: str, message: str) -> None:
-    """A warning in the ``jaxoverlap`` log, once per layer class and message."""
+def say_once(layer: str, message: str, level: int = logging.WARNING) -> None:
+    """A message in the ``jaxoverlap`` log (a warning unless ``level``), once per layer class
+    and message."""
     if (layer, message) not in _said:
         _said.add((layer, message))
-        logger.warning("%s: %s", layer, message)
+        logger.log(level, "%s: %s", layer, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +239,37 @@ def fused(m: Matmul, x, kernel, mesh: Any):
         return _megatron.copy_matmul(x, kernel, m.axis_name, **kw)
     if m.sequence_parallel:
         return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
-    return ops.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)  # Megatron g
+    return ops.matmul_ar(x, kernel, m.axis_name, impl=_ar_impl(m, x, mesh), **kw)  # Megatron g
+
+
+def _ar_impl(m: Matmul, x, mesh: Any) -> str:
+    """The impl of a GEMM + all-reduce: the layer's, unless its fused ring or native impl
+    needs the rows on each device (every dim of x but the last) to split into N blocks and
+    they do not (a decode step's batch, say); then ``"xla"`` for this call, said once.
+
+    On local shards the rows are x's; on global arrays under Explicit axes x's type says
+    which other mesh axes split them; under Auto axes XLA may split them over any other
+    axis, so they must split over all of them and N.
+    """
+    asked = m.impl if m.impl != "auto" else current_config().impl
+    if asked not in ("ring", "native"):
+        return m.impl                      # "xla", or "auto", which picks "xla" itself
+    rows = math.prod(x.shape[:-1])
+    if mesh is None:
+        n, ways = bound_axis_size(m.axis_name), 1
+    else:
+        n = mesh.shape[m.axis_name]
+        if _spmd.is_explicit(mesh):
+            axes = {a for e in _spmd.spec_entries(x, mesh)[:-1] for a in entry_axes(e)}
+        else:
+            axes = set(mesh.axis_names)
+        ways = math.prod(mesh.shape[a] for a in axes - {m.axis_name})
+    if rows % (ways * n) == 0:
+        return m.impl
+    say_once(m.layer, f"impl={asked!r} all-reduces in N blocks of rows, but this call's {rows} "
+             f"rows ({ways} way(s) split by other mesh axes) do not split over the {n} ranks "
+             f"of {m.axis_name!r}: it runs unfused (impl='xla').", logging.DEBUG)
+    return "xla"
 
 
 def _kind_of(m: Matmul) -> str:
@@ -292,15 +332,26 @@ def forward(m: Matmul, x, kernel, bias, *, out_sharding: Any = None):
         raise ValueError(f"{m.layer}: axis_name={m.axis_name!r} is not an axis of the mesh "
                          f"(its axes: {tuple(mesh.axis_names)}).")
     n = mesh.shape[m.axis_name]
-    if m.sequence_parallel:
-        divide(m.layer, f"inputs.shape[{x.ndim - 2}] (the sequence length)", x.shape[-2], n,
-               m.axis_name)
+    if m.sequence_parallel and x.shape[-2] % n:
+        m = without_sequence_parallel(m, f"the sequence length {x.shape[-2]} (inputs.shape["
+                                         f"{x.ndim - 2}]) does not split over the {n} ranks of "
+                                         f"{m.axis_name!r}")
     if m.kind == COLUMN:
         divide(m.layer, "features", kernel.shape[1], n, m.axis_name)
     else:
         divide(m.layer, "inputs.shape[-1] (the input features)", x.shape[-1], n, m.axis_name)
     y = fused(m, x, kernel, mesh) if m.dot_general is None else unfused_global(m, x, kernel, mesh)
     return constrain_output(m, _add_bias(y, bias), out_sharding, x)
+
+
+def without_sequence_parallel(m: Matmul, why: str) -> Matmul:
+    """``m`` for one call without sequence parallelism (replicated activations, Megatron's
+    f / g), said once at debug level."""
+    if not m.sequence_parallel:
+        return m
+    say_once(m.layer, f"{why}: this call runs without sequence parallelism (replicated "
+             "activations, GEMM + all-reduce).", logging.DEBUG)
+    return dataclasses.replace(m, sequence_parallel=False)
 
 
 def constrain_output(m: Matmul, y, out_sharding: Any, x):
@@ -424,3 +475,93 @@ def place_value(value, names: tuple[Any, ...], axis_name: str, mesh: Any):
     if _spmd.is_explicit(target):
         return jax.reshard(value, sharding)
     return lax.with_sharding_constraint(value, sharding)
+
+
+# ---------------------------------------------------------------- the attention's decode cache
+
+
+DECODE_STEP_SAYS = ("a decode step's one token does not split over the ranks: decode steps "
+                    "run without sequence parallelism (replicated activations, GEMM + "
+                    "all-reduce).")
+
+
+def check_decode_step(layer: str, inputs_q) -> None:
+    """A decode step (the cache exists) takes one token; raised before anything is computed."""
+    check_input(layer, inputs_q)
+    if inputs_q.shape[-2] != 1:
+        raise ValueError(
+            f"{layer}: with decode=True and the cache initialised, each call is one decode "
+            f"step and takes one token: inputs_q must be [batch..., 1, features], got shape "
+            f"{tuple(inputs_q.shape)}. Feed the sequence one position per call, or run whole "
+            "sequences with decode=False.")
+
+
+def cache_heads_spec(ndim: int, axis_name: str, batch: Any = P.UNCONSTRAINED) -> P:
+    """A cache ``[batch..., length, heads, head_dim]`` split on its heads over ``axis_name``."""
+    return P(*([batch] * (ndim - 3)), None, axis_name, None)
+
+
+def new_cache(key, axis_name: str, mesh: Any):
+    """Zeros of ``key``'s shape and dtype laid out as ``key`` (Flax's ``cached_key`` and
+    ``cached_value`` at init): each device holds its heads; other axes on the batch stay."""
+    zeros = jnp.zeros(key.shape, key.dtype)
+    if tp_size_if_bound(axis_name) is not None:            # local shards
+        return zeros
+    mesh = _spmd.find_mesh("cache", mesh, key)
+    if mesh is None or axis_name not in mesh.axis_names:
+        return zeros
+    if _spmd.is_explicit(mesh):
+        return jax.reshard(zeros, key.aval.sharding)
+    return lax.with_sharding_constraint(zeros, NamedSharding(mesh, cache_heads_spec(
+        key.ndim, axis_name)))
+
+
+def decode_step(layer: str, cached_key, cached_value, cache_index, query, key, value, mask,
+                combine_masks: Callable, *, axis_name: str, mesh: Any, heads_of: str,
+                where: str):
+    """One step of Flax's autoregressive cache: writes this token's key and value at
+    ``cache_index`` and masks the positions not yet written.
+
+    Returns ``(query, key, value, cache_index + 1, mask)``, key and value the whole cache, as
+    attention's keys and values. ``heads_of`` names the projection whose heads the cache
+    holds (``query`` in linen, ``key`` in nnx, as their checks do); ``where`` says how to
+    make a new cache. Under Explicit mesh axes this step's query, key and value are laid out
+    as the cache (a token's worth of data), so the cache keeps its layout.
+    """
+    if cached_value.shape != cached_key.shape:
+        raise ValueError(f"{layer}: the cache's cached_value has shape {cached_value.shape} "
+                         f"but cached_key {cached_key.shape}; they must match. {where}")
+    if jnp.ndim(cache_index) != 0 or not jnp.issubdtype(jnp.result_type(cache_index),
+                                                         jnp.integer):
+        raise ValueError(f"{layer}: the cache's cache_index must be an integer scalar, got "
+                         f"shape {jnp.shape(cache_index)} dtype {jnp.result_type(cache_index)}. "
+                         f"{where}")
+    if cached_key.ndim != key.ndim:
+        raise ValueError(f"{layer}: the cache's cached_key has shape {cached_key.shape} but "
+                         f"this step's {heads_of} is {key.shape} ([batch..., 1, heads, "
+                         f"head_dim]). {where}")
+    *batch, max_length, heads, depth = cached_key.shape
+    step = (query if heads_of == "query" else key).shape
+    if tuple(batch) != step[:-3]:
+        what = f"batch {tuple(batch)}, but this step's batch is {step[:-3]}"
+    elif heads != step[-2]:
+        what = (f"{heads} heads, but this step computes {step[-2]} (global arrays hold every "
+                "head; inside shard_map a device holds its share)")
+    elif depth != step[-1]:
+        what = f"head_dim {depth}, but this step's {heads_of} has head_dim {step[-1]}"
+    else:
+        what = ""
+    if what:
+        raise ValueError(f"{layer}: autoregressive cache shape error: cached_key "
+                         f"{cached_key.shape} was made for {what}. {where}")
+    if tp_size_if_bound(axis_name) is None and (mesh := _spmd.find_mesh(
+            layer, mesh, cached_key)) is not None and _spmd.is_explicit(mesh):
+        spec = P(*_spmd.spec_entries(cached_key, mesh))
+        query, key, value = (_spmd.place(a, mesh, spec) for a in (query, key, value))
+    zero = jnp.zeros((), jnp.result_type(cache_index))
+    indices = (zero,) * len(batch) + (cache_index, zero, zero)
+    key = lax.dynamic_update_slice(cached_key, key, indices)
+    value = lax.dynamic_update_slice(cached_value, value, indices)
+    written = jnp.broadcast_to(jnp.arange(max_length) <= cache_index,
+                               (*batch, 1, 1, max_length))
+    return query, key, value, cache_index + 1, combine_masks(mask, written)

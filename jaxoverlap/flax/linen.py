@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -670,10 +671,10 @@ class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
           ``[batch..., length, out_features]``, laid out as ``RowParallelDense``'s output.
         """
         layer = type(self).__name__
-        if self.decode:
-            raise ValueError(f"{layer}: decode=True (the autoregressive cache) is not "
-                             "supported; decode with nn.MultiHeadDotProductAttention on the "
-                             "same parameters.")
+        # With decode=True the first call (init) makes the cache; each later one is a step.
+        step = self.decode and self.has_variable("cache", "cached_key")
+        if step:
+            _common.check_decode_step(layer, inputs_q)
         if inputs_kv is not None:
             if inputs_k is not None or inputs_v is not None:
                 raise ValueError(f"{layer}: give either inputs_kv or inputs_k/inputs_v.")
@@ -700,9 +701,13 @@ class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
                                                                               self.mesh)
         if n is not None:
             _common.divide(layer, "num_heads", self.num_heads, n, self.axis_name)
+        sequence_parallel = self.sequence_parallel
+        if step and sequence_parallel:     # one token cannot be split over the ranks
+            _common.say_once(layer, _common.DECODE_STEP_SAYS, logging.DEBUG)
+            sequence_parallel = False
         shared = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=self.use_bias,
                       precision=self.precision, axis_name=self.axis_name,
-                      sequence_parallel=self.sequence_parallel, impl=self.impl, mesh=self.mesh)
+                      sequence_parallel=sequence_parallel, impl=self.impl, mesh=self.mesh)
         inputs = (inputs_q, inputs_k, inputs_v)
         names = ("query", "key", "value")
         if self.qkv_dot_general is not None or self.qkv_dot_general_cls is not None:
@@ -713,12 +718,15 @@ class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
                 **shared)
             query, key, value = (dense(name=n)(x) for n, x in zip(names, inputs, strict=True))
         else:
-            query, key, value = self._fused_qkv(layer, inputs, names, head_dim)
+            query, key, value = self._fused_qkv(layer, inputs, names, head_dim,
+                                                sequence_parallel)
         if self.normalize_qk:
             query = nn.LayerNorm(name="query_ln", use_bias=False, dtype=self.dtype,
                                  param_dtype=self.param_dtype)(query)
             key = nn.LayerNorm(name="key_ln", use_bias=False, dtype=self.dtype,
                                param_dtype=self.param_dtype)(key)
+        if self.decode:
+            query, key, value, mask = self._cache(layer, step, query, key, value, mask)
         if self.dropout_rate > 0.0:
             m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
             if not m_deterministic and dropout_rng is None:
@@ -748,7 +756,32 @@ class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
             bias_init=self.out_bias_init or self.bias_init, dot_general=self.out_dot_general,
             dot_general_cls=self.out_dot_general_cls, name="out", **shared)(x)
 
-    def _fused_qkv(self, layer: str, inputs: tuple, names: tuple[str, ...], head_dim: int):
+    def _cache(self, layer: str, step: bool, query, key, value, mask):
+        """Flax's autoregressive cache in the ``cache`` collection: ``cached_key`` and
+        ``cached_value`` ``[batch..., length, heads, head_dim]`` (global, split on the heads
+        over ``axis_name``; inside shard_map this device's heads) and ``cache_index``.
+
+        Made, as zeros of the keys' shape and layout, by the first call (``init``); each
+        later call writes its token at ``cache_index`` and attends to the positions written.
+        """
+        cached_key = self.variable("cache", "cached_key", _common.new_cache, key,
+                                   self.axis_name, self.mesh)
+        cached_value = self.variable("cache", "cached_value", _common.new_cache, value,
+                                     self.axis_name, self.mesh)
+        cache_index = self.variable("cache", "cache_index",
+                                    lambda: jnp.array(0, dtype=jnp.int32))
+        if not step:
+            return query, key, value, mask
+        query, key, value, cache_index.value, mask = _common.decode_step(
+            layer, cached_key.value, cached_value.value, cache_index.value, query, key, value,
+            mask, nn.combine_masks, axis_name=self.axis_name, mesh=self.mesh,
+            heads_of="query", where="Make the cache with init(..., decode=True) on inputs of "
+            "the batch and length you decode, with this layer's num_heads and qkv_features.")
+        cached_key.value, cached_value.value = key, value
+        return query, key, value, mask
+
+    def _fused_qkv(self, layer: str, inputs: tuple, names: tuple[str, ...], head_dim: int,
+                   sequence_parallel: bool):
         """The three projections, one multiply per distinct input (self-attention: one)."""
         projections = {
             name: _Projection((self.num_heads, head_dim), self.use_bias, self.param_dtype,
@@ -764,7 +797,7 @@ class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
             else:
                 groups.append((x, [name]))
         m = _common.Matmul(layer=layer, kind=COLUMN, axis_name=self.axis_name,
-                           sequence_parallel=self.sequence_parallel, impl=self.impl,
+                           sequence_parallel=sequence_parallel, impl=self.impl,
                            precision=self.precision, mesh=self.mesh)
         out: dict[str, jax.Array] = {}
         for x, members in groups:

@@ -30,6 +30,7 @@ all, where the layers compute what the nnx layers compute.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -41,6 +42,7 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from flax.core.frozen_dict import FrozenDict
 from flax.nnx import variablelib
+from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike
 from jax import lax
@@ -216,7 +218,9 @@ class _ParallelLinear(nnx.Module):
         return in_f, out_f, n
 
     def _apply(self, inputs: jax.Array, in_f: tuple[int, ...], out_f: tuple[int, ...],
-               out_sharding: Any) -> jax.Array:
+               out_sharding: Any, sequence_parallel: bool | None = None) -> jax.Array:
+        """The layer's call; ``sequence_parallel`` False runs this call without it (the
+        attention's decode steps)."""
         layer = type(self).__name__
         n_contract = len(in_f)
         _common.check_input(layer, inputs, n_contract + 1)
@@ -238,10 +242,12 @@ class _ParallelLinear(nnx.Module):
                 + (f", split over {n} ranks" if n is not None and local_in != in_f else "")
                 + ").")
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        return _common.general_forward(self._matmul(layer, inputs.dtype), inputs, kernel, bias,
-                                       n_contract, out_sharding=out_sharding)
+        return _common.general_forward(self._matmul(layer, inputs.dtype, sequence_parallel),
+                                       inputs, kernel, bias, n_contract,
+                                       out_sharding=out_sharding)
 
-    def _matmul(self, layer: str, compute_dtype) -> _common.Matmul:
+    def _matmul(self, layer: str, compute_dtype,
+                sequence_parallel: bool | None = None) -> _common.Matmul:
         kwargs: dict[str, Any] = {"out_sharding": None}
         reason = None
         if self.preferred_element_type is not None:
@@ -253,9 +259,12 @@ class _ParallelLinear(nnx.Module):
                                              "dot_general_cls was given")
         else:
             dot = _common.choose_dot_general(layer, self.dot_general, reason)
+        if sequence_parallel is None:
+            sequence_parallel = self.sequence_parallel
         return _common.Matmul(layer=layer, kind=self._kind, axis_name=self.axis_name,
-                              sequence_parallel=self.sequence_parallel, impl=self.impl,
-                              precision=self.precision, mesh=self.mesh, dot_general=dot,
+                              sequence_parallel=self.sequence_parallel and sequence_parallel,
+                              impl=self.impl, precision=self.precision, mesh=self.mesh,
+                              dot_general=dot,
                               dot_general_kwargs=kwargs if dot is not None else {})
 
 
@@ -728,6 +737,9 @@ class ParallelMultiHeadAttention(nnx.Module):
             kernel_metadata=out_kernel_metadata or kernel_metadata,
             bias_metadata=out_bias_metadata or bias_metadata, **parallel)
         self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
+        self.cached_key: nnx.Cache | None = nnx.data(None)
+        self.cached_value: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def __call__(
         self,
@@ -762,9 +774,18 @@ class ParallelMultiHeadAttention(nnx.Module):
           ``[batch..., length, out_features]``, laid out as ``RowParallelLinear``'s output.
         """
         layer = type(self).__name__
-        if decode or (decode is None and self.decode):
-            raise ValueError(f"{layer}: decode=True (the autoregressive cache) is not "
-                             "supported; decode with nnx.MultiHeadAttention on the same state.")
+        decode = first_from(decode, self.decode, error_msg=(
+            f"{layer}: no `decode` argument was given as a call argument, constructor "
+            "argument or attribute (nnx.MultiHeadAttention's rule); give decode=False or True."))
+        sequence_parallel = None
+        if decode:
+            if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+                raise ValueError(f"{layer}: autoregressive cache not initialized, call "
+                                 "``init_cache`` first (decode=True needs it).")
+            _common.check_decode_step(layer, inputs_q)
+            if self.sequence_parallel:    # one token cannot be split over the ranks
+                _common.say_once(layer, _common.DECODE_STEP_SAYS, logging.DEBUG)
+            sequence_parallel = False
         if rngs is None:
             rngs = self.rngs
         elif isinstance(rngs, nnx.Rngs):
@@ -781,13 +802,23 @@ class ParallelMultiHeadAttention(nnx.Module):
         projections = (self.query, self.key, self.value)
         inputs = (inputs_q, inputs_k, inputs_v)
         if self.qkv_dot_general is not None or self.qkv_dot_general_cls is not None:
-            query, key, value = (p(x, out_sharding=qkv_sharding)
+            query, key, value = (p._apply(x, p.in_features, p.out_features, qkv_sharding,
+                                          sequence_parallel)
                                  for p, x in zip(projections, inputs, strict=True))
         else:
-            query, key, value = self._fused_qkv(layer, projections, inputs, qkv_sharding)
+            query, key, value = self._fused_qkv(layer, projections, inputs, qkv_sharding,
+                                                sequence_parallel)
         if self.normalize_qk:
             query = self.query_ln(query)
             key = self.key_ln(key)
+        if decode:
+            query, key, value, index, mask = _common.decode_step(
+                layer, self.cached_key[...], self.cached_value[...], self.cache_index[...],
+                query, key, value, mask, nnx.combine_masks, axis_name=self.axis_name,
+                mesh=self.mesh, heads_of="key", where="Make the cache with init_cache(input_"
+                "shape) for the batch and length you decode ([batch..., length, in_features]).")
+            self.cached_key[...], self.cached_value[...] = key, value
+            self.cache_index[...] = index
         if self.dropout_rate > 0.0:
             deterministic = deterministic if deterministic is not None else self.deterministic
             if deterministic is None:
@@ -813,10 +844,51 @@ class ParallelMultiHeadAttention(nnx.Module):
             query, key, value, mask=mask, dropout_rng=dropout_rng,
             dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
             deterministic=deterministic, dtype=self.dtype, precision=self.precision,
-            module=self if sow_weights else None, is_causal=is_causal, **attn_kwargs)
-        return self.out(x, out_sharding=out_sharding)
+            module=self if sow_weights else None, is_causal=is_causal and not decode,
+            **attn_kwargs)
+        return self.out._apply(x, self.out.in_features, self.out.out_features, out_sharding,
+                               sequence_parallel)
 
-    def _fused_qkv(self, layer: str, projections: tuple, inputs: tuple, qkv_sharding: Any):
+    def init_cache(self, input_shape: Sequence[int], dtype: Dtype = jnp.float32) -> None:
+        """Makes the autoregressive cache for ``decode=True``, as ``nnx.MultiHeadAttention``'s.
+
+        ``input_shape`` is ``[batch..., length, in_features]`` (the longest sequence to
+        decode); ``cached_key`` and ``cached_value`` are ``nnx.Cache`` zeros of shape
+        ``[batch..., length, num_kv_heads, head_dim]`` (global, split on the heads over
+        ``axis_name`` where a mesh is known: ``mesh=`` or ``jax.set_mesh``; inside
+        shard_map this device's heads), ``cache_index`` an int32 0.
+        """
+        heads = self.num_kv_heads
+        n = _common.tp_size_if_bound(self.axis_name)
+        if n is not None:
+            heads = _common.divide(type(self).__name__, "num_kv_heads", heads, n,
+                                   self.axis_name)
+        shape = (*tuple(input_shape)[:-1], heads, self.head_dim)
+        zeros = jnp.zeros(shape, dtype)
+        if n is None:
+            spec = tuple(_common.cache_heads_spec(len(shape), self.axis_name, batch=None))
+            zeros = _common.place_value(zeros, spec, self.axis_name, self.mesh)
+        self.cached_key = nnx.Cache(zeros)
+        self.cached_value = nnx.Cache(zeros)
+        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+                 batch_size: int | Sequence[int] | None = None,
+                 max_length: int | None = None) -> None:
+        """What ``nnx.view`` sets, as ``nnx.MultiHeadAttention.set_view``: the modes, and with
+        ``decode=True``, ``batch_size`` and ``max_length`` a cache if there is none yet."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+        if decode is not None:
+            self.decode = decode
+            if decode and self.cached_key is None and batch_size is not None \
+                    and max_length is not None:
+                batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+                self.init_cache((*batch, max_length, self.in_features), self.dtype or
+                                jnp.float32)
+
+    def _fused_qkv(self, layer: str, projections: tuple, inputs: tuple, qkv_sharding: Any,
+                   sequence_parallel: bool | None):
         """The three projections, one multiply per distinct input (self-attention: one)."""
         groups: list[tuple[Any, list[int]]] = []
         for i, x in enumerate(inputs):
@@ -842,7 +914,7 @@ class ParallelMultiHeadAttention(nnx.Module):
                 x, kernel, bias = self.qkv_promote_dtype((x, kernel, bias), dtype=self.dtype)
                 kernels.append(kernel)
                 biases.append(bias)
-            m = projections[members[0]]._matmul(layer, x.dtype)
+            m = projections[members[0]]._matmul(layer, x.dtype, sequence_parallel)
             ys = _common.fused_columns(m, x, kernels, biases)
             for i, y in zip(members, ys, strict=True):
                 out[i] = _common.constrain_output(m, y, qkv_sharding, x)

@@ -124,9 +124,6 @@ def test_linen_attention_misuse():
     with pytest.raises(ValueError, match="num_heads"):
         jl.ParallelMultiHeadDotProductAttention(num_heads=2, mesh=mesh).init(
             jax.random.key(0), x)
-    with pytest.raises(ValueError, match="decode=True"):
-        jl.ParallelMultiHeadDotProductAttention(num_heads=HEADS, decode=True, mesh=mesh).init(
-            jax.random.key(0), x)
     with pytest.raises(ValueError, match="batch_dims"):
         jl.ColumnParallelDenseGeneral((HEADS, 2), batch_dims=(0,), mesh=mesh).init(
             jax.random.key(0), x)
@@ -215,8 +212,5 @@ def test_nnx_attention_misuse():
     mesh = make_mesh("tp4_auto")
     with pytest.raises(ValueError, match="num_kv_heads=2"):
         jn.ParallelMultiHeadAttention(HEADS, E, num_kv_heads=2, mesh=mesh, rngs=nnx.Rngs(0))
-    attn = jn.ParallelMultiHeadAttention(HEADS, E, decode=True, mesh=mesh, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="decode=True"):
-        attn(rand(0, (B, S, E)))
     with pytest.raises(ValueError, match="batch_axis"):
         jn.ColumnParallelLinearGeneral(E, (HEADS, 2), batch_axis={0: B}, rngs=nnx.Rngs(0))
