@@ -554,6 +554,10 @@ def decode_step(layer: str, cached_key, cached_value, cache_index, query, key, v
     if what:
         raise ValueError(f"{layer}: autoregressive cache shape error: cached_key "
                          f"{cached_key.shape} was made for {what}. {where}")
+    if not isinstance(cache_index, jax.core.Tracer) and int(cache_index) >= max_length:
+        # Under jit the index is not known; there, as in Flax, the write is clamped to the end.
+        raise ValueError(f"{layer}: the cache holds {max_length} positions and all are "
+                         f"written (cache_index={int(cache_index)}). {where}")
     if tp_size_if_bound(axis_name) is None and (mesh := _spmd.find_mesh(
             layer, mesh, cached_key)) is not None and _spmd.is_explicit(mesh):
         spec = P(*_spmd.spec_entries(cached_key, mesh))
