@@ -585,8 +585,14 @@ class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
       layer on global arrays (threefry is partitionable).
     * ``qkv_dot_general`` / ``out_dot_general`` (or their ``_cls``) run the
       projections unfused with the user's function, as the dense layers do.
-    * ``decode=True`` (the autoregressive cache) is not supported: use
-      ``nn.MultiHeadDotProductAttention`` with the same parameters to decode.
+    * ``decode=True``: Flax's autoregressive cache, in the ``cache`` collection
+      with Flax's names (``cached_key``, ``cached_value``: ``[batch..., length,
+      heads, head_dim]`` global, split on the heads so each device holds its
+      own; ``cache_index``). ``init`` makes it from the inputs' shape; each
+      later call is one decode step of one token, computed without sequence
+      parallelism (replicated token, GEMM + all-reduce), with Flax's mask of
+      the positions written. Inside ``shard_map`` the cache holds the device's
+      heads and a step takes and returns the replicated token.
 
     Example usage::
 

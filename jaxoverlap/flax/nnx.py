@@ -603,7 +603,12 @@ class ParallelMultiHeadAttention(nnx.Module):
     projection is row-parallel (``matmul_rs``); with ``sequence_parallel=False``
     Megatron's f/g. ``attention_fn`` runs per head; masks and dropout as in
     ``nnx.MultiHeadAttention``. A ``qkv_dot_general`` (or ``_cls``) runs the
-    projections unfused. ``decode`` (the autoregressive cache) is not supported.
+    projections unfused. ``decode=True`` uses nnx's autoregressive cache
+    (``init_cache`` or ``nnx.view``; ``cached_key``, ``cached_value`` ``[batch...,
+    length, num_kv_heads, head_dim]`` global, split on the heads, and
+    ``cache_index``): one token per call, computed without sequence parallelism
+    (replicated token, GEMM + all-reduce); ``is_causal`` is ignored there, as in
+    Flax 0.12.12.
 
     Example usage::
 
@@ -767,7 +772,8 @@ class ParallelMultiHeadAttention(nnx.Module):
           mask: ``[batch..., num_heads or 1, q_length, kv_length]``; False masks out.
           deterministic, rngs, sow_weights, is_causal, input_positions: as in
             ``nnx.MultiHeadAttention`` (``input_positions`` goes to ``attention_fn``).
-          decode: must be False or None (the cache is not supported).
+          decode: one decode step through the cache (``init_cache`` first); None
+            takes the module's ``decode``, and neither given is an error, as in nnx.
           out_sharding, qkv_sharding: the output's and the projections' sharding.
 
         Returns:
