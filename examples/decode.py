@@ -31,9 +31,10 @@ does not split) and the row-parallel ones end in ``jo.matmul_ar``.
 
 The script prints, per impl, the median time per decode step over ``--repeats`` runs (each
 step makes one token for each of the ``--batch`` sequences; beam search: per position of
-``--length``, as its loop may stop earlier) and whether the tokens equal those of the
-original model on one device, and exits 1 if any differ. On CPU host devices the times show
-that everything runs, not a GPU's latency.
+``--length``, as its loop may stop earlier), whether the tokens equal those of the original
+model on one device and (greedy) how far every step's logits are from the original's, and
+exits 1 if the tokens differ or the logits by more than ``--rtol``. On CPU host devices the
+times show that everything runs, not a GPU's latency.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def _parse(argv):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rtol", type=float, default=1e-4,
+                   help="largest difference of the logits accepted, relative to their largest")
     p.add_argument("--host-devices", type=int, default=8,
                    help="host devices to create when no accelerator is present")
     return p.parse_args(argv)
@@ -115,32 +118,35 @@ def _layers(impl: str, sequence_parallel: bool, api) -> dict:
     return {n: functools.partial(getattr(api, n), **kw) for n in names}
 
 
-def greedy(prompts, cache, tokens_to_logits):
+def greedy(prompts, cache, tokens_to_logits, vocab: int):
     """Greedy decoding of ``prompts [batch, length]`` (0 where a token is to be made): one
     token per step, fed the previous one (first BOS), the prompt's tokens kept, the argmax
-    elsewhere, padding (0) after EOS."""
+    elsewhere, padding (0) after EOS. Returns the tokens and every step's logits."""
     import jax.numpy as jnp
     from jax import lax
 
     batch, length = prompts.shape
 
     def step(i, state):
-        sequences, cache, token, ended = state
+        sequences, all_logits, cache, token, ended = state
         logits, cache = tokens_to_logits(token, cache)
         given = sequences[:, i]
         new = jnp.where(given != 0, given, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         new = jnp.where(ended, 0, new)
         sequences = sequences.at[:, i].set(new)
-        return sequences, cache, new[:, None], ended | (new == EOS)
+        all_logits = all_logits.at[:, i].set(logits.astype(jnp.float32))
+        return sequences, all_logits, cache, new[:, None], ended | (new == EOS)
 
-    start = (prompts, cache, jnp.full((batch, 1), BOS, jnp.int32), jnp.zeros(batch, bool))
-    return lax.fori_loop(0, length, step, start)[0]
+    start = (prompts, jnp.zeros((batch, length, vocab), jnp.float32), cache,
+             jnp.full((batch, 1), BOS, jnp.int32), jnp.zeros(batch, bool))
+    return lax.fori_loop(0, length, step, start)[:2]
 
 
 # ---------------------------------------------------------------- the models
 #
-# Each returns (generate, the steps for a result): generate(inputs) -> tokens, jitted, with
-# the original's parameters (placed on the mesh for the swapped model).
+# Each returns (generate, params, logical rules or None): generate(params, inputs) -> (tokens,
+# every step's logits or None), jitted; params are the original's (placed on the mesh for
+# the swapped model).
 
 
 def lm1b_linen(args, impl: str | None, mesh):
@@ -172,7 +178,7 @@ def lm1b_linen(args, impl: str | None, mesh):
                 {"params": params, "cache": flat_cache}, flat_ids, mutable=["cache"])
             return flat_logits.squeeze(axis=1), new_vars["cache"]
 
-        return greedy(prompts, cache, tokens_ids_to_logits)
+        return greedy(prompts, cache, tokens_ids_to_logits, args.vocab)
 
     if impl is None:
         return jax.jit(predict), params, None
@@ -227,7 +233,7 @@ def lm1b_nnx(args, impl: str | None, mesh):
             logits = module(flat_ids)
             return logits.squeeze(axis=1), nnx.state(module, nnx.Cache)
 
-        return greedy(prompts, cache, tokens_ids_to_logits)
+        return greedy(prompts, cache, tokens_ids_to_logits, args.vocab)
 
     return jax.jit(predict), params, None
 
@@ -275,9 +281,9 @@ def wmt(args, impl: str | None, mesh):
             beam_seqs, _ = beam.beam_search(inputs, cache, tokens_ids_to_logits,
                                             beam_size=beam_size, alpha=0.6, eos_id=EOS,
                                             max_decode_len=args.length)
-            return beam_seqs[:, -1, 1:]
+            return beam_seqs[:, -1, 1:], None
         return greedy(jnp.zeros((inputs.shape[0], args.length), jnp.int32), cache,
-                      tokens_ids_to_logits)
+                      tokens_ids_to_logits, args.vocab)
 
     if impl is None:
         return jax.jit(predict), params, None
@@ -310,8 +316,9 @@ def inputs_of(args):
     return tokens
 
 
-def run(args, impl: str | None, mesh) -> tuple[object, list[float]]:
-    """Generates with the original (impl None) or the swapped model; (tokens, seconds)."""
+def run(args, impl: str | None, mesh) -> tuple[tuple, list[float]]:
+    """Generates with the original (impl None) or the swapped model: ((tokens, logits or
+    None), seconds)."""
     import contextlib
 
     import flax.linen as nn
@@ -325,13 +332,13 @@ def run(args, impl: str | None, mesh) -> tuple[object, list[float]]:
             scope.enter_context(nn.logical_axis_rules(rules))
     with scope:
         inputs = jax.numpy.asarray(inputs_of(args))
-        tokens = jax.block_until_ready(generate(params, inputs))       # compiles
+        result = jax.block_until_ready(generate(params, inputs))       # compiles
         samples = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             jax.block_until_ready(generate(params, inputs))
             samples.append(time.perf_counter() - start)
-    return tokens, samples
+    return result, samples
 
 
 def main(argv=None) -> int:
@@ -351,27 +358,35 @@ def main(argv=None) -> int:
               f"{len(jax.devices())} are present")
         return 2
     mesh = flax_lm1b.make_mesh(args)
-    want, base = run(args, None, mesh)
+    (want, want_logits), base = run(args, None, mesh)
     steps = args.length
     print(f"{args.model}, {args.search} decoding, batch {args.batch}, length {args.length}, "
           f"mesh data x fsdp x tensor = {' x '.join(map(str, args.mesh_shape))}, "
           f"sequence_parallel={args.sequence_parallel}; {steps} decode steps")
     print(f"the original's first sequence: {np.asarray(want)[0].tolist()}")
-    print(f"{'model':>22}  {'ms / step':>10}  {'tokens':>14}")
+    print(f"{'model':>22}  {'ms / step':>10}  {'tokens':>10}  {'logits rel. diff':>16}")
     print(f"{'original (1 device)':>22}  {statistics.median(base) / steps * 1e3:>10.3f}  "
-          f"{'-':>14}")
+          f"{'-':>10}  {'-':>16}")
     different = []
     for impl in args.impls:
-        tokens, samples = run(args, impl, mesh)
+        (tokens, logits), samples = run(args, impl, mesh)
         same = np.array_equal(np.asarray(tokens), np.asarray(want))
+        diff = "-"
+        if logits is not None:         # greedy: every step's logits against the original's
+            rel = float(np.abs(np.asarray(logits) - np.asarray(want_logits)).max()
+                        / np.abs(np.asarray(want_logits)).max())
+            same = same and rel <= args.rtol
+            diff = f"{rel:.2e}"
         if not same:
             different.append(impl)
         print(f"{'swapped, ' + impl:>22}  {statistics.median(samples) / steps * 1e3:>10.3f}  "
-              f"{'equal' if same else 'DIFFERENT':>14}")
+              f"{'equal' if np.array_equal(tokens, want) else 'DIFFERENT':>10}  {diff:>16}")
     if different:
-        print(f"DIFFERENT: the tokens of {', '.join(different)} differ from the original's")
+        print(f"DIFFERENT: the tokens or logits (--rtol {args.rtol}) of {', '.join(different)} "
+              "differ from the original's")
         return 1
-    print("OK: every impl generates the original model's tokens")
+    print("OK: every impl generates the original model's tokens"
+          + (f", its logits within {args.rtol}" if want_logits is not None else ""))
     return 0
 
 

@@ -146,7 +146,7 @@ def test_decode_generates_the_original_models_tokens(model, impls, capsys):
     assert code == 0, out
     assert "OK: every impl generates the original model's tokens" in out
     for impl in impls:
-        assert re.search(rf"swapped, {impl}\s+[0-9.]+\s+equal", out), out
+        assert re.search(rf"swapped, {impl}\s+[0-9.]+\s+equal\s+[0-9.e-]+\n", out), out
     first = re.search(r"first sequence: \[([0-9, ]+)\]", out).group(1).split(", ")
     assert len(set(first)) > 2, out             # a sequence, not one token over and over
 
@@ -185,4 +185,5 @@ def test_decode_reports_different_tokens(capsys, monkeypatch):
                                  "--repeats", "1"])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert "DIFFERENT: the tokens of xla differ" in out
+    assert re.search(r"swapped, xla\s+[0-9.]+\s+DIFFERENT", out), out
+    assert "DIFFERENT: the tokens or logits (--rtol 0.0001) of xla differ" in out
