@@ -266,9 +266,11 @@ def _ar_impl(m: Matmul, x, mesh: Any) -> str:
         ways = math.prod(mesh.shape[a] for a in axes - {m.axis_name})
     if rows % (ways * n) == 0:
         return m.impl
-    say_once(m.layer, f"impl={asked!r} all-reduces in N blocks of rows, but this call's {rows} "
-             f"rows ({ways} way(s) split by other mesh axes) do not split over the {n} ranks "
-             f"of {m.axis_name!r}: it runs unfused (impl='xla').", logging.DEBUG)
+    split = f" and over {ways} devices along the other mesh axes" if ways > 1 else ""
+    say_once(m.layer, f"impl={asked!r} splits a GEMM + all-reduce's rows into one block per rank "
+             f"of {m.axis_name!r}, but this call's {rows} rows (every dim of x but the last) do "
+             f"not split over its {n} ranks{split}: the call runs unfused (impl='xla').",
+             logging.DEBUG)
     return "xla"
 
 

@@ -248,6 +248,7 @@ class _ParallelLinear(nnx.Module):
 
     def _matmul(self, layer: str, compute_dtype,
                 sequence_parallel: bool | None = None) -> _common.Matmul:
+        """How this call multiplies; ``sequence_parallel=False`` turns it off for the call."""
         kwargs: dict[str, Any] = {"out_sharding": None}
         reason = None
         if self.preferred_element_type is not None:
@@ -259,10 +260,9 @@ class _ParallelLinear(nnx.Module):
                                              "dot_general_cls was given")
         else:
             dot = _common.choose_dot_general(layer, self.dot_general, reason)
-        if sequence_parallel is None:
-            sequence_parallel = self.sequence_parallel
         return _common.Matmul(layer=layer, kind=self._kind, axis_name=self.axis_name,
-                              sequence_parallel=self.sequence_parallel and sequence_parallel,
+                              sequence_parallel=(self.sequence_parallel
+                                                 and sequence_parallel is not False),
                               impl=self.impl, precision=self.precision, mesh=self.mesh,
                               dot_general=dot,
                               dot_general_kwargs=kwargs if dot is not None else {})
@@ -870,12 +870,13 @@ class ParallelMultiHeadAttention(nnx.Module):
             heads = _common.divide(type(self).__name__, "num_kv_heads", heads, n,
                                    self.axis_name)
         shape = (*tuple(input_shape)[:-1], heads, self.head_dim)
-        zeros = jnp.zeros(shape, dtype)
-        if n is None:
-            spec = tuple(_common.cache_heads_spec(len(shape), self.axis_name, batch=None))
-            zeros = _common.place_value(zeros, spec, self.axis_name, self.mesh)
-        self.cached_key = nnx.Cache(zeros)
-        self.cached_value = nnx.Cache(zeros)
+        spec = tuple(_common.cache_heads_spec(len(shape), self.axis_name, batch=None))
+
+        def zeros():   # placed on the mesh, if one is known, outside shard_map
+            return _common.place_value(jnp.zeros(shape, dtype), spec, self.axis_name, self.mesh)
+
+        self.cached_key = nnx.Cache(zeros())
+        self.cached_value = nnx.Cache(zeros())
         self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
 
     def set_view(self, deterministic: bool | None = None, decode: bool | None = None,

@@ -105,6 +105,7 @@ def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl):
     assert int(cache["cache_index"]) == L
 
 
+@pytest.mark.slow
 def test_linen_decode_inside_shard_map():
     """Local shards: the cache holds this device's heads; a step takes the replicated token
     (one token cannot be split) and returns the replicated output, under both vma modes."""
@@ -247,6 +248,7 @@ class _MLP(nn.Module):
                                                                        **self.kw)(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["dp2_tp4_explicit", "tp4_auto"])
 def test_rows_that_do_not_split_run_without_sequence_parallelism(mesh_name, caplog,
                                                                  monkeypatch):
