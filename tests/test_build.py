@@ -44,9 +44,11 @@ def nvcc_release(backend, monkeypatch):
 
 def test_wheels_follow_nvccs_cuda_major(backend, nvcc_release):
     nvcc_release(13)
-    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu13", "nvidia-cublas>=13,<14"]
+    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu13", "nvidia-cublas>=13,<14",
+                                               "nvidia-cutlass==4.2.0.0"]
     nvcc_release(12)
-    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu12", "nvidia-cublas-cu12"]
+    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu12", "nvidia-cublas-cu12",
+                                               "nvidia-cutlass==4.2.0.0"]
     nvcc_release(11)               # no wheels we link: CMake then says what is missing
     assert backend.cuda_requirements(None) == []
 
