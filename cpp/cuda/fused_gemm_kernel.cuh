@@ -98,6 +98,27 @@ __device__ __forceinline__ void WaitBulkStoresComplete() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// A stock collective whose Arguments and Params carry one more member,
+// `extension` (what the kernel passes through to the collective untouched).
+template <class Stock, class Extension>
+class Extended : public Stock {
+ public:
+  struct Arguments : Stock::Arguments {
+    Extension extension;
+  };
+  struct Params : Stock::Params {
+    Extension extension;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                        void* workspace) {
+    return Params{Stock::to_underlying_arguments(problem_shape, args, workspace), args.extension};
+  }
+
+  using Stock::Stock;
+};
+
 // ---- waits (all-gather + GEMM) ----
 
 struct RowWait {
@@ -142,22 +163,10 @@ __device__ __forceinline__ void WaitForTileRows(const RowWait& w, int32_t tile) 
 }
 
 template <class Stock>
-class FlagWaitMainloop : public Stock {
+class FlagWaitMainloop : public Extended<Stock, RowWait> {
  public:
+  using Params = typename Extended<Stock, RowWait>::Params;
   static constexpr int kTileRows = cute::size<0>(typename Stock::TileShape{});
-
-  struct Arguments : Stock::Arguments {
-    RowWait wait;
-  };
-  struct Params : Stock::Params {
-    RowWait wait;
-  };
-
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
-                                        void* workspace) {
-    return Params{Stock::to_underlying_arguments(problem_shape, args, workspace), args.wait};
-  }
 
   // The stock load(), after the tile's rows are in place. `blk_coord` is
   // (m, n, k, l); m is the tile's M index after the scheduler's mapping.
@@ -165,9 +174,10 @@ class FlagWaitMainloop : public Stock {
   CUTLASS_DEVICE void load(Params const& params, Pipeline pipeline, PipelineState state,
                            LoadInputs const& load_inputs, BlockCoord const& blk_coord,
                            Rest&&... rest) {
-    if (params.wait.flags != nullptr) {
+    const RowWait& wait = params.extension;
+    if (wait.flags != nullptr) {
       if (cute::elect_one_sync())
-        WaitForTileRows<kTileRows>(params.wait, static_cast<int32_t>(cute::get<0>(blk_coord)));
+        WaitForTileRows<kTileRows>(wait, static_cast<int32_t>(cute::get<0>(blk_coord)));
       __syncwarp();
       FenceProxyAsyncGlobal();  // every lane: whichever one the stock load elects issues the TMA
     }
@@ -186,26 +196,14 @@ struct BlockRelease {
 };
 
 template <class Stock>
-class FlagReleaseEpilogue : public Stock {
+class FlagReleaseEpilogue : public Extended<Stock, BlockRelease> {
  public:
+  using Params = typename Extended<Stock, BlockRelease>::Params;
   static constexpr int kTileRows = cute::size<0>(typename Stock::CtaTileMNK{});
-
-  struct Arguments : Stock::Arguments {
-    BlockRelease release;
-  };
-  struct Params : Stock::Params {
-    BlockRelease release;
-  };
-
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
-                                        void* workspace) {
-    return Params{Stock::to_underlying_arguments(problem_shape, args, workspace), args.release};
-  }
 
   CUTLASS_HOST_DEVICE FlagReleaseEpilogue(Params const& params,
                                           typename Stock::TensorStorage& shared_tensors)
-      : Stock(params, shared_tensors), release_(params.release) {}
+      : Extended<Stock, BlockRelease>(params, shared_tensors), release_(params.extension) {}
 
   // The stock store(), then the release of every block the tile completed.
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class Accumulators,
@@ -399,7 +397,7 @@ Status LaunchAs(const FusedGemmArgs& a, const fused::TileOrder& order, int32_t s
   args.mainloop.dA = typename Mainloop::StrideA{a.lda, Int<1>{}, a.a_batch_stride};
   args.mainloop.ptr_B = static_cast<const Element*>(a.b);
   args.mainloop.dB = typename Mainloop::StrideB{Int<1>{}, a.ldb, 0};  // B is every batch's
-  args.mainloop.wait =
+  args.mainloop.extension =
       RowWait{a.blocks, a.wait_flags, a.ready_shard, a.epoch, a.timeout_ns, a.fault};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
@@ -408,7 +406,7 @@ Status LaunchAs(const FusedGemmArgs& a, const fused::TileOrder& order, int32_t s
   args.epilogue.dD = typename Epilogue::StrideD{a.ldd, Int<1>{}, a.d_batch_stride};
   const int64_t n_tiles = (a.n + cute::size<1>(typename Gemm::TileShape{}) - 1) /
                           cute::size<1>(typename Gemm::TileShape{});
-  args.epilogue.release =
+  args.epilogue.extension =
       BlockRelease{a.blocks, a.release_flags, static_cast<uint32_t*>(a.workspace), a.epoch,
                    static_cast<int32_t>(n_tiles * a.batch)};
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&args.hw_info.device_id));
@@ -442,3 +440,14 @@ Status LaunchAs(const FusedGemmArgs& a, const fused::TileOrder& order, int32_t s
 }
 
 }  // namespace jo::cuda::fused_kernel
+
+// Defines fused_kernel::Prepare<Name> and Launch<Name> (fused_gemm.h) for one
+// element type: one use per .cu file, so the instantiations compile in parallel.
+#define JO_FUSED_GEMM_INSTANCE(Name, Element)                                                     \
+  namespace jo::cuda::fused_kernel {                                                              \
+  Status Prepare##Name(const ErrorContext& ctx) { return PrepareAs<Element>(ctx); }               \
+  Status Launch##Name(const FusedGemmArgs& args, const fused::TileOrder& order, int32_t sm_count, \
+                      cudaStream_t stream, const ErrorContext& ctx) {                             \
+    return LaunchAs<Element>(args, order, sm_count, stream, ctx);                                 \
+  }                                                                                               \
+  }

@@ -175,7 +175,7 @@ def test_fused_kernels_are_sm90a_cubins_without_ptx(cuda):
 KERNEL_SOURCE = "cpp/cuda/fused_gemm_kernel.cuh"
 # name: (check that must fail, [(text in KERNEL_SOURCE, replacement)], drop -DNDEBUG)
 VARIANTS = {
-    "no wait": ("acquire spin", [("    if (params.wait.flags != nullptr) {\n      if (cute::",
+    "no wait": ("acquire spin", [("    if (wait.flags != nullptr) {\n      if (cute::",
                                   "    if (false) {\n      if (cute::")], False),
     "relaxed wait": ("acquire spin", [("ld.acquire.sys.global.u32", "ld.relaxed.sys.global.u32")],
                      False),
