@@ -23,7 +23,7 @@
 // after a tile started waiting is recorded in `*fault` (the first one only)
 // and the kernel goes on without it — every later wait of the launch gives up
 // at once — so the kernel always finishes; its results are then garbage and
-// the caller must read `*fault` (device or host-mapped memory) and report.
+// the caller must read `*fault` (device memory) and report.
 //
 // Runs on sm_90 (H100/H200/GH200) only: the kernel is sm_90a code, which no
 // other GPU can run (docs/gpu.md). Compiled in CI; never run on a GPU here.
