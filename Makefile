@@ -17,6 +17,9 @@ GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
 CUDA ?= $(if $(NVCC),ON,OFF)
 DEMO_CUDA = $(if $(filter file,$(origin CUDA)),$(if $(and $(NVCC),$(GPU)),ON,OFF),$(CUDA))
 CUDA_PKGS_ON = nvidia-nccl-cu13 nvidia-cublas nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+# Build-only, headers only (the fused GEMM): without the wheel's Python dependencies. The
+# version is pinned here, in build_backend/ and in cmake/jo_cuda.cmake.
+CUDA_BUILD_PKGS_ON = nvidia-cutlass==4.2.0.0
 SOURCES := pyproject.toml CMakeLists.txt $(shell find cmake cpp build_backend -type f 2>/dev/null)
 # One stamp per build flavour: $(VENV)/.installed-ON or -OFF, newer than every source.
 STAMP = $(VENV)/.installed-
@@ -56,7 +59,7 @@ $(STAMP)%: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind \
 		pytest ruff clang-format flax optax matplotlib rich
-	$(if $(filter ON,$*),$(PIP) install -q $(CUDA_PKGS_ON))
+	$(if $(filter ON,$*),$(PIP) install -q $(CUDA_PKGS_ON) && $(PIP) install -q --no-deps $(CUDA_BUILD_PKGS_ON))
 	JAXOVERLAP_CUDA=$* $(PIP) install -q --no-build-isolation -e .
 	rm -f $(STAMP)ON $(STAMP)OFF
 	touch $@

@@ -4,7 +4,8 @@
 CMake (``cmake/jo_cuda.cmake``) looks for in the building Python. Under pip's build isolation
 that Python has only the build requirements, so this backend adds the two wheels to them when
 the build will want them: ``JAXOVERLAP_CUDA`` is not ``OFF`` and nvcc is found (``CUDACXX``, else
-``PATH``, as CMake looks), picking the wheels of nvcc's CUDA major. Everything else is
+``PATH``, as CMake looks), picking the wheels of nvcc's CUDA major, and CUTLASS's headers
+(``nvidia-cutlass``, pinned) for the fused GEMM. Everything else is
 scikit-build-core's (https://scikit-build-core.readthedocs.io; in-tree backends: PEP 517,
 ``backend-path``).
 
@@ -29,6 +30,9 @@ CUDA_WHEELS = {
     13: ("nvidia-nccl-cu13", "nvidia-cublas>=13,<14"),
     12: ("nvidia-nccl-cu12", "nvidia-cublas-cu12"),
 }
+# CUTLASS's C++ headers (the fused GEMM), for any CUDA major; the version cmake/jo_cuda.cmake
+# requires (and the Makefile installs).
+CUTLASS_WHEEL = "nvidia-cutlass==4.2.0.0"
 _SPELLINGS = {"ON": "ON", "1": "ON", "TRUE": "ON", "YES": "ON",
               "OFF": "OFF", "0": "OFF", "FALSE": "OFF", "NO": "OFF", "AUTO": "AUTO"}
 _DEFINE = re.compile(r"-DJAXOVERLAP_CUDA(?::\w+)?=(\S+)")
@@ -84,7 +88,8 @@ def cuda_requirements(config_settings: dict | None) -> list[str]:
     nvcc = find_nvcc()
     if nvcc is None:
         return []
-    return list(CUDA_WHEELS.get(nvcc_major(nvcc), ()))
+    wheels = list(CUDA_WHEELS.get(nvcc_major(nvcc), ()))
+    return [*wheels, CUTLASS_WHEEL] if wheels else []
 
 
 def get_requires_for_build_wheel(config_settings: dict | None = None) -> list[str]:

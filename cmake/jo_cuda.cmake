@@ -77,6 +77,36 @@ set(JO_CUBLAS_INCLUDE_DIR "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/include")
 set(JO_CUBLASLT_LIBRARY "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/lib/${_jo_cublaslt_name}")
 set(JO_NVIDIA_WHEELS "nvidia/nccl,nvidia/${JO_CUBLAS_WHEEL_DIR}")
 
+# CUTLASS's C++ headers (the fused GEMM, cpp/cuda/fused_gemm_kernel.cuh) from the
+# nvidia-cutlass wheel: a build-only requirement, pinned here and where it is installed
+# (build_backend/jaxoverlap_backend.py CUTLASS_WHEEL, the Makefile's CUDA_BUILD_PKGS_ON).
+# Found without importing the package (its Python side needs cuda-python; the build does not).
+set(JO_CUTLASS_VERSION 4.2.0)
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c [=[
+import importlib.util, os, sys
+spec = importlib.util.find_spec("cutlass_library")
+roots = list(spec.submodule_search_locations or []) if spec else []
+found = [os.path.join(r, "source", "include") for r in roots
+         if os.path.exists(os.path.join(r, "source", "include", "cutlass", "version.h"))]
+if not found:
+    sys.exit("no cutlass_library/source/include/cutlass/version.h")
+print(found[0], end="")
+]=]
+  OUTPUT_VARIABLE JO_CUTLASS_INCLUDE_DIR RESULT_VARIABLE _jo_rc ERROR_VARIABLE _jo_err)
+set(_jo_cutlass_fix "pip install --no-deps nvidia-cutlass==${JO_CUTLASS_VERSION}.0")
+if(NOT _jo_rc EQUAL 0)
+  string(STRIP "${_jo_err}" _jo_err)
+  jo_cuda_skip("nvcc and the NCCL/cuBLAS wheels were found but not CUTLASS's headers in the building Python (${_jo_err}; pip's isolated build brings them; before a --no-build-isolation build: ${_jo_cutlass_fix})")
+endif()
+file(STRINGS "${JO_CUTLASS_INCLUDE_DIR}/cutlass/version.h" _jo_cutlass_defines
+  REGEX "^#define CUTLASS_(MAJOR|MINOR|PATCH) ")
+string(REGEX REPLACE ".*CUTLASS_MAJOR ([0-9]+).*CUTLASS_MINOR ([0-9]+).*CUTLASS_PATCH ([0-9]+).*"
+  "\\1.\\2.\\3" _jo_cutlass_found "${_jo_cutlass_defines}")
+if(NOT _jo_cutlass_found STREQUAL JO_CUTLASS_VERSION)
+  jo_cuda_skip("CUTLASS ${_jo_cutlass_found} was found (${JO_CUTLASS_INCLUDE_DIR}) but the fused GEMM is built against ${JO_CUTLASS_VERSION}: ${_jo_cutlass_fix}")
+endif()
+
 # enable_language(CUDA) needs a default; every kernel target sets its own
 # architectures (cpp/cuda/CMakeLists.txt: JO_ADD_KERNEL_ARCHS, JO_MULTIMEM_KERNEL_ARCHS).
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
@@ -97,5 +127,5 @@ if(NOT _jo_nvcc_major STREQUAL _jo_wheel_major)
   jo_cuda_skip("nvcc is CUDA ${CUDAToolkit_VERSION} but the cuBLAS wheel is for CUDA ${_jo_wheel_major} (nvidia/${JO_CUBLAS_WHEEL_DIR}); install the wheels of nvcc's major")
 endif()
 set(JO_BUILD_CUDA ON)
-set(JO_CUDA_STATUS "built with CUDA ${CUDAToolkit_VERSION} (kernels: sm_80, sm_90 and compute_90 PTX)")
-message(STATUS "jaxoverlap: CUDA extension (_cuda) built with CUDA ${CUDAToolkit_VERSION}, NCCL ${JO_NCCL_LIBRARY}, cuBLASLt ${JO_CUBLASLT_LIBRARY}")
+set(JO_CUDA_STATUS "built with CUDA ${CUDAToolkit_VERSION} (kernels: sm_80, sm_90 and compute_90 PTX; fused GEMM: sm_90a)")
+message(STATUS "jaxoverlap: CUDA extension (_cuda) built with CUDA ${CUDAToolkit_VERSION}, NCCL ${JO_NCCL_LIBRARY}, cuBLASLt ${JO_CUBLASLT_LIBRARY}, CUTLASS ${_jo_cutlass_found} headers")

@@ -44,9 +44,11 @@ def nvcc_release(backend, monkeypatch):
 
 def test_wheels_follow_nvccs_cuda_major(backend, nvcc_release):
     nvcc_release(13)
-    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu13", "nvidia-cublas>=13,<14"]
+    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu13", "nvidia-cublas>=13,<14",
+                                               "nvidia-cutlass==4.2.0.0"]
     nvcc_release(12)
-    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu12", "nvidia-cublas-cu12"]
+    assert backend.cuda_requirements(None) == ["nvidia-nccl-cu12", "nvidia-cublas-cu12",
+                                               "nvidia-cutlass==4.2.0.0"]
     nvcc_release(11)               # no wheels we link: CMake then says what is missing
     assert backend.cuda_requirements(None) == []
 
@@ -158,3 +160,29 @@ def test_cmake_auto_with_nvcc_but_no_wheels_is_one_line(tmp_path):
     assert "not built: nvcc was found but not the NCCL/cuBLAS wheels" in line
     assert "pip install nvidia-nccl-cu13 nvidia-cublas" in line
     assert "nvcc was found but not the NCCL/cuBLAS wheels" in record
+
+
+@pytest.mark.slow
+def test_cmake_auto_without_the_pinned_cutlass_headers_is_one_line(tmp_path):
+    """The fused GEMM's CUTLASS headers: missing, or of another version than the pin."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on PATH here")
+    # A regular package named `cutlass_library` first on the path hides the wheel's.
+    fake = tmp_path / "fake" / "cutlass_library"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    run, record = _configure(tmp_path / "missing", "AUTO", {"PYTHONPATH": str(fake.parent)})
+    assert run.returncode == 0, run.stderr
+    (line,) = _cuda_lines(run)
+    assert "not built: nvcc and the NCCL/cuBLAS wheels were found but not CUTLASS's headers" \
+        in line
+    assert "pip install --no-deps nvidia-cutlass==4.2.0.0" in line
+    assert "not CUTLASS's headers" in record
+    version = fake / "source" / "include" / "cutlass" / "version.h"
+    version.parent.mkdir(parents=True)
+    version.write_text("".join(f"#define CUTLASS_{part} {number}\n"
+                               for part, number in (("MAJOR", 4), ("MINOR", 1), ("PATCH", 0))))
+    run, _ = _configure(tmp_path / "old", "AUTO", {"PYTHONPATH": str(fake.parent)})
+    assert run.returncode == 0, run.stderr
+    (line,) = _cuda_lines(run)
+    assert "CUTLASS 4.1.0 was found" in line and "built against 4.2.0" in line

@@ -139,6 +139,8 @@ void BusyWorker(double seconds) {
 
 }  // namespace
 
+void BindFusedTiles(nb::module_& m);  // testing_fused_tiles.cc
+
 NB_MODULE(jaxoverlap_testing, m) {
   m.doc() = "jaxoverlap test helpers (not installed).";
   m.def("exchange_selftest", &ExchangeSelftest, nb::arg("exchange"), nb::arg("share_fds") = false,
@@ -153,4 +155,5 @@ NB_MODULE(jaxoverlap_testing, m) {
         "The exchange the probe handler uses (None: forget it).");
   m.def("busy_worker", &BusyWorker, nb::arg("seconds"),
         "A host worker that keeps using process-wide state for `seconds`.");
+  BindFusedTiles(m);
 }

@@ -1,0 +1,110 @@
+// The fused GEMM: one persistent CUTLASS sm90 GEMM whose tiles wait for, or
+// release, per-row-block flags (cuda/fused_gemm_kernel.cuh), seen from the host.
+//
+//   D[l] (m x n) = A[l] (m x k) @ B (k x n)      row-major, f32 accumulation,
+//                                                 l < batch, B shared by every l
+//
+// The rows of A and D are cut into the program's flagged row blocks
+// (core/fused_tiles.h: block b = shard * chunks + sub, flag b):
+//  * waits (all-gather + GEMM): before loading a tile of A, the kernel waits
+//    until every flag covering the tile's rows has reached `epoch`
+//    (wait_flags[b], compared cyclically as the stream waits compare:
+//    (int32_t)(flag - epoch) >= 0) — except the blocks of `ready_shard`,
+//    which are in place before the launch (the local shard);
+//  * releases (GEMM + reduce-scatter): once every tile touching block b has
+//    been stored, the kernel sets release_flags[b] = epoch (after the stores
+//    are complete; a release at system scope), so a stream waiting on the flag
+//    (cuStreamWaitValue32) can move the block on.
+// Tiles run in the order `sequence` gives (fused_tiles.h, TileOrder): the
+// blocks in the order they arrive (waits; key kLastArrival) or leave
+// (releases; key kFirstDeparture).
+//
+// No wait is unbounded: a flag that has not reached the epoch `timeout_ns`
+// after a tile started waiting is recorded in `*fault` (the first one only)
+// and the kernel goes on without it — every later wait of the launch gives up
+// at once — so the kernel always finishes; its results are then garbage and
+// the caller must read `*fault` (device memory) and report.
+//
+// Runs on sm_90 (H100/H200/GH200) only: the kernel is sm_90a code, which no
+// other GPU can run (docs/gpu.md). Compiled in CI; never run on a GPU here.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/fused_tiles.h"
+#include "core/program.h"
+#include "core/status.h"
+#include "cuda/check.h"
+
+namespace jo::cuda {
+
+// What a wait that ran out of time saw (written by the kernel, zero before).
+struct FusedGemmFault {
+  uint32_t timed_out = 0;  // 1: a wait gave up; the results of the launch are wrong
+  uint32_t flag = 0;       // the flag (block) it waited for
+  uint32_t seen = 0;       // the flag's value when it gave up
+  uint32_t epoch = 0;      // the value it waited for
+};
+
+struct FusedGemmArgs {
+  DType dtype = DType::kBF16;  // A, B and D: kBF16 or kF16
+  int64_t batch = 1, m = 0, n = 0, k = 0;
+  // Leading dimensions and batch strides in elements; TMA needs every pointer
+  // 16-byte aligned and every stride a multiple of 16 bytes.
+  const void* a = nullptr;
+  int64_t lda = 0, a_batch_stride = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* d = nullptr;
+  int64_t ldd = 0, d_batch_stride = 0;
+
+  fused::RowBlocks blocks;            // the rows of A and D: blocks.rows() == m
+  const int32_t* sequence = nullptr;  // every block once, in arrival / departure order
+  fused::OrderKey key = fused::OrderKey::kLastArrival;
+
+  const uint32_t* wait_flags = nullptr;  // null: no waits
+  int32_t ready_shard = -1;              // its blocks are not waited for (-1: none)
+  uint32_t* release_flags = nullptr;     // null: no releases
+  uint32_t epoch = 0;
+  int64_t timeout_ns = 0;           // > 0 when waiting
+  FusedGemmFault* fault = nullptr;  // required when waiting
+  void* workspace = nullptr;        // FusedGemmWorkspaceBytes(); zeroed by the launch
+  int32_t sm_count = 0;             // persistent CTAs (clusters of 2); 0: every SM
+};
+
+// The rows of the kernel's CTA tile: the tiles fused_tiles.h cuts the rows into.
+inline constexpr int64_t kFusedGemmTileRows = 128;
+
+// Device memory the launch needs at `workspace` (a tile counter per block when releasing).
+size_t FusedGemmWorkspaceBytes(const FusedGemmArgs& args);
+
+// Every check LaunchFusedGemm makes of its arguments, without touching a GPU.
+Status CheckFusedGemm(const FusedGemmArgs& args);
+
+// Loads the kernel for `dtype` on the current device and gives it its shared
+// memory; fails on a GPU that cannot run it (anything but sm_90). Call it at
+// set-up, never while other work the GPU must finish depends on this thread:
+// with lazy loading (the default since CUDA 12.2) a kernel's first use loads
+// its module, which may wait for the device (CUDA programming guide, "Lazy
+// Loading", potential hazards).
+Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx);
+
+// Enqueues the fused GEMM on `stream` (after zeroing the workspace, when it
+// has one). Fails, enqueueing nothing, on a bad argument or when
+// PrepareFusedGemm has not run for this device and dtype.
+Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
+
+namespace fused_kernel {
+// The instantiations (fused_gemm_bf16.cu, fused_gemm_f16.cu), behind the two above.
+Status PrepareBF16(const ErrorContext& ctx);
+Status PrepareF16(const ErrorContext& ctx);
+Status LaunchBF16(const FusedGemmArgs& args, const fused::TileOrder& order, int32_t sm_count,
+                  cudaStream_t stream, const ErrorContext& ctx);
+Status LaunchF16(const FusedGemmArgs& args, const fused::TileOrder& order, int32_t sm_count,
+                 cudaStream_t stream, const ErrorContext& ctx);
+}  // namespace fused_kernel
+
+}  // namespace jo::cuda

@@ -1,0 +1,104 @@
+// jaxoverlap_testing's view of core/fused_tiles.h (the fused GEMM's tiles,
+// row blocks, flags and tile order), for tests/native/test_fused_tiles.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/fused_tiles.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using Pair = std::tuple<int32_t, int32_t>;
+
+jo::fused::Tiling MakeTiling(int32_t shards, int32_t chunks, int64_t shard_rows,
+                             int64_t tile_rows) {
+  const jo::fused::Tiling tiling{jo::fused::RowBlocks{shards, chunks, shard_rows}, tile_rows};
+  if (!tiling.blocks.valid() || tile_rows < 1)
+    throw nb::value_error("shards, chunks, tile_rows >= 1 and shard_rows >= chunks");
+  return tiling;
+}
+
+// Everything the mapping says about one shape, as plain lists.
+nb::dict Mapping(int32_t shards, int32_t chunks, int64_t shard_rows, int64_t tile_rows) {
+  const jo::fused::Tiling t = MakeTiling(shards, chunks, shard_rows, tile_rows);
+  std::vector<Pair> block_rows, tiles_of_block, blocks_of_tile;
+  std::vector<int32_t> block_of_row, shard_of_block;
+  for (int32_t b = 0; b < t.blocks.count(); ++b) {
+    block_rows.emplace_back(static_cast<int32_t>(t.blocks.Begin(b)),
+                            static_cast<int32_t>(t.blocks.End(b)));
+    const jo::fused::Range r = t.TilesOf(b);
+    tiles_of_block.emplace_back(r.first, r.last);
+    shard_of_block.push_back(t.blocks.Shard(b));
+  }
+  for (int64_t row = 0; row < t.blocks.rows(); ++row) block_of_row.push_back(t.blocks.BlockOf(row));
+  // One tile past the end: a persistent scheduler's padding tile touches no block.
+  for (int32_t tile = 0; tile <= t.tiles(); ++tile) {
+    const jo::fused::Range r = t.BlocksOf(tile);
+    blocks_of_tile.emplace_back(r.first, r.last);
+  }
+  nb::dict out;
+  out["tiles"] = t.tiles();
+  out["blocks"] = t.blocks.count();
+  out["rows"] = t.blocks.rows();
+  out["block_rows"] = block_rows;
+  out["block_of_row"] = block_of_row;
+  out["shard_of_block"] = shard_of_block;
+  out["tiles_of_block"] = tiles_of_block;
+  out["blocks_of_tile"] = blocks_of_tile;
+  return out;
+}
+
+// The tile at every slot of the order (and one slot past it), and the runs.
+nb::dict Order(int32_t shards, int32_t chunks, int64_t shard_rows, int64_t tile_rows,
+               const std::vector<int32_t>& sequence, const std::string& key) {
+  const jo::fused::Tiling t = MakeTiling(shards, chunks, shard_rows, tile_rows);
+  jo::fused::OrderKey k;
+  if (key == "last_arrival")
+    k = jo::fused::OrderKey::kLastArrival;
+  else if (key == "first_departure")
+    k = jo::fused::OrderKey::kFirstDeparture;
+  else
+    throw nb::value_error("key must be 'last_arrival' or 'first_departure'");
+  jo::fused::TileOrder order;
+  const jo::fused::OrderError e = jo::fused::MakeTileOrder(
+      t, sequence.data(), static_cast<int32_t>(sequence.size()), k, &order);
+  switch (e) {
+    case jo::fused::OrderError::kOk:
+      break;
+    case jo::fused::OrderError::kBadBlocks:
+      throw nb::value_error("bad_blocks");
+    case jo::fused::OrderError::kBadSequence:
+      throw nb::value_error("bad_sequence");
+    case jo::fused::OrderError::kTooManyRuns:
+      throw nb::value_error("too_many_runs");
+    case jo::fused::OrderError::kNotConsecutive:
+      throw nb::value_error("not_consecutive");
+  }
+  std::vector<int32_t> tiles;
+  for (int32_t slot = 0; slot <= order.tiles; ++slot) tiles.push_back(order.TileAt(slot));
+  nb::dict out;
+  out["tiles"] = tiles;
+  out["runs"] = order.runs;
+  return out;
+}
+
+}  // namespace
+
+void BindFusedTiles(nb::module_& m) {
+  m.def("fused_mapping", &Mapping, nb::arg("shards"), nb::arg("chunks"), nb::arg("shard_rows"),
+        nb::arg("tile_rows"),
+        "core/fused_tiles.h for one shape: each block's rows [begin, end), the block of every "
+        "row, each block's shard and (first, last) tiles, each tile's (first, last) blocks "
+        "(one padding tile past the end: (0, -1)).");
+  m.def("fused_order", &Order, nb::arg("shards"), nb::arg("chunks"), nb::arg("shard_rows"),
+        nb::arg("tile_rows"), nb::arg("sequence"), nb::arg("key"),
+        "MakeTileOrder + TileAt: the tile at each slot (one slot past the end included) and the "
+        "number of runs; ValueError naming the OrderError on refusal.");
+}
