@@ -23,6 +23,9 @@ from jaxoverlap.flax import _common
 from jaxoverlap.flax import linen as jl
 from jaxoverlap.flax import nnx as jn
 
+# Whole Flax models, trained and compared: seconds each.
+pytestmark = pytest.mark.slow
+
 INIT = nn.initializers.lecun_normal()
 ZEROS = nn.initializers.zeros_init()
 
