@@ -19,6 +19,9 @@ import pytest
 
 from .test_fake import check, run_case
 
+# The CUDA executor on its fake, driven directly: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 THREADS = 128  # kernel_body.h kThreads
 
