@@ -121,7 +121,7 @@ int Connections();
 void BeginHandler(cudaStream_t xla);
 void EndHandler(cudaStream_t xla, const std::string& who);
 // Host memory of the fake device allocation (for the test driver).
-void* Malloc(int device, size_t bytes);
+void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
 
 // For fake_kernels.cc.
 void Fail(const std::string& text);
