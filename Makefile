@@ -53,7 +53,7 @@ demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 	$(VENV)/bin/python examples/scaling.py
 
 test: lint
-	$(PYTEST) -m "$(TEST_MARKS)"
+	$(PYTEST) -m "$(TEST_MARKS)" --durations=15
 	$(if $(SELFTEST_FAKE),$(MAKE) --no-print-directory selftest-fake)
 
 # Before a commit: lint, format check and the quick loop (pyproject's addopts deselect `slow`).
@@ -65,15 +65,17 @@ lint: $(STAMP)$(CUDA)
 	$(VENV)/bin/clang-format --dry-run --Werror $(CPP_SOURCES)
 
 # The whole selftest on the CUDA executor against the host-side fake, with one hardware work
-# queue per device (as Megatron/TransformerEngine jobs set it) and with the driver's default.
+# queue per device (as Megatron/TransformerEngine jobs set it) and with the driver's default,
+# side by side (one core each).
 selftest-fake:
-	@for c in 1 default; do \
-	  log=$(VENV)/selftest-fake-$$c.log; start=$$(date +%s); \
-	  if [ $$c = default ]; then env -u CUDA_DEVICE_MAX_CONNECTIONS $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; \
-	  else CUDA_DEVICE_MAX_CONNECTIONS=$$c $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; fi; \
-	  status=$$?; echo "selftest --fake, CUDA_DEVICE_MAX_CONNECTIONS=$$c: $$(grep -E "^[0-9]+/[0-9]+ passed" $$log || tail -n 1 $$log) ($$(( $$(date +%s) - start )) s)"; \
-	  if [ $$status -ne 0 ]; then grep -E "FAIL|Error" $$log | head -n 40; exit 1; fi; \
-	done
+	@$(MAKE) --no-print-directory -j2 selftest-fake-1 selftest-fake-default
+
+selftest-fake-%:
+	@log=$(VENV)/selftest-fake-$*.log; start=$$(date +%s); \
+	$(if $(filter default,$*),env -u CUDA_DEVICE_MAX_CONNECTIONS,CUDA_DEVICE_MAX_CONNECTIONS=$*) \
+	  $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; status=$$?; \
+	echo "selftest --fake, CUDA_DEVICE_MAX_CONNECTIONS=$*: $$(grep -E "^[0-9]+/[0-9]+ passed" $$log || tail -n 1 $$log) ($$(( $$(date +%s) - start )) s)"; \
+	if [ $$status -ne 0 ]; then grep -E "FAIL|Error" $$log | head -n 40; exit 1; fi
 
 install: $(STAMP)$(CUDA)
 

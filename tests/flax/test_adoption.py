@@ -305,7 +305,7 @@ def test_nnx_call_arguments_of_linear():
         # shards, nnx.Linear's on whole arrays, and XLA's CPU dot sums the H products (exact in
         # float32: bf16 x bf16) in an order that depends on the operands' shapes. Each result
         # is within H * eps * sum|x_h w_h| of the exact sum, so they are within twice that.
-        w = np.asarray(ref.kernel.value.astype(jnp.bfloat16), np.float64)
+        w = np.asarray(ref.kernel.get_value().astype(jnp.bfloat16), np.float64)
         magnitude = np.einsum("bsh,hf->bsf", np.abs(np.asarray(x, np.float64)), np.abs(w))
         bound = 2 * H * np.finfo(np.float32).eps * magnitude
         difference = np.abs(np.asarray(y, np.float64) - np.asarray(ref(x), np.float64))
