@@ -24,8 +24,6 @@ import pytest
 # Fresh virtual environments and installs: minutes.
 pytestmark = pytest.mark.slow
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parent.parent
 
 
