@@ -49,12 +49,13 @@ def _reference(op, xs, ws, rows):
 
 
 def run_case(fake, op, transport, n, *, batch=2, rows=3, k=8, nw=6, dtype="float32", chunks=1,
-             bidirectional=False, return_gathered=False, devices=None, calls=1, clique_key=7):
+             bidirectional=False, return_gathered=False, devices=None, calls=1, clique_key=7,
+             timeout_ms=120000):
     xs, ws = _inputs(op, n, batch, rows, k, nw, dtype)
     devices = list(range(n)) if devices is None else devices
     out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional,
                    return_gathered, [x.tobytes() for x in xs], [w.tobytes() for w in ws],
-                   devices, clique_key=clique_key, calls=calls)
+                   devices, clique_key=clique_key, calls=calls, timeout_ms=timeout_ms)
     return out, xs, ws
 
 
