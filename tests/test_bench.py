@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args: str, tmp_path) -> str:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -16,6 +18,7 @@ def _run(*args: str, tmp_path) -> str:
                           check=True).stdout
 
 
+@pytest.mark.slow
 def test_bench_measures_every_impl_side_by_side(tmp_path):
     out = _run("--cases", "AG std", "RS std", "--warmup", "1", "--repeats", "2",
                tmp_path=tmp_path)
@@ -46,6 +49,7 @@ def test_bench_no_profile_skips_the_report(tmp_path):
     assert "profile" not in json.loads((tmp_path / "bench.json").read_text())
 
 
+@pytest.mark.slow
 def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     out = _run("--model", "h100", "--cases", "AG std", "AG decode", tmp_path=tmp_path)
     assert "MODEL PROJECTION" in out and "not a measurement" in out
@@ -57,6 +61,7 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_calibrate_writes_a_loadable_preset(tmp_path):
     """The fit runs on whatever this machine measures (host devices here: the numbers are
     meaningless, the plumbing is what is checked); on GPUs the same run fits a preset."""

@@ -77,6 +77,7 @@ def test_config_block_sets_and_restores():
     assert jo.current_config().chunks is None
 
 
+@pytest.mark.slow
 def test_argument_beats_config_beats_environment(monkeypatch):
     monkeypatch.setenv("JAXOVERLAP_IMPL", "ring")
     monkeypatch.setenv("JAXOVERLAP_CHUNKS", "2")

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# Whole examples: seconds to a minute each.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

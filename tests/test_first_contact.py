@@ -21,6 +21,7 @@ import jax
 import jaxlib
 import pytest
 
+# Fresh virtual environments and installs: minutes.
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent

@@ -198,6 +198,7 @@ def test_megatron_mlp_grads(impl, transport, check_vma):
     assert_close(dx, dh @ w1f.T, jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,transport", [("ring", None), ("native", "p2p")])
 def test_grads_under_checkpoint_and_two_calls_in_flight(impl, transport):
     """Two independent GEMM+AR calls in one program, forward and backward, under remat."""
@@ -247,6 +248,7 @@ def test_global_arrays(kind, impl, transport):
     assert_close(dw, np.einsum("bsk,bsn->kn", f64(x), 2 * y64), jnp.float32)
 
 
+@pytest.mark.slow
 def test_global_mesh_from_set_mesh_and_from_inputs():
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
     x = put(rand(22, (8, 8), jnp.float32), mesh, P(None, "tp"))

@@ -101,6 +101,7 @@ def test_ops_keep_the_data_axis_on_the_batch(impl):
 # ---------------------------------------------------------------- the Flax layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 @pytest.mark.parametrize("impl", ["xla", "ring"])
 def test_layers_split_the_flops_over_data_and_tensor(sequence_parallel, impl):
@@ -118,6 +119,7 @@ def test_layers_split_the_flops_over_data_and_tensor(sequence_parallel, impl):
     assert dot_flops(text) * 8 == reference_flops()
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_kernels_per_layer_and_reduce_scatters_their_gradients():
     """Kernels split over "fsdp" on their non-tensor dim (logical rules), the batch too."""
     mesh = auto_mesh(("fsdp", "tp"))
@@ -166,6 +168,7 @@ class _FsdpMLP(nn.Module):
             nn.gelu(h))
 
 
+@pytest.mark.slow
 def test_self_attention_is_one_gather_and_one_scatter_each_way():
     """Query, key and value share one all-gather forward (and one reduce-scatter backward);
     the batch's data axis stays put; every device does 1/(data·tensor) of the matmul FLOPs."""

@@ -1,5 +1,6 @@
 #include "cuda/watchdog.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -28,15 +29,18 @@ class Watchdog {
     std::lock_guard<std::mutex> lock(mu_);
     const Key key{call.clique.lock().get(), call.rank};
     Entry& e = entries_[key];
-    if (e.calls.empty()) e.front_since = Clock::now();
+    // Calls of a clique that is gone and whose address a new clique got: dropped, not taken for
+    // this one's (the thread drops them at its next pass; a virtual clock may pass later).
+    if (!e.calls.empty() && e.calls.front().clique.expired()) e.calls.clear();
+    if (e.calls.empty()) e.front_since = Now();
     e.calls.push_back(std::move(call));
     // A done event is reused every `slots` epochs: stop watching calls whose
     // event a newer call has re-recorded (the host ran that far ahead).
     while (static_cast<int64_t>(e.calls.size()) > e.calls.back().slots - 1) {
       e.calls.pop_front();
-      e.front_since = Clock::now();
+      e.front_since = Now();
     }
-    if (!thread_started_) {
+    if (!virtual_clock_ && !thread_started_) {
       thread_started_ = true;
       std::thread([this] { Loop(); }).detach();  // lives for the process; idle when nothing pends
     }
@@ -48,56 +52,87 @@ class Watchdog {
     return static_cast<int>(entries_.size());
   }
 
+  void UseVirtualClock() {
+    std::lock_guard<std::mutex> lock(mu_);
+    virtual_clock_ = true;
+  }
+
+  // The passes the thread would make over `by`, one poll interval apart, on this thread.
+  void Advance(Clock::duration by) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const Clock::time_point until = Now() + by;
+    while (Now() < until) {
+      Sleep(std::min<Clock::duration>(kPoll, until - Now()));
+      Pass(lock);
+    }
+  }
+
  private:
   using Key = std::pair<const void*, int32_t>;
+
+  Clock::time_point Now() const {
+    return virtual_clock_ ? Clock::time_point(Clock::duration(virtual_now_.load())) : Clock::now();
+  }
+
+  void Sleep(Clock::duration d) {
+    if (virtual_clock_)
+      virtual_now_ += d.count();
+    else
+      std::this_thread::sleep_for(d);
+  }
 
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       cv_.wait(lock, [&] { return !entries_.empty(); });
-      for (auto it = entries_.begin(); it != entries_.end();) {
-        Entry& e = it->second;
-        std::shared_ptr<CudaClique> clique =
-            e.calls.empty() ? nullptr : e.calls.front().clique.lock();
-        if (!clique) {  // nothing pending, or the clique is gone (tests reset them)
-          it = entries_.erase(it);
-          continue;
-        }
-        const WatchedCall& front = e.calls.front();
-        int prev = 0;
-        (void)cudaGetDevice(&prev);
-        (void)cudaSetDevice(front.device);
-        const cudaError_t q = cudaEventQuery(front.done);
-        (void)cudaSetDevice(prev);
-        if (q == cudaSuccess) {
-          e.calls.pop_front();
-          e.front_since = Clock::now();
-          continue;  // look at the next one (or erase the entry) on this same pass
-        }
-        if (q != cudaErrorNotReady) {
-          (void)cudaGetLastError();  // e.g. the runtime is shutting down: stop watching
-          it = entries_.erase(it);
-          continue;
-        }
-        if (Clock::now() - e.front_since > front.timeout) {
-          const WatchedCall late = front;
-          const int64_t latest_epoch = e.calls.back().epoch;
-          it = entries_.erase(it);
-          lock.unlock();
-          Fire(clique.get(), late, latest_epoch);
-          lock.lock();
-          it = entries_.begin();  // the map may have changed meanwhile
-          continue;
-        }
-        ++it;
-      }
+      Pass(lock);
       cv_.wait_for(lock, kPoll);
+    }
+  }
+
+  // One look at every rank's oldest pending call: done ones are dropped, late ones fired.
+  void Pass(std::unique_lock<std::mutex>& lock) {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      Entry& e = it->second;
+      std::shared_ptr<CudaClique> clique =
+          e.calls.empty() ? nullptr : e.calls.front().clique.lock();
+      if (!clique) {  // nothing pending, or the clique is gone (tests reset them)
+        it = entries_.erase(it);
+        continue;
+      }
+      const WatchedCall& front = e.calls.front();
+      int prev = 0;
+      (void)cudaGetDevice(&prev);
+      (void)cudaSetDevice(front.device);
+      const cudaError_t q = cudaEventQuery(front.done);
+      (void)cudaSetDevice(prev);
+      if (q == cudaSuccess) {
+        e.calls.pop_front();
+        e.front_since = Now();
+        continue;  // look at the next one (or erase the entry) on this same pass
+      }
+      if (q != cudaErrorNotReady) {
+        (void)cudaGetLastError();  // e.g. the runtime is shutting down: stop watching
+        it = entries_.erase(it);
+        continue;
+      }
+      if (Now() - e.front_since > front.timeout) {
+        const WatchedCall late = front;
+        const int64_t latest_epoch = e.calls.back().epoch;
+        it = entries_.erase(it);
+        lock.unlock();
+        Fire(clique.get(), late, latest_epoch);
+        lock.lock();
+        it = entries_.begin();  // the map may have changed meanwhile
+        continue;
+      }
+      ++it;
     }
   }
 
   // Report, break, release (see the header). Best effort: every step goes on
   // even if an earlier one failed, and failures are added to the report.
-  static void Fire(CudaClique* clique, const WatchedCall& c, int64_t latest_epoch) {
+  void Fire(CudaClique* clique, const WatchedCall& c, int64_t latest_epoch) {
     // The call is not finished, so its generation is alive (the clique frees
     // one only after every rank finished a later call); held while we use it.
     const std::shared_ptr<const Generation> gen = c.gen.lock();
@@ -125,10 +160,10 @@ class Watchdog {
       bool done = cudaMemcpyAsync(host->data(), base, host->size() * sizeof(uint32_t),
                                   cudaMemcpyDeviceToHost, side) == cudaSuccess &&
                   cudaEventRecord(read, side) == cudaSuccess;
-      const auto until = Clock::now() + kFlagRead;
+      const auto until = Now() + kFlagRead;
       cudaError_t q = cudaErrorNotReady;
-      while (done && (q = cudaEventQuery(read)) == cudaErrorNotReady && Clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      while (done && (q = cudaEventQuery(read)) == cudaErrorNotReady && Now() < until)
+        Sleep(std::chrono::milliseconds(1));
       if (done && q == cudaSuccess) {
         flags = *host;
         delete host;
@@ -182,6 +217,8 @@ class Watchdog {
   std::condition_variable cv_;
   std::map<Key, Entry> entries_;
   bool thread_started_ = false;
+  std::atomic<bool> virtual_clock_{false};  // UseVirtualClock: no thread, time from Advance
+  std::atomic<Clock::rep> virtual_now_{0};  // since the virtual clock's epoch
 };
 
 Watchdog& Instance() {
@@ -194,5 +231,9 @@ Watchdog& Instance() {
 void Watch(WatchedCall call) { Instance().Add(std::move(call)); }
 
 int PendingWatches() { return Instance().Pending(); }
+
+void UseVirtualWatchdogClock() { Instance().UseVirtualClock(); }
+
+void AdvanceWatchdogClock(std::chrono::milliseconds by) { Instance().Advance(by); }
 
 }  // namespace jo::cuda

@@ -24,6 +24,10 @@
 // needs no queue). docs/gpu.md says what that means for a process.
 // The call that timed out has already returned to XLA, so its results are
 // garbage; the error surfaces at the next call of the clique.
+//
+// Time is a test seam: the fake of CUDA (tests) puts the watchdog on a
+// virtual clock, so that whether a call times out depends on the fake GPU's
+// state only, never on how fast a loaded machine runs the test.
 #pragma once
 
 #include <chrono>
@@ -56,5 +60,12 @@ void Watch(WatchedCall call);
 
 // For info() and tests: number of ranks with pending calls.
 int PendingWatches();
+
+// Tests only (the fake of CUDA), before the first Watch: no thread is started
+// and the watchdog's clock stands still but for AdvanceWatchdogClock, which
+// moves it on by `by` and runs, on the calling thread, the checks the thread
+// would have run meanwhile (every 20 ms; the flag read's wait moves it too).
+void UseVirtualWatchdogClock();
+void AdvanceWatchdogClock(std::chrono::milliseconds by);
 
 }  // namespace jo::cuda

@@ -46,12 +46,26 @@ namespace {
 // The jo::Exchange of played processes (tests): one board shared by every
 // played process of a clique; a call's n-th use of a tag meets the other
 // processes' n-th use, like StoreExchange's fresh keys per use. A process that
-// does not post in time is named, as the store's exchange does.
+// does not post is named, as the store's exchange does after its timeout;
+// here as soon as every rank thread of that process has returned from run()'s
+// call (it can post nothing more), so that no test's outcome depends on how
+// fast the machine runs the other threads.
 struct Board {
   std::mutex mu;
   std::condition_variable cv;
   std::map<std::tuple<std::string, int64_t, int32_t>, std::string> posts;  // (tag, use, process)
   std::map<std::pair<std::string, int32_t>, int64_t> uses;
+  std::map<int32_t, int> running;  // process -> its rank threads still in this run()'s call
+
+  void Start(int32_t process) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++running[process];
+  }
+  void Stop(int32_t process) {
+    std::lock_guard<std::mutex> lock(mu);
+    --running[process];
+    cv.notify_all();
+  }
 };
 
 class PlayedExchange : public jo::Exchange {
@@ -63,6 +77,7 @@ class PlayedExchange : public jo::Exchange {
         procs_(std::move(procs)),
         timeout_ms_(timeout_ms),
         host_(std::move(host)) {}
+  const std::shared_ptr<Board>& board() const { return board_; }
   int32_t process() const override { return me_; }
   std::string host() const override { return host_.empty() ? jo::Exchange::host() : host_; }
   std::vector<int32_t> processes() const override { return procs_; }
@@ -81,7 +96,9 @@ class PlayedExchange : public jo::Exchange {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
     for (int32_t p : procs_) {
       const auto key = std::make_tuple(tag, use, p);
-      if (!board_->cv.wait_until(lock, deadline, [&] { return board_->posts.count(key) > 0; }))
+      const auto posted = [&] { return board_->posts.count(key) > 0; };
+      board_->cv.wait_until(lock, deadline, [&] { return posted() || board_->running[p] <= 0; });
+      if (!posted())
         return jo::Status(jo::Code::kTimeout, "exchange allgather '" + tag + "': process " +
                                                   std::to_string(p) + " did not answer (played)");
       (*all)[p] = board_->posts[key];
@@ -158,6 +175,7 @@ void Reset(int devices, int cc_major, bool multicast,
   if (peer) config.peer = *peer;
   config.seed = seed;
   config.grace_ms = grace_ms;
+  config.pass_time = jo::cuda::AdvanceWatchdogClock;
   config.shareable = shareable;
   config.fabric = fabric;
   config.imex_channel = imex_channel;
@@ -219,13 +237,17 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
       std::memset(g[r], 0x7F, g_elems * es);
     }
   }
+  auto board = std::make_shared<Board>();
   if (processes && q.transport != jo::Transport::kNccl) {
     // Each played process gets its exchange for this clique (group 0), unless the test
-    // registered its own (set_exchange).
+    // registered its own (set_exchange); those of an earlier run keep their board.
     std::vector<int32_t> procs(processes->begin(), processes->end());
     std::sort(procs.begin(), procs.end());
     procs.erase(std::unique(procs.begin(), procs.end()), procs.end());
-    auto board = std::make_shared<Board>();
+    for (int32_t p : procs)
+      if (auto* played =
+              dynamic_cast<PlayedExchange*>(jo::cuda::FindExchange(clique_key, 0, p).get()))
+        board = played->board();
     for (int32_t p : procs)
       if (!jo::cuda::FindExchange(clique_key, 0, p))
         (void)jo::cuda::RegisterExchange(
@@ -255,7 +277,14 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
     nb::gil_scoped_release release;
     std::vector<std::thread> threads;
     for (int r = 0; r < nranks; ++r)
+      board->Start(static_cast<int32_t>(desc.table.processes[static_cast<size_t>(r)]));
+    for (int r = 0; r < nranks; ++r)
       threads.emplace_back([&, r] {
+        struct Stop {  // whichever way the thread returns
+          Board& board;
+          int32_t process;
+          ~Stop() { board.Stop(process); }
+        } stop{*board, static_cast<int32_t>(desc.table.processes[static_cast<size_t>(r)])};
         const int dev = static_cast<int>(devices[r]);
         jo::fake::SetPlayedProcess(static_cast<int>(desc.table.processes[static_cast<size_t>(r)]));
         if (cudaSetDevice(dev) != cudaSuccess) {
@@ -688,6 +717,8 @@ std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> pr
 NB_MODULE(_cuda_fake, m) {
   m.doc() =
       "Tests only: the CUDA executor linked against a host-side fake of CUDA, cuBLASLt and NCCL.";
+  // The watchdog's time is what the fake lets pass while its GPU is stuck (reset's grace_ms).
+  jo::cuda::UseVirtualWatchdogClock();
   m.def("reset", &Reset, nb::arg("devices") = 8, nb::arg("cc_major") = 9,
         nb::arg("multicast") = true, nb::arg("peer") = nb::none(), nb::arg("seed") = 1,
         nb::arg("grace_ms") = 0, nb::arg("shareable") = true, nb::arg("fabric") = false,
@@ -695,7 +726,9 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("flush_remote_writes") = false, nb::arg("kernel_images") = nb::none(),
         "Forget every clique and fake object; configure the fake machine (connections: hardware "
         "work queues per device, 0: CUDA_DEVICE_MAX_CONNECTIONS from the environment; "
-        "kernel_images: the fatbinary's variants per kernel family, default this build's).");
+        "kernel_images: the fatbinary's variants per kernel family, default this build's; "
+        "grace_ms: the time a stuck GPU lets pass on the watchdog's virtual clock before the "
+        "fake calls it a deadlock).");
   m.def("connections", &jo::fake::Connections,
         "Hardware work queues per device the fake models now.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),

@@ -16,6 +16,9 @@ from jaxoverlap._selftest import TOLERANCE
 
 from .test_fake import _inputs, _reference
 
+# The CUDA executor on its fake, driven directly: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jaxoverlap import _cuda_caps
 from jaxoverlap._info import format_info, info
 from jaxoverlap._selftest import main
 
 
+@pytest.mark.slow
 def test_selftest_runs_and_says_no_gpu(capsys):
     if _cuda_caps.capabilities().get("devices"):
         return  # a GPU machine: the command itself is the test there

@@ -17,6 +17,9 @@ import pytest
 
 from .test_fake import check, run_case
 
+# The CUDA executor on its fake, driven directly: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 
 @pytest.mark.parametrize("n", [n if n in (2, 3, 8) else pytest.param(n, marks=pytest.mark.slow)
                                for n in range(2, 9)])

@@ -45,6 +45,7 @@ def _grads(apply, params, *inputs):
 # ---------------------------------------------------------------- linen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["dp2_tp4_explicit", "tp4_auto"])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
@@ -79,6 +80,7 @@ def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
     assert_tree_close(got, _grads(ref.apply, params, x), jnp.float32, "y, loss, grads")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name,sequence_parallel,dropout", [
     ("dp2_tp4_explicit", True, 0.3), ("tp4_auto", False, 0.3), ("tp4_auto", True, 0.0)])
 def test_linen_attention_matches_flax(mesh_name, sequence_parallel, dropout):
@@ -106,6 +108,7 @@ def test_linen_attention_matches_flax(mesh_name, sequence_parallel, dropout):
     assert_tree_close(got, _grads(apply(ref), params, x), jnp.float32, "y, loss, grads")
 
 
+@pytest.mark.slow
 def test_linen_cross_attention_and_normalize_qk():
     mesh = make_mesh("tp4_auto")
     x, kv = rand(0, (B, S, E)), rand(1, (B, 2 * S, E))
@@ -191,6 +194,7 @@ class _Pair(nnx.Module):
         return self.row(jnp.tanh(self.column(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_nnx_general_layers_match_linear_general(sequence_parallel):
     mesh = make_mesh("dp2_tp4_explicit")

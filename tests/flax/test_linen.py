@@ -82,6 +82,7 @@ def setup(use_bias=True, features=F):
     return params, x, target
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 @pytest.mark.parametrize("use_bias", [True, False])
@@ -122,6 +123,7 @@ def test_mlp_inside_users_shard_map(check_vma, sequence_parallel):
     assert_equivalent(got, reference(params, x, target))
 
 
+@pytest.mark.slow
 def test_bfloat16_within_its_tolerance():
     mesh = make_mesh("tp4_auto")
     params, x, target = setup()
@@ -135,6 +137,7 @@ def test_bfloat16_within_its_tolerance():
     assert_equivalent(got, want, jnp.bfloat16)
 
 
+@pytest.mark.slow
 def test_init_under_jit_places_parameters_from_flax_metadata():
     mesh = make_mesh("dp2_tp4_explicit")
     model = ParallelMLP(F)
@@ -182,6 +185,7 @@ def test_single_layers_match_dense():
 # ---------------------------------------------------------------- the check can fail
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_transposed_kernel():
     mesh = make_mesh("tp4_auto")
     params, x, target = setup(features=H)        # square kernels: a transpose keeps shapes

@@ -110,6 +110,7 @@ def test_mlp_inside_users_shard_map(check_vma, sequence_parallel):
     assert_equivalent(got, value_and_grads(ref, x, target))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_nnx_and_linen_agree_with_copied_params(sequence_parallel):
     mesh = make_mesh("tp4_auto")
@@ -137,6 +138,7 @@ def test_nnx_and_linen_agree_with_copied_params(sequence_parallel):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_partition_specs_and_placement():
     def specs(layer):
         return {k: v.get_value() for k, v in nnx.get_partition_spec(nnx.state(layer)).items()}

@@ -7,11 +7,13 @@ every child at its deadline and fails the test if a shared-memory segment is lef
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from . import harness
+
+# Real processes: seconds each.
+pytestmark = pytest.mark.slow
 
 TRANSPORTS = ["nccl", "p2p", "multicast"]
 
@@ -63,43 +65,44 @@ def test_mixed_meshes_interleaved_ring_and_growth():
         assert result["linked"] == [], result["linked"]  # growth generations unlinked too
 
 
-# JAX's own failure handling: its coordination service may notice the dead process and
-# terminate the others before our timeout fires (seen on a loaded 2-core machine).
+# JAX's own failure handling: its coordination service (in process 0) sees the lost process go
+# and may terminate the others (seen on a loaded 2-core machine). What a survivor reported before
+# that is still ours; a survivor terminated before it reported leaves nothing to check, and the
+# scenario runs once more.
 _JAX_TERMINATED = "Terminating process because the JAX distributed service detected fatal errors"
 
 
 def _lose_a_peer(mode: str, timeout_s: float) -> list[dict]:
     """Runs the peer_loss scenario (3 processes, process 1 lost); the survivors' results."""
     for attempt in range(2):
-        start = time.monotonic()
         procs = harness.run("peer_loss", 3, 1,
                             params={"victim": 1, "mode": mode, "timeout_s": timeout_s},
-                            timeout_s=150, expect_success=False)
-        assert time.monotonic() - start < 120
-        if not any(_JAX_TERMINATED in p.stderr for p in procs if p.process_id != 1):
+                            timeout_s=150, expect_success=False)  # a hang fails at 150 s
+        survivors = [p for p in procs if p.process_id != 1]
+        for p in survivors:  # exited cleanly, or was terminated by JAX's service
+            assert p.returncode == 0 or _JAX_TERMINATED in p.stderr, harness.describe(procs)
+        if all(p.result() for p in survivors):
             break
-        # That outcome is no hang either, but it is JAX's, not ours: run once more to see ours.
         assert attempt == 0, harness.describe(procs)
-    assert all(p.returncode == 0 for p in procs if p.process_id != 1), harness.describe(procs)
-    survivors = [p.result() for p in procs if p.process_id != 1]
-    assert len(survivors) == 2 and all(survivors), harness.describe(procs)
-    for result in survivors:
+    results = [p.result() for p in survivors]
+    for result in results:
         error = result["error"]
         assert error is not None, result
         assert "DEADLINE_EXCEEDED" in error or "ABORTED" in error, error
         assert "clique 0x" in error and "epoch 1" in error, error  # g's first call
-    return survivors
+    return results
 
 
 @pytest.mark.parametrize("mode", ["exit", "kill"])
 def test_a_dead_peer_is_reported_within_seconds_not_at_the_timeout(mode):
     """A peer that exits between calls, or is killed inside one, is seen dead (its pid) by the
-    waits of the others, which fail within seconds although the timeout is a minute."""
-    for result in _lose_a_peer(mode, timeout_s=60.0):
+    waits of the others, which fail saying so, not at their timeout (ten minutes: the harness
+    fails the test at 150 s)."""
+    for result in _lose_a_peer(mode, timeout_s=600.0):
         error = result["error"]
         assert "peer process 1 (pid " in error and "has exited" in error, error
         assert "rank(s) 1 will never arrive" in error, error
-        assert result["elapsed_s"] < 8, result
+        assert "timeout after" not in error, error
 
 
 def test_a_stalled_peer_gives_a_timeout_error_naming_it_not_a_hang():
@@ -108,10 +111,8 @@ def test_a_stalled_peer_gives_a_timeout_error_naming_it_not_a_hang():
         error = result["error"]
         assert "timeout after 4.000 s" in error and "missing peer rank(s) 1 did not arrive" in error
         assert "rank 1 (process 1)" in error, error
-        # Failed within the configured time (plus scheduling slack), not at a hang's deadline.
-        # (A survivor that started its call later than the one that timed out is woken
-        # earlier, by the broken clique.)
-        assert result["elapsed_s"] < timeout_s + 10, result
+        # (No hang: the harness fails the test at 150 s. A survivor that started its call later
+        # than the one that timed out is woken earlier, by the broken clique.)
 
 
 def test_a_process_that_never_bootstraps_is_named_by_the_leader():
@@ -121,7 +122,7 @@ def test_a_process_that_never_bootstraps_is_named_by_the_leader():
     assert procs[0].returncode == 0, harness.describe(procs)
     assert "BootstrapError" in result["error"], result
     assert "process(es) [1] did not attach to host clique" in result["error"], result
-    assert 2.5 <= result["elapsed_s"] < 15, result
+    assert result["elapsed_s"] >= 2.5, result  # not before its 3 s timeout
     assert result["leftover"] == [], result  # the leader unlinked its segment on the error
 
 
@@ -165,10 +166,8 @@ def test_exchange_api_bytes_through_the_store(nprocs):
 
 
 def test_harness_kills_children_at_its_deadline():
-    start = time.monotonic()
     with pytest.raises(harness.HarnessError, match="hard timeout after 5 s") as info:
         harness.run("hang", 2, timeout_s=5)
-    assert time.monotonic() - start < 15
     assert "process 1: exit None" in str(info.value)
 
 
@@ -187,8 +186,7 @@ def test_processes_that_disagree_on_a_call_fail_fast_with_both_calls_named():
         result = p.result()
         error = result["error"]
         assert error is not None and "ranks disagree on call 1 of this clique" in error, result
-        assert "[1,2,16]x2" in error and "[1,2,8]x2" in error, error
-        assert result["elapsed_s"] < 20, result  # the check, not the 30 s timeout
+        assert "[1,2,16]x2" in error and "[1,2,8]x2" in error, error  # the check's, no timeout
 
 
 def require_module(name: str) -> None:
@@ -231,7 +229,7 @@ def test_gpu_clique_bootstrap_names_a_silent_root():
     assert "BootstrapError" in result["error"] and "process 0 did not answer" in result["error"], \
         result
     assert "nccl_id" in result["error"], result
-    assert 2.5 <= result["elapsed_s"] < 15, result
+    assert result["elapsed_s"] >= 2.5, result  # not before its 3 s timeout
 
 
 def test_jaxoverlap_profile_writes_one_trace_per_process(tmp_path):

@@ -18,6 +18,9 @@ import pytest
 
 from jaxoverlap._runtime import load_host
 
+# Processes of their own: seconds each.
+pytestmark = pytest.mark.slow
+
 host = load_host()
 SHM = "/dev/shm"
 # A name as NewShmName makes them: creator's pid namespace and pid, then 128 random bits.

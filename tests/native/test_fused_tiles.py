@@ -19,6 +19,7 @@ from jaxoverlap._runtime import load_host
 
 host = load_host()
 tiles_ext = testing_ext.load()
+pytestmark = pytest.mark.jax_independent
 
 K = 8  # the programs' k (row length of x), to turn offsets into rows
 NS = range(2, 9)

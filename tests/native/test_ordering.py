@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -45,17 +44,21 @@ def f64(a):
 
 STALL = {"on": False}
 
-def late(x, rank, seconds):
-    # x after a sleep of `seconds` on `rank` while STALL["on"]: that rank reaches its next
-    # call late (the sleep blocks its device thread, as OS jitter would).
+def absent(x, rank):
+    # x on `rank`, while STALL["on"], only once a clique has broken (its peers timed out waiting
+    # for it), however fast the machine runs them; the wait (bounded) blocks its device thread.
+    def broken():
+        return {l for l in load_host().cliques().splitlines() if "BROKEN" in l}
     def host(value, r):
         if STALL["on"] and int(r) == rank:
-            time.sleep(seconds)
+            before, end = broken(), time.monotonic() + 120
+            while not broken() - before and time.monotonic() < end:
+                time.sleep(0.01)
         return value
     held = lax.stop_gradient(x)
-    slept = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
-                              lax.axis_index("tp"))
-    return x + (slept - held)
+    waited = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
+                               lax.axis_index("tp"))
+    return x + (waited - held)
 
 def perturb(seconds):
     # Competes for the cores from another thread, so that devices drift apart in time.
@@ -87,6 +90,7 @@ def run(body: str, timeout: float = 240.0) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["nccl", "p2p"])
 def test_native_calls_next_to_independent_xla_collectives(transport):
     """Native calls and independent psums in one program, many times, no deadlock."""
@@ -123,6 +127,7 @@ def test_native_calls_next_to_independent_xla_collectives(transport):
     assert "ok" in out
 
 
+@pytest.mark.slow
 def test_flax_mlp_forward_backward_with_bias_at_tp8():
     """The reproducer: ParallelMLP fwd+bwd (the bias gradient is an XLA psum) at tp=8."""
     out = run("""
@@ -162,6 +167,7 @@ def test_flax_mlp_forward_backward_with_bias_at_tp8():
     assert "ok" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
 def test_three_independent_calls_with_identical_shapes(transport):
     """Q, K, V-like projections: same shapes, distinct data; every result is its own."""
@@ -209,30 +215,28 @@ def test_three_independent_calls_with_identical_shapes(transport):
     assert "ok" in out
 
 
+@pytest.mark.slow
 def test_missing_peer_still_times_out_quickly_and_cleanly():
     """With async handlers the timeout error still names clique, epoch, rank and peer."""
-    start = time.monotonic()
     out = run("""
         mesh = mesh_1d(4)
         x = jnp.ones((2, 8, 8), jnp.float32)
         w = jnp.ones((8, 4), jnp.float32)
         def make():
             return jax.jit(jax.shard_map(
-                lambda x, w: _native.ag_matmul_shard(late(x, 2, 2.0), w, axis_name="tp",
+                lambda x, w: _native.ag_matmul_shard(absent(x, 2), w, axis_name="tp",
                                                      axis=1, transport="p2p", timeout_s=0.5),
                 mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
                 out_specs=P(None, None, "tp")))
         f = make()
         f(x, w).block_until_ready()
-        STALL["on"] = True   # rank 2 comes 2 s late to the next call; its peers wait 0.5 s
-        t0 = time.monotonic()
+        STALL["on"] = True   # rank 2 comes to the next call after its peers' 0.5 s timeout
         try:
             f(x, w).block_until_ready()
             raise SystemExit("no error")
         except jax.errors.JaxRuntimeError as err:
             message = str(err)
         STALL["on"] = False
-        print("elapsed", time.monotonic() - t0)
         # JAX reports one device's error: the root cause (DEADLINE_EXCEEDED) or a peer's
         # ABORTED, which quotes it.
         assert "DEADLINE_EXCEEDED" in message or "ABORTED" in message, message
@@ -240,17 +244,14 @@ def test_missing_peer_still_times_out_quickly_and_cleanly():
         assert "missing peer rank(s) 2 did not arrive" in message, message
         for part in ("ag_matmul", "clique 0x", "epoch 2", "rank "):
             assert part in message, (part, message)
-        # The clique is broken: the next call fails fast instead of hanging.
-        t0 = time.monotonic()
+        # The clique is broken: the next call, every rank present, fails saying so.
         try:
             f(x, w).block_until_ready()
             raise SystemExit("no error after the failure")
         except jax.errors.JaxRuntimeError as err:
             assert "ABORTED" in str(err) or "aborted" in str(err), str(err)
-        assert time.monotonic() - t0 < 5
         # A broken clique belongs to its call site: a new executable has a fresh one.
         np.testing.assert_allclose(np.asarray(make()(x, w)), np.full((2, 8, 4), 8.0))
         print("ok")
     """, timeout=120)
     assert "ok" in out
-    assert time.monotonic() - start < 90

@@ -1,5 +1,10 @@
-"""The program builders, read through the bindings: order, offsets, bytes, deadlock freedom."""
+"""The program builders, read through the bindings: order, offsets, bytes, deadlock freedom.
 
+A property that must hold for every problem of a grid is one test looping over the grid (the
+builders take microseconds); a failure names its case (``case``).
+"""
+
+import contextlib
 import copy
 import itertools
 
@@ -14,6 +19,9 @@ from .schedule_check import (
     check_deadlock_free,
     check_race_free,
 )
+
+# The builders and checkers run no JAX.
+pytestmark = pytest.mark.jax_independent
 
 host = load_host()
 TRANSPORTS = ("nccl", "p2p", "multicast")
@@ -31,41 +39,57 @@ def clique(op, transport, n, **kw):
     return [build(op, transport, n, r, **kw) for r in range(n)]
 
 
+@contextlib.contextmanager
+def case(*values):
+    """Adds the grid case to the failure of the assertion or error raised in its body."""
+    try:
+        yield
+    except Exception as e:
+        e.add_note(f"in the case {values}")
+        raise
+
+
+def grid(*axes):
+    """Every combination of the axes' values (itertools.product)."""
+    return itertools.product(*axes)
+
+
 def gemm_chunks(program):
     return [(op["shard"], op["sub"]) for op in program["ops"] if op["kind"] == "Gemm"]
 
 
 # ---- chunk order ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p"])
-@pytest.mark.parametrize("n", [1, 2, 4, 5, 8])
-def test_ag_ring_order_local_first_then_ring(transport, n):
-    for r in range(n):
-        order = [c for c, _ in gemm_chunks(build("ag_matmul", transport, n, r))]
-        assert order == [(r - t) % n for t in range(n)]
+def test_ag_ring_order_local_first_then_ring():
+    for transport, n in grid(["nccl", "p2p"], [1, 2, 4, 5, 8]):
+        for r in range(n):
+            with case(transport, n, r):
+                order = [c for c, _ in gemm_chunks(build("ag_matmul", transport, n, r))]
+                assert order == [(r - t) % n for t in range(n)]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
-def test_ag_bidirectional_order_interleaves_directions(n):
-    for r in range(n):
-        p = build("ag_matmul", "p2p", n, r, bidirectional=True)
-        cw, ccw = p["cw_steps"], p["ccw_steps"]
-        assert (cw, ccw) == ((n - 1 + 1) // 2, (n - 1) // 2)
-        want = [r]
-        for t in range(cw):
-            want.append((r - 1 - t) % n)
-            if t < ccw:
-                want.append((r + 1 + t) % n)
-        assert [c for c, _ in gemm_chunks(p)] == want
-        assert sorted(want) == list(range(n))  # every shard exactly once
+def test_ag_bidirectional_order_interleaves_directions():
+    for n in [2, 3, 4, 5, 8]:
+        for r in range(n):
+            with case(n, r):
+                p = build("ag_matmul", "p2p", n, r, bidirectional=True)
+                cw, ccw = p["cw_steps"], p["ccw_steps"]
+                assert (cw, ccw) == ((n - 1 + 1) // 2, (n - 1) // 2)
+                want = [r]
+                for t in range(cw):
+                    want.append((r - 1 - t) % n)
+                    if t < ccw:
+                        want.append((r + 1 + t) % n)
+                assert [c for c, _ in gemm_chunks(p)] == want
+                assert sorted(want) == list(range(n))  # every shard exactly once
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p"])
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_rs_ring_order(transport, n):
-    for r in range(n):
-        order = [c for c, _ in gemm_chunks(build("matmul_rs", transport, n, r))]
-        assert order == [(r - t - 1) % n for t in range(n)]  # own block r last
+def test_rs_ring_order():
+    for transport, n in grid(["nccl", "p2p"], [2, 4, 8]):
+        for r in range(n):
+            with case(transport, n, r):
+                order = [c for c, _ in gemm_chunks(build("matmul_rs", transport, n, r))]
+                assert order == [(r - t - 1) % n for t in range(n)]  # own block r last
 
 
 def test_sub_chunks_in_order_and_uneven():
@@ -91,63 +115,63 @@ def _rows_written(program, buf, row_width, total_rows):
     return rows
 
 
-@pytest.mark.parametrize("op,transport,n,chunks,bidir", [
-    (op, t, n, c, b) for op, t, n, c, b in itertools.product(
-        OPS, TRANSPORTS, [1, 3, 4], [1, 4], [False, True])])
-def test_output_rows_written_once(op, transport, n, chunks, bidir):
+def _check_rows_written(op, transport, n, chunks, bidir, r):
     batch, rows, k, n_out = 2, 6, 5, 3
-    for r in range(n):
-        p = build(op, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out, chunks=chunks,
-                  bidirectional=bidir)
-        total_rows = rows * n if op == "ag_matmul" else rows
-        written = sorted(_rows_written(p, "Y", n_out, total_rows))
-        assert written == [(b, i) for b in range(batch) for i in range(total_rows)]
-        for g in (o for o in p["ops"] if o["kind"] == "Gemm" and o["d"]["buf"] == "Y"):
-            # The GEMM reads the same row block of (gathered or full) x that it writes.
-            a, d = g["a"], g["d"]
-            a_row = (a["offset"] % (a["batch_stride"] or 1)) // k
-            d_row = (d["offset"] % d["batch_stride"]) // n_out
-            if op == "ag_matmul":
-                if a["buf"] == "X":
-                    a_row += r * rows  # the local shard is row block r of the gathered x
-                assert a_row == d_row
-            else:
-                assert a_row == r * rows + d_row
+    p = build(op, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out, chunks=chunks,
+              bidirectional=bidir)
+    total_rows = rows * n if op == "ag_matmul" else rows
+    written = sorted(_rows_written(p, "Y", n_out, total_rows))
+    assert written == [(b, i) for b in range(batch) for i in range(total_rows)]
+    for g in (o for o in p["ops"] if o["kind"] == "Gemm" and o["d"]["buf"] == "Y"):
+        # The GEMM reads the same row block of (gathered or full) x that it writes.
+        a, d = g["a"], g["d"]
+        a_row = (a["offset"] % (a["batch_stride"] or 1)) // k
+        d_row = (d["offset"] % d["batch_stride"]) // n_out
+        if op == "ag_matmul":
+            if a["buf"] == "X":
+                a_row += r * rows  # the local shard is row block r of the gathered x
+            assert a_row == d_row
+        else:
+            assert a_row == r * rows + d_row
+
+
+def test_output_rows_written_once():
+    for op, transport, n, chunks, bidir in grid(OPS, TRANSPORTS, [1, 3, 4], [1, 4],
+                                                [False, True]):
+        for r in range(n):
+            with case(op, transport, n, chunks, bidir, r):
+                _check_rows_written(op, transport, n, chunks, bidir, r)
 
 
 # ---- byte accounting -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("transport", ["nccl", "p2p"])
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
-@pytest.mark.parametrize("chunks", [1, 3])
-@pytest.mark.parametrize("bidir", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_ring_sends_exactly_n_minus_1_over_n(op, transport, n, chunks, bidir, dtype):
+def test_ring_sends_exactly_n_minus_1_over_n():
     batch, rows, k, n_out = 2, 6, 5, 3
-    elem = 4 if dtype == "float32" else 2
-    width = k if op == "ag_matmul" else n_out
-    gathered_bytes = batch * n * rows * width * elem
-    for r in range(n):
-        p = build(op, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out, dtype=dtype,
-                  chunks=chunks, bidirectional=bidir)
-        sent = sum(o["remote_bytes"] for o in p["ops"])
-        assert sent * n == (n - 1) * gathered_bytes, (r, sent)
+    for op, transport, n, chunks, bidir, dtype in grid(
+            OPS, ["nccl", "p2p"], [2, 3, 4, 8], [1, 3], [False, True], ["float32", "bfloat16"]):
+        elem = 4 if dtype == "float32" else 2
+        width = k if op == "ag_matmul" else n_out
+        gathered_bytes = batch * n * rows * width * elem
+        for r in range(n):
+            with case(op, transport, n, chunks, bidir, dtype, r):
+                p = build(op, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out,
+                          dtype=dtype, chunks=chunks, bidirectional=bidir)
+                sent = sum(o["remote_bytes"] for o in p["ops"])
+                assert sent * n == (n - 1) * gathered_bytes, sent
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p"])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("chunks", [1, 3])
-@pytest.mark.parametrize("bidir", [False, True])
-def test_ring_all_reduce_sends_exactly_2_n_minus_1_over_n(transport, n, chunks, bidir):
+def test_ring_all_reduce_sends_exactly_2_n_minus_1_over_n():
     """GEMM + AR sends the ring all-reduce bound: 2(N-1)/N of Y per rank, no more."""
     batch, rows, k, n_out = 2, 6, 5, 3
-    y_bytes = batch * n * rows * n_out * 4
-    for r in range(n):
-        p = build("matmul_ar", transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out,
-                  chunks=chunks, bidirectional=bidir)
-        sent = sum(o["remote_bytes"] for o in p["ops"])
-        assert sent * n == 2 * (n - 1) * y_bytes, (r, sent)
+    for transport, n, chunks, bidir in grid(["nccl", "p2p"], [1, 2, 3, 4, 8], [1, 3],
+                                            [False, True]):
+        y_bytes = batch * n * rows * n_out * 4
+        for r in range(n):
+            with case(transport, n, chunks, bidir, r):
+                p = build("matmul_ar", transport, n, r, batch=batch, rows=rows, k=k,
+                          n_out=n_out, chunks=chunks, bidirectional=bidir)
+                sent = sum(o["remote_bytes"] for o in p["ops"])
+                assert sent * n == 2 * (n - 1) * y_bytes, sent
 
 
 def test_multicast_ar_reduces_and_stores_own_block_only():
@@ -159,19 +183,20 @@ def test_multicast_ar_reduces_and_stores_own_block_only():
         assert reduces and {o["shard"] for o in reduces} == {r}
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("chunks", [1, 4])
-def test_multicast_ag_stores_each_shard_once(n, chunks):
+def test_multicast_ag_stores_each_shard_once():
     batch, rows, k = 2, 6, 5
-    for r in range(n):
-        p = build("ag_matmul", "multicast", n, r, batch=batch, rows=rows, k=k, chunks=chunks)
-        stores = [o for o in p["ops"] if o["kind"] == "McStore"]
-        if n == 1:
-            assert not stores
-            continue
-        assert sum(o["bytes"] for o in stores) == batch * rows * k * 4
-        assert {o["shard"] for o in stores} == {r}
-        assert sum(o["remote_bytes"] for o in p["ops"]) == batch * rows * k * 4
+    for n, chunks in grid([1, 2, 4, 8], [1, 4]):
+        for r in range(n):
+            with case(n, chunks, r):
+                p = build("ag_matmul", "multicast", n, r, batch=batch, rows=rows, k=k,
+                          chunks=chunks)
+                stores = [o for o in p["ops"] if o["kind"] == "McStore"]
+                if n == 1:
+                    assert not stores
+                    continue
+                assert sum(o["bytes"] for o in stores) == batch * rows * k * 4
+                assert {o["shard"] for o in stores} == {r}
+                assert sum(o["remote_bytes"] for o in p["ops"]) == batch * rows * k * 4
 
 
 def test_multicast_rs_reduces_own_block_only():
@@ -184,15 +209,13 @@ def test_multicast_rs_reduces_own_block_only():
 
 # ---- deadlock freedom ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", ALL_OPS)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("chunks", [1, 3])
-@pytest.mark.parametrize("bidir", [False, True])
-def test_every_clique_is_deadlock_free(op, transport, n, chunks, bidir):
-    programs = clique(op, transport, n, chunks=chunks, bidirectional=bidir,
-                      return_gathered=op == "ag_matmul")
-    assert check_deadlock_free(programs) == sum(len(p["ops"]) for p in programs)
+def test_every_clique_is_deadlock_free():
+    for values in grid(ALL_OPS, TRANSPORTS, [1, 2, 3, 4, 5, 8], [1, 3], [False, True]):
+        op, transport, n, chunks, bidir = values
+        with case(*values):
+            programs = clique(op, transport, n, chunks=chunks, bidirectional=bidir,
+                              return_gathered=op == "ag_matmul")
+            assert check_deadlock_free(programs) == sum(len(p["ops"]) for p in programs)
 
 
 def _drop_first(programs, rank, kind):
@@ -234,25 +257,23 @@ def test_program_is_printable_and_invalid_problems_raise():
 
 # ---- data races ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", ALL_OPS)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("chunks,bidir", [(1, False), (3, True), (2, False), (1, True)])
-def test_every_clique_is_race_free(op, transport, n, chunks, bidir):
-    programs = clique(op, transport, n, rows=3, k=2, n_out=2, chunks=chunks, bidirectional=bidir,
-                      return_gathered=op == "ag_matmul")
-    check_race_free(programs)
+def test_every_clique_is_race_free():
+    for op, transport, n, (chunks, bidir) in grid(
+            ALL_OPS, TRANSPORTS, [1, 2, 3, 4, 8], [(1, False), (3, True), (2, False), (1, True)]):
+        with case(op, transport, n, chunks, bidir):
+            programs = clique(op, transport, n, rows=3, k=2, n_out=2, chunks=chunks,
+                              bidirectional=bidir, return_gathered=op == "ag_matmul")
+            check_race_free(programs)
 
 
-@pytest.mark.parametrize("op", ALL_OPS)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("chunks,bidir", [(1, False), (2, True)])
-def test_back_to_back_calls_reuse_buffers_safely(op, transport, n, chunks, bidir):
+def test_back_to_back_calls_reuse_buffers_safely():
     """Three calls in a row: parity double-buffering never lets a call clobber data in use."""
-    programs = clique(op, transport, n, rows=2, k=2, n_out=2, chunks=chunks, bidirectional=bidir,
-                      return_gathered=op == "ag_matmul")
-    check_race_free(programs, calls=3)
+    for op, transport, n, (chunks, bidir) in grid(ALL_OPS, TRANSPORTS, [2, 3, 4],
+                                                  [(1, False), (2, True)]):
+        with case(op, transport, n, chunks, bidir):
+            programs = clique(op, transport, n, rows=2, k=2, n_out=2, chunks=chunks,
+                              bidirectional=bidir, return_gathered=op == "ag_matmul")
+            check_race_free(programs, calls=3)
 
 
 @pytest.mark.parametrize("op,transport", [("ag_matmul", "p2p"), ("matmul_rs", "multicast")])
@@ -287,17 +308,16 @@ def test_race_checker_catches_a_missing_dependency(op, transport, kind):
 
 # ---- bounds ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", ALL_OPS)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("n", [1, 2, 3, 8])
-@pytest.mark.parametrize("chunks,bidir,gathered", [(1, False, False), (3, True, True)])
-def test_every_program_stays_inside_its_buffers(op, transport, n, chunks, bidir, gathered):
+def test_every_program_stays_inside_its_buffers():
     """Both checkers (C++ _host.check_program, which BuildProgram and the executors run, and
     the independent Python one) accept every program the builders make."""
-    for p in clique(op, transport, n, rows=3, k=2, n_out=5, chunks=chunks, bidirectional=bidir,
-                    return_gathered=gathered and op == "ag_matmul"):
-        host.check_program(p)
-        check_bounds(p)
+    for op, transport, n, (chunks, bidir, gathered) in grid(
+            ALL_OPS, TRANSPORTS, [1, 2, 3, 8], [(1, False, False), (3, True, True)]):
+        for p in clique(op, transport, n, rows=3, k=2, n_out=5, chunks=chunks,
+                        bidirectional=bidir, return_gathered=gathered and op == "ag_matmul"):
+            with case(op, transport, n, chunks, bidir, gathered, p["rank"]):
+                host.check_program(p)
+                check_bounds(p)
 
 
 def _shifted(program, index, role, by):

@@ -8,6 +8,9 @@ import pytest
 from jaxoverlap import sim
 from jaxoverlap._runtime import load_host
 
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 host = load_host()
 US = 1e-6
 

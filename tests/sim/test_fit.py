@@ -10,6 +10,9 @@ import pytest
 from jaxoverlap import sim
 from jaxoverlap.sim import fit, model
 
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 MiB = 1 << 20
 BASE = sim.get_preset("h100")
 

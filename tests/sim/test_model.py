@@ -6,6 +6,9 @@ import pytest
 
 from jaxoverlap import sim
 
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 H100 = sim.get_preset("h100")
 STANDARD = {  # TP=8, M=8192, hidden 8192, FFN 28672 (3584 per rank), bf16
     "ag_matmul": sim.Shape.from_global(8192, 8192, 3584, 8),
@@ -124,6 +127,7 @@ def test_chooser_falls_back_to_unfused_for_tiny_gemms():
     assert pick.impl == "xla" and len(table) > 10
 
 
+@pytest.mark.slow
 def test_chooser_follows_the_model():
     op, shape = "ag_matmul", STANDARD["ag_matmul"]
     # free communication: nothing to hide, chunked GEMMs only lose -> unfused

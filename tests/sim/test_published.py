@@ -17,6 +17,9 @@ import pytest
 from jaxoverlap import sim
 from jaxoverlap.sim import fit, published
 
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "performance.md"
 TOLERANCE = 0.10  # serial and input times
 OVERSHOOT = 1.05  # our speedup over the best published one
@@ -38,6 +41,7 @@ def test_every_model_input_is_within_10_percent(inputs):
     assert len(inputs) == len(published.GEMMS) + len(published.COLLECTIVES) + 3
 
 
+@pytest.mark.slow  # the model on every published row: seconds
 def test_serial_times_and_their_parts_are_within_10_percent(calls):
     checked = 0
     for r in calls:
@@ -49,6 +53,7 @@ def test_serial_times_and_their_parts_are_within_10_percent(calls):
     assert checked >= 40
 
 
+@pytest.mark.slow  # the model on every published row: seconds
 def test_our_speedup_never_beats_the_best_published_by_more_than_5_percent(calls):
     over = {r.row.id for r in calls if r.overshoot > OVERSHOOT}
     assert over == set(published.DISAGREES), sorted(over ^ set(published.DISAGREES))
@@ -57,6 +62,7 @@ def test_our_speedup_never_beats_the_best_published_by_more_than_5_percent(calls
             assert r.overshoot <= OVERSHOOT, (r.row.id, r.speedup, r.row.published_speedup)
 
 
+@pytest.mark.slow  # the model on every published row: seconds
 def test_every_published_loss_keeps_the_unfused_path(calls):
     losses = [r for r in calls if r.row.loss]
     assert {r.row.id for r in losses} >= {"F7/1024", "F8/1024", "F8/2048", "F8/32768"}
@@ -71,6 +77,7 @@ def test_the_disagreements_say_why():
         assert any(r.id == row_id for r in published.CALLS) and len(why) > 80
 
 
+@pytest.mark.slow
 def test_docs_show_the_generated_tables():
     text = DOC.read_text()
     assert published.markdown_table() in text
@@ -105,6 +112,7 @@ def test_the_fused_path_costs_are_the_fit_of_the_decomposed_program():
     _close(fitted, sim.get_preset("h100"), fit.FUSED_PATH_COSTS, rel=1e-2)
 
 
+@pytest.mark.slow  # the model on every published row: seconds
 def test_the_margins_are_derived_from_the_measured_error():
     for name in ("h100", "h800", "a800", "pcie8"):
         p = sim.get_preset(name)

@@ -4,6 +4,9 @@ import pytest
 
 from jaxoverlap import sim
 
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
 
 def test_preset_json_round_trip_and_base(tmp_path):
     p = sim.get_preset("h100")

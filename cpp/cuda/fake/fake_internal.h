@@ -182,6 +182,14 @@ struct State {
   std::vector<std::string> errors;
   std::map<std::string, int64_t> counters;
   std::map<uintptr_t, Alloc> allocs;  // by base address
+  // Malloc's ranges (cudaMalloc, the test driver's buffers): once freed, kept for the next
+  // Malloc of their size, up to kSpareBytes, instead of unmapped — a new mapping costs a page
+  // fault and a zero-fill per page (the executor allocates 32 MiB of cuBLASLt workspace per
+  // device and stream after every reset), a kept one only the allocation's fill. Not reset.
+  static constexpr size_t kSpareBytes = size_t{1} << 30;
+  std::set<std::byte*> malloced;
+  std::multimap<size_t, std::byte*> spare;  // by page-rounded size
+  size_t spare_bytes = 0;
   std::vector<std::unique_ptr<CUstream_st>> streams;
   std::vector<std::unique_ptr<CUevent_st>> events;
   std::set<std::pair<int, int>> peer_enabled;

@@ -34,7 +34,15 @@ std::byte* MapShared(size_t bytes) {
   return p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
 }
 void Unmap(std::byte* p, size_t bytes) {
-  if (p != nullptr) (void)::munmap(p, PageRound(bytes));
+  if (p == nullptr) return;
+  State& s = S();
+  const size_t size = PageRound(bytes);
+  if (s.malloced.erase(p) > 0 && s.spare_bytes + size <= State::kSpareBytes) {
+    s.spare.emplace(size, p);
+    s.spare_bytes += size;
+    return;
+  }
+  (void)::munmap(p, size);
 }
 std::byte* Alias(std::byte* p, size_t bytes, std::byte* at) {
   void* q = at == nullptr ? ::mremap(p, 0, PageRound(bytes), MREMAP_MAYMOVE)
@@ -193,15 +201,25 @@ std::map<std::string, int64_t> Counters() {
   return S().counters;
 }
 
-void* Malloc(int device, size_t bytes) {
+void* Malloc(int device, size_t bytes, int fill) {
   Lock lock(S().mu);
-  std::byte* mem = MapShared(bytes);
+  State& s = S();
+  std::byte* mem = nullptr;
+  const auto kept = s.spare.find(PageRound(bytes));
+  if (kept != s.spare.end()) {
+    mem = kept->second;
+    s.spare_bytes -= kept->first;
+    s.spare.erase(kept);
+  } else {
+    mem = MapShared(bytes);
+  }
   if (mem == nullptr) {
     Fail("fake: out of host memory");
     return nullptr;
   }
-  std::memset(mem, 0, bytes);
-  S().allocs[reinterpret_cast<uintptr_t>(mem)] = Alloc{bytes, device, false, 0, mem};
+  std::memset(mem, fill, bytes);
+  s.malloced.insert(mem);
+  s.allocs[reinterpret_cast<uintptr_t>(mem)] = Alloc{bytes, device, false, 0, mem};
   return mem;
 }
 

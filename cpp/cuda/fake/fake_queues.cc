@@ -14,10 +14,10 @@
 // previous task (an NCCL kernel waiting for its peers) is still in flight —
 // blocks every task behind it, whatever their stream. A started kernel that
 // waits for peers does not block the queue, only its own stream.
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <string>
-#include <thread>
 
 #include "cuda/fake/fake_internal.h"
 
@@ -211,13 +211,17 @@ bool RunUntil(const std::function<bool()>& until) {
 bool Drain() {
   std::unique_lock<std::recursive_mutex> lock(S().mu);
   State& s = S();
-  auto grace_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(s.config.grace_ms);
+  constexpr std::chrono::milliseconds kStep(10);
+  std::chrono::milliseconds grace(s.config.pass_time ? s.config.grace_ms : 0);
   for (;;) {
     if (Step(/*random=*/true)) continue;
     if (Idle()) return true;
-    if (std::chrono::steady_clock::now() < grace_end) {
-      lock.unlock();  // let another host thread (the watchdog) enqueue a release
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (grace.count() > 0) {
+      const auto step = std::min(kStep, grace);
+      grace -= step;
+      const auto pass_time = s.config.pass_time;
+      lock.unlock();  // the host's reaction (the watchdog) calls into the fake
+      pass_time(step);
       lock.lock();
       continue;
     }

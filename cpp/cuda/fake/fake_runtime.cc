@@ -49,9 +49,8 @@ cudaError_t cudaSetDevice(int d) {
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   Count("cudaMalloc");
-  *p = jo::fake::Malloc(t_device, bytes);
   // Real cudaMalloc memory is not zeroed: poison it.
-  std::memset(*p, 0x5A, bytes);
+  *p = jo::fake::Malloc(t_device, bytes, 0x5A);
   return cudaSuccess;
 }
 

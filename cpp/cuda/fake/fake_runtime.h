@@ -70,6 +70,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -92,9 +93,12 @@ struct Config {
   bool flush_remote_writes = false;
   std::vector<std::vector<bool>> peer;  // empty: all pairs can access
   uint64_t seed = 1;
-  // When no stream can progress, Drain waits this long for another host
-  // thread (the watchdog) to release something before calling it a deadlock.
+  // When no stream can progress, Drain lets up to this much time pass, in
+  // steps of pass_time (the test driver moves the watchdog's virtual clock:
+  // it may release the streams), before calling it a deadlock. Never real
+  // time: whether a test passes does not depend on the machine's speed.
   int grace_ms = 0;
+  std::function<void(std::chrono::milliseconds)> pass_time;
   // Hardware work queues per device; 0: CUDA_DEVICE_MAX_CONNECTIONS from the
   // environment (the driver's default, 8, when unset).
   int connections = 0;
@@ -117,7 +121,7 @@ int Connections();
 void BeginHandler(cudaStream_t xla);
 void EndHandler(cudaStream_t xla, const std::string& who);
 // Host memory of the fake device allocation (for the test driver).
-void* Malloc(int device, size_t bytes);
+void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
 
 // For fake_kernels.cc.
 void Fail(const std::string& text);
