@@ -161,7 +161,8 @@ void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms,
            bool shareable, bool fabric, bool imex_channel, int connections, int cc_minor,
            bool flush_remote_writes,
-           std::optional<std::map<std::string, std::vector<std::string>>> kernel_images) {
+           std::optional<std::map<std::string, std::vector<std::string>>> kernel_images,
+           int module_loading = 0, uint64_t host_jitter = 0) {
   jo::cuda::ResetCudaCliques();
   jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
@@ -182,6 +183,8 @@ void Reset(int devices, int cc_major, bool multicast,
   config.connections = connections;
   config.cc_minor = cc_minor;
   config.flush_remote_writes = flush_remote_writes;
+  config.module_loading = module_loading;
+  config.host_jitter = host_jitter;
   jo::fake::Reset(config);
   // Which compiled variants each kernel has: this build's record unless a test says otherwise.
   jo::fake::SetKernelImages(kernel_images ? *kernel_images : jo::cuda::KernelImages());
@@ -285,6 +288,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
           int32_t process;
           ~Stop() { board.Stop(process); }
         } stop{*board, static_cast<int32_t>(desc.table.processes[static_cast<size_t>(r)])};
+        const jo::fake::HostThread host;  // a rank's thread, as XLA's per device
         const int dev = static_cast<int>(devices[r]);
         jo::fake::SetPlayedProcess(static_cast<int>(desc.table.processes[static_cast<size_t>(r)]));
         if (cudaSetDevice(dev) != cudaSuccess) {
@@ -724,8 +728,11 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("grace_ms") = 0, nb::arg("shareable") = true, nb::arg("fabric") = false,
         nb::arg("imex_channel") = true, nb::arg("connections") = 0, nb::arg("cc_minor") = 0,
         nb::arg("flush_remote_writes") = false, nb::arg("kernel_images") = nb::none(),
+        nb::arg("module_loading") = 0, nb::arg("host_jitter") = 0,
         "Forget every clique and fake object; configure the fake machine (connections: hardware "
         "work queues per device, 0: CUDA_DEVICE_MAX_CONNECTIONS from the environment; "
+        "module_loading: 0 CUDA_MODULE_LOADING from the environment (lazy unless EAGER), 1 "
+        "lazy, 2 eager; host_jitter: nonzero seeds uneven speeds of the ranks' host threads; "
         "kernel_images: the fatbinary's variants per kernel family, default this build's; "
         "grace_ms: the time a stuck GPU lets pass on the watchdog's virtual clock before the "
         "fake calls it a deadlock).");
@@ -749,6 +756,11 @@ NB_MODULE(_cuda_fake, m) {
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");
   m.def("pending_watches", &jo::cuda::PendingWatches,
         "Ranks with calls the watchdog still watches.");
+  m.def("lazy_loading", &jo::fake::LazyLoading,
+        "Whether the fake loads functions lazily (CUDA_MODULE_LOADING, or reset(module_loading=)).");
+  m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
+        "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
+        "what the fake recorded for each.");
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_waits.h"
 
 namespace jo::fake {
 
@@ -189,6 +190,7 @@ void Reset(const Config& config) {
   s.config = config;
   s.rng.seed(config.seed);
   ResetQueues();
+  ResetWaits();
 }
 
 std::vector<std::string> Errors() {

@@ -1,0 +1,60 @@
+"""The fake's rules about host calls that wait for the GPU (cpp/cuda/fake/fake_waits.cc).
+
+cudaMalloc / cudaFree and the VMM unmap / release calls wait for every queue of their device;
+with lazy loading (CUDA's default, ``CUDA_MODULE_LOADING=EAGER`` turns it off) the first use of a
+kernel or cuBLASLt algorithm on a device waits for it too; ``ncclCommAbort`` frees memory, so it
+waits for other communicators' kernels on its device. A host thread that waits so while the GPU
+waits for work only it (or another waiting thread) would enqueue is a deadlock: the fake reports
+it with the queues' state and fails the call instead of hanging. One deliberate misuse per rule,
+with a control doing the same in an order that completes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.jax_independent
+
+MISUSES = {
+    "cudaFree behind a wait only this thread would satisfy": "cudaFree on device 0",
+    "cudaMalloc behind a wait only this thread would satisfy": "cudaMalloc on device 0",
+    "cuMemUnmap behind a wait only this thread would satisfy": "cuMemUnmap on device 0",
+    "cuMemRelease behind a wait only this thread would satisfy": "cuMemRelease on device 1",
+    "first launch of a kernel not loaded (lazy loading)":
+        "cudaLaunchKernel loading AddBlock<f32, 16 bytes> (lazy loading) on device 0",
+    "first cuBLASLt matmul of an algorithm (lazy loading)": "cublasLtMatmul loading cuBLASLt",
+    "ncclCommAbort while another communicator's kernel runs on the device":
+        "ncclCommAbort (rank 0, freeing its device memory) on device 0",
+    # The executor's old order: past buffers freed by the first rank to reserve, while a peer's
+    # call already enqueued waits for that rank's next enqueue.
+    "cudaFree of a peer's buffer while the peer waits for this thread": "cudaFree on device 1",
+}
+CONTROLS = {
+    "cudaFree after the write the wait needs (control)",
+    "first launch with CUDA_MODULE_LOADING=EAGER (control)",
+    "ncclCommAbort of the stuck communicator first (control)",
+    "cudaFree of a peer's buffer after this thread's signal (control)",
+}
+ENQUEUE_PATH = {"cudaMalloc between a handler's first enqueue and its return"}
+
+
+def test_host_calls_that_wait_for_the_gpu_report_deadlocks(fake):
+    caught = fake.wait_misuse_checks()
+    assert set(caught) == set(MISUSES) | CONTROLS | ENQUEUE_PATH
+    for name, keyword in MISUSES.items():
+        assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
+        assert "would wait forever: deadlock" in caught[name], caught[name]
+    for name in CONTROLS:
+        assert caught[name] == "", f"{name}: fake recorded {caught[name]!r}"
+
+
+@pytest.mark.parametrize("setting, lazy", [(None, True), ("LAZY", True), ("EAGER", False)])
+def test_module_loading_follows_the_environment(fake, monkeypatch, setting, lazy):
+    if setting is None:
+        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MODULE_LOADING", setting)
+    fake.reset()
+    assert fake.lazy_loading() == lazy
+    fake.reset(module_loading=2)
+    assert not fake.lazy_loading()
