@@ -45,7 +45,7 @@ Status RankResources::MakeSetup(const ErrorContext& ctx) {
 }
 
 Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
-  JO_CHECK(MakeSetup(ctx));
+  DeviceGuard guard;
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
   int least = 0, greatest = 0;
   JO_CUDA_CHECK(&ctx, cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -89,8 +89,10 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
     JO_ASSERT(res.setup != nullptr);  // made before the clique's lock is released (MakeSetup)
     JO_CUDA_CHECK(&ctx, cudaSetDevice(res.device));
     std::unique_ptr<DeviceAlloc> flags;
-    JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
-                         static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx, &flags));
+    if (gen->num_flags > 0)
+      JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
+                           static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx,
+                           &flags));
     gen->flags.push_back(std::move(flags));
     if (with_workspace) {
       std::unique_ptr<DeviceAlloc> ws;

@@ -35,17 +35,22 @@ CONTROLS = {
     "ncclCommAbort of the stuck communicator first (control)",
     "cudaFree of a peer's buffer after this thread's signal (control)",
 }
-ENQUEUE_PATH = {"cudaMalloc between a handler's first enqueue and its return"}
+# The rule of the enqueue path (docs/gpu.md §3): between a handler's first enqueue on XLA's
+# stream and its return only calls that enqueue or poll run; the fake refuses any other.
+ENQUEUE_PATH = {"cudaMalloc between a handler's first enqueue and its return":
+                "cudaMalloc called between a handler's first enqueue and its return"}
 
 
 def test_host_calls_that_wait_for_the_gpu_report_deadlocks(fake):
     caught = fake.wait_misuse_checks()
-    assert set(caught) == set(MISUSES) | CONTROLS | ENQUEUE_PATH
+    assert set(caught) == set(MISUSES) | CONTROLS | set(ENQUEUE_PATH)
     for name, keyword in MISUSES.items():
         assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
         assert "would wait forever: deadlock" in caught[name], caught[name]
     for name in CONTROLS:
         assert caught[name] == "", f"{name}: fake recorded {caught[name]!r}"
+    for name, keyword in ENQUEUE_PATH.items():
+        assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
 
 
 @pytest.mark.parametrize("setting, lazy", [(None, True), ("LAZY", True), ("EAGER", False)])

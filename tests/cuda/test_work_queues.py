@@ -46,8 +46,6 @@ def test_every_program_completes_through_the_work_queues(fake, op, transport, co
 GROWTH = ((1, False), (2, False), (4, True), (3, True), (4, False))
 
 
-@pytest.mark.xfail(strict=True, reason="the executor frees past buffers where a peer's enqueued "
-                   "call waits for the freeing rank (cuda_clique.cc Reserve): fixed next")
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
 def test_growing_calls_with_ranks_at_uneven_speeds(fake, op, transport):

@@ -261,7 +261,9 @@ void EndHandler(cudaStream_t xla, const std::string& who) {
   t_handler = nullptr;
 }
 
-bool HandlerEnqueued() { return t_touched != nullptr && !t_touched->empty(); }
+// The enqueue path begins with the handler's first task on XLA's stream (the fork, or
+// the first op of a one-stream program); work on other streams before it is set-up.
+bool HandlerEnqueued() { return t_touched != nullptr && t_touched->count(t_handler) > 0; }
 
 std::string DescribeStuckWork() {
   Lock lock(S().mu);

@@ -96,6 +96,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
 // stream is idle; if it cannot get there the real call would never return.
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   Lock lock(S().mu);
+  Count("cudaStreamSynchronize");
   if (!jo::fake::StreamOk(s, "cudaStreamSynchronize"))
     return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize");
   if (s->capture != 0)
@@ -111,6 +112,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 
 cudaError_t cudaDeviceSynchronize(void) {
   Lock lock(S().mu);
+  Count("cudaDeviceSynchronize");
   const int device = t_device;
   auto idle = [device] {
     for (auto& st : S().streams)

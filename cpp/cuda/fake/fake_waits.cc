@@ -57,8 +57,10 @@ int g_hosts = 0;
 int g_hosts_waiting = 0;
 int g_hosts_started = 0;  // since Reset: seeds each thread's jitter
 std::set<const std::function<bool()>*> g_waiting;
-// (played process, device, function) loaded so far. Under S().mu.
-std::set<std::tuple<int, int, std::string>> g_loaded;
+// (device, function) loaded so far. Under S().mu. Not per played process: the played
+// processes share one OS process, whose caches (cuBLASLt plans, kernel verdicts) are per
+// device ordinal, as a real process's are.
+std::set<std::pair<int, std::string>> g_loaded;
 
 thread_local bool t_host = false;
 thread_local std::unique_ptr<std::mt19937_64> t_jitter;
@@ -207,11 +209,12 @@ bool WaitForDevice(int device, const std::string& call) {
 
 bool LoadFunction(int device, const std::string& function, const std::string& call) {
   if (!LazyLoading()) return true;
-  const auto key = std::make_tuple(t_process, device, function);
+  const auto key = std::make_pair(device, function);
   {
     Lock lock(S().mu);
     if (g_loaded.count(key) > 0) return true;
   }
+  CheckEnqueuePath(("lazy loading of " + function).c_str());
   if (!WaitForDevice(device, call + " loading " + function + " (lazy loading)")) return false;
   Lock lock(S().mu);
   g_loaded.insert(key);
