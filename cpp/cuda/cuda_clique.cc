@@ -117,10 +117,12 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   return OkStatus();
 }
 
-void CudaClique::AbortComms() {
+void CudaClique::AbortComms(std::optional<std::chrono::steady_clock::time_point> await_until) {
   // No lock of the clique: the communicators are made once (at connect) and
   // guard themselves (leases); the watchdog must never wait for a set-up.
-  if (state_.nccl) state_.nccl->Abort();
+  if (!state_.nccl) return;
+  state_.nccl->Abort();
+  if (await_until) (void)state_.nccl->AwaitAborts(*await_until);
 }
 
 int64_t CudaClique::Generations() const {
@@ -255,6 +257,10 @@ std::string CudaClique::Describe() const {
                                               : ", peers through CUDA IPC";
   const std::string broken = BrokenReason();
   if (!broken.empty()) out += ", BROKEN: " + broken;
+  if (state_.nccl) {
+    const std::string stuck = state_.nccl->StuckAborts();
+    if (!stuck.empty()) out += ", " + stuck;
+  }
   if (!generations_.empty())
     out += ", workspace 2 x " + std::to_string(generations_.back()->workspace_bytes) +
            " bytes per rank (" + std::to_string(generations_.size()) + " generation(s) live, " +

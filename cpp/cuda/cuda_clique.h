@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,8 +80,11 @@ class CudaClique : public Clique {
                  const ErrorContext& ctx, Reservation* out);
 
   // Aborts the NCCL communicators (the watchdog releasing kernels stuck in
-  // NCCL): those no enqueue holds at once, the others when it lets go.
-  void AbortComms();
+  // NCCL): those no enqueue holds at once, the others when it lets go; each
+  // on a thread of its own, never waited for (nccl_comms.h) — except, when
+  // `await_until` is given, until then (the fake's virtual-clock watchdog, so
+  // that the fake GPU sees the aborts before it decides it cannot progress).
+  void AbortComms(std::optional<std::chrono::steady_clock::time_point> await_until = {});
 
   // Buffer generations alive (for info() and tests).
   int64_t Generations() const;

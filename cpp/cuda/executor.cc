@@ -1,12 +1,14 @@
 #include "cuda/executor.h"
 
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "cuda/driver.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/nccl_comms.h"
 
 // NVTX ranges (NVTX3: header-only, in the CUDA toolkit). Without a tool
 // attached (Nsight Systems sets NVTX_INJECTION64_PATH) every call is a
@@ -409,12 +411,18 @@ class Enqueuer {
   Status NcclGroup(const IssueUnit& unit) {
     const ncclComm_t comm = steps_[static_cast<size_t>(unit.begin)].comm;
     const ncclDataType_t type = NcclType(p_.problem.dtype);
-    JO_NCCL_CHECK(ctx_, ncclGroupStart());
     Status status;
-    for (int32_t i = unit.begin; i < unit.end && status.ok(); ++i)
-      status = NcclOp(p_.ops[static_cast<size_t>(i)], steps_[static_cast<size_t>(i)], type);
-    // Always close the group, even after a failure inside it.
-    const ncclResult_t closed = ncclGroupEnd();
+    ncclResult_t closed = ncclSuccess;
+    {
+      // NCCL's thread-safety rule (nccl_comms.h): no other thread issues calls on a
+      // communicator of this device meanwhile. Never held across a wait: aborts take no lock.
+      std::lock_guard<std::mutex> device(DeviceNcclLock(a_.device));
+      JO_NCCL_CHECK(ctx_, ncclGroupStart());
+      for (int32_t i = unit.begin; i < unit.end && status.ok(); ++i)
+        status = NcclOp(p_.ops[static_cast<size_t>(i)], steps_[static_cast<size_t>(i)], type);
+      // Always close the group, even after a failure inside it.
+      closed = ncclGroupEnd();
+    }
     JO_CHECK(status);
     JO_NCCL_CHECK_ASYNC(ctx_, closed);
     // Non-blocking communicator: the first send/recv to a peer connects to it

@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "core/log.h"
@@ -207,7 +208,11 @@ class Watchdog {
             gen->Flag(c.rank, i / gen->num_flags, i % gen->num_flags, c.rank),
             static_cast<cuuint32_t>(latest_epoch), CU_STREAM_WRITE_VALUE_DEFAULT);
     }
-    if (c.nccl) clique->AbortComms();
+    // On a virtual clock (the fake) the pass also waits, bounded, for the aborts it started:
+    // the fake GPU must see them before it decides it cannot progress. Never on real time.
+    if (c.nccl)
+      clique->AbortComms(virtual_clock_ ? std::optional<Clock::time_point>(Clock::now() + c.timeout)
+                                        : std::nullopt);
     if (read != nullptr) (void)cudaEventDestroy(read);
     if (side != nullptr) (void)cudaStreamDestroy(side);
     (void)cudaSetDevice(prev);

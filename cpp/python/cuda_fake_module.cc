@@ -387,12 +387,14 @@ nb::dict LeaseRace(bool hold_lease) {
   });
   wait_for(1);
   std::thread watchdog([&] {
-    comms.Abort();
+    comms.Abort();  // starts the aborts on threads of their own: await them here
+    (void)comms.AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
     aborts_when_abort_returned = jo::fake::Counters()["ncclCommAbort"];
   });
   watchdog.join();
   reach(2);
   enqueue.join();
+  (void)comms.AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
   jo::cuda::NcclComms::Lease again;
   const jo::Status late = comms.Acquire(0, ctx, &again);
   nb::dict out;
@@ -756,8 +758,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");
   m.def("pending_watches", &jo::cuda::PendingWatches,
         "Ranks with calls the watchdog still watches.");
-  m.def("lazy_loading", &jo::fake::LazyLoading,
-        "Whether the fake loads functions lazily (CUDA_MODULE_LOADING, or reset(module_loading=)).");
+  m.def(
+      "lazy_loading", &jo::fake::LazyLoading,
+      "Whether the fake loads functions lazily (CUDA_MODULE_LOADING, or reset(module_loading=)).");
   m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
         "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
         "what the fake recorded for each.");

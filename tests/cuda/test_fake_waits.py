@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from .test_fake import _inputs
+
 pytestmark = pytest.mark.jax_independent
 
 MISUSES = {
@@ -63,3 +65,20 @@ def test_module_loading_follows_the_environment(fake, monkeypatch, setting, lazy
     assert fake.lazy_loading() == lazy
     fake.reset(module_loading=2)
     assert not fake.lazy_loading()
+
+
+@pytest.mark.parametrize("op", ["matmul_rs", "ag_matmul"])
+def test_the_watchdog_aborts_a_devices_communicators_concurrently(fake, op):
+    """Bidirectional nccl with a rank that never calls: every other rank has kernels of both
+    ring directions' communicators stuck on its GPU. ncclCommAbort frees memory, which waits for
+    the device, so aborting one direction's communicator before the other's waits forever (the
+    fake reports it: test above); the watchdog aborts them all at once, on threads of their own,
+    and the streams are released."""
+    fake.reset(grace_ms=10000)
+    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
+    out = fake.run(op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
+                   clique_key=11, skip_rank=2, timeout_ms=200)
+    assert out["drained"], fake.errors()
+    assert fake.errors() == []
+    assert "inside NCCL" in fake.last_warning(), fake.last_warning()

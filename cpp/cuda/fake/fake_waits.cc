@@ -99,16 +99,27 @@ const std::set<std::string>& EnqueuePathCalls() {
 }
 
 // Waits until `done` holds (see the top of this file); `what` names the call for a report.
-bool WaitUntil(const std::function<bool()>& done, const std::string& what) {
+// `settle`: the deadlock is reported only after kSettle without any host activity, for a
+// thread that is not a rank's (an abort thread of the watchdog: its siblings, aborting the
+// other communicators, are not HostThreads either and may not have reached the fake yet).
+constexpr std::chrono::milliseconds kSettle(2000);
+bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool settle = false) {
+  auto quiet_since = std::chrono::steady_clock::now();
+  uint64_t last = Activity();
   for (;;) {
     const uint64_t seen = Activity();
+    if (seen != last) {
+      last = seen;
+      quiet_since = std::chrono::steady_clock::now();
+    }
+    const bool settled = !settle || std::chrono::steady_clock::now() - quiet_since >= kSettle;
     {
       Lock lock(S().mu);
       if (RunUntil(done)) return true;
       bool another_can = false;
       for (const auto* condition : g_waiting) another_can = another_can || (*condition)();
       const int others_running = g_hosts - g_hosts_waiting - (t_host ? 1 : 0);
-      if (!another_can && others_running <= 0) {
+      if (!another_can && others_running <= 0 && settled) {
         S().errors.push_back(what +
                              " would wait forever: deadlock: the GPU waits for work that "
                              "no host thread can enqueue any more (every rank's thread waits "
@@ -189,7 +200,7 @@ void ResetWaits() {
   g_hosts_started = 0;
 }
 
-bool WaitForDevice(int device, const std::string& call) {
+bool WaitForDevice(int device, const std::string& call, bool settle) {
   // Every task enqueued on the device before the call (of this thread's played process).
   std::map<const CUstream_st*, int64_t> before;
   {
@@ -203,8 +214,10 @@ bool WaitForDevice(int device, const std::string& call) {
       if (st->completed < count && (st->running || !st->tasks.empty())) return false;
     return true;  // completed, or dropped (a hung or dead GPU: nothing left to wait for)
   };
-  return WaitUntil(done, call + " on device " + std::to_string(device) +
-                             " (it waits for every work queue of the device)");
+  return WaitUntil(done,
+                   call + " on device " + std::to_string(device) +
+                       " (it waits for every work queue of the device)",
+                   settle);
 }
 
 bool LoadFunction(int device, const std::string& function, const std::string& call) {
@@ -227,8 +240,10 @@ bool AwaitOtherCommunicators(ncclComm_t comm) {
     Lock lock(S().mu);
     device = comm->device;
   }
+  NoteHostActivity();  // marked aborted: its kernels exit, a waiting abort may go on
   return WaitForDevice(
-      device, "ncclCommAbort (rank " + std::to_string(comm->rank) + ", freeing its device memory)");
+      device, "ncclCommAbort (rank " + std::to_string(comm->rank) + ", freeing its device memory)",
+      /*settle=*/true);
 }
 
 void CheckEnqueuePath(const char* api) {

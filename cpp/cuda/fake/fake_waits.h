@@ -16,7 +16,8 @@ namespace jo::fake {
 // VMM unmap / release calls do. False, with a deadlock recorded, when that
 // can never happen: the GPU cannot progress and no other host thread can
 // enqueue what it needs (every one is waiting too, or gone).
-bool WaitForDevice(int device, const std::string& call);
+// `settle`: see fake_waits.cc (threads that are not a rank's, e.g. concurrent aborts).
+bool WaitForDevice(int device, const std::string& call, bool settle = false);
 
 // Lazy loading: the first use of `function` on `device` loads it, which may
 // wait for the device (WaitForDevice); false as above. Eager loading (and
