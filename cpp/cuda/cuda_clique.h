@@ -74,8 +74,11 @@ class CudaClique : public Clique {
   // Reserve, before call `epoch` of `rank` (the agreement check has passed):
   // connects the transport (once), makes a buffer generation as big as
   // `needs` (core/call.h: the same on every rank) when the current one is
-  // smaller, and the rank's streams, events and scratch for `program`;
-  // frees generations every local rank is past. A failure breaks the clique.
+  // smaller — freeing, first, the generations every local rank is past — and
+  // the rank's streams, events and scratch for `program` (without the lock).
+  // Everything here may wait for the GPU: it runs before the call's first
+  // enqueue (docs/gpu.md §3, "What may run on the enqueue path"). A failure
+  // breaks the clique.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
                  const ErrorContext& ctx, Reservation* out);
 
