@@ -30,6 +30,7 @@ RankResources::~RankResources() {
   if (cudaSetDevice(device) != cudaSuccess) return;
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
   for (cudaEvent_t e : done) (void)cudaEventDestroy(e);
+  for (cudaEvent_t e : started) (void)cudaEventDestroy(e);
   for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
   if (setup_done != nullptr) (void)cudaEventDestroy(setup_done);
   if (setup != nullptr) (void)cudaStreamDestroy(setup);
@@ -55,6 +56,11 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
     // not queue behind the GEMMs it is meant to overlap.
     JO_CUDA_CHECK(&ctx, cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
     streams.push_back(s);
+  }
+  while (static_cast<int64_t>(started.size()) < kDoneSlots) {
+    cudaEvent_t e = nullptr;
+    JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    started.push_back(e);
   }
   while (static_cast<int64_t>(done.size()) < kDoneSlots) {
     cudaEvent_t e = nullptr;

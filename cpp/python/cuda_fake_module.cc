@@ -157,6 +157,19 @@ jo::Transport ParseTransport(const std::string& s) {
   throw nb::value_error(("transport: expected nccl, p2p or multicast, got " + s).c_str());
 }
 
+// The XLA streams of run(), per (played process, device); forgotten by Reset.
+std::mutex g_xla_mu;
+std::map<std::pair<int, int>, cudaStream_t> g_xla;
+
+// On the calling thread (whose played process and device are set).
+cudaStream_t XlaStream(int process, int device) {
+  std::lock_guard<std::mutex> lock(g_xla_mu);
+  cudaStream_t& s = g_xla[{process, device}];
+  if (s == nullptr && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+    s = nullptr;
+  return s;
+}
+
 void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms,
            bool shareable, bool fabric, bool imex_channel, int connections, int cc_minor,
@@ -169,6 +182,10 @@ void Reset(int devices, int cc_major, bool multicast,
   jo::cuda::ForgetFabricProbes();
   jo::cuda::ForgetKernelVerdicts();
   jo::cuda::ForgetDeviceAttributes();
+  {
+    std::lock_guard<std::mutex> lock(g_xla_mu);
+    g_xla.clear();
+  }
   jo::fake::Config config;
   config.devices = devices;
   config.cc_major = cc_major;
@@ -198,7 +215,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key, int calls,
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
-             std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32) {
+             std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
+             int64_t hold_ms) {
   const bool ag = op == "ag_matmul", rs = op == "matmul_rs", ar = op == "matmul_ar";
   if (!ag && !rs && !ar) throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -276,6 +294,9 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   desc.table.device_ids = devices;
   jo::cuda::CudaSite site(desc, jo::NewCallSiteId(clique_key));
   std::vector<std::string> statuses(nranks);
+  // hold_ms: XLA's stream of every rank first waits for a flag the host raises only after the
+  // watchdog's clock moved on by hold_ms (earlier work the GPU is still busy with).
+  std::vector<uint32_t*> holds(static_cast<size_t>(nranks), nullptr);
   {
     nb::gil_scoped_release release;
     std::vector<std::thread> threads;
@@ -295,13 +316,23 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
           statuses[r] = "cudaSetDevice failed";
           return;
         }
-        cudaStream_t xla = nullptr;  // stands for XLA's stream of this device
-        if (cudaStreamCreateWithFlags(&xla, cudaStreamNonBlocking) != cudaSuccess) {
+        // Stands for XLA's stream of this device: one per (played process, device) until
+        // reset(), as XLA keeps its compute stream (cuBLASLt workspaces are per stream).
+        cudaStream_t xla =
+            XlaStream(static_cast<int>(desc.table.processes[static_cast<size_t>(r)]), dev);
+        if (xla == nullptr) {
           statuses[r] = "stream creation failed";
           return;
         }
         // tests: XLA captures this stream into a CUDA graph (a command buffer).
         if (capture) (void)cudaStreamBeginCapture(xla, cudaStreamCaptureModeThreadLocal);
+        const jo::cuda::DriverApi* drv = nullptr;
+        if (hold_ms > 0 && jo::cuda::LoadDriver(&drv).ok()) {
+          holds[static_cast<size_t>(r)] = static_cast<uint32_t*>(jo::fake::Malloc(dev, 4));
+          (void)drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(xla),
+                                         reinterpret_cast<CUdeviceptr>(holds[r]), 1,
+                                         CU_STREAM_WAIT_VALUE_GEQ);
+        }
         jo::Problem problem = q;
         if (r == skew_rank) ++problem.chunks;  // tests: this rank disagrees on the call
         if (r == skip_rank) return;            // tests: this rank never makes the call
@@ -324,6 +355,11 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         }
       });
     for (auto& t : threads) t.join();
+    if (hold_ms > 0) {
+      jo::cuda::AdvanceWatchdogClock(std::chrono::milliseconds(hold_ms));
+      for (uint32_t* flag : holds)
+        if (flag != nullptr) *flag = 1;
+    }
   }
   const bool drained = jo::fake::Drain();
   nb::list ys, gs, st;
@@ -746,7 +782,7 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
-        nb::arg("capture") = false, nb::arg("tf32") = false);
+        nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0);
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

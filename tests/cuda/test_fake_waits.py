@@ -82,3 +82,23 @@ def test_the_watchdog_aborts_a_devices_communicators_concurrently(fake, op):
     assert out["drained"], fake.errors()
     assert fake.errors() == []
     assert "inside NCCL" in fake.last_warning(), fake.last_warning()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+def test_the_watchdog_clock_starts_when_the_gpu_gets_to_the_call(fake, transport):
+    """The host runs far ahead of the GPU: three more calls per rank are queued behind earlier work
+    that keeps the GPU busy for five times the calls' timeout (``hold_ms``, on the watchdog's
+    virtual clock). A call's clock starts when the GPU gets to it (its ``started`` event), so
+    the healthy clique is not broken; with the clock started at the host's enqueue it was."""
+    fake.reset(grace_ms=10000)
+    xs, ws = _inputs("matmul_rs", 4, 1, 4, 8, 6, "float32")
+    args = ("matmul_rs", transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    # Set-up first (allocation and loading wait for the GPU: never behind the held work).
+    assert fake.run(*args, clique_key=13, timeout_ms=200)["statuses"] == [None] * 4
+    out = fake.run(*args, clique_key=13, calls=3, timeout_ms=200, hold_ms=1000)
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    assert "BROKEN" not in fake.cliques(), fake.cliques()
+    again = fake.run(*args, clique_key=13)
+    assert again["statuses"] == [None] * 4, again["statuses"]
