@@ -102,3 +102,18 @@ def test_the_watchdog_clock_starts_when_the_gpu_gets_to_the_call(fake, transport
     assert "BROKEN" not in fake.cliques(), fake.cliques()
     again = fake.run(*args, clique_key=13)
     assert again["statuses"] == [None] * 4, again["statuses"]
+
+
+@pytest.mark.parametrize("module_loading", [1, 2], ids=["lazy", "eager"])
+def test_every_op_and_transport_with_lazy_and_eager_loading(fake, module_loading):
+    """The executor loads every kernel and cuBLASLt algorithm a call uses at set-up: with lazy
+    loading nothing is loaded on the enqueue path (the fake would refuse it), with eager loading
+    there is nothing to load; both give the right results."""
+    from .test_fake import check, run_case
+
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+        for transport in ("nccl", "p2p", "multicast"):
+            fake.reset(module_loading=module_loading)
+            out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True,
+                                   dtype="bfloat16", calls=2)
+            check(fake, out, op, xs, ws, 3, "bfloat16")
