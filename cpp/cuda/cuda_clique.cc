@@ -169,10 +169,11 @@ Status CudaClique::Reserve(const Program& program, const CallNeeds& needs, int64
     // exchange with the peers) that the failing one will never join.
     if (!status.ok() && status.code() != Code::kAborted) Break(status);
   }
+  if (!status.ok()) return status;
   // The rank's own streams, events and scratch, without the lock: allocating waits for the
   // device (its earlier calls), which must never hold up the other ranks' reservations.
-  if (status.ok()) status = out->resources->Reserve(program, ctx);
-  if (!status.ok() && status.code() != Code::kAborted) Break(status);
+  status = out->resources->Reserve(program, ctx);
+  if (!status.ok()) Break(status);
   return status;
 }
 
