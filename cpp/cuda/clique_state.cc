@@ -30,6 +30,7 @@ RankResources::~RankResources() {
   if (cudaSetDevice(device) != cudaSuccess) return;
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
   for (cudaEvent_t e : done) (void)cudaEventDestroy(e);
+  for (cudaEvent_t e : started) (void)cudaEventDestroy(e);
   for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
   if (setup_done != nullptr) (void)cudaEventDestroy(setup_done);
   if (setup != nullptr) (void)cudaStreamDestroy(setup);
@@ -45,7 +46,7 @@ Status RankResources::MakeSetup(const ErrorContext& ctx) {
 }
 
 Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
-  JO_CHECK(MakeSetup(ctx));
+  DeviceGuard guard;
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
   int least = 0, greatest = 0;
   JO_CUDA_CHECK(&ctx, cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -55,6 +56,11 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
     // not queue behind the GEMMs it is meant to overlap.
     JO_CUDA_CHECK(&ctx, cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
     streams.push_back(s);
+  }
+  while (static_cast<int64_t>(started.size()) < kDoneSlots) {
+    cudaEvent_t e = nullptr;
+    JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    started.push_back(e);
   }
   while (static_cast<int64_t>(done.size()) < kDoneSlots) {
     cudaEvent_t e = nullptr;
@@ -89,8 +95,10 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
     JO_ASSERT(res.setup != nullptr);  // made before the clique's lock is released (MakeSetup)
     JO_CUDA_CHECK(&ctx, cudaSetDevice(res.device));
     std::unique_ptr<DeviceAlloc> flags;
-    JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
-                         static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx, &flags));
+    if (gen->num_flags > 0)
+      JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
+                           static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx,
+                           &flags));
     gen->flags.push_back(std::move(flags));
     if (with_workspace) {
       std::unique_ptr<DeviceAlloc> ws;

@@ -67,6 +67,9 @@ struct RankResources {
   // Recorded on XLA's stream after call `epoch` (slot epoch % size): the watchdog's view
   // of which calls the GPU has finished.
   std::vector<cudaEvent_t> done;
+  // Recorded on XLA's stream before call `epoch`'s first work (same slots): when the GPU got to
+  // the call, where the watchdog's clock of it starts.
+  std::vector<cudaEvent_t> started;
   static constexpr int64_t kDoneSlots = 32;
   // The last epoch whose `done` event was recorded (for freeing generations).
   std::atomic<int64_t> last_epoch{0};

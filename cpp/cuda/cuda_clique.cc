@@ -117,10 +117,12 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
   return OkStatus();
 }
 
-void CudaClique::AbortComms() {
+void CudaClique::AbortComms(std::optional<std::chrono::steady_clock::time_point> await_until) {
   // No lock of the clique: the communicators are made once (at connect) and
   // guard themselves (leases); the watchdog must never wait for a set-up.
-  if (state_.nccl) state_.nccl->Abort();
+  if (!state_.nccl) return;
+  state_.nccl->Abort();
+  if (await_until) (void)state_.nccl->AwaitAborts(*await_until);
 }
 
 int64_t CudaClique::Generations() const {
@@ -159,7 +161,6 @@ void CudaClique::TakePast(std::vector<std::shared_ptr<Generation>>* out) {
 
 Status CudaClique::Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
                            const ErrorContext& ctx, Reservation* out) {
-  std::vector<std::shared_ptr<Generation>> past;
   Status status;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -167,9 +168,12 @@ Status CudaClique::Reserve(const Program& program, const CallNeeds& needs, int64
     // Broken before the lock is released: a rank next in line must not start a set-up (an
     // exchange with the peers) that the failing one will never join.
     if (!status.ok() && status.code() != Code::kAborted) Break(status);
-    if (status.ok()) TakePast(&past);
   }
-  past.clear();  // freed outside the lock (freeing may wait for the device)
+  if (!status.ok()) return status;
+  // The rank's own streams, events and scratch, without the lock: allocating waits for the
+  // device (its earlier calls), which must never hold up the other ranks' reservations.
+  status = out->resources->Reserve(program, ctx);
+  if (!status.ok()) Break(status);
   return status;
 }
 
@@ -178,6 +182,8 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
                                  Reservation* out) {
   const int32_t rank = program.problem.rank;
   const int64_t ws_bytes = needs.workspace_bytes;
+  // NCCL moves the data itself: its programs signal and wait on no flag.
+  const int32_t flags = state_.transport == Transport::kNccl ? 0 : needs.num_flags;
   JO_CHECK(CheckNotBroken(ctx.Describe()));
   if (!connected_) {
     JO_CHECK(OpsOf(state_.transport).connect(state_, ctx));
@@ -191,7 +197,7 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
         use = *it;
         break;
       }
-    if (use && use->workspace_bytes >= ws_bytes && use->num_flags >= needs.num_flags) {
+    if (use && use->workspace_bytes >= ws_bytes && use->num_flags >= flags) {
       out->gen = std::move(use);
       break;
     }
@@ -215,9 +221,16 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     for (const auto& res : state_.ranks)
       if (res->device >= 0) JO_CHECK(res->MakeSetup(ctx));
     const int64_t grow_ws = std::max<int64_t>(ws_bytes, use ? use->workspace_bytes : 0);
-    const int32_t grow_flags = std::max<int32_t>(needs.num_flags, use ? use->num_flags : 0);
+    const int32_t grow_flags = std::max<int32_t>(flags, use ? use->num_flags : 0);
     making_ = epoch;
+    // The generations every local rank is past are freed here, and only here: no local rank
+    // has enqueued anything of this epoch (each needs the new generation first), so the
+    // device work a free waits for is of earlier calls, which every rank has enqueued or
+    // will without waiting for this one (docs/gpu.md §3, "What may run on the enqueue path").
+    std::vector<std::shared_ptr<Generation>> past;
+    TakePast(&past);
     lock.unlock();
+    past.clear();
     std::shared_ptr<Generation> made;
     const Status status = NewGeneration(epoch, grow_ws, grow_flags, ctx, &made);
     lock.lock();
@@ -226,7 +239,6 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     made_.notify_all();
     JO_CHECK(status);
   }
-  JO_CHECK(state_.ranks[rank]->Reserve(program, ctx));
   out->resources = state_.ranks[rank].get();
   if (state_.nccl) JO_CHECK(state_.nccl->Acquire(rank, ctx, &out->comms));
   return OkStatus();
@@ -246,6 +258,10 @@ std::string CudaClique::Describe() const {
                                               : ", peers through CUDA IPC";
   const std::string broken = BrokenReason();
   if (!broken.empty()) out += ", BROKEN: " + broken;
+  if (state_.nccl) {
+    const std::string stuck = state_.nccl->StuckAborts();
+    if (!stuck.empty()) out += ", " + stuck;
+  }
   if (!generations_.empty())
     out += ", workspace 2 x " + std::to_string(generations_.back()->workspace_bytes) +
            " bytes per rank (" + std::to_string(generations_.size()) + " generation(s) live, " +

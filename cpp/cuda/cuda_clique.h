@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,14 +74,20 @@ class CudaClique : public Clique {
   // Reserve, before call `epoch` of `rank` (the agreement check has passed):
   // connects the transport (once), makes a buffer generation as big as
   // `needs` (core/call.h: the same on every rank) when the current one is
-  // smaller, and the rank's streams, events and scratch for `program`;
-  // frees generations every local rank is past. A failure breaks the clique.
+  // smaller — freeing, first, the generations every local rank is past — and
+  // the rank's streams, events and scratch for `program` (without the lock).
+  // Everything here may wait for the GPU: it runs before the call's first
+  // enqueue (docs/gpu.md §3, "What may run on the enqueue path"). A failure
+  // breaks the clique.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
                  const ErrorContext& ctx, Reservation* out);
 
   // Aborts the NCCL communicators (the watchdog releasing kernels stuck in
-  // NCCL): those no enqueue holds at once, the others when it lets go.
-  void AbortComms();
+  // NCCL): those no enqueue holds at once, the others when it lets go; each
+  // on a thread of its own, never waited for (nccl_comms.h) — except, when
+  // `await_until` is given, until then (the fake's virtual-clock watchdog, so
+  // that the fake GPU sees the aborts before it decides it cannot progress).
+  void AbortComms(std::optional<std::chrono::steady_clock::time_point> await_until = {});
 
   // Buffer generations alive (for info() and tests).
   int64_t Generations() const;

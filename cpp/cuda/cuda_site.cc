@@ -172,6 +172,14 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     status = PrepareProgram(run, &prepared);
   }
   bool enqueued = false;
+  const size_t slot = static_cast<size_t>(run.epoch % RankResources::kDoneSlots);
+  // The first work of the call on XLA's stream: when the GPU gets here, the watchdog's clock of
+  // this call starts.
+  if (status.ok()) {
+    const cudaError_t recorded = cudaEventRecord(run.resources->started[slot], stream);
+    enqueued = recorded == cudaSuccess;
+    if (!enqueued) status = CudaFailure(recorded, "cudaEventRecord(started)", &ctx);
+  }
   if (status.ok()) status = prepared->Execute(&enqueued);
   reserved.comms.Drop();  // the watchdog may abort the communicators from here on
   if (enqueued) {
@@ -180,7 +188,8 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.clique = plan->clique;
     watched.rank = ctx.rank;
     watched.device = run.device;
-    watched.done = run.resources->done[static_cast<size_t>(run.epoch % RankResources::kDoneSlots)];
+    watched.started = run.resources->started[slot];
+    watched.done = run.resources->done[slot];
     watched.epoch = run.epoch;
     watched.gen = reserved.gen;
     std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams

@@ -1,12 +1,14 @@
 #include "cuda/executor.h"
 
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "cuda/driver.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/nccl_comms.h"
 
 // NVTX ranges (NVTX3: header-only, in the CUDA toolkit). Without a tool
 // attached (Nsight Systems sets NVTX_INJECTION64_PATH) every call is a
@@ -126,7 +128,8 @@ class Enqueuer {
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
     *enqueued = true;  // from here on work may reach the GPU: the caller must watch it
     bool forked = false;
-    Status status = Fork(&forked);
+    Status status = warmed_ ? JoinWarmUps(a_.device, a_.stream, a_.ctx) : OkStatus();
+    if (status.ok()) status = Fork(&forked);
     for (size_t u = 0; u < a_.order->size() && status.ok(); ++u) {
       const IssueUnit& unit = (*a_.order)[u];
       const Op& op = p_.ops[static_cast<size_t>(unit.begin)];
@@ -228,7 +231,7 @@ class Enqueuer {
       case OpKind::kAdd:
         step->block = Block(op, Resolve(op.a), op.a, Resolve(op.d), op.d);
         JO_ASSERT(step->block.src != nullptr && step->block.dst != nullptr);
-        return OkStatus();
+        return PrepareBlockKernel(BlockKernel::kAdd, step->block, a_.ctx);
       case OpKind::kCopy:
         step->src = Resolve(op.a);
         step->dst = Resolve(op.d);
@@ -239,14 +242,14 @@ class Enqueuer {
         JO_ASSERT(mc != nullptr);
         step->block = Block(op, Resolve(op.a), op.a, mc + op.d.offset * es_, op.d);
         JO_ASSERT(step->block.src != nullptr);
-        return OkStatus();
+        return PrepareBlockKernel(BlockKernel::kMcStore, step->block, a_.ctx);
       }
       case OpKind::kMcReduce: {
         std::byte* mc = a_.gen->MulticastAddress(a_.epoch);
         JO_ASSERT(mc != nullptr);
         step->block = Block(op, mc + op.a.offset * es_, op.a, Resolve(op.d), op.d);
         JO_ASSERT(step->block.dst != nullptr);
-        return OkStatus();
+        return PrepareBlockKernel(BlockKernel::kMcReduce, step->block, a_.ctx);
       }
       case OpKind::kSignal:
         JO_ASSERT(op.peer >= 0 && op.peer < p_.problem.nranks && op.id >= 0 &&
@@ -321,7 +324,7 @@ class Enqueuer {
       g.batch = 1;
       g.a_bs = g.d_bs = g.c_bs = 0;
     }
-    return PrepareLtMatmul(a_.device, g, step->stream, a_.ctx);
+    return PrepareLtMatmul(a_.device, g, step->stream, a_.ctx, &warmed_);
   }
 
   Status Exec(const Op& op, const Step& step) {
@@ -408,12 +411,18 @@ class Enqueuer {
   Status NcclGroup(const IssueUnit& unit) {
     const ncclComm_t comm = steps_[static_cast<size_t>(unit.begin)].comm;
     const ncclDataType_t type = NcclType(p_.problem.dtype);
-    JO_NCCL_CHECK(ctx_, ncclGroupStart());
     Status status;
-    for (int32_t i = unit.begin; i < unit.end && status.ok(); ++i)
-      status = NcclOp(p_.ops[static_cast<size_t>(i)], steps_[static_cast<size_t>(i)], type);
-    // Always close the group, even after a failure inside it.
-    const ncclResult_t closed = ncclGroupEnd();
+    ncclResult_t closed = ncclSuccess;
+    {
+      // NCCL's thread-safety rule (nccl_comms.h): no other thread issues calls on a
+      // communicator of this device meanwhile. Never held across a wait: aborts take no lock.
+      std::lock_guard<std::mutex> device(DeviceNcclLock(a_.device));
+      JO_NCCL_CHECK(ctx_, ncclGroupStart());
+      for (int32_t i = unit.begin; i < unit.end && status.ok(); ++i)
+        status = NcclOp(p_.ops[static_cast<size_t>(i)], steps_[static_cast<size_t>(i)], type);
+      // Always close the group, even after a failure inside it.
+      closed = ncclGroupEnd();
+    }
     JO_CHECK(status);
     JO_NCCL_CHECK_ASYNC(ctx_, closed);
     // Non-blocking communicator: the first send/recv to a peer connects to it
@@ -451,6 +460,7 @@ class Enqueuer {
   const DriverApi* drv_ = nullptr;
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
+  bool warmed_ = false;  // a new cuBLASLt plan ran its warm-up in Prepare: join it first
 };
 
 PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}

@@ -2,6 +2,8 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <map>
 #include <mutex>
 #include <string>
@@ -82,6 +84,8 @@ struct DeviceBuffer {
   }
 };
 
+size_t RoundUp256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 struct Plan {
   Desc desc;
   Layout a, b, c, d;
@@ -99,6 +103,18 @@ struct DeviceCache {
   Handle handle;
   std::map<PlanKey, std::unique_ptr<Plan>> plans;
   std::map<cudaStream_t, std::unique_ptr<DeviceBuffer>> workspaces;
+  // Where each new plan runs once at set-up (WarmUp): a private stream and buffers.
+  cudaStream_t warm_stream = nullptr;
+  cudaEvent_t warmed = nullptr;  // recorded after the last warm-up
+  std::unique_ptr<DeviceBuffer> warm;
+  size_t warm_bytes = 0;
+  DeviceCache() = default;
+  DeviceCache(const DeviceCache&) = delete;
+  DeviceCache& operator=(const DeviceCache&) = delete;
+  ~DeviceCache() {
+    if (warmed != nullptr) (void)cudaEventDestroy(warmed);
+    if (warm_stream != nullptr) (void)cudaStreamDestroy(warm_stream);
+  }
 };
 
 std::mutex g_mu;
@@ -175,9 +191,69 @@ Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64
   return OkStatus();
 }
 
-// Makes (or finds) the handle, workspace and plan; enqueues the matmul when `enqueue`.
+// Elements a row-major block (batch x rows x cols, leading dim ld, batch stride bs) spans.
+size_t Span(int64_t batch, int64_t bs, int64_t rows, int64_t ld, int64_t cols) {
+  return static_cast<size_t>((batch - 1) * bs + (rows - 1) * ld + cols);
+}
+
+// The cuBLASLt workspace of `stream` (one per stream: matmuls of two streams may run at once).
+Status WorkspaceOf(DeviceCache& cache, int device, cudaStream_t stream, const ErrorContext& ctx,
+                   void** out) {
+  auto& ws = cache.workspaces[stream];
+  if (!ws) {
+    auto buffer = std::make_unique<DeviceBuffer>();
+    buffer->device = device;
+    JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
+    ws = std::move(buffer);
+  }
+  *out = ws->ptr;
+  return OkStatus();
+}
+
+// Runs a new plan once, at set-up, on a private stream and private buffers of its shapes
+// (their contents do not matter): cuBLASLt loads an algorithm's kernel at its first matmul on
+// a device, and with lazy loading (CUDA's default) loading "might require context
+// synchronization" (CUDA programming guide, "Lazy Loading", potential hazards) — which must
+// not happen once the call has enqueued work that other ranks' work may wait for. NCCL loads
+// its kernels at init for the same reason (ncclInitKernelsForDevice).
+Status WarmUp(DeviceCache& cache, int device, const Plan& plan, const GemmArgs& g, int64_t c_bs,
+              int64_t c_ld, bool accumulate, const ErrorContext& ctx) {
+  const size_t es = static_cast<size_t>(DTypeSize(g.dtype));
+  const size_t w_bytes = RoundUp256(Span(1, 0, g.k, g.w_ld, g.n) * es);
+  const size_t a_bytes = RoundUp256(Span(g.batch, g.a_bs, g.m, g.a_ld, g.k) * es);
+  const size_t d_bytes =
+      Span(g.batch, std::max(g.d_bs, c_bs), g.m, std::max(g.d_ld, c_ld), g.n) * es;
+  const size_t need = w_bytes + a_bytes + d_bytes;
+  if (cache.warm_stream == nullptr) {
+    JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&cache.warm_stream, cudaStreamNonBlocking));
+    JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&cache.warmed, cudaEventDisableTiming));
+  }
+  if (cache.warm_bytes < need) {
+    cache.warm.reset();  // set-up: nothing of this call is enqueued yet
+    auto buffer = std::make_unique<DeviceBuffer>();
+    buffer->device = device;
+    JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, need));
+    cache.warm = std::move(buffer);
+    cache.warm_bytes = need;
+  }
+  void* ws = nullptr;
+  JO_CHECK(WorkspaceOf(cache, device, cache.warm_stream, ctx, &ws));
+  std::byte* base = static_cast<std::byte*>(cache.warm->ptr);
+  void* d = base + w_bytes + a_bytes;
+  const float alpha = 1.0f;
+  const float beta = accumulate ? 1.0f : 0.0f;
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmul(cache.handle.value, plan.desc.value, &alpha, base,
+                                       plan.a.value, base + w_bytes, plan.b.value, &beta, d,
+                                       plan.c.value, d, plan.d.value, &plan.heuristic.algo, ws,
+                                       plan.heuristic.workspaceSize, cache.warm_stream));
+  JO_CUDA_CHECK(&ctx, cudaEventRecord(cache.warmed, cache.warm_stream));
+  return OkStatus();
+}
+
+// Makes (or finds) the handle, workspace and plan; enqueues the matmul when `enqueue`;
+// `warmed` (if given) is set when a new plan ran its warm-up.
 Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx,
-              bool enqueue) {
+              bool enqueue, bool* warmed = nullptr) {
   const bool accumulate = g.c != nullptr;
   // beta = 0: C is not read; describe it as D (cuBLASLt's in-place form).
   const void* c = accumulate ? g.c : g.d;
@@ -189,13 +265,8 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
   DeviceCache& cache = CacheOf(device);
   std::lock_guard<std::mutex> lock(cache.mu);
   if (cache.handle.value == nullptr) JO_CUBLAS_CHECK(&ctx, cublasLtCreate(&cache.handle.value));
-  auto& ws = cache.workspaces[stream];
-  if (!ws) {
-    auto buffer = std::make_unique<DeviceBuffer>();
-    buffer->device = device;
-    JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
-    ws = std::move(buffer);
-  }
+  void* ws = nullptr;
+  JO_CHECK(WorkspaceOf(cache, device, stream, ctx, &ws));
   const Alignments al = AlignmentsOf(g, c, c_bs, c_ld);
   const PlanKey key{static_cast<int>(g.dtype) * 2 + (g.tf32 ? 1 : 0),
                     g.batch,
@@ -219,6 +290,8 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
   if (!plan) {
     auto fresh = std::make_unique<Plan>();
     JO_CHECK(MakePlan(cache.handle.value, g, c, c_bs, c_ld, ctx, fresh.get()));
+    JO_CHECK(WarmUp(cache, device, *fresh, g, c_bs, c_ld, accumulate, ctx));
+    if (warmed != nullptr) *warmed = true;
     plan = std::move(fresh);
   }
   if (!enqueue) return OkStatus();
@@ -227,19 +300,27 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
   JO_CUBLAS_CHECK(
       &ctx, cublasLtMatmul(cache.handle.value, plan->desc.value, &alpha, g.w, plan->a.value, g.a,
                            plan->b.value, &beta, c, plan->c.value, g.d, plan->d.value,
-                           &plan->heuristic.algo, ws->ptr, plan->heuristic.workspaceSize, stream));
+                           &plan->heuristic.algo, ws, plan->heuristic.workspaceSize, stream));
   return OkStatus();
 }
 
 }  // namespace
 
-Status PrepareLtMatmul(int device, const GemmArgs& g, cudaStream_t stream,
-                       const ErrorContext& ctx) {
-  return Matmul(device, g, stream, ctx, /*enqueue=*/false);
+Status PrepareLtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx,
+                       bool* warmed) {
+  return Matmul(device, g, stream, ctx, /*enqueue=*/false, warmed);
 }
 
 Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx) {
   return Matmul(device, g, stream, ctx, /*enqueue=*/true);
+}
+
+Status JoinWarmUps(int device, cudaStream_t stream, const ErrorContext& ctx) {
+  DeviceCache& cache = CacheOf(device);
+  std::lock_guard<std::mutex> lock(cache.mu);
+  JO_ASSERT(cache.warmed != nullptr);
+  JO_CUDA_CHECK(&ctx, cudaStreamWaitEvent(stream, cache.warmed, 0));
+  return OkStatus();
 }
 
 void ReleaseGemmCaches() {

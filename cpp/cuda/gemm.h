@@ -59,10 +59,18 @@ struct GemmArgs {
 };
 
 // Makes everything the GEMM needs on `stream` (handle, workspace, plan) and
-// enqueues nothing: the executor's prepare phase, so that enqueueing cannot
-// fail half-way for want of a plan.
+// enqueues nothing on it: the executor's prepare phase, so that enqueueing
+// cannot fail half-way for want of a plan. A new plan runs once on a private
+// stream and private buffers (a warm-up: cuBLASLt loads its kernel at its first
+// matmul on a device, which with lazy loading may wait for the device); then
+// `*warmed` is set, and the call must JoinWarmUps before it returns.
 Status PrepareLtMatmul(int device, const GemmArgs& args, cudaStream_t stream,
-                       const ErrorContext& ctx);
+                       const ErrorContext& ctx, bool* warmed);
+
+// Orders `stream` after every warm-up of the device so far: a handler leaves no
+// work behind that is not joined into XLA's stream. Only enqueues
+// (cudaStreamWaitEvent).
+Status JoinWarmUps(int device, cudaStream_t stream, const ErrorContext& ctx);
 
 // Runs the GEMM on `stream` of the current device (preparing it first if needed).
 Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);

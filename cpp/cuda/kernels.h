@@ -43,6 +43,13 @@ struct BlockArgs {
 // Whether a multicast block satisfies the pairing rule above.
 bool MulticastBlockOk(const BlockArgs& args);
 
+// Set-up of a launch (before the call enqueues anything): the checks (the
+// multicast pairing rule; multimem code in the variant the device runs) and
+// loading the kernel the launch will run (lazy loading would otherwise load it
+// at the launch, which may wait for the device). Nothing is enqueued.
+enum class BlockKernel { kAdd, kMcStore, kMcReduce };
+Status PrepareBlockKernel(BlockKernel kind, const BlockArgs& args, const ErrorContext& ctx);
+
 Status LaunchAddBlock(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 Status LaunchMcStore(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 Status LaunchMcReduce(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);

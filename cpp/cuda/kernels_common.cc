@@ -112,12 +112,17 @@ std::map<std::pair<int, const void*>, std::string>& Verdicts() {
   return *verdicts;
 }
 
-// Once per (device, kernel): does the variant this GPU runs have multimem?
+// Once per (device, kernel): loads the kernel and, for a multimem kernel (`what`
+// names it; null for another), asks whether the variant this GPU runs has multimem.
+// cudaFuncGetAttributes references the kernel, so with lazy loading (CUDA's default)
+// it loads it, which "might require context synchronization" (CUDA programming
+// guide, "Lazy Loading", potential hazards): done at set-up (PrepareBlockKernel), as
+// NCCL's ncclInitKernelsForDevice does, never once a call has enqueued work.
 // The driver picks the variant (a cubin for the device, else PTX it JIT-compiles);
 // cudaFuncGetAttributes reports it: ptxVersion is the virtual architecture the
 // code was compiled from, so below 90 the multimem instructions are absent and the
 // kernel would __trap() — a sticky error that ends the context.
-Status RequireMultimemCode(const void* k, const char* what, const ErrorContext& ctx) {
+Status LoadKernel(const void* k, const char* what, const ErrorContext& ctx) {
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {
@@ -131,8 +136,10 @@ Status RequireMultimemCode(const void* k, const char* what, const ErrorContext& 
   cudaFuncAttributes attr{};
   const cudaError_t code = cudaFuncGetAttributes(&attr, k);
   std::string verdict;
-  if (code == cudaErrorNoKernelImageForDevice || code == cudaErrorInvalidDeviceFunction ||
-      (code == cudaSuccess && attr.ptxVersion < kMultimemPtxVersion)) {
+  if (what == nullptr) {
+    if (code != cudaSuccess) return CudaFailure(code, "cudaFuncGetAttributes", &ctx);
+  } else if (code == cudaErrorNoKernelImageForDevice || code == cudaErrorInvalidDeviceFunction ||
+             (code == cudaSuccess && attr.ptxVersion < kMultimemPtxVersion)) {
     (void)cudaGetLastError();
     int major = 0, minor = 0;
     JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -164,8 +171,10 @@ Status Launch(const void* k, const Plan& p, cudaStream_t stream, const ErrorCont
 
 bool Empty(const BlockArgs& a) { return a.batch <= 0 || a.m <= 0 || a.n <= 0; }
 
-Status LaunchMultimem(const char* what, const void* (*table)(Elem, int), const BlockArgs& a,
-                      cudaStream_t stream, const ErrorContext& ctx) {
+// The multimem kernel for `a` (null: nothing to launch), after the pairing rule.
+Status MultimemKernel(const char* what, const void* (*table)(Elem, int), const BlockArgs& a,
+                      const ErrorContext& ctx, const void** k, Plan* p) {
+  *k = nullptr;
   if (!MulticastBlockOk(a))
     return Status(Code::kInvalidArgument,
                   ctx.Describe() + ": " + what +
@@ -173,13 +182,26 @@ Status LaunchMultimem(const char* what, const void* (*table)(Elem, int), const B
                       "addresses (multimem works on element pairs); use transport='p2p' or "
                       "'nccl' for this shape");
   if (Empty(a)) return OkStatus();
-  const Plan p = MakePlan(a, /*multimem=*/true);
-  JO_ASSERT(p.bytes >= 4);
-  const void* k = table(ElemOf(a.dtype), p.bytes);
-  JO_ASSERT(k != nullptr);
-  JO_CHECK(RequireMultimemCode(k, what, ctx));
+  *p = MakePlan(a, /*multimem=*/true);
+  JO_ASSERT(p->bytes >= 4);
+  *k = table(ElemOf(a.dtype), p->bytes);
+  JO_ASSERT(*k != nullptr);
+  return OkStatus();
+}
+
+// At launch the verdict is the one set-up cached (LoadKernel asks the device only once).
+Status LaunchMultimem(const char* what, const void* (*table)(Elem, int), const BlockArgs& a,
+                      cudaStream_t stream, const ErrorContext& ctx) {
+  const void* k = nullptr;
+  Plan p;
+  JO_CHECK(MultimemKernel(what, table, a, ctx, &k, &p));
+  if (k == nullptr) return OkStatus();
+  JO_CHECK(LoadKernel(k, what, ctx));
   return Launch(k, p, stream, ctx);
 }
+
+constexpr const char* kMcStoreName = "multicast store (multimem.st)";
+constexpr const char* kMcReduceName = "multicast load-reduce (multimem.ld_reduce)";
 
 std::vector<std::string> Words(const char* text) {
   std::vector<std::string> out;
@@ -215,12 +237,28 @@ Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const ErrorContex
 }
 
 Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
-  return LaunchMultimem("multicast store (multimem.st)", kernel::McStoreKernel, a, stream, ctx);
+  return LaunchMultimem(kMcStoreName, kernel::McStoreKernel, a, stream, ctx);
 }
 
 Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
-  return LaunchMultimem("multicast load-reduce (multimem.ld_reduce)", kernel::McReduceKernel, a,
-                        stream, ctx);
+  return LaunchMultimem(kMcReduceName, kernel::McReduceKernel, a, stream, ctx);
+}
+
+Status PrepareBlockKernel(BlockKernel kind, const BlockArgs& a, const ErrorContext& ctx) {
+  if (kind == BlockKernel::kAdd) {
+    if (Empty(a)) return OkStatus();
+    const Plan p = MakePlan(a, /*multimem=*/false);
+    const void* k = kernel::AddKernel(ElemOf(a.dtype), p.bytes);
+    JO_ASSERT(k != nullptr);
+    return LoadKernel(k, nullptr, ctx);
+  }
+  const bool store = kind == BlockKernel::kMcStore;
+  const char* what = store ? kMcStoreName : kMcReduceName;
+  const void* k = nullptr;
+  Plan p;
+  JO_CHECK(
+      MultimemKernel(what, store ? kernel::McStoreKernel : kernel::McReduceKernel, a, ctx, &k, &p));
+  return k == nullptr ? OkStatus() : LoadKernel(k, what, ctx);
 }
 
 const std::map<std::string, std::vector<std::string>>& KernelImages() {

@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "core/log.h"
 #include "cuda/device_memory.h"
 
 namespace jo::cuda {
@@ -47,8 +48,60 @@ Status AwaitAll(const std::vector<ncclComm_t>& comms,
 }  // namespace
 
 NcclComms::~NcclComms() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t r = 0; r < comms_.size(); ++r) AbortRankLocked(r);
+  }
+  (void)AwaitAborts(std::chrono::steady_clock::now() + timeout_);
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t r = 0; r < comms_.size(); ++r) AbortRankLocked(r);
+  for (auto& task : aborts_) {
+    if (task->done) {
+      task->thread.join();
+    } else {  // never waited for without a bound: left behind, with its task
+      JO_WARN("ncclCommAbort of rank " + std::to_string(task->rank) + " on GPU " +
+              std::to_string(task->device) +
+              " did not return within JAXOVERLAP_TIMEOUT_S; left running");
+      task->thread.detach();
+    }
+  }
+}
+
+void NcclComms::StartAbortLocked(ncclComm_t comm, int32_t rank, int device) {
+  auto task = std::make_shared<AbortTask>();
+  task->comm = comm;
+  task->rank = rank;
+  task->device = device;
+  task->started = std::chrono::steady_clock::now();
+  task->thread = std::thread([task] {
+    (void)ncclCommAbort(task->comm);  // frees the communicator; may wait for the device
+    task->done = true;
+  });
+  aborts_.push_back(std::move(task));
+}
+
+bool NcclComms::AwaitAborts(std::chrono::steady_clock::time_point deadline) const {
+  std::vector<std::shared_ptr<AbortTask>> aborts;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts = aborts_;
+  }
+  for (const auto& task : aborts)
+    while (!task->done) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  return true;
+}
+
+std::string NcclComms::StuckAborts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& task : aborts_)
+    if (!task->done && now - task->started > timeout_)
+      out += std::string(out.empty() ? "" : ", ") + "rank " + std::to_string(task->rank) +
+             " on GPU " + std::to_string(task->device);
+  return out.empty() ? out : "ncclCommAbort stuck for " + out;
 }
 
 bool NcclComms::created() const {
@@ -67,11 +120,9 @@ Status NcclComms::Create(const std::vector<int>& devices, const ncclUniqueId& id
   config.blocking = 0;
   std::vector<ncclComm_t> base(n, nullptr), split(n, nullptr);
   auto abort_all = [&] {
-    DeviceLocks locks(devices);
-    for (ncclComm_t c : split)
-      if (c != nullptr) (void)ncclCommAbort(c);
-    for (ncclComm_t c : base)
-      if (c != nullptr) (void)ncclCommAbort(c);
+    for (size_t r = 0; r < n; ++r)
+      for (ncclComm_t c : {split[r], base[r]})
+        if (c != nullptr) StartAbortLocked(c, static_cast<int32_t>(r), devices[r]);
   };
   // One ncclCommInitRankConfig per local rank, in one group (NCCL requires
   // the group when one thread initialises several ranks).
@@ -187,12 +238,9 @@ void NcclComms::Abort() {
 
 void NcclComms::AbortRankLocked(size_t rank) {
   if (rank >= comms_.size()) return;
-  std::vector<ncclComm_t>& mine = comms_[rank];
-  if (mine.empty() || (mine[0] == nullptr && mine[1] == nullptr)) return;
-  std::lock_guard<std::mutex> device(DeviceNcclLock(devices_[rank]));
-  for (ncclComm_t& c : mine) {
-    if (c != nullptr) (void)ncclCommAbort(c);  // frees the communicator
-    c = nullptr;
+  for (ncclComm_t& c : comms_[rank]) {
+    if (c != nullptr) StartAbortLocked(c, static_cast<int32_t>(rank), devices_[rank]);
+    c = nullptr;  // freed by the abort
   }
 }
 

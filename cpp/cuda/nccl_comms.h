@@ -21,18 +21,31 @@
 // Abort, Acquire fails. Teardown finalizes (ncclCommFinalize, polled) and
 // destroys; a communicator that does not finalize in time is aborted.
 //
+// Every ncclCommAbort runs on a thread of its own, all of a device's at
+// once, with no lock held: it frees device memory, which waits for every
+// kernel of the device (NCCL issue #549, pull request #564: aborting a
+// device's communicators one after the other hangs while another one's
+// kernel still runs; marking them all aborted first lets every kernel exit).
+// Nobody waits for an abort: Abort returns at once, an abort still running
+// after the timeout is named by StuckAborts (the clique's description) and
+// left behind at teardown, reported, rather than waited for.
+//
 // NCCL's thread-safety rule (NCCL user guide, "Thread Safety": issuing
 // operations in parallel to independent communicators located on the same
 // device from several threads is not safe) is kept with one process-wide
 // lock per device (DeviceNcclLock), taken by every NCCL call sequence here
-// and by the executor's groups.
+// and by the executor's groups — never across ncclCommAbort.
 #pragma once
 
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "core/status.h"
@@ -47,8 +60,11 @@ class NcclComms {
  public:
   static constexpr int32_t kChannels = 2;  // program streams 1 and 2
 
-  NcclComms() = default;
-  ~NcclComms();  // aborts whatever Finalize did not take down
+  explicit NcclComms(std::chrono::milliseconds timeout = std::chrono::milliseconds(120000))
+      : timeout_(timeout) {}
+  // Aborts whatever Finalize did not take down; waits for the aborts until the
+  // timeout, then leaves the stuck ones behind (reported).
+  ~NcclComms();
   NcclComms(const NcclComms&) = delete;
   NcclComms& operator=(const NcclComms&) = delete;
 
@@ -91,11 +107,32 @@ class NcclComms {
 
   bool created() const;
 
+  // The aborts running for longer than the timeout ("" if none).
+  std::string StuckAborts() const;
+
+  // Whether every abort started so far has returned, polling until `deadline`
+  // (the fake's virtual-clock watchdog and tests; nothing else waits for them).
+  bool AwaitAborts(std::chrono::steady_clock::time_point deadline) const;
+
  private:
-  void AbortRankLocked(size_t rank);  // requires mu_
+  // One ncclCommAbort on its own thread; shared with that thread.
+  struct AbortTask {
+    ncclComm_t comm = nullptr;
+    int32_t rank = -1;
+    int device = -1;
+    std::chrono::steady_clock::time_point started;
+    std::atomic<bool> done{false};
+    std::thread thread;
+  };
+  // Starts the aborts of `rank`'s communicators (requires mu_).
+  void AbortRankLocked(size_t rank);
+  // Starts ncclCommAbort of `comm` on a thread of its own (requires mu_).
+  void StartAbortLocked(ncclComm_t comm, int32_t rank, int device);
   void Release(int32_t rank);
 
+  const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
+  std::vector<std::shared_ptr<AbortTask>> aborts_;
   std::vector<int> devices_;
   std::vector<std::vector<ncclComm_t>> comms_;  // [rank][channel]; null: another process's
   std::vector<int> leases_;

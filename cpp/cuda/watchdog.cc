@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "core/log.h"
@@ -20,7 +21,8 @@ constexpr auto kFlagRead = std::chrono::milliseconds(500);  // bound on reading 
 
 struct Entry {
   std::deque<WatchedCall> calls;  // pending, oldest first
-  Clock::time_point front_since;  // when calls.front() became the oldest pending call
+  bool front_started = false;     // calls.front()'s `started` event was seen complete ...
+  Clock::time_point front_since;  // ... at this time: its clock
 };
 
 class Watchdog {
@@ -32,13 +34,13 @@ class Watchdog {
     // Calls of a clique that is gone and whose address a new clique got: dropped, not taken for
     // this one's (the thread drops them at its next pass; a virtual clock may pass later).
     if (!e.calls.empty() && e.calls.front().clique.expired()) e.calls.clear();
-    if (e.calls.empty()) e.front_since = Now();
+    if (e.calls.empty()) e.front_started = false;
     e.calls.push_back(std::move(call));
     // A done event is reused every `slots` epochs: stop watching calls whose
     // event a newer call has re-recorded (the host ran that far ahead).
     while (static_cast<int64_t>(e.calls.size()) > e.calls.back().slots - 1) {
       e.calls.pop_front();
-      e.front_since = Now();
+      e.front_started = false;
     }
     if (!virtual_clock_ && !thread_started_) {
       thread_started_ = true;
@@ -105,16 +107,27 @@ class Watchdog {
       (void)cudaGetDevice(&prev);
       (void)cudaSetDevice(front.device);
       const cudaError_t q = cudaEventQuery(front.done);
+      // The call's clock starts when the GPU got to it (its `started` event).
+      const cudaError_t s =
+          q == cudaErrorNotReady && !e.front_started ? cudaEventQuery(front.started) : q;
       (void)cudaSetDevice(prev);
       if (q == cudaSuccess) {
         e.calls.pop_front();
-        e.front_since = Now();
+        e.front_started = false;
         continue;  // look at the next one (or erase the entry) on this same pass
       }
-      if (q != cudaErrorNotReady) {
+      if (q != cudaErrorNotReady || (s != cudaSuccess && s != cudaErrorNotReady)) {
         (void)cudaGetLastError();  // e.g. the runtime is shutting down: stop watching
         it = entries_.erase(it);
         continue;
+      }
+      if (!e.front_started) {
+        if (s == cudaErrorNotReady) {  // still queued behind earlier work: not late
+          ++it;
+          continue;
+        }
+        e.front_started = true;
+        e.front_since = Now();
       }
       if (Now() - e.front_since > front.timeout) {
         const WatchedCall late = front;
@@ -207,7 +220,11 @@ class Watchdog {
             gen->Flag(c.rank, i / gen->num_flags, i % gen->num_flags, c.rank),
             static_cast<cuuint32_t>(latest_epoch), CU_STREAM_WRITE_VALUE_DEFAULT);
     }
-    if (c.nccl) clique->AbortComms();
+    // On a virtual clock (the fake) the pass also waits, bounded, for the aborts it started:
+    // the fake GPU must see them before it decides it cannot progress. Never on real time.
+    if (c.nccl)
+      clique->AbortComms(virtual_clock_ ? std::optional<Clock::time_point>(Clock::now() + c.timeout)
+                                        : std::nullopt);
     if (read != nullptr) (void)cudaEventDestroy(read);
     if (side != nullptr) (void)cudaStreamDestroy(side);
     (void)cudaSetDevice(prev);

@@ -2,11 +2,13 @@
 //
 // On the GPU a Wait (cuStreamWaitValue32) or an NCCL receive waits forever
 // if the peer never arrives. After each enqueue, CudaCall records a `done`
-// event on XLA's stream and hands it to the watchdog. A polling thread (it
-// runs only while calls are pending) queries each rank's oldest pending
-// call; the clock of a call starts when it becomes the oldest pending one
-// (the host may run many calls ahead of the GPU: time spent queued behind
-// earlier calls does not count). When it is older than the call's timeout
+// event on XLA's stream and hands it to the watchdog; a `started` event,
+// recorded on XLA's stream before the call's first work, says when the GPU
+// got to it. A polling thread (it runs only while calls are pending) queries
+// each rank's oldest pending call; the clock of a call starts when its
+// `started` event is seen complete (the host may run far ahead of the GPU:
+// time the call spends queued behind XLA's work or earlier calls does not
+// count; those are watched themselves). When it is older than the call's timeout
 // (JAXOVERLAP_TIMEOUT_S, the timeout_ms attribute), it
 //   1. reads the rank's flags and reports, with JO_WARN, which flag from
 //      which peer never arrived (or that it is stuck inside NCCL);
@@ -45,8 +47,9 @@ struct WatchedCall {
   std::weak_ptr<CudaClique> clique;
   int32_t rank = 0;
   int device = 0;
-  cudaEvent_t done = nullptr;  // recorded on XLA's stream after the call
-  int64_t slots = 1;           // done events are reused every `slots` epochs
+  cudaEvent_t started = nullptr;  // recorded on XLA's stream before the call's first work
+  cudaEvent_t done = nullptr;     // recorded on XLA's stream after the call
+  int64_t slots = 1;              // done events are reused every `slots` epochs
   int64_t epoch = 0;
   std::weak_ptr<const Generation> gen;             // the clique frees it once every rank is past it
   std::vector<std::pair<int32_t, int32_t>> waits;  // (flag id, writer) of the program's Waits

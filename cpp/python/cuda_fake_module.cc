@@ -157,17 +157,35 @@ jo::Transport ParseTransport(const std::string& s) {
   throw nb::value_error(("transport: expected nccl, p2p or multicast, got " + s).c_str());
 }
 
+// The XLA streams of run(), per (played process, device); forgotten by Reset.
+std::mutex g_xla_mu;
+std::map<std::pair<int, int>, cudaStream_t> g_xla;
+
+// On the calling thread (whose played process and device are set).
+cudaStream_t XlaStream(int process, int device) {
+  std::lock_guard<std::mutex> lock(g_xla_mu);
+  cudaStream_t& s = g_xla[{process, device}];
+  if (s == nullptr && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+    s = nullptr;
+  return s;
+}
+
 void Reset(int devices, int cc_major, bool multicast,
            std::optional<std::vector<std::vector<bool>>> peer, uint64_t seed, int grace_ms,
            bool shareable, bool fabric, bool imex_channel, int connections, int cc_minor,
            bool flush_remote_writes,
-           std::optional<std::map<std::string, std::vector<std::string>>> kernel_images) {
+           std::optional<std::map<std::string, std::vector<std::string>>> kernel_images,
+           int module_loading = 0, uint64_t host_jitter = 0) {
   jo::cuda::ResetCudaCliques();
   jo::cuda::ForgetNcclIds();
   jo::cuda::ReleaseGemmCaches();
   jo::cuda::ForgetFabricProbes();
   jo::cuda::ForgetKernelVerdicts();
   jo::cuda::ForgetDeviceAttributes();
+  {
+    std::lock_guard<std::mutex> lock(g_xla_mu);
+    g_xla.clear();
+  }
   jo::fake::Config config;
   config.devices = devices;
   config.cc_major = cc_major;
@@ -182,6 +200,8 @@ void Reset(int devices, int cc_major, bool multicast,
   config.connections = connections;
   config.cc_minor = cc_minor;
   config.flush_remote_writes = flush_remote_writes;
+  config.module_loading = module_loading;
+  config.host_jitter = host_jitter;
   jo::fake::Reset(config);
   // Which compiled variants each kernel has: this build's record unless a test says otherwise.
   jo::fake::SetKernelImages(kernel_images ? *kernel_images : jo::cuda::KernelImages());
@@ -195,7 +215,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key, int calls,
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
-             std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32) {
+             std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
+             int64_t hold_ms) {
   const bool ag = op == "ag_matmul", rs = op == "matmul_rs", ar = op == "matmul_ar";
   if (!ag && !rs && !ar) throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -273,6 +294,9 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   desc.table.device_ids = devices;
   jo::cuda::CudaSite site(desc, jo::NewCallSiteId(clique_key));
   std::vector<std::string> statuses(nranks);
+  // hold_ms: XLA's stream of every rank first waits for a flag the host raises only after the
+  // watchdog's clock moved on by hold_ms (earlier work the GPU is still busy with).
+  std::vector<uint32_t*> holds(static_cast<size_t>(nranks), nullptr);
   {
     nb::gil_scoped_release release;
     std::vector<std::thread> threads;
@@ -285,19 +309,30 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
           int32_t process;
           ~Stop() { board.Stop(process); }
         } stop{*board, static_cast<int32_t>(desc.table.processes[static_cast<size_t>(r)])};
+        const jo::fake::HostThread host;  // a rank's thread, as XLA's per device
         const int dev = static_cast<int>(devices[r]);
         jo::fake::SetPlayedProcess(static_cast<int>(desc.table.processes[static_cast<size_t>(r)]));
         if (cudaSetDevice(dev) != cudaSuccess) {
           statuses[r] = "cudaSetDevice failed";
           return;
         }
-        cudaStream_t xla = nullptr;  // stands for XLA's stream of this device
-        if (cudaStreamCreateWithFlags(&xla, cudaStreamNonBlocking) != cudaSuccess) {
+        // Stands for XLA's stream of this device: one per (played process, device) until
+        // reset(), as XLA keeps its compute stream (cuBLASLt workspaces are per stream).
+        cudaStream_t xla =
+            XlaStream(static_cast<int>(desc.table.processes[static_cast<size_t>(r)]), dev);
+        if (xla == nullptr) {
           statuses[r] = "stream creation failed";
           return;
         }
         // tests: XLA captures this stream into a CUDA graph (a command buffer).
         if (capture) (void)cudaStreamBeginCapture(xla, cudaStreamCaptureModeThreadLocal);
+        const jo::cuda::DriverApi* drv = nullptr;
+        if (hold_ms > 0 && jo::cuda::LoadDriver(&drv).ok()) {
+          holds[static_cast<size_t>(r)] = static_cast<uint32_t*>(jo::fake::Malloc(dev, 4));
+          (void)drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(xla),
+                                         reinterpret_cast<CUdeviceptr>(holds[r]), 1,
+                                         CU_STREAM_WAIT_VALUE_GEQ);
+        }
         jo::Problem problem = q;
         if (r == skew_rank) ++problem.chunks;  // tests: this rank disagrees on the call
         if (r == skip_rank) return;            // tests: this rank never makes the call
@@ -320,6 +355,11 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         }
       });
     for (auto& t : threads) t.join();
+    if (hold_ms > 0) {
+      jo::cuda::AdvanceWatchdogClock(std::chrono::milliseconds(hold_ms));
+      for (uint32_t* flag : holds)
+        if (flag != nullptr) *flag = 1;
+    }
   }
   const bool drained = jo::fake::Drain();
   nb::list ys, gs, st;
@@ -383,12 +423,14 @@ nb::dict LeaseRace(bool hold_lease) {
   });
   wait_for(1);
   std::thread watchdog([&] {
-    comms.Abort();
+    comms.Abort();  // starts the aborts on threads of their own: await them here
+    (void)comms.AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
     aborts_when_abort_returned = jo::fake::Counters()["ncclCommAbort"];
   });
   watchdog.join();
   reach(2);
   enqueue.join();
+  (void)comms.AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
   jo::cuda::NcclComms::Lease again;
   const jo::Status late = comms.Acquire(0, ctx, &again);
   nb::dict out;
@@ -724,8 +766,11 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("grace_ms") = 0, nb::arg("shareable") = true, nb::arg("fabric") = false,
         nb::arg("imex_channel") = true, nb::arg("connections") = 0, nb::arg("cc_minor") = 0,
         nb::arg("flush_remote_writes") = false, nb::arg("kernel_images") = nb::none(),
+        nb::arg("module_loading") = 0, nb::arg("host_jitter") = 0,
         "Forget every clique and fake object; configure the fake machine (connections: hardware "
         "work queues per device, 0: CUDA_DEVICE_MAX_CONNECTIONS from the environment; "
+        "module_loading: 0 CUDA_MODULE_LOADING from the environment (lazy unless EAGER), 1 "
+        "lazy, 2 eager; host_jitter: nonzero seeds uneven speeds of the ranks' host threads; "
         "kernel_images: the fatbinary's variants per kernel family, default this build's; "
         "grace_ms: the time a stuck GPU lets pass on the watchdog's virtual clock before the "
         "fake calls it a deadlock).");
@@ -737,7 +782,7 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
-        nb::arg("capture") = false, nb::arg("tf32") = false);
+        nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0);
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
@@ -749,6 +794,12 @@ NB_MODULE(_cuda_fake, m) {
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");
   m.def("pending_watches", &jo::cuda::PendingWatches,
         "Ranks with calls the watchdog still watches.");
+  m.def(
+      "lazy_loading", &jo::fake::LazyLoading,
+      "Whether the fake loads functions lazily (CUDA_MODULE_LOADING, or reset(module_loading=)).");
+  m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
+        "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
+        "what the fake recorded for each.");
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");

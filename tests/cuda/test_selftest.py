@@ -18,9 +18,10 @@ def test_selftest_runs_and_says_no_gpu(capsys):
     assert "NO GPU FOUND" in out and "does NOT test the CUDA executor" in out
     assert "FAIL " not in out
     for transport in ("nccl", "p2p", "multicast"):
-        assert f"ag_matmul {transport}" in out and f"matmul_rs {transport}" in out
+        for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+            assert f"PASS  {op:9s} {transport}" in out
     if _cuda_caps.cuda_error() is None:
-        assert "(CUDA executor on the host-side fake)  matches float64" in out
+        assert "(CUDA executor on the host-side fake)  max |native - float64|" in out
 
 
 def test_info_prints_the_gpu_section():
@@ -50,3 +51,60 @@ def test_selftest_on_the_fake_honours_the_work_queue_setting(capsys, monkeypatch
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     fake.reset()
     assert fake.connections() == 8
+
+
+def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
+    """``selftest --fake --report FILE``: versions, topology, every row with its time; with rows
+    made to fail (a bound of zero), the first error and the cliques as they were then."""
+    import json
+
+    from jaxoverlap import _selftest
+
+    from .conftest import require_module
+
+    require_module("_cuda_fake")
+    path = tmp_path / "report.json"
+    assert main(quick=True, fake=True, report=str(path)) == 0
+    report = json.loads(path.read_text())
+    assert report["versions"]["jax"] and report["versions"]["jaxoverlap"]
+    assert "fake" in report["topology"]
+    assert len(report["rows"]) == 9 and all(r["passed"] for r in report["rows"])
+    assert all(r["seconds"] >= 0 and "of the bound" in r["detail"] for r in report["rows"])
+    assert report["first_error"] is None
+    monkeypatch.setattr(_selftest, "bound", lambda *a: 0.0)
+    assert main(quick=True, fake=True, report=str(path)) == 1
+    first = json.loads(path.read_text())["first_error"]
+    assert first["row"].startswith("ag_matmul nccl") and "rank 0" in first["error"]
+    assert any("nccl" in line and "clique" in line for line in first["cliques"]), first
+    capsys.readouterr()
+
+
+def test_the_bound_covers_a_ring_reduction_in_bf16_and_catches_a_lost_rank():
+    """The selftest's bound (docs/gpu.md §7) against a model of what the GPU computes for a bf16
+    ``matmul_rs``/``matmul_ar``: each rank's partial product accumulated in float32 and rounded
+    to bf16, then summed around a ring with a rounding to bf16 at every step. Every seed passes
+    (a tolerance not derived from N and K failed 2 of 10 such seeds); a sum that lost one rank's
+    partial fails."""
+    import ml_dtypes
+    import numpy as np
+
+    from jaxoverlap._selftest import bound
+
+    bf16 = ml_dtypes.bfloat16
+    n, rows, k, nw = 8, 16, 64, 24
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        xs = [rng.standard_normal((rows, k)).astype(bf16) for _ in range(n)]
+        ws = [rng.standard_normal((k, nw)).astype(bf16) for _ in range(n)]
+        partials = [(x.astype(np.float32) @ w.astype(np.float32)).astype(bf16)
+                    for x, w in zip(xs, ws, strict=True)]
+        ring = partials[0]
+        for p in partials[1:]:
+            ring = (ring.astype(np.float32) + p.astype(np.float32)).astype(bf16)
+        x64 = np.concatenate(xs, axis=1).astype(np.float64)
+        w64 = np.concatenate(ws, axis=0).astype(np.float64)
+        allowed = bound("matmul_rs", "bfloat16", n, k, x64, w64)
+        ref = x64 @ w64
+        assert np.all(np.abs(ring.astype(np.float64) - ref) <= allowed), seed
+        lost = ring.astype(np.float64) - partials[3].astype(np.float64)
+        assert not np.all(np.abs(lost - ref) <= allowed), seed

@@ -34,3 +34,26 @@ def test_every_program_completes_through_the_work_queues(fake, op, transport, co
             out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=2, k=4, nw=3,
                                    chunks=chunks, bidirectional=bidirectional)
             check(fake, out, op, xs, ws, 2, "float32")
+
+
+# Calls whose needs grow on one clique, as the selftest's rows do (more chunks: more flags, a
+# bigger workspace), so buffer generations are made and past ones freed while other ranks
+# enqueue; two calls per step; the ranks' host threads at uneven speeds (``host_jitter``: seeded
+# pauses at the fake's calls), several seeds per case, i.e. several orders of the ranks' threads.
+# The fake's host calls wait as the GPU's do (cudaMalloc/cudaFree, VMM unmap/release, lazy
+# loading, ncclCommAbort: fake_waits.cc), so a rank that waits for the GPU while the GPU waits
+# for that rank's next enqueue is reported as a deadlock.
+GROWTH = ((1, False), (2, False), (4, True), (3, True), (4, False))
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+def test_growing_calls_with_ranks_at_uneven_speeds(fake, op, transport):
+    for n in (2, 3, 4):
+        for connections in (1, 8):
+            for seed in (1, 2, 3):
+                fake.reset(connections=connections, seed=seed, host_jitter=seed)
+                for chunks, bidirectional in GROWTH:
+                    out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=4, k=4, nw=3,
+                                           chunks=chunks, bidirectional=bidirectional, calls=2)
+                    check(fake, out, op, xs, ws, 4, "float32")

@@ -4,6 +4,7 @@
 
 #include "core/convert.h"
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_waits.h"
 
 namespace jo::fake {
 
@@ -201,6 +202,25 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
                               const cublasLtMatmulAlgo_t* algo, void* workspace,
                               size_t workspace_bytes, cudaStream_t s) {
   using jo::fake::Layout;
+  {
+    // cuBLASLt's kernel for this algorithm: with lazy loading, its first use on a device
+    // loads it (fake_waits.cc). The fake's algorithm is the compute type, the data type
+    // and the alignments (cublasLtMatmulAlgoGetHeuristic).
+    std::string kernel = "cuBLASLt kernel";
+    int device = -1;
+    {
+      Lock lock(S().mu);
+      if (jo::fake::KnownStream(s) && algo != nullptr && S().descs.count(desc) > 0 &&
+          S().layouts.count(Adesc) > 0) {
+        device = s->device;
+        kernel += " compute " + std::to_string(S().descs[desc].compute) + " type " +
+                  std::to_string(S().layouts[Adesc].type);
+        for (int i = 0; i < 4; ++i) kernel += " " + std::to_string(algo->data[i]);
+      }
+    }
+    if (device >= 0 && !jo::fake::LoadFunction(device, kernel, "cublasLtMatmul"))
+      return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   Lock lock(S().mu);
   Count("cublasLtMatmul");
   auto fail = [](const std::string& t) {

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_waits.h"
 
 namespace jo::fake {
 namespace {
@@ -133,7 +134,26 @@ CUresult FakeMemCreate(CUmemGenericAllocationHandle* h, size_t bytes,
   return CUDA_SUCCESS;
 }
 
+// The devices whose memory a VMM release or unmap gives back: they wait for
+// every queue of each (fake_waits.cc). False on a deadlock.
+bool AwaitDevices(const std::set<int>& devices, const std::string& call) {
+  for (int d : devices)
+    if (d >= 0 && !WaitForDevice(d, call)) return false;
+  return true;
+}
+
 CUresult FakeMemRelease(CUmemGenericAllocationHandle h) {
+  {
+    std::set<int> devices;
+    {
+      Lock lock(S().mu);
+      Count("cuMemRelease");
+      if (auto p = S().phys.find(h); p != S().phys.end()) devices.insert(p->second.device);
+      if (auto m = S().mcs.find(h); m != S().mcs.end())
+        devices.insert(m->second.devices.begin(), m->second.devices.end());
+    }
+    if (!AwaitDevices(devices, "cuMemRelease")) return CUDA_ERROR_UNKNOWN;
+  }
   Lock lock(S().mu);
   if (S().phys.erase(h)) return CUDA_SUCCESS;
   auto mc = S().mcs.find(h);
@@ -322,6 +342,21 @@ CUresult FakeMemMap(CUdeviceptr p, size_t bytes, size_t offset, CUmemGenericAllo
 }
 
 CUresult FakeMemUnmap(CUdeviceptr p, size_t bytes) {
+  {
+    std::set<int> devices;
+    {
+      Lock lock(S().mu);
+      Count("cuMemUnmap");
+      if (auto it = S().allocs.find(static_cast<uintptr_t>(p)); it != S().allocs.end()) {
+        devices = it->second.access;
+        devices.insert(it->second.device);
+        if (it->second.multicast)
+          if (auto m = S().mcs.find(it->second.mc); m != S().mcs.end())
+            devices.insert(m->second.devices.begin(), m->second.devices.end());
+      }
+    }
+    if (!AwaitDevices(devices, "cuMemUnmap")) return CUDA_ERROR_UNKNOWN;
+  }
   Lock lock(S().mu);
   auto it = S().allocs.find(static_cast<uintptr_t>(p));
   if (it == S().allocs.end() || it->second.bytes != bytes) return CUDA_ERROR_INVALID_VALUE;

@@ -53,6 +53,7 @@
 
 #include "core/convert.h"
 #include "cuda/fake/fake_runtime.h"
+#include "cuda/fake/fake_waits.h"
 #include "cuda/kernel_body.h"
 #include "cuda/kernel_table.h"
 #include "cuda/kernels.h"
@@ -449,6 +450,8 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
     return sticky;
   jo::fake::KernelVariant v;
   if (const cudaError_t code = Variant(k, device, &v); code != cudaSuccess) return code;
+  // It references the kernel: with lazy loading, that loads it (fake_waits.cc).
+  if (!jo::fake::LoadFunction(device, k->name, "cudaFuncGetAttributes")) return cudaErrorUnknown;
   std::memset(attr, 0, sizeof(*attr));
   attr->ptxVersion = v.ptx_version;
   attr->binaryVersion = v.binary_version;
@@ -500,6 +503,8 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
     Fail("cudaLaunchKernel " + k->name + ": empty block");
     return cudaErrorInvalidValue;
   }
+  // With lazy loading, the first launch on a device loads the kernel (fake_waits.cc).
+  if (!jo::fake::LoadFunction(device, k->name, "cudaLaunchKernel")) return cudaErrorUnknown;
   auto run = std::make_shared<jo::fake::Execution>();
   run->kernel = k->name;
   run->ptx_version = v.ptx_version;

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_waits.h"
 
 namespace jo::fake {
 
@@ -156,7 +157,10 @@ size_t NcclSize(ncclDataType_t t) {
   }
 }
 
-void Count(const char* api) { ++S().counters[api]; }
+void Count(const char* api) {
+  ++S().counters[api];
+  CheckEnqueuePath(api);  // fake_waits.cc: only non-blocking calls once a handler enqueued
+}
 
 void Fail(const std::string& text) {
   Lock lock(S().mu);
@@ -189,6 +193,7 @@ void Reset(const Config& config) {
   s.config = config;
   s.rng.seed(config.seed);
   ResetQueues();
+  ResetWaits();
 }
 
 std::vector<std::string> Errors() {

@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_waits.h"
 
 using jo::fake::Count;
 using jo::fake::Fail;
@@ -253,13 +254,16 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
 }
 
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
-  Lock lock(S().mu);
-  Count("ncclCommAbort");
-  if (!Usable(comm, "ncclCommAbort")) return ncclInvalidArgument;
-  // Its queued and running groups complete at once (their kernels exit) and
-  // transfer nothing.
-  comm->aborted = true;
-  return ncclSuccess;
+  {
+    Lock lock(S().mu);
+    Count("ncclCommAbort");
+    if (!Usable(comm, "ncclCommAbort")) return ncclInvalidArgument;
+    // Its queued and running groups complete at once (their kernels exit) and
+    // transfer nothing.
+    comm->aborted = true;
+  }
+  // Then it frees its device memory: that waits for the device (fake_waits.cc).
+  return jo::fake::AwaitOtherCommunicators(comm) ? ncclSuccess : ncclInternalError;
 }
 
 ncclResult_t ncclGroupStart() {

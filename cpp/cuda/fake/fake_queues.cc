@@ -20,6 +20,7 @@
 #include <string>
 
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_waits.h"
 
 namespace jo::fake {
 namespace {
@@ -186,6 +187,7 @@ void Push(cudaStream_t s, FakeTask task) {
   if (t_touched != nullptr) (*t_touched)[s] = {s->enqueued, task.what};
   s->tasks.push_back(std::move(task));
   QueuesOf(s)[static_cast<size_t>(s->queue)].push_back(s);
+  NoteHostActivity();  // a host thread waiting for the GPU may now get what it waits for
 }
 
 void Push(cudaStream_t s, std::string what, std::function<bool()> ready,
@@ -257,6 +259,20 @@ void EndHandler(cudaStream_t xla, const std::string& who) {
   delete t_touched;
   t_touched = nullptr;
   t_handler = nullptr;
+}
+
+// The enqueue path begins with the handler's first task on XLA's stream (the fork, or
+// the first op of a one-stream program); work on other streams before it is set-up.
+bool HandlerEnqueued() { return t_touched != nullptr && t_touched->count(t_handler) > 0; }
+
+std::string DescribeStuckWork() {
+  Lock lock(S().mu);
+  return DeadlockReport();
+}
+
+void DropAllWork() {
+  Lock lock(S().mu);
+  DropWork(-1);
 }
 
 }  // namespace jo::fake

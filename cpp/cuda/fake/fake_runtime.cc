@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_waits.h"
 
 using jo::fake::Count;
 using jo::fake::Fail;
@@ -40,6 +41,7 @@ cudaError_t cudaGetDevice(int* d) {
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) {
+  jo::fake::Jitter();  // Config::host_jitter: ranks' threads at uneven speeds
   Lock lock(S().mu);
   if (!jo::fake::ValidDevice(d))
     return RtFail(cudaErrorInvalidDevice, "cudaSetDevice(" + std::to_string(d) + ")");
@@ -48,13 +50,27 @@ cudaError_t cudaSetDevice(int d) {
 }
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
+  jo::fake::Jitter();
   Count("cudaMalloc");
+  // It waits for every queue of the device (fake_waits.cc).
+  if (!jo::fake::WaitForDevice(t_device, "cudaMalloc")) return cudaErrorMemoryAllocation;
   // Real cudaMalloc memory is not zeroed: poison it.
   *p = jo::fake::Malloc(t_device, bytes, 0x5A);
   return cudaSuccess;
 }
 
 cudaError_t cudaFree(void* p) {
+  jo::fake::Jitter();
+  {
+    int device = -1;
+    {
+      Lock lock(S().mu);
+      Count("cudaFree");
+      if (const jo::fake::Alloc* a = jo::fake::Find(p, 1)) device = a->device;
+    }
+    // It waits for every queue of the device (fake_waits.cc).
+    if (device >= 0 && !jo::fake::WaitForDevice(device, "cudaFree")) return cudaErrorUnknown;
+  }
   Lock lock(S().mu);
   auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));
   if (it == S().allocs.end() || it->second.viewer >= 0 || it->second.vmm)
@@ -80,6 +96,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
 // stream is idle; if it cannot get there the real call would never return.
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   Lock lock(S().mu);
+  Count("cudaStreamSynchronize");
   if (!jo::fake::StreamOk(s, "cudaStreamSynchronize"))
     return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize");
   if (s->capture != 0)
@@ -95,6 +112,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 
 cudaError_t cudaDeviceSynchronize(void) {
   Lock lock(S().mu);
+  Count("cudaDeviceSynchronize");
   const int device = t_device;
   auto idle = [device] {
     for (auto& st : S().streams)

@@ -60,6 +60,11 @@
 //    opens and cuMemMap of imported memory get a new address of the same
 //    pages; an IPC mapping may be touched only by the device that opened it,
 //    a cuMemMap mapping only by the devices cuMemSetAccess named.
+//  * host calls that wait for the GPU (fake_waits.cc): cudaMalloc/cudaFree,
+//    cuMemUnmap/cuMemRelease, lazy loading, ncclCommAbort wait for their device
+//    while the other ranks' threads (HostThread) go on; a wait none of them can
+//    end is a deadlock, reported. Between a handler's first enqueue on XLA's
+//    stream and its return only the non-blocking calls of docs/gpu.md §3 may run.
 // Drain() runs the queues; the order among startable queue heads is
 // pseudo-random (seeded), one task at a time, so different interleavings get
 // exercised. A state where nothing can start or complete but work remains
@@ -102,6 +107,12 @@ struct Config {
   // Hardware work queues per device; 0: CUDA_DEVICE_MAX_CONNECTIONS from the
   // environment (the driver's default, 8, when unset).
   int connections = 0;
+  // Module loading (CUDA programming guide, "Lazy Loading"): 0 reads CUDA_MODULE_LOADING
+  // from the environment as CUDA does (lazy unless it says EAGER), 1 lazy, 2 eager.
+  int module_loading = 0;
+  // Nonzero: the ranks' host threads (HostThread) pause for seeded random moments at
+  // the fake's calls, so that they run at uneven speeds (another order per seed).
+  uint64_t host_jitter = 0;
 };
 
 void Reset(const Config& config);  // forgets everything (no live objects may remain in use)
@@ -120,6 +131,22 @@ int Connections();
 // `xla` or complete; else a misuse naming `who`.
 void BeginHandler(cudaStream_t xla);
 void EndHandler(cudaStream_t xla, const std::string& who);
+// A rank's host thread (the test driver's, one per rank as XLA has one per
+// device) while it lives. A host call that waits for the GPU waits as long as
+// some other such thread may still enqueue what the GPU needs; when none can
+// (all wait too, or are gone) the wait is a deadlock, reported, never a hang.
+class HostThread {
+ public:
+  HostThread();
+  ~HostThread();
+  HostThread(const HostThread&) = delete;
+  HostThread& operator=(const HostThread&) = delete;
+};
+// Whether functions are loaded lazily (after Reset; Config::module_loading).
+bool LazyLoading();
+// The deliberate misuses of the rules about host calls that wait for the GPU
+// (fake_waits.cc): check name -> the first error the fake recorded ("" for a control).
+std::map<std::string, std::string> WaitMisuseChecks();
 // Host memory of the fake device allocation (for the test driver).
 void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
 

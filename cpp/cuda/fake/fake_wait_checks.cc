@@ -1,0 +1,240 @@
+// One deliberate misuse per rule of fake_waits.cc (and its control): a host call
+// that waits for the GPU while the GPU waits for work only that host thread (or
+// one waiting too) would enqueue. Each must be reported as a deadlock, never hang.
+#include <cublasLt.h>
+#include <cuda.h>
+#include <nccl.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "cuda/driver.h"
+#include "cuda/fake/fake_runtime.h"
+#include "cuda/kernels.h"
+
+namespace jo::fake {
+namespace {
+
+cudaStream_t StreamOn(int device) {
+  cudaSetDevice(device);
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  return s;
+}
+
+const cuda::DriverApi* Driver() {
+  const cuda::DriverApi* drv = nullptr;
+  (void)cuda::LoadDriver(&drv);
+  return drv;
+}
+
+// A wait on `device` for a flag nobody has written yet; returns the flag.
+CUdeviceptr PendingWait(int device) {
+  cudaStream_t s = StreamOn(device);
+  void* flag = Malloc(device, 4);
+  Driver()->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
+                                1, CU_STREAM_WAIT_VALUE_GEQ);
+  return reinterpret_cast<CUdeviceptr>(flag);
+}
+
+void Raise(int device, CUdeviceptr flag) {
+  cudaStream_t s = StreamOn(device);
+  Driver()->cuStreamWriteValue32(reinterpret_cast<CUstream>(s), flag, 1,
+                                 CU_STREAM_WRITE_VALUE_DEFAULT);
+}
+
+// A 4x4 float32 GEMM on `s` through cuBLASLt (the executor's attributes).
+void Gemm(cudaStream_t s, int device) {
+  cublasLtHandle_t h = nullptr;
+  cublasLtCreate(&h);
+  cublasLtMatmulDesc_t d = nullptr;
+  cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  cublasLtMatrixLayout_t l = nullptr;
+  cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, 4, 4, 4);
+  cublasLtMatmulPreference_t p = nullptr;
+  cublasLtMatmulPreferenceCreate(&p);
+  cublasLtMatmulHeuristicResult_t r{};
+  int found = 0;
+  cublasLtMatmulAlgoGetHeuristic(h, d, l, l, l, l, p, 1, &r, &found);
+  void* a = Malloc(device, 64);
+  void* out = Malloc(device, 64);
+  const float one = 1.0f, zero = 0.0f;
+  cublasLtMatmul(h, d, &one, a, l, a, l, &zero, out, l, out, l, &r.algo, nullptr, 0, s);
+}
+
+void Vmm(int device, CUmemGenericAllocationHandle* handle, CUdeviceptr* va, size_t* bytes) {
+  const cuda::DriverApi* drv = Driver();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  size_t granularity = 0;
+  drv->cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  *bytes = granularity;
+  drv->cuMemCreate(handle, granularity, &prop, 0);
+  drv->cuMemAddressReserve(va, granularity, granularity, 0, 0);
+  drv->cuMemMap(*va, granularity, 0, *handle, 0);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  drv->cuMemSetAccess(*va, granularity, &access, 1);
+}
+
+cuda::BlockArgs AddArgs(int device) {
+  cuda::BlockArgs b;
+  b.dst = Malloc(device, 64);
+  b.src = Malloc(device, 64);
+  b.batch = 1;
+  b.m = 1;
+  b.n = 16;
+  b.src_ld = b.dst_ld = 16;
+  return b;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> WaitMisuseChecks() {
+  std::map<std::string, std::string> out;
+  auto check = [&](const std::string& name, const std::function<void()>& body,
+                   int module_loading = 1) {
+    Config config;
+    config.devices = 4;
+    config.module_loading = module_loading;
+    Reset(config);
+    cudaSetDevice(0);
+    body();
+    Drain();
+    const auto errors = Errors();
+    out[name] = errors.empty() ? "" : errors.front();
+  };
+  // cudaFree / cudaMalloc wait for every queue of the device: here a wait only this thread
+  // could satisfy, after the call.
+  check("cudaFree behind a wait only this thread would satisfy", [] {
+    void* p = Malloc(0, 64);
+    const CUdeviceptr flag = PendingWait(0);
+    cudaSetDevice(0);
+    cudaFree(p);
+    Raise(0, flag);
+  });
+  check("cudaFree after the write the wait needs (control)", [] {
+    void* p = Malloc(0, 64);
+    const CUdeviceptr flag = PendingWait(0);
+    Raise(0, flag);
+    cudaSetDevice(0);
+    cudaFree(p);
+  });
+  check("cudaMalloc behind a wait only this thread would satisfy", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMalloc(&p, 64);
+    Raise(0, flag);
+  });
+  check("cuMemUnmap behind a wait only this thread would satisfy", [] {
+    CUmemGenericAllocationHandle h = 0;
+    CUdeviceptr va = 0;
+    size_t bytes = 0;
+    Vmm(0, &h, &va, &bytes);
+    const CUdeviceptr flag = PendingWait(0);
+    Driver()->cuMemUnmap(va, bytes);
+    Raise(0, flag);
+  });
+  check("cuMemRelease behind a wait only this thread would satisfy", [] {
+    const cuda::DriverApi* drv = Driver();
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 1;
+    size_t granularity = 0;
+    drv->cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    CUmemGenericAllocationHandle h = 0;
+    drv->cuMemCreate(&h, granularity, &prop, 0);
+    const CUdeviceptr flag = PendingWait(1);
+    drv->cuMemRelease(h);
+    Raise(1, flag);
+  });
+  // Lazy loading: the first launch of a kernel on a device loads it, waiting for the device.
+  check("first launch of a kernel not loaded (lazy loading)", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    cudaStream_t s = StreamOn(0);
+    (void)cuda::LaunchAddBlock(AddArgs(0), s, cuda::ErrorContext{});
+    Raise(0, flag);
+  });
+  check(
+      "first launch with CUDA_MODULE_LOADING=EAGER (control)",
+      [] {
+        const CUdeviceptr flag = PendingWait(0);
+        cudaStream_t s = StreamOn(0);
+        (void)cuda::LaunchAddBlock(AddArgs(0), s, cuda::ErrorContext{});
+        Raise(0, flag);
+      },
+      /*module_loading=*/2);
+  check("first cuBLASLt matmul of an algorithm (lazy loading)", [] {
+    const CUdeviceptr flag = PendingWait(2);
+    Gemm(StreamOn(2), 2);
+    Raise(2, flag);
+  });
+  // ncclCommAbort frees memory: it waits for other communicators' kernels on its device.
+  auto stuck_send = [](ncclComm_t* a, ncclComm_t* b) {
+    int devs[2] = {0, 1};
+    ncclCommInitAll(a, 2, devs);
+    ncclCommInitAll(b, 2, devs);
+    cudaStream_t s = StreamOn(0);
+    void* buf = Malloc(0, 64);
+    cudaSetDevice(0);
+    ncclSend(buf, 16, ncclFloat32, 1, a[0], s);  // never received: in flight until aborted
+  };
+  check("ncclCommAbort while another communicator's kernel runs on the device", [&] {
+    ncclComm_t a[2], b[2];
+    stuck_send(a, b);
+    ncclCommAbort(b[0]);
+    ncclCommAbort(a[0]);
+  });
+  check("ncclCommAbort of the stuck communicator first (control)", [&] {
+    ncclComm_t a[2], b[2];
+    stuck_send(a, b);
+    ncclCommAbort(a[0]);
+    ncclCommAbort(b[0]);
+  });
+  // Two ranks' host threads: the peer has enqueued a wait that this thread's next enqueue
+  // satisfies, and this thread first frees memory on the peer's device (the executor's old
+  // order: past buffers freed by whichever rank reserved first).
+  auto two_ranks = [](bool raise_first) {
+    void* peer_buffer = Malloc(1, 64);
+    CUdeviceptr flag = 0;
+    std::thread peer([&] {
+      HostThread host;
+      flag = PendingWait(1);
+    });
+    peer.join();
+    std::thread me([&] {
+      HostThread host;
+      if (raise_first) Raise(1, flag);
+      cudaSetDevice(1);
+      cudaFree(peer_buffer);
+      if (!raise_first) Raise(1, flag);
+    });
+    me.join();
+  };
+  check("cudaFree of a peer's buffer while the peer waits for this thread",
+        [&] { two_ranks(false); });
+  check("cudaFree of a peer's buffer after this thread's signal (control)",
+        [&] { two_ranks(true); });
+  // The enqueue path: a call that can wait for the GPU after the handler's first enqueue.
+  check("cudaMalloc between a handler's first enqueue and its return", [] {
+    cudaStream_t xla = StreamOn(0);
+    BeginHandler(xla);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaEventRecord(e, xla);
+    void* p = nullptr;
+    cudaMalloc(&p, 64);
+    EndHandler(xla, "the handler");
+  });
+  return out;
+}
+
+}  // namespace jo::fake

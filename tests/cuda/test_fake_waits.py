@@ -1,0 +1,119 @@
+"""The fake's rules about host calls that wait for the GPU (cpp/cuda/fake/fake_waits.cc).
+
+cudaMalloc / cudaFree and the VMM unmap / release calls wait for every queue of their device;
+with lazy loading (CUDA's default, ``CUDA_MODULE_LOADING=EAGER`` turns it off) the first use of a
+kernel or cuBLASLt algorithm on a device waits for it too; ``ncclCommAbort`` frees memory, so it
+waits for other communicators' kernels on its device. A host thread that waits so while the GPU
+waits for work only it (or another waiting thread) would enqueue is a deadlock: the fake reports
+it with the queues' state and fails the call instead of hanging. One deliberate misuse per rule,
+with a control doing the same in an order that completes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_fake import _inputs
+
+pytestmark = pytest.mark.jax_independent
+
+MISUSES = {
+    "cudaFree behind a wait only this thread would satisfy": "cudaFree on device 0",
+    "cudaMalloc behind a wait only this thread would satisfy": "cudaMalloc on device 0",
+    "cuMemUnmap behind a wait only this thread would satisfy": "cuMemUnmap on device 0",
+    "cuMemRelease behind a wait only this thread would satisfy": "cuMemRelease on device 1",
+    "first launch of a kernel not loaded (lazy loading)":
+        "cudaLaunchKernel loading AddBlock<f32, 16 bytes> (lazy loading) on device 0",
+    "first cuBLASLt matmul of an algorithm (lazy loading)": "cublasLtMatmul loading cuBLASLt",
+    "ncclCommAbort while another communicator's kernel runs on the device":
+        "ncclCommAbort (rank 0, freeing its device memory) on device 0",
+    # The executor's old order: past buffers freed by the first rank to reserve, while a peer's
+    # call already enqueued waits for that rank's next enqueue.
+    "cudaFree of a peer's buffer while the peer waits for this thread": "cudaFree on device 1",
+}
+CONTROLS = {
+    "cudaFree after the write the wait needs (control)",
+    "first launch with CUDA_MODULE_LOADING=EAGER (control)",
+    "ncclCommAbort of the stuck communicator first (control)",
+    "cudaFree of a peer's buffer after this thread's signal (control)",
+}
+# The rule of the enqueue path (docs/gpu.md §3): between a handler's first enqueue on XLA's
+# stream and its return only calls that enqueue or poll run; the fake refuses any other.
+ENQUEUE_PATH = {"cudaMalloc between a handler's first enqueue and its return":
+                "cudaMalloc called between a handler's first enqueue and its return"}
+
+
+def test_host_calls_that_wait_for_the_gpu_report_deadlocks(fake):
+    caught = fake.wait_misuse_checks()
+    assert set(caught) == set(MISUSES) | CONTROLS | set(ENQUEUE_PATH)
+    for name, keyword in MISUSES.items():
+        assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
+        assert "would wait forever: deadlock" in caught[name], caught[name]
+    for name in CONTROLS:
+        assert caught[name] == "", f"{name}: fake recorded {caught[name]!r}"
+    for name, keyword in ENQUEUE_PATH.items():
+        assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
+
+
+@pytest.mark.parametrize("setting, lazy", [(None, True), ("LAZY", True), ("EAGER", False)])
+def test_module_loading_follows_the_environment(fake, monkeypatch, setting, lazy):
+    if setting is None:
+        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MODULE_LOADING", setting)
+    fake.reset()
+    assert fake.lazy_loading() == lazy
+    fake.reset(module_loading=2)
+    assert not fake.lazy_loading()
+
+
+@pytest.mark.parametrize("op", ["matmul_rs", "ag_matmul"])
+def test_the_watchdog_aborts_a_devices_communicators_concurrently(fake, op):
+    """Bidirectional nccl with a rank that never calls: every other rank has kernels of both
+    ring directions' communicators stuck on its GPU. ncclCommAbort frees memory, which waits for
+    the device, so aborting one direction's communicator before the other's waits forever (the
+    fake reports it: test above); the watchdog aborts them all at once, on threads of their own,
+    and the streams are released."""
+    fake.reset(grace_ms=10000)
+    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
+    out = fake.run(op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
+                   clique_key=11, skip_rank=2, timeout_ms=200)
+    assert out["drained"], fake.errors()
+    assert fake.errors() == []
+    assert "inside NCCL" in fake.last_warning(), fake.last_warning()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+def test_the_watchdog_clock_starts_when_the_gpu_gets_to_the_call(fake, transport):
+    """The host runs far ahead of the GPU: three more calls per rank are queued behind earlier work
+    that keeps the GPU busy for five times the calls' timeout (``hold_ms``, on the watchdog's
+    virtual clock). A call's clock starts when the GPU gets to it (its ``started`` event), so
+    the healthy clique is not broken; with the clock started at the host's enqueue it was."""
+    fake.reset(grace_ms=10000)
+    xs, ws = _inputs("matmul_rs", 4, 1, 4, 8, 6, "float32")
+    args = ("matmul_rs", transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    # Set-up first (allocation and loading wait for the GPU: never behind the held work).
+    assert fake.run(*args, clique_key=13, timeout_ms=200)["statuses"] == [None] * 4
+    out = fake.run(*args, clique_key=13, calls=3, timeout_ms=200, hold_ms=1000)
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    assert "BROKEN" not in fake.cliques(), fake.cliques()
+    again = fake.run(*args, clique_key=13)
+    assert again["statuses"] == [None] * 4, again["statuses"]
+
+
+@pytest.mark.parametrize("module_loading", [1, 2], ids=["lazy", "eager"])
+def test_every_op_and_transport_with_lazy_and_eager_loading(fake, module_loading):
+    """The executor loads every kernel and cuBLASLt algorithm a call uses at set-up: with lazy
+    loading nothing is loaded on the enqueue path (the fake would refuse it), with eager loading
+    there is nothing to load; both give the right results."""
+    from .test_fake import check, run_case
+
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+        for transport in ("nccl", "p2p", "multicast"):
+            fake.reset(module_loading=module_loading)
+            out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True,
+                                   dtype="bfloat16", calls=2)
+            check(fake, out, op, xs, ws, 3, "bfloat16")
