@@ -223,6 +223,17 @@ def transfer_fill(p: Preset, transport: str, nbytes: float, hops: int = 1) -> fl
     return transport_latency(p, transport) + pipelined_time(ramp, x) - x
 
 
+def one_shot_all_reduce_time(p: Preset, nbytes: int) -> float:
+    """A one-shot all-reduce of ``nbytes`` alone, as the engine charges our multicast
+    one-shot program's communication: one flag round (each rank raises its peers' flags
+    after its partial is written, ``signal_latency_us``), then one load-reduce of the
+    ``nbytes`` through the switch (a multicast transfer: its start, ramp and bytes). What
+    ``mc_latency_us`` is fitted to (``sim.published.fit_one_shot``): published single-kernel
+    one-shot all-reduces of small messages, whose cost is the same two things."""
+    x = nbytes / (transfer_gbps(p, "multicast") * 1e9)
+    return p.signal_latency_us * US + transfer_fill(p, "multicast", nbytes) + x
+
+
 def collective_bytes(op: str, nranks: int, batch: int, rows: int, k: int, n: int,
                      dtype: str) -> int:
     """S of nccl-tests: the whole gathered (AG), pre-reduction (RS) or reduced (AR) array in
