@@ -300,7 +300,7 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     """
     p = load_preset(preset)
     min_gain = p.margin(op) if min_gain is None else min_gain
-    cands = list(cands) if cands is not None else candidates(p, nranks, shape)
+    cands = list(cands) if cands is not None else candidates(p, nranks, shape, op=op)
     if not any(c.impl == "xla" for c in cands):
         cands.insert(0, Candidate("xla", None))
     table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]
