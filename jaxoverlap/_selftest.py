@@ -2,13 +2,15 @@
 
 On a machine with GPUs: runs ``ag_matmul`` and ``matmul_rs`` with ``impl="native"``
 for every transport the GPUs offer, every dtype and a few shapes (with chunks
-and bidirectional rings), and compares each with the ``"xla"`` impl. Prints a
+and bidirectional rings), and ``matmul_ar``'s one-shot on a decode step's single
+row, and compares each with the ``"xla"`` impl. Prints a
 pass/fail table; the exit status is 0 only if every row passed.
 
 Without a GPU: says so clearly, then runs the same table on host devices (the
 host executor), plus a few rows of the CUDA executor on the fake (if built).
 
-``--fake``: the table (and ``matmul_ar``) through the CUDA executor linked against
+``--fake``: the table (and ``matmul_ar``, two-shot and one-shot) through the CUDA executor
+linked against
 the host-side fake of CUDA, NCCL and cuBLASLt, on any machine: the executor's
 host code, its enqueue order through ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues
 (read from the environment as the driver does), NCCL's per-communicator
@@ -58,7 +60,14 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     rng = np.random.default_rng(0)
     axis = len(batch)
     lead = (None,) * axis
-    if op == "ag_matmul":
+    op, _, algorithm = op.partition("/")
+    kwargs: dict[str, Any] = dict(axis=axis, mesh=mesh)
+    if op == "matmul_ar":  # one-shot: a decode step's single row per batch, which no N splits
+        x = rng.standard_normal((*batch, 1, k * n)).astype(np.float32)
+        w = rng.standard_normal((k * n, nw)).astype(np.float32)
+        xs, ws = P(*lead, None, "tp"), P("tp", None)
+        kwargs = dict(mesh=mesh, algorithm=algorithm)
+    elif op == "ag_matmul":
         x = rng.standard_normal((*batch, rows * n, k)).astype(np.float32)
         w = rng.standard_normal((k, nw * n)).astype(np.float32)
         xs, ws = P(*lead, "tp", None), P(None, "tp")
@@ -69,12 +78,12 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     x = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, xs))
     w = jax.device_put(jnp.asarray(w, dtype), NamedSharding(mesh, ws))
     fn = getattr(jo, op)
-    kwargs = dict(axis=axis, mesh=mesh)
     # Both at HIGHEST: XLA's float32 dots default to TF32 on A100/H100-class GPUs, which
     # would fail the float32 tolerance (and the native GEMM would use TF32 too).
     kwargs["precision"] = "highest"
     native = jax.jit(lambda a, b: fn(a, b, "tp", impl="native", transport=transport,
                                      chunks=chunks, bidirectional=bidirectional, **kwargs))
+    kwargs.pop("algorithm", None)
     xla = jax.jit(lambda a, b: fn(a, b, "tp", impl="xla", **kwargs))
     got = np.asarray(jnp.asarray(native(x, w), jnp.float32), np.float64)
     want = np.asarray(jnp.asarray(xla(x, w), jnp.float32), np.float64)
@@ -83,7 +92,8 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     return f"max |native - xla| = {err:.2e}"
 
 
-FAKE_OPS = ("ag_matmul", "matmul_rs", "matmul_ar")
+# "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks
+FAKE_OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
 FAKE_RANKS = 4
 
 
@@ -97,13 +107,17 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional) -> t
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
                 "float16": np.float16}[dtype]
     rng = np.random.default_rng(1)
-    x_rows = rows if op == "ag_matmul" else rows * n
+    op, _, algorithm = op.partition("/")
+    if algorithm == "one_shot":
+        rows = rows * n + 1          # the canonical one-shot problem: all rows, not N blocks
+    x_rows = rows if op == "ag_matmul" or algorithm == "one_shot" else rows * n
     xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(np_dtype)
           for _ in range(n)]
     ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(np_dtype) for _ in range(n)]
     fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
     out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)))
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
+                   algorithm=algorithm or "two_shot")
     x64 = [x.astype(np.float64) for x in xs]
     w64 = [w.astype(np.float64) for w in ws]
     if op == "ag_matmul":
@@ -147,7 +161,7 @@ def _fake_rows(quick: bool = True, ops=("ag_matmul", "matmul_rs")) -> list[tuple
     cases = itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)
     try:
         for op, transport, dtype, shape, (chunks, bidi) in cases:
-            dims = (*shape[0], shape[1] * FAKE_RANKS, shape[2])
+            dims = (*shape[0], shape[1] * FAKE_RANKS + op.endswith("one_shot"), shape[2])
             name = (f"{op:9s} {transport:9s} {dtype:8s} {'x'.join(map(str, dims))}"
                     f" chunks={chunks}{' bidi' if bidi else ''}"
                     " (CUDA executor on the host-side fake)")
@@ -212,13 +226,14 @@ def main(quick: bool = False, fake: bool = False) -> int:
     print(f"devices in the test mesh: {n}; transports offered on {platform}: {list(transports)}")
     results: list[tuple[str, bool, str]] = []
     shapes = SHAPES[:1] if quick else SHAPES
-    for op in ("ag_matmul", "matmul_rs"):
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar/one_shot"):
         for transport in transports:
             for dtype in DTYPES:
                 for shape in shapes:
-                    for chunks, bidi in VARIANTS:
+                    for chunks, bidi in VARIANTS if "/" not in op else ((1, False),):
+                        rows = 1 if "/" in op else shape[1] * n  # one-shot: a decode step
                         name = (f"{op:9s} {transport:9s} {dtype:8s} "
-                                f"{'x'.join(map(str, (*shape[0], shape[1] * n, shape[2])))}"
+                                f"{'x'.join(map(str, (*shape[0], rows, shape[2])))}"
                                 f" chunks={chunks}{' bidi' if bidi else ''}")
                         start = time.perf_counter()
                         try:

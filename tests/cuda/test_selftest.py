@@ -42,7 +42,7 @@ def test_selftest_on_the_fake_honours_the_work_queue_setting(capsys, monkeypatch
     assert main(quick=True, fake=True) == 0
     out = capsys.readouterr().out
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out and "FAIL " not in out
-    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot"):
         for transport in ("nccl", "p2p", "multicast"):
             assert f"PASS  {op:9s} {transport:9s}" in out
     fake.reset()
