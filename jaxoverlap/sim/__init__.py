@@ -44,6 +44,7 @@ from jaxoverlap.sim.report import (
     format_decode_table,
     format_table,
     gantt,
+    markdown_decode_table,
     projection_table,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "STANDARD_CASES",
     "decode_table",
     "format_decode_table",
+    "markdown_decode_table",
     "Candidate",
     "Case",
     "Choice",

@@ -120,6 +120,20 @@ def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_decode_table(preset: str | Preset = "h100") -> str:
+    """The decode table of docs/performance.md (the same numbers as ``bench --model``)."""
+    def us(v: object) -> str:
+        return "—" if v is None else f"{v:.1f}"
+
+    lines = ["| M | y bytes | xla µs | NCCL all-reduce µs | best two-shot µs | best one-shot µs "
+             "| auto picks | native picks |", "|---|---|---|---|---|---|---|---|"]
+    for r in decode_table(preset):
+        lines.append(f"| {r['m']} | {r['bytes']} | {us(r['t_xla_us'])} | {us(r['t_comm_us'])} "
+                     f"| {us(r['t_two_shot_us'])} | {us(r['t_one_shot_us'])} | {r['pick']} "
+                     f"| {r['native_pick']} |")
+    return "\n".join(lines)
+
+
 def projection_table(presets: Iterable[str | Preset] = tuple(PRESETS),
                      cases: Sequence[Case] = STANDARD_CASES) -> list[dict[str, object]]:
     """One row per (preset, case): the xla baseline, the chosen plan and its metrics."""
