@@ -617,6 +617,11 @@ def _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional, algorit
     the two for what the caller left open."""
     op = "matmul_ar"
     algorithm = check_algorithm(algorithm)
+    check_impl(impl)
+    asked = impl if impl != "auto" else current_config().impl
+    if algorithm is not None and asked == "xla":
+        raise ValueError(f"{op}: algorithm={algorithm!r} applies to the fused impls ('ring', "
+                         f"'native'), but impl='xla'. Drop algorithm= or pick a fused impl.")
     rows = math.prod(x.shape[:-1])
     splits = rows % n == 0
     if algorithm == "two_shot" and not splits:

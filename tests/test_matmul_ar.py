@@ -390,6 +390,9 @@ def test_argument_errors_name_the_argument():
                                          r"algorithm; use one of \('auto', 'one_shot', "
                                          r"'two_shot'\)"):
         jo.matmul_ar(X, W, "tp", algorithm="three_shot", mesh=mesh)
+    with pytest.raises(ValueError, match=r"algorithm='one_shot' applies to the fused impls "
+                                         r"\('ring', 'native'\), but impl='xla'"):
+        jo.matmul_ar(X, W, "tp", impl="xla", algorithm="one_shot", mesh=mesh)
 
 
 def test_native_request_is_never_silently_replaced(monkeypatch):
