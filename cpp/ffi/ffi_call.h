@@ -10,12 +10,13 @@
 //   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
 //   bidirectional bool, tf32 bool (float32 GEMMs may use TF32: the op's
 //   precision allows it), algorithm i32 (matmul_ar: 0 two-shot, 1 one-shot,
-//   whose rows need not split; 0 for the others), timeout_ms i64, and the rank table in (group,
-//   rank) order: processes i64[], device_ids i64[] (JAX's global ids), ordinals i64[] (local
-//   ordinals). The table is empty only for a CPU call in one process whose mesh was abstract where
-//   it lowered; the CPU call then has a third operand, coords: int32[2] = (rank, group) from
-//   lax.axis_index (the GPU handler needs the table: reading a device scalar
-//   would need a sync).
+//   whose rows need not split; 0 for the others), timeout_ms i64, and the
+//   rank table in (group, rank) order: processes i64[], device_ids i64[]
+//   (JAX's global ids), ordinals i64[] (local ordinals). The table is empty
+//   only for a CPU call in one process whose mesh was abstract where it
+//   lowered; the CPU call then has a third operand, coords: int32[2] =
+//   (rank, group) from lax.axis_index (the GPU handler needs the table:
+//   reading a device scalar would need a sync).
 #pragma once
 
 #include <cstdint>
