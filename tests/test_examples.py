@@ -142,10 +142,11 @@ def test_flax_lm1b_reports_divergence(capsys):
     ("lm1b-nnx", ["ring"], "4"), ("lm1b", ["ring", "native"], "1")])
 def test_decode_generates_the_original_models_tokens(model, impls, batch, capsys):
     """Flax's own models (the decoder-only lm1b, linen and nnx; the WMT encoder-decoder),
-    swapped, decode greedily token for token as the originals do (a batch of one on 4 ranks:
-    the all-reduces run one-shot)."""
+    swapped, decode greedily token for token as the originals do (a batch of one on 4 ranks,
+    one layer: the all-reduces run one-shot)."""
+    layers = ["--layers", "1"] if batch == "1" else []
     code = _load("decode").main(["--model", model, "--length", "10", "--repeats", "1",
-                                 "--batch", batch, "--impls", *impls])
+                                 "--batch", batch, *layers, "--impls", *impls])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "OK: every impl generates the original model's tokens" in out
@@ -164,7 +165,8 @@ def test_decode_steps_run_the_fused_all_reduce():
 
     example = _load("decode")
     for batch, algorithm in (("4", 0), ("1", 1)):
-        args = example._parse(["--model", "lm1b", "--length", "8", "--batch", batch])
+        args = example._parse(["--model", "lm1b", "--length", "8", "--batch", batch,
+                               "--layers", "1"])
         mesh = example.flax_lm1b.make_mesh(args)
         generate, params, rules = example.BUILDERS["lm1b"](args, "native", mesh)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
