@@ -27,7 +27,8 @@ WMT, ``WMT_SWAP`` below), given the original's parameters (a checkpoint of the u
 model) placed on a ``data x fsdp x tensor`` mesh (``--mesh-shape``, default tensor = 4), and
 run under ``jax.set_mesh``, once per impl. In a decode step each device runs the attention
 on its heads and their cache; the projections run without sequence parallelism (one token
-does not split) and the row-parallel ones end in ``jo.matmul_ar``.
+does not split) and the row-parallel ones end in ``jo.matmul_ar`` (one-shot when the batch per
+device does not split over the tensor ranks, e.g. ``--batch 1``).
 
 The script prints, per impl, the median time per decode step over ``--repeats`` runs (each
 step makes one token for each of the ``--batch`` sequences; beam search: per position of

@@ -5,7 +5,8 @@ median, ratio to ``"xla"``) for the standard cases of ``jaxoverlap.sim`` —
 TP=8, M=8192, K=8192, N=3584 per rank and friends — scaled down on host
 devices, and writes a JSON and a table; then runs the native calls again under
 ``jo.profile`` and prints the overlap report (``--no-profile`` skips it).
-``--model PRESET`` prints the simulator's projection for the same cases and a
+``--model PRESET`` prints the simulator's projection for the same cases, for decode shapes
+(GEMM + all-reduce, M 1-256: latency, which plan it picks and why), and a
 Gantt chart of one plan (when matplotlib is installed), labelled as a model,
 with projections outside the preset's calibrated range marked. ``--calibrate``
 also times GEMMs, all-gathers and reduce-scatters by size and our native calls,
@@ -85,6 +86,8 @@ def _model(args: argparse.Namespace) -> int:
     cases = _cases(args.cases)
     print(f"{sim.MODEL_LABEL} — preset {preset.name} ({preset.gpu})")
     print(sim.format_table(sim.projection_table([preset], cases), markdown=False))
+    print(f"\nDecode shapes, GEMM + all-reduce (latency, not bandwidth):\n"
+          f"{sim.format_decode_table(sim.decode_table(preset))}")
     case = cases[0]
     choice = sim.choose(case.op, case.shape, case.dtype, case.nranks, preset)
     print(f"\n{case.label}: candidates ({sim.MODEL_LABEL})\n{choice.format()}")

@@ -43,8 +43,8 @@ def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
     """The per-rank problem of docs/native.md §1: (batch, rows, k, n)."""
     from jaxoverlap.sim import Shape
 
-    if op == "matmul_ar":  # every dim of x but the last is a row, in N blocks
-        return Shape(1, math.prod(x_shape[:-1]) // n, x_shape[-1], w_shape[1])
+    if op == "matmul_ar":  # every dim of x but the last is a row (all of them)
+        return Shape(1, math.prod(x_shape[:-1]), x_shape[-1], w_shape[1])
     batch = math.prod(x_shape[:axis])
     rows = math.prod(x_shape[axis:-1])
     if op == "matmul_rs":
@@ -54,13 +54,15 @@ def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
 
 @functools.lru_cache(maxsize=512)
 def choose(op: str, shape: Any, dtype: str, n: int, preset: str, impls: tuple,
-           transports: tuple, chunks: tuple, bidirectional: tuple):
-    """The model's pick among the allowed plans (cached per call-site signature)."""
+           transports: tuple, chunks: tuple, bidirectional: tuple,
+           algorithms: tuple = ("two_shot",)):
+    """The model's pick among the allowed plans (cached per call-site signature);
+    ``algorithms``: matmul_ar's allowed algorithms."""
     from jaxoverlap import sim
 
     cands = [
         c for c in sim.candidates(preset, n, shape, chunk_options=_CHUNK_OPTIONS, impls=impls,
-                                  transports=transports or None)
+                                  transports=transports or None, op=op, algorithms=algorithms)
         if c.impl == "xla"
         or (c.chunks in chunks and c.bidirectional in bidirectional)
     ]

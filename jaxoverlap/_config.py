@@ -16,6 +16,7 @@ from typing import Any
 
 IMPLS = ("auto", "xla", "ring", "native")
 TRANSPORTS = ("auto", "nccl", "p2p", "multicast")
+AR_ALGORITHMS = ("auto", "one_shot", "two_shot")  # matmul_ar's algorithm=
 LOG_LEVELS = ("warning", "info", "debug")
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -64,6 +65,13 @@ def check_bidirectional(bidirectional: Any, where: str = "bidirectional") -> boo
     if bidirectional is not None and not isinstance(bidirectional, bool):
         raise TypeError(f"{where}={bidirectional!r} must be True, False or None (automatic).")
     return bidirectional
+
+
+def check_algorithm(algorithm: Any, where: str = "algorithm") -> str | None:
+    if algorithm is not None and algorithm not in AR_ALGORITHMS:
+        raise ValueError(f"{where}={algorithm!r} is not a GEMM + all-reduce algorithm; use one of "
+                         f"{AR_ALGORITHMS} or None (automatic).")
+    return None if algorithm == "auto" else algorithm
 
 
 def timeout_ms(timeout_s: float) -> int:

@@ -29,6 +29,7 @@ from jaxoverlap._config import timeout_ms
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar")  # the `op` attribute is the index
+AR_ALGORITHMS = ("two_shot", "one_shot")  # the `algorithm` attribute is the index
 _TARGETS = {
     "cpu": {op: f"jaxoverlap_{op}" for op in OPS},
     "cuda": {op: f"jaxoverlap_cuda_{op}" for op in OPS},
@@ -195,7 +196,7 @@ def _lowering_mesh(ctx, axis_name: str, platform: str):
 
 
 def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirectional,
-           transport, preferred, timeout_s, return_gathered, tf32):
+           transport, preferred, timeout_s, return_gathered, tf32, algorithm):
     platforms = tuple(ctx.module_context.platforms)
     if len(platforms) != 1:
         raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "
@@ -218,7 +219,8 @@ def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirec
                 axis=np.int64(axis), axis_size=np.int64(axis_size),
                 transport=np.int32(transports().index(call.transport)),
                 chunks=np.int64(chunks), bidirectional=bool(bidirectional),
-                tf32=bool(tf32), timeout_ms=np.int64(timeout_ms(timeout_s)),
+                tf32=bool(tf32), algorithm=np.int32(AR_ALGORITHMS.index(algorithm)),
+                timeout_ms=np.int64(timeout_ms(timeout_s)),
                 **call.attributes())
 
 
@@ -255,7 +257,7 @@ def _coords(axis_name: str):
 
 
 def _bind(op, x, w, *, axis_name, axis, transport, chunks, bidirectional, timeout_s,
-          return_gathered=False, preferred=None, tf32=False):
+          return_gathered=False, preferred=None, tf32=False, algorithm="two_shot"):
     assert x.dtype == w.dtype and x.dtype in _DTYPES, (x.dtype, w.dtype)
     _check_manual(axis_name)
     return native_p.bind(
@@ -263,7 +265,7 @@ def _bind(op, x, w, *, axis_name, axis, transport, chunks, bidirectional, timeou
         axis_size=int(lax.axis_size(axis_name)), chunks=int(chunks),
         bidirectional=bool(bidirectional), transport=transport or "auto", preferred=preferred,
         timeout_s=float(timeout_s), return_gathered=bool(return_gathered),
-        tf32=bool(tf32) and x.dtype == jnp.float32)
+        tf32=bool(tf32) and x.dtype == jnp.float32, algorithm=algorithm)
 
 
 def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidirectional=False,
@@ -290,11 +292,13 @@ def matmul_rs_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidi
 
 
 def matmul_ar_shard(x, w, *, axis_name, transport="auto", chunks=1, bidirectional=False,
-                    timeout_s=120.0, preferred=None, tf32=False):
+                    timeout_s=120.0, preferred=None, tf32=False, algorithm="two_shot"):
     """``psum(x @ w, axis_name)`` on local shards; the result is typed invariant over
-    ``axis_name`` (as psum's). The rows (every dim of x but the last) split into
-    ``lax.axis_size(axis_name)`` blocks."""
+    ``axis_name`` (as psum's). ``algorithm`` one of ``AR_ALGORITHMS``: two-shot splits the
+    rows (every dim of x but the last) into ``lax.axis_size(axis_name)`` blocks, one-shot
+    takes any number of rows."""
+    assert algorithm in AR_ALGORITHMS, algorithm
     (y,) = _bind("matmul_ar", x, w, axis_name=axis_name, axis=0, transport=transport,
                  chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
-                 preferred=preferred, tf32=tf32)
+                 preferred=preferred, tf32=tf32, algorithm=algorithm)
     return y

@@ -24,11 +24,14 @@ class Plan:
     preferred: str | None = None  # native, transport "auto": the performance model's pick
     timeout_s: float = 120.0
     precision: str | None = None  # _precision.normalize'd; None: jax.default_matmul_precision
+    algorithm: str = "two_shot"   # matmul_ar (ring, native): "two_shot" or "one_shot"
 
     def describe(self) -> str:
         text = f"impl={self.impl} axis_name={self.axis_name!r} N={self.n} axis={self.axis}"
         if self.impl in ("ring", "native"):
             text += f" chunks={self.chunks} bidirectional={self.bidirectional}"
+            if self.algorithm != "two_shot":
+                text += f" algorithm={self.algorithm}"
         if self.precision is not None:
             text += f" precision={self.precision}"
         if self.impl == "native":

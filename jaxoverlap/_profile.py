@@ -239,8 +239,13 @@ def _model(call: dict, preset: str) -> dict[str, Any]:
     """The model's projection of this call's problem and plan on ``preset`` (seconds)."""
     from jaxoverlap import sim
 
-    shape = sim.Shape(call["batch"], call["rows"], call["k"], call["n"])
-    plan = sim.Candidate("native", call["transport"], call["chunks"], call["bidirectional"])
+    algorithm = call.get("algorithm", "two_shot")
+    rows = call["rows"]
+    if call["op"] == "matmul_ar" and algorithm == "two_shot":
+        rows *= call["nranks"]  # the program's rows per block; the model's shape has them all
+    shape = sim.Shape(call["batch"], rows, call["k"], call["n"])
+    plan = sim.Candidate("native", call["transport"], call["chunks"], call["bidirectional"],
+                         algorithm if call["op"] == "matmul_ar" else "two_shot")
     try:
         r = sim.simulate(call["op"], shape, call["dtype"], call["nranks"], preset, plan,
                          return_gathered=call["return_gathered"])

@@ -108,7 +108,10 @@ def matmul_rs(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
 
 def matmul_ar(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
     """y = psum(x @ w): the reduce-scatter ring over x's rows, then a ring all-gather of the
-    reduced blocks; typed invariant over the axis, as psum's result."""
+    reduced blocks (one-shot: every partial to every rank); typed invariant over the axis,
+    as psum's result."""
+    if plan.algorithm == "one_shot":
+        return _one_shot(x, w, plan)
     n = plan.n
     rows = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])          # every dim but the last is a row
@@ -123,6 +126,26 @@ def matmul_ar(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
                                                    0)
         y = _ring_gather([piece], rows_plan, y, place)
     return mark_invariant(y.reshape(*rows, w.shape[1]), plan.axis_name)
+
+
+def _one_shot(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+    """The one-shot all-reduce of the native path: every rank's whole partial goes to every
+    rank (N-1 permutes, one hop each); each rank sums the N partials in rank order 0..N-1,
+    rounding to the input dtype after each add as the native executors do, so every rank
+    gets the same bits."""
+    n = plan.n
+    partial = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32).astype(x.dtype)
+    # by_shift[i] came from rank (rank - i) mod N
+    by_shift = [partial] + [lax.ppermute(partial, plan.axis_name,
+                                         [(j, (j + i) % n) for j in range(n)])
+                            for i in range(1, n)]
+    rank = lax.axis_index(plan.axis_name)
+    stacked = jnp.stack(by_shift)
+    y = stacked[rank]  # rank 0's partial came r hops
+    for j in range(1, n):
+        y = (y.astype(jnp.float32) + stacked[(rank - j) % n].astype(jnp.float32)).astype(x.dtype)
+    return mark_invariant(y, plan.axis_name)
 
 
 def _reduce_scatter(x: jax.Array, w: jax.Array, plan: Plan) -> list[jax.Array]:

@@ -2,7 +2,8 @@
 
 On a machine with GPUs: runs ``ag_matmul``, ``matmul_rs`` and ``matmul_ar`` with
 ``impl="native"`` for every transport the GPUs offer, every dtype and a few shapes
-(with chunks and bidirectional rings), and compares each with a float64 product
+(with chunks and bidirectional rings), plus ``matmul_ar``'s one-shot on a decode
+step's single row, and compares each with a float64 product
 of the same (rounded) inputs, within a bound derived from the dtype, the number
 of ranks and the contraction length (``bound``). Prints a pass/fail table; the
 exit status is 0 only if every row passed. ``--report FILE`` also writes what a
@@ -39,7 +40,8 @@ SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per ran
 )
 DTYPES = ("float32", "bfloat16", "float16")
 VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunks | rows
-OPS = ("ag_matmul", "matmul_rs", "matmul_ar")
+# "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks (a decode step)
+OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
 # Unit roundoff of each dtype (half the distance from 1 to the next number): 2^-24, 2^-8, 2^-11.
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
@@ -109,7 +111,14 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     rng = np.random.default_rng(0)
     axis = len(batch)
     lead = (None,) * axis
-    if op == "ag_matmul":
+    op, _, algorithm = op.partition("/")
+    kwargs: dict[str, Any] = dict(axis=axis, mesh=mesh)
+    if algorithm == "one_shot":  # a decode step's single row per batch, which no N splits
+        x = rng.standard_normal((*batch, 1, k * n)).astype(np.float32)
+        w = rng.standard_normal((k * n, nw)).astype(np.float32)
+        xs, ws = P(*lead, None, "tp"), P("tp", None)
+        kwargs = dict(mesh=mesh, algorithm=algorithm)
+    elif op == "ag_matmul":
         x = rng.standard_normal((*batch, rows * n, k)).astype(np.float32)
         w = rng.standard_normal((k, nw * n)).astype(np.float32)
         xs, ws = P(*lead, "tp", None), P(None, "tp")
@@ -120,7 +129,8 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     x = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, xs))
     w = jax.device_put(jnp.asarray(w, dtype), NamedSharding(mesh, ws))
     fn = getattr(jo, op)
-    kwargs = dict(mesh=mesh) if op == "matmul_ar" else dict(axis=axis, mesh=mesh)
+    if op == "matmul_ar" and not algorithm:
+        kwargs = dict(mesh=mesh)
     # HIGHEST: float32 dots on A100/H100-class GPUs otherwise default to TF32.
     kwargs["precision"] = "highest"
     native = jax.jit(lambda a, b: fn(a, b, "tp", impl="native", transport=transport,
@@ -162,13 +172,17 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional) -> t
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
                 "float16": np.float16}[dtype]
     rng = np.random.default_rng(1)
-    x_rows = rows if op == "ag_matmul" else rows * n
+    op, _, algorithm = op.partition("/")
+    if algorithm == "one_shot":
+        rows = rows * n + 1  # the canonical one-shot problem: all rows, not N blocks
+    x_rows = rows if op == "ag_matmul" or algorithm == "one_shot" else rows * n
     xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(np_dtype)
           for _ in range(n)]
     ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(np_dtype) for _ in range(n)]
     fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
     out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)))
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
+                   algorithm=algorithm or "two_shot")
     refs = rank_products(np, op, xs, ws, rows)
     problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
     if not out["drained"] and not problems:
@@ -236,7 +250,7 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     cases = itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)
     try:
         for op, transport, dtype, shape, (chunks, bidi) in cases:
-            dims = (*shape[0], shape[1] * FAKE_RANKS, shape[2])
+            dims = (*shape[0], shape[1] * FAKE_RANKS + op.endswith("one_shot"), shape[2])
             name = (f"{op:9s} {transport:9s} {dtype:8s} {'x'.join(map(str, dims))}"
                     f" chunks={chunks}{' bidi' if bidi else ''}"
                     " (CUDA executor on the host-side fake)")
@@ -359,10 +373,12 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None) -> 
         describe = _cuda_caps.load_cuda().cliques
     table = Table()
     shapes = SHAPES[:1] if quick else SHAPES
-    for op, transport, dtype, shape, (chunks, bidi) in itertools.product(
-            OPS, transports, DTYPES, shapes, VARIANTS):
+    for op, transport, dtype, shape, (chunks, bidi) in itertools.chain(
+            itertools.product(OPS[:3], transports, DTYPES, shapes, VARIANTS),
+            itertools.product(OPS[3:], transports, DTYPES, shapes, VARIANTS[:1])):
+        rows = 1 if op.endswith("one_shot") else shape[1] * n  # one-shot: a decode step
         name = (f"{op:9s} {transport:9s} {dtype:8s} "
-                f"{'x'.join(map(str, (*shape[0], shape[1] * n, shape[2])))}"
+                f"{'x'.join(map(str, (*shape[0], rows, shape[2])))}"
                 f" chunks={chunks}{' bidi' if bidi else ''}")
         start = time.perf_counter()
         trace = None

@@ -25,6 +25,7 @@ from jax import lax
 from jaxoverlap import _choose, _precision, _ring, _spmd, _xla
 from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
 from jaxoverlap._config import (
+    check_algorithm,
     check_bidirectional,
     check_chunks,
     check_impl,
@@ -184,10 +185,11 @@ def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> s
 def _make_plan(
     op: str, x, w, axis_name, n: int, axis: int, rows_per_shard: int,
     impl: Any, transport: Any, chunks: Any, bidirectional: Any, rows_what: str | None = None,
-    log: bool = True,
+    log: bool = True, algorithms: tuple[str, ...] = ("two_shot",),
 ) -> Plan:
     """The plan of one call site. ``rows_what`` names the ``rows_per_shard`` rows that
-    ``chunks`` must divide (default: those each rank holds on ``axis``)."""
+    ``chunks`` must divide (default: those each rank holds on ``axis``); ``algorithms``:
+    matmul_ar's algorithms the model may pick among (the first without a model)."""
     check_impl(impl)
     check_transport(transport)
     check_chunks(chunks)
@@ -215,7 +217,7 @@ def _make_plan(
     if chosen_impl == "auto" and not forced_native:
         _warn_gpu_fallback(op)
     picked = _model_pick(op, x, w, n, axis, rows_per_shard, chosen_impl, forced_native,
-                         transport_wanted, chunks, bidirectional, settings.preset)
+                         transport_wanted, chunks, bidirectional, settings.preset, algorithms)
     if picked is not None:
         chosen_impl = picked.impl
         chunks = picked.chunks if chunks is None else chunks
@@ -232,6 +234,8 @@ def _make_plan(
         transport=transport_wanted or "auto",
         preferred=picked.transport if picked is not None and picked.impl == "native" else None,
         timeout_s=settings.timeout_s,
+        algorithm=picked.algorithm if picked is not None and picked.impl != "xla"
+        else algorithms[0],
     )
     if log:
         logger.debug("%s x=%s%s: %s", op, jnp.dtype(x.dtype).name, tuple(x.shape),
@@ -240,7 +244,7 @@ def _make_plan(
 
 
 def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,
-                bidirectional, preset):
+                bidirectional, preset, algorithms=("two_shot",)):
     """The performance model's candidate for what the caller left open, or None.
 
     None means no model applies (no preset: host devices by default) or nothing
@@ -268,7 +272,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
             jnp.dtype(x.dtype).name, n, preset, impls, tuple(transports),
             tuple(c for c in (1, 2, 4, 8) if rows_per_shard % c == 0)
             if chunks is None else (chunks,),
-            (False, True) if bidirectional is None else (bidirectional,))
+            (False, True) if bidirectional is None else (bidirectional,), algorithms)
     except (ValueError, OSError) as err:
         raise ValueError(f"{op}: the performance model (preset={preset!r}) failed: {err}") from err
     return pick
@@ -319,8 +323,8 @@ def _run_ar_impl(x, w, plan: Plan):
     if plan.impl == "ring":
         return _ring.matmul_ar(x, w, plan)
     args = _native_args(plan)
-    del args["axis"]  # matmul_ar splits all of x's rows
-    return _native().matmul_ar_shard(x, w, **args)
+    del args["axis"]  # matmul_ar takes all of x's rows
+    return _native().matmul_ar_shard(x, w, algorithm=plan.algorithm, **args)
 
 
 def _native_args(plan: Plan) -> dict:
@@ -557,6 +561,7 @@ def matmul_ar(
     transport: str | None = None,
     chunks: int | None = None,
     bidirectional: bool | None = None,
+    algorithm: str | None = None,
     precision: Any = None,
     mesh: jax.sharding.Mesh | None = None,
 ):
@@ -566,10 +571,15 @@ def matmul_ar(
     Inside ``shard_map`` x is ``[.., S, .., Kf]`` with Kf the local slice of the
     contraction and w is ``[Kf, Nw]``; y ``[.., S, .., Nw]`` is the same on every rank
     of ``axis_name`` (typed invariant over it, as psum's result). Outside it they are
-    global arrays (see ``_spmd``). The fused impls split the rows of x — every dim
-    but the last — into N blocks (a reduce-scatter ring, then an all-gather ring of
-    the reduced blocks; or a reduction in the switch with multicast), so their
-    number must divide by N; ``impl="auto"`` falls back to ``"xla"`` when it does not.
+    global arrays (see ``_spmd``). The rows of x are every dim but the last.
+
+    ``algorithm`` (the fused impls): ``"two_shot"`` splits the rows into N blocks (a
+    reduce-scatter ring, then an all-gather ring of the reduced blocks; or a reduction
+    in the switch with multicast), so their number must divide by N; ``"one_shot"``
+    sends every rank's whole partial to every rank (multicast: every rank load-reduces
+    all rows in the switch), one hop instead of 2(N-1), for small M, any number of rows;
+    None: the performance model's pick where a preset applies, else two-shot when the
+    rows split and one-shot when they do not.
 
     Autodiff: the backward pass takes the replicated cotangent straight into the
     GEMMs, dx = dy @ wᵀ and dw = xᵀ·dy, with no communication under
@@ -581,13 +591,14 @@ def matmul_ar(
     _check_axis_name(op, axis_name)
     _check_mesh(op, mesh)
     _check_operands(op, x, w, 0)
+    check_algorithm(algorithm)
     precision = _precision.normalize(op, precision)
     n = bound_axis_size(axis_name)
     if n is None:
         return _global(op, x, w, axis_name, None, mesh, False,
                        dict(impl=impl, transport=transport, chunks=chunks,
-                            bidirectional=bidirectional), precision)
-    plan = _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional)
+                            bidirectional=bidirectional, algorithm=algorithm), precision)
+    plan = _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional, algorithm)
     plan = dataclasses.replace(plan, precision=precision)
     typed = check_vma_active()
     if typed:
@@ -599,33 +610,35 @@ def matmul_ar(
     return _matmul_ar(x, w, plan, _types(x, w), typed)
 
 
-def _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional, log=True) -> Plan:
-    """matmul_ar's plan: the fused impls split x's rows (every dim but the last) in N blocks."""
+def _ar_plan(x, w, axis_name, n, impl, transport, chunks, bidirectional, algorithm=None,
+             log=True) -> Plan:
+    """matmul_ar's plan. Two-shot splits x's rows (every dim but the last) in N blocks, so
+    rows that do not split run one-shot; the model (where a preset applies) picks between
+    the two for what the caller left open."""
     op = "matmul_ar"
-    rows = math.prod(x.shape[:-1])
-    if rows % n:
-        return _unsplittable_plan(op, x, axis_name, n, rows, impl, transport, chunks,
-                                  bidirectional)
-    return _make_plan(op, x, w, axis_name, n, 0, rows // n, impl, transport, chunks,
-                      bidirectional,
-                      rows_what=f"rows of each rank's block (x's {rows} rows, every dim but "
-                                f"the last, over the {n} ranks of {axis_name!r})", log=log)
-
-
-def _unsplittable_plan(op, x, axis_name, n, rows, impl, transport, chunks, bidirectional) -> Plan:
-    """The unfused plan for rows that do not split into N blocks; a fused impl asked for
-    (as an argument or by jo.config) is an error naming the shape."""
+    algorithm = check_algorithm(algorithm)
     check_impl(impl)
-    check_transport(transport)
-    check_chunks(chunks)
-    check_bidirectional(bidirectional)
-    settings = current_config()
-    asked = impl if impl != "auto" else settings.impl
-    if asked in ("ring", "native") or transport not in (None, "auto"):
-        what = f"impl={asked!r}" if asked in ("ring", "native") else f"transport={transport!r}"
+    asked = impl if impl != "auto" else current_config().impl
+    if algorithm is not None and asked == "xla":
+        raise ValueError(f"{op}: algorithm={algorithm!r} applies to the fused impls ('ring', "
+                         f"'native'), but impl='xla'. Drop algorithm= or pick a fused impl.")
+    rows = math.prod(x.shape[:-1])
+    splits = rows % n == 0
+    if algorithm == "two_shot" and not splits:
         raise ValueError(
-            f"{op}: {what} splits the rows of x (every dim but the last: {rows} for shape "
-            f"{tuple(x.shape)}) into one block per rank of {axis_name!r} ({n}), but {rows} is "
-            f"not divisible by {n}. Pad the rows to a multiple of {n}, or use impl='xla'."
+            f"{op}: algorithm='two_shot' splits the rows of x (every dim but the last: {rows} "
+            f"for shape {tuple(x.shape)}) into one block per rank of {axis_name!r} ({n}), but "
+            f"{rows} is not divisible by {n}. Use algorithm='one_shot' (or None), or pad the "
+            f"rows to a multiple of {n}."
         )
-    return Plan(impl="xla", axis_name=axis_name, axis=0, n=n, timeout_s=settings.timeout_s)
+    if algorithm is not None:
+        algorithms: tuple[str, ...] = (algorithm,)
+    else:
+        algorithms = ("two_shot", "one_shot") if splits else ("one_shot",)
+    one_shot = algorithms[0] == "one_shot"
+    where = ("rows of x (every dim but the last; one-shot takes them all)" if one_shot else
+             f"rows of each rank's block (x's {rows} rows, every dim but the last, over the "
+             f"{n} ranks of {axis_name!r})")
+    return _make_plan(op, x, w, axis_name, n, 0, rows if one_shot else rows // n, impl,
+                      transport, chunks, bidirectional, rows_what=where, log=log,
+                      algorithms=algorithms)

@@ -126,3 +126,51 @@ def test_unknown_preset_is_a_clear_error():
     with jo.config(preset="tpu-v9"):
         with pytest.raises(ValueError, match="preset='tpu-v9'.*not a built-in"):
             _plan(jo.ag_matmul, *AG_STD)
+
+
+def _ar_plan(x_shape, w_shape, **kw):
+    """matmul_ar's plan on a tp=8 mesh for these global shapes (traced, not run)."""
+    mesh = tp_mesh(8)
+    specs = (spec_on(len(x_shape), len(x_shape) - 1, "tp"), spec_on(2, 0, "tp"))
+    seen = []
+    real = ops._make_plan
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    f = jax.jit(jax.shard_map(lambda x, w: jo.matmul_ar(x, w, "tp", **kw), mesh=mesh,
+                              in_specs=specs, out_specs=jax.sharding.PartitionSpec()))
+    ops._make_plan = spy
+    try:
+        f.lower(jax.ShapeDtypeStruct(x_shape, jnp.bfloat16),
+                jax.ShapeDtypeStruct(w_shape, jnp.bfloat16))
+    finally:
+        ops._make_plan = real
+    return seen[0]
+
+
+def test_matmul_ar_algorithm_is_the_models_pick(monkeypatch):
+    """Decode shapes on 8xH100: impl='auto' keeps xla (the model predicts every fused plan
+    host-bound there); impl='native' takes the model's fastest native plan, one-shot for small
+    M and two-shot for large; an explicit algorithm is kept."""
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    transports = jo.ops._native().offered_transports("cpu")
+    for m, impl, want in ((8, "auto", "xla"), (8, "native", "one_shot"),
+                          (65536, "native", "two_shot"), (1, "native", "one_shot")):
+        plan = _ar_plan((m, 8 * 1024), (8 * 1024, 8192), impl=impl)
+        if want == "xla":
+            assert plan.impl == "xla", m
+            continue
+        shape = sim.Shape(1, m, 1024, 8192)
+        cands = sim.candidates("h100", 8, shape, impls=("native",), transports=transports,
+                               op="matmul_ar",
+                               algorithms=("two_shot", "one_shot") if m % 8 == 0
+                               else ("one_shot",))
+        cands = [c for c in cands if c.chunks in (1, 2, 4, 8)]
+        best = sim.choose("matmul_ar", shape, "bfloat16", 8, "h100", cands,
+                          unfused=False).candidate
+        assert (plan.impl, plan.algorithm, plan.preferred) == ("native", want, best.transport)
+        assert best.algorithm == want, m
+    plan = _ar_plan((8, 8 * 1024), (8 * 1024, 8192), impl="native", algorithm="two_shot")
+    assert plan.algorithm == "two_shot"

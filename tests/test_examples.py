@@ -137,14 +137,16 @@ def test_flax_lm1b_reports_divergence(capsys):
     assert "DIVERGED" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("model,impls", [
-    ("lm1b", ["xla", "ring", "native"]), ("wmt", ["xla", "ring", "native"]),
-    ("lm1b-nnx", ["ring"])])
-def test_decode_generates_the_original_models_tokens(model, impls, capsys):
+@pytest.mark.parametrize("model,impls,batch", [
+    ("lm1b", ["xla", "ring", "native"], "4"), ("wmt", ["xla", "ring", "native"], "4"),
+    ("lm1b-nnx", ["ring"], "4"), ("lm1b", ["ring", "native"], "1")])
+def test_decode_generates_the_original_models_tokens(model, impls, batch, capsys):
     """Flax's own models (the decoder-only lm1b, linen and nnx; the WMT encoder-decoder),
-    swapped, decode greedily token for token as the originals do."""
+    swapped, decode greedily token for token as the originals do (a batch of one on 4 ranks,
+    one layer: the all-reduces run one-shot)."""
+    layers = ["--layers", "1"] if batch == "1" else []
     code = _load("decode").main(["--model", model, "--length", "10", "--repeats", "1",
-                                 "--impls", *impls])
+                                 "--batch", batch, *layers, "--impls", *impls])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "OK: every impl generates the original model's tokens" in out
@@ -156,17 +158,23 @@ def test_decode_generates_the_original_models_tokens(model, impls, capsys):
 
 def test_decode_steps_run_the_fused_all_reduce():
     """The decode steps of the swapped lm1b call the native GEMM + all-reduce: one per
-    row-parallel layer (attention output, MLP down-projection) of each layer."""
+    row-parallel layer (attention output, MLP down-projection) of each layer; two-shot for a
+    batch of 4 on 4 ranks, one-shot for a batch of 1 (its rows do not split)."""
     import flax.linen as nn
     import jax
 
     example = _load("decode")
-    args = example._parse(["--model", "lm1b", "--length", "8"])
-    mesh = example.flax_lm1b.make_mesh(args)
-    generate, params, rules = example.BUILDERS["lm1b"](args, "native", mesh)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        text = generate.lower(params, jax.numpy.asarray(example.inputs_of(args))).compile()
-    assert text.as_text().count("jaxoverlap_matmul_ar") == 2 * args.layers
+    for batch, algorithm in (("4", 0), ("1", 1)):
+        args = example._parse(["--model", "lm1b", "--length", "8", "--batch", batch,
+                               "--layers", "1"])
+        mesh = example.flax_lm1b.make_mesh(args)
+        generate, params, rules = example.BUILDERS["lm1b"](args, "native", mesh)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            text = generate.lower(params, jax.numpy.asarray(example.inputs_of(args))).compile()
+        calls = [line for line in text.as_text().splitlines()
+                 if 'custom_call_target="jaxoverlap_matmul_ar"' in line]
+        assert len(calls) == 2 * args.layers, batch
+        assert all(f"algorithm = {algorithm} : i32" in line for line in calls), batch
 
 
 def test_decode_reports_different_tokens(capsys, monkeypatch):

@@ -316,18 +316,20 @@ W = rand(31, (16, 4), jnp.float32)
 
 def test_rows_that_do_not_split_into_n_blocks():
     x = rand(32, (3, 2, 16), jnp.float32)   # 6 rows, 4 ranks
-    # auto (and xla) take any number of rows ...
+    # every impl takes any number of rows: the fused ones run one-shot ...
     assert_close(_run(x, W, 4), f64(x) @ f64(W), jnp.float32)
-    assert_close(_run(x, W, 4, impl="xla", chunks=4), f64(x) @ f64(W), jnp.float32)
-    # ... a fused impl asked for names the shape and the fix
-    for kw, what in ((dict(impl="ring"), "impl='ring'"), (dict(impl="native"), "impl='native'"),
-                     (dict(transport="p2p"), "transport='p2p'")):
-        with pytest.raises(ValueError, match=rf"{what} splits the rows of x \(every dim but the "
-                                             rf"last: 6 for shape \(3, 2, 4\)\) into one block "
-                                             rf"per rank of 'tp' \(4\).*impl='xla'"):
-            _run(x, W, 4, **kw)
-    with jo.config(impl="ring"), pytest.raises(ValueError, match="impl='ring' splits"):
-        _run(x, W, 4)
+    assert_close(_run(x, W, 4, impl="xla", chunks=3), f64(x) @ f64(W), jnp.float32)
+    for kw in (dict(impl="ring"), dict(impl="native"), dict(transport="p2p"),
+               dict(impl="native", chunks=3)):
+        assert_close(_run(x, W, 4, **kw), f64(x) @ f64(W), jnp.float32)
+    # ... two-shot asked for names the shape and the fix
+    with pytest.raises(ValueError, match=r"algorithm='two_shot' splits the rows of x \(every dim "
+                                         r"but the last: 6 for shape \(3, 2, 4\)\) into one block "
+                                         r"per rank of 'tp' \(4\).*algorithm='one_shot'"):
+        _run(x, W, 4, impl="ring", algorithm="two_shot")
+    with pytest.raises(ValueError, match=r"chunks=4 does not divide the 6 rows of x \(every dim "
+                                         r"but the last; one-shot"):
+        _run(x, W, 4, impl="native", chunks=4)
 
 
 def test_chunks_must_divide_each_ranks_block():
@@ -384,6 +386,13 @@ def test_argument_errors_name_the_argument():
         jo.matmul_ar(np.ones((8, 16), np.float32), np.ones((16, 4), np.float32), "tp")
     with pytest.raises(TypeError, match="axis"):
         jo.matmul_ar(X, W, "tp", axis=0, mesh=mesh)  # no axis: every dim but the last is a row
+    with pytest.raises(ValueError, match=r"algorithm='three_shot' is not a GEMM \+ all-reduce "
+                                         r"algorithm; use one of \('auto', 'one_shot', "
+                                         r"'two_shot'\)"):
+        jo.matmul_ar(X, W, "tp", algorithm="three_shot", mesh=mesh)
+    with pytest.raises(ValueError, match=r"algorithm='one_shot' applies to the fused impls "
+                                         r"\('ring', 'native'\), but impl='xla'"):
+        jo.matmul_ar(X, W, "tp", impl="xla", algorithm="one_shot", mesh=mesh)
 
 
 def test_native_request_is_never_silently_replaced(monkeypatch):
@@ -392,3 +401,85 @@ def test_native_request_is_never_silently_replaced(monkeypatch):
     monkeypatch.setattr(ops, "_native", lambda: None)
     with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested.*no native"):
         jo.matmul_ar(X, W, "tp", impl="native", mesh=tp_mesh(4))
+
+
+# ---------------------------------------------------------------- one-shot
+
+
+@pytest.mark.parametrize("impl,transport", IMPLS[1:], ids=IMPL_IDS[1:])
+def test_one_shot_matches_psum_on_every_rank_bit_for_bit(impl, transport):
+    """algorithm='one_shot': N 2..8, rows that split into N blocks and rows that do not (a
+    decode step: one row), sub-chunks; every rank's y is the same bits."""
+    extra = {"transport": transport} if transport else {}
+    for n, rows, dtype, chunks in ((2, (1,), jnp.float32, 1), (3, (2, 3), jnp.bfloat16, 3),
+                                   (5, (1, 1), jnp.float16, 1), (8, (1,), jnp.float32, 1),
+                                   (8, (2, 8), jnp.bfloat16, 2)):
+        x, w = _case(n, dtype, rows=rows, seed=n)
+        fn = jax.jit(jax.shard_map(
+            lambda x, w, chunks=chunks: jo.matmul_ar(x, w, "tp", impl=impl, chunks=chunks,
+                                                     algorithm="one_shot", **extra)[None],
+            mesh=tp_mesh(n), in_specs=(_x_spec(x.ndim), P("tp", None)), out_specs=P("tp"),
+            check_vma=False))
+        copies = np.asarray(fn(x, w).astype(jnp.float32))
+        for r in range(n):
+            np.testing.assert_array_equal(copies[r], copies[0], err_msg=f"N={n} rank {r}")
+        assert_close(copies[0].astype(dtype), f64(x) @ f64(w), dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,transport", [("ring", None), ("native", "nccl"),
+                                            ("native", "p2p"), ("native", "multicast")])
+def test_one_shot_grads_and_calls_in_flight(impl, transport):
+    """A decode-sized batch (rows that do not split): two one-shot calls and a two-shot one in
+    one program, forward and backward under remat, typed invariant (check_vma=True)."""
+    n = 4
+    x = rand(40, (1, 3, 8), jnp.float32)     # 3 rows on 4 ranks: one-shot
+    x2 = rand(41, (2, 4, 8), jnp.float32)    # 8 rows: two-shot by default
+    w1, w2 = rand(42, (8, 6), jnp.float32), rand(43, (8, 6), jnp.float32)
+    extra = {"transport": transport} if transport else {}
+
+    def three(x, x2, w1, w2):
+        a = jo.matmul_ar(x, w1, "tp", impl=impl, **extra)
+        b = jo.matmul_ar(x, w2, "tp", impl=impl, **extra)
+        c = jo.matmul_ar(x2, w1, "tp", impl=impl, **extra)
+        return jnp.sum(a * b) + jnp.sum(c ** 2)
+
+    def loss_of(body):
+        fn = jax.shard_map(body, mesh=tp_mesh(n),
+                           in_specs=(P(None, None, "tp"), P(None, None, "tp"), P("tp", None),
+                                     P("tp", None)), out_specs=P())
+        return fn
+
+    got = jax.jit(jax.grad(loss_of(jax.checkpoint(three)), argnums=(0, 1, 2, 3)))(x, x2, w1, w2)
+    ref = jax.grad(loss_of(lambda x, x2, w1, w2: jnp.sum(lax.psum(x @ w1, "tp")
+                                                         * lax.psum(x @ w2, "tp"))
+                           + jnp.sum(lax.psum(x2 @ w1, "tp") ** 2)),
+                   argnums=(0, 1, 2, 3))(x, x2, w1, w2)
+    for g, e in zip(got, ref, strict=True):
+        assert_close(g, f64(e), jnp.float32)
+
+
+def test_one_shot_on_global_arrays_and_its_plan():
+    """Outside shard_map (one row on 4 ranks) and what the plan says (the debug log)."""
+    mesh = tp_mesh(4)
+    x = rand(44, (1, 16), jnp.float32)
+    w = rand(45, (16, 4), jnp.float32)
+    y = jax.jit(lambda x, w: jo.matmul_ar(x, w, "tp", impl="native", transport="p2p",
+                                          mesh=mesh))(x, w)
+    assert_close(y, f64(x) @ f64(w), jnp.float32)
+    from jaxoverlap import ops
+
+    plan = ops._ar_plan(jax.ShapeDtypeStruct((1, 4), jnp.float32),
+                        jax.ShapeDtypeStruct((4, 4), jnp.float32), "tp", 4, "native", None,
+                        None, None)
+    assert plan.algorithm == "one_shot" and "algorithm=one_shot" in plan.describe()
+    plan = ops._ar_plan(jax.ShapeDtypeStruct((8, 4), jnp.float32),
+                        jax.ShapeDtypeStruct((4, 4), jnp.float32), "tp", 4, "native", None,
+                        None, None)
+    assert plan.algorithm == "two_shot"
+    # the custom call carries the algorithm
+    hlo = jax.jit(jax.shard_map(
+        lambda x, w: jo.matmul_ar(x, w, "tp", impl="native", algorithm="one_shot"),
+        mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())).lower(
+            x, w).as_text()
+    assert "jaxoverlap_matmul_ar" in hlo and "algorithm = 1 : i32" in hlo

@@ -30,12 +30,14 @@ Status BuildProgram(const Problem& q, Program* program) {
   JO_REQUIRE(q.chunks >= 1, op + ": chunks must be >= 1, got " + std::to_string(q.chunks));
   JO_REQUIRE(q.op == Collective::kAgMatmul || !q.return_gathered,
              op + ": return_gathered applies to ag_matmul only");
+  JO_REQUIRE(q.op == Collective::kMatmulAr || q.algorithm == ArAlgorithm::kTwoShot,
+             op + ": the one-shot algorithm applies to matmul_ar only");
 
   *program = Program();
   program->problem = q;
   program->chunks = std::min<int64_t>(q.chunks, q.rows);
-  if (q.transport == Transport::kMulticast) {
-    // Multicast has no ring; every transfer is a single store or load-reduce.
+  if (q.transport == Transport::kMulticast || q.algorithm == ArAlgorithm::kOneShot) {
+    // Multicast and one-shot have no ring: every transfer is one hop.
     program->cw_steps = q.nranks - 1;
     program->ccw_steps = 0;
   } else {

@@ -17,6 +17,19 @@
 // into every rank's workspace over the consumed partials (McStore,
 // multimem.st) and signals every rank, which copies it into its Y. Block b's
 // reduction runs while the GEMMs of the blocks after it run.
+//
+// One-shot (every transport; rows need not split into N blocks): every rank
+// multiplies all its rows into its own partial, sub-chunk by sub-chunk, and
+// the partials cross in one round. p2p: a comm stream pushes the partial into
+// slot r of every peer's workspace and raises the peer's flag r. nccl: one
+// Send/Recv group per sub-chunk exchanges it with every peer into SCRATCH.
+// Then each rank sums the N slots into Y in rank order 0..N-1 (a Copy and N-1
+// Adds on the compute stream), so every rank rounds alike and gets the same
+// bits. Multicast: the partial stays in the own workspace and raises every
+// peer's flag; each rank load-reduces all rows through the switch into its Y
+// (one McReduce per sub-chunk). Each rank receives (N-1) partials of all of
+// y (the two-shot algorithm moves 2(N-1)/N of y), in one hop instead of
+// 2(N-1): the latency-bound choice for small M.
 #include <vector>
 
 #include "core/build_internal.h"
@@ -172,12 +185,110 @@ Status BuildMulticast(Program* p, Emitter& e) {
   return OkStatus();
 }
 
+// One-shot: q.rows are all the rows; slot j of a [N, P, M, Nw] area holds
+// rank j's partial.
+Status BuildOneShot(Program* p, Emitter& e) {
+  const Problem& q = p->problem;
+  const int32_t N = q.nranks, r = q.rank;
+  const int64_t P = q.batch, M = q.rows, Nw = q.n, C = p->chunks;
+  const int64_t slot_elems = P * M * Nw;
+  auto rows = [&](int64_t s) { return SubRows(M, C, s); };
+  auto x = [&](int64_t s) { return Ref{BufId::kX, r, SubBegin(M, C, s) * q.k, M * q.k, q.k}; };
+  auto at = [&](BufId buf, int32_t owner, int64_t slot, int64_t s) {
+    return Ref{buf, owner, slot * slot_elems + SubBegin(M, C, s) * Nw, M * Nw, Nw};
+  };
+  auto flag = [&](int32_t writer, int64_t s) { return static_cast<int32_t>(writer * C + s); };
+  auto label = [](Op& op, int32_t writer, int64_t s) -> Op& {
+    op.shard = writer;
+    op.sub = static_cast<int32_t>(s);
+    return op;
+  };
+
+  if (q.transport == Transport::kMulticast) {
+    p->workspace_elems = slot_elems;
+    p->num_flags = static_cast<int32_t>(N * C);
+    for (int64_t s = 0; s < C; ++s) {
+      label(e.Gemm(0, x(s), at(BufId::kWorkspace, r, 0, s), nullptr, P, rows(s)), r, s);
+      for (int32_t peer = 0; peer < N; ++peer)
+        if (peer != r) e.Signal(0, peer, flag(r, s));
+    }
+    for (int64_t s = 0; s < C; ++s) {
+      for (int32_t peer = 0; peer < N; ++peer)
+        if (peer != r) e.Wait(0, peer, flag(peer, s));
+      label(e.Block(OpKind::kMcReduce, 0, at(BufId::kWorkspace, r, 0, s), at(BufId::kY, r, 0, s), P,
+                    rows(s), Nw),
+            r, s);
+    }
+    return OkStatus();
+  }
+
+  // nccl: the slots are private (SCRATCH); p2p: peers push into WORKSPACE.
+  const bool nccl = q.transport == Transport::kNccl;
+  const BufId slots = nccl ? BufId::kScratch : BufId::kWorkspace;
+  if (nccl) {
+    p->scratch_elems = N * slot_elems;
+  } else {
+    p->workspace_elems = N * slot_elems;
+    p->num_flags = static_cast<int32_t>(N * C);
+  }
+  std::vector<int32_t> computed(static_cast<size_t>(C)), arrived(static_cast<size_t>(C));
+  for (int64_t s = 0; s < C; ++s) {
+    computed[s] = e.NewEvent();
+    label(e.Gemm(0, x(s), at(slots, r, r, s), nullptr, P, rows(s)), r, s);
+    e.Record(0, computed[s]);
+  }
+  // Stream 1: sub-chunk s leaves as soon as its GEMM is done (peers in ring
+  // order from r+1, so that not every rank writes to rank 0 first).
+  for (int64_t s = 0; s < C; ++s) {
+    e.StreamWait(1, computed[s]);
+    const int32_t bundle = nccl ? e.NewBundle() : -1;
+    for (int32_t i = 1; i < N; ++i) {
+      const int32_t peer = Mod(r + i, N);
+      if (!nccl) {
+        label(e.Block(OpKind::kCopy, 1, at(slots, r, r, s), at(slots, peer, r, s), P, rows(s), Nw),
+              r, s);
+        e.Signal(1, peer, flag(r, s));
+        continue;
+      }
+      Op& send = label(e.Block(OpKind::kSend, 1, at(slots, r, r, s), Ref{}, P, rows(s), Nw), r, s);
+      send.peer = peer;
+      send.id = static_cast<int32_t>(s);
+      send.bundle = bundle;
+      const int32_t from = Mod(r - i, N);
+      Op& recv =
+          label(e.Block(OpKind::kRecv, 1, Ref{}, at(slots, r, from, s), P, rows(s), Nw), from, s);
+      recv.peer = from;
+      recv.id = static_cast<int32_t>(s);
+      recv.bundle = bundle;
+    }
+    if (nccl) {
+      arrived[s] = e.NewEvent();
+      e.Record(1, arrived[s]);
+    }
+  }
+  // Compute stream: Y = slot 0 + slot 1 + ... + slot N-1, the same order on every rank.
+  for (int64_t s = 0; s < C; ++s) {
+    if (nccl)
+      e.StreamWait(0, arrived[s]);
+    else
+      for (int32_t peer = 0; peer < N; ++peer)
+        if (peer != r) e.Wait(0, peer, flag(peer, s));
+    label(e.Block(OpKind::kCopy, 0, at(slots, r, 0, s), at(BufId::kY, r, 0, s), P, rows(s), Nw), 0,
+          s);
+    for (int32_t j = 1; j < N; ++j)
+      label(e.Block(OpKind::kAdd, 0, at(slots, r, j, s), at(BufId::kY, r, 0, s), P, rows(s), Nw), j,
+            s);
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Status BuildMatmulAr(Program* p) {
   const Problem& q = p->problem;
   Emitter e(p);
   if (q.nranks == 1) return BuildSingleRank(p, e);
+  if (q.algorithm == ArAlgorithm::kOneShot) return BuildOneShot(p, e);
   if (q.transport == Transport::kMulticast) return BuildMulticast(p, e);
   std::vector<int32_t> reduced;
   JO_CHECK(BuildRsRing(p, e, RsTarget{q.rank * q.rows, q.nranks * q.rows}, &reduced));

@@ -138,10 +138,11 @@ int64_t NewCallSiteId(int64_t clique_key) {
 }
 
 std::string CallSignature(const Problem& q) {
-  return std::string(CollectiveName(q.op)) + "/" + TransportName(q.transport) +
-         " n=" + std::to_string(q.nranks) + " [" + std::to_string(q.batch) + "," +
-         std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" + std::to_string(q.n) + " " +
-         DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
+  return std::string(CollectiveName(q.op)) +
+         (q.op == Collective::kMatmulAr ? std::string("/") + ArAlgorithmName(q.algorithm) : "") +
+         "/" + TransportName(q.transport) + " n=" + std::to_string(q.nranks) + " [" +
+         std::to_string(q.batch) + "," + std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" +
+         std::to_string(q.n) + " " + DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
 }
 

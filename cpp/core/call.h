@@ -76,6 +76,7 @@ struct CallDesc {
   int64_t chunks = 1;
   bool bidirectional = false;
   bool tf32 = false;  // float32 GEMMs may use TF32 (precision DEFAULT/HIGH)
+  ArAlgorithm algorithm = ArAlgorithm::kTwoShot;  // matmul_ar only
   int64_t timeout_ms = 120000;
   RankTable table;
 };

@@ -64,7 +64,8 @@ Status CheckId(const Program& p, const Op& op, const char* what, int64_t value, 
 
 BufferSizes BufferSizes::Of(const Program& p) {
   const Problem& q = p.problem;
-  const int64_t local = q.batch * q.rows, gathered = local * q.nranks;
+  const bool one_shot = q.op == Collective::kMatmulAr && q.algorithm == ArAlgorithm::kOneShot;
+  const int64_t local = q.batch * q.rows, gathered = one_shot ? local : local * q.nranks;
   BufferSizes s;
   const bool ag = q.op == Collective::kAgMatmul;
   const bool rs = q.op == Collective::kMatmulRs;

@@ -30,6 +30,16 @@ const char* CollectiveName(Collective op) {
   return "?";
 }
 
+const char* ArAlgorithmName(ArAlgorithm algorithm) {
+  switch (algorithm) {
+    case ArAlgorithm::kTwoShot:
+      return "two_shot";
+    case ArAlgorithm::kOneShot:
+      return "one_shot";
+  }
+  return "?";
+}
+
 const char* TransportName(Transport transport) {
   switch (transport) {
     case Transport::kNccl:
@@ -139,10 +149,12 @@ std::string ToString(const Op& op) {
 std::string Summary(const Program& p) {
   const Problem& q = p.problem;
   std::ostringstream out;
-  out << CollectiveName(q.op) << " transport=" << TransportName(q.transport) << " rank=" << q.rank
-      << "/" << q.nranks << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k
-      << " n=" << q.n << " dtype=" << DTypeName(q.dtype) << " chunks=" << p.chunks
-      << " steps(cw,ccw)=(" << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
+  out << CollectiveName(q.op);
+  if (q.op == Collective::kMatmulAr) out << " " << ArAlgorithmName(q.algorithm);
+  out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
+      << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " n=" << q.n
+      << " dtype=" << DTypeName(q.dtype) << " chunks=" << p.chunks << " steps(cw,ccw)=("
+      << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
       << " ops=" << p.ops.size() << " workspace_elems=" << p.workspace_elems
       << " scratch_elems=" << p.scratch_elems;
   return out.str();

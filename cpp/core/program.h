@@ -29,6 +29,17 @@ const char* CollectiveName(Collective op);
 enum class Transport : int32_t { kNccl = 0, kP2p = 1, kMulticast = 2 };
 const char* TransportName(Transport transport);
 
+// How GEMM+AR reduces (docs/native.md §3). Two-shot: a reduce-scatter of N
+// row blocks, then an all-gather of the reduced blocks (a ring on nccl and
+// p2p; a load-reduce and a store through the switch on multicast): each rank
+// moves 2(N-1)/N of y, the bandwidth bound. One-shot: every rank's whole
+// partial goes to every rank (or, on multicast, is load-reduced by every
+// rank), which sums all of them itself: (N-1) partials per rank, but one
+// round of transfers, whatever N — the latency bound, for small calls. Rows
+// need not split into N blocks.
+enum class ArAlgorithm : int32_t { kTwoShot = 0, kOneShot = 1 };
+const char* ArAlgorithmName(ArAlgorithm algorithm);
+
 // Buffers a program names. X, W, Y and XGathered are the call's operands and
 // results; Scratch is private per-rank memory the executor provides;
 // Workspace is the symmetric per-clique buffer (the only memory peers touch),
@@ -76,6 +87,7 @@ struct Op {
 //   AG: x [batch, rows, k] local shard -> y [batch, nranks*rows, n]
 //   RS: x [batch, nranks*rows, k]      -> y [batch, rows, n]
 //   AR: x [batch, nranks*rows, k]      -> y [batch, nranks*rows, n]
+//   AR one-shot: x [batch, rows, k]    -> y [batch, rows, n] (rows: all of them)
 struct Problem {
   Collective op = Collective::kAgMatmul;
   Transport transport = Transport::kNccl;
@@ -88,7 +100,8 @@ struct Problem {
   DType dtype = DType::kF32;
   int64_t chunks = 1;
   bool bidirectional = false;
-  bool return_gathered = false;  // AG only: also write XGathered
+  bool return_gathered = false;                   // AG only: also write XGathered
+  ArAlgorithm algorithm = ArAlgorithm::kTwoShot;  // AR only
   // float32 GEMMs may round their inputs to TF32 (the op's precision is not
   // HIGHEST); the CUDA executor's cuBLASLt compute type, ignored on the host.
   bool tf32 = false;

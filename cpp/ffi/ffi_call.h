@@ -9,13 +9,14 @@
 //   blocks),
 //   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
 //   bidirectional bool, tf32 bool (float32 GEMMs may use TF32: the op's
-//   precision allows it), timeout_ms i64, and the rank table in (group, rank)
-//   order: processes i64[], device_ids i64[] (JAX's global ids),
-//   ordinals i64[] (local ordinals). The table is empty only for a CPU call
-//   in one process whose mesh was abstract where it lowered; the CPU call
-//   then has a third operand, coords: int32[2] = (rank, group) from
-//   lax.axis_index (the GPU handler needs the table: reading a device scalar
-//   would need a sync).
+//   precision allows it), algorithm i32 (matmul_ar: 0 two-shot, 1 one-shot,
+//   whose rows need not split; 0 for the others), timeout_ms i64, and the
+//   rank table in (group, rank) order: processes i64[], device_ids i64[]
+//   (JAX's global ids), ordinals i64[] (local ordinals). The table is empty
+//   only for a CPU call in one process whose mesh was abstract where it
+//   lowered; the CPU call then has a third operand, coords: int32[2] =
+//   (rank, group) from lax.axis_index (the GPU handler needs the table:
+//   reading a device scalar would need a sync).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +42,7 @@ struct CallAttrs {
   int64_t chunks;
   bool bidirectional;
   bool tf32;
+  int32_t algorithm;
   int64_t timeout_ms;
   ffi::Span<const int64_t> processes, device_ids, ordinals;
 };
@@ -52,7 +54,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("axis"),
     ::xla::ffi::StructMember<int64_t>("axis_size"), ::xla::ffi::StructMember<int32_t>("transport"),
     ::xla::ffi::StructMember<int64_t>("chunks"), ::xla::ffi::StructMember<bool>("bidirectional"),
-    ::xla::ffi::StructMember<bool>("tf32"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<bool>("tf32"), ::xla::ffi::StructMember<int32_t>("algorithm"),
+    ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("ordinals"));
@@ -99,6 +102,9 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
     return bad("attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " +
                std::to_string(a.transport));
   if (a.chunks < 1) return bad("attribute chunks expected >= 1, got " + std::to_string(a.chunks));
+  if (a.algorithm < 0 || a.algorithm > 1 || (a.algorithm == 1 && a.op != 2))
+    return bad("attribute algorithm expected 0 (two-shot) or, for matmul_ar, 1 (one-shot), got " +
+               std::to_string(a.algorithm));
   if (a.timeout_ms < 1)
     return bad("attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
   if (a.device_ids.size() != n || a.ordinals.size() != n ||
@@ -115,6 +121,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   out->chunks = a.chunks;
   out->bidirectional = a.bidirectional;
   out->tf32 = a.tf32;
+  out->algorithm = static_cast<ArAlgorithm>(a.algorithm);
   out->timeout_ms = a.timeout_ms;
   out->table.axis_size = a.axis_size;
   out->table.processes.assign(a.processes.begin(), a.processes.end());
@@ -189,6 +196,7 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->chunks = d.chunks;
   q->bidirectional = d.bidirectional;
   q->tf32 = d.tf32;  // the GEMM ignores it for half types (cuda/gemm.cc)
+  q->algorithm = d.algorithm;
   q->k = xd[xd.size() - 1];
   q->n = wd[1];
   q->batch = 1;
@@ -202,16 +210,18 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
     if (x_gathered != nullptr)
       JO_CHECK(CheckResult(op, "x_gathered", x, *x_gathered, d.axis, xd[d.axis] * n, q->k));
   } else if (d.op == Collective::kMatmulAr) {
-    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, n].
+    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, n]
+    // (one-shot: [1, rows, k] -> [1, rows, n], any number of rows).
     int64_t total = 1;
     for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
     if (d.axis != 0) return bad("attribute axis expected 0, got " + std::to_string(d.axis));
-    if (total % n != 0)
+    const bool one_shot = d.algorithm == ArAlgorithm::kOneShot;
+    if (!one_shot && total % n != 0)
       return bad("operand x expected rows (the product of all dims but the last, " +
                  std::to_string(total) + ") divisible by axis_size " + std::to_string(n));
     if (x_gathered != nullptr) return bad("matmul_ar has one result");
     q->batch = 1;
-    q->rows = total / n;
+    q->rows = one_shot ? total : total / n;
     JO_CHECK(CheckResult(op, "y", x, y, 0, xd[0], q->n));
   } else {
     if (xd[d.axis] % n != 0)

@@ -216,7 +216,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
-             int64_t hold_ms) {
+             int64_t hold_ms, const std::string& algorithm) {
   const bool ag = op == "ag_matmul", rs = op == "matmul_rs", ar = op == "matmul_ar";
   if (!ag && !rs && !ar) throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
@@ -238,9 +238,14 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.bidirectional = bidirectional;
   q.return_gathered = return_gathered;
   q.tf32 = tf32;  // as given: the executor itself must drop it for half types
+  if (algorithm == "one_shot")
+    q.algorithm = jo::ArAlgorithm::kOneShot;
+  else if (algorithm != "two_shot")
+    throw nb::value_error("algorithm: expected two_shot or one_shot");
+  const bool one_shot = q.algorithm == jo::ArAlgorithm::kOneShot;
   const size_t es = static_cast<size_t>(jo::DTypeSize(q.dtype));
-  const size_t x_elems = static_cast<size_t>(batch * (ag ? rows : rows * nranks) * k);
-  const size_t y_elems = static_cast<size_t>(batch * (rs ? rows : rows * nranks) * n);
+  const size_t x_elems = static_cast<size_t>(batch * (ag || one_shot ? rows : rows * nranks) * k);
+  const size_t y_elems = static_cast<size_t>(batch * (rs || one_shot ? rows : rows * nranks) * n);
   const size_t g_elems = static_cast<size_t>(batch * rows * nranks * k);
   std::vector<void*> x(nranks), w(nranks), y(nranks), g(nranks, nullptr);
   for (int r = 0; r < nranks; ++r) {
@@ -285,6 +290,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   desc.chunks = chunks;
   desc.bidirectional = bidirectional;
   desc.tf32 = tf32;
+  desc.algorithm = q.algorithm;
   desc.timeout_ms = timeout_ms;
   desc.table.axis_size = nranks;
   // processes: which (played) process each rank belongs to; a clique spanning
@@ -782,7 +788,8 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
-        nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0);
+        nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
+        nb::arg("algorithm") = "two_shot");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

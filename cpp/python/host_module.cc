@@ -98,7 +98,8 @@ nb::dict Types() {
 
 jo::Problem MakeProblem(const std::string& op, const std::string& transport, int nranks, int rank,
                         int64_t batch, int64_t rows, int64_t k, int64_t n, const std::string& dtype,
-                        int64_t chunks, bool bidirectional, bool return_gathered) {
+                        int64_t chunks, bool bidirectional, bool return_gathered,
+                        const std::string& algorithm) {
   jo::Problem q;
   if (op == "ag_matmul")
     q.op = jo::Collective::kAgMatmul;
@@ -136,6 +137,11 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
   q.chunks = chunks;
   q.bidirectional = bidirectional;
   q.return_gathered = return_gathered;
+  if (algorithm == "one_shot")
+    q.algorithm = jo::ArAlgorithm::kOneShot;
+  else if (algorithm != "two_shot")
+    throw nb::value_error(
+        ("algorithm: expected 'two_shot' or 'one_shot', got '" + algorithm + "'").c_str());
   return q;
 }
 
@@ -187,9 +193,9 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
 nb::dict BuildProgramDict(const std::string& op, const std::string& transport, int nranks, int rank,
                           int64_t batch, int64_t rows, int64_t k, int64_t n,
                           const std::string& dtype, int64_t chunks, bool bidirectional,
-                          bool return_gathered) {
+                          bool return_gathered, const std::string& algorithm) {
   const jo::Program p = Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, n, dtype,
-                                          chunks, bidirectional, return_gathered));
+                                          chunks, bidirectional, return_gathered, algorithm));
   nb::dict out;
   out["op"] = op;
   out["transport"] = transport;
@@ -204,6 +210,7 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   out["chunks"] = p.chunks;
   out["bidirectional"] = p.problem.bidirectional;
   out["return_gathered"] = p.problem.return_gathered;
+  out["algorithm"] = jo::ArAlgorithmName(p.problem.algorithm);
   out["cw_steps"] = p.cw_steps;
   out["ccw_steps"] = p.ccw_steps;
   out["num_streams"] = p.num_streams;
@@ -246,12 +253,13 @@ jo::Ref RefFromDict(nb::handle d) {
 
 jo::Program ProgramFromDict(const nb::dict& d) {
   jo::Program p;
-  p.problem = MakeProblem(nb::cast<std::string>(d["op"]), nb::cast<std::string>(d["transport"]),
-                          nb::cast<int>(d["nranks"]), nb::cast<int>(d["rank"]),
-                          nb::cast<int64_t>(d["batch"]), nb::cast<int64_t>(d["rows"]),
-                          nb::cast<int64_t>(d["k"]), nb::cast<int64_t>(d["n"]),
-                          nb::cast<std::string>(d["dtype"]), nb::cast<int64_t>(d["chunks"]),
-                          nb::cast<bool>(d["bidirectional"]), nb::cast<bool>(d["return_gathered"]));
+  p.problem = MakeProblem(
+      nb::cast<std::string>(d["op"]), nb::cast<std::string>(d["transport"]),
+      nb::cast<int>(d["nranks"]), nb::cast<int>(d["rank"]), nb::cast<int64_t>(d["batch"]),
+      nb::cast<int64_t>(d["rows"]), nb::cast<int64_t>(d["k"]), nb::cast<int64_t>(d["n"]),
+      nb::cast<std::string>(d["dtype"]), nb::cast<int64_t>(d["chunks"]),
+      nb::cast<bool>(d["bidirectional"]), nb::cast<bool>(d["return_gathered"]),
+      d.contains("algorithm") ? nb::cast<std::string>(d["algorithm"]) : std::string("two_shot"));
   p.chunks = nb::cast<int64_t>(d["chunks"]);
   p.cw_steps = nb::cast<int32_t>(d["cw_steps"]);
   p.ccw_steps = nb::cast<int32_t>(d["ccw_steps"]);
@@ -323,6 +331,7 @@ nb::list TakeCalls() {
     d["chunks"] = q.chunks;
     d["bidirectional"] = q.bidirectional;
     d["return_gathered"] = q.return_gathered;
+    d["algorithm"] = jo::ArAlgorithmName(q.algorithm);
     d["start_ns"] = call.start_ns;
     d["end_ns"] = call.end_ns;
     d["ok"] = call.ok;
@@ -412,7 +421,7 @@ NB_MODULE(_host, m) {
   m.def("build_program", &BuildProgramDict, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
         nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"), nb::arg("n"),
         nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
-        nb::arg("return_gathered") = false,
+        nb::arg("return_gathered") = false, nb::arg("algorithm") = "two_shot",
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form).");
   m.def("check_program", &CheckProgramDict, nb::arg("program"),

@@ -30,17 +30,16 @@ inside the fused ops: the layer then runs the unfused computation with it
 
 Rows that do not split: on global arrays, a sequence-parallel call whose
 sequence does not divide over ``axis_name`` (a decode step's single token, any
-odd length) runs the ``sequence_parallel=False`` form for that call, and a
-GEMM + all-reduce whose rows per device do not split into N blocks (what the
-fused ``matmul_ar`` impls need) runs unfused for that call; each is said once
-at debug level. A layer never refuses a shape the Flax layer accepts.
+odd length) runs the ``sequence_parallel=False`` form for that call, said once
+at debug level; its GEMM + all-reduce runs one-shot when the rows per device do
+not split into N blocks (``ops.matmul_ar`` decides). A layer never refuses a
+shape the Flax layer accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 import jaxoverlap.ops as ops
 from jaxoverlap import _megatron, _spmd
 from jaxoverlap._compat import bound_axis_size, context_mesh, varying_axes
-from jaxoverlap._config import check_impl, current_config, logger
+from jaxoverlap._config import check_impl, logger
 
 COLUMN = "column"
 ROW = "row"
@@ -239,39 +238,8 @@ def fused(m: Matmul, x, kernel, mesh: Any):
         return _megatron.copy_matmul(x, kernel, m.axis_name, **kw)
     if m.sequence_parallel:
         return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
-    return ops.matmul_ar(x, kernel, m.axis_name, impl=_ar_impl(m, x, mesh), **kw)  # Megatron g
-
-
-def _ar_impl(m: Matmul, x, mesh: Any) -> str:
-    """The impl of a GEMM + all-reduce: the layer's, unless its fused ring or native impl
-    needs the rows on each device (every dim of x but the last) to split into N blocks and
-    they do not (a decode step's batch, say); then ``"xla"`` for this call, said once.
-
-    On local shards the rows are x's; on global arrays under Explicit axes x's type says
-    which other mesh axes split them; under Auto axes XLA may split them over any other
-    axis, so they must split over all of them and N.
-    """
-    asked = m.impl if m.impl != "auto" else current_config().impl
-    if asked not in ("ring", "native"):
-        return m.impl                      # "xla", or "auto", which picks "xla" itself
-    rows = math.prod(x.shape[:-1])
-    if mesh is None:
-        n, ways = bound_axis_size(m.axis_name), 1
-    else:
-        n = mesh.shape[m.axis_name]
-        if _spmd.is_explicit(mesh):
-            axes = {a for e in _spmd.spec_entries(x, mesh)[:-1] for a in entry_axes(e)}
-        else:
-            axes = set(mesh.axis_names)
-        ways = math.prod(mesh.shape[a] for a in axes - {m.axis_name})
-    if rows % (ways * n) == 0:
-        return m.impl
-    split = f" and over {ways} devices along the other mesh axes" if ways > 1 else ""
-    say_once(m.layer, f"impl={asked!r} splits a GEMM + all-reduce's rows into one block per rank "
-             f"of {m.axis_name!r}, but this call's {rows} rows (every dim of x but the last) do "
-             f"not split over its {n} ranks{split}: the call runs unfused (impl='xla').",
-             logging.DEBUG)
-    return "xla"
+    # Megatron's g: rows that do not split into N blocks (a decode step's batch) run one-shot
+    return ops.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)
 
 
 def _kind_of(m: Matmul) -> str:

@@ -36,11 +36,15 @@ from jaxoverlap.sim.plan import (
 )
 from jaxoverlap.sim.presets import PRESETS, Preset, get_preset, load_preset
 from jaxoverlap.sim.report import (
+    DECODE_CASES,
     MODEL_LABEL,
     STANDARD_CASES,
     Case,
+    decode_table,
+    format_decode_table,
     format_table,
     gantt,
+    markdown_decode_table,
     projection_table,
 )
 
@@ -48,7 +52,11 @@ __all__ = [
     "MODEL_LABEL",
     "OPS",
     "PRESETS",
+    "DECODE_CASES",
     "STANDARD_CASES",
+    "decode_table",
+    "format_decode_table",
+    "markdown_decode_table",
     "Candidate",
     "Case",
     "Choice",

@@ -168,6 +168,19 @@ def fit_gemm(p: Preset, points: Sequence[GemmPoint], serial: Sequence[SerialPoin
     return p.replace(**{n: round(float(v), digits[n]) for n, v in zip(names, x, strict=True)})
 
 
+def fit_one_shot(p: Preset, points: Sequence[tuple[int, float]]) -> Preset:
+    """``mc_latency_us`` fitted to (bytes, seconds) of one-shot all-reduces alone
+    (``model.one_shot_all_reduce_time``), in log error."""
+    if not points:
+        return p
+
+    def cost(latency_us: float) -> float:
+        q = p.replace(mc_latency_us=latency_us)
+        return sum(_log_error(model.one_shot_all_reduce_time(q, b), t) ** 2 for b, t in points)
+
+    return p.replace(mc_latency_us=round(_minimize(cost, 0.0, 50.0), 2))
+
+
 def fit_collectives(p: Preset, points: Sequence[CollectivePoint]) -> Preset:
     from scipy.optimize import nnls
 

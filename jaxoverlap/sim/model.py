@@ -223,19 +223,32 @@ def transfer_fill(p: Preset, transport: str, nbytes: float, hops: int = 1) -> fl
     return transport_latency(p, transport) + pipelined_time(ramp, x) - x
 
 
+def one_shot_all_reduce_time(p: Preset, nbytes: int) -> float:
+    """A one-shot all-reduce of ``nbytes`` alone, as the engine charges our multicast
+    one-shot program's communication: one flag round (each rank raises its peers' flags
+    after its partial is written, ``signal_latency_us``), then one load-reduce of the
+    ``nbytes`` through the switch (a multicast transfer: its start, ramp and bytes). What
+    ``mc_latency_us`` is fitted to (``sim.published.fit_one_shot``): published single-kernel
+    one-shot all-reduces of small messages, whose cost is the same two things."""
+    x = nbytes / (transfer_gbps(p, "multicast") * 1e9)
+    return p.signal_latency_us * US + transfer_fill(p, "multicast", nbytes) + x
+
+
 def collective_bytes(op: str, nranks: int, batch: int, rows: int, k: int, n: int,
                      dtype: str) -> int:
-    """S of nccl-tests: the whole gathered (AG) or pre-reduction (RS) array in bytes."""
+    """S of nccl-tests: the whole gathered (AG), pre-reduction (RS) or reduced (AR) array in
+    bytes (the canonical shape: AR's rows are all of them)."""
     cols = k if op_spec(op).comm_cols == "k" else n
-    return nranks * batch * rows * cols * dtype_bytes(dtype)
+    whole = rows if op == "matmul_ar" else nranks * rows
+    return batch * whole * cols * dtype_bytes(dtype)
 
 
 def collective_time(p: Preset, transport: str, nranks: int, total_bytes: int,
                     op: str = "ag_matmul") -> float:
     """The standalone collective of ``op``'s unfused path moving S = total_bytes.
 
-    A ring over N ranks is a pipeline of N-1 hops (NCCL's ring algorithm), so
-    t = latency + pipelined_time((N-1) * ramp, bus_factor * S / B), B the
+    A ring over N ranks is a pipeline of ``ring_steps`` hops (NCCL's ring algorithm), so
+    t = latency + pipelined_time(steps * ramp, bus_factor * S / B), B the
     transport's asymptotic bus bandwidth (nccl-tests busbw). This is what makes NCCL's
     bandwidth ramp with message size: on 8xH100 the bus bandwidth is 91 GB/s at 2 MiB
     and 305 GB/s at 128 MiB (NVIDIA/Megatron-LM PR #5596), ~360 GB/s at several GB
@@ -246,7 +259,16 @@ def collective_time(p: Preset, transport: str, nranks: int, total_bytes: int,
         return 0.0
     x = op_spec(op).bus_factor(nranks) * total_bytes / (p.transport_gbps(transport) * 1e9)
     return (transport_latency(p, transport)
-            + pipelined_time((nranks - 1) * transport_ramp(p, transport), x))
+            + pipelined_time(ring_steps(op, nranks) * transport_ramp(p, transport), x))
+
+
+def ring_steps(op: str, nranks: int) -> int:
+    """Hops of the ring collective of ``op``'s unfused path: N-1 for an all-gather or a
+    reduce-scatter, 2(N-1) for an all-reduce (a reduce-scatter, then an all-gather: NCCL's
+    ring algorithm, nvidia/nccl-tests doc/PERFORMANCE.md). What makes a small all-reduce
+    latency-bound: each step pays the per-hop start whatever the size."""
+    steps = nranks - 1
+    return 2 * steps if op_spec(op).collective == "all_reduce" else steps
 
 
 def collective_floor(p: Preset, transport: str, nranks: int, total_bytes: int,

@@ -19,6 +19,7 @@ from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
 
 OPS = tuple(model.OPS)
 IMPLS = ("xla", "ring", "native")
+ALGORITHMS = ("two_shot", "one_shot")  # matmul_ar's (docs/native.md §3)
 # The pure-JAX ring (impl="ring") runs the NCCL ring schedule through XLA's
 # collective-permute; each step also writes its GEMM output into the result with a
 # dynamic-update-slice (one read + one write of the output block) — modelled as
@@ -31,7 +32,9 @@ class Shape:
     """The canonical problem of docs/native.md §1, per rank.
 
     AG: x [batch, rows, k] -> y [batch, nranks*rows, n];
-    RS: x [batch, nranks*rows, k] -> y [batch, rows, n].
+    RS: x [batch, nranks*rows, k] -> y [batch, rows, n];
+    AR: x [batch, rows, k] -> y [batch, rows, n] (all rows: the two-shot algorithm splits
+    them into N blocks, the one-shot one does not).
     """
 
     batch: int
@@ -55,19 +58,23 @@ class Candidate:
     transport: str | None = "nccl"
     chunks: int = 1
     bidirectional: bool = False
+    algorithm: str = "two_shot"  # matmul_ar: "two_shot" or "one_shot"
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {self.algorithm!r}")
 
     @property
     def label(self) -> str:
         if self.impl == "xla":
             return "xla (unfused)"
         bidi = " bidi" if self.bidirectional else ""
+        shot = " one-shot" if self.algorithm == "one_shot" else ""
         if self.impl == "ring":
-            return f"ring{bidi}"
-        return f"native {self.transport} chunks={self.chunks}{bidi}"
+            return f"ring{shot}{bidi}"
+        return f"native {self.transport}{shot} chunks={self.chunks}{bidi}"
 
 
 @dataclass
@@ -138,22 +145,30 @@ class SimResult:
 
 @functools.lru_cache(maxsize=512)
 def _programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
-              bidirectional: bool, return_gathered: bool) -> tuple[dict, ...]:
+              bidirectional: bool, return_gathered: bool,
+              algorithm: str = "two_shot") -> tuple[dict, ...]:
     """Every rank's program (cached: the simulator only reads them)."""
     from jaxoverlap._runtime import load_host
 
+    rows = shape.rows
+    if op == "matmul_ar" and algorithm == "two_shot":
+        if rows % nranks:
+            raise ValueError(f"the two-shot matmul_ar splits its {rows} rows into {nranks} "
+                             "blocks: they do not divide")
+        rows //= nranks  # the program's problem: rows per block
     host = load_host()
-    return tuple(host.build_program(op, transport, nranks, r, shape.batch, shape.rows, shape.k,
+    return tuple(host.build_program(op, transport, nranks, r, shape.batch, rows, shape.k,
                                     shape.n, dtype=dtype, chunks=chunks,
                                     bidirectional=bidirectional,
-                                    return_gathered=return_gathered)
+                                    return_gathered=return_gathered, algorithm=algorithm)
                  for r in range(nranks))
 
 
 def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
                    preset: Preset, transport: str = "nccl") -> tuple[float, float]:
     """(T_gemm of the whole unchunked GEMM, T_comm of the standalone collective)."""
-    m = nranks * shape.rows  # AG: gathered rows; RS: full rows of the local x
+    # AG: gathered rows; RS: full rows of the local x; AR: all rows
+    m = shape.rows if op == "matmul_ar" else nranks * shape.rows
     t_gemm = model.gemm_time(preset, dtype, shape.batch, m, shape.n, shape.k)
     s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
     return t_gemm, model.collective_time(preset, transport, nranks, s, op)
@@ -177,7 +192,7 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     p.transport_gbps(transport)  # raises when the machine lacks it
     chunks = 1 if c.impl == "ring" else c.chunks
     programs = _programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
-                         return_gathered)
+                         return_gathered, c.algorithm)
     extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
     timeline = simulate_programs(programs, p, gemm_extra_passes=extra)
     _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
@@ -197,22 +212,37 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
 def candidates(preset: Preset | str, nranks: int, shape: Shape,
                chunk_options: Sequence[int] = (1, 2, 4, 8),
                impls: Iterable[str] = IMPLS,
-               transports: Iterable[str] | None = None) -> list[Candidate]:
-    """Every plan the machine supports, simplest first (ties keep the simplest)."""
+               transports: Iterable[str] | None = None, op: str | None = None,
+               algorithms: Iterable[str] = ALGORITHMS) -> list[Candidate]:
+    """Every plan the machine supports, simplest first (ties keep the simplest).
+
+    For ``op="matmul_ar"`` also every allowed algorithm: two-shot where the rows split
+    into N blocks; one-shot unchunked and in one direction (a latency-bound call gains
+    nothing from pipelining, and it has no ring).
+    """
     p = load_preset(preset)
     impls = tuple(impls)
     allowed = tuple(t for t in (transports or p.transports) if t in p.transports)
     directions = (False, True) if nranks > 2 else (False,)
+    algorithms = tuple(algorithms) if op == "matmul_ar" else ("two_shot",)
+    two_shot = "two_shot" in algorithms and (op != "matmul_ar" or shape.rows % nranks == 0)
+    rows = shape.rows // nranks if op == "matmul_ar" else shape.rows
     out: list[Candidate] = []
     if "xla" in impls:
         out.append(Candidate("xla", None))
     if "ring" in impls:
-        out += [Candidate("ring", None, 1, b) for b in directions]
+        if two_shot:
+            out += [Candidate("ring", None, 1, b) for b in directions]
+        if "one_shot" in algorithms:
+            out.append(Candidate("ring", None, 1, False, "one_shot"))
     if "native" in impls:
         for t in allowed:
-            for c in sorted({min(max(1, c), shape.rows) for c in chunk_options}):
-                for b in (directions if t != "multicast" else (False,)):
-                    out.append(Candidate("native", t, c, b))
+            if two_shot:
+                for c in sorted({min(max(1, c), rows) for c in chunk_options}):
+                    for b in (directions if t != "multicast" else (False,)):
+                        out.append(Candidate("native", t, c, b))
+            if "one_shot" in algorithms:
+                out.append(Candidate("native", t, 1, False, "one_shot"))
     return out
 
 
@@ -270,7 +300,7 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     """
     p = load_preset(preset)
     min_gain = p.margin(op) if min_gain is None else min_gain
-    cands = list(cands) if cands is not None else candidates(p, nranks, shape)
+    cands = list(cands) if cands is not None else candidates(p, nranks, shape, op=op)
     if not any(c.impl == "xla" for c in cands):
         cands.insert(0, Candidate("xla", None))
     table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]

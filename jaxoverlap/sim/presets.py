@@ -46,6 +46,9 @@ H100_FIT = dict(gemm_efficiency=0.7884, gemm_k_half=807.9, gemm_overhead_us=8.72
 # The fused path's per-step costs, shared by every preset (sim.published.fit_fixed_costs).
 FUSED_PATH_FIT = dict(ce_latency_us=16.92, ce_ramp_us=6.78, signal_latency_us=6.78,
                       event_latency_us=6.78, host_op_us=6.78, host_call_us=33.8)
+# A multicast kernel's start (sim.published.fit_one_shot): published one-shot all-reduces of
+# small messages on 8xH100, less the fused path's flag round.
+ONE_SHOT_FIT = dict(mc_latency_us=1.87)
 # The chooser's margins per op (sim.published.fallback_margin): the model's worst serial
 # error, and for GEMM+RS on the h100 its optimism against Flux's published losses (F8);
 # GEMM+AR (no published row) the larger of the two.
@@ -93,7 +96,7 @@ class Preset:
     nccl_ramp_us: float = H100_FIT["nccl_ramp_us"]  # per hop
     ce_latency_us: float = FUSED_PATH_FIT["ce_latency_us"]  # per copy: launch, DMA start
     ce_ramp_us: float = FUSED_PATH_FIT["ce_ramp_us"]
-    mc_latency_us: float = 3.0  # per multicast kernel (assumption)
+    mc_latency_us: float = ONE_SHOT_FIT["mc_latency_us"]  # per multicast kernel
     mc_ramp_us: float = H100_FIT["nccl_ramp_us"]
     signal_latency_us: float = FUSED_PATH_FIT["signal_latency_us"]  # Signal -> peer's Wait
     event_latency_us: float = FUSED_PATH_FIT["event_latency_us"]  # Record -> StreamWait; fork, join
@@ -264,6 +267,9 @@ _HOPPER_SOURCES = {
     "interference": _INTERFERENCE_FIT,
     "nccl_sms": _INTERFERENCE_FIT,
     "latencies": _FIXED_FIT,
+    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
+                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
+                     "PR #2904), less signal_latency_us",
     "min_gain": _MARGIN,
 }
 
@@ -349,6 +355,9 @@ PRESETS: dict[str, Preset] = {
                 "interference": _AS_H100,
                 "nccl_sms": "assumption: fewer NCCL channels than on H100",
                 "latencies": _FIXED_FIT,
+    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
+                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
+                     "PR #2904), less signal_latency_us",
                 "min_gain": "as h100 (no published row on this machine)",
             },
         ),
@@ -382,6 +391,9 @@ PRESETS: dict[str, Preset] = {
                 "multicast_gbps": "multimem PTX needs sm_90+ -> unsupported",
                 "interference": _AS_H100,
                 "latencies": _FIXED_FIT,
+    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
+                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
+                     "PR #2904), less signal_latency_us",
                 "min_gain": _MARGIN,
                 "calibrated": "the a800 rows of sim.published",
             },
@@ -418,6 +430,9 @@ PRESETS: dict[str, Preset] = {
                 "multicast_gbps": "assumption: NVLS at the NCCL rate",
                 "interference": _AS_H100, "nccl_sms": _AS_H100,
                 "latencies": _FIXED_FIT,
+    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
+                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
+                     "PR #2904), less signal_latency_us",
                 "min_gain": "as h100 (no published row on this machine)",
             },
         ),
@@ -459,6 +474,9 @@ PRESETS: dict[str, Preset] = {
                 "nccl_ramp_us": "assumption",
                 "interference": _AS_H100,
                 "latencies": _FIXED_FIT,
+    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
+                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
+                     "PR #2904), less signal_latency_us",
                 "min_gain": _MARGIN,
                 "calibrated": "the pcie8 rows of sim.published",
             },

@@ -38,6 +38,7 @@ NCCL_TESTS = "NVIDIA/nccl-tests #212 and #326 (maintainer)"
 MAMF = "stas00/ml-engineering compute/accelerator/README.md (MAMF table)"
 TRITON2339 = "triton-lang/triton#2339"
 PT172714 = "pytorch/pytorch PR #172714"
+SGL2904 = "sgl-project/sglang PR #2904 (vLLM's custom all-reduce, H100, no CUDA graph)"
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,29 @@ CONCURRENT: tuple[ConcurrentRow, ...] = tuple(
 SEQUENTIAL_172714 = 2.96e-3  # the same GEMM, then the same all-gather
 
 
+@dataclass(frozen=True)
+class OneShotRow:
+    """A published one-shot all-reduce of a small message (one kernel: a flag round, then
+    every rank reads and sums every peer's copy)."""
+
+    id: str
+    source: str
+    machine: str
+    nranks: int
+    nbytes: int
+    us: float
+    note: str = ""
+
+
+_ONE_SHOT_NOTE = ("one kernel per call, launched from the host (no CUDA graph); 512 B and "
+                  "4 KiB, where vLLM's kernel runs one-shot whatever the size thresholds")
+# vLLM's custom all-reduce on H100, tp 2/4/8 (the table of sgl-project/sglang PR #2904).
+ONE_SHOT_ALL_REDUCES: tuple[OneShotRow, ...] = tuple(
+    OneShotRow(f"SGL2904-{n}x{nbytes}", SGL2904, "h100", n, nbytes, us, _ONE_SHOT_NOTE)
+    for nbytes, times in ((512, (9.5, 9.1, 10.1)), (4096, (8.8, 8.5, 9.3)))
+    for n, us in zip((2, 4, 8), times, strict=True))
+
+
 # ---- the fits behind the presets ------------------------------------------------------------
 
 
@@ -277,6 +301,14 @@ def fit_fixed_costs(p: Preset) -> Preset:
     Fitted on the machine of that row (``h100-hbm2e``); the presets take the result.
     """
     return fit.fit_fused(p, [DECOMPOSED])
+
+
+def fit_one_shot(p: Preset) -> Preset:
+    """``mc_latency_us`` (a multicast kernel's start) from the published one-shot
+    all-reduces of small messages (``model.one_shot_all_reduce_time``): the flag round is
+    the fused path's fitted ``signal_latency_us``, the rest is the kernel's start."""
+    return fit.fit_one_shot(p, [(r.nbytes, r.us * 1e-6) for r in ONE_SHOT_ALL_REDUCES
+                                if r.machine == p.name])
 
 
 @functools.cache
@@ -412,6 +444,11 @@ def _inputs() -> tuple[InputResult, ...]:
                                f"GEMM {pt.m}^3 next to an all-gather of {_size(pt.nbytes)} "
                                f"({how})", fit.simulate_concurrent(machine(c.machine), pt) * 1e6,
                                pt.seconds * 1e6, c.note))
+    for r in ONE_SHOT_ALL_REDUCES:
+        t = model.one_shot_all_reduce_time(machine(r.machine), r.nbytes)
+        out.append(InputResult(r.id, r.source, r.machine,
+                               f"one-shot all-reduce {r.nbytes} B, {r.nranks} GPUs", t * 1e6,
+                               r.us, r.note))
     pt, p = CONCURRENT[0].point, machine("h100")
     seq = (model.gemm_time(p, pt.dtype, 1, pt.m, pt.n, pt.k)
            + model.collective_time(p, "nccl", pt.nranks, pt.nbytes, pt.op))

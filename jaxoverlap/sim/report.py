@@ -27,6 +27,8 @@ class Case:
 
     @property
     def shape(self) -> Shape:
+        if self.op == "matmul_ar":  # AR's canonical shape has all the rows
+            return Shape(1, self.m, self.k, self.n)
         return Shape.from_global(self.m, self.k, self.n, self.nranks)
 
 
@@ -45,6 +47,91 @@ STANDARD_CASES: tuple[Case, ...] = (
          ref="F8/32768 (Flux, 8xH100): 0.80x (fused slower)"),
     Case("AG decode", "ag_matmul", 64, 8192, 3584, ref="tiny GEMM: unfused expected"),
 )
+
+
+# A tensor-parallel decode step's row-parallel GEMM + all-reduce (Megatron's g): M = the batch
+# of one-token rows, K = a rank's slice of an 8192 FFN/attention width, N = the 8192 hidden.
+DECODE_CASES: tuple[Case, ...] = tuple(
+    Case(f"AR decode M{m}", "matmul_ar", m, 1024, 8192,
+         ref="latency-bound: one-shot custom all-reduces (vLLM, TensorRT-LLM) win here")
+    for m in (1, 16, 64, 256))
+
+
+def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
+                 ) -> list[dict[str, object]]:
+    """Decode shapes (M 1-256): latency, not bandwidth. Per case: the xla path (GEMM, then
+    NCCL's ring all-reduce: 2(N-1) steps), the best two-shot and one-shot native plans, what
+    the chooser picks with impl="auto" and with impl="native", and why."""
+    from jaxoverlap.sim import model
+    from jaxoverlap.sim.plan import _programs
+
+    p = load_preset(preset)
+    rows: list[dict[str, object]] = []
+    for case in cases:
+        auto = choose(case.op, case.shape, case.dtype, case.nranks, p)
+        native = [r for r in auto.table if r.candidate.impl == "native"]
+        best_of = {alg: min((r for r in native if r.candidate.algorithm == alg),
+                            key=lambda r: r.t_fused, default=None)
+                   for alg in ("two_shot", "one_shot")}
+        fused = min(native, key=lambda r: r.t_fused)
+        c = fused.candidate
+        programs = _programs(case.op, c.transport or "nccl", case.nranks, case.shape,
+                             case.dtype, c.chunks, c.bidirectional, False, c.algorithm)
+        host = model.host_time(p, programs)
+        steps = 1 if c.algorithm == "one_shot" else 2 * (case.nranks - 1)
+        why_native = (f"{c.algorithm.replace('_', '-')}: {steps} transfer step(s)"
+                      + (f" instead of {2 * (case.nranks - 1)}" if steps == 1 else
+                         ", the bytes each rank moves 2(N-1)/N of y instead of N-1 partials"))
+        xla = auto.table[0]
+        if auto.best.candidate.impl == "xla":
+            why = (f"xla: the best fused plan costs {fused.t_fused * 1e6:.0f} µs, of which the "
+                   f"host's enqueue of its {max(len(q['ops']) for q in programs)} ops "
+                   f"{host * 1e6:.0f} µs, against the GEMM and NCCL's all-reduce "
+                   f"{xla.t_xla * 1e6:.0f} µs")
+        else:
+            why = f"{auto.best.candidate.label}: {1 - auto.best.t_fused / xla.t_xla:.0%} " \
+                  f"below xla (margin {auto.min_gain:.0%})"
+        rows.append({
+            "preset": p.name, "case": case.label, "m": case.m,
+            "bytes": case.m * case.n * (4 if case.dtype == "float32" else 2),
+            "t_xla_us": xla.t_xla * 1e6, "t_comm_us": xla.t_comm_xla * 1e6,
+            "t_two_shot_us": best_of["two_shot"].t_fused * 1e6 if best_of["two_shot"] else None,
+            "t_one_shot_us": best_of["one_shot"].t_fused * 1e6 if best_of["one_shot"] else None,
+            "pick": auto.best.candidate.label, "native_pick": c.label,
+            "why": why, "why_native": why_native, "outside": auto.outside,
+        })
+    return rows
+
+
+def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
+    """The decode table as text, every line labelled a model."""
+    def us(v: object) -> str:
+        return "—" if v is None else f"{v:.1f}"
+
+    lines = [MODEL_LABEL, f"{'case':<16} {'y bytes':>9} {'xla µs':>8} {'AR µs':>7} "
+             f"{'2-shot µs':>10} {'1-shot µs':>10}  pick (auto) / pick (native)"]
+    for r in rows:
+        lines.append(f"{r['case']:<16} {r['bytes']:>9} {us(r['t_xla_us']):>8} "
+                     f"{us(r['t_comm_us']):>7} {us(r['t_two_shot_us']):>10} "
+                     f"{us(r['t_one_shot_us']):>10}  {r['pick']} / {r['native_pick']}")
+    for r in rows:
+        lines.append(f"  {r['case']}: {r['why']}; native: {r['why_native']}"
+                     + (" (outside the calibrated range)" if r["outside"] else ""))
+    return "\n".join(lines)
+
+
+def markdown_decode_table(preset: str | Preset = "h100") -> str:
+    """The decode table of docs/performance.md (the same numbers as ``bench --model``)."""
+    def us(v: object) -> str:
+        return "—" if v is None else f"{v:.1f}"
+
+    lines = ["| M | y bytes | xla µs | NCCL all-reduce µs | best two-shot µs | best one-shot µs "
+             "| auto picks | native picks |", "|---|---|---|---|---|---|---|---|"]
+    for r in decode_table(preset):
+        lines.append(f"| {r['m']} | {r['bytes']} | {us(r['t_xla_us'])} | {us(r['t_comm_us'])} "
+                     f"| {us(r['t_two_shot_us'])} | {us(r['t_one_shot_us'])} | {r['pick']} "
+                     f"| {r['native_pick']} |")
+    return "\n".join(lines)
 
 
 def projection_table(presets: Iterable[str | Preset] = tuple(PRESETS),

@@ -26,10 +26,11 @@ TOL = {"float32": dict(rtol=1e-5, atol=1e-4), "bfloat16": dict(rtol=2e-2, atol=3
        "float16": dict(rtol=2e-2, atol=3e-2)}
 
 
-def _inputs(op, n, batch, rows, k, nw, dtype, seed=0):
+def _inputs(op, n, batch, rows, k, nw, dtype, seed=0, algorithm="two_shot"):
     rng = np.random.default_rng(seed)
     np_dtype = DTYPES[dtype]
-    x_rows = rows if op == "ag_matmul" else rows * n
+    # AG: the local shard; one-shot AR: all its rows; RS, two-shot AR: N blocks of rows
+    x_rows = rows if op == "ag_matmul" or algorithm == "one_shot" else rows * n
     xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(np_dtype)
           for _ in range(n)]
     ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(np_dtype) for _ in range(n)]
@@ -50,12 +51,13 @@ def _reference(op, xs, ws, rows):
 
 def run_case(fake, op, transport, n, *, batch=2, rows=3, k=8, nw=6, dtype="float32", chunks=1,
              bidirectional=False, return_gathered=False, devices=None, calls=1, clique_key=7,
-             timeout_ms=120000):
-    xs, ws = _inputs(op, n, batch, rows, k, nw, dtype)
+             timeout_ms=120000, algorithm="two_shot"):
+    xs, ws = _inputs(op, n, batch, rows, k, nw, dtype, algorithm=algorithm)
     devices = list(range(n)) if devices is None else devices
     out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional,
                    return_gathered, [x.tobytes() for x in xs], [w.tobytes() for w in ws],
-                   devices, clique_key=clique_key, calls=calls, timeout_ms=timeout_ms)
+                   devices, clique_key=clique_key, calls=calls, timeout_ms=timeout_ms,
+                   algorithm=algorithm)
     return out, xs, ws
 
 
@@ -68,6 +70,8 @@ def check(fake, out, op, xs, ws, rows, dtype, return_gathered=False):
     for r, (y, ref) in enumerate(zip(out["ys"], refs, strict=True)):
         got = np.frombuffer(y, np_dtype).reshape(ref.shape).astype(np.float64)
         np.testing.assert_allclose(got, ref, **TOL[dtype], err_msg=f"rank {r}")
+    if op == "matmul_ar":  # the same sum on every rank, bit for bit (as psum's)
+        assert all(y == out["ys"][0] for y in out["ys"]), "ranks' sums differ"
     if return_gathered:
         for g in out["x_gathered"]:
             got = np.frombuffer(g, np_dtype).reshape(gathered.shape).astype(np.float64)
@@ -120,6 +124,19 @@ def test_other_interleavings_and_back_to_back_calls(fake, transport, seed):
     for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
         out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True, calls=5)
         check(fake, out, op, xs, ws, 3, "float32")
+    # matmul_ar one-shot, rows that do not split over the 4 ranks
+    out, xs, ws = run_case(fake, "matmul_ar", transport, 4, rows=3, chunks=2, calls=5,
+                           algorithm="one_shot")
+    check(fake, out, "matmul_ar", xs, ws, 3, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_one_shot_half_dtypes(fake, dtype):
+    """The one-shot GEMM + all-reduce in half types: every transport, a batch of one row."""
+    for key, transport in enumerate(("nccl", "p2p", "multicast"), 10):
+        out, xs, ws = run_case(fake, "matmul_ar", transport, 4, batch=1, rows=1, k=8, nw=6,
+                               dtype=dtype, algorithm="one_shot", clique_key=key)
+        check(fake, out, "matmul_ar", xs, ws, 1, dtype)
 
 
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])

@@ -43,7 +43,7 @@ def test_selftest_on_the_fake_honours_the_work_queue_setting(capsys, monkeypatch
     assert main(quick=True, fake=True) == 0
     out = capsys.readouterr().out
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out and "FAIL " not in out
-    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot"):
         for transport in ("nccl", "p2p", "multicast"):
             assert f"PASS  {op:9s} {transport:9s}" in out
     fake.reset()
@@ -68,7 +68,8 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
     report = json.loads(path.read_text())
     assert report["versions"]["jax"] and report["versions"]["jaxoverlap"]
     assert "fake" in report["topology"]
-    assert len(report["rows"]) == 9 and all(r["passed"] for r in report["rows"])
+    # quick: 4 ops (ag_matmul, matmul_rs, matmul_ar two-shot and one-shot) x 3 transports
+    assert len(report["rows"]) == 12 and all(r["passed"] for r in report["rows"])
     assert all(r["seconds"] >= 0 and "of the bound" in r["detail"] for r in report["rows"])
     assert report["first_error"] is None
     monkeypatch.setattr(_selftest, "bound", lambda *a: 0.0)

@@ -8,10 +8,13 @@ a communicator's launches in issue order. This runs the executor itself (``CudaC
 op x transport x N in 2..8 x chunks 1..4 x direction, with 1 queue and with the default 8, and
 requires every call to complete with the right result and no misuse the fake recognises. The
 fake interleaves the queues in a seeded random order; each case uses its own seed. N = 2, 3 and
-8 run every time; N = 4..7 are ``slow`` (the whole grid takes minutes).
+8 run every time; N = 4..7 are ``slow`` (the whole grid takes minutes). ``matmul_ar``'s one-shot
+programs have a grid of their own (every N: they are cheap).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -57,3 +60,19 @@ def test_growing_calls_with_ranks_at_uneven_speeds(fake, op, transport):
                     out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=4, k=4, nw=3,
                                            chunks=chunks, bidirectional=bidirectional, calls=2)
                     check(fake, out, op, xs, ws, 4, "float32")
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+def test_every_one_shot_program_completes_through_the_work_queues(fake, connections):
+    """matmul_ar's one-shot programs, N 2..8: rows that split into N blocks and rows that do
+    not (1: a decode step's batch of one), with and without sub-chunks."""
+    for transport, n, rows, chunks in itertools.product(("nccl", "p2p", "multicast"),
+                                                        range(2, 9), (1, 5, 8), (1, 3)):
+        fake.reset(connections=connections, seed=1 + 8 * n + 2 * chunks + rows)
+        out, xs, ws = run_case(fake, "matmul_ar", transport, n, batch=1, rows=rows, k=4, nw=3,
+                               chunks=chunks, algorithm="one_shot")
+        try:
+            check(fake, out, "matmul_ar", xs, ws, rows, "float32")
+        except AssertionError as e:
+            e.add_note(f"in the case {(transport, n, rows, chunks)}")
+            raise

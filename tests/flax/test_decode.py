@@ -38,16 +38,22 @@ def _tokens(seed: int = 0):
     return rand(seed, (B, L, E))
 
 
-def _assert_step_collectives(text: str, impl: str) -> None:
+def _assert_step_collectives(text: str, impl: str, one_shot: bool = False) -> None:
     """A decode step: no gather of its one token, and the output projection's all-reduce
-    by the impl asked for (the rows, B, split into N blocks per device here)."""
+    by the impl asked for: two-shot where the rows (B) split into N blocks per device,
+    one-shot where they do not (its ring permutes the partial 2 ranks on, its native call
+    has the algorithm attribute 1)."""
     assert "all-gather" not in text, "a decode step gathered its token (sequence parallel?)"
     if impl == "xla":
         assert "all-reduce" in text
     elif impl == "ring":
         assert "collective-permute" in text and "all-reduce" not in text
+        assert ("source_target_pairs={{0,2}" in text) == one_shot, "one-shot's permute by 2"
     else:
-        assert "jaxoverlap_matmul_ar" in text and "all-reduce" not in text
+        calls = [line for line in text.splitlines() if 'custom_call_target="jaxoverlap_matmul_ar"'
+                 in line]
+        assert calls and "all-reduce" not in text
+        assert all(f"algorithm = {int(one_shot)} : i32" in line for line in calls)
 
 
 def _heads_per_device(a) -> int:
@@ -57,16 +63,19 @@ def _heads_per_device(a) -> int:
 # ---------------------------------------------------------------- linen
 
 
-@pytest.mark.parametrize("mesh_name,sequence_parallel,impl", [
-    ("dp2_tp4_explicit", True, "ring"), ("tp4_auto", False, "native"),
-    ("tp4_auto", True, "xla"), ("dp2_tp4_explicit", False, "native"),
-    ("tp4_auto", True, "ring"), ("dp2_tp4_explicit", True, "native")])
-def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl):
+@pytest.mark.parametrize("mesh_name,sequence_parallel,impl,batch", [
+    ("dp2_tp4_explicit", True, "ring", B), ("tp4_auto", False, "native", B),
+    ("tp4_auto", True, "xla", B), ("dp2_tp4_explicit", False, "native", B),
+    ("tp4_auto", True, "ring", B), ("dp2_tp4_explicit", True, "native", B),
+    ("tp4_auto", True, "native", 1), ("dp2_tp4_explicit", False, "ring", 2)])
+def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl, batch):
     """init with decode=True makes Flax's cache (global shapes, each device its heads); every
-    step's output and the final cache equal Flax's for the same parameters."""
+    step's output and the final cache equal Flax's for the same parameters. A batch of one
+    per device does not split over tp: the output projection runs one-shot."""
     mesh = make_mesh(mesh_name)
     explicit = mesh_name.endswith("explicit")
-    x = _tokens()
+    x = _tokens()[:batch]
+    one_shot = (batch // (2 if explicit else 1)) % TP != 0
     ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
     ours = jl.ParallelMultiHeadDotProductAttention(
         num_heads=HEADS, decode=True, sequence_parallel=sequence_parallel, impl=impl,
@@ -87,7 +96,7 @@ def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl):
         step = jax.jit(lambda v, t: ours.apply(v, t, mutable=["cache"]))
         token = place(x[:, :1], mesh, P(dp))
         _assert_step_collectives(step.lower({"params": params, "cache": cache}, token)
-                                 .compile().as_text(), impl)
+                                 .compile().as_text(), impl, one_shot)
         outs = []
         for t in range(L):
             y, new = step({"params": params, "cache": cache}, place(x[:, t:t + 1], mesh, P(dp)))
@@ -288,23 +297,19 @@ def test_rows_that_do_not_split_run_without_sequence_parallelism(mesh_name, capl
     assert_tree_close(y, want, jnp.float32, "nnx, one token")
 
 
-def test_all_reduce_rows_that_do_not_split_run_unfused(caplog, monkeypatch):
+def test_all_reduce_rows_that_do_not_split_run_one_shot():
     """GEMM + all-reduce (Megatron g) with impl='ring': rows per device that split into N
-    blocks run the ring; rows that do not (2 tokens over dp=2 and tp=4) run unfused for that
-    call, said once at debug level, instead of the op's error."""
-    monkeypatch.setattr(_common, "_said", set())
+    blocks run the two-shot ring; rows that do not (2 tokens over dp=2 and tp=4) run the
+    one-shot (every partial to every rank: a permute 2 ranks on), never unfused."""
     mesh = make_mesh("dp2_tp4_explicit")
     layer = jl.RowParallelDense(E, sequence_parallel=False, impl="ring")
-    caplog.set_level(logging.DEBUG, logger="jaxoverlap")
     with jax.set_mesh(mesh):
-        for rows, fused in ((8, True), (2, False)):
+        for rows, one_shot in ((8, False), (2, True)):
             h = rand(4, (rows, 1, 32))
             params = nn.Dense(E).init(jax.random.key(0), h)
             h_in = jax.device_put(h, NamedSharding(mesh, P("dp", None, "tp")))
             apply = jax.jit(layer.apply)
-            text = apply.lower(params, h_in).compile().as_text()
-            assert ("collective-permute" in text) == fused and ("all-reduce" in text) != fused
+            _assert_step_collectives(apply.lower(params, h_in).compile().as_text(), "ring",
+                                     one_shot)
             assert_tree_close(apply(params, h_in), nn.Dense(E).apply(params, h), jnp.float32,
                               f"{rows} rows")
-    said = [r for r in caplog.records if "runs unfused (impl='xla')" in r.getMessage()]
-    assert len(said) == 1 and said[0].levelno == logging.DEBUG

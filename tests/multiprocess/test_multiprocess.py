@@ -27,7 +27,8 @@ def test_portable_impls_across_processes(nprocs, devices):
 
 @pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)])
 def test_native_every_transport_fwd_and_bwd(nprocs, devices):
-    """Both ops, forward and gradients, every transport, against float64 NumPy.
+    """Both ops, forward and gradients, and matmul_ar's one-shot on one row, every transport,
+    against float64 NumPy.
 
     With 2 processes x 2 devices the one clique mixes threads and processes; with 4 x 1 every
     rank is its own process.
@@ -36,6 +37,7 @@ def test_native_every_transport_fwd_and_bwd(nprocs, devices):
     for p in procs:
         result = p.result()
         assert len(result["checked"]) == 2 * 2 * len(TRANSPORTS), p.stdout
+        assert result["one_shot"] == list(TRANSPORTS), p.stdout  # matmul_ar, one row
         # Every clique of the run spans processes (none fell back to an in-process clique):
         # one domain per transport, and every call site's clique in it.
         cliques = result["cliques"].strip().splitlines()
@@ -244,5 +246,5 @@ def test_jaxoverlap_profile_writes_one_trace_per_process(tmp_path):
         calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "call"]
         assert calls and all(e["pid"] // 1_000_000 == process for e in calls)
         report = json.loads((tmp_path / f"report.process{process}.json").read_text())
-        assert {s["op"] for s in report["sites"]} == {"ag_matmul", "matmul_rs"}
+        assert {s["op"] for s in report["sites"]} == {"ag_matmul", "matmul_rs", "matmul_ar"}
     assert not (tmp_path / "trace.json").exists()

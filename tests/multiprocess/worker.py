@@ -126,7 +126,8 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
     ``order`` permutes the devices (e.g. interleaving processes round the ring).
     """
     mesh = mesh_of((len(jax.devices()),), ("tp",), order)
-    done = []
+    n = len(jax.devices())
+    done, one_shot = [], []
     for transport in transports:
         for op in ("ag_matmul", "matmul_rs"):
             for axis in axes or [0, 1]:
@@ -134,8 +135,17 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
                 check_op(op, mesh, "native", dtype=dtype, axis=axis, transport=transport,
                          chunks=2, bidirectional=bidir, seed=axis)
                 done.append(f"{op}/{transport}/axis{axis}")
+        # matmul_ar's one-shot on a decode step's single row (which no N splits)
+        x, w = values(11, (1, 8 * n), dtype), values(12, (8 * n, 6), dtype)
+        y = jax.jit(lambda x, w, t=transport: jo.matmul_ar(
+            x, w, "tp", impl="native", transport=t, algorithm="one_shot", mesh=mesh))(
+                global_array(x, mesh, P(None, "tp"), dtype),
+                global_array(w, mesh, P("tp", None), dtype))
+        check_shards(f"matmul_ar one-shot {transport}", y, x @ w, dtype)
+        one_shot.append(transport)
     # Every segment was unlinked once all processes had attached (not only at exit).
-    return {"checked": done, "cliques": _cliques(), "linked": harness_segments()}
+    return {"checked": done, "one_shot": one_shot, "cliques": _cliques(),
+            "linked": harness_segments()}
 
 
 def mixed(transport: str = "p2p") -> dict[str, Any]:

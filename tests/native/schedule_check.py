@@ -143,7 +143,8 @@ def _accesses(program, op):
 def buffer_sizes(program):
     """Elements of each buffer of one rank's call (the workspace per parity)."""
     local = program["batch"] * program["rows"]
-    gathered = local * program["nranks"]
+    one_shot = program.get("algorithm") == "one_shot"  # AR one-shot: rows are all of them
+    gathered = local if one_shot else local * program["nranks"]
     ag, rs = program["op"] == "ag_matmul", program["op"] == "matmul_rs"
     return {
         "X": (local if ag else gathered) * program["k"],  # AG: the shard; RS, AR: all rows

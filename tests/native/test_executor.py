@@ -156,6 +156,24 @@ def test_matmul_ar_f32(transport, n, chunks, bidir):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_matmul_ar_one_shot_f32(transport):
+    """matmul_ar's one-shot on the host executor: N 1..8, sub-chunks, rows that split into N
+    blocks and rows that do not (one: a decode step); every rank holds the same bits."""
+    for n, chunks, rows in ((1, 1, 1), (2, 1, 1), (3, 3, 7), (4, 2, 8), (5, 1, 3), (8, 1, 1),
+                            (8, 3, 9)):
+        mesh = mesh_1d(n)
+        x, x64 = data((1, rows, 4 * n), "float32", n + rows)
+        w, w64 = data((4 * n, 6), "float32", n + rows + 1)
+        copies = ar(mesh, x, w, transport=transport, chunks=chunks, algorithm="one_shot",
+                    timeout_s=60.0)
+        got = np.asarray(copies)
+        assert got.shape == (n, 1, rows, 6)
+        for r in range(n):
+            np.testing.assert_array_equal(got[r], got[0], err_msg=f"N={n} rank {r}")
+        np.testing.assert_allclose(got[0], x64 @ w64, **TOL["float32"], err_msg=f"N={n}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("n", [2, 8])
 def test_low_precision(transport, dtype, n):
@@ -259,12 +277,15 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
     def body(x, w1, w2):
         h = _native.ag_matmul_shard(x, w1, axis_name="tp", axis=1, transport=transport, chunks=2)
         y = _native.matmul_rs_shard(h, w2, axis_name="tp", axis=1, transport=transport)
-        # GEMM+AR on the same h (its own call site), compared with the reduce-scatter's result
-        return y, _native.matmul_ar_shard(h, w2, axis_name="tp", transport=transport)
+        # GEMM+AR on the same h (its own call site), compared with the reduce-scatter's result;
+        # and one-shot on its first row per batch (2 rows on 4 ranks: no split)
+        return (y, _native.matmul_ar_shard(h, w2, axis_name="tp", transport=transport),
+                _native.matmul_ar_shard(h[:, :1], w2, axis_name="tp", transport=transport,
+                                        algorithm="one_shot"))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh,
                               in_specs=(P(None, "tp", None), P(None, "tp"), P("tp", None)),
-                              out_specs=(P(None, "tp", None), P()), check_vma=False))
+                              out_specs=(P(None, "tp", None), P(), P()), check_vma=False))
     inputs = []
     for i, s in enumerate((4, 16, 8, 32, 4)):
         x, x64 = data((2, s, 8), "float32", 100 + i)
@@ -272,9 +293,11 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
         w2, w2_64 = data((8, 8), "float32", 300 + i)
         inputs.append(((x, w1, w2), (x64 @ w1_64) @ w2_64))
     outs = [f(*inputs[i % len(inputs)][0]) for i in range(200)]
-    for i, (y, a) in enumerate(outs):
-        np.testing.assert_allclose(np.asarray(y), inputs[i % len(inputs)][1], rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(a), inputs[i % len(inputs)][1], rtol=1e-5, atol=1e-4)
+    for i, (y, a, one) in enumerate(outs):
+        want = inputs[i % len(inputs)][1]
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(a), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(one), want[:, :1], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -297,17 +320,21 @@ def test_missing_peer_times_out_with_a_clear_error(transport):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["two_shot", "one_shot"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_matmul_ar_missing_peer_times_out_with_a_clear_error(transport):
+def test_matmul_ar_missing_peer_times_out_with_a_clear_error(transport, algorithm):
+    """Two-shot on 16 rows, one-shot on a decode step's single row, on 4 ranks."""
     mesh = mesh_1d(4)
-    x = jnp.ones((2, 8, 8), jnp.float32)
+    rows = (2, 8) if algorithm == "two_shot" else (1, 1)
+    x = jnp.ones((*rows, 8), jnp.float32)
     w = jnp.ones((8, 4), jnp.float32)
     stall = {"on": False}
     f = jax.jit(jax.shard_map(
         lambda x, w: _native.matmul_ar_shard(absent(x, 1, lambda: stall["on"]), w,
-                                             axis_name="tp", transport=transport, timeout_s=0.5),
+                                             axis_name="tp", transport=transport,
+                                             algorithm=algorithm, timeout_s=0.5),
         mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=P()))
-    np.testing.assert_allclose(np.asarray(f(x, w)), np.full((2, 8, 4), 8.0))
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.full((*rows, 4), 8.0))
     stall["on"] = True  # rank 1 reaches the next call only after its peers' 0.5 s timeout
     with pytest.raises(Exception, match=r"missing peer rank\(s\) 1 did not arrive") as info:
         f(x, w).block_until_ready()

@@ -167,16 +167,38 @@ def test_flax_mlp_forward_backward_with_bias_at_tp8():
     assert "ok" in out
 
 
+# The three calls of test_three_independent_calls_with_identical_shapes: AG+GEMM (Q, K, V-like
+# projections) and matmul_ar's one-shot (decode steps: 3 rows on 8 ranks), as
+# (inputs, the call on t, in_specs, out_specs) in the script's terms.
+THREE_CALLS = {
+    "ag_matmul": (
+        "xs = [rand(10 + i, (2, n * 16, 64)) for i in range(3)]; w = rand(20, (64, n * 16)); "
+        "zero = jnp.zeros((n, 2, 16, 64), jnp.float32)",
+        "_native.ag_matmul_shard(t, w, axis_name='tp', axis=1, transport=TRANSPORT, "
+        "timeout_s=20.0)",
+        "(P(None, 'tp', None),) * 3 + (P(None, 'tp'), P('tp'))", "(P(None, None, 'tp'),) * 3"),
+    "matmul_ar_one_shot": (
+        "xs = [rand(10 + i, (1, 3, n * 8)) for i in range(3)]; w = rand(20, (n * 8, 32)); "
+        "zero = jnp.zeros((n, 1, 3, 8), jnp.float32)",
+        "_native.matmul_ar_shard(t, w, axis_name='tp', transport=TRANSPORT, "
+        "algorithm='one_shot', timeout_s=20.0)[None]",  # every rank's copy, stacked
+        "(P(None, None, 'tp'),) * 3 + (P('tp', None), P('tp'))", "(P('tp'),) * 3"),
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("op", list(THREE_CALLS))
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-def test_three_independent_calls_with_identical_shapes(transport):
-    """Q, K, V-like projections: same shapes, distinct data; every result is its own."""
+def test_three_independent_calls_with_identical_shapes(transport, op):
+    """Q, K, V-like projections (or three decode-step all-reduces): same shapes, distinct data,
+    next to an XLA collective, each late on different ranks; every result is its own (and a
+    replicated one the same bits on every rank)."""
+    inputs, call, in_specs, out_specs = THREE_CALLS[op]
     out = run(f"""
         n = 8
+        TRANSPORT = "{transport}"
         mesh = mesh_1d(n)
-        xs = [rand(10 + i, (2, n * 16, 64)) for i in range(3)]
-        w = rand(20, (64, n * 16))
-        zero = jnp.zeros((n, 2, 16, 64), jnp.float32)
+        {inputs}
         big = rand(21, (256, 256)) / 16
 
         def late(t, r, j):
@@ -193,19 +215,18 @@ def test_three_independent_calls_with_identical_shapes(transport):
             r = lax.axis_index("tp")
             a = a + lax.psum(z[0], "tp")     # an XLA collective in front of one call
             ts = [late(t, r, j) for j, t in enumerate((a, b, c))]
-            return tuple(_native.ag_matmul_shard(t, w, axis_name="tp", axis=1,
-                                                 transport="{transport}", timeout_s=20.0)
-                         for t in ts)
+            return tuple({call} for t in ts)
 
-        f = jax.jit(jax.shard_map(
-            body, mesh=mesh, in_specs=(P(None, "tp", None),) * 3 + (P(None, "tp"), P("tp")),
-            out_specs=(P(None, None, "tp"),) * 3))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs={in_specs},
+                                  out_specs={out_specs}, check_vma=False))
         want = [f64(x) @ f64(w) for x in xs]
         perturb(60)
         for i in range(50):
             got = f(*xs, w, zero)
             for j, (g, e) in enumerate(zip(got, want)):
-                np.testing.assert_allclose(f64(g), e, rtol=1e-5, atol=1e-4,
+                copies = f64(g).reshape(-1, *e.shape)
+                assert all((c == copies[0]).all() for c in copies), (i, j)
+                np.testing.assert_allclose(copies[0], e, rtol=1e-5, atol=1e-4,
                                            err_msg=f"iteration {{i}}, call {{j}}")
         # One clique per call site.
         sites = [line for line in load_host().cliques().splitlines() if "8 ranks" in line]

@@ -26,13 +26,17 @@ pytestmark = pytest.mark.jax_independent
 host = load_host()
 TRANSPORTS = ("nccl", "p2p", "multicast")
 OPS = ("ag_matmul", "matmul_rs")
-ALL_OPS = (*OPS, "matmul_ar")  # GEMM + all-reduce: the RS ring, then an AG ring of Y's blocks
+# GEMM + all-reduce: two-shot (the RS ring, then an AG ring of Y's blocks; multicast: each
+# block reduced in the switch) and one-shot ("op/algorithm": every partial to every rank)
+ONE_SHOT = "matmul_ar/one_shot"
+ALL_OPS = (*OPS, "matmul_ar", ONE_SHOT)
 
 
 def build(op, transport, n, rank, *, batch=2, rows=6, k=5, n_out=3, dtype="float32", chunks=1,
           bidirectional=False, return_gathered=False):
+    op, _, algorithm = op.partition("/")
     return host.build_program(op, transport, n, rank, batch, rows, k, n_out, dtype, chunks,
-                              bidirectional, return_gathered)
+                              bidirectional, return_gathered, algorithm=algorithm or "two_shot")
 
 
 def clique(op, transport, n, **kw):
@@ -183,6 +187,31 @@ def test_multicast_ar_reduces_and_stores_own_block_only():
         assert reduces and {o["shard"] for o in reduces} == {r}
 
 
+def test_one_shot_sends_every_partial_once_and_sums_in_rank_order():
+    """One hop: each rank's whole partial reaches every peer once (multicast: none leaves, every
+    rank load-reduces all rows); each sub-chunk of Y is slot 0 copied, then slots 1..N-1 added,
+    the same order on every rank. Rows need not split over the ranks (1 row on 8)."""
+    batch, k, n_out = 2, 5, 3
+    for transport, n, rows, chunks in grid(TRANSPORTS, [2, 3, 8], [1, 6, 7], [1, 3]):
+        for r in range(n):
+            with case(transport, n, rows, chunks, r):
+                p = build(ONE_SHOT, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out,
+                          chunks=chunks)
+                partial = batch * rows * n_out * 4
+                sent = sum(o["remote_bytes"] for o in p["ops"])
+                assert sent == (0 if transport == "multicast" else (n - 1) * partial)
+                gemms = [o for o in p["ops"] if o["kind"] == "Gemm"]
+                assert sum(o["m"] for o in gemms) == rows and gemms[0]["a"]["buf"] == "X"
+                into_y = [(o["kind"], o["shard"], o["sub"]) for o in p["ops"]
+                          if o["d"] and o["d"]["buf"] == "Y"]
+                subs = range(min(chunks, rows))
+                if transport == "multicast":
+                    assert into_y == [("McReduce", r, s) for s in subs]
+                else:
+                    assert into_y == [("Copy" if j == 0 else "Add", j, s)
+                                      for s in subs for j in range(n)]
+
+
 def test_multicast_ag_stores_each_shard_once():
     batch, rows, k = 2, 6, 5
     for n, chunks in grid([1, 2, 4, 8], [1, 4]):
@@ -276,7 +305,8 @@ def test_back_to_back_calls_reuse_buffers_safely():
             check_race_free(programs, calls=3)
 
 
-@pytest.mark.parametrize("op,transport", [("ag_matmul", "p2p"), ("matmul_rs", "multicast")])
+@pytest.mark.parametrize("op,transport", [("ag_matmul", "p2p"), ("matmul_rs", "multicast"),
+                                          (ONE_SHOT, "p2p"), (ONE_SHOT, "multicast")])
 def test_a_single_workspace_buffer_would_race_across_calls(op, transport):
     programs = clique(op, transport, 4, rows=2, k=2, n_out=2)
     check_race_free(programs, calls=3, parities=2)
@@ -293,6 +323,9 @@ def _drop_all(programs, rank, stream, kind):
 
 @pytest.mark.parametrize("op,transport,kind", [
     ("ag_matmul", "p2p", "Wait"),          # GEMM would read a slot before the peer's push lands
+    (ONE_SHOT, "p2p", "Wait"),             # the sum would read a slot before its push lands
+    (ONE_SHOT, "nccl", "StreamWait"),      # ... before its Recv completed
+    (ONE_SHOT, "multicast", "Wait"),       # load-reduce before the peers' partials are written
     ("ag_matmul", "nccl", "StreamWait"),   # GEMM would read before the Recv completed
     ("matmul_rs", "p2p", "Wait"),
     ("matmul_rs", "multicast", "Wait"),    # reduce before the peers' partials are written

@@ -224,3 +224,30 @@ def test_ops_are_described_once():
     assert sim.model.op_spec("matmul_ar").bus_factor(8) == pytest.approx(2 * 7 / 8)
     with pytest.raises(ValueError, match="op: expected one of"):
         sim.model.op_spec("matmul_xy")
+
+
+def test_all_reduce_one_shot_for_small_m_two_shot_for_large():
+    """GEMM + all-reduce on 8 ranks: the one-shot program (one transfer step) is the native pick
+    for decode shapes, the two-shot one (2(N-1)/N of y per rank) for large M, on every transport;
+    rows that do not split into N blocks have only one-shot plans."""
+    for transport in ("nccl", "p2p", "multicast"):
+        for m, algorithm in ((1, "one_shot"), (64, "one_shot"), (32768, "two_shot")):
+            shape = sim.Shape(1, m, 1024, 8192)
+            cands = sim.candidates("h100", 8, shape, impls=("native",), transports=(transport,),
+                                   op="matmul_ar")
+            assert {c.algorithm for c in cands} == ({"one_shot"} if m % 8 else
+                                                    {"one_shot", "two_shot"})
+            pick = sim.choose("matmul_ar", shape, "bf16", 8, "h100", cands, unfused=False)
+            assert pick.candidate.algorithm == algorithm, (transport, m, pick.format())
+
+
+def test_a_small_all_reduce_pays_its_ring_steps():
+    """NCCL's ring all-reduce of a small message: 2(N-1) steps, each paying the per-hop start,
+    so it grows with N; the one-shot's communication (a flag round and one load-reduce) does
+    not."""
+    assert [sim.model.ring_steps("matmul_ar", n) for n in (2, 8)] == [2, 14]
+    assert [sim.model.ring_steps("ag_matmul", n) for n in (2, 8)] == [1, 7]
+    small = 16 * 1024
+    t = [sim.model.collective_time(H100, "nccl", n, small, "matmul_ar") for n in (2, 4, 8)]
+    assert t[0] < t[1] < t[2]
+    assert sim.model.one_shot_all_reduce_time(H100, small) < t[2]

@@ -38,7 +38,8 @@ def inputs():
 def test_every_model_input_is_within_10_percent(inputs):
     bad = [(r.id, f"{r.error:+.1%}") for r in inputs if abs(r.error) > TOLERANCE]
     assert not bad, bad
-    assert len(inputs) == len(published.GEMMS) + len(published.COLLECTIVES) + 3
+    assert len(inputs) == (len(published.GEMMS) + len(published.COLLECTIVES) + 3
+                           + len(published.ONE_SHOT_ALL_REDUCES))
 
 
 @pytest.mark.slow  # the model on every published row: seconds
@@ -105,6 +106,12 @@ def test_the_h100_numbers_are_the_fit_of_its_rows():
 def test_the_pcie8_numbers_are_the_fit_of_its_rows():
     pcie8 = sim.get_preset("pcie8")
     _close(published.fit_pcie8(pcie8), pcie8, ("gemm_efficiency", "nccl_gbps"))
+
+
+def test_the_multicast_latency_is_the_fit_of_the_one_shot_all_reduces():
+    h100 = sim.get_preset("h100")
+    _close(published.fit_one_shot(h100.replace(mc_latency_us=10.0)), h100, ("mc_latency_us",),
+           rel=1e-2)
 
 
 def test_the_fused_path_costs_are_the_fit_of_the_decomposed_program():

@@ -1,5 +1,7 @@
 """Presets as data (JSON round trip, sources), the projected table and the Gantt chart."""
 
+import pathlib
+
 import pytest
 
 from jaxoverlap import sim
@@ -64,3 +66,8 @@ def test_projection_table_and_gantt(tmp_path):
     out = sim.gantt(r, tmp_path / "plan.png", ranks=[0])
     data = open(out, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_docs_show_the_decode_table():
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+    assert sim.markdown_decode_table("h100") in doc.read_text()
