@@ -112,25 +112,21 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     axis = len(batch)
     lead = (None,) * axis
     op, _, algorithm = op.partition("/")
-    kwargs: dict[str, Any] = dict(axis=axis, mesh=mesh)
-    if algorithm == "one_shot":  # a decode step's single row per batch, which no N splits
-        x = rng.standard_normal((*batch, 1, k * n)).astype(np.float32)
-        w = rng.standard_normal((k * n, nw)).astype(np.float32)
-        xs, ws = P(*lead, None, "tp"), P("tp", None)
-        kwargs = dict(mesh=mesh, algorithm=algorithm)
-    elif op == "ag_matmul":
+    if op == "ag_matmul":
         x = rng.standard_normal((*batch, rows * n, k)).astype(np.float32)
         w = rng.standard_normal((k, nw * n)).astype(np.float32)
         xs, ws = P(*lead, "tp", None), P(None, "tp")
-    else:
-        x = rng.standard_normal((*batch, rows * n, k * n)).astype(np.float32)
+    else:  # one-shot: a decode step's single row per batch, which no N splits
+        x_rows = 1 if algorithm == "one_shot" else rows * n
+        x = rng.standard_normal((*batch, x_rows, k * n)).astype(np.float32)
         w = rng.standard_normal((k * n, nw)).astype(np.float32)
         xs, ws = P(*lead, None, "tp"), P("tp", None)
     x = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, xs))
     w = jax.device_put(jnp.asarray(w, dtype), NamedSharding(mesh, ws))
     fn = getattr(jo, op)
-    if op == "matmul_ar" and not algorithm:
-        kwargs = dict(mesh=mesh)
+    kwargs: dict[str, Any] = dict(mesh=mesh) if op == "matmul_ar" else dict(axis=axis, mesh=mesh)
+    if algorithm:
+        kwargs["algorithm"] = algorithm
     # HIGHEST: float32 dots on A100/H100-class GPUs otherwise default to TF32.
     kwargs["precision"] = "highest"
     native = jax.jit(lambda a, b: fn(a, b, "tp", impl="native", transport=transport,
