@@ -4,9 +4,10 @@ Kept apart from the event engine so the formulas are few, readable and testable 
 hand. Each formula names the mechanism it stands for and where its form comes from;
 the numbers live in the presets (``presets.py``), which cite theirs.
 
-The ops a call can have are described once, in ``OPS``: which collective the unfused
-path runs and which array it moves. A new op (say GEMM + all-reduce) is one more entry
-there and its programs in ``_host.build_program``.
+The problem one call solves on each rank is described once, in ``Shape``, and the ops a
+call can have once, in ``OPS``: which collective the unfused path runs and which array it
+moves. A new op (say GEMM + all-reduce) is one more entry there and its programs in
+``_host.build_program``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,30 @@ from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes
 US = 1e-6
 
 
-# ---- the ops --------------------------------------------------------------------------------
+# ---- the problem and the ops ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The canonical problem of docs/native.md §1, per rank.
+
+    AG: x [batch, rows, k] -> y [batch, nranks*rows, n];
+    RS: x [batch, nranks*rows, k] -> y [batch, rows, n];
+    AR: x [batch, rows, k] -> y [batch, rows, n] (all rows: the two-shot algorithm splits
+    them into N blocks, the one-shot one does not).
+    """
+
+    batch: int
+    rows: int
+    k: int
+    n: int
+
+    @classmethod
+    def from_global(cls, m: int, k: int, n: int, nranks: int, batch: int = 1) -> Shape:
+        """M = the gathered / full sequence rows (must divide by nranks)."""
+        if m % nranks:
+            raise ValueError(f"M={m} is not divisible by nranks={nranks}")
+        return cls(batch, m // nranks, k, n)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from jaxoverlap.sim import model
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import Span, simulate_programs
+from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
 
 OPS = tuple(model.OPS)
@@ -25,29 +26,6 @@ ALGORITHMS = ("two_shot", "one_shot")  # matmul_ar's (docs/native.md §3)
 # dynamic-update-slice (one read + one write of the output block) — modelled as
 # this many extra HBM passes over every GEMM's output.
 RING_EXTRA_PASSES = 2
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The canonical problem of docs/native.md §1, per rank.
-
-    AG: x [batch, rows, k] -> y [batch, nranks*rows, n];
-    RS: x [batch, nranks*rows, k] -> y [batch, rows, n];
-    AR: x [batch, rows, k] -> y [batch, rows, n] (all rows: the two-shot algorithm splits
-    them into N blocks, the one-shot one does not).
-    """
-
-    batch: int
-    rows: int
-    k: int
-    n: int
-
-    @classmethod
-    def from_global(cls, m: int, k: int, n: int, nranks: int, batch: int = 1) -> Shape:
-        """M = the gathered / full sequence rows (must divide by nranks)."""
-        if m % nranks:
-            raise ValueError(f"M={m} is not divisible by nranks={nranks}")
-        return cls(batch, m // nranks, k, n)
 
 
 @dataclass(frozen=True)
@@ -144,7 +122,7 @@ class SimResult:
 
 
 @functools.lru_cache(maxsize=512)
-def _programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
+def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
               bidirectional: bool, return_gathered: bool,
               algorithm: str = "two_shot") -> tuple[dict, ...]:
     """Every rank's program (cached: the simulator only reads them)."""
@@ -191,10 +169,10 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     transport = "nccl" if c.impl == "ring" else (c.transport or "nccl")
     p.transport_gbps(transport)  # raises when the machine lacks it
     chunks = 1 if c.impl == "ring" else c.chunks
-    programs = _programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
-                         return_gathered, c.algorithm)
+    ranks = programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
+                     return_gathered, c.algorithm)
     extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
-    timeline = simulate_programs(programs, p, gemm_extra_passes=extra)
+    timeline = simulate_programs(ranks, p, gemm_extra_passes=extra)
     _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
     def alone(o: dict) -> float:  # one compute op with every SM, as the engine costs it
         if o["kind"] == "Add":
@@ -203,10 +181,10 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
         return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
 
     t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in ("Gemm", "Add"))
-                    for pr in programs)
+                    for pr in ranks)
     return SimResult(op, shape, dtype, nranks, p.name, c, timeline.total, t_gemm, t_comm,
                      t_comm_xla, t_compute, model.collective_floor(p, transport, nranks, s, op),
-                     timeline.spans, max(pr["num_streams"] for pr in programs))
+                     timeline.spans, max(pr["num_streams"] for pr in ranks))
 
 
 def candidates(preset: Preset | str, nranks: int, shape: Shape,

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxoverlap.sim import confidence, fit, model
-from jaxoverlap.sim.plan import Candidate, Shape, SimResult, choose
+from jaxoverlap.sim.model import Shape
+from jaxoverlap.sim.plan import Candidate, SimResult, choose
 from jaxoverlap.sim.presets import Preset, get_preset
 
 MiB = 1 << 20

@@ -6,7 +6,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from jaxoverlap.sim.plan import Shape, SimResult, choose
+from jaxoverlap.sim.model import Shape
+from jaxoverlap.sim.plan import SimResult, choose, programs
 from jaxoverlap.sim.presets import PRESETS, Preset, load_preset
 
 MODEL_LABEL = "MODEL PROJECTION (jaxoverlap.sim), not a measurement"
@@ -63,7 +64,6 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
     NCCL's ring all-reduce: 2(N-1) steps), the best two-shot and one-shot native plans, what
     the chooser picks with impl="auto" and with impl="native", and why."""
     from jaxoverlap.sim import model
-    from jaxoverlap.sim.plan import _programs
 
     p = load_preset(preset)
     rows: list[dict[str, object]] = []
@@ -75,9 +75,9 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
                    for alg in ("two_shot", "one_shot")}
         fused = min(native, key=lambda r: r.t_fused)
         c = fused.candidate
-        programs = _programs(case.op, c.transport or "nccl", case.nranks, case.shape,
-                             case.dtype, c.chunks, c.bidirectional, False, c.algorithm)
-        host = model.host_time(p, programs)
+        ranks = programs(case.op, c.transport or "nccl", case.nranks, case.shape,
+                         case.dtype, c.chunks, c.bidirectional, False, c.algorithm)
+        host = model.host_time(p, ranks)
         steps = 1 if c.algorithm == "one_shot" else 2 * (case.nranks - 1)
         why_native = (f"{c.algorithm.replace('_', '-')}: {steps} transfer step(s)"
                       + (f" instead of {2 * (case.nranks - 1)}" if steps == 1 else
@@ -85,7 +85,7 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
         xla = auto.table[0]
         if auto.best.candidate.impl == "xla":
             why = (f"xla: the best fused plan costs {fused.t_fused * 1e6:.0f} µs, of which the "
-                   f"host's enqueue of its {max(len(q['ops']) for q in programs)} ops "
+                   f"host's enqueue of its {max(len(q['ops']) for q in ranks)} ops "
                    f"{host * 1e6:.0f} µs, against the GEMM and NCCL's all-reduce "
                    f"{xla.t_xla * 1e6:.0f} µs")
         else:
