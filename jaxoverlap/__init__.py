@@ -5,7 +5,7 @@
 ['native', 'ring', 'xla']
 """
 
-from jaxoverlap import _runtime
+from jaxoverlap._native import runtime as _runtime
 
 if (_source_tree_error := _runtime.source_tree_error()) is not None:
     if _runtime.run_as_command():

@@ -34,12 +34,13 @@ from jaxoverlap._config import (
     current_config,
     logger,
 )
+from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._native import primitive as native
+from jaxoverlap._native.call import describe
+from jaxoverlap._native.capabilities import NativeUnavailableError
 from jaxoverlap._plan import Plan
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-from jaxoverlap._native_call import NativeUnavailableError  # noqa: E402 - re-exported
 
 # ---------------------------------------------------------------- checks
 
@@ -110,15 +111,6 @@ def _check_mesh(op: str, mesh: Any) -> None:
 # ---------------------------------------------------------------- plan
 
 
-def _native():
-    """The native module (FFI custom calls), or None if this installation lacks it."""
-    try:
-        from jaxoverlap import _native
-    except ImportError:
-        return None
-    return _native
-
-
 def _platform() -> str:
     mesh = jax.sharding.get_abstract_mesh()
     device = getattr(mesh, "abstract_device", None)
@@ -134,14 +126,12 @@ def _warn_gpu_fallback(op: str) -> None:
     """Once per process: on GPUs without the CUDA extension, impl='auto' cannot fuse; say so.
 
     The product's point would otherwise be off without a word; the warning names the cause
-    and the fix (``_cuda_caps.cuda_error``).
+    and the fix (``runtime.cuda_error``).
     """
     global _gpu_fallback_warned
     if _gpu_fallback_warned or _platform() not in _GPU_PLATFORMS:
         return
-    from jaxoverlap import _cuda_caps
-
-    error = _cuda_caps.cuda_error()
+    error = runtime.cuda_error()
     if error is None:
         return
     _gpu_fallback_warned = True
@@ -152,10 +142,7 @@ def _warn_gpu_fallback(op: str) -> None:
 
 def _native_reason(dtype) -> str | None:
     """Why the native path cannot run here (None if it can)."""
-    native = _native()
-    if native is None:
-        return "this installation of jaxoverlap has no native module"
-    return native.unavailable_reason(_platform(), dtype)
+    return capabilities.unavailable_reason(_platform(), dtype)
 
 
 def _resolve_impl(op: str, impl: str, transport: str | None, dtype, n: int) -> str:
@@ -264,7 +251,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
         impls: tuple = ("native",)
     else:
         impls = ("xla", "ring", "native") if native_ok else ("xla", "ring")
-    transports = ((transport,) if transport else _native().offered_transports(_platform())) \
+    transports = ((transport,) if transport else capabilities.offered_transports(_platform())) \
         if native_ok else ()
     try:
         pick = _choose.choose(
@@ -294,7 +281,7 @@ def _run_ag_impl(x, w, plan: Plan, want_gathered: bool):
     elif plan.impl == "ring":
         y, gathered = _ring.ag_matmul(x, w, plan, want_gathered)
     else:
-        out = _native().ag_matmul_shard(x, w, return_gathered=want_gathered, **_native_args(plan))
+        out = native.ag_matmul_shard(x, w, return_gathered=want_gathered, **_native_args(plan))
         y, gathered = out if want_gathered else (out, None)
     return y, (gathered if want_gathered else None)
 
@@ -309,7 +296,7 @@ def _run_rs_impl(x, w, plan: Plan):
         return _xla.matmul_rs(x, w, plan)
     if plan.impl == "ring":
         return _ring.matmul_rs(x, w, plan)
-    return _native().matmul_rs_shard(x, w, **_native_args(plan))
+    return native.matmul_rs_shard(x, w, **_native_args(plan))
 
 
 def _run_ar(x, w, plan: Plan):
@@ -324,7 +311,7 @@ def _run_ar_impl(x, w, plan: Plan):
         return _ring.matmul_ar(x, w, plan)
     args = _native_args(plan)
     del args["axis"]  # matmul_ar takes all of x's rows
-    return _native().matmul_ar_shard(x, w, algorithm=plan.algorithm, **args)
+    return native.matmul_ar_shard(x, w, algorithm=plan.algorithm, **args)
 
 
 def _native_args(plan: Plan) -> dict:
@@ -457,11 +444,9 @@ def _global(op: str, x, w, axis_name, axis: int | None, mesh, want_gathered: boo
     if plan.impl == "native" and isinstance(mesh, jax.sharding.Mesh):
         # Under Auto axes the call lowers while XLA compiles, where a refusal surfaces as an
         # XLA error: ask the one transport resolver now, for this very mesh.
-        from jaxoverlap import _native_call
-
         platform = mesh.devices.flat[0].platform
-        _native_call.describe(mesh, axis_name, "cuda" if platform == "gpu" else platform,
-                              plan.transport, plan.preferred, jax.process_index())
+        describe(mesh, axis_name, "cuda" if platform == "gpu" else platform, plan.transport,
+                 plan.preferred, jax.process_index())
     return _spmd.run(call, mesh, x, w, want_gathered=want_gathered)
 
 

@@ -16,6 +16,7 @@ from helpers import spec_on, tp_mesh
 
 import jaxoverlap as jo
 from jaxoverlap import ops, sim
+from jaxoverlap._native import capabilities
 
 
 def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):
@@ -71,7 +72,7 @@ def test_standard_shape_picks_the_models_plan(monkeypatch, op, shapes, sim_op, p
     shape = sim.Shape(1, 1024, shapes[1][0] // (8 if sim_op == "matmul_rs" else 1),
                       shapes[1][1] // (8 if sim_op == "ag_matmul" else 1))
     cands = sim.candidates(preset, 8, shape, impls=("xla", "ring", "native"),
-                           transports=jo.ops._native().offered_transports("cpu"))
+                           transports=capabilities.offered_transports("cpu"))
     best = sim.choose(sim_op, shape, "bfloat16", 8, preset, cands).candidate
     assert plan.impl == best.impl
     if best.impl == "native":
@@ -155,7 +156,7 @@ def test_matmul_ar_algorithm_is_the_models_pick(monkeypatch):
     host-bound there); impl='native' takes the model's fastest native plan, one-shot for small
     M and two-shot for large; an explicit algorithm is kept."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
-    transports = jo.ops._native().offered_transports("cpu")
+    transports = capabilities.offered_transports("cpu")
     for m, impl, want in ((8, "auto", "xla"), (8, "native", "one_shot"),
                           (65536, "native", "two_shot"), (1, "native", "one_shot")):
         plan = _ar_plan((m, 8 * 1024), (8 * 1024, 8192), impl=impl)

@@ -133,15 +133,15 @@ def test_auto_impl_on_cpu_is_the_unfused_path():
 def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
     """transport="auto" stays "auto" in the plan and is resolved once, when the call lowers:
     the best transport that can serve, nccl for a clique spanning processes."""
-    from jaxoverlap import _native_call
+    from jaxoverlap._native import capabilities
 
     assert _plan_for(impl="native").transport == "auto"
-    resolve = functools.partial(_native_call.resolve_transport, "cpu", "auto", None,
+    resolve = functools.partial(capabilities.resolve_transport, "cpu", "auto", None,
                                 local_ordinals=[0, 1])
     assert resolve(spans_processes=False) == "multicast"
     assert resolve(spans_processes=True) == "nccl"
     lacking = {"multicast": "no NVSwitch", "p2p": None, "nccl": None}
-    monkeypatch.setattr(_native_call, "transport_reasons", lambda *a: dict(lacking))
+    monkeypatch.setattr(capabilities, "transport_reasons", lambda *a: dict(lacking))
     assert resolve(spans_processes=False) == "p2p"
     lacking["p2p"] = "no peer access"
     assert resolve(spans_processes=False) == "nccl"

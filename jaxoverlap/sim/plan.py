@@ -126,7 +126,7 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
               bidirectional: bool, return_gathered: bool,
               algorithm: str = "two_shot") -> tuple[dict, ...]:
     """Every rank's program (cached: the simulator only reads them)."""
-    from jaxoverlap._runtime import load_host
+    from jaxoverlap._native.runtime import load_host
 
     rows = shape.rows
     if op == "matmul_ar" and algorithm == "two_shot":

@@ -1,19 +1,17 @@
-"""The native path: a JAX primitive lowered to the XLA FFI custom calls of the executors.
+"""The native impl: one JAX primitive, lowered to the XLA FFI custom calls of the executors.
 
 Call ``ag_matmul_shard`` / ``matmul_rs_shard`` / ``matmul_ar_shard`` inside ``jax.shard_map``
 on local shards (argument validation is ``ops.py``'s job; this module only asserts its own
 invariants). They bind one primitive; its lowering rule is where a native call gets its
 identity: it reads the concrete mesh from the lowering context (the mesh ``shard_map`` lowers
 for, known there even when the trace saw only the abstract mesh), describes the call once
-(``_native_call``: rank table, clique, transport), sets up cliques spanning processes
-(``_bootstrap``) and emits the custom call of the platform it lowers for (``jaxoverlap_*``
-on CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA executor). docs/native.md
-follows one call through.
+(``call``: rank table, clique, transport), registers the platform's handlers (``runtime``),
+sets up cliques spanning processes (``bootstrap``) and emits the custom call of the platform it
+lowers for (``jaxoverlap_*`` on CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA
+executor). docs/native.md follows one call through.
 """
 
 from __future__ import annotations
-
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -23,118 +21,17 @@ from jax._src import core
 from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
-from jaxoverlap import _bootstrap, _native_call, _profile, _runtime
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._config import timeout_ms
+from jaxoverlap._native import bootstrap, capabilities, runtime
+from jaxoverlap._native.call import describe
 
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar")  # the `op` attribute is the index
 AR_ALGORITHMS = ("two_shot", "one_shot")  # the `algorithm` attribute is the index
 _TARGETS = {
     "cpu": {op: f"jaxoverlap_{op}" for op in OPS},
     "cuda": {op: f"jaxoverlap_cuda_{op}" for op in OPS},
 }
-
-_lock = threading.Lock()
-_registered: set[str] = set()
-
-
-def transports() -> tuple[str, ...]:
-    """Every transport of the native path, in the executors' order (from the extension)."""
-    return tuple(_runtime.load_host().TRANSPORTS)
-
-
-def available() -> bool:
-    """True when the host extension loads (it is built with the package)."""
-    return _runtime.host_error() is None
-
-
-def unavailable_reason(platform: str, dtype) -> str | None:
-    """Why the native path cannot run on ``platform`` with ``dtype``; None if it can."""
-    error = _runtime.host_error()
-    if error is not None:
-        return f"the native extension does not load ({error})"
-    if platform in _native_call.GPU_PLATFORMS:
-        from jaxoverlap import _cuda_caps
-
-        cuda_error = _cuda_caps.cuda_error()
-        if cuda_error is not None:
-            return f"the CUDA extension is unavailable: {cuda_error}"
-    elif platform != "cpu":
-        return (f"there is no native executor for platform {platform!r} in this build "
-                "(the host executor runs on CPU, the CUDA executor on NVIDIA GPUs)")
-    if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in _DTYPES):
-        return f"dtype {jnp.dtype(dtype).name} is not supported"
-    return None
-
-
-def offered_transports(platform: str) -> tuple[str, ...]:
-    """Transports that can serve calls among this process's devices of ``platform``.
-
-    What the performance model may choose among; whether a clique spans processes is known
-    only when the call lowers (``_native_call.resolve_transport`` decides then).
-    """
-    if platform in _native_call.GPU_PLATFORMS:
-        from jaxoverlap import _cuda_caps
-
-        if _cuda_caps.cuda_error() is not None:
-            return ()
-        ordinals = [_native_call.local_ordinal(d) for d in jax.local_devices(backend="gpu")]
-        reasons = _native_call.transport_reasons("cuda", ordinals, spans_processes=False)
-        return tuple(t for t in transports() if reasons[t] is None)
-    return transports() if platform == "cpu" and available() else ()
-
-
-def info() -> dict:
-    """What the native path offers on this machine, for ``jo.info()``."""
-    error = _runtime.host_error()
-    if error is not None:
-        return {"available": False, "error": error}
-    host = _runtime.load_host()
-    from jaxoverlap import _cuda_caps
-
-    return {
-        "available": True,
-        "backends": {"cpu": {"executor": "host", "transports": list(transports())},
-                     "gpu": _cuda_caps.info()},
-        "dtypes": ["float32", "bfloat16", "float16"],
-        "build": dict(host.build_info()),
-        "cliques": host.cliques(),
-        # Cliques spanning processes bootstrap through jax.distributed (docs/multiprocess.md).
-        "processes": jax.process_count() if _bootstrap.is_multiprocess() else 1,
-    }
-
-
-def _ensure_registered(platform: str) -> None:
-    """Registers the platform's FFI targets with XLA (once per process)."""
-    with _lock:
-        if platform in _registered:
-            return
-        host = _runtime.load_host()
-        host.set_process_index(jax.process_index())
-        _profile.start_from_env()  # JAXOVERLAP_PROFILE=DIR: record from the first call on
-        if platform == "cpu":
-            # The CPU backend must exist before a stateful handler is registered (registering
-            # earlier fails with FAILED_PRECONDITION), and the instantiate-stage state type
-            # before the targets that use it.
-            jax.devices("cpu")
-            for name, capsules in host.types().items():
-                jax.ffi.register_ffi_type(name, capsules, platform="cpu")
-            for name, stages in host.registrations().items():
-                jax.ffi.register_ffi_target(name, stages, platform="cpu")
-        else:
-            from jaxoverlap import _cuda_caps
-
-            cuda = _cuda_caps.load_cuda()
-            cuda.set_process_index(jax.process_index())
-            for name, capsules in cuda.types().items():
-                jax.ffi.register_ffi_type(name, capsules, platform="CUDA")
-            # No traits: the handlers are not command-buffer compatible (and the CUDA plugin
-            # rejects traits= at registration anyway).
-            for name, stages in cuda.registrations().items():
-                jax.ffi.register_ffi_target(name, stages, platform="CUDA")
-        _registered.add(platform)
-
 
 # ---------------------------------------------------------------- the primitive
 
@@ -201,15 +98,15 @@ def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirec
     if len(platforms) != 1:
         raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "
                          f"{platforms}")
-    platform = "cuda" if platforms[0] in _native_call.GPU_PLATFORMS else platforms[0]
+    platform = "cuda" if platforms[0] in capabilities.GPU_PLATFORMS else platforms[0]
     if platform not in _TARGETS:
-        raise ValueError(unavailable_reason(platform, jnp.float32))
-    call = _native_call.describe(_lowering_mesh(ctx, axis_name, platform), axis_name, platform,
-                                 transport, preferred, jax.process_index())
+        raise ValueError(capabilities.unavailable_reason(platform, jnp.float32))
+    call = describe(_lowering_mesh(ctx, axis_name, platform), axis_name, platform, transport,
+                    preferred, jax.process_index())
     assert call.axis_size == axis_size, (call.axis_size, axis_size)
-    _ensure_registered(platform)
+    runtime.register(platform)
     if call.spans_processes:
-        _bootstrap.setup_cliques(call, timeout_s)
+        bootstrap.setup_cliques(call, timeout_s)
     rule = jax.ffi.ffi_lowering(_TARGETS[platform][op], has_side_effect=False)
     operands = [x, w, coords]
     if platform != "cpu":  # the GPU handler finds its rank in the table, never in device memory
@@ -217,7 +114,7 @@ def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirec
     # Attributes carry the exact C++ types of the handler binding.
     return rule(ctx, *operands, op=np.int32(OPS.index(op)),
                 axis=np.int64(axis), axis_size=np.int64(axis_size),
-                transport=np.int32(transports().index(call.transport)),
+                transport=np.int32(capabilities.transports().index(call.transport)),
                 chunks=np.int64(chunks), bidirectional=bool(bidirectional),
                 tf32=bool(tf32), algorithm=np.int32(AR_ALGORITHMS.index(algorithm)),
                 timeout_ms=np.int64(timeout_ms(timeout_s)),
@@ -258,7 +155,7 @@ def _coords(axis_name: str):
 
 def _bind(op, x, w, *, axis_name, axis, transport, chunks, bidirectional, timeout_s,
           return_gathered=False, preferred=None, tf32=False, algorithm="two_shot"):
-    assert x.dtype == w.dtype and x.dtype in _DTYPES, (x.dtype, w.dtype)
+    assert x.dtype == w.dtype and x.dtype in capabilities.DTYPES, (x.dtype, w.dtype)
     _check_manual(axis_name)
     return native_p.bind(
         x, w, _coords(axis_name), op=op, axis_name=axis_name, axis=int(axis),
@@ -273,7 +170,8 @@ def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidi
     """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards.
 
     Returns y, or (y, x_gathered) when ``return_gathered``. ``transport``: one of
-    ``transports()`` or "auto" (``preferred``: the performance model's pick for "auto").
+    ``capabilities.transports()`` or "auto" (``preferred``: the performance model's pick for
+    "auto").
     ``tf32``: float32 GEMMs may use TF32 (on GPU; ``_precision.allows_tf32``).
     """
     out = _bind("ag_matmul", x, w, axis_name=axis_name, axis=axis, transport=transport,
