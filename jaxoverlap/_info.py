@@ -10,6 +10,7 @@ import jaxlib
 
 from jaxoverlap._config import current_config
 from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._version import __version__
 
 
 def _host_build() -> dict[str, Any] | None:
@@ -26,7 +27,7 @@ def info() -> dict[str, Any]:
     native_reason = capabilities.unavailable_reason(capabilities.current_platform(),
                                                     jax.numpy.float32)
     result: dict[str, Any] = {
-        "jaxoverlap": __import__("jaxoverlap").__version__,
+        "jaxoverlap": __version__,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "platform": devices[0].platform,

@@ -222,8 +222,8 @@ def overlap_efficiency(t_gemm: float, t_comm: float, t_call: float) -> float | N
 def _preset_name(preset: str | None) -> str:
     if preset:
         return preset
-    from jaxoverlap._choose import machine_preset
     from jaxoverlap._config import current_config
+    from jaxoverlap._plan import machine_preset
 
     try:
         import jax

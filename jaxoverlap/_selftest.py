@@ -260,7 +260,7 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
 def _versions(caps: dict[str, Any], fake: bool) -> dict[str, Any]:
     import jax
 
-    from jaxoverlap import __version__
+    from jaxoverlap._version import __version__
 
     out = dict(jaxoverlap=__version__, jax=jax.__version__, python=host_platform.python_version(),
                platform=host_platform.platform())
@@ -312,7 +312,7 @@ def _write_report(path: str, caps: dict[str, Any], table: Table, fake: bool) -> 
 
 def fake_main(quick: bool = False, report: str | None = None) -> int:
     """``selftest --fake``: the whole table on the CUDA executor against the host-side fake."""
-    from jaxoverlap import __version__
+    from jaxoverlap._version import __version__
 
     print(f"jaxoverlap {__version__} selftest on the host-side CUDA fake (no GPU is used)")
     print("Runs the CUDA executor's host code, its enqueue order through the fake's work queues "

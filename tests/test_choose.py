@@ -15,14 +15,15 @@ import pytest
 from helpers import spec_on, tp_mesh
 
 import jaxoverlap as jo
-from jaxoverlap import ops, sim
+from jaxoverlap import _plan as planning
+from jaxoverlap import sim
 from jaxoverlap._native import capabilities
 
 
 def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):
     """The plan the op picks for these global shapes on a tp=8 mesh (traced, not run)."""
     seen = []
-    real = ops._make_plan
+    real = planning.make
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
@@ -38,11 +39,11 @@ def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):
         out = spec_on(ndim, axis, "tp")
     f = jax.jit(jax.shard_map(lambda x, w: op(x, w, "tp", axis=axis, **kw), mesh=mesh,
                               in_specs=specs, out_specs=out))
-    ops._make_plan = spy
+    planning.make = spy
     try:
         f.lower(jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype))
     finally:
-        ops._make_plan = real
+        planning.make = real
     return seen[0]
 
 
@@ -134,7 +135,7 @@ def _ar_plan(x_shape, w_shape, **kw):
     mesh = tp_mesh(8)
     specs = (spec_on(len(x_shape), len(x_shape) - 1, "tp"), spec_on(2, 0, "tp"))
     seen = []
-    real = ops._make_plan
+    real = planning.make
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
@@ -142,12 +143,12 @@ def _ar_plan(x_shape, w_shape, **kw):
 
     f = jax.jit(jax.shard_map(lambda x, w: jo.matmul_ar(x, w, "tp", **kw), mesh=mesh,
                               in_specs=specs, out_specs=jax.sharding.PartitionSpec()))
-    ops._make_plan = spy
+    planning.make = spy
     try:
         f.lower(jax.ShapeDtypeStruct(x_shape, jnp.bfloat16),
                 jax.ShapeDtypeStruct(w_shape, jnp.bfloat16))
     finally:
-        ops._make_plan = real
+        planning.make = real
     return seen[0]
 
 

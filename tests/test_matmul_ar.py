@@ -467,15 +467,14 @@ def test_one_shot_on_global_arrays_and_its_plan():
     y = jax.jit(lambda x, w: jo.matmul_ar(x, w, "tp", impl="native", transport="p2p",
                                           mesh=mesh))(x, w)
     assert_close(y, f64(x) @ f64(w), jnp.float32)
-    from jaxoverlap import ops
+    from jaxoverlap import _plan
 
-    plan = ops._ar_plan(jax.ShapeDtypeStruct((1, 4), jnp.float32),
-                        jax.ShapeDtypeStruct((4, 4), jnp.float32), "tp", 4, "native", None,
-                        None, None)
+    request = _plan.Request.now("matmul_ar", "tp", impl="native")
+    plan = _plan.make(request, jax.ShapeDtypeStruct((1, 4), jnp.float32),
+                      jax.ShapeDtypeStruct((4, 4), jnp.float32), 4)
     assert plan.algorithm == "one_shot" and "algorithm=one_shot" in plan.describe()
-    plan = ops._ar_plan(jax.ShapeDtypeStruct((8, 4), jnp.float32),
-                        jax.ShapeDtypeStruct((4, 4), jnp.float32), "tp", 4, "native", None,
-                        None, None)
+    plan = _plan.make(request, jax.ShapeDtypeStruct((8, 4), jnp.float32),
+                      jax.ShapeDtypeStruct((4, 4), jnp.float32), 4)
     assert plan.algorithm == "two_shot"
     # the custom call carries the algorithm
     hlo = jax.jit(jax.shard_map(

@@ -2,7 +2,7 @@
 
 The lowering rule of the native primitive (``primitive``) builds a :class:`NativeCall` from the
 concrete mesh it lowers for; everything downstream — the bootstrap of cliques spanning
-processes, the custom call's attributes, the C++ handler's placement — reads
+processes, the custom call's attributes (``attributes``), the C++ handler's placement — reads
 this record and nothing else. ``transport="auto"`` becomes a transport here, through the one
 resolver (``capabilities.resolve_transport``).
 """
@@ -49,15 +49,6 @@ class NativeCall:
     @property
     def spans_processes(self) -> bool:
         return any(len({r.process for r in group}) > 1 for group in self.groups())
-
-    def attributes(self) -> dict:
-        """The rank table as the handlers bind it (int64 arrays, (group, rank) order)."""
-        return dict(
-            clique_key=np.int64(self.clique_key),
-            processes=np.array([r.process for r in self.ranks], np.int64),
-            device_ids=np.array([r.device_id for r in self.ranks], np.int64),
-            ordinals=np.array([r.ordinal for r in self.ranks], np.int64),
-        )
 
 
 def describe(mesh, axis_name: str, platform: str, requested: str,

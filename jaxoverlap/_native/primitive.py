@@ -1,33 +1,35 @@
 """The native impl: one JAX primitive, lowered to the XLA FFI custom calls of the executors.
 
-Call ``ag_matmul_shard`` / ``matmul_rs_shard`` / ``matmul_ar_shard`` inside ``jax.shard_map``
-on local shards (argument validation is ``ops.py``'s job; this module only asserts its own
-invariants). They bind one primitive; its lowering rule is where a native call gets its
-identity: it reads the concrete mesh from the lowering context (the mesh ``shard_map`` lowers
-for, known there even when the trace saw only the abstract mesh), describes the call once
-(``call``: rank table, clique, transport), registers the platform's handlers (``runtime``),
-sets up cliques spanning processes (``bootstrap``) and emits the custom call of the platform it
-lowers for (``jaxoverlap_*`` on CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA
-executor). docs/native.md follows one call through.
+``ag_matmul`` / ``matmul_rs`` / ``matmul_ar`` run on local shards inside ``jax.shard_map``
+(argument checks are the public ops' job; this module only asserts its own invariants). They
+bind one primitive with the call's plan (``_plan.OpPlan``) as its parameter; its lowering rule
+is where a native call gets its identity: it reads the concrete mesh from the lowering context
+(the mesh ``shard_map`` lowers for, known there even when the trace saw only the abstract
+mesh), describes the call once (``call``: rank table, clique, transport), registers the
+platform's handlers (``runtime``), sets up cliques spanning processes (``bootstrap``) and emits
+the custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host executor;
+``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``.
+docs/native.md follows one call through.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax._src import core
 from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
+from jaxoverlap import _precision
 from jaxoverlap._compat import varying_axes, with_varying
-from jaxoverlap._config import timeout_ms
 from jaxoverlap._native import bootstrap, capabilities, runtime
+from jaxoverlap._native.attributes import attributes
 from jaxoverlap._native.call import describe
+from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
 
-OPS = ("ag_matmul", "matmul_rs", "matmul_ar")  # the `op` attribute is the index
-AR_ALGORITHMS = ("two_shot", "one_shot")  # the `algorithm` attribute is the index
 _TARGETS = {
     "cpu": {op: f"jaxoverlap_{op}" for op in OPS},
     "cuda": {op: f"jaxoverlap_cuda_{op}" for op in OPS},
@@ -39,22 +41,22 @@ native_p = core.Primitive("jaxoverlap_native")
 native_p.multiple_results = True
 
 
-def _abstract_eval(x, w, coords, *, op, axis_name, axis, axis_size, return_gathered, **_):
+def _abstract_eval(x, w, coords, *, plan: OpPlan, return_gathered: bool):
     # The results vary over the same manual axes as x (an x_gathered too, although every rank
     # holds the same values: the type system cannot prove it); matmul_ar's sum is the same on
     # every rank of axis_name, as psum's.
     shape = list(x.shape)
-    if op == "matmul_ar":
+    if plan.op == AR:
         y = x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)
-        return [with_varying(y, (varying_axes(x) | varying_axes(w)) - {axis_name})]
-    if op == "ag_matmul":
-        shape[axis] *= axis_size
+        return [with_varying(y, (varying_axes(x) | varying_axes(w)) - {plan.axis_name})]
+    if plan.op == AG:
+        shape[plan.axis] *= plan.axis_size
         outs = [x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)]
         if return_gathered:
             outs.append(x.update(shape=tuple(shape), dtype=x.dtype))
         return outs
-    assert shape[axis] % axis_size == 0, (x.shape, axis, axis_size)
-    shape[axis] //= axis_size
+    assert shape[plan.axis] % plan.axis_size == 0, (x.shape, plan)
+    shape[plan.axis] //= plan.axis_size
     shape[-1] = w.shape[1]
     return [x.update(shape=tuple(shape), dtype=x.dtype)]
 
@@ -92,8 +94,8 @@ def _lowering_mesh(ctx, axis_name: str, platform: str):
     return mesh
 
 
-def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirectional,
-           transport, preferred, timeout_s, return_gathered, tf32, algorithm):
+def _lower(ctx, x, w, coords, *, plan: OpPlan, return_gathered: bool):
+    del return_gathered  # the results say it
     platforms = tuple(ctx.module_context.platforms)
     if len(platforms) != 1:
         raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "
@@ -101,30 +103,23 @@ def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirec
     platform = "cuda" if platforms[0] in capabilities.GPU_PLATFORMS else platforms[0]
     if platform not in _TARGETS:
         raise ValueError(capabilities.unavailable_reason(platform, jnp.float32))
-    call = describe(_lowering_mesh(ctx, axis_name, platform), axis_name, platform, transport,
-                    preferred, jax.process_index())
-    assert call.axis_size == axis_size, (call.axis_size, axis_size)
+    call = describe(_lowering_mesh(ctx, plan.axis_name, platform), plan.axis_name, platform,
+                    plan.transport, plan.preferred, jax.process_index())
+    assert call.axis_size == plan.axis_size, (call.axis_size, plan.axis_size)
     runtime.register(platform)
     if call.spans_processes:
-        bootstrap.setup_cliques(call, timeout_s)
-    rule = jax.ffi.ffi_lowering(_TARGETS[platform][op], has_side_effect=False)
+        bootstrap.setup_cliques(call, plan.timeout_s)
+    rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False)
     operands = [x, w, coords]
     if platform != "cpu":  # the GPU handler finds its rank in the table, never in device memory
         operands, ctx = operands[:2], ctx.replace(avals_in=ctx.avals_in[:2])
-    # Attributes carry the exact C++ types of the handler binding.
-    return rule(ctx, *operands, op=np.int32(OPS.index(op)),
-                axis=np.int64(axis), axis_size=np.int64(axis_size),
-                transport=np.int32(capabilities.transports().index(call.transport)),
-                chunks=np.int64(chunks), bidirectional=bool(bidirectional),
-                tf32=bool(tf32), algorithm=np.int32(AR_ALGORITHMS.index(algorithm)),
-                timeout_ms=np.int64(timeout_ms(timeout_s)),
-                **call.attributes())
+    return rule(ctx, *operands, **attributes(plan, call, ctx.avals_in[0]))
 
 
 mlir.register_lowering(native_p, _lower)
 
 
-# ---------------------------------------------------------------- entry points
+# ---------------------------------------------------------------- binding
 
 
 def _check_manual(axis_name: str) -> None:
@@ -153,50 +148,38 @@ def _coords(axis_name: str):
     return jnp.stack([lax.axis_index(axis_name).astype(jnp.int32), group.astype(jnp.int32)])
 
 
-def _bind(op, x, w, *, axis_name, axis, transport, chunks, bidirectional, timeout_s,
-          return_gathered=False, preferred=None, tf32=False, algorithm="two_shot"):
+def _bind(x, w, plan: OpPlan, return_gathered: bool = False):
+    assert plan.impl == "native", plan
     assert x.dtype == w.dtype and x.dtype in capabilities.DTYPES, (x.dtype, w.dtype)
-    _check_manual(axis_name)
-    return native_p.bind(
-        x, w, _coords(axis_name), op=op, axis_name=axis_name, axis=int(axis),
-        axis_size=int(lax.axis_size(axis_name)), chunks=int(chunks),
-        bidirectional=bool(bidirectional), transport=transport or "auto", preferred=preferred,
-        timeout_s=float(timeout_s), return_gathered=bool(return_gathered),
-        tf32=bool(tf32) and x.dtype == jnp.float32, algorithm=algorithm)
+    assert plan.axis_size == lax.axis_size(plan.axis_name), (plan, lax.axis_size(plan.axis_name))
+    _check_manual(plan.axis_name)
+    # The precision the GEMMs use, resolved now: None defers to JAX's default matmul precision,
+    # which is the one in force here, not where the program lowers.
+    plan = dataclasses.replace(plan, precision=_precision.effective(plan.precision))
+    return native_p.bind(x, w, _coords(plan.axis_name), plan=plan,
+                         return_gathered=bool(return_gathered))
 
 
-def ag_matmul_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidirectional=False,
-                    return_gathered=False, timeout_s=120.0, preferred=None, tf32=False):
-    """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards.
-
-    Returns y, or (y, x_gathered) when ``return_gathered``. ``transport``: one of
-    ``capabilities.transports()`` or "auto" (``preferred``: the performance model's pick for
-    "auto").
-    ``tf32``: float32 GEMMs may use TF32 (on GPU; ``_precision.allows_tf32``).
-    """
-    out = _bind("ag_matmul", x, w, axis_name=axis_name, axis=axis, transport=transport,
-                chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
-                return_gathered=return_gathered, preferred=preferred, tf32=tf32)
+def ag_matmul(x, w, plan: OpPlan, return_gathered: bool = False):
+    """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards: y, or
+    (y, x_gathered) when ``return_gathered``."""
+    assert plan.op == AG, plan
+    out = _bind(x, w, plan, return_gathered)
     return (out[0], out[1]) if return_gathered else out[0]
 
 
-def matmul_rs_shard(x, w, *, axis_name, axis=0, transport="auto", chunks=1, bidirectional=False,
-                    timeout_s=120.0, preferred=None, tf32=False):
-    """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local shards."""
-    (y,) = _bind("matmul_rs", x, w, axis_name=axis_name, axis=axis, transport=transport,
-                 chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
-                 preferred=preferred, tf32=tf32)
+def matmul_rs(x, w, plan: OpPlan):
+    """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local
+    shards."""
+    assert plan.op == RS, plan
+    (y,) = _bind(x, w, plan)
     return y
 
 
-def matmul_ar_shard(x, w, *, axis_name, transport="auto", chunks=1, bidirectional=False,
-                    timeout_s=120.0, preferred=None, tf32=False, algorithm="two_shot"):
+def matmul_ar(x, w, plan: OpPlan):
     """``psum(x @ w, axis_name)`` on local shards; the result is typed invariant over
-    ``axis_name`` (as psum's). ``algorithm`` one of ``AR_ALGORITHMS``: two-shot splits the
-    rows (every dim of x but the last) into ``lax.axis_size(axis_name)`` blocks, one-shot
-    takes any number of rows."""
-    assert algorithm in AR_ALGORITHMS, algorithm
-    (y,) = _bind("matmul_ar", x, w, axis_name=axis_name, axis=0, transport=transport,
-                 chunks=chunks, bidirectional=bidirectional, timeout_s=timeout_s,
-                 preferred=preferred, tf32=tf32, algorithm=algorithm)
+    ``axis_name`` (as psum's). Two-shot splits the rows (every dim of x but the last) into
+    ``axis_size`` blocks, one-shot takes any number of rows."""
+    assert plan.op == AR and plan.axis == 0, plan
+    (y,) = _bind(x, w, plan)
     return y
