@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, and no module reaching into another's private names.
+"""The package's shape: no import cycle, and no module reaching into another's private names
+(underscored, or left out of the ``__all__`` of a module that names its API, as ``_layout``).
 
 A call goes down, never back up (docs/native.md §0): the public ops check the arguments and
 hand a per-device function to the global-array paths, which call down into it; the plan, the
@@ -100,22 +101,38 @@ def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
         + f" -> {cycle[-1]}"
 
 
+def _exported(path: pathlib.Path) -> set[str] | None:
+    """The names of the module's ``__all__``, or None where it declares none."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and getattr(node.targets[0], "id", None) == "__all__"):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
 def private_uses(root: pathlib.Path) -> list[str]:
-    """Every use, in one module, of an underscored name of another module of the package:
-    ``from jaxoverlap.m import _name`` or ``m._name`` with ``m`` bound to a package module.
-    Underscored *modules* are the package's own layout and fine to import."""
+    """Every use, in one module, of a name another module of the package keeps to itself: an
+    underscored one, or one missing from its ``__all__`` where it declares one (a named API,
+    as ``_layout``'s) — through ``from jaxoverlap.m import name`` or ``m.name`` with ``m``
+    bound to a package module. Underscored *modules* are the package's own layout and fine to
+    import."""
     modules = _modules(root)
     pkg = root.name
     known = set(modules) | {f"{pkg}.{b}" for b in BUILT}
+    exported = {m: _exported(path) for m, path in modules.items()}
+
+    def hidden(module: str, member: str) -> bool:
+        if f"{module}.{member}" in known or member.startswith("__"):
+            return False
+        names = exported.get(module)
+        return member.startswith("_") or (names is not None and member not in names)
+
     bad = []
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         aliases: dict[str, str] = {}
         for module, member, line in _imported(name, tree, path.name == "__init__.py"):
-            if not module.startswith(pkg):
-                continue
-            full = f"{module}.{member}" if member else module
-            if member.startswith("_") and not member.startswith("__") and full not in known:
+            if module.startswith(pkg) and member and module != name and hidden(module, member):
                 bad.append(f"{name}:{line} imports {member} from {module}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -130,8 +147,7 @@ def private_uses(root: pathlib.Path) -> list[str]:
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.value.id in aliases and aliases[node.value.id] != name
-                    and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and f"{aliases[node.value.id]}.{node.attr}" not in known):
+                    and hidden(aliases[node.value.id], node.attr)):
                 bad.append(f"{name}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
     return sorted(set(bad))
 
@@ -147,6 +163,7 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_no_module_uses_another_modules_private_names():
+    """Nor a name left out of a module's ``__all__`` (``_layout``'s: the Flax layers' API)."""
     assert private_uses(PACKAGE) == []
 
 
@@ -194,14 +211,17 @@ def test_private_names_across_modules_are_found(tmp_path):
     pkg = _write(tmp_path, {
         "__init__.py": "",
         "_spmd.py": "AG = 'ag'\ndef _sharding_of(a): ...\n",
+        "_layout.py": "__all__ = ['layouts']\ndef layouts(c): ...\ndef reopen(s): ...\n",
         "ops.py": "from jaxoverlap import _spmd\n\ndef f(a):\n    return _spmd._sharding_of(a)\n",
         "flax/_common.py": ("from jaxoverlap._spmd import AG, _sharding_of\n"
-                            "from jaxoverlap import _host\nimport jaxoverlap.ops as ops\n"
-                            "def g():\n    return ops._hidden, _host.x, ops.public\n"),
+                            "from jaxoverlap import _host, _layout\nimport jaxoverlap.ops as ops\n"
+                            "def g():\n    return ops._hidden, _host.x, ops.public\n"
+                            "def h(c):\n    return _layout.layouts(c), _layout.reopen(c)\n"),
     })
     assert private_uses(pkg) == [
         "jaxoverlap.flax._common:1 imports _sharding_of from jaxoverlap._spmd",
         "jaxoverlap.flax._common:5 uses jaxoverlap.ops._hidden",
+        "jaxoverlap.flax._common:7 uses jaxoverlap._layout.reopen",
         "jaxoverlap.ops:4 uses jaxoverlap._spmd._sharding_of",
     ]
 

@@ -33,7 +33,7 @@ Rows that do not split: on global arrays, a sequence-parallel call whose
 sequence does not divide over ``axis_name`` (a decode step's single token, any
 odd length) runs the ``sequence_parallel=False`` form for that call, said once
 at debug level; its GEMM + all-reduce runs one-shot when the rows per device do
-not split into N blocks (``ops.matmul_ar`` decides). A layer never refuses a
+not split into N blocks (the plan decides, ``_plan``). A layer never refuses a
 shape the Flax layer accepts.
 """
 
