@@ -233,7 +233,6 @@ bool CheckRange(const void* p, size_t bytes, const char* what) {
   return CheckAccess(p, bytes, t_device, what);
 }
 
-int DeviceCc(int) { return S().config.cc_major; }
 int DeviceArch(int) { return S().config.cc_major * 10 + S().config.cc_minor; }
 
 cudaError_t StickyError(int device) {

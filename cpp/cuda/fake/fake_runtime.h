@@ -153,7 +153,6 @@ void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
 // For fake_kernels.cc.
 void Fail(const std::string& text);
 bool CheckRange(const void* p, size_t bytes, const char* what);
-int DeviceCc(int device);
 int DeviceArch(int device);  // compute capability major * 10 + minor
 int CurrentDevice();
 int StreamDevice(cudaStream_t stream);  // -1: unknown stream
