@@ -1,6 +1,7 @@
 // The XLA FFI boundary, shared by both platforms' handlers: the attributes
 // every stage binds (one struct), their checks, the operands' checks, the
-// binding itself, and turning our Status into an ffi::Error (once, here).
+// call site's state, the binding itself, and turning our Status into an
+// ffi::Error (once, here).
 //
 // Every native custom call has the operands x, w, the result y and, for
 // ag_matmul with return_gathered, x_gathered, and these attributes:
@@ -238,6 +239,22 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   return OkStatus();
 }
 
+// The instantiate stage's state of one call site: the executor's Site
+// (HostSite, CudaSite: constructed from (CallDesc, site id)) under the type id
+// XLA's FFI knows it by. Each executor's handlers export `id` and `type_info`
+// for jax.ffi.register_ffi_type; XLA deletes the state with the executable.
+template <typename Site>
+struct SiteState {
+  static ffi::TypeId id;
+  static const XLA_FFI_TypeInfo type_info;
+  SiteState(CallDesc desc, int64_t site_id) : site(std::move(desc), site_id) {}
+  Site site;
+};
+template <typename Site>
+ffi::TypeId SiteState<Site>::id = {};
+template <typename Site>
+const XLA_FFI_TypeInfo SiteState<Site>::type_info = ffi::MakeTypeInfo<SiteState<Site>>();
+
 // The execute stage's binding, in two halves around the platform's extra
 // operands: after the platform's own context (the CUDA stream), the device,
 // the call-site state and x, w; then the results and the attributes.
@@ -245,7 +262,7 @@ template <typename Site, typename Binding>
 auto BindOperands(Binding binding) {
   return std::move(binding)
       .template Ctx<ffi::DeviceOrdinal>()
-      .template Ctx<ffi::State<Site>>()
+      .template Ctx<ffi::State<SiteState<Site>>>()
       .template Arg<ffi::AnyBuffer>()   // x
       .template Arg<ffi::AnyBuffer>();  // w
 }
@@ -265,15 +282,15 @@ inline auto BindInstantiate() {
   return ffi::Ffi::BindInstantiate().RemainingArgs().RemainingRets().Attrs<CallAttrs>();
 }
 
-// Makes a Site (whose constructor takes (CallDesc, site id)) from the attributes.
+// Makes the state of a call site from its attributes.
 template <typename Site>
-ffi::ErrorOr<std::unique_ptr<Site>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
-                                                CallAttrs attrs) {
+ffi::ErrorOr<std::unique_ptr<SiteState<Site>>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
+                                                           CallAttrs attrs) {
   CallDesc desc;
   if (Status status = DecodeDesc(attrs, &desc); !status.ok())
     return ffi::Unexpected<ffi::Error>(ToFfi(status));
   const int64_t id = NewCallSiteId(desc.clique_key);
-  return std::make_unique<Site>(std::move(desc), id);
+  return std::make_unique<SiteState<Site>>(std::move(desc), id);
 }
 
 }  // namespace jo::ffi_call
