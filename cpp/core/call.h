@@ -11,7 +11,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/clique.h"
@@ -106,6 +110,34 @@ struct CallPlan {
 // operands); places the device and builds the program.
 Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
                 CallPlan* out);
+
+// What a call site keeps per calling device (HostSite, CudaSite): made by the
+// first execution on the device, fetched by later ones. Keyed by (process,
+// device): the host-side fake plays several processes in one, whose devices
+// share ordinals. `make` (Status(T*)) runs under the lock, so once per device
+// however its first executions race; a failure is not kept (the next
+// execution tries again).
+template <typename T>
+class PerDevice {
+ public:
+  template <typename Make>
+  Status Get(const Caller& caller, Make&& make, std::shared_ptr<const T>* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::pair<int64_t, int64_t> key{caller.process, caller.device};
+    auto it = made_.find(key);
+    if (it == made_.end()) {
+      auto fresh = std::make_shared<T>();
+      JO_CHECK(make(fresh.get()));
+      it = made_.emplace(key, std::move(fresh)).first;
+    }
+    *out = it->second;
+    return OkStatus();
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const T>> made_;
+};
 
 // This process's index in the jax.distributed job (0 alone), set from Python
 // when the handlers are registered.

@@ -22,9 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,7 +45,9 @@ class CudaSite {
   const CallDesc& desc() const { return desc_; }
 
  private:
-  struct Plan {
+  // The site's call on one GPU: placed, in its issue order, and bound to the
+  // group's clique.
+  struct BoundCall {
     CallPlan call;
     // The order the executor issues the program in (core/issue_order.h): one
     // that completes through a single hardware work queue per device.
@@ -55,12 +55,11 @@ class CudaSite {
     std::string signature;  // the call's and the site's
     std::shared_ptr<CudaClique> clique;
   };
-  Status PlanFor(const Caller& caller, const Problem& problem, std::shared_ptr<const Plan>* out);
+  Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 
   const CallDesc desc_;
   const int64_t site_;
-  std::mutex mu_;
-  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const Plan>> plans_;  // (process, device)
+  PerDevice<BoundCall> bound_;
 };
 
 // One line per live clique (for info()).

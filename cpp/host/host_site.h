@@ -14,9 +14,7 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "core/call.h"
@@ -40,16 +38,16 @@ class HostSite {
   const CallDesc& desc() const { return desc_; }
 
  private:
-  struct Plan {
+  // The site's call on one device: placed, and bound to the clique it runs on.
+  struct BoundCall {
     CallPlan call;
     std::shared_ptr<HostClique> clique;
   };
-  Status PlanFor(const Caller& caller, const Problem& problem, std::shared_ptr<const Plan>* out);
+  Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 
   const CallDesc desc_;
   const int64_t site_;
-  std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<const Plan>> plans_;  // by device
+  PerDevice<BoundCall> bound_;
 };
 
 // For info(): one line per live clique (and per domain spanning processes).
