@@ -106,8 +106,8 @@ Status NeedsOf(const Problem& q, CallNeeds* out) {
   return OkStatus();
 }
 
-Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
-                CallPlan* out) {
+Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
+                 PlacedCall* out) {
   const char* op = CollectiveName(desc.op);
   JO_CHECK(Place(desc.table, caller, op, &out->place));
   Problem q = problem;

@@ -42,9 +42,9 @@ std::vector<CliqueRegistry<CudaClique>*> AllRegistries() {
 }
 
 // Makes the group's clique (first call of any of its sites on this process).
-Status MakeClique(const CallDesc& desc, const CallPlan& plan, const Caller& caller,
+Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& caller,
                   std::unique_ptr<CudaClique>* out) {
-  const Placement& place = plan.place;
+  const Placement& place = call.place;
   const CliqueKey key{desc.clique_key, place.group, 0};
   ErrorContext ctx;
   ctx.op = CollectiveName(desc.op);
@@ -79,7 +79,7 @@ Status MakeClique(const CallDesc& desc, const CallPlan& plan, const Caller& call
 CudaSite::CudaSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(site) {}
 
 Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
-  JO_CHECK(MakePlan(desc_, problem, site_, caller, &out->call));
+  JO_CHECK(PlaceCall(desc_, problem, site_, caller, &out->call));
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");

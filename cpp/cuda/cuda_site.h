@@ -1,10 +1,10 @@
-// The CUDA executor's side of one call site: its plans, the group's clique,
-// and enqueueing its calls.
+// The CUDA executor's side of one call site: its placed calls, the group's
+// clique, and enqueueing its calls.
 //
 // A CudaSite is the FFI instantiate-stage state of one custom call of one
-// executable (ffi/ffi_call.h). The first execution on a GPU places it and
-// builds its plan (core/call.h); later executions fetch it, so an execution
-// only agrees, reserves and enqueues.
+// executable (ffi/ffi_call.h). The first execution on a GPU places the call
+// there (core/call.h), orders its issue and binds it to the clique; later
+// executions fetch it, so an execution only agrees, reserves and enqueues.
 //
 // The clique is the mesh-axis group's, shared by the group's call sites (its
 // buffers are GPU memory: one set per call site would not fit a model's
@@ -48,7 +48,7 @@ class CudaSite {
   // The site's call on one GPU: placed, in its issue order, and bound to the
   // group's clique.
   struct BoundCall {
-    CallPlan call;
+    PlacedCall call;
     // The order the executor issues the program in (core/issue_order.h): one
     // that completes through a single hardware work queue per device.
     std::vector<IssueUnit> issue;

@@ -37,7 +37,7 @@ HostSite::HostSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(
 HostSite::~HostSite() { Registry().EraseSite(desc_.clique_key, site_); }
 
 Status HostSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
-  JO_CHECK(MakePlan(desc_, problem, site_, caller, &out->call));
+  JO_CHECK(PlaceCall(desc_, problem, site_, caller, &out->call));
   // Every call site has its own clique (docs/native.md §4): in-process, or,
   // when the bootstrap made a domain for this group, spanning processes.
   const CliqueKey key = out->call.clique;
