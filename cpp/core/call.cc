@@ -142,7 +142,7 @@ std::string CallSignature(const Problem& q) {
          (q.op == Collective::kMatmulAr ? std::string("/") + ArAlgorithmName(q.algorithm) : "") +
          "/" + TransportName(q.transport) + " n=" + std::to_string(q.nranks) + " [" +
          std::to_string(q.batch) + "," + std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" +
-         std::to_string(q.n) + " " + DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
+         std::to_string(q.cols) + " " + DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
 }
 

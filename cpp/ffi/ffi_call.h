@@ -199,20 +199,20 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->tf32 = d.tf32;  // the GEMM ignores it for half types (cuda/gemm.cc)
   q->algorithm = d.algorithm;
   q->k = xd[xd.size() - 1];
-  q->n = wd[1];
+  q->cols = wd[1];
   q->batch = 1;
   for (int64_t i = 0; i < d.axis; ++i) q->batch *= xd[i];
   int64_t post = 1;
   for (size_t i = static_cast<size_t>(d.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
   if (d.op == Collective::kAgMatmul) {
     q->rows = xd[d.axis] * post;
-    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] * n, q->n));
+    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] * n, q->cols));
     q->return_gathered = x_gathered != nullptr;
     if (x_gathered != nullptr)
       JO_CHECK(CheckResult(op, "x_gathered", x, *x_gathered, d.axis, xd[d.axis] * n, q->k));
   } else if (d.op == Collective::kMatmulAr) {
-    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, n]
-    // (one-shot: [1, rows, k] -> [1, rows, n], any number of rows).
+    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, cols]
+    // (one-shot: [1, rows, k] -> [1, rows, cols], any number of rows).
     int64_t total = 1;
     for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
     if (d.axis != 0) return bad("attribute axis expected 0, got " + std::to_string(d.axis));
@@ -223,14 +223,14 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
     if (x_gathered != nullptr) return bad("matmul_ar has one result");
     q->batch = 1;
     q->rows = one_shot ? total : total / n;
-    JO_CHECK(CheckResult(op, "y", x, y, 0, xd[0], q->n));
+    JO_CHECK(CheckResult(op, "y", x, y, 0, xd[0], q->cols));
   } else {
     if (xd[d.axis] % n != 0)
       return bad("operand x dim " + std::to_string(d.axis) + " (" + std::to_string(xd[d.axis]) +
                  ") expected divisible by axis_size " + std::to_string(n));
     if (x_gathered != nullptr) return bad("matmul_rs has one result");
     q->rows = xd[d.axis] / n * post;
-    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] / n, q->n));
+    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] / n, q->cols));
   }
   io->x = x.untyped_data();
   io->w = w.untyped_data();

@@ -210,7 +210,7 @@ void Reset(int devices, int cc_major, bool multicast,
 // Runs `calls` back-to-back calls on every rank; returns ys, x_gathered (per
 // rank, bytes), statuses (per rank: None or the error text) and drained.
 nb::dict Run(const std::string& op, const std::string& transport, int nranks, int64_t batch,
-             int64_t rows, int64_t k, int64_t n, const std::string& dtype, int64_t chunks,
+             int64_t rows, int64_t k, int64_t cols, const std::string& dtype, int64_t chunks,
              bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
              std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key, int calls,
              int skew_rank, int skip_rank, int64_t timeout_ms,
@@ -232,7 +232,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.batch = batch;
   q.rows = rows;
   q.k = k;
-  q.n = n;
+  q.cols = cols;
   q.dtype = ParseDType(dtype);
   q.chunks = chunks;
   q.bidirectional = bidirectional;
@@ -245,18 +245,19 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   const bool one_shot = q.algorithm == jo::ArAlgorithm::kOneShot;
   const size_t es = static_cast<size_t>(jo::DTypeSize(q.dtype));
   const size_t x_elems = static_cast<size_t>(batch * (ag || one_shot ? rows : rows * nranks) * k);
-  const size_t y_elems = static_cast<size_t>(batch * (rs || one_shot ? rows : rows * nranks) * n);
+  const size_t y_elems =
+      static_cast<size_t>(batch * (rs || one_shot ? rows : rows * nranks) * cols);
   const size_t g_elems = static_cast<size_t>(batch * rows * nranks * k);
   std::vector<void*> x(nranks), w(nranks), y(nranks), g(nranks, nullptr);
   for (int r = 0; r < nranks; ++r) {
-    if (xs[r].size() != x_elems * es || ws[r].size() != static_cast<size_t>(k * n) * es)
+    if (xs[r].size() != x_elems * es || ws[r].size() != static_cast<size_t>(k * cols) * es)
       throw nb::value_error("xs/ws: wrong byte size");
     const int dev = static_cast<int>(devices[r]);
     x[r] = jo::fake::Malloc(dev, x_elems * es);
-    w[r] = jo::fake::Malloc(dev, static_cast<size_t>(k * n) * es);
+    w[r] = jo::fake::Malloc(dev, static_cast<size_t>(k * cols) * es);
     y[r] = jo::fake::Malloc(dev, y_elems * es);
     std::memcpy(x[r], xs[r].c_str(), x_elems * es);
-    std::memcpy(w[r], ws[r].c_str(), static_cast<size_t>(k * n) * es);
+    std::memcpy(w[r], ws[r].c_str(), static_cast<size_t>(k * cols) * es);
     std::memset(y[r], 0x7F, y_elems * es);  // unwritten output shows up as huge values
     if (return_gathered) {
       g[r] = jo::fake::Malloc(dev, g_elems * es);
@@ -783,7 +784,7 @@ NB_MODULE(_cuda_fake, m) {
   m.def("connections", &jo::fake::Connections,
         "Hardware work queues per device the fake models now.");
   m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
-        nb::arg("rows"), nb::arg("k"), nb::arg("n"), nb::arg("dtype"), nb::arg("chunks"),
+        nb::arg("rows"), nb::arg("k"), nb::arg("cols"), nb::arg("dtype"), nb::arg("chunks"),
         nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
         nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
