@@ -341,9 +341,11 @@ def _model_choice(op: str, shape: Any, dtype: str, n: int, preset: str, impls: t
     ``algorithms``: matmul_ar's allowed algorithms."""
     from jaxoverlap import sim
 
+    # fused=False: the executors do not run the fused GEMM yet (docs/gpu.md §10)
     cands = [
         c for c in sim.candidates(preset, n, shape, chunk_options=_CHUNK_OPTIONS, impls=impls,
-                                  transports=transports or None, op=op, algorithms=algorithms)
+                                  transports=transports or None, op=op, algorithms=algorithms,
+                                  fused=False)
         if c.impl == "xla"
         or (c.chunks in chunks and c.bidirectional in bidirectional)
     ]

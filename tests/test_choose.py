@@ -69,16 +69,32 @@ def test_standard_shape_picks_the_models_plan(monkeypatch, op, shapes, sim_op, p
     monkeypatch.setenv("JAXOVERLAP_PRESET", preset)
     plan = _plan(op, *shapes)
     assert plan.impl == impl
-    # The pick is the model's: the same as asking the simulator directly.
+    # The pick is the model's: the same as asking the simulator directly, among the plans the
+    # executors run (the fused GEMM is not called yet: no fused plans).
     shape = sim.Shape(1, 1024, shapes[1][0] // (8 if sim_op == "matmul_rs" else 1),
                       shapes[1][1] // (8 if sim_op == "ag_matmul" else 1))
     cands = sim.candidates(preset, 8, shape, impls=("xla", "ring", "native"),
-                           transports=capabilities.offered_transports("cpu"))
+                           transports=capabilities.offered_transports("cpu"), fused=False)
     best = sim.choose(sim_op, shape, "bfloat16", 8, preset, cands).candidate
     assert plan.impl == best.impl
     if best.impl == "native":
         assert (plan.preferred, plan.chunks, plan.bidirectional) == (
             best.transport, best.chunks, best.bidirectional)
+
+
+def test_the_ops_never_pick_a_fused_plan_yet(monkeypatch):
+    """The model's own choice at AG std on 8xH100 is a fused plan (bench --model shows it);
+    the op's plan is the fastest chunked one, which the executors run."""
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    shape = sim.Shape(1, 1024, 8192, 3584)
+    assert sim.choose("ag_matmul", shape, "bfloat16", 8, "h100").candidate.fused
+    chunked = sim.choose("ag_matmul", shape, "bfloat16", 8, "h100",
+                         sim.candidates("h100", 8, shape, fused=False,
+                                        transports=capabilities.offered_transports("cpu")))
+    plan = _plan(jo.ag_matmul, *AG_STD)
+    assert (plan.impl, plan.preferred, plan.chunks, plan.bidirectional) == (
+        "native", chunked.candidate.transport, chunked.candidate.chunks,
+        chunked.candidate.bidirectional)
 
 
 def test_tiny_gemm_falls_back_to_unfused(monkeypatch):

@@ -1,17 +1,22 @@
 // One native call as every layer below the FFI boundary sees it (no XLA
 // types): the decoded attributes, where the calling device sits in the rank
-// table, what the call needs of its clique, and its plan.
+// table, what the call needs of its clique, and the call placed on a device.
 //
 // The lifecycle is the same on both platforms (docs/native.md): the FFI
 // instantiate stage makes a call site (one custom call of one executable)
-// with a CallDesc; the first execution on a device places it and builds its
-// CallPlan — the program, the sizes, the agreement signature — which later
-// executions only fetch; each execution then runs the plan on the site's
-// clique (host executor) or enqueues it (CUDA executor).
+// with a CallDesc; the first execution on a device places the call there
+// (PlaceCall: the rank, the program, the sizes, the agreement signature) and
+// keeps it (PerDevice), and later executions only fetch it; each execution
+// then runs the program on the site's clique (host executor) or enqueues it
+// (CUDA executor).
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/clique.h"
@@ -93,8 +98,9 @@ struct CallNeeds {
 };
 Status NeedsOf(const Problem& problem, CallNeeds* out);
 
-// One call site's plan on one device.
-struct CallPlan {
+// One call site's call placed on one device: its rank and the program that
+// rank runs, with what every rank must agree on.
+struct PlacedCall {
   Placement place;
   Program program;  // of place.rank; program.problem is the whole problem
   CallNeeds needs;
@@ -104,8 +110,36 @@ struct CallPlan {
 
 // `problem` is the call's canonical problem without its rank (from the
 // operands); places the device and builds the program.
-Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
-                CallPlan* out);
+Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
+                 PlacedCall* out);
+
+// What a call site keeps per calling device (HostSite, CudaSite): made by the
+// first execution on the device, fetched by later ones. Keyed by (process,
+// device): the host-side fake plays several processes in one, whose devices
+// share ordinals. `make` (Status(T*)) runs under the lock, so once per device
+// however its first executions race; a failure is not kept (the next
+// execution tries again).
+template <typename T>
+class PerDevice {
+ public:
+  template <typename Make>
+  Status Get(const Caller& caller, Make&& make, std::shared_ptr<const T>* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::pair<int64_t, int64_t> key{caller.process, caller.device};
+    auto it = made_.find(key);
+    if (it == made_.end()) {
+      auto fresh = std::make_shared<T>();
+      JO_CHECK(make(fresh.get()));
+      it = made_.emplace(key, std::move(fresh)).first;
+    }
+    *out = it->second;
+    return OkStatus();
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const T>> made_;
+};
 
 // This process's index in the jax.distributed job (0 alone), set from Python
 // when the handlers are registered.
@@ -122,7 +156,7 @@ int64_t NewCallSiteId(int64_t clique_key);
 // ranks that disagree on it at the same epoch are running different calls.
 std::string CallSignature(const Problem& q);
 
-// JAXOVERLAP_LOG=debug: prints each distinct plan once (rank 0 prints it);
+// JAXOVERLAP_LOG=debug: prints each distinct program once (rank 0 prints it);
 // `executor` names who runs it ("host", "cuda").
 void LogPlanOnce(const Program& program, const CliqueKey& key, const char* executor);
 

@@ -36,19 +36,11 @@ HostSite::HostSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(
 
 HostSite::~HostSite() { Registry().EraseSite(desc_.clique_key, site_); }
 
-Status HostSite::PlanFor(const Caller& caller, const Problem& problem,
-                         std::shared_ptr<const Plan>* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = plans_.find(caller.device);
-  if (it != plans_.end()) {
-    *out = it->second;
-    return OkStatus();
-  }
-  auto plan = std::make_shared<Plan>();
-  JO_CHECK(MakePlan(desc_, problem, site_, caller, &plan->call));
+Status HostSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
+  JO_CHECK(PlaceCall(desc_, problem, site_, caller, &out->call));
   // Every call site has its own clique (docs/native.md §4): in-process, or,
   // when the bootstrap made a domain for this group, spanning processes.
-  const CliqueKey key = plan->call.clique;
+  const CliqueKey key = out->call.clique;
   std::shared_ptr<ShmDomain> domain = FindDomain(key.key, key.group);
   JO_REQUIRE(domain == nullptr || domain->nranks() == problem.nranks,
              domain->name() + " has " + std::to_string(domain->nranks()) +
@@ -59,9 +51,7 @@ Status HostSite::PlanFor(const Caller& caller, const Problem& problem,
         if (domain != nullptr) return std::make_unique<ShmClique>(domain, key.site);
         return std::make_unique<LocalClique>(key, problem.nranks);
       },
-      &plan->clique));
-  plans_.emplace(caller.device, plan);
-  *out = std::move(plan);
+      &out->clique));
   return OkStatus();
 }
 
@@ -69,34 +59,37 @@ void HostSite::Start(const Caller& caller, const Problem& problem, const CallBuf
                      std::function<void(const Status&)> done) {
   const char* op = CollectiveName(problem.op);
   const int64_t device = caller.device;
-  std::shared_ptr<const Plan> plan;
-  Status status = Guarded(op, [&] { return PlanFor(caller, problem, &plan); });
+  std::shared_ptr<const BoundCall> bound;
+  Status status = Guarded(op, [&] {
+    return bound_.Get(
+        caller, [&](BoundCall* out) { return BindCall(caller, problem, out); }, &bound);
+  });
   if (!status.ok()) {
     done(status);
     return;
   }
   WaitContext ctx;
   ctx.op = op;
-  ctx.rank = plan->call.place.rank;
-  ctx.epoch = plan->clique->NextEpoch(ctx.rank);  // here: this device's order of executions
+  ctx.rank = bound->call.place.rank;
+  ctx.epoch = bound->clique->NextEpoch(ctx.rank);  // here: this device's order of executions
   ctx.timeout = Millis(desc_.timeout_ms);
-  std::function<Status()> run = [plan, ctx, device, io]() -> Status {
-    HostClique& clique = *plan->clique;
+  std::function<Status()> run = [bound, ctx, device, io]() -> Status {
+    HostClique& clique = *bound->clique;
     JO_CHECK(clique.ClaimRank(ctx, device));
     struct Release {  // the rank is free again however the call ends
       HostClique& clique;
       int32_t rank;
       ~Release() { clique.ReleaseRank(rank); }
     } release{clique, ctx.rank};
-    JO_CHECK(clique.Agree(clique.Where(ctx), ctx.rank, ctx.epoch, plan->call.signature));
-    JO_CHECK(clique.Reserve(ctx, plan->call.needs));
-    return RunProgram(plan->call.program, clique, ctx, io);
+    JO_CHECK(clique.Agree(clique.Where(ctx), ctx.rank, ctx.epoch, bound->call.signature));
+    JO_CHECK(clique.Reserve(ctx, bound->call.needs));
+    return RunProgram(bound->call.program, clique, ctx, io);
   };
-  std::shared_ptr<HostClique> clique = plan->clique;
+  std::shared_ptr<HostClique> clique = bound->clique;
   Status posted = Guarded(op, [&] {
     return PostToWorker([run, done, op]() mutable {
       Status status = Guarded(op, run);
-      run = nullptr;  // release the plan and the clique before XLA continues
+      run = nullptr;  // release the bound call and its clique before XLA continues
       done(status);
     });
   });

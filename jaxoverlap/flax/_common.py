@@ -414,26 +414,14 @@ def choose_dot_general(layer: str, dot_general: Callable | None, reason: str | N
 # ---------------------------------------------------------------- parameter placement
 
 
-def placed_init(init: Callable, names: tuple[Any, ...] | None, axis_name: str,
-                mesh: Any) -> Callable:
-    """Wraps ``init`` so its output is laid out as ``names`` on the mesh, when one is known.
+def place_value(value, names: tuple[Any, ...], axis_name: str, mesh: Any):
+    """``value`` laid out as ``names`` on the mesh, when one is known.
 
     Under Explicit mesh axes Flax's partitioning metadata only asserts the
     layout, so the value is resharded here; under Auto axes a sharding
     constraint suffices. Inside shard_map (axis bound) values are local shards
     and stay as they are.
     """
-    if names is None:
-        return init
-
-    def wrapped(key, shape, *args, **kwargs):
-        value = init(key, shape, *args, **kwargs)
-        return place_value(value, names, axis_name, mesh)
-
-    return wrapped
-
-
-def place_value(value, names: tuple[Any, ...], axis_name: str, mesh: Any):
     if bound_axis_size(axis_name) is not None:
         return value
     target = mesh if mesh is not None else context_mesh()

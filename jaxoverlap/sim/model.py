@@ -138,15 +138,18 @@ def _shape(halves: tuple[float, float, float], useful: float, splits: int, m: in
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate: bool
-          ) -> tuple[float, float, int]:
+def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate: bool,
+          kernel_tiles: tuple[tuple[int, int], ...] | None = None) -> tuple[float, float, int]:
     peak, efficiency, best_shape, halves, tiles, sms, min_split_k, hbm = key
     ref = max(_shape(halves, u, s, *best_shape)
               for u, s in _configs(tiles, sms, min_split_k, 1, *best_shape))
     flops = 2.0 * batch * m * n * k
     base_bytes = elem * (batch * m * k + k * n + batch * m * n * (2 if accumulate else 1))
     best = (math.inf, 0.0, 1)
-    for useful, splits in _configs(tiles, sms, min_split_k, batch, m, n, k):
+    # one kernel of its own tiles, no split-K; else the library's choice
+    configs = (_configs(kernel_tiles, sms, 1 << 62, batch, m, n, k) if kernel_tiles
+               else _configs(tiles, sms, min_split_k, batch, m, n, k))
+    for useful, splits in configs:
         eff = efficiency * min(1.0, _shape(halves, useful, splits, m, n, k) / ref)
         moved = base_bytes + (2 * 4 * batch * m * n * splits if splits > 1 else 0)
         t = max(flops / (peak * eff), moved / hbm)
@@ -156,7 +159,8 @@ def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate:
 
 
 def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
-              accumulate: bool = False) -> tuple[float, float, int]:
+              accumulate: bool = False, kernel_tiles: tuple[tuple[int, int], ...] | None = None
+              ) -> tuple[float, float, int]:
     """(seconds, efficiency, K splits) of the fastest way to run d = a @ w (+ c) alone.
 
     Per tile/split choice: the roofline of FLOPs at ``gemm_efficiency`` scaled by the
@@ -165,13 +169,16 @@ def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
     MAMF search's best shape, stas00/ml-engineering), so no shape gets more and the
     shape effects are never applied on top of it — against the HBM bytes (A, W
     once, D, C when accumulating, split-K partials); plus a fixed cost per kernel
-    (``gemm_overhead_us``: launch, first-wave ramp, drain).
+    (``gemm_overhead_us``: launch, first-wave ramp, drain). ``kernel_tiles``: a kernel
+    that has only these tiles and no split-K (the fused GEMM), priced against the same
+    best-shape figure.
     """
     dtype = canonical_dtype(dtype)
     key = (p.peak_tflops[dtype] * 1e12, p.gemm_efficiency, p.gemm_best_shape,
            (p.gemm_m_half, p.gemm_n_half, p.gemm_k_half), p.gemm_tiles, p.sms,
            p.gemm_min_split_k, p.hbm_gbps * 1e9)
-    t, eff, splits = _plan(key, batch, m, n, k, dtype_bytes(dtype), bool(accumulate))
+    t, eff, splits = _plan(key, batch, m, n, k, dtype_bytes(dtype), bool(accumulate),
+                           kernel_tiles)
     return t + p.gemm_overhead_us * US, eff, splits
 
 

@@ -648,7 +648,7 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
     me, n = jax.process_index(), jax.process_count()
     table = np.array(list(range(n)) + list(reversed(range(n))), np.int64)
     key = 0x5EED
-    fake.reset(devices=1)
+    fake.reset(fake.Config(devices=1))
     if root_absent:
         if me == 0:
             # Never traces; leaves without jax.distributed's shutdown barrier, which the peer
@@ -736,7 +736,7 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     assert fake.counters().get("cudaIpcGetMemHandle") == 2, fake.counters()
     # Again with GPUs that support fabric handles: both processes agree on them through the
     # store, and the peer's fabric handle (bytes) arrives here and is imported.
-    fake.reset(fabric=True)
+    fake.reset(fake.Config(fabric=True))
     bootstrap.ensure_gpu_cliques(fake, key + 1, np.array([0, 1], np.int64), 2, timeout_s)
     out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
