@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap._config import Settings, configure_logging, current_config, logger
+from jaxoverlap._fp8_dtypes import gemm_dtype, is_fp8
 from jaxoverlap._native import capabilities, runtime
 from jaxoverlap._native.capabilities import NativeUnavailableError
 
@@ -60,7 +61,8 @@ class Request:
     still apply. ``op`` is one of :data:`OPS`, or ``"matmul"`` (Megatron's f around a plain
     matmul, which has no plan); ``axis`` is normalised (0 for ``matmul_ar``, whose rows are
     every dim of x but the last); ``precision`` is ``_precision.normalize``'d (Megatron's f:
-    as given, ``lax.dot_general``'s).
+    as given, ``lax.dot_general``'s); ``out_dtype``: y's dtype name for fp8 operands (None:
+    x's).
     """
 
     op: str
@@ -74,6 +76,7 @@ class Request:
     algorithm: str | None = None
     precision: str | None = None
     default_precision: str | None = None
+    out_dtype: str | None = None
 
     @classmethod
     def now(cls, op: str, axis_name: str, **args: Any) -> Request:
@@ -97,7 +100,8 @@ class OpPlan:
     traffic each way round the ring; ``transport`` is as asked (``"auto"`` is resolved when the
     call lowers, preferring the performance model's ``preferred`` pick); ``precision``:
     ``_precision.normalize``'d, None for JAX's default matmul precision; ``algorithm``:
-    ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`.
+    ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
+    (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16).
     """
 
     op: str
@@ -112,6 +116,7 @@ class OpPlan:
     timeout_s: float = 120.0
     precision: str | None = None
     algorithm: str = "two_shot"
+    out_dtype: str | None = None
 
     def for_op(self, op: str) -> OpPlan:
         """The same plan for ``op``: the backward pass of AG+GEMM is GEMM+RS under the
@@ -127,6 +132,8 @@ class OpPlan:
                 text += f" algorithm={self.algorithm}"
         if self.precision is not None:
             text += f" precision={self.precision}"
+        if self.out_dtype is not None:
+            text += f" out={self.out_dtype}"
         if self.impl == "native":
             text += f" transport={self.transport}"
             if self.preferred is not None:
@@ -158,6 +165,8 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
     forced_native = impl == "native" or (impl == "auto" and explicit_transport is not None)
     if impl == "auto" and not forced_native:
         _warn_gpu_fallback(r.op)
+    if is_fp8(gemm_dtype(x, w)) and not forced_native:
+        _say_fp8_dequantized(r.op)
     picked = _model_pick(r.op, x, w, n, r.axis, rows, impl, forced_native, transport, chunks,
                          bidirectional, settings.preset, algorithms)
     if picked is not None:
@@ -165,7 +174,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
         chunks = picked.chunks if chunks is None else chunks
         bidirectional = picked.bidirectional if bidirectional is None else bidirectional
     else:
-        impl = _resolve_impl(r.op, impl, explicit_transport, x.dtype)
+        impl = _resolve_impl(r.op, impl, explicit_transport, gemm_dtype(x, w))
     plan = OpPlan(
         op=r.op,
         impl=impl,
@@ -180,10 +189,11 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
         precision=r.precision,
         algorithm=picked.algorithm if picked is not None and picked.impl != "xla"
         else algorithms[0],
+        out_dtype=r.out_dtype,
     )
     if log:
-        logger.debug("%s x=%s%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
-                     plan.describe())
+        logger.debug("%s x=%s%s w=%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
+                     jnp.dtype(w.dtype).name, plan.describe())
     return plan
 
 
@@ -273,6 +283,25 @@ def _warn_gpu_fallback(op: str) -> None:
         f"so it falls back to the unfused path: {error}", RuntimeWarning, stacklevel=4)
 
 
+_fp8_dequantized_said = False
+
+
+def _say_fp8_dequantized(op: str) -> None:
+    """Once per process: on GPUs without FP8 tensor cores (before sm_89), XLA computes the
+    fp8 GEMMs of the ``xla`` and ``ring`` impls dequantized; say so (the native path refuses
+    there, naming the GPUs)."""
+    global _fp8_dequantized_said
+    if _fp8_dequantized_said or capabilities.current_platform() not in \
+            capabilities.GPU_PLATFORMS:
+        return
+    reason = capabilities.fp8_gpu_reason(capabilities.gpu_table())
+    if reason is None:
+        return
+    _fp8_dequantized_said = True
+    logger.warning("%s with fp8 operands: %s. The fp8 bytes still travel; XLA dequantizes "
+                   "them for the GEMMs.", op, reason)
+
+
 # ---------------------------------------------------------------- the performance model
 
 
@@ -313,7 +342,8 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
                    or transport is None)
     if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
         return None                      # xla/ring asked for: nothing for the model to pick
-    native_ok = native_reason(x.dtype) is None
+    dtype = gemm_dtype(x, w)
+    native_ok = native_reason(dtype) is None
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error
     if forced_native:
@@ -326,7 +356,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     try:
         return _model_choice(
             op, canonical_shape(op, tuple(x.shape), tuple(w.shape), axis, n),
-            jnp.dtype(x.dtype).name, n, preset, impls, tuple(transports),
+            dtype.name, n, preset, impls, tuple(transports),
             tuple(c for c in _CHUNK_OPTIONS if rows_per_shard % c == 0)
             if chunks is None else (chunks,),
             (False, True) if bidirectional is None else (bidirectional,), algorithms)

@@ -27,6 +27,8 @@ class NativeUnavailableError(ValueError):
 
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_MIN_CC = (8, 9)  # FP8 tensor cores: Ada (sm_89), Hopper (sm_90) and later
 GPU_PLATFORMS = ("cuda", "gpu")
 # transport="auto" prefers them in this order (when every GPU of the clique can serve it).
 AUTO_ORDER = ("multicast", "p2p", "nccl")
@@ -67,9 +69,37 @@ def unavailable_reason(platform: str, dtype) -> str | None:
     elif platform != "cpu":
         return (f"there is no native executor for platform {platform!r} in this build "
                 "(the host executor runs on CPU, the CUDA executor on NVIDIA GPUs)")
+    if jnp.dtype(dtype) in FP8_DTYPES:
+        return fp8_reason(platform)
     if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in DTYPES):
         return f"dtype {jnp.dtype(dtype).name} is not supported"
     return None
+
+
+def fp8_reason(platform: str) -> str | None:
+    """Why the native path cannot run FP8 GEMMs on ``platform`` (None: it can)."""
+    if platform in GPU_PLATFORMS:
+        old = fp8_gpu_reason(gpu_table())
+        if old is not None:
+            return old
+    return ("the native executors do not run FP8 GEMMs yet (impl='xla' and impl='ring' "
+            "move the fp8 bytes)")
+
+
+def fp8_gpu_reason(caps: dict[str, Any]) -> str | None:
+    """Why this machine's GPUs cannot run FP8 GEMMs (None: they can, or none is visible).
+
+    FP8 tensor-core GEMMs (cuBLASLt's ``CUDA_R_8F_E4M3`` / ``CUDA_R_8F_E5M2`` operands) need
+    compute capability 8.9 (Ada) or newer
+    (https://docs.nvidia.com/cuda/cublas/#cublasltmatmul, "Tensor Core usage": FP8 is
+    supported on Ada and Hopper and later).
+    """
+    old = [d["ordinal"] for d in caps.get("devices", [])
+           if tuple(d["compute_capability"]) < FP8_MIN_CC]
+    if not old:
+        return None
+    return (f"GPU(s) {old} are older than sm_89 and have no FP8 tensor-core GEMMs; use "
+            "impl='xla' (XLA computes the dequantized GEMM there) or a Hopper/Ada GPU")
 
 
 def local_ordinal(device) -> int:
