@@ -91,6 +91,11 @@ def _model(args: argparse.Namespace) -> int:
         print("A plan named `fused` runs ONE persistent GEMM waiting on per-block flags "
               "(docs/performance.md §2.6): modelled, not yet run by the executors, so the ops "
               "choose among the chunked plans until they do (docs/gpu.md §10).")
+    fp8_rows = sim.projection_table([preset], sim.FP8_CASES)
+    print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at the FP8 peak, AG moves one byte "
+          f"per element):\n{sim.format_table(fp8_rows, markdown=False)}\n"
+          "The native FP8 plans need the executors' FP8 GEMMs (jo.info(); on GPUs "
+          "compiled-only here); without them the ops pick among xla and ring.")
     print(f"\nDecode shapes, GEMM + all-reduce (latency, not bandwidth):\n"
           f"{sim.format_decode_table(sim.decode_table(preset))}")
     case = cases[0]

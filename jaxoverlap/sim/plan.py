@@ -15,9 +15,16 @@ from dataclasses import dataclass, field
 from jaxoverlap.sim import fused as fused_path
 from jaxoverlap.sim import model
 from jaxoverlap.sim.confidence import outside_calibrated
-from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
+from jaxoverlap.sim.engine import COMPUTE_KINDS, TRANSFER_KINDS, Span, simulate_programs
 from jaxoverlap.sim.model import Shape
-from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
+from jaxoverlap.sim.presets import (
+    FP8_DTYPES,
+    Preset,
+    canonical_dtype,
+    dtype_bytes,
+    load_preset,
+    output_dtype,
+)
 
 OPS = tuple(model.OPS)
 IMPLS = ("xla", "ring", "native")
@@ -148,6 +155,11 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
                      for pr in programs(op, transport, nranks, shape, dtype, chunks,
                                         bidirectional, return_gathered, algorithm))
 
+    dtype = canonical_dtype(dtype)
+    if dtype in FP8_DTYPES:
+        return tuple(_fp8_program(pr, dtype)
+                     for pr in programs(op, transport, nranks, shape, output_dtype(dtype),
+                                        chunks, bidirectional, return_gathered, algorithm))
     rows = shape.rows
     if op == "matmul_ar" and algorithm == "two_shot":
         if rows % nranks:
@@ -160,6 +172,25 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
                                     bidirectional=bidirectional,
                                     return_gathered=return_gathered, algorithm=algorithm)
                  for r in range(nranks))
+
+
+def _fp8_program(program: dict, dtype: str) -> dict:
+    """A rank's program for fp8 operands, from its program in their output dtype (bfloat16):
+    its GEMMs run at the FP8 rate (the program's dtype), and what moves x — every transfer of
+    AG+GEMM, whose gather moves the fp8 shards — moves one byte per element instead of two.
+    The reductions move (and add) the GEMM's bfloat16 output, as before; the shards' scales
+    (four bytes each) are left out."""
+    moves_x = program["op"] == "ag_matmul"
+    ratio = dtype_bytes(dtype) / program["elem_bytes"]
+
+    def op(o: dict) -> dict:
+        if moves_x and o["kind"] in TRANSFER_KINDS:
+            o = {**o, "bytes": int(o["bytes"] * ratio),
+                 "remote_bytes": int(o["remote_bytes"] * ratio)}
+        return o
+
+    return {**program, "dtype": dtype, "elem_bytes": dtype_bytes(dtype),
+            "ops": [op(o) for o in program["ops"]]}
 
 
 def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
@@ -191,6 +222,8 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     if c.fused and (why := fused_path.why_not(p, op, transport, c.algorithm, shape.rows,
                                               c.chunks)):
         raise ValueError(f"candidate {c.label!r}: {why}")
+    if c.fused and dtype in FP8_DTYPES:
+        raise ValueError(f"candidate {c.label!r}: the fused GEMM has no FP8 kernel")
     chunks = 1 if c.impl == "ring" else c.chunks
     ranks = programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
                      return_gathered, c.algorithm, c.fused)
@@ -311,7 +344,8 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     """
     p = load_preset(preset)
     min_gain = p.margin(op) if min_gain is None else min_gain
-    cands = list(cands) if cands is not None else candidates(p, nranks, shape, op=op)
+    cands = list(cands) if cands is not None else candidates(
+        p, nranks, shape, op=op, fused=canonical_dtype(dtype) not in FP8_DTYPES)
     if not any(c.impl == "xla" for c in cands):
         cands.insert(0, Candidate("xla", None))
     table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]
