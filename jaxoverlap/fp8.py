@@ -211,10 +211,12 @@ def _call(kind: str, x, w, axis_name: str, scaling: DelayedScaling | None, mesh,
         mesh = _layout.resolve_mesh(name, axis_name, mesh, x, w)
         layouts = None
         if _layout.is_explicit(mesh):
-            y_spec = _layout.layouts(_layout.Call(F, axis_name, x.ndim),
-                                     _layout.spec_entries(x, mesh))[2][0]
-            layouts = (jax.typeof(x).sharding, jax.typeof(w).sharding,
-                       NamedSharding(mesh, y_spec))
+            # Laid out as the op lays them out (its own reshard then moves nothing); the plain
+            # GEMMs give dx, dw and f's y these layouts.
+            call = _layout.Call(kind, axis_name, x.ndim, options.get("axis"))
+            x_spec, w_spec, (y_spec, *_) = _layout.layouts(call, _layout.spec_entries(x, mesh))
+            x, w = _layout.place(x, mesh, x_spec), _layout.place(w, mesh, w_spec)
+            layouts = tuple(NamedSharding(mesh, spec) for spec in (x_spec, w_spec, y_spec))
         c = _Call(kind, axis_name, jnp.dtype(x.dtype).name, tuple(sorted(options.items())),
                   mesh, layouts=layouts)
     return _fp8(c, x, w, scaling)
@@ -397,10 +399,13 @@ def _dot(c: _Call, a, b, dims, sharding):
     """A GEMM of fp8 operands accumulated in float32 (no collective of ours): on local
     shards as it is, on global arrays laid out by XLA (under Explicit axes as ``sharding``
     says: its reductions over split dims are XLA's, in float32)."""
+    def dot(a, b):
+        return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
     if sharding is not None and not c.local:
-        return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
-                               out_sharding=sharding)
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+        # Under Auto axes inside: XLA reduces over the split contracted dims (data parallel).
+        return jax.sharding.auto_axes(dot, out_sharding=sharding)(a, b)
+    return dot(a, b)
 
 
 def _weight_grad(c: _Call, a, b, scale, row_scales, row_axis: int, sharding):

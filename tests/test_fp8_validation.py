@@ -1,0 +1,111 @@
+"""Bad fp8 input: each a clear error naming the argument and the fix, raised at trace time."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import fp8_rand, tp_mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap as jo
+from jaxoverlap import _plan, fp8
+from jaxoverlap._native import capabilities
+
+E4 = jnp.float8_e4m3fn
+ONE = jnp.float32(1.0)
+
+
+@pytest.fixture(scope="module")
+def arrays():
+    return fp8_rand(0, (8, 16), E4), fp8_rand(1, (16, 8), E4), fp8_rand(2, (16, 8), jnp.bfloat16)
+
+
+def _ag(x, w, **kw):
+    return jo.ag_matmul(x, w, "tp", mesh=tp_mesh(2), impl="xla", **kw)
+
+
+def test_a_missing_scale_is_named(arrays):
+    x, w, w16 = arrays
+    with pytest.raises(TypeError, match=r"x is float8_e4m3fn but x_scale is missing.*x_scale="):
+        _ag(x, w, w_scale=ONE)
+    with pytest.raises(TypeError, match=r"w is float8_e4m3fn but w_scale is missing"):
+        _ag(x, w, x_scale=ONE)
+    with pytest.raises(TypeError, match=r"w_scale is given but w is bfloat16"):
+        _ag(x, w16, x_scale=ONE, w_scale=ONE)
+    with pytest.raises(TypeError, match=r"x_scale is given but neither x nor w is fp8"):
+        _ag(w16.T, w16, x_scale=ONE)
+
+
+def test_a_scale_of_the_wrong_shape_or_dtype_is_named(arrays):
+    x, w, _ = arrays
+    with pytest.raises(TypeError, match=r"x_scale.dtype=bfloat16 must be float32.*astype"):
+        _ag(x, w, x_scale=jnp.bfloat16(1), w_scale=ONE)
+    with pytest.raises(ValueError, match=r"w_scale has shape \(2,\) but must be a scalar"):
+        _ag(x, w, x_scale=ONE, w_scale=jnp.ones((2,), jnp.float32))
+    with pytest.raises(TypeError, match=r"x_scale must be a float32 scalar array"):
+        _ag(x, w, x_scale="1", w_scale=ONE)
+    assert _ag(x, w, x_scale=1.0, w_scale=jnp.ones((1,), jnp.float32)).dtype == jnp.bfloat16
+
+
+def test_precision_highest_and_output_dtypes(arrays):
+    x, w, w16 = arrays
+    with pytest.raises(ValueError, match=r"precision=HIGHEST.*fp8"):
+        _ag(x, w, x_scale=ONE, w_scale=ONE, precision=jax.lax.Precision.HIGHEST)
+    with pytest.raises(TypeError, match=r"preferred_element_type=.*float32, bfloat16 or "):
+        _ag(x, w, x_scale=ONE, w_scale=ONE, preferred_element_type=E4)
+    with pytest.raises(TypeError, match=r"preferred_element_type=float32 differs from x's "):
+        _ag(w16.T, w16, preferred_element_type=jnp.float32)
+    with pytest.raises(TypeError, match=r"float8_e4m3fnuz is not supported"):
+        _ag(x.astype(jnp.float8_e4m3fnuz), w, x_scale=ONE, w_scale=ONE)
+    with pytest.raises(TypeError, match=r"x.dtype=float32 and w.dtype=bfloat16 differ"):
+        _ag(w16.T.astype(jnp.float32), w16)
+
+
+def test_the_training_functions_say_what_they_take(arrays):
+    x, w, w16 = arrays
+    mesh = tp_mesh(2)
+    with pytest.raises(TypeError, match=r"jaxoverlap.fp8.ag_matmul: x must be a float32, "
+                                        r"bfloat16 or float16 array"):
+        fp8.ag_matmul(x, w, "tp", mesh=mesh)
+    with pytest.raises(TypeError, match=r"scaling=dict must be a jaxoverlap.fp8.DelayedScaling"):
+        fp8.matmul_rs(w16.T, w16, "tp", scaling={}, mesh=mesh)
+    bad = fp8.DelayedScaling.init(4)._replace(kernel_scale=jnp.ones((3,), jnp.float32))
+    with pytest.raises(ValueError, match=r"scaling.kernel_scale has shape \(3,\)"):
+        fp8.matmul_rs(w16.T, w16, "tp", scaling=bad, mesh=mesh)
+
+
+def test_fp8_without_a_native_executor_or_fp8_tensor_cores():
+    assert "do not run FP8 GEMMs yet" in capabilities.unavailable_reason("cpu", E4)
+    assert capabilities.unavailable_reason("cpu", jnp.bfloat16) == \
+        capabilities.unavailable_reason("cpu", jnp.float32)      # other dtypes: as before
+    ampere = {"devices": [{"ordinal": 0, "compute_capability": [8, 0]},
+                          {"ordinal": 1, "compute_capability": [9, 0]}]}
+    reason = capabilities.fp8_gpu_reason(ampere)
+    assert "GPU(s) [0]" in reason and "sm_89" in reason and "impl='xla'" in reason
+    hopper = {"devices": [{"ordinal": 0, "compute_capability": [9, 0]},
+                          {"ordinal": 1, "compute_capability": [8, 9]}]}
+    assert capabilities.fp8_gpu_reason(hopper) is None
+    assert capabilities.fp8_gpu_reason({"devices": [], "error": "no GPU"}) is None
+
+
+def test_a_gpu_without_fp8_gemms_says_once_that_xla_dequantizes(monkeypatch, caplog, arrays):
+    x, w, _ = arrays
+    monkeypatch.setattr(capabilities, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: {
+        "devices": [{"ordinal": 0, "compute_capability": [8, 0]}]})
+    monkeypatch.setattr(_plan, "_fp8_dequantized_said", False)
+    mesh = tp_mesh(2)
+
+    def traced():
+        jax.eval_shape(jax.shard_map(
+            lambda x, w: jo.ag_matmul(x, w, "tp", impl="xla", x_scale=ONE, w_scale=ONE),
+            mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")), x, w)
+
+    with caplog.at_level(logging.WARNING, logger="jaxoverlap"):
+        traced()
+        traced()
+    said = [r.getMessage() for r in caplog.records if "sm_89" in r.getMessage()]
+    assert len(said) == 1 and "XLA dequantizes" in said[0], said
