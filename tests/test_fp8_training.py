@@ -9,6 +9,7 @@ did: the lowered program's all-gathers are e4m3 (x) and e5m2 (the gradient).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -109,6 +110,11 @@ def _shard_quantized(a, q_dtype, axis: int, n: int):
     return np.concatenate(out, axis=axis)
 
 
+def _value_and_vjp(f, x, w, dy):
+    y, vjp = jax.vjp(f, x, w)
+    return y, vjp(dy)
+
+
 @pytest.mark.parametrize("impl", ["xla", "ring"])
 def test_current_scaling_uses_each_ranks_own_scales(impl):
     """Forward and backward of AG+GEMM and GEMM+RS: every shard quantized with its own amax
@@ -126,8 +132,7 @@ def test_current_scaling_uses_each_ranks_own_scales(impl):
         f = jax.shard_map(lambda x, w, op=op: op(x, w, "tp", axis=1, impl=impl), mesh=mesh,
                           in_specs=(P(*spec), P(*[("tp" if d == w_split else None)
                                                   for d in range(2)])), out_specs=P(*out))
-        y, (dx, dw) = jax.jit(lambda x, w, dy, f=f: (lambda y, vjp: (y, vjp(dy)))(
-            *jax.vjp(f, x, w)))(x, w, dy)
+        y, (dx, dw) = jax.jit(functools.partial(_value_and_vjp, f))(x, w, dy)
         xd = _shard_quantized(x, E4, x_split, N)
         wd = _shard_quantized(w, E4, w_split, N)
         gd = _shard_quantized(dy, E5, y_split, N)
