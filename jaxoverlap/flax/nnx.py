@@ -158,7 +158,7 @@ class Fp8DotGeneral(nnx.Module):
     As with linen, the gradient of each variable is its new value: take it with the params
     (``nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, OverwriteWithGradient)))``),
     update the params with the optimizer and write the new values over the old ones
-    (``nnx.update(model, grads.filter(OverwriteWithGradient))``).
+    (``nnx.update(model, nnx.filter_state(grads, OverwriteWithGradient))``).
     """
 
     def __init__(self, amax_history_length: int = 1024):

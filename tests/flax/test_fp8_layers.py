@@ -192,8 +192,8 @@ def _train_nnx(model, x, target, steps: int = STEPS):
     def step(model, optimizer, x, target):
         loss, grads = nnx.value_and_grad(lambda m: loss_of(m(x), target),
                                          argnums=nnx.DiffState(0, nnx.Any(nnx.Param, owg)))(model)
-        optimizer.update(model, grads.filter(nnx.Param))
-        nnx.update(model, grads.filter(owg))     # the new FP8 state, as TrainState does
+        optimizer.update(model, nnx.filter_state(grads, nnx.Param))
+        nnx.update(model, nnx.filter_state(grads, owg))   # the new FP8 state, as TrainState does
         return loss
 
     return [float(step(model, optimizer, x, target)) for _ in range(steps)]
