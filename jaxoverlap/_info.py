@@ -21,6 +21,10 @@ def _host_build() -> dict[str, Any] | None:
     return dict(_host.build_info())
 
 
+def _available(reason: str | None) -> str:
+    return "available" if reason is None else f"unavailable: {reason}"
+
+
 def info() -> dict[str, Any]:
     """A plain dict describing versions, devices, the native build and the effective config."""
     devices = jax.devices()
@@ -38,6 +42,10 @@ def info() -> dict[str, Any]:
             "ring": "available",
             "native": "available" if native_reason is None else f"unavailable: {native_reason}",
         },
+        # fp8 operands (jaxoverlap.fp8): the native path runs them once its executors do
+        "fp8": {"xla": "available", "ring": "available",
+                "native": _available(capabilities.unavailable_reason(
+                    capabilities.current_platform(), jax.numpy.float8_e4m3fn))},
         "host_extension": _host_build(),
         "cuda_extension": runtime.extension_summary(),
         "config": dataclasses.asdict(current_config()),

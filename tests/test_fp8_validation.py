@@ -79,6 +79,7 @@ def test_the_training_functions_say_what_they_take(arrays):
 
 def test_fp8_without_a_native_executor_or_fp8_tensor_cores():
     assert "do not run FP8 GEMMs yet" in capabilities.unavailable_reason("cpu", E4)
+    assert "do not run FP8 GEMMs yet" in jo.info()["fp8"]["native"]
     assert capabilities.unavailable_reason("cpu", jnp.bfloat16) == \
         capabilities.unavailable_reason("cpu", jnp.float32)      # other dtypes: as before
     ampere = {"devices": [{"ordinal": 0, "compute_capability": [8, 0]},
