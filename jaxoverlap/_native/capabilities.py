@@ -90,9 +90,9 @@ def fp8_gpu_reason(caps: dict[str, Any]) -> str | None:
     """Why this machine's GPUs cannot run FP8 GEMMs (None: they can, or none is visible).
 
     FP8 tensor-core GEMMs (cuBLASLt's ``CUDA_R_8F_E4M3`` / ``CUDA_R_8F_E5M2`` operands) need
-    compute capability 8.9 (Ada) or newer
-    (https://docs.nvidia.com/cuda/cublas/#cublasltmatmul, "Tensor Core usage": FP8 is
-    supported on Ada and Hopper and later).
+    compute capability 8.9 (Ada) or newer: Ampere has no FP8 tensor cores
+    (TransformerEngine's support matrix, "FP8 (per tensor) ... requires compute capability
+    8.9 or higher", https://nvidia.github.io/TransformerEngine/support_matrix.html).
     """
     old = [d["ordinal"] for d in caps.get("devices", [])
            if tuple(d["compute_capability"]) < FP8_MIN_CC]
