@@ -115,6 +115,7 @@ def _value_and_vjp(f, x, w, dy):
     return y, vjp(dy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "ring"])
 def test_current_scaling_uses_each_ranks_own_scales(impl):
     """Forward and backward of AG+GEMM and GEMM+RS: every shard quantized with its own amax
@@ -189,6 +190,7 @@ def test_delayed_scaling_needs_typed_shard_map_to_differentiate():
     assert dx.shape == x.shape and bool(jnp.all(jnp.isfinite(dw)))
 
 
+@pytest.mark.slow
 def test_dot_general_is_current_scaling():
     """The one-device dot_general: e4m3 operands with their amax's scales, e5m2 gradient."""
     x, w, _ = _inputs()

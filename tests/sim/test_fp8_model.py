@@ -46,6 +46,7 @@ def test_ag_moves_one_byte_per_element_the_reductions_their_bfloat16_output():
     assert {pr["dtype"] for pr in ranks} == {"float8_e4m3fn"}
 
 
+@pytest.mark.slow
 def test_fp8_projections_are_marked_and_never_fused():
     choice = sim.choose("ag_matmul", AG, "float8_e4m3fn", 8, H100)
     assert not any(r.candidate.fused for r in choice.table)
