@@ -293,9 +293,11 @@ class ColumnParallelDense(_ParallelLinear):
       bias_init: initializer function for the bias (likewise).
       promote_dtype: function to promote the dtype of the arrays to the desired
         dtype (as in ``nn.Dense``).
-      dot_general: a custom ``dot_general``; the layer then runs unfused with it.
-      dot_general_cls: a module class whose instance is the ``dot_general`` (Flax's
-        FP8 ops, quantisation); likewise unfused.
+      dot_general: a custom ``dot_general``; the layer then runs unfused with it
+        (``jaxoverlap.fp8.dot_general``, FP8 with current scaling, runs fused).
+      dot_general_cls: a module class whose instance is the ``dot_general``: Flax's
+        ``nn.Fp8DotGeneralOp`` / ``nn.Fp8DirectDotGeneralOp`` run fused (Flax's FP8
+        recipe, its variables kept); others (quantisation) unfused.
       axis_name: the tensor-parallel mesh axis (default: "tp").
       impl: "auto", "xla", "ring" or "native", passed to the op (default: "auto").
       mesh: the mesh for global arrays; None takes the ``jax.set_mesh`` mesh or

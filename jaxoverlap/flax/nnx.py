@@ -486,8 +486,10 @@ class ColumnParallelLinear(_Linear):
       kernel_init: initializer function for the weight matrix (one from
         ``nnx.with_partitioning`` keeps its sharding names).
       bias_init: initializer function for the bias.
-      dot_general: a custom ``dot_general`` (Flax's FP8 ops, quantisation); the
-        layer then runs the unfused computation with it, and says so once.
+      dot_general: a custom ``dot_general`` (quantisation); the layer then runs the
+        unfused computation with it, and says so once. Flax's FP8 recipe runs fused:
+        :class:`Fp8DotGeneral` (delayed scaling) or ``jaxoverlap.fp8.dot_general``
+        (current scaling).
       promote_dtype: function to promote the dtype of the arrays to the desired
         dtype; takes a tuple ``(inputs, kernel, bias)`` and a ``dtype`` keyword.
       preferred_element_type: the dot's accumulation and output dtype; one other
