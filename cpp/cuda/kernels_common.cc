@@ -183,9 +183,13 @@ Status MultimemKernel(const char* what, const void* (*table)(Elem, int), const B
   if (!MulticastBlockOk(a))
     return Status(Code::kInvalidArgument,
                   ctx.Describe() + ": " + what +
-                      " on 16-bit data needs an even row width, even strides and 4-byte aligned "
-                      "addresses (multimem works on element pairs); use transport='p2p' or "
-                      "'nccl' for this shape");
+                      (DTypeSize(a.dtype) == 2
+                           ? " on 16-bit data needs an even row width, even strides and 4-byte "
+                             "aligned addresses (multimem works on element pairs)"
+                           : " on fp8 data needs a row width and strides that are multiples of "
+                             "4 and 4-byte aligned addresses (multimem moves fp8 as 32- or "
+                             "64-bit words)") +
+                      "; use transport='p2p' or 'nccl' for this shape");
   if (Empty(a)) return OkStatus();
   *p = MakeLaunch(a, /*multimem=*/true);
   JO_ASSERT(p->bytes >= 4);

@@ -264,6 +264,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
         "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
         "what the fake recorded for each.");
+  m.def("fp8_misuse_checks", &jo::fake::Fp8MisuseChecks,
+        "One deliberate misuse (and controls) per cuBLASLt FP8 rule the fake models: what the "
+        "fake recorded for each.");
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");
