@@ -175,19 +175,15 @@ def _coords(axis_name: str):
     return jnp.stack([lax.axis_index(axis_name).astype(jnp.int32), group.astype(jnp.int32)])
 
 
-def _scale(name: str, operand, scale):
-    """The float32 scalar operand of ``operand``'s dequantization scale (1.0 when None).
+def _scale(name: str, scale):
+    """The float32 scalar operand of a dequantization scale (1.0 when None).
 
-    A scale belongs to an fp8 operand: the executors apply it only there (an all-gather moves
-    it only with fp8 shards), so one given for another dtype would be dropped silently —
-    refused instead.
+    The executors apply a scale to an fp8 operand only (an all-gather moves it only with fp8
+    shards): the ops pass 1.0 for an operand that is not fp8 (``_fp8_dtypes``), and so must
+    any other caller.
     """
     if scale is None:
         return jnp.ones((), jnp.float32)
-    if not capabilities.is_fp8(operand.dtype):
-        raise ValueError(f"{name}: a dequantization scale applies to a float8 operand; "
-                         f"{name.split('_')[0]} is {jnp.dtype(operand.dtype).name} (pass "
-                         f"{name}=None, or scale the operand before the call)")
     scale = jnp.asarray(scale)
     assert jnp.dtype(scale.dtype) == jnp.float32 and scale.size == 1, (name, scale)
     return jnp.reshape(scale, ())
@@ -203,7 +199,7 @@ def _bind(x, w, plan: OpPlan, return_gathered: bool = False, x_scale=None, w_sca
     # The precision the GEMMs use, resolved now: None defers to JAX's default matmul precision,
     # which is the one in force here, not where the program lowers.
     plan = dataclasses.replace(plan, precision=_precision.effective(plan.precision))
-    return native_p.bind(x, w, _scale("x_scale", x, x_scale), _scale("w_scale", w, w_scale),
+    return native_p.bind(x, w, _scale("x_scale", x_scale), _scale("w_scale", w_scale),
                          _coords(plan.axis_name), plan=plan,
                          return_gathered=bool(return_gathered))
 
