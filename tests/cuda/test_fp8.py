@@ -12,6 +12,8 @@ has run on a GPU.
 
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -110,6 +112,23 @@ def test_fp8_back_to_back_calls_and_a_scale_per_gemm(fake):
         gemms = counters["cublasLtMatmul"]
         # two scale pointers per matmul (warm-ups included), FAST_ACCUM and TRANSA per plan
         assert counters["cublasLtMatmulDescSetAttribute"] >= 2 * gemms
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+def test_fp8_all_gathers_complete_through_the_work_queues(fake, connections):
+    """The scale transfers add ops before a shard's first flag or in its NCCL group: every fp8
+    all-gather program, N 2..8, chunks, both directions, still completes with one hardware work
+    queue per device (and eight) in the executor's issue order, with the right result."""
+    for transport, n, chunks, bidir in itertools.product(TRANSPORTS, (2, 3, 5, 8), (1, 3),
+                                                         (False, True)):
+        fake.reset(fake.Config(connections=connections, seed=1 + 8 * n + 2 * chunks + bidir))
+        out, factors, _ = fp8_case(fake, "ag_matmul", transport, n, FP8[n % 3], batch=1,
+                                   rows=3, chunks=chunks, bidirectional=bidir)
+        try:
+            check_fp8(fake, "ag_matmul", out, factors, FP8[n % 3], n, 32)
+        except AssertionError as e:
+            e.add_note(f"in the case {(transport, n, chunks, bidir)}")
+            raise
 
 
 @pytest.mark.parametrize("config,dtypes,k,reason", [
