@@ -46,8 +46,8 @@ class Run {
 
   Status Execute() {
     // The program against the buffers this call really has (the clique's
-    // workspace may be larger than the program needs, never smaller).
-    // The workspace holds its elements, then (from ScalesOffset) its scale slots.
+    // workspace may be larger than the program needs, never smaller): its
+    // elements, then (from ScalesOffset) its scale slots.
     const Problem& q = p_.problem;
     BufferSizes sizes = BufferSizes::Of(p_);
     const int64_t have = clique_.WorkspaceBytes();
@@ -322,9 +322,9 @@ class Run {
     return OkStatus();
   }
 
-  // d = alpha * a @ W (+ c), alpha the product of the fp8 operands' scales: the
-  // f32 products of the fp8 values are exact, so this is the GEMM of the
-  // dequantized operands up to the order of two f32 roundings. Accumulated in
+  // d = alpha * a @ W (+ c), alpha the product of the fp8 operands' scales: an
+  // fp8 value times an fp8 or 16-bit one is exact in f32, so this is the GEMM of
+  // the dequantized operands up to where two f32 roundings fall. Accumulated in
   // f32 (OpenBLAS sgemm), rounded once to the output type.
   Status Gemm(const Op& op) {
     const Problem& q = p_.problem;
