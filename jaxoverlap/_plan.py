@@ -97,8 +97,8 @@ class OpPlan:
     traffic each way round the ring; ``transport`` is as asked (``"auto"`` is resolved when the
     call lowers, preferring the performance model's ``preferred`` pick); ``precision``:
     ``_precision.normalize``'d, None for JAX's default matmul precision; ``algorithm``:
-    ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the NumPy name of y's dtype
-    (None: x's), as ``preferred_element_type`` asked (bfloat16 by default for fp8 operands).
+    ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
+    (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16).
     """
 
     op: str
@@ -130,7 +130,7 @@ class OpPlan:
         if self.precision is not None:
             text += f" precision={self.precision}"
         if self.out_dtype is not None:
-            text += f" out_dtype={self.out_dtype}"
+            text += f" out={self.out_dtype}"
         if self.impl == "native":
             text += f" transport={self.transport}"
             if self.preferred is not None:
