@@ -583,3 +583,55 @@ def test_fp8_a_wrong_shard_scale_would_be_caught():
     own = dequantized(x64, sx[1])  # rank 1's scale for every shard
     with pytest.raises(AssertionError, match="of the bound"):
         within_bound("ag_matmul", own @ w64, right @ w64, "bfloat16", n, k, right, w64)
+
+
+def _custom_call(x, w, x_scale, w_scale, y_dtype, n=2):
+    """The CPU custom call of ag_matmul made by hand (what the primitive's lowering emits),
+    so that operands the primitive would never pass reach the handler's checks."""
+    from jax import lax
+
+    from jaxoverlap._native import runtime
+    from jaxoverlap._native.attributes import attributes
+    from jaxoverlap._native.call import describe
+    from jaxoverlap._plan import OpPlan
+
+    runtime.register("cpu")
+    mesh = mesh_1d(n)
+    plan = OpPlan(op="ag_matmul", impl="native", axis_name="tp", axis=0, axis_size=n,
+                  transport="p2p")
+    attrs = attributes(plan, describe(mesh, "tp", "cpu", "p2p", None, jax.process_index()), x)
+    rows, cols = x.shape[0] // n * n, w.shape[1] // n
+
+    def body(x, w):
+        coords = jnp.stack([lax.axis_index("tp"), 0]).astype(jnp.int32)
+        call = jax.ffi.ffi_call("jaxoverlap_ag_matmul",
+                                jax.ShapeDtypeStruct((rows, cols), y_dtype))
+        return call(x, w, x_scale, w_scale, coords, **attrs)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                              out_specs=P(None, "tp"), check_vma=False))
+    return f(x, w).block_until_ready()  # the handler's error surfaces with the result
+
+
+def test_the_handler_refuses_bad_dtypes_and_scales_naming_them():
+    """The custom call's operand checks (cpp/ffi/ffi_call.h): a scale that is not a float32
+    scalar, x and w of two non-fp8 dtypes, an fp8 or mismatched y — each an error naming the
+    operand and what it expected; the same operands with good scales run."""
+    e4 = jnp.float8_e4m3fn
+    x, w = jnp.ones((4, 16), e4), jnp.ones((16, 4), e4)
+    one = jnp.ones((), jnp.float32)
+    y = _custom_call(x, w, one * 0.5, one * 2.0, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.full((4, 4), 16.0))
+    for args, message in [
+            ((x, w, jnp.ones((2,), jnp.float32), one, jnp.bfloat16),
+             r"operand x_scale expected a float32 scalar \(shape \(\) or \(1,\)\), got shape "
+             r"\[2\]"),
+            ((x, w, one, jnp.ones((), jnp.bfloat16), jnp.bfloat16),
+             "operand w_scale expected a float32 scalar"),
+            ((x.astype(jnp.bfloat16), w.astype(jnp.float16), one, one, jnp.bfloat16),
+             "x and w must have the same dtype unless one of them is float8"),
+            ((x, w, one, one, e4), "result y expected dtype float32, bfloat16 or float16"),
+            ((x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), one, one, jnp.float16),
+             "the output dtype must be x's or float32")]:
+        with pytest.raises(Exception, match=message):
+            _custom_call(*args)
