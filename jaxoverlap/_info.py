@@ -42,7 +42,8 @@ def info() -> dict[str, Any]:
             "ring": "available",
             "native": "available" if native_reason is None else f"unavailable: {native_reason}",
         },
-        # fp8 operands (jaxoverlap.fp8): the native path runs them once its executors do
+        # fp8 operands: the native path's answer is for e4m3 x e4m3 (on GPUs the CUDA executor
+        # refuses an fp8 operand with a non-fp8 one, and e5m2 x e5m2: capabilities.gpu_fp8_reason)
         "fp8": {"xla": "available", "ring": "available",
                 "native": _available(capabilities.unavailable_reason(
                     capabilities.current_platform(), jax.numpy.float8_e4m3fn))},

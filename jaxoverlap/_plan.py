@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap._config import Settings, configure_logging, current_config, logger
-from jaxoverlap._fp8_dtypes import gemm_dtype, is_fp8
+from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
 from jaxoverlap._native import capabilities, runtime
 from jaxoverlap._native.capabilities import NativeUnavailableError
 
@@ -174,7 +174,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
         chunks = picked.chunks if chunks is None else chunks
         bidirectional = picked.bidirectional if bidirectional is None else bidirectional
     else:
-        impl = _resolve_impl(r.op, impl, explicit_transport, gemm_dtype(x, w))
+        impl = _resolve_impl(r.op, impl, explicit_transport, x.dtype, w.dtype)
     plan = OpPlan(
         op=r.op,
         impl=impl,
@@ -232,15 +232,16 @@ def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
                        f"over the {n} ranks of {r.axis_name!r})"), algorithms
 
 
-def native_reason(dtype) -> str | None:
-    """Why the native path cannot run in the program being traced (None if it can)."""
-    return capabilities.unavailable_reason(capabilities.current_platform(), dtype)
+def native_reason(x_dtype, w_dtype=None) -> str | None:
+    """Why the native path cannot run GEMMs of x's and w's dtypes in the program being traced
+    (None if it can; ``w_dtype`` None: x's)."""
+    return capabilities.unavailable_reason(capabilities.current_platform(), x_dtype, w_dtype)
 
 
-def _resolve_impl(op: str, impl: str, transport: str | None, dtype) -> str:
+def _resolve_impl(op: str, impl: str, transport: str | None, x_dtype, w_dtype) -> str:
     """The impl without a model: native if asked for (or a transport was), xla for auto."""
     if impl == "native" or (impl == "auto" and transport is not None):
-        reason = native_reason(dtype)
+        reason = native_reason(x_dtype, w_dtype)
         if reason is not None:
             raise NativeUnavailableError(
                 f"{op}: impl='native' was requested"
@@ -294,7 +295,8 @@ def _say_fp8_dequantized(op: str) -> None:
     if _fp8_dequantized_said or capabilities.current_platform() not in \
             capabilities.GPU_PLATFORMS:
         return
-    reason = capabilities.fp8_gpu_reason(capabilities.gpu_table())
+    # The GPUs' own reason (an e4m3 x e4m3 GEMM asks only for sm_89+).
+    reason = capabilities.gpu_fp8_reason(capabilities.gpu_table(), FP8_DTYPES[0])
     if reason is None:
         return
     _fp8_dequantized_said = True
@@ -343,7 +345,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
         return None                      # xla/ring asked for: nothing for the model to pick
     dtype = gemm_dtype(x, w)
-    native_ok = native_reason(dtype) is None
+    native_ok = native_reason(x.dtype, w.dtype) is None
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error
     if forced_native:

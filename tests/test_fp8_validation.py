@@ -77,19 +77,28 @@ def test_the_training_functions_say_what_they_take(arrays):
         fp8.matmul_rs(w16.T, w16, "tp", scaling=bad, mesh=mesh)
 
 
-def test_fp8_without_a_native_executor_or_fp8_tensor_cores():
-    assert "do not run FP8 GEMMs yet" in capabilities.unavailable_reason("cpu", E4)
-    assert "do not run FP8 GEMMs yet" in jo.info()["fp8"]["native"]
-    assert capabilities.unavailable_reason("cpu", jnp.bfloat16) == \
-        capabilities.unavailable_reason("cpu", jnp.float32)      # other dtypes: as before
-    ampere = {"devices": [{"ordinal": 0, "compute_capability": [8, 0]},
-                          {"ordinal": 1, "compute_capability": [9, 0]}]}
-    reason = capabilities.fp8_gpu_reason(ampere)
-    assert "GPU(s) [0]" in reason and "sm_89" in reason and "impl='xla'" in reason
+def test_where_the_native_path_runs_fp8():
+    """The host executor runs every fp8 pairing; on GPUs the CUDA executor's cuBLASLt FP8 GEMMs
+    take two fp8 operands, not both e5m2, on sm_89+ (tested here on injected tables)."""
+    E5, BF16 = jnp.float8_e5m2, jnp.bfloat16
+    for x_dtype, w_dtype in ((E4, E4), (E4, BF16), (BF16, E4), (E5, E5), (E4, None)):
+        assert capabilities.unavailable_reason("cpu", x_dtype, w_dtype) is None
+    assert jo.info()["fp8"]["native"] == "available"
     hopper = {"devices": [{"ordinal": 0, "compute_capability": [9, 0]},
                           {"ordinal": 1, "compute_capability": [8, 9]}]}
-    assert capabilities.fp8_gpu_reason(hopper) is None
-    assert capabilities.fp8_gpu_reason({"devices": [], "error": "no GPU"}) is None
+    assert capabilities.gpu_fp8_reason(hopper, E4, E4) is None
+    assert capabilities.gpu_fp8_reason(hopper, E5, E4) is None
+    assert capabilities.gpu_fp8_reason(hopper, BF16, BF16) is None       # not fp8: no question
+    mixed = capabilities.gpu_fp8_reason(hopper, E4, BF16)
+    assert "two fp8 operands" in mixed and "bfloat16" in mixed and "impl='xla'" in mixed
+    assert "two fp8 operands" in capabilities.gpu_fp8_reason(hopper, BF16, E5)
+    assert "float8_e5m2 x float8_e5m2" in capabilities.gpu_fp8_reason(hopper, E5, E5)
+    ampere = {"devices": [{"ordinal": 0, "compute_capability": [8, 0]},
+                          {"ordinal": 1, "compute_capability": [9, 0]}]}
+    reason = capabilities.gpu_fp8_reason(ampere, E4, E4)
+    assert "GPU(s) [0] (sm_80)" in reason and "8.9" in reason and "impl='xla'" in reason
+    assert capabilities.gpu_fp8_reason(ampere, E4, E4, devices=[1]) is None
+    assert capabilities.gpu_fp8_reason({"devices": [], "error": "no GPU"}, E4) is None
 
 
 def test_a_gpu_without_fp8_gemms_says_once_that_xla_dequantizes(monkeypatch, caplog, arrays):
@@ -108,5 +117,5 @@ def test_a_gpu_without_fp8_gemms_says_once_that_xla_dequantizes(monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="jaxoverlap"):
         traced()
         traced()
-    said = [r.getMessage() for r in caplog.records if "sm_89" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "compute capability 8.9" in r.getMessage()]
     assert len(said) == 1 and "XLA dequantizes" in said[0], said
