@@ -1,11 +1,13 @@
-"""The ops with fp8 operands: exact against the formula, every impl, fp8 on the wire.
+"""The ops with fp8 operands: exact against the formula, every impl and transport, fp8 on the wire.
 
 The formula (issue 25): an fp8 operand's real value is ``a.astype(float32) * a_scale``; inside
 shard_map each rank passes its own shard's scales (here they differ from rank to rank and are
 not powers of two), y is the float64 product of the dequantized operands up to one rounding to
 the output dtype (and one per add of a reduction in the output dtype), plus float32
 accumulation. The lowered StableHLO of the ``xla`` and ``ring`` impls carries fp8
-collectives (XLA:CPU may widen them when it compiles; the lowered program keeps the type).
+collectives (XLA:CPU may widen them when it compiles; the lowered program keeps the type); the
+``native`` impl's custom call receives the fp8 operands and this rank's scales, and its
+executor (the host executor here) moves the fp8 shards and their scales on every transport.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.
 X_SCALES = np.array([0.37, 1.9, 0.053, 3.3, 0.71, 1.13, 0.29, 2.6], np.float32)
 W_SCALES = np.array([1.7, 0.43, 2.9, 0.61, 1.21, 0.093, 3.7, 0.87], np.float32)
 
-# (impl, x dtype, w dtype, preferred_element_type, N, ring options): the first of each list
-# runs in the quick loop, the rest in `make test`.
+# (impl, x dtype, w dtype, preferred_element_type, N, options): the first of each list runs in
+# the quick loop, the rest in `make test`. The native cases (the host executor) cover every
+# transport, N 2..8, chunks and both ring directions, every fp8 pairing (e5m2 x e5m2 and fp8
+# with a 16- or 32-bit operand included: the host executor runs them, the CUDA executor refuses
+# them, docs/gpu.md §11), and ag_matmul with and without the gathered x.
 CASES = [
     ("xla", E4, E4, None, 4, {}),
     ("ring", E4, E4, None, 4, dict(chunks=2, bidirectional=True)),
@@ -36,12 +41,20 @@ CASES = [
     ("xla", E4, BF16, F16, 8, {}),
     ("ring", BF16, E4, None, 8, dict(chunks=2, bidirectional=False)),
     ("ring", E4, F32, F32, 4, dict(chunks=1, bidirectional=True)),
+    ("native", E4, E4, None, 4, dict(transport="p2p", chunks=2, bidirectional=True)),
+    ("native", E5, E4, F32, 2, dict(transport="nccl", return_gathered=False)),
+    ("native", E4, BF16, F16, 8, dict(transport="multicast", chunks=2)),
+    ("native", BF16, E4, None, 8, dict(transport="nccl", chunks=2, bidirectional=True,
+                                       return_gathered=False)),
+    ("native", E4, F32, F32, 4, dict(transport="p2p", bidirectional=False)),
+    ("native", E4, E5, None, 3, dict(transport="multicast", return_gathered=False)),
+    ("native", E5, E5, BF16, 4, dict(transport="nccl", chunks=2, bidirectional=False)),
 ]
 
 
 def _ids(case) -> str:
     impl, xd, wd, out, n, opts = case
-    extra = "".join(f"-{k}{int(v)}" for k, v in opts.items())
+    extra = "".join(f"-{v}" if k == "transport" else f"-{k}{int(v)}" for k, v in opts.items())
     return f"{impl}-{xd.name}-{wd.name}-{out.name if out else 'default'}-N{n}{extra}"
 
 
@@ -74,25 +87,31 @@ def _per_block(values, n: int, size: int) -> np.ndarray:
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_ag_matmul(case):
     impl, x_dtype, w_dtype, out, n, opts = case
+    opts = dict(opts)
+    want_gathered = opts.pop("return_gathered", True)
     rows, k, cols = 4, 16, 2                      # per rank: x rows, contraction, w columns
     x = fp8_rand(0, (2, n * rows, k), x_dtype)   # batch-first, split on the sequence (axis 1)
     w = fp8_rand(1, (k, n * cols), w_dtype)
     xs, ws = _scale_args(x, X_SCALES, n), _scale_args(w, W_SCALES, n)
 
     def f(x, w, xs, ws):
-        return jo.ag_matmul(x, w, "tp", axis=1, impl=impl, return_gathered=True,
+        return jo.ag_matmul(x, w, "tp", axis=1, impl=impl, return_gathered=want_gathered,
                             x_scale=xs, w_scale=ws, preferred_element_type=out, **opts)
 
-    y, gathered = _sharded(f, n, (P(None, "tp"), P(None, "tp"), P("tp"), P("tp")),
-                           (P(None, None, "tp"), P()), x, w, xs, ws, check_vma=False)
+    y_spec = P(None, None, "tp")
+    out_specs = (y_spec, P()) if want_gathered else y_spec
+    y = _sharded(f, n, (P(None, "tp"), P(None, "tp"), P("tp"), P("tp")), out_specs, x, w, xs,
+                 ws, check_vma=False)
+    y, gathered = y if want_gathered else (y, None)
     # Shard r's rows carry x_scale_r, rank c's columns its w_scale_c.
     xd = dequantized(x, 1.0) * (_per_block(X_SCALES, n, rows)[None, :, None]
                                 if xs is not None else 1.0)
     wd = dequantized(w, 1.0) * (_per_block(W_SCALES, n, cols)[None, :]
                                 if ws is not None else 1.0)
     assert_fp8_exact(y, xd @ wd, np.abs(xd) @ np.abs(wd), out or BF16, k=k)
-    assert gathered.dtype == x.dtype and np.array_equal(np.asarray(gathered, np.float32),
-                                                        np.asarray(x, np.float32))
+    if want_gathered:
+        assert gathered.dtype == x.dtype and np.array_equal(np.asarray(gathered, np.float32),
+                                                            np.asarray(x, np.float32))
 
 
 def _reduction_inputs(n: int, x_dtype, w_dtype, rows: int):
@@ -109,6 +128,7 @@ def _reduction_inputs(n: int, x_dtype, w_dtype, rows: int):
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_matmul_rs_and_ar(case):
     impl, x_dtype, w_dtype, out, n, opts = case
+    opts = {k: v for k, v in opts.items() if k != "return_gathered"}
     x, w, xs, ws, xd, wd, kf = _reduction_inputs(n, x_dtype, w_dtype, rows=2 * n)
     out_dtype = out or BF16
     # A reduction in a 16-bit output rounds after each add; in float32 its adds are float32's.
@@ -131,8 +151,8 @@ def test_matmul_rs_and_ar(case):
 
 @pytest.mark.slow
 def test_global_arrays_take_per_tensor_scales():
-    """Outside shard_map: Explicit and Auto mesh axes, data parallel on the batch, both ops;
-    the scales are per-tensor scalars."""
+    """Outside shard_map: Explicit and Auto mesh axes, data parallel on the batch, every op
+    and impl; the scales are per-tensor scalars."""
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     x = fp8_rand(4, (4, 8, 16), E4)
     w = fp8_rand(5, (16, 8), E4)
@@ -149,10 +169,19 @@ def test_global_arrays_take_per_tensor_scales():
                 h, w, "tp", axis=1, impl="xla", x_scale=jnp.float32(0.61),
                 w_scale=jnp.float32(1.9), preferred_element_type=jnp.float32))(
                     hg, put(w.reshape(16, 8), mesh, P("tp", None)))
+            y_native = jax.jit(lambda x, w: jo.ag_matmul(
+                x, w, "tp", axis=1, impl="native", transport="p2p", x_scale=jnp.float32(0.37),
+                w_scale=jnp.float32(1.9)))(xg, put(w, mesh, P(None, "tp")))
+            z_native = jax.jit(lambda h, w: jo.matmul_ar(
+                h, w, "tp", impl="native", x_scale=jnp.float32(0.61),
+                w_scale=jnp.float32(1.9), preferred_element_type=jnp.float32))(
+                    hg, put(w.reshape(16, 8), mesh, P("tp", None)))
         assert tuple(y.sharding.spec)[:3] == ("dp", None, "tp"), y.sharding
-        assert_fp8_exact(y, xd @ wd, np.abs(xd) @ np.abs(wd), BF16, k=16)
+        for got in (y, y_native):
+            assert_fp8_exact(got, xd @ wd, np.abs(xd) @ np.abs(wd), BF16, k=16)
         assert gathered.dtype == E4
-        assert_fp8_exact(z, hd @ wd, np.abs(hd) @ np.abs(wd), F32, k=16)
+        for got in (z, z_native):
+            assert_fp8_exact(got, hd @ wd, np.abs(hd) @ np.abs(wd), F32, k=16)
 
 
 # ---------------------------------------------------------------- fp8 on the wire
@@ -164,10 +193,17 @@ def _collectives(text: str) -> list[tuple[str, str]]:
                       r'.*?\)\s*->\s*(tensor<[^>]*>)', text, re.S)
 
 
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+def _native_calls(text: str) -> list[tuple[str, str, str]]:
+    """(op, operand types, result types) of every native custom call of a lowered module."""
+    return re.findall(r"custom_call @jaxoverlap_(\w+)\(.*?\}\s*:\s*\(([^)]*)\)\s*->\s*(.*)",
+                      text)
+
+
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_the_lowered_program_moves_fp8(impl):
     """AG+GEMM gathers the fp8 x (its N float32 scales alongside), never a dequantized copy;
-    GEMM+RS reduces the bfloat16 partials, never fp8."""
+    GEMM+RS reduces the bfloat16 partials, never fp8. The native executors receive the fp8 x
+    and w themselves, with this rank's float32 scales (and move them: tests/native)."""
     mesh = tp_mesh(4)
     x, w = fp8_rand(0, (8, 16), E4), fp8_rand(1, (16, 8), E4)
     scales = jnp.asarray(X_SCALES[:4])
@@ -176,14 +212,25 @@ def test_the_lowered_program_moves_fp8(impl):
         fn = jax.jit(jax.shard_map(lambda x, w, s: op(x, w, "tp", impl=impl, x_scale=s,
                                                       w_scale=s), mesh=mesh,
                                    in_specs=(x_spec, w_spec, P("tp")), out_specs=out_spec))
-        return _collectives(fn.lower(x, w, scales).as_text())
+        return fn.lower(x, w, scales).as_text()
 
-    moved = lowered(jo.ag_matmul, P("tp"), P(None, "tp"), P(None, "tp"))
+    ag = lowered(jo.ag_matmul, P("tp"), P(None, "tp"), P(None, "tp"))
+    rs = lowered(jo.matmul_rs, P(None, "tp"), P("tp"), P("tp"))
+    if impl == "native":
+        assert not _collectives(ag) and not _collectives(rs)
+        assert _native_calls(ag) == [("ag_matmul", "tensor<2x16xf8E4M3FN>, tensor<16x2xf8E4M3FN>, "
+                                      "tensor<f32>, tensor<f32>, tensor<2xi32>",
+                                      "tensor<8x2xbf16>")]
+        assert _native_calls(rs) == [("matmul_rs", "tensor<8x4xf8E4M3FN>, tensor<4x8xf8E4M3FN>, "
+                                      "tensor<f32>, tensor<f32>, tensor<2xi32>",
+                                      "tensor<2x8xbf16>")]
+        return
+    moved = _collectives(ag)
     big = [t for _, t in moved if "x16x" in t or t.endswith("x16xf8E4M3FN>")]
     assert big and all("f8E4M3FN" in t for t in big), moved   # x moves as fp8 ...
     assert not any("x16xf32" in t or "x16xbf16" in t for _, t in moved), moved  # ... only
     assert any(t == "tensor<4xf32>" or t == "tensor<f32>" for _, t in moved), moved  # scales
-    reduced = lowered(jo.matmul_rs, P(None, "tp"), P("tp"), P("tp"))
+    reduced = _collectives(rs)
     assert reduced and all("bf16" in t for _, t in reduced), reduced
 
 
@@ -204,14 +251,3 @@ def test_bare_ops_with_fp8_are_not_differentiable():
     with pytest.raises(TypeError, match=r"jaxoverlap\.fp8\.ag_matmul"):
         jax.grad(lambda w: jnp.sum(jo.ag_matmul(x, w, "tp", x_scale=scale, mesh=mesh)
                                    .astype(jnp.float32)))(w)
-
-
-def test_native_runs_fp8():
-    """The executors run FP8 (the host executor here): impl='native' computes the formula."""
-    mesh = tp_mesh(2)
-    x, w = fp8_rand(0, (4, 8), E4), fp8_rand(1, (8, 4), E4)
-    y = jax.shard_map(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", x_scale=0.5,
-                                                w_scale=1.5),
-                      mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))(x, w)
-    xd, wd = dequantized(x, 0.5), dequantized(w, 1.5)
-    assert_fp8_exact(y, xd @ wd, np.abs(xd) @ np.abs(wd), BF16, k=8)
