@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from jaxoverlap.sim import fused as fused_path
 from jaxoverlap.sim import model
 from jaxoverlap.sim.confidence import outside_calibrated
-from jaxoverlap.sim.engine import COMPUTE_KINDS, TRANSFER_KINDS, Span, simulate_programs
+from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.presets import (
     FP8_DTYPES,
     Preset,
     canonical_dtype,
-    dtype_bytes,
     load_preset,
     output_dtype,
 )
@@ -156,10 +155,6 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
                                         bidirectional, return_gathered, algorithm))
 
     dtype = canonical_dtype(dtype)
-    if dtype in FP8_DTYPES:
-        return tuple(_fp8_program(pr, dtype)
-                     for pr in programs(op, transport, nranks, shape, output_dtype(dtype),
-                                        chunks, bidirectional, return_gathered, algorithm))
     rows = shape.rows
     if op == "matmul_ar" and algorithm == "two_shot":
         if rows % nranks:
@@ -167,30 +162,14 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
                              "blocks: they do not divide")
         rows //= nranks  # the program's problem: rows per block
     host = load_host()
+    # fp8: x and w of the GEMMs' dtype, y bfloat16 (output_dtype): what the executors run,
+    # the fp8 shards and their scales moved by AG+GEMM, the bfloat16 partials reduced
     return tuple(host.build_program(op, transport, nranks, r, shape.batch, rows, shape.k,
-                                    shape.n, dtype=dtype, chunks=chunks,
+                                    shape.n, dtype=dtype, w_dtype=dtype,
+                                    out_dtype=output_dtype(dtype), chunks=chunks,
                                     bidirectional=bidirectional,
                                     return_gathered=return_gathered, algorithm=algorithm)
                  for r in range(nranks))
-
-
-def _fp8_program(program: dict, dtype: str) -> dict:
-    """A rank's program for fp8 operands, from its program in their output dtype (bfloat16):
-    its GEMMs run at the FP8 rate (the program's dtype), and what moves x — every transfer of
-    AG+GEMM, whose gather moves the fp8 shards — moves one byte per element instead of two.
-    The reductions move (and add) the GEMM's bfloat16 output, as before; the shards' scales
-    (four bytes each) are left out."""
-    moves_x = program["op"] == "ag_matmul"
-    ratio = dtype_bytes(dtype) / program["elem_bytes"]
-
-    def op(o: dict) -> dict:
-        if moves_x and o["kind"] in TRANSFER_KINDS:
-            o = {**o, "bytes": int(o["bytes"] * ratio),
-                 "remote_bytes": int(o["remote_bytes"] * ratio)}
-        return o
-
-    return {**program, "dtype": dtype, "elem_bytes": dtype_bytes(dtype),
-            "ops": [op(o) for o in program["ops"]]}
 
 
 def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,

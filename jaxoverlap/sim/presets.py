@@ -21,8 +21,10 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# The short names include the executors' (a program's "dtype": f32, bf16, f16, f8e4m3fn, f8e5m2).
 _DTYPE_ALIASES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8": "float8_e4m3fn",
-                  "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+                  "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "f8e4m3fn": "float8_e4m3fn",
+                  "f8e5m2": "float8_e5m2"}
 
 
 def canonical_dtype(dtype: str) -> str:

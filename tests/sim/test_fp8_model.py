@@ -1,4 +1,5 @@
-"""The performance model with fp8 operands: the GEMM at the FP8 peak, half the bytes of x."""
+"""The performance model with fp8 operands: the GEMM at the FP8 peak, half the bytes of x, the
+executors' own FP8 programs (each shard's scale moved with it)."""
 
 import pytest
 
@@ -35,16 +36,25 @@ def test_ag_moves_one_byte_per_element_the_reductions_their_bfloat16_output():
     for op, shape in (("matmul_rs", RS), ("matmul_ar", RS)):
         assert moved(op, shape, "float8_e5m2") == moved(op, shape, "bfloat16")
 
-    def transfers(op, shape, dtype):
-        ranks = sim_plan.programs(op, "p2p", 8, shape, dtype, 2, True, False)
-        return sum(o["bytes"] for pr in ranks for o in pr["ops"]
-                   if o["kind"] in ("Copy", "Send", "Recv", "McStore", "McReduce"))
+    def transfers(op, shape, dtype, transport="p2p"):
+        """(bytes of data, count and bytes of scales) the ranks' real programs move."""
+        ranks = sim_plan.programs(op, transport, 8, shape, dtype, 2, True, False)
+        moved = [o for pr in ranks for o in pr["ops"]
+                 if o["kind"] in ("Copy", "Send", "McStore", "McReduce")]
+        scales = [o["bytes"] for o in moved
+                  if any("SCALE" in (o[k] or {}).get("buf", "") for k in "ad")]
+        return sum(o["bytes"] for o in moved) - sum(scales), (len(scales), sum(scales))
 
-    assert transfers("ag_matmul", AG, "fp8") * 2 == transfers("ag_matmul", AG, "bf16")
+    # AG+GEMM's real program moves the fp8 shards (half bf16's bytes) and each shard's float32
+    # scale to each other rank: 8 x 7 transfers (multicast: one store per rank reaches all)
+    for transport, count in (("p2p", 8 * 7), ("nccl", 8 * 7), ("multicast", 8)):
+        data, scales = transfers("ag_matmul", AG, "fp8", transport)
+        assert data * 2 == transfers("ag_matmul", AG, "bf16", transport)[0]
+        assert scales == (count, 4 * count), (transport, scales)
     assert transfers("matmul_rs", RS, "fp8") == transfers("matmul_rs", RS, "bf16")
     ranks = sim_plan.programs("ag_matmul", "p2p", 8, AG, "fp8", 1, False, False)
-    assert {pr["dtype"] for pr in ranks} == {"float8_e4m3fn"}
-
+    assert {pr["dtype"] for pr in ranks} == {"f8e4m3fn"}
+    assert {o["kind"] for pr in ranks for o in pr["ops"] if o.get("a_scale")} == {"Gemm"}
 
 @pytest.mark.slow
 def test_fp8_projections_are_marked_and_never_fused():
