@@ -113,3 +113,12 @@ def assert_fp8_exact(y, ref, magnitude, out_dtype, *, k: int, reductions: int = 
     assert excess.max() <= 0, (
         f"{int((excess > 0).sum())} of {excess.size} elements off by more than the bound; "
         f"worst |y - ref| = {np.abs(y - ref).max():.3g}")
+
+
+def native_calls(text: str) -> list[tuple[str, str, str]]:
+    """(op, operand types, result types) of every native custom call of a lowered StableHLO
+    module, in program order."""
+    import re
+
+    return re.findall(r"custom_call @jaxoverlap_(\w+)\(.*?\}\s*:\s*\(([^)]*)\)\s*->\s*(.*)",
+                      text)

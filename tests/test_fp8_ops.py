@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_fp8_exact, dequantized, fp8_rand, put, tp_mesh
+from helpers import assert_fp8_exact, dequantized, fp8_rand, native_calls, put, tp_mesh
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -193,12 +193,6 @@ def _collectives(text: str) -> list[tuple[str, str]]:
                       r'.*?\)\s*->\s*(tensor<[^>]*>)', text, re.S)
 
 
-def _native_calls(text: str) -> list[tuple[str, str, str]]:
-    """(op, operand types, result types) of every native custom call of a lowered module."""
-    return re.findall(r"custom_call @jaxoverlap_(\w+)\(.*?\}\s*:\s*\(([^)]*)\)\s*->\s*(.*)",
-                      text)
-
-
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_the_lowered_program_moves_fp8(impl):
     """AG+GEMM gathers the fp8 x (its N float32 scales alongside), never a dequantized copy;
@@ -218,10 +212,10 @@ def test_the_lowered_program_moves_fp8(impl):
     rs = lowered(jo.matmul_rs, P(None, "tp"), P("tp"), P("tp"))
     if impl == "native":
         assert not _collectives(ag) and not _collectives(rs)
-        assert _native_calls(ag) == [("ag_matmul", "tensor<2x16xf8E4M3FN>, tensor<16x2xf8E4M3FN>, "
+        assert native_calls(ag) == [("ag_matmul", "tensor<2x16xf8E4M3FN>, tensor<16x2xf8E4M3FN>, "
                                       "tensor<f32>, tensor<f32>, tensor<2xi32>",
                                       "tensor<8x2xbf16>")]
-        assert _native_calls(rs) == [("matmul_rs", "tensor<8x4xf8E4M3FN>, tensor<4x8xf8E4M3FN>, "
+        assert native_calls(rs) == [("matmul_rs", "tensor<8x4xf8E4M3FN>, tensor<4x8xf8E4M3FN>, "
                                       "tensor<f32>, tensor<f32>, tensor<2xi32>",
                                       "tensor<2x8xbf16>")]
         return

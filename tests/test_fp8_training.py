@@ -4,7 +4,9 @@ Delayed scaling is checked against Flax's own functions on one device (``fp8_ops
 ``out_qdq``, what ``nn.Fp8DotGeneralOp`` runs): the gradients of x and w, and the new FP8 state
 (the gradient of the state), over steps that feed the state back. Current scaling is checked
 against the formula with each rank's own scales. The backward pass moves fp8 where the forward
-did: the lowered program's all-gathers are e4m3 (x) and e5m2 (the gradient).
+did: the lowered program's all-gathers are e4m3 (x) and e5m2 (the gradient); with
+``impl="native"`` the executors' calls receive those fp8 operands. Every impl runs here,
+``native`` (the host executor) included.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.linen import fp8_ops
-from helpers import put, rand, tp_mesh
+from helpers import native_calls, put, rand, tp_mesh
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -64,16 +66,26 @@ def _train(loss, args, steps: int = 2):
     assert float(s1.input_scale[0]) != 1.0 and float(s2.output_grad_scale[0]) != 1.0
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["ag_rs", "f_ar"])
-def test_delayed_scaling_inside_shard_map_is_flax_recipe(sequence_parallel):
+# (sequence parallel, the impl of the first op, of the second, the native ops' options)
+LAYOUTS = [(True, "xla", "ring", {}), (False, None, "ring", {}),
+           (True, "native", "native", dict(transport="p2p", chunks=2, bidirectional=True)),
+           (False, None, "native", dict(transport="multicast"))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["ag_rs", "f_ar", "ag_rs-native",
+                                                 "f_ar-native"])
+def test_delayed_scaling_inside_shard_map_is_flax_recipe(layout):
+    sequence_parallel, first, second, options = layout
     mesh = tp_mesh(N)
 
     def body(x, w1, w2, s1, s2):
         if sequence_parallel:
-            h = fp8.ag_matmul(x, w1, "tp", axis=1, scaling=s1, impl="xla")
-            return fp8.matmul_rs(jax.nn.gelu(h), w2, "tp", axis=1, scaling=s2, impl="ring")
+            h = fp8.ag_matmul(x, w1, "tp", axis=1, scaling=s1, impl=first,
+                              **(options if first == "native" else {}))
+            return fp8.matmul_rs(jax.nn.gelu(h), w2, "tp", axis=1, scaling=s2, impl=second,
+                                 **options)
         h = fp8.copy_matmul(x, w1, "tp", scaling=s1)
-        return fp8.matmul_ar(jax.nn.gelu(h), w2, "tp", scaling=s2, impl="ring")
+        return fp8.matmul_ar(jax.nn.gelu(h), w2, "tp", scaling=s2, impl=second, **options)
 
     x_spec, y_spec = (P(None, "tp"), P(None, "tp")) if sequence_parallel else (P(), P())
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P(None, "tp"), P("tp"), P(), P()),
@@ -84,12 +96,14 @@ def test_delayed_scaling_inside_shard_map_is_flax_recipe(sequence_parallel):
 @pytest.mark.slow
 def test_delayed_scaling_on_global_arrays_is_flax_recipe():
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
-    for types in (AxisType.Explicit, AxisType.Auto):
+    for types, impl in ((AxisType.Explicit, "auto"), (AxisType.Auto, "native")):
         mesh = Mesh(devices, ("dp", "tp"), axis_types=(types, types))
 
-        def loss(x, w1, w2, s1, s2, mesh=mesh):
-            h = jax.nn.gelu(fp8.ag_matmul(x, w1, "tp", axis=1, scaling=s1, mesh=mesh))
-            return jnp.sum(jnp.sin(fp8.matmul_rs(h, w2, "tp", axis=1, scaling=s2, mesh=mesh)))
+        def loss(x, w1, w2, s1, s2, mesh=mesh, impl=impl):
+            h = jax.nn.gelu(fp8.ag_matmul(x, w1, "tp", axis=1, scaling=s1, mesh=mesh,
+                                          impl=impl))
+            return jnp.sum(jnp.sin(fp8.matmul_rs(h, w2, "tp", axis=1, scaling=s2, mesh=mesh,
+                                                 impl=impl)))
 
         with jax.set_mesh(mesh):
             _train(loss, lambda x, w1, w2, mesh=mesh: (
@@ -116,7 +130,7 @@ def _value_and_vjp(f, x, w, dy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["xla", "ring"])
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_current_scaling_uses_each_ranks_own_scales(impl):
     """Forward and backward of AG+GEMM and GEMM+RS: every shard quantized with its own amax
     (x's row shards, w's column / row shards, the gradient's shards), no amax all-reduce."""
@@ -147,16 +161,18 @@ def test_current_scaling_uses_each_ranks_own_scales(impl):
                                    atol=1e-5 * np.abs(dw_ref).max())
 
 
-def test_the_backward_pass_moves_fp8_too():
+@pytest.mark.parametrize("impl", ["xla", "native"])
+def test_the_backward_pass_moves_fp8_too(impl):
     """Forward AG+GEMM gathers e4m3 x; GEMM+RS's backward all-gather moves the e5m2
-    gradient; the reductions (GEMM+RS forward, AG+GEMM backward) move float32 here."""
+    gradient; the reductions (GEMM+RS forward, AG+GEMM backward) move float32 here. Native:
+    the executors' calls receive those fp8 operands (they move them: tests/native)."""
     mesh = tp_mesh(N)
     x, w1, w2 = _inputs()
 
     def loss(x, w1, w2):
         def body(x, w1, w2):
-            h = fp8.ag_matmul(x, w1, "tp", axis=1, impl="xla")
-            return fp8.matmul_rs(h, w2, "tp", axis=1, impl="xla")
+            h = fp8.ag_matmul(x, w1, "tp", axis=1, impl=impl)
+            return fp8.matmul_rs(h, w2, "tp", axis=1, impl=impl)
         return jnp.sum(jnp.sin(jax.shard_map(
             body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P("tp")),
             out_specs=P(None, "tp"))(x, w1, w2)))
@@ -164,9 +180,21 @@ def test_the_backward_pass_moves_fp8_too():
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w1, w2).as_text()
     gathers = re.findall(r'"stablehlo\.all_gather".*?->\s*tensor<([^>]*)>', text, re.S)
     big = [t for t in gathers if t.count("x") >= 2]
+    scatters = re.findall(r'"stablehlo\.reduce_scatter".*?->\s*tensor<([^>]*)>', text, re.S)
+    if impl == "native":          # (op, x's element type, y's): forward, then backward
+        def elements(types: str) -> list[str]:
+            return re.findall(r"tensor<(?:\d+x)*(\w+)>", types)
+
+        calls = {(op, elements(operands)[0], *elements(results))
+                 for op, operands, results in native_calls(text)}
+        assert calls == {("ag_matmul", "f8E4M3FN", "f32", "f8E4M3FN"),  # y, the gathered x
+                         ("matmul_rs", "f8E4M3FN", "f32"),
+                         ("ag_matmul", "f8E5M2", "f32", "f8E5M2"),
+                         ("matmul_rs", "f8E5M2", "f32")}, calls
+        assert not big and not scatters, (big, scatters)
+        return
     assert any(t.endswith("f8E4M3FN") for t in big) and any(t.endswith("f8E5M2") for t in big)
     assert all(t.endswith(("f8E4M3FN", "f8E5M2")) for t in big), big
-    scatters = re.findall(r'"stablehlo\.reduce_scatter".*?->\s*tensor<([^>]*)>', text, re.S)
     assert len(scatters) == 2 and all(t.endswith("f32") for t in scatters), scatters
 
 
