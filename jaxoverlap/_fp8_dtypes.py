@@ -33,8 +33,9 @@ def any_fp8(*arrays) -> bool:
 
 
 def gemm_dtype(x, w):
-    """The dtype a call's GEMMs run in, for the choices that depend on it (the native path's
-    availability, the performance model): the fp8 operand's if any, else x's."""
+    """The dtype a call's GEMMs run in, as the performance model prices them (its rate and its
+    programs): the fp8 operand's if any, else x's. Whether an executor runs the call depends
+    on both operands' dtypes (``capabilities.unavailable_reason``)."""
     for a in (x, w):
         if is_fp8(a.dtype):
             return jnp.dtype(a.dtype)
