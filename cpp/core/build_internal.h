@@ -1,6 +1,7 @@
 // Helpers shared by the builders (not part of the core's interface).
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "core/program.h"
@@ -70,6 +71,13 @@ class Emitter {
     op.k = q.k;
     return op;
   }
+  // One persistent GEMM over every row block of `blocks` (m = blocks.rows.rows()).
+  Op& FusedGemm(int32_t stream, const Ref& a, const Ref& d, int64_t batch, FusedBlocks blocks) {
+    Op& op = Gemm(stream, a, d, nullptr, batch, blocks.rows.rows());
+    op.kind = OpKind::kFusedGemm;
+    op.fused = std::move(blocks);
+    return op;
+  }
 
  private:
   Program* p_;
@@ -78,6 +86,10 @@ class Emitter {
 
 Status BuildAgMatmul(Program* program);
 Status BuildMatmulRs(Program* program);
+// GEMM + reduce-scatter over p2p with a fused GEMM: the GEMM releases each
+// destination's partial, the comm stream scatters it to its owner, the owner
+// sums them after the GEMM (build_rs.cc).
+Status BuildRsScatter(Program* program, Emitter& e);
 Status BuildMatmulAr(Program* program);
 
 // Pieces shared by GEMM+RS and GEMM+AR (build_rs.cc).

@@ -94,6 +94,8 @@ const char* OpKindName(OpKind kind) {
       return "Record";
     case OpKind::kStreamWait:
       return "StreamWait";
+    case OpKind::kFusedGemm:
+      return "FusedGemm";
   }
   return "?";
 }
@@ -140,6 +142,18 @@ std::string ToString(const Op& op) {
     case OpKind::kStreamWait:
       out << "event=" << op.id;
       break;
+    case OpKind::kFusedGemm: {
+      const FusedBlocks& f = op.fused;
+      out << "d=" << ToString(op.d) << " <- a=" << ToString(op.a) << " @ W, batch=" << op.batch
+          << " m=" << op.m << " n=" << op.n << " k=" << op.k << "; " << f.rows.count()
+          << " blocks of " << f.rows.shards << " shards x " << f.rows.chunks << " chunks";
+      if (f.wait_flags >= 0)
+        out << ", waits for flag " << f.wait_flags << "+b (ready shard " << f.ready_shard << ")";
+      if (f.release_flags >= 0) out << ", releases flag " << f.release_flags << "+b";
+      out << ", order";
+      for (int32_t b : f.sequence) out << " " << b;
+      break;
+    }
   }
   if (op.shard >= 0) out << " shard=" << op.shard << "." << op.sub;
   out << ")";
@@ -153,8 +167,8 @@ std::string Summary(const Program& p) {
   if (q.op == Collective::kMatmulAr) out << " " << ArAlgorithmName(q.algorithm);
   out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
       << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " cols=" << q.cols
-      << " dtype=" << DTypeName(q.dtype) << " chunks=" << p.chunks << " steps(cw,ccw)=("
-      << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
+      << " dtype=" << DTypeName(q.dtype) << (q.fused ? " fused" : "") << " chunks=" << p.chunks
+      << " steps(cw,ccw)=(" << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
       << " ops=" << p.ops.size() << " workspace_elems=" << p.workspace_elems
       << " scratch_elems=" << p.scratch_elems;
   return out.str();

@@ -99,7 +99,7 @@ nb::dict Types() {
 jo::Problem MakeProblem(const std::string& op, const std::string& transport, int nranks, int rank,
                         int64_t batch, int64_t rows, int64_t k, int64_t cols,
                         const std::string& dtype, int64_t chunks, bool bidirectional,
-                        bool return_gathered, const std::string& algorithm) {
+                        bool return_gathered, const std::string& algorithm, bool fused) {
   jo::Problem q;
   if (op == "ag_matmul")
     q.op = jo::Collective::kAgMatmul;
@@ -142,6 +142,7 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
   else if (algorithm != "two_shot")
     throw nb::value_error(
         ("algorithm: expected 'two_shot' or 'one_shot', got '" + algorithm + "'").c_str());
+  q.fused = fused;
   return q;
 }
 
@@ -160,6 +161,41 @@ nb::dict RefDict(const jo::Ref& ref) {
   d["batch_stride"] = ref.batch_stride;
   d["ld"] = ref.ld;
   return d;
+}
+
+// A FusedGemm's row blocks (core/program.h FusedBlocks): shards x chunks
+// blocks of the rows, their order, waits (flag wait_flags + b, -1: none) and
+// releases (flag release_flags + b, -1: none).
+nb::dict FusedDict(const jo::FusedBlocks& f) {
+  nb::dict d;
+  d["shards"] = f.rows.shards;
+  d["chunks"] = f.rows.chunks;
+  d["shard_rows"] = f.rows.shard_rows;
+  d["order"] = f.key == jo::fused::OrderKey::kLastArrival ? "last_arrival" : "first_departure";
+  d["sequence"] = f.sequence;
+  d["wait_flags"] = f.wait_flags;
+  d["ready_shard"] = f.ready_shard;
+  d["writers"] = f.writers;
+  d["release_flags"] = f.release_flags;
+  return d;
+}
+
+jo::FusedBlocks FusedFromDict(nb::handle d) {
+  jo::FusedBlocks f;
+  f.rows.shards = nb::cast<int32_t>(d["shards"]);
+  f.rows.chunks = nb::cast<int32_t>(d["chunks"]);
+  f.rows.shard_rows = nb::cast<int64_t>(d["shard_rows"]);
+  const std::string order = nb::cast<std::string>(d["order"]);
+  if (order != "last_arrival" && order != "first_departure")
+    throw nb::value_error(("unknown fused order '" + order + "'").c_str());
+  f.key = order == "last_arrival" ? jo::fused::OrderKey::kLastArrival
+                                  : jo::fused::OrderKey::kFirstDeparture;
+  f.sequence = nb::cast<std::vector<int32_t>>(d["sequence"]);
+  f.wait_flags = nb::cast<int32_t>(d["wait_flags"]);
+  f.ready_shard = nb::cast<int32_t>(d["ready_shard"]);
+  f.writers = nb::cast<std::vector<int32_t>>(d["writers"]);
+  f.release_flags = nb::cast<int32_t>(d["release_flags"]);
+  return f;
 }
 
 nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
@@ -186,6 +222,12 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   d["b"] = op.kind == jo::OpKind::kGemm ? nb::object(RefDict(op.b)) : nb::none();
   d["c"] = op.accumulate ? nb::object(RefDict(op.c)) : nb::none();
   d["d"] = has_d ? nb::object(RefDict(op.d)) : nb::none();
+  if (op.kind == jo::OpKind::kFusedGemm) {
+    d["a"] = RefDict(op.a);
+    d["b"] = RefDict(op.b);
+    d["d"] = RefDict(op.d);
+    d["fused"] = FusedDict(op.fused);
+  }
   d["text"] = jo::ToString(op);
   return d;
 }
@@ -193,9 +235,10 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
 nb::dict BuildProgramDict(const std::string& op, const std::string& transport, int nranks, int rank,
                           int64_t batch, int64_t rows, int64_t k, int64_t cols,
                           const std::string& dtype, int64_t chunks, bool bidirectional,
-                          bool return_gathered, const std::string& algorithm) {
-  const jo::Program p = Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, cols, dtype,
-                                          chunks, bidirectional, return_gathered, algorithm));
+                          bool return_gathered, const std::string& algorithm, bool fused) {
+  const jo::Program p =
+      Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, cols, dtype, chunks,
+                        bidirectional, return_gathered, algorithm, fused));
   nb::dict out;
   out["op"] = op;
   out["transport"] = transport;
@@ -211,6 +254,7 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   out["bidirectional"] = p.problem.bidirectional;
   out["return_gathered"] = p.problem.return_gathered;
   out["algorithm"] = jo::ArAlgorithmName(p.problem.algorithm);
+  out["fused"] = p.problem.fused;
   out["cw_steps"] = p.cw_steps;
   out["ccw_steps"] = p.ccw_steps;
   out["num_streams"] = p.num_streams;
@@ -259,7 +303,8 @@ jo::Program ProgramFromDict(const nb::dict& d) {
       nb::cast<int64_t>(d["rows"]), nb::cast<int64_t>(d["k"]), nb::cast<int64_t>(d["n"]),
       nb::cast<std::string>(d["dtype"]), nb::cast<int64_t>(d["chunks"]),
       nb::cast<bool>(d["bidirectional"]), nb::cast<bool>(d["return_gathered"]),
-      d.contains("algorithm") ? nb::cast<std::string>(d["algorithm"]) : std::string("two_shot"));
+      d.contains("algorithm") ? nb::cast<std::string>(d["algorithm"]) : std::string("two_shot"),
+      d.contains("fused") && nb::cast<bool>(d["fused"]));
   p.chunks = nb::cast<int64_t>(d["chunks"]);
   p.cw_steps = nb::cast<int32_t>(d["cw_steps"]);
   p.ccw_steps = nb::cast<int32_t>(d["ccw_steps"]);
@@ -272,7 +317,7 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     jo::Op op;
     const std::string kind = nb::cast<std::string>(o["kind"]);
     bool known = false;
-    for (int k = 0; k <= static_cast<int>(jo::OpKind::kStreamWait); ++k)
+    for (int k = 0; k <= static_cast<int>(jo::OpKind::kFusedGemm); ++k)
       if (kind == jo::OpKindName(static_cast<jo::OpKind>(k)))
         op.kind = static_cast<jo::OpKind>(k), known = true;
     if (!known) throw nb::value_error(("unknown op kind '" + kind + "'").c_str());
@@ -291,6 +336,7 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     op.bundle = nb::cast<int32_t>(o["bundle"]);
     op.shard = nb::cast<int32_t>(o["shard"]);
     op.sub = nb::cast<int32_t>(o["sub"]);
+    if (op.kind == jo::OpKind::kFusedGemm) op.fused = FusedFromDict(o["fused"]);
     p.ops.push_back(op);
   }
   return p;
@@ -422,6 +468,7 @@ NB_MODULE(_host, m) {
         nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"), nb::arg("n"),
         nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
         nb::arg("return_gathered") = false, nb::arg("algorithm") = "two_shot",
+        nb::arg("fused") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
         "output columns (w's).");

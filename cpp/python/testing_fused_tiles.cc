@@ -89,9 +89,32 @@ nb::dict Order(int32_t shards, int32_t chunks, int64_t shard_rows, int64_t tile_
   return out;
 }
 
+// PersistentGrid: the CTAs and every unit of work's (batch, M slot, N tile).
+nb::dict Grid(int64_t m_tiles, int64_t n_tiles, int64_t batch, int32_t sm_count) {
+  if (m_tiles < 1 || n_tiles < 1 || batch < 1 || sm_count < 2)
+    throw nb::value_error("m_tiles, n_tiles, batch >= 1 and sm_count >= 2");
+  const jo::fused::PersistentGrid g =
+      jo::fused::PersistentGrid::Make(m_tiles, n_tiles, batch, sm_count);
+  std::vector<std::tuple<int32_t, int32_t, int32_t>> units;
+  for (int64_t i = 0; i < g.work(); ++i) {
+    int32_t l = 0, slot = 0, n = 0;
+    g.At(i, &l, &slot, &n);
+    units.emplace_back(l, slot, n);
+  }
+  nb::dict out;
+  out["ctas"] = g.ctas;
+  out["m_slots"] = g.m_slots;
+  out["units"] = units;
+  return out;
+}
+
 }  // namespace
 
 void BindFusedTiles(nb::module_& m) {
+  m.def("fused_grid", &Grid, nb::arg("m_tiles"), nb::arg("n_tiles"), nb::arg("batch"),
+        nb::arg("sm_count"),
+        "PersistentGrid::Make: the persistent CTAs, the M slots, and (batch, M slot, N tile) of "
+        "every unit of work in order.");
   m.def("fused_mapping", &Mapping, nb::arg("shards"), nb::arg("chunks"), nb::arg("shard_rows"),
         nb::arg("tile_rows"),
         "core/fused_tiles.h for one shape: each block's rows [begin, end), the block of every "
