@@ -1,7 +1,9 @@
 #include "cuda/clique_state.h"
 
+#include <algorithm>
 #include <thread>
 
+#include "cuda/fused_gemm.h"
 #include "cuda/peer_handles.h"
 
 namespace jo::cuda {
@@ -79,6 +81,14 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
     // The old scratch may still be read by queued work: retire, do not free.
     if (scratch) retired_scratch.push_back(std::move(scratch));
     JO_CHECK(Alloc(device, scratch_bytes, nullptr, ctx, &scratch));
+  }
+  size_t fused_bytes = 0;
+  for (const Op& op : p.ops)
+    if (op.kind == OpKind::kFusedGemm)
+      fused_bytes = std::max(fused_bytes, FusedStateBytes(op.fused.rows.count()));
+  if (fused_bytes > 0 && (!fused_state || fused_state->bytes < fused_bytes)) {
+    if (fused_state) retired_scratch.push_back(std::move(fused_state));
+    JO_CHECK(Alloc(device, fused_bytes, nullptr, ctx, &fused_state));
   }
   return OkStatus();
 }

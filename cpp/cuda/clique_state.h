@@ -74,6 +74,9 @@ struct RankResources {
   // The last epoch whose `done` event was recorded (for freeing generations).
   std::atomic<int64_t> last_epoch{0};
   std::unique_ptr<DeviceAlloc> scratch;
+  // The fused GEMM's own state: its fault record (FusedGemmFault), then a tile counter per
+  // row block (executor.cc).
+  std::unique_ptr<DeviceAlloc> fused_state;
   std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
   cudaStream_t setup = nullptr;                               // zero-fills new buffers
   cudaEvent_t setup_done = nullptr;  // recorded after the zero-fills, polled (AwaitSetup)

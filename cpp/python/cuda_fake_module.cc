@@ -79,6 +79,7 @@ void BindConfig(nb::module_& m) {
   field("devices", &Config::devices, "GPUs per played process.");
   field("cc_major", &Config::cc_major, "Compute capability, major.");
   field("cc_minor", &Config::cc_minor, "Compute capability, minor.");
+  field("sms", &Config::sms, "Multiprocessors per GPU (the fused GEMM's persistent CTAs).");
   field("multicast", &Config::multicast, "The driver has the multicast entry points.");
   field("shareable", &Config::shareable, "Memory exports to POSIX fds.");
   field("fabric", &Config::fabric, "Fabric handles are supported (multi-node NVLink).");
@@ -98,6 +99,8 @@ void BindConfig(nb::module_& m) {
         "Nonzero: seeds uneven speeds of the ranks' host threads.");
   field("kernel_images", &Config::kernel_images,
         "The fatbinary's variants per kernel family; None: this build's.");
+  field("fused_flag_shift", &Config::fused_flag_shift,
+        "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
   cls.def(
       "__init__",
       [setters](Config* self, nb::kwargs kwargs) {
@@ -130,7 +133,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
-             int64_t hold_ms, const std::string& algorithm) {
+             int64_t hold_ms, const std::string& algorithm, bool fused) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
   q.op = ParseOp(op);
@@ -146,6 +149,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.return_gathered = return_gathered;
   q.tf32 = tf32;  // as given: the executor itself must drop it for half types
   q.algorithm = ParseAlgorithm(algorithm);
+  q.fused = fused;
   for (const nb::bytes& x : xs) played.xs.emplace_back(x.c_str(), x.size());
   for (const nb::bytes& w : ws) played.ws.emplace_back(w.c_str(), w.size());
   played.devices = std::move(devices);
@@ -228,7 +232,7 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
         nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
-        nb::arg("algorithm") = "two_shot");
+        nb::arg("algorithm") = "two_shot", nb::arg("fused") = false);
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

@@ -6,7 +6,8 @@ behind it. The fake models exactly that (``Config(connections=...)``), and NCCL'
 a communicator's launches in issue order. This runs the executor itself (``CudaCall``, through
 ``_cuda_fake.run``: the order is the one the handlers enqueue, not a re-implementation of it) for
 op x transport x N in 2..8 x chunks 1..4 x direction, with 1 queue and with the default 8, and
-requires every call to complete with the right result and no misuse the fake recognises. The
+requires every call to complete with the right result and no misuse the fake recognises (the
+fused programs too, ``ag_matmul`` and ``matmul_rs`` over ``p2p`` and ``multicast``). The
 fake interleaves the queues in a seeded random order; each case uses its own seed. N = 2, 3 and
 8 run every time; N = 4..7 are ``slow`` (the whole grid takes minutes). ``matmul_ar``'s one-shot
 programs have a grid of their own (every N: they are cheap).
@@ -19,6 +20,7 @@ import itertools
 import pytest
 
 from .test_fake import check, run_case
+from .test_fused_fake import check_fused, run_fused
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
@@ -38,6 +40,30 @@ def test_every_program_completes_through_the_work_queues(fake, op, transport, co
             out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=2, k=4, nw=3,
                                    chunks=chunks, bidirectional=bidirectional)
             check(fake, out, op, xs, ws, 2, "float32")
+
+
+@pytest.mark.parametrize("n", [n if n in (2, 3, 8) else pytest.param(n, marks=pytest.mark.slow)
+                               for n in range(2, 9)])
+@pytest.mark.parametrize("connections", [1, 8])
+def test_every_fused_program_completes_through_the_work_queues(fake, connections, n):
+    """The fused programs (docs/gpu.md §10): the issue order puts everything the fused GEMM's
+    flags depend on before it, on every rank (core/issue_order), so they complete with one work
+    queue too; and the fake's fused GEMM holds every SM while it runs. Exact results (the
+    emulation of test_fused_fake.py), op x transport x chunks 1..4 x direction, the gathered x
+    returned (a copy on the kernel's stream behind it) for odd chunks."""
+    for op, transport, chunks, bidirectional in itertools.product(
+            ("ag_matmul", "matmul_rs"), ("p2p", "multicast"), range(1, 5), (False, True)):
+        fake.reset(fake.Config(connections=connections,
+                               seed=1 + 8 * n + 2 * chunks + bidirectional))
+        gathered = op == "ag_matmul" and chunks % 2 == 1  # a copy behind the kernel
+        out, xs, ws = run_fused(fake, op, transport, n, batch=1, rows=4, k=8, nw=8,
+                                dtype="bfloat16", chunks=chunks, bidirectional=bidirectional,
+                                gathered=gathered)
+        try:
+            check_fused(fake, out, op, transport, xs, ws, 4, "bfloat16", gathered)
+        except AssertionError as e:
+            e.add_note(f"in the case {(op, transport, chunks, bidirectional)}")
+            raise
 
 
 # Calls whose needs grow on one clique, as the selftest's rows do (more chunks: more flags, a
