@@ -378,6 +378,7 @@ nb::list TakeCalls() {
     d["bidirectional"] = q.bidirectional;
     d["return_gathered"] = q.return_gathered;
     d["algorithm"] = jo::ArAlgorithmName(q.algorithm);
+    d["fused"] = q.fused;
     d["start_ns"] = call.start_ns;
     d["end_ns"] = call.end_ns;
     d["ok"] = call.ok;
