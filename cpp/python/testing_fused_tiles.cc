@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "core/fused_tiles.h"
+#include "core/issue_order.h"
+#include "core/program.h"
 
 namespace nb = nanobind;
 
@@ -108,9 +110,42 @@ nb::dict Grid(int64_t m_tiles, int64_t n_tiles, int64_t batch, int32_t sm_count)
   return out;
 }
 
+// The issue order (core/issue_order.h) of one rank of a bf16 call: the first op of
+// each unit, in order (the fused GEMM's rule is checked against it).
+std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& transport,
+                                  int32_t nranks, int32_t rank, int64_t rows, int64_t chunks,
+                                  bool bidirectional, bool return_gathered, bool fused) {
+  jo::Problem q;
+  q.op = op == "ag_matmul" ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
+  q.transport = transport == "nccl"  ? jo::Transport::kNccl
+                : transport == "p2p" ? jo::Transport::kP2p
+                                     : jo::Transport::kMulticast;
+  q.nranks = nranks;
+  q.rank = rank;
+  q.rows = rows;
+  q.k = 8;
+  q.cols = 8;
+  q.dtype = jo::DType::kBF16;
+  q.chunks = chunks;
+  q.bidirectional = bidirectional;
+  q.return_gathered = return_gathered;
+  q.fused = fused;
+  std::vector<jo::IssueUnit> order;
+  const jo::Status status = jo::IssueOrder(q, &order);
+  if (!status.ok()) throw nb::value_error(status.ToString().c_str());
+  std::vector<int32_t> out;
+  for (const jo::IssueUnit& unit : order) out.push_back(unit.begin);
+  return out;
+}
+
 }  // namespace
 
 void BindFusedTiles(nb::module_& m) {
+  m.def("issue_order", &IssueOrderOf, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
+        nb::arg("rank"), nb::arg("rows"), nb::arg("chunks"), nb::arg("bidirectional"),
+        nb::arg("return_gathered"), nb::arg("fused"),
+        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8): the index of "
+        "each unit's first op in the program (build_program's), in issue order.");
   m.def("fused_grid", &Grid, nb::arg("m_tiles"), nb::arg("n_tiles"), nb::arg("batch"),
         nb::arg("sm_count"),
         "PersistentGrid::Make: the persistent CTAs, the M slots, and (batch, M slot, N tile) of "

@@ -9,6 +9,7 @@ import copy
 import itertools
 
 import pytest
+import testing_ext
 
 from jaxoverlap._native.runtime import load_host
 
@@ -18,6 +19,7 @@ from .schedule_check import (
     check_bounds,
     check_deadlock_free,
     check_race_free,
+    fused_blocks,
 )
 
 # The builders and checkers run no JAX.
@@ -536,3 +538,57 @@ def test_the_fused_checks_refuse_broken_kernels():
     rs[2]["ops"] = [o for o in rs[2]["ops"] if not (o["stream"] == 1 and o["kind"] == "Wait")]
     with pytest.raises(ScheduleError, match="race|no write of its call"):
         check_race_free(rs)  # a partial copied out before the kernel stored it
+
+
+def _one_queue(programs, orders):
+    """Replays every rank's units in its issue order as ONE FIFO per device (the single work
+    queue of CUDA_DEVICE_MAX_CONNECTIONS=1): the head runs once its dependency is met — a Wait
+    its flag, a StreamWait its event, a FusedGemm every flag its kernel waits for (it holds every
+    SM until then, and the work behind it waits) — then raises what it raises (a Signal its
+    peer's flag, a Record its event, a FusedGemm its own release flags). True if all drain."""
+    flags, events = set(), set()
+    pos = [0] * len(programs)
+    progress = True
+    while progress:
+        progress = False
+        for r, (p, order) in enumerate(zip(programs, orders, strict=True)):
+            while pos[r] < len(order):
+                op = p["ops"][order[pos[r]]]
+                if op["kind"] == "Wait" and (r, op["id"]) not in flags:
+                    break
+                if op["kind"] == "StreamWait" and (r, op["id"]) not in events:
+                    break
+                parts = fused_blocks(p, op) if op["kind"] == "FusedGemm" else []
+                if any(w["kind"] == "Wait" and (r, w["id"]) not in flags for w in parts):
+                    break
+                if op["kind"] == "Signal":
+                    flags.add((op["peer"], op["id"]))
+                if op["kind"] == "Record":
+                    events.add((r, op["id"]))
+                flags |= {(r, s["id"]) for s in parts if s["kind"] == "Signal"}
+                pos[r] += 1
+                progress = True
+    return all(pos[r] == len(o) for r, o in enumerate(orders))
+
+
+def test_the_issue_order_puts_what_the_fused_gemm_waits_for_before_it():
+    """core/issue_order (the executors' order): every fused clique completes when each device
+    has one work queue, checked by a replay of its own; the same programs with each rank's
+    fused GEMM moved to the front of its order do not (AG: the kernel and the copy of the
+    gathered x behind it would hold up the outgoing pushes the peers' kernels wait for)."""
+    for op, transport, n, chunks, bidir in grid(OPS, FUSED_TRANSPORTS, [2, 3, 4, 8], [1, 2],
+                                                [False, True]):
+        with case(op, transport, n, chunks, bidir):
+            gathered = op == "ag_matmul"
+            programs = fused_clique(op, transport, n, chunks=chunks, bidirectional=bidir,
+                                    return_gathered=gathered)
+            orders = [testing_ext.load().issue_order(op, transport, n, r, 3, chunks, bidir,
+                                                     gathered, True) for r in range(n)]
+            assert all(sorted(o) == sorted(set(o)) for o in orders)
+            assert _one_queue(programs, orders)
+            if op == "ag_matmul":
+                kernel_first = []
+                for p, order in zip(programs, orders, strict=True):
+                    k = next(i for i in order if p["ops"][i]["kind"] == "FusedGemm")
+                    kernel_first.append([k] + [i for i in order if i != k])
+                assert not _one_queue(programs, kernel_first)
