@@ -40,7 +40,7 @@ from typing import Any
 from jaxoverlap._config import logger
 from jaxoverlap._native import runtime
 
-GEMM_KINDS = frozenset({"Gemm"})
+GEMM_KINDS = frozenset({"Gemm", "FusedGemm"})  # a FusedGemm's span includes its blocks' waits
 COMM_KINDS = frozenset({"Copy", "Send", "Recv", "McStore", "McReduce", "Signal", "Wait"})
 STREAM_NAMES = {0: "stream 0 (compute)", 1: "stream 1 (comm, clockwise)",
                 2: "stream 2 (comm, counter-clockwise)"}

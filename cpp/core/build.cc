@@ -41,9 +41,9 @@ Status BuildProgram(const Problem& q, Program* program) {
                     "every SM while an NCCL kernel waits for SMs can deadlock (CUDA does not "
                     "guarantee that two kernels run concurrently; docs/gpu.md §10). Use p2p or "
                     "multicast, or the chunked path");
-    JO_REQUIRE(q.dtype != DType::kF32,
-               op + ": the fused GEMM is compiled for bfloat16 and float16; float32 takes the "
-                    "chunked path");
+    JO_REQUIRE(q.dtype == DType::kBF16 || q.dtype == DType::kF16,
+               op + ": the fused GEMM is compiled for bfloat16 and float16; " +
+                   DTypeName(q.dtype) + " takes the chunked path");
     JO_REQUIRE(q.k % 8 == 0 && q.cols % 8 == 0,
                op + ": the fused GEMM loads and stores rows of whole 16-byte units (TMA): k (" +
                    std::to_string(q.k) + ") and the output columns (" + std::to_string(q.cols) +
