@@ -201,6 +201,7 @@ FUSED_CASES = [  # (op, transport, n, chunks, bidirectional, dtype, layout, gath
 ]
 
 
+@pytest.mark.slow  # eleven calls compiled and run: seconds
 def test_fused_programs_on_the_host_executor():
     for op, transport, n, chunks, bidir, dtype, layout, gathered in FUSED_CASES:
         mesh = mesh_1d(n)
