@@ -69,14 +69,29 @@ class Emitter {
     op.m = m;
     op.n = q.cols;
     op.k = q.k;
+    // fp8 operands: this rank's own scales (an all-gather's GEMM on a received
+    // shard names that shard's scale instead).
+    if (IsFp8(q.x_dtype)) {
+      op.a_scaled = true;
+      op.a_scale = ScaleRef(BufId::kXScale, q.rank, 0);
+    }
+    if (IsFp8(q.w_dtype)) {
+      op.b_scaled = true;
+      op.b_scale = ScaleRef(BufId::kWScale, q.rank, 0);
+    }
     return op;
   }
-  // One persistent GEMM over every row block of `blocks` (m = blocks.rows.rows()).
+  // One persistent GEMM over every row block of `blocks` (m = blocks.rows.rows();
+  // 16-bit operands only: no scales).
   Op& FusedGemm(int32_t stream, const Ref& a, const Ref& d, int64_t batch, FusedBlocks blocks) {
     Op& op = Gemm(stream, a, d, nullptr, batch, blocks.rows.rows());
     op.kind = OpKind::kFusedGemm;
     op.fused = std::move(blocks);
     return op;
+  }
+  // Scale slot `slot` of a scale buffer (one float32 element).
+  static Ref ScaleRef(BufId buf, int32_t owner, int64_t slot) {
+    return Ref{buf, owner, slot, 0, 1};
   }
 
  private:

@@ -125,7 +125,7 @@ std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& tran
   q.rows = rows;
   q.k = 8;
   q.cols = 8;
-  q.dtype = jo::DType::kBF16;
+  q.x_dtype = q.w_dtype = q.out_dtype = jo::DType::kBF16;
   q.chunks = chunks;
   q.bidirectional = bidirectional;
   q.return_gathered = return_gathered;
