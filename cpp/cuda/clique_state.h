@@ -10,10 +10,10 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "core/exchange.h"
@@ -59,20 +59,24 @@ struct Generation {
   CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const;
 };
 
+// The two events of one call on XLA's stream, the watchdog's view of it: `started`, recorded
+// before the call's first work (when the GPU gets there, the call's clock starts), and `done`,
+// after it. Every call has a pair of its own for as long as anyone holds it (the watchdog, until
+// the call is done; the rank's `last`), so a pending call's events are never re-recorded by a
+// later call, however far the host runs ahead of the GPU. Released pairs go back to their
+// rank's pool (made at set-up: creating events is not on the enqueue path's list).
+struct CallEvents {
+  cudaEvent_t started = nullptr;
+  cudaEvent_t done = nullptr;
+};
+class EventPool;
+
 // Per-rank execution resources: comm streams, events, private scratch.
 struct RankResources {
   int device = -1;
-  std::vector<cudaStream_t> streams;  // program streams 1.. (stream 0 is XLA's)
-  std::vector<cudaEvent_t> events;    // program events, then fork/join
-  // Recorded on XLA's stream after call `epoch` (slot epoch % size): the watchdog's view
-  // of which calls the GPU has finished.
-  std::vector<cudaEvent_t> done;
-  // Recorded on XLA's stream before call `epoch`'s first work (same slots): when the GPU got to
-  // the call, where the watchdog's clock of it starts.
-  std::vector<cudaEvent_t> started;
-  static constexpr int64_t kDoneSlots = 32;
-  // The last epoch whose `done` event was recorded (for freeing generations).
-  std::atomic<int64_t> last_epoch{0};
+  std::vector<cudaStream_t> streams;       // program streams 1.. (stream 0 is XLA's)
+  std::vector<cudaEvent_t> events;         // program events, then fork/join
+  std::shared_ptr<EventPool> call_events;  // CallEvents not in use
   std::unique_ptr<DeviceAlloc> scratch;
   std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
   cudaStream_t setup = nullptr;                               // zero-fills new buffers
@@ -81,10 +85,20 @@ struct RankResources {
   RankResources(const RankResources&) = delete;
   RankResources& operator=(const RankResources&) = delete;
   ~RankResources();
-  // Grows streams/events/scratch to what `program` needs.
-  Status Reserve(const Program& program, const ErrorContext& ctx);
+  // Grows streams/events/scratch to what `program` needs and takes the call's CallEvents.
+  Status Reserve(const Program& program, const ErrorContext& ctx,
+                 std::shared_ptr<const CallEvents>* events);
   // The setup stream and its event (before buffers are zero-filled on it).
   Status MakeSetup(const ErrorContext& ctx);
+  // The last call whose `done` event was recorded (for freeing generations): its epoch (0:
+  // none) and events.
+  void SetLast(int64_t epoch, std::shared_ptr<const CallEvents> events);
+  int64_t Last(std::shared_ptr<const CallEvents>* events) const;
+
+ private:
+  mutable std::mutex last_mu_;
+  int64_t last_epoch_ = 0;
+  std::shared_ptr<const CallEvents> last_;
 };
 
 // How peers' buffers reach a process (cliques spanning processes).

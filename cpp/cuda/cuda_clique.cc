@@ -68,10 +68,9 @@ CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devi
 bool CudaClique::AwaitIdle(std::chrono::steady_clock::time_point deadline) {
   bool idle = true;
   for (const auto& res : state_.ranks) {
-    const int64_t last = res->last_epoch.load();
-    if (res->device < 0 || last <= 0) continue;
-    const cudaEvent_t done = res->done[static_cast<size_t>(last % RankResources::kDoneSlots)];
-    idle = AwaitEvent(res->device, done, deadline) && idle;
+    std::shared_ptr<const CallEvents> last;
+    if (res->device < 0 || res->Last(&last) <= 0) continue;
+    idle = AwaitEvent(res->device, last->done, deadline) && idle;
   }
   return idle;
 }
@@ -137,12 +136,11 @@ void CudaClique::TakePast(std::vector<std::shared_ptr<Generation>>* out) {
     const int64_t next = generations_[1]->since_epoch;
     for (const auto& res : state_.ranks) {
       if (res->device < 0) continue;
-      const int64_t last = res->last_epoch.load();
-      if (last < next) return;
+      std::shared_ptr<const CallEvents> last;
+      if (res->Last(&last) < next) return;
       DeviceGuard guard;
       if (cudaSetDevice(res->device) != cudaSuccess) return;
-      const cudaError_t q =
-          cudaEventQuery(res->done[static_cast<size_t>(last % RankResources::kDoneSlots)]);
+      const cudaError_t q = cudaEventQuery(last->done);
       if (q != cudaSuccess) {
         if (q != cudaErrorNotReady) (void)cudaGetLastError();
         return;
@@ -167,7 +165,7 @@ Status CudaClique::Reserve(const Program& program, const CallNeeds& needs, int64
   if (!status.ok()) return status;
   // The rank's own streams, events and scratch, without the lock: allocating waits for the
   // device (its earlier calls), which must never hold up the other ranks' reservations.
-  status = out->resources->Reserve(program, ctx);
+  status = out->resources->Reserve(program, ctx, &out->events);
   if (!status.ok()) Break(status);
   return status;
 }

@@ -51,6 +51,7 @@ namespace jo::cuda {
 struct Reservation {
   std::shared_ptr<const Generation> gen;  // held until the call is watched (or done)
   RankResources* resources = nullptr;
+  std::shared_ptr<const CallEvents> events;  // the call's own started/done events
   NcclComms::Lease comms;  // transport nccl: the rank's communicators, while it enqueues
 };
 

@@ -36,12 +36,6 @@ class Watchdog {
     if (!e.calls.empty() && e.calls.front().clique.expired()) e.calls.clear();
     if (e.calls.empty()) e.front_started = false;
     e.calls.push_back(std::move(call));
-    // A done event is reused every `slots` epochs: stop watching calls whose
-    // event a newer call has re-recorded (the host ran that far ahead).
-    while (static_cast<int64_t>(e.calls.size()) > e.calls.back().slots - 1) {
-      e.calls.pop_front();
-      e.front_started = false;
-    }
     if (!virtual_clock_ && !thread_started_) {
       thread_started_ = true;
       std::thread([this] { Loop(); }).detach();  // lives for the process; idle when nothing pends
@@ -106,10 +100,10 @@ class Watchdog {
       int prev = 0;
       (void)cudaGetDevice(&prev);
       (void)cudaSetDevice(front.device);
-      const cudaError_t q = cudaEventQuery(front.done);
+      const cudaError_t q = cudaEventQuery(front.events->done);
       // The call's clock starts when the GPU got to it (its `started` event).
       const cudaError_t s =
-          q == cudaErrorNotReady && !e.front_started ? cudaEventQuery(front.started) : q;
+          q == cudaErrorNotReady && !e.front_started ? cudaEventQuery(front.events->started) : q;
       (void)cudaSetDevice(prev);
       if (q == cudaSuccess) {
         e.calls.pop_front();
