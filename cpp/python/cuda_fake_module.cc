@@ -130,7 +130,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
-             int64_t hold_ms, const std::string& algorithm) {
+             int64_t hold_ms, const std::string& algorithm, std::vector<int64_t> chunks_per_call) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
   q.op = ParseOp(op);
@@ -158,6 +158,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   played.timeout_ms = timeout_ms;
   played.capture = capture;
   played.hold_ms = hold_ms;
+  played.chunks_per_call = std::move(chunks_per_call);
   jo::fake::PlayedOutcome outcome;
   jo::Status status;
   {
@@ -228,7 +229,7 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
         nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
-        nb::arg("algorithm") = "two_shot");
+        nb::arg("algorithm") = "two_shot", nb::arg("chunks_per_call") = std::vector<int64_t>());
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

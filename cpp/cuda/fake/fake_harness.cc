@@ -231,6 +231,14 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   desc.table.ordinals = in.devices;
   desc.table.device_ids = in.devices;
   cuda::CudaSite site(desc, NewCallSiteId(in.clique_key));
+  // chunks_per_call: one more call site per other number of chunks (a custom call of its own).
+  std::map<int64_t, std::unique_ptr<cuda::CudaSite>> sites;
+  for (int64_t chunks : in.chunks_per_call) {
+    if (chunks == q.chunks || sites.count(chunks) > 0) continue;
+    CallDesc other = desc;
+    other.chunks = chunks;
+    sites[chunks] = std::make_unique<cuda::CudaSite>(other, NewCallSiteId(in.clique_key));
+  }
   std::vector<std::string> statuses(nranks);
   // hold_ms: XLA's stream of every rank first waits for a flag the host raises only after the
   // watchdog's clock moved on by hold_ms (earlier work the GPU is still busy with).
@@ -278,11 +286,19 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       caller.device = dev;
       caller.naming = DeviceNaming::kLocalOrdinal;
       const CallBuffers io{x[r], w[r], y[r], g[r]};
-      for (int c = 0; c < in.calls && statuses[r].empty(); ++c) {
+      const int calls =
+          in.chunks_per_call.empty() ? in.calls : static_cast<int>(in.chunks_per_call.size());
+      for (int c = 0; c < calls && statuses[r].empty(); ++c) {
+        if (!in.chunks_per_call.empty())
+          problem.chunks = in.chunks_per_call[static_cast<size_t>(c)] + (r == in.skew_rank);
         // As XLA runs a thunk: the handler's work on other streams must be joined into
         // XLA's stream (or complete) when it returns, whatever its status.
         BeginHandler(xla);
-        Status status = site.Enqueue(caller, problem, io, xla);
+        cuda::CudaSite& call_site =
+            in.chunks_per_call.empty() || in.chunks_per_call[static_cast<size_t>(c)] == q.chunks
+                ? site
+                : *sites.at(in.chunks_per_call[static_cast<size_t>(c)]);
+        Status status = call_site.Enqueue(caller, problem, io, xla);
         EndHandler(xla, "CudaSite::Enqueue (rank " + std::to_string(r) + ")");
         if (!status.ok()) statuses[r] = status.ToString();
       }

@@ -24,9 +24,12 @@
 //    synchronization").
 //
 // A wait lets the fake GPU run (as far as it can) and the other ranks' host threads
-// (HostThread) go on enqueueing. It is a deadlock when the GPU cannot get the waited-for work
-// done, no waiting thread's condition holds and no rank thread is left that is not waiting
-// (each is waiting too, or gone): then nothing can ever enqueue what the GPU needs. The
+// (HostThread) go on enqueueing. When no rank's thread is left that is not waiting, time passes
+// on the watchdog's virtual clock (up to Config::grace_ms, as while Drain waits): on a GPU the
+// watchdog's thread goes on meanwhile and may release the GPU. It is a deadlock when the GPU
+// cannot get the waited-for work done, no waiting thread's condition holds, no rank thread is
+// left that is not waiting (each is waiting too, or gone) and the grace is spent: then nothing
+// can ever enqueue what the GPU needs. The
 // deadlock is recorded with the state of the queues, all work is dropped (a hung GPU: events
 // report failure) and the call fails — never a hang of the test.
 //
@@ -57,6 +60,7 @@ int g_hosts = 0;
 int g_hosts_waiting = 0;
 int g_hosts_started = 0;  // since Reset: seeds each thread's jitter
 std::set<const std::function<bool()>*> g_waiting;
+bool g_passing = false;  // a waiting rank's thread is letting time pass (WaitUntil)
 // (device, function) loaded so far. Under S().mu. Not per played process: the played
 // processes share one OS process, whose caches (cuBLASLt plans, kernel verdicts) are per
 // device ordinal, as a real process's are.
@@ -102,10 +106,19 @@ const std::set<std::string>& EnqueuePathCalls() {
 // `settle`: the deadlock is reported only after kSettle without any host activity, for a
 // thread that is not a rank's (an abort thread of the watchdog: its siblings, aborting the
 // other communicators, are not HostThreads either and may not have reached the fake yet).
+// When every rank's thread waits, a rank's wait first lets time pass, up to Config::grace_ms in
+// steps of kStep (Config::pass_time: the watchdog's virtual clock, as in Drain): on a GPU the
+// watchdog's thread runs while the ranks' threads wait, and may release the GPU.
 constexpr std::chrono::milliseconds kSettle(2000);
+constexpr std::chrono::milliseconds kStep(10);
 bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool settle = false) {
   auto quiet_since = std::chrono::steady_clock::now();
   uint64_t last = Activity();
+  std::chrono::milliseconds grace(0);
+  {
+    Lock lock(S().mu);
+    if (t_host && S().config.pass_time) grace = std::chrono::milliseconds(S().config.grace_ms);
+  }
   for (;;) {
     const uint64_t seen = Activity();
     if (seen != last) {
@@ -114,11 +127,24 @@ bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool 
     }
     const bool settled = !settle || std::chrono::steady_clock::now() - quiet_since >= kSettle;
     {
-      Lock lock(S().mu);
+      std::unique_lock<std::recursive_mutex> lock(S().mu);
       if (RunUntil(done)) return true;
-      bool another_can = false;
+      bool another_can = g_passing;
       for (const auto* condition : g_waiting) another_can = another_can || (*condition)();
       const int others_running = g_hosts - g_hosts_waiting - (t_host ? 1 : 0);
+      if (!another_can && others_running <= 0 && settled && grace.count() > 0) {
+        const auto step = std::min(kStep, grace);
+        grace -= step;
+        g_passing = true;
+        const auto pass_time = S().config.pass_time;
+        lock.unlock();
+        pass_time(step);
+        lock.lock();
+        g_passing = false;
+        lock.unlock();
+        NoteHostActivity();
+        continue;
+      }
       if (!another_can && others_running <= 0 && settled) {
         S().errors.push_back(what +
                              " would wait forever: deadlock: the GPU waits for work that "
