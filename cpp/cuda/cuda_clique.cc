@@ -233,8 +233,12 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     JO_CHECK(status);
   }
   out->resources = state_.ranks[rank].get();
-  if (state_.nccl) JO_CHECK(state_.nccl->Acquire(rank, ctx, &out->comms));
   return OkStatus();
+}
+
+Status CudaClique::AcquireComms(int32_t rank, const ErrorContext& ctx, NcclComms::Lease* out) {
+  // No lock of the clique: the communicators are made once, before any call reserves (connect).
+  return state_.nccl ? state_.nccl->Acquire(rank, ctx, out) : OkStatus();
 }
 
 std::string CudaClique::Describe() const {

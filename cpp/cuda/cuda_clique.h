@@ -52,7 +52,6 @@ struct Reservation {
   std::shared_ptr<const Generation> gen;  // held until the call is watched (or done)
   RankResources* resources = nullptr;
   std::shared_ptr<const CallEvents> events;  // the call's own started/done events
-  NcclComms::Lease comms;  // transport nccl: the rank's communicators, while it enqueues
 };
 
 class CudaClique : public Clique {
@@ -82,6 +81,12 @@ class CudaClique : public Clique {
   // breaks the clique.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
                  const ErrorContext& ctx, Reservation* out);
+
+  // Transport nccl: leases `rank`'s communicators (nccl_comms.h), kAborted once they were
+  // aborted; other transports: nothing. Taken just before the call's first enqueue, after
+  // everything that may wait for the device: a lease held across such a wait would keep the
+  // watchdog from aborting the communicator whose stuck kernel the wait waits for.
+  Status AcquireComms(int32_t rank, const ErrorContext& ctx, NcclComms::Lease* out);
 
   // Aborts the NCCL communicators (the watchdog releasing kernels stuck in
   // NCCL): those no enqueue holds at once, the others when it lets go; each

@@ -158,8 +158,13 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (status.ok()) {
     run.gen = reserved.gen.get();
     run.resources = reserved.resources;
-    run.comms = reserved.comms.ForStreams(program.num_streams);
     status = PrepareProgram(run, &prepared);
+  }
+  // The NCCL communicators are leased only now: everything above may wait for the device.
+  NcclComms::Lease comms;
+  if (status.ok()) {
+    status = clique.AcquireComms(ctx.rank, ctx, &comms);
+    if (!status.ok()) prepared->Abandon();
   }
   bool enqueued = false;
   // The first work of the call on XLA's stream: when the GPU gets here, the watchdog's clock of
@@ -169,8 +174,8 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     enqueued = recorded == cudaSuccess;
     if (!enqueued) status = CudaFailure(recorded, "cudaEventRecord(started)", &ctx);
   }
-  if (status.ok()) status = prepared->Execute(&enqueued);
-  reserved.comms.Drop();  // the watchdog may abort the communicators from here on
+  if (status.ok()) status = prepared->Execute(comms.ForStreams(program.num_streams), &enqueued);
+  comms.Drop();  // the watchdog may abort the communicators from here on
   if (enqueued) {
     // The watchdog turns a peer that never arrives into an error, not a hang.
     WatchedCall watched;

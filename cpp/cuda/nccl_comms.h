@@ -14,7 +14,8 @@
 // deadline, never waited on without one.
 //
 // Lifetime: an enqueue holds a Lease on its rank's communicators while it
-// issues NCCL calls. Abort (the watchdog releasing kernels that wait for a
+// issues NCCL calls — from just before its first enqueue, never across a
+// wait for the device (CudaClique::AcquireComms). Abort (the watchdog releasing kernels that wait for a
 // peer, or a failed creation) aborts at once what no lease holds and the
 // rest when their lease is dropped: ncclCommAbort frees a communicator, so
 // one must never be aborted under a thread still issuing calls on it. After

@@ -16,12 +16,12 @@ from .test_fake import _inputs
 pytestmark = pytest.mark.jax_independent
 
 
-def _missing_peer(fake, op, transport, **kwargs):
+def _missing_peer(fake, op, transport, rows=4, chunks=2, **kwargs):
     """``op`` on 4 ranks where rank 2 never calls; the watchdog's timeout is 200 ms (on the fake's
     virtual clock, which moves only while the fake GPU cannot progress)."""
-    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
-    return fake.run(op, transport, 4, 1, 4, 8, 6, "float32", kwargs.pop("chunks", 2), False,
-                    False, [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
+    xs, ws = _inputs(op, 4, 1, rows, 8, 6, "float32")
+    return fake.run(op, transport, 4, 1, rows, 8, 6, "float32", chunks, False, False,
+                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
                     skip_rank=2, timeout_ms=200, **kwargs)
 
 
@@ -37,3 +37,22 @@ def test_the_watchdog_fires_with_many_calls_queued_behind_a_stuck_one(fake, tran
     assert fake.errors() == []
     warning = fake.last_warning()
     assert "not finished on GPU" in warning and "epoch 1:" in warning, warning
+
+
+@pytest.mark.parametrize("op", ["matmul_rs", "ag_matmul"])
+def test_a_set_up_behind_a_stuck_nccl_call_does_not_keep_the_communicators(fake, op):
+    """Every rank's first call is stuck in NCCL (rank 2 never calls); the next call, of another
+    call site, needs set-up (chunks 4 -> 1: larger GEMMs, new cuBLASLt plans and a larger warm-up
+    buffer, allocated: cudaMalloc waits for the device, i.e. for the stuck call). The watchdog aborts the
+    communicators meanwhile, which lets the device drain and the set-up finish; the call then
+    fails for the abort. The communicators are leased only from just before the first enqueue:
+    with the lease taken at the reservation, the abort waited for the set-up and the set-up for
+    the abort."""
+    fake.reset(fake.Config(grace_ms=10000))
+    out = _missing_peer(fake, op, "nccl", rows=64, clique_key=41, chunks_per_call=[4, 1])
+    assert out["drained"], fake.errors()
+    assert fake.errors() == []
+    assert "inside NCCL" in fake.last_warning(), fake.last_warning()
+    for r, status in enumerate(out["statuses"]):
+        if r != 2:
+            assert status and ("aborted" in status or "broken" in status), out["statuses"]
