@@ -153,6 +153,7 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
     RankResources& res = *s.ranks[r];
     if (res.device < 0) {  // another process's rank: its buffers are there
       gen->flags.push_back(nullptr);
+      gen->flag_reads.push_back(nullptr);
       if (with_workspace) gen->workspace.push_back(nullptr);
       continue;
     }
@@ -164,6 +165,10 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
                            static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx,
                            &flags));
     gen->flags.push_back(std::move(flags));
+    std::unique_ptr<PinnedHost> read;
+    if (gen->num_flags > 0)
+      JO_CHECK(AllocPinned(static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx, &read));
+    gen->flag_reads.push_back(std::move(read));
     if (with_workspace) {
       std::unique_ptr<DeviceAlloc> ws;
       JO_CHECK(AllocShared(s, static_cast<int32_t>(r),

@@ -44,6 +44,9 @@ struct Generation {
   std::vector<std::unique_ptr<DeviceAlloc>> workspace;  // per rank (nccl, p2p)
   std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: 2 * num_flags uint32
   std::unique_ptr<MulticastRegion> multicast;           // multicast transport
+  // Per rank (this process's, with flags): page-locked host memory the watchdog reads the
+  // rank's flags into (2 * num_flags uint32).
+  std::vector<std::unique_ptr<PinnedHost>> flag_reads;
   // Cliques spanning processes: other processes' ranks' buffers as local rank
   // `viewer` addresses them, remote[viewer][rank]; `mappings` owns them.
   struct Remote {

@@ -15,12 +15,11 @@
 //
 // Lifetime: an enqueue holds a Lease on its rank's communicators while it
 // issues NCCL calls — from just before its first enqueue, never across a
-// wait for the device (CudaClique::AcquireComms). Abort (the watchdog releasing kernels that wait for a
-// peer, or a failed creation) aborts at once what no lease holds and the
-// rest when their lease is dropped: ncclCommAbort frees a communicator, so
-// one must never be aborted under a thread still issuing calls on it. After
-// Abort, Acquire fails. Teardown finalizes (ncclCommFinalize, polled) and
-// destroys; a communicator that does not finalize in time is aborted.
+// wait for the device (CudaClique::AcquireComms). Abort (the watchdog releasing kernels that wait
+// for a peer, or a failed creation) aborts at once what no lease holds and the rest when their
+// lease is dropped: ncclCommAbort frees a communicator, so one must never be aborted under a thread
+// still issuing calls on it. After Abort, Acquire fails. Teardown finalizes (ncclCommFinalize,
+// polled) and destroys; a communicator that does not finalize in time is aborted.
 //
 // Every ncclCommAbort runs on a thread of its own, all of a device's at
 // once, with no lock held: it frees device memory, which waits for every

@@ -25,6 +25,15 @@ struct Entry {
   Clock::time_point front_since;  // ... at this time: its clock
 };
 
+// A generation a copy of the watchdog may still write into (a flag read that did not complete):
+// never freed.
+void KeepForever(std::shared_ptr<const Generation> gen) {
+  static auto* mu = new std::mutex;
+  static auto* kept = new std::vector<std::shared_ptr<const Generation>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  kept->push_back(std::move(gen));
+}
+
 class Watchdog {
  public:
   void Add(WatchedCall call) {
@@ -156,28 +165,39 @@ class Watchdog {
     cudaEvent_t read = nullptr;
     std::vector<uint32_t> flags;
     bool unreadable = false;
+    // The flags, read on a stream of our own into the rank's page-locked buffer (made at set-up:
+    // into pageable memory the copy would not return before it completed) and awaited with a
+    // bound: that stream may share the blocked hardware queue.
+    PinnedHost* host =
+        gen != nullptr && gen->num_flags > 0 && static_cast<size_t>(c.rank) < gen->flag_reads.size()
+            ? gen->flag_reads[static_cast<size_t>(c.rank)].get()
+            : nullptr;
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess &&
-        cudaEventCreateWithFlags(&read, cudaEventDisableTiming) == cudaSuccess && gen != nullptr &&
-        gen->num_flags > 0) {
-      // The flags, read on a stream of our own and awaited with a bound: that
-      // stream may share the blocked hardware queue. The host buffer outlives
-      // an unfinished copy (leaked then, never freed under the GPU).
-      auto* host = new std::vector<uint32_t>(static_cast<size_t>(2 * gen->num_flags), 0);
-      const void* base = reinterpret_cast<const void*>(gen->Flag(c.rank, 0, 0, c.rank));
-      bool done = cudaMemcpyAsync(host->data(), base, host->size() * sizeof(uint32_t),
-                                  cudaMemcpyDeviceToHost, side) == cudaSuccess &&
-                  cudaEventRecord(read, side) == cudaSuccess;
-      const auto until = Now() + kFlagRead;
-      cudaError_t q = cudaErrorNotReady;
-      while (done && (q = cudaEventQuery(read)) == cudaErrorNotReady && Now() < until)
-        Sleep(std::chrono::milliseconds(1));
-      if (done && q == cudaSuccess) {
-        flags = *host;
-        delete host;
+        cudaEventCreateWithFlags(&read, cudaEventDisableTiming) == cudaSuccess && host != nullptr) {
+      if (host->busy.exchange(true)) {
+        unreadable = true;  // an earlier read into it is still queued
       } else {
-        (void)cudaGetLastError();
-        unreadable = done;  // still queued: keep `host` alive for the copy
-        if (!done) delete host;
+        const void* base = reinterpret_cast<const void*>(gen->Flag(c.rank, 0, 0, c.rank));
+        const bool enqueued = cudaMemcpyAsync(host->ptr, base, host->bytes, cudaMemcpyDeviceToHost,
+                                              side) == cudaSuccess &&
+                              cudaEventRecord(read, side) == cudaSuccess;
+        const auto until = Now() + kFlagRead;
+        cudaError_t q = cudaErrorNotReady;
+        while (enqueued && (q = cudaEventQuery(read)) == cudaErrorNotReady && Now() < until)
+          Sleep(std::chrono::milliseconds(1));
+        if (enqueued && q == cudaSuccess) {
+          const auto* words = static_cast<const uint32_t*>(host->ptr);
+          flags.assign(words, words + host->bytes / sizeof(uint32_t));
+          host->busy = false;
+        } else {
+          (void)cudaGetLastError();
+          unreadable = enqueued;
+          if (enqueued) {
+            KeepForever(gen);  // the copy may still land: its buffer is never freed
+          } else {
+            host->busy = false;
+          }
+        }
       }
     }
     std::string missing;

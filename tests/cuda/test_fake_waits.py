@@ -1,6 +1,7 @@
 """The fake's rules about host calls that wait for the GPU (cpp/cuda/fake/fake_waits.cc).
 
-cudaMalloc / cudaFree and the VMM unmap / release calls wait for every queue of their device;
+cudaMalloc / cudaFree, cudaMallocHost and the VMM unmap / release calls wait for every queue of
+their device, and a device-to-host copy into pageable memory returns only once it has completed;
 with lazy loading (CUDA's default, ``CUDA_MODULE_LOADING=EAGER`` turns it off) the first use of a
 kernel or cuBLASLt algorithm on a device waits for it too; ``ncclCommAbort`` frees memory, so it
 waits for other communicators' kernels on its device. A host thread that waits so while the GPU
@@ -20,6 +21,10 @@ pytestmark = pytest.mark.jax_independent
 MISUSES = {
     "cudaFree behind a wait only this thread would satisfy": "cudaFree on device 0",
     "cudaMalloc behind a wait only this thread would satisfy": "cudaMalloc on device 0",
+    "cudaMallocHost behind a wait only this thread would satisfy": "cudaMallocHost on device 0",
+    "device-to-host copy into pageable memory behind a wait only this thread would satisfy":
+        "cudaMemcpyAsync device-to-host into pageable memory on device 0 (it returns only once "
+        "the copy has completed)",
     "cuMemUnmap behind a wait only this thread would satisfy": "cuMemUnmap on device 0",
     "cuMemRelease behind a wait only this thread would satisfy": "cuMemRelease on device 1",
     "first launch of a kernel not loaded (lazy loading)":
@@ -33,7 +38,13 @@ MISUSES = {
 }
 CONTROLS = {
     "cudaFree after the write the wait needs (control)",
+    "cudaMalloc after the write the wait needs (control)",
+    "cudaMallocHost after the write the wait needs (control)",
+    "device-to-host copy into page-locked memory behind the same wait (control)",
+    "cuMemUnmap after the write the wait needs (control)",
+    "cuMemRelease after the write the wait needs (control)",
     "first launch with CUDA_MODULE_LOADING=EAGER (control)",
+    "first cuBLASLt matmul with CUDA_MODULE_LOADING=EAGER (control)",
     "ncclCommAbort of the stuck communicator first (control)",
     "cudaFree of a peer's buffer after this thread's signal (control)",
 }

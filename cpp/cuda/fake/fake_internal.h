@@ -182,6 +182,8 @@ struct State {
   std::vector<std::string> errors;
   std::map<std::string, int64_t> counters;
   std::map<uintptr_t, Alloc> allocs;  // by base address
+  // Page-locked host memory (cudaMallocHost): base -> bytes. Host memory outside it is pageable.
+  std::map<uintptr_t, size_t> pinned;
   // Malloc's ranges (cudaMalloc, the test driver's buffers): once freed, kept for the next
   // Malloc of their size, up to kSpareBytes, instead of unmapped — a new mapping costs a page
   // fault and a zero-fill per page (the executor allocates 32 MiB of cuBLASLt workspace per

@@ -2,10 +2,12 @@
 // streams, events and copies (see fake_runtime.h). Definitions match the
 // declarations of the real headers exactly (they are included), so a
 // signature drift is a compile error.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_waits.h"
@@ -77,6 +79,34 @@ cudaError_t cudaFree(void* p) {
     return RtFail(cudaErrorInvalidValue, "cudaFree of an unknown pointer");
   jo::fake::Unmap(it->second.mem, it->second.bytes);
   S().allocs.erase(it);
+  return cudaSuccess;
+}
+
+// Page-locked host memory (the watchdog reads flags into it): host memory the fake remembers, so
+// that a device-to-host copy into it is asynchronous and one into any other host memory is not.
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  jo::fake::Jitter();
+  Count("cudaMallocHost");
+  // A page-locked allocation waits for every queue of the device (fake_waits.cc).
+  if (!jo::fake::WaitForDevice(t_device, "cudaMallocHost")) return cudaErrorMemoryAllocation;
+  Lock lock(S().mu);
+  std::byte* mem = jo::fake::MapShared(bytes);
+  if (mem == nullptr) return RtFail(cudaErrorMemoryAllocation, "cudaMallocHost: out of memory");
+  S().pinned[reinterpret_cast<uintptr_t>(mem)] = bytes;
+  *p = mem;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* p) {
+  jo::fake::Jitter();
+  Count("cudaFreeHost");
+  if (!jo::fake::WaitForDevice(t_device, "cudaFreeHost")) return cudaErrorUnknown;
+  Lock lock(S().mu);
+  auto it = S().pinned.find(reinterpret_cast<uintptr_t>(p));
+  if (it == S().pinned.end())
+    return RtFail(cudaErrorInvalidValue, "cudaFreeHost of a pointer cudaMallocHost did not return");
+  ::munmap(p, jo::fake::PageRound(it->second));
+  S().pinned.erase(it);
   return cudaSuccess;
 }
 
@@ -389,16 +419,31 @@ cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t s) {
-  Lock lock(S().mu);
   Count("cudaMemcpyAsync");
   if (kind == cudaMemcpyDeviceToHost) {  // the watchdog reading flags into host memory
-    if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||
-        !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync D2H src"))
-      return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync D2H");
-    jo::fake::Push(
-        s, "cudaMemcpyAsync D2H", [] { return true; }, [=] { std::memcpy(dst, src, bytes); });
+    bool pageable = true;
+    int64_t seq = 0;
+    {
+      Lock lock(S().mu);
+      if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||
+          !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync D2H src"))
+        return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync D2H");
+      const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
+      auto it = S().pinned.upper_bound(d);
+      pageable =
+          it == S().pinned.begin() || d + bytes > std::prev(it)->first + std::prev(it)->second;
+      if (pageable) jo::fake::CheckEnqueuePath("cudaMemcpyAsync into pageable host memory");
+      jo::fake::Push(
+          s, "cudaMemcpyAsync D2H", [] { return true; }, [=] { std::memcpy(dst, src, bytes); });
+      seq = s->enqueued;
+    }
+    // Into pageable memory the call returns only once the copy has completed (fake_waits.cc).
+    if (pageable &&
+        !jo::fake::WaitForTask(s, seq, "cudaMemcpyAsync device-to-host into pageable memory"))
+      return cudaErrorUnknown;
     return cudaSuccess;
   }
+  Lock lock(S().mu);
   if (kind != cudaMemcpyDefault && kind != cudaMemcpyDeviceToDevice)
     return RtFail(cudaErrorInvalidMemcpyDirection, "cudaMemcpyAsync kind");
   if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||

@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "cuda/driver.h"
 #include "cuda/fake/fake_checks.h"
@@ -31,9 +32,10 @@ const cuda::DriverApi* Driver() {
   return drv;
 }
 
-// A wait on `device` for a flag nobody has written yet; returns the flag.
-CUdeviceptr PendingWait(int device) {
-  cudaStream_t s = StreamOn(device);
+// A wait on `device` for a flag nobody has written yet (on a new stream, or `s`); returns the
+// flag.
+CUdeviceptr PendingWait(int device, cudaStream_t s = nullptr) {
+  if (s == nullptr) s = StreamOn(device);
   void* flag = Malloc(device, 4);
   Driver()->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
                                 1, CU_STREAM_WAIT_VALUE_GEQ);
@@ -56,6 +58,11 @@ void Gemm(cudaStream_t s, int device) {
   cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, 4, 4, 4);
   cublasLtMatmulPreference_t p = nullptr;
   cublasLtMatmulPreferenceCreate(&p);
+  const uint32_t align = 16;  // the leading dimension's 16 bytes (the pointers are 256-aligned)
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
   cublasLtMatmulHeuristicResult_t r{};
   int found = 0;
   cublasLtMatmulAlgoGetHeuristic(h, d, l, l, l, l, p, 1, &r, &found);
@@ -134,16 +141,58 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     cudaMalloc(&p, 64);
     Raise(0, flag);
   });
-  check("cuMemUnmap behind a wait only this thread would satisfy", [] {
+  check("cudaMalloc after the write the wait needs (control)", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    Raise(0, flag);
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMalloc(&p, 64);
+  });
+  // A page-locked allocation waits for the device like cudaMalloc (implicit synchronization).
+  check("cudaMallocHost behind a wait only this thread would satisfy", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMallocHost(&p, 64);
+    Raise(0, flag);
+  });
+  check("cudaMallocHost after the write the wait needs (control)", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    Raise(0, flag);
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMallocHost(&p, 64);
+  });
+  // A device-to-host copy into pageable memory returns only once it has completed; into
+  // page-locked memory it is asynchronous.
+  auto read_behind_a_wait = [](bool pinned) {
+    cudaStream_t s = StreamOn(0);
+    void* host = nullptr;
+    std::vector<uint32_t> pageable(16);
+    if (pinned) cudaMallocHost(&host, 64);
+    void* device = Malloc(0, 64);
+    const CUdeviceptr flag = PendingWait(0, s);
+    cudaSetDevice(0);
+    cudaMemcpyAsync(pinned ? host : pageable.data(), device, 64, cudaMemcpyDeviceToHost, s);
+    Raise(0, flag);
+  };
+  check("device-to-host copy into pageable memory behind a wait only this thread would satisfy",
+        [&] { read_behind_a_wait(false); });
+  check("device-to-host copy into page-locked memory behind the same wait (control)",
+        [&] { read_behind_a_wait(true); });
+  auto unmap = [](bool raise_first) {
     CUmemGenericAllocationHandle h = 0;
     CUdeviceptr va = 0;
     size_t bytes = 0;
     Vmm(0, &h, &va, &bytes);
     const CUdeviceptr flag = PendingWait(0);
+    if (raise_first) Raise(0, flag);
     Driver()->cuMemUnmap(va, bytes);
-    Raise(0, flag);
-  });
-  check("cuMemRelease behind a wait only this thread would satisfy", [] {
+    if (!raise_first) Raise(0, flag);
+  };
+  check("cuMemUnmap behind a wait only this thread would satisfy", [&] { unmap(false); });
+  check("cuMemUnmap after the write the wait needs (control)", [&] { unmap(true); });
+  auto release = [](bool raise_first) {
     const cuda::DriverApi* drv = Driver();
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -154,9 +203,12 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     CUmemGenericAllocationHandle h = 0;
     drv->cuMemCreate(&h, granularity, &prop, 0);
     const CUdeviceptr flag = PendingWait(1);
+    if (raise_first) Raise(1, flag);
     drv->cuMemRelease(h);
-    Raise(1, flag);
-  });
+    if (!raise_first) Raise(1, flag);
+  };
+  check("cuMemRelease behind a wait only this thread would satisfy", [&] { release(false); });
+  check("cuMemRelease after the write the wait needs (control)", [&] { release(true); });
   // Lazy loading: the first launch of a kernel on a device loads it, waiting for the device.
   check("first launch of a kernel not loaded (lazy loading)", [] {
     const CUdeviceptr flag = PendingWait(0);
@@ -178,6 +230,14 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     Gemm(StreamOn(2), 2);
     Raise(2, flag);
   });
+  check(
+      "first cuBLASLt matmul with CUDA_MODULE_LOADING=EAGER (control)",
+      [] {
+        const CUdeviceptr flag = PendingWait(2);
+        Gemm(StreamOn(2), 2);
+        Raise(2, flag);
+      },
+      /*module_loading=*/2);
   // ncclCommAbort frees memory: it waits for other communicators' kernels on its device.
   auto stuck_send = [](ncclComm_t* a, ncclComm_t* b) {
     int devs[2] = {0, 1};

@@ -17,6 +17,17 @@
 //    first cudaFuncGetAttributes of it (which references it: NCCL's
 //    ncclInitKernelsForDevice loads its kernels so), and cuBLASLt's first matmul with an
 //    algorithm on a device wait for every queue of the device; later uses do not.
+//  * A device-to-host cudaMemcpyAsync into pageable host memory (not page-locked:
+//    cudaMallocHost) "will return only once the copy has completed" (CUDA runtime API, "API
+//    synchronization behavior", Memcpy, asynchronous: "For transfers from device memory to
+//    pageable host memory, the function will return only once the copy has completed"):
+//    the copy is queued on its stream like any task, so the call waits for what is ahead of
+//    it there and in its work queue. Into page-locked memory it is asynchronous.
+//  * cudaMallocHost waits for every queue of the current device: a page-locked host memory
+//    allocation is one of the operations between which commands of different streams cannot
+//    run concurrently (CUDA programming guide, "Asynchronous Concurrent Execution", implicit
+//    synchronization). cudaFreeHost is modelled the same way (assumed, as the VMM calls: the
+//    reference does not promise it does not wait).
 //  * ncclCommAbort frees the communicator's device memory (cudaFree: NCCL issue #549), so
 //    once the communicator is marked aborted (its own kernels exit) it waits for every queue
 //    of its device, kernels of other communicators included (NCCL pull request #564: "abort
@@ -244,6 +255,19 @@ bool WaitForDevice(int device, const std::string& call, bool settle) {
                    call + " on device " + std::to_string(device) +
                        " (it waits for every work queue of the device)",
                    settle);
+}
+
+bool WaitForTask(cudaStream_t s, int64_t seq, const std::string& call) {
+  int device = 0;
+  {
+    Lock lock(S().mu);
+    device = s->device;
+  }
+  const std::function<bool()> done = [s, seq] {
+    return s->completed >= seq || (!s->running && s->tasks.empty());  // completed, or dropped
+  };
+  return WaitUntil(done, call + " on device " + std::to_string(device) +
+                             " (it returns only once the copy has completed)");
 }
 
 bool LoadFunction(int device, const std::string& function, const std::string& call) {
