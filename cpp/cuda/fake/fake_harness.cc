@@ -248,6 +248,11 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   };
   std::vector<std::thread> threads;
   for (int r = 0; r < nranks; ++r) board->Start(process_of(r));
+  // Every rank's thread is a HostThread before any makes a call: the fake calls a wait a
+  // deadlock once no rank's thread is left that is not waiting, which must count them all.
+  std::mutex started_mu;
+  std::condition_variable started_cv;
+  int started = 0;
   for (int r = 0; r < nranks; ++r)
     threads.emplace_back([&, r] {
       struct Stop {  // whichever way the thread returns
@@ -256,6 +261,12 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
         ~Stop() { board.Stop(process); }
       } stop{*board, process_of(r)};
       const HostThread host;  // a rank's thread, as XLA's per device
+      {
+        std::unique_lock<std::mutex> lock(started_mu);
+        ++started;
+        started_cv.notify_all();
+        started_cv.wait(lock, [&] { return started == nranks; });
+      }
       const int dev = static_cast<int>(in.devices[r]);
       SetPlayedProcess(process_of(r));
       if (cudaSetDevice(dev) != cudaSuccess) {

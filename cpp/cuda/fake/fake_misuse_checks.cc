@@ -315,6 +315,18 @@ std::map<std::string, std::string> MisuseChecks() {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
+    // NCCL connects to a peer at the first send/recv to it, which waits for the device: connect
+    // first (one send and receive each way, run), so that only the serialisation is tested.
+    for (int r = 0; r < 2; ++r) {
+      cudaStream_t s = stream_on(r);
+      void* buf = Malloc(r, 8);
+      cudaSetDevice(r);
+      ncclGroupStart();
+      ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclGroupEnd();
+    }
+    Drain();
     for (int r = 0; r < 2; ++r) {
       cudaStream_t a = stream_on(r), b = stream_on(r);
       void* in = Malloc(r, 64);

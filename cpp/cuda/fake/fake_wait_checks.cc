@@ -260,6 +260,72 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     ncclCommAbort(a[0]);
     ncclCommAbort(b[0]);
   });
+  // NCCL connects to a peer at the first send/recv to it, allocating device memory: that waits
+  // for the device. A one-element send and receive each way between ranks 0 and 1 (devices 0, 1).
+  auto exchange = [](ncclComm_t* comms) {
+    for (int r = 0; r < 2; ++r) {
+      cudaStream_t s = StreamOn(r);
+      void* buf = Malloc(r, 8);
+      cudaSetDevice(r);
+      ncclGroupStart();
+      ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclGroupEnd();
+    }
+  };
+  check("first send/recv to a peer behind a wait only this thread would satisfy", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    const CUdeviceptr flag = PendingWait(0);
+    exchange(comms);  // rank 0 connects first: behind the wait
+    Raise(0, flag);
+  });
+  check("send/recv to a connected peer behind the same wait (control)", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    exchange(comms);  // connected (and run)
+    Drain();
+    const CUdeviceptr flag = PendingWait(0);
+    exchange(comms);
+    Raise(0, flag);
+  });
+  // The executor's communicators are non-blocking: ncclGroupEnd returns ncclInProgress and the
+  // caller's poll (ncclCommGetAsyncError) cannot see the connection done before the device is.
+  check("polling a non-blocking connection behind a wait only this thread would satisfy", [&] {
+    ncclUniqueId id{};
+    ncclGetUniqueId(&id);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comms[2] = {nullptr, nullptr};
+    ncclGroupStart();
+    for (int r = 0; r < 2; ++r) {
+      cudaSetDevice(r);
+      ncclCommInitRankConfig(&comms[r], 2, id, r, &config);
+    }
+    ncclGroupEnd();
+    ncclResult_t state = ncclInProgress;
+    for (ncclComm_t c : comms) ncclCommGetAsyncError(c, &state);
+    const CUdeviceptr flag = PendingWait(0);
+    exchange(comms);
+    ncclCommGetAsyncError(comms[0], &state);  // the connection waits for device 0
+    Raise(0, flag);
+  });
+  check("first send/recv to a peer between a handler's first enqueue and its return", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    cudaStream_t xla = StreamOn(0);
+    BeginHandler(xla);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaEventRecord(e, xla);
+    void* buf = Malloc(0, 8);
+    cudaSetDevice(0);
+    ncclSend(buf, 1, ncclFloat32, 1, comms[0], xla);
+    EndHandler(xla, "the handler");
+  });
   // Two ranks' host threads: the peer has enqueued a wait that this thread's next enqueue
   // satisfies, and this thread first frees memory on the peer's device (the executor's old
   // order: past buffers freed by whichever rank reserved first).

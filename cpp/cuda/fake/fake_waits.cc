@@ -52,6 +52,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -70,7 +71,7 @@ namespace {
 int g_hosts = 0;
 int g_hosts_waiting = 0;
 int g_hosts_started = 0;  // since Reset: seeds each thread's jitter
-std::set<const std::function<bool()>*> g_waiting;
+std::map<const std::function<bool()>*, std::string> g_waiting;  // condition -> its wait
 bool g_passing = false;  // a waiting rank's thread is letting time pass (WaitUntil)
 // (device, function) loaded so far. Under S().mu. Not per played process: the played
 // processes share one OS process, whose caches (cuBLASLt plans, kernel verdicts) are per
@@ -141,7 +142,7 @@ bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool 
       std::unique_lock<std::recursive_mutex> lock(S().mu);
       if (RunUntil(done)) return true;
       bool another_can = g_passing;
-      for (const auto* condition : g_waiting) another_can = another_can || (*condition)();
+      for (const auto& [condition, other] : g_waiting) another_can = another_can || (*condition)();
       const int others_running = g_hosts - g_hosts_waiting - (t_host ? 1 : 0);
       if (!another_can && others_running <= 0 && settled && grace.count() > 0) {
         const auto step = std::min(kStep, grace);
@@ -157,15 +158,17 @@ bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool 
         continue;
       }
       if (!another_can && others_running <= 0 && settled) {
+        std::string others;
+        for (const auto& [condition, other] : g_waiting) others += "; also waiting: " + other;
         S().errors.push_back(what +
                              " would wait forever: deadlock: the GPU waits for work that "
                              "no host thread can enqueue any more (every rank's thread waits "
-                             "for the GPU too, or is gone); " +
-                             DescribeStuckWork());
+                             "for the GPU too, or is gone" +
+                             others + "); " + DescribeStuckWork());
         DropAllWork();
         return false;
       }
-      g_waiting.insert(&done);
+      g_waiting[&done] = what;
       if (t_host) ++g_hosts_waiting;
     }
     {
@@ -237,8 +240,8 @@ void ResetWaits() {
   g_hosts_started = 0;
 }
 
-bool WaitForDevice(int device, const std::string& call, bool settle) {
-  // Every task enqueued on the device before the call (of this thread's played process).
+std::function<bool()> DeviceWorkBefore(int device) {
+  // Every task enqueued on the device before now (of this thread's played process).
   std::map<const CUstream_st*, int64_t> before;
   {
     Lock lock(S().mu);
@@ -246,12 +249,19 @@ bool WaitForDevice(int device, const std::string& call, bool settle) {
       if (st->process == t_process && st->device == device && st->completed < st->enqueued)
         before[st.get()] = st->enqueued;
   }
-  const std::function<bool()> done = [before] {
+  return [before] {
     for (const auto& [st, count] : before)
       if (st->completed < count && (st->running || !st->tasks.empty())) return false;
     return true;  // completed, or dropped (a hung or dead GPU: nothing left to wait for)
   };
-  return WaitUntil(done,
+}
+
+bool WaitFor(const std::function<bool()>& done, const std::string& what) {
+  return WaitUntil(done, what);
+}
+
+bool WaitForDevice(int device, const std::string& call, bool settle) {
+  return WaitUntil(DeviceWorkBefore(device),
                    call + " on device " + std::to_string(device) +
                        " (it waits for every work queue of the device)",
                    settle);

@@ -9,6 +9,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <functional>
 
 #include <string>
 
@@ -21,6 +22,14 @@ namespace jo::fake {
 // enqueue what it needs (every one is waiting too, or gone).
 // `settle`: see fake_waits.cc (threads that are not a rank's, e.g. concurrent aborts).
 bool WaitForDevice(int device, const std::string& call, bool settle = false);
+
+// What WaitForDevice waits for: every task enqueued on `device` (of this thread's played
+// process) before now has completed, or was dropped. Without the lock held.
+std::function<bool()> DeviceWorkBefore(int device);
+
+// Waits until `done` holds, as WaitForDevice does (false, with the deadlock recorded as `what`
+// "would wait forever", when it never can).
+bool WaitFor(const std::function<bool()>& done, const std::string& what);
 
 // Waits until the task `seq` (1-based) of stream `s` has completed, as a device-to-host copy into
 // pageable memory does; false as above (the copy dropped).
