@@ -93,6 +93,8 @@ RankResources::~RankResources() {
   for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
   if (setup_done != nullptr) (void)cudaEventDestroy(setup_done);
   if (setup != nullptr) (void)cudaStreamDestroy(setup);
+  if (connect_done != nullptr) (void)cudaEventDestroy(connect_done);
+  if (connect != nullptr) (void)cudaStreamDestroy(connect);
 }
 
 void RankResources::SetLast(int64_t epoch, std::shared_ptr<const CallEvents> events) {
@@ -113,6 +115,17 @@ Status RankResources::MakeSetup(const ErrorContext& ctx) {
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
   JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&setup_done, cudaEventDisableTiming));
   JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&setup, cudaStreamNonBlocking));
+  return OkStatus();
+}
+
+Status RankResources::MakeConnect(int32_t nranks, const ErrorContext& ctx) {
+  if (connect != nullptr) return OkStatus();
+  DeviceGuard guard;
+  JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
+  JO_CHECK(Alloc(device, static_cast<size_t>(nranks + 1) * sizeof(float), nullptr, ctx,
+                 &connect_buffer));
+  JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&connect_done, cudaEventDisableTiming));
+  JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&connect, cudaStreamNonBlocking));
   return OkStatus();
 }
 

@@ -84,6 +84,11 @@ struct RankResources {
   std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
   cudaStream_t setup = nullptr;                               // zero-fills new buffers
   cudaEvent_t setup_done = nullptr;  // recorded after the zero-fills, polled (AwaitSetup)
+  // Transport nccl: where the rank's communicators connect to their peers at set-up
+  // (NcclComms::Connect): a stream and one float to send, one per rank to receive.
+  cudaStream_t connect = nullptr;
+  cudaEvent_t connect_done = nullptr;  // recorded after a connecting group, polled
+  std::unique_ptr<DeviceAlloc> connect_buffer;
   RankResources() = default;
   RankResources(const RankResources&) = delete;
   RankResources& operator=(const RankResources&) = delete;
@@ -93,6 +98,8 @@ struct RankResources {
                  std::shared_ptr<const CallEvents>* events);
   // The setup stream and its event (before buffers are zero-filled on it).
   Status MakeSetup(const ErrorContext& ctx);
+  // The connect stream and buffer, for a clique of `nranks` (transport nccl).
+  Status MakeConnect(int32_t nranks, const ErrorContext& ctx);
   // The last call whose `done` event was recorded (for freeing generations): its epoch (0:
   // none) and events.
   void SetLast(int64_t epoch, std::shared_ptr<const CallEvents> events);

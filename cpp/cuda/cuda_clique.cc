@@ -166,7 +166,39 @@ Status CudaClique::Reserve(const Program& program, const CallNeeds& needs, int64
   // The rank's own streams, events and scratch, without the lock: allocating waits for the
   // device (its earlier calls), which must never hold up the other ranks' reservations.
   status = out->resources->Reserve(program, ctx, &out->events);
-  if (!status.ok()) Break(status);
+  if (status.ok() && state_.nccl) status = ConnectPeers(program, ctx, out->resources);
+  if (!status.ok() && status.code() != Code::kAborted) Break(status);
+  return status;
+}
+
+Status CudaClique::ConnectPeers(const Program& program, const ErrorContext& ctx,
+                                RankResources* res) {
+  NcclComms::Peers peers;
+  for (const Op& op : program.ops) {
+    if (op.kind != OpKind::kSend && op.kind != OpKind::kRecv) continue;
+    if (op.stream < 1 || op.stream > NcclComms::kChannels)
+      return Internal(ctx.Describe() + ": NCCL ops on stream " + std::to_string(op.stream) +
+                      ", which has no communicator");
+    auto& side = op.kind == OpKind::kSend ? peers.sends : peers.recvs;
+    side[op.stream - 1].insert(op.peer);
+  }
+  JO_CHECK(res->MakeConnect(nranks(), ctx));
+  auto* buffer = static_cast<float*>(res->connect_buffer->ptr);
+  // Given up as soon as the clique breaks (a peer failed: it will not connect).
+  bool in_flight = false;
+  const Status status = state_.nccl->Connect(
+      program.problem.rank, peers, res->connect, res->connect_done, buffer, buffer + 1,
+      std::chrono::steady_clock::now() + state_.timeout,
+      [&] { return CheckNotBroken(ctx.Describe()); }, ctx, &in_flight);
+  if (in_flight) {
+    // A connecting group waits on the GPU for a peer that will not come: the clique is broken
+    // and its communicators of no more use; aborting them lets the group exit, which is awaited
+    // (bounded), so that the failed call leaves nothing of its own running.
+    Break(status);
+    AbortComms();
+    (void)AwaitEvent(res->device, res->connect_done,
+                     std::chrono::steady_clock::now() + state_.timeout);
+  }
   return status;
 }
 

@@ -113,6 +113,9 @@ class CudaClique : public Clique {
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
                        const ErrorContext& ctx, std::shared_ptr<Generation>* out);
+  // Transport nccl: connects the rank's communicators to the peers `program` sends to and
+  // receives from, those not connected yet (NcclComms::Connect); called WITHOUT the lock.
+  Status ConnectPeers(const Program& program, const ErrorContext& ctx, RankResources* res);
   // Moves the generations every local rank is past into `out` (requires mu_).
   void TakePast(std::vector<std::shared_ptr<Generation>>* out);
   // Whether each local rank's last enqueued call has finished on the GPU,

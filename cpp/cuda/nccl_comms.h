@@ -37,13 +37,16 @@
 // and by the executor's groups — never across ncclCommAbort.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,6 +100,31 @@ class NcclComms {
   // Leases `rank`'s communicators; kAborted once Abort was called.
   Status Acquire(int32_t rank, const ErrorContext& ctx, Lease* out);
 
+  // The peers a call of `rank` sends to and receives from on each channel (program stream 1 +
+  // channel), and the connecting one-element buffers: `send` (1 float) and `recv` (one float
+  // per rank) on the rank's device.
+  struct Peers {
+    std::set<int32_t> sends[kChannels];
+    std::set<int32_t> recvs[kChannels];
+  };
+  // Connects `rank`'s communicators to the peers of `peers` not connected yet: per channel, one
+  // group of a one-element ncclSend / ncclRecv to each, on `stream`; then polls, until
+  // `deadline`, both NCCL's connection (ncclCommGetAsyncError) and the group's completion on the
+  // GPU (`done`, recorded after it), giving up as soon as `check` fails (the clique broke).
+  // NCCL connects to a peer at the first send/recv to it (NCCL source, src/group.cc:
+  // ncclPreconnectFunc -> ncclTransportP2pSetup; NCCL_RUNTIME_CONNECT concerns collectives),
+  // allocating the connection's device memory, which waits for the device (NCCL user guide,
+  // "Using multiple NCCL communicators concurrently"): so here, at set-up, before the call's
+  // first enqueue, never on the enqueue path. The group's completion is awaited too, so that no
+  // later wait for the device (the call's own set-up) waits for a group whose peer never comes.
+  // Every rank connects the same pairs at the same epoch (a send of one is a receive of the
+  // other in the same call), so the one-element operations match. kAborted once Abort was
+  // called; kTimeout at the deadline. `*in_flight`: a group was left on the GPU (recorded in
+  // `done`), to be released by aborting the communicators.
+  Status Connect(int32_t rank, const Peers& peers, cudaStream_t stream, cudaEvent_t done,
+                 float* send, float* recv, std::chrono::steady_clock::time_point deadline,
+                 const std::function<Status()>& check, const ErrorContext& ctx, bool* in_flight);
+
   // Aborts every communicator: now where no lease holds it, else when the
   // last lease of its rank is dropped.
   void Abort();
@@ -135,6 +163,7 @@ class NcclComms {
   std::vector<std::shared_ptr<AbortTask>> aborts_;
   std::vector<int> devices_;
   std::vector<std::vector<ncclComm_t>> comms_;  // [rank][channel]; null: another process's
+  std::vector<Peers> connected_;                // [rank]: peers connected so far (Connect)
   std::vector<int> leases_;
   bool aborting_ = false;
 };

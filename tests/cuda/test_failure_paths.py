@@ -16,13 +16,17 @@ from .test_fake import _inputs
 pytestmark = pytest.mark.jax_independent
 
 
-def _missing_peer(fake, op, transport, rows=4, chunks=2, **kwargs):
-    """``op`` on 4 ranks where rank 2 never calls; the watchdog's timeout is 200 ms (on the fake's
-    virtual clock, which moves only while the fake GPU cannot progress)."""
+def _missing_peer(fake, op, transport, rows=4, chunks=2, set_up=True, **kwargs):
+    """``op`` on 4 ranks where rank 2 never calls, after a call of every rank that set the clique
+    up (``set_up``); the watchdog's timeout is 200 ms (on the fake's virtual clock, which moves
+    only while the fake GPU cannot progress)."""
     xs, ws = _inputs(op, 4, 1, rows, 8, 6, "float32")
-    return fake.run(op, transport, 4, 1, rows, 8, 6, "float32", chunks, False, False,
-                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
-                    skip_rank=2, timeout_ms=200, **kwargs)
+    args = (op, transport, 4, 1, rows, 8, 6, "float32", chunks, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    if set_up:
+        first = fake.run(*args, clique_key=kwargs["clique_key"], timeout_ms=200)
+        assert first["statuses"] == [None] * 4 and fake.errors() == [], fake.errors()
+    return fake.run(*args, skip_rank=2, timeout_ms=200, **kwargs)
 
 
 @pytest.mark.parametrize("transport", ["nccl", "p2p"])
@@ -36,7 +40,7 @@ def test_the_watchdog_fires_with_many_calls_queued_behind_a_stuck_one(fake, tran
     assert out["drained"], fake.errors()
     assert fake.errors() == []
     warning = fake.last_warning()
-    assert "not finished on GPU" in warning and "epoch 1:" in warning, warning
+    assert "not finished on GPU" in warning and "epoch 2:" in warning, warning
 
 
 @pytest.mark.parametrize("op", ["matmul_rs", "ag_matmul"])
@@ -49,10 +53,30 @@ def test_a_set_up_behind_a_stuck_nccl_call_does_not_keep_the_communicators(fake,
     with the lease taken at the reservation, the abort waited for the set-up and the set-up for
     the abort."""
     fake.reset(fake.Config(grace_ms=10000))
-    out = _missing_peer(fake, op, "nccl", rows=64, clique_key=41, chunks_per_call=[4, 1])
+    out = _missing_peer(fake, op, "nccl", rows=64, chunks=4, clique_key=41,
+                        chunks_per_call=[4, 1])
     assert out["drained"], fake.errors()
     assert fake.errors() == []
     assert "inside NCCL" in fake.last_warning(), fake.last_warning()
     for r, status in enumerate(out["statuses"]):
         if r != 2:
             assert status and ("aborted" in status or "broken" in status), out["statuses"]
+
+
+@pytest.mark.parametrize("op", ["matmul_rs", "ag_matmul", "matmul_ar"])
+def test_a_peer_missing_at_the_first_nccl_call_is_found_at_set_up(fake, op):
+    """NCCL connects to its peers at set-up (a one-element send/receive per peer, awaited): a
+    rank that never makes its first call is found there, after the call's timeout (real time
+    here: 300 ms), as a timeout naming the connection; the communicators are aborted and the
+    clique broken, nothing is enqueued and no host call waits for the device meanwhile."""
+    fake.reset()
+    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
+    out = fake.run(op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
+                   clique_key=42, skip_rank=2, timeout_ms=300)
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    statuses = [s for r, s in enumerate(out["statuses"]) if r != 2]
+    assert any(s and s.startswith("timeout") and "NCCL's connection to the peers" in s
+               for s in statuses), statuses
+    assert all(s and ("timeout" in s or "aborted" in s) for s in statuses), statuses
+    assert fake.counters().get("ncclCommAbort", 0) > 0  # their groups on the GPU exit
