@@ -38,11 +38,10 @@ class Watchdog {
  public:
   void Add(WatchedCall call) {
     std::lock_guard<std::mutex> lock(mu_);
-    const Key key{call.clique.lock().get(), call.rank};
-    Entry& e = entries_[key];
-    // Calls of a clique that is gone and whose address a new clique got: dropped, not taken for
-    // this one's (the thread drops them at its next pass; a virtual clock may pass later).
-    if (!e.calls.empty() && e.calls.front().clique.expired()) e.calls.clear();
+    // Keyed by the clique's control block (owner_before), never by its address: a clique made
+    // where a gone one was is another key, and the gone one's calls (their events) are dropped by
+    // a pass, not here on an enqueue path.
+    Entry& e = entries_[Key{call.clique, call.rank}];
     if (e.calls.empty()) e.front_started = false;
     e.calls.push_back(std::move(call));
     if (!virtual_clock_ && !thread_started_) {
@@ -73,7 +72,15 @@ class Watchdog {
   }
 
  private:
-  using Key = std::pair<const void*, int32_t>;
+  struct Key {
+    std::weak_ptr<CudaClique> clique;
+    int32_t rank = 0;
+    bool operator<(const Key& o) const {
+      if (clique.owner_before(o.clique)) return true;
+      if (o.clique.owner_before(clique)) return false;
+      return rank < o.rank;
+    }
+  };
 
   Clock::time_point Now() const {
     return virtual_clock_ ? Clock::time_point(Clock::duration(virtual_now_.load())) : Clock::now();

@@ -63,6 +63,16 @@ ENQUEUE_PATH = {
         "ncclGroupEnd connecting to a new peer (NCCL allocates the connection's device memory) "
         "called between a handler's first enqueue and its return",
 }
+# Deny by default: every entry point of the fake checks the enqueue path, so calls the rule does
+# not list are refused there even where the fake does not make them wait (a sample).
+REFUSED = ("cudaStreamCreateWithFlags", "cudaEventCreateWithFlags", "cudaEventDestroy",
+           "cudaStreamDestroy", "cudaStreamSynchronize", "cublasLtCreate", "cuMemAddressFree",
+           "cuMulticastUnbind")
+ENQUEUE_PATH |= {f"{api} on the enqueue path":
+                 f"{api} called between a handler's first enqueue and its return"
+                 for api in REFUSED}
+CONTROLS.add("error strings, ncclGroupStart/End and the current device on the enqueue path "
+             "(control)")
 
 
 def test_host_calls_that_wait_for_the_gpu_report_deadlocks(fake):

@@ -55,10 +55,15 @@ using jo::fake::t_last;
 // ================================ NCCL ================================
 
 const char* ncclGetErrorString(ncclResult_t r) {
+  Count("ncclGetErrorString");
   return r == ncclSuccess ? "no error" : "fake NCCL error (see fake errors)";
 }
-const char* ncclGetLastError(ncclComm_t) { return ""; }
+const char* ncclGetLastError(ncclComm_t) {
+  Count("ncclGetLastError");
+  return "";
+}
 ncclResult_t ncclGetVersion(int* v) {
+  Count("ncclGetVersion");
   *v = NCCL_VERSION_CODE;
   return ncclSuccess;
 }
@@ -306,6 +311,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclGroupStart() {
+  Count("ncclGroupStart");
   ++jo::fake::t_group_depth;
   return ncclSuccess;
 }
@@ -451,6 +457,7 @@ static ncclResult_t FlushGroup() {
 }
 
 ncclResult_t ncclGroupEnd() {
+  Count("ncclGroupEnd");
   if (jo::fake::t_group_depth <= 0) {
     Fail("ncclGroupEnd without ncclGroupStart");
     return ncclInvalidUsage;

@@ -23,6 +23,7 @@ using jo::fake::t_last;
 // ============================ CUDA runtime ============================
 
 cudaError_t cudaGetLastError(void) {
+  Count("cudaGetLastError");
   if (const cudaError_t sticky = jo::fake::StickyError(t_device); sticky != cudaSuccess) {
     t_last = cudaSuccess;
     return sticky;  // a sticky error is never reset
@@ -32,17 +33,21 @@ cudaError_t cudaGetLastError(void) {
   return e;
 }
 const char* cudaGetErrorName(cudaError_t e) {
+  Count("cudaGetErrorName");
   return e == cudaSuccess ? "cudaSuccess" : "cudaErrorFake";
 }
 const char* cudaGetErrorString(cudaError_t e) {
+  Count("cudaGetErrorString");
   return e == cudaSuccess ? "no error" : "fake CUDA error (see fake errors)";
 }
 
 cudaError_t cudaGetDevice(int* d) {
+  Count("cudaGetDevice");
   *d = t_device;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) {
+  Count("cudaSetDevice");
   jo::fake::Jitter();  // Config::host_jitter: ranks' threads at uneven speeds
   Lock lock(S().mu);
   if (!jo::fake::ValidDevice(d))
@@ -169,25 +174,32 @@ static cudaError_t MakeStream(cudaStream_t* out) {
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  Count("cudaStreamCreateWithFlags");
   if (flags != cudaStreamNonBlocking)
     return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
   return MakeStream(s);
 }
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int) {
+  Count("cudaStreamCreateWithPriority");
   if (flags != cudaStreamNonBlocking)
     return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
   return MakeStream(s);
 }
 cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  Count("cudaDeviceGetStreamPriorityRange");
   *least = 0;
   *greatest = -5;
   return cudaSuccess;
 }
-cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }  // kept until Reset
+cudaError_t cudaStreamDestroy(cudaStream_t) {
+  Count("cudaStreamDestroy");  // kept until Reset
+  return cudaSuccess;
+}
 
 // Stream capture: begun and ended by the caller; work on a capturing stream
 // is recorded into the graph, not run (Push drops it here).
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+  Count("cudaStreamBeginCapture");
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamBeginCapture") || s->capture != 0)
     return RtFail(cudaErrorIllegalState, "cudaStreamBeginCapture");
@@ -196,6 +208,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  Count("cudaStreamEndCapture");
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamEndCapture") || s->capture == 0)
     return RtFail(cudaErrorIllegalState, "cudaStreamEndCapture");
@@ -207,6 +220,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
 }
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  Count("cudaStreamIsCapturing");
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamIsCapturing"))
     return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamIsCapturing");
@@ -231,6 +245,7 @@ cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* st
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
+  Count("cudaEventCreateWithFlags");
   Lock lock(S().mu);
   if (flags != cudaEventDisableTiming)
     return RtFail(cudaErrorInvalidValue, "events must disable timing");
@@ -240,7 +255,10 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
   S().events.push_back(std::move(ev));
   return cudaSuccess;
 }
-cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventDestroy(cudaEvent_t) {
+  Count("cudaEventDestroy");
+  return cudaSuccess;
+}
 
 // A host query sees the GPU as far as it could have run on the event's device.
 cudaError_t cudaEventQuery(cudaEvent_t e) {
@@ -397,6 +415,7 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
 }
 
 cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) {
+  Count("cudaDeviceCanAccessPeer");
   Lock lock(S().mu);
   if (!jo::fake::ValidDevice(a) || !jo::fake::ValidDevice(b))
     return RtFail(cudaErrorInvalidDevice, "cudaDeviceCanAccessPeer");

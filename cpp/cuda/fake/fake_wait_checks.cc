@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda/driver.h"
@@ -361,6 +362,55 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     cudaMalloc(&p, 64);
     EndHandler(xla, "the handler");
   });
+  // Deny by default: every entry point of the fake checks the enqueue path, so a call that is
+  // not on the list is refused there whatever it is; a sample of calls that create, destroy or
+  // synchronise (none of which the fake makes wait), and a control of listed ones.
+  auto on_the_enqueue_path = [](const std::function<void(cudaStream_t)>& body) {
+    cudaStream_t xla = StreamOn(0);
+    BeginHandler(xla);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaEventRecord(e, xla);  // the handler's first enqueue
+    body(xla);
+    EndHandler(xla, "the handler");
+  };
+  const std::vector<std::pair<std::string, std::function<void(cudaStream_t)>>> refused = {
+      {"cudaStreamCreateWithFlags",
+       [](cudaStream_t) {
+         cudaStream_t s = nullptr;
+         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+       }},
+      {"cudaEventCreateWithFlags",
+       [](cudaStream_t) {
+         cudaEvent_t e = nullptr;
+         cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+       }},
+      {"cudaEventDestroy", [](cudaStream_t) { cudaEventDestroy(nullptr); }},
+      {"cudaStreamDestroy", [](cudaStream_t) { cudaStreamDestroy(nullptr); }},
+      {"cudaStreamSynchronize", [](cudaStream_t xla) { cudaStreamSynchronize(xla); }},
+      {"cublasLtCreate",
+       [](cudaStream_t) {
+         cublasLtHandle_t h = nullptr;
+         cublasLtCreate(&h);
+       }},
+      {"cuMemAddressFree", [](cudaStream_t) { Driver()->cuMemAddressFree(0, 0); }},
+      {"cuMulticastUnbind", [](cudaStream_t) { Driver()->cuMulticastUnbind(0, 0, 0, 0); }},
+  };
+  for (const auto& [api, call] : refused)
+    check(api + " on the enqueue path", [&, call = call] { on_the_enqueue_path(call); });
+  check("error strings, ncclGroupStart/End and the current device on the enqueue path (control)",
+        [&] {
+          on_the_enqueue_path([](cudaStream_t) {
+            int device = 0;
+            cudaGetDevice(&device);
+            cudaSetDevice(device);
+            (void)cudaGetErrorString(cudaErrorInvalidValue);
+            (void)cudaGetLastError();
+            (void)ncclGetErrorString(ncclInvalidUsage);
+            ncclGroupStart();
+            ncclGroupEnd();
+          });
+        });
   return out;
 }
 

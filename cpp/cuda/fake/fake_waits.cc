@@ -91,10 +91,23 @@ uint64_t Activity() {
   return g_activity;
 }
 
-// The calls allowed between a handler's first enqueue and its return: they enqueue, or poll
-// without waiting (docs/gpu.md §3). Names as the fake counts them.
+// The calls allowed between a handler's first enqueue and its return: they enqueue, poll
+// without waiting, or only answer from the host (docs/gpu.md §3). Names as the fake counts
+// them; every entry point of the fake counts itself first, so any other call is refused.
 const std::set<std::string>& EnqueuePathCalls() {
-  static const auto* calls = new std::set<std::string>{"cudaEventRecord",
+  static const auto* calls = new std::set<std::string>{"cudaSetDevice",
+                                                       "cudaGetDevice",
+                                                       "cudaGetLastError",
+                                                       "cudaGetErrorName",
+                                                       "cudaGetErrorString",
+                                                       "cuGetErrorString",
+                                                       "ncclGetErrorString",
+                                                       "ncclGetLastError",
+                                                       "cublasLtGetStatusName",
+                                                       "cublasLtGetStatusString",
+                                                       "ncclGroupStart",
+                                                       "ncclGroupEnd",
+                                                       "cudaEventRecord",
                                                        "cudaStreamWaitEvent",
                                                        "cudaMemcpyAsync",
                                                        "cudaMemcpy2DAsync",
