@@ -23,6 +23,7 @@ MISUSES = {
     "cudaFree behind a wait only this thread would satisfy": "cudaFree on device 0",
     "cudaMalloc behind a wait only this thread would satisfy": "cudaMalloc on device 0",
     "cudaMallocHost behind a wait only this thread would satisfy": "cudaMallocHost on device 0",
+    "cudaFreeHost behind a wait only this thread would satisfy": "cudaFreeHost on device 0",
     "device-to-host copy into pageable memory behind a wait only this thread would satisfy":
         "cudaMemcpyAsync device-to-host into pageable memory on device 0 (it returns only once "
         "the copy has completed)",
@@ -45,6 +46,7 @@ CONTROLS = {
     "cudaFree after the write the wait needs (control)",
     "cudaMalloc after the write the wait needs (control)",
     "cudaMallocHost after the write the wait needs (control)",
+    "cudaFreeHost after the write the wait needs (control)",
     "device-to-host copy into page-locked memory behind the same wait (control)",
     "cuMemUnmap after the write the wait needs (control)",
     "cuMemRelease after the write the wait needs (control)",

@@ -164,6 +164,18 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     void* p = nullptr;
     cudaMallocHost(&p, 64);
   });
+  auto free_host = [](bool raise_first) {
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMallocHost(&p, 64);
+    const CUdeviceptr flag = PendingWait(0);
+    if (raise_first) Raise(0, flag);
+    cudaSetDevice(0);
+    cudaFreeHost(p);
+    if (!raise_first) Raise(0, flag);
+  };
+  check("cudaFreeHost behind a wait only this thread would satisfy", [&] { free_host(false); });
+  check("cudaFreeHost after the write the wait needs (control)", [&] { free_host(true); });
   // A device-to-host copy into pageable memory returns only once it has completed; into
   // page-locked memory it is asynchronous.
   auto read_behind_a_wait = [](bool pinned) {
