@@ -125,7 +125,9 @@ struct CliqueState {
   std::chrono::milliseconds timeout{120000};  // bounds waiting for peers in set-up
   Handles handles = Handles::kUnset;          // spanning p2p / multicast (peer_handles.h Negotiate)
   bool peers_enabled = false;
-  std::unique_ptr<NcclComms> nccl;  // transport nccl: this process's ranks' communicators
+  // Transport nccl: this process's ranks' communicators (shared with the watchdog's watch of
+  // their aborts).
+  std::shared_ptr<NcclComms> nccl;
   std::vector<std::unique_ptr<RankResources>> ranks;
 
   int32_t nranks() const { return static_cast<int32_t>(devices.size()); }

@@ -7,6 +7,7 @@
 
 #include "core/log.h"
 #include "cuda/transports.h"
+#include "cuda/watchdog.h"
 
 namespace jo::cuda {
 namespace {
@@ -121,6 +122,7 @@ void CudaClique::AbortComms(std::optional<std::chrono::steady_clock::time_point>
   // guard themselves (leases); the watchdog must never wait for a set-up.
   if (!state_.nccl) return;
   state_.nccl->Abort();
+  WatchAborts(state_.nccl, name(), state_.timeout);  // a stuck one is reported while it hangs
   if (await_until) (void)state_.nccl->AwaitAborts(*await_until);
 }
 

@@ -104,6 +104,16 @@ std::string NcclComms::StuckAborts() const {
   return out.empty() ? out : "ncclCommAbort stuck for " + out;
 }
 
+std::string NcclComms::RunningAborts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  for (const auto& task : aborts_)
+    if (!task->done)
+      out += std::string(out.empty() ? "" : ", ") + "rank " + std::to_string(task->rank) +
+             " on GPU " + std::to_string(task->device);
+  return out;
+}
+
 bool NcclComms::created() const {
   std::lock_guard<std::mutex> lock(mu_);
   return !comms_.empty();

@@ -26,9 +26,10 @@
 // kernel of the device (NCCL issue #549, pull request #564: aborting a
 // device's communicators one after the other hangs while another one's
 // kernel still runs; marking them all aborted first lets every kernel exit).
-// Nobody waits for an abort: Abort returns at once, an abort still running
-// after the timeout is named by StuckAborts (the clique's description) and
-// left behind at teardown, reported, rather than waited for.
+// Nobody waits for an abort: Abort returns at once; an abort still running
+// after the timeout is reported by the watchdog while it happens (WatchAborts,
+// watchdog.h), named by StuckAborts (the clique's description) and left behind
+// at teardown, reported, rather than waited for.
 //
 // NCCL's thread-safety rule (NCCL user guide, "Thread Safety": issuing
 // operations in parallel to independent communicators located on the same
@@ -137,6 +138,8 @@ class NcclComms {
 
   // The aborts running for longer than the timeout ("" if none).
   std::string StuckAborts() const;
+  // The aborts still running, however long ("rank r on GPU d, ..."; "" if none).
+  std::string RunningAborts() const;
 
   // Whether every abort started so far has returned, polling until `deadline`
   // (the fake's virtual-clock watchdog and tests; nothing else waits for them).

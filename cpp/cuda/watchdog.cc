@@ -44,10 +44,15 @@ class Watchdog {
     Entry& e = entries_[Key{call.clique, call.rank}];
     if (e.calls.empty()) e.front_started = false;
     e.calls.push_back(std::move(call));
-    if (!virtual_clock_ && !thread_started_) {
-      thread_started_ = true;
-      std::thread([this] { Loop(); }).detach();  // lives for the process; idle when nothing pends
-    }
+    StartThread();
+    cv_.notify_all();
+  }
+
+  void AddAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
+                 std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts_.push_back({std::move(comms), std::move(clique), Now() + timeout, timeout});
+    StartThread();
     cv_.notify_all();
   }
 
@@ -93,17 +98,50 @@ class Watchdog {
       std::this_thread::sleep_for(d);
   }
 
+  // Requires mu_.
+  void StartThread() {
+    if (!virtual_clock_ && !thread_started_) {
+      thread_started_ = true;
+      std::thread([this] { Loop(); }).detach();  // lives for the process; idle when nothing pends
+    }
+  }
+
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return !entries_.empty(); });
+      cv_.wait(lock, [&] { return !entries_.empty() || !aborts_.empty(); });
       Pass(lock);
       cv_.wait_for(lock, kPoll);
     }
   }
 
-  // One look at every rank's oldest pending call: done ones are dropped, late ones fired.
+  // Aborts still running past their deadline: reported once, then no longer watched.
+  void PassAborts() {
+    for (auto it = aborts_.begin(); it != aborts_.end();) {
+      const std::shared_ptr<const NcclComms> comms = it->comms.lock();
+      const std::string running = comms ? comms->RunningAborts() : std::string();
+      if (running.empty()) {  // all returned (or the clique is gone)
+        it = aborts_.erase(it);
+        continue;
+      }
+      if (Now() < it->deadline) {
+        ++it;
+        continue;
+      }
+      char seconds[32];
+      std::snprintf(seconds, sizeof(seconds), "%.1f",
+                    std::chrono::duration<double>(it->timeout).count());
+      JO_WARN(it->clique + ": ncclCommAbort of " + running + " has not returned after " + seconds +
+              " s: it frees device memory, which waits for the device's other work (NCCL issue "
+              "#549); left running, the clique stays broken (python -m jaxoverlap info names it)");
+      it = aborts_.erase(it);
+    }
+  }
+
+  // One look at every rank's oldest pending call: done ones are dropped, late ones fired; and at
+  // the aborts started.
   void Pass(std::unique_lock<std::mutex>& lock) {
+    PassAborts();
     for (auto it = entries_.begin(); it != entries_.end();) {
       Entry& e = it->second;
       std::shared_ptr<CudaClique> clique =
@@ -254,6 +292,13 @@ class Watchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<Key, Entry> entries_;
+  struct WatchedAborts {
+    std::weak_ptr<const NcclComms> comms;
+    std::string clique;
+    Clock::time_point deadline;
+    std::chrono::milliseconds timeout;
+  };
+  std::vector<WatchedAborts> aborts_;
   bool thread_started_ = false;
   std::atomic<bool> virtual_clock_{false};  // UseVirtualClock: no thread, time from Advance
   std::atomic<Clock::rep> virtual_now_{0};  // since the virtual clock's epoch
@@ -267,6 +312,11 @@ Watchdog& Instance() {
 }  // namespace
 
 void Watch(WatchedCall call) { Instance().Add(std::move(call)); }
+
+void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
+                 std::chrono::milliseconds timeout) {
+  Instance().AddAborts(std::move(comms), std::move(clique), timeout);
+}
 
 int PendingWatches() { return Instance().Pending(); }
 

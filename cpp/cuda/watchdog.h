@@ -64,6 +64,13 @@ struct WatchedCall {
 // Registers the newest call of (clique, rank), after the rank's earlier ones.
 void Watch(WatchedCall call);
 
+// Reports, once, with JO_WARN, aborts of `comms` (a clique's, named `clique`) still running
+// `timeout` after this call, the watchdog's clock: ncclCommAbort frees device memory, which waits
+// for the device's other work, so an abort can hang (NCCL issue #549); nobody waits for one, so
+// this is where it is said while it happens (the clique's description names it too).
+void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
+                 std::chrono::milliseconds timeout);
+
 // For info() and tests: number of ranks with pending calls.
 int PendingWatches();
 

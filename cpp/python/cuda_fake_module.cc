@@ -196,6 +196,20 @@ nb::dict LeaseRace(bool hold_lease) {
   return out;
 }
 
+nb::dict StuckAbort(bool stuck) {
+  jo::fake::StuckAbortOutcome outcome;
+  jo::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = jo::fake::StuckAbort(stuck, &outcome);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+  nb::dict out;
+  out["warning"] = outcome.warning;
+  out["errors"] = outcome.errors;
+  return out;
+}
+
 std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
                                       std::vector<int64_t> devices, int64_t process_index,
                                       int device) {
@@ -236,6 +250,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("lease_race", &LeaseRace, nb::arg("hold_lease"),
         "The watchdog's NcclComms::Abort on another thread while an enqueue has the "
         "communicators (with or without its lease); what the fake recorded.");
+  m.def("stuck_abort", &StuckAbort, nb::arg("stuck"),
+        "An ncclCommAbort that cannot return (stuck=True) or can: the watchdog's warning, and "
+        "what the fake recorded.");
   m.def("misuse_checks", &jo::fake::MisuseChecks,
         "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");

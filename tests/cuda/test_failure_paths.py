@@ -80,3 +80,18 @@ def test_a_peer_missing_at_the_first_nccl_call_is_found_at_set_up(fake, op):
                for s in statuses), statuses
     assert all(s and ("timeout" in s or "aborted" in s) for s in statuses), statuses
     assert fake.counters().get("ncclCommAbort", 0) > 0  # their groups on the GPU exit
+
+
+@pytest.mark.parametrize("stuck", [True, False], ids=["stuck", "returns"])
+def test_the_watchdog_reports_an_abort_that_does_not_return(fake, stuck):
+    """ncclCommAbort frees device memory, which waits for the device's other work (NCCL issue
+    #549): behind a wait nobody satisfies it does not return. Nobody waits for an abort (each
+    runs on a thread of its own), so the watchdog says so once the timeout has passed on its
+    clock, while it hangs; an abort that returns is not reported."""
+    got = fake.stuck_abort(stuck=stuck)
+    assert got["errors"] == [], got["errors"]
+    if stuck:
+        assert "stuck_abort clique: ncclCommAbort of rank 0 on GPU 0" in got["warning"], got
+        assert "has not returned after 0.2 s" in got["warning"], got
+    else:
+        assert got["warning"] == "", got
