@@ -241,35 +241,44 @@ Status NcclComms::Connect(int32_t rank, const Peers& peers, cudaStream_t stream,
     }
     JO_CHECK(status);
     JO_NCCL_CHECK_ASYNC(&ctx, closed);
-    // Polled: NCCL's connection (non-blocking communicator), then the group on the GPU.
+    // Polled: NCCL's connection (non-blocking communicator), then the group on the GPU. From
+    // here the group may be on the GPU: on any way out but its completion it is left in flight,
+    // with `done` recorded after it (best effort) for the caller to await once it aborted.
+    *in_flight = true;
     bool connected = closed == ncclSuccess, recorded = false;
-    for (;;) {
-      JO_CHECK(check());
-      if (!connected) {
-        ncclResult_t state = ncclSuccess;
-        JO_NCCL_CHECK(&ctx, ncclCommGetAsyncError(comm, &state));
-        if (state != ncclSuccess && state != ncclInProgress) return NcclFailure(state, what, &ctx);
-        connected = state == ncclSuccess;
-      }
-      if (connected && !recorded) {
-        JO_CUDA_CHECK(&ctx, cudaEventRecord(done, stream));
-        recorded = *in_flight = true;
-      }
-      if (recorded) {
-        const cudaError_t q = cudaEventQuery(done);
-        if (q == cudaSuccess) {
-          *in_flight = false;
-          break;
+    const Status polled = [&]() -> Status {
+      for (;;) {
+        JO_CHECK(check());
+        if (!connected) {
+          ncclResult_t state = ncclSuccess;
+          JO_NCCL_CHECK(&ctx, ncclCommGetAsyncError(comm, &state));
+          if (state != ncclSuccess && state != ncclInProgress)
+            return NcclFailure(state, what, &ctx);
+          connected = state == ncclSuccess;
         }
-        if (q != cudaErrorNotReady) return CudaFailure(q, "cudaEventQuery (NCCL connection)", &ctx);
+        if (connected && !recorded) {
+          JO_CUDA_CHECK(&ctx, cudaEventRecord(done, stream));
+          recorded = true;
+        }
+        if (recorded) {
+          const cudaError_t q = cudaEventQuery(done);
+          if (q == cudaSuccess) return OkStatus();
+          if (q != cudaErrorNotReady)
+            return CudaFailure(q, "cudaEventQuery (NCCL connection)", &ctx);
+        }
+        if (std::chrono::steady_clock::now() >= deadline)
+          return Status(Code::kTimeout, ctx.Describe() + ": " + what +
+                                            " did not complete within JAXOVERLAP_TIMEOUT_S: a "
+                                            "peer rank did not take part (it failed, exited, or "
+                                            "runs different calls)");
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
-      if (std::chrono::steady_clock::now() >= deadline)
-        return Status(Code::kTimeout, ctx.Describe() + ": " + what +
-                                          " did not complete within JAXOVERLAP_TIMEOUT_S: a peer "
-                                          "rank did not take part (it failed, exited, or runs "
-                                          "different calls)");
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }();
+    if (!polled.ok()) {
+      if (!recorded) (void)cudaEventRecord(done, stream);
+      return polled;
     }
+    *in_flight = false;
     std::lock_guard<std::mutex> lock(mu_);
     Peers& had = connected_[static_cast<size_t>(rank)];
     had.sends[c].insert(fresh.sends[c].begin(), fresh.sends[c].end());

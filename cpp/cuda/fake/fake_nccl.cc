@@ -394,8 +394,10 @@ static ncclResult_t FlushGroup() {
     // NCCL serialises a communicator: this group starts after its earlier ones.
     task.ready = [gs] {
       if (gs->aborted()) return true;
-      for (const auto& [comm, seq] : gs->order)  // NCCL launches the group once connected
-        if (comm->connecting) return false;
+      // NCCL launches the group once connected: its thread connects once the device work the
+      // connection waits for is done, whether or not the caller polls.
+      for (const auto& [comm, seq] : gs->order)
+        if (comm->connecting && !comm->connecting()) return false;
       for (const auto& [comm, seq] : gs->order)
         if (comm->groups_done < seq - 1) return false;
       return true;
