@@ -212,9 +212,28 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // NCCL moves the data itself: its programs signal and wait on no flag.
   const int32_t flags = state_.transport == Transport::kNccl ? 0 : needs.num_flags;
   JO_CHECK(CheckNotBroken(ctx.Describe()));
-  if (!connected_) {
-    JO_CHECK(OpsOf(state_.transport).connect(state_, ctx));
-    connected_ = true;
+  // Connected once, by the first rank to need it, WITHOUT the lock: NCCL's creation waits for
+  // the devices and the peers, the handles' exchange for the peers; meanwhile the others wait
+  // here (bounded) and Describe answers.
+  while (!connected_) {
+    if (connecting_) {
+      const bool done = made_.wait_for(lock, state_.timeout,
+                                       [&] { return !connecting_ || !BrokenReason().empty(); });
+      JO_CHECK(CheckNotBroken(ctx.Describe()));
+      if (!done)
+        return Status(Code::kTimeout, ctx.Describe() +
+                                          ": the clique's connection (another rank sets it up) "
+                                          "did not complete within JAXOVERLAP_TIMEOUT_S");
+      continue;
+    }
+    connecting_ = true;
+    lock.unlock();
+    const Status status = OpsOf(state_.transport).connect(state_, ctx);
+    lock.lock();
+    connecting_ = false;
+    connected_ = status.ok();
+    made_.notify_all();
+    JO_CHECK(status);  // Reserve breaks the clique before the lock is released
   }
   for (;;) {
     // The newest generation valid at this epoch (see clique_state.h).
@@ -284,12 +303,14 @@ std::string CudaClique::Describe() const {
   int32_t first_local = 0;
   while (first_local < nranks() && state_.devices[first_local] < 0) ++first_local;
   out += "], epoch " + std::to_string(Epoch(first_local < nranks() ? first_local : 0));
-  if (state_.handles != Handles::kUnset)
+  // What connect makes (without the lock) is read only once it is done.
+  if (connecting_) out += ", connecting";
+  if (connected_ && state_.handles != Handles::kUnset)
     out += state_.handles == Handles::kFabric ? ", peers through fabric handles"
                                               : ", peers through CUDA IPC";
   const std::string broken = BrokenReason();
   if (!broken.empty()) out += ", BROKEN: " + broken;
-  if (state_.nccl) {
+  if (connected_ && state_.nccl) {
     const std::string stuck = state_.nccl->StuckAborts();
     if (!stuck.empty()) out += ", " + stuck;
   }

@@ -19,12 +19,14 @@
 // capturing stream).
 //
 // Locking: the clique's lock guards its state, never a wait for the GPU or
-// for a peer process. A new generation is made with the lock released (its
-// zero-fill is awaited, its handles exchanged); ranks that need it wait for
-// it, ranks still on older epochs go on — their calls are what lets the GPU
-// get to the zero-fill when streams share a hardware queue. The watchdog
-// needs no lock of the clique (the communicators have their own, with
-// leases: nccl_comms.h).
+// for a peer process. The transport is connected (communicators created, peer
+// access enabled, handles agreed) with the lock released, and so is a new
+// generation made (its zero-fill is awaited, its handles exchanged); ranks
+// that need either wait for it, ranks still on older epochs go on — their
+// calls are what lets the GPU get to the zero-fill when streams share a
+// hardware queue — and Describe answers meanwhile. The watchdog needs no lock
+// of the clique (the communicators have their own, with leases:
+// nccl_comms.h).
 #pragma once
 
 #include <nccl.h>
@@ -132,6 +134,7 @@ class CudaClique : public Clique {
   std::condition_variable made_;  // a generation was made (or its making failed)
   CliqueState state_;
   bool connected_ = false;
+  bool connecting_ = false;  // a rank is connecting the transport, without the lock
   std::vector<std::shared_ptr<Generation>> generations_;  // newest last
   int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
   int64_t freed_ = 0;    // generations freed so far

@@ -95,3 +95,36 @@ def test_the_watchdog_reports_an_abort_that_does_not_return(fake, stuck):
         assert "has not returned after 0.2 s" in got["warning"], got
     else:
         assert got["warning"] == "", got
+
+
+@pytest.mark.slow  # waits for a 2 s creation timeout
+def test_the_cliques_are_described_while_a_transport_connects(fake):
+    """Process 1 never makes its first call, so process 0's NCCL communicators cannot be made
+    (every rank must join) until the 2 s timeout. The connection runs without the clique's lock:
+    meanwhile ``cliques()`` (info(), the selftest's report) describes the clique as connecting,
+    instead of waiting for the lock until the timeout."""
+    import threading
+
+    from .test_fake import _spanning
+
+    _spanning(fake, 43, [0, 1])
+    xs, ws = _inputs("matmul_rs", 2, 1, 4, 8, 6, "float32")
+    result = {}
+
+    def run():
+        result["out"] = fake.run("matmul_rs", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
+                                 [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
+                                 clique_key=43, processes=[0, 1], skip_rank=1, timeout_ms=2000)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    seen = []
+    while runner.is_alive():
+        described = fake.cliques()
+        seen.append(described)
+        if "connecting" in described:
+            break
+    runner.join()
+    assert any("connecting" in d for d in seen), seen[-3:]
+    status = result["out"]["statuses"][0]
+    assert status and "NCCL communicator creation" in status, status
