@@ -80,6 +80,17 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   std::vector<CallEvents> free_;
 };
 
+void Generation::NoteFirstUse(int32_t rank, const std::shared_ptr<const CallEvents>& call) const {
+  std::lock_guard<std::mutex> lock(use_mu_);
+  first_use_.emplace(rank, call);  // the first one stays
+}
+
+std::shared_ptr<const CallEvents> Generation::FirstUse(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(use_mu_);
+  const auto it = first_use_.find(rank);
+  return it == first_use_.end() ? nullptr : it->second;
+}
+
 RankResources::~RankResources() {
   if (device < 0) return;  // a rank of another process: nothing here
   DeviceGuard guard;
@@ -151,10 +162,25 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
     JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     events.push_back(e);
   }
+  // Retired scratch the GPU is done with: freed here, at set-up (cudaFree waits for the device's
+  // earlier work, which needs only the peers' earlier calls: docs/gpu.md §3).
+  for (auto it = retired_scratch.begin(); it != retired_scratch.end();) {
+    const cudaError_t q = it->last_user ? cudaEventQuery(it->last_user->done) : cudaSuccess;
+    if (q == cudaSuccess) {
+      it = retired_scratch.erase(it);
+      continue;
+    }
+    if (q != cudaErrorNotReady) (void)cudaGetLastError();
+    ++it;
+  }
   const size_t scratch_bytes = static_cast<size_t>(p.scratch_elems * DTypeSize(p.problem.dtype));
   if (scratch_bytes > 0 && (!scratch || scratch->bytes < scratch_bytes)) {
-    // The old scratch may still be read by queued work: retire, do not free.
-    if (scratch) retired_scratch.push_back(std::move(scratch));
+    // The old scratch may still be read by queued work (this rank's calls so far): retired.
+    if (scratch) {
+      std::shared_ptr<const CallEvents> last;
+      (void)Last(&last);
+      retired_scratch.push_back({std::move(scratch), std::move(last)});
+    }
     JO_CHECK(Alloc(device, scratch_bytes, nullptr, ctx, &scratch));
   }
   return OkStatus();

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -24,6 +25,18 @@
 #include "cuda/nccl_comms.h"
 
 namespace jo::cuda {
+
+// The two events of one call on XLA's stream, the watchdog's view of it: `started`, recorded
+// before the call's first work (when the GPU gets there, the call's clock starts), and `done`,
+// after it. Every call has a pair of its own for as long as anyone holds it (the watchdog, until
+// the call is done; the rank's `last`), so a pending call's events are never re-recorded by a
+// later call, however far the host runs ahead of the GPU. Released pairs go back to their
+// rank's pool (made at set-up: creating events is not on the enqueue path's list).
+struct CallEvents {
+  cudaEvent_t started = nullptr;
+  cudaEvent_t done = nullptr;
+};
+class EventPool;
 
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
@@ -56,23 +69,21 @@ struct Generation {
   std::vector<std::vector<Remote>> remote;
   std::vector<std::unique_ptr<DeviceAlloc>> mappings;
 
+  // The first call of local rank `rank` on this generation, once its `done` event was recorded:
+  // when it is done on the GPU, so is every call of that rank on older generations (a rank's
+  // calls complete in order on XLA's stream).
+  void NoteFirstUse(int32_t rank, const std::shared_ptr<const CallEvents>& call) const;
+  std::shared_ptr<const CallEvents> FirstUse(int32_t rank) const;
+
   // Addresses as seen by local rank `viewer` (the rank whose GPU runs the op).
   std::byte* Workspace(int32_t rank, int64_t epoch, int32_t viewer) const;  // unicast
   std::byte* MulticastAddress(int64_t epoch) const;                         // parity of epoch
   CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const;
-};
 
-// The two events of one call on XLA's stream, the watchdog's view of it: `started`, recorded
-// before the call's first work (when the GPU gets there, the call's clock starts), and `done`,
-// after it. Every call has a pair of its own for as long as anyone holds it (the watchdog, until
-// the call is done; the rank's `last`), so a pending call's events are never re-recorded by a
-// later call, however far the host runs ahead of the GPU. Released pairs go back to their
-// rank's pool (made at set-up: creating events is not on the enqueue path's list).
-struct CallEvents {
-  cudaEvent_t started = nullptr;
-  cudaEvent_t done = nullptr;
+ private:
+  mutable std::mutex use_mu_;
+  mutable std::map<int32_t, std::shared_ptr<const CallEvents>> first_use_;
 };
-class EventPool;
 
 // Per-rank execution resources: comm streams, events, private scratch.
 struct RankResources {
@@ -81,8 +92,14 @@ struct RankResources {
   std::vector<cudaEvent_t> events;         // program events, then fork/join
   std::shared_ptr<EventPool> call_events;  // CallEvents not in use
   std::unique_ptr<DeviceAlloc> scratch;
-  std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
-  cudaStream_t setup = nullptr;                               // zero-fills new buffers
+  // Scratch outgrown, with the last call that may use it: freed at a later set-up once that call
+  // is done on the GPU.
+  struct Retired {
+    std::unique_ptr<DeviceAlloc> scratch;
+    std::shared_ptr<const CallEvents> last_user;  // null: no call used it
+  };
+  std::vector<Retired> retired_scratch;
+  cudaStream_t setup = nullptr;      // zero-fills new buffers
   cudaEvent_t setup_done = nullptr;  // recorded after the zero-fills, polled (AwaitSetup)
   // Transport nccl: where the rank's communicators connect to their peers at set-up
   // (NcclComms::Connect): a stream and one float to send, one per rank to receive.
@@ -93,7 +110,9 @@ struct RankResources {
   RankResources(const RankResources&) = delete;
   RankResources& operator=(const RankResources&) = delete;
   ~RankResources();
-  // Grows streams/events/scratch to what `program` needs and takes the call's CallEvents.
+  // Grows streams/events/scratch to what `program` needs (an outgrown scratch is retired, a
+  // retired one no call uses any more freed: set-up, before the call's first enqueue) and takes
+  // the call's CallEvents.
   Status Reserve(const Program& program, const ErrorContext& ctx,
                  std::shared_ptr<const CallEvents>* events);
   // The setup stream and its event (before buffers are zero-filled on it).

@@ -131,18 +131,20 @@ void CudaClique::TakePast(std::vector<std::shared_ptr<Generation>>* out) {
     const std::shared_ptr<Generation>& oldest = generations_.front();
     // Held elsewhere: an enqueue in progress, or the watchdog watching a call on it.
     if (oldest.use_count() > 1) return;
-    // Every local rank has finished, on the GPU, a call of a newer generation:
-    // its calls on this one are done, and so are the peers' uses of its
-    // buffers (a peer writes a rank's buffers only before signalling it in
-    // the same call, which that rank waits for).
-    const int64_t next = generations_[1]->since_epoch;
-    for (const auto& res : state_.ranks) {
+    // Every local rank has finished, on the GPU, a call of a newer generation
+    // (its first on the next one: a rank's calls complete in order): its calls
+    // on this one are done, and so are the peers' uses of its buffers (a peer
+    // writes a rank's buffers only before signalling it in the same call,
+    // which that rank waits for).
+    const Generation& next = *generations_[1];
+    for (size_t r = 0; r < state_.ranks.size(); ++r) {
+      const auto& res = state_.ranks[r];
       if (res->device < 0) continue;
-      std::shared_ptr<const CallEvents> last;
-      if (res->Last(&last) < next) return;
+      const std::shared_ptr<const CallEvents> first = next.FirstUse(static_cast<int32_t>(r));
+      if (!first) return;
       DeviceGuard guard;
       if (cudaSetDevice(res->device) != cudaSuccess) return;
-      const cudaError_t q = cudaEventQuery(last->done);
+      const cudaError_t q = cudaEventQuery(first->done);
       if (q != cudaSuccess) {
         if (q != cudaErrorNotReady) (void)cudaGetLastError();
         return;
@@ -235,6 +237,33 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     made_.notify_all();
     JO_CHECK(status);  // Reserve breaks the clique before the lock is released
   }
+  // The generations every local rank is past are freed by the first local rank to reserve an
+  // epoch, and only then, while the others wait here before they reserve (so enqueue) it: no
+  // local rank has enqueued anything of this epoch, so the device work a free waits for is of
+  // earlier calls, which every rank has enqueued or will without waiting for this one
+  // (docs/gpu.md §3, "What may run on the enqueue path").
+  while (freeing_ >= 0 && epoch >= freeing_) {
+    const bool freed = made_.wait_for(lock, state_.timeout,
+                                      [&] { return freeing_ < 0 || !BrokenReason().empty(); });
+    JO_CHECK(CheckNotBroken(ctx.Describe()));
+    if (!freed)
+      return Status(Code::kTimeout, ctx.Describe() +
+                                        ": freeing past buffers (another rank does it) did not "
+                                        "complete within JAXOVERLAP_TIMEOUT_S");
+  }
+  if (epoch > first_reserved_) {
+    first_reserved_ = epoch;
+    std::vector<std::shared_ptr<Generation>> past;
+    TakePast(&past);
+    if (!past.empty()) {
+      freeing_ = epoch;
+      lock.unlock();
+      past.clear();
+      lock.lock();
+      freeing_ = -1;
+      made_.notify_all();
+    }
+  }
   for (;;) {
     // The newest generation valid at this epoch (see clique_state.h).
     std::shared_ptr<Generation> use;
@@ -269,14 +298,7 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     const int64_t grow_ws = std::max<int64_t>(ws_bytes, use ? use->workspace_bytes : 0);
     const int32_t grow_flags = std::max<int32_t>(flags, use ? use->num_flags : 0);
     making_ = epoch;
-    // The generations every local rank is past are freed here, and only here: no local rank
-    // has enqueued anything of this epoch (each needs the new generation first), so the
-    // device work a free waits for is of earlier calls, which every rank has enqueued or
-    // will without waiting for this one (docs/gpu.md §3, "What may run on the enqueue path").
-    std::vector<std::shared_ptr<Generation>> past;
-    TakePast(&past);
     lock.unlock();
-    past.clear();
     std::shared_ptr<Generation> made;
     const Status status = NewGeneration(epoch, grow_ws, grow_flags, ctx, &made);
     lock.lock();

@@ -74,10 +74,11 @@ class CudaClique : public Clique {
   bool spans_processes() const { return state_.spans_processes(); }
 
   // Reserve, before call `epoch` of `rank` (the agreement check has passed):
-  // connects the transport (once), makes a buffer generation as big as
-  // `needs` (core/call.h: the same on every rank) when the current one is
-  // smaller — freeing, first, the generations every local rank is past — and
-  // the rank's streams, events and scratch for `program` (without the lock).
+  // connects the transport (once); frees the generations every local rank is
+  // past, if it is the first local rank at `epoch`; makes a buffer generation
+  // as big as `needs` (core/call.h: the same on every rank) when the current
+  // one is smaller; and the rank's streams, events and scratch for `program`
+  // (without the lock), freeing its retired scratch no call uses any more.
   // Everything here may wait for the GPU: it runs before the call's first
   // enqueue (docs/gpu.md §3, "What may run on the enqueue path"). A failure
   // breaks the clique.
@@ -137,7 +138,11 @@ class CudaClique : public Clique {
   bool connecting_ = false;  // a rank is connecting the transport, without the lock
   std::vector<std::shared_ptr<Generation>> generations_;  // newest last
   int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
-  int64_t freed_ = 0;    // generations freed so far
+  // The newest epoch a local rank has reserved, and the one whose first reserver frees past
+  // generations now, without the lock (-1: none): ranks at it or later wait.
+  int64_t first_reserved_ = 0;
+  int64_t freeing_ = -1;
+  int64_t freed_ = 0;  // generations freed so far
 };
 
 }  // namespace jo::cuda

@@ -195,6 +195,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     const cudaError_t recorded = cudaEventRecord(reserved.events->done, stream);
     if (recorded == cudaSuccess) {
       run.resources->SetLast(run.epoch, reserved.events);
+      reserved.gen->NoteFirstUse(ctx.rank, reserved.events);
       Watch(std::move(watched));
     } else if (status.ok()) {
       status = CudaFailure(recorded, "cudaEventRecord(done)", &ctx);

@@ -128,3 +128,32 @@ def test_the_cliques_are_described_while_a_transport_connects(fake):
     assert any("connecting" in d for d in seen), seen[-3:]
     status = result["out"]["statuses"][0]
     assert status and "NCCL communicator creation" in status, status
+
+
+def _device_memory_after(fake, op, transport, rows_per_run):
+    """Device allocations the executor holds (cudaMalloc - cudaFree: nccl and p2p make all of
+    theirs so) after one run per entry of ``rows_per_run`` on one clique; and the clique."""
+    fake.reset()
+    for rows in rows_per_run:
+        xs, ws = _inputs(op, 4, 1, rows, 8, 6, "float32")
+        out = fake.run(op, transport, 4, 1, rows, 8, 6, "float32", 2, False, False,
+                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
+                       clique_key=44)
+        assert out["statuses"] == [None] * 4 and fake.errors() == [], (out["statuses"],
+                                                                      fake.errors())
+    counters = fake.counters()
+    return counters.get("cudaMalloc", 0) - counters.get("cudaFree", 0), fake.cliques()
+
+
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+def test_outgrown_buffers_are_freed_once_no_call_uses_them(fake, transport):
+    """Calls on 4 rows per rank, then on 8 (more workspace and scratch: a new buffer generation,
+    each rank's scratch retired), then on 8 again: by then every rank is past the first
+    generation and done with its old scratch, so the third run's set-up frees them, and the
+    executor holds exactly what 8-row calls alone need. Before, a retired scratch was never
+    freed and a past generation lived until the next growth."""
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+        grown, described = _device_memory_after(fake, op, transport, [4, 8, 8])
+        alone, _ = _device_memory_after(fake, op, transport, [8, 8, 8])
+        assert grown == alone, (op, grown, alone, described)
+        assert "(1 generation(s) live" in described, described
