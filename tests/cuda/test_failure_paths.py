@@ -46,12 +46,12 @@ def test_the_watchdog_fires_with_many_calls_queued_behind_a_stuck_one(fake, tran
 @pytest.mark.parametrize("op", ["matmul_rs", "ag_matmul"])
 def test_a_set_up_behind_a_stuck_nccl_call_does_not_keep_the_communicators(fake, op):
     """Every rank's first call is stuck in NCCL (rank 2 never calls); the next call, of another
-    call site, needs set-up (chunks 4 -> 1: larger GEMMs, new cuBLASLt plans and a larger warm-up
-    buffer, allocated: cudaMalloc waits for the device, i.e. for the stuck call). The watchdog aborts the
-    communicators meanwhile, which lets the device drain and the set-up finish; the call then
-    fails for the abort. The communicators are leased only from just before the first enqueue:
-    with the lease taken at the reservation, the abort waited for the set-up and the set-up for
-    the abort."""
+    call site, needs set-up (chunks 4 -> 1: larger GEMMs, new cuBLASLt plans and a larger
+    warm-up buffer, allocated: cudaMalloc waits for the device, i.e. for the stuck call). The
+    watchdog aborts the communicators meanwhile, which lets the device drain and the set-up
+    finish; the call then fails for the abort. The communicators are leased only from just
+    before the first enqueue: with the lease taken at the reservation, the abort waited for the
+    set-up and the set-up for the abort."""
     fake.reset(fake.Config(grace_ms=10000))
     out = _missing_peer(fake, op, "nccl", rows=64, chunks=4, clique_key=41,
                         chunks_per_call=[4, 1])

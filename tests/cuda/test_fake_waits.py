@@ -4,11 +4,11 @@ cudaMalloc / cudaFree, cudaMallocHost and the VMM unmap / release calls wait for
 their device, and a device-to-host copy into pageable memory returns only once it has completed;
 with lazy loading (CUDA's default, ``CUDA_MODULE_LOADING=EAGER`` turns it off) the first use of a
 kernel or cuBLASLt algorithm on a device waits for it too; ``ncclCommAbort`` frees memory, so it
-waits for other communicators' kernels on its device; NCCL's first send/recv to a peer connects to
-it, allocating device memory, which waits for the device too. A host thread that waits so while the GPU
-waits for work only it (or another waiting thread) would enqueue is a deadlock: the fake reports
-it with the queues' state and fails the call instead of hanging. One deliberate misuse per rule,
-with a control doing the same in an order that completes.
+waits for other communicators' kernels on its device; NCCL's first send/recv to a peer connects
+to it, allocating device memory, which waits for the device too. A host thread that waits so
+while the GPU waits for work only it (or another waiting thread) would enqueue is a deadlock: the
+fake reports it with the queues' state and fails the call instead of hanging. One deliberate
+misuse per rule, with a control doing the same in an order that completes.
 """
 
 from __future__ import annotations
