@@ -316,9 +316,9 @@ def test_rank_table_membership_errors_are_clean(fake):
 
 def test_case_table_covers_every_op_kind(fake):
     """The cases above exercise every op of the program IR at least once."""
-    from jaxoverlap import _runtime
+    from jaxoverlap._native import runtime
 
-    host = _runtime.load_host()
+    host = runtime.load_host()
     kinds = set()
     for op, transport, case in itertools.product(("ag_matmul", "matmul_rs"),
                                                  ("nccl", "p2p", "multicast"), CASES):
@@ -397,8 +397,9 @@ def test_the_watchdog_runs_on_the_fakes_virtual_clock(fake):
 # ``processes`` gives each rank's (played) process: every played process gets its own clique
 # object holding only its ranks (the others are device -1), exactly as in separate processes; the
 # NCCL unique id is made once (ncclGetUniqueId, "in the process of rank 0") and registered for
-# every process, as _native does after moving it through the jax.distributed store. The fake's
-# ncclCommInitRank joins the ranks that give the same id; its send/recv then run between them.
+# every process, as the native lowering's bootstrap does after moving it through the
+# jax.distributed store. The fake's ncclCommInitRank joins the ranks that give the same id; its
+# send/recv then run between them.
 # What is real here: the executor's multi-process code path (placement with remote ranks,
 # per-process cliques, ncclCommInitRank in a group, local-only buffers and signature checks).
 # What is modelled: all played processes share one fake "GPU" world and one NCCL rendezvous.
