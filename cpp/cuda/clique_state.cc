@@ -173,7 +173,7 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
     if (q != cudaErrorNotReady) (void)cudaGetLastError();
     ++it;
   }
-  const size_t scratch_bytes = static_cast<size_t>(p.scratch_elems * DTypeSize(p.problem.dtype));
+  const size_t scratch_bytes = static_cast<size_t>(ScratchBytes(p));  // elements, then scales
   if (scratch_bytes > 0 && (!scratch || scratch->bytes < scratch_bytes)) {
     // The old scratch may still be read by queued work (this rank's calls so far): retired.
     if (scratch) {
