@@ -87,7 +87,7 @@ struct Step {
   FusedGemmArgs fused;          // FusedGemm
   CUdeviceptr flag = 0;         // Signal, Wait
   cudaEvent_t event = nullptr;  // Record, StreamWait
-  ncclComm_t comm = nullptr;    // Send, Recv
+  ncclComm_t comm = nullptr;    // Send, Recv (set by Execute, from the caller's lease)
 };
 
 }  // namespace
@@ -124,13 +124,27 @@ class Enqueuer {
     return OkStatus();
   }
 
-  Status Execute(bool* enqueued) {
+  void Abandon() {
+    if (warmed_ && cudaSetDevice(a_.device) == cudaSuccess)
+      (void)JoinWarmUps(a_.device, a_.stream, a_.ctx);
+  }
+
+  Status Execute(const std::vector<ncclComm_t>& comms, bool* enqueued) {
     // "jaxoverlap ag_matmul nccl rank 2 epoch 7": the call, around its enqueue.
     const NvtxRange call_range([&] {
       return "jaxoverlap " + Label() + " rank " + std::to_string(p_.problem.rank) + " epoch " +
              std::to_string(a_.epoch);
     });
     *enqueued = false;
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      const Op& op = p_.ops[i];
+      if (!IsNccl(op.kind)) continue;
+      const size_t s = static_cast<size_t>(op.stream);
+      if (s >= comms.size() || comms[s] == nullptr)
+        return Internal(a_.ctx.Describe() + ": no NCCL communicator for stream " +
+                        std::to_string(op.stream));
+      steps_[i].comm = comms[s];
+    }
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
     *enqueued = true;  // from here on work may reach the GPU: the caller must watch it
     bool forked = false;
@@ -311,12 +325,10 @@ class Enqueuer {
         if (ref.ld != op.n)
           return Internal(a_.ctx.Describe() + ": NCCL block rows must be dense (ld " +
                           std::to_string(ref.ld) + " != n " + std::to_string(op.n) + ")");
-        if (static_cast<size_t>(op.stream) >= a_.comms.size() ||
-            a_.comms[static_cast<size_t>(op.stream)] == nullptr)
-          return Internal(a_.ctx.Describe() + ": no NCCL communicator for stream " +
-                          std::to_string(op.stream));
-        step->comm = a_.comms[static_cast<size_t>(op.stream)];
-        return OkStatus();
+        if (op.stream < 1 || op.stream > NcclComms::kChannels)
+          return Internal(a_.ctx.Describe() + ": NCCL ops on stream " + std::to_string(op.stream) +
+                          ", which has no communicator");
+        return OkStatus();  // its communicator: at Execute, under the caller's lease
       }
     }
     return Internal("unknown op kind");
@@ -570,7 +582,11 @@ class Enqueuer {
 PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}
 PreparedCall::~PreparedCall() = default;
 
-Status PreparedCall::Execute(bool* enqueued) { return enqueuer_->Execute(enqueued); }
+Status PreparedCall::Execute(const std::vector<ncclComm_t>& comms, bool* enqueued) {
+  return enqueuer_->Execute(comms, enqueued);
+}
+
+void PreparedCall::Abandon() { enqueuer_->Abandon(); }
 
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
   auto enqueuer = std::make_unique<Enqueuer>(args);

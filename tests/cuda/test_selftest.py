@@ -114,3 +114,43 @@ def test_the_bound_covers_a_ring_reduction_in_bf16_and_catches_a_lost_rank():
         assert np.all(np.abs(ring.astype(np.float64) - ref) <= allowed), seed
         lost = ring.astype(np.float64) - partials[3].astype(np.float64)
         assert not np.all(np.abs(lost - ref) <= allowed), seed
+
+
+@pytest.mark.slow  # a subprocess that imports jax and waits for a 2 s deadline
+def test_selftest_report_is_written_when_a_row_hangs(tmp_path):
+    """The report is rewritten after every row, and a row still running after the row deadline
+    is taken for a hang: recorded as failed with every thread's stack and the cliques, the report
+    written, the process ended (status 1). Here the second row of ``--fake`` never returns."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    from .conftest import require_module
+
+    require_module("_cuda_fake")
+    path = tmp_path / "report.json"
+    script = textwrap.dedent(f"""
+        import time
+        from jaxoverlap import _selftest
+        real, calls = _selftest._fake_row, []
+        def row(*args):
+            calls.append(args)
+            if len(calls) == 2:
+                time.sleep(600)  # hangs
+            return real(*args)
+        _selftest._fake_row = row
+        raise SystemExit(_selftest.main(quick=True, fake=True, report={str(path)!r},
+                                        row_deadline=2.0))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    first, second = report["rows"]
+    assert first["passed"] and first["name"].startswith("ag_matmul nccl"), first
+    assert not second["passed"] and "did not finish within 2 s" in second["detail"], second
+    hung = report["first_error"]
+    assert hung["row"] == second["name"] and "in row" in hung["traceback"], hung  # the sleep
+    assert any("clique" in line for line in hung["cliques"]), hung
+    assert report["versions"]["jaxoverlap"] and report["running"] is None

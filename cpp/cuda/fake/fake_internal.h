@@ -79,7 +79,15 @@ struct ncclComm {
   // NCCL serialises a communicator's operations in issue order, across streams.
   int64_t groups_issued = 0;
   int64_t groups_done = 0;
-  int splits = 0;           // ncclCommSplit calls made on it (the n-th split of every rank meets)
+  int splits = 0;  // ncclCommSplit calls made on it (the n-th split of every rank meets)
+  // Peers connected for send (true) and receive (false): NCCL connects to a peer at its first
+  // send/recv to it (fake_nccl.cc), which waits for the device. A non-blocking communicator
+  // connects after ncclGroupEnd returned: `connecting` says when the device work the
+  // connection waits for is done, `connecting_to` what it connects.
+  std::set<std::pair<int, bool>> connected;
+  std::function<bool()> connecting;
+  std::string connecting_to;
+  std::set<std::pair<int, bool>> connecting_peers;
   bool finalizing = false;  // ncclCommFinalize called
   bool aborted = false;     // freed by ncclCommAbort: every later use is a misuse
   bool destroyed = false;   // freed by ncclCommDestroy
@@ -187,6 +195,8 @@ struct State {
   std::vector<std::string> errors;
   std::map<std::string, int64_t> counters;
   std::map<uintptr_t, Alloc> allocs;  // by base address
+  // Page-locked host memory (cudaMallocHost): base -> bytes. Host memory outside it is pageable.
+  std::map<uintptr_t, size_t> pinned;
   // Malloc's ranges (cudaMalloc, the test driver's buffers): once freed, kept for the next
   // Malloc of their size, up to kSpareBytes, instead of unmapped — a new mapping costs a page
   // fault and a zero-fill per page (the executor allocates 32 MiB of cuBLASLt workspace per

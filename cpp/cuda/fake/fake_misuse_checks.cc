@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/log.h"
 #include "cuda/check.h"
 #include "cuda/driver.h"
 #include "cuda/fake/fake_checks.h"
@@ -21,6 +22,7 @@
 #include "cuda/fused_gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/nccl_comms.h"
+#include "cuda/watchdog.h"
 
 namespace jo::fake {
 
@@ -78,6 +80,50 @@ Status LeaseRace(bool hold_lease, LeaseRaceOutcome* out) {
   out->aborts_when_abort_returned = aborts_when_abort_returned;
   out->aborts_at_end = Counters()["ncclCommAbort"];
   out->acquire_after_abort = late.ok() ? std::string() : late.message();
+  out->errors = Errors();
+  return OkStatus();
+}
+
+Status StuckAbort(bool stuck, StuckAbortOutcome* out) {
+  Config config;
+  config.devices = 2;
+  ResetExecutorAndFake(config);
+  cuda::ErrorContext ctx;
+  ctx.op = "stuck_abort";
+  ncclUniqueId id{};
+  ncclGetUniqueId(&id);
+  constexpr std::chrono::milliseconds kTimeout(200);
+  auto comms = std::make_shared<cuda::NcclComms>(kTimeout);
+  const Status made = comms->Create(
+      {0, 1}, id, std::chrono::steady_clock::now() + std::chrono::seconds(10), "test", ctx);
+  if (!made.ok()) return Internal("stuck_abort: NcclComms::Create failed: " + made.message());
+  const cuda::DriverApi* drv = nullptr;
+  JO_CHECK(cuda::LoadDriver(&drv));
+  cudaSetDevice(0);
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  void* buf = Malloc(0, 64);
+  {
+    cuda::NcclComms::Lease lease;
+    JO_CHECK(comms->Acquire(0, ctx, &lease));
+    const ncclComm_t comm = lease.ForStreams(2)[1];
+    ncclSend(buf, 16, ncclFloat32, 1, comm, s);  // nobody receives: in flight until aborted
+    JO_CHECK(cuda::AwaitNccl(comm, std::chrono::steady_clock::now() + std::chrono::seconds(10),
+                             "ncclSend", &ctx));
+  }
+  auto* flag = static_cast<uint32_t*>(Malloc(0, 4));
+  if (stuck)
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
+                             CU_STREAM_WAIT_VALUE_GEQ);
+  const std::string before = LastWarning();
+  comms->Abort();  // each ncclCommAbort on a thread of its own
+  cuda::WatchAborts(comms, "stuck_abort clique", kTimeout);
+  if (!stuck) (void)comms->AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  cuda::AdvanceWatchdogClock(kTimeout + std::chrono::milliseconds(100));
+  out->warning = LastWarning() != before ? LastWarning() : std::string();
+  *flag = 1;  // the device's other work completes: the abort returns
+  if (!comms->AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10)))
+    return Internal("stuck_abort: the aborts did not return once the flag was raised");
   out->errors = Errors();
   return OkStatus();
 }
@@ -317,6 +363,18 @@ std::map<std::string, std::string> MisuseChecks() {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
+    // NCCL connects to a peer at the first send/recv to it, which waits for the device: connect
+    // first (one send and receive each way, run), so that only the serialisation is tested.
+    for (int r = 0; r < 2; ++r) {
+      cudaStream_t s = stream_on(r);
+      void* buf = Malloc(r, 8);
+      cudaSetDevice(r);
+      ncclGroupStart();
+      ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclGroupEnd();
+    }
+    Drain();
     for (int r = 0; r < 2; ++r) {
       cudaStream_t a = stream_on(r), b = stream_on(r);
       void* in = Malloc(r, 64);

@@ -107,8 +107,10 @@ struct Config {
   uint64_t seed = 1;
   // When no stream can progress, Drain lets up to this much time pass, in
   // steps of pass_time (the test driver moves the watchdog's virtual clock:
-  // it may release the streams), before calling it a deadlock. Never real
-  // time: whether a test passes does not depend on the machine's speed.
+  // it may release the streams), before calling it a deadlock; so does a
+  // host call that waits for the GPU while every rank's thread waits too
+  // (fake_waits.h). Never real time: whether a test passes does not depend
+  // on the machine's speed.
   int grace_ms = 0;
   std::function<void(std::chrono::milliseconds)> pass_time;
   // Hardware work queues per device; 0: CUDA_DEVICE_MAX_CONNECTIONS from the
