@@ -3,7 +3,9 @@
 On a machine with GPUs: runs ``ag_matmul``, ``matmul_rs`` and ``matmul_ar`` with
 ``impl="native"`` for every transport the GPUs offer, every dtype and a few shapes
 (with chunks and bidirectional rings), plus ``matmul_ar``'s one-shot on a decode
-step's single row, and compares each with a float64 product
+step's single row, plus (compute capability 9.0 GPUs only) the fused GEMM's programs
+of ``ag_matmul`` and ``matmul_rs`` over ``p2p`` and ``multicast``, and compares each with a
+float64 product
 of the same (rounded) inputs, within a bound derived from the dtype, the number
 of ranks and the contraction length (``bound``). Prints a pass/fail table; the
 exit status is 0 only if every row passed. ``--report FILE`` also writes what a
@@ -51,6 +53,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunks | rows
 # "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks (a decode step)
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
+# The fused GEMM's rows (docs/gpu.md §10): its ops, transports and dtypes, on the first shape
+# (rows of whole 16-byte units), every variant. On GPUs only where it runs (compute capability
+# 9.0); always on the fake.
+FUSED_OPS = ("ag_matmul", "matmul_rs")
+FUSED_TRANSPORTS = ("p2p", "multicast")
+FUSED_DTYPES = ("bfloat16", "float16")
 # Unit roundoff of each dtype (half the distance from 1 to the next number): 2^-24, 2^-8, 2^-11.
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 # FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
@@ -129,8 +137,10 @@ def _prepare_host_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidirectional) -> str:
-    """One row: the native op on the mesh against the float64 product of its rounded inputs."""
+def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidirectional,
+             fused=False) -> str:
+    """One row: the native op on the mesh against the float64 product of its rounded inputs
+    (``fused``: the fused GEMM's program, asked for with ``jo.config(fused=True)``)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -159,7 +169,8 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     kwargs["precision"] = "highest"
     native = jax.jit(lambda a, b: fn(a, b, "tp", impl="native", transport=transport,
                                      chunks=chunks, bidirectional=bidirectional, **kwargs))
-    got = np.asarray(jnp.asarray(native(x, w), jnp.float32), np.float64)
+    with jo.config(fused=fused):  # traced here, at the first call
+        got = np.asarray(jnp.asarray(native(x, w), jnp.float32), np.float64)
     x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     w64 = np.asarray(jnp.asarray(w, jnp.float32), np.float64)
     ok, detail = _compare(np, got, x64 @ w64, bound(op, dtype, n, k, x64, w64))
@@ -246,10 +257,10 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
 
 
 def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
-              fp8: tuple[str, str, str] | None = None) -> tuple[bool, str]:
+              fp8: tuple[str, str, str] | None = None, fused=False) -> tuple[bool, str]:
     """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
     the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
-    scales."""
+    scales; ``fused``: the fused GEMM's program."""
     import ml_dtypes
 
     batch_dims, rows, k, nw = shape
@@ -282,7 +293,7 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
         xs_ref, ws_ref = xs, ws
     out = fake.run(op, transport, n, batch, rows, k, nw, x_dtype, chunks, bidirectional, False,
                    [x.tobytes() for x in xs], w_bytes, list(range(n)),
-                   algorithm=algorithm or "two_shot", **extra)
+                   algorithm=algorithm or "two_shot", fused=fused, **extra)
     refs = rank_products(np, op, xs_ref, ws_ref, rows)
     problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
     if not out["drained"] and not problems:
@@ -417,24 +428,30 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     shapes = SHAPES[:1] if quick else SHAPES
     dtypes = DTYPES[:1] if quick else DTYPES
     variants = VARIANTS[-1:] if quick else VARIANTS
-    cases = [(op, transport, dtype, None, shape, variant) for op, transport, dtype, shape, variant
+    cases = [(op, transport, dtype, None, shape, variant, False)
+             for op, transport, dtype, shape, variant
              in itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)]
     # FP8: every pairing (one in quick), the variants alternating
     fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
-    cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2])
+    cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
               for (i, fp8), (j, op), transport in itertools.product(
                   enumerate(fp8s), enumerate(o for o in FP8_OPS if o in ops),
                   ("nccl", "p2p", "multicast"))]
+    # The fused GEMM (docs/gpu.md §10): its ops, transports and dtypes, on the first shape
+    cases += [(op, transport, dtype, None, SHAPES[0], variant, True)
+              for op, transport, dtype, variant in itertools.product(
+                  [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS,
+                  FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
     try:
-        for op, transport, dtype, fp8, shape, (chunks, bidi) in cases:
+        for op, transport, dtype, fp8, shape, (chunks, bidi), fused in cases:
             dims = (*shape[0], shape[1] * FAKE_RANKS + op.endswith("one_shot"), shape[2])
             name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
                     f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
-                    " (CUDA executor on the host-side fake)")
+                    f"{' fused' if fused else ''} (CUDA executor on the host-side fake)")
             table.start(name, cliques=_cuda_fake.cliques)
             start = time.perf_counter()
             ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi,
-                                   fp8)
+                                   fp8, fused)
             table.add(name, ok, detail, time.perf_counter() - start, cliques=_cuda_fake.cliques)
     finally:
         _cuda_fake.reset()
@@ -564,18 +581,31 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
     table = Table(report=(report, _report_header(caps, fake=False)) if report else None,
                   deadline_s=row_deadline or row_deadline_s())
     shapes = SHAPES[:1] if quick else SHAPES
-    for op, transport, dtype, shape, (chunks, bidi) in itertools.chain(
-            itertools.product(OPS[:3], transports, DTYPES, shapes, VARIANTS),
-            itertools.product(OPS[3:], transports, DTYPES, shapes, VARIANTS[:1])):
+    # The fused GEMM's rows where the GPUs run it (docs/gpu.md §10); not on host devices (the
+    # host executor's fused programs are the tests').
+    fused_why = (capabilities.fused_device_reason(platform) if on_gpu
+                 else "not on host devices")
+    if fused_why:
+        print(f"  (the fused GEMM's rows: skipped, {fused_why})")
+    fused_rows = () if fused_why else itertools.product(
+        FUSED_OPS, [t for t in FUSED_TRANSPORTS if t in transports], FUSED_DTYPES,
+        SHAPES[:1], VARIANTS)
+    for op, transport, dtype, shape, (chunks, bidi), fused in itertools.chain(
+            ((*c, False) for c in itertools.product(OPS[:3], transports, DTYPES, shapes,
+                                                     VARIANTS)),
+            ((*c, False) for c in itertools.product(OPS[3:], transports, DTYPES, shapes,
+                                                     VARIANTS[:1])),
+            ((*c, True) for c in fused_rows)):
         rows = 1 if op.endswith("one_shot") else shape[1] * n  # one-shot: a decode step
         name = (f"{op:9s} {transport:9s} {dtype:8s} "
                 f"{'x'.join(map(str, (*shape[0], rows, shape[2])))}"
-                f" chunks={chunks}{' bidi' if bidi else ''}")
+                f" chunks={chunks}{' bidi' if bidi else ''}{' fused' if fused else ''}")
         table.start(name, cliques=describe)
         start = time.perf_counter()
         trace = None
         try:
-            detail = _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidi)
+            detail = _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidi,
+                              fused)
             ok = True
         except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
             ok = False

@@ -1,7 +1,9 @@
 #include "cuda/clique_state.h"
 
+#include <algorithm>
 #include <thread>
 
+#include "cuda/fused_gemm.h"
 #include "cuda/peer_handles.h"
 
 namespace jo::cuda {
@@ -173,15 +175,25 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
     if (q != cudaErrorNotReady) (void)cudaGetLastError();
     ++it;
   }
+  // An outgrown buffer may still be used by queued work (this rank's calls so far): retired,
+  // with the last of those calls.
+  const auto retire = [&](std::unique_ptr<DeviceAlloc> old) {
+    std::shared_ptr<const CallEvents> last;
+    (void)Last(&last);
+    retired_scratch.push_back({std::move(old), std::move(last)});
+  };
   const size_t scratch_bytes = static_cast<size_t>(ScratchBytes(p));  // elements, then scales
   if (scratch_bytes > 0 && (!scratch || scratch->bytes < scratch_bytes)) {
-    // The old scratch may still be read by queued work (this rank's calls so far): retired.
-    if (scratch) {
-      std::shared_ptr<const CallEvents> last;
-      (void)Last(&last);
-      retired_scratch.push_back({std::move(scratch), std::move(last)});
-    }
+    if (scratch) retire(std::move(scratch));
     JO_CHECK(Alloc(device, scratch_bytes, nullptr, ctx, &scratch));
+  }
+  size_t fused_bytes = 0;
+  for (const Op& op : p.ops)
+    if (op.kind == OpKind::kFusedGemm)
+      fused_bytes = std::max(fused_bytes, FusedStateBytes(op.fused.rows.count()));
+  if (fused_bytes > 0 && (!fused_state || fused_state->bytes < fused_bytes)) {
+    if (fused_state) retire(std::move(fused_state));
+    JO_CHECK(Alloc(device, fused_bytes, nullptr, ctx, &fused_state));
   }
   return OkStatus();
 }

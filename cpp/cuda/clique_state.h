@@ -92,6 +92,9 @@ struct RankResources {
   std::vector<cudaEvent_t> events;         // program events, then fork/join
   std::shared_ptr<EventPool> call_events;  // CallEvents not in use
   std::unique_ptr<DeviceAlloc> scratch;
+  // The fused GEMM's own state: its fault record (FusedGemmFault), then a tile counter per
+  // row block (executor.cc).
+  std::unique_ptr<DeviceAlloc> fused_state;
   // Scratch outgrown, with the last call that may use it: freed at a later set-up once that call
   // is done on the GPU.
   struct Retired {

@@ -186,8 +186,12 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.epoch = run.epoch;
     watched.gen = reserved.gen;
     std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
-    for (const Op& o : program.ops)
+    for (const Op& o : program.ops) {
       if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
+      if (o.kind == OpKind::kFusedGemm)  // the fused GEMM's waits, inside its kernel
+        for (int32_t b = 0; b < o.fused.rows.count(); ++b)
+          if (o.fused.Waits(b)) waits.emplace(o.fused.wait_flags + b, o.fused.writers[b]);
+    }
     watched.waits.assign(waits.begin(), waits.end());
     watched.nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
     watched.op = op;

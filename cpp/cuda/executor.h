@@ -12,6 +12,8 @@
 //   Signal      cuStreamWriteValue32(peer's flag, epoch)   (default: with a memory fence)
 //   Wait        cuStreamWaitValue32(own flag, epoch, GEQ)  (cyclic 32-bit comparison)
 //   Record      cudaEventRecord          StreamWait   cudaStreamWaitEvent
+//   FusedGemm   the persistent CUTLASS GEMM (fused_gemm.h; compute capability 9.0 only:
+//               refused at prepare elsewhere), its tiles waiting for or releasing flags
 // Program stream 0 is XLA's stream; streams 1.. are the rank's own
 // (high-priority, non-blocking). They are forked from XLA's stream with an
 // event at the start and joined back into it at the end, so XLA sees one

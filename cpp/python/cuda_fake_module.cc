@@ -85,6 +85,7 @@ void BindConfig(nb::module_& m) {
   field("devices", &Config::devices, "GPUs per played process.");
   field("cc_major", &Config::cc_major, "Compute capability, major.");
   field("cc_minor", &Config::cc_minor, "Compute capability, minor.");
+  field("sms", &Config::sms, "Multiprocessors per GPU (the fused GEMM's persistent CTAs).");
   field("multicast", &Config::multicast, "The driver has the multicast entry points.");
   field("shareable", &Config::shareable, "Memory exports to POSIX fds.");
   field("fabric", &Config::fabric, "Fabric handles are supported (multi-node NVLink).");
@@ -104,6 +105,8 @@ void BindConfig(nb::module_& m) {
         "Nonzero: seeds uneven speeds of the ranks' host threads.");
   field("kernel_images", &Config::kernel_images,
         "The fatbinary's variants per kernel family; None: this build's.");
+  field("fused_flag_shift", &Config::fused_flag_shift,
+        "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
   cls.def(
       "__init__",
       [setters](Config* self, nb::kwargs kwargs) {
@@ -138,7 +141,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
              int64_t hold_ms, const std::string& algorithm, const std::string& w_dtype,
              const std::string& out_dtype, std::vector<float> x_scales, std::vector<float> w_scales,
-             std::vector<int64_t> chunks_per_call) {
+             std::vector<int64_t> chunks_per_call, bool fused) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
   q.op = ParseOp(op);
@@ -157,6 +160,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.return_gathered = return_gathered;
   q.tf32 = tf32;  // as given: the executor itself must drop it for half types
   q.algorithm = ParseAlgorithm(algorithm);
+  q.fused = fused;
   for (const nb::bytes& x : xs) played.xs.emplace_back(x.c_str(), x.size());
   for (const nb::bytes& w : ws) played.ws.emplace_back(w.c_str(), w.size());
   played.x_scales = std::move(x_scales);
@@ -258,11 +262,11 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
         nb::arg("algorithm") = "two_shot", nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
         nb::arg("x_scales") = std::vector<float>(), nb::arg("w_scales") = std::vector<float>(),
-        nb::arg("chunks_per_call") = std::vector<int64_t>(),
+        nb::arg("chunks_per_call") = std::vector<int64_t>(), nb::arg("fused") = false,
         "Plays `calls` calls on every rank (fake_harness.h, PlayCalls). dtype is x's (w_dtype "
         "and out_dtype default to it); xs and ws are bytes as the handler receives them (an "
         "fp8 w K-major: [cols, k] row-major); x_scales / w_scales: one float32 per rank "
-        "(empty: 1).");
+        "(empty: 1); fused: the fused GEMM's program (docs/gpu.md §10).");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

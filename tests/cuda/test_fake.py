@@ -214,10 +214,19 @@ MISUSES = {
     "device synchronisation behind a wait that never ends": "would block forever",
     # TF32 compute asked for matrices that are not float32 (cuBLAS docs, cublasComputeType_t).
     "cublasLt tf32 with bf16": "FAST_TF32",
+    # The fused GEMM (docs/gpu.md §10): enqueued, with work that waits for it, before the
+    # rank's own outgoing copy, on one work queue (the issue order's rule);
+    "fused GEMM enqueued before its own outgoing copy": "behind it in this queue",
+    # a kernel the fused GEMM's peers wait for queued behind it: the fused GEMM holds every SM
+    # (rule 1; why it never runs with nccl), however many work queues.
+    "a kernel the fused GEMM waits for, queued behind it": "a persistent kernel holds every SM",
 }
 # The same wait/write pair, each stream with a work queue of its own: no misuse (so the rule above
-# is about sharing a queue, not about the pair).
-CONTROLS = {"blocked wait, one work queue per stream (control)"}
+# is about sharing a queue, not about the pair). The fused GEMM after its outgoing copy, and
+# after the kernel that makes what it sends: no misuse.
+CONTROLS = {"blocked wait, one work queue per stream (control)",
+            "fused GEMM after its own outgoing copy (control)",
+            "a kernel the fused GEMM waits for, before it (control)"}
 
 
 def test_the_fake_fails_loudly_on_misuse(fake):

@@ -12,7 +12,9 @@ requires every call to complete with the right result and no misuse the fake rec
   case): N = 2, 3 and 8 every time, N = 4..7 ``slow``;
 * the same grid, ``matmul_ar``'s one-shot included, with the ranks' host threads at uneven speeds
   (three seeds per case), every case of an N on one clique (needs grow and shrink);
-* ``matmul_ar``'s one-shot programs on rows that split and rows that do not.
+* ``matmul_ar``'s one-shot programs on rows that split and rows that do not;
+* the fused programs (``ag_matmul`` and ``matmul_rs`` over ``p2p`` and ``multicast``), N = 2, 3
+  and 8 every time, N = 4..7 ``slow``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import random
 import pytest
 
 from .test_fake import check, run_case
+from .test_fused_fake import check_fused, run_fused
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
@@ -42,6 +45,30 @@ def test_every_program_completes_through_the_work_queues(fake, op, transport, co
             out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=2, k=4, nw=3,
                                    chunks=chunks, bidirectional=bidirectional)
             check(fake, out, op, xs, ws, 2, "float32")
+
+
+@pytest.mark.parametrize("n", [n if n in (2, 3, 8) else pytest.param(n, marks=pytest.mark.slow)
+                               for n in range(2, 9)])
+@pytest.mark.parametrize("connections", [1, 8])
+def test_every_fused_program_completes_through_the_work_queues(fake, connections, n):
+    """The fused programs (docs/gpu.md §10): the issue order puts everything the fused GEMM's
+    flags depend on before it, on every rank (core/issue_order), so they complete with one work
+    queue too; and the fake's fused GEMM holds every SM while it runs. Exact results (the
+    emulation of test_fused_fake.py), op x transport x chunks 1..4 x direction, the gathered x
+    returned (a copy on the kernel's stream behind it) for odd chunks."""
+    for op, transport, chunks, bidirectional in itertools.product(
+            ("ag_matmul", "matmul_rs"), ("p2p", "multicast"), range(1, 5), (False, True)):
+        fake.reset(fake.Config(connections=connections,
+                               seed=1 + 8 * n + 2 * chunks + bidirectional))
+        gathered = op == "ag_matmul" and chunks % 2 == 1  # a copy behind the kernel
+        out, xs, ws = run_fused(fake, op, transport, n, batch=1, rows=4, k=8, nw=8,
+                                dtype="bfloat16", chunks=chunks, bidirectional=bidirectional,
+                                gathered=gathered)
+        try:
+            check_fused(fake, out, op, transport, xs, ws, 4, "bfloat16", gathered)
+        except AssertionError as e:
+            e.add_note(f"in the case {(op, transport, chunks, bidirectional)}")
+            raise
 
 
 # The same grid with the ranks' host threads at uneven speeds (``host_jitter``: seeded pauses at

@@ -404,40 +404,38 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   const int32_t ta = dsc.transa, tb = dsc.transb;
   const float* a_scale = static_cast<const float*>(dsc.a_scale);
   const float* b_scale = static_cast<const float*>(dsc.b_scale);
-  jo::fake::Push(
-      s, "cublasLtMatmul", [] { return true; },
-      [=] {
-        auto at = [&](jo::DType dt, const void* base, const Layout& l, int64_t bt, uint64_t r,
-                      uint64_t c) {  // column-major element
-          return jo::LoadElement(
-              dt, static_cast<const std::byte*>(base),
-              bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
-        };
-        // Read now: the scale may be what an earlier task of this stream received.
-        const float scale =
-            (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
-        std::vector<float> out(m * n);
-        for (int64_t bt = 0; bt < la.batch; ++bt) {
-          for (uint64_t i = 0; i < m; ++i)
-            for (uint64_t j = 0; j < n; ++j) {
-              float acc = 0.0f;
-              for (uint64_t p = 0; p < k; ++p) {
-                const float av =
-                    ta == CUBLAS_OP_N ? at(ta_type, A, la, bt, i, p) : at(ta_type, A, la, bt, p, i);
-                const float bv =
-                    tb == CUBLAS_OP_N ? at(tb_type, B, lb, bt, p, j) : at(tb_type, B, lb, bt, j, p);
-                acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
-              }
-              out[i * n + j] =
-                  fa * scale * acc + (fb != 0.0f ? fb * at(tc_type, C, lc, bt, i, j) : 0.0f);
-            }
-          for (uint64_t i = 0; i < m; ++i)
-            for (uint64_t j = 0; j < n; ++j)
-              jo::StoreElement(
-                  td_type, static_cast<std::byte*>(D),
-                  bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i),
-                  out[i * n + j]);
+  jo::fake::EnqueueKernel(s, "cublasLtMatmul", [=] {
+    auto at = [&](jo::DType dt, const void* base, const Layout& l, int64_t bt, uint64_t r,
+                  uint64_t c) {  // column-major element
+      return jo::LoadElement(
+          dt, static_cast<const std::byte*>(base),
+          bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
+    };
+    // Read now: the scale may be what an earlier task of this stream received.
+    const float scale =
+        (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
+    std::vector<float> out(m * n);
+    for (int64_t bt = 0; bt < la.batch; ++bt) {
+      for (uint64_t i = 0; i < m; ++i)
+        for (uint64_t j = 0; j < n; ++j) {
+          float acc = 0.0f;
+          for (uint64_t p = 0; p < k; ++p) {
+            const float av =
+                ta == CUBLAS_OP_N ? at(ta_type, A, la, bt, i, p) : at(ta_type, A, la, bt, p, i);
+            const float bv =
+                tb == CUBLAS_OP_N ? at(tb_type, B, lb, bt, p, j) : at(tb_type, B, lb, bt, j, p);
+            acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
+          }
+          out[i * n + j] =
+              fa * scale * acc + (fb != 0.0f ? fb * at(tc_type, C, lc, bt, i, j) : 0.0f);
         }
-      });
+      for (uint64_t i = 0; i < m; ++i)
+        for (uint64_t j = 0; j < n; ++j)
+          jo::StoreElement(
+              td_type, static_cast<std::byte*>(D),
+              bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i),
+              out[i * n + j]);
+    }
+  });
   return CUBLAS_STATUS_SUCCESS;
 }

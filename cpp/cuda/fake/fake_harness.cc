@@ -22,6 +22,7 @@
 #include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_site.h"
 #include "cuda/driver.h"
+#include "cuda/fused_gemm.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/peer_handles.h"
@@ -152,6 +153,7 @@ void ResetExecutorAndFake(Config config) {
   cuda::ReleaseGemmCaches();
   cuda::ForgetFabricProbes();
   cuda::ForgetKernelVerdicts();
+  cuda::ForgetFusedGemmPreparation();
   cuda::ForgetDeviceAttributes();
   {
     std::lock_guard<std::mutex> lock(g_xla_mu);
@@ -235,6 +237,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   desc.bidirectional = q.bidirectional;
   desc.tf32 = q.tf32;
   desc.algorithm = q.algorithm;
+  desc.fused = q.fused;
   desc.timeout_ms = in.timeout_ms;
   desc.table.axis_size = nranks;
   // processes: which (played) process each rank belongs to; a clique spanning

@@ -38,6 +38,7 @@ struct FakeTask {
   // that waits for its peers: an NCCL group) until this returns true; the
   // stream's next task waits for it, other streams' do not.
   std::function<bool()> done;
+  bool sms = false;  // a kernel: it cannot start while a persistent kernel holds the SMs
   cudaEvent_t records = nullptr;  // the event this task records, if any
   ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
 };
@@ -234,6 +235,8 @@ struct State {
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
+  // (played process, device) whose SMs a persistent kernel holds, once per such kernel running.
+  std::multiset<std::pair<int, int>> persistent;
 };
 
 // The one fake world (never destroyed: handler threads may run late).

@@ -203,6 +203,7 @@ void Reset(const Config& config) {
   s.errors.clear();
   s.counters.clear();
   s.sticky.clear();
+  s.persistent.clear();
   s.config = config;
   s.rng.seed(config.seed);
   ResetQueues();
@@ -248,6 +249,7 @@ bool CheckRange(const void* p, size_t bytes, const char* what) {
 }
 
 int DeviceArch(int) { return S().config.cc_major * 10 + S().config.cc_minor; }
+int DeviceSms(int) { return S().config.sms; }
 
 cudaError_t StickyError(int device) {
   Lock lock(S().mu);

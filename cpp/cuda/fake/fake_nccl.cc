@@ -448,6 +448,7 @@ static ncclResult_t FlushGroup() {
           if (comm->groups_done < seq) comm->groups_done = seq;
       return done;
     };
+    task.sms = true;  // NCCL's kernels run on SMs
     jo::fake::Push(stream, std::move(task));
   }
   // Non-blocking communicators answer ncclInProgress (real NCCL may, e.g. while

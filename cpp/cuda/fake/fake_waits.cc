@@ -113,6 +113,7 @@ const std::set<std::string>& EnqueuePathCalls() {
                                                        "cudaMemcpy2DAsync",
                                                        "cudaMemsetAsync",
                                                        "cudaLaunchKernel",
+                                                       "cudaLaunchKernelEx",
                                                        "AddBlock",
                                                        "McStore",
                                                        "McReduce",
