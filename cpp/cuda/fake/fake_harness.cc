@@ -22,6 +22,7 @@
 #include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_site.h"
 #include "cuda/driver.h"
+#include "cuda/fused_gemm.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/peer_handles.h"
@@ -152,6 +153,7 @@ void ResetExecutorAndFake(Config config) {
   cuda::ReleaseGemmCaches();
   cuda::ForgetFabricProbes();
   cuda::ForgetKernelVerdicts();
+  cuda::ForgetFusedGemmPreparation();
   cuda::ForgetDeviceAttributes();
   {
     std::lock_guard<std::mutex> lock(g_xla_mu);
@@ -235,6 +237,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   desc.bidirectional = q.bidirectional;
   desc.tf32 = q.tf32;
   desc.algorithm = q.algorithm;
+  desc.fused = q.fused;
   desc.timeout_ms = in.timeout_ms;
   desc.table.axis_size = nranks;
   // processes: which (played) process each rank belongs to; a clique spanning
@@ -243,6 +246,14 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   desc.table.ordinals = in.devices;
   desc.table.device_ids = in.devices;
   cuda::CudaSite site(desc, NewCallSiteId(in.clique_key));
+  // chunks_per_call: one more call site per other number of chunks (a custom call of its own).
+  std::map<int64_t, std::unique_ptr<cuda::CudaSite>> sites;
+  for (int64_t chunks : in.chunks_per_call) {
+    if (chunks == q.chunks || sites.count(chunks) > 0) continue;
+    CallDesc other = desc;
+    other.chunks = chunks;
+    sites[chunks] = std::make_unique<cuda::CudaSite>(other, NewCallSiteId(in.clique_key));
+  }
   std::vector<std::string> statuses(nranks);
   // hold_ms: XLA's stream of every rank first waits for a flag the host raises only after the
   // watchdog's clock moved on by hold_ms (earlier work the GPU is still busy with).
@@ -252,6 +263,11 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   };
   std::vector<std::thread> threads;
   for (int r = 0; r < nranks; ++r) board->Start(process_of(r));
+  // Every rank's thread is a HostThread before any makes a call: the fake calls a wait a
+  // deadlock once no rank's thread is left that is not waiting, which must count them all.
+  std::mutex started_mu;
+  std::condition_variable started_cv;
+  int started = 0;
   for (int r = 0; r < nranks; ++r)
     threads.emplace_back([&, r] {
       struct Stop {  // whichever way the thread returns
@@ -260,6 +276,12 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
         ~Stop() { board.Stop(process); }
       } stop{*board, process_of(r)};
       const HostThread host;  // a rank's thread, as XLA's per device
+      {
+        std::unique_lock<std::mutex> lock(started_mu);
+        ++started;
+        started_cv.notify_all();
+        started_cv.wait(lock, [&] { return started == nranks; });
+      }
       const int dev = static_cast<int>(in.devices[r]);
       SetPlayedProcess(process_of(r));
       if (cudaSetDevice(dev) != cudaSuccess) {
@@ -290,11 +312,19 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       caller.device = dev;
       caller.naming = DeviceNaming::kLocalOrdinal;
       const CallBuffers io{x[r], w[r], x_scale[r], w_scale[r], y[r], g[r]};
-      for (int c = 0; c < in.calls && statuses[r].empty(); ++c) {
+      const int calls =
+          in.chunks_per_call.empty() ? in.calls : static_cast<int>(in.chunks_per_call.size());
+      for (int c = 0; c < calls && statuses[r].empty(); ++c) {
+        if (!in.chunks_per_call.empty())
+          problem.chunks = in.chunks_per_call[static_cast<size_t>(c)] + (r == in.skew_rank);
         // As XLA runs a thunk: the handler's work on other streams must be joined into
         // XLA's stream (or complete) when it returns, whatever its status.
         BeginHandler(xla);
-        Status status = site.Enqueue(caller, problem, io, xla);
+        cuda::CudaSite& call_site =
+            in.chunks_per_call.empty() || in.chunks_per_call[static_cast<size_t>(c)] == q.chunks
+                ? site
+                : *sites.at(in.chunks_per_call[static_cast<size_t>(c)]);
+        Status status = call_site.Enqueue(caller, problem, io, xla);
         EndHandler(xla, "CudaSite::Enqueue (rank " + std::to_string(r) + ")");
         if (!status.ok()) statuses[r] = status.ToString();
       }

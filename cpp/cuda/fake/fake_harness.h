@@ -42,7 +42,11 @@ struct PlayedCalls {
   std::optional<std::vector<int64_t>> processes;
   std::map<int32_t, std::string> hosts;  // the machine a played process pretends to run on
   int64_t clique_key = 1;
-  int calls = 1;       // back-to-back calls per rank
+  int calls = 1;  // back-to-back calls per rank
+  // Per call, its chunks (empty: the problem's, `calls` times): calls of several call sites
+  // (one per number of chunks) whose needs differ, as the rows of the selftest on one clique
+  // (new cuBLASLt plans, workspace).
+  std::vector<int64_t> chunks_per_call;
   int skew_rank = -1;  // this rank disagrees on the call (one more chunk)
   int skip_rank = -1;  // this rank never makes the call
   int64_t timeout_ms = 120000;
