@@ -119,3 +119,18 @@ def test_a_gpu_without_fp8_gemms_says_once_that_xla_dequantizes(monkeypatch, cap
         traced()
     said = [r.getMessage() for r in caplog.records if "compute capability 8.9" in r.getMessage()]
     assert len(said) == 1 and "XLA dequantizes" in said[0], said
+
+
+def test_the_fused_gemm_asked_for_with_fp8_says_it_is_16_bit_only(arrays):
+    """jo.config(fused=True) with an fp8 operand: the fused GEMM is compiled for bfloat16 and
+    float16 alike in x and w; the error says so and names the way out (the chunked path)."""
+    x, w, w16 = arrays
+    with jo.config(fused=True):
+        with pytest.raises(jo.NativeUnavailableError,
+                           match=r"compiled for .*not x float8_e4m3fn with w float8_e4m3fn.*"
+                                 r"Drop fused"):
+            jo.ag_matmul(x, w, "tp", mesh=tp_mesh(2), impl="native", transport="p2p",
+                         x_scale=ONE, w_scale=ONE)
+        with pytest.raises(jo.NativeUnavailableError, match=r"not x bfloat16 with w float8"):
+            jo.ag_matmul(w16.T.astype(jnp.bfloat16), w, "tp", mesh=tp_mesh(2), impl="native",
+                         transport="p2p", w_scale=ONE)
