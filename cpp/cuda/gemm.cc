@@ -114,15 +114,30 @@ using MatmulKey =
     std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
+// Two locks, so that the enqueue path never waits for a set-up that waits for the device
+// (docs/gpu.md §3): `set_up_mu` serialises the device's set-ups (PrepareLtMatmul) and is held
+// across their calls that may wait for the device (cudaMalloc, cudaFree, cublasLtCreate, the
+// heuristic, the warm-up's matmul and its lazy kernel load); the enqueue path (LtMatmul,
+// JoinWarmUps) never takes it. `mu` guards what both paths share: the maps, the handle and the
+// warm-up event; it is held only for look-ups and insertions and, on the enqueue path, across
+// the non-blocking calls that use what it guards (a plan's FP8 scale update and its matmul,
+// cudaStreamWaitEvent), never across a call that may wait for the device. cuBLASLt's handle is
+// shared by both paths ("The library is thread safe and its functions can be called from
+// multiple host threads, even with the same handle", cuBLAS docs, "Thread Safety"); a plan is
+// used only once it is in `plans`, and never changed by a set-up after that.
 struct DeviceCache {
+  std::mutex set_up_mu;
   std::mutex mu;
-  int arch = -1;  // compute capability as 10 * major + minor, once asked
+  // Written under both locks (so read under either).
   Handle handle;
+  cudaEvent_t warmed = nullptr;  // recorded after the last warm-up (under mu)
+  // Under mu.
   std::map<MatmulKey, std::unique_ptr<MatmulPlan>> plans;
   std::map<cudaStream_t, std::unique_ptr<DeviceBuffer>> workspaces;
-  // Where each new plan runs once at set-up (WarmUp): a private stream and buffers.
+  // Under set_up_mu only. Where each new plan runs once at set-up (WarmUp): a private stream
+  // and buffers.
+  int arch = -1;  // compute capability as 10 * major + minor, once asked
   cudaStream_t warm_stream = nullptr;
-  cudaEvent_t warmed = nullptr;  // recorded after the last warm-up
   std::unique_ptr<DeviceBuffer> warm;
   size_t warm_bytes = 0;
   DeviceCache() = default;
@@ -289,17 +304,28 @@ size_t Span(int64_t batch, int64_t bs, int64_t rows, int64_t ld, int64_t cols) {
   return static_cast<size_t>((batch - 1) * bs + (rows - 1) * ld + cols);
 }
 
-// The cuBLASLt workspace of `stream` (one per stream: matmuls of two streams may run at once).
-Status WorkspaceOf(DeviceCache& cache, int device, cudaStream_t stream, const ErrorContext& ctx,
-                   void** out) {
-  auto& ws = cache.workspaces[stream];
-  if (!ws) {
-    auto buffer = std::make_unique<DeviceBuffer>();
-    buffer->device = device;
-    JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
-    ws = std::move(buffer);
+// The cuBLASLt workspace of `stream` (one per stream: matmuls of two streams may run at once),
+// nullptr if it has none yet. Requires cache.mu.
+void* WorkspaceLocked(DeviceCache& cache, cudaStream_t stream) {
+  const auto it = cache.workspaces.find(stream);
+  return it == cache.workspaces.end() ? nullptr : it->second->ptr;
+}
+
+// Set-up (requires cache.set_up_mu, not cache.mu): makes `stream`'s workspace if it has none;
+// the allocation, which waits for the device, runs without cache.mu.
+Status MakeWorkspace(DeviceCache& cache, int device, cudaStream_t stream, const ErrorContext& ctx,
+                     void** out) {
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    *out = WorkspaceLocked(cache, stream);
   }
-  *out = ws->ptr;
+  if (*out != nullptr) return OkStatus();
+  auto buffer = std::make_unique<DeviceBuffer>();
+  buffer->device = device;
+  JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
+  *out = buffer->ptr;
+  std::lock_guard<std::mutex> lock(cache.mu);
+  cache.workspaces[stream] = std::move(buffer);  // set-ups are serialised: none made it meanwhile
   return OkStatus();
 }
 
@@ -308,7 +334,8 @@ Status WorkspaceOf(DeviceCache& cache, int device, cudaStream_t stream, const Er
 // a device, and with lazy loading (CUDA's default) loading "might require context
 // synchronization" (CUDA programming guide, "Lazy Loading", potential hazards) — which must
 // not happen once the call has enqueued work that other ranks' work may wait for. NCCL loads
-// its kernels at init for the same reason (ncclInitKernelsForDevice).
+// its kernels at init for the same reason (ncclInitKernelsForDevice). Requires
+// cache.set_up_mu, not cache.mu.
 Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const GemmArgs& g,
               int64_t c_bs, int64_t c_ld, bool accumulate, const ErrorContext& ctx) {
   const bool fp8 = IsFp8Gemm(g);
@@ -322,9 +349,13 @@ Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const Gemm
       RoundUp256(Span(g.batch, std::max(g.d_bs, c_bs), g.m, std::max(g.d_ld, c_ld), g.n) * out_es);
   const size_t scale_bytes = fp8 ? 256 : 0;  // the two scales' slots
   const size_t need = w_bytes + a_bytes + d_bytes + scale_bytes;
-  if (cache.warm_stream == nullptr) {
+  if (cache.warm_stream == nullptr)
     JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&cache.warm_stream, cudaStreamNonBlocking));
-    JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&cache.warmed, cudaEventDisableTiming));
+  if (cache.warmed == nullptr) {
+    cudaEvent_t warmed = nullptr;
+    JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&warmed, cudaEventDisableTiming));
+    std::lock_guard<std::mutex> lock(cache.mu);
+    cache.warmed = warmed;
   }
   if (cache.warm_bytes < need) {
     cache.warm.reset();  // set-up: nothing of this call is enqueued yet
@@ -335,7 +366,7 @@ Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const Gemm
     cache.warm_bytes = need;
   }
   void* ws = nullptr;
-  JO_CHECK(WorkspaceOf(cache, device, cache.warm_stream, ctx, &ws));
+  JO_CHECK(MakeWorkspace(cache, device, cache.warm_stream, ctx, &ws));
   std::byte* base = static_cast<std::byte*>(cache.warm->ptr);
   void* d = base + w_bytes + a_bytes;
   if (fp8) {  // valid device pointers (their values do not matter); the call sets its own
@@ -348,80 +379,108 @@ Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const Gemm
                                        plan.a.value, base + w_bytes, plan.b.value, &beta, d,
                                        plan.c.value, d, plan.d.value, &plan.heuristic.algo, ws,
                                        plan.heuristic.workspaceSize, cache.warm_stream));
+  std::lock_guard<std::mutex> lock(cache.mu);  // JoinWarmUps waits for the newest record
   JO_CUDA_CHECK(&ctx, cudaEventRecord(cache.warmed, cache.warm_stream));
   return OkStatus();
 }
 
-// Makes (or finds) the handle, workspace and plan; enqueues the matmul when `enqueue`;
-// `warmed` (if given) is set when a new plan ran its warm-up.
-Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx,
-              bool enqueue, bool* warmed = nullptr) {
-  const bool accumulate = g.c != nullptr;
-  // beta = 0: C is not read; describe it as D (cuBLASLt's in-place form).
-  const void* c = accumulate ? g.c : g.d;
-  const int64_t c_bs = accumulate ? g.c_bs : g.d_bs;
-  const int64_t c_ld = accumulate ? g.c_ld : g.d_ld;
-  if (c != g.d && (c_bs != g.d_bs || c_ld != g.d_ld))
+// What a GEMM's plan is looked up by: C as cuBLASLt sees it (beta = 0: C is not read, and
+// described as D, cuBLASLt's in-place form), and the plan's key.
+struct GemmShape {
+  bool accumulate = false;
+  const void* c = nullptr;
+  int64_t c_bs = 0, c_ld = 0;
+  Alignments al{};
+  MatmulKey key;
+};
+
+Status ShapeOf(const GemmArgs& g, const ErrorContext& ctx, GemmShape* out) {
+  out->accumulate = g.c != nullptr;
+  out->c = out->accumulate ? g.c : g.d;
+  out->c_bs = out->accumulate ? g.c_bs : g.d_bs;
+  out->c_ld = out->accumulate ? g.c_ld : g.d_ld;
+  if (out->c != g.d && (out->c_bs != g.d_bs || out->c_ld != g.d_ld))
     return Internal(ctx.Describe() + ": GEMM with C != D needs identical C and D layouts");
   if (g.batch > INT32_MAX) return Internal(ctx.Describe() + ": GEMM batch exceeds int32");
-  const bool fp8 = IsFp8Gemm(g);
-  DeviceCache& cache = CacheOf(device);
-  std::lock_guard<std::mutex> lock(cache.mu);
-  const Alignments al = AlignmentsOf(g, c, c_bs, c_ld);
-  if (fp8 && !enqueue) JO_CHECK(CheckFp8Gemm(cache, device, g, al, ctx));
-  if (cache.handle.value == nullptr) JO_CUBLAS_CHECK(&ctx, cublasLtCreate(&cache.handle.value));
-  void* ws = nullptr;
-  JO_CHECK(WorkspaceOf(cache, device, stream, ctx, &ws));
+  out->al = AlignmentsOf(g, out->c, out->c_bs, out->c_ld);
   const int types = (static_cast<int>(g.a_type) * 8 + static_cast<int>(g.w_type)) * 8 +
                     static_cast<int>(g.out_type);
-  const MatmulKey key{types * 2 + (g.tf32 ? 1 : 0),
-                      g.batch,
-                      g.m,
-                      g.n,
-                      g.k,
-                      g.a_bs,
-                      g.a_ld,
-                      g.w_ld,
-                      c_bs,
-                      c_ld,
-                      g.d_bs,
-                      g.d_ld,
-                      0,
-                      accumulate,
-                      al.a,
-                      al.b,
-                      al.c,
-                      al.d};
-  auto& plan = cache.plans[key];
-  if (!plan) {
-    auto fresh = std::make_unique<MatmulPlan>();
-    JO_CHECK(MakeMatmulPlan(cache.handle.value, g, c, c_bs, c_ld, ctx, fresh.get()));
-    JO_CHECK(WarmUp(cache, device, *fresh, g, c_bs, c_ld, accumulate, ctx));
-    if (warmed != nullptr) *warmed = true;
-    plan = std::move(fresh);
-  }
-  if (!enqueue) return OkStatus();
-  // The scales of this GEMM (an all-gather's chunk names its shard's): a host-side update of
-  // the descriptor, read by the matmul below (cache.mu is held across both).
-  if (fp8) JO_CHECK(SetScales(*plan, g.a_scale, g.w_scale, ctx));
-  const float alpha = 1.0f;
-  const float beta = accumulate ? 1.0f : 0.0f;
-  JO_CUBLAS_CHECK(
-      &ctx, cublasLtMatmul(cache.handle.value, plan->desc.value, &alpha, g.w, plan->a.value, g.a,
-                           plan->b.value, &beta, c, plan->c.value, g.d, plan->d.value,
-                           &plan->heuristic.algo, ws, plan->heuristic.workspaceSize, stream));
+  out->key = MatmulKey{types * 2 + (g.tf32 ? 1 : 0),
+                       g.batch,
+                       g.m,
+                       g.n,
+                       g.k,
+                       g.a_bs,
+                       g.a_ld,
+                       g.w_ld,
+                       out->c_bs,
+                       out->c_ld,
+                       g.d_bs,
+                       g.d_ld,
+                       0,
+                       out->accumulate,
+                       out->al.a,
+                       out->al.b,
+                       out->al.c,
+                       out->al.d};
   return OkStatus();
 }
 
 }  // namespace
 
+// Set-up, under the device's set_up_mu: everything that may wait for the device runs here,
+// with cache.mu taken only to look up and insert.
 Status PrepareLtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx,
                        bool* warmed) {
-  return Matmul(device, g, stream, ctx, /*enqueue=*/false, warmed);
+  GemmShape shape;
+  JO_CHECK(ShapeOf(g, ctx, &shape));
+  DeviceCache& cache = CacheOf(device);
+  std::lock_guard<std::mutex> set_up(cache.set_up_mu);
+  if (IsFp8Gemm(g)) JO_CHECK(CheckFp8Gemm(cache, device, g, shape.al, ctx));
+  if (cache.handle.value == nullptr) {
+    cublasLtHandle_t handle = nullptr;
+    JO_CUBLAS_CHECK(&ctx, cublasLtCreate(&handle));
+    std::lock_guard<std::mutex> lock(cache.mu);
+    cache.handle.value = handle;
+  }
+  void* ws = nullptr;
+  JO_CHECK(MakeWorkspace(cache, device, stream, ctx, &ws));
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    if (cache.plans.count(shape.key) > 0) return OkStatus();
+  }
+  auto fresh = std::make_unique<MatmulPlan>();
+  JO_CHECK(
+      MakeMatmulPlan(cache.handle.value, g, shape.c, shape.c_bs, shape.c_ld, ctx, fresh.get()));
+  JO_CHECK(WarmUp(cache, device, *fresh, g, shape.c_bs, shape.c_ld, shape.accumulate, ctx));
+  if (warmed != nullptr) *warmed = true;
+  std::lock_guard<std::mutex> lock(cache.mu);
+  cache.plans[shape.key] = std::move(fresh);
+  return OkStatus();
 }
 
+// The enqueue path: cache.mu only, never set_up_mu.
 Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx) {
-  return Matmul(device, g, stream, ctx, /*enqueue=*/true);
+  GemmShape shape;
+  JO_CHECK(ShapeOf(g, ctx, &shape));
+  DeviceCache& cache = CacheOf(device);
+  std::lock_guard<std::mutex> lock(cache.mu);
+  const auto it = cache.plans.find(shape.key);
+  void* ws = WorkspaceLocked(cache, stream);
+  if (it == cache.plans.end() || ws == nullptr)
+    return Internal(ctx.Describe() +
+                    ": GEMM enqueued without its set-up (PrepareLtMatmul on this stream)");
+  const MatmulPlan& plan = *it->second;
+  // The scales of this GEMM (an all-gather's chunk names its shard's): a host-side update of
+  // the descriptor, read by the matmul below (cache.mu is held across both).
+  if (IsFp8Gemm(g)) JO_CHECK(SetScales(plan, g.a_scale, g.w_scale, ctx));
+  const float alpha = 1.0f;
+  const float beta = shape.accumulate ? 1.0f : 0.0f;
+  JO_CUBLAS_CHECK(
+      &ctx, cublasLtMatmul(cache.handle.value, plan.desc.value, &alpha, g.w, plan.a.value, g.a,
+                           plan.b.value, &beta, shape.c, plan.c.value, g.d, plan.d.value,
+                           &plan.heuristic.algo, ws, plan.heuristic.workspaceSize, stream));
+  return OkStatus();
 }
 
 Status JoinWarmUps(int device, cudaStream_t stream, const ErrorContext& ctx) {

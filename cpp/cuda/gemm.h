@@ -46,7 +46,8 @@
 // rule); the executor copies C into D first otherwise.
 //
 // Handles, descriptors, heuristic results and workspaces are cached per
-// device (and per stream for the workspace) and shape.
+// device (and per stream for the workspace) and shape. Set-ups of a device
+// are serialised by a lock the enqueue path never takes (gemm.cc, DeviceCache).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -97,7 +98,10 @@ Status PrepareLtMatmul(int device, const GemmArgs& args, cudaStream_t stream,
 // (cudaStreamWaitEvent).
 Status JoinWarmUps(int device, cudaStream_t stream, const ErrorContext& ctx);
 
-// Runs the GEMM on `stream` of the current device (preparing it first if needed).
+// Runs the GEMM on `stream` of the current device; PrepareLtMatmul must have made it on
+// `stream` (an Internal error otherwise). Takes only the cache's look-up lock, which no set-up
+// holds across a call that may wait for the device: a thread enqueueing never waits for
+// another thread's set-up (gemm.cc, DeviceCache).
 Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // Frees every cached handle and workspace (tests and process exit).

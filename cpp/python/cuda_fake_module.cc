@@ -227,6 +227,22 @@ nb::dict StuckAbort(bool stuck) {
   return out;
 }
 
+nb::dict GemmSetUpRace() {
+  jo::fake::GemmSetUpRaceOutcome outcome;
+  jo::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = jo::fake::GemmSetUpRace(&outcome);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+  nb::dict out;
+  out["enqueue_waited"] = outcome.enqueue_waited;
+  out["set_up"] = outcome.set_up;
+  out["enqueue"] = outcome.enqueue;
+  out["errors"] = outcome.errors;
+  return out;
+}
+
 std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
                                       std::vector<int64_t> devices, int64_t process_index,
                                       int device) {
@@ -276,6 +292,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("stuck_abort", &StuckAbort, nb::arg("stuck"),
         "An ncclCommAbort that cannot return (stuck=True) or can: the watchdog's warning, and "
         "what the fake recorded.");
+  m.def("gemm_set_up_race", &GemmSetUpRace,
+        "A GEMM enqueued (prepared before) while another thread's GEMM set-up waits for the "
+        "device: whether the enqueue waited for it, both statuses, what the fake recorded.");
   m.def("misuse_checks", &jo::fake::MisuseChecks,
         "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");

@@ -49,4 +49,18 @@ struct StuckAbortOutcome {
 };
 Status StuckAbort(bool stuck, StuckAbortOutcome* out);
 
+// The GEMM cache's locks (cuda/gemm.cc) against a set-up that waits for the device: device 0
+// waits for a flag; one rank's thread prepares a GEMM of a new shape on a new stream there (its
+// workspace allocation waits for the device, so for the flag) while another, between its
+// handler's first enqueue and its return, enqueues a GEMM prepared before and joins the
+// warm-ups, then (handler returned) raises the flag. The enqueue must not wait for the set-up:
+// if it does, nothing raises the flag, and after 20 s of real time the check records
+// it and raises the flag itself, so that it ends either way.
+struct GemmSetUpRaceOutcome {
+  bool enqueue_waited = false;      // the enqueue had not returned within the bound
+  std::string set_up, enqueue;      // their statuses ("" = ok)
+  std::vector<std::string> errors;  // what the fake recorded
+};
+Status GemmSetUpRace(GemmSetUpRaceOutcome* out);
+
 }  // namespace jo::fake

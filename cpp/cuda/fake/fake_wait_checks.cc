@@ -5,6 +5,8 @@
 #include <cuda.h>
 #include <nccl.h>
 
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <string>
@@ -14,7 +16,10 @@
 
 #include "cuda/driver.h"
 #include "cuda/fake/fake_checks.h"
+#include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
+#include "cuda/fake/fake_waits.h"
+#include "cuda/gemm.h"
 #include "cuda/kernels.h"
 
 namespace jo::fake {
@@ -424,6 +429,74 @@ std::map<std::string, std::string> WaitMisuseChecks() {
           });
         });
   return out;
+}
+
+Status GemmSetUpRace(GemmSetUpRaceOutcome* out) {
+  Config config;
+  config.devices = 1;
+  config.module_loading = 1;  // lazy: the set-up's warm-up loads, and waits, too
+  ResetExecutorAndFake(config);
+  // A float32 GEMM, m x n x k = 4 x n x 4, on fresh buffers of device 0.
+  const auto gemm = [](int64_t n) {
+    cuda::GemmArgs g;
+    g.m = 4;
+    g.n = n;
+    g.k = 4;
+    g.a = Malloc(0, 4 * 4 * 4);
+    g.a_ld = 4;
+    g.w = Malloc(0, static_cast<size_t>(4 * n * 4));
+    g.w_ld = n;
+    g.d = Malloc(0, static_cast<size_t>(4 * n * 4));
+    g.d_ld = n;
+    return g;
+  };
+  const cuda::ErrorContext ctx;
+  cudaSetDevice(0);
+  cudaStream_t xla = StreamOn(0);
+  cudaEvent_t started = nullptr;
+  cudaEventCreateWithFlags(&started, cudaEventDisableTiming);
+  const cuda::GemmArgs ready = gemm(4);
+  bool warmed = false;
+  JO_CHECK(cuda::PrepareLtMatmul(0, ready, xla, ctx, &warmed));
+  if (!Drain()) return Internal("GemmSetUpRace: the warm-up did not drain");
+  const cuda::GemmArgs fresh = gemm(64);
+  const CUdeviceptr flag = PendingWait(0);  // device 0 now waits for the flag
+  std::atomic<bool> registered{false}, enqueued{false};
+  Status set_up_status, enqueue_status;
+  std::thread enqueue([&] {
+    HostThread host;  // a rank's thread: the set-up's wait waits while it may still enqueue
+    registered = true;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (ThreadsWaitingForGpu() == 0 && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    cudaSetDevice(0);
+    BeginHandler(xla);
+    cudaEventRecord(started, xla);  // the handler's first enqueue
+    enqueue_status = cuda::LtMatmul(0, ready, xla, ctx);
+    if (enqueue_status.ok()) enqueue_status = cuda::JoinWarmUps(0, xla, ctx);
+    enqueued = true;
+    EndHandler(xla, "the enqueue");
+    Raise(0, flag);
+  });
+  while (!registered) std::this_thread::yield();
+  std::thread set_up([&] {
+    HostThread host;
+    cudaStream_t mine = StreamOn(0);
+    bool w = false;
+    set_up_status = cuda::PrepareLtMatmul(0, fresh, mine, ctx, &w);
+  });
+  const auto bound = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!enqueued && std::chrono::steady_clock::now() < bound)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  out->enqueue_waited = !enqueued;
+  if (out->enqueue_waited) Raise(0, flag);  // so that the set-up, then the enqueue, can end
+  enqueue.join();
+  set_up.join();
+  Drain();
+  out->set_up = set_up_status.ok() ? "" : set_up_status.message();
+  out->enqueue = enqueue_status.ok() ? "" : enqueue_status.message();
+  out->errors = Errors();
+  return OkStatus();
 }
 
 }  // namespace jo::fake

@@ -48,6 +48,7 @@
 // may run (docs/gpu.md §3, "What may run on the enqueue path"): anything else is refused.
 #include "cuda/fake/fake_waits.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -72,7 +73,8 @@ int g_hosts = 0;
 int g_hosts_waiting = 0;
 int g_hosts_started = 0;  // since Reset: seeds each thread's jitter
 std::map<const std::function<bool()>*, std::string> g_waiting;  // condition -> its wait
-bool g_passing = false;  // a waiting rank's thread is letting time pass (WaitUntil)
+bool g_passing = false;          // a waiting rank's thread is letting time pass (WaitUntil)
+std::atomic<int> g_in_waits{0};  // threads inside WaitUntil (ThreadsWaitingForGpu)
 // (device, function) loaded so far. Under S().mu. Not per played process: the played
 // processes share one OS process, whose caches (cuBLASLt plans, kernel verdicts) are per
 // device ordinal, as a real process's are.
@@ -139,6 +141,10 @@ const std::set<std::string>& EnqueuePathCalls() {
 constexpr std::chrono::milliseconds kSettle(2000);
 constexpr std::chrono::milliseconds kStep(10);
 bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool settle = false) {
+  struct Inside {
+    Inside() { ++g_in_waits; }
+    ~Inside() { --g_in_waits; }
+  } inside;
   auto quiet_since = std::chrono::steady_clock::now();
   uint64_t last = Activity();
   std::chrono::milliseconds grace(0);
@@ -217,6 +223,8 @@ HostThread::~HostThread() {
   }
   NoteHostActivity();
 }
+
+int ThreadsWaitingForGpu() { return g_in_waits.load(); }
 
 void NoteHostActivity() {
   {

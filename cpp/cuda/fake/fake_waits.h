@@ -52,6 +52,9 @@ void CheckEnqueuePath(const char* api);
 // that the ranks' threads run at uneven speeds. Never with the lock held.
 void Jitter();
 
+// Host threads inside one of the waits above now (tests: "this thread waits for the GPU").
+int ThreadsWaitingForGpu();
+
 // Something a waiting host thread may be waiting for happened (work enqueued,
 // a host thread left).
 void NoteHostActivity();
