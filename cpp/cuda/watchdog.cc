@@ -116,9 +116,10 @@ class Watchdog {
   }
 
   // Aborts still running past their deadline: reported once, then no longer watched.
-  void PassAborts() {
+  void PassAborts(std::vector<std::shared_ptr<const void>>* held) {
     for (auto it = aborts_.begin(); it != aborts_.end();) {
       const std::shared_ptr<const NcclComms> comms = it->comms.lock();
+      if (comms) held->push_back(comms);  // never the last reference under mu_ (Pass)
       const std::string running = comms ? comms->RunningAborts() : std::string();
       if (running.empty()) {  // all returned (or the clique is gone)
         it = aborts_.erase(it);
@@ -139,9 +140,12 @@ class Watchdog {
   }
 
   // One look at every rank's oldest pending call: done ones are dropped, late ones fired; and at
-  // the aborts started.
+  // the aborts started. The references it takes to cliques and communicators are dropped after
+  // mu_ is released: when one is the last (a clique reset meanwhile), its destructor waits for
+  // the device and destroys communicators, and every handler's Watch takes mu_.
   void Pass(std::unique_lock<std::mutex>& lock) {
-    PassAborts();
+    std::vector<std::shared_ptr<const void>> held;
+    PassAborts(&held);
     for (auto it = entries_.begin(); it != entries_.end();) {
       Entry& e = it->second;
       std::shared_ptr<CudaClique> clique =
@@ -150,6 +154,7 @@ class Watchdog {
         it = entries_.erase(it);
         continue;
       }
+      held.push_back(clique);
       const WatchedCall& front = e.calls.front();
       int prev = 0;
       (void)cudaGetDevice(&prev);
@@ -189,6 +194,9 @@ class Watchdog {
       }
       ++it;
     }
+    lock.unlock();
+    held.clear();
+    lock.lock();
   }
 
   // Report, break, release (see the header). Best effort: every step goes on
