@@ -373,7 +373,9 @@ void NcclComms::Finalize(std::chrono::steady_clock::time_point deadline) {
       AbortRankLocked(r);
       continue;
     }
-    std::lock_guard<std::mutex> device(DeviceNcclLock(devices_[r]));
+    // Without the device's NCCL lock, as an abort: ncclCommDestroy frees the communicator's
+    // device memory, which may wait for the device (NCCL issue #549), and other cliques'
+    // handlers take that lock between their first enqueue and their return.
     for (ncclComm_t& c : mine) {
       if (c != nullptr) (void)ncclCommDestroy(c);
       c = nullptr;

@@ -35,7 +35,9 @@
 // operations in parallel to independent communicators located on the same
 // device from several threads is not safe) is kept with one process-wide
 // lock per device (DeviceNcclLock), taken by every NCCL call sequence here
-// and by the executor's groups — never across ncclCommAbort.
+// and by the executor's groups — never across ncclCommAbort or
+// ncclCommDestroy: both free device memory, which may wait for the device,
+// and a handler takes the lock between its first enqueue and its return.
 #pragma once
 
 #include <cuda_runtime_api.h>
