@@ -492,8 +492,13 @@ Status JoinWarmUps(int device, cudaStream_t stream, const ErrorContext& ctx) {
 }
 
 void ReleaseGemmCaches() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  Caches().clear();
+  // Freed after g_mu is released: their cudaFree may wait for the device, and CacheOf, which an
+  // enqueue takes, needs g_mu.
+  std::map<int, std::unique_ptr<DeviceCache>> gone;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    gone.swap(Caches());
+  }
 }
 
 size_t CublasLtVersion() { return cublasLtGetVersion(); }
