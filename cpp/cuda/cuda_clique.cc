@@ -31,12 +31,14 @@ bool AwaitEvent(int device, cudaEvent_t event, std::chrono::steady_clock::time_p
 // Buffers a GPU may still touch forever are never freed (freeing memory
 // under a hung kernel is worse than leaking it).
 void Leak(std::vector<std::shared_ptr<Generation>> generations,
-          std::vector<std::unique_ptr<RankResources>> ranks) {
+          std::vector<std::unique_ptr<RankResources>> ranks,
+          std::vector<std::shared_ptr<const Generation>> deferred = {}) {
   static auto* mu = new std::mutex;
-  static auto* kept = new std::vector<std::shared_ptr<void>>;
+  static auto* kept = new std::vector<std::shared_ptr<const void>>;
   std::lock_guard<std::mutex> lock(*mu);
   for (auto& gen : generations) kept->push_back(std::move(gen));
   for (auto& res : ranks) kept->push_back(std::shared_ptr<RankResources>(std::move(res)));
+  for (auto& gen : deferred) kept->push_back(std::move(gen));
 }
 
 std::atomic<int> g_live{0};
@@ -93,8 +95,15 @@ CudaClique::~CudaClique() {
     JO_WARN(name() +
             ": GPU work of this clique did not finish within JAXOVERLAP_TIMEOUT_S at "
             "teardown; its buffers are leaked, not freed under it");
-    Leak(std::move(generations_), std::move(state_.ranks));
+    std::lock_guard<std::mutex> lock(deferred_mu_);
+    Leak(std::move(generations_), std::move(state_.ranks), std::move(deferred_));
   }
+}
+
+void CudaClique::DeferRelease(std::shared_ptr<const Generation> gen) {
+  if (!gen) return;
+  std::lock_guard<std::mutex> lock(deferred_mu_);
+  deferred_.push_back(std::move(gen));
 }
 
 Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
@@ -126,7 +135,7 @@ void CudaClique::AbortComms(std::optional<std::chrono::steady_clock::time_point>
   if (await_until) (void)state_.nccl->AwaitAborts(*await_until);
 }
 
-void CudaClique::TakePast(std::vector<std::shared_ptr<Generation>>* out) {
+void CudaClique::TakePast(std::vector<std::shared_ptr<const Generation>>* out) {
   while (generations_.size() > 1) {
     const std::shared_ptr<Generation>& oldest = generations_.front();
     // Held elsewhere: an enqueue in progress, or the watchdog watching a call on it.
@@ -253,7 +262,21 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   }
   if (epoch > first_reserved_) {
     first_reserved_ = epoch;
-    std::vector<std::shared_ptr<Generation>> past;
+    std::vector<std::shared_ptr<const Generation>> past;
+    {
+      // The watchdog's references (DeferRelease): one to a generation still kept is not the
+      // last and is dropped here (it would keep TakePast from freeing it); one to a generation
+      // already taken out of generations_ may be, and is freed with the past ones.
+      std::vector<std::shared_ptr<const Generation>> deferred;
+      {
+        std::lock_guard<std::mutex> deferred_lock(deferred_mu_);
+        deferred.swap(deferred_);
+      }
+      for (auto& gen : deferred)
+        if (std::none_of(generations_.begin(), generations_.end(),
+                         [&](const auto& kept) { return kept == gen; }))
+          past.push_back(std::move(gen));
+    }
     TakePast(&past);
     if (!past.empty()) {
       freeing_ = epoch;

@@ -100,6 +100,12 @@ class CudaClique : public Clique {
 
   std::string Describe() const;
 
+  // Takes over a reference to a generation the watchdog held (Fire): dropped by the next
+  // reservation that frees past generations, or at teardown — never on the watchdog's thread,
+  // where the last reference would free device memory (which waits for the device) and stop
+  // the watching of every clique meanwhile. Takes only a lock of its own, held for the push.
+  void DeferRelease(std::shared_ptr<const Generation> gen);
+
   // CudaClique objects not yet fully destroyed (members included): the last
   // reference may be dropped on another thread (the watchdog's poll), whose
   // destructor then frees the buffers after ResetCudaCliques saw it expire.
@@ -120,7 +126,7 @@ class CudaClique : public Clique {
   // receives from, those not connected yet (NcclComms::Connect); called WITHOUT the lock.
   Status ConnectPeers(const Program& program, const ErrorContext& ctx, RankResources* res);
   // Moves the generations every local rank is past into `out` (requires mu_).
-  void TakePast(std::vector<std::shared_ptr<Generation>>* out);
+  void TakePast(std::vector<std::shared_ptr<const Generation>>* out);
   // Whether each local rank's last enqueued call has finished on the GPU,
   // waiting for it until `deadline`.
   bool AwaitIdle(std::chrono::steady_clock::time_point deadline);
@@ -142,7 +148,9 @@ class CudaClique : public Clique {
   // generations now, without the lock (-1: none): ranks at it or later wait.
   int64_t first_reserved_ = 0;
   int64_t freeing_ = -1;
-  int64_t freed_ = 0;  // generations freed so far
+  int64_t freed_ = 0;       // generations freed so far
+  std::mutex deferred_mu_;  // guards deferred_ only; never held across a call
+  std::vector<std::shared_ptr<const Generation>> deferred_;  // DeferRelease
 };
 
 }  // namespace jo::cuda

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -59,6 +60,11 @@ class Watchdog {
   int Pending() {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int>(entries_.size());
+  }
+
+  void SetFireHook(std::function<void()> hook) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fire_hook_ = std::move(hook);
   }
 
   void UseVirtualClock() {
@@ -183,12 +189,21 @@ class Watchdog {
         e.front_since = Now();
       }
       if (Now() - e.front_since > front.timeout) {
-        const WatchedCall late = front;
-        const int64_t latest_epoch = e.calls.back().epoch;
+        const Key key = it->first;
+        std::deque<WatchedCall> calls = std::move(e.calls);
+        const WatchedCall late = calls.front();
+        const int64_t latest_epoch = calls.back().epoch;
         it = entries_.erase(it);
         lock.unlock();
-        Fire(clique.get(), late, latest_epoch);
+        const bool fired = Fire(clique.get(), late, latest_epoch);
         lock.lock();
+        if (!fired) {  // it finished meanwhile: the rank's later calls are watched on
+          calls.pop_front();
+          Entry& again = entries_[key];
+          for (WatchedCall& added : again.calls) calls.push_back(std::move(added));
+          again.calls = std::move(calls);
+          again.front_started = false;
+        }
         it = entries_.begin();  // the map may have changed meanwhile
         continue;
       }
@@ -200,20 +215,40 @@ class Watchdog {
   }
 
   // Report, break, release (see the header). Best effort: every step goes on
-  // even if an earlier one failed, and failures are added to the report.
-  void Fire(CudaClique* clique, const WatchedCall& c, int64_t latest_epoch) {
-    // The call is not finished, so its generation is alive (the clique frees
-    // one only after every rank finished a later call); held while we use it.
-    const std::shared_ptr<const Generation> gen = c.gen.lock();
+  // even if an earlier one failed, and failures are added to the report. False when the call
+  // turned out to be finished (nothing done).
+  bool Fire(CudaClique* clique, const WatchedCall& c, int64_t latest_epoch) {
+    // Held while we use it. Pass saw the call unfinished, so its generation was alive then (the
+    // clique frees one only after every rank finished a later call); but the call may have
+    // finished since, and the clique moved past its generation, so that this reference is the
+    // last: it is handed back to the clique (DeferRelease), whose next reservation drops it —
+    // never dropped here, where the free would wait for the device on the watchdog's thread.
+    std::shared_ptr<const Generation> gen = c.gen.lock();
+    struct HandBack {
+      CudaClique* clique;
+      std::shared_ptr<const Generation>* gen;
+      ~HandBack() { clique->DeferRelease(std::move(*gen)); }
+    } hand_back{clique, &gen};
+    std::function<void()> hook;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hook = fire_hook_;
+    }
+    if (hook) hook();
+    int prev = 0;
+    (void)cudaGetDevice(&prev);
+    (void)cudaSetDevice(c.device);
+    // Finished since the pass looked: not late after all.
+    if (cudaEventQuery(c.events->done) == cudaSuccess) {
+      (void)cudaSetDevice(prev);
+      return false;
+    }
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f",
                   std::chrono::duration<double>(c.timeout).count());
     std::string text = c.op + " rank " + std::to_string(c.rank) + " (" + clique->name() +
                        ") epoch " + std::to_string(c.epoch) + ": not finished on GPU " +
                        std::to_string(c.device) + " after " + seconds + " s; ";
-    int prev = 0;
-    (void)cudaGetDevice(&prev);
-    (void)cudaSetDevice(c.device);
     cudaStream_t side = nullptr;
     cudaEvent_t read = nullptr;
     std::vector<uint32_t> flags;
@@ -295,6 +330,7 @@ class Watchdog {
     if (read != nullptr) (void)cudaEventDestroy(read);
     if (side != nullptr) (void)cudaStreamDestroy(side);
     (void)cudaSetDevice(prev);
+    return true;
   }
 
   std::mutex mu_;
@@ -308,6 +344,7 @@ class Watchdog {
   };
   std::vector<WatchedAborts> aborts_;
   bool thread_started_ = false;
+  std::function<void()> fire_hook_;         // SetWatchdogFireHook
   std::atomic<bool> virtual_clock_{false};  // UseVirtualClock: no thread, time from Advance
   std::atomic<Clock::rep> virtual_now_{0};  // since the virtual clock's epoch
 };
@@ -331,5 +368,7 @@ int PendingWatches() { return Instance().Pending(); }
 void UseVirtualWatchdogClock() { Instance().UseVirtualClock(); }
 
 void AdvanceWatchdogClock(std::chrono::milliseconds by) { Instance().Advance(by); }
+
+void SetWatchdogFireHook(std::function<void()> hook) { Instance().SetFireHook(std::move(hook)); }
 
 }  // namespace jo::cuda

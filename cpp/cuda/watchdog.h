@@ -20,7 +20,11 @@
 //      its own stream (cuStreamWriteValue32) and aborts the clique's NCCL
 //      communicators, so the streams drain instead of hanging the process.
 // The watchdog never waits without a bound and takes no lock of a clique
-// (the communicators guard themselves: nccl_comms.h). Its flag read and its
+// (the communicators guard themselves: nccl_comms.h) but the one that only
+// takes back its generation references (CudaClique::DeferRelease): it never
+// drops the last reference to a generation or a clique where that would
+// free device memory on its thread or under its lock. A call found late is
+// looked at again before it is fired (it may have just finished). Its flag read and its
 // release go through a stream of its own, which the driver may map onto
 // the hardware queue the stuck wait blocks (CUDA_DEVICE_MAX_CONNECTIONS; the
 // only queue when it is 1): then the flags are reported unreadable and the
@@ -37,6 +41,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -80,5 +85,10 @@ int PendingWatches();
 // would have run meanwhile (every 20 ms; the flag read's wait moves it too).
 void UseVirtualWatchdogClock();
 void AdvanceWatchdogClock(std::chrono::milliseconds by);
+
+// Tests only: `hook` runs when the watchdog is about to fire a call a pass found late — after it
+// took the call's generation reference, before it looks at the call again — the moment in
+// which the call can still finish and the clique move past its generation. Empty: none.
+void SetWatchdogFireHook(std::function<void()> hook);
 
 }  // namespace jo::cuda

@@ -227,6 +227,24 @@ nb::dict StuckAbort(bool stuck) {
   return out;
 }
 
+nb::dict LateCall(bool finish) {
+  jo::fake::LateCallOutcome outcome;
+  jo::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = jo::fake::LateCall(finish, &outcome);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+  nb::dict out;
+  out["warning"] = outcome.warning;
+  out["broken"] = outcome.broken;
+  out["gen_alive_after_watchdog"] = outcome.gen_alive_after_watchdog;
+  out["gen_freed_with_clique"] = outcome.gen_freed_with_clique;
+  out["pending_after"] = outcome.pending_after;
+  out["errors"] = outcome.errors;
+  return out;
+}
+
 nb::dict GemmSetUpRace() {
   jo::fake::GemmSetUpRaceOutcome outcome;
   jo::Status status;
@@ -292,6 +310,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("stuck_abort", &StuckAbort, nb::arg("stuck"),
         "An ncclCommAbort that cannot return (stuck=True) or can: the watchdog's warning, and "
         "what the fake recorded.");
+  m.def("late_call", &LateCall, nb::arg("finish"),
+        "A call the watchdog found late; with finish=True it finishes (and the test drops its "
+        "generation reference) between the pass and the firing: what the watchdog did.");
   m.def("gemm_set_up_race", &GemmSetUpRace,
         "A GEMM enqueued (prepared before) while another thread's GEMM set-up waits for the "
         "device: whether the enqueue waited for it, both statuses, what the fake recorded.");

@@ -157,3 +157,21 @@ def test_outgrown_buffers_are_freed_once_no_call_uses_them(fake, transport):
         alone, _ = _device_memory_after(fake, op, transport, [8, 8, 8])
         assert grown == alone, (op, grown, alone, described)
         assert "(1 generation(s) live" in described, described
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["finishes", "stays-late"])
+def test_a_late_call_that_finishes_before_the_watchdog_fires(fake, finish):
+    """Between the watchdog's pass finding a call late and its firing, the call can finish and the
+    clique move past its generation (cpp/cuda/watchdog.cc, Fire). The watchdog looks again before
+    it fires, and hands its generation reference back to the clique instead of dropping it: the
+    last reference would free device memory on its thread, which waits for the device. The fake
+    watchdog's fire hook finishes the call and drops the test's reference there."""
+    out = fake.late_call(finish)
+    assert out["errors"] == [], out
+    if finish:
+        assert out["warning"] == "" and out["broken"] == "", out
+        assert out["gen_alive_after_watchdog"], out  # not freed on the watchdog's thread
+    else:
+        assert "late_call rank 0" in out["warning"] and "not finished" in out["broken"], out
+    assert out["pending_after"] == 0, out
+    assert out["gen_freed_with_clique"], out

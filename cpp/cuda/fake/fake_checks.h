@@ -49,6 +49,23 @@ struct StuckAbortOutcome {
 };
 Status StuckAbort(bool stuck, StuckAbortOutcome* out);
 
+// A call the watchdog found late finishing before it is fired (cuda/watchdog.cc): one rank's
+// call on device 0 waits for a flag past the call's timeout (200 ms, the watchdog's virtual
+// clock); when `finish`, the watchdog's fire hook (after it took the call's generation reference,
+// before it looks again) raises the flag, lets the fake GPU finish the call and drops the test's
+// own reference to the generation — the clique moving past it, so that the watchdog's is the
+// last. Then the watchdog must not fire, and must not free the generation on its thread (it
+// hands it back to the clique, which frees it at teardown here). Control (!finish): it fires.
+struct LateCallOutcome {
+  std::string warning;                    // the watchdog's warning ("" if none)
+  std::string broken;                     // the clique's broken reason ("" if not broken)
+  bool gen_alive_after_watchdog = false;  // the generation outlived the watchdog's pass
+  bool gen_freed_with_clique = false;     // ... and was freed when the clique was dropped
+  int pending_after = -1;                 // ranks still watched after the pass
+  std::vector<std::string> errors;        // what the fake recorded
+};
+Status LateCall(bool finish, LateCallOutcome* out);
+
 // The GEMM cache's locks (cuda/gemm.cc) against a set-up that waits for the device: device 0
 // waits for a flag; one rank's thread prepares a GEMM of a new shape on a new stream there (its
 // workspace allocation waits for the device, so for the flag) while another, between its

@@ -15,6 +15,7 @@
 
 #include "core/log.h"
 #include "cuda/check.h"
+#include "cuda/cuda_clique.h"
 #include "cuda/driver.h"
 #include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_harness.h"
@@ -124,6 +125,67 @@ Status StuckAbort(bool stuck, StuckAbortOutcome* out) {
   *flag = 1;  // the device's other work completes: the abort returns
   if (!comms->AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10)))
     return Internal("stuck_abort: the aborts did not return once the flag was raised");
+  out->errors = Errors();
+  return OkStatus();
+}
+
+Status LateCall(bool finish, LateCallOutcome* out) {
+  Config config;
+  config.devices = 1;
+  ResetExecutorAndFake(config);
+  const cuda::DriverApi* drv = nullptr;
+  JO_CHECK(cuda::LoadDriver(&drv));
+  auto clique = std::make_shared<cuda::CudaClique>(CliqueKey{4242, 0, 0}, Transport::kP2p,
+                                                   std::vector<int>{0}, std::vector<int64_t>{0});
+  auto gen = std::make_shared<cuda::Generation>();  // no flags: nothing for Fire to read
+  const std::weak_ptr<const cuda::Generation> weak_gen = gen;
+  auto events = std::make_shared<cuda::CallEvents>();
+  cudaSetDevice(0);
+  cudaStream_t xla = nullptr;
+  cudaStreamCreateWithFlags(&xla, cudaStreamNonBlocking);
+  cudaEventCreateWithFlags(&events->started, cudaEventDisableTiming);
+  cudaEventCreateWithFlags(&events->done, cudaEventDisableTiming);
+  auto* flag = static_cast<uint32_t*>(Malloc(0, 4));
+  cudaEventRecord(events->started, xla);
+  drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(xla), reinterpret_cast<CUdeviceptr>(flag), 1,
+                           CU_STREAM_WAIT_VALUE_GEQ);
+  cudaEventRecord(events->done, xla);
+  const auto finished = [&] {  // polls run the fake GPU as far as it can
+    cudaSetDevice(0);
+    for (int i = 0; i < 1000 && cudaEventQuery(events->done) == cudaErrorNotReady; ++i) {
+    }
+  };
+  cuda::WatchedCall call;
+  call.clique = clique;
+  call.device = 0;
+  call.events = events;
+  call.epoch = 1;
+  call.gen = gen;
+  call.op = "late_call";
+  call.timeout = std::chrono::milliseconds(200);
+  cuda::SetWatchdogFireHook([&] {
+    if (!finish) return;
+    *flag = 1;
+    finished();   // the fake GPU finishes the call
+    gen.reset();  // the clique moves past the generation: the watchdog's reference is the last
+  });
+  const std::string before = LastWarning();
+  cuda::Watch(std::move(call));
+  cuda::AdvanceWatchdogClock(std::chrono::milliseconds(300));
+  cuda::SetWatchdogFireHook(nullptr);
+  out->warning = LastWarning() != before ? LastWarning() : std::string();
+  out->broken = clique->BrokenReason();
+  out->gen_alive_after_watchdog = !weak_gen.expired();
+  out->pending_after = cuda::PendingWatches();
+  *flag = 1;
+  finished();
+  cuda::AdvanceWatchdogClock(std::chrono::milliseconds(40));  // the finished call is dropped
+  gen.reset();
+  clique.reset();
+  out->gen_freed_with_clique = weak_gen.expired();
+  cudaEventDestroy(events->started);
+  cudaEventDestroy(events->done);
+  cudaStreamDestroy(xla);
   out->errors = Errors();
   return OkStatus();
 }
