@@ -135,7 +135,8 @@ class Enqueuer {
       return "jaxoverlap " + Label() + " rank " + std::to_string(p_.problem.rank) + " epoch " +
              std::to_string(a_.epoch);
     });
-    *enqueued = false;
+    // `*enqueued` is only ever set here, never reset: the caller may have enqueued before (its
+    // `started` event), and that work must be watched whatever happens below.
     for (size_t i = 0; i < steps_.size(); ++i) {
       const Op& op = p_.ops[i];
       if (!IsNccl(op.kind)) continue;

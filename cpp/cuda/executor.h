@@ -73,8 +73,10 @@ class PreparedCall {
   // (index = stream; null where the stream issues no Send/Recv), held by the
   // caller's lease, which is taken only now: preparing may wait for the
   // device. `*enqueued` says whether work may have reached the GPU (the
-  // caller must then watch the call, whatever the status); if the comm
-  // streams were forked, they were joined back too.
+  // caller must then watch the call, whatever the status): set to true once
+  // Execute enqueues, never reset (the caller's own earlier enqueue, its
+  // `started` event, keeps it true); if the comm streams were forked, they
+  // were joined back too.
   Status Execute(const std::vector<ncclComm_t>& comms, bool* enqueued);
 
   // Instead of Execute, when the call fails after preparing: the set-up work prepare started
