@@ -220,6 +220,11 @@ MISUSES = {
     # a kernel the fused GEMM's peers wait for queued behind it: the fused GEMM holds every SM
     # (rule 1; why it never runs with nccl), however many work queues.
     "a kernel the fused GEMM waits for, queued behind it": "a persistent kernel holds every SM",
+    # its dynamic shared memory (> 48 KB) granted on another device only (cudaFuncSetAttribute's
+    # cudaFuncAttributeMaxDynamicSharedMemorySize is per device); the controls above launch it
+    # after PrepareFusedGemm granted it on each device.
+    "fused GEMM launched on a device without its shared memory grant":
+        "never got cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize)",
 }
 # The same wait/write pair, each stream with a work queue of its own: no misuse (so the rule above
 # is about sharing a queue, not about the pair). The fused GEMM after its outgoing copy, and

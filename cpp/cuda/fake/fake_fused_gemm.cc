@@ -23,6 +23,7 @@
 // One tile per poll of the kernel, so the other streams interleave with it.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -43,6 +44,15 @@ using cuda::fused_kernel::Launch;
 // The dynamic shared memory the fake kernel asks for: an H100's opt-in
 // maximum per block (CUDA programming guide, "Compute Capabilities": 227 KB).
 constexpr int kSharedBytes = 232448;
+// What a launch may ask for without an opt-in: more than 48 KB of dynamic shared memory per
+// block needs cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) on the function
+// first (CUDA runtime API, cudaFuncSetAttribute: cudaFuncAttributeMaxDynamicSharedMemorySize,
+// "the maximum size in bytes of dynamically-allocated shared memory"; CUDA programming guide,
+// "Compute Capabilities", shared memory: allocations above 48 KB per block need that explicit
+// opt-in). The attribute belongs to the function as loaded in a device's context, so each
+// device needs its own; without it the launch fails on the GPU (the call's error breaks the
+// clique), which the fake refuses as a misuse.
+constexpr int kSharedBytesWithoutOptIn = 48 * 1024;
 constexpr int64_t kTileCols = 256;  // the CTA tile's N (fused_gemm_kernel.cuh)
 
 struct FusedRun {
@@ -172,6 +182,22 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
   if (!FunctionRuns(function, device)) return cudaErrorNoKernelImageForDevice;
   // With lazy loading, a first launch loads the kernel (fake_waits.cc): Prepare has.
   if (!LoadFunction(device, name, "cudaLaunchKernelEx")) return cudaErrorUnknown;
+  {
+    Lock lock(S().mu);
+    const auto grant = S().shared_grants.find({stream->process, device, function});
+    const int granted =
+        std::max(kSharedBytesWithoutOptIn, grant == S().shared_grants.end() ? 0 : grant->second);
+    if (kSharedBytes > granted) {
+      Fail(name + ": launched with " + std::to_string(kSharedBytes) +
+           " bytes of dynamic shared memory on device " + std::to_string(device) + ", which " +
+           (grant == S().shared_grants.end() ? std::string("never got cudaFuncSetAttribute(")
+                                             : "got only " + std::to_string(grant->second) +
+                                                   " bytes from cudaFuncSetAttribute(") +
+           "cudaFuncAttributeMaxDynamicSharedMemorySize) for it: more than 48 KB per block needs "
+           "that opt-in on each device (CUDA programming guide, \"Compute Capabilities\")");
+      return cudaErrorInvalidValue;
+    }
+  }
   const size_t es = ElemBytes(dtype);
   const auto span = [](int64_t batch, int64_t batch_stride, int64_t rows, int64_t ld,
                        int64_t cols) {
@@ -220,6 +246,13 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
 }
 
 }  // namespace
+
+void NoteSharedMemoryGrant(const void* function, int bytes) {
+  const int device = CurrentDevice();
+  Lock lock(S().mu);
+  S().shared_grants[{t_process, device, function}] = bytes;
+}
+
 }  // namespace jo::fake
 
 namespace jo::cuda::fused_kernel {

@@ -237,6 +237,8 @@ struct State {
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
   // (played process, device) whose SMs a persistent kernel holds, once per such kernel running.
   std::multiset<std::pair<int, int>> persistent;
+  // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
+  std::map<std::tuple<int, int, const void*>, int> shared_grants;
 };
 
 // The one fake world (never destroyed: handler threads may run late).

@@ -492,7 +492,9 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
 
 // cudaFuncSetAttribute: only the dynamic shared memory a kernel may use, at
 // most what a block of the device may opt into (227 KB on compute capability
-// 9.0: CUDA programming guide, "Compute Capabilities").
+// 9.0: CUDA programming guide, "Compute Capabilities"). Recorded per device
+// (of the played process): a function is loaded, and its attributes set, in
+// each device's context; the fused launch checks it (fake_fused_gemm.cc).
 cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
   jo::fake::Count("cudaFuncSetAttribute");
   const HostKernel* k = jo::fake::Find(func);
@@ -503,6 +505,7 @@ cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int v
         "the dynamic shared memory, or more than a block may have");
     return cudaErrorInvalidValue;
   }
+  jo::fake::NoteSharedMemoryGrant(func, value);
   return cudaSuccess;
 }
 

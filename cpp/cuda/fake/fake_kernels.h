@@ -35,6 +35,10 @@ bool SelectKernelVariant(const std::vector<std::string>& images, int arch, Kerne
 const void* FusedFunction(DType dtype);
 std::string FunctionName(const void* function);
 bool FunctionRuns(const void* function, int device);
+// cudaFuncSetAttribute(function, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) on the
+// current device of this thread's played process (fake_fused_gemm.cc keeps it, and checks it at
+// the fused launch).
+void NoteSharedMemoryGrant(const void* function, int bytes);
 
 // Per-access record of kernel executions while tracing is on (tests).
 struct KernelAccess {

@@ -21,6 +21,7 @@
 #include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/fused_gemm.h"
+#include "cuda/fused_gemm_launch.h"
 #include "cuda/kernels.h"
 #include "cuda/nccl_comms.h"
 #include "cuda/watchdog.h"
@@ -606,6 +607,33 @@ std::map<std::string, std::string> MisuseChecks() {
       }
     }
   };
+  // The fused kernel's dynamic shared memory (more than 48 KB) granted on device 0 only, then
+  // launched on device 1: the grant is per device (the function as loaded in its context). The
+  // controls are the fused checks below: PrepareFusedGemm grants it on every device it prepares.
+  auto fused_on_device_1 = [&] {
+    cuda::ErrorContext ctx;
+    ctx.op = "fused shared memory check";
+    const void* kernel = cuda::fused_kernel::FunctionBF16();
+    const int shared = cuda::fused_kernel::SharedBytesBF16();
+    for (int d = 0; d < 2; ++d) {
+      cudaSetDevice(d);
+      cudaFuncAttributes attr{};
+      cudaFuncGetAttributes(&attr, kernel);  // loaded on both
+      if (d == 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+    }
+    constexpr int64_t kN = 8;
+    cudaStream_t s = stream_on(1);
+    cuda::fused_kernel::Launch l;
+    l.m = l.n = l.k = kN;
+    l.a = Malloc(1, kN * kN * 2);
+    l.b = Malloc(1, kN * kN * 2);
+    l.d = Malloc(1, kN * kN * 2);
+    l.lda = l.ldb = l.ldd = kN;
+    l.blocks = fused::RowBlocks{1, 1, kN};
+    l.sm_count = 132;
+    (void)cuda::fused_kernel::LaunchBF16(l, s, ctx);
+  };
+  check("fused GEMM launched on a device without its shared memory grant", fused_on_device_1);
   check(
       "fused GEMM enqueued before its own outgoing copy", [&] { fused_pair(Fused::kKernelFirst); },
       1);

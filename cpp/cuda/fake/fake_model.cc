@@ -204,6 +204,7 @@ void Reset(const Config& config) {
   s.counters.clear();
   s.sticky.clear();
   s.persistent.clear();
+  s.shared_grants.clear();
   s.config = config;
   s.rng.seed(config.seed);
   ResetQueues();
