@@ -21,6 +21,9 @@
 //    the flags of block b + shift instead (an off-by-one mapping) for the
 //    misuse checks.
 // One tile per poll of the kernel, so the other streams interleave with it.
+// The launch as a whole is replaced: CUTLASS's own host calls inside it
+// (cudaGetDriverEntryPoint[ByVersion], cuTensorMapEncodeTiled for A, B and D)
+// are not observed here; the enqueue path's list names them (fake_waits.cc).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
