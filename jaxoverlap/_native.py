@@ -23,7 +23,7 @@ from jax._src import core
 from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
-from jaxoverlap import _bootstrap, _native_call, _profile, _runtime
+from jaxoverlap import _bootstrap, _call_site, _native_call, _profile, _runtime
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._config import timeout_ms
 
@@ -215,16 +215,21 @@ def _lower(ctx, x, w, coords, *, op, axis_name, axis, axis_size, chunks, bidirec
     if platform != "cpu":  # the GPU handler finds its rank in the table, never in device memory
         operands, ctx = operands[:2], ctx.replace(avals_in=ctx.avals_in[:2])
     # Attributes carry the exact C++ types of the handler binding.
-    return rule(ctx, *operands, op=np.int32(OPS.index(op)),
-                axis=np.int64(axis), axis_size=np.int64(axis_size),
-                transport=np.int32(transports().index(call.transport)),
-                chunks=np.int64(chunks), bidirectional=bool(bidirectional),
-                tf32=bool(tf32), algorithm=np.int32(AR_ALGORITHMS.index(algorithm)),
-                timeout_ms=np.int64(timeout_ms(timeout_s)),
-                **call.attributes())
+    attributes = dict(op=np.int32(OPS.index(op)), axis=np.int64(axis),
+                      axis_size=np.int64(axis_size),
+                      transport=np.int32(transports().index(call.transport)),
+                      chunks=np.int64(chunks), bidirectional=bool(bidirectional),
+                      tf32=bool(tf32), algorithm=np.int32(AR_ALGORITHMS.index(algorithm)))
+    site_key = _call_site.site_key(ctx, clique_key=call.clique_key, platform=platform,
+                                   attributes=dict(attributes, axis_name=axis_name,
+                                                   return_gathered=bool(return_gathered)))
+    return rule(ctx, *operands, **attributes, site_key=np.int64(site_key),
+                timeout_ms=np.int64(timeout_ms(timeout_s)), **call.attributes())
 
 
-mlir.register_lowering(native_p, _lower)
+# Not cached: every native call of a program lowers on its own and gets its own site key
+# (_call_site), even when its operands' types and attributes equal another's.
+mlir.register_lowering(native_p, _lower, cacheable=False)
 
 
 # ---------------------------------------------------------------- entry points

@@ -76,7 +76,7 @@ Status MakeClique(const CallDesc& desc, const CallPlan& plan, const Caller& call
 
 }  // namespace
 
-CudaSite::CudaSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(site) {}
+CudaSite::CudaSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_(std::move(site)) {}
 
 Status CudaSite::PlanFor(const Caller& caller, const Problem& problem,
                          std::shared_ptr<const Plan>* out) {
@@ -88,11 +88,10 @@ Status CudaSite::PlanFor(const Caller& caller, const Problem& problem,
     return OkStatus();
   }
   auto plan = std::make_shared<Plan>();
-  JO_CHECK(MakePlan(desc_, problem, site_, caller, &plan->call));
+  JO_CHECK(MakePlan(desc_, problem, site_.id(), caller, &plan->call));
   JO_CHECK(IssueOrder(plan->call.program.problem, &plan->issue));
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
-  plan->signature = plan->call.signature + " at call site " + std::to_string(site_);
   const CliqueKey key{desc_.clique_key, plan->call.place.group, 0};
   Status made = OkStatus();
   Status got = Registry(caller.process)
@@ -159,7 +158,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   run.timeout = Millis(desc_.timeout_ms);
   const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
   Reservation reserved;
-  Status status = clique.Agree(where, ctx.rank, run.epoch, plan->signature);
+  Status status = clique.Agree(where, ctx.rank, run.epoch, plan->call.signature);
   if (status.ok()) status = clique.Reserve(program, plan->call.needs, run.epoch, ctx, &reserved);
   // Everything is checked and made before anything is enqueued (PrepareProgram);
   // then only enqueueing is left, and once it began the call is always joined

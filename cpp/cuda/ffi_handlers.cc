@@ -27,7 +27,7 @@ namespace {
 // The instantiate-stage state type ("jaxoverlap_cuda_call_site", platform CUDA).
 struct SiteState {
   static ffi::TypeId id;
-  SiteState(CallDesc desc, int64_t site) : site(std::move(desc), site) {}
+  SiteState(CallDesc desc, CallSite site) : site(std::move(desc), std::move(site)) {}
   CudaSite site;
 };
 ffi::TypeId SiteState::id = {};

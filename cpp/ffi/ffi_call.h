@@ -4,7 +4,8 @@
 //
 // Every native custom call has the operands x, w, the result y and, for
 // ag_matmul with return_gathered, x_gathered, and these attributes:
-//   op i32 (0 ag_matmul, 1 matmul_rs, 2 matmul_ar), clique_key i64, axis i64
+//   op i32 (0 ag_matmul, 1 matmul_rs, 2 matmul_ar), clique_key i64, site_key
+//   i64 (what the call is: core/call.h CallSite; never 0), axis i64
 //   (matmul_ar: 0; it splits the rows of x, all dims but the last, into N
 //   blocks),
 //   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
@@ -37,7 +38,7 @@ namespace ffi = xla::ffi;
 
 struct CallAttrs {
   int32_t op;
-  int64_t clique_key, axis, axis_size;
+  int64_t clique_key, site_key, axis, axis_size;
   int32_t transport;
   int64_t chunks;
   bool bidirectional;
@@ -51,11 +52,11 @@ struct CallAttrs {
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jo::ffi_call::CallAttrs, ::xla::ffi::StructMember<int32_t>("op"),
-    ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("axis"),
-    ::xla::ffi::StructMember<int64_t>("axis_size"), ::xla::ffi::StructMember<int32_t>("transport"),
-    ::xla::ffi::StructMember<int64_t>("chunks"), ::xla::ffi::StructMember<bool>("bidirectional"),
-    ::xla::ffi::StructMember<bool>("tf32"), ::xla::ffi::StructMember<int32_t>("algorithm"),
-    ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("site_key"),
+    ::xla::ffi::StructMember<int64_t>("axis"), ::xla::ffi::StructMember<int64_t>("axis_size"),
+    ::xla::ffi::StructMember<int32_t>("transport"), ::xla::ffi::StructMember<int64_t>("chunks"),
+    ::xla::ffi::StructMember<bool>("bidirectional"), ::xla::ffi::StructMember<bool>("tf32"),
+    ::xla::ffi::StructMember<int32_t>("algorithm"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("ordinals"));
@@ -96,6 +97,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   if (!known)
     return bad("attribute op expected 0 (ag_matmul), 1 (matmul_rs) or 2 (matmul_ar), got " +
                std::to_string(a.op));
+  if (a.site_key == 0) return bad("attribute site_key expected a nonzero hash, got 0");
   if (a.axis_size < 1)
     return bad("attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
   if (a.transport < 0 || a.transport > 2)
@@ -117,6 +119,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   out->op = static_cast<Collective>(a.op);
   out->transport = static_cast<Transport>(a.transport);
   out->clique_key = a.clique_key;
+  out->site_key = a.site_key;
   out->axis = a.axis;
   out->chunks = a.chunks;
   out->bidirectional = a.bidirectional;
@@ -265,15 +268,15 @@ inline auto BindInstantiate() {
   return ffi::Ffi::BindInstantiate().RemainingArgs().RemainingRets().Attrs<CallAttrs>();
 }
 
-// Makes a Site (whose constructor takes (CallDesc, site id)) from the attributes.
+// Makes a Site (whose constructor takes (CallDesc, CallSite)) from the attributes.
 template <typename Site>
 ffi::ErrorOr<std::unique_ptr<Site>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
                                                 CallAttrs attrs) {
   CallDesc desc;
   if (Status status = DecodeDesc(attrs, &desc); !status.ok())
     return ffi::Unexpected<ffi::Error>(ToFfi(status));
-  const int64_t id = NewCallSiteId(desc.clique_key);
-  return std::make_unique<Site>(std::move(desc), id);
+  CallSite site = CallSite::Instantiate(desc.site_key);
+  return std::make_unique<Site>(std::move(desc), std::move(site));
 }
 
 }  // namespace jo::ffi_call

@@ -23,7 +23,7 @@ namespace {
 // The instantiate-stage state type ("jaxoverlap_call_site", platform cpu).
 struct SiteState {
   static ffi::TypeId id;
-  SiteState(CallDesc desc, int64_t site) : site(std::move(desc), site) {}
+  SiteState(CallDesc desc, CallSite site) : site(std::move(desc), std::move(site)) {}
   HostSite site;
 };
 ffi::TypeId SiteState::id = {};

@@ -27,8 +27,7 @@ namespace jo::host {
 
 class HostSite {
  public:
-  HostSite(CallDesc desc, int64_t site);
-  ~HostSite();  // the executable goes: so do the site's cliques
+  HostSite(CallDesc desc, CallSite site);
 
   // Starts one call of `caller` (XLA:CPU names devices by their global id).
   // `done` receives the result, on a worker thread after every resource of
@@ -47,7 +46,7 @@ class HostSite {
   Status PlanFor(const Caller& caller, const Problem& problem, std::shared_ptr<const Plan>* out);
 
   const CallDesc desc_;
-  const int64_t site_;
+  const CallSite site_;
   std::mutex mu_;
   std::map<int64_t, std::shared_ptr<const Plan>> plans_;  // by device
 };

@@ -216,13 +216,15 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
-             int64_t hold_ms, const std::string& algorithm) {
+             int64_t hold_ms, const std::string& algorithm,
+             std::optional<std::vector<int64_t>> site_keys) {
   const bool ag = op == "ag_matmul", rs = op == "matmul_rs", ar = op == "matmul_ar";
   if (!ag && !rs && !ar) throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
   if (static_cast<int>(xs.size()) != nranks || static_cast<int>(ws.size()) != nranks ||
       static_cast<int>(devices.size()) != nranks ||
-      (processes && static_cast<int>(processes->size()) != nranks))
-    throw nb::value_error("xs, ws, devices and processes need one entry per rank");
+      (processes && static_cast<int>(processes->size()) != nranks) ||
+      (site_keys && static_cast<int>(site_keys->size()) != nranks))
+    throw nb::value_error("xs, ws, devices, processes and site_keys need one entry per rank");
   jo::Problem q;
   q.op = ag   ? jo::Collective::kAgMatmul
          : rs ? jo::Collective::kMatmulRs
@@ -298,7 +300,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   desc.table.processes = processes ? *processes : std::vector<int64_t>(devices.size(), 0);
   desc.table.ordinals = devices;
   desc.table.device_ids = devices;
-  jo::cuda::CudaSite site(desc, jo::NewCallSiteId(clique_key));
+  desc.site_key = clique_key != 0 ? clique_key : 1;
+  jo::cuda::CudaSite shared_site(desc, jo::CallSite::Instantiate(desc.site_key));
   std::vector<std::string> statuses(nranks);
   // hold_ms: XLA's stream of every rank first waits for a flag the host raises only after the
   // watchdog's clock moved on by hold_ms (earlier work the GPU is still busy with).
@@ -347,6 +350,15 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
         caller.device = dev;
         caller.naming = jo::DeviceNaming::kLocalOrdinal;
         const jo::CallBuffers io{x[r], w[r], y[r], g[r]};
+        // site_keys: each rank calls through a site of its own, instantiated on its thread as
+        // each process compiles its own program (equal keys: the same site).
+        std::optional<jo::cuda::CudaSite> own;
+        if (site_keys) {
+          jo::CallDesc mine = desc;
+          mine.site_key = (*site_keys)[static_cast<size_t>(r)];
+          own.emplace(mine, jo::CallSite::Instantiate(mine.site_key));
+        }
+        jo::cuda::CudaSite& site = own ? *own : shared_site;
         for (int c = 0; c < calls && statuses[r].empty(); ++c) {
           // As XLA runs a thunk: the handler's work on other streams must be joined into
           // XLA's stream (or complete) when it returns, whatever its status.
@@ -789,7 +801,7 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
         nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
-        nb::arg("algorithm") = "two_shot");
+        nb::arg("algorithm") = "two_shot", nb::arg("site_keys") = nb::none());
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

@@ -1,0 +1,73 @@
+"""A native call's site key: what the call is, computed where it lowers, the same in every process.
+
+Processes of a multi-controller job find a call site's peers by its key (the host executor's
+directory of call sites in shared memory, the agreement check of both executors,
+``cpp/core/call.h`` ``CallSite``). A key taken from a per-process counter would follow the order
+in which each process compiled things, so one process's extra compile (the chief alone lowering
+an eval step to log its memory, a background thread, two functions compiled in another order)
+would shift every later site. The key is a hash of
+
+* the lowered module's name and the call's name stack (which program, where in it),
+* the call's clique key (mesh, axis, transport, rank table) and its attributes,
+* the types of x and w,
+* and the call's ordinal among the native calls with all of the above in this lowering
+  (the Q, K and V projections of one input differ only there),
+
+none of which depends on what else a process compiled. The native primitive's lowering is not
+cached by JAX (``cacheable=False`` where it is registered), so every call of a program gets its
+own ordinal. What JAX still lowers once and XLA repeats (a nested jit called twice) carries one
+key; the C++ side tells those instances apart in the order XLA instantiates them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+from jax._src.interpreters import mlir
+
+_lock = threading.Lock()
+# Where a module being lowered keeps how many calls with each description it has had so far:
+# under this key of its own per-lowering cache dict (ModuleContext takes no attributes or weak
+# references), so the counts live and die with that lowering.
+_ORDINALS = ("jaxoverlap", "native call ordinals")
+
+
+def _module_name(module_context: Any) -> str:
+    attributes = module_context.module.operation.attributes
+    if "sym_name" not in attributes:
+        return ""
+    return mlir.ir.StringAttr(attributes["sym_name"]).value
+
+
+def site_key(ctx: Any, *, clique_key: int, platform: str, attributes: dict[str, Any]) -> int:
+    """The site key of the native call lowering in ``ctx`` (a nonzero signed 64-bit int).
+
+    ``attributes``: everything the call is besides its operands' types (op, axis, transport,
+    chunks, ...; not its timeout, which a process may set differently). Also tells the
+    platform's extension that this key lowered (its next instance belongs to a new program).
+    """
+    avals = tuple((tuple(a.shape), str(a.dtype)) for a in ctx.avals_in[:2])
+    described = repr((_module_name(ctx.module_context), str(ctx.name_stack), int(clique_key),
+                      avals, sorted((k, repr(v)) for k, v in attributes.items())))
+    digest = hashlib.blake2b(described.encode(), digest_size=16).digest()
+    with _lock:
+        counts = ctx.module_context.cached_primitive_lowerings.setdefault(_ORDINALS, {})
+        ordinal = counts.get(digest, 0)
+        counts[digest] = ordinal + 1
+    key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little"), digest_size=8).digest()
+    key = int.from_bytes(key_bytes, "little", signed=True) or 1
+    _note_lowering(platform, key)
+    return key
+
+
+def _note_lowering(platform: str, key: int) -> None:
+    """Tells the executor that ``key`` lowered: its next instance starts a new program."""
+    from jaxoverlap import _runtime
+
+    _runtime.load_host()._note_lowering(key)
+    if platform != "cpu":
+        from jaxoverlap import _cuda_caps
+
+        _cuda_caps.load_cuda()._note_lowering(key)
