@@ -607,6 +607,7 @@ void ShmDomain::Sweep(std::vector<std::shared_ptr<ShmSegment>>* unmap) {
 void ShmDomain::NoteCall(int32_t rank, int64_t site, int64_t epoch, bool in_call,
                          const std::string& signature) {
   RankSlot* slot = rank_slot(rank);
+  std::lock_guard<std::mutex> lock(note_mu_);
   slot->seq.fetch_add(1);  // odd: being written
   slot->in_call = in_call ? 1 : 0;
   slot->site = site;

@@ -164,6 +164,7 @@ class ShmDomain {
   std::vector<int> pidfds_;  // per dense process index, -1 until opened (or not checkable)
   std::vector<bool> uncheckable_;
   std::atomic<int64_t> last_check_ns_{0};
+  std::mutex note_mu_;   // one writer of our ranks' slots at a time (calls of several sites)
   std::mutex sites_mu_;  // the two maps below; taken before the directory lock
   std::map<int64_t, LocalSite> sites_;
   std::map<int64_t, std::pair<uint64_t, uint64_t>> offers_;  // site -> (incarnation, token)

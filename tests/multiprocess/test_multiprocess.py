@@ -241,7 +241,9 @@ def test_a_process_of_the_same_user_outside_the_job_cannot_open_its_memory():
     but the canary, a named segment made in /dev/shm to show that it would."""
     procs = harness.run("watched", 2, 1, params={"iterations": 10}, timeout_s=300)
     report = procs[0].result()["watcher"]
-    assert report["sandbox"] == "landlock", report  # it has no ptrace rights over the job
+    if not report["no_ptrace"]:  # (ptrace access reads any process's memory: outside the model)
+        pytest.skip(f"the watcher cannot give up its ptrace rights over the job here (no "
+                    f"Landlock: {report['landlock']}; not root, so no user namespace of its own)")
     canary = [path for path in report["opened"] if path.endswith("-canary")]
     assert len(canary) == 1, report
     assert {path: how for path, how in report["opened"].items() if path not in canary} == {}, \

@@ -6,8 +6,10 @@ arrives on stdin, then prints one JSON report. Started by worker.py's ``watched`
 It stands for another process of the same user without ptrace rights over the job (what Yama's
 ``ptrace_scope`` 1 gives a non-ancestor): it restricts itself with Landlock, which refuses
 ptrace-mode access to processes outside its sandbox, whatever the user (when the kernel has
-Landlock). Run as root, it is started in a user namespace of its own, so it is root without
-root's privileges over the job. Over and over, it tries
+Landlock). Run as root, it is started in a user namespace of its own (``JO_WATCHER_USERNS=1``),
+so it is root without root's privileges over the job: no capability over processes outside its
+namespace, hence no ptrace access to the job's (which hold capabilities it lacks). Over and
+over, it tries
 
 * every name in /dev/shm that was not there when it started, and every name with "jaxoverlap",
   opened read-write;
@@ -174,7 +176,10 @@ def main() -> int:
     print(json.dumps({
         "opened": report.opened, "tries": report.tries, "refusals": report.refusals,
         "sockets": sorted(sockets), "rounds": rounds, "seconds": time.monotonic() - start,
-        "sandbox": sandbox or "landlock", "uid": os.getuid(), "euid": os.geteuid(),
+        # What takes its ptrace rights over the job away.
+        "no_ptrace": (["landlock"] if not sandbox else [])
+        + (["user namespace"] if os.environ.get("JO_WATCHER_USERNS") == "1" else []),
+        "landlock": sandbox or "on", "uid": os.getuid(), "euid": os.geteuid(),
     }), flush=True)
     return 0
 

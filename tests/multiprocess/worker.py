@@ -568,10 +568,12 @@ def watched(iterations: int) -> dict[str, Any]:
         argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                              "watcher.py"), ",".join(p.decode() for p in
                                                                      pids.values())]
+        env = dict(os.environ)
         if os.geteuid() == 0:  # as root, the watcher is root without its privileges
             argv = ["unshare", "--user", "--map-root-user", *argv]
+            env["JO_WATCHER_USERNS"] = "1"
         watcher = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+                                   stderr=subprocess.PIPE, text=True, env=env)
         assert watcher.stdout.readline().strip() == "watching", watcher.stderr.read()
     _bootstrap.allgather_bytes("watched", "started", b"1",
                                processes=list(range(jax.process_count())), timeout_s=60)
