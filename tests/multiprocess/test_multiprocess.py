@@ -278,6 +278,19 @@ def test_an_executable_whose_calls_never_lowered_here_fails_at_once_naming_why(t
         assert result["elapsed_s"] < 10.0, result
 
 
+def test_a_program_from_the_persistent_compilation_cache_runs_right(tmp_path):
+    """The second job loads a user's shard_map program from JAX's persistent cache (nothing
+    new written): it lowers there all the same (the cache key is the lowered program), so its
+    group is set up and its call sites are the cached program's own; it runs right."""
+    first = harness.run("cached", 2, 1, params={"cache_dir": str(tmp_path)})
+    assert all(p.result()["new_entries"] > 0 for p in first)
+    second = harness.run("cached", 2, 1, params={"cache_dir": str(tmp_path)})
+    for p in second:
+        result = p.result()
+        assert result["new_entries"] == 0, result  # a cache hit
+        assert "shared memory across 2 processes" in result["cliques"], result
+
+
 def require_module(name: str) -> None:
     """Skips (fails under JAXOVERLAP_REQUIRE_CUDA=1) when ``jaxoverlap.<name>`` is not built."""
     import importlib

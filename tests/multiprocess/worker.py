@@ -637,6 +637,26 @@ def deserialized(directory: str, timeout_s: float) -> dict[str, Any]:
     _leave_last_from_process_0("deserialized")
 
 
+def cached(cache_dir: str) -> dict[str, Any]:
+    """A user's shard_map program with JAX's persistent compilation cache: the second job
+    loads it from the cache (it still lowers there, so its group is set up) and runs it right,
+    next to a program compiled afresh."""
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64, w64, x, w = _ag_problem(90, mesh, rows=2)
+    program = jax.jit(jax.shard_map(
+        lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p"),
+        mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+        out_specs=P(None, None, "tp")))
+    entries = len(os.listdir(cache_dir))
+    for step in range(3):
+        check_shards(f"cached program {step}", program(x, w), x64 @ w64, "float32")
+    return {"new_entries": len(os.listdir(cache_dir)) - entries, "cliques": _cliques()}
+
+
 def _leave_last_from_process_0(what: str) -> None:
     """Exits without jax.distributed's shutdown (a failed job's barrier would wait); process 0
     hosts the coordination service, so it leaves last, once the others have reported."""
@@ -1037,6 +1057,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "many_sites": many_sites,
     "watched": watched,
     "deserialized": deserialized,
+    "cached": cached,
     "mixed": mixed,
     "peer_loss": peer_loss,
     "bootstrap_missing": bootstrap_missing,
