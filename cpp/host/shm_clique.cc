@@ -251,6 +251,8 @@ Status ShmClique::Open(const WaitContext& ctx) {
   // ranks left off (its earlier clique of the site is gone: its calls are done).
   for (int32_t r = 0; r < nranks(); ++r)
     if (domain_->Local(r)) base_[r].store(rank_state(r)->done.load());
+  JO_INFO(name() + ": mapped its segment, " + std::to_string(layout_->total) + " bytes for '" +
+          signature_ + "'");
   return OkStatus();
 }
 

@@ -44,7 +44,7 @@ def test_native_every_transport_fwd_and_bwd(nprocs, devices):
         domains = [c for c in cliques if ": domain of" in c]
         assert len(domains) == len(TRANSPORTS), cliques
         assert all(f"shared memory across {nprocs} processes" in c for c in cliques), cliques
-        # Names are unlinked as soon as every process attached, while the job still runs.
+        # Nothing of the job has a name in /dev/shm while it runs (segments are memfds).
         assert result["linked"] == [], result["linked"]
 
 
@@ -64,7 +64,7 @@ def test_mixed_meshes_interleaved_ring_and_growth():
                                      "tp across processes", "growth", "user shard_map"], p.stdout
         kinds = result["cliques"]
         assert "in-process" in kinds and "shared memory across 2 processes" in kinds, kinds
-        assert result["linked"] == [], result["linked"]  # growth generations unlinked too
+        assert result["linked"] == [], result["linked"]  # nothing named in /dev/shm
 
 
 # JAX's own failure handling: its coordination service (in process 0) sees the lost process go
@@ -125,7 +125,7 @@ def test_a_process_that_never_bootstraps_is_named_by_the_leader():
     assert "BootstrapError" in result["error"], result
     assert "process(es) [1] did not attach to host clique" in result["error"], result
     assert result["elapsed_s"] >= 2.5, result  # not before its 3 s timeout
-    assert result["leftover"] == [], result  # the leader unlinked its segment on the error
+    assert result["leftover"] == [], result  # nothing named in /dev/shm after the error
 
 
 def test_a_failed_bootstrap_recovers_when_the_call_is_retried():

@@ -143,7 +143,7 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
                 global_array(w, mesh, P("tp", None), dtype))
         check_shards(f"matmul_ar one-shot {transport}", y, x @ w, dtype)
         one_shot.append(transport)
-    # Every segment was unlinked once all processes had attached (not only at exit).
+    # Nothing of the job has a name in /dev/shm while it runs (segments are memfds).
     return {"checked": done, "one_shot": one_shot, "cliques": _cliques(),
             "linked": harness_segments()}
 
@@ -154,7 +154,7 @@ def mixed(transport: str = "p2p") -> dict[str, Any]:
     * tp=4 over [0, 2, 1, 3]: every ring hop crosses processes (one clique, two processes);
     * (dp=2, tp=2) with tp inside a process: in-process cliques, no shared memory;
     * (dp=2, tp=2) with tp across processes: two cliques spanning both processes;
-    * changing shapes back to back (the data segment grows across processes).
+    * changing shapes back to back (a call site each across processes).
     """
     devices = jax.devices()
     assert len(devices) == 4 and jax.process_count() == 2, "run with 2 processes x 2 devices"
