@@ -85,7 +85,12 @@ def _model(args: argparse.Namespace) -> int:
         raise SystemExit(f"bench: --model {args.model}: {err}") from None
     cases = _cases(args.cases)
     print(f"{sim.MODEL_LABEL} — preset {preset.name} ({preset.gpu})")
-    print(sim.format_table(sim.projection_table([preset], cases), markdown=False))
+    rows = sim.projection_table([preset], cases)
+    print(sim.format_table(rows, markdown=False))
+    if any(r["fused"] for r in rows):
+        print("A plan named `fused` runs ONE persistent GEMM waiting on per-block flags "
+              "(docs/performance.md §2.6): modelled, not yet run by the executors, so the ops "
+              "choose among the chunked plans until they do (docs/gpu.md §10).")
     print(f"\nDecode shapes, GEMM + all-reduce (latency, not bandwidth):\n"
           f"{sim.format_decode_table(sim.decode_table(preset))}")
     case = cases[0]

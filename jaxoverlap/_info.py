@@ -8,8 +8,9 @@ from typing import Any
 import jax
 import jaxlib
 
-from jaxoverlap import _cuda_caps
 from jaxoverlap._config import current_config
+from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._version import __version__
 
 
 def _host_build() -> dict[str, Any] | None:
@@ -22,14 +23,11 @@ def _host_build() -> dict[str, Any] | None:
 
 def info() -> dict[str, Any]:
     """A plain dict describing versions, devices, the native build and the effective config."""
-    from jaxoverlap import ops
-
     devices = jax.devices()
-    native = ops._native()
-    dtype = jax.numpy.float32
-    native_reason = ops._native_reason(dtype)
+    native_reason = capabilities.unavailable_reason(capabilities.current_platform(),
+                                                    jax.numpy.float32)
     result: dict[str, Any] = {
-        "jaxoverlap": __import__("jaxoverlap").__version__,
+        "jaxoverlap": __version__,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "platform": devices[0].platform,
@@ -41,14 +39,13 @@ def info() -> dict[str, Any]:
             "native": "available" if native_reason is None else f"unavailable: {native_reason}",
         },
         "host_extension": _host_build(),
-        "cuda_extension": _cuda_caps.extension_summary(),
+        "cuda_extension": runtime.extension_summary(),
         "config": dataclasses.asdict(current_config()),
     }
-    if devices[0].platform in ("gpu", "cuda") and _cuda_caps.cuda_error() is not None:
+    if devices[0].platform in ("gpu", "cuda") and runtime.cuda_error() is not None:
         result["warning"] = (f"JAX sees {len(devices)} GPUs but jaxoverlap has no CUDA extension "
                              "here: impl='auto' runs unfused (see cuda_extension for the fix)")
-    if native is not None:
-        result["native"] = native.info()
+    result["native"] = capabilities.info()
     return result
 
 

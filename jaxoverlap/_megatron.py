@@ -5,9 +5,9 @@ the local column block of w; f is the identity forward and an all-reduce of
 the input's gradient backward. (The row layer's g, an all-reduce forward, is
 fused with its GEMM: ``jaxoverlap.matmul_ar``.)
 
-Like the public ops, it runs on local shards inside ``jax.shard_map`` (where
-``axis_name`` is bound) and on global arrays outside it (``_spmd``: the
-layout ``matmul``).
+This is the per-device code, on local shards (``axis_name`` bound); on global
+arrays ``ops.copy_matmul`` runs it on every device (the layout ``matmul`` of
+``_layout``), as the public ops run theirs.
 
 Inside ``shard_map`` f needs no custom rule: with ``check_vma=True`` JAX's
 varying-axes types give ``pcast`` exactly that transpose; with
@@ -23,8 +23,7 @@ from typing import Any
 
 from jax import lax
 
-from jaxoverlap import _spmd
-from jaxoverlap._compat import bound_axis_size, varying_axes
+from jaxoverlap._compat import varying_axes
 
 
 def _dot(x, w, precision):
@@ -45,18 +44,10 @@ def copy_to_tp(x, axis_name: str, typed: bool):
     return lax.pcast(x, (axis_name,), to="varying")
 
 
-def copy_matmul(x, w, axis_name: str, *, precision: Any = None, mesh: Any = None):
-    """``f(x) @ w``: x replicated over ``axis_name``, w and the result split on their last dim."""
-    if bound_axis_size(axis_name) is None:
-        return _global(_spmd.F, x, w, axis_name, precision, mesh)
+def copy_matmul(x, w, axis_name: str, *, precision: Any = None):
+    """``f(x) @ w`` on local shards: x replicated over ``axis_name``, w and the result split on
+    their last dim."""
     # The kernel is sharded over axis_name, so under check_vma=True it varies
     # over it; check_vma=False leaves every type empty.
     typed = axis_name in varying_axes(w)
     return _dot(copy_to_tp(x, axis_name, typed), w, precision)
-
-
-def _global(kind: str, x, w, axis_name: str, precision: Any, mesh: Any):
-    op = "copy_matmul"
-    mesh = _spmd.resolve_mesh(op, axis_name, mesh, x, w)
-    call = _spmd.make_call(kind, axis_name, x.ndim, precision=precision)
-    return _spmd.run(call, mesh, x, w)

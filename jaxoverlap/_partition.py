@@ -14,9 +14,11 @@ uses it the same way, see github.com/NVIDIA/TransformerEngine,
   other, so a data or FSDP axis on the batch flows through the op;
 * the partition callback receives the shardings propagation chose and the
   concrete mesh, keeps the other mesh axes x carries on its pass-through dims,
-  asks for the layout of ``_spmd.layouts`` (a kernel sharded on its other dim,
-  FSDP, is gathered for the call) and returns the per-device function: the op
-  on local shards, the very code that runs inside ``shard_map``;
+  asks for the layout of ``_layout.layouts`` (a kernel sharded on its other dim,
+  FSDP, is gathered for the call) and returns the per-device function it was
+  handed (``Call.local``): the op on local shards, the very code that runs
+  inside ``shard_map`` (as TransformerEngine's outer primitive partitions into
+  its inner one, ``transformer_engine/jax/cpp_extensions/base.py``);
 * autodiff is a ``custom_vjp`` over the primitives: AG+GEMM's backward is a
   GEMM+RS primitive and vice versa (f and g likewise). The weight gradient is a
   primitive of its own that reduces over the batch's mesh axes: a
@@ -24,15 +26,13 @@ uses it the same way, see github.com/NVIDIA/TransformerEngine,
   kernel (FSDP), an all-reduce for the others (data parallel).
 
 Settings read at trace time (``jo.config``, ``jax.default_matmul_precision``)
-travel in the static :class:`~jaxoverlap._spmd.Call` to the partition
-callback, which runs when XLA compiles the program.
+travel in the per-device function to the partition callback, which runs when
+XLA compiles the program.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -42,23 +42,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxoverlap import _spmd
-from jaxoverlap._config import config
-from jaxoverlap._spmd import AG, RS, Call, free_dims, layouts
+from jaxoverlap._layout import AG, RS, Call, F, layouts, open_layouts, without_axis
 
-# ---------------------------------------------------------------- layouts and rules
-
-
-def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
-    """x's and the outputs' layouts with the pass-through dims left to propagation."""
-    u = P.UNCONSTRAINED
-    x_spec, _, out_specs = layouts(call, (None,) * call.ndim)
-    free = free_dims(call)
-
-    def reopen(spec: P) -> P:
-        return P(*[e if d in free else u for d, e in enumerate(spec)])
-
-    return reopen(x_spec), tuple(reopen(s) for s in out_specs)
+# ---------------------------------------------------------------- the rules
 
 
 def _factors(call: Call, row: str, last: str) -> str:
@@ -81,7 +67,7 @@ def sharding_rule(call: Call, mesh, value_types, result_types) -> str:
                 f"{_factors(call, 't', 'c')}")
     if call.kind == RS:      # x's features are w's rows (split over tp)
         return f"{_factors(call, 'r', 'f')}, f m -> {_factors(call, 's', 'n')}"
-    if call.kind == _spmd.F:
+    if call.kind == F:
         return f"{_factors(call, '', 'k')}, q n -> {_factors(call, '', 'n')}"
     return f"{_factors(call, '', 'f')}, f m -> {_factors(call, '', 'n')}"
 
@@ -96,20 +82,11 @@ def _grad_rule(call: Call, mesh, value_types, result_types) -> str:
 # ---------------------------------------------------------------- per device
 
 
-@contextlib.contextmanager
-def _device_context(call: Call, mesh: Mesh) -> Iterator[None]:
-    """Where the per-device function is traced: every mesh axis manual, trace-time settings."""
+def _manual(mesh: Mesh):
+    """Where the per-device function is traced: every mesh axis manual (the function carries
+    the settings of its trace itself)."""
     manual = mesh.abstract_mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.sharding.use_abstract_mesh(manual))
-        if call.settings is not None:
-            s = call.settings
-            stack.enter_context(config(impl=s.impl, transport=s.transport, chunks=s.chunks,
-                                       bidirectional=s.bidirectional, timeout_s=s.timeout_s,
-                                       preset=s.preset))
-        if call.matmul_precision is not None:
-            stack.enter_context(jax.default_matmul_precision(call.matmul_precision))
-        yield
+    return jax.sharding.use_abstract_mesh(manual)
 
 
 def _matmul_f32(x, w, precision=None):
@@ -119,7 +96,7 @@ def _matmul_f32(x, w, precision=None):
 
 def _body(call: Call, x, w):
     """The op's meaning on global arrays: what fixes the output types, and XLA's fallback."""
-    y = _matmul_f32(x, w, call.precision)
+    y = _matmul_f32(x, w, call.local.precision)
     return (y, x) if call.kind == AG else (y,)
 
 
@@ -136,8 +113,8 @@ def _partition(call: Call, mesh, arg_shapes, result_shape):
     x_spec, w_spec, out_specs = layouts(call, tuple(arg_shapes[0].sharding.spec))
 
     def lower(x, w):
-        with _device_context(call, mesh):
-            out = _spmd.local_op(call, want_gathered=True)(x, w)
+        with _manual(mesh):
+            out = call.local(x, w, want_gathered=True)
         return out if call.kind == AG else (out,)
 
     named = functools.partial(NamedSharding, mesh)
@@ -172,10 +149,10 @@ def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
     a_shape, _, w_shape = arg_shapes
     _check_mesh(call, mesh, a_shape.sharding)
     tp = call.axis_name
-    column = call.kind in (AG, _spmd.F)            # dw [k, n] is split over tp on n, else on k
+    column = call.kind in (AG, F)            # dw [k, n] is split over tp on n, else on k
     tp_dim, other = (1, 0) if column else (0, 1)
     a_spec = tuple(a_shape.sharding.spec)
-    lead = [_spmd.without_axis(a_spec[d] if d < len(a_spec) else None, tp)
+    lead = [without_axis(a_spec[d] if d < len(a_spec) else None, tp)
             for d in range(call.ndim - 1)]
     batch_axes = [axis for entry in lead for axis in _axes(entry)]
     w_spec = tuple(w_shape.sharding.spec)
@@ -188,10 +165,8 @@ def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
 
     def lower(a, b, w):
         del w                                       # an operand for its layout only
-        with _device_context(call, mesh):
-            dims = tuple(range(a.ndim - 1))
-            dw = lax.dot_general(a, b, ((dims, dims), ((), ())),
-                                 preferred_element_type=jnp.float32)
+        with _manual(mesh):
+            dw = call.local.weight_grad(a, b, jnp.float32)
             if reduce:
                 dw = lax.psum(dw, reduce)
             if scatter:

@@ -1,33 +1,126 @@
-"""The resolved choices for one call site, shared by every implementation."""
+"""The plan of one op call: what the call asked for, the rule that decides the rest, the result.
+
+A call's plan is made on each device's local shards, at trace time, from three things: what the
+caller asked for (a :class:`Request`; ``None`` leaves a choice open), the ``jo.config`` /
+``JAXOVERLAP_*`` settings in force when the call was traced, and the machine. The rule
+(:func:`make`):
+
+* **Shapes that do not split.** ``chunks`` must divide the rows a sub-chunk splits (the rows
+  each rank holds, or for ``matmul_ar`` those of a block); ``matmul_ar``'s two-shot splits its
+  rows (every dim of x but the last) into N blocks, so rows that do not split run one-shot.
+* **The model's pick.** When a hardware preset applies — named with ``jo.config(preset=...)``
+  / ``JAXOVERLAP_PRESET`` (a built-in name or a JSON file), or recognised from the GPU's device
+  kind — whatever the caller left open (``impl="auto"``, ``chunks=None``,
+  ``bidirectional=None``, ``transport="auto"``, ``algorithm=None``) is picked by simulating
+  every candidate plan the machine supports (``jaxoverlap.sim``), the unfused ``"xla"`` path
+  included: a fused plan must be predicted faster by more than the preset's margin for the op
+  (derived from the model's measured error, docs/performance.md §5) to be chosen, so the model
+  does not make a call slower by choice. The debug log marks projections outside the preset's
+  calibrated range.
+* **Otherwise, the simple defaults.** Host devices (CPU) have no preset by default: there
+  ``impl="auto"`` is ``"xla"`` (host devices share the cores and nothing overlaps), one chunk,
+  both ring directions when N > 2, two-shot where the rows split. Asking for ``"native"`` (or a
+  transport) where it cannot run is :class:`NativeUnavailableError`, never a silent fallback.
+
+The result, :class:`OpPlan`, is what the implementations run (``_local``) and what the native
+primitive is bound with (``_native/primitive.py``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxoverlap._config import Settings, configure_logging, current_config, logger
+from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._native.capabilities import NativeUnavailableError
+
+AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_ar"
+OPS = (AG, RS, AR)
+AR_ALGORITHMS = ("two_shot", "one_shot")
+# Device-kind substrings of the GPUs that have a built-in preset.
+_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("B200", "b200"),
+                   ("A100", "a100"), ("A800", "a800"))
+_CHUNK_OPTIONS = (1, 2, 4, 8)
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one op call will run. Hashable: it is a static argument of the custom_vjp.
+class Request:
+    """What one call asked for, its arguments checked (``None``: left open), and where it was
+    traced: the settings and JAX's default matmul precision in force then.
 
-    ``axis`` is normalised (non-negative); ``n`` is the size of ``axis_name``;
-    ``chunks`` sub-chunks split every shard; ``bidirectional`` sends half the
-    traffic each way round the ring.
+    Hashable: the global-array paths carry it to the devices as a static argument, and may
+    trace the per-device code later (when XLA partitions the program), where those settings
+    still apply. ``op`` is one of :data:`OPS`, or ``"matmul"`` (Megatron's f around a plain
+    matmul, which has no plan); ``axis`` is normalised (0 for ``matmul_ar``, whose rows are
+    every dim of x but the last); ``precision`` is ``_precision.normalize``'d (Megatron's f:
+    as given, ``lax.dot_general``'s).
     """
 
+    op: str
+    axis_name: str
+    settings: Settings
+    axis: int = 0
+    impl: str = "auto"
+    transport: str | None = None
+    chunks: int | None = None
+    bidirectional: bool | None = None
+    algorithm: str | None = None
+    precision: str | None = None
+    default_precision: str | None = None
+
+    @classmethod
+    def now(cls, op: str, axis_name: str, **args: Any) -> Request:
+        """The request of a call traced now: ``args`` and the settings in force here."""
+        return cls(op, axis_name, current_config(),
+                   default_precision=jax.config.jax_default_matmul_precision, **args)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPlan:
+    """What one call of an op runs: its implementation and how, decided at trace time.
+
+    Hashable: a static argument of the ops' ``custom_vjp`` and the one parameter of the native
+    primitive, whose custom-call attributes are made from it (``_native/attributes.py``). It is
+    not the C++ executor's per-device plan of a call site (``cpp/core/call.h``), which the
+    handler derives from those attributes and the operands' shapes.
+
+    ``axis`` is the sharded row dim of x, normalised (0 for ``matmul_ar``); ``axis_size`` is
+    N, the number of ranks of ``axis_name`` (not the C++ ``Problem.n``, the output columns);
+    ``chunks`` sub-chunks split every shard (or block); ``bidirectional`` sends half the
+    traffic each way round the ring; ``transport`` is as asked (``"auto"`` is resolved when the
+    call lowers, preferring the performance model's ``preferred`` pick); ``precision``:
+    ``_precision.normalize``'d, None for JAX's default matmul precision; ``algorithm``:
+    ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`.
+    """
+
+    op: str
     impl: str
     axis_name: str
     axis: int
-    n: int
+    axis_size: int
     chunks: int = 1
     bidirectional: bool = False
-    transport: str = "auto"     # native: as asked ("auto" is resolved when the call lowers)
-    preferred: str | None = None  # native, transport "auto": the performance model's pick
+    transport: str = "auto"
+    preferred: str | None = None
     timeout_s: float = 120.0
-    precision: str | None = None  # _precision.normalize'd; None: jax.default_matmul_precision
-    algorithm: str = "two_shot"   # matmul_ar (ring, native): "two_shot" or "one_shot"
+    precision: str | None = None
+    algorithm: str = "two_shot"
+
+    def for_op(self, op: str) -> OpPlan:
+        """The same plan for ``op``: the backward pass of AG+GEMM is GEMM+RS under the
+        forward call's plan, and vice versa."""
+        return dataclasses.replace(self, op=op)
 
     def describe(self) -> str:
-        text = f"impl={self.impl} axis_name={self.axis_name!r} N={self.n} axis={self.axis}"
+        text = (f"impl={self.impl} axis_name={self.axis_name!r} N={self.axis_size} "
+                f"axis={self.axis}")
         if self.impl in ("ring", "native"):
             text += f" chunks={self.chunks} bidirectional={self.bidirectional}"
             if self.algorithm != "two_shot":
@@ -39,3 +132,225 @@ class Plan:
             if self.preferred is not None:
                 text += f" (model prefers {self.preferred})"
         return text
+
+
+# ---------------------------------------------------------------- the rule
+
+
+def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
+    """The plan of ``request`` on the local shards ``x``, ``w`` (arrays, or anything with a
+    shape and a dtype) over the ``axis_size`` ranks of its axis. ``log``: print it at debug
+    level (``JAXOVERLAP_LOG=debug``)."""
+    r, settings, n = request, request.settings, axis_size
+    configure_logging()
+    rows, rows_what, algorithms = _rows(r, x, n)
+    chunks, source = r.chunks, "chunks"
+    if chunks is None and settings.chunks is not None:
+        chunks, source = settings.chunks, "chunks (from jo.config / JAXOVERLAP_CHUNKS)"
+    if chunks is not None and rows % chunks:
+        raise ValueError(f"{r.op}: {source}={chunks} does not divide the {rows} {rows_what}; "
+                         f"pick a divisor of {rows}.")
+    bidirectional = r.bidirectional if r.bidirectional is not None else settings.bidirectional
+    impl = r.impl if r.impl != "auto" else settings.impl
+    explicit_transport = r.transport if r.transport not in (None, "auto") else None
+    transport = explicit_transport or (
+        settings.transport if settings.transport != "auto" else None)
+    forced_native = impl == "native" or (impl == "auto" and explicit_transport is not None)
+    if impl == "auto" and not forced_native:
+        _warn_gpu_fallback(r.op)
+    picked = _model_pick(r.op, x, w, n, r.axis, rows, impl, forced_native, transport, chunks,
+                         bidirectional, settings.preset, algorithms)
+    if picked is not None:
+        impl = picked.impl
+        chunks = picked.chunks if chunks is None else chunks
+        bidirectional = picked.bidirectional if bidirectional is None else bidirectional
+    else:
+        impl = _resolve_impl(r.op, impl, explicit_transport, x.dtype)
+    plan = OpPlan(
+        op=r.op,
+        impl=impl,
+        axis_name=r.axis_name,
+        axis=r.axis,
+        axis_size=n,
+        chunks=1 if chunks is None else chunks,
+        bidirectional=(n > 2) if bidirectional is None else bidirectional,
+        transport=transport or "auto",
+        preferred=picked.transport if picked is not None and picked.impl == "native" else None,
+        timeout_s=settings.timeout_s,
+        precision=r.precision,
+        algorithm=picked.algorithm if picked is not None and picked.impl != "xla"
+        else algorithms[0],
+    )
+    if log:
+        logger.debug("%s x=%s%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
+                     plan.describe())
+    return plan
+
+
+def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
+    """The rows ``chunks`` must divide, what they are (for the error), and the algorithms the
+    plan may take (the first without a model).
+
+    ``matmul_ar``'s two-shot splits x's rows (every dim but the last) into N blocks, so rows
+    that do not split run one-shot; an explicit ``algorithm`` is kept (two-shot on rows that
+    do not split is an error).
+    """
+    if r.op == AG:
+        return x.shape[r.axis], f"rows each rank holds on axis {r.axis}", ("two_shot",)
+    if r.op == RS:
+        return x.shape[r.axis] // n, f"rows each rank holds on axis {r.axis}", ("two_shot",)
+    asked = r.impl if r.impl != "auto" else r.settings.impl
+    if r.algorithm is not None and asked == "xla":
+        raise ValueError(f"{r.op}: algorithm={r.algorithm!r} applies to the fused impls "
+                         f"('ring', 'native'), but impl='xla'. Drop algorithm= or pick a fused "
+                         f"impl.")
+    rows = math.prod(x.shape[:-1])
+    splits = rows % n == 0
+    if r.algorithm == "two_shot" and not splits:
+        raise ValueError(
+            f"{r.op}: algorithm='two_shot' splits the rows of x (every dim but the last: {rows} "
+            f"for shape {tuple(x.shape)}) into one block per rank of {r.axis_name!r} ({n}), "
+            f"but {rows} is not divisible by {n}. Use algorithm='one_shot' (or None), or pad "
+            f"the rows to a multiple of {n}.")
+    if r.algorithm is not None:
+        algorithms: tuple[str, ...] = (r.algorithm,)
+    else:
+        algorithms = AR_ALGORITHMS if splits else ("one_shot",)
+    if algorithms[0] == "one_shot":
+        return rows, "rows of x (every dim but the last; one-shot takes them all)", algorithms
+    return rows // n, (f"rows of each rank's block (x's {rows} rows, every dim but the last, "
+                       f"over the {n} ranks of {r.axis_name!r})"), algorithms
+
+
+def native_reason(dtype) -> str | None:
+    """Why the native path cannot run in the program being traced (None if it can)."""
+    return capabilities.unavailable_reason(capabilities.current_platform(), dtype)
+
+
+def _resolve_impl(op: str, impl: str, transport: str | None, dtype) -> str:
+    """The impl without a model: native if asked for (or a transport was), xla for auto."""
+    if impl == "native" or (impl == "auto" and transport is not None):
+        reason = native_reason(dtype)
+        if reason is not None:
+            raise NativeUnavailableError(
+                f"{op}: impl='native' was requested"
+                + (f" (transport={transport!r})" if transport is not None else "")
+                + f" but cannot run: {reason}. Use impl='ring' or impl='xla'."
+            )
+        return "native"
+    if impl == "auto":
+        # Without a model, auto stays with the unfused path, which is never slower by choice
+        # (on CPU the host executor is an exact emulation for testing schedules, not a
+        # speed-up: host devices share the cores).
+        return "xla"
+    if transport is not None:
+        raise ValueError(
+            f"{op}: transport={transport!r} applies to impl='native' only, but impl={impl!r}. "
+            "Drop transport= or use impl='native'."
+        )
+    return impl
+
+
+_gpu_fallback_warned = False
+
+
+def _warn_gpu_fallback(op: str) -> None:
+    """Once per process: on GPUs without the CUDA extension, impl='auto' cannot fuse; say so.
+
+    The product's point would otherwise be off without a word; the warning names the cause
+    and the fix (``runtime.cuda_error``).
+    """
+    global _gpu_fallback_warned
+    platform = capabilities.current_platform()
+    if _gpu_fallback_warned or platform not in capabilities.GPU_PLATFORMS:
+        return
+    error = runtime.cuda_error()
+    if error is None:
+        return
+    _gpu_fallback_warned = True
+    warnings.warn(
+        f"jaxoverlap: {op} with impl='auto' runs on GPUs without jaxoverlap's CUDA extension, "
+        f"so it falls back to the unfused path: {error}", RuntimeWarning, stacklevel=4)
+
+
+# ---------------------------------------------------------------- the performance model
+
+
+def machine_preset(configured: str | None, device_kind: str | None) -> str | None:
+    """The preset that applies: the configured one, else the GPU's, else None."""
+    if configured:
+        return configured
+    for needle, name in _DEVICE_PRESETS:
+        if device_kind and needle in device_kind.upper():
+            return name
+    return None
+
+
+def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
+    """The per-rank problem of docs/native.md §1 (a ``sim.Shape``: batch, rows, k, n)."""
+    from jaxoverlap.sim import Shape
+
+    if op == AR:  # every dim of x but the last is a row (all of them)
+        return Shape(1, math.prod(x_shape[:-1]), x_shape[-1], w_shape[1])
+    batch = math.prod(x_shape[:axis])
+    rows = math.prod(x_shape[axis:-1])
+    if op == RS:
+        rows //= n
+    return Shape(batch, rows, x_shape[-1], w_shape[1])
+
+
+def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,
+                bidirectional, preset, algorithms):
+    """The performance model's candidate for what the caller left open, or None.
+
+    None means no model applies (no preset: host devices by default) or nothing
+    is left open; the simple defaults then hold.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
+    preset = machine_preset(preset, device_kind)
+    open_choice = (impl == "auto" or chunks is None or bidirectional is None
+                   or transport is None)
+    if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
+        return None                      # xla/ring asked for: nothing for the model to pick
+    native_ok = native_reason(x.dtype) is None
+    if forced_native and not native_ok:
+        return None                      # _resolve_impl raises the clear error
+    if forced_native:
+        impls: tuple = ("native",)
+    else:
+        impls = ("xla", "ring", "native") if native_ok else ("xla", "ring")
+    transports = ((transport,) if transport else
+                  capabilities.offered_transports(capabilities.current_platform())) \
+        if native_ok else ()
+    try:
+        return _model_choice(
+            op, canonical_shape(op, tuple(x.shape), tuple(w.shape), axis, n),
+            jnp.dtype(x.dtype).name, n, preset, impls, tuple(transports),
+            tuple(c for c in _CHUNK_OPTIONS if rows_per_shard % c == 0)
+            if chunks is None else (chunks,),
+            (False, True) if bidirectional is None else (bidirectional,), algorithms)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{op}: the performance model (preset={preset!r}) failed: {err}") from err
+
+
+@functools.lru_cache(maxsize=512)
+def _model_choice(op: str, shape: Any, dtype: str, n: int, preset: str, impls: tuple,
+                  transports: tuple, chunks: tuple, bidirectional: tuple, algorithms: tuple):
+    """The model's pick among the allowed plans (cached per call-site signature);
+    ``algorithms``: matmul_ar's allowed algorithms."""
+    from jaxoverlap import sim
+
+    # fused=False: the executors do not run the fused GEMM yet (docs/gpu.md §10)
+    cands = [
+        c for c in sim.candidates(preset, n, shape, chunk_options=_CHUNK_OPTIONS, impls=impls,
+                                  transports=transports or None, op=op, algorithms=algorithms,
+                                  fused=False)
+        if c.impl == "xla"
+        or (c.chunks in chunks and c.bidirectional in bidirectional)
+    ]
+    # impl="native" (or a transport) asked for: pick among the native plans only
+    choice = sim.choose(op, shape, dtype, n, preset, cands, unfused="xla" in impls)
+    logger.debug("%s %s on %s, N=%d (model, not a measurement):\n%s", op, shape, preset, n,
+                 choice.format())
+    return choice.candidate

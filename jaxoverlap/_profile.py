@@ -1,7 +1,8 @@
 """Timelines of native calls: a Chrome/Perfetto trace and the overlap report.
 
 ``jo.profile(directory)`` (a context manager) or ``JAXOVERLAP_PROFILE=DIR`` (read when the
-first native call is lowered; written at exit) turns on the executors' recording
+first native call is lowered: the profiler hooks itself into the registration of the native
+handlers, ``runtime.on_register``; written at exit) turns on the executors' recording
 (``cpp/core/trace.h``): every rank's call logs its span and one span per op of its program —
 which op, on which stream, for which shard and sub-chunk, and when it started, when what it
 waited for was there, and when it ended. From those measured spans, per call:
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxoverlap._config import logger
+from jaxoverlap._native import runtime
 
 GEMM_KINDS = frozenset({"Gemm"})
 COMM_KINDS = frozenset({"Copy", "Send", "Recv", "McStore", "McReduce", "Signal", "Wait"})
@@ -77,15 +79,9 @@ class Profile:
 # ---------------------------------------------------------------- recording
 
 
-def _host():
-    from jaxoverlap._runtime import load_host
-
-    return load_host()
-
-
 def _drain() -> None:
     """Moves the calls the executors logged into every active collector."""
-    calls = _host().take_calls()
+    calls = runtime.load_host().take_calls()
     for call in calls:
         call["process"] = _process[0]
     with _lock:
@@ -98,7 +94,7 @@ def _start() -> list[dict]:
     import jax
 
     collector: list[dict] = []
-    host = _host()
+    host = runtime.load_host()
     _process = (jax.process_index(), jax.process_count())
     _drain()  # what was recorded before now belongs to the sessions already running
     with _lock:
@@ -109,7 +105,7 @@ def _start() -> list[dict]:
 
 def _stop(collector: list[dict]) -> list[dict]:
     _drain()
-    host = _host()
+    host = runtime.load_host()
     with _lock:
         _collectors.remove(collector)
         if not _collectors:
@@ -186,6 +182,9 @@ def start_from_env() -> None:
     logger.info("JAXOVERLAP_PROFILE=%s: recording native calls' timelines", directory)
 
 
+runtime.on_register(start_from_env)  # from the first native call on
+
+
 # ---------------------------------------------------------------- analysis
 
 
@@ -223,8 +222,8 @@ def overlap_efficiency(t_gemm: float, t_comm: float, t_call: float) -> float | N
 def _preset_name(preset: str | None) -> str:
     if preset:
         return preset
-    from jaxoverlap._choose import machine_preset
     from jaxoverlap._config import current_config
+    from jaxoverlap._plan import machine_preset
 
     try:
         import jax

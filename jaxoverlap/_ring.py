@@ -36,34 +36,34 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxoverlap._invariant import mark_invariant
-from jaxoverlap._plan import Plan
+from jaxoverlap._plan import OpPlan
 from jaxoverlap._xla import local_matmul
 
 
-def _shift(x: jax.Array, plan: Plan, by: int) -> jax.Array:
+def _shift(x: jax.Array, plan: OpPlan, by: int) -> jax.Array:
     """Sends ``x`` to rank r+by (mod N) and receives rank r-by's."""
-    n = plan.n
+    n = plan.axis_size
     return lax.ppermute(x, plan.axis_name, perm=[(i, (i + by) % n) for i in range(n)])
 
 
-def _ring_lengths(plan: Plan) -> tuple[int, int]:
+def _ring_lengths(plan: OpPlan) -> tuple[int, int]:
     """Hops on the forward and the backward ring."""
     if not plan.bidirectional:
-        return plan.n - 1, 0
-    return plan.n // 2, (plan.n - 1) // 2
+        return plan.axis_size - 1, 0
+    return plan.axis_size // 2, (plan.axis_size - 1) // 2
 
 
-def _split(x: jax.Array, plan: Plan) -> list[jax.Array]:
+def _split(x: jax.Array, plan: OpPlan) -> list[jax.Array]:
     size = x.shape[plan.axis] // plan.chunks
     return [
         lax.slice_in_dim(x, k * size, (k + 1) * size, axis=plan.axis) for k in range(plan.chunks)
     ]
 
 
-def _ring_gather(local: list[jax.Array], plan: Plan, state, consume):
+def _ring_gather(local: list[jax.Array], plan: OpPlan, state, consume):
     """Sends the pieces ``local`` round the ring; ``state = consume(state, pieces, shard)``
     for the own shard, then for every shard as it arrives. Returns the final state."""
-    n = plan.n
+    n = plan.axis_size
     rank = lax.axis_index(plan.axis_name)
     state = consume(state, local, rank)
     forward_hops, backward_hops = _ring_lengths(plan)
@@ -78,9 +78,9 @@ def _ring_gather(local: list[jax.Array], plan: Plan, state, consume):
     return state
 
 
-def ag_matmul(x: jax.Array, w: jax.Array, plan: Plan, want_gathered: bool):
+def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan, want_gathered: bool):
     """y = all_gather(x) @ w as a ring; also returns the gathered x if asked."""
-    n, axis = plan.n, plan.axis
+    n, axis = plan.axis_size, plan.axis
     rows = x.shape[axis]
     piece_rows = rows // plan.chunks
     y_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
@@ -100,19 +100,19 @@ def ag_matmul(x: jax.Array, w: jax.Array, plan: Plan, want_gathered: bool):
     return _ring_gather(_split(x, plan), plan, (y, gathered), consume)
 
 
-def matmul_rs(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
     """y = psum_scatter(x @ w) as a ring of partial sums."""
     pieces = _reduce_scatter(x, w, plan)
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=plan.axis)
 
 
-def matmul_ar(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
     """y = psum(x @ w): the reduce-scatter ring over x's rows, then a ring all-gather of the
     reduced blocks (one-shot: every partial to every rank); typed invariant over the axis,
     as psum's result."""
     if plan.algorithm == "one_shot":
         return _one_shot(x, w, plan)
-    n = plan.n
+    n = plan.axis_size
     rows = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])          # every dim but the last is a row
     block = flat.shape[0] // n
@@ -128,12 +128,12 @@ def matmul_ar(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
     return mark_invariant(y.reshape(*rows, w.shape[1]), plan.axis_name)
 
 
-def _one_shot(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+def _one_shot(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
     """The one-shot all-reduce of the native path: every rank's whole partial goes to every
     rank (N-1 permutes, one hop each); each rank sums the N partials in rank order 0..N-1,
     rounding to the input dtype after each add as the native executors do, so every rank
     gets the same bits."""
-    n = plan.n
+    n = plan.axis_size
     partial = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                               preferred_element_type=jnp.float32).astype(x.dtype)
     # by_shift[i] came from rank (rank - i) mod N
@@ -148,9 +148,9 @@ def _one_shot(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
     return mark_invariant(y, plan.axis_name)
 
 
-def _reduce_scatter(x: jax.Array, w: jax.Array, plan: Plan) -> list[jax.Array]:
+def _reduce_scatter(x: jax.Array, w: jax.Array, plan: OpPlan) -> list[jax.Array]:
     """The rank's row block of psum(x @ w) along ``plan.axis``, as ``plan.chunks`` pieces."""
-    n, axis = plan.n, plan.axis
+    n, axis = plan.axis_size, plan.axis
     rows = x.shape[axis] // n
     piece_rows = rows // plan.chunks
     rank = lax.axis_index(plan.axis_name)

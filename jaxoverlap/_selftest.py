@@ -89,9 +89,9 @@ def _compare(np, got, ref, allowed) -> tuple[bool, str]:
 
 
 def _gpu_table() -> dict[str, Any]:
-    from jaxoverlap import _cuda_caps
+    from jaxoverlap._native import capabilities
 
-    return _cuda_caps.capabilities()
+    return capabilities.gpu_table()
 
 
 def _prepare_host_devices(n: int) -> None:
@@ -231,9 +231,9 @@ def _cliques(describe) -> list[str]:
 def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     """The selftest's table through the CUDA executor on the host-side fake (if built)."""
     try:
-        from jaxoverlap import _cuda_caps
+        from jaxoverlap._native import runtime
 
-        _cuda_caps.load_cuda()
+        runtime.load_cuda()
         from jaxoverlap import _cuda_fake
     except ImportError as e:
         print(f"  (CUDA executor on the fake: skipped, {e})")
@@ -260,16 +260,16 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
 def _versions(caps: dict[str, Any], fake: bool) -> dict[str, Any]:
     import jax
 
-    from jaxoverlap import __version__
+    from jaxoverlap._version import __version__
 
     out = dict(jaxoverlap=__version__, jax=jax.__version__, python=host_platform.python_version(),
                platform=host_platform.platform())
     for key in ("cuda_driver", "cuda_runtime", "nccl", "cublas"):
         out[key] = caps.get(key)
     try:
-        from jaxoverlap import _cuda_caps
+        from jaxoverlap._native import runtime
 
-        out["cuda_extension"] = _cuda_caps.load_cuda().build_info()
+        out["cuda_extension"] = runtime.load_cuda().build_info()
     except Exception as e:  # noqa: BLE001 - reported, not raised
         out["cuda_extension"] = f"unavailable: {e}"
     if fake:
@@ -312,7 +312,7 @@ def _write_report(path: str, caps: dict[str, Any], table: Table, fake: bool) -> 
 
 def fake_main(quick: bool = False, report: str | None = None) -> int:
     """``selftest --fake``: the whole table on the CUDA executor against the host-side fake."""
-    from jaxoverlap import __version__
+    from jaxoverlap._version import __version__
 
     print(f"jaxoverlap {__version__} selftest on the host-side CUDA fake (no GPU is used)")
     print("Runs the CUDA executor's host code, its enqueue order through the fake's work queues "
@@ -341,7 +341,7 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None) -> 
     from jax.sharding import AxisType, Mesh
 
     import jaxoverlap as jo
-    from jaxoverlap import _native
+    from jaxoverlap._native import capabilities
 
     devices = jax.devices()
     platform = devices[0].platform
@@ -360,13 +360,13 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None) -> 
               "test the CUDA executor on a GPU.")
     n = min(len(devices), 8)
     mesh = Mesh(np.array(devices[:n]), ("tp",), axis_types=(AxisType.Auto,))
-    transports = _native.offered_transports(platform)
+    transports = capabilities.offered_transports(platform)
     print(f"devices in the test mesh: {n}; transports offered on {platform}: {list(transports)}")
     describe = None
     if on_gpu:
-        from jaxoverlap import _cuda_caps
+        from jaxoverlap._native import runtime
 
-        describe = _cuda_caps.load_cuda().cliques
+        describe = runtime.load_cuda().cliques
     table = Table()
     shapes = SHAPES[:1] if quick else SHAPES
     for op, transport, dtype, shape, (chunks, bidi) in itertools.chain(

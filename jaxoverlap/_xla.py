@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxoverlap._plan import Plan
+from jaxoverlap._plan import OpPlan
 
 
 def local_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -20,16 +20,16 @@ def local_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def ag_matmul(x: jax.Array, w: jax.Array, plan: Plan) -> tuple[jax.Array, jax.Array]:
+def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan) -> tuple[jax.Array, jax.Array]:
     gathered = lax.all_gather(x, plan.axis_name, axis=plan.axis, tiled=True)
     return local_matmul(gathered, w), gathered
 
 
-def matmul_rs(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
     return lax.psum_scatter(
         local_matmul(x, w), plan.axis_name, scatter_dimension=plan.axis, tiled=True
     )
 
 
-def matmul_ar(x: jax.Array, w: jax.Array, plan: Plan) -> jax.Array:
+def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
     return lax.psum(local_matmul(x, w), plan.axis_name)

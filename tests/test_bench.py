@@ -52,9 +52,17 @@ def test_bench_no_profile_skips_the_report(tmp_path):
 
 @pytest.mark.slow
 def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
-    out = _run("--model", "h100", "--cases", "AG std", "AG decode", tmp_path=tmp_path)
+    out = _run("--model", "h100", "--cases", "AG std", "RS std", "AG decode", tmp_path=tmp_path)
     assert "MODEL PROJECTION" in out and "not a measurement" in out
     assert "AG std" in out and "<- pick" in out
+    # the fused plan at AG std, its projection next to the published fused kernels there;
+    # RS std is F8/8192's shape on F8's machine (a published loss): unfused
+    ag = re.search(r"² h100 AG std: native \w+ fused chunks=\d+( bidi)? projects (\d\.\d\d)x vs "
+                   r"xla; published fused at this shape: .*1\.36x P2/8192 \(h100-hbm2e\)", out)
+    assert ag and 1.076 < float(ag.group(2)) <= 1.05 * 1.36, out
+    assert re.search(r"² h100 RS std: xla \(unfused\) projects 1\.00x vs xla; published fused "
+                     r"at this shape: 1\.55x TD-RS5 \(h800\); 0\.84x F8/8192 \(h100, loss\)", out)
+    assert "modelled, not yet run by the executors" in out
     # a projection outside the preset's calibrated range is marked, with the reason
     assert "* h100 AG decode: outside the calibrated range" in out
     assert "* h100 AG std" not in out

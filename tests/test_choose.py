@@ -15,13 +15,15 @@ import pytest
 from helpers import spec_on, tp_mesh
 
 import jaxoverlap as jo
-from jaxoverlap import ops, sim
+from jaxoverlap import _plan as planning
+from jaxoverlap import sim
+from jaxoverlap._native import capabilities
 
 
 def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):
     """The plan the op picks for these global shapes on a tp=8 mesh (traced, not run)."""
     seen = []
-    real = ops._make_plan
+    real = planning.make
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
@@ -37,11 +39,11 @@ def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):
         out = spec_on(ndim, axis, "tp")
     f = jax.jit(jax.shard_map(lambda x, w: op(x, w, "tp", axis=axis, **kw), mesh=mesh,
                               in_specs=specs, out_specs=out))
-    ops._make_plan = spy
+    planning.make = spy
     try:
         f.lower(jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype))
     finally:
-        ops._make_plan = real
+        planning.make = real
     return seen[0]
 
 
@@ -67,16 +69,32 @@ def test_standard_shape_picks_the_models_plan(monkeypatch, op, shapes, sim_op, p
     monkeypatch.setenv("JAXOVERLAP_PRESET", preset)
     plan = _plan(op, *shapes)
     assert plan.impl == impl
-    # The pick is the model's: the same as asking the simulator directly.
+    # The pick is the model's: the same as asking the simulator directly, among the plans the
+    # executors run (the fused GEMM is not called yet: no fused plans).
     shape = sim.Shape(1, 1024, shapes[1][0] // (8 if sim_op == "matmul_rs" else 1),
                       shapes[1][1] // (8 if sim_op == "ag_matmul" else 1))
     cands = sim.candidates(preset, 8, shape, impls=("xla", "ring", "native"),
-                           transports=jo.ops._native().offered_transports("cpu"))
+                           transports=capabilities.offered_transports("cpu"), fused=False)
     best = sim.choose(sim_op, shape, "bfloat16", 8, preset, cands).candidate
     assert plan.impl == best.impl
     if best.impl == "native":
         assert (plan.preferred, plan.chunks, plan.bidirectional) == (
             best.transport, best.chunks, best.bidirectional)
+
+
+def test_the_ops_never_pick_a_fused_plan_yet(monkeypatch):
+    """The model's own choice at AG std on 8xH100 is a fused plan (bench --model shows it);
+    the op's plan is the fastest chunked one, which the executors run."""
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    shape = sim.Shape(1, 1024, 8192, 3584)
+    assert sim.choose("ag_matmul", shape, "bfloat16", 8, "h100").candidate.fused
+    chunked = sim.choose("ag_matmul", shape, "bfloat16", 8, "h100",
+                         sim.candidates("h100", 8, shape, fused=False,
+                                        transports=capabilities.offered_transports("cpu")))
+    plan = _plan(jo.ag_matmul, *AG_STD)
+    assert (plan.impl, plan.preferred, plan.chunks, plan.bidirectional) == (
+        "native", chunked.candidate.transport, chunked.candidate.chunks,
+        chunked.candidate.bidirectional)
 
 
 def test_tiny_gemm_falls_back_to_unfused(monkeypatch):
@@ -133,7 +151,7 @@ def _ar_plan(x_shape, w_shape, **kw):
     mesh = tp_mesh(8)
     specs = (spec_on(len(x_shape), len(x_shape) - 1, "tp"), spec_on(2, 0, "tp"))
     seen = []
-    real = ops._make_plan
+    real = planning.make
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
@@ -141,12 +159,12 @@ def _ar_plan(x_shape, w_shape, **kw):
 
     f = jax.jit(jax.shard_map(lambda x, w: jo.matmul_ar(x, w, "tp", **kw), mesh=mesh,
                               in_specs=specs, out_specs=jax.sharding.PartitionSpec()))
-    ops._make_plan = spy
+    planning.make = spy
     try:
         f.lower(jax.ShapeDtypeStruct(x_shape, jnp.bfloat16),
                 jax.ShapeDtypeStruct(w_shape, jnp.bfloat16))
     finally:
-        ops._make_plan = real
+        planning.make = real
     return seen[0]
 
 
@@ -155,7 +173,7 @@ def test_matmul_ar_algorithm_is_the_models_pick(monkeypatch):
     host-bound there); impl='native' takes the model's fastest native plan, one-shot for small
     M and two-shot for large; an explicit algorithm is kept."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
-    transports = jo.ops._native().offered_transports("cpu")
+    transports = capabilities.offered_transports("cpu")
     for m, impl, want in ((8, "auto", "xla"), (8, "native", "one_shot"),
                           (65536, "native", "two_shot"), (1, "native", "one_shot")):
         plan = _ar_plan((m, 8 * 1024), (8 * 1024, 8192), impl=impl)

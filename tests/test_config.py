@@ -11,7 +11,7 @@ import pytest
 from helpers import rand, tp_mesh
 
 import jaxoverlap as jo
-from jaxoverlap import ops
+from jaxoverlap import _plan
 
 
 def _plan_for(**kw):
@@ -21,27 +21,27 @@ def _plan_for(**kw):
     XLA partitions the program; the settings are those in force at trace time.
     """
     seen = []
-    real = ops._make_plan
+    real = _plan.make
 
     def spy(*args, **kwargs):
         plan = real(*args, **kwargs)
         seen.append(plan)
         return plan
 
-    ops._make_plan = spy
+    _plan.make = spy
     try:
         mesh = tp_mesh(4)
         x, w = rand(0, (8, 4), jnp.float32), rand(1, (4, 8), jnp.float32)
         jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh, **kw)).lower(x, w).compile()
     finally:
-        ops._make_plan = real
+        _plan.make = real
     return seen[-1]
 
 
 def test_settings_of_the_trace_reach_the_partitioned_program():
     """Traced inside a jo.config block, compiled after it: the block's settings still apply."""
     seen = []
-    real = ops._make_plan
+    real = _plan.make
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
@@ -51,11 +51,11 @@ def test_settings_of_the_trace_reach_the_partitioned_program():
     x, w = rand(0, (8, 4), jnp.float32), rand(1, (4, 8), jnp.float32)
     with jo.config(impl="ring", chunks=2):
         lowered = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh)).lower(x, w)
-    ops._make_plan = spy
+    _plan.make = spy
     try:
         lowered.compile()
     finally:
-        ops._make_plan = real
+        _plan.make = real
     assert seen and (seen[-1].impl, seen[-1].chunks) == ("ring", 2)
 
 
@@ -126,22 +126,22 @@ def test_timeout_reaches_the_plan(monkeypatch):
 
 def test_auto_impl_on_cpu_is_the_unfused_path():
     """On CPU native is an emulator, not a speed-up: auto keeps the unfused path."""
-    assert ops._native_reason(jnp.float32) is None      # native can run here...
+    assert _plan.native_reason(jnp.float32) is None     # native can run here...
     assert _plan_for().impl == "xla"                    # ...but auto does not pick it
 
 
 def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
     """transport="auto" stays "auto" in the plan and is resolved once, when the call lowers:
     the best transport that can serve, nccl for a clique spanning processes."""
-    from jaxoverlap import _native_call
+    from jaxoverlap._native import capabilities
 
     assert _plan_for(impl="native").transport == "auto"
-    resolve = functools.partial(_native_call.resolve_transport, "cpu", "auto", None,
+    resolve = functools.partial(capabilities.resolve_transport, "cpu", "auto", None,
                                 local_ordinals=[0, 1])
     assert resolve(spans_processes=False) == "multicast"
     assert resolve(spans_processes=True) == "nccl"
     lacking = {"multicast": "no NVSwitch", "p2p": None, "nccl": None}
-    monkeypatch.setattr(_native_call, "transport_reasons", lambda *a: dict(lacking))
+    monkeypatch.setattr(capabilities, "transport_reasons", lambda *a: dict(lacking))
     assert resolve(spans_processes=False) == "p2p"
     lacking["p2p"] = "no peer access"
     assert resolve(spans_processes=False) == "nccl"

@@ -1,8 +1,8 @@
 """What a process learns about the CUDA extension: jo.info(), and the one warning on GPUs.
 
-No GPU here: the GPU platform is injected (``ops._platform``) and so is the extension's
-state (``_cuda_caps.cuda_error``), so the decision logic runs for real on host devices; what a
-real GPU process prints is not observed here.
+No GPU here: the GPU platform is injected (``capabilities.current_platform``) and so is the
+extension's state (``runtime.cuda_error``), so the decision logic runs for real on host
+devices; what a real GPU process prints is not observed here.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ import pytest
 from helpers import rand, tp_mesh
 
 import jaxoverlap as jo
-from jaxoverlap import _cuda_caps, ops
+from jaxoverlap import _plan
+from jaxoverlap._native import capabilities, runtime
 
 MISSING = "jaxoverlap._cuda was not built: no CUDA compiler; to get it, rebuild (test)"
 
 
 @pytest.fixture()
 def gpu_without_extension(monkeypatch):
-    monkeypatch.setattr(ops, "_platform", lambda: "gpu")
-    monkeypatch.setattr(_cuda_caps, "cuda_error", lambda: MISSING)
-    monkeypatch.setattr(ops, "_gpu_fallback_warned", False)
+    monkeypatch.setattr(capabilities, "current_platform", lambda: "gpu")
+    monkeypatch.setattr(runtime, "cuda_error", lambda: MISSING)
+    monkeypatch.setattr(_plan, "_gpu_fallback_warned", False)
 
 
 def _fallbacks(record) -> list[str]:
@@ -54,8 +55,8 @@ def test_an_impl_asked_for_does_not_warn(gpu_without_extension):
 
 
 def test_no_warning_on_host_devices(monkeypatch):
-    monkeypatch.setattr(_cuda_caps, "cuda_error", lambda: MISSING)
-    monkeypatch.setattr(ops, "_gpu_fallback_warned", False)
+    monkeypatch.setattr(runtime, "cuda_error", lambda: MISSING)
+    monkeypatch.setattr(_plan, "_gpu_fallback_warned", False)
     x, w = rand(0, (8, 4), jnp.float32), rand(1, (4, 8), jnp.float32)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -65,7 +66,7 @@ def test_no_warning_on_host_devices(monkeypatch):
 
 def test_info_says_what_the_build_made_of_the_cuda_extension():
     summary = jo.info()["cuda_extension"]
-    error = _cuda_caps.cuda_error()
+    error = runtime.cuda_error()
     if error is None:
         assert summary.startswith("built with CUDA") and summary.endswith("loads")
     else:
@@ -77,7 +78,7 @@ def test_info_warns_when_jax_sees_gpus_without_the_extension(monkeypatch):
     class FakeGpu:
         platform = "gpu"
 
-    monkeypatch.setattr(_cuda_caps, "cuda_error", lambda: MISSING)
+    monkeypatch.setattr(runtime, "cuda_error", lambda: MISSING)
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()] * 2)
     from jaxoverlap import _info
 

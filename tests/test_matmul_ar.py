@@ -396,9 +396,9 @@ def test_argument_errors_name_the_argument():
 
 
 def test_native_request_is_never_silently_replaced(monkeypatch):
-    from jaxoverlap import ops
+    from jaxoverlap._native import runtime
 
-    monkeypatch.setattr(ops, "_native", lambda: None)
+    monkeypatch.setattr(runtime, "host_error", lambda: "no native extension here")
     with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested.*no native"):
         jo.matmul_ar(X, W, "tp", impl="native", mesh=tp_mesh(4))
 
@@ -467,15 +467,14 @@ def test_one_shot_on_global_arrays_and_its_plan():
     y = jax.jit(lambda x, w: jo.matmul_ar(x, w, "tp", impl="native", transport="p2p",
                                           mesh=mesh))(x, w)
     assert_close(y, f64(x) @ f64(w), jnp.float32)
-    from jaxoverlap import ops
+    from jaxoverlap import _plan
 
-    plan = ops._ar_plan(jax.ShapeDtypeStruct((1, 4), jnp.float32),
-                        jax.ShapeDtypeStruct((4, 4), jnp.float32), "tp", 4, "native", None,
-                        None, None)
+    request = _plan.Request.now("matmul_ar", "tp", impl="native")
+    plan = _plan.make(request, jax.ShapeDtypeStruct((1, 4), jnp.float32),
+                      jax.ShapeDtypeStruct((4, 4), jnp.float32), 4)
     assert plan.algorithm == "one_shot" and "algorithm=one_shot" in plan.describe()
-    plan = ops._ar_plan(jax.ShapeDtypeStruct((8, 4), jnp.float32),
-                        jax.ShapeDtypeStruct((4, 4), jnp.float32), "tp", 4, "native", None,
-                        None, None)
+    plan = _plan.make(request, jax.ShapeDtypeStruct((8, 4), jnp.float32),
+                      jax.ShapeDtypeStruct((4, 4), jnp.float32), 4)
     assert plan.algorithm == "two_shot"
     # the custom call carries the algorithm
     hlo = jax.jit(jax.shard_map(

@@ -140,9 +140,10 @@ def test_bad_flags():
 
 def test_native_request_is_never_silently_replaced(monkeypatch):
     """Asking for native where it cannot run is an error, not a quiet fallback."""
-    from jaxoverlap import ops
+    from jaxoverlap._native import runtime
 
-    monkeypatch.setattr(ops, "_native", lambda: None)    # an installation without the module
+    # an installation whose native extension does not load
+    monkeypatch.setattr(runtime, "host_error", lambda: "no native extension here")
     with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested.*no native"):
         jo.ag_matmul(X, W, "tp", impl="native", mesh=tp_mesh(4))
     with pytest.raises(jo.NativeUnavailableError, match=r"\(transport='p2p'\)"):
@@ -152,9 +153,9 @@ def test_native_request_is_never_silently_replaced(monkeypatch):
 def test_transport_the_machine_lacks(monkeypatch):
     """An explicit transport that cannot serve the call is an error when the program lowers
     (only there is it known whether the clique spans processes), never a silent fallback."""
-    from jaxoverlap import _native_call
+    from jaxoverlap._native import capabilities
 
-    monkeypatch.setattr(_native_call, "transport_reasons", lambda platform, ordinals, spans: {
+    monkeypatch.setattr(capabilities, "transport_reasons", lambda platform, ordinals, spans: {
         "nccl": None, "p2p": None, "multicast": "this machine has no NVSwitch"})
     with pytest.raises(jo.NativeUnavailableError,
                        match=r"transport='multicast' is not available on cpu: this machine has no "

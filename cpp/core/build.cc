@@ -24,9 +24,10 @@ Status BuildProgram(const Problem& q, Program* program) {
   JO_REQUIRE(q.rank >= 0 && q.rank < q.nranks, op + ": rank must be in [0, " +
                                                    std::to_string(q.nranks) + "), got " +
                                                    std::to_string(q.rank));
-  JO_REQUIRE(q.batch >= 1 && q.rows >= 1 && q.k >= 1 && q.n >= 1,
-             op + ": batch, rows, k, n must be >= 1, got " + std::to_string(q.batch) + ", " +
-                 std::to_string(q.rows) + ", " + std::to_string(q.k) + ", " + std::to_string(q.n));
+  JO_REQUIRE(q.batch >= 1 && q.rows >= 1 && q.k >= 1 && q.cols >= 1,
+             op + ": batch, rows, k, cols must be >= 1, got " + std::to_string(q.batch) + ", " +
+                 std::to_string(q.rows) + ", " + std::to_string(q.k) + ", " +
+                 std::to_string(q.cols));
   JO_REQUIRE(q.chunks >= 1, op + ": chunks must be >= 1, got " + std::to_string(q.chunks));
   JO_REQUIRE(q.op == Collective::kAgMatmul || !q.return_gathered,
              op + ": return_gathered applies to ag_matmul only");

@@ -17,7 +17,7 @@ struct Arrival {
 Status BuildAgMatmul(Program* p) {
   const Problem& q = p->problem;
   const int32_t N = q.nranks, r = q.rank;
-  const int64_t P = q.batch, R = q.rows, K = q.k, Nw = q.n, C = p->chunks;
+  const int64_t P = q.batch, R = q.rows, K = q.k, Nw = q.cols, C = p->chunks;
   Emitter e(p);
 
   auto rows = [&](int64_t sub) { return SubRows(R, C, sub); };

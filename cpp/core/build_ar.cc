@@ -54,7 +54,7 @@ struct Geometry {
 
 Geometry MakeGeometry(const Program* p) {
   const Problem& q = p->problem;
-  return Geometry{q.nranks, q.rank, q.batch, q.rows, q.k, q.n, p->chunks};
+  return Geometry{q.nranks, q.rank, q.batch, q.rows, q.k, q.cols, p->chunks};
 }
 
 void Label(Op& op, int32_t block, int64_t s) {
@@ -190,7 +190,7 @@ Status BuildMulticast(Program* p, Emitter& e) {
 Status BuildOneShot(Program* p, Emitter& e) {
   const Problem& q = p->problem;
   const int32_t N = q.nranks, r = q.rank;
-  const int64_t P = q.batch, M = q.rows, Nw = q.n, C = p->chunks;
+  const int64_t P = q.batch, M = q.rows, Nw = q.cols, C = p->chunks;
   const int64_t slot_elems = P * M * Nw;
   auto rows = [&](int64_t s) { return SubRows(M, C, s); };
   auto x = [&](int64_t s) { return Ref{BufId::kX, r, SubBegin(M, C, s) * q.k, M * q.k, q.k}; };

@@ -58,7 +58,7 @@ class Emitter {
     const Problem& q = p_->problem;
     Op& op = Add(OpKind::kGemm, stream);
     op.a = a;
-    op.b = Ref{BufId::kW, q.rank, 0, 0, q.n};
+    op.b = Ref{BufId::kW, q.rank, 0, 0, q.cols};
     op.d = d;
     if (c != nullptr) {
       op.c = *c;
@@ -66,7 +66,7 @@ class Emitter {
     }
     op.batch = batch;
     op.m = m;
-    op.n = q.n;
+    op.n = q.cols;
     op.k = q.k;
     return op;
   }

@@ -23,7 +23,7 @@ Status BuildSingleRank(Program* p, Emitter& e) {
   for (int64_t s = 0; s < p->chunks; ++s) {
     const int64_t begin = SubBegin(q.rows, p->chunks, s);
     Op& op = e.Gemm(0, Ref{BufId::kX, 0, begin * q.k, q.rows * q.k, q.k},
-                    Ref{BufId::kY, 0, begin * q.n, q.rows * q.n, q.n}, nullptr, q.batch,
+                    Ref{BufId::kY, 0, begin * q.cols, q.rows * q.cols, q.cols}, nullptr, q.batch,
                     SubRows(q.rows, p->chunks, s));
     op.shard = 0;
     op.sub = static_cast<int32_t>(s);
@@ -59,11 +59,11 @@ struct Geometry {
   }
 };
 
-// `target`: where the reduced block goes; by default all of Y ([batch, rows, n]).
+// `target`: where the reduced block goes; by default all of Y ([batch, rows, cols]).
 Geometry MakeGeometry(const Program* p, const RsTarget* target = nullptr) {
   const Problem& q = p->problem;
   return Geometry{q.nranks, q.rank, q.batch,   q.rows,
-                  q.k,      q.n,    p->chunks, target != nullptr ? *target : RsTarget{0, q.rows}};
+                  q.k,      q.cols, p->chunks, target != nullptr ? *target : RsTarget{0, q.rows}};
 }
 
 void Label(Op& op, int32_t block, int64_t s) {

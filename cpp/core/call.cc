@@ -136,8 +136,8 @@ Status NeedsOf(const Problem& q, CallNeeds* out) {
   return OkStatus();
 }
 
-Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
-                CallPlan* out) {
+Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
+                 PlacedCall* out) {
   const char* op = CollectiveName(desc.op);
   JO_CHECK(Place(desc.table, caller, op, &out->place));
   Problem q = problem;
@@ -256,7 +256,7 @@ std::string CallSignature(const Problem& q) {
          (q.op == Collective::kMatmulAr ? std::string("/") + ArAlgorithmName(q.algorithm) : "") +
          "/" + TransportName(q.transport) + " n=" + std::to_string(q.nranks) + " [" +
          std::to_string(q.batch) + "," + std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" +
-         std::to_string(q.n) + " " + DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
+         std::to_string(q.cols) + " " + DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
 }
 

@@ -1,19 +1,22 @@
 // One native call as every layer below the FFI boundary sees it (no XLA
 // types): the decoded attributes, where the calling device sits in the rank
-// table, what the call needs of its clique, and its plan.
+// table, what the call needs of its clique, and the call placed on a device.
 //
 // The lifecycle is the same on both platforms (docs/native.md): the FFI
 // instantiate stage makes a call site (one custom call of one executable)
 // with a CallDesc and its CallSite identity; the first execution on a device
-// places it and builds its CallPlan — the program, the sizes, the agreement
-// signature — which later executions only fetch; each execution then runs
-// the plan on the site's clique (host executor) or enqueues it (CUDA
-// executor).
+// places the call there (PlaceCall: the rank, the program, the sizes, the
+// agreement signature) and keeps it (PerDevice), and later executions only
+// fetch it; each execution then runs the program on the site's clique (host
+// executor) or enqueues it (CUDA executor).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/clique.h"
@@ -104,7 +107,7 @@ Status NeedsOf(const Problem& problem, CallNeeds* out);
 // by when it was made. The lowering rule computes the call's `site_key` (a
 // hash of the lowered module's name, the call's name stack, its input types,
 // its attributes and its ordinal among the native calls of that lowering:
-// jaxoverlap/_call_site.py), identical in every process.
+// jaxoverlap/_native/site_key.py), identical in every process.
 //
 // JAX may lower one native call once and XLA then inline it at several places
 // (a nested jit called twice, a partition callback's module): those
@@ -138,16 +141,16 @@ class CallSite {
   std::shared_ptr<const Token> token_;
 };
 
-// The native call `site_key` was lowered (jaxoverlap/_call_site.py calls it
-// through the modules' _note_lowering): its next instance belongs to a new
-// program.
+// The native call `site_key` was lowered (the lowering rule calls it through
+// the extensions' note_lowering): its next instance belongs to a new program.
 void NoteLowering(int64_t site_key);
 
 // "site 0x0123456789abcdef": how errors name a site id.
 std::string SiteName(int64_t site);
 
-// One call site's plan on one device.
-struct CallPlan {
+// One call site's call placed on one device: its rank and the program that
+// rank runs, with what every rank must agree on.
+struct PlacedCall {
   Placement place;
   Program program;  // of place.rank; program.problem is the whole problem
   CallNeeds needs;
@@ -159,8 +162,36 @@ struct CallPlan {
 
 // `problem` is the call's canonical problem without its rank (from the
 // operands); places the device and builds the program. `site` is the site id.
-Status MakePlan(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
-                CallPlan* out);
+Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
+                 PlacedCall* out);
+
+// What a call site keeps per calling device (HostSite, CudaSite): made by the
+// first execution on the device, fetched by later ones. Keyed by (process,
+// device): the host-side fake plays several processes in one, whose devices
+// share ordinals. `make` (Status(T*)) runs under the lock, so once per device
+// however its first executions race; a failure is not kept (the next
+// execution tries again).
+template <typename T>
+class PerDevice {
+ public:
+  template <typename Make>
+  Status Get(const Caller& caller, Make&& make, std::shared_ptr<const T>* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::pair<int64_t, int64_t> key{caller.process, caller.device};
+    auto it = made_.find(key);
+    if (it == made_.end()) {
+      auto fresh = std::make_shared<T>();
+      JO_CHECK(make(fresh.get()));
+      it = made_.emplace(key, std::move(fresh)).first;
+    }
+    *out = it->second;
+    return OkStatus();
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const T>> made_;
+};
 
 // This process's index in the jax.distributed job (0 alone), set from Python
 // when the handlers are registered.
@@ -171,7 +202,7 @@ int64_t ProcessIndex();
 // ranks that disagree on it at the same epoch are running different calls.
 std::string CallSignature(const Problem& q);
 
-// JAXOVERLAP_LOG=debug: prints each distinct plan once (rank 0 prints it);
+// JAXOVERLAP_LOG=debug: prints each distinct program once (rank 0 prints it);
 // `executor` names who runs it ("host", "cuda").
 void LogPlanOnce(const Program& program, const CliqueKey& key, const char* executor);
 

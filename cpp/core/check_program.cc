@@ -70,8 +70,8 @@ BufferSizes BufferSizes::Of(const Program& p) {
   const bool ag = q.op == Collective::kAgMatmul;
   const bool rs = q.op == Collective::kMatmulRs;
   s.x = (ag ? local : gathered) * q.k;  // AG: the local shard; RS, AR: all rows
-  s.w = q.k * q.n;
-  s.y = (rs ? local : gathered) * q.n;  // RS: the own row block; AG, AR: all rows
+  s.w = q.k * q.cols;
+  s.y = (rs ? local : gathered) * q.cols;  // RS: the own row block; AG, AR: all rows
   s.x_gathered = ag && q.return_gathered ? gathered * q.k : 0;
   s.scratch = p.scratch_elems;
   s.workspace = p.workspace_elems;

@@ -1,6 +1,5 @@
 #include "core/log.h"
 
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,11 +17,6 @@ LogLevel ParseLevel(const char* text) {
   return LogLevel::kWarn;
 }
 
-std::atomic<int>& Level() {
-  static std::atomic<int> level{static_cast<int>(ParseLevel(std::getenv("JAXOVERLAP_LOG")))};
-  return level;
-}
-
 std::mutex& LastMutex() {
   static std::mutex mu;
   return mu;
@@ -35,9 +29,9 @@ std::string& Last() {
 }  // namespace
 
 LogLevel CurrentLogLevel() {
-  return static_cast<LogLevel>(Level().load(std::memory_order_relaxed));
+  static const LogLevel level = ParseLevel(std::getenv("JAXOVERLAP_LOG"));
+  return level;
 }
-void SetLogLevel(LogLevel level) { Level().store(static_cast<int>(level)); }
 
 void LogMessage(LogLevel level, const char* file, int line, const std::string& text) {
   static const char* const kNames[] = {"WARN", "INFO", "DEBUG"};

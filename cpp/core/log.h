@@ -11,7 +11,6 @@ namespace jo {
 enum class LogLevel : int { kWarn = 0, kInfo = 1, kDebug = 2 };
 
 LogLevel CurrentLogLevel();  // read once from JAXOVERLAP_LOG
-void SetLogLevel(LogLevel level);
 void LogMessage(LogLevel level, const char* file, int line, const std::string& text);
 std::string LastWarning();
 

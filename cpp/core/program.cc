@@ -152,7 +152,7 @@ std::string Summary(const Program& p) {
   out << CollectiveName(q.op);
   if (q.op == Collective::kMatmulAr) out << " " << ArAlgorithmName(q.algorithm);
   out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
-      << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " n=" << q.n
+      << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " cols=" << q.cols
       << " dtype=" << DTypeName(q.dtype) << " chunks=" << p.chunks << " steps(cw,ccw)=("
       << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
       << " ops=" << p.ops.size() << " workspace_elems=" << p.workspace_elems

@@ -83,11 +83,12 @@ struct Op {
   int32_t sub = -1;     // which sub-chunk of that shard
 };
 
-// The problem one call solves, in canonical form (docs/native.md):
-//   AG: x [batch, rows, k] local shard -> y [batch, nranks*rows, n]
-//   RS: x [batch, nranks*rows, k]      -> y [batch, rows, n]
-//   AR: x [batch, nranks*rows, k]      -> y [batch, nranks*rows, n]
-//   AR one-shot: x [batch, rows, k]    -> y [batch, rows, n] (rows: all of them)
+// The problem one call solves, in canonical form (docs/native.md), with w
+// [k, cols]:
+//   AG: x [batch, rows, k] local shard -> y [batch, nranks*rows, cols]
+//   RS: x [batch, nranks*rows, k]      -> y [batch, rows, cols]
+//   AR: x [batch, nranks*rows, k]      -> y [batch, nranks*rows, cols]
+//   AR one-shot: x [batch, rows, k]    -> y [batch, rows, cols] (rows: all of them)
 struct Problem {
   Collective op = Collective::kAgMatmul;
   Transport transport = Transport::kNccl;
@@ -96,7 +97,7 @@ struct Problem {
   int64_t batch = 1;
   int64_t rows = 1;
   int64_t k = 1;
-  int64_t n = 1;
+  int64_t cols = 1;
   DType dtype = DType::kF32;
   int64_t chunks = 1;
   bool bidirectional = false;

@@ -125,11 +125,6 @@ void CudaClique::AbortComms(std::optional<std::chrono::steady_clock::time_point>
   if (await_until) (void)state_.nccl->AwaitAborts(*await_until);
 }
 
-int64_t CudaClique::Generations() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(generations_.size());
-}
-
 void CudaClique::TakePast(std::vector<std::shared_ptr<Generation>>* out) {
   while (generations_.size() > 1) {
     const std::shared_ptr<Generation>& oldest = generations_.front();

@@ -89,9 +89,6 @@ class CudaClique : public Clique {
   // that the fake GPU sees the aborts before it decides it cannot progress).
   void AbortComms(std::optional<std::chrono::steady_clock::time_point> await_until = {});
 
-  // Buffer generations alive (for info() and tests).
-  int64_t Generations() const;
-
   std::string Describe() const;
 
   // CudaClique objects not yet fully destroyed (members included): the last

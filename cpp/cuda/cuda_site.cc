@@ -42,9 +42,9 @@ std::vector<CliqueRegistry<CudaClique>*> AllRegistries() {
 }
 
 // Makes the group's clique (first call of any of its sites on this process).
-Status MakeClique(const CallDesc& desc, const CallPlan& plan, const Caller& caller,
+Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& caller,
                   std::unique_ptr<CudaClique>* out) {
-  const Placement& place = plan.place;
+  const Placement& place = call.place;
   const CliqueKey key{desc.clique_key, place.group, 0};
   ErrorContext ctx;
   ctx.op = CollectiveName(desc.op);
@@ -78,38 +78,27 @@ Status MakeClique(const CallDesc& desc, const CallPlan& plan, const Caller& call
 
 CudaSite::CudaSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_(std::move(site)) {}
 
-Status CudaSite::PlanFor(const Caller& caller, const Problem& problem,
-                         std::shared_ptr<const Plan>* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const std::pair<int64_t, int64_t> where{caller.process, caller.device};
-  auto it = plans_.find(where);
-  if (it != plans_.end()) {
-    *out = it->second;
-    return OkStatus();
-  }
-  auto plan = std::make_shared<Plan>();
-  JO_CHECK(MakePlan(desc_, problem, site_.id(), caller, &plan->call));
-  JO_CHECK(IssueOrder(plan->call.program.problem, &plan->issue));
+Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
+  JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
+  JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
-  const CliqueKey key{desc_.clique_key, plan->call.place.group, 0};
+  const CliqueKey key{desc_.clique_key, out->call.place.group, 0};
   Status made = OkStatus();
   Status got = Registry(caller.process)
                    .GetOrCreate(
                        key, problem.nranks,
                        [&] {
                          std::unique_ptr<CudaClique> clique;
-                         made = MakeClique(desc_, plan->call, caller, &clique);
+                         made = MakeClique(desc_, out->call, caller, &clique);
                          return clique;
                        },
-                       &plan->clique);
+                       &out->clique);
   JO_CHECK(made);
   JO_CHECK(got);
-  if (plan->clique->transport() != desc_.transport ||
-      plan->clique->devices() != plan->call.place.ordinals)
+  if (out->clique->transport() != desc_.transport ||
+      out->clique->devices() != out->call.place.ordinals)
     return Internal(CliqueName(key) + ": clique key collision (transport or devices differ)");
-  plans_.emplace(where, plan);
-  *out = std::move(plan);
   return OkStatus();
 }
 
@@ -138,10 +127,11 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   const char* op = CollectiveName(problem.op);
   // Before the call takes an epoch: every rank refuses alike, the clique stays usable.
   JO_CHECK(RefuseCapture(stream, op));
-  std::shared_ptr<const Plan> plan;
-  JO_CHECK(PlanFor(caller, problem, &plan));
-  const Program& program = plan->call.program;
-  CudaClique& clique = *plan->clique;
+  std::shared_ptr<const BoundCall> bound;
+  JO_CHECK(
+      bound_.Get(caller, [&](BoundCall* out) { return BindCall(caller, problem, out); }, &bound));
+  const Program& program = bound->call.program;
+  CudaClique& clique = *bound->clique;
   ErrorContext ctx;
   ctx.op = op;
   ctx.rank = program.problem.rank;
@@ -149,7 +139,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
 
   RunArgs run;
   run.program = &program;
-  run.order = &plan->issue;
+  run.order = &bound->issue;
   run.device = static_cast<int>(caller.device);
   run.stream = stream;
   run.epoch = clique.NextEpoch(ctx.rank);
@@ -158,8 +148,8 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   run.timeout = Millis(desc_.timeout_ms);
   const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
   Reservation reserved;
-  Status status = clique.Agree(where, ctx.rank, run.epoch, plan->call.signature);
-  if (status.ok()) status = clique.Reserve(program, plan->call.needs, run.epoch, ctx, &reserved);
+  Status status = clique.Agree(where, ctx.rank, run.epoch, bound->call.signature);
+  if (status.ok()) status = clique.Reserve(program, bound->call.needs, run.epoch, ctx, &reserved);
   // Everything is checked and made before anything is enqueued (PrepareProgram);
   // then only enqueueing is left, and once it began the call is always joined
   // into XLA's stream and watched, whatever happens.
@@ -184,7 +174,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (enqueued) {
     // The watchdog turns a peer that never arrives into an error, not a hang.
     WatchedCall watched;
-    watched.clique = plan->clique;
+    watched.clique = bound->clique;
     watched.rank = ctx.rank;
     watched.device = run.device;
     watched.started = run.resources->started[slot];

@@ -1,10 +1,10 @@
-// The CUDA executor's side of one call site: its plans, the group's clique,
-// and enqueueing its calls.
+// The CUDA executor's side of one call site: its placed calls, the group's
+// clique, and enqueueing its calls.
 //
 // A CudaSite is the FFI instantiate-stage state of one custom call of one
-// executable (ffi/ffi_call.h). The first execution on a GPU places it and
-// builds its plan (core/call.h); later executions fetch it, so an execution
-// only agrees, reserves and enqueues.
+// executable (ffi/ffi_call.h). The first execution on a GPU places the call
+// there (core/call.h), orders its issue and binds it to the clique; later
+// executions fetch it, so an execution only agrees, reserves and enqueues.
 //
 // The clique is the mesh-axis group's, shared by the group's call sites (its
 // buffers are GPU memory: one set per call site would not fit a model's
@@ -22,9 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,19 +45,20 @@ class CudaSite {
   const CallDesc& desc() const { return desc_; }
 
  private:
-  struct Plan {
-    CallPlan call;
+  // The site's call on one GPU: placed, in its issue order, and bound to the
+  // group's clique.
+  struct BoundCall {
+    PlacedCall call;
     // The order the executor issues the program in (core/issue_order.h): one
     // that completes through a single hardware work queue per device.
     std::vector<IssueUnit> issue;
     std::shared_ptr<CudaClique> clique;
   };
-  Status PlanFor(const Caller& caller, const Problem& problem, std::shared_ptr<const Plan>* out);
+  Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 
   const CallDesc desc_;
   const CallSite site_;
-  std::mutex mu_;
-  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const Plan>> plans_;  // (process, device)
+  PerDevice<BoundCall> bound_;
 };
 
 // One line per live clique (for info()).

@@ -25,13 +25,7 @@ namespace jo::cuda {
 namespace {
 
 // The instantiate-stage state type ("jaxoverlap_cuda_call_site", platform CUDA).
-struct SiteState {
-  static ffi::TypeId id;
-  SiteState(CallDesc desc, CallSite site) : site(std::move(desc), std::move(site)) {}
-  CudaSite site;
-};
-ffi::TypeId SiteState::id = {};
-const XLA_FFI_TypeInfo kSiteTypeInfo = ffi::MakeTypeInfo<SiteState>();
+using SiteState = ffi_call::SiteState<CudaSite>;
 
 Status Run(cudaStream_t stream, int32_t device, CudaSite& site, const ffi::AnyBuffer& x,
            const ffi::AnyBuffer& w, const ffi::AnyBuffer& y, const ffi::AnyBuffer* gathered) {
@@ -60,14 +54,14 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, SiteState* state, ffi::A
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kInstantiate, ffi_call::Instantiate<SiteState>, ffi_call::BindInstantiate());
+XLA_FFI_DEFINE_HANDLER(kInstantiate, ffi_call::Instantiate<CudaSite>, ffi_call::BindInstantiate());
 XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
-                       ffi_call::BindResults(ffi_call::BindOperands<SiteState>(
+                       ffi_call::BindResults(ffi_call::BindOperands<CudaSite>(
                            ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())));
 
 XLA_FFI_Error* InstantiateHandler(XLA_FFI_CallFrame* frame) { return kInstantiate(frame); }
 XLA_FFI_Error* ExecuteHandler(XLA_FFI_CallFrame* frame) { return kExecute(frame); }
 void* SiteTypeId() { return &SiteState::id; }
-const void* SiteTypeInfo() { return &kSiteTypeInfo; }
+const void* SiteTypeInfo() { return &SiteState::type_info; }
 
 }  // namespace jo::cuda

@@ -86,7 +86,9 @@ struct DeviceBuffer {
 
 size_t RoundUp256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-struct Plan {
+// One cuBLASLt matmul of one shape, ready to run: its descriptors and the
+// algorithm the heuristic chose.
+struct MatmulPlan {
   Desc desc;
   Layout a, b, c, d;
   Pref pref;
@@ -94,14 +96,14 @@ struct Plan {
 };
 
 // dtype (x2, +1 with TF32), batch, m, n, k, lds, strides, beta != 0, alignments.
-using PlanKey =
+using MatmulKey =
     std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 struct DeviceCache {
   std::mutex mu;
   Handle handle;
-  std::map<PlanKey, std::unique_ptr<Plan>> plans;
+  std::map<MatmulKey, std::unique_ptr<MatmulPlan>> plans;
   std::map<cudaStream_t, std::unique_ptr<DeviceBuffer>> workspaces;
   // Where each new plan runs once at set-up (WarmUp): a private stream and buffers.
   cudaStream_t warm_stream = nullptr;
@@ -147,8 +149,8 @@ Status MakeLayout(Layout* layout, cudaDataType_t type, int64_t rows, int64_t col
   return OkStatus();
 }
 
-Status MakePlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64_t c_bs,
-                int64_t c_ld, const ErrorContext& ctx, Plan* plan) {
+Status MakeMatmulPlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64_t c_bs,
+                      int64_t c_ld, const ErrorContext& ctx, MatmulPlan* plan) {
   const cudaDataType_t type = LtType(g.dtype);
   const int32_t batch = static_cast<int32_t>(g.batch);
   const cublasComputeType_t compute =
@@ -216,8 +218,8 @@ Status WorkspaceOf(DeviceCache& cache, int device, cudaStream_t stream, const Er
 // synchronization" (CUDA programming guide, "Lazy Loading", potential hazards) — which must
 // not happen once the call has enqueued work that other ranks' work may wait for. NCCL loads
 // its kernels at init for the same reason (ncclInitKernelsForDevice).
-Status WarmUp(DeviceCache& cache, int device, const Plan& plan, const GemmArgs& g, int64_t c_bs,
-              int64_t c_ld, bool accumulate, const ErrorContext& ctx) {
+Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const GemmArgs& g,
+              int64_t c_bs, int64_t c_ld, bool accumulate, const ErrorContext& ctx) {
   const size_t es = static_cast<size_t>(DTypeSize(g.dtype));
   const size_t w_bytes = RoundUp256(Span(1, 0, g.k, g.w_ld, g.n) * es);
   const size_t a_bytes = RoundUp256(Span(g.batch, g.a_bs, g.m, g.a_ld, g.k) * es);
@@ -268,28 +270,28 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
   void* ws = nullptr;
   JO_CHECK(WorkspaceOf(cache, device, stream, ctx, &ws));
   const Alignments al = AlignmentsOf(g, c, c_bs, c_ld);
-  const PlanKey key{static_cast<int>(g.dtype) * 2 + (g.tf32 ? 1 : 0),
-                    g.batch,
-                    g.m,
-                    g.n,
-                    g.k,
-                    g.a_bs,
-                    g.a_ld,
-                    g.w_ld,
-                    c_bs,
-                    c_ld,
-                    g.d_bs,
-                    g.d_ld,
-                    0,
-                    accumulate,
-                    al.a,
-                    al.b,
-                    al.c,
-                    al.d};
+  const MatmulKey key{static_cast<int>(g.dtype) * 2 + (g.tf32 ? 1 : 0),
+                      g.batch,
+                      g.m,
+                      g.n,
+                      g.k,
+                      g.a_bs,
+                      g.a_ld,
+                      g.w_ld,
+                      c_bs,
+                      c_ld,
+                      g.d_bs,
+                      g.d_ld,
+                      0,
+                      accumulate,
+                      al.a,
+                      al.b,
+                      al.c,
+                      al.d};
   auto& plan = cache.plans[key];
   if (!plan) {
-    auto fresh = std::make_unique<Plan>();
-    JO_CHECK(MakePlan(cache.handle.value, g, c, c_bs, c_ld, ctx, fresh.get()));
+    auto fresh = std::make_unique<MatmulPlan>();
+    JO_CHECK(MakeMatmulPlan(cache.handle.value, g, c, c_bs, c_ld, ctx, fresh.get()));
     JO_CHECK(WarmUp(cache, device, *fresh, g, c_bs, c_ld, accumulate, ctx));
     if (warmed != nullptr) *warmed = true;
     plan = std::move(fresh);

@@ -76,14 +76,16 @@ bool Fits(const BlockArgs& a, const Shape& s, int64_t bytes) {
          (s.batch == 1 || (divides(s.src_bs) && divides(s.dst_bs)));
 }
 
-struct Plan {
+// How a block kernel launches: the bytes each thread moves per access (0:
+// none fits), the block in units of accesses, and the grid.
+struct BlockLaunch {
   int bytes = 0;
   Geometry g{};
   dim3 grid;
 };
 
-Plan MakePlan(const BlockArgs& a, bool multimem) {
-  Plan p;
+BlockLaunch MakeLaunch(const BlockArgs& a, bool multimem) {
+  BlockLaunch p;
   const Shape s = Merge(a);
   for (int bytes : {16, 8, 4, 2}) {
     if (multimem && bytes < 4) break;  // multimem moves 32-bit words (element pairs)
@@ -162,7 +164,7 @@ Status LoadKernel(const void* k, const char* what, const ErrorContext& ctx) {
                          : Status(Code::kInvalidArgument, ctx.Describe() + ": " + verdict);
 }
 
-Status Launch(const void* k, const Plan& p, cudaStream_t stream, const ErrorContext& ctx) {
+Status Launch(const void* k, const BlockLaunch& p, cudaStream_t stream, const ErrorContext& ctx) {
   Geometry g = p.g;
   void* args[] = {&g};
   JO_CUDA_CHECK(&ctx, cudaLaunchKernel(k, p.grid, dim3(kernel::kThreads), args, 0, stream));
@@ -173,7 +175,7 @@ bool Empty(const BlockArgs& a) { return a.batch <= 0 || a.m <= 0 || a.n <= 0; }
 
 // The multimem kernel for `a` (null: nothing to launch), after the pairing rule.
 Status MultimemKernel(const char* what, const void* (*table)(Elem, int), const BlockArgs& a,
-                      const ErrorContext& ctx, const void** k, Plan* p) {
+                      const ErrorContext& ctx, const void** k, BlockLaunch* p) {
   *k = nullptr;
   if (!MulticastBlockOk(a))
     return Status(Code::kInvalidArgument,
@@ -182,7 +184,7 @@ Status MultimemKernel(const char* what, const void* (*table)(Elem, int), const B
                       "addresses (multimem works on element pairs); use transport='p2p' or "
                       "'nccl' for this shape");
   if (Empty(a)) return OkStatus();
-  *p = MakePlan(a, /*multimem=*/true);
+  *p = MakeLaunch(a, /*multimem=*/true);
   JO_ASSERT(p->bytes >= 4);
   *k = table(ElemOf(a.dtype), p->bytes);
   JO_ASSERT(*k != nullptr);
@@ -193,7 +195,7 @@ Status MultimemKernel(const char* what, const void* (*table)(Elem, int), const B
 Status LaunchMultimem(const char* what, const void* (*table)(Elem, int), const BlockArgs& a,
                       cudaStream_t stream, const ErrorContext& ctx) {
   const void* k = nullptr;
-  Plan p;
+  BlockLaunch p;
   JO_CHECK(MultimemKernel(what, table, a, ctx, &k, &p));
   if (k == nullptr) return OkStatus();
   JO_CHECK(LoadKernel(k, what, ctx));
@@ -220,7 +222,7 @@ bool MulticastBlockOk(const BlockArgs& a) {
          even(a.dst_batch_stride) && aligned(a.src) && aligned(a.dst);
 }
 
-int AccessBytes(const BlockArgs& a, bool multimem) { return MakePlan(a, multimem).bytes; }
+int AccessBytes(const BlockArgs& a, bool multimem) { return MakeLaunch(a, multimem).bytes; }
 
 void ForgetKernelVerdicts() {
   std::lock_guard<std::mutex> lock(g_verdicts_mu);
@@ -229,7 +231,7 @@ void ForgetKernelVerdicts() {
 
 Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
   if (Empty(a)) return OkStatus();
-  const Plan p = MakePlan(a, /*multimem=*/false);
+  const BlockLaunch p = MakeLaunch(a, /*multimem=*/false);
   JO_ASSERT(p.bytes >= DTypeSize(a.dtype));  // the element size always fits
   const void* k = kernel::AddKernel(ElemOf(a.dtype), p.bytes);
   JO_ASSERT(k != nullptr);
@@ -247,7 +249,7 @@ Status LaunchMcReduce(const BlockArgs& a, cudaStream_t stream, const ErrorContex
 Status PrepareBlockKernel(BlockKernel kind, const BlockArgs& a, const ErrorContext& ctx) {
   if (kind == BlockKernel::kAdd) {
     if (Empty(a)) return OkStatus();
-    const Plan p = MakePlan(a, /*multimem=*/false);
+    const BlockLaunch p = MakeLaunch(a, /*multimem=*/false);
     const void* k = kernel::AddKernel(ElemOf(a.dtype), p.bytes);
     JO_ASSERT(k != nullptr);
     return LoadKernel(k, nullptr, ctx);
@@ -255,7 +257,7 @@ Status PrepareBlockKernel(BlockKernel kind, const BlockArgs& a, const ErrorConte
   const bool store = kind == BlockKernel::kMcStore;
   const char* what = store ? kMcStoreName : kMcReduceName;
   const void* k = nullptr;
-  Plan p;
+  BlockLaunch p;
   JO_CHECK(
       MultimemKernel(what, store ? kernel::McStoreKernel : kernel::McReduceKernel, a, ctx, &k, &p));
   return k == nullptr ? OkStatus() : LoadKernel(k, what, ctx);

@@ -1,6 +1,7 @@
 // The XLA FFI boundary, shared by both platforms' handlers: the attributes
 // every stage binds (one struct), their checks, the operands' checks, the
-// binding itself, and turning our Status into an ffi::Error (once, here).
+// call site's state, the binding itself, and turning our Status into an
+// ffi::Error (once, here).
 //
 // Every native custom call has the operands x, w, the result y and, for
 // ag_matmul with return_gathered, x_gathered, and these attributes:
@@ -201,20 +202,20 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->tf32 = d.tf32;  // the GEMM ignores it for half types (cuda/gemm.cc)
   q->algorithm = d.algorithm;
   q->k = xd[xd.size() - 1];
-  q->n = wd[1];
+  q->cols = wd[1];
   q->batch = 1;
   for (int64_t i = 0; i < d.axis; ++i) q->batch *= xd[i];
   int64_t post = 1;
   for (size_t i = static_cast<size_t>(d.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
   if (d.op == Collective::kAgMatmul) {
     q->rows = xd[d.axis] * post;
-    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] * n, q->n));
+    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] * n, q->cols));
     q->return_gathered = x_gathered != nullptr;
     if (x_gathered != nullptr)
       JO_CHECK(CheckResult(op, "x_gathered", x, *x_gathered, d.axis, xd[d.axis] * n, q->k));
   } else if (d.op == Collective::kMatmulAr) {
-    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, n]
-    // (one-shot: [1, rows, k] -> [1, rows, n], any number of rows).
+    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, cols]
+    // (one-shot: [1, rows, k] -> [1, rows, cols], any number of rows).
     int64_t total = 1;
     for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
     if (d.axis != 0) return bad("attribute axis expected 0, got " + std::to_string(d.axis));
@@ -225,14 +226,14 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
     if (x_gathered != nullptr) return bad("matmul_ar has one result");
     q->batch = 1;
     q->rows = one_shot ? total : total / n;
-    JO_CHECK(CheckResult(op, "y", x, y, 0, xd[0], q->n));
+    JO_CHECK(CheckResult(op, "y", x, y, 0, xd[0], q->cols));
   } else {
     if (xd[d.axis] % n != 0)
       return bad("operand x dim " + std::to_string(d.axis) + " (" + std::to_string(xd[d.axis]) +
                  ") expected divisible by axis_size " + std::to_string(n));
     if (x_gathered != nullptr) return bad("matmul_rs has one result");
     q->rows = xd[d.axis] / n * post;
-    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] / n, q->n));
+    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] / n, q->cols));
   }
   io->x = x.untyped_data();
   io->w = w.untyped_data();
@@ -241,6 +242,22 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   return OkStatus();
 }
 
+// The instantiate stage's state of one call site: the executor's Site
+// (HostSite, CudaSite: constructed from (CallDesc, CallSite)) under the type id
+// XLA's FFI knows it by. Each executor's handlers export `id` and `type_info`
+// for jax.ffi.register_ffi_type; XLA deletes the state with the executable.
+template <typename Site>
+struct SiteState {
+  static ffi::TypeId id;
+  static const XLA_FFI_TypeInfo type_info;
+  SiteState(CallDesc desc, CallSite call_site) : site(std::move(desc), std::move(call_site)) {}
+  Site site;
+};
+template <typename Site>
+ffi::TypeId SiteState<Site>::id = {};
+template <typename Site>
+const XLA_FFI_TypeInfo SiteState<Site>::type_info = ffi::MakeTypeInfo<SiteState<Site>>();
+
 // The execute stage's binding, in two halves around the platform's extra
 // operands: after the platform's own context (the CUDA stream), the device,
 // the call-site state and x, w; then the results and the attributes.
@@ -248,7 +265,7 @@ template <typename Site, typename Binding>
 auto BindOperands(Binding binding) {
   return std::move(binding)
       .template Ctx<ffi::DeviceOrdinal>()
-      .template Ctx<ffi::State<Site>>()
+      .template Ctx<ffi::State<SiteState<Site>>>()
       .template Arg<ffi::AnyBuffer>()   // x
       .template Arg<ffi::AnyBuffer>();  // w
 }
@@ -268,15 +285,16 @@ inline auto BindInstantiate() {
   return ffi::Ffi::BindInstantiate().RemainingArgs().RemainingRets().Attrs<CallAttrs>();
 }
 
-// Makes a Site (whose constructor takes (CallDesc, CallSite)) from the attributes.
+// Makes the state of a call site from its attributes, with the site's
+// identity (CallSite: from its site_key, in the order XLA instantiates).
 template <typename Site>
-ffi::ErrorOr<std::unique_ptr<Site>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
-                                                CallAttrs attrs) {
+ffi::ErrorOr<std::unique_ptr<SiteState<Site>>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
+                                                           CallAttrs attrs) {
   CallDesc desc;
   if (Status status = DecodeDesc(attrs, &desc); !status.ok())
     return ffi::Unexpected<ffi::Error>(ToFfi(status));
   CallSite site = CallSite::Instantiate(desc.site_key);
-  return std::make_unique<Site>(std::move(desc), std::move(site));
+  return std::make_unique<SiteState<Site>>(std::move(desc), std::move(site));
 }
 
 }  // namespace jo::ffi_call

@@ -60,8 +60,8 @@ class Run {
     try {
       scratch_.assign(static_cast<size_t>(p_.scratch_elems * es_), std::byte{0});
       if (p_.problem.dtype != DType::kF32) {
-        w32_.resize(static_cast<size_t>(p_.problem.k * p_.problem.n));
-        ToF32(p_.problem.dtype, io_.w, p_.problem.n, p_.problem.k, p_.problem.n, w32_.data());
+        w32_.resize(static_cast<size_t>(p_.problem.k * p_.problem.cols));
+        ToF32(p_.problem.dtype, io_.w, p_.problem.cols, p_.problem.k, p_.problem.cols, w32_.data());
       }
     } catch (const std::bad_alloc&) {
       return Status(Code::kResource, std::string(ctx_.op) + ": host scratch allocation failed");

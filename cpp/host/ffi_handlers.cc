@@ -21,13 +21,7 @@ namespace jo::host {
 namespace {
 
 // The instantiate-stage state type ("jaxoverlap_call_site", platform cpu).
-struct SiteState {
-  static ffi::TypeId id;
-  SiteState(CallDesc desc, CallSite site) : site(std::move(desc), std::move(site)) {}
-  HostSite site;
-};
-ffi::TypeId SiteState::id = {};
-const XLA_FFI_TypeInfo kSiteTypeInfo = ffi::MakeTypeInfo<SiteState>();
+using SiteState = ffi_call::SiteState<HostSite>;
 
 ffi::Future Failed(const Status& status) {
   ffi::Promise promise;
@@ -71,14 +65,14 @@ ffi::Future Execute(int32_t device, SiteState* state, ffi::AnyBuffer x, ffi::Any
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kInstantiate, ffi_call::Instantiate<SiteState>, ffi_call::BindInstantiate());
+XLA_FFI_DEFINE_HANDLER(kInstantiate, ffi_call::Instantiate<HostSite>, ffi_call::BindInstantiate());
 XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
-                       ffi_call::BindResults(ffi_call::BindOperands<SiteState>(ffi::Ffi::Bind())
+                       ffi_call::BindResults(ffi_call::BindOperands<HostSite>(ffi::Ffi::Bind())
                                                  .Arg<ffi::Buffer<ffi::S32>>()));  // coords
 
 XLA_FFI_Error* InstantiateHandler(XLA_FFI_CallFrame* frame) { return kInstantiate(frame); }
 XLA_FFI_Error* ExecuteHandler(XLA_FFI_CallFrame* frame) { return kExecute(frame); }
 void* SiteTypeId() { return &SiteState::id; }
-const void* SiteTypeInfo() { return &kSiteTypeInfo; }
+const void* SiteTypeInfo() { return &SiteState::type_info; }
 
 }  // namespace jo::host

@@ -34,32 +34,22 @@ Status Guarded(const char* op, F&& fn) {
 
 HostSite::HostSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_(std::move(site)) {}
 
-Status HostSite::PlanFor(const Caller& caller, const Problem& problem,
-                         std::shared_ptr<const Plan>* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = plans_.find(caller.device);
-  if (it != plans_.end()) {
-    *out = it->second;
-    return OkStatus();
-  }
-  auto plan = std::make_shared<Plan>();
-  JO_CHECK(MakePlan(desc_, problem, site_.id(), caller, &plan->call));
+Status HostSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
+  JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
   // Every call site has its own clique (docs/native.md §4): in-process, or,
   // when the group spans processes, in the domain the bootstrap made for it.
-  const CliqueKey key = plan->call.clique;
+  const CliqueKey key = out->call.clique;
   std::shared_ptr<ShmDomain> domain;
-  JO_CHECK(DomainOf(key, plan->call.place.processes, CollectiveName(desc_.op), &domain));
+  JO_CHECK(DomainOf(key, out->call.place.processes, CollectiveName(desc_.op), &domain));
   JO_CHECK(Registry().GetOrCreate(
       key, domain != nullptr ? 0 : site_.serial(), problem.nranks,
       [&]() -> std::unique_ptr<HostClique> {
         if (domain != nullptr)
-          return std::make_unique<ShmClique>(domain, key.site, plan->call.needs,
-                                             plan->call.signature);
+          return std::make_unique<ShmClique>(domain, key.site, out->call.needs,
+                                             out->call.signature);
         return std::make_unique<LocalClique>(key, problem.nranks);
       },
-      &plan->clique));
-  plans_.emplace(caller.device, plan);
-  *out = std::move(plan);
+      &out->clique));
   return OkStatus();
 }
 
@@ -67,19 +57,22 @@ void HostSite::Start(const Caller& caller, const Problem& problem, const CallBuf
                      std::function<void(const Status&)> done) {
   const char* op = CollectiveName(problem.op);
   const int64_t device = caller.device;
-  std::shared_ptr<const Plan> plan;
-  Status status = Guarded(op, [&] { return PlanFor(caller, problem, &plan); });
+  std::shared_ptr<const BoundCall> bound;
+  Status status = Guarded(op, [&] {
+    return bound_.Get(
+        caller, [&](BoundCall* out) { return BindCall(caller, problem, out); }, &bound);
+  });
   if (!status.ok()) {
     done(status);
     return;
   }
   WaitContext ctx;
   ctx.op = op;
-  ctx.rank = plan->call.place.rank;
-  ctx.epoch = plan->clique->NextEpoch(ctx.rank);  // here: this device's order of executions
+  ctx.rank = bound->call.place.rank;
+  ctx.epoch = bound->clique->NextEpoch(ctx.rank);  // here: this device's order of executions
   ctx.timeout = Millis(desc_.timeout_ms);
-  std::function<Status()> run = [plan, ctx, device, io]() -> Status {
-    HostClique& clique = *plan->clique;
+  std::function<Status()> run = [bound, ctx, device, io]() -> Status {
+    HostClique& clique = *bound->clique;
     WaitContext call = ctx;  // ClaimRank makes the count the clique's epoch
     JO_CHECK(clique.ClaimRank(&call, device));
     struct Release {  // the rank is free again however the call ends
@@ -87,15 +80,15 @@ void HostSite::Start(const Caller& caller, const Problem& problem, const CallBuf
       const WaitContext& call;
       ~Release() { clique.ReleaseRank(call); }
     } release{clique, call};
-    JO_CHECK(clique.Agree(clique.Where(call), call.rank, call.epoch, plan->call.signature));
-    JO_CHECK(clique.Reserve(call, plan->call.needs));
-    return RunProgram(plan->call.program, clique, call, io);
+    JO_CHECK(clique.Agree(clique.Where(call), call.rank, call.epoch, bound->call.signature));
+    JO_CHECK(clique.Reserve(call, bound->call.needs));
+    return RunProgram(bound->call.program, clique, call, io);
   };
-  std::shared_ptr<HostClique> clique = plan->clique;
+  std::shared_ptr<HostClique> clique = bound->clique;
   Status posted = Guarded(op, [&] {
     return PostToWorker([run, done, op]() mutable {
       Status status = Guarded(op, run);
-      run = nullptr;  // release the plan and the clique before XLA continues
+      run = nullptr;  // release the bound call and its clique before XLA continues
       done(status);
     });
   });

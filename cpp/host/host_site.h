@@ -1,10 +1,10 @@
-// The host executor's side of one call site (cpu): its plans, its cliques,
-// and its calls, which run asynchronously.
+// The host executor's side of one call site (cpu): its placed calls, its
+// cliques, and its calls, which run asynchronously.
 //
 // A HostSite is the FFI instantiate-stage state of one custom call of one
 // executable (ffi/ffi_call.h), shared by every local device. The first
-// execution on a device places it and builds its plan (core/call.h); later
-// executions fetch it. Each execution takes its epoch on the calling (XLA
+// execution on a device places the call there (core/call.h) and binds it to
+// its clique; later executions fetch it. Each execution takes its epoch on the calling (XLA
 // device) thread, so that it follows this device's order of executions of
 // the site, and hands the rest — claim the rank, agree, reserve, run — to a
 // worker thread, which completes XLA's future: XLA:CPU may run an
@@ -14,9 +14,7 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "core/call.h"
@@ -39,16 +37,16 @@ class HostSite {
   const CallDesc& desc() const { return desc_; }
 
  private:
-  struct Plan {
-    CallPlan call;
+  // The site's call on one device: placed, and bound to the clique it runs on.
+  struct BoundCall {
+    PlacedCall call;
     std::shared_ptr<HostClique> clique;
   };
-  Status PlanFor(const Caller& caller, const Problem& problem, std::shared_ptr<const Plan>* out);
+  Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 
   const CallDesc desc_;
   const CallSite site_;
-  std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<const Plan>> plans_;  // by device
+  PerDevice<BoundCall> bound_;
 };
 
 // For info(): one line per live clique (and per domain spanning processes).

@@ -26,18 +26,11 @@ class Workers {
     }
     try {
       std::thread([this] { Loop(); }).detach();
-      ++alive_;
     } catch (const std::system_error& e) {
       tasks_.pop_back();
       return Status(Code::kResource, std::string("could not start a worker thread: ") + e.what());
     }
     return OkStatus();
-  }
-
-  void Counts(int* alive, int* idle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    *alive = alive_;
-    *idle = idle_;
   }
 
  private:
@@ -49,10 +42,7 @@ class Workers {
         const bool got =
             cv_.wait_for(lock, std::chrono::seconds(30), [&] { return !tasks_.empty(); });
         --idle_;
-        if (!got) {
-          --alive_;
-          return;
-        }
+        if (!got) return;
       }
       std::function<void()> task = std::move(tasks_.front());
       tasks_.pop_front();
@@ -66,7 +56,6 @@ class Workers {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
-  int alive_ = 0;
   int idle_ = 0;
 };
 
@@ -78,7 +67,5 @@ Workers& Pool() {
 }  // namespace
 
 Status PostToWorker(std::function<void()> task) { return Pool().Post(std::move(task)); }
-
-void WorkerCounts(int* alive, int* idle) { Pool().Counts(alive, idle); }
 
 }  // namespace jo::host

@@ -19,7 +19,4 @@ namespace jo::host {
 // no thread can be started (then `task` is not run).
 Status PostToWorker(std::function<void()> task);
 
-// For info() and tests: threads alive, and how many of them are idle.
-void WorkerCounts(int* alive, int* idle);
-
 }  // namespace jo::host

@@ -192,7 +192,7 @@ NB_MODULE(_cuda, m) {
         "The process index the handlers find themselves with in the rank table.");
   m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
   m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Tests only: forget every clique.");
-  m.def("_note_lowering", &jo::NoteLowering, nb::arg("site_key"),
+  m.def("note_lowering", &jo::NoteLowering, nb::arg("site_key"),
         "The native call `site_key` was lowered: its next instance belongs to a new program "
         "(core/call.h CallSite).");
   jo::python::BindCudaBootstrap(m);

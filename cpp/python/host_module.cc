@@ -97,9 +97,9 @@ nb::dict Types() {
 }
 
 jo::Problem MakeProblem(const std::string& op, const std::string& transport, int nranks, int rank,
-                        int64_t batch, int64_t rows, int64_t k, int64_t n, const std::string& dtype,
-                        int64_t chunks, bool bidirectional, bool return_gathered,
-                        const std::string& algorithm) {
+                        int64_t batch, int64_t rows, int64_t k, int64_t cols,
+                        const std::string& dtype, int64_t chunks, bool bidirectional,
+                        bool return_gathered, const std::string& algorithm) {
   jo::Problem q;
   if (op == "ag_matmul")
     q.op = jo::Collective::kAgMatmul;
@@ -133,7 +133,7 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
   q.batch = batch;
   q.rows = rows;
   q.k = k;
-  q.n = n;
+  q.cols = cols;
   q.chunks = chunks;
   q.bidirectional = bidirectional;
   q.return_gathered = return_gathered;
@@ -191,10 +191,10 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
 }
 
 nb::dict BuildProgramDict(const std::string& op, const std::string& transport, int nranks, int rank,
-                          int64_t batch, int64_t rows, int64_t k, int64_t n,
+                          int64_t batch, int64_t rows, int64_t k, int64_t cols,
                           const std::string& dtype, int64_t chunks, bool bidirectional,
                           bool return_gathered, const std::string& algorithm) {
-  const jo::Program p = Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, n, dtype,
+  const jo::Program p = Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, cols, dtype,
                                           chunks, bidirectional, return_gathered, algorithm));
   nb::dict out;
   out["op"] = op;
@@ -204,7 +204,7 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   out["batch"] = batch;
   out["rows"] = rows;
   out["k"] = k;
-  out["n"] = n;
+  out["n"] = cols;  // Python's name of the output columns
   out["dtype"] = jo::DTypeName(p.problem.dtype);
   out["elem_bytes"] = jo::DTypeSize(p.problem.dtype);
   out["chunks"] = p.chunks;
@@ -326,7 +326,7 @@ nb::list TakeCalls() {
     d["batch"] = q.batch;
     d["rows"] = q.rows;
     d["k"] = q.k;
-    d["n"] = q.n;
+    d["n"] = q.cols;  // Python's name of the output columns
     d["dtype"] = jo::DTypeName(q.dtype);
     d["chunks"] = q.chunks;
     d["bidirectional"] = q.bidirectional;
@@ -429,7 +429,8 @@ NB_MODULE(_host, m) {
         nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
         nb::arg("return_gathered") = false, nb::arg("algorithm") = "two_shot",
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
-        "its stream; per-stream order is list order) and 'text' (printable form).");
+        "its stream; per-stream order is list order) and 'text' (printable form). n: the "
+        "output columns (w's).");
   m.def("check_program", &CheckProgramDict, nb::arg("program"),
         "Checks a program dict (as build_program returns it): every operand inside its buffer, "
         "every peer, flag, event and stream in range; raises ValueError naming the op.");
@@ -443,7 +444,7 @@ NB_MODULE(_host, m) {
         "start_ns, ready_ns, end_ns), and forgets them.");
   m.def("now_ns", &jo::NowNs, "The clock of the recorded spans (steady, nanoseconds).");
   // Multi-process bootstrap (jaxoverlap/_bootstrap.py); errors are RuntimeError.
-  m.def("_note_lowering", &jo::NoteLowering, nb::arg("site_key"),
+  m.def("note_lowering", &jo::NoteLowering, nb::arg("site_key"),
         "The native call `site_key` was lowered: its next instance belongs to a new program "
         "(core/call.h CallSite).");
   m.def("_shm_domain_create", &ShmDomainCreate, nb::arg("clique_key"), nb::arg("group"),

@@ -130,7 +130,7 @@ void BusyWorker(double seconds) {
     q.nranks = 4;
     q.rows = 8;
     q.k = 8;
-    q.n = 8;
+    q.cols = 8;
     int64_t i = 0;
     while (std::chrono::steady_clock::now() < end) {
       q.batch = 1 + (i++ % 64);

@@ -9,8 +9,9 @@ at trace time:
   them directly.
 * **global** - a mesh is known (``mesh=``, ``jax.set_mesh``, or the inputs'
   ``NamedSharding``): x, kernel and bias are global arrays; the ops lay them
-  out (``jaxoverlap._spmd``: a primitive taking part in sharding propagation
-  under Auto mesh axes, a ``shard_map`` under Explicit ones).
+  out (``jaxoverlap._global``: a primitive taking part in sharding propagation
+  under Auto mesh axes, a ``shard_map`` under Explicit ones), and the layer
+  lays out what it computes itself with the layout API (``jaxoverlap._layout``).
 * **no mesh** at all: there is one device and nothing to split; the layer
   computes what ``nn.Dense`` computes. This is what lets
   ``jax.eval_shape(model.init, ...)`` run before any mesh exists.
@@ -20,7 +21,7 @@ Per kind and ``sequence_parallel`` the multiply is:
 ===========  ==========================  ==========================================
 kind         sequence_parallel=True      sequence_parallel=False (Megatron f / g)
 ===========  ==========================  ==========================================
-column       ``jaxoverlap.ag_matmul``    ``_megatron.copy_matmul``
+column       ``jaxoverlap.ag_matmul``    ``ops.copy_matmul``
 row          ``jaxoverlap.matmul_rs``    ``jaxoverlap.matmul_ar``
 ===========  ==========================  ==========================================
 
@@ -32,7 +33,7 @@ Rows that do not split: on global arrays, a sequence-parallel call whose
 sequence does not divide over ``axis_name`` (a decode step's single token, any
 odd length) runs the ``sequence_parallel=False`` form for that call, said once
 at debug level; its GEMM + all-reduce runs one-shot when the rows per device do
-not split into N blocks (``ops.matmul_ar`` decides). A layer never refuses a
+not split into N blocks (the plan decides, ``_plan``). A layer never refuses a
 shape the Flax layer accepts.
 """
 
@@ -50,8 +51,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxoverlap.ops as ops
-from jaxoverlap import _megatron, _spmd
+from jaxoverlap import _layout, _megatron, ops
 from jaxoverlap._compat import bound_axis_size, context_mesh, varying_axes
 from jaxoverlap._config import check_impl, logger
 
@@ -235,7 +235,7 @@ def fused(m: Matmul, x, kernel, mesh: Any):
     if m.kind == COLUMN:
         if m.sequence_parallel:
             return ops.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
-        return _megatron.copy_matmul(x, kernel, m.axis_name, **kw)
+        return ops.copy_matmul(x, kernel, m.axis_name, **kw)
     if m.sequence_parallel:
         return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
     # Megatron's g: rows that do not split into N blocks (a decode step's batch) run one-shot
@@ -244,8 +244,8 @@ def fused(m: Matmul, x, kernel, mesh: Any):
 
 def _kind_of(m: Matmul) -> str:
     if m.kind == COLUMN:
-        return _spmd.AG if m.sequence_parallel else _spmd.F
-    return _spmd.RS if m.sequence_parallel else _spmd.G
+        return _layout.AG if m.sequence_parallel else _layout.F
+    return _layout.RS if m.sequence_parallel else _layout.AR
 
 
 def _user_dot(m: Matmul, x, kernel):
@@ -269,21 +269,19 @@ def unfused_local(m: Matmul, x, kernel):
 
 def unfused_global(m: Matmul, x, kernel, mesh):
     """The user's dot_general on global arrays; XLA partitions it onto the layer's layout."""
-    call = _spmd.Call(kind=_kind_of(m), axis_name=m.axis_name, ndim=x.ndim,
-                      axis=x.ndim - 2 if m.sequence_parallel else None)
-    _spmd.check_shapes(call, x, kernel, mesh)
-    if _spmd.is_explicit(mesh) or not _spmd.uses_propagation(mesh):
-        x_spec, k_spec, (y_spec, *_) = _spmd.layouts(call, _spmd.spec_entries(x, mesh))
-        x, kernel = _spmd.place(x, mesh, x_spec), _spmd.place(kernel, mesh, k_spec)
-        if _spmd.is_explicit(mesh):
+    call = _layout.Call(kind=_kind_of(m), axis_name=m.axis_name, ndim=x.ndim,
+                        axis=x.ndim - 2 if m.sequence_parallel else None)
+    _layout.check_shapes(call, x, kernel, mesh)
+    if _layout.is_explicit(mesh) or not _layout.uses_propagation(mesh):
+        x_spec, k_spec, (y_spec, *_) = _layout.layouts(call, _layout.spec_entries(x, mesh))
+        x, kernel = _layout.place(x, mesh, x_spec), _layout.place(kernel, mesh, k_spec)
+        if _layout.is_explicit(mesh):
             return jax.sharding.auto_axes(lambda a, b: _user_dot(m, a, b),
                                           out_sharding=NamedSharding(mesh, y_spec))(x, kernel)
         return _user_dot(m, x, kernel)
-    from jaxoverlap._partition import open_layouts
-
-    x_open, (y_open, *_) = open_layouts(call)
+    x_open, (y_open, *_) = _layout.open_layouts(call)
     x = lax.with_sharding_constraint(x, NamedSharding(mesh, x_open))
-    kernel = lax.with_sharding_constraint(kernel, NamedSharding(mesh, _spmd.layouts(
+    kernel = lax.with_sharding_constraint(kernel, NamedSharding(mesh, _layout.layouts(
         call, (None,) * x.ndim)[1]))
     return lax.with_sharding_constraint(_user_dot(m, x, kernel), NamedSharding(mesh, y_open))
 
@@ -293,7 +291,7 @@ def forward(m: Matmul, x, kernel, bias, *, out_sharding: Any = None):
     if tp_size_if_bound(m.axis_name) is not None:          # local shards
         y = fused(m, x, kernel, None) if m.dot_general is None else unfused_local(m, x, kernel)
         return constrain_output(m, _add_bias(y, bias), out_sharding, x)
-    mesh = _spmd.find_mesh(m.layer, m.mesh, x, kernel)
+    mesh = _layout.find_mesh(m.layer, m.mesh, x, kernel)
     if mesh is None:                                         # one device: nn.Dense's math
         dot = m.dot_general or lax.dot_general
         y = dot(x, kernel, _dims(x), precision=m.precision, **m.dot_general_kwargs)
@@ -334,13 +332,13 @@ def constrain_output(m: Matmul, y, out_sharding: Any, x):
     if isinstance(out_sharding, jax.sharding.Sharding):
         sharding = out_sharding
     else:
-        mesh = _spmd.find_mesh(m.layer, m.mesh, x)
+        mesh = _layout.find_mesh(m.layer, m.mesh, x)
         if mesh is None:
             raise ValueError(f"{m.layer}: out_sharding={out_sharding!r} needs a mesh: pass "
                              "mesh=, use jax.set_mesh(mesh), or give a NamedSharding.")
         spec = out_sharding if isinstance(out_sharding, P) else P(*out_sharding)
         sharding = NamedSharding(mesh, spec)
-    if _spmd.is_explicit(sharding.mesh):
+    if _layout.is_explicit(sharding.mesh):
         return jax.reshard(y, sharding)
     return lax.with_sharding_constraint(y, sharding)
 
@@ -375,7 +373,7 @@ def fused_columns(m: Matmul, x, kernels: list, biases: list):
     """
     n = 1                                      # blocks to interleave (1 on local shards)
     if tp_size_if_bound(m.axis_name) is None:
-        mesh = _spmd.find_mesh(m.layer, m.mesh, x, *kernels)
+        mesh = _layout.find_mesh(m.layer, m.mesh, x, *kernels)
         if mesh is not None and m.axis_name in mesh.axis_names:
             n = mesh.shape[m.axis_name]
             for k in kernels:
@@ -416,33 +414,21 @@ def choose_dot_general(layer: str, dot_general: Callable | None, reason: str | N
 # ---------------------------------------------------------------- parameter placement
 
 
-def placed_init(init: Callable, names: tuple[Any, ...] | None, axis_name: str,
-                mesh: Any) -> Callable:
-    """Wraps ``init`` so its output is laid out as ``names`` on the mesh, when one is known.
+def place_value(value, names: tuple[Any, ...], axis_name: str, mesh: Any):
+    """``value`` laid out as ``names`` on the mesh, when one is known.
 
     Under Explicit mesh axes Flax's partitioning metadata only asserts the
     layout, so the value is resharded here; under Auto axes a sharding
     constraint suffices. Inside shard_map (axis bound) values are local shards
     and stay as they are.
     """
-    if names is None:
-        return init
-
-    def wrapped(key, shape, *args, **kwargs):
-        value = init(key, shape, *args, **kwargs)
-        return place_value(value, names, axis_name, mesh)
-
-    return wrapped
-
-
-def place_value(value, names: tuple[Any, ...], axis_name: str, mesh: Any):
     if bound_axis_size(axis_name) is not None:
         return value
     target = mesh if mesh is not None else context_mesh()
     if target is None or axis_name not in target.axis_names:
         return value
     sharding = NamedSharding(target, P(*names))
-    if _spmd.is_explicit(target):
+    if _layout.is_explicit(target):
         return jax.reshard(value, sharding)
     return lax.with_sharding_constraint(value, sharding)
 
@@ -477,10 +463,10 @@ def new_cache(key, axis_name: str, mesh: Any):
     zeros = jnp.zeros(key.shape, key.dtype)
     if tp_size_if_bound(axis_name) is not None:            # local shards
         return zeros
-    mesh = _spmd.find_mesh("cache", mesh, key)
+    mesh = _layout.find_mesh("cache", mesh, key)
     if mesh is None or axis_name not in mesh.axis_names:
         return zeros
-    if _spmd.is_explicit(mesh):
+    if _layout.is_explicit(mesh):
         return jax.reshard(zeros, key.aval.sharding)
     return lax.with_sharding_constraint(zeros, NamedSharding(mesh, cache_heads_spec(
         key.ndim, axis_name)))
@@ -528,10 +514,10 @@ def decode_step(layer: str, cached_key, cached_value, cache_index, query, key, v
         # Under jit the index is not known; there, as in Flax, the write is clamped to the end.
         raise ValueError(f"{layer}: the cache holds {max_length} positions and all are "
                          f"written (cache_index={int(cache_index)}). {where}")
-    if tp_size_if_bound(axis_name) is None and (mesh := _spmd.find_mesh(
-            layer, mesh, cached_key)) is not None and _spmd.is_explicit(mesh):
-        spec = P(*_spmd.spec_entries(cached_key, mesh))
-        query, key, value = (_spmd.place(a, mesh, spec) for a in (query, key, value))
+    if tp_size_if_bound(axis_name) is None and (mesh := _layout.find_mesh(
+            layer, mesh, cached_key)) is not None and _layout.is_explicit(mesh):
+        spec = P(*_layout.spec_entries(cached_key, mesh))
+        query, key, value = (_layout.place(a, mesh, spec) for a in (query, key, value))
     zero = jnp.zeros((), jnp.result_type(cache_index))
     indices = (zero,) * len(batch) + (cache_index, zero, zero)
     key = lax.dynamic_update_slice(cached_key, key, indices)

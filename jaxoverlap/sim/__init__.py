@@ -19,6 +19,7 @@ from jaxoverlap.sim.fit import (
 )
 from jaxoverlap.sim.model import (
     OPS,
+    Shape,
     collective_time,
     gemm_efficiency,
     gemm_time,
@@ -27,7 +28,6 @@ from jaxoverlap.sim.model import (
 from jaxoverlap.sim.plan import (
     Candidate,
     Choice,
-    Shape,
     SimResult,
     baseline_times,
     candidates,

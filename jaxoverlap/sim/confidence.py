@@ -9,13 +9,10 @@ calls checked). A projection outside them is an extrapolation of the formulas;
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from jaxoverlap.sim import model
-
-if TYPE_CHECKING:
-    from jaxoverlap.sim.plan import Shape
-    from jaxoverlap.sim.presets import Preset
+from jaxoverlap.sim.model import Shape
+from jaxoverlap.sim.presets import Preset
 
 # A projection this close to a calibrated range's ends still counts as inside it.
 _SLACK = 1.25

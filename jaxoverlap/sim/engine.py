@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxoverlap.sim import model
+from jaxoverlap.sim import fused, model
 from jaxoverlap.sim.presets import Preset
 
 Program = dict[str, Any]
-COMPUTE_KINDS = ("Gemm", "Add")
+COMPUTE_KINDS = ("Gemm", "Add", "FusedGemm")
 TRANSFER_KINDS = ("Copy", "Send", "Recv", "McStore", "McReduce")
 
 
@@ -116,6 +116,7 @@ class _Engine:
         self.heap: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = 0
         self.activities: list[_Activity] = []
+        self.fused: list[_FusedGemm] = []  # running fused GEMMs (their stalled tiles)
         self.spans: list[Span] = []
         self.cap = preset.link_gbps * 1e9
         fork = preset.event_latency_us * model.US
@@ -223,6 +224,9 @@ class _Engine:
         elif kind == "Add":
             self.activities.append(_Activity(model.elementwise_time(p, op["bytes"], 3), done,
                                              rank=r))
+        elif kind == "FusedGemm":
+            run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), op["blocks"], done)
+            self.at(self.now + run.plan.overhead, lambda: self.fused.append(run))
         elif kind == "Copy":
             dst = op["d"]["rank"] if op["d"]["buf"] == "WORKSPACE" else r
             if dst == r:  # local copy: HBM traffic on the copy engine
@@ -318,6 +322,9 @@ class _Engine:
                 for key in self.streams:
                     if not self.busy[key] and self.advance(key):
                         progress = True
+                for run in list(self.fused):
+                    if run.poll():
+                        progress = True
             if not self.activities and not self.heap:
                 break
             self.set_rates()
@@ -351,6 +358,87 @@ class _Engine:
         end = max((s.end + (join if s.stream > 0 else 0.0) for s in self.spans), default=0.0)
         total = max(end, model.host_time(self.p, self.programs))
         return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
+
+
+class _FusedGemm:
+    """One persistent fused GEMM on one rank, tile by tile (``fused.TilePlan``).
+
+    CTA c of the persistent grid takes slots c, c + grid, ... of the tile order; a slot's
+    tile starts once the CTA finished its previous one and every block the tile reads
+    has arrived (its flags visible). CTAs in the same state move together as a cohort
+    (a range of consecutive slots), one compute activity per cohort, so a call has a
+    handful of activities, not one per tile. A block whose tiles are all stored is
+    released (its Records / Signals fire: the epilogue's flag).
+    """
+
+    def __init__(self, engine: _Engine, rank: int, plan: fused.TilePlan,
+                 blocks: Sequence[dict[str, Any]], on_done: Callable[[], None]):
+        self.e, self.rank, self.plan, self.blocks = engine, rank, plan, blocks
+        self.on_done = on_done
+        self.left = plan.tiles
+        self.block_left = list(plan.block_tiles)
+        self.stalled: list[tuple[int, int, int]] = []  # (first slot, end slot, run)
+        self.queue(0, plan.grid)
+
+    def queue(self, a: int, b: int) -> None:
+        """Slots [a, b) (one per CTA) wait for their runs' blocks."""
+        b = min(b, self.plan.tiles)
+        for i, run in enumerate(self.plan.runs):
+            lo, hi = max(a, run.start), min(b, run.end)
+            if lo < hi:
+                self.stalled.append((lo, hi, i))
+
+    def ready(self, block: int) -> bool:
+        e = self.e
+        for what, id_ in self.blocks[block]["waits"]:
+            if what == "flag":
+                t = e.flags.get((self.rank, id_))
+            else:
+                t = e.events.get((self.rank, id_))
+                t = None if t is None else t + e.p.event_latency_us * model.US
+            if t is None or t > e.now:
+                return False
+        return True
+
+    def poll(self) -> bool:
+        """Starts every stalled cohort whose blocks arrived; True if any started."""
+        started = [c for c in self.stalled
+                   if all(self.ready(b) for b in self.plan.runs[c[2]].waits)]
+        for c in started:
+            self.stalled.remove(c)
+            self.e.activities.append(_Activity(self.plan.tile_seconds,
+                                               lambda c=c: self.stored(*c), rank=self.rank))
+        return bool(started)
+
+    def stored(self, a: int, b: int, run_index: int) -> None:
+        """The cohort's tiles are stored: count them into their blocks, take the next slots."""
+        run = self.plan.runs[run_index]
+        slot = run.start
+        for count, touched in run.row_tiles:
+            n = min(b, slot + count) - max(a, slot)
+            if n > 0:
+                for block in touched:
+                    self.block_left[block] -= n
+                    if self.block_left[block] == 0:
+                        self.release(block)
+            slot += count
+        self.left -= b - a
+        if self.left == 0:
+            self.e.fused.remove(self)
+            self.on_done()
+            return
+        self.queue(a + self.plan.grid, b + self.plan.grid)
+
+    def release(self, block: int) -> None:
+        e = self.e
+        for op in self.blocks[block]["releases"]:
+            if op["kind"] == "Signal":
+                t = e.now + e.p.signal_latency_us * model.US
+                e.flags[(op["peer"], op["id"])] = t
+                e.at(t, lambda: None)
+            else:
+                e.events[(self.rank, op["id"])] = e.now
+                e.at(e.now + e.p.event_latency_us * model.US, lambda: None)
 
 
 def simulate_programs(programs: Sequence[Program], preset: Preset,

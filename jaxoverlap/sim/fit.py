@@ -28,7 +28,8 @@ import numpy as np
 
 from jaxoverlap.sim import confidence, model
 from jaxoverlap.sim.engine import simulate_programs
-from jaxoverlap.sim.plan import Candidate, Shape, baseline_times, simulate
+from jaxoverlap.sim.model import Shape
+from jaxoverlap.sim.plan import Candidate, baseline_times, simulate
 from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
 
 US = model.US

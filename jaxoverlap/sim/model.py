@@ -4,9 +4,10 @@ Kept apart from the event engine so the formulas are few, readable and testable 
 hand. Each formula names the mechanism it stands for and where its form comes from;
 the numbers live in the presets (``presets.py``), which cite theirs.
 
-The ops a call can have are described once, in ``OPS``: which collective the unfused
-path runs and which array it moves. A new op (say GEMM + all-reduce) is one more entry
-there and its programs in ``_host.build_program``.
+The problem one call solves on each rank is described once, in ``Shape``, and the ops a
+call can have once, in ``OPS``: which collective the unfused path runs and which array it
+moves. A new op (say GEMM + all-reduce) is one more entry there and its programs in
+``_host.build_program``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,30 @@ from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes
 US = 1e-6
 
 
-# ---- the ops --------------------------------------------------------------------------------
+# ---- the problem and the ops ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The canonical problem of docs/native.md §1, per rank.
+
+    AG: x [batch, rows, k] -> y [batch, nranks*rows, n];
+    RS: x [batch, nranks*rows, k] -> y [batch, rows, n];
+    AR: x [batch, rows, k] -> y [batch, rows, n] (all rows: the two-shot algorithm splits
+    them into N blocks, the one-shot one does not).
+    """
+
+    batch: int
+    rows: int
+    k: int
+    n: int
+
+    @classmethod
+    def from_global(cls, m: int, k: int, n: int, nranks: int, batch: int = 1) -> Shape:
+        """M = the gathered / full sequence rows (must divide by nranks)."""
+        if m % nranks:
+            raise ValueError(f"M={m} is not divisible by nranks={nranks}")
+        return cls(batch, m // nranks, k, n)
 
 
 @dataclass(frozen=True)
@@ -114,15 +138,18 @@ def _shape(halves: tuple[float, float, float], useful: float, splits: int, m: in
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate: bool
-          ) -> tuple[float, float, int]:
+def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate: bool,
+          kernel_tiles: tuple[tuple[int, int], ...] | None = None) -> tuple[float, float, int]:
     peak, efficiency, best_shape, halves, tiles, sms, min_split_k, hbm = key
     ref = max(_shape(halves, u, s, *best_shape)
               for u, s in _configs(tiles, sms, min_split_k, 1, *best_shape))
     flops = 2.0 * batch * m * n * k
     base_bytes = elem * (batch * m * k + k * n + batch * m * n * (2 if accumulate else 1))
     best = (math.inf, 0.0, 1)
-    for useful, splits in _configs(tiles, sms, min_split_k, batch, m, n, k):
+    # one kernel of its own tiles, no split-K; else the library's choice
+    configs = (_configs(kernel_tiles, sms, 1 << 62, batch, m, n, k) if kernel_tiles
+               else _configs(tiles, sms, min_split_k, batch, m, n, k))
+    for useful, splits in configs:
         eff = efficiency * min(1.0, _shape(halves, useful, splits, m, n, k) / ref)
         moved = base_bytes + (2 * 4 * batch * m * n * splits if splits > 1 else 0)
         t = max(flops / (peak * eff), moved / hbm)
@@ -132,7 +159,8 @@ def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate:
 
 
 def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
-              accumulate: bool = False) -> tuple[float, float, int]:
+              accumulate: bool = False, kernel_tiles: tuple[tuple[int, int], ...] | None = None
+              ) -> tuple[float, float, int]:
     """(seconds, efficiency, K splits) of the fastest way to run d = a @ w (+ c) alone.
 
     Per tile/split choice: the roofline of FLOPs at ``gemm_efficiency`` scaled by the
@@ -141,13 +169,16 @@ def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
     MAMF search's best shape, stas00/ml-engineering), so no shape gets more and the
     shape effects are never applied on top of it — against the HBM bytes (A, W
     once, D, C when accumulating, split-K partials); plus a fixed cost per kernel
-    (``gemm_overhead_us``: launch, first-wave ramp, drain).
+    (``gemm_overhead_us``: launch, first-wave ramp, drain). ``kernel_tiles``: a kernel
+    that has only these tiles and no split-K (the fused GEMM), priced against the same
+    best-shape figure.
     """
     dtype = canonical_dtype(dtype)
     key = (p.peak_tflops[dtype] * 1e12, p.gemm_efficiency, p.gemm_best_shape,
            (p.gemm_m_half, p.gemm_n_half, p.gemm_k_half), p.gemm_tiles, p.sms,
            p.gemm_min_split_k, p.hbm_gbps * 1e9)
-    t, eff, splits = _plan(key, batch, m, n, k, dtype_bytes(dtype), bool(accumulate))
+    t, eff, splits = _plan(key, batch, m, n, k, dtype_bytes(dtype), bool(accumulate),
+                           kernel_tiles)
     return t + p.gemm_overhead_us * US, eff, splits
 
 

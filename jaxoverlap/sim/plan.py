@@ -12,9 +12,11 @@ import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from jaxoverlap.sim import fused as fused_path
 from jaxoverlap.sim import model
 from jaxoverlap.sim.confidence import outside_calibrated
-from jaxoverlap.sim.engine import Span, simulate_programs
+from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
+from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
 
 OPS = tuple(model.OPS)
@@ -28,43 +30,32 @@ RING_EXTRA_PASSES = 2
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The canonical problem of docs/native.md §1, per rank.
-
-    AG: x [batch, rows, k] -> y [batch, nranks*rows, n];
-    RS: x [batch, nranks*rows, k] -> y [batch, rows, n];
-    AR: x [batch, rows, k] -> y [batch, rows, n] (all rows: the two-shot algorithm splits
-    them into N blocks, the one-shot one does not).
-    """
-
-    batch: int
-    rows: int
-    k: int
-    n: int
-
-    @classmethod
-    def from_global(cls, m: int, k: int, n: int, nranks: int, batch: int = 1) -> Shape:
-        """M = the gathered / full sequence rows (must divide by nranks)."""
-        if m % nranks:
-            raise ValueError(f"M={m} is not divisible by nranks={nranks}")
-        return cls(batch, m // nranks, k, n)
-
-
-@dataclass(frozen=True)
 class Candidate:
-    """One way to run the call: impl, and for native the transport, chunks, direction."""
+    """One way to run the call: impl, and for native the transport, chunks, direction, and
+    whether the compute stream runs ONE persistent fused GEMM waiting on per-block flags
+    (``fused``, ``sim.fused``; chunks then set the flags' row blocks) instead of a GEMM
+    per block."""
 
     impl: str = "native"
     transport: str | None = "nccl"
     chunks: int = 1
     bidirectional: bool = False
     algorithm: str = "two_shot"  # matmul_ar: "two_shot" or "one_shot"
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.fused and (self.impl != "native" or self.transport not in fused_path.TRANSPORTS
+                           or self.algorithm != "two_shot"):
+            raise ValueError(
+                f"fused=True needs impl='native', algorithm='two_shot' and a transport in "
+                f"{fused_path.TRANSPORTS} (got impl={self.impl!r}, transport="
+                f"{self.transport!r}, algorithm={self.algorithm!r}); never nccl: a persistent "
+                "kernel holding every SM while an NCCL kernel waits for SMs can deadlock "
+                "(docs/gpu.md §10)")
 
     @property
     def label(self) -> str:
@@ -74,7 +65,8 @@ class Candidate:
         shot = " one-shot" if self.algorithm == "one_shot" else ""
         if self.impl == "ring":
             return f"ring{shot}{bidi}"
-        return f"native {self.transport}{shot} chunks={self.chunks}{bidi}"
+        fused = " fused" if self.fused else ""
+        return f"native {self.transport}{fused}{shot} chunks={self.chunks}{bidi}"
 
 
 @dataclass
@@ -144,11 +136,17 @@ class SimResult:
 
 
 @functools.lru_cache(maxsize=512)
-def _programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
-              bidirectional: bool, return_gathered: bool,
-              algorithm: str = "two_shot") -> tuple[dict, ...]:
-    """Every rank's program (cached: the simulator only reads them)."""
-    from jaxoverlap._runtime import load_host
+def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
+             bidirectional: bool, return_gathered: bool,
+             algorithm: str = "two_shot", fused: bool = False) -> tuple[dict, ...]:
+    """Every rank's program (cached: the simulator only reads them); ``fused``: with the
+    compute stream's GEMMs folded into one fused GEMM (``sim.fused.fold``)."""
+    from jaxoverlap._native.runtime import load_host
+
+    if fused:
+        return tuple(fused_path.fold(pr, op, transport)
+                     for pr in programs(op, transport, nranks, shape, dtype, chunks,
+                                        bidirectional, return_gathered, algorithm))
 
     rows = shape.rows
     if op == "matmul_ar" and algorithm == "two_shot":
@@ -190,35 +188,42 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
                          model.collective_floor(p, "nccl", nranks, s, op))
     transport = "nccl" if c.impl == "ring" else (c.transport or "nccl")
     p.transport_gbps(transport)  # raises when the machine lacks it
+    if c.fused and (why := fused_path.why_not(p, op, transport, c.algorithm, shape.rows,
+                                              c.chunks)):
+        raise ValueError(f"candidate {c.label!r}: {why}")
     chunks = 1 if c.impl == "ring" else c.chunks
-    programs = _programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
-                         return_gathered, c.algorithm)
+    ranks = programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
+                     return_gathered, c.algorithm, c.fused)
     extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
-    timeline = simulate_programs(programs, p, gemm_extra_passes=extra)
+    timeline = simulate_programs(ranks, p, gemm_extra_passes=extra)
     _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
     def alone(o: dict) -> float:  # one compute op with every SM, as the engine costs it
         if o["kind"] == "Add":
             return model.elementwise_time(p, o["bytes"], 3)
+        if o["kind"] == "FusedGemm":
+            return fused_path.tile_plan(p, dtype, o).alone
         t = model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
         return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
 
-    t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in ("Gemm", "Add"))
-                    for pr in programs)
+    t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in COMPUTE_KINDS)
+                    for pr in ranks)
     return SimResult(op, shape, dtype, nranks, p.name, c, timeline.total, t_gemm, t_comm,
                      t_comm_xla, t_compute, model.collective_floor(p, transport, nranks, s, op),
-                     timeline.spans, max(pr["num_streams"] for pr in programs))
+                     timeline.spans, max(pr["num_streams"] for pr in ranks))
 
 
 def candidates(preset: Preset | str, nranks: int, shape: Shape,
                chunk_options: Sequence[int] = (1, 2, 4, 8),
                impls: Iterable[str] = IMPLS,
                transports: Iterable[str] | None = None, op: str | None = None,
-               algorithms: Iterable[str] = ALGORITHMS) -> list[Candidate]:
+               algorithms: Iterable[str] = ALGORITHMS, fused: bool = True) -> list[Candidate]:
     """Every plan the machine supports, simplest first (ties keep the simplest).
 
     For ``op="matmul_ar"`` also every allowed algorithm: two-shot where the rows split
     into N blocks; one-shot unchunked and in one direction (a latency-bound call gains
-    nothing from pipelining, and it has no ring).
+    nothing from pipelining, and it has no ring). ``fused``: also the fused plans
+    (``sim.fused``) where they run — AG+GEMM and GEMM+RS (``op`` None: either), ``p2p``
+    and ``multicast``, compute capability 9.0 — after the chunked ones.
     """
     p = load_preset(preset)
     impls = tuple(impls)
@@ -243,6 +248,12 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
                         out.append(Candidate("native", t, c, b))
             if "one_shot" in algorithms:
                 out.append(Candidate("native", t, 1, False, "one_shot"))
+        for t in allowed if fused else ():
+            for c in sorted({min(max(1, c), rows) for c in chunk_options}):
+                if not any(fused_path.why_not(p, o, t, rows=rows, chunks=c)
+                           for o in ((op,) if op else fused_path.OPS)):
+                    for b in (directions if t != "multicast" else (False,)):
+                        out.append(Candidate("native", t, c, b, fused=True))
     return out
 
 

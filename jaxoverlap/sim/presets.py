@@ -49,10 +49,14 @@ FUSED_PATH_FIT = dict(ce_latency_us=16.92, ce_ramp_us=6.78, signal_latency_us=6.
 # A multicast kernel's start (sim.published.fit_one_shot): published one-shot all-reduces of
 # small messages on 8xH100, less the fused path's flag round.
 ONE_SHOT_FIT = dict(mc_latency_us=1.87)
+# The fused GEMM (docs/gpu.md §10): CUTLASS's stock sm90 kernel with 128x256 CTA tiles; its speed
+# alone relative to cuBLAS's at the same shape is an assumption from the published fused GEMMs
+# alone (sim.published.FUSED_GEMMS_ALONE; the source below says which).
+FUSED_GEMM = dict(fused_gemm_rate=0.975, fused_gemm_tile=(128, 256))
 # The chooser's margins per op (sim.published.fallback_margin): the model's worst serial
 # error, and for GEMM+RS on the h100 its optimism against Flux's published losses (F8);
 # GEMM+AR (no published row) the larger of the two.
-MARGINS = {"h100": {"ag_matmul": 0.076, "matmul_rs": 0.372, "matmul_ar": 0.372},
+MARGINS = {"h100": {"ag_matmul": 0.076, "matmul_rs": 0.392, "matmul_ar": 0.392},
            "other": {"ag_matmul": 0.076, "matmul_rs": 0.076, "matmul_ar": 0.076}}
 
 
@@ -107,6 +111,12 @@ class Preset:
     # The host enqueues every op of a call (model.host_time).
     host_op_us: float = FUSED_PATH_FIT["host_op_us"]
     host_call_us: float = FUSED_PATH_FIT["host_call_us"]
+    # The fused GEMM (sim.fused): one persistent GEMM waiting on per-block flags. Its code is
+    # sm_90a, which runs on compute capability 9.0 alone (docs/gpu.md §10); None: unknown,
+    # the fused path is not offered.
+    compute_capability: tuple[int, int] | None = None
+    fused_gemm_rate: float = FUSED_GEMM["fused_gemm_rate"]  # its speed alone / cuBLAS's
+    fused_gemm_tile: tuple[int, int] = FUSED_GEMM["fused_gemm_tile"]  # its CTA tile (M, N)
     # The chooser's fallback margin per op: a plan must be predicted this much faster
     # than the unfused path (derived from the model's measured error, sim.published).
     min_gain: dict[str, float] = field(default_factory=lambda: dict(MARGINS["h100"]))
@@ -119,6 +129,10 @@ class Preset:
 
     def __post_init__(self) -> None:  # JSON gives lists; keep presets hashable-equal
         object.__setattr__(self, "gemm_best_shape", tuple(int(v) for v in self.gemm_best_shape))
+        object.__setattr__(self, "fused_gemm_tile", tuple(int(v) for v in self.fused_gemm_tile))
+        if self.compute_capability is not None:
+            object.__setattr__(self, "compute_capability",
+                               tuple(int(v) for v in self.compute_capability))
         object.__setattr__(self, "gemm_tiles", tuple((int(a), int(b)) for a, b in self.gemm_tiles))
         object.__setattr__(self, "calibrated", {k: (float(v[0]), float(v[1]))
                                                 for k, v in self.calibrated.items()})
@@ -129,6 +143,12 @@ class Preset:
         (none at all: the largest derived for a built-in)."""
         largest = max(self.min_gain.values(), default=max(MARGINS["h100"].values()))
         return self.min_gain.get(op, largest)
+
+    @property
+    def fused_gemm(self) -> bool:
+        """Whether the fused GEMM runs on this machine: compute capability 9.0 (Hopper) only;
+        Blackwell and Ampere keep the chunked path."""
+        return self.compute_capability == (9, 0)
 
     @property
     def transports(self) -> tuple[str, ...]:
@@ -201,6 +221,15 @@ _LINE = "assumption: the fitted h100's fraction of the line rate ({:.0f}/450 GB/
 _MARGIN = "derived: sim.published.fallback_margin (the model's measured error)"
 _AS_H100 = "assumed as the fitted h100"
 
+_CC = "NVIDIA CUDA GPUs, compute capability table (developer.nvidia.com/cuda-gpus): {}"
+_FUSED_RATE = ("assumption from published fused GEMMs alone against cuBLAS at the same shape "
+               "(sim.published.FUSED_GEMMS_ALONE): Flux's CUTLASS kernels 0.995-1.04 "
+               "(bytedance/flux README, H800 and A800), symm-mem's Triton persistent GEMM "
+               "0.975-1.01 with 128x256 / 256x128 tiles at K >= 8192, 0.82-0.90 with 128x128 "
+               "tiles or K = 4096 (yifuwang/symm-mem-recipes README); ours is CUTLASS's stock "
+               "sm90 kernel with 128x256 tiles (docs/gpu.md §10), taken at the low end of the "
+               "large-tile ratios. Never measured: refit on a GPU")
+_FUSED_TILE = "docs/gpu.md §10: the fused GEMM's CTA tile, 128 x 256 x 64"
 _NCCL_FRACTION = H100_FIT["nccl_gbps"] / 450.0
 _NCCL_P2P_FRACTION = 180.0 / 450.0
 _CE_FRACTION = 380.0 / 450.0
@@ -239,6 +268,7 @@ def _per_link(line: float) -> dict[str, float]:
 
 _HOPPER = dict(
     sms=132,
+    compute_capability=(9, 0),
     peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 494.7},
     gemm_best_shape=(2048, 2048, 13312),
     hbm_gbps=3350.0,
@@ -246,6 +276,9 @@ _HOPPER = dict(
     **{k: v for k, v in H100_FIT.items() if k != "nccl_gbps"},  # rates: _per_link
 )
 _HOPPER_SOURCES = {
+    "compute_capability": _CC.format("H100, H800, H200: 9.0"),
+    "fused_gemm_rate": _FUSED_RATE,
+    "fused_gemm_tile": _FUSED_TILE,
     "peak_tflops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.7 TF32",
     "sms": "H100 SXM5: 132 SMs (datasheet)",
     "hbm_gbps": "NVIDIA H100 SXM datasheet, 3.35 TB/s",
@@ -327,6 +360,7 @@ PRESETS: dict[str, Preset] = {
             name="a100",
             gpu="A100 SXM 80GB, HGX 8-GPU, NVLink3 via NVSwitch",
             sms=108,
+            compute_capability=(8, 0),
             peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
             gemm_efficiency=0.869,
             gemm_best_shape=(1024, 10240, 5120),
@@ -346,6 +380,7 @@ PRESETS: dict[str, Preset] = {
                                    "1024x10240x5120",
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
                 "sms": "A100: 108 SMs (datasheet)",
+                "compute_capability": _CC.format("A100 8.0 (no fused GEMM: sm_90a only)"),
                 "hbm_gbps": "NVIDIA A100 80GB SXM datasheet, 2.04 TB/s",
                 "link_gbps": "NVLink3: 600 GB/s bidirectional -> 300 per direction (datasheet); "
                              "NCCL reaches ~230 GB/s busbw (NVIDIA/nccl-tests#149, maintainer)",
@@ -365,6 +400,7 @@ PRESETS: dict[str, Preset] = {
             name="a800",
             gpu="A800 SXM 80GB, HGX 8-GPU, NVLink3 (8 links) via NVSwitch",
             sms=108,
+            compute_capability=(8, 0),
             peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
             gemm_efficiency=0.869,
             gemm_best_shape=(1024, 10240, 5120),
@@ -381,6 +417,7 @@ PRESETS: dict[str, Preset] = {
             description="A100 compute with the export NVLink: 400 GB/s bidirectional.",
             sources={
                 "peak_tflops": "the A100 die (NVIDIA A800 datasheet)",
+                "compute_capability": "the A100 die: 8.0 (no fused GEMM: sm_90a only)",
                 "gemm_efficiency": f"{_MAMF}: A100 SXM 271.2 TFLOP/s (the same die)",
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
                 "hbm_gbps": "as A100 80GB SXM, 2.04 TB/s",
@@ -402,6 +439,7 @@ PRESETS: dict[str, Preset] = {
             name="b200",
             gpu="B200, HGX 8-GPU, NVLink5 via NVSwitch",
             sms=148,
+            compute_capability=(10, 0),
             peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0},
             gemm_efficiency=0.776,
             gemm_best_shape=(1792, 16128, 3072),
@@ -422,6 +460,8 @@ PRESETS: dict[str, Preset] = {
                                    "1792x16128x3072",
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
                 "sms": "B200: 148 SMs (datasheet)",
+                "compute_capability": _CC.format("B200 10.0 (no fused GEMM: sm_90a code does "
+                                                 "not run on it, docs/gpu.md §10)"),
                 "hbm_gbps": "NVIDIA B200 datasheet, 8 TB/s",
                 "link_gbps": "NVLink5: 1.8 TB/s bidirectional -> 900 per direction (datasheet)",
                 "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]) + "; an 8xB200 node reaches "
@@ -440,6 +480,7 @@ PRESETS: dict[str, Preset] = {
             name="pcie8",
             gpu="8x L20 48GB, PCIe Gen4 x16, no NVLink",
             sms=92,
+            compute_capability=(8, 9),
             peak_tflops={"bfloat16": 119.5, "float16": 119.5, "float32": 59.8},
             gemm_efficiency=0.9313,
             gemm_best_shape=(4096, 12288, 6144),
@@ -459,6 +500,7 @@ PRESETS: dict[str, Preset] = {
             description="A PCIe-only box: the 8xL20 of bytedance/flux docs/performance.md.",
             sources={
                 "peak_tflops": "NVIDIA L20 datasheet: 119.5 TFLOP/s FP16/BF16 dense",
+                "compute_capability": _CC.format("L20 8.9 (no fused GEMM: sm_90a only)"),
                 "gemm_efficiency": _FITTED.format("fit_pcie8", "the torch GEMM times of "
                                                   "bytedance/flux docs/performance.md (8xL20)"),
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,

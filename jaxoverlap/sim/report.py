@@ -6,7 +6,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from jaxoverlap.sim.plan import Shape, SimResult, choose
+from jaxoverlap.sim.model import Shape
+from jaxoverlap.sim.plan import SimResult, choose, programs
 from jaxoverlap.sim.presets import PRESETS, Preset, load_preset
 
 MODEL_LABEL = "MODEL PROJECTION (jaxoverlap.sim), not a measurement"
@@ -24,6 +25,18 @@ class Case:
     nranks: int = 8
     dtype: str = "bfloat16"
     ref: str = ""
+
+    def published(self) -> str:
+        """The published fused speedups at exactly this problem (``sim.published``), best
+        first, with their machines ("—" when none)."""
+        from jaxoverlap.sim import published
+
+        rows = sorted((r for r in published.CALLS
+                       if (r.op, r.m, r.k, r.n, r.nranks) == (self.op, self.m, self.k, self.n,
+                                                              self.nranks)),
+                      key=lambda r: -r.published_speedup)
+        return "; ".join(f"{r.published_speedup:.2f}x {r.id} ({r.machine}"
+                         f"{', loss' if r.loss else ''})" for r in rows) or "—"
 
     @property
     def shape(self) -> Shape:
@@ -63,7 +76,6 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
     NCCL's ring all-reduce: 2(N-1) steps), the best two-shot and one-shot native plans, what
     the chooser picks with impl="auto" and with impl="native", and why."""
     from jaxoverlap.sim import model
-    from jaxoverlap.sim.plan import _programs
 
     p = load_preset(preset)
     rows: list[dict[str, object]] = []
@@ -75,9 +87,9 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
                    for alg in ("two_shot", "one_shot")}
         fused = min(native, key=lambda r: r.t_fused)
         c = fused.candidate
-        programs = _programs(case.op, c.transport or "nccl", case.nranks, case.shape,
-                             case.dtype, c.chunks, c.bidirectional, False, c.algorithm)
-        host = model.host_time(p, programs)
+        ranks = programs(case.op, c.transport or "nccl", case.nranks, case.shape,
+                         case.dtype, c.chunks, c.bidirectional, False, c.algorithm)
+        host = model.host_time(p, ranks)
         steps = 1 if c.algorithm == "one_shot" else 2 * (case.nranks - 1)
         why_native = (f"{c.algorithm.replace('_', '-')}: {steps} transfer step(s)"
                       + (f" instead of {2 * (case.nranks - 1)}" if steps == 1 else
@@ -85,7 +97,7 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
         xla = auto.table[0]
         if auto.best.candidate.impl == "xla":
             why = (f"xla: the best fused plan costs {fused.t_fused * 1e6:.0f} µs, of which the "
-                   f"host's enqueue of its {max(len(q['ops']) for q in programs)} ops "
+                   f"host's enqueue of its {max(len(q['ops']) for q in ranks)} ops "
                    f"{host * 1e6:.0f} µs, against the GEMM and NCCL's all-reduce "
                    f"{xla.t_xla * 1e6:.0f} µs")
         else:
@@ -150,8 +162,8 @@ def projection_table(presets: Iterable[str | Preset] = tuple(PRESETS),
                 "t_xla_us": b.t_xla * 1e6, "plan": b.candidate.label,
                 "t_plan_us": b.t_fused * 1e6, "vs_xla": b.speedup_vs_xla,
                 "speedup": b.speedup, "overlap_eff": b.overlap_efficiency,
-                "ideal": b.ideal_speedup,
-                "ref": case.ref,
+                "ideal": b.ideal_speedup, "fused": b.candidate.fused,
+                "published": case.published(), "ref": case.ref,
                 "outside": choice.outside,
             })
     return rows
@@ -163,7 +175,8 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> st
     cols = [("preset", "preset"), ("case", "case"), ("shape", "shape (per-rank K/N)"),
             ("t_xla_us", "xla µs"), ("plan", "chosen plan"), ("t_plan_us", "plan µs"),
             ("vs_xla", "vs xla"), ("speedup", "speedup¹"), ("overlap_eff", "overlap eff¹"),
-            ("ideal", "ideal¹"), ("outside", "calibrated")]
+            ("ideal", "ideal¹"), ("outside", "calibrated"),
+            ("published", "published fused, same shape²")]
 
     def fmt(key: str, v: object) -> str:
         if key == "outside":
@@ -179,10 +192,15 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> st
         for r in rows:
             lines.append("| " + " | ".join(fmt(k, r[k]) for k, _ in cols) + " |")
     else:
+        cols = cols[:-1]  # the published speedups go under the table
         lines.append(MODEL_LABEL)
         lines.append("  ".join(f"{h:>14}" for _, h in cols))
         for r in rows:
             lines.append("  ".join(f"{fmt(k, r[k]):>14}" for k, _ in cols))
+        for r in rows:
+            lines.append(f"² {r['preset']} {r['case']}: {r['plan']} projects "
+                         f"{r['vs_xla']:.2f}x vs xla; published fused at this shape: "
+                         f"{r['published']}")
         for r in rows:
             if r["outside"]:
                 lines.append(f"* {r['preset']} {r['case']}: outside the calibrated range "
@@ -193,19 +211,22 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> st
 def preset_table(presets: Iterable[str | Preset] = tuple(PRESETS)) -> str:
     """The presets' main numbers as a markdown table (docs/performance.md §3)."""
     lines = ["| preset | GPU / fabric | dense BF16 TFLOP/s | best-shape eff | HBM | link | "
-             "NCCL ring | NCCL send/recv | CE p2p | multicast | margin AG / RS |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "NCCL ring | NCCL send/recv | CE p2p | multicast | fused GEMM (CC) | "
+             "margin AG / RS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def rate(v: float | None, none: str) -> str:
         return f"{v:g}" if v else none
 
     for spec in presets:
         p = load_preset(spec)
         shape = "x".join(map(str, p.gemm_best_shape))
+        cc = ".".join(map(str, p.compute_capability)) if p.compute_capability else "?"
+        fused = f"{p.fused_gemm_rate:g}x cuBLAS ({cc})" if p.fused_gemm else f"no ({cc})"
         lines.append(
             f"| `{p.name}` | {p.gpu} | {p.peak_tflops['bfloat16']:g} | "
             f"{p.gemm_efficiency:.3f} at {shape} | {p.hbm_gbps:g} | {p.link_gbps:g} | "
             f"{p.nccl_gbps:g} | {rate(p.nccl_p2p_gbps, '—')} | {rate(p.p2p_gbps, 'no')} | "
-            f"{rate(p.multicast_gbps, 'no')} | "
+            f"{rate(p.multicast_gbps, 'no')} | {fused} | "
             f"{p.margin('ag_matmul'):.1%} / {p.margin('matmul_rs'):.1%} |")
     return "\n".join(lines)
 
@@ -222,8 +243,8 @@ def gantt(result: SimResult, path: str | os.PathLike[str], ranks: Sequence[int] 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"Gemm": "tab:blue", "Add": "tab:cyan", "Copy": "tab:orange",
-              "Send": "tab:red", "Recv": "tab:pink", "McStore": "tab:purple",
+    colors = {"Gemm": "tab:blue", "FusedGemm": "tab:blue", "Add": "tab:cyan",
+              "Copy": "tab:orange", "Send": "tab:red", "Recv": "tab:pink", "McStore": "tab:purple",
               "McReduce": "tab:purple", "Wait": "0.85", "StreamWait": "0.85"}
     ranks = list(ranks) if ranks is not None else sorted({s.rank for s in result.spans})
     rows = sorted({(s.rank, s.stream) for s in result.spans if s.rank in ranks})
@@ -242,7 +263,8 @@ def gantt(result: SimResult, path: str | os.PathLike[str], ranks: Sequence[int] 
     ax.set_xlabel("µs")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k])
                for k in ("Gemm", "Add", "Copy", "Send", "McStore", "Wait")]
-    ax.legend(handles, ["Gemm", "Add", "Copy (CE)", "Send/Recv (NCCL)", "Multicast", "waiting"],
+    ax.legend(handles, ["Gemm (fused: one)", "Add", "Copy (CE)", "Send/Recv (NCCL)", "Multicast",
+                        "waiting"],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     shape = result.shape
     ax.set_title(title or (

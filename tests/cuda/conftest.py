@@ -17,12 +17,12 @@ REQUIRED = os.environ.get("JAXOVERLAP_REQUIRE_CUDA", "") == "1"
 
 def require_module(name: str):
     """Imports ``jaxoverlap.<name>`` (after preloading the wheels' libraries)."""
-    from jaxoverlap import _cuda_caps
+    from jaxoverlap._native import runtime
 
     try:
         if name == "_cuda":
-            return _cuda_caps.load_cuda()
-        _cuda_caps.load_cuda()  # same preload; _cuda_fake itself links no CUDA library
+            return runtime.load_cuda()
+        runtime.load_cuda()  # same preload; _cuda_fake itself links no CUDA library
         return importlib.import_module(f"jaxoverlap.{name}")
     except ImportError as e:
         if REQUIRED:

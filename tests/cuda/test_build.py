@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from jaxoverlap import _cuda_caps, _native
+from jaxoverlap._native import capabilities, runtime
 
 
 def _so(module) -> str:
@@ -63,7 +63,7 @@ def test_fake_build_resolves_every_cuda_call_itself(fake):
 def test_handlers_registered_for_cuda(cuda):
     from jax._src.lib import xla_client
 
-    _native._ensure_registered("cuda")
+    runtime.register("cuda")
     with xla_client._custom_callback_lock:
         pending = list(xla_client._custom_callback.get("CUDA", []))
     if "CUDA" in xla_client._custom_callback_handler:
@@ -80,16 +80,16 @@ def test_handlers_registered_for_cuda(cuda):
 def test_native_gpu_questions(cuda):
     import jax.numpy as jnp
 
-    assert _native.unavailable_reason("gpu", jnp.float32) is None
-    assert _native.unavailable_reason("gpu", jnp.bfloat16) is None
-    assert "int32" in _native.unavailable_reason("gpu", jnp.int32)
-    assert _native.transports() == ("nccl", "p2p", "multicast")
+    assert capabilities.unavailable_reason("gpu", jnp.float32) is None
+    assert capabilities.unavailable_reason("gpu", jnp.bfloat16) is None
+    assert "int32" in capabilities.unavailable_reason("gpu", jnp.int32)
+    assert capabilities.transports() == ("nccl", "p2p", "multicast")
 
 
 def test_info_has_a_gpu_section(cuda):
     import jaxoverlap as jo
 
     gpu = jo.info()["native"]["backends"]["gpu"]
-    assert gpu["nccl"] == _cuda_caps.capabilities()["nccl"]
+    assert gpu["nccl"] == capabilities.gpu_table()["nccl"]
     assert "cuda_extension" in gpu and isinstance(gpu["cuda_extension"], dict)
     assert "gpus" in gpu

@@ -1,6 +1,6 @@
 """Transport selection from capability tables (injected: no GPU needed).
 
-``choose_transport`` runs the one resolver (``_native_call.resolve_transport``) with the
+``choose_transport`` runs the one resolver (``capabilities.resolve_transport``) with the
 table injected as this machine's capabilities.
 """
 
@@ -10,13 +10,12 @@ from unittest import mock
 
 import pytest
 
-from jaxoverlap import _cuda_caps
-from jaxoverlap._cuda_caps import transport_reasons
-from jaxoverlap._native_call import resolve_transport
+from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._native.capabilities import gpu_transport_reasons, resolve_transport
 
 
 def choose_transport(caps, devices, requested="auto", *, across_processes=False):
-    with mock.patch.object(_cuda_caps, "capabilities", lambda: caps):
+    with mock.patch.object(capabilities, "gpu_table", lambda: caps):
         return resolve_transport("cuda", requested, None, spans_processes=across_processes,
                                  local_ordinals=list(devices))
 
@@ -49,13 +48,13 @@ def test_h100_without_fabric_manager_falls_back_to_p2p():
 def test_a100_has_no_multimem():
     caps = table(cc=(8, 0), multicast=False)
     assert choose_transport(caps, range(4)) == "p2p"
-    assert "sm_90" in transport_reasons(caps, range(4))["multicast"]
+    assert "sm_90" in gpu_transport_reasons(caps, range(4))["multicast"]
 
 
 def test_old_driver_without_the_multicast_api():
     caps = table(driver=12000, api=False)
     assert choose_transport(caps, range(8)) == "p2p"
-    assert "12.1" in transport_reasons(caps, range(8))["multicast"]
+    assert "12.1" in gpu_transport_reasons(caps, range(8))["multicast"]
 
 
 def test_pcie_without_peer_access_uses_nccl():
@@ -92,20 +91,18 @@ def test_invisible_device_and_bad_name():
 
 def test_single_gpu_clique_needs_nothing():
     caps = table(n=1, cc=(8, 0), multicast=False, peer=False)
-    assert transport_reasons(caps, [0]) == {"multicast": None, "p2p": None, "nccl": None}
+    assert gpu_transport_reasons(caps, [0]) == {"multicast": None, "p2p": None, "nccl": None}
 
 
 def test_real_table_has_the_same_shape():
     """The table _cuda.capabilities() returns is what these functions read."""
-    from jaxoverlap import _cuda_caps
-
-    if _cuda_caps.cuda_error() is not None:
-        pytest.skip(f"_cuda not built: {_cuda_caps.cuda_error()}")
-    caps = _cuda_caps.capabilities()
+    if runtime.cuda_error() is not None:
+        pytest.skip(f"_cuda not built: {runtime.cuda_error()}")
+    caps = capabilities.gpu_table()
     keys = {"error", "devices", "peer_access", "cuda_driver_int", "driver_multicast_api"}
     assert keys <= set(caps)
     ordinals = [d["ordinal"] for d in caps["devices"]]
-    reasons = transport_reasons(caps, ordinals or [0])
+    reasons = gpu_transport_reasons(caps, ordinals or [0])
     assert set(reasons) == {"multicast", "p2p", "nccl"}
 
 

@@ -2,7 +2,7 @@
 
 ``_cuda_fake`` links the executor (everything but the device kernels) against
 cpp/cuda/fake: a model of exactly the CUDA runtime/driver, cuBLASLt and NCCL
-calls it makes (see fake_runtime.h). ``run`` drives ``CudaCall`` — the function
+calls it makes (see fake_runtime.h). ``run`` (fake_harness.h) drives ``CudaSite::Enqueue`` — what
 the CUDA FFI handlers call — for every rank on its own host thread, then lets
 the fake "GPU" execute the queues in a seeded random interleaving. Results
 must match a float64 reference for every transport; the fake must have seen
@@ -120,7 +120,7 @@ def test_return_gathered(fake, transport):
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
 def test_other_interleavings_and_back_to_back_calls(fake, transport, seed):
     """Five calls queued before the GPU runs any: epochs, parities, flags, events reused."""
-    fake.reset(seed=seed)
+    fake.reset(fake.Config(seed=seed))
     for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
         out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True, calls=5)
         check(fake, out, op, xs, ws, 3, "float32")
@@ -239,26 +239,26 @@ def test_work_queues_follow_the_environment(fake, monkeypatch):
             monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
         fake.reset()
         assert fake.connections() == expected, value
-    fake.reset(connections=2)
+    fake.reset(fake.Config(connections=2))
     assert fake.connections() == 2
 
 
 def test_p2p_without_peer_access_says_so(fake):
     peer = [[a == b or {a, b} != {0, 1} for b in range(4)] for a in range(4)]
-    fake.reset(peer=peer)
+    fake.reset(fake.Config(peer=peer))
     out, *_ = run_case(fake, "ag_matmul", "p2p", 4)
     status = next(s for s in out["statuses"] if s)
     assert "peer access from GPU 0 to GPU 1" in status and "transport='nccl'" in status
 
 
 def test_multicast_needs_sm90(fake):
-    fake.reset(cc_major=8)
+    fake.reset(fake.Config(cc_major=8))
     out, *_ = run_case(fake, "ag_matmul", "multicast", 2)
     assert any(s and "sm_90" in s for s in out["statuses"]), out["statuses"]
 
 
 def test_multicast_needs_the_driver_api(fake):
-    fake.reset(multicast=False)
+    fake.reset(fake.Config(multicast=False))
     out, *_ = run_case(fake, "matmul_rs", "multicast", 2)
     assert any(s and "cuMulticastCreate" in s for s in out["statuses"]), out["statuses"]
 
@@ -333,9 +333,9 @@ def test_rank_table_membership_errors_are_clean(fake):
 
 def test_case_table_covers_every_op_kind(fake):
     """The cases above exercise every op of the program IR at least once."""
-    from jaxoverlap import _runtime
+    from jaxoverlap._native import runtime
 
-    host = _runtime.load_host()
+    host = runtime.load_host()
     kinds = set()
     for op, transport, case in itertools.product(("ag_matmul", "matmul_rs"),
                                                  ("nccl", "p2p", "multicast"), CASES):
@@ -371,7 +371,7 @@ def _released(fake, out, transport):
 def test_watchdog_turns_a_missing_peer_into_an_error(fake, op, transport, connections):
     """Rank 2 never makes the call: its peers' streams wait on the "GPU". The watchdog reports
     who waits for what, releases the streams where it can (_released) and breaks the clique."""
-    fake.reset(grace_ms=10000, connections=connections)
+    fake.reset(fake.Config(grace_ms=10000, connections=connections))
     xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
     args = (op, transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
             [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
@@ -392,12 +392,12 @@ def test_the_watchdog_runs_on_the_fakes_virtual_clock(fake):
     xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
     args = ("ag_matmul", "nccl", 4, 1, 4, 8, 6, "float32", 2, False, False,
             [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
-    fake.reset(grace_ms=150, connections=8)
+    fake.reset(fake.Config(grace_ms=150, connections=8))
     before = fake.last_warning()
     out = fake.run(*args, clique_key=30, skip_rank=2, timeout_ms=200)
     assert not out["drained"] and fake.errors()[-1].startswith("deadlock"), fake.errors()
     assert fake.last_warning() == before  # nothing fired
-    fake.reset(grace_ms=11 * 60_000, connections=8)
+    fake.reset(fake.Config(grace_ms=11 * 60_000, connections=8))
     out = fake.run(*args, clique_key=31, skip_rank=2, timeout_ms=10 * 60_000)
     assert out["drained"] and fake.errors() == [], fake.errors()
     assert "not finished on GPU" in fake.last_warning()
@@ -409,8 +409,9 @@ def test_the_watchdog_runs_on_the_fakes_virtual_clock(fake):
 # ``processes`` gives each rank's (played) process: every played process gets its own clique
 # object holding only its ranks (the others are device -1), exactly as in separate processes; the
 # NCCL unique id is made once (ncclGetUniqueId, "in the process of rank 0") and registered for
-# every process, as _native does after moving it through the jax.distributed store. The fake's
-# ncclCommInitRank joins the ranks that give the same id; its send/recv then run between them.
+# every process, as the native lowering's bootstrap does after moving it through the
+# jax.distributed store. The fake's ncclCommInitRank joins the ranks that give the same id; its
+# send/recv then run between them.
 # What is real here: the executor's multi-process code path (placement with remote ranks,
 # per-process cliques, ncclCommInitRank in a group, local-only buffers and signature checks).
 # What is modelled: all played processes share one fake "GPU" world and one NCCL rendezvous.
@@ -535,7 +536,7 @@ def test_clique_spanning_processes_multicast(fake, op, processes, devices):
 def test_clique_spanning_processes_multicast_unshareable(fake):
     """A driver that cannot export POSIX-fd handles: the owner's export fails naming the call;
     the other process, never getting the fd, names the owner's process."""
-    fake.reset(shareable=False)
+    fake.reset(fake.Config(shareable=False))
     xs, ws = _inputs("matmul_rs", 2, 1, 3, 8, 6, "float32")
     out = fake.run("matmul_rs", "multicast", 2, 1, 3, 8, 6, "float32", 1, False, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=20,
@@ -610,7 +611,7 @@ def test_clique_spanning_hosts_with_fabric_handles(fake, op, transport, processe
     lets them be used), buffers are cuMemCreate'd with a fabric handle, exported as bytes and
     mapped once per process for all its GPUs; the multicast object goes as a fabric handle too.
     No fd and no CUDA IPC: so processes on different hosts work."""
-    fake.reset(fabric=True)
+    fake.reset(fake.Config(fabric=True))
     hosts = {p: f"node-{p}" for p in set(processes)}
     for rows in (3, 5):
         out, xs, ws = _run_spanning(fake, op, transport, processes, devices, rows, key=22,
@@ -641,7 +642,7 @@ def test_clique_spanning_hosts_without_fabric_handles_says_so(fake, transport):
     """Processes on two hosts, GPUs without fabric support: CUDA IPC cannot cross hosts, so every
     process gets an error naming the hosts, the reason and the way out, instead of a failed
     mapping later."""
-    fake.reset(fabric=False)
+    fake.reset(fake.Config(fabric=False))
     out, _, _ = _run_spanning(fake, "ag_matmul", transport, [0, 1], [0, 1], 3, key=23,
                               hosts={0: "node-a", 1: "node-b"}, calls=1)
     for status in out["statuses"]:
@@ -655,11 +656,11 @@ def test_fabric_without_an_imex_channel_falls_back_on_one_host(fake):
     """The GPUs support fabric handles but this user has no IMEX channel: creating one fails
     (the probe finds out), so processes on one host use CUDA IPC; across hosts the error says
     what is missing."""
-    fake.reset(fabric=True, imex_channel=False)
+    fake.reset(fake.Config(fabric=True, imex_channel=False))
     out, xs, ws = _run_spanning(fake, "matmul_rs", "p2p", [0, 1], [0, 1], 3, key=24)
     check(fake, out, "matmul_rs", xs, ws, 3, "float32")
     assert "peers through CUDA IPC" in fake.cliques()
-    fake.reset(fabric=True, imex_channel=False)
+    fake.reset(fake.Config(fabric=True, imex_channel=False))
     out, _, _ = _run_spanning(fake, "matmul_rs", "p2p", [0, 1], [0, 1], 3, key=25,
                               hosts={0: "a", 1: "b"}, calls=1)
     assert all(s and "IMEX channel" in s for s in out["statuses"]), out["statuses"]
@@ -671,7 +672,7 @@ def test_clique_spanning_processes_without_peer_access_between_local_gpus(fake):
     the timeout: then they would name no cause), and their clique stays broken."""
     peer = [[True] * 4 for _ in range(4)]
     peer[0][1] = peer[1][0] = False
-    fake.reset(peer=peer)
+    fake.reset(fake.Config(peer=peer))
     out, xs, ws = _run_spanning(fake, "ag_matmul", "p2p", [0, 0, 1, 1], [0, 1, 2, 3], 3, key=26,
                                 calls=1, timeout_ms=60000)
     statuses = out["statuses"]
@@ -696,7 +697,7 @@ def test_clique_spanning_processes_without_the_id(fake):
 def test_clique_spanning_processes_missing_peer_times_out(fake):
     """After a first call together, process 1 skips one: process 0's rank waits inside NCCL on
     the GPU; the watchdog reports it."""
-    fake.reset(grace_ms=10000)
+    fake.reset(fake.Config(grace_ms=10000))
     _spanning(fake, 14, [0, 1])
     xs, ws = _inputs("ag_matmul", 2, 1, 4, 8, 6, "float32")
     args = ("ag_matmul", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
@@ -730,7 +731,7 @@ def test_nccl_communicator_creation_has_a_deadline(fake):
 def test_watchdog_names_the_process_of_a_missing_peer(fake):
     """A p2p clique over two processes is set up (first call), then process 1's rank skips a
     call: process 0's watchdog says which flag, from which rank, in which process."""
-    fake.reset(grace_ms=10000)
+    fake.reset(fake.Config(grace_ms=10000))
     out, xs, ws = _run_spanning(fake, "ag_matmul", "p2p", [0, 1], [0, 1], 3, key=27, calls=1)
     check(fake, out, "ag_matmul", xs, ws, 3, "float32")
     out = fake.run("ag_matmul", "p2p", 2, 2, 3, 8, 6, "float32", 2, False, False,

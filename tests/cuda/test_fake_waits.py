@@ -63,7 +63,7 @@ def test_module_loading_follows_the_environment(fake, monkeypatch, setting, lazy
         monkeypatch.setenv("CUDA_MODULE_LOADING", setting)
     fake.reset()
     assert fake.lazy_loading() == lazy
-    fake.reset(module_loading=2)
+    fake.reset(fake.Config(module_loading=2))
     assert not fake.lazy_loading()
 
 
@@ -74,7 +74,7 @@ def test_the_watchdog_aborts_a_devices_communicators_concurrently(fake, op):
     the device, so aborting one direction's communicator before the other's waits forever (the
     fake reports it: test above); the watchdog aborts them all at once, on threads of their own,
     and the streams are released."""
-    fake.reset(grace_ms=10000)
+    fake.reset(fake.Config(grace_ms=10000))
     xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
     out = fake.run(op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
@@ -90,7 +90,7 @@ def test_the_watchdog_clock_starts_when_the_gpu_gets_to_the_call(fake, transport
     that keeps the GPU busy for five times the calls' timeout (``hold_ms``, on the watchdog's
     virtual clock). A call's clock starts when the GPU gets to it (its ``started`` event), so
     the healthy clique is not broken; with the clock started at the host's enqueue it was."""
-    fake.reset(grace_ms=10000)
+    fake.reset(fake.Config(grace_ms=10000))
     xs, ws = _inputs("matmul_rs", 4, 1, 4, 8, 6, "float32")
     args = ("matmul_rs", transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
             [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
@@ -113,7 +113,7 @@ def test_every_op_and_transport_with_lazy_and_eager_loading(fake, module_loading
 
     for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
         for transport in ("nccl", "p2p", "multicast"):
-            fake.reset(module_loading=module_loading)
+            fake.reset(fake.Config(module_loading=module_loading))
             out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True,
                                    dtype="bfloat16", calls=2)
             check(fake, out, op, xs, ws, 3, "bfloat16")

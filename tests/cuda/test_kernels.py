@@ -284,7 +284,7 @@ def test_the_variant_a_device_runs(fake, images, cc, want):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_multicast_runs_on_blackwell(fake, op, dtype):
     """A fake B200 (10.0) runs the multimem kernels from this build's compute_90 PTX."""
-    fake.reset(cc_major=10)
+    fake.reset(fake.Config(cc_major=10))
     out, xs, ws = run_case(fake, op, "multicast", 4, rows=4, chunks=2, dtype=dtype)
     check(fake, out, op, xs, ws, 4, dtype)
     assert fake.counters()["cudaFuncGetAttributes"] > 0
@@ -295,7 +295,7 @@ def test_the_launcher_refuses_a_variant_without_multimem(fake):
     the device runs (compute_80: no multimem) and refuses before any launch — no trap. A peer
     may have queued a flag wait by then (which one depends on the host threads' timing): the
     watchdog releases it after the call's timeout, here on the fake's virtual clock."""
-    fake.reset(cc_major=10, kernel_images=OLD_BUILD, grace_ms=2000)
+    fake.reset(fake.Config(cc_major=10, kernel_images=OLD_BUILD, grace_ms=2000))
     out, *_ = run_case(fake, "matmul_rs", "multicast", 2, timeout_ms=1000)
     for status in out["statuses"]:
         assert "compute_80" in status and "no multimem" in status and "sm_100" in status
@@ -304,7 +304,7 @@ def test_the_launcher_refuses_a_variant_without_multimem(fake):
 
 
 def test_the_launcher_names_a_device_without_any_variant(fake):
-    fake.reset(cc_major=8)
+    fake.reset(fake.Config(cc_major=8))
     out, *_ = run_case(fake, "ag_matmul", "multicast", 2)
     for status in out["statuses"]:
         assert "sm_80" in status and "needs an sm_90" in status
@@ -316,7 +316,7 @@ def test_a_trap_is_sticky(fake):
     without arch-specific code is compute_80 PTX (the old build) — bypassing the launcher's check.
     The device code's __trap() poisons the context: every later call on it fails, and
     cudaGetLastError keeps answering cudaErrorIllegalInstruction."""
-    fake.reset(devices=1, cc_major=10, kernel_images=OLD_BUILD)
+    fake.reset(fake.Config(devices=1, cc_major=10, kernel_images=OLD_BUILD))
     got = fake.trap_check()
     sticky = got["illegal_instruction"]
     assert got["launch"] == 0  # launches are asynchronous: the trap comes later
@@ -328,6 +328,6 @@ def test_a_trap_is_sticky(fake):
 
 def test_this_build_never_traps_on_blackwell(fake):
     """The same launch with this build's variants: compute_90 PTX has the multimem instructions."""
-    fake.reset(devices=1, cc_major=10)
+    fake.reset(fake.Config(devices=1, cc_major=10))
     got = fake.trap_check()
     assert got["errors"] == [] and got["memset_after"] == 0 and got["last_error"] == 0

@@ -1,4 +1,4 @@
-"""The GPU lowering in _native, run on a CPU-only machine.
+"""The GPU lowering of the native primitive (``_native/primitive.py``), on a CPU-only machine.
 
 JAX can lower for a platform it does not have (``lowering_platforms=("cuda",)``); the native
 primitive's lowering rule then emits the CUDA custom calls. With the capability table
@@ -21,14 +21,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap import _cuda_caps
+from jaxoverlap._native import capabilities
 
 from .test_caps import table
 
 
 @pytest.fixture()
 def gpu_lowering(monkeypatch, cuda):
-    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8))
 
 
 def _lower(fn, *args) -> str:
@@ -74,7 +74,7 @@ def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
 
 
 def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch, cuda):
-    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8, multicast=False))
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8, multicast=False))
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Explicit,))
     x = jnp.ones((16, 32), jnp.float32)
     w = jnp.ones((32, 8), jnp.float32)
@@ -85,7 +85,7 @@ def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch,
 
 def test_a_users_shard_map_needs_no_set_mesh(monkeypatch, cuda):
     """The concrete mesh of a plain jit(shard_map(mesh=...)) is known where the call lowers."""
-    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8))
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
 
     def local(a, b):
@@ -98,7 +98,7 @@ def test_a_users_shard_map_needs_no_set_mesh(monkeypatch, cuda):
 
 
 def test_an_abstract_mesh_on_gpu_gets_an_error_saying_what_to_do(monkeypatch, cuda):
-    monkeypatch.setattr(_cuda_caps, "capabilities", lambda: table(n=8))
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8))
     abstract = Mesh(np.array(jax.devices()[:4]), ("tp",),
                     axis_types=(AxisType.Auto,)).abstract_mesh
 

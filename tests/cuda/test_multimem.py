@@ -117,7 +117,7 @@ def test_the_built_variants_run_multimem_on(fake, fatbin, cc, image, jit):
 
 def test_the_built_variants_run_multicast_on_a_fake_blackwell(fake, fatbin):
     """The launch path with the images cuobjdump found, on a fake B200."""
-    fake.reset(cc_major=10, kernel_images=fatbin)
+    fake.reset(fake.Config(cc_major=10, kernel_images=fatbin))
     out, xs, ws = run_case(fake, "matmul_rs", "multicast", 4, rows=4, chunks=2)
     check(fake, out, "matmul_rs", xs, ws, 4, "float32")
 

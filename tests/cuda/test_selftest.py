@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from jaxoverlap import _cuda_caps
 from jaxoverlap._info import format_info, info
+from jaxoverlap._native import capabilities, runtime
 from jaxoverlap._selftest import main
 
 
 @pytest.mark.slow
 def test_selftest_runs_and_says_no_gpu(capsys):
-    if _cuda_caps.capabilities().get("devices"):
+    if capabilities.gpu_table().get("devices"):
         return  # a GPU machine: the command itself is the test there
     assert main(quick=True) == 0
     out = capsys.readouterr().out
@@ -20,7 +20,7 @@ def test_selftest_runs_and_says_no_gpu(capsys):
     for transport in ("nccl", "p2p", "multicast"):
         for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
             assert f"PASS  {op:9s} {transport}" in out
-    if _cuda_caps.cuda_error() is None:
+    if runtime.cuda_error() is None:
         assert "(CUDA executor on the host-side fake)  max |native - float64|" in out
 
 
@@ -30,7 +30,7 @@ def test_info_prints_the_gpu_section():
         return  # no native extension at all: nothing to show
     text = format_info(data)
     assert "gpu:" in text
-    if _cuda_caps.cuda_error() is None:
+    if runtime.cuda_error() is None:
         assert "nccl: 2." in text and "cublas:" in text and "gpus:" in text
 
 

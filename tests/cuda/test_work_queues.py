@@ -2,7 +2,7 @@
 
 CUDA multiplexes a device's streams onto ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues (default 8;
 Megatron-LM/TransformerEngine jobs set 1); a blocked wait at a queue's head blocks everything
-behind it. The fake models exactly that (``reset(connections=...)``), and NCCL's serialisation of
+behind it. The fake models exactly that (``Config(connections=...)``), and NCCL's serialisation of
 a communicator's launches in issue order. This runs the executor itself (``CudaCall``, through
 ``_cuda_fake.run``: the order is the one the handlers enqueue, not a re-implementation of it) for
 op x transport x N in 2..8 x chunks 1..4 x direction, with 1 queue and with the default 8, and
@@ -32,7 +32,8 @@ pytestmark = pytest.mark.jax_independent
 def test_every_program_completes_through_the_work_queues(fake, op, transport, connections, n):
     for chunks in range(1, 5):
         for bidirectional in (False, True):
-            fake.reset(connections=connections, seed=1 + 8 * n + 2 * chunks + bidirectional)
+            fake.reset(fake.Config(connections=connections,
+                                   seed=1 + 8 * n + 2 * chunks + bidirectional))
             assert fake.connections() == connections
             out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=2, k=4, nw=3,
                                    chunks=chunks, bidirectional=bidirectional)
@@ -55,7 +56,7 @@ def test_growing_calls_with_ranks_at_uneven_speeds(fake, op, transport):
     for n in (2, 3, 4):
         for connections in (1, 8):
             for seed in (1, 2, 3):
-                fake.reset(connections=connections, seed=seed, host_jitter=seed)
+                fake.reset(fake.Config(connections=connections, seed=seed, host_jitter=seed))
                 for chunks, bidirectional in GROWTH:
                     out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=4, k=4, nw=3,
                                            chunks=chunks, bidirectional=bidirectional, calls=2)
@@ -68,7 +69,7 @@ def test_every_one_shot_program_completes_through_the_work_queues(fake, connecti
     not (1: a decode step's batch of one), with and without sub-chunks."""
     for transport, n, rows, chunks in itertools.product(("nccl", "p2p", "multicast"),
                                                         range(2, 9), (1, 5, 8), (1, 3)):
-        fake.reset(connections=connections, seed=1 + 8 * n + 2 * chunks + rows)
+        fake.reset(fake.Config(connections=connections, seed=1 + 8 * n + 2 * chunks + rows))
         out, xs, ws = run_case(fake, "matmul_ar", transport, n, batch=1, rows=rows, k=4, nw=3,
                                chunks=chunks, algorithm="one_shot")
         try:

@@ -27,8 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxoverlap import _megatron
-from jaxoverlap.flax import _common
+from jaxoverlap import _megatron, _xla
 from jaxoverlap.flax.linen import ColumnParallelDense, ParallelMLP, RowParallelDense
 
 
@@ -200,18 +199,14 @@ def test_check_fails_on_a_transposed_kernel():
 
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_check_fails_without_the_forward_reduction(monkeypatch, mesh_name):
-    # Megatron g (GEMM + all-reduce) keeping one rank's partial product instead of the sum
-    # (types still valid).
-    real = _common.ops.matmul_ar
-
-    def broken_g(x, kernel, axis_name, impl="auto", mesh=None, **kw):
-        if mesh is not None:  # global arrays: the per-device op comes back here
-            return real(x, kernel, axis_name, impl=impl, mesh=mesh, **kw)
+    # Megatron g (GEMM + all-reduce; its unfused impl, which every device runs on its shards)
+    # keeping one rank's partial product instead of the sum (types still valid).
+    def broken_g(x, kernel, plan):
         y = x @ kernel
-        return lax.psum(jnp.where(lax.axis_index(axis_name) == 0, y, jnp.zeros_like(y)),
-                        axis_name)
+        return lax.psum(jnp.where(lax.axis_index(plan.axis_name) == 0, y, jnp.zeros_like(y)),
+                        plan.axis_name)
 
-    monkeypatch.setattr(_common.ops, "matmul_ar", broken_g)
+    monkeypatch.setattr(_xla, "matmul_ar", broken_g)
     mesh = make_mesh(mesh_name)
     params, x, target = setup()
     model = ParallelMLP(F, sequence_parallel=False, mesh=mesh, impl="xla")

@@ -295,10 +295,10 @@ def require_module(name: str) -> None:
     """Skips (fails under JAXOVERLAP_REQUIRE_CUDA=1) when ``jaxoverlap.<name>`` is not built."""
     import importlib
 
-    from jaxoverlap import _cuda_caps
+    from jaxoverlap._native import runtime
 
     try:
-        _cuda_caps.load_cuda()
+        runtime.load_cuda()
         importlib.import_module(f"jaxoverlap.{name}")
     except ImportError as e:
         if os.environ.get("JAXOVERLAP_REQUIRE_CUDA", "") == "1":

@@ -298,11 +298,11 @@ def peer_loss(victim: int, mode: str, timeout_s: float) -> dict[str, Any]:
         result = {"error": None, "elapsed_s": time.monotonic() - start - 1.0}
     result["process_id"] = me
     print("JO_MP_RESULT " + json.dumps(result), flush=True)
-    from jaxoverlap import _bootstrap
+    from jaxoverlap._native import bootstrap
 
     # Process 0 hosts the coordination service: it leaves last, or it would take the others
     # down with it before they report.
-    store = _bootstrap.client()
+    store = bootstrap.client()
     if me != 0:
         store.key_value_set(f"jo_test/peer_loss/{me}", "done")
     else:
@@ -552,13 +552,13 @@ def watched(iterations: int) -> dict[str, Any]:
     import gc
     import subprocess
 
-    from jaxoverlap import _bootstrap
+    from jaxoverlap._native import bootstrap
 
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     me = jax.process_index()
-    pids = _bootstrap.allgather_bytes("watched", "pids", str(os.getpid()).encode(),
-                                      processes=list(range(jax.process_count())), timeout_s=60)
+    pids = bootstrap.allgather_bytes("watched", "pids", str(os.getpid()).encode(),
+                                     processes=list(range(jax.process_count())), timeout_s=60)
     canary = f"/dev/shm/jaxoverlap-{os.environ['JAXOVERLAP_SHM_TAG']}-canary"
     watcher = None
     if me == 0:
@@ -575,8 +575,8 @@ def watched(iterations: int) -> dict[str, Any]:
         watcher = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, env=env)
         assert watcher.stdout.readline().strip() == "watching", watcher.stderr.read()
-    _bootstrap.allgather_bytes("watched", "started", b"1",
-                               processes=list(range(jax.process_count())), timeout_s=60)
+    bootstrap.allgather_bytes("watched", "started", b"1",
+                              processes=list(range(jax.process_count())), timeout_s=60)
     for i in range(iterations):
         x64, w64, x, w = _ag_problem(200 + i, mesh, rows=1 + i, k=8 + i)
         compiled = _ag(mesh, ("p2p", "nccl", "multicast")[i % 3]).lower(x, w).compile()
@@ -619,9 +619,9 @@ def deserialized(directory: str, timeout_s: float) -> dict[str, Any]:
                     f.write(serialize_executable.serialize(compiled)[0])
                 loaded = "serialized"
             else:
-                from jaxoverlap import _native
+                from jaxoverlap._native import runtime
 
-                _native._ensure_registered("cpu")  # the FFI targets the program calls
+                runtime.register("cpu")  # the FFI targets the program calls
                 in_tree = jax.tree.structure(((x, w), {}))
                 out_tree = jax.tree.structure(x)
                 with open(path, "rb") as f:
@@ -660,9 +660,9 @@ def cached(cache_dir: str) -> dict[str, Any]:
 def _leave_last_from_process_0(what: str) -> None:
     """Exits without jax.distributed's shutdown (a failed job's barrier would wait); process 0
     hosts the coordination service, so it leaves last, once the others have reported."""
-    from jaxoverlap import _bootstrap
+    from jaxoverlap._native import bootstrap
 
-    store = _bootstrap.client()
+    store = bootstrap.client()
     me = jax.process_index()
     if me != 0:
         store.key_value_set(f"jo_test/{what}/{me}", "done")
@@ -792,51 +792,51 @@ def harness_segments() -> list[str]:
 
 def exchange() -> dict[str, Any]:
     """The bytes-in, bytes-out exchange API (what the CUDA executor calls), on CPU."""
-    from jaxoverlap import _bootstrap
+    from jaxoverlap._native import bootstrap
 
     me, n = jax.process_index(), jax.process_count()
     procs = list(range(n))
-    got = _bootstrap.allgather_bytes("cafe-g0", "handles", bytes([me]) * (me + 1),
+    got = bootstrap.allgather_bytes("cafe-g0", "handles", bytes([me]) * (me + 1),
                                      processes=procs, timeout_s=60)
     assert got == {p: bytes([p]) * (p + 1) for p in procs}, got
     # The same (clique, tag) again gets fresh keys.
-    again = _bootstrap.allgather_bytes("cafe-g0", "handles", b"x%d" % me, processes=procs,
+    again = bootstrap.allgather_bytes("cafe-g0", "handles", b"x%d" % me, processes=procs,
                                        timeout_s=60)
     assert again == {p: b"x%d" % p for p in procs}, again
     uid = np.random.default_rng(7).bytes(128)  # an ncclUniqueId's size
     root = n - 1
-    out = _bootstrap.broadcast_bytes("cafe-g0", "uid", uid if me == root else None, root=root,
+    out = bootstrap.broadcast_bytes("cafe-g0", "uid", uid if me == root else None, root=root,
                                      processes=procs, timeout_s=60)
     assert out == uid
     table = [p for p in procs for _ in range(2)]
-    nccl_id, handles = _bootstrap.exchange_cuda_handles(
+    nccl_id, handles = bootstrap.exchange_cuda_handles(
         "beef-g1", rank_process=table, local_handles=b"ipc%d" % me,
         nccl_unique_id=uid if me == 0 else None, timeout_s=60)
     assert nccl_id == uid and handles == {p: b"ipc%d" % p for p in procs}
     # A subset of the processes exchanges alone; a process outside it is refused.
     if me < 2:
-        pair = _bootstrap.allgather_bytes("pair-g0", "t", b"%d" % me, processes=[0, 1],
+        pair = bootstrap.allgather_bytes("pair-g0", "t", b"%d" % me, processes=[0, 1],
                                           timeout_s=60)
         assert pair == {0: b"0", 1: b"1"}
     # Nobody answers: the error names the silent process.
     error = None
     if me == 0:
         try:
-            _bootstrap.broadcast_bytes("dead-g0", "uid", None, root=1, processes=procs,
+            bootstrap.broadcast_bytes("dead-g0", "uid", None, root=1, processes=procs,
                                        timeout_s=1.0)
-        except _bootstrap.BootstrapError as e:
+        except bootstrap.BootstrapError as e:
             error = str(e)
         assert error is not None and "process 1 did not answer" in error, error
     # The same from C++, through jo::Exchange over a StoreExchange (a 128-byte id with NULs).
     testing = _testing_module()
     got_cpp = testing.exchange_selftest(
-        _bootstrap.StoreExchange("c0de-g0", procs, timeout_s=60))
+        bootstrap.StoreExchange("c0de-g0", procs, timeout_s=60))
     assert got_cpp["uid"] == bytes((i * 7 + 3) % 256 for i in range(128)), got_cpp["uid"]
     assert got_cpp["handles"] == {p: b"handles of process %d\0" % p for p in procs}, got_cpp
     if me == 0:  # process 1 stays silent: the C++ caller gets a timeout naming it
         try:
             testing.exchange_selftest(
-                _bootstrap.StoreExchange("silent-g0", [0, 1], timeout_s=1.0))
+                bootstrap.StoreExchange("silent-g0", [0, 1], timeout_s=1.0))
         except RuntimeError as e:
             assert "did not answer" in str(e) and "[1]" in str(e), e
             assert str(e).startswith("timeout: exchange allgather"), e
@@ -851,7 +851,7 @@ def exchange() -> dict[str, Any]:
         os.write(owner_fd, b"the owner's handle")
     try:
         got_fds = testing.exchange_selftest(
-            _bootstrap.StoreExchange("f00d-g0", procs, timeout_s=60), share_fds=True,
+            bootstrap.StoreExchange("f00d-g0", procs, timeout_s=60), share_fds=True,
             owner_fd=owner_fd)["fds"]
     finally:
         if owner_fd >= 0:
@@ -868,7 +868,7 @@ def exchange() -> dict[str, Any]:
     # first execution): the handler takes the GIL and uses the store while XLA runs.
     jax.ffi.register_ffi_target("jaxoverlap_test_exchange_probe",
                                 testing.exchange_probe_target(), platform="cpu")
-    testing.set_probe_exchange(_bootstrap.StoreExchange("ab1e-g0", procs, timeout_s=60))
+    testing.set_probe_exchange(bootstrap.StoreExchange("ab1e-g0", procs, timeout_s=60))
     probe = jax.jit(lambda x: jax.ffi.ffi_call(
         "jaxoverlap_test_exchange_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))(x))
     total = sum(p + 1 for p in procs)
@@ -881,7 +881,7 @@ def exchange() -> dict[str, Any]:
         fd = os.memfd_create(f"jo-test-{me}")
         os.write(fd, b"process %d" % me)
         try:
-            shared = _bootstrap.share_fds("cafe-g0", "fds", [fd], processes=procs, timeout_s=60,
+            shared = bootstrap.share_fds("cafe-g0", "fds", [fd], processes=procs, timeout_s=60,
                                           method=method)
         except RuntimeError as e:
             assert method == "pidfd" and "no ptrace access" in str(e), e
@@ -898,9 +898,9 @@ def exchange() -> dict[str, Any]:
 
 
 def _cliques() -> str:
-    from jaxoverlap import _runtime
+    from jaxoverlap._native import runtime
 
-    return _runtime.load_host().cliques()
+    return runtime.load_host().cliques()
 
 
 def hang() -> dict[str, Any]:
@@ -927,7 +927,7 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
     """Multi-process GPU cliques on the host-side fake: the trace-time exchange for real.
 
     Two cliques span every process (group 0: rank r in process r; group 1: reversed, so its
-    root is the last process). ``_bootstrap.ensure_gpu_cliques`` makes the NCCL unique id in the
+    root is the last process). ``bootstrap.ensure_gpu_cliques`` makes the NCCL unique id in the
     root process (the fake's ncclGetUniqueId), moves it through this job's jax.distributed store
     and registers it with the module, exactly as a GPU trace does. Then every process runs each
     whole clique through the CUDA executor on its own fake, playing the other processes' ranks
@@ -935,15 +935,15 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
     (NCCL communicators made with the exchanged id) against the reference. What does not cross
     processes here is the fake's NCCL traffic itself (no GPU, no NCCL network).
     """
-    from jaxoverlap import _bootstrap, _cuda_caps
+    from jaxoverlap._native import bootstrap, runtime
 
-    _cuda_caps.load_cuda()
+    runtime.load_cuda()
     import jaxoverlap._cuda_fake as fake
 
     me, n = jax.process_index(), jax.process_count()
     table = np.array(list(range(n)) + list(reversed(range(n))), np.int64)
     key = 0x5EED
-    fake.reset(devices=1)
+    fake.reset(fake.Config(devices=1))
     if root_absent:
         if me == 0:
             # Never traces; leaves without jax.distributed's shutdown barrier, which the peer
@@ -952,19 +952,19 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
             os._exit(0)
         start = time.monotonic()
         try:
-            _bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s)
+            bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s)
             error = None
         except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
             error = f"{type(e).__name__}: {e}"
         result = {"error": error, "elapsed_s": time.monotonic() - start}
         print("JO_MP_RESULT " + json.dumps(result), flush=True)
         os._exit(0)
-    ids = _bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s)
+    ids = bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s)
     assert sorted(ids) == [0, 1], ids
-    assert _bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s) == {}  # once per clique
+    assert bootstrap.ensure_gpu_cliques(fake, key, table, n, timeout_s) == {}  # once per clique
     made = fake.counters().get("ncclGetUniqueId", 0)
     assert made == (me == 0) + (me == n - 1), (me, made)  # only the roots made ids
-    everyone = _bootstrap.allgather_bytes("nccl-id-check", "ids", ids[0] + ids[1],
+    everyone = bootstrap.allgather_bytes("nccl-id-check", "ids", ids[0] + ids[1],
                                           processes=list(range(n)), timeout_s=timeout_s)
     assert len(set(everyone.values())) == 1, "processes got different NCCL ids"
     assert ids[0] != ids[1] and all(i.startswith(b"fake-nccl-id") for i in ids.values())
@@ -1015,11 +1015,11 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     store) and opens the peer's: the fake refuses that, since its "device memory" is this
     process's heap, and its error names the pid the handle came from — the peer's.
     """
-    from jaxoverlap import _bootstrap
+    from jaxoverlap._native import bootstrap
 
     me = jax.process_index()
-    _bootstrap.ensure_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)
-    pids = _bootstrap.allgather_bytes("p2p-pids", "pid", str(os.getpid()).encode(),
+    bootstrap.ensure_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)
+    pids = bootstrap.allgather_bytes("p2p-pids", "pid", str(os.getpid()).encode(),
                                       processes=[0, 1], timeout_s=timeout_s)
     xs = [np.ones((1, 3, 8), np.float32)] * 2
     ws = [np.ones((8, 6), np.float32)] * 2
@@ -1034,8 +1034,8 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     assert fake.counters().get("cudaIpcGetMemHandle") == 2, fake.counters()
     # Again with GPUs that support fabric handles: both processes agree on them through the
     # store, and the peer's fabric handle (bytes) arrives here and is imported.
-    fake.reset(fabric=True)
-    _bootstrap.ensure_gpu_cliques(fake, key + 1, np.array([0, 1], np.int64), 2, timeout_s)
+    fake.reset(fake.Config(fabric=True))
+    bootstrap.ensure_gpu_cliques(fake, key + 1, np.array([0, 1], np.int64), 2, timeout_s)
     out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
                    clique_key=key + 1, processes=[0, 1], skip_rank=1 - me,

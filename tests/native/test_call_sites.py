@@ -1,5 +1,5 @@
-"""Call sites are named by what they are (docs/native.md §4, ``jaxoverlap/_call_site.py``,
-``cpp/core/call.h`` CallSite).
+"""Call sites are named by what they are (docs/native.md §4, ``jaxoverlap/_native/site_key.py``
+and ``cpp/core/call.h`` CallSite).
 
 Every process must find the same site for the same custom call whatever else it compiled: the
 key comes from the lowering (program, name stack, types, attributes, ordinal), never from the
@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap._runtime import load_host
+from jaxoverlap._native.runtime import load_host
 
 SITE_KEY = re.compile(r"site_key = (-?\d+) : i64")
 

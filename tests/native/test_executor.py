@@ -12,7 +12,9 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxoverlap import _native
+from jaxoverlap._native import capabilities
+
+from . import native_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import absent  # noqa: E402
@@ -46,8 +48,8 @@ def spec(ndim, dim, name="tp"):
 
 def ag(mesh, x, w, *, axis, gathered=False, **kw):
     def body(x, w):
-        return _native.ag_matmul_shard(x, w, axis_name="tp", axis=axis, return_gathered=gathered,
-                                       **kw)
+        return native_shard.ag_matmul(x, w, axis_name="tp", axis=axis, return_gathered=gathered,
+                                      **kw)
 
     out_specs = spec(x.ndim, x.ndim - 1)
     if gathered:  # every rank's copy of the gathered x, stacked along dim 0
@@ -59,7 +61,7 @@ def ag(mesh, x, w, *, axis, gathered=False, **kw):
 
 def rs(mesh, x, w, *, axis, **kw):
     def body(x, w):
-        return _native.matmul_rs_shard(x, w, axis_name="tp", axis=axis, **kw)
+        return native_shard.matmul_rs(x, w, axis_name="tp", axis=axis, **kw)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, x.ndim - 1), spec(2, 0)),
                               out_specs=spec(x.ndim, axis)))
@@ -68,7 +70,7 @@ def rs(mesh, x, w, *, axis, **kw):
 
 def ar(mesh, x, w, **kw):
     def body(x, w):
-        return _native.matmul_ar_shard(x, w, axis_name="tp", **kw)[None]
+        return native_shard.matmul_ar(x, w, axis_name="tp", **kw)[None]
 
     # every rank's copy of y, stacked along a new dim 0 (the result is replicated)
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, x.ndim - 1), spec(2, 0)),
@@ -211,7 +213,7 @@ def test_rank_table_attribute_matches_the_mesh():
     x = jnp.ones((8, 4), jnp.float32)
     w = jnp.ones((4, 4), jnp.float32)
     f = jax.jit(jax.shard_map(
-        lambda x, w: _native.ag_matmul_shard(x, w, axis_name="tp", transport="p2p"),
+        lambda x, w: native_shard.ag_matmul(x, w, axis_name="tp", transport="p2p"),
         mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
     # The shard_map's concrete mesh is known where the call lowers (no jax.set_mesh needed):
     # the table lists the global device ids in (group, rank) order, and the handler finds its
@@ -230,9 +232,9 @@ def test_2d_mesh_two_cliques_run_concurrently():
     w2, w2_64 = data((12, 8), "float32", 13)
 
     def body(x, w, w2):
-        y = _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p", chunks=2)
-        z = _native.matmul_rs_shard(y, w2, axis_name="tp", axis=1, transport="multicast")
-        a = _native.matmul_ar_shard(y, w2, axis_name="tp", transport="nccl", chunks=2)
+        y = native_shard.ag_matmul(x, w, axis_name="tp", axis=1, transport="p2p", chunks=2)
+        z = native_shard.matmul_rs(y, w2, axis_name="tp", axis=1, transport="multicast")
+        a = native_shard.matmul_ar(y, w2, axis_name="tp", transport="nccl", chunks=2)
         return y, z, a
 
     f = jax.jit(jax.shard_map(body, mesh=mesh,
@@ -254,8 +256,8 @@ def test_two_call_sites_with_different_shapes_in_one_program():
     w2, w2_64 = data((16, 4), "float32", 24)
 
     def body(x1, w1, x2, w2):
-        y1 = _native.ag_matmul_shard(x1, w1, axis_name="tp", axis=1, transport="nccl")
-        y2 = _native.matmul_rs_shard(x2, w2, axis_name="tp", axis=0, transport="nccl", chunks=3)
+        y1 = native_shard.ag_matmul(x1, w1, axis_name="tp", axis=1, transport="nccl")
+        y2 = native_shard.matmul_rs(x2, w2, axis_name="tp", axis=0, transport="nccl", chunks=3)
         return y1, y2
 
     f = jax.jit(jax.shard_map(body, mesh=mesh,
@@ -275,13 +277,13 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
     mesh = mesh_1d(n)
 
     def body(x, w1, w2):
-        h = _native.ag_matmul_shard(x, w1, axis_name="tp", axis=1, transport=transport, chunks=2)
-        y = _native.matmul_rs_shard(h, w2, axis_name="tp", axis=1, transport=transport)
+        h = native_shard.ag_matmul(x, w1, axis_name="tp", axis=1, transport=transport, chunks=2)
+        y = native_shard.matmul_rs(h, w2, axis_name="tp", axis=1, transport=transport)
         # GEMM+AR on the same h (its own call site), compared with the reduce-scatter's result;
         # and one-shot on its first row per batch (2 rows on 4 ranks: no split)
-        return (y, _native.matmul_ar_shard(h, w2, axis_name="tp", transport=transport),
-                _native.matmul_ar_shard(h[:, :1], w2, axis_name="tp", transport=transport,
-                                        algorithm="one_shot"))
+        return (y, native_shard.matmul_ar(h, w2, axis_name="tp", transport=transport),
+                native_shard.matmul_ar(h[:, :1], w2, axis_name="tp", transport=transport,
+                                       algorithm="one_shot"))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh,
                               in_specs=(P(None, "tp", None), P(None, "tp"), P("tp", None)),
@@ -307,9 +309,9 @@ def test_missing_peer_times_out_with_a_clear_error(transport):
     w = jnp.ones((8, 4), jnp.float32)
     stall = {"on": False}
     f = jax.jit(jax.shard_map(
-        lambda x, w: _native.ag_matmul_shard(absent(x, 2, lambda: stall["on"]), w,
-                                             axis_name="tp", axis=1, transport=transport,
-                                             timeout_s=0.5),
+        lambda x, w: native_shard.ag_matmul(absent(x, 2, lambda: stall["on"]), w,
+                                            axis_name="tp", axis=1, transport=transport,
+                                            timeout_s=0.5),
         mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")), out_specs=P(None, None, "tp")))
     f(x, w).block_until_ready()  # compile and run once with every rank present
     stall["on"] = True  # rank 2 reaches the next call only after its peers' 0.5 s timeout
@@ -330,9 +332,9 @@ def test_matmul_ar_missing_peer_times_out_with_a_clear_error(transport, algorith
     w = jnp.ones((8, 4), jnp.float32)
     stall = {"on": False}
     f = jax.jit(jax.shard_map(
-        lambda x, w: _native.matmul_ar_shard(absent(x, 1, lambda: stall["on"]), w,
-                                             axis_name="tp", transport=transport,
-                                             algorithm=algorithm, timeout_s=0.5),
+        lambda x, w: native_shard.matmul_ar(absent(x, 1, lambda: stall["on"]), w,
+                                            axis_name="tp", transport=transport,
+                                            algorithm=algorithm, timeout_s=0.5),
         mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=P()))
     np.testing.assert_allclose(np.asarray(f(x, w)), np.full((*rows, 4), 8.0))
     stall["on"] = True  # rank 1 reaches the next call only after its peers' 0.5 s timeout
@@ -345,24 +347,24 @@ def test_debug_log_prints_the_plan():
     code = (
         "import jax, jax.numpy as jnp\n"
         "from jax.sharding import PartitionSpec as P, AxisType\n"
-        "from jaxoverlap import _native\n"
+        "import native_shard\n"
         "mesh = jax.make_mesh((2,), ('tp',), axis_types=(AxisType.Auto,))\n"
-        "f = jax.shard_map(lambda x, w: _native.matmul_rs_shard(x, w, axis_name='tp',"
+        "f = jax.shard_map(lambda x, w: native_shard.matmul_rs(x, w, axis_name='tp',"
         " transport='p2p'), mesh=mesh, in_specs=(P(None, 'tp'), P('tp')), out_specs=P('tp'))\n"
         "jax.jit(f)(jnp.ones((4, 4)), jnp.ones((4, 2))).block_until_ready()\n"
     )
     env = dict(os.environ, JAXOVERLAP_LOG="debug",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stderr
     assert "plan:" in proc.stderr and "matmul_rs transport=p2p" in proc.stderr
 
 
 def test_info_and_transports():
-    assert _native.available()
-    assert _native.transports() == TRANSPORTS
-    info = _native.info()
+    assert capabilities.available()
+    assert capabilities.transports() == TRANSPORTS
+    info = capabilities.info()
     assert info["available"] and info["backends"]["cpu"]["transports"] == list(TRANSPORTS)
     assert "blas" in info["build"]
 
@@ -374,7 +376,7 @@ def test_partially_manual_shard_map_is_an_error_not_a_corruption():
     w = jnp.ones((8, 8), jnp.float32)
 
     def body(x, w):
-        return _native.ag_matmul_shard(x, w, axis_name="tp", axis=1, transport="p2p")
+        return native_shard.ag_matmul(x, w, axis_name="tp", axis=1, transport="p2p")
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
                               out_specs=P(None, None, "tp"), axis_names={"tp"}))
@@ -425,7 +427,7 @@ def test_exit_while_workers_still_run_is_clean():
     script = f"""
 import sys
 sys.path.insert(0, {tests!r})
-from jaxoverlap._runtime import load_host
+from jaxoverlap._native.runtime import load_host
 load_host()  # its BLAS, which the testing module's executor code links
 import testing_ext
 testing_ext.load().busy_worker(3.0)

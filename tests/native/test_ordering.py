@@ -30,8 +30,8 @@ import jax, jax.numpy as jnp, numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxoverlap import _native
-from jaxoverlap._runtime import load_host
+import native_shard
+from jaxoverlap._native.runtime import load_host
 
 def mesh_1d(n):
     return Mesh(np.array(jax.devices()[:n]), ("tp",), axis_types=(AxisType.Auto,))
@@ -102,11 +102,11 @@ def test_native_calls_next_to_independent_xla_collectives(transport):
         b1, b2 = rand(5, (n, 256)), rand(6, (n, 256))
 
         def body(x1, w1, x2, w2, b1, b2):
-            y1 = _native.ag_matmul_shard(x1, w1, axis_name="tp", axis=1,
-                                         transport="{transport}", timeout_s=20.0)
+            y1 = native_shard.ag_matmul(x1, w1, axis_name="tp", axis=1,
+                                        transport="{transport}", timeout_s=20.0)
             s1 = lax.psum(b1, "tp")
-            y2 = _native.matmul_rs_shard(x2, w2, axis_name="tp", axis=1,
-                                         transport="{transport}", timeout_s=20.0)
+            y2 = native_shard.matmul_rs(x2, w2, axis_name="tp", axis=1,
+                                        transport="{transport}", timeout_s=20.0)
             s2 = lax.psum(jnp.tanh(b2), "tp")
             return y1, s1, y2, s2
 
@@ -174,13 +174,13 @@ THREE_CALLS = {
     "ag_matmul": (
         "xs = [rand(10 + i, (2, n * 16, 64)) for i in range(3)]; w = rand(20, (64, n * 16)); "
         "zero = jnp.zeros((n, 2, 16, 64), jnp.float32)",
-        "_native.ag_matmul_shard(t, w, axis_name='tp', axis=1, transport=TRANSPORT, "
+        "native_shard.ag_matmul(t, w, axis_name='tp', axis=1, transport=TRANSPORT, "
         "timeout_s=20.0)",
         "(P(None, 'tp', None),) * 3 + (P(None, 'tp'), P('tp'))", "(P(None, None, 'tp'),) * 3"),
     "matmul_ar_one_shot": (
         "xs = [rand(10 + i, (1, 3, n * 8)) for i in range(3)]; w = rand(20, (n * 8, 32)); "
         "zero = jnp.zeros((n, 1, 3, 8), jnp.float32)",
-        "_native.matmul_ar_shard(t, w, axis_name='tp', transport=TRANSPORT, "
+        "native_shard.matmul_ar(t, w, axis_name='tp', transport=TRANSPORT, "
         "algorithm='one_shot', timeout_s=20.0)[None]",  # every rank's copy, stacked
         "(P(None, None, 'tp'),) * 3 + (P('tp', None), P('tp'))", "(P('tp'),) * 3"),
 }
@@ -245,8 +245,8 @@ def test_missing_peer_still_times_out_quickly_and_cleanly():
         w = jnp.ones((8, 4), jnp.float32)
         def make():
             return jax.jit(jax.shard_map(
-                lambda x, w: _native.ag_matmul_shard(absent(x, 2), w, axis_name="tp",
-                                                     axis=1, transport="p2p", timeout_s=0.5),
+                lambda x, w: native_shard.ag_matmul(absent(x, 2), w, axis_name="tp",
+                                                    axis=1, transport="p2p", timeout_s=0.5),
                 mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
                 out_specs=P(None, None, "tp")))
         f = make()

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from jaxoverlap._runtime import load_host
+from jaxoverlap._native.runtime import load_host
 
 from .schedule_check import (
     ScheduleError,

@@ -9,7 +9,9 @@
 #include <thread>
 
 #include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_kernels.h"
 #include "cuda/fake/fake_waits.h"
+#include "cuda/kernels.h"
 
 namespace jo::fake {
 
@@ -194,6 +196,7 @@ void Reset(const Config& config) {
   s.rng.seed(config.seed);
   ResetQueues();
   ResetWaits();
+  SetKernelImages(config.kernel_images ? *config.kernel_images : cuda::KernelImages());
 }
 
 std::vector<std::string> Errors() {
@@ -233,7 +236,6 @@ bool CheckRange(const void* p, size_t bytes, const char* what) {
   return CheckAccess(p, bytes, t_device, what);
 }
 
-int DeviceCc(int) { return S().config.cc_major; }
 int DeviceArch(int) { return S().config.cc_major * 10 + S().config.cc_minor; }
 
 cudaError_t StickyError(int device) {

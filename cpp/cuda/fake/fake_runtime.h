@@ -7,7 +7,9 @@
 // streams, events, copies, IPC), fake_driver.cc (driver entry points:
 // stream memory operations, virtual memory, multicast, shareable handles),
 // fake_nccl.cc, fake_cublaslt.cc, fake_kernels.cc (host equivalents of the
-// kernels); fake_internal.h is what they share.
+// kernels); fake_internal.h is what they share. What the tests drive is in
+// fake_harness.h (the executor and the fake reset together, calls played on
+// every rank) and fake_checks.h (the misuse suites).
 //
 // Model (everything under one lock; the "GPU" runs inside Drain(), and as
 // far as it can when the host polls or synchronises):
@@ -80,6 +82,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -113,6 +116,9 @@ struct Config {
   // Nonzero: the ranks' host threads (HostThread) pause for seeded random moments at
   // the fake's calls, so that they run at uneven speeds (another order per seed).
   uint64_t host_jitter = 0;
+  // What the fatbinary holds for each kernel family (fake_kernels.h,
+  // SetKernelImages); unset: what this build compiled.
+  std::optional<std::map<std::string, std::vector<std::string>>> kernel_images;
 };
 
 void Reset(const Config& config);  // forgets everything (no live objects may remain in use)
@@ -144,16 +150,12 @@ class HostThread {
 };
 // Whether functions are loaded lazily (after Reset; Config::module_loading).
 bool LazyLoading();
-// The deliberate misuses of the rules about host calls that wait for the GPU
-// (fake_waits.cc): check name -> the first error the fake recorded ("" for a control).
-std::map<std::string, std::string> WaitMisuseChecks();
 // Host memory of the fake device allocation (for the test driver).
 void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
 
 // For fake_kernels.cc.
 void Fail(const std::string& text);
 bool CheckRange(const void* p, size_t bytes, const char* what);
-int DeviceCc(int device);
 int DeviceArch(int device);  // compute capability major * 10 + minor
 int CurrentDevice();
 int StreamDevice(cudaStream_t stream);  // -1: unknown stream

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "cuda/driver.h"
+#include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/kernels.h"
 

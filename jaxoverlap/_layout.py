@@ -1,4 +1,7 @@
-"""Global-array entry: runs an op on global arrays when it is called outside ``shard_map``.
+"""Global layouts: where each op's global arrays live on the mesh, and how to get them there.
+
+The package's layout API: the ops on global arrays (``ops``, ``_global``, ``_partition``) and
+the Flax layers lay out their arrays with these names (``__all__``) and nothing else.
 
 Global layouts (``r`` the row dim ``axis``, ``..`` the pass-through dims,
 ``tp`` = ``axis_name``):
@@ -12,40 +15,37 @@ kind                x                       w               y
 ``matmul_ar`` (g)   ``[.., f:tp]``          ``[f:tp, n]``   ``[.., n]``
 ==================  ======================  ==============  =========================
 
-``matmul`` is Megatron's f around a plain matmul (``_megatron``); ``matmul_ar``
-(the GEMM fused with Megatron's g) is its transpose. Mesh
-axes that x carries on its pass-through dims (data parallel on a batch dim)
-stay there in the outputs; the parameters are gathered onto this layout
-(an FSDP axis on their other dim).
+``matmul`` is Megatron's f around a plain matmul (``_megatron``); ``matmul_ar`` (the GEMM fused
+with Megatron's g) is its transpose. Mesh axes that x carries on its pass-through dims (data
+parallel on a batch dim) stay there in the outputs; the parameters are gathered onto this
+layout (an FSDP axis on their other dim).
 
-Two mechanisms, picked by the mesh's axis types:
-
-* **Auto axes** (no Explicit or Manual axis; Shardy, JAX's default
-  partitioner): the op is a ``custom_partitioning`` primitive (``_partition``)
-  that takes part in sharding propagation, so a data or FSDP axis that only
-  XLA knows about passes through.
-* **Otherwise** (Explicit axes, whose types carry every layout): one
-  ``shard_map`` whose specs come from x's type; the inputs are resharded to
-  them first (``shard_map`` checks rather than reshards there).
+The mesh comes from ``mesh=``, else ``jax.set_mesh``'s, else the inputs' ``NamedSharding``
+(:func:`resolve_mesh`); its axis types decide how a call runs (:func:`uses_propagation`,
+``_global``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap._compat import context_mesh
-from jaxoverlap._config import Settings, current_config
+from jaxoverlap._plan import AG, AR, RS
 
-AG, RS, F, G = "ag_matmul", "matmul_rs", "matmul", "matmul_ar"
+__all__ = [
+    "AG", "AR", "F", "RS", "TRANSPOSE", "Call", "PerDevice", "check_shapes", "find_mesh",
+    "free_dims", "is_explicit", "layouts", "local_shapes", "open_layouts", "place",
+    "resolve_mesh", "spec_entries", "uses_propagation", "without_axis",
+]
+
+F = "matmul"  # Megatron's f around a plain matmul: the kind without an op of its own
 # The kind that computes each kind's input gradient (AG+GEMM <-> GEMM+RS, f <-> g).
-_TRANSPOSE = {AG: RS, RS: AG, F: G, G: F}
+TRANSPOSE = {AG: RS, RS: AG, F: AR, AR: F}
 
 
 # ---------------------------------------------------------------- the mesh
@@ -105,41 +105,40 @@ def uses_propagation(mesh) -> bool:
 # ---------------------------------------------------------------- the call and its layouts
 
 
+class PerDevice(Protocol):
+    """What a call runs on each device, on its local shards (``_local.LocalOp``), handed down
+    by the caller. Hashable: it travels in a static argument and may be traced later, when XLA
+    partitions the program."""
+
+    @property
+    def precision(self) -> Any: ...
+
+    def __call__(self, x, w, want_gathered: bool = False) -> Any: ...
+
+    def transposed(self) -> PerDevice: ...
+
+    def weight_grad(self, a, b, dtype) -> Any: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One call on global arrays, static and hashable: what runs on each device, and the layout.
+    """One call on global arrays, static and hashable: its layout, and what runs on each device.
 
-    ``axis`` is the row dim of ``ag_matmul`` / ``matmul_rs`` (None for f/g);
-    ``op_args`` the op's own keyword arguments (impl, chunks, ...);
-    ``precision`` the dot precision of f; ``settings`` and
-    ``matmul_precision`` the ``jo.config`` and ``jax.default_matmul_precision``
-    in force when the call was traced (the per-device function may be traced
-    later, when XLA partitions the program).
+    ``axis`` is the row dim of ``ag_matmul`` / ``matmul_rs`` (None for f/g); ``local`` is the
+    per-device function (None where only the layout is asked for).
     """
 
     kind: str
     axis_name: str
     ndim: int
     axis: int | None = None
-    op_args: tuple[tuple[str, Any], ...] = ()
-    precision: Any = None
-    settings: Settings | None = None
-    matmul_precision: str | None = None
+    local: PerDevice | None = None
 
     def transposed(self) -> Call:
         """The call computing this one's input gradient."""
-        return dataclasses.replace(self, kind=_TRANSPOSE[self.kind])
-
-
-def make_call(kind: str, axis_name: str, ndim: int, axis: int | None = None,
-              precision: Any = None, **op_args: Any) -> Call:
-    """A :class:`Call` that carries the settings in force now (trace time)."""
-    if isinstance(precision, list):
-        precision = tuple(precision)
-    return Call(kind=kind, axis_name=axis_name, ndim=ndim, axis=axis,
-                op_args=tuple(sorted(op_args.items())), precision=precision,
-                settings=current_config(),
-                matmul_precision=jax.config.jax_default_matmul_precision)
+        return dataclasses.replace(
+            self, kind=TRANSPOSE[self.kind],
+            local=self.local.transposed() if self.local is not None else None)
 
 
 def without_axis(entry: Any, name: Any) -> Any:
@@ -179,6 +178,31 @@ def layouts(call: Call, x_entries: tuple[Any, ...]) -> tuple[P, P, tuple[P, ...]
     return spec(at_last=tp), P(tp, None), (spec(),)
 
 
+def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
+    """x's and the outputs' layouts with the pass-through dims left to propagation."""
+    u = P.UNCONSTRAINED
+    x_spec, _, out_specs = layouts(call, (None,) * call.ndim)
+    free = free_dims(call)
+
+    def reopen(spec: P) -> P:
+        return P(*[e if d in free else u for d, e in enumerate(spec)])
+
+    return reopen(x_spec), tuple(reopen(s) for s in out_specs)
+
+
+def local_shapes(call: Call, x, w, n: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The shards of ``x`` and ``w`` on each device: their dims split over ``axis_name`` (of
+    size ``n``) divided, the pass-through dims as they are."""
+    x_spec, w_spec, _ = layouts(call, (None,) * call.ndim)
+
+    def shard(a, spec: P) -> jax.ShapeDtypeStruct:
+        shape = tuple(s // n if e == call.axis_name else s
+                      for s, e in zip(a.shape, spec, strict=True))
+        return jax.ShapeDtypeStruct(shape, a.dtype)
+
+    return shard(x, x_spec), shard(w, w_spec)
+
+
 def _check_divisible(op: str, name: str, size: int, n: int, axis_name: Any, what: str) -> None:
     if size % n:
         raise ValueError(
@@ -198,37 +222,7 @@ def check_shapes(call: Call, x, w, mesh) -> None:
         _check_divisible(op, "x.shape[-1]", x.shape[-1], n, tp, "contraction features")
 
 
-# ---------------------------------------------------------------- the two mechanisms
-
-
-def run(call: Call, mesh, x, w, *, want_gathered: bool = False):
-    """``call`` on global ``x``, ``w`` over ``mesh``.
-
-    Returns y, or (y, gathered x) for ``ag_matmul`` with ``want_gathered``.
-    """
-    check_shapes(call, x, w, mesh)
-    if uses_propagation(mesh):
-        from jaxoverlap import _partition
-
-        return _partition.call(call, mesh, x, w, want_gathered=want_gathered)
-    return _shard_mapped(call, mesh, x, w, want_gathered)
-
-
-def local_op(call: Call, want_gathered: bool) -> Callable:
-    """The op on local shards (``axis_name`` bound), as both mechanisms run it per device."""
-    from jaxoverlap import _megatron, ops
-
-    kw = dict(call.op_args, precision=call.precision)
-    if call.kind == AG:
-        return functools.partial(ops.ag_matmul, axis_name=call.axis_name, axis=call.axis,
-                                 return_gathered=want_gathered, **kw)
-    if call.kind == RS:
-        return functools.partial(ops.matmul_rs, axis_name=call.axis_name, axis=call.axis, **kw)
-    if call.kind == G:
-        return functools.partial(ops.matmul_ar, axis_name=call.axis_name, **kw)
-    # f (also the transpose of g, whose op_args it does not take): only the precision.
-    return functools.partial(_megatron.copy_matmul, axis_name=call.axis_name,
-                             precision=call.precision)
+# ---------------------------------------------------------------- placing arrays
 
 
 def spec_entries(a: Any, mesh: Mesh | AbstractMesh) -> tuple[Any, ...]:
@@ -247,15 +241,3 @@ def place(a: Any, mesh, spec: P):
     if is_explicit(mesh):
         return jax.reshard(a, NamedSharding(mesh, spec))
     return a
-
-
-def _shard_mapped(call: Call, mesh, x, w, want_gathered: bool):
-    x_spec, w_spec, out_specs = layouts(call, spec_entries(x, mesh))
-    out = out_specs if want_gathered else out_specs[0]
-    # The gathered x is the same on every rank of `axis_name`, but the type
-    # system cannot prove it for a gather built from ppermutes or a custom call,
-    # so that output is declared replicated with the check off.
-    fn = jax.shard_map(local_op(call, want_gathered), mesh=mesh, in_specs=(x_spec, w_spec),
-                       out_specs=out, check_vma=not want_gathered)
-    return fn(place(x, mesh, x_spec), place(w, mesh, w_spec))
-

@@ -41,33 +41,20 @@ def _module_name(module_context: Any) -> str:
     return mlir.ir.StringAttr(attributes["sym_name"]).value
 
 
-def site_key(ctx: Any, *, clique_key: int, platform: str, attributes: dict[str, Any]) -> int:
+def site_key(ctx: Any, attributes: dict[str, Any]) -> int:
     """The site key of the native call lowering in ``ctx`` (a nonzero signed 64-bit int).
 
-    ``attributes``: everything the call is besides its operands' types (op, axis, transport,
-    chunks, ...; not its timeout, which a process may set differently). Also tells the
-    platform's extension that this key lowered (its next instance belongs to a new program).
+    ``attributes``: everything the call is besides its operands' types, its clique key among
+    them (op, axis, transport, chunks, ...; not its timeout, which a process may set
+    differently).
     """
     avals = tuple((tuple(a.shape), str(a.dtype)) for a in ctx.avals_in[:2])
-    described = repr((_module_name(ctx.module_context), str(ctx.name_stack), int(clique_key),
-                      avals, sorted((k, repr(v)) for k, v in attributes.items())))
+    described = repr((_module_name(ctx.module_context), str(ctx.name_stack), avals,
+                      sorted((k, repr(v)) for k, v in attributes.items())))
     digest = hashlib.blake2b(described.encode(), digest_size=16).digest()
     with _lock:
         counts = ctx.module_context.cached_primitive_lowerings.setdefault(_ORDINALS, {})
         ordinal = counts.get(digest, 0)
         counts[digest] = ordinal + 1
     key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little"), digest_size=8).digest()
-    key = int.from_bytes(key_bytes, "little", signed=True) or 1
-    _note_lowering(platform, key)
-    return key
-
-
-def _note_lowering(platform: str, key: int) -> None:
-    """Tells the executor that ``key`` lowered: its next instance starts a new program."""
-    from jaxoverlap import _runtime
-
-    _runtime.load_host()._note_lowering(key)
-    if platform != "cpu":
-        from jaxoverlap import _cuda_caps
-
-        _cuda_caps.load_cuda()._note_lowering(key)
+    return int.from_bytes(key_bytes, "little", signed=True) or 1

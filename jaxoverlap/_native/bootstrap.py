@@ -17,8 +17,8 @@ Two layers:
   ``share_fds`` moves POSIX-fd handles.
 * ``ensure_host_clique``: the host executor's cliques spanning processes (protocol below).
 
-Host clique protocol (once per mesh-axis group per process, at trace time, from ``_native``;
-docs/multiprocess.md §3 has the whole story):
+Host clique protocol (once per mesh-axis group per process, when a call lowers: from the native
+primitive's lowering rule; docs/multiprocess.md §3 has the whole story):
 
 0. every other process publishes its pid under ``.../pid/<process>``;
 1. the leader (the process of rank 0) takes the next attempt number from an atomic counter in
@@ -57,6 +57,7 @@ import jax
 import numpy as np
 
 from jaxoverlap._config import timeout_ms
+from jaxoverlap._native import runtime
 
 NAMESPACE = "jaxoverlap/v1"
 
@@ -251,13 +252,11 @@ def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequen
     ``allow_empty``: a process may offer no fds (e.g. only the owner of a multicast object
     exports it); processes that offered none get no entry in the result.
     """
-    from jaxoverlap import _runtime
-
     if method not in ("socket", "pidfd"):
         raise ValueError(f"jaxoverlap: share_fds method={method!r}: use 'socket' or 'pidfd'")
     if not fds and not allow_empty:
         raise ValueError("jaxoverlap: share_fds needs at least one fd")
-    host = _runtime.load_host()
+    host = runtime.load_host()
     procs = _check_processes(processes)
     me = jax.process_index()
     deadline = time.monotonic() + timeout_s
@@ -330,21 +329,17 @@ def clique_id(clique_key: int, group: int) -> str:
 
 
 def setup_cliques(call: Any, timeout_s: float) -> None:
-    """Sets up every clique of ``call`` (a ``_native_call.NativeCall``) that spans processes and
-    has a rank here. Called when the call lowers, in every process; cliques whose ranks are all
+    """Sets up every clique of ``call`` (a ``call.NativeCall``) that spans processes and has
+    a rank here. Called when the call lowers, in every process; cliques whose ranks are all
     in one process need nothing (they are made at their first call)."""
     processes = np.array([r.process for r in call.ranks], np.int64)
     if call.platform == "cpu":
-        from jaxoverlap import _runtime
-
-        host = _runtime.load_host()
+        host = runtime.load_host()
         for group, ranks in enumerate(call.groups()):
             ensure_host_clique(host, call.clique_key, group, [r.process for r in ranks],
                                timeout_s)
     else:
-        from jaxoverlap import _cuda_caps
-
-        ensure_gpu_cliques(_cuda_caps.load_cuda(), call.clique_key, processes, call.axis_size,
+        ensure_gpu_cliques(runtime.load_cuda(), call.clique_key, processes, call.axis_size,
                            timeout_s)
 
 

@@ -1,0 +1,67 @@
+// What the tests drive (jaxoverlap._cuda_fake, which only binds this): the
+// CUDA executor and the fake reset together, and calls played on every rank
+// of a clique as XLA makes them. The misuse suites are in fake_checks.h.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/program.h"
+#include "core/status.h"
+#include "cuda/fake/fake_runtime.h"
+
+namespace jo::fake {
+
+// Forgets every clique, cache and verdict of the CUDA executor and the
+// played XLA streams (PlayCalls), then resets the fake to `config`; unless
+// the config says otherwise, time that passes while the fake's GPU is stuck
+// moves the watchdog's virtual clock (cuda/watchdog.h).
+void ResetExecutorAndFake(Config config);
+
+// Calls of one call site (one custom call of one executable) on every rank
+// of a clique, one host thread per rank as XLA has one per device, through
+// CudaSite::Enqueue — what the CUDA FFI handlers call — on a stream standing
+// for XLA's; then the fake's GPU runs the queued work (Drain).
+struct PlayedCalls {
+  // The canonical problem (core/program.h) without its rank; the call site's
+  // attributes follow from it (axis 0, the rank table below).
+  Problem problem;
+  std::vector<std::string> xs, ws;  // per rank: x and w, bytes in the problem's layout
+  std::vector<int64_t> devices;     // per rank: its device (ordinal in its played process)
+  // Per rank: the played process it belongs to (none: all in process 0). A
+  // clique spanning played processes is one clique object per process, as in
+  // distinct processes, and gets a played exchange per process (unless a test
+  // registered its own).
+  std::optional<std::vector<int64_t>> processes;
+  std::map<int32_t, std::string> hosts;  // the machine a played process pretends to run on
+  int64_t clique_key = 1;
+  // Per rank: the site key of a call site of its own, instantiated on the
+  // rank's thread as each process compiles its own program (equal keys: the
+  // same site). None: one call site of key clique_key shared by every rank.
+  std::optional<std::vector<int64_t>> site_keys;
+  int calls = 1;       // back-to-back calls per rank
+  int skew_rank = -1;  // this rank disagrees on the call (one more chunk)
+  int skip_rank = -1;  // this rank never makes the call
+  int64_t timeout_ms = 120000;
+  bool capture = false;  // XLA captures its streams into a CUDA graph (a command buffer)
+  // XLA's stream of every rank first waits for a flag the host raises only
+  // after the watchdog's clock moved on by hold_ms (earlier work the GPU is
+  // still busy with).
+  int64_t hold_ms = 0;
+};
+
+struct PlayedOutcome {
+  std::vector<std::string> ys;          // per rank: y, bytes
+  std::vector<std::string> x_gathered;  // per rank (ag_matmul with return_gathered)
+  std::vector<std::string> statuses;    // per rank: "" or the error text
+  bool drained = false;                 // false: the fake's GPU deadlocked
+};
+
+// InvalidArgument when the inputs do not fit the problem; the calls' own
+// failures are in the outcome's statuses.
+Status PlayCalls(const PlayedCalls& calls, PlayedOutcome* out);
+
+}  // namespace jo::fake

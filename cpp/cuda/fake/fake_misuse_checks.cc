@@ -1,0 +1,383 @@
+// The misuse suite of CUDA, cuBLASLt and NCCL (MisuseChecks) and the
+// watchdog's abort racing an enqueue (LeaseRace): fake_checks.h.
+#include <cublasLt.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/driver.h"
+#include "cuda/fake/fake_checks.h"
+#include "cuda/fake/fake_harness.h"
+#include "cuda/fake/fake_runtime.h"
+#include "cuda/nccl_comms.h"
+
+namespace jo::fake {
+
+Status LeaseRace(bool hold_lease, LeaseRaceOutcome* out) {
+  Config config;
+  config.devices = 2;
+  ResetExecutorAndFake(config);
+  cuda::ErrorContext ctx;
+  ctx.op = "lease_race";
+  ncclUniqueId id{};
+  ncclGetUniqueId(&id);
+  cuda::NcclComms comms;
+  const Status made = comms.Create(
+      {0, 1}, id, std::chrono::steady_clock::now() + std::chrono::seconds(10), "test", ctx);
+  if (!made.ok()) return Internal("lease_race: NcclComms::Create failed: " + made.message());
+  std::mutex mu;
+  std::condition_variable cv;
+  int stage = 0;  // 1: the enqueue thread has its communicators; 2: Abort returned
+  auto wait_for = [&](int s) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return stage >= s; });
+  };
+  auto reach = [&](int s) {
+    std::lock_guard<std::mutex> lock(mu);
+    stage = s;
+    cv.notify_all();
+  };
+  int64_t aborts_when_abort_returned = 0;
+  std::thread enqueue([&] {
+    cuda::NcclComms::Lease lease;
+    if (!comms.Acquire(0, ctx, &lease).ok()) return reach(1);
+    const std::vector<ncclComm_t> mine = lease.ForStreams(3);
+    if (!hold_lease) lease.Drop();
+    reach(1);
+    wait_for(2);
+    cudaSetDevice(0);
+    for (ncclComm_t comm : mine) {
+      ncclResult_t state = ncclSuccess;
+      if (comm != nullptr) (void)ncclCommGetAsyncError(comm, &state);
+    }
+    lease.Drop();
+  });
+  wait_for(1);
+  std::thread watchdog([&] {
+    comms.Abort();  // starts the aborts on threads of their own: await them here
+    (void)comms.AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    aborts_when_abort_returned = Counters()["ncclCommAbort"];
+  });
+  watchdog.join();
+  reach(2);
+  enqueue.join();
+  (void)comms.AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  cuda::NcclComms::Lease again;
+  const Status late = comms.Acquire(0, ctx, &again);
+  out->aborts_when_abort_returned = aborts_when_abort_returned;
+  out->aborts_at_end = Counters()["ncclCommAbort"];
+  out->acquire_after_abort = late.ok() ? std::string() : late.message();
+  out->errors = Errors();
+  return OkStatus();
+}
+
+std::map<std::string, std::string> MisuseChecks() {
+  std::map<std::string, std::string> out;
+  auto check = [&](const std::string& name, auto&& body, int connections = 8) {
+    Config config;
+    config.devices = 4;
+    config.fabric = true;
+    config.connections = connections;
+    ResetExecutorAndFake(config);
+    cudaSetDevice(0);
+    body();
+    Drain();
+    const auto errors = Errors();
+    out[name] = errors.empty() ? "" : errors.front();
+  };
+  auto stream_on = [](int device) {
+    cudaSetDevice(device);
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    return s;
+  };
+  check("unmodeled cuBLASLt attribute", [] {
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    const int32_t epilogue = CUBLASLT_EPILOGUE_RELU;
+    cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue));
+  });
+  // A valid 4x4 f32 GEMM set-up, then one thing changed.
+  auto gemm = [&](int32_t order, int64_t ld_d, bool misalign, bool c_differs) {
+    cudaStream_t s = stream_on(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatrixLayout_t la, lb, lc, ldd;
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, 4, 4, 4);
+    cublasLtMatrixLayoutCreate(&ldd, CUDA_R_32F, 4, 4, ld_d);
+    cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_ORDER, &order, sizeof(order));
+    cublasLtMatmulPreference_t p = nullptr;
+    cublasLtMatmulPreferenceCreate(&p);
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, d, la, lb, lc, ldd, p, 1, &r, &found);
+    float* a = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
+    float* c = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
+    float* dst = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
+    const float one = 1.0f;
+    cublasLtMatmul(h, d, &one, misalign ? a + 1 : a, la, a, lb, &one, c_differs ? c : dst, lc, dst,
+                   ldd, &r.algo, nullptr, 0, s);
+  };
+  check("row-major layout", [&] { gemm(CUBLASLT_ORDER_ROW, 4, false, false); });
+  check("leading dim below rows", [&] { gemm(CUBLASLT_ORDER_COL, 2, false, false); });
+  check("misaligned pointer", [&] { gemm(CUBLASLT_ORDER_COL, 4, true, false); });
+  check("C != D with different layouts", [&] { gemm(CUBLASLT_ORDER_COL, 8, false, true); });
+  // A valid batched 4x4 f32 GEMM promising `align` bytes for every matrix, B's batch
+  // stride `b_stride` elements: the promise must hold for leading dims and strides too.
+  auto batched = [&](uint32_t align, int64_t b_stride) {
+    cudaStream_t s = stream_on(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatrixLayout_t l[4];
+    const int32_t batch = 2;
+    for (int i = 0; i < 4; ++i) {
+      cublasLtMatrixLayoutCreate(&l[i], CUDA_R_32F, 4, 4, 4);
+      const int64_t stride = i == 1 ? b_stride : 16;
+      cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                       sizeof(batch));
+      cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                       sizeof(stride));
+    }
+    cublasLtMatmulPreference_t p = nullptr;
+    cublasLtMatmulPreferenceCreate(&p);
+    for (auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, d, l[0], l[1], l[2], l[3], p, 1, &r, &found);
+    float* a = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
+    float* dst = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
+    const float one = 1.0f;
+    cublasLtMatmul(h, d, &one, a, l[0], a, l[1], &one, dst, l[2], dst, l[3], &r.algo, nullptr, 0,
+                   s);
+  };
+  check("leading dim less aligned than promised", [&] { batched(32, 16); });
+  check("batch stride less aligned than promised", [&] { batched(16, 17); });
+  check("cublasLt tf32 with bf16", [&] {
+    cudaStream_t s = stream_on(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F_FAST_TF32, CUDA_R_32F);
+    cublasLtMatrixLayout_t l[4];
+    for (auto& layout : l) cublasLtMatrixLayoutCreate(&layout, CUDA_R_16BF, 4, 4, 4);
+    cublasLtMatmulPreference_t p = nullptr;
+    cublasLtMatmulPreferenceCreate(&p);
+    cublasLtMatmulHeuristicResult_t r{};
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, d, l[0], l[1], l[2], l[3], p, 1, &r, &found);
+    void* a = Malloc(0, 64 * sizeof(float));
+    void* dst = Malloc(0, 64 * sizeof(float));
+    const float one = 1.0f, zero = 0.0f;
+    cublasLtMatmul(h, d, &one, a, l[0], a, l[1], &zero, dst, l[2], dst, l[3], &r.algo, nullptr, 0,
+                   s);
+  });
+  check("copy out of range", [&] {
+    cudaStream_t s = stream_on(0);
+    void* a = Malloc(0, 64);
+    void* b = Malloc(0, 64);
+    cudaMemcpyAsync(static_cast<char*>(b) + 32, a, 64, cudaMemcpyDefault, s);
+  });
+  check("peer copy without peer access", [&] {
+    cudaStream_t s = stream_on(0);
+    void* a = Malloc(0, 64);
+    void* b = Malloc(1, 64);
+    cudaMemcpyAsync(b, a, 64, cudaMemcpyDefault, s);
+  });
+  check("wait on an event never recorded", [&] {
+    cudaStream_t s = stream_on(0);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaStreamWaitEvent(s, e, 0);
+  });
+  check("flag never raised (deadlock)", [&] {
+    const cuda::DriverApi* drv = nullptr;
+    (void)cuda::LoadDriver(&drv);
+    cudaStream_t s = stream_on(0);
+    void* flag = Malloc(0, 4);
+    if (drv != nullptr)
+      drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
+                               1, CU_STREAM_WAIT_VALUE_GEQ);
+  });
+  check("wait with FLUSH where remote writes cannot be flushed", [&] {
+    const cuda::DriverApi* drv = nullptr;
+    (void)cuda::LoadDriver(&drv);
+    cudaStream_t s = stream_on(0);
+    void* flag = Malloc(0, 4);
+    if (drv != nullptr)
+      drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
+                               0, CU_STREAM_WAIT_VALUE_GEQ | CU_STREAM_WAIT_VALUE_FLUSH);
+  });
+  check("mismatched send/recv sizes", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    cudaStream_t s0 = stream_on(0), s1 = stream_on(1);
+    void* a = Malloc(0, 64);
+    void* b = Malloc(1, 64);
+    cudaSetDevice(0);
+    ncclSend(a, 16, ncclFloat32, 1, comms[0], s0);
+    cudaSetDevice(1);
+    ncclRecv(b, 8, ncclFloat32, 0, comms[1], s1);
+  });
+  check("multicast address outside a multimem kernel", [&] {
+    const cuda::DriverApi* drv = nullptr;
+    (void)cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    CUmulticastObjectProp prop{};
+    prop.numDevices = 1;
+    prop.size = size_t{2} << 20;
+    CUmemGenericAllocationHandle mc = 0;
+    drv->cuMulticastCreate(&mc, &prop);
+    CUdeviceptr va = 0;
+    drv->cuMemAddressReserve(&va, prop.size, 0, 0, 0);
+    drv->cuMemMap(va, prop.size, 0, mc, 0);
+    cudaStream_t s = stream_on(0);
+    void* a = Malloc(0, 64);
+    cudaMemcpyAsync(reinterpret_cast<void*>(va), a, 64, cudaMemcpyDefault, s);
+  });
+  check("IPC mapping touched by a device that did not open it", [&] {
+    void* a = Malloc(0, 64);
+    cudaIpcMemHandle_t handle{};
+    cudaIpcGetMemHandle(&handle, a);
+    cudaSetDevice(1);
+    void* mapped = nullptr;
+    cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
+    cudaStream_t s = stream_on(2);
+    void* b = Malloc(2, 64);
+    cudaMemcpyAsync(b, mapped, 64, cudaMemcpyDefault, s);
+  });
+  check("cuMemMap mapping touched without cuMemSetAccess", [&] {
+    const cuda::DriverApi* drv = nullptr;
+    (void)cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_FABRIC;
+    const size_t bytes = size_t{2} << 20;
+    CUmemGenericAllocationHandle h = 0, imported = 0;
+    drv->cuMemCreate(&h, bytes, &prop, 0);
+    CUmemFabricHandle fabric{};
+    drv->cuMemExportToShareableHandle(&fabric, h, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+    drv->cuMemImportFromShareableHandle(&imported, &fabric, CU_MEM_HANDLE_TYPE_FABRIC);
+    CUdeviceptr va = 0;
+    drv->cuMemAddressReserve(&va, bytes, 0, 0, 0);
+    drv->cuMemMap(va, bytes, 0, imported, 0);
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = 1;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    drv->cuMemSetAccess(va, bytes, &desc, 1);  // device 1 only
+    cudaStream_t s = stream_on(2);
+    void* b = Malloc(2, 64);
+    cudaMemcpyAsync(b, reinterpret_cast<void*>(va), 64, cudaMemcpyDefault, s);
+  });
+  // Two streams of one device share its only work queue (CUDA_DEVICE_MAX_CONNECTIONS=1):
+  // the wait enqueued first blocks the write behind it that would satisfy it.
+  auto wait_then_write = [&] {
+    const cuda::DriverApi* drv = nullptr;
+    (void)cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    cudaStream_t waits = stream_on(0), writes = stream_on(0);
+    void* flag = Malloc(0, 4);
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(waits), reinterpret_cast<CUdeviceptr>(flag),
+                             1, CU_STREAM_WAIT_VALUE_GEQ);
+    drv->cuStreamWriteValue32(reinterpret_cast<CUstream>(writes),
+                              reinterpret_cast<CUdeviceptr>(flag), 1,
+                              CU_STREAM_WRITE_VALUE_DEFAULT);
+  };
+  check("blocked wait holds up its work queue", wait_then_write, 1);
+  check("blocked wait, one work queue per stream (control)", wait_then_write, 8);
+  // One communicator on two streams: rank 0 issues a receive on stream A,
+  // then a send on stream B; rank 1 the same. Concurrent streams would
+  // complete; NCCL serialises a communicator, so each receive waits for a
+  // send the peer issued after its own receive.
+  check("one communicator on two streams", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    for (int r = 0; r < 2; ++r) {
+      cudaStream_t a = stream_on(r), b = stream_on(r);
+      void* in = Malloc(r, 64);
+      void* out = Malloc(r, 64);
+      cudaSetDevice(r);
+      ncclRecv(in, 16, ncclFloat32, 1 - r, comms[r], a);
+      ncclSend(out, 16, ncclFloat32, 1 - r, comms[r], b);
+    }
+  });
+  check("handler returns with a forked stream not joined", [&] {
+    cudaStream_t xla = stream_on(0), side = stream_on(0);
+    cudaEvent_t fork = nullptr;
+    cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+    void* a = Malloc(0, 64);
+    void* b = Malloc(0, 64);
+    BeginHandler(xla);
+    cudaEventRecord(fork, xla);
+    cudaStreamWaitEvent(side, fork, 0);
+    cudaMemcpyAsync(b, a, 64, cudaMemcpyDefault, side);  // ... and no join back into xla
+    EndHandler(xla, "a deliberately broken handler");
+  });
+  check("communicator used after ncclCommAbort", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    cudaStream_t s = stream_on(0);
+    void* a = Malloc(0, 64);
+    ncclCommAbort(comms[0]);  // as a watchdog would, from another thread
+    cudaSetDevice(0);
+    ncclSend(a, 16, ncclFloat32, 1, comms[0], s);
+  });
+  check("non-blocking communicator destroyed without finalize", [&] {
+    ncclUniqueId id{};
+    ncclGetUniqueId(&id);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    cudaSetDevice(0);
+    ncclCommInitRankConfig(&comm, 1, id, 0, &config);
+    ncclResult_t state = ncclInProgress;
+    while (state == ncclInProgress) ncclCommGetAsyncError(comm, &state);
+    ncclCommDestroy(comm);
+  });
+  check("host query of an event recorded in a stream capture", [&] {
+    cudaStream_t s = stream_on(0);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    cudaEventRecord(e, s);
+    (void)cudaEventQuery(e);
+  });
+  check("device synchronisation behind a wait that never ends", [&] {
+    const cuda::DriverApi* drv = nullptr;
+    (void)cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    cudaStream_t s = stream_on(0);
+    void* flag = Malloc(0, 4);
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
+                             CU_STREAM_WAIT_VALUE_GEQ);
+    (void)cudaDeviceSynchronize();
+  });
+  ResetExecutorAndFake(Config());
+  return out;
+}
+
+}  // namespace jo::fake

@@ -1,0 +1,44 @@
+"""Global arrays: a call made outside ``shard_map`` runs its per-device function on every device.
+
+The caller hands down a :class:`~jaxoverlap._layout.Call`: the layout of its arrays
+(``_layout``) and the function each device runs on its shards (``call.local``, the op on local
+shards that the public ops run inside ``shard_map`` too). This module never calls back up into
+the public ops. Two mechanisms, picked by the mesh's axis types:
+
+* **Auto axes** (no Explicit or Manual axis; Shardy, JAX's default partitioner): the op is a
+  ``custom_partitioning`` primitive (``_partition``) that takes part in sharding propagation,
+  so a data or FSDP axis that only XLA knows about passes through.
+* **Otherwise** (Explicit axes, whose types carry every layout): one ``shard_map`` whose specs
+  come from x's type; the inputs are resharded to them first (``shard_map`` checks rather than
+  reshards there).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxoverlap import _partition
+from jaxoverlap._layout import Call, check_shapes, layouts, place, spec_entries, uses_propagation
+
+
+def run(call: Call, mesh, x, w, *, want_gathered: bool = False):
+    """``call`` on global ``x``, ``w`` over ``mesh``.
+
+    Returns y, or (y, gathered x) for ``ag_matmul`` with ``want_gathered``.
+    """
+    assert call.local is not None, call
+    check_shapes(call, x, w, mesh)
+    if uses_propagation(mesh):
+        return _partition.call(call, mesh, x, w, want_gathered=want_gathered)
+    return _shard_mapped(call, mesh, x, w, want_gathered)
+
+
+def _shard_mapped(call: Call, mesh, x, w, want_gathered: bool):
+    x_spec, w_spec, out_specs = layouts(call, spec_entries(x, mesh))
+    out = out_specs if want_gathered else out_specs[0]
+    # The gathered x is the same on every rank of `axis_name`, but the type
+    # system cannot prove it for a gather built from ppermutes or a custom call,
+    # so that output is declared replicated with the check off.
+    fn = jax.shard_map(lambda x, w: call.local(x, w, want_gathered), mesh=mesh,
+                       in_specs=(x_spec, w_spec), out_specs=out, check_vma=not want_gathered)
+    return fn(place(x, mesh, x_spec), place(w, mesh, w_spec))

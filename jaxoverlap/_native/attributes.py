@@ -1,0 +1,107 @@
+"""The custom call's attributes: one schema, and the one function that makes them.
+
+Every attribute the handlers bind is one entry of :data:`SCHEMA`, in the order of the C++
+struct that decodes them (``CallAttrs`` in ``cpp/ffi/ffi_call.h``, whose
+``XLA_FFI_REGISTER_STRUCT_ATTR_DECODING`` list initialises its members in that order): its
+name, its C++ type (the attribute is made with exactly that type: XLA's decoding checks it) and
+how its value comes from the call's plan (``_plan.OpPlan``), its description
+(``call.NativeCall``: the resolved transport, the clique key and the rank table) and x's
+abstract value — but for the site key, which says what the call is (``site_key``) and is made
+from the others and from where the call lowers. :func:`attributes` is the only place a value is
+made;
+``tests/native/test_attributes.py`` holds the C++ struct and docs/native.md §6 to this schema.
+Adding an attribute is one entry here and one member of ``CallAttrs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoverlap import _precision
+from jaxoverlap._config import timeout_ms
+from jaxoverlap._native import capabilities, site_key
+from jaxoverlap._native.call import NativeCall
+from jaxoverlap._plan import AR_ALGORITHMS, OPS, OpPlan
+
+# The C++ member types an attribute may have, and how its Python value is made exactly so.
+ENCODERS: dict[str, Callable[[Any], Any]] = {
+    "int32_t": np.int32,
+    "int64_t": np.int64,
+    "bool": bool,
+    "ffi::Span<const int64_t>": lambda v: np.asarray(v, np.int64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Attribute:
+    """One attribute: its name, its C++ type in ``CallAttrs``, what it means (docs/native.md
+    §6 says the same), and its value for a call (None: the site key, made from the others).
+    ``names_site``: part of what the call is, which its site key hashes — not the timeout, which
+    a process may set differently, nor the rank table: the clique key names it, and a device of
+    another process has no local ordinal here (JAX gives it none on CPU)."""
+
+    name: str
+    ctype: str
+    meaning: str
+    value: Callable[[OpPlan, NativeCall, Any], Any] | None
+    names_site: bool = True
+
+
+def _tf32(plan: OpPlan, x) -> bool:
+    """May float32 GEMMs use TF32? The plan's precision allows it (the primitive is bound with
+    its precision resolved, so JAX's default where the program lowers does not count) and x is
+    float32."""
+    return _precision.allows_tf32(plan.precision) and jnp.dtype(x.dtype) == jnp.float32
+
+
+SCHEMA: tuple[Attribute, ...] = (
+    Attribute("op", "int32_t", "0 ag_matmul, 1 matmul_rs, 2 matmul_ar",
+              lambda plan, call, x: OPS.index(plan.op)),
+    Attribute("clique_key", "int64_t", "the call's clique, the same in every process",
+              lambda plan, call, x: call.clique_key),
+    Attribute("site_key", "int64_t", "the call site: what the call is and where in its program, "
+              "the same in every process (§4); never 0", None),
+    Attribute("axis", "int64_t", "x's sharded row dim (matmul_ar: 0; its rows are all dims "
+              "but the last)", lambda plan, call, x: plan.axis),
+    Attribute("axis_size", "int64_t", "N, the number of ranks of the mesh axis",
+              lambda plan, call, x: plan.axis_size),
+    Attribute("transport", "int32_t", "0 nccl, 1 p2p, 2 multicast",
+              lambda plan, call, x: capabilities.transports().index(call.transport)),
+    Attribute("chunks", "int64_t", "sub-chunks per shard (matmul_ar: per block)",
+              lambda plan, call, x: plan.chunks),
+    Attribute("bidirectional", "bool", "both directions of the ring",
+              lambda plan, call, x: plan.bidirectional),
+    Attribute("tf32", "bool", "float32 GEMMs may use TF32 (the precision allows it; false "
+              "for half types)", lambda plan, call, x: _tf32(plan, x)),
+    Attribute("algorithm", "int32_t", "matmul_ar: 0 two-shot, 1 one-shot; 0 for the others",
+              lambda plan, call, x: AR_ALGORITHMS.index(plan.algorithm)),
+    Attribute("timeout_ms", "int64_t", "milliseconds any wait of the call may take",
+              lambda plan, call, x: timeout_ms(plan.timeout_s), names_site=False),
+    Attribute("processes", "ffi::Span<const int64_t>", "the rank table, in (group, rank) "
+              "order: each rank's process", lambda plan, call, x: [r.process for r in call.ranks],
+              names_site=False),
+    Attribute("device_ids", "ffi::Span<const int64_t>", "each rank's global device id (JAX's)",
+              lambda plan, call, x: [r.device_id for r in call.ranks], names_site=False),
+    Attribute("ordinals", "ffi::Span<const int64_t>", "each rank's local device ordinal",
+              lambda plan, call, x: [r.ordinal for r in call.ranks], names_site=False),
+)
+
+
+def attributes(plan: OpPlan, call: NativeCall, ctx) -> dict[str, Any]:
+    """The custom call's attributes for ``plan``, described by ``call``, lowering in ``ctx``
+    (the lowering rule's context; x is its first operand): one per :data:`SCHEMA` entry, in its
+    order, each of its exact C++ type. The site key comes last: a hash of the attributes that
+    name the site, the axis name, whether x_gathered is returned and where the call lowers."""
+    x = ctx.avals_in[0]
+    made = {a.name: ENCODERS[a.ctype](a.value(plan, call, x)) for a in SCHEMA
+            if a.value is not None}
+    what = {a.name: made[a.name] for a in SCHEMA if a.value is not None and a.names_site}
+    what.update(axis_name=plan.axis_name, return_gathered=len(ctx.avals_out) > 1)
+    key = site_key.site_key(ctx, what)
+    made.update({a.name: ENCODERS[a.ctype](key) for a in SCHEMA if a.value is None})
+    return {a.name: made[a.name] for a in SCHEMA}

@@ -1,0 +1,191 @@
+"""The native impl: one JAX primitive, lowered to the XLA FFI custom calls of the executors.
+
+``ag_matmul`` / ``matmul_rs`` / ``matmul_ar`` run on local shards inside ``jax.shard_map``
+(argument checks are the public ops' job; this module only asserts its own invariants). They
+bind one primitive with the call's plan (``_plan.OpPlan``) as its parameter; its lowering rule
+is where a native call gets its identity: it reads the concrete mesh from the lowering context
+(the mesh ``shard_map`` lowers for, known there even when the trace saw only the abstract
+mesh), describes the call once (``call``: rank table, clique, transport), registers the
+platform's handlers (``runtime``), sets up cliques spanning processes (``bootstrap``) and emits
+the custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host executor;
+``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``, among
+them its site key: what the call is, the same in every process (``site_key``).
+docs/native.md follows one call through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+from jax._src.interpreters import mlir
+from jax.interpreters import batching
+
+from jaxoverlap import _precision
+from jaxoverlap._compat import varying_axes, with_varying
+from jaxoverlap._native import bootstrap, capabilities, runtime
+from jaxoverlap._native.attributes import attributes
+from jaxoverlap._native.call import describe
+from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
+
+_TARGETS = {
+    "cpu": {op: f"jaxoverlap_{op}" for op in OPS},
+    "cuda": {op: f"jaxoverlap_cuda_{op}" for op in OPS},
+}
+
+# ---------------------------------------------------------------- the primitive
+
+native_p = core.Primitive("jaxoverlap_native")
+native_p.multiple_results = True
+
+
+def _abstract_eval(x, w, coords, *, plan: OpPlan, return_gathered: bool):
+    # The results vary over the same manual axes as x (an x_gathered too, although every rank
+    # holds the same values: the type system cannot prove it); matmul_ar's sum is the same on
+    # every rank of axis_name, as psum's.
+    shape = list(x.shape)
+    if plan.op == AR:
+        y = x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)
+        return [with_varying(y, (varying_axes(x) | varying_axes(w)) - {plan.axis_name})]
+    if plan.op == AG:
+        shape[plan.axis] *= plan.axis_size
+        outs = [x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)]
+        if return_gathered:
+            outs.append(x.update(shape=tuple(shape), dtype=x.dtype))
+        return outs
+    assert shape[plan.axis] % plan.axis_size == 0, (x.shape, plan)
+    shape[plan.axis] //= plan.axis_size
+    shape[-1] = w.shape[1]
+    return [x.update(shape=tuple(shape), dtype=x.dtype)]
+
+
+native_p.def_abstract_eval(_abstract_eval)
+
+
+def _batch(args, dims, **params):
+    """vmap: one native call per batch element, in order (a collective cannot fuse them)."""
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True)
+                if d is not batching.not_mapped)
+    front = [jnp.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped
+             else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
+    outs = lax.map(lambda xw: tuple(native_p.bind(*xw, **params)), tuple(front))
+    return list(outs), [0] * len(outs)
+
+
+batching.primitive_batchers[native_p] = _batch
+
+
+def _lowering_mesh(ctx, axis_name: str, platform: str):
+    """The mesh this call lowers for, from the shard_map's lowering context: the one place the
+    native path learns which device is which rank. It is concrete whenever the shard_map got a
+    concrete mesh (or jax.set_mesh is active); an abstract one will do only for a CPU call in
+    one process (its handler then places itself by its coords operand)."""
+    mesh = ctx.module_context.axis_context.mesh
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    if platform != "cpu" or jax.process_count() > 1:
+        raise ValueError(
+            f"jaxoverlap native ops {'on GPU' if platform != 'cpu' else 'across processes'} need "
+            f"the concrete mesh where the program lowers, to know which device (and process) is "
+            f"which rank of {axis_name!r}: give jax.shard_map a concrete jax.sharding.Mesh, pass "
+            f"the ops mesh=..., or lower inside `with jax.set_mesh(mesh):`")
+    return mesh
+
+
+def _lower(ctx, x, w, coords, *, plan: OpPlan, return_gathered: bool):
+    del return_gathered  # the results say it
+    platforms = tuple(ctx.module_context.platforms)
+    if len(platforms) != 1:
+        raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "
+                         f"{platforms}")
+    platform = "cuda" if platforms[0] in capabilities.GPU_PLATFORMS else platforms[0]
+    if platform not in _TARGETS:
+        raise ValueError(capabilities.unavailable_reason(platform, jnp.float32))
+    call = describe(_lowering_mesh(ctx, plan.axis_name, platform), plan.axis_name, platform,
+                    plan.transport, plan.preferred, jax.process_index())
+    assert call.axis_size == plan.axis_size, (call.axis_size, plan.axis_size)
+    runtime.register(platform)
+    if call.spans_processes:
+        bootstrap.setup_cliques(call, plan.timeout_s)
+    rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False)
+    operands = [x, w, coords]
+    if platform != "cpu":  # the GPU handler finds its rank in the table, never in device memory
+        operands, ctx = operands[:2], ctx.replace(avals_in=ctx.avals_in[:2])
+    attrs = attributes(plan, call, ctx)
+    # Its next instance in XLA belongs to a new program (cpp/core/call.h, CallSite).
+    runtime.note_lowering(platform, int(attrs["site_key"]))
+    return rule(ctx, *operands, **attrs)
+
+
+# Not cached: every native call of a program lowers on its own and gets its own site key
+# (site_key.py), even when its operands' types and attributes equal another's.
+mlir.register_lowering(native_p, _lower, cacheable=False)
+
+
+# ---------------------------------------------------------------- binding
+
+
+def _check_manual(axis_name: str) -> None:
+    """Every mesh axis of size > 1 must be manual: else devices that differ only in an
+    automatic axis would share one (rank, group) of the clique."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    assert axis_name in manual, f"{axis_name!r} is not a manual axis of {mesh.axis_names}"
+    auto = [a for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
+            if a not in manual and s > 1]
+    if auto:
+        raise ValueError(
+            f"jaxoverlap native ops need every mesh axis of size > 1 to be manual in the "
+            f"enclosing shard_map; mesh axes {auto} are not (pass axis_names covering all "
+            f"axes, or omit axis_names)")
+
+
+def _coords(axis_name: str):
+    """(rank, group) of this device from lax.axis_index: where a CPU call sits when its mesh
+    is abstract where it lowers (group: the linear index over the other mesh axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    group = jnp.int32(0)
+    for name, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True):
+        if name != axis_name and name in set(mesh.manual_axes):  # the others have size 1
+            group = group * size + lax.axis_index(name)
+    return jnp.stack([lax.axis_index(axis_name).astype(jnp.int32), group.astype(jnp.int32)])
+
+
+def _bind(x, w, plan: OpPlan, return_gathered: bool = False):
+    assert plan.impl == "native", plan
+    assert x.dtype == w.dtype and x.dtype in capabilities.DTYPES, (x.dtype, w.dtype)
+    assert plan.axis_size == lax.axis_size(plan.axis_name), (plan, lax.axis_size(plan.axis_name))
+    _check_manual(plan.axis_name)
+    # The precision the GEMMs use, resolved now: None defers to JAX's default matmul precision,
+    # which is the one in force here, not where the program lowers.
+    plan = dataclasses.replace(plan, precision=_precision.effective(plan.precision))
+    return native_p.bind(x, w, _coords(plan.axis_name), plan=plan,
+                         return_gathered=bool(return_gathered))
+
+
+def ag_matmul(x, w, plan: OpPlan, return_gathered: bool = False):
+    """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards: y, or
+    (y, x_gathered) when ``return_gathered``."""
+    assert plan.op == AG, plan
+    out = _bind(x, w, plan, return_gathered)
+    return (out[0], out[1]) if return_gathered else out[0]
+
+
+def matmul_rs(x, w, plan: OpPlan):
+    """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local
+    shards."""
+    assert plan.op == RS, plan
+    (y,) = _bind(x, w, plan)
+    return y
+
+
+def matmul_ar(x, w, plan: OpPlan):
+    """``psum(x @ w, axis_name)`` on local shards; the result is typed invariant over
+    ``axis_name`` (as psum's). Two-shot splits the rows (every dim of x but the last) into
+    ``axis_size`` blocks, one-shot takes any number of rows."""
+    assert plan.op == AR and plan.axis == 0, plan
+    (y,) = _bind(x, w, plan)
+    return y
