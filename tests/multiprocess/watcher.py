@@ -12,7 +12,9 @@ namespace, hence no ptrace access to the job's (which hold capabilities it lacks
 over, it tries
 
 * every name in /dev/shm that was not there when it started, and every name with "jaxoverlap",
-  opened read-write;
+  opened read-write — but the names of other test jobs running on this machine at the same time
+  (with a harness tag, ``jotest<pid>x<run>``, that is not this job's ``JAXOVERLAP_SHM_TAG``):
+  they cannot be this job's, whose names would carry its tag or none;
 * /proc/<pid>/fd/* (the memfds), /proc/<pid>/map_files/* (the mappings) and /proc/<pid>/mem of
   each job process, and pidfd_getfd on their fds;
 * every abstract Unix socket named like the job's fd servers, asking for fds.
@@ -26,6 +28,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 import select
 import socket
 import struct
@@ -62,6 +65,7 @@ class Report:
         self.opened: dict[str, str] = {}  # path -> how
         self.tries: dict[str, int] = {}
         self.refusals: dict[str, str] = {}
+        self.others: set[str] = set()  # names of other test jobs, left alone
 
     def tried(self, kind: str, error: OSError | None = None) -> None:
         self.tries[kind] = self.tries.get(kind, 0) + 1
@@ -83,9 +87,20 @@ def try_open(report: Report, kind: str, path: str, flags: int = os.O_RDWR) -> No
     os.close(fd)
 
 
+# The tag the test harness gives each job it runs (harness.py), in every name that job makes.
+HARNESS_TAG = re.compile(r"jotest\d+x\d+")
+
+
+def another_jobs(name: str) -> bool:
+    """Does ``name`` carry the harness tag of another test job than this one?"""
+    return any(tag != os.environ.get("JAXOVERLAP_SHM_TAG") for tag in HARNESS_TAG.findall(name))
+
+
 def scan_dev_shm(report: Report, before: set[str]) -> None:
     for name in os.listdir("/dev/shm"):
-        if name not in before or "jaxoverlap" in name:
+        if another_jobs(name):
+            report.others.add(name)
+        elif name not in before or "jaxoverlap" in name:
             try_open(report, "dev_shm", f"/dev/shm/{name}")
 
 
@@ -175,7 +190,8 @@ def main() -> int:
     sys.stdin.readline()
     print(json.dumps({
         "opened": report.opened, "tries": report.tries, "refusals": report.refusals,
-        "sockets": sorted(sockets), "rounds": rounds, "seconds": time.monotonic() - start,
+        "sockets": sorted(sockets), "others": sorted(report.others), "rounds": rounds,
+        "seconds": time.monotonic() - start,
         # What takes its ptrace rights over the job away.
         "no_ptrace": (["landlock"] if not sandbox else [])
         + (["user namespace"] if os.environ.get("JO_WATCHER_USERNS") == "1" else []),
