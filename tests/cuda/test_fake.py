@@ -317,7 +317,7 @@ def test_ranks_in_different_call_sites_disagree_naming_both_sites(fake):
     for y, ref in zip(same["ys"], want, strict=True):
         np.testing.assert_allclose(np.frombuffer(y, np.float32).reshape(ref.shape), ref,
                                    rtol=1e-5, atol=1e-4)
-    fake.reset(devices=4)
+    fake.reset(fake.Config(devices=4))
     other = fake.run(*args, clique_key=12, site_keys=[0x5EED, 0x5EED, 0xF00D, 0x5EED])
     failed = [s for s in other["statuses"] if s]
     assert failed and all("ranks disagree on call 1" in s for s in failed), other["statuses"]
