@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from typing import Any
 
 from jax._src.interpreters import mlir
 
 _lock = threading.Lock()
-# Where a module being lowered keeps how many calls with each description it has had so far:
-# under this key of its own per-lowering cache dict (ModuleContext takes no attributes or weak
-# references), so the counts live and die with that lowering.
-_ORDINALS = ("jaxoverlap", "native call ordinals")
+# Per module being lowered (the MLIR module of its ModuleContext, which every rule context of
+# that lowering shares): how many calls with each description it has had so far. Weakly keyed,
+# so the counts live and die with the module.
+_ordinals: weakref.WeakKeyDictionary[Any, dict[bytes, int]] = weakref.WeakKeyDictionary()
 
 
 def _module_name(module_context: Any) -> str:
@@ -53,7 +54,7 @@ def site_key(ctx: Any, attributes: dict[str, Any]) -> int:
                       sorted((k, repr(v)) for k, v in attributes.items())))
     digest = hashlib.blake2b(described.encode(), digest_size=16).digest()
     with _lock:
-        counts = ctx.module_context.cached_primitive_lowerings.setdefault(_ORDINALS, {})
+        counts = _ordinals.setdefault(ctx.module_context.module, {})
         ordinal = counts.get(digest, 0)
         counts[digest] = ordinal + 1
     key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little"), digest_size=8).digest()
