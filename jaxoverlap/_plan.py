@@ -97,7 +97,8 @@ class OpPlan:
     traffic each way round the ring; ``transport`` is as asked (``"auto"`` is resolved when the
     call lowers, preferring the performance model's ``preferred`` pick); ``precision``:
     ``_precision.normalize``'d, None for JAX's default matmul precision; ``algorithm``:
-    ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`.
+    ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
+    (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16).
     """
 
     op: str
@@ -112,6 +113,7 @@ class OpPlan:
     timeout_s: float = 120.0
     precision: str | None = None
     algorithm: str = "two_shot"
+    out_dtype: str | None = None
 
     def for_op(self, op: str) -> OpPlan:
         """The same plan for ``op``: the backward pass of AG+GEMM is GEMM+RS under the
@@ -127,6 +129,8 @@ class OpPlan:
                 text += f" algorithm={self.algorithm}"
         if self.precision is not None:
             text += f" precision={self.precision}"
+        if self.out_dtype is not None:
+            text += f" out={self.out_dtype}"
         if self.impl == "native":
             text += f" transport={self.transport}"
             if self.preferred is not None:

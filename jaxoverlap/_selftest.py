@@ -10,6 +10,11 @@ exit status is 0 only if every row passed. ``--report FILE`` also writes what a
 bug report needs: versions, topology, every row's result and time, and the first
 error with the state of the cliques.
 
+FP8 rows (fp8 operands with per-rank scales, y in bfloat16, float32 or float16, against the
+float64 product of the float32 dequantized operands, under the same bound for y's dtype) run
+where the GPUs have FP8 GEMMs (compute capability 8.9 or newer; else one line says why not),
+on host devices and on the fake.
+
 Without a GPU: says so clearly, then runs the same table on host devices (the
 host executor), plus a few rows of the CUDA executor on the fake (if built).
 
@@ -44,6 +49,25 @@ VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunk
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
 # Unit roundoff of each dtype (half the distance from 1 to the next number): 2^-24, 2^-8, 2^-11.
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+# FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
+# whose k and output rows meet cuBLASLt's 16-byte rule for FP8 (docs/gpu.md §11).
+FP8_DTYPES = (("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
+              ("float8_e4m3fn", "float8_e5m2", "float32"),
+              ("float8_e5m2", "float8_e4m3fn", "float16"))
+FP8_SHAPE = ((2,), 4, 48, 24)
+FP8_OPS = OPS[:3]
+
+
+def fp8_scales(np, n: int) -> tuple[Any, Any]:
+    """Per rank, x's and w's float32 dequantization scales: all different, so a GEMM that used
+    another shard's scale would miss the bound by far."""
+    return (np.asarray([0.5 * (1 + 0.37 * r) for r in range(n)], np.float32),
+            np.asarray([1.25 - 0.1 * r for r in range(n)], np.float32))
+
+
+def dequantized(np, values, scale):
+    """An fp8 operand's real value, ``values.astype(float32) * scale`` in float32, as float64."""
+    return (np.asarray(values, np.float32) * np.float32(scale)).astype(np.float64)
 
 
 def bound(op: str, dtype: str, n: int, k: int, x64, w64):
@@ -140,6 +164,65 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     return detail
 
 
+def _run_fp8_row(jax, jnp, np, mesh, op, transport, fp8, shape, chunks, bidirectional) -> str:
+    """One FP8 row: fp8 operands with per-rank scales through the native primitive (bound as
+    the ops bind it) on the mesh, against the float64 product of the float32 dequantized
+    operands, under the bound of y's dtype."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxoverlap._native import primitive
+    from jaxoverlap._plan import OpPlan
+
+    x_dtype, w_dtype, out = fp8
+    batch, rows, k, nw = shape
+    n = mesh.shape["tp"]
+    rng = np.random.default_rng(0)
+    axis = len(batch)
+    lead = (None,) * axis
+    sx, sw = fp8_scales(np, n)
+    if op == "ag_matmul":
+        x = rng.standard_normal((*batch, rows * n, k)) * 3
+        w = rng.standard_normal((k, nw * n)) * 3
+        specs = (P(*lead, "tp", None), P(None, "tp"))
+    else:
+        x = rng.standard_normal((*batch, rows * n, k * n)) * 3
+        w = rng.standard_normal((k * n, nw)) * 3
+        specs = (P(*lead, None, "tp"), P("tp", None))
+    x = jnp.asarray(x, jnp.float32).astype(x_dtype)
+    w = jnp.asarray(w, jnp.float32).astype(w_dtype)
+    plan = OpPlan(op=op, impl="native", axis_name="tp", axis=0 if op == "matmul_ar" else axis,
+                  axis_size=n, chunks=chunks, bidirectional=bidirectional, transport=transport,
+                  out_dtype=out)
+
+    def local(x, w, sx, sw):
+        return getattr(primitive, op)(x, w, plan, x_scale=sx[0], w_scale=sw[0])
+
+    y_spec = {"ag_matmul": P(*lead, None, "tp"), "matmul_rs": P(*lead, "tp", None),
+              "matmul_ar": P()}[op]
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(*specs, P("tp"), P("tp")),
+                               out_specs=y_spec))
+    got = np.asarray(jnp.asarray(fn(x, w, jnp.asarray(sx), jnp.asarray(sw)), jnp.float32),
+                     np.float64)
+    x64 = np.asarray(x.astype(jnp.float32))
+    w64 = np.asarray(w.astype(jnp.float32))
+    if op == "ag_matmul":  # shard j's rows with scale j; rank r's columns of w with scale r
+        a = np.concatenate([dequantized(np, x64[..., j * rows:(j + 1) * rows, :], sx[j])
+                            for j in range(n)], axis=-2)
+        b = np.concatenate([dequantized(np, w64[:, r * nw:(r + 1) * nw], sw[r])
+                            for r in range(n)], axis=1)
+        allowed = np.concatenate(
+            [bound(op, out, n, k, a, b[:, r * nw:(r + 1) * nw]) for r in range(n)], axis=-1)
+    else:  # rank r's slice of the contraction with its own scales
+        a = np.concatenate([dequantized(np, x64[..., r * k:(r + 1) * k], sx[r])
+                            for r in range(n)], axis=-1)
+        b = np.concatenate([dequantized(np, w64[r * k:(r + 1) * k], sw[r]) for r in range(n)])
+        allowed = bound(op, out, n, k, a, b)
+    ok, detail = _compare(np, got, a @ b, allowed)
+    if not ok:
+        raise AssertionError(detail)
+    return detail
+
+
 FAKE_RANKS = 4
 
 
@@ -158,28 +241,45 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
             for r in range(len(xs))]
 
 
-def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional) -> tuple[bool, str]:
-    """One case through the CUDA executor on the fake, against a float64 reference."""
+def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
+              fp8: tuple[str, str, str] | None = None) -> tuple[bool, str]:
+    """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
+    the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
+    scales."""
     import ml_dtypes
 
     batch_dims, rows, k, nw = shape
     batch = int(np.prod(batch_dims)) if batch_dims else 1
     n = FAKE_RANKS
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
-                "float16": np.float16}[dtype]
+    np_dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+                 "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+    x_dtype, w_dtype, out_dtype = fp8 or (dtype, dtype, dtype)
     rng = np.random.default_rng(1)
     op, _, algorithm = op.partition("/")
     if algorithm == "one_shot":
         rows = rows * n + 1  # the canonical one-shot problem: all rows, not N blocks
     x_rows = rows if op == "ag_matmul" or algorithm == "one_shot" else rows * n
-    xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(np_dtype)
+    spread = 3.0 if fp8 else 1.0  # fp8 values over a few binades
+    xs = [(rng.standard_normal((batch, x_rows, k)) * spread).astype(np.float32)
+          .astype(np_dtypes[x_dtype]) for _ in range(n)]
+    ws = [(rng.standard_normal((k, nw)) * spread).astype(np.float32).astype(np_dtypes[w_dtype])
           for _ in range(n)]
-    ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(np_dtype) for _ in range(n)]
     fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
-    out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
-                   algorithm=algorithm or "two_shot")
-    refs = rank_products(np, op, xs, ws, rows)
+    extra: dict[str, Any] = {}
+    w_bytes = [w.tobytes() for w in ws]
+    if fp8:
+        sx, sw = fp8_scales(np, n)
+        extra = dict(w_dtype=w_dtype, out_dtype=out_dtype, x_scales=list(sx), w_scales=list(sw))
+        # the handler receives an fp8 w K-major, [nw, k] (docs/gpu.md §11)
+        w_bytes = [np.ascontiguousarray(w.T).tobytes() for w in ws]
+        xs_ref = [dequantized(np, x, s) for x, s in zip(xs, sx, strict=True)]
+        ws_ref = [dequantized(np, w, s) for w, s in zip(ws, sw, strict=True)]
+    else:
+        xs_ref, ws_ref = xs, ws
+    out = fake.run(op, transport, n, batch, rows, k, nw, x_dtype, chunks, bidirectional, False,
+                   [x.tobytes() for x in xs], w_bytes, list(range(n)),
+                   algorithm=algorithm or "two_shot", **extra)
+    refs = rank_products(np, op, xs_ref, ws_ref, rows)
     problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
     if not out["drained"] and not problems:
         problems.append("the fake GPU did not drain")
@@ -187,8 +287,8 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional) -> t
     if not problems:
         for r, (y, (a, b)) in enumerate(zip(out["ys"], refs, strict=True)):
             ref = a @ b
-            got = np.frombuffer(y, np_dtype).reshape(ref.shape).astype(np.float64)
-            ok, detail = _compare(np, got, ref, bound(op, dtype, n, k, a, b))
+            got = np.frombuffer(y, np_dtypes[out_dtype]).reshape(ref.shape).astype(np.float64)
+            ok, detail = _compare(np, got, ref, bound(op, out_dtype, n, k, a, b))
             details.append(detail)
             if not ok:
                 problems.append(f"rank {r}: {detail}")
@@ -243,18 +343,34 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     shapes = SHAPES[:1] if quick else SHAPES
     dtypes = DTYPES[:1] if quick else DTYPES
     variants = VARIANTS[-1:] if quick else VARIANTS
-    cases = itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)
+    cases = [(op, transport, dtype, None, shape, variant) for op, transport, dtype, shape, variant
+             in itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)]
+    # FP8: every pairing (one in quick), the variants alternating
+    fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
+    cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2])
+              for (i, fp8), (j, op), transport in itertools.product(
+                  enumerate(fp8s), enumerate(o for o in FP8_OPS if o in ops),
+                  ("nccl", "p2p", "multicast"))]
     try:
-        for op, transport, dtype, shape, (chunks, bidi) in cases:
+        for op, transport, dtype, fp8, shape, (chunks, bidi) in cases:
             dims = (*shape[0], shape[1] * FAKE_RANKS + op.endswith("one_shot"), shape[2])
-            name = (f"{op:9s} {transport:9s} {dtype:8s} {'x'.join(map(str, dims))}"
-                    f" chunks={chunks}{' bidi' if bidi else ''}"
+            name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
+                    f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
                     " (CUDA executor on the host-side fake)")
             start = time.perf_counter()
-            ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi)
+            ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi,
+                                   fp8)
             table.add(name, ok, detail, time.perf_counter() - start, cliques=_cuda_fake.cliques)
     finally:
         _cuda_fake.reset()
+
+
+def _dtypes_name(dtype: str, fp8: tuple[str, str, str] | None) -> str:
+    """A row's dtypes: "bfloat16", or an FP8 row's "e4m3 x e5m2 -> float32"."""
+    if fp8 is None:
+        return f"{dtype:8s}"
+    short = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+    return f"{short[fp8[0]]} x {short[fp8[1]]} -> {fp8[2]}"
 
 
 def _versions(caps: dict[str, Any], fake: bool) -> dict[str, Any]:
@@ -387,6 +503,27 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None) -> 
             trace = traceback.format_exc()
             if os.environ.get("JAXOVERLAP_LOG") == "debug":
                 print(trace)
+        table.add(name, ok, detail, time.perf_counter() - start, cliques=describe, trace=trace)
+    fp8_reason = capabilities.gpu_fp8_reason(caps, *FP8_DTYPES[0][:2]) if on_gpu else None
+    if fp8_reason is not None:
+        print(f"  FP8 rows not run: {fp8_reason}")
+    fp8s = () if fp8_reason is not None else FP8_DTYPES[:1] if quick else FP8_DTYPES
+    for (i, fp8), (j, op), transport in itertools.product(enumerate(fp8s), enumerate(FP8_OPS),
+                                                          transports):
+        chunks, bidi = VARIANTS[1 + (i + j) % 2]
+        dims = (*FP8_SHAPE[0], FP8_SHAPE[1] * n, FP8_SHAPE[2])
+        name = (f"{op:9s} {transport:9s} {_dtypes_name(fp8[2], fp8)} "
+                f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}")
+        start = time.perf_counter()
+        trace = None
+        try:
+            detail = _run_fp8_row(jax, jnp, np, mesh, op, transport, fp8, FP8_SHAPE, chunks,
+                                  bidi)
+            ok = True
+        except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
+            ok = False
+            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            trace = traceback.format_exc()
         table.add(name, ok, detail, time.perf_counter() - start, cliques=describe, trace=trace)
     if not on_gpu:
         _fake_rows(table, quick=True)

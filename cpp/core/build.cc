@@ -18,6 +18,22 @@ void RingSteps(int32_t nranks, bool bidirectional, int32_t* cw, int32_t* ccw) {
   *ccw = (nranks - 1) / 2;  // floor((N-1)/2)
 }
 
+Status CheckDTypes(const Problem& q) {
+  const std::string got = std::string(" (x ") + DTypeName(q.x_dtype) + ", w " +
+                          DTypeName(q.w_dtype) + ", y " + DTypeName(q.out_dtype) + ")";
+  const std::string op = CollectiveName(q.op);
+  const bool fp8 = IsFp8(q.x_dtype) || IsFp8(q.w_dtype);
+  JO_REQUIRE(!IsFp8(q.out_dtype),
+             op + ": the output dtype must be float32, bfloat16 or float16" + got);
+  JO_REQUIRE(fp8 || q.x_dtype == q.w_dtype,
+             op + ": x and w must have the same dtype unless one of them is float8" + got);
+  // Matrices of one type with an output of that type or float32: what cuBLASLt's
+  // CUBLAS_COMPUTE_32F GEMMs take (cuBLAS docs, cublasLtMatmul, datatypes supported).
+  JO_REQUIRE(fp8 || q.out_dtype == q.x_dtype || q.out_dtype == DType::kF32,
+             op + ": the output dtype must be x's or float32" + got);
+  return OkStatus();
+}
+
 Status BuildProgram(const Problem& q, Program* program) {
   const std::string op = CollectiveName(q.op);
   JO_REQUIRE(q.nranks >= 1, op + ": nranks must be >= 1, got " + std::to_string(q.nranks));
@@ -33,6 +49,7 @@ Status BuildProgram(const Problem& q, Program* program) {
              op + ": return_gathered applies to ag_matmul only");
   JO_REQUIRE(q.op == Collective::kMatmulAr || q.algorithm == ArAlgorithm::kTwoShot,
              op + ": the one-shot algorithm applies to matmul_ar only");
+  JO_CHECK(CheckDTypes(q));
 
   *program = Program();
   program->problem = q;

@@ -26,6 +26,10 @@ namespace jo {
 // Checks the problem and builds the program of `problem.rank`.
 Status BuildProgram(const Problem& problem, Program* program);
 
+// The dtypes a call may have (core/program.h, Problem): InvalidArgument naming
+// them otherwise.
+Status CheckDTypes(const Problem& problem);
+
 // Ring step counts (clockwise, counter-clockwise) for N ranks.
 void RingSteps(int32_t nranks, bool bidirectional, int32_t* cw, int32_t* ccw);
 

@@ -1,5 +1,10 @@
 // AG+GEMM programs: y[:, shard j rows] = x_j @ w for every shard j, the local
 // shard first (it needs no transfer), then shards in arrival order.
+//
+// An fp8 x moves as fp8, and each shard's float32 scale travels with it: one
+// more 1-element transfer per shard and hop, next to the shard's first
+// sub-chunk (in its NCCL group; before its flag on p2p and multicast), into
+// the shard's scale slot; the shard's GEMMs read that slot.
 #include <vector>
 
 #include "core/build_internal.h"
@@ -37,6 +42,16 @@ Status BuildAgMatmul(Program* p) {
     op.shard = shard;
     op.sub = static_cast<int32_t>(sub);
   };
+  // fp8 x: each shard's scale travels with it. On nccl a rank holds shard j's
+  // scale in ScratchScales slot j, its own in the XScale operand.
+  const bool scaled = IsFp8(q.x_dtype);
+  auto held_scale = [&](int32_t shard) {
+    return shard == r ? Emitter::ScaleRef(BufId::kXScale, r, 0)
+                      : Emitter::ScaleRef(BufId::kScratchScales, r, shard);
+  };
+  auto scale_tag = [&](int32_t dir, int32_t shard) {
+    return static_cast<int32_t>(2 * N * C + dir * N + shard);
+  };
 
   // Local shard first: no transfer to wait for.
   for (int64_t s = 0; s < C; ++s) {
@@ -61,7 +76,11 @@ Status BuildAgMatmul(Program* p) {
   // Gemms on arrived shards, optionally copying them out to XGATHERED.
   auto consume = [&](BufId buf, const Arrival& a, int64_t s) {
     Ref src = g_ref(buf, r, a.shard, s);
-    label(e.Gemm(0, src, y_ref(a.shard, s), nullptr, P, rows(s)), a.shard, s);
+    Op& gemm = e.Gemm(0, src, y_ref(a.shard, s), nullptr, P, rows(s));
+    label(gemm, a.shard, s);
+    if (scaled)
+      gemm.a_scale = Emitter::ScaleRef(
+          buf == BufId::kWorkspace ? BufId::kWorkspaceScales : BufId::kScratchScales, r, a.shard);
     if (q.return_gathered && buf != BufId::kXGathered)
       label(e.Block(OpKind::kCopy, 0, src, g_ref(BufId::kXGathered, r, a.shard, s), P, rows(s), K),
             a.shard, s);
@@ -73,6 +92,7 @@ Status BuildAgMatmul(Program* p) {
       // else private scratch); forward from there on the next step.
       const BufId gbuf = q.return_gathered ? BufId::kXGathered : BufId::kScratch;
       if (!q.return_gathered) p->scratch_elems = P * N * R * K;
+      if (scaled) p->scratch_scales = N;
       std::vector<int32_t> arrived(N * C, -1);  // event per (shard, sub)
       for (int32_t dir = 0; dir < 2; ++dir) {
         const int32_t stream = 1 + dir;
@@ -93,6 +113,20 @@ Status BuildAgMatmul(Program* p) {
             recv.id = tag(dir, recv_shard, s);
             recv.bundle = bundle;
             label(recv, recv_shard, s);
+            if (scaled && s == 0) {  // the shard's scale, in its first sub-chunk's group
+              Op& send_scale =
+                  e.Block(OpKind::kSend, stream, held_scale(send_shard), Ref{}, 1, 1, 1);
+              send_scale.peer = next_of(dir);
+              send_scale.id = scale_tag(dir, send_shard);
+              send_scale.bundle = bundle;
+              label(send_scale, send_shard, s);
+              Op& recv_scale =
+                  e.Block(OpKind::kRecv, stream, Ref{}, held_scale(recv_shard), 1, 1, 1);
+              recv_scale.peer = prev_of(dir);
+              recv_scale.id = scale_tag(dir, recv_shard);
+              recv_scale.bundle = bundle;
+              label(recv_scale, recv_shard, s);
+            }
             arrived[recv_shard * C + s] = e.NewEvent();
             e.Record(stream, arrived[recv_shard * C + s]);
           }
@@ -108,6 +142,7 @@ Status BuildAgMatmul(Program* p) {
     case Transport::kP2p: {
       // Push each sub-chunk into the next rank's workspace, then raise its flag.
       p->workspace_elems = P * N * R * K;
+      if (scaled) p->workspace_scales = N;
       for (int32_t dir = 0; dir < 2; ++dir) {
         const int32_t stream = 1 + dir;
         for (int32_t t = 0; t < dir_steps(dir); ++t) {
@@ -120,6 +155,13 @@ Status BuildAgMatmul(Program* p) {
             }
             label(e.Block(OpKind::kCopy, stream, src,
                           g_ref(BufId::kWorkspace, next_of(dir), shard, s), P, rows(s), K),
+                  shard, s);
+            if (scaled && s == 0)  // the shard's scale, before its first flag
+              label(
+                  e.Block(OpKind::kCopy, stream,
+                          t == 0 ? Emitter::ScaleRef(BufId::kXScale, r, 0)
+                                 : Emitter::ScaleRef(BufId::kWorkspaceScales, r, shard),
+                          Emitter::ScaleRef(BufId::kWorkspaceScales, next_of(dir), shard), 1, 1, 1),
                   shard, s);
             e.Signal(stream, next_of(dir), flag(shard, s));
           }
@@ -136,10 +178,15 @@ Status BuildAgMatmul(Program* p) {
       // Store the own shard once through the multicast mapping; every rank
       // multiplies shards as their flags arrive.
       p->workspace_elems = P * N * R * K;
+      if (scaled) p->workspace_scales = N;
       for (int64_t s = 0; s < C; ++s) {
         label(e.Block(OpKind::kMcStore, 1, x_ref(s), g_ref(BufId::kWorkspace, r, r, s), P, rows(s),
                       K),
               r, s);
+        if (scaled && s == 0)  // the own scale, before the first flag
+          label(e.Block(OpKind::kMcStore, 1, Emitter::ScaleRef(BufId::kXScale, r, 0),
+                        Emitter::ScaleRef(BufId::kWorkspaceScales, r, r), 1, 1, 1),
+                r, s);
         for (int32_t peer = 0; peer < N; ++peer)
           if (peer != r) e.Signal(1, peer, flag(r, s));
       }

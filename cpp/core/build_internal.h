@@ -68,7 +68,21 @@ class Emitter {
     op.m = m;
     op.n = q.cols;
     op.k = q.k;
+    // fp8 operands: this rank's own scales (an all-gather's GEMM on a received
+    // shard names that shard's scale instead).
+    if (IsFp8(q.x_dtype)) {
+      op.a_scaled = true;
+      op.a_scale = ScaleRef(BufId::kXScale, q.rank, 0);
+    }
+    if (IsFp8(q.w_dtype)) {
+      op.b_scaled = true;
+      op.b_scale = ScaleRef(BufId::kWScale, q.rank, 0);
+    }
     return op;
+  }
+  // Scale slot `slot` of a scale buffer (one float32 element).
+  static Ref ScaleRef(BufId buf, int32_t owner, int64_t slot) {
+    return Ref{buf, owner, slot, 0, 1};
   }
 
  private:

@@ -113,19 +113,25 @@ Status NeedsOf(const Problem& q, CallNeeds* out) {
   const std::string signature = CallSignature(q);
   if (cache->Find(signature, out)) return OkStatus();
   CallNeeds needs;
-  const int64_t es = DTypeSize(q.dtype);
+  int64_t scales_at = -1;  // where the workspace's scale slots begin, on every rank alike
   for (int32_t r = 0; r < q.nranks; ++r) {
     Problem other = q;
     other.rank = r;
     Program program;
     JO_CHECK(BuildProgram(other, &program));
-    needs.workspace_bytes = std::max(needs.workspace_bytes, program.workspace_elems * es);
+    needs.workspace_bytes = std::max(needs.workspace_bytes, WorkspaceBytes(program));
     needs.num_flags = std::max(needs.num_flags, program.num_flags);
+    if (program.workspace_scales > 0) {
+      const int64_t at = ScalesOffset(program, BufId::kWorkspaceScales);
+      JO_REQUIRE(scales_at < 0 || scales_at == at,
+                 "the ranks' programs put the workspace's scale slots at different offsets");
+      scales_at = at;
+    }
     int64_t mail = 0;
     int32_t messages = 0;
     for (const Op& op : program.ops) {
       if (op.kind != OpKind::kSend) continue;
-      mail += op.batch * op.m * op.n * es;
+      mail += BlockBytes(program, op);
       ++messages;
     }
     needs.mail_bytes = std::max(needs.mail_bytes, mail);
@@ -256,7 +262,7 @@ std::string CallSignature(const Problem& q) {
          (q.op == Collective::kMatmulAr ? std::string("/") + ArAlgorithmName(q.algorithm) : "") +
          "/" + TransportName(q.transport) + " n=" + std::to_string(q.nranks) + " [" +
          std::to_string(q.batch) + "," + std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" +
-         std::to_string(q.cols) + " " + DTypeName(q.dtype) + " chunks=" + std::to_string(q.chunks) +
+         std::to_string(q.cols) + " " + DTypesName(q) + " chunks=" + std::to_string(q.chunks) +
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
 }
 

@@ -68,6 +68,8 @@ Status Place(const RankTable& table, const Caller& caller, const char* op, Place
 struct CallBuffers {
   const void* x = nullptr;
   const void* w = nullptr;
+  const void* x_scale = nullptr;  // float32, one element: x's dequantization scale
+  const void* w_scale = nullptr;  // float32, one element: w's
   void* y = nullptr;
   void* x_gathered = nullptr;  // ag_matmul with return_gathered
 };

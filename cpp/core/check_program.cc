@@ -19,8 +19,21 @@ int64_t SizeOf(const BufferSizes& s, BufId buf) {
       return s.scratch;
     case BufId::kWorkspace:
       return s.workspace;
+    case BufId::kXScale:
+      return s.x_scale;
+    case BufId::kWScale:
+      return s.w_scale;
+    case BufId::kScratchScales:
+      return s.scratch_scales;
+    case BufId::kWorkspaceScales:
+      return s.workspace_scales;
   }
   return 0;
+}
+
+bool IsScales(BufId buf) {
+  return buf == BufId::kXScale || buf == BufId::kWScale || buf == BufId::kScratchScales ||
+         buf == BufId::kWorkspaceScales;
 }
 
 // A batch x rows x cols block at `ref` lies inside its buffer. Sizes are far
@@ -41,7 +54,8 @@ Status CheckRef(const Program& p, const Op& op, const char* role, const Ref& ref
       ref.batch_stride > kLimit || ref.ld > kLimit)
     return Internal(where() + " has a negative offset or stride, or ld < " + std::to_string(cols) +
                     " columns");
-  if (ref.buf == BufId::kWorkspace && (ref.rank < 0 || ref.rank >= p.problem.nranks))
+  if ((ref.buf == BufId::kWorkspace || ref.buf == BufId::kWorkspaceScales) &&
+      (ref.rank < 0 || ref.rank >= p.problem.nranks))
     return Internal(where() + " names workspace owner " + std::to_string(ref.rank) + " of " +
                     std::to_string(p.problem.nranks) + " ranks");
   const int64_t last = ref.offset + (batch - 1) * ref.batch_stride + (rows - 1) * ref.ld + cols;
@@ -51,6 +65,28 @@ Status CheckRef(const Program& p, const Op& op, const char* role, const Ref& ref
                     std::string(BufName(ref.buf)) + " buffer of " + std::to_string(size) +
                     " elements");
   return OkStatus();
+}
+
+// The operand `role` of `op` names a buffer of dtype `want`.
+Status CheckDType(const Program& p, const Op& op, const char* role, const Ref& ref, DType want) {
+  const DType got = BufDType(p.problem, ref.buf);
+  if (got == want) return OkStatus();
+  return Internal(std::string(CollectiveName(p.problem.op)) + " program of rank " +
+                  std::to_string(p.problem.rank) + ": " + ToString(op) + ": operand " + role +
+                  " is " + DTypeName(got) + " (" + BufName(ref.buf) + "), expected " +
+                  DTypeName(want));
+}
+
+// A Gemm's scale: a float32 scale slot, set exactly when its operand is fp8.
+Status CheckScale(const Program& p, const Op& op, const char* role, bool scaled, const Ref& ref,
+                  DType operand, const BufferSizes& sizes) {
+  if (scaled != IsFp8(operand) || (scaled && !IsScales(ref.buf)))
+    return Internal(std::string(CollectiveName(p.problem.op)) + " program of rank " +
+                    std::to_string(p.problem.rank) + ": " + ToString(op) + ": operand " + role +
+                    (IsFp8(operand) ? " must name a scale slot (its operand is " +
+                                          std::string(DTypeName(operand)) + ")"
+                                    : " must be unset (its operand is not fp8)"));
+  return scaled ? CheckRef(p, op, role, ref, 1, 1, 1, sizes) : OkStatus();
 }
 
 Status CheckId(const Program& p, const Op& op, const char* what, int64_t value, int64_t limit) {
@@ -75,11 +111,15 @@ BufferSizes BufferSizes::Of(const Program& p) {
   s.x_gathered = ag && q.return_gathered ? gathered * q.k : 0;
   s.scratch = p.scratch_elems;
   s.workspace = p.workspace_elems;
+  s.x_scale = s.w_scale = 1;
+  s.scratch_scales = p.scratch_scales;
+  s.workspace_scales = p.workspace_scales;
   return s;
 }
 
 Status CheckProgram(const Program& p, const BufferSizes& sizes) {
-  const int32_t nranks = p.problem.nranks;
+  const Problem& q = p.problem;
+  const int32_t nranks = q.nranks;
   for (const Op& op : p.ops) {
     JO_CHECK(CheckId(p, op, "stream", op.stream, p.num_streams));
     switch (op.kind) {
@@ -88,16 +128,25 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckRef(p, op, "b", op.b, 1, op.k, op.n, sizes));
         if (op.accumulate) JO_CHECK(CheckRef(p, op, "c", op.c, op.batch, op.m, op.n, sizes));
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        JO_CHECK(CheckDType(p, op, "a", op.a, q.x_dtype));
+        JO_CHECK(CheckDType(p, op, "b", op.b, q.w_dtype));
+        if (op.accumulate) JO_CHECK(CheckDType(p, op, "c", op.c, q.out_dtype));
+        JO_CHECK(CheckDType(p, op, "d", op.d, q.out_dtype));
+        JO_CHECK(CheckScale(p, op, "a_scale", op.a_scaled, op.a_scale, q.x_dtype, sizes));
+        JO_CHECK(CheckScale(p, op, "b_scale", op.b_scaled, op.b_scale, q.w_dtype, sizes));
         break;
       case OpKind::kAdd:
       case OpKind::kCopy:
       case OpKind::kMcReduce:
+      case OpKind::kMcStore:  // McStore: d names the offset in EVERY rank's workspace
         JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.n, sizes));
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
-        break;
-      case OpKind::kMcStore:  // d names the offset in EVERY rank's workspace
-        JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.n, sizes));
-        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        JO_CHECK(CheckDType(p, op, "d", op.d, BufDType(q, op.a.buf)));
+        if ((op.kind == OpKind::kAdd || op.kind == OpKind::kMcReduce) &&
+            (IsFp8(BufDType(q, op.d.buf)) || IsScales(op.d.buf)))
+          return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                          std::to_string(q.rank) + ": " + ToString(op) +
+                          ": sums run in float32 or the output type, never on fp8 or scales");
         break;
       case OpKind::kSend:
         JO_CHECK(CheckId(p, op, "peer", op.peer, nranks));

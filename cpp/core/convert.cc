@@ -55,6 +55,84 @@ uint16_t F32ToF16(float value) {
   return static_cast<uint16_t>(sign | ((rounded >> 13) - (112u << 10)));
 }
 
+// OCP 8-bit floating point (OFP8, "OCP 8-bit Floating Point Specification"
+// v1.0), as JAX's float8_e4m3fn and float8_e5m2 (ml_dtypes): E4M3 has bias 7,
+// no infinities and one NaN per sign (S.1111.111), largest 448; E5M2 is
+// IEEE-like (bias 15, S.11111.00 infinite, S.11111.xx NaN), largest 57344.
+struct Fp8Format {
+  int mantissa_bits;
+  int bias;
+  bool ieee;  // E5M2: an all-ones exponent is inf / NaN; E4M3: only S.1111.111 is NaN
+};
+constexpr Fp8Format kE4M3{3, 7, false};
+constexpr Fp8Format kE5M2{2, 15, true};
+
+float DecodeFp8(const Fp8Format& f, uint8_t bits) {
+  const int m = f.mantissa_bits;
+  const bool negative = (bits & 0x80) != 0;
+  const int exponent = (bits & 0x7f) >> m;
+  const int mantissa = bits & ((1 << m) - 1);
+  const int top = (1 << (7 - m)) - 1;  // the all-ones exponent
+  float magnitude;
+  if (f.ieee && exponent == top) {
+    magnitude = mantissa == 0 ? INFINITY : NAN;
+  } else if (!f.ieee && exponent == top && mantissa == (1 << m) - 1) {
+    magnitude = NAN;
+  } else if (exponent == 0) {  // zero or subnormal: mantissa * 2^(1 - bias - m)
+    magnitude = std::ldexp(static_cast<float>(mantissa), 1 - f.bias - m);
+  } else {
+    magnitude = std::ldexp(static_cast<float>((1 << m) + mantissa), exponent - f.bias - m);
+  }
+  return negative ? -magnitude : magnitude;
+}
+
+// Round to nearest, ties to even (FE_TONEAREST, the default mode); past the
+// largest finite value: NaN for E4M3 (it has no infinity), inf for E5M2 — as
+// ml_dtypes converts.
+uint8_t EncodeFp8(const Fp8Format& f, float value) {
+  const int m = f.mantissa_bits;
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const int top = (1 << (7 - m)) - 1;
+  const uint8_t nan = static_cast<uint8_t>(0x7f);
+  const uint8_t inf = static_cast<uint8_t>(top << m);
+  if (std::isnan(value)) return static_cast<uint8_t>(sign | nan);
+  const double a = std::fabs(static_cast<double>(value));
+  if (a == 0.0) return sign;
+  int e = std::ilogb(a);  // a = 1.x * 2^e
+  const int min_normal = 1 - f.bias;
+  int exponent, mantissa;
+  if (e < min_normal) {  // subnormal: a / 2^(min_normal - m), rounded
+    const double n = std::nearbyint(std::ldexp(a, m - min_normal));
+    exponent = n >= (1 << m) ? 1 : 0;  // rounded up into the normals
+    mantissa = static_cast<int>(n) & ((1 << m) - 1);
+  } else {
+    double n = std::nearbyint(std::ldexp(a, m - e));  // in [2^m, 2^(m+1)]
+    if (n >= (2 << m)) {
+      ++e;
+      n = 1 << m;
+    }
+    exponent = e + f.bias;
+    mantissa = static_cast<int>(n) - (1 << m);
+  }
+  const bool overflow =
+      f.ieee ? exponent >= top : exponent > top || (exponent == top && mantissa == (1 << m) - 1);
+  if (overflow) return static_cast<uint8_t>(sign | (f.ieee ? inf : nan));
+  return static_cast<uint8_t>(sign | (exponent << m) | mantissa);
+}
+
+// Every fp8 value decoded once (256 entries per format).
+const float* Fp8Table(DType dtype) {
+  static const auto* tables = [] {
+    auto* t = new float[2][256];
+    for (int b = 0; b < 256; ++b) {
+      t[0][b] = DecodeFp8(kE4M3, static_cast<uint8_t>(b));
+      t[1][b] = DecodeFp8(kE5M2, static_cast<uint8_t>(b));
+    }
+    return t;
+  }();
+  return tables[dtype == DType::kF8E4M3 ? 0 : 1];
+}
+
 }  // namespace
 
 float LoadElement(DType dtype, const void* base, int64_t i) {
@@ -65,6 +143,9 @@ float LoadElement(DType dtype, const void* base, int64_t i) {
       return Bf16ToF32(static_cast<const uint16_t*>(base)[i]);
     case DType::kF16:
       return F16ToF32(static_cast<const uint16_t*>(base)[i]);
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      return Fp8Table(dtype)[static_cast<const uint8_t*>(base)[i]];
   }
   return 0.0f;
 }
@@ -79,6 +160,12 @@ void StoreElement(DType dtype, void* base, int64_t i, float value) {
       break;
     case DType::kF16:
       static_cast<uint16_t*>(base)[i] = F32ToF16(value);
+      break;
+    case DType::kF8E4M3:
+      static_cast<uint8_t*>(base)[i] = EncodeFp8(kE4M3, value);
+      break;
+    case DType::kF8E5M2:
+      static_cast<uint8_t*>(base)[i] = EncodeFp8(kE5M2, value);
       break;
   }
 }

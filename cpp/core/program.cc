@@ -4,7 +4,19 @@
 
 namespace jo {
 
-int64_t DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+int64_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return 4;
+    case DType::kBF16:
+    case DType::kF16:
+      return 2;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      return 1;
+  }
+  return 4;
+}
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
@@ -14,9 +26,15 @@ const char* DTypeName(DType dtype) {
       return "bf16";
     case DType::kF16:
       return "f16";
+    case DType::kF8E4M3:
+      return "f8e4m3fn";
+    case DType::kF8E5M2:
+      return "f8e5m2";
   }
   return "?";
 }
+
+bool IsFp8(DType dtype) { return dtype == DType::kF8E4M3 || dtype == DType::kF8E5M2; }
 
 const char* CollectiveName(Collective op) {
   switch (op) {
@@ -66,8 +84,62 @@ const char* BufName(BufId buf) {
       return "SCRATCH";
     case BufId::kWorkspace:
       return "WORKSPACE";
+    case BufId::kXScale:
+      return "XSCALE";
+    case BufId::kWScale:
+      return "WSCALE";
+    case BufId::kScratchScales:
+      return "SCRATCH_SCALES";
+    case BufId::kWorkspaceScales:
+      return "WORKSPACE_SCALES";
   }
   return "?";
+}
+
+DType BufDType(const Problem& q, BufId buf) {
+  switch (buf) {
+    case BufId::kX:
+    case BufId::kXGathered:
+      return q.x_dtype;
+    case BufId::kW:
+      return q.w_dtype;
+    case BufId::kY:
+      return q.out_dtype;
+    case BufId::kScratch:
+    case BufId::kWorkspace:
+      return q.op == Collective::kAgMatmul ? q.x_dtype : q.out_dtype;
+    case BufId::kXScale:
+    case BufId::kWScale:
+    case BufId::kScratchScales:
+    case BufId::kWorkspaceScales:
+      return DType::kF32;
+  }
+  return DType::kF32;
+}
+
+std::string DTypesName(const Problem& q) {
+  if (q.x_dtype == q.w_dtype && q.x_dtype == q.out_dtype) return DTypeName(q.x_dtype);
+  return std::string("x ") + DTypeName(q.x_dtype) + " w " + DTypeName(q.w_dtype) + " y " +
+         DTypeName(q.out_dtype);
+}
+
+int64_t ElemBytes(const Problem& q, BufId buf) { return DTypeSize(BufDType(q, buf)); }
+
+int64_t ScalesOffset(const Program& p, BufId scales) {
+  const bool ws = scales == BufId::kWorkspaceScales;
+  const int64_t bytes = ws ? p.workspace_elems * ElemBytes(p.problem, BufId::kWorkspace)
+                           : p.scratch_elems * ElemBytes(p.problem, BufId::kScratch);
+  return (bytes + 255) / 256 * 256;
+}
+
+int64_t WorkspaceBytes(const Program& p) {
+  if (p.workspace_scales == 0) return p.workspace_elems * ElemBytes(p.problem, BufId::kWorkspace);
+  return ScalesOffset(p, BufId::kWorkspaceScales) + p.workspace_scales * 4;
+}
+
+int64_t ScratchBytes(const Program& p) {
+  if (p.scratch_scales == 0) return p.scratch_elems * ElemBytes(p.problem, BufId::kScratch);
+  return ScalesOffset(p, BufId::kScratchScales) + p.scratch_scales * 4;
 }
 
 const char* OpKindName(OpKind kind) {
@@ -101,7 +173,7 @@ const char* OpKindName(OpKind kind) {
 std::string ToString(const Ref& ref) {
   std::ostringstream out;
   out << BufName(ref.buf);
-  if (ref.buf == BufId::kWorkspace) out << "@" << ref.rank;
+  if (ref.buf == BufId::kWorkspace || ref.buf == BufId::kWorkspaceScales) out << "@" << ref.rank;
   out << "[+" << ref.offset << ", bs=" << ref.batch_stride << ", ld=" << ref.ld << "]";
   return out.str();
 }
@@ -114,6 +186,8 @@ std::string ToString(const Op& op) {
       out << "d=" << ToString(op.d) << " <- a=" << ToString(op.a) << " @ W";
       if (op.accumulate) out << " + c=" << ToString(op.c);
       out << ", batch=" << op.batch << " m=" << op.m << " n=" << op.n << " k=" << op.k;
+      if (op.a_scaled) out << ", a_scale=" << ToString(op.a_scale);
+      if (op.b_scaled) out << ", b_scale=" << ToString(op.b_scale);
       break;
     case OpKind::kAdd:
     case OpKind::kCopy:
@@ -153,10 +227,11 @@ std::string Summary(const Program& p) {
   if (q.op == Collective::kMatmulAr) out << " " << ArAlgorithmName(q.algorithm);
   out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
       << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " cols=" << q.cols
-      << " dtype=" << DTypeName(q.dtype) << " chunks=" << p.chunks << " steps(cw,ccw)=("
-      << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
-      << " ops=" << p.ops.size() << " workspace_elems=" << p.workspace_elems
-      << " scratch_elems=" << p.scratch_elems;
+      << " dtype=" << DTypesName(q) << " chunks=" << p.chunks << " steps(cw,ccw)=(" << p.cw_steps
+      << "," << p.ccw_steps << ") streams=" << p.num_streams << " ops=" << p.ops.size()
+      << " workspace_elems=" << p.workspace_elems << " scratch_elems=" << p.scratch_elems;
+  if (p.workspace_scales > 0) out << " workspace_scales=" << p.workspace_scales;
+  if (p.scratch_scales > 0) out << " scratch_scales=" << p.scratch_scales;
   return out.str();
 }
 
@@ -171,11 +246,18 @@ std::string ToString(const Program& p) {
   return out.str();
 }
 
+int64_t BlockBytes(const Program& p, const Op& op) {
+  const BufId buf = op.kind == OpKind::kRecv || op.kind == OpKind::kGemm ? op.d.buf : op.a.buf;
+  return op.batch * op.m * op.n * ElemBytes(p.problem, buf);
+}
+
 int64_t RemoteBytes(const Program& p, const Op& op) {
-  const int64_t bytes = op.batch * op.m * op.n * DTypeSize(p.problem.dtype);
+  const int64_t bytes = BlockBytes(p, op);
+  const bool to_peer = (op.d.buf == BufId::kWorkspace || op.d.buf == BufId::kWorkspaceScales) &&
+                       op.d.rank != p.problem.rank;
   switch (op.kind) {
     case OpKind::kCopy:
-      return op.d.buf == BufId::kWorkspace && op.d.rank != p.problem.rank ? bytes : 0;
+      return to_peer ? bytes : 0;
     case OpKind::kSend:
     case OpKind::kMcStore:
       return bytes;

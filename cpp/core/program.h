@@ -7,7 +7,10 @@
 // Program, so no executor has a planning path of its own.
 //
 // Units: offsets, strides and leading dimensions are in ELEMENTS of the
-// program's dtype; byte counts are derived (Op bytes = batch*m*n*elem).
+// dtype of the buffer a Ref names (BufDType: x's for X, XGathered and an
+// all-gather's Scratch/Workspace, w's for W, the output type for Y and the
+// partial sums of a reduction, float32 for the scale buffers); byte counts
+// are derived (Op bytes = batch*m*n*elem of its buffer).
 // Every matrix operand is a batched-strided, row-major block (Ref): element
 // (b, i, j) lives at offset + b*batch_stride + i*ld + j.
 #pragma once
@@ -18,9 +21,12 @@
 
 namespace jo {
 
-enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// The float8 types are JAX's float8_e4m3fn and float8_e5m2 (OCP FP8): operands
+// only, each with a float32 dequantization scale (value = element * scale).
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF8E4M3 = 3, kF8E5M2 = 4 };
 int64_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);
+bool IsFp8(DType dtype);
 
 enum class Collective : int32_t { kAgMatmul = 0, kMatmulRs = 1, kMatmulAr = 2 };
 const char* CollectiveName(Collective op);
@@ -45,7 +51,25 @@ const char* ArAlgorithmName(ArAlgorithm algorithm);
 // results; Scratch is private per-rank memory the executor provides;
 // Workspace is the symmetric per-clique buffer (the only memory peers touch),
 // addressed with the owning rank in Ref::rank.
-enum class BufId : int32_t { kX = 0, kW, kY, kXGathered, kScratch, kWorkspace };
+//
+// The float32 dequantization scales of fp8 operands: XScale and WScale are the
+// call's scale operands (one element each, this rank's own); an all-gather of
+// an fp8 x moves each shard's scale with the shard, into ScratchScales (NCCL
+// receives) or WorkspaceScales (symmetric, peers write it: p2p pushes,
+// multicast stores), one slot per shard. The executors keep the scale slots
+// in the same memory as Scratch / Workspace, after the data (ScalesOffset).
+enum class BufId : int32_t {
+  kX = 0,
+  kW,
+  kY,
+  kXGathered,
+  kScratch,
+  kWorkspace,
+  kXScale,
+  kWScale,
+  kScratchScales,
+  kWorkspaceScales,
+};
 const char* BufName(BufId buf);
 
 struct Ref {
@@ -82,6 +106,11 @@ struct Op {
   int32_t bundle = -1;  // Send/Recv issued together (one ncclGroupStart/End on the GPU)
   int32_t shard = -1;   // which shard (AG) / row block (RS, AR) this op works on (for tests)
   int32_t sub = -1;     // which sub-chunk of that shard
+  // Gemm of fp8 operands: d = (a * a_scale) @ (W * b_scale), the scales float32
+  // single elements (a's: its shard's, for an all-gather); an operand that is
+  // not fp8 has no scale (a_scaled / b_scaled false: 1).
+  Ref a_scale, b_scale;
+  bool a_scaled = false, b_scaled = false;
 };
 
 // The problem one call solves, in canonical form (docs/native.md), with w
@@ -99,7 +128,12 @@ struct Problem {
   int64_t rows = 1;
   int64_t k = 1;
   int64_t cols = 1;
-  DType dtype = DType::kF32;
+  // x's, w's and y's dtypes. x and w are both f32, bf16 or f16 (the same), or
+  // either is fp8 (then with its scale); y is f32, bf16 or f16: every GEMM
+  // accumulates in f32 and rounds once to it, and reductions run in it.
+  DType x_dtype = DType::kF32;
+  DType w_dtype = DType::kF32;
+  DType out_dtype = DType::kF32;
   int64_t chunks = 1;
   bool bidirectional = false;
   bool return_gathered = false;                   // AG only: also write XGathered
@@ -116,17 +150,40 @@ struct Program {
   int32_t ccw_steps = 0;    // ring transfer steps counter-clockwise (to rank-1)
   int32_t num_streams = 1;  // stream 0 is compute (XLA's stream on GPU)
   int32_t num_events = 0;
-  int32_t num_flags = 0;        // flags per parity per rank
-  int64_t workspace_elems = 0;  // symmetric workspace per parity per rank
-  int64_t scratch_elems = 0;    // private scratch per rank
+  int32_t num_flags = 0;         // flags per parity per rank
+  int64_t workspace_elems = 0;   // symmetric workspace per parity per rank
+  int64_t scratch_elems = 0;     // private scratch per rank
+  int64_t workspace_scales = 0;  // WorkspaceScales slots per parity per rank
+  int64_t scratch_scales = 0;    // ScratchScales slots per rank
   std::vector<Op> ops;
 };
+
+// The dtype of the elements of `buf` in a call of `q`: x's for X and
+// XGathered, w's for W, the output type for Y, float32 for the scales; Scratch
+// and Workspace hold what the program moves: x's shards (all-gather) or
+// partial sums in the output type (reduce-scatter, all-reduce).
+DType BufDType(const Problem& q, BufId buf);
+// "bf16" when x, w and y share it, else "x f8e4m3fn w f8e4m3fn y bf16".
+std::string DTypesName(const Problem& q);
+int64_t ElemBytes(const Problem& q, BufId buf);
+
+// Scratch and Workspace each hold their elements, then (from this byte
+// offset: the elements' bytes rounded up to 256) their scale slots. The same
+// on every rank of a call: it depends on the problem's sizes only.
+int64_t ScalesOffset(const Program& program, BufId scales);
+// Bytes of the symmetric workspace per parity per rank, and of the scratch:
+// elements, then scale slots.
+int64_t WorkspaceBytes(const Program& program);
+int64_t ScratchBytes(const Program& program);
 
 std::string ToString(const Ref& ref);
 std::string ToString(const Op& op);
 std::string ToString(const Program& program);  // one op per line, grouped by stream
 std::string Summary(const Program& program);   // one line: op, transport, shape, chunks
 
+// Bytes of the block an op moves, adds or (Gemm) writes: batch x m x n of its
+// buffer's dtype.
+int64_t BlockBytes(const Program& program, const Op& op);
 // Bytes one op moves to another rank (Copy to a peer, Send, McStore); 0 otherwise.
 int64_t RemoteBytes(const Program& program, const Op& op);
 

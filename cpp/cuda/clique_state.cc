@@ -74,7 +74,7 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
     JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     events.push_back(e);
   }
-  const size_t scratch_bytes = static_cast<size_t>(p.scratch_elems * DTypeSize(p.problem.dtype));
+  const size_t scratch_bytes = static_cast<size_t>(ScratchBytes(p));  // elements, then scales
   if (scratch_bytes > 0 && (!scratch || scratch->bytes < scratch_bytes)) {
     // The old scratch may still be read by queued work: retire, do not free.
     if (scratch) retired_scratch.push_back(std::move(scratch));

@@ -83,7 +83,22 @@ struct DeviceOps {
   else                                                                                  \
     asm volatile("multimem.st.relaxed.sys.global." type " [%0], %1;" ::"l"(mc), "r"(v.word[0]) \
                  : "memory");
-    if constexpr (kElem == Elem::kF32) {
+    if constexpr (kElem == Elem::kF8) {
+      // Bits, not values: the integer forms (no vector qualifier: two .b64 for 16 bytes).
+      if constexpr (kBytes == 4) {
+        asm volatile("multimem.st.relaxed.sys.global.b32 [%0], %1;" ::"l"(mc), "r"(v.word[0])
+                     : "memory");
+      } else {
+        for (int half = 0; half < kBytes / 8; ++half) {
+          const unsigned long long bits =
+              (static_cast<unsigned long long>(v.word[2 * half + 1]) << 32) | v.word[2 * half];
+          asm volatile("multimem.st.relaxed.sys.global.b64 [%0], %1;" ::"l"(
+                           static_cast<char*>(mc) + 8 * half),
+                       "l"(bits)
+                       : "memory");
+        }
+      }
+    } else if constexpr (kElem == Elem::kF32) {
       JO_MC_ST("f32")
     } else if constexpr (kElem == Elem::kBF16) {
       JO_MC_ST("bf16x2")

@@ -58,6 +58,8 @@ class NvtxRange {
   const bool on_;
 };
 
+// Send/Recv only move bytes (no reduction): fp8 travels as ncclUint8, which every NCCL
+// version has (ncclFloat8e4m3 / e5m2 exist only from NCCL 2.24 on).
 ncclDataType_t NcclType(DType dtype) {
   switch (dtype) {
     case DType::kF32:
@@ -66,6 +68,9 @@ ncclDataType_t NcclType(DType dtype) {
       return ncclBfloat16;
     case DType::kF16:
       return ncclFloat16;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      return ncclUint8;
   }
   return ncclFloat32;
 }
@@ -87,8 +92,7 @@ struct Step {
 
 class Enqueuer {
  public:
-  explicit Enqueuer(const RunArgs& a)
-      : a_(a), p_(*a.program), es_(DTypeSize(p_.problem.dtype)), ctx_(&a.ctx) {}
+  explicit Enqueuer(const RunArgs& a) : a_(a), p_(*a.program), ctx_(&a.ctx) {}
 
   Status Prepare() {
     JO_CHECK(LoadDriver(&drv_));
@@ -196,8 +200,17 @@ class Enqueuer {
     return first;
   }
 
+  // Bytes of one element of `buf` (core/program.h, BufDType).
+  int64_t Es(BufId buf) const { return ElemBytes(p_.problem, buf); }
+
   std::byte* Resolve(const Ref& ref) const {
     std::byte* base = nullptr;
+    // Scratch and Workspace hold their scale slots after their elements (ScalesOffset).
+    const auto scales = [&](std::byte* buffer) {
+      return buffer == nullptr ? nullptr : buffer + ScalesOffset(p_, ref.buf);
+    };
+    std::byte* scratch =
+        a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
     switch (ref.buf) {
       case BufId::kX:
         base = static_cast<std::byte*>(const_cast<void*>(a_.io.x));
@@ -212,14 +225,33 @@ class Enqueuer {
         base = static_cast<std::byte*>(a_.io.x_gathered);
         break;
       case BufId::kScratch:
-        base =
-            a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
+        base = scratch;
         break;
       case BufId::kWorkspace:
         base = a_.gen->Workspace(ref.rank, a_.epoch, p_.problem.rank);
         break;
+      case BufId::kXScale:
+        base = static_cast<std::byte*>(const_cast<void*>(a_.io.x_scale));
+        break;
+      case BufId::kWScale:
+        base = static_cast<std::byte*>(const_cast<void*>(a_.io.w_scale));
+        break;
+      case BufId::kScratchScales:
+        base = scales(scratch);
+        break;
+      case BufId::kWorkspaceScales:
+        base = scales(a_.gen->Workspace(ref.rank, a_.epoch, p_.problem.rank));
+        break;
     }
-    return base == nullptr ? nullptr : base + ref.offset * es_;
+    return base == nullptr ? nullptr : base + ref.offset * Es(ref.buf);
+  }
+
+  // Where a multicast op's workspace block (or scale slot) is, through the multicast address.
+  std::byte* Multicast(const Ref& ref) const {
+    std::byte* mc = a_.gen->MulticastAddress(a_.epoch);
+    if (mc == nullptr) return nullptr;
+    if (ref.buf == BufId::kWorkspaceScales) mc += ScalesOffset(p_, ref.buf);
+    return mc + ref.offset * Es(ref.buf);
   }
 
   Status PrepareOp(const Op& op, Step* step) {
@@ -238,16 +270,16 @@ class Enqueuer {
         JO_ASSERT(step->src != nullptr && step->dst != nullptr);
         return OkStatus();
       case OpKind::kMcStore: {
-        std::byte* mc = a_.gen->MulticastAddress(a_.epoch);
+        std::byte* mc = Multicast(op.d);
         JO_ASSERT(mc != nullptr);
-        step->block = Block(op, Resolve(op.a), op.a, mc + op.d.offset * es_, op.d);
+        step->block = Block(op, Resolve(op.a), op.a, mc, op.d);
         JO_ASSERT(step->block.src != nullptr);
         return PrepareBlockKernel(BlockKernel::kMcStore, step->block, a_.ctx);
       }
       case OpKind::kMcReduce: {
-        std::byte* mc = a_.gen->MulticastAddress(a_.epoch);
+        std::byte* mc = Multicast(op.a);
         JO_ASSERT(mc != nullptr);
-        step->block = Block(op, mc + op.a.offset * es_, op.a, Resolve(op.d), op.d);
+        step->block = Block(op, mc, op.a, Resolve(op.d), op.d);
         JO_ASSERT(step->block.dst != nullptr);
         return PrepareBlockKernel(BlockKernel::kMcReduce, step->block, a_.ctx);
       }
@@ -287,9 +319,12 @@ class Enqueuer {
   }
 
   Status PrepareGemm(const Op& op, Step* step) {
+    const Problem& q = p_.problem;
     GemmArgs& g = step->gemm;
-    g.dtype = p_.problem.dtype;
-    g.tf32 = p_.problem.tf32;
+    g.a_type = q.x_dtype;
+    g.w_type = q.w_dtype;
+    g.out_type = q.out_dtype;
+    g.tf32 = q.tf32;
     g.batch = op.batch;
     g.m = op.m;
     g.n = op.n;
@@ -299,6 +334,14 @@ class Enqueuer {
     g.a_ld = op.a.ld;
     g.w = Resolve(op.b);  // W: one matrix for every batch (batch stride 0 in cuBLASLt)
     g.w_ld = op.b.ld;
+    if (IsFp8(q.w_dtype)) {
+      // An fp8 w arrives K-major, [cols, k] row-major (gemm.h: cuBLASLt's FP8 "TN" rule).
+      JO_ASSERT(op.b.buf == BufId::kW && op.b.offset == 0 && op.b.ld == q.cols);
+      g.w_ld = q.k;
+    }
+    if (op.a_scaled) g.a_scale = Resolve(op.a_scale);
+    if (op.b_scaled) g.w_scale = Resolve(op.b_scale);
+    JO_ASSERT((g.a_scale != nullptr) == op.a_scaled && (g.w_scale != nullptr) == op.b_scaled);
     g.d = Resolve(op.d);
     g.d_bs = op.d.batch_stride;
     g.d_ld = op.d.ld;
@@ -375,7 +418,7 @@ class Enqueuer {
 
   BlockArgs Block(const Op& op, const void* src, const Ref& s, void* dst, const Ref& d) const {
     BlockArgs b;
-    b.dtype = p_.problem.dtype;
+    b.dtype = BufDType(p_.problem, s.buf);  // d's too (CheckProgram)
     b.src = src;
     b.dst = dst;
     b.batch = op.batch;
@@ -391,7 +434,8 @@ class Enqueuer {
   // Batched strided copy: one call when both sides are dense, else one 2-D copy per batch.
   Status CopyBlock(const Op& op, const std::byte* src, const Ref& s, std::byte* dst, const Ref& d,
                    cudaStream_t stream) {
-    const size_t row = static_cast<size_t>(op.n * es_);
+    const int64_t es = Es(s.buf);  // d's too (CheckProgram)
+    const size_t row = static_cast<size_t>(op.n * es);
     const bool dense =
         s.ld == op.n && d.ld == op.n &&
         (op.batch == 1 || (s.batch_stride == op.m * op.n && d.batch_stride == op.m * op.n));
@@ -401,8 +445,8 @@ class Enqueuer {
       return OkStatus();
     }
     for (int64_t b = 0; b < op.batch; ++b)
-      JO_CUDA_CHECK(ctx_, cudaMemcpy2DAsync(dst + b * d.batch_stride * es_, d.ld * es_,
-                                            src + b * s.batch_stride * es_, s.ld * es_, row,
+      JO_CUDA_CHECK(ctx_, cudaMemcpy2DAsync(dst + b * d.batch_stride * es, d.ld * es,
+                                            src + b * s.batch_stride * es, s.ld * es, row,
                                             static_cast<size_t>(op.m), cudaMemcpyDefault, stream));
     return OkStatus();
   }
@@ -410,7 +454,6 @@ class Enqueuer {
   // The Send/Recv of one bundle: one NCCL group on their stream's communicator.
   Status NcclGroup(const IssueUnit& unit) {
     const ncclComm_t comm = steps_[static_cast<size_t>(unit.begin)].comm;
-    const ncclDataType_t type = NcclType(p_.problem.dtype);
     Status status;
     ncclResult_t closed = ncclSuccess;
     {
@@ -419,7 +462,7 @@ class Enqueuer {
       std::lock_guard<std::mutex> device(DeviceNcclLock(a_.device));
       JO_NCCL_CHECK(ctx_, ncclGroupStart());
       for (int32_t i = unit.begin; i < unit.end && status.ok(); ++i)
-        status = NcclOp(p_.ops[static_cast<size_t>(i)], steps_[static_cast<size_t>(i)], type);
+        status = NcclOp(p_.ops[static_cast<size_t>(i)], steps_[static_cast<size_t>(i)]);
       // Always close the group, even after a failure inside it.
       closed = ncclGroupEnd();
     }
@@ -437,13 +480,14 @@ class Enqueuer {
   // sides of a pair issue the same number of calls of the same sizes in the
   // same order, which is how NCCL matches sends with receives. Never merged
   // when one side happens to be dense: the peer's side may be strided.
-  Status NcclOp(const Op& op, const Step& step, ncclDataType_t type) {
+  Status NcclOp(const Op& op, const Step& step) {
     const bool send = op.kind == OpKind::kSend;
     const Ref& ref = send ? op.a : op.d;
+    const ncclDataType_t type = NcclType(BufDType(p_.problem, ref.buf));
     std::byte* base = send ? step.src : step.dst;
     const size_t count = static_cast<size_t>(op.m * op.n);
     for (int64_t b = 0; b < op.batch; ++b) {
-      std::byte* ptr = base + b * ref.batch_stride * es_;
+      std::byte* ptr = base + b * ref.batch_stride * Es(ref.buf);
       if (send) {
         JO_NCCL_CHECK_ASYNC(ctx_, ncclSend(ptr, count, type, op.peer, step.comm, step.stream));
       } else {
@@ -455,7 +499,6 @@ class Enqueuer {
 
   const RunArgs& a_;
   const Program& p_;
-  const int64_t es_;
   const ErrorContext* ctx_;
   const DriverApi* drv_ = nullptr;
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device

@@ -1,7 +1,8 @@
 // The CUDA FFI handlers: jaxoverlap_cuda_ag_matmul, jaxoverlap_cuda_matmul_rs
 // and jaxoverlap_cuda_matmul_ar (the same handler: the `op` attribute says
 // which). ffi/ffi_call.h has their interface (no coords operand: the GPU
-// handler finds its rank in the rank table from its device ordinal).
+// handler finds its rank in the rank table from its device ordinal; the scale
+// operands stay on the device: cuBLASLt reads them).
 // instantiate makes the call site's state (a CudaSite); execute decodes and
 // checks the operands and enqueues the call on XLA's stream. Not
 // command-buffer compatible (no traits): a call must never be captured and
@@ -28,10 +29,12 @@ namespace {
 using SiteState = ffi_call::SiteState<CudaSite>;
 
 Status Run(cudaStream_t stream, int32_t device, CudaSite& site, const ffi::AnyBuffer& x,
-           const ffi::AnyBuffer& w, const ffi::AnyBuffer& y, const ffi::AnyBuffer* gathered) {
+           const ffi::AnyBuffer& w, const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w_scale,
+           const ffi::AnyBuffer& y, const ffi::AnyBuffer* gathered) {
   Problem problem;
   CallBuffers io;
-  JO_CHECK(ffi_call::DecodeOperands(site.desc(), x, w, y, gathered, &problem, &io));
+  JO_CHECK(
+      ffi_call::DecodeOperands(site.desc(), x, w, x_scale, w_scale, y, gathered, &problem, &io));
   Caller caller;
   caller.process = ProcessIndex();
   caller.device = device;
@@ -40,11 +43,12 @@ Status Run(cudaStream_t stream, int32_t device, CudaSite& site, const ffi::AnyBu
 }
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer x,
-                   ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                   ffi::AnyBuffer w, ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale,
+                   ffi::Result<ffi::AnyBuffer> y,
                    std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered, ffi_call::CallAttrs) {
   const ffi::AnyBuffer* gathered = x_gathered.has_value() ? &**x_gathered : nullptr;
   try {  // bad_alloc and friends never cross the FFI boundary
-    return ffi_call::ToFfi(Run(stream, device, state->site, x, w, *y, gathered));
+    return ffi_call::ToFfi(Run(stream, device, state->site, x, w, x_scale, w_scale, *y, gathered));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("jaxoverlap: ") + e.what());
   } catch (...) {

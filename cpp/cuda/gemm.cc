@@ -22,9 +22,18 @@ cudaDataType_t LtType(DType dtype) {
       return CUDA_R_16BF;
     case DType::kF16:
       return CUDA_R_16F;
+    case DType::kF8E4M3:
+      return CUDA_R_8F_E4M3;
+    case DType::kF8E5M2:
+      return CUDA_R_8F_E5M2;
   }
   return CUDA_R_32F;
 }
+
+// FP8 GEMMs need compute capability 8.9 or newer (cuBLAS docs, cublasLtMatmul:
+// the FP8 requirements name Ada 8.9, Hopper 9.0 and Blackwell; FP8 tensor cores
+// begin with Ada).
+constexpr int kFp8MinArch = 89;
 
 // The alignment we promise cuBLASLt for one matrix: the largest power of two
 // (<= 256) dividing its pointer, its leading dimension and, when batched, its
@@ -46,9 +55,14 @@ struct Alignments {
   uint32_t a, b, c, d;
 };
 Alignments AlignmentsOf(const GemmArgs& g, const void* c, int64_t c_bs, int64_t c_ld) {
-  const int64_t es = DTypeSize(g.dtype);
-  return {Alignment(g.w, g.w_ld, g.batch, 0, es), Alignment(g.a, g.a_ld, g.batch, g.a_bs, es),
-          Alignment(c, c_ld, g.batch, c_bs, es), Alignment(g.d, g.d_ld, g.batch, g.d_bs, es)};
+  const int64_t ws = DTypeSize(g.w_type), as = DTypeSize(g.a_type), os = DTypeSize(g.out_type);
+  return {Alignment(g.w, g.w_ld, g.batch, 0, ws), Alignment(g.a, g.a_ld, g.batch, g.a_bs, as),
+          Alignment(c, c_ld, g.batch, c_bs, os), Alignment(g.d, g.d_ld, g.batch, g.d_bs, os)};
+}
+
+std::string TypesName(const GemmArgs& g) {
+  return std::string(DTypeName(g.a_type)) + " x " + DTypeName(g.w_type) + " -> " +
+         DTypeName(g.out_type);
 }
 
 template <typename T, cublasStatus_t (*Destroy)(T)>
@@ -95,13 +109,14 @@ struct MatmulPlan {
   cublasLtMatmulHeuristicResult_t heuristic{};
 };
 
-// dtype (x2, +1 with TF32), batch, m, n, k, lds, strides, beta != 0, alignments.
+// types (x2, +1 with TF32), batch, m, n, k, lds, strides, beta != 0, alignments.
 using MatmulKey =
     std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 struct DeviceCache {
   std::mutex mu;
+  int arch = -1;  // compute capability as 10 * major + minor, once asked
   Handle handle;
   std::map<MatmulKey, std::unique_ptr<MatmulPlan>> plans;
   std::map<cudaStream_t, std::unique_ptr<DeviceBuffer>> workspaces;
@@ -149,25 +164,56 @@ Status MakeLayout(Layout* layout, cudaDataType_t type, int64_t rows, int64_t col
   return OkStatus();
 }
 
+// Sets the FP8 scale pointers of a plan's descriptor: cuBLASLt's A is W, its B the
+// program's a (gemm.h). A host-side update of the descriptor, read by the next
+// cublasLtMatmul.
+Status SetScales(const MatmulPlan& plan, const void* a_scale, const void* w_scale,
+                 const ErrorContext& ctx) {
+  JO_CUBLAS_CHECK(
+      &ctx, cublasLtMatmulDescSetAttribute(plan.desc.value, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                           &w_scale, sizeof(w_scale)));
+  JO_CUBLAS_CHECK(
+      &ctx, cublasLtMatmulDescSetAttribute(plan.desc.value, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                           &a_scale, sizeof(a_scale)));
+  return OkStatus();
+}
+
 Status MakeMatmulPlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c, int64_t c_bs,
                       int64_t c_ld, const ErrorContext& ctx, MatmulPlan* plan) {
-  const cudaDataType_t type = LtType(g.dtype);
+  const bool fp8 = IsFp8Gemm(g);
   const int32_t batch = static_cast<int32_t>(g.batch);
+  const bool all_f32 =
+      g.a_type == DType::kF32 && g.w_type == DType::kF32 && g.out_type == DType::kF32;
   const cublasComputeType_t compute =
-      g.tf32 && g.dtype == DType::kF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+      g.tf32 && all_f32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   JO_CUBLAS_CHECK(&ctx, cublasLtMatmulDescCreate(&plan->desc.value, compute, CUDA_R_32F));
+  // FP8: "A must be transposed and B non-transposed" (gemm.h): W arrives K-major.
+  const int32_t transa = fp8 ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int32_t no_transpose = CUBLAS_OP_N;
-  JO_CUBLAS_CHECK(&ctx,
-                  cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                 &no_transpose, sizeof(no_transpose)));
+  JO_CUBLAS_CHECK(
+      &ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSA, &transa,
+                                           sizeof(transa)));
   JO_CUBLAS_CHECK(&ctx,
                   cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSB,
                                                  &no_transpose, sizeof(no_transpose)));
-  // See the layout mapping in gemm.h: A_lt = W (n x k), B_lt = A (k x m), C/D (n x m).
-  JO_CHECK(MakeLayout(&plan->a, type, g.n, g.k, g.w_ld, batch, 0, ctx));
-  JO_CHECK(MakeLayout(&plan->b, type, g.k, g.m, g.a_ld, batch, g.a_bs, ctx));
-  JO_CHECK(MakeLayout(&plan->c, type, g.n, g.m, c_ld, batch, c_bs, ctx));
-  JO_CHECK(MakeLayout(&plan->d, type, g.n, g.m, g.d_ld, batch, g.d_bs, ctx));
+  if (fp8) {
+    JO_CHECK(SetScales(*plan, g.a_scale, g.w_scale, ctx));
+    const int8_t fast_accum = 0;  // keep the f32 accumulation (gemm.h)
+    JO_CUBLAS_CHECK(
+        &ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                             &fast_accum, sizeof(fast_accum)));
+  }
+  // See the layout mapping in gemm.h: A_lt = W (n x k; fp8: k x n, transposed), B_lt = A
+  // (k x m), C/D (n x m).
+  const cudaDataType_t out = LtType(g.out_type);
+  if (fp8) {
+    JO_CHECK(MakeLayout(&plan->a, LtType(g.w_type), g.k, g.n, g.w_ld, batch, 0, ctx));
+  } else {
+    JO_CHECK(MakeLayout(&plan->a, LtType(g.w_type), g.n, g.k, g.w_ld, batch, 0, ctx));
+  }
+  JO_CHECK(MakeLayout(&plan->b, LtType(g.a_type), g.k, g.m, g.a_ld, batch, g.a_bs, ctx));
+  JO_CHECK(MakeLayout(&plan->c, out, g.n, g.m, c_ld, batch, c_bs, ctx));
+  JO_CHECK(MakeLayout(&plan->d, out, g.n, g.m, g.d_ld, batch, g.d_bs, ctx));
   JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceCreate(&plan->pref.value));
   const uint64_t ws = kWorkspaceBytes;
   JO_CUBLAS_CHECK(&ctx,
@@ -187,9 +233,54 @@ Status MakeMatmulPlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c,
                             plan->d.value, plan->pref.value, 1, &plan->heuristic, &found));
   if (found < 1)
     return Status(Code::kInternal, ctx.Describe() + ": cuBLASLt has no algorithm for " +
-                                       DTypeName(g.dtype) + " batch=" + std::to_string(g.batch) +
+                                       TypesName(g) + " batch=" + std::to_string(g.batch) +
                                        " m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
                                        " k=" + std::to_string(g.k));
+  return OkStatus();
+}
+
+// What an FP8 GEMM needs beyond its plan (gemm.h): both operands fp8 and not both e5m2 (the
+// cuBLAS FP8 type table), compute capability >= 8.9, every matrix 16-byte aligned and k a
+// multiple of 16. At set-up: an InvalidArgument naming the rule, before anything is enqueued.
+Status CheckFp8Gemm(DeviceCache& cache, int device, const GemmArgs& g, const Alignments& al,
+                    const ErrorContext& ctx) {
+  const auto bad = [&](const std::string& text) {
+    return Status(Code::kInvalidArgument,
+                  ctx.Describe() + ": FP8 GEMM " + TypesName(g) + " m=" + std::to_string(g.m) +
+                      " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) + ": " + text);
+  };
+  if (!IsFp8(g.a_type) || !IsFp8(g.w_type))
+    return bad("cuBLASLt's FP8 GEMMs take two fp8 operands, not an fp8 one with a " +
+               std::string(DTypeName(IsFp8(g.a_type) ? g.w_type : g.a_type)) +
+               " one (cuBLAS docs, cublasLtMatmul, the FP8 type table); the CUDA executor does "
+               "not convert operands: pass both as fp8, or use impl='xla'");
+  if (g.a_type == DType::kF8E5M2 && g.w_type == DType::kF8E5M2)
+    return bad(
+        "cuBLASLt has no float8_e5m2 x float8_e5m2 GEMM (cuBLAS docs, cublasLtMatmul, "
+        "the FP8 type table: e4m3 x e4m3, e4m3 x e5m2, e5m2 x e4m3); make one operand "
+        "float8_e4m3fn, or use impl='xla'");
+  if (cache.arch < 0) {
+    int major = 0, minor = 0;
+    JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cache.arch = major * 10 + minor;
+  }
+  if (cache.arch < kFp8MinArch)
+    return bad("GPU " + std::to_string(device) + " is sm_" + std::to_string(cache.arch) +
+               "; FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper, Blackwell). "
+               "Use bfloat16 operands, or impl='xla'");
+  const int64_t out_bytes = DTypeSize(g.out_type);
+  if (g.k % 16 != 0 || (g.n * out_bytes) % 16 != 0 || al.a < 16 || al.b < 16 || al.c < 16 ||
+      al.d < 16)
+    return bad(
+        "cuBLASLt's FP8 GEMMs need every pointer, leading dimension and batch stride "
+        "16-byte aligned, so k a multiple of 16 and the output columns a multiple of " +
+        std::to_string(16 / out_bytes) +
+        " (cuBLAS docs, cublasLtMatmul: \"pointers and matrix dimension must support "
+        "16-byte alignment\"); got alignments " +
+        std::to_string(al.a) + ", " + std::to_string(al.b) + ", " + std::to_string(al.c) + ", " +
+        std::to_string(al.d) + " bytes (W, x, C, D)");
+  if (g.a_scale == nullptr || g.w_scale == nullptr) return bad("a scale pointer is missing");
   return OkStatus();
 }
 
@@ -220,12 +311,17 @@ Status WorkspaceOf(DeviceCache& cache, int device, cudaStream_t stream, const Er
 // its kernels at init for the same reason (ncclInitKernelsForDevice).
 Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const GemmArgs& g,
               int64_t c_bs, int64_t c_ld, bool accumulate, const ErrorContext& ctx) {
-  const size_t es = static_cast<size_t>(DTypeSize(g.dtype));
-  const size_t w_bytes = RoundUp256(Span(1, 0, g.k, g.w_ld, g.n) * es);
-  const size_t a_bytes = RoundUp256(Span(g.batch, g.a_bs, g.m, g.a_ld, g.k) * es);
+  const bool fp8 = IsFp8Gemm(g);
+  const size_t w_es = static_cast<size_t>(DTypeSize(g.w_type));
+  const size_t a_es = static_cast<size_t>(DTypeSize(g.a_type));
+  const size_t out_es = static_cast<size_t>(DTypeSize(g.out_type));
+  const size_t w_bytes =
+      RoundUp256((fp8 ? Span(1, 0, g.n, g.w_ld, g.k) : Span(1, 0, g.k, g.w_ld, g.n)) * w_es);
+  const size_t a_bytes = RoundUp256(Span(g.batch, g.a_bs, g.m, g.a_ld, g.k) * a_es);
   const size_t d_bytes =
-      Span(g.batch, std::max(g.d_bs, c_bs), g.m, std::max(g.d_ld, c_ld), g.n) * es;
-  const size_t need = w_bytes + a_bytes + d_bytes;
+      RoundUp256(Span(g.batch, std::max(g.d_bs, c_bs), g.m, std::max(g.d_ld, c_ld), g.n) * out_es);
+  const size_t scale_bytes = fp8 ? 256 : 0;  // the two scales' slots
+  const size_t need = w_bytes + a_bytes + d_bytes + scale_bytes;
   if (cache.warm_stream == nullptr) {
     JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&cache.warm_stream, cudaStreamNonBlocking));
     JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&cache.warmed, cudaEventDisableTiming));
@@ -242,6 +338,10 @@ Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const Gemm
   JO_CHECK(WorkspaceOf(cache, device, cache.warm_stream, ctx, &ws));
   std::byte* base = static_cast<std::byte*>(cache.warm->ptr);
   void* d = base + w_bytes + a_bytes;
+  if (fp8) {  // valid device pointers (their values do not matter); the call sets its own
+    std::byte* scales = base + w_bytes + a_bytes + d_bytes;
+    JO_CHECK(SetScales(plan, scales, scales + 4, ctx));
+  }
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
   JO_CUBLAS_CHECK(&ctx, cublasLtMatmul(cache.handle.value, plan.desc.value, &alpha, base,
@@ -264,13 +364,17 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
   if (c != g.d && (c_bs != g.d_bs || c_ld != g.d_ld))
     return Internal(ctx.Describe() + ": GEMM with C != D needs identical C and D layouts");
   if (g.batch > INT32_MAX) return Internal(ctx.Describe() + ": GEMM batch exceeds int32");
+  const bool fp8 = IsFp8Gemm(g);
   DeviceCache& cache = CacheOf(device);
   std::lock_guard<std::mutex> lock(cache.mu);
+  const Alignments al = AlignmentsOf(g, c, c_bs, c_ld);
+  if (fp8 && !enqueue) JO_CHECK(CheckFp8Gemm(cache, device, g, al, ctx));
   if (cache.handle.value == nullptr) JO_CUBLAS_CHECK(&ctx, cublasLtCreate(&cache.handle.value));
   void* ws = nullptr;
   JO_CHECK(WorkspaceOf(cache, device, stream, ctx, &ws));
-  const Alignments al = AlignmentsOf(g, c, c_bs, c_ld);
-  const MatmulKey key{static_cast<int>(g.dtype) * 2 + (g.tf32 ? 1 : 0),
+  const int types = (static_cast<int>(g.a_type) * 8 + static_cast<int>(g.w_type)) * 8 +
+                    static_cast<int>(g.out_type);
+  const MatmulKey key{types * 2 + (g.tf32 ? 1 : 0),
                       g.batch,
                       g.m,
                       g.n,
@@ -297,6 +401,9 @@ Status Matmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorCon
     plan = std::move(fresh);
   }
   if (!enqueue) return OkStatus();
+  // The scales of this GEMM (an all-gather's chunk names its shard's): a host-side update of
+  // the descriptor, read by the matmul below (cache.mu is held across both).
+  if (fp8) JO_CHECK(SetScales(*plan, g.a_scale, g.w_scale, ctx));
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
   JO_CUBLAS_CHECK(
@@ -331,5 +438,7 @@ void ReleaseGemmCaches() {
 }
 
 size_t CublasLtVersion() { return cublasLtGetVersion(); }
+
+bool IsFp8Gemm(const GemmArgs& g) { return IsFp8(g.a_type) || IsFp8(g.w_type); }
 
 }  // namespace jo::cuda

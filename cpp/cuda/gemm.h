@@ -22,6 +22,26 @@
 // Batches laid out back to back are folded into one taller GEMM by the
 // executor first; the batched form (stride 0 for W) remains for the others.
 //
+// FP8 (x and w both float8: e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3; cuBLAS
+// docs, cublasLtMatmul, "To use tensor- or block-scaled FP8 kernels" and its
+// type table): on Ada (sm_89), Hopper (sm_90) and Blackwell GeForce (sm_12x)
+// "A must be transposed and B non-transposed (The TN format)", i.e. both
+// operands K-major. B := A (k x m, contiguous along k) already is; A := W must
+// be too, so an fp8 W arrives K-major: the call's w operand is laid out
+// [n, k] row-major (the native primitive asks XLA for that layout of an fp8 w
+// on GPUs, docs/gpu.md §11), described as the column-major k x n matrix with
+// ld k and TRANSA = T. TN is taken on every GPU (sm_100 would also take NN).
+// Compute type CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, C and D of the
+// output type (bf16, f16 or f32: the table's C = D rows);
+// CUBLASLT_MATMUL_DESC_B_SCALE_POINTER := x's (the chunk's shard's) scale and
+// A_SCALE_POINTER := w's, device float32 pointers set before every matmul (a
+// shard's GEMM names its own); CUBLASLT_MATMUL_DESC_FAST_ACCUM = 0, so the
+// products are "periodically promoted to a higher precision" (the f32
+// accumulation the ops promise; fast accumulation would be faster and less
+// accurate). Every pointer, leading dimension and batch stride 16-byte aligned,
+// k a multiple of 16 ("pointers and matrix dimension must support 16-byte
+// alignment"), compute capability 8.9 or newer: refused at prepare otherwise.
+//
 // C and D may differ only with identical layouts (cuBLASLt's out-of-place
 // rule); the executor copies C into D first otherwise.
 //
@@ -41,7 +61,9 @@
 namespace jo::cuda {
 
 struct GemmArgs {
-  DType dtype = DType::kF32;
+  DType a_type = DType::kF32;    // the program's a (x's dtype)
+  DType w_type = DType::kF32;    // W's: a_type, or both fp8
+  DType out_type = DType::kF32;  // C's and D's: a_type or f32; any of f32/bf16/f16 for fp8
   // f32 only: CUBLAS_COMPUTE_32F_FAST_TF32 ("allows the library to use Tensor
   // Cores with automatic down-conversion and TF32 compute for 32-bit input and
   // output matrices", cublas docs, cublasComputeType_t) instead of
@@ -51,7 +73,10 @@ struct GemmArgs {
   const void* a = nullptr;
   int64_t a_bs = 0, a_ld = 0;
   const void* w = nullptr;
-  int64_t w_ld = 0;
+  int64_t w_ld = 0;  // fp8: K-major W, [n, k] row-major: w_ld >= k
+  // fp8: device pointers to the float32 dequantization scales of a and W.
+  const void* a_scale = nullptr;
+  const void* w_scale = nullptr;
   const void* c = nullptr;  // nullptr: beta = 0
   int64_t c_bs = 0, c_ld = 0;
   void* d = nullptr;
@@ -77,6 +102,9 @@ Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const Err
 
 // Frees every cached handle and workspace (tests and process exit).
 void ReleaseGemmCaches();
+
+// Whether a GEMM of these operand types is an FP8 one (then both are fp8).
+bool IsFp8Gemm(const GemmArgs& args);
 
 // cublasLtGetVersion() of the loaded library.
 size_t CublasLtVersion();

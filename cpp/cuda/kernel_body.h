@@ -36,9 +36,14 @@ inline constexpr int kThreads = 128;
 
 // The element type of a block. Multimem works on element pairs for the
 // 16-bit types (.bf16x2 / .f16x2), so their multimem accesses are >= 4 bytes.
-enum class Elem : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// kF8 is either fp8 format, only ever moved as bits (an all-gather's McStore
+// of fp8 shards, through the integer .b32 / .b64 forms): no kernel adds or
+// reduces fp8.
+enum class Elem : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF8 = 3 };
 
-JO_KERNEL_FN constexpr int ElemBytes(Elem e) { return e == Elem::kF32 ? 4 : 2; }
+JO_KERNEL_FN constexpr int ElemBytes(Elem e) {
+  return e == Elem::kF32 ? 4 : e == Elem::kF8 ? 1 : 2;
+}
 
 // One access: kBytes / 4 32-bit words (a 2-byte access uses the low half of
 // word[0]). NVIDIA GPUs are little-endian (CUDA Programming Guide, "Compute

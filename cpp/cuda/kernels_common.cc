@@ -39,6 +39,9 @@ Elem ElemOf(DType dtype) {
       return Elem::kBF16;
     case DType::kF16:
       return Elem::kF16;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      return Elem::kF8;
   }
   return Elem::kF32;
 }
@@ -180,9 +183,13 @@ Status MultimemKernel(const char* what, const void* (*table)(Elem, int), const B
   if (!MulticastBlockOk(a))
     return Status(Code::kInvalidArgument,
                   ctx.Describe() + ": " + what +
-                      " on 16-bit data needs an even row width, even strides and 4-byte aligned "
-                      "addresses (multimem works on element pairs); use transport='p2p' or "
-                      "'nccl' for this shape");
+                      (DTypeSize(a.dtype) == 2
+                           ? " on 16-bit data needs an even row width, even strides and 4-byte "
+                             "aligned addresses (multimem works on element pairs)"
+                           : " on fp8 data needs a row width and strides that are multiples of "
+                             "4 and 4-byte aligned addresses (multimem moves fp8 as 32- or "
+                             "64-bit words)") +
+                      "; use transport='p2p' or 'nccl' for this shape");
   if (Empty(a)) return OkStatus();
   *p = MakeLaunch(a, /*multimem=*/true);
   JO_ASSERT(p->bytes >= 4);
@@ -216,10 +223,11 @@ std::vector<std::string> Words(const char* text) {
 
 bool MulticastBlockOk(const BlockArgs& a) {
   if (a.dtype == DType::kF32) return true;
-  const auto even = [](int64_t v) { return v % 2 == 0; };
+  const int64_t per_word = 4 / DTypeSize(a.dtype);  // elements per 32-bit word: 2, or 4 for fp8
+  const auto whole = [&](int64_t v) { return v % per_word == 0; };
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; };
-  return even(a.n) && even(a.src_ld) && even(a.dst_ld) && even(a.src_batch_stride) &&
-         even(a.dst_batch_stride) && aligned(a.src) && aligned(a.dst);
+  return whole(a.n) && whole(a.src_ld) && whole(a.dst_ld) && whole(a.src_batch_stride) &&
+         whole(a.dst_batch_stride) && aligned(a.src) && aligned(a.dst);
 }
 
 int AccessBytes(const BlockArgs& a, bool multimem) { return MakeLaunch(a, multimem).bytes; }

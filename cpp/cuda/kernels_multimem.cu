@@ -2,6 +2,8 @@
 // and compute_90 only (cpp/cuda/CMakeLists.txt): multimem needs sm_90, not the
 // arch-specific sm_90a, and compute_90 PTX is what a newer GPU (sm_100, ...)
 // JIT-compiles — a variant without multimem does not exist in the binary.
+#include <type_traits>
+
 #include "cuda/device_ops.cuh"
 #include "cuda/kernel_table.h"
 
@@ -30,6 +32,10 @@ const void* For(Elem elem, int bytes) {
       return Pick<Body, Elem::kBF16>(bytes);
     case Elem::kF16:
       return Pick<Body, Elem::kF16>(bytes);
+    case Elem::kF8:  // stored as bits only (kernel_body.h)
+      if constexpr (std::is_same_v<Body<Elem::kF8, 4>, McStoreBody<Elem::kF8, 4>>)
+        return Pick<Body, Elem::kF8>(bytes);
+      return nullptr;
   }
   return nullptr;
 }

@@ -3,8 +3,16 @@
 // call site's state, the binding itself, and turning our Status into an
 // ffi::Error (once, here).
 //
-// Every native custom call has the operands x, w, the result y and, for
-// ag_matmul with return_gathered, x_gathered, and these attributes:
+// Every native custom call has the operands x, w, x_scale, w_scale, the
+// result y and, for ag_matmul with return_gathered, x_gathered. The dtypes
+// come from the buffers: x and w float32, bfloat16, float16 (the same) or
+// either float8_e4m3fn / float8_e5m2; y float32, bfloat16 or float16 (x's, or
+// float32 for non-fp8 operands); x_gathered x's. x_scale and w_scale are
+// float32 of shape () or (1,), always passed (1.0 when the operand is not
+// fp8, whose scale no GEMM reads): the real value of an fp8 operand is
+// element * scale, and an all-gather applies each shard's own. A handler never
+// reads a scale on the host (the CUDA executor hands device pointers to
+// cuBLASLt). The attributes:
 //   op i32 (0 ag_matmul, 1 matmul_rs, 2 matmul_ar), clique_key i64, site_key
 //   i64 (what the call is: core/call.h CallSite; never 0), axis i64
 //   (matmul_ar: 0; it splits the rows of x, all dims but the last, into N
@@ -16,7 +24,7 @@
 //   rank table in (group, rank) order: processes i64[], device_ids i64[]
 //   (JAX's global ids), ordinals i64[] (local ordinals). The table is empty
 //   only for a CPU call in one process whose mesh was abstract where it
-//   lowered; the CPU call then has a third operand, coords: int32[2] =
+//   lowered; the CPU call then has a fifth operand, coords: int32[2] =
 //   (rank, group) from lax.axis_index (the GPU handler needs the table:
 //   reading a device scalar would need a sync).
 #pragma once
@@ -28,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/build.h"
 #include "core/call.h"
 #include "core/program.h"
 #include "core/status.h"
@@ -142,13 +151,17 @@ inline std::optional<DType> ToDType(ffi::DataType type) {
       return DType::kBF16;
     case ffi::DataType::F16:
       return DType::kF16;
+    case ffi::DataType::F8E4M3FN:
+      return DType::kF8E4M3;
+    case ffi::DataType::F8E5M2:
+      return DType::kF8E5M2;
     default:
       return std::nullopt;
   }
 }
 
 // A result must have x's dims with dim `axis` made `axis_dim` and the last
-// dim `last`, and x's dtype.
+// dim `last` (its dtype is checked by the caller).
 inline Status CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
                           const ffi::AnyBuffer& got, int64_t axis, int64_t axis_dim, int64_t last) {
   auto xd = x.dimensions();
@@ -161,14 +174,23 @@ inline Status CheckResult(const char* op, const char* name, const ffi::AnyBuffer
     return InvalidArgument(std::string(op) + ": result " + name + " expected shape " +
                            Dims(ffi::Span<const int64_t>(want.data(), want.size())) + ", got " +
                            Dims(gd));
-  if (got.element_type() != x.element_type())
-    return InvalidArgument(std::string(op) + ": result " + name + " expected the dtype of x");
+  return OkStatus();
+}
+
+// A scale operand: float32 of shape () or (1,).
+inline Status CheckScale(const char* op, const char* name, const ffi::AnyBuffer& scale) {
+  auto dims = scale.dimensions();
+  if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 1 || dims.size() > 1)
+    return InvalidArgument(std::string(op) + ": operand " + name +
+                           " expected a float32 scalar (shape () or (1,)), got shape " +
+                           Dims(dims));
   return OkStatus();
 }
 
 // Checks the operands against the call and gives its canonical problem
 // (docs/native.md §1; everything but the rank) and buffers.
 inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                             const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w_scale,
                              const ffi::AnyBuffer& y, const ffi::AnyBuffer* x_gathered, Problem* q,
                              CallBuffers* io) {
   const char* op = CollectiveName(d.op);
@@ -184,9 +206,15 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   if (wd.size() != 2)
     return bad("operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " +
                Dims(wd) + ")");
-  if (!ToDType(x.element_type()))
-    return bad("operand x expected dtype float32, bfloat16 or float16");
-  if (w.element_type() != x.element_type()) return bad("operand w expected the dtype of x");
+  const char* inputs = "float32, bfloat16, float16, float8_e4m3fn or float8_e5m2";
+  if (!ToDType(x.element_type())) return bad(std::string("operand x expected dtype ") + inputs);
+  if (!ToDType(w.element_type())) return bad(std::string("operand w expected dtype ") + inputs);
+  const std::optional<DType> out = ToDType(y.element_type());
+  if (!out || IsFp8(*out)) return bad("result y expected dtype float32, bfloat16 or float16");
+  if (x_gathered != nullptr && x_gathered->element_type() != x.element_type())
+    return bad("result x_gathered expected the dtype of x");
+  JO_CHECK(CheckScale(op, "x_scale", x_scale));
+  JO_CHECK(CheckScale(op, "w_scale", w_scale));
   if (wd[0] != xd[xd.size() - 1])
     return bad("operand w expected " + std::to_string(xd[xd.size() - 1]) +
                " rows (x's last dim), got shape " + Dims(wd));
@@ -196,10 +224,13 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->op = d.op;
   q->transport = d.transport;
   q->nranks = static_cast<int32_t>(n);
-  q->dtype = *ToDType(x.element_type());
+  q->x_dtype = *ToDType(x.element_type());
+  q->w_dtype = *ToDType(w.element_type());
+  q->out_dtype = *out;
+  JO_CHECK(CheckDTypes(*q));
   q->chunks = d.chunks;
   q->bidirectional = d.bidirectional;
-  q->tf32 = d.tf32;  // the GEMM ignores it for half types (cuda/gemm.cc)
+  q->tf32 = d.tf32;  // the GEMM ignores it but for float32 operands (cuda/gemm.cc)
   q->algorithm = d.algorithm;
   q->k = xd[xd.size() - 1];
   q->cols = wd[1];
@@ -237,6 +268,8 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   }
   io->x = x.untyped_data();
   io->w = w.untyped_data();
+  io->x_scale = x_scale.untyped_data();
+  io->w_scale = w_scale.untyped_data();
   io->y = y.untyped_data();
   io->x_gathered = x_gathered != nullptr ? x_gathered->untyped_data() : nullptr;
   return OkStatus();
@@ -260,14 +293,17 @@ const XLA_FFI_TypeInfo SiteState<Site>::type_info = ffi::MakeTypeInfo<SiteState<
 
 // The execute stage's binding, in two halves around the platform's extra
 // operands: after the platform's own context (the CUDA stream), the device,
-// the call-site state and x, w; then the results and the attributes.
+// the call-site state and x, w, x_scale, w_scale; then the results and the
+// attributes.
 template <typename Site, typename Binding>
 auto BindOperands(Binding binding) {
   return std::move(binding)
       .template Ctx<ffi::DeviceOrdinal>()
       .template Ctx<ffi::State<SiteState<Site>>>()
       .template Arg<ffi::AnyBuffer>()   // x
-      .template Arg<ffi::AnyBuffer>();  // w
+      .template Arg<ffi::AnyBuffer>()   // w
+      .template Arg<ffi::AnyBuffer>()   // x_scale
+      .template Arg<ffi::AnyBuffer>();  // w_scale
 }
 
 template <typename Binding>

@@ -42,26 +42,26 @@ class ThreadGroup {
 class Run {
  public:
   Run(const Program& p, HostClique& clique, const WaitContext& ctx, const CallBuffers& io)
-      : p_(p),
-        clique_(clique),
-        epoch_(ctx.epoch),
-        io_(io),
-        es_(DTypeSize(p.problem.dtype)),
-        ctx_(ctx),
-        events_(p.num_events, 0) {}
+      : p_(p), clique_(clique), epoch_(ctx.epoch), io_(io), ctx_(ctx), events_(p.num_events, 0) {}
 
   Status Execute() {
     // The program against the buffers this call really has (the clique's
-    // workspace may be larger than the program needs, never smaller).
+    // workspace may be larger than the program needs, never smaller): its
+    // elements, then (from ScalesOffset) its scale slots.
+    const Problem& q = p_.problem;
     BufferSizes sizes = BufferSizes::Of(p_);
-    sizes.workspace = clique_.WorkspaceBytes() / es_;
+    const int64_t have = clique_.WorkspaceBytes();
+    const int64_t scales_at =
+        p_.workspace_scales > 0 ? ScalesOffset(p_, BufId::kWorkspaceScales) : have;
+    sizes.workspace = std::min(have, scales_at) / ElemBytes(q, BufId::kWorkspace);
+    sizes.workspace_scales = std::max<int64_t>(0, have - scales_at) / 4;
     if (io_.x_gathered == nullptr) sizes.x_gathered = 0;
     JO_CHECK(CheckProgram(p_, sizes));
     try {
-      scratch_.assign(static_cast<size_t>(p_.scratch_elems * es_), std::byte{0});
-      if (p_.problem.dtype != DType::kF32) {
-        w32_.resize(static_cast<size_t>(p_.problem.k * p_.problem.cols));
-        ToF32(p_.problem.dtype, io_.w, p_.problem.cols, p_.problem.k, p_.problem.cols, w32_.data());
+      scratch_.assign(static_cast<size_t>(ScratchBytes(p_)), std::byte{0});
+      if (q.w_dtype != DType::kF32) {  // W in f32 once per call (fp8: unscaled, exact)
+        w32_.resize(static_cast<size_t>(q.k * q.cols));
+        ToF32(q.w_dtype, io_.w, q.cols, q.k, q.cols, w32_.data());
       }
     } catch (const std::bad_alloc&) {
       return Status(Code::kResource, std::string(ctx_.op) + ": host scratch allocation failed");
@@ -109,7 +109,7 @@ class Run {
                                  ? op.d.rank
                                  : op.peer;
         mine.push_back(OpSpan{static_cast<int32_t>(i), stream, op.kind, op.shard, op.sub, peer,
-                              op.batch * op.m * op.n * es_, NowNs(), 0, 0});
+                              BlockBytes(p_, op), NowNs(), 0, 0});
         span = &mine.back();
         span->ready_ns = span->start_ns;
         current_[static_cast<size_t>(stream)] = span;
@@ -165,6 +165,9 @@ class Run {
 
   std::byte* Resolve(const Ref& ref) {
     std::byte* base = nullptr;
+    const auto scales = [&](std::byte* buffer, BufId buf) {
+      return buffer == nullptr ? nullptr : buffer + ScalesOffset(p_, buf);
+    };
     switch (ref.buf) {
       case BufId::kX:
         base = static_cast<std::byte*>(const_cast<void*>(io_.x));
@@ -184,8 +187,20 @@ class Run {
       case BufId::kWorkspace:
         base = clique_.Workspace(ref.rank, epoch_);
         break;
+      case BufId::kXScale:
+        base = static_cast<std::byte*>(const_cast<void*>(io_.x_scale));
+        break;
+      case BufId::kWScale:
+        base = static_cast<std::byte*>(const_cast<void*>(io_.w_scale));
+        break;
+      case BufId::kScratchScales:
+        base = scales(scratch_.data(), ref.buf);
+        break;
+      case BufId::kWorkspaceScales:
+        base = scales(clique_.Workspace(ref.rank, epoch_), ref.buf);
+        break;
     }
-    return base == nullptr ? nullptr : base + ref.offset * es_;
+    return base == nullptr ? nullptr : base + ref.offset * ElemBytes(p_.problem, ref.buf);
   }
 
   Status Exec(const Op& op) {
@@ -218,8 +233,8 @@ class Run {
       case OpKind::kSend: {
         std::byte* src = Resolve(op.a);
         JO_ASSERT(src != nullptr);
-        std::vector<std::byte> packed(static_cast<size_t>(op.batch * op.m * op.n * es_));
-        const Ref dense{BufId::kScratch, 0, 0, op.m * op.n, op.n};
+        std::vector<std::byte> packed(static_cast<size_t>(BlockBytes(p_, op)));
+        const Ref dense{op.a.buf, 0, 0, op.m * op.n, op.n};
         CopyBlock(op, src, op.a, packed.data(), dense);
         return clique_.Send(ctx_, op.peer, op.id, std::move(packed));
       }
@@ -229,8 +244,8 @@ class Run {
         std::vector<std::byte> packed;
         JO_CHECK(clique_.Recv(ctx_, op.peer, op.id, &packed));
         MarkReady(op.stream);  // the rest is the copy out of the message
-        JO_ASSERT(packed.size() == static_cast<size_t>(op.batch * op.m * op.n * es_));
-        const Ref dense{BufId::kScratch, 0, 0, op.m * op.n, op.n};
+        JO_ASSERT(packed.size() == static_cast<size_t>(BlockBytes(p_, op)));
+        const Ref dense{op.d.buf, 0, 0, op.m * op.n, op.n};
         CopyBlock(op, packed.data(), dense, dst, op.d);
         return OkStatus();
       }
@@ -267,18 +282,21 @@ class Run {
     return Internal("unknown op kind");
   }
 
-  // Batched strided block copy; offsets already applied to the pointers.
+  // Batched strided block copy; offsets already applied to the pointers. Both
+  // sides hold elements of one dtype (CheckProgram), the size of the source's.
   void CopyBlock(const Op& op, const std::byte* src, const Ref& s, std::byte* dst, const Ref& d) {
-    const size_t row_bytes = static_cast<size_t>(op.n * es_);
+    const int64_t es = ElemBytes(p_.problem, s.buf);
+    const size_t row_bytes = static_cast<size_t>(op.n * es);
     for (int64_t b = 0; b < op.batch; ++b)
       for (int64_t i = 0; i < op.m; ++i)
-        std::memcpy(dst + (b * d.batch_stride + i * d.ld) * es_,
-                    src + (b * s.batch_stride + i * s.ld) * es_, row_bytes);
+        std::memcpy(dst + (b * d.batch_stride + i * d.ld) * es,
+                    src + (b * s.batch_stride + i * s.ld) * es, row_bytes);
   }
 
-  // Add: d += a.  McReduce: d = sum over all ranks' workspace at a.offset.
+  // Add: d += a.  McReduce: d = sum over all ranks' workspace at a.offset. In
+  // f32, rounded to d's dtype (the output type: never fp8, CheckProgram).
   Status Elementwise(const Op& op, bool reduce_all) {
-    const DType dt = p_.problem.dtype;
+    const DType dt = BufDType(p_.problem, op.d.buf);
     std::byte* dst = Resolve(op.d);
     JO_ASSERT(dst != nullptr);
     std::vector<const std::byte*> srcs;
@@ -304,35 +322,51 @@ class Run {
     return OkStatus();
   }
 
+  // d = alpha * a @ W (+ c), alpha the product of the fp8 operands' scales: an
+  // fp8 value times an fp8 or 16-bit one is exact in f32, so this is the GEMM of
+  // the dequantized operands up to where two f32 roundings fall. Accumulated in
+  // f32 (OpenBLAS sgemm), rounded once to the output type.
   Status Gemm(const Op& op) {
-    const DType dt = p_.problem.dtype;
+    const Problem& q = p_.problem;
     std::byte* a = Resolve(op.a);
     std::byte* d = Resolve(op.d);
     std::byte* c = op.accumulate ? Resolve(op.c) : nullptr;
     const std::byte* w = Resolve(op.b);
     JO_ASSERT(a != nullptr && d != nullptr && w != nullptr && (c != nullptr || !op.accumulate));
+    float alpha = 1.0f;
+    for (const auto& [scaled, ref] :
+         {std::pair{op.a_scaled, op.a_scale}, {op.b_scaled, op.b_scale}}) {
+      if (!scaled) continue;
+      const std::byte* scale = Resolve(ref);
+      JO_ASSERT(scale != nullptr);
+      alpha *= LoadElement(DType::kF32, scale, 0);
+    }
     const float beta = op.accumulate ? 1.0f : 0.0f;
+    const int64_t xs = ElemBytes(q, op.a.buf), ys = ElemBytes(q, op.d.buf);
+    const bool f32 =
+        q.x_dtype == DType::kF32 && q.w_dtype == DType::kF32 && q.out_dtype == DType::kF32;
     std::vector<float> a32, d32;
-    if (dt != DType::kF32) {
+    if (!f32) {
       a32.resize(static_cast<size_t>(op.m * op.k));
       d32.resize(static_cast<size_t>(op.m * op.n));
     }
+    const float* w32 = q.w_dtype == DType::kF32 ? reinterpret_cast<const float*>(w) : w32_.data();
+    const int64_t ldw = q.w_dtype == DType::kF32 ? op.b.ld : op.n;
     for (int64_t b = 0; b < op.batch; ++b) {
-      std::byte* ab = a + b * op.a.batch_stride * es_;
-      std::byte* db = d + b * op.d.batch_stride * es_;
-      std::byte* cb = c == nullptr ? nullptr : c + b * op.c.batch_stride * es_;
-      if (dt == DType::kF32) {
+      std::byte* ab = a + b * op.a.batch_stride * xs;
+      std::byte* db = d + b * op.d.batch_stride * ys;
+      std::byte* cb = c == nullptr ? nullptr : c + b * op.c.batch_stride * ys;
+      if (f32) {
         if (cb != nullptr && cb != db)
           for (int64_t i = 0; i < op.m; ++i)
-            std::memcpy(db + i * op.d.ld * es_, cb + i * op.c.ld * es_, op.n * es_);
-        Sgemm(op.m, op.n, op.k, reinterpret_cast<const float*>(ab), op.a.ld,
-              reinterpret_cast<const float*>(w), op.b.ld, beta, reinterpret_cast<float*>(db),
-              op.d.ld);
+            std::memcpy(db + i * op.d.ld * ys, cb + i * op.c.ld * ys, op.n * ys);
+        Sgemm(op.m, op.n, op.k, alpha, reinterpret_cast<const float*>(ab), op.a.ld, w32, ldw, beta,
+              reinterpret_cast<float*>(db), op.d.ld);
       } else {
-        ToF32(dt, ab, op.a.ld, op.m, op.k, a32.data());
-        if (cb != nullptr) ToF32(dt, cb, op.c.ld, op.m, op.n, d32.data());
-        Sgemm(op.m, op.n, op.k, a32.data(), op.k, w32_.data(), op.n, beta, d32.data(), op.n);
-        FromF32(dt, d32.data(), op.m, op.n, db, op.d.ld);
+        ToF32(q.x_dtype, ab, op.a.ld, op.m, op.k, a32.data());
+        if (cb != nullptr) ToF32(q.out_dtype, cb, op.c.ld, op.m, op.n, d32.data());
+        Sgemm(op.m, op.n, op.k, alpha, a32.data(), op.k, w32, ldw, beta, d32.data(), op.n);
+        FromF32(q.out_dtype, d32.data(), op.m, op.n, db, op.d.ld);
       }
     }
     return OkStatus();
@@ -342,7 +376,6 @@ class Run {
   HostClique& clique_;
   const int64_t epoch_;
   const CallBuffers io_;
-  const int64_t es_;
   WaitContext ctx_;
   std::vector<std::byte> scratch_;
   std::vector<float> w32_;

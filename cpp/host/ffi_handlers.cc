@@ -1,6 +1,6 @@
 // The CPU FFI handlers: jaxoverlap_ag_matmul, jaxoverlap_matmul_rs and
 // jaxoverlap_matmul_ar (the same handler: the `op` attribute says which). ffi/ffi_call.h has their
-// interface; the CPU call has a third operand, coords = (rank, group) from
+// interface; the CPU call has a fifth operand, coords = (rank, group) from
 // lax.axis_index, checked against the rank table. instantiate makes the call site's state (a
 // HostSite, shared by every local device); execute decodes and checks the operands, starts the call
 // (HostSite::Start) and returns an ffi::Future that a host worker completes, so the XLA device
@@ -31,13 +31,15 @@ ffi::Future Failed(const Status& status) {
 }
 
 ffi::Future Execute(int32_t device, SiteState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                    ffi::Buffer<ffi::S32> coords, ffi::Result<ffi::AnyBuffer> y,
+                    ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Buffer<ffi::S32> coords,
+                    ffi::Result<ffi::AnyBuffer> y,
                     std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered, ffi_call::CallAttrs) {
   HostSite& site = state->site;
   Problem problem;
   CallBuffers io;
   const ffi::AnyBuffer* gathered = x_gathered.has_value() ? &**x_gathered : nullptr;
-  Status decoded = ffi_call::DecodeOperands(site.desc(), x, w, *y, gathered, &problem, &io);
+  Status decoded =
+      ffi_call::DecodeOperands(site.desc(), x, w, x_scale, w_scale, *y, gathered, &problem, &io);
   if (!decoded.ok()) return Failed(decoded);
   if (coords.element_count() != 2)
     return Failed(InvalidArgument(std::string(CollectiveName(problem.op)) +

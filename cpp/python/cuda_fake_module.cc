@@ -43,11 +43,17 @@ jo::Collective ParseOp(const std::string& s) {
   throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
 }
 
-jo::DType ParseDType(const std::string& s) {
+jo::DType ParseDType(const char* what, const std::string& s) {
   if (s == "float32") return jo::DType::kF32;
   if (s == "bfloat16") return jo::DType::kBF16;
   if (s == "float16") return jo::DType::kF16;
-  throw nb::value_error(("dtype: expected float32, bfloat16 or float16, got " + s).c_str());
+  if (s == "float8_e4m3fn") return jo::DType::kF8E4M3;
+  if (s == "float8_e5m2") return jo::DType::kF8E5M2;
+  throw nb::value_error((std::string(what) +
+                         ": expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+                         "got " +
+                         s)
+                            .c_str());
 }
 
 jo::Transport ParseTransport(const std::string& s) {
@@ -130,7 +136,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int skew_rank, int skip_rank, int64_t timeout_ms,
              std::optional<std::vector<int64_t>> processes,
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
-             int64_t hold_ms, const std::string& algorithm,
+             int64_t hold_ms, const std::string& algorithm, const std::string& w_dtype,
+             const std::string& out_dtype, std::vector<float> x_scales, std::vector<float> w_scales,
              std::optional<std::vector<int64_t>> site_keys) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
@@ -141,7 +148,10 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.rows = rows;
   q.k = k;
   q.cols = cols;
-  q.dtype = ParseDType(dtype);
+  // dtype is x's; w's and y's default to it.
+  q.x_dtype = ParseDType("dtype", dtype);
+  q.w_dtype = w_dtype.empty() ? q.x_dtype : ParseDType("w_dtype", w_dtype);
+  q.out_dtype = out_dtype.empty() ? q.x_dtype : ParseDType("out_dtype", out_dtype);
   q.chunks = chunks;
   q.bidirectional = bidirectional;
   q.return_gathered = return_gathered;
@@ -149,6 +159,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.algorithm = ParseAlgorithm(algorithm);
   for (const nb::bytes& x : xs) played.xs.emplace_back(x.c_str(), x.size());
   for (const nb::bytes& w : ws) played.ws.emplace_back(w.c_str(), w.size());
+  played.x_scales = std::move(x_scales);
+  played.w_scales = std::move(w_scales);
   played.devices = std::move(devices);
   played.processes = std::move(processes);
   if (hosts) played.hosts = std::move(*hosts);
@@ -230,7 +242,14 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
         nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
         nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
-        nb::arg("algorithm") = "two_shot", nb::arg("site_keys") = nb::none());
+        nb::arg("algorithm") = "two_shot", nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
+        nb::arg("x_scales") = std::vector<float>(), nb::arg("w_scales") = std::vector<float>(),
+        nb::arg("site_keys") = nb::none(),
+        "Plays `calls` calls on every rank (fake_harness.h, PlayCalls). dtype is x's (w_dtype "
+        "and out_dtype default to it); xs and ws are bytes as the handler receives them (an "
+        "fp8 w K-major: [cols, k] row-major); x_scales / w_scales: one float32 per rank "
+        "(empty: 1); site_keys: per rank, the key of a call site of its own (none: one site "
+        "shared by every rank).");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
@@ -248,6 +267,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
         "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
         "what the fake recorded for each.");
+  m.def("fp8_misuse_checks", &jo::fake::Fp8MisuseChecks,
+        "One deliberate misuse (and controls) per cuBLASLt FP8 rule the fake models: what the "
+        "fake recorded for each.");
   m.def("errors", &jo::fake::Errors, "Every misuse the fake saw since reset().");
   m.def("counters", &jo::fake::Counters, "API calls made since reset(), by name.");
   m.def("drain", &jo::fake::Drain, "Run the fake streams to completion (False on deadlock).");

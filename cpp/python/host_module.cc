@@ -96,10 +96,27 @@ nb::dict Types() {
   return out;
 }
 
+// A dtype by its NumPy name or the core's short one (DTypeName).
+jo::DType ParseDType(const char* what, const std::string& name) {
+  static const std::pair<const char*, jo::DType> kNames[] = {{"float32", jo::DType::kF32},
+                                                             {"bfloat16", jo::DType::kBF16},
+                                                             {"float16", jo::DType::kF16},
+                                                             {"float8_e4m3fn", jo::DType::kF8E4M3},
+                                                             {"float8_e5m2", jo::DType::kF8E5M2}};
+  for (const auto& [numpy, dtype] : kNames)
+    if (name == numpy || name == jo::DTypeName(dtype)) return dtype;
+  throw nb::value_error((std::string(what) +
+                         ": expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+                         "got '" +
+                         name + "'")
+                            .c_str());
+}
+
 jo::Problem MakeProblem(const std::string& op, const std::string& transport, int nranks, int rank,
                         int64_t batch, int64_t rows, int64_t k, int64_t cols,
                         const std::string& dtype, int64_t chunks, bool bidirectional,
-                        bool return_gathered, const std::string& algorithm) {
+                        bool return_gathered, const std::string& algorithm,
+                        const std::string& w_dtype, const std::string& out_dtype) {
   jo::Problem q;
   if (op == "ag_matmul")
     q.op = jo::Collective::kAgMatmul;
@@ -119,15 +136,10 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
   else
     throw nb::value_error(
         ("transport: expected nccl, p2p or multicast, got '" + transport + "'").c_str());
-  if (dtype == "float32" || dtype == "f32")
-    q.dtype = jo::DType::kF32;
-  else if (dtype == "bfloat16" || dtype == "bf16")
-    q.dtype = jo::DType::kBF16;
-  else if (dtype == "float16" || dtype == "f16")
-    q.dtype = jo::DType::kF16;
-  else
-    throw nb::value_error(
-        ("dtype: expected float32, bfloat16 or float16, got '" + dtype + "'").c_str());
+  // dtype is x's; w's and y's default to it.
+  q.x_dtype = ParseDType("dtype", dtype);
+  q.w_dtype = w_dtype.empty() ? q.x_dtype : ParseDType("w_dtype", w_dtype);
+  q.out_dtype = out_dtype.empty() ? q.x_dtype : ParseDType("out_dtype", out_dtype);
   q.nranks = nranks;
   q.rank = rank;
   q.batch = batch;
@@ -176,7 +188,7 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   d["shard"] = op.shard;
   d["sub"] = op.sub;
   d["accumulate"] = op.accumulate;
-  d["bytes"] = op.batch * op.m * op.n * jo::DTypeSize(p.problem.dtype);
+  d["bytes"] = jo::BlockBytes(p, op);
   d["remote_bytes"] = jo::RemoteBytes(p, op);
   const bool has_a = op.kind == jo::OpKind::kGemm || op.kind == jo::OpKind::kAdd ||
                      op.kind == jo::OpKind::kCopy || op.kind == jo::OpKind::kSend ||
@@ -186,6 +198,8 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   d["b"] = op.kind == jo::OpKind::kGemm ? nb::object(RefDict(op.b)) : nb::none();
   d["c"] = op.accumulate ? nb::object(RefDict(op.c)) : nb::none();
   d["d"] = has_d ? nb::object(RefDict(op.d)) : nb::none();
+  d["a_scale"] = op.a_scaled ? nb::object(RefDict(op.a_scale)) : nb::none();
+  d["b_scale"] = op.b_scaled ? nb::object(RefDict(op.b_scale)) : nb::none();
   d["text"] = jo::ToString(op);
   return d;
 }
@@ -193,9 +207,11 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
 nb::dict BuildProgramDict(const std::string& op, const std::string& transport, int nranks, int rank,
                           int64_t batch, int64_t rows, int64_t k, int64_t cols,
                           const std::string& dtype, int64_t chunks, bool bidirectional,
-                          bool return_gathered, const std::string& algorithm) {
-  const jo::Program p = Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, cols, dtype,
-                                          chunks, bidirectional, return_gathered, algorithm));
+                          bool return_gathered, const std::string& algorithm,
+                          const std::string& w_dtype, const std::string& out_dtype) {
+  const jo::Program p =
+      Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, cols, dtype, chunks,
+                        bidirectional, return_gathered, algorithm, w_dtype, out_dtype));
   nb::dict out;
   out["op"] = op;
   out["transport"] = transport;
@@ -204,9 +220,16 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   out["batch"] = batch;
   out["rows"] = rows;
   out["k"] = k;
-  out["n"] = cols;  // Python's name of the output columns
-  out["dtype"] = jo::DTypeName(p.problem.dtype);
-  out["elem_bytes"] = jo::DTypeSize(p.problem.dtype);
+  out["n"] = cols;                                  // Python's name of the output columns
+  out["dtype"] = jo::DTypeName(p.problem.x_dtype);  // x's
+  out["w_dtype"] = jo::DTypeName(p.problem.w_dtype);
+  out["out_dtype"] = jo::DTypeName(p.problem.out_dtype);
+  out["elem_bytes"] = jo::DTypeSize(p.problem.x_dtype);
+  nb::dict dtypes;  // the dtype of each buffer's elements (core/program.h, BufDType)
+  for (int b = 0; b <= static_cast<int>(jo::BufId::kWorkspaceScales); ++b)
+    dtypes[jo::BufName(static_cast<jo::BufId>(b))] =
+        jo::DTypeName(jo::BufDType(p.problem, static_cast<jo::BufId>(b)));
+  out["buffer_dtypes"] = dtypes;
   out["chunks"] = p.chunks;
   out["bidirectional"] = p.problem.bidirectional;
   out["return_gathered"] = p.problem.return_gathered;
@@ -218,6 +241,10 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   out["num_flags"] = p.num_flags;
   out["workspace_elems"] = p.workspace_elems;
   out["scratch_elems"] = p.scratch_elems;
+  out["workspace_scales"] = p.workspace_scales;
+  out["scratch_scales"] = p.scratch_scales;
+  out["workspace_bytes"] = jo::WorkspaceBytes(p);
+  out["scratch_bytes"] = jo::ScratchBytes(p);
   nb::list ops;
   for (const jo::Op& o : p.ops) ops.append(OpDict(p, o));
   out["ops"] = ops;
@@ -234,15 +261,10 @@ jo::Ref RefFromDict(nb::handle d) {
   jo::Ref ref;
   if (d.is_none()) return ref;
   const std::string buf = nb::cast<std::string>(d["buf"]);
-  static const std::pair<const char*, jo::BufId> kBufs[] = {{"X", jo::BufId::kX},
-                                                            {"W", jo::BufId::kW},
-                                                            {"Y", jo::BufId::kY},
-                                                            {"XGATHERED", jo::BufId::kXGathered},
-                                                            {"SCRATCH", jo::BufId::kScratch},
-                                                            {"WORKSPACE", jo::BufId::kWorkspace}};
   bool known = false;
-  for (const auto& [name, id] : kBufs)
-    if (buf == name) ref.buf = id, known = true;
+  for (int b = 0; b <= static_cast<int>(jo::BufId::kWorkspaceScales); ++b)
+    if (buf == jo::BufName(static_cast<jo::BufId>(b)))
+      ref.buf = static_cast<jo::BufId>(b), known = true;
   if (!known) throw nb::value_error(("unknown buffer '" + buf + "'").c_str());
   ref.rank = nb::cast<int32_t>(d["rank"]);
   ref.offset = nb::cast<int64_t>(d["offset"]);
@@ -259,7 +281,9 @@ jo::Program ProgramFromDict(const nb::dict& d) {
       nb::cast<int64_t>(d["rows"]), nb::cast<int64_t>(d["k"]), nb::cast<int64_t>(d["n"]),
       nb::cast<std::string>(d["dtype"]), nb::cast<int64_t>(d["chunks"]),
       nb::cast<bool>(d["bidirectional"]), nb::cast<bool>(d["return_gathered"]),
-      d.contains("algorithm") ? nb::cast<std::string>(d["algorithm"]) : std::string("two_shot"));
+      d.contains("algorithm") ? nb::cast<std::string>(d["algorithm"]) : std::string("two_shot"),
+      d.contains("w_dtype") ? nb::cast<std::string>(d["w_dtype"]) : std::string(),
+      d.contains("out_dtype") ? nb::cast<std::string>(d["out_dtype"]) : std::string());
   p.chunks = nb::cast<int64_t>(d["chunks"]);
   p.cw_steps = nb::cast<int32_t>(d["cw_steps"]);
   p.ccw_steps = nb::cast<int32_t>(d["ccw_steps"]);
@@ -268,6 +292,9 @@ jo::Program ProgramFromDict(const nb::dict& d) {
   p.num_flags = nb::cast<int32_t>(d["num_flags"]);
   p.workspace_elems = nb::cast<int64_t>(d["workspace_elems"]);
   p.scratch_elems = nb::cast<int64_t>(d["scratch_elems"]);
+  p.workspace_scales =
+      d.contains("workspace_scales") ? nb::cast<int64_t>(d["workspace_scales"]) : 0;
+  p.scratch_scales = d.contains("scratch_scales") ? nb::cast<int64_t>(d["scratch_scales"]) : 0;
   for (nb::handle o : nb::cast<nb::list>(d["ops"])) {
     jo::Op op;
     const std::string kind = nb::cast<std::string>(o["kind"]);
@@ -291,6 +318,11 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     op.bundle = nb::cast<int32_t>(o["bundle"]);
     op.shard = nb::cast<int32_t>(o["shard"]);
     op.sub = nb::cast<int32_t>(o["sub"]);
+    const nb::dict od = nb::cast<nb::dict>(o);
+    op.a_scaled = od.contains("a_scale") && !od["a_scale"].is_none();
+    op.b_scaled = od.contains("b_scale") && !od["b_scale"].is_none();
+    if (op.a_scaled) op.a_scale = RefFromDict(od["a_scale"]);
+    if (op.b_scaled) op.b_scale = RefFromDict(od["b_scale"]);
     p.ops.push_back(op);
   }
   return p;
@@ -327,7 +359,9 @@ nb::list TakeCalls() {
     d["rows"] = q.rows;
     d["k"] = q.k;
     d["n"] = q.cols;  // Python's name of the output columns
-    d["dtype"] = jo::DTypeName(q.dtype);
+    d["dtype"] = jo::DTypeName(q.x_dtype);
+    d["w_dtype"] = jo::DTypeName(q.w_dtype);
+    d["out_dtype"] = jo::DTypeName(q.out_dtype);
     d["chunks"] = q.chunks;
     d["bidirectional"] = q.bidirectional;
     d["return_gathered"] = q.return_gathered;
@@ -428,9 +462,11 @@ NB_MODULE(_host, m) {
         nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"), nb::arg("n"),
         nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
         nb::arg("return_gathered") = false, nb::arg("algorithm") = "two_shot",
+        nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
-        "output columns (w's).");
+        "output columns (w's); dtype: x's (NumPy names: float32, bfloat16, float16, "
+        "float8_e4m3fn, float8_e5m2), w_dtype and out_dtype default to it.");
   m.def("check_program", &CheckProgramDict, nb::arg("program"),
         "Checks a program dict (as build_program returns it): every operand inside its buffer, "
         "every peer, flag, event and stream in range; raises ValueError naming the op.");

@@ -6,11 +6,11 @@ struct that decodes them (``CallAttrs`` in ``cpp/ffi/ffi_call.h``, whose
 name, its C++ type (the attribute is made with exactly that type: XLA's decoding checks it) and
 how its value comes from the call's plan (``_plan.OpPlan``), its description
 (``call.NativeCall``: the resolved transport, the clique key and the rank table) and x's
-abstract value — but for the site key, which says what the call is (``site_key``) and is made
-from the others and from where the call lowers. :func:`attributes` is the only place a value is
-made;
-``tests/native/test_attributes.py`` holds the C++ struct and docs/native.md §6 to this schema.
-Adding an attribute is one entry here and one member of ``CallAttrs``.
+abstract value — but for the site key, which the lowering rule computes where the call lowers
+(``site_key``, from :func:`naming` and the lowering context) and hands in. :func:`attributes` is
+the only place a value is made; ``tests/native/test_attributes.py`` holds the C++ struct and
+docs/native.md §6 to this schema. Adding an attribute is one entry here and one member of
+``CallAttrs``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxoverlap import _precision
 from jaxoverlap._config import timeout_ms
-from jaxoverlap._native import capabilities, site_key
+from jaxoverlap._native import capabilities
 from jaxoverlap._native.call import NativeCall
 from jaxoverlap._plan import AR_ALGORITHMS, OPS, OpPlan
 
@@ -40,7 +40,7 @@ ENCODERS: dict[str, Callable[[Any], Any]] = {
 @dataclasses.dataclass(frozen=True)
 class Attribute:
     """One attribute: its name, its C++ type in ``CallAttrs``, what it means (docs/native.md
-    §6 says the same), and its value for a call (None: the site key, made from the others).
+    §6 says the same), and its value for a call (None: the site key, given).
     ``names_site``: part of what the call is, which its site key hashes — not the timeout, which
     a process may set differently, nor the rank table: the clique key names it, and a device of
     another process has no local ordinal here (JAX gives it none on CPU)."""
@@ -92,16 +92,17 @@ SCHEMA: tuple[Attribute, ...] = (
 )
 
 
-def attributes(plan: OpPlan, call: NativeCall, ctx) -> dict[str, Any]:
-    """The custom call's attributes for ``plan``, described by ``call``, lowering in ``ctx``
-    (the lowering rule's context; x is its first operand): one per :data:`SCHEMA` entry, in its
-    order, each of its exact C++ type. The site key comes last: a hash of the attributes that
-    name the site, the axis name, whether x_gathered is returned and where the call lowers."""
-    x = ctx.avals_in[0]
+def naming(plan: OpPlan, call: NativeCall, x) -> dict[str, Any]:
+    """What the call is, as its site key hashes it besides where it lowers and its types: the
+    attributes that name the site (:attr:`Attribute.names_site`) and the axis name."""
     made = {a.name: ENCODERS[a.ctype](a.value(plan, call, x)) for a in SCHEMA
-            if a.value is not None}
-    what = {a.name: made[a.name] for a in SCHEMA if a.value is not None and a.names_site}
-    what.update(axis_name=plan.axis_name, return_gathered=len(ctx.avals_out) > 1)
-    key = site_key.site_key(ctx, what)
-    made.update({a.name: ENCODERS[a.ctype](key) for a in SCHEMA if a.value is None})
-    return {a.name: made[a.name] for a in SCHEMA}
+            if a.value is not None and a.names_site}
+    return {**made, "axis_name": plan.axis_name}
+
+
+def attributes(plan: OpPlan, call: NativeCall, x, site_key: int) -> dict[str, Any]:
+    """The custom call's attributes for ``plan``, described by ``call``, on operand ``x``, with
+    the call's ``site_key`` (``site_key.site_key`` where it lowers; nonzero): one per
+    :data:`SCHEMA` entry, in its order, each of its exact C++ type."""
+    return {a.name: ENCODERS[a.ctype](site_key if a.value is None else a.value(plan, call, x))
+            for a in SCHEMA}

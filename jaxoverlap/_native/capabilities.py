@@ -26,7 +26,12 @@ class NativeUnavailableError(ValueError):
     """``impl="native"`` (or a native transport) was asked for but cannot run here."""
 
 
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+# Operands only, each with a float32 scale; the executors run them as FP8 GEMMs (the host: in
+# float32 after an exact conversion; the CUDA executor: cuBLASLt's FP8 kernels, docs/gpu.md §11).
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+# cuBLASLt's FP8 GEMMs need compute capability 8.9 (Ada) or newer.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 GPU_PLATFORMS = ("cuda", "gpu")
 # transport="auto" prefers them in this order (when every GPU of the clique can serve it).
 AUTO_ORDER = ("multicast", "p2p", "nccl")
@@ -55,8 +60,13 @@ def current_platform() -> str:
     return platform or jax.default_backend()
 
 
-def unavailable_reason(platform: str, dtype) -> str | None:
-    """Why the native path cannot run on ``platform`` with ``dtype``; None if it can."""
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in FP8_DTYPES)
+
+
+def unavailable_reason(platform: str, dtype, w_dtype=None) -> str | None:
+    """Why the native path cannot run on ``platform`` with x of ``dtype`` (and w of
+    ``w_dtype``, when given); None if it can."""
     error = runtime.host_error()
     if error is not None:
         return f"the native extension does not load ({error})"
@@ -67,8 +77,45 @@ def unavailable_reason(platform: str, dtype) -> str | None:
     elif platform != "cpu":
         return (f"there is no native executor for platform {platform!r} in this build "
                 "(the host executor runs on CPU, the CUDA executor on NVIDIA GPUs)")
-    if jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in DTYPES):
-        return f"dtype {jnp.dtype(dtype).name} is not supported"
+    for d in (dtype,) if w_dtype is None else (dtype, w_dtype):
+        if jnp.dtype(d) not in tuple(jnp.dtype(t) for t in DTYPES):
+            return f"dtype {jnp.dtype(d).name} is not supported"
+    if platform in GPU_PLATFORMS:
+        return gpu_fp8_reason(gpu_table(), dtype, w_dtype)
+    return None
+
+
+def gpu_fp8_reason(caps: dict[str, Any], x_dtype, w_dtype=None,
+                   devices: Sequence[int] | None = None) -> str | None:
+    """Why the CUDA executor cannot run GEMMs of these operand dtypes on the GPUs ``devices``
+    (None: every GPU of the table); None when it can, or when neither operand is fp8.
+
+    cuBLASLt's FP8 GEMMs (cuBLAS docs, cublasLtMatmul, the FP8 requirements and type table)
+    take two fp8 operands, never both float8_e5m2, on compute capability 8.9 or newer; the
+    CUDA executor converts no operand, so an fp8 operand with a non-fp8 one runs only on the
+    host executor (or impl="xla").
+    """
+    x_fp8 = is_fp8(x_dtype)
+    w_fp8 = x_fp8 if w_dtype is None else is_fp8(w_dtype)
+    if not x_fp8 and not w_fp8:
+        return None
+    if x_fp8 != w_fp8:
+        return (f"the CUDA executor's FP8 GEMMs (cuBLASLt) take two fp8 operands, not x "
+                f"{jnp.dtype(x_dtype).name} with w {jnp.dtype(w_dtype).name}: pass both as "
+                f"fp8, or use impl='xla'")
+    e5m2 = jnp.dtype(jnp.float8_e5m2)
+    if jnp.dtype(x_dtype) == e5m2 and w_dtype is not None and jnp.dtype(w_dtype) == e5m2:
+        return ("cuBLASLt has no float8_e5m2 x float8_e5m2 GEMM (its FP8 types: e4m3 x e4m3, "
+                "e4m3 x e5m2, e5m2 x e4m3): make one operand float8_e4m3fn, or use impl='xla'")
+    known = {d["ordinal"]: d for d in caps.get("devices", [])}
+    ordinals = list(known) if devices is None else list(devices)
+    old = [d for d in ordinals if d in known
+           and tuple(known[d]["compute_capability"]) < FP8_MIN_COMPUTE_CAPABILITY]
+    if old:
+        ccs = sorted({"sm_{}{}".format(*known[d]["compute_capability"]) for d in old})
+        return (f"GPU(s) {old} ({', '.join(ccs)}) have no FP8 GEMMs (cuBLASLt's FP8 kernels need "
+                f"compute capability 8.9 or newer: Ada, Hopper, Blackwell); use bfloat16 "
+                f"operands, or impl='xla'")
     return None
 
 
@@ -218,7 +265,7 @@ def info() -> dict:
         "available": True,
         "backends": {"cpu": {"executor": "host", "transports": list(transports())},
                      "gpu": gpu_info()},
-        "dtypes": ["float32", "bfloat16", "float16"],
+        "dtypes": [jnp.dtype(d).name for d in DTYPES],
         "build": dict(host.build_info()),
         "cliques": host.cliques(),
         # Cliques spanning processes bootstrap through jax.distributed (docs/multiprocess.md).

@@ -11,6 +11,13 @@ the custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host
 ``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``, among
 them its site key: what the call is, the same in every process (``site_key``).
 docs/native.md follows one call through.
+
+FP8: x and w may be float8 (``capabilities.FP8_DTYPES``), each with its float32 dequantization
+scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(float32) *
+x_scale``). The scales are always operands of the custom call (1.0 for an operand that is not
+fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). On GPUs an fp8 w
+is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major, docs/gpu.md
+§11).
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from jax.interpreters import batching
 from jaxoverlap import _precision
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._native import bootstrap, capabilities, runtime
-from jaxoverlap._native.attributes import attributes
+from jaxoverlap._native.attributes import attributes, naming
 from jaxoverlap._native.call import describe
+from jaxoverlap._native.site_key import site_key
 from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
 
 _TARGETS = {
@@ -42,24 +50,31 @@ native_p = core.Primitive("jaxoverlap_native")
 native_p.multiple_results = True
 
 
-def _abstract_eval(x, w, coords, *, plan: OpPlan, return_gathered: bool):
+def _out_dtype(plan: OpPlan, x):
+    """y's dtype: the plan's ``out_dtype`` (``preferred_element_type``), else x's."""
+    return jnp.dtype(plan.out_dtype) if plan.out_dtype is not None else x.dtype
+
+
+def _abstract_eval(x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered: bool):
     # The results vary over the same manual axes as x (an x_gathered too, although every rank
     # holds the same values: the type system cannot prove it); matmul_ar's sum is the same on
     # every rank of axis_name, as psum's.
+    del x_scale, w_scale, coords
     shape = list(x.shape)
+    out = _out_dtype(plan, x)
     if plan.op == AR:
-        y = x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)
+        y = x.update(shape=(*shape[:-1], w.shape[1]), dtype=out)
         return [with_varying(y, (varying_axes(x) | varying_axes(w)) - {plan.axis_name})]
     if plan.op == AG:
         shape[plan.axis] *= plan.axis_size
-        outs = [x.update(shape=(*shape[:-1], w.shape[1]), dtype=x.dtype)]
+        outs = [x.update(shape=(*shape[:-1], w.shape[1]), dtype=out)]
         if return_gathered:
             outs.append(x.update(shape=tuple(shape), dtype=x.dtype))
         return outs
     assert shape[plan.axis] % plan.axis_size == 0, (x.shape, plan)
     shape[plan.axis] //= plan.axis_size
     shape[-1] = w.shape[1]
-    return [x.update(shape=tuple(shape), dtype=x.dtype)]
+    return [x.update(shape=tuple(shape), dtype=out)]
 
 
 native_p.def_abstract_eval(_abstract_eval)
@@ -95,7 +110,7 @@ def _lowering_mesh(ctx, axis_name: str, platform: str):
     return mesh
 
 
-def _lower(ctx, x, w, coords, *, plan: OpPlan, return_gathered: bool):
+def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered: bool):
     del return_gathered  # the results say it
     platforms = tuple(ctx.module_context.platforms)
     if len(platforms) != 1:
@@ -104,20 +119,33 @@ def _lower(ctx, x, w, coords, *, plan: OpPlan, return_gathered: bool):
     platform = "cuda" if platforms[0] in capabilities.GPU_PLATFORMS else platforms[0]
     if platform not in _TARGETS:
         raise ValueError(capabilities.unavailable_reason(platform, jnp.float32))
+    x_aval, w_aval = ctx.avals_in[:2]
+    if platform == "cuda":  # the GEMMs cuBLASLt has, on the GPUs it has them (FP8: sm_89+)
+        reason = capabilities.gpu_fp8_reason(capabilities.gpu_table(), x_aval.dtype,
+                                             w_aval.dtype)
+        if reason is not None:
+            raise capabilities.NativeUnavailableError(f"jaxoverlap {plan.op}: {reason}")
     call = describe(_lowering_mesh(ctx, plan.axis_name, platform), plan.axis_name, platform,
                     plan.transport, plan.preferred, jax.process_index())
     assert call.axis_size == plan.axis_size, (call.axis_size, plan.axis_size)
     runtime.register(platform)
     if call.spans_processes:
         bootstrap.setup_cliques(call, plan.timeout_s)
-    rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False)
-    operands = [x, w, coords]
+    operands = [x, w, x_scale, w_scale, coords]
+    layouts = None
     if platform != "cpu":  # the GPU handler finds its rank in the table, never in device memory
-        operands, ctx = operands[:2], ctx.replace(avals_in=ctx.avals_in[:2])
-    attrs = attributes(plan, call, ctx)
+        operands, ctx = operands[:4], ctx.replace(avals_in=ctx.avals_in[:4])
+        if capabilities.is_fp8(w_aval.dtype):
+            # K-major w ([n, k] in memory: minor-to-major (0, 1)), as cuBLASLt's FP8 GEMMs take
+            # it: XLA makes the transposed copy before the call (fused into w's producer where
+            # it can), docs/gpu.md §11.
+            layouts = [None, (0, 1), None, None]
+    rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False,
+                                operand_layouts=layouts)
+    key = site_key(ctx, naming(plan, call, x_aval))
     # Its next instance in XLA belongs to a new program (cpp/core/call.h, CallSite).
-    runtime.note_lowering(platform, int(attrs["site_key"]))
-    return rule(ctx, *operands, **attrs)
+    runtime.note_lowering(platform, key)
+    return rule(ctx, *operands, **attributes(plan, call, x_aval, key))
 
 
 # Not cached: every native call of a program lowers on its own and gets its own site key
@@ -154,38 +182,57 @@ def _coords(axis_name: str):
     return jnp.stack([lax.axis_index(axis_name).astype(jnp.int32), group.astype(jnp.int32)])
 
 
-def _bind(x, w, plan: OpPlan, return_gathered: bool = False):
+def _scale(name: str, scale):
+    """The float32 scalar operand of a dequantization scale (1.0 when None).
+
+    The executors apply a scale to an fp8 operand only (an all-gather moves it only with fp8
+    shards): the ops pass 1.0 for an operand that is not fp8 (``_fp8_dtypes``), and so must
+    any other caller.
+    """
+    if scale is None:
+        return jnp.ones((), jnp.float32)
+    scale = jnp.asarray(scale)
+    assert jnp.dtype(scale.dtype) == jnp.float32 and scale.size == 1, (name, scale)
+    return jnp.reshape(scale, ())
+
+
+def _bind(x, w, plan: OpPlan, return_gathered: bool = False, x_scale=None, w_scale=None):
     assert plan.impl == "native", plan
-    assert x.dtype == w.dtype and x.dtype in capabilities.DTYPES, (x.dtype, w.dtype)
+    assert x.dtype in capabilities.DTYPES and w.dtype in capabilities.DTYPES, (x.dtype, w.dtype)
+    assert (x.dtype == w.dtype or capabilities.is_fp8(x.dtype)
+            or capabilities.is_fp8(w.dtype)), (x.dtype, w.dtype)
     assert plan.axis_size == lax.axis_size(plan.axis_name), (plan, lax.axis_size(plan.axis_name))
     _check_manual(plan.axis_name)
     # The precision the GEMMs use, resolved now: None defers to JAX's default matmul precision,
     # which is the one in force here, not where the program lowers.
     plan = dataclasses.replace(plan, precision=_precision.effective(plan.precision))
-    return native_p.bind(x, w, _coords(plan.axis_name), plan=plan,
+    return native_p.bind(x, w, _scale("x_scale", x_scale), _scale("w_scale", w_scale),
+                         _coords(plan.axis_name), plan=plan,
                          return_gathered=bool(return_gathered))
 
 
-def ag_matmul(x, w, plan: OpPlan, return_gathered: bool = False):
+def ag_matmul(x, w, plan: OpPlan, return_gathered: bool = False, *, x_scale=None,
+              w_scale=None):
     """``all_gather(x, axis_name, axis=axis, tiled=True) @ w`` on local shards: y, or
-    (y, x_gathered) when ``return_gathered``."""
+    (y, x_gathered) when ``return_gathered``. fp8 x: each rank's shard is dequantized with its
+    own ``x_scale`` (this rank's, moved with its shard); x_gathered is the fp8 gathered x."""
     assert plan.op == AG, plan
-    out = _bind(x, w, plan, return_gathered)
+    out = _bind(x, w, plan, return_gathered, x_scale, w_scale)
     return (out[0], out[1]) if return_gathered else out[0]
 
 
-def matmul_rs(x, w, plan: OpPlan):
+def matmul_rs(x, w, plan: OpPlan, *, x_scale=None, w_scale=None):
     """``psum_scatter(x @ w, axis_name, scatter_dimension=axis, tiled=True)`` on local
-    shards."""
+    shards; each rank's partial with its own scales, summed in y's dtype."""
     assert plan.op == RS, plan
-    (y,) = _bind(x, w, plan)
+    (y,) = _bind(x, w, plan, x_scale=x_scale, w_scale=w_scale)
     return y
 
 
-def matmul_ar(x, w, plan: OpPlan):
+def matmul_ar(x, w, plan: OpPlan, *, x_scale=None, w_scale=None):
     """``psum(x @ w, axis_name)`` on local shards; the result is typed invariant over
     ``axis_name`` (as psum's). Two-shot splits the rows (every dim of x but the last) into
     ``axis_size`` blocks, one-shot takes any number of rows."""
     assert plan.op == AR and plan.axis == 0, plan
-    (y,) = _bind(x, w, plan)
+    (y,) = _bind(x, w, plan, x_scale=x_scale, w_scale=w_scale)
     return y

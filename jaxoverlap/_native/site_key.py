@@ -9,7 +9,7 @@ would shift every later site. The key is a hash of
 
 * the lowered module's name and the call's name stack (which program, where in it),
 * the call's clique key (mesh, axis, transport, rank table) and its attributes,
-* the types of x and w,
+* the types of x and w and of the results (y's dtype, an x_gathered),
 * and the call's ordinal among the native calls with all of the above in this lowering
   (the Q, K and V projections of one input differ only there),
 
@@ -42,16 +42,16 @@ def _module_name(module_context: Any) -> str:
     return mlir.ir.StringAttr(attributes["sym_name"]).value
 
 
-def site_key(ctx: Any, attributes: dict[str, Any]) -> int:
+def site_key(ctx: Any, naming: dict[str, Any]) -> int:
     """The site key of the native call lowering in ``ctx`` (a nonzero signed 64-bit int).
 
-    ``attributes``: everything the call is besides its operands' types, its clique key among
-    them (op, axis, transport, chunks, ...; not its timeout, which a process may set
-    differently).
+    ``naming``: everything the call is besides where it lowers and its types, its clique key
+    among them (``attributes.naming``: op, axis, transport, chunks, ...; not its timeout, which
+    a process may set differently).
     """
-    avals = tuple((tuple(a.shape), str(a.dtype)) for a in ctx.avals_in[:2])
+    avals = tuple((tuple(a.shape), str(a.dtype)) for a in (*ctx.avals_in[:2], *ctx.avals_out))
     described = repr((_module_name(ctx.module_context), str(ctx.name_stack), avals,
-                      sorted((k, repr(v)) for k, v in attributes.items())))
+                      sorted((k, repr(v)) for k, v in naming.items())))
     digest = hashlib.blake2b(described.encode(), digest_size=16).digest()
     with _lock:
         counts = _ordinals.setdefault(ctx.module_context.module, {})

@@ -3,7 +3,8 @@
 JAX can lower for a platform it does not have (``lowering_platforms=("cuda",)``); the native
 primitive's lowering rule then emits the CUDA custom calls. With the capability table
 injected, the HLO must carry the rank table and the attributes the handler binds (names and
-element types), and no ``coords`` operand.
+element types), the scale operands and no ``coords`` operand; an fp8 w is asked of XLA in
+K-major layout, and GEMMs the GPUs cannot run are refused when the call lowers.
 
 The global-array calls use Explicit mesh axes: their per-device code is then a
 ``shard_map`` traced while lowering. Under Auto axes it is traced when XLA
@@ -21,7 +22,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap._native import capabilities
+from jaxoverlap._native import capabilities, primitive
+from jaxoverlap._plan import OpPlan
 
 from .test_caps import table
 
@@ -45,9 +47,10 @@ def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
                                             transport=transport, mesh=mesh), x, w)
     call = next(line for line in text.splitlines() if "jaxoverlap_cuda_ag_matmul" in line)
     assert "jaxoverlap_ag_matmul\"" not in text  # not the CPU target
-    # Operands x and w only (no coords): two tensor operands in the call's type signature.
+    # Operands x, w and their scales (no coords) in the call's type signature.
     signature = call.split(":")[-1]
-    assert signature.count("tensor<") == 3, call  # x, w -> y
+    assert signature.count("tensor<") == 5, call  # x, w, x_scale, w_scale -> y
+    assert signature.count("tensor<f32>") == 2, call
     ids = [d.id for d in np.moveaxis(devices, 1, -1).reshape(-1)]
     # i64 arrays, the handler's Span<const int64_t> (the rank table in (group, rank) order).
     assert f"device_ids = dense<[{', '.join(map(str, ids))}]> : tensor<8xi64>" in call, call
@@ -109,3 +112,48 @@ def test_an_abstract_mesh_on_gpu_gets_an_error_saying_what_to_do(monkeypatch, cu
                        out_specs=P(None, "tp"))
     with pytest.raises(ValueError, match="need the concrete mesh where the program lowers"):
         _lower(fn, jnp.ones((16, 32)), jnp.ones((32, 8)))
+
+
+def _fp8_lowering(x_dtype, w_dtype, caps):
+    """The custom call of an fp8 ag_matmul through the native primitive, lowered for CUDA."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+
+    def local(a, b):
+        plan = OpPlan(op="ag_matmul", impl="native", axis_name="tp", axis=0, axis_size=4,
+                      transport="nccl", out_dtype="bfloat16")
+        fp8 = capabilities.is_fp8
+        return primitive.ag_matmul(a, b, plan, x_scale=jnp.float32(0.5) if fp8(a.dtype) else None,
+                                   w_scale=jnp.float32(2.0) if fp8(b.dtype) else None)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                       out_specs=P(None, "tp"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capabilities, "gpu_table", lambda: caps)
+        return _lower(fn, jnp.ones((16, 32), x_dtype), jnp.ones((32, 16), w_dtype))
+
+
+def test_fp8_lowers_with_a_k_major_w_and_both_scales(cuda):
+    """cuBLASLt's FP8 GEMMs take both operands K-major: XLA is asked for w as [n, k] in
+    memory (minor-to-major (0, 1)); x stays row-major; y is the plan's out_dtype."""
+    text = _fp8_lowering(jnp.float8_e4m3fn, jnp.float8_e5m2, table(n=8))
+    call = next(line for line in text.splitlines() if "jaxoverlap_cuda_ag_matmul" in line)
+    assert ("operand_layouts = [dense<[1, 0]> : tensor<2xindex>, dense<[0, 1]> : "
+            "tensor<2xindex>, dense<> : tensor<0xindex>, dense<> : tensor<0xindex>]") in call
+    signature = call.split(":")[-1]
+    assert ("(tensor<4x32xf8E4M3FN>, tensor<32x4xf8E5M2>, tensor<f32>, tensor<f32>) -> "
+            "tensor<16x4xbf16>") in signature, call
+
+
+def test_fp8_the_gpus_cannot_run_is_refused_when_lowering(cuda):
+    """Before sm_89 there is no FP8 GEMM; cuBLASLt has no fp8 x bf16 and no e5m2 x e5m2 GEMM:
+    a clear error naming the reason when the call lowers, never a crash on the GPU."""
+    for x_dtype, w_dtype, caps, reason in [
+            (jnp.float8_e4m3fn, jnp.float8_e4m3fn, table(n=8, cc=(8, 0), name="A100"),
+             "compute capability 8.9"),
+            (jnp.float8_e4m3fn, jnp.bfloat16, table(n=8), "take two fp8 operands"),
+            (jnp.float8_e5m2, jnp.float8_e5m2, table(n=8), "no float8_e5m2 x float8_e5m2")]:
+        with pytest.raises(capabilities.NativeUnavailableError, match=reason):
+            _fp8_lowering(x_dtype, w_dtype, caps)
+    # Ada (sm_89) has FP8 GEMMs.
+    assert "jaxoverlap_cuda_ag_matmul" in _fp8_lowering(jnp.float8_e4m3fn, jnp.float8_e4m3fn,
+                                                        table(n=8, cc=(8, 9), name="L40S"))

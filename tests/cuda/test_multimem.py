@@ -9,8 +9,9 @@ Reads the fatbinary of the built ``_cuda`` module with cuobjdump (from the
 * that the multimem kernels have code that runs on sm_90 (an sm_90 cubin) and on sm_100 and
   later (compute_90 PTX, which the driver JIT-compiles there), with no arch-specific (sm_90a)
   code and nothing compiled for less than sm_90 — such a variant would ``__trap()``;
-* that the multimem instructions, in their 16-byte vector forms, and the release fences are in
-  that code, so a refactor cannot silently drop them.
+* that the multimem instructions, in their 16-byte vector forms (and the integer .b32/.b64
+  stores that move fp8 shards as bits), and the release fences are in that code, so a refactor
+  cannot silently drop them.
 
 The variant choice itself (cubin of the same major revision, else PTX of a lower-or-equal
 compute capability) is the fake's ``SelectKernelVariant``, which cites the CUDA compatibility
@@ -130,6 +131,10 @@ def test_sm90_ptx_has_every_multimem_instruction(cuda):
             for instruction in (f"multimem.st.relaxed.sys.global{vec}.{kind}",
                                 f"multimem.ld_reduce.relaxed.sys.global.add{acc}{vec}.{kind}"):
                 assert instruction in ptx, f"{instruction} missing from the compute_90 PTX"
+    # fp8 shards are stored as bits, through the integer forms (4 and 8 bytes; 16 as two .b64).
+    for kind in ("b32", "b64"):
+        instruction = f"multimem.st.relaxed.sys.global.{kind}"
+        assert instruction in ptx, f"{instruction} missing from the compute_90 PTX"
     # The release before the flag (kernel_body.h): proxy fence, then a system-scope fence.
     assert "fence.proxy.alias" in ptx and "fence.acq_rel.sys" in ptx
 

@@ -68,8 +68,10 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
     report = json.loads(path.read_text())
     assert report["versions"]["jax"] and report["versions"]["jaxoverlap"]
     assert "fake" in report["topology"]
-    # quick: 4 ops (ag_matmul, matmul_rs, matmul_ar two-shot and one-shot) x 3 transports
-    assert len(report["rows"]) == 12 and all(r["passed"] for r in report["rows"])
+    # quick: 4 ops (ag_matmul, matmul_rs, matmul_ar two-shot and one-shot) x 3 transports,
+    # and the FP8 rows: 3 ops x 3 transports of e4m3 x e4m3 -> bfloat16
+    assert len(report["rows"]) == 21 and all(r["passed"] for r in report["rows"])
+    assert sum("e4m3 x e4m3 -> bfloat16" in r["name"] for r in report["rows"]) == 9
     assert all(r["seconds"] >= 0 and "of the bound" in r["detail"] for r in report["rows"])
     assert report["first_error"] is None
     monkeypatch.setattr(_selftest, "bound", lambda *a: 0.0)

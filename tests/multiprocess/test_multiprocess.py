@@ -54,6 +54,13 @@ def test_native_bfloat16_across_processes():
     assert all(len(p.result()["checked"]) == 2 * len(TRANSPORTS) for p in procs)
 
 
+def test_native_fp8_across_processes():
+    """fp8 operands, every rank with its own scales, every op and transport; with 2 processes x
+    2 devices each clique mixes threads and processes, and the shards' scales cross both."""
+    procs = harness.run("fp8", 2, 2, params={"transports": TRANSPORTS})
+    assert all(len(p.result()["checked"]) == 3 * len(TRANSPORTS) for p in procs)
+
+
 def test_mixed_meshes_interleaved_ring_and_growth():
     """A ring alternating processes, dp x tp with tp inside / across processes, growing shapes,
     and a user's own shard_map (refused without the concrete mesh, right under jax.set_mesh)."""

@@ -148,6 +148,69 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
             "linked": harness_segments()}
 
 
+def fp8(transports: list[str]) -> dict[str, Any]:
+    """fp8 operands with per-rank scales through the native primitive, every op and transport,
+    over a tp mesh of every device (cliques spanning processes: each shard's scale crosses them
+    with the shard), against the float64 product of the float32 dequantized operands."""
+    from jaxoverlap._native import primitive
+    from jaxoverlap._plan import OpPlan
+    from jaxoverlap._selftest import _compare, bound
+
+    mesh = mesh_of((len(jax.devices()),), ("tp",))
+    n = len(jax.devices())
+    rng = np.random.default_rng(5)
+    sx = np.asarray([0.5 * (1 + 0.37 * r) for r in range(n)], np.float32)
+    sw = np.asarray([1.25 - 0.1 * r for r in range(n)], np.float32)
+    k, rows, nw = 16, 4, 8
+    e4 = jnp.float8_e4m3fn
+    done = []
+
+    def dequantized(a, scale):
+        return (np.asarray(a, np.float32) * np.float32(scale)).astype(np.float64)
+
+    def put(a, spec, dtype):
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                            lambda idx: np.asarray(a[idx]).astype(dtype))
+
+    scales = (put(sx, P("tp"), np.float32), put(sw, P("tp"), np.float32))
+    for transport in transports:
+        for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+            ag = op == "ag_matmul"
+            x = (rng.standard_normal((2, rows * n, k if ag else k * n)) * 3).astype(e4)
+            w = (rng.standard_normal((k if ag else k * n, nw * n if ag else nw)) * 3).astype(e4)
+            specs = (P(None, "tp"), P(None, "tp")) if ag else (P(None, None, "tp"), P("tp"))
+            plan = OpPlan(op=op, impl="native", axis_name="tp", axis=0 if op == "matmul_ar"
+                          else 1, axis_size=n, chunks=2, bidirectional=True,
+                          transport=transport, out_dtype="bfloat16")
+
+            def local(x, w, sx, sw, plan=plan):
+                return getattr(primitive, plan.op)(x, w, plan, x_scale=sx[0], w_scale=sw[0])
+
+            out_spec = {"ag_matmul": P(None, None, "tp"), "matmul_rs": P(None, "tp"),
+                        "matmul_ar": P()}[op]
+            y = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(*specs, P("tp"), P("tp")),
+                                      out_specs=out_spec))(put(x, specs[0], e4),
+                                                           put(w, specs[1], e4), *scales)
+            if ag:  # shard j's rows with x's scale j; rank r's columns with w's scale r
+                a = np.concatenate([dequantized(x[:, j * rows:(j + 1) * rows], sx[j])
+                                    for j in range(n)], axis=1)
+                b = np.concatenate([dequantized(w[:, r * nw:(r + 1) * nw], sw[r])
+                                    for r in range(n)], axis=1)
+            else:  # rank r's slice of the contraction with its own scales
+                a = np.concatenate([dequantized(x[..., r * k:(r + 1) * k], sx[r])
+                                    for r in range(n)], axis=-1)
+                b = np.concatenate([dequantized(w[r * k:(r + 1) * k], sw[r]) for r in range(n)])
+            ref = a @ b
+            allowed = bound(op, "bfloat16", n, k, a, b)
+            assert y.addressable_shards, op
+            for shard in y.addressable_shards:
+                got = np.asarray(shard.data.astype(jnp.float32), np.float64)
+                ok, detail = _compare(np, got, ref[shard.index], allowed[shard.index])
+                assert ok, f"{op} {transport} {shard.index}: {detail}"
+            done.append(f"{op}/{transport}")
+    return {"checked": done}
+
+
 def mixed(transport: str = "p2p") -> dict[str, Any]:
     """Cliques of several kinds in one job (run with 2 processes x 2 devices).
 
@@ -1051,6 +1114,7 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
+    "fp8": fp8,
     "qkv": qkv,
     "small_dev_shm": small_dev_shm,
     "chief_aot": chief_aot,

@@ -88,7 +88,10 @@ def check_deadlock_free(programs):
 
 # ---- data races ----------------------------------------------------------------------------
 
-_INPUTS = ("X", "W")
+# The call's inputs (x, w and their fp8 scales): written before the call, never by it.
+_INPUTS = ("X", "W", "XSCALE", "WSCALE")
+# Symmetric per-clique memory, peers write it: the workspace and its scale slots.
+_SYMMETRIC = ("WORKSPACE", "WORKSPACE_SCALES")
 
 
 def _elements(ref, batch, rows, cols):
@@ -101,22 +104,28 @@ def _elements(ref, batch, rows, cols):
 
 
 def _accesses(program, op):
-    """[(owner rank, buffer, element set, is_write)] of one op (inputs X and W left out)."""
+    """[(owner rank, buffer, element set, is_write)] of one op (the call's inputs left out)."""
     me, n = program["rank"], program["nranks"]
     kind, acc = op["kind"], []
 
-    def add(ref, cols, write, owner=None):
+    def add_block(ref, batch, rows, cols, write, owner=None):
         if ref["buf"] in _INPUTS:
             return
         if owner is None:
-            owner = ref["rank"] if ref["buf"] == "WORKSPACE" else me
-        elements = frozenset(_elements(ref, op["batch"], op["m"], cols))
+            owner = ref["rank"] if ref["buf"] in _SYMMETRIC else me
+        elements = frozenset(_elements(ref, batch, rows, cols))
         acc.append((owner, ref["buf"], elements, write))
+
+    def add(ref, cols, write, owner=None):
+        add_block(ref, op["batch"], op["m"], cols, write, owner)
 
     if kind == "Gemm":
         add(op["a"], op["k"], False)
         if op["accumulate"]:
             add(op["c"], op["n"], False)
+        for scale in (op.get("a_scale"), op.get("b_scale")):  # fp8: one float32 slot each
+            if scale is not None:
+                add_block(scale, 1, 1, 1, False)
         add(op["d"], op["n"], True)
     elif kind == "Add":
         add(op["a"], op["n"], False)
@@ -153,6 +162,11 @@ def buffer_sizes(program):
         "XGATHERED": gathered * program["k"] if ag and program["return_gathered"] else 0,
         "SCRATCH": program["scratch_elems"],
         "WORKSPACE": program["workspace_elems"],
+        # fp8: the scale operands (one float32 each) and the moved shards' scale slots.
+        "XSCALE": 1,
+        "WSCALE": 1,
+        "SCRATCH_SCALES": program.get("scratch_scales", 0),
+        "WORKSPACE_SCALES": program.get("workspace_scales", 0),
     }
 
 
@@ -164,6 +178,9 @@ def _blocks(op):
         out = [("a", op["a"], b, m, k), ("b", op["b"], 1, k, n), ("d", op["d"], b, m, n)]
         if op["accumulate"]:
             out.append(("c", op["c"], b, m, n))
+        for role in ("a_scale", "b_scale"):
+            if op.get(role) is not None:
+                out.append((role, op[role], 1, 1, 1))
         return out
     if kind in ("Add", "Copy", "McStore", "McReduce"):
         return [("a", op["a"], b, m, n), ("d", op["d"], b, m, n)]
@@ -188,7 +205,7 @@ def check_bounds(program):
             if ref["offset"] < 0 or ref["batch_stride"] < 0 or ref["ld"] < cols:
                 raise ScheduleError(f"{where}: operand {role} has a negative offset or stride, "
                                     f"or ld < {cols}")
-            if ref["buf"] == "WORKSPACE" and not 0 <= ref["rank"] < nranks:
+            if ref["buf"] in _SYMMETRIC and not 0 <= ref["rank"] < nranks:
                 raise ScheduleError(f"{where}: operand {role} names workspace owner "
                                     f"{ref['rank']}")
             end = (ref["offset"] + (batch - 1) * ref["batch_stride"] + (rows - 1) * ref["ld"]
@@ -202,6 +219,37 @@ def check_bounds(program):
             raise ScheduleError(f"{where}: flag out of range")
         if op["kind"] in ("Record", "StreamWait") and not 0 <= op["id"] < program["num_events"]:
             raise ScheduleError(f"{where}: event out of range")
+
+
+def check_dtypes(program):
+    """Raises ScheduleError unless every op reads and writes buffers of the dtypes it must:
+    a block op moves between buffers of one dtype and sums (Add, McReduce) never on fp8 or
+    scales; a Gemm reads x's and w's dtypes, writes y's, and names a float32 scale slot for
+    exactly its fp8 operands (an independent check of the C++ CheckProgram's dtype rules)."""
+    dtypes = program["buffer_dtypes"]
+    x, w, y = program["dtype"], program["w_dtype"], program["out_dtype"]
+    scales = ("XSCALE", "WSCALE", "SCRATCH_SCALES", "WORKSPACE_SCALES")
+    for op in program["ops"]:
+        where = f"rank {program['rank']}: {op['text']}"
+        kind = op["kind"]
+        if kind == "Gemm":
+            want = {"a": x, "b": w, "d": y, "c": y}
+            for role, dtype in want.items():
+                if op[role] is not None and dtypes[op[role]["buf"]] != dtype:
+                    raise ScheduleError(f"{where}: operand {role} is "
+                                        f"{dtypes[op[role]['buf']]}, expected {dtype}")
+            for role, operand in (("a_scale", x), ("b_scale", w)):
+                fp8 = operand.startswith("f8")
+                ref = op.get(role)
+                if (ref is not None) != fp8 or (ref is not None and ref["buf"] not in scales):
+                    raise ScheduleError(f"{where}: {role} must "
+                                        f"{'name a scale slot' if fp8 else 'be unset'}")
+        elif kind in ("Add", "Copy", "McStore", "McReduce"):
+            a, d = dtypes[op["a"]["buf"]], dtypes[op["d"]["buf"]]
+            if a != d:
+                raise ScheduleError(f"{where}: moves {a} into {d}")
+            if kind in ("Add", "McReduce") and (d.startswith("f8") or op["d"]["buf"] in scales):
+                raise ScheduleError(f"{where}: sums {d} ({op['d']['buf']})")
 
 
 def check_race_free(programs, calls=1, parities=2):
@@ -219,6 +267,7 @@ def check_race_free(programs, calls=1, parities=2):
     """
     for program in programs:
         check_bounds(program)
+        check_dtypes(program)
     check_deadlock_free(programs)
     n = len(programs)
     streams = [_streams(p) for p in programs]
@@ -238,7 +287,7 @@ def check_race_free(programs, calls=1, parities=2):
                 clock[i] = v
 
     def key_of(owner, buf, element, call):
-        if buf == "WORKSPACE":  # symmetric memory: shared across calls of one parity
+        if buf in _SYMMETRIC:  # symmetric memory: shared across calls of one parity
             return (owner, buf, (call + 1) % parities, element)
         return (owner, buf, call, element)  # per-call buffers
 

@@ -439,3 +439,200 @@ sys.exit(0)
                              timeout=120)
         assert "leaving" in run.stdout, run.stderr
         assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+
+
+# ---- fp8: operands with per-rank scales, x moved as fp8 with each shard's scale ---------------
+
+# (x, w, y) dtypes: both fp8 (every pairing), and an fp8 operand with a 16-bit one.
+FP8_DTYPES = [("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
+              ("float8_e4m3fn", "float8_e5m2", "float32"),
+              ("float8_e5m2", "float8_e4m3fn", "float16"),
+              ("float8_e4m3fn", "bfloat16", "bfloat16"),
+              ("bfloat16", "float8_e5m2", "float32"),
+              ("float8_e5m2", "float8_e5m2", "bfloat16")]
+
+
+@contextlib.contextmanager
+def case_note(*values):
+    """Adds the case to the failure raised in its body."""
+    try:
+        yield
+    except Exception as e:
+        e.add_note(f"in the case {values}")
+        raise
+
+
+def fp8_data(shape, dtype, seed):
+    """Values spread over a few binades, rounded to `dtype` (fp8 or 16-bit), and their float64."""
+    values = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 3
+    rounded = jnp.asarray(values).astype(dtype)
+    return rounded, np.asarray(rounded.astype(jnp.float32), np.float64)
+
+
+def rank_scales(dtype, n, base):
+    """One float32 scale per rank, all different; 1.0 where `dtype` is not fp8 (what the ops
+    pass for an operand without a scale)."""
+    s = np.asarray([base * (1.0 + 0.37 * r) if capabilities.is_fp8(dtype) else 1.0
+                    for r in range(n)], np.float32)
+    return jnp.asarray(s), s
+
+
+def dequantized(values64, scale):
+    """The float32 dequantized operand (value * scale, in float32), as float64."""
+    return (values64.astype(np.float32) * np.float32(scale)).astype(np.float64)
+
+
+def within_bound(op, got, ref, out_dtype, n, k, a, b):
+    from jaxoverlap._selftest import _compare, bound
+
+    ok, detail = _compare(np, got, ref, bound(op, out_dtype, n, k, a, b))
+    assert ok, detail
+
+
+def check_fp8(n, transport, dtypes, chunks, bidir, seed=0):
+    """ag_matmul (with return_gathered), matmul_rs and matmul_ar of fp8 operands on `n` ranks,
+    each rank with its own scales, against the float64 product of the float32 dequantized
+    operands (selftest's bound: one rounding to y's dtype; reductions in y's dtype)."""
+    x_dtype, w_dtype, out = dtypes
+    mesh = mesh_1d(n)
+    sx, sx_np = rank_scales(x_dtype, n, 0.5)
+    sw, sw_np = rank_scales(w_dtype, n, 1.25)
+    fields = dict(transport=transport, chunks=chunks, bidirectional=bidir, timeout_s=60.0,
+                  out_dtype=out)
+    k, rows = 32, 2 * chunks
+
+    def scales_in(body):  # this rank's own scales
+        def wrapped(x, w, sx, sw):
+            return body(x, w, sx[0], sw[0])
+        return wrapped
+
+    scale_specs = (P("tp"), P("tp"))
+
+    # all-gather: rank r's y columns = concat_j (x_j * sx_j) @ (w_r * sw_r)
+    x, x64 = fp8_data((2, n * rows, k), x_dtype, seed)
+    w, w64 = fp8_data((k, 16 * n), w_dtype, seed + 1)
+    f = jax.jit(jax.shard_map(
+        scales_in(lambda x, w, sx, sw: native_shard.ag_matmul(
+            x, w, axis=1, return_gathered=True, x_scale=sx, w_scale=sw, **fields)),
+        mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), *scale_specs),
+        out_specs=(P(None, None, "tp"), P("tp"))))
+    y, gathered = f(x, w, sx, sw)
+    assert y.dtype == jnp.dtype(out) and gathered.dtype == x.dtype
+    x_deq = np.concatenate([dequantized(x64[:, j * rows:(j + 1) * rows], sx_np[j])
+                            for j in range(n)], axis=1)
+    got = np.asarray(y.astype(jnp.float32), np.float64)
+    for r in range(n):
+        w_deq = dequantized(w64[:, r * 16:(r + 1) * 16], sw_np[r])
+        within_bound("ag_matmul", got[..., r * 16:(r + 1) * 16], x_deq @ w_deq, out, n, k,
+                     x_deq, w_deq)
+    # x_gathered: the fp8 bits of every shard, on every rank
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(gathered, jnp.uint8 if x.dtype.itemsize == 1
+                                                else jnp.uint16)),
+        np.tile(np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8 if x.dtype.itemsize == 1
+                                                        else jnp.uint16)), (n, 1, 1)))
+
+    # reduce-scatter / all-reduce: sum_r (x_r * sx_r) @ (w_r * sw_r), x_r and w_r the rank's
+    # slices of the contraction
+    x, x64 = fp8_data((n * rows, 2, k * n), x_dtype, seed + 2)
+    w, w64 = fp8_data((k * n, 24), w_dtype, seed + 3)
+    x_deq = np.concatenate([dequantized(x64[..., r * k:(r + 1) * k], sx_np[r])
+                            for r in range(n)], axis=-1)
+    w_deq = np.concatenate([dequantized(w64[r * k:(r + 1) * k], sw_np[r]) for r in range(n)])
+    ref = x_deq @ w_deq
+    rs = jax.jit(jax.shard_map(
+        scales_in(lambda x, w, sx, sw: native_shard.matmul_rs(
+            x, w, axis=0, x_scale=sx, w_scale=sw, **fields)),
+        mesh=mesh, in_specs=(P(None, None, "tp"), P("tp"), *scale_specs), out_specs=P("tp")))
+    y = rs(x, w, sx, sw)
+    assert y.dtype == jnp.dtype(out)
+    within_bound("matmul_rs", np.asarray(y.astype(jnp.float32), np.float64), ref, out, n, k,
+                 x_deq, w_deq)
+    ar = jax.jit(jax.shard_map(
+        scales_in(lambda x, w, sx, sw: native_shard.matmul_ar(
+            x, w, x_scale=sx, w_scale=sw, **fields)[None]),
+        mesh=mesh, in_specs=(P(None, None, "tp"), P("tp"), *scale_specs), out_specs=P("tp"),
+        check_vma=False))
+    copies = np.asarray(ar(x, w, sx, sw).astype(jnp.float32), np.float64)
+    for r in range(n):
+        np.testing.assert_array_equal(copies[r], copies[0])
+        within_bound("matmul_ar", copies[r], ref, out, n, k, x_deq, w_deq)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fp8_every_op_with_per_rank_scales(transport):
+    """fp8 operands (every pairing of e4m3 and e5m2, and with a 16-bit operand), y in
+    bfloat16, float16 or float32, scales that differ per rank, N 2..8, chunks and both ring
+    directions: exact to one rounding of y (reductions in y's dtype), x_gathered the fp8 bits."""
+    cases = [(2, 1, False), (4, 2, True), (3, 1, True), (8, 2, False)]
+    for i, (n, chunks, bidir) in enumerate(cases):  # every pairing twice over the transports
+        dtypes = FP8_DTYPES[(i + 4 * TRANSPORTS.index(transport)) % len(FP8_DTYPES)]
+        with case_note(transport, n, chunks, bidir, dtypes):
+            check_fp8(n, transport, dtypes, chunks, bidir, seed=i)
+
+
+def test_fp8_a_wrong_shard_scale_would_be_caught():
+    """The check above is sensitive to the scales' travel: every rank using its own x scale
+    for every shard (what a program that did not move them would do) misses the bound."""
+    n, rows, k = 4, 2, 32
+    sx = np.asarray([0.5 * (1.0 + 0.37 * r) for r in range(n)], np.float32)
+    x, x64 = fp8_data((1, n * rows, k), "float8_e4m3fn", 7)
+    w, w64 = fp8_data((k, 16), "float8_e4m3fn", 8)
+    right = np.concatenate([dequantized(x64[:, j * rows:(j + 1) * rows], sx[j])
+                            for j in range(n)], axis=1)
+    own = dequantized(x64, sx[1])  # rank 1's scale for every shard
+    with pytest.raises(AssertionError, match="of the bound"):
+        within_bound("ag_matmul", own @ w64, right @ w64, "bfloat16", n, k, right, w64)
+
+
+def _custom_call(x, w, x_scale, w_scale, y_dtype, n=2):
+    """The CPU custom call of ag_matmul made by hand (what the primitive's lowering emits),
+    so that operands the primitive would never pass reach the handler's checks."""
+    from jax import lax
+
+    from jaxoverlap._native import runtime
+    from jaxoverlap._native.attributes import attributes
+    from jaxoverlap._native.call import describe
+    from jaxoverlap._plan import OpPlan
+
+    runtime.register("cpu")
+    mesh = mesh_1d(n)
+    plan = OpPlan(op="ag_matmul", impl="native", axis_name="tp", axis=0, axis_size=n,
+                  transport="p2p")
+    attrs = attributes(plan, describe(mesh, "tp", "cpu", "p2p", None, jax.process_index()), x,
+                       site_key=1)
+    rows, cols = x.shape[0] // n * n, w.shape[1] // n
+
+    def body(x, w):
+        coords = jnp.stack([lax.axis_index("tp"), 0]).astype(jnp.int32)
+        call = jax.ffi.ffi_call("jaxoverlap_ag_matmul",
+                                jax.ShapeDtypeStruct((rows, cols), y_dtype))
+        return call(x, w, x_scale, w_scale, coords, **attrs)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                              out_specs=P(None, "tp"), check_vma=False))
+    return f(x, w).block_until_ready()  # the handler's error surfaces with the result
+
+
+def test_the_handler_refuses_bad_dtypes_and_scales_naming_them():
+    """The custom call's operand checks (cpp/ffi/ffi_call.h): a scale that is not a float32
+    scalar, x and w of two non-fp8 dtypes, an fp8 or mismatched y — each an error naming the
+    operand and what it expected; the same operands with good scales run."""
+    e4 = jnp.float8_e4m3fn
+    x, w = jnp.ones((4, 16), e4), jnp.ones((16, 4), e4)
+    one = jnp.ones((), jnp.float32)
+    y = _custom_call(x, w, one * 0.5, one * 2.0, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.full((4, 4), 16.0))
+    for args, message in [
+            ((x, w, jnp.ones((2,), jnp.float32), one, jnp.bfloat16),
+             r"operand x_scale expected a float32 scalar \(shape \(\) or \(1,\)\), got shape "
+             r"\[2\]"),
+            ((x, w, one, jnp.ones((), jnp.bfloat16), jnp.bfloat16),
+             "operand w_scale expected a float32 scalar"),
+            ((x.astype(jnp.bfloat16), w.astype(jnp.float16), one, one, jnp.bfloat16),
+             "x and w must have the same dtype unless one of them is float8"),
+            ((x, w, one, one, e4), "result y expected dtype float32, bfloat16 or float16"),
+            ((x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), one, one, jnp.float16),
+             "the output dtype must be x's or float32")]:
+        with pytest.raises(Exception, match=message):
+            _custom_call(*args)

@@ -17,6 +17,7 @@ from .schedule_check import (
     buffer_sizes,
     check_bounds,
     check_deadlock_free,
+    check_dtypes,
     check_race_free,
 )
 
@@ -30,13 +31,18 @@ OPS = ("ag_matmul", "matmul_rs")
 # block reduced in the switch) and one-shot ("op/algorithm": every partial to every rank)
 ONE_SHOT = "matmul_ar/one_shot"
 ALL_OPS = (*OPS, "matmul_ar", ONE_SHOT)
+# The dtypes of a call (build's keywords): all float32, or fp8 operands with a bfloat16 output
+# (x's shards and their scales travel in an all-gather; partial sums in bfloat16 elsewhere).
+F32 = {}
+FP8 = dict(dtype="float8_e4m3fn", w_dtype="float8_e5m2", out_dtype="bfloat16")
 
 
 def build(op, transport, n, rank, *, batch=2, rows=6, k=5, n_out=3, dtype="float32", chunks=1,
-          bidirectional=False, return_gathered=False):
+          bidirectional=False, return_gathered=False, w_dtype="", out_dtype=""):
     op, _, algorithm = op.partition("/")
     return host.build_program(op, transport, n, rank, batch, rows, k, n_out, dtype, chunks,
-                              bidirectional, return_gathered, algorithm=algorithm or "two_shot")
+                              bidirectional, return_gathered, algorithm=algorithm or "two_shot",
+                              w_dtype=w_dtype, out_dtype=out_dtype)
 
 
 def clique(op, transport, n, **kw):
@@ -150,18 +156,26 @@ def test_output_rows_written_once():
 # ---- byte accounting -----------------------------------------------------------------------
 
 def test_ring_sends_exactly_n_minus_1_over_n():
+    """N-1 of N shards (AG) or partial blocks (RS) leave each rank, in their dtype: an fp8 x
+    moves one byte per element, each shard with its 4-byte scale; fp8 partial sums move in the
+    output type (bfloat16)."""
     batch, rows, k, n_out = 2, 6, 5, 3
-    for op, transport, n, chunks, bidir, dtype in grid(
-            OPS, ["nccl", "p2p"], [2, 3, 4, 8], [1, 3], [False, True], ["float32", "bfloat16"]):
-        elem = 4 if dtype == "float32" else 2
+    for op, transport, n, chunks, bidir, dtypes in grid(
+            OPS, ["nccl", "p2p"], [2, 3, 4, 8], [1, 3], [False, True],
+            [F32, dict(dtype="bfloat16"), FP8]):
+        fp8 = dtypes is FP8
+        elem = {"float32": 4, "bfloat16": 2}.get(dtypes.get("dtype", "float32"), 1)
+        if op != "ag_matmul" and fp8:
+            elem = 2  # partial sums in the output type
         width = k if op == "ag_matmul" else n_out
         gathered_bytes = batch * n * rows * width * elem
+        scale_bytes = 4 * (n - 1) if fp8 and op == "ag_matmul" else 0
         for r in range(n):
-            with case(op, transport, n, chunks, bidir, dtype, r):
+            with case(op, transport, n, chunks, bidir, dtypes, r):
                 p = build(op, transport, n, r, batch=batch, rows=rows, k=k, n_out=n_out,
-                          dtype=dtype, chunks=chunks, bidirectional=bidir)
+                          chunks=chunks, bidirectional=bidir, **dtypes)
                 sent = sum(o["remote_bytes"] for o in p["ops"])
-                assert sent * n == (n - 1) * gathered_bytes, sent
+                assert (sent - scale_bytes) * n == (n - 1) * gathered_bytes, sent
 
 
 def test_ring_all_reduce_sends_exactly_2_n_minus_1_over_n():
@@ -236,14 +250,127 @@ def test_multicast_rs_reduces_own_block_only():
         assert sum(o["remote_bytes"] for o in p["ops"]) == 0
 
 
+# ---- fp8: each shard's scale travels with it ----------------------------------------------
+
+SCALE_BUFFERS = ("XSCALE", "WSCALE", "SCRATCH_SCALES", "WORKSPACE_SCALES")
+
+
+def _scale_ops(program):
+    """The ops moving a float32 scale (from or into a scale buffer)."""
+    return [o for o in program["ops"] if o["kind"] != "Gemm"
+            and any(ref and ref["buf"] in SCALE_BUFFERS for ref in (o["a"], o["d"]))]
+
+
+def test_fp8_all_gather_moves_each_shards_scale_with_it():
+    """Every GEMM of an fp8 all-gather dequantizes with its own shard's scale, which came with
+    the shard: the local one is the x_scale operand, the others sit in their shard's slot
+    (ScratchScales on nccl, WorkspaceScales on p2p and multicast), written once by the scale's
+    own transfer — one per shard and hop, next to the shard's first sub-chunk (N-1 x 4 bytes per
+    rank on a ring, one 4-byte multicast store). GEMM + RS / AR use the rank's own scales."""
+    for transport, n, chunks, bidir in grid(TRANSPORTS, [1, 2, 3, 4, 8], [1, 3],
+                                            [False, True]):
+        slots = "SCRATCH_SCALES" if transport == "nccl" else "WORKSPACE_SCALES"
+        for r in range(n):
+            with case(transport, n, chunks, bidir, r):
+                p = build("ag_matmul", transport, n, r, chunks=chunks, bidirectional=bidir,
+                          **FP8)
+                for g in (o for o in p["ops"] if o["kind"] == "Gemm"):
+                    assert g["b_scale"]["buf"] == "WSCALE"
+                    want = (("XSCALE", 0) if g["shard"] == r else (slots, g["shard"]))
+                    assert (g["a_scale"]["buf"], g["a_scale"]["offset"]) == want, g["text"]
+                    if slots == "WORKSPACE_SCALES" and g["shard"] != r:
+                        assert g["a_scale"]["rank"] == r  # the own workspace's slot
+                moved = _scale_ops(p)
+                assert all(o["sub"] == 0 and o["bytes"] == 4 for o in moved)
+                out = [o for o in moved if o["remote_bytes"]]
+                if n == 1:
+                    assert not moved
+                elif transport == "multicast":
+                    assert [(o["kind"], o["shard"]) for o in out] == [("McStore", r)]
+                else:
+                    assert sorted(o["shard"] for o in out) == sorted(
+                        o["shard"] for o in p["ops"] if o["remote_bytes"] and o["sub"] == 0
+                        and o not in moved)  # one scale per shard sent, with it
+                    assert sum(o["remote_bytes"] for o in out) == 4 * (n - 1)
+        for op in ("matmul_rs", "matmul_ar"):
+            p = build(op, transport, n, 0, chunks=chunks, bidirectional=bidir, **FP8)
+            assert not _scale_ops(p) and p["workspace_scales"] == p["scratch_scales"] == 0
+            assert {(g["a_scale"]["buf"], g["b_scale"]["buf"]) for g in p["ops"]
+                    if g["kind"] == "Gemm"} == {("XSCALE", "WSCALE")}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_race_checker_catches_a_scale_that_did_not_travel(transport):
+    """Drop the transfers of one rank's scale (its sends, and their receives): the schedule
+    still completes, but a GEMM reads a scale slot no op of its call wrote."""
+    programs = clique("ag_matmul", transport, 4, rows=3, k=2, n_out=2, chunks=2, **FP8)
+    check_race_free(programs)
+    broken = copy.deepcopy(programs)
+    for p in broken:
+        p["ops"] = [o for o in p["ops"] if not (o in _scale_ops(p) and o["shard"] == 1)]
+    check_deadlock_free(broken)
+    with pytest.raises(ScheduleError, match="no write of its call"):
+        check_race_free(broken)
+
+
+def test_fp8_dtype_rules_are_checked_by_both_checkers():
+    """A GEMM of an fp8 x without its scale, a scale on a float32 operand, or a copy between
+    buffers of two dtypes: refused by the C++ check and the independent Python one."""
+    p = build("ag_matmul", "p2p", 4, 1, rows=3, k=2, n_out=2, **FP8)
+    host.check_program(p)
+    check_dtypes(p)
+    gemm = next(i for i, o in enumerate(p["ops"]) if o["kind"] == "Gemm")
+    unscaled = copy.deepcopy(p)
+    unscaled["ops"][gemm]["a_scale"] = None
+    copied = copy.deepcopy(p)
+    push = next(o for o in copied["ops"] if o["kind"] == "Copy" and o["bytes"] > 4)
+    push["d"]["buf"] = "Y"
+    f32 = build("matmul_rs", "nccl", 4, 0, rows=3, k=2, n_out=2)
+    scaled = copy.deepcopy(f32)
+    gemm32 = next(o for o in scaled["ops"] if o["kind"] == "Gemm")
+    gemm32["a_scale"] = dict(buf="XSCALE", rank=0, offset=0, batch_stride=0, ld=1)
+    for broken, cpp, py in [(unscaled, "a_scale must name a scale slot", "a_scale must"),
+                            (copied, "operand d is bf16 \\(Y\\), expected f8e4m3fn",
+                             "moves f8e4m3fn into bf16"),
+                            (scaled, "a_scale must be unset", "a_scale must be unset")]:
+        with pytest.raises(ValueError, match=cpp):
+            host.check_program(broken)
+        with pytest.raises(ScheduleError, match=py):
+            check_dtypes(broken)
+    # A scale slot one past the shards': refused by both bounds checks.
+    past = copy.deepcopy(p)
+    scaled_gemm = next(o for o in past["ops"] if o["kind"] == "Gemm" and o["shard"] != 1)
+    scaled_gemm["a_scale"]["offset"] = p["workspace_scales"]
+    with pytest.raises(ValueError, match="operand a_scale .* of a WORKSPACE_SCALES buffer of 4"):
+        host.check_program(past)
+    with pytest.raises(ScheduleError, match="operand a_scale reaches element 5"):
+        check_bounds(past)
+
+
+def test_a_call_of_unsupported_dtypes_is_refused():
+    for dtypes, message in [
+            (dict(dtype="bfloat16", w_dtype="float16"), "same dtype unless one of them is float8"),
+            (dict(dtype="bfloat16", out_dtype="float16"), "must be x's or float32"),
+            (dict(dtype="float8_e4m3fn", out_dtype="float8_e4m3fn"), "must be float32, bfloat16"),
+            (dict(dtype="int8"), "dtype: expected float32, bfloat16, float16, float8_e4m3fn")]:
+        with pytest.raises(ValueError, match=message):
+            build("ag_matmul", "p2p", 2, 0, **dtypes)
+    # fp8 with another operand type, or a float32 output of 16-bit operands: fine.
+    for dtypes in (dict(dtype="float8_e4m3fn", w_dtype="bfloat16", out_dtype="float32"),
+                   dict(dtype="bfloat16", w_dtype="float8_e5m2"),
+                   dict(dtype="bfloat16", out_dtype="float32")):
+        check_dtypes(build("matmul_rs", "p2p", 2, 0, **dtypes))
+
+
 # ---- deadlock freedom ----------------------------------------------------------------------
 
 def test_every_clique_is_deadlock_free():
-    for values in grid(ALL_OPS, TRANSPORTS, [1, 2, 3, 4, 5, 8], [1, 3], [False, True]):
-        op, transport, n, chunks, bidir = values
+    for values in grid(ALL_OPS, TRANSPORTS, [1, 2, 3, 4, 5, 8], [1, 3], [False, True],
+                       [F32, FP8]):
+        op, transport, n, chunks, bidir, dtypes = values
         with case(*values):
             programs = clique(op, transport, n, chunks=chunks, bidirectional=bidir,
-                              return_gathered=op == "ag_matmul")
+                              return_gathered=op == "ag_matmul", **dtypes)
             assert check_deadlock_free(programs) == sum(len(p["ops"]) for p in programs)
 
 
@@ -287,21 +414,24 @@ def test_program_is_printable_and_invalid_problems_raise():
 # ---- data races ----------------------------------------------------------------------------
 
 def test_every_clique_is_race_free():
-    for op, transport, n, (chunks, bidir) in grid(
-            ALL_OPS, TRANSPORTS, [1, 2, 3, 4, 8], [(1, False), (3, True), (2, False), (1, True)]):
-        with case(op, transport, n, chunks, bidir):
+    """fp8 alternates with float32: its scales' transfers and reads are checked alike."""
+    for op, transport, n, (chunks, bidir, dtypes) in grid(
+            ALL_OPS, TRANSPORTS, [1, 2, 3, 4, 8],
+            [(1, False, F32), (3, True, FP8), (2, False, FP8), (1, True, F32)]):
+        with case(op, transport, n, chunks, bidir, dtypes):
             programs = clique(op, transport, n, rows=3, k=2, n_out=2, chunks=chunks,
-                              bidirectional=bidir, return_gathered=op == "ag_matmul")
+                              bidirectional=bidir, return_gathered=op == "ag_matmul", **dtypes)
             check_race_free(programs)
 
 
 def test_back_to_back_calls_reuse_buffers_safely():
-    """Three calls in a row: parity double-buffering never lets a call clobber data in use."""
-    for op, transport, n, (chunks, bidir) in grid(ALL_OPS, TRANSPORTS, [2, 3, 4],
-                                                  [(1, False), (2, True)]):
-        with case(op, transport, n, chunks, bidir):
+    """Three calls in a row: parity double-buffering never lets a call clobber data in use
+    (fp8: the workspace's scale slots too)."""
+    for op, transport, n, (chunks, bidir, dtypes) in grid(
+            ALL_OPS, TRANSPORTS, [2, 3, 4], [(1, False, F32), (2, True, FP8)]):
+        with case(op, transport, n, chunks, bidir, dtypes):
             programs = clique(op, transport, n, rows=2, k=2, n_out=2, chunks=chunks,
-                              bidirectional=bidir, return_gathered=op == "ag_matmul")
+                              bidirectional=bidir, return_gathered=op == "ag_matmul", **dtypes)
             check_race_free(programs, calls=3)
 
 
@@ -344,13 +474,16 @@ def test_race_checker_catches_a_missing_dependency(op, transport, kind):
 def test_every_program_stays_inside_its_buffers():
     """Both checkers (C++ _host.check_program, which BuildProgram and the executors run, and
     the independent Python one) accept every program the builders make."""
-    for op, transport, n, (chunks, bidir, gathered) in grid(
-            ALL_OPS, TRANSPORTS, [1, 2, 3, 8], [(1, False, False), (3, True, True)]):
+    for op, transport, n, (chunks, bidir, gathered, dtypes) in grid(
+            ALL_OPS, TRANSPORTS, [1, 2, 3, 8],
+            [(1, False, False, F32), (3, True, True, FP8), (2, False, False, FP8)]):
         for p in clique(op, transport, n, rows=3, k=2, n_out=5, chunks=chunks,
-                        bidirectional=bidir, return_gathered=gathered and op == "ag_matmul"):
-            with case(op, transport, n, chunks, bidir, gathered, p["rank"]):
+                        bidirectional=bidir, return_gathered=gathered and op == "ag_matmul",
+                        **dtypes):
+            with case(op, transport, n, chunks, bidir, gathered, dtypes, p["rank"]):
                 host.check_program(p)
                 check_bounds(p)
+                check_dtypes(p)
 
 
 def _shifted(program, index, role, by):

@@ -22,6 +22,9 @@ std::map<std::string, std::string> MisuseChecks();
 // likewise.
 std::map<std::string, std::string> WaitMisuseChecks();
 
+// cuBLASLt's FP8 rules (fake_fp8_checks.cc), likewise; tests/cuda/test_fp8.py.
+std::map<std::string, std::string> Fp8MisuseChecks();
+
 // The watchdog's NcclComms::Abort racing an enqueue, as NcclComms orders
 // them (fake_misuse_checks.cc): an "enqueue" thread takes rank 0's lease
 // (hold_lease) or takes the communicators and drops the lease at once (the

@@ -1,5 +1,30 @@
 // The fake cuBLASLt: descriptors, layouts and preferences holding exactly
 // the attributes the executor sets, and a reference GEMM honouring them.
+//
+// The rules it enforces are cuBLAS's (docs.nvidia.com/cuda/cublas, section
+// "cublasLtMatmul()", "Datatypes Supported", and cublasLtMatmulDescAttributes_t),
+// FP8 among them (FP8 section: "To use tensor- or block-scaled FP8 kernels,
+// the following set of requirements must be satisfied"):
+//  * types: A/B/C/D of one type; A/B bf16 or f16 with C/D f32; FP8 A/B
+//    (e4m3 x e4m3, e4m3 x e5m2, e5m2 x e4m3 — no e5m2 x e5m2) with C = D of
+//    bf16, f16 or f32 (the FP8 table's rows with an fp8-free output);
+//  * FP8: compute type CUBLAS_COMPUTE_32F, scale type CUDA_R_32F; "A must be
+//    transposed and B non-transposed (The TN format) on Ada (compute
+//    capability 8.9), Hopper (compute capability 9.0), and Blackwell GeForce
+//    (compute capability 12.x)"; no FP8 kernel below 8.9; "pointers and matrix
+//    dimension must support 16-byte alignment" (Tensor Core Usage: the rows
+//    of op(A) or k, k or the columns of op(B), m of C, every leading
+//    dimension, every pointer);
+//  * A/B scale pointers: "Device pointer to the scale factor value ... must
+//    have the same type as the compute type" (float32 here), for FP8 matrices
+//    only ("If set for an unsupported matrix data, scale, and compute type
+//    combination, calling cublasLtMatmul() will return CUBLAS_INVALID_VALUE");
+//  * FAST_ACCUM: only 0 (the executor's choice) is modeled.
+// The reference GEMM multiplies in float32 — exact for fp8 products —,
+// accumulates in float32 and applies alpha * scaleA * scaleB once, then adds
+// beta * C and rounds once to D's type (cublasLtMatmul: D = alpha * scaleA *
+// scaleB * op(A) op(B) + beta * C without C and D scales). The scales are read
+// when the matmul runs on its stream, as the kernel reads them on a GPU.
 #include <cstring>
 
 #include "core/convert.h"
@@ -77,8 +102,25 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
                                               cublasLtMatmulDescAttributes_t attr, const void* buf,
                                               size_t size) {
   Lock lock(S().mu);
+  Count("cublasLtMatmulDescSetAttribute");  // host-side: allowed on the enqueue path
   auto it = S().descs.find(d);
   if (it == S().descs.end()) return CUBLAS_STATUS_INVALID_VALUE;
+  if ((attr == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER ||
+       attr == CUBLASLT_MATMUL_DESC_B_SCALE_POINTER) &&
+      size == sizeof(const void*)) {
+    std::memcpy(
+        attr == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER ? &it->second.a_scale : &it->second.b_scale,
+        buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  if (attr == CUBLASLT_MATMUL_DESC_FAST_ACCUM && size == sizeof(int8_t)) {
+    std::memcpy(&it->second.fast_accum, buf, size);
+    if (it->second.fast_accum != 0) {
+      Fail("cuBLASLt: FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1) is not modeled");
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    return CUBLAS_STATUS_SUCCESS;
+  }
   if ((attr == CUBLASLT_MATMUL_DESC_TRANSA || attr == CUBLASLT_MATMUL_DESC_TRANSB) &&
       size == sizeof(int32_t)) {
     int32_t v;
@@ -239,14 +281,52 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   const bool tf32 = dsc.compute == CUBLAS_COMPUTE_32F_FAST_TF32;
   if ((dsc.compute != CUBLAS_COMPUTE_32F && !tf32) || dsc.scale != CUDA_R_32F)
     return fail("only CUBLAS_COMPUTE_32F(_FAST_TF32) with CUDA_R_32F scale is modeled");
-  if (la.type != lb.type || la.type != lc.type || la.type != ld.type)
-    return fail("mixed matrix types are not modeled");
-  bool ok = false;
-  const jo::DType dt = jo::fake::FromCuda(la.type, &ok);
-  if (!ok) return fail("matrix type not modeled");
+  bool ok_a = false, ok_b = false, ok_c = false, ok_d = false;
+  const jo::DType ta_type = jo::fake::FromCuda(la.type, &ok_a);
+  const jo::DType tb_type = jo::fake::FromCuda(lb.type, &ok_b);
+  const jo::DType tc_type = jo::fake::FromCuda(lc.type, &ok_c);
+  const jo::DType td_type = jo::fake::FromCuda(ld.type, &ok_d);
+  if (!ok_a || !ok_b || !ok_c || !ok_d) return fail("matrix type not modeled");
+  const bool fp8 = jo::IsFp8(ta_type) || jo::IsFp8(tb_type);
+  if (lc.type != ld.type) return fail("C and D of different types are not modeled");
+  if (jo::IsFp8(td_type)) return fail("an fp8 output (D) is not modeled");
+  if (fp8) {
+    // The FP8 type table: both A and B fp8, never both e5m2; C = D bf16, f16 or f32.
+    if (!jo::IsFp8(ta_type) || !jo::IsFp8(tb_type))
+      return fail("FP8 A with a non-FP8 B (or the reverse): cuBLAS's FP8 type table has none");
+    if (ta_type == jo::DType::kF8E5M2 && tb_type == jo::DType::kF8E5M2)
+      return fail("CUDA_R_8F_E5M2 x CUDA_R_8F_E5M2: not in cuBLAS's FP8 type table");
+    // "The compute type must be CUBLAS_COMPUTE_32F. The scale type must be CUDA_R_32F."
+    if (dsc.compute != CUBLAS_COMPUTE_32F)
+      return fail("FP8 with a compute type other than CUBLAS_COMPUTE_32F");
+    const int arch = jo::fake::DeviceArch(s->device);
+    if (arch < 89) {
+      Fail("cublasLtMatmul: FP8 on device " + std::to_string(s->device) + " (sm_" +
+           std::to_string(arch) + "): FP8 kernels need compute capability 8.9 or newer");
+      return CUBLAS_STATUS_ARCH_MISMATCH;
+    }
+    // "A must be transposed and B non-transposed (The TN format) on Ada (8.9), Hopper (9.0),
+    // and Blackwell GeForce (12.x)".
+    if ((arch == 89 || arch == 90 || arch / 10 == 12) &&
+        (dsc.transa != CUBLAS_OP_T || dsc.transb != CUBLAS_OP_N))
+      return fail("FP8 on sm_" + std::to_string(arch) +
+                  " needs A transposed and B non-transposed (the TN format)");
+  } else {
+    // One type for A and B; C = D of it, or f32 for bf16/f16 matrices (the CUBLAS_COMPUTE_32F
+    // rows of "Datatypes Supported").
+    if (la.type != lb.type) return fail("mixed matrix types are not modeled");
+    const bool widened = ld.type == CUDA_R_32F && (la.type == CUDA_R_16BF || la.type == CUDA_R_16F);
+    if (ld.type != la.type && !widened) return fail("mixed matrix types are not modeled");
+    if (dsc.a_scale != nullptr || dsc.b_scale != nullptr) {
+      // "If set for an unsupported matrix data, scale, and compute type combination, calling
+      // cublasLtMatmul() will return CUBLAS_INVALID_VALUE."
+      Fail("cublasLtMatmul: A/B scale pointers set on a GEMM without FP8 matrices");
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+  }
   // FAST_TF32 is a compute type for float32 matrices ("CUBLAS_COMPUTE_32F_FAST_TF32 ... for
   // 32-bit input and output matrices", cuBLAS docs, cublasComputeType_t).
-  if (tf32 && dt != jo::DType::kF32)
+  if (tf32 && (ta_type != jo::DType::kF32 || td_type != jo::DType::kF32))
     return fail("CUBLAS_COMPUTE_32F_FAST_TF32 with matrices that are not CUDA_R_32F");
   for (const Layout* l : {&la, &lb, &lc, &ld}) {
     if (l->order != CUBLASLT_ORDER_COL) return fail("ORDER other than COL is not modeled");
@@ -262,7 +342,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     return fail("inconsistent dimensions");
   if (C != D && (lc.ld != ld.ld || lc.stride != ld.stride))
     return fail("C != D with different layouts (cuBLASLt's out-of-place rule)");
-  const size_t es = static_cast<size_t>(jo::DTypeSize(dt));
+  const size_t es[4] = {
+      static_cast<size_t>(jo::DTypeSize(ta_type)), static_cast<size_t>(jo::DTypeSize(tb_type)),
+      static_cast<size_t>(jo::DTypeSize(tc_type)), static_cast<size_t>(jo::DTypeSize(td_type))};
   // The promised alignment must hold for the "buffer pointer, leading dimension,
   // and possibly other strides" (cublasLt.h, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_*):
   // every batch's matrix and every column of it starts that aligned.
@@ -272,49 +354,70 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     const uint64_t align = algo->data[i];
     if (reinterpret_cast<uintptr_t>(ptrs[i]) % align != 0)
       return fail("a pointer is less aligned than the preference promised");
-    if (static_cast<uint64_t>(layouts[i]->ld) * es % align != 0)
+    if (static_cast<uint64_t>(layouts[i]->ld) * es[i] % align != 0)
       return fail("a leading dimension is less aligned than the preference promised");
-    if (layouts[i]->batch > 1 && static_cast<uint64_t>(layouts[i]->stride) * es % align != 0)
+    if (layouts[i]->batch > 1 && static_cast<uint64_t>(layouts[i]->stride) * es[i] % align != 0)
       return fail("a batch stride is less aligned than the preference promised");
+    // FP8: "pointers and matrix dimension must support 16-byte alignment" (Tensor Core Usage).
+    if (fp8 && (reinterpret_cast<uintptr_t>(ptrs[i]) % 16 != 0 ||
+                static_cast<uint64_t>(layouts[i]->ld) * es[i] % 16 != 0 ||
+                (layouts[i]->batch > 1 && static_cast<uint64_t>(layouts[i]->stride) * es[i] % 16)))
+      return fail("FP8 with a pointer, leading dimension or batch stride not 16-byte aligned");
   }
+  if (fp8 && ((dsc.transa == CUBLAS_OP_N ? m : k) * es[0] % 16 != 0 ||
+              (dsc.transb == CUBLAS_OP_N ? k : n) * es[1] % 16 != 0 || m * es[2] % 16 != 0))
+    return fail("FP8 with matrix dimensions that are not multiples of 16 bytes");
+  // The scales: device float32 values the kernel reads (null: 1).
+  for (const void* scale : {dsc.a_scale, dsc.b_scale})
+    if (scale != nullptr &&
+        !jo::fake::CheckAccess(scale, sizeof(float), s->device, "cublasLtMatmul scale pointer"))
+      return CUBLAS_STATUS_INVALID_VALUE;
   (void)workspace;
   (void)workspace_bytes;
   const float fa = *static_cast<const float*>(alpha), fb = *static_cast<const float*>(beta);
-  if (!jo::fake::CheckAccess(A, static_cast<size_t>(Extent(la)) * es, s->device,
+  if (!jo::fake::CheckAccess(A, static_cast<size_t>(Extent(la)) * es[0], s->device,
                              "cublasLtMatmul A") ||
-      !jo::fake::CheckAccess(B, static_cast<size_t>(Extent(lb)) * es, s->device,
+      !jo::fake::CheckAccess(B, static_cast<size_t>(Extent(lb)) * es[1], s->device,
                              "cublasLtMatmul B") ||
-      (fb != 0.0f && !jo::fake::CheckAccess(C, static_cast<size_t>(Extent(lc)) * es, s->device,
+      (fb != 0.0f && !jo::fake::CheckAccess(C, static_cast<size_t>(Extent(lc)) * es[2], s->device,
                                             "cublasLtMatmul C")) ||
-      !jo::fake::CheckAccess(D, static_cast<size_t>(Extent(ld)) * es, s->device,
+      !jo::fake::CheckAccess(D, static_cast<size_t>(Extent(ld)) * es[3], s->device,
                              "cublasLtMatmul D"))
     return CUBLAS_STATUS_INVALID_VALUE;
   const int32_t ta = dsc.transa, tb = dsc.transb;
+  const float* a_scale = static_cast<const float*>(dsc.a_scale);
+  const float* b_scale = static_cast<const float*>(dsc.b_scale);
   jo::fake::Push(
       s, "cublasLtMatmul", [] { return true; },
       [=] {
-        auto at = [&](const void* base, const Layout& l, int64_t bt, uint64_t r,
+        auto at = [&](jo::DType dt, const void* base, const Layout& l, int64_t bt, uint64_t r,
                       uint64_t c) {  // column-major element
           return jo::LoadElement(
               dt, static_cast<const std::byte*>(base),
               bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
         };
+        // Read now: the scale may be what an earlier task of this stream received.
+        const float scale =
+            (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
         std::vector<float> out(m * n);
         for (int64_t bt = 0; bt < la.batch; ++bt) {
           for (uint64_t i = 0; i < m; ++i)
             for (uint64_t j = 0; j < n; ++j) {
               float acc = 0.0f;
               for (uint64_t p = 0; p < k; ++p) {
-                const float av = ta == CUBLAS_OP_N ? at(A, la, bt, i, p) : at(A, la, bt, p, i);
-                const float bv = tb == CUBLAS_OP_N ? at(B, lb, bt, p, j) : at(B, lb, bt, j, p);
+                const float av =
+                    ta == CUBLAS_OP_N ? at(ta_type, A, la, bt, i, p) : at(ta_type, A, la, bt, p, i);
+                const float bv =
+                    tb == CUBLAS_OP_N ? at(tb_type, B, lb, bt, p, j) : at(tb_type, B, lb, bt, j, p);
                 acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
               }
-              out[i * n + j] = fa * acc + (fb != 0.0f ? fb * at(C, lc, bt, i, j) : 0.0f);
+              out[i * n + j] =
+                  fa * scale * acc + (fb != 0.0f ? fb * at(tc_type, C, lc, bt, i, j) : 0.0f);
             }
           for (uint64_t i = 0; i < m; ++i)
             for (uint64_t j = 0; j < n; ++j)
               jo::StoreElement(
-                  dt, static_cast<std::byte*>(D),
+                  td_type, static_cast<std::byte*>(D),
                   bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i),
                   out[i * n + j]);
         }

@@ -173,27 +173,39 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
     return InvalidArgument("xs, ws, devices, processes and site_keys need one entry per rank");
   const bool one_shot = q.algorithm == ArAlgorithm::kOneShot;
   const int64_t rows = q.rows, k = q.k, cols = q.cols;
-  const size_t es = static_cast<size_t>(DTypeSize(q.dtype));
+  const size_t xs = static_cast<size_t>(DTypeSize(q.x_dtype));
+  const size_t ws = static_cast<size_t>(DTypeSize(q.w_dtype));
+  const size_t ys = static_cast<size_t>(DTypeSize(q.out_dtype));
   const size_t x_elems = static_cast<size_t>(q.batch * (ag || one_shot ? rows : rows * nranks) * k);
   const size_t w_elems = static_cast<size_t>(k * cols);
   const size_t y_elems =
       static_cast<size_t>(q.batch * (rs || one_shot ? rows : rows * nranks) * cols);
   const size_t g_elems = static_cast<size_t>(q.batch * rows * nranks * k);
   for (int r = 0; r < nranks; ++r)
-    if (in.xs[r].size() != x_elems * es || in.ws[r].size() != w_elems * es)
+    if (in.xs[r].size() != x_elems * xs || in.ws[r].size() != w_elems * ws)
       return InvalidArgument("xs/ws: wrong byte size");
+  for (const auto* scales : {&in.x_scales, &in.w_scales})
+    if (!scales->empty() && static_cast<int>(scales->size()) != nranks)
+      return InvalidArgument("x_scales/w_scales: one per rank, or none");
   std::vector<void*> x(nranks), w(nranks), y(nranks), g(nranks, nullptr);
+  std::vector<void*> x_scale(nranks), w_scale(nranks);
   for (int r = 0; r < nranks; ++r) {
     const int dev = static_cast<int>(in.devices[r]);
-    x[r] = Malloc(dev, x_elems * es);
-    w[r] = Malloc(dev, w_elems * es);
-    y[r] = Malloc(dev, y_elems * es, 0x7F);  // unwritten output shows up as huge values
-    if (q.return_gathered) g[r] = Malloc(dev, g_elems * es, 0x7F);
+    x[r] = Malloc(dev, x_elems * xs);
+    w[r] = Malloc(dev, w_elems * ws);
+    y[r] = Malloc(dev, y_elems * ys, 0x7F);  // unwritten output shows up as huge values
+    if (q.return_gathered) g[r] = Malloc(dev, g_elems * xs, 0x7F);
+    x_scale[r] = Malloc(dev, sizeof(float));
+    w_scale[r] = Malloc(dev, sizeof(float));
     if (x[r] == nullptr || w[r] == nullptr || y[r] == nullptr ||
-        (q.return_gathered && g[r] == nullptr))
+        (q.return_gathered && g[r] == nullptr) || x_scale[r] == nullptr || w_scale[r] == nullptr)
       return Status(Code::kResource, "fake: out of host memory for the calls' buffers");
-    std::memcpy(x[r], in.xs[r].data(), x_elems * es);
-    std::memcpy(w[r], in.ws[r].data(), w_elems * es);
+    std::memcpy(x[r], in.xs[r].data(), x_elems * xs);
+    std::memcpy(w[r], in.ws[r].data(), w_elems * ws);
+    const float sx = in.x_scales.empty() ? 1.0f : in.x_scales[r];
+    const float sw = in.w_scales.empty() ? 1.0f : in.w_scales[r];
+    std::memcpy(x_scale[r], &sx, sizeof(float));
+    std::memcpy(w_scale[r], &sw, sizeof(float));
   }
   auto board = std::make_shared<Board>();
   if (in.processes && q.transport != Transport::kNccl) {
@@ -280,7 +292,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       caller.process = process_of(r);
       caller.device = dev;
       caller.naming = DeviceNaming::kLocalOrdinal;
-      const CallBuffers io{x[r], w[r], y[r], g[r]};
+      const CallBuffers io{x[r], w[r], x_scale[r], w_scale[r], y[r], g[r]};
       // site_keys: each rank calls through a site of its own, instantiated on its thread as
       // each process compiles its own program (equal keys: the same site).
       std::optional<cuda::CudaSite> own;
@@ -313,9 +325,9 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   out->ys.clear();
   out->x_gathered.clear();
   for (int r = 0; r < nranks; ++r) {
-    out->ys.emplace_back(static_cast<const char*>(y[r]), y_elems * es);
+    out->ys.emplace_back(static_cast<const char*>(y[r]), y_elems * ys);
     out->x_gathered.push_back(
-        q.return_gathered ? std::string(static_cast<const char*>(g[r]), g_elems * es) : "");
+        q.return_gathered ? std::string(static_cast<const char*>(g[r]), g_elems * xs) : "");
   }
   out->statuses = std::move(statuses);
   return OkStatus();

@@ -29,8 +29,12 @@ struct PlayedCalls {
   // The canonical problem (core/program.h) without its rank; the call site's
   // attributes follow from it (axis 0, the rank table below).
   Problem problem;
-  std::vector<std::string> xs, ws;  // per rank: x and w, bytes in the problem's layout
-  std::vector<int64_t> devices;     // per rank: its device (ordinal in its played process)
+  // Per rank: x and w, bytes in the layout the handler receives (an fp8 w
+  // K-major: [cols, k] row-major, cuda/gemm.h), and x's and w's scales
+  // (float32 device scalars; empty: 1).
+  std::vector<std::string> xs, ws;
+  std::vector<float> x_scales, w_scales;
+  std::vector<int64_t> devices;  // per rank: its device (ordinal in its played process)
   // Per rank: the played process it belongs to (none: all in process 0). A
   // clique spanning played processes is one clique object per process, as in
   // distinct processes, and gets a played exchange per process (unless a test

@@ -161,6 +161,10 @@ struct NcclP2p {
 
 struct Desc {
   int32_t compute = -1, scale = -1, transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
+  // CUBLASLT_MATMUL_DESC_A_SCALE_POINTER / B_SCALE_POINTER (device float32; null: 1).
+  const void* a_scale = nullptr;
+  const void* b_scale = nullptr;
+  int8_t fast_accum = 0;  // CUBLASLT_MATMUL_DESC_FAST_ACCUM
 };
 struct Layout {
   int32_t type = -1;

@@ -88,6 +88,7 @@ struct Execution {
   KernelTrace* trace = nullptr;
 };
 
+// The arithmetic types (kF8 blocks are only stored as bits: no body converts them).
 DType DTypeOf(Elem e) {
   return e == Elem::kF32 ? DType::kF32 : e == Elem::kBF16 ? DType::kBF16 : DType::kF16;
 }
@@ -228,7 +229,9 @@ void RunBody(FakeOps& ops, const Geometry& g, const Thread& t) {
   cuda::kernel::RunThread<Body>(ops, g, t);
 }
 
-const char* ElemName(Elem e) { return e == Elem::kF32 ? "f32" : e == Elem::kBF16 ? "bf16" : "f16"; }
+const char* ElemName(Elem e) {
+  return e == Elem::kF32 ? "f32" : e == Elem::kBF16 ? "bf16" : e == Elem::kF8 ? "f8" : "f16";
+}
 
 template <template <Elem, int> class Body, Elem kElem, int kBytes>
 const HostKernel* Make(const char* name, const char* family, McSide mc) {
@@ -266,6 +269,10 @@ const void* For(Elem e, int bytes, const char* name, const char* family, McSide 
       return Pick<Body, Elem::kBF16>(bytes, name, family, mc);
     case Elem::kF16:
       return Pick<Body, Elem::kF16>(bytes, name, family, mc);
+    case Elem::kF8:  // stored as bits only (kernel_body.h)
+      if constexpr (std::is_same_v<Body<Elem::kF8, 4>, cuda::kernel::McStoreBody<Elem::kF8, 4>>)
+        return Pick<Body, Elem::kF8>(bytes, name, family, mc);
+      return nullptr;
   }
   return nullptr;
 }

@@ -141,6 +141,10 @@ jo::DType FromCuda(int32_t type, bool* ok) {
       return jo::DType::kBF16;
     case CUDA_R_16F:
       return jo::DType::kF16;
+    case CUDA_R_8F_E4M3:
+      return jo::DType::kF8E4M3;
+    case CUDA_R_8F_E5M2:
+      return jo::DType::kF8E5M2;
     default:
       *ok = false;
       return jo::DType::kF32;
@@ -154,6 +158,9 @@ size_t NcclSize(ncclDataType_t t) {
     case ncclBfloat16:
     case ncclFloat16:
       return 2;
+    case ncclUint8:
+    case ncclInt8:
+      return 1;
     default:
       return 0;
   }

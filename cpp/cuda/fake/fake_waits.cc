@@ -88,6 +88,7 @@ const std::set<std::string>& EnqueuePathCalls() {
                                                        "McStore",
                                                        "McReduce",
                                                        "cublasLtMatmul",
+                                                       "cublasLtMatmulDescSetAttribute",
                                                        "cuStreamWriteValue32",
                                                        "cuStreamWaitValue32",
                                                        "cuStreamWaitValue32(FLUSH)",
