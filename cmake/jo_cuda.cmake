@@ -125,6 +125,12 @@ if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES "80-real;90")
 endif()
 enable_language(CUDA)
+# nvcc's system include directories as "-isystem <dir>", as for the C++ compiler, not CMake's
+# default for nvcc, "-isystem=<dir>", whose path the compiler cache's base_dir does not rewrite:
+# the header links of the build tree (wheel_headers/, under each Python's build directory) are
+# then relative, and the two CI legs' builds of one kernel object (the fused GEMM's) are one
+# cache entry, compiled once per run.
+set(CMAKE_INCLUDE_SYSTEM_FLAG_CUDA "-isystem ")
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 find_package(CUDAToolkit REQUIRED)

@@ -89,8 +89,9 @@ def _model(args: argparse.Namespace) -> int:
     print(sim.format_table(rows, markdown=False))
     if any(r["fused"] for r in rows):
         print("A plan named `fused` runs ONE persistent GEMM waiting on per-block flags "
-              "(docs/performance.md §2.6): modelled, not yet run by the executors, so the ops "
-              "choose among the chunked plans until they do (docs/gpu.md §10).")
+              "(docs/performance.md §2.6, docs/gpu.md §10): the executors' own fused programs, "
+              "which the ops pick on compute capability 9.0 GPUs; the kernel itself is compiled "
+              "and checked without a GPU, never run on one.")
     print(f"\nDecode shapes, GEMM + all-reduce (latency, not bandwidth):\n"
           f"{sim.format_decode_table(sim.decode_table(preset))}")
     case = cases[0]

@@ -33,6 +33,7 @@ class Settings:
     bidirectional: bool | None = None
     timeout_s: float | None = None
     preset: str | None = None
+    fused: bool | None = None
 
 
 _UNSET = Settings()
@@ -100,6 +101,13 @@ def check_preset(preset: Any, where: str = "preset") -> str | None:
     return preset
 
 
+def check_fused(fused: Any, where: str = "fused") -> bool | None:
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"{where}={fused!r} must be True (the fused GEMM: Hopper, p2p or "
+                        "multicast), False (never) or None (the performance model decides).")
+    return fused
+
+
 def _env(name: str) -> str | None:
     value = os.environ.get(name)
     return value.strip() if value is not None and value.strip() else None
@@ -111,6 +119,10 @@ def _from_env() -> Settings:
     transport = _env("JAXOVERLAP_TRANSPORT")
     chunks = _env("JAXOVERLAP_CHUNKS")
     timeout = _env("JAXOVERLAP_TIMEOUT_S")
+    fused = _env("JAXOVERLAP_FUSED")
+    if fused is not None and fused.lower() not in ("1", "true", "0", "false"):
+        raise ValueError(f"JAXOVERLAP_FUSED={fused!r} must be 1/true or 0/false; unset it to let "
+                         "the performance model decide.")
     if chunks is not None:
         try:
             chunks_value: int | None = int(chunks)
@@ -126,6 +138,7 @@ def _from_env() -> Settings:
         chunks=check_chunks(chunks_value, "JAXOVERLAP_CHUNKS"),
         timeout_s=check_timeout(timeout, "JAXOVERLAP_TIMEOUT_S"),
         preset=_env("JAXOVERLAP_PRESET"),
+        fused=None if fused is None else fused.lower() in ("1", "true"),
     )
 
 
@@ -138,13 +151,18 @@ def config(
     bidirectional: bool | None = None,
     timeout_s: float | None = None,
     preset: str | None = None,
+    fused: bool | None = None,
 ) -> Iterator[Settings]:
     """Sets default op arguments for the ops traced inside the block.
 
     Arguments given to an op win over these, and these win over the
     ``JAXOVERLAP_*`` environment variables. ``preset`` names the hardware model
-    (``jaxoverlap.sim``) that makes the automatic choices. Blocks nest; an argument left as
-    ``None`` keeps the value of the enclosing block.
+    (``jaxoverlap.sim``) that makes the automatic choices. ``fused`` asks for the fused GEMM
+    of ``ag_matmul`` and ``matmul_rs`` (``True``: one persistent GEMM waiting on per-block
+    flags; Hopper GPUs, or the host executor on CPU; transports ``p2p`` and ``multicast``,
+    never ``nccl``; ``False``: never; ``None``: where the performance model picks it,
+    docs/gpu.md §10). Blocks nest; an argument left as ``None`` keeps the value of the
+    enclosing block.
 
     >>> import jaxoverlap as jo
     >>> with jo.config(impl="ring", chunks=2):
@@ -162,6 +180,7 @@ def config(
         ),
         timeout_s=check_timeout(timeout_s) if timeout_s is not None else outer.timeout_s,
         preset=check_preset(preset) if preset is not None else outer.preset,
+        fused=check_fused(fused) if fused is not None else outer.fused,
     )
     token = _scoped.set(inner)
     try:
@@ -180,6 +199,7 @@ def current_config() -> Settings:
         bidirectional=scoped.bidirectional,
         timeout_s=scoped.timeout_s or env.timeout_s or DEFAULT_TIMEOUT_S,
         preset=scoped.preset or env.preset,
+        fused=scoped.fused if scoped.fused is not None else env.fused,
     )
 
 

@@ -17,6 +17,14 @@ caller asked for (a :class:`Request`; ``None`` leaves a choice open), the ``jo.c
   (derived from the model's measured error, docs/performance.md §5) to be chosen, so the model
   does not make a call slower by choice. The debug log marks projections outside the preset's
   calibrated range.
+* **The fused GEMM** (``ag_matmul`` and ``matmul_rs`` over ``p2p`` or ``multicast``: one
+  persistent GEMM waiting on per-block flags, docs/gpu.md §10) is one of the model's candidates
+  wherever the executor runs it: compute capability 9.0 GPUs (the CUDA executor), and CPU (the
+  host executor, which runs its semantics) once a preset is configured. ``jo.config(fused=True)``
+  / ``JAXOVERLAP_FUSED=1`` asks for it for ``ag_matmul`` and ``matmul_rs`` (among the fused
+  plans only, or, without a model, over the best transport the devices offer), ``fused=False``
+  never takes it; asking for it where it cannot run (``nccl``, float32, a GPU other than compute
+  capability 9.0, rows that are not whole 16-byte units) is a clear error.
 * **Otherwise, the simple defaults.** Host devices (CPU) have no preset by default: there
   ``impl="auto"`` is ``"xla"`` (host devices share the cores and nothing overlaps), one chunk,
   both ring directions when N > 2, two-shot where the rows split. Asking for ``"native"`` (or a
@@ -44,6 +52,12 @@ from jaxoverlap._native.capabilities import NativeUnavailableError
 AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_ar"
 OPS = (AG, RS, AR)
 AR_ALGORITHMS = ("two_shot", "one_shot")
+# The fused GEMM: its ops and transports (never nccl: docs/gpu.md §10), the dtypes it is
+# compiled for, and the row alignment of its TMA loads and stores (elements of 16-bit types).
+FUSED_OPS = (AG, RS)
+FUSED_TRANSPORTS = ("p2p", "multicast")
+FUSED_DTYPES = ("bfloat16", "float16")
+FUSED_ALIGN = 8
 # Device-kind substrings of the GPUs that have a built-in preset.
 _DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("B200", "b200"),
                    ("A100", "a100"), ("A800", "a800"))
@@ -98,7 +112,9 @@ class OpPlan:
     call lowers, preferring the performance model's ``preferred`` pick); ``precision``:
     ``_precision.normalize``'d, None for JAX's default matmul precision; ``algorithm``:
     ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
-    (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16).
+    (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16); ``fused``:
+    the compute stream runs one persistent GEMM waiting on per-block flags (docs/gpu.md §10)
+    when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_native/attributes.py``).
     """
 
     op: str
@@ -114,6 +130,7 @@ class OpPlan:
     precision: str | None = None
     algorithm: str = "two_shot"
     out_dtype: str | None = None
+    fused: bool = False
 
     def for_op(self, op: str) -> OpPlan:
         """The same plan for ``op``: the backward pass of AG+GEMM is GEMM+RS under the
@@ -132,7 +149,7 @@ class OpPlan:
         if self.out_dtype is not None:
             text += f" out={self.out_dtype}"
         if self.impl == "native":
-            text += f" transport={self.transport}"
+            text += f" transport={self.transport}" + (" fused" if self.fused else "")
             if self.preferred is not None:
                 text += f" (model prefers {self.preferred})"
         return text
@@ -159,17 +176,25 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
     explicit_transport = r.transport if r.transport not in (None, "auto") else None
     transport = explicit_transport or (
         settings.transport if settings.transport != "auto" else None)
+    fused = settings.fused if r.op in FUSED_OPS and n > 1 else False
+    if fused:
+        impl = _check_fused(r.op, impl, transport, x, w)
     forced_native = impl == "native" or (impl == "auto" and explicit_transport is not None)
     if impl == "auto" and not forced_native:
         _warn_gpu_fallback(r.op)
     picked = _model_pick(r.op, x, w, n, r.axis, rows, impl, forced_native, transport, chunks,
-                         bidirectional, settings.preset, algorithms)
+                         bidirectional, settings.preset, algorithms, fused)
     if picked is not None:
         impl = picked.impl
         chunks = picked.chunks if chunks is None else chunks
         bidirectional = picked.bidirectional if bidirectional is None else bidirectional
     else:
         impl = _resolve_impl(r.op, impl, explicit_transport, x.dtype)
+    fused_plan = picked.fused if picked is not None else bool(fused)
+    if fused_plan and fused and transport is None:
+        # Asked for: the transport is the plan's, so that the call runs fused or fails to
+        # resolve it (a model's pick leaves "auto" to fall back to the chunked path).
+        transport = picked.transport if picked is not None else _fused_transport(r.op)
     plan = OpPlan(
         op=r.op,
         impl=impl,
@@ -184,6 +209,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
         precision=r.precision,
         algorithm=picked.algorithm if picked is not None and picked.impl != "xla"
         else algorithms[0],
+        fused=fused_plan,
     )
     if log:
         logger.debug("%s x=%s%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
@@ -224,6 +250,51 @@ def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
         return rows, "rows of x (every dim but the last; one-shot takes them all)", algorithms
     return rows // n, (f"rows of each rank's block (x's {rows} rows, every dim but the last, "
                        f"over the {n} ranks of {r.axis_name!r})"), algorithms
+
+
+def fused_reason(op: str, dtype, k: int, cols: int, platform: str | None = None) -> str | None:
+    """Why the fused GEMM cannot run this call here (None if it can): the executors' own
+    refusals (``cpp/core/build.cc``; the CUDA executor refuses GPUs other than compute
+    capability 9.0 when it prepares the call)."""
+    if op not in FUSED_OPS:
+        return f"the fused GEMM serves {FUSED_OPS}, not {op}"
+    if jnp.dtype(dtype).name not in FUSED_DTYPES:
+        return f"the fused GEMM is compiled for {FUSED_DTYPES}, not {jnp.dtype(dtype).name}"
+    if k % FUSED_ALIGN or cols % FUSED_ALIGN:
+        return (f"the fused GEMM loads and stores rows of whole 16-byte units: x's last dim "
+                f"({k}) and w's ({cols}) must be multiples of {FUSED_ALIGN}")
+    return capabilities.fused_device_reason(platform or capabilities.current_platform())
+
+
+def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
+    """The impl of a call that asked for the fused GEMM (``jo.config(fused=True)``), or the
+    error saying why it cannot have it."""
+    where = "jo.config(fused=True) / JAXOVERLAP_FUSED=1"
+    if impl in ("xla", "ring"):
+        raise ValueError(f"{op}: {where} asks for the native fused GEMM, but impl={impl!r}. "
+                         "Use impl='native' (or 'auto'), or drop fused.")
+    if transport is not None and transport not in FUSED_TRANSPORTS:
+        raise ValueError(
+            f"{op}: {where} with transport={transport!r}: the fused GEMM never runs with nccl "
+            "(a persistent kernel holding every SM while an NCCL kernel waits for SMs can "
+            f"deadlock; docs/gpu.md §10). Use transport in {FUSED_TRANSPORTS}, or drop fused.")
+    reason = fused_reason(op, x.dtype, x.shape[-1], w.shape[-1]) or native_reason(x.dtype)
+    if reason is not None:
+        raise NativeUnavailableError(f"{op}: {where}, but {reason}. Drop fused (the chunked "
+                                     "path runs everywhere).")
+    return "native"
+
+
+def _fused_transport(op: str) -> str:
+    """The transport of a fused call asked for without a model: the first of multicast, p2p
+    that the devices offer."""
+    offered = capabilities.offered_transports(capabilities.current_platform())
+    for t in ("multicast", "p2p"):
+        if t in offered:
+            return t
+    raise NativeUnavailableError(
+        f"{op}: jo.config(fused=True), but neither transport the fused GEMM runs with "
+        f"({FUSED_TRANSPORTS}) is available here (offered: {offered or 'none'}).")
 
 
 def native_reason(dtype) -> str | None:
@@ -304,11 +375,12 @@ def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
 
 
 def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,
-                bidirectional, preset, algorithms):
+                bidirectional, preset, algorithms, fused):
     """The performance model's candidate for what the caller left open, or None.
 
     None means no model applies (no preset: host devices by default) or nothing
-    is left open; the simple defaults then hold.
+    is left open; the simple defaults then hold. ``fused``: True, the fused plans only;
+    False, none; None, wherever the executor runs them.
     """
     mesh = jax.sharding.get_abstract_mesh()
     device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
@@ -327,34 +399,51 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     transports = ((transport,) if transport else
                   capabilities.offered_transports(capabilities.current_platform())) \
         if native_ok else ()
+    if fused:
+        fused_mode = "only"
+        transports = tuple(t for t in transports if t in FUSED_TRANSPORTS)
+    elif fused is None and native_ok and fused_reason(op, x.dtype, x.shape[-1],
+                                                      w.shape[-1]) is None:
+        fused_mode = "allowed"
+    else:
+        fused_mode = "no"
     try:
         return _model_choice(
             op, canonical_shape(op, tuple(x.shape), tuple(w.shape), axis, n),
             jnp.dtype(x.dtype).name, n, preset, impls, tuple(transports),
             tuple(c for c in _CHUNK_OPTIONS if rows_per_shard % c == 0)
             if chunks is None else (chunks,),
-            (False, True) if bidirectional is None else (bidirectional,), algorithms)
+            (False, True) if bidirectional is None else (bidirectional,), algorithms,
+            fused_mode)
     except (ValueError, OSError) as err:
         raise ValueError(f"{op}: the performance model (preset={preset!r}) failed: {err}") from err
 
 
 @functools.lru_cache(maxsize=512)
 def _model_choice(op: str, shape: Any, dtype: str, n: int, preset: str, impls: tuple,
-                  transports: tuple, chunks: tuple, bidirectional: tuple, algorithms: tuple):
+                  transports: tuple, chunks: tuple, bidirectional: tuple, algorithms: tuple,
+                  fused: str = "no"):
     """The model's pick among the allowed plans (cached per call-site signature);
-    ``algorithms``: matmul_ar's allowed algorithms."""
+    ``algorithms``: matmul_ar's allowed algorithms; ``fused``: "no" (no fused plan), "allowed"
+    (the fused plans too, where the preset's GPU runs them: ``sim.fused.why_not``) or "only"
+    (asked for: the fused plans only)."""
     from jaxoverlap import sim
 
-    # fused=False: the executors do not run the fused GEMM yet (docs/gpu.md §10)
     cands = [
         c for c in sim.candidates(preset, n, shape, chunk_options=_CHUNK_OPTIONS, impls=impls,
                                   transports=transports or None, op=op, algorithms=algorithms,
-                                  fused=False)
-        if c.impl == "xla"
-        or (c.chunks in chunks and c.bidirectional in bidirectional)
+                                  fused=fused != "no", dtype=dtype)
+        if (c.impl == "xla" and fused != "only")
+        or (c.chunks in chunks and c.bidirectional in bidirectional
+            and (c.fused or fused != "only"))
     ]
-    # impl="native" (or a transport) asked for: pick among the native plans only
-    choice = sim.choose(op, shape, dtype, n, preset, cands, unfused="xla" in impls)
+    if fused == "only" and not any(c.fused for c in cands):
+        p = sim.load_preset(preset)
+        raise ValueError(f"fused=True, but preset {p.name!r} offers no fused plan for this call: "
+                         f"{sim.fused.why_not(p, op, transports[0] if transports else None)}")
+    # impl="native" (or a transport, or fused) asked for: pick among the native plans only
+    choice = sim.choose(op, shape, dtype, n, preset, cands, unfused="xla" in impls
+                        and fused != "only")
     logger.debug("%s %s on %s, N=%d (model, not a measurement):\n%s", op, shape, preset, n,
                  choice.format())
     return choice.candidate

@@ -40,7 +40,7 @@ from typing import Any
 from jaxoverlap._config import logger
 from jaxoverlap._native import runtime
 
-GEMM_KINDS = frozenset({"Gemm"})
+GEMM_KINDS = frozenset({"Gemm", "FusedGemm"})  # a FusedGemm's span includes its blocks' waits
 COMM_KINDS = frozenset({"Copy", "Send", "Recv", "McStore", "McReduce", "Signal", "Wait"})
 STREAM_NAMES = {0: "stream 0 (compute)", 1: "stream 1 (comm, clockwise)",
                 2: "stream 2 (comm, counter-clockwise)"}
@@ -244,7 +244,8 @@ def _model(call: dict, preset: str) -> dict[str, Any]:
         rows *= call["nranks"]  # the program's rows per block; the model's shape has them all
     shape = sim.Shape(call["batch"], rows, call["k"], call["n"])
     plan = sim.Candidate("native", call["transport"], call["chunks"], call["bidirectional"],
-                         algorithm if call["op"] == "matmul_ar" else "two_shot")
+                         algorithm if call["op"] == "matmul_ar" else "two_shot",
+                         fused=bool(call.get("fused", False)))
     try:
         r = sim.simulate(call["op"], shape, call["dtype"], call["nranks"], preset, plan,
                          return_gathered=call["return_gathered"])

@@ -3,12 +3,16 @@
 On a machine with GPUs: runs ``ag_matmul``, ``matmul_rs`` and ``matmul_ar`` with
 ``impl="native"`` for every transport the GPUs offer, every dtype and a few shapes
 (with chunks and bidirectional rings), plus ``matmul_ar``'s one-shot on a decode
-step's single row, and compares each with a float64 product
+step's single row, plus (compute capability 9.0 GPUs only) the fused GEMM's programs
+of ``ag_matmul`` and ``matmul_rs`` over ``p2p`` and ``multicast``, and compares each with a
+float64 product
 of the same (rounded) inputs, within a bound derived from the dtype, the number
 of ranks and the contraction length (``bound``). Prints a pass/fail table; the
 exit status is 0 only if every row passed. ``--report FILE`` also writes what a
 bug report needs: versions, topology, every row's result and time, and the first
-error with the state of the cliques.
+error with the state of the cliques — rewritten after every row, so that a run
+that hangs leaves it behind. A row still running after ``row_deadline_s()`` is
+taken for a hang: reported (with every thread's stack), and the process exits.
 
 FP8 rows (fp8 operands with per-rank scales, y in bfloat16, float32 or float16, against the
 float64 product of the float32 dequantized operands, under the same bound for y's dtype) run
@@ -34,6 +38,8 @@ import os
 import platform as host_platform
 import shutil
 import subprocess
+import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -47,6 +53,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunks | rows
 # "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks (a decode step)
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
+# The fused GEMM's rows (docs/gpu.md §10): its ops, transports and dtypes, on the first shape
+# (rows of whole 16-byte units), every variant. On GPUs only where it runs (compute capability
+# 9.0); always on the fake.
+FUSED_OPS = ("ag_matmul", "matmul_rs")
+FUSED_TRANSPORTS = ("p2p", "multicast")
+FUSED_DTYPES = ("bfloat16", "float16")
 # Unit roundoff of each dtype (half the distance from 1 to the next number): 2^-24, 2^-8, 2^-11.
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 # FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
@@ -125,8 +137,10 @@ def _prepare_host_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidirectional) -> str:
-    """One row: the native op on the mesh against the float64 product of its rounded inputs."""
+def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidirectional,
+             fused=False) -> str:
+    """One row: the native op on the mesh against the float64 product of its rounded inputs
+    (``fused``: the fused GEMM's program, asked for with ``jo.config(fused=True)``)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -155,7 +169,8 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     kwargs["precision"] = "highest"
     native = jax.jit(lambda a, b: fn(a, b, "tp", impl="native", transport=transport,
                                      chunks=chunks, bidirectional=bidirectional, **kwargs))
-    got = np.asarray(jnp.asarray(native(x, w), jnp.float32), np.float64)
+    with jo.config(fused=fused):  # traced here, at the first call
+        got = np.asarray(jnp.asarray(native(x, w), jnp.float32), np.float64)
     x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     w64 = np.asarray(jnp.asarray(w, jnp.float32), np.float64)
     ok, detail = _compare(np, got, x64 @ w64, bound(op, dtype, n, k, x64, w64))
@@ -242,10 +257,10 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
 
 
 def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
-              fp8: tuple[str, str, str] | None = None) -> tuple[bool, str]:
+              fp8: tuple[str, str, str] | None = None, fused=False) -> tuple[bool, str]:
     """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
     the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
-    scales."""
+    scales; ``fused``: the fused GEMM's program."""
     import ml_dtypes
 
     batch_dims, rows, k, nw = shape
@@ -278,7 +293,7 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
         xs_ref, ws_ref = xs, ws
     out = fake.run(op, transport, n, batch, rows, k, nw, x_dtype, chunks, bidirectional, False,
                    [x.tobytes() for x in xs], w_bytes, list(range(n)),
-                   algorithm=algorithm or "two_shot", **extra)
+                   algorithm=algorithm or "two_shot", fused=fused, **extra)
     refs = rank_products(np, op, xs_ref, ws_ref, rows)
     problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
     if not out["drained"] and not problems:
@@ -296,22 +311,53 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
     return not problems, "; ".join(problems) or details[-1]
 
 
-class Table:
-    """The rows run so far (name, passed, detail, seconds), and the first failure's context."""
+def row_deadline_s() -> float:
+    """How long one row may take before the selftest calls the process hung: twice the
+    watchdog's timeout (``JAXOVERLAP_TIMEOUT_S``, 120 s by default: a call stuck for a peer is
+    reported and released after it, and its row then fails) plus a minute of compilation."""
+    return 2 * float(os.environ.get("JAXOVERLAP_TIMEOUT_S", "120")) + 60
 
-    def __init__(self) -> None:
+
+class Table:
+    """The rows run so far (name, passed, detail, seconds), and the first failure's context.
+
+    With ``report`` (a path and the report's header: versions, topology, environment), the JSON
+    report is rewritten after every row and when a row starts, so that a run that hangs leaves it
+    behind. With ``deadline_s``, a row still running after that long is taken for a hang: it is
+    recorded as failed with every Python thread's stack and the cliques' state, the report is
+    written, and ``on_hung`` ends the process (its default: exit status 1, the calls cannot be
+    interrupted)."""
+
+    def __init__(self, report: tuple[str, dict[str, Any]] | None = None,
+                 deadline_s: float | None = None, on_hung=None) -> None:
         self.rows: list[dict[str, Any]] = []
         self.first_error: dict[str, Any] | None = None
+        self._report = report
+        self._lock = threading.Lock()
+        self._running: dict[str, Any] | None = None
+        self._deadline_s = deadline_s
+        self._on_hung = on_hung or (lambda: os._exit(1))
+        if deadline_s is not None:
+            threading.Thread(target=self._watch, name="selftest-deadline", daemon=True).start()
+
+    def start(self, name: str, cliques=None) -> None:
+        """Row ``name`` begins (``cliques``: how to describe the cliques if it hangs)."""
+        with self._lock:
+            self._running = dict(name=name, since=time.monotonic(), cliques=cliques)
+            self._write()
 
     def add(self, name: str, ok: bool, detail: str, seconds: float,
             cliques=None, trace: str | None = None) -> None:
-        self.rows.append(dict(name=name, passed=ok, detail=detail, seconds=round(seconds, 3)))
-        print(f"  {'PASS' if ok else 'FAIL'}  {name}  {detail} ({seconds:.1f} s)", flush=True)
-        if not ok and self.first_error is None:
-            # The clique trail: every live clique as the executor describes it (transport,
-            # GPUs, epoch, generations, broken reason, stuck aborts), at the first failure.
-            self.first_error = dict(row=name, error=detail, traceback=trace,
-                                    cliques=_cliques(cliques))
+        with self._lock:
+            self._running = None
+            self.rows.append(dict(name=name, passed=ok, detail=detail, seconds=round(seconds, 3)))
+            print(f"  {'PASS' if ok else 'FAIL'}  {name}  {detail} ({seconds:.1f} s)", flush=True)
+            if not ok and self.first_error is None:
+                # The clique trail: every live clique as the executor describes it (transport,
+                # GPUs, epoch, generations, broken reason, stuck aborts), at the first failure.
+                self.first_error = dict(row=name, error=detail, traceback=trace,
+                                        cliques=_cliques(cliques))
+            self._write()
 
     def summary(self, note: str = "") -> int:
         failed = [r for r in self.rows if not r["passed"]]
@@ -319,6 +365,45 @@ class Table:
         for r in failed:
             print(f"FAILED: {r['name']}: {r['detail']}")
         return 0 if self.rows and not failed else 1
+
+    def _write(self) -> None:  # requires self._lock
+        if self._report is None:
+            return
+        path, header = self._report
+        running = None
+        if self._running is not None:
+            running = dict(name=self._running["name"],
+                           seconds=round(time.monotonic() - self._running["since"], 3))
+        report = dict(header, rows=self.rows, running=running, first_error=self.first_error)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        os.replace(tmp, path)  # a reader never sees half a report
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self._deadline_s / 10))
+            with self._lock:
+                row = self._running
+                if row is None or time.monotonic() - row["since"] < self._deadline_s:
+                    continue
+                self._running = None
+                detail = (f"did not finish within {self._deadline_s:.0f} s (the row deadline: "
+                          "2 x JAXOVERLAP_TIMEOUT_S + 60 s): the process is hung")
+                self.rows.append(dict(name=row["name"], passed=False, detail=detail,
+                                      seconds=round(self._deadline_s, 3)))
+                print(f"  FAIL  {row['name']}  {detail}", flush=True)
+                if self.first_error is None:
+                    stacks = "".join(
+                        f"Thread {ident}:\n{''.join(traceback.format_stack(frame))}"
+                        for ident, frame in sys._current_frames().items())
+                    self.first_error = dict(row=row["name"], error=detail, traceback=stacks,
+                                            cliques=_cliques(row["cliques"]))
+                self._write()
+                if self._report is not None:
+                    print(f"report written to {self._report[0]}", flush=True)
+            self._on_hung()
+            return
 
 
 def _cliques(describe) -> list[str]:
@@ -343,23 +428,30 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     shapes = SHAPES[:1] if quick else SHAPES
     dtypes = DTYPES[:1] if quick else DTYPES
     variants = VARIANTS[-1:] if quick else VARIANTS
-    cases = [(op, transport, dtype, None, shape, variant) for op, transport, dtype, shape, variant
+    cases = [(op, transport, dtype, None, shape, variant, False)
+             for op, transport, dtype, shape, variant
              in itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)]
     # FP8: every pairing (one in quick), the variants alternating
     fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
-    cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2])
+    cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
               for (i, fp8), (j, op), transport in itertools.product(
                   enumerate(fp8s), enumerate(o for o in FP8_OPS if o in ops),
                   ("nccl", "p2p", "multicast"))]
+    # The fused GEMM (docs/gpu.md §10): its ops, transports and dtypes, on the first shape
+    cases += [(op, transport, dtype, None, SHAPES[0], variant, True)
+              for op, transport, dtype, variant in itertools.product(
+                  [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS,
+                  FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
     try:
-        for op, transport, dtype, fp8, shape, (chunks, bidi) in cases:
+        for op, transport, dtype, fp8, shape, (chunks, bidi), fused in cases:
             dims = (*shape[0], shape[1] * FAKE_RANKS + op.endswith("one_shot"), shape[2])
             name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
                     f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
-                    " (CUDA executor on the host-side fake)")
+                    f"{' fused' if fused else ''} (CUDA executor on the host-side fake)")
+            table.start(name, cliques=_cuda_fake.cliques)
             start = time.perf_counter()
             ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi,
-                                   fp8)
+                                   fp8, fused)
             table.add(name, ok, detail, time.perf_counter() - start, cliques=_cuda_fake.cliques)
     finally:
         _cuda_fake.reset()
@@ -416,17 +508,15 @@ def _topology(caps: dict[str, Any], fake: bool) -> dict[str, Any]:
     return out
 
 
-def _write_report(path: str, caps: dict[str, Any], table: Table, fake: bool) -> None:
-    report = dict(versions=_versions(caps, fake), topology=_topology(caps, fake),
-                  environment={k: v for k, v in os.environ.items()
-                               if k.startswith(("NCCL_", "CUDA_", "JAXOVERLAP_", "XLA_"))},
-                  rows=table.rows, first_error=table.first_error)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    print(f"report written to {path}")
+def _report_header(caps: dict[str, Any], fake: bool) -> dict[str, Any]:
+    """What the report says besides the rows: versions, topology, environment."""
+    return dict(versions=_versions(caps, fake), topology=_topology(caps, fake),
+                environment={k: v for k, v in os.environ.items()
+                             if k.startswith(("NCCL_", "CUDA_", "JAXOVERLAP_", "XLA_"))})
 
 
-def fake_main(quick: bool = False, report: str | None = None) -> int:
+def fake_main(quick: bool = False, report: str | None = None,
+              row_deadline: float | None = None) -> int:
     """``selftest --fake``: the whole table on the CUDA executor against the host-side fake."""
     from jaxoverlap._version import __version__
 
@@ -436,17 +526,22 @@ def fake_main(quick: bool = False, report: str | None = None) -> int:
           "; unset: the driver's 8), NCCL's serialisation per communicator, and the kernels' "
           "per-element code compiled for the host; it proves nothing about a GPU's timing.")
     print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; transports: nccl, p2p, multicast")
-    table = Table()
+    table = Table(report=(report, _report_header(_gpu_table(), fake=True)) if report else None,
+                  deadline_s=row_deadline or row_deadline_s())
     _fake_rows(table, quick=quick, ops=OPS)
     status = table.summary(" (CUDA executor on the fake)")
     if report:
-        _write_report(report, _gpu_table(), table, fake=True)
+        print(f"report written to {report}")
     return status
 
 
-def main(quick: bool = False, fake: bool = False, report: str | None = None) -> int:
+def main(quick: bool = False, fake: bool = False, report: str | None = None,
+         row_deadline: float | None = None) -> int:
+    """The selftest. ``report``: the JSON report's path (rewritten after every row);
+    ``row_deadline``: seconds a row may take before the process is called hung (default
+    ``row_deadline_s()``)."""
     if fake:
-        return fake_main(quick=quick, report=report)
+        return fake_main(quick=quick, report=report, row_deadline=row_deadline)
     caps = _gpu_table()
     gpus = caps.get("devices", [])
     if not gpus:
@@ -483,19 +578,34 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None) -> 
         from jaxoverlap._native import runtime
 
         describe = runtime.load_cuda().cliques
-    table = Table()
+    table = Table(report=(report, _report_header(caps, fake=False)) if report else None,
+                  deadline_s=row_deadline or row_deadline_s())
     shapes = SHAPES[:1] if quick else SHAPES
-    for op, transport, dtype, shape, (chunks, bidi) in itertools.chain(
-            itertools.product(OPS[:3], transports, DTYPES, shapes, VARIANTS),
-            itertools.product(OPS[3:], transports, DTYPES, shapes, VARIANTS[:1])):
+    # The fused GEMM's rows where the GPUs run it (docs/gpu.md §10); not on host devices (the
+    # host executor's fused programs are the tests').
+    fused_why = (capabilities.fused_device_reason(platform) if on_gpu
+                 else "not on host devices")
+    if fused_why:
+        print(f"  (the fused GEMM's rows: skipped, {fused_why})")
+    fused_rows = () if fused_why else itertools.product(
+        FUSED_OPS, [t for t in FUSED_TRANSPORTS if t in transports], FUSED_DTYPES,
+        SHAPES[:1], VARIANTS)
+    for op, transport, dtype, shape, (chunks, bidi), fused in itertools.chain(
+            ((*c, False) for c in itertools.product(OPS[:3], transports, DTYPES, shapes,
+                                                     VARIANTS)),
+            ((*c, False) for c in itertools.product(OPS[3:], transports, DTYPES, shapes,
+                                                     VARIANTS[:1])),
+            ((*c, True) for c in fused_rows)):
         rows = 1 if op.endswith("one_shot") else shape[1] * n  # one-shot: a decode step
         name = (f"{op:9s} {transport:9s} {dtype:8s} "
                 f"{'x'.join(map(str, (*shape[0], rows, shape[2])))}"
-                f" chunks={chunks}{' bidi' if bidi else ''}")
+                f" chunks={chunks}{' bidi' if bidi else ''}{' fused' if fused else ''}")
+        table.start(name, cliques=describe)
         start = time.perf_counter()
         trace = None
         try:
-            detail = _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidi)
+            detail = _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidi,
+                              fused)
             ok = True
         except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
             ok = False
@@ -530,5 +640,5 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None) -> 
         print("  (the whole table on the CUDA executor: python -m jaxoverlap selftest --fake)")
     status = table.summary("" if on_gpu else "  (no GPU: host executor only)")
     if report:
-        _write_report(report, caps, table, fake=False)
+        print(f"report written to {report}")
     return status

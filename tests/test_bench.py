@@ -62,7 +62,7 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert ag and 1.076 < float(ag.group(2)) <= 1.05 * 1.36, out
     assert re.search(r"² h100 RS std: xla \(unfused\) projects 1\.00x vs xla; published fused "
                      r"at this shape: 1\.55x TD-RS5 \(h800\); 0\.84x F8/8192 \(h100, loss\)", out)
-    assert "modelled, not yet run by the executors" in out
+    assert "the executors' own fused programs, which the ops pick" in out
     # a projection outside the preset's calibrated range is marked, with the reason
     assert "* h100 AG decode: outside the calibrated range" in out
     assert "* h100 AG std" not in out

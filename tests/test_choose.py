@@ -70,31 +70,88 @@ def test_standard_shape_picks_the_models_plan(monkeypatch, op, shapes, sim_op, p
     plan = _plan(op, *shapes)
     assert plan.impl == impl
     # The pick is the model's: the same as asking the simulator directly, among the plans the
-    # executors run (the fused GEMM is not called yet: no fused plans).
+    # executors run here (the host executor runs the fused programs too).
     shape = sim.Shape(1, 1024, shapes[1][0] // (8 if sim_op == "matmul_rs" else 1),
                       shapes[1][1] // (8 if sim_op == "ag_matmul" else 1))
     cands = sim.candidates(preset, 8, shape, impls=("xla", "ring", "native"),
-                           transports=capabilities.offered_transports("cpu"), fused=False)
+                           transports=capabilities.offered_transports("cpu"), op=sim_op,
+                           dtype="bfloat16")
     best = sim.choose(sim_op, shape, "bfloat16", 8, preset, cands).candidate
     assert plan.impl == best.impl
     if best.impl == "native":
-        assert (plan.preferred, plan.chunks, plan.bidirectional) == (
-            best.transport, best.chunks, best.bidirectional)
+        assert (plan.preferred, plan.chunks, plan.bidirectional, plan.fused) == (
+            best.transport, best.chunks, best.bidirectional, best.fused)
 
 
-def test_the_ops_never_pick_a_fused_plan_yet(monkeypatch):
-    """The model's own choice at AG std on 8xH100 is a fused plan (bench --model shows it);
-    the op's plan is the fastest chunked one, which the executors run."""
+def test_the_ops_pick_the_fused_plan_where_the_model_does(monkeypatch):
+    """AG std on 8xH100: the model's pick is a fused plan (bench --model shows it), and so is
+    the op's, with the transport left to the call (a clique spanning processes resolves to nccl
+    and runs the chunked program: _native/attributes.py); jo.config(fused=False) keeps the
+    fastest chunked plan."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     shape = sim.Shape(1, 1024, 8192, 3584)
-    assert sim.choose("ag_matmul", shape, "bfloat16", 8, "h100").candidate.fused
+    best = sim.choose("ag_matmul", shape, "bfloat16", 8, "h100").candidate
+    assert best.fused
+    plan = _plan(jo.ag_matmul, *AG_STD)
+    assert (plan.impl, plan.fused, plan.preferred, plan.transport, plan.chunks) == (
+        "native", True, best.transport, "auto", best.chunks)
+    assert "transport=auto fused" in plan.describe()
+    # its backward pass (GEMM + RS) runs under the same plan: fused too
+    assert plan.for_op("matmul_rs").fused
     chunked = sim.choose("ag_matmul", shape, "bfloat16", 8, "h100",
                          sim.candidates("h100", 8, shape, fused=False,
                                         transports=capabilities.offered_transports("cpu")))
-    plan = _plan(jo.ag_matmul, *AG_STD)
-    assert (plan.impl, plan.preferred, plan.chunks, plan.bidirectional) == (
-        "native", chunked.candidate.transport, chunked.candidate.chunks,
+    with jo.config(fused=False):
+        plan = _plan(jo.ag_matmul, *AG_STD)
+    assert (plan.impl, plan.fused, plan.preferred, plan.chunks, plan.bidirectional) == (
+        "native", False, chunked.candidate.transport, chunked.candidate.chunks,
         chunked.candidate.bidirectional)
+    # float32 (not a dtype of the kernel): the chunked plan
+    assert not _plan(jo.ag_matmul, *AG_STD, dtype=jnp.float32).fused
+
+
+def test_fused_asked_for_takes_a_fused_plan_or_says_why_not(monkeypatch):
+    """jo.config(fused=True): with a preset, the fastest fused plan even where the model would
+    stay unfused, its transport pinned; without one, the native plan over the best transport
+    offered; and a clear error where the fused GEMM cannot run."""
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    with jo.config(fused=True):
+        plan = _plan(jo.matmul_rs, *RS_STD)  # the model alone keeps RS std unfused on h100
+        assert (plan.impl, plan.fused) == ("native", True)
+        assert plan.transport in ("p2p", "multicast")
+        tiny = _plan(jo.ag_matmul, (64, 32), (32, 64))
+        assert (tiny.impl, tiny.fused) == ("native", True)
+    monkeypatch.delenv("JAXOVERLAP_PRESET")
+    with jo.config(fused=True):
+        plan = _plan(jo.ag_matmul, (64, 32), (32, 64))
+        assert (plan.impl, plan.fused, plan.transport) == ("native", True, "multicast")
+        assert _plan(jo.ag_matmul, (64, 32), (32, 64), transport="p2p").transport == "p2p"
+        with pytest.raises(ValueError, match="never runs with nccl"):
+            _plan(jo.ag_matmul, (64, 32), (32, 64), transport="nccl")
+        with pytest.raises(jo.NativeUnavailableError, match="bfloat16.*float32"):
+            _plan(jo.ag_matmul, (64, 32), (32, 64), dtype=jnp.float32)
+        with pytest.raises(jo.NativeUnavailableError, match="multiples of 8"):
+            _plan(jo.ag_matmul, (64, 36), (36, 64))
+        with pytest.raises(ValueError, match="impl='xla'"):
+            _plan(jo.ag_matmul, (64, 32), (32, 64), impl="xla")
+    monkeypatch.setenv("JAXOVERLAP_FUSED", "1")
+    assert _plan(jo.ag_matmul, (64, 32), (32, 64)).fused
+    monkeypatch.setenv("JAXOVERLAP_FUSED", "maybe")
+    with pytest.raises(ValueError, match="JAXOVERLAP_FUSED='maybe'"):
+        _plan(jo.ag_matmul, (64, 32), (32, 64))
+
+
+def test_fused_asked_for_on_a_gpu_other_than_hopper_is_refused(monkeypatch):
+    """The device check itself (the CUDA executor refuses the same GPUs when it prepares)."""
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: {"devices": [
+        {"ordinal": 0, "compute_capability": [9, 0]},
+        {"ordinal": 1, "compute_capability": [10, 0]}]})
+    reason = capabilities.fused_device_reason("cuda")
+    assert reason is not None and "[1]" in reason and "compute capability 9.0" in reason
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: {"devices": [
+        {"ordinal": 0, "compute_capability": [9, 0]}]})
+    assert capabilities.fused_device_reason("cuda") is None
+    assert capabilities.fused_device_reason("cpu") is None
 
 
 def test_tiny_gemm_falls_back_to_unfused(monkeypatch):

@@ -109,6 +109,21 @@ def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="timeout_s=0"):
         with jo.config(timeout_s=0):
             pass
+    with pytest.raises(TypeError, match="fused='yes'"):
+        with jo.config(fused="yes"):
+            pass
+
+
+def test_fused_setting_nests_and_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("JAXOVERLAP_FUSED", raising=False)
+    assert jo.current_config().fused is None
+    monkeypatch.setenv("JAXOVERLAP_FUSED", "0")
+    assert jo.current_config().fused is False
+    with jo.config(fused=True):
+        assert jo.current_config().fused is True
+        with jo.config(chunks=2):
+            assert jo.current_config().fused is True  # inherited from the outer block
+    assert jo.current_config().fused is False
 
 
 def test_configured_chunks_must_divide(monkeypatch):

@@ -50,6 +50,23 @@ Status BuildProgram(const Problem& q, Program* program) {
   JO_REQUIRE(q.op == Collective::kMatmulAr || q.algorithm == ArAlgorithm::kTwoShot,
              op + ": the one-shot algorithm applies to matmul_ar only");
   JO_CHECK(CheckDTypes(q));
+  if (q.fused) {
+    JO_REQUIRE(q.op != Collective::kMatmulAr,
+               op + ": the fused GEMM serves ag_matmul and matmul_rs, not matmul_ar");
+    JO_REQUIRE(q.transport != Transport::kNccl,
+               op + ": the fused GEMM never runs with transport nccl: a persistent kernel holding "
+                    "every SM while an NCCL kernel waits for SMs can deadlock (CUDA does not "
+                    "guarantee that two kernels run concurrently; docs/gpu.md §10). Use p2p or "
+                    "multicast, or the chunked path");
+    JO_REQUIRE((q.x_dtype == DType::kBF16 || q.x_dtype == DType::kF16) && q.w_dtype == q.x_dtype &&
+                   q.out_dtype == q.x_dtype,
+               op + ": the fused GEMM is compiled for bfloat16 and float16 (x, w and y alike); " +
+                   DTypesName(q) + " takes the chunked path");
+    JO_REQUIRE(q.k % 8 == 0 && q.cols % 8 == 0,
+               op + ": the fused GEMM loads and stores rows of whole 16-byte units (TMA): k (" +
+                   std::to_string(q.k) + ") and the output columns (" + std::to_string(q.cols) +
+                   ") must be multiples of 8; take the chunked path");
+  }
 
   *program = Program();
   program->problem = q;

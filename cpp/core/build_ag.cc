@@ -1,10 +1,15 @@
 // AG+GEMM programs: y[:, shard j rows] = x_j @ w for every shard j, the local
-// shard first (it needs no transfer), then shards in arrival order.
+// shard first (it needs no transfer), then shards in arrival order: a GEMM per
+// row block after its wait, or (fused, p2p and multicast) one persistent GEMM
+// over the gathered rows in the workspace whose tiles wait for their blocks'
+// flags in the kernel (docs/gpu.md §10).
 //
 // An fp8 x moves as fp8, and each shard's float32 scale travels with it: one
 // more 1-element transfer per shard and hop, next to the shard's first
 // sub-chunk (in its NCCL group; before its flag on p2p and multicast), into
-// the shard's scale slot; the shard's GEMMs read that slot.
+// the shard's scale slot; the shard's GEMMs read that slot. (The fused GEMM
+// is 16-bit only: no scales.)
+#include <utility>
 #include <vector>
 
 #include "core/build_internal.h"
@@ -53,8 +58,10 @@ Status BuildAgMatmul(Program* p) {
     return static_cast<int32_t>(2 * N * C + dir * N + shard);
   };
 
+  // Fused: the kernel reads every shard from the own workspace [P, N*R, K].
+  const bool fused = q.fused && N > 1;
   // Local shard first: no transfer to wait for.
-  for (int64_t s = 0; s < C; ++s) {
+  for (int64_t s = 0; s < C && !fused; ++s) {
     label(e.Gemm(0, x_ref(s), y_ref(r, s), nullptr, P, rows(s)), r, s);
     if (q.return_gathered)
       label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K),
@@ -72,6 +79,28 @@ Status BuildAgMatmul(Program* p) {
   auto prev_of = [&](int32_t dir) { return Mod(dir == 0 ? r - 1 : r + 1, N); };
   auto next_of = [&](int32_t dir) { return Mod(dir == 0 ? r + 1 : r - 1, N); };
   auto dir_steps = [&](int32_t dir) { return dir == 0 ? p->cw_steps : p->ccw_steps; };
+
+  // The fused GEMM over the own workspace: the local shard first (in place
+  // before the kernel), then the shards in arrival order, each block waiting
+  // for its flag from `writer(arrival)`; then the gathered x, if returned.
+  auto fused_gemm = [&](auto writer) {
+    FusedBlocks f;
+    f.rows = fused::RowBlocks{N, static_cast<int32_t>(C), R};
+    f.key = fused::OrderKey::kLastArrival;
+    f.wait_flags = 0;  // flag(shard, s) is block shard * C + s
+    f.ready_shard = r;
+    f.writers.assign(static_cast<size_t>(N * C), -1);
+    for (int64_t s = 0; s < C; ++s) f.sequence.push_back(flag(r, s));
+    for (const Arrival& a : arrivals)
+      for (int64_t s = 0; s < C; ++s) {
+        f.sequence.push_back(flag(a.shard, s));
+        f.writers[static_cast<size_t>(flag(a.shard, s))] = writer(a);
+      }
+    const Ref gathered{BufId::kWorkspace, r, 0, N * R * K, K};
+    e.FusedGemm(0, gathered, Ref{BufId::kY, r, 0, N * R * Nw, Nw}, P, std::move(f));
+    if (q.return_gathered)
+      e.Block(OpKind::kCopy, 0, gathered, Ref{BufId::kXGathered, r, 0, N * R * K, K}, P, N * R, K);
+  };
 
   // Gemms on arrived shards, optionally copying them out to XGATHERED.
   auto consume = [&](BufId buf, const Arrival& a, int64_t s) {
@@ -143,6 +172,10 @@ Status BuildAgMatmul(Program* p) {
       // Push each sub-chunk into the next rank's workspace, then raise its flag.
       p->workspace_elems = P * N * R * K;
       if (scaled) p->workspace_scales = N;
+      // Fused: the local shard joins the others in the own workspace first (copy engine).
+      for (int64_t s = 0; s < C && fused; ++s)
+        label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kWorkspace, r, r, s), P, rows(s), K),
+              r, s);
       for (int32_t dir = 0; dir < 2; ++dir) {
         const int32_t stream = 1 + dir;
         for (int32_t t = 0; t < dir_steps(dir); ++t) {
@@ -167,6 +200,10 @@ Status BuildAgMatmul(Program* p) {
           }
         }
       }
+      if (fused) {
+        fused_gemm([&](const Arrival& a) { return prev_of(a.dir); });
+        break;
+      }
       for (const Arrival& a : arrivals)
         for (int64_t s = 0; s < C; ++s) {
           e.Wait(0, prev_of(a.dir), flag(a.shard, s));
@@ -189,6 +226,16 @@ Status BuildAgMatmul(Program* p) {
                 r, s);
         for (int32_t peer = 0; peer < N; ++peer)
           if (peer != r) e.Signal(1, peer, flag(r, s));
+      }
+      if (fused) {
+        // The own multimem stores are kernels: they need SMs, which the fused GEMM holds
+        // until it ends, so they finish before it starts (docs/gpu.md §10, rule 1).
+        const int32_t stored = e.NewEvent();
+        e.Record(1, stored);
+        e.StreamWait(0, stored);
+        // Arrival order: shards r-1, r-2, ... (multicast has cw_steps = N-1), each from its owner.
+        fused_gemm([](const Arrival& a) { return a.shard; });
+        break;
       }
       for (int32_t t = 1; t < N; ++t) {
         const Arrival a{Mod(r - t, N), 0};

@@ -1,6 +1,7 @@
 // Helpers shared by the builders (not part of the core's interface).
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "core/program.h"
@@ -80,6 +81,14 @@ class Emitter {
     }
     return op;
   }
+  // One persistent GEMM over every row block of `blocks` (m = blocks.rows.rows();
+  // 16-bit operands only: no scales).
+  Op& FusedGemm(int32_t stream, const Ref& a, const Ref& d, int64_t batch, FusedBlocks blocks) {
+    Op& op = Gemm(stream, a, d, nullptr, batch, blocks.rows.rows());
+    op.kind = OpKind::kFusedGemm;
+    op.fused = std::move(blocks);
+    return op;
+  }
   // Scale slot `slot` of a scale buffer (one float32 element).
   static Ref ScaleRef(BufId buf, int32_t owner, int64_t slot) {
     return Ref{buf, owner, slot, 0, 1};
@@ -92,6 +101,10 @@ class Emitter {
 
 Status BuildAgMatmul(Program* program);
 Status BuildMatmulRs(Program* program);
+// GEMM + reduce-scatter over p2p with a fused GEMM: the GEMM releases each
+// destination's partial, the comm stream scatters it to its owner, the owner
+// sums them after the GEMM (build_rs.cc).
+Status BuildRsScatter(Program* program, Emitter& e);
 Status BuildMatmulAr(Program* program);
 
 // Pieces shared by GEMM+RS and GEMM+AR (build_rs.cc).

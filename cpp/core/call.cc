@@ -263,7 +263,8 @@ std::string CallSignature(const Problem& q) {
          "/" + TransportName(q.transport) + " n=" + std::to_string(q.nranks) + " [" +
          std::to_string(q.batch) + "," + std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" +
          std::to_string(q.cols) + " " + DTypesName(q) + " chunks=" + std::to_string(q.chunks) +
-         (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "");
+         (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "") +
+         (q.fused ? " fused" : "");
 }
 
 void LogPlanOnce(const Program& program, const CliqueKey& key, const char* executor) {

@@ -85,6 +85,7 @@ struct CallDesc {
   bool bidirectional = false;
   bool tf32 = false;  // float32 GEMMs may use TF32 (precision DEFAULT/HIGH)
   ArAlgorithm algorithm = ArAlgorithm::kTwoShot;  // matmul_ar only
+  bool fused = false;                             // one persistent GEMM (Problem::fused)
   int64_t timeout_ms = 120000;
   RankTable table;
 };

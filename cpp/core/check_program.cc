@@ -1,6 +1,7 @@
 #include "core/check_program.h"
 
 #include <string>
+#include <vector>
 
 namespace jo {
 namespace {
@@ -96,6 +97,46 @@ Status CheckId(const Program& p, const Op& op, const char* what, int64_t value, 
                   std::to_string(value) + " is outside [0, " + std::to_string(limit) + ")");
 }
 
+// A FusedGemm's row blocks: they cover its rows, its order is every block
+// once, it waits or releases (never both: docs/gpu.md §10), and every flag
+// and writer it names is in range.
+Status CheckFused(const Program& p, const Op& op) {
+  const FusedBlocks& f = op.fused;
+  const auto bad = [&](const std::string& what) {
+    return Internal(std::string(CollectiveName(p.problem.op)) + " program of rank " +
+                    std::to_string(p.problem.rank) + ": " + ToString(op) + ": " + what);
+  };
+  if (!f.rows.valid() || f.rows.rows() != op.m || f.rows.count() > fused::kMaxBlocks)
+    return bad("its row blocks do not cover its " + std::to_string(op.m) + " rows");
+  const int32_t count = f.rows.count();
+  std::vector<bool> seen(static_cast<size_t>(count), false);
+  if (f.sequence.size() != seen.size()) return bad("its order does not list every block");
+  for (int32_t b : f.sequence) {
+    if (b < 0 || b >= count || seen[static_cast<size_t>(b)])
+      return bad("its order is not every block exactly once");
+    seen[static_cast<size_t>(b)] = true;
+  }
+  if ((f.wait_flags >= 0) == (f.release_flags >= 0))
+    return bad("a fused GEMM waits or releases, exactly one of the two");
+  if (f.wait_flags >= 0) {
+    if (f.wait_flags + count > p.num_flags || f.ready_shard < -1 ||
+        f.ready_shard >= f.rows.shards || f.writers.size() != seen.size())
+      return bad("its waits name flags, a ready shard or writers out of range");
+    for (int32_t b = 0; b < count; ++b) {
+      const int32_t w = f.writers[static_cast<size_t>(b)];
+      if (f.Waits(b) ? (w < 0 || w >= p.problem.nranks) : w != -1)
+        return bad("block " + std::to_string(b) + " has writer " + std::to_string(w));
+    }
+  }
+  if (f.release_flags >= 0 && f.release_flags + count > p.num_flags)
+    return bad("its releases name flags out of range");
+  fused::TileOrder order;
+  if (fused::MakeTileOrder(fused::Tiling{f.rows, fused::kTileRows}, f.sequence.data(), count, f.key,
+                           &order) != fused::OrderError::kOk)
+    return bad("its tile order cannot be made (too many runs: fewer chunks)");
+  return OkStatus();
+}
+
 }  // namespace
 
 BufferSizes BufferSizes::Of(const Program& p) {
@@ -167,6 +208,12 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
       case OpKind::kRecord:
       case OpKind::kStreamWait:
         JO_CHECK(CheckId(p, op, "event", op.id, p.num_events));
+        break;
+      case OpKind::kFusedGemm:
+        JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.k, sizes));
+        JO_CHECK(CheckRef(p, op, "b", op.b, 1, op.k, op.n, sizes));
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        JO_CHECK(CheckFused(p, op));
         break;
     }
   }

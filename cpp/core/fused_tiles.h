@@ -36,6 +36,10 @@
 
 namespace jo::fused {
 
+// The rows of the kernel's CTA tile (cuda/fused_gemm_kernel.cuh asserts it):
+// the tiles the rows are cut into.
+inline constexpr int64_t kTileRows = 128;
+
 // `shards` shards of `shard_rows` rows, each split into `chunks` sub-chunks
 // as the program builders split them (build_internal.h SubBegin: sub-chunk c
 // starts at shard_rows * c / chunks).
@@ -119,6 +123,53 @@ struct TileOrder {
         lo = mid + 1;
     }
     return first[lo] + slot - (lo == 0 ? 0 : end[lo - 1]);
+  }
+};
+
+// Where the persistent CTAs go: the stock sm90 scheduler's assignment
+// (CUTLASS 4.2, PersistentTileSchedulerSm90 on StaticPersistentTileScheduler,
+// tile_scheduler_params.h) with the arguments the kernel gives it: clusters of
+// 2 x 1 CTAs along M, raster along N, no swizzle, no cluster-occupancy query.
+// The grid has `ctas` CTAs; CTA c takes the units of work c, c + ctas, c + 2
+// ctas, ... (static striding); unit i is output tile (batch l, M slot, N
+// tile), batches outermost, then pairs of M slots (a cluster's two CTAs),
+// then N tiles; M slot s holds M tile TileOrder::TileAt(s) (a slot past the
+// last M tile, when their number is odd, is a padding tile: computed out of
+// bounds, touching no block). The kernel runs CUTLASS's own code; the fake and
+// the model (jaxoverlap/sim/fused.py) use this mirror of it, which
+// tests/native/test_fused_tiles.py checks is a permutation of the work.
+struct PersistentGrid {
+  int32_t m_slots = 0;  // M tiles rounded up to whole clusters (2)
+  int32_t n_tiles = 0;
+  int32_t batch = 1;
+  int32_t ctas = 0;
+
+  // The launch of `m_tiles` x `n_tiles` x `batch` tiles on `sm_count` SMs.
+  static JO_FUSED_FN PersistentGrid Make(int64_t m_tiles, int64_t n_tiles, int64_t batch,
+                                         int32_t sm_count) {
+    PersistentGrid g;
+    g.m_slots = static_cast<int32_t>((m_tiles + 1) / 2 * 2);
+    g.n_tiles = static_cast<int32_t>(n_tiles);
+    g.batch = static_cast<int32_t>(batch);
+    // get_max_cta_occupancy(18 SMs per GPC, cluster of 2, sm_count): whole
+    // clusters per GPC, plus those of the last, partial GPC.
+    constexpr int32_t kSmPerGpc = 18;
+    const int32_t gpcs = sm_count < kSmPerGpc ? 1 : sm_count / kSmPerGpc;
+    const int32_t residual = sm_count < kSmPerGpc ? 0 : sm_count % kSmPerGpc;
+    int32_t per_device = gpcs * kSmPerGpc + residual - residual % 2;
+    if (per_device > sm_count) per_device = sm_count;
+    const int64_t clusters = g.work() / 2;
+    g.ctas = 2 * static_cast<int32_t>(per_device / 2 < clusters ? per_device / 2 : clusters);
+    return g;
+  }
+  JO_FUSED_FN int64_t work() const { return int64_t{m_slots} * n_tiles * batch; }
+  // Unit of work `i` (0 <= i < work()).
+  JO_FUSED_FN void At(int64_t i, int32_t* l, int32_t* m_slot, int32_t* n) const {
+    const int64_t per_batch = int64_t{m_slots} * n_tiles;
+    const int64_t r = i % per_batch, pair = r / 2;
+    *l = static_cast<int32_t>(i / per_batch);
+    *n = static_cast<int32_t>(pair % n_tiles);
+    *m_slot = static_cast<int32_t>(2 * (pair / n_tiles) + r % 2);
   }
 };
 

@@ -77,6 +77,14 @@ class Play {
     const Op& op = me.program.ops[static_cast<size_t>(me.units[static_cast<size_t>(unit)].begin)];
     if (op.kind == OpKind::kWait) return flags_.count({r, op.id}) > 0;
     if (op.kind == OpKind::kStreamWait) return me.recorded.count(op.id) > 0;
+    if (op.kind == OpKind::kFusedGemm) {
+      // Every flag the kernel waits for was raised by what the peers issued
+      // before: the kernel, which holds every SM, never waits for work issued
+      // after it on any rank (docs/gpu.md §10).
+      const FusedBlocks& f = op.fused;
+      for (int32_t b = 0; b < f.rows.count(); ++b)
+        if (f.Waits(b) && flags_.count({r, f.wait_flags + b}) == 0) return false;
+    }
     return true;
   }
 
@@ -99,6 +107,9 @@ class Play {
       issued = true;
       if (first.kind == OpKind::kRecord) me.recorded.insert(first.id);
       if (first.kind == OpKind::kSignal) new_flags_.insert({first.peer, first.id});
+      if (first.kind == OpKind::kFusedGemm && first.fused.release_flags >= 0)
+        for (int32_t b = 0; b < first.fused.rows.count(); ++b)
+          new_flags_.insert({r, first.fused.release_flags + b});
       if (IsNccl(first.kind)) {
         Launched group;
         group.rank = r;

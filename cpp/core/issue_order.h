@@ -25,7 +25,11 @@
 // The play is in rounds. In each round every rank issues, in list order of
 // preference, every unit whose dependencies are met by what the peers had
 // issued before the round and what the rank itself has issued: a Wait needs
-// its flag raised, a StreamWait its event recorded, an NCCL group is
+// its flag raised, a StreamWait its event recorded, a FusedGemm every flag
+// its kernel waits for raised (so everything those flags depend on is
+// enqueued before it, on every rank: the kernel holds every SM and never
+// waits for work behind it; its releases count as raised once it is
+// issued), an NCCL group is
 // launched (and the rest of its stream waits until its peers have launched
 // the matching group: NCCL send/recv are rendezvous), everything else only
 // needs the ops before it on its stream. Peers' effects become visible at

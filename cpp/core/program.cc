@@ -166,6 +166,8 @@ const char* OpKindName(OpKind kind) {
       return "Record";
     case OpKind::kStreamWait:
       return "StreamWait";
+    case OpKind::kFusedGemm:
+      return "FusedGemm";
   }
   return "?";
 }
@@ -214,6 +216,18 @@ std::string ToString(const Op& op) {
     case OpKind::kStreamWait:
       out << "event=" << op.id;
       break;
+    case OpKind::kFusedGemm: {
+      const FusedBlocks& f = op.fused;
+      out << "d=" << ToString(op.d) << " <- a=" << ToString(op.a) << " @ W, batch=" << op.batch
+          << " m=" << op.m << " n=" << op.n << " k=" << op.k << "; " << f.rows.count()
+          << " blocks of " << f.rows.shards << " shards x " << f.rows.chunks << " chunks";
+      if (f.wait_flags >= 0)
+        out << ", waits for flag " << f.wait_flags << "+b (ready shard " << f.ready_shard << ")";
+      if (f.release_flags >= 0) out << ", releases flag " << f.release_flags << "+b";
+      out << ", order";
+      for (int32_t b : f.sequence) out << " " << b;
+      break;
+    }
   }
   if (op.shard >= 0) out << " shard=" << op.shard << "." << op.sub;
   out << ")";
@@ -227,9 +241,10 @@ std::string Summary(const Program& p) {
   if (q.op == Collective::kMatmulAr) out << " " << ArAlgorithmName(q.algorithm);
   out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
       << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " cols=" << q.cols
-      << " dtype=" << DTypesName(q) << " chunks=" << p.chunks << " steps(cw,ccw)=(" << p.cw_steps
-      << "," << p.ccw_steps << ") streams=" << p.num_streams << " ops=" << p.ops.size()
-      << " workspace_elems=" << p.workspace_elems << " scratch_elems=" << p.scratch_elems;
+      << " dtype=" << DTypesName(q) << (q.fused ? " fused" : "") << " chunks=" << p.chunks
+      << " steps(cw,ccw)=(" << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
+      << " ops=" << p.ops.size() << " workspace_elems=" << p.workspace_elems
+      << " scratch_elems=" << p.scratch_elems;
   if (p.workspace_scales > 0) out << " workspace_scales=" << p.workspace_scales;
   if (p.scratch_scales > 0) out << " scratch_scales=" << p.scratch_scales;
   return out.str();
@@ -247,7 +262,9 @@ std::string ToString(const Program& p) {
 }
 
 int64_t BlockBytes(const Program& p, const Op& op) {
-  const BufId buf = op.kind == OpKind::kRecv || op.kind == OpKind::kGemm ? op.d.buf : op.a.buf;
+  const bool writes =
+      op.kind == OpKind::kRecv || op.kind == OpKind::kGemm || op.kind == OpKind::kFusedGemm;
+  const BufId buf = writes ? op.d.buf : op.a.buf;
   return op.batch * op.m * op.n * ElemBytes(p.problem, buf);
 }
 

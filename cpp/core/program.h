@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "core/fused_tiles.h"
+
 namespace jo {
 
 // The float8 types are JAX's float8_e4m3fn and float8_e5m2 (OCP FP8): operands
@@ -92,8 +94,34 @@ enum class OpKind : int32_t {
   kWait,        // wait until own flag `id` >= the call's epoch; `peer` is the expected writer
   kRecord,      // record event `id` on this stream
   kStreamWait,  // this stream waits for event `id`
+  kFusedGemm,   // one persistent GEMM over every row block: d[b] = a[b] @ b, waiting or
+                // releasing per row block (Op::fused; docs/gpu.md §10)
 };
 const char* OpKindName(OpKind kind);
+
+// The row blocks of a FusedGemm and what the kernel does at each. Its m rows
+// are `rows.shards` shards of `rows.shard_rows`, each split into
+// `rows.chunks` sub-chunks as the builders split them: block b = shard *
+// chunks + sub (fused_tiles.h RowBlocks). A fused GEMM either waits or
+// releases, never both: a kernel that only waits needs nothing after it on
+// its own GPU, one that only releases needs nothing at all, so neither can
+// deadlock (docs/gpu.md §10).
+struct FusedBlocks {
+  fused::RowBlocks rows;
+  fused::OrderKey key = fused::OrderKey::kLastArrival;
+  std::vector<int32_t> sequence;  // every block once: the order the tiles take them in
+  // Waits (all-gather + GEMM): block b's rows are in place once own flag
+  // wait_flags + b reaches the call's epoch, raised by rank writers[b]; the
+  // blocks of ready_shard are in place before the kernel (writers[b] = -1).
+  int32_t wait_flags = -1;  // -1: no waits
+  int32_t ready_shard = -1;
+  std::vector<int32_t> writers;
+  // Releases (GEMM + reduce-scatter): own flag release_flags + b is raised
+  // once every tile touching block b is stored.
+  int32_t release_flags = -1;  // -1: no releases
+
+  bool Waits(int32_t block) const { return wait_flags >= 0 && rows.Shard(block) != ready_shard; }
+};
 
 struct Op {
   OpKind kind = OpKind::kGemm;
@@ -111,6 +139,7 @@ struct Op {
   // not fp8 has no scale (a_scaled / b_scaled false: 1).
   Ref a_scale, b_scale;
   bool a_scaled = false, b_scaled = false;
+  FusedBlocks fused;  // FusedGemm only
 };
 
 // The problem one call solves, in canonical form (docs/native.md), with w
@@ -141,6 +170,9 @@ struct Problem {
   // float32 GEMMs may round their inputs to TF32 (the op's precision is not
   // HIGHEST); the CUDA executor's cuBLASLt compute type, ignored on the host.
   bool tf32 = false;
+  // AG and RS over p2p or multicast: the compute stream runs ONE persistent
+  // GEMM (FusedGemm) instead of a GEMM per row block (docs/gpu.md §10).
+  bool fused = false;
 };
 
 struct Program {

@@ -1,7 +1,9 @@
 #include "cuda/clique_state.h"
 
+#include <algorithm>
 #include <thread>
 
+#include "cuda/fused_gemm.h"
 #include "cuda/peer_handles.h"
 
 namespace jo::cuda {
@@ -24,16 +26,100 @@ CUdeviceptr Generation::Flag(int32_t rank, int64_t epoch, int32_t id, int32_t vi
   return reinterpret_cast<CUdeviceptr>(static_cast<uint32_t*>(base) + index);
 }
 
+// The free CallEvents of one rank. A pair in use is a shared_ptr whose deleter gives it back
+// (or destroys it once the pool is gone: cudaEventDestroy of an event still pending returns at
+// once and frees it when it completes).
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  EventPool() = default;
+  ~EventPool() {
+    for (const CallEvents& e : free_) Destroy(e);
+  }
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+
+  // A pair for one call: a free one, or two new events (on the rank's device, current).
+  Status Take(const ErrorContext& ctx, std::shared_ptr<const CallEvents>* out) {
+    CallEvents e;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        e = free_.back();
+        free_.pop_back();
+      }
+    }
+    if (e.done == nullptr) {
+      JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e.started, cudaEventDisableTiming));
+      const cudaError_t made = cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming);
+      if (made != cudaSuccess) {
+        (void)cudaEventDestroy(e.started);
+        return CudaFailure(made, "cudaEventCreateWithFlags", &ctx);
+      }
+    }
+    std::weak_ptr<EventPool> pool = weak_from_this();
+    *out = std::shared_ptr<const CallEvents>(new CallEvents(e), [pool](const CallEvents* p) {
+      if (auto owner = pool.lock()) {
+        owner->Give(*p);
+      } else {
+        Destroy(*p);
+      }
+      delete p;
+    });
+    return OkStatus();
+  }
+
+ private:
+  void Give(const CallEvents& e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(e);
+  }
+  static void Destroy(const CallEvents& e) {
+    (void)cudaEventDestroy(e.started);
+    (void)cudaEventDestroy(e.done);
+  }
+
+  std::mutex mu_;
+  std::vector<CallEvents> free_;
+};
+
+void Generation::NoteFirstUse(int32_t rank, const std::shared_ptr<const CallEvents>& call) const {
+  std::lock_guard<std::mutex> lock(use_mu_);
+  first_use_.emplace(rank, call);  // the first one stays
+}
+
+std::shared_ptr<const CallEvents> Generation::FirstUse(int32_t rank) const {
+  std::lock_guard<std::mutex> lock(use_mu_);
+  const auto it = first_use_.find(rank);
+  return it == first_use_.end() ? nullptr : it->second;
+}
+
 RankResources::~RankResources() {
   if (device < 0) return;  // a rank of another process: nothing here
   DeviceGuard guard;
   if (cudaSetDevice(device) != cudaSuccess) return;
+  {
+    std::lock_guard<std::mutex> lock(last_mu_);
+    last_.reset();
+  }
+  call_events.reset();
   for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
-  for (cudaEvent_t e : done) (void)cudaEventDestroy(e);
-  for (cudaEvent_t e : started) (void)cudaEventDestroy(e);
   for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
   if (setup_done != nullptr) (void)cudaEventDestroy(setup_done);
   if (setup != nullptr) (void)cudaStreamDestroy(setup);
+  if (connect_done != nullptr) (void)cudaEventDestroy(connect_done);
+  if (connect != nullptr) (void)cudaStreamDestroy(connect);
+}
+
+void RankResources::SetLast(int64_t epoch, std::shared_ptr<const CallEvents> events) {
+  std::lock_guard<std::mutex> lock(last_mu_);
+  last_epoch_ = epoch;
+  last_ = std::move(events);
+}
+
+int64_t RankResources::Last(std::shared_ptr<const CallEvents>* events) const {
+  std::lock_guard<std::mutex> lock(last_mu_);
+  *events = last_;
+  return last_epoch_;
 }
 
 Status RankResources::MakeSetup(const ErrorContext& ctx) {
@@ -45,7 +131,19 @@ Status RankResources::MakeSetup(const ErrorContext& ctx) {
   return OkStatus();
 }
 
-Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
+Status RankResources::MakeConnect(int32_t nranks, const ErrorContext& ctx) {
+  if (connect != nullptr) return OkStatus();
+  DeviceGuard guard;
+  JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
+  JO_CHECK(Alloc(device, static_cast<size_t>(nranks + 1) * sizeof(float), nullptr, ctx,
+                 &connect_buffer));
+  JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&connect_done, cudaEventDisableTiming));
+  JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&connect, cudaStreamNonBlocking));
+  return OkStatus();
+}
+
+Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
+                              std::shared_ptr<const CallEvents>* call) {
   DeviceGuard guard;
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
   int least = 0, greatest = 0;
@@ -57,16 +155,8 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
     JO_CUDA_CHECK(&ctx, cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
     streams.push_back(s);
   }
-  while (static_cast<int64_t>(started.size()) < kDoneSlots) {
-    cudaEvent_t e = nullptr;
-    JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    started.push_back(e);
-  }
-  while (static_cast<int64_t>(done.size()) < kDoneSlots) {
-    cudaEvent_t e = nullptr;
-    JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    done.push_back(e);
-  }
+  if (!call_events) call_events = std::make_shared<EventPool>();
+  JO_CHECK(call_events->Take(ctx, call));
   // Program events, then 1 fork event and one join event per comm stream.
   const size_t need = static_cast<size_t>(p.num_events + p.num_streams);
   while (events.size() < need) {
@@ -74,11 +164,36 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx) {
     JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     events.push_back(e);
   }
+  // Retired scratch the GPU is done with: freed here, at set-up (cudaFree waits for the device's
+  // earlier work, which needs only the peers' earlier calls: docs/gpu.md §3).
+  for (auto it = retired_scratch.begin(); it != retired_scratch.end();) {
+    const cudaError_t q = it->last_user ? cudaEventQuery(it->last_user->done) : cudaSuccess;
+    if (q == cudaSuccess) {
+      it = retired_scratch.erase(it);
+      continue;
+    }
+    if (q != cudaErrorNotReady) (void)cudaGetLastError();
+    ++it;
+  }
+  // An outgrown buffer may still be used by queued work (this rank's calls so far): retired,
+  // with the last of those calls.
+  const auto retire = [&](std::unique_ptr<DeviceAlloc> old) {
+    std::shared_ptr<const CallEvents> last;
+    (void)Last(&last);
+    retired_scratch.push_back({std::move(old), std::move(last)});
+  };
   const size_t scratch_bytes = static_cast<size_t>(ScratchBytes(p));  // elements, then scales
   if (scratch_bytes > 0 && (!scratch || scratch->bytes < scratch_bytes)) {
-    // The old scratch may still be read by queued work: retire, do not free.
-    if (scratch) retired_scratch.push_back(std::move(scratch));
+    if (scratch) retire(std::move(scratch));
     JO_CHECK(Alloc(device, scratch_bytes, nullptr, ctx, &scratch));
+  }
+  size_t fused_bytes = 0;
+  for (const Op& op : p.ops)
+    if (op.kind == OpKind::kFusedGemm)
+      fused_bytes = std::max(fused_bytes, FusedStateBytes(op.fused.rows.count()));
+  if (fused_bytes > 0 && (!fused_state || fused_state->bytes < fused_bytes)) {
+    if (fused_state) retire(std::move(fused_state));
+    JO_CHECK(Alloc(device, fused_bytes, nullptr, ctx, &fused_state));
   }
   return OkStatus();
 }
@@ -89,6 +204,7 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
     RankResources& res = *s.ranks[r];
     if (res.device < 0) {  // another process's rank: its buffers are there
       gen->flags.push_back(nullptr);
+      gen->flag_reads.push_back(nullptr);
       if (with_workspace) gen->workspace.push_back(nullptr);
       continue;
     }
@@ -100,6 +216,10 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
                            static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx,
                            &flags));
     gen->flags.push_back(std::move(flags));
+    std::unique_ptr<PinnedHost> read;
+    if (gen->num_flags > 0)
+      JO_CHECK(AllocPinned(static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx, &read));
+    gen->flag_reads.push_back(std::move(read));
     if (with_workspace) {
       std::unique_ptr<DeviceAlloc> ws;
       JO_CHECK(AllocShared(s, static_cast<int32_t>(r),

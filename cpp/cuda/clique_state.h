@@ -10,10 +10,11 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "core/exchange.h"
@@ -24,6 +25,18 @@
 #include "cuda/nccl_comms.h"
 
 namespace jo::cuda {
+
+// The two events of one call on XLA's stream, the watchdog's view of it: `started`, recorded
+// before the call's first work (when the GPU gets there, the call's clock starts), and `done`,
+// after it. Every call has a pair of its own for as long as anyone holds it (the watchdog, until
+// the call is done; the rank's `last`), so a pending call's events are never re-recorded by a
+// later call, however far the host runs ahead of the GPU. Released pairs go back to their
+// rank's pool (made at set-up: creating events is not on the enqueue path's list).
+struct CallEvents {
+  cudaEvent_t started = nullptr;
+  cudaEvent_t done = nullptr;
+};
+class EventPool;
 
 // Buffer generations. GPU work is asynchronous: when a call needs a bigger
 // workspace, peers' streams may still run the previous call on the old one.
@@ -44,6 +57,9 @@ struct Generation {
   std::vector<std::unique_ptr<DeviceAlloc>> workspace;  // per rank (nccl, p2p)
   std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: 2 * num_flags uint32
   std::unique_ptr<MulticastRegion> multicast;           // multicast transport
+  // Per rank (this process's, with flags): page-locked host memory the watchdog reads the
+  // rank's flags into (2 * num_flags uint32).
+  std::vector<std::unique_ptr<PinnedHost>> flag_reads;
   // Cliques spanning processes: other processes' ranks' buffers as local rank
   // `viewer` addresses them, remote[viewer][rank]; `mappings` owns them.
   struct Remote {
@@ -53,38 +69,68 @@ struct Generation {
   std::vector<std::vector<Remote>> remote;
   std::vector<std::unique_ptr<DeviceAlloc>> mappings;
 
+  // The first call of local rank `rank` on this generation, once its `done` event was recorded:
+  // when it is done on the GPU, so is every call of that rank on older generations (a rank's
+  // calls complete in order on XLA's stream).
+  void NoteFirstUse(int32_t rank, const std::shared_ptr<const CallEvents>& call) const;
+  std::shared_ptr<const CallEvents> FirstUse(int32_t rank) const;
+
   // Addresses as seen by local rank `viewer` (the rank whose GPU runs the op).
   std::byte* Workspace(int32_t rank, int64_t epoch, int32_t viewer) const;  // unicast
   std::byte* MulticastAddress(int64_t epoch) const;                         // parity of epoch
   CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const;
+
+ private:
+  mutable std::mutex use_mu_;
+  mutable std::map<int32_t, std::shared_ptr<const CallEvents>> first_use_;
 };
 
 // Per-rank execution resources: comm streams, events, private scratch.
 struct RankResources {
   int device = -1;
-  std::vector<cudaStream_t> streams;  // program streams 1.. (stream 0 is XLA's)
-  std::vector<cudaEvent_t> events;    // program events, then fork/join
-  // Recorded on XLA's stream after call `epoch` (slot epoch % size): the watchdog's view
-  // of which calls the GPU has finished.
-  std::vector<cudaEvent_t> done;
-  // Recorded on XLA's stream before call `epoch`'s first work (same slots): when the GPU got to
-  // the call, where the watchdog's clock of it starts.
-  std::vector<cudaEvent_t> started;
-  static constexpr int64_t kDoneSlots = 32;
-  // The last epoch whose `done` event was recorded (for freeing generations).
-  std::atomic<int64_t> last_epoch{0};
+  std::vector<cudaStream_t> streams;       // program streams 1.. (stream 0 is XLA's)
+  std::vector<cudaEvent_t> events;         // program events, then fork/join
+  std::shared_ptr<EventPool> call_events;  // CallEvents not in use
   std::unique_ptr<DeviceAlloc> scratch;
-  std::vector<std::unique_ptr<DeviceAlloc>> retired_scratch;  // may still be in use on the GPU
-  cudaStream_t setup = nullptr;                               // zero-fills new buffers
+  // The fused GEMM's own state: its fault record (FusedGemmFault), then a tile counter per
+  // row block (executor.cc).
+  std::unique_ptr<DeviceAlloc> fused_state;
+  // Scratch outgrown, with the last call that may use it: freed at a later set-up once that call
+  // is done on the GPU.
+  struct Retired {
+    std::unique_ptr<DeviceAlloc> scratch;
+    std::shared_ptr<const CallEvents> last_user;  // null: no call used it
+  };
+  std::vector<Retired> retired_scratch;
+  cudaStream_t setup = nullptr;      // zero-fills new buffers
   cudaEvent_t setup_done = nullptr;  // recorded after the zero-fills, polled (AwaitSetup)
+  // Transport nccl: where the rank's communicators connect to their peers at set-up
+  // (NcclComms::Connect): a stream and one float to send, one per rank to receive.
+  cudaStream_t connect = nullptr;
+  cudaEvent_t connect_done = nullptr;  // recorded after a connecting group, polled
+  std::unique_ptr<DeviceAlloc> connect_buffer;
   RankResources() = default;
   RankResources(const RankResources&) = delete;
   RankResources& operator=(const RankResources&) = delete;
   ~RankResources();
-  // Grows streams/events/scratch to what `program` needs.
-  Status Reserve(const Program& program, const ErrorContext& ctx);
+  // Grows streams/events/scratch to what `program` needs (an outgrown scratch is retired, a
+  // retired one no call uses any more freed: set-up, before the call's first enqueue) and takes
+  // the call's CallEvents.
+  Status Reserve(const Program& program, const ErrorContext& ctx,
+                 std::shared_ptr<const CallEvents>* events);
   // The setup stream and its event (before buffers are zero-filled on it).
   Status MakeSetup(const ErrorContext& ctx);
+  // The connect stream and buffer, for a clique of `nranks` (transport nccl).
+  Status MakeConnect(int32_t nranks, const ErrorContext& ctx);
+  // The last call whose `done` event was recorded (for freeing generations): its epoch (0:
+  // none) and events.
+  void SetLast(int64_t epoch, std::shared_ptr<const CallEvents> events);
+  int64_t Last(std::shared_ptr<const CallEvents>* events) const;
+
+ private:
+  mutable std::mutex last_mu_;
+  int64_t last_epoch_ = 0;
+  std::shared_ptr<const CallEvents> last_;
 };
 
 // How peers' buffers reach a process (cliques spanning processes).
@@ -101,7 +147,9 @@ struct CliqueState {
   std::chrono::milliseconds timeout{120000};  // bounds waiting for peers in set-up
   Handles handles = Handles::kUnset;          // spanning p2p / multicast (peer_handles.h Negotiate)
   bool peers_enabled = false;
-  std::unique_ptr<NcclComms> nccl;  // transport nccl: this process's ranks' communicators
+  // Transport nccl: this process's ranks' communicators (shared with the watchdog's watch of
+  // their aborts).
+  std::shared_ptr<NcclComms> nccl;
   std::vector<std::unique_ptr<RankResources>> ranks;
 
   int32_t nranks() const { return static_cast<int32_t>(devices.size()); }

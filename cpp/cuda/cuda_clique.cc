@@ -7,6 +7,7 @@
 
 #include "core/log.h"
 #include "cuda/transports.h"
+#include "cuda/watchdog.h"
 
 namespace jo::cuda {
 namespace {
@@ -68,10 +69,9 @@ CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devi
 bool CudaClique::AwaitIdle(std::chrono::steady_clock::time_point deadline) {
   bool idle = true;
   for (const auto& res : state_.ranks) {
-    const int64_t last = res->last_epoch.load();
-    if (res->device < 0 || last <= 0) continue;
-    const cudaEvent_t done = res->done[static_cast<size_t>(last % RankResources::kDoneSlots)];
-    idle = AwaitEvent(res->device, done, deadline) && idle;
+    std::shared_ptr<const CallEvents> last;
+    if (res->device < 0 || res->Last(&last) <= 0) continue;
+    idle = AwaitEvent(res->device, last->done, deadline) && idle;
   }
   return idle;
 }
@@ -122,6 +122,7 @@ void CudaClique::AbortComms(std::optional<std::chrono::steady_clock::time_point>
   // guard themselves (leases); the watchdog must never wait for a set-up.
   if (!state_.nccl) return;
   state_.nccl->Abort();
+  WatchAborts(state_.nccl, name(), state_.timeout);  // a stuck one is reported while it hangs
   if (await_until) (void)state_.nccl->AwaitAborts(*await_until);
 }
 
@@ -130,19 +131,20 @@ void CudaClique::TakePast(std::vector<std::shared_ptr<Generation>>* out) {
     const std::shared_ptr<Generation>& oldest = generations_.front();
     // Held elsewhere: an enqueue in progress, or the watchdog watching a call on it.
     if (oldest.use_count() > 1) return;
-    // Every local rank has finished, on the GPU, a call of a newer generation:
-    // its calls on this one are done, and so are the peers' uses of its
-    // buffers (a peer writes a rank's buffers only before signalling it in
-    // the same call, which that rank waits for).
-    const int64_t next = generations_[1]->since_epoch;
-    for (const auto& res : state_.ranks) {
+    // Every local rank has finished, on the GPU, a call of a newer generation
+    // (its first on the next one: a rank's calls complete in order): its calls
+    // on this one are done, and so are the peers' uses of its buffers (a peer
+    // writes a rank's buffers only before signalling it in the same call,
+    // which that rank waits for).
+    const Generation& next = *generations_[1];
+    for (size_t r = 0; r < state_.ranks.size(); ++r) {
+      const auto& res = state_.ranks[r];
       if (res->device < 0) continue;
-      const int64_t last = res->last_epoch.load();
-      if (last < next) return;
+      const std::shared_ptr<const CallEvents> first = next.FirstUse(static_cast<int32_t>(r));
+      if (!first) return;
       DeviceGuard guard;
       if (cudaSetDevice(res->device) != cudaSuccess) return;
-      const cudaError_t q =
-          cudaEventQuery(res->done[static_cast<size_t>(last % RankResources::kDoneSlots)]);
+      const cudaError_t q = cudaEventQuery(first->done);
       if (q != cudaSuccess) {
         if (q != cudaErrorNotReady) (void)cudaGetLastError();
         return;
@@ -167,8 +169,40 @@ Status CudaClique::Reserve(const Program& program, const CallNeeds& needs, int64
   if (!status.ok()) return status;
   // The rank's own streams, events and scratch, without the lock: allocating waits for the
   // device (its earlier calls), which must never hold up the other ranks' reservations.
-  status = out->resources->Reserve(program, ctx);
-  if (!status.ok()) Break(status);
+  status = out->resources->Reserve(program, ctx, &out->events);
+  if (status.ok() && state_.nccl) status = ConnectPeers(program, ctx, out->resources);
+  if (!status.ok() && status.code() != Code::kAborted) Break(status);
+  return status;
+}
+
+Status CudaClique::ConnectPeers(const Program& program, const ErrorContext& ctx,
+                                RankResources* res) {
+  NcclComms::Peers peers;
+  for (const Op& op : program.ops) {
+    if (op.kind != OpKind::kSend && op.kind != OpKind::kRecv) continue;
+    if (op.stream < 1 || op.stream > NcclComms::kChannels)
+      return Internal(ctx.Describe() + ": NCCL ops on stream " + std::to_string(op.stream) +
+                      ", which has no communicator");
+    auto& side = op.kind == OpKind::kSend ? peers.sends : peers.recvs;
+    side[op.stream - 1].insert(op.peer);
+  }
+  JO_CHECK(res->MakeConnect(nranks(), ctx));
+  auto* buffer = static_cast<float*>(res->connect_buffer->ptr);
+  // Given up as soon as the clique breaks (a peer failed: it will not connect).
+  bool in_flight = false;
+  const Status status = state_.nccl->Connect(
+      program.problem.rank, peers, res->connect, res->connect_done, buffer, buffer + 1,
+      std::chrono::steady_clock::now() + state_.timeout,
+      [&] { return CheckNotBroken(ctx.Describe()); }, ctx, &in_flight);
+  if (in_flight) {
+    // A connecting group waits on the GPU for a peer that will not come: the clique is broken
+    // and its communicators of no more use; aborting them lets the group exit, which is awaited
+    // (bounded), so that the failed call leaves nothing of its own running.
+    Break(status);
+    AbortComms();
+    (void)AwaitEvent(res->device, res->connect_done,
+                     std::chrono::steady_clock::now() + state_.timeout);
+  }
   return status;
 }
 
@@ -180,9 +214,55 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // NCCL moves the data itself: its programs signal and wait on no flag.
   const int32_t flags = state_.transport == Transport::kNccl ? 0 : needs.num_flags;
   JO_CHECK(CheckNotBroken(ctx.Describe()));
-  if (!connected_) {
-    JO_CHECK(OpsOf(state_.transport).connect(state_, ctx));
-    connected_ = true;
+  // Connected once, by the first rank to need it, WITHOUT the lock: NCCL's creation waits for
+  // the devices and the peers, the handles' exchange for the peers; meanwhile the others wait
+  // here (bounded) and Describe answers.
+  while (!connected_) {
+    if (connecting_) {
+      const bool done = made_.wait_for(lock, state_.timeout,
+                                       [&] { return !connecting_ || !BrokenReason().empty(); });
+      JO_CHECK(CheckNotBroken(ctx.Describe()));
+      if (!done)
+        return Status(Code::kTimeout, ctx.Describe() +
+                                          ": the clique's connection (another rank sets it up) "
+                                          "did not complete within JAXOVERLAP_TIMEOUT_S");
+      continue;
+    }
+    connecting_ = true;
+    lock.unlock();
+    const Status status = OpsOf(state_.transport).connect(state_, ctx);
+    lock.lock();
+    connecting_ = false;
+    connected_ = status.ok();
+    made_.notify_all();
+    JO_CHECK(status);  // Reserve breaks the clique before the lock is released
+  }
+  // The generations every local rank is past are freed by the first local rank to reserve an
+  // epoch, and only then, while the others wait here before they reserve (so enqueue) it: no
+  // local rank has enqueued anything of this epoch, so the device work a free waits for is of
+  // earlier calls, which every rank has enqueued or will without waiting for this one
+  // (docs/gpu.md §3, "What may run on the enqueue path").
+  while (freeing_ >= 0 && epoch >= freeing_) {
+    const bool freed = made_.wait_for(lock, state_.timeout,
+                                      [&] { return freeing_ < 0 || !BrokenReason().empty(); });
+    JO_CHECK(CheckNotBroken(ctx.Describe()));
+    if (!freed)
+      return Status(Code::kTimeout, ctx.Describe() +
+                                        ": freeing past buffers (another rank does it) did not "
+                                        "complete within JAXOVERLAP_TIMEOUT_S");
+  }
+  if (epoch > first_reserved_) {
+    first_reserved_ = epoch;
+    std::vector<std::shared_ptr<Generation>> past;
+    TakePast(&past);
+    if (!past.empty()) {
+      freeing_ = epoch;
+      lock.unlock();
+      past.clear();
+      lock.lock();
+      freeing_ = -1;
+      made_.notify_all();
+    }
   }
   for (;;) {
     // The newest generation valid at this epoch (see clique_state.h).
@@ -218,14 +298,7 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     const int64_t grow_ws = std::max<int64_t>(ws_bytes, use ? use->workspace_bytes : 0);
     const int32_t grow_flags = std::max<int32_t>(flags, use ? use->num_flags : 0);
     making_ = epoch;
-    // The generations every local rank is past are freed here, and only here: no local rank
-    // has enqueued anything of this epoch (each needs the new generation first), so the
-    // device work a free waits for is of earlier calls, which every rank has enqueued or
-    // will without waiting for this one (docs/gpu.md §3, "What may run on the enqueue path").
-    std::vector<std::shared_ptr<Generation>> past;
-    TakePast(&past);
     lock.unlock();
-    past.clear();
     std::shared_ptr<Generation> made;
     const Status status = NewGeneration(epoch, grow_ws, grow_flags, ctx, &made);
     lock.lock();
@@ -235,8 +308,12 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     JO_CHECK(status);
   }
   out->resources = state_.ranks[rank].get();
-  if (state_.nccl) JO_CHECK(state_.nccl->Acquire(rank, ctx, &out->comms));
   return OkStatus();
+}
+
+Status CudaClique::AcquireComms(int32_t rank, const ErrorContext& ctx, NcclComms::Lease* out) {
+  // No lock of the clique: the communicators are made once, before any call reserves (connect).
+  return state_.nccl ? state_.nccl->Acquire(rank, ctx, out) : OkStatus();
 }
 
 std::string CudaClique::Describe() const {
@@ -248,12 +325,14 @@ std::string CudaClique::Describe() const {
   int32_t first_local = 0;
   while (first_local < nranks() && state_.devices[first_local] < 0) ++first_local;
   out += "], epoch " + std::to_string(Epoch(first_local < nranks() ? first_local : 0));
-  if (state_.handles != Handles::kUnset)
+  // What connect makes (without the lock) is read only once it is done.
+  if (connecting_) out += ", connecting";
+  if (connected_ && state_.handles != Handles::kUnset)
     out += state_.handles == Handles::kFabric ? ", peers through fabric handles"
                                               : ", peers through CUDA IPC";
   const std::string broken = BrokenReason();
   if (!broken.empty()) out += ", BROKEN: " + broken;
-  if (state_.nccl) {
+  if (connected_ && state_.nccl) {
     const std::string stuck = state_.nccl->StuckAborts();
     if (!stuck.empty()) out += ", " + stuck;
   }

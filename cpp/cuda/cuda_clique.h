@@ -19,12 +19,14 @@
 // capturing stream).
 //
 // Locking: the clique's lock guards its state, never a wait for the GPU or
-// for a peer process. A new generation is made with the lock released (its
-// zero-fill is awaited, its handles exchanged); ranks that need it wait for
-// it, ranks still on older epochs go on — their calls are what lets the GPU
-// get to the zero-fill when streams share a hardware queue. The watchdog
-// needs no lock of the clique (the communicators have their own, with
-// leases: nccl_comms.h).
+// for a peer process. The transport is connected (communicators created, peer
+// access enabled, handles agreed) with the lock released, and so is a new
+// generation made (its zero-fill is awaited, its handles exchanged); ranks
+// that need either wait for it, ranks still on older epochs go on — their
+// calls are what lets the GPU get to the zero-fill when streams share a
+// hardware queue — and Describe answers meanwhile. The watchdog needs no lock
+// of the clique (the communicators have their own, with leases:
+// nccl_comms.h).
 #pragma once
 
 #include <nccl.h>
@@ -51,7 +53,7 @@ namespace jo::cuda {
 struct Reservation {
   std::shared_ptr<const Generation> gen;  // held until the call is watched (or done)
   RankResources* resources = nullptr;
-  NcclComms::Lease comms;  // transport nccl: the rank's communicators, while it enqueues
+  std::shared_ptr<const CallEvents> events;  // the call's own started/done events
 };
 
 class CudaClique : public Clique {
@@ -72,15 +74,22 @@ class CudaClique : public Clique {
   bool spans_processes() const { return state_.spans_processes(); }
 
   // Reserve, before call `epoch` of `rank` (the agreement check has passed):
-  // connects the transport (once), makes a buffer generation as big as
-  // `needs` (core/call.h: the same on every rank) when the current one is
-  // smaller — freeing, first, the generations every local rank is past — and
-  // the rank's streams, events and scratch for `program` (without the lock).
+  // connects the transport (once); frees the generations every local rank is
+  // past, if it is the first local rank at `epoch`; makes a buffer generation
+  // as big as `needs` (core/call.h: the same on every rank) when the current
+  // one is smaller; and the rank's streams, events and scratch for `program`
+  // (without the lock), freeing its retired scratch no call uses any more.
   // Everything here may wait for the GPU: it runs before the call's first
   // enqueue (docs/gpu.md §3, "What may run on the enqueue path"). A failure
   // breaks the clique.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
                  const ErrorContext& ctx, Reservation* out);
+
+  // Transport nccl: leases `rank`'s communicators (nccl_comms.h), kAborted once they were
+  // aborted; other transports: nothing. Taken just before the call's first enqueue, after
+  // everything that may wait for the device: a lease held across such a wait would keep the
+  // watchdog from aborting the communicator whose stuck kernel the wait waits for.
+  Status AcquireComms(int32_t rank, const ErrorContext& ctx, NcclComms::Lease* out);
 
   // Aborts the NCCL communicators (the watchdog releasing kernels stuck in
   // NCCL): those no enqueue holds at once, the others when it lets go; each
@@ -107,6 +116,9 @@ class CudaClique : public Clique {
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
                        const ErrorContext& ctx, std::shared_ptr<Generation>* out);
+  // Transport nccl: connects the rank's communicators to the peers `program` sends to and
+  // receives from, those not connected yet (NcclComms::Connect); called WITHOUT the lock.
+  Status ConnectPeers(const Program& program, const ErrorContext& ctx, RankResources* res);
   // Moves the generations every local rank is past into `out` (requires mu_).
   void TakePast(std::vector<std::shared_ptr<Generation>>* out);
   // Whether each local rank's last enqueued call has finished on the GPU,
@@ -123,9 +135,14 @@ class CudaClique : public Clique {
   std::condition_variable made_;  // a generation was made (or its making failed)
   CliqueState state_;
   bool connected_ = false;
+  bool connecting_ = false;  // a rank is connecting the transport, without the lock
   std::vector<std::shared_ptr<Generation>> generations_;  // newest last
   int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
-  int64_t freed_ = 0;    // generations freed so far
+  // The newest epoch a local rank has reserved, and the one whose first reserver frees past
+  // generations now, without the lock (-1: none): ranks at it or later wait.
+  int64_t first_reserved_ = 0;
+  int64_t freeing_ = -1;
+  int64_t freed_ = 0;  // generations freed so far
 };
 
 }  // namespace jo::cuda

@@ -157,41 +157,48 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (status.ok()) {
     run.gen = reserved.gen.get();
     run.resources = reserved.resources;
-    run.comms = reserved.comms.ForStreams(program.num_streams);
     status = PrepareProgram(run, &prepared);
   }
+  // The NCCL communicators are leased only now: everything above may wait for the device.
+  NcclComms::Lease comms;
+  if (status.ok()) {
+    status = clique.AcquireComms(ctx.rank, ctx, &comms);
+    if (!status.ok()) prepared->Abandon();
+  }
   bool enqueued = false;
-  const size_t slot = static_cast<size_t>(run.epoch % RankResources::kDoneSlots);
   // The first work of the call on XLA's stream: when the GPU gets here, the watchdog's clock of
   // this call starts.
   if (status.ok()) {
-    const cudaError_t recorded = cudaEventRecord(run.resources->started[slot], stream);
+    const cudaError_t recorded = cudaEventRecord(reserved.events->started, stream);
     enqueued = recorded == cudaSuccess;
     if (!enqueued) status = CudaFailure(recorded, "cudaEventRecord(started)", &ctx);
   }
-  if (status.ok()) status = prepared->Execute(&enqueued);
-  reserved.comms.Drop();  // the watchdog may abort the communicators from here on
+  if (status.ok()) status = prepared->Execute(comms.ForStreams(program.num_streams), &enqueued);
+  comms.Drop();  // the watchdog may abort the communicators from here on
   if (enqueued) {
     // The watchdog turns a peer that never arrives into an error, not a hang.
     WatchedCall watched;
     watched.clique = bound->clique;
     watched.rank = ctx.rank;
     watched.device = run.device;
-    watched.started = run.resources->started[slot];
-    watched.done = run.resources->done[slot];
+    watched.events = reserved.events;
     watched.epoch = run.epoch;
     watched.gen = reserved.gen;
     std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
-    for (const Op& o : program.ops)
+    for (const Op& o : program.ops) {
       if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
+      if (o.kind == OpKind::kFusedGemm)  // the fused GEMM's waits, inside its kernel
+        for (int32_t b = 0; b < o.fused.rows.count(); ++b)
+          if (o.fused.Waits(b)) waits.emplace(o.fused.wait_flags + b, o.fused.writers[b]);
+    }
     watched.waits.assign(waits.begin(), waits.end());
     watched.nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
     watched.op = op;
     watched.timeout = Millis(desc_.timeout_ms);
-    watched.slots = RankResources::kDoneSlots;
-    const cudaError_t recorded = cudaEventRecord(watched.done, stream);
+    const cudaError_t recorded = cudaEventRecord(reserved.events->done, stream);
     if (recorded == cudaSuccess) {
-      run.resources->last_epoch = run.epoch;
+      run.resources->SetLast(run.epoch, reserved.events);
+      reserved.gen->NoteFirstUse(ctx.rank, reserved.events);
       Watch(std::move(watched));
     } else if (status.ok()) {
       status = CudaFailure(recorded, "cudaEventRecord(done)", &ctx);

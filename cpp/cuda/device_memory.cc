@@ -40,6 +40,18 @@ MulticastRegion::~MulticastRegion() {
   if (mc_created) (void)drv->cuMemRelease(mc);
 }
 
+PinnedHost::~PinnedHost() {
+  if (ptr != nullptr) (void)cudaFreeHost(ptr);
+}
+
+Status AllocPinned(size_t bytes, const ErrorContext& ctx, std::unique_ptr<PinnedHost>* out) {
+  auto pinned = std::make_unique<PinnedHost>();
+  JO_CUDA_CHECK(&ctx, cudaMallocHost(&pinned->ptr, bytes == 0 ? 1 : bytes));
+  pinned->bytes = bytes;
+  *out = std::move(pinned);
+  return OkStatus();
+}
+
 Fds::~Fds() {
   for (int fd : fds_) (void)::close(fd);
 }

@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -54,6 +55,21 @@ struct MulticastRegion {
   ~MulticastRegion();
 };
 
+// Page-locked host memory (cudaMallocHost), where the watchdog reads a rank's flags: a
+// device-to-host cudaMemcpyAsync into it is asynchronous, while into pageable memory it
+// "will return only once the copy has completed" (CUDA runtime API, "API synchronization
+// behavior") — which, behind a wait that never ends, is never. Allocating it waits for the
+// device like cudaMalloc (implicit synchronization): set-up only.
+struct PinnedHost {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  std::atomic<bool> busy{false};  // a copy into it was enqueued and has not been seen complete
+  PinnedHost() = default;
+  PinnedHost(const PinnedHost&) = delete;
+  PinnedHost& operator=(const PinnedHost&) = delete;
+  ~PinnedHost();
+};
+
 // Sets the current device for a scope and restores the caller's.
 class DeviceGuard {
  public:
@@ -88,6 +104,9 @@ size_t RoundUp(size_t v, size_t to);
 // waited for: the caller polls, clique_state.h AwaitSetup).
 Status Alloc(int device, size_t bytes, cudaStream_t zero_on, const ErrorContext& ctx,
              std::unique_ptr<DeviceAlloc>* out);
+
+// `bytes` of page-locked host memory (the current device's context).
+Status AllocPinned(size_t bytes, const ErrorContext& ctx, std::unique_ptr<PinnedHost>* out);
 
 // Pinned device memory on `device` that can be exported as a fabric handle.
 CUmemAllocationProp FabricProp(int device);

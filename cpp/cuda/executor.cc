@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cuda/driver.h"
+#include "cuda/fused_gemm.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/nccl_comms.h"
@@ -83,9 +84,10 @@ struct Step {
   BlockArgs block;              // Add, McStore, McReduce
   GemmArgs gemm;                // Gemm
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
+  FusedGemmArgs fused;          // FusedGemm
   CUdeviceptr flag = 0;         // Signal, Wait
   cudaEvent_t event = nullptr;  // Record, StreamWait
-  ncclComm_t comm = nullptr;    // Send, Recv
+  ncclComm_t comm = nullptr;    // Send, Recv (set by Execute, from the caller's lease)
 };
 
 }  // namespace
@@ -122,13 +124,27 @@ class Enqueuer {
     return OkStatus();
   }
 
-  Status Execute(bool* enqueued) {
+  void Abandon() {
+    if (warmed_ && cudaSetDevice(a_.device) == cudaSuccess)
+      (void)JoinWarmUps(a_.device, a_.stream, a_.ctx);
+  }
+
+  Status Execute(const std::vector<ncclComm_t>& comms, bool* enqueued) {
     // "jaxoverlap ag_matmul nccl rank 2 epoch 7": the call, around its enqueue.
     const NvtxRange call_range([&] {
       return "jaxoverlap " + Label() + " rank " + std::to_string(p_.problem.rank) + " epoch " +
              std::to_string(a_.epoch);
     });
     *enqueued = false;
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      const Op& op = p_.ops[i];
+      if (!IsNccl(op.kind)) continue;
+      const size_t s = static_cast<size_t>(op.stream);
+      if (s >= comms.size() || comms[s] == nullptr)
+        return Internal(a_.ctx.Describe() + ": no NCCL communicator for stream " +
+                        std::to_string(op.stream));
+      steps_[i].comm = comms[s];
+    }
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
     *enqueued = true;  // from here on work may reach the GPU: the caller must watch it
     bool forked = false;
@@ -297,6 +313,8 @@ class Enqueuer {
         JO_ASSERT(op.id >= 0 && op.id < p_.num_events);
         step->event = a_.resources->events[static_cast<size_t>(op.id)];
         return OkStatus();
+      case OpKind::kFusedGemm:
+        return PrepareFused(op, step);
       case OpKind::kSend:
       case OpKind::kRecv: {
         const bool send = op.kind == OpKind::kSend;
@@ -307,12 +325,10 @@ class Enqueuer {
         if (ref.ld != op.n)
           return Internal(a_.ctx.Describe() + ": NCCL block rows must be dense (ld " +
                           std::to_string(ref.ld) + " != n " + std::to_string(op.n) + ")");
-        if (static_cast<size_t>(op.stream) >= a_.comms.size() ||
-            a_.comms[static_cast<size_t>(op.stream)] == nullptr)
-          return Internal(a_.ctx.Describe() + ": no NCCL communicator for stream " +
-                          std::to_string(op.stream));
-        step->comm = a_.comms[static_cast<size_t>(op.stream)];
-        return OkStatus();
+        if (op.stream < 1 || op.stream > NcclComms::kChannels)
+          return Internal(a_.ctx.Describe() + ": NCCL ops on stream " + std::to_string(op.stream) +
+                          ", which has no communicator");
+        return OkStatus();  // its communicator: at Execute, under the caller's lease
       }
     }
     return Internal("unknown op kind");
@@ -370,6 +386,57 @@ class Enqueuer {
     return PrepareLtMatmul(a_.device, g, step->stream, a_.ctx, &warmed_);
   }
 
+  // The fused GEMM (fused_gemm.h): checked and its kernel loaded here, so a
+  // GPU that cannot run it (anything but compute capability 9.0) refuses the
+  // call before anything is enqueued. Its waits give up only well after the
+  // watchdog reported the call (twice the call's timeout), so that a missing
+  // peer is reported by the watchdog, which names it, and the kernel still
+  // always ends.
+  Status PrepareFused(const Op& op, Step* step) {
+    FusedGemmArgs& f = step->fused;
+    const FusedBlocks& blocks = op.fused;
+    f.dtype = p_.problem.x_dtype;  // x, w and y alike (BuildProgram)
+    f.batch = op.batch;
+    f.m = op.m;
+    f.n = op.n;
+    f.k = op.k;
+    f.a = Resolve(op.a);
+    f.lda = op.a.ld;
+    f.a_batch_stride = op.a.batch_stride;
+    f.b = Resolve(op.b);
+    f.ldb = op.b.ld;
+    f.d = Resolve(op.d);
+    f.ldd = op.d.ld;
+    f.d_batch_stride = op.d.batch_stride;
+    f.blocks = blocks.rows;
+    f.sequence = blocks.sequence.data();
+    f.key = blocks.key;
+    f.epoch = static_cast<uint32_t>(a_.epoch);
+    const int32_t rank = p_.problem.rank;
+    JO_ASSERT(a_.resources->fused_state != nullptr &&
+              a_.resources->fused_state->bytes >= FusedStateBytes(blocks.rows.count()));
+    auto* state = static_cast<std::byte*>(a_.resources->fused_state->ptr);
+    if (blocks.wait_flags >= 0) {
+      JO_ASSERT(blocks.wait_flags + blocks.rows.count() <= a_.gen->num_flags);
+      f.wait_flags =
+          reinterpret_cast<const uint32_t*>(a_.gen->Flag(rank, a_.epoch, blocks.wait_flags, rank));
+      f.ready_shard = blocks.ready_shard;
+      f.timeout_ns =
+          2 * std::chrono::duration_cast<std::chrono::nanoseconds>(a_.timeout).count() + 1000000000;
+      f.fault = reinterpret_cast<FusedGemmFault*>(state);
+    }
+    if (blocks.release_flags >= 0) {
+      JO_ASSERT(blocks.release_flags + blocks.rows.count() <= a_.gen->num_flags);
+      f.release_flags =
+          reinterpret_cast<uint32_t*>(a_.gen->Flag(rank, a_.epoch, blocks.release_flags, rank));
+      f.workspace = state + sizeof(FusedGemmFault);
+    }
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, a_.device));
+    JO_CHECK(CheckFusedGemm(f));
+    return PrepareFusedGemm(f.dtype, a_.ctx);
+  }
+
   Status Exec(const Op& op, const Step& step) {
     switch (op.kind) {
       case OpKind::kGemm:
@@ -409,6 +476,12 @@ class Enqueuer {
         // waits for the record enqueued BEFORE it).
         JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(step.stream, step.event, 0));
         return OkStatus();
+      case OpKind::kFusedGemm:
+        // The issue order puts it after everything its flags depend on, on every rank.
+        if (step.fused.fault != nullptr)  // a fresh fault record for this call
+          JO_CUDA_CHECK(ctx_,
+                        cudaMemsetAsync(step.fused.fault, 0, sizeof(FusedGemmFault), step.stream));
+        return LaunchFusedGemm(step.fused, step.stream, a_.ctx);
       case OpKind::kSend:
       case OpKind::kRecv:
         break;  // issued as groups
@@ -509,7 +582,11 @@ class Enqueuer {
 PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}
 PreparedCall::~PreparedCall() = default;
 
-Status PreparedCall::Execute(bool* enqueued) { return enqueuer_->Execute(enqueued); }
+Status PreparedCall::Execute(const std::vector<ncclComm_t>& comms, bool* enqueued) {
+  return enqueuer_->Execute(comms, enqueued);
+}
+
+void PreparedCall::Abandon() { enqueuer_->Abandon(); }
 
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
   auto enqueuer = std::make_unique<Enqueuer>(args);

@@ -12,6 +12,8 @@
 //   Signal      cuStreamWriteValue32(peer's flag, epoch)   (default: with a memory fence)
 //   Wait        cuStreamWaitValue32(own flag, epoch, GEQ)  (cyclic 32-bit comparison)
 //   Record      cudaEventRecord          StreamWait   cudaStreamWaitEvent
+//   FusedGemm   the persistent CUTLASS GEMM (fused_gemm.h; compute capability 9.0 only:
+//               refused at prepare elsewhere), its tiles waiting for or releasing flags
 // Program stream 0 is XLA's stream; streams 1.. are the rank's own
 // (high-priority, non-blocking). They are forked from XLA's stream with an
 // event at the start and joined back into it at the end, so XLA sees one
@@ -52,9 +54,6 @@ struct RunArgs {
   int64_t epoch = 0;
   const Generation* gen = nullptr;
   RankResources* resources = nullptr;
-  // NCCL: the communicator of each program stream (index = stream; null
-  // where the stream issues no Send/Recv). Held by the caller's lease.
-  std::vector<ncclComm_t> comms;
   CallBuffers io;
   ErrorContext ctx;
   std::chrono::milliseconds timeout{0};  // for host-side NCCL progress (AwaitNccl)
@@ -70,10 +69,18 @@ class PreparedCall {
   PreparedCall(const PreparedCall&) = delete;
   PreparedCall& operator=(const PreparedCall&) = delete;
 
-  // Enqueues the call. `*enqueued` says whether work may have reached the
-  // GPU (the caller must then watch the call, whatever the status); if the
-  // comm streams were forked, they were joined back too.
-  Status Execute(bool* enqueued);
+  // Enqueues the call. `comms`: NCCL's communicator of each program stream
+  // (index = stream; null where the stream issues no Send/Recv), held by the
+  // caller's lease, which is taken only now: preparing may wait for the
+  // device. `*enqueued` says whether work may have reached the GPU (the
+  // caller must then watch the call, whatever the status); if the comm
+  // streams were forked, they were joined back too.
+  Status Execute(const std::vector<ncclComm_t>& comms, bool* enqueued);
+
+  // Instead of Execute, when the call fails after preparing: the set-up work prepare started
+  // (new cuBLASLt plans' warm-ups, on a private stream) is still ordered before XLA's next op,
+  // as all work a handler starts is (best effort).
+  void Abandon();
 
  private:
   friend Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out);

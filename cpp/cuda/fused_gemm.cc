@@ -102,31 +102,50 @@ Status CheckFusedGemm(const FusedGemmArgs& a) {
     if (a.workspace == nullptr || !Aligned(a.workspace, 4))
       return Bad("releasing needs a workspace of FusedGemmWorkspaceBytes() (4-byte aligned)");
   }
-  if (a.sm_count < 0) return Bad("sm_count must be >= 0 (0: every SM)");
+  if (a.sm_count < 2)
+    return Bad("sm_count must be >= 2: the SMs the kernel holds, in clusters of 2");
   fused::TileOrder order;
   return MakeOrder(a, &order);
 }
 
 Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16)
+    return Bad(std::string("dtype ") + DTypeName(dtype) + " is not bf16 or f16");
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {
     std::lock_guard<std::mutex> lock(g_prepared_mu);
     if (Prepared().count({device, dtype}) != 0) return OkStatus();
   }
-  switch (dtype) {
-    case DType::kBF16:
-      JO_CHECK(fused_kernel::PrepareBF16(ctx));
-      break;
-    case DType::kF16:
-      JO_CHECK(fused_kernel::PrepareF16(ctx));
-      break;
-    default:
-      return Bad(std::string("dtype ") + DTypeName(dtype) + " is not bf16 or f16");
+  const bool bf16 = dtype == DType::kBF16;
+  const void* kernel = bf16 ? fused_kernel::FunctionBF16() : fused_kernel::FunctionF16();
+  // It references the kernel: with lazy loading, that loads it here, at set-up.
+  cudaFuncAttributes attr{};
+  const cudaError_t code = cudaFuncGetAttributes(&attr, kernel);
+  if (code == cudaErrorNoKernelImageForDevice || code == cudaErrorInvalidDeviceFunction) {
+    (void)cudaGetLastError();
+    int major = 0, minor = 0;
+    (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    return Status(Code::kInvalidArgument, ctx.Describe() +
+                                              ": the fused GEMM is sm_90a code and runs on compute "
+                                              "capability 9.0 GPUs only (H100, H200, GH200); GPU " +
+                                              std::to_string(device) + " is " +
+                                              std::to_string(major) + "." + std::to_string(minor) +
+                                              ": take the chunked path (jo.config(fused=False))");
   }
+  if (code != cudaSuccess) return CudaFailure(code, "cudaFuncGetAttributes", &ctx);
+  JO_CUDA_CHECK(&ctx, cudaFuncSetAttribute(
+                          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          bf16 ? fused_kernel::SharedBytesBF16() : fused_kernel::SharedBytesF16()));
   std::lock_guard<std::mutex> lock(g_prepared_mu);
   Prepared()[{device, dtype}] = true;
   return OkStatus();
+}
+
+void ForgetFusedGemmPreparation() {
+  std::lock_guard<std::mutex> lock(g_prepared_mu);
+  Prepared().clear();
 }
 
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx) {
@@ -140,14 +159,31 @@ Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const Err
                                          ": the fused GEMM was not prepared on device " +
                                          std::to_string(device) + " (PrepareFusedGemm)");
   }
-  int32_t sm_count = args.sm_count;
-  if (sm_count == 0)
-    JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  fused::TileOrder order;
-  JO_CHECK(MakeOrder(args, &order));
-  if (args.dtype == DType::kBF16)
-    return fused_kernel::LaunchBF16(args, order, sm_count, stream, ctx);
-  return fused_kernel::LaunchF16(args, order, sm_count, stream, ctx);
+  fused_kernel::Launch launch;
+  launch.batch = args.batch;
+  launch.m = args.m;
+  launch.n = args.n;
+  launch.k = args.k;
+  launch.a = args.a;
+  launch.lda = args.lda;
+  launch.a_batch_stride = args.a_batch_stride;
+  launch.b = args.b;
+  launch.ldb = args.ldb;
+  launch.d = args.d;
+  launch.ldd = args.ldd;
+  launch.d_batch_stride = args.d_batch_stride;
+  launch.blocks = args.blocks;
+  JO_CHECK(MakeOrder(args, &launch.order));
+  launch.wait_flags = args.wait_flags;
+  launch.ready_shard = args.ready_shard;
+  launch.release_flags = args.release_flags;
+  launch.epoch = args.epoch;
+  launch.timeout_ns = args.timeout_ns;
+  launch.fault = args.fault;
+  launch.counters = static_cast<uint32_t*>(args.workspace);
+  launch.sm_count = args.sm_count;
+  if (args.dtype == DType::kBF16) return fused_kernel::LaunchBF16(launch, stream, ctx);
+  return fused_kernel::LaunchF16(launch, stream, ctx);
 }
 
 }  // namespace jo::cuda

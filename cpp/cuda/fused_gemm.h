@@ -38,16 +38,9 @@
 #include "core/program.h"
 #include "core/status.h"
 #include "cuda/check.h"
+#include "cuda/fused_gemm_launch.h"
 
 namespace jo::cuda {
-
-// What a wait that ran out of time saw (written by the kernel, zero before).
-struct FusedGemmFault {
-  uint32_t timed_out = 0;  // 1: a wait gave up; the results of the launch are wrong
-  uint32_t flag = 0;       // the flag (block) it waited for
-  uint32_t seen = 0;       // the flag's value when it gave up
-  uint32_t epoch = 0;      // the value it waited for
-};
 
 struct FusedGemmArgs {
   DType dtype = DType::kBF16;  // A, B and D: kBF16 or kF16
@@ -72,11 +65,17 @@ struct FusedGemmArgs {
   int64_t timeout_ns = 0;           // > 0 when waiting
   FusedGemmFault* fault = nullptr;  // required when waiting
   void* workspace = nullptr;        // FusedGemmWorkspaceBytes(); zeroed by the launch
-  int32_t sm_count = 0;             // persistent CTAs (clusters of 2); 0: every SM
+  int32_t sm_count = 0;             // persistent CTAs (clusters of 2): the SMs it holds
 };
 
 // The rows of the kernel's CTA tile: the tiles fused_tiles.h cuts the rows into.
-inline constexpr int64_t kFusedGemmTileRows = 128;
+inline constexpr int64_t kFusedGemmTileRows = fused::kTileRows;
+
+// The device state a caller keeps for a fused GEMM of `blocks` row blocks:
+// its fault record, then a tile counter per block (the launch's workspace).
+inline size_t FusedStateBytes(int32_t blocks) {
+  return sizeof(FusedGemmFault) + static_cast<size_t>(blocks) * sizeof(uint32_t);
+}
 
 // Device memory the launch needs at `workspace` (a tile counter per block when releasing).
 size_t FusedGemmWorkspaceBytes(const FusedGemmArgs& args);
@@ -85,26 +84,21 @@ size_t FusedGemmWorkspaceBytes(const FusedGemmArgs& args);
 Status CheckFusedGemm(const FusedGemmArgs& args);
 
 // Loads the kernel for `dtype` on the current device and gives it its shared
-// memory; fails on a GPU that cannot run it (anything but sm_90). Call it at
-// set-up, never while other work the GPU must finish depends on this thread:
-// with lazy loading (the default since CUDA 12.2) a kernel's first use loads
-// its module, which may wait for the device (CUDA programming guide, "Lazy
-// Loading", potential hazards).
+// memory; fails, naming the GPU, on one that cannot run it (anything but
+// sm_90). Call it at set-up, never while other work the GPU must finish
+// depends on this thread: with lazy loading (the default since CUDA 12.2) a
+// kernel's first use loads its module, which may wait for the device (CUDA
+// programming guide, "Lazy Loading", potential hazards).
 Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx);
 
 // Enqueues the fused GEMM on `stream` (after zeroing the workspace, when it
 // has one). Fails, enqueueing nothing, on a bad argument or when
-// PrepareFusedGemm has not run for this device and dtype.
+// PrepareFusedGemm has not run for this device and dtype. Calls nothing that
+// waits for the device: it runs on the enqueue path.
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
-namespace fused_kernel {
-// The instantiations (fused_gemm_bf16.cu, fused_gemm_f16.cu), behind the two above.
-Status PrepareBF16(const ErrorContext& ctx);
-Status PrepareF16(const ErrorContext& ctx);
-Status LaunchBF16(const FusedGemmArgs& args, const fused::TileOrder& order, int32_t sm_count,
-                  cudaStream_t stream, const ErrorContext& ctx);
-Status LaunchF16(const FusedGemmArgs& args, const fused::TileOrder& order, int32_t sm_count,
-                 cudaStream_t stream, const ErrorContext& ctx);
-}  // namespace fused_kernel
+// Forgets which devices PrepareFusedGemm prepared (tests: the fake's devices
+// change between cases; a real device's never do).
+void ForgetFusedGemmPreparation();
 
 }  // namespace jo::cuda

@@ -49,7 +49,7 @@
 #include "core/fused_tiles.h"
 #include "core/status.h"
 #include "cuda/check.h"
-#include "cuda/fused_gemm.h"
+#include "cuda/fused_gemm_launch.h"
 
 namespace jo::cuda::fused_kernel {
 
@@ -352,37 +352,27 @@ struct FusedGemm {
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
-  static_assert(cute::size<0>(TileShape{}) == kFusedGemmTileRows);
+  static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
 };
 
-// Loads the kernel on the current device (once, before any launch: with lazy
-// loading a first launch loads the module, which may wait for the device)
-// and lets it have the shared memory it needs. Fails on a GPU that has no
-// code of it (anything but sm_90).
+// The kernel as cudaFuncGetAttributes / cudaFuncSetAttribute take it, and the
+// dynamic shared memory it needs (fused_gemm.cc's PrepareFusedGemm loads it
+// and grants that once per device, before any launch).
 template <class Element>
-Status PrepareAs(const ErrorContext& ctx) {
-  using Kernel = typename FusedGemm<Element>::Kernel;
-  const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
-  cudaFuncAttributes attr{};
-  const cudaError_t code = cudaFuncGetAttributes(&attr, kernel);
-  if (code == cudaErrorNoKernelImageForDevice || code == cudaErrorInvalidDeviceFunction) {
-    (void)cudaGetLastError();
-    return Status(Code::kInvalidArgument,
-                  ctx.Describe() +
-                      ": the fused GEMM is sm_90a code and runs on sm_90 GPUs (H100, H200, GH200) "
-                      "only; this GPU needs the chunked path");
-  }
-  if (code != cudaSuccess) return CudaFailure(code, "cudaFuncGetAttributes", &ctx);
-  JO_CUDA_CHECK(&ctx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(Kernel::SharedStorageSize)));
-  return OkStatus();
+const void* FunctionAs() {
+  return reinterpret_cast<const void*>(
+      &cutlass::device_kernel<typename FusedGemm<Element>::Kernel>);
+}
+
+template <class Element>
+int SharedBytesAs() {
+  return static_cast<int>(FusedGemm<Element>::Kernel::SharedStorageSize);
 }
 
 // Enqueues the kernel (the arguments were checked by CheckFusedGemm, the
-// kernel loaded by PrepareAs on this device).
+// kernel loaded by PrepareFusedGemm on this device).
 template <class Element>
-Status LaunchAs(const FusedGemmArgs& a, const fused::TileOrder& order, int32_t sm_count,
-                cudaStream_t stream, const ErrorContext& ctx) {
+Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
   using Gemm = FusedGemm<Element>;
   using Kernel = typename Gemm::Kernel;
   using Mainloop = typename Kernel::CollectiveMainloop;
@@ -406,12 +396,11 @@ Status LaunchAs(const FusedGemmArgs& a, const fused::TileOrder& order, int32_t s
   args.epilogue.dD = typename Epilogue::StrideD{a.ldd, Int<1>{}, a.d_batch_stride};
   const int64_t n_tiles = (a.n + cute::size<1>(typename Gemm::TileShape{}) - 1) /
                           cute::size<1>(typename Gemm::TileShape{});
-  args.epilogue.extension =
-      BlockRelease{a.blocks, a.release_flags, static_cast<uint32_t*>(a.workspace), a.epoch,
-                   static_cast<int32_t>(n_tiles * a.batch)};
+  args.epilogue.extension = BlockRelease{a.blocks, a.release_flags, a.counters, a.epoch,
+                                         static_cast<int32_t>(n_tiles * a.batch)};
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&args.hw_info.device_id));
-  args.hw_info.sm_count = sm_count;
-  args.scheduler.order = order;
+  args.hw_info.sm_count = a.sm_count;
+  args.scheduler.order = a.order;
 
   if (!Kernel::can_implement(args))
     return Status(Code::kInvalidArgument,
@@ -422,7 +411,9 @@ Status LaunchAs(const FusedGemmArgs& a, const fused::TileOrder& order, int32_t s
   const typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
 
   if (a.release_flags != nullptr)
-    JO_CUDA_CHECK(&ctx, cudaMemsetAsync(a.workspace, 0, FusedGemmWorkspaceBytes(a), stream));
+    JO_CUDA_CHECK(&ctx, cudaMemsetAsync(a.counters, 0,
+                                        static_cast<size_t>(a.blocks.count()) * sizeof(uint32_t),
+                                        stream));
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = cute::size<0>(typename Gemm::ClusterShape{});
@@ -441,13 +432,14 @@ Status LaunchAs(const FusedGemmArgs& a, const fused::TileOrder& order, int32_t s
 
 }  // namespace jo::cuda::fused_kernel
 
-// Defines fused_kernel::Prepare<Name> and Launch<Name> (fused_gemm.h) for one
-// element type: one use per .cu file, so the instantiations compile in parallel.
-#define JO_FUSED_GEMM_INSTANCE(Name, Element)                                                     \
-  namespace jo::cuda::fused_kernel {                                                              \
-  Status Prepare##Name(const ErrorContext& ctx) { return PrepareAs<Element>(ctx); }               \
-  Status Launch##Name(const FusedGemmArgs& args, const fused::TileOrder& order, int32_t sm_count, \
-                      cudaStream_t stream, const ErrorContext& ctx) {                             \
-    return LaunchAs<Element>(args, order, sm_count, stream, ctx);                                 \
-  }                                                                                               \
+// Defines fused_kernel::Function<Name>, SharedBytes<Name> and Launch<Name>
+// (fused_gemm_launch.h) for one element type: one use per .cu file, so the
+// instantiations compile in parallel.
+#define JO_FUSED_GEMM_INSTANCE(Name, Element)                                                \
+  namespace jo::cuda::fused_kernel {                                                         \
+  const void* Function##Name() { return FunctionAs<Element>(); }                             \
+  int SharedBytes##Name() { return SharedBytesAs<Element>(); }                               \
+  Status Launch##Name(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {   \
+    return LaunchAs<Element>(launch, stream, ctx);                                           \
+  }                                                                                          \
   }

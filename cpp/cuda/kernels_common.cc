@@ -18,6 +18,9 @@
 #ifndef JO_MULTIMEM_KERNEL_IMAGES
 #error "JO_MULTIMEM_KERNEL_IMAGES (the multimem kernels' cubins and PTX) comes from CMakeLists.txt"
 #endif
+#ifndef JO_FUSED_KERNEL_IMAGES
+#error "JO_FUSED_KERNEL_IMAGES (the fused GEMM's cubins) comes from CMakeLists.txt"
+#endif
 
 namespace jo::cuda {
 namespace {
@@ -273,7 +276,9 @@ Status PrepareBlockKernel(BlockKernel kind, const BlockArgs& a, const ErrorConte
 
 const std::map<std::string, std::vector<std::string>>& KernelImages() {
   static const auto* images = new std::map<std::string, std::vector<std::string>>{
-      {"add", Words(JO_ADD_KERNEL_IMAGES)}, {"multimem", Words(JO_MULTIMEM_KERNEL_IMAGES)}};
+      {"add", Words(JO_ADD_KERNEL_IMAGES)},
+      {"multimem", Words(JO_MULTIMEM_KERNEL_IMAGES)},
+      {"fused", Words(JO_FUSED_KERNEL_IMAGES)}};
   return *images;
 }
 

@@ -104,6 +104,16 @@ std::string NcclComms::StuckAborts() const {
   return out.empty() ? out : "ncclCommAbort stuck for " + out;
 }
 
+std::string NcclComms::RunningAborts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  for (const auto& task : aborts_)
+    if (!task->done)
+      out += std::string(out.empty() ? "" : ", ") + "rank " + std::to_string(task->rank) +
+             " on GPU " + std::to_string(task->device);
+  return out;
+}
+
 bool NcclComms::created() const {
   std::lock_guard<std::mutex> lock(mu_);
   return !comms_.empty();
@@ -177,6 +187,103 @@ Status NcclComms::Create(const std::vector<int>& devices, const ncclUniqueId& id
     comms_[r][1] = split[r];
   }
   leases_.assign(n, 0);
+  connected_.assign(n, Peers());
+  return OkStatus();
+}
+
+Status NcclComms::Connect(int32_t rank, const Peers& peers, cudaStream_t stream, cudaEvent_t done,
+                          float* send, float* recv, std::chrono::steady_clock::time_point deadline,
+                          const std::function<Status()>& check, const ErrorContext& ctx,
+                          bool* in_flight) {
+  *in_flight = false;
+  // The peers not connected yet, per channel (only this rank's thread connects its rank).
+  Peers fresh;
+  bool any = false;
+  int device = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rank < 0 || static_cast<size_t>(rank) >= connected_.size())
+      return Internal(ctx.Describe() + ": no NCCL communicator for rank " + std::to_string(rank));
+    const Peers& had = connected_[static_cast<size_t>(rank)];
+    for (int c = 0; c < kChannels; ++c) {
+      for (int32_t p : peers.sends[c])
+        if (had.sends[c].count(p) == 0) fresh.sends[c].insert(p);
+      for (int32_t p : peers.recvs[c])
+        if (had.recvs[c].count(p) == 0) fresh.recvs[c].insert(p);
+      any = any || !fresh.sends[c].empty() || !fresh.recvs[c].empty();
+    }
+    device = devices_[static_cast<size_t>(rank)];
+  }
+  if (!any) return OkStatus();
+  Lease lease;  // the communicators stay alive while we use them (held only while connecting)
+  JO_CHECK(Acquire(rank, ctx, &lease));
+  const std::vector<ncclComm_t> comms = lease.ForStreams(kChannels + 1);
+  DeviceGuard guard;
+  JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
+  const char* what = "NCCL's connection to the peers of a new call (set-up)";
+  for (int c = 0; c < kChannels; ++c) {
+    if (fresh.sends[c].empty() && fresh.recvs[c].empty()) continue;
+    const ncclComm_t comm = comms[static_cast<size_t>(c + 1)];
+    Status status;
+    ncclResult_t closed = ncclSuccess;
+    {
+      std::lock_guard<std::mutex> device_lock(DeviceNcclLock(device));
+      JO_NCCL_CHECK(&ctx, ncclGroupStart());
+      auto op = [&](ncclResult_t code, const char* call) {
+        if (status.ok() && code != ncclSuccess && code != ncclInProgress)
+          status = NcclFailure(code, call, &ctx);
+      };
+      for (int32_t p : fresh.sends[c])
+        op(ncclSend(send, 1, ncclFloat32, p, comm, stream), "ncclSend (connecting)");
+      for (int32_t p : fresh.recvs[c])
+        op(ncclRecv(recv + p, 1, ncclFloat32, p, comm, stream), "ncclRecv (connecting)");
+      closed = ncclGroupEnd();  // always closed, even after a failure inside
+    }
+    JO_CHECK(status);
+    JO_NCCL_CHECK_ASYNC(&ctx, closed);
+    // Polled: NCCL's connection (non-blocking communicator), then the group on the GPU. From
+    // here the group may be on the GPU: on any way out but its completion it is left in flight,
+    // with `done` recorded after it (best effort) for the caller to await once it aborted.
+    *in_flight = true;
+    bool connected = closed == ncclSuccess, recorded = false;
+    const Status polled = [&]() -> Status {
+      for (;;) {
+        JO_CHECK(check());
+        if (!connected) {
+          ncclResult_t state = ncclSuccess;
+          JO_NCCL_CHECK(&ctx, ncclCommGetAsyncError(comm, &state));
+          if (state != ncclSuccess && state != ncclInProgress)
+            return NcclFailure(state, what, &ctx);
+          connected = state == ncclSuccess;
+        }
+        if (connected && !recorded) {
+          JO_CUDA_CHECK(&ctx, cudaEventRecord(done, stream));
+          recorded = true;
+        }
+        if (recorded) {
+          const cudaError_t q = cudaEventQuery(done);
+          if (q == cudaSuccess) return OkStatus();
+          if (q != cudaErrorNotReady)
+            return CudaFailure(q, "cudaEventQuery (NCCL connection)", &ctx);
+        }
+        if (std::chrono::steady_clock::now() >= deadline)
+          return Status(Code::kTimeout, ctx.Describe() + ": " + what +
+                                            " did not complete within JAXOVERLAP_TIMEOUT_S: a "
+                                            "peer rank did not take part (it failed, exited, or "
+                                            "runs different calls)");
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }();
+    if (!polled.ok()) {
+      if (!recorded) (void)cudaEventRecord(done, stream);
+      return polled;
+    }
+    *in_flight = false;
+    std::lock_guard<std::mutex> lock(mu_);
+    Peers& had = connected_[static_cast<size_t>(rank)];
+    had.sends[c].insert(fresh.sends[c].begin(), fresh.sends[c].end());
+    had.recvs[c].insert(fresh.recvs[c].begin(), fresh.recvs[c].end());
+  }
   return OkStatus();
 }
 

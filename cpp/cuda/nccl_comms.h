@@ -14,21 +14,22 @@
 // deadline, never waited on without one.
 //
 // Lifetime: an enqueue holds a Lease on its rank's communicators while it
-// issues NCCL calls. Abort (the watchdog releasing kernels that wait for a
-// peer, or a failed creation) aborts at once what no lease holds and the
-// rest when their lease is dropped: ncclCommAbort frees a communicator, so
-// one must never be aborted under a thread still issuing calls on it. After
-// Abort, Acquire fails. Teardown finalizes (ncclCommFinalize, polled) and
-// destroys; a communicator that does not finalize in time is aborted.
+// issues NCCL calls — from just before its first enqueue, never across a
+// wait for the device (CudaClique::AcquireComms). Abort (the watchdog releasing kernels that wait
+// for a peer, or a failed creation) aborts at once what no lease holds and the rest when their
+// lease is dropped: ncclCommAbort frees a communicator, so one must never be aborted under a thread
+// still issuing calls on it. After Abort, Acquire fails. Teardown finalizes (ncclCommFinalize,
+// polled) and destroys; a communicator that does not finalize in time is aborted.
 //
 // Every ncclCommAbort runs on a thread of its own, all of a device's at
 // once, with no lock held: it frees device memory, which waits for every
 // kernel of the device (NCCL issue #549, pull request #564: aborting a
 // device's communicators one after the other hangs while another one's
 // kernel still runs; marking them all aborted first lets every kernel exit).
-// Nobody waits for an abort: Abort returns at once, an abort still running
-// after the timeout is named by StuckAborts (the clique's description) and
-// left behind at teardown, reported, rather than waited for.
+// Nobody waits for an abort: Abort returns at once; an abort still running
+// after the timeout is reported by the watchdog while it happens (WatchAborts,
+// watchdog.h), named by StuckAborts (the clique's description) and left behind
+// at teardown, reported, rather than waited for.
 //
 // NCCL's thread-safety rule (NCCL user guide, "Thread Safety": issuing
 // operations in parallel to independent communicators located on the same
@@ -37,13 +38,16 @@
 // and by the executor's groups — never across ncclCommAbort.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,6 +101,31 @@ class NcclComms {
   // Leases `rank`'s communicators; kAborted once Abort was called.
   Status Acquire(int32_t rank, const ErrorContext& ctx, Lease* out);
 
+  // The peers a call of `rank` sends to and receives from on each channel (program stream 1 +
+  // channel), and the connecting one-element buffers: `send` (1 float) and `recv` (one float
+  // per rank) on the rank's device.
+  struct Peers {
+    std::set<int32_t> sends[kChannels];
+    std::set<int32_t> recvs[kChannels];
+  };
+  // Connects `rank`'s communicators to the peers of `peers` not connected yet: per channel, one
+  // group of a one-element ncclSend / ncclRecv to each, on `stream`; then polls, until
+  // `deadline`, both NCCL's connection (ncclCommGetAsyncError) and the group's completion on the
+  // GPU (`done`, recorded after it), giving up as soon as `check` fails (the clique broke).
+  // NCCL connects to a peer at the first send/recv to it (NCCL source, src/group.cc:
+  // ncclPreconnectFunc -> ncclTransportP2pSetup; NCCL_RUNTIME_CONNECT concerns collectives),
+  // allocating the connection's device memory, which waits for the device (NCCL user guide,
+  // "Using multiple NCCL communicators concurrently"): so here, at set-up, before the call's
+  // first enqueue, never on the enqueue path. The group's completion is awaited too, so that no
+  // later wait for the device (the call's own set-up) waits for a group whose peer never comes.
+  // Every rank connects the same pairs at the same epoch (a send of one is a receive of the
+  // other in the same call), so the one-element operations match. kAborted once Abort was
+  // called; kTimeout at the deadline. `*in_flight`: a group may have been left on the GPU
+  // (`done` recorded after it, best effort), to be released by aborting the communicators.
+  Status Connect(int32_t rank, const Peers& peers, cudaStream_t stream, cudaEvent_t done,
+                 float* send, float* recv, std::chrono::steady_clock::time_point deadline,
+                 const std::function<Status()>& check, const ErrorContext& ctx, bool* in_flight);
+
   // Aborts every communicator: now where no lease holds it, else when the
   // last lease of its rank is dropped.
   void Abort();
@@ -109,6 +138,8 @@ class NcclComms {
 
   // The aborts running for longer than the timeout ("" if none).
   std::string StuckAborts() const;
+  // The aborts still running, however long ("rank r on GPU d, ..."; "" if none).
+  std::string RunningAborts() const;
 
   // Whether every abort started so far has returned, polling until `deadline`
   // (the fake's virtual-clock watchdog and tests; nothing else waits for them).
@@ -135,6 +166,7 @@ class NcclComms {
   std::vector<std::shared_ptr<AbortTask>> aborts_;
   std::vector<int> devices_;
   std::vector<std::vector<ncclComm_t>> comms_;  // [rank][channel]; null: another process's
+  std::vector<Peers> connected_;                // [rank]: peers connected so far (Connect)
   std::vector<int> leases_;
   bool aborting_ = false;
 };

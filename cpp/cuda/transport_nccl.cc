@@ -16,7 +16,7 @@ Status CreateComms(CliqueState& s, const ErrorContext& ctx) {
   if (s.nccl && s.nccl->created()) return OkStatus();
   ncclUniqueId id = s.nccl_id;
   if (!s.spans_processes()) JO_NCCL_CHECK(&ctx, ncclGetUniqueId(&id));
-  auto comms = std::make_unique<NcclComms>(s.timeout);
+  auto comms = std::make_shared<NcclComms>(s.timeout);
   JO_CHECK(comms->Create(s.devices, id, std::chrono::steady_clock::now() + s.timeout,
                          s.spans_processes() ? "NCCL communicator creation (every process's ranks "
                                                "must join: they do at their first call)"

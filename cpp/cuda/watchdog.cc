@@ -25,27 +25,34 @@ struct Entry {
   Clock::time_point front_since;  // ... at this time: its clock
 };
 
+// A generation a copy of the watchdog may still write into (a flag read that did not complete):
+// never freed.
+void KeepForever(std::shared_ptr<const Generation> gen) {
+  static auto* mu = new std::mutex;
+  static auto* kept = new std::vector<std::shared_ptr<const Generation>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  kept->push_back(std::move(gen));
+}
+
 class Watchdog {
  public:
   void Add(WatchedCall call) {
     std::lock_guard<std::mutex> lock(mu_);
-    const Key key{call.clique.lock().get(), call.rank};
-    Entry& e = entries_[key];
-    // Calls of a clique that is gone and whose address a new clique got: dropped, not taken for
-    // this one's (the thread drops them at its next pass; a virtual clock may pass later).
-    if (!e.calls.empty() && e.calls.front().clique.expired()) e.calls.clear();
+    // Keyed by the clique's control block (owner_before), never by its address: a clique made
+    // where a gone one was is another key, and the gone one's calls (their events) are dropped by
+    // a pass, not here on an enqueue path.
+    Entry& e = entries_[Key{call.clique, call.rank}];
     if (e.calls.empty()) e.front_started = false;
     e.calls.push_back(std::move(call));
-    // A done event is reused every `slots` epochs: stop watching calls whose
-    // event a newer call has re-recorded (the host ran that far ahead).
-    while (static_cast<int64_t>(e.calls.size()) > e.calls.back().slots - 1) {
-      e.calls.pop_front();
-      e.front_started = false;
-    }
-    if (!virtual_clock_ && !thread_started_) {
-      thread_started_ = true;
-      std::thread([this] { Loop(); }).detach();  // lives for the process; idle when nothing pends
-    }
+    StartThread();
+    cv_.notify_all();
+  }
+
+  void AddAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
+                 std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborts_.push_back({std::move(comms), std::move(clique), Now() + timeout, timeout});
+    StartThread();
     cv_.notify_all();
   }
 
@@ -70,7 +77,15 @@ class Watchdog {
   }
 
  private:
-  using Key = std::pair<const void*, int32_t>;
+  struct Key {
+    std::weak_ptr<CudaClique> clique;
+    int32_t rank = 0;
+    bool operator<(const Key& o) const {
+      if (clique.owner_before(o.clique)) return true;
+      if (o.clique.owner_before(clique)) return false;
+      return rank < o.rank;
+    }
+  };
 
   Clock::time_point Now() const {
     return virtual_clock_ ? Clock::time_point(Clock::duration(virtual_now_.load())) : Clock::now();
@@ -83,17 +98,50 @@ class Watchdog {
       std::this_thread::sleep_for(d);
   }
 
+  // Requires mu_.
+  void StartThread() {
+    if (!virtual_clock_ && !thread_started_) {
+      thread_started_ = true;
+      std::thread([this] { Loop(); }).detach();  // lives for the process; idle when nothing pends
+    }
+  }
+
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return !entries_.empty(); });
+      cv_.wait(lock, [&] { return !entries_.empty() || !aborts_.empty(); });
       Pass(lock);
       cv_.wait_for(lock, kPoll);
     }
   }
 
-  // One look at every rank's oldest pending call: done ones are dropped, late ones fired.
+  // Aborts still running past their deadline: reported once, then no longer watched.
+  void PassAborts() {
+    for (auto it = aborts_.begin(); it != aborts_.end();) {
+      const std::shared_ptr<const NcclComms> comms = it->comms.lock();
+      const std::string running = comms ? comms->RunningAborts() : std::string();
+      if (running.empty()) {  // all returned (or the clique is gone)
+        it = aborts_.erase(it);
+        continue;
+      }
+      if (Now() < it->deadline) {
+        ++it;
+        continue;
+      }
+      char seconds[32];
+      std::snprintf(seconds, sizeof(seconds), "%.1f",
+                    std::chrono::duration<double>(it->timeout).count());
+      JO_WARN(it->clique + ": ncclCommAbort of " + running + " has not returned after " + seconds +
+              " s: it frees device memory, which waits for the device's other work (NCCL issue "
+              "#549); left running, the clique stays broken (python -m jaxoverlap info names it)");
+      it = aborts_.erase(it);
+    }
+  }
+
+  // One look at every rank's oldest pending call: done ones are dropped, late ones fired; and at
+  // the aborts started.
   void Pass(std::unique_lock<std::mutex>& lock) {
+    PassAborts();
     for (auto it = entries_.begin(); it != entries_.end();) {
       Entry& e = it->second;
       std::shared_ptr<CudaClique> clique =
@@ -106,10 +154,10 @@ class Watchdog {
       int prev = 0;
       (void)cudaGetDevice(&prev);
       (void)cudaSetDevice(front.device);
-      const cudaError_t q = cudaEventQuery(front.done);
+      const cudaError_t q = cudaEventQuery(front.events->done);
       // The call's clock starts when the GPU got to it (its `started` event).
       const cudaError_t s =
-          q == cudaErrorNotReady && !e.front_started ? cudaEventQuery(front.started) : q;
+          q == cudaErrorNotReady && !e.front_started ? cudaEventQuery(front.events->started) : q;
       (void)cudaSetDevice(prev);
       if (q == cudaSuccess) {
         e.calls.pop_front();
@@ -162,28 +210,39 @@ class Watchdog {
     cudaEvent_t read = nullptr;
     std::vector<uint32_t> flags;
     bool unreadable = false;
+    // The flags, read on a stream of our own into the rank's page-locked buffer (made at set-up:
+    // into pageable memory the copy would not return before it completed) and awaited with a
+    // bound: that stream may share the blocked hardware queue.
+    PinnedHost* host =
+        gen != nullptr && gen->num_flags > 0 && static_cast<size_t>(c.rank) < gen->flag_reads.size()
+            ? gen->flag_reads[static_cast<size_t>(c.rank)].get()
+            : nullptr;
     if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess &&
-        cudaEventCreateWithFlags(&read, cudaEventDisableTiming) == cudaSuccess && gen != nullptr &&
-        gen->num_flags > 0) {
-      // The flags, read on a stream of our own and awaited with a bound: that
-      // stream may share the blocked hardware queue. The host buffer outlives
-      // an unfinished copy (leaked then, never freed under the GPU).
-      auto* host = new std::vector<uint32_t>(static_cast<size_t>(2 * gen->num_flags), 0);
-      const void* base = reinterpret_cast<const void*>(gen->Flag(c.rank, 0, 0, c.rank));
-      bool done = cudaMemcpyAsync(host->data(), base, host->size() * sizeof(uint32_t),
-                                  cudaMemcpyDeviceToHost, side) == cudaSuccess &&
-                  cudaEventRecord(read, side) == cudaSuccess;
-      const auto until = Now() + kFlagRead;
-      cudaError_t q = cudaErrorNotReady;
-      while (done && (q = cudaEventQuery(read)) == cudaErrorNotReady && Now() < until)
-        Sleep(std::chrono::milliseconds(1));
-      if (done && q == cudaSuccess) {
-        flags = *host;
-        delete host;
+        cudaEventCreateWithFlags(&read, cudaEventDisableTiming) == cudaSuccess && host != nullptr) {
+      if (host->busy.exchange(true)) {
+        unreadable = true;  // an earlier read into it is still queued
       } else {
-        (void)cudaGetLastError();
-        unreadable = done;  // still queued: keep `host` alive for the copy
-        if (!done) delete host;
+        const void* base = reinterpret_cast<const void*>(gen->Flag(c.rank, 0, 0, c.rank));
+        const bool enqueued = cudaMemcpyAsync(host->ptr, base, host->bytes, cudaMemcpyDeviceToHost,
+                                              side) == cudaSuccess &&
+                              cudaEventRecord(read, side) == cudaSuccess;
+        const auto until = Now() + kFlagRead;
+        cudaError_t q = cudaErrorNotReady;
+        while (enqueued && (q = cudaEventQuery(read)) == cudaErrorNotReady && Now() < until)
+          Sleep(std::chrono::milliseconds(1));
+        if (enqueued && q == cudaSuccess) {
+          const auto* words = static_cast<const uint32_t*>(host->ptr);
+          flags.assign(words, words + host->bytes / sizeof(uint32_t));
+          host->busy = false;
+        } else {
+          (void)cudaGetLastError();
+          unreadable = enqueued;
+          if (enqueued) {
+            KeepForever(gen);  // the copy may still land: its buffer is never freed
+          } else {
+            host->busy = false;
+          }
+        }
       }
     }
     std::string missing;
@@ -233,6 +292,13 @@ class Watchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<Key, Entry> entries_;
+  struct WatchedAborts {
+    std::weak_ptr<const NcclComms> comms;
+    std::string clique;
+    Clock::time_point deadline;
+    std::chrono::milliseconds timeout;
+  };
+  std::vector<WatchedAborts> aborts_;
   bool thread_started_ = false;
   std::atomic<bool> virtual_clock_{false};  // UseVirtualClock: no thread, time from Advance
   std::atomic<Clock::rep> virtual_now_{0};  // since the virtual clock's epoch
@@ -246,6 +312,11 @@ Watchdog& Instance() {
 }  // namespace
 
 void Watch(WatchedCall call) { Instance().Add(std::move(call)); }
+
+void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
+                 std::chrono::milliseconds timeout) {
+  Instance().AddAborts(std::move(comms), std::move(clique), timeout);
+}
 
 int PendingWatches() { return Instance().Pending(); }
 

@@ -1,14 +1,17 @@
 // The GPU-side timeout: a host thread watching every rank's queued calls.
 //
 // On the GPU a Wait (cuStreamWaitValue32) or an NCCL receive waits forever
-// if the peer never arrives. After each enqueue, CudaCall records a `done`
+// if the peer never arrives. After each enqueue, CudaSite records a `done`
 // event on XLA's stream and hands it to the watchdog; a `started` event,
 // recorded on XLA's stream before the call's first work, says when the GPU
-// got to it. A polling thread (it runs only while calls are pending) queries
-// each rank's oldest pending call; the clock of a call starts when its
-// `started` event is seen complete (the host may run far ahead of the GPU:
-// time the call spends queued behind XLA's work or earlier calls does not
-// count; those are watched themselves). When it is older than the call's timeout
+// got to it. Each call has events of its own (never re-recorded while it is
+// watched, however many calls the host queues behind it). A polling thread
+// (it runs only while calls are pending) queries each rank's oldest pending
+// call; the clock of a call starts when its `started` event is seen complete
+// (the host may run far ahead of the GPU: time the call spends queued behind
+// XLA's work or earlier calls does not count; those are watched themselves,
+// and the calls queued behind a stuck one wait for it: it is the one that
+// fires). When it is older than the call's timeout
 // (JAXOVERLAP_TIMEOUT_S, the timeout_ms attribute), it
 //   1. reads the rank's flags and reports, with JO_WARN, which flag from
 //      which peer never arrived (or that it is stuck inside NCCL);
@@ -47,9 +50,9 @@ struct WatchedCall {
   std::weak_ptr<CudaClique> clique;
   int32_t rank = 0;
   int device = 0;
-  cudaEvent_t started = nullptr;  // recorded on XLA's stream before the call's first work
-  cudaEvent_t done = nullptr;     // recorded on XLA's stream after the call
-  int64_t slots = 1;              // done events are reused every `slots` epochs
+  // The call's own events on XLA's stream (clique_state.h): `started` before its first work,
+  // `done` after it; never re-recorded while held here.
+  std::shared_ptr<const CallEvents> events;
   int64_t epoch = 0;
   std::weak_ptr<const Generation> gen;             // the clique frees it once every rank is past it
   std::vector<std::pair<int32_t, int32_t>> waits;  // (flag id, writer) of the program's Waits
@@ -60,6 +63,13 @@ struct WatchedCall {
 
 // Registers the newest call of (clique, rank), after the rank's earlier ones.
 void Watch(WatchedCall call);
+
+// Reports, once, with JO_WARN, aborts of `comms` (a clique's, named `clique`) still running
+// `timeout` after this call, the watchdog's clock: ncclCommAbort frees device memory, which waits
+// for the device's other work, so an abort can hang (NCCL issue #549); nobody waits for one, so
+// this is where it is said while it happens (the clique's description names it too).
+void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
+                 std::chrono::milliseconds timeout);
 
 // For info() and tests: number of ranks with pending calls.
 int PendingWatches();

@@ -20,7 +20,8 @@
 //   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
 //   bidirectional bool, tf32 bool (float32 GEMMs may use TF32: the op's
 //   precision allows it), algorithm i32 (matmul_ar: 0 two-shot, 1 one-shot,
-//   whose rows need not split; 0 for the others), timeout_ms i64, and the
+//   whose rows need not split; 0 for the others), fused bool (one persistent
+//   GEMM: ag_matmul and matmul_rs over p2p or multicast), timeout_ms i64, and the
 //   rank table in (group, rank) order: processes i64[], device_ids i64[]
 //   (JAX's global ids), ordinals i64[] (local ordinals). The table is empty
 //   only for a CPU call in one process whose mesh was abstract where it
@@ -54,6 +55,7 @@ struct CallAttrs {
   bool bidirectional;
   bool tf32;
   int32_t algorithm;
+  bool fused;
   int64_t timeout_ms;
   ffi::Span<const int64_t> processes, device_ids, ordinals;
 };
@@ -66,7 +68,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("axis"), ::xla::ffi::StructMember<int64_t>("axis_size"),
     ::xla::ffi::StructMember<int32_t>("transport"), ::xla::ffi::StructMember<int64_t>("chunks"),
     ::xla::ffi::StructMember<bool>("bidirectional"), ::xla::ffi::StructMember<bool>("tf32"),
-    ::xla::ffi::StructMember<int32_t>("algorithm"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<int32_t>("algorithm"), ::xla::ffi::StructMember<bool>("fused"),
+    ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("ordinals"));
@@ -117,6 +120,10 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   if (a.algorithm < 0 || a.algorithm > 1 || (a.algorithm == 1 && a.op != 2))
     return bad("attribute algorithm expected 0 (two-shot) or, for matmul_ar, 1 (one-shot), got " +
                std::to_string(a.algorithm));
+  if (a.fused && (a.op == 2 || a.transport == 0))
+    return bad(
+        "attribute fused applies to ag_matmul and matmul_rs over p2p or multicast, never "
+        "nccl (docs/gpu.md §10)");
   if (a.timeout_ms < 1)
     return bad("attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
   if (a.device_ids.size() != n || a.ordinals.size() != n ||
@@ -135,6 +142,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   out->bidirectional = a.bidirectional;
   out->tf32 = a.tf32;
   out->algorithm = static_cast<ArAlgorithm>(a.algorithm);
+  out->fused = a.fused;
   out->timeout_ms = a.timeout_ms;
   out->table.axis_size = a.axis_size;
   out->table.processes.assign(a.processes.begin(), a.processes.end());
@@ -232,6 +240,7 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->bidirectional = d.bidirectional;
   q->tf32 = d.tf32;  // the GEMM ignores it but for float32 operands (cuda/gemm.cc)
   q->algorithm = d.algorithm;
+  q->fused = d.fused;
   q->k = xd[xd.size() - 1];
   q->cols = wd[1];
   q->batch = 1;

@@ -249,6 +249,8 @@ class Run {
         CopyBlock(op, packed.data(), dense, dst, op.d);
         return OkStatus();
       }
+      case OpKind::kFusedGemm:
+        return FusedGemm(op);
       case OpKind::kSignal:
         return clique_.Signal(ctx_, op.peer, op.id);
       case OpKind::kWait:
@@ -368,6 +370,25 @@ class Run {
         Sgemm(op.m, op.n, op.k, alpha, a32.data(), op.k, w32, ldw, beta, d32.data(), op.n);
         FromF32(q.out_dtype, d32.data(), op.m, op.n, db, op.d.ld);
       }
+    }
+    return OkStatus();
+  }
+
+  // The fused GEMM's semantics, block by block in its order: wait for the
+  // block's flag, multiply its rows, release it (the kernel does the same
+  // tile by tile: docs/gpu.md §10).
+  Status FusedGemm(const Op& op) {
+    const FusedBlocks& f = op.fused;
+    for (int32_t b : f.sequence) {
+      if (f.Waits(b)) JO_CHECK(clique_.WaitFlag(ctx_, f.writers[b], f.wait_flags + b));
+      Op rows = op;
+      rows.kind = OpKind::kGemm;
+      rows.m = f.rows.End(b) - f.rows.Begin(b);
+      rows.a.offset += f.rows.Begin(b) * op.a.ld;
+      rows.d.offset += f.rows.Begin(b) * op.d.ld;
+      JO_CHECK(Gemm(rows));
+      if (f.release_flags >= 0)
+        JO_CHECK(clique_.Signal(ctx_, p_.problem.rank, f.release_flags + b));
     }
     return OkStatus();
   }

@@ -85,6 +85,7 @@ void BindConfig(nb::module_& m) {
   field("devices", &Config::devices, "GPUs per played process.");
   field("cc_major", &Config::cc_major, "Compute capability, major.");
   field("cc_minor", &Config::cc_minor, "Compute capability, minor.");
+  field("sms", &Config::sms, "Multiprocessors per GPU (the fused GEMM's persistent CTAs).");
   field("multicast", &Config::multicast, "The driver has the multicast entry points.");
   field("shareable", &Config::shareable, "Memory exports to POSIX fds.");
   field("fabric", &Config::fabric, "Fabric handles are supported (multi-node NVLink).");
@@ -104,6 +105,8 @@ void BindConfig(nb::module_& m) {
         "Nonzero: seeds uneven speeds of the ranks' host threads.");
   field("kernel_images", &Config::kernel_images,
         "The fatbinary's variants per kernel family; None: this build's.");
+  field("fused_flag_shift", &Config::fused_flag_shift,
+        "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
   cls.def(
       "__init__",
       [setters](Config* self, nb::kwargs kwargs) {
@@ -138,6 +141,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
              int64_t hold_ms, const std::string& algorithm, const std::string& w_dtype,
              const std::string& out_dtype, std::vector<float> x_scales, std::vector<float> w_scales,
+             std::vector<int64_t> chunks_per_call, bool fused,
              std::optional<std::vector<int64_t>> site_keys) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
@@ -157,6 +161,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   q.return_gathered = return_gathered;
   q.tf32 = tf32;  // as given: the executor itself must drop it for half types
   q.algorithm = ParseAlgorithm(algorithm);
+  q.fused = fused;
   for (const nb::bytes& x : xs) played.xs.emplace_back(x.c_str(), x.size());
   for (const nb::bytes& w : ws) played.ws.emplace_back(w.c_str(), w.size());
   played.x_scales = std::move(x_scales);
@@ -172,6 +177,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   played.timeout_ms = timeout_ms;
   played.capture = capture;
   played.hold_ms = hold_ms;
+  played.chunks_per_call = std::move(chunks_per_call);
   jo::fake::PlayedOutcome outcome;
   jo::Status status;
   {
@@ -205,6 +211,20 @@ nb::dict LeaseRace(bool hold_lease) {
   out["aborts_when_abort_returned"] = outcome.aborts_when_abort_returned;
   out["aborts_at_end"] = outcome.aborts_at_end;
   out["acquire_after_abort"] = outcome.acquire_after_abort;
+  out["errors"] = outcome.errors;
+  return out;
+}
+
+nb::dict StuckAbort(bool stuck) {
+  jo::fake::StuckAbortOutcome outcome;
+  jo::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = jo::fake::StuckAbort(stuck, &outcome);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+  nb::dict out;
+  out["warning"] = outcome.warning;
   out["errors"] = outcome.errors;
   return out;
 }
@@ -244,18 +264,23 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
         nb::arg("algorithm") = "two_shot", nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
         nb::arg("x_scales") = std::vector<float>(), nb::arg("w_scales") = std::vector<float>(),
+        nb::arg("chunks_per_call") = std::vector<int64_t>(), nb::arg("fused") = false,
         nb::arg("site_keys") = nb::none(),
         "Plays `calls` calls on every rank (fake_harness.h, PlayCalls). dtype is x's (w_dtype "
         "and out_dtype default to it); xs and ws are bytes as the handler receives them (an "
         "fp8 w K-major: [cols, k] row-major); x_scales / w_scales: one float32 per rank "
-        "(empty: 1); site_keys: per rank, the key of a call site of its own (none: one site "
-        "shared by every rank).");
+        "(empty: 1); chunks_per_call: per call, its chunks (a call site per number of chunks); "
+        "fused: the fused GEMM's program (docs/gpu.md §10); site_keys: per rank, the key of a "
+        "call site of its own (none: one site shared by every rank).");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
   m.def("lease_race", &LeaseRace, nb::arg("hold_lease"),
         "The watchdog's NcclComms::Abort on another thread while an enqueue has the "
         "communicators (with or without its lease); what the fake recorded.");
+  m.def("stuck_abort", &StuckAbort, nb::arg("stuck"),
+        "An ncclCommAbort that cannot return (stuck=True) or can: the watchdog's warning, and "
+        "what the fake recorded.");
   m.def("misuse_checks", &jo::fake::MisuseChecks,
         "Does one wrong thing per check through the faked APIs; what the fake recorded for each.");
   m.def("last_warning", &jo::LastWarning, "The last JO_WARN text (where an error started).");

@@ -116,7 +116,7 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
                         int64_t batch, int64_t rows, int64_t k, int64_t cols,
                         const std::string& dtype, int64_t chunks, bool bidirectional,
                         bool return_gathered, const std::string& algorithm,
-                        const std::string& w_dtype, const std::string& out_dtype) {
+                        const std::string& w_dtype, const std::string& out_dtype, bool fused) {
   jo::Problem q;
   if (op == "ag_matmul")
     q.op = jo::Collective::kAgMatmul;
@@ -154,6 +154,7 @@ jo::Problem MakeProblem(const std::string& op, const std::string& transport, int
   else if (algorithm != "two_shot")
     throw nb::value_error(
         ("algorithm: expected 'two_shot' or 'one_shot', got '" + algorithm + "'").c_str());
+  q.fused = fused;
   return q;
 }
 
@@ -172,6 +173,41 @@ nb::dict RefDict(const jo::Ref& ref) {
   d["batch_stride"] = ref.batch_stride;
   d["ld"] = ref.ld;
   return d;
+}
+
+// A FusedGemm's row blocks (core/program.h FusedBlocks): shards x chunks
+// blocks of the rows, their order, waits (flag wait_flags + b, -1: none) and
+// releases (flag release_flags + b, -1: none).
+nb::dict FusedDict(const jo::FusedBlocks& f) {
+  nb::dict d;
+  d["shards"] = f.rows.shards;
+  d["chunks"] = f.rows.chunks;
+  d["shard_rows"] = f.rows.shard_rows;
+  d["order"] = f.key == jo::fused::OrderKey::kLastArrival ? "last_arrival" : "first_departure";
+  d["sequence"] = f.sequence;
+  d["wait_flags"] = f.wait_flags;
+  d["ready_shard"] = f.ready_shard;
+  d["writers"] = f.writers;
+  d["release_flags"] = f.release_flags;
+  return d;
+}
+
+jo::FusedBlocks FusedFromDict(nb::handle d) {
+  jo::FusedBlocks f;
+  f.rows.shards = nb::cast<int32_t>(d["shards"]);
+  f.rows.chunks = nb::cast<int32_t>(d["chunks"]);
+  f.rows.shard_rows = nb::cast<int64_t>(d["shard_rows"]);
+  const std::string order = nb::cast<std::string>(d["order"]);
+  if (order != "last_arrival" && order != "first_departure")
+    throw nb::value_error(("unknown fused order '" + order + "'").c_str());
+  f.key = order == "last_arrival" ? jo::fused::OrderKey::kLastArrival
+                                  : jo::fused::OrderKey::kFirstDeparture;
+  f.sequence = nb::cast<std::vector<int32_t>>(d["sequence"]);
+  f.wait_flags = nb::cast<int32_t>(d["wait_flags"]);
+  f.ready_shard = nb::cast<int32_t>(d["ready_shard"]);
+  f.writers = nb::cast<std::vector<int32_t>>(d["writers"]);
+  f.release_flags = nb::cast<int32_t>(d["release_flags"]);
+  return f;
 }
 
 nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
@@ -200,6 +236,12 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   d["d"] = has_d ? nb::object(RefDict(op.d)) : nb::none();
   d["a_scale"] = op.a_scaled ? nb::object(RefDict(op.a_scale)) : nb::none();
   d["b_scale"] = op.b_scaled ? nb::object(RefDict(op.b_scale)) : nb::none();
+  if (op.kind == jo::OpKind::kFusedGemm) {
+    d["a"] = RefDict(op.a);
+    d["b"] = RefDict(op.b);
+    d["d"] = RefDict(op.d);
+    d["fused"] = FusedDict(op.fused);
+  }
   d["text"] = jo::ToString(op);
   return d;
 }
@@ -208,10 +250,10 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
                           int64_t batch, int64_t rows, int64_t k, int64_t cols,
                           const std::string& dtype, int64_t chunks, bool bidirectional,
                           bool return_gathered, const std::string& algorithm,
-                          const std::string& w_dtype, const std::string& out_dtype) {
+                          const std::string& w_dtype, const std::string& out_dtype, bool fused) {
   const jo::Program p =
       Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, cols, dtype, chunks,
-                        bidirectional, return_gathered, algorithm, w_dtype, out_dtype));
+                        bidirectional, return_gathered, algorithm, w_dtype, out_dtype, fused));
   nb::dict out;
   out["op"] = op;
   out["transport"] = transport;
@@ -234,6 +276,7 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   out["bidirectional"] = p.problem.bidirectional;
   out["return_gathered"] = p.problem.return_gathered;
   out["algorithm"] = jo::ArAlgorithmName(p.problem.algorithm);
+  out["fused"] = p.problem.fused;
   out["cw_steps"] = p.cw_steps;
   out["ccw_steps"] = p.ccw_steps;
   out["num_streams"] = p.num_streams;
@@ -283,7 +326,8 @@ jo::Program ProgramFromDict(const nb::dict& d) {
       nb::cast<bool>(d["bidirectional"]), nb::cast<bool>(d["return_gathered"]),
       d.contains("algorithm") ? nb::cast<std::string>(d["algorithm"]) : std::string("two_shot"),
       d.contains("w_dtype") ? nb::cast<std::string>(d["w_dtype"]) : std::string(),
-      d.contains("out_dtype") ? nb::cast<std::string>(d["out_dtype"]) : std::string());
+      d.contains("out_dtype") ? nb::cast<std::string>(d["out_dtype"]) : std::string(),
+      d.contains("fused") && nb::cast<bool>(d["fused"]));
   p.chunks = nb::cast<int64_t>(d["chunks"]);
   p.cw_steps = nb::cast<int32_t>(d["cw_steps"]);
   p.ccw_steps = nb::cast<int32_t>(d["ccw_steps"]);
@@ -299,7 +343,7 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     jo::Op op;
     const std::string kind = nb::cast<std::string>(o["kind"]);
     bool known = false;
-    for (int k = 0; k <= static_cast<int>(jo::OpKind::kStreamWait); ++k)
+    for (int k = 0; k <= static_cast<int>(jo::OpKind::kFusedGemm); ++k)
       if (kind == jo::OpKindName(static_cast<jo::OpKind>(k)))
         op.kind = static_cast<jo::OpKind>(k), known = true;
     if (!known) throw nb::value_error(("unknown op kind '" + kind + "'").c_str());
@@ -323,6 +367,7 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     op.b_scaled = od.contains("b_scale") && !od["b_scale"].is_none();
     if (op.a_scaled) op.a_scale = RefFromDict(od["a_scale"]);
     if (op.b_scaled) op.b_scale = RefFromDict(od["b_scale"]);
+    if (op.kind == jo::OpKind::kFusedGemm) op.fused = FusedFromDict(o["fused"]);
     p.ops.push_back(op);
   }
   return p;
@@ -366,6 +411,7 @@ nb::list TakeCalls() {
     d["bidirectional"] = q.bidirectional;
     d["return_gathered"] = q.return_gathered;
     d["algorithm"] = jo::ArAlgorithmName(q.algorithm);
+    d["fused"] = q.fused;
     d["start_ns"] = call.start_ns;
     d["end_ns"] = call.end_ns;
     d["ok"] = call.ok;
@@ -462,7 +508,7 @@ NB_MODULE(_host, m) {
         nb::arg("rank"), nb::arg("batch"), nb::arg("rows"), nb::arg("k"), nb::arg("n"),
         nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
         nb::arg("return_gathered") = false, nb::arg("algorithm") = "two_shot",
-        nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
+        nb::arg("w_dtype") = "", nb::arg("out_dtype") = "", nb::arg("fused") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
         "output columns (w's); dtype: x's (NumPy names: float32, bfloat16, float16, "

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "core/fused_tiles.h"
+#include "core/issue_order.h"
+#include "core/program.h"
 
 namespace nb = nanobind;
 
@@ -89,9 +91,65 @@ nb::dict Order(int32_t shards, int32_t chunks, int64_t shard_rows, int64_t tile_
   return out;
 }
 
+// PersistentGrid: the CTAs and every unit of work's (batch, M slot, N tile).
+nb::dict Grid(int64_t m_tiles, int64_t n_tiles, int64_t batch, int32_t sm_count) {
+  if (m_tiles < 1 || n_tiles < 1 || batch < 1 || sm_count < 2)
+    throw nb::value_error("m_tiles, n_tiles, batch >= 1 and sm_count >= 2");
+  const jo::fused::PersistentGrid g =
+      jo::fused::PersistentGrid::Make(m_tiles, n_tiles, batch, sm_count);
+  std::vector<std::tuple<int32_t, int32_t, int32_t>> units;
+  for (int64_t i = 0; i < g.work(); ++i) {
+    int32_t l = 0, slot = 0, n = 0;
+    g.At(i, &l, &slot, &n);
+    units.emplace_back(l, slot, n);
+  }
+  nb::dict out;
+  out["ctas"] = g.ctas;
+  out["m_slots"] = g.m_slots;
+  out["units"] = units;
+  return out;
+}
+
+// The issue order (core/issue_order.h) of one rank of a bf16 call: the first op of
+// each unit, in order (the fused GEMM's rule is checked against it).
+std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& transport,
+                                  int32_t nranks, int32_t rank, int64_t rows, int64_t chunks,
+                                  bool bidirectional, bool return_gathered, bool fused) {
+  jo::Problem q;
+  q.op = op == "ag_matmul" ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
+  q.transport = transport == "nccl"  ? jo::Transport::kNccl
+                : transport == "p2p" ? jo::Transport::kP2p
+                                     : jo::Transport::kMulticast;
+  q.nranks = nranks;
+  q.rank = rank;
+  q.rows = rows;
+  q.k = 8;
+  q.cols = 8;
+  q.x_dtype = q.w_dtype = q.out_dtype = jo::DType::kBF16;
+  q.chunks = chunks;
+  q.bidirectional = bidirectional;
+  q.return_gathered = return_gathered;
+  q.fused = fused;
+  std::vector<jo::IssueUnit> order;
+  const jo::Status status = jo::IssueOrder(q, &order);
+  if (!status.ok()) throw nb::value_error(status.ToString().c_str());
+  std::vector<int32_t> out;
+  for (const jo::IssueUnit& unit : order) out.push_back(unit.begin);
+  return out;
+}
+
 }  // namespace
 
 void BindFusedTiles(nb::module_& m) {
+  m.def("issue_order", &IssueOrderOf, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
+        nb::arg("rank"), nb::arg("rows"), nb::arg("chunks"), nb::arg("bidirectional"),
+        nb::arg("return_gathered"), nb::arg("fused"),
+        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8): the index of "
+        "each unit's first op in the program (build_program's), in issue order.");
+  m.def("fused_grid", &Grid, nb::arg("m_tiles"), nb::arg("n_tiles"), nb::arg("batch"),
+        nb::arg("sm_count"),
+        "PersistentGrid::Make: the persistent CTAs, the M slots, and (batch, M slot, N tile) of "
+        "every unit of work in order.");
   m.def("fused_mapping", &Mapping, nb::arg("shards"), nb::arg("chunks"), nb::arg("shard_rows"),
         nb::arg("tile_rows"),
         "core/fused_tiles.h for one shape: each block's rows [begin, end), the block of every "

@@ -26,7 +26,7 @@ from jaxoverlap import _precision
 from jaxoverlap._config import timeout_ms
 from jaxoverlap._native import capabilities
 from jaxoverlap._native.call import NativeCall
-from jaxoverlap._plan import AR_ALGORITHMS, OPS, OpPlan
+from jaxoverlap._plan import AR_ALGORITHMS, FUSED_TRANSPORTS, OPS, OpPlan
 
 # The C++ member types an attribute may have, and how its Python value is made exactly so.
 ENCODERS: dict[str, Callable[[Any], Any]] = {
@@ -59,6 +59,15 @@ def _tf32(plan: OpPlan, x) -> bool:
     return _precision.allows_tf32(plan.precision) and jnp.dtype(x.dtype) == jnp.float32
 
 
+def _fused(plan: OpPlan, call: NativeCall) -> bool:
+    """Does the call run the fused GEMM? Its plan says so and its transport is one the fused
+    GEMM runs with. A plan the model picked leaves the transport to the call (``auto``), which
+    may resolve to nccl (a clique spanning processes): that call runs the chunked program. A
+    fused plan asked for explicitly names its transport (``_plan.make``), so it runs fused or
+    fails to resolve."""
+    return plan.fused and call.transport in FUSED_TRANSPORTS
+
+
 SCHEMA: tuple[Attribute, ...] = (
     Attribute("op", "int32_t", "0 ag_matmul, 1 matmul_rs, 2 matmul_ar",
               lambda plan, call, x: OPS.index(plan.op)),
@@ -80,6 +89,9 @@ SCHEMA: tuple[Attribute, ...] = (
               "for half types)", lambda plan, call, x: _tf32(plan, x)),
     Attribute("algorithm", "int32_t", "matmul_ar: 0 two-shot, 1 one-shot; 0 for the others",
               lambda plan, call, x: AR_ALGORITHMS.index(plan.algorithm)),
+    Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (ag_matmul, "
+              "matmul_rs over p2p or multicast; docs/gpu.md §10)",
+              lambda plan, call, x: _fused(plan, call)),
     Attribute("timeout_ms", "int64_t", "milliseconds any wait of the call may take",
               lambda plan, call, x: timeout_ms(plan.timeout_s), names_site=False),
     Attribute("processes", "ffi::Span<const int64_t>", "the rank table, in (group, rank) "

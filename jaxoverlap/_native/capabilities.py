@@ -237,6 +237,25 @@ def resolve_transport(platform: str, requested: str, preferred: str | None, *,
     return requested
 
 
+def fused_device_reason(platform: str) -> str | None:
+    """Why this process's devices of ``platform`` cannot run the fused GEMM (None: they can).
+
+    The host executor runs its semantics on CPU; on GPUs it is sm_90a code, which runs on
+    compute capability 9.0 only (docs/gpu.md §10): every GPU of the process must be one.
+    """
+    if platform not in GPU_PLATFORMS:
+        return None if platform == "cpu" else f"no fused GEMM on platform {platform!r}"
+    caps = gpu_table()
+    devices = caps.get("devices", [])
+    if not devices:
+        return f"no usable GPU ({caps.get('error')})"
+    other = [d["ordinal"] for d in devices if tuple(d["compute_capability"]) != (9, 0)]
+    if other:
+        return (f"GPU(s) {other} are not compute capability 9.0: the fused GEMM is sm_90a code "
+                "(H100, H200, GH200 only)")
+    return None
+
+
 def offered_transports(platform: str) -> tuple[str, ...]:
     """Transports that can serve calls among this process's devices of ``platform``.
 

@@ -225,7 +225,7 @@ class _Engine:
             self.activities.append(_Activity(model.elementwise_time(p, op["bytes"], 3), done,
                                              rank=r))
         elif kind == "FusedGemm":
-            run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), op["blocks"], done)
+            run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done)
             self.at(self.now + run.plan.overhead, lambda: self.fused.append(run))
         elif kind == "Copy":
             dst = op["d"]["rank"] if op["d"]["buf"] == "WORKSPACE" else r
@@ -363,82 +363,70 @@ class _Engine:
 class _FusedGemm:
     """One persistent fused GEMM on one rank, tile by tile (``fused.TilePlan``).
 
-    CTA c of the persistent grid takes slots c, c + grid, ... of the tile order; a slot's
-    tile starts once the CTA finished its previous one and every block the tile reads
-    has arrived (its flags visible). CTAs in the same state move together as a cohort
-    (a range of consecutive slots), one compute activity per cohort, so a call has a
-    handful of activities, not one per tile. A block whose tiles are all stored is
-    released (its Records / Signals fire: the epilogue's flag).
+    CTA j of a lane takes units j, j + ctas, ... of the lane (the stock scheduler's static
+    striding, ``fused.grid``); a unit's tile starts once the CTA finished its previous one and
+    every block the tile waits for has arrived (its flag visible). CTAs in the same state move
+    together as a cohort (a range of consecutive units of one run), one compute activity per
+    cohort, so a call has a handful of activities, not one per tile. A block whose tiles are
+    all stored is released: its flag is raised (the epilogue's release), visible one flag
+    latency later, as a stream's Signal.
     """
 
     def __init__(self, engine: _Engine, rank: int, plan: fused.TilePlan,
-                 blocks: Sequence[dict[str, Any]], on_done: Callable[[], None]):
-        self.e, self.rank, self.plan, self.blocks = engine, rank, plan, blocks
+                 on_done: Callable[[], None]):
+        self.e, self.rank, self.plan = engine, rank, plan
         self.on_done = on_done
-        self.left = plan.tiles
-        self.block_left = list(plan.block_tiles)
-        self.stalled: list[tuple[int, int, int]] = []  # (first slot, end slot, run)
-        self.queue(0, plan.grid)
+        self.left = sum(lane.units for lane in plan.lanes)
+        self.block_left = list(plan.block_units)
+        self.stalled: list[tuple[int, int, int, int]] = []  # (lane, first unit, end, run)
+        for i, lane in enumerate(plan.lanes):
+            self.queue(i, 0, lane.ctas)
 
-    def queue(self, a: int, b: int) -> None:
-        """Slots [a, b) (one per CTA) wait for their runs' blocks."""
-        b = min(b, self.plan.tiles)
-        for i, run in enumerate(self.plan.runs):
+    def queue(self, lane: int, a: int, b: int) -> None:
+        """Units [a, b) of `lane` (one per CTA) wait for their runs' blocks."""
+        runs = self.plan.lanes[lane].runs
+        b = min(b, self.plan.lanes[lane].units)
+        for i, run in enumerate(runs):
             lo, hi = max(a, run.start), min(b, run.end)
             if lo < hi:
-                self.stalled.append((lo, hi, i))
+                self.stalled.append((lane, lo, hi, i))
 
     def ready(self, block: int) -> bool:
-        e = self.e
-        for what, id_ in self.blocks[block]["waits"]:
-            if what == "flag":
-                t = e.flags.get((self.rank, id_))
-            else:
-                t = e.events.get((self.rank, id_))
-                t = None if t is None else t + e.p.event_latency_us * model.US
-            if t is None or t > e.now:
-                return False
-        return True
+        t = self.e.flags.get((self.rank, self.plan.wait_flags + block))
+        return t is not None and t <= self.e.now
 
     def poll(self) -> bool:
         """Starts every stalled cohort whose blocks arrived; True if any started."""
+        lanes = self.plan.lanes
         started = [c for c in self.stalled
-                   if all(self.ready(b) for b in self.plan.runs[c[2]].waits)]
+                   if all(self.ready(b) for b in lanes[c[0]].runs[c[3]].waits)]
         for c in started:
             self.stalled.remove(c)
             self.e.activities.append(_Activity(self.plan.tile_seconds,
                                                lambda c=c: self.stored(*c), rank=self.rank))
         return bool(started)
 
-    def stored(self, a: int, b: int, run_index: int) -> None:
-        """The cohort's tiles are stored: count them into their blocks, take the next slots."""
-        run = self.plan.runs[run_index]
-        slot = run.start
-        for count, touched in run.row_tiles:
-            n = min(b, slot + count) - max(a, slot)
-            if n > 0:
-                for block in touched:
-                    self.block_left[block] -= n
-                    if self.block_left[block] == 0:
-                        self.release(block)
-            slot += count
+    def stored(self, lane: int, a: int, b: int, run_index: int) -> None:
+        """The cohort's tiles are stored: count them into their blocks, take the next units."""
+        for block in self.plan.lanes[lane].runs[run_index].touched:
+            self.block_left[block] -= b - a
+            if self.block_left[block] == 0:
+                self.release(block)
         self.left -= b - a
         if self.left == 0:
             self.e.fused.remove(self)
             self.on_done()
             return
-        self.queue(a + self.plan.grid, b + self.plan.grid)
+        ctas = self.plan.lanes[lane].ctas
+        self.queue(lane, a + ctas, b + ctas)
 
     def release(self, block: int) -> None:
+        if self.plan.release_flags < 0:
+            return
         e = self.e
-        for op in self.blocks[block]["releases"]:
-            if op["kind"] == "Signal":
-                t = e.now + e.p.signal_latency_us * model.US
-                e.flags[(op["peer"], op["id"])] = t
-                e.at(t, lambda: None)
-            else:
-                e.events[(self.rank, op["id"])] = e.now
-                e.at(e.now + e.p.event_latency_us * model.US, lambda: None)
+        t = e.now + e.p.signal_latency_us * model.US
+        e.flags[(self.rank, self.plan.release_flags + block)] = t
+        e.at(t, lambda: None)
 
 
 def simulate_programs(programs: Sequence[Program], preset: Preset,

@@ -1,59 +1,50 @@
 """The fused path (a model): one persistent GEMM whose tiles wait on per-block flags.
 
-The chunked programs (``_host.build_program``) run one cuBLASLt GEMM per row block (a
-shard, or a sub-chunk of one) on the compute stream, each after a stream wait for its
-flag and each followed by the event or flag that releases it to a comm stream. The
-fused path (docs/gpu.md §10) replaces that chain by ONE persistent GEMM over all the
-rows: its CTAs take the tiles in the order the blocks arrive (all-gather + GEMM: the
-local shard first) or leave (GEMM + reduce-scatter: the order the comm stream sends
-them), a tile waits in the kernel for the flags of the blocks its rows read, and the
-epilogue releases a block once all its tiles are stored. The transfers stay those of
-today's programs (copy engine or switch: no SMs next to the kernel).
+The fused programs are the executors' own (``_host.build_program(..., fused=True)``,
+docs/native.md §3 and docs/gpu.md §10): the compute stream runs ONE ``FusedGemm`` op over
+every row block instead of a GEMM per block. All-gather + GEMM: the kernel waits for each
+block's flag before loading its rows (the transfers are today's: copy engine or switch).
+GEMM + reduce-scatter: the kernel only releases, each destination's partial once its tiles
+are stored; over ``p2p`` the comm stream copies it into its owner's workspace and the owner
+sums the partials after the kernel, over ``multicast`` the owner load-reduces them. This
+module says where the fused path is offered (``why_not``) and what the event engine needs to
+play a ``FusedGemm`` tile by tile (``tile_plan``, ``engine.py``):
 
-``fold`` turns a chunked program into that program: stream 0's chain of Wait / Gemm /
-Record / Signal ops becomes one ``FusedGemm`` op carrying each block's waits and
-releases (in the kernel: not host-enqueued), the rest stays. ``TilePlan`` is what the
-event engine needs to run it tile by tile (``engine.py``):
-
-* the kernel's own speed: the whole GEMM's cuBLAS time (one GEMM over every row: one
-  wave quantisation, one launch) divided by ``Preset.fused_gemm_rate``, the published
-  ratio of fused GEMMs alone to cuBLAS (``sim.published.FUSED_GEMMS_ALONE``);
-* its tiles: ``Preset.fused_gemm_tile`` CTA tiles, one per CTA at a time, each CTA of
-  the persistent grid taking slots c, c + grid, c + 2 grid, ... of the tile order (the
-  static striding of CUTLASS's persistent scheduler), so a late block stalls exactly
-  the CTAs whose next tile reads it, and the last block's tiles are a partial wave;
-* its order and row blocks: those of ``cpp/core/fused_tiles.h`` (a tile touching
-  several blocks waits for, or feeds, all of them).
+* the kernel's own speed: the whole GEMM's cuBLAS time (one GEMM over every row: one wave
+  quantisation, one launch) divided by ``Preset.fused_gemm_rate``, the published ratio of
+  fused GEMMs alone to cuBLAS (``sim.published.FUSED_GEMMS_ALONE``);
+* its tiles, where the kernel's persistent CTAs take them: CUTLASS's stock sm90 scheduler
+  (static striding; clusters of two CTAs along M, raster along N, batches outermost), the
+  M slots mapped through the tile order of ``cpp/core/fused_tiles.h`` (``PersistentGrid``
+  there; ``grid`` below mirrors it and ``tests/native/test_fused_tiles.py`` holds the two to
+  each other). The two CTAs of a cluster always take the two M slots of a pair, so the grid is
+  two *lanes* (even and odd M slots) of static striding each;
+* its row blocks and their flags: those of the op (a tile touching several blocks waits
+  for, or feeds, all of them).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jaxoverlap.sim import model
-from jaxoverlap.sim.presets import Preset
+from jaxoverlap.sim.presets import Preset, canonical_dtype
 
-Program = dict[str, Any]
 OPS = ("ag_matmul", "matmul_rs")  # the ops with a fused path
 TRANSPORTS = ("p2p", "multicast")  # never nccl: docs/gpu.md §10, rule 1
-_WAITS = ("Wait", "StreamWait")
-_RELEASES = ("Record", "Signal")
+DTYPES = ("bfloat16", "float16")  # the kernel's instantiations
+ALIGN = 8  # elements: rows of whole 16-byte units (TMA), for both 16-bit types
 
 
-def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_shot",
-            rows: int | None = None, chunks: int = 1) -> str:
-    """Why the fused path is not offered for this call ("" when it is); ``rows``: per shard.
+def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_shot", *,
+            dtype: str | None = None, k: int | None = None, n: int | None = None) -> str:
+    """Why the fused path is not offered for this call ("" when it is): the executors' own
+    refusals (``cpp/core/build.cc``, the CUDA executor's prepare) and the preset's GPU.
 
-    GEMM + reduce-scatter over the ``p2p`` ring keeps today's reduction in the GEMM (beta =
-    1 onto the accumulator received from the previous rank), so its tiles wait for the
-    accumulator's flag as well as release their block: a tile straddling two blocks would
-    wait for a block that leaves later than the one it releases, and around the ring that
-    deadlocks. Its blocks must be whole tiles (``rows / chunks`` a multiple of the tile's
-    rows at every sub-chunk boundary).
+    ``dtype``, ``k`` and ``n`` (the per-rank K and output columns) are checked when given.
     """
     if op not in OPS or algorithm != "two_shot":
         return f"the fused GEMM serves {OPS}, not {op!r} ({algorithm})"
@@ -64,88 +55,30 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
     if not p.fused_gemm:
         return (f"preset {p.name!r} (compute capability {p.compute_capability}): the fused "
                 "GEMM is sm_90a code and runs on compute capability 9.0 (Hopper) only")
-    tile = p.fused_gemm_tile[0]
-    if (op == "matmul_rs" and transport == "p2p" and rows is not None
-            and any(rows * c // chunks % tile for c in range(chunks + 1))):
-        return (f"GEMM + reduce-scatter over p2p: blocks of {rows} rows / {chunks} chunks are "
-                f"not whole {tile}-row tiles; a tile straddling two blocks of the ring would "
-                "wait for the later one's accumulator and deadlock")
+    if dtype is not None and canonical_dtype(dtype) not in DTYPES:
+        return f"dtype {dtype}: the fused GEMM is compiled for {DTYPES}"
+    if (k is not None and k % ALIGN) or (n is not None and n % ALIGN):
+        return (f"k={k}, n={n}: the fused GEMM loads and stores rows of whole 16-byte units "
+                f"(multiples of {ALIGN} elements)")
     return ""
 
 
-# ---- the program ----------------------------------------------------------------------------
+# ---- the persistent grid --------------------------------------------------------------------
 
 
-def fold(program: Program, op: str, transport: str) -> Program:
-    """``program`` with its compute stream's per-block GEMM chain folded into one FusedGemm.
+def grid(m_tiles: int, n_tiles: int, batch: int, sms: int) -> tuple[int, int]:
+    """(M slots, CTAs) of the stock scheduler's persistent grid: ``PersistentGrid::Make``."""
+    m_slots = (m_tiles + 1) // 2 * 2
+    gpcs, residual = (1, 0) if sms < 18 else divmod(sms, 18)
+    per_device = min(gpcs * 18 + residual - residual % 2, sms)
+    return m_slots, 2 * min(per_device // 2, m_slots * n_tiles * batch // 2)
 
-    The Waits before a Gemm become its block's waits, the Records / Signals after it the
-    block's releases (both done by the kernel, not enqueued by the host); other compute-
-    stream ops inside the chain (a bidirectional RS's final Add, AG's copies into the
-    gathered result) run after the kernel, in their order. With ``multicast`` all-gather
-    the rank's own multimem stores (kernels that need SMs) are ordered before the kernel
-    by a stream dependency (docs/gpu.md §10, rule 1).
-    """
-    ops = program["ops"]
-    s0 = [i for i, o in enumerate(ops) if o["stream"] == 0]
-    gemms = [i for i in s0 if ops[i]["kind"] == "Gemm"]
-    first, last = gemms[0], gemms[-1]
-    # the chain: from the waits right before the first Gemm to the releases right after the last
-    start = s0.index(first)
-    while start > 0 and ops[s0[start - 1]]["kind"] in _WAITS:
-        start -= 1
-    end = s0.index(last) + 1
-    while end < len(s0) and ops[s0[end]]["kind"] in _RELEASES:
-        end += 1
-    chain = [ops[i] for i in s0[start:end]]
-    blocks: list[dict[str, Any]] = []
-    after: list[dict[str, Any]] = []
-    waits: list[tuple[str, int]] = []
-    releasing = False  # right after a Gemm (or its releases)
-    for o in chain:
-        kind = o["kind"]
-        if kind in _WAITS:
-            waits.append(("flag" if kind == "Wait" else "event", int(o["id"])))
-        elif kind == "Gemm":
-            blocks.append({"shard": o["shard"], "sub": o["sub"], "m": o["m"], "waits": waits,
-                           "releases": [], "accumulate": bool(o.get("accumulate"))})
-            waits = []
-        elif kind in _RELEASES and releasing:
-            blocks[-1]["releases"].append(o)
-        else:
-            after.append(o)
-        releasing = kind == "Gemm" or (releasing and kind in _RELEASES)
-    g, m = ops[first], sum(b["m"] for b in blocks)
-    fused = {
-        "kind": "FusedGemm", "stream": 0, "batch": g["batch"], "m": m, "n": g["n"], "k": g["k"],
-        "accumulate": any(b["accumulate"] for b in blocks),
-        "bytes": sum(o["bytes"] for o in chain if o["kind"] == "Gemm"),
-        # the row blocks as the builders cut them: `chunks` sub-chunks of `rows` per shard
-        "rows": sum(b["m"] for b in blocks if b["shard"] == blocks[0]["shard"]),
-        "chunks": 1 + max(b["sub"] for b in blocks), "blocks": blocks,
-        "order": "last_arrival" if op == "ag_matmul" else "first_departure",
-        "text": f"FusedGemm({len(blocks)} blocks, {m} rows)"}
-    chained = {id(o) for o in chain}
-    # multicast AG: the own multimem stores (SM kernels) finish before the kernel starts
-    stores = [i for i, o in enumerate(ops) if o["kind"] == "McStore"]
-    stored = None
-    if op == "ag_matmul" and transport == "multicast" and stores:
-        stored = 1 + max((o["id"] for o in ops if o["kind"] in ("Record", "StreamWait")),
-                         default=-1)
-    out: list[dict[str, Any]] = []
-    for i, o in enumerate(ops):
-        if o is chain[0]:
-            if stored is not None:
-                out.append({"kind": "StreamWait", "stream": 0, "id": stored,
-                            "text": f"StreamWait(ev{stored}: own multicast stores)"})
-            out += [fused, *after]
-        if id(o) in chained:
-            continue
-        out.append(o)
-        if stored is not None and i == stores[-1]:
-            out.append({"kind": "Record", "stream": o["stream"], "id": stored,
-                        "text": f"Record(ev{stored})"})
-    return {**program, "ops": out}
+
+def unit(i: int, m_slots: int, n_tiles: int) -> tuple[int, int, int]:
+    """(batch, M slot, N tile) of unit of work ``i``: ``PersistentGrid::At``."""
+    batch, r = divmod(i, m_slots * n_tiles)
+    pair, odd = divmod(r, 2)
+    return batch, 2 * (pair // n_tiles) + odd, pair % n_tiles
 
 
 # ---- the tiles ------------------------------------------------------------------------------
@@ -153,82 +86,102 @@ def fold(program: Program, op: str, transport: str) -> Program:
 
 @dataclass(frozen=True)
 class Run:
-    """Consecutive slots of the tile order whose tiles share their order key."""
+    """Consecutive units of one lane whose tiles touch the same blocks."""
 
-    start: int  # first slot
-    end: int  # one past the last slot
-    waits: tuple[int, ...]  # the blocks (indices into FusedGemm["blocks"]) its tiles read
-    row_tiles: tuple[tuple[int, tuple[int, ...]], ...]  # (slots, blocks touched) per row tile
+    start: int  # first unit of the lane
+    end: int  # one past the last
+    touched: tuple[int, ...]  # the blocks its tiles' rows touch (none: a padding tile)
+    waits: tuple[int, ...]  # those the kernel waits for
+
+
+@dataclass(frozen=True)
+class Lane:
+    """The M slots of one parity: CTA j of the lane takes units j, j + ctas, ...; unit u of
+    batch l is M slot 2 (u // n_tiles) + parity, N tile u % n_tiles."""
+
+    runs: tuple[Run, ...]
+    units: int
+    ctas: int
 
 
 @dataclass(frozen=True)
 class TilePlan:
-    """How the engine runs one FusedGemm: its tiles, order, grid and time per tile."""
+    """How the engine runs one FusedGemm: its lanes, time per tile, flags."""
 
-    runs: tuple[Run, ...]
-    tiles: int  # every tile of the GEMM (slots of the order)
-    grid: int  # persistent CTAs
+    lanes: tuple[Lane, ...]
     tile_seconds: float  # one tile on one CTA at full speed
     overhead: float  # the kernel's launch, first-wave ramp and drain
-    block_tiles: tuple[int, ...]  # tiles touching each block (RS releases a block at 0)
+    block_units: tuple[int, ...]  # units touching each block (a block is released at 0)
+    wait_flags: int  # block b waits for own flag wait_flags + b (-1: no waits)
+    release_flags: int  # block b's tiles stored: own flag release_flags + b (-1: none)
 
     @property
     def alone(self) -> float:
         """The kernel alone, every block ready: its GEMM at the fused rate."""
-        return self.overhead + math.ceil(self.tiles / self.grid) * self.tile_seconds
-
-
-def _row_blocks(blocks: Sequence[dict[str, Any]], rows: int, chunks: int
-                ) -> list[tuple[int, int]]:
-    """[begin, end) rows of each block in the GEMM's M (shard s at rows s * rows; sub-chunk c
-    at rows * c / chunks: cpp/core/fused_tiles.h RowBlocks)."""
-    return [(b["shard"] * rows + rows * b["sub"] // chunks,
-             b["shard"] * rows + rows * (b["sub"] + 1) // chunks) for b in blocks]
+        return self.overhead + max(math.ceil(lane.units / lane.ctas) for lane in self.lanes
+                                   if lane.units) * self.tile_seconds
 
 
 @functools.lru_cache(maxsize=4096)
-def _tiling(spans: tuple[tuple[int, int], ...], tile_rows: int, col_tiles: int, batch: int,
-            last_arrival: bool) -> tuple[tuple[Run, ...], int, tuple[int, ...]]:
-    """The tile order over blocks given in processing order (``spans``: their rows)."""
-    total = max(e for _, e in spans)
-    row_tiles = math.ceil(total / tile_rows)
-    keyed = []
-    for t in range(row_tiles):
-        lo, hi = t * tile_rows, min((t + 1) * tile_rows, total)
-        touched = tuple(i for i, (b, e) in enumerate(spans) if b < hi and lo < e)
-        keyed.append((max(touched) if last_arrival else min(touched), t, touched))
-    keyed.sort()
-    per_row = col_tiles * batch
-    runs: list[Run] = []
-    slot = 0
-    block_tiles = [0] * len(spans)
-    i = 0
-    while i < len(keyed):
-        j = i
-        while j < len(keyed) and keyed[j][0] == keyed[i][0]:
-            j += 1
-        group = keyed[i:j]
-        waits = tuple(sorted({b for _, _, touched in group for b in touched}))
-        runs.append(Run(slot, slot + per_row * len(group), waits,
-                        tuple((per_row, touched) for _, _, touched in group)))
-        for _, _, touched in group:
-            for b in touched:
-                block_tiles[b] += per_row
-        slot += per_row * len(group)
-        i = j
-    return tuple(runs), slot, tuple(block_tiles)
+def _lanes(shards: int, chunks: int, shard_rows: int, sequence: tuple[int, ...],
+           last_arrival: bool, waited: tuple[bool, ...], tile_rows: int, n_tiles: int,
+           batch: int, sms: int) -> tuple[tuple[Lane, ...], tuple[int, ...]]:
+    """The lanes of one fused GEMM: the tile order of ``cpp/core/fused_tiles.h``
+    (``MakeTileOrder``: tiles by the position, in ``sequence``, of the last block they read or
+    the first they feed, then by index) through the persistent grid."""
+    def begin(b: int) -> int:
+        shard, sub = divmod(b, chunks)
+        return shard * shard_rows + shard_rows * sub // chunks
+
+    blocks = shards * chunks
+    rows = shards * shard_rows
+    m_tiles = math.ceil(rows / tile_rows)
+    spans = [(begin(b), begin(b + 1) if b + 1 < blocks else rows) for b in range(blocks)]
+    position = {b: i for i, b in enumerate(sequence)}
+    order = []
+    for t in range(m_tiles):
+        lo, hi = t * tile_rows, min((t + 1) * tile_rows, rows)
+        touched = tuple(b for b, (s, e) in enumerate(spans) if s < hi and lo < e)
+        keys = [position[b] for b in touched]
+        order.append((max(keys) if last_arrival else min(keys), t, touched))
+    order.sort()
+    m_slots, ctas = grid(m_tiles, n_tiles, batch, sms)
+    block_units = [0] * blocks
+    lanes = []
+    for parity in (0, 1):
+        runs: list[Run] = []
+        slots = range(parity, m_slots, 2)
+        for batch_index in range(batch):
+            for q, slot in enumerate(slots):
+                touched = order[slot][2] if slot < m_tiles else ()
+                start = (batch_index * len(slots) + q) * n_tiles
+                if runs and runs[-1].touched == touched and runs[-1].end == start:
+                    runs[-1] = Run(runs[-1].start, start + n_tiles, touched, runs[-1].waits)
+                else:
+                    runs.append(Run(start, start + n_tiles, touched,
+                                    tuple(b for b in touched if waited[b])))
+                for b in touched:
+                    block_units[b] += n_tiles
+        lanes.append(Lane(tuple(runs), batch * len(slots) * n_tiles, ctas // 2))
+    return tuple(lanes), tuple(block_units)
 
 
 def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
-    """The FusedGemm ``op`` on preset ``p``: its tiles in order and the time per tile."""
+    """The FusedGemm ``op`` (a program op of ``_host.build_program``) on preset ``p``."""
+    f = op["fused"]
     tm, tn = p.fused_gemm_tile
-    spans = tuple(_row_blocks(op["blocks"], op["rows"], op["chunks"]))
-    runs, tiles, block_tiles = _tiling(spans, tm, math.ceil(op["n"] / tn), op["batch"],
-                                       op["order"] == "last_arrival")
-    busy = kernel_busy(p, dtype, op["batch"], op["m"], op["n"], op["k"], op["accumulate"])
-    grid = min(p.sms, tiles)
-    return TilePlan(runs, tiles, grid, busy / p.fused_gemm_rate / math.ceil(tiles / grid),
-                    p.gemm_overhead_us * model.US, block_tiles)
+    chunks, shard_rows = f["chunks"], f["shard_rows"]
+    waited = tuple(f["wait_flags"] >= 0 and b // chunks != f["ready_shard"]
+                   for b in range(f["shards"] * chunks))
+    lanes, block_units = _lanes(f["shards"], chunks, shard_rows, tuple(f["sequence"]),
+                                f["order"] == "last_arrival", waited, tm,
+                                math.ceil(op["n"] / tn), op["batch"], p.sms)
+    busy = kernel_busy(p, dtype, op["batch"], op["m"], op["n"], op["k"])
+    tiles = math.ceil(op["m"] / tm) * math.ceil(op["n"] / tn) * op["batch"]
+    ctas = sum(lane.ctas for lane in lanes)
+    return TilePlan(lanes, busy / p.fused_gemm_rate / math.ceil(tiles / ctas),
+                    p.gemm_overhead_us * model.US, block_units, f["wait_flags"],
+                    f["release_flags"])
 
 
 def kernel_busy(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,

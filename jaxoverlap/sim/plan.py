@@ -139,14 +139,9 @@ class SimResult:
 def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
              bidirectional: bool, return_gathered: bool,
              algorithm: str = "two_shot", fused: bool = False) -> tuple[dict, ...]:
-    """Every rank's program (cached: the simulator only reads them); ``fused``: with the
-    compute stream's GEMMs folded into one fused GEMM (``sim.fused.fold``)."""
+    """Every rank's program (cached: the simulator only reads them); ``fused``: the fused
+    programs, whose compute stream runs one persistent GEMM (``sim.fused``)."""
     from jaxoverlap._native.runtime import load_host
-
-    if fused:
-        return tuple(fused_path.fold(pr, op, transport)
-                     for pr in programs(op, transport, nranks, shape, dtype, chunks,
-                                        bidirectional, return_gathered, algorithm))
 
     rows = shape.rows
     if op == "matmul_ar" and algorithm == "two_shot":
@@ -158,7 +153,8 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
     return tuple(host.build_program(op, transport, nranks, r, shape.batch, rows, shape.k,
                                     shape.n, dtype=dtype, chunks=chunks,
                                     bidirectional=bidirectional,
-                                    return_gathered=return_gathered, algorithm=algorithm)
+                                    return_gathered=return_gathered, algorithm=algorithm,
+                                    fused=fused)
                  for r in range(nranks))
 
 
@@ -188,8 +184,8 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
                          model.collective_floor(p, "nccl", nranks, s, op))
     transport = "nccl" if c.impl == "ring" else (c.transport or "nccl")
     p.transport_gbps(transport)  # raises when the machine lacks it
-    if c.fused and (why := fused_path.why_not(p, op, transport, c.algorithm, shape.rows,
-                                              c.chunks)):
+    if c.fused and (why := fused_path.why_not(p, op, transport, c.algorithm, dtype=dtype,
+                                              k=shape.k, n=shape.n)):
         raise ValueError(f"candidate {c.label!r}: {why}")
     chunks = 1 if c.impl == "ring" else c.chunks
     ranks = programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
@@ -216,14 +212,17 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
                chunk_options: Sequence[int] = (1, 2, 4, 8),
                impls: Iterable[str] = IMPLS,
                transports: Iterable[str] | None = None, op: str | None = None,
-               algorithms: Iterable[str] = ALGORITHMS, fused: bool = True) -> list[Candidate]:
+               algorithms: Iterable[str] = ALGORITHMS, fused: bool = True,
+               dtype: str | None = None) -> list[Candidate]:
     """Every plan the machine supports, simplest first (ties keep the simplest).
 
     For ``op="matmul_ar"`` also every allowed algorithm: two-shot where the rows split
     into N blocks; one-shot unchunked and in one direction (a latency-bound call gains
     nothing from pipelining, and it has no ring). ``fused``: also the fused plans
     (``sim.fused``) where they run — AG+GEMM and GEMM+RS (``op`` None: either), ``p2p``
-    and ``multicast``, compute capability 9.0 — after the chunked ones.
+    and ``multicast``, compute capability 9.0, 16-bit ``dtype`` (when given) and rows of
+    whole 16-byte units — after the chunked ones. Over ``multicast``, and for GEMM+RS (whose
+    fused program scatters every partial straight to its owner), in one direction only.
     """
     p = load_preset(preset)
     impls = tuple(impls)
@@ -249,11 +248,13 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
             if "one_shot" in algorithms:
                 out.append(Candidate("native", t, 1, False, "one_shot"))
         for t in allowed if fused else ():
+            ops = (op,) if op else fused_path.OPS
+            if any(fused_path.why_not(p, o, t, dtype=dtype, k=shape.k, n=shape.n) for o in ops):
+                continue
+            ring = t == "p2p" and op != "matmul_rs"
             for c in sorted({min(max(1, c), rows) for c in chunk_options}):
-                if not any(fused_path.why_not(p, o, t, rows=rows, chunks=c)
-                           for o in ((op,) if op else fused_path.OPS)):
-                    for b in (directions if t != "multicast" else (False,)):
-                        out.append(Candidate("native", t, c, b, fused=True))
+                for b in (directions if ring else (False,)):
+                    out.append(Candidate("native", t, c, b, fused=True))
     return out
 
 
@@ -311,7 +312,8 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     """
     p = load_preset(preset)
     min_gain = p.margin(op) if min_gain is None else min_gain
-    cands = list(cands) if cands is not None else candidates(p, nranks, shape, op=op)
+    cands = (list(cands) if cands is not None
+             else candidates(p, nranks, shape, op=op, dtype=dtype))
     if not any(c.impl == "xla" for c in cands):
         cands.insert(0, Candidate("xla", None))
     table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]

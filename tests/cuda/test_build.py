@@ -18,10 +18,13 @@ def test_imports_and_reports_build(cuda):
     info = cuda.build_info()
     assert info["cuda_runtime_linkage"] == "static"
     assert info["transports"] == ("nccl", "p2p", "multicast")
-    # No arch-specific (sm_90a) code: it could not run on newer GPUs (docs/gpu.md).
+    # No arch-specific (sm_90a) code but the fused GEMM's, which runs on compute capability 9.0
+    # only and is refused elsewhere (docs/gpu.md §10): the others must run on newer GPUs.
     assert info["kernel_images"] == {"add": ("sm_80", "sm_90", "compute_90"),
+                                     "fused": ("sm_90a",),
                                      "multimem": ("sm_90", "compute_90")}
-    assert info["kernels"] == "add: sm_80 sm_90 compute_90; multimem: sm_90 compute_90"
+    assert info["kernels"] == ("add: sm_80 sm_90 compute_90; fused: sm_90a; "
+                               "multimem: sm_90 compute_90")
     assert info["nccl_headers"].startswith("2.")
 
 

@@ -1,12 +1,14 @@
 """The fake's rules about host calls that wait for the GPU (cpp/cuda/fake/fake_waits.cc).
 
-cudaMalloc / cudaFree and the VMM unmap / release calls wait for every queue of their device;
+cudaMalloc / cudaFree, cudaMallocHost and the VMM unmap / release calls wait for every queue of
+their device, and a device-to-host copy into pageable memory returns only once it has completed;
 with lazy loading (CUDA's default, ``CUDA_MODULE_LOADING=EAGER`` turns it off) the first use of a
 kernel or cuBLASLt algorithm on a device waits for it too; ``ncclCommAbort`` frees memory, so it
-waits for other communicators' kernels on its device. A host thread that waits so while the GPU
-waits for work only it (or another waiting thread) would enqueue is a deadlock: the fake reports
-it with the queues' state and fails the call instead of hanging. One deliberate misuse per rule,
-with a control doing the same in an order that completes.
+waits for other communicators' kernels on its device; NCCL's first send/recv to a peer connects
+to it, allocating device memory, which waits for the device too. A host thread that waits so
+while the GPU waits for work only it (or another waiting thread) would enqueue is a deadlock: the
+fake reports it with the queues' state and fails the call instead of hanging. One deliberate
+misuse per rule, with a control doing the same in an order that completes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ pytestmark = pytest.mark.jax_independent
 MISUSES = {
     "cudaFree behind a wait only this thread would satisfy": "cudaFree on device 0",
     "cudaMalloc behind a wait only this thread would satisfy": "cudaMalloc on device 0",
+    "cudaMallocHost behind a wait only this thread would satisfy": "cudaMallocHost on device 0",
+    "cudaFreeHost behind a wait only this thread would satisfy": "cudaFreeHost on device 0",
+    "device-to-host copy into pageable memory behind a wait only this thread would satisfy":
+        "cudaMemcpyAsync device-to-host into pageable memory on device 0 (it returns only once "
+        "the copy has completed)",
     "cuMemUnmap behind a wait only this thread would satisfy": "cuMemUnmap on device 0",
     "cuMemRelease behind a wait only this thread would satisfy": "cuMemRelease on device 1",
     "first launch of a kernel not loaded (lazy loading)":
@@ -27,20 +34,47 @@ MISUSES = {
     "first cuBLASLt matmul of an algorithm (lazy loading)": "cublasLtMatmul loading cuBLASLt",
     "ncclCommAbort while another communicator's kernel runs on the device":
         "ncclCommAbort (rank 0, freeing its device memory) on device 0",
+    "first send/recv to a peer behind a wait only this thread would satisfy":
+        "NCCL connecting rank 0 to peer 1 on device 0",
+    "polling a non-blocking connection behind a wait only this thread would satisfy":
+        "NCCL connecting rank 0 to peer 1 on device 0",
     # The executor's old order: past buffers freed by the first rank to reserve, while a peer's
     # call already enqueued waits for that rank's next enqueue.
     "cudaFree of a peer's buffer while the peer waits for this thread": "cudaFree on device 1",
 }
 CONTROLS = {
     "cudaFree after the write the wait needs (control)",
+    "cudaMalloc after the write the wait needs (control)",
+    "cudaMallocHost after the write the wait needs (control)",
+    "cudaFreeHost after the write the wait needs (control)",
+    "device-to-host copy into page-locked memory behind the same wait (control)",
+    "cuMemUnmap after the write the wait needs (control)",
+    "cuMemRelease after the write the wait needs (control)",
     "first launch with CUDA_MODULE_LOADING=EAGER (control)",
+    "first cuBLASLt matmul with CUDA_MODULE_LOADING=EAGER (control)",
     "ncclCommAbort of the stuck communicator first (control)",
     "cudaFree of a peer's buffer after this thread's signal (control)",
+    "send/recv to a connected peer behind the same wait (control)",
 }
 # The rule of the enqueue path (docs/gpu.md §3): between a handler's first enqueue on XLA's
 # stream and its return only calls that enqueue or poll run; the fake refuses any other.
-ENQUEUE_PATH = {"cudaMalloc between a handler's first enqueue and its return":
-                "cudaMalloc called between a handler's first enqueue and its return"}
+ENQUEUE_PATH = {
+    "cudaMalloc between a handler's first enqueue and its return":
+        "cudaMalloc called between a handler's first enqueue and its return",
+    "first send/recv to a peer between a handler's first enqueue and its return":
+        "ncclGroupEnd connecting to a new peer (NCCL allocates the connection's device memory) "
+        "called between a handler's first enqueue and its return",
+}
+# Deny by default: every entry point of the fake checks the enqueue path, so calls the rule does
+# not list are refused there even where the fake does not make them wait (a sample).
+REFUSED = ("cudaStreamCreateWithFlags", "cudaEventCreateWithFlags", "cudaEventDestroy",
+           "cudaStreamDestroy", "cudaStreamSynchronize", "cublasLtCreate", "cuMemAddressFree",
+           "cuMulticastUnbind")
+ENQUEUE_PATH |= {f"{api} on the enqueue path":
+                 f"{api} called between a handler's first enqueue and its return"
+                 for api in REFUSED}
+CONTROLS.add("error strings, ncclGroupStart/End and the current device on the enqueue path "
+             "(control)")
 
 
 def test_host_calls_that_wait_for_the_gpu_report_deadlocks(fake):
@@ -76,9 +110,10 @@ def test_the_watchdog_aborts_a_devices_communicators_concurrently(fake, op):
     and the streams are released."""
     fake.reset(fake.Config(grace_ms=10000))
     xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
-    out = fake.run(op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
-                   clique_key=11, skip_rank=2, timeout_ms=200)
+    args = (op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    assert fake.run(*args, clique_key=11, timeout_ms=200)["statuses"] == [None] * 4  # set-up
+    out = fake.run(*args, clique_key=11, skip_rank=2, timeout_ms=200)
     assert out["drained"], fake.errors()
     assert fake.errors() == []
     assert "inside NCCL" in fake.last_warning(), fake.last_warning()

@@ -61,6 +61,8 @@ def _family(symbol: str) -> str | None:
         return "add"
     if "McStoreBody" in symbol or "McReduceBody" in symbol:
         return "multimem"
+    if "FlagWaitMainloop" in symbol:  # the fused GEMM (docs/gpu.md §10)
+        return "fused"
     return None
 
 

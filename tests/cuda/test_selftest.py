@@ -46,6 +46,7 @@ def test_selftest_on_the_fake_honours_the_work_queue_setting(capsys, monkeypatch
     for op in ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot"):
         for transport in ("nccl", "p2p", "multicast"):
             assert f"PASS  {op:9s} {transport:9s}" in out
+    assert out.count(" fused (CUDA executor on the host-side fake)") == 4
     fake.reset()
     assert fake.connections() == 1  # the fake read the variable as the driver does
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -69,9 +70,11 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
     assert report["versions"]["jax"] and report["versions"]["jaxoverlap"]
     assert "fake" in report["topology"]
     # quick: 4 ops (ag_matmul, matmul_rs, matmul_ar two-shot and one-shot) x 3 transports,
-    # and the FP8 rows: 3 ops x 3 transports of e4m3 x e4m3 -> bfloat16
-    assert len(report["rows"]) == 21 and all(r["passed"] for r in report["rows"])
+    # the FP8 rows: 3 ops x 3 transports of e4m3 x e4m3 -> bfloat16, and the fused GEMM's
+    # 2 ops x 2 transports (p2p, multicast)
+    assert len(report["rows"]) == 25 and all(r["passed"] for r in report["rows"])
     assert sum("e4m3 x e4m3 -> bfloat16" in r["name"] for r in report["rows"]) == 9
+    assert sum(" fused " in r["name"] for r in report["rows"]) == 4
     assert all(r["seconds"] >= 0 and "of the bound" in r["detail"] for r in report["rows"])
     assert report["first_error"] is None
     monkeypatch.setattr(_selftest, "bound", lambda *a: 0.0)
@@ -111,3 +114,43 @@ def test_the_bound_covers_a_ring_reduction_in_bf16_and_catches_a_lost_rank():
         assert np.all(np.abs(ring.astype(np.float64) - ref) <= allowed), seed
         lost = ring.astype(np.float64) - partials[3].astype(np.float64)
         assert not np.all(np.abs(lost - ref) <= allowed), seed
+
+
+@pytest.mark.slow  # a subprocess that imports jax and waits for a 2 s deadline
+def test_selftest_report_is_written_when_a_row_hangs(tmp_path):
+    """The report is rewritten after every row, and a row still running after the row deadline
+    is taken for a hang: recorded as failed with every thread's stack and the cliques, the report
+    written, the process ended (status 1). Here the second row of ``--fake`` never returns."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    from .conftest import require_module
+
+    require_module("_cuda_fake")
+    path = tmp_path / "report.json"
+    script = textwrap.dedent(f"""
+        import time
+        from jaxoverlap import _selftest
+        real, calls = _selftest._fake_row, []
+        def row(*args):
+            calls.append(args)
+            if len(calls) == 2:
+                time.sleep(600)  # hangs
+            return real(*args)
+        _selftest._fake_row = row
+        raise SystemExit(_selftest.main(quick=True, fake=True, report={str(path)!r},
+                                        row_deadline=2.0))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    first, second = report["rows"]
+    assert first["passed"] and first["name"].startswith("ag_matmul nccl"), first
+    assert not second["passed"] and "did not finish within 2 s" in second["detail"], second
+    hung = report["first_error"]
+    assert hung["row"] == second["name"] and "in row" in hung["traceback"], hung  # the sleep
+    assert any("clique" in line for line in hung["cliques"]), hung
+    assert report["versions"]["jaxoverlap"] and report["running"] is None

@@ -3,22 +3,29 @@
 CUDA multiplexes a device's streams onto ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues (default 8;
 Megatron-LM/TransformerEngine jobs set 1); a blocked wait at a queue's head blocks everything
 behind it. The fake models exactly that (``Config(connections=...)``), and NCCL's serialisation of
-a communicator's launches in issue order. This runs the executor itself (``CudaCall``, through
+a communicator's launches in issue order. This runs the executor itself (``CudaSite``, through
 ``_cuda_fake.run``: the order is the one the handlers enqueue, not a re-implementation of it) for
 op x transport x N in 2..8 x chunks 1..4 x direction, with 1 queue and with the default 8, and
-requires every call to complete with the right result and no misuse the fake recognises. The
-fake interleaves the queues in a seeded random order; each case uses its own seed. N = 2, 3 and
-8 run every time; N = 4..7 are ``slow`` (the whole grid takes minutes). ``matmul_ar``'s one-shot
-programs have a grid of their own (every N: they are cheap).
+requires every call to complete with the right result and no misuse the fake recognises:
+
+* each case on a fresh clique, the fake's queues interleaved in a seeded random order (a seed per
+  case): N = 2, 3 and 8 every time, N = 4..7 ``slow``;
+* the same grid, ``matmul_ar``'s one-shot included, with the ranks' host threads at uneven speeds
+  (three seeds per case), every case of an N on one clique (needs grow and shrink);
+* ``matmul_ar``'s one-shot programs on rows that split and rows that do not;
+* the fused programs (``ag_matmul`` and ``matmul_rs`` over ``p2p`` and ``multicast``), N = 2, 3
+  and 8 every time, N = 4..7 ``slow``.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from .test_fake import check, run_case
+from .test_fused_fake import check_fused, run_fused
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
@@ -40,27 +47,59 @@ def test_every_program_completes_through_the_work_queues(fake, op, transport, co
             check(fake, out, op, xs, ws, 2, "float32")
 
 
-# Calls whose needs grow on one clique, as the selftest's rows do (more chunks: more flags, a
-# bigger workspace), so buffer generations are made and past ones freed while other ranks
-# enqueue; two calls per step; the ranks' host threads at uneven speeds (``host_jitter``: seeded
-# pauses at the fake's calls), several seeds per case, i.e. several orders of the ranks' threads.
-# The fake's host calls wait as the GPU's do (cudaMalloc/cudaFree, VMM unmap/release, lazy
-# loading, ncclCommAbort: fake_waits.cc), so a rank that waits for the GPU while the GPU waits
-# for that rank's next enqueue is reported as a deadlock.
-GROWTH = ((1, False), (2, False), (4, True), (3, True), (4, False))
+@pytest.mark.parametrize("n", [n if n in (2, 3, 8) else pytest.param(n, marks=pytest.mark.slow)
+                               for n in range(2, 9)])
+@pytest.mark.parametrize("connections", [1, 8])
+def test_every_fused_program_completes_through_the_work_queues(fake, connections, n):
+    """The fused programs (docs/gpu.md §10): the issue order puts everything the fused GEMM's
+    flags depend on before it, on every rank (core/issue_order), so they complete with one work
+    queue too; and the fake's fused GEMM holds every SM while it runs. Exact results (the
+    emulation of test_fused_fake.py), op x transport x chunks 1..4 x direction, the gathered x
+    returned (a copy on the kernel's stream behind it) for odd chunks."""
+    for op, transport, chunks, bidirectional in itertools.product(
+            ("ag_matmul", "matmul_rs"), ("p2p", "multicast"), range(1, 5), (False, True)):
+        fake.reset(fake.Config(connections=connections,
+                               seed=1 + 8 * n + 2 * chunks + bidirectional))
+        gathered = op == "ag_matmul" and chunks % 2 == 1  # a copy behind the kernel
+        out, xs, ws = run_fused(fake, op, transport, n, batch=1, rows=4, k=8, nw=8,
+                                dtype="bfloat16", chunks=chunks, bidirectional=bidirectional,
+                                gathered=gathered)
+        try:
+            check_fused(fake, out, op, transport, xs, ws, 4, "bfloat16", gathered)
+        except AssertionError as e:
+            e.add_note(f"in the case {(op, transport, chunks, bidirectional)}")
+            raise
+
+
+# The same grid with the ranks' host threads at uneven speeds (``host_jitter``: seeded pauses at
+# the fake's calls), three seeds per case, i.e. three orders of the ranks' threads, and one clique
+# per N, queue count and seed that every chunks x direction case runs on, two calls each, in a
+# seeded order: needs grow and shrink, so buffer generations are made and past ones freed, new
+# cuBLASLt plans warmed up and kernels loaded, while other ranks enqueue. The fake's host calls
+# wait as the GPU's do (cudaMalloc/cudaFree, VMM unmap/release, lazy loading, NCCL's connection
+# to a new peer, ncclCommAbort: fake_waits.cc), so a rank that waits for the GPU while the GPU
+# waits for that rank's next enqueue is reported as a deadlock. About 40 s in all.
+CHUNKS_AND_DIRECTIONS = [(chunks, bidirectional) for chunks in range(1, 5)
+                         for bidirectional in (False, True)]
 
 
 @pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
-def test_growing_calls_with_ranks_at_uneven_speeds(fake, op, transport):
-    for n in (2, 3, 4):
-        for connections in (1, 8):
-            for seed in (1, 2, 3):
-                fake.reset(fake.Config(connections=connections, seed=seed, host_jitter=seed))
-                for chunks, bidirectional in GROWTH:
-                    out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=4, k=4, nw=3,
-                                           chunks=chunks, bidirectional=bidirectional, calls=2)
-                    check(fake, out, op, xs, ws, 4, "float32")
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot"])
+def test_every_program_with_ranks_at_uneven_speeds(fake, op, transport):
+    op, _, algorithm = op.partition("/")
+    for n, connections, seed in itertools.product(range(2, 9), (1, 8), (1, 2, 3)):
+        fake.reset(fake.Config(connections=connections, seed=seed, host_jitter=seed))
+        order = random.Random(100 * seed + n).sample(CHUNKS_AND_DIRECTIONS, 8)
+        for chunks, bidirectional in order:
+            out, xs, ws = run_case(fake, op, transport, n, batch=1, rows=4, k=4, nw=3,
+                                   chunks=chunks, bidirectional=bidirectional, calls=2,
+                                   algorithm=algorithm or "two_shot")
+            try:
+                check(fake, out, op, xs, ws, 4, "float32")
+            except AssertionError as e:
+                e.add_note(f"N={n}, {connections} work queue(s), seed {seed}, order {order}: "
+                           f"at chunks={chunks}, bidirectional={bidirectional}")
+                raise
 
 
 @pytest.mark.parametrize("connections", [1, 8])

@@ -17,10 +17,41 @@ class ScheduleError(AssertionError):
     pass
 
 
+def fused_blocks(program, op):
+    """A FusedGemm as the block-level ops it stands for, in its order: per row block, the wait
+    for its flag (if it waits), the GEMM of its rows, the release of its flag (if it releases).
+    The kernel does the same per tile; a tile touching several blocks waits for all of them
+    first (so reads happen no earlier) and a block is released only once every tile touching
+    it is stored (so no later), which these checks cannot tell from this (a fused GEMM waits
+    or releases, never both)."""
+    f, rank = op["fused"], program["rank"]
+    rows, chunks = f["shard_rows"], f["chunks"]
+    out = []
+    for b in f["sequence"]:
+        shard, sub = divmod(b, chunks)
+        begin = shard * rows + rows * sub // chunks
+        end = shard * rows + rows * (sub + 1) // chunks
+        if f["wait_flags"] >= 0 and shard != f["ready_shard"]:
+            out.append({"kind": "Wait", "stream": op["stream"], "id": f["wait_flags"] + b,
+                        "peer": f["writers"][b], "text": f"{op['text']} block {b} wait"})
+        part = {**op, "kind": "Gemm", "m": end - begin, "accumulate": False,
+                "text": f"{op['text']} block {b}"}
+        part["a"] = {**op["a"], "offset": op["a"]["offset"] + begin * op["a"]["ld"]}
+        part["d"] = {**op["d"], "offset": op["d"]["offset"] + begin * op["d"]["ld"]}
+        out.append(part)
+        if f["release_flags"] >= 0:
+            out.append({"kind": "Signal", "stream": op["stream"], "id": f["release_flags"] + b,
+                        "peer": rank, "text": f"{op['text']} block {b} release"})
+    return out
+
+
 def _streams(program):
     streams = [[] for _ in range(program["num_streams"])]
     for op in program["ops"]:
-        streams[op["stream"]].append(op)
+        if op["kind"] == "FusedGemm":
+            streams[op["stream"]] += fused_blocks(program, op)
+        else:
+            streams[op["stream"]].append(op)
     return streams
 
 
@@ -174,7 +205,7 @@ def _blocks(op):
     """(role, ref, batch, rows, cols) of every block an op touches."""
     b, m, n, k = op["batch"], op["m"], op["n"], op["k"]
     kind = op["kind"]
-    if kind == "Gemm":
+    if kind in ("Gemm", "FusedGemm"):
         out = [("a", op["a"], b, m, k), ("b", op["b"], 1, k, n), ("d", op["d"], b, m, n)]
         if op["accumulate"]:
             out.append(("c", op["c"], b, m, n))
@@ -219,6 +250,11 @@ def check_bounds(program):
             raise ScheduleError(f"{where}: flag out of range")
         if op["kind"] in ("Record", "StreamWait") and not 0 <= op["id"] < program["num_events"]:
             raise ScheduleError(f"{where}: event out of range")
+        if op["kind"] == "FusedGemm":
+            for part in fused_blocks(program, op):
+                if part["kind"] in ("Wait", "Signal") and not (
+                        0 <= part["id"] < program["num_flags"] and 0 <= part["peer"] < nranks):
+                    raise ScheduleError(f"{where}: {part['text']}: flag or peer out of range")
 
 
 def check_dtypes(program):

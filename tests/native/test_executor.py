@@ -184,6 +184,46 @@ def test_low_precision(transport, dtype, n):
     check_ar(n, transport, dtype, 2, n == 8, "batch", seed=n)
 
 
+# The fused programs (one FusedGemm per rank: docs/gpu.md §10) on the host executor, which runs
+# its semantics block by block: x's rows are whole 16-byte units (k, cols multiples of 8).
+FUSED_CASES = [  # (op, transport, n, chunks, bidirectional, dtype, layout, gathered)
+    ("ag_matmul", "p2p", 2, 1, False, "bfloat16", "batch", True),
+    ("ag_matmul", "p2p", 4, 3, True, "float16", "post", False),
+    ("ag_matmul", "p2p", 8, 2, True, "bfloat16", "batch", True),
+    ("ag_matmul", "multicast", 3, 2, False, "float16", "post", True),
+    ("ag_matmul", "multicast", 8, 1, False, "bfloat16", "batch", False),
+    ("matmul_rs", "p2p", 2, 1, False, "bfloat16", "batch", False),
+    ("matmul_rs", "p2p", 5, 3, True, "float16", "post", False),
+    ("matmul_rs", "p2p", 8, 2, False, "bfloat16", "batch", False),
+    ("matmul_rs", "multicast", 4, 2, False, "bfloat16", "post", False),
+    ("matmul_rs", "multicast", 8, 3, False, "float16", "batch", False),
+    ("ag_matmul", "p2p", 1, 2, False, "bfloat16", "batch", True),  # one rank: no waits
+]
+
+
+@pytest.mark.slow  # eleven calls compiled and run: seconds
+def test_fused_programs_on_the_host_executor():
+    for op, transport, n, chunks, bidir, dtype, layout, gathered in FUSED_CASES:
+        mesh = mesh_1d(n)
+        shape, axis = x_shape(layout, n, 8 if op == "ag_matmul" else 8 * n)
+        x, x64 = data(shape, dtype, n + chunks)
+        w_shape = (8, 8 * n) if op == "ag_matmul" else (8 * n, 16)
+        w, w64 = data(w_shape, dtype, n + chunks + 1)
+        kw = dict(axis=axis, transport=transport, chunks=chunks, bidirectional=bidir,
+                  fused=True, timeout_s=60.0)
+        where = f"{op} {transport} N={n} chunks={chunks} bidi={bidir} {dtype} {layout}"
+        if op == "ag_matmul":
+            out = ag(mesh, x, w, gathered=gathered, **kw)
+            y = out[0] if gathered else out
+            if gathered:
+                np.testing.assert_array_equal(np.asarray(out[1].astype(jnp.float32)),
+                                              np.concatenate([x64] * n, axis=0), err_msg=where)
+        else:
+            y = rs(mesh, x, w, **kw)
+        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), x64 @ w64, **TOL[dtype],
+                                   err_msg=where)
+
+
 @pytest.mark.parametrize("axis", [0, 1, 2])
 def test_any_axis_of_a_4d_input(axis):
     n = 4

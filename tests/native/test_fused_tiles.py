@@ -203,3 +203,45 @@ def test_mapping_refuses_invalid_row_blocks():
         tiles_ext.fused_mapping(2, 4, 3, 16)  # a sub-chunk without rows
     with pytest.raises(ValueError, match="bad_blocks"):
         tiles_ext.fused_order(600, 1, 1, 1, list(range(600)), "last_arrival")  # > 512 blocks
+
+
+def test_the_persistent_grid_is_the_stock_schedulers_and_the_models():
+    """PersistentGrid (the stock sm90 scheduler's static striding, which the fake and the model
+    use): every unit of work is one (batch, M slot, N tile), each exactly once; the two CTAs of
+    a cluster take the two M slots of a pair (a CTA's slots all have its parity); 132 SMs give
+    132 CTAs (an H100's whole grid: 7 GPCs of 18 and the 6 of the last); fewer units than SMs
+    give one CTA per unit; ``jaxoverlap.sim.fused`` mirrors it exactly."""
+    from jaxoverlap.sim import fused as model
+
+    assert tiles_ext.fused_grid(64, 14, 1, 132)["ctas"] == 132
+    assert tiles_ext.fused_grid(3, 1, 1, 132)["ctas"] == 4  # 3 M tiles: 4 slots, a padding one
+    for m_tiles, n_tiles, batch, sms in itertools.product((1, 2, 3, 8, 65), (1, 3, 14), (1, 2),
+                                                          (2, 5, 17, 20, 114, 132)):
+        g = tiles_ext.fused_grid(m_tiles, n_tiles, batch, sms)
+        units = [tuple(u) for u in g["units"]]
+        assert g["m_slots"] == m_tiles + m_tiles % 2
+        assert sorted(units) == sorted(itertools.product(range(batch), range(g["m_slots"]),
+                                                         range(n_tiles)))
+        assert g["ctas"] % 2 == 0 and 2 <= g["ctas"] <= sms - sms % 2
+        assert g["ctas"] == min(sms - sms % 2, len(units))
+        for c in range(g["ctas"]):
+            assert {units[i][1] % 2 for i in range(c, len(units), g["ctas"])} == {c % 2}
+        assert model.grid(m_tiles, n_tiles, batch, sms) == (g["m_slots"], g["ctas"])
+        assert [model.unit(i, g["m_slots"], n_tiles) for i in range(len(units))] == units
+
+
+def test_the_fused_programs_orders_are_tile_orders():
+    """Every fused program's block order makes a tile order the kernel's parameters hold (AG: the
+    local shard first; RS: destinations r-1, r-2, ..., the own block last)."""
+    for n, chunks, rows in itertools.product(NS, CHUNKS, SHARD_ROWS):
+        for op, transport in itertools.product(("ag_matmul", "matmul_rs"), ("p2p", "multicast")):
+            rank = n // 2
+            p = host.build_program(op, transport, n, rank, 1, rows, K, 8, "bfloat16", chunks,
+                                   True, fused=True)
+            (kernel,) = [o for o in p["ops"] if o["kind"] == "FusedGemm"]
+            f = kernel["fused"]
+            got = tiles_ext.fused_order(n, f["chunks"], rows, 128, f["sequence"], f["order"])
+            assert 1 <= got["runs"] <= 64
+            first = f["sequence"][:f["chunks"]]
+            owner = rank if op == "ag_matmul" else (rank - 1) % n
+            assert [b // f["chunks"] for b in first] == [owner] * f["chunks"]

@@ -9,6 +9,7 @@ import copy
 import itertools
 
 import pytest
+import testing_ext
 
 from jaxoverlap._native.runtime import load_host
 
@@ -19,6 +20,7 @@ from .schedule_check import (
     check_deadlock_free,
     check_dtypes,
     check_race_free,
+    fused_blocks,
 )
 
 # The builders and checkers run no JAX.
@@ -531,3 +533,195 @@ def test_out_of_range_ids_are_refused():
             host.check_program(broken)
         with pytest.raises(ScheduleError, match=f"{what} out of range"):
             check_bounds(broken)
+
+
+# ---- the fused programs (docs/gpu.md §10) --------------------------------------------------
+
+FUSED_TRANSPORTS = ("p2p", "multicast")
+
+
+def fused_clique(op, transport, n, *, chunks=1, bidirectional=False, return_gathered=False):
+    """Every rank's fused program: batch 2, 3 rows per shard, k and n of 8 (16-byte rows)."""
+    return [host.build_program(op, transport, n, r, 2, 3, 8, 8, "bfloat16", chunks,
+                               bidirectional, return_gathered, fused=True) for r in range(n)]
+
+
+def _kernel(program):
+    (kernel,) = [o for o in program["ops"] if o["kind"] == "FusedGemm"]
+    assert kernel["stream"] == 0
+    assert not [o for o in program["ops"] if o["kind"] == "Gemm"]  # one GEMM, the kernel
+    return kernel
+
+
+def test_fused_programs_are_one_kernel_deadlock_free_race_free_and_in_bounds():
+    """Every fused clique: one FusedGemm per rank over every row, waiting (AG) or releasing
+    (RS) but never both, in bounds for both checkers, deadlock-free and race-free (the kernel
+    checked as the block-level ops it stands for: schedule_check.fused_blocks), three calls in
+    a row too."""
+    for op, transport, n, chunks, bidir in grid(OPS, FUSED_TRANSPORTS, [1, 2, 3, 4, 8], [1, 3],
+                                                [False, True]):
+        with case(op, transport, n, chunks, bidir):
+            programs = fused_clique(op, transport, n, chunks=chunks, bidirectional=bidir,
+                                    return_gathered=op == "ag_matmul")
+            for p in programs:
+                host.check_program(p)
+                check_bounds(p)
+                if n == 1:  # nothing to wait for: the plain GEMM
+                    assert not [o for o in p["ops"] if o["kind"] == "FusedGemm"]
+                    continue
+                kernel, f = _kernel(p), _kernel(p)["fused"]
+                assert kernel["m"] == n * 3 and kernel["batch"] == 2
+                assert (f["wait_flags"] >= 0) != (f["release_flags"] >= 0)
+                assert (f["wait_flags"] >= 0) == (op == "ag_matmul")
+                assert sorted(f["sequence"]) == list(range(n * f["chunks"]))
+            check_deadlock_free(programs)
+            check_race_free(programs, calls=1 if n > 4 else 3)
+
+
+def _order(programs_chunked, rank, chunks):
+    """The chunked AG program's order: the local shard, then each stream-0 Wait's flag."""
+    s0 = [o for o in programs_chunked[rank]["ops"] if o["stream"] == 0]
+    return [rank * chunks + s for s in range(chunks)] + [o["id"] for o in s0
+                                                         if o["kind"] == "Wait"]
+
+
+def test_fused_ag_order_is_the_local_shard_then_arrivals():
+    """Tiles start with the local shard, then follow the chunked program's arrival order; every
+    waited block is the flag its writer raises (the deadlock checker also checks the writer)."""
+    for transport, n, chunks, bidir in grid(FUSED_TRANSPORTS, [2, 3, 4, 8], [1, 2],
+                                            [False, True]):
+        chunked = [host.build_program("ag_matmul", transport, n, r, 2, 3, 8, 8, "bfloat16",
+                                      chunks, bidir) for r in range(n)]
+        for r, p in enumerate(fused_clique("ag_matmul", transport, n, chunks=chunks,
+                                           bidirectional=bidir)):
+            with case(transport, n, chunks, bidir, r):
+                f = _kernel(p)["fused"]
+                assert f["order"] == "last_arrival" and f["ready_shard"] == r
+                assert f["sequence"] == _order(chunked, r, chunks)
+                assert [w >= 0 for w in f["writers"]] == [b // chunks != r
+                                                          for b in range(n * chunks)]
+                # the kernel reads every shard from the own workspace; the local one is
+                # copied there first (p2p) or stored there by the own multimem store
+                s0 = [o for o in p["ops"] if o["stream"] == 0]
+                first = "Copy" if transport == "p2p" else "StreamWait"
+                assert s0[0]["kind"] == first and _kernel(p)["a"]["buf"] == "WORKSPACE"
+
+
+def test_fused_rs_releases_destinations_own_last_and_scatters_n_minus_1_partials():
+    """GEMM + RS: the kernel releases destinations r-1, r-2, ..., its own block last; over p2p
+    each rank copies exactly N-1 partials (each to its owner's slot: (N-1)/N of its partials),
+    then sums its own and the N-1 received in rank order after the kernel."""
+    batch, rows, n_out = 2, 3, 8
+    for transport, n, chunks in grid(FUSED_TRANSPORTS, [2, 3, 4, 8], [1, 3]):
+        for r, p in enumerate(fused_clique("matmul_rs", transport, n, chunks=chunks)):
+            with case(transport, n, chunks, r):
+                f = _kernel(p)["fused"]
+                c = f["chunks"]
+                dests = [(r - 1 - t) % n for t in range(n)]
+                assert f["sequence"] == [d * c + s for d in dests for s in range(c)]
+                assert f["order"] == "first_departure"
+                remote = sum(o["remote_bytes"] for o in p["ops"])
+                if transport == "p2p":
+                    assert remote == (n - 1) * batch * rows * n_out * 2
+                    adds = [o for o in p["ops"] if o["kind"] == "Add"]
+                    assert all(o["stream"] == 0 for o in adds) and len(adds) == (n - 1) * c
+                    sources = [o["a"]["offset"] // (batch * rows * n_out) for o in adds[:n - 1]]
+                    assert sources == [i for i in range(n) if i != r]  # rank order
+                else:
+                    assert remote == 0  # the owners load-reduce through the switch
+
+
+def test_fused_refusals_name_the_reason():
+    for args, match in [
+        (("ag_matmul", "nccl"), "never runs with transport nccl"),
+        (("matmul_ar", "p2p"), "serves ag_matmul and matmul_rs"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            host.build_program(*args, 4, 0, 1, 4, 8, 8, "bfloat16", 1, False, False, fused=True)
+    with pytest.raises(ValueError, match="bfloat16 and float16"):
+        host.build_program("ag_matmul", "p2p", 4, 0, 1, 4, 8, 8, "float32", fused=True)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        host.build_program("matmul_rs", "p2p", 4, 0, 1, 4, 8, 12, "bfloat16", fused=True)
+
+
+def test_the_fused_checks_refuse_broken_kernels():
+    """check_program refuses a FusedGemm that both waits and releases, whose order is not
+    every block once, or whose writers do not match its waits; the race checker sees a kernel
+    that reads the local shard before it is copied into the workspace, and a comm stream that
+    copies a partial out before the kernel released it."""
+    p = fused_clique("ag_matmul", "p2p", 4, chunks=2)[1]
+    host.check_program(p)
+    for change, match in [
+        (lambda f: f.update(release_flags=0), "waits or releases"),
+        (lambda f: f["sequence"].pop(), "every block"),
+        (lambda f: f["writers"].__setitem__(0, -1), "writer"),
+    ]:
+        broken = copy.deepcopy(p)
+        change(_kernel(broken)["fused"])
+        with pytest.raises(ValueError, match=match):
+            host.check_program(broken)
+    programs = fused_clique("ag_matmul", "p2p", 4, chunks=2)
+    check_race_free(programs)
+    programs[1]["ops"] = [o for o in programs[1]["ops"]  # the local shard never copied in
+                          if not (o["stream"] == 0 and o["kind"] == "Copy")]
+    with pytest.raises(ScheduleError, match="race|no write of its call"):
+        check_race_free(programs)
+    rs = fused_clique("matmul_rs", "p2p", 4, chunks=2)
+    check_race_free(rs)
+    rs[2]["ops"] = [o for o in rs[2]["ops"] if not (o["stream"] == 1 and o["kind"] == "Wait")]
+    with pytest.raises(ScheduleError, match="race|no write of its call"):
+        check_race_free(rs)  # a partial copied out before the kernel stored it
+
+
+def _one_queue(programs, orders):
+    """Replays every rank's units in its issue order as ONE FIFO per device (the single work
+    queue of CUDA_DEVICE_MAX_CONNECTIONS=1): the head runs once its dependency is met — a Wait
+    its flag, a StreamWait its event, a FusedGemm every flag its kernel waits for (it holds every
+    SM until then, and the work behind it waits) — then raises what it raises (a Signal its
+    peer's flag, a Record its event, a FusedGemm its own release flags). True if all drain."""
+    flags, events = set(), set()
+    pos = [0] * len(programs)
+    progress = True
+    while progress:
+        progress = False
+        for r, (p, order) in enumerate(zip(programs, orders, strict=True)):
+            while pos[r] < len(order):
+                op = p["ops"][order[pos[r]]]
+                if op["kind"] == "Wait" and (r, op["id"]) not in flags:
+                    break
+                if op["kind"] == "StreamWait" and (r, op["id"]) not in events:
+                    break
+                parts = fused_blocks(p, op) if op["kind"] == "FusedGemm" else []
+                if any(w["kind"] == "Wait" and (r, w["id"]) not in flags for w in parts):
+                    break
+                if op["kind"] == "Signal":
+                    flags.add((op["peer"], op["id"]))
+                if op["kind"] == "Record":
+                    events.add((r, op["id"]))
+                flags |= {(r, s["id"]) for s in parts if s["kind"] == "Signal"}
+                pos[r] += 1
+                progress = True
+    return all(pos[r] == len(o) for r, o in enumerate(orders))
+
+
+def test_the_issue_order_puts_what_the_fused_gemm_waits_for_before_it():
+    """core/issue_order (the executors' order): every fused clique completes when each device
+    has one work queue, checked by a replay of its own; the same programs with each rank's
+    fused GEMM moved to the front of its order do not (AG: the kernel and the copy of the
+    gathered x behind it would hold up the outgoing pushes the peers' kernels wait for)."""
+    for op, transport, n, chunks, bidir in grid(OPS, FUSED_TRANSPORTS, [2, 3, 4, 8], [1, 2],
+                                                [False, True]):
+        with case(op, transport, n, chunks, bidir):
+            gathered = op == "ag_matmul"
+            programs = fused_clique(op, transport, n, chunks=chunks, bidirectional=bidir,
+                                    return_gathered=gathered)
+            orders = [testing_ext.load().issue_order(op, transport, n, r, 3, chunks, bidir,
+                                                     gathered, True) for r in range(n)]
+            assert all(sorted(o) == sorted(set(o)) for o in orders)
+            assert _one_queue(programs, orders)
+            if op == "ag_matmul":
+                kernel_first = []
+                for p, order in zip(programs, orders, strict=True):
+                    k = next(i for i in order if p["ops"][i]["kind"] == "FusedGemm")
+                    kernel_first.append([k] + [i for i in order if i != k])
+                assert not _one_queue(programs, kernel_first)

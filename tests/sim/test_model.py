@@ -189,7 +189,7 @@ def test_speedup_never_exceeds_the_ideal_bound():
                           rng.choice([64, 1024, 8192]), rng.choice([64, 1024, 8192]))
         op = rng.choice(["ag_matmul", "matmul_rs"])
         dtype = rng.choice(["bf16", "f32"])
-        for c in rng.sample(sim.candidates(p, nranks, shape), 3):
+        for c in rng.sample(sim.candidates(p, nranks, shape, op=op, dtype=dtype), 3):
             r = sim.simulate(op, shape, dtype, nranks, p, c)
             assert r.speedup <= r.ideal_speedup * (1 + 1e-9), (p.name, op, shape, c)
             assert r.overlap_efficiency <= 1 + 1e-9

@@ -39,4 +39,14 @@ struct LeaseRaceOutcome {
 };
 Status LeaseRace(bool hold_lease, LeaseRaceOutcome* out);
 
+// An abort that does not return, and the watchdog saying so (fake_misuse_checks.cc): rank 0 of a
+// two-rank NcclComms has a send nobody receives in flight; when `stuck`, behind it on its device
+// a wait for a flag raised only at the end, so that ncclCommAbort, which waits for the device's
+// other work, cannot return. Abort, WatchAborts (200 ms), the watchdog's clock moved on by 300 ms.
+struct StuckAbortOutcome {
+  std::string warning;              // the watchdog's warning ("" if none)
+  std::vector<std::string> errors;  // what the fake recorded
+};
+Status StuckAbort(bool stuck, StuckAbortOutcome* out);
+
 }  // namespace jo::fake

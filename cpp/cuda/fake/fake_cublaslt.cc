@@ -68,14 +68,20 @@ using jo::fake::t_last;
 // ============================== cuBLASLt ==============================
 
 const char* cublasLtGetStatusName(cublasStatus_t s) {
+  jo::fake::Count("cublasLtGetStatusName");
   return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_FAKE_ERROR";
 }
 const char* cublasLtGetStatusString(cublasStatus_t) {
+  jo::fake::Count("cublasLtGetStatusString");
   return "fake cuBLASLt status (see fake errors)";
 }
-size_t cublasLtGetVersion(void) { return CUBLAS_VERSION; }
+size_t cublasLtGetVersion(void) {
+  jo::fake::Count("cublasLtGetVersion");
+  return CUBLAS_VERSION;
+}
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
+  jo::fake::Count("cublasLtCreate");
   Lock lock(S().mu);
   auto c = std::make_unique<cublasLtContext>();
   c->device = t_device;
@@ -83,16 +89,21 @@ cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
   S().handles.push_back(std::move(c));
   return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasLtDestroy(cublasLtHandle_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t) {
+  jo::fake::Count("cublasLtDestroy");
+  return CUBLAS_STATUS_SUCCESS;
+}
 
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t compute,
                                         cudaDataType_t scale) {
+  jo::fake::Count("cublasLtMatmulDescCreate");
   Lock lock(S().mu);
   *d = new cublasLtMatmulDescOpaque_t();
   S().descs[*d] = jo::fake::Desc{static_cast<int32_t>(compute), static_cast<int32_t>(scale)};
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+  jo::fake::Count("cublasLtMatmulDescDestroy");
   Lock lock(S().mu);
   S().descs.erase(d);
   delete d;
@@ -101,8 +112,8 @@ cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
 cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
                                               cublasLtMatmulDescAttributes_t attr, const void* buf,
                                               size_t size) {
+  jo::fake::Count("cublasLtMatmulDescSetAttribute");
   Lock lock(S().mu);
-  Count("cublasLtMatmulDescSetAttribute");  // host-side: allowed on the enqueue path
   auto it = S().descs.find(d);
   if (it == S().descs.end()) return CUBLAS_STATUS_INVALID_VALUE;
   if ((attr == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER ||
@@ -139,6 +150,7 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
 
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type,
                                           uint64_t rows, uint64_t cols, int64_t ld) {
+  jo::fake::Count("cublasLtMatrixLayoutCreate");
   Lock lock(S().mu);
   *l = new cublasLtMatrixLayoutOpaque_t();
   jo::fake::Layout layout;
@@ -150,6 +162,7 @@ cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataTyp
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+  jo::fake::Count("cublasLtMatrixLayoutDestroy");
   Lock lock(S().mu);
   S().layouts.erase(l);
   delete l;
@@ -158,6 +171,7 @@ cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
 cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
                                                 cublasLtMatrixLayoutAttribute_t attr,
                                                 const void* buf, size_t size) {
+  jo::fake::Count("cublasLtMatrixLayoutSetAttribute");
   Lock lock(S().mu);
   auto it = S().layouts.find(l);
   if (it == S().layouts.end()) return CUBLAS_STATUS_INVALID_VALUE;
@@ -184,12 +198,14 @@ cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l,
 }
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* p) {
+  jo::fake::Count("cublasLtMatmulPreferenceCreate");
   Lock lock(S().mu);
   *p = new cublasLtMatmulPreferenceOpaque_t();
   S().prefs[*p] = jo::fake::Pref{};
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+  jo::fake::Count("cublasLtMatmulPreferenceDestroy");
   Lock lock(S().mu);
   S().prefs.erase(p);
   delete p;
@@ -198,6 +214,7 @@ cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
                                                     cublasLtMatmulPreferenceAttributes_t attr,
                                                     const void* buf, size_t size) {
+  jo::fake::Count("cublasLtMatmulPreferenceSetAttribute");
   Lock lock(S().mu);
   auto it = S().prefs.find(p);
   if (it == S().prefs.end()) return CUBLAS_STATUS_INVALID_VALUE;
@@ -387,40 +404,38 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   const int32_t ta = dsc.transa, tb = dsc.transb;
   const float* a_scale = static_cast<const float*>(dsc.a_scale);
   const float* b_scale = static_cast<const float*>(dsc.b_scale);
-  jo::fake::Push(
-      s, "cublasLtMatmul", [] { return true; },
-      [=] {
-        auto at = [&](jo::DType dt, const void* base, const Layout& l, int64_t bt, uint64_t r,
-                      uint64_t c) {  // column-major element
-          return jo::LoadElement(
-              dt, static_cast<const std::byte*>(base),
-              bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
-        };
-        // Read now: the scale may be what an earlier task of this stream received.
-        const float scale =
-            (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
-        std::vector<float> out(m * n);
-        for (int64_t bt = 0; bt < la.batch; ++bt) {
-          for (uint64_t i = 0; i < m; ++i)
-            for (uint64_t j = 0; j < n; ++j) {
-              float acc = 0.0f;
-              for (uint64_t p = 0; p < k; ++p) {
-                const float av =
-                    ta == CUBLAS_OP_N ? at(ta_type, A, la, bt, i, p) : at(ta_type, A, la, bt, p, i);
-                const float bv =
-                    tb == CUBLAS_OP_N ? at(tb_type, B, lb, bt, p, j) : at(tb_type, B, lb, bt, j, p);
-                acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
-              }
-              out[i * n + j] =
-                  fa * scale * acc + (fb != 0.0f ? fb * at(tc_type, C, lc, bt, i, j) : 0.0f);
-            }
-          for (uint64_t i = 0; i < m; ++i)
-            for (uint64_t j = 0; j < n; ++j)
-              jo::StoreElement(
-                  td_type, static_cast<std::byte*>(D),
-                  bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i),
-                  out[i * n + j]);
+  jo::fake::EnqueueKernel(s, "cublasLtMatmul", [=] {
+    auto at = [&](jo::DType dt, const void* base, const Layout& l, int64_t bt, uint64_t r,
+                  uint64_t c) {  // column-major element
+      return jo::LoadElement(
+          dt, static_cast<const std::byte*>(base),
+          bt * l.stride + static_cast<int64_t>(c) * l.ld + static_cast<int64_t>(r));
+    };
+    // Read now: the scale may be what an earlier task of this stream received.
+    const float scale =
+        (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
+    std::vector<float> out(m * n);
+    for (int64_t bt = 0; bt < la.batch; ++bt) {
+      for (uint64_t i = 0; i < m; ++i)
+        for (uint64_t j = 0; j < n; ++j) {
+          float acc = 0.0f;
+          for (uint64_t p = 0; p < k; ++p) {
+            const float av =
+                ta == CUBLAS_OP_N ? at(ta_type, A, la, bt, i, p) : at(ta_type, A, la, bt, p, i);
+            const float bv =
+                tb == CUBLAS_OP_N ? at(tb_type, B, lb, bt, p, j) : at(tb_type, B, lb, bt, j, p);
+            acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
+          }
+          out[i * n + j] =
+              fa * scale * acc + (fb != 0.0f ? fb * at(tc_type, C, lc, bt, i, j) : 0.0f);
         }
-      });
+      for (uint64_t i = 0; i < m; ++i)
+        for (uint64_t j = 0; j < n; ++j)
+          jo::StoreElement(
+              td_type, static_cast<std::byte*>(D),
+              bt * ld.stride + static_cast<int64_t>(j) * ld.ld + static_cast<int64_t>(i),
+              out[i * n + j]);
+    }
+  });
   return CUBLAS_STATUS_SUCCESS;
 }

@@ -15,19 +15,23 @@ namespace jo::fake {
 namespace {
 
 CUresult FakeGetErrorString(CUresult code, const char** out) {
+  Count("cuGetErrorString");
   *out = code == CUDA_SUCCESS ? "no error" : "fake driver error";
   return CUDA_SUCCESS;
 }
 CUresult FakeDriverGetVersion(int* v) {
+  Count("cuDriverGetVersion");
   *v = 13000;
   return CUDA_SUCCESS;
 }
 CUresult FakeDeviceGet(CUdevice* d, int ordinal) {
+  Count("cuDeviceGet");
   if (!ValidDevice(ordinal)) return CUDA_ERROR_INVALID_DEVICE;
   *d = ordinal;
   return CUDA_SUCCESS;
 }
 CUresult FakeDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice d) {
+  Count("cuDeviceGetAttribute");
   Lock lock(S().mu);
   if (attr == CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) {
     *v = S().config.multicast;
@@ -295,6 +299,7 @@ CUresult FakeMemAddressReserve(CUdeviceptr* p, size_t bytes, size_t, CUdeviceptr
 }
 
 CUresult FakeMemAddressFree(CUdeviceptr p, size_t) {
+  Count("cuMemAddressFree");
   Lock lock(S().mu);
   auto it = S().allocs.find(static_cast<uintptr_t>(p));
   if (it == S().allocs.end()) return CUDA_ERROR_INVALID_VALUE;
@@ -404,6 +409,7 @@ CUresult FakeMulticastCreate(CUmemGenericAllocationHandle* h, const CUmulticastO
 }
 
 CUresult FakeMulticastAddDevice(CUmemGenericAllocationHandle h, CUdevice d) {
+  Count("cuMulticastAddDevice");
   Lock lock(S().mu);
   auto it = S().mcs.find(h);
   if (it == S().mcs.end() || !ValidDevice(d) || it->second.devices.size() >= it->second.num_devices)
@@ -440,6 +446,7 @@ CUresult FakeMulticastBindMem(CUmemGenericAllocationHandle h, size_t mc_offset,
 }
 
 CUresult FakeMulticastUnbind(CUmemGenericAllocationHandle, CUdevice, size_t, size_t) {
+  Count("cuMulticastUnbind");
   return CUDA_SUCCESS;
 }
 

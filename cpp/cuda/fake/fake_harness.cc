@@ -23,6 +23,7 @@
 #include "cuda/cuda_bootstrap.h"
 #include "cuda/cuda_site.h"
 #include "cuda/driver.h"
+#include "cuda/fused_gemm.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "cuda/peer_handles.h"
@@ -153,6 +154,7 @@ void ResetExecutorAndFake(Config config) {
   cuda::ReleaseGemmCaches();
   cuda::ForgetFabricProbes();
   cuda::ForgetKernelVerdicts();
+  cuda::ForgetFusedGemmPreparation();
   cuda::ForgetDeviceAttributes();
   {
     std::lock_guard<std::mutex> lock(g_xla_mu);
@@ -237,6 +239,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   desc.bidirectional = q.bidirectional;
   desc.tf32 = q.tf32;
   desc.algorithm = q.algorithm;
+  desc.fused = q.fused;
   desc.timeout_ms = in.timeout_ms;
   desc.table.axis_size = nranks;
   // processes: which (played) process each rank belongs to; a clique spanning
@@ -246,6 +249,18 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   desc.table.device_ids = in.devices;
   desc.site_key = in.clique_key != 0 ? in.clique_key : 1;
   cuda::CudaSite shared_site(desc, CallSite::Instantiate(desc.site_key));
+  // chunks_per_call: one more call site per other number of chunks (a custom call of its own,
+  // so a site key of its own, shared by every rank).
+  std::map<int64_t, std::unique_ptr<cuda::CudaSite>> sites;
+  for (int64_t chunks : in.chunks_per_call) {
+    if (chunks == q.chunks || sites.count(chunks) > 0) continue;
+    CallDesc other = desc;
+    other.chunks = chunks;
+    other.site_key = static_cast<int64_t>(static_cast<uint64_t>(desc.site_key) ^
+                                          (static_cast<uint64_t>(chunks) << 40));
+    if (other.site_key == 0) other.site_key = 1;
+    sites[chunks] = std::make_unique<cuda::CudaSite>(other, CallSite::Instantiate(other.site_key));
+  }
   std::vector<std::string> statuses(nranks);
   // hold_ms: XLA's stream of every rank first waits for a flag the host raises only after the
   // watchdog's clock moved on by hold_ms (earlier work the GPU is still busy with).
@@ -255,6 +270,11 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   };
   std::vector<std::thread> threads;
   for (int r = 0; r < nranks; ++r) board->Start(process_of(r));
+  // Every rank's thread is a HostThread before any makes a call: the fake calls a wait a
+  // deadlock once no rank's thread is left that is not waiting, which must count them all.
+  std::mutex started_mu;
+  std::condition_variable started_cv;
+  int started = 0;
   for (int r = 0; r < nranks; ++r)
     threads.emplace_back([&, r] {
       struct Stop {  // whichever way the thread returns
@@ -263,6 +283,12 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
         ~Stop() { board.Stop(process); }
       } stop{*board, process_of(r)};
       const HostThread host;  // a rank's thread, as XLA's per device
+      {
+        std::unique_lock<std::mutex> lock(started_mu);
+        ++started;
+        started_cv.notify_all();
+        started_cv.wait(lock, [&] { return started == nranks; });
+      }
       const int dev = static_cast<int>(in.devices[r]);
       SetPlayedProcess(process_of(r));
       if (cudaSetDevice(dev) != cudaSuccess) {
@@ -302,11 +328,19 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
         own.emplace(mine, CallSite::Instantiate(mine.site_key));
       }
       cuda::CudaSite& site = own ? *own : shared_site;
-      for (int c = 0; c < in.calls && statuses[r].empty(); ++c) {
+      const int calls =
+          in.chunks_per_call.empty() ? in.calls : static_cast<int>(in.chunks_per_call.size());
+      for (int c = 0; c < calls && statuses[r].empty(); ++c) {
+        if (!in.chunks_per_call.empty())
+          problem.chunks = in.chunks_per_call[static_cast<size_t>(c)] + (r == in.skew_rank);
         // As XLA runs a thunk: the handler's work on other streams must be joined into
         // XLA's stream (or complete) when it returns, whatever its status.
         BeginHandler(xla);
-        Status status = site.Enqueue(caller, problem, io, xla);
+        cuda::CudaSite& call_site =
+            in.chunks_per_call.empty() || in.chunks_per_call[static_cast<size_t>(c)] == q.chunks
+                ? site
+                : *sites.at(in.chunks_per_call[static_cast<size_t>(c)]);
+        Status status = call_site.Enqueue(caller, problem, io, xla);
         EndHandler(xla, "CudaSite::Enqueue (rank " + std::to_string(r) + ")");
         if (!status.ok()) statuses[r] = status.ToString();
       }

@@ -46,7 +46,11 @@ struct PlayedCalls {
   // rank's thread as each process compiles its own program (equal keys: the
   // same site). None: one call site of key clique_key shared by every rank.
   std::optional<std::vector<int64_t>> site_keys;
-  int calls = 1;       // back-to-back calls per rank
+  int calls = 1;  // back-to-back calls per rank
+  // Per call, its chunks (empty: the problem's, `calls` times): calls of several call sites
+  // (one per number of chunks) whose needs differ, as the rows of the selftest on one clique
+  // (new cuBLASLt plans, workspace).
+  std::vector<int64_t> chunks_per_call;
   int skew_rank = -1;  // this rank disagrees on the call (one more chunk)
   int skip_rank = -1;  // this rank never makes the call
   int64_t timeout_ms = 120000;

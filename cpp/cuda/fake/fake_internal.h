@@ -38,6 +38,7 @@ struct FakeTask {
   // that waits for its peers: an NCCL group) until this returns true; the
   // stream's next task waits for it, other streams' do not.
   std::function<bool()> done;
+  bool sms = false;  // a kernel: it cannot start while a persistent kernel holds the SMs
   cudaEvent_t records = nullptr;  // the event this task records, if any
   ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
 };
@@ -78,7 +79,15 @@ struct ncclComm {
   // NCCL serialises a communicator's operations in issue order, across streams.
   int64_t groups_issued = 0;
   int64_t groups_done = 0;
-  int splits = 0;           // ncclCommSplit calls made on it (the n-th split of every rank meets)
+  int splits = 0;  // ncclCommSplit calls made on it (the n-th split of every rank meets)
+  // Peers connected for send (true) and receive (false): NCCL connects to a peer at its first
+  // send/recv to it (fake_nccl.cc), which waits for the device. A non-blocking communicator
+  // connects after ncclGroupEnd returned: `connecting` says when the device work the
+  // connection waits for is done, `connecting_to` what it connects.
+  std::set<std::pair<int, bool>> connected;
+  std::function<bool()> connecting;
+  std::string connecting_to;
+  std::set<std::pair<int, bool>> connecting_peers;
   bool finalizing = false;  // ncclCommFinalize called
   bool aborted = false;     // freed by ncclCommAbort: every later use is a misuse
   bool destroyed = false;   // freed by ncclCommDestroy
@@ -186,6 +195,8 @@ struct State {
   std::vector<std::string> errors;
   std::map<std::string, int64_t> counters;
   std::map<uintptr_t, Alloc> allocs;  // by base address
+  // Page-locked host memory (cudaMallocHost): base -> bytes. Host memory outside it is pageable.
+  std::map<uintptr_t, size_t> pinned;
   // Malloc's ranges (cudaMalloc, the test driver's buffers): once freed, kept for the next
   // Malloc of their size, up to kSpareBytes, instead of unmapped — a new mapping costs a page
   // fault and a zero-fill per page (the executor allocates 32 MiB of cuBLASLt workspace per
@@ -224,6 +235,8 @@ struct State {
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
+  // (played process, device) whose SMs a persistent kernel holds, once per such kernel running.
+  std::multiset<std::pair<int, int>> persistent;
 };
 
 // The one fake world (never destroyed: handler threads may run late).

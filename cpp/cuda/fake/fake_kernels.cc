@@ -342,6 +342,26 @@ std::string Sm(int arch) { return "sm_" + std::to_string(arch); }
 
 }  // namespace
 
+const void* FusedFunction(DType dtype) {
+  // A handle with no body: launched only by the fused GEMM's own launch (fake_fused_gemm.cc).
+  static const HostKernel bf16{"FusedGemm", "FusedGemm<bf16>", "fused", McSide::kNone, 0, nullptr};
+  static const HostKernel f16{"FusedGemm", "FusedGemm<f16>", "fused", McSide::kNone, 0, nullptr};
+  return Register(dtype == DType::kBF16 ? &bf16 : &f16);
+}
+
+std::string FunctionName(const void* function) {
+  const HostKernel* k = Find(function);
+  return k == nullptr ? std::string("?") : k->name;
+}
+
+bool FunctionRuns(const void* function, int device) {
+  const HostKernel* k = Find(function);
+  KernelVariant v;
+  const auto& images = Images();
+  auto it = k == nullptr ? images.end() : images.find(k->family);
+  return it != images.end() && SelectKernelVariant(it->second, DeviceArch(device), &v);
+}
+
 void SetKernelImages(const std::map<std::string, std::vector<std::string>>& images) {
   Images() = images;
 }
@@ -439,6 +459,10 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
     *value = arch % 10;
     return cudaSuccess;
   }
+  if (attr == cudaDevAttrMultiProcessorCount) {
+    *value = jo::fake::DeviceSms(device);
+    return cudaSuccess;
+  }
   jo::fake::Fail("cudaDeviceGetAttribute: attribute " + std::to_string(static_cast<int>(attr)) +
                  " not modelled");
   return cudaErrorInvalidValue;
@@ -466,6 +490,22 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
   return cudaSuccess;
 }
 
+// cudaFuncSetAttribute: only the dynamic shared memory a kernel may use, at
+// most what a block of the device may opt into (227 KB on compute capability
+// 9.0: CUDA programming guide, "Compute Capabilities").
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
+  jo::fake::Count("cudaFuncSetAttribute");
+  const HostKernel* k = jo::fake::Find(func);
+  if (k == nullptr || attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      value > 232448) {
+    jo::fake::Fail(
+        "cudaFuncSetAttribute: not a kernel of this build, an attribute other than "
+        "the dynamic shared memory, or more than a block may have");
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
 // cudaLaunchKernel: checks what the launch describes, then enqueues the grid:
 // every thread of every block runs the kernel's body, in stream order.
 cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared,
@@ -473,8 +513,10 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   using jo::fake::Fail;
   jo::fake::Count("cudaLaunchKernel");
   const HostKernel* k = jo::fake::Find(func);
-  if (k == nullptr || args == nullptr || args[0] == nullptr) {
-    Fail("cudaLaunchKernel: not a kernel of this build, or no arguments");
+  if (k == nullptr || k->run == nullptr || args == nullptr || args[0] == nullptr) {
+    Fail(
+        "cudaLaunchKernel: not a kernel of this build launched with cudaLaunchKernel, or no "
+        "arguments");
     return cudaErrorInvalidDeviceFunction;
   }
   jo::fake::Count(k->op.c_str());
@@ -544,7 +586,7 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
          "mapping");
     return cudaErrorInvalidValue;
   }
-  jo::fake::Enqueue(stream, k->name, [k, run, g, grid, device, variant = v.image] {
+  jo::fake::EnqueueKernel(stream, k->name, [k, run, g, grid, device, variant = v.image] {
     jo::fake::KernelTrace trace;
     {
       std::lock_guard<std::mutex> lock(jo::fake::g_mu);

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "core/program.h"
+
 namespace jo::fake {
 
 // What a fatbinary holds for each kernel family ("add", "multimem"): cubins
@@ -26,6 +28,13 @@ struct KernelVariant {
   int binary_version = 0;  // cudaFuncAttributes::binaryVersion
 };
 bool SelectKernelVariant(const std::vector<std::string>& images, int arch, KernelVariant* out);
+
+// The fused GEMM's kernel for `dtype` (fake_fused_gemm.cc runs it): a handle
+// cudaFuncGetAttributes and cudaFuncSetAttribute take, of the kernel family
+// "fused"; its name; whether `device` runs a variant of it.
+const void* FusedFunction(DType dtype);
+std::string FunctionName(const void* function);
+bool FunctionRuns(const void* function, int device);
 
 // Per-access record of kernel executions while tracing is on (tests).
 struct KernelAccess {

@@ -13,12 +13,16 @@
 #include <thread>
 #include <vector>
 
+#include "core/log.h"
 #include "cuda/check.h"
 #include "cuda/driver.h"
 #include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
+#include "cuda/fused_gemm.h"
+#include "cuda/kernels.h"
 #include "cuda/nccl_comms.h"
+#include "cuda/watchdog.h"
 
 namespace jo::fake {
 
@@ -76,6 +80,50 @@ Status LeaseRace(bool hold_lease, LeaseRaceOutcome* out) {
   out->aborts_when_abort_returned = aborts_when_abort_returned;
   out->aborts_at_end = Counters()["ncclCommAbort"];
   out->acquire_after_abort = late.ok() ? std::string() : late.message();
+  out->errors = Errors();
+  return OkStatus();
+}
+
+Status StuckAbort(bool stuck, StuckAbortOutcome* out) {
+  Config config;
+  config.devices = 2;
+  ResetExecutorAndFake(config);
+  cuda::ErrorContext ctx;
+  ctx.op = "stuck_abort";
+  ncclUniqueId id{};
+  ncclGetUniqueId(&id);
+  constexpr std::chrono::milliseconds kTimeout(200);
+  auto comms = std::make_shared<cuda::NcclComms>(kTimeout);
+  const Status made = comms->Create(
+      {0, 1}, id, std::chrono::steady_clock::now() + std::chrono::seconds(10), "test", ctx);
+  if (!made.ok()) return Internal("stuck_abort: NcclComms::Create failed: " + made.message());
+  const cuda::DriverApi* drv = nullptr;
+  JO_CHECK(cuda::LoadDriver(&drv));
+  cudaSetDevice(0);
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  void* buf = Malloc(0, 64);
+  {
+    cuda::NcclComms::Lease lease;
+    JO_CHECK(comms->Acquire(0, ctx, &lease));
+    const ncclComm_t comm = lease.ForStreams(2)[1];
+    ncclSend(buf, 16, ncclFloat32, 1, comm, s);  // nobody receives: in flight until aborted
+    JO_CHECK(cuda::AwaitNccl(comm, std::chrono::steady_clock::now() + std::chrono::seconds(10),
+                             "ncclSend", &ctx));
+  }
+  auto* flag = static_cast<uint32_t*>(Malloc(0, 4));
+  if (stuck)
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
+                             CU_STREAM_WAIT_VALUE_GEQ);
+  const std::string before = LastWarning();
+  comms->Abort();  // each ncclCommAbort on a thread of its own
+  cuda::WatchAborts(comms, "stuck_abort clique", kTimeout);
+  if (!stuck) (void)comms->AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  cuda::AdvanceWatchdogClock(kTimeout + std::chrono::milliseconds(100));
+  out->warning = LastWarning() != before ? LastWarning() : std::string();
+  *flag = 1;  // the device's other work completes: the abort returns
+  if (!comms->AwaitAborts(std::chrono::steady_clock::now() + std::chrono::seconds(10)))
+    return Internal("stuck_abort: the aborts did not return once the flag was raised");
   out->errors = Errors();
   return OkStatus();
 }
@@ -315,6 +363,18 @@ std::map<std::string, std::string> MisuseChecks() {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
+    // NCCL connects to a peer at the first send/recv to it, which waits for the device: connect
+    // first (one send and receive each way, run), so that only the serialisation is tested.
+    for (int r = 0; r < 2; ++r) {
+      cudaStream_t s = stream_on(r);
+      void* buf = Malloc(r, 8);
+      cudaSetDevice(r);
+      ncclGroupStart();
+      ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclGroupEnd();
+    }
+    Drain();
     for (int r = 0; r < 2; ++r) {
       cudaStream_t a = stream_on(r), b = stream_on(r);
       void* in = Malloc(r, 64);
@@ -376,6 +436,126 @@ std::map<std::string, std::string> MisuseChecks() {
                              CU_STREAM_WAIT_VALUE_GEQ);
     (void)cudaDeviceSynchronize();
   });
+  // The fused GEMM (docs/gpu.md §10) on two GPUs: each one's kernel multiplies two shards of 8
+  // rows, its own in place and the peer's, which the peer copies in (the copy engine) and then
+  // flags; the kernel waits for that flag. How each GPU enqueues its part:
+  //  * kOutgoingFirst: its outgoing copy and flag, then the kernel, then work on the kernel's
+  //    stream that waits for it (the gathered x's copy) - the issue order's rule;
+  //  * kKernelFirst: the kernel and the work behind it first, then the outgoing copy: with one
+  //    work queue the work behind the kernel holds up the copy the peer's kernel waits for;
+  //  * kProducerAfter: the outgoing data made by a kernel (as a multimem store is) enqueued
+  //    after the fused GEMM on another stream: it needs SMs, which the fused GEMM holds until
+  //    the peer's data arrives, on any number of work queues (rule 1);
+  //  * kProducerFirst: that kernel ordered before the fused GEMM by a stream dependency (an
+  //    event), as the multicast programs order their own stores (the control; enqueued first
+  //    without the event, it might still start after the kernel on another work queue).
+  enum class Fused { kOutgoingFirst, kKernelFirst, kProducerAfter, kProducerFirst };
+  auto fused_pair = [&](Fused how) {
+    const cuda::DriverApi* drv = nullptr;
+    (void)cuda::LoadDriver(&drv);
+    if (drv == nullptr) return;
+    cuda::ErrorContext ctx;
+    ctx.op = "fused misuse check";
+    constexpr int64_t kRows = 8, kK = 8, kN = 8;
+    const size_t es = 2, shard = kRows * kK * es;
+    std::byte* a[2];
+    void *x[2], *flags[2];
+    cudaStream_t s0[2], s1[2];
+    cuda::FusedGemmArgs args[2];
+    cuda::BlockArgs add[2];
+    static const int32_t kSequence[2][2] = {{0, 1}, {1, 0}};
+    for (int d = 0; d < 2; ++d) {
+      cudaSetDevice(d);
+      cudaDeviceEnablePeerAccess(1 - d, 0);
+      s0[d] = stream_on(d);
+      s1[d] = stream_on(d);
+      a[d] = static_cast<std::byte*>(Malloc(d, 2 * shard, 0x3c));  // bf16 1.2 everywhere
+      x[d] = Malloc(d, shard, 0x3c);
+      flags[d] = Malloc(d, 8);
+      cuda::FusedGemmArgs& f = args[d];
+      f.dtype = DType::kBF16;
+      f.m = 2 * kRows;
+      f.n = kN;
+      f.k = kK;
+      f.a = a[d];
+      f.lda = kK;
+      f.b = Malloc(d, kK * kN * es, 0x3c);
+      f.ldb = kN;
+      f.d = Malloc(d, 2 * kRows * kN * es);
+      f.ldd = kN;
+      f.blocks = fused::RowBlocks{2, 1, kRows};
+      f.sequence = kSequence[d];
+      f.wait_flags = static_cast<const uint32_t*>(flags[d]);
+      f.ready_shard = d;
+      f.epoch = 1;
+      f.timeout_ns = int64_t{1} << 40;
+      f.fault = static_cast<cuda::FusedGemmFault*>(Malloc(d, sizeof(cuda::FusedGemmFault)));
+      f.sm_count = 132;
+      add[d].dtype = DType::kBF16;
+      add[d].dst = x[d];
+      add[d].src = x[d];
+      add[d].batch = 1;
+      add[d].m = kRows;
+      add[d].n = kK;
+      add[d].src_ld = add[d].dst_ld = kK;
+      // Set-up: the kernels loaded before anything is enqueued.
+      (void)cuda::PrepareFusedGemm(DType::kBF16, ctx);
+      (void)cuda::PrepareBlockKernel(cuda::BlockKernel::kAdd, add[d], ctx);
+    }
+    auto outgoing = [&](int d) {
+      cudaSetDevice(d);
+      cudaMemcpyAsync(a[1 - d] + d * shard, x[d], shard, cudaMemcpyDefault, s1[d]);
+      drv->cuStreamWriteValue32(
+          reinterpret_cast<CUstream>(s1[d]),
+          reinterpret_cast<CUdeviceptr>(static_cast<uint32_t*>(flags[1 - d]) + d), 1,
+          CU_STREAM_WRITE_VALUE_DEFAULT);
+    };
+    auto kernel = [&](int d) {
+      cudaSetDevice(d);
+      (void)cuda::LaunchFusedGemm(args[d], s0[d], ctx);
+      cudaMemsetAsync(x[d], 0, 2, s0[d]);  // stands for the gathered x's copy after the kernel
+    };
+    for (int d = 0; d < 2; ++d) {
+      cudaSetDevice(d);
+      switch (how) {
+        case Fused::kOutgoingFirst:
+          outgoing(d);
+          kernel(d);
+          break;
+        case Fused::kKernelFirst:
+          kernel(d);
+          outgoing(d);
+          break;
+        case Fused::kProducerAfter:
+          kernel(d);
+          (void)cuda::LaunchAddBlock(add[d], s1[d], ctx);
+          outgoing(d);
+          break;
+        case Fused::kProducerFirst: {
+          cudaEvent_t made = nullptr;
+          cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+          (void)cuda::LaunchAddBlock(add[d], s1[d], ctx);
+          cudaEventRecord(made, s1[d]);
+          cudaStreamWaitEvent(s0[d], made, 0);
+          outgoing(d);
+          kernel(d);
+          break;
+        }
+      }
+    }
+  };
+  check(
+      "fused GEMM enqueued before its own outgoing copy", [&] { fused_pair(Fused::kKernelFirst); },
+      1);
+  check(
+      "fused GEMM after its own outgoing copy (control)",
+      [&] { fused_pair(Fused::kOutgoingFirst); }, 1);
+  check(
+      "a kernel the fused GEMM waits for, queued behind it",
+      [&] { fused_pair(Fused::kProducerAfter); }, 8);
+  check(
+      "a kernel the fused GEMM waits for, before it (control)",
+      [&] { fused_pair(Fused::kProducerFirst); }, 8);
   ResetExecutorAndFake(Config());
   return out;
 }

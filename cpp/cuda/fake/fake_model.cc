@@ -167,6 +167,7 @@ size_t NcclSize(ncclDataType_t t) {
 }
 
 void Count(const char* api) {
+  Lock lock(S().mu);
   ++S().counters[api];
   CheckEnqueuePath(api);  // fake_waits.cc: only non-blocking calls once a handler enqueued
 }
@@ -181,6 +182,9 @@ void Reset(const Config& config) {
   State& s = S();
   for (auto& [base, a] : s.allocs) Unmap(a.mem, a.bytes);
   s.allocs.clear();
+  for (const auto& [base, bytes] : s.pinned)
+    (void)::munmap(reinterpret_cast<void*>(base), PageRound(bytes));
+  s.pinned.clear();
   s.streams.clear();
   s.events.clear();
   s.peer_enabled.clear();
@@ -199,6 +203,7 @@ void Reset(const Config& config) {
   s.errors.clear();
   s.counters.clear();
   s.sticky.clear();
+  s.persistent.clear();
   s.config = config;
   s.rng.seed(config.seed);
   ResetQueues();
@@ -244,6 +249,7 @@ bool CheckRange(const void* p, size_t bytes, const char* what) {
 }
 
 int DeviceArch(int) { return S().config.cc_major * 10 + S().config.cc_minor; }
+int DeviceSms(int) { return S().config.sms; }
 
 cudaError_t StickyError(int device) {
   Lock lock(S().mu);

@@ -16,11 +16,30 @@
 //    is a use after free (API, "ncclCommAbort", "ncclCommDestroy");
 //  * a non-blocking communicator is finalized (ncclCommFinalize) and polled
 //    until ncclSuccess before ncclCommDestroy (usage, "Finalizing a
-//    communicator" and "Destroying a communicator").
+//    communicator" and "Destroying a communicator");
+//  * the first send/recv of a communicator to a peer connects to that peer,
+//    which waits for the device: NCCL sets up point-to-point connections when
+//    a group first needs them (NCCL source, src/group.cc: ncclPreconnectFunc
+//    -> ncclTransportP2pSetup, which allocates the connection's buffers in
+//    device memory; NCCL_RUNTIME_CONNECT in the environment-variable docs
+//    defers even the collectives' connections to their first use), and
+//    allocating device memory synchronizes the device (usage, "Using multiple
+//    NCCL communicators concurrently": operations of two communicators in
+//    flight "could break at any time ... if some calls used inside NCCL
+//    collectives were to perform a device synchronization (e.g. allocate some
+//    CUDA memory dynamically)"). The fake waits in ncclGroupEnd (fake_waits.h
+//    WaitForDevice); for a non-blocking communicator NCCL returns
+//    ncclInProgress there and its caller's poll cannot succeed earlier. Such a
+//    group is refused on a handler's enqueue path.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_waits.h"
@@ -36,10 +55,15 @@ using jo::fake::t_last;
 // ================================ NCCL ================================
 
 const char* ncclGetErrorString(ncclResult_t r) {
+  Count("ncclGetErrorString");
   return r == ncclSuccess ? "no error" : "fake NCCL error (see fake errors)";
 }
-const char* ncclGetLastError(ncclComm_t) { return ""; }
+const char* ncclGetLastError(ncclComm_t) {
+  Count("ncclGetLastError");
+  return "";
+}
 ncclResult_t ncclGetVersion(int* v) {
+  Count("ncclGetVersion");
   *v = NCCL_VERSION_CODE;
   return ncclSuccess;
 }
@@ -235,9 +259,29 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
-  Lock lock(S().mu);
   Count("ncclCommGetAsyncError");
-  if (state == nullptr || !Usable(comm, "ncclCommGetAsyncError")) return ncclInvalidArgument;
+  // A connection in progress: the poll sees ncclInProgress until it is done; the fake waits for
+  // that here (a deadlock is reported, and the communicator fails, when it never can be).
+  std::function<bool()> connecting;
+  std::string what;
+  {
+    Lock lock(S().mu);
+    if (state == nullptr || !Usable(comm, "ncclCommGetAsyncError")) return ncclInvalidArgument;
+    connecting = comm->connecting;
+    what = comm->connecting_to;
+  }
+  if (connecting) {
+    const bool connected = jo::fake::WaitFor(connecting, what);
+    Lock lock(S().mu);
+    comm->connecting = nullptr;
+    if (!connected) {
+      *state = ncclSystemError;
+      return ncclSuccess;
+    }
+    comm->connected.insert(comm->connecting_peers.begin(), comm->connecting_peers.end());
+    comm->connecting_peers.clear();
+  }
+  Lock lock(S().mu);
   if (comm->joining) {
     int joined = 0;
     for (const auto& other : S().comms) joined += other->clique == comm->clique;
@@ -267,14 +311,61 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclGroupStart() {
+  Count("ncclGroupStart");
   ++jo::fake::t_group_depth;
   return ncclSuccess;
+}
+
+// The first send/recv of a communicator to a peer connects to it, which waits for the device
+// (see the top of this file): a blocking communicator here, in ncclGroupEnd; a non-blocking one
+// after ncclGroupEnd returned (NCCL's own thread), which its caller sees as ncclInProgress until
+// the device work the connection waits for is done (ncclCommGetAsyncError waits for it). False,
+// with the deadlock recorded, when a blocking connection's wait never ends.
+static bool Connect(const std::vector<jo::fake::NcclP2p>& ops) {
+  std::map<ncclComm_t, std::set<std::pair<int, bool>>> fresh;
+  {
+    Lock lock(S().mu);
+    for (const auto& op : ops)
+      if (op.comm->connected.count({op.peer, op.send}) == 0)
+        fresh[op.comm].insert({op.peer, op.send});
+  }
+  if (fresh.empty()) return true;
+  jo::fake::CheckEnqueuePath(
+      "ncclGroupEnd connecting to a new peer (NCCL allocates the connection's device memory)");
+  for (auto& [comm, peers] : fresh) {
+    int device = 0, rank = 0;
+    bool nonblocking = false;
+    {
+      Lock lock(S().mu);
+      device = comm->device;
+      rank = comm->rank;
+      nonblocking = comm->nonblocking;
+    }
+    const std::string what = "NCCL connecting rank " + std::to_string(rank) + " to peer " +
+                             std::to_string(peers.begin()->first) + " on device " +
+                             std::to_string(device) +
+                             " (it allocates the connection's buffers: it waits for every work "
+                             "queue of the device)";
+    std::function<bool()> done = jo::fake::DeviceWorkBefore(device);
+    if (nonblocking) {
+      Lock lock(S().mu);
+      comm->connecting = std::move(done);
+      comm->connecting_to = what;
+      comm->connecting_peers.insert(peers.begin(), peers.end());
+      continue;
+    }
+    if (!jo::fake::WaitFor(done, what + " in ncclGroupEnd")) return false;
+    Lock lock(S().mu);
+    comm->connected.insert(peers.begin(), peers.end());
+  }
+  return true;
 }
 
 static ncclResult_t FlushGroup() {
   using jo::fake::NcclP2p;
   std::vector<NcclP2p> ops;
   ops.swap(jo::fake::t_group);
+  if (!Connect(ops)) return ncclInternalError;
   Lock lock(S().mu);
   std::map<cudaStream_t, std::vector<NcclP2p>> by_stream;
   for (auto& op : ops) by_stream[op.stream].push_back(op);
@@ -303,6 +394,10 @@ static ncclResult_t FlushGroup() {
     // NCCL serialises a communicator: this group starts after its earlier ones.
     task.ready = [gs] {
       if (gs->aborted()) return true;
+      // NCCL launches the group once connected: its thread connects once the device work the
+      // connection waits for is done, whether or not the caller polls.
+      for (const auto& [comm, seq] : gs->order)
+        if (comm->connecting && !comm->connecting()) return false;
       for (const auto& [comm, seq] : gs->order)
         if (comm->groups_done < seq - 1) return false;
       return true;
@@ -353,6 +448,7 @@ static ncclResult_t FlushGroup() {
           if (comm->groups_done < seq) comm->groups_done = seq;
       return done;
     };
+    task.sms = true;  // NCCL's kernels run on SMs
     jo::fake::Push(stream, std::move(task));
   }
   // Non-blocking communicators answer ncclInProgress (real NCCL may, e.g. while
@@ -364,6 +460,7 @@ static ncclResult_t FlushGroup() {
 }
 
 ncclResult_t ncclGroupEnd() {
+  Count("ncclGroupEnd");
   if (jo::fake::t_group_depth <= 0) {
     Fail("ncclGroupEnd without ncclGroupStart");
     return ncclInvalidUsage;

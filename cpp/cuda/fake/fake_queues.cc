@@ -52,7 +52,9 @@ bool Step(bool random) {
       for (auto& queue : queues) {
         if (queue.empty()) continue;
         CUstream_st* head = queue.front();
-        if (!head->running && head->tasks.front().ready()) starting.push_back(head);
+        const FakeTask& next = head->tasks.front();
+        if (next.sms && s.persistent.count(where) > 0) continue;  // no SM free for it
+        if (!head->running && next.ready()) starting.push_back(head);
       }
     }
     const size_t options = finishing.size() + starting.size();
@@ -105,8 +107,10 @@ std::string DeadlockReport() {
       const auto& queue = queues[q];
       if (queue.empty()) continue;
       const CUstream_st* head = queue.front();
+      const bool no_sms = head->tasks.front().sms && s.persistent.count(where) > 0;
       text += " [device " + std::to_string(where.second) + " queue " + std::to_string(q) + ": " +
               Describe(head) + " blocked at " + head->tasks.front().what +
+              (no_sms ? " (a kernel: a persistent kernel holds every SM)" : "") +
               (head->running ? " (behind its " + head->running->what + " in flight)" : "");
       if (queue.size() > 1) {
         // The first task behind the head from another stream: what the shared queue holds up.
@@ -143,6 +147,8 @@ void DropWork(int device) {
     if (device >= 0 && where.second != device) continue;
     for (auto& queue : queues) queue.clear();
   }
+  for (auto it = s.persistent.begin(); it != s.persistent.end();)
+    it = device >= 0 && it->second != device ? std::next(it) : s.persistent.erase(it);
 }
 
 }  // namespace
@@ -202,6 +208,16 @@ void Push(cudaStream_t s, std::string what, std::function<bool()> ready,
 void Enqueue(cudaStream_t s, const std::string& what, std::function<void()> run) {
   Lock lock(S().mu);
   Push(s, what, [] { return true; }, std::move(run));
+}
+
+void EnqueueKernel(cudaStream_t s, const std::string& what, std::function<void()> run) {
+  Lock lock(S().mu);
+  FakeTask task;
+  task.what = what;
+  task.sms = true;
+  task.ready = [] { return true; };
+  task.run = std::move(run);
+  Push(s, std::move(task));
 }
 
 bool RunUntil(const std::function<bool()>& until) {

@@ -2,10 +2,12 @@
 // streams, events and copies (see fake_runtime.h). Definitions match the
 // declarations of the real headers exactly (they are included), so a
 // signature drift is a compile error.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_waits.h"
@@ -21,6 +23,7 @@ using jo::fake::t_last;
 // ============================ CUDA runtime ============================
 
 cudaError_t cudaGetLastError(void) {
+  Count("cudaGetLastError");
   if (const cudaError_t sticky = jo::fake::StickyError(t_device); sticky != cudaSuccess) {
     t_last = cudaSuccess;
     return sticky;  // a sticky error is never reset
@@ -30,17 +33,21 @@ cudaError_t cudaGetLastError(void) {
   return e;
 }
 const char* cudaGetErrorName(cudaError_t e) {
+  Count("cudaGetErrorName");
   return e == cudaSuccess ? "cudaSuccess" : "cudaErrorFake";
 }
 const char* cudaGetErrorString(cudaError_t e) {
+  Count("cudaGetErrorString");
   return e == cudaSuccess ? "no error" : "fake CUDA error (see fake errors)";
 }
 
 cudaError_t cudaGetDevice(int* d) {
+  Count("cudaGetDevice");
   *d = t_device;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) {
+  Count("cudaSetDevice");
   jo::fake::Jitter();  // Config::host_jitter: ranks' threads at uneven speeds
   Lock lock(S().mu);
   if (!jo::fake::ValidDevice(d))
@@ -77,6 +84,34 @@ cudaError_t cudaFree(void* p) {
     return RtFail(cudaErrorInvalidValue, "cudaFree of an unknown pointer");
   jo::fake::Unmap(it->second.mem, it->second.bytes);
   S().allocs.erase(it);
+  return cudaSuccess;
+}
+
+// Page-locked host memory (the watchdog reads flags into it): host memory the fake remembers, so
+// that a device-to-host copy into it is asynchronous and one into any other host memory is not.
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  jo::fake::Jitter();
+  Count("cudaMallocHost");
+  // A page-locked allocation waits for every queue of the device (fake_waits.cc).
+  if (!jo::fake::WaitForDevice(t_device, "cudaMallocHost")) return cudaErrorMemoryAllocation;
+  Lock lock(S().mu);
+  std::byte* mem = jo::fake::MapShared(bytes);
+  if (mem == nullptr) return RtFail(cudaErrorMemoryAllocation, "cudaMallocHost: out of memory");
+  S().pinned[reinterpret_cast<uintptr_t>(mem)] = bytes;
+  *p = mem;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* p) {
+  jo::fake::Jitter();
+  Count("cudaFreeHost");
+  if (!jo::fake::WaitForDevice(t_device, "cudaFreeHost")) return cudaErrorUnknown;
+  Lock lock(S().mu);
+  auto it = S().pinned.find(reinterpret_cast<uintptr_t>(p));
+  if (it == S().pinned.end())
+    return RtFail(cudaErrorInvalidValue, "cudaFreeHost of a pointer cudaMallocHost did not return");
+  ::munmap(p, jo::fake::PageRound(it->second));
+  S().pinned.erase(it);
   return cudaSuccess;
 }
 
@@ -139,25 +174,32 @@ static cudaError_t MakeStream(cudaStream_t* out) {
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  Count("cudaStreamCreateWithFlags");
   if (flags != cudaStreamNonBlocking)
     return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
   return MakeStream(s);
 }
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int) {
+  Count("cudaStreamCreateWithPriority");
   if (flags != cudaStreamNonBlocking)
     return RtFail(cudaErrorInvalidValue, "streams must be non-blocking");
   return MakeStream(s);
 }
 cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  Count("cudaDeviceGetStreamPriorityRange");
   *least = 0;
   *greatest = -5;
   return cudaSuccess;
 }
-cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }  // kept until Reset
+cudaError_t cudaStreamDestroy(cudaStream_t) {
+  Count("cudaStreamDestroy");  // kept until Reset
+  return cudaSuccess;
+}
 
 // Stream capture: begun and ended by the caller; work on a capturing stream
 // is recorded into the graph, not run (Push drops it here).
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+  Count("cudaStreamBeginCapture");
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamBeginCapture") || s->capture != 0)
     return RtFail(cudaErrorIllegalState, "cudaStreamBeginCapture");
@@ -166,6 +208,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  Count("cudaStreamEndCapture");
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamEndCapture") || s->capture == 0)
     return RtFail(cudaErrorIllegalState, "cudaStreamEndCapture");
@@ -177,6 +220,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
 }
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  Count("cudaStreamIsCapturing");
   Lock lock(S().mu);
   if (!jo::fake::StreamOk(s, "cudaStreamIsCapturing"))
     return RtFail(cudaErrorInvalidResourceHandle, "cudaStreamIsCapturing");
@@ -201,6 +245,7 @@ cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* st
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
+  Count("cudaEventCreateWithFlags");
   Lock lock(S().mu);
   if (flags != cudaEventDisableTiming)
     return RtFail(cudaErrorInvalidValue, "events must disable timing");
@@ -210,7 +255,10 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
   S().events.push_back(std::move(ev));
   return cudaSuccess;
 }
-cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventDestroy(cudaEvent_t) {
+  Count("cudaEventDestroy");
+  return cudaSuccess;
+}
 
 // A host query sees the GPU as far as it could have run on the event's device.
 cudaError_t cudaEventQuery(cudaEvent_t e) {
@@ -367,6 +415,7 @@ cudaError_t cudaIpcCloseMemHandle(void* p) {
 }
 
 cudaError_t cudaDeviceCanAccessPeer(int* can, int a, int b) {
+  Count("cudaDeviceCanAccessPeer");
   Lock lock(S().mu);
   if (!jo::fake::ValidDevice(a) || !jo::fake::ValidDevice(b))
     return RtFail(cudaErrorInvalidDevice, "cudaDeviceCanAccessPeer");
@@ -389,16 +438,31 @@ cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t s) {
-  Lock lock(S().mu);
   Count("cudaMemcpyAsync");
   if (kind == cudaMemcpyDeviceToHost) {  // the watchdog reading flags into host memory
-    if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||
-        !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync D2H src"))
-      return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync D2H");
-    jo::fake::Push(
-        s, "cudaMemcpyAsync D2H", [] { return true; }, [=] { std::memcpy(dst, src, bytes); });
+    bool pageable = true;
+    int64_t seq = 0;
+    {
+      Lock lock(S().mu);
+      if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||
+          !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync D2H src"))
+        return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync D2H");
+      const uintptr_t d = reinterpret_cast<uintptr_t>(dst);
+      auto it = S().pinned.upper_bound(d);
+      pageable =
+          it == S().pinned.begin() || d + bytes > std::prev(it)->first + std::prev(it)->second;
+      if (pageable) jo::fake::CheckEnqueuePath("cudaMemcpyAsync into pageable host memory");
+      jo::fake::Push(
+          s, "cudaMemcpyAsync D2H", [] { return true; }, [=] { std::memcpy(dst, src, bytes); });
+      seq = s->enqueued;
+    }
+    // Into pageable memory the call returns only once the copy has completed (fake_waits.cc).
+    if (pageable &&
+        !jo::fake::WaitForTask(s, seq, "cudaMemcpyAsync device-to-host into pageable memory"))
+      return cudaErrorUnknown;
     return cudaSuccess;
   }
+  Lock lock(S().mu);
   if (kind != cudaMemcpyDefault && kind != cudaMemcpyDeviceToDevice)
     return RtFail(cudaErrorInvalidMemcpyDirection, "cudaMemcpyAsync kind");
   if (!jo::fake::StreamOk(s, "cudaMemcpyAsync") ||

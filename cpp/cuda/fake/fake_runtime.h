@@ -38,6 +38,9 @@
 //    queries of a capturing stream or of an event recorded in a capture are
 //    errors (CUDA programming guide, "CUDA Graphs", stream capture:
 //    prohibited operations).
+//  * SMs: a kernel (block kernels, cuBLASLt matmuls, NCCL groups) does not
+//    start while a persistent kernel (the fused GEMM, fake_fused_gemm.cc)
+//    holds the device's SMs; copies and stream memory operations need none.
 //  * 32-bit stream memory operations: write; wait with the cyclic GEQ test.
 //  * NCCL: send/recv matched in order per (comm, src, dst); a group is a
 //    kernel that completes when all its receives have data and all its
@@ -92,6 +95,7 @@ struct Config {
   int devices = 8;
   int cc_major = 9;
   int cc_minor = 0;
+  int sms = 132;  // multiprocessors per device (an H100 SXM's)
   bool multicast = true;
   bool shareable = true;     // cuMemExportToShareableHandle supports POSIX fds
   bool fabric = false;       // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (multi-node NVLink)
@@ -103,8 +107,10 @@ struct Config {
   uint64_t seed = 1;
   // When no stream can progress, Drain lets up to this much time pass, in
   // steps of pass_time (the test driver moves the watchdog's virtual clock:
-  // it may release the streams), before calling it a deadlock. Never real
-  // time: whether a test passes does not depend on the machine's speed.
+  // it may release the streams), before calling it a deadlock; so does a
+  // host call that waits for the GPU while every rank's thread waits too
+  // (fake_waits.h). Never real time: whether a test passes does not depend
+  // on the machine's speed.
   int grace_ms = 0;
   std::function<void(std::chrono::milliseconds)> pass_time;
   // Hardware work queues per device; 0: CUDA_DEVICE_MAX_CONNECTIONS from the
@@ -119,6 +125,9 @@ struct Config {
   // What the fatbinary holds for each kernel family (fake_kernels.h,
   // SetKernelImages); unset: what this build compiled.
   std::optional<std::map<std::string, std::vector<std::string>>> kernel_images;
+  // Tests: the fused GEMM's kernel waits for the flag of block b + this
+  // instead of block b (a broken tile -> flag mapping; fake_fused_gemm.cc).
+  int fused_flag_shift = 0;
 };
 
 void Reset(const Config& config);  // forgets everything (no live objects may remain in use)
@@ -157,12 +166,16 @@ void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
 void Fail(const std::string& text);
 bool CheckRange(const void* p, size_t bytes, const char* what);
 int DeviceArch(int device);  // compute capability major * 10 + minor
+int DeviceSms(int device);   // multiprocessors
 int CurrentDevice();
 int StreamDevice(cudaStream_t stream);  // -1: unknown stream
 // Per bound device, the memory behind multicast address `mc` (+ bytes);
 // false if `mc` is not a multicast mapping.
 bool MulticastTargets(const void* mc, size_t bytes, std::vector<std::byte*>* out);
 void Enqueue(cudaStream_t stream, const std::string& what, std::function<void()> run);
+// A kernel: like Enqueue, but it needs SMs, so it does not start while a
+// persistent kernel (the fused GEMM) holds them.
+void EnqueueKernel(cudaStream_t stream, const std::string& what, std::function<void()> run);
 void Count(const char* api);
 
 // Sticky errors (a kernel that trapped or faulted): the device's context is

@@ -9,6 +9,8 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "cuda/driver.h"
 #include "cuda/fake/fake_checks.h"
@@ -31,9 +33,10 @@ const cuda::DriverApi* Driver() {
   return drv;
 }
 
-// A wait on `device` for a flag nobody has written yet; returns the flag.
-CUdeviceptr PendingWait(int device) {
-  cudaStream_t s = StreamOn(device);
+// A wait on `device` for a flag nobody has written yet (on a new stream, or `s`); returns the
+// flag.
+CUdeviceptr PendingWait(int device, cudaStream_t s = nullptr) {
+  if (s == nullptr) s = StreamOn(device);
   void* flag = Malloc(device, 4);
   Driver()->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
                                 1, CU_STREAM_WAIT_VALUE_GEQ);
@@ -56,6 +59,11 @@ void Gemm(cudaStream_t s, int device) {
   cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, 4, 4, 4);
   cublasLtMatmulPreference_t p = nullptr;
   cublasLtMatmulPreferenceCreate(&p);
+  const uint32_t align = 16;  // the leading dimension's 16 bytes (the pointers are 256-aligned)
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
   cublasLtMatmulHeuristicResult_t r{};
   int found = 0;
   cublasLtMatmulAlgoGetHeuristic(h, d, l, l, l, l, p, 1, &r, &found);
@@ -134,16 +142,70 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     cudaMalloc(&p, 64);
     Raise(0, flag);
   });
-  check("cuMemUnmap behind a wait only this thread would satisfy", [] {
+  check("cudaMalloc after the write the wait needs (control)", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    Raise(0, flag);
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMalloc(&p, 64);
+  });
+  // A page-locked allocation waits for the device like cudaMalloc (implicit synchronization).
+  check("cudaMallocHost behind a wait only this thread would satisfy", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMallocHost(&p, 64);
+    Raise(0, flag);
+  });
+  check("cudaMallocHost after the write the wait needs (control)", [] {
+    const CUdeviceptr flag = PendingWait(0);
+    Raise(0, flag);
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMallocHost(&p, 64);
+  });
+  auto free_host = [](bool raise_first) {
+    cudaSetDevice(0);
+    void* p = nullptr;
+    cudaMallocHost(&p, 64);
+    const CUdeviceptr flag = PendingWait(0);
+    if (raise_first) Raise(0, flag);
+    cudaSetDevice(0);
+    cudaFreeHost(p);
+    if (!raise_first) Raise(0, flag);
+  };
+  check("cudaFreeHost behind a wait only this thread would satisfy", [&] { free_host(false); });
+  check("cudaFreeHost after the write the wait needs (control)", [&] { free_host(true); });
+  // A device-to-host copy into pageable memory returns only once it has completed; into
+  // page-locked memory it is asynchronous.
+  auto read_behind_a_wait = [](bool pinned) {
+    cudaStream_t s = StreamOn(0);
+    void* host = nullptr;
+    std::vector<uint32_t> pageable(16);
+    if (pinned) cudaMallocHost(&host, 64);
+    void* device = Malloc(0, 64);
+    const CUdeviceptr flag = PendingWait(0, s);
+    cudaSetDevice(0);
+    cudaMemcpyAsync(pinned ? host : pageable.data(), device, 64, cudaMemcpyDeviceToHost, s);
+    Raise(0, flag);
+  };
+  check("device-to-host copy into pageable memory behind a wait only this thread would satisfy",
+        [&] { read_behind_a_wait(false); });
+  check("device-to-host copy into page-locked memory behind the same wait (control)",
+        [&] { read_behind_a_wait(true); });
+  auto unmap = [](bool raise_first) {
     CUmemGenericAllocationHandle h = 0;
     CUdeviceptr va = 0;
     size_t bytes = 0;
     Vmm(0, &h, &va, &bytes);
     const CUdeviceptr flag = PendingWait(0);
+    if (raise_first) Raise(0, flag);
     Driver()->cuMemUnmap(va, bytes);
-    Raise(0, flag);
-  });
-  check("cuMemRelease behind a wait only this thread would satisfy", [] {
+    if (!raise_first) Raise(0, flag);
+  };
+  check("cuMemUnmap behind a wait only this thread would satisfy", [&] { unmap(false); });
+  check("cuMemUnmap after the write the wait needs (control)", [&] { unmap(true); });
+  auto release = [](bool raise_first) {
     const cuda::DriverApi* drv = Driver();
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -154,9 +216,12 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     CUmemGenericAllocationHandle h = 0;
     drv->cuMemCreate(&h, granularity, &prop, 0);
     const CUdeviceptr flag = PendingWait(1);
+    if (raise_first) Raise(1, flag);
     drv->cuMemRelease(h);
-    Raise(1, flag);
-  });
+    if (!raise_first) Raise(1, flag);
+  };
+  check("cuMemRelease behind a wait only this thread would satisfy", [&] { release(false); });
+  check("cuMemRelease after the write the wait needs (control)", [&] { release(true); });
   // Lazy loading: the first launch of a kernel on a device loads it, waiting for the device.
   check("first launch of a kernel not loaded (lazy loading)", [] {
     const CUdeviceptr flag = PendingWait(0);
@@ -178,6 +243,14 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     Gemm(StreamOn(2), 2);
     Raise(2, flag);
   });
+  check(
+      "first cuBLASLt matmul with CUDA_MODULE_LOADING=EAGER (control)",
+      [] {
+        const CUdeviceptr flag = PendingWait(2);
+        Gemm(StreamOn(2), 2);
+        Raise(2, flag);
+      },
+      /*module_loading=*/2);
   // ncclCommAbort frees memory: it waits for other communicators' kernels on its device.
   auto stuck_send = [](ncclComm_t* a, ncclComm_t* b) {
     int devs[2] = {0, 1};
@@ -199,6 +272,72 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     stuck_send(a, b);
     ncclCommAbort(a[0]);
     ncclCommAbort(b[0]);
+  });
+  // NCCL connects to a peer at the first send/recv to it, allocating device memory: that waits
+  // for the device. A one-element send and receive each way between ranks 0 and 1 (devices 0, 1).
+  auto exchange = [](ncclComm_t* comms) {
+    for (int r = 0; r < 2; ++r) {
+      cudaStream_t s = StreamOn(r);
+      void* buf = Malloc(r, 8);
+      cudaSetDevice(r);
+      ncclGroupStart();
+      ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
+      ncclGroupEnd();
+    }
+  };
+  check("first send/recv to a peer behind a wait only this thread would satisfy", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    const CUdeviceptr flag = PendingWait(0);
+    exchange(comms);  // rank 0 connects first: behind the wait
+    Raise(0, flag);
+  });
+  check("send/recv to a connected peer behind the same wait (control)", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    exchange(comms);  // connected (and run)
+    Drain();
+    const CUdeviceptr flag = PendingWait(0);
+    exchange(comms);
+    Raise(0, flag);
+  });
+  // The executor's communicators are non-blocking: ncclGroupEnd returns ncclInProgress and the
+  // caller's poll (ncclCommGetAsyncError) cannot see the connection done before the device is.
+  check("polling a non-blocking connection behind a wait only this thread would satisfy", [&] {
+    ncclUniqueId id{};
+    ncclGetUniqueId(&id);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comms[2] = {nullptr, nullptr};
+    ncclGroupStart();
+    for (int r = 0; r < 2; ++r) {
+      cudaSetDevice(r);
+      ncclCommInitRankConfig(&comms[r], 2, id, r, &config);
+    }
+    ncclGroupEnd();
+    ncclResult_t state = ncclInProgress;
+    for (ncclComm_t c : comms) ncclCommGetAsyncError(c, &state);
+    const CUdeviceptr flag = PendingWait(0);
+    exchange(comms);
+    ncclCommGetAsyncError(comms[0], &state);  // the connection waits for device 0
+    Raise(0, flag);
+  });
+  check("first send/recv to a peer between a handler's first enqueue and its return", [&] {
+    ncclComm_t comms[2];
+    int devs[2] = {0, 1};
+    ncclCommInitAll(comms, 2, devs);
+    cudaStream_t xla = StreamOn(0);
+    BeginHandler(xla);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaEventRecord(e, xla);
+    void* buf = Malloc(0, 8);
+    cudaSetDevice(0);
+    ncclSend(buf, 1, ncclFloat32, 1, comms[0], xla);
+    EndHandler(xla, "the handler");
   });
   // Two ranks' host threads: the peer has enqueued a wait that this thread's next enqueue
   // satisfies, and this thread first frees memory on the peer's device (the executor's old
@@ -235,6 +374,55 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     cudaMalloc(&p, 64);
     EndHandler(xla, "the handler");
   });
+  // Deny by default: every entry point of the fake checks the enqueue path, so a call that is
+  // not on the list is refused there whatever it is; a sample of calls that create, destroy or
+  // synchronise (none of which the fake makes wait), and a control of listed ones.
+  auto on_the_enqueue_path = [](const std::function<void(cudaStream_t)>& body) {
+    cudaStream_t xla = StreamOn(0);
+    BeginHandler(xla);
+    cudaEvent_t e = nullptr;
+    cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    cudaEventRecord(e, xla);  // the handler's first enqueue
+    body(xla);
+    EndHandler(xla, "the handler");
+  };
+  const std::vector<std::pair<std::string, std::function<void(cudaStream_t)>>> refused = {
+      {"cudaStreamCreateWithFlags",
+       [](cudaStream_t) {
+         cudaStream_t s = nullptr;
+         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+       }},
+      {"cudaEventCreateWithFlags",
+       [](cudaStream_t) {
+         cudaEvent_t e = nullptr;
+         cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+       }},
+      {"cudaEventDestroy", [](cudaStream_t) { cudaEventDestroy(nullptr); }},
+      {"cudaStreamDestroy", [](cudaStream_t) { cudaStreamDestroy(nullptr); }},
+      {"cudaStreamSynchronize", [](cudaStream_t xla) { cudaStreamSynchronize(xla); }},
+      {"cublasLtCreate",
+       [](cudaStream_t) {
+         cublasLtHandle_t h = nullptr;
+         cublasLtCreate(&h);
+       }},
+      {"cuMemAddressFree", [](cudaStream_t) { Driver()->cuMemAddressFree(0, 0); }},
+      {"cuMulticastUnbind", [](cudaStream_t) { Driver()->cuMulticastUnbind(0, 0, 0, 0); }},
+  };
+  for (const auto& [api, call] : refused)
+    check(api + " on the enqueue path", [&, call = call] { on_the_enqueue_path(call); });
+  check("error strings, ncclGroupStart/End and the current device on the enqueue path (control)",
+        [&] {
+          on_the_enqueue_path([](cudaStream_t) {
+            int device = 0;
+            cudaGetDevice(&device);
+            cudaSetDevice(device);
+            (void)cudaGetErrorString(cudaErrorInvalidValue);
+            (void)cudaGetLastError();
+            (void)ncclGetErrorString(ncclInvalidUsage);
+            ncclGroupStart();
+            ncclGroupEnd();
+          });
+        });
   return out;
 }
 

@@ -17,6 +17,17 @@
 //    first cudaFuncGetAttributes of it (which references it: NCCL's
 //    ncclInitKernelsForDevice loads its kernels so), and cuBLASLt's first matmul with an
 //    algorithm on a device wait for every queue of the device; later uses do not.
+//  * A device-to-host cudaMemcpyAsync into pageable host memory (not page-locked:
+//    cudaMallocHost) "will return only once the copy has completed" (CUDA runtime API, "API
+//    synchronization behavior", Memcpy, asynchronous: "For transfers from device memory to
+//    pageable host memory, the function will return only once the copy has completed"):
+//    the copy is queued on its stream like any task, so the call waits for what is ahead of
+//    it there and in its work queue. Into page-locked memory it is asynchronous.
+//  * cudaMallocHost waits for every queue of the current device: a page-locked host memory
+//    allocation is one of the operations between which commands of different streams cannot
+//    run concurrently (CUDA programming guide, "Asynchronous Concurrent Execution", implicit
+//    synchronization). cudaFreeHost is modelled the same way (assumed, as the VMM calls: the
+//    reference does not promise it does not wait).
 //  * ncclCommAbort frees the communicator's device memory (cudaFree: NCCL issue #549), so
 //    once the communicator is marked aborted (its own kernels exit) it waits for every queue
 //    of its device, kernels of other communicators included (NCCL pull request #564: "abort
@@ -24,9 +35,12 @@
 //    synchronization").
 //
 // A wait lets the fake GPU run (as far as it can) and the other ranks' host threads
-// (HostThread) go on enqueueing. It is a deadlock when the GPU cannot get the waited-for work
-// done, no waiting thread's condition holds and no rank thread is left that is not waiting
-// (each is waiting too, or gone): then nothing can ever enqueue what the GPU needs. The
+// (HostThread) go on enqueueing. When no rank's thread is left that is not waiting, time passes
+// on the watchdog's virtual clock (up to Config::grace_ms, as while Drain waits): on a GPU the
+// watchdog's thread goes on meanwhile and may release the GPU. It is a deadlock when the GPU
+// cannot get the waited-for work done, no waiting thread's condition holds, no rank thread is
+// left that is not waiting (each is waiting too, or gone) and the grace is spent: then nothing
+// can ever enqueue what the GPU needs. The
 // deadlock is recorded with the state of the queues, all work is dropped (a hung GPU: events
 // report failure) and the call fails — never a hang of the test.
 //
@@ -38,6 +52,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -56,7 +71,8 @@ namespace {
 int g_hosts = 0;
 int g_hosts_waiting = 0;
 int g_hosts_started = 0;  // since Reset: seeds each thread's jitter
-std::set<const std::function<bool()>*> g_waiting;
+std::map<const std::function<bool()>*, std::string> g_waiting;  // condition -> its wait
+bool g_passing = false;  // a waiting rank's thread is letting time pass (WaitUntil)
 // (device, function) loaded so far. Under S().mu. Not per played process: the played
 // processes share one OS process, whose caches (cuBLASLt plans, kernel verdicts) are per
 // device ordinal, as a real process's are.
@@ -75,15 +91,29 @@ uint64_t Activity() {
   return g_activity;
 }
 
-// The calls allowed between a handler's first enqueue and its return: they enqueue, or poll
-// without waiting (docs/gpu.md §3). Names as the fake counts them.
+// The calls allowed between a handler's first enqueue and its return: they enqueue, poll
+// without waiting, or only answer from the host (docs/gpu.md §3). Names as the fake counts
+// them; every entry point of the fake counts itself first, so any other call is refused.
 const std::set<std::string>& EnqueuePathCalls() {
-  static const auto* calls = new std::set<std::string>{"cudaEventRecord",
+  static const auto* calls = new std::set<std::string>{"cudaSetDevice",
+                                                       "cudaGetDevice",
+                                                       "cudaGetLastError",
+                                                       "cudaGetErrorName",
+                                                       "cudaGetErrorString",
+                                                       "cuGetErrorString",
+                                                       "ncclGetErrorString",
+                                                       "ncclGetLastError",
+                                                       "cublasLtGetStatusName",
+                                                       "cublasLtGetStatusString",
+                                                       "ncclGroupStart",
+                                                       "ncclGroupEnd",
+                                                       "cudaEventRecord",
                                                        "cudaStreamWaitEvent",
                                                        "cudaMemcpyAsync",
                                                        "cudaMemcpy2DAsync",
                                                        "cudaMemsetAsync",
                                                        "cudaLaunchKernel",
+                                                       "cudaLaunchKernelEx",
                                                        "AddBlock",
                                                        "McStore",
                                                        "McReduce",
@@ -103,10 +133,19 @@ const std::set<std::string>& EnqueuePathCalls() {
 // `settle`: the deadlock is reported only after kSettle without any host activity, for a
 // thread that is not a rank's (an abort thread of the watchdog: its siblings, aborting the
 // other communicators, are not HostThreads either and may not have reached the fake yet).
+// When every rank's thread waits, a rank's wait first lets time pass, up to Config::grace_ms in
+// steps of kStep (Config::pass_time: the watchdog's virtual clock, as in Drain): on a GPU the
+// watchdog's thread runs while the ranks' threads wait, and may release the GPU.
 constexpr std::chrono::milliseconds kSettle(2000);
+constexpr std::chrono::milliseconds kStep(10);
 bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool settle = false) {
   auto quiet_since = std::chrono::steady_clock::now();
   uint64_t last = Activity();
+  std::chrono::milliseconds grace(0);
+  {
+    Lock lock(S().mu);
+    if (t_host && S().config.pass_time) grace = std::chrono::milliseconds(S().config.grace_ms);
+  }
   for (;;) {
     const uint64_t seen = Activity();
     if (seen != last) {
@@ -115,21 +154,36 @@ bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool 
     }
     const bool settled = !settle || std::chrono::steady_clock::now() - quiet_since >= kSettle;
     {
-      Lock lock(S().mu);
+      std::unique_lock<std::recursive_mutex> lock(S().mu);
       if (RunUntil(done)) return true;
-      bool another_can = false;
-      for (const auto* condition : g_waiting) another_can = another_can || (*condition)();
+      bool another_can = g_passing;
+      for (const auto& [condition, other] : g_waiting) another_can = another_can || (*condition)();
       const int others_running = g_hosts - g_hosts_waiting - (t_host ? 1 : 0);
+      if (!another_can && others_running <= 0 && settled && grace.count() > 0) {
+        const auto step = std::min(kStep, grace);
+        grace -= step;
+        g_passing = true;
+        const auto pass_time = S().config.pass_time;
+        lock.unlock();
+        pass_time(step);
+        lock.lock();
+        g_passing = false;
+        lock.unlock();
+        NoteHostActivity();
+        continue;
+      }
       if (!another_can && others_running <= 0 && settled) {
+        std::string others;
+        for (const auto& [condition, other] : g_waiting) others += "; also waiting: " + other;
         S().errors.push_back(what +
                              " would wait forever: deadlock: the GPU waits for work that "
                              "no host thread can enqueue any more (every rank's thread waits "
-                             "for the GPU too, or is gone); " +
-                             DescribeStuckWork());
+                             "for the GPU too, or is gone" +
+                             others + "); " + DescribeStuckWork());
         DropAllWork();
         return false;
       }
-      g_waiting.insert(&done);
+      g_waiting[&done] = what;
       if (t_host) ++g_hosts_waiting;
     }
     {
@@ -201,8 +255,8 @@ void ResetWaits() {
   g_hosts_started = 0;
 }
 
-bool WaitForDevice(int device, const std::string& call, bool settle) {
-  // Every task enqueued on the device before the call (of this thread's played process).
+std::function<bool()> DeviceWorkBefore(int device) {
+  // Every task enqueued on the device before now (of this thread's played process).
   std::map<const CUstream_st*, int64_t> before;
   {
     Lock lock(S().mu);
@@ -210,15 +264,35 @@ bool WaitForDevice(int device, const std::string& call, bool settle) {
       if (st->process == t_process && st->device == device && st->completed < st->enqueued)
         before[st.get()] = st->enqueued;
   }
-  const std::function<bool()> done = [before] {
+  return [before] {
     for (const auto& [st, count] : before)
       if (st->completed < count && (st->running || !st->tasks.empty())) return false;
     return true;  // completed, or dropped (a hung or dead GPU: nothing left to wait for)
   };
-  return WaitUntil(done,
+}
+
+bool WaitFor(const std::function<bool()>& done, const std::string& what) {
+  return WaitUntil(done, what);
+}
+
+bool WaitForDevice(int device, const std::string& call, bool settle) {
+  return WaitUntil(DeviceWorkBefore(device),
                    call + " on device " + std::to_string(device) +
                        " (it waits for every work queue of the device)",
                    settle);
+}
+
+bool WaitForTask(cudaStream_t s, int64_t seq, const std::string& call) {
+  int device = 0;
+  {
+    Lock lock(S().mu);
+    device = s->device;
+  }
+  const std::function<bool()> done = [s, seq] {
+    return s->completed >= seq || (!s->running && s->tasks.empty());  // completed, or dropped
+  };
+  return WaitUntil(done, call + " on device " + std::to_string(device) +
+                             " (it returns only once the copy has completed)");
 }
 
 bool LoadFunction(int device, const std::string& function, const std::string& call) {

@@ -5,7 +5,11 @@
 // lets the other host threads (ranks) go on enqueueing meanwhile.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <nccl.h>
+
+#include <cstdint>
+#include <functional>
 
 #include <string>
 
@@ -18,6 +22,18 @@ namespace jo::fake {
 // enqueue what it needs (every one is waiting too, or gone).
 // `settle`: see fake_waits.cc (threads that are not a rank's, e.g. concurrent aborts).
 bool WaitForDevice(int device, const std::string& call, bool settle = false);
+
+// What WaitForDevice waits for: every task enqueued on `device` (of this thread's played
+// process) before now has completed, or was dropped. Without the lock held.
+std::function<bool()> DeviceWorkBefore(int device);
+
+// Waits until `done` holds, as WaitForDevice does (false, with the deadlock recorded as `what`
+// "would wait forever", when it never can).
+bool WaitFor(const std::function<bool()>& done, const std::string& what);
+
+// Waits until the task `seq` (1-based) of stream `s` has completed, as a device-to-host copy into
+// pageable memory does; false as above (the copy dropped).
+bool WaitForTask(cudaStream_t s, int64_t seq, const std::string& call);
 
 // Lazy loading: the first use of `function` on `device` loads it, which may
 // wait for the device (WaitForDevice); false as above. Eager loading (and

@@ -1,0 +1,241 @@
+// The fake's fused GEMM (cuda/fused_gemm_launch.h, in place of the CUTLASS
+// instantiations): the persistent kernel at tile level. What the real kernel
+// does is CUTLASS's code plus the three extensions of fused_gemm_kernel.cuh;
+// what is modelled here is what the executor and the other streams can see of
+// it, from the same tile mapping (core/fused_tiles.h):
+//  * it is sm_90a code: cudaFuncGetAttributes finds no image for any other
+//    device (the kernel family "fused", fake_kernels.cc);
+//  * its CTAs are persistent and hold every SM until the last one ends: no
+//    other kernel of the device (a block kernel, a cuBLASLt matmul, an NCCL
+//    group) starts meanwhile (fake_queues.cc); copies and stream memory
+//    operations still run. A kernel that needs SMs queued behind it while the
+//    kernel waits for it deadlocks, as the GPU may (docs/gpu.md §10, rule 1);
+//  * CTA c takes the units of work c, c + ctas, ... (PersistentGrid), each one
+//    output tile computed with the reference GEMM (f32 accumulation in K order,
+//    rounded once: the fake cuBLASLt's arithmetic) once every flag of its
+//    rows' blocks has reached the epoch; a tile completing a block raises the
+//    block's release flag, counting in the launch's counters as the kernel does;
+//  * a tile never reads rows before their data is there: the rows of a block
+//    whose flag is not yet at the epoch are poisoned (read as NaN) and the read
+//    is recorded as a misuse. Config::fused_flag_shift makes the kernel wait for
+//    the flags of block b + shift instead (an off-by-one mapping) for the
+//    misuse checks.
+// One tile per poll of the kernel, so the other streams interleave with it.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/convert.h"
+#include "cuda/fake/fake_internal.h"
+#include "cuda/fake/fake_kernels.h"
+#include "cuda/fake/fake_waits.h"
+#include "cuda/fused_gemm_launch.h"
+
+namespace jo::fake {
+namespace {
+
+using cuda::fused_kernel::Launch;
+
+// The dynamic shared memory the fake kernel asks for: an H100's opt-in
+// maximum per block (CUDA programming guide, "Compute Capabilities": 227 KB).
+constexpr int kSharedBytes = 232448;
+constexpr int64_t kTileCols = 256;  // the CTA tile's N (fused_gemm_kernel.cuh)
+
+struct FusedRun {
+  DType dtype = DType::kBF16;
+  Launch launch;
+  fused::PersistentGrid grid;
+  int64_t m_tiles = 0;
+  std::vector<int64_t> next;  // per CTA: its next unit of work
+  int64_t left = 0;           // units not done
+  int32_t shift = 0;          // Config::fused_flag_shift
+  size_t turn = 0;            // the CTA polled first next time
+  int device = 0;
+  std::pair<int, int> where;  // (played process, device): whose SMs it holds
+  bool poisoned_reported = false;
+  std::string what;
+};
+
+bool AtEpoch(uint32_t flag, uint32_t epoch) { return static_cast<int32_t>(flag - epoch) >= 0; }
+
+// Whether block b's rows are in place (its own flag, not the one a broken mapping names).
+bool Arrived(const FusedRun& r, int32_t b) {
+  const Launch& l = r.launch;
+  if (l.wait_flags == nullptr || r.launch.blocks.Shard(b) == l.ready_shard) return true;
+  return AtEpoch(l.wait_flags[b], l.epoch);
+}
+
+// Whether the kernel starts tile `tile`: every flag it waits for is at the epoch.
+bool TileReady(const FusedRun& r, int32_t tile) {
+  const Launch& l = r.launch;
+  if (l.wait_flags == nullptr) return true;
+  const fused::Range blocks = fused::Tiling{l.blocks, fused::kTileRows}.BlocksOf(tile);
+  for (int32_t b = blocks.first; b <= blocks.last; ++b) {
+    if (l.blocks.Shard(b) == l.ready_shard) continue;
+    int32_t waited = b + r.shift;
+    if (waited < 0) waited = 0;
+    if (waited >= l.blocks.count()) waited = l.blocks.count() - 1;
+    if (!AtEpoch(l.wait_flags[waited], l.epoch)) return false;
+  }
+  return true;
+}
+
+size_t ElemBytes(DType dtype) { return static_cast<size_t>(DTypeSize(dtype)); }
+
+// D[l][tile rows][n tile] = A @ B with f32 accumulation; rows not yet in place read as NaN.
+void ComputeTile(FusedRun& r, int32_t l_idx, int32_t tile, int32_t n_tile) {
+  const Launch& l = r.launch;
+  const int64_t row0 = tile * fused::kTileRows, col0 = n_tile * kTileCols;
+  const int64_t rows = std::min<int64_t>(fused::kTileRows, l.m - row0);
+  const int64_t cols = std::min<int64_t>(kTileCols, l.n - col0);
+  const auto* a = static_cast<const std::byte*>(l.a) +
+                  static_cast<size_t>(l_idx * l.a_batch_stride) * ElemBytes(r.dtype);
+  auto* d = static_cast<std::byte*>(l.d) +
+            static_cast<size_t>(l_idx * l.d_batch_stride) * ElemBytes(r.dtype);
+  for (int64_t i = row0; i < row0 + rows; ++i) {
+    const int32_t block = l.blocks.BlockOf(i);
+    const bool there = Arrived(r, block);
+    if (!there && !r.poisoned_reported) {
+      r.poisoned_reported = true;
+      Fail(r.what + ": a tile read rows of block " + std::to_string(block) +
+           " before its flag reached the epoch (the rows are poisoned: NaN)");
+    }
+    for (int64_t j = col0; j < col0 + cols; ++j) {
+      float acc = 0.0f;
+      for (int64_t p = 0; p < l.k; ++p)
+        acc += LoadElement(r.dtype, a, i * l.lda + p) * LoadElement(r.dtype, l.b, p * l.ldb + j);
+      StoreElement(r.dtype, d, i * l.ldd + j, there ? acc : std::nanf(""));
+    }
+  }
+}
+
+// The tile is stored: count it into every block it touches; the tile
+// completing a block releases the block's flag.
+void Release(FusedRun& r, int32_t tile) {
+  const Launch& l = r.launch;
+  if (l.release_flags == nullptr) return;
+  const fused::Tiling tiling{l.blocks, fused::kTileRows};
+  const fused::Range blocks = tiling.BlocksOf(tile);
+  for (int32_t b = blocks.first; b <= blocks.last; ++b) {
+    const uint32_t expected = static_cast<uint32_t>(tiling.TilesOf(b).size()) *
+                              static_cast<uint32_t>(r.grid.n_tiles * r.grid.batch);
+    if (++l.counters[b] == expected) l.release_flags[b] = l.epoch;
+  }
+}
+
+// One poll of the kernel: the first CTA (from a rotating start) whose next
+// tile may start computes it. True once every unit is done (the SMs are free).
+bool Poll(FusedRun& r) {
+  const size_t ctas = r.next.size();
+  for (size_t k = 0; k < ctas && r.left > 0; ++k) {
+    const size_t c = (r.turn + k) % ctas;
+    const int64_t unit = r.next[c];
+    if (unit >= r.grid.work()) continue;
+    int32_t l_idx = 0, slot = 0, n_tile = 0;
+    r.grid.At(unit, &l_idx, &slot, &n_tile);
+    const int32_t tile = r.launch.order.TileAt(slot);
+    if (tile < r.m_tiles) {
+      if (!TileReady(r, tile)) continue;  // this CTA spins; the others go on
+      ComputeTile(r, l_idx, tile, n_tile);
+      Release(r, tile);
+    }
+    r.next[c] += static_cast<int64_t>(ctas);
+    --r.left;
+    r.turn = c + 1;
+    ++S().side_effects;  // progress another stream may see (a released flag)
+    break;
+  }
+  if (r.left > 0) return false;
+  auto it = S().persistent.find(r.where);
+  if (it != S().persistent.end()) S().persistent.erase(it);
+  return true;
+}
+
+bool Span(const void* p, size_t bytes, const std::string& what) {
+  return CheckRange(p, bytes, what.c_str());
+}
+
+cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
+  Count("cudaLaunchKernelEx");
+  const void* function = FusedFunction(dtype);
+  const std::string name = FunctionName(function);
+  const int device = StreamDevice(stream);
+  if (device < 0 || device != CurrentDevice()) {
+    Fail(name + ": launched on an unknown stream or one of another device than the current");
+    return cudaErrorInvalidResourceHandle;
+  }
+  if (const cudaError_t sticky = StickyError(device); sticky != cudaSuccess) return sticky;
+  if (!FunctionRuns(function, device)) return cudaErrorNoKernelImageForDevice;
+  // With lazy loading, a first launch loads the kernel (fake_waits.cc): Prepare has.
+  if (!LoadFunction(device, name, "cudaLaunchKernelEx")) return cudaErrorUnknown;
+  const size_t es = ElemBytes(dtype);
+  const auto span = [](int64_t batch, int64_t batch_stride, int64_t rows, int64_t ld,
+                       int64_t cols) {
+    return static_cast<size_t>((batch - 1) * batch_stride + (rows - 1) * ld + cols);
+  };
+  const int32_t blocks = l.blocks.count();
+  bool ok = Span(l.a, span(l.batch, l.a_batch_stride, l.m, l.lda, l.k) * es, name + " A") &&
+            Span(l.b, span(1, 0, l.k, l.ldb, l.n) * es, name + " B") &&
+            Span(l.d, span(l.batch, l.d_batch_stride, l.m, l.ldd, l.n) * es, name + " D");
+  if (l.wait_flags != nullptr)
+    ok = ok && Span(l.wait_flags, blocks * sizeof(uint32_t), name + " wait flags") &&
+         Span(l.fault, sizeof(cuda::FusedGemmFault), name + " fault record");
+  if (l.release_flags != nullptr)
+    ok = ok && Span(l.release_flags, blocks * sizeof(uint32_t), name + " release flags") &&
+         Span(l.counters, blocks * sizeof(uint32_t), name + " counters");
+  if (!ok) return cudaErrorInvalidValue;
+  // The launch zero-fills the counters on the stream first, as the real one does.
+  if (l.release_flags != nullptr) {
+    const cudaError_t zeroed = cudaMemsetAsync(l.counters, 0, blocks * sizeof(uint32_t), stream);
+    if (zeroed != cudaSuccess) return zeroed;
+  }
+  Lock lock(S().mu);
+  auto run = std::make_shared<FusedRun>();
+  run->dtype = dtype;
+  run->launch = l;
+  run->m_tiles = (l.m + fused::kTileRows - 1) / fused::kTileRows;
+  run->grid = fused::PersistentGrid::Make(run->m_tiles, (l.n + kTileCols - 1) / kTileCols, l.batch,
+                                          l.sm_count);
+  run->next.resize(static_cast<size_t>(run->grid.ctas));
+  for (size_t c = 0; c < run->next.size(); ++c) run->next[c] = static_cast<int64_t>(c);
+  run->left = run->grid.work();
+  run->shift = S().config.fused_flag_shift;
+  run->device = device;
+  run->where = {stream->process, device};
+  run->what = name + " (" + std::to_string(l.m) + " x " + std::to_string(l.n) + " x " +
+              std::to_string(l.k) + ", batch " + std::to_string(l.batch) + ") on device " +
+              std::to_string(device);
+  FakeTask task;
+  task.what = run->what;
+  task.sms = true;
+  task.ready = [] { return true; };
+  task.run = [run] { S().persistent.insert(run->where); };
+  task.done = [run] { return Poll(*run); };
+  Push(stream, std::move(task));
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace jo::fake
+
+namespace jo::cuda::fused_kernel {
+
+const void* FunctionBF16() { return fake::FusedFunction(DType::kBF16); }
+const void* FunctionF16() { return fake::FusedFunction(DType::kF16); }
+int SharedBytesBF16() { return fake::kSharedBytes; }
+int SharedBytesF16() { return fake::kSharedBytes; }
+
+Status LaunchBF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+  JO_CUDA_CHECK(&ctx, fake::LaunchFused(DType::kBF16, launch, stream));
+  return OkStatus();
+}
+Status LaunchF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+  JO_CUDA_CHECK(&ctx, fake::LaunchFused(DType::kF16, launch, stream));
+  return OkStatus();
+}
+
+}  // namespace jo::cuda::fused_kernel

@@ -1,0 +1,179 @@
+"""The fused programs on the CUDA executor and the fake's tile-level fused GEMM.
+
+The fake runs the kernel as docs/gpu.md §10 and ``cpp/cuda/fake/fake_fused_gemm.cc`` describe:
+persistent CTAs taking their units of work in the stock scheduler's order, each tile waiting for
+its blocks' flags and computed with the reference GEMM, rows read before their flag poisoned
+(NaN, and a misuse recorded), the kernel holding every SM while it runs. The results are checked
+bit for bit against an emulation of the program's arithmetic in NumPy (each product in float32,
+K in order, rounded once; the reduce-scatter's sums in its order, rounded after each add), over
+a grid of shapes whose tiles straddle chunks and shards, with several units of work per CTA, with
+one and with eight work queues.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxoverlap import _selftest
+
+# The CUDA executor on its fake, driven directly: no JAX.
+pytestmark = pytest.mark.jax_independent
+
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _inputs(op, n, batch, rows, k, nw, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x_rows = rows if op == "ag_matmul" else rows * n
+    xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(DTYPES[dtype])
+          for _ in range(n)]
+    ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(DTYPES[dtype])
+          for _ in range(n)]
+    return xs, ws
+
+
+def _gemm(x, w, dtype):
+    """The reference GEMM of the fake (its cuBLASLt and its fused kernel alike): every product
+    in float32, summed over K in order, rounded once to ``dtype``."""
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    acc = np.zeros(x.shape[:-1] + (w.shape[1],), np.float32)
+    for p in range(x.shape[-1]):
+        acc = acc + x32[..., p:p + 1] * w32[p]
+    return acc.astype(DTYPES[dtype])
+
+
+def _expected(op, transport, xs, ws, rows, dtype):
+    """Every rank's y as the fused program computes it (None where the order is the switch's:
+    the multicast reduce-scatter sums in the switch, checked against the derived bound)."""
+    n = len(xs)
+    if op == "ag_matmul":
+        gathered = np.concatenate(xs, axis=1)
+        return [_gemm(gathered, w, dtype) for w in ws]
+    if transport == "multicast":
+        return [None] * n
+    out = []
+    for r in range(n):
+        partial = [_gemm(xs[i][:, r * rows:(r + 1) * rows], ws[i], dtype) for i in range(n)]
+        y = partial[r]  # the own partial, then the received ones in rank order
+        for i in range(n):
+            if i != r:
+                y = (y.astype(np.float32) + partial[i].astype(np.float32)).astype(DTYPES[dtype])
+        out.append(y)
+    return out
+
+
+def run_fused(fake, op, transport, n, *, batch, rows, k, nw, dtype, chunks, bidirectional,
+              gathered=False, calls=1, seed=0):
+    xs, ws = _inputs(op, n, batch, rows, k, nw, dtype, seed)
+    out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional, gathered,
+                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
+                   calls=calls, fused=True)
+    return out, xs, ws
+
+
+def check_fused(fake, out, op, transport, xs, ws, rows, dtype, gathered=False):
+    assert out["statuses"] == [None] * len(xs), out["statuses"]
+    assert out["drained"], fake.errors()
+    assert fake.errors() == []
+    expected = _expected(op, transport, xs, ws, rows, dtype)
+    n = len(xs)
+    for r, (y, want) in enumerate(zip(out["ys"], expected, strict=True)):
+        got = np.frombuffer(y, DTYPES[dtype])
+        if want is not None:
+            np.testing.assert_array_equal(got.reshape(want.shape).view(np.uint16),
+                                          want.view(np.uint16), err_msg=f"rank {r}")
+            continue
+        k = xs[0].shape[-1]
+        x64 = np.concatenate([x.astype(np.float64) for x in xs], axis=-1)
+        w64 = np.concatenate([w.astype(np.float64) for w in ws], axis=0)
+        ref = (x64 @ w64)[:, r * rows:(r + 1) * rows]
+        err = np.abs(got.reshape(ref.shape).astype(np.float64) - ref)
+        limit = _selftest.bound(op, dtype, n, k, x64[:, r * rows:(r + 1) * rows], w64)
+        assert (err <= limit).all(), f"rank {r}: {err.max()} > the derived bound"
+    if gathered:
+        want = np.concatenate(xs, axis=1)
+        for g in out["x_gathered"]:
+            np.testing.assert_array_equal(np.frombuffer(g, DTYPES[dtype]).reshape(want.shape)
+                                          .view(np.uint16), want.view(np.uint16))
+
+
+# (n, batch, rows per shard, k, output columns, chunks, bidirectional): 96 or 160 rows per
+# shard cut every 128-row tile across shards and sub-chunks; 264 columns are two N tiles.
+GRID = [
+    (2, 1, 96, 16, 16, 1, False),
+    (2, 2, 160, 8, 264, 3, False),
+    (3, 1, 96, 24, 16, 2, True),
+    (4, 2, 96, 16, 16, 2, True),
+    (4, 1, 160, 8, 24, 1, False),
+    (8, 1, 96, 8, 16, 3, True),
+]
+
+
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_the_fused_programs_are_exact_on_the_fake(fake, op, transport):
+    """Every grid case, with 1 and 8 work queues and with 132, 6 and 4 SMs (several units of
+    work per CTA: the static striding), both 16-bit types, and three calls back to back (both
+    parities of the workspace and flags)."""
+    for i, ((n, batch, rows, k, nw, chunks, bidi), connections) in enumerate(
+            itertools.product(GRID, (1, 8))):
+        dtype = ("bfloat16", "float16")[i % 2]
+        sms = (132, 6, 4)[i % 3]
+        fake.reset(fake.Config(connections=connections, sms=sms, seed=i + 1))
+        gathered = op == "ag_matmul" and i % 2 == 0
+        out, xs, ws = run_fused(fake, op, transport, n, batch=batch, rows=rows, k=k, nw=nw,
+                                dtype=dtype, chunks=chunks, bidirectional=bidi,
+                                gathered=gathered, calls=3, seed=i)
+        try:
+            check_fused(fake, out, op, transport, xs, ws, rows, dtype, gathered)
+            assert fake.counters().get("cudaLaunchKernelEx") == 3 * n  # one kernel per call
+        except AssertionError as e:
+            e.add_note(f"in the case {(n, batch, rows, k, nw, chunks, bidi, connections, sms)}")
+            raise
+
+
+def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):
+    """AG + GEMM: the same products with the same arithmetic, tile by tile or block by block."""
+    fake.reset(fake.Config())
+    args = dict(batch=2, rows=96, k=16, nw=16, dtype="bfloat16", chunks=2, bidirectional=True)
+    fused, _, _ = run_fused(fake, "ag_matmul", "p2p", 4, **args)
+    fake.reset(fake.Config())
+    xs, ws = _inputs("ag_matmul", 4, 2, 96, 16, 16, "bfloat16", 0)
+    chunked = fake.run("ag_matmul", "p2p", 4, 2, 96, 16, 16, "bfloat16", 2, True, False,
+                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(4)))
+    assert fused["ys"] == chunked["ys"]
+    assert fake.counters().get("cudaLaunchKernelEx") is None  # the chunked run: no fused GEMM
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (10, 0), (12, 0)])
+def test_a_gpu_other_than_compute_capability_9_0_refuses_the_fused_call_at_prepare(fake, cc):
+    """The sm_90a kernel has no image for it: the call fails before anything is enqueued, naming
+    the GPU and the way out; the clique is broken, nothing is left on the GPU."""
+    fake.reset(fake.Config(cc_major=cc[0], cc_minor=cc[1]))
+    out, _, _ = run_fused(fake, "ag_matmul", "p2p", 2, batch=1, rows=8, k=8, nw=8,
+                          dtype="bfloat16", chunks=1, bidirectional=False)
+    for status in out["statuses"]:
+        assert status is not None and "compute capability 9.0" in status, status
+        assert f"is {cc[0]}.{cc[1]}" in status and "chunked path" in status
+    assert out["drained"]
+    assert fake.counters().get("cudaLaunchKernelEx") is None
+
+
+def test_the_fused_flags_are_checked_by_the_poison(fake):
+    """A kernel waiting for the flag of the next block instead of its own (an off-by-one mapping,
+    Config.fused_flag_shift) reads rows before they arrived: they are poisoned, the result has
+    NaN and the fake names the read. With the right mapping: exact (the control)."""
+    args = dict(batch=1, rows=96, k=16, nw=16, dtype="bfloat16", chunks=2, bidirectional=False)
+    fake.reset(fake.Config(fused_flag_shift=1, seed=3))
+    out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
+    errors = fake.errors()
+    assert any("read rows of block" in e and "before its flag" in e for e in errors), errors
+    assert any(np.isnan(np.frombuffer(y, ml_dtypes.bfloat16).astype(np.float32)).any()
+               for y in out["ys"])
+    fake.reset(fake.Config(seed=3))
+    out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
+    check_fused(fake, out, "ag_matmul", "p2p", xs, ws, 96, "bfloat16")
