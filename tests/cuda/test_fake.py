@@ -316,6 +316,21 @@ def test_ranks_disagreeing_on_the_call(fake, transport):
     assert all(s and "aborted by an earlier failure" in s for s in again["statuses"])
 
 
+def test_nccl_peers_aborted_by_a_disagreement_name_it(fake):
+    """A disagreement breaks the clique and aborts its NCCL communicators (a peer's connecting
+    group may be on the GPU): a peer whose lease or connection then finds them aborted names the
+    disagreement, not only the abort. Which peer gets there first is a race, so the calls are
+    played many times (before the fix about one run in four had a peer fail without naming it)."""
+    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
+    args = ("ag_matmul", "nccl", 4, 1, 4, 8, 6, "float32", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    for _ in range(50):
+        fake.reset()
+        out = fake.run(*args, clique_key=5, skew_rank=2)
+        failed = [s for s in out["statuses"] if s]
+        assert failed and all("ranks disagree on call 1" in s for s in failed), out["statuses"]
+
+
 def test_ranks_in_different_call_sites_disagree_naming_both_sites(fake):
     """Each rank calls through a call site of its own, instantiated from its site key (as each
     process does when it compiles its program): ranks whose sites have the same key run as one
