@@ -54,6 +54,18 @@ def test_native_bfloat16_across_processes():
     assert all(len(p.result()["checked"]) == 2 * len(TRANSPORTS) for p in procs)
 
 
+def test_native_fused_across_processes():
+    """The fused programs (one FusedGemm waiting on per-block flags) on cliques spanning
+    processes: 2 processes x 2 devices, both ops over p2p and multicast, each call site's clique
+    in shared memory across the processes."""
+    procs = harness.run("fused", 2, 2, params={"transports": ["p2p", "multicast"]},
+                        env={"JAXOVERLAP_FUSED": "1"})
+    for p in procs:
+        result = p.result()
+        assert len(result["checked"]) == 4, p.stdout
+        assert "shared memory across 2 processes" in result["cliques"], result["cliques"]
+
+
 def test_native_fp8_across_processes():
     """fp8 operands, every rank with its own scales, every op and transport; with 2 processes x
     2 devices each clique mixes threads and processes, and the shards' scales cross both."""

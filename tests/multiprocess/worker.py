@@ -211,6 +211,35 @@ def fp8(transports: list[str]) -> dict[str, Any]:
     return {"checked": done}
 
 
+def fused(transports: list[str], calls: int = 5) -> dict[str, Any]:
+    """The fused GEMM's programs (JAXOVERLAP_FUSED=1) of both ops over a tp mesh of every device,
+    bfloat16 with 16-byte rows: the host executor runs them block by block on a clique in shared
+    memory across the processes; ``calls`` calls of each against float64 NumPy."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    done = []
+    for transport in transports:
+        for op in ("ag_matmul", "matmul_rs"):
+            k = 16 if op == "ag_matmul" else 8 * n
+            nw = 8 * n if op == "ag_matmul" else 16
+            x64, w64 = values(1, (2, 4 * n, k), "bfloat16"), values(2, (k, nw), "bfloat16")
+            if op == "ag_matmul":
+                x_spec, w_spec, fn = P(None, "tp", None), P(None, "tp"), jo.ag_matmul
+            else:
+                x_spec, w_spec, fn = P(None, None, "tp"), P("tp", None), jo.matmul_rs
+            x = global_array(x64, mesh, x_spec, "bfloat16")
+            w = global_array(w64, mesh, w_spec, "bfloat16")
+            step = jax.jit(lambda x, w, fn=fn, t=transport: fn(
+                x, w, "tp", axis=1, impl="native", transport=t, mesh=mesh))
+            compiled = step.lower(x, w).compile().as_text()
+            assert "fused = true" in compiled, [c for c in compiled.splitlines() if "custom" in c]
+            for _ in range(calls):
+                y = step(x, w)
+            check_shards(f"{op} {transport} fused", y, x64 @ w64, "bfloat16")
+            done.append(f"{op}/{transport}")
+    return {"checked": done, "cliques": _cliques()}
+
+
 def mixed(transport: str = "p2p") -> dict[str, Any]:
     """Cliques of several kinds in one job (run with 2 processes x 2 devices).
 
@@ -1115,6 +1144,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
     "fp8": fp8,
+    "fused": fused,
     "qkv": qkv,
     "small_dev_shm": small_dev_shm,
     "chief_aot": chief_aot,
