@@ -16,29 +16,33 @@ the public ops. Two mechanisms, picked by the mesh's axis types:
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _partition
 from jaxoverlap._layout import Call, check_shapes, layouts, place, spec_entries, uses_propagation
 
 
-def run(call: Call, mesh, x, w, *, want_gathered: bool = False):
-    """``call`` on global ``x``, ``w`` over ``mesh``.
+def run(call: Call, mesh, x, w, *, want_gathered: bool = False, scales: tuple = ()):
+    """``call`` on global ``x``, ``w`` over ``mesh``; ``scales``: the fp8 operands'
+    per-tensor ``(x_scale, w_scale)`` (float32 scalars, the same on every device), or ``()``.
 
     Returns y, or (y, gathered x) for ``ag_matmul`` with ``want_gathered``.
     """
     assert call.local is not None, call
     check_shapes(call, x, w, mesh)
     if uses_propagation(mesh):
-        return _partition.call(call, mesh, x, w, want_gathered=want_gathered)
-    return _shard_mapped(call, mesh, x, w, want_gathered)
+        return _partition.call(call, mesh, x, w, want_gathered=want_gathered, scales=scales)
+    return _shard_mapped(call, mesh, x, w, want_gathered, scales)
 
 
-def _shard_mapped(call: Call, mesh, x, w, want_gathered: bool):
+def _shard_mapped(call: Call, mesh, x, w, want_gathered: bool, scales: tuple):
     x_spec, w_spec, out_specs = layouts(call, spec_entries(x, mesh))
     out = out_specs if want_gathered else out_specs[0]
     # The gathered x is the same on every rank of `axis_name`, but the type
     # system cannot prove it for a gather built from ppermutes or a custom call,
     # so that output is declared replicated with the check off.
-    fn = jax.shard_map(lambda x, w: call.local(x, w, want_gathered), mesh=mesh,
-                       in_specs=(x_spec, w_spec), out_specs=out, check_vma=not want_gathered)
-    return fn(place(x, mesh, x_spec), place(w, mesh, w_spec))
+    fn = jax.shard_map(lambda x, w, scales: call.local(x, w, want_gathered, scales), mesh=mesh,
+                       in_specs=(x_spec, w_spec, tuple(P() for _ in scales)), out_specs=out,
+                       check_vma=not want_gathered)
+    return fn(place(x, mesh, x_spec), place(w, mesh, w_spec),
+              tuple(place(s, mesh, P()) for s in scales))

@@ -21,6 +21,10 @@ def _host_build() -> dict[str, Any] | None:
     return dict(_host.build_info())
 
 
+def _available(reason: str | None) -> str:
+    return "available" if reason is None else f"unavailable: {reason}"
+
+
 def info() -> dict[str, Any]:
     """A plain dict describing versions, devices, the native build and the effective config."""
     devices = jax.devices()
@@ -38,6 +42,11 @@ def info() -> dict[str, Any]:
             "ring": "available",
             "native": "available" if native_reason is None else f"unavailable: {native_reason}",
         },
+        # fp8 operands: the native path's answer is for e4m3 x e4m3 (on GPUs the CUDA executor
+        # refuses an fp8 operand with a non-fp8 one, and e5m2 x e5m2: capabilities.gpu_fp8_reason)
+        "fp8": {"xla": "available", "ring": "available",
+                "native": _available(capabilities.unavailable_reason(
+                    capabilities.current_platform(), jax.numpy.float8_e4m3fn))},
         "host_extension": _host_build(),
         "cuda_extension": runtime.extension_summary(),
         "config": dataclasses.asdict(current_config()),

@@ -11,7 +11,8 @@ plan's impl under the op's autodiff rule:
   under the op's own name (``jaxoverlap.ag_matmul``, ...) and the call's dot precision;
 * autodiff pairs AG+GEMM and GEMM+RS: the backward pass of one is the other, so it is
   overlapped by the same impl. GEMM+AR's result is replicated, so its backward pass is two
-  local GEMMs on the cotangent.
+  local GEMMs on the cotangent. Calls with fp8 operands (their ``scales``, ``_fp8_dtypes``)
+  have no backward pass: differentiating one raises, pointing to ``jaxoverlap.fp8``.
 
 Megatron's f (``_megatron``, the kind ``matmul``) runs here too: it is g's transpose, and the
 global paths ask a call for its transpose.
@@ -29,6 +30,7 @@ from jax import lax
 
 from jaxoverlap import _megatron, _plan, _precision, _ring, _xla
 from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
+from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import AG, AR, RS, TRANSPOSE, F
 from jaxoverlap._native import primitive as native
 from jaxoverlap._plan import OpPlan, Request
@@ -49,15 +51,21 @@ class LocalOp:
     def precision(self) -> str | None:
         return self.request.precision
 
-    def __call__(self, x, w, want_gathered: bool = False):
+    @property
+    def out_dtype(self) -> str | None:
+        """y's dtype name for fp8 operands (None: x's)."""
+        return self.request.out_dtype
+
+    def __call__(self, x, w, want_gathered: bool = False, scales: tuple = ()):
         """The op on local shards ``x``, ``w`` (``axis_name`` bound): y, or (y, gathered x)
-        for ``ag_matmul`` with ``want_gathered``."""
+        for ``ag_matmul`` with ``want_gathered``; ``scales``: this rank's ``(x_scale,
+        w_scale)`` for fp8 operands (float32 scalars), else ``()``."""
         r = self.request
         with self._traced_as_called():
             if r.op == F:
                 return _megatron.copy_matmul(x, w, r.axis_name, precision=r.precision)
             plan = _plan.make(r, x, w, bound_axis_size(r.axis_name))
-            return run(plan, x, w, want_gathered)
+            return run(plan, x, w, want_gathered, tuple(scales))
 
     def transposed(self) -> LocalOp:
         """The call computing this one's input gradient: AG+GEMM <-> GEMM+RS with the same
@@ -82,56 +90,65 @@ class LocalOp:
         return jax.default_matmul_precision(self.request.default_precision)
 
 
-def run(plan: OpPlan, x, w, want_gathered: bool = False):
-    """``plan`` on local shards, differentiably (the impl's autodiff rule)."""
+def run(plan: OpPlan, x, w, want_gathered: bool = False, scales: tuple = ()):
+    """``plan`` on local shards, differentiably (the impl's autodiff rule); ``scales``: the
+    fp8 operands' ``(x_scale, w_scale)`` or ``()``."""
     if plan.op == AG:
-        return _ag_matmul(x, w, plan, want_gathered, _types(x, w))
+        return _ag_matmul(x, w, scales, plan, want_gathered, _types(x, w))
     if plan.op == RS:
-        return _matmul_rs(x, w, plan, _types(x, w))
+        return _matmul_rs(x, w, scales, plan, _types(x, w))
     assert plan.op == AR, plan
     typed = check_vma_active()
     if typed:
         # The sum over ranks of x_r @ w_r, as psum sums an invariant operand's N copies.
         x, w = (a if plan.axis_name in varying_axes(a)
                 else lax.pcast(a, (plan.axis_name,), to="varying") for a in (x, w))
-    if plan.impl == "xla":
+        if scales:
+            scales = tuple(a if plan.axis_name in varying_axes(a)
+                           else lax.pcast(a, (plan.axis_name,), to="varying") for a in scales)
+    if plan.impl == "xla" and not scales:
         return _run_ar(x, w, plan)  # dot + psum: JAX differentiates it
-    return _matmul_ar(x, w, plan, _types(x, w), typed)
+    return _matmul_ar(x, w, scales, plan, _types(x, w), typed)
 
 
 # ---------------------------------------------------------------- dispatch
 
 
-def _run_ag(x, w, plan: OpPlan, want_gathered: bool):
+def _run_ag(x, w, plan: OpPlan, want_gathered: bool, scales: tuple = ()):
     # Every impl of every op under its own name: JAX's profiler and the HLO op_name metadata
     # show "jaxoverlap.ag_matmul/..." (the backward passes run the other op, named as such).
     with jax.named_scope("jaxoverlap.ag_matmul"), _precision.scope(plan.precision):
         if plan.impl == "xla":
-            y, gathered = _xla.ag_matmul(x, w, plan)
+            y, gathered = _xla.ag_matmul(x, w, plan, scales)
         elif plan.impl == "ring":
-            y, gathered = _ring.ag_matmul(x, w, plan, want_gathered)
+            y, gathered = _ring.ag_matmul(x, w, plan, want_gathered, scales)
         else:
-            out = native.ag_matmul(x, w, plan, want_gathered)
+            out = native.ag_matmul(x, w, plan, want_gathered, **_native_scales(scales))
             y, gathered = out if want_gathered else (out, None)
     return y, (gathered if want_gathered else None)
 
 
-def _run_rs(x, w, plan: OpPlan):
+def _run_rs(x, w, plan: OpPlan, scales: tuple = ()):
     with jax.named_scope("jaxoverlap.matmul_rs"), _precision.scope(plan.precision):
         if plan.impl == "xla":
-            return _xla.matmul_rs(x, w, plan)
+            return _xla.matmul_rs(x, w, plan, scales)
         if plan.impl == "ring":
-            return _ring.matmul_rs(x, w, plan)
-        return native.matmul_rs(x, w, plan)
+            return _ring.matmul_rs(x, w, plan, scales)
+        return native.matmul_rs(x, w, plan, **_native_scales(scales))
 
 
-def _run_ar(x, w, plan: OpPlan):
+def _run_ar(x, w, plan: OpPlan, scales: tuple = ()):
     with jax.named_scope("jaxoverlap.matmul_ar"), _precision.scope(plan.precision):
         if plan.impl == "xla":
-            return _xla.matmul_ar(x, w, plan)
+            return _xla.matmul_ar(x, w, plan, scales)
         if plan.impl == "ring":
-            return _ring.matmul_ar(x, w, plan)
-        return native.matmul_ar(x, w, plan)
+            return _ring.matmul_ar(x, w, plan, scales)
+        return native.matmul_ar(x, w, plan, **_native_scales(scales))
+
+
+def _native_scales(scales: tuple) -> dict:
+    """The native primitive's scale arguments (none without fp8: they default to 1.0)."""
+    return dict(x_scale=scales[0], w_scale=scales[1]) if scales else {}
 
 
 def weight_grad(a, b, dtype):
@@ -144,19 +161,21 @@ def weight_grad(a, b, dtype):
 # ---------------------------------------------------------------- autodiff
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _ag_matmul(x, w, plan: OpPlan, want_gathered: bool, types: tuple):
-    y, gathered = _run_ag(x, w, plan, want_gathered)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ag_matmul(x, w, scales: tuple, plan: OpPlan, want_gathered: bool, types: tuple):
+    y, gathered = _run_ag(x, w, plan, want_gathered, scales)
     return (y, gathered) if want_gathered else y
 
 
-def _ag_matmul_fwd(x, w, plan, want_gathered, types):
-    y, gathered = _run_ag(x, w, plan, True)
-    return ((y, gathered) if want_gathered else y), (gathered, w)
+def _ag_matmul_fwd(x, w, scales, plan, want_gathered, types):
+    y, gathered = _run_ag(x, w, plan, True, scales)
+    return ((y, gathered) if want_gathered else y), (gathered, w, scales)
 
 
 def _ag_matmul_bwd(plan, want_gathered, types, res, ct):
-    gathered, w = res
+    gathered, w, scales = res
+    if scales:
+        raise no_gradient(AG)
     x_type, w_type = types
     dy, dgathered = ct if want_gathered else (ct, None)
     # AG+GEMM's backward is GEMM+RS: dX = reduce_scatter(dY @ Wᵀ).
@@ -166,46 +185,50 @@ def _ag_matmul_bwd(plan, want_gathered, types, res, ct):
                                    tiled=True)
     with _precision.scope(plan.precision):
         dw = weight_grad(gathered, dy, w.dtype)
-    return match_varying(dx, x_type), match_varying(dw, w_type)
+    return match_varying(dx, x_type), match_varying(dw, w_type), ()
 
 
 _ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul_rs(x, w, plan: OpPlan, types: tuple):
-    return _run_rs(x, w, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul_rs(x, w, scales: tuple, plan: OpPlan, types: tuple):
+    return _run_rs(x, w, plan, scales)
 
 
-def _matmul_rs_fwd(x, w, plan, types):
-    return _run_rs(x, w, plan), (x, w)
+def _matmul_rs_fwd(x, w, scales, plan, types):
+    return _run_rs(x, w, plan, scales), (x, w, scales)
 
 
 def _matmul_rs_bwd(plan, types, res, dy):
-    x, w = res
+    x, w, scales = res
+    if scales:
+        raise no_gradient(RS)
     x_type, w_type = types
     # GEMM+RS's backward is AG+GEMM: dX = all_gather(dY) @ Wᵀ, reusing the
     # gathered dY for dW = Xᵀ·dY_gathered.
     dx, dy_gathered = _run_ag(dy, w.T, plan.for_op(AG), True)
     with _precision.scope(plan.precision):
         dw = weight_grad(x, dy_gathered, w.dtype)
-    return match_varying(dx, x_type), match_varying(dw, w_type)
+    return match_varying(dx, x_type), match_varying(dw, w_type), ()
 
 
 _matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul_ar(x, w, plan: OpPlan, types: tuple, typed: bool):
-    return _run_ar(x, w, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _matmul_ar(x, w, scales: tuple, plan: OpPlan, types: tuple, typed: bool):
+    return _run_ar(x, w, plan, scales)
 
 
-def _matmul_ar_fwd(x, w, plan, types, typed):
-    return _run_ar(x, w, plan), (x, w)
+def _matmul_ar_fwd(x, w, scales, plan, types, typed):
+    return _run_ar(x, w, plan, scales), (x, w, scales)
 
 
 def _matmul_ar_bwd(plan, types, typed, res, dy):
-    x, w = res
+    x, w, scales = res
+    if scales:
+        raise no_gradient(AR)
     x_type, w_type = types
     # y is the same on every rank, so its cotangent goes straight into the GEMMs:
     # dX = dY @ Wᵀ, dW = Xᵀ·dY. Under check_vma=True dY is that cotangent (invariant, as
@@ -217,7 +240,7 @@ def _matmul_ar_bwd(plan, types, typed, res, dy):
     with _precision.scope(plan.precision):
         dx = _xla.local_matmul(dy, w.T)
         dw = weight_grad(x, dy, w.dtype)
-    return match_varying(dx, x_type), match_varying(dw, w_type)
+    return match_varying(dx, x_type), match_varying(dw, w_type), ()
 
 
 _matmul_ar.defvjp(_matmul_ar_fwd, _matmul_ar_bwd)

@@ -23,7 +23,9 @@ uses it the same way, see github.com/NVIDIA/TransformerEngine,
   GEMM+RS primitive and vice versa (f and g likewise). The weight gradient is a
   primitive of its own that reduces over the batch's mesh axes: a
   reduce-scatter onto the kernel's own layout for the axes that also shard the
-  kernel (FSDP), an all-reduce for the others (data parallel).
+  kernel (FSDP), an all-reduce for the others (data parallel). A call with fp8
+  operands takes their per-tensor scales as two more (replicated, scalar)
+  operands and has no backward pass (``jaxoverlap.fp8`` differentiates FP8).
 
 Settings read at trace time (``jo.config``, ``jax.default_matmul_precision``)
 travel in the per-device function to the partition callback, which runs when
@@ -42,6 +44,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import AG, RS, Call, F, layouts, open_layouts, without_axis
 
 # ---------------------------------------------------------------- the rules
@@ -59,17 +62,18 @@ def sharding_rule(call: Call, mesh, value_types, result_types) -> str:
     The row dims and the contraction dims that are not split over
     ``axis_name`` get factors of their own, so propagation carries nothing
     across them (an FSDP axis on a kernel's other dim must not leak onto the
-    activations).
+    activations). The fp8 scales (scalars) have no factor.
     """
-    del mesh, value_types, result_types
+    del mesh, result_types
+    scalars = ", " * (len(value_types) - 2)
     if call.kind == AG:      # y's columns are w's (split over tp); the gathered x is free
-        return (f"{_factors(call, 'r', 'k')}, q n -> {_factors(call, 's', 'n')}, "
+        return (f"{_factors(call, 'r', 'k')}, q n{scalars} -> {_factors(call, 's', 'n')}, "
                 f"{_factors(call, 't', 'c')}")
     if call.kind == RS:      # x's features are w's rows (split over tp)
-        return f"{_factors(call, 'r', 'f')}, f m -> {_factors(call, 's', 'n')}"
+        return f"{_factors(call, 'r', 'f')}, f m{scalars} -> {_factors(call, 's', 'n')}"
     if call.kind == F:
-        return f"{_factors(call, '', 'k')}, q n -> {_factors(call, '', 'n')}"
-    return f"{_factors(call, '', 'f')}, f m -> {_factors(call, '', 'n')}"
+        return f"{_factors(call, '', 'k')}, q n{scalars} -> {_factors(call, '', 'n')}"
+    return f"{_factors(call, '', 'f')}, f m{scalars} -> {_factors(call, '', 'n')}"
 
 
 def _grad_rule(call: Call, mesh, value_types, result_types) -> str:
@@ -89,14 +93,17 @@ def _manual(mesh: Mesh):
     return jax.sharding.use_abstract_mesh(manual)
 
 
-def _matmul_f32(x, w, precision=None):
-    return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32).astype(x.dtype)
+def _matmul_f32(x, w, precision=None, scales: tuple = (), out=None):
+    y = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)
+    if scales:
+        y = y * (scales[0] * scales[1])
+    return y.astype(x.dtype if out is None else out)
 
 
-def _body(call: Call, x, w):
+def _body(call: Call, x, w, *scales):
     """The op's meaning on global arrays: what fixes the output types, and XLA's fallback."""
-    y = _matmul_f32(x, w, call.local.precision)
+    y = _matmul_f32(x, w, call.local.precision, scales, call.local.out_dtype)
     return (y, x) if call.kind == AG else (y,)
 
 
@@ -112,13 +119,15 @@ def _partition(call: Call, mesh, arg_shapes, result_shape):
     _check_mesh(call, mesh, arg_shapes[0].sharding)
     x_spec, w_spec, out_specs = layouts(call, tuple(arg_shapes[0].sharding.spec))
 
-    def lower(x, w):
+    def lower(x, w, *scales):
         with _manual(mesh):
-            out = call.local(x, w, want_gathered=True)
+            out = call.local(x, w, want_gathered=True, scales=scales)
         return out if call.kind == AG else (out,)
 
     named = functools.partial(NamedSharding, mesh)
-    return mesh, lower, tuple(map(named, out_specs)), (named(x_spec), named(w_spec))
+    scalars = tuple(named(P()) for _ in arg_shapes[2:])
+    return (mesh, lower, tuple(map(named, out_specs)),
+            (named(x_spec), named(w_spec), *scalars))
 
 
 _primitive = custom_partitioning(_body, static_argnums=(0,))
@@ -186,37 +195,39 @@ _grad_primitive.def_partition(partition=_grad_partition, sharding_rule=_grad_rul
 # ---------------------------------------------------------------- global entry + autodiff
 
 
-def _apply(call: Call, mesh, x, w):
+def _apply(call: Call, mesh, x, w, scales: tuple = ()):
     """One primitive call, its input and outputs pinned to the tensor-parallel layout."""
     x_open, out_open = open_layouts(call)
     x = lax.with_sharding_constraint(x, NamedSharding(mesh, x_open))
-    outs = _primitive(call, x, w)
+    outs = _primitive(call, x, w, *scales)
     return tuple(lax.with_sharding_constraint(o, NamedSharding(mesh, s))
                  for o, s in zip(outs, out_open, strict=True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _call(call: Call, mesh, want_gathered: bool, x, w):
-    outs = _apply(call, mesh, x, w)
+def _call(call: Call, mesh, want_gathered: bool, x, w, scales: tuple):
+    outs = _apply(call, mesh, x, w, scales)
     return outs if want_gathered else outs[0]
 
 
-def _call_fwd(call, mesh, want_gathered, x, w):
-    outs = _apply(call, mesh, x, w)
+def _call_fwd(call, mesh, want_gathered, x, w, scales):
+    outs = _apply(call, mesh, x, w, scales)
     # The gathered x (AG+GEMM) is what the weight gradient needs; the others keep x.
-    return (outs if want_gathered else outs[0]), (outs[1] if call.kind == AG else x, w)
+    return (outs if want_gathered else outs[0]), (outs[1] if call.kind == AG else x, w, scales)
 
 
 def _call_bwd(call, mesh, want_gathered, res, ct):
-    x_full, w = res
+    x_full, w, scales = res
+    if scales:
+        raise no_gradient(call.kind)
     dy, dgathered = ct if want_gathered else (ct, None)
     if call.kind == RS:           # GEMM+RS's backward: all_gather(dY) @ Wᵀ, reusing gathered dY
         dx, dy_full = _apply(call.transposed(), mesh, dy, w.T)
-        return dx, _grad_primitive(call, x_full, dy_full, w)
+        return dx, _grad_primitive(call, x_full, dy_full, w), ()
     (dx, *_) = _apply(call.transposed(), mesh, dy, w.T)
     if dgathered is not None:
         dx = dx + dgathered
-    return dx, _grad_primitive(call, x_full, dy, w)
+    return dx, _grad_primitive(call, x_full, dy, w), ()
 
 
 _call.defvjp(_call_fwd, _call_bwd)
@@ -227,6 +238,7 @@ _call.defvjp(_call_fwd, _call_bwd)
 _jitted = jax.jit(_call, static_argnums=(0, 1, 2))
 
 
-def call(c: Call, mesh, x, w, *, want_gathered: bool = False):
-    """Runs ``c`` on global arrays ``x``, ``w`` over ``mesh`` (Auto axes), differentiably."""
-    return _jitted(c, mesh, want_gathered, x, w)
+def call(c: Call, mesh, x, w, *, want_gathered: bool = False, scales: tuple = ()):
+    """Runs ``c`` on global arrays ``x``, ``w`` over ``mesh`` (Auto axes), differentiably;
+    ``scales``: the fp8 operands' per-tensor ``(x_scale, w_scale)``, or ``()``."""
+    return _jitted(c, mesh, want_gathered, x, w, tuple(scales))

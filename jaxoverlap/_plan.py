@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap._config import Settings, configure_logging, current_config, logger
+from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
 from jaxoverlap._native import capabilities, runtime
 from jaxoverlap._native.capabilities import NativeUnavailableError
 
@@ -74,7 +75,8 @@ class Request:
     still apply. ``op`` is one of :data:`OPS`, or ``"matmul"`` (Megatron's f around a plain
     matmul, which has no plan); ``axis`` is normalised (0 for ``matmul_ar``, whose rows are
     every dim of x but the last); ``precision`` is ``_precision.normalize``'d (Megatron's f:
-    as given, ``lax.dot_general``'s).
+    as given, ``lax.dot_general``'s); ``out_dtype``: y's dtype name for fp8 operands (None:
+    x's).
     """
 
     op: str
@@ -88,6 +90,7 @@ class Request:
     algorithm: str | None = None
     precision: str | None = None
     default_precision: str | None = None
+    out_dtype: str | None = None
 
     @classmethod
     def now(cls, op: str, axis_name: str, **args: Any) -> Request:
@@ -182,6 +185,8 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
     forced_native = impl == "native" or (impl == "auto" and explicit_transport is not None)
     if impl == "auto" and not forced_native:
         _warn_gpu_fallback(r.op)
+    if is_fp8(gemm_dtype(x, w)) and not forced_native:
+        _say_fp8_dequantized(r.op)
     picked = _model_pick(r.op, x, w, n, r.axis, rows, impl, forced_native, transport, chunks,
                          bidirectional, settings.preset, algorithms, fused)
     if picked is not None:
@@ -189,7 +194,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
         chunks = picked.chunks if chunks is None else chunks
         bidirectional = picked.bidirectional if bidirectional is None else bidirectional
     else:
-        impl = _resolve_impl(r.op, impl, explicit_transport, x.dtype)
+        impl = _resolve_impl(r.op, impl, explicit_transport, x.dtype, w.dtype)
     fused_plan = picked.fused if picked is not None else bool(fused)
     if fused_plan and fused and transport is None:
         # Asked for: the transport is the plan's, so that the call runs fused or fails to
@@ -209,11 +214,12 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
         precision=r.precision,
         algorithm=picked.algorithm if picked is not None and picked.impl != "xla"
         else algorithms[0],
+        out_dtype=r.out_dtype,
         fused=fused_plan,
     )
     if log:
-        logger.debug("%s x=%s%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
-                     plan.describe())
+        logger.debug("%s x=%s%s w=%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
+                     jnp.dtype(w.dtype).name, plan.describe())
     return plan
 
 
@@ -252,14 +258,17 @@ def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
                        f"over the {n} ranks of {r.axis_name!r})"), algorithms
 
 
-def fused_reason(op: str, dtype, k: int, cols: int, platform: str | None = None) -> str | None:
+def fused_reason(op: str, x_dtype, w_dtype, k: int, cols: int,
+                 platform: str | None = None) -> str | None:
     """Why the fused GEMM cannot run this call here (None if it can): the executors' own
     refusals (``cpp/core/build.cc``; the CUDA executor refuses GPUs other than compute
     capability 9.0 when it prepares the call)."""
     if op not in FUSED_OPS:
         return f"the fused GEMM serves {FUSED_OPS}, not {op}"
-    if jnp.dtype(dtype).name not in FUSED_DTYPES:
-        return f"the fused GEMM is compiled for {FUSED_DTYPES}, not {jnp.dtype(dtype).name}"
+    names = (jnp.dtype(x_dtype).name, jnp.dtype(w_dtype).name)
+    if names[0] != names[1] or names[0] not in FUSED_DTYPES:
+        return (f"the fused GEMM is compiled for {FUSED_DTYPES} (x, w and y alike), not x "
+                f"{names[0]} with w {names[1]} (fp8 takes the chunked path)")
     if k % FUSED_ALIGN or cols % FUSED_ALIGN:
         return (f"the fused GEMM loads and stores rows of whole 16-byte units: x's last dim "
                 f"({k}) and w's ({cols}) must be multiples of {FUSED_ALIGN}")
@@ -278,7 +287,8 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
             f"{op}: {where} with transport={transport!r}: the fused GEMM never runs with nccl "
             "(a persistent kernel holding every SM while an NCCL kernel waits for SMs can "
             f"deadlock; docs/gpu.md §10). Use transport in {FUSED_TRANSPORTS}, or drop fused.")
-    reason = fused_reason(op, x.dtype, x.shape[-1], w.shape[-1]) or native_reason(x.dtype)
+    reason = (fused_reason(op, x.dtype, w.dtype, x.shape[-1], w.shape[-1])
+              or native_reason(x.dtype, w.dtype))
     if reason is not None:
         raise NativeUnavailableError(f"{op}: {where}, but {reason}. Drop fused (the chunked "
                                      "path runs everywhere).")
@@ -297,15 +307,16 @@ def _fused_transport(op: str) -> str:
         f"({FUSED_TRANSPORTS}) is available here (offered: {offered or 'none'}).")
 
 
-def native_reason(dtype) -> str | None:
-    """Why the native path cannot run in the program being traced (None if it can)."""
-    return capabilities.unavailable_reason(capabilities.current_platform(), dtype)
+def native_reason(x_dtype, w_dtype=None) -> str | None:
+    """Why the native path cannot run GEMMs of x's and w's dtypes in the program being traced
+    (None if it can; ``w_dtype`` None: x's)."""
+    return capabilities.unavailable_reason(capabilities.current_platform(), x_dtype, w_dtype)
 
 
-def _resolve_impl(op: str, impl: str, transport: str | None, dtype) -> str:
+def _resolve_impl(op: str, impl: str, transport: str | None, x_dtype, w_dtype) -> str:
     """The impl without a model: native if asked for (or a transport was), xla for auto."""
     if impl == "native" or (impl == "auto" and transport is not None):
-        reason = native_reason(dtype)
+        reason = native_reason(x_dtype, w_dtype)
         if reason is not None:
             raise NativeUnavailableError(
                 f"{op}: impl='native' was requested"
@@ -346,6 +357,26 @@ def _warn_gpu_fallback(op: str) -> None:
     warnings.warn(
         f"jaxoverlap: {op} with impl='auto' runs on GPUs without jaxoverlap's CUDA extension, "
         f"so it falls back to the unfused path: {error}", RuntimeWarning, stacklevel=4)
+
+
+_fp8_dequantized_said = False
+
+
+def _say_fp8_dequantized(op: str) -> None:
+    """Once per process: on GPUs without FP8 tensor cores (before sm_89), XLA computes the
+    fp8 GEMMs of the ``xla`` and ``ring`` impls dequantized; say so (the native path refuses
+    there, naming the GPUs)."""
+    global _fp8_dequantized_said
+    if _fp8_dequantized_said or capabilities.current_platform() not in \
+            capabilities.GPU_PLATFORMS:
+        return
+    # The GPUs' own reason (an e4m3 x e4m3 GEMM asks only for sm_89+).
+    reason = capabilities.gpu_fp8_reason(capabilities.gpu_table(), FP8_DTYPES[0])
+    if reason is None:
+        return
+    _fp8_dequantized_said = True
+    logger.warning("%s with fp8 operands: %s. The fp8 bytes still travel; XLA dequantizes "
+                   "them for the GEMMs.", op, reason)
 
 
 # ---------------------------------------------------------------- the performance model
@@ -389,7 +420,8 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
                    or transport is None)
     if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
         return None                      # xla/ring asked for: nothing for the model to pick
-    native_ok = native_reason(x.dtype) is None
+    dtype = gemm_dtype(x, w)
+    native_ok = native_reason(x.dtype, w.dtype) is None
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error
     if forced_native:
@@ -402,7 +434,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     if fused:
         fused_mode = "only"
         transports = tuple(t for t in transports if t in FUSED_TRANSPORTS)
-    elif fused is None and native_ok and fused_reason(op, x.dtype, x.shape[-1],
+    elif fused is None and native_ok and fused_reason(op, x.dtype, w.dtype, x.shape[-1],
                                                       w.shape[-1]) is None:
         fused_mode = "allowed"
     else:
@@ -410,7 +442,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     try:
         return _model_choice(
             op, canonical_shape(op, tuple(x.shape), tuple(w.shape), axis, n),
-            jnp.dtype(x.dtype).name, n, preset, impls, tuple(transports),
+            dtype.name, n, preset, impls, tuple(transports),
             tuple(c for c in _CHUNK_OPTIONS if rows_per_shard % c == 0)
             if chunks is None else (chunks,),
             (False, True) if bidirectional is None else (bidirectional,), algorithms,

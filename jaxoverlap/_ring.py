@@ -25,6 +25,11 @@ Rows are addressed on ``axis`` directly (dims before it act as a batch), so no
 transposes are needed for any ``axis``. ``chunks`` splits each shard into
 sub-chunks that travel and multiply independently, so the pipeline fills
 sooner.
+
+FP8 operands (``scales`` = this rank's ``(x_scale, w_scale)``): AG+GEMM's pieces travel
+as fp8 bytes with their shard's scale alongside (one float32 in the same ``ppermute``),
+and each piece's GEMM applies its own; the reductions apply this rank's scales to its
+partials, which travel and add in the output dtype (float32 adds), never in fp8.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxoverlap._fp8_dtypes import out_dtype
 from jaxoverlap._invariant import mark_invariant
 from jaxoverlap._plan import OpPlan
 from jaxoverlap._xla import local_matmul
@@ -60,9 +66,10 @@ def _split(x: jax.Array, plan: OpPlan) -> list[jax.Array]:
     ]
 
 
-def _ring_gather(local: list[jax.Array], plan: OpPlan, state, consume):
-    """Sends the pieces ``local`` round the ring; ``state = consume(state, pieces, shard)``
-    for the own shard, then for every shard as it arrives. Returns the final state."""
+def _ring_gather(local: list, plan: OpPlan, state, consume):
+    """Sends the pieces ``local`` (arrays, or pytrees of arrays travelling together) round
+    the ring; ``state = consume(state, pieces, shard)`` for the own shard, then for every
+    shard as it arrives. Returns the final state."""
     n = plan.axis_size
     rank = lax.axis_index(plan.axis_name)
     state = consume(state, local, rank)
@@ -78,48 +85,58 @@ def _ring_gather(local: list[jax.Array], plan: OpPlan, state, consume):
     return state
 
 
-def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan, want_gathered: bool):
+def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan, want_gathered: bool,
+              scales: tuple = ()):
     """y = all_gather(x) @ w as a ring; also returns the gathered x if asked."""
     n, axis = plan.axis_size, plan.axis
     rows = x.shape[axis]
     piece_rows = rows // plan.chunks
+    out = out_dtype(x, plan.out_dtype)
     y_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
-    y = jnp.zeros(y_shape, x.dtype)
+    y = jnp.zeros(y_shape, out)
     gathered_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 :]
     gathered = jnp.zeros(gathered_shape, x.dtype) if want_gathered else None
+    pieces = _split(x, plan)
+    if scales:  # each piece travels with its shard's x_scale
+        pieces = [(piece, scales[0]) for piece in pieces]
 
     def consume(state, pieces, shard):
         y, gathered = state
         for k, piece in enumerate(pieces):
+            scale = None
+            if scales:
+                piece, x_scale = piece
+                scale = x_scale * scales[1]
             start = shard * rows + k * piece_rows
-            y = lax.dynamic_update_slice_in_dim(y, local_matmul(piece, w), start, axis)
+            y = lax.dynamic_update_slice_in_dim(y, local_matmul(piece, w, out, scale), start,
+                                                axis)
             if gathered is not None:
                 gathered = lax.dynamic_update_slice_in_dim(gathered, piece, start, axis)
         return y, gathered
 
-    return _ring_gather(_split(x, plan), plan, (y, gathered), consume)
+    return _ring_gather(pieces, plan, (y, gathered), consume)
 
 
-def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
+def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
     """y = psum_scatter(x @ w) as a ring of partial sums."""
-    pieces = _reduce_scatter(x, w, plan)
+    pieces = _reduce_scatter(x, w, plan, scales)
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=plan.axis)
 
 
-def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
+def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
     """y = psum(x @ w): the reduce-scatter ring over x's rows, then a ring all-gather of the
     reduced blocks (one-shot: every partial to every rank); typed invariant over the axis,
     as psum's result."""
     if plan.algorithm == "one_shot":
-        return _one_shot(x, w, plan)
+        return _one_shot(x, w, plan, scales)
     n = plan.axis_size
     rows = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])          # every dim but the last is a row
     block = flat.shape[0] // n
     piece_rows = block // plan.chunks
     rows_plan = dataclasses.replace(plan, axis=0)
-    y = jnp.zeros((flat.shape[0], w.shape[1]), x.dtype)
-    for k, piece in enumerate(_reduce_scatter(flat, w, rows_plan)):
+    y = jnp.zeros((flat.shape[0], w.shape[1]), out_dtype(x, plan.out_dtype))
+    for k, piece in enumerate(_reduce_scatter(flat, w, rows_plan, scales)):
         # Sub-chunk k goes round on its own, as soon as it is reduced.
         def place(y, pieces, owner, k=k):
             return lax.dynamic_update_slice_in_dim(y, pieces[0], owner * block + k * piece_rows,
@@ -128,14 +145,14 @@ def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
     return mark_invariant(y.reshape(*rows, w.shape[1]), plan.axis_name)
 
 
-def _one_shot(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
+def _one_shot(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
     """The one-shot all-reduce of the native path: every rank's whole partial goes to every
     rank (N-1 permutes, one hop each); each rank sums the N partials in rank order 0..N-1,
-    rounding to the input dtype after each add as the native executors do, so every rank
+    rounding to the output dtype after each add as the native executors do, so every rank
     gets the same bits."""
     n = plan.axis_size
-    partial = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32).astype(x.dtype)
+    out = out_dtype(x, plan.out_dtype)
+    partial = local_matmul(x, w, out, _product(scales))
     # by_shift[i] came from rank (rank - i) mod N
     by_shift = [partial] + [lax.ppermute(partial, plan.axis_name,
                                          [(j, (j + i) % n) for j in range(n)])
@@ -144,39 +161,48 @@ def _one_shot(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
     stacked = jnp.stack(by_shift)
     y = stacked[rank]  # rank 0's partial came r hops
     for j in range(1, n):
-        y = (y.astype(jnp.float32) + stacked[(rank - j) % n].astype(jnp.float32)).astype(x.dtype)
+        y = (y.astype(jnp.float32) + stacked[(rank - j) % n].astype(jnp.float32)).astype(out)
     return mark_invariant(y, plan.axis_name)
 
 
-def _reduce_scatter(x: jax.Array, w: jax.Array, plan: OpPlan) -> list[jax.Array]:
+def _product(scales: tuple):
+    """This rank's ``x_scale * w_scale`` (None without fp8)."""
+    return scales[0] * scales[1] if scales else None
+
+
+def _reduce_scatter(x: jax.Array, w: jax.Array, plan: OpPlan,
+                    scales: tuple = ()) -> list[jax.Array]:
     """The rank's row block of psum(x @ w) along ``plan.axis``, as ``plan.chunks`` pieces."""
     n, axis = plan.axis_size, plan.axis
     rows = x.shape[axis] // n
     piece_rows = rows // plan.chunks
     rank = lax.axis_index(plan.axis_name)
     forward_hops, backward_hops = _ring_lengths(plan)
+    out = out_dtype(x, plan.out_dtype)
+    scale = _product(scales)
 
     def partial(chunk, k):
         start = chunk * rows + k * piece_rows
         block = lax.dynamic_slice_in_dim(x, start, piece_rows, axis)
-        return lax.dot_general(
+        y = lax.dot_general(
             block, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
+        return y if scale is None else y * scale
 
     def add(received, chunk, k):
-        # Travels in the input dtype (what the wire carries), adds in float32.
-        return (received.astype(jnp.float32) + partial(chunk, k)).astype(x.dtype)
+        # Travels in the output dtype (what the wire carries), adds in float32.
+        return (received.astype(jnp.float32) + partial(chunk, k)).astype(out)
 
     pieces = []
     for k in range(plan.chunks):
-        acc = partial((rank + forward_hops) % n, k).astype(x.dtype)
+        acc = partial((rank + forward_hops) % n, k).astype(out)
         for t in range(1, forward_hops + 1):
             acc = add(_shift(acc, plan, +1), (rank + forward_hops - t) % n, k)
         if backward_hops:
-            back = partial((rank - backward_hops) % n, k).astype(x.dtype)
+            back = partial((rank - backward_hops) % n, k).astype(out)
             for t in range(1, backward_hops):
                 back = add(_shift(back, plan, -1), (rank - backward_hops + t) % n, k)
             back = _shift(back, plan, -1)
-            acc = (acc.astype(jnp.float32) + back.astype(jnp.float32)).astype(x.dtype)
+            acc = (acc.astype(jnp.float32) + back.astype(jnp.float32)).astype(out)
         pieces.append(acc)
     return pieces

@@ -14,10 +14,10 @@ error with the state of the cliques — rewritten after every row, so that a run
 that hangs leaves it behind. A row still running after ``row_deadline_s()`` is
 taken for a hang: reported (with every thread's stack), and the process exits.
 
-FP8 rows (fp8 operands with per-rank scales, y in bfloat16, float32 or float16, against the
-float64 product of the float32 dequantized operands, under the same bound for y's dtype) run
-where the GPUs have FP8 GEMMs (compute capability 8.9 or newer; else one line says why not),
-on host devices and on the fake.
+FP8 rows (the public ops with fp8 operands and per-rank scales, y in bfloat16, float32 or
+float16, against the float64 product of the float32 dequantized operands, under the same bound
+for y's dtype) run where the GPUs have FP8 GEMMs (compute capability 8.9 or newer; else one
+line says why not), on host devices and on the fake.
 
 Without a GPU: says so clearly, then runs the same table on host devices (the
 host executor), plus a few rows of the CUDA executor on the fake (if built).
@@ -179,14 +179,12 @@ def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidire
     return detail
 
 
-def _run_fp8_row(jax, jnp, np, mesh, op, transport, fp8, shape, chunks, bidirectional) -> str:
-    """One FP8 row: fp8 operands with per-rank scales through the native primitive (bound as
-    the ops bind it) on the mesh, against the float64 product of the float32 dequantized
-    operands, under the bound of y's dtype."""
+def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
+                 bidirectional) -> str:
+    """One FP8 row: the native op with fp8 operands and per-rank scales (``x_scale=``,
+    ``w_scale=`` inside shard_map) on the mesh, against the float64 product of the float32
+    dequantized operands, under the bound of y's dtype."""
     from jax.sharding import PartitionSpec as P
-
-    from jaxoverlap._native import primitive
-    from jaxoverlap._plan import OpPlan
 
     x_dtype, w_dtype, out = fp8
     batch, rows, k, nw = shape
@@ -205,12 +203,12 @@ def _run_fp8_row(jax, jnp, np, mesh, op, transport, fp8, shape, chunks, bidirect
         specs = (P(*lead, None, "tp"), P("tp", None))
     x = jnp.asarray(x, jnp.float32).astype(x_dtype)
     w = jnp.asarray(w, jnp.float32).astype(w_dtype)
-    plan = OpPlan(op=op, impl="native", axis_name="tp", axis=0 if op == "matmul_ar" else axis,
-                  axis_size=n, chunks=chunks, bidirectional=bidirectional, transport=transport,
-                  out_dtype=out)
+    kwargs: dict[str, Any] = {} if op == "matmul_ar" else dict(axis=axis)
 
-    def local(x, w, sx, sw):
-        return getattr(primitive, op)(x, w, plan, x_scale=sx[0], w_scale=sw[0])
+    def local(x, w, sx, sw):  # sx, sw: this rank's scales, shape (1,)
+        return getattr(jo, op)(x, w, "tp", impl="native", transport=transport, chunks=chunks,
+                               bidirectional=bidirectional, x_scale=sx, w_scale=sw,
+                               preferred_element_type=out, **kwargs)
 
     y_spec = {"ag_matmul": P(*lead, None, "tp"), "matmul_rs": P(*lead, "tp", None),
               "matmul_ar": P()}[op]
@@ -627,8 +625,8 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
         start = time.perf_counter()
         trace = None
         try:
-            detail = _run_fp8_row(jax, jnp, np, mesh, op, transport, fp8, FP8_SHAPE, chunks,
-                                  bidi)
+            detail = _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, FP8_SHAPE,
+                                  chunks, bidi)
             ok = True
         except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
             ok = False

@@ -1,6 +1,8 @@
 """The unfused reference: XLA's all_gather / psum_scatter / psum next to a dot.
 
-This is what the fused paths are checked against and timed against.
+This is what the fused paths are checked against and timed against. With fp8 operands the
+collectives move what they moved before: the all-gather the fp8 x (its shards' scales, one
+float32 each, gathered alongside), the reductions the partial products in the output dtype.
 """
 
 from __future__ import annotations
@@ -9,27 +11,55 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxoverlap._fp8_dtypes import out_dtype
 from jaxoverlap._plan import OpPlan
 
 
-def local_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` over x's last dim, accumulated in float32, returned in x's dtype."""
-    out = lax.dot_general(
+def local_matmul(x: jax.Array, w: jax.Array, out=None, scale=None) -> jax.Array:
+    """``x @ w`` over x's last dim, accumulated in float32, times ``scale`` (the fp8
+    operands' scales, a float32 scalar or an array broadcasting against the product), rounded
+    once to ``out`` (default: x's dtype)."""
+    y = lax.dot_general(
         x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )
-    return out.astype(x.dtype)
+    if scale is not None:
+        y = y * scale
+    return y.astype(x.dtype if out is None else out)
 
 
-def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan) -> tuple[jax.Array, jax.Array]:
+def per_row(values, rows: int, axis: int, ndim: int):
+    """``values`` (one per shard) repeated ``rows`` times each, shaped to broadcast along
+    ``axis`` of an array of rank ``ndim``."""
+    shape = [1] * ndim
+    shape[axis] = values.shape[0] * rows
+    return jnp.repeat(values, rows).reshape(shape)
+
+
+def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan,
+              scales: tuple = ()) -> tuple[jax.Array, jax.Array]:
     gathered = lax.all_gather(x, plan.axis_name, axis=plan.axis, tiled=True)
-    return local_matmul(gathered, w), gathered
+    out = out_dtype(x, plan.out_dtype)
+    if not scales:
+        return local_matmul(gathered, w, out), gathered
+    x_scale, w_scale = scales
+    # The rows of shard r are (x_r * x_scale_r) @ (w * w_scale): each shard's own scale.
+    every = lax.all_gather(x_scale, plan.axis_name) * w_scale
+    scale = per_row(every, x.shape[plan.axis], plan.axis, x.ndim)
+    return local_matmul(gathered, w, out, scale), gathered
 
 
-def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
+def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
     return lax.psum_scatter(
-        local_matmul(x, w), plan.axis_name, scatter_dimension=plan.axis, tiled=True
+        local_matmul(x, w, out_dtype(x, plan.out_dtype), _product(scales)), plan.axis_name,
+        scatter_dimension=plan.axis, tiled=True
     )
 
 
-def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan) -> jax.Array:
-    return lax.psum(local_matmul(x, w), plan.axis_name)
+def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
+    return lax.psum(local_matmul(x, w, out_dtype(x, plan.out_dtype), _product(scales)),
+                    plan.axis_name)
+
+
+def _product(scales: tuple):
+    """This rank's ``x_scale * w_scale`` (None without fp8)."""
+    return scales[0] * scales[1] if scales else None

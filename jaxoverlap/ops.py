@@ -31,6 +31,7 @@ from jaxoverlap._config import (
     check_impl,
     check_transport,
 )
+from jaxoverlap._fp8_dtypes import DEFAULT_OUT, FP8_DTYPES, OUT_DTYPES, any_fp8, is_fp8
 from jaxoverlap._local import LocalOp
 from jaxoverlap._native.call import describe
 from jaxoverlap._plan import Request
@@ -53,6 +54,9 @@ def ag_matmul(
     return_gathered: bool = False,
     precision: Any = None,
     mesh: jax.sharding.Mesh | None = None,
+    x_scale: Any = None,
+    w_scale: Any = None,
+    preferred_element_type: Any = None,
 ):
     """All-gather ``x`` over ``axis_name`` along ``axis``, then multiply by ``w``.
 
@@ -63,6 +67,15 @@ def ag_matmul(
     gathered x. Dims before ``axis`` act as a batch; ``axis`` may be any dim
     but the last. ``precision`` is ``lax.dot_general``'s (None: JAX's default
     matmul precision); at ``HIGHEST`` no impl uses TF32 for float32.
+
+    FP8: x and/or w may be ``float8_e4m3fn`` or ``float8_e5m2``, each with its float32
+    dequantization scale (``x_scale=`` / ``w_scale=``, shape ``()`` or ``(1,)``: the real
+    value is ``x.astype(float32) * x_scale``). Inside ``shard_map`` each rank passes its own
+    shard's scale (ranks may differ): y's rows of shard r are ``(x_r * x_scale_r) @ (w *
+    w_scale)``, accumulated in float32 and rounded once to ``preferred_element_type``
+    (float32, bfloat16 or float16; default bfloat16). The gather moves the fp8 bytes, each
+    shard's scale alongside; the gathered x is fp8. Not differentiable (use
+    ``jaxoverlap.fp8``).
     """
     op = "ag_matmul"
     _check_axis_name(op, axis_name)
@@ -72,8 +85,10 @@ def ag_matmul(
     precision = _precision.normalize(op, precision)
     if not isinstance(return_gathered, bool):
         raise TypeError(f"{op}: return_gathered={return_gathered!r} must be True or False.")
-    request = Request.now(op, axis_name, axis=axis, precision=precision, **options)
-    return _run(request, x, w, mesh, return_gathered)
+    scales, out = _check_fp8(op, x, w, x_scale, w_scale, preferred_element_type, precision)
+    request = Request.now(op, axis_name, axis=axis, precision=precision, out_dtype=out,
+                          **options)
+    return _run(request, x, w, mesh, return_gathered, scales)
 
 
 def matmul_rs(
@@ -88,6 +103,9 @@ def matmul_rs(
     bidirectional: bool | None = None,
     precision: Any = None,
     mesh: jax.sharding.Mesh | None = None,
+    x_scale: Any = None,
+    w_scale: Any = None,
+    preferred_element_type: Any = None,
 ):
     """Multiply ``x`` by ``w``, then reduce-scatter the product over ``axis_name`` along ``axis``.
 
@@ -96,6 +114,10 @@ def matmul_rs(
     ``[.., S, .., Kf]`` with Kf the local slice of the contraction and w is
     ``[Kf, Nw]``; outside it they are global arrays (see ``_global``).
     ``precision`` as in :func:`ag_matmul`.
+
+    FP8 operands as in :func:`ag_matmul`: each rank's partial is ``(x * x_scale) @ (w *
+    w_scale)`` with its own scales (no scale travels), accumulated in float32 and reduced in
+    float32 or ``preferred_element_type``, never in fp8.
     """
     op = "matmul_rs"
     _check_axis_name(op, axis_name)
@@ -103,14 +125,16 @@ def matmul_rs(
     axis = _check_operands(op, x, w, axis)
     options = _check_options(impl, transport, chunks, bidirectional)
     precision = _precision.normalize(op, precision)
+    scales, out = _check_fp8(op, x, w, x_scale, w_scale, preferred_element_type, precision)
     n = bound_axis_size(axis_name)
     if n is not None and x.shape[axis] % n:  # on global arrays, _layout.check_shapes says it
         raise ValueError(
             f"{op}: x.shape[{axis}]={x.shape[axis]} rows are not divisible by the size {n} of "
             f"mesh axis {axis_name!r}; pad the rows to a multiple of {n}."
         )
-    request = Request.now(op, axis_name, axis=axis, precision=precision, **options)
-    return _run(request, x, w, mesh)
+    request = Request.now(op, axis_name, axis=axis, precision=precision, out_dtype=out,
+                          **options)
+    return _run(request, x, w, mesh, scales=scales)
 
 
 def matmul_ar(
@@ -125,6 +149,9 @@ def matmul_ar(
     algorithm: str | None = None,
     precision: Any = None,
     mesh: jax.sharding.Mesh | None = None,
+    x_scale: Any = None,
+    w_scale: Any = None,
+    preferred_element_type: Any = None,
 ):
     """Multiply ``x`` by ``w``, then all-reduce (sum) the product over ``axis_name``.
 
@@ -146,7 +173,7 @@ def matmul_ar(
     GEMMs, dx = dy @ wᵀ and dw = xᵀ·dy, with no communication under
     ``check_vma=True``; under ``check_vma=False`` each rank's share of the cotangent
     is summed first, as JAX's transpose of ``psum`` does there. ``precision`` as in
-    :func:`ag_matmul`.
+    :func:`ag_matmul`. FP8 operands as in :func:`matmul_rs`.
     """
     op = "matmul_ar"
     _check_axis_name(op, axis_name)
@@ -155,8 +182,10 @@ def matmul_ar(
     options = _check_options(impl, transport, chunks, bidirectional)
     algorithm = check_algorithm(algorithm)
     precision = _precision.normalize(op, precision)
-    request = Request.now(op, axis_name, algorithm=algorithm, precision=precision, **options)
-    return _run(request, x, w, mesh)
+    scales, out = _check_fp8(op, x, w, x_scale, w_scale, preferred_element_type, precision)
+    request = Request.now(op, axis_name, algorithm=algorithm, precision=precision,
+                          out_dtype=out, **options)
+    return _run(request, x, w, mesh, scales=scales)
 
 
 def copy_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, precision: Any = None,
@@ -172,11 +201,12 @@ def copy_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, precision: Any = 
 # ---------------------------------------------------------------- the two paths
 
 
-def _run(request: Request, x, w, mesh, want_gathered: bool = False):
-    """The call on local shards (``axis_name`` bound) or on global arrays."""
+def _run(request: Request, x, w, mesh, want_gathered: bool = False, scales: tuple = ()):
+    """The call on local shards (``axis_name`` bound) or on global arrays; ``scales``: the
+    fp8 operands' ``(x_scale, w_scale)``, float32 scalars (``()`` without fp8)."""
     local = LocalOp(request)
     if bound_axis_size(request.axis_name) is not None:
-        return local(x, w, want_gathered)
+        return local(x, w, want_gathered, scales)
     mesh = _layout.resolve_mesh(request.op, request.axis_name, mesh, x, w)
     call = _layout.Call(kind=request.op, axis_name=request.axis_name, ndim=x.ndim,
                         axis=request.axis if request.op in (_layout.AG, _layout.RS) else None,
@@ -193,7 +223,7 @@ def _run(request: Request, x, w, mesh, want_gathered: bool = False):
             platform = mesh.devices.flat[0].platform
             describe(mesh, request.axis_name, "cuda" if platform == "gpu" else platform,
                      plan.transport, plan.preferred, jax.process_index())
-    return _global.run(call, mesh, x, w, want_gathered=want_gathered)
+    return _global.run(call, mesh, x, w, want_gathered=want_gathered, scales=scales)
 
 
 # ---------------------------------------------------------------- checks
@@ -230,17 +260,83 @@ def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:
             f"{w.shape[0]} (x {tuple(x.shape)}, w {tuple(w.shape)}). w must be [x.shape[-1], out]."
         )
     for name, a in (("x", x), ("w", w)):
-        if jnp.dtype(a.dtype) not in SUPPORTED_DTYPES:
+        if jnp.dtype(a.dtype) not in SUPPORTED_DTYPES + FP8_DTYPES:
             raise TypeError(
                 f"{op}: {name}.dtype={jnp.dtype(a.dtype).name} is not supported; use float32, "
-                "bfloat16 or float16."
+                "bfloat16 or float16, or float8_e4m3fn / float8_e5m2 with a scale."
             )
-    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype) and not any_fp8(x, w):
         raise TypeError(
             f"{op}: x.dtype={jnp.dtype(x.dtype).name} and w.dtype={jnp.dtype(w.dtype).name} "
             "differ; cast one of them (e.g. w.astype(x.dtype))."
         )
     return axis
+
+
+def _check_fp8(op: str, x, w, x_scale: Any, w_scale: Any, preferred_element_type: Any,
+               precision: str | None) -> tuple[tuple, str | None]:
+    """The fp8 operands' scales as float32 scalars (``()`` without fp8) and y's dtype name
+    (None: x's). Raises naming the argument and the fix."""
+    fp8 = any_fp8(x, w)
+    out = None
+    if preferred_element_type is not None:
+        try:
+            out = jnp.dtype(preferred_element_type)
+        except TypeError:
+            out = None
+        if out not in OUT_DTYPES:
+            raise TypeError(f"{op}: preferred_element_type={preferred_element_type!r} must be "
+                            "float32, bfloat16 or float16 (or None).")
+        if not fp8 and out != jnp.dtype(x.dtype):
+            raise TypeError(
+                f"{op}: preferred_element_type={out.name} differs from x's dtype "
+                f"{jnp.dtype(x.dtype).name}: without fp8 operands y has x's dtype. Drop "
+                "preferred_element_type= and cast y.")
+    if not fp8:
+        for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+            if scale is not None:
+                raise TypeError(f"{op}: {name} is given but neither x nor w is fp8: scales "
+                                "dequantize float8 operands only. Drop it, or multiply the "
+                                "operand by it.")
+        return (), None
+    if precision == "highest":
+        raise ValueError(
+            f"{op}: precision=HIGHEST asks for float32 products, but an operand is fp8 (x "
+            f"{jnp.dtype(x.dtype).name}, w {jnp.dtype(w.dtype).name}): fp8 GEMMs multiply "
+            "the fp8 values themselves. Drop precision= (or pass DEFAULT), or dequantize the "
+            "operands to float32 first.")
+    scales = tuple(_check_scale(op, name, a, scale)
+                   for name, a, scale in (("x", x, x_scale), ("w", w, w_scale)))
+    return scales, (out or DEFAULT_OUT).name
+
+
+def _check_scale(op: str, name: str, a, scale: Any):
+    """``scale`` of operand ``name`` as a float32 scalar (1.0 if ``a`` is not fp8)."""
+    arg = f"{name}_scale"
+    if not is_fp8(a.dtype):
+        if scale is not None:
+            raise TypeError(f"{op}: {arg} is given but {name} is {jnp.dtype(a.dtype).name}, not "
+                            f"fp8: scales dequantize float8 operands only. Drop {arg}, or "
+                            f"multiply {name} by it.")
+        return jnp.ones((), jnp.float32)
+    if scale is None:
+        raise TypeError(
+            f"{op}: {name} is {jnp.dtype(a.dtype).name} but {arg} is missing. Pass {arg}=, its "
+            f"float32 dequantization scale (the real value is {name}.astype(float32) * {arg}; "
+            f"inside shard_map this rank's shard's), e.g. {arg}=jnp.float32(1.0).")
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return jnp.asarray(scale, jnp.float32)
+    if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+        raise TypeError(f"{op}: {arg} must be a float32 scalar array (or a Python float), got "
+                        f"{type(scale).__name__}.")
+    if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"{op}: {arg}.dtype={jnp.dtype(scale.dtype).name} must be float32; "
+                        f"pass {arg}.astype(jnp.float32).")
+    if tuple(scale.shape) not in ((), (1,)):
+        raise ValueError(
+            f"{op}: {arg} has shape {tuple(scale.shape)} but must be a scalar, shape () or "
+            f"(1,): one scale per tensor (inside shard_map, one per rank's shard).")
+    return jnp.reshape(scale, ())
 
 
 def _check_axis_name(op: str, axis_name: Any) -> None:

@@ -80,3 +80,45 @@ def absent(x, rank: int, enabled=lambda: True, axis_name: str = "tp"):
     waited = jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
                                lax.axis_index(axis_name))
     return x + (waited - held)  # exactly x, but ordered after the callback
+
+
+# ---- fp8 operands and the formula they are checked against ---------------------------------
+
+# The unit roundoff of each output dtype: one rounding moves a value v by at most u * |v|.
+UNIT_ROUNDOFF = {jnp.dtype(jnp.float32): 2.0 ** -24, jnp.dtype(jnp.bfloat16): 2.0 ** -8,
+                 jnp.dtype(jnp.float16): 2.0 ** -11}
+
+
+def fp8_rand(key: int, shape, dtype, spread: float = 3.0) -> jax.Array:
+    """Random values of ``dtype`` (fp8 or not): normal * ``spread``, rounded to the dtype."""
+    values = np.random.default_rng(key).standard_normal(shape).astype(np.float32) * spread
+    return jnp.asarray(values, dtype=dtype)
+
+
+def dequantized(a, scale) -> np.ndarray:
+    """``a.astype(float32) * scale`` (the real value of an fp8 operand), in float64."""
+    return np.asarray(np.asarray(jnp.asarray(a, jnp.float32)) * np.float32(scale), np.float64)
+
+
+def assert_fp8_exact(y, ref, magnitude, out_dtype, *, k: int, reductions: int = 0) -> None:
+    """``y`` equals the float64 ``ref`` of the dequantized operands up to one rounding to
+    ``out_dtype`` (and, for a reduction in ``out_dtype``, one more per add: ``reductions``),
+    plus float32 accumulation over ``k`` terms. ``magnitude``: the sum of the absolute products
+    (``|x| @ |w|``), which bounds every partial sum."""
+    u = UNIT_ROUNDOFF[jnp.dtype(out_dtype)]
+    assert jnp.dtype(y.dtype) == jnp.dtype(out_dtype), (y.dtype, out_dtype)
+    y, ref, magnitude = f64(y), np.asarray(ref, np.float64), np.asarray(magnitude, np.float64)
+    bound = u * np.abs(ref) + (reductions * u + (k + 4) * 2.0 ** -24) * magnitude
+    excess = np.abs(y - ref) - bound
+    assert excess.max() <= 0, (
+        f"{int((excess > 0).sum())} of {excess.size} elements off by more than the bound; "
+        f"worst |y - ref| = {np.abs(y - ref).max():.3g}")
+
+
+def native_calls(text: str) -> list[tuple[str, str, str]]:
+    """(op, operand types, result types) of every native custom call of a lowered StableHLO
+    module, in program order."""
+    import re
+
+    return re.findall(r"custom_call @jaxoverlap_(\w+)\(.*?\}\s*:\s*\(([^)]*)\)\s*->\s*(.*)",
+                      text)

@@ -65,13 +65,18 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert "the executors' own fused programs, which the ops pick" in out
     # a projection outside the preset's calibrated range is marked, with the reason
     assert "* h100 AG decode: outside the calibrated range" in out
-    assert "* h100 AG std" not in out
+    assert "* h100 AG std:" not in out
     # decode shapes (GEMM + all-reduce, M 1-256): latency, the picks and why
     assert "Decode shapes, GEMM + all-reduce (latency, not bandwidth)" in out
     for m in (1, 16, 64, 256):
         assert re.search(rf"AR decode M{m} .* / native \w+ one-shot chunks=1\n", out), out
         assert f"AR decode M{m}: xla: the best fused plan costs" in out
     assert "native: one-shot: 1 transfer step(s) instead of 14" in out
+    # FP8 rows of the standard shapes, marked as having no FP8 measurement behind them
+    assert "FP8 (e4m3 operands, bfloat16 output" in out
+    for case in ("AG std fp8", "RS std fp8", "AG flux fp8", "RS flux fp8"):
+        assert f"* h100 {case}: outside the calibrated range (extrapolated): no FP8 " \
+               "measurement" in out, case
     png = tmp_path / "gantt-h100.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

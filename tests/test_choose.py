@@ -17,7 +17,7 @@ from helpers import spec_on, tp_mesh
 import jaxoverlap as jo
 from jaxoverlap import _plan as planning
 from jaxoverlap import sim
-from jaxoverlap._native import capabilities
+from jaxoverlap._native import capabilities, runtime
 
 
 def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):
@@ -249,3 +249,44 @@ def test_matmul_ar_algorithm_is_the_models_pick(monkeypatch):
         assert best.algorithm == want, m
     plan = _ar_plan((8, 8 * 1024), (8 * 1024, 8192), impl="native", algorithm="two_shot")
     assert plan.algorithm == "two_shot"
+
+
+@pytest.mark.slow
+def test_fp8_picks_follow_the_model_among_what_the_executors_run(monkeypatch):
+    """fp8 operands: the model's FP8 pick (the executors' own FP8 programs) among the plans
+    whose executor runs the call's pairing: on host devices every pairing; on GPUs (an
+    injected sm_90 table) two fp8 operands, never native for fp8 with a bfloat16 operand or
+    e5m2 x e5m2 (the CUDA executor refuses them: auto falls back, native raises)."""
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    e4, e5, bf16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
+
+    def plan(x_dtype, w_dtype, rows=4096, **request):
+        """AG+GEMM's plan for x [rows, 8192] per rank, w [8192, 3584], over 8 ranks."""
+        r = planning.Request.now("ag_matmul", "tp", out_dtype="bfloat16", **request)
+        return planning.make(r, jax.ShapeDtypeStruct((rows, 8192), x_dtype),
+                             jax.ShapeDtypeStruct((8192, 3584), w_dtype), 8)
+
+    shape = sim.Shape(1, 4096, 8192, 3584)          # M = 32768: FP8 leaves room to overlap
+    best = sim.choose("ag_matmul", shape, "float8_e4m3fn", 8, "h100",
+                      sim.candidates("h100", 8, shape, op="ag_matmul", fused=False,
+                                     transports=capabilities.offered_transports("cpu"))
+                      ).candidate
+    assert best.impl == "native"
+    for dtypes in ((e4, e4), (e4, bf16), (bf16, e4), (e5, e5)):
+        p = plan(*dtypes)
+        assert (p.impl, p.preferred, p.chunks, p.bidirectional) == (
+            "native", best.transport, best.chunks, best.bidirectional), dtypes
+    assert plan(e4, e4, rows=1024).impl == "xla"     # AG std fp8: docs/performance.md's row
+    # On Hopper GPUs (injected): the CUDA executor's pairings only.
+    monkeypatch.setattr(runtime, "cuda_error", lambda: None)
+    monkeypatch.setattr(capabilities, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: {
+        "devices": [{"ordinal": i, "compute_capability": [9, 0]} for i in range(8)]})
+    monkeypatch.setattr(capabilities, "offered_transports", lambda platform: ("nccl", "p2p"))
+    assert plan(e4, e4).impl == "native" and plan(e5, e4).impl == "native"
+    for dtypes in ((e4, bf16), (bf16, e4), (e5, e5)):
+        assert plan(*dtypes).impl == "xla", dtypes
+    with pytest.raises(capabilities.NativeUnavailableError, match="two fp8 operands"):
+        plan(e4, bf16, impl="native")
+    with pytest.raises(capabilities.NativeUnavailableError, match="e5m2 x float8_e5m2"):
+        plan(e5, e5, impl="native")

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap._fp8_dtypes import FP8_DTYPES, is_fp8
 from jaxoverlap._native import bootstrap, runtime
 
 
@@ -26,10 +27,10 @@ class NativeUnavailableError(ValueError):
     """``impl="native"`` (or a native transport) was asked for but cannot run here."""
 
 
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
-# Operands only, each with a float32 scale; the executors run them as FP8 GEMMs (the host: in
-# float32 after an exact conversion; the CUDA executor: cuBLASLt's FP8 kernels, docs/gpu.md §11).
-FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+# FP8_DTYPES (_fp8_dtypes): operands only, each with a float32 scale; the executors run them as
+# FP8 GEMMs (the host: in float32 after an exact conversion; the CUDA executor: cuBLASLt's FP8
+# kernels, docs/gpu.md §11).
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, *FP8_DTYPES)
 # cuBLASLt's FP8 GEMMs need compute capability 8.9 (Ada) or newer.
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 GPU_PLATFORMS = ("cuda", "gpu")
@@ -58,10 +59,6 @@ def current_platform() -> str:
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None)
     return platform or jax.default_backend()
-
-
-def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in FP8_DTYPES)
 
 
 def unavailable_reason(platform: str, dtype, w_dtype=None) -> str | None:

@@ -25,9 +25,13 @@ column       ``jaxoverlap.ag_matmul``    ``ops.copy_matmul``
 row          ``jaxoverlap.matmul_rs``    ``jaxoverlap.matmul_ar``
 ===========  ==========================  ==========================================
 
-A user's ``dot_general`` (Flax's FP8 ops, quantisation libraries) cannot run
-inside the fused ops: the layer then runs the unfused computation with it
-(``dot_general`` next to XLA's collectives) and says so once in the log.
+Flax's FP8 recipe (``dot_general_cls=nn.Fp8DotGeneralOp`` or
+``nn.Fp8DirectDotGeneralOp``, nnx's ``jaxoverlap.flax.nnx.Fp8DotGeneral``, or
+current scaling with ``dot_general=jaxoverlap.fp8.dot_general``) runs fused
+(:class:`Fp8Recipe`, ``jaxoverlap.fp8``): the collectives move fp8, the
+scale bookkeeping is Flax's. Any other ``dot_general`` (quantisation libraries)
+cannot run inside the fused ops: the layer then runs the unfused computation
+with it (``dot_general`` next to XLA's collectives) and says so once in the log.
 
 Rows that do not split: on global arrays, a sequence-parallel call whose
 sequence does not divide over ``axis_name`` (a decode step's single token, any
@@ -51,7 +55,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxoverlap import _layout, _megatron, ops
+from jaxoverlap import _layout, _megatron, fp8, ops
 from jaxoverlap._compat import bound_axis_size, context_mesh, varying_axes
 from jaxoverlap._config import check_impl, logger
 
@@ -199,12 +203,23 @@ def say_once(layer: str, message: str, level: int = logging.WARNING) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """Flax's FP8 recipe, run by the fused ops (``jaxoverlap.fp8``): delayed scaling with
+    the layer's state (a ``jaxoverlap.fp8.DelayedScaling`` of its variables' values, whose
+    gradient is the new state), or current scaling (``scaling`` None)."""
+
+    scaling: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Matmul:
     """How one layer multiplies: its kind, parallelism and the user's dot_general, if any.
 
     ``dot_general`` None means the fused ops; otherwise the unfused path calls
     it as Flax's layer would, with ``dot_general_kwargs`` (nnx passes
-    ``out_sharding`` and ``preferred_element_type`` there).
+    ``out_sharding`` and ``preferred_element_type`` there). ``fp8``: Flax's FP8
+    recipe, run fused on a mesh (``dot_general`` is then Flax's own FP8 op, what
+    the layer computes without a mesh).
     """
 
     layer: str
@@ -216,6 +231,7 @@ class Matmul:
     mesh: Any
     dot_general: Callable | None = None
     dot_general_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    fp8: Fp8Recipe | None = None
 
 
 def _dims(x) -> tuple:
@@ -240,6 +256,30 @@ def fused(m: Matmul, x, kernel, mesh: Any):
         return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
     # Megatron's g: rows that do not split into N blocks (a decode step's batch) run one-shot
     return ops.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)
+
+
+def fused_fp8(m: Matmul, x, kernel, mesh: Any):
+    """The fused multiply under Flax's FP8 recipe (``jaxoverlap.fp8``)."""
+    seq = x.ndim - 2
+    kw = dict(scaling=m.fp8.scaling, mesh=mesh)
+    if m.kind == COLUMN:
+        if m.sequence_parallel:
+            return fp8.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
+        return fp8.copy_matmul(x, kernel, m.axis_name, **kw)
+    if m.sequence_parallel:
+        return fp8.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
+    return fp8.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)
+
+
+def _multiply(m: Matmul, x, kernel, mesh: Any):
+    """The layer's multiply on local shards (mesh None) or global arrays."""
+    if m.fp8 is not None:
+        return fused_fp8(m, x, kernel, mesh)
+    if m.dot_general is None:
+        return fused(m, x, kernel, mesh)
+    if mesh is None:
+        return unfused_local(m, x, kernel)
+    return unfused_global(m, x, kernel, mesh)
 
 
 def _kind_of(m: Matmul) -> str:
@@ -289,8 +329,8 @@ def unfused_global(m: Matmul, x, kernel, mesh):
 def forward(m: Matmul, x, kernel, bias, *, out_sharding: Any = None):
     """``x @ kernel + bias`` for ``x [..., S, K]`` and ``kernel [K, N]``, in the layer's mode."""
     if tp_size_if_bound(m.axis_name) is not None:          # local shards
-        y = fused(m, x, kernel, None) if m.dot_general is None else unfused_local(m, x, kernel)
-        return constrain_output(m, _add_bias(y, bias), out_sharding, x)
+        return constrain_output(m, _add_bias(_multiply(m, x, kernel, None), bias), out_sharding,
+                                x)
     mesh = _layout.find_mesh(m.layer, m.mesh, x, kernel)
     if mesh is None:                                         # one device: nn.Dense's math
         dot = m.dot_general or lax.dot_general
@@ -308,8 +348,7 @@ def forward(m: Matmul, x, kernel, bias, *, out_sharding: Any = None):
         divide(m.layer, "features", kernel.shape[1], n, m.axis_name)
     else:
         divide(m.layer, "inputs.shape[-1] (the input features)", x.shape[-1], n, m.axis_name)
-    y = fused(m, x, kernel, mesh) if m.dot_general is None else unfused_global(m, x, kernel, mesh)
-    return constrain_output(m, _add_bias(y, bias), out_sharding, x)
+    return constrain_output(m, _add_bias(_multiply(m, x, kernel, mesh), bias), out_sharding, x)
 
 
 def without_sequence_parallel(m: Matmul, why: str) -> Matmul:

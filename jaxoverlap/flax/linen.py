@@ -53,10 +53,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
+from flax.linen import fp8_ops
 from flax.linen import module as _flax_module
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer, PrecisionLike
 
+from jaxoverlap import fp8
 from jaxoverlap.flax import _common
 from jaxoverlap.flax._common import COLUMN, ROW
 
@@ -144,6 +146,25 @@ def _checked_value(layer: str, kind: str, name: str, boxed: Any, shape: tuple[in
     return _raw(boxed)
 
 
+# ---------------------------------------------------------------- Flax's FP8 recipe
+
+
+def fp8_recipe(dot: Any) -> _common.Fp8Recipe | None:
+    """Delayed scaling with the variables of ``dot`` if it is Flax's FP8 op
+    (``nn.Fp8DotGeneralOp`` or ``nn.Fp8DirectDotGeneralOp``, with e4m3 and e5m2), else None.
+
+    The variables (``_overwrite_with_gradient``: ``input_scale``, ``input_amax_history``,
+    ...) are read here, where the op made them; their gradients are their new values, as
+    with Flax's own op, so ``TrainState.apply_gradients`` updates them the same way.
+    """
+    if type(dot) not in (fp8_ops.Fp8DotGeneralOp, fp8_ops.Fp8DirectDotGeneralOp):
+        return None
+    if (jnp.dtype(dot.e4m3_dtype), jnp.dtype(dot.e5m2_dtype)) != (fp8.E4M3, fp8.E5M2):
+        return None
+    return _common.Fp8Recipe(fp8.DelayedScaling(
+        *(getattr(dot, name).value for name in fp8.DelayedScaling._fields)))
+
+
 # ---------------------------------------------------------------- Flax's auto-names
 
 
@@ -188,18 +209,24 @@ class _ParallelLinear(_NamedLikeFlax, nn.Module):
                              use_bias=self.use_bias, kernel_init=self.kernel_init,
                              bias_init=self.bias_init, mesh=self.mesh)
 
-    def _matmul(self, layer: str, dot_general: Callable | None) -> _common.Matmul:
+    def _matmul(self, layer: str) -> _common.Matmul:
+        """How this call multiplies: the fused ops, Flax's FP8 recipe fused, or the user's
+        dot_general unfused (an instance of ``dot_general_cls`` made here, as nn.Dense
+        does: Flax's FP8 ops keep their variables under its name)."""
+        recipe = None
+        if self.dot_general_cls is not None:
+            dot = self.dot_general_cls()
+            recipe = fp8_recipe(dot)
+            if recipe is None:
+                dot = _common.choose_dot_general(layer, dot, "dot_general_cls was given")
+        elif self.dot_general is fp8.dot_general:
+            dot, recipe = fp8.dot_general, _common.Fp8Recipe()
+        else:
+            dot = _common.choose_dot_general(layer, self.dot_general)
         return _common.Matmul(layer=layer, kind=self._kind, axis_name=self.axis_name,
                               sequence_parallel=self.sequence_parallel, impl=self.impl,
-                              precision=self.precision, mesh=self.mesh, dot_general=dot_general)
-
-    def _dot_general(self, layer: str) -> Callable | None:
-        """The user's dot_general (an instance of ``dot_general_cls`` made here, as nn.Dense
-        does), or None for the fused ops."""
-        if self.dot_general_cls is not None:
-            return _common.choose_dot_general(layer, self.dot_general_cls(),
-                                              "dot_general_cls was given")
-        return _common.choose_dot_general(layer, self.dot_general)
+                              precision=self.precision, mesh=self.mesh, dot_general=dot,
+                              fp8=recipe)
 
     def _general(self, inputs: jax.Array, features: tuple[int, ...], n_contract: int):
         """The layer on ``inputs [..., S, *contracted]``: kernel ``[*contracted, *features]``."""
@@ -229,8 +256,7 @@ class _ParallelLinear(_NamedLikeFlax, nn.Module):
             bias = _param(self, layer, self._kind, "bias", self.bias_init, features, 0,
                           0 if self._kind == COLUMN else None, self.mesh, self.axis_name)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return _common.general_forward(self._matmul(layer, self._dot_general(layer)), inputs,
-                                       kernel, bias, n_contract)
+        return _common.general_forward(self._matmul(layer), inputs, kernel, bias, n_contract)
 
 
 class ColumnParallelDense(_ParallelLinear):
@@ -267,9 +293,11 @@ class ColumnParallelDense(_ParallelLinear):
       bias_init: initializer function for the bias (likewise).
       promote_dtype: function to promote the dtype of the arrays to the desired
         dtype (as in ``nn.Dense``).
-      dot_general: a custom ``dot_general``; the layer then runs unfused with it.
-      dot_general_cls: a module class whose instance is the ``dot_general`` (Flax's
-        FP8 ops, quantisation); likewise unfused.
+      dot_general: a custom ``dot_general``; the layer then runs unfused with it
+        (``jaxoverlap.fp8.dot_general``, FP8 with current scaling, runs fused).
+      dot_general_cls: a module class whose instance is the ``dot_general``: Flax's
+        ``nn.Fp8DotGeneralOp`` / ``nn.Fp8DirectDotGeneralOp`` run fused (Flax's FP8
+        recipe, its variables kept); others (quantisation) unfused.
       axis_name: the tensor-parallel mesh axis (default: "tp").
       impl: "auto", "xla", "ring" or "native", passed to the op (default: "auto").
       mesh: the mesh for global arrays; None takes the ``jax.set_mesh`` mesh or

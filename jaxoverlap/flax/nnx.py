@@ -41,12 +41,14 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd as core_spmd
 from flax.core.frozen_dict import FrozenDict
+from flax.linen import fp8_ops
 from flax.nnx import variablelib
 from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike
 from jax import lax
 
+from jaxoverlap import fp8
 from jaxoverlap.flax import _common
 from jaxoverlap.flax._common import COLUMN, ROW
 
@@ -56,6 +58,8 @@ default_bias_init = nnx.initializers.zeros_init()
 __all__ = [
     "ColumnParallelLinear",
     "ColumnParallelLinearGeneral",
+    "Fp8DotGeneral",
+    "OverwriteWithGradient",
     "ParallelMLP",
     "ParallelMultiHeadAttention",
     "RowParallelLinear",
@@ -132,6 +136,58 @@ def _check(layer: str, kind: str, source: str, names: tuple[Any, ...], local_rul
                          how=f" (from {names} under the rules in force)" if rules else "")
 
 
+# ---------------------------------------------------------------- Flax's FP8 recipe
+
+# The nnx type of Flax's ``_overwrite_with_gradient`` collection, as nnx.bridge maps it.
+OverwriteWithGradient = variablelib.variable_type_from_name(
+    fp8_ops.OVERWRITE_WITH_GRADIENT, allow_register=True)
+
+
+class Fp8DotGeneral(nnx.Module):
+    """Flax's FP8 recipe with delayed scaling as an nnx module: a ``dot_general``.
+
+    It holds the variables of Flax's ``nn.Fp8DirectDotGeneralOp`` under their names
+    (``input_scale``, ``input_amax_history``, ``kernel_scale``, ``kernel_amax_history``,
+    ``output_grad_scale``, ``output_grad_amax_history``) as :data:`OverwriteWithGradient`
+    variables (the nnx type of linen's ``_overwrite_with_gradient`` collection) and computes
+    that op's ``fp8_scaled_dot_general``. Give it as ``dot_general=Fp8DotGeneral()`` to
+    ``nnx.Linear`` / ``nnx.LinearGeneral`` or to these layers (which then run it fused, the
+    collectives moving fp8), or as ``dot_general_cls=Fp8DotGeneral`` (``qkv_dot_general_cls``
+    of the attention: one per projection); the state then lives at ``<layer>.dot_general``.
+
+    As with linen, the gradient of each variable is its new value: take it with the params
+    (``nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, OverwriteWithGradient)))``),
+    update the params with the optimizer and write the new values over the old ones
+    (``nnx.update(model, nnx.filter_state(grads, OverwriteWithGradient))``).
+    """
+
+    def __init__(self, amax_history_length: int = 1024):
+        init = fp8.DelayedScaling.init(amax_history_length)
+        for name, value in zip(fp8.DelayedScaling._fields, init, strict=True):
+            setattr(self, name, OverwriteWithGradient(value))
+
+    def scaling(self) -> fp8.DelayedScaling:
+        """The state's values (whose gradients are the new state)."""
+        return fp8.DelayedScaling(*(getattr(self, name)[...]
+                                    for name in fp8.DelayedScaling._fields))
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None):
+        """``Fp8DirectDotGeneralOp``'s computation (``precision`` ignored, as there)."""
+        del precision
+        if out_sharding is not None:
+            raise ValueError("Fp8DotGeneral: out_sharding is not supported; lay the result "
+                             "out afterwards.")
+        lhs = jnp.asarray(lhs, rhs.dtype)
+        s = self.scaling()
+        return fp8_ops.fp8_scaled_dot_general(
+            lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type or
+            lhs.dtype, lhs_scale=s.input_scale, rhs_scale=s.kernel_scale,
+            grad_scale=s.output_grad_scale, lhs_amax_history=s.input_amax_history,
+            rhs_amax_history=s.kernel_amax_history,
+            grad_amax_history=s.output_grad_amax_history, quantize_compute_type=rhs.dtype)
+
+
 # ---------------------------------------------------------------- the layers
 
 
@@ -179,6 +235,10 @@ class _ParallelLinear(nnx.Module):
                 _common.divide(layer, "out_features", out_features[0], n, axis_name)
             else:
                 _common.divide(layer, "in_features", in_features[0], n, axis_name)
+        if isinstance(dot_general_cls, type) and issubclass(dot_general_cls, Fp8DotGeneral):
+            # One instance kept by the layer (nnx.LinearGeneral would make one per call,
+            # which forgets its amax history): its state is the layer's ``dot_general``.
+            dot_general, dot_general_cls = dot_general_cls(), None
         n_in = len(in_features)
         tp_kernel = n_in if self._kind == COLUMN else 0
         self.kernel = _param(layer, self._kind, "kernel", kernel_init, rngs.params(),
@@ -255,17 +315,27 @@ class _ParallelLinear(nnx.Module):
             kwargs["preferred_element_type"] = self.preferred_element_type
             if jnp.dtype(self.preferred_element_type) != jnp.dtype(compute_dtype):
                 reason = f"preferred_element_type={jnp.dtype(self.preferred_element_type).name}"
-        if self.dot_general_cls is not None:
+        recipe = None
+        if isinstance(self.dot_general, Fp8DotGeneral):
+            recipe = _common.Fp8Recipe(self.dot_general.scaling())
+        elif self.dot_general is fp8.dot_general:
+            recipe = _common.Fp8Recipe()
+        if recipe is not None and reason is None:
+            dot = self.dot_general         # Flax's FP8 recipe, fused (without a mesh: as is)
+        elif self.dot_general_cls is not None:
+            recipe = None
             dot = _common.choose_dot_general(layer, self.dot_general_cls(),
                                              "dot_general_cls was given")
         else:
+            recipe = None
             dot = _common.choose_dot_general(layer, self.dot_general, reason)
         return _common.Matmul(layer=layer, kind=self._kind, axis_name=self.axis_name,
                               sequence_parallel=(self.sequence_parallel
                                                  and sequence_parallel is not False),
                               impl=self.impl, precision=self.precision, mesh=self.mesh,
                               dot_general=dot,
-                              dot_general_kwargs=kwargs if dot is not None else {})
+                              dot_general_kwargs=kwargs if dot is not None else {},
+                              fp8=recipe)
 
 
 class _Linear(_ParallelLinear):
@@ -416,8 +486,10 @@ class ColumnParallelLinear(_Linear):
       kernel_init: initializer function for the weight matrix (one from
         ``nnx.with_partitioning`` keeps its sharding names).
       bias_init: initializer function for the bias.
-      dot_general: a custom ``dot_general`` (Flax's FP8 ops, quantisation); the
-        layer then runs the unfused computation with it, and says so once.
+      dot_general: a custom ``dot_general`` (quantisation); the layer then runs the
+        unfused computation with it, and says so once. Flax's FP8 recipe runs fused:
+        :class:`Fp8DotGeneral` (delayed scaling) or ``jaxoverlap.fp8.dot_general``
+        (current scaling).
       promote_dtype: function to promote the dtype of the arrays to the desired
         dtype; takes a tuple ``(inputs, kernel, bias)`` and a ``dtype`` keyword.
       preferred_element_type: the dot's accumulation and output dtype; one other
@@ -538,6 +610,8 @@ class ParallelMLP(nnx.Module):
       promote_dtype, dot_general, preferred_element_type, axis_name,
       sequence_parallel, impl, mesh, rngs: as in ``ColumnParallelLinear``, for
         both layers.
+      dot_general_cls: a class whose instance each layer makes and keeps as its
+        ``dot_general`` (``Fp8DotGeneral``: Flax's FP8 recipe, one state per layer).
     """
 
     def __init__(
@@ -561,19 +635,30 @@ class ParallelMLP(nnx.Module):
         impl: str = "auto",
         mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
+        dot_general_cls: Any = None,
     ):
         if not callable(activation):
             raise TypeError(f"ParallelMLP: activation={activation!r} must be callable.")
+        if isinstance(dot_general, nnx.Module):
+            raise ValueError(
+                f"ParallelMLP: dot_general={type(dot_general).__name__}(...) would be one module "
+                "(one FP8 state) shared by up and down; pass dot_general_cls="
+                f"{type(dot_general).__name__} and each layer makes its own.")
         out_features = in_features if out_features is None else out_features
         shared: dict[str, Any] = dict(
             use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
             kernel_init=kernel_init, bias_init=bias_init, promote_dtype=promote_dtype,
-            dot_general=dot_general, preferred_element_type=preferred_element_type,
+            preferred_element_type=preferred_element_type,
             axis_name=axis_name, sequence_parallel=sequence_parallel, impl=impl, mesh=mesh,
             rngs=rngs,
         )
-        self.up = ColumnParallelLinear(in_features, hidden_features, **shared)
-        self.down = RowParallelLinear(hidden_features, out_features, **shared)
+
+        def dot():
+            return dot_general if dot_general_cls is None else dot_general_cls()
+
+        self.up = ColumnParallelLinear(in_features, hidden_features, dot_general=dot(), **shared)
+        self.down = RowParallelLinear(hidden_features, out_features, dot_general=dot(),
+                                      **shared)
         self.activation = activation
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -668,6 +753,11 @@ class ParallelMultiHeadAttention(nnx.Module):
     ):
         layer = type(self).__name__
         _common.check_features(layer, "num_heads", num_heads)
+        if isinstance(qkv_dot_general, nnx.Module):
+            raise ValueError(
+                f"{layer}: qkv_dot_general={type(qkv_dot_general).__name__}(...) would be one "
+                "module (one FP8 state) shared by the query, key and value projections; pass "
+                f"qkv_dot_general_cls={type(qkv_dot_general).__name__} and each makes its own.")
         self.num_heads = num_heads
         self.in_features = in_features
         self.qkv_features = qkv_features if qkv_features is not None else in_features

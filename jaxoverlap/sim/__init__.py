@@ -37,6 +37,7 @@ from jaxoverlap.sim.plan import (
 from jaxoverlap.sim.presets import PRESETS, Preset, get_preset, load_preset
 from jaxoverlap.sim.report import (
     DECODE_CASES,
+    FP8_CASES,
     MODEL_LABEL,
     STANDARD_CASES,
     Case,
@@ -53,6 +54,7 @@ __all__ = [
     "OPS",
     "PRESETS",
     "DECODE_CASES",
+    "FP8_CASES",
     "STANDARD_CASES",
     "decode_table",
     "format_decode_table",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes
+from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes, output_dtype
 
 US = 1e-6
 
@@ -138,13 +138,16 @@ def _shape(halves: tuple[float, float, float], useful: float, splits: int, m: in
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: int, accumulate: bool,
-          kernel_tiles: tuple[tuple[int, int], ...] | None = None) -> tuple[float, float, int]:
+def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: tuple[int, int],
+          accumulate: bool, kernel_tiles: tuple[tuple[int, int], ...] | None = None
+          ) -> tuple[float, float, int]:
     peak, efficiency, best_shape, halves, tiles, sms, min_split_k, hbm = key
     ref = max(_shape(halves, u, s, *best_shape)
               for u, s in _configs(tiles, sms, min_split_k, 1, *best_shape))
     flops = 2.0 * batch * m * n * k
-    base_bytes = elem * (batch * m * k + k * n + batch * m * n * (2 if accumulate else 1))
+    elem_in, elem_out = elem     # bytes per element of a and w, of d (and c)
+    base_bytes = (elem_in * (batch * m * k + k * n)
+                  + elem_out * batch * m * n * (2 if accumulate else 1))
     best = (math.inf, 0.0, 1)
     # one kernel of its own tiles, no split-K; else the library's choice
     configs = (_configs(kernel_tiles, sms, 1 << 62, batch, m, n, k) if kernel_tiles
@@ -174,11 +177,11 @@ def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
     best-shape figure.
     """
     dtype = canonical_dtype(dtype)
-    key = (p.peak_tflops[dtype] * 1e12, p.gemm_efficiency, p.gemm_best_shape,
+    key = (p.peak(dtype) * 1e12, p.gemm_efficiency, p.gemm_best_shape,
            (p.gemm_m_half, p.gemm_n_half, p.gemm_k_half), p.gemm_tiles, p.sms,
            p.gemm_min_split_k, p.hbm_gbps * 1e9)
-    t, eff, splits = _plan(key, batch, m, n, k, dtype_bytes(dtype), bool(accumulate),
-                           kernel_tiles)
+    elem = (dtype_bytes(dtype), dtype_bytes(output_dtype(dtype)))
+    t, eff, splits = _plan(key, batch, m, n, k, elem, bool(accumulate), kernel_tiles)
     return t + p.gemm_overhead_us * US, eff, splits
 
 
@@ -268,10 +271,12 @@ def one_shot_all_reduce_time(p: Preset, nbytes: int) -> float:
 def collective_bytes(op: str, nranks: int, batch: int, rows: int, k: int, n: int,
                      dtype: str) -> int:
     """S of nccl-tests: the whole gathered (AG), pre-reduction (RS) or reduced (AR) array in
-    bytes (the canonical shape: AR's rows are all of them)."""
-    cols = k if op_spec(op).comm_cols == "k" else n
+    bytes (the canonical shape: AR's rows are all of them). AG moves x (fp8: one byte per
+    element), the reductions the GEMM's output (fp8 operands: bfloat16)."""
+    moves_x = op_spec(op).comm_cols == "k"
+    cols = k if moves_x else n
     whole = rows if op == "matmul_ar" else nranks * rows
-    return batch * whole * cols * dtype_bytes(dtype)
+    return batch * whole * cols * dtype_bytes(dtype if moves_x else output_dtype(dtype))
 
 
 def collective_time(p: Preset, transport: str, nranks: int, total_bytes: int,

@@ -17,7 +17,12 @@ from jaxoverlap.sim import model
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
 from jaxoverlap.sim.model import Shape
-from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
+from jaxoverlap.sim.presets import (
+    Preset,
+    canonical_dtype,
+    load_preset,
+    output_dtype,
+)
 
 OPS = tuple(model.OPS)
 IMPLS = ("xla", "ring", "native")
@@ -143,6 +148,7 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
     programs, whose compute stream runs one persistent GEMM (``sim.fused``)."""
     from jaxoverlap._native.runtime import load_host
 
+    dtype = canonical_dtype(dtype)
     rows = shape.rows
     if op == "matmul_ar" and algorithm == "two_shot":
         if rows % nranks:
@@ -150,8 +156,11 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
                              "blocks: they do not divide")
         rows //= nranks  # the program's problem: rows per block
     host = load_host()
+    # fp8: x and w of the GEMMs' dtype, y bfloat16 (output_dtype): what the executors run,
+    # the fp8 shards and their scales moved by AG+GEMM, the bfloat16 partials reduced
     return tuple(host.build_program(op, transport, nranks, r, shape.batch, rows, shape.k,
-                                    shape.n, dtype=dtype, chunks=chunks,
+                                    shape.n, dtype=dtype, w_dtype=dtype,
+                                    out_dtype=output_dtype(dtype), chunks=chunks,
                                     bidirectional=bidirectional,
                                     return_gathered=return_gathered, algorithm=algorithm,
                                     fused=fused)

@@ -19,8 +19,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# The short names include the executors' (a program's "dtype": f32, bf16, f16, f8e4m3fn, f8e5m2).
+_DTYPE_ALIASES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8": "float8_e4m3fn",
+                  "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "f8e4m3fn": "float8_e4m3fn",
+                  "f8e5m2": "float8_e5m2"}
 
 
 def canonical_dtype(dtype: str) -> str:
@@ -32,7 +36,15 @@ def canonical_dtype(dtype: str) -> str:
 
 
 def dtype_bytes(dtype: str) -> int:
-    return 4 if canonical_dtype(dtype) == "float32" else 2
+    name = canonical_dtype(dtype)
+    return 4 if name == "float32" else 1 if name in FP8_DTYPES else 2
+
+
+def output_dtype(dtype: str) -> str:
+    """What a GEMM of ``dtype`` operands writes: bfloat16 for fp8 (the ops' default
+    ``preferred_element_type``, what FP8 training recipes use), else the operands' dtype."""
+    name = canonical_dtype(dtype)
+    return "bfloat16" if name in FP8_DTYPES else name
 
 
 # ---- what the fits of sim.published give (tests/sim/test_published.py re-fits them) ---------
@@ -76,7 +88,9 @@ class Preset:
     name: str
     gpu: str
     sms: int  # streaming multiprocessors
-    peak_tflops: dict[str, float]  # dense tensor-core peak per dtype (float32 = TF32)
+    # Dense tensor-core peak per dtype (float32 = TF32; "float8": both FP8 formats, absent on
+    # GPUs without FP8 tensor cores, whose FP8 GEMMs XLA computes dequantized: the BF16 rate).
+    peak_tflops: dict[str, float]
     gemm_efficiency: float  # achieved / peak, measured at gemm_best_shape
     hbm_gbps: float  # memory bandwidth (memory-bound GEMMs, Add, interference)
     link_gbps: float  # NVLink / PCIe line rate per direction per GPU
@@ -137,6 +151,13 @@ class Preset:
         object.__setattr__(self, "calibrated", {k: (float(v[0]), float(v[1]))
                                                 for k, v in self.calibrated.items()})
         object.__setattr__(self, "min_gain", {k: float(v) for k, v in self.min_gain.items()})
+
+    def peak(self, dtype: str) -> float:
+        """The dense peak (TFLOP/s) of a GEMM of ``dtype`` operands."""
+        name = canonical_dtype(dtype)
+        if name in FP8_DTYPES:
+            return self.peak_tflops.get("float8", self.peak_tflops["bfloat16"])
+        return self.peak_tflops[name]
 
     def margin(self, op: str) -> float:
         """The fallback margin for ``op``; an op without one gets the largest the preset has
@@ -269,7 +290,7 @@ def _per_link(line: float) -> dict[str, float]:
 _HOPPER = dict(
     sms=132,
     compute_capability=(9, 0),
-    peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 494.7},
+    peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 494.7, "float8": 1979.0},
     gemm_best_shape=(2048, 2048, 13312),
     hbm_gbps=3350.0,
     mc_ramp_us=H100_FIT["nccl_ramp_us"],
@@ -279,7 +300,8 @@ _HOPPER_SOURCES = {
     "compute_capability": _CC.format("H100, H800, H200: 9.0"),
     "fused_gemm_rate": _FUSED_RATE,
     "fused_gemm_tile": _FUSED_TILE,
-    "peak_tflops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.7 TF32",
+    "peak_tflops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16/FP16, 494.7 TF32; FP8 "
+                   "3,958 with sparsity, 1,979 dense",
     "sms": "H100 SXM5: 132 SMs (datasheet)",
     "hbm_gbps": "NVIDIA H100 SXM datasheet, 3.35 TB/s",
     "gemm_best_shape": f"{_MAMF}: H100 SXM 794.5 TFLOP/s = 80.3% at 2048x2048x13312 ('H200 "
@@ -361,7 +383,7 @@ PRESETS: dict[str, Preset] = {
             gpu="A100 SXM 80GB, HGX 8-GPU, NVLink3 via NVSwitch",
             sms=108,
             compute_capability=(8, 0),
-            peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
+            peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},  # no FP8
             gemm_efficiency=0.869,
             gemm_best_shape=(1024, 10240, 5120),
             gemm_k_half=H100_FIT["gemm_k_half"],
@@ -375,7 +397,9 @@ PRESETS: dict[str, Preset] = {
             min_gain=MARGINS["h100"],
             description="No multicast: multimem needs sm_90.",
             sources={
-                "peak_tflops": "NVIDIA A100 datasheet: 312 TFLOP/s BF16 dense, TF32 156",
+                "peak_tflops": "NVIDIA A100 datasheet: 312 TFLOP/s BF16 dense, TF32 156; no FP8 "
+                               "tensor cores (sm_80): FP8 GEMMs run dequantized, at the BF16 "
+                               "rate",
                 "gemm_efficiency": f"{_MAMF}: A100 SXM 271.2 TFLOP/s = 86.9% at "
                                    "1024x10240x5120",
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
@@ -401,7 +425,7 @@ PRESETS: dict[str, Preset] = {
             gpu="A800 SXM 80GB, HGX 8-GPU, NVLink3 (8 links) via NVSwitch",
             sms=108,
             compute_capability=(8, 0),
-            peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
+            peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},  # no FP8
             gemm_efficiency=0.869,
             gemm_best_shape=(1024, 10240, 5120),
             gemm_k_half=H100_FIT["gemm_k_half"],
@@ -416,7 +440,7 @@ PRESETS: dict[str, Preset] = {
             calibrated=_CALIBRATED["a800"],
             description="A100 compute with the export NVLink: 400 GB/s bidirectional.",
             sources={
-                "peak_tflops": "the A100 die (NVIDIA A800 datasheet)",
+                "peak_tflops": "the A100 die (NVIDIA A800 datasheet); no FP8 tensor cores",
                 "compute_capability": "the A100 die: 8.0 (no fused GEMM: sm_90a only)",
                 "gemm_efficiency": f"{_MAMF}: A100 SXM 271.2 TFLOP/s (the same die)",
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
@@ -440,7 +464,8 @@ PRESETS: dict[str, Preset] = {
             gpu="B200, HGX 8-GPU, NVLink5 via NVSwitch",
             sms=148,
             compute_capability=(10, 0),
-            peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0},
+            peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0,
+                         "float8": 4500.0},
             gemm_efficiency=0.776,
             gemm_best_shape=(1792, 16128, 3072),
             gemm_k_half=H100_FIT["gemm_k_half"],
@@ -455,7 +480,8 @@ PRESETS: dict[str, Preset] = {
             min_gain=MARGINS["h100"],
             description="Blackwell: twice H100's NVLink, ~2.3x its dense BF16.",
             sources={
-                "peak_tflops": "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU",
+                "peak_tflops": "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU; "
+                               "FP8 72 PFLOP/s per 8 GPUs with sparsity -> 4.5 dense per GPU",
                 "gemm_efficiency": f"{_MAMF}: B200 SXM 1745 TFLOP/s = 77.6% at "
                                    "1792x16128x3072",
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
@@ -481,7 +507,7 @@ PRESETS: dict[str, Preset] = {
             gpu="8x L20 48GB, PCIe Gen4 x16, no NVLink",
             sms=92,
             compute_capability=(8, 9),
-            peak_tflops={"bfloat16": 119.5, "float16": 119.5, "float32": 59.8},
+            peak_tflops={"bfloat16": 119.5, "float16": 119.5, "float32": 59.8, "float8": 239.0},
             gemm_efficiency=0.9313,
             gemm_best_shape=(4096, 12288, 6144),
             gemm_k_half=H100_FIT["gemm_k_half"],
@@ -499,7 +525,9 @@ PRESETS: dict[str, Preset] = {
             calibrated=_CALIBRATED["pcie8"],
             description="A PCIe-only box: the 8xL20 of bytedance/flux docs/performance.md.",
             sources={
-                "peak_tflops": "NVIDIA L20 datasheet: 119.5 TFLOP/s FP16/BF16 dense",
+                "peak_tflops": "NVIDIA L20 datasheet: 119.5 TFLOP/s FP16/BF16 dense; FP8: "
+                               "assumption, twice that (Ada's FP8 tensor-core rate is twice "
+                               "its FP16 rate, NVIDIA Ada Lovelace architecture whitepaper)",
                 "compute_capability": _CC.format("L20 8.9 (no fused GEMM: sm_90a only)"),
                 "gemm_efficiency": _FITTED.format("fit_pcie8", "the torch GEMM times of "
                                                   "bytedance/flux docs/performance.md (8xL20)"),

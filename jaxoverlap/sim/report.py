@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.plan import SimResult, choose, programs
-from jaxoverlap.sim.presets import PRESETS, Preset, load_preset
+from jaxoverlap.sim.presets import FP8_DTYPES, PRESETS, Preset, canonical_dtype, load_preset
 
 MODEL_LABEL = "MODEL PROJECTION (jaxoverlap.sim), not a measurement"
 
@@ -31,6 +32,8 @@ class Case:
         first, with their machines ("—" when none)."""
         from jaxoverlap.sim import published
 
+        if canonical_dtype(self.dtype) in FP8_DTYPES:
+            return "— (no published FP8 row)"
         rows = sorted((r for r in published.CALLS
                        if (r.op, r.m, r.k, r.n, r.nranks) == (self.op, self.m, self.k, self.n,
                                                               self.nranks)),
@@ -60,6 +63,14 @@ STANDARD_CASES: tuple[Case, ...] = (
          ref="F8/32768 (Flux, 8xH100): 0.80x (fused slower)"),
     Case("AG decode", "ag_matmul", 64, 8192, 3584, ref="tiny GEMM: unfused expected"),
 )
+
+
+# The standard cases with fp8 operands (e4m3, the output bfloat16): the GEMM at the FP8 peak;
+# AG+GEMM gathers one byte per element, GEMM+RS reduces the bfloat16 partials as before.
+FP8_CASES: tuple[Case, ...] = tuple(
+    dataclasses.replace(c, label=f"{c.label} fp8", dtype="float8_e4m3fn",
+                        ref=f"{c.label} with fp8 operands")
+    for c in STANDARD_CASES if c.label in ("AG std", "RS std", "AG flux", "RS flux"))
 
 
 # A tensor-parallel decode step's row-parallel GEMM + all-reduce (Megatron's g): M = the batch

@@ -201,7 +201,7 @@ def test_check_fails_on_a_transposed_kernel():
 def test_check_fails_without_the_forward_reduction(monkeypatch, mesh_name):
     # Megatron g (GEMM + all-reduce; its unfused impl, which every device runs on its shards)
     # keeping one rank's partial product instead of the sum (types still valid).
-    def broken_g(x, kernel, plan):
+    def broken_g(x, kernel, plan, scales=()):
         y = x @ kernel
         return lax.psum(jnp.where(lax.axis_index(plan.axis_name) == 0, y, jnp.zeros_like(y)),
                         plan.axis_name)

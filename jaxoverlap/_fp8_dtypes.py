@@ -1,0 +1,57 @@
+"""FP8 operands of the ops: which dtypes they are, the output dtype they default to, their scales.
+
+An fp8 operand stands for ``a.astype(float32) * a_scale``: the ops take its float32
+dequantization scale next to it (``x_scale=`` / ``w_scale=``), multiply the fp8 values
+themselves, accumulate in float32 and apply the scales to the product before its one rounding
+to the output dtype. The scales travel as a pair ``(x_scale, w_scale)`` of float32 scalars
+(shape ``()``), 1.0 for an operand that is not fp8; calls without fp8 operands carry none
+(``()``), and run exactly as before FP8 existed.
+
+The ops with fp8 operands are a forward building block: a gradient with respect to fp8 values
+means nothing (quantization has no derivative). Training goes through ``jaxoverlap.fp8``,
+whose own rule quantizes the gradients (e5m2) and passes them straight through to the
+high-precision inputs and weights, as Flax's FP8 recipe does.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# What y may be with fp8 operands (lax.dot_general's preferred_element_type); bfloat16 by
+# default, as an FP8 GEMM writes in training recipes (TransformerEngine, Flax).
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+DEFAULT_OUT = jnp.dtype(jnp.bfloat16)
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def any_fp8(*arrays) -> bool:
+    return any(is_fp8(a.dtype) for a in arrays)
+
+
+def gemm_dtype(x, w):
+    """The dtype a call's GEMMs run in, as the performance model prices them (its rate and its
+    programs): the fp8 operand's if any, else x's. Whether an executor runs the call depends
+    on both operands' dtypes (``capabilities.unavailable_reason``)."""
+    for a in (x, w):
+        if is_fp8(a.dtype):
+            return jnp.dtype(a.dtype)
+    return jnp.dtype(x.dtype)
+
+
+def out_dtype(x, out: str | None):
+    """y's dtype: ``out`` (the plan's ``out_dtype``), else x's."""
+    return jnp.dtype(out) if out is not None else jnp.dtype(x.dtype)
+
+
+def no_gradient(op: str) -> TypeError:
+    """What differentiating an op with fp8 operands raises."""
+    return TypeError(
+        f"{op}: jax.grad through an op with float8 operands is not defined (the fp8 values "
+        f"are quantized; quantization has no derivative). Differentiate "
+        f"jaxoverlap.fp8.{op} instead: it quantizes high-precision x and w with their "
+        "scales, runs this op in fp8 and passes the e5m2-quantized gradients straight "
+        "through to x and w (Flax's FP8 recipe).")

@@ -1,0 +1,72 @@
+"""The performance model with fp8 operands: the GEMM at the FP8 peak, half the bytes of x, the
+executors' own FP8 programs (each shard's scale moved with it)."""
+
+import pytest
+
+from jaxoverlap import sim
+from jaxoverlap.sim import model
+from jaxoverlap.sim import plan as sim_plan
+
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
+H100 = sim.get_preset("h100")
+AG = sim.Shape.from_global(8192, 8192, 3584, 8)
+RS = sim.Shape.from_global(8192, 3584, 8192, 8)
+
+
+def test_an_fp8_gemm_runs_at_the_fp8_peak_where_there_is_one():
+    big = (1, 8192, 8192, 8192)                      # compute-bound
+    bf16, f8 = (model.gemm_time(H100, d, *big) for d in ("bfloat16", "float8_e4m3fn"))
+    overhead = H100.gemm_overhead_us * 1e-6
+    assert (bf16 - overhead) / (f8 - overhead) == pytest.approx(
+        H100.peak_tflops["float8"] / H100.peak_tflops["bfloat16"], rel=1e-6)
+    assert sim.get_preset("h100").peak("e5m2") == 1979.0
+    a100 = sim.get_preset("a100")                    # no FP8 tensor cores: the BF16 rate
+    assert "float8" not in a100.peak_tflops and a100.peak("fp8") == a100.peak_tflops["bfloat16"]
+    assert model.gemm_time(a100, "float8_e4m3fn", *big) == pytest.approx(
+        model.gemm_time(a100, "bfloat16", *big), rel=1e-3)
+
+
+def test_ag_moves_one_byte_per_element_the_reductions_their_bfloat16_output():
+    def moved(op, shape, dtype):
+        return model.collective_bytes(op, 8, shape.batch, shape.rows, shape.k, shape.n, dtype)
+
+    assert moved("ag_matmul", AG, "float8_e4m3fn") * 2 == moved("ag_matmul", AG, "bfloat16")
+    for op, shape in (("matmul_rs", RS), ("matmul_ar", RS)):
+        assert moved(op, shape, "float8_e5m2") == moved(op, shape, "bfloat16")
+
+    def transfers(op, shape, dtype, transport="p2p"):
+        """(bytes of data, count and bytes of scales) the ranks' real programs move."""
+        ranks = sim_plan.programs(op, transport, 8, shape, dtype, 2, True, False)
+        moved = [o for pr in ranks for o in pr["ops"]
+                 if o["kind"] in ("Copy", "Send", "McStore", "McReduce")]
+        scales = [o["bytes"] for o in moved
+                  if any("SCALE" in (o[k] or {}).get("buf", "") for k in "ad")]
+        return sum(o["bytes"] for o in moved) - sum(scales), (len(scales), sum(scales))
+
+    # AG+GEMM's real program moves the fp8 shards (half bf16's bytes) and each shard's float32
+    # scale to each other rank: 8 x 7 transfers (multicast: one store per rank reaches all)
+    for transport, count in (("p2p", 8 * 7), ("nccl", 8 * 7), ("multicast", 8)):
+        data, scales = transfers("ag_matmul", AG, "fp8", transport)
+        assert data * 2 == transfers("ag_matmul", AG, "bf16", transport)[0]
+        assert scales == (count, 4 * count), (transport, scales)
+    assert transfers("matmul_rs", RS, "fp8") == transfers("matmul_rs", RS, "bf16")
+    ranks = sim_plan.programs("ag_matmul", "p2p", 8, AG, "fp8", 1, False, False)
+    assert {pr["dtype"] for pr in ranks} == {"f8e4m3fn"}
+    assert {o["kind"] for pr in ranks for o in pr["ops"] if o.get("a_scale")} == {"Gemm"}
+
+@pytest.mark.slow
+def test_fp8_projections_are_marked_and_never_fused():
+    choice = sim.choose("ag_matmul", AG, "float8_e4m3fn", 8, H100)
+    assert not any(r.candidate.fused for r in choice.table)
+    assert any("no FP8 measurement" in why for why in choice.outside)
+    bf16 = sim.choose("ag_matmul", AG, "bfloat16", 8, H100)
+    assert choice.table[0].t_gemm < 0.55 * bf16.table[0].t_gemm      # xla's GEMM: ~half
+    with pytest.raises(ValueError, match="the fused GEMM is compiled for"):
+        sim.simulate("ag_matmul", AG, "fp8", 8, H100, sim.Candidate("native", "p2p", 1, True,
+                                                                    fused=True))
+    rows = sim.projection_table(["h100"], sim.FP8_CASES)
+    assert {r["case"] for r in rows} == {"AG std fp8", "RS std fp8", "AG flux fp8",
+                                         "RS flux fp8"}
+    assert all(r["published"].startswith("—") for r in rows)
