@@ -39,24 +39,70 @@ Status Address(const std::string& name, sockaddr_un* addr, socklen_t* len) {
   return OkStatus();
 }
 
-// Sends one byte, and `fd` with it unless it is -1.
-bool SendByte(int conn, char byte, int fd) {
+// Sends one byte, and the `count` fds at `fds` with it (none when count is 0).
+bool SendWithFds(int conn, char byte, const int* fds, size_t count) {
   iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
   std::memset(control, 0, sizeof(control));
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  if (fd >= 0) {
+  if (count > 0) {
     msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
     cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
     cmsg->cmsg_level = SOL_SOCKET;
     cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * count);
+    std::memcpy(CMSG_DATA(cmsg), fds, sizeof(int) * count);
   }
   return sendmsg(conn, &msg, MSG_NOSIGNAL) == 1;
+}
+
+// Sends one byte, and `fd` with it unless it is -1.
+bool SendByte(int conn, char byte, int fd) { return SendWithFds(conn, byte, &fd, fd >= 0 ? 1 : 0); }
+
+// Receives one byte and the fds sent with it (at most kMaxFds); `truncated`: some were dropped.
+Status ReceiveWithFds(int conn, const std::string& name, char* byte, std::vector<UniqueFd>* got,
+                      bool* truncated) {
+  iovec iov{byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  if (recvmsg(conn, &msg, MSG_CMSG_CLOEXEC) != 1)
+    return Status(Code::kResource, Errno("recvmsg(@" + name + ")"));
+  got->clear();
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      got->emplace_back(fd);
+    }
+  }
+  *truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+  return OkStatus();
+}
+
+// Whoever listens on @name must be `owner` (`owner_pid`, of this user): anyone may bind an
+// abstract name first.
+Status CheckServedBy(int conn, const std::string& what, const std::string& name, int owner_pid,
+                     const std::string& owner) {
+  ucred cred;
+  socklen_t cred_len = sizeof(cred);
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
+    return Status(Code::kResource, Errno("getsockopt(SO_PEERCRED, @" + name + ")"));
+  if (static_cast<int>(cred.pid) != owner_pid || cred.uid != getuid())
+    return Status(Code::kInvalidArgument,
+                  what + ": refusing @" + name + ": it is served by pid " +
+                      std::to_string(cred.pid) + " (uid " + std::to_string(cred.uid) +
+                      "), not by " + owner + ", pid " + std::to_string(owner_pid) + " (uid " +
+                      std::to_string(getuid()) + "); another process holds the socket name");
+  return OkStatus();
 }
 
 // Waits until `fd` is readable or `deadline`; false at the deadline.
@@ -162,21 +208,7 @@ void FdServer::Serve() {
     if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) continue;
     auto it = std::find(pending_.begin(), pending_.end(), static_cast<int>(cred.pid));
     if (cred.uid != getuid() || it == pending_.end()) continue;  // not a peer we expect: drop
-    char byte = 'j';
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
-    std::memset(control, 0, sizeof(control));
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds_.size());
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds_.size());
-    std::memcpy(CMSG_DATA(cmsg), fds_.data(), sizeof(int) * fds_.size());
-    if (sendmsg(conn.get(), &msg, MSG_NOSIGNAL) == 1) pending_.erase(it);
+    if (SendWithFds(conn.get(), 'j', fds_.data(), fds_.size())) pending_.erase(it);
   }
   result_ = OkStatus();
 }
@@ -211,47 +243,18 @@ Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
                     "ReceiveFds: nobody listens on @" + name + " (did the owner start sharing?)");
     usleep(10000);
   }
-  // Whoever listens must be the owner: anyone may bind an abstract name first.
-  ucred cred;
-  socklen_t cred_len = sizeof(cred);
-  if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
-    return Status(Code::kResource, Errno("getsockopt(SO_PEERCRED, @" + name + ")"));
-  if (static_cast<int>(cred.pid) != owner_pid || cred.uid != getuid())
-    return Status(Code::kInvalidArgument,
-                  "ReceiveFds: refusing @" + name + ": it is served by pid " +
-                      std::to_string(cred.pid) + " (uid " + std::to_string(cred.uid) +
-                      "), not by the owner, pid " + std::to_string(owner_pid) + " (uid " +
-                      std::to_string(getuid()) + "); another process holds the socket name");
-  pollfd p{conn.get(), POLLIN, 0};
-  while (poll(&p, 1, Remaining(deadline)) <= 0) {
-    if (Clock::now() >= deadline)
-      return Status(Code::kTimeout, "ReceiveFds: @" + name +
-                                        " sent nothing before the deadline "
-                                        "(is this process among the owner's expected peers?)");
-  }
+  JO_CHECK(CheckServedBy(conn.get(), "ReceiveFds", name, owner_pid, "the owner"));
+  if (!Readable(conn.get(), deadline))
+    return Status(Code::kTimeout, "ReceiveFds: @" + name +
+                                      " sent nothing before the deadline "
+                                      "(is this process among the owner's expected peers?)");
   char byte = 0;
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  if (recvmsg(conn.get(), &msg, MSG_CMSG_CLOEXEC) != 1)
-    return Status(Code::kResource, Errno("recvmsg(@" + name + ")"));
   std::vector<UniqueFd> got;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < n; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      got.emplace_back(fd);
-    }
-  }
-  JO_REQUIRE(got.size() == count && !(msg.msg_flags & MSG_CTRUNC),
-             "ReceiveFds: @" + name + " sent " + std::to_string(got.size()) + " fds, expected " +
-                 std::to_string(count));
+  bool truncated = false;
+  JO_CHECK(ReceiveWithFds(conn.get(), name, &byte, &got, &truncated));
+  JO_REQUIRE(got.size() == count && !truncated, "ReceiveFds: @" + name + " sent " +
+                                                    std::to_string(got.size()) + " fds, expected " +
+                                                    std::to_string(count));
   *out = std::move(got);
   return OkStatus();
 }
@@ -380,42 +383,17 @@ Status FetchFd(const std::string& name, int owner_pid, uint64_t token, Clock::ti
     return Status(Code::kAborted, Errno("connect(@" + name + ") to the segment server of pid " +
                                         std::to_string(owner_pid)) +
                                       " (has that process exited?)");
-  ucred cred;
-  socklen_t cred_len = sizeof(cred);
-  if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
-    return Status(Code::kResource, Errno("getsockopt(SO_PEERCRED, @" + name + ")"));
-  if (static_cast<int>(cred.pid) != owner_pid || cred.uid != getuid())
-    return Status(Code::kInvalidArgument,
-                  "FetchFd: refusing @" + name + ": it is served by pid " +
-                      std::to_string(cred.pid) + " (uid " + std::to_string(cred.uid) +
-                      "), not by the segment's creator, pid " + std::to_string(owner_pid) +
-                      " (uid " + std::to_string(getuid()) + ")");
+  JO_CHECK(CheckServedBy(conn.get(), "FetchFd", name, owner_pid, "the segment's creator"));
   if (send(conn.get(), &token, sizeof(token), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(token)))
     return Status(Code::kResource, Errno("send(@" + name + ")"));
   if (!Readable(conn.get(), deadline))
     return Status(Code::kTimeout, "FetchFd: the segment server of pid " +
                                       std::to_string(owner_pid) + " did not answer in time");
   char byte = 0;
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  if (recvmsg(conn.get(), &msg, MSG_CMSG_CLOEXEC) != 1)
-    return Status(Code::kResource, Errno("recvmsg(@" + name + ")"));
   std::vector<UniqueFd> got;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < n; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      got.emplace_back(fd);
-    }
-  }
-  if (byte != 'y' || got.size() != 1)
+  bool truncated = false;
+  JO_CHECK(ReceiveWithFds(conn.get(), name, &byte, &got, &truncated));
+  if (byte != 'y' || got.size() != 1 || truncated)
     return Status(Code::kInvalidArgument,
                   "FetchFd: the segment server of pid " + std::to_string(owner_pid) +
                       " has no segment for this process under token " + std::to_string(token));
