@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <map>
+#include <cinttypes>
+#include <cstdio>
+#include <list>
 #include <mutex>
 #include <set>
+#include <unordered_map>
 
 #include "core/build.h"
 #include "core/log.h"
@@ -69,18 +72,46 @@ Status Place(const RankTable& t, const Caller& caller, const char* op, Placement
   return OkStatus();
 }
 
-Status NeedsOf(const Problem& q, CallNeeds* out) {
-  static auto* mu = new std::mutex;  // never destroyed: workers may run at exit
-  static auto* cache = new std::map<std::string, CallNeeds>;
-  const std::string signature = CallSignature(q);
-  {
-    std::lock_guard<std::mutex> lock(*mu);
-    auto it = cache->find(signature);
-    if (it != cache->end()) {
-      *out = it->second;
-      return OkStatus();
+namespace {
+
+// The sizes of the most recent distinct calls: a long job that keeps meeting
+// new shapes keeps at most this many (each costs a program build per rank to
+// recompute).
+constexpr size_t kNeedsCacheEntries = 1024;
+
+class NeedsCache {
+ public:
+  bool Find(const std::string& signature, CallNeeds* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(signature);
+    if (it == entries_.end()) return false;
+    order_.splice(order_.begin(), order_, it->second.second);  // most recent first
+    *out = it->second.first;
+    return true;
+  }
+  void Add(const std::string& signature, const CallNeeds& needs) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (entries_.count(signature) != 0) return;
+    order_.push_front(signature);
+    entries_.emplace(signature, std::make_pair(needs, order_.begin()));
+    while (entries_.size() > kNeedsCacheEntries) {
+      entries_.erase(order_.back());
+      order_.pop_back();
     }
   }
+
+ private:
+  std::mutex mu_;
+  std::list<std::string> order_;
+  std::unordered_map<std::string, std::pair<CallNeeds, std::list<std::string>::iterator>> entries_;
+};
+
+}  // namespace
+
+Status NeedsOf(const Problem& q, CallNeeds* out) {
+  static auto* cache = new NeedsCache;  // never destroyed: workers may run at exit
+  const std::string signature = CallSignature(q);
+  if (cache->Find(signature, out)) return OkStatus();
   CallNeeds needs;
   int64_t scales_at = -1;  // where the workspace's scale slots begin, on every rank alike
   for (int32_t r = 0; r < q.nranks; ++r) {
@@ -106,8 +137,7 @@ Status NeedsOf(const Problem& q, CallNeeds* out) {
     needs.mail_bytes = std::max(needs.mail_bytes, mail);
     needs.mail_messages = std::max(needs.mail_messages, messages);
   }
-  std::lock_guard<std::mutex> lock(*mu);
-  cache->emplace(signature, needs);
+  cache->Add(signature, needs);
   *out = needs;
   return OkStatus();
 }
@@ -123,7 +153,7 @@ Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, con
                  " ranks, the rank table " + std::to_string(desc.table.axis_size));
   JO_CHECK(BuildProgram(q, &out->program));
   JO_CHECK(NeedsOf(q, &out->needs));
-  out->signature = CallSignature(q);
+  out->signature = CallSignature(q) + " at " + SiteName(site);
   out->clique = CliqueKey{desc.clique_key, out->place.group, site};
   LogPlanOnce(out->program, out->clique, "native");
   return OkStatus();
@@ -136,11 +166,95 @@ std::atomic<int64_t> g_process_index{0};
 void SetProcessIndex(int64_t index) { g_process_index = index; }
 int64_t ProcessIndex() { return g_process_index; }
 
-int64_t NewCallSiteId(int64_t clique_key) {
+struct CallSite::Token {
+  int64_t id = 0;
+  int64_t index = 0;
+  int64_t serial = 0;
+};
+
+namespace {
+
+std::atomic<int64_t> g_serial{0};
+
+// Per site_key, the serial of its latest lowering (process-wide: XLA
+// instantiates on a compile thread of its own, not where JAX lowered).
+constexpr size_t kLoweredKeys = size_t{1} << 16;
+uint64_t g_lowering = 0;  // under LoweredMu()
+std::mutex& LoweredMu() {
   static auto* mu = new std::mutex;
-  static auto* count = new std::map<int64_t, int64_t>;
-  std::lock_guard<std::mutex> lock(*mu);
-  return ++(*count)[clique_key];
+  return *mu;
+}
+std::unordered_map<int64_t, uint64_t>& Lowered() {
+  static auto* lowered = new std::unordered_map<int64_t, uint64_t>;
+  return *lowered;
+}
+uint64_t LastLowering(int64_t site_key) {
+  std::lock_guard<std::mutex> lock(LoweredMu());
+  auto it = Lowered().find(site_key);
+  return it == Lowered().end() ? 0 : it->second;
+}
+
+// Per instantiating thread (XLA makes one executable's sites on one thread,
+// one after another), per site_key: the last instance made here, its
+// sibling index, and the lowering it followed.
+struct Burst {
+  std::weak_ptr<const CallSite::Token> last;
+  int64_t index = 0;
+  uint64_t lowering = 0;
+};
+thread_local std::unordered_map<int64_t, Burst>* t_bursts = nullptr;
+
+uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+CallSite CallSite::Instantiate(int64_t site_key) {
+  if (t_bursts == nullptr) t_bursts = new std::unordered_map<int64_t, Burst>();  // per thread
+  Burst& burst = (*t_bursts)[site_key];
+  const uint64_t lowering = LastLowering(site_key);
+  const bool sibling = !burst.last.expired() && burst.lowering == lowering;
+  auto token = std::make_shared<Token>();
+  token->index = sibling ? burst.index + 1 : 1;
+  token->id = token->index == 1
+                  ? site_key
+                  : static_cast<int64_t>(Mix(static_cast<uint64_t>(site_key) ^
+                                             Mix(static_cast<uint64_t>(token->index))));
+  if (token->id == 0) token->id = 1;  // 0 names no site
+  token->serial = ++g_serial;
+  burst.last = token;
+  burst.index = token->index;
+  burst.lowering = lowering;
+  if (t_bursts->size() > 4096)  // forget the keys whose instances are all gone
+    for (auto it = t_bursts->begin(); it != t_bursts->end();)
+      it = it->second.last.expired() ? t_bursts->erase(it) : std::next(it);
+  CallSite site;
+  site.token_ = std::move(token);
+  return site;
+}
+
+int64_t CallSite::id() const { return token_ ? token_->id : 0; }
+int64_t CallSite::index() const { return token_ ? token_->index : 0; }
+int64_t CallSite::serial() const { return token_ ? token_->serial : 0; }
+
+void NoteLowering(int64_t site_key) {
+  std::lock_guard<std::mutex> lock(LoweredMu());
+  auto& lowered = Lowered();
+  lowered[site_key] = ++g_lowering;
+  if (lowered.size() <= kLoweredKeys) return;
+  // Forget the older half (a key lowered that long ago has been instantiated since).
+  const uint64_t cut = g_lowering - kLoweredKeys / 2;
+  for (auto it = lowered.begin(); it != lowered.end();)
+    it = it->second < cut ? lowered.erase(it) : std::next(it);
+}
+
+std::string SiteName(int64_t site) {
+  char text[40];
+  std::snprintf(text, sizeof(text), "site 0x%016" PRIx64, static_cast<uint64_t>(site));
+  return text;
 }
 
 std::string CallSignature(const Problem& q) {

@@ -4,11 +4,11 @@
 //
 // The lifecycle is the same on both platforms (docs/native.md): the FFI
 // instantiate stage makes a call site (one custom call of one executable)
-// with a CallDesc; the first execution on a device places the call there
-// (PlaceCall: the rank, the program, the sizes, the agreement signature) and
-// keeps it (PerDevice), and later executions only fetch it; each execution
-// then runs the program on the site's clique (host executor) or enqueues it
-// (CUDA executor).
+// with a CallDesc and its CallSite identity; the first execution on a device
+// places the call there (PlaceCall: the rank, the program, the sizes, the
+// agreement signature) and keeps it (PerDevice), and later executions only
+// fetch it; each execution then runs the program on the site's clique (host
+// executor) or enqueues it (CUDA executor).
 #pragma once
 
 #include <cstdint>
@@ -79,6 +79,7 @@ struct CallDesc {
   Collective op = Collective::kAgMatmul;
   Transport transport = Transport::kNccl;
   int64_t clique_key = 0;
+  int64_t site_key = 0;  // what the call is (CallSite), never 0
   int64_t axis = 0;
   int64_t chunks = 1;
   bool bidirectional = false;
@@ -101,18 +102,69 @@ struct CallNeeds {
 };
 Status NeedsOf(const Problem& problem, CallNeeds* out);
 
+// Who a call site is, in every process.
+//
+// Every process must find the same site for the same custom call, whatever
+// else it compiled before (the chief's extra AOT compile, a background
+// thread, another order of jit calls): a site is named by what it is, never
+// by when it was made. The lowering rule computes the call's `site_key` (a
+// hash of the lowered module's name, the call's name stack, its input types,
+// its attributes and its ordinal among the native calls of that lowering:
+// jaxoverlap/_native/site_key.py), identical in every process.
+//
+// JAX may lower one native call once and XLA then inline it at several places
+// (a nested jit called twice, a partition callback's module): those
+// instances of one executable carry the same site_key, and XLA instantiates
+// them one after another. They get sibling indices 1, 2, ... in that order,
+// which every process repeats (same program, same order): the site id is the
+// site_key for the first and a hash of (site_key, index) for the others. An
+// instance starts again at 1 when its site_key was lowered again since its
+// predecessor was made (a new program: jit, AOT and a persistent-cache hit
+// all lower first; XLA instantiates on a compile thread of its own, so the
+// note is per key, not per thread) or the predecessor is gone; so the same
+// program compiled twice while the first executable lives (AOT and jit,
+// jax.clear_caches) gets the same ids, and a process's extra compiles shift
+// nothing. Not covered: the same program made twice without lowering it in
+// between, both alive (two deserializations of one serialized executable):
+// the second gets the next indices, and its calls wait for peers that
+// never come (the timeout names the site each process is in).
+class CallSite {
+ public:
+  CallSite() = default;
+  // The instantiate stage, on XLA's compiling thread.
+  static CallSite Instantiate(int64_t site_key);
+
+  int64_t id() const;      // the same in every process (0 for a default CallSite)
+  int64_t index() const;   // among identical siblings of one executable, from 1
+  int64_t serial() const;  // unique in this process: this instance
+
+  struct Token;  // what the instance holds (call.cc)
+
+ private:
+  std::shared_ptr<const Token> token_;
+};
+
+// The native call `site_key` was lowered (the lowering rule calls it through
+// the extensions' note_lowering): its next instance belongs to a new program.
+void NoteLowering(int64_t site_key);
+
+// "site 0x0123456789abcdef": how errors name a site id.
+std::string SiteName(int64_t site);
+
 // One call site's call placed on one device: its rank and the program that
 // rank runs, with what every rank must agree on.
 struct PlacedCall {
   Placement place;
   Program program;  // of place.rank; program.problem is the whole problem
   CallNeeds needs;
-  std::string signature;  // what every rank must agree on (everything but the rank)
-  CliqueKey clique;       // (clique_key, group, site)
+  // What every rank must agree on: the call (everything but the rank) and the
+  // site, so that two sites with calls of the same shape never match.
+  std::string signature;
+  CliqueKey clique;  // (clique_key, group, site id)
 };
 
 // `problem` is the call's canonical problem without its rank (from the
-// operands); places the device and builds the program.
+// operands); places the device and builds the program. `site` is the site id.
 Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
                  PlacedCall* out);
 
@@ -148,12 +200,6 @@ class PerDevice {
 // when the handlers are registered.
 void SetProcessIndex(int64_t index);
 int64_t ProcessIndex();
-
-// Call-site ids: the ordinal of a call site among those with the same clique
-// key created in this process (1, 2, ...). Every process compiles the same
-// programs in the same order and XLA instantiates an executable's custom
-// calls in program order, so every process derives the same ids.
-int64_t NewCallSiteId(int64_t clique_key);
 
 // The call as every rank of a clique must see it (everything but the rank):
 // ranks that disagree on it at the same epoch are running different calls.

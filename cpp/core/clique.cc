@@ -11,8 +11,9 @@ std::string CliqueName(const CliqueKey& key) {
     std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/group %" PRId64,
                   static_cast<uint64_t>(key.key), key.group);
   else
-    std::snprintf(text, sizeof(text), "clique 0x%016" PRIx64 "/site %" PRId64 "/group %" PRId64,
-                  static_cast<uint64_t>(key.key), key.site, key.group);
+    std::snprintf(text, sizeof(text),
+                  "clique 0x%016" PRIx64 "/site 0x%016" PRIx64 "/group %" PRId64,
+                  static_cast<uint64_t>(key.key), static_cast<uint64_t>(key.site), key.group);
   return text;
 }
 

@@ -4,11 +4,11 @@
 // A clique is keyed by (clique_key, group, site). clique_key is computed in
 // Python from the mesh, the axis and the transport (identical in every
 // process); group is the linear index of the other mesh axes (dp=2, tp=4
-// along tp: groups 0 and 1); site names the call site (one custom call of
-// one executable, core/call.h), so two call sites never share epochs, flags
-// or workspace even when XLA runs them in a different order on different
-// devices. Per rank a clique counts calls: the k-th execution of a call site
-// has epoch k on every rank.
+// along tp: groups 0 and 1); site is the call site's id (what the custom
+// call is, the same in every process: core/call.h CallSite), so two call
+// sites never share epochs, flags or workspace even when XLA runs them in a
+// different order on different devices. Per rank a clique counts calls: the k-th execution of a
+// call site has epoch k on every rank.
 //
 // The base owns what every executor's clique shares: the epochs, the
 // agreement check (every rank makes the same call at the same epoch) and the
@@ -41,7 +41,7 @@ struct CliqueKey {
   }
 };
 
-// "clique 0x0123abcd.../site 2/group 1": how errors name a clique (a
+// "clique 0x0123abcd.../site 0x4567.../group 1": how errors name a clique (a
 // mesh-axis group, site 0, is "clique 0x0123abcd.../group 1").
 std::string CliqueName(const CliqueKey& key);
 
@@ -59,7 +59,9 @@ class Clique {
   // Epoch of the next call of `rank` (1, 2, ...), taken in the order this
   // rank's device executes the call site.
   int64_t NextEpoch(int32_t rank);
-  int64_t Epoch(int32_t rank) const;
+  // The calls of `rank` so far (a clique that continues an earlier one's
+  // epochs counts those too).
+  virtual int64_t Epoch(int32_t rank) const;
 
   // The agreement check: `rank` makes the call `signature` at `epoch`. A
   // rank whose call differs from another's at the same epoch fails (naming
@@ -118,13 +120,6 @@ class CliqueRegistry {
     std::vector<std::shared_ptr<C>> out;
     for (const auto& entry : cliques_) out.push_back(entry.second);
     return out;
-  }
-  // Forgets the cliques of one call site (every group) when its executable
-  // goes away; calls in flight keep their shared_ptr.
-  void EraseSite(int64_t key, int64_t site) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = cliques_.begin(); it != cliques_.end();)
-      it = it->first.key == key && it->first.site == site ? cliques_.erase(it) : std::next(it);
   }
   void Clear() {  // calls in flight keep their shared_ptr
     std::lock_guard<std::mutex> lock(mu_);

@@ -33,7 +33,8 @@ bool IsFp8(DType dtype);
 enum class Collective : int32_t { kAgMatmul = 0, kMatmulRs = 1, kMatmulAr = 2 };
 const char* CollectiveName(Collective op);
 
-// Matches the Python-side enum in jaxoverlap/_native.py (order must match).
+// Python reads the names in this order from the extension (_host.TRANSPORTS,
+// jaxoverlap/_native/capabilities.py transports()): the transport attribute.
 enum class Transport : int32_t { kNccl = 0, kP2p = 1, kMulticast = 2 };
 const char* TransportName(Transport transport);
 

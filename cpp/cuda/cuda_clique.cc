@@ -336,7 +336,12 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
 
 Status CudaClique::AcquireComms(int32_t rank, const ErrorContext& ctx, NcclComms::Lease* out) {
   // No lock of the clique: the communicators are made once, before any call reserves (connect).
-  return state_.nccl ? state_.nccl->Acquire(rank, ctx, out) : OkStatus();
+  if (!state_.nccl) return OkStatus();
+  const Status leased = state_.nccl->Acquire(rank, ctx, out);
+  // Communicators aborted because the clique broke (a peer connecting at set-up when another
+  // rank failed): the error names that failure, not only the abort.
+  if (leased.code() == Code::kAborted) JO_CHECK(CheckNotBroken(ctx.Describe()));
+  return leased;
 }
 
 std::string CudaClique::Describe() const {

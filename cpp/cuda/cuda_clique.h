@@ -86,9 +86,10 @@ class CudaClique : public Clique {
                  const ErrorContext& ctx, Reservation* out);
 
   // Transport nccl: leases `rank`'s communicators (nccl_comms.h), kAborted once they were
-  // aborted; other transports: nothing. Taken just before the call's first enqueue, after
-  // everything that may wait for the device: a lease held across such a wait would keep the
-  // watchdog from aborting the communicator whose stuck kernel the wait waits for.
+  // aborted (naming the clique's failure when it broke); other transports: nothing. Taken just
+  // before the call's first enqueue, after everything that may wait for the device: a lease held
+  // across such a wait would keep the watchdog from aborting the communicator whose stuck kernel
+  // the wait waits for.
   Status AcquireComms(int32_t rank, const ErrorContext& ctx, NcclComms::Lease* out);
 
   // Aborts the NCCL communicators (the watchdog releasing kernels stuck in

@@ -76,14 +76,13 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
 
 }  // namespace
 
-CudaSite::CudaSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(site) {}
+CudaSite::CudaSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_(std::move(site)) {}
 
 Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
-  JO_CHECK(PlaceCall(desc_, problem, site_, caller, &out->call));
+  JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
-  out->signature = out->call.signature + " at call site " + std::to_string(site_);
   const CliqueKey key{desc_.clique_key, out->call.place.group, 0};
   Status made = OkStatus();
   Status got = Registry(caller.process)
@@ -149,7 +148,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   run.timeout = Millis(desc_.timeout_ms);
   const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
   Reservation reserved;
-  Status status = clique.Agree(where, ctx.rank, run.epoch, bound->signature);
+  Status status = clique.Agree(where, ctx.rank, run.epoch, bound->call.signature);
   if (status.ok()) status = clique.Reserve(program, bound->call.needs, run.epoch, ctx, &reserved);
   // Everything is checked and made before anything is enqueued (PrepareProgram);
   // then only enqueueing is left, and once it began the call is always joined

@@ -35,7 +35,7 @@ namespace jo::cuda {
 
 class CudaSite {
  public:
-  CudaSite(CallDesc desc, int64_t site);
+  CudaSite(CallDesc desc, CallSite site);
 
   // Enqueues one call of `caller` (XLA:GPU names devices by local ordinal) on
   // `stream`, XLA's stream of that GPU. Returns once the work is enqueued.
@@ -52,13 +52,12 @@ class CudaSite {
     // The order the executor issues the program in (core/issue_order.h): one
     // that completes through a single hardware work queue per device.
     std::vector<IssueUnit> issue;
-    std::string signature;  // the call's and the site's
     std::shared_ptr<CudaClique> clique;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 
   const CallDesc desc_;
-  const int64_t site_;
+  const CallSite site_;
   PerDevice<BoundCall> bound_;
 };
 

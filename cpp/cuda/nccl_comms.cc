@@ -216,7 +216,11 @@ Status NcclComms::Connect(int32_t rank, const Peers& peers, cudaStream_t stream,
   }
   if (!any) return OkStatus();
   Lease lease;  // the communicators stay alive while we use them (held only while connecting)
-  JO_CHECK(Acquire(rank, ctx, &lease));
+  const Status leased = Acquire(rank, ctx, &lease);
+  if (!leased.ok()) {
+    JO_CHECK(check());  // aborted because the clique broke: its failure says why
+    return leased;
+  }
   const std::vector<ncclComm_t> comms = lease.ForStreams(kChannels + 1);
   DeviceGuard guard;
   JO_CUDA_CHECK(&ctx, cudaSetDevice(device));

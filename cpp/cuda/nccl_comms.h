@@ -122,8 +122,9 @@ class NcclComms {
   // later wait for the device (the call's own set-up) waits for a group whose peer never comes.
   // Every rank connects the same pairs at the same epoch (a send of one is a receive of the
   // other in the same call), so the one-element operations match. kAborted once Abort was
-  // called; kTimeout at the deadline. `*in_flight`: a group may have been left on the GPU
-  // (`done` recorded after it, best effort), to be released by aborting the communicators.
+  // called (`check`'s failure if it has one); kTimeout at the deadline. `*in_flight`: a group may
+  // have been left on the GPU (`done` recorded after it, best effort), to be released by aborting
+  // the communicators.
   Status Connect(int32_t rank, const Peers& peers, cudaStream_t stream, cudaEvent_t done,
                  float* send, float* recv, std::chrono::steady_clock::time_point deadline,
                  const std::function<Status()>& check, const ErrorContext& ctx, bool* in_flight);

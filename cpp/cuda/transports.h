@@ -2,8 +2,8 @@
 // transport_multicast.cc): what a clique needs before its first buffers, and
 // what memory each buffer generation holds. Whether a machine's GPUs can
 // serve a transport is decided in one place before anything runs
-// (jaxoverlap/_cuda_caps.py transport_reasons, used by the one resolver,
-// jaxoverlap/_native_call.py); these tables only set up what was chosen and
+// (jaxoverlap/_native/capabilities.py transport_reasons, used by the one
+// resolver there, resolve_transport); these tables only set up what was chosen and
 // refuse clearly if the machine disagrees.
 #pragma once
 

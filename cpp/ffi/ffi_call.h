@@ -13,7 +13,8 @@
 // element * scale, and an all-gather applies each shard's own. A handler never
 // reads a scale on the host (the CUDA executor hands device pointers to
 // cuBLASLt). The attributes:
-//   op i32 (0 ag_matmul, 1 matmul_rs, 2 matmul_ar), clique_key i64, axis i64
+//   op i32 (0 ag_matmul, 1 matmul_rs, 2 matmul_ar), clique_key i64, site_key
+//   i64 (what the call is: core/call.h CallSite; never 0), axis i64
 //   (matmul_ar: 0; it splits the rows of x, all dims but the last, into N
 //   blocks),
 //   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
@@ -24,7 +25,7 @@
 //   rank table in (group, rank) order: processes i64[], device_ids i64[]
 //   (JAX's global ids), ordinals i64[] (local ordinals). The table is empty
 //   only for a CPU call in one process whose mesh was abstract where it
-//   lowered; the CPU call then has a third operand, coords: int32[2] =
+//   lowered; the CPU call then has a fifth operand, coords: int32[2] =
 //   (rank, group) from lax.axis_index (the GPU handler needs the table:
 //   reading a device scalar would need a sync).
 #pragma once
@@ -48,7 +49,7 @@ namespace ffi = xla::ffi;
 
 struct CallAttrs {
   int32_t op;
-  int64_t clique_key, axis, axis_size;
+  int64_t clique_key, site_key, axis, axis_size;
   int32_t transport;
   int64_t chunks;
   bool bidirectional;
@@ -63,11 +64,12 @@ struct CallAttrs {
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::jo::ffi_call::CallAttrs, ::xla::ffi::StructMember<int32_t>("op"),
-    ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("axis"),
-    ::xla::ffi::StructMember<int64_t>("axis_size"), ::xla::ffi::StructMember<int32_t>("transport"),
-    ::xla::ffi::StructMember<int64_t>("chunks"), ::xla::ffi::StructMember<bool>("bidirectional"),
-    ::xla::ffi::StructMember<bool>("tf32"), ::xla::ffi::StructMember<int32_t>("algorithm"),
-    ::xla::ffi::StructMember<bool>("fused"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("site_key"),
+    ::xla::ffi::StructMember<int64_t>("axis"), ::xla::ffi::StructMember<int64_t>("axis_size"),
+    ::xla::ffi::StructMember<int32_t>("transport"), ::xla::ffi::StructMember<int64_t>("chunks"),
+    ::xla::ffi::StructMember<bool>("bidirectional"), ::xla::ffi::StructMember<bool>("tf32"),
+    ::xla::ffi::StructMember<int32_t>("algorithm"), ::xla::ffi::StructMember<bool>("fused"),
+    ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("ordinals"));
@@ -108,6 +110,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   if (!known)
     return bad("attribute op expected 0 (ag_matmul), 1 (matmul_rs) or 2 (matmul_ar), got " +
                std::to_string(a.op));
+  if (a.site_key == 0) return bad("attribute site_key expected a nonzero hash, got 0");
   if (a.axis_size < 1)
     return bad("attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
   if (a.transport < 0 || a.transport > 2)
@@ -133,6 +136,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   out->op = static_cast<Collective>(a.op);
   out->transport = static_cast<Transport>(a.transport);
   out->clique_key = a.clique_key;
+  out->site_key = a.site_key;
   out->axis = a.axis;
   out->chunks = a.chunks;
   out->bidirectional = a.bidirectional;
@@ -281,14 +285,14 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
 }
 
 // The instantiate stage's state of one call site: the executor's Site
-// (HostSite, CudaSite: constructed from (CallDesc, site id)) under the type id
+// (HostSite, CudaSite: constructed from (CallDesc, CallSite)) under the type id
 // XLA's FFI knows it by. Each executor's handlers export `id` and `type_info`
 // for jax.ffi.register_ffi_type; XLA deletes the state with the executable.
 template <typename Site>
 struct SiteState {
   static ffi::TypeId id;
   static const XLA_FFI_TypeInfo type_info;
-  SiteState(CallDesc desc, int64_t site_id) : site(std::move(desc), site_id) {}
+  SiteState(CallDesc desc, CallSite call_site) : site(std::move(desc), std::move(call_site)) {}
   Site site;
 };
 template <typename Site>
@@ -326,15 +330,16 @@ inline auto BindInstantiate() {
   return ffi::Ffi::BindInstantiate().RemainingArgs().RemainingRets().Attrs<CallAttrs>();
 }
 
-// Makes the state of a call site from its attributes.
+// Makes the state of a call site from its attributes, with the site's
+// identity (CallSite: from its site_key, in the order XLA instantiates).
 template <typename Site>
 ffi::ErrorOr<std::unique_ptr<SiteState<Site>>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
                                                            CallAttrs attrs) {
   CallDesc desc;
   if (Status status = DecodeDesc(attrs, &desc); !status.ok())
     return ffi::Unexpected<ffi::Error>(ToFfi(status));
-  const int64_t id = NewCallSiteId(desc.clique_key);
-  return std::make_unique<SiteState<Site>>(std::move(desc), id);
+  CallSite site = CallSite::Instantiate(desc.site_key);
+  return std::make_unique<SiteState<Site>>(std::move(desc), std::move(site));
 }
 
 }  // namespace jo::ffi_call

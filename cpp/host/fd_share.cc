@@ -3,6 +3,7 @@
 #include "core/deadline.h"
 
 #include <poll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <system_error>
 
@@ -35,6 +37,81 @@ Status Address(const std::string& name, sockaddr_un* addr, socklen_t* len) {
   std::memcpy(addr->sun_path + 1, name.data(), name.size());  // abstract: leading NUL
   *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   return OkStatus();
+}
+
+// Sends one byte, and the `count` fds at `fds` with it (none when count is 0).
+bool SendWithFds(int conn, char byte, const int* fds, size_t count) {
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  std::memset(control, 0, sizeof(control));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (count > 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * count);
+    std::memcpy(CMSG_DATA(cmsg), fds, sizeof(int) * count);
+  }
+  return sendmsg(conn, &msg, MSG_NOSIGNAL) == 1;
+}
+
+// Sends one byte, and `fd` with it unless it is -1.
+bool SendByte(int conn, char byte, int fd) { return SendWithFds(conn, byte, &fd, fd >= 0 ? 1 : 0); }
+
+// Receives one byte and the fds sent with it (at most kMaxFds); `truncated`: some were dropped.
+Status ReceiveWithFds(int conn, const std::string& name, char* byte, std::vector<UniqueFd>* got,
+                      bool* truncated) {
+  iovec iov{byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  if (recvmsg(conn, &msg, MSG_CMSG_CLOEXEC) != 1)
+    return Status(Code::kResource, Errno("recvmsg(@" + name + ")"));
+  got->clear();
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      got->emplace_back(fd);
+    }
+  }
+  *truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+  return OkStatus();
+}
+
+// Whoever listens on @name must be `owner` (`owner_pid`, of this user): anyone may bind an
+// abstract name first.
+Status CheckServedBy(int conn, const std::string& what, const std::string& name, int owner_pid,
+                     const std::string& owner) {
+  ucred cred;
+  socklen_t cred_len = sizeof(cred);
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
+    return Status(Code::kResource, Errno("getsockopt(SO_PEERCRED, @" + name + ")"));
+  if (static_cast<int>(cred.pid) != owner_pid || cred.uid != getuid())
+    return Status(Code::kInvalidArgument,
+                  what + ": refusing @" + name + ": it is served by pid " +
+                      std::to_string(cred.pid) + " (uid " + std::to_string(cred.uid) +
+                      "), not by " + owner + ", pid " + std::to_string(owner_pid) + " (uid " +
+                      std::to_string(getuid()) + "); another process holds the socket name");
+  return OkStatus();
+}
+
+// Waits until `fd` is readable or `deadline`; false at the deadline.
+bool Readable(int fd, Clock::time_point deadline) {
+  while (true) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, Remaining(deadline)) > 0) return true;
+    if (Clock::now() >= deadline) return false;
+  }
 }
 
 }  // namespace
@@ -131,21 +208,7 @@ void FdServer::Serve() {
     if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) continue;
     auto it = std::find(pending_.begin(), pending_.end(), static_cast<int>(cred.pid));
     if (cred.uid != getuid() || it == pending_.end()) continue;  // not a peer we expect: drop
-    char byte = 'j';
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
-    std::memset(control, 0, sizeof(control));
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds_.size());
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds_.size());
-    std::memcpy(CMSG_DATA(cmsg), fds_.data(), sizeof(int) * fds_.size());
-    if (sendmsg(conn.get(), &msg, MSG_NOSIGNAL) == 1) pending_.erase(it);
+    if (SendWithFds(conn.get(), 'j', fds_.data(), fds_.size())) pending_.erase(it);
   }
   result_ = OkStatus();
 }
@@ -180,48 +243,161 @@ Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
                     "ReceiveFds: nobody listens on @" + name + " (did the owner start sharing?)");
     usleep(10000);
   }
-  // Whoever listens must be the owner: anyone may bind an abstract name first.
-  ucred cred;
-  socklen_t cred_len = sizeof(cred);
-  if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
-    return Status(Code::kResource, Errno("getsockopt(SO_PEERCRED, @" + name + ")"));
-  if (static_cast<int>(cred.pid) != owner_pid || cred.uid != getuid())
-    return Status(Code::kInvalidArgument,
-                  "ReceiveFds: refusing @" + name + ": it is served by pid " +
-                      std::to_string(cred.pid) + " (uid " + std::to_string(cred.uid) +
-                      "), not by the owner, pid " + std::to_string(owner_pid) + " (uid " +
-                      std::to_string(getuid()) + "); another process holds the socket name");
-  pollfd p{conn.get(), POLLIN, 0};
-  while (poll(&p, 1, Remaining(deadline)) <= 0) {
-    if (Clock::now() >= deadline)
-      return Status(Code::kTimeout, "ReceiveFds: @" + name +
-                                        " sent nothing before the deadline "
-                                        "(is this process among the owner's expected peers?)");
-  }
+  JO_CHECK(CheckServedBy(conn.get(), "ReceiveFds", name, owner_pid, "the owner"));
+  if (!Readable(conn.get(), deadline))
+    return Status(Code::kTimeout, "ReceiveFds: @" + name +
+                                      " sent nothing before the deadline "
+                                      "(is this process among the owner's expected peers?)");
   char byte = 0;
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  if (recvmsg(conn.get(), &msg, MSG_CMSG_CLOEXEC) != 1)
-    return Status(Code::kResource, Errno("recvmsg(@" + name + ")"));
   std::vector<UniqueFd> got;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < n; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      got.emplace_back(fd);
-    }
-  }
-  JO_REQUIRE(got.size() == count && !(msg.msg_flags & MSG_CTRUNC),
-             "ReceiveFds: @" + name + " sent " + std::to_string(got.size()) + " fds, expected " +
-                 std::to_string(count));
+  bool truncated = false;
+  JO_CHECK(ReceiveWithFds(conn.get(), name, &byte, &got, &truncated));
+  JO_REQUIRE(got.size() == count && !truncated, "ReceiveFds: @" + name + " sent " +
+                                                    std::to_string(got.size()) + " fds, expected " +
+                                                    std::to_string(count));
   *out = std::move(got);
+  return OkStatus();
+}
+
+Status SegmentServer::Instance(SegmentServer** out) {
+  static std::mutex mu;
+  static SegmentServer* instance = nullptr;  // never destroyed: its thread serves until exit
+  std::lock_guard<std::mutex> lock(mu);
+  if (instance != nullptr) {
+    *out = instance;
+    return OkStatus();
+  }
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status(Code::kResource, Errno("getrandom"));
+    got += static_cast<size_t>(n);
+  }
+  std::string name = "jaxoverlap-" + std::to_string(getpid()) + "-";
+  char hex[3];
+  for (unsigned char b : bytes) {
+    std::snprintf(hex, sizeof(hex), "%02x", b);
+    name += hex;
+  }
+  sockaddr_un addr;
+  socklen_t len = 0;
+  JO_CHECK(Address(name, &addr, &len));
+  UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (listener.get() < 0) return Status(Code::kResource, Errno("socket(AF_UNIX)"));
+  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
+    return Status(Code::kResource, Errno("bind(@" + name + ")"));
+  if (listen(listener.get(), 64) != 0)
+    return Status(Code::kResource, Errno("listen(@" + name + ")"));
+  std::unique_ptr<SegmentServer> server(new SegmentServer());
+  server->name_ = name;
+  server->listener_ = std::move(listener);
+  server->next_token_ =
+      (uint64_t{bytes[0]} << 32) | 1;  // tokens need not be secret: pids are checked
+  try {
+    server->thread_ = std::thread([s = server.get()] { s->Serve(); });
+    server->thread_.detach();
+  } catch (const std::system_error& e) {
+    return Status(Code::kResource,
+                  std::string("SegmentServer: could not start its thread: ") + e.what());
+  }
+  instance = server.release();
+  *out = instance;
+  return OkStatus();
+}
+
+uint64_t SegmentServer::Offer(UniqueFd fd, std::vector<int> pids, int uses) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t token = next_token_++;
+  if (uses > 0) offered_[token] = Offered{std::move(fd), std::move(pids), uses};
+  return token;
+}
+
+void SegmentServer::Withdraw(uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  offered_.erase(token);
+}
+
+size_t SegmentServer::offers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return offered_.size();
+}
+
+void SegmentServer::Serve() {
+  while (true) {
+    pollfd p{listener_.get(), POLLIN, 0};
+    if (poll(&p, 1, 1000) <= 0) continue;
+    UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (conn.get() < 0) continue;
+    ucred cred;
+    socklen_t cred_len = sizeof(cred);
+    if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) continue;
+    if (cred.uid != getuid()) continue;  // another user: nothing, not even an answer
+    Answer(conn.get(), static_cast<int>(cred.pid));
+  }
+}
+
+void SegmentServer::Answer(int conn, int pid) {
+  {
+    // Only a pid some offer names may take the server's time.
+    std::lock_guard<std::mutex> lock(mu_);
+    bool known = false;
+    for (const auto& [token, offer] : offered_)
+      known = known || std::find(offer.pids.begin(), offer.pids.end(), pid) != offer.pids.end();
+    if (!known) return;
+  }
+  uint64_t token = 0;
+  size_t got = 0;
+  const auto deadline = DeadlineAfter(std::chrono::seconds(1));
+  while (got < sizeof(token)) {
+    if (!Readable(conn, deadline)) return;
+    const ssize_t n = recv(conn, reinterpret_cast<char*>(&token) + got, sizeof(token) - got, 0);
+    if (n <= 0) return;
+    got += static_cast<size_t>(n);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = offered_.find(token);
+  const bool allowed =
+      it != offered_.end() &&
+      std::find(it->second.pids.begin(), it->second.pids.end(), pid) != it->second.pids.end();
+  if (!allowed) {
+    (void)SendByte(conn, 'n', -1);
+    return;
+  }
+  if (!SendByte(conn, 'y', it->second.fd.get())) return;
+  // Each peer takes its copy once.
+  it->second.pids.erase(std::find(it->second.pids.begin(), it->second.pids.end(), pid));
+  if (--it->second.uses <= 0 || it->second.pids.empty()) offered_.erase(it);
+}
+
+Status FetchFd(const std::string& name, int owner_pid, uint64_t token, Clock::time_point deadline,
+               UniqueFd* out) {
+  sockaddr_un addr;
+  socklen_t len = 0;
+  JO_CHECK(Address(name, &addr, &len));
+  UniqueFd conn(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (conn.get() < 0) return Status(Code::kResource, Errno("socket(AF_UNIX)"));
+  // The server listens before its name is published: no answer means its process is gone.
+  if (connect(conn.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
+    return Status(Code::kAborted, Errno("connect(@" + name + ") to the segment server of pid " +
+                                        std::to_string(owner_pid)) +
+                                      " (has that process exited?)");
+  JO_CHECK(CheckServedBy(conn.get(), "FetchFd", name, owner_pid, "the segment's creator"));
+  if (send(conn.get(), &token, sizeof(token), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(token)))
+    return Status(Code::kResource, Errno("send(@" + name + ")"));
+  if (!Readable(conn.get(), deadline))
+    return Status(Code::kTimeout, "FetchFd: the segment server of pid " +
+                                      std::to_string(owner_pid) + " did not answer in time");
+  char byte = 0;
+  std::vector<UniqueFd> got;
+  bool truncated = false;
+  JO_CHECK(ReceiveWithFds(conn.get(), name, &byte, &got, &truncated));
+  if (byte != 'y' || got.size() != 1 || truncated)
+    return Status(Code::kInvalidArgument,
+                  "FetchFd: the segment server of pid " + std::to_string(owner_pid) +
+                      " has no segment for this process under token " + std::to_string(token));
+  *out = std::move(got.front());
   return OkStatus();
 }
 

@@ -1,9 +1,13 @@
 // Sharing file descriptors between the processes of one job.
 //
-// For the GPU side's POSIX-fd handles (cuMemExportToShareableHandle of a
-// workspace or multicast object gives an fd, meaningless elsewhere). Two ways,
-// both driven from jaxoverlap/_bootstrap.py (share_fds), which exchanges pids,
-// fd numbers and socket names through the jax.distributed key-value store:
+// For the host executor's shared memory (memfd segments, host/shm.h: the
+// bootstrap's control segment, then every call site's segment, made at run
+// time) and the GPU side's POSIX-fd handles (cuMemExportToShareableHandle of
+// a workspace or multicast object gives an fd, meaningless elsewhere).
+//
+// Set-up time, driven from jaxoverlap/_native/bootstrap.py (share_fds and the host
+// clique bootstrap), which exchanges pids, fd numbers and socket names
+// through the jax.distributed key-value store:
 //
 // * DupFromProcess: pidfd_open + pidfd_getfd (Linux >= 5.6). Needs ptrace
 //   access to the owner (same user; Yama ptrace_scope=1 allows parents only).
@@ -17,7 +21,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -81,5 +88,47 @@ class FdServer {
 // receives `count` fds.
 Status ReceiveFds(const std::string& name, size_t count, int owner_pid,
                   std::chrono::milliseconds timeout, std::vector<UniqueFd>* out);
+
+// Run time, without the store: each process has one SegmentServer, on an
+// abstract socket with a random name that it writes into the shared memory of
+// its domains (only the job's processes can read it). A process that creates
+// a segment offers its fd under a token, for the pids of its peers and a
+// number of uses; a peer asks the creator's server for the token. The server
+// answers only a peer of our uid whose pid the offer names (SO_PEERCRED),
+// and the client takes an fd only from the creator's pid, of our uid.
+class SegmentServer {
+ public:
+  // This process's server, started at the first call (never destroyed: a
+  // thread that serves until the process ends).
+  static Status Instance(SegmentServer** out);
+
+  const std::string& name() const { return name_; }
+  // Serves `fd` to each of `pids` (at most `uses` times in all) under the
+  // returned token, until then or Withdraw.
+  uint64_t Offer(UniqueFd fd, std::vector<int> pids, int uses);
+  void Withdraw(uint64_t token);
+  size_t offers() const;  // for tests: fds still held
+
+ private:
+  struct Offered {
+    UniqueFd fd;
+    std::vector<int> pids;
+    int uses = 0;
+  };
+  SegmentServer() = default;
+  void Serve();
+  void Answer(int conn, int pid);
+  std::string name_;
+  UniqueFd listener_;
+  mutable std::mutex mu_;
+  uint64_t next_token_ = 0;
+  std::map<uint64_t, Offered> offered_;
+  std::thread thread_;
+};
+
+// Asks the SegmentServer `name` of process `owner_pid` for the fd offered
+// under `token`, until `deadline`.
+Status FetchFd(const std::string& name, int owner_pid, uint64_t token,
+               std::chrono::steady_clock::time_point deadline, UniqueFd* out);
 
 }  // namespace jo::host

@@ -18,6 +18,33 @@ int32_t Parity(int64_t epoch) { return static_cast<int32_t>(epoch & 1); }
 
 }  // namespace
 
+Status SiteCliques::GetOrCreate(const CliqueKey& key, int64_t instance, int32_t nranks,
+                                const Factory& make, std::shared_ptr<HostClique>* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = cliques_.begin(); it != cliques_.end();)  // the cliques of sites now gone
+    it = it->second.expired() ? cliques_.erase(it) : std::next(it);
+  std::weak_ptr<HostClique>& slot = cliques_[{key, instance}];
+  std::shared_ptr<HostClique> clique = slot.lock();
+  if (clique == nullptr) {
+    clique = make();
+    JO_ASSERT(clique != nullptr);
+    slot = clique;
+  }
+  JO_REQUIRE(clique->nranks() == nranks,
+             CliqueName(key) + " has " + std::to_string(clique->nranks()) +
+                 " ranks, but this call has axis_size " + std::to_string(nranks));
+  *out = std::move(clique);
+  return OkStatus();
+}
+
+std::vector<std::shared_ptr<HostClique>> SiteCliques::List() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<HostClique>> out;
+  for (const auto& entry : cliques_)
+    if (std::shared_ptr<HostClique> clique = entry.second.lock()) out.push_back(std::move(clique));
+  return out;
+}
+
 std::string HostClique::Where(const WaitContext& ctx) const {
   return std::string(ctx.op) + " (" + name() + ", rank " + std::to_string(ctx.rank) + ", epoch " +
          std::to_string(ctx.epoch) + ")";
@@ -28,6 +55,7 @@ LocalClique::LocalClique(CliqueKey key, int32_t nranks)
       workspace_(nranks),
       flags_(nranks),
       owner_device_(nranks, -1),
+      done_(nranks, 0),
       grow_arrived_(nranks, false) {}
 
 void LocalClique::WakeAll() {
@@ -43,26 +71,51 @@ Status LocalClique::Fail(Status status) {
   return status;
 }
 
-Status LocalClique::ClaimRank(const WaitContext& ctx, int64_t device) {
+Status LocalClique::ClaimRank(WaitContext* ctx, int64_t device) {
   int64_t owner = -1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    owner = owner_device_[ctx.rank];
-    if (owner == -1 || owner == device) {
-      owner_device_[ctx.rank] = device;
+    std::unique_lock<std::mutex> lock(mu_);
+    // One call at a time per rank, in epoch order (the parity rule).
+    bool broken = false;
+    const bool ready = cv_.wait_until(lock, DeadlineAfter(ctx->timeout), [&] {
+      owner = owner_device_[ctx->rank];
+      if (owner != -1 && owner != device) return true;
+      broken = !BrokenReason().empty();
+      return broken || (owner == -1 && done_[ctx->rank] >= ctx->epoch - 1);
+    });
+    if (broken) {
+      lock.unlock();
+      return CheckNotBroken(Where(*ctx));
+    }
+    if (ready && owner == -1) {
+      owner_device_[ctx->rank] = device;
       return OkStatus();
+    }
+    if (!ready) {
+      const int64_t done = done_[ctx->rank];
+      lock.unlock();
+      return Fail(Status(Code::kTimeout, Where(*ctx) + ": timeout after " + Seconds(ctx->timeout) +
+                                             " waiting for this rank's "
+                                             "call " +
+                                             std::to_string(ctx->epoch - 1) +
+                                             " to finish (it has finished call " +
+                                             std::to_string(done) + ")"));
     }
   }
   return Fail(InvalidArgument(
-      Where(ctx) + ": devices " + std::to_string(owner) + " and " + std::to_string(device) +
-      " call as rank " + std::to_string(ctx.rank) +
+      Where(*ctx) + ": devices " + std::to_string(owner) + " and " + std::to_string(device) +
+      " call as rank " + std::to_string(ctx->rank) +
       " at the same time (a shard_map that leaves a mesh axis automatic gives devices that "
       "differ only in that axis the same rank and group)"));
 }
 
-void LocalClique::ReleaseRank(int32_t rank) {
-  std::lock_guard<std::mutex> lock(mu_);
-  owner_device_[rank] = -1;
+void LocalClique::ReleaseRank(const WaitContext& ctx) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    owner_device_[ctx.rank] = -1;
+    done_[ctx.rank] = std::max(done_[ctx.rank], ctx.epoch);
+  }
+  cv_.notify_all();
 }
 
 std::string LocalClique::Missing(const WaitContext& ctx, int32_t expected) const {

@@ -9,11 +9,14 @@
 //   it (sends are eager, like NCCL's for small messages).
 //
 // Buffer reuse across back-to-back calls: DOUBLE-BUFFERING BY EPOCH PARITY.
-// Call e uses the workspace and flags of parity e % 2. Rank r can only be in
-// call e+2 (reusing parity e % 2 of its peers) after finishing e+1, and every
-// program's result on r depends on data from every other rank in the same
-// call, so every peer has started e+1, i.e. finished reading parity e % 2.
-// No entry handshake is needed in steady state. Growth is the exception: a
+// Call e uses the workspace and flags of parity e % 2. Each rank runs a
+// clique's calls one at a time, in epoch order (ClaimRank waits until the
+// rank finished call e-1: XLA may start the next execution of a program
+// before a rank's worker finished the last one). So rank r can only be in
+// call e+2 (reusing parity e % 2 of its peers) after finishing e+1, and
+// every program's result on r depends on data from every other rank in the
+// same call, so every peer has started e+1, i.e. finished reading parity
+// e % 2. No entry handshake is needed in steady state. Growth is the exception: a
 // call that needs more workspace than the clique has holds a rendezvous of
 // all ranks (no rank is inside a call then), and one thread reallocates.
 //
@@ -25,6 +28,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -60,11 +64,17 @@ class HostClique : public Clique {
   // for the same sizes at the same epoch (core/call.h NeedsOf).
   virtual Status Reserve(const WaitContext& ctx, const CallNeeds& needs) = 0;
 
-  // Marks `device` as inside a call as rank ctx.rank until ReleaseRank. A
-  // second device calling as the same rank at the same time is an error that
-  // breaks the clique (two devices would share one rank's epochs and flags).
-  virtual Status ClaimRank(const WaitContext& ctx, int64_t device) = 0;
-  virtual void ReleaseRank(int32_t rank) = 0;
+  // Marks `device` as inside a call as rank ctx->rank until ReleaseRank,
+  // once the rank has finished its call ctx->epoch - 1 (calls of a clique run
+  // one at a time per rank, in epoch order). A second device calling as the
+  // same rank at the same time is an error that breaks the clique (two
+  // devices would share one rank's epochs and flags). ctx->epoch comes in as
+  // this process's count of the rank's calls and leaves as the clique's
+  // epoch: a clique spanning processes that this process re-joined continues
+  // its ranks where they left off (shm_clique.h).
+  virtual Status ClaimRank(WaitContext* ctx, int64_t device) = 0;
+  // The call of ctx (claimed) is over, whatever its result.
+  virtual void ReleaseRank(const WaitContext& ctx) = 0;
 
   // Base of `owner`'s workspace for the parity of `epoch`.
   virtual std::byte* Workspace(int32_t owner, int64_t epoch) = 0;
@@ -83,13 +93,32 @@ class HostClique : public Clique {
   virtual std::string Where(const WaitContext& ctx) const;
 };
 
+// The live cliques of this process's call sites. A clique lives while a call
+// site uses it (its plans hold it; calls in flight too), not longer. A clique
+// spanning processes is shared by every live call site with its site id (the
+// same program compiled twice in this process: its peers see one site); an
+// in-process one belongs to its call site alone (`instance`: CallSite's
+// serial), so a new executable gets fresh cliques.
+class SiteCliques {
+ public:
+  using Factory = std::function<std::unique_ptr<HostClique>()>;
+  // `instance` 0: shared by key.
+  Status GetOrCreate(const CliqueKey& key, int64_t instance, int32_t nranks, const Factory& make,
+                     std::shared_ptr<HostClique>* out);
+  std::vector<std::shared_ptr<HostClique>> List() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<CliqueKey, int64_t>, std::weak_ptr<HostClique>> cliques_;
+};
+
 class LocalClique : public HostClique {
  public:
   LocalClique(CliqueKey key, int32_t nranks);
 
   Status Reserve(const WaitContext& ctx, const CallNeeds& needs) override;
-  Status ClaimRank(const WaitContext& ctx, int64_t device) override;
-  void ReleaseRank(int32_t rank) override;
+  Status ClaimRank(WaitContext* ctx, int64_t device) override;
+  void ReleaseRank(const WaitContext& ctx) override;
   std::byte* Workspace(int32_t owner, int64_t epoch) override;
   int64_t WorkspaceBytes() const override;
   Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag) override;
@@ -117,6 +146,7 @@ class LocalClique : public HostClique {
   std::vector<std::vector<int64_t>> flags_;        // per rank: 2 parities x num_flags_
   std::map<MailKey, std::vector<std::byte>> mailbox_;
   std::vector<int64_t> owner_device_;  // per rank: device inside a call, or -1
+  std::vector<int64_t> done_;          // per rank: the last call it finished
   std::vector<bool> grow_arrived_;
   int32_t grow_count_ = 0;
   int64_t grow_generation_ = 0;

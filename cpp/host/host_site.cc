@@ -13,8 +13,8 @@ namespace jo::host {
 namespace {
 
 // Never destroyed: worker threads may still run calls while the process exits.
-CliqueRegistry<HostClique>& Registry() {
-  static auto* registry = new CliqueRegistry<HostClique>;
+SiteCliques& Registry() {
+  static auto* registry = new SiteCliques;
   return *registry;
 }
 
@@ -32,23 +32,21 @@ Status Guarded(const char* op, F&& fn) {
 
 }  // namespace
 
-HostSite::HostSite(CallDesc desc, int64_t site) : desc_(std::move(desc)), site_(site) {}
-
-HostSite::~HostSite() { Registry().EraseSite(desc_.clique_key, site_); }
+HostSite::HostSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_(std::move(site)) {}
 
 Status HostSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
-  JO_CHECK(PlaceCall(desc_, problem, site_, caller, &out->call));
+  JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
   // Every call site has its own clique (docs/native.md §4): in-process, or,
-  // when the bootstrap made a domain for this group, spanning processes.
+  // when the group spans processes, in the domain the bootstrap made for it.
   const CliqueKey key = out->call.clique;
-  std::shared_ptr<ShmDomain> domain = FindDomain(key.key, key.group);
-  JO_REQUIRE(domain == nullptr || domain->nranks() == problem.nranks,
-             domain->name() + " has " + std::to_string(domain->nranks()) +
-                 " ranks, but this call has axis_size " + std::to_string(problem.nranks));
+  std::shared_ptr<ShmDomain> domain;
+  JO_CHECK(DomainOf(key, out->call.place.processes, CollectiveName(desc_.op), &domain));
   JO_CHECK(Registry().GetOrCreate(
-      key, problem.nranks,
+      key, domain != nullptr ? 0 : site_.serial(), problem.nranks,
       [&]() -> std::unique_ptr<HostClique> {
-        if (domain != nullptr) return std::make_unique<ShmClique>(domain, key.site);
+        if (domain != nullptr)
+          return std::make_unique<ShmClique>(domain, key.site, out->call.needs,
+                                             out->call.signature);
         return std::make_unique<LocalClique>(key, problem.nranks);
       },
       &out->clique));
@@ -75,15 +73,16 @@ void HostSite::Start(const Caller& caller, const Problem& problem, const CallBuf
   ctx.timeout = Millis(desc_.timeout_ms);
   std::function<Status()> run = [bound, ctx, device, io]() -> Status {
     HostClique& clique = *bound->clique;
-    JO_CHECK(clique.ClaimRank(ctx, device));
+    WaitContext call = ctx;  // ClaimRank makes the count the clique's epoch
+    JO_CHECK(clique.ClaimRank(&call, device));
     struct Release {  // the rank is free again however the call ends
       HostClique& clique;
-      int32_t rank;
-      ~Release() { clique.ReleaseRank(rank); }
-    } release{clique, ctx.rank};
-    JO_CHECK(clique.Agree(clique.Where(ctx), ctx.rank, ctx.epoch, bound->call.signature));
-    JO_CHECK(clique.Reserve(ctx, bound->call.needs));
-    return RunProgram(bound->call.program, clique, ctx, io);
+      const WaitContext& call;
+      ~Release() { clique.ReleaseRank(call); }
+    } release{clique, call};
+    JO_CHECK(clique.Agree(clique.Where(call), call.rank, call.epoch, bound->call.signature));
+    JO_CHECK(clique.Reserve(call, bound->call.needs));
+    return RunProgram(bound->call.program, clique, call, io);
   };
   std::shared_ptr<HostClique> clique = bound->clique;
   Status posted = Guarded(op, [&] {

@@ -25,8 +25,7 @@ namespace jo::host {
 
 class HostSite {
  public:
-  HostSite(CallDesc desc, int64_t site);
-  ~HostSite();  // the executable goes: so do the site's cliques
+  HostSite(CallDesc desc, CallSite site);
 
   // Starts one call of `caller` (XLA:CPU names devices by their global id).
   // `done` receives the result, on a worker thread after every resource of
@@ -46,7 +45,7 @@ class HostSite {
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 
   const CallDesc desc_;
-  const int64_t site_;
+  const CallSite site_;
   PerDevice<BoundCall> bound_;
 };
 

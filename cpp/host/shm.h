@@ -1,22 +1,20 @@
-// POSIX shared memory and futexes: the pieces a clique spanning processes is
-// built from (cpp/host/shm_domain.h, cpp/host/shm_clique.h).
+// Shared memory without a name, and futexes: the pieces a clique spanning
+// processes is built from (cpp/host/shm_domain.h, cpp/host/shm_clique.h).
 //
-// ShmSegment owns one mapping of one shm object; the destructor unmaps it.
-// The file descriptor is closed as soon as the object is mapped (the mapping
-// keeps the memory alive). Objects are created with O_CREAT | O_EXCL, mode
-// 0600, and their space is reserved with posix_fallocate: on tmpfs, a size
-// that does not fit fails here with an error naming the size, instead of
-// killing the process with SIGBUS at the first write past the free space.
-// Opening checks that the object is a regular file owned by this user,
-// readable by nobody else, of exactly the expected size.
+// A segment is a memfd (memfd_create): it has no name anywhere in the file
+// system, so no other process can open it; it reaches the job's other
+// processes only as a file descriptor, passed over a Unix socket whose peer
+// is checked (host/fd_share.h). Segments are created mode 0600, their space
+// is reserved (posix_fallocate: a machine without the memory fails here
+// with an error naming the size, not with SIGBUS at the first write), and
+// sealed against shrinking and growing, so a peer cannot truncate one under
+// another's mapping. A received descriptor is used only if it is such a
+// segment: a sealed memfd of this user, private, of exactly the expected
+// size.
 //
-// Names are "/jaxoverlap-[<JAXOVERLAP_SHM_TAG>-]p<pid namespace>.<pid>-<128
-// random bits>": unguessable (nobody can pre-create the next one), and they
-// name the creating process, so that SweepStaleSegments can remove what a
-// killed process left behind. Names are unlinked as soon as every process
-// attached (the clique decides when); every name this process created or
-// opened is also tracked, and whatever is still linked at normal process exit
-// is unlinked then (UnlinkTrackedNames; Python calls it from atexit too).
+// ShmSegment owns one mapping; the destructor unmaps it. The memory goes
+// when the last mapping and the last descriptor of it, in any process, are
+// gone: a process that exits or is killed leaves nothing behind.
 #pragma once
 
 #include <atomic>
@@ -27,17 +25,24 @@
 #include <string>
 
 #include "core/status.h"
+#include "host/fd_share.h"
 
 namespace jo::host {
 
 class ShmSegment {
  public:
-  // A new object of exactly `bytes` (zero-filled, reserved), mapped read-write.
-  // `what` says what it is for, in errors ("the data segment of clique ...").
-  static Status Create(const std::string& name, size_t bytes, const std::string& what,
-                       std::unique_ptr<ShmSegment>* out);
-  // An existing object of exactly `bytes`, mapped read-write.
-  static Status Open(const std::string& name, size_t bytes, std::unique_ptr<ShmSegment>* out);
+  // A new segment of exactly `bytes` (zero-filled, reserved), mapped
+  // read-write; `fd` receives its descriptor (to share it) if not null.
+  // `what` says what it is for, in errors ("the call-site segment of ...").
+  static Status Create(size_t bytes, const std::string& what, std::unique_ptr<ShmSegment>* out,
+                       UniqueFd* fd = nullptr);
+  // Maps the segment `fd` (received from another process) after checking it
+  // is one of ours (Check) of exactly `bytes`; the caller keeps `fd`.
+  static Status Map(int fd, size_t bytes, const std::string& what,
+                    std::unique_ptr<ShmSegment>* out);
+  // Whether `fd` is a segment of ours (a sealed memfd of this user, private);
+  // its size in `bytes`.
+  static Status Check(int fd, const std::string& what, size_t* bytes);
 
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
@@ -45,29 +50,12 @@ class ShmSegment {
 
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
-  const std::string& name() const { return name_; }
 
  private:
-  ShmSegment(std::string name, std::byte* data, size_t size);
-  std::string name_;
+  ShmSegment(std::byte* data, size_t size) : data_(data), size_(size) {}
   std::byte* data_ = nullptr;
   size_t size_ = 0;
 };
-
-// Removes `name` from the shm namespace (mappings stay valid). A name already
-// gone is fine: every process of a clique may try.
-Status UnlinkShm(const std::string& name);
-// Unlinks every name this process created or opened and has not unlinked;
-// returns how many were still there.
-int UnlinkTrackedNames();
-
-// A fresh name (see above). Fails only if the kernel has no randomness.
-Status NewShmName(std::string* name);
-
-// Unlinks the segments of this user whose creating process, in this pid
-// namespace, no longer exists (a job killed between creating a segment and
-// the last attach). Returns how many it removed.
-int SweepStaleSegments();
 
 // Futex wait on a 32-bit word that may be shared between processes: returns
 // when *word != expected, on a wake, or after `timeout` (spurious wake-ups
@@ -75,8 +63,9 @@ int SweepStaleSegments();
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout);
 void FutexWakeAll(std::atomic<uint32_t>* word);
 
-// This process's pid namespace (the inode of /proc/self/ns/pid), 0 if unknown:
-// pids are comparable only between processes of one namespace.
+// This process's pid and network namespaces (inodes of /proc/self/ns/*), 0 if
+// unknown: pids compare, and abstract Unix sockets reach, only within one.
 uint64_t PidNamespace();
+uint64_t NetNamespace();
 
 }  // namespace jo::host

@@ -12,14 +12,10 @@ namespace jo::host {
 namespace {
 
 constexpr uint64_t kMagic = 0x746973736873656aULL;  // "jeshssit"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kSignatureBytes = 192;
-constexpr size_t kNameBytes = 160;
 constexpr size_t kAlign = 64;
 constexpr auto kPollSlice = std::chrono::milliseconds(100);
-// Sanity bounds for sizes a peer publishes (a data segment is at most 1 TiB).
-constexpr int64_t kMaxBytes = int64_t{1} << 40;
-constexpr int32_t kMaxCount = 1 << 24;
 
 size_t RoundUp(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
 int32_t ParityOf(int64_t epoch) { return static_cast<int32_t>(epoch & 1); }
@@ -59,57 +55,61 @@ struct ShmClique::SiteHeader {
   int64_t key;
   int64_t group;
   int64_t site;
-  // The published data generation (0: none yet); its sizes and name are
-  // written before it (release/acquire on `generation`).
-  std::atomic<int64_t> generation;
-  std::atomic<int64_t> workspace_bytes;
-  std::atomic<int64_t> mail_bytes;
-  std::atomic<int32_t> mail_messages;
-  std::atomic<int32_t> num_flags;
-  std::atomic<int32_t> data_attached;  // processes that mapped the current generation
-  std::atomic<int32_t> grow_count;     // ranks in the current growth rendezvous
-  char data_name[kNameBytes];
+  // The call the site was made for: every process's must fit it.
+  int64_t workspace_bytes;
+  int64_t mail_bytes;
+  int32_t mail_messages;
+  int32_t num_flags;
+  char signature[kSignatureBytes];
 };
 
 struct alignas(kAlign) ShmClique::RankState {
   std::atomic<int64_t> epoch;         // the call this rank is in (set in Agree)
+  std::atomic<int64_t> done;          // the last call this rank finished
   std::atomic<int64_t> owner_device;  // device inside a call as this rank, or -1
-  std::atomic<int64_t> grow_epoch;    // epoch of its last growth-rendezvous arrival
   std::atomic<int64_t> signature_epoch[2];
   std::atomic<uint64_t> signature_hash[2];
   char signature[2][kSignatureBytes];
 };
 
-// Where each rank's state lives in a data segment. Per rank, per parity:
-// flags | outbox header | entries | outbox data | workspace, each 64-aligned.
+// Where everything lives in a site segment: the header, the rank states,
+// then per rank, per parity: flags | outbox header | entries | outbox data |
+// workspace, each 64-aligned.
 struct ShmClique::Layout {
   int64_t workspace_bytes = 0, mail_bytes = 0;
   int32_t mail_messages = 0, num_flags = 0;
   size_t flags_off = 0, outbox_off = 0, entries_off = 0, mail_off = 0, workspace_off = 0;
-  size_t parity_bytes = 0, rank_bytes = 0, total = 0;
+  size_t ranks_off = 0, data_off = 0, parity_bytes = 0, rank_bytes = 0, total = 0;
 
-  Layout(int32_t nranks, int64_t ws, int64_t mail, int32_t messages, int32_t flags)
-      : workspace_bytes(ws), mail_bytes(mail), mail_messages(messages), num_flags(flags) {
+  Layout(int32_t nranks, const CallNeeds& needs)
+      : workspace_bytes(needs.workspace_bytes),
+        mail_bytes(needs.mail_bytes),
+        mail_messages(needs.mail_messages),
+        num_flags(needs.num_flags) {
     flags_off = 0;
-    outbox_off = RoundUp(static_cast<size_t>(flags) * sizeof(int64_t), kAlign);
+    outbox_off = RoundUp(static_cast<size_t>(num_flags) * sizeof(int64_t), kAlign);
     entries_off = outbox_off + RoundUp(sizeof(OutboxHeader), kAlign);
-    mail_off = entries_off + static_cast<size_t>(messages) * sizeof(MailEntry);
-    workspace_off = mail_off + RoundUp(static_cast<size_t>(mail), kAlign);
-    parity_bytes = workspace_off + RoundUp(static_cast<size_t>(ws), kAlign);
+    mail_off = entries_off + static_cast<size_t>(mail_messages) * sizeof(MailEntry);
+    workspace_off = mail_off + RoundUp(static_cast<size_t>(mail_bytes), kAlign);
+    parity_bytes = workspace_off + RoundUp(static_cast<size_t>(workspace_bytes), kAlign);
     rank_bytes = 2 * parity_bytes;
-    total = static_cast<size_t>(nranks) * rank_bytes;
+    ranks_off = RoundUp(sizeof(SiteHeader), kAlign);
+    data_off = ranks_off + static_cast<size_t>(nranks) * sizeof(RankState);
+    total = data_off + static_cast<size_t>(nranks) * rank_bytes;
   }
 };
 
 namespace {
 
-size_t SiteBytes(int32_t nranks) {
-  return RoundUp(sizeof(ShmClique::SiteHeader), kAlign) +
-         static_cast<size_t>(nranks) * sizeof(ShmClique::RankState);
-}
+struct SiteInitArgs {
+  const CallNeeds* needs;
+  const std::string* signature;
+  const ShmClique::Layout* layout;
+};
 
 // Fills a new site segment (the first process to run the site does it).
-void InitSite(std::byte* base, const ShmDomain& domain, int64_t site) {
+void InitSite(std::byte* base, const ShmDomain& domain, int64_t site, const void* arg) {
+  const auto* args = static_cast<const SiteInitArgs*>(arg);
   auto* h = new (base) ShmClique::SiteHeader();
   h->magic = kMagic;
   h->version = kVersion;
@@ -117,21 +117,29 @@ void InitSite(std::byte* base, const ShmDomain& domain, int64_t site) {
   h->key = domain.key();
   h->group = domain.group();
   h->site = site;
+  h->workspace_bytes = args->needs->workspace_bytes;
+  h->mail_bytes = args->needs->mail_bytes;
+  h->mail_messages = args->needs->mail_messages;
+  h->num_flags = args->needs->num_flags;
+  std::snprintf(h->signature, kSignatureBytes, "%s", args->signature->c_str());
   for (int32_t r = 0; r < domain.nranks(); ++r) {
-    auto* s = new (base + RoundUp(sizeof(ShmClique::SiteHeader), kAlign) +
-                   r * sizeof(ShmClique::RankState)) ShmClique::RankState();
+    auto* s = new (base + args->layout->ranks_off + r * sizeof(ShmClique::RankState))
+        ShmClique::RankState();
     s->owner_device.store(-1);
   }
 }
 
 }  // namespace
 
-ShmClique::ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site)
+ShmClique::ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site, const CallNeeds& needs,
+                     std::string signature)
     : HostClique(CliqueKey{domain->key(), domain->group(), site}, domain->nranks()),
-      domain_(std::move(domain)) {}
+      domain_(std::move(domain)),
+      signature_(std::move(signature)),
+      layout_(std::make_unique<Layout>(domain_->nranks(), needs)),
+      base_(new std::atomic<int64_t>[static_cast<size_t>(domain_->nranks())]()) {}
 
 ShmClique::~ShmClique() {
-  data_.reset();
   if (site_ != nullptr) domain_->ReleaseSite(key().site);
 }
 
@@ -140,9 +148,11 @@ ShmClique::SiteHeader* ShmClique::header() const {
 }
 
 ShmClique::RankState* ShmClique::rank_state(int32_t rank) const {
-  return reinterpret_cast<RankState*>(site_->data() + RoundUp(sizeof(SiteHeader), kAlign) +
+  return reinterpret_cast<RankState*>(site_->data() + layout_->ranks_off +
                                       static_cast<size_t>(rank) * sizeof(RankState));
 }
+
+int64_t ShmClique::Epoch(int32_t rank) const { return Clique::Epoch(rank) + base_[rank].load(); }
 
 std::string ShmClique::Kind() const {
   std::string local;
@@ -163,11 +173,12 @@ std::string ShmClique::Missing(const WaitContext& ctx, int32_t expected) const {
   for (int32_t r = 0; r < nranks(); ++r) {
     if (rank_state(r)->epoch.load() >= ctx.epoch) continue;
     late += (late.empty() ? "" : ", ") + std::to_string(r);
-    where += (where.empty() ? "" : ", ") + domain_->RankName(r);
+    where += "; " + domain_->WhereIs(r);
   }
   if (!late.empty())
-    return "missing peer rank(s) " + late + " did not arrive (have not started epoch " +
-           std::to_string(ctx.epoch) + "; " + where + ")";
+    return "missing peer rank(s) " + late + " did not arrive (have not started call " +
+           std::to_string(ctx.epoch) + " of this " + SiteName(key().site) + ", '" + signature_ +
+           "'" + where + ")";
   return "every rank arrived; " + domain_->RankName(expected) + " did not deliver";
 }
 
@@ -204,34 +215,82 @@ Status ShmClique::WaitFor(const WaitContext& ctx, Pred pred) {
 Status ShmClique::Open(const WaitContext& ctx) {
   std::lock_guard<std::mutex> lock(open_mu_);
   if (site_ != nullptr) return OkStatus();
-  std::unique_ptr<ShmSegment> segment;
-  JO_CHECK(domain_->OpenSite(key().site, SiteBytes(nranks()), DeadlineAfter(ctx.timeout),
-                             Where(ctx), &InitSite, &segment));
-  const auto* h = reinterpret_cast<const SiteHeader*>(segment->data());
-  if (h->magic != kMagic || h->version != kVersion || h->nranks != nranks() ||
-      h->key != key().key || h->group != key().group || h->site != key().site) {
-    const std::string name = segment->name();
-    segment.reset();
-    domain_->ReleaseSite(key().site);
-    return Fail(Internal(Where(ctx) + ": the segment " + name +
-                         " in the call-site directory does not describe this call site"));
+  // A site that could not open fails every local rank at once, with the first
+  // one's error: they share one deadline, not one each.
+  if (!open_status_.ok()) return open_status_;
+  CallNeeds needs;
+  needs.workspace_bytes = layout_->workspace_bytes;
+  needs.mail_bytes = layout_->mail_bytes;
+  needs.mail_messages = layout_->mail_messages;
+  needs.num_flags = layout_->num_flags;
+  const SiteInitArgs init{&needs, &signature_, layout_.get()};
+  std::shared_ptr<ShmSegment> segment;
+  Status status = domain_->OpenSite(key().site, layout_->total, DeadlineAfter(ctx.timeout),
+                                    Where(ctx), &InitSite, &init, &segment);
+  if (status.ok()) {
+    const auto* h = reinterpret_cast<const SiteHeader*>(segment->data());
+    if (h->magic != kMagic || h->version != kVersion || h->nranks != nranks() ||
+        h->key != key().key || h->group != key().group || h->site != key().site)
+      status = Internal(Where(ctx) +
+                        ": the segment of this call site in the directory "
+                        "describes another site");
+    else if (h->workspace_bytes != needs.workspace_bytes || h->mail_bytes != needs.mail_bytes ||
+             h->mail_messages != needs.mail_messages || h->num_flags != needs.num_flags)
+      status = InvalidArgument(Where(ctx) + ": ranks disagree on the calls of this " +
+                               SiteName(key().site) + ": '" + signature_ + "' here, '" +
+                               std::string(h->signature, strnlen(h->signature, kSignatureBytes)) +
+                               "' where it was made (do all processes run the same program?)");
+  }
+  if (!status.ok()) {
+    if (segment != nullptr) domain_->ReleaseSite(key().site);
+    open_status_ = status.code() == Code::kAborted ? status : Fail(status);
+    return open_status_;
   }
   site_ = std::move(segment);
+  // A process that opens a site its peers already ran continues where its
+  // ranks left off (its earlier clique of the site is gone: its calls are done).
+  for (int32_t r = 0; r < nranks(); ++r)
+    if (domain_->Local(r)) base_[r].store(rank_state(r)->done.load());
+  JO_INFO(name() + ": mapped its segment, " + std::to_string(layout_->total) + " bytes for '" +
+          signature_ + "'");
   return OkStatus();
 }
 
-Status ShmClique::ClaimRank(const WaitContext& ctx, int64_t device) {
-  JO_CHECK(Open(ctx));
-  int64_t owner = -1;
-  if (rank_state(ctx.rank)->owner_device.compare_exchange_strong(owner, device) || owner == device)
-    return OkStatus();
-  return Fail(InvalidArgument(Where(ctx) + ": devices " + std::to_string(owner) + " and " +
-                              std::to_string(device) + " call as rank " + std::to_string(ctx.rank) +
-                              " at the same time"));
+Status ShmClique::ClaimRank(WaitContext* ctx, int64_t device) {
+  JO_CHECK(Open(*ctx));
+  ctx->epoch += base_[ctx->rank].load();
+  RankState* state = rank_state(ctx->rank);
+  // One call of the site at a time per rank, in epoch order (the parity rule).
+  int64_t other = -1;
+  Status status = WaitFor(*ctx, [&] {
+    other = state->owner_device.load();
+    if (other != -1 && other != device) return true;
+    if (state->done.load() < ctx->epoch - 1) return false;
+    other = -1;
+    return state->owner_device.compare_exchange_strong(other, device);
+  });
+  if (status.code() == Code::kTimeout)
+    return Fail(Status(Code::kTimeout, Where(*ctx) + ": timeout after " + Seconds(ctx->timeout) +
+                                           " waiting for this rank's call " +
+                                           std::to_string(ctx->epoch - 1) +
+                                           " of the site to finish (it has finished call " +
+                                           std::to_string(state->done.load()) + ")"));
+  JO_CHECK(status);
+  if (other != -1 && other != device)
+    return Fail(InvalidArgument(Where(*ctx) + ": devices " + std::to_string(other) + " and " +
+                                std::to_string(device) + " call as rank " +
+                                std::to_string(ctx->rank) + " at the same time"));
+  domain_->NoteCall(ctx->rank, key().site, ctx->epoch, true, signature_);
+  return OkStatus();
 }
 
-void ShmClique::ReleaseRank(int32_t rank) {
-  if (site_ != nullptr) rank_state(rank)->owner_device.store(-1);
+void ShmClique::ReleaseRank(const WaitContext& ctx) {
+  if (site_ == nullptr) return;
+  RankState* state = rank_state(ctx.rank);
+  state->done.store(ctx.epoch);
+  state->owner_device.store(-1);
+  domain_->NoteCall(ctx.rank, key().site, ctx.epoch, false, signature_);
+  domain_->Ring(ctx.rank);  // the rank's next call of this site may be waiting for it
 }
 
 Status ShmClique::Agree(const std::string& where, int32_t rank, int64_t epoch,
@@ -267,131 +326,28 @@ Status ShmClique::Agree(const std::string& where, int32_t rank, int64_t epoch,
 
 Status ShmClique::Reserve(const WaitContext& ctx, const CallNeeds& needs) {
   JO_CHECK(Open(ctx));
-  SiteHeader* h = header();
   if (domain_->broken()) return BrokenStatus(ctx);
-  const bool fits = h->generation.load(std::memory_order_acquire) > 0 &&
-                    needs.workspace_bytes <= h->workspace_bytes.load() &&
-                    needs.num_flags <= h->num_flags.load() &&
-                    needs.mail_bytes <= h->mail_bytes.load() &&
-                    needs.mail_messages <= h->mail_messages.load();
-  if (fits) {
-    JO_CHECK(MapCurrentData(ctx));
-  } else {
-    JO_CHECK(Grow(ctx, needs));
-  }
+  if (needs.workspace_bytes > layout_->workspace_bytes || needs.num_flags > layout_->num_flags ||
+      needs.mail_bytes > layout_->mail_bytes || needs.mail_messages > layout_->mail_messages)
+    return Fail(Internal(Where(ctx) + ": this call needs more than its call site was made for"));
   // A fresh outbox for this call's parity (nobody reads its call e-2 any more).
-  std::lock_guard<std::mutex> lock(mu_);
   auto* outbox = reinterpret_cast<OutboxHeader*>(Parity(ctx.rank, ctx.epoch) + layout_->outbox_off);
   outbox->reserve.store(0);
   outbox->cursor.store(0);
   return OkStatus();
 }
 
-Status ShmClique::Grow(const WaitContext& ctx, const CallNeeds& needs) {
-  SiteHeader* h = header();
-  const int64_t generation = h->generation.load(std::memory_order_acquire);
-  rank_state(ctx.rank)->grow_epoch.store(ctx.epoch);
-  if (h->grow_count.fetch_add(1) + 1 == nranks()) {
-    // Last to arrive: every rank of this site is parked here, none is in a call.
-    auto grown = [](int64_t need, int64_t have) {
-      if (need <= have) return have;
-      const int64_t bytes = std::max<int64_t>(need, have + have / 2);
-      return (bytes + 4095) / 4096 * 4096;
-    };
-    const int64_t ws = grown(needs.workspace_bytes, h->workspace_bytes.load());
-    const int64_t mail = grown(needs.mail_bytes, h->mail_bytes.load());
-    const int32_t messages = std::max(needs.mail_messages, h->mail_messages.load());
-    const int32_t flags = std::max(needs.num_flags, h->num_flags.load());
-    auto layout = std::make_unique<Layout>(nranks(), ws, mail, messages, flags);
-    std::string data_name;
-    std::unique_ptr<ShmSegment> segment;
-    Status created = NewShmName(&data_name);
-    if (created.ok())
-      created = ShmSegment::Create(data_name, layout->total, "the buffers of " + name(), &segment);
-    if (!created.ok())
-      return Fail(Status(created.code(), Where(ctx) + ": workspace growth to " +
-                                             std::to_string(layout->total) +
-                                             " bytes: " + created.message()));
-    std::snprintf(h->data_name, kNameBytes, "%s", data_name.c_str());
-    h->workspace_bytes.store(ws);
-    h->mail_bytes.store(mail);
-    h->mail_messages.store(messages);
-    h->num_flags.store(flags);
-    h->data_attached.store(0);
-    h->grow_count.store(0);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      data_ = std::move(segment);
-      layout_ = std::move(layout);
-      data_generation_ = generation + 1;
-    }
-    h->generation.store(generation + 1, std::memory_order_release);
-    domain_->RingAll();
-    JO_INFO(name() + ": data segment generation " + std::to_string(generation + 1) + ": 2 x " +
-            std::to_string(ws) + " workspace bytes, " + std::to_string(flags) + " flags, 2 x " +
-            std::to_string(mail) + " mailbox bytes per rank");
-    if (h->data_attached.fetch_add(1) + 1 == domain_->nprocs()) JO_CHECK(UnlinkShm(data_name));
-    return OkStatus();
-  }
-  Status status =
-      WaitFor(ctx, [&] { return h->generation.load(std::memory_order_acquire) != generation; });
-  if (status.code() == Code::kTimeout) {
-    std::string missing;
-    for (int32_t r = 0; r < nranks(); ++r)
-      if (rank_state(r)->grow_epoch.load() != ctx.epoch)
-        missing += (missing.empty() ? "" : ", ") + domain_->RankName(r);
-    return Fail(Status(Code::kTimeout,
-                       Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
-                           " in the workspace-growth rendezvous; missing peer rank(s) did not "
-                           "arrive: " +
-                           missing + "; " + Missing(ctx, ctx.rank)));
-  }
-  JO_CHECK(status);
-  return MapCurrentData(ctx);
-}
-
-Status ShmClique::MapCurrentData(const WaitContext& ctx) {
-  SiteHeader* h = header();
-  std::lock_guard<std::mutex> lock(mu_);
-  const int64_t generation = h->generation.load(std::memory_order_acquire);
-  if (generation == data_generation_) return OkStatus();
-  // Sizes and the name come from another process: check them before use.
-  const int64_t ws = h->workspace_bytes.load(), mail = h->mail_bytes.load();
-  const int32_t messages = h->mail_messages.load(), flags = h->num_flags.load();
-  const std::string data_name(h->data_name, strnlen(h->data_name, kNameBytes));
-  if (ws < 0 || ws > kMaxBytes || mail < 0 || mail > kMaxBytes || messages < 0 ||
-      messages > kMaxCount || flags < 0 || flags > kMaxCount ||
-      data_name.rfind("/jaxoverlap-", 0) != 0)
-    return Fail(Internal(Where(ctx) + ": the published data generation " +
-                         std::to_string(generation) + " is invalid (workspace " +
-                         std::to_string(ws) + " bytes, mailbox " + std::to_string(mail) +
-                         " bytes, " + std::to_string(messages) + " messages, " +
-                         std::to_string(flags) + " flags, name '" + data_name + "')"));
-  auto layout = std::make_unique<Layout>(nranks(), ws, mail, messages, flags);
-  std::unique_ptr<ShmSegment> segment;
-  Status opened = ShmSegment::Open(data_name, layout->total, &segment);
-  if (!opened.ok()) return Fail(Status(opened.code(), Where(ctx) + ": " + opened.message()));
-  data_ = std::move(segment);  // the previous generation: no call of this site is using it
-  layout_ = std::move(layout);
-  data_generation_ = generation;
-  if (h->data_attached.fetch_add(1) + 1 == domain_->nprocs()) JO_CHECK(UnlinkShm(data_name));
-  return OkStatus();
-}
-
 std::byte* ShmClique::Parity(int32_t owner, int64_t epoch) const {
-  return data_->data() + static_cast<size_t>(owner) * layout_->rank_bytes +
+  return site_->data() + layout_->data_off + static_cast<size_t>(owner) * layout_->rank_bytes +
          ParityOf(epoch) * layout_->parity_bytes;
 }
 
 std::byte* ShmClique::Workspace(int32_t owner, int64_t epoch) {
-  if (data_ == nullptr || owner < 0 || owner >= nranks()) return nullptr;
+  if (site_ == nullptr || owner < 0 || owner >= nranks()) return nullptr;
   return Parity(owner, epoch) + layout_->workspace_off;
 }
 
-int64_t ShmClique::WorkspaceBytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return layout_ == nullptr ? 0 : layout_->workspace_bytes;
-}
+int64_t ShmClique::WorkspaceBytes() const { return layout_->workspace_bytes; }
 
 std::atomic<int64_t>* ShmClique::Flag(int32_t owner, int64_t epoch, int32_t flag) const {
   return reinterpret_cast<std::atomic<int64_t>*>(Parity(owner, epoch) + layout_->flags_off) + flag;
@@ -399,7 +355,7 @@ std::atomic<int64_t>* ShmClique::Flag(int32_t owner, int64_t epoch, int32_t flag
 
 Status ShmClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
   if (domain_->broken()) return BrokenStatus(ctx);
-  JO_ASSERT(data_ != nullptr && peer >= 0 && peer < nranks() && flag >= 0 &&
+  JO_ASSERT(site_ != nullptr && peer >= 0 && peer < nranks() && flag >= 0 &&
             flag < layout_->num_flags);
   std::atomic<int64_t>* value = Flag(peer, ctx.epoch, flag);
   int64_t seen = value->load();
@@ -410,7 +366,7 @@ Status ShmClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
 }
 
 Status ShmClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) {
-  JO_ASSERT(data_ != nullptr && flag >= 0 && flag < layout_->num_flags);
+  JO_ASSERT(site_ != nullptr && flag >= 0 && flag < layout_->num_flags);
   std::atomic<int64_t>* value = Flag(ctx.rank, ctx.epoch, flag);
   Status status = WaitFor(ctx, [&] { return value->load(std::memory_order_acquire) >= ctx.epoch; });
   if (status.code() != Code::kTimeout) return status;
@@ -424,7 +380,7 @@ Status ShmClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag)
 Status ShmClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
                        std::vector<std::byte> data) {
   if (domain_->broken()) return BrokenStatus(ctx);
-  JO_ASSERT(data_ != nullptr && peer >= 0 && peer < nranks());
+  JO_ASSERT(site_ != nullptr && peer >= 0 && peer < nranks());
   std::byte* base = Parity(ctx.rank, ctx.epoch);
   auto* outbox = reinterpret_cast<OutboxHeader*>(base + layout_->outbox_off);
   auto* entries = reinterpret_cast<MailEntry*>(base + layout_->entries_off);
@@ -450,7 +406,7 @@ Status ShmClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,
 
 Status ShmClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
                        std::vector<std::byte>* data) {
-  JO_ASSERT(data_ != nullptr && peer >= 0 && peer < nranks());
+  JO_ASSERT(site_ != nullptr && peer >= 0 && peer < nranks());
   std::byte* base = Parity(peer, ctx.epoch);
   auto* entries = reinterpret_cast<MailEntry*>(base + layout_->entries_off);
   const MailEntry* found = nullptr;

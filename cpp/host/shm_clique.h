@@ -9,27 +9,30 @@
 // group through the jax.distributed store; nothing of a site goes through the
 // store.
 //
-// Everything the ranks share is in POSIX shared memory, and local ranks
-// (threads of one process) use it exactly like remote ones:
+// Everything the ranks share is in ONE segment per site (a memfd, shm.h),
+// made by the first process to run the site and sized for its call: a site
+// is named by what it is (core/call.h CallSite), so every call of it has the
+// same shapes and the same needs, and it never grows. It holds
 //
-// * the SITE segment (fixed size, made by the first process to run the site):
-//   per rank its epoch, the device inside a call as this rank, its growth
-//   rendezvous arrival, and the call signature per parity; the published data
-//   generation with its sizes and segment name;
-// * a DATA segment per growth generation, under a fresh random name: per rank
-//   and parity, the flags, an outbox (the nccl-style mailbox) and the
-//   workspace. The last rank to enter a growth rendezvous creates it; every
-//   process maps it when its first rank leaves the rendezvous; the process
-//   whose attach completes the count unlinks the name.
+// * the site's call (its signature and sizes, to check the others against);
+// * per rank: the epoch of the call it is in, the epoch of the last call it
+//   finished, the device inside a call as this rank, and the call signature
+//   per parity (the agreement check);
+// * per rank and parity: the flags, an outbox (the nccl-style mailbox) and
+//   the workspace.
 //
+// Local ranks (threads of one process) use it exactly like remote ones.
 // Waiting: on the rank's doorbell in the domain (futex), re-checking the
 // condition after every wake and at least every 100 ms, looking for dead
 // peers (ShmDomain::CheckPeers) and giving up at the deadline with an error
-// naming the clique, epoch, rank and the missing peer with its process.
+// naming the clique, epoch, rank, the missing peer with its process, and
+// where that peer is instead (ShmDomain::WhereIs).
 //
-// Buffer reuse (double-buffering by epoch parity), growth, the agreement
-// check and ClaimRank follow LocalClique (host_clique.h): they hold because
-// the calls of ONE site are sequential on each rank.
+// Buffer reuse is double-buffering by epoch parity (host_clique.h), which
+// needs each rank to run a site's calls one at a time: a call claims its rank
+// only once the rank has finished the call before it (the done epoch), in
+// epoch order. A process that drops the site and makes it again while its
+// peers hold it continues its ranks' epochs where they left off.
 #pragma once
 
 #include <atomic>
@@ -47,9 +50,11 @@ namespace jo::host {
 
 class ShmClique : public HostClique {
  public:
-  // The clique of call site `site` in `domain`. Its segment is opened (or
-  // created) at the first call, on a worker thread: nothing here blocks.
-  ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site);
+  // The clique of call site `site` in `domain`, for calls with `needs` and
+  // `signature` (every call of a site has the same). Its segment is opened
+  // (or created) at the first call, on a worker thread: nothing here blocks.
+  ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site, const CallNeeds& needs,
+            std::string signature);
   ~ShmClique() override;
 
   // The agreement and the broken state live in shared memory (every process
@@ -59,8 +64,8 @@ class ShmClique : public HostClique {
   void Break(const Status& status) override;
   std::string BrokenReason() const override;
   Status Reserve(const WaitContext& ctx, const CallNeeds& needs) override;
-  Status ClaimRank(const WaitContext& ctx, int64_t device) override;
-  void ReleaseRank(int32_t rank) override;
+  Status ClaimRank(WaitContext* ctx, int64_t device) override;
+  void ReleaseRank(const WaitContext& ctx) override;
   std::byte* Workspace(int32_t owner, int64_t epoch) override;
   int64_t WorkspaceBytes() const override;
   Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag) override;
@@ -71,6 +76,7 @@ class ShmClique : public HostClique {
               std::vector<std::byte>* data) override;
   std::string Kind() const override;
   std::string Where(const WaitContext& ctx) const override;
+  int64_t Epoch(int32_t rank) const override;
 
   struct SiteHeader;
   struct RankState;
@@ -88,18 +94,17 @@ class ShmClique : public HostClique {
   // (the caller words it).
   template <typename Pred>
   Status WaitFor(const WaitContext& ctx, Pred pred);
-  Status Grow(const WaitContext& ctx, const CallNeeds& needs);
-  Status MapCurrentData(const WaitContext& ctx);  // maps the published data generation
   std::atomic<int64_t>* Flag(int32_t owner, int64_t epoch, int32_t flag) const;
   std::byte* Parity(int32_t owner, int64_t epoch) const;  // base of owner's half for `epoch`
 
   const std::shared_ptr<ShmDomain> domain_;
+  const std::string signature_;
+  const std::unique_ptr<Layout> layout_;
   std::mutex open_mu_;                // the first call of each local rank opens the site
-  std::unique_ptr<ShmSegment> site_;  // null until opened
-  mutable std::mutex mu_;             // guards the local mapping of the data segment
-  std::unique_ptr<ShmSegment> data_;  // current generation, mapped here
-  int64_t data_generation_ = 0;
-  std::unique_ptr<Layout> layout_;
+  Status open_status_;                // a failed open, for every local rank after it
+  std::shared_ptr<ShmSegment> site_;  // null until opened
+  // Per rank: its epochs before this process opened the site (set once, at Open).
+  std::unique_ptr<std::atomic<int64_t>[]> base_;
 };
 
 }  // namespace jo::host

@@ -8,11 +8,13 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <new>
 #include <set>
 
+#include "core/call.h"
 #include "core/clique.h"
 #include "core/log.h"
 
@@ -20,9 +22,11 @@ namespace jo::host {
 namespace {
 
 constexpr uint64_t kMagic = 0x6e6d646d6873656aULL;  // "jeshmdmn"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kReasonBytes = 2048;
-constexpr size_t kNameBytes = 160;
+constexpr size_t kServerBytes = 108;  // sockaddr_un's sun_path
+constexpr size_t kSignatureBytes = 192;
+constexpr int32_t kMaxCapacity = 1 << 20;
 constexpr size_t kAlign = 64;
 constexpr int32_t kMaxRanks = 1 << 16;
 // How often a waiter looks for dead peers (each look is one poll() call).
@@ -56,36 +60,47 @@ struct ShmDomain::Header {
   std::atomic<int32_t> attached;  // processes that mapped the control segment
   std::atomic<int32_t> broken;    // 0, or 1 + the process slot whose reason is valid
   pthread_mutex_t sites_lock;     // process-shared, robust: guards the site directory
+  uint64_t incarnations;          // directory entries made so far (under sites_lock)
 };
 
 struct alignas(kAlign) ShmDomain::ProcessSlot {
   int32_t process;              // its process index (written by the leader)
   std::atomic<int32_t> pid;     // written by that process when it maps the segment
   std::atomic<uint64_t> pidns;  // its pid namespace (pids compare only within one)
+  char server[kServerBytes];    // its segment server's abstract socket (written before pid)
   char reason[kReasonBytes];    // its failure text; valid once `broken` points here
 };
 
 struct alignas(kAlign) ShmDomain::RankSlot {
   int32_t process;
   std::atomic<uint32_t> doorbell;
+  // The call this rank began or finished last, for errors; `seq` is odd
+  // while it is being written (a reader retries).
+  std::atomic<uint32_t> seq;
+  int32_t in_call;
+  int64_t site;
+  int64_t epoch;
+  char signature[kSignatureBytes];
 };
 
-struct ShmDomain::SiteEntry {  // not padded: entries are only touched under the lock
-  int64_t site;                // 0: free. All fields under Header::sites_lock.
-  int32_t attached;            // processes that opened the site's segment
-  int32_t released;            // processes that let go of it
-  char name[kNameBytes];
+struct ShmDomain::SiteEntry {  // only touched under Header::sites_lock
+  int64_t site;                // 0: free
+  uint64_t incarnation;        // which life of this entry (Header::incarnations)
+  int32_t holders;             // processes that hold the site now
+  int32_t creator;             // the process slot that made its segment
+  uint64_t token;              // the fd's token in the creator's segment server
+  int64_t bytes;               // the segment's size
 };
 
 namespace {
 
 struct Offsets {
   size_t processes, ranks, sites, total;
-  Offsets(int32_t nranks, int32_t nprocs) {
+  Offsets(int32_t nranks, int32_t nprocs, int32_t capacity) {
     processes = RoundUp(sizeof(ShmDomain::Header), kAlign);
     ranks = processes + static_cast<size_t>(nprocs) * sizeof(ShmDomain::ProcessSlot);
     sites = ranks + static_cast<size_t>(nranks) * sizeof(ShmDomain::RankSlot);
-    total = sites + static_cast<size_t>(ShmDomain::kSiteCapacity) * sizeof(ShmDomain::SiteEntry);
+    total = sites + static_cast<size_t>(capacity) * sizeof(ShmDomain::SiteEntry);
   }
 };
 
@@ -109,6 +124,16 @@ class SitesLock {
   pthread_mutex_t* mu_;
   int result_;
 };
+
+uint64_t Mix(uint64_t x) {  // splitmix64's finalizer: where a site's probe starts
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::string Text(const char* chars, size_t bytes) {
+  return std::string(chars, strnlen(chars, bytes));
+}
 
 }  // namespace
 
@@ -145,74 +170,88 @@ Status CheckTable(int64_t key, int64_t group, const std::vector<int32_t>& rank_p
 }  // namespace
 
 Status ShmDomain::Create(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                         int32_t process, int64_t attempt, std::shared_ptr<ShmDomain>* out) {
+                         int32_t process, int64_t attempt, int32_t capacity,
+                         std::shared_ptr<ShmDomain>* out, UniqueFd* fd) {
   JO_CHECK(CheckTable(key, group, rank_process, process));
-  SweepStaleSegments();  // what killed jobs of this user left behind
+  JO_REQUIRE(capacity >= 1 && capacity <= kMaxCapacity, "JAXOVERLAP_MAX_CALL_SITES expected 1.." +
+                                                            std::to_string(kMaxCapacity) +
+                                                            ", got " + std::to_string(capacity));
   const std::vector<int32_t> processes = Distinct(rank_process);
   const int32_t nranks = static_cast<int32_t>(rank_process.size());
   const int32_t nprocs = static_cast<int32_t>(processes.size());
-  const Offsets at(nranks, nprocs);
-  std::string name;
-  JO_CHECK(NewShmName(&name));
+  const Offsets at(nranks, nprocs, capacity);
   std::unique_ptr<ShmSegment> control;
   JO_CHECK(ShmSegment::Create(
-      name, at.total, "the control segment of " + CliqueName(CliqueKey{key, group, 0}), &control));
+      at.total, "the control segment of " + CliqueName(CliqueKey{key, group, 0}), &control, fd));
   std::byte* base = control->data();
   auto* h = new (base) Header();
   h->magic = kMagic;
   h->version = kVersion;
   h->nranks = nranks;
   h->nprocs = nprocs;
-  h->site_capacity = kSiteCapacity;
+  h->site_capacity = capacity;
   h->key = key;
   h->group = group;
   h->attempt = attempt;
+  h->incarnations = 0;
   pthread_mutexattr_t attr;
   pthread_mutexattr_init(&attr);
   pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
   pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
   const int init = pthread_mutex_init(&h->sites_lock, &attr);
   pthread_mutexattr_destroy(&attr);
-  if (init != 0) {
-    (void)UnlinkShm(name);
+  if (init != 0)
     return Status(Code::kResource, std::string("pthread_mutex_init: ") + std::strerror(init));
-  }
   for (int32_t i = 0; i < nprocs; ++i)
     (new (base + at.processes + i * sizeof(ProcessSlot)) ProcessSlot())->process = processes[i];
   for (int32_t r = 0; r < nranks; ++r)
     (new (base + at.ranks + r * sizeof(RankSlot)) RankSlot())->process = rank_process[r];
-  for (int32_t s = 0; s < kSiteCapacity; ++s)
-    new (base + at.sites + s * sizeof(SiteEntry)) SiteEntry();
+  for (int32_t s = 0; s < capacity; ++s) new (base + at.sites + s * sizeof(SiteEntry)) SiteEntry();
   h->attached.store(1);
   std::shared_ptr<ShmDomain> domain(
       new ShmDomain(key, group, rank_process, process, std::move(control)));
-  domain->Announce();
-  JO_INFO(domain->name() + ": created shared-memory control segment " + domain->control_name() +
-          " for " + std::to_string(nprocs) + " processes");
+  JO_CHECK(domain->Announce());
+  JO_INFO(domain->name() + ": created its shared-memory control segment for " +
+          std::to_string(nprocs) + " processes, room for " + std::to_string(capacity) +
+          " live call sites");
   *out = std::move(domain);
   return OkStatus();
 }
 
 Status ShmDomain::Attach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                         int32_t process, int64_t attempt, const std::string& name,
+                         int32_t process, int64_t attempt, int fd,
                          std::shared_ptr<ShmDomain>* out) {
   JO_CHECK(CheckTable(key, group, rank_process, process));
-  JO_REQUIRE(name.rfind("/jaxoverlap-", 0) == 0 && name.size() < kNameBytes,
-             "not a jaxoverlap shared-memory name: '" + name + "'");
   const int32_t nranks = static_cast<int32_t>(rank_process.size());
   const int32_t nprocs = static_cast<int32_t>(Distinct(rank_process).size());
-  std::unique_ptr<ShmSegment> control;
-  JO_CHECK(ShmSegment::Open(name, Offsets(nranks, nprocs).total, &control));
-  const auto* h = reinterpret_cast<const Header*>(control->data());
   const std::string mine = CliqueName(CliqueKey{key, group, 0});
-  JO_REQUIRE(h->magic == kMagic && h->version == kVersion,
-             name + " is not a jaxoverlap clique segment of version " + std::to_string(kVersion));
-  JO_REQUIRE(h->key == key && h->group == group && h->nranks == nranks && h->nprocs == nprocs &&
-                 h->site_capacity == kSiteCapacity,
-             name + " describes " + CliqueName(CliqueKey{h->key, h->group, 0}) + " with " +
-                 std::to_string(h->nranks) + " ranks, but this process bootstraps " + mine +
-                 " with " + std::to_string(nranks));
-  JO_REQUIRE(h->attempt == attempt, name + " belongs to bootstrap attempt " +
+  const std::string what = "the control segment of " + mine;
+  // Its capacity (which sizes it) is in its header: read that first.
+  size_t bytes = 0;
+  JO_CHECK(ShmSegment::Check(fd, what, &bytes));
+  JO_REQUIRE(bytes >= sizeof(Header), "refusing " + what + ": it has " + std::to_string(bytes) +
+                                          " bytes, too few to be one");
+  std::unique_ptr<ShmSegment> control;
+  int32_t capacity = 0;
+  {
+    std::unique_ptr<ShmSegment> head;
+    JO_CHECK(ShmSegment::Map(fd, bytes, what, &head));
+    const auto* h = reinterpret_cast<const Header*>(head->data());
+    JO_REQUIRE(h->magic == kMagic && h->version == kVersion,
+               "refusing " + what + ": it is not a jaxoverlap control segment of version " +
+                   std::to_string(kVersion));
+    capacity = h->site_capacity;
+    JO_REQUIRE(
+        capacity >= 1 && capacity <= kMaxCapacity,
+        "refusing " + what + ": it claims room for " + std::to_string(capacity) + " call sites");
+  }
+  JO_CHECK(ShmSegment::Map(fd, Offsets(nranks, nprocs, capacity).total, what, &control));
+  const auto* h = reinterpret_cast<const Header*>(control->data());
+  JO_REQUIRE(h->key == key && h->group == group && h->nranks == nranks && h->nprocs == nprocs,
+             "refusing " + what + ": it describes " + CliqueName(CliqueKey{h->key, h->group, 0}) +
+                 " with " + std::to_string(h->nranks) + " ranks, but this process bootstraps " +
+                 mine + " with " + std::to_string(nranks));
+  JO_REQUIRE(h->attempt == attempt, "refusing " + what + ": it belongs to bootstrap attempt " +
                                         std::to_string(h->attempt) + " of " + mine +
                                         ", this process joins attempt " + std::to_string(attempt));
   std::shared_ptr<ShmDomain> domain(
@@ -223,35 +262,63 @@ Status ShmDomain::Attach(int64_t key, int64_t group, const std::vector<int32_t>&
                    std::to_string(domain->rank_slot(r)->process) + ", this process's rank table " +
                    TableText(rank_process) + " puts it in process " +
                    std::to_string(rank_process[r]) + " (do all processes use the same mesh?)");
-  domain->Announce();
-  if (domain->header()->attached.fetch_add(1) + 1 == nprocs)
-    JO_CHECK(UnlinkShm(name));  // every process has it mapped: the name is no longer needed
+  JO_CHECK(domain->Announce());
+  domain->header()->attached.fetch_add(1);
   *out = std::move(domain);
   return OkStatus();
 }
 
-void ShmDomain::Announce() {
+Status ShmDomain::Announce() {
+  SegmentServer* server = nullptr;
+  JO_CHECK(SegmentServer::Instance(&server));
   ProcessSlot* slot = process_slot(SlotOf(process_));
+  std::snprintf(slot->server, kServerBytes, "%s", server->name().c_str());
   slot->pidns.store(PidNamespace());
-  slot->pid.store(static_cast<int32_t>(getpid()));
+  slot->pid.store(static_cast<int32_t>(getpid()));  // last: peers read the rest after it
+  return OkStatus();
 }
 
 ShmDomain::Header* ShmDomain::header() const { return reinterpret_cast<Header*>(control_->data()); }
 
 ShmDomain::ProcessSlot* ShmDomain::process_slot(int32_t index) const {
-  return reinterpret_cast<ProcessSlot*>(control_->data() + Offsets(nranks(), nprocs()).processes +
+  return reinterpret_cast<ProcessSlot*>(control_->data() +
+                                        Offsets(nranks(), nprocs(), 0).processes +
                                         static_cast<size_t>(index) * sizeof(ProcessSlot));
 }
 
 ShmDomain::RankSlot* ShmDomain::rank_slot(int32_t rank) const {
-  return reinterpret_cast<RankSlot*>(control_->data() + Offsets(nranks(), nprocs()).ranks +
+  return reinterpret_cast<RankSlot*>(control_->data() + Offsets(nranks(), nprocs(), 0).ranks +
                                      static_cast<size_t>(rank) * sizeof(RankSlot));
 }
 
-ShmDomain::SiteEntry* ShmDomain::site_entry(int64_t site) const {
-  const size_t index = static_cast<size_t>((site - 1) % kSiteCapacity);
-  return reinterpret_cast<SiteEntry*>(control_->data() + Offsets(nranks(), nprocs()).sites +
-                                      index * sizeof(SiteEntry));
+int32_t ShmDomain::capacity() const { return header()->site_capacity; }
+
+ShmDomain::SiteEntry* ShmDomain::site_entry(int32_t index) const {
+  return reinterpret_cast<SiteEntry*>(control_->data() +
+                                      Offsets(nranks(), nprocs(), capacity()).sites +
+                                      static_cast<size_t>(index) * sizeof(SiteEntry));
+}
+
+ShmDomain::SiteEntry* ShmDomain::FindSite(int64_t site) const {
+  // Entries are freed anywhere, so a probe never stops early: it looks at
+  // every entry (a few thousand compares, only when a site opens or closes).
+  const int32_t n = capacity();
+  const int32_t start = static_cast<int32_t>(Mix(static_cast<uint64_t>(site)) % n);
+  for (int32_t i = 0; i < n; ++i) {
+    SiteEntry* e = site_entry((start + i) % n);
+    if (e->site == site) return e;
+  }
+  return nullptr;
+}
+
+ShmDomain::SiteEntry* ShmDomain::FreeEntry(int64_t site) const {
+  const int32_t n = capacity();
+  const int32_t start = static_cast<int32_t>(Mix(static_cast<uint64_t>(site)) % n);
+  for (int32_t i = 0; i < n; ++i) {
+    SiteEntry* e = site_entry((start + i) % n);
+    if (e->site == 0) return e;
+  }
+  return nullptr;
 }
 
 int32_t ShmDomain::SlotOf(int32_t process) const {
@@ -266,17 +333,16 @@ std::string ShmDomain::Describe() {
   std::string local;
   for (int32_t r = 0; r < nranks(); ++r)
     if (Local(r)) local += (local.empty() ? "" : ",") + std::to_string(r);
-  size_t sites = 0;
+  size_t open = 0, kept = 0;
   {
     std::lock_guard<std::mutex> lock(sites_mu_);
-    sites = opened_sites_.size();
+    for (const auto& [site, local_site] : sites_) ++(local_site.users > 0 ? open : kept);
   }
   std::string out = name() + ": domain of " + std::to_string(nranks()) +
-                    " ranks, shared memory "
-                    "across " +
-                    std::to_string(nprocs()) + " processes (ranks " + local + " in this process " +
-                    std::to_string(process_) + "), " + std::to_string(sites) +
-                    " call sites open here";
+                    " ranks, shared memory across " + std::to_string(nprocs()) +
+                    " processes (ranks " + local + " in this process " + std::to_string(process_) +
+                    "), " + std::to_string(open) + " call sites open here" +
+                    (kept != 0 ? " (" + std::to_string(kept) + " kept for peers)" : "");
   const std::string reason = BrokenReason();
   if (!reason.empty()) out += ", BROKEN: " + reason;
   return out;
@@ -382,98 +448,188 @@ Status ShmDomain::CheckPeers(const std::string& during) {
   return status;
 }
 
-Status ShmDomain::OpenSite(int64_t site, size_t site_bytes, Clock::time_point deadline,
-                           const std::string& during,
-                           void (*init)(std::byte*, const ShmDomain&, int64_t),
-                           std::unique_ptr<ShmSegment>* out) {
-  JO_REQUIRE(site > 0, name() + ": call sites are numbered from 1, got " + std::to_string(site));
-  const std::string what = CliqueName(CliqueKey{key_, group_, site});
-  int32_t local_rank = 0;
-  while (!Local(local_rank)) ++local_rank;
-  std::atomic<uint32_t>* bell = Doorbell(local_rank);
-  while (true) {
-    const uint32_t seq = bell->load();
-    if (broken())
-      return Status(Code::kAborted,
-                    during + ": clique aborted by an earlier failure: " + BrokenReason());
-    {
-      SitesLock lock(&header()->sites_lock, deadline);
-      if (lock.result() == EOWNERDEAD) {
-        Status status(Code::kAborted, during +
-                                          ": a process died while it changed the call-site "
-                                          "directory of " +
-                                          name());
+Status ShmDomain::OpenSite(int64_t site, size_t bytes, Clock::time_point deadline,
+                           const std::string& during, SiteInit init, const void* arg,
+                           std::shared_ptr<ShmSegment>* out) {
+  JO_REQUIRE(site != 0, name() + ": a call site's id is never 0");
+  const std::string what = "the segment of " + CliqueName(CliqueKey{key_, group_, site});
+  if (broken())
+    return Status(Code::kAborted,
+                  during + ": clique aborted by an earlier failure: " + BrokenReason());
+  std::lock_guard<std::mutex> local_lock(sites_mu_);
+  auto held = sites_.find(site);
+  if (held != sites_.end() && held->second.users > 0) {  // another clique here has it open
+    ++held->second.users;
+    *out = held->second.segment;
+    return OkStatus();
+  }
+  std::vector<std::shared_ptr<ShmSegment>> unmap;  // after the lock: munmap takes time
+  int32_t creator = -1;
+  uint64_t token = 0, incarnation = 0;
+  int64_t entry_bytes = 0;
+  {
+    SitesLock lock(&header()->sites_lock, deadline);
+    if (lock.result() == EOWNERDEAD) {
+      Status status(Code::kAborted, during +
+                                        ": a process died while it changed the call-site "
+                                        "directory of " +
+                                        name());
+      Break(status);
+      return status;
+    }
+    if (lock.result() == ETIMEDOUT)
+      return Status(Code::kTimeout,
+                    during + ": timeout waiting for the call-site directory lock of " + name());
+    if (lock.result() != 0)
+      return Status(Code::kResource,
+                    std::string("pthread_mutex_clocklock: ") + std::strerror(lock.result()));
+    Sweep(&unmap);
+    held = sites_.find(site);
+    if (SiteEntry* e = FindSite(site)) {
+      ++e->holders;
+      if (held != sites_.end() && held->second.incarnation == e->incarnation) {
+        held->second.users = 1;  // the mapping this process kept: its epochs continue
+        *out = held->second.segment;
+        return OkStatus();
+      }
+      creator = e->creator;
+      token = e->token;
+      incarnation = e->incarnation;
+      entry_bytes = e->bytes;
+    } else {
+      SiteEntry* free = FreeEntry(site);
+      if (free == nullptr) {
+        Status status(Code::kResource,
+                      during + ": " + name() +
+                          " has no room for another call site: " + std::to_string(capacity()) +
+                          " call sites of this group are alive at once across its processes "
+                          "(JAXOVERLAP_MAX_CALL_SITES, read when the group bootstraps); drop "
+                          "executables that are no longer needed, or raise it");
         Break(status);
         return status;
       }
-      if (lock.result() == ETIMEDOUT)
-        return Status(Code::kTimeout, during +
-                                          ": timeout waiting for the call-site directory "
-                                          "lock of " +
-                                          name());
-      if (lock.result() != 0)
-        return Status(Code::kResource,
-                      std::string("pthread_mutex_clocklock: ") + std::strerror(lock.result()));
-      SiteEntry* e = site_entry(site);
-      if (e->site == 0) {  // first process to run this site: create it
-        std::string segment_name;
-        JO_CHECK(NewShmName(&segment_name));
-        std::unique_ptr<ShmSegment> segment;
-        JO_CHECK(ShmSegment::Create(segment_name, site_bytes, "the call-site segment of " + what,
-                                    &segment));
-        init(segment->data(), *this, site);
-        e->site = site;
-        e->attached = 1;
-        e->released = 0;
-        std::snprintf(e->name, kNameBytes, "%s", segment_name.c_str());
-        if (e->attached == nprocs()) (void)UnlinkShm(segment_name);
-        *out = std::move(segment);
-      } else if (e->site == site) {
-        const std::string segment_name(e->name, strnlen(e->name, kNameBytes));
-        JO_REQUIRE(segment_name.rfind("/jaxoverlap-", 0) == 0,
-                   what + ": the call-site directory holds no valid segment name");
-        JO_CHECK(ShmSegment::Open(segment_name, site_bytes, out));
-        if (++e->attached == nprocs()) (void)UnlinkShm(segment_name);
-      }
-    }
-    if (*out != nullptr) {
-      std::lock_guard<std::mutex> lock(sites_mu_);
-      opened_sites_.push_back(site);
-      RingAll();
+      std::unique_ptr<ShmSegment> segment;
+      UniqueFd fd;
+      JO_CHECK(ShmSegment::Create(bytes, what, &segment, &fd));
+      init(segment->data(), *this, site, arg);
+      std::vector<int> peers;
+      for (int32_t i = 0; i < nprocs(); ++i)
+        if (processes_[i] != process_) peers.push_back(process_slot(i)->pid.load());
+      SegmentServer* server = nullptr;
+      JO_CHECK(SegmentServer::Instance(&server));
+      const uint64_t offered = server->Offer(std::move(fd), peers, nprocs() - 1);
+      free->site = site;
+      free->incarnation = ++header()->incarnations;
+      free->holders = 1;
+      free->creator = SlotOf(process_);
+      free->token = offered;
+      free->bytes = static_cast<int64_t>(bytes);
+      if (nprocs() > 1) offers_[site] = {free->incarnation, offered};
+      LocalSite& mine = sites_[site];
+      mine.segment = std::move(segment);
+      mine.incarnation = free->incarnation;
+      mine.users = 1;
+      *out = mine.segment;
       return OkStatus();
     }
-    // The entry still belongs to an older site that some process uses.
-    JO_CHECK(CheckPeers(during));
-    const auto now = Clock::now();
-    if (now >= deadline)
-      return Status(Code::kTimeout, during + ": more than " + std::to_string(kSiteCapacity) +
-                                        " call sites of " + name() +
-                                        " are alive at once (the directory entry "
-                                        "of site " +
-                                        std::to_string(site) + " is still held by an older site)");
-    FutexWait(bell, seq, std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100)));
   }
+  // Another process made it: fetch its segment from the creator's server.
+  if (held != sites_.end()) sites_.erase(held);  // kept from an older life of the entry
+  JO_REQUIRE(creator >= 0 && creator < nprocs() && creator != SlotOf(process_) &&
+                 entry_bytes == static_cast<int64_t>(bytes),
+             during + ": the call-site directory of " + name() + " describes " + what +
+                 " as made by process slot " + std::to_string(creator) + " with " +
+                 std::to_string(entry_bytes) + " bytes, but this call needs " +
+                 std::to_string(bytes) + " (do all processes run the same calls at this site?)");
+  const ProcessSlot* slot = process_slot(creator);
+  const std::string server = Text(slot->server, kServerBytes);
+  UniqueFd fd;
+  Status fetched = FetchFd(server, slot->pid.load(), token, deadline, &fd);
+  if (!fetched.ok()) {
+    JO_CHECK(CheckPeers(during));  // a creator that exited is named as such
+    return Status(fetched.code(), during + ": fetching " + what + " from process " +
+                                      std::to_string(processes_[creator]) + ": " +
+                                      fetched.message());
+  }
+  std::unique_ptr<ShmSegment> segment;
+  JO_CHECK(ShmSegment::Map(fd.get(), bytes, what, &segment));
+  LocalSite& mine = sites_[site];
+  mine.segment = std::move(segment);
+  mine.incarnation = incarnation;
+  mine.users = 1;
+  *out = mine.segment;
+  return OkStatus();
 }
 
 void ShmDomain::ReleaseSite(int64_t site) {
-  {
-    std::lock_guard<std::mutex> lock(sites_mu_);
-    auto it = std::find(opened_sites_.begin(), opened_sites_.end(), site);
-    if (it == opened_sites_.end()) return;
-    opened_sites_.erase(it);
-  }
+  std::vector<std::shared_ptr<ShmSegment>> unmap;
+  std::lock_guard<std::mutex> local_lock(sites_mu_);
+  auto it = sites_.find(site);
+  if (it == sites_.end() || it->second.users <= 0 || --it->second.users > 0) return;
   SitesLock lock(&header()->sites_lock, DeadlineAfter(std::chrono::seconds(5)));
   if (lock.result() != 0 && lock.result() != EOWNERDEAD) return;  // leaves the entry held
-  SiteEntry* e = site_entry(site);
-  if (e->site != site) return;
-  if (++e->released < e->attached) return;
-  // Every process that opened the site let go of it: free the entry.
-  (void)UnlinkShm(std::string(e->name, strnlen(e->name, kNameBytes)));
-  std::memset(e->name, 0, kNameBytes);
-  e->attached = 0;
-  e->released = 0;
-  e->site = 0;
-  RingAll();
+  SiteEntry* e = FindSite(site);
+  if (e != nullptr && e->incarnation == it->second.incarnation && --e->holders > 0)
+    return;  // others hold it: keep the mapping, in case this process opens the site again
+  if (e != nullptr && e->incarnation == it->second.incarnation) {
+    *e = SiteEntry();  // nobody holds it: the entry is free
+    e->site = 0;
+  }
+  unmap.push_back(std::move(it->second.segment));
+  sites_.erase(it);
+  Sweep(&unmap);
+}
+
+void ShmDomain::Sweep(std::vector<std::shared_ptr<ShmSegment>>* unmap) {
+  for (auto it = sites_.begin(); it != sites_.end();) {
+    const SiteEntry* e = it->second.users > 0 ? nullptr : FindSite(it->first);
+    if (it->second.users > 0 || (e != nullptr && e->incarnation == it->second.incarnation)) {
+      ++it;
+      continue;
+    }
+    unmap->push_back(std::move(it->second.segment));  // freed (or reused) since we let go
+    it = sites_.erase(it);
+  }
+  if (offers_.empty()) return;
+  SegmentServer* server = nullptr;
+  if (!SegmentServer::Instance(&server).ok()) return;
+  for (auto it = offers_.begin(); it != offers_.end();) {
+    const SiteEntry* e = FindSite(it->first);
+    if (e != nullptr && e->incarnation == it->second.first) {
+      ++it;
+      continue;
+    }
+    server->Withdraw(it->second.second);  // its site is gone: nobody may fetch it now
+    it = offers_.erase(it);
+  }
+}
+
+void ShmDomain::NoteCall(int32_t rank, int64_t site, int64_t epoch, bool in_call,
+                         const std::string& signature) {
+  RankSlot* slot = rank_slot(rank);
+  std::lock_guard<std::mutex> lock(note_mu_);
+  slot->seq.fetch_add(1);  // odd: being written
+  slot->in_call = in_call ? 1 : 0;
+  slot->site = site;
+  slot->epoch = epoch;
+  std::snprintf(slot->signature, kSignatureBytes, "%s", signature.c_str());
+  slot->seq.fetch_add(1);
+}
+
+std::string ShmDomain::WhereIs(int32_t rank) const {
+  const RankSlot* slot = rank_slot(rank);
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const uint32_t before = slot->seq.load();
+    if (before & 1) continue;
+    const bool in_call = slot->in_call != 0;
+    const int64_t site = slot->site, epoch = slot->epoch;
+    const std::string signature = Text(slot->signature, kSignatureBytes);
+    if (slot->seq.load() != before) continue;
+    if (site == 0) return RankName(rank) + " has run no call of this group yet";
+    return RankName(rank) + (in_call ? " is in call " : " last finished call ") +
+           std::to_string(epoch) + " of " + SiteName(site) + " ('" + signature + "')";
+  }
+  return RankName(rank) + " is busy (its state changed while read)";
 }
 
 namespace {
@@ -500,20 +656,56 @@ Status AddDomain(std::shared_ptr<ShmDomain> domain) {
 }  // namespace
 
 Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, int64_t attempt, std::string* name) {
+                       int32_t process, int64_t attempt, UniqueFd* fd) {
+  int64_t capacity = ShmDomain::kDefaultCapacity;
+  if (const char* text = std::getenv("JAXOVERLAP_MAX_CALL_SITES"); text != nullptr && *text) {
+    char* end = nullptr;
+    capacity = std::strtoll(text, &end, 10);
+    JO_REQUIRE(end != text && *end == '\0' && capacity >= 1 && capacity <= kMaxCapacity,
+               std::string("JAXOVERLAP_MAX_CALL_SITES expected an integer in 1..") +
+                   std::to_string(kMaxCapacity) + ", got '" + text + "'");
+  }
   std::shared_ptr<ShmDomain> domain;
-  JO_CHECK(ShmDomain::Create(clique_key, group, rank_process, process, attempt, &domain));
-  *name = domain->control_name();
-  Status status = AddDomain(std::move(domain));
-  if (!status.ok()) (void)UnlinkShm(*name);
-  return status;
+  JO_CHECK(ShmDomain::Create(clique_key, group, rank_process, process, attempt,
+                             static_cast<int32_t>(capacity), &domain, fd));
+  return AddDomain(std::move(domain));
 }
 
 Status AttachShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, int64_t attempt, const std::string& name) {
+                       int32_t process, int64_t attempt, int fd) {
   std::shared_ptr<ShmDomain> domain;
-  JO_CHECK(ShmDomain::Attach(clique_key, group, rank_process, process, attempt, name, &domain));
+  JO_CHECK(ShmDomain::Attach(clique_key, group, rank_process, process, attempt, fd, &domain));
   return AddDomain(std::move(domain));
+}
+
+Status DomainOf(const CliqueKey& key, const std::vector<int64_t>& rank_process, const char* op,
+                std::shared_ptr<ShmDomain>* out) {
+  *out = FindDomain(key.key, key.group);
+  const bool spans = std::any_of(rank_process.begin(), rank_process.end(),
+                                 [&](int64_t p) { return p != rank_process.front(); });
+  if (*out == nullptr && spans) {
+    std::string table;
+    for (size_t r = 0; r < rank_process.size(); ++r)
+      table += (r ? ", " : "") + std::to_string(rank_process[r]);
+    return Status(
+        Code::kInvalidArgument,
+        std::string(op) + ": " + CliqueName(CliqueKey{key.key, key.group, 0}) +
+            " spans processes (rank -> process [" + table + "]), but process " +
+            std::to_string(ProcessIndex()) +
+            " has no shared memory set up for it. That is set up through jax.distributed "
+            "where the call lowers, and this executable's call did not lower in this process: "
+            "the executable was deserialized, or compiled by another process "
+            "(jax_share_binary_between_hosts, on the global-array path under Auto mesh axes, "
+            "where the call lowers in XLA's partitioner). Lower and compile it in every "
+            "process: call the program through jax.jit here, leave "
+            "jax_share_binary_between_hosts off, or call the op inside jax.shard_map, which "
+            "lowers it in every process");
+  }
+  if (*out != nullptr && (*out)->nranks() != static_cast<int32_t>(rank_process.size()))
+    return InvalidArgument((*out)->name() + " has " + std::to_string((*out)->nranks()) +
+                           " ranks, but this call has axis_size " +
+                           std::to_string(rank_process.size()));
+  return OkStatus();
 }
 
 std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group) {

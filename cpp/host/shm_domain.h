@@ -1,23 +1,33 @@
 // ShmDomain: what the processes of one group of a mesh axis share, set up
-// once through the jax.distributed key-value store (jaxoverlap/_bootstrap.py)
+// once through the jax.distributed key-value store (jaxoverlap/_native/bootstrap.py)
 // and then used by every call site of that group.
 //
-// A call site (one custom call of one executable, host_call.h) gets a clique
-// of its own, ShmClique (shm_clique.h), so that calls that XLA runs
+// A call site (one custom call of one executable, core/call.h CallSite) gets
+// a clique of its own, ShmClique (shm_clique.h), so that calls that XLA runs
 // concurrently or in different orders on different devices never share
 // epochs, flags or buffers. Call sites appear at run time, long after the
 // bootstrap; the domain is where their processes find each other without
 // the store:
 //
-// * the CONTROL segment, created by the leader (the process of rank 0) and
-//   attached by the others at bootstrap: the rank table, per process its pid
-//   (for the liveness checks below) and a slot for an error text, per rank
-//   its doorbell, the domain's broken flag, and the SITE DIRECTORY;
-// * the site directory: entry (site - 1) % capacity belongs to a live call
-//   site. The first process to run a site claims the entry (compare-and-swap
-//   on the site id), creates the site's segment under a fresh random name and
-//   publishes that name there; the others open it by that name. The entry is
-//   freed when every process that opened the site has let go of it.
+// * the CONTROL segment, made by the leader (the process of rank 0) and
+//   passed to the others at bootstrap: the rank table; per process its pid
+//   (for the liveness checks below), the name of its segment server
+//   (host/fd_share.h) and a slot for an error text; per rank its doorbell
+//   and the call it is in (for errors); the domain's broken flag; and the
+//   SITE DIRECTORY;
+// * the site directory: an entry per live call site, found by its site id
+//   (open addressing under a process-shared lock: any free entry will do, so
+//   the capacity counts live sites, never sites made over the job's life).
+//   The first process to run a site creates its segment and offers the fd to
+//   its peers through its segment server; the others fetch it from there.
+//   The entry counts the processes holding the site and is freed when none
+//   does.
+//
+// A process that drops a site (its executables went) while others still
+// hold it keeps its mapping: if it compiles the same site again (the same
+// program after jax.clear_caches, say), its ranks continue with the site's
+// epochs where they left off, as its peers expect. Mappings of sites that
+// were freed meanwhile are let go at the next directory operation.
 //
 // Broken: the first failure of any site breaks the whole domain (a peer that
 // timed out or died leaves the group unusable), and every waiter of every
@@ -28,18 +38,21 @@
 // a second, not at the timeout.
 //
 // Everything a peer wrote that sizes or locates memory is validated before
-// use; segments are opened only if they are ours and private (shm.h).
+// use; segments are mapped only if they are ours and private (shm.h).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "core/clique.h"
 #include "core/deadline.h"
 #include "core/status.h"
+#include "host/fd_share.h"
 #include "host/shm.h"
 
 namespace jo::host {
@@ -51,17 +64,18 @@ class ShmDomain {
   struct RankSlot;
   struct SiteEntry;
 
-  // Leader: creates the control segment under a fresh name. `rank_process[r]`
-  // is the process index of rank r; `process` is ours; `attempt` names this
-  // bootstrap (agreed through the store), so that a late process cannot join
-  // a stale one.
+  // Leader: makes the control segment; `fd` receives it, for the bootstrap
+  // to pass to the other processes. `rank_process[r]` is the process index
+  // of rank r; `process` is ours; `attempt` names this bootstrap (agreed
+  // through the store), so that a late process cannot join a stale one;
+  // `capacity` is the most call sites alive at once.
   static Status Create(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, int64_t attempt, std::shared_ptr<ShmDomain>* out);
-  // The other processes: maps the leader's segment and checks that it
+                       int32_t process, int64_t attempt, int32_t capacity,
+                       std::shared_ptr<ShmDomain>* out, UniqueFd* fd);
+  // The other processes: maps the leader's segment `fd` and checks that it
   // describes the same clique and attempt.
   static Status Attach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, int64_t attempt, const std::string& name,
-                       std::shared_ptr<ShmDomain>* out);
+                       int32_t process, int64_t attempt, int fd, std::shared_ptr<ShmDomain>* out);
   ~ShmDomain();
   ShmDomain(const ShmDomain&) = delete;
   ShmDomain& operator=(const ShmDomain&) = delete;
@@ -71,7 +85,8 @@ class ShmDomain {
   int32_t nranks() const { return static_cast<int32_t>(rank_process_.size()); }
   int32_t nprocs() const { return static_cast<int32_t>(processes_.size()); }
   int32_t process() const { return process_; }
-  const std::string& control_name() const { return control_->name(); }
+  int32_t capacity() const;
+  const std::vector<int32_t>& rank_process() const { return rank_process_; }
   std::string name() const;                  // "clique 0x.../group 1" (no site)
   std::string RankName(int32_t rank) const;  // "rank 2 (process 1)"
   bool Local(int32_t rank) const { return rank_process_[rank] == process_; }
@@ -96,26 +111,46 @@ class ShmDomain {
   // returns that status. Cheap enough for every poll slice.
   Status CheckPeers(const std::string& during);
 
-  // The site segment of `site`: created by the first process to ask, opened
-  // by the others (waiting for its creator until `deadline`). `site_bytes` is
-  // its size, the same in every process; `init` fills a new one.
-  Status OpenSite(int64_t site, size_t site_bytes, Clock::time_point deadline,
-                  const std::string& during, void (*init)(std::byte*, const ShmDomain&, int64_t),
-                  std::unique_ptr<ShmSegment>* out);
-  // This process no longer uses `site` (its cliques went away).
+  // The segment of call site `site` (`bytes` long): created by the first
+  // process to ask (`init` fills it, knowing the site and `arg`), fetched
+  // from its creator by the others, or the mapping this process kept. A
+  // site this process holds already gives the same mapping. Never waits for
+  // room: a full directory is an error naming the capacity.
+  using SiteInit = void (*)(std::byte* base, const ShmDomain& domain, int64_t site,
+                            const void* arg);
+  Status OpenSite(int64_t site, size_t bytes, Clock::time_point deadline, const std::string& during,
+                  SiteInit init, const void* arg, std::shared_ptr<ShmSegment>* out);
+  // One holder of `site` in this process is done with it (OpenSite's count).
   void ReleaseSite(int64_t site);
 
-  static constexpr int32_t kSiteCapacity = 4096;
+  // For errors: what each rank is doing. NoteCall records that `rank` began
+  // (`in_call`) or finished call `epoch` of `site` ("signature" describes it).
+  void NoteCall(int32_t rank, int64_t site, int64_t epoch, bool in_call,
+                const std::string& signature);
+  // "rank 1 (process 1) is in call 3 of site 0x... ('ag_matmul/nccl ...')".
+  std::string WhereIs(int32_t rank) const;
+
+  static constexpr int32_t kDefaultCapacity = 4096;
 
  private:
+  struct LocalSite {  // a site's segment as this process has it
+    std::shared_ptr<ShmSegment> segment;
+    uint64_t incarnation = 0;  // the directory entry's, when we got it
+    int users = 0;             // open cliques here; 0: kept for a re-open
+  };
   ShmDomain(int64_t key, int64_t group, std::vector<int32_t> rank_process, int32_t process,
             std::unique_ptr<ShmSegment> control);
   Header* header() const;
   ProcessSlot* process_slot(int32_t index) const;
   RankSlot* rank_slot(int32_t rank) const;
-  SiteEntry* site_entry(int64_t site) const;
+  SiteEntry* site_entry(int32_t index) const;
+  SiteEntry* FindSite(int64_t site) const;  // requires the directory lock
+  SiteEntry* FreeEntry(int64_t site) const;
   int32_t SlotOf(int32_t process) const;  // its process slot (dense index), -1 if not ours
-  void Announce();                        // writes our pid into our process slot
+  Status Announce();                      // writes our pid and segment server into our process slot
+  // Lets go of kept mappings and offers whose sites were freed; requires the
+  // directory lock and sites_mu_.
+  void Sweep(std::vector<std::shared_ptr<ShmSegment>>* unmap);
 
   const int64_t key_;
   const int64_t group_;
@@ -129,22 +164,31 @@ class ShmDomain {
   std::vector<int> pidfds_;  // per dense process index, -1 until opened (or not checkable)
   std::vector<bool> uncheckable_;
   std::atomic<int64_t> last_check_ns_{0};
-  std::mutex sites_mu_;
-  std::vector<int64_t> opened_sites_;  // sites this process opened (to release)
+  std::mutex note_mu_;   // one writer of our ranks' slots at a time (calls of several sites)
+  std::mutex sites_mu_;  // the two maps below; taken before the directory lock
+  std::map<int64_t, LocalSite> sites_;
+  std::map<int64_t, std::pair<uint64_t, uint64_t>> offers_;  // site -> (incarnation, token)
 };
 
 // The domains of this process, by (clique_key, group). The Python bootstrap
-// (jaxoverlap/_bootstrap.py) makes them at trace time, before any call runs:
+// (jaxoverlap/_native/bootstrap.py) makes them at trace time, before any call runs:
 // rank_process[r] is the process index of rank r; `process` is ours;
 // `attempt` names the bootstrap attempt (agreed through the store). The
-// leader (the process of rank 0) creates the control segment and returns its
-// name for the key-value store; the others attach to it by name. A broken
-// domain is replaced by the next bootstrap (its call sites keep the old one).
+// leader (the process of rank 0) creates the control segment and gets its fd
+// to pass on; the others attach to the fd they received. A broken domain is
+// replaced by the next bootstrap (its call sites keep the old one).
+// JAXOVERLAP_MAX_CALL_SITES (read by the leader) sets the capacity.
 Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, int64_t attempt, std::string* name);
+                       int32_t process, int64_t attempt, UniqueFd* fd);
 Status AttachShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
-                       int32_t process, int64_t attempt, const std::string& name);
+                       int32_t process, int64_t attempt, int fd);
 std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group);  // null if none
+// The domain of a call's group: null when the group's ranks are all in this
+// process; an error naming the cause when they span processes and this
+// process has none (its bootstrap never ran here: an executable that was not
+// lowered in this process), or when the domain has another rank count.
+Status DomainOf(const CliqueKey& key, const std::vector<int64_t>& rank_process, const char* op,
+                std::shared_ptr<ShmDomain>* out);
 // "absent", "ok" or "broken".
 std::string DomainState(int64_t clique_key, int64_t group);
 // Marks the domain broken (a failed bootstrap): its processes' calls fail fast.

@@ -1,7 +1,7 @@
 // The trace-time half of multi-process GPU cliques (cpp/cuda/cuda_bootstrap.h),
-// bound identically in _cuda and in the test-only _cuda_fake: jaxoverlap/_native.py
+// bound identically in _cuda and in the test-only _cuda_fake: jaxoverlap/_native/bootstrap.py
 // makes the NCCL unique id in the process of rank 0, moves it through the
-// jax.distributed store (_bootstrap.broadcast_bytes) and registers it here.
+// jax.distributed store (bootstrap.broadcast_bytes) and registers it here.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -44,7 +44,7 @@ inline void BindCudaBootstrap(nanobind::module_& m) {
         if (!status.ok()) throw std::invalid_argument(status.message());
       },
       nb::arg("clique_key"), nb::arg("group"), nb::arg("process"), nb::arg("exchange"),
-      "Registers the clique's exchange (a _bootstrap.StoreExchange) for `process`: p2p cliques "
+      "Registers the clique's exchange (a bootstrap.StoreExchange) for `process`: p2p cliques "
       "spanning processes allgather their CUDA IPC handles through it at the first execution.");
   m.def("_forget_nccl_ids", &cuda::ForgetNcclIds, "Tests only: forget every id and exchange.");
 }

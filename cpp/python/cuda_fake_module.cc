@@ -141,7 +141,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
              int64_t hold_ms, const std::string& algorithm, const std::string& w_dtype,
              const std::string& out_dtype, std::vector<float> x_scales, std::vector<float> w_scales,
-             std::vector<int64_t> chunks_per_call, bool fused) {
+             std::vector<int64_t> chunks_per_call, bool fused,
+             std::optional<std::vector<int64_t>> site_keys) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
   q.op = ParseOp(op);
@@ -169,6 +170,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   played.processes = std::move(processes);
   if (hosts) played.hosts = std::move(*hosts);
   played.clique_key = clique_key;
+  played.site_keys = std::move(site_keys);
   played.calls = calls;
   played.skew_rank = skew_rank;
   played.skip_rank = skip_rank;
@@ -297,10 +299,13 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("algorithm") = "two_shot", nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
         nb::arg("x_scales") = std::vector<float>(), nb::arg("w_scales") = std::vector<float>(),
         nb::arg("chunks_per_call") = std::vector<int64_t>(), nb::arg("fused") = false,
+        nb::arg("site_keys") = nb::none(),
         "Plays `calls` calls on every rank (fake_harness.h, PlayCalls). dtype is x's (w_dtype "
         "and out_dtype default to it); xs and ws are bytes as the handler receives them (an "
         "fp8 w K-major: [cols, k] row-major); x_scales / w_scales: one float32 per rank "
-        "(empty: 1); fused: the fused GEMM's program (docs/gpu.md §10).");
+        "(empty: 1); chunks_per_call: per call, its chunks (a call site per number of chunks); "
+        "fused: the fused GEMM's program (docs/gpu.md §10); site_keys: per rank, the key of a "
+        "call site of its own (none: one site shared by every rank).");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

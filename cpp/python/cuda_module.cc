@@ -1,7 +1,7 @@
 // jaxoverlap._cuda: the CUDA executor's module.
 //
 // Exposes (1) the CUDA FFI handlers as capsules through registrations()
-// (registered for platform "CUDA" by jaxoverlap/_native.py), (2) what this
+// (registered for platform "CUDA" by jaxoverlap/_native/runtime.py), (2) what this
 // machine offers — capabilities() never fails: without a GPU or driver it
 // says so in its "error" field — and (3) build information. Importing it
 // needs neither a GPU nor a driver (static CUDA runtime, driver entry points
@@ -192,5 +192,8 @@ NB_MODULE(_cuda, m) {
         "The process index the handlers find themselves with in the rank table.");
   m.def("cliques", &jo::cuda::DescribeCudaCliques, "One line per live GPU clique.");
   m.def("_reset_cliques", &jo::cuda::ResetCudaCliques, "Tests only: forget every clique.");
+  m.def("note_lowering", &jo::NoteLowering, nb::arg("site_key"),
+        "The native call `site_key` was lowered: its next instance belongs to a new program "
+        "(core/call.h CallSite).");
   jo::python::BindCudaBootstrap(m);
 }

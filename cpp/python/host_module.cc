@@ -436,19 +436,25 @@ nb::list TakeCalls() {
   return out;
 }
 
-std::string ShmDomainCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                            int32_t process, int64_t attempt) {
-  std::string name;
-  ThrowIfError(jo::host::CreateShmDomain(key, group, rank_process, process, attempt, &name));
-  return name;
+// The leader's control segment, as an fd the caller passes on and closes.
+int ShmDomainCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                    int32_t process, int64_t attempt) {
+  jo::host::UniqueFd fd;
+  ThrowIfError(jo::host::CreateShmDomain(key, group, rank_process, process, attempt, &fd));
+  return fd.release();
 }
 
 void ShmDomainAttach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                     int32_t process, int64_t attempt, const std::string& name) {
-  ThrowIfError(jo::host::AttachShmDomain(key, group, rank_process, process, attempt, name));
+                     int32_t process, int64_t attempt, int fd) {
+  ThrowIfError(jo::host::AttachShmDomain(key, group, rank_process, process, attempt, fd));
 }
 
-void ShmUnlink(const std::string& name) { ThrowIfError(jo::host::UnlinkShm(name)); }
+// How many segment fds this process's server still holds for its peers.
+size_t SegmentOffers() {
+  jo::host::SegmentServer* server = nullptr;
+  ThrowIfError(jo::host::SegmentServer::Instance(&server));
+  return server->offers();
+}
 
 // Sharing fds between processes (host/fd_share.h); fds returned to Python are
 // owned by the caller (close them with os.close).
@@ -519,17 +525,20 @@ NB_MODULE(_host, m) {
         "end_ns, ok, 'ops': one dict per op with stream, kind, shard, sub, peer, bytes, "
         "start_ns, ready_ns, end_ns), and forgets them.");
   m.def("now_ns", &jo::NowNs, "The clock of the recorded spans (steady, nanoseconds).");
-  // Multi-process bootstrap (jaxoverlap/_bootstrap.py); errors are RuntimeError.
+  // Multi-process bootstrap (jaxoverlap/_native/bootstrap.py); errors are RuntimeError.
+  m.def("note_lowering", &jo::NoteLowering, nb::arg("site_key"),
+        "The native call `site_key` was lowered: its next instance belongs to a new program "
+        "(core/call.h CallSite).");
   m.def("_shm_domain_create", &ShmDomainCreate, nb::arg("clique_key"), nb::arg("group"),
         nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"),
-        "Leader: creates and registers the domain of a group spanning processes; returns the "
-        "name of its shared-memory segment.");
+        "Leader: creates and registers the domain of a group spanning processes; returns an fd "
+        "of its control segment (a memfd) for the other processes; the caller closes it.");
   m.def("_shm_domain_attach", &ShmDomainAttach, nb::arg("clique_key"), nb::arg("group"),
-        nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"), nb::arg("name"),
-        "Other processes: attaches to the leader's segment and registers the domain.");
-  m.def("_shm_unlink", &ShmUnlink, nb::arg("name"), "Unlinks a shm name (gone is fine).");
-  m.def("_shm_cleanup", &jo::host::UnlinkTrackedNames,
-        "Unlinks every shm name this process created or opened and has not unlinked.");
+        nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"), nb::arg("fd"),
+        "Other processes: maps the leader's control segment `fd` (checked) and registers the "
+        "domain; the caller keeps and closes `fd`.");
+  m.def("_segment_offers", &SegmentOffers,
+        "How many shared-memory fds this process still holds for peers to fetch.");
   nb::class_<FdServerHandle>(m, "_FdServer")
       .def("finish", &FdServerHandle::Finish, nb::call_guard<nb::gil_scoped_release>(),
            "Waits until every expected peer fetched the fds (or the deadline): raises if not.");

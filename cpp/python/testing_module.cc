@@ -14,17 +14,23 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/call.h"
 #include "core/exchange.h"
+#include "host/host_clique.h"
 #include "host/host_site.h"
+#include "host/shm_clique.h"
+#include "host/shm_domain.h"
 #include "host/workers.h"
 #include "python/ffi_capsule.h"
 #include "python/py_exchange.h"
@@ -114,7 +120,7 @@ nb::dict ExchangeSelftest(nb::object impl, bool share_fds, int owner_fd) {
 }
 
 // A worker that, for `seconds`, keeps touching what a call's worker touches
-// (the sizing cache, the clique registry, the call-site counter) — as a call
+// (the sizing cache, the clique registry, the call-site identities) — as a call
 // still waiting for a peer does while its process exits. This module links
 // its own copy of that state; the test shows exit is clean all the same.
 void BusyWorker(double seconds) {
@@ -131,10 +137,132 @@ void BusyWorker(double seconds) {
       jo::CallNeeds needs;
       (void)jo::NeedsOf(q, &needs);
       (void)jo::host::DescribeCliques();
-      (void)jo::NewCallSiteId(i);
+      (void)jo::CallSite::Instantiate(i + 1);
     }
   });
   ThrowIfError(posted);
+}
+
+// The call-site directory of a domain with room for `capacity` sites, in this
+// process (processes [0: here, 1: nobody]): site 1 stays open while `churn`
+// other sites open and close one after another; then, with `fill`, sites
+// open without closing until the directory refuses one (each holds its fd
+// for the absent peer meanwhile). Returns what happened.
+nb::dict SiteDirectory(int32_t capacity, int64_t churn, bool fill) {
+  std::shared_ptr<jo::host::ShmDomain> domain;
+  jo::host::UniqueFd fd;
+  ThrowIfError(jo::host::ShmDomain::Create(0x5173, 0, {0, 1}, 0, 1, capacity, &domain, &fd));
+  const auto init = [](std::byte* base, const jo::host::ShmDomain&, int64_t site, const void*) {
+    std::memcpy(base, &site, sizeof(site));  // each segment says which site it is
+  };
+  const auto open = [&](int64_t site, std::shared_ptr<jo::host::ShmSegment>* out) {
+    return domain->OpenSite(site, 4096, jo::DeadlineAfter(std::chrono::seconds(10)), "test", init,
+                            nullptr, out);
+  };
+  nb::dict out;
+  std::shared_ptr<jo::host::ShmSegment> kept;
+  ThrowIfError(open(1, &kept));
+  int64_t churned = 0;
+  {
+    nb::gil_scoped_release release;
+    for (int64_t i = 0; i < churn; ++i) {
+      std::shared_ptr<jo::host::ShmSegment> segment;
+      ThrowIfError(open(1000 + i, &segment));
+      int64_t written = 0;
+      std::memcpy(&written, segment->data(), sizeof(written));
+      if (written != 1000 + i) throw std::runtime_error("a site got another site's segment");
+      segment.reset();
+      domain->ReleaseSite(1000 + i);
+      ++churned;
+    }
+  }
+  int64_t site_of_kept = 0;
+  std::memcpy(&site_of_kept, kept->data(), sizeof(site_of_kept));
+  out["churned"] = churned;
+  out["kept_site"] = site_of_kept;
+  std::vector<int64_t> filled;
+  jo::Status status;
+  while (fill && status.ok() && static_cast<int64_t>(filled.size()) <= capacity) {
+    std::shared_ptr<jo::host::ShmSegment> segment;
+    status = open(1'000'000 + static_cast<int64_t>(filled.size()), &segment);
+    if (status.ok()) filled.push_back(1'000'000 + static_cast<int64_t>(filled.size()));
+  }
+  out["filled"] = filled.size();
+  out["full_error"] = status.message();
+  out["description"] = domain->Describe();
+  jo::host::SegmentServer* server = nullptr;
+  ThrowIfError(jo::host::SegmentServer::Instance(&server));
+  out["offers_open"] = server->offers();  // fds held for the absent peer
+  kept.reset();
+  for (int64_t site : filled) domain->ReleaseSite(site);
+  domain->ReleaseSite(1);
+  out["offers_closed"] = server->offers();  // every site closed: none left
+  return out;
+}
+
+// ClaimRank's rule on a clique of `kind` ("local", or "shm": a domain whose
+// two ranks are both in this process): a device's call 2 of rank 0, started
+// first, waits until its call 1 has been claimed and released; a second
+// device calling as a rank that is inside a call fails at once.
+nb::dict ClaimOrder(const std::string& kind) {
+  const jo::CliqueKey key{0x0c1a, 0, 0x51e};
+  std::shared_ptr<jo::host::HostClique> clique;
+  if (kind == "local") {
+    clique = std::make_shared<jo::host::LocalClique>(key, 2);
+  } else {
+    std::shared_ptr<jo::host::ShmDomain> domain;
+    jo::host::UniqueFd fd;
+    ThrowIfError(jo::host::ShmDomain::Create(key.key, 0, {0, 0}, 0, 1, 8, &domain, &fd));
+    jo::CallNeeds needs;
+    needs.workspace_bytes = 256;
+    needs.num_flags = 2;
+    clique = std::make_shared<jo::host::ShmClique>(domain, key.site, needs, "a call");
+  }
+  const auto context = [](int32_t rank, int64_t epoch) {
+    jo::host::WaitContext ctx;
+    ctx.op = "test";
+    ctx.rank = rank;
+    ctx.epoch = epoch;
+    ctx.timeout = std::chrono::milliseconds(10000);
+    return ctx;
+  };
+  nb::dict out;
+  nb::gil_scoped_release release;
+  std::atomic<bool> second_claimed{false}, first_released{false};
+  std::atomic<bool> claimed_before_release{false};
+  jo::Status second;
+  std::thread later([&] {
+    jo::host::WaitContext ctx = context(0, 2);
+    second = clique->ClaimRank(&ctx, 7);
+    claimed_before_release = !first_released.load();
+    second_claimed = true;
+    if (second.ok()) clique->ReleaseRank(ctx);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const bool waited = !second_claimed.load();
+  jo::host::WaitContext first = context(0, 1);
+  jo::Status status = clique->ClaimRank(&first, 7);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const bool still_waited = !second_claimed.load();
+  first_released = true;
+  if (status.ok()) clique->ReleaseRank(first);
+  later.join();
+  jo::host::WaitContext other = context(1, 1);
+  jo::Status one = clique->ClaimRank(&other, 3);
+  jo::host::WaitContext twin = context(1, 2);
+  const auto start = std::chrono::steady_clock::now();
+  jo::Status two = clique->ClaimRank(&twin, 4);
+  const double two_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  nb::gil_scoped_acquire acquire;
+  out["waited"] = waited && still_waited;
+  out["first"] = status.message();
+  out["second"] = second.message();
+  out["claimed_before_release"] = claimed_before_release.load();
+  out["two_devices"] = two.message();
+  out["two_devices_s"] = two_s;
+  out["one"] = one.message();
+  return out;
 }
 
 }  // namespace
@@ -153,6 +281,11 @@ NB_MODULE(jaxoverlap_testing, m) {
       "A CPU FFI handler that allgathers through the probe exchange.");
   m.def("set_probe_exchange", &SetProbeExchange, nb::arg("exchange").none(),
         "The exchange the probe handler uses (None: forget it).");
+  m.def("claim_order", &ClaimOrder, nb::arg("kind"),
+        "ClaimRank's order and exclusion on a 'local' or 'shm' clique (see its comment).");
+  m.def("site_directory", &SiteDirectory, nb::arg("capacity"), nb::arg("churn"),
+        nb::arg("fill") = false,
+        "Churns the call-site directory of a domain in this process (see its comment).");
   m.def("busy_worker", &BusyWorker, nb::arg("seconds"),
         "A host worker that keeps using process-wide state for `seconds`.");
   BindFusedTiles(m);

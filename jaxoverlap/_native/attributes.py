@@ -6,9 +6,11 @@ struct that decodes them (``CallAttrs`` in ``cpp/ffi/ffi_call.h``, whose
 name, its C++ type (the attribute is made with exactly that type: XLA's decoding checks it) and
 how its value comes from the call's plan (``_plan.OpPlan``), its description
 (``call.NativeCall``: the resolved transport, the clique key and the rank table) and x's
-abstract value. :func:`attributes` is the only place a value is made;
-``tests/native/test_attributes.py`` holds the C++ struct and docs/native.md §6 to this schema.
-Adding an attribute is one entry here and one member of ``CallAttrs``.
+abstract value — but for the site key, which the lowering rule computes where the call lowers
+(``site_key``, from :func:`naming` and the lowering context) and hands in. :func:`attributes` is
+the only place a value is made; ``tests/native/test_attributes.py`` holds the C++ struct and
+docs/native.md §6 to this schema. Adding an attribute is one entry here and one member of
+``CallAttrs``.
 """
 
 from __future__ import annotations
@@ -38,12 +40,16 @@ ENCODERS: dict[str, Callable[[Any], Any]] = {
 @dataclasses.dataclass(frozen=True)
 class Attribute:
     """One attribute: its name, its C++ type in ``CallAttrs``, what it means (docs/native.md
-    §6 says the same), and its value for a call."""
+    §6 says the same), and its value for a call (None: the site key, given).
+    ``names_site``: part of what the call is, which its site key hashes — not the timeout, which
+    a process may set differently, nor the rank table: the clique key names it, and a device of
+    another process has no local ordinal here (JAX gives it none on CPU)."""
 
     name: str
     ctype: str
     meaning: str
-    value: Callable[[OpPlan, NativeCall, Any], Any]
+    value: Callable[[OpPlan, NativeCall, Any], Any] | None
+    names_site: bool = True
 
 
 def _tf32(plan: OpPlan, x) -> bool:
@@ -67,6 +73,8 @@ SCHEMA: tuple[Attribute, ...] = (
               lambda plan, call, x: OPS.index(plan.op)),
     Attribute("clique_key", "int64_t", "the call's clique, the same in every process",
               lambda plan, call, x: call.clique_key),
+    Attribute("site_key", "int64_t", "the call site: what the call is and where in its program, "
+              "the same in every process (§4); never 0", None),
     Attribute("axis", "int64_t", "x's sharded row dim (matmul_ar: 0; its rows are all dims "
               "but the last)", lambda plan, call, x: plan.axis),
     Attribute("axis_size", "int64_t", "N, the number of ranks of the mesh axis",
@@ -85,17 +93,28 @@ SCHEMA: tuple[Attribute, ...] = (
               "matmul_rs over p2p or multicast; docs/gpu.md §10)",
               lambda plan, call, x: _fused(plan, call)),
     Attribute("timeout_ms", "int64_t", "milliseconds any wait of the call may take",
-              lambda plan, call, x: timeout_ms(plan.timeout_s)),
+              lambda plan, call, x: timeout_ms(plan.timeout_s), names_site=False),
     Attribute("processes", "ffi::Span<const int64_t>", "the rank table, in (group, rank) "
-              "order: each rank's process", lambda plan, call, x: [r.process for r in call.ranks]),
+              "order: each rank's process", lambda plan, call, x: [r.process for r in call.ranks],
+              names_site=False),
     Attribute("device_ids", "ffi::Span<const int64_t>", "each rank's global device id (JAX's)",
-              lambda plan, call, x: [r.device_id for r in call.ranks]),
+              lambda plan, call, x: [r.device_id for r in call.ranks], names_site=False),
     Attribute("ordinals", "ffi::Span<const int64_t>", "each rank's local device ordinal",
-              lambda plan, call, x: [r.ordinal for r in call.ranks]),
+              lambda plan, call, x: [r.ordinal for r in call.ranks], names_site=False),
 )
 
 
-def attributes(plan: OpPlan, call: NativeCall, x) -> dict[str, Any]:
-    """The custom call's attributes for ``plan``, described by ``call``, on operand ``x``: one
-    per :data:`SCHEMA` entry, in its order, each of its exact C++ type."""
-    return {a.name: ENCODERS[a.ctype](a.value(plan, call, x)) for a in SCHEMA}
+def naming(plan: OpPlan, call: NativeCall, x) -> dict[str, Any]:
+    """What the call is, as its site key hashes it besides where it lowers and its types: the
+    attributes that name the site (:attr:`Attribute.names_site`) and the axis name."""
+    made = {a.name: ENCODERS[a.ctype](a.value(plan, call, x)) for a in SCHEMA
+            if a.value is not None and a.names_site}
+    return {**made, "axis_name": plan.axis_name}
+
+
+def attributes(plan: OpPlan, call: NativeCall, x, site_key: int) -> dict[str, Any]:
+    """The custom call's attributes for ``plan``, described by ``call``, on operand ``x``, with
+    the call's ``site_key`` (``site_key.site_key`` where it lowers; nonzero): one per
+    :data:`SCHEMA` entry, in its order, each of its exact C++ type."""
+    return {a.name: ENCODERS[a.ctype](site_key if a.value is None else a.value(plan, call, x))
+            for a in SCHEMA}

@@ -20,25 +20,30 @@ Two layers:
 Host clique protocol (once per mesh-axis group per process, when a call lowers: from the native
 primitive's lowering rule; docs/multiprocess.md §3 has the whole story):
 
+0. every other process publishes its pid under ``.../pid/<process>``;
 1. the leader (the process of rank 0) takes the next attempt number from an atomic counter in
-   the store, creates the group's control segment (``shm_open`` O_EXCL, mode 0600, a random
-   name) and publishes ``{"attempt", "name", "rank_process", "machine"}`` under ``.../leader``;
+   the store, creates the group's control segment (a memfd: no name anyone could open),
+   collects the others' pids, serves the segment's fd to exactly those pids on an abstract
+   Unix socket with a random name (``share_fds``'s server) and publishes
+   ``{"attempt", "socket", "pid", "rank_process", "machine", "namespaces"}`` under
+   ``.../leader``;
 2. every other process waits for a leader entry newer than any attempt it has seen, checks
-   that the leader's rank table and machine equal its own, attaches, and answers
-   ``.../<attempt>/attached/<process>`` (``ok`` or the reason);
+   that the leader's rank table, machine and namespaces equal its own, fetches the fd from
+   the leader's pid only, maps it (checked: a sealed memfd of this user, of the right size and
+   contents), and answers ``.../<attempt>/attached/<process>`` (``ok`` or the reason);
 3. the leader collects every answer (naming the processes that do not answer) and publishes
    the verdict ``.../<attempt>/result``, which every process waits for: a failure is raised
    everywhere, the segment is marked broken, and the next trace bootstraps anew.
 
 From then on ranks talk through shared memory only (``cpp/host/shm_domain.h``: each call site
-gets its own clique in the group's domain at its first call). The host executor learns which
+gets its own clique in the group's domain at its first call, its segment's fd passed between
+the processes by their segment servers, ``cpp/host/fd_share.h``). The host executor learns which
 ranks are threads of this process and which are other processes from the rank table given
 here (``rank_process``); it treats both alike, all through shared memory.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import secrets
@@ -297,6 +302,17 @@ def share_fds(clique_id: str, tag: str, fds: Sequence[int], *, processes: Sequen
         raise
 
 
+def namespaces() -> str:
+    """This process's pid and network namespaces (the inodes of /proc/self/ns/*)."""
+    parts = []
+    for kind in ("pid", "net"):
+        try:
+            parts.append(f"{kind}:{os.stat(f'/proc/self/ns/{kind}').st_ino}")
+        except OSError:
+            parts.append(f"{kind}:?")
+    return ",".join(parts)
+
+
 def machine_id() -> str:
     """This machine, as shared memory sees it: hostname and kernel boot id."""
     try:
@@ -416,7 +432,7 @@ def _delete(key: str) -> None:
 
 def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int], cid: str,
                          deadline: float, timeout_s: float) -> None:
-    """The leader (process of rank 0): create, publish, collect every answer, give the verdict.
+    """The leader (process of rank 0): create, serve, collect every answer, give the verdict.
 
     Attempts are numbered by an atomic counter in the store, so every process agrees on which
     attempt it joins whatever failed before; the previous attempt's keys are deleted.
@@ -426,14 +442,31 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
     if attempt > 1:
         _delete(_host_key(cid, attempt - 1))
     _attempts_seen[cid] = attempt
-    name = host._shm_domain_create(clique_key, group, table, me, attempt)
+    fd = host._shm_domain_create(clique_key, group, table, me, attempt)
+    server = None
     try:
-        _set_overwrite(_host_key(cid, "leader"), json.dumps(
-            {"attempt": attempt, "name": name, "rank_process": table,
-             "machine": machine_id()}).encode())
-        missing, errors = [], []
+        missing, errors, pids = [], [], []
         for p in sorted(set(table)):
             if p == me:
+                continue
+            try:
+                pids.append(int(_get(_host_key(cid, "pid", p), deadline, f"process {p}",
+                                     f"attach to the shared memory of host clique {cid}")))
+            except BootstrapError as e:
+                missing.append(p)
+                errors.append(str(e))
+                deadline = time.monotonic() + 0.01  # only collect who else is missing
+        if not missing:
+            # Bound before its name is published; it serves exactly these pids (SO_PEERCRED).
+            socket_name = f"jaxoverlap-{os.getpid()}-{secrets.token_hex(16)}"
+            server = host._fd_serve(socket_name, [fd], pids,
+                                    timeout_ms(max(0.1, deadline - time.monotonic())))
+            _set_overwrite(_host_key(cid, "leader"), json.dumps(
+                {"attempt": attempt, "socket": socket_name, "pid": os.getpid(),
+                 "rank_process": table, "machine": machine_id(),
+                 "namespaces": namespaces()}).encode())
+        for p in sorted(set(table)):
+            if p == me or missing:
                 continue
             try:
                 answer = _get(_host_key(cid, attempt, "attached", p), deadline, f"process {p}",
@@ -463,16 +496,22 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
             pass
         _delete(_host_key(cid, "leader"))
         host._forget_domain(clique_key, group)
-        host._shm_unlink(name)
+        del server  # stops serving
+        os.close(fd)
         raise
     _set(_host_key(cid, attempt, "result"), b"ok")
-    host._shm_unlink(name)
+    try:
+        server.finish()  # every process answered ok: each has its copy already
+    finally:
+        os.close(fd)
 
 
 def _follow_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int], cid: str,
                            deadline: float) -> None:
     """Every other process: join the leader's newest attempt, answer, await the verdict."""
     me, leader = jax.process_index(), table[0]
+    # The leader serves the control segment to the pids it reads here, and to no other.
+    _set_overwrite(_host_key(cid, "pid", me), str(os.getpid()).encode())
     what = f"leader (rank 0) of host clique {cid} publishing its shared memory"
     while True:
         info = json.loads(_poll(_host_key(cid, "leader"), deadline, f"process {leader}", what,
@@ -492,13 +531,31 @@ def _follow_host_bootstrap(host: Any, clique_key: int, group: int, table: list[i
                 f"{info['machine']}, process {me} on {machine_id()}): the host executor shares "
                 "memory between processes, which works on one machine only. Use impl='ring' or "
                 "impl='xla' for CPU meshes that span machines.")
+        elif info["namespaces"] != namespaces():
+            problem = (
+                f"jaxoverlap: host clique {cid}: process {leader} and process {me} run in "
+                f"different pid or network namespaces ({info['namespaces']} and "
+                f"{namespaces()}; separate containers?). Their shared memory passes over Unix "
+                "sockets that check each other's pid: run the job's processes on one machine in "
+                "one container, or with the pid and network namespaces shared.")
         else:
+            remaining = max(0.1, deadline - time.monotonic())
             try:
-                host._shm_domain_attach(clique_key, group, table, me, attempt, info["name"])
+                # The leader listens before it publishes: only a leader that gave this attempt
+                # up is silent, and then a newer attempt follows.
+                (fd,) = host._fd_receive(info["socket"], 1, int(info["pid"]),
+                                         timeout_ms(min(remaining, 10.0)))
             except RuntimeError as e:
-                if "already unlinked" in str(e):
-                    continue  # the leader gave this attempt up meanwhile: wait for the next
+                if "nobody listens" in str(e) and time.monotonic() < deadline:
+                    continue
                 problem = f"jaxoverlap: process {me}: {e}"
+            else:
+                try:
+                    host._shm_domain_attach(clique_key, group, table, me, attempt, fd)
+                except RuntimeError as e:
+                    problem = f"jaxoverlap: process {me}: {e}"
+                finally:
+                    os.close(fd)
         _set(_host_key(cid, attempt, "attached", me),
              b"ok" if problem is None else problem.encode())
         if problem is not None:
@@ -545,15 +602,3 @@ def _poll(key: str, deadline: float, who: str, what: str, accept) -> bytes:
                 f"jaxoverlap call? (JAXOVERLAP_TIMEOUT_S / timeout_s set the deadline)")
         time.sleep(delay)
         delay = min(0.1, delay * 2)
-
-
-def _cleanup() -> None:
-    """Unlinks shared-memory names this process still knows (normal exit runs it too)."""
-    try:
-        if runtime.host_error() is None:
-            runtime.load_host()._shm_cleanup()
-    except Exception:  # noqa: BLE001 - never fail at exit
-        pass
-
-
-atexit.register(_cleanup)

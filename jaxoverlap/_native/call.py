@@ -20,7 +20,9 @@ from jaxoverlap._native import capabilities
 
 @dataclasses.dataclass(frozen=True)
 class Rank:
-    """One device of the call: its process, JAX's global device id, its local ordinal."""
+    """One device of the call: its process, JAX's global device id, its local ordinal (on CPU,
+    JAX gives another process's device no local ordinal, so there it is that device's id: the
+    ordinals are the only part of a call's description that may differ between processes)."""
 
     process: int
     device_id: int
@@ -29,7 +31,8 @@ class Rank:
 
 @dataclasses.dataclass(frozen=True)
 class NativeCall:
-    """What the custom call and its cliques need to know, identical in every process."""
+    """What the custom call and its cliques need to know, identical in every process (but the
+    ordinals of other processes' devices, see :class:`Rank`)."""
 
     platform: str                 # "cpu" or "cuda"
     axis_name: str

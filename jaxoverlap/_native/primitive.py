@@ -8,7 +8,8 @@ is where a native call gets its identity: it reads the concrete mesh from the lo
 mesh), describes the call once (``call``: rank table, clique, transport), registers the
 platform's handlers (``runtime``), sets up cliques spanning processes (``bootstrap``) and emits
 the custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host executor;
-``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``.
+``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``, among
+them its site key: what the call is, the same in every process (``site_key``).
 docs/native.md follows one call through.
 
 FP8: x and w may be float8 (``capabilities.FP8_DTYPES``), each with its float32 dequantization
@@ -33,8 +34,9 @@ from jax.interpreters import batching
 from jaxoverlap import _precision
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._native import bootstrap, capabilities, runtime
-from jaxoverlap._native.attributes import attributes
+from jaxoverlap._native.attributes import attributes, naming
 from jaxoverlap._native.call import describe
+from jaxoverlap._native.site_key import site_key
 from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
 
 _TARGETS = {
@@ -140,10 +142,15 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
             layouts = [None, (0, 1), None, None]
     rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False,
                                 operand_layouts=layouts)
-    return rule(ctx, *operands, **attributes(plan, call, x_aval))
+    key = site_key(ctx, naming(plan, call, x_aval))
+    # Its next instance in XLA belongs to a new program (cpp/core/call.h, CallSite).
+    runtime.note_lowering(platform, key)
+    return rule(ctx, *operands, **attributes(plan, call, x_aval, key))
 
 
-mlir.register_lowering(native_p, _lower)
+# Not cached: every native call of a program lowers on its own and gets its own site key
+# (site_key.py), even when its operands' types and attributes equal another's.
+mlir.register_lowering(native_p, _lower, cacheable=False)
 
 
 # ---------------------------------------------------------------- binding

@@ -182,6 +182,16 @@ def register(platform: str) -> None:
         hook()
 
 
+def note_lowering(platform: str, site_key: int) -> None:
+    """Tells the executors that the native call ``site_key`` lowered for ``platform`` (whose
+    handlers are registered): its next instance belongs to a new program, so XLA's instances of
+    it number from 1 again (``cpp/core/call.h``, ``CallSite``). Each extension keeps its own
+    notes; ``_host`` hears of every lowering, ``_cuda`` of those for a GPU."""
+    load_host().note_lowering(site_key)
+    if platform != "cpu":
+        load_cuda().note_lowering(site_key)
+
+
 # ---------------------------------------------------------------- the source tree
 
 

@@ -321,6 +321,42 @@ def test_ranks_disagreeing_on_the_call(fake, transport):
     assert all(s and "aborted by an earlier failure" in s for s in again["statuses"])
 
 
+def test_nccl_peers_aborted_by_a_disagreement_name_it(fake):
+    """A disagreement breaks the clique and aborts its NCCL communicators (a peer's connecting
+    group may be on the GPU): a peer whose lease or connection then finds them aborted names the
+    disagreement, not only the abort. Which peer gets there first is a race, so the calls are
+    played many times (before the fix about one run in four had a peer fail without naming it)."""
+    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
+    args = ("ag_matmul", "nccl", 4, 1, 4, 8, 6, "float32", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    for _ in range(50):
+        fake.reset()
+        out = fake.run(*args, clique_key=5, skew_rank=2)
+        failed = [s for s in out["statuses"] if s]
+        assert failed and all("ranks disagree on call 1" in s for s in failed), out["statuses"]
+
+
+def test_ranks_in_different_call_sites_disagree_naming_both_sites(fake):
+    """Each rank calls through a call site of its own, instantiated from its site key (as each
+    process does when it compiles its program): ranks whose sites have the same key run as one
+    site, whatever else was instantiated before; ranks that reach the group's clique from two
+    different sites at the same epoch fail naming both sites, never exchange data."""
+    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
+    args = ("ag_matmul", "nccl", 4, 1, 4, 8, 6, "float32", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    same = fake.run(*args, clique_key=11, site_keys=[0x5EED] * 4)
+    assert same["statuses"] == [None] * 4 and same["drained"], same["statuses"]
+    want, _ = _reference("ag_matmul", xs, ws, 4)
+    for y, ref in zip(same["ys"], want, strict=True):
+        np.testing.assert_allclose(np.frombuffer(y, np.float32).reshape(ref.shape), ref,
+                                   rtol=1e-5, atol=1e-4)
+    fake.reset(fake.Config(devices=4))
+    other = fake.run(*args, clique_key=12, site_keys=[0x5EED, 0x5EED, 0xF00D, 0x5EED])
+    failed = [s for s in other["statuses"] if s]
+    assert failed and all("ranks disagree on call 1" in s for s in failed), other["statuses"]
+    assert "site 0x0000000000005eed" in failed[0] and "site 0x000000000000f00d" in failed[0]
+
+
 def test_rank_table_membership_errors_are_clean(fake):
     xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
     out = fake.run("ag_matmul", "nccl", 2, 1, 3, 8, 6, "float32", 1, False, False,

@@ -44,7 +44,7 @@ def test_native_every_transport_fwd_and_bwd(nprocs, devices):
         domains = [c for c in cliques if ": domain of" in c]
         assert len(domains) == len(TRANSPORTS), cliques
         assert all(f"shared memory across {nprocs} processes" in c for c in cliques), cliques
-        # Names are unlinked as soon as every process attached, while the job still runs.
+        # Nothing of the job has a name in /dev/shm while it runs (segments are memfds).
         assert result["linked"] == [], result["linked"]
 
 
@@ -52,6 +52,18 @@ def test_native_bfloat16_across_processes():
     procs = harness.run("native", 2, 1, params={"transports": TRANSPORTS, "dtype": "bfloat16",
                                                 "axes": [1]})
     assert all(len(p.result()["checked"]) == 2 * len(TRANSPORTS) for p in procs)
+
+
+def test_native_fused_across_processes():
+    """The fused programs (one FusedGemm waiting on per-block flags) on cliques spanning
+    processes: 2 processes x 2 devices, both ops over p2p and multicast, each call site's clique
+    in shared memory across the processes."""
+    procs = harness.run("fused", 2, 2, params={"transports": ["p2p", "multicast"]},
+                        env={"JAXOVERLAP_FUSED": "1"})
+    for p in procs:
+        result = p.result()
+        assert len(result["checked"]) == 4, p.stdout
+        assert "shared memory across 2 processes" in result["cliques"], result["cliques"]
 
 
 def test_native_fp8_across_processes():
@@ -71,7 +83,7 @@ def test_mixed_meshes_interleaved_ring_and_growth():
                                      "tp across processes", "growth", "user shard_map"], p.stdout
         kinds = result["cliques"]
         assert "in-process" in kinds and "shared memory across 2 processes" in kinds, kinds
-        assert result["linked"] == [], result["linked"]  # growth generations unlinked too
+        assert result["linked"] == [], result["linked"]  # nothing named in /dev/shm
 
 
 # JAX's own failure handling: its coordination service (in process 0) sees the lost process go
@@ -132,7 +144,7 @@ def test_a_process_that_never_bootstraps_is_named_by_the_leader():
     assert "BootstrapError" in result["error"], result
     assert "process(es) [1] did not attach to host clique" in result["error"], result
     assert result["elapsed_s"] >= 2.5, result  # not before its 3 s timeout
-    assert result["leftover"] == [], result  # the leader unlinked its segment on the error
+    assert result["leftover"] == [], result  # nothing named in /dev/shm after the error
 
 
 def test_a_failed_bootstrap_recovers_when_the_call_is_retried():
@@ -189,13 +201,115 @@ def test_harness_reports_failures_and_removes_leftover_segments():
     assert not harness.shm_segments(f"jotest{os.getpid()}x")
 
 
-def test_processes_that_disagree_on_a_call_fail_fast_with_both_calls_named():
-    procs = harness.run("disagree", 2, 1, params={"timeout_s": 30.0}, timeout_s=120)
+def test_processes_that_run_different_calls_fail_at_the_timeout_naming_both_sites():
+    """Process 1 calls with another contraction size: another call, so another call site, and
+    each process waits in its own. The timeout (4 s) names the site and call this process is
+    in, and where the missing peer is instead."""
+    procs = harness.run("disagree", 2, 1, params={"timeout_s": 4.0}, timeout_s=120)
+    errors = [p.result()["error"] for p in procs]
+    for error in errors:
+        assert error is not None and "timeout after 4.000 s" in error, errors
+        assert "missing peer rank(s)" in error and "is in call 1 of site 0x" in error, errors
+        # Both calls named: this process's and the peer's.
+        assert "[1,2,8]x2" in error and "[1,2,16]x2" in error, error
+
+
+def test_a_chiefs_extra_compiles_shift_no_call_site():
+    """The chief alone AOT-compiles an eval step (to log its memory), keeps another AOT program,
+    compiles on a background thread; the processes compile two programs in opposite orders; the
+    chief recompiles the train step after jax.clear_caches() while the old executable lives, then
+    drops it and compiles it again while its peer keeps its own. Every common step runs at once
+    (a site shifted by one extra compile would wait the whole timeout) and right."""
+    procs = harness.run("chief_aot", 2, 2, params={"timeout_s": 30.0}, timeout_s=300)
     for p in procs:
         result = p.result()
+        assert result["checked"][-3:] == ["common steps", "recompiled while alive", "rejoined"], \
+            p.stdout
+        assert result["common_s"] < 25.0, result  # no step waited for the 30 s timeout
+        assert "shared memory across 2 processes" in result["cliques"], result["cliques"]
+    chief = procs[0].result()
+    assert chief["checked"][:2] == ["chief AOT eval step (True)", "chief-only programs"], chief
+    # The chief dropped the train step while its peer kept it: it kept the mapping.
+    assert "kept for peers" in chief["kept_for_peers"], chief["kept_for_peers"]
+
+
+def test_thousands_of_sites_over_a_job_while_one_stays_alive():
+    """With room for 8 live call sites, a train step stays alive while 15 programs of 3 calls
+    each (45 sites) are compiled, run and dropped: each finds room, because the directory counts
+    live sites. Then a program of 9 calls at once fails at once in every process (2 local
+    ranks each: one deadline, not one per rank), naming the capacity. The directory at its real
+    capacity (4096) with 10000 sites over time is test_shm.py's."""
+    procs = harness.run("many_sites", 2, 2, params={"programs": 15, "calls": 3,
+                                                     "timeout_s": 60.0},
+                        env={"JAXOVERLAP_MAX_CALL_SITES": "8"}, timeout_s=400,
+                        expect_success=False)
+    for p in procs:
+        result = p.result()
+        assert p.returncode == 0 or _JAX_TERMINATED in p.stderr, harness.describe(procs)
+        assert result["made"] == 46 and result["most_open"] <= 8, result
         error = result["error"]
-        assert error is not None and "ranks disagree on call 1 of this clique" in error, result
-        assert "[1,2,16]x2" in error and "[1,2,8]x2" in error, error  # the check's, no timeout
+        assert error is not None and "has no room for another call site: 8 call sites" in error, \
+            result
+        assert result["full_elapsed_s"] < 20.0, result  # not the 60 s timeout
+
+
+def test_a_process_of_the_same_user_outside_the_job_cannot_open_its_memory():
+    """While a job makes and uses call sites, a process of the same user that is not part of it
+    (without ptrace rights over it) scans /dev/shm, /proc/<pid>/{fd,map_files,mem} and
+    pidfd_getfd of the job's processes, and asks the job's fd sockets for fds: it opens nothing
+    but the canary, a named segment made in /dev/shm to show that it would."""
+    procs = harness.run("watched", 2, 1, params={"iterations": 10}, timeout_s=300)
+    report = procs[0].result()["watcher"]
+    if not report["no_ptrace"]:  # (ptrace access reads any process's memory: outside the model)
+        pytest.skip(f"the watcher cannot give up its ptrace rights over the job here (no "
+                    f"Landlock: {report['landlock']}; not root, so no user namespace of its own)")
+    canary = [path for path in report["opened"] if path.endswith("-canary")]
+    assert len(canary) == 1, report
+    assert {path: how for path, how in report["opened"].items() if path not in canary} == {}, \
+        report
+    assert report["sockets"], report  # it found the job's fd servers, and got nothing there
+    assert report["tries"]["socket"] > 0, report
+    # It saw the job's fds (and the memfds among them) and could not open one.
+    for kind in ("proc_fd", "proc_mem", "pidfd_getfd"):
+        assert report["tries"][kind] > 0 and kind in report["refusals"], (kind, report)
+    assert report["rounds"] > 10, report
+
+
+def test_an_executable_whose_calls_never_lowered_here_fails_at_once_naming_why(tmp_path):
+    """A program serialized by one job and loaded by the next never lowers its native call
+    there, so its group spanning processes has no shared memory: every process fails at once
+    saying why and what to do, instead of waiting for its peers until the timeout (30 s)."""
+    first = harness.run("deserialized", 2, 1, params={"directory": str(tmp_path),
+                                                       "timeout_s": 30.0}, expect_success=False)
+    for p in first:  # as below: it reported, then left (or process 0's leaving took it down)
+        assert p.returncode == 0 or _JAX_TERMINATED in p.stderr, harness.describe(first)
+    assert [p.result()["loaded"] for p in first] == ["serialized"] * 2
+    second = harness.run("deserialized", 2, 1, params={"directory": str(tmp_path),
+                                                        "timeout_s": 30.0}, timeout_s=120,
+                         expect_success=False)
+    for p in second:
+        # It reported, then left without jax.distributed's shutdown (or JAX's service, whose
+        # process left first, took it down): either way, what it reported is the result.
+        assert p.returncode == 0 or _JAX_TERMINATED in p.stderr, harness.describe(second)
+        result = p.result()
+        error = result["error"]
+        assert result["loaded"] == "failed" and error is not None, result
+        assert f"but process {p.process_id} has no shared memory set up for it" in error, error
+        assert "did not lower in this process" in error and "jax.shard_map" in error, error
+        assert result["elapsed_s"] < 10.0, result
+
+
+def test_a_program_from_the_persistent_compilation_cache_runs_right(tmp_path):
+    """The second job loads a user's shard_map program from JAX's persistent cache (nothing
+    new written): it lowers there all the same (the cache key is the lowered program), so its
+    group is set up and its call sites are the cached program's own; it runs right."""
+    first = harness.run("cached", 2, 1, params={"cache_dir": str(tmp_path)})
+    assert all(p.result()["new_entries"] > 0 for p in first)
+    second = harness.run("cached", 2, 1, params={"cache_dir": str(tmp_path)})
+    for p in second:
+        result = p.result()
+        assert result["new_entries"] == 0, result  # a cache hit
+        assert "shared memory across 2 processes" in result["cliques"], result
 
 
 def require_module(name: str) -> None:

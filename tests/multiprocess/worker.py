@@ -143,7 +143,7 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
                 global_array(w, mesh, P("tp", None), dtype))
         check_shards(f"matmul_ar one-shot {transport}", y, x @ w, dtype)
         one_shot.append(transport)
-    # Every segment was unlinked once all processes had attached (not only at exit).
+    # Nothing of the job has a name in /dev/shm while it runs (segments are memfds).
     return {"checked": done, "one_shot": one_shot, "cliques": _cliques(),
             "linked": harness_segments()}
 
@@ -211,13 +211,42 @@ def fp8(transports: list[str]) -> dict[str, Any]:
     return {"checked": done}
 
 
+def fused(transports: list[str], calls: int = 5) -> dict[str, Any]:
+    """The fused GEMM's programs (JAXOVERLAP_FUSED=1) of both ops over a tp mesh of every device,
+    bfloat16 with 16-byte rows: the host executor runs them block by block on a clique in shared
+    memory across the processes; ``calls`` calls of each against float64 NumPy."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    done = []
+    for transport in transports:
+        for op in ("ag_matmul", "matmul_rs"):
+            k = 16 if op == "ag_matmul" else 8 * n
+            nw = 8 * n if op == "ag_matmul" else 16
+            x64, w64 = values(1, (2, 4 * n, k), "bfloat16"), values(2, (k, nw), "bfloat16")
+            if op == "ag_matmul":
+                x_spec, w_spec, fn = P(None, "tp", None), P(None, "tp"), jo.ag_matmul
+            else:
+                x_spec, w_spec, fn = P(None, None, "tp"), P("tp", None), jo.matmul_rs
+            x = global_array(x64, mesh, x_spec, "bfloat16")
+            w = global_array(w64, mesh, w_spec, "bfloat16")
+            step = jax.jit(lambda x, w, fn=fn, t=transport: fn(
+                x, w, "tp", axis=1, impl="native", transport=t, mesh=mesh))
+            compiled = step.lower(x, w).compile().as_text()
+            assert "fused = true" in compiled, [c for c in compiled.splitlines() if "custom" in c]
+            for _ in range(calls):
+                y = step(x, w)
+            check_shards(f"{op} {transport} fused", y, x64 @ w64, "bfloat16")
+            done.append(f"{op}/{transport}")
+    return {"checked": done, "cliques": _cliques()}
+
+
 def mixed(transport: str = "p2p") -> dict[str, Any]:
     """Cliques of several kinds in one job (run with 2 processes x 2 devices).
 
     * tp=4 over [0, 2, 1, 3]: every ring hop crosses processes (one clique, two processes);
     * (dp=2, tp=2) with tp inside a process: in-process cliques, no shared memory;
     * (dp=2, tp=2) with tp across processes: two cliques spanning both processes;
-    * changing shapes back to back (the data segment grows across processes).
+    * changing shapes back to back (a call site each across processes).
     """
     devices = jax.devices()
     assert len(devices) == 4 and jax.process_count() == 2, "run with 2 processes x 2 devices"
@@ -363,7 +392,6 @@ def peer_loss(victim: int, mode: str, timeout_s: float) -> dict[str, Any]:
     print("JO_MP_RESULT " + json.dumps(result), flush=True)
     from jaxoverlap._native import bootstrap
 
-    bootstrap._cleanup()
     # Process 0 hosts the coordination service: it leaves last, or it would take the others
     # down with it before they report.
     store = bootstrap.client()
@@ -426,7 +454,8 @@ def bootstrap_retry(timeout_s: float) -> dict[str, Any]:
 
 
 def disagree(timeout_s: float) -> dict[str, Any]:
-    """Process 1 calls with another contraction size: the agreement check names the call."""
+    """Process 1 calls with another contraction size: another call, so another call site. Each
+    process waits in its own site until the timeout, which names where the missing peer is."""
     mesh = mesh_of((len(jax.devices()),), ("tp",))
     k = 8 if jax.process_index() == 0 else 16
     x = global_array(np.ones((4, k)), mesh, P("tp", None), "float32")
@@ -440,6 +469,319 @@ def disagree(timeout_s: float) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         error = str(e)
     return {"error": error, "elapsed_s": time.monotonic() - start}
+
+
+def _ag_problem(seed: int, mesh: Mesh, rows: int, k: int = 8, nw: int | None = None):
+    """x [2, rows*tp, k] (rows on tp), w [k, nw] (columns on tp), and their float64 values."""
+    n = mesh.shape["tp"]
+    nw = nw or 2 * n
+    x64 = values(seed, (2, rows * n, k), "float32")
+    w64 = values(seed + 1, (k, nw), "float32")
+    return (x64, w64, global_array(x64, mesh, P(None, "tp", None), "float32"),
+            global_array(w64, mesh, P(None, "tp"), "float32"))
+
+
+def _ag(mesh: Mesh, transport: str = "p2p") -> Callable:
+    """A program of one native call (jit of an ag_matmul on global arrays)."""
+    return jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", mesh=mesh,
+                                             transport=transport))
+
+
+def chief_aot(timeout_s: float) -> dict[str, Any]:
+    """What a multi-controller program does that processes do not all alike, then steps every
+    process runs. None of the common steps may wait for a peer (they fail at the timeout if
+    they do), and every result must be right.
+
+    * the chief alone AOT-compiles an eval step to log its memory (the compiled object dropped
+      at once), keeps another AOT-compiled program it never runs, and compiles a third on a
+      background thread (all on the model's mesh and transport: a mesh-axis group that only
+      some processes ever lower would wait in its bootstrap, docs/multiprocess.md);
+    * the processes compile two programs in opposite orders;
+    * the chief calls jax.clear_caches() and recompiles the train step while its old
+      executable is still alive; the other process keeps using its own;
+    * the chief drops the train step altogether (its peer keeps it), compiles it again and
+      carries on: its ranks continue the site's calls where they left off.
+    """
+    import gc
+    import threading
+
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    me = jax.process_index()
+    checked: list[str] = []
+    x64, w64, x, w = _ag_problem(40, mesh, rows=2)
+    c64 = values(43, (2, 2 * n, 2 * n), "float32")
+    c = global_array(c64, mesh, P(None, None, "tp"), "float32")
+
+    def train_fn(x, w, c):
+        loss = lambda x, w: jnp.sum(jo.ag_matmul(  # noqa: E731
+            x, w, "tp", axis=1, impl="native", mesh=mesh, transport="p2p") * c)
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    def check_train(dx, dw, what):
+        check_shards(f"{what} dx", dx, c64 @ w64.T, "float32")
+        check_shards(f"{what} dw", dw, x64.reshape(-1, x64.shape[-1]).T @ c64.reshape(
+            -1, c64.shape[-1]), "float32")
+
+    with jo.config(timeout_s=timeout_s):
+        xe64, we64, xe, we = _ag_problem(44, mesh, rows=3)
+        evaluate = _ag(mesh)
+        xa64, wa64, xa, wa = _ag_problem(46, mesh, rows=4)
+        xb64, wb64, xb, wb = _ag_problem(48, mesh, rows=5)
+        if me == 0:
+            memory = evaluate.lower(xe, we).compile().memory_analysis()
+            checked.append(f"chief AOT eval step ({memory is not None})")
+            x2, w2 = _ag_problem(50, mesh, rows=6)[2:]
+            kept = _ag(mesh).lower(x2, w2).compile()  # never run
+            x3, w3 = _ag_problem(52, mesh, rows=7)[2:]
+            background = threading.Thread(target=lambda: _ag(mesh).lower(x3, w3).compile())
+            background.start()
+            background.join()
+            checked.append("chief-only programs")
+        programs = {"a": (_ag(mesh), xa, wa, xa64 @ wa64), "b": (_ag(mesh), xb, wb, xb64 @ wb64)}
+        order = ["a", "b"] if me == 0 else ["b", "a"]
+        compiled = {name: programs[name][0].lower(*programs[name][1:3]).compile()
+                    for name in order}
+        start = time.monotonic()
+        train = jax.jit(train_fn)
+        for step in range(3):
+            check_train(*train(x, w, c), f"train step {step}")
+            for name in ("a", "b"):
+                _, xi, wi, want = programs[name]
+                check_shards(f"program {name} step {step}", compiled[name](xi, wi), want,
+                             "float32")
+            check_shards(f"eval step {step}", evaluate(xe, we), xe64 @ we64, "float32")
+        checked.append("common steps")
+        common_s = time.monotonic() - start
+        # The chief recompiles the train step while its old executable lives on.
+        old = train.lower(x, w, c).compile()
+        if me == 0:
+            jax.clear_caches()
+        for step in range(2):
+            check_train(*train(x, w, c), f"train after clear_caches {step}")
+        checked.append("recompiled while alive")
+        # The chief drops the train step entirely, its peer keeps it; then the chief makes it
+        # again and both carry on.
+        kept_for_peers = ""
+        if me == 0:
+            del old, train
+            jax.clear_caches()
+            gc.collect()
+            kept_for_peers = _cliques()
+            train = jax.jit(train_fn)
+        for step in range(2):
+            check_train(*train(x, w, c), f"train after the chief rejoined {step}")
+        checked.append("rejoined")
+        if me == 0:
+            del kept
+    return {"checked": checked, "common_s": common_s, "kept_for_peers": kept_for_peers,
+            "cliques": _cliques()}
+
+
+def many_sites(programs: int, calls: int, timeout_s: float) -> dict[str, Any]:
+    """A long job's recompiles: a train step stays alive while `programs` programs of `calls`
+    native calls each (shapes of their own) are compiled, run and dropped one after another —
+    run with JAXOVERLAP_MAX_CALL_SITES below their total. Then one program with more calls than
+    the directory has room for: every process fails at once, naming the capacity."""
+    import gc
+
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64, w64, x, w = _ag_problem(60, mesh, rows=2)
+    most_open = 0
+
+    def batch(first: int, count: int):
+        problems = [_ag_problem(1000 + 2 * (first + i), mesh, rows=1 + (first + i) % 5,
+                                k=8 + 2 * (first + i)) for i in range(count)]
+
+        def f(*args):
+            return [jo.ag_matmul(args[2 * i], args[2 * i + 1], "tp", axis=1, impl="native",
+                                 mesh=mesh, transport="p2p") for i in range(count)]
+
+        args = [a for p in problems for a in p[2:]]
+        return f, args, [p[0] @ p[1] for p in problems]
+
+    with jo.config(timeout_s=timeout_s):
+        train = _ag(mesh).lower(x, w).compile()  # alive throughout
+        check_shards("train", train(x, w), x64 @ w64, "float32")
+        for p in range(programs):
+            f, args, wants = batch(p * calls, calls)
+            compiled = jax.jit(f).lower(*args).compile()
+            for i, (y, want) in enumerate(zip(compiled(*args), wants, strict=True)):
+                check_shards(f"program {p} call {i}", y, want, "float32")
+            most_open = max(most_open, _open_sites())
+            del compiled, f, args
+            jax.clear_caches()
+            gc.collect()
+            check_shards(f"train after program {p}", train(x, w), x64 @ w64, "float32")
+        made = programs * calls + 1
+        f, args, _ = batch(10_000, int(os.environ["JAXOVERLAP_MAX_CALL_SITES"]) + 1)
+        start = time.monotonic()
+        try:
+            jax.block_until_ready(jax.jit(f)(*args))
+            error = None
+        except Exception as e:  # noqa: BLE001 - the error is what this step reports
+            error = str(e)
+        elapsed = time.monotonic() - start
+    print("JO_MP_RESULT " + json.dumps({"made": made, "most_open": most_open, "error": error,
+                                        "full_elapsed_s": elapsed}), flush=True)
+    _leave_last_from_process_0("many_sites")
+
+
+def _open_sites() -> int:
+    """Call sites this process has open in its domains (from their info() lines)."""
+    import re
+
+    return sum(int(m) for m in re.findall(r"(\d+) call sites open here", _cliques()))
+
+
+def watched(iterations: int) -> dict[str, Any]:
+    """A job that keeps making call sites (new shapes, compiled, run, dropped) while a process
+    of the same user that is not part of it (watcher.py, started here) looks for its shared
+    memory: in /dev/shm, through /proc, and at its Unix sockets. Returns what the watcher
+    reports. A canary the watcher must find proves it looks: a named segment in /dev/shm
+    (what jaxoverlap's segments were), mode 0600, made here."""
+    import gc
+    import subprocess
+
+    from jaxoverlap._native import bootstrap
+
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    me = jax.process_index()
+    pids = bootstrap.allgather_bytes("watched", "pids", str(os.getpid()).encode(),
+                                     processes=list(range(jax.process_count())), timeout_s=60)
+    canary = f"/dev/shm/jaxoverlap-{os.environ['JAXOVERLAP_SHM_TAG']}-canary"
+    watcher = None
+    if me == 0:
+        fd = os.open(canary, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.write(fd, b"canary")
+        os.close(fd)
+        argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "watcher.py"), ",".join(p.decode() for p in
+                                                                     pids.values())]
+        env = dict(os.environ)
+        if os.geteuid() == 0:  # as root, the watcher is root without its privileges
+            argv = ["unshare", "--user", "--map-root-user", *argv]
+            env["JO_WATCHER_USERNS"] = "1"
+        watcher = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        assert watcher.stdout.readline().strip() == "watching", watcher.stderr.read()
+    bootstrap.allgather_bytes("watched", "started", b"1",
+                              processes=list(range(jax.process_count())), timeout_s=60)
+    for i in range(iterations):
+        x64, w64, x, w = _ag_problem(200 + i, mesh, rows=1 + i, k=8 + i)
+        compiled = _ag(mesh, ("p2p", "nccl", "multicast")[i % 3]).lower(x, w).compile()
+        for _ in range(3):
+            check_shards(f"iteration {i}", compiled(x, w), x64 @ w64, "float32")
+        del compiled
+        jax.clear_caches()
+        gc.collect()
+    report = {}
+    if watcher is not None:
+        out, err = watcher.communicate(input="stop\n", timeout=60)
+        os.unlink(canary)
+        report = json.loads(out.strip().splitlines()[-1])
+        report["stderr"] = err[-2000:]
+    return {"watcher": report}
+
+
+def deserialized(directory: str, timeout_s: float) -> dict[str, Any]:
+    """A program that every process loads from a serialized executable and never lowers: its
+    group spanning processes was never bootstrapped in this job. The first run serializes it
+    (after running it); a second job loads and runs it, and must fail at once naming the cause,
+    not wait for peers until the timeout."""
+    from jax.experimental import serialize_executable
+
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64, w64, x, w = _ag_problem(80, mesh, rows=2)
+    program_of = jax.jit(jax.shard_map(
+        lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p"),
+        mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+        out_specs=P(None, None, "tp")))
+    path = os.path.join(directory, f"program.{jax.process_index()}")
+    start = time.monotonic()
+    try:
+        with jo.config(timeout_s=timeout_s):
+            if not os.path.exists(path):
+                compiled = program_of.lower(x, w).compile()
+                check_shards("compiled here", compiled(x, w), x64 @ w64, "float32")
+                with open(path, "wb") as f:
+                    f.write(serialize_executable.serialize(compiled)[0])
+                loaded = "serialized"
+            else:
+                from jaxoverlap._native import runtime
+
+                runtime.register("cpu")  # the FFI targets the program calls
+                in_tree = jax.tree.structure(((x, w), {}))
+                out_tree = jax.tree.structure(x)
+                with open(path, "rb") as f:
+                    program = serialize_executable.deserialize_and_load(f.read(), in_tree,
+                                                                        out_tree)
+                check_shards("loaded", program(x, w), x64 @ w64, "float32")
+                loaded = "deserialized"
+        error = None
+    except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
+        error, loaded = str(e), "failed"
+    print("JO_MP_RESULT " + json.dumps({"error": error, "loaded": loaded,
+                                        "elapsed_s": time.monotonic() - start}), flush=True)
+    _leave_last_from_process_0("deserialized")
+
+
+def cached(cache_dir: str) -> dict[str, Any]:
+    """A user's shard_map program with JAX's persistent compilation cache: the second job
+    loads it from the cache (it still lowers there, so its group is set up) and runs it right,
+    next to a program compiled afresh."""
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64, w64, x, w = _ag_problem(90, mesh, rows=2)
+    program = jax.jit(jax.shard_map(
+        lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p"),
+        mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+        out_specs=P(None, None, "tp")))
+    entries = len(os.listdir(cache_dir))
+    for step in range(3):
+        check_shards(f"cached program {step}", program(x, w), x64 @ w64, "float32")
+    return {"new_entries": len(os.listdir(cache_dir)) - entries, "cliques": _cliques()}
+
+
+def _leave_last_from_process_0(what: str) -> None:
+    """Exits without jax.distributed's shutdown (a failed job's barrier would wait); process 0
+    hosts the coordination service, so it leaves last, once the others have reported."""
+    from jaxoverlap._native import bootstrap
+
+    store = bootstrap.client()
+    me = jax.process_index()
+    if me != 0:
+        store.key_value_set(f"jo_test/{what}/{me}", "done")
+    else:
+        for p in range(1, jax.process_count()):
+            store.blocking_key_value_get(f"jo_test/{what}/{p}", 60_000)
+    os._exit(0)
+
+
+def small_dev_shm() -> dict[str, Any]:
+    """A call site whose buffers need more than the 4 MiB /dev/shm this runs with (a tmpfs in
+    a user + mount namespace): its segments are memfds, so it runs, right."""
+    import re
+
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    x64 = values(70, (1, 4096, 256), "float32")
+    w64 = values(71, (256, 2 * n), "float32")
+    x = global_array(x64, mesh, P(None, "tp", None), "float32")
+    w = global_array(w64, mesh, P(None, "tp"), "float32")
+    y = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", mesh=mesh,
+                                          transport="p2p"))(x, w)
+    check_shards("bigger than /dev/shm", y, x64 @ w64, "float32")
+    per_rank = max(int(m) for m in re.findall(r"workspace 2 x (\d+) bytes", _cliques()))
+    fs = os.statvfs("/dev/shm")
+    return {"checked": True, "site_bytes": 2 * n * per_rank,
+            "dev_shm_bytes": fs.f_blocks * fs.f_frsize}
 
 
 def qkv(transports: list[str], steps: int = 30, skew_s: float = 0.02, backward: bool = True,
@@ -525,24 +867,6 @@ def _wrong_shards(got: jax.Array, want: np.ndarray, dtype: str) -> int:
         if not np.allclose(data, want[shard.index], **tol):
             bad += 1
     return bad
-
-
-def shm_full() -> dict[str, Any]:
-    """A call whose buffers need more than /dev/shm has (run inside a 4 MiB tmpfs): the growth
-    must fail with an error naming the size, in every process, not kill them with SIGBUS."""
-    n = len(jax.devices())
-    mesh = mesh_of((n,), ("tp",))
-    x = global_array(np.ones((1, 4096, 256)), mesh, P(None, "tp", None), "float32")
-    w = global_array(np.ones((256, 2 * n)), mesh, P(None, "tp"), "float32")
-    try:
-        with jo.config(timeout_s=30.0):
-            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", mesh=mesh,
-                                              transport="p2p"))(x, w).block_until_ready()
-        error = None
-    except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
-        error = str(e)
-    print("JO_MP_RESULT " + json.dumps({"error": error}), flush=True)
-    os._exit(0)  # the clique is broken: jax.distributed's shutdown barrier is not needed
 
 
 def _testing_module():
@@ -750,9 +1074,12 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
             x_rows = rows if op == "ag_matmul" else rows * n
             xs = [rng.standard_normal((1, x_rows, k)).astype(np.float32) for _ in range(n)]
             ws = [rng.standard_normal((k, nw)).astype(np.float32) for _ in range(n)]
+            # Each played process calls through a site of its own from the op's site key,
+            # as every process instantiates its own program (same key: the same site).
             out = fake.run(op, "nccl", n, 1, rows, k, nw, "float32", 2, False, False,
                            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0] * n,
-                           clique_key=run_key, calls=1, processes=procs)
+                           clique_key=run_key, calls=1, processes=procs,
+                           site_keys=[0x51E + ("ag_matmul", "matmul_rs").index(op)] * n)
             assert out["statuses"] == [None] * n and out["drained"], (out["statuses"],
                                                                        fake.errors())
             if op == "ag_matmul":
@@ -817,8 +1144,14 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
     "fp8": fp8,
+    "fused": fused,
     "qkv": qkv,
-    "shm_full": shm_full,
+    "small_dev_shm": small_dev_shm,
+    "chief_aot": chief_aot,
+    "many_sites": many_sites,
+    "watched": watched,
+    "deserialized": deserialized,
+    "cached": cached,
     "mixed": mixed,
     "peer_loss": peer_loss,
     "bootstrap_missing": bootstrap_missing,

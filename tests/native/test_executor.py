@@ -639,7 +639,8 @@ def _custom_call(x, w, x_scale, w_scale, y_dtype, n=2):
     mesh = mesh_1d(n)
     plan = OpPlan(op="ag_matmul", impl="native", axis_name="tp", axis=0, axis_size=n,
                   transport="p2p")
-    attrs = attributes(plan, describe(mesh, "tp", "cpu", "p2p", None, jax.process_index()), x)
+    attrs = attributes(plan, describe(mesh, "tp", "cpu", "p2p", None, jax.process_index()), x,
+                       site_key=1)
     rows, cols = x.shape[0] // n * n, w.shape[1] // n
 
     def body(x, w):

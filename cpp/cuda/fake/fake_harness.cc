@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -169,8 +170,9 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   const bool ag = q.op == Collective::kAgMatmul, rs = q.op == Collective::kMatmulRs;
   if (static_cast<int>(in.xs.size()) != nranks || static_cast<int>(in.ws.size()) != nranks ||
       static_cast<int>(in.devices.size()) != nranks ||
-      (in.processes && static_cast<int>(in.processes->size()) != nranks))
-    return InvalidArgument("xs, ws, devices and processes need one entry per rank");
+      (in.processes && static_cast<int>(in.processes->size()) != nranks) ||
+      (in.site_keys && static_cast<int>(in.site_keys->size()) != nranks))
+    return InvalidArgument("xs, ws, devices, processes and site_keys need one entry per rank");
   const bool one_shot = q.algorithm == ArAlgorithm::kOneShot;
   const int64_t rows = q.rows, k = q.k, cols = q.cols;
   const size_t xs = static_cast<size_t>(DTypeSize(q.x_dtype));
@@ -245,14 +247,19 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   desc.table.processes = in.processes ? *in.processes : std::vector<int64_t>(in.devices.size(), 0);
   desc.table.ordinals = in.devices;
   desc.table.device_ids = in.devices;
-  cuda::CudaSite site(desc, NewCallSiteId(in.clique_key));
-  // chunks_per_call: one more call site per other number of chunks (a custom call of its own).
+  desc.site_key = in.clique_key != 0 ? in.clique_key : 1;
+  cuda::CudaSite shared_site(desc, CallSite::Instantiate(desc.site_key));
+  // chunks_per_call: one more call site per other number of chunks (a custom call of its own,
+  // so a site key of its own, shared by every rank).
   std::map<int64_t, std::unique_ptr<cuda::CudaSite>> sites;
   for (int64_t chunks : in.chunks_per_call) {
     if (chunks == q.chunks || sites.count(chunks) > 0) continue;
     CallDesc other = desc;
     other.chunks = chunks;
-    sites[chunks] = std::make_unique<cuda::CudaSite>(other, NewCallSiteId(in.clique_key));
+    other.site_key = static_cast<int64_t>(static_cast<uint64_t>(desc.site_key) ^
+                                          (static_cast<uint64_t>(chunks) << 40));
+    if (other.site_key == 0) other.site_key = 1;
+    sites[chunks] = std::make_unique<cuda::CudaSite>(other, CallSite::Instantiate(other.site_key));
   }
   std::vector<std::string> statuses(nranks);
   // hold_ms: XLA's stream of every rank first waits for a flag the host raises only after the
@@ -312,6 +319,15 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       caller.device = dev;
       caller.naming = DeviceNaming::kLocalOrdinal;
       const CallBuffers io{x[r], w[r], x_scale[r], w_scale[r], y[r], g[r]};
+      // site_keys: each rank calls through a site of its own, instantiated on its thread as
+      // each process compiles its own program (equal keys: the same site).
+      std::optional<cuda::CudaSite> own;
+      if (in.site_keys) {
+        CallDesc mine = desc;
+        mine.site_key = (*in.site_keys)[static_cast<size_t>(r)];
+        own.emplace(mine, CallSite::Instantiate(mine.site_key));
+      }
+      cuda::CudaSite& site = own ? *own : shared_site;
       const int calls =
           in.chunks_per_call.empty() ? in.calls : static_cast<int>(in.chunks_per_call.size());
       for (int c = 0; c < calls && statuses[r].empty(); ++c) {

@@ -42,6 +42,10 @@ struct PlayedCalls {
   std::optional<std::vector<int64_t>> processes;
   std::map<int32_t, std::string> hosts;  // the machine a played process pretends to run on
   int64_t clique_key = 1;
+  // Per rank: the site key of a call site of its own, instantiated on the
+  // rank's thread as each process compiles its own program (equal keys: the
+  // same site). None: one call site of key clique_key shared by every rank.
+  std::optional<std::vector<int64_t>> site_keys;
   int calls = 1;  // back-to-back calls per rank
   // Per call, its chunks (empty: the problem's, `calls` times): calls of several call sites
   // (one per number of chunks) whose needs differ, as the rows of the selftest on one clique

@@ -1,0 +1,179 @@
+"""Call sites are named by what they are (docs/native.md §4, ``jaxoverlap/_native/site_key.py``
+and ``cpp/core/call.h`` CallSite).
+
+Every process must find the same site for the same custom call whatever else it compiled: the
+key comes from the lowering (program, name stack, types, attributes, ordinal), never from the
+order of compiles. Calls that JAX lowers once and XLA repeats (a nested jit called three times,
+the partitioner's per-call modules under Auto axes) are told apart in the order XLA instantiates
+them, and the same program compiled twice is one site.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap as jo
+from jaxoverlap._native.runtime import load_host
+
+SITE_KEY = re.compile(r"site_key = (-?\d+) : i64")
+
+
+def _mesh(n: int = 4, kind=AxisType.Explicit) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("tp",), axis_types=(kind,))
+
+
+def _qkv(mesh: Mesh, shape=(8, 16)):
+    """Q, K and V of one input: three native calls, same types and attributes."""
+    def local(x, wq, wk, wv):
+        return tuple(jo.ag_matmul(x, w, "tp", impl="native", transport="p2p")
+                     for w in (wq, wk, wv))
+
+    spec_w = P(None, "tp")
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp", None),) + (spec_w,) * 3,
+                              out_specs=(P(None, "tp"),) * 3))
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.standard_normal(shape).astype(np.float32),
+                       NamedSharding(mesh, P("tp", None)))
+    ws = [jax.device_put(rng.standard_normal((shape[1], 8)).astype(np.float32),
+                         NamedSharding(mesh, spec_w)) for _ in range(3)]
+    return f, x, ws
+
+
+def _site_ids() -> set[str]:
+    return set(re.findall(r"/site (0x[0-9a-f]+)/", load_host().cliques()))
+
+
+def test_site_keys_name_the_call_not_the_compile():
+    mesh = _mesh()
+    f, x, ws = _qkv(mesh)
+    keys = SITE_KEY.findall(f.lower(x, *ws).as_text())
+    assert len(keys) == 3 and len(set(keys)) == 3, keys  # Q, K, V: one site each
+    again, _, _ = _qkv(mesh)  # a new jit of the same program: the same keys
+    assert SITE_KEY.findall(again.lower(x, *ws).as_text()) == keys
+    g, x2, ws2 = _qkv(mesh, shape=(8, 24))  # other types: other sites
+    assert not set(SITE_KEY.findall(g.lower(x2, *ws2).as_text())) & set(keys)
+
+
+def test_instances_of_one_lowered_call_are_different_sites():
+    """A nested jit called three times is lowered once (one site key) and inlined three times
+    by XLA; the three instances get three site ids, and each its own clique."""
+    mesh = _mesh()
+
+    @jax.jit
+    def proj(x, w):
+        return jo.ag_matmul(x, w, "tp", impl="native", transport="p2p")
+
+    f = jax.jit(jax.shard_map(lambda x, a, b, c: tuple(proj(x, w) for w in (a, b, c)),
+                              mesh=mesh, in_specs=(P("tp", None),) + (P(None, "tp"),) * 3,
+                              out_specs=(P(None, "tp"),) * 3))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((8, 20)).astype(np.float32))
+    ws = [jnp.asarray(rng.standard_normal((20, 8)).astype(np.float32)) for _ in range(3)]
+    x = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
+    ws = [jax.device_put(w, NamedSharding(mesh, P(None, "tp"))) for w in ws]
+    assert len(set(SITE_KEY.findall(f.lower(x, *ws).as_text()))) == 1  # lowered once
+    before = _site_ids()
+    outs = f(x, *ws)
+    for y, w in zip(outs, ws, strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-5,
+                                   atol=1e-5)
+    assert len(_site_ids() - before) == 3
+
+
+def test_calls_on_global_arrays_under_auto_axes_are_different_sites():
+    """Under Auto axes each call lowers in a partitioner module of its own, all alike: the
+    three instances of Q, K and V still get three sites."""
+    mesh = _mesh(kind=AxisType.Auto)
+    rng = np.random.default_rng(2)
+    x = jax.device_put(rng.standard_normal((8, 28)).astype(np.float32),
+                       NamedSharding(mesh, P("tp", None)))
+    ws = [jax.device_put(rng.standard_normal((28, 8)).astype(np.float32),
+                         NamedSharding(mesh, P(None, "tp"))) for _ in range(3)]
+    f = jax.jit(lambda x, *ws: tuple(jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh)
+                                     for w in ws))
+    before = _site_ids()
+    outs = f(x, *ws)
+    for y, w in zip(outs, ws, strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-5,
+                                   atol=1e-5)
+    assert len(_site_ids() - before) == 3
+
+
+def test_the_same_program_compiled_twice_is_the_same_sites():
+    """AOT-compiled, then recompiled after jax.clear_caches() while the first executable lives:
+    both executables have the same site ids (their peers in other processes see one program)."""
+    mesh = _mesh()
+    f, x, ws = _qkv(mesh, shape=(8, 36))
+    before = _site_ids()
+    first = f.lower(x, *ws).compile()
+    jax.block_until_ready(first(x, *ws))
+    ids = _site_ids() - before
+    assert len(ids) == 3
+    jax.clear_caches()
+    jax.block_until_ready(f(x, *ws))  # a new executable of the same program
+    lines = [line for line in load_host().cliques().splitlines()
+             if any(f"/site {i}/" in line for i in ids)]
+    assert len(lines) == 6, lines  # each site id twice: one in-process clique per executable
+    del first
+
+
+@pytest.mark.slow
+def test_a_process_s_other_compiles_do_not_change_the_keys():
+    """In fresh processes: the keys of a program are the same whether or not the process
+    compiled other programs first, in any order, on other threads."""
+    script = textwrap.dedent("""
+        import re, sys, threading
+        import jax, numpy as np
+        from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+        import jaxoverlap as jo
+        mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Explicit,))
+        def program(k):
+            return jax.jit(jax.shard_map(
+                lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", transport="p2p"),
+                mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+        def args(k):
+            return (jax.device_put(np.ones((8, k), np.float32),
+                                   NamedSharding(mesh, P("tp", None))),
+                    jax.device_put(np.ones((k, 8), np.float32),
+                                   NamedSharding(mesh, P(None, "tp"))))
+        if sys.argv[1] == "busy":
+            program(12).lower(*args(12)).compile()
+            t = threading.Thread(target=lambda: program(16).lower(*args(16)).compile())
+            t.start(); t.join()
+        print(re.findall(r"site_key = (-?\\d+) : i64", program(8).lower(*args(8)).as_text()))
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    outs = [subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
+                           env=env, timeout=120) for mode in ("idle", "busy")]
+    for out in outs:
+        assert out.returncode == 0, out.stderr
+    keys = [out.stdout.strip().splitlines()[-1] for out in outs]
+    assert keys[0] == keys[1] and keys[0] != "[]", keys
+
+
+@pytest.mark.parametrize("kind", ["local", "shm"])
+def test_a_rank_runs_the_calls_of_a_site_one_at_a_time_in_order(kind):
+    """The parity rule needs each rank to run a site's calls one at a time: a device's call 2,
+    started first, waits until its call 1 has run (claimed and released), however the worker
+    threads are scheduled; a second device calling as a rank that is inside a call fails at
+    once (ClaimRank, on both kinds of clique)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import testing_ext
+
+    out = testing_ext.load().claim_order(kind)
+    assert out["waited"] and out["first"] == "" and out["second"] == "", out
+    assert not out["claimed_before_release"], out
+    assert out["one"] == "", out
+    assert "devices 3 and 4 call as rank 1 at the same time" in out["two_devices"], out
+    assert out["two_devices_s"] < 1.0, out
