@@ -118,9 +118,11 @@ def profile(directory: str | os.PathLike[str] | None = None, *, preset: str | No
             show: bool = True) -> Iterator[Profile]:
     """Records the native calls made inside the block and reports on them at its end.
 
-    >>> with jo.profile("prof") as prof:        # doctest: +SKIP
-    ...     jax.block_until_ready(step(x, w))
-    >>> prof.sites[0]["efficiency"]             # doctest: +SKIP
+    For example (``step`` a jitted function making native calls)::
+
+        with jo.profile("prof") as prof:
+            jax.block_until_ready(step(x, w))
+        prof.sites[0]["efficiency"]
 
     Block on the results inside the block: a call still running at its end is not recorded.
     With ``directory``, writes ``trace.json`` (Chrome/Perfetto: open it in ui.perfetto.dev or
