@@ -5,6 +5,9 @@
 // and test_fake_waits.py hold every check to the error it must give.
 #pragma once
 
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
 #include <cstdint>
 #include <map>
 #include <string>
@@ -13,6 +16,14 @@
 #include "core/status.h"
 
 namespace jo::fake {
+
+// For the suites (fake_wait_checks.cc): a new non-blocking stream on `device`,
+// which is left current.
+cudaStream_t StreamOn(int device);
+// NCCL connects to a peer at the first send/recv to it, allocating device
+// memory, which waits for the device: one one-element send and receive each
+// way between ranks 0 and 1 of `comms` (devices 0 and 1).
+void ExchangeOnce(ncclComm_t comms[2]);
 
 // Misuse of CUDA, cuBLASLt and NCCL (fake_misuse_checks.cc): check name -> the
 // first error the fake recorded ("" = not caught, right for a control).

@@ -205,12 +205,6 @@ std::map<std::string, std::string> MisuseChecks() {
     const auto errors = Errors();
     out[name] = errors.empty() ? "" : errors.front();
   };
-  auto stream_on = [](int device) {
-    cudaSetDevice(device);
-    cudaStream_t s = nullptr;
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    return s;
-  };
   check("unmodeled cuBLASLt attribute", [] {
     cublasLtMatmulDesc_t d = nullptr;
     cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
@@ -219,7 +213,7 @@ std::map<std::string, std::string> MisuseChecks() {
   });
   // A valid 4x4 f32 GEMM set-up, then one thing changed.
   auto gemm = [&](int32_t order, int64_t ld_d, bool misalign, bool c_differs) {
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     cublasLtHandle_t h = nullptr;
     cublasLtCreate(&h);
     cublasLtMatmulDesc_t d = nullptr;
@@ -249,7 +243,7 @@ std::map<std::string, std::string> MisuseChecks() {
   // A valid batched 4x4 f32 GEMM promising `align` bytes for every matrix, B's batch
   // stride `b_stride` elements: the promise must hold for leading dims and strides too.
   auto batched = [&](uint32_t align, int64_t b_stride) {
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     cublasLtHandle_t h = nullptr;
     cublasLtCreate(&h);
     cublasLtMatmulDesc_t d = nullptr;
@@ -282,7 +276,7 @@ std::map<std::string, std::string> MisuseChecks() {
   check("leading dim less aligned than promised", [&] { batched(32, 16); });
   check("batch stride less aligned than promised", [&] { batched(16, 17); });
   check("cublasLt tf32 with bf16", [&] {
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     cublasLtHandle_t h = nullptr;
     cublasLtCreate(&h);
     cublasLtMatmulDesc_t d = nullptr;
@@ -301,19 +295,19 @@ std::map<std::string, std::string> MisuseChecks() {
                    s);
   });
   check("copy out of range", [&] {
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     void* a = Malloc(0, 64);
     void* b = Malloc(0, 64);
     cudaMemcpyAsync(static_cast<char*>(b) + 32, a, 64, cudaMemcpyDefault, s);
   });
   check("peer copy without peer access", [&] {
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     void* a = Malloc(0, 64);
     void* b = Malloc(1, 64);
     cudaMemcpyAsync(b, a, 64, cudaMemcpyDefault, s);
   });
   check("wait on an event never recorded", [&] {
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     cudaEvent_t e = nullptr;
     cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     cudaStreamWaitEvent(s, e, 0);
@@ -321,7 +315,7 @@ std::map<std::string, std::string> MisuseChecks() {
   check("flag never raised (deadlock)", [&] {
     const cuda::DriverApi* drv = nullptr;
     (void)cuda::LoadDriver(&drv);
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     void* flag = Malloc(0, 4);
     if (drv != nullptr)
       drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
@@ -330,7 +324,7 @@ std::map<std::string, std::string> MisuseChecks() {
   check("wait with FLUSH where remote writes cannot be flushed", [&] {
     const cuda::DriverApi* drv = nullptr;
     (void)cuda::LoadDriver(&drv);
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     void* flag = Malloc(0, 4);
     if (drv != nullptr)
       drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag),
@@ -340,7 +334,7 @@ std::map<std::string, std::string> MisuseChecks() {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
-    cudaStream_t s0 = stream_on(0), s1 = stream_on(1);
+    cudaStream_t s0 = StreamOn(0), s1 = StreamOn(1);
     void* a = Malloc(0, 64);
     void* b = Malloc(1, 64);
     cudaSetDevice(0);
@@ -360,7 +354,7 @@ std::map<std::string, std::string> MisuseChecks() {
     CUdeviceptr va = 0;
     drv->cuMemAddressReserve(&va, prop.size, 0, 0, 0);
     drv->cuMemMap(va, prop.size, 0, mc, 0);
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     void* a = Malloc(0, 64);
     cudaMemcpyAsync(reinterpret_cast<void*>(va), a, 64, cudaMemcpyDefault, s);
   });
@@ -371,7 +365,7 @@ std::map<std::string, std::string> MisuseChecks() {
     cudaSetDevice(1);
     void* mapped = nullptr;
     cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
-    cudaStream_t s = stream_on(2);
+    cudaStream_t s = StreamOn(2);
     void* b = Malloc(2, 64);
     cudaMemcpyAsync(b, mapped, 64, cudaMemcpyDefault, s);
   });
@@ -398,7 +392,7 @@ std::map<std::string, std::string> MisuseChecks() {
     desc.location.id = 1;
     desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     drv->cuMemSetAccess(va, bytes, &desc, 1);  // device 1 only
-    cudaStream_t s = stream_on(2);
+    cudaStream_t s = StreamOn(2);
     void* b = Malloc(2, 64);
     cudaMemcpyAsync(b, reinterpret_cast<void*>(va), 64, cudaMemcpyDefault, s);
   });
@@ -408,7 +402,7 @@ std::map<std::string, std::string> MisuseChecks() {
     const cuda::DriverApi* drv = nullptr;
     (void)cuda::LoadDriver(&drv);
     if (drv == nullptr) return;
-    cudaStream_t waits = stream_on(0), writes = stream_on(0);
+    cudaStream_t waits = StreamOn(0), writes = StreamOn(0);
     void* flag = Malloc(0, 4);
     drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(waits), reinterpret_cast<CUdeviceptr>(flag),
                              1, CU_STREAM_WAIT_VALUE_GEQ);
@@ -426,20 +420,11 @@ std::map<std::string, std::string> MisuseChecks() {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
-    // NCCL connects to a peer at the first send/recv to it, which waits for the device: connect
-    // first (one send and receive each way, run), so that only the serialisation is tested.
-    for (int r = 0; r < 2; ++r) {
-      cudaStream_t s = stream_on(r);
-      void* buf = Malloc(r, 8);
-      cudaSetDevice(r);
-      ncclGroupStart();
-      ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
-      ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
-      ncclGroupEnd();
-    }
+    // Connected first (and run), so that only the serialisation is tested.
+    ExchangeOnce(comms);
     Drain();
     for (int r = 0; r < 2; ++r) {
-      cudaStream_t a = stream_on(r), b = stream_on(r);
+      cudaStream_t a = StreamOn(r), b = StreamOn(r);
       void* in = Malloc(r, 64);
       void* out = Malloc(r, 64);
       cudaSetDevice(r);
@@ -448,7 +433,7 @@ std::map<std::string, std::string> MisuseChecks() {
     }
   });
   check("handler returns with a forked stream not joined", [&] {
-    cudaStream_t xla = stream_on(0), side = stream_on(0);
+    cudaStream_t xla = StreamOn(0), side = StreamOn(0);
     cudaEvent_t fork = nullptr;
     cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
     void* a = Malloc(0, 64);
@@ -463,7 +448,7 @@ std::map<std::string, std::string> MisuseChecks() {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     void* a = Malloc(0, 64);
     ncclCommAbort(comms[0]);  // as a watchdog would, from another thread
     cudaSetDevice(0);
@@ -482,7 +467,7 @@ std::map<std::string, std::string> MisuseChecks() {
     ncclCommDestroy(comm);
   });
   check("host query of an event recorded in a stream capture", [&] {
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     cudaEvent_t e = nullptr;
     cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
@@ -493,7 +478,7 @@ std::map<std::string, std::string> MisuseChecks() {
     const cuda::DriverApi* drv = nullptr;
     (void)cuda::LoadDriver(&drv);
     if (drv == nullptr) return;
-    cudaStream_t s = stream_on(0);
+    cudaStream_t s = StreamOn(0);
     void* flag = Malloc(0, 4);
     drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), 1,
                              CU_STREAM_WAIT_VALUE_GEQ);
@@ -530,8 +515,8 @@ std::map<std::string, std::string> MisuseChecks() {
     for (int d = 0; d < 2; ++d) {
       cudaSetDevice(d);
       cudaDeviceEnablePeerAccess(1 - d, 0);
-      s0[d] = stream_on(d);
-      s1[d] = stream_on(d);
+      s0[d] = StreamOn(d);
+      s1[d] = StreamOn(d);
       a[d] = static_cast<std::byte*>(Malloc(d, 2 * shard, 0x3c));  // bf16 1.2 everywhere
       x[d] = Malloc(d, shard, 0x3c);
       flags[d] = Malloc(d, 8);
@@ -622,7 +607,7 @@ std::map<std::string, std::string> MisuseChecks() {
       if (d == 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
     }
     constexpr int64_t kN = 8;
-    cudaStream_t s = stream_on(1);
+    cudaStream_t s = StreamOn(1);
     cuda::fused_kernel::Launch l;
     l.m = l.n = l.k = kN;
     l.a = Malloc(1, kN * kN * 2);

@@ -23,7 +23,6 @@
 #include "cuda/kernels.h"
 
 namespace jo::fake {
-namespace {
 
 cudaStream_t StreamOn(int device) {
   cudaSetDevice(device);
@@ -31,6 +30,20 @@ cudaStream_t StreamOn(int device) {
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   return s;
 }
+
+void ExchangeOnce(ncclComm_t comms[2]) {
+  for (int r = 0; r < 2; ++r) {
+    cudaStream_t s = StreamOn(r);
+    void* buf = Malloc(r, 8);
+    cudaSetDevice(r);
+    ncclGroupStart();
+    ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
+    ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
+    ncclGroupEnd();
+  }
+}
+
+namespace {
 
 const cuda::DriverApi* Driver() {
   const cuda::DriverApi* drv = nullptr;
@@ -278,35 +291,22 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     ncclCommAbort(a[0]);
     ncclCommAbort(b[0]);
   });
-  // NCCL connects to a peer at the first send/recv to it, allocating device memory: that waits
-  // for the device. A one-element send and receive each way between ranks 0 and 1 (devices 0, 1).
-  auto exchange = [](ncclComm_t* comms) {
-    for (int r = 0; r < 2; ++r) {
-      cudaStream_t s = StreamOn(r);
-      void* buf = Malloc(r, 8);
-      cudaSetDevice(r);
-      ncclGroupStart();
-      ncclSend(buf, 1, ncclFloat32, 1 - r, comms[r], s);
-      ncclRecv(static_cast<float*>(buf) + 1, 1, ncclFloat32, 1 - r, comms[r], s);
-      ncclGroupEnd();
-    }
-  };
   check("first send/recv to a peer behind a wait only this thread would satisfy", [&] {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
     const CUdeviceptr flag = PendingWait(0);
-    exchange(comms);  // rank 0 connects first: behind the wait
+    ExchangeOnce(comms);  // rank 0 connects first: behind the wait
     Raise(0, flag);
   });
   check("send/recv to a connected peer behind the same wait (control)", [&] {
     ncclComm_t comms[2];
     int devs[2] = {0, 1};
     ncclCommInitAll(comms, 2, devs);
-    exchange(comms);  // connected (and run)
+    ExchangeOnce(comms);  // connected (and run)
     Drain();
     const CUdeviceptr flag = PendingWait(0);
-    exchange(comms);
+    ExchangeOnce(comms);
     Raise(0, flag);
   });
   // The executor's communicators are non-blocking: ncclGroupEnd returns ncclInProgress and the
@@ -326,7 +326,7 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     ncclResult_t state = ncclInProgress;
     for (ncclComm_t c : comms) ncclCommGetAsyncError(c, &state);
     const CUdeviceptr flag = PendingWait(0);
-    exchange(comms);
+    ExchangeOnce(comms);
     ncclCommGetAsyncError(comms[0], &state);  // the connection waits for device 0
     Raise(0, flag);
   });
