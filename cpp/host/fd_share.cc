@@ -39,6 +39,21 @@ Status Address(const std::string& name, sockaddr_un* addr, socklen_t* len) {
   return OkStatus();
 }
 
+// A non-blocking listening socket on the abstract name @name.
+Status Listen(const std::string& name, int backlog, UniqueFd* out) {
+  sockaddr_un addr;
+  socklen_t len = 0;
+  JO_CHECK(Address(name, &addr, &len));
+  UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (listener.get() < 0) return Status(Code::kResource, Errno("socket(AF_UNIX)"));
+  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
+    return Status(Code::kResource, Errno("bind(@" + name + ")"));
+  if (listen(listener.get(), backlog) != 0)
+    return Status(Code::kResource, Errno("listen(@" + name + ")"));
+  *out = std::move(listener);
+  return OkStatus();
+}
+
 // Sends one byte, and the `count` fds at `fds` with it (none when count is 0).
 bool SendWithFds(int conn, char byte, const int* fds, size_t count) {
   iovec iov{&byte, 1};
@@ -159,15 +174,8 @@ Status FdServer::Start(const std::string& name, const std::vector<int>& fds,
   JO_REQUIRE(!fds.empty() && fds.size() <= kMaxFds, "FdServer: expected 1.." +
                                                         std::to_string(kMaxFds) + " fds, got " +
                                                         std::to_string(fds.size()));
-  sockaddr_un addr;
-  socklen_t len = 0;
-  JO_CHECK(Address(name, &addr, &len));
-  UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (listener.get() < 0) return Status(Code::kResource, Errno("socket(AF_UNIX)"));
-  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
-    return Status(Code::kResource, Errno("bind(@" + name + ")"));
-  if (listen(listener.get(), static_cast<int>(allowed_pids.size()) + 4) != 0)
-    return Status(Code::kResource, Errno("listen(@" + name + ")"));
+  UniqueFd listener;
+  JO_CHECK(Listen(name, static_cast<int>(allowed_pids.size()) + 4, &listener));
   std::unique_ptr<FdServer> server(new FdServer());
   server->name_ = name;
   server->listener_ = std::move(listener);
@@ -281,15 +289,8 @@ Status SegmentServer::Instance(SegmentServer** out) {
     std::snprintf(hex, sizeof(hex), "%02x", b);
     name += hex;
   }
-  sockaddr_un addr;
-  socklen_t len = 0;
-  JO_CHECK(Address(name, &addr, &len));
-  UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (listener.get() < 0) return Status(Code::kResource, Errno("socket(AF_UNIX)"));
-  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0)
-    return Status(Code::kResource, Errno("bind(@" + name + ")"));
-  if (listen(listener.get(), 64) != 0)
-    return Status(Code::kResource, Errno("listen(@" + name + ")"));
+  UniqueFd listener;
+  JO_CHECK(Listen(name, 64, &listener));
   std::unique_ptr<SegmentServer> server(new SegmentServer());
   server->name_ = name;
   server->listener_ = std::move(listener);
