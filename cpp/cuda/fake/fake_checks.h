@@ -5,6 +5,7 @@
 // and test_fake_waits.py hold every check to the error it must give.
 #pragma once
 
+#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -24,6 +25,12 @@ cudaStream_t StreamOn(int device);
 // memory, which waits for the device: one one-element send and receive each
 // way between ranks 0 and 1 of `comms` (devices 0 and 1).
 void ExchangeOnce(ncclComm_t comms[2]);
+// The first algorithm cuBLASLt's heuristic offers for `d` on layouts a, b, c,
+// d_layout, with every matrix promised `align` bytes of alignment (0: none).
+cublasLtMatmulHeuristicResult_t FirstAlgo(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
+                                          cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                          cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d_layout,
+                                          uint32_t align = 0);
 
 // Misuse of CUDA, cuBLASLt and NCCL (fake_misuse_checks.cc): check name -> the
 // first error the fake recorded ("" = not caught, right for a control).

@@ -62,16 +62,7 @@ double RunFp8Gemm(const Fp8Gemm& g) {
   cublasLtMatrixLayoutCreate(&lb, g.b_type, g.k, kN, g.ld);
   cublasLtMatrixLayoutCreate(&lc, g.out_type, kM, kN, kM);
   cublasLtMatrixLayoutCreate(&ld, g.out_type, kM, kN, kM);
-  cublasLtMatmulPreference_t p = nullptr;
-  cublasLtMatmulPreferenceCreate(&p);
-  const uint32_t align = 16;
-  for (auto attr :
-       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
-  cublasLtMatmulHeuristicResult_t r{};
-  int found = 0;
-  cublasLtMatmulAlgoGetHeuristic(h, d, la, lb, lc, ld, p, 1, &r, &found);
+  const cublasLtMatmulHeuristicResult_t r = FirstAlgo(h, d, la, lb, lc, ld, 16);
   const size_t a_bytes = 64 * 64 * 2, b_bytes = 64 * 64 * 2;
   auto* a = static_cast<uint8_t*>(Malloc(0, a_bytes));
   auto* b = static_cast<uint8_t*>(Malloc(0, b_bytes));

@@ -224,11 +224,7 @@ std::map<std::string, std::string> MisuseChecks() {
     cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, 4, 4, 4);
     cublasLtMatrixLayoutCreate(&ldd, CUDA_R_32F, 4, 4, ld_d);
     cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_ORDER, &order, sizeof(order));
-    cublasLtMatmulPreference_t p = nullptr;
-    cublasLtMatmulPreferenceCreate(&p);
-    cublasLtMatmulHeuristicResult_t r{};
-    int found = 0;
-    cublasLtMatmulAlgoGetHeuristic(h, d, la, lb, lc, ldd, p, 1, &r, &found);
+    const cublasLtMatmulHeuristicResult_t r = FirstAlgo(h, d, la, lb, lc, ldd);
     float* a = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
     float* c = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
     float* dst = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
@@ -258,15 +254,7 @@ std::map<std::string, std::string> MisuseChecks() {
       cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
                                        sizeof(stride));
     }
-    cublasLtMatmulPreference_t p = nullptr;
-    cublasLtMatmulPreferenceCreate(&p);
-    for (auto attr :
-         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
-    cublasLtMatmulHeuristicResult_t r{};
-    int found = 0;
-    cublasLtMatmulAlgoGetHeuristic(h, d, l[0], l[1], l[2], l[3], p, 1, &r, &found);
+    const cublasLtMatmulHeuristicResult_t r = FirstAlgo(h, d, l[0], l[1], l[2], l[3], align);
     float* a = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
     float* dst = static_cast<float*>(Malloc(0, 64 * sizeof(float)));
     const float one = 1.0f;
@@ -283,11 +271,7 @@ std::map<std::string, std::string> MisuseChecks() {
     cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F_FAST_TF32, CUDA_R_32F);
     cublasLtMatrixLayout_t l[4];
     for (auto& layout : l) cublasLtMatrixLayoutCreate(&layout, CUDA_R_16BF, 4, 4, 4);
-    cublasLtMatmulPreference_t p = nullptr;
-    cublasLtMatmulPreferenceCreate(&p);
-    cublasLtMatmulHeuristicResult_t r{};
-    int found = 0;
-    cublasLtMatmulAlgoGetHeuristic(h, d, l[0], l[1], l[2], l[3], p, 1, &r, &found);
+    const cublasLtMatmulHeuristicResult_t r = FirstAlgo(h, d, l[0], l[1], l[2], l[3]);
     void* a = Malloc(0, 64 * sizeof(float));
     void* dst = Malloc(0, 64 * sizeof(float));
     const float one = 1.0f, zero = 0.0f;

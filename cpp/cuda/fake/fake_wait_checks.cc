@@ -43,6 +43,23 @@ void ExchangeOnce(ncclComm_t comms[2]) {
   }
 }
 
+cublasLtMatmulHeuristicResult_t FirstAlgo(cublasLtHandle_t h, cublasLtMatmulDesc_t d,
+                                          cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                          cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d_layout,
+                                          uint32_t align) {
+  cublasLtMatmulPreference_t p = nullptr;
+  cublasLtMatmulPreferenceCreate(&p);
+  if (align > 0)
+    for (auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
+  cublasLtMatmulHeuristicResult_t r{};
+  int found = 0;
+  cublasLtMatmulAlgoGetHeuristic(h, d, a, b, c, d_layout, p, 1, &r, &found);
+  return r;
+}
+
 namespace {
 
 const cuda::DriverApi* Driver() {
@@ -75,16 +92,7 @@ void Gemm(cudaStream_t s, int device) {
   cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
   cublasLtMatrixLayout_t l = nullptr;
   cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, 4, 4, 4);
-  cublasLtMatmulPreference_t p = nullptr;
-  cublasLtMatmulPreferenceCreate(&p);
-  const uint32_t align = 16;  // the leading dimension's 16 bytes (the pointers are 256-aligned)
-  for (auto attr :
-       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    cublasLtMatmulPreferenceSetAttribute(p, attr, &align, sizeof(align));
-  cublasLtMatmulHeuristicResult_t r{};
-  int found = 0;
-  cublasLtMatmulAlgoGetHeuristic(h, d, l, l, l, l, p, 1, &r, &found);
+  const cublasLtMatmulHeuristicResult_t r = FirstAlgo(h, d, l, l, l, l, 16);
   void* a = Malloc(device, 64);
   void* out = Malloc(device, 64);
   const float one = 1.0f, zero = 0.0f;
