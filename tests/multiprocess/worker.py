@@ -471,6 +471,14 @@ def disagree(timeout_s: float) -> dict[str, Any]:
     return {"error": error, "elapsed_s": time.monotonic() - start}
 
 
+def _ag_p2p_program(mesh: Mesh):
+    """A user's jitted shard_map of one native p2p ag_matmul over _ag_problem's x and w."""
+    return jax.jit(jax.shard_map(
+        lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p"),
+        mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+        out_specs=P(None, None, "tp")))
+
+
 def _ag_problem(seed: int, mesh: Mesh, rows: int, k: int = 8, nw: int | None = None):
     """x [2, rows*tp, k] (rows on tp), w [k, nw] (columns on tp), and their float64 values."""
     n = mesh.shape["tp"]
@@ -696,10 +704,7 @@ def deserialized(directory: str, timeout_s: float) -> dict[str, Any]:
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     x64, w64, x, w = _ag_problem(80, mesh, rows=2)
-    program_of = jax.jit(jax.shard_map(
-        lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p"),
-        mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
-        out_specs=P(None, None, "tp")))
+    program_of = _ag_p2p_program(mesh)
     path = os.path.join(directory, f"program.{jax.process_index()}")
     start = time.monotonic()
     try:
@@ -739,10 +744,7 @@ def cached(cache_dir: str) -> dict[str, Any]:
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     x64, w64, x, w = _ag_problem(90, mesh, rows=2)
-    program = jax.jit(jax.shard_map(
-        lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p"),
-        mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
-        out_specs=P(None, None, "tp")))
+    program = _ag_p2p_program(mesh)
     entries = len(os.listdir(cache_dir))
     for step in range(3):
         check_shards(f"cached program {step}", program(x, w), x64 @ w64, "float32")

@@ -54,6 +54,16 @@ def _site_ids() -> set[str]:
     return set(re.findall(r"/site (0x[0-9a-f]+)/", load_host().cliques()))
 
 
+def _assert_three_new_sites(f, x, ws) -> None:
+    """``f(x, *ws)`` is x @ w for each w, made by three call sites new to this process."""
+    before = _site_ids()
+    outs = f(x, *ws)
+    for y, w in zip(outs, ws, strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-5,
+                                   atol=1e-5)
+    assert len(_site_ids() - before) == 3
+
+
 def test_site_keys_name_the_call_not_the_compile():
     mesh = _mesh()
     f, x, ws = _qkv(mesh)
@@ -83,12 +93,7 @@ def test_instances_of_one_lowered_call_are_different_sites():
     x = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
     ws = [jax.device_put(w, NamedSharding(mesh, P(None, "tp"))) for w in ws]
     assert len(set(SITE_KEY.findall(f.lower(x, *ws).as_text()))) == 1  # lowered once
-    before = _site_ids()
-    outs = f(x, *ws)
-    for y, w in zip(outs, ws, strict=True):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-5,
-                                   atol=1e-5)
-    assert len(_site_ids() - before) == 3
+    _assert_three_new_sites(f, x, ws)
 
 
 def test_calls_on_global_arrays_under_auto_axes_are_different_sites():
@@ -102,12 +107,7 @@ def test_calls_on_global_arrays_under_auto_axes_are_different_sites():
                          NamedSharding(mesh, P(None, "tp"))) for _ in range(3)]
     f = jax.jit(lambda x, *ws: tuple(jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh)
                                      for w in ws))
-    before = _site_ids()
-    outs = f(x, *ws)
-    for y, w in zip(outs, ws, strict=True):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-5,
-                                   atol=1e-5)
-    assert len(_site_ids() - before) == 3
+    _assert_three_new_sites(f, x, ws)
 
 
 def test_the_same_program_compiled_twice_is_the_same_sites():
