@@ -137,16 +137,19 @@ def test_flax_lm1b_reports_divergence(capsys):
     assert "DIVERGED" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("model,impls,batch", [
-    ("lm1b", ["xla", "ring", "native"], "4"), ("wmt", ["xla", "ring", "native"], "4"),
-    ("lm1b-nnx", ["ring"], "4"), ("lm1b", ["ring", "native"], "1")])
-def test_decode_generates_the_original_models_tokens(model, impls, batch, capsys):
+@pytest.mark.parametrize("model,impls,batch,search", [
+    ("lm1b", ["xla", "ring", "native"], "4", "greedy"),
+    ("wmt", ["xla", "ring", "native"], "4", "greedy"),
+    ("wmt", ["xla", "native"], "4", "beam"),
+    ("lm1b-nnx", ["ring"], "4", "greedy"), ("lm1b", ["ring", "native"], "1", "greedy")])
+def test_decode_generates_the_original_models_tokens(model, impls, batch, search, capsys):
     """Flax's own models (the decoder-only lm1b, linen and nnx; the WMT encoder-decoder),
-    swapped, decode greedily token for token as the originals do (a batch of one on 4 ranks,
-    one layer: the all-reduces run one-shot)."""
+    swapped, decode token for token as the originals do: greedily, and with the WMT example's
+    own beam search (a batch of one on 4 ranks, one layer: the all-reduces run one-shot)."""
     layers = ["--layers", "1"] if batch == "1" else []
     code = _load("decode").main(["--model", model, "--length", "10", "--repeats", "1",
-                                 "--batch", batch, *layers, "--impls", *impls])
+                                 "--batch", batch, *layers, "--search", search,
+                                 "--impls", *impls])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "OK: every impl generates the original model's tokens" in out
