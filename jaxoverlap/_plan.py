@@ -47,18 +47,13 @@ import jax.numpy as jnp
 
 from jaxoverlap._config import Settings, configure_logging, current_config, logger
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
+from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 from jaxoverlap._native import capabilities, runtime
 from jaxoverlap._native.capabilities import NativeUnavailableError
 
 AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_ar"
 OPS = (AG, RS, AR)
 AR_ALGORITHMS = ("two_shot", "one_shot")
-# The fused GEMM: its ops and transports (never nccl: docs/gpu.md §10), the dtypes it is
-# compiled for, and the row alignment of its TMA loads and stores (elements of 16-bit types).
-FUSED_OPS = (AG, RS)
-FUSED_TRANSPORTS = ("p2p", "multicast")
-FUSED_DTYPES = ("bfloat16", "float16")
-FUSED_ALIGN = 8
 # Device-kind substrings of the GPUs that have a built-in preset.
 _DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("B200", "b200"),
                    ("A100", "a100"), ("A800", "a800"))

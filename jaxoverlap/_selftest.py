@@ -32,6 +32,7 @@ It checks what decides hangs and wrong results, not a GPU's speed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -44,6 +45,8 @@ import time
 import traceback
 from typing import Any
 
+from jaxoverlap._fused_gemm import FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
+
 SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per rank)
     ((), 8, 64, 32),
     ((2,), 4, 48, 24),
@@ -53,12 +56,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunks | rows
 # "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks (a decode step)
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
-# The fused GEMM's rows (docs/gpu.md §10): its ops, transports and dtypes, on the first shape
-# (rows of whole 16-byte units), every variant. On GPUs only where it runs (compute capability
-# 9.0); always on the fake.
-FUSED_OPS = ("ag_matmul", "matmul_rs")
-FUSED_TRANSPORTS = ("p2p", "multicast")
-FUSED_DTYPES = ("bfloat16", "float16")
 # Unit roundoff of each dtype (half the distance from 1 to the next number): 2^-24, 2^-8, 2^-11.
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 # FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
@@ -345,6 +342,23 @@ class Table:
             self._running = dict(name=name, since=time.monotonic(), cliques=cliques)
             self._write()
 
+    def run(self, name: str, row, cliques=None) -> None:
+        """Runs ``row`` (it returns the row's detail, or raises: the row fails with the error
+        and the run goes on) as row ``name``, under the row deadline."""
+        self.start(name, cliques=cliques)
+        start = time.perf_counter()
+        trace = None
+        try:
+            detail = row()
+            ok = True
+        except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
+            ok = False
+            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            trace = traceback.format_exc()
+            if os.environ.get("JAXOVERLAP_LOG") == "debug":
+                print(trace)
+        self.add(name, ok, detail, time.perf_counter() - start, cliques=cliques, trace=trace)
+
     def add(self, name: str, ok: bool, detail: str, seconds: float,
             cliques=None, trace: str | None = None) -> None:
         with self._lock:
@@ -599,20 +613,8 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
         name = (f"{op:9s} {transport:9s} {dtype:8s} "
                 f"{'x'.join(map(str, (*shape[0], rows, shape[2])))}"
                 f" chunks={chunks}{' bidi' if bidi else ''}{' fused' if fused else ''}")
-        table.start(name, cliques=describe)
-        start = time.perf_counter()
-        trace = None
-        try:
-            detail = _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidi,
-                              fused)
-            ok = True
-        except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
-            ok = False
-            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            trace = traceback.format_exc()
-            if os.environ.get("JAXOVERLAP_LOG") == "debug":
-                print(trace)
-        table.add(name, ok, detail, time.perf_counter() - start, cliques=describe, trace=trace)
+        table.run(name, functools.partial(_run_row, jo, jax, jnp, np, mesh, op, transport,
+                                          dtype, shape, chunks, bidi, fused), cliques=describe)
     fp8_reason = capabilities.gpu_fp8_reason(caps, *FP8_DTYPES[0][:2]) if on_gpu else None
     if fp8_reason is not None:
         print(f"  FP8 rows not run: {fp8_reason}")
@@ -623,17 +625,8 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
         dims = (*FP8_SHAPE[0], FP8_SHAPE[1] * n, FP8_SHAPE[2])
         name = (f"{op:9s} {transport:9s} {_dtypes_name(fp8[2], fp8)} "
                 f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}")
-        start = time.perf_counter()
-        trace = None
-        try:
-            detail = _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, FP8_SHAPE,
-                                  chunks, bidi)
-            ok = True
-        except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
-            ok = False
-            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            trace = traceback.format_exc()
-        table.add(name, ok, detail, time.perf_counter() - start, cliques=describe, trace=trace)
+        table.run(name, functools.partial(_run_fp8_row, jo, jax, jnp, np, mesh, op, transport,
+                                          fp8, FP8_SHAPE, chunks, bidi), cliques=describe)
     if not on_gpu:
         _fake_rows(table, quick=True)
         print("  (the whole table on the CUDA executor: python -m jaxoverlap selftest --fake)")

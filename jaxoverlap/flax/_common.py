@@ -245,37 +245,26 @@ def _add_bias(y, bias):
 
 
 def fused(m: Matmul, x, kernel, mesh: Any):
-    """The fused multiply: the ops on local shards (mesh None) or on global arrays."""
+    """The fused multiply: the ops on local shards (mesh None) or on global arrays, under
+    Flax's FP8 recipe (``jaxoverlap.fp8``) when the layer has one."""
     seq = x.ndim - 2
-    kw = dict(precision=m.precision, mesh=mesh)
+    if m.fp8 is None:
+        lib, kw = ops, dict(precision=m.precision, mesh=mesh)
+    else:
+        lib, kw = fp8, dict(scaling=m.fp8.scaling, mesh=mesh)
     if m.kind == COLUMN:
         if m.sequence_parallel:
-            return ops.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
-        return ops.copy_matmul(x, kernel, m.axis_name, **kw)
+            return lib.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
+        return lib.copy_matmul(x, kernel, m.axis_name, **kw)
     if m.sequence_parallel:
-        return ops.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
+        return lib.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
     # Megatron's g: rows that do not split into N blocks (a decode step's batch) run one-shot
-    return ops.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)
-
-
-def fused_fp8(m: Matmul, x, kernel, mesh: Any):
-    """The fused multiply under Flax's FP8 recipe (``jaxoverlap.fp8``)."""
-    seq = x.ndim - 2
-    kw = dict(scaling=m.fp8.scaling, mesh=mesh)
-    if m.kind == COLUMN:
-        if m.sequence_parallel:
-            return fp8.ag_matmul(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
-        return fp8.copy_matmul(x, kernel, m.axis_name, **kw)
-    if m.sequence_parallel:
-        return fp8.matmul_rs(x, kernel, m.axis_name, axis=seq, impl=m.impl, **kw)
-    return fp8.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)
+    return lib.matmul_ar(x, kernel, m.axis_name, impl=m.impl, **kw)
 
 
 def _multiply(m: Matmul, x, kernel, mesh: Any):
     """The layer's multiply on local shards (mesh None) or global arrays."""
-    if m.fp8 is not None:
-        return fused_fp8(m, x, kernel, mesh)
-    if m.dot_general is None:
+    if m.fp8 is not None or m.dot_general is None:
         return fused(m, x, kernel, mesh)
     if mesh is None:
         return unfused_local(m, x, kernel)

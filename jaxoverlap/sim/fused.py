@@ -30,13 +30,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 from jaxoverlap.sim import model
 from jaxoverlap.sim.presets import Preset, canonical_dtype
 
-OPS = ("ag_matmul", "matmul_rs")  # the ops with a fused path
-TRANSPORTS = ("p2p", "multicast")  # never nccl: docs/gpu.md §10, rule 1
-DTYPES = ("bfloat16", "float16")  # the kernel's instantiations
-ALIGN = 8  # elements: rows of whole 16-byte units (TMA), for both 16-bit types
+OPS, TRANSPORTS, DTYPES, ALIGN = FUSED_OPS, FUSED_TRANSPORTS, FUSED_DTYPES, FUSED_ALIGN
 
 
 def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_shot", *,
