@@ -40,7 +40,7 @@ def info() -> dict[str, Any]:
         "impls": {
             "xla": "available",
             "ring": "available",
-            "native": "available" if native_reason is None else f"unavailable: {native_reason}",
+            "native": _available(native_reason),
         },
         # fp8 operands: the native path's answer is for e4m3 x e4m3 (on GPUs the CUDA executor
         # refuses an fp8 operand with a non-fp8 one, and e5m2 x e5m2: capabilities.gpu_fp8_reason)

@@ -101,11 +101,9 @@ def run(plan: OpPlan, x, w, want_gathered: bool = False, scales: tuple = ()):
     typed = check_vma_active()
     if typed:
         # The sum over ranks of x_r @ w_r, as psum sums an invariant operand's N copies.
-        x, w = (a if plan.axis_name in varying_axes(a)
-                else lax.pcast(a, (plan.axis_name,), to="varying") for a in (x, w))
-        if scales:
-            scales = tuple(a if plan.axis_name in varying_axes(a)
-                           else lax.pcast(a, (plan.axis_name,), to="varying") for a in scales)
+        x, w, *scales = (_megatron.copy_to_tp(a, plan.axis_name, typed)
+                         for a in (x, w, *scales))
+        scales = tuple(scales)
     if plan.impl == "xla" and not scales:
         return _run_ar(x, w, plan)  # dot + psum: JAX differentiates it
     return _matmul_ar(x, w, scales, plan, _types(x, w), typed)

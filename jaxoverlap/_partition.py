@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import AG, RS, Call, F, layouts, open_layouts, without_axis
+from jaxoverlap._xla import local_matmul, scale_product
 
 # ---------------------------------------------------------------- the rules
 
@@ -93,17 +94,9 @@ def _manual(mesh: Mesh):
     return jax.sharding.use_abstract_mesh(manual)
 
 
-def _matmul_f32(x, w, precision=None, scales: tuple = (), out=None):
-    y = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32)
-    if scales:
-        y = y * (scales[0] * scales[1])
-    return y.astype(x.dtype if out is None else out)
-
-
 def _body(call: Call, x, w, *scales):
     """The op's meaning on global arrays: what fixes the output types, and XLA's fallback."""
-    y = _matmul_f32(x, w, call.local.precision, scales, call.local.out_dtype)
+    y = local_matmul(x, w, call.local.out_dtype, scale_product(scales), call.local.precision)
     return (y, x) if call.kind == AG else (y,)
 
 

@@ -43,7 +43,7 @@ from jax import lax
 from jaxoverlap._fp8_dtypes import out_dtype
 from jaxoverlap._invariant import mark_invariant
 from jaxoverlap._plan import OpPlan
-from jaxoverlap._xla import local_matmul
+from jaxoverlap._xla import local_matmul, scale_product
 
 
 def _shift(x: jax.Array, plan: OpPlan, by: int) -> jax.Array:
@@ -152,7 +152,7 @@ def _one_shot(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> j
     gets the same bits."""
     n = plan.axis_size
     out = out_dtype(x, plan.out_dtype)
-    partial = local_matmul(x, w, out, _product(scales))
+    partial = local_matmul(x, w, out, scale_product(scales))
     # by_shift[i] came from rank (rank - i) mod N
     by_shift = [partial] + [lax.ppermute(partial, plan.axis_name,
                                          [(j, (j + i) % n) for j in range(n)])
@@ -165,11 +165,6 @@ def _one_shot(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> j
     return mark_invariant(y, plan.axis_name)
 
 
-def _product(scales: tuple):
-    """This rank's ``x_scale * w_scale`` (None without fp8)."""
-    return scales[0] * scales[1] if scales else None
-
-
 def _reduce_scatter(x: jax.Array, w: jax.Array, plan: OpPlan,
                     scales: tuple = ()) -> list[jax.Array]:
     """The rank's row block of psum(x @ w) along ``plan.axis``, as ``plan.chunks`` pieces."""
@@ -179,7 +174,7 @@ def _reduce_scatter(x: jax.Array, w: jax.Array, plan: OpPlan,
     rank = lax.axis_index(plan.axis_name)
     forward_hops, backward_hops = _ring_lengths(plan)
     out = out_dtype(x, plan.out_dtype)
-    scale = _product(scales)
+    scale = scale_product(scales)
 
     def partial(chunk, k):
         start = chunk * rows + k * piece_rows

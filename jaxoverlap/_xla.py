@@ -15,13 +15,13 @@ from jaxoverlap._fp8_dtypes import out_dtype
 from jaxoverlap._plan import OpPlan
 
 
-def local_matmul(x: jax.Array, w: jax.Array, out=None, scale=None) -> jax.Array:
+def local_matmul(x: jax.Array, w: jax.Array, out=None, scale=None,
+                 precision=None) -> jax.Array:
     """``x @ w`` over x's last dim, accumulated in float32, times ``scale`` (the fp8
     operands' scales, a float32 scalar or an array broadcasting against the product), rounded
     once to ``out`` (default: x's dtype)."""
-    y = lax.dot_general(
-        x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
+    y = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)
     if scale is not None:
         y = y * scale
     return y.astype(x.dtype if out is None else out)
@@ -50,16 +50,16 @@ def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan,
 
 def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
     return lax.psum_scatter(
-        local_matmul(x, w, out_dtype(x, plan.out_dtype), _product(scales)), plan.axis_name,
+        local_matmul(x, w, out_dtype(x, plan.out_dtype), scale_product(scales)), plan.axis_name,
         scatter_dimension=plan.axis, tiled=True
     )
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
-    return lax.psum(local_matmul(x, w, out_dtype(x, plan.out_dtype), _product(scales)),
+    return lax.psum(local_matmul(x, w, out_dtype(x, plan.out_dtype), scale_product(scales)),
                     plan.axis_name)
 
 
-def _product(scales: tuple):
+def scale_product(scales: tuple):
     """This rank's ``x_scale * w_scale`` (None without fp8)."""
     return scales[0] * scales[1] if scales else None

@@ -157,7 +157,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     out = jnp.dtype(preferred_element_type or lhs.dtype)
     dims = jax.tree.map(int, dimension_numbers)
     dims = tuple(tuple(tuple(d) for d in pair) for pair in dims)
-    return _current_dot(lhs, rhs, dims, out.name)
+    return _current_dot(lhs, rhs, dims, out.name, (lhs.dtype.name, rhs.dtype.name))
 
 
 # ---------------------------------------------------------------- one call
@@ -273,8 +273,12 @@ def _delayed(c: _Call, a, q_dtype, scale, history):
 def _current(c: _Call, a, q_dtype):
     """This step's scale from this shard's amax (Flax's ``compute_scale``: 1 for an amax of 0
     or not finite)."""
-    amax = _amax(c, a, whole=False).astype(jnp.float32)
-    return fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32),
+    return _scale(_amax(c, a, whole=False), q_dtype)
+
+
+def _scale(amax, q_dtype):
+    """Flax's ``compute_scale`` from this step's ``amax`` alone (no history)."""
+    return fp8_ops.compute_scale(amax.astype(jnp.float32), jnp.ones((), jnp.float32),
                                  fp8_ops.get_fp8_max(q_dtype, jnp.float32))
 
 
@@ -431,31 +435,31 @@ def _weight_grad(c: _Call, a, b, scale, row_scales, row_axis: int, sharding):
 # ---------------------------------------------------------------- dot_general, current scaling
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _current_dot(lhs, rhs, dims, out: str):
-    return _current_dot_fwd(lhs, rhs, dims, out)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _current_dot(lhs, rhs, dims, out: str, in_dtypes: tuple[str, str]):
+    return _current_dot_fwd(lhs, rhs, dims, out, in_dtypes)[0]
 
 
-def _current_dot_fwd(lhs, rhs, dims, out):
-    sl, sr = (fp8_ops.compute_scale(jnp.max(jnp.abs(a)).astype(jnp.float32),
-                                    jnp.ones((), jnp.float32),
-                                    fp8_ops.get_fp8_max(E4M3, jnp.float32)) for a in (lhs, rhs))
+def _current_dot_fwd(lhs, rhs, dims, out, in_dtypes):
+    """The fp8 product; the backward keeps the fp8 operands and scales, not lhs and rhs (only
+    their dtypes, ``in_dtypes``, which the gradients take)."""
+    del in_dtypes
+    sl, sr = (_scale(jnp.max(jnp.abs(a)), E4M3) for a in (lhs, rhs))
     ql, qr = _quantize(lhs, E4M3, sl), _quantize(rhs, E4M3, sr)
     y = lax.dot_general(ql, qr, dims, preferred_element_type=jnp.float32) * (sl * sr)
-    return y.astype(out), (lhs, rhs, ql, qr, sl, sr)
+    return y.astype(out), (ql, qr, sl, sr)
 
 
-def _current_dot_bwd(dims, out, res, g):
-    lhs, rhs, ql, qr, sl, sr = res
-    sg = fp8_ops.compute_scale(jnp.max(jnp.abs(g)).astype(jnp.float32),
-                               jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(E5M2, jnp.float32))
+def _current_dot_bwd(dims, out, in_dtypes, res, g):
+    ql, qr, sl, sr = res
+    sg = _scale(jnp.max(jnp.abs(g)), E5M2)
     qg = _quantize(g, E5M2, sg)
     # Flax's own transposes of dot_general (what its Fp8DirectDotGeneralOp uses).
     dl = fp8_ops.dot_general_transpose_lhs(qg, ql, qr, dimension_numbers=dims, precision=None,
                                            preferred_element_type=jnp.float32)
     dr = fp8_ops.dot_general_transpose_rhs(qg, ql, qr, dimension_numbers=dims, precision=None,
                                            preferred_element_type=jnp.float32)
-    return (dl * (sg * sr)).astype(lhs.dtype), (dr * (sl * sg)).astype(rhs.dtype)
+    return (dl * (sg * sr)).astype(in_dtypes[0]), (dr * (sl * sg)).astype(in_dtypes[1])
 
 
 _current_dot.defvjp(_current_dot_fwd, _current_dot_bwd)
