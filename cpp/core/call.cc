@@ -4,13 +4,13 @@
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
-#include <list>
 #include <mutex>
 #include <set>
 #include <unordered_map>
 
 #include "core/build.h"
 #include "core/log.h"
+#include "core/signature_cache.h"
 
 namespace jo {
 
@@ -72,46 +72,13 @@ Status Place(const RankTable& t, const Caller& caller, const char* op, Placement
   return OkStatus();
 }
 
-namespace {
-
-// The sizes of the most recent distinct calls: a long job that keeps meeting
-// new shapes keeps at most this many (each costs a program build per rank to
-// recompute).
-constexpr size_t kNeedsCacheEntries = 1024;
-
-class NeedsCache {
- public:
-  bool Find(const std::string& signature, CallNeeds* out) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(signature);
-    if (it == entries_.end()) return false;
-    order_.splice(order_.begin(), order_, it->second.second);  // most recent first
-    *out = it->second.first;
-    return true;
-  }
-  void Add(const std::string& signature, const CallNeeds& needs) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (entries_.count(signature) != 0) return;
-    order_.push_front(signature);
-    entries_.emplace(signature, std::make_pair(needs, order_.begin()));
-    while (entries_.size() > kNeedsCacheEntries) {
-      entries_.erase(order_.back());
-      order_.pop_back();
-    }
-  }
-
- private:
-  std::mutex mu_;
-  std::list<std::string> order_;
-  std::unordered_map<std::string, std::pair<CallNeeds, std::list<std::string>::iterator>> entries_;
-};
-
-}  // namespace
-
 Status NeedsOf(const Problem& q, CallNeeds* out) {
-  static auto* cache = new NeedsCache;  // never destroyed: workers may run at exit
+  static auto* cache = new SignatureCache<CallNeeds>;  // never destroyed: workers may run at exit
   const std::string signature = CallSignature(q);
-  if (cache->Find(signature, out)) return OkStatus();
+  if (auto hit = cache->Find(signature)) {
+    *out = *hit;
+    return OkStatus();
+  }
   CallNeeds needs;
   int64_t scales_at = -1;  // where the workspace's scale slots begin, on every rank alike
   for (int32_t r = 0; r < q.nranks; ++r) {
