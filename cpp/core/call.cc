@@ -135,7 +135,6 @@ int64_t ProcessIndex() { return g_process_index; }
 
 struct CallSite::Token {
   int64_t id = 0;
-  int64_t index = 0;
   int64_t serial = 0;
 };
 
@@ -184,16 +183,15 @@ CallSite CallSite::Instantiate(int64_t site_key) {
   Burst& burst = (*t_bursts)[site_key];
   const uint64_t lowering = LastLowering(site_key);
   const bool sibling = !burst.last.expired() && burst.lowering == lowering;
+  const int64_t index = sibling ? burst.index + 1 : 1;  // among identical siblings
   auto token = std::make_shared<Token>();
-  token->index = sibling ? burst.index + 1 : 1;
-  token->id = token->index == 1
-                  ? site_key
-                  : static_cast<int64_t>(Mix(static_cast<uint64_t>(site_key) ^
-                                             Mix(static_cast<uint64_t>(token->index))));
+  token->id = index == 1 ? site_key
+                         : static_cast<int64_t>(Mix(static_cast<uint64_t>(site_key) ^
+                                                    Mix(static_cast<uint64_t>(index))));
   if (token->id == 0) token->id = 1;  // 0 names no site
   token->serial = ++g_serial;
   burst.last = token;
-  burst.index = token->index;
+  burst.index = index;
   burst.lowering = lowering;
   if (t_bursts->size() > 4096)  // forget the keys whose instances are all gone
     for (auto it = t_bursts->begin(); it != t_bursts->end();)
@@ -204,7 +202,6 @@ CallSite CallSite::Instantiate(int64_t site_key) {
 }
 
 int64_t CallSite::id() const { return token_ ? token_->id : 0; }
-int64_t CallSite::index() const { return token_ ? token_->index : 0; }
 int64_t CallSite::serial() const { return token_ ? token_->serial : 0; }
 
 void NoteLowering(int64_t site_key) {

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -653,6 +652,13 @@ Status AddDomain(std::shared_ptr<ShmDomain> domain) {
   return OkStatus();
 }
 
+std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group) {  // null if none
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.by_key.find({clique_key, group});
+  return it == d.by_key.end() ? nullptr : it->second;
+}
+
 }  // namespace
 
 Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
@@ -706,13 +712,6 @@ Status DomainOf(const CliqueKey& key, const std::vector<int64_t>& rank_process, 
                            " ranks, but this call has axis_size " +
                            std::to_string(rank_process.size()));
   return OkStatus();
-}
-
-std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group) {
-  Domains& d = AllDomains();
-  std::lock_guard<std::mutex> lock(d.mu);
-  auto it = d.by_key.find({clique_key, group});
-  return it == d.by_key.end() ? nullptr : it->second;
 }
 
 std::string DomainState(int64_t clique_key, int64_t group) {
