@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "core/build.h"
+#include "core/hash.h"
 #include "core/log.h"
 #include "core/signature_cache.h"
 
@@ -170,12 +171,6 @@ struct Burst {
 };
 thread_local std::unordered_map<int64_t, Burst>* t_bursts = nullptr;
 
-uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 }  // namespace
 
 CallSite CallSite::Instantiate(int64_t site_key) {
@@ -186,8 +181,8 @@ CallSite CallSite::Instantiate(int64_t site_key) {
   const int64_t index = sibling ? burst.index + 1 : 1;  // among identical siblings
   auto token = std::make_shared<Token>();
   token->id = index == 1 ? site_key
-                         : static_cast<int64_t>(Mix(static_cast<uint64_t>(site_key) ^
-                                                    Mix(static_cast<uint64_t>(index))));
+                         : static_cast<int64_t>(Mix64(static_cast<uint64_t>(site_key) ^
+                                                      Mix64(static_cast<uint64_t>(index))));
   if (token->id == 0) token->id = 1;  // 0 names no site
   token->serial = ++g_serial;
   burst.last = token;

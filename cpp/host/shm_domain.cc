@@ -15,6 +15,7 @@
 
 #include "core/call.h"
 #include "core/clique.h"
+#include "core/hash.h"
 #include "core/log.h"
 
 namespace jo::host {
@@ -123,12 +124,6 @@ class SitesLock {
   pthread_mutex_t* mu_;
   int result_;
 };
-
-uint64_t Mix(uint64_t x) {  // splitmix64's finalizer: where a site's probe starts
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 std::string Text(const char* chars, size_t bytes) {
   return std::string(chars, strnlen(chars, bytes));
@@ -302,7 +297,7 @@ ShmDomain::SiteEntry* ShmDomain::FindSite(int64_t site) const {
   // Entries are freed anywhere, so a probe never stops early: it looks at
   // every entry (a few thousand compares, only when a site opens or closes).
   const int32_t n = capacity();
-  const int32_t start = static_cast<int32_t>(Mix(static_cast<uint64_t>(site)) % n);
+  const int32_t start = static_cast<int32_t>(Mix64(static_cast<uint64_t>(site)) % n);
   for (int32_t i = 0; i < n; ++i) {
     SiteEntry* e = site_entry((start + i) % n);
     if (e->site == site) return e;
@@ -312,7 +307,7 @@ ShmDomain::SiteEntry* ShmDomain::FindSite(int64_t site) const {
 
 ShmDomain::SiteEntry* ShmDomain::FreeEntry(int64_t site) const {
   const int32_t n = capacity();
-  const int32_t start = static_cast<int32_t>(Mix(static_cast<uint64_t>(site)) % n);
+  const int32_t start = static_cast<int32_t>(Mix64(static_cast<uint64_t>(site)) % n);
   for (int32_t i = 0; i < n; ++i) {
     SiteEntry* e = site_entry((start + i) % n);
     if (e->site == 0) return e;
