@@ -61,12 +61,13 @@ Status BuildAgMatmul(Program* p) {
   // Fused: the kernel reads every shard from the own workspace [P, N*R, K].
   const bool fused = q.fused && N > 1;
   // Local shard first: no transfer to wait for.
-  for (int64_t s = 0; s < C && !fused; ++s) {
-    label(e.Gemm(0, x_ref(s), y_ref(r, s), nullptr, P, rows(s)), r, s);
-    if (q.return_gathered)
-      label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K),
-            r, s);
-  }
+  if (!fused)
+    for (int64_t s = 0; s < C; ++s) {
+      label(e.Gemm(0, x_ref(s), y_ref(r, s), nullptr, P, rows(s)), r, s);
+      if (q.return_gathered)
+        label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K),
+              r, s);
+    }
   if (N == 1) return OkStatus();
 
   p->num_flags = static_cast<int32_t>(N * C);
@@ -173,9 +174,11 @@ Status BuildAgMatmul(Program* p) {
       p->workspace_elems = P * N * R * K;
       if (scaled) p->workspace_scales = N;
       // Fused: the local shard joins the others in the own workspace first (copy engine).
-      for (int64_t s = 0; s < C && fused; ++s)
-        label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kWorkspace, r, r, s), P, rows(s), K),
-              r, s);
+      if (fused)
+        for (int64_t s = 0; s < C; ++s) {
+          const Ref own = g_ref(BufId::kWorkspace, r, r, s);
+          label(e.Block(OpKind::kCopy, 0, x_ref(s), own, P, rows(s), K), r, s);
+        }
       for (int32_t dir = 0; dir < 2; ++dir) {
         const int32_t stream = 1 + dir;
         for (int32_t t = 0; t < dir_steps(dir); ++t) {

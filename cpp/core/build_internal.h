@@ -101,10 +101,6 @@ class Emitter {
 
 Status BuildAgMatmul(Program* program);
 Status BuildMatmulRs(Program* program);
-// GEMM + reduce-scatter over p2p with a fused GEMM: the GEMM releases each
-// destination's partial, the comm stream scatters it to its owner, the owner
-// sums them after the GEMM (build_rs.cc).
-Status BuildRsScatter(Program* program, Emitter& e);
 Status BuildMatmulAr(Program* program);
 
 // Pieces shared by GEMM+RS and GEMM+AR (build_rs.cc).

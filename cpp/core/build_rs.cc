@@ -16,6 +16,7 @@ namespace jo::internal {
 namespace {
 
 Status BuildMulticast(Program* p, Emitter& e);
+Status BuildRsScatter(Program* p, Emitter& e);
 
 }  // namespace
 
@@ -183,11 +184,19 @@ Status BuildRsRing(Program* p, Emitter& e, const RsTarget& target, std::vector<i
 
 namespace {
 
-// The fused GEMM of GEMM + reduce-scatter: every destination's partial
-// (rows of x block j -> rows of `d` block j), destinations in `order`; it
-// releases own flag `release + j * C + s` once sub-chunk s of block j is stored.
-void FusedPartials(const Geometry& g, Emitter& e, const Ref& d, const std::vector<int32_t>& order,
-                   int32_t release) {
+// The fused GEMM of GEMM + reduce-scatter and the comm stream behind it. The
+// GEMM computes every destination's partial (rows of x block j -> rows of `d`
+// block j) in the order r-1, r-2, ..., the own block last (at each step every
+// rank sends to a different one; the own partial never leaves), and releases
+// own flag N*C + j*C + s once sub-chunk s of block j is stored. Stream 1 waits
+// for each release of a block j != r and calls forward(j, s), which passes the
+// partial on to rank j.
+template <typename Forward>
+void FusedPartials(Program* p, const Geometry& g, Emitter& e, const Ref& d, Forward forward) {
+  const int32_t release = static_cast<int32_t>(g.N * g.C);
+  p->num_flags = 2 * release;
+  std::vector<int32_t> order;
+  for (int32_t t = 0; t < g.N; ++t) order.push_back(Mod(g.r - 1 - t, g.N));
   FusedBlocks f;
   f.rows = fused::RowBlocks{g.N, static_cast<int32_t>(g.C), g.R};
   f.key = fused::OrderKey::kFirstDeparture;
@@ -195,14 +204,13 @@ void FusedPartials(const Geometry& g, Emitter& e, const Ref& d, const std::vecto
     for (int64_t s = 0; s < g.C; ++s) f.sequence.push_back(static_cast<int32_t>(j * g.C + s));
   f.release_flags = release;
   e.FusedGemm(0, Ref{BufId::kX, g.r, 0, g.N * g.R * g.K, g.K}, d, g.P, std::move(f));
-}
-
-// Destinations r-1, r-2, ..., the own block last: at each step every rank
-// sends to a different one, and the own partial, which never leaves, is last.
-std::vector<int32_t> DestinationOrder(const Geometry& g) {
-  std::vector<int32_t> order;
-  for (int32_t t = 0; t < g.N; ++t) order.push_back(Mod(g.r - 1 - t, g.N));
-  return order;
+  for (int32_t j : order) {
+    if (j == g.r) continue;
+    for (int64_t s = 0; s < g.C; ++s) {
+      e.Wait(1, g.r, static_cast<int32_t>(release + j * g.C + s));
+      forward(j, s);
+    }
+  }
 }
 
 Status BuildMulticast(Program* p, Emitter& e) {
@@ -216,25 +224,17 @@ Status BuildMulticast(Program* p, Emitter& e) {
   };
   auto flag = [&](int32_t writer, int64_t s) { return static_cast<int32_t>(writer * g.C + s); };
   if (p->problem.fused) {
-    // The fused GEMM releases each partial (own flag N*C + block); the comm
-    // stream passes the release on to the block's owner.
-    const int32_t release = static_cast<int32_t>(g.N * g.C);
-    p->num_flags = 2 * release;
-    const std::vector<int32_t> order = DestinationOrder(g);
-    FusedPartials(g, e, part(0, 0), order, release);
-    for (int32_t block : order) {
-      if (block == g.r) continue;
+    // The fused GEMM releases each partial; the comm stream passes the
+    // release on to the block's owner.
+    FusedPartials(p, g, e, part(0, 0),
+                  [&](int32_t block, int64_t s) { e.Signal(1, block, flag(g.r, s)); });
+  } else {
+    for (int32_t t = 0; t < g.N; ++t) {
+      const int32_t block = Mod(g.r - 1 - t, g.N);  // own block last
       for (int64_t s = 0; s < g.C; ++s) {
-        e.Wait(1, g.r, static_cast<int32_t>(release + block * g.C + s));
-        e.Signal(1, block, flag(g.r, s));
+        Label(e.Gemm(0, g.x(block, s), part(block, s), nullptr, g.P, g.rows(s)), block, s);
+        if (block != g.r) e.Signal(0, block, flag(g.r, s));
       }
-    }
-  }
-  for (int32_t t = 0; t < g.N && !p->problem.fused; ++t) {
-    const int32_t block = Mod(g.r - 1 - t, g.N);  // own block last
-    for (int64_t s = 0; s < g.C; ++s) {
-      Label(e.Gemm(0, g.x(block, s), part(block, s), nullptr, g.P, g.rows(s)), block, s);
-      if (block != g.r) e.Signal(0, block, flag(g.r, s));
     }
   }
   for (int64_t s = 0; s < g.C; ++s) {
@@ -245,8 +245,6 @@ Status BuildMulticast(Program* p, Emitter& e) {
   return OkStatus();
 }
 
-}  // namespace
-
 Status BuildRsScatter(Program* p, Emitter& e) {
   const Geometry g = MakeGeometry(p);
   // The fused GEMM computes every destination's partial into SCRATCH [P, N*R,
@@ -255,8 +253,6 @@ Status BuildRsScatter(Program* p, Emitter& e) {
   // into slot r of rank j's workspace ([N slots of P, R, Nw]) and raises rank
   // j's flag r*C + s. After the GEMM, rank r sums its own partial and the N-1
   // slots it received, in rank order (the same rounding as a ring: one per add).
-  const int32_t release = static_cast<int32_t>(g.N * g.C);
-  p->num_flags = 2 * release;
   p->workspace_elems = g.N * g.P * g.R * g.Nw;
   p->scratch_elems = g.P * g.N * g.R * g.Nw;
   auto partial = [&](int32_t j, int64_t s) {
@@ -266,17 +262,11 @@ Status BuildRsScatter(Program* p, Emitter& e) {
     return g.slot(BufId::kWorkspace, owner, sender, s);
   };
   auto flag = [&](int32_t sender, int64_t s) { return static_cast<int32_t>(sender * g.C + s); };
-  const std::vector<int32_t> order = DestinationOrder(g);
-  FusedPartials(g, e, partial(0, 0), order, release);
-  for (int32_t j : order) {
-    if (j == g.r) continue;
-    for (int64_t s = 0; s < g.C; ++s) {
-      e.Wait(1, g.r, static_cast<int32_t>(release + j * g.C + s));
-      Label(e.Block(OpKind::kCopy, 1, partial(j, s), received(j, g.r, s), g.P, g.rows(s), g.Nw), j,
-            s);
-      e.Signal(1, j, flag(g.r, s));
-    }
-  }
+  FusedPartials(p, g, e, partial(0, 0), [&](int32_t j, int64_t s) {
+    Label(e.Block(OpKind::kCopy, 1, partial(j, s), received(j, g.r, s), g.P, g.rows(s), g.Nw), j,
+          s);
+    e.Signal(1, j, flag(g.r, s));
+  });
   for (int64_t s = 0; s < g.C; ++s) {
     Label(e.Block(OpKind::kCopy, 0, partial(g.r, s), g.y(s), g.P, g.rows(s), g.Nw), g.r, s);
     for (int32_t i = 0; i < g.N; ++i) {
@@ -288,4 +278,5 @@ Status BuildRsScatter(Program* p, Emitter& e) {
   return OkStatus();
 }
 
+}  // namespace
 }  // namespace jo::internal

@@ -4,13 +4,14 @@
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
-#include <list>
 #include <mutex>
 #include <set>
 #include <unordered_map>
 
 #include "core/build.h"
+#include "core/hash.h"
 #include "core/log.h"
+#include "core/signature_cache.h"
 
 namespace jo {
 
@@ -72,46 +73,13 @@ Status Place(const RankTable& t, const Caller& caller, const char* op, Placement
   return OkStatus();
 }
 
-namespace {
-
-// The sizes of the most recent distinct calls: a long job that keeps meeting
-// new shapes keeps at most this many (each costs a program build per rank to
-// recompute).
-constexpr size_t kNeedsCacheEntries = 1024;
-
-class NeedsCache {
- public:
-  bool Find(const std::string& signature, CallNeeds* out) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(signature);
-    if (it == entries_.end()) return false;
-    order_.splice(order_.begin(), order_, it->second.second);  // most recent first
-    *out = it->second.first;
-    return true;
-  }
-  void Add(const std::string& signature, const CallNeeds& needs) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (entries_.count(signature) != 0) return;
-    order_.push_front(signature);
-    entries_.emplace(signature, std::make_pair(needs, order_.begin()));
-    while (entries_.size() > kNeedsCacheEntries) {
-      entries_.erase(order_.back());
-      order_.pop_back();
-    }
-  }
-
- private:
-  std::mutex mu_;
-  std::list<std::string> order_;
-  std::unordered_map<std::string, std::pair<CallNeeds, std::list<std::string>::iterator>> entries_;
-};
-
-}  // namespace
-
 Status NeedsOf(const Problem& q, CallNeeds* out) {
-  static auto* cache = new NeedsCache;  // never destroyed: workers may run at exit
+  static auto* cache = new SignatureCache<CallNeeds>;  // never destroyed: workers may run at exit
   const std::string signature = CallSignature(q);
-  if (cache->Find(signature, out)) return OkStatus();
+  if (auto hit = cache->Find(signature)) {
+    *out = *hit;
+    return OkStatus();
+  }
   CallNeeds needs;
   int64_t scales_at = -1;  // where the workspace's scale slots begin, on every rank alike
   for (int32_t r = 0; r < q.nranks; ++r) {
@@ -168,7 +136,6 @@ int64_t ProcessIndex() { return g_process_index; }
 
 struct CallSite::Token {
   int64_t id = 0;
-  int64_t index = 0;
   int64_t serial = 0;
 };
 
@@ -204,12 +171,6 @@ struct Burst {
 };
 thread_local std::unordered_map<int64_t, Burst>* t_bursts = nullptr;
 
-uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 }  // namespace
 
 CallSite CallSite::Instantiate(int64_t site_key) {
@@ -217,16 +178,15 @@ CallSite CallSite::Instantiate(int64_t site_key) {
   Burst& burst = (*t_bursts)[site_key];
   const uint64_t lowering = LastLowering(site_key);
   const bool sibling = !burst.last.expired() && burst.lowering == lowering;
+  const int64_t index = sibling ? burst.index + 1 : 1;  // among identical siblings
   auto token = std::make_shared<Token>();
-  token->index = sibling ? burst.index + 1 : 1;
-  token->id = token->index == 1
-                  ? site_key
-                  : static_cast<int64_t>(Mix(static_cast<uint64_t>(site_key) ^
-                                             Mix(static_cast<uint64_t>(token->index))));
+  token->id = index == 1 ? site_key
+                         : static_cast<int64_t>(Mix64(static_cast<uint64_t>(site_key) ^
+                                                      Mix64(static_cast<uint64_t>(index))));
   if (token->id == 0) token->id = 1;  // 0 names no site
   token->serial = ++g_serial;
   burst.last = token;
-  burst.index = token->index;
+  burst.index = index;
   burst.lowering = lowering;
   if (t_bursts->size() > 4096)  // forget the keys whose instances are all gone
     for (auto it = t_bursts->begin(); it != t_bursts->end();)
@@ -237,7 +197,6 @@ CallSite CallSite::Instantiate(int64_t site_key) {
 }
 
 int64_t CallSite::id() const { return token_ ? token_->id : 0; }
-int64_t CallSite::index() const { return token_ ? token_->index : 0; }
 int64_t CallSite::serial() const { return token_ ? token_->serial : 0; }
 
 void NoteLowering(int64_t site_key) {

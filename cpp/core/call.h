@@ -135,7 +135,6 @@ class CallSite {
   static CallSite Instantiate(int64_t site_key);
 
   int64_t id() const;      // the same in every process (0 for a default CallSite)
-  int64_t index() const;   // among identical siblings of one executable, from 1
   int64_t serial() const;  // unique in this process: this instance
 
   struct Token;  // what the instance holds (call.cc)

@@ -1,9 +1,7 @@
 #include "core/issue_order.h"
 
 #include <deque>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <tuple>
@@ -11,6 +9,7 @@
 
 #include "core/build.h"
 #include "core/call.h"
+#include "core/signature_cache.h"
 
 namespace jo {
 namespace {
@@ -189,19 +188,15 @@ std::vector<IssueUnit> IssueUnits(const Program& program) {
 }
 
 Status IssueOrder(const Problem& problem, std::vector<IssueUnit>* order) {
-  static auto* mu = new std::mutex;  // never destroyed: handlers may run at exit
-  static auto* cache = new std::map<std::string, std::vector<std::vector<IssueUnit>>>;
+  // Every rank's order, per call signature. Never destroyed: handlers may run at exit.
+  static auto* cache = new SignatureCache<std::vector<std::vector<IssueUnit>>>;
   const std::string signature = CallSignature(problem);
   JO_REQUIRE(problem.rank >= 0 && problem.rank < problem.nranks,
              "IssueOrder: rank " + std::to_string(problem.rank) + " outside [0, " +
                  std::to_string(problem.nranks) + ")");
-  {
-    std::lock_guard<std::mutex> lock(*mu);
-    auto it = cache->find(signature);
-    if (it != cache->end()) {
-      *order = it->second[static_cast<size_t>(problem.rank)];
-      return OkStatus();
-    }
+  if (auto hit = cache->Find(signature)) {
+    *order = (*hit)[static_cast<size_t>(problem.rank)];
+    return OkStatus();
   }
   std::vector<Player> players(static_cast<size_t>(problem.nranks));
   for (int32_t r = 0; r < problem.nranks; ++r) {
@@ -223,8 +218,7 @@ Status IssueOrder(const Problem& problem, std::vector<IssueUnit>* order) {
   JO_CHECK(play.Run());
   std::vector<std::vector<IssueUnit>> orders = play.Orders();
   *order = orders[static_cast<size_t>(problem.rank)];
-  std::lock_guard<std::mutex> lock(*mu);
-  cache->emplace(signature, std::move(orders));
+  cache->Add(signature, std::move(orders));
   return OkStatus();
 }
 

@@ -379,13 +379,14 @@ class Run {
   // tile by tile: docs/gpu.md §10).
   Status FusedGemm(const Op& op) {
     const FusedBlocks& f = op.fused;
+    Op rows = op;  // the plain GEMM of one block's rows (without the fused plan)
+    rows.kind = OpKind::kGemm;
+    rows.fused = {};
     for (int32_t b : f.sequence) {
       if (f.Waits(b)) JO_CHECK(clique_.WaitFlag(ctx_, f.writers[b], f.wait_flags + b));
-      Op rows = op;
-      rows.kind = OpKind::kGemm;
       rows.m = f.rows.End(b) - f.rows.Begin(b);
-      rows.a.offset += f.rows.Begin(b) * op.a.ld;
-      rows.d.offset += f.rows.Begin(b) * op.d.ld;
+      rows.a.offset = op.a.offset + f.rows.Begin(b) * op.a.ld;
+      rows.d.offset = op.d.offset + f.rows.Begin(b) * op.d.ld;
       JO_CHECK(Gemm(rows));
       if (f.release_flags >= 0)
         JO_CHECK(clique_.Signal(ctx_, p_.problem.rank, f.release_flags + b));

@@ -54,6 +54,23 @@ Status Listen(const std::string& name, int backlog, UniqueFd* out) {
   return OkStatus();
 }
 
+// The servers' trust check: waits up to `timeout_ms` for a connection on
+// `listener` and accepts it only from a process of this user. False when none
+// came, or it came from anyone else (then it is closed unanswered).
+bool AcceptOwnUser(int listener, int timeout_ms, UniqueFd* conn, int* pid) {
+  pollfd p{listener, POLLIN, 0};
+  if (poll(&p, 1, timeout_ms) <= 0) return false;
+  UniqueFd accepted(accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+  if (accepted.get() < 0) return false;
+  ucred cred;
+  socklen_t cred_len = sizeof(cred);
+  if (getsockopt(accepted.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) return false;
+  if (cred.uid != getuid()) return false;
+  *conn = std::move(accepted);
+  *pid = static_cast<int>(cred.pid);
+  return true;
+}
+
 // Sends one byte, and the `count` fds at `fds` with it (none when count is 0).
 bool SendWithFds(int conn, char byte, const int* fds, size_t count) {
   iovec iov{&byte, 1};
@@ -207,15 +224,11 @@ void FdServer::Serve() {
                                            " did not fetch their fds before the deadline");
       return;
     }
-    pollfd p{listener_.get(), POLLIN, 0};
-    if (poll(&p, 1, Remaining(deadline_)) <= 0) continue;
-    UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (conn.get() < 0) continue;
-    ucred cred;
-    socklen_t cred_len = sizeof(cred);
-    if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) continue;
-    auto it = std::find(pending_.begin(), pending_.end(), static_cast<int>(cred.pid));
-    if (cred.uid != getuid() || it == pending_.end()) continue;  // not a peer we expect: drop
+    UniqueFd conn;
+    int pid = 0;
+    if (!AcceptOwnUser(listener_.get(), Remaining(deadline_), &conn, &pid)) continue;
+    auto it = std::find(pending_.begin(), pending_.end(), pid);
+    if (it == pending_.end()) continue;  // not a peer we expect: drop
     if (SendWithFds(conn.get(), 'j', fds_.data(), fds_.size())) pending_.erase(it);
   }
   result_ = OkStatus();
@@ -327,15 +340,10 @@ size_t SegmentServer::offers() const {
 
 void SegmentServer::Serve() {
   while (true) {
-    pollfd p{listener_.get(), POLLIN, 0};
-    if (poll(&p, 1, 1000) <= 0) continue;
-    UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (conn.get() < 0) continue;
-    ucred cred;
-    socklen_t cred_len = sizeof(cred);
-    if (getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) continue;
-    if (cred.uid != getuid()) continue;  // another user: nothing, not even an answer
-    Answer(conn.get(), static_cast<int>(cred.pid));
+    UniqueFd conn;
+    int pid = 0;
+    if (!AcceptOwnUser(listener_.get(), 1000, &conn, &pid)) continue;
+    Answer(conn.get(), pid);
   }
 }
 

@@ -61,12 +61,6 @@ int MemfdCreate(const char* name) {
   return fd;
 }
 
-uint64_t NamespaceInode(const char* path) {
-  struct stat st;
-  if (stat(path, &st) != 0) return 0;
-  return static_cast<uint64_t>(st.st_ino);
-}
-
 }  // namespace
 
 ShmSegment::~ShmSegment() {
@@ -138,8 +132,11 @@ Status ShmSegment::Map(int fd, size_t bytes, const std::string& what,
   return OkStatus();
 }
 
-uint64_t PidNamespace() { return NamespaceInode("/proc/self/ns/pid"); }
-uint64_t NetNamespace() { return NamespaceInode("/proc/self/ns/net"); }
+uint64_t PidNamespace() {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_ino);
+}
 
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
   if (timeout.count() <= 0) return;

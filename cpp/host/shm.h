@@ -63,9 +63,8 @@ class ShmSegment {
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout);
 void FutexWakeAll(std::atomic<uint32_t>* word);
 
-// This process's pid and network namespaces (inodes of /proc/self/ns/*), 0 if
-// unknown: pids compare, and abstract Unix sockets reach, only within one.
+// This process's pid namespace (the inode of /proc/self/ns/pid), 0 if unknown:
+// pids are comparable only between processes of one namespace.
 uint64_t PidNamespace();
-uint64_t NetNamespace();
 
 }  // namespace jo::host

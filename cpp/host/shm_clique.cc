@@ -1,7 +1,6 @@
 #include "host/shm_clique.h"
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -141,10 +140,6 @@ ShmClique::ShmClique(std::shared_ptr<ShmDomain> domain, int64_t site, const Call
 
 ShmClique::~ShmClique() {
   if (site_ != nullptr) domain_->ReleaseSite(key().site);
-}
-
-ShmClique::SiteHeader* ShmClique::header() const {
-  return reinterpret_cast<SiteHeader*>(site_->data());
 }
 
 ShmClique::RankState* ShmClique::rank_state(int32_t rank) const {

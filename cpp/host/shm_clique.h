@@ -83,7 +83,6 @@ class ShmClique : public HostClique {
   struct Layout;
 
  private:
-  SiteHeader* header() const;
   RankState* rank_state(int32_t rank) const;
   std::string Missing(const WaitContext& ctx, int32_t expected) const;
   Status BrokenStatus(const WaitContext& ctx) const;

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +15,7 @@
 
 #include "core/call.h"
 #include "core/clique.h"
+#include "core/hash.h"
 #include "core/log.h"
 
 namespace jo::host {
@@ -124,12 +124,6 @@ class SitesLock {
   pthread_mutex_t* mu_;
   int result_;
 };
-
-uint64_t Mix(uint64_t x) {  // splitmix64's finalizer: where a site's probe starts
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 std::string Text(const char* chars, size_t bytes) {
   return std::string(chars, strnlen(chars, bytes));
@@ -303,7 +297,7 @@ ShmDomain::SiteEntry* ShmDomain::FindSite(int64_t site) const {
   // Entries are freed anywhere, so a probe never stops early: it looks at
   // every entry (a few thousand compares, only when a site opens or closes).
   const int32_t n = capacity();
-  const int32_t start = static_cast<int32_t>(Mix(static_cast<uint64_t>(site)) % n);
+  const int32_t start = static_cast<int32_t>(Mix64(static_cast<uint64_t>(site)) % n);
   for (int32_t i = 0; i < n; ++i) {
     SiteEntry* e = site_entry((start + i) % n);
     if (e->site == site) return e;
@@ -313,7 +307,7 @@ ShmDomain::SiteEntry* ShmDomain::FindSite(int64_t site) const {
 
 ShmDomain::SiteEntry* ShmDomain::FreeEntry(int64_t site) const {
   const int32_t n = capacity();
-  const int32_t start = static_cast<int32_t>(Mix(static_cast<uint64_t>(site)) % n);
+  const int32_t start = static_cast<int32_t>(Mix64(static_cast<uint64_t>(site)) % n);
   for (int32_t i = 0; i < n; ++i) {
     SiteEntry* e = site_entry((start + i) % n);
     if (e->site == 0) return e;
@@ -653,6 +647,13 @@ Status AddDomain(std::shared_ptr<ShmDomain> domain) {
   return OkStatus();
 }
 
+std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group) {  // null if none
+  Domains& d = AllDomains();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto it = d.by_key.find({clique_key, group});
+  return it == d.by_key.end() ? nullptr : it->second;
+}
+
 }  // namespace
 
 Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
@@ -706,13 +707,6 @@ Status DomainOf(const CliqueKey& key, const std::vector<int64_t>& rank_process, 
                            " ranks, but this call has axis_size " +
                            std::to_string(rank_process.size()));
   return OkStatus();
-}
-
-std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group) {
-  Domains& d = AllDomains();
-  std::lock_guard<std::mutex> lock(d.mu);
-  auto it = d.by_key.find({clique_key, group});
-  return it == d.by_key.end() ? nullptr : it->second;
 }
 
 std::string DomainState(int64_t clique_key, int64_t group) {

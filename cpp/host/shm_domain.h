@@ -182,7 +182,6 @@ Status CreateShmDomain(int64_t clique_key, int64_t group, const std::vector<int3
                        int32_t process, int64_t attempt, UniqueFd* fd);
 Status AttachShmDomain(int64_t clique_key, int64_t group, const std::vector<int32_t>& rank_process,
                        int32_t process, int64_t attempt, int fd);
-std::shared_ptr<ShmDomain> FindDomain(int64_t clique_key, int64_t group);  // null if none
 // The domain of a call's group: null when the group's ranks are all in this
 // process; an error naming the cause when they span processes and this
 // process has none (its bootstrap never ran here: an executable that was not

@@ -226,22 +226,18 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   d["accumulate"] = op.accumulate;
   d["bytes"] = jo::BlockBytes(p, op);
   d["remote_bytes"] = jo::RemoteBytes(p, op);
-  const bool has_a = op.kind == jo::OpKind::kGemm || op.kind == jo::OpKind::kAdd ||
-                     op.kind == jo::OpKind::kCopy || op.kind == jo::OpKind::kSend ||
-                     op.kind == jo::OpKind::kMcStore || op.kind == jo::OpKind::kMcReduce;
+  const bool gemm = op.kind == jo::OpKind::kGemm || op.kind == jo::OpKind::kFusedGemm;
+  const bool has_a = gemm || op.kind == jo::OpKind::kAdd || op.kind == jo::OpKind::kCopy ||
+                     op.kind == jo::OpKind::kSend || op.kind == jo::OpKind::kMcStore ||
+                     op.kind == jo::OpKind::kMcReduce;
   const bool has_d = has_a ? op.kind != jo::OpKind::kSend : op.kind == jo::OpKind::kRecv;
   d["a"] = has_a ? nb::object(RefDict(op.a)) : nb::none();
-  d["b"] = op.kind == jo::OpKind::kGemm ? nb::object(RefDict(op.b)) : nb::none();
+  d["b"] = gemm ? nb::object(RefDict(op.b)) : nb::none();
   d["c"] = op.accumulate ? nb::object(RefDict(op.c)) : nb::none();
   d["d"] = has_d ? nb::object(RefDict(op.d)) : nb::none();
   d["a_scale"] = op.a_scaled ? nb::object(RefDict(op.a_scale)) : nb::none();
   d["b_scale"] = op.b_scaled ? nb::object(RefDict(op.b_scale)) : nb::none();
-  if (op.kind == jo::OpKind::kFusedGemm) {
-    d["a"] = RefDict(op.a);
-    d["b"] = RefDict(op.b);
-    d["d"] = RefDict(op.d);
-    d["fused"] = FusedDict(op.fused);
-  }
+  if (op.kind == jo::OpKind::kFusedGemm) d["fused"] = FusedDict(op.fused);
   d["text"] = jo::ToString(op);
   return d;
 }
