@@ -141,10 +141,15 @@ def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):
     fake.reset(fake.Config())
     args = dict(batch=2, rows=96, k=16, nw=16, dtype="bfloat16", chunks=2, bidirectional=True)
     fused, _, _ = run_fused(fake, "ag_matmul", "p2p", 4, **args)
+    assert fused["statuses"] == [None] * 4 and fused["drained"], fused["statuses"]
+    assert fake.errors() == []
+    assert fake.counters().get("cudaLaunchKernelEx") == 4  # the fused run: one kernel per rank
     fake.reset(fake.Config())
     xs, ws = _inputs("ag_matmul", 4, 2, 96, 16, 16, "bfloat16", 0)
     chunked = fake.run("ag_matmul", "p2p", 4, 2, 96, 16, 16, "bfloat16", 2, True, False,
                        [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(4)))
+    assert chunked["statuses"] == [None] * 4 and chunked["drained"], chunked["statuses"]
+    assert fake.errors() == []
     assert fused["ys"] == chunked["ys"]
     assert fake.counters().get("cudaLaunchKernelEx") is None  # the chunked run: no fused GEMM
 
