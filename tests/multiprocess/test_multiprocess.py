@@ -7,6 +7,7 @@ every child at its deadline and fails the test if a shared-memory segment is lef
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -196,9 +197,13 @@ def test_harness_reports_failures_and_removes_leftover_segments():
     with pytest.raises(harness.HarnessError, match="a process failed") as info:
         harness.run("fail", 2)
     assert "Not equal to tolerance" in str(info.value)
-    with pytest.raises(harness.HarnessError, match="segments left behind"):
+    with pytest.raises(harness.HarnessError, match="segments left behind") as info:
         harness.run("leak_shm", 1)
     assert not harness.shm_segments(f"jotest{os.getpid()}x")
+    # The untagged one too: the job held it, and it was not there before.
+    untagged = re.search(r"jo-untagged-leak-\d+", str(info.value))
+    assert untagged is not None, str(info.value)
+    assert not os.path.exists(os.path.join(harness.SHM_DIR, untagged.group()))
 
 
 def test_processes_that_run_different_calls_fail_at_the_timeout_naming_both_sites():
