@@ -251,7 +251,7 @@ def test_thousands_of_sites_over_a_job_while_one_stays_alive():
     for p in procs:
         result = p.result()
         assert p.returncode == 0 or _JAX_TERMINATED in p.stderr, harness.describe(procs)
-        assert result["made"] == 46 and result["most_open"] <= 8, result
+        assert result["made"] == 46 and 1 <= result["most_open"] <= 8, result
         error = result["error"]
         assert error is not None and "has no room for another call site: 8 call sites" in error, \
             result
