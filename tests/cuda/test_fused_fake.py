@@ -20,20 +20,10 @@ import pytest
 
 from jaxoverlap import _selftest
 
+from .test_fake import DTYPES, _inputs
+
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
-
-DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-def _inputs(op, n, batch, rows, k, nw, dtype, seed):
-    rng = np.random.default_rng(seed)
-    x_rows = rows if op == "ag_matmul" else rows * n
-    xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(DTYPES[dtype])
-          for _ in range(n)]
-    ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(DTYPES[dtype])
-          for _ in range(n)]
-    return xs, ws
 
 
 def _gemm(x, w, dtype):
