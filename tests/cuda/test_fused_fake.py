@@ -57,11 +57,11 @@ def _expected(op, transport, xs, ws, rows, dtype):
 
 
 def run_fused(fake, op, transport, n, *, batch, rows, k, nw, dtype, chunks, bidirectional,
-              gathered=False, calls=1, seed=0):
+              gathered=False, calls=1, seed=0, fused=True):
     xs, ws = _inputs(op, n, batch, rows, k, nw, dtype, seed)
     out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional, gathered,
                    [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
-                   calls=calls, fused=True)
+                   calls=calls, fused=fused)
     return out, xs, ws
 
 
@@ -135,9 +135,7 @@ def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):
     assert fake.errors() == []
     assert fake.counters().get("cudaLaunchKernelEx") == 4  # the fused run: one kernel per rank
     fake.reset(fake.Config())
-    xs, ws = _inputs("ag_matmul", 4, 2, 96, 16, 16, "bfloat16", 0)
-    chunked = fake.run("ag_matmul", "p2p", 4, 2, 96, 16, 16, "bfloat16", 2, True, False,
-                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(4)))
+    chunked, _, _ = run_fused(fake, "ag_matmul", "p2p", 4, fused=False, **args)
     assert chunked["statuses"] == [None] * 4 and chunked["drained"], chunked["statuses"]
     assert fake.errors() == []
     assert fused["ys"] == chunked["ys"]
