@@ -231,9 +231,9 @@ def fused(transports: list[str], calls: int = 5) -> dict[str, Any]:
             x = global_array(x64, mesh, x_spec, "bfloat16")
             w = global_array(w64, mesh, w_spec, "bfloat16")
             step = jax.jit(lambda x, w, fn=fn, t=transport: fn(
-                x, w, "tp", axis=1, impl="native", transport=t, mesh=mesh))
-            compiled = step.lower(x, w).compile().as_text()
-            assert "fused = true" in compiled, [c for c in compiled.splitlines() if "custom" in c]
+                x, w, "tp", axis=1, impl="native", transport=t, mesh=mesh)).lower(x, w).compile()
+            text = step.as_text()  # of the executable that runs below
+            assert "fused = true" in text, [c for c in text.splitlines() if "custom" in c]
             for _ in range(calls):
                 y = step(x, w)
             check_shards(f"{op} {transport} fused", y, x64 @ w64, "bfloat16")
