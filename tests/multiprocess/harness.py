@@ -4,8 +4,10 @@
 each, ``devices`` CPU devices each), gives them a free coordinator port, waits for all of them
 under a hard deadline, and returns what each printed. Whatever happens (timeout, failure,
 KeyboardInterrupt), every child's process group is killed and reaped before ``run`` returns, and
-shared-memory segments the run left in ``/dev/shm`` are removed and reported: the children get
-a unique ``JAXOVERLAP_SHM_TAG`` that every segment name of theirs contains.
+entries the run left in ``/dev/shm`` are removed and reported. The job's entries are those its
+processes were seen holding (open or mapped, sampled from /proc while they run) that were not
+there before, and those whose names carry the unique ``JAXOVERLAP_SHM_TAG`` the children get
+(the files the scenarios make themselves): never another job's on the same machine.
 """
 
 from __future__ import annotations
@@ -58,10 +60,36 @@ def free_port() -> int:
 
 def shm_segments(tag: str) -> list[str]:
     """Names in /dev/shm that contain ``tag``."""
+    return sorted(n for n in _dev_shm() if tag in n)
+
+
+def _dev_shm() -> set[str]:
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if tag in n)
+        return set(os.listdir(SHM_DIR))
     except FileNotFoundError:
-        return []
+        return set()
+
+
+def shm_held(pid: int | str = "self") -> tuple[set[str], set[str]]:
+    """The shared memory process ``pid`` holds: the /dev/shm paths among its open files and
+    mappings (" (deleted)" once unlinked), and the names of its memfds. Empty once it is gone."""
+    targets = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:  # closed meanwhile
+                pass
+        with open(f"/proc/{pid}/maps") as maps:
+            # start-end perms offset dev inode [path]
+            targets += [f[5].strip() for f in (line.split(maxsplit=5) for line in maps)
+                        if len(f) == 6]
+    except OSError:  # the process is gone
+        pass
+    named = {t for t in targets if t.startswith(SHM_DIR + "/")}
+    memfds = {t.removeprefix("/memfd:").removesuffix(" (deleted)") for t in targets
+              if t.startswith("/memfd:")}
+    return named, memfds
 
 
 def describe(procs: list[Proc], tail: int = 4000) -> str:
@@ -132,7 +160,9 @@ def _run_once(
     argv = [sys.executable, WORKER, scenario, json.dumps(params or {})]
     children: list[tuple[subprocess.Popen, Any, Any, float]] = []
     ended: dict[int, float] = {}
-    start = time.monotonic()
+    before = _dev_shm()
+    held: set[str] = set()  # /dev/shm names the children were seen holding
+    start = sampled = time.monotonic()
     timed_out = False
     try:
         for pid in range(nprocs):
@@ -151,6 +181,12 @@ def _run_once(
             if time.monotonic() > deadline:
                 timed_out = True
                 break
+            if time.monotonic() - sampled > 0.25:
+                sampled = time.monotonic()
+                for i, (proc, _, _, _) in enumerate(children):
+                    if i not in ended:
+                        held |= {os.path.basename(p.removesuffix(" (deleted)"))
+                                 for p in shm_held(proc.pid)[0]}
             time.sleep(0.05)
     finally:
         for proc, _, _, _ in children:
@@ -169,7 +205,7 @@ def _run_once(
         ))
         out.close()
         err.close()
-    leftovers = shm_segments(tag)
+    leftovers = sorted(n for n in _dev_shm() if tag in n or (n in held and n not in before))
     for name in leftovers:
         try:
             os.unlink(os.path.join(SHM_DIR, name))

@@ -7,6 +7,7 @@ every child at its deadline and fails the test if a shared-memory segment is lef
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -196,9 +197,13 @@ def test_harness_reports_failures_and_removes_leftover_segments():
     with pytest.raises(harness.HarnessError, match="a process failed") as info:
         harness.run("fail", 2)
     assert "Not equal to tolerance" in str(info.value)
-    with pytest.raises(harness.HarnessError, match="segments left behind"):
+    with pytest.raises(harness.HarnessError, match="segments left behind") as info:
         harness.run("leak_shm", 1)
     assert not harness.shm_segments(f"jotest{os.getpid()}x")
+    # The untagged one too: the job held it, and it was not there before.
+    untagged = re.search(r"jo-untagged-leak-\d+", str(info.value))
+    assert untagged is not None, str(info.value)
+    assert not os.path.exists(os.path.join(harness.SHM_DIR, untagged.group()))
 
 
 def test_processes_that_run_different_calls_fail_at_the_timeout_naming_both_sites():
@@ -246,7 +251,7 @@ def test_thousands_of_sites_over_a_job_while_one_stays_alive():
     for p in procs:
         result = p.result()
         assert p.returncode == 0 or _JAX_TERMINATED in p.stderr, harness.describe(procs)
-        assert result["made"] == 46 and result["most_open"] <= 8, result
+        assert result["made"] == 46 and 1 <= result["most_open"] <= 8, result
         error = result["error"]
         assert error is not None and "has no room for another call site: 8 call sites" in error, \
             result

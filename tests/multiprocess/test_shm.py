@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+import testing_ext
 
 from jaxoverlap._native.runtime import load_host
 
@@ -135,7 +136,7 @@ def test_the_call_site_directory_counts_live_sites_not_sites_ever_made():
     after another (a long job recompiling); each finds its own segment, and nothing is left
     held. Then, with room for 64, the 64th site opened while 63 are open (plus the kept one)
     is refused at once, naming the capacity, and closing them lets every fd go."""
-    testing = _testing_module()
+    testing = testing_ext.load()
     churn = testing.site_directory(4096, 10_000)
     assert churn["churned"] == 10_000 and churn["kept_site"] == 1, churn
     assert churn["offers_closed"] == 0, churn
@@ -144,14 +145,6 @@ def test_the_call_site_directory_counts_live_sites_not_sites_ever_made():
     assert "has no room for another call site: 64 call sites" in full["full_error"], full
     assert "JAXOVERLAP_MAX_CALL_SITES" in full["full_error"], full
     assert full["offers_open"] == 64 and full["offers_closed"] == 0, full
-
-
-def _testing_module():
-    """The test helpers' extension module (built in the checkout, not installed)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import testing_ext
-
-    return testing_ext.load()
 
 
 def test_the_fd_client_refuses_a_squatter_on_the_socket_name():

@@ -144,8 +144,9 @@ def native(transports: list[str], order: list[int] | None = None, dtype: str = "
         check_shards(f"matmul_ar one-shot {transport}", y, x @ w, dtype)
         one_shot.append(transport)
     # Nothing of the job has a name in /dev/shm while it runs (segments are memfds).
+    held = in_dev_shm()
     return {"checked": done, "one_shot": one_shot, "cliques": _cliques(),
-            "linked": harness_segments()}
+            "linked": held["dev_shm"], "memfds": held["memfds"]}
 
 
 def fp8(transports: list[str]) -> dict[str, Any]:
@@ -230,9 +231,9 @@ def fused(transports: list[str], calls: int = 5) -> dict[str, Any]:
             x = global_array(x64, mesh, x_spec, "bfloat16")
             w = global_array(w64, mesh, w_spec, "bfloat16")
             step = jax.jit(lambda x, w, fn=fn, t=transport: fn(
-                x, w, "tp", axis=1, impl="native", transport=t, mesh=mesh))
-            compiled = step.lower(x, w).compile().as_text()
-            assert "fused = true" in compiled, [c for c in compiled.splitlines() if "custom" in c]
+                x, w, "tp", axis=1, impl="native", transport=t, mesh=mesh)).lower(x, w).compile()
+            text = step.as_text()  # of the executable that runs below
+            assert "fused = true" in text, [c for c in text.splitlines() if "custom" in c]
             for _ in range(calls):
                 y = step(x, w)
             check_shards(f"{op} {transport} fused", y, x64 @ w64, "bfloat16")
@@ -264,8 +265,9 @@ def mixed(transport: str = "p2p") -> dict[str, Any]:
     done.append("growth")
     user_shard_map(mesh, transport)
     done.append("user shard_map")
+    held = in_dev_shm()
     return {"checked": done, "cliques": "".join(kinds) + _cliques(),
-            "linked": harness_segments()}
+            "linked": held["dev_shm"], "memfds": held["memfds"]}
 
 
 def user_shard_map(mesh: Mesh, transport: str) -> None:
@@ -419,8 +421,9 @@ def bootstrap_missing(timeout_s: float) -> dict[str, Any]:
         error = None
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
+    held = in_dev_shm()
     result = {"error": error, "elapsed_s": time.monotonic() - start,
-              "leftover": harness_segments()}
+              "leftover": held["dev_shm"], "memfds": held["memfds"]}
     print("JO_MP_RESULT " + json.dumps(result), flush=True)
     os._exit(0)
 
@@ -450,7 +453,9 @@ def bootstrap_retry(timeout_s: float) -> dict[str, Any]:
     else:
         raise AssertionError(f"the bootstrap never recovered: {errors}")
     check_shards("after the retry", y, x64 @ w64, "float32")
-    return {"errors": errors, "cliques": _cliques(), "linked": harness_segments()}
+    held = in_dev_shm()
+    return {"errors": errors, "cliques": _cliques(), "linked": held["dev_shm"],
+            "memfds": held["memfds"]}
 
 
 def disagree(timeout_s: float) -> dict[str, Any]:
@@ -612,17 +617,18 @@ def many_sites(programs: int, calls: int, timeout_s: float) -> dict[str, Any]:
     with jo.config(timeout_s=timeout_s):
         train = _ag(mesh).lower(x, w).compile()  # alive throughout
         check_shards("train", train(x, w), x64 @ w64, "float32")
+        made = _site_ids()
         for p in range(programs):
             f, args, wants = batch(p * calls, calls)
             compiled = jax.jit(f).lower(*args).compile()
             for i, (y, want) in enumerate(zip(compiled(*args), wants, strict=True)):
                 check_shards(f"program {p} call {i}", y, want, "float32")
             most_open = max(most_open, _open_sites())
+            made |= _site_ids()
             del compiled, f, args
             jax.clear_caches()
             gc.collect()
             check_shards(f"train after program {p}", train(x, w), x64 @ w64, "float32")
-        made = programs * calls + 1
         f, args, _ = batch(10_000, int(os.environ["JAXOVERLAP_MAX_CALL_SITES"]) + 1)
         start = time.monotonic()
         try:
@@ -631,9 +637,16 @@ def many_sites(programs: int, calls: int, timeout_s: float) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - the error is what this step reports
             error = str(e)
         elapsed = time.monotonic() - start
-    print("JO_MP_RESULT " + json.dumps({"made": made, "most_open": most_open, "error": error,
+    print("JO_MP_RESULT " + json.dumps({"made": len(made), "most_open": most_open, "error": error,
                                         "full_elapsed_s": elapsed}), flush=True)
     _leave_last_from_process_0("many_sites")
+
+
+def _site_ids() -> set[str]:
+    """The call sites this process has open now, by id (from their info() lines)."""
+    import re
+
+    return set(re.findall(r"/site (0x[0-9a-f]+)/", _cliques()))
 
 
 def _open_sites() -> int:
@@ -879,9 +892,13 @@ def _testing_module():
     return testing_ext.load()
 
 
-def harness_segments() -> list[str]:
-    tag = os.environ.get("JAXOVERLAP_SHM_TAG", "")
-    return sorted(n for n in os.listdir("/dev/shm") if tag and tag in n)
+def in_dev_shm() -> dict[str, list[str]]:
+    """What this process holds in /dev/shm (open or mapped), and its memfds' names (for the
+    reader: where its shared memory is instead)."""
+    from harness import shm_held  # beside this script (on sys.path when it runs as one)
+
+    named, memfds = shm_held()
+    return {"dev_shm": sorted(named), "memfds": sorted(memfds)}
 
 
 def exchange() -> dict[str, Any]:
@@ -1004,11 +1021,16 @@ def hang() -> dict[str, Any]:
 
 
 def leak_shm() -> dict[str, Any]:
-    """Harness self-test: leaves a segment named with the run's tag in /dev/shm."""
+    """Harness self-test: leaves a segment named with the run's tag in /dev/shm, and one
+    without, held open for a second (the harness sees it held by the job)."""
     path = f"/dev/shm/jaxoverlap-{os.environ['JAXOVERLAP_SHM_TAG']}-leak"
     with open(path, "wb") as f:
         f.write(b"x")
-    return {"leaked": path}
+    untagged = f"/dev/shm/jo-untagged-leak-{os.getpid()}"
+    with open(untagged, "wb") as f:
+        f.write(b"x")
+        time.sleep(1.0)
+    return {"leaked": [path, untagged]}
 
 
 def fail() -> dict[str, Any]:

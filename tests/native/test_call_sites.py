@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import testing_ext
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -168,9 +169,6 @@ def test_a_rank_runs_the_calls_of_a_site_one_at_a_time_in_order(kind):
     started first, waits until its call 1 has run (claimed and released), however the worker
     threads are scheduled; a second device calling as a rank that is inside a call fails at
     once (ClaimRank, on both kinds of clique)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import testing_ext
-
     out = testing_ext.load().claim_order(kind)
     assert out["waited"] and out["first"] == "" and out["second"] == "", out
     assert not out["claimed_before_release"], out

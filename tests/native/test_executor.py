@@ -222,6 +222,14 @@ def test_fused_programs_on_the_host_executor():
             y = rs(mesh, x, w, **kw)
         np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), x64 @ w64, **TOL[dtype],
                                    err_msg=where)
+    # The executor builds the fused program (the chunked one would give the same values): the
+    # first case with k = 12, which the chunked path runs, is refused by the fused GEMM's rule.
+    shape, axis = x_shape("batch", 2, 12)
+    x, _ = data(shape, "bfloat16", 0)
+    w, _ = data((12, 16), "bfloat16", 1)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"k \(12\) .* must be multiples of 8"):
+        ag(mesh_1d(2), x, w, axis=axis, transport="p2p", fused=True,
+           timeout_s=60.0).block_until_ready()
 
 
 @pytest.mark.parametrize("axis", [0, 1, 2])

@@ -709,14 +709,15 @@ def test_the_issue_order_puts_what_the_fused_gemm_waits_for_before_it():
     has one work queue, checked by a replay of its own; the same programs with each rank's
     fused GEMM moved to the front of its order do not (AG: the kernel and the copy of the
     gathered x behind it would hold up the outgoing pushes the peers' kernels wait for)."""
+    testing = testing_ext.load()
     for op, transport, n, chunks, bidir in grid(OPS, FUSED_TRANSPORTS, [2, 3, 4, 8], [1, 2],
                                                 [False, True]):
         with case(op, transport, n, chunks, bidir):
             gathered = op == "ag_matmul"
             programs = fused_clique(op, transport, n, chunks=chunks, bidirectional=bidir,
                                     return_gathered=gathered)
-            orders = [testing_ext.load().issue_order(op, transport, n, r, 3, chunks, bidir,
-                                                     gathered, True) for r in range(n)]
+            orders = [testing.issue_order(op, transport, n, r, 3, chunks, bidir, gathered, True)
+                      for r in range(n)]
             assert all(sorted(o) == sorted(set(o)) for o in orders)
             assert _one_queue(programs, orders)
             if op == "ag_matmul":

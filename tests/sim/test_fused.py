@@ -290,7 +290,8 @@ def test_standard_rs_h100_keeps_unfused():
     assert fastest.speedup_vs_xla < 1 / (1 - H100.margin("matmul_rs"))
     assert choice.candidate.impl == "xla"
     best_fused = min((r for r in choice.table if r.candidate.fused), key=lambda r: r.t_fused)
-    assert 1.0 < best_fused.speedup_vs_xla <= fastest.speedup_vs_xla
+    assert 1.0 < best_fused.speedup_vs_xla, best_fused
+    assert best_fused.speedup_vs_xla >= 0.95 * fastest.speedup_vs_xla, (best_fused, fastest)
 
 
 def test_the_fused_time_never_beats_its_kernel_alone_nor_the_ideal():
