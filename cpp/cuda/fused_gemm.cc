@@ -60,12 +60,6 @@ std::map<std::pair<int, DType>, bool>& Prepared() {
 
 }  // namespace
 
-size_t FusedGemmWorkspaceBytes(const FusedGemmArgs& args) {
-  return args.release_flags == nullptr
-             ? 0
-             : static_cast<size_t>(args.blocks.count()) * sizeof(uint32_t);
-}
-
 Status CheckFusedGemm(FusedGemmArgs* args) {
   const FusedGemmArgs& a = *args;
   if (a.dtype != DType::kBF16 && a.dtype != DType::kF16)
@@ -98,9 +92,8 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   if (a.sm_count < 2)
     return Bad("sm_count must be >= 2: the SMs the kernel holds, in clusters of 2");
   if (a.sequence == nullptr) return Bad("no block sequence (arrival or departure order)");
-  const fused::OrderError e =
-      fused::MakeTileOrder(fused::Tiling{a.blocks, kFusedGemmTileRows}, a.sequence,
-                           a.blocks.count(), a.key, &args->order);
+  const fused::OrderError e = fused::MakeTileOrder(
+      fused::Tiling{a.blocks, fused::kTileRows}, a.sequence, a.blocks.count(), a.key, &args->order);
   if (e != fused::OrderError::kOk) return Bad(OrderErrorText(e));
   return OkStatus();
 }

@@ -50,17 +50,11 @@ struct FusedGemmArgs : fused_kernel::Launch {
   fused::OrderKey key = fused::OrderKey::kLastArrival;
 };
 
-// The rows of the kernel's CTA tile: the tiles fused_tiles.h cuts the rows into.
-inline constexpr int64_t kFusedGemmTileRows = fused::kTileRows;
-
 // The device state a caller keeps for a fused GEMM of `blocks` row blocks:
-// its fault record, then a tile counter per block (the launch's workspace).
+// its fault record, then the launch's counters.
 inline size_t FusedStateBytes(int32_t blocks) {
-  return sizeof(FusedGemmFault) + static_cast<size_t>(blocks) * sizeof(uint32_t);
+  return sizeof(FusedGemmFault) + fused_kernel::Launch::CounterBytes(blocks);
 }
-
-// Device memory the launch needs at `workspace` (a tile counter per block when releasing).
-size_t FusedGemmWorkspaceBytes(const FusedGemmArgs& args);
 
 // Checks the arguments, without touching a GPU, and makes their tile order
 // (`args->order`): once per call, at prepare; LaunchFusedGemm relies on both.

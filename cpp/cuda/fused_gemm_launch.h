@@ -46,8 +46,13 @@ struct Launch {
   uint32_t epoch = 0;
   int64_t timeout_ns = 0;           // > 0 when waiting
   FusedGemmFault* fault = nullptr;  // required when waiting
-  uint32_t* counters = nullptr;     // one per block, zeroed by the launch (releases only)
+  uint32_t* counters = nullptr;     // CounterBytes(blocks), zeroed by the launch (releases only)
   int32_t sm_count = 0;             // persistent CTAs (clusters of 2): the SMs it holds
+
+  // The counters' size: a tile counter per block.
+  static size_t CounterBytes(int32_t blocks) {
+    return static_cast<size_t>(blocks) * sizeof(uint32_t);
+  }
 };
 
 // One instantiation per element type. Function*: the kernel, as
