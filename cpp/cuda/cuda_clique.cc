@@ -71,8 +71,9 @@ CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devi
 bool CudaClique::AwaitIdle(std::chrono::steady_clock::time_point deadline) {
   bool idle = true;
   for (const auto& res : state_.ranks) {
-    std::shared_ptr<const CallEvents> last;
-    if (res->device < 0 || res->Last(&last) <= 0) continue;
+    if (res->device < 0) continue;
+    const std::shared_ptr<const CallEvents> last = res->Last();
+    if (last == nullptr) continue;
     idle = AwaitEvent(res->device, last->done, deadline) && idle;
   }
   return idle;

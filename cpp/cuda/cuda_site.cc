@@ -205,7 +205,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.timeout = Millis(desc_.timeout_ms);
     const cudaError_t recorded = cudaEventRecord(reserved.events->done, stream);
     if (recorded == cudaSuccess) {
-      run.resources->SetLast(run.epoch, reserved.events);
+      run.resources->SetLast(reserved.events);
       reserved.gen->NoteFirstUse(ctx.rank, reserved.events);
       Watch(std::move(watched));
     } else if (status.ok()) {
