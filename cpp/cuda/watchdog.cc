@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/log.h"
+#include "cuda/device_memory.h"
 #include "cuda/driver.h"
 
 namespace jo::cuda {
@@ -25,15 +26,6 @@ struct Entry {
   bool front_started = false;     // calls.front()'s `started` event was seen complete ...
   Clock::time_point front_since;  // ... at this time: its clock
 };
-
-// A generation a copy of the watchdog may still write into (a flag read that did not complete):
-// never freed.
-void KeepForever(std::shared_ptr<const Generation> gen) {
-  static auto* mu = new std::mutex;
-  static auto* kept = new std::vector<std::shared_ptr<const Generation>>;
-  std::lock_guard<std::mutex> lock(*mu);
-  kept->push_back(std::move(gen));
-}
 
 class Watchdog {
  public:
