@@ -227,14 +227,10 @@ class Watchdog {
       hook = fire_hook_;
     }
     if (hook) hook();
-    int prev = 0;
-    (void)cudaGetDevice(&prev);
+    const DeviceGuard guard;  // after hand_back: the device is restored first
     (void)cudaSetDevice(c.device);
     // Finished since the pass looked: not late after all.
-    if (cudaEventQuery(c.events->done) == cudaSuccess) {
-      (void)cudaSetDevice(prev);
-      return false;
-    }
+    if (cudaEventQuery(c.events->done) == cudaSuccess) return false;
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f",
                   std::chrono::duration<double>(c.timeout).count());
@@ -321,7 +317,6 @@ class Watchdog {
                                         : std::nullopt);
     if (read != nullptr) (void)cudaEventDestroy(read);
     if (side != nullptr) (void)cudaStreamDestroy(side);
-    (void)cudaSetDevice(prev);
     return true;
   }
 
