@@ -44,9 +44,8 @@ namespace {
 
 using cuda::fused_kernel::Launch;
 
-// The dynamic shared memory the fake kernel asks for: an H100's opt-in
-// maximum per block (CUDA programming guide, "Compute Capabilities": 227 KB).
-constexpr int kSharedBytes = 232448;
+// The dynamic shared memory the fake kernel asks for: all a block may opt into.
+constexpr int kSharedBytes = kMaxSharedBytesPerBlock;
 // What a launch may ask for without an opt-in: more than 48 KB of dynamic shared memory per
 // block needs cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) on the function
 // first (CUDA runtime API, cudaFuncSetAttribute: cudaFuncAttributeMaxDynamicSharedMemorySize,
