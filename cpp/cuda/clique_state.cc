@@ -110,16 +110,14 @@ RankResources::~RankResources() {
   if (connect != nullptr) (void)cudaStreamDestroy(connect);
 }
 
-void RankResources::SetLast(int64_t epoch, std::shared_ptr<const CallEvents> events) {
+void RankResources::SetLast(std::shared_ptr<const CallEvents> events) {
   std::lock_guard<std::mutex> lock(last_mu_);
-  last_epoch_ = epoch;
   last_ = std::move(events);
 }
 
-int64_t RankResources::Last(std::shared_ptr<const CallEvents>* events) const {
+std::shared_ptr<const CallEvents> RankResources::Last() const {
   std::lock_guard<std::mutex> lock(last_mu_);
-  *events = last_;
-  return last_epoch_;
+  return last_;
 }
 
 Status RankResources::MakeSetup(const ErrorContext& ctx) {
@@ -178,9 +176,7 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
   // An outgrown buffer may still be used by queued work (this rank's calls so far): retired,
   // with the last of those calls.
   const auto retire = [&](std::unique_ptr<DeviceAlloc> old) {
-    std::shared_ptr<const CallEvents> last;
-    (void)Last(&last);
-    retired_scratch.push_back({std::move(old), std::move(last)});
+    retired_scratch.push_back({std::move(old), Last()});
   };
   const size_t scratch_bytes = static_cast<size_t>(ScratchBytes(p));  // elements, then scales
   if (scratch_bytes > 0 && (!scratch || scratch->bytes < scratch_bytes)) {

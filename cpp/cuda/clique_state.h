@@ -122,14 +122,13 @@ struct RankResources {
   Status MakeSetup(const ErrorContext& ctx);
   // The connect stream and buffer, for a clique of `nranks` (transport nccl).
   Status MakeConnect(int32_t nranks, const ErrorContext& ctx);
-  // The last call whose `done` event was recorded (for freeing generations): its epoch (0:
-  // none) and events.
-  void SetLast(int64_t epoch, std::shared_ptr<const CallEvents> events);
-  int64_t Last(std::shared_ptr<const CallEvents>* events) const;
+  // The events of the last call whose `done` event was recorded (for freeing generations;
+  // null: none yet).
+  void SetLast(std::shared_ptr<const CallEvents> events);
+  std::shared_ptr<const CallEvents> Last() const;
 
  private:
   mutable std::mutex last_mu_;
-  int64_t last_epoch_ = 0;
   std::shared_ptr<const CallEvents> last_;
 };
 

@@ -28,17 +28,13 @@ bool AwaitEvent(int device, cudaEvent_t event, std::chrono::steady_clock::time_p
   }
 }
 
-// Buffers a GPU may still touch forever are never freed (freeing memory
-// under a hung kernel is worse than leaking it).
+// Buffers a GPU may still touch forever are never freed (KeepForever).
 void Leak(std::vector<std::shared_ptr<Generation>> generations,
           std::vector<std::unique_ptr<RankResources>> ranks,
           std::vector<std::shared_ptr<const Generation>> deferred = {}) {
-  static auto* mu = new std::mutex;
-  static auto* kept = new std::vector<std::shared_ptr<const void>>;
-  std::lock_guard<std::mutex> lock(*mu);
-  for (auto& gen : generations) kept->push_back(std::move(gen));
-  for (auto& res : ranks) kept->push_back(std::shared_ptr<RankResources>(std::move(res)));
-  for (auto& gen : deferred) kept->push_back(std::move(gen));
+  for (auto& gen : generations) KeepForever(std::move(gen));
+  for (auto& res : ranks) KeepForever(std::shared_ptr<RankResources>(std::move(res)));
+  for (auto& gen : deferred) KeepForever(std::move(gen));
 }
 
 std::atomic<int> g_live{0};
@@ -71,8 +67,9 @@ CudaClique::CudaClique(CliqueKey key, Transport transport, std::vector<int> devi
 bool CudaClique::AwaitIdle(std::chrono::steady_clock::time_point deadline) {
   bool idle = true;
   for (const auto& res : state_.ranks) {
-    std::shared_ptr<const CallEvents> last;
-    if (res->device < 0 || res->Last(&last) <= 0) continue;
+    if (res->device < 0) continue;
+    const std::shared_ptr<const CallEvents> last = res->Last();
+    if (last == nullptr) continue;
     idle = AwaitEvent(res->device, last->done, deadline) && idle;
   }
   return idle;

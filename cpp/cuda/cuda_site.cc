@@ -74,6 +74,19 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
   return OkStatus();
 }
 
+// The flags `program` waits for, (flag id, writer), each once: its Waits' and its fused GEMMs'
+// (inside the kernel). A flag may be waited on by two streams.
+std::vector<std::pair<int32_t, int32_t>> WaitedFlags(const Program& program) {
+  std::set<std::pair<int32_t, int32_t>> waits;
+  for (const Op& o : program.ops) {
+    if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
+    if (o.kind == OpKind::kFusedGemm)
+      for (int32_t b = 0; b < o.fused.rows.count(); ++b)
+        if (o.fused.Waits(b)) waits.emplace(o.fused.wait_flags + b, o.fused.writers[b]);
+  }
+  return {waits.begin(), waits.end()};
+}
+
 }  // namespace
 
 CudaSite::CudaSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_(std::move(site)) {}
@@ -81,6 +94,8 @@ CudaSite::CudaSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_
 Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
   JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
+  out->waits = WaitedFlags(out->call.program);
+  out->nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
   const CliqueKey key{desc_.clique_key, out->call.place.group, 0};
@@ -184,20 +199,13 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.events = reserved.events;
     watched.epoch = run.epoch;
     watched.gen = reserved.gen;
-    std::set<std::pair<int32_t, int32_t>> waits;  // a flag may be waited on by two streams
-    for (const Op& o : program.ops) {
-      if (o.kind == OpKind::kWait) waits.emplace(o.id, o.peer);
-      if (o.kind == OpKind::kFusedGemm)  // the fused GEMM's waits, inside its kernel
-        for (int32_t b = 0; b < o.fused.rows.count(); ++b)
-          if (o.fused.Waits(b)) waits.emplace(o.fused.wait_flags + b, o.fused.writers[b]);
-    }
-    watched.waits.assign(waits.begin(), waits.end());
-    watched.nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
+    watched.waits = bound->waits;
+    watched.nccl = bound->nccl;
     watched.op = op;
     watched.timeout = Millis(desc_.timeout_ms);
     const cudaError_t recorded = cudaEventRecord(reserved.events->done, stream);
     if (recorded == cudaSuccess) {
-      run.resources->SetLast(run.epoch, reserved.events);
+      run.resources->SetLast(reserved.events);
       reserved.gen->NoteFirstUse(ctx.rank, reserved.events);
       Watch(std::move(watched));
     } else if (status.ok()) {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/call.h"
@@ -53,6 +54,11 @@ class CudaSite {
     // that completes through a single hardware work queue per device.
     std::vector<IssueUnit> issue;
     std::shared_ptr<CudaClique> clique;
+    // What the watchdog names when a call does not finish (WatchedCall): the
+    // flags the program waits for, (flag id, writer) once each, and whether
+    // it waits inside NCCL.
+    std::vector<std::pair<int32_t, int32_t>> waits;
+    bool nccl = false;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 

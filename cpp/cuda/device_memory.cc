@@ -2,7 +2,16 @@
 
 #include <unistd.h>
 
+#include <mutex>
+
 namespace jo::cuda {
+
+void KeepForever(std::shared_ptr<const void> memory) {
+  static auto* mu = new std::mutex;
+  static auto* kept = new std::vector<std::shared_ptr<const void>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  kept->push_back(std::move(memory));
+}
 
 DeviceAlloc::~DeviceAlloc() {
   if (kind == Kind::kVmm) {

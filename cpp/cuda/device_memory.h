@@ -70,6 +70,10 @@ struct PinnedHost {
   ~PinnedHost();
 };
 
+// Memory a GPU may still touch (under a hung kernel, or a copy that may still land) is never
+// freed: freeing it is worse than leaking it. Keeps `memory` alive until the process ends.
+void KeepForever(std::shared_ptr<const void> memory);
+
 // Sets the current device for a scope and restores the caller's.
 class DeviceGuard {
  public:

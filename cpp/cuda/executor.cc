@@ -84,7 +84,7 @@ struct Step {
   BlockArgs block;              // Add, McStore, McReduce
   GemmArgs gemm;                // Gemm
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
-  FusedGemmArgs fused;          // FusedGemm
+  size_t fused = 0;             // FusedGemm: its arguments, the Enqueuer's fused_[fused]
   CUdeviceptr flag = 0;         // Signal, Wait
   cudaEvent_t event = nullptr;  // Record, StreamWait
   ncclComm_t comm = nullptr;    // Send, Recv (set by Execute, from the caller's lease)
@@ -387,14 +387,15 @@ class Enqueuer {
     return PrepareLtMatmul(a_.device, g, step->stream, a_.ctx, &warmed_);
   }
 
-  // The fused GEMM (fused_gemm.h): checked and its kernel loaded here, so a
-  // GPU that cannot run it (anything but compute capability 9.0) refuses the
-  // call before anything is enqueued. Its waits give up only well after the
-  // watchdog reported the call (twice the call's timeout), so that a missing
-  // peer is reported by the watchdog, which names it, and the kernel still
-  // always ends.
+  // The fused GEMM (fused_gemm.h): checked, its tile order made and its
+  // kernel loaded here, so a GPU that cannot run it (anything but compute
+  // capability 9.0) refuses the call before anything is enqueued. Its waits
+  // give up only well after the watchdog reported the call (twice the call's
+  // timeout), so that a missing peer is reported by the watchdog, which names
+  // it, and the kernel still always ends.
   Status PrepareFused(const Op& op, Step* step) {
-    FusedGemmArgs& f = step->fused;
+    step->fused = fused_.size();
+    FusedGemmArgs& f = fused_.emplace_back();
     const FusedBlocks& blocks = op.fused;
     f.dtype = p_.problem.x_dtype;  // x, w and y alike (BuildProgram)
     f.batch = op.batch;
@@ -430,11 +431,11 @@ class Enqueuer {
       JO_ASSERT(blocks.release_flags + blocks.rows.count() <= a_.gen->num_flags);
       f.release_flags =
           reinterpret_cast<uint32_t*>(a_.gen->Flag(rank, a_.epoch, blocks.release_flags, rank));
-      f.workspace = state + sizeof(FusedGemmFault);
+      f.counters = reinterpret_cast<uint32_t*>(state + sizeof(FusedGemmFault));
     }
     JO_CUDA_CHECK(ctx_,
                   cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, a_.device));
-    JO_CHECK(CheckFusedGemm(f));
+    JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
     return PrepareFusedGemm(f.dtype, a_.ctx);
   }
 
@@ -477,12 +478,13 @@ class Enqueuer {
         // waits for the record enqueued BEFORE it).
         JO_CUDA_CHECK(ctx_, cudaStreamWaitEvent(step.stream, step.event, 0));
         return OkStatus();
-      case OpKind::kFusedGemm:
+      case OpKind::kFusedGemm: {
         // The issue order puts it after everything its flags depend on, on every rank.
-        if (step.fused.fault != nullptr)  // a fresh fault record for this call
-          JO_CUDA_CHECK(ctx_,
-                        cudaMemsetAsync(step.fused.fault, 0, sizeof(FusedGemmFault), step.stream));
-        return LaunchFusedGemm(step.fused, step.stream, a_.ctx);
+        const FusedGemmArgs& fused = fused_[step.fused];
+        if (fused.fault != nullptr)  // a fresh fault record for this call
+          JO_CUDA_CHECK(ctx_, cudaMemsetAsync(fused.fault, 0, sizeof(FusedGemmFault), step.stream));
+        return LaunchFusedGemm(fused, step.stream, a_.ctx);
+      }
       case OpKind::kSend:
       case OpKind::kRecv:
         break;  // issued as groups
@@ -577,6 +579,7 @@ class Enqueuer {
   const DriverApi* drv_ = nullptr;
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
+  std::vector<FusedGemmArgs> fused_;  // the FusedGemm steps' (not in Step: 520-byte tile orders)
   bool warmed_ = false;  // a new cuBLASLt plan ran its warm-up in Prepare: join it first
 };
 

@@ -36,14 +36,6 @@ const char* OrderErrorText(fused::OrderError e) {
   return "unknown";
 }
 
-Status MakeOrder(const FusedGemmArgs& a, fused::TileOrder* order) {
-  if (a.sequence == nullptr) return Bad("no block sequence (arrival or departure order)");
-  const fused::OrderError e = fused::MakeTileOrder(fused::Tiling{a.blocks, kFusedGemmTileRows},
-                                                   a.sequence, a.blocks.count(), a.key, order);
-  if (e != fused::OrderError::kOk) return Bad(OrderErrorText(e));
-  return OkStatus();
-}
-
 // A row-major operand: its rows must be `cols` long, its strides TMA-encodable.
 Status CheckMatrix(const char* name, const void* ptr, int64_t ld, int64_t batch_stride,
                    int64_t rows, int64_t cols, int64_t batch, int64_t elem) {
@@ -68,13 +60,8 @@ std::map<std::pair<int, DType>, bool>& Prepared() {
 
 }  // namespace
 
-size_t FusedGemmWorkspaceBytes(const FusedGemmArgs& args) {
-  return args.release_flags == nullptr
-             ? 0
-             : static_cast<size_t>(args.blocks.count()) * sizeof(uint32_t);
-}
-
-Status CheckFusedGemm(const FusedGemmArgs& a) {
+Status CheckFusedGemm(FusedGemmArgs* args) {
+  const FusedGemmArgs& a = *args;
   if (a.dtype != DType::kBF16 && a.dtype != DType::kF16)
     return Bad(std::string("dtype ") + DTypeName(a.dtype) + " is not bf16 or f16");
   if (a.batch < 1 || a.m < 1 || a.n < 1 || a.k < 1 || a.batch > kMaxInt32 || a.m > kMaxInt32 ||
@@ -99,13 +86,16 @@ Status CheckFusedGemm(const FusedGemmArgs& a) {
   }
   if (a.release_flags != nullptr) {
     if (!Aligned(a.release_flags, 4)) return Bad("release_flags must be 4-byte aligned");
-    if (a.workspace == nullptr || !Aligned(a.workspace, 4))
+    if (a.counters == nullptr || !Aligned(a.counters, 4))
       return Bad("releasing needs a workspace of FusedGemmWorkspaceBytes() (4-byte aligned)");
   }
   if (a.sm_count < 2)
     return Bad("sm_count must be >= 2: the SMs the kernel holds, in clusters of 2");
-  fused::TileOrder order;
-  return MakeOrder(a, &order);
+  if (a.sequence == nullptr) return Bad("no block sequence (arrival or departure order)");
+  const fused::OrderError e = fused::MakeTileOrder(
+      fused::Tiling{a.blocks, fused::kTileRows}, a.sequence, a.blocks.count(), a.key, &args->order);
+  if (e != fused::OrderError::kOk) return Bad(OrderErrorText(e));
+  return OkStatus();
 }
 
 Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx) {
@@ -149,7 +139,6 @@ void ForgetFusedGemmPreparation() {
 }
 
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx) {
-  JO_CHECK(CheckFusedGemm(args));
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {
@@ -159,31 +148,8 @@ Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const Err
                                          ": the fused GEMM was not prepared on device " +
                                          std::to_string(device) + " (PrepareFusedGemm)");
   }
-  fused_kernel::Launch launch;
-  launch.batch = args.batch;
-  launch.m = args.m;
-  launch.n = args.n;
-  launch.k = args.k;
-  launch.a = args.a;
-  launch.lda = args.lda;
-  launch.a_batch_stride = args.a_batch_stride;
-  launch.b = args.b;
-  launch.ldb = args.ldb;
-  launch.d = args.d;
-  launch.ldd = args.ldd;
-  launch.d_batch_stride = args.d_batch_stride;
-  launch.blocks = args.blocks;
-  JO_CHECK(MakeOrder(args, &launch.order));
-  launch.wait_flags = args.wait_flags;
-  launch.ready_shard = args.ready_shard;
-  launch.release_flags = args.release_flags;
-  launch.epoch = args.epoch;
-  launch.timeout_ns = args.timeout_ns;
-  launch.fault = args.fault;
-  launch.counters = static_cast<uint32_t*>(args.workspace);
-  launch.sm_count = args.sm_count;
-  if (args.dtype == DType::kBF16) return fused_kernel::LaunchBF16(launch, stream, ctx);
-  return fused_kernel::LaunchF16(launch, stream, ctx);
+  if (args.dtype == DType::kBF16) return fused_kernel::LaunchBF16(args, stream, ctx);
+  return fused_kernel::LaunchF16(args, stream, ctx);
 }
 
 }  // namespace jo::cuda

@@ -42,46 +42,23 @@
 
 namespace jo::cuda {
 
-struct FusedGemmArgs {
-  DType dtype = DType::kBF16;  // A, B and D: kBF16 or kF16
-  int64_t batch = 1, m = 0, n = 0, k = 0;
-  // Leading dimensions and batch strides in elements; TMA needs every pointer
-  // 16-byte aligned and every stride a multiple of 16 bytes.
-  const void* a = nullptr;
-  int64_t lda = 0, a_batch_stride = 0;
-  const void* b = nullptr;
-  int64_t ldb = 0;
-  void* d = nullptr;
-  int64_t ldd = 0, d_batch_stride = 0;
-
-  fused::RowBlocks blocks;            // the rows of A and D: blocks.rows() == m
+// The fused GEMM's arguments: its launch (fused_gemm_launch.h), whose tile
+// order CheckFusedGemm makes from `sequence` and `key`, and the element type.
+struct FusedGemmArgs : fused_kernel::Launch {
+  DType dtype = DType::kBF16;         // A, B and D: kBF16 or kF16
   const int32_t* sequence = nullptr;  // every block once, in arrival / departure order
   fused::OrderKey key = fused::OrderKey::kLastArrival;
-
-  const uint32_t* wait_flags = nullptr;  // null: no waits
-  int32_t ready_shard = -1;              // its blocks are not waited for (-1: none)
-  uint32_t* release_flags = nullptr;     // null: no releases
-  uint32_t epoch = 0;
-  int64_t timeout_ns = 0;           // > 0 when waiting
-  FusedGemmFault* fault = nullptr;  // required when waiting
-  void* workspace = nullptr;        // FusedGemmWorkspaceBytes(); zeroed by the launch
-  int32_t sm_count = 0;             // persistent CTAs (clusters of 2): the SMs it holds
 };
 
-// The rows of the kernel's CTA tile: the tiles fused_tiles.h cuts the rows into.
-inline constexpr int64_t kFusedGemmTileRows = fused::kTileRows;
-
 // The device state a caller keeps for a fused GEMM of `blocks` row blocks:
-// its fault record, then a tile counter per block (the launch's workspace).
+// its fault record, then the launch's counters.
 inline size_t FusedStateBytes(int32_t blocks) {
-  return sizeof(FusedGemmFault) + static_cast<size_t>(blocks) * sizeof(uint32_t);
+  return sizeof(FusedGemmFault) + fused_kernel::Launch::CounterBytes(blocks);
 }
 
-// Device memory the launch needs at `workspace` (a tile counter per block when releasing).
-size_t FusedGemmWorkspaceBytes(const FusedGemmArgs& args);
-
-// Every check LaunchFusedGemm makes of its arguments, without touching a GPU.
-Status CheckFusedGemm(const FusedGemmArgs& args);
+// Checks the arguments, without touching a GPU, and makes their tile order
+// (`args->order`): once per call, at prepare; LaunchFusedGemm relies on both.
+Status CheckFusedGemm(FusedGemmArgs* args);
 
 // Loads the kernel for `dtype` on the current device and gives it its shared
 // memory; fails, naming the GPU, on one that cannot run it (anything but
@@ -91,10 +68,10 @@ Status CheckFusedGemm(const FusedGemmArgs& args);
 // programming guide, "Lazy Loading", potential hazards).
 Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx);
 
-// Enqueues the fused GEMM on `stream` (after zeroing the workspace, when it
-// has one). Fails, enqueueing nothing, on a bad argument or when
-// PrepareFusedGemm has not run for this device and dtype. Calls nothing that
-// waits for the device: it runs on the enqueue path.
+// Enqueues the fused GEMM of `args`, as CheckFusedGemm passed and completed
+// them, on `stream` (after zeroing the counters, when it releases). Fails,
+// enqueueing nothing, when PrepareFusedGemm has not run for this device and
+// dtype. Calls nothing that waits for the device: it runs on the enqueue path.
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // Forgets which devices PrepareFusedGemm prepared (tests: the fake's devices

@@ -411,9 +411,8 @@ Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
   const typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
 
   if (a.release_flags != nullptr)
-    JO_CUDA_CHECK(&ctx, cudaMemsetAsync(a.counters, 0,
-                                        static_cast<size_t>(a.blocks.count()) * sizeof(uint32_t),
-                                        stream));
+    JO_CUDA_CHECK(&ctx,
+                  cudaMemsetAsync(a.counters, 0, Launch::CounterBytes(a.blocks.count()), stream));
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = cute::size<0>(typename Gemm::ClusterShape{});

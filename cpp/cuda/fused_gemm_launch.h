@@ -26,9 +26,10 @@ struct FusedGemmFault {
 
 namespace fused_kernel {
 
-// D[l] (m x n) = A[l] (m x k) @ B (k x n), row-major, B shared by every l;
-// leading dimensions and batch strides in elements (fused_gemm.h says what
-// each flag argument means).
+// D[l] (m x n) = A[l] (m x k) @ B (k x n), row-major, B shared by every l
+// (fused_gemm.h says what each flag argument means). Leading dimensions and
+// batch strides in elements; TMA needs every pointer 16-byte aligned and
+// every stride a multiple of 16 bytes.
 struct Launch {
   int64_t batch = 1, m = 0, n = 0, k = 0;
   const void* a = nullptr;
@@ -37,16 +38,21 @@ struct Launch {
   int64_t ldb = 0;
   void* d = nullptr;
   int64_t ldd = 0, d_batch_stride = 0;
-  fused::RowBlocks blocks;
-  fused::TileOrder order;
-  const uint32_t* wait_flags = nullptr;
-  int32_t ready_shard = -1;
-  uint32_t* release_flags = nullptr;
+  fused::RowBlocks blocks;               // the rows of A and D: blocks.rows() == m
+  fused::TileOrder order;                // the tiles' order (made by CheckFusedGemm)
+  const uint32_t* wait_flags = nullptr;  // null: no waits
+  int32_t ready_shard = -1;              // its blocks are not waited for (-1: none)
+  uint32_t* release_flags = nullptr;     // null: no releases
   uint32_t epoch = 0;
-  int64_t timeout_ns = 0;
-  FusedGemmFault* fault = nullptr;
-  uint32_t* counters = nullptr;  // one per block, zeroed by the launch (releases only)
-  int32_t sm_count = 0;          // persistent CTAs (> 0)
+  int64_t timeout_ns = 0;           // > 0 when waiting
+  FusedGemmFault* fault = nullptr;  // required when waiting
+  uint32_t* counters = nullptr;     // CounterBytes(blocks), zeroed by the launch (releases only)
+  int32_t sm_count = 0;             // persistent CTAs (clusters of 2): the SMs it holds
+
+  // The counters' size: a tile counter per block.
+  static size_t CounterBytes(int32_t blocks) {
+    return static_cast<size_t>(blocks) * sizeof(uint32_t);
+  }
 };
 
 // One instantiation per element type. Function*: the kernel, as

@@ -93,25 +93,24 @@ bool NcclComms::AwaitAborts(std::chrono::steady_clock::time_point deadline) cons
   return true;
 }
 
-std::string NcclComms::StuckAborts() const {
+std::string NcclComms::AbortsOlderThan(std::chrono::steady_clock::duration age) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
   const auto now = std::chrono::steady_clock::now();
   for (const auto& task : aborts_)
-    if (!task->done && now - task->started > timeout_)
-      out += std::string(out.empty() ? "" : ", ") + "rank " + std::to_string(task->rank) +
-             " on GPU " + std::to_string(task->device);
-  return out.empty() ? out : "ncclCommAbort stuck for " + out;
-}
-
-std::string NcclComms::RunningAborts() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::string out;
-  for (const auto& task : aborts_)
-    if (!task->done)
+    if (!task->done && now - task->started > age)
       out += std::string(out.empty() ? "" : ", ") + "rank " + std::to_string(task->rank) +
              " on GPU " + std::to_string(task->device);
   return out;
+}
+
+std::string NcclComms::StuckAborts() const {
+  const std::string stuck = AbortsOlderThan(timeout_);
+  return stuck.empty() ? stuck : "ncclCommAbort stuck for " + stuck;
+}
+
+std::string NcclComms::RunningAborts() const {
+  return AbortsOlderThan(std::chrono::steady_clock::duration::min());
 }
 
 bool NcclComms::created() const {

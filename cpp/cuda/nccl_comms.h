@@ -158,6 +158,8 @@ class NcclComms {
     std::atomic<bool> done{false};
     std::thread thread;
   };
+  // The aborts still running that started more than `age` ago ("rank r on GPU d, ...").
+  std::string AbortsOlderThan(std::chrono::steady_clock::duration age) const;
   // Starts the aborts of `rank`'s communicators (requires mu_).
   void AbortRankLocked(size_t rank);
   // Starts ncclCommAbort of `comm` on a thread of its own (requires mu_).

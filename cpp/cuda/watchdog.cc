@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/log.h"
+#include "cuda/device_memory.h"
 #include "cuda/driver.h"
 
 namespace jo::cuda {
@@ -25,15 +26,6 @@ struct Entry {
   bool front_started = false;     // calls.front()'s `started` event was seen complete ...
   Clock::time_point front_since;  // ... at this time: its clock
 };
-
-// A generation a copy of the watchdog may still write into (a flag read that did not complete):
-// never freed.
-void KeepForever(std::shared_ptr<const Generation> gen) {
-  static auto* mu = new std::mutex;
-  static auto* kept = new std::vector<std::shared_ptr<const Generation>>;
-  std::lock_guard<std::mutex> lock(*mu);
-  kept->push_back(std::move(gen));
-}
 
 class Watchdog {
  public:
@@ -235,14 +227,10 @@ class Watchdog {
       hook = fire_hook_;
     }
     if (hook) hook();
-    int prev = 0;
-    (void)cudaGetDevice(&prev);
+    const DeviceGuard guard;  // after hand_back: the device is restored first
     (void)cudaSetDevice(c.device);
     // Finished since the pass looked: not late after all.
-    if (cudaEventQuery(c.events->done) == cudaSuccess) {
-      (void)cudaSetDevice(prev);
-      return false;
-    }
+    if (cudaEventQuery(c.events->done) == cudaSuccess) return false;
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f",
                   std::chrono::duration<double>(c.timeout).count());
@@ -329,7 +317,6 @@ class Watchdog {
                                         : std::nullopt);
     if (read != nullptr) (void)cudaEventDestroy(read);
     if (side != nullptr) (void)cudaStreamDestroy(side);
-    (void)cudaSetDevice(prev);
     return true;
   }
 

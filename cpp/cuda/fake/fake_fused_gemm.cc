@@ -44,9 +44,8 @@ namespace {
 
 using cuda::fused_kernel::Launch;
 
-// The dynamic shared memory the fake kernel asks for: an H100's opt-in
-// maximum per block (CUDA programming guide, "Compute Capabilities": 227 KB).
-constexpr int kSharedBytes = 232448;
+// The dynamic shared memory the fake kernel asks for: all a block may opt into.
+constexpr int kSharedBytes = kMaxSharedBytesPerBlock;
 // What a launch may ask for without an opt-in: more than 48 KB of dynamic shared memory per
 // block needs cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) on the function
 // first (CUDA runtime API, cudaFuncSetAttribute: cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -215,11 +214,11 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
          Span(l.fault, sizeof(cuda::FusedGemmFault), name + " fault record");
   if (l.release_flags != nullptr)
     ok = ok && Span(l.release_flags, blocks * sizeof(uint32_t), name + " release flags") &&
-         Span(l.counters, blocks * sizeof(uint32_t), name + " counters");
+         Span(l.counters, Launch::CounterBytes(blocks), name + " counters");
   if (!ok) return cudaErrorInvalidValue;
   // The launch zero-fills the counters on the stream first, as the real one does.
   if (l.release_flags != nullptr) {
-    const cudaError_t zeroed = cudaMemsetAsync(l.counters, 0, blocks * sizeof(uint32_t), stream);
+    const cudaError_t zeroed = cudaMemsetAsync(l.counters, 0, Launch::CounterBytes(blocks), stream);
     if (zeroed != cudaSuccess) return zeroed;
   }
   Lock lock(S().mu);

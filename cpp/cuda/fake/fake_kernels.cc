@@ -340,6 +340,16 @@ bool Runs(const Image& im, int arch) {
 
 std::string Sm(int arch) { return "sm_" + std::to_string(arch); }
 
+// The variant `kernel` runs on `device`, or cudaErrorNoKernelImageForDevice.
+cudaError_t Variant(const HostKernel* k, int device, KernelVariant* v) {
+  const auto& images = Images();
+  auto it = images.find(k->family);
+  const int arch = DeviceArch(device);
+  if (it == images.end() || !SelectKernelVariant(it->second, arch, v))
+    return cudaErrorNoKernelImageForDevice;
+  return cudaSuccess;
+}
+
 }  // namespace
 
 const void* FusedFunction(DType dtype) {
@@ -357,9 +367,7 @@ std::string FunctionName(const void* function) {
 bool FunctionRuns(const void* function, int device) {
   const HostKernel* k = Find(function);
   KernelVariant v;
-  const auto& images = Images();
-  auto it = k == nullptr ? images.end() : images.find(k->family);
-  return it != images.end() && SelectKernelVariant(it->second, DeviceArch(device), &v);
+  return k != nullptr && Variant(k, device, &v) == cudaSuccess;
 }
 
 void SetKernelImages(const std::map<std::string, std::vector<std::string>>& images) {
@@ -427,16 +435,6 @@ namespace {
 
 using jo::fake::HostKernel;
 
-// The variant `kernel` runs on `device`, or cudaErrorNoKernelImageForDevice.
-cudaError_t Variant(const HostKernel* k, int device, jo::fake::KernelVariant* v) {
-  const auto& images = jo::fake::Images();
-  auto it = images.find(k->family);
-  const int arch = jo::fake::DeviceArch(device);
-  if (it == images.end() || !jo::fake::SelectKernelVariant(it->second, arch, v))
-    return cudaErrorNoKernelImageForDevice;
-  return cudaSuccess;
-}
-
 // Accesses from the block's first one to its last, in bytes.
 size_t SpanBytes(const jo::cuda::kernel::Geometry& g, bool src, int bytes) {
   const int64_t bs = src ? g.src_batch_stride : g.dst_batch_stride;
@@ -480,7 +478,7 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* func) {
   if (const cudaError_t sticky = jo::fake::StickyError(device); sticky != cudaSuccess)
     return sticky;
   jo::fake::KernelVariant v;
-  if (const cudaError_t code = Variant(k, device, &v); code != cudaSuccess) return code;
+  if (const cudaError_t code = jo::fake::Variant(k, device, &v); code != cudaSuccess) return code;
   // It references the kernel: with lazy loading, that loads it (fake_waits.cc).
   if (!jo::fake::LoadFunction(device, k->name, "cudaFuncGetAttributes")) return cudaErrorUnknown;
   std::memset(attr, 0, sizeof(*attr));
@@ -499,7 +497,7 @@ cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int v
   jo::fake::Count("cudaFuncSetAttribute");
   const HostKernel* k = jo::fake::Find(func);
   if (k == nullptr || attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
-      value > 232448) {
+      value > jo::fake::kMaxSharedBytesPerBlock) {
     jo::fake::Fail(
         "cudaFuncSetAttribute: not a kernel of this build, an attribute other than "
         "the dynamic shared memory, or more than a block may have");
@@ -548,7 +546,7 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
     return cudaErrorInvalidConfiguration;
   }
   jo::fake::KernelVariant v;
-  if (const cudaError_t code = Variant(k, device, &v); code != cudaSuccess) return code;
+  if (const cudaError_t code = jo::fake::Variant(k, device, &v); code != cudaSuccess) return code;
   // The kernel parameter is copied at launch, as CUDA does.
   const jo::cuda::kernel::Geometry g = *static_cast<const jo::cuda::kernel::Geometry*>(args[0]);
   if (g.batch < 1 || g.rows < 1 || g.cols < 1) {

@@ -29,6 +29,10 @@ struct KernelVariant {
 };
 bool SelectKernelVariant(const std::vector<std::string>& images, int arch, KernelVariant* out);
 
+// The most dynamic shared memory a block may opt into: an H100's (227 KB; CUDA programming
+// guide, "Compute Capabilities").
+inline constexpr int kMaxSharedBytesPerBlock = 232448;
+
 // The fused GEMM's kernel for `dtype` (fake_fused_gemm.cc runs it): a handle
 // cudaFuncGetAttributes and cudaFuncSetAttribute take, of the kernel family
 // "fused"; its name; whether `device` runs a variant of it.

@@ -530,7 +530,9 @@ std::map<std::string, std::string> MisuseChecks() {
       add[d].m = kRows;
       add[d].n = kK;
       add[d].src_ld = add[d].dst_ld = kK;
-      // Set-up: the kernels loaded before anything is enqueued.
+      // Set-up: the arguments checked (the tile order made) and the kernels loaded before
+      // anything is enqueued.
+      (void)cuda::CheckFusedGemm(&f);
       (void)cuda::PrepareFusedGemm(DType::kBF16, ctx);
       (void)cuda::PrepareBlockKernel(cuda::BlockKernel::kAdd, add[d], ctx);
     }

@@ -145,63 +145,51 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     const auto errors = Errors();
     out[name] = errors.empty() ? "" : errors.front();
   };
-  // cudaFree / cudaMalloc wait for every queue of the device: here a wait only this thread
-  // could satisfy, after the call.
-  check("cudaFree behind a wait only this thread would satisfy", [] {
+  // A call that waits for every queue of `device`, made behind a wait only this thread would
+  // satisfy (the misuse), or after the write the wait needs (the control).
+  auto behind_a_wait = [](int device, bool raise_first, const std::function<void()>& call) {
+    const CUdeviceptr flag = PendingWait(device);
+    if (raise_first) Raise(device, flag);
+    call();
+    if (!raise_first) Raise(device, flag);
+  };
+  // The misuse and the control of `api`: body(raise_first).
+  auto check_pair = [&](const std::string& api, const std::function<void(bool)>& body) {
+    check(api + " behind a wait only this thread would satisfy", [&] { body(false); });
+    check(api + " after the write the wait needs (control)", [&] { body(true); });
+  };
+  // cudaFree / cudaMalloc wait for every queue of the device.
+  check_pair("cudaFree", [&](bool raise_first) {
     void* p = Malloc(0, 64);
-    const CUdeviceptr flag = PendingWait(0);
-    cudaSetDevice(0);
-    cudaFree(p);
-    Raise(0, flag);
+    behind_a_wait(0, raise_first, [&] {
+      cudaSetDevice(0);
+      cudaFree(p);
+    });
   });
-  check("cudaFree after the write the wait needs (control)", [] {
-    void* p = Malloc(0, 64);
-    const CUdeviceptr flag = PendingWait(0);
-    Raise(0, flag);
-    cudaSetDevice(0);
-    cudaFree(p);
-  });
-  check("cudaMalloc behind a wait only this thread would satisfy", [] {
-    const CUdeviceptr flag = PendingWait(0);
-    cudaSetDevice(0);
-    void* p = nullptr;
-    cudaMalloc(&p, 64);
-    Raise(0, flag);
-  });
-  check("cudaMalloc after the write the wait needs (control)", [] {
-    const CUdeviceptr flag = PendingWait(0);
-    Raise(0, flag);
-    cudaSetDevice(0);
-    void* p = nullptr;
-    cudaMalloc(&p, 64);
+  check_pair("cudaMalloc", [&](bool raise_first) {
+    behind_a_wait(0, raise_first, [] {
+      cudaSetDevice(0);
+      void* p = nullptr;
+      cudaMalloc(&p, 64);
+    });
   });
   // A page-locked allocation waits for the device like cudaMalloc (implicit synchronization).
-  check("cudaMallocHost behind a wait only this thread would satisfy", [] {
-    const CUdeviceptr flag = PendingWait(0);
-    cudaSetDevice(0);
-    void* p = nullptr;
-    cudaMallocHost(&p, 64);
-    Raise(0, flag);
+  check_pair("cudaMallocHost", [&](bool raise_first) {
+    behind_a_wait(0, raise_first, [] {
+      cudaSetDevice(0);
+      void* p = nullptr;
+      cudaMallocHost(&p, 64);
+    });
   });
-  check("cudaMallocHost after the write the wait needs (control)", [] {
-    const CUdeviceptr flag = PendingWait(0);
-    Raise(0, flag);
+  check_pair("cudaFreeHost", [&](bool raise_first) {
     cudaSetDevice(0);
     void* p = nullptr;
     cudaMallocHost(&p, 64);
+    behind_a_wait(0, raise_first, [&] {
+      cudaSetDevice(0);
+      cudaFreeHost(p);
+    });
   });
-  auto free_host = [](bool raise_first) {
-    cudaSetDevice(0);
-    void* p = nullptr;
-    cudaMallocHost(&p, 64);
-    const CUdeviceptr flag = PendingWait(0);
-    if (raise_first) Raise(0, flag);
-    cudaSetDevice(0);
-    cudaFreeHost(p);
-    if (!raise_first) Raise(0, flag);
-  };
-  check("cudaFreeHost behind a wait only this thread would satisfy", [&] { free_host(false); });
-  check("cudaFreeHost after the write the wait needs (control)", [&] { free_host(true); });
   // A device-to-host copy into pageable memory returns only once it has completed; into
   // page-locked memory it is asynchronous.
   auto read_behind_a_wait = [](bool pinned) {
@@ -219,19 +207,14 @@ std::map<std::string, std::string> WaitMisuseChecks() {
         [&] { read_behind_a_wait(false); });
   check("device-to-host copy into page-locked memory behind the same wait (control)",
         [&] { read_behind_a_wait(true); });
-  auto unmap = [](bool raise_first) {
+  check_pair("cuMemUnmap", [&](bool raise_first) {
     CUmemGenericAllocationHandle h = 0;
     CUdeviceptr va = 0;
     size_t bytes = 0;
     Vmm(0, &h, &va, &bytes);
-    const CUdeviceptr flag = PendingWait(0);
-    if (raise_first) Raise(0, flag);
-    Driver()->cuMemUnmap(va, bytes);
-    if (!raise_first) Raise(0, flag);
-  };
-  check("cuMemUnmap behind a wait only this thread would satisfy", [&] { unmap(false); });
-  check("cuMemUnmap after the write the wait needs (control)", [&] { unmap(true); });
-  auto release = [](bool raise_first) {
+    behind_a_wait(0, raise_first, [&] { Driver()->cuMemUnmap(va, bytes); });
+  });
+  check_pair("cuMemRelease", [&](bool raise_first) {
     const cuda::DriverApi* drv = Driver();
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -241,13 +224,8 @@ std::map<std::string, std::string> WaitMisuseChecks() {
     drv->cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
     CUmemGenericAllocationHandle h = 0;
     drv->cuMemCreate(&h, granularity, &prop, 0);
-    const CUdeviceptr flag = PendingWait(1);
-    if (raise_first) Raise(1, flag);
-    drv->cuMemRelease(h);
-    if (!raise_first) Raise(1, flag);
-  };
-  check("cuMemRelease behind a wait only this thread would satisfy", [&] { release(false); });
-  check("cuMemRelease after the write the wait needs (control)", [&] { release(true); });
+    behind_a_wait(1, raise_first, [&] { drv->cuMemRelease(h); });
+  });
   // Lazy loading: the first launch of a kernel on a device loads it, waiting for the device.
   check("first launch of a kernel not loaded (lazy loading)", [] {
     const CUdeviceptr flag = PendingWait(0);
