@@ -87,7 +87,7 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   if (a.release_flags != nullptr) {
     if (!Aligned(a.release_flags, 4)) return Bad("release_flags must be 4-byte aligned");
     if (a.counters == nullptr || !Aligned(a.counters, 4))
-      return Bad("releasing needs a workspace of FusedGemmWorkspaceBytes() (4-byte aligned)");
+      return Bad("releasing needs counters of Launch::CounterBytes(blocks) (4-byte aligned)");
   }
   if (a.sm_count < 2)
     return Bad("sm_count must be >= 2: the SMs the kernel holds, in clusters of 2");
