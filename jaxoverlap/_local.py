@@ -101,7 +101,8 @@ def run(plan: OpPlan, x, w, want_gathered: bool = False, scales: tuple = ()):
     typed = check_vma_active()
     if typed:
         # The sum over ranks of x_r @ w_r, as psum sums an invariant operand's N copies.
-        x, w, *scales = (_megatron.copy_to_tp(a, plan.axis_name, typed)
+        x, w, *scales = (a if plan.axis_name in varying_axes(a)
+                         else lax.pcast(a, (plan.axis_name,), to="varying")
                          for a in (x, w, *scales))
         scales = tuple(scales)
     if plan.impl == "xla" and not scales:
