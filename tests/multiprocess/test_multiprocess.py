@@ -148,6 +148,29 @@ def test_a_process_that_never_bootstraps_is_named_by_the_leader():
     assert result["leftover"] == [], result  # nothing named in /dev/shm after the error
 
 
+@pytest.mark.parametrize("role", ["follower", "leader"])
+def test_a_process_that_dies_in_the_bootstrap_is_named_at_once(role):
+    """A peer whose pid the bootstrap knows and that dies in it (a follower before attaching,
+    the leader before its verdict) is reported within a second or so, naming it, not after
+    the timeout (60 s here)."""
+    for attempt in range(2):
+        procs = harness.run("bootstrap_death", 2, 1, params={"role": role, "timeout_s": 60.0},
+                            timeout_s=120, expect_success=False)
+        survivor = procs[0]
+        assert survivor.returncode == 0 or _JAX_TERMINATED in survivor.stderr, \
+            harness.describe(procs)
+        if survivor.result():
+            break
+        assert attempt == 0, harness.describe(procs)
+    result = survivor.result()
+    assert procs[1].returncode == 7, harness.describe(procs)
+    error = result["error"]
+    assert error is not None and "BootstrapError" in error, result
+    assert "process 1 (pid " in error and "exited during" in error, error
+    assert ("the leader of host clique" in error) == (role == "leader"), error
+    assert result["elapsed_s"] < 20, result   # the timeout is 60 s
+
+
 def test_a_failed_bootstrap_recovers_when_the_call_is_retried():
     procs = harness.run("bootstrap_retry", 2, 1, params={"timeout_s": 3.0}, timeout_s=150)
     leader, late = procs[0].result(), procs[1].result()

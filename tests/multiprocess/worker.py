@@ -428,6 +428,43 @@ def bootstrap_missing(timeout_s: float) -> dict[str, Any]:
     os._exit(0)
 
 
+def bootstrap_death(role: str, timeout_s: float) -> dict[str, Any]:
+    """Process 1 dies in the middle of the bootstrap of a clique it is the ``role`` of (the
+    devices are ordered so that rank 0, the leader, is process 0's or process 1's): as a
+    follower after publishing its pid, as the leader after every process attached and before
+    its verdict. Process 0 (the coordinator, which stays) reports its error and how long it
+    took, leaving without jax.distributed's shutdown barrier."""
+    from jaxoverlap._native import bootstrap, runtime
+
+    n = len(jax.devices())
+    order = list(range(n)) if role == "follower" else list(reversed(range(n)))
+    mesh = mesh_of((n,), ("tp",), order)
+    x = global_array(np.ones((4, 8)), mesh, P("tp", None), "float32")
+    w = global_array(np.ones((8, 4)), mesh, P(None, "tp"), "float32")
+    if jax.process_index() == 1:
+        if role == "follower":   # its pid is published: die instead of fetching the segment
+            runtime.load_host()._fd_receive = lambda *a, **k: os._exit(7)
+        else:                    # every process attached: die instead of giving the verdict
+            publish = bootstrap._set
+
+            def _set(key: str, value: bytes) -> None:
+                if key.endswith("/result"):
+                    os._exit(7)
+                publish(key, value)
+
+            bootstrap._set = _set
+    start = time.monotonic()
+    try:
+        with jo.config(timeout_s=timeout_s):
+            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh))(x, w)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
+        error = f"{type(e).__name__}: {e}"
+    result = {"error": error, "elapsed_s": time.monotonic() - start}
+    print("JO_MP_RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
+
+
 def bootstrap_retry(timeout_s: float) -> dict[str, Any]:
     """Process 1 reaches the first native call late: the leader's bootstrap fails naming it.
     Process 0 then simply calls again (a re-trace, as after any trace-time error) and the
@@ -1179,6 +1216,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "mixed": mixed,
     "peer_loss": peer_loss,
     "bootstrap_missing": bootstrap_missing,
+    "bootstrap_death": bootstrap_death,
     "exchange": exchange,
     "cuda_nccl_id": cuda_nccl_id,
     "disagree": disagree,
