@@ -73,11 +73,18 @@ _generations: dict[tuple[str, str], int] = {}
 
 
 class BootstrapError(RuntimeError):
-    """A process did not answer in time, or the processes disagree on a clique."""
+    """A process did not answer in time, or the processes disagree on a clique.
+
+    ``timed_out``: a wait on the store reached its deadline (the message names who did not
+    answer)."""
+
+    timed_out = False
 
 
-class _StoreTimeout(BootstrapError):
-    """A wait on the store reached its deadline (its message names who did not answer)."""
+def _timed_out(message: str) -> BootstrapError:
+    error = BootstrapError(message)
+    error.timed_out = True
+    return error
 
 
 def client() -> Any | None:
@@ -134,7 +141,7 @@ def _get(key: str, deadline: float, who: str, what: str) -> bytes:
     except Exception as e:  # noqa: BLE001
         text = str(e)
         if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
-            raise _StoreTimeout(
+            raise _timed_out(
                 f"jaxoverlap: {who} did not answer within the timeout ({what}; key {key!r}). "
                 f"Is that process still running the same program, and did it reach the same "
                 f"jaxoverlap call? (JAXOVERLAP_TIMEOUT_S / timeout_s set the deadline)") from e
@@ -459,7 +466,9 @@ def _get_watched(key: str, deadline: float, who: str, what: str, peers: _Peers,
     while True:
         try:
             return _get(key, min(deadline, time.monotonic() + _WATCH_S), who, what)
-        except _StoreTimeout:
+        except BootstrapError as e:
+            if not e.timed_out:
+                raise
             if exited := peers.gone():
                 raise gone(exited) from None
             if time.monotonic() >= deadline:
@@ -510,7 +519,9 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
     if attempt > 1:
         _delete(_host_key(cid, attempt - 1))
     _attempts_seen[cid] = attempt
-    fd = host._shm_domain_create(clique_key, group, table, me, attempt)
+    # The control segment's fd is parked, in no fd table (cpp/host/fd_share.h ParkedFds): no
+    # other process of the user can reopen it through /proc/<pid>/fd while it waits.
+    parked = host._shm_domain_create(clique_key, group, table, me, attempt)
     server = None
     peers = _Peers()
 
@@ -540,7 +551,7 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
         if not missing:
             # Bound before its name is published; it serves exactly these pids (SO_PEERCRED).
             socket_name = f"jaxoverlap-{os.getpid()}-{secrets.token_hex(16)}"
-            server = host._fd_serve(socket_name, [fd], pids,
+            server = host._fd_serve(socket_name, parked, pids,
                                     timeout_ms(max(0.1, deadline - time.monotonic())))
             _set_overwrite(_host_key(cid, "leader"), json.dumps(
                 {"attempt": attempt, "socket": socket_name, "pid": os.getpid(),
@@ -554,7 +565,9 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
                                       f"process {p}",
                                       f"attach to the shared memory of host clique {cid}",
                                       peers, died)
-            except _StoreTimeout as e:
+            except BootstrapError as e:
+                if not e.timed_out:
+                    raise
                 missing.append(p)
                 errors.append(str(e))
                 deadline = time.monotonic() + 0.01  # only collect who else is missing
@@ -579,16 +592,12 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
             pass
         _delete(_host_key(cid, "leader"))
         host._forget_domain(clique_key, group)
-        del server  # stops serving
-        os.close(fd)
+        del server, parked  # stops serving; drops the segment's last reference here
         raise
     finally:
         peers.close()
     _set(_host_key(cid, attempt, "result"), b"ok")
-    try:
-        server.finish()  # every process answered ok: each has its copy already
-    finally:
-        os.close(fd)
+    server.finish()  # every process answered ok: each has its copy already
 
 
 def _follow_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int], cid: str,
@@ -650,22 +659,16 @@ def _follow(host: Any, clique_key: int, group: int, table: list[int], cid: str,
             peers.watch(leader, int(info["pid"]))
             try:
                 # The leader listens before it publishes: only a leader that gave this attempt
-                # up is silent, and then a newer attempt follows (unless it has exited).
-                (fd,) = host._fd_receive(info["socket"], 1, int(info["pid"]),
-                                         timeout_ms(min(remaining, 10.0)))
+                # up is silent, and then a newer attempt follows (unless it has exited). The
+                # segment's fd is received, mapped and closed in one call.
+                host._shm_domain_receive(clique_key, group, table, me, attempt, info["socket"],
+                                         int(info["pid"]), timeout_ms(min(remaining, 10.0)))
             except RuntimeError as e:
                 if exited := peers.gone():
                     raise died(exited) from e
                 if "nobody listens" in str(e) and time.monotonic() < deadline:
                     continue
                 problem = f"jaxoverlap: process {me}: {e}"
-            else:
-                try:
-                    host._shm_domain_attach(clique_key, group, table, me, attempt, fd)
-                except RuntimeError as e:
-                    problem = f"jaxoverlap: process {me}: {e}"
-                finally:
-                    os.close(fd)
         _set(_host_key(cid, attempt, "attached", me),
              b"ok" if problem is None else problem.encode())
         if problem is not None:

@@ -443,7 +443,7 @@ def bootstrap_death(role: str, timeout_s: float) -> dict[str, Any]:
     w = global_array(np.ones((8, 4)), mesh, P(None, "tp"), "float32")
     if jax.process_index() == 1:
         if role == "follower":   # its pid is published: die instead of fetching the segment
-            runtime.load_host()._fd_receive = lambda *a, **k: os._exit(7)
+            runtime.load_host()._shm_domain_receive = lambda *a, **k: os._exit(7)
         else:                    # every process attached: die instead of giving the verdict
             publish = bootstrap._set
 
@@ -695,10 +695,12 @@ def _open_sites() -> int:
 
 def watched(iterations: int) -> dict[str, Any]:
     """A job that keeps making call sites (new shapes, compiled, run, dropped) while a process
-    of the same user that is not part of it (watcher.py, started here) looks for its shared
-    memory: in /dev/shm, through /proc, and at its Unix sockets. Returns what the watcher
-    reports. A canary the watcher must find proves it looks: a named segment in /dev/shm
-    (what jaxoverlap's segments were), mode 0600, made here."""
+    of the same user that is not part of it (watcher.py, started here in a session of its
+    own) looks for its shared memory: in /dev/shm, through /proc/<pid>/fd, and at its Unix
+    sockets. Returns what the watcher reports. Two canaries the watcher must find prove that it
+    looks: a named segment in /dev/shm (what jaxoverlap's segments were), mode 0600, and a
+    memfd that process 0 keeps open all along (what a segment's descriptor would be while a
+    process holds it)."""
     import gc
     import subprocess
 
@@ -710,20 +712,18 @@ def watched(iterations: int) -> dict[str, Any]:
     pids = bootstrap.allgather_bytes("watched", "pids", str(os.getpid()).encode(),
                                      processes=list(range(jax.process_count())), timeout_s=60)
     canary = f"/dev/shm/jaxoverlap-{os.environ['JAXOVERLAP_SHM_TAG']}-canary"
-    watcher = None
+    watcher = held = None
     if me == 0:
         fd = os.open(canary, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.write(fd, b"canary")
         os.close(fd)
+        held = os.memfd_create("jaxoverlap-canary-memfd")
+        os.ftruncate(held, 4096)
         argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                              "watcher.py"), ",".join(p.decode() for p in
                                                                      pids.values())]
-        env = dict(os.environ)
-        if os.geteuid() == 0:  # as root, the watcher is root without its privileges
-            argv = ["unshare", "--user", "--map-root-user", *argv]
-            env["JO_WATCHER_USERNS"] = "1"
         watcher = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, env=env)
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert watcher.stdout.readline().strip() == "watching", watcher.stderr.read()
     bootstrap.allgather_bytes("watched", "started", b"1",
                               processes=list(range(jax.process_count())), timeout_s=60)
@@ -739,6 +739,7 @@ def watched(iterations: int) -> dict[str, Any]:
     if watcher is not None:
         out, err = watcher.communicate(input="stop\n", timeout=60)
         os.unlink(canary)
+        os.close(held)
         report = json.loads(out.strip().splitlines()[-1])
         report["stderr"] = err[-2000:]
     return {"watcher": report}
