@@ -7,6 +7,7 @@ unfused path). ``sim.published`` checks it against published measurements and
 ``sim.calibrate`` fits a preset to measured points. See docs/performance.md.
 """
 
+from jaxoverlap.sim.block import BlockProjection, mlp_block
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import SimulationError, Span, Timeline, simulate_programs
 from jaxoverlap.sim.fit import (
@@ -50,6 +51,7 @@ from jaxoverlap.sim.report import (
 )
 
 __all__ = [
+    "BlockProjection",
     "MODEL_LABEL",
     "OPS",
     "PRESETS",
@@ -80,6 +82,7 @@ __all__ = [
     "collective_time",
     "format_table",
     "gantt",
+    "mlp_block",
     "gemm_efficiency",
     "gemm_time",
     "get_preset",
