@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap._executors import bootstrap, runtime
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, is_fp8
-from jaxoverlap._native import bootstrap, runtime
 
 
 class NativeUnavailableError(ValueError):

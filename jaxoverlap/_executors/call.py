@@ -15,7 +15,7 @@ import hashlib
 import jax
 import numpy as np
 
-from jaxoverlap._native import capabilities
+from jaxoverlap._executors import capabilities
 
 
 @dataclasses.dataclass(frozen=True)
