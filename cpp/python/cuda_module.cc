@@ -14,11 +14,11 @@
 #include <string>
 
 #include "core/call.h"
+#include "cuda/base/driver.h"
 #include "cuda/cuda_site.h"
-#include "cuda/driver.h"
 #include "cuda/ffi_handlers.h"
-#include "cuda/gemm.h"
-#include "cuda/kernels.h"
+#include "cuda/gemm/gemm.h"
+#include "cuda/kernels/kernels.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
