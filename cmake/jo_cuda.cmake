@@ -85,7 +85,7 @@ set(JO_CUBLAS_INCLUDE_DIR "${_jo_headers}/cublas")
 set(JO_CUBLASLT_LIBRARY "${_jo_cublas_root}/${JO_CUBLAS_WHEEL_DIR}/lib/${_jo_cublaslt_name}")
 set(JO_NVIDIA_WHEELS "nvidia/nccl,nvidia/${JO_CUBLAS_WHEEL_DIR}")
 
-# CUTLASS's C++ headers (the fused GEMM, cpp/cuda/fused_gemm_kernel.cuh) from the
+# CUTLASS's C++ headers (the fused GEMM, cpp/cuda/fused/fused_gemm_kernel.cuh) from the
 # nvidia-cutlass wheel: a build-only requirement, pinned here and where it is installed
 # (build_backend/jaxoverlap_backend.py CUTLASS_WHEEL, the Makefile's CUDA_BUILD_PKGS_ON).
 # Found without importing the package (its Python side needs cuda-python; the build does not).

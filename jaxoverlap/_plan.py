@@ -46,10 +46,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap._config import Settings, configure_logging, current_config, logger
+from jaxoverlap._executors import capabilities, runtime
+from jaxoverlap._executors.capabilities import NativeUnavailableError
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
 from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
-from jaxoverlap._native import capabilities, runtime
-from jaxoverlap._native.capabilities import NativeUnavailableError
 
 AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_ar"
 OPS = (AG, RS, AR)

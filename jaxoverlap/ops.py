@@ -31,9 +31,9 @@ from jaxoverlap._config import (
     check_impl,
     check_transport,
 )
+from jaxoverlap._executors.call import describe
 from jaxoverlap._fp8_dtypes import DEFAULT_OUT, FP8_DTYPES, OUT_DTYPES, any_fp8, is_fp8
 from jaxoverlap._local import LocalOp
-from jaxoverlap._native.call import describe
 from jaxoverlap._plan import Request
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

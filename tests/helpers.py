@@ -62,7 +62,7 @@ def absent(x, rank: int, enabled=lambda: True, axis_name: str = "tp"):
 
     from jax import lax
 
-    from jaxoverlap._native.runtime import load_host
+    from jaxoverlap._executors.runtime import load_host
 
     host = load_host()
 

@@ -148,7 +148,7 @@ def test_auto_impl_on_cpu_is_the_unfused_path():
 def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
     """transport="auto" stays "auto" in the plan and is resolved once, when the call lowers:
     the best transport that can serve, nccl for a clique spanning processes."""
-    from jaxoverlap._native import capabilities
+    from jaxoverlap._executors import capabilities
 
     assert _plan_for(impl="native").transport == "auto"
     resolve = functools.partial(capabilities.resolve_transport, "cpu", "auto", None,

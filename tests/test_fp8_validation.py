@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
 from jaxoverlap import _plan, fp8
-from jaxoverlap._native import capabilities
+from jaxoverlap._executors import capabilities
 
 E4 = jnp.float8_e4m3fn
 ONE = jnp.float32(1.0)

@@ -131,7 +131,7 @@ def test_global_output_sharding_is_named():
 def test_an_eager_call_under_auto_axes_runs_the_native_program(op):
     """Called outside jit on single-device inputs, the op still runs natively when asked:
     evaluated eagerly, a custom_partitioning primitive would run its plain-XLA body instead."""
-    from jaxoverlap._native.runtime import load_host
+    from jaxoverlap._executors.runtime import load_host
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
     x, w = rand(31, (8, 16), jnp.float32), rand(32, (16, 8), jnp.float32)

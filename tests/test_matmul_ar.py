@@ -396,7 +396,7 @@ def test_argument_errors_name_the_argument():
 
 
 def test_native_request_is_never_silently_replaced(monkeypatch):
-    from jaxoverlap._native import runtime
+    from jaxoverlap._executors import runtime
 
     monkeypatch.setattr(runtime, "host_error", lambda: "no native extension here")
     with pytest.raises(jo.NativeUnavailableError, match="impl='native' was requested.*no native"):

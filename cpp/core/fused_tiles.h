@@ -1,7 +1,7 @@
 // The fused GEMM's tiles and flags: which flags a tile of rows waits for
 // (all-gather + GEMM) or feeds (GEMM + reduce-scatter), and the order the
 // persistent kernel takes its tiles in. ONE source, compiled by nvcc for the
-// kernel (cuda/fused_gemm_kernel.cuh) and by the host compiler for the
+// kernel (cuda/fused/fused_gemm_kernel.cuh) and by the host compiler for the
 // launcher and the tests (tests/native/test_fused_tiles.py), so the mapping
 // the tests check is the one the GPU runs.
 //
@@ -36,7 +36,7 @@
 
 namespace jo::fused {
 
-// The rows of the kernel's CTA tile (cuda/fused_gemm_kernel.cuh asserts it):
+// The rows of the kernel's CTA tile (cuda/fused/fused_gemm_kernel.cuh asserts it):
 // the tiles the rows are cut into.
 inline constexpr int64_t kTileRows = 128;
 

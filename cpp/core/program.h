@@ -34,7 +34,7 @@ enum class Collective : int32_t { kAgMatmul = 0, kMatmulRs = 1, kMatmulAr = 2 };
 const char* CollectiveName(Collective op);
 
 // Python reads the names in this order from the extension (_host.TRANSPORTS,
-// jaxoverlap/_native/capabilities.py transports()): the transport attribute.
+// jaxoverlap/_executors/capabilities.py transports()): the transport attribute.
 enum class Transport : int32_t { kNccl = 0, kP2p = 1, kMulticast = 2 };
 const char* TransportName(Transport transport);
 

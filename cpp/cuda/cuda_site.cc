@@ -10,7 +10,7 @@
 
 #include "core/deadline.h"
 #include "core/log.h"
-#include "cuda/cuda_bootstrap.h"
+#include "cuda/clique/cuda_bootstrap.h"
 #include "cuda/executor.h"
 #include "cuda/watchdog.h"
 

@@ -30,7 +30,7 @@
 #include "core/call.h"
 #include "core/issue_order.h"
 #include "core/status.h"
-#include "cuda/cuda_clique.h"
+#include "cuda/clique/cuda_clique.h"
 
 namespace jo::cuda {
 

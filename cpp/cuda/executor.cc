@@ -5,11 +5,11 @@
 #include <string>
 #include <vector>
 
-#include "cuda/driver.h"
-#include "cuda/fused_gemm.h"
-#include "cuda/gemm.h"
-#include "cuda/kernels.h"
-#include "cuda/nccl_comms.h"
+#include "cuda/base/driver.h"
+#include "cuda/fused/fused_gemm.h"
+#include "cuda/gemm/gemm.h"
+#include "cuda/kernels/kernels.h"
+#include "cuda/transport/nccl_comms.h"
 
 // NVTX ranges (NVTX3: header-only, in the CUDA toolkit). Without a tool
 // attached (Nsight Systems sets NVTX_INJECTION64_PATH) every call is a

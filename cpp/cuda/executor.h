@@ -41,8 +41,8 @@
 #include "core/issue_order.h"
 #include "core/program.h"
 #include "core/status.h"
-#include "cuda/check.h"
-#include "cuda/clique_state.h"
+#include "cuda/base/check.h"
+#include "cuda/clique/clique_state.h"
 
 namespace jo::cuda {
 

@@ -11,8 +11,8 @@
 #include <thread>
 
 #include "core/log.h"
-#include "cuda/device_memory.h"
-#include "cuda/driver.h"
+#include "cuda/base/device_memory.h"
+#include "cuda/base/driver.h"
 
 namespace jo::cuda {
 namespace {

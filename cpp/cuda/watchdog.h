@@ -47,7 +47,7 @@
 #include <vector>
 
 #include "core/program.h"
-#include "cuda/cuda_clique.h"
+#include "cuda/clique/cuda_clique.h"
 
 namespace jo::cuda {
 

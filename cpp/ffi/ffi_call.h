@@ -238,7 +238,7 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   JO_CHECK(CheckDTypes(*q));
   q->chunks = d.chunks;
   q->bidirectional = d.bidirectional;
-  q->tf32 = d.tf32;  // the GEMM ignores it but for float32 operands (cuda/gemm.cc)
+  q->tf32 = d.tf32;  // the GEMM ignores it but for float32 operands (cuda/gemm/gemm.cc)
   q->algorithm = d.algorithm;
   q->fused = d.fused;
   q->k = xd[xd.size() - 1];

@@ -1,5 +1,5 @@
-// The trace-time half of multi-process GPU cliques (cpp/cuda/cuda_bootstrap.h),
-// bound identically in _cuda and in the test-only _cuda_fake: jaxoverlap/_native/bootstrap.py
+// The trace-time half of multi-process GPU cliques (cpp/cuda/clique/cuda_bootstrap.h),
+// bound identically in _cuda and in the test-only _cuda_fake: jaxoverlap/_executors/bootstrap.py
 // makes the NCCL unique id in the process of rank 0, moves it through the
 // jax.distributed store (bootstrap.broadcast_bytes) and registers it here.
 #pragma once
@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda/cuda_bootstrap.h"
+#include "cuda/clique/cuda_bootstrap.h"
 #include "python/py_exchange.h"
 
 namespace jo::python {

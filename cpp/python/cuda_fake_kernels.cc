@@ -16,11 +16,11 @@
 #include <vector>
 
 #include "core/program.h"
-#include "cuda/driver.h"
+#include "cuda/base/driver.h"
 #include "cuda/fake/fake_kernels.h"
 #include "cuda/fake/fake_runtime.h"
-#include "cuda/kernel_table.h"
-#include "cuda/kernels.h"
+#include "cuda/kernels/kernel_table.h"
+#include "cuda/kernels/kernels.h"
 
 namespace nb = nanobind;
 

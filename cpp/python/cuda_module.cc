@@ -1,7 +1,7 @@
 // jaxoverlap._cuda: the CUDA executor's module.
 //
 // Exposes (1) the CUDA FFI handlers as capsules through registrations()
-// (registered for platform "CUDA" by jaxoverlap/_native/runtime.py), (2) what this
+// (registered for platform "CUDA" by jaxoverlap/_executors/runtime.py), (2) what this
 // machine offers — capabilities() never fails: without a GPU or driver it
 // says so in its "error" field — and (3) build information. Importing it
 // needs neither a GPU nor a driver (static CUDA runtime, driver entry points
@@ -14,11 +14,11 @@
 #include <string>
 
 #include "core/call.h"
+#include "cuda/base/driver.h"
 #include "cuda/cuda_site.h"
-#include "cuda/driver.h"
 #include "cuda/ffi_handlers.h"
-#include "cuda/gemm.h"
-#include "cuda/kernels.h"
+#include "cuda/gemm/gemm.h"
+#include "cuda/kernels/kernels.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"

@@ -24,9 +24,9 @@ import numpy as np
 
 from jaxoverlap import _precision
 from jaxoverlap._config import timeout_ms
+from jaxoverlap._executors import capabilities
+from jaxoverlap._executors.call import NativeCall
 from jaxoverlap._fused_gemm import FUSED_TRANSPORTS
-from jaxoverlap._native import capabilities
-from jaxoverlap._native.call import NativeCall
 from jaxoverlap._plan import AR_ALGORITHMS, OPS, OpPlan
 
 # The C++ member types an attribute may have, and how its Python value is made exactly so.

@@ -33,9 +33,9 @@ from jax.interpreters import batching
 
 from jaxoverlap import _precision
 from jaxoverlap._compat import varying_axes, with_varying
-from jaxoverlap._native import bootstrap, capabilities, runtime
+from jaxoverlap._executors import bootstrap, capabilities, runtime
+from jaxoverlap._executors.call import describe
 from jaxoverlap._native.attributes import attributes, naming
-from jaxoverlap._native.call import describe
 from jaxoverlap._native.site_key import site_key
 from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
 

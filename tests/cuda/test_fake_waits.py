@@ -155,11 +155,11 @@ def test_every_op_and_transport_with_lazy_and_eager_loading(fake, module_loading
 
 
 def test_a_gemm_enqueue_does_not_wait_for_another_threads_gemm_set_up(fake):
-    """cuda/gemm.cc's cache lock: the enqueue path takes it for its plan look-up, so it must never
-    be held across a set-up call that waits for the device (an allocation, a warm-up that loads a
-    kernel). Here a set-up's allocation waits for a flag that only the enqueuing thread raises,
-    after its GEMM: with the lock held across that allocation, the enqueue would wait for the
-    set-up, and the set-up for the enqueue (the check gives up after 20 s and says so)."""
+    """cuda/gemm/gemm.cc's cache lock: the enqueue path takes it for its plan look-up, so it must
+    never be held across a set-up call that waits for the device (an allocation, a warm-up that
+    loads a kernel). Here a set-up's allocation waits for a flag that only the enqueuing thread
+    raises, after its GEMM: with the lock held across that allocation, the enqueue would wait for
+    the set-up, and the set-up for the enqueue (the check gives up after 20 s and says so)."""
     out = fake.gemm_set_up_race()
     assert not out["enqueue_waited"], out
     assert out["enqueue"] == "" and out["set_up"] == "", out

@@ -45,7 +45,7 @@ def fp8_case(fake, op, transport, n, dtypes, *, batch=2, rows=4, k=32, nw=16, ch
     sw = [np.float32(1.25 - 0.1 * r) for r in range(n)]
     result = fake.run(op, transport, n, batch, rows, k, nw, x_dtype, chunks, bidirectional,
                       return_gathered, [x.tobytes() for x in xs],
-                      # an fp8 w arrives K-major: [nw, k] row-major (cuda/gemm.h)
+                      # an fp8 w arrives K-major: [nw, k] row-major (cuda/gemm/gemm.h)
                       [np.ascontiguousarray(w.T).tobytes() for w in ws], list(range(n)),
                       calls=calls, w_dtype=w_dtype, out_dtype=out, x_scales=sx, w_scales=sw,
                       **run)
@@ -203,7 +203,7 @@ FP8_MISUSES = {
     "fp8 gemm with a host scale pointer": "cublasLtMatmul scale pointer",
     # ... "If set for an unsupported matrix data ... CUBLAS_INVALID_VALUE"
     "scale pointers on a bf16 gemm": "scale pointers set on a GEMM without FP8 matrices",
-    # the executor's choice (cuda/gemm.h): no fast accumulation
+    # the executor's choice (cuda/gemm/gemm.h): no fast accumulation
     "fp8 fast accumulation": "fast accumulation",
 }
 FP8_CONTROLS = {"fp8 gemm as the executor makes it (control)", "fp8 gemm on sm_89 (control)"}

@@ -1,4 +1,4 @@
-"""The fused GEMM as built (``cpp/cuda/fused_gemm_kernel.cuh``), read back from ``_cuda``'s
+"""The fused GEMM as built (``cpp/cuda/fused/fused_gemm_kernel.cuh``), read back from ``_cuda``'s
 fatbinary with cuobjdump (as ``test_multimem.py`` does): no GPU runs it here, so what it does
 is checked in its machine code (SASS), per kernel (bf16 and f16):
 
@@ -172,7 +172,7 @@ def test_fused_kernels_are_sm90a_cubins_without_ptx(cuda):
 
 # ---- each check against a build without its feature ----------------------------------------
 
-KERNEL_SOURCE = "cpp/cuda/fused_gemm_kernel.cuh"
+KERNEL_SOURCE = "cpp/cuda/fused/fused_gemm_kernel.cuh"
 # name: (check that must fail, [(text in KERNEL_SOURCE, replacement)], drop -DNDEBUG)
 VARIANTS = {
     "no wait": ("acquire spin", [("    if (wait.flags != nullptr) {\n      if (cute::",
@@ -201,15 +201,16 @@ def _build_dir() -> Path:
 
 def _compile_variant(build: Path, tmp: Path, name: str, edits, drop_ndebug: bool) -> str:
     """The bf16 kernel built by the build's own nvcc command from an edited copy of cpp/."""
-    obj = "cpp/cuda/CMakeFiles/jo_cuda_fused_gemm.dir/fused_gemm_bf16.cu.o"
+    obj = "cpp/cuda/CMakeFiles/jo_cuda_fused_gemm.dir/fused/fused_gemm_bf16.cu.o"
     command = subprocess.run(["ninja", "-C", str(build), "-t", "commands", obj],
                              capture_output=True, text=True, check=True).stdout.splitlines()[-1]
     src = tmp / name.replace(" ", "_") / "cpp"
     for part in ("core", "cuda"):
-        (src / part).mkdir(parents=True)
-        for f in (ROOT / "cpp" / part).glob("*.[hc]*"):
-            (src / part / f.name).write_text(f.read_text())
-    kernel = (src / "cuda" / Path(KERNEL_SOURCE).name)
+        for f in (ROOT / "cpp" / part).rglob("*.[hc]*"):
+            copy = src / f.relative_to(ROOT / "cpp")
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(f.read_text())
+    kernel = src / Path(KERNEL_SOURCE).relative_to("cpp")
     text = kernel.read_text()
     for old, new in edits:
         assert text.count(old) == 1, f"{name}: {old!r} is not once in {KERNEL_SOURCE}"
@@ -223,7 +224,7 @@ def _compile_variant(build: Path, tmp: Path, name: str, edits, drop_ndebug: bool
     args = [f"-I{src}" if a == f"-I{ROOT}/cpp/cuda/.." else a for a in args]
     assert f"-I{src}" in args, f"the build's include of cpp/ is not in: {command}"
     args[args.index("-o") + 1] = str(out)
-    args[args.index("-c") + 1] = str(src / "cuda" / "fused_gemm_bf16.cu")
+    args[args.index("-c") + 1] = str(src / "cuda" / "fused" / "fused_gemm_bf16.cu")
     subprocess.run(args, cwd=build, check=True, capture_output=True, text=True)
     return subprocess.run([_cuobjdump(), "-sass", str(out)], capture_output=True, text=True,
                           check=True).stdout

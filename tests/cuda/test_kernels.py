@@ -1,12 +1,13 @@
 """The device kernels' own code, run in CI on the fake.
 
-Each thread of AddBlock, McStore and McReduce runs ``cpp/cuda/kernel_body.h`` — on a GPU compiled
-by nvcc, here compiled by the host compiler and run by the fake for every thread of the grid, with
-only the GPU-only instructions (global loads/stores, multimem, fences, bf16/f16 conversion) behind
-the fake's ``FakeOps``. ``run_block`` goes through the real launchers (``kernels_common.cc``: access
-width, geometry in accesses, grid), so what is checked here is the index math, vector widths and
-offsets the GPU would run. The fake also models which compiled variant of a kernel a device runs
-and that a trap kills the context (``fake_kernels.cc`` cites the CUDA documentation for both).
+Each thread of AddBlock, McStore and McReduce runs ``cpp/cuda/kernels/kernel_body.h`` — on a GPU
+compiled by nvcc, here compiled by the host compiler and run by the fake for every thread of the
+grid, with only the GPU-only instructions (global loads/stores, multimem, fences, bf16/f16
+conversion) behind the fake's ``FakeOps``. ``run_block`` goes through the real launchers
+(``kernels_common.cc``: access width, geometry in accesses, grid), so what is checked here is the
+index math, vector widths and offsets the GPU would run. The fake also models which compiled
+variant of a kernel a device runs and that a trap kills the context (``fake_kernels.cc`` cites the
+CUDA documentation for both).
 """
 
 from __future__ import annotations

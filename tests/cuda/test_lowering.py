@@ -22,7 +22,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap._native import capabilities, primitive
+from jaxoverlap._executors import capabilities
+from jaxoverlap._native import primitive
 from jaxoverlap._plan import OpPlan
 
 from .test_caps import table

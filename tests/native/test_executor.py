@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxoverlap._native import capabilities
+from jaxoverlap._executors import capabilities
 
 from . import native_shard
 
@@ -475,7 +475,7 @@ def test_exit_while_workers_still_run_is_clean():
     script = f"""
 import sys
 sys.path.insert(0, {tests!r})
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 load_host()  # its BLAS, which the testing module's executor code links
 import testing_ext
 testing_ext.load().busy_worker(3.0)
@@ -638,9 +638,9 @@ def _custom_call(x, w, x_scale, w_scale, y_dtype, n=2):
     so that operands the primitive would never pass reach the handler's checks."""
     from jax import lax
 
-    from jaxoverlap._native import runtime
+    from jaxoverlap._executors import runtime
+    from jaxoverlap._executors.call import describe
     from jaxoverlap._native.attributes import attributes
-    from jaxoverlap._native.call import describe
     from jaxoverlap._plan import OpPlan
 
     runtime.register("cpu")

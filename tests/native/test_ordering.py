@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import native_shard
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 
 def mesh_1d(n):
     return Mesh(np.array(jax.devices()[:n]), ("tp",), axis_types=(AxisType.Auto,))

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import testing_ext
 
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 
 from .schedule_check import (
     ScheduleError,

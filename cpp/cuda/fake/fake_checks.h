@@ -84,7 +84,7 @@ struct LateCallOutcome {
 };
 Status LateCall(bool finish, LateCallOutcome* out);
 
-// The GEMM cache's locks (cuda/gemm.cc) against a set-up that waits for the device: device 0
+// The GEMM cache's locks (cuda/gemm/gemm.cc) against a set-up that waits for the device: device 0
 // waits for a flag; one rank's thread prepares a GEMM of a new shape on a new stream there (its
 // workspace allocation waits for the device, so for the flag) while another, between its
 // handler's first enqueue and its return, enqueues a GEMM prepared before and joins the

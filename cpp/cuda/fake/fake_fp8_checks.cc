@@ -1,5 +1,5 @@
 // The misuse suite of cuBLASLt's FP8 rules (Fp8MisuseChecks, fake_checks.h): a
-// valid FP8 GEMM (the layout the executor uses, cuda/gemm.h) with one thing
+// valid FP8 GEMM (the layout the executor uses, cuda/gemm/gemm.h) with one thing
 // changed per check, each against the rule of the cuBLAS documentation
 // (docs.nvidia.com/cuda/cublas, "cublasLtMatmul()": the FP8 requirements and
 // type table; cublasLtMatmulDescAttributes_t: the scale pointers) that the
@@ -144,7 +144,7 @@ std::map<std::string, std::string> Fp8MisuseChecks() {
   Fp8Gemm host;
   host.host_scale = true;
   check("fp8 gemm with a host scale pointer", host);
-  // The executor's choice, documented in cuda/gemm.h: f32 accumulation, no fast accumulation.
+  // The executor's choice, documented in cuda/gemm/gemm.h: f32 accumulation, no fast accumulation.
   Fp8Gemm fast;
   fast.fast_accum = 1;
   check("fp8 fast accumulation", fast);

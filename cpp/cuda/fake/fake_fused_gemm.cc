@@ -1,4 +1,4 @@
-// The fake's fused GEMM (cuda/fused_gemm_launch.h, in place of the CUTLASS
+// The fake's fused GEMM (cuda/fused/fused_gemm_launch.h, in place of the CUTLASS
 // instantiations): the persistent kernel at tile level. What the real kernel
 // does is CUTLASS's code plus the three extensions of fused_gemm_kernel.cuh;
 // what is modelled here is what the executor and the other streams can see of
@@ -37,7 +37,7 @@
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_kernels.h"
 #include "cuda/fake/fake_waits.h"
-#include "cuda/fused_gemm_launch.h"
+#include "cuda/fused/fused_gemm_launch.h"
 
 namespace jo::fake {
 namespace {

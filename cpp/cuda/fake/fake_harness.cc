@@ -20,13 +20,13 @@
 
 #include "core/call.h"
 #include "core/exchange.h"
-#include "cuda/cuda_bootstrap.h"
+#include "cuda/base/driver.h"
+#include "cuda/clique/cuda_bootstrap.h"
 #include "cuda/cuda_site.h"
-#include "cuda/driver.h"
-#include "cuda/fused_gemm.h"
-#include "cuda/gemm.h"
-#include "cuda/kernels.h"
-#include "cuda/peer_handles.h"
+#include "cuda/fused/fused_gemm.h"
+#include "cuda/gemm/gemm.h"
+#include "cuda/kernels/kernels.h"
+#include "cuda/transport/peer_handles.h"
 #include "cuda/watchdog.h"
 
 namespace jo::fake {

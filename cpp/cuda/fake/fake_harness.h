@@ -30,7 +30,7 @@ struct PlayedCalls {
   // attributes follow from it (axis 0, the rank table below).
   Problem problem;
   // Per rank: x and w, bytes in the layout the handler receives (an fp8 w
-  // K-major: [cols, k] row-major, cuda/gemm.h), and x's and w's scales
+  // K-major: [cols, k] row-major, cuda/gemm/gemm.h), and x's and w's scales
   // (float32 device scalars; empty: 1).
   std::vector<std::string> xs, ws;
   std::vector<float> x_scales, w_scales;

@@ -1,4 +1,4 @@
-// The fake's kernels: the SAME per-thread bodies as the GPU (cuda/kernel_body.h)
+// The fake's kernels: the SAME per-thread bodies as the GPU (cuda/kernels/kernel_body.h)
 // run on the host for every thread of the grid, in stream order, with FakeOps
 // modelling what only a GPU has. Also cudaLaunchKernel and cudaFuncGetAttributes,
 // which kernels_common.cc (shared with the GPU build) calls.
@@ -25,7 +25,7 @@
 //    ptxVersion (the virtual architecture compiled from) and binaryVersion (the
 //    device's, when JIT-compiled).
 //  * A device trap is sticky. A multimem instruction in code compiled for less
-//    than compute_90 is the device code's __trap() (cuda/device_ops.cuh); the
+//    than compute_90 is the device code's __trap() (cuda/kernels/device_ops.cuh); the
 //    GPU reports cudaErrorIllegalInstruction, which "leaves the process in an
 //    inconsistent state and any further CUDA work will return the same error"
 //    (driver_types.h). The fake poisons the device's context: its queued work is
@@ -54,9 +54,9 @@
 #include "core/convert.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/fake/fake_waits.h"
-#include "cuda/kernel_body.h"
-#include "cuda/kernel_table.h"
-#include "cuda/kernels.h"
+#include "cuda/kernels/kernel_body.h"
+#include "cuda/kernels/kernel_table.h"
+#include "cuda/kernels/kernels.h"
 
 namespace jo::fake {
 namespace {

@@ -1,6 +1,6 @@
 // The fake's model of kernels (fake_kernels.cc): which compiled variant of a
 // kernel a device runs, the launch, and the per-thread execution of the
-// shared kernel bodies (cuda/kernel_body.h) over the grid.
+// shared kernel bodies (cuda/kernels/kernel_body.h) over the grid.
 #pragma once
 
 #include <cstdint>

@@ -14,16 +14,16 @@
 #include <vector>
 
 #include "core/log.h"
-#include "cuda/check.h"
-#include "cuda/cuda_clique.h"
-#include "cuda/driver.h"
+#include "cuda/base/check.h"
+#include "cuda/base/driver.h"
+#include "cuda/clique/cuda_clique.h"
 #include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
-#include "cuda/fused_gemm.h"
-#include "cuda/fused_gemm_launch.h"
-#include "cuda/kernels.h"
-#include "cuda/nccl_comms.h"
+#include "cuda/fused/fused_gemm.h"
+#include "cuda/fused/fused_gemm_launch.h"
+#include "cuda/kernels/kernels.h"
+#include "cuda/transport/nccl_comms.h"
 #include "cuda/watchdog.h"
 
 namespace jo::fake {

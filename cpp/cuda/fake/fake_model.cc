@@ -11,7 +11,7 @@
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_kernels.h"
 #include "cuda/fake/fake_waits.h"
-#include "cuda/kernels.h"
+#include "cuda/kernels/kernels.h"
 
 namespace jo::fake {
 

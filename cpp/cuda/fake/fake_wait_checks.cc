@@ -14,13 +14,13 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/driver.h"
+#include "cuda/base/driver.h"
 #include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/fake/fake_waits.h"
-#include "cuda/gemm.h"
-#include "cuda/kernels.h"
+#include "cuda/gemm/gemm.h"
+#include "cuda/kernels/kernels.h"
 
 namespace jo::fake {
 

@@ -1,0 +1,172 @@
+// What a GPU clique's set-up works on: its devices and processes, how it
+// reaches peers in other processes, what it has created (communicators,
+// per-rank streams and events), and the buffer generations calls run on.
+//
+// The transports (transports.h) and the peer-handle exchange
+// (peer_handles.h) are free functions over a CliqueState; CudaClique
+// (cuda_clique.h) owns one and serialises every use of it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "core/exchange.h"
+#include "core/program.h"
+#include "core/status.h"
+#include "cuda/base/check.h"
+#include "cuda/base/device_memory.h"
+#include "cuda/transport/nccl_comms.h"
+
+namespace jo::cuda {
+
+// The two events of one call on XLA's stream, the watchdog's view of it: `started`, recorded
+// before the call's first work (when the GPU gets there, the call's clock starts), and `done`,
+// after it. Every call has a pair of its own for as long as anyone holds it (the watchdog, until
+// the call is done; the rank's `last`), so a pending call's events are never re-recorded by a
+// later call, however far the host runs ahead of the GPU. Released pairs go back to their
+// rank's pool (made at set-up: creating events is not on the enqueue path's list).
+struct CallEvents {
+  cudaEvent_t started = nullptr;
+  cudaEvent_t done = nullptr;
+};
+class EventPool;
+
+// Buffer generations. GPU work is asynchronous: when a call needs a bigger
+// workspace, peers' streams may still run the previous call on the old one.
+// So a new Generation is made, valid from the epoch of the call that needed
+// it (every rank makes the same calls, so every rank switches at the same
+// epoch), and an old one is freed only once every rank is past it
+// (CudaClique: this process's ranks have finished a call of a newer
+// generation on the GPU; a peer in another process touches a rank's buffers
+// only before it signals that rank in the same call, which that rank's call
+// waits for). Within a generation, calls alternate between two halves by
+// epoch parity (docs/native.md §4; the fork and join of every call on XLA's
+// stream make the host argument hold on the GPU too).
+struct Generation {
+  int64_t since_epoch = 0;
+  int64_t workspace_bytes = 0;  // per parity per rank
+  int32_t num_flags = 0;        // per parity per rank
+  // This process's ranks' buffers (null for another process's rank).
+  std::vector<std::unique_ptr<DeviceAlloc>> workspace;  // per rank (nccl, p2p)
+  std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: 2 * num_flags uint32
+  std::unique_ptr<MulticastRegion> multicast;           // multicast transport
+  // Per rank (this process's, with flags): page-locked host memory the watchdog reads the
+  // rank's flags into (2 * num_flags uint32).
+  std::vector<std::unique_ptr<PinnedHost>> flag_reads;
+  // Cliques spanning processes: other processes' ranks' buffers as local rank
+  // `viewer` addresses them, remote[viewer][rank]; `mappings` owns them.
+  struct Remote {
+    std::byte* flags = nullptr;
+    std::byte* workspace = nullptr;
+  };
+  std::vector<std::vector<Remote>> remote;
+  std::vector<std::unique_ptr<DeviceAlloc>> mappings;
+
+  // The first call of local rank `rank` on this generation, once its `done` event was recorded:
+  // when it is done on the GPU, so is every call of that rank on older generations (a rank's
+  // calls complete in order on XLA's stream).
+  void NoteFirstUse(int32_t rank, const std::shared_ptr<const CallEvents>& call) const;
+  std::shared_ptr<const CallEvents> FirstUse(int32_t rank) const;
+
+  // Addresses as seen by local rank `viewer` (the rank whose GPU runs the op).
+  std::byte* Workspace(int32_t rank, int64_t epoch, int32_t viewer) const;  // unicast
+  std::byte* MulticastAddress(int64_t epoch) const;                         // parity of epoch
+  CUdeviceptr Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const;
+
+ private:
+  mutable std::mutex use_mu_;
+  mutable std::map<int32_t, std::shared_ptr<const CallEvents>> first_use_;
+};
+
+// Per-rank execution resources: comm streams, events, private scratch.
+struct RankResources {
+  int device = -1;
+  std::vector<cudaStream_t> streams;       // program streams 1.. (stream 0 is XLA's)
+  std::vector<cudaEvent_t> events;         // program events, then fork/join
+  std::shared_ptr<EventPool> call_events;  // CallEvents not in use
+  std::unique_ptr<DeviceAlloc> scratch;
+  // The fused GEMM's own state: its fault record (FusedGemmFault), then a tile counter per
+  // row block (executor.cc).
+  std::unique_ptr<DeviceAlloc> fused_state;
+  // Scratch outgrown, with the last call that may use it: freed at a later set-up once that call
+  // is done on the GPU.
+  struct Retired {
+    std::unique_ptr<DeviceAlloc> scratch;
+    std::shared_ptr<const CallEvents> last_user;  // null: no call used it
+  };
+  std::vector<Retired> retired_scratch;
+  cudaStream_t setup = nullptr;      // zero-fills new buffers
+  cudaEvent_t setup_done = nullptr;  // recorded after the zero-fills, polled (AwaitSetup)
+  // Transport nccl: where the rank's communicators connect to their peers at set-up
+  // (NcclComms::Connect): a stream and one float to send, one per rank to receive.
+  cudaStream_t connect = nullptr;
+  cudaEvent_t connect_done = nullptr;  // recorded after a connecting group, polled
+  std::unique_ptr<DeviceAlloc> connect_buffer;
+  RankResources() = default;
+  RankResources(const RankResources&) = delete;
+  RankResources& operator=(const RankResources&) = delete;
+  ~RankResources();
+  // Grows streams/events/scratch to what `program` needs (an outgrown scratch is retired, a
+  // retired one no call uses any more freed: set-up, before the call's first enqueue) and takes
+  // the call's CallEvents.
+  Status Reserve(const Program& program, const ErrorContext& ctx,
+                 std::shared_ptr<const CallEvents>* events);
+  // The setup stream and its event (before buffers are zero-filled on it).
+  Status MakeSetup(const ErrorContext& ctx);
+  // The connect stream and buffer, for a clique of `nranks` (transport nccl).
+  Status MakeConnect(int32_t nranks, const ErrorContext& ctx);
+  // The events of the last call whose `done` event was recorded (for freeing generations;
+  // null: none yet).
+  void SetLast(std::shared_ptr<const CallEvents> events);
+  std::shared_ptr<const CallEvents> Last() const;
+
+ private:
+  mutable std::mutex last_mu_;
+  std::shared_ptr<const CallEvents> last_;
+};
+
+// How peers' buffers reach a process (cliques spanning processes).
+enum class Handles { kUnset, kIpc, kFabric };
+
+struct CliqueState {
+  Transport transport = Transport::kNccl;
+  std::vector<int> devices;                   // local ordinal of each rank (-1: another process's)
+  std::vector<int64_t> processes;             // process of each rank
+  std::vector<int> local_devices;             // this process's GPUs of the clique
+  int32_t local_ranks = 0;                    // their number
+  ncclUniqueId nccl_id{};                     // spanning cliques, transport nccl
+  std::shared_ptr<Exchange> exchange;         // spanning cliques, transports p2p and multicast
+  std::chrono::milliseconds timeout{120000};  // bounds waiting for peers in set-up
+  Handles handles = Handles::kUnset;          // spanning p2p / multicast (peer_handles.h Negotiate)
+  bool peers_enabled = false;
+  // Transport nccl: this process's ranks' communicators (shared with the watchdog's watch of
+  // their aborts).
+  std::shared_ptr<NcclComms> nccl;
+  std::vector<std::unique_ptr<RankResources>> ranks;
+
+  int32_t nranks() const { return static_cast<int32_t>(devices.size()); }
+  bool spans_processes() const { return local_ranks != nranks(); }
+};
+
+// This process's ranks' flags and (with_workspace) workspace for `gen`:
+// cudaMalloc'd, or cuMemCreate'd with a fabric handle when peers map them so;
+// zero-filled on each rank's setup stream (not waited for: AwaitSetup).
+Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
+                         const ErrorContext& ctx);
+
+// Waits, polling and at most `s.timeout`, until every local rank's setup
+// stream has run what was enqueued on it (the zero-fills of a new
+// generation), so that no peer can use the buffers before. Never called
+// with a lock held that another rank, the watchdog or a peer needs to make
+// progress: the setup stream may share a hardware queue with earlier calls
+// that wait for peers (CUDA_DEVICE_MAX_CONNECTIONS).
+Status AwaitSetup(CliqueState& s, const ErrorContext& ctx);
+
+}  // namespace jo::cuda

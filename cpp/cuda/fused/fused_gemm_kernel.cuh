@@ -1,0 +1,444 @@
+// The fused GEMM's device side: CUTLASS's stock sm90 warp-specialised
+// cooperative persistent GEMM (cutlass/gemm/kernel/
+// sm90_gemm_tma_warpspecialized_cooperative.hpp), unchanged, given three
+// collectives that extend the stock ones through the kernel's own extension
+// points (its CollectiveMainloop, CollectiveEpilogue and TileSchedulerTag
+// template arguments). Nothing of CUTLASS is copied or forked:
+//
+//  * FlagWaitMainloop<Stock>: before the stock load() issues a tile's TMA
+//    loads, one elected lane of the producer warp spins until every flag
+//    covering the tile's rows has reached the epoch — ld.acquire.sys, bounded
+//    (a wait past its time records a FusedGemmFault and gives up) — then the
+//    warp syncs and fences the generic proxy against the async proxy
+//    (fence.proxy.async.global) that the TMA loads use. Any stock sm90 TMA
+//    mainloop fits (bf16/f16 today; the FP8 one has the same load()).
+//  * FlagReleaseEpilogue<Stock>: after the stock store() of a tile, the warp
+//    that issued its TMA stores waits until they are complete
+//    (cp.async.bulk.wait_group 0, not the stock .read form, which only frees
+//    the shared memory), fences the proxies, and its first lane counts the
+//    tile into every block it touched (atom.acq_rel.gpu); the tile that
+//    completes a block publishes its flag (st.release.sys = epoch).
+//  * ArrivalOrderScheduler: the stock persistent scheduler, rastering along N
+//    (consecutive work shares an M tile), with each M index mapped through
+//    the launch's TileOrder (core/fused_tiles.h): local shard first, then
+//    arrival (or departure) order.
+//
+// The memory-model rules relied on (PTX ISA, "Memory Consistency Model" and
+// "Asynchronous operations"/"Proxies"): an acquire at system scope
+// synchronises with the writer's release (a copy-engine transfer completed
+// in stream order before cuStreamWriteValue32, or another kernel's
+// st.release); TMA reads global memory through the async proxy, so a proxy
+// fence orders them after the acquire; bulk stores are complete only after
+// cp.async.bulk.wait_group (without .read); a release is cumulative, so the
+// last tile's release covers the stores of the tiles counted before it.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/device_kernel.h>
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "core/fused_tiles.h"
+#include "core/status.h"
+#include "cuda/base/check.h"
+#include "cuda/fused/fused_gemm_launch.h"
+
+namespace jo::cuda::fused_kernel {
+
+// ---- the PTX the extensions add ----
+
+__device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t LoadRelaxedGpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t AddAcqRelGpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Orders this thread's generic-proxy accesses of global memory with its
+// async-proxy (TMA) ones.
+__device__ __forceinline__ void FenceProxyAsyncGlobal() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Waits until every bulk (TMA) store this thread committed has completed —
+// its writes made, not just its shared-memory source read.
+__device__ __forceinline__ void WaitBulkStoresComplete() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// A stock collective whose Arguments and Params carry one more member,
+// `extension` (what the kernel passes through to the collective untouched).
+template <class Stock, class Extension>
+class Extended : public Stock {
+ public:
+  struct Arguments : Stock::Arguments {
+    Extension extension;
+  };
+  struct Params : Stock::Params {
+    Extension extension;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                        void* workspace) {
+    return Params{Stock::to_underlying_arguments(problem_shape, args, workspace), args.extension};
+  }
+
+  using Stock::Stock;
+};
+
+// ---- waits (all-gather + GEMM) ----
+
+struct RowWait {
+  fused::RowBlocks blocks;
+  const uint32_t* flags = nullptr;  // null: the launch waits for nothing
+  int32_t ready_shard = -1;
+  uint32_t epoch = 0;
+  int64_t timeout_ns = 0;
+  FusedGemmFault* fault = nullptr;
+};
+
+// Spins until `flag` reaches the epoch (cyclically). False when it gave up:
+// its own time ran out (recorded in the fault, first one only) or an earlier
+// wait of the launch already gave up.
+__device__ __forceinline__ bool WaitFlag(const RowWait& w, int32_t block) {
+  const uint32_t* flag = w.flags + block;
+  const uint64_t start = GlobalTimerNs();
+  uint32_t sleep_ns = 32;
+  for (;;) {
+    const uint32_t seen = LoadAcquireSys(flag);
+    if (static_cast<int32_t>(seen - w.epoch) >= 0) return true;
+    if (LoadRelaxedGpu(&w.fault->timed_out) != 0) return false;
+    if (GlobalTimerNs() - start > static_cast<uint64_t>(w.timeout_ns)) {
+      if (atomicCAS(&w.fault->timed_out, 0u, 1u) == 0u) {
+        w.fault->flag = static_cast<uint32_t>(block);
+        w.fault->seen = seen;
+        w.fault->epoch = w.epoch;
+        __threadfence_system();
+      }
+      return false;
+    }
+    __nanosleep(sleep_ns);
+    if (sleep_ns < 1024) sleep_ns *= 2;
+  }
+}
+
+template <int kTileRows>
+__device__ __forceinline__ void WaitForTileRows(const RowWait& w, int32_t tile) {
+  const fused::Range blocks = fused::Tiling{w.blocks, kTileRows}.BlocksOf(tile);
+  for (int32_t b = blocks.first; b <= blocks.last; ++b)
+    if (w.blocks.Shard(b) != w.ready_shard && !WaitFlag(w, b)) return;
+}
+
+template <class Stock>
+class FlagWaitMainloop : public Extended<Stock, RowWait> {
+ public:
+  using Params = typename Extended<Stock, RowWait>::Params;
+  static constexpr int kTileRows = cute::size<0>(typename Stock::TileShape{});
+
+  // The stock load(), after the tile's rows are in place. `blk_coord` is
+  // (m, n, k, l); m is the tile's M index after the scheduler's mapping.
+  template <class Pipeline, class PipelineState, class LoadInputs, class BlockCoord, class... Rest>
+  CUTLASS_DEVICE void load(Params const& params, Pipeline pipeline, PipelineState state,
+                           LoadInputs const& load_inputs, BlockCoord const& blk_coord,
+                           Rest&&... rest) {
+    const RowWait& wait = params.extension;
+    if (wait.flags != nullptr) {
+      if (cute::elect_one_sync())
+        WaitForTileRows<kTileRows>(wait, static_cast<int32_t>(cute::get<0>(blk_coord)));
+      __syncwarp();
+      FenceProxyAsyncGlobal();  // every lane: whichever one the stock load elects issues the TMA
+    }
+    Stock::load(params, pipeline, state, load_inputs, blk_coord, std::forward<Rest>(rest)...);
+  }
+};
+
+// ---- releases (GEMM + reduce-scatter) ----
+
+struct BlockRelease {
+  fused::RowBlocks blocks;
+  uint32_t* flags = nullptr;     // null: the launch releases nothing
+  uint32_t* counters = nullptr;  // one per block, zero at the launch
+  uint32_t epoch = 0;
+  int32_t tiles_per_m = 1;  // tiles sharing an M index: N tiles x batch
+};
+
+template <class Stock>
+class FlagReleaseEpilogue : public Extended<Stock, BlockRelease> {
+ public:
+  using Params = typename Extended<Stock, BlockRelease>::Params;
+  static constexpr int kTileRows = cute::size<0>(typename Stock::CtaTileMNK{});
+
+  CUTLASS_HOST_DEVICE FlagReleaseEpilogue(Params const& params,
+                                          typename Stock::TensorStorage& shared_tensors)
+      : Extended<Stock, BlockRelease>(params, shared_tensors), release_(params.extension) {}
+
+  // The stock store(), then the release of every block the tile completed.
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class Accumulators,
+            class TiledMma>
+  CUTLASS_DEVICE auto store(typename Stock::LoadPipeline load_pipeline,
+                            typename Stock::LoadPipelineState load_pipe_consumer_state,
+                            typename Stock::StorePipeline store_pipeline,
+                            typename Stock::StorePipelineState store_pipe_producer_state,
+                            ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                            TileCoordMNKL tile_coord_mnkl, Accumulators accumulators,
+                            TiledMma tiled_mma, int thread_idx,
+                            typename Stock::TensorStorage& shared_tensors, int subtile_idx = -1) {
+    auto next =
+        Stock::store(load_pipeline, load_pipe_consumer_state, store_pipeline,
+                     store_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
+                     accumulators, tiled_mma, thread_idx, shared_tensors, subtile_idx);
+    // The stock epilogue issues and commits the tile's TMA stores from the
+    // first warp of the consumer threads (its `issue_tma_store`).
+    if (release_.flags != nullptr && thread_idx / cutlass::NumThreadsPerWarp == 0) {
+      WaitBulkStoresComplete();
+      FenceProxyAsyncGlobal();
+      __syncwarp();
+      if (thread_idx == 0) Release(static_cast<int32_t>(cute::get<0>(tile_coord_mnkl)));
+    }
+    return next;
+  }
+
+ private:
+  CUTLASS_DEVICE void Release(int32_t tile) const {
+    const fused::Tiling tiling{release_.blocks, kTileRows};
+    const fused::Range blocks = tiling.BlocksOf(tile);
+    for (int32_t b = blocks.first; b <= blocks.last; ++b) {
+      const uint32_t expected = static_cast<uint32_t>(tiling.TilesOf(b).size()) *
+                                static_cast<uint32_t>(release_.tiles_per_m);
+      if (AddAcqRelGpu(release_.counters + b, 1u) + 1u == expected)
+        StoreReleaseSys(release_.flags + b, release_.epoch);
+    }
+  }
+
+  BlockRelease release_;
+};
+
+// ---- tile order ----
+
+// The tile scheduler tag (GemmUniversal's fourth argument).
+struct ArrivalOrder {};
+
+class ArrivalOrderScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Stock = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  using WorkTileInfo = typename Stock::WorkTileInfo;
+  struct Arguments : Stock::Arguments {
+    fused::TileOrder order;
+  };
+  struct Params : Stock::Params {
+    fused::TileOrder order;
+  };
+
+  // Raster along N without swizzle: consecutive work of a CTA shares one M
+  // tile, so the M order is the order tiles start in.
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
+                                        ClusterShape cluster_shape,
+                                        cutlass::KernelHardwareInfo const& hw_info,
+                                        Arguments const& args, void* workspace = nullptr,
+                                        const uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    typename Stock::Arguments along_n;
+    along_n.max_swizzle_size = 1;
+    along_n.raster_order = RasterOrderOptions::AlongN;
+    return Params{Stock::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape,
+                                                 hw_info, along_n, workspace, epilogue_subtile,
+                                                 ktile_start_alignment_count),
+                  args.order};
+  }
+
+  CUTLASS_HOST_DEVICE ArrivalOrderScheduler() {}
+  CUTLASS_DEVICE explicit ArrivalOrderScheduler(Params const& params)
+      : Stock(params), order_(&params.order) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape cluster_shape) {
+    return Ordered(Stock::initial_work_tile_info(cluster_shape));
+  }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info) {
+    auto [next, increment_pipe] = Stock::fetch_next_work(work_tile_info);
+    return cute::make_tuple(Ordered(next), increment_pipe);
+  }
+
+  template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info, TileSchedulerPipeline&,
+                                      TileSchedulerPipelineState) {
+    return fetch_next_work(work_tile_info);
+  }
+
+ private:
+  CUTLASS_DEVICE WorkTileInfo Ordered(WorkTileInfo work) const {
+    if (work.is_valid()) work.M_idx = order_->TileAt(work.M_idx);
+    return work;
+  }
+
+  fused::TileOrder const* order_ = nullptr;
+};
+
+}  // namespace jo::cuda::fused_kernel
+
+// The stock kernel finds its scheduler through this selector.
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<jo::cuda::fused_kernel::ArrivalOrder, ArchTag, TileShape, ClusterShape,
+                             SchedulerPipelineStageCount> {
+  using Scheduler = jo::cuda::fused_kernel::ArrivalOrderScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace jo::cuda::fused_kernel {
+
+// ---- the kernel ----
+
+// One tile shape per element type: 128 x 256 x 64 CTA tiles, clusters of
+// 2 x 1 (B multicast to both CTAs), f32 accumulation, no C operand. An FP8
+// instantiation (float_e4m3_t / float_e5m2_t) needs B K-major (ColumnMajor
+// here: W transposed), which FP8 wgmma requires, and a scale in the epilogue.
+template <class Element>
+struct FusedGemm {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  static constexpr int kAlignment = 16 / static_cast<int>(sizeof(Element));
+
+  using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      cutlass::layout::RowMajor, kAlignment, Element, cutlass::layout::RowMajor, kAlignment,
+      cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using StockMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor,
+      kAlignment, Element, cutlass::layout::RowMajor, kAlignment, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename StockEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
+                                           FlagWaitMainloop<StockMainloop>,
+                                           FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
+  static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
+};
+
+// The kernel as cudaFuncGetAttributes / cudaFuncSetAttribute take it, and the
+// dynamic shared memory it needs (fused_gemm.cc's PrepareFusedGemm loads it
+// and grants that once per device, before any launch).
+template <class Element>
+const void* FunctionAs() {
+  return reinterpret_cast<const void*>(
+      &cutlass::device_kernel<typename FusedGemm<Element>::Kernel>);
+}
+
+template <class Element>
+int SharedBytesAs() {
+  return static_cast<int>(FusedGemm<Element>::Kernel::SharedStorageSize);
+}
+
+// Enqueues the kernel (the arguments were checked by CheckFusedGemm, the
+// kernel loaded by PrepareFusedGemm on this device).
+template <class Element>
+Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
+  using Gemm = FusedGemm<Element>;
+  using Kernel = typename Gemm::Kernel;
+  using Mainloop = typename Kernel::CollectiveMainloop;
+  using Epilogue = typename Kernel::CollectiveEpilogue;
+  using cute::Int;
+
+  typename Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kBatched;
+  args.problem_shape = {static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k),
+                        static_cast<int>(a.batch)};
+  args.mainloop.ptr_A = static_cast<const Element*>(a.a);
+  args.mainloop.dA = typename Mainloop::StrideA{a.lda, Int<1>{}, a.a_batch_stride};
+  args.mainloop.ptr_B = static_cast<const Element*>(a.b);
+  args.mainloop.dB = typename Mainloop::StrideB{Int<1>{}, a.ldb, 0};  // B is every batch's
+  args.mainloop.extension =
+      RowWait{a.blocks, a.wait_flags, a.ready_shard, a.epoch, a.timeout_ns, a.fault};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.ptr_D = static_cast<Element*>(a.d);
+  args.epilogue.dD = typename Epilogue::StrideD{a.ldd, Int<1>{}, a.d_batch_stride};
+  const int64_t n_tiles = (a.n + cute::size<1>(typename Gemm::TileShape{}) - 1) /
+                          cute::size<1>(typename Gemm::TileShape{});
+  args.epilogue.extension = BlockRelease{a.blocks, a.release_flags, a.counters, a.epoch,
+                                         static_cast<int32_t>(n_tiles * a.batch)};
+  JO_CUDA_CHECK(&ctx, cudaGetDevice(&args.hw_info.device_id));
+  args.hw_info.sm_count = a.sm_count;
+  args.scheduler.order = a.order;
+
+  if (!Kernel::can_implement(args))
+    return Status(Code::kInvalidArgument,
+                  ctx.Describe() + ": CUTLASS cannot run the fused GEMM on this problem (" +
+                      std::to_string(a.m) + " x " + std::to_string(a.n) + " x " +
+                      std::to_string(a.k) + ", batch " + std::to_string(a.batch) + ")");
+  JO_ASSERT(Kernel::get_workspace_size(args) == 0);  // the stock parts need none here
+  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+
+  if (a.release_flags != nullptr)
+    JO_CUDA_CHECK(&ctx,
+                  cudaMemsetAsync(a.counters, 0, Launch::CounterBytes(a.blocks.count()), stream));
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cute::size<0>(typename Gemm::ClusterShape{});
+  cluster.val.clusterDim.y = cute::size<1>(typename Gemm::ClusterShape{});
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = Kernel::get_grid_shape(params);
+  config.blockDim = Kernel::get_block_shape();
+  config.dynamicSmemBytes = Kernel::SharedStorageSize;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  JO_CUDA_CHECK(&ctx, cudaLaunchKernelEx(&config, &cutlass::device_kernel<Kernel>, params));
+  return OkStatus();
+}
+
+}  // namespace jo::cuda::fused_kernel
+
+// Defines fused_kernel::Function<Name>, SharedBytes<Name> and Launch<Name>
+// (fused_gemm_launch.h) for one element type: one use per .cu file, so the
+// instantiations compile in parallel.
+#define JO_FUSED_GEMM_INSTANCE(Name, Element)                                               \
+  namespace jo::cuda::fused_kernel {                                                        \
+  const void* Function##Name() { return FunctionAs<Element>(); }                            \
+  int SharedBytes##Name() { return SharedBytesAs<Element>(); }                              \
+  Status Launch##Name(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) { \
+    return LaunchAs<Element>(launch, stream, ctx);                                          \
+  }                                                                                         \
+  }

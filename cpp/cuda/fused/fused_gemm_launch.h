@@ -1,0 +1,70 @@
+// What the fused GEMM's instantiations (fused_gemm_{bf16,f16}.cu, or the
+// fake's model of them: fake/fake_fused_gemm.cc) are handed: one launch whose
+// arguments fused_gemm.cc has checked, with its tile order made. Apart from
+// fused_gemm.h so that the CUTLASS instantiations, the slowest objects of the
+// build, depend on nothing but this, the tile mapping and the status types.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/fused_tiles.h"
+#include "core/status.h"
+#include "cuda/base/check.h"
+
+namespace jo::cuda {
+
+// What a wait that ran out of time saw (written by the kernel, zero before).
+struct FusedGemmFault {
+  uint32_t timed_out = 0;  // 1: a wait gave up; the results of the launch are wrong
+  uint32_t flag = 0;       // the flag (block) it waited for
+  uint32_t seen = 0;       // the flag's value when it gave up
+  uint32_t epoch = 0;      // the value it waited for
+};
+
+namespace fused_kernel {
+
+// D[l] (m x n) = A[l] (m x k) @ B (k x n), row-major, B shared by every l
+// (fused_gemm.h says what each flag argument means). Leading dimensions and
+// batch strides in elements; TMA needs every pointer 16-byte aligned and
+// every stride a multiple of 16 bytes.
+struct Launch {
+  int64_t batch = 1, m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0, a_batch_stride = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* d = nullptr;
+  int64_t ldd = 0, d_batch_stride = 0;
+  fused::RowBlocks blocks;               // the rows of A and D: blocks.rows() == m
+  fused::TileOrder order;                // the tiles' order (made by CheckFusedGemm)
+  const uint32_t* wait_flags = nullptr;  // null: no waits
+  int32_t ready_shard = -1;              // its blocks are not waited for (-1: none)
+  uint32_t* release_flags = nullptr;     // null: no releases
+  uint32_t epoch = 0;
+  int64_t timeout_ns = 0;           // > 0 when waiting
+  FusedGemmFault* fault = nullptr;  // required when waiting
+  uint32_t* counters = nullptr;     // CounterBytes(blocks), zeroed by the launch (releases only)
+  int32_t sm_count = 0;             // persistent CTAs (clusters of 2): the SMs it holds
+
+  // The counters' size: a tile counter per block.
+  static size_t CounterBytes(int32_t blocks) {
+    return static_cast<size_t>(blocks) * sizeof(uint32_t);
+  }
+};
+
+// One instantiation per element type. Function*: the kernel, as
+// cudaFuncGetAttributes and cudaFuncSetAttribute take it; SharedBytes*: the
+// dynamic shared memory it needs; Launch*: enqueues the launch on `stream`
+// (the counters' zero-fill, then the kernel).
+const void* FunctionBF16();
+const void* FunctionF16();
+int SharedBytesBF16();
+int SharedBytesF16();
+Status LaunchBF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+Status LaunchF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+
+}  // namespace fused_kernel
+}  // namespace jo::cuda

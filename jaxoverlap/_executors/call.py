@@ -1,0 +1,79 @@
+"""One native call, described once: where its ranks are, which clique, which transport.
+
+The lowering rule of the native primitive (``primitive``) builds a :class:`NativeCall` from the
+concrete mesh it lowers for; everything downstream — the bootstrap of cliques spanning
+processes, the custom call's attributes (``attributes``), the C++ handler's placement — reads
+this record and nothing else. ``transport="auto"`` becomes a transport here, through the one
+resolver (``capabilities.resolve_transport``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import jax
+import numpy as np
+
+from jaxoverlap._executors import capabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """One device of the call: its process, JAX's global device id, its local ordinal (on CPU,
+    JAX gives another process's device no local ordinal, so there it is that device's id: the
+    ordinals are the only part of a call's description that may differ between processes)."""
+
+    process: int
+    device_id: int
+    ordinal: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeCall:
+    """What the custom call and its cliques need to know, identical in every process (but the
+    ordinals of other processes' devices, see :class:`Rank`)."""
+
+    platform: str                 # "cpu" or "cuda"
+    axis_name: str
+    axis_size: int
+    # Every device of the mesh, in (group, rank) order: the rank table. Empty only for a CPU
+    # call in one process whose mesh was abstract where it lowered (the handler then places
+    # itself by its coords operand, lax.axis_index).
+    ranks: tuple[Rank, ...]
+    transport: str                # resolved: "nccl", "p2p" or "multicast"
+    clique_key: int               # the same in every process
+
+    def groups(self) -> list[tuple[Rank, ...]]:
+        """The cliques: one per group of the other mesh axes, ranks in axis order."""
+        n = self.axis_size
+        return [self.ranks[i:i + n] for i in range(0, len(self.ranks), n)]
+
+    @property
+    def spans_processes(self) -> bool:
+        return any(len({r.process for r in group}) > 1 for group in self.groups())
+
+
+def describe(mesh, axis_name: str, platform: str, requested: str,
+             preferred: str | None, process: int) -> NativeCall:
+    """The call over ``axis_name`` of ``mesh`` (concrete, or abstract: no rank table), for the
+    process ``process``; ``requested`` and ``preferred`` are the plan's transport and the
+    performance model's pick for ``"auto"``."""
+    names = tuple(mesh.axis_names)
+    if isinstance(mesh, jax.sharding.Mesh):
+        devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis_name), -1).reshape(-1)
+        ranks = tuple(Rank(int(d.process_index), int(d.id), capabilities.local_ordinal(d))
+                      for d in devices)
+    else:
+        ranks = ()
+    axis_size = int(mesh.shape[axis_name])
+    probe = NativeCall(platform, axis_name, axis_size, ranks, "nccl", 0)
+    mine = sorted({r.ordinal for r in ranks if r.process == process})
+    transport = capabilities.resolve_transport(platform, requested, preferred,
+                                               spans_processes=probe.spans_processes,
+                                               local_ordinals=mine)
+    text = repr((names, tuple(int(s) for s in mesh.axis_sizes), axis_name, transport,
+                 tuple((r.process, r.device_id) for r in ranks)))
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    key = int.from_bytes(digest, "little", signed=True)
+    return NativeCall(platform, axis_name, axis_size, ranks, transport, key)
