@@ -434,7 +434,7 @@ def bootstrap_death(role: str, timeout_s: float) -> dict[str, Any]:
     follower after publishing its pid, as the leader after every process attached and before
     its verdict. Process 0 (the coordinator, which stays) reports its error and how long it
     took, leaving without jax.distributed's shutdown barrier."""
-    from jaxoverlap._native import bootstrap, runtime
+    from jaxoverlap._executors import bootstrap, runtime
 
     n = len(jax.devices())
     order = list(range(n)) if role == "follower" else list(reversed(range(n)))
