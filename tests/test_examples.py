@@ -78,6 +78,23 @@ def test_scaling_writes_table_json_and_plot(tmp_path, capsys):
     assert png.startswith(b"\x89PNG") and len(png) > 1000
 
 
+def test_compile_time_compiles_stock_and_converted_side_by_side(tmp_path, capsys):
+    """The benchmark runs and reports a ratio per program (its numbers are not checked here:
+    performance targets live in the benchmark, not in tests)."""
+    path = tmp_path / "compile.json"
+    code = _load("compile_time").main(["--layers", "1", "--impls", "native", "--repeats", "1",
+                                       "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(path.read_text())["results"]
+    assert {(r["axes"], r["program"]) for r in report} == {
+        (axes, p) for axes in ("auto", "explicit") for p in ("stock", "native")}
+    for r in report:
+        assert r["lower_cpu_s"] > 0 and r["compile_cpu_s"] > 0, r
+        assert (r["ratio"] == 1.0) == (r["program"] == "stock"), r
+    assert "largest ratio to stock" in out
+
+
 @pytest.mark.parametrize("flags", [
     ["--api", "linen"],
     ["--api", "linen", "--no-sequence-parallel", "--impl", "ring"],
