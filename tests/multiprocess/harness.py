@@ -156,6 +156,7 @@ def run(
     env: dict[str, str] | None = None,
     expect_success: bool = True,
     unprivileged: bool = False,
+    process_env: Any = None,
 ) -> list[Proc]:
     """Runs ``worker.py scenario`` in ``nprocs`` processes; returns their ``Proc`` records.
 
@@ -164,8 +165,10 @@ def run(
     If the coordinator's port was taken between choosing and binding it (the machine is
     shared), the job is started once more on another port. ``unprivileged``: the children
     run without any capability (as root too: still uid 0, but an ordinary user's process).
+    ``process_env(process_id)``: more environment for that process (e.g. its own hash seed).
     """
-    args = (scenario, nprocs, devices, params, timeout_s, env, expect_success, unprivileged)
+    args = (scenario, nprocs, devices, params, timeout_s, env, expect_success, unprivileged,
+            process_env)
     try:
         return _run_once(*args)
     except HarnessError as e:
@@ -183,6 +186,7 @@ def _run_once(
     env: dict[str, str] | None = None,
     expect_success: bool = True,
     unprivileged: bool = False,
+    process_env: Any = None,
 ) -> list[Proc]:
     tag = f"jotest{os.getpid()}x{next(_runs)}"
     port = free_port()
@@ -206,7 +210,8 @@ def _run_once(
     try:
         for pid in range(nprocs):
             out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-            child_env = dict(base, JO_MP_PROCESS_ID=str(pid))
+            child_env = dict(base, JO_MP_PROCESS_ID=str(pid),
+                             **(process_env(pid) if process_env is not None else {}))
             proc = subprocess.Popen(argv, env=child_env, stdout=out, stderr=err,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=_without_privileges if unprivileged else None)

@@ -10,6 +10,7 @@ from the same seeded inputs in every process.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -837,6 +838,55 @@ def small_dev_shm() -> dict[str, Any]:
             "dev_shm_bytes": fs.f_blocks * fs.f_frsize}
 
 
+def set_order(transports: list[str],
+              forms: tuple[str, ...] = ("shard_map", "global")) -> dict[str, Any]:
+    """Identical calls traced in another order per process: a loop over a ``set`` of names
+    (each process has its own hash seed, so its own order) makes, for each name, an
+    ag_matmul of one input and a matmul_rs of that name's own partials, native, inside a
+    ``shard_map`` body and on global arrays under Auto axes, forward and backward. Every shard
+    must equal the float64 reference: calls are matched across processes by what they
+    compute, not by the order a process traced them in. Returns the order this process
+    traced and the wrong shards per transport and form."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    names = {"query", "key", "value"}
+    order = list(names)                       # this process's own order
+    b, s, k, f = 2, 4 * n, 16, 8 * n
+    x64 = values(90, (b, s, k), "float32")
+    w64 = {nm: values(91 + i, (k, f), "float32") for i, nm in enumerate(sorted(names))}
+    v64 = {nm: values(95 + i, (f, k), "float32") for i, nm in enumerate(sorted(names))}
+    x = global_array(x64, mesh, P(None, "tp", None), "float32")
+    ws = {nm: global_array(w, mesh, P(None, "tp"), "float32") for nm, w in w64.items()}
+    vs = {nm: global_array(v, mesh, P("tp", None), "float32") for nm, v in v64.items()}
+    ref = {nm: (x64 @ w64[nm]) @ v64[nm] for nm in names}
+    dx_ref = sum((np.ones_like(ref[nm]) @ v64[nm].T) @ w64[nm].T for nm in names)
+    wrong: dict[str, int] = {}
+    for transport in transports:
+        kw = dict(impl="native", transport=transport)
+
+        def layer(x, ws, vs, shard, kw=kw):
+            out = {}
+            for nm in names:                  # a set: each process its own order
+                o = {} if shard else {"mesh": mesh}
+                h = jo.ag_matmul(x, ws[nm], "tp", axis=1, **kw, **o)
+                out[nm] = jo.matmul_rs(h, vs[nm], "tp", axis=1, **kw, **o)
+            return out
+
+        inside = jax.shard_map(functools.partial(layer, shard=True), mesh=mesh,
+                               in_specs=(P(None, "tp", None), P(None, "tp"), P("tp", None)),
+                               out_specs=P(None, "tp", None))
+        made = {"shard_map": inside, "global": functools.partial(layer, shard=False)}
+        for form in forms:
+            fn = made[form]
+            with jax.set_mesh(mesh):
+                ys = jax.jit(fn)(x, ws, vs)
+                dx = jax.jit(jax.grad(lambda x, ws, vs, fn=fn: sum(
+                    jnp.sum(y) for y in fn(x, ws, vs).values())))(x, ws, vs)
+            bad = sum(_wrong_shards(ys[nm], ref[nm], "float32") for nm in names)
+            wrong[f"{transport}/{form}"] = bad + _wrong_shards(dx, dx_ref, "float32")
+    return {"order": order, "wrong": wrong}
+
+
 def qkv(transports: list[str], steps: int = 30, skew_s: float = 0.02, backward: bool = True,
         dtype: str = "float32") -> dict[str, Any]:
     """Three independent native calls over one mesh axis (the Q/K/V projections of an
@@ -1208,6 +1258,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "fp8": fp8,
     "fused": fused,
     "qkv": qkv,
+    "set_order": set_order,
     "small_dev_shm": small_dev_shm,
     "chief_aot": chief_aot,
     "many_sites": many_sites,

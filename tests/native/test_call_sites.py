@@ -76,6 +76,32 @@ def test_site_keys_name_the_call_not_the_compile():
     assert not set(SITE_KEY.findall(g.lower(x2, *ws2).as_text())) & set(keys)
 
 
+def _keys_by_weight(order: str) -> dict[str, str]:
+    """The site key of each of three alike ag_matmul calls made inside a shard_map in
+    ``order``, by the name of the kernel it multiplies."""
+    mesh = _mesh()
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("tp", None)))
+    ws = {n: jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(
+        mesh, P(None, "tp"))) for n in "qkv"}
+    f = jax.jit(jax.shard_map(
+        lambda x, ws: {n: jo.ag_matmul(x, ws[n], "tp", impl="native", transport="p2p")
+                       for n in order}, mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    # jit flattens the dict in sorted order (k, q, v): the body's %arg5, %arg6, %arg7
+    calls = re.findall(r"custom_call @jaxoverlap_ag_matmul\(%\w+, %arg(\d+),.*?site_key = "
+                       r"(-?\d+)", f.lower(x, ws).as_text())
+    return {"kqv"[int(a) - 5]: k for a, k in calls}
+
+
+def test_alike_calls_are_named_by_their_weight_not_the_trace_order():
+    """A loop over a set traces Q, K and V in another order in every process (its hash seed):
+    each call's site key follows the kernel it multiplies, not its place in the trace
+    (across real processes: test_multiprocess.py)."""
+    first, second = _keys_by_weight("qkv"), _keys_by_weight("kvq")
+    assert len(first) == 3 and len(set(first.values())) == 3 and first == second, (first,
+                                                                                   second)
+
+
 def test_instances_of_one_lowered_call_are_different_sites():
     """A nested jit called three times is lowered once (one site key) and inlined three times
     by XLA; the three instances get three site ids, and each its own clique."""
