@@ -112,7 +112,7 @@ class OpPlan:
     ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
     (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16); ``fused``:
     the compute stream runs one persistent GEMM waiting on per-block flags (docs/gpu.md §10)
-    when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_native/attributes.py``).
+    when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_executors/call.py``).
     """
 
     op: str
@@ -291,15 +291,17 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
 
 
 def _fused_transport(op: str) -> str:
-    """The transport of a fused call asked for without a model: the first of multicast, p2p
-    that the devices offer."""
-    offered = capabilities.offered_transports(capabilities.current_platform())
-    for t in ("multicast", "p2p"):
-        if t in offered:
-            return t
-    raise NativeUnavailableError(
-        f"{op}: jo.config(fused=True), but neither transport the fused GEMM runs with "
-        f"({FUSED_TRANSPORTS}) is available here (offered: {offered or 'none'}).")
+    """The transport of a fused call asked for without a model: the one rule's pick among the
+    fused GEMM's transports that this process's devices offer."""
+    platform = capabilities.current_platform()
+    try:
+        return capabilities.resolve_transport(
+            platform, "auto", None, spans_processes=False,
+            local_ordinals=capabilities.local_ordinals(platform), among=FUSED_TRANSPORTS)
+    except NativeUnavailableError as err:
+        raise NativeUnavailableError(
+            f"{op}: jo.config(fused=True), but neither transport the fused GEMM runs with "
+            f"({FUSED_TRANSPORTS}) is available here ({err})") from None
 
 
 def native_reason(x_dtype, w_dtype=None) -> str | None:

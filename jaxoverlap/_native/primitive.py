@@ -126,7 +126,7 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
         if reason is not None:
             raise capabilities.NativeUnavailableError(f"jaxoverlap {plan.op}: {reason}")
     call = describe(_lowering_mesh(ctx, plan.axis_name, platform), plan.axis_name, platform,
-                    plan.transport, plan.preferred, jax.process_index())
+                    plan.transport, plan.preferred, jax.process_index(), plan.fused)
     assert call.axis_size == plan.axis_size, (call.axis_size, plan.axis_size)
     runtime.register(platform)
     if call.spans_processes:
