@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, f64, put, rand
+from helpers import assert_close, f64, put, rand, tp_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -88,6 +88,53 @@ def test_global_mlp_gradients(kind, impl):
     want = jax.grad(dense, argnums=(0, 1, 2))(*(jnp.asarray(np.asarray(a)) for a in (x, w1, w2)))
     for a, b in zip(got, want, strict=True):
         assert_close(a, f64(b), jnp.float32)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_global_call_is_planned_described_and_checked_once(monkeypatch, kind):
+    """On global arrays the shapes are checked, the plan made and the native call's transport
+    decided once per call, at trace time, for the shards every device gets (x's batch on "dp"
+    under Explicit axes): the devices run that plan (the backward pass too, under the same
+    plan) and the lowering reads that transport."""
+    from jaxoverlap import _global, _layout, _local, _plan
+    from jaxoverlap._executors import capabilities
+
+    counts = {"check_shapes": 0, "make": 0, "resolve_transport": 0}
+    ran = []
+
+    def count(module, name):
+        real = getattr(module, name)
+
+        def spy(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    count(_layout, "check_shapes")
+    count(_global, "check_shapes")  # imported by name there
+    count(_plan, "make")
+    count(capabilities, "resolve_transport")
+    real_run = _local.run
+    monkeypatch.setattr(_local, "run", lambda plan, *a: ran.append(plan) or real_run(plan, *a))
+    mesh = _mesh(kind) if kind == "explicit" else tp_mesh(4)
+    x_spec = P("dp", "tp", None) if kind == "explicit" else P(None, "tp", None)
+    x = put(rand(8, (4, 8, 6), jnp.float32), mesh, x_spec)
+    w = put(rand(9, (6, 8), jnp.float32), mesh, P(None, "tp"))
+
+    def f(x, w):
+        return jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p", mesh=mesh)
+
+    assert_close(jax.jit(f)(x, w), f64(x) @ f64(w), jnp.float32)
+    assert counts == {"check_shapes": 1, "make": 1, "resolve_transport": 1}, counts
+    assert [p.call.transport for p in ran] == ["p2p"]
+    assert ran[0].axis_size == 4 and ran[0].call.ranks, ran[0]
+    if kind == "explicit":  # the backward pass (GEMM+RS) runs the forward call's plan
+        counts.update(dict.fromkeys(counts, 0))
+        ran.clear()
+        jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1)))(x, w)
+        assert counts == {"check_shapes": 1, "make": 1, "resolve_transport": 1}, counts
+        assert [p.op for p in ran] == ["ag_matmul"]  # the backward is in its custom_vjp
 
 
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])

@@ -70,22 +70,27 @@ def describe(mesh, axis_name: str, platform: str, requested: str,
     asked for explicitly names its transport (``_plan.make``), so it runs fused or fails to
     resolve.
     """
-    names = tuple(mesh.axis_names)
-    if isinstance(mesh, jax.sharding.Mesh):
-        devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis_name), -1).reshape(-1)
-        ranks = tuple(Rank(int(d.process_index), int(d.id), capabilities.local_ordinal(d))
-                      for d in devices)
-    else:
-        ranks = ()
+    table = ranks(mesh, axis_name)
     axis_size = int(mesh.shape[axis_name])
-    probe = NativeCall(platform, axis_name, axis_size, ranks, "nccl", 0)
-    mine = sorted({r.ordinal for r in ranks if r.process == process})
+    probe = NativeCall(platform, axis_name, axis_size, table, "nccl", 0)
+    mine = sorted({r.ordinal for r in table if r.process == process})
     transport = capabilities.resolve_transport(platform, requested, preferred,
                                                spans_processes=probe.spans_processes,
                                                local_ordinals=mine)
-    text = repr((names, tuple(int(s) for s in mesh.axis_sizes), axis_name, transport,
-                 tuple((r.process, r.device_id) for r in ranks)))
+    text = repr((tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), axis_name,
+                 transport, tuple((r.process, r.device_id) for r in table)))
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     key = int.from_bytes(digest, "little", signed=True)
-    return NativeCall(platform, axis_name, axis_size, ranks, transport, key,
+    return NativeCall(platform, axis_name, axis_size, table, transport, key,
                       fused=fused and transport in FUSED_TRANSPORTS)
+
+
+def ranks(mesh, axis_name: str) -> tuple[Rank, ...]:
+    """The rank table of a call over ``axis_name`` of ``mesh``: every device in (group, rank)
+    order; empty for an abstract mesh."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return ()
+    names = tuple(mesh.axis_names)
+    devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis_name), -1).reshape(-1)
+    return tuple(Rank(int(d.process_index), int(d.id), capabilities.local_ordinal(d))
+                 for d in devices)

@@ -54,6 +54,12 @@ def available() -> bool:
     return runtime.host_error() is None
 
 
+def executor_platform(platform: str) -> str:
+    """The executors' name of a JAX platform: ``"cuda"`` for the GPUs' (``"gpu"``, ``"cuda"``),
+    else the platform's own (``"cpu"``)."""
+    return "cuda" if platform in GPU_PLATFORMS else platform
+
+
 def current_platform() -> str:
     """The platform of the program being traced: the mesh's devices, else JAX's default."""
     mesh = jax.sharding.get_abstract_mesh()
