@@ -8,8 +8,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import put, rand, tp_mesh
-from jax.sharding import AxisType
+from helpers import dp_tp_mesh, put, rand, tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
@@ -50,7 +49,7 @@ def test_settings_of_the_trace_reach_the_partitioned_program(monkeypatch):
         made.append(real_make(*args, **kwargs))
         return made[-1]
 
-    meshes = (tp_mesh(4), jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2))
+    meshes = (tp_mesh(4), dp_tp_mesh())
     for mesh, x_spec, remade in ((meshes[0], P(None, "tp", None), False),
                                  (meshes[1], P("dp", "tp", None), True)):
         x = put(rand(0, (2, 8, 4), jnp.float32), mesh, x_spec)
