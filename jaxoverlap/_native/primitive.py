@@ -6,13 +6,12 @@ bind one primitive with the call's plan (``_plan.OpPlan``) as its parameter; its
 is where a native call gets its identity: it reads the concrete mesh from the lowering context
 (the mesh ``shard_map`` lowers for, known there even when the trace saw only the abstract
 mesh), describes the call once (``_executors.call``: rank table, clique, the transport decided)
-unless the plan was made knowing this mesh and carries that description (global arrays),
+unless the plan was made knowing this very mesh and carries that description (global arrays),
 registers the platform's handlers (``runtime``), sets up cliques spanning processes
-(``bootstrap``) and emits
-the custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host executor;
-``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``, among
-them its site key: what the call is, the same in every process (``site_key``).
-docs/native.md follows one call through.
+(``bootstrap``) and emits the custom call of the platform it lowers for (``jaxoverlap_*`` on
+CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of
+``attributes``, among them its site key: what the call is, the same in every process
+(``site_key``). docs/native.md follows one call through.
 
 FP8: x and w may be float8 (``capabilities.FP8_DTYPES``), each with its float32 dequantization
 scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(float32) *
