@@ -171,6 +171,27 @@ def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
     assert _plan_for(impl="native").transport == "nccl"
 
 
+def test_the_call_s_description_decides_its_transport_and_fused_bit(monkeypatch):
+    """One decision (``_executors.call.describe``, through ``resolve_transport``): a fused plan
+    runs fused only over a transport the fused GEMM runs with (nccl for a clique spanning
+    processes is not one), and ``among`` keeps auto to the fused GEMM's transports there."""
+    from jaxoverlap._executors import capabilities
+    from jaxoverlap._executors.call import describe
+
+    mesh = tp_mesh(2)
+    call = describe(mesh, "tp", "cpu", "auto", "p2p", 0, fused=True)
+    assert (call.transport, call.fused) == ("p2p", True)
+    assert not describe(mesh, "tp", "cpu", "nccl", None, 0, fused=True).fused
+    assert not describe(mesh, "tp", "cpu", "auto", None, 0).fused
+    resolve = functools.partial(capabilities.resolve_transport, "cpu", "auto", None,
+                                local_ordinals=[0, 1], among=("p2p", "multicast"))
+    assert resolve(spans_processes=True) == "multicast"   # not nccl: not among
+    monkeypatch.setattr(capabilities, "transport_reasons", lambda *a: {
+        "multicast": "no NVSwitch", "p2p": "no peer access", "nccl": None})
+    with pytest.raises(capabilities.NativeUnavailableError, match="none of .*no peer access"):
+        resolve(spans_processes=False)
+
+
 def test_debug_log_prints_the_plan(monkeypatch, caplog):
     monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
     with caplog.at_level(logging.DEBUG, logger="jaxoverlap"):
