@@ -20,7 +20,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_helpers import assert_tree_close, make_mesh, rand
+from flax_helpers import assert_tree_close, mesh_named
+from helpers import rand
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -108,7 +109,7 @@ def _linen_train_step(model, params, x):
 
 @pytest.mark.parametrize("metadata", [False, True])
 def test_linen_tree_is_the_stock_tree_after_init_and_a_train_step(metadata):
-    mesh = make_mesh("tp4_auto")
+    mesh = mesh_named("tp4_auto")
     x = rand(0, (B, S, E))
     stock = LinenBlock(nn.Dense, nn.Dense, nn.MultiHeadDotProductAttention, {}, metadata)
     ours = LinenBlock(jl.ColumnParallelDense, jl.RowParallelDense,
@@ -139,7 +140,7 @@ def test_linen_tree_is_the_stock_tree_after_init_and_a_train_step(metadata):
 
 def test_linen_checkpoints_load_both_ways_by_path():
     """A stock checkpoint loads into the converted model and back, with no rename."""
-    mesh = make_mesh("tp4_auto")
+    mesh = mesh_named("tp4_auto")
     x = rand(0, (B, S, E))
     stock = LinenBlock(nn.Dense, nn.Dense, nn.MultiHeadDotProductAttention, {}, False)
     ours = LinenBlock(jl.ColumnParallelDense, jl.RowParallelDense,
@@ -186,7 +187,7 @@ def _nnx_train_step(model):
 def test_nnx_state_is_the_stock_state_after_init_and_a_train_step(metadata):
     # The stock layers split over tp by the user's metadata run under Auto axes only (under
     # Explicit ones their sharded contractions need an out_sharding).
-    mesh = make_mesh("tp4_auto" if metadata else "dp2_tp4_explicit")
+    mesh = mesh_named("tp4_auto" if metadata else "dp2_tp4_explicit")
     with jax.set_mesh(mesh):      # params placed as they are made (sharding metadata: by it)
         theirs = NnxBlock(nnx.Linear, nnx.Linear, nnx.MultiHeadAttention, {}, metadata,
                           rngs=nnx.Rngs(0))
@@ -213,7 +214,7 @@ def test_nnx_state_is_the_stock_state_after_init_and_a_train_step(metadata):
 
 
 def test_nnx_checkpoints_load_both_ways_by_path():
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = mesh_named("dp2_tp4_explicit")
     x = rand(0, (B, S, E))
     theirs = NnxBlock(nnx.Linear, nnx.Linear, nnx.MultiHeadAttention, {}, False,
                       rngs=nnx.Rngs(1))
