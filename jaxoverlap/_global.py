@@ -14,9 +14,10 @@ axis types:
   so a data or FSDP axis that only XLA knows about passes through.
 * **Otherwise** (Explicit axes, whose types carry every layout): one ``shard_map`` whose specs
   come from x's type; the inputs are resharded to them first (``shard_map`` checks rather than
-  reshards there). Calls alike in all that (the same layer's calls in every block of a model)
-  share one trace and one lowering (a ``jit`` of the call, cached by JAX), but native ones:
-  each native call lowers on its own, where its site key is taken (``_native/site_key.py``).
+  reshards there). ``ring`` calls alike in all that (the same layer's calls in every block of a
+  model) share one trace and one lowering (a ``jit`` of the call, cached by JAX): unrolled
+  rings cost the most to trace. Native calls must not: each lowers on its own, where its site
+  key is taken (``_native/site_key.py``).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def run(call: Call, mesh, x, w, *, want_gathered: bool = False, scales: tuple = 
     call = dataclasses.replace(call, local=local)
     if uses_propagation(mesh):
         return _partition.call(call, mesh, x, w, want_gathered=want_gathered, scales=scales)
-    if local.plan is not None and local.plan.impl == "native":
-        return _shard_mapped(call, mesh, want_gathered, x, w, tuple(scales))
-    return _shared(call, mesh, want_gathered, x, w, tuple(scales))
+    if local.plan is not None and local.plan.impl == "ring":
+        return _shared(call, mesh, want_gathered, x, w, tuple(scales))
+    return _shard_mapped(call, mesh, want_gathered, x, w, tuple(scales))
 
 
 def _shard_mapped(call: Call, mesh, want_gathered: bool, x, w, scales: tuple):
@@ -71,6 +72,6 @@ def _shard_mapped(call: Call, mesh, want_gathered: bool, x, w, scales: tuple):
               tuple(place(s, mesh, P()) for s in scales))
 
 
-# One trace and one lowering per distinct call (JAX caches a jit's by its static arguments and
-# the operands' types): in a model, every block's call of one layer is that call.
+# One trace and one lowering per distinct ring call (JAX caches a jit's by its static arguments
+# and the operands' types): in a model, every block's call of one layer is that call.
 _shared = jax.jit(_shard_mapped, static_argnums=(0, 1, 2))
