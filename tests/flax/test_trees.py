@@ -28,6 +28,9 @@ from jax.sharding import PartitionSpec as P
 from jaxoverlap.flax import linen as jl
 from jaxoverlap.flax import nnx as jn
 
+# Models initialised, trained a step and compiled twice over: seconds each.
+pytestmark = pytest.mark.slow
+
 B, S, E, HEADS, F = 2, 8, 16, 4, 32
 
 
