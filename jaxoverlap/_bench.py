@@ -89,9 +89,9 @@ def _model(args: argparse.Namespace) -> int:
     print(sim.format_table(rows, markdown=False))
     if any(r["fused"] for r in rows):
         print("A plan named `fused` runs ONE persistent GEMM waiting on per-block flags "
-              "(docs/performance.md §2.6, docs/gpu.md §10): the executors' own fused programs, "
-              "which the ops pick on compute capability 9.0 GPUs; the kernel itself is compiled "
-              "and checked without a GPU, never run on one.")
+              "(docs/performance.md §2.6, docs/gpu-internals.md §5): the executors' own fused "
+              "programs, which the ops pick on compute capability 9.0 GPUs; the kernel itself is "
+              "compiled and checked without a GPU, never run on one.")
     fp8_rows = sim.projection_table([preset], sim.FP8_CASES)
     print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at the FP8 peak, AG moves one byte "
           f"per element):\n{sim.format_table(fp8_rows, markdown=False)}\n"

@@ -19,7 +19,7 @@ def test_imports_and_reports_build(cuda):
     assert info["cuda_runtime_linkage"] == "static"
     assert info["transports"] == ("nccl", "p2p", "multicast")
     # No arch-specific (sm_90a) code but the fused GEMM's, which runs on compute capability 9.0
-    # only and is refused elsewhere (docs/gpu.md §10): the others must run on newer GPUs.
+    # only and is refused elsewhere (docs/gpu-internals.md §5): the others must run on newer GPUs.
     assert info["kernel_images"] == {"add": ("sm_80", "sm_90", "compute_90"),
                                      "fused": ("sm_90a",),
                                      "multimem": ("sm_90", "compute_90")}
@@ -76,7 +76,7 @@ def test_handlers_registered_for_cuda(cuda):
         assert target in entries, f"{target} not registered for CUDA"
         api, traits = entries[target]
         assert api == 1  # typed FFI
-        # Not command-buffer compatible (no traits: docs/gpu.md).
+        # Not command-buffer compatible (no traits: docs/gpu-internals.md §1).
         assert traits == xla_client.CustomCallTargetTraits.DEFAULT
 
 

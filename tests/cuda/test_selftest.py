@@ -86,7 +86,7 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
 
 
 def test_the_bound_covers_a_ring_reduction_in_bf16_and_catches_a_lost_rank():
-    """The selftest's bound (docs/gpu.md §7) against a model of what the GPU computes for a bf16
+    """The selftest's bound (docs/gpu.md §5) against a model of what the GPU computes for a bf16
     ``matmul_rs``/``matmul_ar``: each rank's partial product accumulated in float32 and rounded
     to bf16, then summed around a ring with a rounding to bf16 at every step. Every seed passes
     (a tolerance not derived from N and K failed 2 of 10 such seeds); a sum that lost one rank's

@@ -184,8 +184,8 @@ def test_low_precision(transport, dtype, n):
     check_ar(n, transport, dtype, 2, n == 8, "batch", seed=n)
 
 
-# The fused programs (one FusedGemm per rank: docs/gpu.md §10) on the host executor, which runs
-# its semantics block by block: x's rows are whole 16-byte units (k, cols multiples of 8).
+# The fused programs (one FusedGemm per rank: docs/gpu-internals.md §5) on the host executor, which
+# runs its semantics block by block: x's rows are whole 16-byte units (k, cols multiples of 8).
 FUSED_CASES = [  # (op, transport, n, chunks, bidirectional, dtype, layout, gathered)
     ("ag_matmul", "p2p", 2, 1, False, "bfloat16", "batch", True),
     ("ag_matmul", "p2p", 4, 3, True, "float16", "post", False),

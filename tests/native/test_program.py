@@ -535,7 +535,7 @@ def test_out_of_range_ids_are_refused():
             check_bounds(broken)
 
 
-# ---- the fused programs (docs/gpu.md §10) --------------------------------------------------
+# ---- the fused programs (docs/gpu-internals.md §5) -----------------------------------------
 
 FUSED_TRANSPORTS = ("p2p", "multicast")
 
