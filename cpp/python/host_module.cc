@@ -458,8 +458,8 @@ NB_MODULE(_host, m) {
         nb::arg("w_dtype") = "", nb::arg("out_dtype") = "", nb::arg("fused") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
-        "output columns (w's); dtype: x's (NumPy names: float32, bfloat16, float16, "
-        "float8_e4m3fn, float8_e5m2), w_dtype and out_dtype default to it.");
+        "output columns (w's); dtype: x's (a name of the kinds' dtypes: kinds()), w_dtype and "
+        "out_dtype default to it.");
   m.def("check_program", &CheckProgramDict, nb::arg("program"),
         "Checks a program dict (as build_program returns it): every operand inside its buffer, "
         "every peer, flag, event and stream in range; raises ValueError naming the op.");

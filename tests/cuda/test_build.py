@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from jaxoverlap import _kinds
 from jaxoverlap._native import capabilities, runtime
 
 
@@ -17,7 +18,7 @@ def _so(module) -> str:
 def test_imports_and_reports_build(cuda):
     info = cuda.build_info()
     assert info["cuda_runtime_linkage"] == "static"
-    assert info["transports"] == ("nccl", "p2p", "multicast")
+    assert info["transports"] == _kinds.names(_kinds.TRANSPORTS)
     # No arch-specific (sm_90a) code but the fused GEMM's, which runs on compute capability 9.0
     # only and is refused elsewhere (docs/gpu-internals.md §5): the others must run on newer GPUs.
     assert info["kernel_images"] == {"add": ("sm_80", "sm_90", "compute_90"),
@@ -86,7 +87,7 @@ def test_native_gpu_questions(cuda):
     assert capabilities.unavailable_reason("gpu", jnp.float32) is None
     assert capabilities.unavailable_reason("gpu", jnp.bfloat16) is None
     assert "int32" in capabilities.unavailable_reason("gpu", jnp.int32)
-    assert capabilities.transports() == ("nccl", "p2p", "multicast")
+    assert capabilities.transports() == _kinds.names(_kinds.TRANSPORTS)
 
 
 def test_info_has_a_gpu_section(cuda):

@@ -19,7 +19,9 @@ from . import native_shard
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import absent  # noqa: E402
 
-TRANSPORTS = ("nccl", "p2p", "multicast")
+from jaxoverlap import _kinds
+
+TRANSPORTS = _kinds.names(_kinds.TRANSPORTS)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=2e-3),
        "float16": dict(rtol=2e-2, atol=2e-3)}

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import testing_ext
 
+from jaxoverlap import _kinds
 from jaxoverlap._native.runtime import load_host
 
 from .schedule_check import (
@@ -27,7 +28,7 @@ from .schedule_check import (
 pytestmark = pytest.mark.jax_independent
 
 host = load_host()
-TRANSPORTS = ("nccl", "p2p", "multicast")
+TRANSPORTS = _kinds.names(_kinds.TRANSPORTS)
 OPS = ("ag_matmul", "matmul_rs")
 # GEMM + all-reduce: two-shot (the RS ring, then an AG ring of Y's blocks; multicast: each
 # block reduced in the switch) and one-shot ("op/algorithm": every partial to every rank)
