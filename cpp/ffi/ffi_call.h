@@ -114,11 +114,12 @@ inline std::string& LibraryVersion() {
   return version;
 }
 
-inline std::string Dims(ffi::Span<const int64_t> dims) {
-  std::string out = "[";
-  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
-  return out + "]";
+inline std::vector<int64_t> DimsOf(ffi::Span<const int64_t> dims) {
+  return std::vector<int64_t>(dims.begin(), dims.end());
 }
+
+// "[2,3,4]" (core/call.h DimsText).
+inline std::string Dims(ffi::Span<const int64_t> dims) { return DimsText(DimsOf(dims)); }
 
 inline ffi::Error ToFfi(const Status& status) {
   switch (status.code()) {
@@ -209,10 +210,6 @@ inline std::optional<DType> ToDType(ffi::DataType type) {
   return std::nullopt;
 }
 
-inline std::vector<int64_t> DimsOf(ffi::Span<const int64_t> dims) {
-  return std::vector<int64_t>(dims.begin(), dims.end());
-}
-
 // A result must have the shape `want` (its dtype is checked by the caller).
 inline Status CheckResult(const std::string& op, const char* name, const ffi::AnyBuffer& got,
                           const std::vector<int64_t>& want) {
@@ -262,7 +259,6 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
   q->w_dtype = *w_dtype;
   q->out_dtype = *out;
   JO_CHECK(CheckDTypes(*q));
-  // The GEMM ignores tf32 but for float32 operands (cuda/gemm/gemm.cc).
   if (x_gathered != nullptr && !Row(q->op).gathered)
     return bad(std::string(op) + " has one result");
   q->return_gathered = x_gathered != nullptr;

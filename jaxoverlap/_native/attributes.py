@@ -1,10 +1,9 @@
 """The custom call's attributes: one schema, and the one function that makes them.
 
 Every attribute the handlers bind is one entry of :data:`SCHEMA`, in the order of the C++
-struct that decodes them (``CallAttrs`` in ``cpp/ffi/ffi_call.h``, whose
-``XLA_FFI_REGISTER_STRUCT_ATTR_DECODING`` list initialises its members in that order): its
-name, its C++ type (the attribute is made with exactly that type: XLA's decoding checks it) and
-how its value comes from the call's plan (``_plan.OpPlan``), its description
+list that declares and decodes them (``JO_CALL_ATTRS`` in ``cpp/ffi/ffi_call.h``): its name,
+its C++ type (the attribute is made with exactly that type: the decoding checks it) and how its
+value comes from the call's plan (``_plan.OpPlan``), its description
 (``call.NativeCall``: the resolved transport, the clique key and the rank table) and x's
 abstract value — but for the site key, which the lowering rule computes where the call lowers
 (``site_key``, from :func:`naming` and the lowering context) and hands in. :func:`attributes` is
