@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxoverlap import _optional
+from jaxoverlap import _kinds, _optional
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="labels of jaxoverlap.sim.STANDARD_CASES (default: all)")
     p.add_argument("--scale", type=_count(1), default=None,
                    help="divide M, K and N by this (default: 32 on host devices, 1 on GPUs)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=None, choices=_kinds.names(_kinds.DTYPES, fp8=False),
                    help="default: bfloat16 on GPUs, float32 on CPU")
     p.add_argument("--warmup", type=_count(0), default=2)
     p.add_argument("--repeats", type=_count(1), default=5)
