@@ -130,8 +130,8 @@ class Transport:
     """One transport of the native path.
 
     ``auto_rank``: ``transport="auto"`` takes the lowest that can serve a clique; ``fused``: the
-    fused GEMM runs over it (never NCCL, docs/gpu.md §10); ``mechanism``: how its programs move
-    blocks — ``"messages"`` (Send/Recv round a ring: the transport orders and moves the data
+    fused GEMM runs over it (never NCCL, docs/gpu-internals.md §5); ``mechanism``: how its programs
+    move blocks — ``"messages"`` (Send/Recv round a ring: the transport orders and moves the data
     itself), ``"peer_copies"`` (copies into the peers' workspace round a ring, each raising a
     flag in peer memory) or ``"multicast"`` (stores and load-reduces through one multicast
     object: every transfer one hop). Python only: ``reason``, why a clique's GPUs cannot serve

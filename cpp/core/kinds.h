@@ -11,6 +11,7 @@
 // they are 0, 1, 2, ... in row order (checked at compile time).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -25,16 +26,16 @@ namespace jo {
 //   communicates  which dimension travels: kK, x's rows (k columns each: an
 //                 all-gather of the input) or kN, partial sums of y's rows (n
 //                 columns each, in the output dtype: a reduction of the output)
-//   rows        how the canonical problem's rows come from x (docs/native.md
-//               §1; CanonicalProblem in core/call.h):
-//                 kGather   x holds one shard of the rows on `axis`; y has N
-//                 kScatter  x holds all N blocks of the rows on `axis`; y one
-//                 kAll      every dim of x but the last is a row (axis 0); y
-//                           has them all (two-shot splits them into N blocks)
-//   fused       the fused GEMM (docs/gpu.md §10) serves it
-//   gathered    it may also return the gathered x (return_gathered)
-//   one_shot    the one-shot algorithm applies (else two-shot only)
-//   build       its program builder (core/build_internal.h)
+//   rows          how the canonical problem's rows come from x (docs/native.md
+//                 §1; CanonicalProblem in core/call.h):
+//                   kGather   x holds one shard of the rows on `axis`; y has N
+//                   kScatter  x holds all N blocks of the rows on `axis`; y one
+//                   kAll      every dim of x but the last is a row (axis 0); y
+//                             has them all (two-shot splits them into N blocks)
+//   fused         the fused GEMM (docs/gpu-internals.md §5) serves it
+//   gathered      it may also return the gathered x (return_gathered)
+//   one_shot      the one-shot algorithm applies (else two-shot only)
+//   build         its program builder (core/build_internal.h declares it)
 #define JO_OPS(X)                                                                                 \
   X(kAgMatmul, 0, "ag_matmul", "all_gather", kK, kGather, true, true, false, BuildAgMatmul)       \
   X(kMatmulRs, 1, "matmul_rs", "reduce_scatter", kN, kScatter, true, false, false, BuildMatmulRs) \
@@ -46,7 +47,7 @@ namespace jo {
 //               clique (jaxoverlap/_kinds.py says why each cannot)
 //   fused       the fused GEMM runs over it (never NCCL: a persistent kernel
 //               holding every SM while an NCCL kernel waits for SMs can
-//               deadlock, docs/gpu.md §10)
+//               deadlock, docs/gpu-internals.md §5)
 //   mechanism   how its programs move blocks (the builders' choice):
 //                 kMessages    Send/Recv round a ring; the transport orders
 //                              and moves the data itself (NCCL communicators)
