@@ -5,7 +5,7 @@
 ['native', 'ring', 'xla']
 """
 
-from jaxoverlap._native import runtime as _runtime
+from jaxoverlap._executors import runtime as _runtime
 
 if (_source_tree_error := _runtime.source_tree_error()) is not None:
     if _runtime.run_as_command():
@@ -14,8 +14,8 @@ if (_source_tree_error := _runtime.source_tree_error()) is not None:
 
 from jaxoverlap._config import config as config
 from jaxoverlap._config import current_config as current_config
+from jaxoverlap._executors.capabilities import NativeUnavailableError as NativeUnavailableError
 from jaxoverlap._info import info as info
-from jaxoverlap._native.capabilities import NativeUnavailableError as NativeUnavailableError
 from jaxoverlap._profile import profile as profile
 from jaxoverlap._version import __version__ as __version__
 from jaxoverlap.ops import ag_matmul as ag_matmul

@@ -9,7 +9,7 @@ import jax
 import jaxlib
 
 from jaxoverlap._config import current_config
-from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._executors import capabilities, runtime
 from jaxoverlap._version import __version__
 
 

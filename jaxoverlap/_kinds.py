@@ -90,7 +90,7 @@ ALGORITHMS: tuple[Algorithm, ...] = tuple(Algorithm(i, a) for i, a in enumerate(
 @dataclasses.dataclass(frozen=True)
 class GpuFacts:
     """What decides which transports a clique's GPUs in this process can serve, each a reason
-    it cannot (None: it can), from the capability table (``_native/capabilities``): peer
+    it cannot (None: it can), from the capability table (``_executors/capabilities``): peer
     access among them, and their (and the driver's) multicast support."""
 
     peer_access: str | None

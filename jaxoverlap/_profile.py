@@ -39,7 +39,7 @@ from typing import Any
 
 from jaxoverlap import _kinds
 from jaxoverlap._config import logger
-from jaxoverlap._native import runtime
+from jaxoverlap._executors import runtime
 
 GEMM_KINDS = frozenset({"Gemm", "FusedGemm"})  # a FusedGemm's span includes its blocks' waits
 COMM_KINDS = frozenset({"Copy", "Send", "Recv", "McStore", "McReduce", "Signal", "Wait"})

@@ -125,7 +125,7 @@ def _compare(np, got, ref, allowed) -> tuple[bool, str]:
 
 
 def _gpu_table() -> dict[str, Any]:
-    from jaxoverlap._native import capabilities
+    from jaxoverlap._executors import capabilities
 
     return capabilities.gpu_table()
 
@@ -443,7 +443,7 @@ def _cliques(describe) -> list[str]:
 def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     """The selftest's table through the CUDA executor on the host-side fake (if built)."""
     try:
-        from jaxoverlap._native import runtime
+        from jaxoverlap._executors import runtime
 
         runtime.load_cuda()
         from jaxoverlap import _cuda_fake
@@ -502,7 +502,7 @@ def _versions(caps: dict[str, Any], fake: bool) -> dict[str, Any]:
     for key in ("cuda_driver", "cuda_runtime", "nccl", "cublas"):
         out[key] = caps.get(key)
     try:
-        from jaxoverlap._native import runtime
+        from jaxoverlap._executors import runtime
 
         out["cuda_extension"] = runtime.load_cuda().build_info()
     except Exception as e:  # noqa: BLE001 - reported, not raised
@@ -579,7 +579,7 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
     from jax.sharding import AxisType, Mesh
 
     import jaxoverlap as jo
-    from jaxoverlap._native import capabilities
+    from jaxoverlap._executors import capabilities
 
     devices = jax.devices()
     platform = devices[0].platform
@@ -602,7 +602,7 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
     print(f"devices in the test mesh: {n}; transports offered on {platform}: {list(transports)}")
     describe = None
     if on_gpu:
-        from jaxoverlap._native import runtime
+        from jaxoverlap._executors import runtime
 
         describe = runtime.load_cuda().cliques
     table = Table(report=(report, _report_header(caps, fake=False)) if report else None,

@@ -17,7 +17,7 @@ from helpers import spec_on, tp_mesh
 import jaxoverlap as jo
 from jaxoverlap import _plan as planning
 from jaxoverlap import sim
-from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._executors import capabilities, runtime
 
 
 def _plan(op, x_shape, w_shape, dtype=jnp.bfloat16, axis=0, **kw):

@@ -16,7 +16,7 @@ from helpers import rand, tp_mesh
 
 import jaxoverlap as jo
 from jaxoverlap import _plan
-from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._executors import capabilities, runtime
 
 MISSING = "jaxoverlap._cuda was not built: no CUDA compiler; to get it, rebuild (test)"
 

@@ -15,7 +15,7 @@ import pytest
 import testing_ext
 
 from jaxoverlap import _kinds
-from jaxoverlap._native import runtime
+from jaxoverlap._executors import runtime
 
 KINDS = {"ops": _kinds.OPS, "transports": _kinds.TRANSPORTS, "dtypes": _kinds.DTYPES,
          "algorithms": _kinds.ALGORITHMS}

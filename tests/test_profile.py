@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
 from jaxoverlap import _kinds, _profile
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 
 OPS = _kinds.names(_kinds.OPS)
 MOVERS = {"Copy", "Send", "Recv", "McStore"}  # the ops that move data to or from a peer

@@ -140,7 +140,7 @@ def test_bad_flags():
 
 def test_native_request_is_never_silently_replaced(monkeypatch):
     """Asking for native where it cannot run is an error, not a quiet fallback."""
-    from jaxoverlap._native import runtime
+    from jaxoverlap._executors import runtime
 
     # an installation whose native extension does not load
     monkeypatch.setattr(runtime, "host_error", lambda: "no native extension here")
@@ -153,7 +153,7 @@ def test_native_request_is_never_silently_replaced(monkeypatch):
 def test_transport_the_machine_lacks(monkeypatch):
     """An explicit transport that cannot serve the call is an error when the program lowers
     (only there is it known whether the clique spans processes), never a silent fallback."""
-    from jaxoverlap._native import capabilities
+    from jaxoverlap._executors import capabilities
 
     monkeypatch.setattr(capabilities, "transport_reasons", lambda platform, ordinals, spans: {
         "nccl": None, "p2p": None, "multicast": "this machine has no NVSwitch"})

@@ -1,7 +1,7 @@
 // Exchange: opaque bytes among the processes of one clique, keyed by tag.
 //
 // The transport is the jax.distributed key-value store, reachable from Python
-// only, so the implementation lives there (jaxoverlap/_native/bootstrap.py,
+// only, so the implementation lives there (jaxoverlap/_executors/bootstrap.py,
 // StoreExchange) and reaches C++ through cpp/python/py_exchange.h. C++ set-up
 // code that needs it — the CUDA executor's clique creation (NCCL unique id,
 // CUDA IPC / multicast handles), called from Python at trace time — takes an

@@ -1,5 +1,5 @@
 // The CUDA FFI handlers (cpp/cuda/ffi_handlers.cc), exported as capsules by
-// the _cuda module and registered by jaxoverlap/_native/runtime.py for platform CUDA.
+// the _cuda module and registered by jaxoverlap/_executors/runtime.py for platform CUDA.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"

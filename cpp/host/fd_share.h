@@ -5,7 +5,7 @@
 // time) and the GPU side's POSIX-fd handles (cuMemExportToShareableHandle of
 // a workspace or multicast object gives an fd, meaningless elsewhere).
 //
-// Set-up time, driven from jaxoverlap/_native/bootstrap.py (share_fds and the host
+// Set-up time, driven from jaxoverlap/_executors/bootstrap.py (share_fds and the host
 // clique bootstrap), which exchanges pids, fd numbers and socket names
 // through the jax.distributed key-value store:
 //

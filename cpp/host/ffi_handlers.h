@@ -1,5 +1,5 @@
 // The CPU FFI handlers (cpp/host/ffi_handlers.cc), exported as capsules by
-// the _host module and registered by jaxoverlap/_native/runtime.py.
+// the _host module and registered by jaxoverlap/_executors/runtime.py.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"

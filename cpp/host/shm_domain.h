@@ -1,5 +1,5 @@
 // ShmDomain: what the processes of one group of a mesh axis share, set up
-// once through the jax.distributed key-value store (jaxoverlap/_native/bootstrap.py)
+// once through the jax.distributed key-value store (jaxoverlap/_executors/bootstrap.py)
 // and then used by every call site of that group.
 //
 // A call site (one custom call of one executable, core/call.h CallSite) gets
@@ -171,7 +171,7 @@ class ShmDomain {
 };
 
 // The domains of this process, by (clique_key, group). The Python bootstrap
-// (jaxoverlap/_native/bootstrap.py) makes them at trace time, before any call runs:
+// (jaxoverlap/_executors/bootstrap.py) makes them at trace time, before any call runs:
 // rank_process[r] is the process index of rank r; `process` is ours;
 // `attempt` names the bootstrap attempt (agreed through the store). The
 // leader (the process of rank 0) creates the control segment and gets its fd

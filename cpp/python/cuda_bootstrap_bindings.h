@@ -1,5 +1,5 @@
 // The trace-time half of multi-process GPU cliques (cpp/cuda/clique/cuda_bootstrap.h),
-// bound identically in _cuda and in the test-only _cuda_fake: jaxoverlap/_native/bootstrap.py
+// bound identically in _cuda and in the test-only _cuda_fake: jaxoverlap/_executors/bootstrap.py
 // makes the NCCL unique id in the process of rank 0, moves it through the
 // jax.distributed store (bootstrap.broadcast_bytes) and registers it here.
 #pragma once

@@ -1,7 +1,7 @@
 // jaxoverlap._cuda: the CUDA executor's module.
 //
 // Exposes (1) the CUDA FFI handlers as capsules through registrations()
-// (registered for platform "CUDA" by jaxoverlap/_native/runtime.py), (2) what this
+// (registered for platform "CUDA" by jaxoverlap/_executors/runtime.py), (2) what this
 // machine offers — capabilities() never fails: without a GPU or driver it
 // says so in its "error" field — and (3) build information. Importing it
 // needs neither a GPU nor a driver (static CUDA runtime, driver entry points

@@ -472,7 +472,7 @@ NB_MODULE(_host, m) {
         "end_ns, ok, 'ops': one dict per op with stream, kind, shard, sub, peer, bytes, "
         "start_ns, ready_ns, end_ns), and forgets them.");
   m.def("now_ns", &jo::NowNs, "The clock of the recorded spans (steady, nanoseconds).");
-  // Multi-process bootstrap (jaxoverlap/_native/bootstrap.py); errors are RuntimeError.
+  // Multi-process bootstrap (jaxoverlap/_executors/bootstrap.py); errors are RuntimeError.
   m.def("note_lowering", &jo::NoteLowering, nb::arg("site_key"),
         "The native call `site_key` was lowered: its next instance belongs to a new program "
         "(core/call.h CallSite).");

@@ -1,4 +1,4 @@
-// PyExchange: jo::Exchange over a Python object (jaxoverlap._native.bootstrap.StoreExchange)
+// PyExchange: jo::Exchange over a Python object (jaxoverlap._executors.bootstrap.StoreExchange)
 // with attributes `process`, `processes` and methods `broadcast(tag, root, data|None) ->
 // bytes` and `allgather(tag, data) -> {process: bytes}`. Header-only so that every
 // nanobind module (_host, _cuda) can hand one to its C++ set-up code. Safe to call

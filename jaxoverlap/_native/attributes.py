@@ -4,12 +4,12 @@ Every attribute the handlers bind is one entry of :data:`SCHEMA`, in the order o
 list that declares and decodes them (``JO_CALL_ATTRS`` in ``cpp/ffi/ffi_call.h``): its name,
 its C++ type (the attribute is made with exactly that type: the decoding checks it) and how its
 value comes from the call's plan (``_plan.OpPlan``), its description
-(``call.NativeCall``: the resolved transport, the clique key and the rank table) and x's
-abstract value — but for the site key, which the lowering rule computes where the call lowers
-(``site_key``, from :func:`naming` and the lowering context) and hands in. :func:`attributes` is
-the only place a value is made; ``tests/native/test_attributes.py`` holds the C++ list
-(``JO_CALL_ATTRS``) and docs/native.md §6 to this schema. Adding an attribute is one entry here
-and one row of ``JO_CALL_ATTRS``.
+(``_executors.call.NativeCall``: the transport decided and whether the call runs fused, the
+clique key and the rank table) and x's abstract value — but for the site key, which the
+lowering rule computes where the call lowers (``site_key``, from :func:`naming` and the
+lowering context) and hands in. :func:`attributes` is the only place a value is made;
+``tests/native/test_attributes.py`` holds the C++ list (``JO_CALL_ATTRS``) and docs/native.md
+§6 to this schema. Adding an attribute is one entry here and one row of ``JO_CALL_ATTRS``.
 
 A serialized program may be run by another version of the library: the first two attributes
 say which schema the others were made with (:func:`schema_id`, a fingerprint of this list and
@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxoverlap import _kinds, _precision
 from jaxoverlap._config import timeout_ms
-from jaxoverlap._native.call import NativeCall
+from jaxoverlap._executors.call import NativeCall
 from jaxoverlap._plan import OpPlan
 from jaxoverlap._version import __version__
 
@@ -65,17 +65,6 @@ def _tf32(plan: OpPlan, x) -> bool:
     return _precision.allows_tf32(plan.precision) and jnp.dtype(x.dtype) == jnp.float32
 
 
-def _fused(plan: OpPlan, call: NativeCall) -> bool:
-    """Does the call run the fused GEMM? Its plan says so and its transport is one the fused
-    GEMM runs with. A plan the model picked leaves the transport to the call (``auto``), which
-    may resolve to nccl (a clique spanning processes): that call runs the chunked program. A
-    fused plan asked for explicitly names its transport (``_plan.make``), so it runs fused or
-    fails to resolve."""
-    return plan.fused and _kinds.transport(call.transport).fused
-
-
-
-
 SCHEMA: tuple[Attribute, ...] = (
     Attribute("schema", "int64_t", "the schema the attributes were made with: a fingerprint of "
               "this list and of the kinds their values index (never another layout's)",
@@ -106,7 +95,7 @@ SCHEMA: tuple[Attribute, ...] = (
               lambda plan, call, x: _kinds.AR_ALGORITHMS.index(plan.algorithm)),
     Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (the fused "
               "column of the ops and transports; docs/gpu-internals.md §5)",
-              lambda plan, call, x: _fused(plan, call)),
+              lambda plan, call, x: call.fused),
     Attribute("timeout_ms", "int64_t", "milliseconds any wait of the call may take",
               lambda plan, call, x: timeout_ms(plan.timeout_s), names_site=False),
     Attribute("processes", "ffi::Span<const int64_t>", "the rank table, in (group, rank) "

@@ -147,7 +147,7 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
              algorithm: str = "two_shot", fused: bool = False) -> tuple[dict, ...]:
     """Every rank's program (cached: the simulator only reads them); ``fused``: the fused
     programs, whose compute stream runs one persistent GEMM (``sim.fused``)."""
-    from jaxoverlap._native.runtime import load_host
+    from jaxoverlap._executors.runtime import load_host
 
     dtype = canonical_dtype(dtype)
     rows = shape.rows

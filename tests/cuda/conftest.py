@@ -17,7 +17,7 @@ REQUIRED = os.environ.get("JAXOVERLAP_REQUIRE_CUDA", "") == "1"
 
 def require_module(name: str):
     """Imports ``jaxoverlap.<name>`` (after preloading the wheels' libraries)."""
-    from jaxoverlap._native import runtime
+    from jaxoverlap._executors import runtime
 
     try:
         if name == "_cuda":

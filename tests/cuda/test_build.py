@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from jaxoverlap import _kinds
-from jaxoverlap._native import capabilities, runtime
+from jaxoverlap._executors import capabilities, runtime
 
 
 def _so(module) -> str:

@@ -10,8 +10,8 @@ from unittest import mock
 
 import pytest
 
-from jaxoverlap._native import capabilities, runtime
-from jaxoverlap._native.capabilities import gpu_transport_reasons, resolve_transport
+from jaxoverlap._executors import capabilities, runtime
+from jaxoverlap._executors.capabilities import gpu_transport_reasons, resolve_transport
 
 
 def choose_transport(caps, devices, requested="auto", *, across_processes=False):

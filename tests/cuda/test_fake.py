@@ -306,7 +306,7 @@ def test_rank_table_membership_errors_are_clean(fake):
 
 def test_case_table_covers_every_op_kind(fake):
     """The cases above exercise every op of the program IR at least once."""
-    from jaxoverlap._native import runtime
+    from jaxoverlap._executors import runtime
 
     host = runtime.load_host()
     kinds = set()

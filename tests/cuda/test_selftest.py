@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jaxoverlap import _kinds, _selftest
+from jaxoverlap._executors import capabilities, runtime
 from jaxoverlap._info import format_info, info
-from jaxoverlap._native import capabilities, runtime
 from jaxoverlap._selftest import main
 
 

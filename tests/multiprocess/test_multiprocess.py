@@ -323,7 +323,7 @@ def require_module(name: str) -> None:
     """Skips (fails under JAXOVERLAP_REQUIRE_CUDA=1) when ``jaxoverlap.<name>`` is not built."""
     import importlib
 
-    from jaxoverlap._native import runtime
+    from jaxoverlap._executors import runtime
 
     try:
         runtime.load_cuda()

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import testing_ext
 
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 
 # Processes of their own: seconds each.
 pytestmark = pytest.mark.slow
@@ -153,7 +153,7 @@ def test_the_fd_client_refuses_a_squatter_on_the_socket_name():
     squatter = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import os, sys
-            from jaxoverlap._native.runtime import load_host
+            from jaxoverlap._executors.runtime import load_host
             r, w = os.pipe()
             server = load_host()._fd_serve({name!r}, [r], [{os.getpid()}], 20000)
             print("ready", flush=True)

@@ -392,7 +392,7 @@ def peer_loss(victim: int, mode: str, timeout_s: float) -> dict[str, Any]:
         result = {"error": None, "elapsed_s": time.monotonic() - start - 1.0}
     result["process_id"] = me
     print("JO_MP_RESULT " + json.dumps(result), flush=True)
-    from jaxoverlap._native import bootstrap
+    from jaxoverlap._executors import bootstrap
 
     # Process 0 hosts the coordination service: it leaves last, or it would take the others
     # down with it before they report.
@@ -665,7 +665,7 @@ def watched(iterations: int) -> dict[str, Any]:
     import gc
     import subprocess
 
-    from jaxoverlap._native import bootstrap
+    from jaxoverlap._executors import bootstrap
 
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
@@ -729,7 +729,7 @@ def deserialized(directory: str, timeout_s: float) -> dict[str, Any]:
                     f.write(serialize_executable.serialize(compiled)[0])
                 loaded = "serialized"
             else:
-                from jaxoverlap._native import runtime
+                from jaxoverlap._executors import runtime
 
                 runtime.register("cpu")  # the FFI targets the program calls
                 in_tree = jax.tree.structure(((x, w), {}))
@@ -767,7 +767,7 @@ def cached(cache_dir: str) -> dict[str, Any]:
 def _leave_last_from_process_0(what: str) -> None:
     """Exits without jax.distributed's shutdown (a failed job's barrier would wait); process 0
     hosts the coordination service, so it leaves last, once the others have reported."""
-    from jaxoverlap._native import bootstrap
+    from jaxoverlap._executors import bootstrap
 
     store = bootstrap.client()
     me = jax.process_index()
@@ -903,7 +903,7 @@ def in_dev_shm() -> dict[str, list[str]]:
 
 def exchange() -> dict[str, Any]:
     """The bytes-in, bytes-out exchange API (what the CUDA executor calls), on CPU."""
-    from jaxoverlap._native import bootstrap
+    from jaxoverlap._executors import bootstrap
 
     me, n = jax.process_index(), jax.process_count()
     procs = list(range(n))
@@ -1009,7 +1009,7 @@ def exchange() -> dict[str, Any]:
 
 
 def _cliques() -> str:
-    from jaxoverlap._native import runtime
+    from jaxoverlap._executors import runtime
 
     return runtime.load_host().cliques()
 
@@ -1051,7 +1051,7 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
     (NCCL communicators made with the exchanged id) against the reference. What does not cross
     processes here is the fake's NCCL traffic itself (no GPU, no NCCL network).
     """
-    from jaxoverlap._native import bootstrap, runtime
+    from jaxoverlap._executors import bootstrap, runtime
 
     runtime.load_cuda()
     import jaxoverlap._cuda_fake as fake
@@ -1132,7 +1132,7 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     store) and opens the peer's: the fake refuses that, since its "device memory" is this
     process's heap, and its error names the pid the handle came from — the peer's.
     """
-    from jaxoverlap._native import bootstrap
+    from jaxoverlap._executors import bootstrap
 
     me = jax.process_index()
     bootstrap.ensure_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)

@@ -15,7 +15,7 @@ import itertools
 import pytest
 import testing_ext
 
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 
 host = load_host()
 tiles_ext = testing_ext.load()

@@ -12,7 +12,7 @@ import pytest
 import testing_ext
 
 from jaxoverlap import _kinds
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 
 from .schedule_check import (
     ScheduleError,

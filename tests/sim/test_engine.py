@@ -6,7 +6,7 @@ import math
 import pytest
 
 from jaxoverlap import _kinds, sim
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 
 # The performance model: no JAX.
 pytestmark = pytest.mark.jax_independent

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from jaxoverlap import sim
-from jaxoverlap._native.runtime import load_host
+from jaxoverlap._executors.runtime import load_host
 from jaxoverlap.sim import fused
 from jaxoverlap.sim.plan import programs
 

@@ -5,7 +5,7 @@
 // SLURM style) cannot make its NCCL communicators in one process: every
 // process calls ncclCommInitRankConfig for its own ranks with one ncclUniqueId,
 // made by the process of rank 0. That id travels through the jax.distributed
-// key-value store at trace time (jaxoverlap/_native.py -> _bootstrap.py
+// key-value store at trace time (jaxoverlap/_executors/bootstrap.py
 // broadcast_bytes), and lands here, keyed by (clique key, group, process),
 // until CudaCall creates the clique at its first execution. The process is
 // part of the key only so that the host-side fake test can play several

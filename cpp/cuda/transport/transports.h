@@ -2,7 +2,7 @@
 // transport_multicast.cc): what a clique needs before its first buffers, and
 // what memory each buffer generation holds. Whether a machine's GPUs can
 // serve a transport is decided in one place before anything runs
-// (jaxoverlap/_native/capabilities.py transport_reasons, used by the one
+// (jaxoverlap/_executors/capabilities.py transport_reasons, used by the one
 // resolver there, resolve_transport); these tables only set up what was chosen and
 // refuse clearly if the machine disagrees.
 #pragma once

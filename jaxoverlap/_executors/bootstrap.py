@@ -57,7 +57,7 @@ import jax
 import numpy as np
 
 from jaxoverlap._config import timeout_ms
-from jaxoverlap._native import runtime
+from jaxoverlap._executors import runtime
 
 NAMESPACE = "jaxoverlap/v1"
 
