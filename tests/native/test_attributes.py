@@ -20,7 +20,8 @@ from helpers import tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap._native import attributes, runtime
+from jaxoverlap._executors import runtime
+from jaxoverlap._native import attributes
 from jaxoverlap._native.attributes import ENCODERS, SCHEMA
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -21,7 +21,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap._native import attributes, runtime
+from jaxoverlap._executors import runtime
+from jaxoverlap._native import attributes
 
 
 def _program(mesh):
