@@ -6,7 +6,8 @@ in another layout (``ffi_call.h`` ``CheckSchema``; docs/native.md §6). Here the
 is played by lowering under a changed schema — its fingerprint, one more attribute, or none at
 all (a version from before schemas) — then running the exported program with this one. (A
 serialized executable goes through the same check when it is loaded; it cannot be made here
-under another schema: this process's handlers refuse to compile it.)
+under another schema: this process's handlers refuse to compile it.) A program of this schema
+whose attribute holds an id outside its kind's table is refused too, naming the table.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 from jaxoverlap._executors import runtime
 from jaxoverlap._native import attributes
 
@@ -101,3 +103,20 @@ def test_a_program_of_another_schema_fails_naming_both_versions(call, monkeypatc
         _run(blob, x, w)
     assert "lower it again with this version" in str(failed.value)
 
+
+
+def test_an_attribute_outside_its_table_is_refused_naming_the_table(call, monkeypatch):
+    """Of this schema but with a transport id no row has: the handler's range check names the
+    table's ids and names (``DecodeDesc``), when XLA initializes the program."""
+    mesh, x, w = call
+    schema = list(attributes.SCHEMA)
+    i = next(k for k, a in enumerate(schema) if a.name == "transport")
+    schema[i] = dataclasses.replace(schema[i], value=lambda plan, call, x: len(_kinds.TRANSPORTS))
+    with monkeypatch.context() as patched:
+        patched.setattr(attributes, "SCHEMA", tuple(schema))  # the same names and types
+        exported = _exported(mesh, x, w)
+    ids = [f"{t.id} ({t.name})" for t in _kinds.TRANSPORTS]
+    expected = (f"attribute transport expected {', '.join(ids[:-1])} or {ids[-1]}, got "
+                f"{len(_kinds.TRANSPORTS)}")
+    with pytest.raises(Exception, match=re.escape(expected)):
+        _run(exported, x, w)
