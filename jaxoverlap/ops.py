@@ -273,7 +273,7 @@ def _check_fp8(op: str, x, w, x_scale: Any, w_scale: Any, preferred_element_type
             out = None
         if out not in OUT_DTYPES:
             raise TypeError(f"{op}: preferred_element_type={preferred_element_type!r} must be "
-                            "float32, bfloat16 or float16 (or None).")
+                            f"{_kinds.listing(d.name for d in OUT_DTYPES)} (or None).")
         if not fp8 and out != jnp.dtype(x.dtype):
             raise TypeError(
                 f"{op}: preferred_element_type={out.name} differs from x's dtype "
