@@ -2,8 +2,8 @@
 
 The ops take fp8 operands with their scales (``jo.ag_matmul(x8, w8, ..., x_scale=...,
 w_scale=...)``), a forward building block that is not differentiable. This module is what
-trains: each function takes high-precision ``x`` and ``w`` (float32, bfloat16 or float16, the
-same dtype) and
+trains: each function takes high-precision ``x`` and ``w`` (one of the ops' dtypes that are not
+fp8, the same for both) and
 
 * quantizes them to ``float8_e4m3fn`` with their scales, runs the op on the fp8 values (the
   all-gather of ``ag_matmul`` moves the fp8 bytes, each shard's scale alongside) and returns y
