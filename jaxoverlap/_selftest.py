@@ -15,9 +15,10 @@ that hangs leaves it behind. A row still running after ``row_deadline_s()`` is
 taken for a hang: reported (with every thread's stack), and the process exits.
 
 FP8 rows (the public ops with fp8 operands and per-rank scales, y in bfloat16, float32 or
-float16, against the float64 product of the float32 dequantized operands, under the same bound
-for y's dtype) run where the GPUs have FP8 GEMMs (compute capability 8.9 or newer; else one
-line says why not), on host devices and on the fake.
+float16, against the float64 product of the float32 dequantized operands, under the bound for
+y's dtype plus the FP8 tensor cores' accumulation error, ``fp8_accumulation``) run where the GPUs
+have FP8 GEMMs (compute capability 8.9 or newer; else one line says why not), on host devices
+and on the fake.
 
 Without a GPU: says so clearly, then runs the same table on host devices (the
 host executor), plus a few rows of the CUDA executor on the fake (if built).
@@ -65,6 +66,14 @@ FP8_DTYPES = (("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
               ("float8_e5m2", "float8_e4m3fn", "float16"))
 FP8_SHAPE = ((2,), 4, 48, 24)
 FP8_OPS = OPS[:3]
+# The FP8 tensor cores' accumulator, as the CUDA fake computes an FP8 GEMM
+# (cpp/cuda/fake/fp8_accumulator.h, which cites the sources): per compute capability, the products
+# added in one step together with the running sum (block) and the fraction bits kept — every
+# addend aligned to the step's largest exponent and truncated there, the step's sum truncated to
+# them —, the sum promoted into float32 every FP8_PROMOTION elements of K (cuBLASLt's interval is
+# not documented: CUTLASS's default, see the header). Not float32 accumulation on any of them.
+FP8_TENSOR_CORES = {89: (16, 13), 90: (32, 13), 100: (32, 23)}
+FP8_PROMOTION = 128
 
 
 def fp8_scales(np, n: int) -> tuple[Any, Any]:
@@ -79,18 +88,57 @@ def dequantized(np, values, scale):
     return (np.asarray(values, np.float32) * np.float32(scale)).astype(np.float64)
 
 
-def bound(op: str, dtype: str, n: int, k: int, x64, w64):
+def fp8_accumulation(x64, w64, k: int):
+    """The worst case, elementwise, of the FP8 tensor cores' accumulation error (every model of
+    ``FP8_TENSOR_CORES``) in ``x64 @ w64``, whose contraction is GEMMs of ``k`` each (side by
+    side in ``w64``'s rows, as ``bound`` takes them).
+
+    Per step of ``block`` products ``p`` (dequantized: the scales multiply every error alike) and
+    the running sum ``c``, with ``M = max(|p|, |c|)`` and ``f`` fraction bits: each of the at most
+    ``block + 1`` addends loses less than ``2^-f M`` when aligned (the step's exponent ``E`` has
+    ``2^E <= M``; a product counts from its factors' exponents, each at least its format's
+    smallest normal one, so a block whose largest product has a subnormal factor is not covered)
+    and the truncated sum less than ``2^-f`` of its magnitude, at most ``sum |p| + |c|``; ``|c|``
+    is at most the sum of ``|p|`` since the last promotion (truncation toward zero only shrinks);
+    a promotion rounds once in float32 (at most ``2^-24`` of the running sum's magnitude)."""
+    import numpy as np
+
+    absp = np.abs(x64[..., :, None, :] * np.swapaxes(w64, 0, 1))  # (..., m, n, K)
+    total_k = absp.shape[-1]
+    worst = np.zeros(absp.shape[:-1])
+    for block, fraction_bits in sorted(set(FP8_TENSOR_CORES.values())):
+        u = 2.0 ** -fraction_bits
+        err = np.zeros(absp.shape[:-1])
+        for gemm in range(0, total_k, k):
+            for window in range(gemm, gemm + k, FP8_PROMOTION):
+                c = np.zeros(absp.shape[:-1])  # a bound on the running sum's magnitude
+                end = min(window + FP8_PROMOTION, gemm + k)
+                for start in range(window, end, block):
+                    p = absp[..., start:min(start + block, end)]
+                    step = p.sum(axis=-1)
+                    addends = np.count_nonzero(p, axis=-1) + (c > 0)
+                    err += u * (addends * np.maximum(p.max(axis=-1), c) + step + c)
+                    c = c + step
+                err += 2.0 ** -24 * absp[..., gemm:end].sum(axis=-1)  # the promotion
+        worst = np.maximum(worst, err)
+    return worst
+
+
+def bound(op: str, dtype: str, n: int, k: int, x64, w64, fp8: bool = False):
     """How far a correct result may be from the float64 product of the same inputs, elementwise.
 
     ``x64``/``w64`` are the inputs already rounded to ``dtype``, as float64 (for
     ``matmul_rs``/``matmul_ar`` with the ``n`` ranks' slices of the contraction side by side,
-    ``k`` each). Two parts, ``u`` being the dtype's unit roundoff and ``u32 = 2^-24``:
+    ``k`` each; ``fp8``: the dequantized operands of FP8 GEMMs). Two parts, ``u`` being the
+    dtype's unit roundoff and ``u32 = 2^-24``:
 
     * the float32 accumulation of every GEMM (exact products): with ``K`` the contraction length
       and ``S = |x| @ |w|``, at most ``8 sqrt(K) u32 S`` — the probabilistic bound of Higham and
       Mary ("A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput.,
       2019: ``lambda sqrt(K) u S`` fails with probability below ``2 exp(-lambda^2 / 2)``, 3e-14
-      per element for ``lambda = 8``); the worst case, ``K u32 S``, would let TF32 pass;
+      per element for ``lambda = 8``); the worst case, ``K u32 S``, would let TF32 pass. FP8
+      GEMMs accumulate in the tensor cores' narrower format instead: plus the worst case of
+      ``fp8_accumulation``;
     * twice the worst case of the roundings to ``dtype``, each at most ``u |v|`` for the value
       ``v`` rounded: ``ag_matmul`` rounds once, its output ``y``; ``matmul_rs``/``matmul_ar``
       round each rank's partial product ``p_r``, each partial sum of up to ``n - 1`` reduction
@@ -104,6 +152,8 @@ def bound(op: str, dtype: str, n: int, k: int, x64, w64):
     u = UNIT_ROUNDOFF[dtype]
     total_k = w64.shape[0]
     accumulation = 8 * np.sqrt(total_k) * UNIT_ROUNDOFF["float32"] * (np.abs(x64) @ np.abs(w64))
+    if fp8:
+        accumulation = accumulation + fp8_accumulation(x64, w64, k)
     if op == "ag_matmul":
         rounding = u * np.abs(x64 @ w64)
     else:
@@ -222,12 +272,13 @@ def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
         b = np.concatenate([dequantized(np, w64[:, r * nw:(r + 1) * nw], sw[r])
                             for r in range(n)], axis=1)
         allowed = np.concatenate(
-            [bound(op, out, n, k, a, b[:, r * nw:(r + 1) * nw]) for r in range(n)], axis=-1)
+            [bound(op, out, n, k, a, b[:, r * nw:(r + 1) * nw], fp8=True) for r in range(n)],
+            axis=-1)
     else:  # rank r's slice of the contraction with its own scales
         a = np.concatenate([dequantized(np, x64[..., r * k:(r + 1) * k], sx[r])
                             for r in range(n)], axis=-1)
         b = np.concatenate([dequantized(np, w64[r * k:(r + 1) * k], sw[r]) for r in range(n)])
-        allowed = bound(op, out, n, k, a, b)
+        allowed = bound(op, out, n, k, a, b, fp8=True)
     ok, detail = _compare(np, got, a @ b, allowed)
     if not ok:
         raise AssertionError(detail)
@@ -299,7 +350,7 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
         for r, (y, (a, b)) in enumerate(zip(out["ys"], refs, strict=True)):
             ref = a @ b
             got = np.frombuffer(y, np_dtypes[out_dtype]).reshape(ref.shape).astype(np.float64)
-            ok, detail = _compare(np, got, ref, bound(op, out_dtype, n, k, a, b))
+            ok, detail = _compare(np, got, ref, bound(op, out_dtype, n, k, a, b, fp8=bool(fp8)))
             details.append(detail)
             if not ok:
                 problems.append(f"rank {r}: {detail}")

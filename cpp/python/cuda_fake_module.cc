@@ -26,6 +26,7 @@
 #include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
+#include "cuda/fake/fp8_accumulator.h"
 #include "cuda/watchdog.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/cuda_fake_kernels.h"
@@ -263,6 +264,32 @@ nb::dict GemmSetUpRace() {
   return out;
 }
 
+// The fake's FP8 tensor core of compute capability `arch` (fp8_accumulator.h).
+nb::dict Fp8TensorCore(int arch) {
+  const jo::fake::Fp8TensorCore core = jo::fake::Fp8TensorCoreOf(arch);
+  nb::dict out;
+  out["block"] = core.block;
+  out["fraction_bits"] = core.FractionBits();
+  out["promotion"] = core.promotion;
+  return out;
+}
+
+// sum_p a[p] * b[p] as that tensor core accumulates it (a in `a_dtype`, b in `b_dtype`: their
+// smallest normal exponents matter).
+float Fp8Dot(int arch, const std::vector<float>& a, const std::vector<float>& b,
+             const std::string& a_dtype, const std::string& b_dtype) {
+  if (a.size() != b.size()) throw nb::value_error("fp8_dot: a and b need the same length");
+  const auto min_exponent = [](const std::string& d) {
+    const jo::DType t = ParseDType("dtype", d);
+    if (!jo::IsFp8(t)) throw nb::value_error("fp8_dot: float8_e4m3fn or float8_e5m2 only");
+    return t == jo::DType::kF8E5M2 ? jo::fake::kE5M2MinExponent : jo::fake::kE4M3MinExponent;
+  };
+  jo::fake::Fp8Accumulator acc(jo::fake::Fp8TensorCoreOf(arch), min_exponent(a_dtype),
+                               min_exponent(b_dtype));
+  for (size_t i = 0; i < a.size(); ++i) acc.Add(a[i], b[i]);
+  return acc.Result();
+}
+
 std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
                                       std::vector<int64_t> devices, int64_t process_index,
                                       int device) {
@@ -306,6 +333,12 @@ NB_MODULE(_cuda_fake, m) {
         "(empty: 1); chunks_per_call: per call, its chunks (a call site per number of chunks); "
         "fused: the fused GEMM's program (docs/gpu.md §10); site_keys: per rank, the key of a "
         "call site of its own (none: one site shared by every rank).");
+  m.def("fp8_tensor_core", &Fp8TensorCore, nb::arg("arch"),
+        "The FP8 accumulator the fake models for compute capability `arch` (10 * major + "
+        "minor): block, fraction_bits, promotion (cpp/cuda/fake/fp8_accumulator.h).");
+  m.def("fp8_dot", &Fp8Dot, nb::arg("arch"), nb::arg("a"), nb::arg("b"), nb::arg("a_dtype"),
+        nb::arg("b_dtype"),
+        "sum(a * b) in K order as that FP8 tensor core accumulates it (a and b: fp8 values).");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

@@ -213,7 +213,7 @@ Status MakeMatmulPlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c,
                                                  &no_transpose, sizeof(no_transpose)));
   if (fp8) {
     JO_CHECK(SetScales(*plan, g.a_scale, g.w_scale, ctx));
-    const int8_t fast_accum = 0;  // keep the f32 accumulation (gemm.h)
+    const int8_t fast_accum = 0;  // keep the periodic promotion (gemm.h)
     JO_CUBLAS_CHECK(
         &ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                              &fast_accum, sizeof(fast_accum)));

@@ -36,9 +36,14 @@
 // CUBLASLT_MATMUL_DESC_B_SCALE_POINTER := x's (the chunk's shard's) scale and
 // A_SCALE_POINTER := w's, device float32 pointers set before every matmul (a
 // shard's GEMM names its own); CUBLASLT_MATMUL_DESC_FAST_ACCUM = 0, so the
-// products are "periodically promoted to a higher precision" (the f32
-// accumulation the ops promise; fast accumulation would be faster and less
-// accurate). Every pointer, leading dimension and batch stride 16-byte aligned,
+// tensor cores' sums are "periodically promoted to a higher precision"
+// (fast accumulation would be faster and less accurate). That is not float32
+// accumulation: between promotions (an interval cuBLASLt does not document)
+// the FP8 tensor cores of compute capability 8.9 and 9.0 keep about 14 bits,
+// truncating, per step of 16 or 32 products (cpp/cuda/fake/fp8_accumulator.h
+// cites the sources and is what the fake computes; the selftest's bound,
+// _selftest.fp8_accumulation, derives its FP8 term from it). Every pointer,
+// leading dimension and batch stride 16-byte aligned,
 // k a multiple of 16 ("pointers and matrix dimension must support 16-byte
 // alignment"), compute capability 8.9 or newer: refused at prepare otherwise.
 //
