@@ -114,6 +114,7 @@ class Enqueuer {
       if (issued[i] != 1)
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
                         " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
+    for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
     steps_.resize(p_.ops.size());
     for (size_t i = 0; i < p_.ops.size(); ++i) {
       const Status status = PrepareOp(p_.ops[i], &steps_[i]);
@@ -281,11 +282,21 @@ class Enqueuer {
         step->block = Block(op, Resolve(op.a), op.a, Resolve(op.d), op.d);
         JO_ASSERT(step->block.src != nullptr && step->block.dst != nullptr);
         return PrepareBlockKernel(BlockKernel::kAdd, step->block, a_.ctx);
-      case OpKind::kCopy:
+      case OpKind::kCopy: {
         step->src = Resolve(op.a);
         step->dst = Resolve(op.d);
         JO_ASSERT(step->src != nullptr && step->dst != nullptr);
+        // A peer copy beside a fused GEMM must be 1-D (CopyBlock): its rows contiguous.
+        const auto peer = [&](const Ref& r) {
+          return r.buf == BufId::kWorkspace && r.rank != p_.problem.rank;
+        };
+        if (has_fused_ && (peer(op.a) || peer(op.d)) && (op.a.ld != op.n || op.d.ld != op.n))
+          return Internal(a_.ctx.Describe() +
+                          ": a peer copy with strided rows (a 2-D copy) in a program with a "
+                          "fused GEMM, which holds every SM: CUDA documents no copy engine for "
+                          "2-D copies");
         return OkStatus();
+      }
       case OpKind::kMcStore: {
         std::byte* mc = Multicast(op.d);
         JO_ASSERT(mc != nullptr);
@@ -507,17 +518,28 @@ class Enqueuer {
     return b;
   }
 
-  // Batched strided copy: one call when both sides are dense, else one 2-D copy per batch.
+  // Batched strided copy: one 1-D copy when both sides are dense, one per batch when each
+  // batch's rows are (contiguous rows), else one 2-D copy per batch. 1-D wherever it can be:
+  // while a fused GEMM holds every SM, a peer copy must run on a copy engine, and CUDA documents
+  // no engine for a 2-D copy (docs/gpu.md §10, rule 1); the fake refuses one behind a fused GEMM.
   Status CopyBlock(const Op& op, const std::byte* src, const Ref& s, std::byte* dst, const Ref& d,
                    cudaStream_t stream) {
     const int64_t es = Es(s.buf);  // d's too (CheckProgram)
     const size_t row = static_cast<size_t>(op.n * es);
+    const bool rows_contiguous = s.ld == op.n && d.ld == op.n;
     const bool dense =
-        s.ld == op.n && d.ld == op.n &&
+        rows_contiguous &&
         (op.batch == 1 || (s.batch_stride == op.m * op.n && d.batch_stride == op.m * op.n));
     if (dense) {
       JO_CUDA_CHECK(ctx_,
                     cudaMemcpyAsync(dst, src, row * op.m * op.batch, cudaMemcpyDefault, stream));
+      return OkStatus();
+    }
+    if (rows_contiguous) {
+      for (int64_t b = 0; b < op.batch; ++b)
+        JO_CUDA_CHECK(ctx_,
+                      cudaMemcpyAsync(dst + b * d.batch_stride * es, src + b * s.batch_stride * es,
+                                      row * op.m, cudaMemcpyDefault, stream));
       return OkStatus();
     }
     for (int64_t b = 0; b < op.batch; ++b)
@@ -580,7 +602,8 @@ class Enqueuer {
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
   std::vector<FusedGemmArgs> fused_;  // the FusedGemm steps' (not in Step: 520-byte tile orders)
-  bool warmed_ = false;  // a new cuBLASLt plan ran its warm-up in Prepare: join it first
+  bool warmed_ = false;     // a new cuBLASLt plan ran its warm-up in Prepare: join it first
+  bool has_fused_ = false;  // the program has a FusedGemm
 };
 
 PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}

@@ -38,7 +38,8 @@ struct FakeTask {
   // that waits for its peers: an NCCL group) until this returns true; the
   // stream's next task waits for it, other streams' do not.
   std::function<bool()> done;
-  bool sms = false;  // a kernel: it cannot start while a persistent kernel holds the SMs
+  bool sms = false;         // a kernel: it cannot start while a persistent kernel holds the SMs
+  bool persistent = false;  // a persistent kernel (the fused GEMM): holds every SM while it runs
   cudaEvent_t records = nullptr;  // the event this task records, if any
   ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
 };
@@ -275,6 +276,9 @@ bool RunUntil(const std::function<bool()>& until);
 // CUDA_DEVICE_MAX_CONNECTIONS as the driver reads it).
 void ResetQueues();
 int ConnectionsFromEnvironment();
+// Whether a persistent kernel (the fused GEMM) enqueued on `device` of played process `process`
+// has not finished (queued or running). Requires S().mu.
+bool PersistentKernelPending(int process, int device);
 // Maps a new stream onto one of its device's work queues (round-robin).
 void MapOntoQueue(CUstream_st* st);
 jo::DType FromCuda(int32_t type, bool* ok);

@@ -480,8 +480,11 @@ std::map<std::string, std::string> MisuseChecks() {
   //    the peer's data arrives, on any number of work queues (rule 1);
   //  * kProducerFirst: that kernel ordered before the fused GEMM by a stream dependency (an
   //    event), as the multicast programs order their own stores (the control; enqueued first
-  //    without the event, it might still start after the kernel on another work queue).
-  enum class Fused { kOutgoingFirst, kKernelFirst, kProducerAfter, kProducerFirst };
+  //    without the event, it might still start after the kernel on another work queue);
+  //  * kCopy2DAfter: kKernelFirst with the outgoing copy a 2-D one (cudaMemcpy2DAsync): CUDA
+  //    documents no copy engine for it, and run as a kernel it would wait for the SMs the fused
+  //    GEMM holds (kKernelFirst on separate work queues is its control: a 1-D copy).
+  enum class Fused { kOutgoingFirst, kKernelFirst, kProducerAfter, kProducerFirst, kCopy2DAfter };
   auto fused_pair = [&](Fused how) {
     const cuda::DriverApi* drv = nullptr;
     (void)cuda::LoadDriver(&drv);
@@ -538,7 +541,12 @@ std::map<std::string, std::string> MisuseChecks() {
     }
     auto outgoing = [&](int d) {
       cudaSetDevice(d);
-      cudaMemcpyAsync(a[1 - d] + d * shard, x[d], shard, cudaMemcpyDefault, s1[d]);
+      if (how == Fused::kCopy2DAfter) {  // the shard's rows, one pitched copy
+        cudaMemcpy2DAsync(a[1 - d] + d * shard, kK * es, x[d], kK * es, kK * es, kRows,
+                          cudaMemcpyDefault, s1[d]);
+      } else {
+        cudaMemcpyAsync(a[1 - d] + d * shard, x[d], shard, cudaMemcpyDefault, s1[d]);
+      }
       drv->cuStreamWriteValue32(
           reinterpret_cast<CUstream>(s1[d]),
           reinterpret_cast<CUdeviceptr>(static_cast<uint32_t*>(flags[1 - d]) + d), 1,
@@ -557,6 +565,7 @@ std::map<std::string, std::string> MisuseChecks() {
           kernel(d);
           break;
         case Fused::kKernelFirst:
+        case Fused::kCopy2DAfter:
           kernel(d);
           outgoing(d);
           break;
@@ -611,6 +620,10 @@ std::map<std::string, std::string> MisuseChecks() {
   check(
       "fused GEMM after its own outgoing copy (control)",
       [&] { fused_pair(Fused::kOutgoingFirst); }, 1);
+  check("a 2-D peer copy behind the fused GEMM", [&] { fused_pair(Fused::kCopy2DAfter); }, 8);
+  check(
+      "a 1-D peer copy behind the fused GEMM (control)", [&] { fused_pair(Fused::kKernelFirst); },
+      8);
   check(
       "a kernel the fused GEMM waits for, queued behind it",
       [&] { fused_pair(Fused::kProducerAfter); }, 8);

@@ -181,6 +181,16 @@ int Connections() {
   return S().connections;
 }
 
+bool PersistentKernelPending(int process, int device) {
+  for (const auto& st : S().streams) {
+    if (st->process != process || st->device != device) continue;
+    if (st->running && st->running->persistent) return true;
+    for (const FakeTask& task : st->tasks)
+      if (task.persistent) return true;
+  }
+  return false;
+}
+
 void MapOntoQueue(CUstream_st* st) {
   int& made = S().streams_made[{st->process, st->device}];
   st->queue = made++ % S().connections;

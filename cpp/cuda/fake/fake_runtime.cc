@@ -487,6 +487,20 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
       !jo::fake::CheckAccess(src, sspan, s->device, "cudaMemcpy2DAsync src") ||
       !jo::fake::CheckAccess(dst, dspan, s->device, "cudaMemcpy2DAsync dst"))
     return RtFail(cudaErrorInvalidValue, "cudaMemcpy2DAsync");
+  // A 2-D copy to or from a peer's memory while a fused GEMM of the device holds every SM:
+  // CUDA documents no copy engine for cudaMemcpy2DAsync (nor says it never runs as a kernel),
+  // and one run as a kernel would wait for the SMs while the peers' fused GEMMs wait for its
+  // data (docs/gpu.md §10, rule 1). The executor copies such blocks 1-D, a copy per batch.
+  const jo::fake::Alloc* from = jo::fake::Find(src, sspan);
+  const jo::fake::Alloc* to = jo::fake::Find(dst, dspan);
+  const bool peer =
+      (from != nullptr && from->device != s->device) || (to != nullptr && to->device != s->device);
+  if (peer && jo::fake::PersistentKernelPending(s->process, s->device))
+    return RtFail(cudaErrorInvalidValue,
+                  "cudaMemcpy2DAsync of peer memory on device " + std::to_string(s->device) +
+                      " behind the fused GEMM, which holds every SM: CUDA documents no copy "
+                      "engine for a 2-D copy, and one run as a kernel would wait for the SMs "
+                      "while the peers' fused GEMMs wait for its data (use 1-D copies)");
   jo::fake::Push(
       s, "cudaMemcpy2DAsync", [] { return true; },
       [=] {
