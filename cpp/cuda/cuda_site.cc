@@ -95,6 +95,7 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
   JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   out->waits = WaitedFlags(out->call.program);
+  JO_CHECK(PoolNeedsOf(out->call.program.problem, &out->pool_needs));
   out->nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
@@ -164,7 +165,9 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
   Reservation reserved;
   Status status = clique.Agree(where, ctx.rank, run.epoch, bound->call.signature);
-  if (status.ok()) status = clique.Reserve(program, bound->call.needs, run.epoch, ctx, &reserved);
+  if (status.ok())
+    status =
+        clique.Reserve(program, bound->call.needs, bound->pool_needs, run.epoch, ctx, &reserved);
   // Everything is checked and made before anything is enqueued (PrepareProgram);
   // then only enqueueing is left, and once it began the call is always joined
   // into XLA's stream and watched, whatever happens.
@@ -172,6 +175,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (status.ok()) {
     run.gen = reserved.gen.get();
     run.resources = reserved.resources;
+    run.pool = reserved.pool.get();
     status = PrepareProgram(run, &prepared);
   }
   // The NCCL communicators are leased only now: everything above may wait for the device.

@@ -59,6 +59,7 @@ class CudaSite {
     // it waits inside NCCL.
     std::vector<std::pair<int32_t, int32_t>> waits;
     bool nccl = false;
+    PoolNeeds pool_needs;  // what each local rank's pool must hold (clique_state.h)
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 

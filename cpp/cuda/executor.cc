@@ -1,10 +1,13 @@
 #include "cuda/executor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "core/build.h"
+#include "core/signature_cache.h"
 #include "cuda/base/driver.h"
 #include "cuda/fused/fused_gemm.h"
 #include "cuda/gemm/gemm.h"
@@ -83,6 +86,7 @@ struct Step {
   std::byte* dst = nullptr;     // Copy, Recv
   BlockArgs block;              // Add, McStore, McReduce
   GemmArgs gemm;                // Gemm
+  void* workspace = nullptr;    // Gemm: its stream's cuBLASLt workspace (the rank's pool)
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
   size_t fused = 0;             // FusedGemm: its arguments, the Enqueuer's fused_[fused]
   CUdeviceptr flag = 0;         // Signal, Wait
@@ -100,7 +104,8 @@ class Enqueuer {
     JO_CHECK(LoadDriver(&drv_));
     JO_CHECK(WaitValueFlags(a_.device, &wait_flags_));
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
-    JO_ASSERT(a_.order != nullptr && a_.resources != nullptr && a_.gen != nullptr);
+    JO_ASSERT(a_.order != nullptr && a_.resources != nullptr && a_.pool != nullptr &&
+              a_.gen != nullptr);
     JO_ASSERT(static_cast<int32_t>(a_.resources->streams.size()) >= p_.num_streams - 1);
     JO_ASSERT(a_.resources->events.size() >= static_cast<size_t>(p_.num_events + p_.num_streams));
     // The issue order names every op exactly once.
@@ -227,8 +232,7 @@ class Enqueuer {
     const auto scales = [&](std::byte* buffer) {
       return buffer == nullptr ? nullptr : buffer + ScalesOffset(p_, ref.buf);
     };
-    std::byte* scratch =
-        a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
+    std::byte* scratch = static_cast<std::byte*>(a_.pool->scratch);
     switch (ref.buf) {
       case BufId::kX:
         base = static_cast<std::byte*>(const_cast<void*>(a_.io.x));
@@ -395,7 +399,14 @@ class Enqueuer {
       g.batch = 1;
       g.a_bs = g.d_bs = g.c_bs = 0;
     }
-    return PrepareLtMatmul(a_.device, g, step->stream, a_.ctx, &warmed_);
+    JO_ASSERT(static_cast<size_t>(op.stream) < a_.pool->workspaces.size());
+    GemmBuffers buffers;
+    buffers.workspace = a_.pool->workspaces[static_cast<size_t>(op.stream)];
+    buffers.warm_workspace = a_.pool->warm_workspace;
+    buffers.warm = a_.pool->warm;
+    buffers.warm_bytes = a_.pool->warm_bytes;
+    step->workspace = buffers.workspace;
+    return PrepareLtMatmul(a_.device, g, buffers, a_.ctx, &warmed_);
   }
 
   // The fused GEMM (fused_gemm.h): checked, its tile order made and its
@@ -426,9 +437,9 @@ class Enqueuer {
     f.key = blocks.key;
     f.epoch = static_cast<uint32_t>(a_.epoch);
     const int32_t rank = p_.problem.rank;
-    JO_ASSERT(a_.resources->fused_state != nullptr &&
-              a_.resources->fused_state->bytes >= FusedStateBytes(blocks.rows.count()));
-    auto* state = static_cast<std::byte*>(a_.resources->fused_state->ptr);
+    JO_ASSERT(a_.pool->fused_state != nullptr &&
+              a_.pool->fused_bytes >= FusedStateBytes(blocks.rows.count()));
+    auto* state = static_cast<std::byte*>(a_.pool->fused_state);
     if (blocks.wait_flags >= 0) {
       JO_ASSERT(blocks.wait_flags + blocks.rows.count() <= a_.gen->num_flags);
       f.wait_flags =
@@ -459,7 +470,7 @@ class Enqueuer {
           JO_CHECK(CopyBlock(copy, step.src, op.c, static_cast<std::byte*>(step.gemm.d), op.d,
                              step.stream));
         }
-        return LtMatmul(a_.device, step.gemm, step.stream, a_.ctx);
+        return LtMatmul(a_.device, step.gemm, step.stream, step.workspace, a_.ctx);
       case OpKind::kAdd:
         return LaunchAddBlock(step.block, step.stream, a_.ctx);
       case OpKind::kCopy:
@@ -619,6 +630,55 @@ Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
   auto enqueuer = std::make_unique<Enqueuer>(args);
   JO_CHECK(enqueuer->Prepare());
   out->reset(new PreparedCall(std::move(enqueuer)));
+  return OkStatus();
+}
+
+Status PoolNeedsOf(const Problem& q, PoolNeeds* out) {
+  static auto* cache = new SignatureCache<PoolNeeds>;  // never destroyed: workers may run late
+  const std::string signature = CallSignature(q);
+  if (auto hit = cache->Find(signature)) {
+    *out = *hit;
+    return OkStatus();
+  }
+  PoolNeeds needs;
+  if (q.transport == Transport::kNccl && q.nranks > 1) needs.connect_ranks = q.nranks;
+  for (int32_t r = 0; r < q.nranks; ++r) {
+    Problem other = q;
+    other.rank = r;
+    Program p;
+    JO_CHECK(BuildProgram(other, &p));
+    needs.scratch = std::max(needs.scratch, static_cast<size_t>(ScratchBytes(p)));
+    for (const Op& op : p.ops) {
+      if (op.kind == OpKind::kFusedGemm)
+        needs.fused_state = std::max(needs.fused_state, FusedStateBytes(op.fused.rows.count()));
+      if (op.kind != OpKind::kGemm) continue;
+      needs.workspaces = std::max(needs.workspaces, op.stream + 1);
+      // The warm-up's operands: its shapes and layouts (pointers are not read; a set c says the
+      // call may be out of place).
+      GemmArgs g;
+      g.a_type = q.x_dtype;
+      g.w_type = q.w_dtype;
+      g.out_type = q.out_dtype;
+      g.batch = op.batch;
+      g.m = op.m;
+      g.n = op.n;
+      g.k = op.k;
+      g.a_bs = op.a.batch_stride;
+      g.a_ld = op.a.ld;
+      g.w_ld = IsFp8(q.w_dtype) ? q.k : op.b.ld;
+      g.d_bs = op.d.batch_stride;
+      g.d_ld = op.d.ld;
+      if (op.accumulate) {
+        static const std::byte kSomewhere{};
+        g.c = &kSomewhere;
+        g.c_bs = op.c.batch_stride;
+        g.c_ld = op.c.ld;
+      }
+      needs.warm = std::max(needs.warm, WarmUpBytes(g));
+    }
+  }
+  cache->Add(signature, needs);
+  *out = needs;
   return OkStatus();
 }
 

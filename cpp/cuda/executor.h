@@ -53,7 +53,8 @@ struct RunArgs {
   cudaStream_t stream = nullptr;  // XLA's stream (program stream 0)
   int64_t epoch = 0;
   const Generation* gen = nullptr;
-  RankResources* resources = nullptr;
+  RankResources* resources = nullptr;  // streams and events
+  const RankPool* pool = nullptr;      // scratch, fused state, cuBLASLt buffers
   CallBuffers io;
   ErrorContext ctx;
   std::chrono::milliseconds timeout{0};  // for host-side NCCL progress (AwaitNccl)
@@ -92,5 +93,10 @@ class PreparedCall {
 
 // Checks and prepares `args` (nothing is enqueued). `args` must outlive the result.
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out);
+
+// What calls of `problem` need of each local rank's pool (clique_state.h): the largest need of
+// every rank's program (their scratch, fused GEMM state, GEMM streams and warm-ups). Cached per
+// call signature.
+Status PoolNeedsOf(const Problem& problem, PoolNeeds* out);
 
 }  // namespace jo::cuda

@@ -143,7 +143,7 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int64_t hold_ms, const std::string& algorithm, const std::string& w_dtype,
              const std::string& out_dtype, std::vector<float> x_scales, std::vector<float> w_scales,
              std::vector<int64_t> chunks_per_call, bool fused,
-             std::optional<std::vector<int64_t>> site_keys) {
+             std::optional<std::vector<int64_t>> site_keys, int late_rank, int late_from) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
   q.op = ParseOp(op);
@@ -175,6 +175,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   played.calls = calls;
   played.skew_rank = skew_rank;
   played.skip_rank = skip_rank;
+  played.late_rank = late_rank;
+  played.late_from = late_from;
   played.timeout_ms = timeout_ms;
   played.capture = capture;
   played.hold_ms = hold_ms;
@@ -326,13 +328,14 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("algorithm") = "two_shot", nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
         nb::arg("x_scales") = std::vector<float>(), nb::arg("w_scales") = std::vector<float>(),
         nb::arg("chunks_per_call") = std::vector<int64_t>(), nb::arg("fused") = false,
-        nb::arg("site_keys") = nb::none(),
+        nb::arg("site_keys") = nb::none(), nb::arg("late_rank") = -1, nb::arg("late_from") = 0,
         "Plays `calls` calls on every rank (fake_harness.h, PlayCalls). dtype is x's (w_dtype "
         "and out_dtype default to it); xs and ws are bytes as the handler receives them (an "
         "fp8 w K-major: [cols, k] row-major); x_scales / w_scales: one float32 per rank "
         "(empty: 1); chunks_per_call: per call, its chunks (a call site per number of chunks); "
         "fused: the fused GEMM's program (docs/gpu.md §10); site_keys: per rank, the key of a "
-        "call site of its own (none: one site shared by every rank).");
+        "call site of its own (none: one site shared by every rank); late_rank: that rank starts "
+        "each call from late_from on only once the others have returned from it.");
   m.def("fp8_tensor_core", &Fp8TensorCore, nb::arg("arch"),
         "The FP8 accumulator the fake models for compute capability `arch` (10 * major + "
         "minor): block, fraction_bits, promotion (cpp/cuda/fake/fp8_accumulator.h).");

@@ -85,8 +85,8 @@ struct LateCallOutcome {
 Status LateCall(bool finish, LateCallOutcome* out);
 
 // The GEMM cache's locks (cuda/gemm/gemm.cc) against a set-up that waits for the device: device 0
-// waits for a flag; one rank's thread prepares a GEMM of a new shape on a new stream there (its
-// workspace allocation waits for the device, so for the flag) while another, between its
+// waits for a flag; one rank's thread prepares a GEMM of a new shape there (its warm-up's lazy
+// kernel load waits for the device, so for the flag) while another, between its
 // handler's first enqueue and its return, enqueues a GEMM prepared before and joins the
 // warm-ups, then (handler returned) raises the flag. The enqueue must not wait for the set-up:
 // if it does, nothing raises the flag, and after 20 s of real time the check records

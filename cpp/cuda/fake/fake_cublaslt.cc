@@ -265,19 +265,37 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
                               size_t workspace_bytes, cudaStream_t s) {
   using jo::fake::Layout;
   {
-    // cuBLASLt's kernel for this algorithm: with lazy loading, its first use on a device
-    // loads it (fake_waits.cc). The fake's algorithm is the compute type, the data type
-    // and the alignments (cublasLtMatmulAlgoGetHeuristic).
+    // cuBLASLt's kernel for this call: with lazy loading, its first use on a device loads it
+    // (fake_waits.cc). What selects the kernel an algorithm runs is not documented; the fake
+    // assumes anything of the call's form may: the compute and data types, whether C and D are
+    // one buffer (in place) or two, and the alignment each matrix has — of its pointer, leading
+    // dimension and batch stride, the three CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_* covers (cublasLt.h),
+    // up to 256 bytes. So a warm-up in another form than its call does not load the call's
+    // kernel (gemm.cc runs it in the call's).
     std::string kernel = "cuBLASLt kernel";
     int device = -1;
     {
       Lock lock(S().mu);
-      if (jo::fake::KnownStream(s) && algo != nullptr && S().descs.count(desc) > 0 &&
-          S().layouts.count(Adesc) > 0) {
+      const void* ptrs[4] = {A, B, C, D};
+      const cublasLtMatrixLayout_t layouts[4] = {Adesc, Bdesc, Cdesc, Ddesc};
+      bool known = jo::fake::KnownStream(s) && algo != nullptr && S().descs.count(desc) > 0;
+      for (const auto l : layouts) known = known && S().layouts.count(l) > 0;
+      if (known) {
         device = s->device;
         kernel += " compute " + std::to_string(S().descs[desc].compute) + " type " +
-                  std::to_string(S().layouts[Adesc].type);
-        for (int i = 0; i < 4; ++i) kernel += " " + std::to_string(algo->data[i]);
+                  std::to_string(S().layouts[Adesc].type) +
+                  (C == D ? " in place" : " out of place") + ", alignments";
+        for (int i = 0; i < 4; ++i) {
+          const jo::fake::Layout& l = S().layouts[layouts[i]];
+          bool ok = false;
+          const uint64_t es = static_cast<uint64_t>(jo::DTypeSize(jo::fake::FromCuda(l.type, &ok)));
+          const uint64_t bits = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptrs[i])) |
+                                static_cast<uint64_t>(l.ld) * es |
+                                (l.batch > 1 ? static_cast<uint64_t>(l.stride) * es : 0);
+          uint64_t align = 256;
+          while (align > 1 && bits % align != 0) align /= 2;
+          kernel += " " + std::to_string(align);
+        }
       }
     }
     if (device >= 0 && !jo::fake::LoadFunction(device, kernel, "cublasLtMatmul"))

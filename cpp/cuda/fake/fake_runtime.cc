@@ -59,8 +59,9 @@ cudaError_t cudaSetDevice(int d) {
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   jo::fake::Jitter();
   Count("cudaMalloc");
-  // It waits for every queue of the device (fake_waits.cc).
-  if (!jo::fake::WaitForDevice(t_device, "cudaMalloc")) return cudaErrorMemoryAllocation;
+  // It waits for every queue of the device and of the devices that map its memory
+  // (fake_waits.cc).
+  if (!jo::fake::WaitForMemoryOf(t_device, "cudaMalloc")) return cudaErrorMemoryAllocation;
   // Real cudaMalloc memory is not zeroed: poison it.
   *p = jo::fake::Malloc(t_device, bytes, 0x5A);
   return cudaSuccess;
@@ -75,8 +76,9 @@ cudaError_t cudaFree(void* p) {
       Count("cudaFree");
       if (const jo::fake::Alloc* a = jo::fake::Find(p, 1)) device = a->device;
     }
-    // It waits for every queue of the device (fake_waits.cc).
-    if (device >= 0 && !jo::fake::WaitForDevice(device, "cudaFree")) return cudaErrorUnknown;
+    // It waits for every queue of the device and of the devices that map its memory
+    // (fake_waits.cc).
+    if (device >= 0 && !jo::fake::WaitForMemoryOf(device, "cudaFree")) return cudaErrorUnknown;
   }
   Lock lock(S().mu);
   auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));

@@ -160,7 +160,8 @@ class HostThread {
 // Whether functions are loaded lazily (after Reset; Config::module_loading).
 bool LazyLoading();
 // Host memory of the fake device allocation (for the test driver).
-void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
+void* Malloc(int device, size_t bytes,
+             int fill = 0);  // `fill`: all of it up to 4 MiB, else its ends
 
 // For fake_kernels.cc.
 void Fail(const std::string& text);
