@@ -96,6 +96,9 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   out->waits = WaitedFlags(out->call.program);
   JO_CHECK(PoolNeedsOf(out->call.program.problem, &out->pool_needs));
+  for (const Op& op : out->call.program.ops)
+    if (op.kind == OpKind::kFusedGemm && op.fused.wait_flags >= 0)
+      out->fused_wait_flags = op.fused.wait_flags;
   out->nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
   JO_REQUIRE(!desc_.table.processes.empty(),
              std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
@@ -207,6 +210,11 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.nccl = bound->nccl;
     watched.op = op;
     watched.timeout = Millis(desc_.timeout_ms);
+    if (bound->fused_wait_flags >= 0) {  // its fault record: at the start of the fused state
+      watched.fault = static_cast<const FusedGemmFault*>(reserved.pool->fused_state);
+      watched.fault_read = reserved.pool->fault_read;
+      watched.fused_wait_flags = bound->fused_wait_flags;
+    }
     const cudaError_t recorded = cudaEventRecord(reserved.events->done, stream);
     if (recorded == cudaSuccess) {
       run.resources->SetLast(reserved.events);

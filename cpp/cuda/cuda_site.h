@@ -59,7 +59,8 @@ class CudaSite {
     // it waits inside NCCL.
     std::vector<std::pair<int32_t, int32_t>> waits;
     bool nccl = false;
-    PoolNeeds pool_needs;  // what each local rank's pool must hold (clique_state.h)
+    PoolNeeds pool_needs;           // what each local rank's pool must hold (clique_state.h)
+    int32_t fused_wait_flags = -1;  // a fused GEMM that waits: its first block's flag (-1: none)
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 

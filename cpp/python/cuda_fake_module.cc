@@ -250,6 +250,21 @@ nb::dict LateCall(bool finish) {
   return out;
 }
 
+nb::dict WatchdogQueryRace() {
+  jo::fake::WatchdogQueryRaceOutcome outcome;
+  jo::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = jo::fake::WatchdogQueryRace(&outcome);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+  nb::dict out;
+  out["query_blocked"] = outcome.query_blocked;
+  out["watch_waited"] = outcome.watch_waited;
+  out["errors"] = outcome.errors;
+  return out;
+}
+
 nb::dict GemmSetUpRace() {
   jo::fake::GemmSetUpRaceOutcome outcome;
   jo::Status status;
@@ -354,6 +369,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("late_call", &LateCall, nb::arg("finish"),
         "A call the watchdog found late; with finish=True it finishes (and the test drops its "
         "generation reference) between the pass and the firing: what the watchdog did.");
+  m.def("watchdog_query_race", &WatchdogQueryRace,
+        "A handler's Watch while the watchdog's pass is inside a CUDA query that blocks: "
+        "whether the pass reached it and whether Watch waited for it.");
   m.def("gemm_set_up_race", &GemmSetUpRace,
         "A GEMM enqueued (prepared before) while another thread's GEMM set-up waits for the "
         "device: whether the enqueue waited for it, both statuses, what the fake recorded.");

@@ -190,3 +190,40 @@ def test_a_late_call_that_finishes_before_the_watchdog_fires(fake, finish):
         assert "late_call rank 0" in out["warning"] and "not finished" in out["broken"], out
     assert out["pending_after"] == 0, out
     assert out["gen_freed_with_clique"], out
+
+
+def test_the_watchdog_makes_no_cuda_call_under_its_lock(fake):
+    """Every handler's Watch takes the watchdog's lock; a CUDA query "may block" (CUDA driver
+    API, "API synchronization behavior"). The watchdog's pass queries its calls' events without
+    the lock: here its query blocks (the fake's seam) and a handler's Watch still returns. With
+    the lock held across the query, Watch waited for it."""
+    out = fake.watchdog_query_race()
+    assert out["query_blocked"], out
+    assert not out["watch_waited"], out
+    assert out["errors"] == [], out
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+def test_the_watchdog_reports_the_fused_gemms_fault(fake, connections):
+    """A fused all-gather GEMM on two ranks whose peer (rank 1) never calls: rank 0's kernel
+    waits for the peer's flags inside the kernel (nothing else of its call waits). The watchdog
+    reports the call after its timeout and writes the flags from a stream of its own; with one
+    work queue that write is held up behind the call's next task, which waits for the kernel, so
+    the kernel's own bound (twice the timeout, plus a second) ends the wait: it records the flag
+    in its fault record and finishes, its results garbage. The watchdog reads the record once
+    the call is done and says so, naming the flag and the rank. With eight queues the write
+    releases the kernel: no fault to report."""
+    fake.reset(fake.Config(grace_ms=10000, connections=connections))
+    xs, ws = _inputs("ag_matmul", 2, 1, 16, 16, 8, "bfloat16")
+    args = ("ag_matmul", "p2p", 2, 1, 16, 16, 8, "bfloat16", 1, False, False,
+            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1])
+    first = fake.run(*args, clique_key=45, fused=True, timeout_ms=200)
+    assert first["statuses"] == [None] * 2 and fake.errors() == [], fake.errors()
+    out = fake.run(*args, clique_key=45, fused=True, skip_rank=1, timeout_ms=200)
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    warning = fake.last_warning()
+    if connections == 1:
+        assert "the fused GEMM gave up waiting for flag" in warning, warning
+        assert "from rank 1" in warning and "expected epoch 2" in warning, warning
+    else:
+        assert "gave up" not in warning and "not finished on GPU" in warning, warning

@@ -169,6 +169,7 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
 bool RankResources::PoolCovers(const PoolNeeds& n) const {
   const std::shared_ptr<const RankPool> pool = Pool();
   return pool->scratch_bytes >= n.scratch && pool->fused_bytes >= n.fused_state &&
+         (n.fused_state == 0 || pool->fault_read != nullptr) &&
          static_cast<int32_t>(pool->workspaces.size()) >= n.workspaces &&
          (n.workspaces == 0 || pool->warm_workspace != nullptr) && pool->warm_bytes >= n.warm &&
          (n.connect_ranks == 0 || pool->connect);
@@ -194,6 +195,13 @@ Status RankResources::GrowPool(const PoolNeeds& n, const ErrorContext& ctx) {
   };
   JO_CHECK(grow(n.scratch, &grown->scratch_bytes, &grown->scratch));
   JO_CHECK(grow(n.fused_state, &grown->fused_bytes, &grown->fused_state));
+  if (n.fused_state > 0 && grown->fault_read == nullptr) {  // the watchdog's read of the record
+    DeviceGuard guard;
+    JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
+    std::unique_ptr<PinnedHost> pinned;
+    JO_CHECK(AllocPinned(sizeof(FusedGemmFault), ctx, &pinned));
+    grown->fault_read = std::move(pinned);
+  }
   JO_CHECK(grow(n.warm, &grown->warm_bytes, &grown->warm));
   if (n.workspaces > 0 && grown->warm_workspace == nullptr)
     JO_CHECK(allocate(kGemmWorkspaceBytes, &grown->warm_workspace));

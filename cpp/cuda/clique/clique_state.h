@@ -107,6 +107,8 @@ struct RankPool {
   void* warm = nullptr;            // the GEMM warm-ups' operands
   size_t warm_bytes = 0;
   bool connect = false;  // RankResources' connect stream and buffer are made (transport nccl)
+  // With fused_state: page-locked memory the watchdog reads the fault record into.
+  std::shared_ptr<PinnedHost> fault_read;
 };
 
 // Per-rank execution resources: comm streams, events, the pooled device memory.

@@ -11,6 +11,7 @@
 #include <nccl.h>
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -240,7 +241,13 @@ struct State {
   std::multiset<std::pair<int, int>> persistent;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
   std::map<std::tuple<int, int, const void*>, int> shared_grants;
+  // The GPUs' clock for device-side time (the fused GEMM's bounded waits): moves with the time
+  // the fake lets pass while stuck (Config::pass_time steps, in Drain and in host waits).
+  int64_t gpu_ns = 0;
 };
+
+// Config::pass_time(step) and the GPUs' clock with it (gpu_ns). Without S().mu held.
+void PassTime(std::chrono::milliseconds step);
 
 // The one fake world (never destroyed: handler threads may run late).
 State& S();

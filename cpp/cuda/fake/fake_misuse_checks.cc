@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -186,6 +187,89 @@ Status LateCall(bool finish, LateCallOutcome* out) {
   out->gen_freed_with_clique = weak_gen.expired();
   cudaEventDestroy(events->started);
   cudaEventDestroy(events->done);
+  cudaStreamDestroy(xla);
+  out->errors = Errors();
+  return OkStatus();
+}
+
+Status WatchdogQueryRace(WatchdogQueryRaceOutcome* out) {
+  Config config;
+  config.devices = 1;
+  ResetExecutorAndFake(config);
+  const cuda::DriverApi* drv = nullptr;
+  JO_CHECK(cuda::LoadDriver(&drv));
+  auto clique = std::make_shared<cuda::CudaClique>(CliqueKey{4243, 0, 0}, Transport::kP2p,
+                                                   std::vector<int>{0}, std::vector<int64_t>{0});
+  auto gen = std::make_shared<cuda::Generation>();
+  cudaSetDevice(0);
+  cudaStream_t xla = nullptr;
+  cudaStreamCreateWithFlags(&xla, cudaStreamNonBlocking);
+  auto* flag = static_cast<uint32_t*>(Malloc(0, 4));
+  // A call stuck on a flag, and another behind it.
+  const auto stuck_call = [&](int64_t epoch) {
+    auto events = std::make_shared<cuda::CallEvents>();
+    cudaEventCreateWithFlags(&events->started, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&events->done, cudaEventDisableTiming);
+    cudaEventRecord(events->started, xla);
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(xla), reinterpret_cast<CUdeviceptr>(flag),
+                             1, CU_STREAM_WAIT_VALUE_GEQ);
+    cudaEventRecord(events->done, xla);
+    cuda::WatchedCall call;
+    call.clique = clique;
+    call.device = 0;
+    call.events = events;
+    call.epoch = epoch;
+    call.gen = gen;
+    call.op = "query_race";
+    call.timeout = std::chrono::seconds(100);  // never fired here
+    return call;
+  };
+  cuda::Watch(stuck_call(1));
+  cuda::WatchedCall next = stuck_call(2);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool inside = false, released = false;
+  std::thread::id pass_thread;
+  SetEventQueryHook([&](cudaEvent_t) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (std::this_thread::get_id() != pass_thread || inside) return;
+    inside = true;
+    cv.notify_all();
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return released; });
+  });
+  std::thread pass([&] {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      pass_thread = std::this_thread::get_id();
+    }
+    cuda::AdvanceWatchdogClock(std::chrono::milliseconds(40));  // one pass: it queries
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return inside; });
+    out->query_blocked = inside;
+  }
+  std::atomic<bool> watched{false};
+  std::thread handler([&] {
+    cuda::Watch(std::move(next));
+    watched = true;
+  });
+  const auto bound = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (!watched && std::chrono::steady_clock::now() < bound)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  out->watch_waited = !watched;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+    cv.notify_all();
+  }
+  pass.join();
+  handler.join();
+  SetEventQueryHook(nullptr);
+  *flag = 1;
+  Drain();
+  cuda::AdvanceWatchdogClock(std::chrono::milliseconds(40));  // the finished calls are dropped
+  clique.reset();
   cudaStreamDestroy(xla);
   out->errors = Errors();
   return OkStatus();

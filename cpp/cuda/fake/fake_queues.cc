@@ -236,6 +236,16 @@ bool RunUntil(const std::function<bool()>& until) {
   return true;
 }
 
+void PassTime(std::chrono::milliseconds step) {
+  std::function<void(std::chrono::milliseconds)> pass_time;
+  {
+    Lock lock(S().mu);
+    S().gpu_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(step).count();
+    pass_time = S().config.pass_time;
+  }
+  if (pass_time) pass_time(step);
+}
+
 bool Drain() {
   std::unique_lock<std::recursive_mutex> lock(S().mu);
   State& s = S();
@@ -247,9 +257,8 @@ bool Drain() {
     if (grace.count() > 0) {
       const auto step = std::min(kStep, grace);
       grace -= step;
-      const auto pass_time = s.config.pass_time;
       lock.unlock();  // the host's reaction (the watchdog) calls into the fake
-      pass_time(step);
+      PassTime(step);
       lock.lock();
       continue;
     }

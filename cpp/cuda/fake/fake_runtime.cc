@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <iterator>
+#include <mutex>
 
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_waits.h"
@@ -263,7 +265,23 @@ cudaError_t cudaEventDestroy(cudaEvent_t) {
 }
 
 // A host query sees the GPU as far as it could have run on the event's device.
+namespace {
+std::mutex g_query_hook_mu;
+std::function<void(cudaEvent_t)> g_query_hook;
+}  // namespace
+
+void jo::fake::SetEventQueryHook(std::function<void(cudaEvent_t)> hook) {
+  std::lock_guard<std::mutex> lock(g_query_hook_mu);
+  g_query_hook = std::move(hook);
+}
+
 cudaError_t cudaEventQuery(cudaEvent_t e) {
+  std::function<void(cudaEvent_t)> hook;
+  {
+    std::lock_guard<std::mutex> lock(g_query_hook_mu);
+    hook = g_query_hook;
+  }
+  if (hook) hook(e);
   Lock lock(S().mu);
   Count("cudaEventQuery");
   bool known = false;

@@ -162,9 +162,8 @@ bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool 
         const auto step = std::min(kStep, grace);
         grace -= step;
         g_passing = true;
-        const auto pass_time = S().config.pass_time;
         lock.unlock();
-        pass_time(step);
+        PassTime(step);
         lock.lock();
         g_passing = false;
         lock.unlock();
