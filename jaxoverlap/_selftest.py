@@ -286,6 +286,17 @@ def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
 
 
 FAKE_RANKS = 4
+# The loopback (``--loopback N``: cpp/cuda/loopback.h): N ranks' programs on ONE GPU, each rank's
+# buffers, flags and streams its own, its peers reached as the same device's memory. What one GPU
+# cannot show, said in the output and the report:
+LOOPBACK_NOT_COVERED = {
+    "nccl": "NCCL puts one rank of a communicator on a GPU (it refuses two on one device)",
+    "multicast": "a multicast object binds one memory per GPU (NVLink SHARP)",
+    "between GPUs": "NVLink / PCIe peer access and its ordering of remote writes (the flags' "
+                    "FLUSH), peer copies through the interconnect, one rank's SMs to itself "
+                    "(here the ranks share one GPU's SMs and copy engines)",
+}
+LOOPBACK_CLIQUE = 0x100B  # every loopback row on one clique (p2p): epochs, parities, growth
 
 
 def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
@@ -303,16 +314,15 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
             for r in range(len(xs))]
 
 
-def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
-              fp8: tuple[str, str, str] | None = None, fused=False) -> tuple[bool, str]:
-    """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
-    the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
-    scales; ``fused``: the fused GEMM's program."""
+def _row_inputs(np, op: str, n: int, shape, dtype: str,
+                fp8: tuple[str, str, str] | None) -> dict[str, Any]:
+    """One case's inputs for ``n`` ranks, as the CUDA executor's handler receives them (an fp8
+    w K-major, [nw, k]: docs/gpu.md §11), and per rank the float64 factors of its exact
+    result."""
     import ml_dtypes
 
     batch_dims, rows, k, nw = shape
     batch = int(np.prod(batch_dims)) if batch_dims else 1
-    n = FAKE_RANKS
     np_dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
                  "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
     x_dtype, w_dtype, out_dtype = fp8 or (dtype, dtype, dtype)
@@ -326,36 +336,79 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
           .astype(np_dtypes[x_dtype]) for _ in range(n)]
     ws = [(rng.standard_normal((k, nw)) * spread).astype(np.float32).astype(np_dtypes[w_dtype])
           for _ in range(n)]
-    fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
-    extra: dict[str, Any] = {}
+    scales: dict[str, Any] = {}
     w_bytes = [w.tobytes() for w in ws]
     if fp8:
         sx, sw = fp8_scales(np, n)
-        extra = dict(w_dtype=w_dtype, out_dtype=out_dtype, x_scales=list(sx), w_scales=list(sw))
+        scales = dict(x_scales=list(sx), w_scales=list(sw))
         # the handler receives an fp8 w K-major, [nw, k] (docs/gpu.md §11)
         w_bytes = [np.ascontiguousarray(w.T).tobytes() for w in ws]
         xs_ref = [dequantized(np, x, s) for x, s in zip(xs, sx, strict=True)]
         ws_ref = [dequantized(np, w, s) for w, s in zip(ws, sw, strict=True)]
     else:
         xs_ref, ws_ref = xs, ws
-    out = fake.run(op, transport, n, batch, rows, k, nw, x_dtype, chunks, bidirectional, False,
-                   [x.tobytes() for x in xs], w_bytes, list(range(n)),
-                   algorithm=algorithm or "two_shot", fused=fused, **extra)
-    refs = rank_products(np, op, xs_ref, ws_ref, rows)
-    problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
-    if not out["drained"] and not problems:
-        problems.append("the fake GPU did not drain")
+    return dict(op=op, algorithm=algorithm or "two_shot", batch=batch, rows=rows, k=k, nw=nw,
+                x_dtype=x_dtype, w_dtype=w_dtype, out_dtype=out_dtype,
+                out_np=np_dtypes[out_dtype], xs=[x.tobytes() for x in xs], ws=w_bytes,
+                scales=scales, refs=rank_products(np, op, xs_ref, ws_ref, rows), fp8=bool(fp8))
+
+
+def _row_verdict(np, n: int, case: dict[str, Any], ys, problems: list[str]) -> tuple[bool, str]:
+    """Every rank's y against the float64 product of its factors, under ``bound`` (unless the
+    run already has ``problems``): (passed, detail)."""
     details = []
     if not problems:
-        for r, (y, (a, b)) in enumerate(zip(out["ys"], refs, strict=True)):
+        for r, (y, (a, b)) in enumerate(zip(ys, case["refs"], strict=True)):
             ref = a @ b
-            got = np.frombuffer(y, np_dtypes[out_dtype]).reshape(ref.shape).astype(np.float64)
-            ok, detail = _compare(np, got, ref, bound(op, out_dtype, n, k, a, b, fp8=bool(fp8)))
+            got = np.frombuffer(y, case["out_np"]).reshape(ref.shape).astype(np.float64)
+            ok, detail = _compare(np, got, ref, bound(case["op"], case["out_dtype"], n,
+                                                      case["k"], a, b, fp8=case["fp8"]))
             details.append(detail)
             if not ok:
                 problems.append(f"rank {r}: {detail}")
                 break
     return not problems, "; ".join(problems) or details[-1]
+
+
+def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
+              fp8: tuple[str, str, str] | None = None, fused=False) -> tuple[bool, str]:
+    """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
+    the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
+    scales; ``fused``: the fused GEMM's program."""
+    n = FAKE_RANKS
+    case = _row_inputs(np, op, n, shape, dtype, fp8)
+    fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
+    extra = dict(w_dtype=case["w_dtype"], out_dtype=case["out_dtype"], **case["scales"]) \
+        if fp8 else {}
+    out = fake.run(case["op"], transport, n, case["batch"], case["rows"], case["k"], case["nw"],
+                   case["x_dtype"], chunks, bidirectional, False, case["xs"], case["ws"],
+                   list(range(n)), algorithm=case["algorithm"], fused=fused, **extra)
+    problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
+    if not out["drained"] and not problems:
+        problems.append("the fake GPU did not drain")
+    return _row_verdict(np, n, case, out["ys"], problems)
+
+
+def _loopback_row(module, np, n: int, op, dtype, shape, chunks, bidirectional,
+                  fp8: tuple[str, str, str] | None = None, fused=False, device=0,
+                  fake=None) -> tuple[bool, str]:
+    """One case of ``n`` ranks on ONE GPU (``module.loopback_run``: cpp/cuda/loopback.h), transport
+    p2p, against a float64 reference. ``fake``: the run is on the host-side fake (its misuse
+    reports count)."""
+    case = _row_inputs(np, op, n, shape, dtype, fp8)
+    problem = dict(op=case["op"], transport="p2p", nranks=n, batch=case["batch"],
+                   rows=case["rows"], k=case["k"], cols=case["nw"], x_dtype=case["x_dtype"],
+                   w_dtype=case["w_dtype"], out_dtype=case["out_dtype"], chunks=chunks,
+                   bidirectional=bidirectional, algorithm=case["algorithm"], fused=fused)
+    timeout_ms = int(float(os.environ.get("JAXOVERLAP_TIMEOUT_S", "120")) * 1000)
+    seen = len(fake.errors()) if fake else 0
+    out = module.loopback_run(problem, case["xs"], case["ws"], device=device,
+                              clique_key=LOOPBACK_CLIQUE, timeout_ms=timeout_ms, **case["scales"])
+    problems = [*(fake.errors()[seen:seen + 2] if fake else []),
+                *[s for s in out["statuses"] if s][:2]]
+    if not out["completed"] and not problems:
+        problems.append("the GPU did not finish the calls within twice JAXOVERLAP_TIMEOUT_S")
+    return _row_verdict(np, n, case, out["ys"], problems)
 
 
 def row_deadline_s() -> float:
@@ -521,6 +574,106 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
         _cuda_fake.reset()
 
 
+def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | None,
+                   fp8_why: str | None, device: int = 0, fake=None) -> None:
+    """The selftest's p2p rows (FP8 and the fused GEMM's included, where the GPU runs them) with
+    ``n`` ranks on GPU ``device`` (``module.loopback_run``), on one clique."""
+    import numpy as np
+
+    shapes = SHAPES[:1] if quick else SHAPES
+    dtypes = DTYPES[:1] if quick else DTYPES
+    variants = VARIANTS[-1:] if quick else VARIANTS
+    cases = [(op, dtype, None, shape, variant, False)
+             for op, dtype, shape, variant in itertools.product(OPS, dtypes, shapes, variants)]
+    if fp8_why is None:
+        fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
+        cases += [(op, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
+                  for (i, fp8), (j, op) in itertools.product(enumerate(fp8s), enumerate(FP8_OPS))]
+    if fused_why is None:
+        cases += [(op, dtype, None, SHAPES[0], variant, True)
+                  for op, dtype, variant in itertools.product(
+                      FUSED_OPS, FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
+    where = f"(loopback: {n} ranks on GPU {device}{', host-side fake' if fake else ''})"
+    for op, dtype, fp8, shape, (chunks, bidi), fused in cases:
+        dims = (*shape[0], shape[1] * n + op.endswith("one_shot"), shape[2])
+        name = (f"{op:9s} {'p2p':9s} {_dtypes_name(dtype, fp8)} "
+                f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
+                f"{' fused' if fused else ''} {where}")
+        table.start(name, cliques=module.cliques)
+        start = time.perf_counter()
+        try:
+            ok, detail = _loopback_row(module, np, n, op, dtype, shape, chunks, bidi, fp8, fused,
+                                       device, fake)
+        except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
+            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        table.add(name, ok, detail, time.perf_counter() - start, cliques=module.cliques)
+
+
+def _loopback_report(n: int, device: int, skipped: dict[str, str]) -> dict[str, Any]:
+    """What the report says of a loopback run: its ranks and GPU, what one GPU cannot cover,
+    and which rows it left out and why."""
+    not_covered = dict(LOOPBACK_NOT_COVERED, **skipped)
+    print(f"loopback: {n} ranks on GPU {device}; rows not covered by one GPU:")
+    for what, why in not_covered.items():
+        print(f"  {what}: {why}")
+    return dict(ranks=n, device=device, not_covered=not_covered)
+
+
+def loopback_main(n: int, fake: bool = False, quick: bool = False, report: str | None = None,
+                  row_deadline: float | None = None) -> int:
+    """``selftest --loopback N`` (``fake``: on the host-side fake): the p2p rows, N ranks on one
+    GPU (cpp/cuda/loopback.h). Needs one GPU, not N, and no JAX."""
+    from jaxoverlap._executors import capabilities, runtime
+    from jaxoverlap._version import __version__
+
+    if n < 2:
+        raise ValueError(f"--loopback {n}: the loopback needs at least 2 ranks")
+    print(f"jaxoverlap {__version__} selftest --loopback {n}"
+          f"{' on the host-side CUDA fake (no GPU is used)' if fake else ''}")
+    caps = _gpu_table() if not fake else {}
+    skipped: dict[str, str] = {}
+    if fake:
+        try:
+            runtime.load_cuda()
+            from jaxoverlap import _cuda_fake as module
+        except ImportError as e:
+            print(f"  the CUDA executor on the fake is not built: {e}")
+            return 1
+        module.reset(module.Config(devices=1))
+        fused_why = fp8_why = None
+        fake_module = module
+    else:
+        gpus = caps.get("devices", [])
+        if not gpus:
+            print(f"NO GPU FOUND ({caps.get('error')}): the loopback needs one GPU "
+                  "(selftest --fake --loopback N runs it on the host-side fake)")
+            return 1
+        module = runtime.load_cuda()
+        fused_why = capabilities.fused_device_reason("gpu")
+        fp8_why = capabilities.gpu_fp8_reason(caps, *FP8_DTYPES[0][:2], devices=[0])
+        fake_module = None
+        print(f"GPU 0: {gpus[0].get('name')}; driver {caps.get('cuda_driver')}, "
+              f"cuBLAS {caps.get('cublas')}")
+    if fused_why:
+        skipped["fused"] = fused_why
+    if fp8_why:
+        skipped["fp8"] = fp8_why
+    header = dict(_report_header(caps, fake=fake), loopback=_loopback_report(n, 0, skipped))
+    if fake:
+        header["topology"] = dict(fake=f"1 fake GPU (sm_90) for {n} ranks")
+    table = Table(report=(report, header) if report else None,
+                  deadline_s=row_deadline or row_deadline_s())
+    try:
+        _loopback_rows(table, module, n, quick, fused_why, fp8_why, fake=fake_module)
+    finally:
+        if fake:
+            module.reset()
+    status = table.summary(f" (loopback: {n} ranks on one GPU)")
+    if report:
+        print(f"report written to {report}")
+    return status
+
+
 def _dtypes_name(dtype: str, fp8: tuple[str, str, str] | None) -> str:
     """A row's dtypes: "bfloat16", or an FP8 row's "e4m3 x e5m2 -> float32"."""
     if fp8 is None:
@@ -600,10 +753,13 @@ def fake_main(quick: bool = False, report: str | None = None,
 
 
 def main(quick: bool = False, fake: bool = False, report: str | None = None,
-         row_deadline: float | None = None) -> int:
+         row_deadline: float | None = None, loopback: int | None = None) -> int:
     """The selftest. ``report``: the JSON report's path (rewritten after every row);
     ``row_deadline``: seconds a row may take before the process is called hung (default
-    ``row_deadline_s()``)."""
+    ``row_deadline_s()``); ``loopback``: N ranks on one GPU instead (``loopback_main``)."""
+    if loopback is not None:
+        return loopback_main(loopback, fake=fake, quick=quick, report=report,
+                             row_deadline=row_deadline)
     if fake:
         return fake_main(quick=quick, report=report, row_deadline=row_deadline)
     caps = _gpu_table()

@@ -1,6 +1,8 @@
 #include "cuda/cuda_site.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -53,6 +55,17 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
   // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
   // and multicast with the clique's exchange (buffer handles; the multicast
   // object's handle).
+  // Several ranks on one GPU (the loopback runner): p2p reaches a peer as the same device's
+  // memory; NCCL refuses two ranks of a communicator on one device ("Duplicate GPU detected"),
+  // and a multicast object binds one memory per device.
+  std::set<int> seen;
+  bool shared_gpu = false;
+  for (int ordinal : place.ordinals)
+    shared_gpu = shared_gpu || (ordinal >= 0 && !seen.insert(ordinal).second);
+  if (shared_gpu && desc.transport != Transport::kP2p)
+    return InvalidArgument(ctx.Describe() + ": transport " + TransportName(desc.transport) +
+                           " needs every rank on a GPU of its own (here ranks share one: the "
+                           "loopback runs transport p2p only)");
   ncclUniqueId nccl_id{};
   std::shared_ptr<Exchange> exchange;
   const bool spans = place.spans_processes();
@@ -142,7 +155,13 @@ Status RefuseCapture(cudaStream_t stream, const char* op) {
 }  // namespace
 
 Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, IssueGate* gate) {
+  struct LeaveGate {  // whatever happens, the rank issues nothing more of this call
+    IssueGate* gate;
+    ~LeaveGate() {
+      if (gate != nullptr) gate->Leave();
+    }
+  } leave{gate};
   const char* op = CollectiveName(problem.op);
   // Before the call takes an epoch: every rank refuses alike, the clique stays usable.
   JO_CHECK(RefuseCapture(stream, op));
@@ -165,6 +184,10 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   run.io = io;
   run.ctx = ctx;
   run.timeout = Millis(desc_.timeout_ms);
+  run.gate = gate;
+  const std::vector<int>& ordinals = bound->call.place.ordinals;  // this GPU's ranks share it
+  run.device_share = static_cast<int32_t>(
+      std::max<std::ptrdiff_t>(1, std::count(ordinals.begin(), ordinals.end(), run.device)));
   const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
   Reservation reserved;
   Status status = clique.Agree(where, ctx.rank, run.epoch, bound->call.signature);

@@ -31,6 +31,7 @@
 #include "core/issue_order.h"
 #include "core/status.h"
 #include "cuda/clique/cuda_clique.h"
+#include "cuda/executor.h"
 
 namespace jo::cuda {
 
@@ -40,8 +41,9 @@ class CudaSite {
 
   // Enqueues one call of `caller` (XLA:GPU names devices by local ordinal) on
   // `stream`, XLA's stream of that GPU. Returns once the work is enqueued.
+  // `gate`: the loopback runner's order among ranks sharing a GPU (executor.h).
   Status Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
-                 cudaStream_t stream);
+                 cudaStream_t stream, IssueGate* gate = nullptr);
 
   const CallDesc& desc() const { return desc_; }
 

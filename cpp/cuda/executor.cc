@@ -161,8 +161,10 @@ class Enqueuer {
       const IssueUnit& unit = (*a_.order)[u];
       const Op& op = p_.ops[static_cast<size_t>(unit.begin)];
       const NvtxRange range([&] { return UnitName(op, static_cast<size_t>(unit.begin)); });
+      if (a_.gate != nullptr) a_.gate->Before(u);
       status =
           IsNccl(op.kind) ? NcclGroup(unit) : Exec(op, steps_[static_cast<size_t>(unit.begin)]);
+      if (a_.gate != nullptr) a_.gate->After(u);
       if (!status.ok())
         status = Status(status.code(), status.message() + "; while enqueueing " + ToString(op) +
                                            " on stream " + std::to_string(op.stream));
@@ -457,6 +459,8 @@ class Enqueuer {
     }
     JO_CUDA_CHECK(ctx_,
                   cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, a_.device));
+    if (a_.device_share > 1)  // the loopback: an even share (clusters of two CTAs)
+      f.sm_count = std::max(2, f.sm_count / a_.device_share / 2 * 2);
     JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
     return PrepareFusedGemm(f.dtype, a_.ctx);
   }

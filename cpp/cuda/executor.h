@@ -46,6 +46,20 @@
 
 namespace jo::cuda {
 
+// Orders the issue of one call's units among host threads that share a device's work queues
+// (cuda/loopback.h: several ranks on one GPU, whose issue orders must interleave as the issue
+// order's play did: core/issue_order.h, IssueRounds). Null everywhere else.
+class IssueGate {
+ public:
+  virtual ~IssueGate() = default;
+  // Returns once the `unit`-th unit of the rank's issue order may be issued (bounded).
+  virtual void Before(size_t unit) = 0;
+  // The unit was issued (or its issue failed).
+  virtual void After(size_t unit) = 0;
+  // The rank issues nothing more of this call (also after a failure; idempotent).
+  virtual void Leave() = 0;
+};
+
 struct RunArgs {
   const Program* program = nullptr;
   const std::vector<IssueUnit>* order = nullptr;  // the plan's issue order
@@ -58,6 +72,11 @@ struct RunArgs {
   CallBuffers io;
   ErrorContext ctx;
   std::chrono::milliseconds timeout{0};  // for host-side NCCL progress (AwaitNccl)
+  IssueGate* gate = nullptr;             // the loopback runner's; null: issue at will
+  // Ranks of the clique on this GPU (more than one only in the loopback): a fused GEMM takes
+  // its share of the SMs, so that every rank's can run at once, as each would on a GPU of its
+  // own (one that held every SM would wait for flags that the others, unable to start, raise).
+  int32_t device_share = 1;
 };
 
 class Enqueuer;

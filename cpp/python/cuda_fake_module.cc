@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -30,6 +31,7 @@
 #include "cuda/watchdog.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/cuda_fake_kernels.h"
+#include "python/cuda_loopback_bindings.h"
 
 namespace nb = nanobind;
 
@@ -397,4 +399,26 @@ NB_MODULE(_cuda_fake, m) {
         "Forget every clique (the fake keeps its state).");
   jo::python::BindCudaBootstrap(m);
   jo::python::BindFakeKernels(m);
+  // The loopback runner on the fake: each rank's thread is a HostThread (the fake's deadlock
+  // accounting), each call a handler (what runs between its first enqueue and its return is
+  // checked), and the fake's device memory is host memory.
+  jo::python::BindLoopback(m, [] {
+    jo::cuda::LoopbackHooks hooks;
+    hooks.rank_thread = [] {
+      return std::shared_ptr<void>(std::make_shared<jo::fake::HostThread>());
+    };
+    hooks.begin_handler = [](cudaStream_t s) { jo::fake::BeginHandler(s); };
+    hooks.end_handler = [](cudaStream_t s, const std::string& who) {
+      jo::fake::EndHandler(s, who);
+    };
+    hooks.upload = [](void* device, const void* host, size_t bytes) {
+      std::memcpy(device, host, bytes);
+      return jo::OkStatus();
+    };
+    hooks.download = [](void* host, const void* device, size_t bytes) {
+      std::memcpy(host, device, bytes);
+      return jo::OkStatus();
+    };
+    return hooks;
+  });
 }

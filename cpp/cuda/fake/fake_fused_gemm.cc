@@ -5,9 +5,11 @@
 // it, from the same tile mapping (core/fused_tiles.h):
 //  * it is sm_90a code: cudaFuncGetAttributes finds no image for any other
 //    device (the kernel family "fused", fake_kernels.cc);
-//  * its CTAs are persistent and hold every SM until the last one ends: no
-//    other kernel of the device (a block kernel, a cuBLASLt matmul, an NCCL
-//    group) starts meanwhile (fake_queues.cc); copies and stream memory
+//  * its CTAs are persistent and hold the launch's sm_count SMs (every SM of the
+//    device, but in the loopback, which shares them among the ranks of one
+//    GPU) until the last one ends: no other kernel of the device (a block
+//    kernel, a cuBLASLt matmul, an NCCL group, another fused GEMM) that finds
+//    no SM free starts meanwhile (fake_queues.cc); copies and stream memory
 //    operations still run. A kernel that needs SMs queued behind it while the
 //    kernel waits for it deadlocks, as the GPU may (docs/gpu.md §10, rule 1);
 //  * CTA c takes the units of work c, c + ctas, ... (PersistentGrid), each one
@@ -72,7 +74,8 @@ struct FusedRun {
   int32_t shift = 0;          // Config::fused_flag_shift
   size_t turn = 0;            // the CTA polled first next time
   int device = 0;
-  std::pair<int, int> where;  // (played process, device): whose SMs it holds
+  std::pair<int, int> where;  // (played process, device): whose SMs it holds ...
+  int holds = 0;              // ... this many: the launch's sm_count (CTAs persist on them)
   bool poisoned_reported = false;
   std::vector<int64_t> waiting_since;  // per CTA: the GPUs' clock when its tile began waiting
   bool gave_up = false;                // a wait ran out of time (the fault record says which)
@@ -192,8 +195,7 @@ bool Poll(FusedRun& r) {
     break;
   }
   if (r.left > 0) return false;
-  auto it = S().persistent.find(r.where);
-  if (it != S().persistent.end()) S().persistent.erase(it);
+  S().sms_held[r.where] -= r.holds;
   return true;
 }
 
@@ -265,6 +267,7 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
   run->shift = S().config.fused_flag_shift;
   run->device = device;
   run->where = {stream->process, device};
+  run->holds = std::max(1, std::min(l.sm_count, S().config.sms));
   run->what = name + " (" + std::to_string(l.m) + " x " + std::to_string(l.n) + " x " +
               std::to_string(l.k) + ", batch " + std::to_string(l.batch) + ") on device " +
               std::to_string(device);
@@ -272,8 +275,9 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
   task.what = run->what;
   task.sms = true;
   task.persistent = true;
+  task.holds_sms = run->holds;
   task.ready = [] { return true; };
-  task.run = [run] { S().persistent.insert(run->where); };
+  task.run = [run] { S().sms_held[run->where] += run->holds; };
   task.done = [run] { return Poll(*run); };
   Push(stream, std::move(task));
   return cudaSuccess;

@@ -39,8 +39,9 @@ struct FakeTask {
   // that waits for its peers: an NCCL group) until this returns true; the
   // stream's next task waits for it, other streams' do not.
   std::function<bool()> done;
-  bool sms = false;         // a kernel: it cannot start while a persistent kernel holds the SMs
-  bool persistent = false;  // a persistent kernel (the fused GEMM): holds every SM while it runs
+  bool sms = false;         // a kernel: it needs a free SM to start
+  bool persistent = false;  // a persistent kernel (the fused GEMM): holds SMs while it runs ...
+  int holds_sms = 0;        // ... this many (its launch's sm_count): it starts once they are free
   cudaEvent_t records = nullptr;  // the event this task records, if any
   ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
 };
@@ -237,8 +238,8 @@ struct State {
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
-  // (played process, device) whose SMs a persistent kernel holds, once per such kernel running.
-  std::multiset<std::pair<int, int>> persistent;
+  // Per (played process, device): the SMs persistent kernels running there hold.
+  std::map<std::pair<int, int>, int> sms_held;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
   std::map<std::tuple<int, int, const void*>, int> shared_grants;
   // The GPUs' clock for device-side time (the fused GEMM's bounded waits): moves with the time

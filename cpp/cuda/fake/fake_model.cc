@@ -203,7 +203,7 @@ void Reset(const Config& config) {
   s.errors.clear();
   s.counters.clear();
   s.sticky.clear();
-  s.persistent.clear();
+  s.sms_held.clear();
   s.shared_grants.clear();
   s.config = config;
   s.rng.seed(config.seed);
