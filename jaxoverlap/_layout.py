@@ -28,6 +28,7 @@ The mesh comes from ``mesh=``, else ``jax.set_mesh``'s, else the inputs' ``Named
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import jax
@@ -38,8 +39,8 @@ from jaxoverlap._compat import context_mesh
 from jaxoverlap._plan import AG, AR, RS
 
 __all__ = [
-    "AG", "AR", "F", "RS", "TRANSPOSE", "Call", "PerDevice", "check_shapes", "find_mesh",
-    "free_dims", "is_explicit", "layouts", "local_shapes", "open_layouts", "place",
+    "AG", "AR", "F", "RS", "TRANSPOSE", "Call", "PerDevice", "check_shapes", "entry_axes",
+    "find_mesh", "free_dims", "is_explicit", "layouts", "local_shapes", "open_layouts", "place",
     "resolve_mesh", "spec_entries", "uses_propagation", "without_axis",
 ]
 
@@ -118,6 +119,8 @@ class PerDevice(Protocol):
 
     def __call__(self, x, w, want_gathered: bool = False, scales: tuple = ()) -> Any: ...
 
+    def planned(self, mesh, x, w) -> PerDevice: ...
+
     def transposed(self) -> PerDevice: ...
 
     def weight_grad(self, a, b, dtype) -> Any: ...
@@ -193,17 +196,27 @@ def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
     return reopen(x_spec), tuple(reopen(s) for s in out_specs)
 
 
-def local_shapes(call: Call, x, w, n: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """The shards of ``x`` and ``w`` on each device: their dims split over ``axis_name`` (of
-    size ``n``) divided, the pass-through dims as they are."""
-    x_spec, w_spec, _ = layouts(call, (None,) * call.ndim)
+def local_shapes(call: Call, x, w, mesh,
+                 x_entries: tuple[Any, ...] | None = None) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shards of ``x`` and ``w`` on each device of ``mesh``: each dim divided by the mesh
+    axes the layouts put on it — ``axis_name`` where the kind splits it, and the other axes of
+    ``x_entries`` (x's spec, :func:`spec_entries`) that x keeps on its pass-through dims
+    (None: none, as under Auto axes before propagation has placed them)."""
+    x_spec, w_spec, _ = layouts(call, (None,) * call.ndim if x_entries is None else x_entries)
 
     def shard(a, spec: P) -> jax.ShapeDtypeStruct:
-        shape = tuple(s // n if e == call.axis_name else s
+        shape = tuple(s // math.prod(mesh.shape[n] for n in entry_axes(e))
                       for s, e in zip(a.shape, spec, strict=True))
         return jax.ShapeDtypeStruct(shape, a.dtype)
 
     return shard(x, x_spec), shard(w, w_spec)
+
+
+def entry_axes(entry: Any) -> tuple[Any, ...]:
+    """The mesh axes of one spec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _check_divisible(op: str, name: str, size: int, n: int, axis_name: Any, what: str) -> None:

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from jaxoverlap._config import Settings, configure_logging, current_config, logger
 from jaxoverlap._executors import capabilities, runtime
+from jaxoverlap._executors.call import NativeCall, describe
 from jaxoverlap._executors.capabilities import NativeUnavailableError
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
 from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
@@ -112,7 +113,9 @@ class OpPlan:
     ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
     (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16); ``fused``:
     the compute stream runs one persistent GEMM waiting on per-block flags (docs/gpu.md §10)
-    when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_native/attributes.py``).
+    when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_executors/call.py``);
+    ``call``: the native call described where the plan was made, its transport decided there,
+    when the concrete mesh was known (global arrays); None: the lowering describes it.
     """
 
     op: str
@@ -129,6 +132,7 @@ class OpPlan:
     algorithm: str = "two_shot"
     out_dtype: str | None = None
     fused: bool = False
+    call: NativeCall | None = None
 
     def for_op(self, op: str) -> OpPlan:
         """The same plan for ``op``: the backward pass of AG+GEMM is GEMM+RS under the
@@ -156,10 +160,13 @@ class OpPlan:
 # ---------------------------------------------------------------- the rule
 
 
-def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
+def make(request: Request, x, w, axis_size: int, *, log: bool = True,
+         mesh: Any = None) -> OpPlan:
     """The plan of ``request`` on the local shards ``x``, ``w`` (arrays, or anything with a
     shape and a dtype) over the ``axis_size`` ranks of its axis. ``log``: print it at debug
-    level (``JAXOVERLAP_LOG=debug``)."""
+    level (``JAXOVERLAP_LOG=debug``). ``mesh``: the mesh the call runs on, where the caller
+    knows it (global arrays); a concrete one has a native call described here, once, its
+    transport decided (``OpPlan.call``)."""
     r, settings, n = request, request.settings, axis_size
     configure_logging()
     rows, rows_what, algorithms = _rows(r, x, n)
@@ -212,6 +219,11 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True) -> OpPlan:
         out_dtype=r.out_dtype,
         fused=fused_plan,
     )
+    if plan.impl == "native" and isinstance(mesh, jax.sharding.Mesh):
+        platform = capabilities.executor_platform(mesh.devices.flat[0].platform)
+        plan = dataclasses.replace(plan, call=describe(
+            mesh, r.axis_name, platform, plan.transport, plan.preferred, jax.process_index(),
+            plan.fused))
     if log:
         logger.debug("%s x=%s%s w=%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
                      jnp.dtype(w.dtype).name, plan.describe())
@@ -291,15 +303,17 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
 
 
 def _fused_transport(op: str) -> str:
-    """The transport of a fused call asked for without a model: the first of multicast, p2p
-    that the devices offer."""
-    offered = capabilities.offered_transports(capabilities.current_platform())
-    for t in ("multicast", "p2p"):
-        if t in offered:
-            return t
-    raise NativeUnavailableError(
-        f"{op}: jo.config(fused=True), but neither transport the fused GEMM runs with "
-        f"({FUSED_TRANSPORTS}) is available here (offered: {offered or 'none'}).")
+    """The transport of a fused call asked for without a model: the one rule's pick among the
+    fused GEMM's transports that this process's devices offer."""
+    platform = capabilities.current_platform()
+    try:
+        return capabilities.resolve_transport(
+            platform, "auto", None, spans_processes=False,
+            local_ordinals=capabilities.local_ordinals(platform), among=FUSED_TRANSPORTS)
+    except NativeUnavailableError as err:
+        raise NativeUnavailableError(
+            f"{op}: jo.config(fused=True), but neither transport the fused GEMM runs with "
+            f"({FUSED_TRANSPORTS}) is available here ({err})") from None
 
 
 def native_reason(x_dtype, w_dtype=None) -> str | None:

@@ -6,8 +6,9 @@ function of a capability table (:func:`gpu_transport_reasons`), so that it is un
 injected tables; the real table comes from :func:`gpu_table` (``_cuda.capabilities()``:
 devices, compute capability, ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``, the peer-access
 matrix, driver/runtime/NCCL/cuBLAS versions). On CPU the host executor emulates every
-transport. The choice among them is made in one place, :func:`resolve_transport`, when a call
-lowers; :func:`offered_transports` is what the performance model may choose among before.
+transport. The choice among them is made by one rule, :func:`resolve_transport`, once per call
+(``call.describe``); :func:`offered_transports` is what the performance model may choose among
+before.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def transports() -> tuple[str, ...]:
 def available() -> bool:
     """True when the host extension loads (it is built with the package)."""
     return runtime.host_error() is None
+
+
+def executor_platform(platform: str) -> str:
+    """The executors' name of a JAX platform: ``"cuda"`` for the GPUs' (``"gpu"``, ``"cuda"``),
+    else the platform's own (``"cpu"``)."""
+    return "cuda" if platform in GPU_PLATFORMS else platform
 
 
 def current_platform() -> str:
@@ -203,26 +210,33 @@ def transport_reasons(platform: str, local_ordinals: Sequence[int],
 
 
 def resolve_transport(platform: str, requested: str, preferred: str | None, *,
-                      spans_processes: bool, local_ordinals: Sequence[int]) -> str:
+                      spans_processes: bool, local_ordinals: Sequence[int],
+                      among: Sequence[str] = AUTO_ORDER) -> str:
     """The transport of a call: the one asked for, else the best one that can serve it.
 
-    ``auto`` picks ``nccl`` for a clique spanning processes (whether peers in other processes
-    can reach our buffers directly is not known here); else the performance model's
-    ``preferred`` pick if it can serve, else the first of ``AUTO_ORDER`` that can. An explicit
-    request that cannot be served raises ``NativeUnavailableError`` naming the reason and what
-    can.
+    The one rule that picks a transport. ``auto`` picks ``nccl`` for a clique spanning
+    processes (whether peers in other processes can reach our buffers directly is not known
+    here); else the performance model's ``preferred`` pick if it can serve, else the first of
+    ``AUTO_ORDER`` that can. ``among``: the transports ``auto`` may pick (the fused GEMM's, for
+    a plan that asked for it). An explicit request that cannot be served raises
+    ``NativeUnavailableError`` naming the reason and what can.
     """
     reasons = transport_reasons(platform, local_ordinals, spans_processes)
     usable = [t for t in AUTO_ORDER if reasons[t] is None]
     if requested in (None, "auto"):
-        if spans_processes and reasons["nccl"] is None:
+        allowed = [t for t in usable if t in among]
+        if spans_processes and "nccl" in allowed:
             return "nccl"
-        if preferred is not None and reasons.get(preferred) is None:
+        if preferred in allowed:
             return preferred
-        if usable:
-            return usable[0]
+        if allowed:
+            return allowed[0]
+        if tuple(among) == AUTO_ORDER:
+            raise NativeUnavailableError(
+                f"jaxoverlap: no transport can run here: {reasons['nccl']}")
         raise NativeUnavailableError(
-            f"jaxoverlap: no transport can run here: {reasons['nccl']}")
+            f"jaxoverlap: none of {tuple(among)} can run here: "
+            + "; ".join(f"{t}: {reasons[t]}" for t in among))
     if requested not in reasons:
         raise ValueError(f"transport: expected one of auto, {', '.join(AUTO_ORDER)}; got "
                          f"{requested!r}")
@@ -257,15 +271,22 @@ def offered_transports(platform: str) -> tuple[str, ...]:
     """Transports that can serve calls among this process's devices of ``platform``.
 
     What the performance model may choose among; whether a clique spans processes is known
-    only when the call lowers (:func:`resolve_transport` decides then).
+    only where the call is described (``call.describe``, which asks :func:`resolve_transport`).
     """
     if platform in GPU_PLATFORMS:
         if runtime.cuda_error() is not None:
             return ()
-        ordinals = [local_ordinal(d) for d in jax.local_devices(backend="gpu")]
-        reasons = transport_reasons("cuda", ordinals, spans_processes=False)
+        reasons = transport_reasons("cuda", local_ordinals(platform), spans_processes=False)
         return tuple(t for t in transports() if reasons[t] is None)
     return transports() if platform == "cpu" and available() else ()
+
+
+def local_ordinals(platform: str) -> list[int]:
+    """This process's devices of ``platform`` as the GPU handler numbers them (on CPU, none:
+    the host executor emulates every transport wherever its devices are)."""
+    if platform not in GPU_PLATFORMS:
+        return []
+    return [local_ordinal(d) for d in jax.local_devices(backend="gpu")]
 
 
 # ---------------------------------------------------------------- jo.info()

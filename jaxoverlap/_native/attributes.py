@@ -5,9 +5,10 @@ struct that decodes them (``CallAttrs`` in ``cpp/ffi/ffi_call.h``, whose
 ``XLA_FFI_REGISTER_STRUCT_ATTR_DECODING`` list initialises its members in that order): its
 name, its C++ type (the attribute is made with exactly that type: XLA's decoding checks it) and
 how its value comes from the call's plan (``_plan.OpPlan``), its description
-(``call.NativeCall``: the resolved transport, the clique key and the rank table) and x's
-abstract value — but for the site key, which the lowering rule computes where the call lowers
-(``site_key``, from :func:`naming` and the lowering context) and hands in. :func:`attributes` is
+(``_executors.call.NativeCall``: the transport decided and whether the call runs fused, the
+clique key and the rank table) and x's abstract value — but for the site key, which the
+lowering rule computes where the call lowers (``site_key``, from :func:`naming` and the
+lowering context) and hands in. :func:`attributes` is
 the only place a value is made; ``tests/native/test_attributes.py`` holds the C++ struct and
 docs/native.md §6 to this schema. Adding an attribute is one entry here and one member of
 ``CallAttrs``.
@@ -26,7 +27,6 @@ from jaxoverlap import _precision
 from jaxoverlap._config import timeout_ms
 from jaxoverlap._executors import capabilities
 from jaxoverlap._executors.call import NativeCall
-from jaxoverlap._fused_gemm import FUSED_TRANSPORTS
 from jaxoverlap._plan import AR_ALGORITHMS, OPS, OpPlan
 
 # The C++ member types an attribute may have, and how its Python value is made exactly so.
@@ -60,15 +60,6 @@ def _tf32(plan: OpPlan, x) -> bool:
     return _precision.allows_tf32(plan.precision) and jnp.dtype(x.dtype) == jnp.float32
 
 
-def _fused(plan: OpPlan, call: NativeCall) -> bool:
-    """Does the call run the fused GEMM? Its plan says so and its transport is one the fused
-    GEMM runs with. A plan the model picked leaves the transport to the call (``auto``), which
-    may resolve to nccl (a clique spanning processes): that call runs the chunked program. A
-    fused plan asked for explicitly names its transport (``_plan.make``), so it runs fused or
-    fails to resolve."""
-    return plan.fused and call.transport in FUSED_TRANSPORTS
-
-
 SCHEMA: tuple[Attribute, ...] = (
     Attribute("op", "int32_t", "0 ag_matmul, 1 matmul_rs, 2 matmul_ar",
               lambda plan, call, x: OPS.index(plan.op)),
@@ -92,7 +83,7 @@ SCHEMA: tuple[Attribute, ...] = (
               lambda plan, call, x: AR_ALGORITHMS.index(plan.algorithm)),
     Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (ag_matmul, "
               "matmul_rs over p2p or multicast; docs/gpu.md §10)",
-              lambda plan, call, x: _fused(plan, call)),
+              lambda plan, call, x: call.fused),
     Attribute("timeout_ms", "int64_t", "milliseconds any wait of the call may take",
               lambda plan, call, x: timeout_ms(plan.timeout_s), names_site=False),
     Attribute("processes", "ffi::Span<const int64_t>", "the rank table, in (group, rank) "

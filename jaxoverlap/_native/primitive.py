@@ -5,12 +5,13 @@
 bind one primitive with the call's plan (``_plan.OpPlan``) as its parameter; its lowering rule
 is where a native call gets its identity: it reads the concrete mesh from the lowering context
 (the mesh ``shard_map`` lowers for, known there even when the trace saw only the abstract
-mesh), describes the call once (``call``: rank table, clique, transport), registers the
-platform's handlers (``runtime``), sets up cliques spanning processes (``bootstrap``) and emits
-the custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host executor;
-``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``, among
-them its site key: what the call is, the same in every process (``site_key``).
-docs/native.md follows one call through.
+mesh), describes the call once (``_executors.call``: rank table, clique, the transport decided)
+unless the plan was made knowing this very mesh and carries that description (global arrays),
+registers the platform's handlers (``runtime``), sets up cliques spanning processes
+(``bootstrap``) and emits the custom call of the platform it lowers for (``jaxoverlap_*`` on
+CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of
+``attributes``, among them its site key: what the call is, the same in every process
+(``site_key``). docs/native.md follows one call through.
 
 FP8: x and w may be float8 (``capabilities.FP8_DTYPES``), each with its float32 dequantization
 scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(float32) *
@@ -34,7 +35,7 @@ from jax.interpreters import batching
 from jaxoverlap import _precision
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._executors import bootstrap, capabilities, runtime
-from jaxoverlap._executors.call import describe
+from jaxoverlap._executors.call import describe, ranks
 from jaxoverlap._native.attributes import attributes, naming
 from jaxoverlap._native.site_key import site_key
 from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
@@ -116,7 +117,7 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
     if len(platforms) != 1:
         raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "
                          f"{platforms}")
-    platform = "cuda" if platforms[0] in capabilities.GPU_PLATFORMS else platforms[0]
+    platform = capabilities.executor_platform(platforms[0])
     if platform not in _TARGETS:
         raise ValueError(capabilities.unavailable_reason(platform, jnp.float32))
     x_aval, w_aval = ctx.avals_in[:2]
@@ -125,8 +126,12 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
                                              w_aval.dtype)
         if reason is not None:
             raise capabilities.NativeUnavailableError(f"jaxoverlap {plan.op}: {reason}")
-    call = describe(_lowering_mesh(ctx, plan.axis_name, platform), plan.axis_name, platform,
-                    plan.transport, plan.preferred, jax.process_index())
+    mesh = _lowering_mesh(ctx, plan.axis_name, platform)
+    call = plan.call
+    if call is None or (call.platform, call.ranks) != (platform, ranks(mesh, plan.axis_name)):
+        # Described once, here, unless the plan was made knowing this very mesh.
+        call = describe(mesh, plan.axis_name, platform, plan.transport, plan.preferred,
+                        jax.process_index(), plan.fused)
     assert call.axis_size == plan.axis_size, (call.axis_size, plan.axis_size)
     runtime.register(platform)
     if call.spans_processes:

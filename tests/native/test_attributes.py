@@ -15,7 +15,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType, Mesh
+from helpers import tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
@@ -110,7 +110,7 @@ MLIR_TYPE = {"int32_t": r"-?\d+ : i32", "int64_t": r"-?\d+ : i64", "bool": r"tru
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_lowered_call_carries_exactly_the_schema(dtype):
     """What the lowering emits: every attribute of the schema, of its type, and no other."""
-    mesh = Mesh(jax.devices()[:4], ("tp",), axis_types=(AxisType.Auto,))
+    mesh = tp_mesh(4)
     f = jax.jit(jax.shard_map(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native"), mesh=mesh,
                               in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
     text = f.lower(jnp.ones((8, 4), dtype), jnp.ones((4, 8), dtype)).as_text()
