@@ -39,6 +39,9 @@ void Leak(std::vector<std::shared_ptr<Generation>> generations,
 
 std::atomic<int> g_live{0};
 
+// The least a rank waits for another local rank's growth of the pools (ReserveLocked).
+constexpr std::chrono::milliseconds kLocalSetUp(2000);
+
 }  // namespace
 
 CudaClique::LiveToken::LiveToken() { ++g_live; }
@@ -250,16 +253,19 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // device work a free or an allocation waits for (its device's, and its peers' that map its
   // memory) is of earlier calls, which every rank has enqueued or will without waiting for this
   // one (docs/gpu.md §3, "What may run on the enqueue path").
+  // Bounded by the timeout, but never below kLocalSetUp: what is waited for is a local thread's
+  // allocations (every local rank's pool), not a peer, and a loaded host may take a while.
   while (freeing_ >= 0 && epoch >= freeing_) {
-    const bool freed = made_.wait_for(lock, state_.timeout,
-                                      [&] { return freeing_ < 0 || !BrokenReason().empty(); });
+    const bool freed =
+        made_.wait_for(lock, std::max<std::chrono::milliseconds>(state_.timeout, kLocalSetUp),
+                       [&] { return freeing_ < 0 || !BrokenReason().empty(); });
     JO_CHECK(CheckNotBroken(ctx.Describe()));
     if (!freed)
       return Status(Code::kTimeout,
                     ctx.Describe() +
                         ": freeing past buffers and growing the ranks' pools (the first rank to "
                         "reserve this epoch does it; its allocations wait for the GPUs' earlier "
-                        "work) did not complete within JAXOVERLAP_TIMEOUT_S");
+                        "work) did not complete within JAXOVERLAP_TIMEOUT_S (at least 2 s)");
   }
   if (epoch > first_reserved_) {
     first_reserved_ = epoch;
