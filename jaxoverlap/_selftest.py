@@ -29,6 +29,11 @@ host code, its enqueue order through ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues
 (read from the environment as the driver does), NCCL's per-communicator
 serialisation and the kernels' own per-element code, compared with float64.
 It checks what decides hangs and wrong results, not a GPU's speed.
+
+``--loopback N`` (with or without ``--fake``): the p2p rows (FP8 and the fused GEMM's included,
+where the GPU runs them) with N ranks on ONE GPU, through the executor directly
+(``loopback_run``: cpp/cuda/loopback.h), no JAX: a first contact that needs one GPU. It says, and
+its report lists, what one GPU cannot cover (NCCL, multicast, anything between GPUs).
 """
 
 from __future__ import annotations
