@@ -51,6 +51,7 @@ import time
 import traceback
 from typing import Any
 
+from jaxoverlap import _kinds
 from jaxoverlap._fused_gemm import FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 
 SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per rank)
@@ -58,19 +59,20 @@ SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per ran
     ((2,), 4, 48, 24),
     ((), 12, 40, 18),
 )
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = _kinds.names(_kinds.DTYPES, fp8=False)
 VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunks | rows
 # "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks (a decode step)
-OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
-# Unit roundoff of each dtype (half the distance from 1 to the next number): 2^-24, 2^-8, 2^-11.
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+OPS = (*_kinds.names(_kinds.OPS),
+       *(f"{op}/one_shot" for op in _kinds.names(_kinds.OPS, one_shot=True)))
+# Unit roundoff of each dtype (half the distance from 1 to the next number).
+UNIT_ROUNDOFF = {d.name: d.roundoff for d in _kinds.DTYPES}
 # FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
-# whose k and output rows meet cuBLASLt's 16-byte rule for FP8 (docs/gpu.md §11).
+# whose k and output rows meet cuBLASLt's 16-byte rule for FP8 (docs/gpu-internals.md §6).
 FP8_DTYPES = (("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
               ("float8_e4m3fn", "float8_e5m2", "float32"),
               ("float8_e5m2", "float8_e4m3fn", "float16"))
 FP8_SHAPE = ((2,), 4, 48, 24)
-FP8_OPS = OPS[:3]
+FP8_OPS = _kinds.names(_kinds.OPS)
 # The FP8 tensor cores' accumulator, as the CUDA fake computes an FP8 GEMM
 # (cpp/cuda/fake/fp8_accumulator.h, which cites the sources): per compute capability, the products
 # added in one step together with the running sum (block) and the fraction bits kept — every
@@ -159,7 +161,7 @@ def bound(op: str, dtype: str, n: int, k: int, x64, w64, fp8: bool = False):
     accumulation = 8 * np.sqrt(total_k) * UNIT_ROUNDOFF["float32"] * (np.abs(x64) @ np.abs(w64))
     if fp8:
         accumulation = accumulation + fp8_accumulation(x64, w64, k)
-    if op == "ag_matmul":
+    if _kinds.op(op).communicates == "k":  # no reduction: y rounded once
         rounding = u * np.abs(x64 @ w64)
     else:
         partials = sum(np.abs(x64[..., r * k:(r + 1) * k] @ w64[r * k:(r + 1) * k])
@@ -190,32 +192,47 @@ def _prepare_host_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _global_inputs(rng, op: str, batch: tuple, rows: int, k: int, nw: int, n: int):
+    """Random global x ``[*batch, rows, .]`` and w of ``op`` on ``n`` ranks (each rank's share
+    of the split dim: k of the contraction, nw of the output columns), and their specs: where
+    the op's layout splits them (``_kinds``)."""
+    from jax.sharding import PartitionSpec as P
+
+    layout, lead = _kinds.op(op).layout, (None,) * len(batch)
+    if layout.w == 1:  # w's columns split: x whole along k (its rows split, or none)
+        x = rng.standard_normal((*batch, rows, k))
+        w = rng.standard_normal((k, nw * n))
+        row = "tp" if layout.x == "row" else None
+        return x, w, P(*lead, row, None), P(None, "tp")
+    x = rng.standard_normal((*batch, rows, k * n))  # the contraction split
+    w = rng.standard_normal((k * n, nw))
+    return x, w, P(*lead, None, "tp"), P("tp", None)
+
+
+def _axis(op: str, axis: int) -> dict[str, int]:
+    """The ``axis=`` argument of an op whose rows are split on one (none for one whose rows are
+    every dim but the last)."""
+    return {} if _kinds.op(op).rows == "all" else dict(axis=axis)
+
+
 def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidirectional,
              fused=False) -> str:
     """One row: the native op on the mesh against the float64 product of its rounded inputs
     (``fused``: the fused GEMM's program, asked for with ``jo.config(fused=True)``)."""
     from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     batch, rows, k, nw = shape
     n = mesh.shape["tp"]
     rng = np.random.default_rng(0)
     axis = len(batch)
-    lead = (None,) * axis
     op, _, algorithm = op.partition("/")
-    if op == "ag_matmul":
-        x = rng.standard_normal((*batch, rows * n, k)).astype(np.float32)
-        w = rng.standard_normal((k, nw * n)).astype(np.float32)
-        xs, ws = P(*lead, "tp", None), P(None, "tp")
-    else:  # one-shot: a decode step's single row per batch, which no N splits
-        x_rows = 1 if algorithm == "one_shot" else rows * n
-        x = rng.standard_normal((*batch, x_rows, k * n)).astype(np.float32)
-        w = rng.standard_normal((k * n, nw)).astype(np.float32)
-        xs, ws = P(*lead, None, "tp"), P("tp", None)
-    x = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, xs))
-    w = jax.device_put(jnp.asarray(w, dtype), NamedSharding(mesh, ws))
+    # one-shot: a decode step's single row per batch, which no N splits
+    x, w, xs, ws = _global_inputs(rng, op, batch, 1 if algorithm == "one_shot" else rows * n,
+                                  k, nw, n)
+    x = jax.device_put(jnp.asarray(x.astype(np.float32), dtype), NamedSharding(mesh, xs))
+    w = jax.device_put(jnp.asarray(w.astype(np.float32), dtype), NamedSharding(mesh, ws))
     fn = getattr(jo, op)
-    kwargs: dict[str, Any] = dict(mesh=mesh) if op == "matmul_ar" else dict(axis=axis, mesh=mesh)
+    kwargs: dict[str, Any] = dict(mesh=mesh, **_axis(op, axis))
     if algorithm:
         kwargs["algorithm"] = algorithm
     # HIGHEST: float32 dots on A100/H100-class GPUs otherwise default to TF32.
@@ -246,32 +263,26 @@ def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
     axis = len(batch)
     lead = (None,) * axis
     sx, sw = fp8_scales(np, n)
-    if op == "ag_matmul":
-        x = rng.standard_normal((*batch, rows * n, k)) * 3
-        w = rng.standard_normal((k, nw * n)) * 3
-        specs = (P(*lead, "tp", None), P(None, "tp"))
-    else:
-        x = rng.standard_normal((*batch, rows * n, k * n)) * 3
-        w = rng.standard_normal((k * n, nw)) * 3
-        specs = (P(*lead, None, "tp"), P("tp", None))
-    x = jnp.asarray(x, jnp.float32).astype(x_dtype)
-    w = jnp.asarray(w, jnp.float32).astype(w_dtype)
-    kwargs: dict[str, Any] = {} if op == "matmul_ar" else dict(axis=axis)
+    x, w, x_spec, w_spec = _global_inputs(rng, op, batch, rows * n, k, nw, n)
+    specs = (x_spec, w_spec)
+    x = jnp.asarray(x * 3, jnp.float32).astype(x_dtype)
+    w = jnp.asarray(w * 3, jnp.float32).astype(w_dtype)
+    kwargs: dict[str, Any] = _axis(op, axis)
 
     def local(x, w, sx, sw):  # sx, sw: this rank's scales, shape (1,)
         return getattr(jo, op)(x, w, "tp", impl="native", transport=transport, chunks=chunks,
                                bidirectional=bidirectional, x_scale=sx, w_scale=sw,
                                preferred_element_type=out, **kwargs)
 
-    y_spec = {"ag_matmul": P(*lead, None, "tp"), "matmul_rs": P(*lead, "tp", None),
-              "matmul_ar": P()}[op]
+    split = _kinds.op(op).layout.y  # y on its rows, its columns or whole
+    y_spec = P(*lead, "tp" if split == "row" else None, "tp" if split == "last" else None)
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(*specs, P("tp"), P("tp")),
                                out_specs=y_spec))
     got = np.asarray(jnp.asarray(fn(x, w, jnp.asarray(sx), jnp.asarray(sw)), jnp.float32),
                      np.float64)
     x64 = np.asarray(x.astype(jnp.float32))
     w64 = np.asarray(w.astype(jnp.float32))
-    if op == "ag_matmul":  # shard j's rows with scale j; rank r's columns of w with scale r
+    if _kinds.op(op).rows == "gather":  # shard j's rows with scale j; rank r's columns of w
         a = np.concatenate([dequantized(np, x64[..., j * rows:(j + 1) * rows, :], sx[j])
                             for j in range(n)], axis=-2)
         b = np.concatenate([dequantized(np, w64[:, r * nw:(r + 1) * nw], sw[r])
@@ -292,16 +303,22 @@ def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
 
 FAKE_RANKS = 4
 # The loopback (``--loopback N``: cpp/cuda/loopback.h): N ranks' programs on ONE GPU, each rank's
-# buffers, flags and streams its own, its peers reached as the same device's memory. What one GPU
-# cannot show, said in the output and the report:
-LOOPBACK_NOT_COVERED = {
-    "nccl": "NCCL puts one rank of a communicator on a GPU (it refuses two on one device)",
+# buffers, flags and streams its own, its peers reached as the same device's memory: the
+# transports that move blocks by peer copies. What one GPU cannot show (the other transports, by
+# their mechanism, and what lies between GPUs), said in the output and the report:
+LOOPBACK_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism == "peer_copies")
+_ONE_GPU_CANNOT = {
+    "messages": "NCCL puts one rank of a communicator on a GPU (it refuses two on one device)",
     "multicast": "a multicast object binds one memory per GPU (NVLink SHARP)",
+}
+LOOPBACK_NOT_COVERED = {
+    **{t.name: _ONE_GPU_CANNOT[t.mechanism] for t in _kinds.TRANSPORTS
+       if t.name not in LOOPBACK_TRANSPORTS},
     "between GPUs": "NVLink / PCIe peer access and its ordering of remote writes (the flags' "
                     "FLUSH), peer copies through the interconnect, one rank's SMs to itself "
                     "(here the ranks share one GPU's SMs and copy engines)",
 }
-LOOPBACK_CLIQUE = 0x100B  # every loopback row on one clique (p2p): epochs, parities, growth
+LOOPBACK_CLIQUE = 0x100B  # a transport's loopback rows on one clique: epochs, parities, growth
 
 
 def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
@@ -310,32 +327,32 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
     takes them."""
     x64 = [x.astype(np.float64) for x in xs]
     w64 = [w.astype(np.float64) for w in ws]
-    if op == "ag_matmul":  # rank r: the gathered x times its own w
+    rule = _kinds.op(op).rows
+    if rule == "gather":  # rank r: the gathered x times its own w
         gathered = np.concatenate(x64, axis=1)
         return [(gathered, w) for w in w64]
     # The sum over ranks of x_r @ w_r: one product of the concatenations along K.
     xk, wk = np.concatenate(x64, axis=2), np.concatenate(w64, axis=0)
-    return [(xk if op == "matmul_ar" else xk[:, r * rows:(r + 1) * rows], wk)
+    return [(xk if rule == "all" else xk[:, r * rows:(r + 1) * rows], wk)
             for r in range(len(xs))]
 
 
 def _row_inputs(np, op: str, n: int, shape, dtype: str,
                 fp8: tuple[str, str, str] | None) -> dict[str, Any]:
     """One case's inputs for ``n`` ranks, as the CUDA executor's handler receives them (an fp8
-    w K-major, [nw, k]: docs/gpu.md §11), and per rank the float64 factors of its exact
+    w K-major, [nw, k]: docs/gpu-internals.md §6), and per rank the float64 factors of its exact
     result."""
     import ml_dtypes
 
     batch_dims, rows, k, nw = shape
     batch = int(np.prod(batch_dims)) if batch_dims else 1
-    np_dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
-                 "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+    np_dtypes = {d: getattr(ml_dtypes, d, None) or np.dtype(d) for d in _kinds.names(_kinds.DTYPES)}
     x_dtype, w_dtype, out_dtype = fp8 or (dtype, dtype, dtype)
     rng = np.random.default_rng(1)
     op, _, algorithm = op.partition("/")
     if algorithm == "one_shot":
         rows = rows * n + 1  # the canonical one-shot problem: all rows, not N blocks
-    x_rows = rows if op == "ag_matmul" or algorithm == "one_shot" else rows * n
+    x_rows = rows if _kinds.op(op).rows == "gather" or algorithm == "one_shot" else rows * n
     spread = 3.0 if fp8 else 1.0  # fp8 values over a few binades
     xs = [(rng.standard_normal((batch, x_rows, k)) * spread).astype(np.float32)
           .astype(np_dtypes[x_dtype]) for _ in range(n)]
@@ -346,14 +363,17 @@ def _row_inputs(np, op: str, n: int, shape, dtype: str,
     if fp8:
         sx, sw = fp8_scales(np, n)
         scales = dict(x_scales=list(sx), w_scales=list(sw))
-        # the handler receives an fp8 w K-major, [nw, k] (docs/gpu.md §11)
+        # the handler receives an fp8 w K-major, [nw, k] (docs/gpu-internals.md §6)
         w_bytes = [np.ascontiguousarray(w.T).tobytes() for w in ws]
         xs_ref = [dequantized(np, x, s) for x, s in zip(xs, sx, strict=True)]
         ws_ref = [dequantized(np, w, s) for w, s in zip(ws, sw, strict=True)]
     else:
         xs_ref, ws_ref = xs, ws
-    return dict(op=op, algorithm=algorithm or "two_shot", batch=batch, rows=rows, k=k, nw=nw,
-                x_dtype=x_dtype, w_dtype=w_dtype, out_dtype=out_dtype,
+    # the problem as the executors' bindings take it (_host.build_program's keys) but for
+    # transport, chunks, bidirectional and fused: the caller's
+    problem = dict(op=op, nranks=n, batch=batch, rows=rows, k=k, n=nw, dtype=x_dtype,
+                   w_dtype=w_dtype, out_dtype=out_dtype, algorithm=algorithm or "two_shot")
+    return dict(problem=problem, op=op, k=k, out_dtype=out_dtype,
                 out_np=np_dtypes[out_dtype], xs=[x.tobytes() for x in xs], ws=w_bytes,
                 scales=scales, refs=rank_products(np, op, xs_ref, ws_ref, rows), fp8=bool(fp8))
 
@@ -383,32 +403,30 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
     n = FAKE_RANKS
     case = _row_inputs(np, op, n, shape, dtype, fp8)
     fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
-    extra = dict(w_dtype=case["w_dtype"], out_dtype=case["out_dtype"], **case["scales"]) \
-        if fp8 else {}
-    out = fake.run(case["op"], transport, n, case["batch"], case["rows"], case["k"], case["nw"],
-                   case["x_dtype"], chunks, bidirectional, False, case["xs"], case["ws"],
-                   list(range(n)), algorithm=case["algorithm"], fused=fused, **extra)
+    problem = dict(case["problem"], transport=transport, chunks=chunks,
+                   bidirectional=bidirectional, fused=fused)
+    out = fake.run(problem, xs=case["xs"], ws=case["ws"], devices=list(range(n)),
+                   **case["scales"])
     problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
     if not out["drained"] and not problems:
         problems.append("the fake GPU did not drain")
     return _row_verdict(np, n, case, out["ys"], problems)
 
 
-def _loopback_row(module, np, n: int, op, dtype, shape, chunks, bidirectional,
+def _loopback_row(module, np, n: int, op, transport, dtype, shape, chunks, bidirectional,
                   fp8: tuple[str, str, str] | None = None, fused=False, device=0,
                   fake=None) -> tuple[bool, str]:
-    """One case of ``n`` ranks on ONE GPU (``module.loopback_run``: cpp/cuda/loopback.h), transport
-    p2p, against a float64 reference. ``fake``: the run is on the host-side fake (its misuse
-    reports count)."""
+    """One case of ``n`` ranks on ONE GPU (``module.loopback_run``: cpp/cuda/loopback.h; a
+    transport of ``LOOPBACK_TRANSPORTS``), against a float64 reference. ``fake``: the run is on
+    the host-side fake (its misuse reports count)."""
     case = _row_inputs(np, op, n, shape, dtype, fp8)
-    problem = dict(op=case["op"], transport="p2p", nranks=n, batch=case["batch"],
-                   rows=case["rows"], k=case["k"], cols=case["nw"], x_dtype=case["x_dtype"],
-                   w_dtype=case["w_dtype"], out_dtype=case["out_dtype"], chunks=chunks,
-                   bidirectional=bidirectional, algorithm=case["algorithm"], fused=fused)
+    problem = dict(case["problem"], transport=transport, chunks=chunks,
+                   bidirectional=bidirectional, fused=fused)
     timeout_ms = int(float(os.environ.get("JAXOVERLAP_TIMEOUT_S", "120")) * 1000)
     seen = len(fake.errors()) if fake else 0
     out = module.loopback_run(problem, case["xs"], case["ws"], device=device,
-                              clique_key=LOOPBACK_CLIQUE, timeout_ms=timeout_ms, **case["scales"])
+                              clique_key=LOOPBACK_CLIQUE + _kinds.transport(transport).id,
+                              timeout_ms=timeout_ms, **case["scales"])
     problems = [*(fake.errors()[seen:seen + 2] if fake else []),
                 *[s for s in out["statuses"] if s][:2]]
     if not out["completed"] and not problems:
@@ -552,14 +570,14 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     variants = VARIANTS[-1:] if quick else VARIANTS
     cases = [(op, transport, dtype, None, shape, variant, False)
              for op, transport, dtype, shape, variant
-             in itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)]
+             in itertools.product(ops, _kinds.names(_kinds.TRANSPORTS), dtypes, shapes, variants)]
     # FP8: every pairing (one in quick), the variants alternating
     fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
     cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
               for (i, fp8), (j, op), transport in itertools.product(
                   enumerate(fp8s), enumerate(o for o in FP8_OPS if o in ops),
-                  ("nccl", "p2p", "multicast"))]
-    # The fused GEMM (docs/gpu.md §10): its ops, transports and dtypes, on the first shape
+                  _kinds.names(_kinds.TRANSPORTS))]
+    # The fused GEMM (docs/gpu-internals.md §5): its ops, transports and dtypes, on the first shape
     cases += [(op, transport, dtype, None, SHAPES[0], variant, True)
               for op, transport, dtype, variant in itertools.product(
                   [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS,
@@ -581,34 +599,39 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
 
 def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | None,
                    fp8_why: str | None, device: int = 0, fake=None) -> None:
-    """The selftest's p2p rows (FP8 and the fused GEMM's included, where the GPU runs them) with
-    ``n`` ranks on GPU ``device`` (``module.loopback_run``), on one clique."""
+    """The selftest's rows of the transports one GPU serves (``LOOPBACK_TRANSPORTS``: FP8 and the
+    fused GEMM's included, where the GPU runs them) with ``n`` ranks on GPU ``device``
+    (``module.loopback_run``), on one clique per transport."""
     import numpy as np
 
     shapes = SHAPES[:1] if quick else SHAPES
     dtypes = DTYPES[:1] if quick else DTYPES
     variants = VARIANTS[-1:] if quick else VARIANTS
-    cases = [(op, dtype, None, shape, variant, False)
-             for op, dtype, shape, variant in itertools.product(OPS, dtypes, shapes, variants)]
+    transports = LOOPBACK_TRANSPORTS
+    cases = [(op, transport, dtype, None, shape, variant, False)
+             for op, transport, dtype, shape, variant
+             in itertools.product(OPS, transports, dtypes, shapes, variants)]
     if fp8_why is None:
         fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
-        cases += [(op, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
-                  for (i, fp8), (j, op) in itertools.product(enumerate(fp8s), enumerate(FP8_OPS))]
+        cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
+                  for (i, fp8), (j, op), transport
+                  in itertools.product(enumerate(fp8s), enumerate(FP8_OPS), transports)]
     if fused_why is None:
-        cases += [(op, dtype, None, SHAPES[0], variant, True)
-                  for op, dtype, variant in itertools.product(
-                      FUSED_OPS, FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
+        cases += [(op, transport, dtype, None, SHAPES[0], variant, True)
+                  for op, transport, dtype, variant in itertools.product(
+                      FUSED_OPS, [t for t in transports if t in FUSED_TRANSPORTS],
+                      FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
     where = f"(loopback: {n} ranks on GPU {device}{', host-side fake' if fake else ''})"
-    for op, dtype, fp8, shape, (chunks, bidi), fused in cases:
+    for op, transport, dtype, fp8, shape, (chunks, bidi), fused in cases:
         dims = (*shape[0], shape[1] * n + op.endswith("one_shot"), shape[2])
-        name = (f"{op:9s} {'p2p':9s} {_dtypes_name(dtype, fp8)} "
+        name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
                 f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
                 f"{' fused' if fused else ''} {where}")
         table.start(name, cliques=module.cliques)
         start = time.perf_counter()
         try:
-            ok, detail = _loopback_row(module, np, n, op, dtype, shape, chunks, bidi, fp8, fused,
-                                       device, fake)
+            ok, detail = _loopback_row(module, np, n, op, transport, dtype, shape, chunks, bidi,
+                                       fp8, fused, device, fake)
         except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
             ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         table.add(name, ok, detail, time.perf_counter() - start, cliques=module.cliques)
@@ -683,7 +706,7 @@ def _dtypes_name(dtype: str, fp8: tuple[str, str, str] | None) -> str:
     """A row's dtypes: "bfloat16", or an FP8 row's "e4m3 x e5m2 -> float32"."""
     if fp8 is None:
         return f"{dtype:8s}"
-    short = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+    short = {d.name: d.aliases[0] for d in _kinds.DTYPES if d.fp8}
     return f"{short[fp8[0]]} x {short[fp8[1]]} -> {fp8[2]}"
 
 
@@ -806,8 +829,8 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
     table = Table(report=(report, _report_header(caps, fake=False)) if report else None,
                   deadline_s=row_deadline or row_deadline_s())
     shapes = SHAPES[:1] if quick else SHAPES
-    # The fused GEMM's rows where the GPUs run it (docs/gpu.md §10); not on host devices (the
-    # host executor's fused programs are the tests').
+    # The fused GEMM's rows where the GPUs run it (docs/gpu-internals.md §5); not on host devices
+    # (the host executor's fused programs are the tests').
     fused_why = (capabilities.fused_device_reason(platform) if on_gpu
                  else "not on host devices")
     if fused_why:

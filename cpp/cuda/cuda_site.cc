@@ -49,7 +49,7 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
   const Placement& place = call.place;
   const CliqueKey key{desc.clique_key, place.group, 0};
   ErrorContext ctx;
-  ctx.op = CollectiveName(desc.op);
+  ctx.op = CollectiveName(desc.problem.op);
   ctx.rank = place.rank;
   ctx.clique = CliqueName(key);
   // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
@@ -62,19 +62,20 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
   bool shared_gpu = false;
   for (int ordinal : place.ordinals)
     shared_gpu = shared_gpu || (ordinal >= 0 && !seen.insert(ordinal).second);
-  if (shared_gpu && desc.transport != Transport::kP2p)
-    return InvalidArgument(ctx.Describe() + ": transport " + TransportName(desc.transport) +
+  if (shared_gpu && Row(desc.problem.transport).mechanism != Mechanism::kPeerCopies)
+    return InvalidArgument(ctx.Describe() + ": transport " + TransportName(desc.problem.transport) +
                            " needs every rank on a GPU of its own (here ranks share one: the "
                            "loopback runs transport p2p only)");
   ncclUniqueId nccl_id{};
   std::shared_ptr<Exchange> exchange;
   const bool spans = place.spans_processes();
-  if (spans && desc.transport == Transport::kNccl)
+  const bool messages = Row(desc.problem.transport).messages();
+  if (spans && messages)
     JO_CHECK(FindNcclId(desc.clique_key, place.group, caller.process, ctx.Describe(), &nccl_id));
-  if (spans && desc.transport != Transport::kNccl) {
+  if (spans && !messages) {
     exchange = FindExchange(desc.clique_key, place.group, caller.process);
     if (!exchange)
-      return InvalidArgument(ctx.Describe() + ": this " + TransportName(desc.transport) +
+      return InvalidArgument(ctx.Describe() + ": this " + TransportName(desc.problem.transport) +
                              " clique spans processes but process " +
                              std::to_string(caller.process) +
                              " has no exchange for it: jaxoverlap registers one when the call "
@@ -82,7 +83,7 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
                              "process)");
   }
   *out =
-      std::make_unique<CudaClique>(key, desc.transport, place.ordinals, place.processes,
+      std::make_unique<CudaClique>(key, desc.problem.transport, place.ordinals, place.processes,
                                    spans ? &nccl_id : nullptr, exchange, Millis(desc.timeout_ms));
   return OkStatus();
 }
@@ -112,9 +113,9 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
   for (const Op& op : out->call.program.ops)
     if (op.kind == OpKind::kFusedGemm && op.fused.wait_flags >= 0)
       out->fused_wait_flags = op.fused.wait_flags;
-  out->nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
-  JO_REQUIRE(!desc_.table.processes.empty(),
-             std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
+  out->nccl = Row(problem.transport).messages() && problem.nranks > 1;
+  JO_REQUIRE(!desc_.table.processes.empty(), std::string(CollectiveName(desc_.problem.op)) +
+                                                 ": the GPU handler needs the rank table");
   const CliqueKey key{desc_.clique_key, out->call.place.group, 0};
   Status made = OkStatus();
   Status got = Registry(caller.process)
@@ -128,7 +129,7 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
                        &out->clique);
   JO_CHECK(made);
   JO_CHECK(got);
-  if (out->clique->transport() != desc_.transport ||
+  if (out->clique->transport() != desc_.problem.transport ||
       out->clique->devices() != out->call.place.ordinals)
     return Internal(CliqueName(key) + ": clique key collision (transport or devices differ)");
   return OkStatus();
@@ -250,7 +251,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (!status.ok() && status.code() != Code::kAborted) clique.Break(status);
   // NCCL did not get its peers in time (AwaitNccl): abort the communicators,
   // so that no NCCL thread keeps waiting for them.
-  if (status.code() == Code::kTimeout && problem.transport == Transport::kNccl) clique.AbortComms();
+  if (status.code() == Code::kTimeout && Row(problem.transport).messages()) clique.AbortComms();
   return status;
 }
 

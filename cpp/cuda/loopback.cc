@@ -119,16 +119,10 @@ Status RunLoopback(const LoopbackCalls& in, const LoopbackHooks& hooks, Loopback
   for (const auto* scales : {&in.x_scales, &in.w_scales})
     JO_REQUIRE(scales->empty() || static_cast<int>(scales->size()) == n,
                "loopback: x_scales / w_scales: one per rank, or none");
-  const bool ag = q.op == Collective::kAgMatmul, rs = q.op == Collective::kMatmulRs;
-  const bool one_shot = q.algorithm == ArAlgorithm::kOneShot;
-  const size_t xs = static_cast<size_t>(DTypeSize(q.x_dtype));
-  const size_t ws = static_cast<size_t>(DTypeSize(q.w_dtype));
-  const size_t ys = static_cast<size_t>(DTypeSize(q.out_dtype));
-  const size_t x_bytes =
-      static_cast<size_t>(q.batch * (ag || one_shot ? q.rows : q.rows * n) * q.k) * xs;
-  const size_t w_bytes = static_cast<size_t>(q.k * q.cols) * ws;
-  const size_t y_bytes =
-      static_cast<size_t>(q.batch * (rs || one_shot ? q.rows : q.rows * n) * q.cols) * ys;
+  const OperandRows rows = OperandRowsOf(q);  // by the op's rows rule (core/kinds.h)
+  const size_t x_bytes = static_cast<size_t>(q.batch * rows.x * q.k * DTypeSize(q.x_dtype));
+  const size_t w_bytes = static_cast<size_t>(q.k * q.cols * DTypeSize(q.w_dtype));
+  const size_t y_bytes = static_cast<size_t>(q.batch * rows.y * q.cols * DTypeSize(q.out_dtype));
   for (int r = 0; r < n; ++r)
     JO_REQUIRE(in.xs[r].size() == x_bytes && in.ws[r].size() == w_bytes,
                "loopback: xs/ws of rank " + std::to_string(r) + ": wrong byte size");
@@ -160,15 +154,9 @@ Status RunLoopback(const LoopbackCalls& in, const LoopbackHooks& hooks, Loopback
   // One call site, as one custom call of one executable; the rank table lists the device once
   // per rank.
   CallDesc desc;
-  desc.op = q.op;
-  desc.transport = q.transport;
+  desc.problem = q;  // its shapes and dtypes are the inputs'
   desc.clique_key = in.clique_key;
   desc.axis = 0;
-  desc.chunks = q.chunks;
-  desc.bidirectional = q.bidirectional;
-  desc.tf32 = q.tf32;
-  desc.algorithm = q.algorithm;
-  desc.fused = q.fused;
   desc.timeout_ms = in.timeout_ms;
   desc.table.axis_size = n;
   desc.table.processes.assign(static_cast<size_t>(n), 0);
@@ -270,6 +258,7 @@ Status RunLoopback(const LoopbackCalls& in, const LoopbackHooks& hooks, Loopback
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
+  if (hooks.finished) hooks.finished();
   out->statuses = std::move(statuses);
   out->completed = completed;
   out->ys.assign(static_cast<size_t>(n), std::string());

@@ -65,13 +65,17 @@ struct LoopbackOutcome {
 
 // What differs between a GPU and the host-side fake, which runs the same runner: the host
 // thread of a rank (the fake counts them), a handler's bounds (the fake checks what runs
-// between them) and moving bytes between the host and device memory.
+// between them), moving bytes between the host and device memory, and what follows the GPU's
+// finishing the calls (`finished`, optional: the fake's watchdog clock stands still, so it lets
+// one pass of it go by, which drops the finished calls and their buffer generations; a GPU's
+// watchdog passes on its own).
 struct LoopbackHooks {
   std::function<std::shared_ptr<void>()> rank_thread;  // held for the thread's life
   std::function<void(cudaStream_t)> begin_handler;
   std::function<void(cudaStream_t, const std::string& who)> end_handler;
   std::function<Status(void* device, const void* host, size_t bytes)> upload;
   std::function<Status(void* host, const void* device, size_t bytes)> download;
+  std::function<void()> finished;
 };
 
 // Runs `calls.calls` calls on every rank, all on `calls.device`, and waits (polling, at most

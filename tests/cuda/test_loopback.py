@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from jaxoverlap import _selftest
+from jaxoverlap._fused_gemm import FUSED_OPS
 
-from .test_fake import _inputs, _reference
+from .fake_cases import OPS, inputs, problem, reference
 
 pytestmark = pytest.mark.jax_independent
 
@@ -27,11 +28,10 @@ TOL = 3e-2  # bfloat16's results
 
 def loopback(fake, op, n=4, *, dtype="bfloat16", rows=8, chunks=2, bidirectional=True,
              fused=False, transport="p2p", calls=2, **kwargs):
-    xs, ws = _inputs(op, n, 2, rows, 16, 16, dtype)
-    problem = dict(op=op, transport=transport, nranks=n, batch=2, rows=rows, k=16, cols=16,
-                   x_dtype=dtype, w_dtype=dtype, out_dtype=dtype, chunks=chunks,
-                   bidirectional=bidirectional, algorithm="two_shot", fused=fused)
-    out = fake.loopback_run(problem, [x.tobytes() for x in xs], [w.tobytes() for w in ws],
+    p = problem(op, transport, n, batch=2, rows=rows, k=16, nw=16, dtype=dtype, chunks=chunks,
+                bidirectional=bidirectional, fused=fused)
+    xs, ws = inputs(p)
+    out = fake.loopback_run(p, [x.tobytes() for x in xs], [w.tobytes() for w in ws],
                             calls=calls, **kwargs)
     return out, xs, ws
 
@@ -41,13 +41,13 @@ def test_the_loopback_runs_every_op_on_one_gpu(fake, connections):
     """Four ranks on fake GPU 0, two calls each, every op and the fused programs: the results
     match float64, the fake sees no misuse, every rank's work completes — through one work queue
     shared by all four ranks' streams, and through eight."""
-    for op, fused in [("ag_matmul", False), ("matmul_rs", False), ("matmul_ar", False),
-                      ("ag_matmul", True), ("matmul_rs", True)]:
+    for op, fused in [*((op, False) for op in OPS), *((op, True) for op in FUSED_OPS)]:
         fake.reset(fake.Config(devices=1, connections=connections))
         out, xs, ws = loopback(fake, op, fused=fused)
         assert out["statuses"] == [None] * 4 and out["completed"], (op, fused, out["statuses"])
         assert fake.drain() and fake.errors() == [], fake.errors()
-        refs, _ = _reference(op, xs, ws, 8)
+        assert fake.pending_watches() == 0  # the watchdog dropped the calls (and their buffers)
+        refs, _ = reference(op, xs, ws, 8)
         for r, (y, ref) in enumerate(zip(out["ys"], refs, strict=True)):
             got = np.frombuffer(y, ml_dtypes.bfloat16).reshape(ref.shape).astype(np.float64)
             np.testing.assert_allclose(got, ref, rtol=TOL, atol=TOL,
@@ -100,13 +100,11 @@ def test_selftest_loopback_on_the_fake(fake, tmp_path):
 def test_the_gpu_module_runs_the_same_loopback(cuda):
     """``_cuda.loopback_run`` is the same runner with a GPU's hooks (cudaMemcpy for the bytes);
     without a GPU it fails with CUDA's error, cleanly."""
-    xs, ws = _inputs("ag_matmul", 2, 1, 4, 16, 16, "float32")
-    problem = dict(op="ag_matmul", transport="p2p", nranks=2, batch=1, rows=4, k=16, cols=16,
-                   x_dtype="float32", w_dtype="float32", out_dtype="float32", chunks=1,
-                   bidirectional=False, algorithm="two_shot", fused=False)
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=4, k=16, nw=16)
+    xs, ws = inputs(p)
     if cuda.capabilities().get("devices"):
         pytest.skip("a GPU is present: selftest --loopback runs it there")
     with pytest.raises(RuntimeError, match="cudaSetDevice"):
-        cuda.loopback_run(problem, [x.tobytes() for x in xs], [w.tobytes() for w in ws])
+        cuda.loopback_run(p, [x.tobytes() for x in xs], [w.tobytes() for w in ws])
     with pytest.raises(ValueError, match="op"):
-        cuda.loopback_run(dict(problem, op="gemm"), [], [])
+        cuda.loopback_run(dict(p, op="gemm"), [], [])

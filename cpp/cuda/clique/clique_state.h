@@ -137,9 +137,9 @@ struct RankResources {
   // device and for every peer that maps its memory (peer access), whose queued work may wait for
   // this very rank's next call: so the pool only grows, by the first local rank to reserve an
   // epoch, for every local rank, while the others wait before they reserve it (CudaClique's
-  // barrier, the one past generations are freed under: docs/gpu.md §3), and is freed only at
-  // teardown. A growth at least doubles what it grows, so outgrown memory kept until then is
-  // at most what the pool holds.
+  // barrier, the one past generations are freed under: docs/gpu-internals.md §1), and is freed only
+  // at teardown. A growth at least doubles what it grows, so outgrown memory kept until then is at
+  // most what the pool holds.
   bool PoolCovers(const PoolNeeds& needs) const;
   Status GrowPool(const PoolNeeds& needs, const ErrorContext& ctx);
   std::shared_ptr<const RankPool> Pool() const;

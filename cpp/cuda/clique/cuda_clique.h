@@ -81,8 +81,8 @@ class CudaClique : public Clique {
   // buffer generation as big as `needs` (core/call.h: the same on every rank)
   // when the current one is smaller; and the rank's streams and events for
   // `program` (without the lock). Everything here may wait for the GPU: it
-  // runs before the call's first enqueue (docs/gpu.md §3, "What may run on
-  // the enqueue path"). A failure breaks the clique.
+  // runs before the call's first enqueue (docs/gpu-internals.md §1, "What may
+  // run on the enqueue path"). A failure breaks the clique.
   Status Reserve(const Program& program, const CallNeeds& needs, const PoolNeeds& pool_needs,
                  int64_t epoch, const ErrorContext& ctx, Reservation* out);
 

@@ -510,7 +510,7 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
   // A 2-D copy to or from a peer's memory while a fused GEMM of the device holds every SM:
   // CUDA documents no copy engine for cudaMemcpy2DAsync (nor says it never runs as a kernel),
   // and one run as a kernel would wait for the SMs while the peers' fused GEMMs wait for its
-  // data (docs/gpu.md §10, rule 1). The executor copies such blocks 1-D, a copy per batch.
+  // data (docs/gpu-internals.md §5, rule 1). The executor copies such blocks 1-D, a copy per batch.
   const jo::fake::Alloc* from = jo::fake::Find(src, sspan);
   const jo::fake::Alloc* to = jo::fake::Find(dst, dspan);
   const bool peer =
