@@ -178,7 +178,8 @@ MISUSES = {
 CONTROLS = {"blocked wait, one work queue per stream (control)",
             "fused GEMM after its own outgoing copy (control)",
             "a kernel the fused GEMM waits for, before it (control)",
-            "a 1-D peer copy behind the fused GEMM (control)"}
+            "a 1-D peer copy behind the fused GEMM (control)",
+            "a kernel the fused GEMM waits for, queued behind it on SMs it leaves free (control)"}
 
 
 def test_the_fake_fails_loudly_on_misuse(fake):

@@ -569,7 +569,9 @@ std::map<std::string, std::string> MisuseChecks() {
   //    documents no copy engine for it, and run as a kernel it would wait for the SMs the fused
   //    GEMM holds (kKernelFirst on separate work queues is its control: a 1-D copy).
   enum class Fused { kOutgoingFirst, kKernelFirst, kProducerAfter, kProducerFirst, kCopy2DAfter };
-  auto fused_pair = [&](Fused how) {
+  // sm_count: the SMs each fused GEMM holds (every SM of the fake's H100 by default; fewer is
+  // the loopback's share of a device).
+  auto fused_pair = [&](Fused how, int sm_count = 132) {
     const cuda::DriverApi* drv = nullptr;
     (void)cuda::LoadDriver(&drv);
     if (drv == nullptr) return;
@@ -609,7 +611,7 @@ std::map<std::string, std::string> MisuseChecks() {
       f.epoch = 1;
       f.timeout_ns = int64_t{1} << 40;
       f.fault = static_cast<cuda::FusedGemmFault*>(Malloc(d, sizeof(cuda::FusedGemmFault)));
-      f.sm_count = 132;
+      f.sm_count = sm_count;
       add[d].dtype = DType::kBF16;
       add[d].dst = x[d];
       add[d].src = x[d];
@@ -714,6 +716,11 @@ std::map<std::string, std::string> MisuseChecks() {
   check(
       "a kernel the fused GEMM waits for, before it (control)",
       [&] { fused_pair(Fused::kProducerFirst); }, 8);
+  // A persistent kernel holds the SMs of its launch (sm_count), not the device's others: a
+  // kernel behind it on the SMs it leaves free runs (the loopback's ranks share a device so).
+  check(
+      "a kernel the fused GEMM waits for, queued behind it on SMs it leaves free (control)",
+      [&] { fused_pair(Fused::kProducerAfter, 66); }, 8);
   ResetExecutorAndFake(Config());
   return out;
 }
