@@ -30,10 +30,11 @@ host code, its enqueue order through ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues
 serialisation and the kernels' own per-element code, compared with float64.
 It checks what decides hangs and wrong results, not a GPU's speed.
 
-``--loopback N`` (with or without ``--fake``): the p2p rows (FP8 and the fused GEMM's included,
-where the GPU runs them) with N ranks on ONE GPU, through the executor directly
-(``loopback_run``: cpp/cuda/loopback.h), no JAX: a first contact that needs one GPU. It says, and
-its report lists, what one GPU cannot cover (NCCL, multicast, anything between GPUs).
+``--loopback N`` (with or without ``--fake``): the rows of the peer-copy transports (p2p; FP8 and
+the fused GEMM's included, where the GPU runs them) with N ranks on ONE GPU, through the executor
+directly (``loopback_run``: cpp/cuda/loopback.h), no JAX: a first contact that needs one GPU. It
+says, and its report lists, what one GPU cannot cover (the other transports, anything between
+GPUs).
 """
 
 from __future__ import annotations
@@ -770,7 +771,8 @@ def fake_main(quick: bool = False, report: str | None = None,
           f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '')!s}"
           "; unset: the driver's 8), NCCL's serialisation per communicator, and the kernels' "
           "per-element code compiled for the host; it proves nothing about a GPU's timing.")
-    print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; transports: nccl, p2p, multicast")
+    print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; "
+          f"transports: {', '.join(_kinds.names(_kinds.TRANSPORTS))}")
     table = Table(report=(report, _report_header(_gpu_table(), fake=True)) if report else None,
                   deadline_s=row_deadline or row_deadline_s())
     _fake_rows(table, quick=quick, ops=OPS)
