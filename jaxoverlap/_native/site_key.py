@@ -19,7 +19,10 @@ would shift every later site. The key is a hash of
   terms in another order, so x's provenance would follow that order,
 * and the call's ordinal among the native calls with all of the above in this lowering: calls
   multiplying one weight (a layer applied twice), told apart by the order of the trace as
-  before (docs/native.md §7),
+  before (docs/native.md §7); from the second such call on, also where x comes from, so that
+  calls traced in another order in another process find no peer rather than a wrong one (x's
+  provenance cannot name every call: where x is an argument of a function not yet called,
+  only its place is known, and a ``shard_map``'s places follow the trace),
 
 none of which depends on what else a process compiled. The native primitive's lowering is not
 cached by JAX (``cacheable=False`` where it is registered), so every call of a program gets its
@@ -58,13 +61,15 @@ def _module_name(module_context: Any) -> str:
     return mlir.ir.StringAttr(attributes["sym_name"]).value
 
 
-def site_key(ctx: Any, naming: dict[str, Any], operands: Sequence[Any] = ()) -> int:
+def site_key(ctx: Any, naming: dict[str, Any], operands: Sequence[Any] = (),
+             inputs: Sequence[Any] = ()) -> int:
     """The site key of the native call lowering in ``ctx`` (a nonzero signed 64-bit int).
 
     ``naming``: everything the call is besides where it lowers and its types, its clique key
     among them (``attributes.naming``: op, axis, transport, chunks, ...; not its timeout, which
     a process may set differently); ``operands``: the MLIR values whose provenance names the
-    call (the native lowering gives w).
+    call (the native lowering gives w); ``inputs``: those whose provenance a call alike to an
+    earlier one of this lowering adds to its key (the native lowering gives x).
     """
     avals = tuple((tuple(a.shape), str(a.dtype)) for a in (*ctx.avals_in[:2], *ctx.avals_out))
     described = repr((_module_name(ctx.module_context), str(ctx.name_stack), avals,
@@ -75,7 +80,12 @@ def site_key(ctx: Any, naming: dict[str, Any], operands: Sequence[Any] = ()) -> 
         counts = _ordinals.setdefault(ctx.module_context.module, {})
         ordinal = counts.get(digest, 0)
         counts[digest] = ordinal + 1
-    key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little"), digest_size=8).digest()
+    # A second and later alike call also carries its input's provenance: processes that traced
+    # alike calls in other orders then find no peer for them (a timeout naming the sites), never
+    # a peer that computes something else.
+    checked = provenance(ctx, inputs) if ordinal else b""
+    key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little") + checked,
+                                digest_size=8).digest()
     return int.from_bytes(key_bytes, "little", signed=True) or 1
 
 

@@ -887,6 +887,43 @@ def set_order(transports: list[str],
     return {"order": order, "wrong": wrong}
 
 
+def set_order_one_weight(transport: str) -> dict[str, Any]:
+    """One kernel applied to the results of a ``set`` of others (each process its own order)
+    inside a ``shard_map``, native: a matmul_rs makes the input, then for each name an
+    ag_matmul of it by that name's kernel and a matmul_rs of the result by one shared kernel.
+    The last calls are alike but for their input, which the trace's order names
+    (docs/native.md §7). Returns the order, and the wrong shards or the error."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    names = {"query", "key", "value"}
+    b, s, k, f = 2, 4 * n, 16, 8 * n
+    x64, u64 = values(90, (b, s, f), "float32"), values(89, (f, k), "float32")
+    w64 = {nm: values(91 + i, (k, f), "float32") for i, nm in enumerate(sorted(names))}
+    v64 = values(95, (f, k), "float32")
+    x = global_array(x64, mesh, P(None, None, "tp"), "float32")
+    u = global_array(u64, mesh, P("tp", None), "float32")
+    ws = {nm: global_array(w, mesh, P(None, "tp"), "float32") for nm, w in w64.items()}
+    v = global_array(v64, mesh, P("tp", None), "float32")
+    kw = dict(impl="native", transport=transport)
+
+    def layer(x, u, ws, v):
+        x = jo.matmul_rs(x, u, "tp", axis=1, **kw)
+        return {nm: jo.matmul_rs(jo.ag_matmul(x, ws[nm], "tp", axis=1, **kw), v, "tp", axis=1,
+                                 **kw) for nm in names}   # a set: each process its own order
+
+    fn = jax.shard_map(layer, mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None),
+                                                   P(None, "tp"), P("tp", None)),
+                       out_specs=P(None, "tp", None))
+    try:
+        with jax.set_mesh(mesh):
+            ys = jax.jit(fn)(x, u, ws, v)
+            wrong = sum(_wrong_shards(ys[nm], ((x64 @ u64) @ w64[nm]) @ v64, "float32")
+                        for nm in names)
+        return {"order": list(names), "wrong": wrong, "error": None}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"order": list(names), "wrong": None, "error": f"{type(e).__name__}: {e}"}
+
+
 def qkv(transports: list[str], steps: int = 30, skew_s: float = 0.02, backward: bool = True,
         dtype: str = "float32") -> dict[str, Any]:
     """Three independent native calls over one mesh axis (the Q/K/V projections of an
@@ -1258,6 +1295,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "fused": fused,
     "qkv": qkv,
     "set_order": set_order,
+    "set_order_one_weight": set_order_one_weight,
     "small_dev_shm": small_dev_shm,
     "chief_aot": chief_aot,
     "many_sites": many_sites,

@@ -96,6 +96,33 @@ def test_alike_calls_are_named_by_their_weight_not_the_trace_order():
                                                                                    second)
 
 
+def _keys_by_input(order: str) -> dict[str, str]:
+    """The site key of each of three ag_matmul calls of one kernel on three inputs made inside
+    a shard_map in ``order``, by the name of its input."""
+    mesh = tp_mesh(kind=AxisType.Explicit)
+    xs = {n: jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(
+        mesh, P("tp", None))) for n in "qkv"}
+    w = jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh, P(None, "tp")))
+    f = jax.jit(jax.shard_map(
+        lambda xs, w: {n: jo.ag_matmul(xs[n], w, "tp", impl="native", transport="p2p")
+                       for n in order}, mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    # jit flattens the dict in sorted order (k, q, v): the body's %arg4, %arg5, %arg6
+    calls = re.findall(r"custom_call @jaxoverlap_ag_matmul\(%arg(\d+), .*?site_key = "
+                       r"(-?\d+)", f.lower(xs, w).as_text())
+    return {"kqv"[int(a) - 4]: k for a, k in calls}
+
+
+def test_calls_of_one_weight_in_another_order_share_only_the_first_key():
+    """One kernel on the inputs of a set: the trace's order names the calls, and from the
+    second on their inputs too, so two orders share no key but the first call's (whose
+    program then fails on the others rather than pairing them wrongly)."""
+    first, again, other = _keys_by_input("qkv"), _keys_by_input("qkv"), _keys_by_input("kvq")
+    assert len(set(first.values())) == 3 and first == again, (first, again)
+    assert set(first.values()) & set(other.values()) == {first["q"]} == {other["k"]}, (first,
+                                                                                       other)
+
+
 def test_instances_of_one_lowered_call_are_different_sites():
     """A nested jit called three times is lowered once (one site key) and inlined three times
     by XLA; the three instances get three site ids, and each its own clique."""
