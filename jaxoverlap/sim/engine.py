@@ -27,6 +27,7 @@ memory (the copy engine takes no SMs, but its traffic still interferes).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -379,6 +380,8 @@ class _FusedGemm:
         self.left = sum(lane.units for lane in plan.lanes)
         self.block_left = list(plan.block_units)
         self.stalled: list[tuple[int, int, int, int]] = []  # (lane, first unit, end, run)
+        # each lane's runs are consecutive: their starts, to find a unit's run by bisection
+        self.starts = [[run.start for run in lane.runs] for lane in plan.lanes]
         for i, lane in enumerate(plan.lanes):
             self.queue(i, 0, lane.ctas)
 
@@ -386,10 +389,12 @@ class _FusedGemm:
         """Units [a, b) of `lane` (one per CTA) wait for their runs' blocks."""
         runs = self.plan.lanes[lane].runs
         b = min(b, self.plan.lanes[lane].units)
-        for i, run in enumerate(runs):
-            lo, hi = max(a, run.start), min(b, run.end)
+        i = max(0, bisect.bisect_right(self.starts[lane], a) - 1)
+        while i < len(runs) and runs[i].start < b:
+            lo, hi = max(a, runs[i].start), min(b, runs[i].end)
             if lo < hi:
                 self.stalled.append((lane, lo, hi, i))
+            i += 1
 
     def ready(self, block: int) -> bool:
         t = self.e.flags.get((self.rank, self.plan.wait_flags + block))
