@@ -7,6 +7,7 @@ unfused path). ``sim.published`` checks it against published measurements and
 ``sim.calibrate`` fits a preset to measured points. See docs/performance.md.
 """
 
+from jaxoverlap.sim import allreduce, families, launch, reduction
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import SimulationError, Span, Timeline, simulate_programs
 from jaxoverlap.sim.fit import (
@@ -50,6 +51,10 @@ from jaxoverlap.sim.report import (
 )
 
 __all__ = [
+    "allreduce",
+    "families",
+    "launch",
+    "reduction",
     "MODEL_LABEL",
     "OPS",
     "PRESETS",

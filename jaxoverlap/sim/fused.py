@@ -32,7 +32,7 @@ from typing import Any
 
 from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 from jaxoverlap.sim import model
-from jaxoverlap.sim.presets import Preset, canonical_dtype
+from jaxoverlap.sim.presets import Preset, canonical_dtype, gemm_class
 
 OPS, TRANSPORTS, DTYPES, ALIGN = FUSED_OPS, FUSED_TRANSPORTS, FUSED_DTYPES, FUSED_ALIGN
 
@@ -167,7 +167,7 @@ def _lanes(shards: int, chunks: int, shard_rows: int, sequence: tuple[int, ...],
 def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
     """The FusedGemm ``op`` (a program op of ``_host.build_program``) on preset ``p``."""
     f = op["fused"]
-    tm, tn = p.fused_gemm_tile
+    tm, tn = kernel_tile(p, dtype)
     chunks, shard_rows = f["chunks"], f["shard_rows"]
     waited = tuple(f["wait_flags"] >= 0 and b // chunks != f["ready_shard"]
                    for b in range(f["shards"] * chunks))
@@ -188,5 +188,12 @@ def kernel_busy(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
     tile shape: the model's GEMM with the kernel's one tile and no split-K (one wave
     quantisation for the whole GEMM), less the per-kernel cost. The kernel's own speed
     relative to that is ``Preset.fused_gemm_rate``."""
-    t, _, _ = model.gemm_plan(p, dtype, batch, m, n, k, accumulate, (p.fused_gemm_tile,))
+    t, _, _ = model.gemm_plan(p, dtype, batch, m, n, k, accumulate, (kernel_tile(p, dtype),))
     return t - p.gemm_overhead_us * model.US
+
+
+def kernel_tile(p: Preset, dtype: str) -> tuple[int, int]:
+    """The fused kernel's CTA tile (M, N) for ``dtype`` operands: the class's own
+    (``GemmFit.fused_tile``: an FP8 kernel with promotion runs 128 x 128 x 128 tiles) or the
+    preset's ``fused_gemm_tile``."""
+    return p.gemm_fit(gemm_class(dtype)).fused_tile or p.fused_gemm_tile

@@ -1,0 +1,91 @@
+"""The mechanisms of a GEMM + reduce-scatter whose reduction overlaps the GEMM (a model of
+programs not built yet), each a function a program's ops can be priced with.
+
+Published designs that win at GEMM+RS keep the GEMM on most SMs and reduce each block of
+partials as soon as every rank has released it (docs/performance.md §4's table of designs). Their
+parts, each priced here from its own source:
+
+* **a GEMM on fewer SMs** (``gemm_time_on_sms``): the persistent GEMM leaves ``s`` SMs to a
+  reduction kernel (TransformerEngine's ``sm_count - num_comm_sm``, Triton-distributed's
+  ``NUM_SMS - num_rs_sms``): the same kernel with S - s SMs' share of the peak and its waves of
+  S - s tiles; HBM is shared, so a memory-bound GEMM loses less;
+* **a reduction kernel** (``reduction_time``): it reads N partials of a block — its own from HBM,
+  the peers' from HBM after a copy or straight over the links — and writes the block once (one
+  pass of N reads and one write, not N - 1 pairwise adds: ``pairwise_adds_time`` prices those),
+  at ``Preset.reduce_sm_gbps`` per SM up to ``Preset.reduce_efficiency`` of HBM (or the link
+  rate for peers' partials);
+* **interference**: the reduction's and the transfers' bytes slow the GEMM next to them
+  (``model.compute_rate``, as for every compute op next to transfers);
+* **the tail**: after the GEMM's last tile, one block's transfer and reduction
+  (``tail_time``), not the whole output's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxoverlap.sim import model
+from jaxoverlap.sim.presets import Preset
+
+US = 1e-6
+
+
+def gemm_time_on_sms(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, sms: int,
+                     accumulate: bool = False) -> float:
+    """Seconds for d = a @ w on ``sms`` of the GPU's SMs (the rest busy with another kernel):
+    the peak scaled by ``sms / p.sms`` and the tile waves on ``sms`` SMs (``model.gemm_plan``);
+    the HBM bandwidth is shared, not scaled."""
+    if batch * m * n * k == 0:
+        return 0.0
+    return model.gemm_plan(p, dtype, batch, m, n, k, accumulate, sms=sms)[0]
+
+
+def reduction_rate(p: Preset, sms: int | None = None, remote: bool = False) -> float:
+    """Bytes/s a reduction kernel on ``sms`` SMs (None: all) streams: ``sms x reduce_sm_gbps``,
+    at most ``reduce_efficiency`` of HBM, or the link rate when it reads peers' memory."""
+    sms = p.sms if sms is None else sms
+    if not 0 < sms <= p.sms:
+        raise ValueError(f"sms: expected 1..{p.sms} (the preset's SMs), got {sms}")
+    cap = (p.p2p_load_gbps or p.link_gbps) if remote else p.reduce_efficiency * p.hbm_gbps
+    return min(sms * p.reduce_sm_gbps, cap) * 1e9
+
+
+def reduction_time(p: Preset, nranks: int, block_bytes: float, sms: int | None = None,
+                   remote: bool = False) -> float:
+    """One kernel summing ``nranks`` partials of ``block_bytes`` into one block: N reads and one
+    write (``remote``: the N - 1 peers' partials read over the links, the own one and the write
+    in HBM), plus a kernel's fixed cost (``gemm_overhead_us``)."""
+    if nranks < 1 or block_bytes < 0:
+        raise ValueError(f"nranks >= 1 and block_bytes >= 0 expected, got {nranks}, "
+                         f"{block_bytes}")
+    overhead = p.gemm_overhead_us * US
+    if not remote:
+        return (nranks + 1) * block_bytes / reduction_rate(p, sms) + overhead
+    over_links = (nranks - 1) * block_bytes / reduction_rate(p, sms, remote=True)
+    in_hbm = 2 * block_bytes / reduction_rate(p, sms)
+    return max(over_links, in_hbm) + overhead
+
+
+def pairwise_adds_time(p: Preset, nranks: int, block_bytes: float) -> float:
+    """Today's reduction after the release-only fused GEMM+RS over p2p: a copy of the own
+    partial and N - 1 adds of a received one, each its own kernel (2 + 3(N - 1) passes)."""
+    return (model.elementwise_time(p, int(block_bytes), 2)
+            + (nranks - 1) * model.elementwise_time(p, int(block_bytes), 3))
+
+
+def tail_time(p: Preset, transport: str, nranks: int, block_bytes: float,
+              sms: int | None = None) -> float:
+    """What an overlapped GEMM+RS exposes after its GEMM's last tile: the last block's transfer
+    (its fixed start and bytes, ``model.transfer_fill``) and its reduction."""
+    x = block_bytes / (model.transfer_gbps(p, transport) * 1e9)
+    return (model.transfer_fill(p, transport, block_bytes) + x
+            + reduction_time(p, nranks, block_bytes, sms))
+
+
+def sms_for(p: Preset, nranks: int, block_bytes: float, seconds: float) -> int:
+    """The fewest SMs whose reduction of one block (N partials in HBM) fits in ``seconds``
+    (the time the GEMM takes per block): the reduction keeps pace with the GEMM."""
+    if seconds <= p.gemm_overhead_us * US:
+        return p.sms
+    need = (nranks + 1) * block_bytes / (seconds - p.gemm_overhead_us * US)
+    return min(p.sms, max(1, math.ceil(need / (p.reduce_sm_gbps * 1e9))))

@@ -1,0 +1,57 @@
+"""The mechanisms of an overlapped GEMM + reduce-scatter, by hand (sim.reduction)."""
+
+import pytest
+
+from jaxoverlap import sim
+from jaxoverlap.sim import reduction
+
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
+US = 1e-6
+H100 = sim.get_preset("h100")
+BLOCK = 8192 * 8192 * 2 // 8  # RS std's output block per rank: 16 MiB
+
+
+def test_a_gemm_on_fewer_sms_takes_their_share_of_the_peak():
+    full = reduction.gemm_time_on_sms(H100, "bf16", 1, 8192, 8192, 3584, H100.sms)
+    assert full == sim.gemm_time(H100, "bf16", 1, 8192, 8192, 3584)
+    times = [reduction.gemm_time_on_sms(H100, "bf16", 1, 8192, 8192, 3584, s)
+             for s in (132, 116, 66)]
+    assert times == sorted(times)
+    overhead = H100.gemm_overhead_us * US
+    # compute-bound: half the SMs, about twice the time (waves of 66 instead of 132 tiles)
+    assert (times[2] - overhead) / (times[0] - overhead) == pytest.approx(2.0, rel=0.05)
+    # memory-bound (M 16): the HBM is shared, so fewer SMs cost little
+    skinny = [reduction.gemm_time_on_sms(H100, "bf16", 1, 16, 8192, 3584, s) for s in (132, 116)]
+    assert skinny[1] < 1.02 * skinny[0]
+    with pytest.raises(ValueError, match="sms"):
+        reduction.gemm_time_on_sms(H100, "bf16", 1, 16, 8192, 3584, 0)
+
+
+def test_a_reduction_reads_n_partials_and_writes_one():
+    overhead = H100.gemm_overhead_us * US
+    whole = reduction.reduction_time(H100, 8, BLOCK)
+    rate = H100.reduce_efficiency * H100.hbm_gbps * 1e9  # every SM: HBM-bound
+    assert whole == pytest.approx(9 * BLOCK / rate + overhead)
+    # on 16 SMs: 16 x 28 GB/s
+    assert reduction.reduction_time(H100, 8, BLOCK, sms=16) == pytest.approx(
+        9 * BLOCK / (16 * H100.reduce_sm_gbps * 1e9) + overhead)
+    # peers' partials over the links: the link, not HBM, bounds it
+    remote = reduction.reduction_time(H100, 8, BLOCK, remote=True)
+    assert remote == pytest.approx(7 * BLOCK / (H100.link_gbps * 1e9) + overhead)
+    # one pass of N inputs against today's copy and N-1 pairwise adds (2 + 3(N-1) passes)
+    adds = reduction.pairwise_adds_time(H100, 8, BLOCK)
+    assert adds == pytest.approx(23 * BLOCK / (H100.hbm_gbps * 1e9) + 8 * overhead)
+    assert whole < adds / 2.5
+
+
+def test_the_tail_is_one_blocks_transfer_and_reduction():
+    tail = reduction.tail_time(H100, "p2p", 8, BLOCK)
+    x = BLOCK / (H100.p2p_gbps * 1e9)
+    assert tail == pytest.approx(sim.model.transfer_fill(H100, "p2p", BLOCK) + x
+                                 + reduction.reduction_time(H100, 8, BLOCK))
+    # the SMs a reduction needs to keep pace with a GEMM producing a block per `seconds`
+    s = reduction.sms_for(H100, 8, BLOCK, 100 * US)
+    assert reduction.reduction_time(H100, 8, BLOCK, s) <= 100 * US
+    assert reduction.reduction_time(H100, 8, BLOCK, s - 1) > 100 * US
