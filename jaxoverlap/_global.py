@@ -3,7 +3,11 @@
 The caller hands down a :class:`~jaxoverlap._layout.Call`: the layout of its arrays
 (``_layout``) and the function each device runs on its shards (``call.local``, the op on local
 shards that the public ops run inside ``shard_map`` too). This module never calls back up into
-the public ops. Two mechanisms, picked by the mesh's axis types:
+the public ops. Here, once per call, the global shapes are checked against the layouts and the
+per-device function's plan is made for the shards the devices get (``call.local.planned``: on
+a concrete mesh, with the native call's transport decided), at trace time, so that every
+misuse is reported before XLA partitions the program. Two mechanisms, picked by the mesh's
+axis types:
 
 * **Auto axes** (no Explicit or Manual axis; Shardy, JAX's default partitioner): the op is a
   ``custom_partitioning`` primitive (``_partition``) that takes part in sharding propagation,
@@ -15,11 +19,21 @@ the public ops. Two mechanisms, picked by the mesh's axis types:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _partition
-from jaxoverlap._layout import Call, check_shapes, layouts, place, spec_entries, uses_propagation
+from jaxoverlap._layout import (
+    Call,
+    check_shapes,
+    layouts,
+    local_shapes,
+    place,
+    spec_entries,
+    uses_propagation,
+)
 
 
 def run(call: Call, mesh, x, w, *, want_gathered: bool = False, scales: tuple = ()):
@@ -30,6 +44,11 @@ def run(call: Call, mesh, x, w, *, want_gathered: bool = False, scales: tuple = 
     """
     assert call.local is not None, call
     check_shapes(call, x, w, mesh)
+    # Under Auto axes propagation places the other mesh axes later, when XLA partitions the
+    # program; a device whose shards then differ from these makes its own plan for them.
+    entries = None if uses_propagation(mesh) else spec_entries(x, mesh)
+    local = call.local.planned(mesh, *local_shapes(call, x, w, mesh, entries))
+    call = dataclasses.replace(call, local=local)
     if uses_propagation(mesh):
         return _partition.call(call, mesh, x, w, want_gathered=want_gathered, scales=scales)
     return _shard_mapped(call, mesh, x, w, want_gathered, scales)

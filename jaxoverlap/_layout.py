@@ -28,24 +28,29 @@ The mesh comes from ``mesh=``, else ``jax.set_mesh``'s, else the inputs' ``Named
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap import _kinds
 from jaxoverlap._compat import context_mesh
 from jaxoverlap._plan import AG, AR, RS
 
 __all__ = [
-    "AG", "AR", "F", "RS", "TRANSPOSE", "Call", "PerDevice", "check_shapes", "find_mesh",
-    "free_dims", "is_explicit", "layouts", "local_shapes", "open_layouts", "place",
+    "AG", "AR", "F", "RS", "TRANSPOSE", "Call", "PerDevice", "check_shapes", "entry_axes",
+    "find_mesh", "free_dims", "is_explicit", "layouts", "local_shapes", "open_layouts", "place",
     "resolve_mesh", "spec_entries", "uses_propagation", "without_axis",
 ]
 
 F = "matmul"  # Megatron's f around a plain matmul: the kind without an op of its own
+# Where each kind's global arrays are split (the ops' rows of _kinds, and f's).
+LAYOUTS = {**{o.name: o.layout for o in _kinds.OPS}, F: _kinds.Layout(x=None, w=1, y="last")}
 # The kind that computes each kind's input gradient (AG+GEMM <-> GEMM+RS, f <-> g).
-TRANSPOSE = {AG: RS, RS: AG, F: AR, AR: F}
+TRANSPOSE = {**{o.name: o.transpose for o in _kinds.OPS},
+             F: next(o.name for o in _kinds.OPS if o.transpose == F)}
 
 
 # ---------------------------------------------------------------- the mesh
@@ -118,6 +123,8 @@ class PerDevice(Protocol):
 
     def __call__(self, x, w, want_gathered: bool = False, scales: tuple = ()) -> Any: ...
 
+    def planned(self, mesh, x, w) -> PerDevice: ...
+
     def transposed(self) -> PerDevice: ...
 
     def weight_grad(self, a, b, dtype) -> Any: ...
@@ -154,8 +161,8 @@ def without_axis(entry: Any, name: Any) -> Any:
 
 def free_dims(call: Call) -> tuple[int, ...]:
     """x's dims that do not pass through: the row dim (ag/rs) and the contraction dim."""
-    last = call.ndim - 1
-    return (call.axis, last) if call.kind in (AG, RS) else (last,)
+    last, layout = call.ndim - 1, LAYOUTS[call.kind]
+    return (call.axis, last) if "row" in (layout.x, layout.y) else (last,)
 
 
 def layouts(call: Call, x_entries: tuple[Any, ...]) -> tuple[P, P, tuple[P, ...]]:
@@ -168,17 +175,15 @@ def layouts(call: Call, x_entries: tuple[Any, ...]) -> tuple[P, P, tuple[P, ...]
     entries = list(x_entries)[: call.ndim] + [None] * (call.ndim - len(x_entries))
     keep = [None if d in free else without_axis(e, tp) for d, e in enumerate(entries)]
 
-    def spec(at_row: Any = None, at_last: Any = None) -> P:
-        return P(*[at_row if d == row else (at_last if d == last else keep[d])
-                   for d in range(call.ndim)])
+    def spec(split: str | None = None) -> P:
+        """``tp`` on the row dim (``"row"``), the last (``"last"``), or nowhere."""
+        return P(*[tp if (d == row and split == "row") or (d == last and split == "last")
+                   else None if d in (row, last) else keep[d] for d in range(call.ndim)])
 
-    if call.kind == AG:
-        return spec(at_row=tp), P(None, tp), (spec(at_last=tp), spec())
-    if call.kind == RS:
-        return spec(at_last=tp), P(tp, None), (spec(at_row=tp),)
-    if call.kind == F:
-        return spec(), P(None, tp), (spec(at_last=tp),)
-    return spec(at_last=tp), P(tp, None), (spec(),)
+    layout = LAYOUTS[call.kind]
+    w_spec = P(None, tp) if layout.w == 1 else P(tp, None)
+    gathered = (spec(),) if call.kind in _kinds.names(_kinds.OPS, gathered=True) else ()
+    return spec(layout.x), w_spec, (spec(layout.y), *gathered)
 
 
 def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
@@ -193,17 +198,27 @@ def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
     return reopen(x_spec), tuple(reopen(s) for s in out_specs)
 
 
-def local_shapes(call: Call, x, w, n: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """The shards of ``x`` and ``w`` on each device: their dims split over ``axis_name`` (of
-    size ``n``) divided, the pass-through dims as they are."""
-    x_spec, w_spec, _ = layouts(call, (None,) * call.ndim)
+def local_shapes(call: Call, x, w, mesh,
+                 x_entries: tuple[Any, ...] | None = None) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shards of ``x`` and ``w`` on each device of ``mesh``: each dim divided by the mesh
+    axes the layouts put on it — ``axis_name`` where the kind splits it, and the other axes of
+    ``x_entries`` (x's spec, :func:`spec_entries`) that x keeps on its pass-through dims
+    (None: none, as under Auto axes before propagation has placed them)."""
+    x_spec, w_spec, _ = layouts(call, (None,) * call.ndim if x_entries is None else x_entries)
 
     def shard(a, spec: P) -> jax.ShapeDtypeStruct:
-        shape = tuple(s // n if e == call.axis_name else s
+        shape = tuple(s // math.prod(mesh.shape[n] for n in entry_axes(e))
                       for s, e in zip(a.shape, spec, strict=True))
         return jax.ShapeDtypeStruct(shape, a.dtype)
 
     return shard(x, x_spec), shard(w, w_spec)
+
+
+def entry_axes(entry: Any) -> tuple[Any, ...]:
+    """The mesh axes of one spec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _check_divisible(op: str, name: str, size: int, n: int, axis_name: Any, what: str) -> None:
@@ -217,9 +232,10 @@ def _check_divisible(op: str, name: str, size: int, n: int, axis_name: Any, what
 def check_shapes(call: Call, x, w, mesh) -> None:
     """The global shapes split evenly over ``axis_name`` where the layouts split them."""
     op, n, tp = call.kind, mesh.shape[call.axis_name], call.axis_name
-    if call.kind in (AG, RS):
+    layout = LAYOUTS[call.kind]
+    if "row" in (layout.x, layout.y):
         _check_divisible(op, f"x.shape[{call.axis}]", x.shape[call.axis], n, tp, "rows on `axis`")
-    if call.kind in (AG, F):
+    if layout.w == 1:
         _check_divisible(op, "w.shape[1]", w.shape[1], n, tp, "columns")
     else:
         _check_divisible(op, "x.shape[-1]", x.shape[-1], n, tp, "contraction features")

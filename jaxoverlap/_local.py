@@ -1,10 +1,11 @@
 """The ops on local shards: what every device runs, whichever path the call came down.
 
 :class:`LocalOp` is one call's per-device function. The public ops run it on the local shards
-inside ``shard_map``; on global arrays they hand it to the global-array paths (``_global``,
-``_partition``), which call down into it on each device, maybe later, when XLA partitions the
-program. It makes the call's plan there, for the shards it sees (``_plan.make``), and runs the
-plan's impl under the op's autodiff rule:
+inside ``shard_map``, where it makes the call's plan for the shards it sees (``_plan.make``);
+on global arrays they hand it to the global-array paths (``_global``, ``_partition``), which
+have it make its plan once, at trace time, for the shards the devices get
+(:meth:`LocalOp.planned`), and call down into it on each device, maybe later, when XLA
+partitions the program. It runs the plan's impl under the op's autodiff rule:
 
 * the dispatch (``_run_ag`` / ``_run_rs`` / ``_run_ar``): ``_xla`` (the unfused reference),
   ``_ring`` (``ppermute`` rings) or ``_native.primitive`` (the executors' custom calls), each
@@ -42,10 +43,14 @@ class LocalOp:
 
     Hashable, so that the global paths can carry it in a static argument; it brings the
     settings of its trace (``Request.settings``, ``Request.default_precision``) to wherever it
-    is traced.
+    is traced. ``plan``: the plan made for the shards ``shards`` (their shapes and dtypes) by
+    :meth:`planned`, which the devices run when those are the shards they get; None: the
+    devices make it.
     """
 
     request: Request
+    plan: OpPlan | None = None
+    shards: tuple | None = None
 
     @property
     def precision(self) -> str | None:
@@ -64,8 +69,25 @@ class LocalOp:
         with self._traced_as_called():
             if r.op == F:
                 return _megatron.copy_matmul(x, w, r.axis_name, precision=r.precision)
-            plan = _plan.make(r, x, w, bound_axis_size(r.axis_name))
+            plan = self.plan
+            if plan is None or self.shards != _shards(x, w):
+                plan = _plan.make(r, x, w, bound_axis_size(r.axis_name))
             return run(plan, x, w, want_gathered, tuple(scales))
+
+    def planned(self, mesh, x, w) -> LocalOp:
+        """This function with its plan made now, once, for the shards ``x``, ``w`` (anything
+        with a shape and a dtype) that each device of ``mesh`` will get: what the global-array
+        paths call before handing it down, so that the plan (and, on a concrete mesh, the
+        native call's transport) is decided at trace time, where every misuse is reported."""
+        r = self.request
+        if r.op == F:
+            return self
+        context = jax.sharding.get_abstract_mesh()
+        where = (mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh) \
+            if context.empty else context
+        with self._traced_as_called(), jax.sharding.use_abstract_mesh(where):
+            plan = _plan.make(r, x, w, mesh.shape[r.axis_name], mesh=mesh)
+        return dataclasses.replace(self, plan=plan, shards=_shards(x, w))
 
     def transposed(self) -> LocalOp:
         """The call computing this one's input gradient: AG+GEMM <-> GEMM+RS with the same
@@ -243,6 +265,11 @@ def _matmul_ar_bwd(plan, types, typed, res, dy):
 
 
 _matmul_ar.defvjp(_matmul_ar_fwd, _matmul_ar_bwd)
+
+
+def _shards(x, w) -> tuple:
+    """What a plan was made for: the shapes and dtypes of the local shards."""
+    return tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in (x, w))
 
 
 def _types(*arrays) -> tuple[frozenset, ...]:

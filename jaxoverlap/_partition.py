@@ -35,7 +35,6 @@ XLA compiles the program.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap._fp8_dtypes import no_gradient
-from jaxoverlap._layout import AG, RS, Call, F, layouts, open_layouts, without_axis
+from jaxoverlap._layout import (
+    AG,
+    RS,
+    Call,
+    F,
+    entry_axes,
+    layouts,
+    open_layouts,
+    without_axis,
+)
 from jaxoverlap._xla import local_matmul, scale_product
 
 # ---------------------------------------------------------------- the rules
@@ -133,12 +141,6 @@ def _grad_body(call: Call, a, b, w):
     return dw.astype(w.dtype)
 
 
-def _axes(entry: Any) -> tuple[Any, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
     """``aᵀ·b`` reduced over the batch's mesh axes, scattered onto w's own layout where it can.
 
@@ -156,9 +158,9 @@ def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
     a_spec = tuple(a_shape.sharding.spec)
     lead = [without_axis(a_spec[d] if d < len(a_spec) else None, tp)
             for d in range(call.ndim - 1)]
-    batch_axes = [axis for entry in lead for axis in _axes(entry)]
+    batch_axes = [axis for entry in lead for axis in entry_axes(entry)]
     w_spec = tuple(w_shape.sharding.spec)
-    w_other = _axes(w_spec[other] if other < len(w_spec) else None)
+    w_other = entry_axes(w_spec[other] if other < len(w_spec) else None)
     scatter = w_other if w_other and set(w_other) <= set(batch_axes) else ()
     reduce = tuple(a for a in batch_axes if a not in scatter)
     dw_spec = [None, None]

@@ -7,10 +7,9 @@ rule) then runs
 
 * inside ``jax.shard_map`` (where ``axis_name`` is bound), on the local shards, at once;
 * on global arrays (outside it), on every device: the ops hand it to the global-array paths
-  (``_global``), which lay the arrays out (``_layout``) and call down into it, in a
-  ``shard_map`` under Explicit mesh axes or as a ``custom_partitioning`` primitive under Auto
-  ones (``_partition``). The plan is also made once here, for the shards' shapes, so that
-  every misuse is reported at trace time, before XLA partitions the program.
+  (``_global``), which check the shapes, make its plan once for the shards the devices get,
+  lay the arrays out (``_layout``) and call down into it, in a ``shard_map`` under Explicit
+  mesh axes or as a ``custom_partitioning`` primitive under Auto ones (``_partition``).
 
 ``copy_matmul`` (Megatron's f around a plain matmul, for the Flax layers) takes the same paths.
 """
@@ -22,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxoverlap import _global, _layout, _plan, _precision
+from jaxoverlap import _global, _kinds, _layout, _precision
 from jaxoverlap._compat import bound_axis_size
 from jaxoverlap._config import (
     check_algorithm,
@@ -31,12 +30,11 @@ from jaxoverlap._config import (
     check_impl,
     check_transport,
 )
-from jaxoverlap._executors.call import describe
 from jaxoverlap._fp8_dtypes import DEFAULT_OUT, FP8_DTYPES, OUT_DTYPES, any_fp8, is_fp8
 from jaxoverlap._local import LocalOp
 from jaxoverlap._plan import Request
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in _kinds.names(_kinds.DTYPES, fp8=False))
 
 # ---------------------------------------------------------------- the ops
 
@@ -211,18 +209,6 @@ def _run(request: Request, x, w, mesh, want_gathered: bool = False, scales: tupl
     call = _layout.Call(kind=request.op, axis_name=request.axis_name, ndim=x.ndim,
                         axis=request.axis if request.op in (_layout.AG, _layout.RS) else None,
                         local=local)
-    _layout.check_shapes(call, x, w, mesh)
-    if request.op != _layout.F:
-        # The per-device plan may be made later (when XLA partitions the program): make it
-        # once now for the shards' shapes, so that every misuse is reported here.
-        n = mesh.shape[request.axis_name]
-        plan = _plan.make(request, *_layout.local_shapes(call, x, w, n), n, log=False)
-        if plan.impl == "native" and isinstance(mesh, jax.sharding.Mesh):
-            # Under Auto axes the call lowers while XLA compiles, where a refusal surfaces as
-            # an XLA error: ask the one transport resolver now, for this very mesh.
-            platform = mesh.devices.flat[0].platform
-            describe(mesh, request.axis_name, "cuda" if platform == "gpu" else platform,
-                     plan.transport, plan.preferred, jax.process_index())
     return _global.run(call, mesh, x, w, want_gathered=want_gathered, scales=scales)
 
 
@@ -262,8 +248,9 @@ def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:
     for name, a in (("x", x), ("w", w)):
         if jnp.dtype(a.dtype) not in SUPPORTED_DTYPES + FP8_DTYPES:
             raise TypeError(
-                f"{op}: {name}.dtype={jnp.dtype(a.dtype).name} is not supported; use float32, "
-                "bfloat16 or float16, or float8_e4m3fn / float8_e5m2 with a scale."
+                f"{op}: {name}.dtype={jnp.dtype(a.dtype).name} is not supported; use "
+                f"{_kinds.listing(d.name for d in SUPPORTED_DTYPES)}, or "
+                f"{' / '.join(d.name for d in FP8_DTYPES)} with a scale."
             )
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype) and not any_fp8(x, w):
         raise TypeError(

@@ -1,4 +1,11 @@
-"""Shared test helpers: meshes, inputs rounded to a dtype, the float64 reference."""
+"""Shared test helpers, one dialect for every test module: meshes, inputs rounded to a dtype,
+specs and placement, the float64 reference.
+
+Every test runs on 8 host devices (conftest.py). The meshes: :func:`tp_mesh` (one axis over the
+first n devices) and :func:`dp_tp_mesh` (2 x 4, data parallel x tensor parallel), Auto axes
+unless ``kind`` says otherwise. Inputs: :func:`rand` (seeded, rounded to the dtype, so that the
+reference sees the very values the op does) and :func:`f64` (the float64 reference's view).
+"""
 
 from __future__ import annotations
 
@@ -15,13 +22,31 @@ TOLERANCE = {
 }
 
 
-def tp_mesh(n: int, name: str = "tp") -> Mesh:
-    return Mesh(np.array(jax.devices()[:n]), (name,), axis_types=(AxisType.Auto,))
+def tp_mesh(n: int = 4, name: str = "tp", kind: AxisType = AxisType.Auto, *,
+            reverse: bool = False) -> Mesh:
+    """One mesh axis ``name`` over the first ``n`` devices (``reverse``: in reverse order)."""
+    devices = jax.devices()[:n]
+    return Mesh(np.array(devices[::-1] if reverse else devices), (name,), axis_types=(kind,))
 
 
-def rand(key: int, shape, dtype) -> jax.Array:
-    """Random values already rounded to ``dtype``, so the reference sees the same inputs."""
-    values = np.random.default_rng(key).standard_normal(shape).astype(np.float32)
+def dp_tp_mesh(kind: AxisType = AxisType.Auto, names: tuple[str, str] = ("dp", "tp")) -> Mesh:
+    """The 2 x 4 mesh over the 8 devices: data parallel (``names[0]``) x tensor parallel."""
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), names, axis_types=(kind,) * 2)
+
+
+def rand(key: int, shape, dtype=jnp.float32, *, scale: float = 1.0,
+         positive: bool = False) -> jax.Array:
+    """Random values already rounded to ``dtype`` (fp8 included), so the reference sees the same
+    inputs: standard normal times ``scale``, or uniform in [0, 1) where ``positive`` (partial
+    sums that never cancel, for a low-precision ring that rounds its accumulator on every
+    hop)."""
+    rng = np.random.default_rng(key)
+    if positive:
+        values = rng.uniform(0.0, 1.0, size=shape).astype(np.float32)
+    else:
+        values = rng.standard_normal(shape).astype(np.float32)
+    if scale != 1.0:
+        values = values * scale
     return jnp.asarray(values, dtype=dtype)
 
 
@@ -29,7 +54,9 @@ def f64(a) -> np.ndarray:
     return np.asarray(jnp.asarray(a, jnp.float32), dtype=np.float64)
 
 
-def spec_on(ndim: int, dim: int, name) -> P:
+def spec_on(ndim: int, dim: int, name="tp") -> P:
+    """The spec of a rank-``ndim`` array split over ``name`` on ``dim`` (negative: from the
+    end), replicated on the others."""
     entries = [None] * ndim
     entries[dim] = name
     return P(*entries)
@@ -87,12 +114,6 @@ def absent(x, rank: int, enabled=lambda: True, axis_name: str = "tp"):
 # The unit roundoff of each output dtype: one rounding moves a value v by at most u * |v|.
 UNIT_ROUNDOFF = {jnp.dtype(jnp.float32): 2.0 ** -24, jnp.dtype(jnp.bfloat16): 2.0 ** -8,
                  jnp.dtype(jnp.float16): 2.0 ** -11}
-
-
-def fp8_rand(key: int, shape, dtype, spread: float = 3.0) -> jax.Array:
-    """Random values of ``dtype`` (fp8 or not): normal * ``spread``, rounded to the dtype."""
-    values = np.random.default_rng(key).standard_normal(shape).astype(np.float32) * spread
-    return jnp.asarray(values, dtype=dtype)
 
 
 def dequantized(a, scale) -> np.ndarray:

@@ -8,18 +8,16 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import rand, tp_mesh
+from helpers import dp_tp_mesh, put, rand, tp_mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap import _plan
+from jaxoverlap import _local, _plan
 
 
 def _plan_for(**kw):
-    """The plan ag_matmul runs on each device, captured while the program is compiled.
-
-    On global arrays under Auto mesh axes the per-device code is traced when
-    XLA partitions the program; the settings are those in force at trace time.
-    """
+    """The plan ag_matmul runs on each device, captured while the program is lowered and
+    compiled (on global arrays it is made at trace time, for the shards of the devices)."""
     seen = []
     real = _plan.make
 
@@ -38,25 +36,34 @@ def _plan_for(**kw):
     return seen[-1]
 
 
-def test_settings_of_the_trace_reach_the_partitioned_program():
-    """Traced inside a jo.config block, compiled after it: the block's settings still apply."""
-    seen = []
-    real = _plan.make
+def test_settings_of_the_trace_reach_the_partitioned_program(monkeypatch):
+    """Traced inside a jo.config block, compiled after it (under Auto axes the per-device code
+    is traced when XLA partitions the program): the block's settings still apply, to the plan
+    made at trace time that the devices run, and to the plan a device makes for other shards
+    than the trace knew (a data axis that propagation puts on the batch)."""
+    ran, made = [], []
+    real_run, real_make = _local.run, _plan.make
+    monkeypatch.setattr(_local, "run", lambda plan, *a: ran.append(plan) or real_run(plan, *a))
 
-    def spy(*args, **kwargs):
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
+    def make(*args, **kwargs):
+        made.append(real_make(*args, **kwargs))
+        return made[-1]
 
-    mesh = tp_mesh(4)
-    x, w = rand(0, (8, 4), jnp.float32), rand(1, (4, 8), jnp.float32)
-    with jo.config(impl="ring", chunks=2):
-        lowered = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=mesh)).lower(x, w)
-    _plan.make = spy
-    try:
+    meshes = (tp_mesh(4), dp_tp_mesh())
+    for mesh, x_spec, remade in ((meshes[0], P(None, "tp", None), False),
+                                 (meshes[1], P("dp", "tp", None), True)):
+        x = put(rand(0, (2, 8, 4), jnp.float32), mesh, x_spec)
+        w = put(rand(1, (4, 8), jnp.float32), mesh, P(None, "tp"))
+        with jo.config(impl="ring", chunks=2):
+            lowered = jax.jit(functools.partial(jo.ag_matmul, axis_name="tp", axis=1,
+                                                mesh=mesh)).lower(x, w)
+        ran.clear()
+        monkeypatch.setattr(_plan, "make", make)
         lowered.compile()
-    finally:
-        _plan.make = real
-    assert seen and (seen[-1].impl, seen[-1].chunks) == ("ring", 2)
+        monkeypatch.setattr(_plan, "make", real_make)
+        assert ran and all((p.impl, p.chunks) == ("ring", 2) for p in ran), ran
+        assert bool(made) == remade, made
+        assert all((p.impl, p.chunks) == ("ring", 2) for p in made), made
 
 
 def test_defaults(monkeypatch):
@@ -162,6 +169,27 @@ def test_auto_transport_prefers_multicast_then_p2p_then_nccl(monkeypatch):
     assert resolve(spans_processes=False) == "nccl"
     monkeypatch.setenv("JAXOVERLAP_TRANSPORT", "nccl")
     assert _plan_for(impl="native").transport == "nccl"
+
+
+def test_the_call_s_description_decides_its_transport_and_fused_bit(monkeypatch):
+    """One decision (``_executors.call.describe``, through ``resolve_transport``): a fused plan
+    runs fused only over a transport the fused GEMM runs with (nccl for a clique spanning
+    processes is not one), and ``among`` keeps auto to the fused GEMM's transports there."""
+    from jaxoverlap._executors import capabilities
+    from jaxoverlap._executors.call import describe
+
+    mesh = tp_mesh(2)
+    call = describe(mesh, "tp", "cpu", "auto", "p2p", 0, fused=True)
+    assert (call.transport, call.fused) == ("p2p", True)
+    assert not describe(mesh, "tp", "cpu", "nccl", None, 0, fused=True).fused
+    assert not describe(mesh, "tp", "cpu", "auto", None, 0).fused
+    resolve = functools.partial(capabilities.resolve_transport, "cpu", "auto", None,
+                                local_ordinals=[0, 1], among=("p2p", "multicast"))
+    assert resolve(spans_processes=True) == "multicast"   # not nccl: not among
+    monkeypatch.setattr(capabilities, "transport_reasons", lambda *a: {
+        "multicast": "no NVSwitch", "p2p": "no peer access", "nccl": None})
+    with pytest.raises(capabilities.NativeUnavailableError, match="none of .*no peer access"):
+        resolve(spans_processes=False)
 
 
 def test_debug_log_prints_the_plan(monkeypatch, caplog):

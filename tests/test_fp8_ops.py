@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_fp8_exact, dequantized, fp8_rand, native_calls, put, tp_mesh
+from helpers import assert_fp8_exact, dequantized, native_calls, put, rand, tp_mesh
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -33,7 +33,7 @@ W_SCALES = np.array([1.7, 0.43, 2.9, 0.61, 1.21, 0.093, 3.7, 0.87], np.float32)
 # the quick loop, the rest in `make test`. The native cases (the host executor) cover every
 # transport, N 2..8, chunks and both ring directions, every fp8 pairing (e5m2 x e5m2 and fp8
 # with a 16- or 32-bit operand included: the host executor runs them, the CUDA executor refuses
-# them, docs/gpu.md §11), and ag_matmul with and without the gathered x.
+# them, docs/gpu-internals.md §6), and ag_matmul with and without the gathered x.
 CASES = [
     ("xla", E4, E4, None, 4, {}),
     ("ring", E4, E4, None, 4, dict(chunks=2, bidirectional=True)),
@@ -90,8 +90,8 @@ def test_ag_matmul(case):
     opts = dict(opts)
     want_gathered = opts.pop("return_gathered", True)
     rows, k, cols = 4, 16, 2                      # per rank: x rows, contraction, w columns
-    x = fp8_rand(0, (2, n * rows, k), x_dtype)   # batch-first, split on the sequence (axis 1)
-    w = fp8_rand(1, (k, n * cols), w_dtype)
+    x = rand(0, (2, n * rows, k), x_dtype, scale=3.0)  # batch-first, split on the sequence (axis 1)
+    w = rand(1, (k, n * cols), w_dtype, scale=3.0)
     xs, ws = _scale_args(x, X_SCALES, n), _scale_args(w, W_SCALES, n)
 
     def f(x, w, xs, ws):
@@ -116,8 +116,8 @@ def test_ag_matmul(case):
 
 def _reduction_inputs(n: int, x_dtype, w_dtype, rows: int):
     kf, cols = 8, 6                               # per rank: contraction slice, w columns
-    x = fp8_rand(2, (2, rows, n * kf), x_dtype)
-    w = fp8_rand(3, (n * kf, cols), w_dtype)
+    x = rand(2, (2, rows, n * kf), x_dtype, scale=3.0)
+    w = rand(3, (n * kf, cols), w_dtype, scale=3.0)
     xs, ws = _scale_args(x, X_SCALES, n), _scale_args(w, W_SCALES, n)
     xd = dequantized(x, 1.0) * (_per_block(X_SCALES, n, kf)[None, None, :]
                                 if xs is not None else 1.0)
@@ -154,9 +154,9 @@ def test_global_arrays_take_per_tensor_scales():
     """Outside shard_map: Explicit and Auto mesh axes, data parallel on the batch, every op
     and impl; the scales are per-tensor scalars."""
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
-    x = fp8_rand(4, (4, 8, 16), E4)
-    w = fp8_rand(5, (16, 8), E4)
-    h = fp8_rand(6, (4, 8, 16), E5)
+    x = rand(4, (4, 8, 16), E4, scale=3.0)
+    w = rand(5, (16, 8), E4, scale=3.0)
+    h = rand(6, (4, 8, 16), E5, scale=3.0)
     xd, wd, hd = dequantized(x, 0.37), dequantized(w, 1.9), dequantized(h, 0.61)
     for types in (AxisType.Explicit, AxisType.Auto):
         mesh = Mesh(devices, ("dp", "tp"), axis_types=(types, types))
@@ -199,7 +199,7 @@ def test_the_lowered_program_moves_fp8(impl):
     GEMM+RS reduces the bfloat16 partials, never fp8. The native executors receive the fp8 x
     and w themselves, with this rank's float32 scales (and move them: tests/native)."""
     mesh = tp_mesh(4)
-    x, w = fp8_rand(0, (8, 16), E4), fp8_rand(1, (16, 8), E4)
+    x, w = rand(0, (8, 16), E4, scale=3.0), rand(1, (16, 8), E4, scale=3.0)
     scales = jnp.asarray(X_SCALES[:4])
 
     def lowered(op, x_spec, w_spec, out_spec):
@@ -231,7 +231,7 @@ def test_the_lowered_program_moves_fp8(impl):
 @pytest.mark.slow
 def test_bare_ops_with_fp8_are_not_differentiable():
     mesh = tp_mesh(2)
-    x, w = fp8_rand(0, (4, 8), E4), fp8_rand(1, (8, 4), BF16)
+    x, w = rand(0, (4, 8), E4, scale=3.0), rand(1, (8, 4), BF16, scale=3.0)
     scale = jnp.float32(0.5)
 
     def loss(w):

@@ -7,7 +7,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import fp8_rand, tp_mesh
+from helpers import rand, tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
@@ -20,7 +20,8 @@ ONE = jnp.float32(1.0)
 
 @pytest.fixture(scope="module")
 def arrays():
-    return fp8_rand(0, (8, 16), E4), fp8_rand(1, (16, 8), E4), fp8_rand(2, (16, 8), jnp.bfloat16)
+    return (rand(0, (8, 16), E4, scale=3.0), rand(1, (16, 8), E4, scale=3.0),
+            rand(2, (16, 8), jnp.bfloat16, scale=3.0))
 
 
 def _ag(x, w, **kw):

@@ -6,23 +6,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, f64, put, rand
+from helpers import assert_close, dp_tp_mesh, f64, put, rand, tp_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 
 AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
-
-
-def _mesh(kind):
-    return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AXIS_TYPES[kind],) * 2)
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_ag_matmul_global_with_mesh_argument(kind, impl):
-    mesh = _mesh(kind)
+    mesh = dp_tp_mesh(AXIS_TYPES[kind])
     x = put(rand(0, (4, 8, 6), jnp.float32), mesh, P("dp", "tp", None))   # [B, S, H]
     w = put(rand(1, (6, 12), jnp.float32), mesh, P(None, "tp"))
     y = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl=impl, mesh=mesh))(x, w)
@@ -36,7 +33,7 @@ def test_ag_matmul_global_with_mesh_argument(kind, impl):
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_matmul_rs_global_with_set_mesh(kind, impl):
-    mesh = _mesh(kind)
+    mesh = dp_tp_mesh(AXIS_TYPES[kind])
     x = put(rand(2, (4, 8, 12), jnp.float32), mesh, P("dp", None, "tp"))
     w = put(rand(3, (12, 6), jnp.float32), mesh, P("tp", None))
     with jax.set_mesh(mesh):
@@ -49,7 +46,7 @@ def test_matmul_rs_global_with_set_mesh(kind, impl):
 
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_mesh_taken_from_input_sharding(impl):
-    mesh = _mesh("explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x = put(rand(4, (8, 6), jnp.float32), mesh, P("tp", None))
     w = put(rand(5, (6, 8), jnp.float32), mesh, P(None, "tp"))
     y = jo.ag_matmul(x, w, "tp", impl=impl)                  # eager, no mesh given
@@ -59,7 +56,7 @@ def test_mesh_taken_from_input_sharding(impl):
 
 
 def test_unsharded_inputs_are_laid_out_by_the_op():
-    mesh = _mesh("explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x = rand(6, (2, 8, 6), jnp.float32)     # plain arrays on one device
     w = rand(7, (6, 8), jnp.float32)
     y = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl="ring", mesh=mesh))(x, w)
@@ -71,7 +68,7 @@ def test_unsharded_inputs_are_laid_out_by_the_op():
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_global_mlp_gradients(kind, impl):
-    mesh = _mesh(kind)
+    mesh = dp_tp_mesh(AXIS_TYPES[kind])
     x = put(rand(8, (4, 8, 6), jnp.float32), mesh, P("dp", "tp", None))
     w1 = put(rand(9, (6, 8), jnp.float32), mesh, P(None, "tp"))
     w2 = put(rand(10, (8, 6), jnp.float32), mesh, P("tp", None))
@@ -90,9 +87,56 @@ def test_global_mlp_gradients(kind, impl):
         assert_close(a, f64(b), jnp.float32)
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_global_call_is_planned_described_and_checked_once(monkeypatch, kind):
+    """On global arrays the shapes are checked, the plan made and the native call's transport
+    decided once per call, at trace time, for the shards every device gets (x's batch on "dp"
+    under Explicit axes): the devices run that plan (the backward pass too, under the same
+    plan) and the lowering reads that transport."""
+    from jaxoverlap import _global, _layout, _local, _plan
+    from jaxoverlap._executors import capabilities
+
+    counts = {"check_shapes": 0, "make": 0, "resolve_transport": 0}
+    ran = []
+
+    def count(module, name):
+        real = getattr(module, name)
+
+        def spy(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    count(_layout, "check_shapes")
+    count(_global, "check_shapes")  # imported by name there
+    count(_plan, "make")
+    count(capabilities, "resolve_transport")
+    real_run = _local.run
+    monkeypatch.setattr(_local, "run", lambda plan, *a: ran.append(plan) or real_run(plan, *a))
+    mesh = dp_tp_mesh(AXIS_TYPES[kind]) if kind == "explicit" else tp_mesh(4)
+    x_spec = P("dp", "tp", None) if kind == "explicit" else P(None, "tp", None)
+    x = put(rand(8, (4, 8, 6), jnp.float32), mesh, x_spec)
+    w = put(rand(9, (6, 8), jnp.float32), mesh, P(None, "tp"))
+
+    def f(x, w):
+        return jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport="p2p", mesh=mesh)
+
+    assert_close(jax.jit(f)(x, w), f64(x) @ f64(w), jnp.float32)
+    assert counts == {"check_shapes": 1, "make": 1, "resolve_transport": 1}, counts
+    assert [p.call.transport for p in ran] == ["p2p"]
+    assert ran[0].axis_size == 4 and ran[0].call.ranks, ran[0]
+    if kind == "explicit":  # the backward pass (GEMM+RS) runs the forward call's plan
+        counts.update(dict.fromkeys(counts, 0))
+        ran.clear()
+        jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1)))(x, w)
+        assert counts == {"check_shapes": 1, "make": 1, "resolve_transport": 1}, counts
+        assert [p.op for p in ran] == ["ag_matmul"]  # the backward is in its custom_vjp
+
+
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_global_return_gathered(impl):
-    mesh = _mesh("explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x = put(rand(11, (2, 8, 6), jnp.float32), mesh, P("dp", "tp", None))
     w = put(rand(12, (6, 8), jnp.float32), mesh, P(None, "tp"))
     y, g = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", axis=1, impl=impl, mesh=mesh,
@@ -103,7 +147,7 @@ def test_global_return_gathered(impl):
 
 
 def test_two_d_mesh_forward_inside_shard_map():
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    mesh = dp_tp_mesh()
     x = rand(13, (4, 8, 6), jnp.float32)
     w1 = rand(14, (6, 8), jnp.float32)
     w2 = rand(15, (8, 6), jnp.float32)
@@ -119,7 +163,7 @@ def test_two_d_mesh_forward_inside_shard_map():
 
 
 def test_global_output_sharding_is_named():
-    mesh = _mesh("explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x = put(rand(16, (8, 6), jnp.float32), mesh, P("tp", None))
     w = put(rand(17, (6, 8), jnp.float32), mesh, P(None, "tp"))
     y = jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="ring", mesh=mesh))(x, w)
@@ -127,13 +171,13 @@ def test_global_output_sharding_is_named():
     assert y.sharding.spec == P(None, "tp")
 
 
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+@pytest.mark.parametrize("op", _kinds.names(_kinds.OPS))
 def test_an_eager_call_under_auto_axes_runs_the_native_program(op):
     """Called outside jit on single-device inputs, the op still runs natively when asked:
     evaluated eagerly, a custom_partitioning primitive would run its plain-XLA body instead."""
     from jaxoverlap._executors.runtime import load_host
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = tp_mesh(4)
     x, w = rand(31, (8, 16), jnp.float32), rand(32, (16, 8), jnp.float32)
     before = load_host().cliques()
     kw = {} if op == "matmul_ar" else {"axis": 0}

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, f64, rand, spec_on, tp_mesh
+from helpers import assert_close, dp_tp_mesh, f64, rand, spec_on, tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
@@ -117,7 +117,7 @@ def test_grads_under_checkpoint(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_replicated_weight_gets_summed_gradient(impl):
     """A weight replicated over a second mesh axis (data parallel) gets the psum of its parts."""
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = dp_tp_mesh()
     x = rand(19, (4, 8, 8), jnp.float32)      # [B, S, H], B on dp, S on tp
     w = rand(20, (8, 8), jnp.float32)
 

@@ -1,12 +1,16 @@
-"""The package's shape: no import cycle, and no module reaching into another's private names
-(underscored, or left out of the ``__all__`` of a module that names its API, as ``_layout``).
+"""The package's shape: no import cycle, no package on both sides of the planning rule, and no
+module reaching into another's private names (underscored, or left out of the ``__all__`` of a
+module that names its API, as ``_layout``).
 
 A call goes down, never back up (docs/native.md §0): the public ops check the arguments and
 hand a per-device function to the global-array paths, which call down into it; the plan, the
-implementations and the native path lie below them. Both checks read the sources with ``ast``,
-so they see the imports made inside functions too (a lazy import is still an edge: it runs the
-first time that function does). A package's ``__init__`` running before its modules is Python's
-rule, not an edge of ours, so it is not one here.
+implementations and the native path lie below them. The planning rule (``_plan``) splits the
+layers: the impls it chooses among (``_native``, the custom calls) lie above it, what it
+consults (``_executors``: capabilities, runtime, bootstrap; ``sim``) below, and no package has
+modules on both sides. The checks read the sources with ``ast``, so they see the imports made
+inside functions too (a lazy import is still an edge: it runs the first time that function
+does). A package's ``__init__`` running before its modules is Python's rule, not an edge of
+ours, so it is not one here.
 """
 
 from __future__ import annotations
@@ -95,6 +99,40 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
     return None
 
 
+def reachable(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (not ``start`` itself)."""
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph[m]
+    seen.discard(start)
+    return seen
+
+
+def astride(graph: dict[str, dict[str, int]], pivot: str) -> dict[str, tuple[str, str]]:
+    """The subpackages with a module below ``pivot`` (imported by it) and one above it
+    (importing it), each with one of each: package -> (below, above)."""
+    below = reachable(graph, pivot)
+    above = {m for m in graph if m != pivot and pivot in reachable(graph, m)}
+    top = pivot.split(".")[0]
+
+    def package(m: str) -> str | None:
+        parts = m.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 and parts[0] == top and (
+            len(parts) > 2 or any(n.startswith(m + ".") for n in graph)) else None
+
+    out: dict[str, tuple[str, str]] = {}
+    for low in sorted(below):
+        for high in sorted(above):
+            p = package(low)
+            if p is not None and p == package(high) and p not in out:
+                out[p] = (low, high)
+    return out
+
+
 def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
     return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:],
                                                                       strict=False)) \
@@ -162,6 +200,18 @@ def test_the_package_has_no_import_cycle():
     assert cycle is None, f"import cycle: {_describe(graph, cycle)}"
 
 
+def test_no_package_sits_both_above_and_below_the_planning_rule():
+    """``_native`` (the impl: primitive, attributes, site key) above ``_plan``; ``_executors``
+    (what the rule consults: call, capabilities, bootstrap, runtime) below it."""
+    graph = import_graph(PACKAGE)
+    assert astride(graph, "jaxoverlap._plan") == {}
+    below = reachable(graph, "jaxoverlap._plan")
+    assert {"jaxoverlap._executors.capabilities", "jaxoverlap._executors.call",
+            "jaxoverlap._executors.runtime"} <= below, sorted(below)
+    assert not any(m.startswith("jaxoverlap._native") for m in below), sorted(below)
+    assert "jaxoverlap._plan" in reachable(graph, "jaxoverlap._native.primitive")
+
+
 def test_no_module_uses_another_modules_private_names():
     """Nor a name left out of a module's ``__all__`` (``_layout``'s: the Flax layers' API)."""
     assert private_uses(PACKAGE) == []
@@ -205,6 +255,26 @@ def test_a_cycle_through_the_top_package_and_dunder_import_is_found(tmp_path):
         "_info.py": "def info():\n    return __import__('jaxoverlap').__version__\n",
     })
     assert find_cycle(import_graph(pkg)) == ["jaxoverlap", "jaxoverlap._info", "jaxoverlap"]
+
+
+def test_a_package_astride_the_planning_rule_is_found(tmp_path):
+    pkg = _write(tmp_path, {
+        "__init__.py": "",
+        "_plan.py": "from jaxoverlap._native import capabilities\n",
+        "_local.py": "from jaxoverlap._native import primitive\n",
+        "_native/__init__.py": "",
+        "_native/capabilities.py": "",
+        "_native/primitive.py": ("from jaxoverlap import _plan\n"
+                                 "from jaxoverlap._native import capabilities\n"),
+        "_executors/__init__.py": "",
+        "_executors/runtime.py": "",
+    })
+    graph = import_graph(pkg)
+    assert find_cycle(graph) is None
+    assert astride(graph, "jaxoverlap._plan") == {
+        "jaxoverlap._native": ("jaxoverlap._native.capabilities", "jaxoverlap._native.primitive")}
+    (pkg / "_plan.py").write_text("from jaxoverlap._executors import runtime\n")
+    assert astride(import_graph(pkg), "jaxoverlap._plan") == {}
 
 
 def test_private_names_across_modules_are_found(tmp_path):

@@ -7,29 +7,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, f64, put, rand, tp_mesh
+from helpers import assert_close, dp_tp_mesh, f64, put, rand, spec_on, tp_mesh
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 NS = [1, 2, 4, 8]
 # (impl, transport): every implementation, the native one on each transport.
 IMPLS = [("xla", None), ("ring", None), ("native", "nccl"), ("native", "p2p"),
          ("native", "multicast")]
-IMPL_IDS = ["xla", "ring", "nccl", "p2p", "multicast"]
-
-
-def _x_spec(ndim):
-    return P(*([None] * (ndim - 1)), "tp")
+IMPL_IDS = ["xla", "ring", *_kinds.names(_kinds.TRANSPORTS)]
 
 
 def _run(x, w, n, check_vma=True, **kw):
     """matmul_ar inside shard_map over 'tp' (x on its last dim, w on dim 0), y replicated."""
     fn = jax.jit(jax.shard_map(lambda x, w: jo.matmul_ar(x, w, "tp", **kw), mesh=tp_mesh(n),
-                               in_specs=(_x_spec(x.ndim), P("tp", None)), out_specs=P(),
+                               in_specs=(spec_on(x.ndim, -1), P("tp", None)), out_specs=P(),
                                check_vma=check_vma))
     return fn(x, w)
 
@@ -84,7 +81,7 @@ def test_every_rank_holds_the_same_bits(impl, transport):
     fn = jax.jit(jax.shard_map(
         lambda x, w: jo.matmul_ar(x, w, "tp", impl=impl, chunks=2, bidirectional=True,
                                   **extra)[None],
-        mesh=tp_mesh(n), in_specs=(_x_spec(3), P("tp", None)), out_specs=P("tp"),
+        mesh=tp_mesh(n), in_specs=(spec_on(3, -1), P("tp", None)), out_specs=P("tp"),
         check_vma=False))
     copies = np.asarray(fn(x, w).astype(jnp.float32))
     assert copies.shape == (n, 2, 8, 6)
@@ -95,7 +92,7 @@ def test_every_rank_holds_the_same_bits(impl, transport):
 @pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
 def test_result_is_typed_invariant_over_the_axis(impl, transport):
     """As psum's: out_specs=P() passes check_vma=True, and the type keeps the other axes."""
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    mesh = dp_tp_mesh()
     x = rand(7, (4, 4, 8), jnp.float32)
     w = rand(8, (8, 6), jnp.float32)
     extra = {"transport": transport} if transport else {}
@@ -134,7 +131,7 @@ def _reference_loss(n, dp=False):
 
 def _loss(n, op, dp=False, check_vma=True):
     if dp:
-        mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+        mesh = dp_tp_mesh()
         specs, out = (P("dp", None, "tp"), P("tp", None)), P("dp")
     else:
         mesh = tp_mesh(n)
@@ -232,7 +229,7 @@ def test_grads_under_checkpoint_and_two_calls_in_flight(impl, transport):
 @pytest.mark.parametrize("impl,transport", IMPLS, ids=IMPL_IDS)
 def test_global_arrays(kind, impl, transport):
     axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(axis_type,) * 2)
+    mesh = dp_tp_mesh(axis_type)
     x = put(rand(20, (4, 8, 12), jnp.float32), mesh, P("dp", None, "tp"))
     w = put(rand(21, (12, 6), jnp.float32), mesh, P("tp", None))
     extra = {"transport": transport} if transport else {}
@@ -250,7 +247,7 @@ def test_global_arrays(kind, impl, transport):
 
 @pytest.mark.slow
 def test_global_mesh_from_set_mesh_and_from_inputs():
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x = put(rand(22, (8, 8), jnp.float32), mesh, P(None, "tp"))
     w = put(rand(23, (8, 4), jnp.float32), mesh, P("tp", None))
     with jax.set_mesh(mesh):
@@ -305,7 +302,7 @@ def test_auto_on_cpu_is_the_unfused_path():
 
 
 def _inside(fn, x, w, n=4):
-    f = jax.jit(jax.shard_map(fn, mesh=tp_mesh(n), in_specs=(_x_spec(x.ndim), P("tp", None)),
+    f = jax.jit(jax.shard_map(fn, mesh=tp_mesh(n), in_specs=(spec_on(x.ndim, -1), P("tp", None)),
                               out_specs=P(), check_vma=False))
     return f(x, w)
 
@@ -418,7 +415,7 @@ def test_one_shot_matches_psum_on_every_rank_bit_for_bit(impl, transport):
         fn = jax.jit(jax.shard_map(
             lambda x, w, chunks=chunks: jo.matmul_ar(x, w, "tp", impl=impl, chunks=chunks,
                                                      algorithm="one_shot", **extra)[None],
-            mesh=tp_mesh(n), in_specs=(_x_spec(x.ndim), P("tp", None)), out_specs=P("tp"),
+            mesh=tp_mesh(n), in_specs=(spec_on(x.ndim, -1), P("tp", None)), out_specs=P("tp"),
             check_vma=False))
         copies = np.asarray(fn(x, w).astype(jnp.float32))
         for r in range(n):

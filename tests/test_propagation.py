@@ -14,20 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import rand
+from helpers import dp_tp_mesh, rand
 from hlo_tools import axes_spanned, collectives, dot_flops, elements
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
 from jaxoverlap.flax.linen import ParallelMLP, ParallelMultiHeadDotProductAttention
 
 B, S, H, F = 4, 16, 32, 64
-
-
-def auto_mesh(names) -> Mesh:
-    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), names,
-                axis_types=(AxisType.Auto,) * 2)
 
 
 def compiled_text(fn, *args) -> str:
@@ -75,7 +70,7 @@ def assert_batch_stays_on(text: str, mesh: Mesh, axis: str, biggest_param: int) 
 
 @pytest.mark.parametrize("impl", ["xla", "ring", "native"])
 def test_ops_keep_the_data_axis_on_the_batch(impl):
-    mesh = auto_mesh(("data", "tp"))
+    mesh = dp_tp_mesh(names=("data", "tp"))
     x = jax.device_put(rand(0, (B, S, H), jnp.float32), NamedSharding(mesh, P("data", "tp")))
     w1 = jax.device_put(rand(1, (H, F), jnp.float32), NamedSharding(mesh, P(None, "tp")))
     w2 = jax.device_put(rand(2, (F, H), jnp.float32), NamedSharding(mesh, P("tp", None)))
@@ -106,7 +101,7 @@ def test_ops_keep_the_data_axis_on_the_batch(impl):
 @pytest.mark.parametrize("impl", ["xla", "ring"])
 def test_layers_split_the_flops_over_data_and_tensor(sequence_parallel, impl):
     """A train step of ParallelMLP: per device, 1/(data·tensor) of the matmul FLOPs."""
-    mesh = auto_mesh(("data", "tp"))
+    mesh = dp_tp_mesh(names=("data", "tp"))
     model = ParallelMLP(F, sequence_parallel=sequence_parallel, impl=impl)
     x = rand(0, (B, S, H), jnp.float32)
     specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), x))["params"]
@@ -122,7 +117,7 @@ def test_layers_split_the_flops_over_data_and_tensor(sequence_parallel, impl):
 @pytest.mark.slow
 def test_fsdp_gathers_kernels_per_layer_and_reduce_scatters_their_gradients():
     """Kernels split over "fsdp" on their non-tensor dim (logical rules), the batch too."""
-    mesh = auto_mesh(("fsdp", "tp"))
+    mesh = dp_tp_mesh(names=("fsdp", "tp"))
     rules = (("embed", "fsdp"), ("mlp", "tp"))
     model = _FsdpMLP()
     x = rand(0, (B, S, H), jnp.float32)
@@ -172,8 +167,7 @@ class _FsdpMLP(nn.Module):
 def test_self_attention_is_one_gather_and_one_scatter_each_way():
     """Query, key and value share one all-gather forward (and one reduce-scatter backward);
     the batch's data axis stays put; every device does 1/(data·tensor) of the matmul FLOPs."""
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"),
-                axis_types=(AxisType.Auto,) * 2)
+    mesh = dp_tp_mesh()
     x = rand(0, (B, S, H), jnp.float32)
     mask = nn.make_causal_mask(np.ones((B, S)))
     ref = nn.MultiHeadDotProductAttention(num_heads=8)

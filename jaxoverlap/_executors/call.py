@@ -1,10 +1,12 @@
 """One native call, described once: where its ranks are, which clique, which transport.
 
-The lowering rule of the native primitive (``primitive``) builds a :class:`NativeCall` from the
-concrete mesh it lowers for; everything downstream — the bootstrap of cliques spanning
-processes, the custom call's attributes (``attributes``), the C++ handler's placement — reads
-this record and nothing else. ``transport="auto"`` becomes a transport here, through the one
-resolver (``capabilities.resolve_transport``).
+A :class:`NativeCall` is made from the concrete mesh the call runs on: by the planning rule
+where it knows that mesh (global arrays), else by the native primitive's lowering rule, which
+always does. Everything downstream — the bootstrap of cliques spanning processes, the custom
+call's attributes, the C++ handler's placement — reads this record and nothing else. The
+transport is decided here, once per call: ``transport="auto"`` becomes a transport through the
+one rule (``capabilities.resolve_transport``), and whether the call runs the fused GEMM follows
+from it (the plan asks; the transport must be one the fused GEMM runs with).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxoverlap._executors import capabilities
+from jaxoverlap._fused_gemm import FUSED_TRANSPORTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,9 @@ class NativeCall:
     ranks: tuple[Rank, ...]
     transport: str                # resolved: "nccl", "p2p" or "multicast"
     clique_key: int               # the same in every process
+    # Runs the fused GEMM (one persistent GEMM waiting on per-block flags,
+    # docs/gpu-internals.md §5).
+    fused: bool = False
 
     def groups(self) -> list[tuple[Rank, ...]]:
         """The cliques: one per group of the other mesh axes, ranks in axis order."""
@@ -55,25 +61,37 @@ class NativeCall:
 
 
 def describe(mesh, axis_name: str, platform: str, requested: str,
-             preferred: str | None, process: int) -> NativeCall:
+             preferred: str | None, process: int, fused: bool = False) -> NativeCall:
     """The call over ``axis_name`` of ``mesh`` (concrete, or abstract: no rank table), for the
     process ``process``; ``requested`` and ``preferred`` are the plan's transport and the
-    performance model's pick for ``"auto"``."""
-    names = tuple(mesh.axis_names)
-    if isinstance(mesh, jax.sharding.Mesh):
-        devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis_name), -1).reshape(-1)
-        ranks = tuple(Rank(int(d.process_index), int(d.id), capabilities.local_ordinal(d))
-                      for d in devices)
-    else:
-        ranks = ()
+    performance model's pick for ``"auto"``, ``fused`` the plan's fused GEMM.
+
+    A plan the model picked fused leaves the transport to the call (``auto``), which may resolve
+    to nccl (a clique spanning processes): that call runs the chunked program. A fused plan
+    asked for explicitly names its transport (``_plan.make``), so it runs fused or fails to
+    resolve.
+    """
+    table = ranks(mesh, axis_name)
     axis_size = int(mesh.shape[axis_name])
-    probe = NativeCall(platform, axis_name, axis_size, ranks, "nccl", 0)
-    mine = sorted({r.ordinal for r in ranks if r.process == process})
+    probe = NativeCall(platform, axis_name, axis_size, table, "nccl", 0)
+    mine = sorted({r.ordinal for r in table if r.process == process})
     transport = capabilities.resolve_transport(platform, requested, preferred,
                                                spans_processes=probe.spans_processes,
                                                local_ordinals=mine)
-    text = repr((names, tuple(int(s) for s in mesh.axis_sizes), axis_name, transport,
-                 tuple((r.process, r.device_id) for r in ranks)))
+    text = repr((tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), axis_name,
+                 transport, tuple((r.process, r.device_id) for r in table)))
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     key = int.from_bytes(digest, "little", signed=True)
-    return NativeCall(platform, axis_name, axis_size, ranks, transport, key)
+    return NativeCall(platform, axis_name, axis_size, table, transport, key,
+                      fused=fused and transport in FUSED_TRANSPORTS)
+
+
+def ranks(mesh, axis_name: str) -> tuple[Rank, ...]:
+    """The rank table of a call over ``axis_name`` of ``mesh``: every device in (group, rank)
+    order; empty for an abstract mesh."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return ()
+    names = tuple(mesh.axis_names)
+    devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis_name), -1).reshape(-1)
+    return tuple(Rank(int(d.process_index), int(d.id), capabilities.local_ordinal(d))
+                 for d in devices)

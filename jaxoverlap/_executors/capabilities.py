@@ -6,8 +6,9 @@ function of a capability table (:func:`gpu_transport_reasons`), so that it is un
 injected tables; the real table comes from :func:`gpu_table` (``_cuda.capabilities()``:
 devices, compute capability, ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``, the peer-access
 matrix, driver/runtime/NCCL/cuBLAS versions). On CPU the host executor emulates every
-transport. The choice among them is made in one place, :func:`resolve_transport`, when a call
-lowers; :func:`offered_transports` is what the performance model may choose among before.
+transport. The choice among them is made by one rule, :func:`resolve_transport`, once per call
+(``call.describe``); :func:`offered_transports` is what the performance model may choose among
+before.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors import bootstrap, runtime
-from jaxoverlap._fp8_dtypes import FP8_DTYPES, is_fp8
+from jaxoverlap._fp8_dtypes import is_fp8
 
 
 class NativeUnavailableError(ValueError):
@@ -29,13 +31,13 @@ class NativeUnavailableError(ValueError):
 
 # FP8_DTYPES (_fp8_dtypes): operands only, each with a float32 scale; the executors run them as
 # FP8 GEMMs (the host: in float32 after an exact conversion; the CUDA executor: cuBLASLt's FP8
-# kernels, docs/gpu.md §11).
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, *FP8_DTYPES)
+# kernels, docs/gpu-internals.md §6).
+DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES))
 # cuBLASLt's FP8 GEMMs need compute capability 8.9 (Ada) or newer.
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 GPU_PLATFORMS = ("cuda", "gpu")
 # transport="auto" prefers them in this order (when every GPU of the clique can serve it).
-AUTO_ORDER = ("multicast", "p2p", "nccl")
+AUTO_ORDER = _kinds.auto_order()
 # Multicast objects need the CUDA 12.1 driver API; our runtime is CUDA 13 (driver >= 580).
 MULTICAST_MIN_DRIVER = 12010
 
@@ -44,13 +46,20 @@ MULTICAST_MIN_DRIVER = 12010
 
 
 def transports() -> tuple[str, ...]:
-    """Every transport of the native path, in the executors' order (from the extension)."""
-    return tuple(runtime.load_host().TRANSPORTS)
+    """Every transport of the native path, in id order (``_kinds``: the executors' table, which
+    ``tests/test_kinds.py`` holds equal)."""
+    return _kinds.names(_kinds.TRANSPORTS)
 
 
 def available() -> bool:
     """True when the host extension loads (it is built with the package)."""
     return runtime.host_error() is None
+
+
+def executor_platform(platform: str) -> str:
+    """The executors' name of a JAX platform: ``"cuda"`` for the GPUs' (``"gpu"``, ``"cuda"``),
+    else the platform's own (``"cpu"``)."""
+    return "cuda" if platform in GPU_PLATFORMS else platform
 
 
 def current_platform() -> str:
@@ -141,9 +150,8 @@ def gpu_transport_reasons(caps: dict[str, Any], devices: Sequence[int], *,
     ``across_processes``: the clique also has ranks in other processes (``devices`` are this
     process's). Then this process's GPUs must serve p2p and multicast themselves (peer access
     among them, multicast support); the peers' buffers are mapped at the first execution,
-    through fabric handles or CUDA IPC (docs/gpu.md, "Across processes").
+    through fabric handles or CUDA IPC (docs/gpu-internals.md §1, "One process per GPU").
     """
-    reasons: dict[str, str | None] = {}
     if caps.get("error") and not caps.get("devices"):
         return {t: f"no usable GPU ({caps['error']})" for t in AUTO_ORDER}
     known = {d["ordinal"]: d for d in caps.get("devices", [])}
@@ -153,21 +161,19 @@ def gpu_transport_reasons(caps: dict[str, Any], devices: Sequence[int], *,
     peer = caps.get("peer_access", [])
     no_peer = [(a, b) for a in devices for b in devices
                if a != b and not (a < len(peer) and b < len(peer[a]) and peer[a][b])]
-    p2p_reason = (None if not no_peer else
-                  f"no peer access between GPUs {no_peer[0][0]} and {no_peer[0][1]} "
-                  "(no NVLink/PCIe P2P path, or disabled)")
-    reasons["nccl"] = None
-    reasons["p2p"] = p2p_reason
-    reasons["multicast"] = _multicast_device_reason(caps, devices, known)
-    if reasons["multicast"] is None and p2p_reason is not None:
-        reasons["multicast"] = p2p_reason + " (flags live in peer memory)"
     if len(set(devices)) == 1:
         # One GPU here: nothing moves between our own GPUs. Alone, every transport is
         # trivially fine; with peers in other processes, multicast still needs this GPU.
-        reasons = {t: None for t in AUTO_ORDER}
-        if across_processes:
-            reasons["multicast"] = _multicast_device_reason(caps, devices, known)
-    return reasons
+        facts = _kinds.GpuFacts(peer_access=None, multicast=_multicast_device_reason(
+            caps, devices, known) if across_processes else None)
+    else:
+        facts = _kinds.GpuFacts(
+            peer_access=None if not no_peer else
+            f"no peer access between GPUs {no_peer[0][0]} and {no_peer[0][1]} (no NVLink/PCIe "
+            "P2P path, or disabled)",
+            multicast=_multicast_device_reason(caps, devices, known))
+    # Each transport's own rule (its table row) on what the GPUs can do.
+    return {t.name: t.reason(facts) for t in _kinds.TRANSPORTS}
 
 
 def _multicast_device_reason(caps: dict[str, Any], devices: Sequence[int],
@@ -203,26 +209,36 @@ def transport_reasons(platform: str, local_ordinals: Sequence[int],
 
 
 def resolve_transport(platform: str, requested: str, preferred: str | None, *,
-                      spans_processes: bool, local_ordinals: Sequence[int]) -> str:
+                      spans_processes: bool, local_ordinals: Sequence[int],
+                      among: Sequence[str] = AUTO_ORDER) -> str:
     """The transport of a call: the one asked for, else the best one that can serve it.
 
-    ``auto`` picks ``nccl`` for a clique spanning processes (whether peers in other processes
-    can reach our buffers directly is not known here); else the performance model's
-    ``preferred`` pick if it can serve, else the first of ``AUTO_ORDER`` that can. An explicit
-    request that cannot be served raises ``NativeUnavailableError`` naming the reason and what
-    can.
+    The one rule that picks a transport. ``auto`` picks ``nccl`` for a clique spanning
+    processes (whether peers in other processes can reach our buffers directly is not known
+    here); else the performance model's ``preferred`` pick if it can serve, else the first of
+    ``AUTO_ORDER`` that can. ``among``: the transports ``auto`` may pick (the fused GEMM's, for
+    a plan that asked for it). An explicit request that cannot be served raises
+    ``NativeUnavailableError`` naming the reason and what can.
     """
     reasons = transport_reasons(platform, local_ordinals, spans_processes)
     usable = [t for t in AUTO_ORDER if reasons[t] is None]
     if requested in (None, "auto"):
-        if spans_processes and reasons["nccl"] is None:
-            return "nccl"
-        if preferred is not None and reasons.get(preferred) is None:
+        allowed = [t for t in usable if t in among]
+        # Across processes, one that moves the data itself (NCCL): peers' buffers need not
+        # be reachable.
+        messages = [t for t in allowed if _kinds.transport(t).mechanism == "messages"]
+        if spans_processes and messages:
+            return messages[0]
+        if preferred in allowed:
             return preferred
-        if usable:
-            return usable[0]
+        if allowed:
+            return allowed[0]
+        if tuple(among) == AUTO_ORDER:
+            raise NativeUnavailableError(
+                f"jaxoverlap: no transport can run here: {reasons[AUTO_ORDER[-1]]}")
         raise NativeUnavailableError(
-            f"jaxoverlap: no transport can run here: {reasons['nccl']}")
+            f"jaxoverlap: none of {tuple(among)} can run here: "
+            + "; ".join(f"{t}: {reasons[t]}" for t in among))
     if requested not in reasons:
         raise ValueError(f"transport: expected one of auto, {', '.join(AUTO_ORDER)}; got "
                          f"{requested!r}")
@@ -238,7 +254,7 @@ def fused_device_reason(platform: str) -> str | None:
     """Why this process's devices of ``platform`` cannot run the fused GEMM (None: they can).
 
     The host executor runs its semantics on CPU; on GPUs it is sm_90a code, which runs on
-    compute capability 9.0 only (docs/gpu.md §10): every GPU of the process must be one.
+    compute capability 9.0 only (docs/gpu-internals.md §5): every GPU of the process must be one.
     """
     if platform not in GPU_PLATFORMS:
         return None if platform == "cpu" else f"no fused GEMM on platform {platform!r}"
@@ -257,15 +273,22 @@ def offered_transports(platform: str) -> tuple[str, ...]:
     """Transports that can serve calls among this process's devices of ``platform``.
 
     What the performance model may choose among; whether a clique spans processes is known
-    only when the call lowers (:func:`resolve_transport` decides then).
+    only where the call is described (``call.describe``, which asks :func:`resolve_transport`).
     """
     if platform in GPU_PLATFORMS:
         if runtime.cuda_error() is not None:
             return ()
-        ordinals = [local_ordinal(d) for d in jax.local_devices(backend="gpu")]
-        reasons = transport_reasons("cuda", ordinals, spans_processes=False)
+        reasons = transport_reasons("cuda", local_ordinals(platform), spans_processes=False)
         return tuple(t for t in transports() if reasons[t] is None)
     return transports() if platform == "cpu" and available() else ()
+
+
+def local_ordinals(platform: str) -> list[int]:
+    """This process's devices of ``platform`` as the GPU handler numbers them (on CPU, none:
+    the host executor emulates every transport wherever its devices are)."""
+    if platform not in GPU_PLATFORMS:
+        return []
+    return [local_ordinal(d) for d in jax.local_devices(backend="gpu")]
 
 
 # ---------------------------------------------------------------- jo.info()

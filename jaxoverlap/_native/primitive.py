@@ -5,19 +5,20 @@
 bind one primitive with the call's plan (``_plan.OpPlan``) as its parameter; its lowering rule
 is where a native call gets its identity: it reads the concrete mesh from the lowering context
 (the mesh ``shard_map`` lowers for, known there even when the trace saw only the abstract
-mesh), describes the call once (``call``: rank table, clique, transport), registers the
-platform's handlers (``runtime``), sets up cliques spanning processes (``bootstrap``) and emits
-the custom call of the platform it lowers for (``jaxoverlap_*`` on CPU, the host executor;
-``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of ``attributes``, among
-them its site key: what the call is, the same in every process (``site_key``).
-docs/native.md follows one call through.
+mesh), describes the call once (``_executors.call``: rank table, clique, the transport decided)
+unless the plan was made knowing this very mesh and carries that description (global arrays),
+registers the platform's handlers (``runtime``), sets up cliques spanning processes
+(``bootstrap``) and emits the custom call of the platform it lowers for (``jaxoverlap_*`` on
+CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with the attributes of
+``attributes``, among them its site key: what the call is, the same in every process
+(``site_key``). docs/native.md follows one call through.
 
 FP8: x and w may be float8 (``capabilities.FP8_DTYPES``), each with its float32 dequantization
 scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(float32) *
 x_scale``). The scales are always operands of the custom call (1.0 for an operand that is not
 fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). On GPUs an fp8 w
-is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major, docs/gpu.md
-§11).
+is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major,
+docs/gpu-internals.md §6).
 """
 
 from __future__ import annotations
@@ -31,17 +32,17 @@ from jax._src import core
 from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
-from jaxoverlap import _precision
+from jaxoverlap import _kinds, _precision
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._executors import bootstrap, capabilities, runtime
-from jaxoverlap._executors.call import describe
+from jaxoverlap._executors.call import describe, ranks
 from jaxoverlap._native.attributes import attributes, naming
 from jaxoverlap._native.site_key import site_key
-from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
+from jaxoverlap._plan import AG, AR, RS, OpPlan
 
 _TARGETS = {
-    "cpu": {op: f"jaxoverlap_{op}" for op in OPS},
-    "cuda": {op: f"jaxoverlap_cuda_{op}" for op in OPS},
+    "cpu": {op.name: f"jaxoverlap_{op.name}" for op in _kinds.OPS},
+    "cuda": {op.name: f"jaxoverlap_cuda_{op.name}" for op in _kinds.OPS},
 }
 
 # ---------------------------------------------------------------- the primitive
@@ -60,21 +61,16 @@ def _abstract_eval(x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathe
     # holds the same values: the type system cannot prove it); matmul_ar's sum is the same on
     # every rank of axis_name, as psum's.
     del x_scale, w_scale, coords
-    shape = list(x.shape)
-    out = _out_dtype(plan, x)
-    if plan.op == AR:
-        y = x.update(shape=(*shape[:-1], w.shape[1]), dtype=out)
+    # The results' shapes by the op's rows rule (_kinds; the handlers' CanonicalProblem).
+    shapes = _kinds.canonical_problem(plan.op, x.shape, w.shape, plan.axis, plan.axis_size,
+                                      plan.algorithm)
+    y = x.update(shape=shapes.y, dtype=_out_dtype(plan, x))
+    if _kinds.op(plan.op).collective == "all_reduce":
         return [with_varying(y, (varying_axes(x) | varying_axes(w)) - {plan.axis_name})]
-    if plan.op == AG:
-        shape[plan.axis] *= plan.axis_size
-        outs = [x.update(shape=(*shape[:-1], w.shape[1]), dtype=out)]
-        if return_gathered:
-            outs.append(x.update(shape=tuple(shape), dtype=x.dtype))
-        return outs
-    assert shape[plan.axis] % plan.axis_size == 0, (x.shape, plan)
-    shape[plan.axis] //= plan.axis_size
-    shape[-1] = w.shape[1]
-    return [x.update(shape=tuple(shape), dtype=out)]
+    outs = [y]
+    if return_gathered:
+        outs.append(x.update(shape=shapes.x_gathered, dtype=x.dtype))
+    return outs
 
 
 native_p.def_abstract_eval(_abstract_eval)
@@ -116,7 +112,7 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
     if len(platforms) != 1:
         raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "
                          f"{platforms}")
-    platform = "cuda" if platforms[0] in capabilities.GPU_PLATFORMS else platforms[0]
+    platform = capabilities.executor_platform(platforms[0])
     if platform not in _TARGETS:
         raise ValueError(capabilities.unavailable_reason(platform, jnp.float32))
     x_aval, w_aval = ctx.avals_in[:2]
@@ -125,8 +121,12 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
                                              w_aval.dtype)
         if reason is not None:
             raise capabilities.NativeUnavailableError(f"jaxoverlap {plan.op}: {reason}")
-    call = describe(_lowering_mesh(ctx, plan.axis_name, platform), plan.axis_name, platform,
-                    plan.transport, plan.preferred, jax.process_index())
+    mesh = _lowering_mesh(ctx, plan.axis_name, platform)
+    call = plan.call
+    if call is None or (call.platform, call.ranks) != (platform, ranks(mesh, plan.axis_name)):
+        # Described once, here, unless the plan was made knowing this very mesh.
+        call = describe(mesh, plan.axis_name, platform, plan.transport, plan.preferred,
+                        jax.process_index(), plan.fused)
     assert call.axis_size == plan.axis_size, (call.axis_size, plan.axis_size)
     runtime.register(platform)
     if call.spans_processes:
@@ -138,7 +138,7 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
         if capabilities.is_fp8(w_aval.dtype):
             # K-major w ([n, k] in memory: minor-to-major (0, 1)), as cuBLASLt's FP8 GEMMs take
             # it: XLA makes the transposed copy before the call (fused into w's producer where
-            # it can), docs/gpu.md §11.
+            # it can), docs/gpu-internals.md §6.
             layouts = [None, (0, 1), None, None]
     rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False,
                                 operand_layouts=layouts)

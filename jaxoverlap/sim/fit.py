@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxoverlap import _kinds
 from jaxoverlap.sim import confidence, model
 from jaxoverlap.sim.engine import simulate_programs
 from jaxoverlap.sim.model import Shape
@@ -290,9 +291,8 @@ def fit_collectives(p: Preset, points: Sequence[CollectivePoint]) -> Preset:
     changes: dict[str, float] = {}
     for transport in sorted({c.transport for c in points}):
         pts = [c for c in points if c.transport == transport]
-        ramp_key, bw_key = {"nccl": ("nccl_ramp_us", "nccl_gbps"),
-                            "p2p": ("ce_ramp_us", "p2p_gbps"),
-                            "multicast": ("mc_ramp_us", "multicast_gbps")}[transport]
+        keys = _kinds.transport(transport).preset
+        ramp_key, bw_key = keys.ramp_us, keys.gbps
         lat, step = model.transport_latency(p, transport), model.transport_step(p, transport)
         if transport == "nccl" and len({model.ring_steps(c.op, c.nranks) for c in pts}) > 1:
             lat, step = _fit_nccl_fixed(p, pts, lat, step)

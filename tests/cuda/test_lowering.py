@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tp_mesh
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 from jaxoverlap._executors import capabilities
 from jaxoverlap._native import primitive
 from jaxoverlap._plan import OpPlan
@@ -38,7 +40,7 @@ def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
 def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
     devices = np.array(jax.devices()[:8]).reshape(2, 4)[:, ::-1]  # dp=2, tp=4, reversed tp
     mesh = Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Explicit))
@@ -65,7 +67,7 @@ def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
 
 
 def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Explicit,))
+    mesh = tp_mesh(4, kind=AxisType.Explicit)
     x = jax.device_put(jnp.ones((16, 32), jnp.float32), NamedSharding(mesh, P(None, "tp")))
     w = jax.device_put(jnp.ones((32, 8), jnp.float32), NamedSharding(mesh, P("tp", None)))
 
@@ -79,7 +81,7 @@ def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
 
 def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch, cuda):
     monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8, multicast=False))
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Explicit,))
+    mesh = tp_mesh(4, kind=AxisType.Explicit)
     x = jnp.ones((16, 32), jnp.float32)
     w = jnp.ones((32, 8), jnp.float32)
     with pytest.raises(ValueError, match="Fabric Manager"):
@@ -90,7 +92,7 @@ def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch,
 def test_a_users_shard_map_needs_no_set_mesh(monkeypatch, cuda):
     """The concrete mesh of a plain jit(shard_map(mesh=...)) is known where the call lowers."""
     monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8))
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = tp_mesh(4)
 
     def local(a, b):
         return jo.ag_matmul(a, b, "tp", impl="native", transport="nccl")
@@ -103,8 +105,7 @@ def test_a_users_shard_map_needs_no_set_mesh(monkeypatch, cuda):
 
 def test_an_abstract_mesh_on_gpu_gets_an_error_saying_what_to_do(monkeypatch, cuda):
     monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8))
-    abstract = Mesh(np.array(jax.devices()[:4]), ("tp",),
-                    axis_types=(AxisType.Auto,)).abstract_mesh
+    abstract = tp_mesh(4).abstract_mesh
 
     def local(a, b):
         return jo.ag_matmul(a, b, "tp", impl="native", transport="nccl")
@@ -117,7 +118,7 @@ def test_an_abstract_mesh_on_gpu_gets_an_error_saying_what_to_do(monkeypatch, cu
 
 def _fp8_lowering(x_dtype, w_dtype, caps):
     """The custom call of an fp8 ag_matmul through the native primitive, lowered for CUDA."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = tp_mesh(4)
 
     def local(a, b):
         plan = OpPlan(op="ag_matmul", impl="native", axis_name="tp", axis=0, axis_size=4,

@@ -1,4 +1,5 @@
-"""Shared pieces of the Flax layer tests: meshes, inputs, and the equivalence check.
+"""Shared pieces of the Flax layer tests: their meshes and shapes, and the equivalence check
+(the meshes, inputs and placement themselves are ``helpers``').
 
 The check compares a tensor-parallel model with the same model built from
 ``nn.Dense`` / ``nnx.Linear`` without any parallelism: outputs, loss, and the
@@ -13,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from helpers import dp_tp_mesh, tp_mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 B, S, H, F = 4, 8, 8, 32   # batch, sequence, model width, hidden width (F/4 = 8 per tp rank)
@@ -26,28 +28,22 @@ TOLERANCE = {
 MESHES = ("dp2_tp4_explicit", "tp4_auto")
 
 
-def make_mesh(name: str) -> Mesh:
-    """dp=2 x tp=4 with Explicit axes (jax.make_mesh's default in jax 0.12), or tp=4 Auto."""
+def mesh_named(name: str) -> Mesh:
+    """The mesh a test case names: dp=2 x tp=4 with Explicit axes (jax.make_mesh's default in
+    jax 0.12) or Auto ones, or tp=4 Auto."""
     if name == "dp2_tp4_explicit":
-        return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+        return dp_tp_mesh(AxisType.Explicit)
+    if name == "dp2_tp4_auto":
+        return dp_tp_mesh()
     if name == "tp4_auto":
-        return Mesh(np.array(jax.devices()[:4]), ("tp",), axis_types=(AxisType.Auto,))
+        return tp_mesh(4)
     raise ValueError(name)
-
-
-def rand(seed: int, shape, dtype=jnp.float32) -> jax.Array:
-    values = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    return jnp.asarray(values, dtype)
 
 
 def x_spec(mesh: Mesh, sequence_parallel: bool) -> P:
     """How a batch-first input [B, S, H] arrives: dp on B if the mesh has it, tp on S if SP."""
     dp = "dp" if "dp" in mesh.axis_names else None
     return P(dp, "tp" if sequence_parallel else None, None)
-
-
-def place(a, mesh: Mesh, spec: P) -> jax.Array:
-    return jax.device_put(a, NamedSharding(mesh, spec))
 
 
 def loss_of(y, target):

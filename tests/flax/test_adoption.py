@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_helpers import B, F, H, S, assert_tree_close, make_mesh, place, rand, x_spec
+from flax_helpers import B, F, H, S, assert_tree_close, mesh_named, x_spec
+from helpers import dp_tp_mesh, put, rand, tp_mesh
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap.flax import _common
@@ -68,7 +69,7 @@ def value_and_grads(apply, params, x):
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_linen_logical_names_are_kept_and_the_users_rules_place_them(mesh_name,
                                                                       sequence_parallel):
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     rules = (("mlp", "tp"), ("batch", "dp"))
     x = rand(0, (B, S, H))
     model = swapped(sequence_parallel=sequence_parallel, impl="xla")
@@ -88,14 +89,14 @@ def test_linen_logical_names_are_kept_and_the_users_rules_place_them(mesh_name,
     assert params["down"]["kernel"].sharding.spec == P("tp", None)
     with jax.set_mesh(mesh) if mesh_name.endswith("explicit") else contextlib.nullcontext():
         got = value_and_grads(lambda p, x: model.apply({"params": p}, x), params,
-                              place(x, mesh, x_spec(mesh, sequence_parallel)))
+                              put(x, mesh, x_spec(mesh, sequence_parallel)))
     want = value_and_grads(lambda p, x: LogicalMLP().apply({"params": p}, x),
                            jax.tree.map(np.asarray, params), x)
     assert_tree_close(got, want, jnp.float32, "y, loss, grads")
 
 
 def test_linen_rules_that_miss_the_tensor_axis_name_the_rule_to_add():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = rand(0, (B, S, H))
     with nn.logical_axis_rules((("embed", None),)):          # nothing maps "mlp" to tp
         with pytest.raises(ValueError, match=r"Add the rule \('mlp', 'tp'\)"):
@@ -162,7 +163,7 @@ def test_nnx_abstract_init_needs_no_mesh():
 
 
 def test_nnx_sharding_metadata_is_kept_and_checked():
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     rules = (("embed", None), ("mlp", "tp"))
     x = rand(0, (B, S, H))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
@@ -173,7 +174,7 @@ def test_nnx_sharding_metadata_is_kept_and_checked():
         assert layer.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")   # as written
         assert nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == P(None, "tp")
         assert layer.kernel.get_value().sharding.spec == P(None, "tp")          # placed by them
-        y = nnx.jit(lambda m, x: m(x))(layer, place(x, mesh, P("dp", "tp")))
+        y = nnx.jit(lambda m, x: m(x))(layer, put(x, mesh, P("dp", "tp")))
     np.testing.assert_allclose(y, ref(x), rtol=1e-5, atol=1e-5)
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
     with jax.set_mesh(mesh), nnx.logical_axis_rules((("embed", None), ("mlp", None))):
@@ -248,32 +249,32 @@ def test_custom_dot_general_runs_unfused_and_is_said_once(caplog, monkeypatch):
     exact = LogicalMLP().apply(params, x)
     assert not np.allclose(want, exact, atol=1e-4)    # the rounding shows in the output
     for mesh_name in ("tp4_auto", "dp2_tp4_explicit"):
-        mesh = make_mesh(mesh_name)
+        mesh = mesh_named(mesh_name)
         for sp in (True, False):
             model = swapped(dot_general=rounding_dot, sequence_parallel=sp, mesh=mesh)
             calls.clear()
             with caplog.at_level(logging.WARNING, logger="jaxoverlap"):
-                got = jax.jit(model.apply)(params, place(x, mesh, x_spec(mesh, sp)))
+                got = jax.jit(model.apply)(params, put(x, mesh, x_spec(mesh, sp)))
             assert calls, "the user's dot_general was not called"
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     said = [r for r in caplog.records if "custom dot_general" in r.getMessage()]
     assert len(said) == 2 and {r.getMessage().split(":")[0] for r in said} == {
         "ColumnParallelDense", "RowParallelDense"}
     # Inside the user's shard_map: local shards, the user's function next to the collectives.
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     model = swapped(dot_general=rounding_dot)
     specs = nn.logical_to_mesh(nn.get_partition_spec(params), (("mlp", "tp"),))
     fn = jax.shard_map(model.apply, mesh=mesh, in_specs=(specs, P(None, "tp")),
                        out_specs=P(None, "tp"))
-    placed = jax.tree.map(lambda a, s: place(a, mesh, s), nn.unbox(params), specs)
-    np.testing.assert_allclose(jax.jit(fn)(placed, place(x, mesh, P(None, "tp"))), want,
+    placed = jax.tree.map(lambda a, s: put(a, mesh, s), nn.unbox(params), specs)
+    np.testing.assert_allclose(jax.jit(fn)(placed, put(x, mesh, P(None, "tp"))), want,
                                rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mesh_name", ["tp4_auto", "dp2_tp4_explicit"])
 def test_flax_fp8_dot_general_cls(mesh_name):
     """Flax's FP8 op (its scales live in their own collection) through the swapped MLP."""
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     x = rand(0, (B, S, H))
     ref = LogicalMLP(nn.Dense, nn.Dense, {"dot_general_cls": nn.Fp8DirectDotGeneralOp})
     model = swapped(dot_general_cls=nn.Fp8DirectDotGeneralOp, impl="xla")
@@ -287,19 +288,19 @@ def test_flax_fp8_dot_general_cls(mesh_name):
         return jax.jit(jax.value_and_grad(loss))(variables["params"])
 
     with jax.set_mesh(mesh):
-        got = grads(model, variables, place(x, mesh, x_spec(mesh, True)))
+        got = grads(model, variables, put(x, mesh, x_spec(mesh, True)))
     assert_tree_close(got, grads(ref, variables, x), jnp.float32, "loss, grads")
 
 
 def test_nnx_call_arguments_of_linear():
     """preferred_element_type, a custom dot_general and out_sharding, as nnx.Linear takes them."""
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x = rand(0, (B, S, H), jnp.bfloat16)
     kw = dict(dtype=jnp.bfloat16, preferred_element_type=jnp.float32)
     ref = nnx.Linear(H, F, **kw, rngs=nnx.Rngs(0))
     with jax.set_mesh(mesh):
         layer = jn.ColumnParallelLinear(H, F, **kw, rngs=nnx.Rngs(0))
-        y = nnx.jit(lambda m, x: m(x))(layer, place(x, mesh, P("dp", "tp")))
+        y = nnx.jit(lambda m, x: m(x))(layer, put(x, mesh, P("dp", "tp")))
         assert y.dtype == jnp.float32                         # accumulated and returned in f32
         # Equal up to the order of the float32 sums: the layer's dot runs on each device's
         # shards, nnx.Linear's on whole arrays, and XLA's CPU dot sums the H products (exact in
@@ -312,7 +313,7 @@ def test_nnx_call_arguments_of_linear():
         assert (difference <= bound).all(), (difference.max(), bound.min())
         # out_sharding (Flax's Gemma passes the activation layout this way).
         row = jn.RowParallelLinear(F, H, rngs=nnx.Rngs(1))
-        h = place(rand(1, (B, S, F)), mesh, P("dp", None, "tp"))
+        h = put(rand(1, (B, S, F)), mesh, P("dp", None, "tp"))
         out = nnx.jit(lambda m, h: m(h, out_sharding=P("dp", None, "tp")))(row, h)
         assert out.sharding.spec == P("dp", None, "tp")
         np.testing.assert_allclose(out, nnx.Linear(F, H, rngs=nnx.Rngs(1))(np.asarray(h)),
@@ -386,8 +387,7 @@ def _train(model, params, batches, in_shardings=None):
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_a_logical_model_trains_identically_with_the_swap(mesh_name, sequence_parallel):
     """Linen: the user's rules and flow (abstract init, rules -> shardings, jit of the init)."""
-    mesh = make_mesh("dp2_tp4_explicit") if mesh_name.endswith("explicit") else \
-        jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
     rules = (("mlp", "tp"), ("heads", "tp"), ("batch", "dp"))
     batches = [rand(i, (B, S, H)) for i in range(3)]
@@ -433,8 +433,7 @@ class _NnxBlock(nnx.Module):
 def test_an_nnx_model_with_logical_names_trains_identically(mesh_name, sequence_parallel):
     import optax
 
-    mesh = make_mesh("dp2_tp4_explicit") if mesh_name.endswith("explicit") else \
-        jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = mesh_named(mesh_name)
     rules = (("mlp", "tp"), ("embed", None))
     batches = [rand(i, (B, S, H)) for i in range(3)]
 

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_helpers import assert_tree_close, make_mesh, place, rand, x_spec
-from jax.sharding import Mesh
+from flax_helpers import assert_tree_close, mesh_named, x_spec
+from helpers import dp_tp_mesh, put, rand, tp_mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap.flax import linen as jl
@@ -51,7 +52,7 @@ def _grads(apply, params, *inputs):
 def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
     """Column (features=(heads, head_dim)) then row (axis=(-2, -1)), as an attention's
     projections are, against the same nn.DenseGeneral pair."""
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
 
     class Pair(nn.Module):
@@ -76,7 +77,7 @@ def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
         specs = nn.get_partition_spec(own)["params"]
         assert specs["q"] == {"kernel": P(None, "tp", None), "bias": P("tp", None)}
         assert specs["o"] == {"kernel": P("tp", None, None), "bias": P()}
-        got = _grads(ours.apply, params, place(x, mesh, x_spec(mesh, sequence_parallel)))
+        got = _grads(ours.apply, params, put(x, mesh, x_spec(mesh, sequence_parallel)))
     assert_tree_close(got, _grads(ref.apply, params, x), jnp.float32, "y, loss, grads")
 
 
@@ -84,7 +85,7 @@ def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
 @pytest.mark.parametrize("mesh_name,sequence_parallel,dropout", [
     ("dp2_tp4_explicit", True, 0.3), ("tp4_auto", False, 0.3), ("tp4_auto", True, 0.0)])
 def test_linen_attention_matches_flax(mesh_name, sequence_parallel, dropout):
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
     x = rand(0, (B, S, E))
     mask = nn.make_causal_mask(np.ones((B, S)))
@@ -103,14 +104,14 @@ def test_linen_attention_matches_flax(mesh_name, sequence_parallel, dropout):
         own = ours.init(jax.random.key(0), x, mask=mask)
         assert_tree_close(nn.unbox(own), params, jnp.float32, "initial parameters")
         specs = nn.get_partition_spec(own)
-        placed = jax.tree.map(lambda a, s: place(a, mesh, s), params, specs)
-        got = _grads(apply(ours), placed, place(x, mesh, x_spec(mesh, sequence_parallel)))
+        placed = jax.tree.map(lambda a, s: put(a, mesh, s), params, specs)
+        got = _grads(apply(ours), placed, put(x, mesh, x_spec(mesh, sequence_parallel)))
     assert_tree_close(got, _grads(apply(ref), params, x), jnp.float32, "y, loss, grads")
 
 
 @pytest.mark.slow
 def test_linen_cross_attention_and_normalize_qk():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x, kv = rand(0, (B, S, E)), rand(1, (B, 2 * S, E))
     kw = dict(num_heads=HEADS, qkv_features=32, out_features=12, normalize_qk=True)
     ref = nn.MultiHeadDotProductAttention(**kw)
@@ -122,7 +123,7 @@ def test_linen_cross_attention_and_normalize_qk():
 
 
 def test_linen_attention_misuse():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = rand(0, (B, S, E))
     with pytest.raises(ValueError, match="num_heads"):
         jl.ParallelMultiHeadDotProductAttention(num_heads=2, mesh=mesh).init(
@@ -152,7 +153,7 @@ def _nnx_grads(model, *inputs, **kw):
     ("dp2_tp4_explicit", True, 0.3, None), ("tp4_auto", False, 0.3, None),
     ("dp2_tp4_explicit", False, 0.0, 4), ("tp4_auto", True, 0.0, 4)])
 def test_nnx_attention_matches_flax(mesh_name, sequence_parallel, dropout, kv_heads):
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
     x = rand(0, (B, S, E))
     mask = nnx.make_causal_mask(np.ones((B, S)))
@@ -180,7 +181,7 @@ def test_nnx_attention_matches_flax(mesh_name, sequence_parallel, dropout, kv_he
         specs = nnx.get_partition_spec(nnx.state(ours))
         assert specs["query"]["kernel"].get_value() == P(None, "tp", None)
         assert specs["out"]["kernel"].get_value() == P("tp", None, None)
-        got = run(ours, place(x, mesh, x_spec(mesh, sequence_parallel)))
+        got = run(ours, put(x, mesh, x_spec(mesh, sequence_parallel)))
     assert_tree_close(got, run(ref, x), jnp.float32, "y, loss, grads")
 
 
@@ -197,7 +198,7 @@ class _Pair(nnx.Module):
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_nnx_general_layers_match_linear_general(sequence_parallel):
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x = rand(0, (B, S, E))
     with jax.set_mesh(mesh):
         ours = _Pair(
@@ -206,14 +207,14 @@ def test_nnx_general_layers_match_linear_general(sequence_parallel):
             jn.RowParallelLinearGeneral((HEADS, 2), E, axis=(-2, -1),
                                         sequence_parallel=sequence_parallel, impl="xla",
                                         rngs=nnx.Rngs(1)))
-        got = _nnx_grads(ours, place(x, mesh, x_spec(mesh, sequence_parallel)))
+        got = _nnx_grads(ours, put(x, mesh, x_spec(mesh, sequence_parallel)))
     ref = _Pair(nnx.LinearGeneral(E, (HEADS, 2), rngs=nnx.Rngs(0)),
                 nnx.LinearGeneral((HEADS, 2), E, axis=(-2, -1), rngs=nnx.Rngs(1)))
     assert_tree_close(got, _nnx_grads(ref, x), jnp.float32, "y, loss, grads")
 
 
 def test_nnx_attention_misuse():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     with pytest.raises(ValueError, match="num_kv_heads=2"):
         jn.ParallelMultiHeadAttention(HEADS, E, num_kv_heads=2, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="batch_axis"):

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from flax_helpers import assert_tree_close, make_mesh, place, rand
-from jax.sharding import NamedSharding
+from flax_helpers import assert_tree_close, mesh_named
+from helpers import dp_tp_mesh, put, rand, tp_mesh
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap.flax import _common
@@ -72,7 +73,7 @@ def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl, batch):
     """init with decode=True makes Flax's cache (global shapes, each device its heads); every
     step's output and the final cache equal Flax's for the same parameters. A batch of one
     per device does not split over tp: the output projection runs one-shot."""
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
     x = _tokens()[:batch]
     one_shot = (batch // (2 if explicit else 1)) % TP != 0
@@ -83,7 +84,7 @@ def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl, batch):
     expected = ref.init(jax.random.key(0), x)
     dp = "dp" if explicit else None
     with _mesh_scope(mesh, explicit):
-        x_in = place(x, mesh, P(dp, "tp" if sequence_parallel else None))
+        x_in = put(x, mesh, P(dp, "tp" if sequence_parallel else None))
         variables = jax.jit(ours.init)(jax.random.key(0), x_in)
         assert_tree_close(nn.unbox(variables["params"]), expected["params"], jnp.float32,
                           "initial parameters")
@@ -91,15 +92,15 @@ def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl, batch):
         assert jax.tree.map(jnp.shape, cache) == jax.tree.map(jnp.shape, expected["cache"])
         for name in ("cached_key", "cached_value"):
             assert _heads_per_device(cache[name]) == HEADS // TP, name
-        params = jax.tree.map(lambda a, s: place(a, mesh, s), expected["params"],
+        params = jax.tree.map(lambda a, s: put(a, mesh, s), expected["params"],
                               nn.get_partition_spec(variables)["params"])
         step = jax.jit(lambda v, t: ours.apply(v, t, mutable=["cache"]))
-        token = place(x[:, :1], mesh, P(dp))
+        token = put(x[:, :1], mesh, P(dp))
         _assert_step_collectives(step.lower({"params": params, "cache": cache}, token)
                                  .compile().as_text(), impl, one_shot)
         outs = []
         for t in range(L):
-            y, new = step({"params": params, "cache": cache}, place(x[:, t:t + 1], mesh, P(dp)))
+            y, new = step({"params": params, "cache": cache}, put(x[:, t:t + 1], mesh, P(dp)))
             cache = new["cache"]
             outs.append(y)
         assert _heads_per_device(cache["cached_key"]) == HEADS // TP
@@ -118,7 +119,7 @@ def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl, batch):
 def test_linen_decode_inside_shard_map():
     """Local shards: the cache holds this device's heads; a step takes the replicated token
     (one token cannot be split) and returns the replicated output, under both vma modes."""
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = _tokens(1)
     ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
     ours = jl.ParallelMultiHeadDotProductAttention(num_heads=HEADS, decode=True, impl="ring")
@@ -156,7 +157,7 @@ def test_linen_decode_inside_shard_map():
 def test_nnx_decode_matches_flax(mesh_name, sequence_parallel, impl, kv_heads):
     """init_cache makes nnx's cache (global, each device its key/value heads); steps equal
     nnx.MultiHeadAttention's, is_causal ignored in decode as Flax 0.12.12 does."""
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
     x = _tokens(2)
     kw = dict(num_kv_heads=kv_heads, decode=True)
@@ -177,7 +178,7 @@ def test_nnx_decode_matches_flax(mesh_name, sequence_parallel, impl, kv_heads):
             jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, x[:, :1])
             .compile().as_text(), impl)
         dp = "dp" if explicit else None
-        outs = [step(ours, place(x[:, t:t + 1], mesh, P(dp))) for t in range(L)]
+        outs = [step(ours, put(x[:, t:t + 1], mesh, P(dp))) for t in range(L)]
         assert _heads_per_device(ours.cached_key[...]) == kv // TP
     ref_step = nnx.jit(lambda m, t: m(t))
     ref_outs = [ref_step(ref, x[:, t:t + 1]) for t in range(L)]
@@ -188,7 +189,7 @@ def test_nnx_decode_matches_flax(mesh_name, sequence_parallel, impl, kv_heads):
 
 def test_nnx_view_makes_the_cache():
     """nnx.view(model, decode=True, batch_size=, max_length=) gives the layer its cache."""
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     attn = jn.ParallelMultiHeadAttention(HEADS, E, decode=False, mesh=mesh, rngs=nnx.Rngs(0))
     view = nnx.view(attn, decode=True, batch_size=B, max_length=L)
     assert view.decode and view.cached_key[...].shape == (B, L, HEADS, E // HEADS)
@@ -201,7 +202,7 @@ def test_nnx_view_makes_the_cache():
 def test_decode_misuse_raises_clearly():
     """Where Flax raises, so do the layers, naming what to change; where Flax would silently
     write past the cache's end (outside jit), they raise too."""
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = _tokens()
     ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
     ours = jl.ParallelMultiHeadDotProductAttention(num_heads=HEADS, decode=True, mesh=mesh)
@@ -264,7 +265,7 @@ def test_rows_that_do_not_split_run_without_sequence_parallelism(mesh_name, capl
     """A sequence of 6 over tp=4 (and a decode token) runs Megatron's f/g for that call:
     Flax's numbers, forward and backward, said once at debug level."""
     monkeypatch.setattr(_common, "_said", set())      # what earlier tests said is forgotten
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
     x = rand(3, (4, 6, E))
     ref = _MLP(nn.Dense, nn.Dense, {})
@@ -278,7 +279,7 @@ def test_rows_that_do_not_split_run_without_sequence_parallelism(mesh_name, capl
 
     caplog.set_level(logging.DEBUG, logger="jaxoverlap")
     with _mesh_scope(mesh, explicit):
-        got = loss(ours)(params, place(x, mesh, P("dp" if explicit else None)))
+        got = loss(ours)(params, put(x, mesh, P("dp" if explicit else None)))
     assert_tree_close(got, loss(ref)(params, x), jnp.float32, "loss, grads")
     said = [r.getMessage() for r in caplog.records if "does not split" in r.getMessage()]
     assert said and all(r.levelno == logging.DEBUG for r in caplog.records
@@ -301,7 +302,7 @@ def test_all_reduce_rows_that_do_not_split_run_one_shot():
     """GEMM + all-reduce (Megatron g) with impl='ring': rows per device that split into N
     blocks run the two-shot ring; rows that do not (2 tokens over dp=2 and tp=4) run the
     one-shot (every partial to every rank: a permute 2 ranks on), never unfused."""
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     layer = jl.RowParallelDense(E, sequence_parallel=False, impl="ring")
     with jax.set_mesh(mesh):
         for rows, one_shot in ((8, False), (2, True)):

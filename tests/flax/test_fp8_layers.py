@@ -28,8 +28,9 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from flax_helpers import B, F, H, S, loss_of, make_mesh, place, rand, x_spec
-from jax.sharding import NamedSharding
+from flax_helpers import B, F, H, S, loss_of, mesh_named, x_spec
+from helpers import dp_tp_mesh, put, rand, tp_mesh
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import fp8
@@ -96,7 +97,7 @@ def _assert_trains_alike(losses, ref_losses, owg, ref_owg) -> None:
     (nn.Fp8DirectDotGeneralOp, "tp4_auto", False),
 ], ids=["Fp8DotGeneralOp-sp-explicit", "Fp8DirectDotGeneralOp-f_g-auto"])
 def test_linen_mlp_trains_like_flax_fp8_dense(recipe, mesh_name, sequence_parallel):
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     x, target = rand(0, (B, S, H)), rand(1, (B, S, H))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)   # Flax deprecates Fp8DotGeneralOp
@@ -111,7 +112,7 @@ def test_linen_mlp_trains_like_flax_fp8_dense(recipe, mesh_name, sequence_parall
             specs = nn.get_partition_spec(par.init(jax.random.key(0), x))
             placed = jax.device_put(variables, jax.tree.map(
                 lambda s: NamedSharding(mesh, s), specs))
-            xs, ts = (place(a, mesh, x_spec(mesh, sequence_parallel)) for a in (x, target))
+            xs, ts = (put(a, mesh, x_spec(mesh, sequence_parallel)) for a in (x, target))
             losses, state, step = _train_linen(par, placed, xs, ts)
             text = step.lower(state, xs, ts).as_text()
     _assert_trains_alike(losses, ref_losses, state.params["_overwrite_with_gradient"],
@@ -125,7 +126,7 @@ def test_linen_mlp_trains_like_flax_fp8_dense(recipe, mesh_name, sequence_parall
 
 def test_linen_dense_runs_the_recipe_fused():
     """One layer, quick: Flax's forward and its FP8 state, the program gathering e4m3."""
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = rand(2, (B, S, H))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -135,7 +136,7 @@ def test_linen_dense_runs_the_recipe_fused():
         y_ref = ref.apply(variables, x)
         with jax.set_mesh(mesh):
             fn = jax.jit(par.apply)
-            xs = place(x, mesh, P(None, "tp"))
+            xs = put(x, mesh, P(None, "tp"))
             y = fn(variables, xs)
             text = fn.lower(variables, xs).as_text()
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=RTOL,
@@ -146,7 +147,7 @@ def test_linen_dense_runs_the_recipe_fused():
 @pytest.mark.slow
 def test_linen_attention_with_fp8_projections_matches_flax():
     """Each projection keeps its own FP8 state (query/Fp8DotGeneralOp_0, ...) as in Flax."""
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = rand(3, (2, S, 16))
     kw = dict(num_heads=4, qkv_dot_general_cls=nn.Fp8DotGeneralOp,
               out_dot_general_cls=nn.Fp8DotGeneralOp)
@@ -162,7 +163,7 @@ def test_linen_attention_with_fp8_projections_matches_flax():
         want = jax.jit(jax.grad(loss, (1, 2)), static_argnums=0)(ref, variables, x)
         with jax.set_mesh(mesh):
             got = jax.jit(jax.grad(loss, (1, 2)), static_argnums=0)(
-                par, variables, place(x, mesh, P(None, "tp")))
+                par, variables, put(x, mesh, P(None, "tp")))
     assert set(variables["_overwrite_with_gradient"]) == {"query", "key", "value", "out"}
     # The key bias's gradient is zero but for rounding (softmax ignores a shift of every
     # key): each leaf is compared at the scale of the largest gradient.
@@ -202,7 +203,7 @@ def _train_nnx(model, x, target, steps: int = STEPS):
 @pytest.mark.slow
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
 def test_nnx_mlp_trains_like_nnx_fp8_linear(current):
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     x, target = rand(4, (B, S, H)), rand(5, (B, S, H))
     recipe = (lambda: fp8.dot_general) if current else jn.Fp8DotGeneral
     ref = _NnxMLP(recipe, nnx.Rngs(0))
@@ -213,7 +214,7 @@ def test_nnx_mlp_trains_like_nnx_fp8_linear(current):
             dict(dot_general_cls=jn.Fp8DotGeneral)))
         nnx.update(par, checkpoint)                   # the unparallel checkpoint loads
         ref_losses = _train_nnx(ref, x, target)
-        xs, ts = (place(a, mesh, x_spec(mesh, True)) for a in (x, target))
+        xs, ts = (put(a, mesh, x_spec(mesh, True)) for a in (x, target))
         losses = _train_nnx(par, xs, ts)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     if not current:
@@ -237,12 +238,12 @@ def test_nnx_shares_no_fp8_state_between_layers():
 
 def test_other_fp8_flavours_run_unfused_and_say_so(caplog):
     """NANOO's fnuz dtypes are not the ops': the layer runs Flax's op unfused, said once."""
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = rand(6, (B, S, H))
     layer = jl.ColumnParallelDense(F, dot_general_cls=nn.NANOOFp8DotGeneralOp)
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="jaxoverlap"):
         warnings.simplefilter("ignore", DeprecationWarning)
         variables = layer.init(jax.random.key(0), x)
         with jax.set_mesh(mesh):
-            jax.eval_shape(layer.apply, variables, place(x, mesh, P(None, "tp")))
+            jax.eval_shape(layer.apply, variables, put(x, mesh, P(None, "tp")))
     assert any("dot_general_cls was given" in r.getMessage() for r in caplog.records)

@@ -18,13 +18,12 @@ from flax_helpers import (
     assert_equivalent,
     assert_tree_close,
     loss_of,
-    make_mesh,
-    place,
-    rand,
+    mesh_named,
     x_spec,
 )
+from helpers import dp_tp_mesh, put, rand, tp_mesh
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _megatron, _xla
@@ -86,7 +85,7 @@ def setup(use_bias=True, features=F):
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_mlp_matches_dense_on_global_arrays(mesh_name, sequence_parallel, use_bias):
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     params, x, target = setup(use_bias)
     # The Explicit mesh comes from jax.set_mesh, the Auto one from mesh=.
     explicit = mesh_name.endswith("explicit")
@@ -95,9 +94,9 @@ def test_mlp_matches_dense_on_global_arrays(mesh_name, sequence_parallel, use_bi
     with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
         specs = specs_of(model, x)
         # The unparallel checkpoint loads unchanged, placed by the layers' own metadata.
-        placed = jax.tree.map(lambda a, s: place(a, mesh, s), params, specs)
+        placed = jax.tree.map(lambda a, s: put(a, mesh, s), params, specs)
         got = value_and_grads(model.apply, placed,
-                              place(x, mesh, x_spec(mesh, sequence_parallel)), target)
+                              put(x, mesh, x_spec(mesh, sequence_parallel)), target)
     assert_equivalent(got, reference(params, x, target, use_bias))
     if explicit:  # data parallel passes through; tp is on S (SP) or nowhere (Megatron g)
         assert got[0].sharding.spec == P("dp", "tp" if sequence_parallel else None, None)
@@ -106,7 +105,7 @@ def test_mlp_matches_dense_on_global_arrays(mesh_name, sequence_parallel, use_bi
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_mlp_inside_users_shard_map(check_vma, sequence_parallel):
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     params, x, target = setup()
     model = ParallelMLP(F, sequence_parallel=sequence_parallel, impl="ring")
     specs = specs_of(model, x, mesh)
@@ -117,14 +116,14 @@ def test_mlp_inside_users_shard_map(check_vma, sequence_parallel):
                            check_vma=check_vma)
         return fn(params, x)
 
-    placed = jax.tree.map(lambda a, s: place(a, mesh, s), params, specs)
-    got = value_and_grads(apply, placed, place(x, mesh, xs), target)
+    placed = jax.tree.map(lambda a, s: put(a, mesh, s), params, specs)
+    got = value_and_grads(apply, placed, put(x, mesh, xs), target)
     assert_equivalent(got, reference(params, x, target))
 
 
 @pytest.mark.slow
 def test_bfloat16_within_its_tolerance():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     params, x, target = setup()
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
     x16 = x.astype(jnp.bfloat16)
@@ -138,7 +137,7 @@ def test_bfloat16_within_its_tolerance():
 
 @pytest.mark.slow
 def test_init_under_jit_places_parameters_from_flax_metadata():
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     model = ParallelMLP(F)
     x = rand(0, (B, S, H))
     with jax.set_mesh(mesh):
@@ -164,13 +163,13 @@ def test_partition_specs():
     assert col == {"kernel": P(None, "model"), "bias": P("model")}
     row = specs_of(RowParallelDense(H, axis_name="model"), rand(0, (B, S, F)), mesh)["params"]
     assert row == {"kernel": P("model", None), "bias": P()}
-    nobias = specs_of(ColumnParallelDense(F, use_bias=False), x, make_mesh("tp4_auto"))["params"]
+    nobias = specs_of(ColumnParallelDense(F, use_bias=False), x, tp_mesh(4))["params"]
     assert nobias == {"kernel": P(None, "tp")}
 
 
 def test_single_layers_match_dense():
     """Column alone returns features sharded; row alone takes them: each matches nn.Dense."""
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x, h = rand(0, (B, S, H)), rand(1, (B, S, F))
     for layer, ref, inp in ((ColumnParallelDense(F, mesh=mesh), nn.Dense(F), x),
                             (RowParallelDense(H, mesh=mesh, sequence_parallel=False),
@@ -186,7 +185,7 @@ def test_single_layers_match_dense():
 
 @pytest.mark.slow
 def test_check_fails_on_a_transposed_kernel():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     params, x, target = setup(features=H)        # square kernels: a transpose keeps shapes
     model = ParallelMLP(H, mesh=mesh, impl="ring")
     got = value_and_grads(model.apply, params, x, target)
@@ -207,7 +206,7 @@ def test_check_fails_without_the_forward_reduction(monkeypatch, mesh_name):
                         plan.axis_name)
 
     monkeypatch.setattr(_xla, "matmul_ar", broken_g)
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     params, x, target = setup()
     model = ParallelMLP(F, sequence_parallel=False, mesh=mesh, impl="xla")
     got = value_and_grads(model.apply, params, x, target)
@@ -229,7 +228,7 @@ def test_check_fails_without_the_backward_psum(monkeypatch):
     monkeypatch.setattr(_megatron, "copy_to_tp", lambda x, axis_name, typed: broken_f(x))
     # Explicit axes: the layer runs in a shard_map, where f's backward is copy_to_tp's
     # transpose (under Auto axes it is the g primitive, covered by the test above).
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     params, x, target = setup()
     model = ParallelMLP(F, sequence_parallel=False, mesh=mesh, impl="xla")
     got = value_and_grads(model.apply, params, x, target)
@@ -242,7 +241,7 @@ def test_check_fails_without_the_backward_psum(monkeypatch):
 
 
 def test_misuse_raises_naming_the_argument():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = rand(0, (B, S, H))
     with pytest.raises(ValueError, match="features=10"):
         ColumnParallelDense(10, mesh=mesh).init(jax.random.key(0), x)
@@ -269,7 +268,7 @@ def test_misuse_raises_naming_the_argument():
 @pytest.mark.parametrize("precision", ["highest", lax.Precision.HIGHEST, None])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_precision_is_accepted_on_both_paths(precision, sequence_parallel):
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     params, x, target = setup()
     model = ParallelMLP(F, precision=precision, sequence_parallel=sequence_parallel, mesh=mesh,
                         impl="xla")
@@ -278,7 +277,7 @@ def test_precision_is_accepted_on_both_paths(precision, sequence_parallel):
 
 
 def test_init_inside_users_shard_map_gives_local_shards():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x = rand(0, (B, S, H))
     model = ParallelMLP(F)
     shapes = {}

@@ -17,11 +17,11 @@ from flax_helpers import (
     S,
     assert_equivalent,
     loss_of,
-    make_mesh,
-    place,
-    rand,
+    mesh_named,
     x_spec,
 )
+from helpers import dp_tp_mesh, put, rand, tp_mesh
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap.flax import linen as jo_linen
@@ -70,7 +70,7 @@ def load(model: nnx.Module, ref: nnx.Module, mesh=None) -> None:
     nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(ref)))
     if mesh is not None:
         specs = nnx.get_partition_spec(state)
-        state = jax.tree.map(lambda a, s: place(a, mesh, s), state, specs)
+        state = jax.tree.map(lambda a, s: put(a, mesh, s), state, specs)
     nnx.update(model, state)
 
 
@@ -78,7 +78,7 @@ def load(model: nnx.Module, ref: nnx.Module, mesh=None) -> None:
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_mlp_matches_linear_on_global_arrays(mesh_name, sequence_parallel, use_bias):
-    mesh = make_mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     ref, x, target = checkpoint(use_bias)
     explicit = mesh_name.endswith("explicit")
     with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
@@ -86,7 +86,7 @@ def test_mlp_matches_linear_on_global_arrays(mesh_name, sequence_parallel, use_b
                             impl="ring" if explicit else "xla",
                             mesh=None if explicit else mesh, rngs=nnx.Rngs(0))
         load(model, ref, mesh)
-        got = value_and_grads(model, place(x, mesh, x_spec(mesh, sequence_parallel)), target)
+        got = value_and_grads(model, put(x, mesh, x_spec(mesh, sequence_parallel)), target)
     assert_equivalent(got, value_and_grads(ref, x, target))
     if explicit:
         assert got[0].sharding.spec == P("dp", "tp" if sequence_parallel else None, None)
@@ -95,7 +95,7 @@ def test_mlp_matches_linear_on_global_arrays(mesh_name, sequence_parallel, use_b
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_mlp_inside_users_shard_map(check_vma, sequence_parallel):
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     ref, x, target = checkpoint()
     model = ParallelMLP(H, F, sequence_parallel=sequence_parallel, impl="xla",
                         rngs=nnx.Rngs(0))                    # built without a mesh: unplaced
@@ -106,14 +106,14 @@ def test_mlp_inside_users_shard_map(check_vma, sequence_parallel):
         return jax.shard_map(apply, mesh=mesh, in_specs=(nnx.get_partition_spec(state), xs),
                              out_specs=xs, check_vma=check_vma)
 
-    got = value_and_grads(model, place(x, mesh, xs), target, wrap)
+    got = value_and_grads(model, put(x, mesh, xs), target, wrap)
     assert_equivalent(got, value_and_grads(ref, x, target))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_nnx_and_linen_agree_with_copied_params(sequence_parallel):
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     x, target = rand(0, (B, S, H)), rand(1, (B, S, H))
     lin = jo_linen.ParallelMLP(F, sequence_parallel=sequence_parallel, mesh=mesh, impl="ring")
     variables = lin.init(jax.random.key(5), x)
@@ -154,7 +154,7 @@ def test_partition_specs_and_placement():
     assert col.kernel.shape == (H, F) and row.kernel.shape == (F, H) and row.bias.shape == (H,)
     # Under a dp x tp mesh (jax.set_mesh, Explicit axes) the params are placed at once,
     # and also when built inside nnx.jit.
-    mesh = make_mesh("dp2_tp4_explicit")
+    mesh = dp_tp_mesh(AxisType.Explicit)
     with jax.set_mesh(mesh):
         eager = ParallelMLP(H, F, rngs=nnx.Rngs(0))
         jitted = nnx.jit(lambda: ParallelMLP(H, F, rngs=nnx.Rngs(0)))()
@@ -169,7 +169,7 @@ def test_partition_specs_and_placement():
 
 
 def test_misuse_raises_naming_the_argument():
-    mesh = make_mesh("tp4_auto")
+    mesh = tp_mesh(4)
     with pytest.raises(ValueError, match="out_features=10"):
         ColumnParallelLinear(H, 10, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="in_features=10"):

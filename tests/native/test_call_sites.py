@@ -17,21 +17,17 @@ import sys
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import testing_ext
-from jax.sharding import AxisType, Mesh, NamedSharding
+from helpers import put, rand, tp_mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
 from jaxoverlap._executors.runtime import load_host
 
 SITE_KEY = re.compile(r"site_key = (-?\d+) : i64")
-
-
-def _mesh(n: int = 4, kind=AxisType.Explicit) -> Mesh:
-    return Mesh(np.array(jax.devices()[:n]), ("tp",), axis_types=(kind,))
 
 
 def _qkv(mesh: Mesh, shape=(8, 16)):
@@ -43,11 +39,8 @@ def _qkv(mesh: Mesh, shape=(8, 16)):
     spec_w = P(None, "tp")
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp", None),) + (spec_w,) * 3,
                               out_specs=(P(None, "tp"),) * 3))
-    rng = np.random.default_rng(0)
-    x = jax.device_put(rng.standard_normal(shape).astype(np.float32),
-                       NamedSharding(mesh, P("tp", None)))
-    ws = [jax.device_put(rng.standard_normal((shape[1], 8)).astype(np.float32),
-                         NamedSharding(mesh, spec_w)) for _ in range(3)]
+    x = put(rand(0, shape), mesh, P("tp", None))
+    ws = [put(rand(1 + i, (shape[1], 8)), mesh, spec_w) for i in range(3)]
     return f, x, ws
 
 
@@ -66,7 +59,7 @@ def _assert_three_new_sites(f, x, ws) -> None:
 
 
 def test_site_keys_name_the_call_not_the_compile():
-    mesh = _mesh()
+    mesh = tp_mesh(4, kind=AxisType.Explicit)
     f, x, ws = _qkv(mesh)
     keys = SITE_KEY.findall(f.lower(x, *ws).as_text())
     assert len(keys) == 3 and len(set(keys)) == 3, keys  # Q, K, V: one site each
@@ -79,7 +72,7 @@ def test_site_keys_name_the_call_not_the_compile():
 def test_instances_of_one_lowered_call_are_different_sites():
     """A nested jit called three times is lowered once (one site key) and inlined three times
     by XLA; the three instances get three site ids, and each its own clique."""
-    mesh = _mesh()
+    mesh = tp_mesh(4, kind=AxisType.Explicit)
 
     @jax.jit
     def proj(x, w):
@@ -88,11 +81,8 @@ def test_instances_of_one_lowered_call_are_different_sites():
     f = jax.jit(jax.shard_map(lambda x, a, b, c: tuple(proj(x, w) for w in (a, b, c)),
                               mesh=mesh, in_specs=(P("tp", None),) + (P(None, "tp"),) * 3,
                               out_specs=(P(None, "tp"),) * 3))
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((8, 20)).astype(np.float32))
-    ws = [jnp.asarray(rng.standard_normal((20, 8)).astype(np.float32)) for _ in range(3)]
-    x = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
-    ws = [jax.device_put(w, NamedSharding(mesh, P(None, "tp"))) for w in ws]
+    x = put(rand(4, (8, 20)), mesh, P("tp", None))
+    ws = [put(rand(5 + i, (20, 8)), mesh, P(None, "tp")) for i in range(3)]
     assert len(set(SITE_KEY.findall(f.lower(x, *ws).as_text()))) == 1  # lowered once
     _assert_three_new_sites(f, x, ws)
 
@@ -100,12 +90,9 @@ def test_instances_of_one_lowered_call_are_different_sites():
 def test_calls_on_global_arrays_under_auto_axes_are_different_sites():
     """Under Auto axes each call lowers in a partitioner module of its own, all alike: the
     three instances of Q, K and V still get three sites."""
-    mesh = _mesh(kind=AxisType.Auto)
-    rng = np.random.default_rng(2)
-    x = jax.device_put(rng.standard_normal((8, 28)).astype(np.float32),
-                       NamedSharding(mesh, P("tp", None)))
-    ws = [jax.device_put(rng.standard_normal((28, 8)).astype(np.float32),
-                         NamedSharding(mesh, P(None, "tp"))) for _ in range(3)]
+    mesh = tp_mesh(4)
+    x = put(rand(8, (8, 28)), mesh, P("tp", None))
+    ws = [put(rand(9 + i, (28, 8)), mesh, P(None, "tp")) for i in range(3)]
     f = jax.jit(lambda x, *ws: tuple(jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh)
                                      for w in ws))
     _assert_three_new_sites(f, x, ws)
@@ -114,7 +101,7 @@ def test_calls_on_global_arrays_under_auto_axes_are_different_sites():
 def test_the_same_program_compiled_twice_is_the_same_sites():
     """AOT-compiled, then recompiled after jax.clear_caches() while the first executable lives:
     both executables have the same site ids (their peers in other processes see one program)."""
-    mesh = _mesh()
+    mesh = tp_mesh(4, kind=AxisType.Explicit)
     f, x, ws = _qkv(mesh, shape=(8, 36))
     before = _site_ids()
     first = f.lower(x, *ws).compile()

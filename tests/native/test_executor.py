@@ -9,41 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh
+from helpers import absent, dp_tp_mesh, f64, rand, spec_on, tp_mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors import capabilities
 
 from . import native_shard
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import absent  # noqa: E402
-
-TRANSPORTS = ("nccl", "p2p", "multicast")
+TRANSPORTS = _kinds.names(_kinds.TRANSPORTS)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=2e-3),
        "float16": dict(rtol=2e-2, atol=2e-3)}
-
-
-def mesh_1d(n, reverse=False):
-    devices = jax.devices()[:n]
-    if reverse:
-        devices = devices[::-1]
-    return Mesh(np.array(devices), ("tp",), axis_types=(AxisType.Auto,))
-
-
-def data(shape, dtype, seed):
-    # Positive values: partial sums never cancel, so a low-precision ring that
-    # rounds its accumulator on every hop stays within the relative tolerance.
-    values = np.random.default_rng(seed).uniform(0.0, 1.0, size=shape).astype(np.float32)
-    rounded = jnp.asarray(values, dtype=DTYPES[dtype])
-    return rounded, np.asarray(rounded.astype(jnp.float32), dtype=np.float64)
-
-
-def spec(ndim, dim, name="tp"):
-    parts = [None] * ndim
-    parts[dim] = name
-    return P(*parts)
 
 
 def ag(mesh, x, w, *, axis, gathered=False, **kw):
@@ -51,10 +28,10 @@ def ag(mesh, x, w, *, axis, gathered=False, **kw):
         return native_shard.ag_matmul(x, w, axis_name="tp", axis=axis, return_gathered=gathered,
                                       **kw)
 
-    out_specs = spec(x.ndim, x.ndim - 1)
+    out_specs = spec_on(x.ndim, x.ndim - 1)
     if gathered:  # every rank's copy of the gathered x, stacked along dim 0
-        out_specs = (out_specs, spec(x.ndim, 0))
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, axis), spec(2, 1)),
+        out_specs = (out_specs, spec_on(x.ndim, 0))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec_on(x.ndim, axis), spec_on(2, 1)),
                               out_specs=out_specs))
     return f(x, w)
 
@@ -63,8 +40,8 @@ def rs(mesh, x, w, *, axis, **kw):
     def body(x, w):
         return native_shard.matmul_rs(x, w, axis_name="tp", axis=axis, **kw)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, x.ndim - 1), spec(2, 0)),
-                              out_specs=spec(x.ndim, axis)))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec_on(x.ndim, -1), spec_on(2, 0)),
+                              out_specs=spec_on(x.ndim, axis)))
     return f(x, w)
 
 
@@ -73,7 +50,7 @@ def ar(mesh, x, w, **kw):
         return native_shard.matmul_ar(x, w, axis_name="tp", **kw)[None]
 
     # every rank's copy of y, stacked along a new dim 0 (the result is replicated)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec(x.ndim, x.ndim - 1), spec(2, 0)),
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec_on(x.ndim, -1), spec_on(2, 0)),
                               out_specs=P("tp"), check_vma=False))
     return f(x, w)
 
@@ -85,7 +62,7 @@ def x_shape(layout, n, k):
 
 
 def check_ag(n, transport, dtype, chunks, bidir, layout, gathered, reverse=False, seed=0):
-    mesh = mesh_1d(n, reverse)
+    mesh = tp_mesh(n, reverse=reverse)
     # With the concrete mesh set, the handler also checks the rank table.
     with jax.set_mesh(mesh) if reverse else contextlib.nullcontext():
         _check_ag(mesh, n, transport, dtype, chunks, bidir, layout, gathered, seed)
@@ -93,8 +70,10 @@ def check_ag(n, transport, dtype, chunks, bidir, layout, gathered, reverse=False
 
 def _check_ag(mesh, n, transport, dtype, chunks, bidir, layout, gathered, seed):
     shape, axis = x_shape(layout, n, 8)
-    x, x64 = data(shape, dtype, seed)
-    w, w64 = data((8, 4 * n), dtype, seed + 1)
+    x = rand(seed, shape, dtype, positive=True)
+    x64 = f64(x)
+    w = rand(seed + 1, (8, 4 * n), dtype, positive=True)
+    w64 = f64(w)
     out = ag(mesh, x, w, axis=axis, gathered=gathered, transport=transport, chunks=chunks,
              bidirectional=bidir, timeout_s=60.0)
     y = out[0] if gathered else out
@@ -106,15 +85,17 @@ def _check_ag(mesh, n, transport, dtype, chunks, bidir, layout, gathered, seed):
 
 
 def check_rs(n, transport, dtype, chunks, bidir, layout, reverse=False, seed=0):
-    mesh = mesh_1d(n, reverse)
+    mesh = tp_mesh(n, reverse=reverse)
     with jax.set_mesh(mesh) if reverse else contextlib.nullcontext():
         _check_rs(mesh, n, transport, dtype, chunks, bidir, layout, seed)
 
 
 def _check_rs(mesh, n, transport, dtype, chunks, bidir, layout, seed):
     shape, axis = x_shape(layout, n, 4 * n)
-    x, x64 = data(shape, dtype, seed)
-    w, w64 = data((4 * n, 5), dtype, seed + 1)
+    x = rand(seed, shape, dtype, positive=True)
+    x64 = f64(x)
+    w = rand(seed + 1, (4 * n, 5), dtype, positive=True)
+    w64 = f64(w)
     y = rs(mesh, x, w, axis=axis, transport=transport, chunks=chunks, bidirectional=bidir,
            timeout_s=60.0)
     assert y.dtype == x.dtype and y.shape == shape[:-1] + (5,)
@@ -122,11 +103,13 @@ def _check_rs(mesh, n, transport, dtype, chunks, bidir, layout, seed):
 
 
 def check_ar(n, transport, dtype, chunks, bidir, layout, reverse=False, seed=0):
-    mesh = mesh_1d(n, reverse)
+    mesh = tp_mesh(n, reverse=reverse)
     with jax.set_mesh(mesh) if reverse else contextlib.nullcontext():
         shape, _ = x_shape(layout, n, 4 * n)  # every dim but the last is a row
-        x, x64 = data(shape, dtype, seed)
-        w, w64 = data((4 * n, 6), dtype, seed + 1)
+        x = rand(seed, shape, dtype, positive=True)
+        x64 = f64(x)
+        w = rand(seed + 1, (4 * n, 6), dtype, positive=True)
+        w64 = f64(w)
         copies = ar(mesh, x, w, transport=transport, chunks=chunks, bidirectional=bidir,
                     timeout_s=60.0)
     assert copies.dtype == x.dtype and copies.shape == (n, *shape[:-1], 6)
@@ -163,9 +146,11 @@ def test_matmul_ar_one_shot_f32(transport):
     blocks and rows that do not (one: a decode step); every rank holds the same bits."""
     for n, chunks, rows in ((1, 1, 1), (2, 1, 1), (3, 3, 7), (4, 2, 8), (5, 1, 3), (8, 1, 1),
                             (8, 3, 9)):
-        mesh = mesh_1d(n)
-        x, x64 = data((1, rows, 4 * n), "float32", n + rows)
-        w, w64 = data((4 * n, 6), "float32", n + rows + 1)
+        mesh = tp_mesh(n)
+        x = rand(n + rows, (1, rows, 4 * n), "float32", positive=True)
+        x64 = f64(x)
+        w = rand(n + rows + 1, (4 * n, 6), "float32", positive=True)
+        w64 = f64(w)
         copies = ar(mesh, x, w, transport=transport, chunks=chunks, algorithm="one_shot",
                     timeout_s=60.0)
         got = np.asarray(copies)
@@ -184,8 +169,8 @@ def test_low_precision(transport, dtype, n):
     check_ar(n, transport, dtype, 2, n == 8, "batch", seed=n)
 
 
-# The fused programs (one FusedGemm per rank: docs/gpu.md §10) on the host executor, which runs
-# its semantics block by block: x's rows are whole 16-byte units (k, cols multiples of 8).
+# The fused programs (one FusedGemm per rank: docs/gpu-internals.md §5) on the host executor, which
+# runs its semantics block by block: x's rows are whole 16-byte units (k, cols multiples of 8).
 FUSED_CASES = [  # (op, transport, n, chunks, bidirectional, dtype, layout, gathered)
     ("ag_matmul", "p2p", 2, 1, False, "bfloat16", "batch", True),
     ("ag_matmul", "p2p", 4, 3, True, "float16", "post", False),
@@ -204,11 +189,13 @@ FUSED_CASES = [  # (op, transport, n, chunks, bidirectional, dtype, layout, gath
 @pytest.mark.slow  # eleven calls compiled and run: seconds
 def test_fused_programs_on_the_host_executor():
     for op, transport, n, chunks, bidir, dtype, layout, gathered in FUSED_CASES:
-        mesh = mesh_1d(n)
+        mesh = tp_mesh(n)
         shape, axis = x_shape(layout, n, 8 if op == "ag_matmul" else 8 * n)
-        x, x64 = data(shape, dtype, n + chunks)
+        x = rand(n + chunks, shape, dtype, positive=True)
+        x64 = f64(x)
         w_shape = (8, 8 * n) if op == "ag_matmul" else (8 * n, 16)
-        w, w64 = data(w_shape, dtype, n + chunks + 1)
+        w = rand(n + chunks + 1, w_shape, dtype, positive=True)
+        w64 = f64(w)
         kw = dict(axis=axis, transport=transport, chunks=chunks, bidirectional=bidir,
                   fused=True, timeout_s=60.0)
         where = f"{op} {transport} N={n} chunks={chunks} bidi={bidir} {dtype} {layout}"
@@ -225,21 +212,23 @@ def test_fused_programs_on_the_host_executor():
     # The executor builds the fused program (the chunked one would give the same values): the
     # first case with k = 12, which the chunked path runs, is refused by the fused GEMM's rule.
     shape, axis = x_shape("batch", 2, 12)
-    x, _ = data(shape, "bfloat16", 0)
-    w, _ = data((12, 16), "bfloat16", 1)
+    x = rand(0, shape, "bfloat16", positive=True)
+    w = rand(1, (12, 16), "bfloat16", positive=True)
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"k \(12\) .* must be multiples of 8"):
-        ag(mesh_1d(2), x, w, axis=axis, transport="p2p", fused=True,
+        ag(tp_mesh(2), x, w, axis=axis, transport="p2p", fused=True,
            timeout_s=60.0).block_until_ready()
 
 
 @pytest.mark.parametrize("axis", [0, 1, 2])
 def test_any_axis_of_a_4d_input(axis):
     n = 4
-    mesh = mesh_1d(n)
+    mesh = tp_mesh(n)
     shape = [2, 3, 2, 8]
     shape[axis] *= n
-    x, x64 = data(tuple(shape), "float32", axis)
-    w, w64 = data((8, 8), "float32", 7)
+    x = rand(axis, tuple(shape), "float32", positive=True)
+    x64 = f64(x)
+    w = rand(7, (8, 8), "float32", positive=True)
+    w64 = f64(w)
     y, g = ag(mesh, x, w, axis=axis, gathered=True, transport="p2p", chunks=2)
     np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
     np.testing.assert_array_equal(np.asarray(g), np.concatenate([x64] * n, axis=0))
@@ -257,7 +246,7 @@ def test_reversed_mesh_places_ranks_by_the_rank_table(transport):
 
 
 def test_rank_table_attribute_matches_the_mesh():
-    mesh = mesh_1d(4, reverse=True)
+    mesh = tp_mesh(4, reverse=True)
     x = jnp.ones((8, 4), jnp.float32)
     w = jnp.ones((4, 4), jnp.float32)
     f = jax.jit(jax.shard_map(
@@ -274,10 +263,13 @@ def test_rank_table_attribute_matches_the_mesh():
 
 
 def test_2d_mesh_two_cliques_run_concurrently():
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
-    x, x64 = data((4, 16, 8), "float32", 11)
-    w, w64 = data((8, 12), "float32", 12)
-    w2, w2_64 = data((12, 8), "float32", 13)
+    mesh = dp_tp_mesh()
+    x = rand(11, (4, 16, 8), "float32", positive=True)
+    x64 = f64(x)
+    w = rand(12, (8, 12), "float32", positive=True)
+    w64 = f64(w)
+    w2 = rand(13, (12, 8), "float32", positive=True)
+    w2_64 = f64(w2)
 
     def body(x, w, w2):
         y = native_shard.ag_matmul(x, w, axis_name="tp", axis=1, transport="p2p", chunks=2)
@@ -297,11 +289,15 @@ def test_2d_mesh_two_cliques_run_concurrently():
 
 
 def test_two_call_sites_with_different_shapes_in_one_program():
-    mesh = mesh_1d(4)
-    x1, x1_64 = data((2, 8, 8), "float32", 21)
-    w1, w1_64 = data((8, 12), "float32", 22)
-    x2, x2_64 = data((12, 16), "float32", 23)
-    w2, w2_64 = data((16, 4), "float32", 24)
+    mesh = tp_mesh(4)
+    x1 = rand(21, (2, 8, 8), "float32", positive=True)
+    x1_64 = f64(x1)
+    w1 = rand(22, (8, 12), "float32", positive=True)
+    w1_64 = f64(w1)
+    x2 = rand(23, (12, 16), "float32", positive=True)
+    x2_64 = f64(x2)
+    w2 = rand(24, (16, 4), "float32", positive=True)
+    w2_64 = f64(w2)
 
     def body(x1, w1, x2, w2):
         y1 = native_shard.ag_matmul(x1, w1, axis_name="tp", axis=1, transport="nccl")
@@ -322,7 +318,7 @@ def test_two_call_sites_with_different_shapes_in_one_program():
 def test_200_back_to_back_calls_with_changing_shapes(transport):
     """Epoch parity and workspace growth: results stay right while shapes grow and shrink."""
     n = 4
-    mesh = mesh_1d(n)
+    mesh = tp_mesh(n)
 
     def body(x, w1, w2):
         h = native_shard.ag_matmul(x, w1, axis_name="tp", axis=1, transport=transport, chunks=2)
@@ -338,9 +334,12 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
                               out_specs=(P(None, "tp", None), P(), P()), check_vma=False))
     inputs = []
     for i, s in enumerate((4, 16, 8, 32, 4)):
-        x, x64 = data((2, s, 8), "float32", 100 + i)
-        w1, w1_64 = data((8, 8), "float32", 200 + i)
-        w2, w2_64 = data((8, 8), "float32", 300 + i)
+        x = rand(100 + i, (2, s, 8), "float32", positive=True)
+        x64 = f64(x)
+        w1 = rand(200 + i, (8, 8), "float32", positive=True)
+        w1_64 = f64(w1)
+        w2 = rand(300 + i, (8, 8), "float32", positive=True)
+        w2_64 = f64(w2)
         inputs.append(((x, w1, w2), (x64 @ w1_64) @ w2_64))
     outs = [f(*inputs[i % len(inputs)][0]) for i in range(200)]
     for i, (y, a, one) in enumerate(outs):
@@ -352,7 +351,7 @@ def test_200_back_to_back_calls_with_changing_shapes(transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_missing_peer_times_out_with_a_clear_error(transport):
-    mesh = mesh_1d(4)
+    mesh = tp_mesh(4)
     x = jnp.ones((2, 8, 8), jnp.float32)
     w = jnp.ones((8, 4), jnp.float32)
     stall = {"on": False}
@@ -374,7 +373,7 @@ def test_missing_peer_times_out_with_a_clear_error(transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_matmul_ar_missing_peer_times_out_with_a_clear_error(transport, algorithm):
     """Two-shot on 16 rows, one-shot on a decode step's single row, on 4 ranks."""
-    mesh = mesh_1d(4)
+    mesh = tp_mesh(4)
     rows = (2, 8) if algorithm == "two_shot" else (1, 1)
     x = jnp.ones((*rows, 8), jnp.float32)
     w = jnp.ones((8, 4), jnp.float32)
@@ -419,7 +418,7 @@ def test_info_and_transports():
 
 def test_partially_manual_shard_map_is_an_error_not_a_corruption():
     """Leaving dp automatic would give the two dp slices the same (rank, group)."""
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    mesh = dp_tp_mesh()
     x = jnp.ones((4, 16, 8), jnp.float32)
     w = jnp.ones((8, 8), jnp.float32)
 
@@ -441,7 +440,7 @@ def test_low_precision_conversion_is_exact_and_rounds_to_nearest_even(dtype):
     finite = values[np.isfinite(values.astype(np.float32))]
     k = 16
     finite = finite[: finite.size // k * k].reshape(-1, k)
-    mesh = mesh_1d(1)
+    mesh = tp_mesh(1)
     x = jnp.asarray(finite, jdt)
     for scale in (1.0, 0.5):
         w = jnp.asarray(np.eye(k, dtype=np.float32) * scale, jdt)
@@ -456,10 +455,12 @@ def test_low_precision_conversion_is_exact_and_rounds_to_nearest_even(dtype):
 def test_a_huge_timeout_means_wait_long_not_fail_at_once(timeout_s):
     """1e10 s is 1e19 ns, past the clock's int64 range: the deadline must saturate, not wrap
     around into the past (which failed every wait at once)."""
-    mesh = mesh_1d(4)
+    mesh = tp_mesh(4)
     shape, axis = x_shape("batch", 4, 8)
-    x, x64 = data(shape, "float32", 3)
-    w, w64 = data((8, 16), "float32", 4)
+    x = rand(3, shape, "float32", positive=True)
+    x64 = f64(x)
+    w = rand(4, (8, 16), "float32", positive=True)
+    w64 = f64(w)
     for transport in TRANSPORTS:
         y = ag(mesh, x, w, axis=axis, transport=transport, chunks=2, timeout_s=timeout_s)
         np.testing.assert_allclose(np.asarray(y), x64 @ w64, **TOL["float32"])
@@ -510,13 +511,6 @@ def case_note(*values):
         raise
 
 
-def fp8_data(shape, dtype, seed):
-    """Values spread over a few binades, rounded to `dtype` (fp8 or 16-bit), and their float64."""
-    values = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 3
-    rounded = jnp.asarray(values).astype(dtype)
-    return rounded, np.asarray(rounded.astype(jnp.float32), np.float64)
-
-
 def rank_scales(dtype, n, base):
     """One float32 scale per rank, all different; 1.0 where `dtype` is not fp8 (what the ops
     pass for an operand without a scale)."""
@@ -542,7 +536,7 @@ def check_fp8(n, transport, dtypes, chunks, bidir, seed=0):
     each rank with its own scales, against the float64 product of the float32 dequantized
     operands (selftest's bound: one rounding to y's dtype; reductions in y's dtype)."""
     x_dtype, w_dtype, out = dtypes
-    mesh = mesh_1d(n)
+    mesh = tp_mesh(n)
     sx, sx_np = rank_scales(x_dtype, n, 0.5)
     sw, sw_np = rank_scales(w_dtype, n, 1.25)
     fields = dict(transport=transport, chunks=chunks, bidirectional=bidir, timeout_s=60.0,
@@ -557,8 +551,10 @@ def check_fp8(n, transport, dtypes, chunks, bidir, seed=0):
     scale_specs = (P("tp"), P("tp"))
 
     # all-gather: rank r's y columns = concat_j (x_j * sx_j) @ (w_r * sw_r)
-    x, x64 = fp8_data((2, n * rows, k), x_dtype, seed)
-    w, w64 = fp8_data((k, 16 * n), w_dtype, seed + 1)
+    x = rand(seed, (2, n * rows, k), x_dtype, scale=3)
+    x64 = f64(x)
+    w = rand(seed + 1, (k, 16 * n), w_dtype, scale=3)
+    w64 = f64(w)
     f = jax.jit(jax.shard_map(
         scales_in(lambda x, w, sx, sw: native_shard.ag_matmul(
             x, w, axis=1, return_gathered=True, x_scale=sx, w_scale=sw, **fields)),
@@ -582,8 +578,10 @@ def check_fp8(n, transport, dtypes, chunks, bidir, seed=0):
 
     # reduce-scatter / all-reduce: sum_r (x_r * sx_r) @ (w_r * sw_r), x_r and w_r the rank's
     # slices of the contraction
-    x, x64 = fp8_data((n * rows, 2, k * n), x_dtype, seed + 2)
-    w, w64 = fp8_data((k * n, 24), w_dtype, seed + 3)
+    x = rand(seed + 2, (n * rows, 2, k * n), x_dtype, scale=3)
+    x64 = f64(x)
+    w = rand(seed + 3, (k * n, 24), w_dtype, scale=3)
+    w64 = f64(w)
     x_deq = np.concatenate([dequantized(x64[..., r * k:(r + 1) * k], sx_np[r])
                             for r in range(n)], axis=-1)
     w_deq = np.concatenate([dequantized(w64[r * k:(r + 1) * k], sw_np[r]) for r in range(n)])
@@ -624,8 +622,10 @@ def test_fp8_a_wrong_shard_scale_would_be_caught():
     for every shard (what a program that did not move them would do) misses the bound."""
     n, rows, k = 4, 2, 32
     sx = np.asarray([0.5 * (1.0 + 0.37 * r) for r in range(n)], np.float32)
-    x, x64 = fp8_data((1, n * rows, k), "float8_e4m3fn", 7)
-    w, w64 = fp8_data((k, 16), "float8_e4m3fn", 8)
+    x = rand(7, (1, n * rows, k), "float8_e4m3fn", scale=3)
+    x64 = f64(x)
+    w = rand(8, (k, 16), "float8_e4m3fn", scale=3)
+    w64 = f64(w)
     right = np.concatenate([dequantized(x64[:, j * rows:(j + 1) * rows], sx[j])
                             for j in range(n)], axis=1)
     own = dequantized(x64, sx[1])  # rank 1's scale for every shard
@@ -644,7 +644,7 @@ def _custom_call(x, w, x_scale, w_scale, y_dtype, n=2):
     from jaxoverlap._plan import OpPlan
 
     runtime.register("cpu")
-    mesh = mesh_1d(n)
+    mesh = tp_mesh(n)
     plan = OpPlan(op="ag_matmul", impl="native", axis_name="tp", axis=0, axis_size=n,
                   transport="p2p")
     attrs = attributes(plan, describe(mesh, "tp", "cpu", "p2p", None, jax.process_index()), x,

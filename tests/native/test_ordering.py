@@ -24,6 +24,8 @@ import textwrap
 
 import pytest
 
+from jaxoverlap import _kinds
+
 PRELUDE = """
 import os, sys, time
 import jax, jax.numpy as jnp, numpy as np
@@ -31,34 +33,14 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import native_shard
+from helpers import absent, f64, rand, tp_mesh
 from jaxoverlap._executors.runtime import load_host
-
-def mesh_1d(n):
-    return Mesh(np.array(jax.devices()[:n]), ("tp",), axis_types=(AxisType.Auto,))
-
-def rand(seed, shape):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
-
-def f64(a):
-    return np.asarray(a, np.float64)
 
 STALL = {"on": False}
 
-def absent(x, rank):
-    # x on `rank`, while STALL["on"], only once a clique has broken (its peers timed out waiting
-    # for it), however fast the machine runs them; the wait (bounded) blocks its device thread.
-    def broken():
-        return {l for l in load_host().cliques().splitlines() if "BROKEN" in l}
-    def host(value, r):
-        if STALL["on"] and int(r) == rank:
-            before, end = broken(), time.monotonic() + 120
-            while not broken() - before and time.monotonic() < end:
-                time.sleep(0.01)
-        return value
-    held = lax.stop_gradient(x)
-    waited = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
-                               lax.axis_index("tp"))
-    return x + (waited - held)
+def stalled(x, rank):
+    # x on `rank`, while STALL["on"], only once a clique has broken (helpers.absent).
+    return absent(x, rank, lambda: STALL["on"])
 
 def perturb(seconds):
     # Competes for the cores from another thread, so that devices drift apart in time.
@@ -78,6 +60,8 @@ def run(body: str, timeout: float = 240.0) -> str:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
     code = PRELUDE + textwrap.dedent(body)
     try:
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -96,7 +80,7 @@ def test_native_calls_next_to_independent_xla_collectives(transport):
     """Native calls and independent psums in one program, many times, no deadlock."""
     out = run(f"""
         n = 8
-        mesh = mesh_1d(n)
+        mesh = tp_mesh(n)
         x1, w1 = rand(1, (2, n * 32, 64)), rand(2, (64, n * 32))
         x2, w2 = rand(3, (2, n * 32, n * 32)), rand(4, (n * 32, 48))
         b1, b2 = rand(5, (n, 256)), rand(6, (n, 256))
@@ -142,7 +126,7 @@ def test_flax_mlp_forward_backward_with_bias_at_tp8():
                 return nn.Dense(x.shape[-1], name="down")(nn.gelu(h))
 
         n, B, S, H, F = 8, 2, 256, 256, 1024
-        mesh = mesh_1d(n)
+        mesh = tp_mesh(n)
         x = rand(0, (B, S, H))
         params = Reference(F).init(jax.random.key(1), x)
         params = jax.tree.map(lambda a: a + 0.01, params)     # nonzero biases
@@ -188,7 +172,7 @@ THREE_CALLS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("op", list(THREE_CALLS))
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
 def test_three_independent_calls_with_identical_shapes(transport, op):
     """Q, K, V-like projections (or three decode-step all-reduces): same shapes, distinct data,
     next to an XLA collective, each late on different ranks; every result is its own (and a
@@ -197,7 +181,7 @@ def test_three_independent_calls_with_identical_shapes(transport, op):
     out = run(f"""
         n = 8
         TRANSPORT = "{transport}"
-        mesh = mesh_1d(n)
+        mesh = tp_mesh(n)
         {inputs}
         big = rand(21, (256, 256)) / 16
 
@@ -240,12 +224,12 @@ def test_three_independent_calls_with_identical_shapes(transport, op):
 def test_missing_peer_still_times_out_quickly_and_cleanly():
     """With async handlers the timeout error still names clique, epoch, rank and peer."""
     out = run("""
-        mesh = mesh_1d(4)
+        mesh = tp_mesh(4)
         x = jnp.ones((2, 8, 8), jnp.float32)
         w = jnp.ones((8, 4), jnp.float32)
         def make():
             return jax.jit(jax.shard_map(
-                lambda x, w: native_shard.ag_matmul(absent(x, 2), w, axis_name="tp",
+                lambda x, w: native_shard.ag_matmul(stalled(x, 2), w, axis_name="tp",
                                                     axis=1, transport="p2p", timeout_s=0.5),
                 mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
                 out_specs=P(None, None, "tp")))
