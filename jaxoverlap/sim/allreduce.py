@@ -67,10 +67,15 @@ def rate_gbps(p: Preset, transport: str) -> float:
 
 def kernel_time(p: Preset, algorithm: str, transport: str, nranks: int, nbytes: float) -> float:
     """Seconds of one one-launch all-reduce of ``nbytes`` per rank over ``nranks`` GPUs, on a
-    running stream (captured, or queued behind other work): start + flag rounds + bytes."""
+    running stream (captured, or queued behind other work): start + flag rounds + bytes.
+
+    A program's ``AllReduce`` op is priced with this (``sim.engine``): its program's
+    ``algorithm`` (``one_shot_kernel`` / ``two_shot_kernel``, or the bare names) and
+    ``transport``, the op's ``bytes``."""
     if nranks <= 1:
         return 0.0
     p.check_group(nranks)
+    algorithm = algorithm.removesuffix("_kernel")
     return ((p.ar_start_us + flag_rounds(algorithm) * p.ar_flag_us) * US
             + port_bytes(algorithm, transport, nranks, nbytes) / (rate_gbps(p, transport) * 1e9))
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import families, model
+from jaxoverlap.sim import families, model, reduction
 from jaxoverlap.sim import fused as fused_path
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
@@ -209,6 +209,8 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
             return model.elementwise_time(p, o["bytes"], 3)
         if o["kind"] == "FusedGemm":
             return fused_path.tile_plan(p, dtype, o).alone
+        if o["kind"] == "Reduce":
+            return reduction.reduction_time(p, len(o["sources"]), o["bytes"], o.get("sms"))
         t = model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
         return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
 

@@ -41,27 +41,37 @@ def gemm_time_on_sms(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, 
 
 
 def reduction_rate(p: Preset, sms: int | None = None, remote: bool = False) -> float:
-    """Bytes/s a reduction kernel on ``sms`` SMs (None: all) streams: ``sms x reduce_sm_gbps``,
-    at most ``reduce_efficiency`` of HBM, or the link rate when it reads peers' memory."""
-    sms = p.sms if sms is None else sms
+    """Bytes/s a reduction kernel on ``sms`` SMs (None or 0: as many as it needs) streams:
+    ``sms x reduce_sm_gbps``, at most ``reduce_efficiency`` of HBM, or the link rate when it
+    reads peers' memory."""
+    sms = p.sms if not sms else sms
     if not 0 < sms <= p.sms:
         raise ValueError(f"sms: expected 1..{p.sms} (the preset's SMs), got {sms}")
     cap = (p.p2p_load_gbps or p.link_gbps) if remote else p.reduce_efficiency * p.hbm_gbps
     return min(sms * p.reduce_sm_gbps, cap) * 1e9
 
 
-def reduction_time(p: Preset, nranks: int, block_bytes: float, sms: int | None = None,
+def reduction_sms(p: Preset, sms: int | None = None) -> int:
+    """The SMs a reduction kernel holds: its budget, or (None or 0) the fewest that reach its
+    HBM cap (more would only wait on memory)."""
+    if sms:
+        return min(int(sms), p.sms)
+    return min(p.sms, math.ceil(p.reduce_efficiency * p.hbm_gbps / p.reduce_sm_gbps))
+
+
+def reduction_time(p: Preset, sources: int, block_bytes: float, sms: int | None = None,
                    remote: bool = False) -> float:
-    """One kernel summing ``nranks`` partials of ``block_bytes`` into one block: N reads and one
-    write (``remote``: the N - 1 peers' partials read over the links, the own one and the write
-    in HBM), plus a kernel's fixed cost (``gemm_overhead_us``)."""
-    if nranks < 1 or block_bytes < 0:
-        raise ValueError(f"nranks >= 1 and block_bytes >= 0 expected, got {nranks}, "
+    """One kernel summing ``sources`` partials of ``block_bytes`` into one block (a program's
+    ``Reduce`` op: its ``sources`` and ``sms``, 0 = the whole GPU): ``sources`` reads and one
+    write in one pass (``remote``: the sources but one read over the links from peers' memory,
+    the own one and the write in HBM), plus a kernel's fixed cost (``gemm_overhead_us``)."""
+    if sources < 1 or block_bytes < 0:
+        raise ValueError(f"sources >= 1 and block_bytes >= 0 expected, got {sources}, "
                          f"{block_bytes}")
-    overhead = p.gemm_overhead_us * US
+    overhead = p.ar_start_us * US
     if not remote:
-        return (nranks + 1) * block_bytes / reduction_rate(p, sms) + overhead
-    over_links = (nranks - 1) * block_bytes / reduction_rate(p, sms, remote=True)
+        return (sources + 1) * block_bytes / reduction_rate(p, sms) + overhead
+    over_links = (sources - 1) * block_bytes / reduction_rate(p, sms, remote=True)
     in_hbm = 2 * block_bytes / reduction_rate(p, sms)
     return max(over_links, in_hbm) + overhead
 
@@ -85,7 +95,7 @@ def tail_time(p: Preset, transport: str, nranks: int, block_bytes: float,
 def sms_for(p: Preset, nranks: int, block_bytes: float, seconds: float) -> int:
     """The fewest SMs whose reduction of one block (N partials in HBM) fits in ``seconds``
     (the time the GEMM takes per block): the reduction keeps pace with the GEMM."""
-    if seconds <= p.gemm_overhead_us * US:
+    if seconds <= p.ar_start_us * US:
         return p.sms
-    need = (nranks + 1) * block_bytes / (seconds - p.gemm_overhead_us * US)
+    need = (nranks + 1) * block_bytes / (seconds - p.ar_start_us * US)
     return min(p.sms, max(1, math.ceil(need / (p.reduce_sm_gbps * 1e9))))
