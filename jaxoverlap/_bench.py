@@ -92,6 +92,11 @@ def _model(args: argparse.Namespace) -> int:
               "(docs/performance.md §2.6, docs/gpu-internals.md §5): the executors' own fused "
               "programs, which the ops pick on compute capability 9.0 GPUs; the kernel itself is "
               "compiled and checked without a GPU, never run on one.")
+    overlapped = sim.overlapped_table(preset, cases)
+    if overlapped:
+        print(f"\nGEMM + reduce-scatter with the copies and the reduction beside the GEMM "
+              f"(docs/performance.md §2.8; the chooser never picks it: no such program runs):\n"
+              f"{sim.format_overlapped_table(overlapped)}")
     fp8_rows = sim.projection_table([preset], sim.FP8_CASES)
     print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at its FP8 fit, AG moves one byte "
           f"per element; the reasons under the table say what is measured, what "

@@ -63,6 +63,11 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert re.search(r"² h100 RS std: xla \(unfused\) projects 1\.00x vs xla; published fused "
                      r"at this shape: 1\.55x TD-RS5 \(h800\); 0\.84x F8/8192 \(h100, loss\)", out)
     assert "the executors' own fused programs, which the ops pick" in out
+    # RS std as the overlapped GEMM+RS, labelled a projection of a program not built, never
+    # picked
+    assert "PROJECTION of a program not built yet (sim.reduction.overlapped" in out
+    assert "the chooser never picks it: no such program runs" in out
+    assert re.search(r"\nRS std +\d+ +\d+ +\d\.\d\d +\d\.\d\d .*sub-chunk", out), out
     # a projection outside the preset's calibrated range is marked, with the reason
     assert "* h100 AG decode: outside the calibrated range" in out
     assert "* h100 AG std:" not in out

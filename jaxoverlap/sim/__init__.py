@@ -44,9 +44,11 @@ from jaxoverlap.sim.report import (
     Case,
     decode_table,
     format_decode_table,
+    format_overlapped_table,
     format_table,
     gantt,
     markdown_decode_table,
+    overlapped_table,
     projection_table,
 )
 
@@ -63,7 +65,9 @@ __all__ = [
     "STANDARD_CASES",
     "decode_table",
     "format_decode_table",
+    "format_overlapped_table",
     "markdown_decode_table",
+    "overlapped_table",
     "Candidate",
     "Case",
     "Choice",

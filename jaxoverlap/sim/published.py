@@ -22,9 +22,18 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxoverlap.sim import allreduce, confidence, families, fit, fused, model, published_gemms
+from jaxoverlap.sim import (
+    allreduce,
+    confidence,
+    families,
+    fit,
+    fused,
+    model,
+    published_gemms,
+    reduction,
+)
 from jaxoverlap.sim.model import Shape
-from jaxoverlap.sim.plan import Candidate, SimResult, choose, simulate
+from jaxoverlap.sim.plan import Candidate, SimResult, baseline_times, choose, simulate
 from jaxoverlap.sim.presets import Preset, get_preset
 from jaxoverlap.sim.published_gemms import FLUX, GEMMS, GemmRow  # noqa: F401  (re-exported)
 
@@ -844,6 +853,55 @@ def _launch_design(row: OneLaunchRow) -> str:
             "VL24111-mm": "torch-symm-mem-two-shot", "VL24111-2s": "torch-symm-mem-two-shot",
             "VL24111-ca2": "vllm-two-stage", "TS860-1s": "nvls-one-shot-norm"}[
                 row.id.rsplit("-", 1)[0]]
+
+
+# The published GEMM+RS designs whose mechanism ``sim.reduction.overlapped`` prices with no
+# reduction beside the GEMM (sms 0): a persistent GEMM on every SM releasing each destination's
+# block, copy-engine copies beside it, one reduction of the N partials after (families.DESIGNS).
+OVERLAPPED_DESIGNS = ("triton-dist-rs", "kraken-ce-rs")
+
+
+@dataclass(frozen=True)
+class OverlappedCheck:
+    """One published GEMM+RS of an ``OVERLAPPED_DESIGNS`` design against the projection of
+    its mechanism (held out: fitted to nothing)."""
+
+    row: CallRow
+    projected: float  # the projection's speedup over the model's serial path
+
+    @property
+    def ratio(self) -> float:
+        """Projected / published speedup (> 1: the model is optimistic)."""
+        return self.projected / self.row.published_speedup
+
+
+def overlapped_checks(machines: Sequence[str] = ("h100",)) -> list[OverlappedCheck]:
+    """The projection (``reduction.overlapped``, sms 0) of each published GEMM+RS by a design
+    of ``OVERLAPPED_DESIGNS`` on ``machines``."""
+    out = []
+    for row in CALLS:
+        if row.op != "matmul_rs" or row.design not in OVERLAPPED_DESIGNS:
+            continue
+        if row.machine not in machines:
+            continue
+        p = machine(row.machine)
+        t_gemm, t_comm = baseline_times(row.op, row.shape, row.dtype, row.nranks, p)
+        o = reduction.overlapped(p, row.dtype, 1, row.m, row.n, row.k, row.nranks, sms=0)
+        out.append(OverlappedCheck(row, (t_gemm + t_comm) / o.seconds))
+    return out
+
+
+def markdown_overlapped_table(machines: Sequence[str] = ("h100", "h800")) -> str:
+    """docs/performance.md §2.8's table: the overlapped GEMM+RS projection against the
+    published calls of the designs whose mechanism it prices."""
+    lines = ["| row | machine | design | M, K/rank, N, TP | published | projected | projected / "
+             "published |", "|---|---|---|---|---|---|---|"]
+    for c in overlapped_checks(machines):
+        r = c.row
+        lines.append(f"| {r.id} | {r.machine} | {r.design} | {r.m}, {r.k}, {r.n}, {r.nranks} | "
+                     f"{r.published_speedup:.2f}x{' (loss)' if r.loss else ''} | "
+                     f"{c.projected:.2f}x | {c.ratio:.2f} |")
+    return "\n".join(lines)
 
 
 def markdown_one_launch_table() -> str:

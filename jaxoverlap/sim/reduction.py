@@ -23,9 +23,10 @@ parts, each priced here from its own source:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from jaxoverlap.sim import model
-from jaxoverlap.sim.presets import Preset
+from jaxoverlap.sim.presets import Preset, dtype_bytes, output_dtype
 
 US = 1e-6
 
@@ -99,3 +100,75 @@ def sms_for(p: Preset, nranks: int, block_bytes: float, seconds: float) -> int:
         return p.sms
     need = (nranks + 1) * block_bytes / (seconds - p.ar_start_us * US)
     return min(p.sms, max(1, math.ceil(need / (p.reduce_sm_gbps * 1e9))))
+
+
+# The SM budgets and sub-chunk counts a projection tries: the executors cap a kernel's budget at
+# 32 SMs (a program holds it on every GPU it runs on); 0: no reduction beside the GEMM, one
+# reduction on every SM after it.
+SM_BUDGETS = (0, 8, 16, 24, 32)
+CHUNKS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Overlapped:
+    """A projection of one GEMM+RS whose transfers (and reduction) overlap the GEMM."""
+
+    seconds: float
+    sms: int  # the reduction's SMs beside the GEMM (0: one reduction after it, every SM)
+    chunks: int  # sub-chunks per destination block
+    gemm: float  # the GEMM on the SMs it keeps, slowed by the bytes moved beside it
+    copies: float  # the comm stream's copies of every peer's sub-chunks, back to back
+    reductions: float  # the reduction stream's kernels, back to back (sms 0: the one after)
+    tail: float  # exposed after the GEMM: the last sub-chunk's copy and reduction
+
+
+def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: int,
+               transport: str = "p2p", sms: int | None = None, chunks: int | None = None
+               ) -> Overlapped:
+    """A projection (of a program not built yet: label it so) of d = a @ w over ``m`` rows
+    whose N output blocks are reduce-scattered while the GEMM runs, from this module's
+    mechanisms: the GEMM on ``p.sms - sms`` SMs (at ``fused_gemm_rate``) releasing each
+    destination's sub-chunk, copies moving them (one comm stream: each copy its fixed start
+    and bytes), and a one-pass reduction of the N partials of each sub-chunk on ``sms`` SMs
+    beside the GEMM, the last sub-chunk's copy and reduction (on every SM: the GEMM is done,
+    as TransformerEngine's pipelined reduce-scatter runs its last chunk) exposed after it.
+    ``sms`` 0: no reduction beside the GEMM, the GEMM on every SM and one reduction of the
+    whole block on every SM after it (the copies still overlap). The streams overlap, so the
+    call takes the longest plus what is exposed; the GEMM is slowed by the copies' and the
+    reductions' HBM bytes (``model.compute_rate``). ``sms`` / ``chunks`` None: the fastest
+    of ``SM_BUDGETS`` / ``CHUNKS``."""
+    if transport != "p2p":
+        raise ValueError(f"transport: the projection prices copy-engine copies ('p2p'), got "
+                         f"{transport!r}")
+    p.check_group(nranks)
+    if m % nranks:
+        raise ValueError(f"m={m}: the reduce-scatter splits the rows into {nranks} blocks")
+    out = batch * m * n * dtype_bytes(output_dtype(dtype))
+    block = out / nranks
+    best: Overlapped | None = None
+    for s in (sms,) if sms is not None else SM_BUDGETS:
+        for c in (chunks,) if chunks else CHUNKS:
+            sub = block / c
+            alone = (gemm_time_on_sms(p, dtype, batch, m, n, k, p.sms - s)
+                     - p.gemm_overhead_us * US) / p.fused_gemm_rate
+            # through this GPU's HBM while the GEMM runs: the N-1 blocks copied out (read) and
+            # in (written), and beside it the N partials of its own block read, the sum written
+            beside = (nranks + 1) * block if s else 0.0
+            moved = 2 * (nranks - 1) * block + beside
+            gemm = alone / model.compute_rate(p, 0, moved / max(alone, 1e-12))
+            copy = model.transfer_fill(p, transport, sub) + sub / (
+                model.transfer_gbps(p, transport) * 1e9)
+            copies = (nranks - 1) * c * copy
+            if s:
+                reductions = c * reduction_time(p, nranks, sub, s)
+                tail = copy + reduction_time(p, nranks, sub)
+                busy = max(gemm, copies, reductions)
+            else:
+                reductions = reduction_time(p, nranks, block)
+                tail = copy + reductions
+                busy = max(gemm, copies)
+            t = p.gemm_overhead_us * US + busy + tail
+            if best is None or t < best.seconds:
+                best = Overlapped(t, s, c, gemm, copies, reductions, tail)
+    assert best is not None
+    return best

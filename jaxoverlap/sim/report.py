@@ -159,6 +159,51 @@ def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+OVERLAPPED_LABEL = ("PROJECTION of a program not built yet (sim.reduction.overlapped: GEMM+RS "
+                    "whose copies and reduction overlap the GEMM), not a measurement")
+
+
+def overlapped_table(preset: str | Preset, cases: Sequence[Case] = STANDARD_CASES
+                     ) -> list[dict[str, object]]:
+    """The GEMM+RS cases (16-bit, over p2p) priced as the overlapped design of
+    ``sim.reduction.overlapped``: xla's time, the projection's, its parts and its design."""
+    from jaxoverlap.sim import reduction
+    from jaxoverlap.sim.plan import baseline_times
+
+    p = load_preset(preset)
+    rows: list[dict[str, object]] = []
+    if not p.p2p_gbps:
+        return rows
+    for case in cases:
+        if case.op != "matmul_rs" or canonical_dtype(case.dtype) in FP8_DTYPES:
+            continue
+        t_gemm, t_comm = baseline_times(case.op, case.shape, case.dtype, case.nranks, p)
+        o = reduction.overlapped(p, case.dtype, 1, case.m, case.n, case.k, case.nranks)
+        xla = t_gemm + t_comm
+        design = (f"{o.chunks} sub-chunk(s), reduction on {o.sms} SMs beside the GEMM" if o.sms
+                  else f"{o.chunks} sub-chunk(s), copies beside the GEMM, one reduction after")
+        rows.append({"preset": p.name, "case": case.label, "t_xla_us": xla * 1e6,
+                     "t_us": o.seconds * 1e6, "vs_xla": xla / o.seconds,
+                     "ideal": xla / max(t_gemm, t_comm), "gemm_us": o.gemm * 1e6,
+                     "copies_us": o.copies * 1e6, "tail_us": o.tail * 1e6, "design": design,
+                     "published": case.published()})
+    return rows
+
+
+def format_overlapped_table(rows: Sequence[dict[str, object]]) -> str:
+    """The overlapped GEMM+RS projections as text, labelled a projection."""
+    lines = [OVERLAPPED_LABEL,
+             f"{'case':<12} {'xla µs':>8} {'proj. µs':>9} {'vs xla':>7} {'ideal':>6} "
+             f"{'GEMM µs':>8} {'copies µs':>10} {'tail µs':>8}  design"]
+    for r in rows:
+        lines.append(f"{r['case']:<12} {r['t_xla_us']:>8.0f} {r['t_us']:>9.0f} "
+                     f"{r['vs_xla']:>7.2f} {r['ideal']:>6.2f} {r['gemm_us']:>8.0f} "
+                     f"{r['copies_us']:>10.0f} {r['tail_us']:>8.0f}  {r['design']}")
+    for r in rows:
+        lines.append(f"  {r['case']}: published fused at this shape: {r['published']}")
+    return "\n".join(lines)
+
+
 def markdown_decode_table(preset: str | Preset = "h100",
                           rows: Sequence[dict[str, object]] | None = None) -> str:
     """The decode table of docs/performance.md (the same numbers as ``bench --model``);
