@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(published.markdown_one_launch_table())
         print()
+        print(published.markdown_overlapped_table())
+        print()
         print(published.markdown_designs_table())
         print()
         print(published.markdown_table())

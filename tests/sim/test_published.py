@@ -159,6 +159,7 @@ def test_docs_show_the_generated_tables():
     assert published.markdown_inputs_table() in text
     assert published.markdown_designs_table() in text
     assert published.markdown_one_launch_table() in text
+    assert published.markdown_overlapped_table() in text
     assert sim.format_table(sim.projection_table(["h100"])) in text
     assert sim.format_table(sim.projection_table(["h100"], sim.FP8_CASES)) in text
     assert sim.report.preset_table() in text
