@@ -16,11 +16,9 @@ published comparison on a machine gets a conservative margin: the largest derive
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from jaxoverlap.sim import fit
 
 FAMILIES: dict[str, str] = {
     "ag_matmul:chunked": "AG+GEMM, chunked: a GEMM per shard or sub-chunk after its transfer "
@@ -131,13 +129,28 @@ def check_designs() -> None:
         raise ValueError(f"designs name unknown families {unknown}")
 
 
+def margin(serial_errors: Sequence[float], fused_ratios: Sequence[float]) -> float:
+    """The fallback margin from the model's measured errors.
+
+    ``serial_errors``: model / measured - 1 of unfused calls (what the model can be
+    checked against); ``fused_ratios``: measured / model of fused calls (> 1: the model
+    was optimistic). A plan must be predicted faster than the unfused path by more than
+    the model's worst serial error, and by more than its worst optimism on fused calls
+    (1 - 1/ratio: how much slower the fused call really was, relative to its
+    prediction), so that a predicted gain inside the model's error is not acted on.
+    """
+    worst_serial = max((abs(e) for e in serial_errors), default=0.0)
+    worst_fused = max(fused_ratios, default=1.0)
+    return round(max(worst_serial, 1.0 - 1.0 / max(worst_fused, 1.0)), 3)
+
+
 def derived(serial_errors: Iterable[float], optimism: Mapping[str, Iterable[float]]
             ) -> dict[str, float]:
-    """Each family's margin from its own comparisons (``fit.margin``: the model's worst serial
+    """Each family's margin from its own comparisons (``margin``: the model's worst serial
     error, and its worst optimism — published / model time, or our speedup over the published
     one — on that family's designs); families without a comparison are absent."""
     serial = list(serial_errors)
-    return {f: fit.margin(serial, ratios) for f, r in optimism.items() if (ratios := list(r))}
+    return {f: margin(serial, ratios) for f, r in optimism.items() if (ratios := list(r))}
 
 
 def complete(known: Mapping[str, float]) -> dict[str, float]:

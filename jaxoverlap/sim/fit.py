@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import confidence, model
+from jaxoverlap.sim import confidence, families, model
 from jaxoverlap.sim.engine import simulate_programs
+from jaxoverlap.sim.families import margin  # noqa: F401  (the margin rule, re-exported)
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.plan import Candidate, baseline_times, simulate
 from jaxoverlap.sim.presets import FP8_TILES, Preset, gemm_class, load_preset
@@ -383,21 +384,6 @@ def fused_error(p: Preset, points: Sequence[FusedPoint]) -> list[tuple[float, fl
     return out
 
 
-def margin(serial_errors: Sequence[float], fused_ratios: Sequence[float]) -> float:
-    """The fallback margin from the model's measured errors.
-
-    ``serial_errors``: model / measured - 1 of unfused calls (what the model can be
-    checked against); ``fused_ratios``: measured / model of fused calls (> 1: the model
-    was optimistic). A plan must be predicted faster than the unfused path by more than
-    the model's worst serial error, and by more than its worst optimism on fused calls
-    (1 - 1/ratio: how much slower the fused call really was, relative to its
-    prediction), so that a predicted gain inside the model's error is not acted on.
-    """
-    worst_serial = max((abs(e) for e in serial_errors), default=0.0)
-    worst_fused = max(fused_ratios, default=1.0)
-    return round(max(worst_serial, 1.0 - 1.0 / max(worst_fused, 1.0)), 3)
-
-
 def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
     if not points:
         return p
@@ -413,8 +399,6 @@ def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
     p = p.replace(**{k: round(getattr(p, k), 2) for k in FUSED_PATH_COSTS})
     ratios = fused_error(p, points)
     serial = [s for _, s in ratios if s is not None]
-    from jaxoverlap.sim import families
-
     by_family: dict[str, list[float]] = {}
     for (ratio, _), f in zip(ratios, points, strict=True):
         by_family.setdefault(families.family(f.op, f.candidate), []).append(ratio)
