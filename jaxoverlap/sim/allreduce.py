@@ -33,6 +33,16 @@ ALGORITHMS = ("one_shot", "two_shot")
 TRANSPORTS = ("p2p", "multicast")
 
 
+def base_algorithm(name: str | None) -> str | None:
+    """The one-launch algorithm (``ALGORITHMS``) a program's matmul_ar algorithm names, or
+    None: ``one_shot_kernel`` / ``two_shot_kernel`` are the one-launch kernels (one
+    ``AllReduce`` op, replayable: a program of them is priced captured), ``one_shot`` /
+    ``two_shot`` the host-enqueued programs."""
+    if name and name.endswith("_kernel") and name.removesuffix("_kernel") in ALGORITHMS:
+        return name.removesuffix("_kernel")
+    return None
+
+
 def flag_rounds(algorithm: str) -> int:
     """Flag rounds of one call: a one-shot two, a two-shot three (see the module docstring)."""
     _check(algorithm, "p2p")

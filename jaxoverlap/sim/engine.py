@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import allreduce, fused, model, reduction
+from jaxoverlap.sim import allreduce, fused, launch, model, reduction
 from jaxoverlap.sim.presets import Preset
 
 Program = dict[str, Any]
@@ -417,7 +417,12 @@ class _Engine:
             raise SimulationError(f"unmatched send/recv: {sorted(self.posted)}")
         join = self.p.event_latency_us * model.US  # XLA's stream waits on the comm streams
         end = max((s.end + (join if s.stream > 0 else 0.0) for s in self.spans), default=0.0)
-        total = max(end, model.host_time(self.p, self.programs))
+        if all(allreduce.base_algorithm(pr.get("algorithm")) for pr in self.programs):
+            # a one-launch all-reduce's call is captured and replayed (sim.launch): no host
+            # enqueue per call, each of its ops a replayed node
+            total = end + launch.replay(self.p, max(len(pr["ops"]) for pr in self.programs))
+        else:
+            total = max(end, model.host_time(self.p, self.programs))
         return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
 
 

@@ -42,6 +42,10 @@ def family(op: str, candidate: Any) -> str:
     if candidate.impl == "xla":
         return ""
     if op == "matmul_ar":
+        from jaxoverlap.sim.allreduce import base_algorithm
+
+        if kernel := base_algorithm(candidate.algorithm):
+            return f"matmul_ar:one_launch:{kernel}"
         return "matmul_ar:one_shot" if candidate.algorithm == "one_shot" else "matmul_ar:chunked"
     return f"{op}:{'fused' if candidate.fused else 'chunked'}"
 

@@ -2,6 +2,8 @@
 launch (``Reduce``, a ``FusedGemm`` leaving SMs, ``AllReduce``), on timelines computed by hand
 from programs written out op by op (the op dicts of ``_host.build_program``)."""
 
+import types
+
 import pytest
 
 from jaxoverlap import sim
@@ -21,8 +23,8 @@ TOY = sim.Preset(
     gemm_overhead_us=0.0, nccl_latency_us=3.0, ce_latency_us=5.0, mc_latency_us=1.0,
     nccl_ramp_us=0.0, nccl_step_us=0.0, ce_ramp_us=0.0, mc_ramp_us=0.0, signal_latency_us=2.0,
     event_latency_us=0.0, nccl_sms=25, mc_sms=10, interference=0.0, host_op_us=0.0,
-    host_call_us=0.0, reduce_sm_gbps=10.0, reduce_efficiency=0.5, ar_start_us=2.0,
-    ar_flag_us=1.0)
+    host_call_us=0.0, graph_node_us=0.0, reduce_sm_gbps=10.0, reduce_efficiency=0.5,
+    ar_start_us=2.0, ar_flag_us=1.0)
 
 
 def op(kind, stream=0, **kw):
@@ -109,3 +111,21 @@ def test_all_reduce_kernels_end_together_one_kernel_after_the_last_arrives():
     progs = [{**pr, "algorithm": "two_shot_kernel"} for pr in progs]
     tl = sim.simulate_programs(progs, TOY)
     assert tl.total == pytest.approx(g + 5 * US + nbytes / 10e9)
+
+
+def test_a_one_launch_call_is_priced_captured():
+    # with host costs, a host-enqueued call is bound by the host; a one-launch call is
+    # replayed from a command buffer: its ops' nodes instead (sim.launch)
+    p = TOY.replace(host_call_us=30.0, host_op_us=5.0, graph_node_us=0.5)
+    nbytes = 1 << 16
+    ops = [op("AllReduce", bytes=nbytes)]
+    kernel = 4 * US + nbytes / 10e9
+    captured = [program(r, ops, streams=1, algorithm="one_shot_kernel") for r in range(2)]
+    assert sim.simulate_programs(captured, p).total == pytest.approx(kernel + 0.5 * US)
+    enqueued = [{**pr, "algorithm": "one_shot"} for pr in captured]
+    assert sim.simulate_programs(enqueued, p).total == pytest.approx(35 * US)
+    # its family (the margin the automatic choice will need for it): a one-launch one-shot
+    kernel = types.SimpleNamespace(impl="native", algorithm="one_shot_kernel", fused=False)
+    assert sim.families.family("matmul_ar", kernel) == "matmul_ar:one_launch:one_shot"
+    assert sim.families.family("matmul_ar", types.SimpleNamespace(
+        impl="native", algorithm="one_shot", fused=False)) == "matmul_ar:one_shot"
