@@ -40,7 +40,7 @@ from jaxoverlap._fused_gemm import (
     fused_align,
 )
 from jaxoverlap.sim import model
-from jaxoverlap.sim.presets import Preset, canonical_dtype, gemm_class
+from jaxoverlap.sim.presets import Preset, canonical_dtype, gemm_class, output_dtype
 
 OPS, TRANSPORTS, DTYPES, ALIGN = FUSED_OPS, FUSED_TRANSPORTS, FUSED_DTYPES, FUSED_ALIGN
 
@@ -51,9 +51,10 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
     refusals (``cpp/core/build.cc``, the CUDA executor's prepare) and the preset's GPU.
 
     ``dtype``, ``k`` and ``n`` (the per-rank K and output columns) are checked when given.
-    An fp8 ``dtype`` (the model prices a call by its fp8 operand's) is offered where an
-    instantiation takes x of it (``_kinds.FUSED_FP8``: w e4m3, y bf16) in an all-gather; the
-    planning rule (``_plan.fused_reason``) checks the call's own w and y before it asks.
+    An fp8 ``dtype`` is priced as the model's FP8 programs run it (x and w of it, y bfloat16:
+    ``sim.plan.programs``), so it is offered where that triple is an instantiation
+    (``_kinds.FUSED_FP8``: e4m3) in an all-gather; the planning rule (``_plan.fused_reason``)
+    checks the call's own w and y before it asks.
     """
     if op not in OPS or algorithm != "two_shot":
         return f"the fused GEMM serves {OPS}, not {op!r} ({algorithm})"
@@ -66,12 +67,12 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
                 "GEMM is sm_90a code and runs on compute capability 9.0 (Hopper) only")
     k_unit = n_unit = ALIGN
     if dtype is not None and canonical_dtype(dtype) not in DTYPES:
-        fp8 = [t for t in _kinds.FUSED_FP8 if t.x == canonical_dtype(dtype)]
-        if not fp8:
+        name = canonical_dtype(dtype)
+        if _kinds.FusedFp8(name, name, output_dtype(name)) not in _kinds.FUSED_FP8:
             return f"dtype {dtype}: the fused GEMM is compiled for {_kinds.fused_listing()}"
         if op not in FUSED_FP8_OPS:
             return f"dtype {dtype}: the fused FP8 GEMM serves {FUSED_FP8_OPS} only, not {op!r}"
-        k_unit, n_unit = fused_align(fp8[0].x), fused_align(fp8[0].y)
+        k_unit, n_unit = fused_align(name), fused_align(output_dtype(name))
     if (k is not None and k % k_unit) or (n is not None and n % n_unit):
         return (f"k={k}, n={n}: the fused GEMM loads and stores rows of whole 16-byte units "
                 f"(multiples of {k_unit} and {n_unit} elements)")
