@@ -1,5 +1,7 @@
 #include "core/build.h"
 
+#include "core/allreduce_layout.h"
+
 #include <algorithm>
 #include <string>
 
@@ -48,7 +50,21 @@ Status BuildProgram(const Problem& q, Program* program) {
   JO_REQUIRE(q.op == Collective::kAgMatmul || !q.return_gathered,
              op + ": return_gathered applies to ag_matmul only");
   JO_REQUIRE(q.op == Collective::kMatmulAr || q.algorithm == ArAlgorithm::kTwoShot,
-             op + ": the one-shot algorithm applies to matmul_ar only");
+             op + ": the one-shot and kernel algorithms apply to matmul_ar only");
+  if (OneLaunch(q.algorithm)) {
+    JO_REQUIRE(q.transport != Transport::kNccl,
+               op + ": the kernel algorithms (" + ArAlgorithmName(q.algorithm) +
+                   ") write into their peers' memory: transport p2p or multicast, not nccl");
+    const int64_t y_bytes = q.batch * q.rows * q.cols * DTypeSize(q.out_dtype);
+    JO_REQUIRE(q.nranks <= allreduce::kMaxRanks &&
+                   allreduce::Fits(q.transport == Transport::kMulticast,
+                                   q.algorithm == ArAlgorithm::kTwoShotKernel, q.nranks, y_bytes),
+               op + ": the kernel algorithm " + ArAlgorithmName(q.algorithm) + " moves at most " +
+                   std::to_string(allreduce::kAreaBytes) + " bytes per rank and call (" +
+                   std::to_string(y_bytes) + " bytes of y from " + std::to_string(q.nranks) +
+                   " ranks do not fit; at most " + std::to_string(allreduce::kMaxRanks) +
+                   " ranks): use algorithm='two_shot' or 'one_shot'");
+  }
   JO_CHECK(CheckDTypes(q));
   if (q.fused) {
     JO_REQUIRE(q.op != Collective::kMatmulAr,
@@ -70,8 +86,9 @@ Status BuildProgram(const Problem& q, Program* program) {
 
   *program = Program();
   program->problem = q;
-  program->chunks = std::min<int64_t>(q.chunks, q.rows);
-  if (q.transport == Transport::kMulticast || q.algorithm == ArAlgorithm::kOneShot) {
+  // The kernel algorithms are one GEMM and one kernel: no sub-chunks.
+  program->chunks = OneLaunch(q.algorithm) ? 1 : std::min<int64_t>(q.chunks, q.rows);
+  if (q.transport == Transport::kMulticast || !SplitsRows(q.algorithm)) {
     // Multicast and one-shot have no ring: every transfer is one hop.
     program->cw_steps = q.nranks - 1;
     program->ccw_steps = 0;

@@ -141,7 +141,7 @@ Status CheckFused(const Program& p, const Op& op) {
 
 BufferSizes BufferSizes::Of(const Program& p) {
   const Problem& q = p.problem;
-  const bool one_shot = q.op == Collective::kMatmulAr && q.algorithm == ArAlgorithm::kOneShot;
+  const bool one_shot = q.op == Collective::kMatmulAr && !SplitsRows(q.algorithm);
   const int64_t local = q.batch * q.rows, gathered = one_shot ? local : local * q.nranks;
   BufferSizes s;
   const bool ag = q.op == Collective::kAgMatmul;
@@ -214,6 +214,17 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckRef(p, op, "b", op.b, 1, op.k, op.n, sizes));
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
         JO_CHECK(CheckFused(p, op));
+        break;
+      case OpKind::kAllReduce:
+        // All of y, in place, dense (the kernel sees it as one run of elements); the host
+        // executor's slots: a rank's copy of y from each rank, and a flag per writer.
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        if (op.d.buf != BufId::kY || op.d.offset != 0 || op.d.ld != op.n ||
+            op.d.batch_stride != op.m * op.n || op.batch * op.m * op.n != sizes.y ||
+            p.workspace_elems < nranks * sizes.y || p.num_flags < nranks)
+          return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                          std::to_string(q.rank) + ": " + ToString(op) +
+                          ": reduces all of Y, dense, with a workspace slot and a flag per rank");
         break;
     }
   }

@@ -46,8 +46,25 @@ const char* TransportName(Transport transport);
 // rank), which sums all of them itself: (N-1) partials per rank, but one
 // round of transfers, whatever N — the latency bound, for small calls. Rows
 // need not split into N blocks.
-enum class ArAlgorithm : int32_t { kTwoShot = 0, kOneShot = 1 };
+//
+// The kernel algorithms do the same in ONE kernel launch after the GEMM (the
+// AllReduce op; docs/gpu.md §12): its flags and sequence numbers live on the
+// device, so the call can be captured into a CUDA graph and replayed. One-shot
+// kernel: every rank's partial to every rank (p2p pushes, or multicast's
+// load-reduce); two-shot kernel: a reduce-scatter and an all-gather of N
+// slices of y inside the kernel. Rows need not split (the kernel splits y's
+// elements); p2p and multicast only (they need peer memory).
+enum class ArAlgorithm : int32_t {
+  kTwoShot = 0,
+  kOneShot = 1,
+  kOneShotKernel = 2,
+  kTwoShotKernel = 3,
+};
 const char* ArAlgorithmName(ArAlgorithm algorithm);
+// Whether the algorithm splits x's rows into N blocks (the two-shot ring's canonical problem).
+bool SplitsRows(ArAlgorithm algorithm);
+// Whether the all-reduce is one kernel launch with device-side sequence numbers (an AllReduce op).
+bool OneLaunch(ArAlgorithm algorithm);
 
 // Buffers a program names. X, W, Y and XGathered are the call's operands and
 // results; Scratch is private per-rank memory the executor provides;
@@ -96,6 +113,8 @@ enum class OpKind : int32_t {
   kStreamWait,  // this stream waits for event `id`
   kFusedGemm,   // one persistent GEMM over every row block: d[b] = a[b] @ b, waiting or
                 // releasing per row block (Op::fused; docs/gpu.md §10)
+  kAllReduce,   // d <- the sum over every rank of its d, in place, in rank order (f32, rounded
+                // once): matmul_ar's one-launch kernel algorithms (docs/gpu.md §12)
 };
 const char* OpKindName(OpKind kind);
 

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,8 +60,21 @@ class CudaSite {
     // it waits inside NCCL.
     std::vector<std::pair<int32_t, int32_t>> waits;
     bool nccl = false;
+    // The kernel algorithms (one AllReduce op: docs/gpu.md §12): the signature the kernel checks
+    // against its peers' (a hash of `call.signature`), and what the call's first execution on
+    // this GPU set up — the clique's kernel area, the rank's resources — once, under setup_mu.
+    uint32_t device_signature = 0;
+    mutable std::mutex setup_mu;
+    mutable std::shared_ptr<const KernelArea> area;
+    mutable RankResources* resources = nullptr;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
+  // A call of the kernel algorithms: no epoch, no agreement and no watch of its own (it would
+  // not replay): its first execution on a GPU sets it up (an epoch of the clique, as every call
+  // of a clique takes, in the same order on every rank), then every execution, eager or under
+  // capture, enqueues the GEMM and the kernel, whose sequence numbers live on the device.
+  Status EnqueueOneLaunch(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
+                          cudaStream_t stream, bool capturing);
 
   const CallDesc desc_;
   const CallSite site_;

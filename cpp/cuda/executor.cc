@@ -8,6 +8,7 @@
 #include "cuda/base/driver.h"
 #include "cuda/fused/fused_gemm.h"
 #include "cuda/gemm/gemm.h"
+#include "cuda/kernels/allreduce_launch.h"
 #include "cuda/kernels/kernels.h"
 #include "cuda/transport/nccl_comms.h"
 
@@ -85,6 +86,7 @@ struct Step {
   GemmArgs gemm;                // Gemm
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
   size_t fused = 0;             // FusedGemm: its arguments, the Enqueuer's fused_[fused]
+  size_t allreduce = 0;         // AllReduce: its launch, the Enqueuer's allreduce_[allreduce]
   CUdeviceptr flag = 0;         // Signal, Wait
   cudaEvent_t event = nullptr;  // Record, StreamWait
   ncclComm_t comm = nullptr;    // Send, Recv (set by Execute, from the caller's lease)
@@ -123,6 +125,8 @@ class Enqueuer {
     }
     return OkStatus();
   }
+
+  bool WarmedUp() const { return warmed_; }
 
   void Abandon() {
     if (warmed_ && cudaSetDevice(a_.device) == cudaSuccess)
@@ -316,6 +320,8 @@ class Enqueuer {
         return OkStatus();
       case OpKind::kFusedGemm:
         return PrepareFused(op, step);
+      case OpKind::kAllReduce:
+        return PrepareAllReduceOp(op, step);
       case OpKind::kSend:
       case OpKind::kRecv: {
         const bool send = op.kind == OpKind::kSend;
@@ -439,6 +445,35 @@ class Enqueuer {
     return PrepareFusedGemm(f.dtype, a_.ctx);
   }
 
+  // The one-launch all-reduce: every address from the clique's fixed kernel area, half 0 (the
+  // kernel picks the half of its sequence number), so what is enqueued is the same every call.
+  Status PrepareAllReduceOp(const Op& op, Step* step) {
+    const Problem& q = p_.problem;
+    const KernelArea* area = a_.area;
+    JO_ASSERT(area != nullptr && area->gen != nullptr &&
+              area->faults.size() == static_cast<size_t>(q.nranks) &&
+              area->faults[static_cast<size_t>(q.rank)] != nullptr);
+    AllReduceCall call;
+    call.dtype = BufDType(q, op.d.buf);
+    call.multicast = q.transport == Transport::kMulticast;
+    call.two_shot = q.algorithm == ArAlgorithm::kTwoShotKernel;
+    call.nranks = q.nranks;
+    call.rank = q.rank;
+    call.y = Resolve(op.d);
+    call.bytes = BlockBytes(p_, op);
+    for (int32_t j = 0; j < q.nranks; ++j) {
+      call.area.push_back(call.multicast && j != q.rank ? nullptr
+                                                        : area->gen->Workspace(j, 0, q.rank));
+      call.state.push_back(reinterpret_cast<uint32_t*>(area->gen->Flag(j, 0, 0, q.rank)));
+    }
+    call.mc = area->gen->MulticastAddress(0);
+    call.fault = static_cast<kernel::ar::Fault*>(area->faults[static_cast<size_t>(q.rank)]->ptr);
+    call.signature = a_.signature;
+    call.timeout_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(a_.timeout).count();
+    step->allreduce = allreduce_.size();
+    return PrepareAllReduce(call, a_.device, a_.ctx, &allreduce_.emplace_back());
+  }
+
   Status Exec(const Op& op, const Step& step) {
     switch (op.kind) {
       case OpKind::kGemm:
@@ -485,6 +520,8 @@ class Enqueuer {
           JO_CUDA_CHECK(ctx_, cudaMemsetAsync(fused.fault, 0, sizeof(FusedGemmFault), step.stream));
         return LaunchFusedGemm(fused, step.stream, a_.ctx);
       }
+      case OpKind::kAllReduce:
+        return LaunchAllReduce(allreduce_[step.allreduce], step.stream, a_.ctx);
       case OpKind::kSend:
       case OpKind::kRecv:
         break;  // issued as groups
@@ -580,6 +617,7 @@ class Enqueuer {
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
   std::vector<FusedGemmArgs> fused_;  // the FusedGemm steps' (not in Step: 520-byte tile orders)
+  std::vector<PreparedAllReduce> allreduce_;  // the AllReduce steps
   bool warmed_ = false;  // a new cuBLASLt plan ran its warm-up in Prepare: join it first
 };
 
@@ -591,6 +629,8 @@ Status PreparedCall::Execute(const std::vector<ncclComm_t>& comms, bool* enqueue
 }
 
 void PreparedCall::Abandon() { enqueuer_->Abandon(); }
+
+bool PreparedCall::WarmedUp() const { return enqueuer_->WarmedUp(); }
 
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
   auto enqueuer = std::make_unique<Enqueuer>(args);

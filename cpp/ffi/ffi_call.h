@@ -117,9 +117,14 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
     return bad("attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " +
                std::to_string(a.transport));
   if (a.chunks < 1) return bad("attribute chunks expected >= 1, got " + std::to_string(a.chunks));
-  if (a.algorithm < 0 || a.algorithm > 1 || (a.algorithm == 1 && a.op != 2))
-    return bad("attribute algorithm expected 0 (two-shot) or, for matmul_ar, 1 (one-shot), got " +
-               std::to_string(a.algorithm));
+  if (a.algorithm < 0 || a.algorithm > 3 || (a.algorithm != 0 && a.op != 2))
+    return bad(
+        "attribute algorithm expected 0 (two-shot) or, for matmul_ar, 1 (one-shot), 2 (one-shot "
+        "kernel) or 3 (two-shot kernel), got " +
+        std::to_string(a.algorithm));
+  if (OneLaunch(static_cast<ArAlgorithm>(a.algorithm)) && a.transport == 0)
+    return bad("attribute algorithm " + std::to_string(a.algorithm) +
+               " (a kernel algorithm) needs transport p2p or multicast, not nccl");
   if (a.fused && (a.op == 2 || a.transport == 0))
     return bad(
         "attribute fused applies to ag_matmul and matmul_rs over p2p or multicast, never "
@@ -259,7 +264,7 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
     int64_t total = 1;
     for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
     if (d.axis != 0) return bad("attribute axis expected 0, got " + std::to_string(d.axis));
-    const bool one_shot = d.algorithm == ArAlgorithm::kOneShot;
+    const bool one_shot = !SplitsRows(d.algorithm);  // one-shot and the kernels: all rows
     if (!one_shot && total % n != 0)
       return bad("operand x expected rows (the product of all dims but the last, " +
                  std::to_string(total) + ") divisible by axis_size " + std::to_string(n));

@@ -64,9 +64,11 @@ jo::Transport ParseTransport(const std::string& s) {
 }
 
 jo::ArAlgorithm ParseAlgorithm(const std::string& s) {
-  if (s == "two_shot") return jo::ArAlgorithm::kTwoShot;
-  if (s == "one_shot") return jo::ArAlgorithm::kOneShot;
-  throw nb::value_error("algorithm: expected two_shot or one_shot");
+  for (int a = 0; a <= static_cast<int>(jo::ArAlgorithm::kTwoShotKernel); ++a)
+    if (s == jo::ArAlgorithmName(static_cast<jo::ArAlgorithm>(a)))
+      return static_cast<jo::ArAlgorithm>(a);
+  throw nb::value_error(
+      "algorithm: expected two_shot, one_shot, one_shot_kernel or two_shot_kernel");
 }
 
 // Config as _cuda_fake.Config: each field an attribute and a keyword argument
@@ -107,6 +109,9 @@ void BindConfig(nb::module_& m) {
         "The fatbinary's variants per kernel family; None: this build's.");
   field("fused_flag_shift", &Config::fused_flag_shift,
         "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
+  field("allreduce_misuse", &Config::allreduce_misuse,
+        "Tests: the one-launch all-reduce's phases run wrongly: 'release_early' or "
+        "'read_early' (fake_allreduce.cc).");
   cls.def(
       "__init__",
       [setters](Config* self, nb::kwargs kwargs) {

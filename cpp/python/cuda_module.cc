@@ -29,17 +29,36 @@ namespace {
 
 using jo::python::Encapsulate;
 
-// name -> {stage: capsule} (platform CUDA); every target runs the same handler
-// (the `op` attribute tells the ops apart).
+// The targets (platform CUDA) and their execute handlers: every target runs the same code (the
+// `op` attribute tells the ops apart); jaxoverlap_cuda_replayable's handler is command-buffer
+// compatible, for the programs that replay (ffi_handlers.cc).
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* execute;
+};
+constexpr Target kTargets[] = {
+    {"jaxoverlap_cuda_ag_matmul", jo::cuda::ExecuteHandler},
+    {"jaxoverlap_cuda_matmul_rs", jo::cuda::ExecuteHandler},
+    {"jaxoverlap_cuda_matmul_ar", jo::cuda::ExecuteHandler},
+    {"jaxoverlap_cuda_replayable", jo::cuda::ExecuteReplayableHandler},
+};
+
+// name -> {stage: capsule}.
 nb::dict Registrations() {
   nb::dict out;
-  for (const char* name :
-       {"jaxoverlap_cuda_ag_matmul", "jaxoverlap_cuda_matmul_rs", "jaxoverlap_cuda_matmul_ar"}) {
+  for (const Target& target : kTargets) {
     nb::dict stages;
     stages["instantiate"] = Encapsulate(jo::cuda::InstantiateHandler);
-    stages["execute"] = Encapsulate(jo::cuda::ExecuteHandler);
-    out[name] = stages;
+    stages["execute"] = Encapsulate(target.execute);
+    out[target.name] = stages;
   }
+  return out;
+}
+
+// name -> the traits its execute handler reports to XLA (its metadata).
+nb::dict HandlerTraits() {
+  nb::dict out;
+  for (const Target& target : kTargets) out[target.name] = jo::cuda::HandlerTraits(target.execute);
   return out;
 }
 
@@ -186,6 +205,9 @@ NB_MODULE(_cuda, m) {
   m.def("registrations", &Registrations,
         "FFI target name -> {stage: handler capsule} (platform CUDA).");
   m.def("types", &Types, "FFI type name -> {'type_id', 'type_info'} capsules (platform CUDA).");
+  m.def("handler_traits", &HandlerTraits,
+        "FFI target name -> the traits its execute handler reports to XLA (1: command-buffer "
+        "compatible).");
   m.def("capabilities", &Capabilities,
         "GPUs, driver/runtime/NCCL/cuBLAS versions, peer access, multicast (never raises).");
   m.def("set_process_index", &jo::SetProcessIndex, nb::arg("index"),

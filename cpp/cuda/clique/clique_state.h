@@ -85,6 +85,16 @@ struct Generation {
   mutable std::map<int32_t, std::shared_ptr<const CallEvents>> first_use_;
 };
 
+// The one-launch all-reduce's fixed area (core/allreduce_layout.h; docs/gpu.md §12): a
+// generation whose workspace halves are the kernel's data halves and whose flags are the ranks'
+// state words, made once per clique (zero-filled) and never replaced — a captured call keeps
+// these addresses for as long as its executable lives — and, per local rank, the kernel's fault
+// record in page-locked host memory, which the watchdog reads.
+struct KernelArea {
+  std::shared_ptr<Generation> gen;
+  std::vector<std::unique_ptr<PinnedHost>> faults;  // per rank (this process's ranks)
+};
+
 // Per-rank execution resources: comm streams, events, private scratch.
 struct RankResources {
   int device = -1;
@@ -118,6 +128,8 @@ struct RankResources {
   // the call's CallEvents.
   Status Reserve(const Program& program, const ErrorContext& ctx,
                  std::shared_ptr<const CallEvents>* events);
+  // The events of a call that reserves nothing else (a one-launch all-reduce's execution).
+  Status TakeEvents(const ErrorContext& ctx, std::shared_ptr<const CallEvents>* events);
   // The setup stream and its event (before buffers are zero-filled on it).
   Status MakeSetup(const ErrorContext& ctx);
   // The connect stream and buffer, for a clique of `nranks` (transport nccl).

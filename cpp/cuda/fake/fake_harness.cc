@@ -173,7 +173,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       (in.processes && static_cast<int>(in.processes->size()) != nranks) ||
       (in.site_keys && static_cast<int>(in.site_keys->size()) != nranks))
     return InvalidArgument("xs, ws, devices, processes and site_keys need one entry per rank");
-  const bool one_shot = q.algorithm == ArAlgorithm::kOneShot;
+  const bool one_shot = !SplitsRows(q.algorithm);  // all rows (one-shot and the kernels)
   const int64_t rows = q.rows, k = q.k, cols = q.cols;
   const size_t xs = static_cast<size_t>(DTypeSize(q.x_dtype));
   const size_t ws = static_cast<size_t>(DTypeSize(q.w_dtype));

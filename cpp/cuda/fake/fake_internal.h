@@ -239,6 +239,9 @@ struct State {
   std::multiset<std::pair<int, int>> persistent;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
   std::map<std::tuple<int, int, const void*>, int> shared_grants;
+  // The GPUs' clock for device-side time (%globaltimer: the one-launch all-reduce's bounded
+  // waits): moves with the time the fake lets pass while stuck (Drain's grace steps).
+  int64_t gpu_ns = 0;
 };
 
 // The one fake world (never destroyed: handler threads may run late).

@@ -238,6 +238,7 @@ bool Drain() {
       const auto step = std::min(kStep, grace);
       grace -= step;
       const auto pass_time = s.config.pass_time;
+      s.gpu_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(step).count();
       lock.unlock();  // the host's reaction (the watchdog) calls into the fake
       pass_time(step);
       lock.lock();
