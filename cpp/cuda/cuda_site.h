@@ -81,6 +81,10 @@ class CudaSite {
   PerDevice<BoundCall> bound_;
 };
 
+// Tests only (the fake's misuse check of a host-side epoch baked into a graph): a capturing
+// stream is not refused for any program, so that one that does not replay can be recorded.
+void AllowCapturingAnyCallForTests(bool allow);
+
 // One line per live clique (for info()).
 std::string DescribeCudaCliques();
 // Tests only: forgets every clique (waits for their queued work first).

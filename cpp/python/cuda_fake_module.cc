@@ -147,7 +147,8 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
              int64_t hold_ms, const std::string& algorithm, const std::string& w_dtype,
              const std::string& out_dtype, std::vector<float> x_scales, std::vector<float> w_scales,
              std::vector<int64_t> chunks_per_call, bool fused,
-             std::optional<std::vector<int64_t>> site_keys) {
+             std::optional<std::vector<int64_t>> site_keys, int replays,
+             std::vector<std::vector<nb::bytes>> replay_xs, int late_rank, bool capture_any) {
   jo::fake::PlayedCalls played;
   jo::Problem& q = played.problem;
   q.op = ParseOp(op);
@@ -181,6 +182,13 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   played.skip_rank = skip_rank;
   played.timeout_ms = timeout_ms;
   played.capture = capture;
+  played.replays = replays;
+  for (const auto& per_rank : replay_xs) {
+    std::vector<std::string>& replay = played.replay_xs.emplace_back();
+    for (const nb::bytes& x : per_rank) replay.emplace_back(x.c_str(), x.size());
+  }
+  played.late_rank = late_rank;
+  played.capture_any = capture_any;
   played.hold_ms = hold_ms;
   played.chunks_per_call = std::move(chunks_per_call);
   jo::fake::PlayedOutcome outcome;
@@ -205,6 +213,14 @@ nb::dict Run(const std::string& op, const std::string& transport, int nranks, in
   out["x_gathered"] = gs;
   out["statuses"] = st;
   out["drained"] = outcome.drained;
+  nb::list replay_ys;
+  for (const auto& per_rank : outcome.replay_ys) {
+    nb::list one;
+    for (const std::string& y : per_rank) one.append(nb::bytes(y.data(), y.size()));
+    replay_ys.append(one);
+  }
+  out["replay_ys"] = replay_ys;
+  out["replay_drained"] = outcome.replay_drained;
   return out;
 }
 
@@ -304,13 +320,18 @@ NB_MODULE(_cuda_fake, m) {
         nb::arg("algorithm") = "two_shot", nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
         nb::arg("x_scales") = std::vector<float>(), nb::arg("w_scales") = std::vector<float>(),
         nb::arg("chunks_per_call") = std::vector<int64_t>(), nb::arg("fused") = false,
-        nb::arg("site_keys") = nb::none(),
+        nb::arg("site_keys") = nb::none(), nb::arg("replays") = 0,
+        nb::arg("replay_xs") = std::vector<std::vector<nb::bytes>>(), nb::arg("late_rank") = -1,
+        nb::arg("capture_any") = false,
         "Plays `calls` calls on every rank (fake_harness.h, PlayCalls). dtype is x's (w_dtype "
         "and out_dtype default to it); xs and ws are bytes as the handler receives them (an "
         "fp8 w K-major: [cols, k] row-major); x_scales / w_scales: one float32 per rank "
         "(empty: 1); chunks_per_call: per call, its chunks (a call site per number of chunks); "
         "fused: the fused GEMM's program (docs/gpu.md §10); site_keys: per rank, the key of a "
-        "call site of its own (none: one site shared by every rank).");
+        "call site of its own (none: one site shared by every rank); capture: then each rank's "
+        "thread captures one more call into a graph, launched `replays` times (replay_xs[i]: x "
+        "per rank before replay i; late_rank: launched once the others ran as far as they can; "
+        "capture_any: record a program that does not replay) -> replay_ys, replay_drained.");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

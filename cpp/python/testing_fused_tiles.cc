@@ -116,7 +116,16 @@ std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& tran
                                   int32_t nranks, int32_t rank, int64_t rows, int64_t chunks,
                                   bool bidirectional, bool return_gathered, bool fused) {
   jo::Problem q;
-  q.op = op == "ag_matmul" ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
+  // "matmul_ar/<algorithm>": matmul_ar with that algorithm.
+  const std::string name = op.substr(0, op.find('/'));
+  const std::string algorithm =
+      op.find('/') == std::string::npos ? "" : op.substr(op.find('/') + 1);
+  q.op = name == "ag_matmul"   ? jo::Collective::kAgMatmul
+         : name == "matmul_rs" ? jo::Collective::kMatmulRs
+                               : jo::Collective::kMatmulAr;
+  for (int a = 0; a <= static_cast<int>(jo::ArAlgorithm::kTwoShotKernel); ++a)
+    if (algorithm == jo::ArAlgorithmName(static_cast<jo::ArAlgorithm>(a)))
+      q.algorithm = static_cast<jo::ArAlgorithm>(a);
   q.transport = transport == "nccl"  ? jo::Transport::kNccl
                 : transport == "p2p" ? jo::Transport::kP2p
                                      : jo::Transport::kMulticast;
@@ -144,7 +153,8 @@ void BindFusedTiles(nb::module_& m) {
   m.def("issue_order", &IssueOrderOf, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
         nb::arg("rank"), nb::arg("rows"), nb::arg("chunks"), nb::arg("bidirectional"),
         nb::arg("return_gathered"), nb::arg("fused"),
-        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8): the index of "
+        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8; op "
+        "'matmul_ar/<algorithm>' for matmul_ar): the index of "
         "each unit's first op in the program (build_program's), in issue order.");
   m.def("fused_grid", &Grid, nb::arg("m_tiles"), nb::arg("n_tiles"), nb::arg("batch"),
         nb::arg("sm_count"),

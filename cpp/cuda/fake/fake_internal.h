@@ -58,6 +58,18 @@ struct CUstream_st {
   // Stream capture (cudaStreamBeginCapture): work is recorded, not run.
   uint64_t capture = 0;  // 0: not capturing
 };
+// A CUDA graph made by a stream capture (fake_graphs.cc): the tasks recorded on the capture's
+// origin stream, each run again, as recorded, by every launch of an executable made from it.
+struct CUgraph_st {
+  uint64_t capture = 0;
+  int process = 0, device = 0;
+  const CUstream_st* origin = nullptr;  // the stream the capture began on
+  std::vector<FakeTask> tasks;
+  std::string other_stream;  // a task recorded on another stream (joined the capture): not modelled
+};
+struct CUgraphExec_st {
+  CUgraph_st graph;  // the graph as instantiated (later changes to the graph do not reach it)
+};
 struct CUevent_st {
   int device = 0;
   int64_t recorded = 0;                         // records enqueued
@@ -234,6 +246,9 @@ struct State {
   std::map<std::pair<int, int>, std::vector<std::deque<CUstream_st*>>> queues;
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
+  std::map<uint64_t, CUgraph_st*> capturing;  // capture id -> the graph it records into
+  std::vector<std::unique_ptr<CUgraph_st>> graphs;
+  std::vector<std::unique_ptr<CUgraphExec_st>> graph_execs;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
   // (played process, device) whose SMs a persistent kernel holds, once per such kernel running.
   std::multiset<std::pair<int, int>> persistent;
@@ -270,6 +285,8 @@ bool StreamOk(cudaStream_t s, const char* what);
 // `s` is capturing.
 void Push(cudaStream_t s, FakeTask task);
 void Push(cudaStream_t s, std::string what, std::function<bool()> ready, std::function<void()> run);
+// A task enqueued on a capturing stream: recorded into the capture's graph (fake_graphs.cc).
+void RecordIntoCapture(cudaStream_t s, FakeTask task);
 // Lets the fake GPU run, without choosing at random, until `until` holds or
 // nothing more can run (a host poll or synchronisation: the real GPU runs
 // meanwhile). Returns `until()`.

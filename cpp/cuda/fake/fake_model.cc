@@ -187,6 +187,9 @@ void Reset(const Config& config) {
   s.pinned.clear();
   s.gpu_ns = 0;
   ForgetAllReduceMemory();
+  s.capturing.clear();
+  s.graph_execs.clear();
+  s.graphs.clear();
   s.streams.clear();
   s.events.clear();
   s.peer_enabled.clear();

@@ -135,9 +135,9 @@ JO_KERNEL_FN int64_t SliceBegin(int64_t accesses, int32_t nranks, int32_t q) {
 }
 
 struct BlockShared {
-  uint32_t seq;     // this call's sequence number
-  uint32_t half;    // seq % 2
-  uint32_t skip;    // a launch on this rank gave up before: no waits
+  uint32_t seq;   // this call's sequence number
+  uint32_t half;  // seq % 2
+  uint32_t skip;  // a launch on this rank gave up before: no waits
 };
 
 struct ThreadState {
@@ -155,28 +155,27 @@ struct AllReduceBody {
   static_assert(kBytes >= ElemBytes(kElem), "an access holds whole elements");
   static_assert(!kMulticast || kBytes >= 4, "multimem moves whole 32-bit words");
   enum Phase : int {
-    kStart = 0,   // the sequence number
-    kScatter,     // y out: pushed to the peers (p2p) or copied into the own area (multicast)
-    kSignal0,     // release: round 0
-    kWait0,       // acquire: round 0
-    kReduce,      // the sum (two-shot: the own slice, sent on)
-    kSignal1,     // two-shot: release round 1
-    kWait1,       // two-shot: acquire round 1
-    kGather,      // two-shot: the other slices into y
-    kEnd,         // the block's counter
+    kStart = 0,  // the sequence number
+    kScatter,    // y out: pushed to the peers (p2p) or copied into the own area (multicast)
+    kSignal0,    // release: round 0
+    kWait0,      // acquire: round 0
+    kReduce,     // the sum (two-shot: the own slice, sent on)
+    kSignal1,    // two-shot: release round 1
+    kWait1,      // two-shot: acquire round 1
+    kGather,     // two-shot: the other slices into y
+    kEnd,        // the block's counter
     kPhases
   };
 
   template <class Ops>
-  JO_KERNEL_FN static bool Run(int phase, Ops& ops, const Args& a, BlockShared& sh,
-                               ThreadState& ts, const Thread& t) {
+  JO_KERNEL_FN static bool Run(int phase, Ops& ops, const Args& a, BlockShared& sh, ThreadState& ts,
+                               const Thread& t) {
     const bool two = a.algorithm == Algorithm::kTwoShot;
     switch (phase) {
       case kStart:
         if (t.thread == 0) {
-          sh.seq = ops.template Load<4>(a.state[a.rank] + CounterWord(a.nranks) + t.block_x)
-                       .word[0] +
-                   1;
+          sh.seq =
+              ops.template Load<4>(a.state[a.rank] + CounterWord(a.nranks) + t.block_x).word[0] + 1;
           sh.half = sh.seq & 1u;
           sh.skip = ops.template Load<4>(a.state[a.rank] + BrokenWord(a.nranks)).word[0];
         }
@@ -256,11 +255,12 @@ struct AllReduceBody {
 
   // Thread w < N (w != rank) releases this block's flag of `round` in rank w's state.
   template <class Ops>
-  JO_KERNEL_FN static void Signal(Ops& ops, const Args& a, const BlockShared& sh,
-                                  const Thread& t, int32_t round) {
+  JO_KERNEL_FN static void Signal(Ops& ops, const Args& a, const BlockShared& sh, const Thread& t,
+                                  int32_t round) {
     const int32_t w = static_cast<int32_t>(t.thread);
     if (w >= a.nranks || w == a.rank) return;
-    uint32_t* flag = a.state[w] + FlagWord(a.nranks, round, static_cast<int32_t>(t.block_x), a.rank);
+    uint32_t* flag =
+        a.state[w] + FlagWord(a.nranks, round, static_cast<int32_t>(t.block_x), a.rank);
     ops.StoreReleaseSys(reinterpret_cast<uint64_t*>(flag), Pack(sh.seq, a.signature));
   }
 
@@ -323,9 +323,9 @@ struct AllReduceBody {
                                       int64_t slot_i) {
     float acc[kLanes] = {};
     for (int32_t j = 0; j < a.nranks; ++j) {
-      const Vec<kBytes> v =
-          j == a.rank ? ops.template Load<kBytes>(At(static_cast<char*>(a.y), y_i))
-                      : ops.template Load<kBytes>(At(half + j * a.slot_bytes, slot_i));
+      const Vec<kBytes> v = j == a.rank
+                                ? ops.template Load<kBytes>(At(static_cast<char*>(a.y), y_i))
+                                : ops.template Load<kBytes>(At(half + j * a.slot_bytes, slot_i));
       for (int l = 0; l < kLanes; ++l) acc[l] += ops.template ToFloat<kElem>(GetLane<kElem>(v, l));
     }
     Vec<kBytes> out{};  // 16-bit lanes are set into their word
@@ -334,8 +334,7 @@ struct AllReduceBody {
   }
 
   template <class Ops>
-  JO_KERNEL_FN static void Reduce(Ops& ops, const Args& a, const BlockShared& sh,
-                                  const Thread& t) {
+  JO_KERNEL_FN static void Reduce(Ops& ops, const Args& a, const BlockShared& sh, const Thread& t) {
     char* const y = static_cast<char*>(a.y);
     const bool two = a.algorithm == Algorithm::kTwoShot;
     const int64_t begin = two ? SliceBegin(a.accesses, a.nranks, a.rank) : 0;
@@ -363,11 +362,9 @@ struct AllReduceBody {
 
   // Two-shot: every other rank's reduced slice, from the own result area into y.
   template <class Ops>
-  JO_KERNEL_FN static void Gather(Ops& ops, const Args& a, const BlockShared& sh,
-                                  const Thread& t) {
+  JO_KERNEL_FN static void Gather(Ops& ops, const Args& a, const BlockShared& sh, const Thread& t) {
     char* const y = static_cast<char*>(a.y);
-    char* const result =
-        Half(a, a.area[a.rank], sh) + (kMulticast ? 1 : a.nranks) * a.slot_bytes;
+    char* const result = Half(a, a.area[a.rank], sh) + (kMulticast ? 1 : a.nranks) * a.slot_bytes;
     for (int32_t k = 1; k < a.nranks; ++k) {
       const int32_t q = (a.rank + k) % a.nranks;
       const int64_t end = SliceBegin(a.accesses, a.nranks, q + 1);

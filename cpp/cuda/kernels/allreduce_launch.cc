@@ -36,9 +36,8 @@ Status PrepareAllReduce(const AllReduceCall& call, int device, const ErrorContex
                            DTypeName(call.dtype));
   if (call.nranks < 2 || call.nranks > allreduce::kMaxRanks || call.rank < 0 ||
       call.rank >= call.nranks)
-    return InvalidArgument(what + ": " + std::to_string(call.nranks) +
-                           " ranks (it runs on 2 to " + std::to_string(allreduce::kMaxRanks) +
-                           ")");
+    return InvalidArgument(what + ": " + std::to_string(call.nranks) + " ranks (it runs on 2 to " +
+                           std::to_string(allreduce::kMaxRanks) + ")");
   if (static_cast<int32_t>(call.area.size()) != call.nranks ||
       static_cast<int32_t>(call.state.size()) != call.nranks || call.fault == nullptr ||
       (call.multicast && call.mc == nullptr))
@@ -61,7 +60,8 @@ Status PrepareAllReduce(const AllReduceCall& call, int device, const ErrorContex
   if (sms < allreduce::kBlocks)
     return InvalidArgument(what + ": its " + std::to_string(allreduce::kBlocks) +
                            " blocks wait for each other's peers and must all be resident, but "
-                           "GPU " + std::to_string(device) + " has " + std::to_string(sms) +
+                           "GPU " +
+                           std::to_string(device) + " has " + std::to_string(sms) +
                            " SMs; use algorithm='one_shot' or 'two_shot'");
   const void* k = call.multicast ? kernel::AllReduceMulticastKernel(ElemOf(call.dtype), access)
                                  : kernel::AllReducePeerKernel(ElemOf(call.dtype), access);
