@@ -16,7 +16,8 @@ from typing import Any
 
 IMPLS = ("auto", "xla", "ring", "native")
 TRANSPORTS = ("auto", "nccl", "p2p", "multicast")
-AR_ALGORITHMS = ("auto", "one_shot", "two_shot")  # matmul_ar's algorithm=
+# matmul_ar's algorithm= (the kernel ones: docs/gpu.md §12, _one_launch)
+AR_ALGORITHMS = ("auto", "one_shot", "two_shot", "one_shot_kernel", "two_shot_kernel")
 LOG_LEVELS = ("warning", "info", "debug")
 DEFAULT_TIMEOUT_S = 120.0
 

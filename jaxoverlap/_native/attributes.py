@@ -27,7 +27,8 @@ from jaxoverlap import _precision
 from jaxoverlap._config import timeout_ms
 from jaxoverlap._executors import capabilities
 from jaxoverlap._executors.call import NativeCall
-from jaxoverlap._plan import AR_ALGORITHMS, OPS, OpPlan
+from jaxoverlap._one_launch import AR_ALGORITHMS
+from jaxoverlap._plan import OPS, OpPlan
 
 # The C++ member types an attribute may have, and how its Python value is made exactly so.
 ENCODERS: dict[str, Callable[[Any], Any]] = {
@@ -79,8 +80,10 @@ SCHEMA: tuple[Attribute, ...] = (
               lambda plan, call, x: plan.bidirectional),
     Attribute("tf32", "bool", "float32 GEMMs may use TF32 (the precision allows it; false "
               "for half types)", lambda plan, call, x: _tf32(plan, x)),
-    Attribute("algorithm", "int32_t", "matmul_ar: 0 two-shot, 1 one-shot; 0 for the others",
-              lambda plan, call, x: AR_ALGORITHMS.index(plan.algorithm)),
+    Attribute("algorithm", "int32_t", "matmul_ar: 0 two-shot, 1 one-shot, 2 one-shot kernel, 3 "
+              "two-shot kernel (the call's: a kernel only over p2p or multicast); 0 for the "
+              "others", lambda plan, call, x: AR_ALGORITHMS.index(
+                  call.algorithm if plan.op == "matmul_ar" else plan.algorithm)),
     Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (ag_matmul, "
               "matmul_rs over p2p or multicast; docs/gpu.md §10)",
               lambda plan, call, x: call.fused),

@@ -310,9 +310,9 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
       made_.notify_all();
     }
   }
-  // A call that needs no buffers of a generation (the one-launch all-reduce's set-up) takes
-  // none; the kernel area below is its.
-  for (bool none = ws_bytes == 0 && flags == 0; !none;) {
+  // The one-launch all-reduce's set-up needs no buffers of a generation: it takes none; the
+  // kernel area below is its.
+  for (bool none = kernel_area && ws_bytes == 0 && flags == 0; !none;) {
     // The newest generation valid at this epoch (see clique_state.h).
     std::shared_ptr<Generation> use;
     for (auto it = generations_.rbegin(); it != generations_.rend(); ++it)
