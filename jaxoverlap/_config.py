@@ -14,10 +14,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from jaxoverlap import _kinds
+
 IMPLS = ("auto", "xla", "ring", "native")
-TRANSPORTS = ("auto", "nccl", "p2p", "multicast")
-# matmul_ar's algorithm= (the kernel ones: docs/gpu.md §12, _one_launch)
-AR_ALGORITHMS = ("auto", "one_shot", "two_shot", "one_shot_kernel", "two_shot_kernel")
+TRANSPORTS = ("auto", *_kinds.names(_kinds.TRANSPORTS))
+# matmul_ar's algorithm= (the kernel ones: docs/gpu-internals.md §7)
+AR_ALGORITHMS = ("auto", *sorted(_kinds.AR_ALGORITHMS))
 LOG_LEVELS = ("warning", "info", "debug")
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -162,7 +164,7 @@ def config(
     of ``ag_matmul`` and ``matmul_rs`` (``True``: one persistent GEMM waiting on per-block
     flags; Hopper GPUs, or the host executor on CPU; transports ``p2p`` and ``multicast``,
     never ``nccl``; ``False``: never; ``None``: where the performance model picks it,
-    docs/gpu.md §10). Blocks nest; an argument left as ``None`` keeps the value of the
+    docs/gpu-internals.md §5). Blocks nest; an argument left as ``None`` keeps the value of the
     enclosing block.
 
     >>> import jaxoverlap as jo

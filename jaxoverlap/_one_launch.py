@@ -1,26 +1,26 @@
-"""What matmul_ar's kernel algorithms serve (docs/gpu.md §12): the GEMM, then ONE all-reduce
-kernel whose flags and sequence numbers live on the device, so that XLA can capture the call
-into a command buffer and replay it.
+"""What matmul_ar's kernel algorithms serve (docs/gpu-internals.md §7): the GEMM, then ONE
+all-reduce kernel whose flags and sequence numbers live on the device, so that XLA can capture
+the call into a command buffer and replay it.
 
 One home for their limits, read by the planning rule (``_plan``), the call's description
-(``_executors.call``), the performance model (``sim``) and the selftest; the executors refuse
-the rest (``cpp/core/build.cc``, ``cpp/core/allreduce_layout.h``).
+(``_executors.call``), the performance model (``sim``) and the selftest; the algorithms and
+transports are the kinds' rows (``_kinds``); the executors refuse the rest
+(``cpp/core/build.cc``, ``cpp/core/allreduce_layout.h``).
 """
 
 from __future__ import annotations
 
-# matmul_ar's algorithms, in the order of the custom call's `algorithm` attribute
-# (cpp/core/program.h, ArAlgorithm).
-AR_ALGORITHMS = ("two_shot", "one_shot", "one_shot_kernel", "two_shot_kernel")
-KERNEL_ALGORITHMS = ("one_shot_kernel", "two_shot_kernel")
-# The kernel writes into its peers' memory: never nccl.
-KERNEL_TRANSPORTS = ("p2p", "multicast")
+from jaxoverlap import _kinds
+
+KERNEL_ALGORITHMS = _kinds.names(_kinds.ALGORITHMS, kernel=True)
+# The kernel writes into its peers' memory: never a transport that moves messages (nccl).
+KERNEL_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism != "messages")
 
 
 def splits_rows(algorithm: str) -> bool:
     """Whether the algorithm splits x's rows into N blocks (only the two-shot ring does; the
     two-shot kernel splits y's elements, any number of rows)."""
-    return algorithm == "two_shot"
+    return _kinds.ar_algorithm(algorithm).splits_rows
 
 
 def without_kernel(algorithm: str) -> str:

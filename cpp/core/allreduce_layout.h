@@ -1,4 +1,4 @@
-// Where the one-launch all-reduce (docs/gpu.md §12; the kernel:
+// Where the one-launch all-reduce (docs/gpu-internals.md §7; the kernel:
 // cpp/cuda/kernels/allreduce_body.h) keeps a call's data: one source for the
 // builders (which refuse a call that does not fit), the CUDA executor (which
 // lays the data out), the kernel and Python's plan (_host.allreduce_fits).

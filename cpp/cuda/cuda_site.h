@@ -16,7 +16,7 @@
 // runs the group's calls one after another, in the same order on every
 // device. The agreement check includes the call site: should a device ever
 // run another site at the same epoch, the call fails instead of exchanging
-// wrong data (docs/gpu.md).
+// wrong data (docs/gpu-internals.md §1).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -60,7 +60,7 @@ class CudaSite {
     // it waits inside NCCL.
     std::vector<std::pair<int32_t, int32_t>> waits;
     bool nccl = false;
-    // The kernel algorithms (one AllReduce op: docs/gpu.md §12): the signature the kernel checks
+    // The kernel algorithms (one AllReduce op: docs/gpu-internals.md §7): the signature the kernel checks
     // against its peers' (a hash of `call.signature`), and what the call's first execution on
     // this GPU set up — the clique's kernel area, the rank's resources — once, under setup_mu.
     uint32_t device_signature = 0;

@@ -13,7 +13,7 @@
 // command-buffer compatible (XLA FFI's kCmdBufferCompatible, compiled into the
 // handler: XLA reads it from the handler's metadata), for the programs that
 // replay: matmul_ar's kernel algorithms, whose flags and sequence numbers live
-// on the device (docs/gpu.md §12). The lowering picks the target.
+// on the device (docs/gpu-internals.md §7). The lowering picks the target.
 #include "cuda/ffi_handlers.h"
 
 #include <cuda_runtime_api.h>
@@ -52,7 +52,7 @@ Status Run(cudaStream_t stream, int32_t device, CudaSite& site, const ffi::AnyBu
 ffi::Error Execute(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer x,
                    ffi::AnyBuffer w, ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale,
                    ffi::Result<ffi::AnyBuffer> y,
-                   std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered, ffi_call::CallAttrs) {
+                   std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered) {
   const ffi::AnyBuffer* gathered = x_gathered.has_value() ? &**x_gathered : nullptr;
   try {  // bad_alloc and friends never cross the FFI boundary
     return ffi_call::ToFfi(Run(stream, device, state->site, x, w, x_scale, w_scale, *y, gathered));

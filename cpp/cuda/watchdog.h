@@ -30,7 +30,7 @@
 // only queue when it is 1): then the flags are reported unreadable and the
 // release of stream-memory-op waits cannot reach the GPU — the clique is
 // still broken and reported, and an NCCL wait is still released (the abort
-// needs no queue). docs/gpu.md says what that means for a process.
+// needs no queue). docs/gpu-internals.md §1 says what that means for a process.
 // The call that timed out has already returned to XLA, so its results are
 // garbage; the error surfaces at the next call of the clique.
 //
@@ -76,7 +76,7 @@ void Watch(WatchedCall call);
 void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
                  std::chrono::milliseconds timeout);
 
-// The one-launch all-reduce (docs/gpu.md §12) has no call of its own to watch (a replayed call
+// The one-launch all-reduce (docs/gpu-internals.md §7) has no call of its own to watch (a replayed call
 // runs no host code): its kernel bounds its waits itself and records why it gave up in the
 // clique's kernel area (a fault record per local rank, page-locked host memory). The watchdog
 // reads those records on every pass while the clique lives (plain host reads: nothing

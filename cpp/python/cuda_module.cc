@@ -19,6 +19,7 @@
 #include "cuda/ffi_handlers.h"
 #include "cuda/gemm/gemm.h"
 #include "cuda/kernels/kernels.h"
+#include "ffi/ffi_call.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
@@ -29,28 +30,30 @@ namespace {
 
 using jo::python::Encapsulate;
 
-// The targets (platform CUDA) and their execute handlers: every target runs the same code (the
-// `op` attribute tells the ops apart); jaxoverlap_cuda_replayable's handler is command-buffer
-// compatible, for the programs that replay (ffi_handlers.cc).
+// The targets (platform CUDA) and their execute handlers: one per op of the
+// table, each running the same code (the `op` attribute tells the ops apart),
+// and jaxoverlap_cuda_replayable, whose handler is command-buffer compatible,
+// for the programs that replay (ffi_handlers.cc).
 struct Target {
-  const char* name;
+  std::string name;
   XLA_FFI_Handler* execute;
 };
-constexpr Target kTargets[] = {
-    {"jaxoverlap_cuda_ag_matmul", jo::cuda::ExecuteHandler},
-    {"jaxoverlap_cuda_matmul_rs", jo::cuda::ExecuteHandler},
-    {"jaxoverlap_cuda_matmul_ar", jo::cuda::ExecuteHandler},
-    {"jaxoverlap_cuda_replayable", jo::cuda::ExecuteReplayableHandler},
-};
+std::vector<Target> Targets() {
+  std::vector<Target> out;
+  for (const jo::OpRow& row : jo::kOps)
+    out.push_back({std::string("jaxoverlap_cuda_") + row.name, jo::cuda::ExecuteHandler});
+  out.push_back({"jaxoverlap_cuda_replayable", jo::cuda::ExecuteReplayableHandler});
+  return out;
+}
 
 // name -> {stage: capsule}.
 nb::dict Registrations() {
   nb::dict out;
-  for (const Target& target : kTargets) {
+  for (const Target& target : Targets()) {
     nb::dict stages;
     stages["instantiate"] = Encapsulate(jo::cuda::InstantiateHandler);
     stages["execute"] = Encapsulate(target.execute);
-    out[target.name] = stages;
+    out[target.name.c_str()] = stages;
   }
   return out;
 }
@@ -58,7 +61,8 @@ nb::dict Registrations() {
 // name -> the traits its execute handler reports to XLA (its metadata).
 nb::dict HandlerTraits() {
   nb::dict out;
-  for (const Target& target : kTargets) out[target.name] = jo::cuda::HandlerTraits(target.execute);
+  for (const Target& target : Targets())
+    out[target.name.c_str()] = jo::cuda::HandlerTraits(target.execute);
   return out;
 }
 
@@ -118,9 +122,9 @@ nb::dict BuildInfo() {
   }
   info["kernel_images"] = images;
   info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
-  info["transports"] = nb::make_tuple(jo::TransportName(jo::Transport::kNccl),
-                                      jo::TransportName(jo::Transport::kP2p),
-                                      jo::TransportName(jo::Transport::kMulticast));
+  nb::list transports;
+  for (const jo::TransportRow& row : jo::kTransports) transports.append(row.name);
+  info["transports"] = nb::tuple(transports);
   return info;
 }
 
@@ -201,6 +205,7 @@ nb::dict Capabilities() {
 NB_MODULE(_cuda, m) {
   m.doc() = "jaxoverlap CUDA extension: CUDA executor and CUDA FFI handlers.";
   m.attr("__version__") = JO_VERSION;
+  jo::ffi_call::LibraryVersion() = JO_VERSION;
   m.def("build_info", &BuildInfo, "What this extension was built with.");
   m.def("registrations", &Registrations,
         "FFI target name -> {stage: handler capsule} (platform CUDA).");

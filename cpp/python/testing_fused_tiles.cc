@@ -12,6 +12,7 @@
 #include "core/fused_tiles.h"
 #include "core/issue_order.h"
 #include "core/program.h"
+#include "python/kinds_bindings.h"
 
 namespace nb = nanobind;
 
@@ -117,18 +118,11 @@ std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& tran
                                   bool bidirectional, bool return_gathered, bool fused) {
   jo::Problem q;
   // "matmul_ar/<algorithm>": matmul_ar with that algorithm.
-  const std::string name = op.substr(0, op.find('/'));
-  const std::string algorithm =
-      op.find('/') == std::string::npos ? "" : op.substr(op.find('/') + 1);
-  q.op = name == "ag_matmul"   ? jo::Collective::kAgMatmul
-         : name == "matmul_rs" ? jo::Collective::kMatmulRs
-                               : jo::Collective::kMatmulAr;
-  for (int a = 0; a <= static_cast<int>(jo::ArAlgorithm::kTwoShotKernel); ++a)
-    if (algorithm == jo::ArAlgorithmName(static_cast<jo::ArAlgorithm>(a)))
-      q.algorithm = static_cast<jo::ArAlgorithm>(a);
-  q.transport = transport == "nccl"  ? jo::Transport::kNccl
-                : transport == "p2p" ? jo::Transport::kP2p
-                                     : jo::Transport::kMulticast;
+  const size_t slash = op.find('/');
+  q.op = jo::python::ParseOpArg("op", op.substr(0, slash));
+  if (slash != std::string::npos)
+    q.algorithm = jo::python::ParseAlgorithmArg("algorithm", op.substr(slash + 1));
+  q.transport = jo::python::ParseTransportArg("transport", transport);
   q.nranks = nranks;
   q.rank = rank;
   q.rows = rows;

@@ -48,10 +48,11 @@ class NativeCall:
     ranks: tuple[Rank, ...]
     transport: str                # resolved: "nccl", "p2p" or "multicast"
     clique_key: int               # the same in every process
-    # Runs the fused GEMM (one persistent GEMM waiting on per-block flags, docs/gpu.md §10).
+    # Runs the fused GEMM (one persistent GEMM waiting on per-block flags,
+    # docs/gpu-internals.md §5).
     fused: bool = False
-    # matmul_ar's algorithm as the call runs it: a kernel algorithm (docs/gpu.md §12) only over
-    # a transport the kernel runs with, else the one-shot program of separate ops.
+    # matmul_ar's algorithm as the call runs it: a kernel algorithm (docs/gpu-internals.md §7)
+    # only over a transport the kernel runs with, else the one-shot program of separate ops.
     algorithm: str = "two_shot"
 
     @property

@@ -28,7 +28,7 @@ import subprocess
 import pytest
 
 from .conftest import REQUIRED
-from .test_fake import check, run_case
+from .fake_cases import check, run_case
 
 
 def _cuobjdump() -> str:
@@ -61,7 +61,7 @@ def _family(symbol: str) -> str | None:
         return "add"
     if "McStoreBody" in symbol or "McReduceBody" in symbol:
         return "multimem"
-    if "FlagWaitMainloop" in symbol:  # the fused GEMM (docs/gpu.md §10)
+    if "FlagWaitMainloop" in symbol:  # the fused GEMM (docs/gpu-internals.md §5)
         return "fused"
     return None
 

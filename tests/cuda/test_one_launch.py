@@ -1,6 +1,7 @@
-"""matmul_ar's kernel algorithms (docs/gpu.md §12) through the CUDA executor on the fake: the
-GEMM and ONE all-reduce kernel (``cpp/cuda/kernels/allreduce_body.h``, run per thread by the
-fake with the PTX ordering rules of ``fake_allreduce.cc``), its sequence numbers on the device.
+"""matmul_ar's kernel algorithms (docs/gpu-internals.md §7) through the CUDA executor on the
+fake: the GEMM and ONE all-reduce kernel (``cpp/cuda/kernels/allreduce_body.h``, run per thread
+by the fake with the PTX ordering rules of ``fake_allreduce.cc``), its sequence numbers on the
+device.
 
 What decides hangs and wrong results here: calls back to back on one clique (the device-side
 halves and flags), a call captured into a CUDA graph and replayed with new inputs (a rank
@@ -16,6 +17,8 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
+
+from .fake_cases import play, problem
 
 pytestmark = pytest.mark.jax_independent
 
@@ -52,9 +55,8 @@ def _check(ys, xs, ws, dtype):
 def _run(fake, transport, algorithm, n, *, rows=3, k=16, cols=24, dtype="float32", calls=1,
          seed=0, **kw):
     xs, ws = _inputs(np.random.default_rng(seed), n, rows, k, cols, dtype)
-    out = fake.run("matmul_ar", transport, n, 1, rows, k, cols, dtype, 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
-                   algorithm=algorithm, calls=calls, **kw)
+    out = play(fake, problem("matmul_ar", transport, n, batch=1, rows=rows, k=k, nw=cols,
+                             dtype=dtype, algorithm=algorithm), xs, ws, calls=calls, **kw)
     return out, xs, ws
 
 
@@ -95,11 +97,10 @@ def _replays(fake, transport, algorithm, n, replays, *, late_rank=-1, capture_an
     rows, k, cols = 3, 16, 24
     xs, ws = _inputs(rng, n, rows, k, cols, "float32")
     replay_xs = [_inputs(rng, n, rows, k, cols, "float32")[0] for _ in range(replays)]
-    out = fake.run("matmul_ar", transport, n, 1, rows, k, cols, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
-                   algorithm=algorithm, calls=1, capture=True, replays=replays,
-                   replay_xs=[[x.tobytes() for x in r] for r in replay_xs], late_rank=late_rank,
-                   capture_any=capture_any)
+    out = play(fake, problem("matmul_ar", transport, n, batch=1, rows=rows, k=k, nw=cols,
+                             algorithm=algorithm), xs, ws, calls=1, capture=True,
+               replays=replays, replay_xs=[[x.tobytes() for x in r] for r in replay_xs],
+               late_rank=late_rank, capture_any=capture_any)
     return out, replay_xs, ws
 
 
@@ -141,9 +142,9 @@ def test_the_first_execution_under_capture_is_refused(fake):
     """The set-up allocates the kernel area, which a capture cannot hold: refused with a
     reason (XLA runs an executable once before it records it)."""
     xs, ws = _inputs(np.random.default_rng(0), 2, 3, 16, 24, "float32")
-    out = fake.run("matmul_ar", "p2p", 2, 1, 3, 16, 24, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1],
-                   algorithm="one_shot_kernel", calls=0, capture=True, replays=1)
+    out = play(fake, problem("matmul_ar", "p2p", 2, batch=1, rows=3, k=16, nw=24,
+                             algorithm="one_shot_kernel"), xs, ws, calls=0, capture=True,
+               replays=1)
     assert all("under CUDA-graph capture" in s for s in out["statuses"]), out["statuses"]
 
 

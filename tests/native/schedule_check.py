@@ -50,7 +50,7 @@ def all_reduce_ops(program, op):
     the program's declared workspace (what the host executor runs): y pushed into slot `rank`
     of every peer's workspace and the peer's flag `rank` raised; then every peer's flag; then
     the slots summed into y. On the GPU the kernel does the same in its own area, with its
-    own flags (docs/gpu.md §12)."""
+    own flags (docs/gpu-internals.md §7)."""
     n, r = program["nranks"], program["rank"]
     elems = op["batch"] * op["m"] * op["n"]
     y = {**op["d"], "ld": elems, "batch_stride": elems}  # y is dense: one run of elements

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import testing_ext
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors.runtime import load_host
 
 from . import schedule_check
@@ -28,7 +29,7 @@ from .schedule_check import (
 pytestmark = pytest.mark.jax_independent
 
 host = load_host()
-TRANSPORTS = ("nccl", "p2p", "multicast")
+TRANSPORTS = _kinds.names(_kinds.TRANSPORTS)
 OPS = ("ag_matmul", "matmul_rs")
 # GEMM + all-reduce: two-shot (the RS ring, then an AG ring of Y's blocks; multicast: each
 # block reduced in the switch) and one-shot ("op/algorithm": every partial to every rank)
@@ -536,7 +537,7 @@ def test_out_of_range_ids_are_refused():
             check_bounds(broken)
 
 
-# ---- the kernel algorithms (one launch: docs/gpu.md §12) -----------------------------------
+# ---- the kernel algorithms (one launch: docs/gpu-internals.md §7) --------------------------
 
 KERNELS = ("matmul_ar/one_shot_kernel", "matmul_ar/two_shot_kernel")
 
@@ -599,7 +600,7 @@ def test_the_issue_order_of_the_kernel_algorithms_completes_with_one_work_queue(
             assert orders == [[0, 1]] * n  # the GEMM, then the kernel
 
 
-# ---- the fused programs (docs/gpu.md §10) --------------------------------------------------
+# ---- the fused programs (docs/gpu-internals.md §5) -----------------------------------------
 
 FUSED_TRANSPORTS = ("p2p", "multicast")
 

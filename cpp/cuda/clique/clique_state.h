@@ -85,7 +85,7 @@ struct Generation {
   mutable std::map<int32_t, std::shared_ptr<const CallEvents>> first_use_;
 };
 
-// The one-launch all-reduce's fixed area (core/allreduce_layout.h; docs/gpu.md §12): a
+// The one-launch all-reduce's fixed area (core/allreduce_layout.h; docs/gpu-internals.md §7): a
 // generation whose workspace halves are the kernel's data halves and whose flags are the ranks'
 // state words, made once per clique (zero-filled) and never replaced — a captured call keeps
 // these addresses for as long as its executable lives — and, per local rank, the kernel's fault

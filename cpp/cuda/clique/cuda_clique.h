@@ -82,9 +82,9 @@ class CudaClique : public Clique {
   // one is smaller; and the rank's streams, events and scratch for `program`
   // (without the lock), freeing its retired scratch no call uses any more.
   // Everything here may wait for the GPU: it runs before the call's first
-  // enqueue (docs/gpu.md §3, "What may run on the enqueue path"). A failure
+  // enqueue (docs/gpu-internals.md §1, "What may run on the enqueue path"). A failure
   // breaks the clique.
-  // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu.md §12): also makes the
+  // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu-internals.md §7): also makes the
   // clique's kernel area if it has none yet (clique_state.h KernelArea), at this epoch, with
   // the discipline of a new generation.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,

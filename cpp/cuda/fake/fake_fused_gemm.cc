@@ -9,7 +9,7 @@
 //    other kernel of the device (a block kernel, a cuBLASLt matmul, an NCCL
 //    group) starts meanwhile (fake_queues.cc); copies and stream memory
 //    operations still run. A kernel that needs SMs queued behind it while the
-//    kernel waits for it deadlocks, as the GPU may (docs/gpu.md §10, rule 1);
+//    kernel waits for it deadlocks, as the GPU may (docs/gpu-internals.md §5, rule 1);
 //  * CTA c takes the units of work c, c + ctas, ... (PersistentGrid), each one
 //    output tile computed with the reference GEMM (f32 accumulation in K order,
 //    rounded once: the fake cuBLASLt's arithmetic) once every flag of its

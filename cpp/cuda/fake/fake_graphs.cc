@@ -12,7 +12,7 @@
 //  * a graph launch runs every recorded node again with the arguments it was recorded with: a
 //    kernel's parameters as copied at its launch, a stream memory operation's value, a copy's
 //    addresses — whatever the host computed at capture time is replayed as is, which is why a
-//    call whose host side takes an epoch per call must not be captured (docs/gpu.md §12);
+//    call whose host side takes an epoch per call must not be captured (docs/gpu-internals.md §7);
 //  * the nodes of one launch run in their recorded order on the launch's stream; graphs
 //    recorded from several streams are not modelled (a launch of one is refused, naming the
 //    other stream), nor are launches of a graph on another device than it was captured on.

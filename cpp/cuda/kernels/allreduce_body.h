@@ -6,7 +6,7 @@
 // (fake/fake_allreduce.cc), which runs every thread's phases itself.
 //
 // What a call does (rank r of N; y: this rank's partial sum, E accesses of
-// kBytes; docs/gpu.md §12 has the protocol and its argument):
+// kBytes; docs/gpu-internals.md §7 has the protocol and its argument):
 //
 //   one-shot, p2p        push y into slot r of every peer's area; release one
 //                        flag per peer; acquire every peer's; y = the N
