@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     selftest.add_argument("--fake", action="store_true", help="run the CUDA executor against "
                           "the host-side fake of CUDA/NCCL/cuBLASLt instead (no GPU needed; "
                           "honours CUDA_DEVICE_MAX_CONNECTIONS)")
+    selftest.add_argument("--graph", action="store_true", help="with --fake: only the rows "
+                          "whose call XLA may capture (matmul_ar's kernel algorithms), each "
+                          "captured into a CUDA graph and replayed; the others are skipped with "
+                          "the reason")
     selftest.add_argument("--report", metavar="FILE", help="also write a report to attach to a "
                           "bug report (JSON: versions, topology, every row's result and time, the "
                           "first error with the state of the cliques)")
@@ -28,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "selftest":
         from jaxoverlap._selftest import main as selftest_main
 
-        return selftest_main(quick=args.quick, fake=args.fake, report=args.report)
+        return selftest_main(quick=args.quick, fake=args.fake, report=args.report,
+                             graph=args.graph)
     if args.command == "info":
         from jaxoverlap._info import format_info, info
 
