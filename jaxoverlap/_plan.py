@@ -51,10 +51,12 @@ from jaxoverlap._executors import capabilities, runtime
 from jaxoverlap._executors.call import NativeCall, describe
 from jaxoverlap._executors.capabilities import NativeUnavailableError
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
+from jaxoverlap._fp8_dtypes import out_dtype as fp8_out_dtype
 from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 from jaxoverlap._one_launch import (
     KERNEL_ALGORITHMS,
     KERNEL_TRANSPORTS,
+    fits,
     splits_rows,
 )
 
@@ -233,6 +235,8 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
         out_dtype=r.out_dtype,
         fused=fused_plan,
     )
+    if plan.impl == "native" and plan.algorithm in KERNEL_ALGORITHMS:
+        _check_kernel_fits(plan, x, w)
     if plan.impl == "native" and isinstance(mesh, jax.sharding.Mesh):
         platform = capabilities.executor_platform(mesh.devices.flat[0].platform)
         plan = dataclasses.replace(plan, call=describe(
@@ -335,6 +339,20 @@ def _check_kernel(algorithm: str, impl: str, transport: str | None) -> str:
                          f"{KERNEL_TRANSPORTS}, not nccl. Use one of those, or "
                          f"algorithm='one_shot'.")
     return "native" if impl == "auto" else impl
+
+
+def _check_kernel_fits(plan: OpPlan, x, w) -> None:
+    """A kernel algorithm's y must fit the kernel's fixed area over every transport the call
+    may run it with (``_one_launch.fits``); the error says what to use instead."""
+    y_bytes = math.prod(x.shape[:-1]) * w.shape[-1] * fp8_out_dtype(x, plan.out_dtype).itemsize
+    transports = (plan.transport,) if plan.transport in KERNEL_TRANSPORTS else KERNEL_TRANSPORTS
+    for transport in transports:
+        if not fits(transport, plan.algorithm, plan.axis_size, y_bytes):
+            raise ValueError(
+                f"matmul_ar: algorithm={plan.algorithm!r} moves y ({y_bytes} bytes per rank) "
+                f"through one fixed area per rank, which {plan.axis_size} ranks' y of this "
+                f"size over {transport} does not fit (docs/gpu.md §6). Use algorithm="
+                f"'two_shot' or 'one_shot' (or None) for calls this large.")
 
 
 def _kernel_transport(algorithm: str) -> str:

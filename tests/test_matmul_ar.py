@@ -567,3 +567,8 @@ def test_kernel_algorithms_are_refused_where_they_cannot_run():
                       (dict(impl="native", transport="nccl"), "not nccl")):
         with pytest.raises(ValueError, match=match):
             _run(x, w, 4, algorithm="one_shot_kernel", **kw)
+    # One-shot over p2p: 8 slots of y in one 8 MiB half; 2 MiB of f32 y per rank do not fit
+    # (the executor refuses the same: cpp/core/allreduce_layout.h).
+    x, w = _case(8, jnp.float32, rows=(64,), nw=8192)
+    with pytest.raises(ValueError, match=r"2097152 bytes per rank.*Use algorithm='two_shot'"):
+        _run(x, w, 8, impl="native", transport="p2p", algorithm="one_shot_kernel")
