@@ -288,8 +288,8 @@ Status BuildOneShot(Program* p, Emitter& e) {
 }
 
 // The kernel algorithms: the GEMM of all rows into Y, then ONE AllReduce of Y in place (the
-// one-launch kernel on the GPU, docs/gpu-internals.md §7; its data and flags are the kernel's own area
-// there). What the program declares is the host executor's: a slot per rank for each rank's
+// one-launch kernel on the GPU, docs/gpu-internals.md §7; its data and flags are the kernel's own
+// area there). What the program declares is the host executor's: a slot per rank for each rank's
 // copy of y in every workspace, and a flag per writer.
 Status BuildKernel(Program* p, Emitter& e) {
   const Problem& q = p->problem;

@@ -105,10 +105,10 @@ namespace jo {
 //                problem: rows divisible by N); else every rank has them all
 //   kernel       one kernel launch with device-side sequence numbers (an
 //                AllReduce op): the call replays
-#define JO_AR_ALGORITHMS(X)                              \
-  X(kTwoShot, 0, "two_shot", true, false)                \
-  X(kOneShot, 1, "one_shot", false, false)               \
-  X(kOneShotKernel, 2, "one_shot_kernel", false, true)   \
+#define JO_AR_ALGORITHMS(X)                            \
+  X(kTwoShot, 0, "two_shot", true, false)              \
+  X(kOneShot, 1, "one_shot", false, false)             \
+  X(kOneShotKernel, 2, "one_shot_kernel", false, true) \
   X(kTwoShotKernel, 3, "two_shot_kernel", false, true)
 
 // ---- what the lists generate ----------------------------------------------

@@ -60,9 +60,9 @@ class CudaSite {
     // it waits inside NCCL.
     std::vector<std::pair<int32_t, int32_t>> waits;
     bool nccl = false;
-    // The kernel algorithms (one AllReduce op: docs/gpu-internals.md §7): the signature the kernel checks
-    // against its peers' (a hash of `call.signature`), and what the call's first execution on
-    // this GPU set up — the clique's kernel area, the rank's resources — once, under setup_mu.
+    // The kernel algorithms (one AllReduce op: docs/gpu-internals.md §7): the signature the kernel
+    // checks against its peers' (a hash of `call.signature`), and what the call's first execution
+    // on this GPU set up — the clique's kernel area, the rank's resources — once, under setup_mu.
     uint32_t device_signature = 0;
     mutable std::mutex setup_mu;
     mutable std::shared_ptr<const KernelArea> area;

@@ -362,8 +362,8 @@ class Run {
     return OkStatus();
   }
 
-  // The one-launch all-reduce's semantics (docs/gpu-internals.md §7): y to every peer's workspace slot
-  // of this rank, a flag to each, every peer's flag, then y = the N ranks' partials summed in
+  // The one-launch all-reduce's semantics (docs/gpu-internals.md §7): y to every peer's workspace
+  // slot of this rank, a flag to each, every peer's flag, then y = the N ranks' partials summed in
   // rank order in f32, rounded once (the p2p kernel's order; multicast's load-reduce sums in
   // f32 too, in the switch's order).
   Status AllReduce(const Op& op) {

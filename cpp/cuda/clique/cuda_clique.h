@@ -84,8 +84,8 @@ class CudaClique : public Clique {
   // Everything here may wait for the GPU: it runs before the call's first
   // enqueue (docs/gpu-internals.md §1, "What may run on the enqueue path"). A failure
   // breaks the clique.
-  // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu-internals.md §7): also makes the
-  // clique's kernel area if it has none yet (clique_state.h KernelArea), at this epoch, with
+  // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu-internals.md §7): also makes
+  // the clique's kernel area if it has none yet (clique_state.h KernelArea), at this epoch, with
   // the discipline of a new generation.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
                  const ErrorContext& ctx, Reservation* out, bool kernel_area = false);

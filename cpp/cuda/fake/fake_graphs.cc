@@ -30,7 +30,8 @@ void RecordIntoCapture(cudaStream_t s, FakeTask task) {
   }
   CUgraph_st* graph = it->second;
   if (s != graph->origin && graph->other_stream.empty())
-    graph->other_stream = "device " + std::to_string(s->device) + " stream " + std::to_string(s->id);
+    graph->other_stream =
+        "device " + std::to_string(s->device) + " stream " + std::to_string(s->id);
   graph->tasks.push_back(std::move(task));
 }
 
