@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                           "whose call XLA may capture (matmul_ar's kernel algorithms), each "
                           "captured into a CUDA graph and replayed; the others are skipped with "
                           "the reason")
+    selftest.add_argument("--loopback", metavar="N", type=int,
+                          help="run N ranks' p2p programs (and FP8, fused) on ONE GPU: a first "
+                          "contact that needs one GPU (with --fake: on the host-side fake)")
     selftest.add_argument("--report", metavar="FILE", help="also write a report to attach to a "
                           "bug report (JSON: versions, topology, every row's result and time, the "
                           "first error with the state of the cliques)")
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxoverlap._selftest import main as selftest_main
 
         return selftest_main(quick=args.quick, fake=args.fake, report=args.report,
-                             graph=args.graph)
+                             graph=args.graph, loopback=args.loopback)
     if args.command == "info":
         from jaxoverlap._info import format_info, info
 

@@ -32,6 +32,7 @@
 #include "core/issue_order.h"
 #include "core/status.h"
 #include "cuda/clique/cuda_clique.h"
+#include "cuda/executor.h"
 
 namespace jo::cuda {
 
@@ -41,8 +42,9 @@ class CudaSite {
 
   // Enqueues one call of `caller` (XLA:GPU names devices by local ordinal) on
   // `stream`, XLA's stream of that GPU. Returns once the work is enqueued.
+  // `gate`: the loopback runner's order among ranks sharing a GPU (executor.h).
   Status Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
-                 cudaStream_t stream);
+                 cudaStream_t stream, IssueGate* gate = nullptr);
 
   const CallDesc& desc() const { return desc_; }
 
@@ -60,6 +62,8 @@ class CudaSite {
     // it waits inside NCCL.
     std::vector<std::pair<int32_t, int32_t>> waits;
     bool nccl = false;
+    PoolNeeds pool_needs;           // what each local rank's pool must hold (clique_state.h)
+    int32_t fused_wait_flags = -1;  // a fused GEMM that waits: its first block's flag (-1: none)
     // The kernel algorithms (one AllReduce op: docs/gpu-internals.md §7): the signature the kernel
     // checks against its peers' (a hash of `call.signature`), and what the call's first execution
     // on this GPU set up — the clique's kernel area, the rank's resources — once, under setup_mu.
@@ -67,6 +71,7 @@ class CudaSite {
     mutable std::mutex setup_mu;
     mutable std::shared_ptr<const KernelArea> area;
     mutable RankResources* resources = nullptr;
+    mutable std::shared_ptr<const RankPool> pool;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
   // A call of the kernel algorithms: no epoch, no agreement and no watch of its own (it would

@@ -100,7 +100,7 @@ def _replays(fake, transport, algorithm, n, replays, *, late_rank=-1, capture_an
     out = play(fake, problem("matmul_ar", transport, n, batch=1, rows=rows, k=k, nw=cols,
                              algorithm=algorithm), xs, ws, calls=1, capture=True,
                replays=replays, replay_xs=[[x.tobytes() for x in r] for r in replay_xs],
-               late_rank=late_rank, capture_any=capture_any)
+               replay_late_rank=late_rank, capture_any=capture_any)
     return out, replay_xs, ws
 
 

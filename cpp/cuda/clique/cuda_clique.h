@@ -54,6 +54,7 @@ namespace jo::cuda {
 struct Reservation {
   std::shared_ptr<const Generation> gen;  // held until the call is watched (or done)
   RankResources* resources = nullptr;
+  std::shared_ptr<const RankPool> pool;      // the rank's pooled memory, as grown for the call
   std::shared_ptr<const CallEvents> events;  // the call's own started/done events
   std::shared_ptr<const KernelArea> area;    // asked for (kernel_area): the clique's kernel area
 };
@@ -76,19 +77,20 @@ class CudaClique : public Clique {
   bool spans_processes() const { return state_.spans_processes(); }
 
   // Reserve, before call `epoch` of `rank` (the agreement check has passed):
-  // connects the transport (once); frees the generations every local rank is
-  // past, if it is the first local rank at `epoch`; makes a buffer generation
-  // as big as `needs` (core/call.h: the same on every rank) when the current
-  // one is smaller; and the rank's streams, events and scratch for `program`
-  // (without the lock), freeing its retired scratch no call uses any more.
-  // Everything here may wait for the GPU: it runs before the call's first
-  // enqueue (docs/gpu-internals.md §1, "What may run on the enqueue path"). A failure
-  // breaks the clique.
-  // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu-internals.md §7): also makes
-  // the clique's kernel area if it has none yet (clique_state.h KernelArea), at this epoch, with
-  // the discipline of a new generation.
-  Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
-                 const ErrorContext& ctx, Reservation* out, bool kernel_area = false);
+  // connects the transport (once); if it is the first local rank at `epoch`,
+  // frees the generations every local rank is past and grows every local
+  // rank's pool to `pool_needs` (clique_state.h), the others waiting; makes a
+  // buffer generation as big as `needs` (core/call.h: the same on every rank)
+  // when the current one is smaller; and the rank's streams and events for
+  // `program` (without the lock). Everything here may wait for the GPU: it
+  // runs before the call's first enqueue (docs/gpu-internals.md §1, "What may
+  // run on the enqueue path"). A failure breaks the clique.
+  // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu-internals.md §7): also
+  // makes the clique's kernel area if it has none yet (clique_state.h KernelArea), at this
+  // epoch, with the discipline of a new generation.
+  Status Reserve(const Program& program, const CallNeeds& needs, const PoolNeeds& pool_needs,
+                 int64_t epoch, const ErrorContext& ctx, Reservation* out,
+                 bool kernel_area = false);
 
   // A one-launch all-reduce of this clique was captured into a CUDA graph: its replays are
   // GPU work no event of ours tracks, so teardown keeps the kernel area (never frees it under a
@@ -128,8 +130,8 @@ class CudaClique : public Clique {
 
  private:
   Status ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
-                       const CallNeeds& needs, int64_t epoch, const ErrorContext& ctx,
-                       Reservation* out, bool kernel_area);
+                       const CallNeeds& needs, const PoolNeeds& pool_needs, int64_t epoch,
+                       const ErrorContext& ctx, Reservation* out, bool kernel_area);
   // Makes the kernel area (WITHOUT the lock, like a generation).
   Status NewKernelArea(int64_t epoch, const ErrorContext& ctx, std::shared_ptr<KernelArea>* out);
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
@@ -161,7 +163,8 @@ class CudaClique : public Clique {
   bool making_area_ = false;                 // a rank makes it, without the lock
   std::atomic<bool> captured_{false};        // NoteCaptured
   // The newest epoch a local rank has reserved, and the one whose first reserver frees past
-  // generations now, without the lock (-1: none): ranks at it or later wait.
+  // generations and grows the pools now, without the lock (-1: none): ranks at it or later
+  // wait.
   int64_t first_reserved_ = 0;
   int64_t freeing_ = -1;
   int64_t freed_ = 0;       // generations freed so far

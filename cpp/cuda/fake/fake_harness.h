@@ -53,19 +53,24 @@ struct PlayedCalls {
   std::vector<int64_t> chunks_per_call;
   int skew_rank = -1;  // this rank disagrees on the call (one more chunk)
   int skip_rank = -1;  // this rank never makes the call
+  // This rank is late from call `late_from` on: it starts each such call only once every other
+  // rank has returned from it (bounded: 20 s of real time), so that its peers' calls are
+  // enqueued — and wait for it on the GPU — while it sets its own up.
+  int late_rank = -1;
+  int late_from = 0;
   int64_t timeout_ms = 120000;
   // XLA records the call into a command buffer (a CUDA graph) and replays it: after the `calls`
   // ordinary executions, each rank's thread captures one more call of the site on its stream
   // (the handler runs under capture), and the graphs are then launched `replays` times, the
   // x of replay i being replay_xs[i] (per rank; none: x unchanged) — XLA replays with the same
-  // buffers, new contents. late_rank >= 0: each replay launches every other rank's graph and
-  // lets the fake GPU run as far as it can before launching late_rank's. capture_any: the
+  // buffers, new contents. replay_late_rank >= 0: each replay launches every other rank's graph
+  // and lets the fake GPU run as far as it can before launching that rank's. capture_any: the
   // handler records even a program that does not replay (it refuses otherwise): the misuse
   // check of a host-side epoch baked into a graph.
   bool capture = false;
   int replays = 0;
   std::vector<std::vector<std::string>> replay_xs;
-  int late_rank = -1;
+  int replay_late_rank = -1;
   bool capture_any = false;
   // XLA's stream of every rank first waits for a flag the host raises only
   // after the watchdog's clock moved on by hold_ms (earlier work the GPU is

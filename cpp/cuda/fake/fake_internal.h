@@ -11,6 +11,7 @@
 #include <nccl.h>
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -38,7 +39,9 @@ struct FakeTask {
   // that waits for its peers: an NCCL group) until this returns true; the
   // stream's next task waits for it, other streams' do not.
   std::function<bool()> done;
-  bool sms = false;  // a kernel: it cannot start while a persistent kernel holds the SMs
+  bool sms = false;         // a kernel: it needs a free SM to start
+  bool persistent = false;  // a persistent kernel (the fused GEMM): holds SMs while it runs ...
+  int holds_sms = 0;        // ... this many (its launch's sm_count): it starts once they are free
   cudaEvent_t records = nullptr;  // the event this task records, if any
   ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
 };
@@ -250,14 +253,18 @@ struct State {
   std::vector<std::unique_ptr<CUgraph_st>> graphs;
   std::vector<std::unique_ptr<CUgraphExec_st>> graph_execs;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
-  // (played process, device) whose SMs a persistent kernel holds, once per such kernel running.
-  std::multiset<std::pair<int, int>> persistent;
+  // Per (played process, device): the SMs persistent kernels running there hold.
+  std::map<std::pair<int, int>, int> sms_held;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
   std::map<std::tuple<int, int, const void*>, int> shared_grants;
-  // The GPUs' clock for device-side time (%globaltimer: the one-launch all-reduce's bounded
-  // waits): moves with the time the fake lets pass while stuck (Drain's grace steps).
+  // The GPUs' clock for device-side time (%globaltimer: the fused GEMM's and the one-launch
+  // all-reduce's bounded waits): moves with the time the fake lets pass while stuck
+  // (Config::pass_time steps, in Drain and in host waits).
   int64_t gpu_ns = 0;
 };
+
+// Config::pass_time(step) and the GPUs' clock with it (gpu_ns). Without S().mu held.
+void PassTime(std::chrono::milliseconds step);
 
 // The one fake world (never destroyed: handler threads may run late).
 State& S();
@@ -295,6 +302,9 @@ bool RunUntil(const std::function<bool()>& until);
 // CUDA_DEVICE_MAX_CONNECTIONS as the driver reads it).
 void ResetQueues();
 int ConnectionsFromEnvironment();
+// Whether a persistent kernel (the fused GEMM) enqueued on `device` of played process `process`
+// has not finished (queued or running). Requires S().mu.
+bool PersistentKernelPending(int process, int device);
 // Maps a new stream onto one of its device's work queues (round-robin).
 void MapOntoQueue(CUstream_st* st);
 jo::DType FromCuda(int32_t type, bool* ok);

@@ -38,6 +38,12 @@ std::vector<std::deque<CUstream_st*>>& QueuesOf(const CUstream_st* st) {
 
 void Complete(CUstream_st* s) { ++s->completed; }
 
+// SMs of a device no persistent kernel holds.
+int FreeSms(const std::pair<int, int>& where) {
+  const auto held = S().sms_held.find(where);
+  return S().config.sms - (held == S().sms_held.end() ? 0 : held->second);
+}
+
 // One step of the GPU: completes a kernel in flight or starts a queue head.
 // `random`: pick among the possible steps with the seeded generator (Drain),
 // else the first (host polls: no generator draws that depend on thread timing).
@@ -53,7 +59,7 @@ bool Step(bool random) {
         if (queue.empty()) continue;
         CUstream_st* head = queue.front();
         const FakeTask& next = head->tasks.front();
-        if (next.sms && s.persistent.count(where) > 0) continue;  // no SM free for it
+        if (next.sms && FreeSms(where) < std::max(next.holds_sms, 1)) continue;  // no SM for it
         if (!head->running && next.ready()) starting.push_back(head);
       }
     }
@@ -107,10 +113,11 @@ std::string DeadlockReport() {
       const auto& queue = queues[q];
       if (queue.empty()) continue;
       const CUstream_st* head = queue.front();
-      const bool no_sms = head->tasks.front().sms && s.persistent.count(where) > 0;
+      const FakeTask& front = head->tasks.front();
+      const bool no_sms = front.sms && FreeSms(where) < std::max(front.holds_sms, 1);
       text += " [device " + std::to_string(where.second) + " queue " + std::to_string(q) + ": " +
               Describe(head) + " blocked at " + head->tasks.front().what +
-              (no_sms ? " (a kernel: a persistent kernel holds every SM)" : "") +
+              (no_sms ? " (a kernel: a persistent kernel holds every SM it needs)" : "") +
               (head->running ? " (behind its " + head->running->what + " in flight)" : "");
       if (queue.size() > 1) {
         // The first task behind the head from another stream: what the shared queue holds up.
@@ -147,8 +154,8 @@ void DropWork(int device) {
     if (device >= 0 && where.second != device) continue;
     for (auto& queue : queues) queue.clear();
   }
-  for (auto it = s.persistent.begin(); it != s.persistent.end();)
-    it = device >= 0 && it->second != device ? std::next(it) : s.persistent.erase(it);
+  for (auto it = s.sms_held.begin(); it != s.sms_held.end();)
+    it = device >= 0 && it->first.second != device ? std::next(it) : s.sms_held.erase(it);
 }
 
 }  // namespace
@@ -179,6 +186,16 @@ void ResetQueues() {
 int Connections() {
   Lock lock(S().mu);
   return S().connections;
+}
+
+bool PersistentKernelPending(int process, int device) {
+  for (const auto& st : S().streams) {
+    if (st->process != process || st->device != device) continue;
+    if (st->running && st->running->persistent) return true;
+    for (const FakeTask& task : st->tasks)
+      if (task.persistent) return true;
+  }
+  return false;
 }
 
 void MapOntoQueue(CUstream_st* st) {
@@ -229,6 +246,16 @@ bool RunUntil(const std::function<bool()>& until) {
   return true;
 }
 
+void PassTime(std::chrono::milliseconds step) {
+  std::function<void(std::chrono::milliseconds)> pass_time;
+  {
+    Lock lock(S().mu);
+    S().gpu_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(step).count();
+    pass_time = S().config.pass_time;
+  }
+  if (pass_time) pass_time(step);
+}
+
 bool Drain() {
   std::unique_lock<std::recursive_mutex> lock(S().mu);
   State& s = S();
@@ -240,10 +267,8 @@ bool Drain() {
     if (grace.count() > 0) {
       const auto step = std::min(kStep, grace);
       grace -= step;
-      const auto pass_time = s.config.pass_time;
-      s.gpu_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(step).count();
       lock.unlock();  // the host's reaction (the watchdog) calls into the fake
-      pass_time(step);
+      PassTime(step);
       lock.lock();
       continue;
     }
