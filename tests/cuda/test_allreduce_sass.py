@@ -23,6 +23,8 @@ import pytest
 from .test_fused_sass import _functions, _loops
 from .test_multimem import _dump, _sections
 
+pytestmark = pytest.mark.jax_independent  # the built binary read back: no JAX
+
 KERNEL = "AllReduceKernel"
 # 8 over p2p (f32: 4- and 16-byte accesses; bf16, f16: 2, 4, 16), 6 over multicast (4, 16).
 P2P, MULTICAST = 8, 6
