@@ -27,18 +27,19 @@ memory (the copy engine takes no SMs, but its traffic still interferes).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import fused, model
+from jaxoverlap.sim import allreduce, fused, launch, model, reduction
 from jaxoverlap.sim.presets import Preset
 
 Program = dict[str, Any]
-COMPUTE_KINDS = ("Gemm", "Add", "FusedGemm")
-TRANSFER_KINDS = ("Copy", "Send", "Recv", "McStore", "McReduce")
+COMPUTE_KINDS = ("Gemm", "Add", "FusedGemm", "Reduce")
+TRANSFER_KINDS = ("Copy", "Send", "Recv", "McStore", "McReduce", "AllReduce")
 
 
 class SimulationError(RuntimeError):
@@ -86,10 +87,13 @@ class _Activity:
     on_done: Callable[[], None]
     rank: int = -1  # compute: whose SMs
     ports: tuple[tuple[str, int], ...] = ()  # transfer: ("out"|"in", rank)
-    sm_user: tuple[str, tuple[int, ...]] | None = None  # ("nccl"|"mc", ranks whose SMs)
+    # ("nccl"|"mc", ranks whose SMs[, how many: a kernel's own budget, else the preset's])
+    sm_user: tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], int] | None = None
     memory: tuple[int, ...] = ()  # transfer: ranks whose HBM each payload byte passes
     payload_per_wire: float = 1.0  # transfer: payload bytes per wire byte
     cap: float = float("inf")  # transfer: its own top rate (wire bytes/s)
+    spared: int = 0  # compute: SMs it leaves to other kernels (a fused GEMM's spare_sms)
+    hbm: float = 0.0  # compute at a fixed pace (a reduction): its HBM bytes/s; rate always 1
     rate: float = 0.0
 
 
@@ -118,6 +122,8 @@ class _Engine:
         self.seq = 0
         self.activities: list[_Activity] = []
         self.fused: list[_FusedGemm] = []  # running fused GEMMs (their stalled tiles)
+        self.all_reduces: dict[int, int] = {}  # rank -> AllReduce ops it started
+        self.all_reduce_waiting: dict[int, list[Callable[[], None]]] = {}  # k-th: arrived
         self.spans: list[Span] = []
         self.cap = preset.link_gbps * 1e9
         fork = preset.event_latency_us * model.US
@@ -235,8 +241,21 @@ class _Engine:
             self.activities.append(_Activity(model.elementwise_time(p, op["bytes"], 3), done,
                                              rank=r))
         elif kind == "FusedGemm":
-            run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done)
+            run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done,
+                             p.sms - fused.kernel_sms(p, op))
             self.at(self.now + run.plan.overhead, lambda: self.fused.append(run))
+        elif kind == "Reduce":  # N partials in one pass on its SM budget (sim.reduction)
+            sources = op["sources"] or ()
+            remote = any(src["rank"] != r for src in sources)
+            t = reduction.reduction_time(p, len(sources), op["bytes"], op.get("sms") or None,
+                                         remote)
+            start_s = p.ar_start_us * model.US
+            hbm = (len(sources) + 1) * op["bytes"] / max(t - start_s, 1e-12)
+            sms = reduction.reduction_sms(p, op.get("sms"))
+            self.at(self.now + start_s, lambda: self.activities.append(_Activity(
+                t - start_s, done, rank=r, sm_user=("reduce", (r,), sms), hbm=hbm)))
+        elif kind == "AllReduce":  # one kernel on every rank: its flag rounds join them
+            self.all_reduce(key, op, done)
         elif kind == "Copy":
             dst = op["d"]["rank"] if op["d"]["buf"] == "WORKSPACE" else r
             if dst == r:  # local copy: HBM traffic on the copy engine
@@ -252,11 +271,29 @@ class _Engine:
                           done)
         elif kind == "McReduce":  # every peer's memory is read, the switch reduces
             peers = tuple(q for q in range(self.n) if q != r)
+            sms = op.get("sms") or p.mc_sms  # a budget (the SMs a fused GEMM leaves) or mc_sms
             self.transfer(self.carrier(r, "multicast"), op["bytes"],
-                          (("in", r), *(("out", q) for q in peers)), (r, *peers), ("mc", (r,)),
-                          done)
+                          (("in", r), *(("out", q) for q in peers)), (r, *peers),
+                          ("mc", (r,), sms), done)
         else:
             raise SimulationError(f"rank {r}: op kind {kind!r} has no cost model")
+
+    def all_reduce(self, key: tuple[int, int], op: dict[str, Any],
+                   done: Callable[[], None]) -> None:
+        """A one-launch all-reduce (``sim.allreduce.kernel_time``): its first flag round waits
+        for every rank's kernel, so all ranks' k-th AllReduce end together, one kernel time
+        after the last arrives."""
+        r = key[0]
+        pr = self.programs[r]
+        k = self.all_reduces.get(r, 0)
+        self.all_reduces[r] = k + 1
+        waiting = self.all_reduce_waiting.setdefault(k, [])
+        waiting.append(done)
+        if len(waiting) == self.n:
+            t = allreduce.kernel_time(self.p, pr["algorithm"], pr["transport"], self.n,
+                                      op["bytes"])
+            for finish in self.all_reduce_waiting.pop(k):
+                self.at(self.now + t, finish)
 
     def post_group(self, key: tuple[int, int]) -> None:
         """Posts every op of the Send/Recv group at the stream's position (one ncclGroup)."""
@@ -312,21 +349,31 @@ class _Engine:
         for a in self.activities:
             for port in a.ports:
                 count[port] = count.get(port, 0) + 1
-        users: set[tuple[str, int]] = set()
+        users: dict[tuple[str, int], int] = {}
         for a in self.activities:
             if a.sm_user:
-                for q in a.sm_user[1]:
-                    users.add((a.sm_user[0], q))
-        for what, q in users:
-            taken[q] += self.p.nccl_sms if what == "nccl" else self.p.mc_sms
+                what, ranks, *budget = a.sm_user
+                sms = (budget[0] if budget else
+                       self.p.nccl_sms if what == "nccl" else self.p.mc_sms)
+                for q in ranks:  # one NCCL / multicast kernel per rank; reductions add up
+                    key = (what, q) if what != "reduce" else (what, q, id(a))
+                    users[key] = max(users.get(key, 0), sms)
+        for key, sms in users.items():
+            taken[key[1]] += sms
         for a in self.activities:
             if a.ports:
                 a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
                 for q in a.memory:
                     traffic[q] += a.rate * a.payload_per_wire
         for a in self.activities:
-            if not a.ports:
-                a.rate = model.compute_rate(self.p, taken[a.rank], traffic[a.rank])
+            if a.hbm:  # a reduction: memory-bound at its own pace, its bytes slow the others
+                traffic[a.rank] += a.hbm
+        for a in self.activities:
+            if a.hbm:
+                a.rate = 1.0
+            elif not a.ports:
+                a.rate = model.compute_rate(self.p, max(0, taken[a.rank] - a.spared),
+                                            traffic[a.rank])
 
     def run(self) -> Timeline:
         while True:
@@ -370,7 +417,12 @@ class _Engine:
             raise SimulationError(f"unmatched send/recv: {sorted(self.posted)}")
         join = self.p.event_latency_us * model.US  # XLA's stream waits on the comm streams
         end = max((s.end + (join if s.stream > 0 else 0.0) for s in self.spans), default=0.0)
-        total = max(end, model.host_time(self.p, self.programs))
+        if all(allreduce.base_algorithm(pr.get("algorithm")) for pr in self.programs):
+            # a one-launch all-reduce's call is captured and replayed (sim.launch): no host
+            # enqueue per call, each of its ops a replayed node
+            total = end + launch.replay(self.p, max(len(pr["ops"]) for pr in self.programs))
+        else:
+            total = max(end, model.host_time(self.p, self.programs))
         return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
 
 
@@ -387,12 +439,14 @@ class _FusedGemm:
     """
 
     def __init__(self, engine: _Engine, rank: int, plan: fused.TilePlan,
-                 on_done: Callable[[], None]):
-        self.e, self.rank, self.plan = engine, rank, plan
+                 on_done: Callable[[], None], spared: int = 0):
+        self.e, self.rank, self.plan, self.spared = engine, rank, plan, spared
         self.on_done = on_done
         self.left = sum(lane.units for lane in plan.lanes)
         self.block_left = list(plan.block_units)
         self.stalled: list[tuple[int, int, int, int]] = []  # (lane, first unit, end, run)
+        # each lane's runs are consecutive: their starts, to find a unit's run by bisection
+        self.starts = [[run.start for run in lane.runs] for lane in plan.lanes]
         for i, lane in enumerate(plan.lanes):
             self.queue(i, 0, lane.ctas)
 
@@ -400,10 +454,12 @@ class _FusedGemm:
         """Units [a, b) of `lane` (one per CTA) wait for their runs' blocks."""
         runs = self.plan.lanes[lane].runs
         b = min(b, self.plan.lanes[lane].units)
-        for i, run in enumerate(runs):
-            lo, hi = max(a, run.start), min(b, run.end)
+        i = max(0, bisect.bisect_right(self.starts[lane], a) - 1)
+        while i < len(runs) and runs[i].start < b:
+            lo, hi = max(a, runs[i].start), min(b, runs[i].end)
             if lo < hi:
                 self.stalled.append((lane, lo, hi, i))
+            i += 1
 
     def ready(self, block: int) -> bool:
         t = self.e.flags.get((self.rank, self.plan.wait_flags + block))
@@ -417,7 +473,8 @@ class _FusedGemm:
         for c in started:
             self.stalled.remove(c)
             self.e.activities.append(_Activity(self.plan.tile_seconds,
-                                               lambda c=c: self.stored(*c), rank=self.rank))
+                                               lambda c=c: self.stored(*c), rank=self.rank,
+                                               spared=self.spared))
         return bool(started)
 
     def stored(self, lane: int, a: int, b: int, run_index: int) -> None:
