@@ -87,6 +87,22 @@ def test_calls_back_to_back_match_float64(fake, algorithm, transport, connection
         _check(out["ys"], xs, ws, dtype)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("algorithm", KERNELS)
+def test_sizes_spread_over_every_block_match_float64(fake, algorithm, transport):
+    """y long enough that every block of the grid has accesses, more than one each (4 ranks:
+    10000 16-byte accesses over 32 blocks of 256 threads; 3 ranks: 3000, slices of 1000): the
+    copy, the sum and the gather of an access are one block's, the only block whose flags
+    order it (the fake reports a read of what another block stored or released)."""
+    for n, rows, cols, dtype in [(4, 40, 1000, "float32"), (3, 24, 1000, "bfloat16")]:
+        fake.reset(fake.Config(seed=n))
+        out, xs, ws = _run(fake, transport, algorithm, n, rows=rows, cols=cols, dtype=dtype,
+                           calls=2)
+        assert out["statuses"] == [None] * n, out["statuses"]
+        assert out["drained"] and fake.errors() == [], fake.errors()
+        _check(out["ys"], xs, ws, dtype)
+
+
 def test_multicast_refuses_odd_16_bit_lengths(fake):
     out, _, _ = _run(fake, "multicast", "one_shot_kernel", 2, rows=1, cols=7, dtype="bfloat16")
     assert all("moves whole 32-bit words" in s for s in out["statuses"]), out["statuses"]

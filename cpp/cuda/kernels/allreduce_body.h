@@ -230,9 +230,19 @@ struct AllReduceBody {
                                    const Thread& t) {
     char* const y = static_cast<char*>(a.y);
     if constexpr (kMulticast) {
-      char* const own = Half(a, a.area[a.rank], sh);  // every slice: every slice is reduced
-      for (int64_t i = First(t); i < a.accesses; i += Step(t))
-        ops.template Store<kBytes>(At(own, i), ops.template Load<kBytes>(At(y, i)));
+      // Every slice (every slice is reduced), slice by slice as Reduce and Gather split them:
+      // access i is copied, reduced and gathered by the same block on every rank. A block
+      // acquires only its own index's flags and shares no bar.sync with the other blocks, so
+      // another block's copy has no base causality path to this block's ld_reduce (PTX ISA,
+      // "Memory Consistency Model", §8.9.5, causality order): it could read stale data.
+      // One-shot is one slice.
+      char* const own = Half(a, a.area[a.rank], sh);
+      const int32_t slices = a.algorithm == Algorithm::kTwoShot ? a.nranks : 1;
+      for (int32_t q = 0; q < slices; ++q) {
+        const int64_t end = SliceBegin(a.accesses, slices, q + 1);
+        for (int64_t i = SliceBegin(a.accesses, slices, q) + First(t); i < end; i += Step(t))
+          ops.template Store<kBytes>(At(own, i), ops.template Load<kBytes>(At(y, i)));
+      }
     } else if (a.algorithm == Algorithm::kOneShot) {
       for (int64_t i = First(t); i < a.accesses; i += Step(t)) {
         const Vec<kBytes> v = ops.template Load<kBytes>(At(y, i));
