@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxoverlap._config import timeout_ms
+
 from .fake_cases import play, problem
 
 pytestmark = pytest.mark.jax_independent
@@ -197,3 +199,24 @@ def test_the_fake_catches_a_kernel_that_breaks_the_ordering_rules(fake, misuse, 
     out, xs, ws = _run(fake, transport, algorithm, 4, calls=2)
     assert fake.errors() == []
     _check(out["ys"], xs, ws, "float32")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_timeout_inf_waits_for_a_missing_peer_instead_of_giving_up(fake, transport):
+    """JAXOVERLAP_TIMEOUT_S=inf reaches C++ as 2^62 ms (``_config.timeout_ms``), which in int64
+    nanoseconds wraps to 0: the kernel's waits would give up at once. Saturated, they wait:
+    rank 2 never calls, and after 3 s of the GPUs' clock (all the grace the fake gives) the
+    other ranks' kernels still wait (the fake calls it a deadlock), none gave up, the clique
+    is whole. With a finite timeout the same case gives up (test above). (The clique is set up
+    by a call of every rank first, with a finite timeout.)"""
+    fake.reset(fake.Config(grace_ms=3000))
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, clique_key=11)
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    before = fake.last_warning()
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, clique_key=11,
+                     timeout_ms=timeout_ms(float("inf")), skip_rank=2)
+    assert fake.last_warning() == before, "a wait gave up: " + fake.last_warning()
+    assert not out["drained"]
+    assert fake.errors()[-1].startswith("deadlock") and "AllReduce" in fake.errors()[-1]
+    assert "BROKEN" not in fake.cliques()
+

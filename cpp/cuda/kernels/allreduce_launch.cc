@@ -42,6 +42,10 @@ Status PrepareAllReduce(const AllReduceCall& call, int device, const ErrorContex
       static_cast<int32_t>(call.state.size()) != call.nranks || call.fault == nullptr ||
       (call.multicast && call.mc == nullptr))
     return Internal(what + ": its area, state or fault record is missing");
+  if (call.timeout_ns <= 0)
+    return InvalidArgument(what + ": timeout_ns " + std::to_string(call.timeout_ns) +
+                           " <= 0: its waits would give up at once (no wait may be unbounded: "
+                           "give a positive timeout)");
   const int access = AllReduceAccessBytes(call.dtype, call.multicast, call.y, call.bytes);
   if (access == 0)
     return InvalidArgument(what + " over multicast moves whole 32-bit words: y (" +
