@@ -148,6 +148,7 @@ void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
       }
     };
     field("late_rank", &Played::late_rank);
+    field("y_offsets", &Played::y_offsets);
     field("capture_any", &Played::capture_any);
     return s;
   }();
@@ -308,7 +309,8 @@ NB_MODULE(_cuda_fake, m) {
         "skip_rank, timeout_ms, hold_ms; capture: then each rank's thread captures one more call "
         "into a graph, launched `replays` times (replay_xs[i]: x per rank before replay i; "
         "late_rank: launched once the others ran as far as they can; capture_any: record a "
-        "program that does not replay) -> replay_ys, replay_drained.");
+        "program that does not replay); y_offsets (per rank: y that many bytes into its "
+        "allocation) -> replay_ys, replay_drained.");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

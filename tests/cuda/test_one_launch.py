@@ -220,3 +220,22 @@ def test_timeout_inf_waits_for_a_missing_peer_instead_of_giving_up(fake, transpo
     assert fake.errors()[-1].startswith("deadlock") and "AllReduce" in fake.errors()[-1]
     assert "BROKEN" not in fake.cliques()
 
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ranks_that_chose_different_access_widths_disagree(fake, transport):
+    """Each rank picks its access width from its own y's address, and the width sets how y is
+    split among the blocks. Rank 1's y 4 bytes into its allocation moves 4-byte accesses where
+    the others move 16-byte ones: the width is in what the flags carry, so the ranks record
+    that they disagree instead of reading what other blocks released (or other slot offsets).
+    Control: every rank's y at that offset: one width, the right sum."""
+    fake.reset()
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, timeout_ms=60_000,
+                     y_offsets=[0, 4, 0, 0])
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    assert "ranks disagree" in fake.last_warning(), fake.last_warning()
+    assert "BROKEN" in fake.cliques()
+    fake.reset()
+    out, xs, ws = _run(fake, transport, "two_shot_kernel", 4, y_offsets=[4] * 4)
+    assert out["statuses"] == [None] * 4 and fake.errors() == [], fake.errors()
+    _check(out["ys"], xs, ws, "float32")

@@ -61,8 +61,8 @@
 // (page-locked host memory the watchdog reads) and the launch gives up, and
 // so does every later launch on this rank (the broken word), at once: the
 // kernel always ends; its results are then garbage. A flag at this call's
-// sequence number whose signature differs (another call on that rank: ranks
-// disagree) is recorded the same way.
+// sequence number whose signature differs (another call on that rank, or
+// another access width: ranks disagree) is recorded the same way.
 //
 // What only a GPU has is a call on `ops` (kernel_body.h's seam, plus):
 //   LoadAcquireSys / StoreReleaseSys   ld.acquire.sys / st.release.sys, 64-bit
