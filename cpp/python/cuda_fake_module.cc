@@ -77,7 +77,7 @@ void BindConfig(nb::module_& m) {
         "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
   field("allreduce_misuse", &Config::allreduce_misuse,
         "Tests: the one-launch all-reduce's phases run wrongly: 'release_early' or "
-        "'read_early' (fake_allreduce.cc).");
+        "'read_early' (fake_allreduce.cc); 'rank0_gives_up': rank 0's waits time out at once.");
   cls.def(
       "__init__",
       [setters](Config* self, nb::kwargs kwargs) {

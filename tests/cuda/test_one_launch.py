@@ -221,6 +221,22 @@ def test_timeout_inf_waits_for_a_missing_peer_instead_of_giving_up(fake, transpo
     assert "BROKEN" not in fake.cliques()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_that_gave_up_makes_its_peers_give_up(fake, transport):
+    """Rank 0 gives up at its first wait (the fake's "rank0_gives_up": stalled past its
+    timeout) while ranks 1-3 are on time and pass their round-0 waits. Rank 0 then sends
+    nothing on and releases its round-1 flags as "gave up": each peer's round-1 wait reads it,
+    records why and gives up instead of gathering rank 0's garbage; the watchdog reports every
+    rank (rank 0's timeout first, its peers' after)."""
+    fake.reset(fake.Config(allreduce_misuse="rank0_gives_up"))
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, timeout_ms=60_000)
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    warning = fake.last_warning()
+    assert "one-launch all-reduce, rank 3" in warning, warning
+    assert "rank 0 gave up (its flag says so" in warning, warning
+    assert "BROKEN" in fake.cliques()
+
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_ranks_that_chose_different_access_widths_disagree(fake, transport):

@@ -31,7 +31,10 @@
 // the visibility checks do not follow them across such aliases; the values still do.
 // Config::allreduce_misuse runs the phases wrongly for the misuse checks: "release_early"
 // (a thread releases right after its own stores, before its block's bar.sync) and
-// "read_early" (a thread reduces right after its own wait, before its block's bar.sync).
+// "read_early" (a thread reduces right after its own wait, before its block's bar.sync); and
+// "rank0_gives_up" makes rank 0 a rank stalled past its timeout while its peers are on time:
+// its waits never see a flag and its clock jumps past the timeout at every read, so each of
+// its waits gives up at its second poll.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -115,6 +118,7 @@ struct Launch {
 
 struct ThreadRun {
   ar::ThreadState state;
+  int64_t skew_ns = 0;           // "rank0_gives_up": how far its clock jumped
   bool done = false;             // finished the block's current phase
   int early = -1;                // a misuse check ran this phase early
   std::vector<Pending> pending;  // stores not yet ordered before a barrier
@@ -211,6 +215,7 @@ class ArOps {
     const auto* at = reinterpret_cast<const std::byte*>(p);
     Check(at, 8, "ld.acquire.sys");
     uint64_t v = 0;
+    if (GivesUp()) return v;  // never sees a flag
     std::memcpy(&v, at, 8);
     int32_t round = 0, writer = 0;
     if (FlagOf(at, &round, &writer) && AtOrPast(static_cast<uint32_t>(v), b_->shared.seq))
@@ -247,7 +252,10 @@ class ArOps {
     return true;
   }
 
-  int64_t GlobalNs() const { return S().gpu_ns; }
+  int64_t GlobalNs() {
+    if (GivesUp()) t_->skew_ns += l_->args.timeout_ns + 1;
+    return S().gpu_ns + t_->skew_ns;
+  }
 
  private:
   const Launch::Region& Check(const std::byte* p, size_t bytes, const char* what) const {
@@ -314,6 +322,7 @@ class ArOps {
   }
 
   int32_t Block() const { return static_cast<int32_t>(b_ - l_->blocks.data()); }
+  bool GivesUp() const { return l_->misuse == "rank0_gives_up" && l_->args.rank == 0; }
 
   // Blocks share no barrier and a block acquires only its own index's flags, so data is
   // readable by block b of rank r only when it was made visible by the kernel's end, or stored

@@ -21,13 +21,13 @@ constexpr const char* kMulticastName = "one-launch all-reduce over multicast (mu
 // its width from its own y's address, and the width sets how y is split among the blocks; two
 // ranks with different widths would each read what the other's blocks released under flags it
 // never acquired. With the width in the signature their flags disagree (kDisagree) instead.
-// Never 0 (a zeroed flag's).
+// Never 0 (a zeroed flag's) nor kBrokenSignature (a rank that gave up).
 uint32_t FlagSignature(uint32_t signature, int access) {
   uint32_t h = signature ^ (static_cast<uint32_t>(access) * 0x9E3779B1u);
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
-  return h == 0 ? 1u : h;
+  return h == 0 || h == kernel::ar::kBrokenSignature ? 1u : h;
 }
 
 }  // namespace
