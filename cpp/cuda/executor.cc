@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/build.h"
+#include "core/deadline.h"
 #include "core/signature_cache.h"
 #include "cuda/base/driver.h"
 #include "cuda/fused/fused_gemm.h"
@@ -412,8 +413,7 @@ class Enqueuer {
       f.wait_flags =
           reinterpret_cast<const uint32_t*>(a_.gen->Flag(rank, a_.epoch, blocks.wait_flags, rank));
       f.ready_shard = blocks.ready_shard;
-      f.timeout_ns =
-          2 * std::chrono::duration_cast<std::chrono::nanoseconds>(a_.timeout).count() + 1000000000;
+      f.timeout_ns = 2 * TimeoutNs(a_.timeout) + 1000000000;  // saturated: cannot overflow
       f.fault = reinterpret_cast<FusedGemmFault*>(state);
     }
     if (blocks.release_flags >= 0) {
@@ -454,7 +454,7 @@ class Enqueuer {
     call.mc = area->gen->MulticastAddress(0);
     call.fault = static_cast<kernel::ar::Fault*>(area->faults[static_cast<size_t>(q.rank)]->ptr);
     call.signature = a_.signature;
-    call.timeout_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(a_.timeout).count();
+    call.timeout_ns = TimeoutNs(a_.timeout);  // saturated (inf: 2^62 ms)
     step->allreduce = allreduce_.size();
     return PrepareAllReduce(call, a_.device, a_.ctx, &allreduce_.emplace_back());
   }

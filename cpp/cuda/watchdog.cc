@@ -158,7 +158,8 @@ class Watchdog {
   }
 
   // The kernel areas' fault records (host memory the kernels write: read, never waited for).
-  // A fault is reported once; the area is then no longer watched.
+  // Each rank's fault is reported once (a rank that gave up makes its peers give up too: each
+  // says why); the area is watched until every rank of this process has reported.
   void PassAreas(std::vector<std::shared_ptr<const void>>* held, std::vector<Breaking>* breaks) {
     for (auto it = areas_.begin(); it != areas_.end();) {
       std::shared_ptr<CudaClique> clique = it->clique.lock();
@@ -169,16 +170,20 @@ class Watchdog {
       }
       held->push_back(clique);
       held->push_back(area);
-      std::string text;
-      for (size_t r = 0; r < area->faults.size() && text.empty(); ++r)
-        if (area->faults[r] != nullptr)
-          text = DescribeFault(*clique, static_cast<int32_t>(r), area->faults[r]->ptr, it->timeout);
-      if (text.empty()) {
-        ++it;
-        continue;
+      it->reported.resize(area->faults.size(), false);
+      bool all = true;
+      for (size_t r = 0; r < area->faults.size(); ++r) {
+        if (area->faults[r] == nullptr || it->reported[r]) continue;
+        std::string text =
+            DescribeFault(*clique, static_cast<int32_t>(r), area->faults[r]->ptr, it->timeout);
+        if (text.empty()) {
+          all = false;
+          continue;
+        }
+        it->reported[r] = true;
+        breaks->push_back({clique, std::move(text)});
       }
-      breaks->push_back({clique, text});
-      it = areas_.erase(it);
+      it = all ? areas_.erase(it) : it + 1;
     }
   }
 
@@ -202,8 +207,12 @@ class Watchdog {
         "rank " + std::to_string(f.writer) +
         (elsewhere ? " (process " + std::to_string(clique.processes()[w]) + ")" : "");
     if (f.code == static_cast<uint32_t>(kernel::ar::FaultCode::kDisagree)) {
-      text += "ranks disagree: " + who + " made a different call at the same point (signature " +
+      text += "ranks disagree: " + who +
+              " made a different call at the same point, or split y differently (signature " +
               std::to_string(f.seen_signature) + ", here " + std::to_string(f.signature) + ")";
+    } else if (f.code == static_cast<uint32_t>(kernel::ar::FaultCode::kPeerBroken)) {
+      text += who + " gave up (its flag says so, at call " + std::to_string(f.seen) +
+              "): its data are invalid, so this rank gave up too";
     } else {
       char seconds[32];
       std::snprintf(seconds, sizeof(seconds), "%.1f",
@@ -531,6 +540,7 @@ class Watchdog {
     std::weak_ptr<CudaClique> clique;
     std::weak_ptr<const KernelArea> area;
     std::chrono::milliseconds timeout;
+    std::vector<bool> reported = {};  // per rank: its fault was reported
   };
   std::vector<WatchedArea> areas_;
   // Fired calls with a fused GEMM whose fault record is to be read once they are done.

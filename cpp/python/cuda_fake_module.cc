@@ -81,7 +81,7 @@ void BindConfig(nb::module_& m) {
         "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
   field("allreduce_misuse", &Config::allreduce_misuse,
         "Tests: the one-launch all-reduce's phases run wrongly: 'release_early' or "
-        "'read_early' (fake_allreduce.cc).");
+        "'read_early' (fake_allreduce.cc); 'rank0_gives_up': rank 0's waits time out at once.");
   cls.def(
       "__init__",
       [setters](Config* self, nb::kwargs kwargs) {
@@ -152,6 +152,7 @@ void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
       }
     };
     field("replay_late_rank", &Played::replay_late_rank);
+    field("y_offsets", &Played::y_offsets);
     field("capture_any", &Played::capture_any);
     field("late_rank", &Played::late_rank);
     field("late_from", &Played::late_from);
@@ -356,8 +357,8 @@ NB_MODULE(_cuda_fake, m) {
         "late_from on only once the others have returned from it); capture: then each rank's "
         "thread captures one more call into a graph, launched `replays` times (replay_xs[i]: x "
         "per rank before replay i; replay_late_rank: launched once the others ran as far as "
-        "they can; capture_any: record a program that does not replay) -> replay_ys, "
-        "replay_drained.");
+        "they can; capture_any: record a program that does not replay); y_offsets (per rank: "
+        "y that many bytes into its allocation) -> replay_ys, replay_drained.");
   m.def("fp8_tensor_core", &Fp8TensorCore, nb::arg("arch"),
         "The FP8 accumulator the fake models for compute capability `arch` (10 * major + "
         "minor): block, fraction_bits, promotion (cpp/cuda/fake/fp8_accumulator.h).");

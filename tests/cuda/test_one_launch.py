@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxoverlap._config import timeout_ms
+
 from .fake_cases import play, problem
 
 pytestmark = pytest.mark.jax_independent
@@ -84,6 +86,23 @@ def test_calls_back_to_back_match_float64(fake, algorithm, transport, connection
         assert out["statuses"] == [None] * n, out["statuses"]
         assert out["drained"] and fake.errors() == [], fake.errors()
         assert fake.counters()["AllReduce"] == 3 * n  # one kernel launch per call and rank
+        _check(out["ys"], xs, ws, dtype)
+
+
+@pytest.mark.parametrize("transport,algorithm", [  # first: the case that split y unevenly
+    ("multicast", "two_shot_kernel"), ("p2p", "two_shot_kernel"),
+    ("multicast", "one_shot_kernel"), ("p2p", "one_shot_kernel")])
+def test_sizes_spread_over_every_block_match_float64(fake, algorithm, transport):
+    """y long enough that every block of the grid has accesses, more than one each (4 ranks:
+    10000 16-byte accesses over 32 blocks of 256 threads; 3 ranks: 3000, slices of 1000): the
+    copy, the sum and the gather of an access are one block's, the only block whose flags
+    order it (the fake reports a read of what another block stored or released)."""
+    for n, rows, cols, dtype in [(4, 40, 1000, "float32"), (3, 24, 1000, "bfloat16")]:
+        fake.reset(fake.Config(seed=n))
+        out, xs, ws = _run(fake, transport, algorithm, n, rows=rows, cols=cols, dtype=dtype,
+                           calls=2)
+        assert out["statuses"] == [None] * n, out["statuses"]
+        assert out["drained"] and fake.errors() == [], fake.errors()
         _check(out["ys"], xs, ws, dtype)
 
 
@@ -180,4 +199,60 @@ def test_the_fake_catches_a_kernel_that_breaks_the_ordering_rules(fake, misuse, 
     fake.reset()
     out, xs, ws = _run(fake, transport, algorithm, 4, calls=2)
     assert fake.errors() == []
+    _check(out["ys"], xs, ws, "float32")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_timeout_inf_waits_for_a_missing_peer_instead_of_giving_up(fake, transport):
+    """JAXOVERLAP_TIMEOUT_S=inf reaches C++ as 2^62 ms (``_config.timeout_ms``), which in int64
+    nanoseconds wraps to 0: the kernel's waits would give up at once. Saturated, they wait:
+    rank 2 never calls, and after 3 s of the GPUs' clock (all the grace the fake gives) the
+    other ranks' kernels still wait (the fake calls it a deadlock), none gave up, the clique
+    is whole. With a finite timeout the same case gives up (test above). (The clique is set up
+    by a call of every rank first, with a finite timeout.)"""
+    fake.reset(fake.Config(grace_ms=3000))
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, clique_key=11)
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    before = fake.last_warning()
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, clique_key=11,
+                     timeout_ms=timeout_ms(float("inf")), skip_rank=2)
+    assert fake.last_warning() == before, "a wait gave up: " + fake.last_warning()
+    assert not out["drained"]
+    assert fake.errors()[-1].startswith("deadlock") and "AllReduce" in fake.errors()[-1]
+    assert "BROKEN" not in fake.cliques()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_that_gave_up_makes_its_peers_give_up(fake, transport):
+    """Rank 0 gives up at its first wait (the fake's "rank0_gives_up": stalled past its
+    timeout) while ranks 1-3 are on time and pass their round-0 waits. Rank 0 then sends
+    nothing on and releases its round-1 flags as "gave up": each peer's round-1 wait reads it,
+    records why and gives up instead of gathering rank 0's garbage; the watchdog reports every
+    rank (rank 0's timeout first, its peers' after)."""
+    fake.reset(fake.Config(allreduce_misuse="rank0_gives_up"))
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, timeout_ms=60_000)
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    warning = fake.last_warning()
+    assert "one-launch all-reduce, rank 3" in warning, warning
+    assert "rank 0 gave up (its flag says so" in warning, warning
+    assert "BROKEN" in fake.cliques()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ranks_that_chose_different_access_widths_disagree(fake, transport):
+    """Each rank picks its access width from its own y's address, and the width sets how y is
+    split among the blocks. Rank 1's y 4 bytes into its allocation moves 4-byte accesses where
+    the others move 16-byte ones: the width is in what the flags carry, so the ranks record
+    that they disagree instead of reading what other blocks released (or other slot offsets).
+    Control: every rank's y at that offset: one width, the right sum."""
+    fake.reset()
+    out, _, _ = _run(fake, transport, "two_shot_kernel", 4, timeout_ms=60_000,
+                     y_offsets=[0, 4, 0, 0])
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    assert "ranks disagree" in fake.last_warning(), fake.last_warning()
+    assert "BROKEN" in fake.cliques()
+    fake.reset()
+    out, xs, ws = _run(fake, transport, "two_shot_kernel", 4, y_offsets=[4] * 4)
+    assert out["statuses"] == [None] * 4 and fake.errors() == [], fake.errors()
     _check(out["ys"], xs, ws, "float32")

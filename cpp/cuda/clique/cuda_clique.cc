@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "core/allreduce_layout.h"
+#include "core/deadline.h"
 #include "core/log.h"
 #include "cuda/kernels/allreduce_body.h"
 #include "cuda/transport/transports.h"
@@ -255,8 +256,8 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // here (bounded) and Describe answers.
   while (!connected_) {
     if (connecting_) {
-      const bool done = made_.wait_for(lock, state_.timeout,
-                                       [&] { return !connecting_ || !BrokenReason().empty(); });
+      const bool done = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+                                         [&] { return !connecting_ || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!done)
         return Status(Code::kTimeout, ctx.Describe() +
@@ -282,9 +283,9 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // Bounded by the timeout, but never below kLocalSetUp: what is waited for is a local thread's
   // allocations (every local rank's pool), not a peer, and a loaded host may take a while.
   while (freeing_ >= 0 && epoch >= freeing_) {
-    const bool freed =
-        made_.wait_for(lock, std::max<std::chrono::milliseconds>(state_.timeout, kLocalSetUp),
-                       [&] { return freeing_ < 0 || !BrokenReason().empty(); });
+    const bool freed = made_.wait_until(
+        lock, DeadlineAfter(std::max<std::chrono::milliseconds>(state_.timeout, kLocalSetUp)),
+        [&] { return freeing_ < 0 || !BrokenReason().empty(); });
     JO_CHECK(CheckNotBroken(ctx.Describe()));
     if (!freed)
       return Status(Code::kTimeout,
@@ -349,8 +350,8 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
                       " needs more workspace than a later epoch already set up: ranks disagree "
                       "on the call sequence");
     if (making_ >= 0) {  // another rank is making it: wait (bounded), then look again
-      const bool made = made_.wait_for(lock, state_.timeout,
-                                       [&] { return making_ < 0 || !BrokenReason().empty(); });
+      const bool made = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+                                         [&] { return making_ < 0 || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!made)
         return Status(Code::kTimeout, ctx.Describe() + ": new buffers for epoch " +
@@ -379,8 +380,8 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // before any of them enqueues this epoch — a generation's discipline (above).
   while (kernel_area && !kernel_area_) {
     if (making_area_) {
-      const bool made = made_.wait_for(lock, state_.timeout,
-                                       [&] { return !making_area_ || !BrokenReason().empty(); });
+      const bool made = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+                                         [&] { return !making_area_ || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!made)
         return Status(Code::kTimeout, ctx.Describe() +

@@ -14,9 +14,14 @@
 //    thread passed since (§8.9.4 items 2 and 4; §8.9.5: base causality order is transitive) —
 //    or when the kernel ends (§8.9.4, API synchronization);
 //  * a read of data another rank stored must follow, in causality order, an ld.acquire.sys of
-//    that rank's flag (of the round that released the data) by a thread of the block and a
-//    bar.sync after it: otherwise it is reported ("read before acquire"); so is a read of
-//    a location another rank stored to whose store was not yet made visible;
+//    that rank's flag (of the round that released the data, at or past the writer's sequence
+//    number) by a thread of the block and a bar.sync after it: otherwise it is reported ("read
+//    before acquire"); so is a read of a location another rank stored to whose store was not
+//    yet made visible;
+//  * blocks share no barrier, and a block acquires only its own index's flags: a read of data
+//    that another block stored or released — of a peer or of this rank — is reported, unless
+//    the kernel that stored it had ended (visibility is kept per (rank, block, round, sequence
+//    number) of the release);
 //  * every access lies inside the launch's buffers (y; each rank's area, state words and the
 //    multicast range; the fault record in page-locked host memory) and is naturally aligned
 //    (PTX ISA, "Addresses as Operands"), else the device faults (sticky);
@@ -26,14 +31,16 @@
 // the visibility checks do not follow them across such aliases; the values still do.
 // Config::allreduce_misuse runs the phases wrongly for the misuse checks: "release_early"
 // (a thread releases right after its own stores, before its block's bar.sync) and
-// "read_early" (a thread reduces right after its own wait, before its block's bar.sync).
+// "read_early" (a thread reduces right after its own wait, before its block's bar.sync); and
+// "rank0_gives_up" makes rank 0 a rank stalled past its timeout while its peers are on time:
+// its waits never see a flag and its clock jumps past the timeout at every read, so each of
+// its waits gives up at its second poll.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,11 +70,25 @@ struct Pending {
   std::vector<std::byte> bytes;
 };
 
-// Who made the data at an address visible: (rank, round of its release; -1: the kernel's end).
+// Who made the data at an address visible: the rank, the round of its release (-1: the
+// kernel's end, which makes it visible to every block), the block that released it and that
+// block's sequence number.
 struct Made {
   int32_t writer = -1;
   int32_t round = -1;
+  int32_t block = -1;
+  uint32_t seq = 0;
 };
+// Who stored data not yet made visible: (rank, block).
+using Storer = std::pair<int32_t, int32_t>;
+// Flags acquired: (writer, round) -> the highest sequence number seen at or past the call's.
+using Acquired = std::map<std::pair<int32_t, int32_t>, uint32_t>;
+// a at or past b, as 32-bit sequence numbers compare (cyclically).
+bool AtOrPast(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
+void Note(Acquired* acquired, std::pair<int32_t, int32_t> flag, uint32_t seq) {
+  const auto [it, fresh] = acquired->emplace(flag, seq);
+  if (!fresh && AtOrPast(seq, it->second)) it->second = seq;
+}
 
 struct BlockRun;
 
@@ -97,18 +118,19 @@ struct Launch {
 
 struct ThreadRun {
   ar::ThreadState state;
-  bool done = false;                           // finished the block's current phase
-  int early = -1;                              // a misuse check ran this phase early
-  std::vector<Pending> pending;                // stores not yet ordered before a barrier
-  std::set<std::pair<int32_t, int32_t>> seen;  // (writer, round) flags acquired, no barrier yet
+  int64_t skew_ns = 0;           // "rank0_gives_up": how far its clock jumped
+  bool done = false;             // finished the block's current phase
+  int early = -1;                // a misuse check ran this phase early
+  std::vector<Pending> pending;  // stores not yet ordered before a barrier
+  Acquired seen;                 // flags acquired, no barrier yet
 };
 
 struct BlockRun {
   int phase = 0;
   ar::BlockShared shared{};
   std::vector<ThreadRun> threads;
-  std::vector<Pending> ordered;                    // stores before a barrier, not yet released
-  std::set<std::pair<int32_t, int32_t>> acquired;  // (writer, round) acquired and barriered
+  std::vector<Pending> ordered;  // stores before a barrier, not yet released
+  Acquired acquired;             // flags acquired and barriered
 };
 
 // The fake's view of which rank made the data at each (canonical) address visible, and the
@@ -117,8 +139,8 @@ std::map<const std::byte*, Made>& MadeBy() {
   static auto* made = new std::map<const std::byte*, Made>();
   return *made;
 }
-std::map<const std::byte*, int32_t>& PendingBy() {
-  static auto* pending = new std::map<const std::byte*, int32_t>();
+std::map<const std::byte*, Storer>& PendingBy() {
+  static auto* pending = new std::map<const std::byte*, Storer>();
   return *pending;
 }
 
@@ -193,11 +215,11 @@ class ArOps {
     const auto* at = reinterpret_cast<const std::byte*>(p);
     Check(at, 8, "ld.acquire.sys");
     uint64_t v = 0;
+    if (GivesUp()) return v;  // never sees a flag
     std::memcpy(&v, at, 8);
     int32_t round = 0, writer = 0;
-    if (FlagOf(at, &round, &writer) &&
-        static_cast<int32_t>(static_cast<uint32_t>(v) - b_->shared.seq) >= 0)
-      t_->seen.emplace(writer, round);
+    if (FlagOf(at, &round, &writer) && AtOrPast(static_cast<uint32_t>(v), b_->shared.seq))
+      Note(&t_->seen, {writer, round}, static_cast<uint32_t>(v));
     return v;
   }
 
@@ -230,7 +252,10 @@ class ArOps {
     return true;
   }
 
-  int64_t GlobalNs() const { return S().gpu_ns; }
+  int64_t GlobalNs() {
+    if (GivesUp()) t_->skew_ns += l_->args.timeout_ns + 1;
+    return S().gpu_ns + t_->skew_ns;
+  }
 
  private:
   const Launch::Region& Check(const std::byte* p, size_t bytes, const char* what) const {
@@ -284,29 +309,47 @@ class ArOps {
     Pending p{dst, std::vector<std::byte>(n)};
     std::memcpy(p.bytes.data(), bytes, n);
     t_->pending.push_back(std::move(p));
-    PendingBy()[dst] = l_->args.rank;
+    PendingBy()[dst] = {l_->args.rank, Block()};
   }
 
   void Flush(std::vector<Pending>& stores, int32_t round) {
     for (Pending& p : stores) {
       std::memcpy(p.dst, p.bytes.data(), p.bytes.size());
-      MadeBy()[p.dst] = Made{l_->args.rank, round};
+      MadeBy()[p.dst] = Made{l_->args.rank, round, Block(), b_->shared.seq};
       PendingBy().erase(p.dst);
     }
     stores.clear();
   }
 
+  int32_t Block() const { return static_cast<int32_t>(b_ - l_->blocks.data()); }
+  bool GivesUp() const { return l_->misuse == "rank0_gives_up" && l_->args.rank == 0; }
+
+  // Blocks share no barrier and a block acquires only its own index's flags, so data is
+  // readable by block b of rank r only when it was made visible by the kernel's end, or stored
+  // by block b of rank r itself, or released by block b of its writer in a round whose flag
+  // this block acquired at (or past) the writer's sequence number (PTX ISA §8.9.5: no
+  // base-causality path orders another block's stores before this read otherwise).
   void CheckVisible(const std::byte* at, size_t) const {
+    const int32_t rank = l_->args.rank, block = Block();
     const auto pending = PendingBy().find(at);
-    if (pending != PendingBy().end() && pending->second != l_->args.rank)
-      Report("reads data rank " + std::to_string(pending->second) +
-             " stored without making it visible (not ordered before a release: a "
+    if (pending != PendingBy().end() && pending->second != Storer{rank, block})
+      Report("reads data rank " + std::to_string(pending->second.first) + " (block " +
+             std::to_string(pending->second.second) +
+             ") stored without making it visible (not ordered before a release: a "
              "st.release.sys after a bar.sync)");
-    const auto made = MadeBy().find(at);
-    if (made == MadeBy().end() || made->second.writer == l_->args.rank) return;
-    if (!b_->acquired.count({made->second.writer, made->second.round}))
-      Report("reads data rank " + std::to_string(made->second.writer) + " released in round " +
-             std::to_string(made->second.round) +
+    const auto found = MadeBy().find(at);
+    if (found == MadeBy().end() || found->second.round < 0) return;
+    const Made& made = found->second;
+    if (made.block != block) {
+      Report("reads data block " + std::to_string(made.block) + " of rank " +
+             std::to_string(made.writer) + " released: no flag of this block orders it");
+      return;
+    }
+    if (made.writer == rank) return;
+    const auto acquired = b_->acquired.find({made.writer, made.round});
+    if (acquired == b_->acquired.end() || !AtOrPast(acquired->second, made.seq))
+      Report("reads data rank " + std::to_string(made.writer) + " released in round " +
+             std::to_string(made.round) +
              " before acquiring that flag (an ld.acquire.sys of it and a bar.sync after)");
   }
 
@@ -352,7 +395,7 @@ void Barrier(BlockRun& b) {
   for (ThreadRun& t : b.threads) {
     for (Pending& p : t.pending) b.ordered.push_back(std::move(p));
     t.pending.clear();
-    b.acquired.insert(t.seen.begin(), t.seen.end());
+    for (const auto& [flag, seq] : t.seen) Note(&b.acquired, flag, seq);
     t.seen.clear();
     t.done = false;
   }
@@ -414,7 +457,7 @@ bool Poll(Launch& l, const Kernel& k) {
       for (Pending& p : t.pending) b.ordered.push_back(std::move(p));
     for (Pending& p : b.ordered) {
       std::memcpy(p.dst, p.bytes.data(), p.bytes.size());
-      MadeBy()[p.dst] = Made{l.args.rank, -1};
+      MadeBy()[p.dst] = Made{l.args.rank, -1, -1, 0};
       PendingBy().erase(p.dst);
     }
     b.ordered.clear();

@@ -194,7 +194,10 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
     const int dev = static_cast<int>(in.devices[r]);
     x[r] = Malloc(dev, x_elems * xs);
     w[r] = Malloc(dev, w_elems * ws);
-    y[r] = Malloc(dev, y_elems * ys, 0x7F);  // unwritten output shows up as huge values
+    const size_t y_offset =
+        in.y_offsets.empty() ? 0 : static_cast<size_t>(in.y_offsets.at(static_cast<size_t>(r)));
+    y[r] = Malloc(dev, y_elems * ys + y_offset, 0x7F);  // unwritten output shows huge values
+    if (y[r] != nullptr) y[r] = static_cast<std::byte*>(y[r]) + y_offset;
     if (q.return_gathered) g[r] = Malloc(dev, g_elems * xs, 0x7F);
     x_scale[r] = Malloc(dev, sizeof(float));
     w_scale[r] = Malloc(dev, sizeof(float));

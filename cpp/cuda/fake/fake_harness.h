@@ -71,6 +71,9 @@ struct PlayedCalls {
   int replays = 0;
   std::vector<std::vector<std::string>> replay_xs;
   int replay_late_rank = -1;
+  // Tests: rank r's y starts y_offsets[r] bytes into its allocation ([]: 0 for all), as an
+  // output buffer less aligned than XLA's.
+  std::vector<int64_t> y_offsets;
   bool capture_any = false;
   // XLA's stream of every rank first waits for a flag the host raises only
   // after the watchdog's clock moved on by hold_ms (earlier work the GPU is

@@ -130,7 +130,9 @@ struct Config {
   int fused_flag_shift = 0;
   // Tests: the one-launch all-reduce's phases run wrongly (fake_allreduce.cc): "release_early"
   // (a thread releases its flags before its block's barrier after the stores), "read_early" (a
-  // thread reads its peers' data before its block's barrier after the acquires).
+  // thread reads its peers' data before its block's barrier after the acquires);
+  // "rank0_gives_up": rank 0's waits never see a flag and time out at once (its peers are on
+  // time).
   std::string allreduce_misuse;
 };
 

@@ -61,8 +61,17 @@
 // (page-locked host memory the watchdog reads) and the launch gives up, and
 // so does every later launch on this rank (the broken word), at once: the
 // kernel always ends; its results are then garbage. A flag at this call's
-// sequence number whose signature differs (another call on that rank: ranks
-// disagree) is recorded the same way.
+// sequence number whose signature differs (another call on that rank, or
+// another access width: ranks disagree) is recorded the same way.
+//
+// A rank that gave up must not hand garbage on, nor break the "at most one
+// call ahead" argument above (it no longer waits, so it may run ahead): a block
+// that gave up, and every block of every later launch on that rank, writes
+// nothing into any peer (no push, no multimem.st, no copy peers reduce) and
+// releases its flags with the signature kBrokenSignature instead of the
+// call's. A peer whose wait reads such a flag at or past its sequence number
+// records kPeerBroken and gives up in turn: every rank's watchdog reports, and
+// no healthy rank reads data of a rank that gave up.
 //
 // What only a GPU has is a call on `ops` (kernel_body.h's seam, plus):
 //   LoadAcquireSys / StoreReleaseSys   ld.acquire.sys / st.release.sys, 64-bit
@@ -102,7 +111,11 @@ JO_KERNEL_FN constexpr int64_t BrokenWord(int32_t nranks) { return CounterWord(n
 static_assert(BrokenWord(2) + 1 == allreduce::StateWords(2), "state words: one layout");
 
 // Why a launch gave up (page-locked host memory; `code` is written last).
-enum class FaultCode : uint32_t { kNone = 0, kTimedOut = 1, kDisagree = 2 };
+enum class FaultCode : uint32_t { kNone = 0, kTimedOut = 1, kDisagree = 2, kPeerBroken = 3 };
+
+// The signature a rank that gave up releases its flags with (a call's signature is never
+// this, nor 0: allreduce_launch.cc FlagSignature).
+inline constexpr uint32_t kBrokenSignature = 0xFFFFFFFFu;
 struct Fault {
   uint32_t code;
   uint32_t round, block, writer;
@@ -137,7 +150,10 @@ JO_KERNEL_FN int64_t SliceBegin(int64_t accesses, int32_t nranks, int32_t q) {
 struct BlockShared {
   uint32_t seq;   // this call's sequence number
   uint32_t half;  // seq % 2
-  uint32_t skip;  // a launch on this rank gave up before: no waits
+  uint32_t skip;  // a launch on this rank gave up before: no waits, nothing sent
+  // Thread w's wait (of writer w) in this launch gave up; each written by its own thread only,
+  // read after a barrier (no two threads write one word).
+  uint32_t gave_up[kMaxRanks];
 };
 
 struct ThreadState {
@@ -178,9 +194,11 @@ struct AllReduceBody {
               ops.template Load<4>(a.state[a.rank] + CounterWord(a.nranks) + t.block_x).word[0] + 1;
           sh.half = sh.seq & 1u;
           sh.skip = ops.template Load<4>(a.state[a.rank] + BrokenWord(a.nranks)).word[0];
+          for (int32_t w = 0; w < kMaxRanks; ++w) sh.gave_up[w] = 0;
         }
         return true;
       case kScatter:
+        if (sh.skip != 0) return true;  // gave up before: nothing to peers
         Scatter(ops, a, sh, t);
         ops.FenceProxyAlias();
         return true;
@@ -190,6 +208,7 @@ struct AllReduceBody {
       case kWait0:
         return Wait(ops, a, sh, ts, t, 0);
       case kReduce:
+        if (Broken(a, sh)) return true;  // nothing to peers; y is garbage anyway
         Reduce(ops, a, sh, t);
         if (two) ops.FenceProxyAlias();
         return true;
@@ -199,7 +218,7 @@ struct AllReduceBody {
       case kWait1:
         return !two || Wait(ops, a, sh, ts, t, 1);
       case kGather:
-        if (two) Gather(ops, a, sh, t);
+        if (two && !Broken(a, sh)) Gather(ops, a, sh, t);
         return true;
       case kEnd:
         if (t.thread == 0) {
@@ -224,15 +243,33 @@ struct AllReduceBody {
   JO_KERNEL_FN static char* Half(const Args& a, char* base, const BlockShared& sh) {
     return base + static_cast<int64_t>(sh.half) * a.area_bytes;
   }
+  // This block gave up: in an earlier launch on this rank, or in a wait of this one (read in a
+  // phase after the waits' barrier).
+  JO_KERNEL_FN static bool Broken(const Args& a, const BlockShared& sh) {
+    if (sh.skip != 0) return true;
+    for (int32_t w = 0; w < a.nranks; ++w)
+      if (sh.gave_up[w] != 0) return true;
+    return false;
+  }
 
   template <class Ops>
   JO_KERNEL_FN static void Scatter(Ops& ops, const Args& a, const BlockShared& sh,
                                    const Thread& t) {
     char* const y = static_cast<char*>(a.y);
     if constexpr (kMulticast) {
-      char* const own = Half(a, a.area[a.rank], sh);  // every slice: every slice is reduced
-      for (int64_t i = First(t); i < a.accesses; i += Step(t))
-        ops.template Store<kBytes>(At(own, i), ops.template Load<kBytes>(At(y, i)));
+      // Every slice (every slice is reduced), slice by slice as Reduce and Gather split them:
+      // access i is copied, reduced and gathered by the same block on every rank. A block
+      // acquires only its own index's flags and shares no bar.sync with the other blocks, so
+      // another block's copy has no base causality path to this block's ld_reduce (PTX ISA,
+      // "Memory Consistency Model", §8.9.5, causality order): it could read stale data.
+      // One-shot is one slice.
+      char* const own = Half(a, a.area[a.rank], sh);
+      const int32_t slices = a.algorithm == Algorithm::kTwoShot ? a.nranks : 1;
+      for (int32_t q = 0; q < slices; ++q) {
+        const int64_t end = SliceBegin(a.accesses, slices, q + 1);
+        for (int64_t i = SliceBegin(a.accesses, slices, q) + First(t); i < end; i += Step(t))
+          ops.template Store<kBytes>(At(own, i), ops.template Load<kBytes>(At(y, i)));
+      }
     } else if (a.algorithm == Algorithm::kOneShot) {
       for (int64_t i = First(t); i < a.accesses; i += Step(t)) {
         const Vec<kBytes> v = ops.template Load<kBytes>(At(y, i));
@@ -253,7 +290,8 @@ struct AllReduceBody {
     }
   }
 
-  // Thread w < N (w != rank) releases this block's flag of `round` in rank w's state.
+  // Thread w < N (w != rank) releases this block's flag of `round` in rank w's state: with the
+  // call's signature, or kBrokenSignature once this block gave up (its peers then give up too).
   template <class Ops>
   JO_KERNEL_FN static void Signal(Ops& ops, const Args& a, const BlockShared& sh, const Thread& t,
                                   int32_t round) {
@@ -261,13 +299,14 @@ struct AllReduceBody {
     if (w >= a.nranks || w == a.rank) return;
     uint32_t* flag =
         a.state[w] + FlagWord(a.nranks, round, static_cast<int32_t>(t.block_x), a.rank);
-    ops.StoreReleaseSys(reinterpret_cast<uint64_t*>(flag), Pack(sh.seq, a.signature));
+    const uint32_t signature = Broken(a, sh) ? kBrokenSignature : a.signature;
+    ops.StoreReleaseSys(reinterpret_cast<uint64_t*>(flag), Pack(sh.seq, signature));
   }
 
   // Thread w < N (w != rank) acquires writer w's flag of `round` for this block: true once it is
-  // at this call's sequence number or past it, or the launch gave up.
+  // at this call's sequence number or past it, or the launch gave up (then gave_up[w]).
   template <class Ops>
-  JO_KERNEL_FN static bool Wait(Ops& ops, const Args& a, const BlockShared& sh, ThreadState& ts,
+  JO_KERNEL_FN static bool Wait(Ops& ops, const Args& a, BlockShared& sh, ThreadState& ts,
                                 const Thread& t, int32_t round) {
     const int32_t w = static_cast<int32_t>(t.thread);
     if (w >= a.nranks || w == a.rank || sh.skip != 0) return true;
@@ -277,14 +316,23 @@ struct AllReduceBody {
         reinterpret_cast<const uint64_t*>(own + FlagWord(a.nranks, round, block, w)));
     const uint32_t seen = static_cast<uint32_t>(v), seen_signature = static_cast<uint32_t>(v >> 32);
     if (static_cast<int32_t>(seen - sh.seq) >= 0) {
-      if (seen == sh.seq && seen_signature != a.signature)
-        Give(ops, a, sh, FaultCode::kDisagree, round, block, w, seen, seen_signature);
-      ops.FenceProxyAlias();
       ts.waiting_since = -1;
+      if (seen_signature == kBrokenSignature) {  // the writer gave up: its data are garbage
+        Give(ops, a, sh, FaultCode::kPeerBroken, round, block, w, seen, seen_signature);
+        sh.gave_up[w] = 1;
+        return true;
+      }
+      if (seen == sh.seq && seen_signature != a.signature) {
+        Give(ops, a, sh, FaultCode::kDisagree, round, block, w, seen, seen_signature);
+        sh.gave_up[w] = 1;
+        return true;
+      }
+      ops.FenceProxyAlias();
       return true;
     }
     if (ops.template Load<4>(own + BrokenWord(a.nranks)).word[0] != 0) {
       ts.waiting_since = -1;  // another wait of this launch gave up: so does this one
+      sh.gave_up[w] = 1;
       return true;
     }
     const int64_t now = ops.GlobalNs();
@@ -294,6 +342,7 @@ struct AllReduceBody {
     }
     if (now - ts.waiting_since <= a.timeout_ns) return false;
     Give(ops, a, sh, FaultCode::kTimedOut, round, block, w, seen, seen_signature);
+    sh.gave_up[w] = 1;
     ts.waiting_since = -1;
     return true;
   }

@@ -17,6 +17,19 @@ Elem ElemOf(DType dtype) {
 
 constexpr const char* kMulticastName = "one-launch all-reduce over multicast (multimem)";
 
+// What the flags carry: the call's signature with the access width mixed in. Each rank picks
+// its width from its own y's address, and the width sets how y is split among the blocks; two
+// ranks with different widths would each read what the other's blocks released under flags it
+// never acquired. With the width in the signature their flags disagree (kDisagree) instead.
+// Never 0 (a zeroed flag's) nor kBrokenSignature (a rank that gave up).
+uint32_t FlagSignature(uint32_t signature, int access) {
+  uint32_t h = signature ^ (static_cast<uint32_t>(access) * 0x9E3779B1u);
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  return h == 0 || h == kernel::ar::kBrokenSignature ? 1u : h;
+}
+
 }  // namespace
 
 int AllReduceAccessBytes(DType dtype, bool multicast, const void* y, int64_t bytes) {
@@ -42,6 +55,10 @@ Status PrepareAllReduce(const AllReduceCall& call, int device, const ErrorContex
       static_cast<int32_t>(call.state.size()) != call.nranks || call.fault == nullptr ||
       (call.multicast && call.mc == nullptr))
     return Internal(what + ": its area, state or fault record is missing");
+  if (call.timeout_ns <= 0)
+    return InvalidArgument(what + ": timeout_ns " + std::to_string(call.timeout_ns) +
+                           " <= 0: its waits would give up at once (no wait may be unbounded: "
+                           "give a positive timeout)");
   const int access = AllReduceAccessBytes(call.dtype, call.multicast, call.y, call.bytes);
   if (access == 0)
     return InvalidArgument(what + " over multicast moves whole 32-bit words: y (" +
@@ -82,7 +99,7 @@ Status PrepareAllReduce(const AllReduceCall& call, int device, const ErrorContex
   a.area_bytes = allreduce::kAreaBytes;
   a.slot_bytes = slot;
   a.fault = call.fault;
-  a.signature = call.signature;
+  a.signature = FlagSignature(call.signature, access);
   a.timeout_ns = call.timeout_ns;
   out->kernel = k;
   out->access = access;
