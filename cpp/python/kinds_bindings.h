@@ -86,6 +86,8 @@ nb::dict KindsDict(const OpRow (&op_rows)[NOps], const TransportRow (&transport_
     nb::dict d;
     d["id"] = static_cast<int>(r.algorithm);
     d["name"] = r.name;
+    d["splits_rows"] = r.splits_rows;
+    d["kernel"] = r.kernel;
     algorithms.append(d);
   }
   nb::list fused_fp8;  // this build's (JO_FUSED_FP8), by JAX's dtype names

@@ -132,6 +132,12 @@ struct Config {
   // this (mod the shards) instead of its own (a tile with the wrong shard's
   // scale; fake_fused_gemm.cc).
   int fused_scale_shard_shift = 0;
+  // Tests: the one-launch all-reduce's phases run wrongly (fake_allreduce.cc): "release_early"
+  // (a thread releases its flags before its block's barrier after the stores), "read_early" (a
+  // thread reads its peers' data before its block's barrier after the acquires);
+  // "rank0_gives_up": rank 0's waits never see a flag and time out at once (its peers are on
+  // time).
+  std::string allreduce_misuse;
 };
 
 void Reset(const Config& config);  // forgets everything (no live objects may remain in use)
