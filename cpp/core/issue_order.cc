@@ -1,6 +1,7 @@
 #include "core/issue_order.h"
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -43,6 +44,15 @@ class Play {
     for (;;) {
       bool progress = false;
       for (size_t r = 0; r < p_.size(); ++r) progress |= IssueWhatCanRun(static_cast<int32_t>(r));
+      // A fused GEMM's releases come one block per round after its issue, in its order: what
+      // waits for a later block is issued later, so work that needs only early blocks (the
+      // reduction of a reduce-scatter's first round) is not queued behind it.
+      ++round_;
+      while (!releases_.empty() && releases_.begin()->first <= round_) {
+        new_flags_.insert(releases_.begin()->second);
+        releases_.erase(releases_.begin());
+        progress = true;
+      }
       // The round's effects reach the peers.
       flags_.insert(new_flags_.begin(), new_flags_.end());
       sends_.insert(new_sends_.begin(), new_sends_.end());
@@ -107,8 +117,9 @@ class Play {
       if (first.kind == OpKind::kRecord) me.recorded.insert(first.id);
       if (first.kind == OpKind::kSignal) new_flags_.insert({first.peer, first.id});
       if (first.kind == OpKind::kFusedGemm && first.fused.release_flags >= 0)
-        for (int32_t b = 0; b < first.fused.rows.count(); ++b)
-          new_flags_.insert({r, first.fused.release_flags + b});
+        for (size_t k = 0; k < first.fused.sequence.size(); ++k)
+          releases_.emplace(round_ + 1 + static_cast<int64_t>(k),
+                            std::make_pair(r, first.fused.release_flags + first.fused.sequence[k]));
       if (IsNccl(first.kind)) {
         Launched group;
         group.rank = r;
@@ -140,7 +151,7 @@ class Play {
   }
 
   bool Done() const {
-    if (!launched_.empty()) return false;
+    if (!launched_.empty() || !releases_.empty()) return false;
     for (const Player& player : p_)
       for (const auto& queue : player.queues)
         if (!queue.empty()) return false;
@@ -168,6 +179,8 @@ class Play {
   std::set<std::pair<int32_t, int32_t>> flags_, new_flags_;  // (rank whose flag, id)
   std::set<Message> sends_, recvs_, new_sends_, new_recvs_;  // launched
   std::vector<Launched> launched_;
+  int64_t round_ = 0;
+  std::multimap<int64_t, std::pair<int32_t, int32_t>> releases_;  // round -> (rank, flag)
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "cuda/executor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -82,6 +83,7 @@ struct Step {
   std::byte* src = nullptr;     // Copy, Send; Gemm: C when it must be copied into D first
   std::byte* dst = nullptr;     // Copy, Recv
   BlockArgs block;              // Add, McStore, McReduce
+  ReduceArgs reduce;            // Reduce
   GemmArgs gemm;                // Gemm
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
   size_t fused = 0;             // FusedGemm: its arguments, the Enqueuer's fused_[fused]
@@ -114,6 +116,15 @@ class Enqueuer {
       if (issued[i] != 1)
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
                         " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
+    // The SMs a fused GEMM leaves to the reduction beside it (FusedBlocks::spare_sms), at most
+    // a quarter of the device's (only the fake's small devices have fewer than 4 x 8); the
+    // kernels sized to them (Op::sms) take the same number.
+    for (const Op& op : p_.ops)
+      if (op.kind == OpKind::kFusedGemm && op.fused.spare_sms > 0) {
+        JO_CUDA_CHECK(
+            ctx_, cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, a_.device));
+        spare_sms_ = std::max(1, std::min(op.fused.spare_sms, device_sms_ / 4));
+      }
     steps_.resize(p_.ops.size());
     for (size_t i = 0; i < p_.ops.size(); ++i) {
       const Status status = PrepareOp(p_.ops[i], &steps_[i]);
@@ -316,6 +327,23 @@ class Enqueuer {
         return OkStatus();
       case OpKind::kFusedGemm:
         return PrepareFused(op, step);
+      case OpKind::kReduce: {
+        ReduceArgs& r = step->reduce;
+        r.dtype = BufDType(p_.problem, op.d.buf);  // every source's too (CheckProgram)
+        r.dst = Resolve(op.d);
+        JO_ASSERT(r.dst != nullptr);
+        r.batch = op.batch;
+        r.m = op.m;
+        r.n = op.n;
+        r.dst_batch_stride = op.d.batch_stride;
+        r.dst_ld = op.d.ld;
+        for (const Ref& src : op.sources) {
+          r.sources.push_back({Resolve(src), src.batch_stride, src.ld});
+          JO_ASSERT(r.sources.back().ptr != nullptr);
+        }
+        r.sms = Budget(op);
+        return PrepareReduce(r, a_.ctx);
+      }
       case OpKind::kSend:
       case OpKind::kRecv: {
         const bool send = op.kind == OpKind::kSend;
@@ -433,8 +461,11 @@ class Enqueuer {
           reinterpret_cast<uint32_t*>(a_.gen->Flag(rank, a_.epoch, blocks.release_flags, rank));
       f.counters = reinterpret_cast<uint32_t*>(state + sizeof(FusedGemmFault));
     }
+    // A release-only kernel leaves the reduction beside it the SMs the program reserved for
+    // it (FusedBlocks::spare_sms, as Prepare bounded them; its kernels are sized to them).
     JO_CUDA_CHECK(ctx_,
                   cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, a_.device));
+    if (blocks.spare_sms > 0) f.sm_count -= spare_sms_;
     JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
     return PrepareFusedGemm(f.dtype, a_.ctx);
   }
@@ -457,6 +488,8 @@ class Enqueuer {
         return LaunchMcStore(step.block, step.stream, a_.ctx);
       case OpKind::kMcReduce:
         return LaunchMcReduce(step.block, step.stream, a_.ctx);
+      case OpKind::kReduce:
+        return LaunchReduce(step.reduce, step.stream, a_.ctx);
       case OpKind::kSignal:
         // Default flags: the write is fenced after every prior write of the stream.
         JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(step.stream),
@@ -492,6 +525,10 @@ class Enqueuer {
     return Internal("unknown op kind");
   }
 
+  // The SMs a kernel's grid is sized to: those the program's fused GEMM leaves it (0: the
+  // whole device).
+  int32_t Budget(const Op& op) const { return op.sms > 0 ? std::min(op.sms, spare_sms_) : 0; }
+
   BlockArgs Block(const Op& op, const void* src, const Ref& s, void* dst, const Ref& d) const {
     BlockArgs b;
     b.dtype = BufDType(p_.problem, s.buf);  // d's too (CheckProgram)
@@ -504,6 +541,7 @@ class Enqueuer {
     b.src_ld = s.ld;
     b.dst_batch_stride = d.batch_stride;
     b.dst_ld = d.ld;
+    b.sms = Budget(op);
     return b;
   }
 
@@ -580,6 +618,8 @@ class Enqueuer {
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
   std::vector<FusedGemmArgs> fused_;  // the FusedGemm steps' (not in Step: 520-byte tile orders)
+  int device_sms_ = 0;                // the device's SMs (asked only when a fused GEMM leaves some)
+  int32_t spare_sms_ = 0;             // the SMs the fused GEMM leaves to the kernels beside it
   bool warmed_ = false;  // a new cuBLASLt plan ran its warm-up in Prepare: join it first
 };
 

@@ -3,11 +3,13 @@
 The fake runs the kernel as docs/gpu.md §10 and ``cpp/cuda/fake/fake_fused_gemm.cc`` describe:
 persistent CTAs taking their units of work in the stock scheduler's order, each tile waiting for
 its blocks' flags and computed with the reference GEMM, rows read before their flag poisoned
-(NaN, and a misuse recorded), the kernel holding every SM while it runs. The results are checked
-bit for bit against an emulation of the program's arithmetic in NumPy (each product in float32,
-K in order, rounded once; the reduce-scatter's sums in its order, rounded after each add), over
-a grid of shapes whose tiles straddle chunks and shards, with several units of work per CTA, with
-one and with eight work queues.
+(NaN, and a misuse recorded), the kernel holding its SMs while it runs (the whole device when it
+waits for flags). The results are checked bit for bit against an emulation of the program's
+arithmetic in NumPy (each product in float32, K in order, rounded once; the reduce-scatter's sum
+of every rank's partial in rank order, in float32, rounded once), over a grid of shapes whose
+tiles straddle chunks and shards, with several units of work per CTA, with one and with eight
+work queues. The reduce-scatter's reduction runs beside the kernel, on the SMs it leaves, and
+reads no block of it before its release (else the fake reports it).
 """
 
 from __future__ import annotations
@@ -48,11 +50,10 @@ def _expected(op, transport, xs, ws, rows, dtype):
     out = []
     for r in range(n):
         partial = [_gemm(xs[i][:, r * rows:(r + 1) * rows], ws[i], dtype) for i in range(n)]
-        y = partial[r]  # the own partial, then the received ones in rank order
-        for i in range(n):
-            if i != r:
-                y = (y.astype(np.float32) + partial[i].astype(np.float32)).astype(DTYPES[dtype])
-        out.append(y)
+        acc = np.zeros(partial[0].shape, np.float32)  # every rank's partial in rank order, in
+        for i in range(n):                             # float32, rounded once (the Reduce)
+            acc = acc + partial[i].astype(np.float32)
+        out.append(acc.astype(DTYPES[dtype]))
     return out
 
 
@@ -109,7 +110,8 @@ GRID = [
 def test_the_fused_programs_are_exact_on_the_fake(fake, op, transport):
     """Every grid case, with 1 and 8 work queues and with 132, 6 and 4 SMs (several units of
     work per CTA: the static striding), both 16-bit types, and three calls back to back (both
-    parities of the workspace and flags)."""
+    parities of the workspace and flags). No kernel runs beside a fused GEMM that waits (AG), nor
+    a reduction sized to the whole device (the p2p reduce-scatter's one sub-chunk)."""
     for i, ((n, batch, rows, k, nw, chunks, bidi), connections) in enumerate(
             itertools.product(GRID, (1, 8))):
         dtype = ("bfloat16", "float16")[i % 2]
@@ -122,9 +124,25 @@ def test_the_fused_programs_are_exact_on_the_fake(fake, op, transport):
         try:
             check_fused(fake, out, op, transport, xs, ws, rows, dtype, gathered)
             assert fake.counters().get("cudaLaunchKernelEx") == 3 * n  # one kernel per call
+            if op == "ag_matmul" or (transport == "p2p" and chunks == 1):
+                assert fake.counters().get("kernels beside a persistent kernel") is None
         except AssertionError as e:
             e.add_note(f"in the case {(n, batch, rows, k, nw, chunks, bidi, connections, sms)}")
             raise
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+def test_the_reduction_runs_beside_the_fused_gemm(fake, transport, connections):
+    """GEMM + RS with 4 sub-chunks of 4 M tiles each (the fake computes a tile per step): the
+    reductions of the first rounds start while the kernel still computes later ones, on the SMs
+    it left them (with 1 work queue too: core/issue_order issues a reduction before the copies
+    that wait for the kernel's later blocks), and the result is exact."""
+    fake.reset(fake.Config(connections=connections, sms=8, seed=5))
+    args = dict(batch=1, rows=2048, k=8, nw=264, dtype="bfloat16", chunks=4, bidirectional=False)
+    out, xs, ws = run_fused(fake, "matmul_rs", transport, 4, **args)
+    check_fused(fake, out, "matmul_rs", transport, xs, ws, 2048, "bfloat16")
+    assert fake.counters().get("kernels beside a persistent kernel", 0) > 0
 
 
 def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):

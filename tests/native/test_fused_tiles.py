@@ -232,7 +232,8 @@ def test_the_persistent_grid_is_the_stock_schedulers_and_the_models():
 
 def test_the_fused_programs_orders_are_tile_orders():
     """Every fused program's block order makes a tile order the kernel's parameters hold (AG: the
-    local shard first; RS: destinations r-1, r-2, ..., the own block last)."""
+    local shard first; RS: rounds of sub-chunks, p2p's destinations r-1, r-2, ..., the own
+    block last, multicast's 0, 1, ..., N-1 on every rank)."""
     for n, chunks, rows in itertools.product(NS, CHUNKS, SHARD_ROWS):
         for op, transport in itertools.product(("ag_matmul", "matmul_rs"), ("p2p", "multicast")):
             rank = n // 2
@@ -242,6 +243,9 @@ def test_the_fused_programs_orders_are_tile_orders():
             f = kernel["fused"]
             got = tiles_ext.fused_order(n, f["chunks"], rows, 128, f["sequence"], f["order"])
             assert 1 <= got["runs"] <= 64
-            first = f["sequence"][:f["chunks"]]
-            owner = rank if op == "ag_matmul" else (rank - 1) % n
-            assert [b // f["chunks"] for b in first] == [owner] * f["chunks"]
+            c = f["chunks"]
+            if op == "ag_matmul":
+                assert [b // c for b in f["sequence"][:c]] == [rank] * c
+            else:
+                dests = [(rank - 1 - t) % n for t in range(n)] if transport == "p2p" else range(n)
+                assert f["sequence"] == [d * c + s for s in range(c) for d in dests]

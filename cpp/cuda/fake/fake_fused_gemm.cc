@@ -5,11 +5,19 @@
 // it, from the same tile mapping (core/fused_tiles.h):
 //  * it is sm_90a code: cudaFuncGetAttributes finds no image for any other
 //    device (the kernel family "fused", fake_kernels.cc);
-//  * its CTAs are persistent and hold every SM until the last one ends: no
-//    other kernel of the device (a block kernel, a cuBLASLt matmul, an NCCL
-//    group) starts meanwhile (fake_queues.cc); copies and stream memory
-//    operations still run. A kernel that needs SMs queued behind it while the
-//    kernel waits for it deadlocks, as the GPU may (docs/gpu.md §10, rule 1);
+//  * its CTAs are persistent and hold their SMs until the last one ends (one
+//    CTA per SM: PersistentGrid's CTAs); copies and stream memory operations
+//    still run. A kernel that waits for flags is taken to hold the whole
+//    device: no other kernel (a block kernel, a cuBLASLt matmul, an NCCL group)
+//    starts meanwhile, so a kernel that needs SMs queued behind it while the
+//    kernel waits for it deadlocks, as the GPU may (docs/gpu.md §10, rule 1).
+//    One that waits for nothing (GEMM + reduce-scatter) leaves the rest of the
+//    device's SMs to kernels with an SM budget that fits (the reduction beside
+//    it, fake_queues.cc); any other kernel starts once it ended;
+//  * its output is released block by block: until a block's release flag is at
+//    the epoch, a kernel, a copy or a multicast load-reduce that reads the
+//    block's rows is a misuse (reported by ReadsUnreleased's callers), however
+//    much of the block the tiles stored so far;
 //  * CTA c takes the units of work c, c + ctas, ... (PersistentGrid), each one
 //    output tile computed with the reference GEMM (f32 accumulation in K order,
 //    rounded once: the fake cuBLASLt's arithmetic) once every flag of its
@@ -58,6 +66,7 @@ constexpr int kSharedBytesWithoutOptIn = 48 * 1024;
 constexpr int64_t kTileCols = 256;  // the CTA tile's N (fused_gemm_kernel.cuh)
 
 struct FusedRun {
+  uint64_t id = 0;  // its entry in State::persistent while it runs
   DType dtype = DType::kBF16;
   Launch launch;
   fused::PersistentGrid grid;
@@ -162,9 +171,42 @@ bool Poll(FusedRun& r) {
     break;
   }
   if (r.left > 0) return false;
-  auto it = S().persistent.find(r.where);
-  if (it != S().persistent.end()) S().persistent.erase(it);
+  const auto [lo, hi] = S().persistent.equal_range(r.where);
+  for (auto it = lo; it != hi; ++it)
+    if (it->second.id == r.id) {
+      S().persistent.erase(it);
+      break;
+    }
   return true;
+}
+
+// The release-only kernels that run or are queued (their output is checked against reads).
+std::vector<std::weak_ptr<FusedRun>>& Releasing() {
+  static auto* runs = new std::vector<std::weak_ptr<FusedRun>>();
+  return *runs;
+}
+
+// The first unreleased block a read of [p, p + bytes) touches in `r`'s output, or -1.
+int32_t UnreleasedBlock(const FusedRun& r, const std::byte* p, size_t bytes) {
+  const Launch& l = r.launch;
+  const auto* d = static_cast<const std::byte*>(l.d);
+  const int64_t es = static_cast<int64_t>(ElemBytes(r.dtype));
+  const int64_t bs = l.batch > 1 ? l.d_batch_stride : 0;
+  const int64_t span = ((l.batch - 1) * bs + (l.m - 1) * l.ldd + l.n) * es;
+  if (p + bytes <= d || p >= d + span) return -1;
+  const int64_t lo = std::max<int64_t>(0, (p - d) / es);
+  const int64_t hi = std::min<int64_t>(span / es, (p + bytes - d + es - 1) / es);
+  for (int64_t e = lo; e < hi;) {
+    const int64_t batch = bs > 0 ? e / bs : 0;
+    const int64_t rest = e - batch * bs, row = rest / l.ldd, col = rest % l.ldd;
+    if (batch < l.batch && row < l.m && col < l.n) {
+      const int32_t block = l.blocks.BlockOf(row);
+      if (!AtEpoch(l.release_flags[block], l.epoch)) return block;
+    }
+    e = row + 1 < l.m ? batch * bs + (row + 1) * l.ldd : (batch + 1) * bs;
+    if (bs == 0 && row + 1 >= l.m) break;
+  }
+  return -1;
 }
 
 bool Span(const void* p, size_t bytes, const std::string& what) {
@@ -237,17 +279,56 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
   run->what = name + " (" + std::to_string(l.m) + " x " + std::to_string(l.n) + " x " +
               std::to_string(l.k) + ", batch " + std::to_string(l.batch) + ") on device " +
               std::to_string(device);
+  run->id = S().next_persistent++;
   FakeTask task;
   task.what = run->what;
   task.sms = true;
   task.ready = [] { return true; };
-  task.run = [run] { S().persistent.insert(run->where); };
+  task.run = [run] {
+    State::Persistent held;
+    held.id = run->id;
+    held.sms = run->grid.ctas;
+    held.waits = run->launch.wait_flags != nullptr;
+    held.what = run->what;
+    S().persistent.emplace(run->where, held);
+    if (run->launch.release_flags != nullptr) {  // from now on its output is being written
+      auto& runs = Releasing();
+      runs.erase(
+          std::remove_if(runs.begin(), runs.end(), [](const auto& w) { return w.expired(); }),
+          runs.end());
+      runs.push_back(run);
+    }
+  };
   task.done = [run] { return Poll(*run); };
   Push(stream, std::move(task));
   return cudaSuccess;
 }
 
 }  // namespace
+
+bool ReadsUnreleased(const void* p, size_t bytes, std::string* what) {
+  Lock lock(S().mu);
+  for (const auto& weak : Releasing()) {
+    const std::shared_ptr<FusedRun> run = weak.lock();
+    if (run == nullptr || run->left == 0) continue;  // gone or done: everything released
+    const int32_t block = UnreleasedBlock(*run, static_cast<const std::byte*>(p), bytes);
+    if (block < 0) continue;
+    *what = "rows of block " + std::to_string(block) + " of the output of " + run->what +
+            ", whose release flag is not at the epoch yet";
+    return true;
+  }
+  return false;
+}
+
+void CheckReleased(const void* p, size_t bytes, const std::string& reader, bool* reported) {
+  if (*reported) return;
+  std::string what;
+  if (!ReadsUnreleased(p, bytes, &what)) return;
+  *reported = true;
+  Fail(reader + " read " + what +
+       ": a block of a fused GEMM that releases its output is complete only at its release "
+       "(docs/gpu.md §10); wait for the flag first");
+}
 
 void NoteSharedMemoryGrant(const void* function, int bytes) {
   const int device = CurrentDevice();

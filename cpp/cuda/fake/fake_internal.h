@@ -38,7 +38,12 @@ struct FakeTask {
   // that waits for its peers: an NCCL group) until this returns true; the
   // stream's next task waits for it, other streams' do not.
   std::function<bool()> done;
-  bool sms = false;  // a kernel: it cannot start while a persistent kernel holds the SMs
+  bool sms = false;  // a kernel: it needs SMs, which a persistent kernel may hold
+  // A kernel's SM budget (its launch names it: the SMs its grid is sized to): it may start
+  // beside a persistent kernel that waits for nothing and leaves that many free; 0: it
+  // starts only once no persistent kernel holds the device's SMs (fake_queues.cc).
+  int sm_budget = 0;
+  bool budget_reported = false;   // its lack of SMs was reported
   cudaEvent_t records = nullptr;  // the event this task records, if any
   ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
 };
@@ -235,8 +240,18 @@ struct State {
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
-  // (played process, device) whose SMs a persistent kernel holds, once per such kernel running.
-  std::multiset<std::pair<int, int>> persistent;
+  // The persistent kernels running (the fused GEMM), by (played process, device): the SMs its
+  // CTAs hold, and whether it waits for flags. One that waits is taken to hold the whole
+  // device (CUDA does not promise that another kernel runs beside it: docs/gpu.md §10, rule
+  // 1); one that waits for nothing leaves the rest to kernels with an SM budget.
+  struct Persistent {
+    uint64_t id = 0;
+    int sms = 0;
+    bool waits = false;
+    std::string what;
+  };
+  std::multimap<std::pair<int, int>, Persistent> persistent;
+  uint64_t next_persistent = 1;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
   std::map<std::tuple<int, int, const void*>, int> shared_grants;
 };

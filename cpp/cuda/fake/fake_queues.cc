@@ -38,6 +38,37 @@ std::vector<std::deque<CUstream_st*>>& QueuesOf(const CUstream_st* st) {
 
 void Complete(CUstream_st* s) { ++s->completed; }
 
+// Whether kernel `task` finds the SMs it needs on `where` (no persistent kernel holds them, or
+// one that waits for nothing leaves its budget free); reports a budgeted kernel that would start
+// now but finds too few SMs beside such a kernel.
+bool SmsFor(FakeTask& task, const std::pair<int, int>& where) {
+  State& s = S();
+  if (!task.sms) return true;
+  const auto [lo, hi] = s.persistent.equal_range(where);
+  if (lo == hi) return true;
+  if (task.sm_budget <= 0) return false;
+  int held = 0;
+  for (auto it = lo; it != hi; ++it) {
+    if (it->second.waits) return false;  // it holds the device (rule 1)
+    held += it->second.sms;
+  }
+  const int free = s.config.sms - held;
+  if (free >= task.sm_budget) {
+    // Counted where it starts (Step), not here: Step asks before it picks.
+    return true;
+  }
+  if (!task.budget_reported && task.ready()) {
+    task.budget_reported = true;
+    Fail(task.what + " is sized to " + std::to_string(task.sm_budget) + " SMs, but " +
+         lo->second.what + " beside it leaves " + std::to_string(free) + " of the device's " +
+         std::to_string(s.config.sms) +
+         " free: its blocks wait for that kernel to end (the GPU distributes a grid's blocks to "
+         "SMs with available capacity: CUDA programming guide, \"Hardware Implementation\"), "
+         "so it no longer overlaps it. Launch the persistent kernel on sm_count = SMs - budget");
+  }
+  return false;
+}
+
 // One step of the GPU: completes a kernel in flight or starts a queue head.
 // `random`: pick among the possible steps with the seeded generator (Drain),
 // else the first (host polls: no generator draws that depend on thread timing).
@@ -52,9 +83,9 @@ bool Step(bool random) {
       for (auto& queue : queues) {
         if (queue.empty()) continue;
         CUstream_st* head = queue.front();
-        const FakeTask& next = head->tasks.front();
-        if (next.sms && s.persistent.count(where) > 0) continue;  // no SM free for it
-        if (!head->running && next.ready()) starting.push_back(head);
+        FakeTask& next = head->tasks.front();
+        if (head->running || !SmsFor(next, where)) continue;  // no SM free for it
+        if (next.ready()) starting.push_back(head);
       }
     }
     const size_t options = finishing.size() + starting.size();
@@ -75,6 +106,8 @@ bool Step(bool random) {
     queue.pop_front();
     FakeTask task = std::move(st->tasks.front());
     st->tasks.pop_front();
+    if (task.sms && s.persistent.count({st->process, st->device}) > 0)
+      ++s.counters["kernels beside a persistent kernel"];  // for tests: the overlap happened
     task.run();
     if (task.done) {
       st->running = std::make_unique<FakeTask>(std::move(task));
@@ -108,9 +141,12 @@ std::string DeadlockReport() {
       if (queue.empty()) continue;
       const CUstream_st* head = queue.front();
       const bool no_sms = head->tasks.front().sms && s.persistent.count(where) > 0;
+      const bool budget = head->tasks.front().sm_budget > 0;
       text += " [device " + std::to_string(where.second) + " queue " + std::to_string(q) + ": " +
               Describe(head) + " blocked at " + head->tasks.front().what +
-              (no_sms ? " (a kernel: a persistent kernel holds every SM)" : "") +
+              (no_sms ? budget ? " (a kernel: a persistent kernel holds the SMs of its budget)"
+                               : " (a kernel: a persistent kernel holds every SM)"
+                      : "") +
               (head->running ? " (behind its " + head->running->what + " in flight)" : "");
       if (queue.size() > 1) {
         // The first task behind the head from another stream: what the shared queue holds up.
@@ -148,7 +184,7 @@ void DropWork(int device) {
     for (auto& queue : queues) queue.clear();
   }
   for (auto it = s.persistent.begin(); it != s.persistent.end();)
-    it = device >= 0 && it->second != device ? std::next(it) : s.persistent.erase(it);
+    it = device >= 0 && it->first.second != device ? std::next(it) : s.persistent.erase(it);
 }
 
 }  // namespace
@@ -210,11 +246,13 @@ void Enqueue(cudaStream_t s, const std::string& what, std::function<void()> run)
   Push(s, what, [] { return true; }, std::move(run));
 }
 
-void EnqueueKernel(cudaStream_t s, const std::string& what, std::function<void()> run) {
+void EnqueueKernel(cudaStream_t s, const std::string& what, std::function<void()> run,
+                   int sm_budget) {
   Lock lock(S().mu);
   FakeTask task;
   task.what = what;
   task.sms = true;
+  task.sm_budget = sm_budget;
   task.ready = [] { return true; };
   task.run = std::move(run);
   Push(s, std::move(task));
