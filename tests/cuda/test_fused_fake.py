@@ -189,3 +189,24 @@ def test_the_fused_flags_are_checked_by_the_poison(fake):
     fake.reset(fake.Config(seed=3))
     out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
     check_fused(fake, out, "ag_matmul", "p2p", xs, ws, 96, "bfloat16")
+
+
+def test_the_fake_fails_loudly_on_a_misused_reduction(fake):
+    """The reduction beside a fused GEMM that releases its output (docs/gpu.md §10): reading a
+    block before its release — by a kernel or by the copy engine — and a reduction sized to SMs
+    the kernel does not leave (launched on every SM) are reported; after the release, on the SMs
+    the kernel leaves, nothing is (the control)."""
+    caught = fake.reduce_misuse_checks()
+    assert caught == {
+        "a reduction beside the fused GEMM, after its release, on the SMs it leaves (control)": "",
+        "a block reduced before its release": caught["a block reduced before its release"],
+        "a block copied out before its release": caught["a block copied out before its release"],
+        "a reduction sized to SMs the fused GEMM does not leave":
+            caught["a reduction sized to SMs the fused GEMM does not leave"],
+    }
+    for name in ("a block reduced before its release", "a block copied out before its release"):
+        assert "whose release flag is not at the epoch yet" in caught[name], caught[name]
+    assert "kernel Reduce<bf16" in caught["a block reduced before its release"]
+    assert "cudaMemcpyAsync read" in caught["a block copied out before its release"]
+    sms = caught["a reduction sized to SMs the fused GEMM does not leave"]
+    assert "is sized to 2 SMs" in sms and "leaves 0 of the device's 8 free" in sms, sms
