@@ -35,15 +35,16 @@
 namespace jo::internal {
 namespace {
 
-// The SMs the fused GEMM leaves to the reduction beside it (FusedBlocks::spare_sms).
-// The p2p reduction of one round moves (N + 1) x its sub-chunk through HBM while the
+// The most SMs the fused GEMM leaves to the reduction beside it (FusedBlocks::spare_sms; how
+// many it leaves on a device is fused_tiles.h SpareSms: as many as cost no wave). The p2p
+// reduction of one round moves (N + 1) x its sub-chunk through HBM while the
 // kernel computes the next round: (N + 1) partials' bytes over the kernel's time, about
 // 200 GB/s at TP8 M 8192 N 8192 on an H100 (docs/performance.md §2.6); the multicast
 // one receives one reduced partial per round. Triton-distributed reduces on 15-16 SMs
 // ("16 are enough for H800 ... The reduction kernel bandwidth is not a bottleneck if it
 // exceeds 450GB": python/triton_dist/kernels/nvidia/reduce_scatter.py), TransformerEngine's
 // userbuffers on 16 (set_sm_margin, num_sm=16), Flux's Ampere RS kernel on 6 blocks.
-constexpr int32_t kReductionSms = 8;
+constexpr int32_t kReductionSms = 16;
 
 struct Part {
   int32_t block;  // destination: the row block of x, the rank that owns the result
@@ -101,32 +102,38 @@ Status BuildRsFused(Program* p, Emitter& e) {
   f.spare_sms = overlaps ? kReductionSms : 0;
   e.FusedGemm(0, Ref{BufId::kX, r, 0, N * R * K, K}, partial(0, 0), P, std::move(f));
 
-  // Stream 1: each released partial of another owner goes on to it.
+  // Streams 1 (and 2): each released partial of another owner goes on to it. p2p copies
+  // alternate between two streams, so that one copy's start overlaps another's bytes (each
+  // copy pays a fixed start: docs/performance.md §2.2); the reduction is the last stream.
+  const int32_t copiers = mc ? 1 : 2, reducer = 1 + copiers;
+  int32_t sent = 0;
   for (const Part& part : order) {
     if (part.block == r) continue;
-    e.Wait(1, r, release + flag(part.block, part.sub));
+    const int32_t stream = 1 + sent++ % copiers;
+    e.Wait(stream, r, release + flag(part.block, part.sub));
     if (!mc) {
-      Op& copy = e.Block(OpKind::kCopy, 1, partial(part.block, part.sub),
+      Op& copy = e.Block(OpKind::kCopy, stream, partial(part.block, part.sub),
                          slot(part.block, r, part.sub), P, rows(part.sub), Nw);
       copy.shard = part.block;
       copy.sub = static_cast<int32_t>(part.sub);
     }
-    e.Signal(1, part.block, flag(r, part.sub));
+    e.Signal(stream, part.block, flag(r, part.sub));
   }
 
-  // Stream 2: the own block, sub-chunk by sub-chunk, once every rank's partial of it is in.
+  // The last stream: the own block, sub-chunk by sub-chunk, once every rank's partial of it is
+  // in.
   for (int64_t s = 0; s < C; ++s) {
-    e.Wait(2, r, release + flag(r, s));
+    e.Wait(reducer, r, release + flag(r, s));
     for (int32_t t = 1; t < N; ++t) {
       const int32_t from = Mod(r + t, N);  // the order their partials of this block come in
-      e.Wait(2, from, flag(from, s));
+      e.Wait(reducer, from, flag(from, s));
     }
     const bool after_kernel = last.block == r && last.sub == s;
     Op* sum = nullptr;
     if (mc) {
-      sum = &e.Block(OpKind::kMcReduce, 2, partial(r, s), y(s), P, rows(s), Nw);
+      sum = &e.Block(OpKind::kMcReduce, reducer, partial(r, s), y(s), P, rows(s), Nw);
     } else {
-      sum = &e.Add(OpKind::kReduce, 2);
+      sum = &e.Add(OpKind::kReduce, reducer);
       sum->d = y(s);
       sum->batch = P;
       sum->m = rows(s);

@@ -129,10 +129,11 @@ struct FusedBlocks {
   // Releases (GEMM + reduce-scatter): own flag release_flags + b is raised
   // once every tile touching block b is stored.
   int32_t release_flags = -1;  // -1: no releases
-  // SMs the kernel leaves free for the kernels of the rank's other streams
-  // (the reduction of released blocks, sized to them: Op::sms). Only a kernel
-  // that waits for nothing may leave SMs to others without a deadlock risk,
-  // and it needs none for correctness: docs/gpu.md §10.
+  // The most SMs the kernel leaves free for the kernels of the rank's other
+  // streams (the reduction of released blocks, sized to them: Op::sms); how
+  // many on a device is fused_tiles.h SpareSms (as many as cost it no wave).
+  // Only a kernel that waits for nothing may leave SMs to others without a
+  // deadlock risk, and it needs none for correctness: docs/gpu.md §10.
   int32_t spare_sms = 0;
 
   bool Waits(int32_t block) const { return wait_flags >= 0 && rows.Shard(block) != ready_shard; }
@@ -158,9 +159,9 @@ struct Op {
   // Reduce: the blocks summed (batch x m x n each, of d's dtype), in the order
   // the sum takes them: the same order gives every executor the same bits.
   std::vector<Ref> sources;
-  // A kernel's SM budget (Add, McReduce, Reduce): the SMs its grid is sized to,
-  // those a fused GEMM of the program leaves free (FusedBlocks::spare_sms); 0:
-  // as many as its block needs (the whole device).
+  // A kernel's SM budget (Add, McReduce, Reduce): its grid is sized to the SMs
+  // the program's fused GEMM leaves free (FusedBlocks::spare_sms), at most
+  // this many; 0: as many as its block needs (the whole device).
   int32_t sms = 0;
 };
 

@@ -116,14 +116,18 @@ class Enqueuer {
       if (issued[i] != 1)
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
                         " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
-    // The SMs a fused GEMM leaves to the reduction beside it (FusedBlocks::spare_sms), at most
-    // a quarter of the device's (only the fake's small devices have fewer than 4 x 8); the
-    // kernels sized to them (Op::sms) take the same number.
+    // The SMs a fused GEMM leaves to the reduction beside it: as many as cost its persistent
+    // grid no wave (fused_tiles.h SpareSms), at most FusedBlocks::spare_sms and a quarter of the
+    // device's (only the fake's small devices have fewer than 4 x 8), at least one; the kernels
+    // sized to them (Op::sms) take the same number. jaxoverlap/sim/fused.py spare_sms mirrors it.
     for (const Op& op : p_.ops)
       if (op.kind == OpKind::kFusedGemm && op.fused.spare_sms > 0) {
         JO_CUDA_CHECK(
             ctx_, cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, a_.device));
-        spare_sms_ = std::max(1, std::min(op.fused.spare_sms, device_sms_ / 4));
+        const int64_t m_tiles = (op.m + fused::kTileRows - 1) / fused::kTileRows;
+        const int64_t n_tiles = (op.n + fused::kTileCols - 1) / fused::kTileCols;
+        spare_sms_ = std::max(1, fused::SpareSms(m_tiles, n_tiles, op.batch, device_sms_,
+                                                 std::min(op.fused.spare_sms, device_sms_ / 4)));
       }
     steps_.resize(p_.ops.size());
     for (size_t i = 0; i < p_.ops.size(); ++i) {

@@ -36,7 +36,7 @@ from jaxoverlap.sim import fused, model
 from jaxoverlap.sim.presets import Preset
 
 Program = dict[str, Any]
-COMPUTE_KINDS = ("Gemm", "Add", "FusedGemm")
+COMPUTE_KINDS = ("Gemm", "Add", "FusedGemm", "Reduce")
 TRANSFER_KINDS = ("Copy", "Send", "Recv", "McStore", "McReduce")
 
 
@@ -88,7 +88,9 @@ class _Activity:
     sm_user: tuple[str, tuple[int, ...]] | None = None  # ("nccl"|"mc", ranks whose SMs)
     memory: tuple[int, ...] = ()  # transfer: ranks whose HBM each payload byte passes
     payload_per_wire: float = 1.0  # transfer: payload bytes per wire byte
-    cap: float = float("inf")  # transfer: its own top rate (wire bytes/s)
+    cap: float = float("inf")  # transfer: its own top rate (wire bytes/s); memory: bytes/s
+    spare: int = 0  # compute (a fused GEMM): SMs it leaves to SM-based transfers beside it
+    streams_memory: bool = False  # a memory-bound kernel: `remaining` bytes of HBM at `cap`
     rate: float = 0.0
 
 
@@ -117,6 +119,9 @@ class _Engine:
         self.seq = 0
         self.activities: list[_Activity] = []
         self.fused: list[_FusedGemm] = []  # running fused GEMMs (their stalled tiles)
+        # per rank: the SMs its fused GEMM leaves to the kernels sized to them (Op::sms)
+        self.spare = [max((fused.spare_sms(preset, op) for op in pr["ops"]
+                           if op["kind"] == "FusedGemm"), default=0) for pr in programs]
         self.spans: list[Span] = []
         self.cap = preset.link_gbps * 1e9
         fork = preset.event_latency_us * model.US
@@ -143,21 +148,31 @@ class _Engine:
         self.busy[key] = False
         self.reached[key] = self.now
 
+    def budget(self, rank: int, op: dict[str, Any]) -> int:
+        """The SMs a kernel's grid is sized to: those its rank's fused GEMM leaves it, at most
+        ``Op::sms``; 0: the whole device."""
+        most = int(op.get("sms", 0))
+        return min(most, self.spare[rank]) if most > 0 else 0
+
     def elem(self, rank: int) -> int:
         return int(self.programs[rank]["elem_bytes"])
 
     def transfer(self, transport: str, nbytes: int, ports: tuple[tuple[str, int], ...],
                  memory: tuple[int, ...], sm_user: tuple[str, tuple[int, ...]] | None,
-                 on_done: Callable[[], None], hops: int = 1) -> None:
+                 on_done: Callable[[], None], hops: int = 1, sms: int = 0) -> None:
         """Fixed start and size ramp first (no bandwidth used), then the fluid transfer.
 
         A payload byte costs link / transport-rate wire bytes (protocol overhead); one
         transfer moves at most ``model.transfer_gbps`` (NCCL send/recv: fewer channels
-        than a ring collective). ``hops`` > 1: a ring collective's pipeline.
+        than a ring collective). ``hops`` > 1: a ring collective's pipeline. ``sms`` > 0: a
+        kernel sized to that many SMs (the reduction beside a fused GEMM), at most
+        ``model.reduction_gbps`` of them.
         """
         per_wire = self.p.transport_gbps(transport) / self.p.link_gbps
         wire_bytes = nbytes / per_wire
         single = model.transfer_gbps(self.p, transport, collective=hops > 1)
+        if sms:
+            single = min(single, model.reduction_gbps(self.p, sms))
         cap = single * 1e9 / per_wire
 
         def start() -> None:
@@ -224,6 +239,12 @@ class _Engine:
         elif kind == "Add":
             self.activities.append(_Activity(model.elementwise_time(p, op["bytes"], 3), done,
                                              rank=r))
+        elif kind == "Reduce":  # N sources read, the sum written: HBM traffic on its SMs
+            moved = (len(op["sources"]) + 1) * op["bytes"]
+            cap = model.reduction_gbps(p, self.budget(r, op)) * 1e9
+            self.at(self.now + p.gemm_overhead_us * model.US,
+                    lambda: self.activities.append(_Activity(
+                        moved, done, rank=r, memory=(r,), cap=cap, streams_memory=True)))
         elif kind == "FusedGemm":
             run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done)
             self.at(self.now + run.plan.overhead, lambda: self.fused.append(run))
@@ -241,7 +262,7 @@ class _Engine:
         elif kind == "McReduce":  # every peer's memory is read, the switch reduces
             peers = tuple(q for q in range(self.n) if q != r)
             self.transfer("multicast", op["bytes"], (("in", r), *(("out", q) for q in peers)),
-                          (r, *peers), ("mc", (r,)), done)
+                          (r, *peers), ("mc", (r,)), done, sms=self.budget(r, op))
         else:
             raise SimulationError(f"rank {r}: op kind {kind!r} has no cost model")
 
@@ -310,9 +331,14 @@ class _Engine:
                 a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
                 for q in a.memory:
                     traffic[q] += a.rate * a.payload_per_wire
+            elif a.streams_memory:
+                a.rate = a.cap
+                traffic[a.rank] += a.rate
         for a in self.activities:
-            if not a.ports:
-                a.rate = model.compute_rate(self.p, taken[a.rank], traffic[a.rank])
+            if not a.ports and not a.streams_memory:
+                # a fused GEMM that leaves SMs: SM-based transfers there take those first
+                a.rate = model.compute_rate(self.p, max(0, taken[a.rank] - a.spare),
+                                            traffic[a.rank])
 
     def run(self) -> Timeline:
         while True:
@@ -340,7 +366,7 @@ class _Engine:
             done = []
             for a in self.activities:
                 a.remaining -= a.rate * dt
-                scale = 1e-3 if a.ports else 1e-15  # bytes / seconds
+                scale = 1e-3 if a.ports or a.streams_memory else 1e-15  # bytes / seconds
                 if a is finishing or a.remaining <= scale:
                     done.append(a)
             for a in done:
@@ -403,7 +429,8 @@ class _FusedGemm:
         for c in started:
             self.stalled.remove(c)
             self.e.activities.append(_Activity(self.plan.tile_seconds,
-                                               lambda c=c: self.stored(*c), rank=self.rank))
+                                               lambda c=c: self.stored(*c), rank=self.rank,
+                                               spare=self.plan.spare))
         return bool(started)
 
     def stored(self, lane: int, a: int, b: int, run_index: int) -> None:

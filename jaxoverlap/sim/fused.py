@@ -112,6 +112,7 @@ class TilePlan:
     block_units: tuple[int, ...]  # units touching each block (a block is released at 0)
     wait_flags: int  # block b waits for own flag wait_flags + b (-1: no waits)
     release_flags: int  # block b's tiles stored: own flag release_flags + b (-1: none)
+    spare: int = 0  # SMs it leaves to the kernels of the rank's other streams
 
     @property
     def alone(self) -> float:
@@ -173,13 +174,44 @@ def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
                    for b in range(f["shards"] * chunks))
     lanes, block_units = _lanes(f["shards"], chunks, shard_rows, tuple(f["sequence"]),
                                 f["order"] == "last_arrival", waited, tm,
-                                math.ceil(op["n"] / tn), op["batch"], p.sms)
+                                math.ceil(op["n"] / tn), op["batch"], p.sms - spare_sms(p, op))
     busy = kernel_busy(p, dtype, op["batch"], op["m"], op["n"], op["k"])
-    tiles = math.ceil(op["m"] / tm) * math.ceil(op["n"] / tn) * op["batch"]
-    ctas = sum(lane.ctas for lane in lanes)
-    return TilePlan(lanes, busy / p.fused_gemm_rate / math.ceil(tiles / ctas),
-                    p.gemm_overhead_us * model.US, block_units, f["wait_flags"],
-                    f["release_flags"])
+    m_tiles, n_tiles = math.ceil(op["m"] / tm), math.ceil(op["n"] / tn)
+    # one tile's time: the whole GEMM's on every SM over its waves there (a kernel that leaves
+    # SMs to the reduction beside it runs the same tiles on fewer CTAs: more waves)
+    _, ctas = grid(m_tiles, n_tiles, op["batch"], p.sms)
+    waves = math.ceil(m_tiles * n_tiles * op["batch"] / ctas)
+    return TilePlan(lanes, busy / p.fused_gemm_rate / waves, p.gemm_overhead_us * model.US,
+                    block_units, f["wait_flags"], f["release_flags"], spare_sms(p, op))
+
+
+def spare(m_tiles: int, n_tiles: int, batch: int, sms: int, most: int) -> int:
+    """The SMs a fused GEMM that waits for nothing leaves to the reduction beside it:
+    ``fused_tiles.h`` ``SpareSms`` (the most, up to ``most``, that cost its persistent grid no
+    wave; two when even two do; even: clusters of two)."""
+    if most < 2:
+        return 0
+
+    def waves(on: int) -> int | None:
+        _, ctas = grid(m_tiles, n_tiles, batch, on)
+        return -(-(m_tiles + m_tiles % 2) * n_tiles * batch // ctas) if ctas >= 2 else None
+
+    full = waves(sms)
+    for s in range(most - most % 2, 2, -2):
+        if waves(sms - s) == full:
+            return s
+    return 2
+
+
+def spare_sms(p: Preset, op: dict[str, Any]) -> int:
+    """The SMs the FusedGemm ``op`` leaves on preset ``p``, as the CUDA executor picks them:
+    ``spare`` up to ``FusedBlocks::spare_sms`` and a quarter of the device's, at least one."""
+    most = int(op["fused"].get("spare_sms", 0))
+    if most <= 0:
+        return 0
+    tm, tn = p.fused_gemm_tile
+    return max(1, spare(math.ceil(op["m"] / tm), math.ceil(op["n"] / tn), op["batch"], p.sms,
+                        min(most, p.sms // 4)))
 
 
 def kernel_busy(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,

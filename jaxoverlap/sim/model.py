@@ -198,6 +198,16 @@ def gemm_time(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
     return gemm_plan(p, dtype, batch, m, n, k, accumulate)[0]
 
 
+def reduction_gbps(p: Preset, sms: int = 0) -> float:
+    """HBM bytes per second a memory-bound kernel (the reduce-scatter's sum of N partials, or
+    a load-reduce through the switch) moves on ``sms`` SMs: ``reduce_sm_gbps`` each, at most
+    the memory's bandwidth; 0 SMs: the whole device. A reduction streams its bytes, so what
+    bounds it on few SMs is how many each SM keeps in flight."""
+    if sms <= 0:
+        return p.hbm_gbps
+    return min(p.hbm_gbps, sms * p.reduce_sm_gbps)
+
+
 def elementwise_time(p: Preset, nbytes: int, passes: int) -> float:
     """A memory-bound kernel touching ``passes`` x ``nbytes`` of HBM (Add: 3, local copy: 2)."""
     return passes * nbytes / (p.hbm_gbps * 1e9) + p.gemm_overhead_us * US

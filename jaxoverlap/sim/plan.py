@@ -205,6 +205,8 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     def alone(o: dict) -> float:  # one compute op with every SM, as the engine costs it
         if o["kind"] == "Add":
             return model.elementwise_time(p, o["bytes"], 3)
+        if o["kind"] == "Reduce":  # N sources read, the sum written
+            return model.elementwise_time(p, o["bytes"], len(o["sources"]) + 1)
         if o["kind"] == "FusedGemm":
             return fused_path.tile_plan(p, dtype, o).alone
         t = model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))

@@ -121,6 +121,9 @@ class Preset:
     # Ops running together (model.compute_rate).
     nccl_sms: int = H100_FIT["nccl_sms"]  # SMs a running NCCL kernel takes from the GEMM
     mc_sms: int = 16  # SMs a running multicast kernel takes (assumption)
+    # HBM bandwidth one SM of a memory-bound kernel moves (a reduction sized to the SMs a fused
+    # GEMM leaves it: model.reduction_gbps).
+    reduce_sm_gbps: float = 28.0
     interference: float = H100_FIT["interference"]  # slowdown per unit of HBM bandwidth moved
     # The host enqueues every op of a call (model.host_time).
     host_op_us: float = FUSED_PATH_FIT["host_op_us"]
@@ -251,6 +254,11 @@ _FUSED_RATE = ("assumption from published fused GEMMs alone against cuBLAS at th
                "sm90 kernel with 128x256 tiles (docs/gpu.md §10), taken at the low end of the "
                "large-tile ratios. Never measured: refit on a GPU")
 _FUSED_TILE = "docs/gpu.md §10: the fused GEMM's CTA tile, 128 x 256 x 64"
+_REDUCE_SM = ("assumption: Triton-distributed reduces on 15-16 SMs of an H800, "
+              "'16 are enough ... The reduction kernel bandwidth is not a bottleneck if it "
+              "exceeds 450GB' (ByteDance-Seed/Triton-distributed, python/triton_dist/kernels/"
+              "nvidia/reduce_scatter.py): at least 450/16 = 28 GB/s per SM, taken as the rate. "
+              "Never measured here: refit on a GPU")
 _NCCL_FRACTION = H100_FIT["nccl_gbps"] / 450.0
 _NCCL_P2P_FRACTION = 180.0 / 450.0
 _CE_FRACTION = 380.0 / 450.0
@@ -326,6 +334,7 @@ _HOPPER_SOURCES = {
                      "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
                      "PR #2904), less signal_latency_us",
     "min_gain": _MARGIN,
+    "reduce_sm_gbps": _REDUCE_SM,
 }
 
 PRESETS: dict[str, Preset] = {

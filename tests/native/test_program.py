@@ -611,7 +611,9 @@ def test_fused_rs_reduces_each_sub_chunk_beside_the_kernel():
     """GEMM + RS: the kernel releases C rounds, round s taking sub-chunk s of every destination
     (p2p: r-1, r-2, ..., its own last; multicast: 0, 1, ..., N-1 on every rank, so that all
     ranks release a sub-chunk together); over p2p each rank copies exactly N-1 partials (each to
-    its owner's slot: (N-1)/N of its partials). Stream 2 reduces the own block sub-chunk by
+    its owner's slot: (N-1)/N of its partials), alternating between streams 1 and 2 so that
+    one copy's start overlaps another's bytes. The last stream (p2p: 3; multicast, which
+    copies nothing: 2) reduces the own block sub-chunk by
     sub-chunk once every rank's partial of it is in — p2p: one Reduce of the N partials in rank
     order; multicast: one load-reduce — each sized to the SMs the kernel leaves, except the one
     whose input the kernel releases last, which runs after it on the whole device."""
@@ -622,6 +624,7 @@ def test_fused_rs_reduces_each_sub_chunk_beside_the_kernel():
                 f = _kernel(p)["fused"]
                 c = f["chunks"]
                 mc = transport == "multicast"
+                reducer = 2 if mc else 3
                 dests = list(range(n)) if mc else [(r - 1 - t) % n for t in range(n)]
                 assert f["sequence"] == [d * c + s for s in range(c) for d in dests]
                 assert f["order"] == "first_departure"
@@ -631,7 +634,9 @@ def test_fused_rs_reduces_each_sub_chunk_beside_the_kernel():
                 assert remote == (0 if mc else (n - 1) * batch * rows * n_out * 2)
                 sums = [o for o in p["ops"] if o["kind"] in ("Reduce", "McReduce", "Add")]
                 assert [(o["kind"], o["stream"], o["shard"], o["sub"]) for o in sums] == [
-                    ("McReduce" if mc else "Reduce", 2, r, s) for s in range(c)]
+                    ("McReduce" if mc else "Reduce", reducer, r, s) for s in range(c)]
+                copies = [o for o in p["ops"] if o["kind"] == "Copy" and o["stream"] != 0]
+                assert [o["stream"] for o in copies] == [1 + i % 2 for i in range(len(copies))]
                 last = f["sequence"][-1]
                 for s, o in enumerate(sums):
                     tail = last == r * c + s  # its input is the kernel's last release
@@ -640,8 +645,8 @@ def test_fused_rs_reduces_each_sub_chunk_beside_the_kernel():
                     if not mc:  # rank order: rank i's partial of this block, the own in scratch
                         assert [(src["buf"], src["rank"]) for src in o["sources"]] == [
                             ("SCRATCH", r) if i == r else ("WORKSPACE", r) for i in range(n)]
-                # before each sum, stream 2 waits for the own release and every peer's flag
-                s2 = [o for o in p["ops"] if o["stream"] == 2]
+                # before each sum, its stream waits for the own release and every peer's flag
+                s2 = [o for o in p["ops"] if o["stream"] == reducer]
                 for s in range(c):
                     at = s2.index(sums[s])
                     waits = {(o["peer"], o["id"]) for o in s2[:at] if o["kind"] == "Wait"}
@@ -656,16 +661,17 @@ def test_a_reduction_before_its_last_release_is_a_race():
     for transport in FUSED_TRANSPORTS:
         programs = fused_clique("matmul_rs", transport, 4, chunks=2)
         check_race_free(programs)
+        reducer = 2 if transport == "multicast" else 3
         own = copy.deepcopy(programs)
         f = _kernel(own[1])["fused"]
         own[1]["ops"] = [o for o in own[1]["ops"] if not (
-            o["stream"] == 2 and o["kind"] == "Wait" and o["id"] >= f["release_flags"])]
+            o["stream"] == reducer and o["kind"] == "Wait" and o["id"] >= f["release_flags"])]
         check_deadlock_free(own)
         with pytest.raises(ScheduleError, match="race|no write of its call"):
             check_race_free(own)
         peer = copy.deepcopy(programs)
         peer[1]["ops"] = [o for o in peer[1]["ops"] if not (
-            o["stream"] == 2 and o["kind"] == "Wait" and o["peer"] == 2)]
+            o["stream"] == reducer and o["kind"] == "Wait" and o["peer"] == 2)]
         check_deadlock_free(peer)
         with pytest.raises(ScheduleError, match="race|no write of its call"):
             check_race_free(peer)

@@ -63,7 +63,7 @@ constexpr int kSharedBytes = kMaxSharedBytesPerBlock;
 // device needs its own; without it the launch fails on the GPU (the call's error breaks the
 // clique), which the fake refuses as a misuse.
 constexpr int kSharedBytesWithoutOptIn = 48 * 1024;
-constexpr int64_t kTileCols = 256;  // the CTA tile's N (fused_gemm_kernel.cuh)
+using fused::kTileCols;  // the CTA tile's N (fused_gemm_kernel.cuh)
 
 struct FusedRun {
   uint64_t id = 0;  // its entry in State::persistent while it runs

@@ -353,6 +353,7 @@ struct FusedGemm {
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
   static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
+  static_assert(cute::size<1>(TileShape{}) == fused::kTileCols);
 };
 
 // The kernel as cudaFuncGetAttributes / cudaFuncSetAttribute take it, and the
