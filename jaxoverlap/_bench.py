@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxoverlap import _optional
+from jaxoverlap import _kinds, _optional
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="labels of jaxoverlap.sim.STANDARD_CASES (default: all)")
     p.add_argument("--scale", type=_count(1), default=None,
                    help="divide M, K and N by this (default: 32 on host devices, 1 on GPUs)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=None, choices=_kinds.names(_kinds.DTYPES, fp8=False),
                    help="default: bfloat16 on GPUs, float32 on CPU")
     p.add_argument("--warmup", type=_count(0), default=2)
     p.add_argument("--repeats", type=_count(1), default=5)
@@ -89,9 +89,9 @@ def _model(args: argparse.Namespace) -> int:
     print(sim.format_table(rows, markdown=False))
     if any(r["fused"] for r in rows):
         print("A plan named `fused` runs ONE persistent GEMM waiting on per-block flags "
-              "(docs/performance.md §2.6, docs/gpu.md §10): the executors' own fused programs, "
-              "which the ops pick on compute capability 9.0 GPUs; the kernel itself is compiled "
-              "and checked without a GPU, never run on one.")
+              "(docs/performance.md §2.6, docs/gpu-internals.md §5): the executors' own fused "
+              "programs, which the ops pick on compute capability 9.0 GPUs; the kernel itself is "
+              "compiled and checked without a GPU, never run on one.")
     fp8_rows = sim.projection_table([preset], sim.FP8_CASES)
     print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at the FP8 peak, AG moves one byte "
           f"per element):\n{sim.format_table(fp8_rows, markdown=False)}\n"

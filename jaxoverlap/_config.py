@@ -14,9 +14,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from jaxoverlap import _kinds
+
 IMPLS = ("auto", "xla", "ring", "native")
-TRANSPORTS = ("auto", "nccl", "p2p", "multicast")
-AR_ALGORITHMS = ("auto", "one_shot", "two_shot")  # matmul_ar's algorithm=
+TRANSPORTS = ("auto", *_kinds.names(_kinds.TRANSPORTS))
+AR_ALGORITHMS = ("auto", *sorted(_kinds.AR_ALGORITHMS))  # matmul_ar's algorithm=
 LOG_LEVELS = ("warning", "info", "debug")
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -161,7 +163,7 @@ def config(
     of ``ag_matmul`` and ``matmul_rs`` (``True``: one persistent GEMM waiting on per-block
     flags; Hopper GPUs, or the host executor on CPU; transports ``p2p`` and ``multicast``,
     never ``nccl``; ``False``: never; ``None``: where the performance model picks it,
-    docs/gpu.md §10). Blocks nest; an argument left as ``None`` keeps the value of the
+    docs/gpu-internals.md §5). Blocks nest; an argument left as ``None`` keeps the value of the
     enclosing block.
 
     >>> import jaxoverlap as jo

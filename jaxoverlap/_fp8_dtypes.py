@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+from jaxoverlap import _kinds
+
+FP8_DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES, fp8=True))
 # What y may be with fp8 operands (lax.dot_general's preferred_element_type); bfloat16 by
 # default, as an FP8 GEMM writes in training recipes (TransformerEngine, Flax).
-OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+OUT_DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES, out=True))
 DEFAULT_OUT = jnp.dtype(jnp.bfloat16)
 
 

@@ -35,6 +35,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap import _kinds
 from jaxoverlap._compat import context_mesh
 from jaxoverlap._plan import AG, AR, RS
 
@@ -45,8 +46,11 @@ __all__ = [
 ]
 
 F = "matmul"  # Megatron's f around a plain matmul: the kind without an op of its own
+# Where each kind's global arrays are split (the ops' rows of _kinds, and f's).
+LAYOUTS = {**{o.name: o.layout for o in _kinds.OPS}, F: _kinds.Layout(x=None, w=1, y="last")}
 # The kind that computes each kind's input gradient (AG+GEMM <-> GEMM+RS, f <-> g).
-TRANSPOSE = {AG: RS, RS: AG, F: AR, AR: F}
+TRANSPOSE = {**{o.name: o.transpose for o in _kinds.OPS},
+             F: next(o.name for o in _kinds.OPS if o.transpose == F)}
 
 
 # ---------------------------------------------------------------- the mesh
@@ -157,8 +161,8 @@ def without_axis(entry: Any, name: Any) -> Any:
 
 def free_dims(call: Call) -> tuple[int, ...]:
     """x's dims that do not pass through: the row dim (ag/rs) and the contraction dim."""
-    last = call.ndim - 1
-    return (call.axis, last) if call.kind in (AG, RS) else (last,)
+    last, layout = call.ndim - 1, LAYOUTS[call.kind]
+    return (call.axis, last) if "row" in (layout.x, layout.y) else (last,)
 
 
 def layouts(call: Call, x_entries: tuple[Any, ...]) -> tuple[P, P, tuple[P, ...]]:
@@ -171,17 +175,15 @@ def layouts(call: Call, x_entries: tuple[Any, ...]) -> tuple[P, P, tuple[P, ...]
     entries = list(x_entries)[: call.ndim] + [None] * (call.ndim - len(x_entries))
     keep = [None if d in free else without_axis(e, tp) for d, e in enumerate(entries)]
 
-    def spec(at_row: Any = None, at_last: Any = None) -> P:
-        return P(*[at_row if d == row else (at_last if d == last else keep[d])
-                   for d in range(call.ndim)])
+    def spec(split: str | None = None) -> P:
+        """``tp`` on the row dim (``"row"``), the last (``"last"``), or nowhere."""
+        return P(*[tp if (d == row and split == "row") or (d == last and split == "last")
+                   else None if d in (row, last) else keep[d] for d in range(call.ndim)])
 
-    if call.kind == AG:
-        return spec(at_row=tp), P(None, tp), (spec(at_last=tp), spec())
-    if call.kind == RS:
-        return spec(at_last=tp), P(tp, None), (spec(at_row=tp),)
-    if call.kind == F:
-        return spec(), P(None, tp), (spec(at_last=tp),)
-    return spec(at_last=tp), P(tp, None), (spec(),)
+    layout = LAYOUTS[call.kind]
+    w_spec = P(None, tp) if layout.w == 1 else P(tp, None)
+    gathered = (spec(),) if call.kind in _kinds.names(_kinds.OPS, gathered=True) else ()
+    return spec(layout.x), w_spec, (spec(layout.y), *gathered)
 
 
 def open_layouts(call: Call) -> tuple[P, tuple[P, ...]]:
@@ -230,9 +232,10 @@ def _check_divisible(op: str, name: str, size: int, n: int, axis_name: Any, what
 def check_shapes(call: Call, x, w, mesh) -> None:
     """The global shapes split evenly over ``axis_name`` where the layouts split them."""
     op, n, tp = call.kind, mesh.shape[call.axis_name], call.axis_name
-    if call.kind in (AG, RS):
+    layout = LAYOUTS[call.kind]
+    if "row" in (layout.x, layout.y):
         _check_divisible(op, f"x.shape[{call.axis}]", x.shape[call.axis], n, tp, "rows on `axis`")
-    if call.kind in (AG, F):
+    if layout.w == 1:
         _check_divisible(op, "w.shape[1]", w.shape[1], n, tp, "columns")
     else:
         _check_divisible(op, "x.shape[-1]", x.shape[-1], n, tp, "contraction features")

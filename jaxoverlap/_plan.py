@@ -18,13 +18,13 @@ caller asked for (a :class:`Request`; ``None`` leaves a choice open), the ``jo.c
   does not make a call slower by choice. The debug log marks projections outside the preset's
   calibrated range.
 * **The fused GEMM** (``ag_matmul`` and ``matmul_rs`` over ``p2p`` or ``multicast``: one
-  persistent GEMM waiting on per-block flags, docs/gpu.md §10) is one of the model's candidates
-  wherever the executor runs it: compute capability 9.0 GPUs (the CUDA executor), and CPU (the
-  host executor, which runs its semantics) once a preset is configured. ``jo.config(fused=True)``
-  / ``JAXOVERLAP_FUSED=1`` asks for it for ``ag_matmul`` and ``matmul_rs`` (among the fused
-  plans only, or, without a model, over the best transport the devices offer), ``fused=False``
-  never takes it; asking for it where it cannot run (``nccl``, float32, a GPU other than compute
-  capability 9.0, rows that are not whole 16-byte units) is a clear error.
+  persistent GEMM waiting on per-block flags, docs/gpu-internals.md §5) is one of the model's
+  candidates wherever the executor runs it: compute capability 9.0 GPUs (the CUDA executor), and CPU
+  (the host executor, which runs its semantics) once a preset is configured.
+  ``jo.config(fused=True)`` / ``JAXOVERLAP_FUSED=1`` asks for it for ``ag_matmul`` and ``matmul_rs``
+  (among the fused plans only, or, without a model, over the best transport the devices offer),
+  ``fused=False`` never takes it; asking for it where it cannot run (``nccl``, float32, a GPU other
+  than compute capability 9.0, rows that are not whole 16-byte units) is a clear error.
 * **Otherwise, the simple defaults.** Host devices (CPU) have no preset by default: there
   ``impl="auto"`` is ``"xla"`` (host devices share the cores and nothing overlaps), one chunk,
   both ring directions when N > 2, two-shot where the rows split. Asking for ``"native"`` (or a
@@ -45,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap import _kinds
 from jaxoverlap._config import Settings, configure_logging, current_config, logger
 from jaxoverlap._executors import capabilities, runtime
 from jaxoverlap._executors.call import NativeCall, describe
@@ -52,9 +53,10 @@ from jaxoverlap._executors.capabilities import NativeUnavailableError
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
 from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 
+# The ops with logic of their own here (the others' is the tables', _kinds).
 AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_ar"
-OPS = (AG, RS, AR)
-AR_ALGORITHMS = ("two_shot", "one_shot")
+OPS = _kinds.names(_kinds.OPS)
+AR_ALGORITHMS = _kinds.AR_ALGORITHMS
 # Device-kind substrings of the GPUs that have a built-in preset.
 _DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("B200", "b200"),
                    ("A100", "a100"), ("A800", "a800"))
@@ -112,8 +114,8 @@ class OpPlan:
     ``_precision.normalize``'d, None for JAX's default matmul precision; ``algorithm``:
     ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
     (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16); ``fused``:
-    the compute stream runs one persistent GEMM waiting on per-block flags (docs/gpu.md §10)
-    when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_executors/call.py``);
+    the compute stream runs one persistent GEMM waiting on per-block flags (docs/gpu-internals.md
+    §5) when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_executors/call.py``);
     ``call``: the native call described where the plan was made, its transport decided there,
     when the concrete mesh was known (global arrays); None: the lowering describes it.
     """
@@ -238,9 +240,10 @@ def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
     that do not split run one-shot; an explicit ``algorithm`` is kept (two-shot on rows that
     do not split is an error).
     """
-    if r.op == AG:
+    rule = _kinds.op(r.op).rows
+    if rule == "gather":
         return x.shape[r.axis], f"rows each rank holds on axis {r.axis}", ("two_shot",)
-    if r.op == RS:
+    if rule == "scatter":
         return x.shape[r.axis] // n, f"rows each rank holds on axis {r.axis}", ("two_shot",)
     asked = r.impl if r.impl != "auto" else r.settings.impl
     if r.algorithm is not None and asked == "xla":
@@ -293,7 +296,8 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
         raise ValueError(
             f"{op}: {where} with transport={transport!r}: the fused GEMM never runs with nccl "
             "(a persistent kernel holding every SM while an NCCL kernel waits for SMs can "
-            f"deadlock; docs/gpu.md §10). Use transport in {FUSED_TRANSPORTS}, or drop fused.")
+            "deadlock; docs/gpu-internals.md §5). Use transport in "
+            f"{FUSED_TRANSPORTS}, or drop fused.")
     reason = (fused_reason(op, x.dtype, w.dtype, x.shape[-1], w.shape[-1])
               or native_reason(x.dtype, w.dtype))
     if reason is not None:
@@ -402,16 +406,19 @@ def machine_preset(configured: str | None, device_kind: str | None) -> str | Non
 
 
 def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
-    """The per-rank problem of docs/native.md §1 (a ``sim.Shape``: batch, rows, k, n)."""
+    """The per-rank problem of docs/native.md §1 (a ``sim.Shape``: batch, rows, k, n), as the
+    executors make it (``_host.canonical_problem``; its mirror ``_kinds.canonical_problem``
+    where the extension does not load). An op with a one-shot algorithm has all its rows in
+    one block (the one-shot problem): the model prices either algorithm from it."""
     from jaxoverlap.sim import Shape
 
-    if op == AR:  # every dim of x but the last is a row (all of them)
-        return Shape(1, math.prod(x_shape[:-1]), x_shape[-1], w_shape[1])
-    batch = math.prod(x_shape[:axis])
-    rows = math.prod(x_shape[axis:-1])
-    if op == RS:
-        rows //= n
-    return Shape(batch, rows, x_shape[-1], w_shape[1])
+    algorithm = "one_shot" if _kinds.op(op).one_shot else "two_shot"
+    if runtime.host_error() is None:
+        c = runtime.load_host().canonical_problem(op, list(x_shape), list(w_shape), axis, n,
+                                                  algorithm)
+        return Shape(c["batch"], c["rows"], c["k"], c["n"])
+    c = _kinds.canonical_problem(op, x_shape, w_shape, axis, n, algorithm)
+    return Shape(c.batch, c.rows, c.k, c.n)
 
 
 def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,

@@ -37,6 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxoverlap import _kinds
 from jaxoverlap._config import logger
 from jaxoverlap._executors import runtime
 
@@ -242,11 +243,12 @@ def _model(call: dict, preset: str) -> dict[str, Any]:
 
     algorithm = call.get("algorithm", "two_shot")
     rows = call["rows"]
-    if call["op"] == "matmul_ar" and algorithm == "two_shot":
+    op = _kinds.op(call["op"])
+    if op.rows == "all" and algorithm == "two_shot":
         rows *= call["nranks"]  # the program's rows per block; the model's shape has them all
     shape = sim.Shape(call["batch"], rows, call["k"], call["n"])
     plan = sim.Candidate("native", call["transport"], call["chunks"], call["bidirectional"],
-                         algorithm if call["op"] == "matmul_ar" else "two_shot",
+                         algorithm if op.one_shot else "two_shot",
                          fused=bool(call.get("fused", False)))
     try:
         r = sim.simulate(call["op"], shape, call["dtype"], call["nranks"], preset, plan,

@@ -45,6 +45,7 @@ import time
 import traceback
 from typing import Any
 
+from jaxoverlap import _kinds
 from jaxoverlap._fused_gemm import FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 
 SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per rank)
@@ -52,19 +53,20 @@ SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per ran
     ((2,), 4, 48, 24),
     ((), 12, 40, 18),
 )
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = _kinds.names(_kinds.DTYPES, fp8=False)
 VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunks | rows
 # "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks (a decode step)
-OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
-# Unit roundoff of each dtype (half the distance from 1 to the next number): 2^-24, 2^-8, 2^-11.
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+OPS = (*_kinds.names(_kinds.OPS),
+       *(f"{op}/one_shot" for op in _kinds.names(_kinds.OPS, one_shot=True)))
+# Unit roundoff of each dtype (half the distance from 1 to the next number).
+UNIT_ROUNDOFF = {d.name: d.roundoff for d in _kinds.DTYPES}
 # FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
-# whose k and output rows meet cuBLASLt's 16-byte rule for FP8 (docs/gpu.md §11).
+# whose k and output rows meet cuBLASLt's 16-byte rule for FP8 (docs/gpu-internals.md §6).
 FP8_DTYPES = (("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
               ("float8_e4m3fn", "float8_e5m2", "float32"),
               ("float8_e5m2", "float8_e4m3fn", "float16"))
 FP8_SHAPE = ((2,), 4, 48, 24)
-FP8_OPS = OPS[:3]
+FP8_OPS = _kinds.names(_kinds.OPS)
 
 
 def fp8_scales(np, n: int) -> tuple[Any, Any]:
@@ -104,7 +106,7 @@ def bound(op: str, dtype: str, n: int, k: int, x64, w64):
     u = UNIT_ROUNDOFF[dtype]
     total_k = w64.shape[0]
     accumulation = 8 * np.sqrt(total_k) * UNIT_ROUNDOFF["float32"] * (np.abs(x64) @ np.abs(w64))
-    if op == "ag_matmul":
+    if _kinds.op(op).communicates == "k":  # no reduction: y rounded once
         rounding = u * np.abs(x64 @ w64)
     else:
         partials = sum(np.abs(x64[..., r * k:(r + 1) * k] @ w64[r * k:(r + 1) * k])
@@ -135,32 +137,47 @@ def _prepare_host_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _global_inputs(rng, op: str, batch: tuple, rows: int, k: int, nw: int, n: int):
+    """Random global x ``[*batch, rows, .]`` and w of ``op`` on ``n`` ranks (each rank's share
+    of the split dim: k of the contraction, nw of the output columns), and their specs: where
+    the op's layout splits them (``_kinds``)."""
+    from jax.sharding import PartitionSpec as P
+
+    layout, lead = _kinds.op(op).layout, (None,) * len(batch)
+    if layout.w == 1:  # w's columns split: x whole along k (its rows split, or none)
+        x = rng.standard_normal((*batch, rows, k))
+        w = rng.standard_normal((k, nw * n))
+        row = "tp" if layout.x == "row" else None
+        return x, w, P(*lead, row, None), P(None, "tp")
+    x = rng.standard_normal((*batch, rows, k * n))  # the contraction split
+    w = rng.standard_normal((k * n, nw))
+    return x, w, P(*lead, None, "tp"), P("tp", None)
+
+
+def _axis(op: str, axis: int) -> dict[str, int]:
+    """The ``axis=`` argument of an op whose rows are split on one (none for one whose rows are
+    every dim but the last)."""
+    return {} if _kinds.op(op).rows == "all" else dict(axis=axis)
+
+
 def _run_row(jo, jax, jnp, np, mesh, op, transport, dtype, shape, chunks, bidirectional,
              fused=False) -> str:
     """One row: the native op on the mesh against the float64 product of its rounded inputs
     (``fused``: the fused GEMM's program, asked for with ``jo.config(fused=True)``)."""
     from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     batch, rows, k, nw = shape
     n = mesh.shape["tp"]
     rng = np.random.default_rng(0)
     axis = len(batch)
-    lead = (None,) * axis
     op, _, algorithm = op.partition("/")
-    if op == "ag_matmul":
-        x = rng.standard_normal((*batch, rows * n, k)).astype(np.float32)
-        w = rng.standard_normal((k, nw * n)).astype(np.float32)
-        xs, ws = P(*lead, "tp", None), P(None, "tp")
-    else:  # one-shot: a decode step's single row per batch, which no N splits
-        x_rows = 1 if algorithm == "one_shot" else rows * n
-        x = rng.standard_normal((*batch, x_rows, k * n)).astype(np.float32)
-        w = rng.standard_normal((k * n, nw)).astype(np.float32)
-        xs, ws = P(*lead, None, "tp"), P("tp", None)
-    x = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, xs))
-    w = jax.device_put(jnp.asarray(w, dtype), NamedSharding(mesh, ws))
+    # one-shot: a decode step's single row per batch, which no N splits
+    x, w, xs, ws = _global_inputs(rng, op, batch, 1 if algorithm == "one_shot" else rows * n,
+                                  k, nw, n)
+    x = jax.device_put(jnp.asarray(x.astype(np.float32), dtype), NamedSharding(mesh, xs))
+    w = jax.device_put(jnp.asarray(w.astype(np.float32), dtype), NamedSharding(mesh, ws))
     fn = getattr(jo, op)
-    kwargs: dict[str, Any] = dict(mesh=mesh) if op == "matmul_ar" else dict(axis=axis, mesh=mesh)
+    kwargs: dict[str, Any] = dict(mesh=mesh, **_axis(op, axis))
     if algorithm:
         kwargs["algorithm"] = algorithm
     # HIGHEST: float32 dots on A100/H100-class GPUs otherwise default to TF32.
@@ -191,32 +208,26 @@ def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
     axis = len(batch)
     lead = (None,) * axis
     sx, sw = fp8_scales(np, n)
-    if op == "ag_matmul":
-        x = rng.standard_normal((*batch, rows * n, k)) * 3
-        w = rng.standard_normal((k, nw * n)) * 3
-        specs = (P(*lead, "tp", None), P(None, "tp"))
-    else:
-        x = rng.standard_normal((*batch, rows * n, k * n)) * 3
-        w = rng.standard_normal((k * n, nw)) * 3
-        specs = (P(*lead, None, "tp"), P("tp", None))
-    x = jnp.asarray(x, jnp.float32).astype(x_dtype)
-    w = jnp.asarray(w, jnp.float32).astype(w_dtype)
-    kwargs: dict[str, Any] = {} if op == "matmul_ar" else dict(axis=axis)
+    x, w, x_spec, w_spec = _global_inputs(rng, op, batch, rows * n, k, nw, n)
+    specs = (x_spec, w_spec)
+    x = jnp.asarray(x * 3, jnp.float32).astype(x_dtype)
+    w = jnp.asarray(w * 3, jnp.float32).astype(w_dtype)
+    kwargs: dict[str, Any] = _axis(op, axis)
 
     def local(x, w, sx, sw):  # sx, sw: this rank's scales, shape (1,)
         return getattr(jo, op)(x, w, "tp", impl="native", transport=transport, chunks=chunks,
                                bidirectional=bidirectional, x_scale=sx, w_scale=sw,
                                preferred_element_type=out, **kwargs)
 
-    y_spec = {"ag_matmul": P(*lead, None, "tp"), "matmul_rs": P(*lead, "tp", None),
-              "matmul_ar": P()}[op]
+    split = _kinds.op(op).layout.y  # y on its rows, its columns or whole
+    y_spec = P(*lead, "tp" if split == "row" else None, "tp" if split == "last" else None)
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(*specs, P("tp"), P("tp")),
                                out_specs=y_spec))
     got = np.asarray(jnp.asarray(fn(x, w, jnp.asarray(sx), jnp.asarray(sw)), jnp.float32),
                      np.float64)
     x64 = np.asarray(x.astype(jnp.float32))
     w64 = np.asarray(w.astype(jnp.float32))
-    if op == "ag_matmul":  # shard j's rows with scale j; rank r's columns of w with scale r
+    if _kinds.op(op).rows == "gather":  # shard j's rows with scale j; rank r's columns of w
         a = np.concatenate([dequantized(np, x64[..., j * rows:(j + 1) * rows, :], sx[j])
                             for j in range(n)], axis=-2)
         b = np.concatenate([dequantized(np, w64[:, r * nw:(r + 1) * nw], sw[r])
@@ -243,12 +254,13 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
     takes them."""
     x64 = [x.astype(np.float64) for x in xs]
     w64 = [w.astype(np.float64) for w in ws]
-    if op == "ag_matmul":  # rank r: the gathered x times its own w
+    rule = _kinds.op(op).rows
+    if rule == "gather":  # rank r: the gathered x times its own w
         gathered = np.concatenate(x64, axis=1)
         return [(gathered, w) for w in w64]
     # The sum over ranks of x_r @ w_r: one product of the concatenations along K.
     xk, wk = np.concatenate(x64, axis=2), np.concatenate(w64, axis=0)
-    return [(xk if op == "matmul_ar" else xk[:, r * rows:(r + 1) * rows], wk)
+    return [(xk if rule == "all" else xk[:, r * rows:(r + 1) * rows], wk)
             for r in range(len(xs))]
 
 
@@ -262,34 +274,36 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
     batch_dims, rows, k, nw = shape
     batch = int(np.prod(batch_dims)) if batch_dims else 1
     n = FAKE_RANKS
-    np_dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
-                 "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+    np_dtypes = {d: getattr(ml_dtypes, d, None) or np.dtype(d) for d in _kinds.names(_kinds.DTYPES)}
     x_dtype, w_dtype, out_dtype = fp8 or (dtype, dtype, dtype)
     rng = np.random.default_rng(1)
     op, _, algorithm = op.partition("/")
     if algorithm == "one_shot":
         rows = rows * n + 1  # the canonical one-shot problem: all rows, not N blocks
-    x_rows = rows if op == "ag_matmul" or algorithm == "one_shot" else rows * n
+    x_rows = rows if _kinds.op(op).rows == "gather" or algorithm == "one_shot" else rows * n
     spread = 3.0 if fp8 else 1.0  # fp8 values over a few binades
     xs = [(rng.standard_normal((batch, x_rows, k)) * spread).astype(np.float32)
           .astype(np_dtypes[x_dtype]) for _ in range(n)]
     ws = [(rng.standard_normal((k, nw)) * spread).astype(np.float32).astype(np_dtypes[w_dtype])
           for _ in range(n)]
     fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
-    extra: dict[str, Any] = {}
+    problem = dict(op=op, transport=transport, nranks=n, batch=batch, rows=rows, k=k, n=nw,
+                   dtype=x_dtype, chunks=chunks, bidirectional=bidirectional,
+                   algorithm=algorithm or "two_shot", fused=fused)
+    scales: dict[str, Any] = {}
     w_bytes = [w.tobytes() for w in ws]
     if fp8:
         sx, sw = fp8_scales(np, n)
-        extra = dict(w_dtype=w_dtype, out_dtype=out_dtype, x_scales=list(sx), w_scales=list(sw))
-        # the handler receives an fp8 w K-major, [nw, k] (docs/gpu.md §11)
+        problem.update(w_dtype=w_dtype, out_dtype=out_dtype)
+        scales = dict(x_scales=list(sx), w_scales=list(sw))
+        # the handler receives an fp8 w K-major, [nw, k] (docs/gpu-internals.md §6)
         w_bytes = [np.ascontiguousarray(w.T).tobytes() for w in ws]
         xs_ref = [dequantized(np, x, s) for x, s in zip(xs, sx, strict=True)]
         ws_ref = [dequantized(np, w, s) for w, s in zip(ws, sw, strict=True)]
     else:
         xs_ref, ws_ref = xs, ws
-    out = fake.run(op, transport, n, batch, rows, k, nw, x_dtype, chunks, bidirectional, False,
-                   [x.tobytes() for x in xs], w_bytes, list(range(n)),
-                   algorithm=algorithm or "two_shot", fused=fused, **extra)
+    out = fake.run(problem, xs=[x.tobytes() for x in xs], ws=w_bytes, devices=list(range(n)),
+                   **scales)
     refs = rank_products(np, op, xs_ref, ws_ref, rows)
     problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
     if not out["drained"] and not problems:
@@ -443,14 +457,14 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     variants = VARIANTS[-1:] if quick else VARIANTS
     cases = [(op, transport, dtype, None, shape, variant, False)
              for op, transport, dtype, shape, variant
-             in itertools.product(ops, ("nccl", "p2p", "multicast"), dtypes, shapes, variants)]
+             in itertools.product(ops, _kinds.names(_kinds.TRANSPORTS), dtypes, shapes, variants)]
     # FP8: every pairing (one in quick), the variants alternating
     fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
     cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
               for (i, fp8), (j, op), transport in itertools.product(
                   enumerate(fp8s), enumerate(o for o in FP8_OPS if o in ops),
-                  ("nccl", "p2p", "multicast"))]
-    # The fused GEMM (docs/gpu.md §10): its ops, transports and dtypes, on the first shape
+                  _kinds.names(_kinds.TRANSPORTS))]
+    # The fused GEMM (docs/gpu-internals.md §5): its ops, transports and dtypes, on the first shape
     cases += [(op, transport, dtype, None, SHAPES[0], variant, True)
               for op, transport, dtype, variant in itertools.product(
                   [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS,
@@ -474,7 +488,7 @@ def _dtypes_name(dtype: str, fp8: tuple[str, str, str] | None) -> str:
     """A row's dtypes: "bfloat16", or an FP8 row's "e4m3 x e5m2 -> float32"."""
     if fp8 is None:
         return f"{dtype:8s}"
-    short = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+    short = {d.name: d.aliases[0] for d in _kinds.DTYPES if d.fp8}
     return f"{short[fp8[0]]} x {short[fp8[1]]} -> {fp8[2]}"
 
 
@@ -594,8 +608,8 @@ def main(quick: bool = False, fake: bool = False, report: str | None = None,
     table = Table(report=(report, _report_header(caps, fake=False)) if report else None,
                   deadline_s=row_deadline or row_deadline_s())
     shapes = SHAPES[:1] if quick else SHAPES
-    # The fused GEMM's rows where the GPUs run it (docs/gpu.md §10); not on host devices (the
-    # host executor's fused programs are the tests').
+    # The fused GEMM's rows where the GPUs run it (docs/gpu-internals.md §5); not on host devices
+    # (the host executor's fused programs are the tests').
     fused_why = (capabilities.fused_device_reason(platform) if on_gpu
                  else "not on host devices")
     if fused_why:

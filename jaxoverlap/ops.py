@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxoverlap import _global, _layout, _precision
+from jaxoverlap import _global, _kinds, _layout, _precision
 from jaxoverlap._compat import bound_axis_size
 from jaxoverlap._config import (
     check_algorithm,
@@ -34,7 +34,7 @@ from jaxoverlap._fp8_dtypes import DEFAULT_OUT, FP8_DTYPES, OUT_DTYPES, any_fp8,
 from jaxoverlap._local import LocalOp
 from jaxoverlap._plan import Request
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_DTYPES = tuple(jnp.dtype(d) for d in _kinds.names(_kinds.DTYPES, fp8=False))
 
 # ---------------------------------------------------------------- the ops
 
@@ -248,8 +248,9 @@ def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:
     for name, a in (("x", x), ("w", w)):
         if jnp.dtype(a.dtype) not in SUPPORTED_DTYPES + FP8_DTYPES:
             raise TypeError(
-                f"{op}: {name}.dtype={jnp.dtype(a.dtype).name} is not supported; use float32, "
-                "bfloat16 or float16, or float8_e4m3fn / float8_e5m2 with a scale."
+                f"{op}: {name}.dtype={jnp.dtype(a.dtype).name} is not supported; use "
+                f"{_kinds.listing(d.name for d in SUPPORTED_DTYPES)}, or "
+                f"{' / '.join(d.name for d in FP8_DTYPES)} with a scale."
             )
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype) and not any_fp8(x, w):
         raise TypeError(

@@ -33,7 +33,7 @@ W_SCALES = np.array([1.7, 0.43, 2.9, 0.61, 1.21, 0.093, 3.7, 0.87], np.float32)
 # the quick loop, the rest in `make test`. The native cases (the host executor) cover every
 # transport, N 2..8, chunks and both ring directions, every fp8 pairing (e5m2 x e5m2 and fp8
 # with a 16- or 32-bit operand included: the host executor runs them, the CUDA executor refuses
-# them, docs/gpu.md §11), and ag_matmul with and without the gathered x.
+# them, docs/gpu-internals.md §6), and ag_matmul with and without the gathered x.
 CASES = [
     ("xla", E4, E4, None, 4, {}),
     ("ring", E4, E4, None, 4, dict(chunks=2, bidirectional=True)),

@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 
 AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 
@@ -170,7 +171,7 @@ def test_global_output_sharding_is_named():
     assert y.sharding.spec == P(None, "tp")
 
 
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+@pytest.mark.parametrize("op", _kinds.names(_kinds.OPS))
 def test_an_eager_call_under_auto_axes_runs_the_native_program(op):
     """Called outside jit on single-device inputs, the op still runs natively when asked:
     evaluated eagerly, a custom_partitioning primitive would run its plain-XLA body instead."""

@@ -13,13 +13,14 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 NS = [1, 2, 4, 8]
 # (impl, transport): every implementation, the native one on each transport.
 IMPLS = [("xla", None), ("ring", None), ("native", "nccl"), ("native", "p2p"),
          ("native", "multicast")]
-IMPL_IDS = ["xla", "ring", "nccl", "p2p", "multicast"]
+IMPL_IDS = ["xla", "ring", *_kinds.names(_kinds.TRANSPORTS)]
 
 
 def _run(x, w, n, check_vma=True, **kw):

@@ -11,6 +11,7 @@ import pytest
 from helpers import assert_close, f64, rand, spec_on, tp_mesh
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 NS = [1, 2, 4, 8]
@@ -110,7 +111,7 @@ def test_four_dim_input_with_axis_in_the_middle():
     assert_close(fn(x, w), f64(x) @ f64(w), jnp.float32)
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("chunks,bidirectional", [(1, False), (2, True)], ids=lambda v: str(v))

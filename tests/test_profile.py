@@ -17,10 +17,10 @@ from helpers import rand, tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap import _profile
+from jaxoverlap import _kinds, _profile
 from jaxoverlap._executors.runtime import load_host
 
-OPS = ("ag_matmul", "matmul_rs", "matmul_ar")
+OPS = _kinds.names(_kinds.OPS)
 MOVERS = {"Copy", "Send", "Recv", "McStore"}  # the ops that move data to or from a peer
 
 
@@ -80,7 +80,7 @@ def _record(op: str, transport: str, executions: int = 2, **kw):
     return prof
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
 @pytest.mark.parametrize("op", OPS)
 def test_host_executor_records_every_ops_spans_inside_its_call(op, transport):
     prof = _record(op, transport)

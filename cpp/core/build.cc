@@ -23,8 +23,9 @@ Status CheckDTypes(const Problem& q) {
                           DTypeName(q.w_dtype) + ", y " + DTypeName(q.out_dtype) + ")";
   const std::string op = CollectiveName(q.op);
   const bool fp8 = IsFp8(q.x_dtype) || IsFp8(q.w_dtype);
-  JO_REQUIRE(!IsFp8(q.out_dtype),
-             op + ": the output dtype must be float32, bfloat16 or float16" + got);
+  JO_REQUIRE(Row(q.out_dtype).out,
+             op + ": the output dtype must be " +
+                 kinds::Names(kDTypes, [](const DTypeRow& d) { return d.out; }) + got);
   JO_REQUIRE(fp8 || q.x_dtype == q.w_dtype,
              op + ": x and w must have the same dtype unless one of them is float8" + got);
   // Matrices of one type with an output of that type or float32: what cuBLASLt's
@@ -35,7 +36,13 @@ Status CheckDTypes(const Problem& q) {
 }
 
 Status BuildProgram(const Problem& q, Program* program) {
-  const std::string op = CollectiveName(q.op);
+  const OpRow* row = RowOf(q.op);
+  JO_REQUIRE(row != nullptr && RowOf(q.transport) != nullptr && RowOf(q.algorithm) != nullptr &&
+                 RowOf(q.x_dtype) != nullptr && RowOf(q.w_dtype) != nullptr &&
+                 RowOf(q.out_dtype) != nullptr,
+             "jaxoverlap: a problem whose op, transport, algorithm or dtypes are outside their "
+             "tables (core/kinds.h)");
+  const std::string op = row->name;
   JO_REQUIRE(q.nranks >= 1, op + ": nranks must be >= 1, got " + std::to_string(q.nranks));
   JO_REQUIRE(q.rank >= 0 && q.rank < q.nranks, op + ": rank must be in [0, " +
                                                    std::to_string(q.nranks) + "), got " +
@@ -45,23 +52,30 @@ Status BuildProgram(const Problem& q, Program* program) {
                  std::to_string(q.rows) + ", " + std::to_string(q.k) + ", " +
                  std::to_string(q.cols));
   JO_REQUIRE(q.chunks >= 1, op + ": chunks must be >= 1, got " + std::to_string(q.chunks));
-  JO_REQUIRE(q.op == Collective::kAgMatmul || !q.return_gathered,
-             op + ": return_gathered applies to ag_matmul only");
-  JO_REQUIRE(q.op == Collective::kMatmulAr || q.algorithm == ArAlgorithm::kTwoShot,
-             op + ": the one-shot algorithm applies to matmul_ar only");
+  JO_REQUIRE(row->gathered || !q.return_gathered,
+             op + ": return_gathered applies to " +
+                 kinds::Names(kOps, [](const OpRow& o) { return o.gathered; }) + " only");
+  JO_REQUIRE(row->one_shot || q.algorithm == ArAlgorithm::kTwoShot,
+             op + ": the one-shot algorithm applies to " +
+                 kinds::Names(kOps, [](const OpRow& o) { return o.one_shot; }) + " only");
   JO_CHECK(CheckDTypes(q));
   if (q.fused) {
-    JO_REQUIRE(q.op != Collective::kMatmulAr,
-               op + ": the fused GEMM serves ag_matmul and matmul_rs, not matmul_ar");
-    JO_REQUIRE(q.transport != Transport::kNccl,
-               op + ": the fused GEMM never runs with transport nccl: a persistent kernel holding "
-                    "every SM while an NCCL kernel waits for SMs can deadlock (CUDA does not "
-                    "guarantee that two kernels run concurrently; docs/gpu.md §10). Use p2p or "
-                    "multicast, or the chunked path");
-    JO_REQUIRE((q.x_dtype == DType::kBF16 || q.x_dtype == DType::kF16) && q.w_dtype == q.x_dtype &&
-                   q.out_dtype == q.x_dtype,
-               op + ": the fused GEMM is compiled for bfloat16 and float16 (x, w and y alike); " +
-                   DTypesName(q) + " takes the chunked path");
+    JO_REQUIRE(
+        row->fused,
+        op + ": the fused GEMM serves " +
+            kinds::Names(kOps, [](const OpRow& o) { return o.fused; }, " and ") + ", not " + op);
+    JO_REQUIRE(Row(q.transport).fused,
+               op + ": the fused GEMM never runs with transport " + TransportName(q.transport) +
+                   ": a persistent kernel holding every SM while an NCCL kernel waits for SMs "
+                   "can deadlock (CUDA does not guarantee that two kernels run concurrently; "
+                   "docs/gpu-internals.md §5). Use " +
+                   kinds::Names(kTransports, [](const TransportRow& t) { return t.fused; }) +
+                   ", or the chunked path");
+    JO_REQUIRE(Row(q.x_dtype).fused && q.w_dtype == q.x_dtype && q.out_dtype == q.x_dtype,
+               op + ": the fused GEMM is compiled for " +
+                   kinds::Names(
+                       kDTypes, [](const DTypeRow& d) { return d.fused; }, " and ") +
+                   " (x, w and y alike); " + DTypesName(q) + " takes the chunked path");
     JO_REQUIRE(q.k % 8 == 0 && q.cols % 8 == 0,
                op + ": the fused GEMM loads and stores rows of whole 16-byte units (TMA): k (" +
                    std::to_string(q.k) + ") and the output columns (" + std::to_string(q.cols) +
@@ -71,7 +85,7 @@ Status BuildProgram(const Problem& q, Program* program) {
   *program = Program();
   program->problem = q;
   program->chunks = std::min<int64_t>(q.chunks, q.rows);
-  if (q.transport == Transport::kMulticast || q.algorithm == ArAlgorithm::kOneShot) {
+  if (!Row(q.transport).ring() || q.algorithm == ArAlgorithm::kOneShot) {
     // Multicast and one-shot have no ring: every transfer is one hop.
     program->cw_steps = q.nranks - 1;
     program->ccw_steps = 0;
@@ -79,18 +93,13 @@ Status BuildProgram(const Problem& q, Program* program) {
     RingSteps(q.nranks, q.bidirectional, &program->cw_steps, &program->ccw_steps);
   }
   switch (q.op) {
-    case Collective::kAgMatmul:
-      JO_CHECK(internal::BuildAgMatmul(program));
-      break;
-    case Collective::kMatmulRs:
-      JO_CHECK(internal::BuildMatmulRs(program));
-      break;
-    case Collective::kMatmulAr:
-      JO_CHECK(internal::BuildMatmulAr(program));
-      break;
-    default:
-      return InvalidArgument(op + ": unknown collective " +
-                             std::to_string(static_cast<int32_t>(q.op)));
+#define JO_BUILD_CASE(e, id, name, collective, communicates, rows, fused, gathered, one_shot, \
+                      build)                                                                  \
+  case Collective::e:                                                                         \
+    JO_CHECK(internal::build(program));                                                       \
+    break;
+    JO_OPS(JO_BUILD_CASE)
+#undef JO_BUILD_CASE
   }
   // Everything the program touches lies inside the sizes it declares.
   return CheckProgram(*program, BufferSizes::Of(*program));

@@ -2,7 +2,9 @@
 // shard first (it needs no transfer), then shards in arrival order: a GEMM per
 // row block after its wait, or (fused, p2p and multicast) one persistent GEMM
 // over the gathered rows in the workspace whose tiles wait for their blocks'
-// flags in the kernel (docs/gpu.md §10).
+// flags in the kernel (docs/gpu-internals.md §5). One function per transport mechanism
+// (core/kinds.h): Send/Recv rings (nccl), copies into the peers' workspace
+// round a ring (p2p), stores through the multicast object (multicast).
 //
 // An fp8 x moves as fp8, and each shard's float32 scale travels with it: one
 // more 1-element transfer per shard and hop, next to the shard's first
@@ -22,69 +24,98 @@ struct Arrival {
   int32_t dir;  // 0: came clockwise from rank-1; 1: counter-clockwise from rank+1
 };
 
-}  // namespace
+// One rank's AG+GEMM program being built: its geometry, where each block
+// lives, and the pieces every mechanism's program is made of.
+struct Ag {
+  explicit Ag(Program* program)
+      : p(program),
+        q(program->problem),
+        e(program),
+        N(q.nranks),
+        r(q.rank),
+        P(q.batch),
+        R(q.rows),
+        K(q.k),
+        Nw(q.cols),
+        C(program->chunks),
+        // fp8 x: each shard's scale travels with it.
+        scaled(IsFp8(q.x_dtype)),
+        // Fused: the kernel reads every shard from the own workspace [P, N*R, K].
+        fused(q.fused && q.nranks > 1) {
+    const int32_t steps = p->cw_steps > p->ccw_steps ? p->cw_steps : p->ccw_steps;
+    for (int32_t t = 0; t < steps; ++t) {
+      if (t < p->cw_steps) arrivals.push_back({Mod(r - 1 - t, N), 0});
+      if (t < p->ccw_steps) arrivals.push_back({Mod(r + 1 + t, N), 1});
+    }
+  }
 
-Status BuildAgMatmul(Program* p) {
-  const Problem& q = p->problem;
-  const int32_t N = q.nranks, r = q.rank;
-  const int64_t P = q.batch, R = q.rows, K = q.k, Nw = q.cols, C = p->chunks;
-  Emitter e(p);
+  Program* p;
+  const Problem& q;
+  Emitter e;
+  const int32_t N, r;
+  const int64_t P, R, K, Nw, C;
+  const bool scaled, fused;
+  std::vector<Arrival> arrivals;  // the other shards, in the order they arrive
 
-  auto rows = [&](int64_t sub) { return SubRows(R, C, sub); };
-  auto x_ref = [&](int64_t sub) { return Ref{BufId::kX, r, SubBegin(R, C, sub) * K, R * K, K}; };
+  int64_t rows(int64_t sub) const { return SubRows(R, C, sub); }
+  Ref x_ref(int64_t sub) const { return Ref{BufId::kX, r, SubBegin(R, C, sub) * K, R * K, K}; }
   // A shard's sub-chunk inside a gathered-layout buffer [P, N*R, K].
-  auto g_ref = [&](BufId buf, int32_t owner, int32_t shard, int64_t sub) {
+  Ref g_ref(BufId buf, int32_t owner, int32_t shard, int64_t sub) const {
     return Ref{buf, owner, (shard * R + SubBegin(R, C, sub)) * K, N * R * K, K};
-  };
-  auto y_ref = [&](int32_t shard, int64_t sub) {
+  }
+  Ref y_ref(int32_t shard, int64_t sub) const {
     return Ref{BufId::kY, r, (shard * R + SubBegin(R, C, sub)) * Nw, N * R * Nw, Nw};
-  };
-  auto flag = [&](int32_t shard, int64_t sub) { return static_cast<int32_t>(shard * C + sub); };
-  auto tag = [&](int32_t dir, int32_t shard, int64_t sub) {
+  }
+  int32_t flag(int32_t shard, int64_t sub) const { return static_cast<int32_t>(shard * C + sub); }
+  int32_t tag(int32_t dir, int32_t shard, int64_t sub) const {
     return static_cast<int32_t>((dir * N + shard) * C + sub);
-  };
-  auto label = [](Op& op, int32_t shard, int64_t sub) {
+  }
+  static Op& Label(Op& op, int32_t shard, int64_t sub) {
     op.shard = shard;
     op.sub = static_cast<int32_t>(sub);
-  };
-  // fp8 x: each shard's scale travels with it. On nccl a rank holds shard j's
-  // scale in ScratchScales slot j, its own in the XScale operand.
-  const bool scaled = IsFp8(q.x_dtype);
-  auto held_scale = [&](int32_t shard) {
+    return op;
+  }
+  // On nccl a rank holds shard j's scale in ScratchScales slot j, its own in
+  // the XScale operand.
+  Ref held_scale(int32_t shard) const {
     return shard == r ? Emitter::ScaleRef(BufId::kXScale, r, 0)
                       : Emitter::ScaleRef(BufId::kScratchScales, r, shard);
-  };
-  auto scale_tag = [&](int32_t dir, int32_t shard) {
+  }
+  int32_t scale_tag(int32_t dir, int32_t shard) const {
     return static_cast<int32_t>(2 * N * C + dir * N + shard);
-  };
+  }
+  int32_t prev_of(int32_t dir) const { return Mod(dir == 0 ? r - 1 : r + 1, N); }
+  int32_t next_of(int32_t dir) const { return Mod(dir == 0 ? r + 1 : r - 1, N); }
+  int32_t dir_steps(int32_t dir) const { return dir == 0 ? p->cw_steps : p->ccw_steps; }
 
-  // Fused: the kernel reads every shard from the own workspace [P, N*R, K].
-  const bool fused = q.fused && N > 1;
-  // Local shard first: no transfer to wait for.
-  if (!fused)
+  // The local shard first: no transfer to wait for.
+  void Local() {
+    if (fused) return;
     for (int64_t s = 0; s < C; ++s) {
-      label(e.Gemm(0, x_ref(s), y_ref(r, s), nullptr, P, rows(s)), r, s);
+      Label(e.Gemm(0, x_ref(s), y_ref(r, s), nullptr, P, rows(s)), r, s);
       if (q.return_gathered)
-        label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K),
+        Label(e.Block(OpKind::kCopy, 0, x_ref(s), g_ref(BufId::kXGathered, r, r, s), P, rows(s), K),
               r, s);
     }
-  if (N == 1) return OkStatus();
-
-  p->num_flags = static_cast<int32_t>(N * C);
-  std::vector<Arrival> arrivals;
-  const int32_t steps = p->cw_steps > p->ccw_steps ? p->cw_steps : p->ccw_steps;
-  for (int32_t t = 0; t < steps; ++t) {
-    if (t < p->cw_steps) arrivals.push_back({Mod(r - 1 - t, N), 0});
-    if (t < p->ccw_steps) arrivals.push_back({Mod(r + 1 + t, N), 1});
   }
-  auto prev_of = [&](int32_t dir) { return Mod(dir == 0 ? r - 1 : r + 1, N); };
-  auto next_of = [&](int32_t dir) { return Mod(dir == 0 ? r + 1 : r - 1, N); };
-  auto dir_steps = [&](int32_t dir) { return dir == 0 ? p->cw_steps : p->ccw_steps; };
+
+  // Gemms on arrived shards, optionally copying them out to XGATHERED.
+  void Consume(BufId buf, const Arrival& a, int64_t s) {
+    Ref src = g_ref(buf, r, a.shard, s);
+    Op& gemm = Label(e.Gemm(0, src, y_ref(a.shard, s), nullptr, P, rows(s)), a.shard, s);
+    if (scaled)
+      gemm.a_scale = Emitter::ScaleRef(
+          buf == BufId::kWorkspace ? BufId::kWorkspaceScales : BufId::kScratchScales, r, a.shard);
+    if (q.return_gathered && buf != BufId::kXGathered)
+      Label(e.Block(OpKind::kCopy, 0, src, g_ref(BufId::kXGathered, r, a.shard, s), P, rows(s), K),
+            a.shard, s);
+  }
 
   // The fused GEMM over the own workspace: the local shard first (in place
   // before the kernel), then the shards in arrival order, each block waiting
   // for its flag from `writer(arrival)`; then the gathered x, if returned.
-  auto fused_gemm = [&](auto writer) {
+  template <typename Writer>
+  void FusedGemm(Writer writer) {
     FusedBlocks f;
     f.rows = fused::RowBlocks{N, static_cast<int32_t>(C), R};
     f.key = fused::OrderKey::kLastArrival;
@@ -101,154 +132,163 @@ Status BuildAgMatmul(Program* p) {
     e.FusedGemm(0, gathered, Ref{BufId::kY, r, 0, N * R * Nw, Nw}, P, std::move(f));
     if (q.return_gathered)
       e.Block(OpKind::kCopy, 0, gathered, Ref{BufId::kXGathered, r, 0, N * R * K, K}, P, N * R, K);
-  };
+  }
+};
 
-  // Gemms on arrived shards, optionally copying them out to XGATHERED.
-  auto consume = [&](BufId buf, const Arrival& a, int64_t s) {
-    Ref src = g_ref(buf, r, a.shard, s);
-    Op& gemm = e.Gemm(0, src, y_ref(a.shard, s), nullptr, P, rows(s));
-    label(gemm, a.shard, s);
-    if (scaled)
-      gemm.a_scale = Emitter::ScaleRef(
-          buf == BufId::kWorkspace ? BufId::kWorkspaceScales : BufId::kScratchScales, r, a.shard);
-    if (q.return_gathered && buf != BufId::kXGathered)
-      label(e.Block(OpKind::kCopy, 0, src, g_ref(BufId::kXGathered, r, a.shard, s), P, rows(s), K),
-            a.shard, s);
-  };
+// nccl: receive straight into the gathered buffer (XGATHERED if returned, else
+// private scratch); forward from there on the next step.
+void Messages(Ag& g) {
+  Program* p = g.p;
+  const bool returned = g.q.return_gathered;
+  const BufId gbuf = returned ? BufId::kXGathered : BufId::kScratch;
+  if (!returned) p->scratch_elems = g.P * g.N * g.R * g.K;
+  if (g.scaled) p->scratch_scales = g.N;
+  std::vector<int32_t> arrived(g.N * g.C, -1);  // event per (shard, sub)
+  for (int32_t dir = 0; dir < 2; ++dir) {
+    const int32_t stream = 1 + dir;
+    for (int32_t t = 0; t < g.dir_steps(dir); ++t) {
+      const int32_t send_shard = Mod(dir == 0 ? g.r - t : g.r + t, g.N);
+      const int32_t recv_shard = Mod(dir == 0 ? g.r - 1 - t : g.r + 1 + t, g.N);
+      for (int64_t s = 0; s < g.C; ++s) {
+        const int32_t bundle = g.e.NewBundle();
+        Ref src = t == 0 ? g.x_ref(s) : g.g_ref(gbuf, g.r, send_shard, s);
+        Op& send = g.e.Block(OpKind::kSend, stream, src, Ref{}, g.P, g.rows(s), g.K);
+        send.peer = g.next_of(dir);
+        send.id = g.tag(dir, send_shard, s);
+        send.bundle = bundle;
+        Ag::Label(send, send_shard, s);
+        Op& recv = g.e.Block(OpKind::kRecv, stream, Ref{}, g.g_ref(gbuf, g.r, recv_shard, s), g.P,
+                             g.rows(s), g.K);
+        recv.peer = g.prev_of(dir);
+        recv.id = g.tag(dir, recv_shard, s);
+        recv.bundle = bundle;
+        Ag::Label(recv, recv_shard, s);
+        if (g.scaled && s == 0) {  // the shard's scale, in its first sub-chunk's group
+          Op& send_scale =
+              g.e.Block(OpKind::kSend, stream, g.held_scale(send_shard), Ref{}, 1, 1, 1);
+          send_scale.peer = g.next_of(dir);
+          send_scale.id = g.scale_tag(dir, send_shard);
+          send_scale.bundle = bundle;
+          Ag::Label(send_scale, send_shard, s);
+          Op& recv_scale =
+              g.e.Block(OpKind::kRecv, stream, Ref{}, g.held_scale(recv_shard), 1, 1, 1);
+          recv_scale.peer = g.prev_of(dir);
+          recv_scale.id = g.scale_tag(dir, recv_shard);
+          recv_scale.bundle = bundle;
+          Ag::Label(recv_scale, recv_shard, s);
+        }
+        arrived[recv_shard * g.C + s] = g.e.NewEvent();
+        g.e.Record(stream, arrived[recv_shard * g.C + s]);
+      }
+    }
+  }
+  for (const Arrival& a : g.arrivals)
+    for (int64_t s = 0; s < g.C; ++s) {
+      g.e.StreamWait(0, arrived[a.shard * g.C + s]);
+      g.Consume(gbuf, a, s);
+    }
+}
 
-  switch (q.transport) {
-    case Transport::kNccl: {
-      // Receive straight into the gathered buffer (XGATHERED if returned,
-      // else private scratch); forward from there on the next step.
-      const BufId gbuf = q.return_gathered ? BufId::kXGathered : BufId::kScratch;
-      if (!q.return_gathered) p->scratch_elems = P * N * R * K;
-      if (scaled) p->scratch_scales = N;
-      std::vector<int32_t> arrived(N * C, -1);  // event per (shard, sub)
-      for (int32_t dir = 0; dir < 2; ++dir) {
-        const int32_t stream = 1 + dir;
-        for (int32_t t = 0; t < dir_steps(dir); ++t) {
-          const int32_t send_shard = Mod(dir == 0 ? r - t : r + t, N);
-          const int32_t recv_shard = Mod(dir == 0 ? r - 1 - t : r + 1 + t, N);
-          for (int64_t s = 0; s < C; ++s) {
-            const int32_t bundle = e.NewBundle();
-            Ref src = t == 0 ? x_ref(s) : g_ref(gbuf, r, send_shard, s);
-            Op& send = e.Block(OpKind::kSend, stream, src, Ref{}, P, rows(s), K);
-            send.peer = next_of(dir);
-            send.id = tag(dir, send_shard, s);
-            send.bundle = bundle;
-            label(send, send_shard, s);
-            Op& recv =
-                e.Block(OpKind::kRecv, stream, Ref{}, g_ref(gbuf, r, recv_shard, s), P, rows(s), K);
-            recv.peer = prev_of(dir);
-            recv.id = tag(dir, recv_shard, s);
-            recv.bundle = bundle;
-            label(recv, recv_shard, s);
-            if (scaled && s == 0) {  // the shard's scale, in its first sub-chunk's group
-              Op& send_scale =
-                  e.Block(OpKind::kSend, stream, held_scale(send_shard), Ref{}, 1, 1, 1);
-              send_scale.peer = next_of(dir);
-              send_scale.id = scale_tag(dir, send_shard);
-              send_scale.bundle = bundle;
-              label(send_scale, send_shard, s);
-              Op& recv_scale =
-                  e.Block(OpKind::kRecv, stream, Ref{}, held_scale(recv_shard), 1, 1, 1);
-              recv_scale.peer = prev_of(dir);
-              recv_scale.id = scale_tag(dir, recv_shard);
-              recv_scale.bundle = bundle;
-              label(recv_scale, recv_shard, s);
-            }
-            arrived[recv_shard * C + s] = e.NewEvent();
-            e.Record(stream, arrived[recv_shard * C + s]);
-          }
-        }
-      }
-      for (const Arrival& a : arrivals)
-        for (int64_t s = 0; s < C; ++s) {
-          e.StreamWait(0, arrived[a.shard * C + s]);
-          consume(gbuf, a, s);
-        }
-      break;
+// p2p: push each sub-chunk into the next rank's workspace, then raise its flag.
+void PeerCopies(Ag& g) {
+  Program* p = g.p;
+  p->workspace_elems = g.P * g.N * g.R * g.K;
+  if (g.scaled) p->workspace_scales = g.N;
+  // Fused: the local shard joins the others in the own workspace first (copy engine).
+  if (g.fused)
+    for (int64_t s = 0; s < g.C; ++s) {
+      const Ref own = g.g_ref(BufId::kWorkspace, g.r, g.r, s);
+      Ag::Label(g.e.Block(OpKind::kCopy, 0, g.x_ref(s), own, g.P, g.rows(s), g.K), g.r, s);
     }
-    case Transport::kP2p: {
-      // Push each sub-chunk into the next rank's workspace, then raise its flag.
-      p->workspace_elems = P * N * R * K;
-      if (scaled) p->workspace_scales = N;
-      // Fused: the local shard joins the others in the own workspace first (copy engine).
-      if (fused)
-        for (int64_t s = 0; s < C; ++s) {
-          const Ref own = g_ref(BufId::kWorkspace, r, r, s);
-          label(e.Block(OpKind::kCopy, 0, x_ref(s), own, P, rows(s), K), r, s);
+  for (int32_t dir = 0; dir < 2; ++dir) {
+    const int32_t stream = 1 + dir;
+    for (int32_t t = 0; t < g.dir_steps(dir); ++t) {
+      const int32_t shard = Mod(dir == 0 ? g.r - t : g.r + t, g.N);
+      for (int64_t s = 0; s < g.C; ++s) {
+        Ref src = g.x_ref(s);
+        if (t > 0) {
+          g.e.Wait(stream, g.prev_of(dir), g.flag(shard, s));
+          src = g.g_ref(BufId::kWorkspace, g.r, shard, s);
         }
-      for (int32_t dir = 0; dir < 2; ++dir) {
-        const int32_t stream = 1 + dir;
-        for (int32_t t = 0; t < dir_steps(dir); ++t) {
-          const int32_t shard = Mod(dir == 0 ? r - t : r + t, N);
-          for (int64_t s = 0; s < C; ++s) {
-            Ref src = x_ref(s);
-            if (t > 0) {
-              e.Wait(stream, prev_of(dir), flag(shard, s));
-              src = g_ref(BufId::kWorkspace, r, shard, s);
-            }
-            label(e.Block(OpKind::kCopy, stream, src,
-                          g_ref(BufId::kWorkspace, next_of(dir), shard, s), P, rows(s), K),
-                  shard, s);
-            if (scaled && s == 0)  // the shard's scale, before its first flag
-              label(
-                  e.Block(OpKind::kCopy, stream,
-                          t == 0 ? Emitter::ScaleRef(BufId::kXScale, r, 0)
-                                 : Emitter::ScaleRef(BufId::kWorkspaceScales, r, shard),
-                          Emitter::ScaleRef(BufId::kWorkspaceScales, next_of(dir), shard), 1, 1, 1),
-                  shard, s);
-            e.Signal(stream, next_of(dir), flag(shard, s));
-          }
-        }
+        Ag::Label(
+            g.e.Block(OpKind::kCopy, stream, src,
+                      g.g_ref(BufId::kWorkspace, g.next_of(dir), shard, s), g.P, g.rows(s), g.K),
+            shard, s);
+        if (g.scaled && s == 0)  // the shard's scale, before its first flag
+          Ag::Label(
+              g.e.Block(OpKind::kCopy, stream,
+                        t == 0 ? Emitter::ScaleRef(BufId::kXScale, g.r, 0)
+                               : Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, shard),
+                        Emitter::ScaleRef(BufId::kWorkspaceScales, g.next_of(dir), shard), 1, 1, 1),
+              shard, s);
+        g.e.Signal(stream, g.next_of(dir), g.flag(shard, s));
       }
-      if (fused) {
-        fused_gemm([&](const Arrival& a) { return prev_of(a.dir); });
-        break;
-      }
-      for (const Arrival& a : arrivals)
-        for (int64_t s = 0; s < C; ++s) {
-          e.Wait(0, prev_of(a.dir), flag(a.shard, s));
-          consume(BufId::kWorkspace, a, s);
-        }
-      break;
     }
-    case Transport::kMulticast: {
-      // Store the own shard once through the multicast mapping; every rank
-      // multiplies shards as their flags arrive.
-      p->workspace_elems = P * N * R * K;
-      if (scaled) p->workspace_scales = N;
-      for (int64_t s = 0; s < C; ++s) {
-        label(e.Block(OpKind::kMcStore, 1, x_ref(s), g_ref(BufId::kWorkspace, r, r, s), P, rows(s),
-                      K),
-              r, s);
-        if (scaled && s == 0)  // the own scale, before the first flag
-          label(e.Block(OpKind::kMcStore, 1, Emitter::ScaleRef(BufId::kXScale, r, 0),
-                        Emitter::ScaleRef(BufId::kWorkspaceScales, r, r), 1, 1, 1),
-                r, s);
-        for (int32_t peer = 0; peer < N; ++peer)
-          if (peer != r) e.Signal(1, peer, flag(r, s));
-      }
-      if (fused) {
-        // The own multimem stores are kernels: they need SMs, which the fused GEMM holds
-        // until it ends, so they finish before it starts (docs/gpu.md §10, rule 1).
-        const int32_t stored = e.NewEvent();
-        e.Record(1, stored);
-        e.StreamWait(0, stored);
-        // Arrival order: shards r-1, r-2, ... (multicast has cw_steps = N-1), each from its owner.
-        fused_gemm([](const Arrival& a) { return a.shard; });
-        break;
-      }
-      for (int32_t t = 1; t < N; ++t) {
-        const Arrival a{Mod(r - t, N), 0};
-        for (int64_t s = 0; s < C; ++s) {
-          e.Wait(0, a.shard, flag(a.shard, s));
-          consume(BufId::kWorkspace, a, s);
-        }
-      }
-      break;
+  }
+  if (g.fused) {
+    g.FusedGemm([&](const Arrival& a) { return g.prev_of(a.dir); });
+    return;
+  }
+  for (const Arrival& a : g.arrivals)
+    for (int64_t s = 0; s < g.C; ++s) {
+      g.e.Wait(0, g.prev_of(a.dir), g.flag(a.shard, s));
+      g.Consume(BufId::kWorkspace, a, s);
     }
+}
+
+// multicast: store the own shard once through the multicast mapping; every
+// rank multiplies shards as their flags arrive.
+void Multicast(Ag& g) {
+  Program* p = g.p;
+  p->workspace_elems = g.P * g.N * g.R * g.K;
+  if (g.scaled) p->workspace_scales = g.N;
+  for (int64_t s = 0; s < g.C; ++s) {
+    Ag::Label(g.e.Block(OpKind::kMcStore, 1, g.x_ref(s), g.g_ref(BufId::kWorkspace, g.r, g.r, s),
+                        g.P, g.rows(s), g.K),
+              g.r, s);
+    if (g.scaled && s == 0)  // the own scale, before the first flag
+      Ag::Label(g.e.Block(OpKind::kMcStore, 1, Emitter::ScaleRef(BufId::kXScale, g.r, 0),
+                          Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, g.r), 1, 1, 1),
+                g.r, s);
+    for (int32_t peer = 0; peer < g.N; ++peer)
+      if (peer != g.r) g.e.Signal(1, peer, g.flag(g.r, s));
+  }
+  if (g.fused) {
+    // The own multimem stores are kernels: they need SMs, which the fused GEMM holds
+    // until it ends, so they finish before it starts (docs/gpu-internals.md §5, rule 1).
+    const int32_t stored = g.e.NewEvent();
+    g.e.Record(1, stored);
+    g.e.StreamWait(0, stored);
+    // Arrival order: shards r-1, r-2, ... (multicast has cw_steps = N-1), each from its owner.
+    g.FusedGemm([](const Arrival& a) { return a.shard; });
+    return;
+  }
+  for (int32_t t = 1; t < g.N; ++t) {
+    const Arrival a{Mod(g.r - t, g.N), 0};
+    for (int64_t s = 0; s < g.C; ++s) {
+      g.e.Wait(0, a.shard, g.flag(a.shard, s));
+      g.Consume(BufId::kWorkspace, a, s);
+    }
+  }
+}
+
+}  // namespace
+
+Status BuildAgMatmul(Program* p) {
+  Ag g(p);
+  g.Local();
+  if (g.N == 1) return OkStatus();
+  p->num_flags = static_cast<int32_t>(g.N * g.C);
+  switch (Row(p->problem.transport).mechanism) {
+    case Mechanism::kMessages:
+      Messages(g);
+      break;
+    case Mechanism::kPeerCopies:
+      PeerCopies(g);
+      break;
+    case Mechanism::kMulticast:
+      Multicast(g);
+      break;
   }
   return OkStatus();
 }

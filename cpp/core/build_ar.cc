@@ -66,7 +66,7 @@ void Label(Op& op, int32_t block, int64_t s) {
 // recorded once sub-chunk s of the own block is complete in Y.
 Status BuildRingAllGather(Program* p, Emitter& e, const std::vector<int32_t>& reduced) {
   const Geometry g = MakeGeometry(p);
-  const bool nccl = p->problem.transport == Transport::kNccl;
+  const bool nccl = Row(p->problem.transport).messages();
   const int32_t steps[2] = {p->cw_steps, p->ccw_steps};
   auto prev_of = [&](int32_t dir) { return Mod(dir == 0 ? g.r - 1 : g.r + 1, g.N); };
   auto next_of = [&](int32_t dir) { return Mod(dir == 0 ? g.r + 1 : g.r - 1, g.N); };
@@ -204,7 +204,7 @@ Status BuildOneShot(Program* p, Emitter& e) {
     return op;
   };
 
-  if (q.transport == Transport::kMulticast) {
+  if (Row(q.transport).mechanism == Mechanism::kMulticast) {
     p->workspace_elems = slot_elems;
     p->num_flags = static_cast<int32_t>(N * C);
     for (int64_t s = 0; s < C; ++s) {
@@ -223,7 +223,7 @@ Status BuildOneShot(Program* p, Emitter& e) {
   }
 
   // nccl: the slots are private (SCRATCH); p2p: peers push into WORKSPACE.
-  const bool nccl = q.transport == Transport::kNccl;
+  const bool nccl = Row(q.transport).messages();
   const BufId slots = nccl ? BufId::kScratch : BufId::kWorkspace;
   if (nccl) {
     p->scratch_elems = N * slot_elems;
@@ -289,7 +289,7 @@ Status BuildMatmulAr(Program* p) {
   Emitter e(p);
   if (q.nranks == 1) return BuildSingleRank(p, e);
   if (q.algorithm == ArAlgorithm::kOneShot) return BuildOneShot(p, e);
-  if (q.transport == Transport::kMulticast) return BuildMulticast(p, e);
+  if (Row(q.transport).mechanism == Mechanism::kMulticast) return BuildMulticast(p, e);
   std::vector<int32_t> reduced;
   JO_CHECK(BuildRsRing(p, e, RsTarget{q.rank * q.rows, q.nranks * q.rows}, &reduced));
   return BuildRingAllGather(p, e, reduced);

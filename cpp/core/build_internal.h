@@ -100,9 +100,12 @@ class Emitter {
   int32_t next_bundle_ = 0;
 };
 
-Status BuildAgMatmul(Program* program);
-Status BuildMatmulRs(Program* program);
-Status BuildMatmulAr(Program* program);
+// Every op's builder (JO_OPS, build): build_ag.cc, build_rs.cc, build_ar.cc.
+#define JO_DECLARE_BUILD(e, id, name, collective, communicates, rows, fused, gathered, one_shot, \
+                         build)                                                                  \
+  Status build(Program* program);
+JO_OPS(JO_DECLARE_BUILD)
+#undef JO_DECLARE_BUILD
 
 // Pieces shared by GEMM+RS and GEMM+AR (build_rs.cc).
 

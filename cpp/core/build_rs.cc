@@ -37,7 +37,7 @@ Status BuildMatmulRs(Program* p) {
   Emitter e(p);
   if (q.nranks == 1) return BuildSingleRank(p, e);
   if (q.fused) return BuildRsFused(p, e);
-  if (q.transport == Transport::kMulticast) return BuildMulticast(p, e);
+  if (Row(q.transport).mechanism == Mechanism::kMulticast) return BuildMulticast(p, e);
   return BuildRsRing(p, e, RsTarget{0, q.rows}, nullptr);
 }
 
@@ -77,7 +77,7 @@ void Label(Op& op, int32_t block, int64_t s) {
 
 Status BuildRsRing(Program* p, Emitter& e, const RsTarget& target, std::vector<int32_t>* reduced) {
   const Geometry g = MakeGeometry(p, &target);
-  const bool nccl = p->problem.transport == Transport::kNccl;
+  const bool nccl = Row(p->problem.transport).messages();
   const int32_t steps[2] = {p->cw_steps, p->ccw_steps};
   const int32_t total = steps[0] + steps[1];
   const int32_t max_steps = steps[0] > steps[1] ? steps[0] : steps[1];

@@ -1,4 +1,4 @@
-// The fused GEMM + reduce-scatter (docs/native.md §3, docs/gpu.md §10): one
+// The fused GEMM + reduce-scatter (docs/native.md §3, docs/gpu-internals.md §5): one
 // persistent GEMM computes every destination's partial and releases each
 // sub-chunk as it is stored; the reduction of the rank's own block runs on a
 // stream of its own, sub-chunk by sub-chunk, while the kernel computes later
@@ -9,7 +9,7 @@
 // the reduction's kernels (FusedBlocks::spare_sms) without any deadlock risk:
 // if the GPU runs them beside it they overlap it, if not they run after it,
 // with the same result (CUDA does not promise that kernels of two streams run
-// concurrently; docs/gpu.md §10, rule 1).
+// concurrently; docs/gpu-internals.md §5, rule 1).
 //
 // The kernel's order: C rounds; round s takes sub-chunk s of every
 // destination's block, so every owner can reduce its sub-chunk s during round
@@ -57,7 +57,7 @@ Status BuildRsFused(Program* p, Emitter& e) {
   const Problem& q = p->problem;
   const int32_t N = q.nranks, r = q.rank;
   const int64_t P = q.batch, R = q.rows, K = q.k, Nw = q.cols;
-  const bool mc = q.transport == Transport::kMulticast;
+  const bool mc = Row(q.transport).mechanism == Mechanism::kMulticast;
   // The kernel's tile order lists runs of consecutive tiles, at most fused::TileOrder::kMaxRuns
   // of them, and every (destination, sub-chunk) of a round may start one: fewer chunks.
   const int64_t C =

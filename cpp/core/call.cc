@@ -110,9 +110,106 @@ Status NeedsOf(const Problem& q, CallNeeds* out) {
   return OkStatus();
 }
 
+std::string DimsText(const std::vector<int64_t>& dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+Status CanonicalProblem(const Problem& base, const std::vector<int64_t>& xd,
+                        const std::vector<int64_t>& wd, int64_t axis, Problem* q,
+                        ResultShapes* shapes) {
+  const OpRow* row = RowOf(base.op);
+  JO_REQUIRE(row != nullptr, "jaxoverlap: op " + std::to_string(static_cast<int32_t>(base.op)) +
+                                 " is not one of " + kinds::Names(kOps));
+  const std::string op = row->name;
+  const auto bad = [&](const std::string& text) { return InvalidArgument(op + ": " + text); };
+  const int64_t n = base.nranks;
+  JO_REQUIRE(n >= 1, op + ": axis_size expected >= 1, got " + std::to_string(n));
+  if (xd.size() < 2)
+    return bad("operand x expected rank >= 2, got rank " + std::to_string(xd.size()) + " (shape " +
+               DimsText(xd) + ")");
+  if (wd.size() != 2)
+    return bad("operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " +
+               DimsText(wd) + ")");
+  if (wd[0] != xd.back())
+    return bad("operand w expected " + std::to_string(xd.back()) +
+               " rows (x's last dim), got shape " + DimsText(wd));
+  if (axis < 0 || axis > static_cast<int64_t>(xd.size()) - 2)
+    return bad("attribute axis expected in [0, " + std::to_string(xd.size() - 2) + "], got " +
+               std::to_string(axis));
+  *q = base;
+  q->k = xd.back();
+  q->cols = wd[1];
+  // x is [pre..., s, post..., k] with s on `axis`: batch = prod(pre), a shard's
+  // rows = s * prod(post) (docs/native.md §1).
+  q->batch = 1;
+  for (int64_t i = 0; i < axis; ++i) q->batch *= xd[i];
+  int64_t post = 1;
+  for (size_t i = static_cast<size_t>(axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
+  const int64_t s = xd[axis];
+  // y: x's dims with dim `axis` made `y_axis` and the last one cols.
+  const auto result = [&](int64_t y_axis, int64_t last) {
+    std::vector<int64_t> dims(xd);
+    dims[axis] = y_axis;
+    dims.back() = last;
+    return dims;
+  };
+  shapes->x_gathered.clear();
+  switch (row->rows) {
+    case RowsRule::kGather:
+      q->rows = s * post;
+      shapes->y = result(s * n, q->cols);
+      shapes->x_gathered = result(s * n, q->k);
+      break;
+    case RowsRule::kScatter:
+      if (s % n != 0)
+        return bad("operand x dim " + std::to_string(axis) + " (" + std::to_string(s) +
+                   ") expected divisible by axis_size " + std::to_string(n));
+      q->rows = s / n * post;
+      shapes->y = result(s / n, q->cols);
+      break;
+    case RowsRule::kAll: {
+      // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, cols]
+      // (one-shot: [1, rows, k] -> [1, rows, cols], any number of rows).
+      if (axis != 0) return bad("attribute axis expected 0, got " + std::to_string(axis));
+      int64_t total = 1;
+      for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
+      const bool one_shot = base.algorithm == ArAlgorithm::kOneShot;
+      if (!one_shot && total % n != 0)
+        return bad("operand x expected rows (the product of all dims but the last, " +
+                   std::to_string(total) + ") divisible by axis_size " + std::to_string(n));
+      q->batch = 1;
+      q->rows = one_shot ? total : total / n;
+      shapes->y = result(xd[0], q->cols);
+      break;
+    }
+  }
+  return OkStatus();
+}
+
+OperandRows OperandRowsOf(const Problem& q) {
+  const int64_t all = q.rows * q.nranks;
+  OperandRows out;
+  switch (Row(q.op).rows) {
+    case RowsRule::kGather:  // x: the local shard; y: every shard
+      out = {q.rows, all, q.return_gathered ? all : 0};
+      break;
+    case RowsRule::kScatter:  // x: every block; y: the own one
+      out = {all, q.rows, 0};
+      break;
+    case RowsRule::kAll: {  // every row on both sides (one-shot: rows are all of them)
+      const int64_t rows = q.algorithm == ArAlgorithm::kOneShot ? q.rows : all;
+      out = {rows, rows, 0};
+      break;
+    }
+  }
+  return out;
+}
+
 Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, const Caller& caller,
                  PlacedCall* out) {
-  const char* op = CollectiveName(desc.op);
+  const char* op = CollectiveName(desc.problem.op);
   JO_CHECK(Place(desc.table, caller, op, &out->place));
   Problem q = problem;
   q.rank = out->place.rank;
@@ -218,8 +315,8 @@ std::string SiteName(int64_t site) {
 
 std::string CallSignature(const Problem& q) {
   return std::string(CollectiveName(q.op)) +
-         (q.op == Collective::kMatmulAr ? std::string("/") + ArAlgorithmName(q.algorithm) : "") +
-         "/" + TransportName(q.transport) + " n=" + std::to_string(q.nranks) + " [" +
+         (Row(q.op).one_shot ? std::string("/") + ArAlgorithmName(q.algorithm) : "") + "/" +
+         TransportName(q.transport) + " n=" + std::to_string(q.nranks) + " [" +
          std::to_string(q.batch) + "," + std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" +
          std::to_string(q.cols) + " " + DTypesName(q) + " chunks=" + std::to_string(q.chunks) +
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "") +

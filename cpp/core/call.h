@@ -11,6 +11,7 @@
 // executor) or enqueues it (CUDA executor).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -74,21 +75,98 @@ struct CallBuffers {
   void* x_gathered = nullptr;  // ag_matmul with return_gathered
 };
 
-// The custom call's attributes, checked and decoded.
+// Rows per batch of the call's operands x and y, and of the gathered x (0
+// unless returned), from its canonical problem: the inverse of
+// CanonicalProblem (below, docs/native.md §1), by the op's rows rule.
+struct OperandRows {
+  int64_t x = 0, y = 0, gathered = 0;
+};
+OperandRows OperandRowsOf(const Problem& q);
+
+// Where a program's Ref points in one execution of the call: `io` (the
+// operands and results), the executor's private `scratch` and
+// `workspace(rank)`, the symmetric workspace of a rank; the scale slots lie
+// after their buffer's elements (ScalesOffset). nullptr where a buffer is
+// absent. The one resolution of both executors.
+template <typename WorkspaceOf>
+std::byte* Resolve(const Program& p, const CallBuffers& io, std::byte* scratch,
+                   WorkspaceOf&& workspace, const Ref& ref) {
+  const auto mutable_bytes = [](const void* b) {
+    return static_cast<std::byte*>(const_cast<void*>(b));
+  };
+  const auto scales = [&](std::byte* buffer) {
+    return buffer == nullptr ? nullptr : buffer + ScalesOffset(p, ref.buf);
+  };
+  std::byte* base = nullptr;
+  switch (ref.buf) {
+    case BufId::kX:
+      base = mutable_bytes(io.x);
+      break;
+    case BufId::kW:
+      base = mutable_bytes(io.w);
+      break;
+    case BufId::kY:
+      base = static_cast<std::byte*>(io.y);
+      break;
+    case BufId::kXGathered:
+      base = static_cast<std::byte*>(io.x_gathered);
+      break;
+    case BufId::kScratch:
+      base = scratch;
+      break;
+    case BufId::kWorkspace:
+      base = workspace(ref.rank);
+      break;
+    case BufId::kXScale:
+      base = mutable_bytes(io.x_scale);
+      break;
+    case BufId::kWScale:
+      base = mutable_bytes(io.w_scale);
+      break;
+    case BufId::kScratchScales:
+      base = scales(scratch);
+      break;
+    case BufId::kWorkspaceScales:
+      base = scales(workspace(ref.rank));
+      break;
+  }
+  return base == nullptr ? nullptr : base + ref.offset * ElemBytes(p.problem, ref.buf);
+}
+
+// The custom call's attributes, checked and decoded: the problem the call
+// becomes (its op, transport, chunks, bidirectional, tf32, algorithm, fused;
+// nranks is the table's axis_size), whose shapes and dtypes the operands of
+// each execution give (CanonicalProblem) and whose rank the placement does,
+// and what the call needs besides: x's sharded dim, its clique and site, its
+// timeout, the rank table.
 struct CallDesc {
-  Collective op = Collective::kAgMatmul;
-  Transport transport = Transport::kNccl;
+  Problem problem;
+  int64_t axis = 0;
   int64_t clique_key = 0;
   int64_t site_key = 0;  // what the call is (CallSite), never 0
-  int64_t axis = 0;
-  int64_t chunks = 1;
-  bool bidirectional = false;
-  bool tf32 = false;  // float32 GEMMs may use TF32 (precision DEFAULT/HIGH)
-  ArAlgorithm algorithm = ArAlgorithm::kTwoShot;  // matmul_ar only
-  bool fused = false;                             // one persistent GEMM (Problem::fused)
   int64_t timeout_ms = 120000;
   RankTable table;
 };
+
+// "[2,3,4]": how errors show dims.
+std::string DimsText(const std::vector<int64_t>& dims);
+
+// The shapes a call's results must have.
+struct ResultShapes {
+  std::vector<int64_t> y;
+  std::vector<int64_t> x_gathered;  // ag_matmul's gathered x (its dtype is x's)
+};
+
+// The canonical problem (docs/native.md §1) of a call of `base` — its op,
+// algorithm and nranks; every other field is copied — on x of dims `x` and w
+// of dims `w`, x sharded on dim `axis`: batch, rows, k and cols by the op's
+// rows rule (core/kinds.h), and the shapes its results must have.
+// InvalidArgument, naming the operand or attribute and what it expected, for
+// shapes the op does not take. The one rule of both executors' handlers and of
+// the performance model (_host.canonical_problem).
+Status CanonicalProblem(const Problem& base, const std::vector<int64_t>& x,
+                        const std::vector<int64_t>& w, int64_t axis, Problem* out,
+                        ResultShapes* shapes);
 
 // What one call needs of its clique, per rank and per parity: the maximum
 // over the programs of ALL ranks, so that every rank decides the same way

@@ -3,6 +3,8 @@
 #include <string>
 #include <vector>
 
+#include "core/call.h"
+
 namespace jo {
 namespace {
 
@@ -98,7 +100,7 @@ Status CheckId(const Program& p, const Op& op, const char* what, int64_t value, 
 }
 
 // A FusedGemm's row blocks: they cover its rows, its order is every block
-// once, it waits or releases (never both: docs/gpu.md §10), and every flag
+// once, it waits or releases (never both: docs/gpu-internals.md §5), and every flag
 // and writer it names is in range.
 Status CheckFused(const Program& p, const Op& op) {
   const FusedBlocks& f = op.fused;
@@ -133,7 +135,7 @@ Status CheckFused(const Program& p, const Op& op) {
   if (f.spare_sms < 0 || f.spare_sms > kMaxKernelSms || (f.spare_sms > 0 && f.wait_flags >= 0))
     return bad(
         "only a kernel that waits for nothing leaves SMs to others (rule 1 of "
-        "docs/gpu.md §10), and at most " +
+        "docs/gpu-internals.md §5), and at most " +
         std::to_string(kMaxKernelSms));
   fused::TileOrder order;
   if (fused::MakeTileOrder(fused::Tiling{f.rows, fused::kTileRows}, f.sequence.data(), count, f.key,
@@ -146,15 +148,12 @@ Status CheckFused(const Program& p, const Op& op) {
 
 BufferSizes BufferSizes::Of(const Program& p) {
   const Problem& q = p.problem;
-  const bool one_shot = q.op == Collective::kMatmulAr && q.algorithm == ArAlgorithm::kOneShot;
-  const int64_t local = q.batch * q.rows, gathered = one_shot ? local : local * q.nranks;
+  const OperandRows rows = OperandRowsOf(q);
   BufferSizes s;
-  const bool ag = q.op == Collective::kAgMatmul;
-  const bool rs = q.op == Collective::kMatmulRs;
-  s.x = (ag ? local : gathered) * q.k;  // AG: the local shard; RS, AR: all rows
+  s.x = q.batch * rows.x * q.k;
   s.w = q.k * q.cols;
-  s.y = (rs ? local : gathered) * q.cols;  // RS: the own row block; AG, AR: all rows
-  s.x_gathered = ag && q.return_gathered ? gathered * q.k : 0;
+  s.y = q.batch * rows.y * q.cols;
+  s.x_gathered = q.batch * rows.gathered * q.k;
   s.scratch = p.scratch_elems;
   s.workspace = p.workspace_elems;
   s.x_scale = s.w_scale = 1;

@@ -89,7 +89,7 @@ class Play {
     if (op.kind == OpKind::kFusedGemm) {
       // Every flag the kernel waits for was raised by what the peers issued
       // before: the kernel, which holds every SM, never waits for work issued
-      // after it on any rank (docs/gpu.md §10).
+      // after it on any rank (docs/gpu-internals.md §5).
       const FusedBlocks& f = op.fused;
       for (int32_t b = 0; b < f.rows.count(); ++b)
         if (f.Waits(b) && flags_.count({r, f.wait_flags + b}) == 0) return false;

@@ -4,72 +4,6 @@
 
 namespace jo {
 
-int64_t DTypeSize(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return 4;
-    case DType::kBF16:
-    case DType::kF16:
-      return 2;
-    case DType::kF8E4M3:
-    case DType::kF8E5M2:
-      return 1;
-  }
-  return 4;
-}
-
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return "f32";
-    case DType::kBF16:
-      return "bf16";
-    case DType::kF16:
-      return "f16";
-    case DType::kF8E4M3:
-      return "f8e4m3fn";
-    case DType::kF8E5M2:
-      return "f8e5m2";
-  }
-  return "?";
-}
-
-bool IsFp8(DType dtype) { return dtype == DType::kF8E4M3 || dtype == DType::kF8E5M2; }
-
-const char* CollectiveName(Collective op) {
-  switch (op) {
-    case Collective::kAgMatmul:
-      return "ag_matmul";
-    case Collective::kMatmulRs:
-      return "matmul_rs";
-    case Collective::kMatmulAr:
-      return "matmul_ar";
-  }
-  return "?";
-}
-
-const char* ArAlgorithmName(ArAlgorithm algorithm) {
-  switch (algorithm) {
-    case ArAlgorithm::kTwoShot:
-      return "two_shot";
-    case ArAlgorithm::kOneShot:
-      return "one_shot";
-  }
-  return "?";
-}
-
-const char* TransportName(Transport transport) {
-  switch (transport) {
-    case Transport::kNccl:
-      return "nccl";
-    case Transport::kP2p:
-      return "p2p";
-    case Transport::kMulticast:
-      return "multicast";
-  }
-  return "?";
-}
-
 const char* BufName(BufId buf) {
   switch (buf) {
     case BufId::kX:
@@ -107,7 +41,7 @@ DType BufDType(const Problem& q, BufId buf) {
       return q.out_dtype;
     case BufId::kScratch:
     case BufId::kWorkspace:
-      return q.op == Collective::kAgMatmul ? q.x_dtype : q.out_dtype;
+      return Row(q.op).communicates == CommDim::kK ? q.x_dtype : q.out_dtype;
     case BufId::kXScale:
     case BufId::kWScale:
     case BufId::kScratchScales:
@@ -248,7 +182,7 @@ std::string Summary(const Program& p) {
   const Problem& q = p.problem;
   std::ostringstream out;
   out << CollectiveName(q.op);
-  if (q.op == Collective::kMatmulAr) out << " " << ArAlgorithmName(q.algorithm);
+  if (Row(q.op).one_shot) out << " " << ArAlgorithmName(q.algorithm);
   out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
       << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " cols=" << q.cols
       << " dtype=" << DTypesName(q) << (q.fused ? " fused" : "") << " chunks=" << p.chunks

@@ -20,34 +20,12 @@
 #include <vector>
 
 #include "core/fused_tiles.h"
+#include "core/kinds.h"
 
 namespace jo {
 
-// The float8 types are JAX's float8_e4m3fn and float8_e5m2 (OCP FP8): operands
-// only, each with a float32 dequantization scale (value = element * scale).
-enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF8E4M3 = 3, kF8E5M2 = 4 };
-int64_t DTypeSize(DType dtype);
-const char* DTypeName(DType dtype);
-bool IsFp8(DType dtype);
-
-enum class Collective : int32_t { kAgMatmul = 0, kMatmulRs = 1, kMatmulAr = 2 };
-const char* CollectiveName(Collective op);
-
-// Python reads the names in this order from the extension (_host.TRANSPORTS,
-// jaxoverlap/_executors/capabilities.py transports()): the transport attribute.
-enum class Transport : int32_t { kNccl = 0, kP2p = 1, kMulticast = 2 };
-const char* TransportName(Transport transport);
-
-// How GEMM+AR reduces (docs/native.md §3). Two-shot: a reduce-scatter of N
-// row blocks, then an all-gather of the reduced blocks (a ring on nccl and
-// p2p; a load-reduce and a store through the switch on multicast): each rank
-// moves 2(N-1)/N of y, the bandwidth bound. One-shot: every rank's whole
-// partial goes to every rank (or, on multicast, is load-reduced by every
-// rank), which sums all of them itself: (N-1) partials per rank, but one
-// round of transfers, whatever N — the latency bound, for small calls. Rows
-// need not split into N blocks.
-enum class ArAlgorithm : int32_t { kTwoShot = 0, kOneShot = 1 };
-const char* ArAlgorithmName(ArAlgorithm algorithm);
+// The kinds (DType, Collective, Transport, ArAlgorithm) are tables of their
+// own: core/kinds.h.
 
 // Buffers a program names. X, W, Y and XGathered are the call's operands and
 // results; Scratch is private per-rank memory the executor provides;
@@ -95,7 +73,7 @@ enum class OpKind : int32_t {
   kRecord,      // record event `id` on this stream
   kStreamWait,  // this stream waits for event `id`
   kFusedGemm,   // one persistent GEMM over every row block: d[b] = a[b] @ b, waiting or
-                // releasing per row block (Op::fused; docs/gpu.md §10)
+                // releasing per row block (Op::fused; docs/gpu-internals.md §5)
   kReduce,      // d <- the sum of Op::sources in list order, accumulated in float32 and
                 // rounded once to d's dtype: an N-way reduction in one pass
 };
@@ -115,7 +93,7 @@ inline constexpr int32_t kMaxKernelSms = 32;
 // chunks + sub (fused_tiles.h RowBlocks). A fused GEMM either waits or
 // releases, never both: a kernel that only waits needs nothing after it on
 // its own GPU, one that only releases needs nothing at all, so neither can
-// deadlock (docs/gpu.md §10).
+// deadlock (docs/gpu-internals.md §5).
 struct FusedBlocks {
   fused::RowBlocks rows;
   fused::OrderKey key = fused::OrderKey::kLastArrival;
@@ -133,7 +111,7 @@ struct FusedBlocks {
   // streams (the reduction of released blocks, sized to them: Op::sms); how
   // many on a device is fused_tiles.h SpareSms (as many as cost it no wave).
   // Only a kernel that waits for nothing may leave SMs to others without a
-  // deadlock risk, and it needs none for correctness: docs/gpu.md §10.
+  // deadlock risk, and it needs none for correctness: docs/gpu-internals.md §5.
   int32_t spare_sms = 0;
 
   bool Waits(int32_t block) const { return wait_flags >= 0 && rows.Shard(block) != ready_shard; }
@@ -194,7 +172,7 @@ struct Problem {
   // HIGHEST); the CUDA executor's cuBLASLt compute type, ignored on the host.
   bool tf32 = false;
   // AG and RS over p2p or multicast: the compute stream runs ONE persistent
-  // GEMM (FusedGemm) instead of a GEMM per row block (docs/gpu.md §10).
+  // GEMM (FusedGemm) instead of a GEMM per row block (docs/gpu-internals.md §5).
   bool fused = false;
 };
 

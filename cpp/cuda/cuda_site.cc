@@ -47,7 +47,7 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
   const Placement& place = call.place;
   const CliqueKey key{desc.clique_key, place.group, 0};
   ErrorContext ctx;
-  ctx.op = CollectiveName(desc.op);
+  ctx.op = CollectiveName(desc.problem.op);
   ctx.rank = place.rank;
   ctx.clique = CliqueName(key);
   // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
@@ -56,12 +56,13 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
   ncclUniqueId nccl_id{};
   std::shared_ptr<Exchange> exchange;
   const bool spans = place.spans_processes();
-  if (spans && desc.transport == Transport::kNccl)
+  const bool messages = Row(desc.problem.transport).messages();
+  if (spans && messages)
     JO_CHECK(FindNcclId(desc.clique_key, place.group, caller.process, ctx.Describe(), &nccl_id));
-  if (spans && desc.transport != Transport::kNccl) {
+  if (spans && !messages) {
     exchange = FindExchange(desc.clique_key, place.group, caller.process);
     if (!exchange)
-      return InvalidArgument(ctx.Describe() + ": this " + TransportName(desc.transport) +
+      return InvalidArgument(ctx.Describe() + ": this " + TransportName(desc.problem.transport) +
                              " clique spans processes but process " +
                              std::to_string(caller.process) +
                              " has no exchange for it: jaxoverlap registers one when the call "
@@ -69,7 +70,7 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
                              "process)");
   }
   *out =
-      std::make_unique<CudaClique>(key, desc.transport, place.ordinals, place.processes,
+      std::make_unique<CudaClique>(key, desc.problem.transport, place.ordinals, place.processes,
                                    spans ? &nccl_id : nullptr, exchange, Millis(desc.timeout_ms));
   return OkStatus();
 }
@@ -95,9 +96,9 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
   JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   out->waits = WaitedFlags(out->call.program);
-  out->nccl = problem.transport == Transport::kNccl && problem.nranks > 1;
-  JO_REQUIRE(!desc_.table.processes.empty(),
-             std::string(CollectiveName(desc_.op)) + ": the GPU handler needs the rank table");
+  out->nccl = Row(problem.transport).messages() && problem.nranks > 1;
+  JO_REQUIRE(!desc_.table.processes.empty(), std::string(CollectiveName(desc_.problem.op)) +
+                                                 ": the GPU handler needs the rank table");
   const CliqueKey key{desc_.clique_key, out->call.place.group, 0};
   Status made = OkStatus();
   Status got = Registry(caller.process)
@@ -111,7 +112,7 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
                        &out->clique);
   JO_CHECK(made);
   JO_CHECK(got);
-  if (out->clique->transport() != desc_.transport ||
+  if (out->clique->transport() != desc_.problem.transport ||
       out->clique->devices() != out->call.place.ordinals)
     return Internal(CliqueName(key) + ": clique key collision (transport or devices differ)");
   return OkStatus();
@@ -215,7 +216,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (!status.ok() && status.code() != Code::kAborted) clique.Break(status);
   // NCCL did not get its peers in time (AwaitNccl): abort the communicators,
   // so that no NCCL thread keeps waiting for them.
-  if (status.code() == Code::kTimeout && problem.transport == Transport::kNccl) clique.AbortComms();
+  if (status.code() == Code::kTimeout && Row(problem.transport).messages()) clique.AbortComms();
   return status;
 }
 

@@ -16,7 +16,7 @@
 // runs the group's calls one after another, in the same order on every
 // device. The agreement check includes the call site: should a device ever
 // run another site at the same epoch, the call fails instead of exchanging
-// wrong data (docs/gpu.md).
+// wrong data (docs/gpu-internals.md §1).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -60,19 +60,14 @@ class NvtxRange {
   const bool on_;
 };
 
-// Send/Recv only move bytes (no reduction): fp8 travels as ncclUint8, which every NCCL
-// version has (ncclFloat8e4m3 / e5m2 exist only from NCCL 2.24 on).
+// A dtype's NCCL type (core/kinds.h, the nccl column: Send/Recv only move bytes).
 ncclDataType_t NcclType(DType dtype) {
   switch (dtype) {
-    case DType::kF32:
-      return ncclFloat32;
-    case DType::kBF16:
-      return ncclBfloat16;
-    case DType::kF16:
-      return ncclFloat16;
-    case DType::kF8E4M3:
-    case DType::kF8E5M2:
-      return ncclUint8;
+#define JO_NCCL_TYPE(e, id, name, short_name, bytes, fp8, out, fused, elem, ffi, nccl, cublaslt) \
+  case DType::e:                                                                                 \
+    return nccl;
+    JO_DTYPES(JO_NCCL_TYPE)
+#undef JO_NCCL_TYPE
   }
   return ncclFloat32;
 }
@@ -236,46 +231,11 @@ class Enqueuer {
   int64_t Es(BufId buf) const { return ElemBytes(p_.problem, buf); }
 
   std::byte* Resolve(const Ref& ref) const {
-    std::byte* base = nullptr;
-    // Scratch and Workspace hold their scale slots after their elements (ScalesOffset).
-    const auto scales = [&](std::byte* buffer) {
-      return buffer == nullptr ? nullptr : buffer + ScalesOffset(p_, ref.buf);
-    };
     std::byte* scratch =
         a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
-    switch (ref.buf) {
-      case BufId::kX:
-        base = static_cast<std::byte*>(const_cast<void*>(a_.io.x));
-        break;
-      case BufId::kW:
-        base = static_cast<std::byte*>(const_cast<void*>(a_.io.w));
-        break;
-      case BufId::kY:
-        base = static_cast<std::byte*>(a_.io.y);
-        break;
-      case BufId::kXGathered:
-        base = static_cast<std::byte*>(a_.io.x_gathered);
-        break;
-      case BufId::kScratch:
-        base = scratch;
-        break;
-      case BufId::kWorkspace:
-        base = a_.gen->Workspace(ref.rank, a_.epoch, p_.problem.rank);
-        break;
-      case BufId::kXScale:
-        base = static_cast<std::byte*>(const_cast<void*>(a_.io.x_scale));
-        break;
-      case BufId::kWScale:
-        base = static_cast<std::byte*>(const_cast<void*>(a_.io.w_scale));
-        break;
-      case BufId::kScratchScales:
-        base = scales(scratch);
-        break;
-      case BufId::kWorkspaceScales:
-        base = scales(a_.gen->Workspace(ref.rank, a_.epoch, p_.problem.rank));
-        break;
-    }
-    return base == nullptr ? nullptr : base + ref.offset * Es(ref.buf);
+    return jo::Resolve(
+        p_, a_.io, scratch,
+        [&](int32_t rank) { return a_.gen->Workspace(rank, a_.epoch, p_.problem.rank); }, ref);
   }
 
   // Where a multicast op's workspace block (or scale slot) is, through the multicast address.

@@ -1,6 +1,6 @@
 // The CUDA executor: enqueues one rank's Program on the GPU.
 //
-// A thin mapping, one op to one (or one per batch) API call (docs/gpu.md):
+// A thin mapping, one op to one (or one per batch) API call (docs/gpu-internals.md §1):
 //   Gemm        cuBLASLt matmul on the op's stream (gemm.h has the layout mapping)
 //   Add         AddBlock kernel
 //   Copy        cudaMemcpyAsync / cudaMemcpy2DAsync (to the peer's mapping: copy engine)

@@ -45,7 +45,7 @@ Status Run(cudaStream_t stream, int32_t device, CudaSite& site, const ffi::AnyBu
 ffi::Error Execute(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer x,
                    ffi::AnyBuffer w, ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale,
                    ffi::Result<ffi::AnyBuffer> y,
-                   std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered, ffi_call::CallAttrs) {
+                   std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered) {
   const ffi::AnyBuffer* gathered = x_gathered.has_value() ? &**x_gathered : nullptr;
   try {  // bad_alloc and friends never cross the FFI boundary
     return ffi_call::ToFfi(Run(stream, device, state->site, x, w, x_scale, w_scale, *y, gathered));

@@ -30,7 +30,7 @@
 // only queue when it is 1): then the flags are reported unreadable and the
 // release of stream-memory-op waits cannot reach the GPU — the clique is
 // still broken and reported, and an NCCL wait is still released (the abort
-// needs no queue). docs/gpu.md says what that means for a process.
+// needs no queue). docs/gpu-internals.md §1 says what that means for a process.
 // The call that timed out has already returned to XLA, so its results are
 // garbage; the error surfaces at the next call of the clique.
 //

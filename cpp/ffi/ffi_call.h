@@ -1,39 +1,38 @@
 // The XLA FFI boundary, shared by both platforms' handlers: the attributes
-// every stage binds (one struct), their checks, the operands' checks, the
-// call site's state, the binding itself, and turning our Status into an
-// ffi::Error (once, here).
+// every stage binds (one list), the schema a program's attributes were made
+// with, their checks, the operands' checks, the call site's state, the binding
+// itself, and turning our Status into an ffi::Error (once, here).
 //
 // Every native custom call has the operands x, w, x_scale, w_scale, the
 // result y and, for ag_matmul with return_gathered, x_gathered. The dtypes
-// come from the buffers: x and w float32, bfloat16, float16 (the same) or
-// either float8_e4m3fn / float8_e5m2; y float32, bfloat16 or float16 (x's, or
-// float32 for non-fp8 operands); x_gathered x's. x_scale and w_scale are
-// float32 of shape () or (1,), always passed (1.0 when the operand is not
-// fp8, whose scale no GEMM reads): the real value of an fp8 operand is
-// element * scale, and an all-gather applies each shard's own. A handler never
-// reads a scale on the host (the CUDA executor hands device pointers to
-// cuBLASLt). The attributes:
-//   op i32 (0 ag_matmul, 1 matmul_rs, 2 matmul_ar), clique_key i64, site_key
-//   i64 (what the call is: core/call.h CallSite; never 0), axis i64
-//   (matmul_ar: 0; it splits the rows of x, all dims but the last, into N
-//   blocks),
-//   axis_size i64, transport i32 (0 nccl, 1 p2p, 2 multicast), chunks i64,
-//   bidirectional bool, tf32 bool (float32 GEMMs may use TF32: the op's
-//   precision allows it), algorithm i32 (matmul_ar: 0 two-shot, 1 one-shot,
-//   whose rows need not split; 0 for the others), fused bool (one persistent
-//   GEMM: ag_matmul and matmul_rs over p2p or multicast), timeout_ms i64, and the
-//   rank table in (group, rank) order: processes i64[], device_ids i64[]
-//   (JAX's global ids), ordinals i64[] (local ordinals). The table is empty
-//   only for a CPU call in one process whose mesh was abstract where it
-//   lowered; the CPU call then has a fifth operand, coords: int32[2] =
-//   (rank, group) from lax.axis_index (the GPU handler needs the table:
-//   reading a device scalar would need a sync).
+// come from the buffers (core/kinds.h, JO_DTYPES): x and w of one dtype, or
+// either fp8; y one allowed as output (x's, or float32 for non-fp8
+// operands); x_gathered x's. x_scale and w_scale are float32 of shape () or
+// (1,), always passed (1.0 when the operand is not fp8, whose scale no GEMM
+// reads): the real value of an fp8 operand is element * scale, and an
+// all-gather applies each shard's own. A handler never reads a scale on the
+// host (the CUDA executor hands device pointers to cuBLASLt). The attributes
+// are JO_CALL_ATTRS below; docs/native.md §6 says what each means. The rank
+// table is empty only for a CPU call in one process whose mesh was abstract
+// where it lowered; the CPU call then has a fifth operand, coords: int32[2] =
+// (rank, group) from lax.axis_index (the GPU handler needs the table: reading
+// a device scalar would need a sync).
+//
+// A serialized program (jax.export, the persistent compilation cache) may be
+// run by another version of the library than the one that lowered it: its
+// attributes name the schema they were made with (`schema`, a fingerprint of
+// the attribute list and of the kinds their values index) and the version
+// that made them (`jaxoverlap`). The instantiate stage checks the schema
+// before it decodes anything else, and refuses another one naming both
+// versions: a program never has its attributes read in another layout.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -47,40 +46,80 @@ namespace jo::ffi_call {
 
 namespace ffi = xla::ffi;
 
+// The attributes, in the order of jaxoverlap/_native/attributes.py SCHEMA
+// (tests/native/test_attributes.py holds the two, and docs/native.md §6,
+// equal): X(C++ type, name). Adding one is a row here and an entry there.
+#define JO_CALL_ATTRS(X)                  \
+  X(int64_t, schema)                      \
+  X(std::string_view, jaxoverlap)         \
+  X(int32_t, op)                          \
+  X(int64_t, clique_key)                  \
+  X(int64_t, site_key)                    \
+  X(int64_t, axis)                        \
+  X(int64_t, axis_size)                   \
+  X(int32_t, transport)                   \
+  X(int64_t, chunks)                      \
+  X(bool, bidirectional)                  \
+  X(bool, tf32)                           \
+  X(int32_t, algorithm)                   \
+  X(bool, fused)                          \
+  X(int64_t, timeout_ms)                  \
+  X(ffi::Span<const int64_t>, processes)  \
+  X(ffi::Span<const int64_t>, device_ids) \
+  X(ffi::Span<const int64_t>, ordinals)
+
 struct CallAttrs {
-  int32_t op;
-  int64_t clique_key, site_key, axis, axis_size;
-  int32_t transport;
-  int64_t chunks;
-  bool bidirectional;
-  bool tf32;
-  int32_t algorithm;
-  bool fused;
-  int64_t timeout_ms;
-  ffi::Span<const int64_t> processes, device_ids, ordinals;
+#define JO_ATTR_MEMBER(type, name) type name{};
+  JO_CALL_ATTRS(JO_ATTR_MEMBER)
+#undef JO_ATTR_MEMBER
 };
 
-}  // namespace jo::ffi_call
+// Bump when an attribute's meaning changes while the list and the kinds stay
+// (jaxoverlap/_native/attributes.py SCHEMA_REVISION is the same number).
+inline constexpr int kSchemaRevision = 1;
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ::jo::ffi_call::CallAttrs, ::xla::ffi::StructMember<int32_t>("op"),
-    ::xla::ffi::StructMember<int64_t>("clique_key"), ::xla::ffi::StructMember<int64_t>("site_key"),
-    ::xla::ffi::StructMember<int64_t>("axis"), ::xla::ffi::StructMember<int64_t>("axis_size"),
-    ::xla::ffi::StructMember<int32_t>("transport"), ::xla::ffi::StructMember<int64_t>("chunks"),
-    ::xla::ffi::StructMember<bool>("bidirectional"), ::xla::ffi::StructMember<bool>("tf32"),
-    ::xla::ffi::StructMember<int32_t>("algorithm"), ::xla::ffi::StructMember<bool>("fused"),
-    ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("processes"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("device_ids"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("ordinals"));
-
-namespace jo::ffi_call {
-
-inline std::string Dims(ffi::Span<const int64_t> dims) {
-  std::string out = "[";
-  for (size_t i = 0; i < dims.size(); ++i) out += (i ? "," : "") + std::to_string(dims[i]);
-  return out + "]";
+// What the schema fingerprint hashes: the revision, every attribute (name and
+// type) in order, and the names of the kinds whose ids attributes carry, in id
+// order. jaxoverlap/_native/attributes.py schema_text() writes the same text.
+inline std::string SchemaText() {
+  std::string text = "jaxoverlap attributes " + std::to_string(kSchemaRevision) + ":";
+#define JO_ATTR_TEXT(type, name) text += std::string(" ") + #name + " " + #type + ";";
+  JO_CALL_ATTRS(JO_ATTR_TEXT)
+#undef JO_ATTR_TEXT
+  const auto names = [&](const char* kind, auto& rows) {
+    text += std::string(" ") + kind + ":";
+    for (const auto& row : rows) text += std::string(" ") + row.name;
+    text += ";";
+  };
+  names("ops", kOps);
+  names("transports", kTransports);
+  names("algorithms", kArAlgorithms);
+  return text;
 }
+
+// The fingerprint (FNV-1a, 64 bits, as a signed i64 attribute) of SchemaText.
+inline int64_t SchemaId() {
+  static const int64_t id = [] {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (unsigned char c : SchemaText()) h = (h ^ c) * 0x100000001b3ULL;
+    return static_cast<int64_t>(h);
+  }();
+  return id;
+}
+
+// The version of the library these handlers belong to, set by the module
+// that exports them when it loads (JO_VERSION is a module's definition).
+inline std::string& LibraryVersion() {
+  static std::string version = "(unknown version)";
+  return version;
+}
+
+inline std::vector<int64_t> DimsOf(ffi::Span<const int64_t> dims) {
+  return std::vector<int64_t>(dims.begin(), dims.end());
+}
+
+// "[2,3,4]" (core/call.h DimsText).
+inline std::string Dims(ffi::Span<const int64_t> dims) { return DimsText(DimsOf(dims)); }
 
 inline ffi::Error ToFfi(const Status& status) {
   switch (status.code()) {
@@ -100,30 +139,38 @@ inline ffi::Error ToFfi(const Status& status) {
   return ffi::Error::Internal(status.message());
 }
 
-// Checks the attributes and copies them out of XLA's storage (the call site
-// outlives the instantiate stage that sees them).
+// Checks the attributes against the kinds' tables and copies them out of
+// XLA's storage (the call site outlives the instantiate stage that sees them).
 inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
-  const bool known = a.op >= 0 && a.op <= 2;
-  const std::string op = known ? CollectiveName(static_cast<Collective>(a.op)) : "jaxoverlap";
+  const OpRow* op_row = RowOf(static_cast<Collective>(a.op));
+  const TransportRow* transport_row = RowOf(static_cast<Transport>(a.transport));
+  const ArAlgorithmRow* algorithm_row = RowOf(static_cast<ArAlgorithm>(a.algorithm));
+  const std::string op = op_row != nullptr ? op_row->name : "jaxoverlap";
   const size_t n = a.processes.size();
   const auto bad = [&](const std::string& text) { return InvalidArgument(op + ": " + text); };
-  if (!known)
-    return bad("attribute op expected 0 (ag_matmul), 1 (matmul_rs) or 2 (matmul_ar), got " +
-               std::to_string(a.op));
+  if (op_row == nullptr)
+    return bad("attribute op expected " + kinds::Ids(kOps) + ", got " + std::to_string(a.op));
   if (a.site_key == 0) return bad("attribute site_key expected a nonzero hash, got 0");
   if (a.axis_size < 1)
     return bad("attribute axis_size expected >= 1, got " + std::to_string(a.axis_size));
-  if (a.transport < 0 || a.transport > 2)
-    return bad("attribute transport expected 0 (nccl), 1 (p2p) or 2 (multicast), got " +
+  if (transport_row == nullptr)
+    return bad("attribute transport expected " + kinds::Ids(kTransports) + ", got " +
                std::to_string(a.transport));
   if (a.chunks < 1) return bad("attribute chunks expected >= 1, got " + std::to_string(a.chunks));
-  if (a.algorithm < 0 || a.algorithm > 1 || (a.algorithm == 1 && a.op != 2))
-    return bad("attribute algorithm expected 0 (two-shot) or, for matmul_ar, 1 (one-shot), got " +
-               std::to_string(a.algorithm));
-  if (a.fused && (a.op == 2 || a.transport == 0))
-    return bad(
-        "attribute fused applies to ag_matmul and matmul_rs over p2p or multicast, never "
-        "nccl (docs/gpu.md §10)");
+  if (algorithm_row == nullptr ||
+      (algorithm_row->algorithm != ArAlgorithm::kTwoShot && !op_row->one_shot))
+    return bad("attribute algorithm expected " +
+               kinds::Ids(kArAlgorithms,
+                          [&](const ArAlgorithmRow& r) {
+                            return r.algorithm == ArAlgorithm::kTwoShot || op_row->one_shot;
+                          }) +
+               " for " + op + ", got " + std::to_string(a.algorithm));
+  if (a.fused && (!op_row->fused || !transport_row->fused))
+    return bad("attribute fused applies to " +
+               kinds::Names(
+                   kOps, [](const OpRow& r) { return r.fused; }, " and ") +
+               " over " + kinds::Names(kTransports, [](const TransportRow& r) { return r.fused; }) +
+               " (docs/gpu-internals.md §5), not " + op + " over " + transport_row->name);
   if (a.timeout_ms < 1)
     return bad("attribute timeout_ms expected >= 1, got " + std::to_string(a.timeout_ms));
   if (a.device_ids.size() != n || a.ordinals.size() != n ||
@@ -133,16 +180,18 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
         "axis_size * groups entries each, got " +
         std::to_string(n) + ", " + std::to_string(a.device_ids.size()) + ", " +
         std::to_string(a.ordinals.size()) + " for axis_size " + std::to_string(a.axis_size));
-  out->op = static_cast<Collective>(a.op);
-  out->transport = static_cast<Transport>(a.transport);
+  Problem& q = out->problem;
+  q.op = op_row->op;
+  q.transport = transport_row->transport;
+  q.nranks = static_cast<int32_t>(a.axis_size);
+  q.chunks = a.chunks;
+  q.bidirectional = a.bidirectional;
+  q.tf32 = a.tf32;
+  q.algorithm = algorithm_row->algorithm;
+  q.fused = a.fused;
+  out->axis = a.axis;
   out->clique_key = a.clique_key;
   out->site_key = a.site_key;
-  out->axis = a.axis;
-  out->chunks = a.chunks;
-  out->bidirectional = a.bidirectional;
-  out->tf32 = a.tf32;
-  out->algorithm = static_cast<ArAlgorithm>(a.algorithm);
-  out->fused = a.fused;
   out->timeout_ms = a.timeout_ms;
   out->table.axis_size = a.axis_size;
   out->table.processes.assign(a.processes.begin(), a.processes.end());
@@ -151,37 +200,22 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   return OkStatus();
 }
 
+// The dtype of an XLA buffer type (core/kinds.h, the ffi column); nullopt for
+// one the executors do not take.
 inline std::optional<DType> ToDType(ffi::DataType type) {
-  switch (type) {
-    case ffi::DataType::F32:
-      return DType::kF32;
-    case ffi::DataType::BF16:
-      return DType::kBF16;
-    case ffi::DataType::F16:
-      return DType::kF16;
-    case ffi::DataType::F8E4M3FN:
-      return DType::kF8E4M3;
-    case ffi::DataType::F8E5M2:
-      return DType::kF8E5M2;
-    default:
-      return std::nullopt;
-  }
+#define JO_FFI_DTYPE(e, id, name, short_name, bytes, fp8, out, fused, elem, ffi_type, ...) \
+  if (type == ffi::DataType::ffi_type) return DType::e;
+  JO_DTYPES(JO_FFI_DTYPE)
+#undef JO_FFI_DTYPE
+  return std::nullopt;
 }
 
-// A result must have x's dims with dim `axis` made `axis_dim` and the last
-// dim `last` (its dtype is checked by the caller).
-inline Status CheckResult(const char* op, const char* name, const ffi::AnyBuffer& x,
-                          const ffi::AnyBuffer& got, int64_t axis, int64_t axis_dim, int64_t last) {
-  auto xd = x.dimensions();
-  std::vector<int64_t> want(xd.begin(), xd.end());
-  want[axis] = axis_dim;
-  want.back() = last;
-  auto gd = got.dimensions();
-  const bool same = std::vector<int64_t>(gd.begin(), gd.end()) == want;
-  if (!same)
-    return InvalidArgument(std::string(op) + ": result " + name + " expected shape " +
-                           Dims(ffi::Span<const int64_t>(want.data(), want.size())) + ", got " +
-                           Dims(gd));
+// A result must have the shape `want` (its dtype is checked by the caller).
+inline Status CheckResult(const std::string& op, const char* name, const ffi::AnyBuffer& got,
+                          const std::vector<int64_t>& want) {
+  if (DimsOf(got.dimensions()) != want)
+    return InvalidArgument(op + ": result " + name + " expected shape " + DimsText(want) +
+                           ", got " + Dims(got.dimensions()));
   return OkStatus();
 }
 
@@ -196,85 +230,41 @@ inline Status CheckScale(const char* op, const char* name, const ffi::AnyBuffer&
 }
 
 // Checks the operands against the call and gives its canonical problem
-// (docs/native.md §1; everything but the rank) and buffers.
+// (CanonicalProblem: everything but the rank) and buffers.
 inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                              const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w_scale,
                              const ffi::AnyBuffer& y, const ffi::AnyBuffer* x_gathered, Problem* q,
                              CallBuffers* io) {
-  const char* op = CollectiveName(d.op);
+  const char* op = CollectiveName(d.problem.op);
   const auto bad = [&](const std::string& text) {
     return InvalidArgument(std::string(op) + ": " + text);
   };
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  const int64_t n = d.table.axis_size;
-  if (xd.size() < 2)
-    return bad("operand x expected rank >= 2, got rank " + std::to_string(xd.size()) + " (shape " +
-               Dims(xd) + ")");
-  if (wd.size() != 2)
-    return bad("operand w expected rank 2, got rank " + std::to_string(wd.size()) + " (shape " +
-               Dims(wd) + ")");
-  const char* inputs = "float32, bfloat16, float16, float8_e4m3fn or float8_e5m2";
-  if (!ToDType(x.element_type())) return bad(std::string("operand x expected dtype ") + inputs);
-  if (!ToDType(w.element_type())) return bad(std::string("operand w expected dtype ") + inputs);
+  ResultShapes shapes;
+  JO_CHECK(CanonicalProblem(d.problem, DimsOf(x.dimensions()), DimsOf(w.dimensions()), d.axis, q,
+                            &shapes));
+  const std::string inputs = kinds::Names(kDTypes);
+  const std::optional<DType> x_dtype = ToDType(x.element_type());
+  const std::optional<DType> w_dtype = ToDType(w.element_type());
   const std::optional<DType> out = ToDType(y.element_type());
-  if (!out || IsFp8(*out)) return bad("result y expected dtype float32, bfloat16 or float16");
+  if (!x_dtype) return bad("operand x expected dtype " + inputs);
+  if (!w_dtype) return bad("operand w expected dtype " + inputs);
+  if (!out || !Row(*out).out)
+    return bad("result y expected dtype " +
+               kinds::Names(kDTypes, [](const DTypeRow& r) { return r.out; }));
   if (x_gathered != nullptr && x_gathered->element_type() != x.element_type())
     return bad("result x_gathered expected the dtype of x");
   JO_CHECK(CheckScale(op, "x_scale", x_scale));
   JO_CHECK(CheckScale(op, "w_scale", w_scale));
-  if (wd[0] != xd[xd.size() - 1])
-    return bad("operand w expected " + std::to_string(xd[xd.size() - 1]) +
-               " rows (x's last dim), got shape " + Dims(wd));
-  if (d.axis < 0 || d.axis > static_cast<int64_t>(xd.size()) - 2)
-    return bad("attribute axis expected in [0, " + std::to_string(xd.size() - 2) + "], got " +
-               std::to_string(d.axis));
-  q->op = d.op;
-  q->transport = d.transport;
-  q->nranks = static_cast<int32_t>(n);
-  q->x_dtype = *ToDType(x.element_type());
-  q->w_dtype = *ToDType(w.element_type());
+  q->x_dtype = *x_dtype;
+  q->w_dtype = *w_dtype;
   q->out_dtype = *out;
   JO_CHECK(CheckDTypes(*q));
-  q->chunks = d.chunks;
-  q->bidirectional = d.bidirectional;
-  q->tf32 = d.tf32;  // the GEMM ignores it but for float32 operands (cuda/gemm/gemm.cc)
-  q->algorithm = d.algorithm;
-  q->fused = d.fused;
-  q->k = xd[xd.size() - 1];
-  q->cols = wd[1];
-  q->batch = 1;
-  for (int64_t i = 0; i < d.axis; ++i) q->batch *= xd[i];
-  int64_t post = 1;
-  for (size_t i = static_cast<size_t>(d.axis) + 1; i + 1 < xd.size(); ++i) post *= xd[i];
-  if (d.op == Collective::kAgMatmul) {
-    q->rows = xd[d.axis] * post;
-    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] * n, q->cols));
-    q->return_gathered = x_gathered != nullptr;
-    if (x_gathered != nullptr)
-      JO_CHECK(CheckResult(op, "x_gathered", x, *x_gathered, d.axis, xd[d.axis] * n, q->k));
-  } else if (d.op == Collective::kMatmulAr) {
-    // Every dim but the last is a row: [1, N*rows, k] -> [1, N*rows, cols]
-    // (one-shot: [1, rows, k] -> [1, rows, cols], any number of rows).
-    int64_t total = 1;
-    for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
-    if (d.axis != 0) return bad("attribute axis expected 0, got " + std::to_string(d.axis));
-    const bool one_shot = d.algorithm == ArAlgorithm::kOneShot;
-    if (!one_shot && total % n != 0)
-      return bad("operand x expected rows (the product of all dims but the last, " +
-                 std::to_string(total) + ") divisible by axis_size " + std::to_string(n));
-    if (x_gathered != nullptr) return bad("matmul_ar has one result");
-    q->batch = 1;
-    q->rows = one_shot ? total : total / n;
-    JO_CHECK(CheckResult(op, "y", x, y, 0, xd[0], q->cols));
-  } else {
-    if (xd[d.axis] % n != 0)
-      return bad("operand x dim " + std::to_string(d.axis) + " (" + std::to_string(xd[d.axis]) +
-                 ") expected divisible by axis_size " + std::to_string(n));
-    if (x_gathered != nullptr) return bad("matmul_rs has one result");
-    q->rows = xd[d.axis] / n * post;
-    JO_CHECK(CheckResult(op, "y", x, y, d.axis, xd[d.axis] / n, q->cols));
-  }
+  if (x_gathered != nullptr && !Row(q->op).gathered)
+    return bad(std::string(op) + " has one result");
+  q->return_gathered = x_gathered != nullptr;
+  JO_CHECK(CheckResult(op, "y", y, shapes.y));
+  if (x_gathered != nullptr)
+    JO_CHECK(CheckResult(op, "x_gathered", *x_gathered, shapes.x_gathered));
   io->x = x.untyped_data();
   io->w = w.untyped_data();
   io->x_scale = x_scale.untyped_data();
@@ -302,8 +292,9 @@ const XLA_FFI_TypeInfo SiteState<Site>::type_info = ffi::MakeTypeInfo<SiteState<
 
 // The execute stage's binding, in two halves around the platform's extra
 // operands: after the platform's own context (the CUDA stream), the device,
-// the call-site state and x, w, x_scale, w_scale; then the results and the
-// attributes.
+// the call-site state and x, w, x_scale, w_scale; then the results. No
+// attributes: the instantiate stage decoded them into the site (XLA checks
+// the attributes' number only for a binding that decodes some).
 template <typename Site, typename Binding>
 auto BindOperands(Binding binding) {
   return std::move(binding)
@@ -318,26 +309,79 @@ auto BindOperands(Binding binding) {
 template <typename Binding>
 auto BindResults(Binding binding) {
   return std::move(binding)
-      .template Ret<ffi::AnyBuffer>()          // y
-      .template OptionalRet<ffi::AnyBuffer>()  // x_gathered (ag_matmul, return_gathered)
-      .template Attrs<CallAttrs>();
+      .template Ret<ffi::AnyBuffer>()           // y
+      .template OptionalRet<ffi::AnyBuffer>();  // x_gathered (ag_matmul, return_gathered)
 }
 
 // The instantiate stage: once per call site (one custom call of one
 // executable), for every local device; makes the site. Newer XLA passes
-// placeholder arguments and results here, older passes none.
+// placeholder arguments and results here, older passes none. The attributes
+// come as a dictionary: their schema is checked before anything is decoded.
 inline auto BindInstantiate() {
-  return ffi::Ffi::BindInstantiate().RemainingArgs().RemainingRets().Attrs<CallAttrs>();
+  return ffi::Ffi::BindInstantiate().RemainingArgs().RemainingRets().Attrs<ffi::Dictionary>();
+}
+
+// The program's attributes were made with this library's schema (SchemaId);
+// else an error naming the version and schema that made them and ours.
+inline Status CheckSchema(const ffi::Dictionary& attrs) {
+  const auto hex = [](int64_t id) {
+    char text[19];
+    std::snprintf(text, sizeof(text), "0x%016llx",
+                  static_cast<unsigned long long>(static_cast<uint64_t>(id)));
+    return std::string(text);
+  };
+  const std::string ours = "this is jaxoverlap " + LibraryVersion() + ", whose native calls " +
+                           "have attribute schema " + hex(SchemaId());
+  const std::string fix =
+      ". A program exported (jax.export) or cached (the persistent compilation cache) by "
+      "another version of jaxoverlap cannot run here: lower it again with this version "
+      "(export it again, or clear the compilation cache).";
+  std::string theirs = "a jaxoverlap whose native calls carry no attribute schema (older)";
+  if (attrs.contains<int64_t>("schema")) {
+    const int64_t schema = *attrs.get<int64_t>("schema");
+    if (schema == SchemaId()) return OkStatus();
+    std::string version = "(unknown version)";
+    if (attrs.contains<std::string_view>("jaxoverlap"))
+      version = std::string(*attrs.get<std::string_view>("jaxoverlap"));
+    theirs = "jaxoverlap " + version + " with attribute schema " + hex(schema);
+  }
+  return InvalidArgument("jaxoverlap: this program's native call was lowered by " + theirs + "; " +
+                         ours + fix);
+}
+
+// The attributes, by name, once their schema is ours.
+inline Status DecodeAttrs(const ffi::Dictionary& attrs, CallAttrs* out) {
+  JO_CHECK(CheckSchema(attrs));
+#define JO_ATTR_COUNT(type, name) +1
+  constexpr size_t kCount = 0 JO_CALL_ATTRS(JO_ATTR_COUNT);
+#undef JO_ATTR_COUNT
+  std::string missing;
+#define JO_ATTR_DECODE(type, name)                            \
+  if (auto value = attrs.get<type>(#name); value.has_value()) \
+    out->name = *value;                                       \
+  else                                                        \
+    missing += std::string(missing.empty() ? "" : ", ") + #name;
+  JO_CALL_ATTRS(JO_ATTR_DECODE)
+#undef JO_ATTR_DECODE
+  if (!missing.empty() || attrs.size() != kCount)
+    return InvalidArgument(
+        "jaxoverlap: the native call has " + std::to_string(attrs.size()) +
+        " attributes, expected " + std::to_string(kCount) +
+        (missing.empty() ? "" : " (missing or of another type: " + missing + ")") +
+        ", yet names this library's attribute schema");
+  return OkStatus();
 }
 
 // Makes the state of a call site from its attributes, with the site's
 // identity (CallSite: from its site_key, in the order XLA instantiates).
 template <typename Site>
 ffi::ErrorOr<std::unique_ptr<SiteState<Site>>> Instantiate(ffi::RemainingArgs, ffi::RemainingRets,
-                                                           CallAttrs attrs) {
+                                                           ffi::Dictionary attrs) {
+  CallAttrs decoded;
   CallDesc desc;
-  if (Status status = DecodeDesc(attrs, &desc); !status.ok())
-    return ffi::Unexpected<ffi::Error>(ToFfi(status));
+  Status status = DecodeAttrs(attrs, &decoded);
+  if (status.ok()) status = DecodeDesc(decoded, &desc);
+  if (!status.ok()) return ffi::Unexpected<ffi::Error>(ToFfi(status));
   CallSite site = CallSite::Instantiate(desc.site_key);
   return std::make_unique<SiteState<Site>>(std::move(desc), std::move(site));
 }

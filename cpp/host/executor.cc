@@ -164,43 +164,9 @@ class Run {
   }
 
   std::byte* Resolve(const Ref& ref) {
-    std::byte* base = nullptr;
-    const auto scales = [&](std::byte* buffer, BufId buf) {
-      return buffer == nullptr ? nullptr : buffer + ScalesOffset(p_, buf);
-    };
-    switch (ref.buf) {
-      case BufId::kX:
-        base = static_cast<std::byte*>(const_cast<void*>(io_.x));
-        break;
-      case BufId::kW:
-        base = static_cast<std::byte*>(const_cast<void*>(io_.w));
-        break;
-      case BufId::kY:
-        base = static_cast<std::byte*>(io_.y);
-        break;
-      case BufId::kXGathered:
-        base = static_cast<std::byte*>(io_.x_gathered);
-        break;
-      case BufId::kScratch:
-        base = scratch_.data();
-        break;
-      case BufId::kWorkspace:
-        base = clique_.Workspace(ref.rank, epoch_);
-        break;
-      case BufId::kXScale:
-        base = static_cast<std::byte*>(const_cast<void*>(io_.x_scale));
-        break;
-      case BufId::kWScale:
-        base = static_cast<std::byte*>(const_cast<void*>(io_.w_scale));
-        break;
-      case BufId::kScratchScales:
-        base = scales(scratch_.data(), ref.buf);
-        break;
-      case BufId::kWorkspaceScales:
-        base = scales(clique_.Workspace(ref.rank, epoch_), ref.buf);
-        break;
-    }
-    return base == nullptr ? nullptr : base + ref.offset * ElemBytes(p_.problem, ref.buf);
+    return jo::Resolve(
+        p_, io_, scratch_.data(), [&](int32_t rank) { return clique_.Workspace(rank, epoch_); },
+        ref);
   }
 
   Status Exec(const Op& op) {
@@ -403,7 +369,7 @@ class Run {
 
   // The fused GEMM's semantics, block by block in its order: wait for the
   // block's flag, multiply its rows, release it (the kernel does the same
-  // tile by tile: docs/gpu.md §10).
+  // tile by tile: docs/gpu-internals.md §5).
   Status FusedGemm(const Op& op) {
     const FusedBlocks& f = op.fused;
     Op rows = op;  // the plain GEMM of one block's rows (without the fused plan)

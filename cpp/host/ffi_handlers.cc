@@ -33,7 +33,7 @@ ffi::Future Failed(const Status& status) {
 ffi::Future Execute(int32_t device, SiteState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                     ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Buffer<ffi::S32> coords,
                     ffi::Result<ffi::AnyBuffer> y,
-                    std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered, ffi_call::CallAttrs) {
+                    std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered) {
   HostSite& site = state->site;
   Problem problem;
   CallBuffers io;

@@ -40,7 +40,7 @@ Status HostSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
   // when the group spans processes, in the domain the bootstrap made for it.
   const CliqueKey key = out->call.clique;
   std::shared_ptr<ShmDomain> domain;
-  JO_CHECK(DomainOf(key, out->call.place.processes, CollectiveName(desc_.op), &domain));
+  JO_CHECK(DomainOf(key, out->call.place.processes, CollectiveName(desc_.problem.op), &domain));
   JO_CHECK(Registry().GetOrCreate(
       key, domain != nullptr ? 0 : site_.serial(), problem.nranks,
       [&]() -> std::unique_ptr<HostClique> {

@@ -23,6 +23,7 @@
 #include "cuda/fake/fake_runtime.h"
 #include "cuda/kernels/kernel_table.h"
 #include "cuda/kernels/kernels.h"
+#include "python/kinds_bindings.h"
 
 namespace nb = nanobind;
 
@@ -31,16 +32,7 @@ namespace {
 
 using jo::cuda::BlockArgs;
 
-jo::DType DTypeOf(const std::string& s) {
-  if (s == "float32") return jo::DType::kF32;
-  if (s == "bfloat16") return jo::DType::kBF16;
-  if (s == "float16") return jo::DType::kF16;
-  if (s == "float8_e4m3fn") return jo::DType::kF8E4M3;
-  if (s == "float8_e5m2") return jo::DType::kF8E5M2;
-  throw nb::value_error(
-      ("dtype: expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got " + s)
-          .c_str());
-}
+jo::DType DTypeOf(const std::string& s) { return ParseDTypeArg("dtype", s); }
 
 nb::object VariantDict(const std::vector<std::string>& images, int arch) {
   jo::fake::KernelVariant v;

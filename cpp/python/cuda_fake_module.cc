@@ -29,45 +29,13 @@
 #include "cuda/watchdog.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/cuda_fake_kernels.h"
+#include "python/kinds_bindings.h"
 
 namespace nb = nanobind;
 
 namespace {
 
 using jo::fake::Config;
-
-jo::Collective ParseOp(const std::string& s) {
-  if (s == "ag_matmul") return jo::Collective::kAgMatmul;
-  if (s == "matmul_rs") return jo::Collective::kMatmulRs;
-  if (s == "matmul_ar") return jo::Collective::kMatmulAr;
-  throw nb::value_error("op: expected ag_matmul, matmul_rs or matmul_ar");
-}
-
-jo::DType ParseDType(const char* what, const std::string& s) {
-  if (s == "float32") return jo::DType::kF32;
-  if (s == "bfloat16") return jo::DType::kBF16;
-  if (s == "float16") return jo::DType::kF16;
-  if (s == "float8_e4m3fn") return jo::DType::kF8E4M3;
-  if (s == "float8_e5m2") return jo::DType::kF8E5M2;
-  throw nb::value_error((std::string(what) +
-                         ": expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
-                         "got " +
-                         s)
-                            .c_str());
-}
-
-jo::Transport ParseTransport(const std::string& s) {
-  if (s == "nccl") return jo::Transport::kNccl;
-  if (s == "p2p") return jo::Transport::kP2p;
-  if (s == "multicast") return jo::Transport::kMulticast;
-  throw nb::value_error(("transport: expected nccl, p2p or multicast, got " + s).c_str());
-}
-
-jo::ArAlgorithm ParseAlgorithm(const std::string& s) {
-  if (s == "two_shot") return jo::ArAlgorithm::kTwoShot;
-  if (s == "one_shot") return jo::ArAlgorithm::kOneShot;
-  throw nb::value_error("algorithm: expected two_shot or one_shot");
-}
 
 // Config as _cuda_fake.Config: each field an attribute and a keyword argument
 // of the constructor (Config(devices=4, grace_ms=100)); fake_runtime.h says
@@ -129,55 +97,72 @@ void BindConfig(nb::module_& m) {
       "Config(**fields): the defaults but for the fields given.");
 }
 
-// Runs `calls` back-to-back calls on every rank (fake_harness.h, PlayCalls);
-// returns ys, x_gathered (per rank, bytes or None), statuses (per rank: None
-// or the error text) and drained.
-nb::dict Run(const std::string& op, const std::string& transport, int nranks, int64_t batch,
-             int64_t rows, int64_t k, int64_t cols, const std::string& dtype, int64_t chunks,
-             bool bidirectional, bool return_gathered, std::vector<nb::bytes> xs,
-             std::vector<nb::bytes> ws, std::vector<int64_t> devices, int64_t clique_key, int calls,
-             int skew_rank, int skip_rank, int64_t timeout_ms,
-             std::optional<std::vector<int64_t>> processes,
-             std::optional<std::map<int32_t, std::string>> hosts, bool capture, bool tf32,
-             int64_t hold_ms, const std::string& algorithm, const std::string& w_dtype,
-             const std::string& out_dtype, std::vector<float> x_scales, std::vector<float> w_scales,
-             std::vector<int64_t> chunks_per_call, bool fused,
-             std::optional<std::vector<int64_t>> site_keys) {
+// Sets the fields of PlayedCalls beside its problem (fake_harness.h) from
+// keyword arguments of the same names; xs and ws are lists of bytes.
+void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
+  using Played = jo::fake::PlayedCalls;
+  using Setter = std::function<void(Played&, nb::handle)>;
+  static const auto* setters = [] {
+    auto* s = new std::map<std::string, Setter>;
+    const auto field = [&](const char* name, auto Played::* member) {
+      using T = std::remove_reference_t<decltype(std::declval<Played&>().*member)>;
+      (*s)[name] = [member](Played& p, nb::handle value) { p.*member = nb::cast<T>(value); };
+    };
+    const auto bytes = [&](const char* name, std::vector<std::string> Played::* member) {
+      (*s)[name] = [member](Played& p, nb::handle value) {
+        for (nb::handle b : value) {
+          const nb::bytes data = nb::cast<nb::bytes>(b);
+          (p.*member).emplace_back(data.c_str(), data.size());
+        }
+      };
+    };
+    bytes("xs", &Played::xs);
+    bytes("ws", &Played::ws);
+    field("x_scales", &Played::x_scales);
+    field("w_scales", &Played::w_scales);
+    field("devices", &Played::devices);
+    field("processes", &Played::processes);
+    (*s)["hosts"] = [](Played& p, nb::handle value) {
+      if (!value.is_none()) p.hosts = nb::cast<std::map<int32_t, std::string>>(value);
+    };
+    field("clique_key", &Played::clique_key);
+    field("site_keys", &Played::site_keys);
+    field("calls", &Played::calls);
+    field("chunks_per_call", &Played::chunks_per_call);
+    field("skew_rank", &Played::skew_rank);
+    field("skip_rank", &Played::skip_rank);
+    field("timeout_ms", &Played::timeout_ms);
+    field("capture", &Played::capture);
+    field("hold_ms", &Played::hold_ms);
+    return s;
+  }();
+  for (auto [key, value] : kwargs) {
+    const std::string name = nb::cast<std::string>(key);
+    const auto setter = setters->find(name);
+    if (setter == setters->end())
+      throw nb::type_error(
+          ("run: no argument '" + name + "' (fake_harness.h PlayedCalls)").c_str());
+    try {
+      setter->second(played, value);
+    } catch (const nb::cast_error&) {
+      throw nb::type_error(("run: argument '" + name + "' got a value of the wrong type: " +
+                            nb::cast<std::string>(nb::repr(value)))
+                               .c_str());
+    }
+  }
+}
+
+// Plays the calls of `problem` (a dict as _host.build_program returns it; tf32
+// as given: the executor itself must drop it for half types) on every rank
+// (fake_harness.h, PlayCalls); returns ys, x_gathered (per rank, bytes or
+// None), statuses (per rank: None or the error text) and drained.
+nb::dict Run(const nb::dict& problem, const nb::kwargs& kwargs) {
   jo::fake::PlayedCalls played;
-  jo::Problem& q = played.problem;
-  q.op = ParseOp(op);
-  q.transport = ParseTransport(transport);
-  q.nranks = nranks;
-  q.batch = batch;
-  q.rows = rows;
-  q.k = k;
-  q.cols = cols;
-  // dtype is x's; w's and y's default to it.
-  q.x_dtype = ParseDType("dtype", dtype);
-  q.w_dtype = w_dtype.empty() ? q.x_dtype : ParseDType("w_dtype", w_dtype);
-  q.out_dtype = out_dtype.empty() ? q.x_dtype : ParseDType("out_dtype", out_dtype);
-  q.chunks = chunks;
-  q.bidirectional = bidirectional;
-  q.return_gathered = return_gathered;
-  q.tf32 = tf32;  // as given: the executor itself must drop it for half types
-  q.algorithm = ParseAlgorithm(algorithm);
-  q.fused = fused;
-  for (const nb::bytes& x : xs) played.xs.emplace_back(x.c_str(), x.size());
-  for (const nb::bytes& w : ws) played.ws.emplace_back(w.c_str(), w.size());
-  played.x_scales = std::move(x_scales);
-  played.w_scales = std::move(w_scales);
-  played.devices = std::move(devices);
-  played.processes = std::move(processes);
-  if (hosts) played.hosts = std::move(*hosts);
-  played.clique_key = clique_key;
-  played.site_keys = std::move(site_keys);
-  played.calls = calls;
-  played.skew_rank = skew_rank;
-  played.skip_rank = skip_rank;
-  played.timeout_ms = timeout_ms;
-  played.capture = capture;
-  played.hold_ms = hold_ms;
-  played.chunks_per_call = std::move(chunks_per_call);
+  played.problem = jo::python::ProblemFromDict(problem);
+  SetPlayed(played, kwargs);
+  const jo::Problem& q = played.problem;
+  const int nranks = q.nranks;
+  const bool return_gathered = q.return_gathered;
   jo::fake::PlayedOutcome outcome;
   jo::Status status;
   {
@@ -289,23 +274,15 @@ NB_MODULE(_cuda_fake, m) {
         "Forget every clique, cache and fake object; the fake machine is `config` (a Config).");
   m.def("connections", &jo::fake::Connections,
         "Hardware work queues per device the fake models now.");
-  m.def("run", &Run, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"), nb::arg("batch"),
-        nb::arg("rows"), nb::arg("k"), nb::arg("cols"), nb::arg("dtype"), nb::arg("chunks"),
-        nb::arg("bidirectional"), nb::arg("return_gathered"), nb::arg("xs"), nb::arg("ws"),
-        nb::arg("devices"), nb::arg("clique_key") = 1, nb::arg("calls") = 1,
-        nb::arg("skew_rank") = -1, nb::arg("skip_rank") = -1, nb::arg("timeout_ms") = 120000,
-        nb::arg("processes") = nb::none(), nb::arg("hosts") = nb::none(),
-        nb::arg("capture") = false, nb::arg("tf32") = false, nb::arg("hold_ms") = 0,
-        nb::arg("algorithm") = "two_shot", nb::arg("w_dtype") = "", nb::arg("out_dtype") = "",
-        nb::arg("x_scales") = std::vector<float>(), nb::arg("w_scales") = std::vector<float>(),
-        nb::arg("chunks_per_call") = std::vector<int64_t>(), nb::arg("fused") = false,
-        nb::arg("site_keys") = nb::none(),
-        "Plays `calls` calls on every rank (fake_harness.h, PlayCalls). dtype is x's (w_dtype "
-        "and out_dtype default to it); xs and ws are bytes as the handler receives them (an "
-        "fp8 w K-major: [cols, k] row-major); x_scales / w_scales: one float32 per rank "
-        "(empty: 1); chunks_per_call: per call, its chunks (a call site per number of chunks); "
-        "fused: the fused GEMM's program (docs/gpu.md §10); site_keys: per rank, the key of a "
-        "call site of its own (none: one site shared by every rank).");
+  m.def("run", &Run, nb::arg("problem"), nb::arg("kwargs"),
+        "run(problem, *, xs, ws, devices, **played): plays the calls of `problem` (a dict with "
+        "the keys of _host.build_program's) on every rank (fake_harness.h, PlayCalls). The "
+        "keywords are PlayedCalls' fields: xs and ws bytes per rank as the handler receives "
+        "them (an fp8 w K-major: [cols, k] row-major); x_scales / w_scales one float32 per "
+        "rank (empty: 1); devices, processes, hosts; clique_key, site_keys (per rank, the key "
+        "of a call site of its own; none: one site shared by every rank); calls, "
+        "chunks_per_call (per call, its chunks: a call site per number of chunks); skew_rank, "
+        "skip_rank, timeout_ms, capture, hold_ms.");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");

@@ -19,6 +19,7 @@
 #include "cuda/ffi_handlers.h"
 #include "cuda/gemm/gemm.h"
 #include "cuda/kernels/kernels.h"
+#include "ffi/ffi_call.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
@@ -33,12 +34,11 @@ using jo::python::Encapsulate;
 // (the `op` attribute tells the ops apart).
 nb::dict Registrations() {
   nb::dict out;
-  for (const char* name :
-       {"jaxoverlap_cuda_ag_matmul", "jaxoverlap_cuda_matmul_rs", "jaxoverlap_cuda_matmul_ar"}) {
+  for (const jo::OpRow& row : jo::kOps) {
     nb::dict stages;
     stages["instantiate"] = Encapsulate(jo::cuda::InstantiateHandler);
     stages["execute"] = Encapsulate(jo::cuda::ExecuteHandler);
-    out[name] = stages;
+    out[(std::string("jaxoverlap_cuda_") + row.name).c_str()] = stages;
   }
   return out;
 }
@@ -99,9 +99,9 @@ nb::dict BuildInfo() {
   }
   info["kernel_images"] = images;
   info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
-  info["transports"] = nb::make_tuple(jo::TransportName(jo::Transport::kNccl),
-                                      jo::TransportName(jo::Transport::kP2p),
-                                      jo::TransportName(jo::Transport::kMulticast));
+  nb::list transports;
+  for (const jo::TransportRow& row : jo::kTransports) transports.append(row.name);
+  info["transports"] = nb::tuple(transports);
   return info;
 }
 
@@ -182,6 +182,7 @@ nb::dict Capabilities() {
 NB_MODULE(_cuda, m) {
   m.doc() = "jaxoverlap CUDA extension: CUDA executor and CUDA FFI handlers.";
   m.attr("__version__") = JO_VERSION;
+  jo::ffi_call::LibraryVersion() = JO_VERSION;
   m.def("build_info", &BuildInfo, "What this extension was built with.");
   m.def("registrations", &Registrations,
         "FFI target name -> {stage: handler capsule} (platform CUDA).");

@@ -20,6 +20,7 @@
 #include "core/deadline.h"
 #include "core/program.h"
 #include "core/trace.h"
+#include "ffi/ffi_call.h"
 #include "host/blas.h"
 #include "host/fd_share.h"
 #include "host/ffi_handlers.h"
@@ -27,6 +28,7 @@
 #include "host/shm.h"
 #include "host/shm_domain.h"
 #include "python/ffi_capsule.h"
+#include "python/kinds_bindings.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,11 +48,11 @@ std::string CompilerName() {
 #endif
 }
 
-// The transports, in the order of jo::Transport (Python reads this list).
+// The transports' names, in id order (core/kinds.h).
 nb::tuple Transports() {
-  return nb::make_tuple(jo::TransportName(jo::Transport::kNccl),
-                        jo::TransportName(jo::Transport::kP2p),
-                        jo::TransportName(jo::Transport::kMulticast));
+  nb::list names;
+  for (const jo::TransportRow& row : jo::kTransports) names.append(row.name);
+  return nb::tuple(names);
 }
 
 nb::dict BuildInfo() {
@@ -75,12 +77,11 @@ using jo::python::Encapsulate;
 // name per op keeps them apart in HLO and in profiles.
 nb::dict Registrations() {
   nb::dict out;
-  for (const char* name :
-       {"jaxoverlap_ag_matmul", "jaxoverlap_matmul_rs", "jaxoverlap_matmul_ar"}) {
+  for (const jo::OpRow& row : jo::kOps) {
     nb::dict stages;
     stages["instantiate"] = Encapsulate(jo::host::InstantiateHandler);
     stages["execute"] = Encapsulate(jo::host::ExecuteHandler);
-    out[name] = stages;
+    out[(std::string("jaxoverlap_") + row.name).c_str()] = stages;
   }
   return out;
 }
@@ -96,66 +97,28 @@ nb::dict Types() {
   return out;
 }
 
-// A dtype by its NumPy name or the core's short one (DTypeName).
-jo::DType ParseDType(const char* what, const std::string& name) {
-  static const std::pair<const char*, jo::DType> kNames[] = {{"float32", jo::DType::kF32},
-                                                             {"bfloat16", jo::DType::kBF16},
-                                                             {"float16", jo::DType::kF16},
-                                                             {"float8_e4m3fn", jo::DType::kF8E4M3},
-                                                             {"float8_e5m2", jo::DType::kF8E5M2}};
-  for (const auto& [numpy, dtype] : kNames)
-    if (name == numpy || name == jo::DTypeName(dtype)) return dtype;
-  throw nb::value_error((std::string(what) +
-                         ": expected float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
-                         "got '" +
-                         name + "'")
-                            .c_str());
-}
-
-jo::Problem MakeProblem(const std::string& op, const std::string& transport, int nranks, int rank,
-                        int64_t batch, int64_t rows, int64_t k, int64_t cols,
-                        const std::string& dtype, int64_t chunks, bool bidirectional,
-                        bool return_gathered, const std::string& algorithm,
-                        const std::string& w_dtype, const std::string& out_dtype, bool fused) {
+// The canonical problem of a call (core/call.h CanonicalProblem) as a dict:
+// batch, rows, k, n and the results' shapes; ValueError for shapes the op
+// does not take.
+nb::dict CanonicalProblemDict(const std::string& op, const std::vector<int64_t>& x_shape,
+                              const std::vector<int64_t>& w_shape, int64_t axis, int nranks,
+                              const std::string& algorithm) {
+  jo::Problem base;
+  base.op = jo::python::ParseOpArg("op", op);
+  base.algorithm = jo::python::ParseAlgorithmArg("algorithm", algorithm);
+  base.nranks = nranks;
   jo::Problem q;
-  if (op == "ag_matmul")
-    q.op = jo::Collective::kAgMatmul;
-  else if (op == "matmul_rs")
-    q.op = jo::Collective::kMatmulRs;
-  else if (op == "matmul_ar")
-    q.op = jo::Collective::kMatmulAr;
-  else
-    throw nb::value_error(
-        ("op: expected 'ag_matmul', 'matmul_rs' or 'matmul_ar', got '" + op + "'").c_str());
-  if (transport == "nccl")
-    q.transport = jo::Transport::kNccl;
-  else if (transport == "p2p")
-    q.transport = jo::Transport::kP2p;
-  else if (transport == "multicast")
-    q.transport = jo::Transport::kMulticast;
-  else
-    throw nb::value_error(
-        ("transport: expected nccl, p2p or multicast, got '" + transport + "'").c_str());
-  // dtype is x's; w's and y's default to it.
-  q.x_dtype = ParseDType("dtype", dtype);
-  q.w_dtype = w_dtype.empty() ? q.x_dtype : ParseDType("w_dtype", w_dtype);
-  q.out_dtype = out_dtype.empty() ? q.x_dtype : ParseDType("out_dtype", out_dtype);
-  q.nranks = nranks;
-  q.rank = rank;
-  q.batch = batch;
-  q.rows = rows;
-  q.k = k;
-  q.cols = cols;
-  q.chunks = chunks;
-  q.bidirectional = bidirectional;
-  q.return_gathered = return_gathered;
-  if (algorithm == "one_shot")
-    q.algorithm = jo::ArAlgorithm::kOneShot;
-  else if (algorithm != "two_shot")
-    throw nb::value_error(
-        ("algorithm: expected 'two_shot' or 'one_shot', got '" + algorithm + "'").c_str());
-  q.fused = fused;
-  return q;
+  jo::ResultShapes shapes;
+  const jo::Status status = jo::CanonicalProblem(base, x_shape, w_shape, axis, &q, &shapes);
+  if (!status.ok()) throw nb::value_error(status.message().c_str());
+  nb::dict d;
+  d["batch"] = q.batch;
+  d["rows"] = q.rows;
+  d["k"] = q.k;
+  d["n"] = q.cols;
+  d["y"] = nb::tuple(nb::cast(shapes.y));
+  d["x_gathered"] = nb::tuple(nb::cast(shapes.x_gathered));
+  return d;
 }
 
 jo::Program Build(const jo::Problem& q) {
@@ -256,32 +219,32 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
                           const std::string& dtype, int64_t chunks, bool bidirectional,
                           bool return_gathered, const std::string& algorithm,
                           const std::string& w_dtype, const std::string& out_dtype, bool fused) {
-  const jo::Program p =
-      Build(MakeProblem(op, transport, nranks, rank, batch, rows, k, cols, dtype, chunks,
-                        bidirectional, return_gathered, algorithm, w_dtype, out_dtype, fused));
-  nb::dict out;
-  out["op"] = op;
-  out["transport"] = transport;
-  out["nranks"] = nranks;
-  out["rank"] = rank;
-  out["batch"] = batch;
-  out["rows"] = rows;
-  out["k"] = k;
-  out["n"] = cols;                                  // Python's name of the output columns
-  out["dtype"] = jo::DTypeName(p.problem.x_dtype);  // x's
-  out["w_dtype"] = jo::DTypeName(p.problem.w_dtype);
-  out["out_dtype"] = jo::DTypeName(p.problem.out_dtype);
+  nb::dict problem;
+  problem["op"] = op;
+  problem["transport"] = transport;
+  problem["nranks"] = nranks;
+  problem["rank"] = rank;
+  problem["batch"] = batch;
+  problem["rows"] = rows;
+  problem["k"] = k;
+  problem["n"] = cols;
+  problem["dtype"] = dtype;
+  problem["chunks"] = chunks;
+  problem["bidirectional"] = bidirectional;
+  problem["return_gathered"] = return_gathered;
+  problem["algorithm"] = algorithm;
+  problem["w_dtype"] = w_dtype;
+  problem["out_dtype"] = out_dtype;
+  problem["fused"] = fused;
+  const jo::Program p = Build(jo::python::ProblemFromDict(problem));
+  nb::dict out = jo::python::ProblemDict(p.problem);
   out["elem_bytes"] = jo::DTypeSize(p.problem.x_dtype);
   nb::dict dtypes;  // the dtype of each buffer's elements (core/program.h, BufDType)
   for (int b = 0; b <= static_cast<int>(jo::BufId::kWorkspaceScales); ++b)
     dtypes[jo::BufName(static_cast<jo::BufId>(b))] =
         jo::DTypeName(jo::BufDType(p.problem, static_cast<jo::BufId>(b)));
   out["buffer_dtypes"] = dtypes;
-  out["chunks"] = p.chunks;
-  out["bidirectional"] = p.problem.bidirectional;
-  out["return_gathered"] = p.problem.return_gathered;
-  out["algorithm"] = jo::ArAlgorithmName(p.problem.algorithm);
-  out["fused"] = p.problem.fused;
+  out["chunks"] = p.chunks;  // the effective chunks (clamped to the rows)
   out["cw_steps"] = p.cw_steps;
   out["ccw_steps"] = p.ccw_steps;
   out["num_streams"] = p.num_streams;
@@ -323,16 +286,7 @@ jo::Ref RefFromDict(nb::handle d) {
 
 jo::Program ProgramFromDict(const nb::dict& d) {
   jo::Program p;
-  p.problem = MakeProblem(
-      nb::cast<std::string>(d["op"]), nb::cast<std::string>(d["transport"]),
-      nb::cast<int>(d["nranks"]), nb::cast<int>(d["rank"]), nb::cast<int64_t>(d["batch"]),
-      nb::cast<int64_t>(d["rows"]), nb::cast<int64_t>(d["k"]), nb::cast<int64_t>(d["n"]),
-      nb::cast<std::string>(d["dtype"]), nb::cast<int64_t>(d["chunks"]),
-      nb::cast<bool>(d["bidirectional"]), nb::cast<bool>(d["return_gathered"]),
-      d.contains("algorithm") ? nb::cast<std::string>(d["algorithm"]) : std::string("two_shot"),
-      d.contains("w_dtype") ? nb::cast<std::string>(d["w_dtype"]) : std::string(),
-      d.contains("out_dtype") ? nb::cast<std::string>(d["out_dtype"]) : std::string(),
-      d.contains("fused") && nb::cast<bool>(d["fused"]));
+  p.problem = jo::python::ProblemFromDict(d);
   p.chunks = nb::cast<int64_t>(d["chunks"]);
   p.cw_steps = nb::cast<int32_t>(d["cw_steps"]);
   p.ccw_steps = nb::cast<int32_t>(d["ccw_steps"]);
@@ -405,22 +359,7 @@ nb::list TakeCalls() {
     d["executor"] = call.executor;
     d["clique"] = call.clique;
     d["epoch"] = call.epoch;
-    d["op"] = jo::CollectiveName(q.op);
-    d["transport"] = jo::TransportName(q.transport);
-    d["nranks"] = q.nranks;
-    d["rank"] = q.rank;
-    d["batch"] = q.batch;
-    d["rows"] = q.rows;
-    d["k"] = q.k;
-    d["n"] = q.cols;  // Python's name of the output columns
-    d["dtype"] = jo::DTypeName(q.x_dtype);
-    d["w_dtype"] = jo::DTypeName(q.w_dtype);
-    d["out_dtype"] = jo::DTypeName(q.out_dtype);
-    d["chunks"] = q.chunks;
-    d["bidirectional"] = q.bidirectional;
-    d["return_gathered"] = q.return_gathered;
-    d["algorithm"] = jo::ArAlgorithmName(q.algorithm);
-    d["fused"] = q.fused;
+    for (auto [key, value] : jo::python::ProblemDict(q)) d[key] = value;
     d["start_ns"] = call.start_ns;
     d["end_ns"] = call.end_ns;
     d["ok"] = call.ok;
@@ -511,6 +450,18 @@ NB_MODULE(_host, m) {
         "FFI target name -> {stage: handler capsule} (platform cpu).");
   m.def("types", &Types, "FFI type name -> {'type_id', 'type_info'} capsules (platform cpu).");
   m.attr("TRANSPORTS") = Transports();
+  m.def(
+      "kinds", [] { return jo::python::KindsDict(); },
+      "The kinds' tables (cpp/core/kinds.h): {'ops', 'transports', 'dtypes', 'algorithms'}, "
+      "each a list of rows (dicts), in id order.");
+  m.def("canonical_problem", &CanonicalProblemDict, nb::arg("op"), nb::arg("x_shape"),
+        nb::arg("w_shape"), nb::arg("axis"), nb::arg("nranks"), nb::arg("algorithm") = "two_shot",
+        "The canonical problem of a call on x and w (docs/native.md §1), as the handlers make "
+        "it: {'batch', 'rows', 'k', 'n', 'y', 'x_gathered'}; ValueError for shapes the op does "
+        "not take.");
+  jo::ffi_call::LibraryVersion() = JO_VERSION;
+  m.attr("ATTRIBUTE_SCHEMA") = jo::ffi_call::SchemaId();
+  m.attr("ATTRIBUTE_SCHEMA_TEXT") = jo::ffi_call::SchemaText();
   m.def("set_process_index", &jo::SetProcessIndex, nb::arg("index"),
         "This process's index in the jax.distributed job (placement, shared memory).");
   m.def("build_program", &BuildProgramDict, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
@@ -520,8 +471,8 @@ NB_MODULE(_host, m) {
         nb::arg("w_dtype") = "", nb::arg("out_dtype") = "", nb::arg("fused") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
-        "output columns (w's); dtype: x's (NumPy names: float32, bfloat16, float16, "
-        "float8_e4m3fn, float8_e5m2), w_dtype and out_dtype default to it.");
+        "output columns (w's); dtype: x's (a name of the kinds' dtypes: kinds()), w_dtype and "
+        "out_dtype default to it.");
   m.def("check_program", &CheckProgramDict, nb::arg("program"),
         "Checks a program dict (as build_program returns it): every operand inside its buffer, "
         "every peer, flag, event and stream in range; raises ValueError naming the op.");

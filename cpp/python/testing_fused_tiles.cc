@@ -12,6 +12,7 @@
 #include "core/fused_tiles.h"
 #include "core/issue_order.h"
 #include "core/program.h"
+#include "python/kinds_bindings.h"
 
 namespace nb = nanobind;
 
@@ -116,10 +117,8 @@ std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& tran
                                   int32_t nranks, int32_t rank, int64_t rows, int64_t chunks,
                                   bool bidirectional, bool return_gathered, bool fused) {
   jo::Problem q;
-  q.op = op == "ag_matmul" ? jo::Collective::kAgMatmul : jo::Collective::kMatmulRs;
-  q.transport = transport == "nccl"  ? jo::Transport::kNccl
-                : transport == "p2p" ? jo::Transport::kP2p
-                                     : jo::Transport::kMulticast;
+  q.op = jo::python::ParseOpArg("op", op);
+  q.transport = jo::python::ParseTransportArg("transport", transport);
   q.nranks = nranks;
   q.rank = rank;
   q.rows = rows;

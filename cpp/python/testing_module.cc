@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -33,6 +34,7 @@
 #include "host/shm_domain.h"
 #include "host/workers.h"
 #include "python/ffi_capsule.h"
+#include "python/kinds_bindings.h"
 #include "python/py_exchange.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -265,12 +267,26 @@ nb::dict ClaimOrder(const std::string& kind) {
   return out;
 }
 
+// This build's dtype table with one more row that jaxoverlap/_kinds.py does not
+// have: what tests/test_kinds.py must refuse (a row added on one side only).
+nb::dict UnbalancedKinds() {
+#define JO_TEST_DTYPE_ROW(e, id, name, short_name, bytes, fp8, out, fused, ...) \
+  {jo::DType::e, name, short_name, bytes, fp8, out, fused},
+  static constexpr jo::DTypeRow kDTypesAndOneMore[] = {JO_DTYPES(JO_TEST_DTYPE_ROW){
+      static_cast<jo::DType>(std::size(jo::kDTypes)), "float64", "f64", 8, false, true, false}};
+#undef JO_TEST_DTYPE_ROW
+  return jo::python::KindsDict(jo::kOps, jo::kTransports, kDTypesAndOneMore, jo::kArAlgorithms);
+}
+
 }  // namespace
 
 void BindFusedTiles(nb::module_& m);  // testing_fused_tiles.cc
 
 NB_MODULE(jaxoverlap_testing, m) {
   m.doc() = "jaxoverlap test helpers (not installed).";
+  m.def("unbalanced_kinds", &UnbalancedKinds,
+        "_host.kinds() of this build's tables with a float64 dtype row added on the C++ side "
+        "only (tests/test_kinds.py must tell).");
   m.def("exchange_selftest", &ExchangeSelftest, nb::arg("exchange"), nb::arg("share_fds") = false,
         nb::arg("owner_fd") = -1,
         "A broadcast and an allgather through jo::Exchange over a Python object; with "

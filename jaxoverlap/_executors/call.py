@@ -46,7 +46,8 @@ class NativeCall:
     ranks: tuple[Rank, ...]
     transport: str                # resolved: "nccl", "p2p" or "multicast"
     clique_key: int               # the same in every process
-    # Runs the fused GEMM (one persistent GEMM waiting on per-block flags, docs/gpu.md §10).
+    # Runs the fused GEMM (one persistent GEMM waiting on per-block flags,
+    # docs/gpu-internals.md §5).
     fused: bool = False
 
     def groups(self) -> list[tuple[Rank, ...]]:

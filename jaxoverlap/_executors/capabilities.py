@@ -20,8 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors import bootstrap, runtime
-from jaxoverlap._fp8_dtypes import FP8_DTYPES, is_fp8
+from jaxoverlap._fp8_dtypes import is_fp8
 
 
 class NativeUnavailableError(ValueError):
@@ -30,13 +31,13 @@ class NativeUnavailableError(ValueError):
 
 # FP8_DTYPES (_fp8_dtypes): operands only, each with a float32 scale; the executors run them as
 # FP8 GEMMs (the host: in float32 after an exact conversion; the CUDA executor: cuBLASLt's FP8
-# kernels, docs/gpu.md §11).
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, *FP8_DTYPES)
+# kernels, docs/gpu-internals.md §6).
+DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES))
 # cuBLASLt's FP8 GEMMs need compute capability 8.9 (Ada) or newer.
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 GPU_PLATFORMS = ("cuda", "gpu")
 # transport="auto" prefers them in this order (when every GPU of the clique can serve it).
-AUTO_ORDER = ("multicast", "p2p", "nccl")
+AUTO_ORDER = _kinds.auto_order()
 # Multicast objects need the CUDA 12.1 driver API; our runtime is CUDA 13 (driver >= 580).
 MULTICAST_MIN_DRIVER = 12010
 
@@ -45,8 +46,9 @@ MULTICAST_MIN_DRIVER = 12010
 
 
 def transports() -> tuple[str, ...]:
-    """Every transport of the native path, in the executors' order (from the extension)."""
-    return tuple(runtime.load_host().TRANSPORTS)
+    """Every transport of the native path, in id order (``_kinds``: the executors' table, which
+    ``tests/test_kinds.py`` holds equal)."""
+    return _kinds.names(_kinds.TRANSPORTS)
 
 
 def available() -> bool:
@@ -148,9 +150,8 @@ def gpu_transport_reasons(caps: dict[str, Any], devices: Sequence[int], *,
     ``across_processes``: the clique also has ranks in other processes (``devices`` are this
     process's). Then this process's GPUs must serve p2p and multicast themselves (peer access
     among them, multicast support); the peers' buffers are mapped at the first execution,
-    through fabric handles or CUDA IPC (docs/gpu.md, "Across processes").
+    through fabric handles or CUDA IPC (docs/gpu-internals.md §1, "One process per GPU").
     """
-    reasons: dict[str, str | None] = {}
     if caps.get("error") and not caps.get("devices"):
         return {t: f"no usable GPU ({caps['error']})" for t in AUTO_ORDER}
     known = {d["ordinal"]: d for d in caps.get("devices", [])}
@@ -160,21 +161,19 @@ def gpu_transport_reasons(caps: dict[str, Any], devices: Sequence[int], *,
     peer = caps.get("peer_access", [])
     no_peer = [(a, b) for a in devices for b in devices
                if a != b and not (a < len(peer) and b < len(peer[a]) and peer[a][b])]
-    p2p_reason = (None if not no_peer else
-                  f"no peer access between GPUs {no_peer[0][0]} and {no_peer[0][1]} "
-                  "(no NVLink/PCIe P2P path, or disabled)")
-    reasons["nccl"] = None
-    reasons["p2p"] = p2p_reason
-    reasons["multicast"] = _multicast_device_reason(caps, devices, known)
-    if reasons["multicast"] is None and p2p_reason is not None:
-        reasons["multicast"] = p2p_reason + " (flags live in peer memory)"
     if len(set(devices)) == 1:
         # One GPU here: nothing moves between our own GPUs. Alone, every transport is
         # trivially fine; with peers in other processes, multicast still needs this GPU.
-        reasons = {t: None for t in AUTO_ORDER}
-        if across_processes:
-            reasons["multicast"] = _multicast_device_reason(caps, devices, known)
-    return reasons
+        facts = _kinds.GpuFacts(peer_access=None, multicast=_multicast_device_reason(
+            caps, devices, known) if across_processes else None)
+    else:
+        facts = _kinds.GpuFacts(
+            peer_access=None if not no_peer else
+            f"no peer access between GPUs {no_peer[0][0]} and {no_peer[0][1]} (no NVLink/PCIe "
+            "P2P path, or disabled)",
+            multicast=_multicast_device_reason(caps, devices, known))
+    # Each transport's own rule (its table row) on what the GPUs can do.
+    return {t.name: t.reason(facts) for t in _kinds.TRANSPORTS}
 
 
 def _multicast_device_reason(caps: dict[str, Any], devices: Sequence[int],
@@ -225,15 +224,18 @@ def resolve_transport(platform: str, requested: str, preferred: str | None, *,
     usable = [t for t in AUTO_ORDER if reasons[t] is None]
     if requested in (None, "auto"):
         allowed = [t for t in usable if t in among]
-        if spans_processes and "nccl" in allowed:
-            return "nccl"
+        # Across processes, one that moves the data itself (NCCL): peers' buffers need not
+        # be reachable.
+        messages = [t for t in allowed if _kinds.transport(t).mechanism == "messages"]
+        if spans_processes and messages:
+            return messages[0]
         if preferred in allowed:
             return preferred
         if allowed:
             return allowed[0]
         if tuple(among) == AUTO_ORDER:
             raise NativeUnavailableError(
-                f"jaxoverlap: no transport can run here: {reasons['nccl']}")
+                f"jaxoverlap: no transport can run here: {reasons[AUTO_ORDER[-1]]}")
         raise NativeUnavailableError(
             f"jaxoverlap: none of {tuple(among)} can run here: "
             + "; ".join(f"{t}: {reasons[t]}" for t in among))
@@ -252,7 +254,7 @@ def fused_device_reason(platform: str) -> str | None:
     """Why this process's devices of ``platform`` cannot run the fused GEMM (None: they can).
 
     The host executor runs its semantics on CPU; on GPUs it is sm_90a code, which runs on
-    compute capability 9.0 only (docs/gpu.md §10): every GPU of the process must be one.
+    compute capability 9.0 only (docs/gpu-internals.md §5): every GPU of the process must be one.
     """
     if platform not in GPU_PLATFORMS:
         return None if platform == "cpu" else f"no fused GEMM on platform {platform!r}"

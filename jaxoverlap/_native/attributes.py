@@ -1,33 +1,37 @@
 """The custom call's attributes: one schema, and the one function that makes them.
 
 Every attribute the handlers bind is one entry of :data:`SCHEMA`, in the order of the C++
-struct that decodes them (``CallAttrs`` in ``cpp/ffi/ffi_call.h``, whose
-``XLA_FFI_REGISTER_STRUCT_ATTR_DECODING`` list initialises its members in that order): its
-name, its C++ type (the attribute is made with exactly that type: XLA's decoding checks it) and
-how its value comes from the call's plan (``_plan.OpPlan``), its description
+list that declares and decodes them (``JO_CALL_ATTRS`` in ``cpp/ffi/ffi_call.h``): its name,
+its C++ type (the attribute is made with exactly that type: the decoding checks it) and how its
+value comes from the call's plan (``_plan.OpPlan``), its description
 (``_executors.call.NativeCall``: the transport decided and whether the call runs fused, the
 clique key and the rank table) and x's abstract value — but for the site key, which the
 lowering rule computes where the call lowers (``site_key``, from :func:`naming` and the
-lowering context) and hands in. :func:`attributes` is
-the only place a value is made; ``tests/native/test_attributes.py`` holds the C++ struct and
-docs/native.md §6 to this schema. Adding an attribute is one entry here and one member of
-``CallAttrs``.
+lowering context) and hands in. :func:`attributes` is the only place a value is made;
+``tests/native/test_attributes.py`` holds the C++ list (``JO_CALL_ATTRS``) and docs/native.md
+§6 to this schema. Adding an attribute is one entry here and one row of ``JO_CALL_ATTRS``.
+
+A serialized program may be run by another version of the library: the first two attributes
+say which schema the others were made with (:func:`schema_id`, a fingerprint of this list and
+of the kinds whose ids they carry, ``_kinds``) and which version made them; the handlers check
+the schema before they decode anything else (``ffi_call.h`` ``CheckSchema``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoverlap import _precision
+from jaxoverlap import _kinds, _precision
 from jaxoverlap._config import timeout_ms
-from jaxoverlap._executors import capabilities
 from jaxoverlap._executors.call import NativeCall
-from jaxoverlap._plan import AR_ALGORITHMS, OPS, OpPlan
+from jaxoverlap._plan import OpPlan
+from jaxoverlap._version import __version__
 
 # The C++ member types an attribute may have, and how its Python value is made exactly so.
 ENCODERS: dict[str, Callable[[Any], Any]] = {
@@ -35,6 +39,7 @@ ENCODERS: dict[str, Callable[[Any], Any]] = {
     "int64_t": np.int64,
     "bool": bool,
     "ffi::Span<const int64_t>": lambda v: np.asarray(v, np.int64),
+    "std::string_view": str,
 }
 
 
@@ -61,8 +66,14 @@ def _tf32(plan: OpPlan, x) -> bool:
 
 
 SCHEMA: tuple[Attribute, ...] = (
-    Attribute("op", "int32_t", "0 ag_matmul, 1 matmul_rs, 2 matmul_ar",
-              lambda plan, call, x: OPS.index(plan.op)),
+    Attribute("schema", "int64_t", "the schema the attributes were made with: a fingerprint of "
+              "this list and of the kinds their values index (never another layout's)",
+              lambda plan, call, x: schema_id(), names_site=False),
+    Attribute("jaxoverlap", "std::string_view", "the version that lowered the call (the "
+              "schema check's error names it)", lambda plan, call, x: __version__,
+              names_site=False),
+    Attribute("op", "int32_t", "the op: its id in the kinds' table (§8)",
+              lambda plan, call, x: _kinds.op(plan.op).id),
     Attribute("clique_key", "int64_t", "the call's clique, the same in every process",
               lambda plan, call, x: call.clique_key),
     Attribute("site_key", "int64_t", "the call site: what the call is and where in its program, "
@@ -71,18 +82,19 @@ SCHEMA: tuple[Attribute, ...] = (
               "but the last)", lambda plan, call, x: plan.axis),
     Attribute("axis_size", "int64_t", "N, the number of ranks of the mesh axis",
               lambda plan, call, x: plan.axis_size),
-    Attribute("transport", "int32_t", "0 nccl, 1 p2p, 2 multicast",
-              lambda plan, call, x: capabilities.transports().index(call.transport)),
+    Attribute("transport", "int32_t", "the resolved transport: its id in the kinds' table",
+              lambda plan, call, x: _kinds.transport(call.transport).id),
     Attribute("chunks", "int64_t", "sub-chunks per shard (matmul_ar: per block)",
               lambda plan, call, x: plan.chunks),
     Attribute("bidirectional", "bool", "both directions of the ring",
               lambda plan, call, x: plan.bidirectional),
     Attribute("tf32", "bool", "float32 GEMMs may use TF32 (the precision allows it; false "
               "for half types)", lambda plan, call, x: _tf32(plan, x)),
-    Attribute("algorithm", "int32_t", "matmul_ar: 0 two-shot, 1 one-shot; 0 for the others",
-              lambda plan, call, x: AR_ALGORITHMS.index(plan.algorithm)),
-    Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (ag_matmul, "
-              "matmul_rs over p2p or multicast; docs/gpu.md §10)",
+    Attribute("algorithm", "int32_t", "matmul_ar's algorithm: its id in the kinds' table "
+              "(two-shot, 0, for the ops without one-shot)",
+              lambda plan, call, x: _kinds.AR_ALGORITHMS.index(plan.algorithm)),
+    Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (the fused "
+              "column of the ops and transports; docs/gpu-internals.md §5)",
               lambda plan, call, x: call.fused),
     Attribute("timeout_ms", "int64_t", "milliseconds any wait of the call may take",
               lambda plan, call, x: timeout_ms(plan.timeout_s), names_site=False),
@@ -94,6 +106,31 @@ SCHEMA: tuple[Attribute, ...] = (
     Attribute("ordinals", "ffi::Span<const int64_t>", "each rank's local device ordinal",
               lambda plan, call, x: [r.ordinal for r in call.ranks], names_site=False),
 )
+
+
+# Bump when an attribute's meaning changes while the list and the kinds stay (the handlers'
+# kSchemaRevision, ffi_call.h, is the same number).
+SCHEMA_REVISION = 1
+
+
+def schema_text() -> str:
+    """What :func:`schema_id` hashes, as ``ffi_call.h`` ``SchemaText`` writes it: the revision,
+    every attribute (name and C++ type) in order, and the kinds' names in id order."""
+    text = f"jaxoverlap attributes {SCHEMA_REVISION}:"
+    text += "".join(f" {a.name} {a.ctype};" for a in SCHEMA)
+    for kind, rows in (("ops", _kinds.OPS), ("transports", _kinds.TRANSPORTS),
+                       ("algorithms", _kinds.ALGORITHMS)):
+        text += f" {kind}:" + "".join(f" {r.name}" for r in rows) + ";"
+    return text
+
+
+@functools.cache
+def schema_id() -> int:
+    """The schema fingerprint every native call carries (FNV-1a, 64 bits, as a signed i64)."""
+    h = 0xcbf29ce484222325
+    for byte in schema_text().encode():
+        h = ((h ^ byte) * 0x100000001b3) % (1 << 64)
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 def naming(plan: OpPlan, call: NativeCall, x) -> dict[str, Any]:

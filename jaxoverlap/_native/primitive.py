@@ -17,8 +17,8 @@ FP8: x and w may be float8 (``capabilities.FP8_DTYPES``), each with its float32 
 scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(float32) *
 x_scale``). The scales are always operands of the custom call (1.0 for an operand that is not
 fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). On GPUs an fp8 w
-is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major, docs/gpu.md
-§11).
+is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major,
+docs/gpu-internals.md §6).
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from jax._src import core
 from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
-from jaxoverlap import _precision
+from jaxoverlap import _kinds, _precision
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._executors import bootstrap, capabilities, runtime
 from jaxoverlap._executors.call import describe, ranks
 from jaxoverlap._native.attributes import attributes, naming
 from jaxoverlap._native.site_key import site_key
-from jaxoverlap._plan import AG, AR, OPS, RS, OpPlan
+from jaxoverlap._plan import AG, AR, RS, OpPlan
 
 _TARGETS = {
-    "cpu": {op: f"jaxoverlap_{op}" for op in OPS},
-    "cuda": {op: f"jaxoverlap_cuda_{op}" for op in OPS},
+    "cpu": {op.name: f"jaxoverlap_{op.name}" for op in _kinds.OPS},
+    "cuda": {op.name: f"jaxoverlap_cuda_{op.name}" for op in _kinds.OPS},
 }
 
 # ---------------------------------------------------------------- the primitive
@@ -61,21 +61,16 @@ def _abstract_eval(x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathe
     # holds the same values: the type system cannot prove it); matmul_ar's sum is the same on
     # every rank of axis_name, as psum's.
     del x_scale, w_scale, coords
-    shape = list(x.shape)
-    out = _out_dtype(plan, x)
-    if plan.op == AR:
-        y = x.update(shape=(*shape[:-1], w.shape[1]), dtype=out)
+    # The results' shapes by the op's rows rule (_kinds; the handlers' CanonicalProblem).
+    shapes = _kinds.canonical_problem(plan.op, x.shape, w.shape, plan.axis, plan.axis_size,
+                                      plan.algorithm)
+    y = x.update(shape=shapes.y, dtype=_out_dtype(plan, x))
+    if _kinds.op(plan.op).collective == "all_reduce":
         return [with_varying(y, (varying_axes(x) | varying_axes(w)) - {plan.axis_name})]
-    if plan.op == AG:
-        shape[plan.axis] *= plan.axis_size
-        outs = [x.update(shape=(*shape[:-1], w.shape[1]), dtype=out)]
-        if return_gathered:
-            outs.append(x.update(shape=tuple(shape), dtype=x.dtype))
-        return outs
-    assert shape[plan.axis] % plan.axis_size == 0, (x.shape, plan)
-    shape[plan.axis] //= plan.axis_size
-    shape[-1] = w.shape[1]
-    return [x.update(shape=tuple(shape), dtype=out)]
+    outs = [y]
+    if return_gathered:
+        outs.append(x.update(shape=shapes.x_gathered, dtype=x.dtype))
+    return outs
 
 
 native_p.def_abstract_eval(_abstract_eval)
@@ -143,7 +138,7 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
         if capabilities.is_fp8(w_aval.dtype):
             # K-major w ([n, k] in memory: minor-to-major (0, 1)), as cuBLASLt's FP8 GEMMs take
             # it: XLA makes the transposed copy before the call (fused into w's producer where
-            # it can), docs/gpu.md §11.
+            # it can), docs/gpu-internals.md §6.
             layouts = [None, (0, 1), None, None]
     rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False,
                                 operand_layouts=layouts)

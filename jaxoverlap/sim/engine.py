@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxoverlap import _kinds
 from jaxoverlap.sim import fused, model
 from jaxoverlap.sim.presets import Preset
 
@@ -157,6 +158,15 @@ class _Engine:
     def elem(self, rank: int) -> int:
         return int(self.programs[rank]["elem_bytes"])
 
+    def carrier(self, rank: int, mechanism: str) -> str:
+        """The transport whose rates a transfer of ``mechanism`` (what its op kind does: a
+        peer copy, a multicast store or load-reduce, a Send/Recv) is charged at: the program's
+        own transport where it has that mechanism, else the first that does (``_kinds``)."""
+        own = self.programs[rank].get("transport")
+        if own is not None and _kinds.transport(own).mechanism == mechanism:
+            return own
+        return next(t.name for t in _kinds.TRANSPORTS if t.mechanism == mechanism)
+
     def transfer(self, transport: str, nbytes: int, ports: tuple[tuple[str, int], ...],
                  memory: tuple[int, ...], sm_user: tuple[str, tuple[int, ...]] | None,
                  on_done: Callable[[], None], hops: int = 1, sms: int = 0) -> None:
@@ -253,16 +263,19 @@ class _Engine:
             if dst == r:  # local copy: HBM traffic on the copy engine
                 self.at(self.now + model.elementwise_time(p, op["bytes"], 2), done)
             else:
-                self.transfer("p2p", op["bytes"], (("out", r), ("in", dst)), (r, dst), None,
-                              done, hops=int(op.get("hops", 1)))
+                self.transfer(self.carrier(r, "peer_copies"), op["bytes"],
+                              (("out", r), ("in", dst)), (r, dst), None, done,
+                              hops=int(op.get("hops", 1)))
         elif kind == "McStore":  # the switch replicates: every peer's memory is written
             peers = tuple(q for q in range(self.n) if q != r)
-            self.transfer("multicast", op["bytes"], (("out", r), *(("in", q) for q in peers)),
-                          (r, *peers), ("mc", (r,)), done)
+            self.transfer(self.carrier(r, "multicast"), op["bytes"],
+                          (("out", r), *(("in", q) for q in peers)), (r, *peers), ("mc", (r,)),
+                          done)
         elif kind == "McReduce":  # every peer's memory is read, the switch reduces
             peers = tuple(q for q in range(self.n) if q != r)
-            self.transfer("multicast", op["bytes"], (("in", r), *(("out", q) for q in peers)),
-                          (r, *peers), ("mc", (r,)), done, sms=self.budget(r, op))
+            self.transfer(self.carrier(r, "multicast"), op["bytes"],
+                          (("in", r), *(("out", q) for q in peers)), (r, *peers), ("mc", (r,)),
+                          done, sms=self.budget(r, op))
         else:
             raise SimulationError(f"rank {r}: op kind {kind!r} has no cost model")
 
@@ -305,8 +318,9 @@ class _Engine:
                     a()
                     b()
 
-                self.transfer("nccl", op["bytes"], (("out", src), ("in", dst)), (src, dst),
-                              ("nccl", (src, dst)), both, hops=int(op.get("hops", 1)))
+                self.transfer(self.carrier(r, "messages"), op["bytes"],
+                              (("out", src), ("in", dst)), (src, dst), ("nccl", (src, dst)),
+                              both, hops=int(op.get("hops", 1)))
             else:
                 self.posted[mine] = done
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxoverlap import _kinds
 from jaxoverlap.sim import confidence, model
 from jaxoverlap.sim.engine import simulate_programs
 from jaxoverlap.sim.model import Shape
@@ -198,9 +199,8 @@ def fit_collectives(p: Preset, points: Sequence[CollectivePoint]) -> Preset:
             rhs.append(1.0)
         sizes = {(c.nranks, model.op_spec(c.op).bus_factor(c.nranks) * c.nbytes) for c in pts}
         a, b = nnls(np.array(rows), np.array(rhs))[0] if len(sizes) > 1 else (None, None)
-        ramp_key, bw_key = {"nccl": ("nccl_ramp_us", "nccl_gbps"),
-                            "p2p": ("ce_ramp_us", "p2p_gbps"),
-                            "multicast": ("mc_ramp_us", "multicast_gbps")}[transport]
+        keys = _kinds.transport(transport).preset
+        ramp_key, bw_key = keys.ramp_us, keys.gbps
         if a is None or b <= 0:  # one size: keep the ramp, solve the bandwidth (mean)
             rates = []
             for c in pts:

@@ -1,7 +1,7 @@
 """The fused path (a model): one persistent GEMM whose tiles wait on per-block flags.
 
 The fused programs are the executors' own (``_host.build_program(..., fused=True)``,
-docs/native.md §3 and docs/gpu.md §10): the compute stream runs ONE ``FusedGemm`` op over
+docs/native.md §3 and docs/gpu-internals.md §5): the compute stream runs ONE ``FusedGemm`` op over
 every row block instead of a GEMM per block. All-gather + GEMM: the kernel waits for each
 block's flag before loading its rows (the transfers are today's: copy engine or switch).
 GEMM + reduce-scatter: the kernel only releases, each destination's partial once its tiles
@@ -49,7 +49,7 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
     if transport not in TRANSPORTS:
         return (f"transport {transport!r}: the fused GEMM runs only with {TRANSPORTS}; a "
                 "persistent kernel holding every SM while an NCCL kernel waits for SMs can "
-                "deadlock (docs/gpu.md §10)")
+                "deadlock (docs/gpu-internals.md §5)")
     if not p.fused_gemm:
         return (f"preset {p.name!r} (compute capability {p.compute_capability}): the fused "
                 "GEMM is sm_90a code and runs on compute capability 9.0 (Hopper) only")

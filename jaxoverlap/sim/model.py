@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxoverlap import _kinds
 from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes, output_dtype
 
 US = 1e-6
@@ -68,11 +69,7 @@ class OpSpec:
         return (nranks - 1) / nranks
 
 
-OPS: dict[str, OpSpec] = {
-    "ag_matmul": OpSpec("all_gather", "k"),
-    "matmul_rs": OpSpec("reduce_scatter", "n"),
-    "matmul_ar": OpSpec("all_reduce", "n"),
-}
+OPS: dict[str, OpSpec] = {o.name: OpSpec(o.collective, o.communicates) for o in _kinds.OPS}
 
 
 def op_spec(op: str) -> OpSpec:
@@ -234,14 +231,12 @@ def pipelined_time(ramp: float, x: float) -> float:
 
 def transport_latency(p: Preset, transport: str) -> float:
     """Fixed start of one transfer op (launch, and for NCCL the send/recv rendezvous)."""
-    return {"nccl": p.nccl_latency_us, "p2p": p.ce_latency_us,
-            "multicast": p.mc_latency_us}[transport] * US
+    return getattr(p, _kinds.transport(transport).preset.latency_us) * US
 
 
 def transport_ramp(p: Preset, transport: str) -> float:
     """Per-hop pipeline overhead of a transport (the ``ramp`` of ``pipelined_time``)."""
-    return {"nccl": p.nccl_ramp_us, "p2p": p.ce_ramp_us,
-            "multicast": p.mc_ramp_us}[transport] * US
+    return getattr(p, _kinds.transport(transport).preset.ramp_us) * US
 
 
 def transfer_gbps(p: Preset, transport: str, collective: bool = False) -> float:
@@ -285,7 +280,7 @@ def collective_bytes(op: str, nranks: int, batch: int, rows: int, k: int, n: int
     element), the reductions the GEMM's output (fp8 operands: bfloat16)."""
     moves_x = op_spec(op).comm_cols == "k"
     cols = k if moves_x else n
-    whole = rows if op == "matmul_ar" else nranks * rows
+    whole = rows if _kinds.op(op).rows == "all" else nranks * rows
     return batch * whole * cols * dtype_bytes(dtype if moves_x else output_dtype(dtype))
 
 

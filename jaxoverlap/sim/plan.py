@@ -12,6 +12,7 @@ import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from jaxoverlap import _kinds
 from jaxoverlap.sim import fused as fused_path
 from jaxoverlap.sim import model
 from jaxoverlap.sim.confidence import outside_calibrated
@@ -26,7 +27,7 @@ from jaxoverlap.sim.presets import (
 
 OPS = tuple(model.OPS)
 IMPLS = ("xla", "ring", "native")
-ALGORITHMS = ("two_shot", "one_shot")  # matmul_ar's (docs/native.md §3)
+ALGORITHMS = _kinds.AR_ALGORITHMS  # matmul_ar's (docs/native.md §3)
 # The pure-JAX ring (impl="ring") runs the NCCL ring schedule through XLA's
 # collective-permute; each step also writes its GEMM output into the result with a
 # dynamic-update-slice (one read + one write of the output block) — modelled as
@@ -60,7 +61,7 @@ class Candidate:
                 f"{fused_path.TRANSPORTS} (got impl={self.impl!r}, transport="
                 f"{self.transport!r}, algorithm={self.algorithm!r}); never nccl: a persistent "
                 "kernel holding every SM while an NCCL kernel waits for SMs can deadlock "
-                "(docs/gpu.md §10)")
+                "(docs/gpu-internals.md §5)")
 
     @property
     def label(self) -> str:
@@ -150,9 +151,9 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
 
     dtype = canonical_dtype(dtype)
     rows = shape.rows
-    if op == "matmul_ar" and algorithm == "two_shot":
+    if _kinds.op(op).rows == "all" and algorithm == "two_shot":
         if rows % nranks:
-            raise ValueError(f"the two-shot matmul_ar splits its {rows} rows into {nranks} "
+            raise ValueError(f"the two-shot {op} splits its {rows} rows into {nranks} "
                              "blocks: they do not divide")
         rows //= nranks  # the program's problem: rows per block
     host = load_host()
@@ -171,7 +172,7 @@ def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
                    preset: Preset, transport: str = "nccl") -> tuple[float, float]:
     """(T_gemm of the whole unchunked GEMM, T_comm of the standalone collective)."""
     # AG: gathered rows; RS: full rows of the local x; AR: all rows
-    m = shape.rows if op == "matmul_ar" else nranks * shape.rows
+    m = shape.rows if _kinds.op(op).rows == "all" else nranks * shape.rows
     t_gemm = model.gemm_time(preset, dtype, shape.batch, m, shape.n, shape.k)
     s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
     return t_gemm, model.collective_time(preset, transport, nranks, s, op)
@@ -239,9 +240,11 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
     impls = tuple(impls)
     allowed = tuple(t for t in (transports or p.transports) if t in p.transports)
     directions = (False, True) if nranks > 2 else (False,)
-    algorithms = tuple(algorithms) if op == "matmul_ar" else ("two_shot",)
-    two_shot = "two_shot" in algorithms and (op != "matmul_ar" or shape.rows % nranks == 0)
-    rows = shape.rows // nranks if op == "matmul_ar" else shape.rows
+    row = _kinds.op(op) if op is not None else None  # None: the plans of every op
+    all_rows = row is not None and row.rows == "all"  # the shape has every row; two-shot splits
+    algorithms = tuple(algorithms) if row is not None and row.one_shot else ("two_shot",)
+    two_shot = "two_shot" in algorithms and (not all_rows or shape.rows % nranks == 0)
+    rows = shape.rows // nranks if all_rows else shape.rows
     out: list[Candidate] = []
     if "xla" in impls:
         out.append(Candidate("xla", None))
@@ -254,7 +257,7 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
         for t in allowed:
             if two_shot:
                 for c in sorted({min(max(1, c), rows) for c in chunk_options}):
-                    for b in (directions if t != "multicast" else (False,)):
+                    for b in (directions if _kinds.transport(t).ring else (False,)):
                         out.append(Candidate("native", t, c, b))
             if "one_shot" in algorithms:
                 out.append(Candidate("native", t, 1, False, "one_shot"))
@@ -262,7 +265,7 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
             ops = (op,) if op else fused_path.OPS
             if any(fused_path.why_not(p, o, t, dtype=dtype, k=shape.k, n=shape.n) for o in ops):
                 continue
-            ring = t == "p2p" and op != "matmul_rs"
+            ring = _kinds.transport(t).ring and op != "matmul_rs"  # fused RS scatters
             for c in sorted({min(max(1, c), rows) for c in chunk_options}):
                 for b in (directions if ring else (False,)):
                     out.append(Candidate("native", t, c, b, fused=True))

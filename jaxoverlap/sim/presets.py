@@ -19,25 +19,23 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-# The short names include the executors' (a program's "dtype": f32, bf16, f16, f8e4m3fn, f8e5m2).
-_DTYPE_ALIASES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8": "float8_e4m3fn",
-                  "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "f8e4m3fn": "float8_e4m3fn",
-                  "f8e5m2": "float8_e5m2"}
+from jaxoverlap import _kinds
+
+DTYPES = _kinds.names(_kinds.DTYPES)
+FP8_DTYPES = _kinds.names(_kinds.DTYPES, fp8=True)
 
 
 def canonical_dtype(dtype: str) -> str:
-    """'bf16' -> 'bfloat16' etc.; raises on anything the executors do not support."""
-    name = _DTYPE_ALIASES.get(str(dtype), str(dtype))
-    if name not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
-    return name
+    """'bf16' -> 'bfloat16' etc. (a dtype's short name, the executors' in a program's "dtype",
+    or an alias: ``_kinds``); raises on anything the executors do not support."""
+    try:
+        return _kinds.dtype(str(dtype)).name
+    except ValueError:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}") from None
 
 
 def dtype_bytes(dtype: str) -> int:
-    name = canonical_dtype(dtype)
-    return 4 if name == "float32" else 1 if name in FP8_DTYPES else 2
+    return _kinds.dtype(canonical_dtype(dtype)).bytes
 
 
 def output_dtype(dtype: str) -> str:
@@ -61,8 +59,8 @@ FUSED_PATH_FIT = dict(ce_latency_us=16.92, ce_ramp_us=6.78, signal_latency_us=6.
 # A multicast kernel's start (sim.published.fit_one_shot): published one-shot all-reduces of
 # small messages on 8xH100, less the fused path's flag round.
 ONE_SHOT_FIT = dict(mc_latency_us=1.87)
-# The fused GEMM (docs/gpu.md §10): CUTLASS's stock sm90 kernel with 128x256 CTA tiles; its speed
-# alone relative to cuBLAS's at the same shape is an assumption from the published fused GEMMs
+# The fused GEMM (docs/gpu-internals.md §5): CUTLASS's stock sm90 kernel with 128x256 CTA tiles; its
+# speed alone relative to cuBLAS's at the same shape is an assumption from the published fused GEMMs
 # alone (sim.published.FUSED_GEMMS_ALONE; the source below says which).
 FUSED_GEMM = dict(fused_gemm_rate=0.975, fused_gemm_tile=(128, 256))
 # The chooser's margins per op (sim.published.fallback_margin): the model's worst serial
@@ -129,7 +127,7 @@ class Preset:
     host_op_us: float = FUSED_PATH_FIT["host_op_us"]
     host_call_us: float = FUSED_PATH_FIT["host_call_us"]
     # The fused GEMM (sim.fused): one persistent GEMM waiting on per-block flags. Its code is
-    # sm_90a, which runs on compute capability 9.0 alone (docs/gpu.md §10); None: unknown,
+    # sm_90a, which runs on compute capability 9.0 alone (docs/gpu-internals.md §5); None: unknown,
     # the fused path is not offered.
     compute_capability: tuple[int, int] | None = None
     fused_gemm_rate: float = FUSED_GEMM["fused_gemm_rate"]  # its speed alone / cuBLAS's
@@ -157,10 +155,10 @@ class Preset:
 
     def peak(self, dtype: str) -> float:
         """The dense peak (TFLOP/s) of a GEMM of ``dtype`` operands."""
-        name = canonical_dtype(dtype)
-        if name in FP8_DTYPES:
-            return self.peak_tflops.get("float8", self.peak_tflops["bfloat16"])
-        return self.peak_tflops[name]
+        row = _kinds.dtype(canonical_dtype(dtype))
+        if row.fp8:  # a machine without FP8 tensor cores: the BF16 rate
+            return self.peak_tflops.get(row.peak, self.peak_tflops["bfloat16"])
+        return self.peak_tflops[row.peak]
 
     def margin(self, op: str) -> float:
         """The fallback margin for ``op``; an op without one gets the largest the preset has
@@ -176,17 +174,13 @@ class Preset:
 
     @property
     def transports(self) -> tuple[str, ...]:
-        """Transports this machine supports: nccl always, p2p and multicast when present."""
-        out = ["nccl"]
-        if self.p2p_gbps:
-            out.append("p2p")
-        if self.multicast_gbps:
-            out.append("multicast")
-        return tuple(out)
+        """Transports this machine supports: those with a rate (``_kinds``, each transport's
+        preset keys; nccl always has one)."""
+        return tuple(t.name for t in _kinds.TRANSPORTS if getattr(self, t.preset.gbps))
 
     def transport_gbps(self, transport: str) -> float:
-        bw = {"nccl": self.nccl_gbps, "p2p": self.p2p_gbps,
-              "multicast": self.multicast_gbps}.get(transport)
+        known = transport in _kinds.names(_kinds.TRANSPORTS)
+        bw = getattr(self, _kinds.transport(transport).preset.gbps) if known else None
         if not bw:
             raise ValueError(f"preset {self.name!r} does not support transport {transport!r} "
                              f"(supports {self.transports})")
@@ -251,9 +245,9 @@ _FUSED_RATE = ("assumption from published fused GEMMs alone against cuBLAS at th
                "(bytedance/flux README, H800 and A800), symm-mem's Triton persistent GEMM "
                "0.975-1.01 with 128x256 / 256x128 tiles at K >= 8192, 0.82-0.90 with 128x128 "
                "tiles or K = 4096 (yifuwang/symm-mem-recipes README); ours is CUTLASS's stock "
-               "sm90 kernel with 128x256 tiles (docs/gpu.md §10), taken at the low end of the "
-               "large-tile ratios. Never measured: refit on a GPU")
-_FUSED_TILE = "docs/gpu.md §10: the fused GEMM's CTA tile, 128 x 256 x 64"
+               "sm90 kernel with 128x256 tiles (docs/gpu-internals.md §5), taken at the low end "
+               "of the large-tile ratios. Never measured: refit on a GPU")
+_FUSED_TILE = "docs/gpu-internals.md §5: the fused GEMM's CTA tile, 128 x 256 x 64"
 _REDUCE_SM = ("assumption: Triton-distributed reduces on 15-16 SMs of an H800, "
               "'16 are enough ... The reduction kernel bandwidth is not a bottleneck if it "
               "exceeds 450GB' (ByteDance-Seed/Triton-distributed, python/triton_dist/kernels/"
@@ -496,7 +490,7 @@ PRESETS: dict[str, Preset] = {
                 "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
                 "sms": "B200: 148 SMs (datasheet)",
                 "compute_capability": _CC.format("B200 10.0 (no fused GEMM: sm_90a code does "
-                                                 "not run on it, docs/gpu.md §10)"),
+                                                 "not run on it, docs/gpu-internals.md §5)"),
                 "hbm_gbps": "NVIDIA B200 datasheet, 8 TB/s",
                 "link_gbps": "NVLink5: 1.8 TB/s bidirectional -> 900 per direction (datasheet)",
                 "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]) + "; an 8xB200 node reaches "

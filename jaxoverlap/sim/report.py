@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from jaxoverlap import _kinds
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.plan import SimResult, choose, programs
 from jaxoverlap.sim.presets import FP8_DTYPES, PRESETS, Preset, canonical_dtype, load_preset
@@ -43,7 +44,7 @@ class Case:
 
     @property
     def shape(self) -> Shape:
-        if self.op == "matmul_ar":  # AR's canonical shape has all the rows
+        if _kinds.op(self.op).rows == "all":  # AR's canonical shape has all the rows
             return Shape(1, self.m, self.k, self.n)
         return Shape.from_global(self.m, self.k, self.n, self.nranks)
 

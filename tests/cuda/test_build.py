@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors import capabilities, runtime
 
 
@@ -17,9 +18,9 @@ def _so(module) -> str:
 def test_imports_and_reports_build(cuda):
     info = cuda.build_info()
     assert info["cuda_runtime_linkage"] == "static"
-    assert info["transports"] == ("nccl", "p2p", "multicast")
+    assert info["transports"] == _kinds.names(_kinds.TRANSPORTS)
     # No arch-specific (sm_90a) code but the fused GEMM's, which runs on compute capability 9.0
-    # only and is refused elsewhere (docs/gpu.md §10): the others must run on newer GPUs.
+    # only and is refused elsewhere (docs/gpu-internals.md §5): the others must run on newer GPUs.
     assert info["kernel_images"] == {"add": ("sm_80", "sm_90", "compute_90"),
                                      "fused": ("sm_90a",),
                                      "multimem": ("sm_90", "compute_90")}
@@ -76,7 +77,7 @@ def test_handlers_registered_for_cuda(cuda):
         assert target in entries, f"{target} not registered for CUDA"
         api, traits = entries[target]
         assert api == 1  # typed FFI
-        # Not command-buffer compatible (no traits: docs/gpu.md).
+        # Not command-buffer compatible (no traits: docs/gpu-internals.md §1).
         assert traits == xla_client.CustomCallTargetTraits.DEFAULT
 
 
@@ -86,7 +87,7 @@ def test_native_gpu_questions(cuda):
     assert capabilities.unavailable_reason("gpu", jnp.float32) is None
     assert capabilities.unavailable_reason("gpu", jnp.bfloat16) is None
     assert "int32" in capabilities.unavailable_reason("gpu", jnp.int32)
-    assert capabilities.transports() == ("nccl", "p2p", "multicast")
+    assert capabilities.transports() == _kinds.names(_kinds.TRANSPORTS)
 
 
 def test_info_has_a_gpu_section(cuda):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_fake import _inputs
+from .fake_cases import OPS, inputs, play, problem, spanning
 
 pytestmark = pytest.mark.jax_independent
 
@@ -20,13 +20,14 @@ def _missing_peer(fake, op, transport, rows=4, chunks=2, set_up=True, **kwargs):
     """``op`` on 4 ranks where rank 2 never calls, after a call of every rank that set the clique
     up (``set_up``); the watchdog's timeout is 200 ms (on the fake's virtual clock, which moves
     only while the fake GPU cannot progress)."""
-    xs, ws = _inputs(op, 4, 1, rows, 8, 6, "float32")
-    args = (op, transport, 4, 1, rows, 8, 6, "float32", chunks, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    p = problem(op, transport, 4, batch=1, rows=rows, k=8, nw=6, chunks=chunks)
+    xs, ws = inputs(p)
+    args = (p, xs, ws,
+            [0, 1, 2, 3])
     if set_up:
-        first = fake.run(*args, clique_key=kwargs["clique_key"], timeout_ms=200)
+        first = play(fake, *args, clique_key=kwargs["clique_key"], timeout_ms=200)
         assert first["statuses"] == [None] * 4 and fake.errors() == [], fake.errors()
-    return fake.run(*args, skip_rank=2, timeout_ms=200, **kwargs)
+    return play(fake, *args, skip_rank=2, timeout_ms=200, **kwargs)
 
 
 @pytest.mark.parametrize("transport", ["nccl", "p2p"])
@@ -70,10 +71,9 @@ def test_a_peer_missing_at_the_first_nccl_call_is_found_at_set_up(fake, op):
     here: 300 ms), as a timeout naming the connection; the communicators are aborted and the
     clique broken, nothing is enqueued and no host call waits for the device meanwhile."""
     fake.reset()
-    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
-    out = fake.run(op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
-                   clique_key=42, skip_rank=2, timeout_ms=300)
+    p = problem(op, "nccl", 4, batch=1, rows=4, k=8, nw=6, chunks=2, bidirectional=True)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, [0, 1, 2, 3], clique_key=42, skip_rank=2, timeout_ms=300)
     assert out["drained"] and fake.errors() == [], fake.errors()
     statuses = [s for r, s in enumerate(out["statuses"]) if r != 2]
     assert any(s and s.startswith("timeout") and "NCCL's connection to the peers" in s
@@ -105,16 +105,15 @@ def test_the_cliques_are_described_while_a_transport_connects(fake):
     instead of waiting for the lock until the timeout."""
     import threading
 
-    from .test_fake import _spanning
 
-    _spanning(fake, 43, [0, 1])
-    xs, ws = _inputs("matmul_rs", 2, 1, 4, 8, 6, "float32")
+    spanning(fake, 43, [0, 1])
+    xs, ws = inputs(problem("matmul_rs", "nccl", 2, batch=1, rows=4, k=8, nw=6))
     result = {}
 
     def run():
-        result["out"] = fake.run("matmul_rs", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
-                                 [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
-                                 clique_key=43, processes=[0, 1], skip_rank=1, timeout_ms=2000)
+        result["out"] = play(fake, problem("matmul_rs", "nccl", 2, batch=1, rows=4, k=8, nw=6), xs,
+                             ws, [0, 0], clique_key=43, skip_rank=1, timeout_ms=2000,
+                             processes=[0, 1])
 
     runner = threading.Thread(target=run)
     runner.start()
@@ -135,10 +134,9 @@ def _device_memory_after(fake, op, transport, rows_per_run):
     theirs so) after one run per entry of ``rows_per_run`` on one clique; and the clique."""
     fake.reset()
     for rows in rows_per_run:
-        xs, ws = _inputs(op, 4, 1, rows, 8, 6, "float32")
-        out = fake.run(op, transport, 4, 1, rows, 8, 6, "float32", 2, False, False,
-                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3],
-                       clique_key=44)
+        p = problem(op, transport, 4, batch=1, rows=rows, k=8, nw=6, chunks=2)
+        xs, ws = inputs(p)
+        out = play(fake, p, xs, ws, [0, 1, 2, 3], clique_key=44)
         assert out["statuses"] == [None] * 4 and fake.errors() == [], (out["statuses"],
                                                                       fake.errors())
     counters = fake.counters()
@@ -152,7 +150,7 @@ def test_outgrown_buffers_are_freed_once_no_call_uses_them(fake, transport):
     generation and done with its old scratch, so the third run's set-up frees them, and the
     executor holds exactly what 8-row calls alone need. Before, a retired scratch was never
     freed and a past generation lived until the next growth."""
-    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+    for op in OPS:
         grown, described = _device_memory_after(fake, op, transport, [4, 8, 8])
         alone, _ = _device_memory_after(fake, op, transport, [8, 8, 8])
         assert grown == alone, (op, grown, alone, described)

@@ -2,81 +2,25 @@
 
 ``_cuda_fake`` links the executor (everything but the device kernels) against
 cpp/cuda/fake: a model of exactly the CUDA runtime/driver, cuBLASLt and NCCL
-calls it makes (see fake_runtime.h). ``run`` (fake_harness.h) drives ``CudaSite::Enqueue`` — what
-the CUDA FFI handlers call — for every rank on its own host thread, then lets
+calls it makes (see fake_runtime.h). ``run`` (fake_harness.h) drives ``CudaSite::Enqueue`` —
+what the CUDA FFI handlers call — for every rank on its own host thread, then lets
 the fake "GPU" execute the queues in a seeded random interleaving. Results
 must match a float64 reference for every transport; the fake must have seen
 no misuse (out-of-range pointer, missing peer access, unmodeled cuBLASLt
-attribute, mismatched send/recv, deadlock, ...).
+attribute, mismatched send/recv, deadlock, ...). The cases and the check are
+``fake_cases``.
 """
 
 from __future__ import annotations
 
 import itertools
 
-import ml_dtypes
-import numpy as np
 import pytest
+
+from .fake_cases import OPS, TRANSPORTS, check, inputs, play, problem, run_case, spanning
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
-
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-TOL = {"float32": dict(rtol=1e-5, atol=1e-4), "bfloat16": dict(rtol=2e-2, atol=3e-2),
-       "float16": dict(rtol=2e-2, atol=3e-2)}
-
-
-def _inputs(op, n, batch, rows, k, nw, dtype, seed=0, algorithm="two_shot"):
-    rng = np.random.default_rng(seed)
-    np_dtype = DTYPES[dtype]
-    # AG: the local shard; one-shot AR: all its rows; RS, two-shot AR: N blocks of rows
-    x_rows = rows if op == "ag_matmul" or algorithm == "one_shot" else rows * n
-    xs = [rng.standard_normal((batch, x_rows, k)).astype(np.float32).astype(np_dtype)
-          for _ in range(n)]
-    ws = [rng.standard_normal((k, nw)).astype(np.float32).astype(np_dtype) for _ in range(n)]
-    return xs, ws
-
-
-def _reference(op, xs, ws, rows):
-    x64 = [x.astype(np.float64) for x in xs]
-    w64 = [w.astype(np.float64) for w in ws]
-    if op == "ag_matmul":
-        gathered = np.concatenate(x64, axis=1)
-        return [gathered @ w for w in w64], gathered
-    total = sum(x @ w for x, w in zip(x64, w64, strict=True))
-    if op == "matmul_ar":  # every rank holds the whole sum
-        return [total] * len(xs), None
-    return [total[:, r * rows:(r + 1) * rows] for r in range(len(xs))], None
-
-
-def run_case(fake, op, transport, n, *, batch=2, rows=3, k=8, nw=6, dtype="float32", chunks=1,
-             bidirectional=False, return_gathered=False, devices=None, calls=1, clique_key=7,
-             timeout_ms=120000, algorithm="two_shot"):
-    xs, ws = _inputs(op, n, batch, rows, k, nw, dtype, algorithm=algorithm)
-    devices = list(range(n)) if devices is None else devices
-    out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional,
-                   return_gathered, [x.tobytes() for x in xs], [w.tobytes() for w in ws],
-                   devices, clique_key=clique_key, calls=calls, timeout_ms=timeout_ms,
-                   algorithm=algorithm)
-    return out, xs, ws
-
-
-def check(fake, out, op, xs, ws, rows, dtype, return_gathered=False):
-    assert out["statuses"] == [None] * len(xs), out["statuses"]
-    assert out["drained"], fake.errors()
-    assert fake.errors() == []
-    refs, gathered = _reference(op, xs, ws, rows)
-    np_dtype = DTYPES[dtype]
-    for r, (y, ref) in enumerate(zip(out["ys"], refs, strict=True)):
-        got = np.frombuffer(y, np_dtype).reshape(ref.shape).astype(np.float64)
-        np.testing.assert_allclose(got, ref, **TOL[dtype], err_msg=f"rank {r}")
-    if op == "matmul_ar":  # the same sum on every rank, bit for bit (as psum's)
-        assert all(y == out["ys"][0] for y in out["ys"]), "ranks' sums differ"
-    if return_gathered:
-        for g in out["x_gathered"]:
-            got = np.frombuffer(g, np_dtype).reshape(gathered.shape).astype(np.float64)
-            np.testing.assert_array_equal(got, gathered)
-
 
 CASES = [
     # (n, batch, rows, k, nw, chunks, bidirectional)
@@ -90,7 +34,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}b{}r{}k{}n{}c{}{}".format(
     *c[:6], "bi" if c[6] else ""))
@@ -102,26 +46,26 @@ def test_every_transport_matches_reference(fake, op, transport, case):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("op", OPS)
 def test_half_dtypes(fake, op, transport, dtype):
     out, xs, ws = run_case(fake, op, transport, 4, batch=2, rows=4, k=8, nw=6, dtype=dtype,
                            chunks=2, bidirectional=True)
     check(fake, out, op, xs, ws, 4, dtype)
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_return_gathered(fake, transport):
     out, xs, ws = run_case(fake, "ag_matmul", transport, 4, chunks=2, return_gathered=True)
     check(fake, out, "ag_matmul", xs, ws, 3, "float32", return_gathered=True)
 
 
 @pytest.mark.parametrize("seed", [2, 3, 4])
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_other_interleavings_and_back_to_back_calls(fake, transport, seed):
     """Five calls queued before the GPU runs any: epochs, parities, flags, events reused."""
     fake.reset(fake.Config(seed=seed))
-    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+    for op in OPS:
         out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True, calls=5)
         check(fake, out, op, xs, ws, 3, "float32")
     # matmul_ar one-shot, rows that do not split over the 4 ranks
@@ -133,13 +77,13 @@ def test_other_interleavings_and_back_to_back_calls(fake, transport, seed):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_one_shot_half_dtypes(fake, dtype):
     """The one-shot GEMM + all-reduce in half types: every transport, a batch of one row."""
-    for key, transport in enumerate(("nccl", "p2p", "multicast"), 10):
+    for key, transport in enumerate(TRANSPORTS, 10):
         out, xs, ws = run_case(fake, "matmul_ar", transport, 4, batch=1, rows=1, k=8, nw=6,
                                dtype=dtype, algorithm="one_shot", clique_key=key)
         check(fake, out, "matmul_ar", xs, ws, 1, dtype)
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_workspace_growth_keeps_old_buffers(fake, transport):
     """A larger call on a live clique gets a new buffer generation; both shapes stay right."""
     for rows in (2, 6, 3):
@@ -214,7 +158,7 @@ MISUSES = {
     "device synchronisation behind a wait that never ends": "would block forever",
     # TF32 compute asked for matrices that are not float32 (cuBLAS docs, cublasComputeType_t).
     "cublasLt tf32 with bf16": "FAST_TF32",
-    # The fused GEMM (docs/gpu.md §10): enqueued, with work that waits for it, before the
+    # The fused GEMM (docs/gpu-internals.md §5): enqueued, with work that waits for it, before the
     # rank's own outgoing copy, on one work queue (the issue order's rule);
     "fused GEMM enqueued before its own outgoing copy": "behind it in this queue",
     # a kernel the fused GEMM's peers wait for queued behind it: the fused GEMM holds every SM
@@ -307,17 +251,17 @@ def test_ranks_disagreeing_on_the_call(fake, transport):
     enqueued the call wait on the "GPU" (a deadlock in the fake): no GPU-side timeout yet. With
     nccl, peers still connecting at set-up give up when the clique breaks (their connecting
     groups released by aborting the communicators); those already past it wait likewise."""
-    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
-    args = ("ag_matmul", transport, 4, 1, 4, 8, 6, "float32", 1, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
-    out = fake.run(*args, clique_key=5, skew_rank=2)
+    p = problem("ag_matmul", transport, 4, batch=1, rows=4, k=8, nw=6)
+    xs, ws = inputs(p)
+    args = (p, xs, ws, [0, 1, 2, 3])
+    out = play(fake, *args, clique_key=5, skew_rank=2)
     failed = [s for s in out["statuses"] if s]
     assert failed and all("ranks disagree on call 1" in s for s in failed), out["statuses"]
     assert "chunks=2" in failed[0] and "chunks=1" in failed[0]
     if transport != "nccl":
         assert not out["drained"] and "deadlock" in fake.errors()[-1]
     assert all(e.startswith("deadlock: no work queue") for e in fake.errors()), fake.errors()
-    again = fake.run(*args, clique_key=5)
+    again = play(fake, *args, clique_key=5)
     assert all(s and "aborted by an earlier failure" in s for s in again["statuses"])
 
 
@@ -326,12 +270,12 @@ def test_nccl_peers_aborted_by_a_disagreement_name_it(fake):
     group may be on the GPU): a peer whose lease or connection then finds them aborted names the
     disagreement, not only the abort. Which peer gets there first is a race, so the calls are
     played many times (before the fix about one run in four had a peer fail without naming it)."""
-    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
-    args = ("ag_matmul", "nccl", 4, 1, 4, 8, 6, "float32", 1, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    p = problem("ag_matmul", "nccl", 4, batch=1, rows=4, k=8, nw=6)
+    xs, ws = inputs(p)
+    args = (p, xs, ws, [0, 1, 2, 3])
     for _ in range(50):
         fake.reset()
-        out = fake.run(*args, clique_key=5, skew_rank=2)
+        out = play(fake, *args, clique_key=5, skew_rank=2)
         failed = [s for s in out["statuses"] if s]
         assert failed and all("ranks disagree on call 1" in s for s in failed), out["statuses"]
 
@@ -341,22 +285,22 @@ def test_ranks_in_different_call_sites_disagree_naming_both_sites(fake):
     process does when it compiles its program): ranks whose sites have the same key run as one
     site, whatever else was instantiated before; ranks that reach the group's clique from two
     different sites at the same epoch fail naming both sites, never exchange data."""
-    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
-    args = ("ag_matmul", "nccl", 4, 1, 4, 8, 6, "float32", 1, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
-    same = fake.run(*args, clique_key=11, site_keys=[0x5EED] * 4)
+    p = problem("ag_matmul", "nccl", 4, batch=1, rows=4, k=8, nw=6)
+    xs, ws = inputs(p)
+    args = (p, xs, ws, [0, 1, 2, 3])
+    same = play(fake, *args, clique_key=11, site_keys=[0x5EED] * 4)
     check(fake, same, "ag_matmul", xs, ws, 4, "float32")
     fake.reset(fake.Config(devices=4))
-    other = fake.run(*args, clique_key=12, site_keys=[0x5EED, 0x5EED, 0xF00D, 0x5EED])
+    other = play(fake, *args, clique_key=12, site_keys=[0x5EED, 0x5EED, 0xF00D, 0x5EED])
     failed = [s for s in other["statuses"] if s]
     assert failed and all("ranks disagree on call 1" in s for s in failed), other["statuses"]
     assert "site 0x0000000000005eed" in failed[0] and "site 0x000000000000f00d" in failed[0]
 
 
 def test_rank_table_membership_errors_are_clean(fake):
-    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", "nccl", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], 3, 1)
+    p = problem("ag_matmul", "nccl", 2, batch=1, rows=3, k=8, nw=6)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, [0, 0], clique_key=3, calls=1)
     assert all(s and "twice" in s for s in out["statuses"])
 
 
@@ -367,7 +311,7 @@ def test_case_table_covers_every_op_kind(fake):
     host = runtime.load_host()
     kinds = set()
     for op, transport, case in itertools.product(("ag_matmul", "matmul_rs"),
-                                                 ("nccl", "p2p", "multicast"), CASES):
+                                                 TRANSPORTS, CASES):
         n, batch, rows, k, nw, chunks, bidi = case
         program = host.build_program(op, transport, n, 0, batch, rows, k, nw, "float32", chunks,
                                      bidi, op == "ag_matmul")
@@ -382,7 +326,7 @@ def _released(fake, out, transport):
     writing the flag on a stream of the same device; with one work queue per device
     (CUDA_DEVICE_MAX_CONNECTIONS=1) that write queues behind the blocked wait and never runs: the
     call is still reported and the clique broken, but that GPU stays blocked until the peer comes
-    (docs/gpu.md)."""
+    (docs/gpu-internals.md §1)."""
     if transport == "nccl" or fake.connections() > 1:
         assert out["drained"], fake.errors()  # released: the process does not hang
         assert fake.errors() == []
@@ -395,24 +339,24 @@ def _released(fake, out, transport):
 
 
 @pytest.mark.parametrize("connections", [8, 1])
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("op", OPS)
 def test_watchdog_turns_a_missing_peer_into_an_error(fake, op, transport, connections):
     """Rank 2 never makes the second call: its peers' streams wait on the "GPU". The watchdog
     reports who waits for what, releases the streams where it can (_released) and breaks the
     clique. (The first call sets the clique up: with nccl, a peer missing then is found at
     set-up, test_failure_paths.py.)"""
     fake.reset(fake.Config(grace_ms=10000, connections=connections))
-    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
-    args = (op, transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
-    assert fake.run(*args, clique_key=9, timeout_ms=200)["statuses"] == [None] * 4
-    out = fake.run(*args, clique_key=9, skip_rank=2, timeout_ms=200)
+    p = problem(op, transport, 4, batch=1, rows=4, k=8, nw=6, chunks=2)
+    xs, ws = inputs(p)
+    args = (p, xs, ws, [0, 1, 2, 3])
+    assert play(fake, *args, clique_key=9, timeout_ms=200)["statuses"] == [None] * 4
+    out = play(fake, *args, clique_key=9, skip_rank=2, timeout_ms=200)
     _released(fake, out, transport)
     warning = fake.last_warning()
     assert "not finished on GPU" in warning and "epoch 2" in warning, warning
     assert ("inside NCCL" if transport == "nccl" else "waiting for flag") in warning, warning
-    again = fake.run(*args, clique_key=9)
+    again = play(fake, *args, clique_key=9)
     assert all(s and "aborted by an earlier failure" in s and "not finished" in s
                for s in again["statuses"]), again["statuses"]
 
@@ -421,18 +365,19 @@ def test_the_watchdog_runs_on_the_fakes_virtual_clock(fake):
     """The watchdog's time is virtual: it passes only while the fake GPU cannot progress, up to
     reset's grace_ms. With less grace than the call's timeout the watchdog never fires and the
     stuck GPU is a deadlock; with more, a ten-minute timeout fires without ten minutes passing."""
-    xs, ws = _inputs("ag_matmul", 4, 1, 4, 8, 6, "float32")
-    args = ("ag_matmul", "nccl", 4, 1, 4, 8, 6, "float32", 2, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    p = problem("ag_matmul", "nccl", 4, batch=1, rows=4, k=8, nw=6, chunks=2)
+    xs, ws = inputs(p)
+    args = (p, xs, ws,
+            [0, 1, 2, 3])
     fake.reset(fake.Config(grace_ms=150, connections=8))
-    assert fake.run(*args, clique_key=30, timeout_ms=200)["statuses"] == [None] * 4  # set-up
+    assert play(fake, *args, clique_key=30, timeout_ms=200)["statuses"] == [None] * 4  # set-up
     before = fake.last_warning()
-    out = fake.run(*args, clique_key=30, skip_rank=2, timeout_ms=200)
+    out = play(fake, *args, clique_key=30, skip_rank=2, timeout_ms=200)
     assert not out["drained"] and fake.errors()[-1].startswith("deadlock"), fake.errors()
     assert fake.last_warning() == before  # nothing fired
     fake.reset(fake.Config(grace_ms=11 * 60_000, connections=8))
-    assert fake.run(*args, clique_key=31, timeout_ms=10 * 60_000)["statuses"] == [None] * 4
-    out = fake.run(*args, clique_key=31, skip_rank=2, timeout_ms=10 * 60_000)
+    assert play(fake, *args, clique_key=31, timeout_ms=10 * 60_000)["statuses"] == [None] * 4
+    out = play(fake, *args, clique_key=31, skip_rank=2, timeout_ms=10 * 60_000)
     assert out["drained"] and fake.errors() == [], fake.errors()
     assert "not finished on GPU" in fake.last_warning()
     assert "after 600.0 s" in fake.last_warning(), fake.last_warning()
@@ -452,12 +397,6 @@ def test_the_watchdog_runs_on_the_fakes_virtual_clock(fake):
 # tests/multiprocess/test_cuda_multiprocess.py moves the id between real processes.
 
 
-def _spanning(fake, key, processes, group=0):
-    uid = fake.nccl_unique_id()
-    for p in sorted(set(processes)):
-        fake.set_nccl_id(key, group, p, uid)
-
-
 @pytest.mark.parametrize("processes,devices", [
     ([0, 1], [0, 0]),              # one process per GPU, each its GPU 0 (SLURM style)
     ([0, 1, 2, 3], [0, 0, 0, 0]),
@@ -468,11 +407,11 @@ def _spanning(fake, key, processes, group=0):
 def test_clique_spanning_processes_nccl(fake, op, processes, devices):
     n = len(processes)
     fake.reset()
-    _spanning(fake, 11, processes)
-    xs, ws = _inputs(op, n, 2, 3, 8, 6, "float32")
-    out = fake.run(op, "nccl", n, 2, 3, 8, 6, "float32", 2, n > 2, op == "ag_matmul",
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
-                   clique_key=11, calls=2, processes=processes)
+    spanning(fake, 11, processes)
+    p = problem(op, "nccl", n, batch=2, rows=3, k=8, nw=6, chunks=2, bidirectional=n > 2,
+                return_gathered=op == "ag_matmul")
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, devices, clique_key=11, calls=2, processes=processes)
     check(fake, out, op, xs, ws, 3, "float32", return_gathered=op == "ag_matmul")
     counters = fake.counters()
     assert counters.get("ncclCommInitRankConfig") == n, counters
@@ -493,10 +432,9 @@ def test_clique_spanning_processes_p2p(fake, op, processes, devices):
     n = len(processes)
     fake.reset()
     for rows in (3, 5):
-        xs, ws = _inputs(op, n, 2, rows, 8, 6, "float32")
-        out = fake.run(op, "p2p", n, 2, rows, 8, 6, "float32", 2, n > 2, False,
-                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
-                       clique_key=15, calls=2, processes=processes)
+        p = problem(op, "p2p", n, batch=2, rows=rows, k=8, nw=6, chunks=2, bidirectional=n > 2)
+        xs, ws = inputs(p)
+        out = play(fake, p, xs, ws, devices, clique_key=15, calls=2, processes=processes)
         check(fake, out, op, xs, ws, rows, "float32")
     counters = fake.counters()
     # Per generation, every rank exports 2 buffers and opens its n - 1 peers' 2 buffers.
@@ -509,10 +447,9 @@ def test_clique_spanning_processes_p2p(fake, op, processes, devices):
 
 
 def test_clique_spanning_processes_p2p_closes_its_mappings(fake):
-    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=16,
-                   processes=[0, 1])
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=3, k=8, nw=6)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, [0, 0], clique_key=16, processes=[0, 1])
     check(fake, out, "ag_matmul", xs, ws, 3, "float32")
     fake._reset_cliques()
     counters = fake.counters()
@@ -526,10 +463,9 @@ def test_clique_spanning_processes_silent_process(fake, transport, devices, key)
     """Process 1 never calls: process 0's first exchange (agreeing on the kind of buffer handle;
     for multicast, process 0 is the owner) names it (the store's exchange after its timeout; the
     played one as soon as process 1 has returned)."""
-    xs, ws = _inputs("ag_matmul", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("ag_matmul", transport, 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices, clique_key=key,
-                   processes=[0, 1], skip_rank=1)
+    p = problem("ag_matmul", transport, 2, batch=1, rows=3, k=8, nw=6)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, devices, clique_key=key, skip_rank=1, processes=[0, 1])
     assert out["statuses"][0] and "process 1 did not answer" in out["statuses"][0], out
     assert "'handles'" in out["statuses"][0]
 
@@ -549,10 +485,9 @@ def test_clique_spanning_processes_multicast(fake, op, processes, devices):
     n = len(processes)
     fake.reset()
     for rows in (3, 5):
-        xs, ws = _inputs(op, n, 2, rows, 8, 6, "float32")
-        out = fake.run(op, "multicast", n, 2, rows, 8, 6, "float32", 2, False, False,
-                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
-                       clique_key=18, calls=2, processes=processes)
+        p = problem(op, "multicast", n, batch=2, rows=rows, k=8, nw=6, chunks=2)
+        xs, ws = inputs(p)
+        out = play(fake, p, xs, ws, devices, clique_key=18, calls=2, processes=processes)
         check(fake, out, op, xs, ws, rows, "float32")
     counters = fake.counters()
     generations = counters["cuMulticastCreate"]
@@ -571,10 +506,9 @@ def test_clique_spanning_processes_multicast_unshareable(fake):
     """A driver that cannot export POSIX-fd handles: the owner's export fails naming the call;
     the other process, never getting the fd, names the owner's process."""
     fake.reset(fake.Config(shareable=False))
-    xs, ws = _inputs("matmul_rs", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("matmul_rs", "multicast", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=20,
-                   processes=[0, 1])
+    p = problem("matmul_rs", "multicast", 2, batch=1, rows=3, k=8, nw=6)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, [0, 1], clique_key=20, processes=[0, 1])
     assert "cuMemExportToShareableHandle" in out["statuses"][0], out
     assert "process 0 did not answer" in out["statuses"][1], out
 
@@ -582,11 +516,10 @@ def test_clique_spanning_processes_multicast_unshareable(fake):
 def _run_spanning(fake, op, transport, processes, devices, rows, *, key, hosts=None, calls=2,
                   timeout_ms=120000):
     n = len(processes)
-    xs, ws = _inputs(op, n, 2, rows, 8, 6, "float32")
-    out = fake.run(op, transport, n, 2, rows, 8, 6, "float32", 2, n > 2, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], devices,
-                   clique_key=key, calls=calls, processes=processes, hosts=hosts,
-                   timeout_ms=timeout_ms)
+    p = problem(op, transport, n, batch=2, rows=rows, k=8, nw=6, chunks=2, bidirectional=n > 2)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, devices, clique_key=key, calls=calls, timeout_ms=timeout_ms,
+               processes=processes, hosts=hosts)
     return out, xs, ws
 
 
@@ -720,10 +653,9 @@ def test_clique_spanning_processes_without_peer_access_between_local_gpus(fake):
 
 def test_clique_spanning_processes_without_the_id(fake):
     """A process that never traced the call (no id registered) gets a clear error, not a hang."""
-    xs, ws = _inputs("matmul_rs", 2, 1, 3, 8, 6, "float32")
-    out = fake.run("matmul_rs", "nccl", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0], clique_key=13,
-                   processes=[0, 1])
+    p = problem("matmul_rs", "nccl", 2, batch=1, rows=3, k=8, nw=6)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, [0, 0], clique_key=13, processes=[0, 1])
     assert all(s and "has no NCCL unique id" in s and "jax.distributed" in s
                for s in out["statuses"]), out["statuses"]
 
@@ -732,13 +664,13 @@ def test_clique_spanning_processes_missing_peer_times_out(fake):
     """After a first call together, process 1 skips one: process 0's rank waits inside NCCL on
     the GPU; the watchdog reports it."""
     fake.reset(fake.Config(grace_ms=10000))
-    _spanning(fake, 14, [0, 1])
-    xs, ws = _inputs("ag_matmul", 2, 1, 4, 8, 6, "float32")
-    args = ("ag_matmul", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0])
-    first = fake.run(*args, clique_key=14, processes=[0, 1])
+    spanning(fake, 14, [0, 1])
+    p = problem("ag_matmul", "nccl", 2, batch=1, rows=4, k=8, nw=6)
+    xs, ws = inputs(p)
+    args = (p, xs, ws, [0, 0])
+    first = play(fake, *args, clique_key=14, processes=[0, 1])
     assert first["statuses"] == [None, None], first
-    out = fake.run(*args, clique_key=14, processes=[0, 1], skip_rank=1, timeout_ms=200)
+    out = play(fake, *args, clique_key=14, processes=[0, 1], skip_rank=1, timeout_ms=200)
     assert out["drained"], fake.errors()
     warning = fake.last_warning()
     assert "not finished on GPU" in warning and "inside NCCL" in warning, warning
@@ -748,17 +680,17 @@ def test_nccl_communicator_creation_has_a_deadline(fake):
     """Process 1 never makes its first call: process 0's communicator creation (which needs
     every rank to join) does not wait forever: after the call's timeout it fails saying so, and
     the half-made communicator is aborted. The process goes on (a later call fails fast)."""
-    _spanning(fake, 28, [0, 1])
-    xs, ws = _inputs("matmul_rs", 2, 1, 4, 8, 6, "float32")
-    args = ("matmul_rs", "nccl", 2, 1, 4, 8, 6, "float32", 1, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0])
-    out = fake.run(*args, clique_key=28, processes=[0, 1], skip_rank=1, timeout_ms=300)
+    spanning(fake, 28, [0, 1])
+    p = problem("matmul_rs", "nccl", 2, batch=1, rows=4, k=8, nw=6)
+    xs, ws = inputs(p)
+    args = (p, xs, ws, [0, 0])
+    out = play(fake, *args, clique_key=28, processes=[0, 1], skip_rank=1, timeout_ms=300)
     status = out["statuses"][0]
     assert status and status.startswith("timeout") and "NCCL communicator creation" in status, out
     assert "every process's ranks must join" in status, status
     assert fake.counters()["ncclCommAbort"] >= 1
     assert fake.errors() == []
-    again = fake.run(*args, clique_key=28, processes=[0, 1], skip_rank=1, timeout_ms=300)
+    again = play(fake, *args, clique_key=28, processes=[0, 1], skip_rank=1, timeout_ms=300)
     assert "aborted by an earlier failure" in again["statuses"][0], again
 
 
@@ -768,9 +700,8 @@ def test_watchdog_names_the_process_of_a_missing_peer(fake):
     fake.reset(fake.Config(grace_ms=10000))
     out, xs, ws = _run_spanning(fake, "ag_matmul", "p2p", [0, 1], [0, 1], 3, key=27, calls=1)
     check(fake, out, "ag_matmul", xs, ws, 3, "float32")
-    out = fake.run("ag_matmul", "p2p", 2, 2, 3, 8, 6, "float32", 2, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], clique_key=27,
-                   processes=[0, 1], skip_rank=1, timeout_ms=200)
+    out = play(fake, problem("ag_matmul", "p2p", 2, batch=2, rows=3, k=8, nw=6, chunks=2), xs, ws,
+               [0, 1], clique_key=27, skip_rank=1, timeout_ms=200, processes=[0, 1])
     warning = fake.last_warning()
     _released(fake, out, "p2p")
     assert "waiting for flag" in warning and "from rank 1 (process 1)" in warning, warning
@@ -794,10 +725,10 @@ def test_nvtx_ranges_named_when_a_tool_is_attached(fake):  # fake: skip/fail as 
         import sys
         sys.path.insert(0, sys.argv[1])
         from conftest import require_module
-        from test_fake import check, run_case
+        from fake_cases import OPS, TRANSPORTS, check, run_case
         fake = require_module("_cuda_fake")
-        for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
-            for transport in ("nccl", "p2p", "multicast"):
+        for op in OPS:
+            for transport in TRANSPORTS:
                 fake.reset()
                 out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True)
                 check(fake, out, op, xs, ws, 3, "float32")

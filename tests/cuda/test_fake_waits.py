@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_fake import _inputs
+from .fake_cases import OPS, TRANSPORTS, check, inputs, play, problem, run_case
 
 pytestmark = pytest.mark.jax_independent
 
@@ -56,8 +56,8 @@ CONTROLS = {
     "cudaFree of a peer's buffer after this thread's signal (control)",
     "send/recv to a connected peer behind the same wait (control)",
 }
-# The rule of the enqueue path (docs/gpu.md §3): between a handler's first enqueue on XLA's
-# stream and its return only calls that enqueue or poll run; the fake refuses any other.
+# The rule of the enqueue path (docs/gpu-internals.md §1): between a handler's first enqueue on
+# XLA's stream and its return only calls that enqueue or poll run; the fake refuses any other.
 ENQUEUE_PATH = {
     "cudaMalloc between a handler's first enqueue and its return":
         "cudaMalloc called between a handler's first enqueue and its return",
@@ -109,11 +109,12 @@ def test_the_watchdog_aborts_a_devices_communicators_concurrently(fake, op):
     fake reports it: test above); the watchdog aborts them all at once, on threads of their own,
     and the streams are released."""
     fake.reset(fake.Config(grace_ms=10000))
-    xs, ws = _inputs(op, 4, 1, 4, 8, 6, "float32")
-    args = (op, "nccl", 4, 1, 4, 8, 6, "float32", 2, True, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
-    assert fake.run(*args, clique_key=11, timeout_ms=200)["statuses"] == [None] * 4  # set-up
-    out = fake.run(*args, clique_key=11, skip_rank=2, timeout_ms=200)
+    p = problem(op, "nccl", 4, batch=1, rows=4, k=8, nw=6, chunks=2, bidirectional=True)
+    xs, ws = inputs(p)
+    args = (p, xs,
+            ws, [0, 1, 2, 3])
+    assert play(fake, *args, clique_key=11, timeout_ms=200)["statuses"] == [None] * 4  # set-up
+    out = play(fake, *args, clique_key=11, skip_rank=2, timeout_ms=200)
     assert out["drained"], fake.errors()
     assert fake.errors() == []
     assert "inside NCCL" in fake.last_warning(), fake.last_warning()
@@ -126,16 +127,17 @@ def test_the_watchdog_clock_starts_when_the_gpu_gets_to_the_call(fake, transport
     virtual clock). A call's clock starts when the GPU gets to it (its ``started`` event), so
     the healthy clique is not broken; with the clock started at the host's enqueue it was."""
     fake.reset(fake.Config(grace_ms=10000))
-    xs, ws = _inputs("matmul_rs", 4, 1, 4, 8, 6, "float32")
-    args = ("matmul_rs", transport, 4, 1, 4, 8, 6, "float32", 2, False, False,
-            [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1, 2, 3])
+    p = problem("matmul_rs", transport, 4, batch=1, rows=4, k=8, nw=6, chunks=2)
+    xs, ws = inputs(p)
+    args = (p, xs, ws,
+            [0, 1, 2, 3])
     # Set-up first (allocation and loading wait for the GPU: never behind the held work).
-    assert fake.run(*args, clique_key=13, timeout_ms=200)["statuses"] == [None] * 4
-    out = fake.run(*args, clique_key=13, calls=3, timeout_ms=200, hold_ms=1000)
+    assert play(fake, *args, clique_key=13, timeout_ms=200)["statuses"] == [None] * 4
+    out = play(fake, *args, clique_key=13, calls=3, timeout_ms=200, hold_ms=1000)
     assert out["drained"] and fake.errors() == [], fake.errors()
     assert out["statuses"] == [None] * 4, out["statuses"]
     assert "BROKEN" not in fake.cliques(), fake.cliques()
-    again = fake.run(*args, clique_key=13)
+    again = play(fake, *args, clique_key=13)
     assert again["statuses"] == [None] * 4, again["statuses"]
 
 
@@ -144,10 +146,9 @@ def test_every_op_and_transport_with_lazy_and_eager_loading(fake, module_loading
     """The executor loads every kernel and cuBLASLt algorithm a call uses at set-up: with lazy
     loading nothing is loaded on the enqueue path (the fake would refuse it), with eager loading
     there is nothing to load; both give the right results."""
-    from .test_fake import check, run_case
 
-    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
-        for transport in ("nccl", "p2p", "multicast"):
+    for op in OPS:
+        for transport in TRANSPORTS:
             fake.reset(fake.Config(module_loading=module_loading))
             out, xs, ws = run_case(fake, op, transport, 4, chunks=2, bidirectional=True,
                                    dtype="bfloat16", calls=2)

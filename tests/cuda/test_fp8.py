@@ -1,4 +1,4 @@
-"""FP8 through the CUDA executor on the host-side fake (docs/gpu.md §11).
+"""FP8 through the CUDA executor on the host-side fake (docs/gpu-internals.md §6).
 
 The executor's FP8 GEMMs are cuBLASLt's: A/B scale pointers per GEMM (an all-gather's chunk
 names its shard's scale, moved with the shard), float32 compute without fast accumulation,
@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import itertools
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from jaxoverlap._selftest import _compare, bound
 
+from .fake_cases import NP, OPS, TRANSPORTS, play, problem
+
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
 
-NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
-      "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
-TRANSPORTS = ("nccl", "p2p", "multicast")
 # (x, w, y): every FP8 pairing cuBLASLt has, each output type.
 FP8 = [("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
        ("float8_e4m3fn", "float8_e5m2", "float32"),
@@ -43,12 +41,12 @@ def fp8_case(fake, op, transport, n, dtypes, *, batch=2, rows=4, k=32, nw=16, ch
     ws = [(rng.standard_normal((k, nw)) * 3).astype(NP[w_dtype]) for _ in range(n)]
     sx = [np.float32(0.5 * (1 + 0.37 * r)) for r in range(n)]
     sw = [np.float32(1.25 - 0.1 * r) for r in range(n)]
-    result = fake.run(op, transport, n, batch, rows, k, nw, x_dtype, chunks, bidirectional,
-                      return_gathered, [x.tobytes() for x in xs],
-                      # an fp8 w arrives K-major: [nw, k] row-major (cuda/gemm/gemm.h)
-                      [np.ascontiguousarray(w.T).tobytes() for w in ws], list(range(n)),
-                      calls=calls, w_dtype=w_dtype, out_dtype=out, x_scales=sx, w_scales=sw,
-                      **run)
+    p = problem(op, transport, n, batch=batch, rows=rows, k=k, nw=nw, dtype=x_dtype,
+                chunks=chunks, bidirectional=bidirectional, return_gathered=return_gathered,
+                w_dtype=w_dtype, out_dtype=out)
+    # an fp8 w arrives K-major: [nw, k] row-major (cuda/gemm/gemm.h)
+    result = play(fake, p, xs, [np.ascontiguousarray(w.T) for w in ws], calls=calls, x_scales=sx,
+                  w_scales=sw, **run)
     xd = [(x.astype(np.float32) * s).astype(np.float64) for x, s in zip(xs, sx, strict=True)]
     wd = [(w.astype(np.float32) * s).astype(np.float64) for w, s in zip(ws, sw, strict=True)]
     if op == "ag_matmul":
@@ -87,7 +85,7 @@ def test_fp8_every_op_matches_the_dequantized_reference(fake, transport):
     dequantized operands; x_gathered holds the fp8 bytes."""
     for i, (n, chunks, bidir) in enumerate(CASES):
         dtypes = FP8[(i + TRANSPORTS.index(transport)) % len(FP8)]
-        for j, op in enumerate(("ag_matmul", "matmul_rs", "matmul_ar")):
+        for j, op in enumerate(OPS):
             fake.reset()
             gathered = op == "ag_matmul" and i % 2 == 0
             out, factors, xs = fp8_case(fake, op, transport, n, dtypes, chunks=chunks,

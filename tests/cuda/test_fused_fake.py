@@ -1,15 +1,15 @@
 """The fused programs on the CUDA executor and the fake's tile-level fused GEMM.
 
-The fake runs the kernel as docs/gpu.md §10 and ``cpp/cuda/fake/fake_fused_gemm.cc`` describe:
-persistent CTAs taking their units of work in the stock scheduler's order, each tile waiting for
-its blocks' flags and computed with the reference GEMM, rows read before their flag poisoned
-(NaN, and a misuse recorded), the kernel holding its SMs while it runs (the whole device when it
-waits for flags). The results are checked bit for bit against an emulation of the program's
-arithmetic in NumPy (each product in float32, K in order, rounded once; the reduce-scatter's sum
-of every rank's partial in rank order, in float32, rounded once), over a grid of shapes whose
-tiles straddle chunks and shards, with several units of work per CTA, with one and with eight
-work queues. The reduce-scatter's reduction runs beside the kernel, on the SMs it leaves, and
-reads no block of it before its release (else the fake reports it).
+The fake runs the kernel as docs/gpu-internals.md §5 and ``cpp/cuda/fake/fake_fused_gemm.cc``
+describe: persistent CTAs taking their units of work in the stock scheduler's order, each tile
+waiting for its blocks' flags and computed with the reference GEMM, rows read before their flag
+poisoned (NaN, and a misuse recorded), the kernel holding its SMs while it runs (the whole device
+when it waits for flags). The results are checked bit for bit against an emulation of the
+program's arithmetic in NumPy (each product in float32, K in order, rounded once; the
+reduce-scatter's sum of every rank's partial in rank order, in float32, rounded once), over a grid
+of shapes whose tiles straddle chunks and shards, with several units of work per CTA, with one and
+with eight work queues. The reduce-scatter's reduction runs beside the kernel, on the SMs it
+leaves, and reads no block of it before its release (else the fake reports it).
 """
 
 from __future__ import annotations
@@ -20,77 +20,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxoverlap import _selftest
-
-from .test_fake import DTYPES, _inputs
+from .fake_cases import check_fused, run_fused
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
-
-
-def _gemm(x, w, dtype):
-    """The reference GEMM of the fake (its cuBLASLt and its fused kernel alike): every product
-    in float32, summed over K in order, rounded once to ``dtype``."""
-    x32, w32 = x.astype(np.float32), w.astype(np.float32)
-    acc = np.zeros(x.shape[:-1] + (w.shape[1],), np.float32)
-    for p in range(x.shape[-1]):
-        acc = acc + x32[..., p:p + 1] * w32[p]
-    return acc.astype(DTYPES[dtype])
-
-
-def _expected(op, transport, xs, ws, rows, dtype):
-    """Every rank's y as the fused program computes it (None where the order is the switch's:
-    the multicast reduce-scatter sums in the switch, checked against the derived bound)."""
-    n = len(xs)
-    if op == "ag_matmul":
-        gathered = np.concatenate(xs, axis=1)
-        return [_gemm(gathered, w, dtype) for w in ws]
-    if transport == "multicast":
-        return [None] * n
-    out = []
-    for r in range(n):
-        partial = [_gemm(xs[i][:, r * rows:(r + 1) * rows], ws[i], dtype) for i in range(n)]
-        acc = np.zeros(partial[0].shape, np.float32)  # every rank's partial in rank order, in
-        for i in range(n):                             # float32, rounded once (the Reduce)
-            acc = acc + partial[i].astype(np.float32)
-        out.append(acc.astype(DTYPES[dtype]))
-    return out
-
-
-def run_fused(fake, op, transport, n, *, batch, rows, k, nw, dtype, chunks, bidirectional,
-              gathered=False, calls=1, seed=0, fused=True):
-    xs, ws = _inputs(op, n, batch, rows, k, nw, dtype, seed)
-    out = fake.run(op, transport, n, batch, rows, k, nw, dtype, chunks, bidirectional, gathered,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
-                   calls=calls, fused=fused)
-    return out, xs, ws
-
-
-def check_fused(fake, out, op, transport, xs, ws, rows, dtype, gathered=False):
-    assert out["statuses"] == [None] * len(xs), out["statuses"]
-    assert out["drained"], fake.errors()
-    assert fake.errors() == []
-    expected = _expected(op, transport, xs, ws, rows, dtype)
-    n, k = len(xs), xs[0].shape[-1]
-    if any(want is None for want in expected):  # the switch's sums: float64 and the bound
-        x64 = np.concatenate([x.astype(np.float64) for x in xs], axis=-1)
-        w64 = np.concatenate([w.astype(np.float64) for w in ws], axis=0)
-        y64 = x64 @ w64
-    for r, (y, want) in enumerate(zip(out["ys"], expected, strict=True)):
-        got = np.frombuffer(y, DTYPES[dtype])
-        if want is not None:
-            np.testing.assert_array_equal(got.reshape(want.shape).view(np.uint16),
-                                          want.view(np.uint16), err_msg=f"rank {r}")
-            continue
-        ref = y64[:, r * rows:(r + 1) * rows]
-        err = np.abs(got.reshape(ref.shape).astype(np.float64) - ref)
-        limit = _selftest.bound(op, dtype, n, k, x64[:, r * rows:(r + 1) * rows], w64)
-        assert (err <= limit).all(), f"rank {r}: {err.max()} > the derived bound"
-    if gathered:
-        want = np.concatenate(xs, axis=1)
-        for g in out["x_gathered"]:
-            np.testing.assert_array_equal(np.frombuffer(g, DTYPES[dtype]).reshape(want.shape)
-                                          .view(np.uint16), want.view(np.uint16))
 
 
 # (n, batch, rows per shard, k, output columns, chunks, bidirectional): 96 or 160 rows per
@@ -192,10 +125,10 @@ def test_the_fused_flags_are_checked_by_the_poison(fake):
 
 
 def test_the_fake_fails_loudly_on_a_misused_reduction(fake):
-    """The reduction beside a fused GEMM that releases its output (docs/gpu.md §10): reading a
-    block before its release — by a kernel or by the copy engine — and a reduction sized to SMs
-    the kernel does not leave (launched on every SM) are reported; after the release, on the SMs
-    the kernel leaves, nothing is (the control)."""
+    """The reduction beside a fused GEMM that releases its output (docs/gpu-internals.md §5):
+    reading a block before its release — by a kernel or by the copy engine — and a reduction
+    sized to SMs the kernel does not leave (launched on every SM) are reported; after the
+    release, on the SMs the kernel leaves, nothing is (the control)."""
     caught = fake.reduce_misuse_checks()
     assert caught == {
         "a reduction beside the fused GEMM, after its release, on the SMs it leaves (control)": "",

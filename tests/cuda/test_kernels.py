@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from .test_fake import check, run_case
+from .fake_cases import check, run_case
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent

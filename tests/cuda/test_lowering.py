@@ -23,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap import _kinds
 from jaxoverlap._executors import capabilities
 from jaxoverlap._native import primitive
 from jaxoverlap._plan import OpPlan
@@ -39,7 +40,7 @@ def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
 def test_ag_matmul_lowers_to_the_cuda_target(gpu_lowering, transport):
     devices = np.array(jax.devices()[:8]).reshape(2, 4)[:, ::-1]  # dp=2, tp=4, reversed tp
     mesh = Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Explicit))

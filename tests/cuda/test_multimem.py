@@ -28,7 +28,7 @@ import subprocess
 import pytest
 
 from .conftest import REQUIRED
-from .test_fake import check, run_case
+from .fake_cases import check, run_case
 
 
 def _cuobjdump() -> str:
@@ -61,7 +61,7 @@ def _family(symbol: str) -> str | None:
         return "multimem"
     if "AddBody" in symbol or "ReduceBody" in symbol:  # compiled together (kernels.cu)
         return "add"
-    if "FlagWaitMainloop" in symbol:  # the fused GEMM (docs/gpu.md §10)
+    if "FlagWaitMainloop" in symbol:  # the fused GEMM (docs/gpu-internals.md §5)
         return "fused"
     return None
 
@@ -158,7 +158,7 @@ def test_the_reduce_kernels_load_and_store_16_bytes_per_access(cuda):
     """The fused GEMM + RS's reduction (kernel_body.h ReduceBody) in the sm_90 SASS: every element
     type's 16-byte variant moves each source and the result as one 128-bit access (LDG.E.128,
     STG.E.128) and adds in float32 (FADD); it has no fence or atomic: what it reads is ordered by
-    its stream's flag waits (docs/gpu.md §10), not by device-side acquires."""
+    its stream's flag waits (docs/gpu-internals.md §5), not by device-side acquires."""
     sass = _dump(cuda, "-sass", "-arch", "sm_90")
     bodies = {}
     for part in re.split(r"\n\s+Function : ", sass)[1:]:

@@ -14,26 +14,25 @@ import pytest
 
 from jaxoverlap._selftest import bound, rank_products
 
-from .test_fake import _inputs
+from .fake_cases import OPS, TRANSPORTS, inputs, play, problem
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
 
 
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_tf32_only_when_asked_and_it_shows(fake, op, transport):
     n, batch, rows, k, nw = 4, 2, 4, 256, 8
-    xs, ws = _inputs(op, n, batch, rows, k, nw, "float32")
+    xs, ws = inputs(problem(op, "nccl", n, batch=batch, rows=rows, k=k, nw=nw))
     products = rank_products(np, op, xs, ws, rows)
     refs = [a @ b for a, b in products]
     allowed = [bound(op, "float32", n, k, a, b) for a, b in products]
     errors = {}
     for tf32 in (False, True):
         fake.reset()
-        out = fake.run(op, transport, n, batch, rows, k, nw, "float32", 2, False, False,
-                       [x.tobytes() for x in xs], [w.tobytes() for w in ws], list(range(n)),
-                       tf32=tf32)
+        out = play(fake, problem(op, transport, n, batch=batch, rows=rows, k=k, nw=nw, chunks=2,
+                                 tf32=tf32), xs, ws, list(range(n)))
         assert out["drained"] and fake.errors() == [] and all(s is None for s in out["statuses"])
         ys = [np.frombuffer(y, np.float32).reshape(r.shape) for y, r in zip(out["ys"], refs,
                                                                             strict=True)]
@@ -47,9 +46,9 @@ def test_tf32_only_when_asked_and_it_shows(fake, op, transport):
 def test_tf32_is_dropped_for_half_matrices(fake):
     """FAST_TF32 is a compute type for float32 matrices only: the executor never asks for it
     with bf16, even when told tf32 (the fake would refuse it)."""
-    xs, ws = _inputs("ag_matmul", 2, 1, 4, 8, 4, "bfloat16")
-    out = fake.run("ag_matmul", "nccl", 2, 1, 4, 8, 4, "bfloat16", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 1], tf32=True)
+    p = problem("ag_matmul", "nccl", 2, batch=1, rows=4, k=8, nw=4, dtype="bfloat16", tf32=True)
+    xs, ws = inputs(p)
+    out = play(fake, p, xs, ws, [0, 1])
     # The executor drops the bit for non-float32 problems, so nothing is refused ...
     assert fake.errors() == [] and all(s is None for s in out["statuses"])
     # (the rule itself is broken on purpose in test_fake's misuse checks).

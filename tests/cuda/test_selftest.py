@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxoverlap import _kinds, _selftest
 from jaxoverlap._executors import capabilities, runtime
 from jaxoverlap._info import format_info, info
 from jaxoverlap._selftest import main
@@ -17,8 +18,8 @@ def test_selftest_runs_and_says_no_gpu(capsys):
     out = capsys.readouterr().out
     assert "NO GPU FOUND" in out and "does NOT test the CUDA executor" in out
     assert "FAIL " not in out
-    for transport in ("nccl", "p2p", "multicast"):
-        for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
+    for transport in _kinds.names(_kinds.TRANSPORTS):
+        for op in _kinds.names(_kinds.OPS):
             assert f"PASS  {op:9s} {transport}" in out
     if runtime.cuda_error() is None:
         assert "(CUDA executor on the host-side fake)  max |native - float64|" in out
@@ -43,8 +44,8 @@ def test_selftest_on_the_fake_honours_the_work_queue_setting(capsys, monkeypatch
     assert main(quick=True, fake=True) == 0
     out = capsys.readouterr().out
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out and "FAIL " not in out
-    for op in ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot"):
-        for transport in ("nccl", "p2p", "multicast"):
+    for op in _selftest.OPS:
+        for transport in _kinds.names(_kinds.TRANSPORTS):
             assert f"PASS  {op:9s} {transport:9s}" in out
     assert out.count(" fused (CUDA executor on the host-side fake)") == 4
     fake.reset()
@@ -86,7 +87,7 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
 
 
 def test_the_bound_covers_a_ring_reduction_in_bf16_and_catches_a_lost_rank():
-    """The selftest's bound (docs/gpu.md §7) against a model of what the GPU computes for a bf16
+    """The selftest's bound (docs/gpu.md §5) against a model of what the GPU computes for a bf16
     ``matmul_rs``/``matmul_ar``: each rank's partial product accumulated in float32 and rounded
     to bf16, then summed around a ring with a rounding to bf16 at every step. Every seed passes
     (a tolerance not derived from N and K failed 2 of 10 such seeds); a sum that lost one rank's

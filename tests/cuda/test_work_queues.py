@@ -24,8 +24,7 @@ import random
 
 import pytest
 
-from .test_fake import check, run_case
-from .test_fused_fake import check_fused, run_fused
+from .fake_cases import OPS, TRANSPORTS, check, check_fused, run_case, run_fused
 
 # The CUDA executor on its fake, driven directly: no JAX.
 pytestmark = pytest.mark.jax_independent
@@ -34,8 +33,8 @@ pytestmark = pytest.mark.jax_independent
 @pytest.mark.parametrize("n", [n if n in (2, 3, 8) else pytest.param(n, marks=pytest.mark.slow)
                                for n in range(2, 9)])
 @pytest.mark.parametrize("connections", [1, 8])
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("op", OPS)
 def test_every_program_completes_through_the_work_queues(fake, op, transport, connections, n):
     for chunks in range(1, 5):
         for bidirectional in (False, True):
@@ -51,9 +50,9 @@ def test_every_program_completes_through_the_work_queues(fake, op, transport, co
                                for n in range(2, 9)])
 @pytest.mark.parametrize("connections", [1, 8])
 def test_every_fused_program_completes_through_the_work_queues(fake, connections, n):
-    """The fused programs (docs/gpu.md §10): the issue order puts everything the fused GEMM's
-    flags depend on before it, on every rank (core/issue_order), so they complete with one work
-    queue too; and the fake's fused GEMM holds every SM while it runs. Exact results (the
+    """The fused programs (docs/gpu-internals.md §5): the issue order puts everything the fused
+    GEMM's flags depend on before it, on every rank (core/issue_order), so they complete with one
+    work queue too; and the fake's fused GEMM holds every SM while it runs. Exact results (the
     emulation of test_fused_fake.py), op x transport x chunks 1..4 x direction, the gathered x
     returned (a copy on the kernel's stream behind it) for odd chunks."""
     for op, transport, chunks, bidirectional in itertools.product(
@@ -83,8 +82,8 @@ CHUNKS_AND_DIRECTIONS = [(chunks, bidirectional) for chunks in range(1, 5)
                          for bidirectional in (False, True)]
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("op", [*OPS, "matmul_ar/one_shot"])
 def test_every_program_with_ranks_at_uneven_speeds(fake, op, transport):
     op, _, algorithm = op.partition("/")
     for n, connections, seed in itertools.product(range(2, 9), (1, 8), (1, 2, 3)):
@@ -106,7 +105,7 @@ def test_every_program_with_ranks_at_uneven_speeds(fake, op, transport):
 def test_every_one_shot_program_completes_through_the_work_queues(fake, connections):
     """matmul_ar's one-shot programs, N 2..8: rows that split into N blocks and rows that do
     not (1: a decode step's batch of one), with and without sub-chunks."""
-    for transport, n, rows, chunks in itertools.product(("nccl", "p2p", "multicast"),
+    for transport, n, rows, chunks in itertools.product(TRANSPORTS,
                                                         range(2, 9), (1, 5, 8), (1, 3)):
         fake.reset(fake.Config(connections=connections, seed=1 + 8 * n + 2 * chunks + rows))
         out, xs, ws = run_case(fake, "matmul_ar", transport, n, batch=1, rows=rows, k=4, nw=3,

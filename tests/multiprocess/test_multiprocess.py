@@ -11,12 +11,14 @@ import re
 
 import pytest
 
+from jaxoverlap import _kinds
+
 from . import harness
 
 # Real processes: seconds each.
 pytestmark = pytest.mark.slow
 
-TRANSPORTS = ["nccl", "p2p", "multicast"]
+TRANSPORTS = list(_kinds.names(_kinds.TRANSPORTS))
 
 
 @pytest.mark.parametrize("nprocs,devices", [(2, 2)])
@@ -372,5 +374,5 @@ def test_jaxoverlap_profile_writes_one_trace_per_process(tmp_path):
         calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "call"]
         assert calls and all(e["pid"] // 1_000_000 == process for e in calls)
         report = json.loads((tmp_path / f"report.process{process}.json").read_text())
-        assert {s["op"] for s in report["sites"]} == {"ag_matmul", "matmul_rs", "matmul_ar"}
+        assert {s["op"] for s in report["sites"]} == set(_kinds.names(_kinds.OPS))
     assert not (tmp_path / "trace.json").exists()

@@ -1100,9 +1100,10 @@ def cuda_nccl_id(timeout_s: float = 60.0, root_absent: bool = False) -> dict[str
             ws = [rng.standard_normal((k, nw)).astype(np.float32) for _ in range(n)]
             # Each played process calls through a site of its own from the op's site key,
             # as every process instantiates its own program (same key: the same site).
-            out = fake.run(op, "nccl", n, 1, rows, k, nw, "float32", 2, False, False,
-                           [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0] * n,
-                           clique_key=run_key, calls=1, processes=procs,
+            problem = dict(op=op, transport="nccl", nranks=n, batch=1, rows=rows, k=k, n=nw,
+                           dtype="float32", chunks=2)
+            out = fake.run(problem, xs=[x.tobytes() for x in xs], ws=[w.tobytes() for w in ws],
+                           devices=[0] * n, clique_key=run_key, calls=1, processes=procs,
                            site_keys=[0x51E + ("ag_matmul", "matmul_rs").index(op)] * n)
             assert out["statuses"] == [None] * n and out["drained"], (out["statuses"],
                                                                        fake.errors())
@@ -1137,12 +1138,12 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     bootstrap.ensure_gpu_cliques(fake, key, np.array([0, 1], np.int64), 2, timeout_s)
     pids = bootstrap.allgather_bytes("p2p-pids", "pid", str(os.getpid()).encode(),
                                       processes=[0, 1], timeout_s=timeout_s)
-    xs = [np.ones((1, 3, 8), np.float32)] * 2
-    ws = [np.ones((8, 6), np.float32)] * 2
-    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
-                   clique_key=key, processes=[0, 1], skip_rank=1 - me,
-                   timeout_ms=int(timeout_s * 1000))
+    problem = dict(op="ag_matmul", transport="p2p", nranks=2, batch=1, rows=3, k=8, n=6,
+                   dtype="float32")
+    inputs = dict(xs=[np.ones((1, 3, 8), np.float32).tobytes()] * 2,
+                  ws=[np.ones((8, 6), np.float32).tobytes()] * 2, devices=[0, 0])
+    out = fake.run(problem, **inputs, clique_key=key, skip_rank=1 - me,
+                   timeout_ms=int(timeout_s * 1000), processes=[0, 1])
     status = out["statuses"][me] or ""
     assert "cudaIpcOpenMemHandle" in status and "failed" in status, status
     errors = " ".join(fake.errors())
@@ -1152,10 +1153,8 @@ def p2p_handles_cross(fake: Any, key: int, timeout_s: float) -> str:
     # store, and the peer's fabric handle (bytes) arrives here and is imported.
     fake.reset(fake.Config(fabric=True))
     bootstrap.ensure_gpu_cliques(fake, key + 1, np.array([0, 1], np.int64), 2, timeout_s)
-    out = fake.run("ag_matmul", "p2p", 2, 1, 3, 8, 6, "float32", 1, False, False,
-                   [x.tobytes() for x in xs], [w.tobytes() for w in ws], [0, 0],
-                   clique_key=key + 1, processes=[0, 1], skip_rank=1 - me,
-                   timeout_ms=int(timeout_s * 1000))
+    out = fake.run(problem, **inputs, clique_key=key + 1, skip_rank=1 - me,
+                   timeout_ms=int(timeout_s * 1000), processes=[0, 1])
     status = out["statuses"][me] or ""
     assert "cuMemImportFromShareableHandle" in status, status
     errors = " ".join(fake.errors())

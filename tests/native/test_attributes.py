@@ -1,10 +1,11 @@
-"""One attribute schema: the C++ struct that decodes the custom call's attributes, the table of
-docs/native.md §6 and what the lowering emits all agree with ``_native/attributes.SCHEMA``.
+"""One attribute schema: the C++ list that declares and decodes the custom call's attributes,
+the table of docs/native.md §6 and what the lowering emits all agree with
+``_native/attributes.SCHEMA``; and the schema's fingerprint, which every call carries, is the
+same on both sides.
 
-XLA decodes the attributes by name into ``CallAttrs``, member by member in the order of its
-``XLA_FFI_REGISTER_STRUCT_ATTR_DECODING`` list, and checks each one's type: names and types must
-match exactly, and the list's order must be the struct's. The schema keeps that order too, so
-that the three read alike.
+The handlers decode the attributes by name, each of the type the list (``JO_CALL_ATTRS`` in
+``ffi_call.h``, which also makes the struct ``CallAttrs``) gives it: names and types must match
+exactly. The schema keeps the list's order too, so that the three read alike.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from helpers import tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
+from jaxoverlap._executors import runtime
+from jaxoverlap._native import attributes
 from jaxoverlap._native.attributes import ENCODERS, SCHEMA
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -26,7 +29,7 @@ HEADER = ROOT / "cpp" / "ffi" / "ffi_call.h"
 DOC = ROOT / "docs" / "native.md"
 # How docs/native.md and the MLIR text spell each C++ type.
 DOC_TYPES = {"int32_t": "i32", "int64_t": "i64", "bool": "bool",
-             "ffi::Span<const int64_t>": "i64[]"}
+             "ffi::Span<const int64_t>": "i64[]", "std::string_view": "str"}
 
 
 def _ctype(text: str) -> str:
@@ -34,28 +37,12 @@ def _ctype(text: str) -> str:
     return " ".join(text.split()).replace("::xla::ffi::", "ffi::").replace("xla::ffi::", "ffi::")
 
 
-def struct_members(header: str) -> list[tuple[str, str]]:
-    """(name, type) of every member of ``struct CallAttrs``, in declaration order."""
-    body = re.search(r"struct CallAttrs \{(.*?)\};", header, re.S)
-    assert body, "no struct CallAttrs"
-    members = []
-    for decl in body.group(1).split(";"):
-        decl = re.sub(r"//[^\n]*", "", decl).strip()
-        if not decl:
-            continue
-        found = re.fullmatch(r"(.+?)\s+(\w+(?:\s*,\s*\w+)*)", decl, re.S)
-        assert found, decl
-        members += [(name.strip(), _ctype(found.group(1))) for name in found.group(2).split(",")]
-    return members
-
-
-def decoded_members(header: str) -> list[tuple[str, str]]:
-    """(name, type) of every ``StructMember`` the decoding of ``CallAttrs`` registers, in order."""
-    found = re.search(r"XLA_FFI_REGISTER_STRUCT_ATTR_DECODING\(\s*::jo::ffi_call::CallAttrs,"
-                      r"(.*?)\);", header, re.S)
-    assert found, "no XLA_FFI_REGISTER_STRUCT_ATTR_DECODING of CallAttrs"
+def listed_members(header: str) -> list[tuple[str, str]]:
+    """(name, type) of every row ``X(type, name)`` of ``JO_CALL_ATTRS``, in order."""
+    body = re.search(r"#define JO_CALL_ATTRS\(X\)((?:[^\n]*\\\n)*[^\n]*\n)", header)
+    assert body, "no #define JO_CALL_ATTRS(X)"
     return [(name, _ctype(ctype))
-            for ctype, name in re.findall(r"StructMember<(.*?)>\(\"(\w+)\"\)", found.group(1))]
+            for ctype, name in re.findall(r"X\(([^()]+?),\s*(\w+)\)", body.group(1))]
 
 
 def doc_rows(doc: str) -> list[tuple[str, str, str]]:
@@ -73,10 +60,15 @@ def doc_rows(doc: str) -> list[tuple[str, str, str]]:
 SCHEMA_MEMBERS = [(a.name, a.ctype) for a in SCHEMA]
 
 
-def test_the_cpp_struct_is_the_schema():
-    header = HEADER.read_text()
-    assert struct_members(header) == SCHEMA_MEMBERS
-    assert decoded_members(header) == SCHEMA_MEMBERS
+def test_the_cpp_list_is_the_schema():
+    assert listed_members(HEADER.read_text()) == SCHEMA_MEMBERS
+
+
+def test_both_sides_make_one_fingerprint():
+    """What the lowering emits as ``schema`` is what the handlers compare it with."""
+    host = runtime.load_host()
+    assert attributes.schema_text() == host.ATTRIBUTE_SCHEMA_TEXT
+    assert attributes.schema_id() == host.ATTRIBUTE_SCHEMA
 
 
 def test_the_docs_table_is_the_schema():
@@ -90,21 +82,22 @@ def test_every_schema_type_has_an_encoder_and_a_spelling():
 def test_the_parsers_see_a_drift():
     """A member renamed, retyped or moved, and a docs row lost, are each seen."""
     header = HEADER.read_text()
-    renamed = header.replace("bool tf32;", "bool tf_32;")
-    assert struct_members(renamed) != SCHEMA_MEMBERS
-    retyped = header.replace('StructMember<int32_t>("algorithm")',
-                             'StructMember<int64_t>("algorithm")')
-    assert decoded_members(retyped) != SCHEMA_MEMBERS
-    moved = header.replace("  bool bidirectional;\n  bool tf32;\n",
-                           "  bool tf32;\n  bool bidirectional;\n")
-    assert moved != header and struct_members(moved) != SCHEMA_MEMBERS
+    assert "X(bool, tf32)" in header and "X(int32_t, algorithm)" in header
+    renamed = header.replace("X(bool, tf32)", "X(bool, tf_32)")
+    assert listed_members(renamed) != SCHEMA_MEMBERS
+    retyped = header.replace("X(int32_t, algorithm)", "X(int64_t, algorithm)")
+    assert listed_members(retyped) != SCHEMA_MEMBERS
+    moved = header.replace("X(bool, bidirectional)", "X(bool, TMP)").replace(
+        "X(bool, tf32)", "X(bool, bidirectional)").replace("X(bool, TMP)", "X(bool, tf32)")
+    assert moved != header and listed_members(moved) != SCHEMA_MEMBERS
     doc = DOC.read_text()
     lost = "\n".join(line for line in doc.splitlines() if not line.startswith("| `tf32` |")) + "\n"
     assert doc_rows(lost) != doc_rows(doc)
 
 
 MLIR_TYPE = {"int32_t": r"-?\d+ : i32", "int64_t": r"-?\d+ : i64", "bool": r"true|false",
-             "ffi::Span<const int64_t>": r"dense<[^>]*> : tensor<\d+xi64>"}
+             "ffi::Span<const int64_t>": r"dense<[^>]*> : tensor<\d+xi64>",
+             "std::string_view": r'"[^"]*"'}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

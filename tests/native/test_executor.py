@@ -12,11 +12,12 @@ import pytest
 from helpers import absent, dp_tp_mesh, f64, rand, spec_on, tp_mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors import capabilities
 
 from . import native_shard
 
-TRANSPORTS = ("nccl", "p2p", "multicast")
+TRANSPORTS = _kinds.names(_kinds.TRANSPORTS)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=2e-3),
        "float16": dict(rtol=2e-2, atol=2e-3)}
@@ -168,8 +169,8 @@ def test_low_precision(transport, dtype, n):
     check_ar(n, transport, dtype, 2, n == 8, "batch", seed=n)
 
 
-# The fused programs (one FusedGemm per rank: docs/gpu.md §10) on the host executor, which runs
-# its semantics block by block: x's rows are whole 16-byte units (k, cols multiples of 8).
+# The fused programs (one FusedGemm per rank: docs/gpu-internals.md §5) on the host executor, which
+# runs its semantics block by block: x's rows are whole 16-byte units (k, cols multiples of 8).
 FUSED_CASES = [  # (op, transport, n, chunks, bidirectional, dtype, layout, gathered)
     ("ag_matmul", "p2p", 2, 1, False, "bfloat16", "batch", True),
     ("ag_matmul", "p2p", 4, 3, True, "float16", "post", False),

@@ -24,6 +24,8 @@ import textwrap
 
 import pytest
 
+from jaxoverlap import _kinds
+
 PRELUDE = """
 import os, sys, time
 import jax, jax.numpy as jnp, numpy as np
@@ -170,7 +172,7 @@ THREE_CALLS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("op", list(THREE_CALLS))
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
 def test_three_independent_calls_with_identical_shapes(transport, op):
     """Q, K, V-like projections (or three decode-step all-reduces): same shapes, distinct data,
     next to an XLA collective, each late on different ranks; every result is its own (and a

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import testing_ext
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors.runtime import load_host
 
 from .schedule_check import (
@@ -27,7 +28,7 @@ from .schedule_check import (
 pytestmark = pytest.mark.jax_independent
 
 host = load_host()
-TRANSPORTS = ("nccl", "p2p", "multicast")
+TRANSPORTS = _kinds.names(_kinds.TRANSPORTS)
 OPS = ("ag_matmul", "matmul_rs")
 # GEMM + all-reduce: two-shot (the RS ring, then an AG ring of Y's blocks; multicast: each
 # block reduced in the switch) and one-shot ("op/algorithm": every partial to every rank)
@@ -535,7 +536,7 @@ def test_out_of_range_ids_are_refused():
             check_bounds(broken)
 
 
-# ---- the fused programs (docs/gpu.md §10) --------------------------------------------------
+# ---- the fused programs (docs/gpu-internals.md §5) -----------------------------------------
 
 FUSED_TRANSPORTS = ("p2p", "multicast")
 

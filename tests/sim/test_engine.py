@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from jaxoverlap import sim
+from jaxoverlap import _kinds, sim
 from jaxoverlap._executors.runtime import load_host
 
 # The performance model: no JAX.
@@ -127,7 +127,7 @@ def test_a_missing_signal_deadlocks():
         sim.simulate_programs(broken, TOY)
 
 
-@pytest.mark.parametrize("transport", ["nccl", "p2p", "multicast"])
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_all_programs_run_on_every_preset(op, transport):
     progs = clique(op, transport, 8, 128, 256, 512, chunks=2)

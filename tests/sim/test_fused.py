@@ -242,7 +242,7 @@ def test_the_first_remote_block_and_static_striding(m, k, n, exposed):
 
 
 def test_the_fused_rs_never_waits_so_no_chunking_deadlocks():
-    """GEMM + RS releases only (docs/gpu.md §10): tiles straddling blocks and shards, every
+    """GEMM + RS releases only (docs/gpu-internals.md §5): tiles straddling blocks and shards, every
     chunking, both transports, simulate to the end; over p2p with one sub-chunk the sum of the
     N partials (one Reduce) has nothing to overlap and runs after the kernel."""
     tiny = sim.Shape.from_global(64, 256, 256, 8)  # 8 rows per shard: one tile over all blocks

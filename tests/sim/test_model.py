@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from jaxoverlap import sim
+from jaxoverlap import _kinds, sim
 
 # The performance model: no JAX.
 pytestmark = pytest.mark.jax_independent
@@ -218,7 +218,7 @@ def test_unsupported_transport_is_refused():
 
 def test_ops_are_described_once():
     """An op is one entry of model.OPS: its unfused collective and the array it moves."""
-    assert tuple(sim.OPS) == ("ag_matmul", "matmul_rs", "matmul_ar")
+    assert tuple(sim.OPS) == _kinds.names(_kinds.OPS)
     assert sim.model.op_spec("ag_matmul").bus_factor(8) == pytest.approx(7 / 8)
     # an all-reduce moves twice (nvidia/nccl-tests doc/PERFORMANCE.md)
     assert sim.model.op_spec("matmul_ar").bus_factor(8) == pytest.approx(2 * 7 / 8)
@@ -230,7 +230,7 @@ def test_all_reduce_one_shot_for_small_m_two_shot_for_large():
     """GEMM + all-reduce on 8 ranks: the one-shot program (one transfer step) is the native pick
     for decode shapes, the two-shot one (2(N-1)/N of y per rank) for large M, on every transport;
     rows that do not split into N blocks have only one-shot plans."""
-    for transport in ("nccl", "p2p", "multicast"):
+    for transport in _kinds.names(_kinds.TRANSPORTS):
         for m, algorithm in ((1, "one_shot"), (64, "one_shot"), (32768, "two_shot")):
             shape = sim.Shape(1, m, 1024, 8192)
             cands = sim.candidates("h100", 8, shape, impls=("native",), transports=(transport,),

@@ -163,7 +163,7 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
     events.push_back(e);
   }
   // Retired scratch the GPU is done with: freed here, at set-up (cudaFree waits for the device's
-  // earlier work, which needs only the peers' earlier calls: docs/gpu.md §3).
+  // earlier work, which needs only the peers' earlier calls: docs/gpu-internals.md §1).
   for (auto it = retired_scratch.begin(); it != retired_scratch.end();) {
     const cudaError_t q = it->last_user ? cudaEventQuery(it->last_user->done) : cudaSuccess;
     if (q == cudaSuccess) {

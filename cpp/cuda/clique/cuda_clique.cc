@@ -218,7 +218,7 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   const int32_t rank = program.problem.rank;
   const int64_t ws_bytes = needs.workspace_bytes;
   // NCCL moves the data itself: its programs signal and wait on no flag.
-  const int32_t flags = state_.transport == Transport::kNccl ? 0 : needs.num_flags;
+  const int32_t flags = Row(state_.transport).messages() ? 0 : needs.num_flags;
   JO_CHECK(CheckNotBroken(ctx.Describe()));
   // Connected once, by the first rank to need it, WITHOUT the lock: NCCL's creation waits for
   // the devices and the peers, the handles' exchange for the peers; meanwhile the others wait
@@ -247,7 +247,7 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // epoch, and only then, while the others wait here before they reserve (so enqueue) it: no
   // local rank has enqueued anything of this epoch, so the device work a free waits for is of
   // earlier calls, which every rank has enqueued or will without waiting for this one
-  // (docs/gpu.md §3, "What may run on the enqueue path").
+  // (docs/gpu-internals.md §1, "What may run on the enqueue path").
   while (freeing_ >= 0 && epoch >= freeing_) {
     const bool freed = made_.wait_for(lock, state_.timeout,
                                       [&] { return freeing_ < 0 || !BrokenReason().empty(); });

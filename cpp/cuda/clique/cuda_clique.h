@@ -80,7 +80,7 @@ class CudaClique : public Clique {
   // one is smaller; and the rank's streams, events and scratch for `program`
   // (without the lock), freeing its retired scratch no call uses any more.
   // Everything here may wait for the GPU: it runs before the call's first
-  // enqueue (docs/gpu.md §3, "What may run on the enqueue path"). A failure
+  // enqueue (docs/gpu-internals.md §1, "What may run on the enqueue path"). A failure
   // breaks the clique.
   Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
                  const ErrorContext& ctx, Reservation* out);

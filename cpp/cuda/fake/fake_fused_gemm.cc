@@ -10,7 +10,7 @@
 //    still run. A kernel that waits for flags is taken to hold the whole
 //    device: no other kernel (a block kernel, a cuBLASLt matmul, an NCCL group)
 //    starts meanwhile, so a kernel that needs SMs queued behind it while the
-//    kernel waits for it deadlocks, as the GPU may (docs/gpu.md §10, rule 1).
+//    kernel waits for it deadlocks, as the GPU may (docs/gpu-internals.md §5, rule 1).
 //    One that waits for nothing (GEMM + reduce-scatter) leaves the rest of the
 //    device's SMs to kernels with an SM budget that fits (the reduction beside
 //    it, fake_queues.cc); any other kernel starts once it ended;
@@ -327,7 +327,7 @@ void CheckReleased(const void* p, size_t bytes, const std::string& reader, bool*
   *reported = true;
   Fail(reader + " read " + what +
        ": a block of a fused GEMM that releases its output is complete only at its release "
-       "(docs/gpu.md §10); wait for the flag first");
+       "(docs/gpu-internals.md §5); wait for the flag first");
 }
 
 void NoteSharedMemoryGrant(const void* function, int bytes) {

@@ -167,22 +167,20 @@ void ResetExecutorAndFake(Config config) {
 Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   const Problem& q = in.problem;
   const int nranks = q.nranks;
-  const bool ag = q.op == Collective::kAgMatmul, rs = q.op == Collective::kMatmulRs;
   if (static_cast<int>(in.xs.size()) != nranks || static_cast<int>(in.ws.size()) != nranks ||
       static_cast<int>(in.devices.size()) != nranks ||
       (in.processes && static_cast<int>(in.processes->size()) != nranks) ||
       (in.site_keys && static_cast<int>(in.site_keys->size()) != nranks))
     return InvalidArgument("xs, ws, devices, processes and site_keys need one entry per rank");
-  const bool one_shot = q.algorithm == ArAlgorithm::kOneShot;
-  const int64_t rows = q.rows, k = q.k, cols = q.cols;
+  const OperandRows rows = OperandRowsOf(q);
+  const int64_t k = q.k, cols = q.cols;
   const size_t xs = static_cast<size_t>(DTypeSize(q.x_dtype));
   const size_t ws = static_cast<size_t>(DTypeSize(q.w_dtype));
   const size_t ys = static_cast<size_t>(DTypeSize(q.out_dtype));
-  const size_t x_elems = static_cast<size_t>(q.batch * (ag || one_shot ? rows : rows * nranks) * k);
+  const size_t x_elems = static_cast<size_t>(q.batch * rows.x * k);
   const size_t w_elems = static_cast<size_t>(k * cols);
-  const size_t y_elems =
-      static_cast<size_t>(q.batch * (rs || one_shot ? rows : rows * nranks) * cols);
-  const size_t g_elems = static_cast<size_t>(q.batch * rows * nranks * k);
+  const size_t y_elems = static_cast<size_t>(q.batch * rows.y * cols);
+  const size_t g_elems = static_cast<size_t>(q.batch * rows.gathered * k);
   for (int r = 0; r < nranks; ++r)
     if (in.xs[r].size() != x_elems * xs || in.ws[r].size() != w_elems * ws)
       return InvalidArgument("xs/ws: wrong byte size");
@@ -210,7 +208,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
     std::memcpy(w_scale[r], &sw, sizeof(float));
   }
   auto board = std::make_shared<Board>();
-  if (in.processes && q.transport != Transport::kNccl) {
+  if (in.processes && !Row(q.transport).messages()) {
     // Each played process gets its exchange for this clique (group 0), unless the test
     // registered its own (set_exchange); those of an earlier run keep their board.
     std::vector<int32_t> procs(in.processes->begin(), in.processes->end());
@@ -231,15 +229,9 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   }
   // One call site, as one custom call of one executable: every rank's calls go through it.
   CallDesc desc;
-  desc.op = q.op;
-  desc.transport = q.transport;
+  desc.problem = q;  // its shapes and dtypes are the inputs' (the handler's operands')
   desc.clique_key = in.clique_key;
   desc.axis = 0;
-  desc.chunks = q.chunks;
-  desc.bidirectional = q.bidirectional;
-  desc.tf32 = q.tf32;
-  desc.algorithm = q.algorithm;
-  desc.fused = q.fused;
   desc.timeout_ms = in.timeout_ms;
   desc.table.axis_size = nranks;
   // processes: which (played) process each rank belongs to; a clique spanning
@@ -255,7 +247,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   for (int64_t chunks : in.chunks_per_call) {
     if (chunks == q.chunks || sites.count(chunks) > 0) continue;
     CallDesc other = desc;
-    other.chunks = chunks;
+    other.problem.chunks = chunks;
     other.site_key = static_cast<int64_t>(static_cast<uint64_t>(desc.site_key) ^
                                           (static_cast<uint64_t>(chunks) << 40));
     if (other.site_key == 0) other.site_key = 1;

@@ -242,8 +242,8 @@ struct State {
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
   // The persistent kernels running (the fused GEMM), by (played process, device): the SMs its
   // CTAs hold, and whether it waits for flags. One that waits is taken to hold the whole
-  // device (CUDA does not promise that another kernel runs beside it: docs/gpu.md §10, rule
-  // 1); one that waits for nothing leaves the rest to kernels with an SM budget.
+  // device (CUDA does not promise that another kernel runs beside it: docs/gpu-internals.md §5,
+  // rule 1); one that waits for nothing leaves the rest to kernels with an SM budget.
   struct Persistent {
     uint64_t id = 0;
     int sms = 0;

@@ -468,8 +468,8 @@ std::map<std::string, std::string> MisuseChecks() {
                              CU_STREAM_WAIT_VALUE_GEQ);
     (void)cudaDeviceSynchronize();
   });
-  // The fused GEMM (docs/gpu.md §10) on two GPUs: each one's kernel multiplies two shards of 8
-  // rows, its own in place and the peer's, which the peer copies in (the copy engine) and then
+  // The fused GEMM (docs/gpu-internals.md §5) on two GPUs: each one's kernel multiplies two shards
+  // of 8 rows, its own in place and the peer's, which the peer copies in (the copy engine) and then
   // flags; the kernel waits for that flag. How each GPU enqueues its part:
   //  * kOutgoingFirst: its outgoing copy and flag, then the kernel, then work on the kernel's
   //    stream that waits for it (the gathered x's copy) - the issue order's rule;

@@ -132,38 +132,26 @@ bool StreamOk(cudaStream_t s, const char* what) {
   return true;
 }
 
+// The dtype of a cuBLASLt matrix type the executor uses (core/kinds.h, the
+// cublaslt column); *ok false for any other.
 jo::DType FromCuda(int32_t type, bool* ok) {
   *ok = true;
-  switch (type) {
-    case CUDA_R_32F:
-      return jo::DType::kF32;
-    case CUDA_R_16BF:
-      return jo::DType::kBF16;
-    case CUDA_R_16F:
-      return jo::DType::kF16;
-    case CUDA_R_8F_E4M3:
-      return jo::DType::kF8E4M3;
-    case CUDA_R_8F_E5M2:
-      return jo::DType::kF8E5M2;
-    default:
-      *ok = false;
-      return jo::DType::kF32;
-  }
+#define JO_FROM_CUDA(e, id, name, short_name, bytes, fp8, out, fused, elem, ffi, nccl, cublaslt) \
+  if (type == cublaslt) return jo::DType::e;
+  JO_DTYPES(JO_FROM_CUDA)
+#undef JO_FROM_CUDA
+  *ok = false;
+  return jo::DType::kF32;
 }
 
+// The element size of an NCCL type the executor uses (core/kinds.h, the nccl
+// column); 0 for any other.
 size_t NcclSize(ncclDataType_t t) {
-  switch (t) {
-    case ncclFloat32:
-      return 4;
-    case ncclBfloat16:
-    case ncclFloat16:
-      return 2;
-    case ncclUint8:
-    case ncclInt8:
-      return 1;
-    default:
-      return 0;
-  }
+#define JO_NCCL_SIZE(e, id, name, short_name, bytes, fp8, out, fused, elem, ffi, nccl, cublaslt) \
+  if (t == nccl) return bytes;
+  JO_DTYPES(JO_NCCL_SIZE)
+#undef JO_NCCL_SIZE
+  return 0;
 }
 
 void Count(const char* api) {

@@ -69,7 +69,7 @@
 //    cuMemUnmap/cuMemRelease, lazy loading, ncclCommAbort wait for their device
 //    while the other ranks' threads (HostThread) go on; a wait none of them can
 //    end is a deadlock, reported. Between a handler's first enqueue on XLA's
-//    stream and its return only the non-blocking calls of docs/gpu.md §3 may run.
+//    stream and its return only the non-blocking calls of docs/gpu-internals.md §1 may run.
 // Drain() runs the queues; the order among startable queue heads is
 // pseudo-random (seeded), one task at a time, so different interleavings get
 // exercised. A state where nothing can start or complete but work remains

@@ -45,7 +45,7 @@
 // report failure) and the call fails — never a hang of the test.
 //
 // The enqueue path: between a handler's first enqueue and its return only non-blocking calls
-// may run (docs/gpu.md §3, "What may run on the enqueue path"): anything else is refused.
+// may run (docs/gpu-internals.md §1, "What may run on the enqueue path"): anything else is refused.
 #include "cuda/fake/fake_waits.h"
 
 #include <atomic>
@@ -94,8 +94,8 @@ uint64_t Activity() {
 }
 
 // The calls allowed between a handler's first enqueue and its return: they enqueue, poll
-// without waiting, or only answer from the host (docs/gpu.md §3). Names as the fake counts
-// them; every entry point of the fake counts itself first, so any other call is refused.
+// without waiting, or only answer from the host (docs/gpu-internals.md §1). Names as the fake
+// counts them; every entry point of the fake counts itself first, so any other call is refused.
 const std::set<std::string>& EnqueuePathCalls() {
   static const auto* calls = new std::set<std::string>{
       "cudaSetDevice", "cudaGetDevice", "cudaGetLastError", "cudaGetErrorName",
@@ -319,7 +319,8 @@ void CheckEnqueuePath(const char* api) {
   Fail(std::string(api) +
        " called between a handler's first enqueue and its return: only calls that enqueue or "
        "poll without waiting may run there, since ranks' work already on the GPU may wait for "
-       "this thread's next enqueue (docs/gpu.md §3, \"What may run on the enqueue path\")");
+       "this thread's next enqueue (docs/gpu-internals.md §1, \"What may run on the enqueue "
+       "path\")");
 }
 
 }  // namespace jo::fake

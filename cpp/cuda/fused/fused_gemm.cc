@@ -62,8 +62,10 @@ std::map<std::pair<int, DType>, bool>& Prepared() {
 
 Status CheckFusedGemm(FusedGemmArgs* args) {
   const FusedGemmArgs& a = *args;
-  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16)
-    return Bad(std::string("dtype ") + DTypeName(a.dtype) + " is not bf16 or f16");
+  if (!Row(a.dtype).fused)
+    return Bad(std::string("dtype ") + DTypeName(a.dtype) +
+               " is not one the fused GEMM is compiled for (" +
+               kinds::Names(kDTypes, [](const DTypeRow& d) { return d.fused; }) + ")");
   if (a.batch < 1 || a.m < 1 || a.n < 1 || a.k < 1 || a.batch > kMaxInt32 || a.m > kMaxInt32 ||
       a.n > kMaxInt32 || a.k > kMaxInt32)
     return Bad("batch, m, n and k must be in [1, 2^31)");
@@ -99,8 +101,10 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
 }
 
 Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx) {
-  if (dtype != DType::kBF16 && dtype != DType::kF16)
-    return Bad(std::string("dtype ") + DTypeName(dtype) + " is not bf16 or f16");
+  if (!Row(dtype).fused)
+    return Bad(std::string("dtype ") + DTypeName(dtype) +
+               " is not one the fused GEMM is compiled for (" +
+               kinds::Names(kDTypes, [](const DTypeRow& d) { return d.fused; }) + ")");
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {

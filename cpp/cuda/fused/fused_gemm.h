@@ -26,7 +26,7 @@
 // the caller must read `*fault` (device memory) and report.
 //
 // Runs on sm_90 (H100/H200/GH200) only: the kernel is sm_90a code, which no
-// other GPU can run (docs/gpu.md). Compiled in CI; never run on a GPU here.
+// other GPU can run (docs/gpu-internals.md §5). Compiled in CI; never run on a GPU here.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -14,18 +14,14 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
 
+// A dtype's cuBLASLt matrix type (core/kinds.h, the cublaslt column).
 cudaDataType_t LtType(DType dtype) {
   switch (dtype) {
-    case DType::kF32:
-      return CUDA_R_32F;
-    case DType::kBF16:
-      return CUDA_R_16BF;
-    case DType::kF16:
-      return CUDA_R_16F;
-    case DType::kF8E4M3:
-      return CUDA_R_8F_E4M3;
-    case DType::kF8E5M2:
-      return CUDA_R_8F_E5M2;
+#define JO_LT_TYPE(e, id, name, short_name, bytes, fp8, out, fused, elem, ffi, nccl, cublaslt) \
+  case DType::e:                                                                               \
+    return cublaslt;
+    JO_DTYPES(JO_LT_TYPE)
+#undef JO_LT_TYPE
   }
   return CUDA_R_32F;
 }
@@ -115,8 +111,8 @@ using MatmulKey =
                int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 // Two locks, so that the enqueue path never waits for a set-up that waits for the device
-// (docs/gpu.md §3): `set_up_mu` serialises the device's set-ups (PrepareLtMatmul) and is held
-// across their calls that may wait for the device (cudaMalloc, cudaFree, cublasLtCreate, the
+// (docs/gpu-internals.md §1): `set_up_mu` serialises the device's set-ups (PrepareLtMatmul) and is
+// held across their calls that may wait for the device (cudaMalloc, cudaFree, cublasLtCreate, the
 // heuristic, the warm-up's matmul and its lazy kernel load); the enqueue path (LtMatmul,
 // JoinWarmUps) never takes it. `mu` guards what both paths share: the maps, the handle and the
 // warm-up event; it is held only for look-ups and insertions and, on the enqueue path, across

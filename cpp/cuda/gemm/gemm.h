@@ -29,7 +29,7 @@
 // operands K-major. B := A (k x m, contiguous along k) already is; A := W must
 // be too, so an fp8 W arrives K-major: the call's w operand is laid out
 // [n, k] row-major (the native primitive asks XLA for that layout of an fp8 w
-// on GPUs, docs/gpu.md §11), described as the column-major k x n matrix with
+// on GPUs, docs/gpu-internals.md §6), described as the column-major k x n matrix with
 // ld k and TRANSA = T. TN is taken on every GPU (sm_100 would also take NN).
 // Compute type CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, C and D of the
 // output type (bf16, f16 or f32: the table's C = D rows);

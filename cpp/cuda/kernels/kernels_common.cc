@@ -38,17 +38,14 @@ constexpr int kMultimemPtxVersion = 90;
 constexpr int64_t kMaxBlocks = 2048;
 constexpr int64_t kMaxGridYZ = 65535;
 
+// A dtype's element class (core/kinds.h, the elem column).
 Elem ElemOf(DType dtype) {
   switch (dtype) {
-    case DType::kF32:
-      return Elem::kF32;
-    case DType::kBF16:
-      return Elem::kBF16;
-    case DType::kF16:
-      return Elem::kF16;
-    case DType::kF8E4M3:
-    case DType::kF8E5M2:
-      return Elem::kF8;
+#define JO_ELEM(e, id, name, short_name, bytes, fp8, out, fused, elem, ...) \
+  case DType::e:                                                            \
+    return Elem::elem;
+    JO_DTYPES(JO_ELEM)
+#undef JO_ELEM
   }
   return Elem::kF32;
 }

@@ -107,7 +107,6 @@ Status MulticastAllocBuffers(CliqueState& s, Generation* gen, const ErrorContext
 
 }  // namespace
 
-const TransportOps kMulticastTransport = {Transport::kMulticast, ConnectDirect,
-                                          MulticastAllocBuffers};
+const TransportOps kMulticastOps = {Transport::kMulticast, ConnectDirect, MulticastAllocBuffers};
 
 }  // namespace jo::cuda

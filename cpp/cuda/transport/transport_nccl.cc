@@ -40,18 +40,17 @@ Status NcclAllocBuffers(CliqueState& s, Generation* gen, const ErrorContext& ctx
 
 }  // namespace
 
-const TransportOps kNcclTransport = {Transport::kNccl, NcclConnect, NcclAllocBuffers};
+const TransportOps kNcclOps = {Transport::kNccl, NcclConnect, NcclAllocBuffers};
 
 const TransportOps& OpsOf(Transport transport) {
   switch (transport) {
-    case Transport::kNccl:
-      return kNcclTransport;
-    case Transport::kP2p:
-      return kP2pTransport;
-    case Transport::kMulticast:
-      return kMulticastTransport;
+#define JO_TRANSPORT_OPS_CASE(e, id, name, auto_rank, fused, mechanism, cuda) \
+  case Transport::e:                                                          \
+    return cuda;
+    JO_TRANSPORTS(JO_TRANSPORT_OPS_CASE)
+#undef JO_TRANSPORT_OPS_CASE
   }
-  return kNcclTransport;
+  return kNcclOps;
 }
 
 }  // namespace jo::cuda

@@ -52,6 +52,6 @@ Status ConnectDirect(CliqueState& s, const ErrorContext& ctx) {
   return peers;
 }
 
-const TransportOps kP2pTransport = {Transport::kP2p, ConnectDirect, P2pAllocBuffers};
+const TransportOps kP2pOps = {Transport::kP2p, ConnectDirect, P2pAllocBuffers};
 
 }  // namespace jo::cuda

@@ -25,9 +25,11 @@ struct TransportOps {
   Status (*alloc_buffers)(CliqueState& s, Generation* gen, const ErrorContext& ctx);
 };
 
-extern const TransportOps kNcclTransport;
-extern const TransportOps kP2pTransport;
-extern const TransportOps kMulticastTransport;
+// One table per transport (core/kinds.h, the cuda column), defined by its file.
+#define JO_DECLARE_TRANSPORT_OPS(e, id, name, auto_rank, fused, mechanism, cuda) \
+  extern const TransportOps cuda;
+JO_TRANSPORTS(JO_DECLARE_TRANSPORT_OPS)
+#undef JO_DECLARE_TRANSPORT_OPS
 
 const TransportOps& OpsOf(Transport transport);
 
