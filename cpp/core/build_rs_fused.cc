@@ -15,11 +15,11 @@
 // destination's block, so every owner can reduce its sub-chunk s during round
 // s + 1. Within a round:
 //  * p2p: destinations r-1, r-2, ..., the own block last (at each step every
-//    rank sends to a different owner; the own partial never leaves). Stream 1
-//    copies each released partial into slot r of its owner's workspace (the
-//    copy engine) and raises the owner's flag; stream 2 waits for the own
-//    release and the N-1 flags of a sub-chunk, then sums the N partials in one
-//    pass (Reduce: rank order, float32, one rounding);
+//    rank sends to a different owner; the own partial never leaves). Streams 1
+//    and 2, in turn, copy each released partial into slot r of its owner's
+//    workspace (the copy engine) and raise the owner's flag; stream 3 waits for
+//    the own release and the N-1 flags of a sub-chunk, then sums the N partials
+//    in one pass (Reduce: rank order, float32, one rounding);
 //  * multicast: destinations 0, 1, ..., N-1 on every rank (synchronised: all
 //    ranks release sub-chunk (j, s) at about the same time, so its owner can
 //    load-reduce it through the switch while the kernels go on). Stream 1
