@@ -113,7 +113,7 @@ class OpPlan:
     call lowers, preferring the performance model's ``preferred`` pick); ``precision``:
     ``_precision.normalize``'d, None for JAX's default matmul precision; ``algorithm``:
     ``matmul_ar``'s, one of :data:`AR_ALGORITHMS`; ``out_dtype``: the numpy dtype name of y
-    (None: x's dtype; set for fp8 operands, whose y is float32, bfloat16 or float16); ``fused``:
+    (None: x's dtype; set for fp8 operands, whose y is a dtype with ``_kinds``' ``out``); ``fused``:
     the compute stream runs one persistent GEMM waiting on per-block flags (docs/gpu-internals.md
     §5) when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_executors/call.py``);
     ``call``: the native call described where the plan was made, its transport decided there,

@@ -552,7 +552,8 @@ def fake_main(quick: bool = False, report: str | None = None,
           f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '')!s}"
           "; unset: the driver's 8), NCCL's serialisation per communicator, and the kernels' "
           "per-element code compiled for the host; it proves nothing about a GPU's timing.")
-    print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; transports: nccl, p2p, multicast")
+    print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; "
+          f"transports: {', '.join(_kinds.names(_kinds.TRANSPORTS))}")
     table = Table(report=(report, _report_header(_gpu_table(), fake=True)) if report else None,
                   deadline_s=row_deadline or row_deadline_s())
     _fake_rows(table, quick=quick, ops=OPS)

@@ -2,8 +2,8 @@
 
 The ops take fp8 operands with their scales (``jo.ag_matmul(x8, w8, ..., x_scale=...,
 w_scale=...)``), a forward building block that is not differentiable. This module is what
-trains: each function takes high-precision ``x`` and ``w`` (float32, bfloat16 or float16, the
-same dtype) and
+trains: each function takes high-precision ``x`` and ``w`` (one of the ops' dtypes that are not
+fp8, the same for both) and
 
 * quantizes them to ``float8_e4m3fn`` with their scales, runs the op on the fp8 values (the
   all-gather of ``ag_matmul`` moves the fp8 bytes, each shard's scale alongside) and returns y
@@ -51,8 +51,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
 
-from jaxoverlap import _layout, _megatron, _optional, ops
+from jaxoverlap import _kinds, _layout, _megatron, _optional, ops
 from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
+from jaxoverlap._fp8_dtypes import OUT_DTYPES
 from jaxoverlap._layout import AG, AR, RS, F
 
 if _optional.missing("flax"):
@@ -67,7 +68,8 @@ __all__ = ["E4M3", "E5M2", "DelayedScaling", "ag_matmul", "copy_matmul", "dot_ge
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)   # activations and weights (forward)
 E5M2 = jnp.dtype(jnp.float8_e5m2)     # gradients (backward)
-_HIGH = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# What x and w may be: the ops' dtypes that are not fp8 and may be y (y is x's dtype).
+_HIGH = tuple(d for d in ops.SUPPORTED_DTYPES if d in OUT_DTYPES)
 
 
 class DelayedScaling(NamedTuple):
@@ -192,8 +194,8 @@ def _call(kind: str, x, w, axis_name: str, scaling: DelayedScaling | None, mesh,
     name = f"jaxoverlap.fp8.{'copy_matmul' if kind == F else kind}"
     for arg, a in (("x", x), ("w", w)):
         if not hasattr(a, "dtype") or jnp.dtype(a.dtype) not in _HIGH:
-            raise TypeError(f"{name}: {arg} must be a float32, bfloat16 or float16 array (the "
-                            "high-precision values this function quantizes), got "
+            raise TypeError(f"{name}: {arg} must be a {_kinds.listing(d.name for d in _HIGH)} "
+                            "array (the high-precision values this function quantizes), got "
                             f"{getattr(a, 'dtype', type(a).__name__)}.")
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
         raise TypeError(f"{name}: x.dtype={jnp.dtype(x.dtype).name} and "

@@ -66,12 +66,12 @@ def ag_matmul(
     but the last. ``precision`` is ``lax.dot_general``'s (None: JAX's default
     matmul precision); at ``HIGHEST`` no impl uses TF32 for float32.
 
-    FP8: x and/or w may be ``float8_e4m3fn`` or ``float8_e5m2``, each with its float32
+    FP8: x and/or w may be fp8 (``jaxoverlap.ops.FP8_DTYPES``; README), each with its float32
     dequantization scale (``x_scale=`` / ``w_scale=``, shape ``()`` or ``(1,)``: the real
     value is ``x.astype(float32) * x_scale``). Inside ``shard_map`` each rank passes its own
     shard's scale (ranks may differ): y's rows of shard r are ``(x_r * x_scale_r) @ (w *
     w_scale)``, accumulated in float32 and rounded once to ``preferred_element_type``
-    (float32, bfloat16 or float16; default bfloat16). The gather moves the fp8 bytes, each
+    (one of ``ops.OUT_DTYPES``; default bfloat16). The gather moves the fp8 bytes, each
     shard's scale alongside; the gathered x is fp8. Not differentiable (use
     ``jaxoverlap.fp8``).
     """
@@ -273,7 +273,7 @@ def _check_fp8(op: str, x, w, x_scale: Any, w_scale: Any, preferred_element_type
             out = None
         if out not in OUT_DTYPES:
             raise TypeError(f"{op}: preferred_element_type={preferred_element_type!r} must be "
-                            "float32, bfloat16 or float16 (or None).")
+                            f"{_kinds.listing(d.name for d in OUT_DTYPES)} (or None).")
         if not fp8 and out != jnp.dtype(x.dtype):
             raise TypeError(
                 f"{op}: preferred_element_type={out.name} differs from x's dtype "

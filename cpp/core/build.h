@@ -1,21 +1,17 @@
-// Program builders: Problem -> Program for every collective x transport.
-//
-// Algorithms (docs/native.md has the pictures):
-//  * ring (transports nccl and p2p): shards travel cw_steps hops clockwise
-//    (rank -> rank+1) and ccw_steps hops counter-clockwise. Unidirectional:
-//    (N-1, 0). Bidirectional: (ceil((N-1)/2), floor((N-1)/2)) — every shard
-//    travels whole, half-way round each direction, so each rank receives
-//    every other shard exactly once, sends exactly N-1 shards (the ring lower
-//    bound) and the transfer takes ceil((N-1)/2) steps.
-//  * multicast: AG stores each shard once into every rank's workspace; RS
-//    writes all partials into the own workspace and rank r load-reduces its
-//    row block over all ranks.
-//  * GEMM+AR: the RS ring followed by an all-gather ring of the reduced
-//    blocks (each rank sends 2(N-1) blocks, the ring all-reduce bound); on
-//    multicast, rank r load-reduces row block r and stores the result to
-//    every rank (build_ar.cc).
-// Each shard (AG) or row block (RS, AR) is split into `chunks` sub-chunks of
-// rows that move and multiply separately, so the pipeline fills sooner.
+// Program builders: Problem -> Program for every op x transport. BuildProgram
+// checks the problem and calls the op's builder (core/kinds.h, JO_OPS; one
+// file each, build_<op>.cc), which writes the programs of the transport's
+// mechanism (docs/native.md §3 has the pictures):
+//  * rings (messages and peer copies: nccl, p2p): blocks travel cw_steps hops
+//    clockwise (rank -> rank+1) and ccw_steps hops counter-clockwise.
+//    Unidirectional: (N-1, 0). Bidirectional: (ceil((N-1)/2), floor((N-1)/2))
+//    — every block travels whole, half-way round each direction, so each rank
+//    receives every other block exactly once, sends exactly N-1 (the ring
+//    lower bound) and the transfer takes ceil((N-1)/2) steps.
+//  * multicast: stores each block once into every rank's workspace through
+//    the switch, or load-reduces a row block over all ranks' workspaces.
+// Each shard or row block is split into `chunks` sub-chunks of rows that move
+// and multiply separately, so the pipeline fills sooner.
 #pragma once
 
 #include "core/program.h"

@@ -1,7 +1,7 @@
-// bf16 / f16 / fp8 (e4m3fn, e5m2) <-> f32 conversion, for whatever computes on
-// the host in f32 (the host executor, the CUDA fake): every GEMM and reduction
-// in f32 (round-to-nearest-even on the way back, as the accelerators do). Every
-// fp8 value is exact in f32.
+// Conversion of every dtype of core/kinds.h (JO_DTYPES) to and from f32, for
+// whatever computes on the host in f32 (the host executor, the CUDA fake):
+// every GEMM and reduction in f32 (round-to-nearest-even on the way back, as
+// the accelerators do). Every value of each narrower dtype is exact in f32.
 #pragma once
 
 #include <cstdint>

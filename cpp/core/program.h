@@ -143,12 +143,12 @@ struct Op {
   int32_t sms = 0;
 };
 
-// The problem one call solves, in canonical form (docs/native.md), with w
-// [k, cols]:
-//   AG: x [batch, rows, k] local shard -> y [batch, nranks*rows, cols]
-//   RS: x [batch, nranks*rows, k]      -> y [batch, rows, cols]
-//   AR: x [batch, nranks*rows, k]      -> y [batch, nranks*rows, cols]
-//   AR one-shot: x [batch, rows, k]    -> y [batch, rows, cols] (rows: all of them)
+// The problem one call solves, in canonical form (docs/native.md §1), with w
+// [k, cols], by the op's rows rule (core/kinds.h, JO_ROWS_RULES):
+//   gather:  x [batch, rows, k] local shard -> y [batch, nranks*rows, cols]
+//   scatter: x [batch, nranks*rows, k]      -> y [batch, rows, cols]
+//   all:     x [batch, nranks*rows, k]      -> y [batch, nranks*rows, cols]
+//            one-shot: x [batch, rows, k]   -> y [batch, rows, cols] (rows: all)
 struct Problem {
   Collective op = Collective::kAgMatmul;
   Transport transport = Transport::kNccl;

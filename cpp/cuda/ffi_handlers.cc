@@ -1,8 +1,8 @@
-// The CUDA FFI handlers: jaxoverlap_cuda_ag_matmul, jaxoverlap_cuda_matmul_rs
-// and jaxoverlap_cuda_matmul_ar (the same handler: the `op` attribute says
-// which). ffi/ffi_call.h has their interface (no coords operand: the GPU
-// handler finds its rank in the rank table from its device ordinal; the scale
-// operands stay on the device: cuBLASLt reads them).
+// The CUDA FFI handlers: jaxoverlap_cuda_<op> for every op of core/kinds.h
+// (the same handler: the `op` attribute says which). ffi/ffi_call.h has their
+// interface (no coords operand: the GPU handler finds its rank in the rank
+// table from its device ordinal; the scale operands stay on the device:
+// cuBLASLt reads them).
 // instantiate makes the call site's state (a CudaSite); execute decodes and
 // checks the operands and enqueues the call on XLA's stream. Not
 // command-buffer compatible (no traits): a call must never be captured and

@@ -1,5 +1,5 @@
-// The CPU FFI handlers: jaxoverlap_ag_matmul, jaxoverlap_matmul_rs and
-// jaxoverlap_matmul_ar (the same handler: the `op` attribute says which). ffi/ffi_call.h has their
+// The CPU FFI handlers: jaxoverlap_<op> for every op of core/kinds.h (the
+// same handler: the `op` attribute says which). ffi/ffi_call.h has their
 // interface; the CPU call has a fifth operand, coords = (rank, group) from
 // lax.axis_index, checked against the rank table. instantiate makes the call site's state (a
 // HostSite, shared by every local device); execute decodes and checks the operands, starts the call

@@ -44,7 +44,7 @@ class NativeCall:
     # call in one process whose mesh was abstract where it lowered (the handler then places
     # itself by its coords operand, lax.axis_index).
     ranks: tuple[Rank, ...]
-    transport: str                # resolved: "nccl", "p2p" or "multicast"
+    transport: str                # resolved: a name of _kinds.TRANSPORTS
     clique_key: int               # the same in every process
     # Runs the fused GEMM (one persistent GEMM waiting on per-block flags,
     # docs/gpu-internals.md §5).

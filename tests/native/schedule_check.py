@@ -12,6 +12,8 @@ mailbox and NCCL's grouped send/recv treat them.
 
 from __future__ import annotations
 
+from jaxoverlap import _kinds
+
 
 class ScheduleError(AssertionError):
     pass
@@ -189,12 +191,12 @@ def buffer_sizes(program):
     local = program["batch"] * program["rows"]
     one_shot = program.get("algorithm") == "one_shot"  # AR one-shot: rows are all of them
     gathered = local if one_shot else local * program["nranks"]
-    ag, rs = program["op"] == "ag_matmul", program["op"] == "matmul_rs"
+    rule = _kinds.op(program["op"]).rows  # gather: x one shard; scatter: y one block; all
     return {
-        "X": (local if ag else gathered) * program["k"],  # AG: the shard; RS, AR: all rows
+        "X": (local if rule == "gather" else gathered) * program["k"],
         "W": program["k"] * program["n"],
-        "Y": (local if rs else gathered) * program["n"],  # RS: the own block; AG, AR: all
-        "XGATHERED": gathered * program["k"] if ag and program["return_gathered"] else 0,
+        "Y": (local if rule == "scatter" else gathered) * program["n"],
+        "XGATHERED": gathered * program["k"] if program["return_gathered"] else 0,
         "SCRATCH": program["scratch_elems"],
         "WORKSPACE": program["workspace_elems"],
         # fp8: the scale operands (one float32 each) and the moved shards' scale slots.
