@@ -78,6 +78,21 @@ def test_the_reduction_runs_beside_the_fused_gemm(fake, transport, connections):
     assert fake.counters().get("kernels beside a persistent kernel", 0) > 0
 
 
+@pytest.mark.parametrize(("rows", "sms"), [(512, 48), (4096, 62)])
+def test_the_fused_gemm_leaves_the_reduction_the_sms_that_cost_it_no_wave(fake, rows, sms):
+    """On a 64-SM device the executor leaves the reduction beside the fused GEMM + RS at most 16
+    SMs (a quarter of 64), as many as cost the persistent grid no wave (fused_tiles.h SpareSms).
+    N = 2, 264 columns (2 N tiles): 512 rows a block are 8 M tiles, 16 units of work, one wave on
+    any 48 SMs: it leaves 16; 4096 rows are 64 M tiles, 128 units, 2 waves on 64 SMs (64 CTAs)
+    but 3 on 60 or fewer (at most 60 CTAs): it leaves the least, 2."""
+    fake.reset(fake.Config(sms=64, seed=7))
+    out, xs, ws = run_fused(fake, "matmul_rs", "p2p", 2, batch=1, rows=rows, k=8, nw=264,
+                            dtype="bfloat16", chunks=2, bidirectional=False)
+    check_fused(fake, out, "matmul_rs", "p2p", xs, ws, rows, "bfloat16")
+    launched = {k: v for k, v in fake.counters().items() if k.startswith("fused GEMM on")}
+    assert launched == {f"fused GEMM on {sms} SMs": 2}, launched
+
+
 def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):
     """AG + GEMM: the same products with the same arithmetic, tile by tile or block by block."""
     fake.reset(fake.Config())

@@ -264,6 +264,9 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
     if (zeroed != cudaSuccess) return zeroed;
   }
   Lock lock(S().mu);
+  // For tests: the SMs the launch was given (the executor's, less those it left to the
+  // reduction beside it).
+  ++S().counters["fused GEMM on " + std::to_string(l.sm_count) + " SMs"];
   auto run = std::make_shared<FusedRun>();
   run->dtype = dtype;
   run->launch = l;
