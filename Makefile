@@ -1,7 +1,8 @@
 # The two commands of the README, each doing its own set-up in a virtualenv:
 #   make demo   - build, install and run examples/scaling.py on this machine
 #   make test   - build, install and run the test suite (and ruff; with CUDA=ON also
-#                 selftest --fake under CUDA_DEVICE_MAX_CONNECTIONS=1 and the default)
+#                 selftest --fake and --fake --loopback 4 under CUDA_DEVICE_MAX_CONNECTIONS=1
+#                 with eager loading and under the driver's defaults)
 # and the pre-commit check, `make check`: ruff, clang-format and the quick loop (the tests not
 # marked slow). PYTHON picks the interpreter, VENV the environment, JAX the jax requirement.
 
@@ -67,17 +68,19 @@ lint: $(STAMP)$(CUDA)
 	$(VENV)/bin/python -m ruff check jaxoverlap tests examples build_backend
 	$(VENV)/bin/clang-format --dry-run --Werror $(CPP_SOURCES)
 
-# The whole selftest on the CUDA executor against the host-side fake, with one hardware work
-# queue per device (as Megatron/TransformerEngine jobs set it) and with the driver's default,
-# side by side (one core each).
+# The whole selftest on the CUDA executor against the host-side fake, then its loopback (4 ranks
+# on one fake GPU), with one hardware work queue per device and eager module loading (the queues
+# as Megatron/TransformerEngine jobs set them) and with the driver's defaults (8 queues, lazy
+# loading), side by side (one core each).
 selftest-fake:
 	@$(MAKE) --no-print-directory -j2 selftest-fake-1 selftest-fake-default
 
 selftest-fake-%:
 	@log=$(VENV)/selftest-fake-$*.log; start=$$(date +%s); \
-	$(if $(filter default,$*),env -u CUDA_DEVICE_MAX_CONNECTIONS,CUDA_DEVICE_MAX_CONNECTIONS=$*) \
-	  $(VENV)/bin/python -m jaxoverlap selftest --fake > $$log 2>&1; status=$$?; \
-	echo "selftest --fake, CUDA_DEVICE_MAX_CONNECTIONS=$*: $$(grep -E "^[0-9]+/[0-9]+ passed" $$log || tail -n 1 $$log) ($$(( $$(date +%s) - start )) s)"; \
+	( $(if $(filter default,$*),unset CUDA_DEVICE_MAX_CONNECTIONS CUDA_MODULE_LOADING,export CUDA_DEVICE_MAX_CONNECTIONS=$* CUDA_MODULE_LOADING=EAGER); \
+	  $(VENV)/bin/python -m jaxoverlap selftest --fake && \
+	  $(VENV)/bin/python -m jaxoverlap selftest --fake --loopback 4 ) > $$log 2>&1; status=$$?; \
+	echo "selftest --fake and --fake --loopback 4, $(if $(filter default,$*),the driver's defaults,CUDA_DEVICE_MAX_CONNECTIONS=$* CUDA_MODULE_LOADING=EAGER): $$(grep -E "^[0-9]+/[0-9]+ passed" $$log | tr '\n' ' ' || tail -n 1 $$log)($$(( $$(date +%s) - start )) s)"; \
 	if [ $$status -ne 0 ]; then grep -E "FAIL|Error" $$log | head -n 40; exit 1; fi
 
 install: $(STAMP)$(CUDA)

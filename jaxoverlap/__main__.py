@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     selftest.add_argument("--fake", action="store_true", help="run the CUDA executor against "
                           "the host-side fake of CUDA/NCCL/cuBLASLt instead (no GPU needed; "
                           "honours CUDA_DEVICE_MAX_CONNECTIONS)")
+    selftest.add_argument("--loopback", metavar="N", type=int,
+                          help="run N ranks' p2p programs (and FP8, fused) on ONE GPU: a first "
+                          "contact that needs one GPU (with --fake: on the host-side fake)")
     selftest.add_argument("--report", metavar="FILE", help="also write a report to attach to a "
                           "bug report (JSON: versions, topology, every row's result and time, the "
                           "first error with the state of the cliques)")
@@ -28,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "selftest":
         from jaxoverlap._selftest import main as selftest_main
 
-        return selftest_main(quick=args.quick, fake=args.fake, report=args.report)
+        return selftest_main(quick=args.quick, fake=args.fake, report=args.report,
+                             loopback=args.loopback)
     if args.command == "info":
         from jaxoverlap._info import format_info, info
 

@@ -15,9 +15,10 @@ that hangs leaves it behind. A row still running after ``row_deadline_s()`` is
 taken for a hang: reported (with every thread's stack), and the process exits.
 
 FP8 rows (the public ops with fp8 operands and per-rank scales, y in bfloat16, float32 or
-float16, against the float64 product of the float32 dequantized operands, under the same bound
-for y's dtype) run where the GPUs have FP8 GEMMs (compute capability 8.9 or newer; else one
-line says why not), on host devices and on the fake.
+float16, against the float64 product of the float32 dequantized operands, under the bound for
+y's dtype plus the FP8 tensor cores' accumulation error, ``fp8_accumulation``) run where the GPUs
+have FP8 GEMMs (compute capability 8.9 or newer; else one line says why not), on host devices
+and on the fake.
 
 Without a GPU: says so clearly, then runs the same table on host devices (the
 host executor), plus a few rows of the CUDA executor on the fake (if built).
@@ -28,6 +29,12 @@ host code, its enqueue order through ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues
 (read from the environment as the driver does), NCCL's per-communicator
 serialisation and the kernels' own per-element code, compared with float64.
 It checks what decides hangs and wrong results, not a GPU's speed.
+
+``--loopback N`` (with or without ``--fake``): the rows of the peer-copy transports (p2p; FP8 and
+the fused GEMM's included, where the GPU runs them) with N ranks on ONE GPU, through the executor
+directly (``loopback_run``: cpp/cuda/loopback.h), no JAX: a first contact that needs one GPU. It
+says, and its report lists, what one GPU cannot cover (the other transports, anything between
+GPUs).
 """
 
 from __future__ import annotations
@@ -67,6 +74,14 @@ FP8_DTYPES = (("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
               ("float8_e5m2", "float8_e4m3fn", "float16"))
 FP8_SHAPE = ((2,), 4, 48, 24)
 FP8_OPS = _kinds.names(_kinds.OPS)
+# The FP8 tensor cores' accumulator, as the CUDA fake computes an FP8 GEMM
+# (cpp/cuda/fake/fp8_accumulator.h, which cites the sources): per compute capability, the products
+# added in one step together with the running sum (block) and the fraction bits kept — every
+# addend aligned to the step's largest exponent and truncated there, the step's sum truncated to
+# them —, the sum promoted into float32 every FP8_PROMOTION elements of K (cuBLASLt's interval is
+# not documented: CUTLASS's default, see the header). Not float32 accumulation on any of them.
+FP8_TENSOR_CORES = {89: (16, 13), 90: (32, 13), 100: (32, 23)}
+FP8_PROMOTION = 128
 
 
 def fp8_scales(np, n: int) -> tuple[Any, Any]:
@@ -81,18 +96,57 @@ def dequantized(np, values, scale):
     return (np.asarray(values, np.float32) * np.float32(scale)).astype(np.float64)
 
 
-def bound(op: str, dtype: str, n: int, k: int, x64, w64):
+def fp8_accumulation(x64, w64, k: int):
+    """The worst case, elementwise, of the FP8 tensor cores' accumulation error (every model of
+    ``FP8_TENSOR_CORES``) in ``x64 @ w64``, whose contraction is GEMMs of ``k`` each (side by
+    side in ``w64``'s rows, as ``bound`` takes them).
+
+    Per step of ``block`` products ``p`` (dequantized: the scales multiply every error alike) and
+    the running sum ``c``, with ``M = max(|p|, |c|)`` and ``f`` fraction bits: each of the at most
+    ``block + 1`` addends loses less than ``2^-f M`` when aligned (the step's exponent ``E`` has
+    ``2^E <= M``; a product counts from its factors' exponents, each at least its format's
+    smallest normal one, so a block whose largest product has a subnormal factor is not covered)
+    and the truncated sum less than ``2^-f`` of its magnitude, at most ``sum |p| + |c|``; ``|c|``
+    is at most the sum of ``|p|`` since the last promotion (truncation toward zero only shrinks);
+    a promotion rounds once in float32 (at most ``2^-24`` of the running sum's magnitude)."""
+    import numpy as np
+
+    absp = np.abs(x64[..., :, None, :] * np.swapaxes(w64, 0, 1))  # (..., m, n, K)
+    total_k = absp.shape[-1]
+    worst = np.zeros(absp.shape[:-1])
+    for block, fraction_bits in sorted(set(FP8_TENSOR_CORES.values())):
+        u = 2.0 ** -fraction_bits
+        err = np.zeros(absp.shape[:-1])
+        for gemm in range(0, total_k, k):
+            for window in range(gemm, gemm + k, FP8_PROMOTION):
+                c = np.zeros(absp.shape[:-1])  # a bound on the running sum's magnitude
+                end = min(window + FP8_PROMOTION, gemm + k)
+                for start in range(window, end, block):
+                    p = absp[..., start:min(start + block, end)]
+                    step = p.sum(axis=-1)
+                    addends = np.count_nonzero(p, axis=-1) + (c > 0)
+                    err += u * (addends * np.maximum(p.max(axis=-1), c) + step + c)
+                    c = c + step
+                err += 2.0 ** -24 * absp[..., gemm:end].sum(axis=-1)  # the promotion
+        worst = np.maximum(worst, err)
+    return worst
+
+
+def bound(op: str, dtype: str, n: int, k: int, x64, w64, fp8: bool = False):
     """How far a correct result may be from the float64 product of the same inputs, elementwise.
 
     ``x64``/``w64`` are the inputs already rounded to ``dtype``, as float64 (for
     ``matmul_rs``/``matmul_ar`` with the ``n`` ranks' slices of the contraction side by side,
-    ``k`` each). Two parts, ``u`` being the dtype's unit roundoff and ``u32 = 2^-24``:
+    ``k`` each; ``fp8``: the dequantized operands of FP8 GEMMs). Two parts, ``u`` being the
+    dtype's unit roundoff and ``u32 = 2^-24``:
 
     * the float32 accumulation of every GEMM (exact products): with ``K`` the contraction length
       and ``S = |x| @ |w|``, at most ``8 sqrt(K) u32 S`` — the probabilistic bound of Higham and
       Mary ("A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput.,
       2019: ``lambda sqrt(K) u S`` fails with probability below ``2 exp(-lambda^2 / 2)``, 3e-14
-      per element for ``lambda = 8``); the worst case, ``K u32 S``, would let TF32 pass;
+      per element for ``lambda = 8``); the worst case, ``K u32 S``, would let TF32 pass. FP8
+      GEMMs accumulate in the tensor cores' narrower format instead: plus the worst case of
+      ``fp8_accumulation``;
     * twice the worst case of the roundings to ``dtype``, each at most ``u |v|`` for the value
       ``v`` rounded: ``ag_matmul`` rounds once, its output ``y``; ``matmul_rs``/``matmul_ar``
       round each rank's partial product ``p_r``, each partial sum of up to ``n - 1`` reduction
@@ -106,6 +160,8 @@ def bound(op: str, dtype: str, n: int, k: int, x64, w64):
     u = UNIT_ROUNDOFF[dtype]
     total_k = w64.shape[0]
     accumulation = 8 * np.sqrt(total_k) * UNIT_ROUNDOFF["float32"] * (np.abs(x64) @ np.abs(w64))
+    if fp8:
+        accumulation = accumulation + fp8_accumulation(x64, w64, k)
     if _kinds.op(op).communicates == "k":  # no reduction: y rounded once
         rounding = u * np.abs(x64 @ w64)
     else:
@@ -233,12 +289,13 @@ def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
         b = np.concatenate([dequantized(np, w64[:, r * nw:(r + 1) * nw], sw[r])
                             for r in range(n)], axis=1)
         allowed = np.concatenate(
-            [bound(op, out, n, k, a, b[:, r * nw:(r + 1) * nw]) for r in range(n)], axis=-1)
+            [bound(op, out, n, k, a, b[:, r * nw:(r + 1) * nw], fp8=True) for r in range(n)],
+            axis=-1)
     else:  # rank r's slice of the contraction with its own scales
         a = np.concatenate([dequantized(np, x64[..., r * k:(r + 1) * k], sx[r])
                             for r in range(n)], axis=-1)
         b = np.concatenate([dequantized(np, w64[r * k:(r + 1) * k], sw[r]) for r in range(n)])
-        allowed = bound(op, out, n, k, a, b)
+        allowed = bound(op, out, n, k, a, b, fp8=True)
     ok, detail = _compare(np, got, a @ b, allowed)
     if not ok:
         raise AssertionError(detail)
@@ -246,6 +303,23 @@ def _run_fp8_row(jo, jax, jnp, np, mesh, op, transport, fp8, shape, chunks,
 
 
 FAKE_RANKS = 4
+# The loopback (``--loopback N``: cpp/cuda/loopback.h): N ranks' programs on ONE GPU, each rank's
+# buffers, flags and streams its own, its peers reached as the same device's memory: the
+# transports that move blocks by peer copies. What one GPU cannot show (the other transports, by
+# their mechanism, and what lies between GPUs), said in the output and the report:
+LOOPBACK_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism == "peer_copies")
+_ONE_GPU_CANNOT = {
+    "messages": "NCCL puts one rank of a communicator on a GPU (it refuses two on one device)",
+    "multicast": "a multicast object binds one memory per GPU (NVLink SHARP)",
+}
+LOOPBACK_NOT_COVERED = {
+    **{t.name: _ONE_GPU_CANNOT[t.mechanism] for t in _kinds.TRANSPORTS
+       if t.name not in LOOPBACK_TRANSPORTS},
+    "between GPUs": "NVLink / PCIe peer access and its ordering of remote writes (the flags' "
+                    "FLUSH), peer copies through the interconnect, one rank's SMs to itself "
+                    "(here the ranks share one GPU's SMs and copy engines)",
+}
+LOOPBACK_CLIQUE = 0x100B  # a transport's loopback rows on one clique: epochs, parities, growth
 
 
 def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
@@ -264,16 +338,15 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
             for r in range(len(xs))]
 
 
-def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
-              fp8: tuple[str, str, str] | None = None, fused=False) -> tuple[bool, str]:
-    """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
-    the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
-    scales; ``fused``: the fused GEMM's program."""
+def _row_inputs(np, op: str, n: int, shape, dtype: str,
+                fp8: tuple[str, str, str] | None) -> dict[str, Any]:
+    """One case's inputs for ``n`` ranks, as the CUDA executor's handler receives them (an fp8
+    w K-major, [nw, k]: docs/gpu-internals.md §6), and per rank the float64 factors of its exact
+    result."""
     import ml_dtypes
 
     batch_dims, rows, k, nw = shape
     batch = int(np.prod(batch_dims)) if batch_dims else 1
-    n = FAKE_RANKS
     np_dtypes = {d: getattr(ml_dtypes, d, None) or np.dtype(d) for d in _kinds.names(_kinds.DTYPES)}
     x_dtype, w_dtype, out_dtype = fp8 or (dtype, dtype, dtype)
     rng = np.random.default_rng(1)
@@ -286,15 +359,10 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
           .astype(np_dtypes[x_dtype]) for _ in range(n)]
     ws = [(rng.standard_normal((k, nw)) * spread).astype(np.float32).astype(np_dtypes[w_dtype])
           for _ in range(n)]
-    fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
-    problem = dict(op=op, transport=transport, nranks=n, batch=batch, rows=rows, k=k, n=nw,
-                   dtype=x_dtype, chunks=chunks, bidirectional=bidirectional,
-                   algorithm=algorithm or "two_shot", fused=fused)
     scales: dict[str, Any] = {}
     w_bytes = [w.tobytes() for w in ws]
     if fp8:
         sx, sw = fp8_scales(np, n)
-        problem.update(w_dtype=w_dtype, out_dtype=out_dtype)
         scales = dict(x_scales=list(sx), w_scales=list(sw))
         # the handler receives an fp8 w K-major, [nw, k] (docs/gpu-internals.md §6)
         w_bytes = [np.ascontiguousarray(w.T).tobytes() for w in ws]
@@ -302,23 +370,69 @@ def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
         ws_ref = [dequantized(np, w, s) for w, s in zip(ws, sw, strict=True)]
     else:
         xs_ref, ws_ref = xs, ws
-    out = fake.run(problem, xs=[x.tobytes() for x in xs], ws=w_bytes, devices=list(range(n)),
-                   **scales)
-    refs = rank_products(np, op, xs_ref, ws_ref, rows)
-    problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
-    if not out["drained"] and not problems:
-        problems.append("the fake GPU did not drain")
+    # the problem as the executors' bindings take it (_host.build_program's keys) but for
+    # transport, chunks, bidirectional and fused: the caller's
+    problem = dict(op=op, nranks=n, batch=batch, rows=rows, k=k, n=nw, dtype=x_dtype,
+                   w_dtype=w_dtype, out_dtype=out_dtype, algorithm=algorithm or "two_shot")
+    return dict(problem=problem, op=op, k=k, out_dtype=out_dtype,
+                out_np=np_dtypes[out_dtype], xs=[x.tobytes() for x in xs], ws=w_bytes,
+                scales=scales, refs=rank_products(np, op, xs_ref, ws_ref, rows), fp8=bool(fp8))
+
+
+def _row_verdict(np, n: int, case: dict[str, Any], ys, problems: list[str]) -> tuple[bool, str]:
+    """Every rank's y against the float64 product of its factors, under ``bound`` (unless the
+    run already has ``problems``): (passed, detail)."""
     details = []
     if not problems:
-        for r, (y, (a, b)) in enumerate(zip(out["ys"], refs, strict=True)):
+        for r, (y, (a, b)) in enumerate(zip(ys, case["refs"], strict=True)):
             ref = a @ b
-            got = np.frombuffer(y, np_dtypes[out_dtype]).reshape(ref.shape).astype(np.float64)
-            ok, detail = _compare(np, got, ref, bound(op, out_dtype, n, k, a, b))
+            got = np.frombuffer(y, case["out_np"]).reshape(ref.shape).astype(np.float64)
+            ok, detail = _compare(np, got, ref, bound(case["op"], case["out_dtype"], n,
+                                                      case["k"], a, b, fp8=case["fp8"]))
             details.append(detail)
             if not ok:
                 problems.append(f"rank {r}: {detail}")
                 break
     return not problems, "; ".join(problems) or details[-1]
+
+
+def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
+              fp8: tuple[str, str, str] | None = None, fused=False) -> tuple[bool, str]:
+    """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
+    the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
+    scales; ``fused``: the fused GEMM's program."""
+    n = FAKE_RANKS
+    case = _row_inputs(np, op, n, shape, dtype, fp8)
+    fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
+    problem = dict(case["problem"], transport=transport, chunks=chunks,
+                   bidirectional=bidirectional, fused=fused)
+    out = fake.run(problem, xs=case["xs"], ws=case["ws"], devices=list(range(n)),
+                   **case["scales"])
+    problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
+    if not out["drained"] and not problems:
+        problems.append("the fake GPU did not drain")
+    return _row_verdict(np, n, case, out["ys"], problems)
+
+
+def _loopback_row(module, np, n: int, op, transport, dtype, shape, chunks, bidirectional,
+                  fp8: tuple[str, str, str] | None = None, fused=False, device=0,
+                  fake=None) -> tuple[bool, str]:
+    """One case of ``n`` ranks on ONE GPU (``module.loopback_run``: cpp/cuda/loopback.h; a
+    transport of ``LOOPBACK_TRANSPORTS``), against a float64 reference. ``fake``: the run is on
+    the host-side fake (its misuse reports count)."""
+    case = _row_inputs(np, op, n, shape, dtype, fp8)
+    problem = dict(case["problem"], transport=transport, chunks=chunks,
+                   bidirectional=bidirectional, fused=fused)
+    timeout_ms = int(float(os.environ.get("JAXOVERLAP_TIMEOUT_S", "120")) * 1000)
+    seen = len(fake.errors()) if fake else 0
+    out = module.loopback_run(problem, case["xs"], case["ws"], device=device,
+                              clique_key=LOOPBACK_CLIQUE + _kinds.transport(transport).id,
+                              timeout_ms=timeout_ms, **case["scales"])
+    problems = [*(fake.errors()[seen:seen + 2] if fake else []),
+                *[s for s in out["statuses"] if s][:2]]
+    if not out["completed"] and not problems:
+        problems.append("the GPU did not finish the calls within twice JAXOVERLAP_TIMEOUT_S")
+    return _row_verdict(np, n, case, out["ys"], problems)
 
 
 def row_deadline_s() -> float:
@@ -484,6 +598,111 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
         _cuda_fake.reset()
 
 
+def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | None,
+                   fp8_why: str | None, device: int = 0, fake=None) -> None:
+    """The selftest's rows of the transports one GPU serves (``LOOPBACK_TRANSPORTS``: FP8 and the
+    fused GEMM's included, where the GPU runs them) with ``n`` ranks on GPU ``device``
+    (``module.loopback_run``), on one clique per transport."""
+    import numpy as np
+
+    shapes = SHAPES[:1] if quick else SHAPES
+    dtypes = DTYPES[:1] if quick else DTYPES
+    variants = VARIANTS[-1:] if quick else VARIANTS
+    transports = LOOPBACK_TRANSPORTS
+    cases = [(op, transport, dtype, None, shape, variant, False)
+             for op, transport, dtype, shape, variant
+             in itertools.product(OPS, transports, dtypes, shapes, variants)]
+    if fp8_why is None:
+        fp8s = FP8_DTYPES[:1] if quick else FP8_DTYPES
+        cases += [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], False)
+                  for (i, fp8), (j, op), transport
+                  in itertools.product(enumerate(fp8s), enumerate(FP8_OPS), transports)]
+    if fused_why is None:
+        cases += [(op, transport, dtype, None, SHAPES[0], variant, True)
+                  for op, transport, dtype, variant in itertools.product(
+                      FUSED_OPS, [t for t in transports if t in FUSED_TRANSPORTS],
+                      FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
+    where = f"(loopback: {n} ranks on GPU {device}{', host-side fake' if fake else ''})"
+    for op, transport, dtype, fp8, shape, (chunks, bidi), fused in cases:
+        dims = (*shape[0], shape[1] * n + op.endswith("one_shot"), shape[2])
+        name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
+                f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
+                f"{' fused' if fused else ''} {where}")
+        table.start(name, cliques=module.cliques)
+        start = time.perf_counter()
+        try:
+            ok, detail = _loopback_row(module, np, n, op, transport, dtype, shape, chunks, bidi,
+                                       fp8, fused, device, fake)
+        except Exception as e:  # noqa: BLE001 - a row reports, the run goes on
+            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        table.add(name, ok, detail, time.perf_counter() - start, cliques=module.cliques)
+
+
+def _loopback_report(n: int, device: int, skipped: dict[str, str]) -> dict[str, Any]:
+    """What the report says of a loopback run: its ranks and GPU, what one GPU cannot cover,
+    and which rows it left out and why."""
+    not_covered = dict(LOOPBACK_NOT_COVERED, **skipped)
+    print(f"loopback: {n} ranks on GPU {device}; rows not covered by one GPU:")
+    for what, why in not_covered.items():
+        print(f"  {what}: {why}")
+    return dict(ranks=n, device=device, not_covered=not_covered)
+
+
+def loopback_main(n: int, fake: bool = False, quick: bool = False, report: str | None = None,
+                  row_deadline: float | None = None) -> int:
+    """``selftest --loopback N`` (``fake``: on the host-side fake): the p2p rows, N ranks on one
+    GPU (cpp/cuda/loopback.h). Needs one GPU, not N, and no JAX."""
+    from jaxoverlap._executors import capabilities, runtime
+    from jaxoverlap._version import __version__
+
+    if n < 2:
+        raise ValueError(f"--loopback {n}: the loopback needs at least 2 ranks")
+    print(f"jaxoverlap {__version__} selftest --loopback {n}"
+          f"{' on the host-side CUDA fake (no GPU is used)' if fake else ''}")
+    caps = _gpu_table() if not fake else {}
+    skipped: dict[str, str] = {}
+    if fake:
+        try:
+            runtime.load_cuda()
+            from jaxoverlap import _cuda_fake as module
+        except ImportError as e:
+            print(f"  the CUDA executor on the fake is not built: {e}")
+            return 1
+        module.reset(module.Config(devices=1))
+        fused_why = fp8_why = None
+        fake_module = module
+    else:
+        gpus = caps.get("devices", [])
+        if not gpus:
+            print(f"NO GPU FOUND ({caps.get('error')}): the loopback needs one GPU "
+                  "(selftest --fake --loopback N runs it on the host-side fake)")
+            return 1
+        module = runtime.load_cuda()
+        fused_why = capabilities.fused_device_reason("gpu")
+        fp8_why = capabilities.gpu_fp8_reason(caps, *FP8_DTYPES[0][:2], devices=[0])
+        fake_module = None
+        print(f"GPU 0: {gpus[0].get('name')}; driver {caps.get('cuda_driver')}, "
+              f"cuBLAS {caps.get('cublas')}")
+    if fused_why:
+        skipped["fused"] = fused_why
+    if fp8_why:
+        skipped["fp8"] = fp8_why
+    header = dict(_report_header(caps, fake=fake), loopback=_loopback_report(n, 0, skipped))
+    if fake:
+        header["topology"] = dict(fake=f"1 fake GPU (sm_90) for {n} ranks")
+    table = Table(report=(report, header) if report else None,
+                  deadline_s=row_deadline or row_deadline_s())
+    try:
+        _loopback_rows(table, module, n, quick, fused_why, fp8_why, fake=fake_module)
+    finally:
+        if fake:
+            module.reset()
+    status = table.summary(f" (loopback: {n} ranks on one GPU)")
+    if report:
+        print(f"report written to {report}")
+    return status
+
+
 def _dtypes_name(dtype: str, fp8: tuple[str, str, str] | None) -> str:
     """A row's dtypes: "bfloat16", or an FP8 row's "e4m3 x e5m2 -> float32"."""
     if fp8 is None:
@@ -564,10 +783,13 @@ def fake_main(quick: bool = False, report: str | None = None,
 
 
 def main(quick: bool = False, fake: bool = False, report: str | None = None,
-         row_deadline: float | None = None) -> int:
+         row_deadline: float | None = None, loopback: int | None = None) -> int:
     """The selftest. ``report``: the JSON report's path (rewritten after every row);
     ``row_deadline``: seconds a row may take before the process is called hung (default
-    ``row_deadline_s()``)."""
+    ``row_deadline_s()``); ``loopback``: N ranks on one GPU instead (``loopback_main``)."""
+    if loopback is not None:
+        return loopback_main(loopback, fake=fake, quick=quick, report=report,
+                             row_deadline=row_deadline)
     if fake:
         return fake_main(quick=quick, report=report, row_deadline=row_deadline)
     caps = _gpu_table()

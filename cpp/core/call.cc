@@ -46,12 +46,21 @@ Status Place(const RankTable& t, const Caller& caller, const char* op, Placement
   const bool global = caller.naming == DeviceNaming::kGlobalId;
   const std::vector<int64_t>& ids = global ? t.device_ids : t.ordinals;
   int64_t found = -1;
+  int64_t matches = 0;
+  bool coords_match = false;  // the entry the caller's coords name is one of them
+  const int64_t by_coords =
+      caller.rank >= 0 && caller.group >= 0 ? caller.group * size + caller.rank : -1;
   for (size_t i = 0; i < n; ++i) {
     if (ids[i] != caller.device || (!global && t.processes[i] != caller.process)) continue;
-    JO_REQUIRE(found < 0, who + "the rank table lists device " + std::to_string(caller.device) +
-                              " of process " + std::to_string(caller.process) + " twice");
-    found = static_cast<int64_t>(i);
+    if (found < 0) found = static_cast<int64_t>(i);
+    ++matches;
+    coords_match = coords_match || static_cast<int64_t>(i) == by_coords;
   }
+  // A device listed more than once is found by the caller's coords (the loopback runner).
+  JO_REQUIRE(matches <= 1 || coords_match, who + "the rank table lists device " +
+                                               std::to_string(caller.device) + " of process " +
+                                               std::to_string(caller.process) + " twice");
+  if (matches > 1) found = by_coords;
   JO_REQUIRE(found >= 0, who + "this call runs on device " + std::to_string(caller.device) +
                              " of process " + std::to_string(caller.process) +
                              ", which the rank table (the mesh of the enclosing shard_map) does "

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -62,7 +63,9 @@ struct Placement {
 // Finds the caller in the table; a clear error when it is absent or listed
 // twice (the mesh of the enclosing shard_map must contain it), or when its
 // coords disagree with the table. An empty table (a CPU call in one process
-// whose mesh was abstract where it lowered) takes the caller's coords.
+// whose mesh was abstract where it lowered) takes the caller's coords. A device
+// listed more than once (the CUDA loopback runner: several ranks on one GPU) is
+// found by the caller's coords, which must then be given.
 Status Place(const RankTable& table, const Caller& caller, const char* op, Placement* out);
 
 // The call's operands and results on the device.
@@ -247,8 +250,11 @@ Status PlaceCall(const CallDesc& desc, const Problem& problem, int64_t site, con
 
 // What a call site keeps per calling device (HostSite, CudaSite): made by the
 // first execution on the device, fetched by later ones. Keyed by (process,
-// device): the host-side fake plays several processes in one, whose devices
-// share ordinals. `make` (Status(T*)) runs under the lock, so once per device
+// device, rank): the host-side fake plays several processes in one, whose
+// devices share ordinals, and the CUDA loopback runner (cuda/loopback.h) puts
+// several ranks on one device, each caller naming its rank (every other caller's
+// rank is -1, or fixed by its device). `make` (Status(T*)) runs under the lock,
+// so once per device
 // however its first executions race; a failure is not kept (the next
 // execution tries again).
 template <typename T>
@@ -257,7 +263,7 @@ class PerDevice {
   template <typename Make>
   Status Get(const Caller& caller, Make&& make, std::shared_ptr<const T>* out) {
     std::lock_guard<std::mutex> lock(mu_);
-    const std::pair<int64_t, int64_t> key{caller.process, caller.device};
+    const std::tuple<int64_t, int64_t, int32_t> key{caller.process, caller.device, caller.rank};
     auto it = made_.find(key);
     if (it == made_.end()) {
       auto fresh = std::make_shared<T>();
@@ -270,7 +276,7 @@ class PerDevice {
 
  private:
   std::mutex mu_;
-  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const T>> made_;
+  std::map<std::tuple<int64_t, int64_t, int32_t>, std::shared_ptr<const T>> made_;
 };
 
 // This process's index in the jax.distributed job (0 alone), set from Python

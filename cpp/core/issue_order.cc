@@ -27,6 +27,7 @@ struct Player {
   std::vector<bool> in_flight;              // per stream: an NCCL group not yet matched
   std::set<int32_t> recorded;               // events
   std::vector<IssueUnit> order;
+  std::vector<int32_t> rounds;  // per unit of `order`: the round it was issued in
 };
 
 // An NCCL group launched and not yet matched by its peers.
@@ -80,6 +81,12 @@ class Play {
     return out;
   }
 
+  std::vector<std::vector<int32_t>> Rounds() const {
+    std::vector<std::vector<int32_t>> out;
+    for (const Player& player : p_) out.push_back(player.rounds);
+    return out;
+  }
+
  private:
   bool Ready(int32_t r, int32_t unit) const {
     const Player& me = p_[static_cast<size_t>(r)];
@@ -113,6 +120,7 @@ class Play {
       const Op& first = me.program.ops[static_cast<size_t>(unit.begin)];
       me.queues[static_cast<size_t>(first.stream)].pop_front();
       me.order.push_back(unit);
+      me.rounds.push_back(static_cast<int32_t>(round_));
       issued = true;
       if (first.kind == OpKind::kRecord) me.recorded.insert(first.id);
       if (first.kind == OpKind::kSignal) new_flags_.insert({first.peer, first.id});
@@ -179,7 +187,7 @@ class Play {
   std::set<std::pair<int32_t, int32_t>> flags_, new_flags_;  // (rank whose flag, id)
   std::set<Message> sends_, recvs_, new_sends_, new_recvs_;  // launched
   std::vector<Launched> launched_;
-  int64_t round_ = 0;
+  int64_t round_ = 0;  // the rounds played so far (a round: every rank issues what it can)
   std::multimap<int64_t, std::pair<int32_t, int32_t>> releases_;  // round -> (rank, flag)
 };
 
@@ -200,15 +208,23 @@ std::vector<IssueUnit> IssueUnits(const Program& program) {
   return units;
 }
 
-Status IssueOrder(const Problem& problem, std::vector<IssueUnit>* order) {
-  // Every rank's order, per call signature. Never destroyed: handlers may run at exit.
-  static auto* cache = new SignatureCache<std::vector<std::vector<IssueUnit>>>;
+namespace {
+
+// Every rank's order and rounds, per call signature.
+struct Plays {
+  std::vector<std::vector<IssueUnit>> orders;
+  std::vector<std::vector<int32_t>> rounds;
+};
+
+Status PlayOf(const Problem& problem, std::shared_ptr<const Plays>* out) {
+  // Never destroyed: handlers may run at exit.
+  static auto* cache = new SignatureCache<Plays>;
   const std::string signature = CallSignature(problem);
   JO_REQUIRE(problem.rank >= 0 && problem.rank < problem.nranks,
              "IssueOrder: rank " + std::to_string(problem.rank) + " outside [0, " +
                  std::to_string(problem.nranks) + ")");
   if (auto hit = cache->Find(signature)) {
-    *order = (*hit)[static_cast<size_t>(problem.rank)];
+    *out = hit;
     return OkStatus();
   }
   std::vector<Player> players(static_cast<size_t>(problem.nranks));
@@ -229,9 +245,25 @@ Status IssueOrder(const Problem& problem, std::vector<IssueUnit>* order) {
   }
   Play play(std::move(players));
   JO_CHECK(play.Run());
-  std::vector<std::vector<IssueUnit>> orders = play.Orders();
-  *order = orders[static_cast<size_t>(problem.rank)];
-  cache->Add(signature, std::move(orders));
+  Plays plays{play.Orders(), play.Rounds()};
+  cache->Add(signature, plays);
+  *out = std::make_shared<const Plays>(std::move(plays));
+  return OkStatus();
+}
+
+}  // namespace
+
+Status IssueOrder(const Problem& problem, std::vector<IssueUnit>* order) {
+  std::shared_ptr<const Plays> plays;
+  JO_CHECK(PlayOf(problem, &plays));
+  *order = plays->orders[static_cast<size_t>(problem.rank)];
+  return OkStatus();
+}
+
+Status IssueRounds(const Problem& problem, std::vector<int32_t>* rounds) {
+  std::shared_ptr<const Plays> plays;
+  JO_CHECK(PlayOf(problem, &plays));
+  *rounds = plays->rounds[static_cast<size_t>(problem.rank)];
   return OkStatus();
 }
 

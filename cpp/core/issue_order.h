@@ -64,4 +64,11 @@ std::vector<IssueUnit> IssueUnits(const Program& program);
 // signature.
 Status IssueOrder(const Problem& problem, std::vector<IssueUnit>* order);
 
+// The round of the play in which each unit of `problem.rank`'s issue order was issued. The
+// units of every rank of a clique, taken round by round, rank by rank, each rank's in its
+// order, are one order in which every dependency points backwards: what host threads that
+// share a device's work queues must enqueue (the CUDA loopback runner, several ranks on one
+// GPU). Cached with the orders.
+Status IssueRounds(const Problem& problem, std::vector<int32_t>* rounds);
+
 }  // namespace jo

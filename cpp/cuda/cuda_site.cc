@@ -1,6 +1,8 @@
 #include "cuda/cuda_site.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -53,6 +55,17 @@ Status MakeClique(const CallDesc& desc, const PlacedCall& call, const Caller& ca
   // Cliques spanning processes: nccl with the id exchanged at trace time; p2p
   // and multicast with the clique's exchange (buffer handles; the multicast
   // object's handle).
+  // Several ranks on one GPU (the loopback runner): p2p reaches a peer as the same device's
+  // memory; NCCL refuses two ranks of a communicator on one device ("Duplicate GPU detected"),
+  // and a multicast object binds one memory per device.
+  std::set<int> seen;
+  bool shared_gpu = false;
+  for (int ordinal : place.ordinals)
+    shared_gpu = shared_gpu || (ordinal >= 0 && !seen.insert(ordinal).second);
+  if (shared_gpu && Row(desc.problem.transport).mechanism != Mechanism::kPeerCopies)
+    return InvalidArgument(ctx.Describe() + ": transport " + TransportName(desc.problem.transport) +
+                           " needs every rank on a GPU of its own (here ranks share one: the "
+                           "loopback runs transport p2p only)");
   ncclUniqueId nccl_id{};
   std::shared_ptr<Exchange> exchange;
   const bool spans = place.spans_processes();
@@ -96,6 +109,10 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
   JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   out->waits = WaitedFlags(out->call.program);
+  JO_CHECK(PoolNeedsOf(out->call.program.problem, &out->pool_needs));
+  for (const Op& op : out->call.program.ops)
+    if (op.kind == OpKind::kFusedGemm && op.fused.wait_flags >= 0)
+      out->fused_wait_flags = op.fused.wait_flags;
   out->nccl = Row(problem.transport).messages() && problem.nranks > 1;
   JO_REQUIRE(!desc_.table.processes.empty(), std::string(CollectiveName(desc_.problem.op)) +
                                                  ": the GPU handler needs the rank table");
@@ -139,7 +156,13 @@ Status RefuseCapture(cudaStream_t stream, const char* op) {
 }  // namespace
 
 Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, IssueGate* gate) {
+  struct LeaveGate {  // whatever happens, the rank issues nothing more of this call
+    IssueGate* gate;
+    ~LeaveGate() {
+      if (gate != nullptr) gate->Leave();
+    }
+  } leave{gate};
   const char* op = CollectiveName(problem.op);
   // Before the call takes an epoch: every rank refuses alike, the clique stays usable.
   JO_CHECK(RefuseCapture(stream, op));
@@ -162,10 +185,16 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   run.io = io;
   run.ctx = ctx;
   run.timeout = Millis(desc_.timeout_ms);
+  run.gate = gate;
+  const std::vector<int>& ordinals = bound->call.place.ordinals;  // this GPU's ranks share it
+  run.device_share = static_cast<int32_t>(
+      std::max<std::ptrdiff_t>(1, std::count(ordinals.begin(), ordinals.end(), run.device)));
   const std::string where = ctx.Describe() + " epoch " + std::to_string(run.epoch);
   Reservation reserved;
   Status status = clique.Agree(where, ctx.rank, run.epoch, bound->call.signature);
-  if (status.ok()) status = clique.Reserve(program, bound->call.needs, run.epoch, ctx, &reserved);
+  if (status.ok())
+    status =
+        clique.Reserve(program, bound->call.needs, bound->pool_needs, run.epoch, ctx, &reserved);
   // Everything is checked and made before anything is enqueued (PrepareProgram);
   // then only enqueueing is left, and once it began the call is always joined
   // into XLA's stream and watched, whatever happens.
@@ -173,6 +202,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (status.ok()) {
     run.gen = reserved.gen.get();
     run.resources = reserved.resources;
+    run.pool = reserved.pool.get();
     status = PrepareProgram(run, &prepared);
   }
   // The NCCL communicators are leased only now: everything above may wait for the device.
@@ -204,6 +234,11 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     watched.nccl = bound->nccl;
     watched.op = op;
     watched.timeout = Millis(desc_.timeout_ms);
+    if (bound->fused_wait_flags >= 0) {  // its fault record: at the start of the fused state
+      watched.fault = static_cast<const FusedGemmFault*>(reserved.pool->fused_state);
+      watched.fault_read = reserved.pool->fault_read;
+      watched.fused_wait_flags = bound->fused_wait_flags;
+    }
     const cudaError_t recorded = cudaEventRecord(reserved.events->done, stream);
     if (recorded == cudaSuccess) {
       run.resources->SetLast(reserved.events);

@@ -31,6 +31,7 @@
 #include "core/issue_order.h"
 #include "core/status.h"
 #include "cuda/clique/cuda_clique.h"
+#include "cuda/executor.h"
 
 namespace jo::cuda {
 
@@ -40,8 +41,9 @@ class CudaSite {
 
   // Enqueues one call of `caller` (XLA:GPU names devices by local ordinal) on
   // `stream`, XLA's stream of that GPU. Returns once the work is enqueued.
+  // `gate`: the loopback runner's order among ranks sharing a GPU (executor.h).
   Status Enqueue(const Caller& caller, const Problem& problem, const CallBuffers& io,
-                 cudaStream_t stream);
+                 cudaStream_t stream, IssueGate* gate = nullptr);
 
   const CallDesc& desc() const { return desc_; }
 
@@ -59,6 +61,8 @@ class CudaSite {
     // it waits inside NCCL.
     std::vector<std::pair<int32_t, int32_t>> waits;
     bool nccl = false;
+    PoolNeeds pool_needs;           // what each local rank's pool must hold (clique_state.h)
+    int32_t fused_wait_flags = -1;  // a fused GEMM that waits: its first block's flag (-1: none)
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
 

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "core/build.h"
+#include "core/signature_cache.h"
 #include "cuda/base/driver.h"
 #include "cuda/fused/fused_gemm.h"
 #include "cuda/gemm/gemm.h"
@@ -80,6 +82,7 @@ struct Step {
   BlockArgs block;              // Add, McStore, McReduce
   ReduceArgs reduce;            // Reduce
   GemmArgs gemm;                // Gemm
+  void* workspace = nullptr;    // Gemm: its stream's cuBLASLt workspace (the rank's pool)
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
   size_t fused = 0;             // FusedGemm: its arguments, the Enqueuer's fused_[fused]
   CUdeviceptr flag = 0;         // Signal, Wait
@@ -97,7 +100,8 @@ class Enqueuer {
     JO_CHECK(LoadDriver(&drv_));
     JO_CHECK(WaitValueFlags(a_.device, &wait_flags_));
     JO_CUDA_CHECK(ctx_, cudaSetDevice(a_.device));
-    JO_ASSERT(a_.order != nullptr && a_.resources != nullptr && a_.gen != nullptr);
+    JO_ASSERT(a_.order != nullptr && a_.resources != nullptr && a_.pool != nullptr &&
+              a_.gen != nullptr);
     JO_ASSERT(static_cast<int32_t>(a_.resources->streams.size()) >= p_.num_streams - 1);
     JO_ASSERT(a_.resources->events.size() >= static_cast<size_t>(p_.num_events + p_.num_streams));
     // The issue order names every op exactly once.
@@ -111,18 +115,20 @@ class Enqueuer {
       if (issued[i] != 1)
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
                         " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
+    for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
     // The SMs a fused GEMM leaves to the reduction beside it: as many as cost its persistent
-    // grid no wave (fused_tiles.h SpareSms), at most FusedBlocks::spare_sms and a quarter of the
-    // device's (only the fake's small devices have fewer than 4 x 8), at least one; the kernels
-    // sized to them (Op::sms) take the same number. jaxoverlap/sim/fused.py spare_sms mirrors it.
+    // grid no wave (fused_tiles.h SpareSms) on the SMs it may use (KernelSms), at most
+    // FusedBlocks::spare_sms and a quarter of those (only the fake's small devices have fewer
+    // than 4 x 8), at least one; the kernels sized to them (Op::sms) take the same number.
+    // jaxoverlap/sim/fused.py spare_sms mirrors it.
     for (const Op& op : p_.ops)
       if (op.kind == OpKind::kFusedGemm && op.fused.spare_sms > 0) {
-        JO_CUDA_CHECK(
-            ctx_, cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, a_.device));
+        int32_t sms = 0;
+        JO_CHECK(KernelSms(&sms));
         const int64_t m_tiles = (op.m + fused::kTileRows - 1) / fused::kTileRows;
         const int64_t n_tiles = (op.n + fused::kTileCols - 1) / fused::kTileCols;
-        spare_sms_ = std::max(1, fused::SpareSms(m_tiles, n_tiles, op.batch, device_sms_,
-                                                 std::min(op.fused.spare_sms, device_sms_ / 4)));
+        spare_sms_ = std::max(1, fused::SpareSms(m_tiles, n_tiles, op.batch, sms,
+                                                 std::min(op.fused.spare_sms, sms / 4)));
       }
     steps_.resize(p_.ops.size());
     for (size_t i = 0; i < p_.ops.size(); ++i) {
@@ -165,8 +171,10 @@ class Enqueuer {
       const IssueUnit& unit = (*a_.order)[u];
       const Op& op = p_.ops[static_cast<size_t>(unit.begin)];
       const NvtxRange range([&] { return UnitName(op, static_cast<size_t>(unit.begin)); });
+      if (a_.gate != nullptr) a_.gate->Before(u);
       status =
           IsNccl(op.kind) ? NcclGroup(unit) : Exec(op, steps_[static_cast<size_t>(unit.begin)]);
+      if (a_.gate != nullptr) a_.gate->After(u);
       if (!status.ok())
         status = Status(status.code(), status.message() + "; while enqueueing " + ToString(op) +
                                            " on stream " + std::to_string(op.stream));
@@ -231,10 +239,8 @@ class Enqueuer {
   int64_t Es(BufId buf) const { return ElemBytes(p_.problem, buf); }
 
   std::byte* Resolve(const Ref& ref) const {
-    std::byte* scratch =
-        a_.resources->scratch ? static_cast<std::byte*>(a_.resources->scratch->ptr) : nullptr;
     return jo::Resolve(
-        p_, a_.io, scratch,
+        p_, a_.io, static_cast<std::byte*>(a_.pool->scratch),
         [&](int32_t rank) { return a_.gen->Workspace(rank, a_.epoch, p_.problem.rank); }, ref);
   }
 
@@ -256,11 +262,21 @@ class Enqueuer {
         step->block = Block(op, Resolve(op.a), op.a, Resolve(op.d), op.d);
         JO_ASSERT(step->block.src != nullptr && step->block.dst != nullptr);
         return PrepareBlockKernel(BlockKernel::kAdd, step->block, a_.ctx);
-      case OpKind::kCopy:
+      case OpKind::kCopy: {
         step->src = Resolve(op.a);
         step->dst = Resolve(op.d);
         JO_ASSERT(step->src != nullptr && step->dst != nullptr);
+        // A peer copy beside a fused GEMM must be 1-D (CopyBlock): its rows contiguous.
+        const auto peer = [&](const Ref& r) {
+          return r.buf == BufId::kWorkspace && r.rank != p_.problem.rank;
+        };
+        if (has_fused_ && (peer(op.a) || peer(op.d)) && (op.a.ld != op.n || op.d.ld != op.n))
+          return Internal(a_.ctx.Describe() +
+                          ": a peer copy with strided rows (a 2-D copy) in a program with a "
+                          "fused GEMM, which holds every SM: CUDA documents no copy engine for "
+                          "2-D copies");
         return OkStatus();
+      }
       case OpKind::kMcStore: {
         std::byte* mc = Multicast(op.d);
         JO_ASSERT(mc != nullptr);
@@ -376,7 +392,14 @@ class Enqueuer {
       g.batch = 1;
       g.a_bs = g.d_bs = g.c_bs = 0;
     }
-    return PrepareLtMatmul(a_.device, g, step->stream, a_.ctx, &warmed_);
+    JO_ASSERT(static_cast<size_t>(op.stream) < a_.pool->workspaces.size());
+    GemmBuffers buffers;
+    buffers.workspace = a_.pool->workspaces[static_cast<size_t>(op.stream)];
+    buffers.warm_workspace = a_.pool->warm_workspace;
+    buffers.warm = a_.pool->warm;
+    buffers.warm_bytes = a_.pool->warm_bytes;
+    step->workspace = buffers.workspace;
+    return PrepareLtMatmul(a_.device, g, buffers, a_.ctx, &warmed_);
   }
 
   // The fused GEMM (fused_gemm.h): checked, its tile order made and its
@@ -407,9 +430,9 @@ class Enqueuer {
     f.key = blocks.key;
     f.epoch = static_cast<uint32_t>(a_.epoch);
     const int32_t rank = p_.problem.rank;
-    JO_ASSERT(a_.resources->fused_state != nullptr &&
-              a_.resources->fused_state->bytes >= FusedStateBytes(blocks.rows.count()));
-    auto* state = static_cast<std::byte*>(a_.resources->fused_state->ptr);
+    JO_ASSERT(a_.pool->fused_state != nullptr &&
+              a_.pool->fused_bytes >= FusedStateBytes(blocks.rows.count()));
+    auto* state = static_cast<std::byte*>(a_.pool->fused_state);
     if (blocks.wait_flags >= 0) {
       JO_ASSERT(blocks.wait_flags + blocks.rows.count() <= a_.gen->num_flags);
       f.wait_flags =
@@ -427,8 +450,7 @@ class Enqueuer {
     }
     // A release-only kernel leaves the reduction beside it the SMs the program reserved for
     // it (FusedBlocks::spare_sms, as Prepare bounded them; its kernels are sized to them).
-    JO_CUDA_CHECK(ctx_,
-                  cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, a_.device));
+    JO_CHECK(KernelSms(&f.sm_count));
     if (blocks.spare_sms > 0) f.sm_count -= spare_sms_;
     JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
     return PrepareFusedGemm(f.dtype, a_.ctx);
@@ -443,7 +465,7 @@ class Enqueuer {
           JO_CHECK(CopyBlock(copy, step.src, op.c, static_cast<std::byte*>(step.gemm.d), op.d,
                              step.stream));
         }
-        return LtMatmul(a_.device, step.gemm, step.stream, a_.ctx);
+        return LtMatmul(a_.device, step.gemm, step.stream, step.workspace, a_.ctx);
       case OpKind::kAdd:
         return LaunchAddBlock(step.block, step.stream, a_.ctx);
       case OpKind::kCopy:
@@ -491,6 +513,17 @@ class Enqueuer {
 
   // The SMs a kernel's grid is sized to: those the program's fused GEMM leaves it (0: the
   // whole device).
+  // The SMs a fused GEMM of this rank may use: the device's, or in the loopback (ranks
+  // sharing one GPU) an even share of them (clusters of two CTAs).
+  Status KernelSms(int32_t* sms) {
+    int device_sms = 0;
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, a_.device));
+    *sms = device_sms;
+    if (a_.device_share > 1) *sms = std::max(2, device_sms / a_.device_share / 2 * 2);
+    return OkStatus();
+  }
+
   int32_t Budget(const Op& op) const { return op.sms > 0 ? std::min(op.sms, spare_sms_) : 0; }
 
   BlockArgs Block(const Op& op, const void* src, const Ref& s, void* dst, const Ref& d) const {
@@ -509,17 +542,29 @@ class Enqueuer {
     return b;
   }
 
-  // Batched strided copy: one call when both sides are dense, else one 2-D copy per batch.
+  // Batched strided copy: one 1-D copy when both sides are dense, one per batch when each
+  // batch's rows are (contiguous rows), else one 2-D copy per batch. 1-D wherever it can be:
+  // while a fused GEMM holds every SM, a peer copy must run on a copy engine, and CUDA documents
+  // no engine for a 2-D copy (docs/gpu-internals.md §5, rule 1); the fake refuses one behind a
+  // fused GEMM.
   Status CopyBlock(const Op& op, const std::byte* src, const Ref& s, std::byte* dst, const Ref& d,
                    cudaStream_t stream) {
     const int64_t es = Es(s.buf);  // d's too (CheckProgram)
     const size_t row = static_cast<size_t>(op.n * es);
+    const bool rows_contiguous = s.ld == op.n && d.ld == op.n;
     const bool dense =
-        s.ld == op.n && d.ld == op.n &&
+        rows_contiguous &&
         (op.batch == 1 || (s.batch_stride == op.m * op.n && d.batch_stride == op.m * op.n));
     if (dense) {
       JO_CUDA_CHECK(ctx_,
                     cudaMemcpyAsync(dst, src, row * op.m * op.batch, cudaMemcpyDefault, stream));
+      return OkStatus();
+    }
+    if (rows_contiguous) {
+      for (int64_t b = 0; b < op.batch; ++b)
+        JO_CUDA_CHECK(ctx_,
+                      cudaMemcpyAsync(dst + b * d.batch_stride * es, src + b * s.batch_stride * es,
+                                      row * op.m, cudaMemcpyDefault, stream));
       return OkStatus();
     }
     for (int64_t b = 0; b < op.batch; ++b)
@@ -582,9 +627,9 @@ class Enqueuer {
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
   std::vector<FusedGemmArgs> fused_;  // the FusedGemm steps' (not in Step: 520-byte tile orders)
-  int device_sms_ = 0;                // the device's SMs (asked only when a fused GEMM leaves some)
-  int32_t spare_sms_ = 0;             // the SMs the fused GEMM leaves to the kernels beside it
-  bool warmed_ = false;  // a new cuBLASLt plan ran its warm-up in Prepare: join it first
+  bool warmed_ = false;     // a new cuBLASLt plan ran its warm-up in Prepare: join it first
+  bool has_fused_ = false;  // the program has a FusedGemm
+  int32_t spare_sms_ = 0;   // the SMs the fused GEMM leaves to the kernels beside it
 };
 
 PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}
@@ -600,6 +645,55 @@ Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
   auto enqueuer = std::make_unique<Enqueuer>(args);
   JO_CHECK(enqueuer->Prepare());
   out->reset(new PreparedCall(std::move(enqueuer)));
+  return OkStatus();
+}
+
+Status PoolNeedsOf(const Problem& q, PoolNeeds* out) {
+  static auto* cache = new SignatureCache<PoolNeeds>;  // never destroyed: workers may run late
+  const std::string signature = CallSignature(q);
+  if (auto hit = cache->Find(signature)) {
+    *out = *hit;
+    return OkStatus();
+  }
+  PoolNeeds needs;
+  if (Row(q.transport).messages() && q.nranks > 1) needs.connect_ranks = q.nranks;
+  for (int32_t r = 0; r < q.nranks; ++r) {
+    Problem other = q;
+    other.rank = r;
+    Program p;
+    JO_CHECK(BuildProgram(other, &p));
+    needs.scratch = std::max(needs.scratch, static_cast<size_t>(ScratchBytes(p)));
+    for (const Op& op : p.ops) {
+      if (op.kind == OpKind::kFusedGemm)
+        needs.fused_state = std::max(needs.fused_state, FusedStateBytes(op.fused.rows.count()));
+      if (op.kind != OpKind::kGemm) continue;
+      needs.workspaces = std::max(needs.workspaces, op.stream + 1);
+      // The warm-up's operands: its shapes and layouts (pointers are not read; a set c says the
+      // call may be out of place).
+      GemmArgs g;
+      g.a_type = q.x_dtype;
+      g.w_type = q.w_dtype;
+      g.out_type = q.out_dtype;
+      g.batch = op.batch;
+      g.m = op.m;
+      g.n = op.n;
+      g.k = op.k;
+      g.a_bs = op.a.batch_stride;
+      g.a_ld = op.a.ld;
+      g.w_ld = IsFp8(q.w_dtype) ? q.k : op.b.ld;
+      g.d_bs = op.d.batch_stride;
+      g.d_ld = op.d.ld;
+      if (op.accumulate) {
+        static const std::byte kSomewhere{};
+        g.c = &kSomewhere;
+        g.c_bs = op.c.batch_stride;
+        g.c_ld = op.c.ld;
+      }
+      needs.warm = std::max(needs.warm, WarmUpBytes(g));
+    }
+  }
+  cache->Add(signature, needs);
+  *out = needs;
   return OkStatus();
 }
 

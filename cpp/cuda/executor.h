@@ -46,6 +46,20 @@
 
 namespace jo::cuda {
 
+// Orders the issue of one call's units among host threads that share a device's work queues
+// (cuda/loopback.h: several ranks on one GPU, whose issue orders must interleave as the issue
+// order's play did: core/issue_order.h, IssueRounds). Null everywhere else.
+class IssueGate {
+ public:
+  virtual ~IssueGate() = default;
+  // Returns once the `unit`-th unit of the rank's issue order may be issued (bounded).
+  virtual void Before(size_t unit) = 0;
+  // The unit was issued (or its issue failed).
+  virtual void After(size_t unit) = 0;
+  // The rank issues nothing more of this call (also after a failure; idempotent).
+  virtual void Leave() = 0;
+};
+
 struct RunArgs {
   const Program* program = nullptr;
   const std::vector<IssueUnit>* order = nullptr;  // the plan's issue order
@@ -53,10 +67,16 @@ struct RunArgs {
   cudaStream_t stream = nullptr;  // XLA's stream (program stream 0)
   int64_t epoch = 0;
   const Generation* gen = nullptr;
-  RankResources* resources = nullptr;
+  RankResources* resources = nullptr;  // streams and events
+  const RankPool* pool = nullptr;      // scratch, fused state, cuBLASLt buffers
   CallBuffers io;
   ErrorContext ctx;
   std::chrono::milliseconds timeout{0};  // for host-side NCCL progress (AwaitNccl)
+  IssueGate* gate = nullptr;             // the loopback runner's; null: issue at will
+  // Ranks of the clique on this GPU (more than one only in the loopback): a fused GEMM takes
+  // its share of the SMs, so that every rank's can run at once, as each would on a GPU of its
+  // own (one that held every SM would wait for flags that the others, unable to start, raise).
+  int32_t device_share = 1;
 };
 
 class Enqueuer;
@@ -92,5 +112,10 @@ class PreparedCall {
 
 // Checks and prepares `args` (nothing is enqueued). `args` must outlive the result.
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out);
+
+// What calls of `problem` need of each local rank's pool (clique_state.h): the largest need of
+// every rank's program (their scratch, fused GEMM state, GEMM streams and warm-ups). Cached per
+// call signature.
+Status PoolNeedsOf(const Problem& problem, PoolNeeds* out);
 
 }  // namespace jo::cuda

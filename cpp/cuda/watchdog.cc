@@ -3,6 +3,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -107,7 +108,7 @@ class Watchdog {
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return !entries_.empty() || !aborts_.empty(); });
+      cv_.wait(lock, [&] { return !entries_.empty() || !aborts_.empty() || !faults_.empty(); });
       Pass(lock);
       cv_.wait_for(lock, kPoll);
     }
@@ -137,73 +138,189 @@ class Watchdog {
     }
   }
 
-  // One look at every rank's oldest pending call: done ones are dropped, late ones fired; and at
-  // the aborts started. The references it takes to cliques and communicators are dropped after
-  // mu_ is released: when one is the last (a clique reset meanwhile), its destructor waits for
-  // the device and destroys communicators, and every handler's Watch takes mu_.
+  // One look at every rank's oldest pending call: done ones are dropped, late ones fired; at the
+  // fault records of fired fused calls now done; and at the aborts started. The calls to look at
+  // are taken under mu_ and queried without it (a CUDA query may block, and every handler's Watch
+  // takes mu_). The references it takes to cliques and communicators are dropped after mu_ is
+  // released: when one is the last (a clique reset meanwhile), its destructor waits for the
+  // device and destroys communicators.
   void Pass(std::unique_lock<std::mutex>& lock) {
     std::vector<std::shared_ptr<const void>> held;
     PassAborts(&held);
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      Entry& e = it->second;
-      std::shared_ptr<CudaClique> clique =
-          e.calls.empty() ? nullptr : e.calls.front().clique.lock();
-      if (!clique) {  // nothing pending, or the clique is gone (tests reset them)
-        it = entries_.erase(it);
-        continue;
-      }
-      held.push_back(clique);
-      const WatchedCall& front = e.calls.front();
-      int prev = 0;
-      (void)cudaGetDevice(&prev);
-      (void)cudaSetDevice(front.device);
-      const cudaError_t q = cudaEventQuery(front.events->done);
-      // The call's clock starts when the GPU got to it (its `started` event).
-      const cudaError_t s =
-          q == cudaErrorNotReady && !e.front_started ? cudaEventQuery(front.events->started) : q;
-      (void)cudaSetDevice(prev);
-      if (q == cudaSuccess) {
-        e.calls.pop_front();
-        e.front_started = false;
-        continue;  // look at the next one (or erase the entry) on this same pass
-      }
-      if (q != cudaErrorNotReady || (s != cudaSuccess && s != cudaErrorNotReady)) {
-        (void)cudaGetLastError();  // e.g. the runtime is shutting down: stop watching
-        it = entries_.erase(it);
-        continue;
-      }
-      if (!e.front_started) {
-        if (s == cudaErrorNotReady) {  // still queued behind earlier work: not late
-          ++it;
+    struct Look {
+      Key key;
+      WatchedCall call;
+      bool started = false;  // its `started` event was seen complete before
+      cudaError_t done = cudaErrorNotReady, begun = cudaErrorNotReady;
+    };
+    // Until no rank's oldest call is found done (each pass drops every call done by now).
+    for (bool popped = true; popped;) {
+      popped = false;
+      std::vector<Look> looks;
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        Entry& e = it->second;
+        std::shared_ptr<CudaClique> clique =
+            e.calls.empty() ? nullptr : e.calls.front().clique.lock();
+        if (!clique) {  // nothing pending, or the clique is gone (tests reset them)
+          it = entries_.erase(it);
           continue;
         }
-        e.front_started = true;
-        e.front_since = Now();
+        held.push_back(std::move(clique));
+        looks.push_back({it->first, e.calls.front(), e.front_started});
+        ++it;
       }
-      if (Now() - e.front_since > front.timeout) {
-        const Key key = it->first;
+      lock.unlock();
+      for (Look& look : looks) {
+        int prev = 0;
+        (void)cudaGetDevice(&prev);
+        (void)cudaSetDevice(look.call.device);
+        look.done = Query(look.call.events->done);
+        // The call's clock starts when the GPU got to it (its `started` event).
+        look.begun = look.done == cudaErrorNotReady && !look.started
+                         ? Query(look.call.events->started)
+                         : look.done;
+        (void)cudaSetDevice(prev);
+      }
+      lock.lock();
+      for (const Look& look : looks) {
+        auto it = entries_.find(look.key);
+        // Changed meanwhile (a fire of this pass moved it): looked at again next pass.
+        if (it == entries_.end() || it->second.calls.empty() ||
+            it->second.calls.front().events != look.call.events)
+          continue;
+        Entry& e = it->second;
+        if (look.done == cudaSuccess) {
+          e.calls.pop_front();
+          e.front_started = false;
+          popped = true;  // look at the next one (or erase the entry) on this same pass
+          continue;
+        }
+        if (look.done != cudaErrorNotReady ||
+            (look.begun != cudaSuccess && look.begun != cudaErrorNotReady)) {
+          (void)cudaGetLastError();  // e.g. the runtime is shutting down: stop watching
+          entries_.erase(it);
+          continue;
+        }
+        if (!e.front_started) {
+          if (look.begun == cudaErrorNotReady) continue;  // still queued behind earlier work
+          e.front_started = true;
+          e.front_since = Now();
+        }
+        if (Now() - e.front_since <= look.call.timeout) continue;
+        std::shared_ptr<CudaClique> clique = look.call.clique.lock();
+        if (!clique) continue;
         std::deque<WatchedCall> calls = std::move(e.calls);
         const WatchedCall late = calls.front();
         const int64_t latest_epoch = calls.back().epoch;
-        it = entries_.erase(it);
+        entries_.erase(it);
         lock.unlock();
         const bool fired = Fire(clique.get(), late, latest_epoch);
         lock.lock();
+        held.push_back(std::move(clique));
         if (!fired) {  // it finished meanwhile: the rank's later calls are watched on
           calls.pop_front();
-          Entry& again = entries_[key];
+          Entry& again = entries_[look.key];
           for (WatchedCall& added : again.calls) calls.push_back(std::move(added));
           again.calls = std::move(calls);
           again.front_started = false;
         }
-        it = entries_.begin();  // the map may have changed meanwhile
-        continue;
       }
-      ++it;
     }
+    PassFaults(lock);
     lock.unlock();
     held.clear();
     lock.lock();
+  }
+
+  // A cudaEventQuery (the fake's seam: cuda/fake; on a GPU the query itself).
+  static cudaError_t Query(cudaEvent_t event) { return cudaEventQuery(event); }
+
+  // The fault records of fired fused calls, once each call is done (its kernel ended: released
+  // by its flags, or by its own bound): a wait that gave up is reported. Requires mu_; looks
+  // without it. A call not done when its kernel's bound and then some have passed is dropped
+  // (its queue stays blocked: the flags could not be written, nor can the record be read).
+  void PassFaults(std::unique_lock<std::mutex>& lock) {
+    if (faults_.empty()) return;
+    std::vector<Fault> looking;
+    looking.swap(faults_);
+    lock.unlock();
+    std::vector<Fault> again;
+    for (Fault& f : looking) {
+      std::shared_ptr<CudaClique> clique = f.call.clique.lock();
+      if (!clique) continue;
+      const DeviceGuard guard;
+      (void)cudaSetDevice(f.call.device);
+      const cudaError_t done = Query(f.call.events->done);
+      if (done == cudaSuccess) {
+        const std::string gave_up = ReadFault(clique.get(), f.call);
+        if (!gave_up.empty())
+          JO_WARN(f.who + ": " + gave_up + "its results are invalid; the clique is broken.");
+      } else if (done == cudaErrorNotReady && Now() < f.until) {
+        again.push_back(std::move(f));
+      } else {
+        (void)cudaGetLastError();
+      }
+    }
+    lock.lock();
+    for (Fault& f : again) faults_.push_back(std::move(f));
+  }
+
+  // Reads `count` bytes of device memory at `src` into the page-locked `host` on a stream of the
+  // watchdog's own, awaited at most kFlagRead (that stream may share the blocked hardware queue).
+  // True when read. Else `*unreadable` when the memory could not be read (an earlier read into
+  // `host` is still queued, or this one did not complete), and `*pending` when this copy was
+  // enqueued and did not complete: it may still land, so the caller keeps `host` forever.
+  bool ReadBack(const void* src, PinnedHost* host, size_t count, bool* unreadable, bool* pending) {
+    *unreadable = *pending = false;
+    if (host == nullptr || host->bytes < count) return false;
+    if (host->busy.exchange(true)) {  // an earlier read into it is still queued
+      *unreadable = true;
+      return false;
+    }
+    cudaStream_t side = nullptr;
+    cudaEvent_t read = nullptr;
+    bool enqueued =
+        cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess &&
+        cudaEventCreateWithFlags(&read, cudaEventDisableTiming) == cudaSuccess &&
+        cudaMemcpyAsync(host->ptr, src, count, cudaMemcpyDeviceToHost, side) == cudaSuccess &&
+        cudaEventRecord(read, side) == cudaSuccess;
+    const auto until = Now() + kFlagRead;
+    cudaError_t q = cudaErrorNotReady;
+    while (enqueued && (q = Query(read)) == cudaErrorNotReady && Now() < until)
+      Sleep(std::chrono::milliseconds(1));
+    const bool ok = enqueued && q == cudaSuccess;
+    if (ok || !enqueued) host->busy = false;
+    if (!ok) (void)cudaGetLastError();
+    *unreadable = *pending = enqueued && !ok;
+    if (read != nullptr) (void)cudaEventDestroy(read);
+    if (side != nullptr) (void)cudaStreamDestroy(side);
+    return ok;
+  }
+
+  // What the fused GEMM's fault record of `c` says: "" when no wait gave up (or it cannot be
+  // read), else the flag it gave up on, from which rank, its value and the epoch it waited for.
+  std::string ReadFault(CudaClique* clique, const WatchedCall& c) {
+    if (c.fault == nullptr || !c.fault_read) return "";
+    bool unreadable = false, pending = false;
+    if (!ReadBack(c.fault, c.fault_read.get(), sizeof(FusedGemmFault), &unreadable, &pending)) {
+      if (pending) KeepForever(c.fault_read);  // the copy may still land
+      return "";
+    }
+    FusedGemmFault fault;
+    std::memcpy(&fault, c.fault_read->ptr, sizeof(fault));
+    if (fault.timed_out == 0) return "";
+    const int32_t flag = c.fused_wait_flags + static_cast<int32_t>(fault.flag);
+    std::string writer;
+    for (const auto& [id, w] : c.waits)
+      if (id == flag) {
+        writer = " from rank " + std::to_string(w);
+        if (clique->devices()[static_cast<size_t>(w)] < 0)
+          writer +=
+              " (process " + std::to_string(clique->processes()[static_cast<size_t>(w)]) + ")";
+      }
+    return "the fused GEMM gave up waiting for flag " + std::to_string(flag) + writer + " (is " +
+           std::to_string(fault.seen) + ", expected epoch " + std::to_string(fault.epoch) +
+           ") after its own bound (fused_gemm.h); ";
   }
 
   // Report, break, release (see the header). Best effort: every step goes on
@@ -230,50 +347,28 @@ class Watchdog {
     const DeviceGuard guard;  // after hand_back: the device is restored first
     (void)cudaSetDevice(c.device);
     // Finished since the pass looked: not late after all.
-    if (cudaEventQuery(c.events->done) == cudaSuccess) return false;
+    if (Query(c.events->done) == cudaSuccess) return false;
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f",
                   std::chrono::duration<double>(c.timeout).count());
     std::string text = c.op + " rank " + std::to_string(c.rank) + " (" + clique->name() +
                        ") epoch " + std::to_string(c.epoch) + ": not finished on GPU " +
                        std::to_string(c.device) + " after " + seconds + " s; ";
-    cudaStream_t side = nullptr;
-    cudaEvent_t read = nullptr;
     std::vector<uint32_t> flags;
-    bool unreadable = false;
-    // The flags, read on a stream of our own into the rank's page-locked buffer (made at set-up:
-    // into pageable memory the copy would not return before it completed) and awaited with a
-    // bound: that stream may share the blocked hardware queue.
+    bool unreadable = false, pending = false;
+    // The flags, read into the rank's page-locked buffer (made at set-up: into pageable memory
+    // the copy would not return before it completed), awaited with a bound.
     PinnedHost* host =
         gen != nullptr && gen->num_flags > 0 && static_cast<size_t>(c.rank) < gen->flag_reads.size()
             ? gen->flag_reads[static_cast<size_t>(c.rank)].get()
             : nullptr;
-    if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess &&
-        cudaEventCreateWithFlags(&read, cudaEventDisableTiming) == cudaSuccess && host != nullptr) {
-      if (host->busy.exchange(true)) {
-        unreadable = true;  // an earlier read into it is still queued
-      } else {
-        const void* base = reinterpret_cast<const void*>(gen->Flag(c.rank, 0, 0, c.rank));
-        const bool enqueued = cudaMemcpyAsync(host->ptr, base, host->bytes, cudaMemcpyDeviceToHost,
-                                              side) == cudaSuccess &&
-                              cudaEventRecord(read, side) == cudaSuccess;
-        const auto until = Now() + kFlagRead;
-        cudaError_t q = cudaErrorNotReady;
-        while (enqueued && (q = cudaEventQuery(read)) == cudaErrorNotReady && Now() < until)
-          Sleep(std::chrono::milliseconds(1));
-        if (enqueued && q == cudaSuccess) {
-          const auto* words = static_cast<const uint32_t*>(host->ptr);
-          flags.assign(words, words + host->bytes / sizeof(uint32_t));
-          host->busy = false;
-        } else {
-          (void)cudaGetLastError();
-          unreadable = enqueued;
-          if (enqueued) {
-            KeepForever(gen);  // the copy may still land: its buffer is never freed
-          } else {
-            host->busy = false;
-          }
-        }
+    if (host != nullptr) {
+      const void* base = reinterpret_cast<const void*>(gen->Flag(c.rank, 0, 0, c.rank));
+      if (ReadBack(base, host, host->bytes, &unreadable, &pending)) {
+        const auto* words = static_cast<const uint32_t*>(host->ptr);
+        flags.assign(words, words + host->bytes / sizeof(uint32_t));
+      } else if (pending) {
+        KeepForever(gen);  // the copy may still land: its buffer is never freed
       }
     }
     std::string missing;
@@ -291,6 +386,18 @@ class Watchdog {
                  (index < flags.size() ? " (is " + std::to_string(flags[index]) + ")" : "");
     }
     if (!missing.empty()) text += "waiting for " + missing + "; ";
+    // A fused GEMM's own bound (twice the timeout) may have ended a wait already; if not — or
+    // if the flags could not be read, as the record could not be then — its record is read
+    // once the call is done (PassFaults).
+    const std::string gave_up = unreadable ? std::string() : ReadFault(clique, c);
+    text += gave_up;
+    if (c.fault != nullptr && gave_up.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      faults_.push_back({c,
+                         c.op + " rank " + std::to_string(c.rank) + " (" + clique->name() +
+                             ") epoch " + std::to_string(c.epoch),
+                         Now() + 3 * c.timeout + std::chrono::seconds(2)});
+    }
     if (unreadable)
       text +=
           "(the flags could not be read: the watchdog's stream waits behind the blocked "
@@ -303,7 +410,9 @@ class Watchdog {
     clique->Break(Status(Code::kTimeout, text));
     // Release the GPU so that the process does not hang.
     const DriverApi* drv = nullptr;
-    if (side != nullptr && gen != nullptr && gen->num_flags > 0 && LoadDriver(&drv).ok()) {
+    cudaStream_t side = nullptr;
+    if (gen != nullptr && gen->num_flags > 0 && LoadDriver(&drv).ok() &&
+        cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
       for (int32_t i = 0; i < 2 * gen->num_flags; ++i)
         (void)drv->cuStreamWriteValue32(
             reinterpret_cast<CUstream>(side),
@@ -315,7 +424,6 @@ class Watchdog {
     if (c.nccl)
       clique->AbortComms(virtual_clock_ ? std::optional<Clock::time_point>(Clock::now() + c.timeout)
                                         : std::nullopt);
-    if (read != nullptr) (void)cudaEventDestroy(read);
     if (side != nullptr) (void)cudaStreamDestroy(side);
     return true;
   }
@@ -330,6 +438,13 @@ class Watchdog {
     std::chrono::milliseconds timeout;
   };
   std::vector<WatchedAborts> aborts_;
+  // Fired calls with a fused GEMM whose fault record is to be read once they are done.
+  struct Fault {
+    WatchedCall call;
+    std::string who;
+    Clock::time_point until;
+  };
+  std::vector<Fault> faults_;
   bool thread_started_ = false;
   std::function<void()> fire_hook_;         // SetWatchdogFireHook
   std::atomic<bool> virtual_clock_{false};  // UseVirtualClock: no thread, time from Advance

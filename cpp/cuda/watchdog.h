@@ -19,11 +19,17 @@
 //   3. releases the GPU: writes the newest epoch into the rank's flags on
 //      its own stream (cuStreamWriteValue32) and aborts the clique's NCCL
 //      communicators, so the streams drain instead of hanging the process.
+// A call with a fused GEMM that waits (fused_gemm.h) has a fault record the
+// kernel writes when its own bound (twice the timeout) ends a wait: read at the
+// firing, and again once the call is done, and reported (JO_WARN) when the
+// kernel gave up — its results are then garbage.
 // The watchdog never waits without a bound and takes no lock of a clique
 // (the communicators guard themselves: nccl_comms.h) but the one that only
 // takes back its generation references (CudaClique::DeferRelease): it never
 // drops the last reference to a generation or a clique where that would
-// free device memory on its thread or under its lock. A call found late is
+// free device memory on its thread or under its lock; nor does it hold its own
+// lock, which every handler's Watch takes, across a CUDA call (any of them "may
+// block", CUDA driver API, "API synchronization behavior"). A call found late is
 // looked at again before it is fired (it may have just finished). Its flag read and its
 // release go through a stream of its own, which the driver may map onto
 // the hardware queue the stuck wait blocks (CUDA_DEVICE_MAX_CONNECTIONS; the
@@ -48,6 +54,7 @@
 
 #include "core/program.h"
 #include "cuda/clique/cuda_clique.h"
+#include "cuda/fused/fused_gemm_launch.h"
 
 namespace jo::cuda {
 
@@ -62,6 +69,12 @@ struct WatchedCall {
   std::weak_ptr<const Generation> gen;             // the clique frees it once every rank is past it
   std::vector<std::pair<int32_t, int32_t>> waits;  // (flag id, writer) of the program's Waits
   bool nccl = false;
+  // A fused GEMM that waits: its fault record (device memory, the rank's pool), the page-locked
+  // buffer it is read into, and the flag id of its first row block (block b waits for flag
+  // fused_wait_flags + b). Null: none.
+  const FusedGemmFault* fault = nullptr;
+  std::shared_ptr<PinnedHost> fault_read;
+  int32_t fused_wait_flags = -1;
   std::string op;
   std::chrono::milliseconds timeout{0};
 };

@@ -9,7 +9,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -26,9 +28,11 @@
 #include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
+#include "cuda/fake/fp8_accumulator.h"
 #include "cuda/watchdog.h"
 #include "python/cuda_bootstrap_bindings.h"
 #include "python/cuda_fake_kernels.h"
+#include "python/cuda_loopback_bindings.h"
 #include "python/kinds_bindings.h"
 
 namespace nb = nanobind;
@@ -134,6 +138,8 @@ void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
     field("timeout_ms", &Played::timeout_ms);
     field("capture", &Played::capture);
     field("hold_ms", &Played::hold_ms);
+    field("late_rank", &Played::late_rank);
+    field("late_from", &Played::late_from);
     return s;
   }();
   for (auto [key, value] : kwargs) {
@@ -232,6 +238,21 @@ nb::dict LateCall(bool finish) {
   return out;
 }
 
+nb::dict WatchdogQueryRace() {
+  jo::fake::WatchdogQueryRaceOutcome outcome;
+  jo::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = jo::fake::WatchdogQueryRace(&outcome);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+  nb::dict out;
+  out["query_blocked"] = outcome.query_blocked;
+  out["watch_waited"] = outcome.watch_waited;
+  out["errors"] = outcome.errors;
+  return out;
+}
+
 nb::dict GemmSetUpRace() {
   jo::fake::GemmSetUpRaceOutcome outcome;
   jo::Status status;
@@ -246,6 +267,32 @@ nb::dict GemmSetUpRace() {
   out["enqueue"] = outcome.enqueue;
   out["errors"] = outcome.errors;
   return out;
+}
+
+// The fake's FP8 tensor core of compute capability `arch` (fp8_accumulator.h).
+nb::dict Fp8TensorCore(int arch) {
+  const jo::fake::Fp8TensorCore core = jo::fake::Fp8TensorCoreOf(arch);
+  nb::dict out;
+  out["block"] = core.block;
+  out["fraction_bits"] = core.FractionBits();
+  out["promotion"] = core.promotion;
+  return out;
+}
+
+// sum_p a[p] * b[p] as that tensor core accumulates it (a in `a_dtype`, b in `b_dtype`: their
+// smallest normal exponents matter).
+float Fp8Dot(int arch, const std::vector<float>& a, const std::vector<float>& b,
+             const std::string& a_dtype, const std::string& b_dtype) {
+  if (a.size() != b.size()) throw nb::value_error("fp8_dot: a and b need the same length");
+  const auto min_exponent = [](const std::string& d) {
+    const jo::DType t = jo::python::ParseDTypeArg("dtype", d);
+    if (!jo::IsFp8(t)) throw nb::value_error("fp8_dot: float8_e4m3fn or float8_e5m2 only");
+    return t == jo::DType::kF8E5M2 ? jo::fake::kE5M2MinExponent : jo::fake::kE4M3MinExponent;
+  };
+  jo::fake::Fp8Accumulator acc(jo::fake::Fp8TensorCoreOf(arch), min_exponent(a_dtype),
+                               min_exponent(b_dtype));
+  for (size_t i = 0; i < a.size(); ++i) acc.Add(a[i], b[i]);
+  return acc.Result();
 }
 
 std::optional<std::string> PlaceCheck(int64_t axis_size, std::vector<int64_t> processes,
@@ -282,7 +329,14 @@ NB_MODULE(_cuda_fake, m) {
         "rank (empty: 1); devices, processes, hosts; clique_key, site_keys (per rank, the key "
         "of a call site of its own; none: one site shared by every rank); calls, "
         "chunks_per_call (per call, its chunks: a call site per number of chunks); skew_rank, "
-        "skip_rank, timeout_ms, capture, hold_ms.");
+        "skip_rank, timeout_ms, capture, hold_ms; late_rank (that rank starts each call from "
+        "late_from on only once the others have returned from it).");
+  m.def("fp8_tensor_core", &Fp8TensorCore, nb::arg("arch"),
+        "The FP8 accumulator the fake models for compute capability `arch` (10 * major + "
+        "minor): block, fraction_bits, promotion (cpp/cuda/fake/fp8_accumulator.h).");
+  m.def("fp8_dot", &Fp8Dot, nb::arg("arch"), nb::arg("a"), nb::arg("b"), nb::arg("a_dtype"),
+        nb::arg("b_dtype"),
+        "sum(a * b) in K order as that FP8 tensor core accumulates it (a and b: fp8 values).");
   m.def("place", &PlaceCheck, nb::arg("axis_size"), nb::arg("processes"), nb::arg("devices"),
         nb::arg("process_index"), nb::arg("device"),
         "Rank-table lookup as the handlers do it: 'rank R group G' or the error text.");
@@ -295,6 +349,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("late_call", &LateCall, nb::arg("finish"),
         "A call the watchdog found late; with finish=True it finishes (and the test drops its "
         "generation reference) between the pass and the firing: what the watchdog did.");
+  m.def("watchdog_query_race", &WatchdogQueryRace,
+        "A handler's Watch while the watchdog's pass is inside a CUDA query that blocks: "
+        "whether the pass reached it and whether Watch waited for it.");
   m.def("gemm_set_up_race", &GemmSetUpRace,
         "A GEMM enqueued (prepared before) while another thread's GEMM set-up waits for the "
         "device: whether the enqueue waited for it, both statuses, what the fake recorded.");
@@ -324,4 +381,28 @@ NB_MODULE(_cuda_fake, m) {
         "Forget every clique (the fake keeps its state).");
   jo::python::BindCudaBootstrap(m);
   jo::python::BindFakeKernels(m);
+  // The loopback runner on the fake: each rank's thread is a HostThread (the fake's deadlock
+  // accounting), each call a handler (what runs between its first enqueue and its return is
+  // checked), and the fake's device memory is host memory.
+  jo::python::BindLoopback(m, [] {
+    jo::cuda::LoopbackHooks hooks;
+    hooks.rank_thread = [] {
+      return std::shared_ptr<void>(std::make_shared<jo::fake::HostThread>());
+    };
+    hooks.begin_handler = [](cudaStream_t s) { jo::fake::BeginHandler(s); };
+    hooks.end_handler = [](cudaStream_t s, const std::string& who) {
+      jo::fake::EndHandler(s, who);
+    };
+    hooks.upload = [](void* device, const void* host, size_t bytes) {
+      std::memcpy(device, host, bytes);
+      return jo::OkStatus();
+    };
+    hooks.download = [](void* host, const void* device, size_t bytes) {
+      std::memcpy(host, device, bytes);
+      return jo::OkStatus();
+    };
+    // One pass of the watchdog, as its thread makes one every 20 ms (as PlayCalls does).
+    hooks.finished = [] { jo::cuda::AdvanceWatchdogClock(std::chrono::milliseconds(20)); };
+    return hooks;
+  });
 }

@@ -11,6 +11,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <memory>
 #include <string>
 
 #include "core/call.h"
@@ -21,6 +22,7 @@
 #include "cuda/kernels/kernels.h"
 #include "ffi/ffi_call.h"
 #include "python/cuda_bootstrap_bindings.h"
+#include "python/cuda_loopback_bindings.h"
 #include "python/ffi_capsule.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -197,4 +199,21 @@ NB_MODULE(_cuda, m) {
         "The native call `site_key` was lowered: its next instance belongs to a new program "
         "(core/call.h CallSite).");
   jo::python::BindCudaBootstrap(m);
+  // The loopback runner on a GPU: rank threads need no bookkeeping; bytes move by cudaMemcpy
+  // (before the calls and after the GPU finished them: never on an enqueue path).
+  jo::python::BindLoopback(m, [] {
+    jo::cuda::LoopbackHooks hooks;
+    hooks.rank_thread = [] { return std::shared_ptr<void>(); };
+    hooks.begin_handler = [](cudaStream_t) {};
+    hooks.end_handler = [](cudaStream_t, const std::string&) {};
+    hooks.upload = [](void* device, const void* host, size_t bytes) {
+      JO_CUDA_CHECK(nullptr, cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
+      return jo::OkStatus();
+    };
+    hooks.download = [](void* host, const void* device, size_t bytes) {
+      JO_CUDA_CHECK(nullptr, cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost));
+      return jo::OkStatus();
+    };
+    return hooks;
+  });
 }

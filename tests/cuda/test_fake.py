@@ -164,6 +164,8 @@ MISUSES = {
     # a kernel the fused GEMM's peers wait for queued behind it: the fused GEMM holds every SM
     # (rule 1; why it never runs with nccl), however many work queues.
     "a kernel the fused GEMM waits for, queued behind it": "a persistent kernel holds every SM",
+    # ... and CUDA documents no copy engine for a 2-D copy: refused behind it
+    "a 2-D peer copy behind the fused GEMM": "documents no copy engine for a 2-D copy",
     # its dynamic shared memory (> 48 KB) granted on another device only (cudaFuncSetAttribute's
     # cudaFuncAttributeMaxDynamicSharedMemorySize is per device); the controls above launch it
     # after PrepareFusedGemm granted it on each device.
@@ -175,7 +177,9 @@ MISUSES = {
 # after the kernel that makes what it sends: no misuse.
 CONTROLS = {"blocked wait, one work queue per stream (control)",
             "fused GEMM after its own outgoing copy (control)",
-            "a kernel the fused GEMM waits for, before it (control)"}
+            "a kernel the fused GEMM waits for, before it (control)",
+            "a 1-D peer copy behind the fused GEMM (control)",
+            "a kernel the fused GEMM waits for, queued behind it on SMs it leaves free (control)"}
 
 
 def test_the_fake_fails_loudly_on_misuse(fake):

@@ -23,6 +23,14 @@ MISUSES = {
     "cudaFree behind a wait only this thread would satisfy": "cudaFree on device 0",
     "cudaMalloc behind a wait only this thread would satisfy": "cudaMalloc on device 0",
     "cudaMallocHost behind a wait only this thread would satisfy": "cudaMallocHost on device 0",
+    # with peer access on, device 0's memory is mapped into device 1: its allocations and frees
+    # wait for device 1's work too (cuCtxEnablePeerAccess: all allocations accessible)
+    "cudaMalloc of memory a peer maps, behind the peer's wait only this thread would satisfy":
+        "cudaMalloc on device 0 (it waits for every work queue of the device and of device 1, "
+        "which maps its memory: peer access) would wait forever",
+    "cudaFree of memory a peer maps, behind the peer's wait only this thread would satisfy":
+        "cudaFree on device 0 (it waits for every work queue of the device and of device 1, "
+        "which maps its memory: peer access) would wait forever",
     "cudaFreeHost behind a wait only this thread would satisfy": "cudaFreeHost on device 0",
     "device-to-host copy into pageable memory behind a wait only this thread would satisfy":
         "cudaMemcpyAsync device-to-host into pageable memory on device 0 (it returns only once "
@@ -46,6 +54,8 @@ CONTROLS = {
     "cudaFree after the write the wait needs (control)",
     "cudaMalloc after the write the wait needs (control)",
     "cudaMallocHost after the write the wait needs (control)",
+    "cudaMalloc of memory no peer maps, behind another device's wait (control)",
+    "cudaFree of memory no peer maps, behind another device's wait (control)",
     "cudaFreeHost after the write the wait needs (control)",
     "device-to-host copy into page-locked memory behind the same wait (control)",
     "cuMemUnmap after the write the wait needs (control)",
@@ -64,6 +74,14 @@ ENQUEUE_PATH = {
     "first send/recv to a peer between a handler's first enqueue and its return":
         "ncclGroupEnd connecting to a new peer (NCCL allocates the connection's device memory) "
         "called between a handler's first enqueue and its return",
+    # cuBLASLt's kernel is taken to depend on the call's form (fake_cublaslt.cc): a warm-up in
+    # another form leaves it to load there
+    "cuBLASLt matmul less aligned than its warm-up on the enqueue path":
+        "lazy loading of cuBLASLt kernel compute 68 type 0 in place, alignments 16 256 256 256 "
+        "called between a handler's first enqueue and its return",
+    "cuBLASLt matmul out of place after an in-place warm-up on the enqueue path":
+        "lazy loading of cuBLASLt kernel compute 68 type 0 out of place, alignments 256 256 256 "
+        "256 called between a handler's first enqueue and its return",
 }
 # Deny by default: every entry point of the fake checks the enqueue path, so calls the rule does
 # not list are refused there even where the fake does not make them wait (a sample).
@@ -75,6 +93,7 @@ ENQUEUE_PATH |= {f"{api} on the enqueue path":
                  for api in REFUSED}
 CONTROLS.add("error strings, ncclGroupStart/End and the current device on the enqueue path "
              "(control)")
+CONTROLS.add("cuBLASLt matmul in its warm-up's form on the enqueue path (control)")
 
 
 def test_host_calls_that_wait_for_the_gpu_report_deadlocks(fake):
@@ -157,11 +176,57 @@ def test_every_op_and_transport_with_lazy_and_eager_loading(fake, module_loading
 
 def test_a_gemm_enqueue_does_not_wait_for_another_threads_gemm_set_up(fake):
     """cuda/gemm/gemm.cc's cache lock: the enqueue path takes it for its plan look-up, so it must
-    never be held across a set-up call that waits for the device (an allocation, a warm-up that
-    loads a kernel). Here a set-up's allocation waits for a flag that only the enqueuing thread
-    raises, after its GEMM: with the lock held across that allocation, the enqueue would wait for
-    the set-up, and the set-up for the enqueue (the check gives up after 20 s and says so)."""
+    never be held across a set-up call that waits for the device (a warm-up that loads a
+    kernel). Here a set-up's warm-up waits for a flag that only the enqueuing thread raises,
+    after its GEMM: with the lock held across that load, the enqueue would wait for the set-up,
+    and the set-up for the enqueue (the check gives up after 20 s and says so)."""
     out = fake.gemm_set_up_race()
     assert not out["enqueue_waited"], out
     assert out["enqueue"] == "" and out["set_up"] == "", out
     assert out["errors"] == [], out
+
+
+# Each path on which the executor allocated or freed device memory at a rank's own set-up,
+# while its peers' calls — already enqueued — waited on the GPU for that rank: with peer access
+# on, a rank's device memory is mapped into its peers, so allocating or freeing it waits for their
+# queues too (the rule above), which wait for this rank. Each scenario runs the calls before
+# the last with every rank on time, then the last with rank 0 late (its peers enqueue first).
+# (runs: [(op, rows, chunks, fused)], the last with rank 0 late)
+POOL_PATHS = {
+    # RankResources::Reserve: the scratch of a reduce-scatter's first call
+    "scratch cudaMalloc": [("matmul_rs", 4, 2, False)],
+    # RankResources::Reserve: the fused GEMM's fault record and counters
+    "fused-state cudaMalloc": [("ag_matmul", 16, 2, True)],
+    # RankResources::Reserve: a scratch outgrown (chunks 4 -> 1: larger slots) freed later
+    "retired-scratch cudaFree": [("matmul_rs", 4, 4, False), ("matmul_rs", 4, 1, False),
+                                 ("matmul_rs", 4, 1, False)],
+    # PrepareLtMatmul: the cuBLASLt workspace of XLA's stream at a rank's first GEMM
+    "cuBLASLt workspace cudaMalloc": [("ag_matmul", 4, 1, False)],
+    # PrepareLtMatmul: the warm-up buffer outgrown by a larger GEMM (freed, then allocated)
+    "warm-up buffer cudaFree/cudaMalloc": [("ag_matmul", 4, 1, False),
+                                           ("ag_matmul", 32, 1, False)],
+}
+
+
+@pytest.mark.parametrize("path", POOL_PATHS)
+def test_no_allocation_or_free_a_peer_can_wait_on(fake, path):
+    """The rank's pool (clique_state.h): scratch, fused state, cuBLASLt workspaces and warm-up
+    buffers grow only at the first local rank's reservation of an epoch, for every rank, while
+    the others wait before they reserve it, and are freed only with the clique. So a rank that
+    sets a call up after its peers enqueued theirs allocates nothing, and every call completes.
+    The executor before this allocated (or freed) each of these at the rank's own set-up: on each
+    path here the fake reported it ("cudaMalloc on device 0 (... and of device 1, ..., which maps
+    its memory: peer access) would wait forever")."""
+    runs = POOL_PATHS[path]
+    fake.reset()
+    for i, (op, rows, chunks, fused) in enumerate(runs):
+        p = problem(op, "p2p", 4, batch=2, rows=rows, k=16, nw=8, dtype="bfloat16",
+                    chunks=chunks, fused=fused)
+        xs, ws = inputs(p, seed=i)
+        late = i == len(runs) - 1
+        out = play(fake, p, xs, ws, clique_key=60, late_rank=0 if late else -1)
+        try:
+            check(fake, out, op, xs, ws, rows, "bfloat16")
+        except AssertionError as e:
+            e.add_note(f"run {i} ({'rank 0 late' if late else 'every rank on time'})")
+            raise

@@ -4,9 +4,11 @@ The executor's FP8 GEMMs are cuBLASLt's: A/B scale pointers per GEMM (an all-gat
 names its shard's scale, moved with the shard), float32 compute without fast accumulation,
 the TN layout (w arrives K-major: the native primitive asks XLA for it), C and D of the output
 type. The fake enforces cuBLASLt's FP8 rules as the cuBLAS documentation states them
-(``fake_cublaslt.cc``; one deliberate misuse each below) and computes the GEMMs itself
-(dequantized with the scales, float32 accumulation, one rounding), so every op and transport is
-compared here with the float64 product of the float32 dequantized operands. Nothing of this
+(``fake_cublaslt.cc``; one deliberate misuse each below) and computes the GEMMs itself,
+accumulating as the FP8 tensor cores do (``fp8_accumulator.h``: a truncating block FMA of
+13 fraction bits on compute capability 8.9 and 9.0, promoted into float32 every 128 elements of
+K), so every op and transport is compared here with the float64 product of the float32
+dequantized operands, under the selftest's bound with that accumulator's term. Nothing of this
 has run on a GPU.
 """
 
@@ -17,6 +19,7 @@ import itertools
 import numpy as np
 import pytest
 
+from jaxoverlap import _selftest
 from jaxoverlap._selftest import _compare, bound
 
 from .fake_cases import NP, OPS, TRANSPORTS, play, problem
@@ -66,7 +69,7 @@ def check_fp8(fake, op, out, factors, dtypes, n, k, xs=None):
     for r, (y, (a, b)) in enumerate(zip(out["ys"], factors, strict=True)):
         ref = a @ b
         got = np.frombuffer(y, NP[dtypes[2]]).reshape(ref.shape).astype(np.float64)
-        ok, detail = _compare(np, got, ref, bound(op, dtypes[2], n, k, a, b))
+        ok, detail = _compare(np, got, ref, bound(op, dtypes[2], n, k, a, b, fp8=True))
         assert ok, f"rank {r}: {detail}"
     if op == "matmul_ar":
         assert all(y == out["ys"][0] for y in out["ys"]), "ranks' sums differ"
@@ -216,3 +219,54 @@ def test_the_fake_enforces_cublaslt_fp8_rules(fake):
         assert keyword in caught[name], f"{name}: fake recorded {caught[name]!r}"
     for name in FP8_CONTROLS:
         assert caught[name] == "", f"{name}: fake recorded {caught[name]!r}"
+
+
+def test_the_fp8_accumulator_truncates_and_promotes_as_documented(fake):
+    """The fake's FP8 accumulator against values worked out by hand from its sources
+    (``fp8_accumulator.h``): 128 * 128 with 31 ones in one block of 32 (Hopper) keeps 14 bits
+    below 2^14, so the ones (below its last bit, 2) vanish — float32 would give 2^14 + 31; Ada's
+    blocks of 16 lose them in both steps; Blackwell's 25 bits keep them. A promotion after 128
+    elements restarts the tensor-core sum, so 128 more ones after it count (2^14 + 128). An
+    aligned addend and a step's sum are truncated toward zero: 8192 + 1 + 0.5 gives 8193, and
+    -8192 - 1.5 gives -8193."""
+    e4m3 = ("float8_e4m3fn", "float8_e4m3fn")
+    big = [128.0] + [1.0] * 31
+    assert fake.fp8_dot(90, big, big, *e4m3) == 2.0**14
+    assert fake.fp8_dot(89, big, big, *e4m3) == 2.0**14
+    assert fake.fp8_dot(100, big, big, *e4m3) == 2.0**14 + 31
+    window = [128.0] + [1.0] * 255
+    assert fake.fp8_dot(90, window, window, *e4m3) == 2.0**14 + 128
+    assert fake.fp8_dot(90, [64.0, 1.0, 0.5], [128.0, 1.0, 1.0], *e4m3) == 8193.0
+    assert fake.fp8_dot(90, [-64.0, -1.5], [128.0, 1.0], *e4m3) == -8193.0
+
+
+def test_the_selftest_bound_mirrors_the_fakes_fp8_accumulator(fake):
+    """The selftest's FP8 term (``_selftest.fp8_accumulation``) is derived from the same model
+    the fake computes with: the same block, fraction bits and promotion interval per compute
+    capability."""
+    for arch, (block, fraction_bits) in _selftest.FP8_TENSOR_CORES.items():
+        assert fake.fp8_tensor_core(arch) == dict(block=block, fraction_bits=fraction_bits,
+                                                  promotion=_selftest.FP8_PROMOTION)
+    assert fake.fp8_tensor_core(120) == fake.fp8_tensor_core(100)  # Blackwell GeForce
+
+
+def test_the_selftest_fp8_rows_need_the_fp8_accumulation_term(fake, monkeypatch):
+    """The selftest's FP8 rows on the modelled accumulator pass their bound with at least 2x
+    headroom; under the old bound, which took FP8 GEMMs for float32 accumulation
+    (``8 sqrt(K) 2^-24 S``), every all-gather row and every row with a float32 output fails —
+    what a first run on an H100 would have shown."""
+    old = []
+    for fp8 in _selftest.FP8_DTYPES:
+        for i, op in enumerate(_selftest.FP8_OPS):
+            chunks, bidi = _selftest.VARIANTS[1 + i % 2]
+            ok, detail = _selftest._fake_row(fake, np, op, "p2p", fp8[2], _selftest.FP8_SHAPE,
+                                             chunks, bidi, fp8)
+            assert ok and float(detail.split("(")[1].split(" of")[0]) <= 0.5, (op, fp8, detail)
+            with monkeypatch.context() as m:  # the old bound: float32 accumulation
+                m.setattr(_selftest, "bound", lambda *args, fp8=False, **kw: bound(*args, **kw))
+                ok, detail = _selftest._fake_row(fake, np, op, "p2p", fp8[2],
+                                                 _selftest.FP8_SHAPE, chunks, bidi, fp8)
+            if op == "ag_matmul" or fp8[2] == "float32":
+                assert not ok and "of the bound" in detail, (op, fp8, detail)
+            old.append(ok)
+    assert old.count(False) == 5

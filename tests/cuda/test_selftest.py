@@ -78,7 +78,7 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
     assert sum(" fused " in r["name"] for r in report["rows"]) == 4
     assert all(r["seconds"] >= 0 and "of the bound" in r["detail"] for r in report["rows"])
     assert report["first_error"] is None
-    monkeypatch.setattr(_selftest, "bound", lambda *a: 0.0)
+    monkeypatch.setattr(_selftest, "bound", lambda *a, **kw: 0.0)
     assert main(quick=True, fake=True, report=str(path)) == 1
     first = json.loads(path.read_text())["first_error"]
     assert first["row"].startswith("ag_matmul nccl") and "rank 0" in first["error"]

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "cuda/fused/fused_gemm.h"
+#include "cuda/gemm/gemm.h"
 #include "cuda/transport/peer_handles.h"
 
 namespace jo::cuda {
@@ -162,36 +163,65 @@ Status RankResources::Reserve(const Program& p, const ErrorContext& ctx,
     JO_CUDA_CHECK(&ctx, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     events.push_back(e);
   }
-  // Retired scratch the GPU is done with: freed here, at set-up (cudaFree waits for the device's
-  // earlier work, which needs only the peers' earlier calls: docs/gpu-internals.md §1).
-  for (auto it = retired_scratch.begin(); it != retired_scratch.end();) {
-    const cudaError_t q = it->last_user ? cudaEventQuery(it->last_user->done) : cudaSuccess;
-    if (q == cudaSuccess) {
-      it = retired_scratch.erase(it);
-      continue;
-    }
-    if (q != cudaErrorNotReady) (void)cudaGetLastError();
-    ++it;
-  }
-  // An outgrown buffer may still be used by queued work (this rank's calls so far): retired,
-  // with the last of those calls.
-  const auto retire = [&](std::unique_ptr<DeviceAlloc> old) {
-    retired_scratch.push_back({std::move(old), Last()});
-  };
-  const size_t scratch_bytes = static_cast<size_t>(ScratchBytes(p));  // elements, then scales
-  if (scratch_bytes > 0 && (!scratch || scratch->bytes < scratch_bytes)) {
-    if (scratch) retire(std::move(scratch));
-    JO_CHECK(Alloc(device, scratch_bytes, nullptr, ctx, &scratch));
-  }
-  size_t fused_bytes = 0;
-  for (const Op& op : p.ops)
-    if (op.kind == OpKind::kFusedGemm)
-      fused_bytes = std::max(fused_bytes, FusedStateBytes(op.fused.rows.count()));
-  if (fused_bytes > 0 && (!fused_state || fused_state->bytes < fused_bytes)) {
-    if (fused_state) retire(std::move(fused_state));
-    JO_CHECK(Alloc(device, fused_bytes, nullptr, ctx, &fused_state));
-  }
   return OkStatus();
+}
+
+bool RankResources::PoolCovers(const PoolNeeds& n) const {
+  const std::shared_ptr<const RankPool> pool = Pool();
+  return pool->scratch_bytes >= n.scratch && pool->fused_bytes >= n.fused_state &&
+         (n.fused_state == 0 || pool->fault_read != nullptr) &&
+         static_cast<int32_t>(pool->workspaces.size()) >= n.workspaces &&
+         (n.workspaces == 0 || pool->warm_workspace != nullptr) && pool->warm_bytes >= n.warm &&
+         (n.connect_ranks == 0 || pool->connect);
+}
+
+Status RankResources::GrowPool(const PoolNeeds& n, const ErrorContext& ctx) {
+  if (device < 0 || PoolCovers(n)) return OkStatus();
+  auto grown = std::make_shared<RankPool>(*Pool());
+  const auto allocate = [&](size_t bytes, void** ptr) {
+    std::unique_ptr<DeviceAlloc> memory;
+    JO_CHECK(Alloc(device, bytes, nullptr, ctx, &memory));
+    *ptr = memory->ptr;
+    pool_memory_.push_back(std::move(memory));
+    return OkStatus();
+  };
+  // Doubling at least: what is outgrown (kept until teardown) stays below what is in use.
+  const auto grow = [&](size_t need, size_t* have, void** ptr) {
+    if (need <= *have) return OkStatus();
+    const size_t bytes = std::max(need, 2 * *have);
+    JO_CHECK(allocate(bytes, ptr));
+    *have = bytes;
+    return OkStatus();
+  };
+  JO_CHECK(grow(n.scratch, &grown->scratch_bytes, &grown->scratch));
+  JO_CHECK(grow(n.fused_state, &grown->fused_bytes, &grown->fused_state));
+  if (n.fused_state > 0 && grown->fault_read == nullptr) {  // the watchdog's read of the record
+    DeviceGuard guard;
+    JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
+    std::unique_ptr<PinnedHost> pinned;
+    JO_CHECK(AllocPinned(sizeof(FusedGemmFault), ctx, &pinned));
+    grown->fault_read = std::move(pinned);
+  }
+  JO_CHECK(grow(n.warm, &grown->warm_bytes, &grown->warm));
+  if (n.workspaces > 0 && grown->warm_workspace == nullptr)
+    JO_CHECK(allocate(kGemmWorkspaceBytes, &grown->warm_workspace));
+  while (static_cast<int32_t>(grown->workspaces.size()) < n.workspaces) {
+    void* ws = nullptr;
+    JO_CHECK(allocate(kGemmWorkspaceBytes, &ws));
+    grown->workspaces.push_back(ws);
+  }
+  if (n.connect_ranks > 0 && !grown->connect) {
+    JO_CHECK(MakeConnect(n.connect_ranks, ctx));
+    grown->connect = true;
+  }
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  pool_ = std::move(grown);
+  return OkStatus();
+}
+
+std::shared_ptr<const RankPool> RankResources::Pool() const {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  return pool_;
 }
 
 Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,

@@ -85,25 +85,40 @@ struct Generation {
   mutable std::map<int32_t, std::shared_ptr<const CallEvents>> first_use_;
 };
 
-// Per-rank execution resources: comm streams, events, private scratch.
+// What a call needs of each local rank's pool: the largest need of any rank's program (every
+// rank makes the same calls, so every local rank's pool grows to it at the same epoch).
+struct PoolNeeds {
+  size_t scratch = 0;         // ScratchBytes (elements, then scales)
+  size_t fused_state = 0;     // the fused GEMM's fault record and counters (FusedStateBytes)
+  int32_t workspaces = 0;     // program streams with a GEMM's cuBLASLt workspace: 0..n-1
+  size_t warm = 0;            // the largest new GEMM's warm-up (WarmUpBytes)
+  int32_t connect_ranks = 0;  // transport nccl: the connect buffer's clique size (0: none)
+};
+
+// A rank's pooled device memory as one call sees it: immutable, replaced when the pool grows
+// (the memory of an outgrown snapshot stays allocated until teardown).
+struct RankPool {
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  void* fused_state = nullptr;  // FusedGemmFault, then a tile counter per row block
+  size_t fused_bytes = 0;
+  std::vector<void*> workspaces;   // per program stream, kGemmWorkspaceBytes each
+  void* warm_workspace = nullptr;  // kGemmWorkspaceBytes: the GEMM warm-ups'
+  void* warm = nullptr;            // the GEMM warm-ups' operands
+  size_t warm_bytes = 0;
+  bool connect = false;  // RankResources' connect stream and buffer are made (transport nccl)
+  // With fused_state: page-locked memory the watchdog reads the fault record into.
+  std::shared_ptr<PinnedHost> fault_read;
+};
+
+// Per-rank execution resources: comm streams, events, the pooled device memory.
 struct RankResources {
   int device = -1;
   std::vector<cudaStream_t> streams;       // program streams 1.. (stream 0 is XLA's)
   std::vector<cudaEvent_t> events;         // program events, then fork/join
   std::shared_ptr<EventPool> call_events;  // CallEvents not in use
-  std::unique_ptr<DeviceAlloc> scratch;
-  // The fused GEMM's own state: its fault record (FusedGemmFault), then a tile counter per
-  // row block (executor.cc).
-  std::unique_ptr<DeviceAlloc> fused_state;
-  // Scratch outgrown, with the last call that may use it: freed at a later set-up once that call
-  // is done on the GPU.
-  struct Retired {
-    std::unique_ptr<DeviceAlloc> scratch;
-    std::shared_ptr<const CallEvents> last_user;  // null: no call used it
-  };
-  std::vector<Retired> retired_scratch;
-  cudaStream_t setup = nullptr;      // zero-fills new buffers
-  cudaEvent_t setup_done = nullptr;  // recorded after the zero-fills, polled (AwaitSetup)
+  cudaStream_t setup = nullptr;            // zero-fills new buffers
+  cudaEvent_t setup_done = nullptr;        // recorded after the zero-fills, polled (AwaitSetup)
   // Transport nccl: where the rank's communicators connect to their peers at set-up
   // (NcclComms::Connect): a stream and one float to send, one per rank to receive.
   cudaStream_t connect = nullptr;
@@ -113,14 +128,24 @@ struct RankResources {
   RankResources(const RankResources&) = delete;
   RankResources& operator=(const RankResources&) = delete;
   ~RankResources();
-  // Grows streams/events/scratch to what `program` needs (an outgrown scratch is retired, a
-  // retired one no call uses any more freed: set-up, before the call's first enqueue) and takes
-  // the call's CallEvents.
+  // Grows streams and events to what `program` needs and takes the call's CallEvents (set-up,
+  // before the call's first enqueue; nothing here allocates device memory: GrowPool does).
   Status Reserve(const Program& program, const ErrorContext& ctx,
                  std::shared_ptr<const CallEvents>* events);
+  // The pool: scratch, the fused GEMM's state, the cuBLASLt workspaces and warm-up buffers (and,
+  // transport nccl, the connect buffer). Allocating or freeing device memory waits for the
+  // device and for every peer that maps its memory (peer access), whose queued work may wait for
+  // this very rank's next call: so the pool only grows, by the first local rank to reserve an
+  // epoch, for every local rank, while the others wait before they reserve it (CudaClique's
+  // barrier, the one past generations are freed under: docs/gpu-internals.md §1), and is freed only
+  // at teardown. A growth at least doubles what it grows, so outgrown memory kept until then is at
+  // most what the pool holds.
+  bool PoolCovers(const PoolNeeds& needs) const;
+  Status GrowPool(const PoolNeeds& needs, const ErrorContext& ctx);
+  std::shared_ptr<const RankPool> Pool() const;
   // The setup stream and its event (before buffers are zero-filled on it).
   Status MakeSetup(const ErrorContext& ctx);
-  // The connect stream and buffer, for a clique of `nranks` (transport nccl).
+  // The connect stream and buffer, for a clique of `nranks` (transport nccl; GrowPool).
   Status MakeConnect(int32_t nranks, const ErrorContext& ctx);
   // The events of the last call whose `done` event was recorded (for freeing generations;
   // null: none yet).
@@ -130,6 +155,9 @@ struct RankResources {
  private:
   mutable std::mutex last_mu_;
   std::shared_ptr<const CallEvents> last_;
+  mutable std::mutex pool_mu_;  // guards pool_ (the snapshot), held only to swap or copy it
+  std::shared_ptr<const RankPool> pool_ = std::make_shared<RankPool>();
+  std::vector<std::unique_ptr<DeviceAlloc>> pool_memory_;  // every allocation, outgrown too
 };
 
 // How peers' buffers reach a process (cliques spanning processes).

@@ -39,6 +39,9 @@ void Leak(std::vector<std::shared_ptr<Generation>> generations,
 
 std::atomic<int> g_live{0};
 
+// The least a rank waits for another local rank's growth of the pools (ReserveLocked).
+constexpr std::chrono::milliseconds kLocalSetUp(2000);
+
 }  // namespace
 
 CudaClique::LiveToken::LiveToken() { ++g_live; }
@@ -162,19 +165,19 @@ void CudaClique::TakePast(std::vector<std::shared_ptr<const Generation>>* out) {
   }
 }
 
-Status CudaClique::Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
-                           const ErrorContext& ctx, Reservation* out) {
+Status CudaClique::Reserve(const Program& program, const CallNeeds& needs,
+                           const PoolNeeds& pool_needs, int64_t epoch, const ErrorContext& ctx,
+                           Reservation* out) {
   Status status;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    status = ReserveLocked(lock, program, needs, epoch, ctx, out);
+    status = ReserveLocked(lock, program, needs, pool_needs, epoch, ctx, out);
     // Broken before the lock is released: a rank next in line must not start a set-up (an
     // exchange with the peers) that the failing one will never join.
     if (!status.ok() && status.code() != Code::kAborted) Break(status);
   }
   if (!status.ok()) return status;
-  // The rank's own streams, events and scratch, without the lock: allocating waits for the
-  // device (its earlier calls), which must never hold up the other ranks' reservations.
+  // The rank's own streams and events, without the lock.
   status = out->resources->Reserve(program, ctx, &out->events);
   if (status.ok() && state_.nccl) status = ConnectPeers(program, ctx, out->resources);
   if (!status.ok() && status.code() != Code::kAborted) Break(status);
@@ -192,7 +195,8 @@ Status CudaClique::ConnectPeers(const Program& program, const ErrorContext& ctx,
     auto& side = op.kind == OpKind::kSend ? peers.sends : peers.recvs;
     side[op.stream - 1].insert(op.peer);
   }
-  JO_CHECK(res->MakeConnect(nranks(), ctx));
+  if (!res->Pool()->connect)  // made with the pool (GrowPool), under the first reserver's barrier
+    return Internal(ctx.Describe() + ": NCCL connect buffer missing from the rank's pool");
   auto* buffer = static_cast<float*>(res->connect_buffer->ptr);
   // Given up as soon as the clique breaks (a peer failed: it will not connect).
   bool in_flight = false;
@@ -213,8 +217,8 @@ Status CudaClique::ConnectPeers(const Program& program, const ErrorContext& ctx,
 }
 
 Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
-                                 const CallNeeds& needs, int64_t epoch, const ErrorContext& ctx,
-                                 Reservation* out) {
+                                 const CallNeeds& needs, const PoolNeeds& pool_needs, int64_t epoch,
+                                 const ErrorContext& ctx, Reservation* out) {
   const int32_t rank = program.problem.rank;
   const int64_t ws_bytes = needs.workspace_bytes;
   // NCCL moves the data itself: its programs signal and wait on no flag.
@@ -243,19 +247,25 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     made_.notify_all();
     JO_CHECK(status);  // Reserve breaks the clique before the lock is released
   }
-  // The generations every local rank is past are freed by the first local rank to reserve an
-  // epoch, and only then, while the others wait here before they reserve (so enqueue) it: no
-  // local rank has enqueued anything of this epoch, so the device work a free waits for is of
-  // earlier calls, which every rank has enqueued or will without waiting for this one
-  // (docs/gpu-internals.md §1, "What may run on the enqueue path").
+  // The generations every local rank is past are freed, and every local rank's pool grown, by
+  // the first local rank to reserve an epoch, and only then, while the others wait here before
+  // they reserve (so enqueue) it: no local rank has enqueued anything of this epoch, so the
+  // device work a free or an allocation waits for (its device's, and its peers' that map its
+  // memory) is of earlier calls, which every rank has enqueued or will without waiting for this
+  // one (docs/gpu-internals.md §1, "What may run on the enqueue path").
+  // Bounded by the timeout, but never below kLocalSetUp: what is waited for is a local thread's
+  // allocations (every local rank's pool), not a peer, and a loaded host may take a while.
   while (freeing_ >= 0 && epoch >= freeing_) {
-    const bool freed = made_.wait_for(lock, state_.timeout,
-                                      [&] { return freeing_ < 0 || !BrokenReason().empty(); });
+    const bool freed =
+        made_.wait_for(lock, std::max<std::chrono::milliseconds>(state_.timeout, kLocalSetUp),
+                       [&] { return freeing_ < 0 || !BrokenReason().empty(); });
     JO_CHECK(CheckNotBroken(ctx.Describe()));
     if (!freed)
-      return Status(Code::kTimeout, ctx.Describe() +
-                                        ": freeing past buffers (another rank does it) did not "
-                                        "complete within JAXOVERLAP_TIMEOUT_S");
+      return Status(Code::kTimeout,
+                    ctx.Describe() +
+                        ": freeing past buffers and growing the ranks' pools (the first rank to "
+                        "reserve this epoch does it; its allocations wait for the GPUs' earlier "
+                        "work) did not complete within JAXOVERLAP_TIMEOUT_S (at least 2 s)");
   }
   if (epoch > first_reserved_) {
     first_reserved_ = epoch;
@@ -275,13 +285,22 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
           past.push_back(std::move(gen));
     }
     TakePast(&past);
-    if (!past.empty()) {
+    bool grow = false;
+    for (const auto& res : state_.ranks) grow = grow || !res->PoolCovers(pool_needs);
+    if (!past.empty() || grow) {
       freeing_ = epoch;
       lock.unlock();
       past.clear();
+      Status grown = OkStatus();
+      {
+        DeviceGuard guard;  // Alloc sets each rank's device
+        for (const auto& res : state_.ranks)
+          if (grown.ok()) grown = res->GrowPool(pool_needs, ctx);
+      }
       lock.lock();
       freeing_ = -1;
       made_.notify_all();
+      JO_CHECK(grown);  // Reserve breaks the clique before the lock is released
     }
   }
   for (;;) {
@@ -328,6 +347,10 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     JO_CHECK(status);
   }
   out->resources = state_.ranks[rank].get();
+  out->pool = out->resources->Pool();
+  if (!out->resources->PoolCovers(pool_needs))  // grown by this epoch's first reserver
+    return Internal(ctx.Describe() + ": epoch " + std::to_string(epoch) +
+                    " found its rank's pool smaller than the call needs");
   return OkStatus();
 }
 

@@ -53,6 +53,7 @@ namespace jo::cuda {
 struct Reservation {
   std::shared_ptr<const Generation> gen;  // held until the call is watched (or done)
   RankResources* resources = nullptr;
+  std::shared_ptr<const RankPool> pool;      // the rank's pooled memory, as grown for the call
   std::shared_ptr<const CallEvents> events;  // the call's own started/done events
 };
 
@@ -74,16 +75,16 @@ class CudaClique : public Clique {
   bool spans_processes() const { return state_.spans_processes(); }
 
   // Reserve, before call `epoch` of `rank` (the agreement check has passed):
-  // connects the transport (once); frees the generations every local rank is
-  // past, if it is the first local rank at `epoch`; makes a buffer generation
-  // as big as `needs` (core/call.h: the same on every rank) when the current
-  // one is smaller; and the rank's streams, events and scratch for `program`
-  // (without the lock), freeing its retired scratch no call uses any more.
-  // Everything here may wait for the GPU: it runs before the call's first
-  // enqueue (docs/gpu-internals.md §1, "What may run on the enqueue path"). A failure
-  // breaks the clique.
-  Status Reserve(const Program& program, const CallNeeds& needs, int64_t epoch,
-                 const ErrorContext& ctx, Reservation* out);
+  // connects the transport (once); if it is the first local rank at `epoch`,
+  // frees the generations every local rank is past and grows every local
+  // rank's pool to `pool_needs` (clique_state.h), the others waiting; makes a
+  // buffer generation as big as `needs` (core/call.h: the same on every rank)
+  // when the current one is smaller; and the rank's streams and events for
+  // `program` (without the lock). Everything here may wait for the GPU: it
+  // runs before the call's first enqueue (docs/gpu-internals.md §1, "What may
+  // run on the enqueue path"). A failure breaks the clique.
+  Status Reserve(const Program& program, const CallNeeds& needs, const PoolNeeds& pool_needs,
+                 int64_t epoch, const ErrorContext& ctx, Reservation* out);
 
   // Transport nccl: leases `rank`'s communicators (nccl_comms.h), kAborted once they were
   // aborted (naming the clique's failure when it broke); other transports: nothing. Taken just
@@ -118,8 +119,8 @@ class CudaClique : public Clique {
 
  private:
   Status ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
-                       const CallNeeds& needs, int64_t epoch, const ErrorContext& ctx,
-                       Reservation* out);
+                       const CallNeeds& needs, const PoolNeeds& pool_needs, int64_t epoch,
+                       const ErrorContext& ctx, Reservation* out);
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
                        const ErrorContext& ctx, std::shared_ptr<Generation>* out);
@@ -146,7 +147,8 @@ class CudaClique : public Clique {
   std::vector<std::shared_ptr<Generation>> generations_;  // newest last
   int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
   // The newest epoch a local rank has reserved, and the one whose first reserver frees past
-  // generations now, without the lock (-1: none): ranks at it or later wait.
+  // generations and grows the pools now, without the lock (-1: none): ranks at it or later
+  // wait.
   int64_t first_reserved_ = 0;
   int64_t freeing_ = -1;
   int64_t freed_ = 0;       // generations freed so far

@@ -88,9 +88,21 @@ struct LateCallOutcome {
 };
 Status LateCall(bool finish, LateCallOutcome* out);
 
+// The watchdog's lock against a CUDA query that blocks (cuda/watchdog.cc): a call stuck on device
+// 0 is watched; the watchdog's pass (on another thread, its clock moved on) queries its events,
+// and that query blocks (SetEventQueryHook) until released; meanwhile a handler's Watch of a new
+// call must return: the pass must not hold the watchdog's lock across the query. After 2 s the
+// check records that it did not, and releases the query.
+struct WatchdogQueryRaceOutcome {
+  bool query_blocked = false;  // the pass reached the query (and blocked in it)
+  bool watch_waited = false;   // Watch did not return while the query blocked
+  std::vector<std::string> errors;
+};
+Status WatchdogQueryRace(WatchdogQueryRaceOutcome* out);
+
 // The GEMM cache's locks (cuda/gemm/gemm.cc) against a set-up that waits for the device: device 0
-// waits for a flag; one rank's thread prepares a GEMM of a new shape on a new stream there (its
-// workspace allocation waits for the device, so for the flag) while another, between its
+// waits for a flag; one rank's thread prepares a GEMM of a new shape there (its warm-up's lazy
+// kernel load waits for the device, so for the flag) while another, between its
 // handler's first enqueue and its return, enqueues a GEMM prepared before and joins the
 // warm-ups, then (handler returned) raises the flag. The enqueue must not wait for the set-up:
 // if it does, nothing raises the flag, and after 20 s of real time the check records

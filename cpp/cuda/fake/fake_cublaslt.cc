@@ -20,16 +20,19 @@
 //    only ("If set for an unsupported matrix data, scale, and compute type
 //    combination, calling cublasLtMatmul() will return CUBLAS_INVALID_VALUE");
 //  * FAST_ACCUM: only 0 (the executor's choice) is modeled.
-// The reference GEMM multiplies in float32 — exact for fp8 products —,
-// accumulates in float32 and applies alpha * scaleA * scaleB once, then adds
-// beta * C and rounds once to D's type (cublasLtMatmul: D = alpha * scaleA *
-// scaleB * op(A) op(B) + beta * C without C and D scales). The scales are read
-// when the matmul runs on its stream, as the kernel reads them on a GPU.
+// The reference GEMM multiplies in float32 and accumulates in float32 in K
+// order — except FP8 GEMMs, which accumulate as the device's FP8 tensor cores
+// do (fp8_accumulator.h: a truncating block FMA, promoted into float32 every
+// 128 K elements) —, applies alpha * scaleA * scaleB once, then adds beta * C
+// and rounds once to D's type (cublasLtMatmul: D = alpha * scaleA * scaleB *
+// op(A) op(B) + beta * C without C and D scales). The scales are read when the
+// matmul runs on its stream, as the kernel reads them on a GPU.
 #include <cstring>
 
 #include "core/convert.h"
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_waits.h"
+#include "cuda/fake/fp8_accumulator.h"
 
 namespace jo::fake {
 
@@ -262,19 +265,37 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
                               size_t workspace_bytes, cudaStream_t s) {
   using jo::fake::Layout;
   {
-    // cuBLASLt's kernel for this algorithm: with lazy loading, its first use on a device
-    // loads it (fake_waits.cc). The fake's algorithm is the compute type, the data type
-    // and the alignments (cublasLtMatmulAlgoGetHeuristic).
+    // cuBLASLt's kernel for this call: with lazy loading, its first use on a device loads it
+    // (fake_waits.cc). What selects the kernel an algorithm runs is not documented; the fake
+    // assumes anything of the call's form may: the compute and data types, whether C and D are
+    // one buffer (in place) or two, and the alignment each matrix has — of its pointer, leading
+    // dimension and batch stride, the three CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_* covers (cublasLt.h),
+    // up to 256 bytes. So a warm-up in another form than its call does not load the call's
+    // kernel (gemm.cc runs it in the call's).
     std::string kernel = "cuBLASLt kernel";
     int device = -1;
     {
       Lock lock(S().mu);
-      if (jo::fake::KnownStream(s) && algo != nullptr && S().descs.count(desc) > 0 &&
-          S().layouts.count(Adesc) > 0) {
+      const void* ptrs[4] = {A, B, C, D};
+      const cublasLtMatrixLayout_t layouts[4] = {Adesc, Bdesc, Cdesc, Ddesc};
+      bool known = jo::fake::KnownStream(s) && algo != nullptr && S().descs.count(desc) > 0;
+      for (const auto l : layouts) known = known && S().layouts.count(l) > 0;
+      if (known) {
         device = s->device;
         kernel += " compute " + std::to_string(S().descs[desc].compute) + " type " +
-                  std::to_string(S().layouts[Adesc].type);
-        for (int i = 0; i < 4; ++i) kernel += " " + std::to_string(algo->data[i]);
+                  std::to_string(S().layouts[Adesc].type) +
+                  (C == D ? " in place" : " out of place") + ", alignments";
+        for (int i = 0; i < 4; ++i) {
+          const jo::fake::Layout& l = S().layouts[layouts[i]];
+          bool ok = false;
+          const uint64_t es = static_cast<uint64_t>(jo::DTypeSize(jo::fake::FromCuda(l.type, &ok)));
+          const uint64_t bits = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptrs[i])) |
+                                static_cast<uint64_t>(l.ld) * es |
+                                (l.batch > 1 ? static_cast<uint64_t>(l.stride) * es : 0);
+          uint64_t align = 256;
+          while (align > 1 && bits % align != 0) align /= 2;
+          kernel += " " + std::to_string(align);
+        }
       }
     }
     if (device >= 0 && !jo::fake::LoadFunction(device, kernel, "cublasLtMatmul"))
@@ -402,6 +423,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
                              "cublasLtMatmul D"))
     return CUBLAS_STATUS_INVALID_VALUE;
   const int32_t ta = dsc.transa, tb = dsc.transb;
+  // FP8: the accumulator of this device's tensor cores, each operand's smallest exponent.
+  const jo::fake::Fp8TensorCore core = jo::fake::Fp8TensorCoreOf(jo::fake::DeviceArch(s->device));
+  const auto min_exponent = [](jo::DType t) {
+    return t == jo::DType::kF8E5M2 ? jo::fake::kE5M2MinExponent : jo::fake::kE4M3MinExponent;
+  };
+  const int a_min = min_exponent(ta_type), b_min = min_exponent(tb_type);
   const float* a_scale = static_cast<const float*>(dsc.a_scale);
   const float* b_scale = static_cast<const float*>(dsc.b_scale);
   jo::fake::EnqueueKernel(s, "cublasLtMatmul", [=] {
@@ -419,13 +446,19 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
       for (uint64_t i = 0; i < m; ++i)
         for (uint64_t j = 0; j < n; ++j) {
           float acc = 0.0f;
+          jo::fake::Fp8Accumulator fp8_acc(core, a_min, b_min);
           for (uint64_t p = 0; p < k; ++p) {
             const float av =
                 ta == CUBLAS_OP_N ? at(ta_type, A, la, bt, i, p) : at(ta_type, A, la, bt, p, i);
             const float bv =
                 tb == CUBLAS_OP_N ? at(tb_type, B, lb, bt, p, j) : at(tb_type, B, lb, bt, j, p);
-            acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
+            if (fp8) {
+              fp8_acc.Add(av, bv);
+            } else {
+              acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;
+            }
           }
+          if (fp8) acc = fp8_acc.Result();
           out[i * n + j] =
               fa * scale * acc + (fb != 0.0f ? fb * at(tc_type, C, lc, bt, i, j) : 0.0f);
         }

@@ -144,7 +144,7 @@ std::map<std::string, std::string> Fp8MisuseChecks() {
   Fp8Gemm host;
   host.host_scale = true;
   check("fp8 gemm with a host scale pointer", host);
-  // The executor's choice, documented in cuda/gemm/gemm.h: f32 accumulation, no fast accumulation.
+  // The executor's choice, documented in cuda/gemm/gemm.h: no fast accumulation (promotion kept).
   Fp8Gemm fast;
   fast.fast_accum = 1;
   check("fp8 fast accumulation", fast);

@@ -5,15 +5,14 @@
 // it, from the same tile mapping (core/fused_tiles.h):
 //  * it is sm_90a code: cudaFuncGetAttributes finds no image for any other
 //    device (the kernel family "fused", fake_kernels.cc);
-//  * its CTAs are persistent and hold their SMs until the last one ends (one
-//    CTA per SM: PersistentGrid's CTAs); copies and stream memory operations
-//    still run. A kernel that waits for flags is taken to hold the whole
-//    device: no other kernel (a block kernel, a cuBLASLt matmul, an NCCL group)
-//    starts meanwhile, so a kernel that needs SMs queued behind it while the
-//    kernel waits for it deadlocks, as the GPU may (docs/gpu-internals.md §5, rule 1).
-//    One that waits for nothing (GEMM + reduce-scatter) leaves the rest of the
-//    device's SMs to kernels with an SM budget that fits (the reduction beside
-//    it, fake_queues.cc); any other kernel starts once it ended;
+//  * its CTAs are persistent and hold the launch's sm_count SMs (every SM of the
+//    device, but in the loopback, which shares them among the ranks of one
+//    GPU, and for a release-only kernel, which leaves some to the reduction
+//    beside it) until the last one ends: no other kernel of the device (a block
+//    kernel, a cuBLASLt matmul, an NCCL group, another fused GEMM) that finds
+//    no SM free starts meanwhile (fake_queues.cc); copies and stream memory
+//    operations still run. A kernel that needs SMs queued behind it while the
+//    kernel waits for it deadlocks, as the GPU may (docs/gpu-internals.md §5, rule 1);
 //  * its output is released block by block: until a block's release flag is at
 //    the epoch, a kernel, a copy or a multicast load-reduce that reads the
 //    block's rows is a misuse (reported by ReadsUnreleased's callers), however
@@ -27,7 +26,12 @@
 //    whose flag is not yet at the epoch are poisoned (read as NaN) and the read
 //    is recorded as a misuse. Config::fused_flag_shift makes the kernel wait for
 //    the flags of block b + shift instead (an off-by-one mapping) for the
-//    misuse checks.
+//    misuse checks;
+//  * no wait is unbounded (fused_gemm.h): a CTA whose tile has waited longer than
+//    the launch's timeout_ns on the GPUs' clock (the time the fake lets pass while
+//    stuck) records the first such flag in the fault record and gives up, and so
+//    does every later wait of the launch, at once: the kernel ends, its results
+//    garbage (rows read before their flag: NaN, not a misuse then).
 // One tile per poll of the kernel, so the other streams interleave with it.
 // The launch as a whole is replaced: CUTLASS's own host calls inside it
 // (cudaGetDriverEntryPoint[ByVersion], cuTensorMapEncodeTiled for A, B and D)
@@ -66,7 +70,6 @@ constexpr int kSharedBytesWithoutOptIn = 48 * 1024;
 using fused::kTileCols;  // the CTA tile's N (fused_gemm_kernel.cuh)
 
 struct FusedRun {
-  uint64_t id = 0;  // its entry in State::persistent while it runs
   DType dtype = DType::kBF16;
   Launch launch;
   fused::PersistentGrid grid;
@@ -76,8 +79,11 @@ struct FusedRun {
   int32_t shift = 0;          // Config::fused_flag_shift
   size_t turn = 0;            // the CTA polled first next time
   int device = 0;
-  std::pair<int, int> where;  // (played process, device): whose SMs it holds
+  std::pair<int, int> where;  // (played process, device): whose SMs it holds ...
+  int holds = 0;              // ... this many: the launch's sm_count (CTAs persist on them)
   bool poisoned_reported = false;
+  std::vector<int64_t> waiting_since;  // per CTA: the GPUs' clock when its tile began waiting
+  bool gave_up = false;                // a wait ran out of time (the fault record says which)
   std::string what;
 };
 
@@ -90,17 +96,40 @@ bool Arrived(const FusedRun& r, int32_t b) {
   return AtEpoch(l.wait_flags[b], l.epoch);
 }
 
-// Whether the kernel starts tile `tile`: every flag it waits for is at the epoch.
-bool TileReady(const FusedRun& r, int32_t tile) {
+// The first flag tile `tile` waits for that is not at the epoch (-1: none; the block it
+// guards).
+int32_t MissingFlag(const FusedRun& r, int32_t tile) {
   const Launch& l = r.launch;
-  if (l.wait_flags == nullptr) return true;
+  if (l.wait_flags == nullptr) return -1;
   const fused::Range blocks = fused::Tiling{l.blocks, fused::kTileRows}.BlocksOf(tile);
   for (int32_t b = blocks.first; b <= blocks.last; ++b) {
     if (l.blocks.Shard(b) == l.ready_shard) continue;
     int32_t waited = b + r.shift;
     if (waited < 0) waited = 0;
     if (waited >= l.blocks.count()) waited = l.blocks.count() - 1;
-    if (!AtEpoch(l.wait_flags[waited], l.epoch)) return false;
+    if (!AtEpoch(l.wait_flags[waited], l.epoch)) return waited;
+  }
+  return -1;
+}
+
+// Whether CTA `cta` starts tile `tile`: every flag it waits for is at the epoch, or the launch
+// gave up waiting (its own timeout, or an earlier wait's: recorded in the fault record).
+bool TileReady(FusedRun& r, size_t cta, int32_t tile) {
+  if (r.gave_up) return true;
+  const int32_t missing = MissingFlag(r, tile);
+  if (missing < 0) {
+    r.waiting_since[cta] = -1;
+    return true;
+  }
+  if (r.waiting_since[cta] < 0) r.waiting_since[cta] = S().gpu_ns;
+  const Launch& l = r.launch;
+  if (l.timeout_ns <= 0 || S().gpu_ns - r.waiting_since[cta] <= l.timeout_ns) return false;
+  r.gave_up = true;
+  if (l.fault->timed_out == 0) {
+    l.fault->timed_out = 1;
+    l.fault->flag = static_cast<uint32_t>(missing);
+    l.fault->seen = l.wait_flags[missing];
+    l.fault->epoch = l.epoch;
   }
   return true;
 }
@@ -120,7 +149,7 @@ void ComputeTile(FusedRun& r, int32_t l_idx, int32_t tile, int32_t n_tile) {
   for (int64_t i = row0; i < row0 + rows; ++i) {
     const int32_t block = l.blocks.BlockOf(i);
     const bool there = Arrived(r, block);
-    if (!there && !r.poisoned_reported) {
+    if (!there && !r.poisoned_reported && !r.gave_up) {
       r.poisoned_reported = true;
       Fail(r.what + ": a tile read rows of block " + std::to_string(block) +
            " before its flag reached the epoch (the rows are poisoned: NaN)");
@@ -160,7 +189,7 @@ bool Poll(FusedRun& r) {
     r.grid.At(unit, &l_idx, &slot, &n_tile);
     const int32_t tile = r.launch.order.TileAt(slot);
     if (tile < r.m_tiles) {
-      if (!TileReady(r, tile)) continue;  // this CTA spins; the others go on
+      if (!TileReady(r, c, tile)) continue;  // this CTA spins; the others go on
       ComputeTile(r, l_idx, tile, n_tile);
       Release(r, tile);
     }
@@ -171,12 +200,7 @@ bool Poll(FusedRun& r) {
     break;
   }
   if (r.left > 0) return false;
-  const auto [lo, hi] = S().persistent.equal_range(r.where);
-  for (auto it = lo; it != hi; ++it)
-    if (it->second.id == r.id) {
-      S().persistent.erase(it);
-      break;
-    }
+  S().sms_held[r.where] -= r.holds;
   return true;
 }
 
@@ -274,26 +298,24 @@ cudaError_t LaunchFused(DType dtype, const Launch& l, cudaStream_t stream) {
   run->grid = fused::PersistentGrid::Make(run->m_tiles, (l.n + kTileCols - 1) / kTileCols, l.batch,
                                           l.sm_count);
   run->next.resize(static_cast<size_t>(run->grid.ctas));
+  run->waiting_since.assign(run->next.size(), -1);
   for (size_t c = 0; c < run->next.size(); ++c) run->next[c] = static_cast<int64_t>(c);
   run->left = run->grid.work();
   run->shift = S().config.fused_flag_shift;
   run->device = device;
   run->where = {stream->process, device};
+  run->holds = std::max(1, std::min(l.sm_count, S().config.sms));
   run->what = name + " (" + std::to_string(l.m) + " x " + std::to_string(l.n) + " x " +
               std::to_string(l.k) + ", batch " + std::to_string(l.batch) + ") on device " +
               std::to_string(device);
-  run->id = S().next_persistent++;
   FakeTask task;
   task.what = run->what;
   task.sms = true;
+  task.persistent = true;
+  task.holds_sms = run->holds;
   task.ready = [] { return true; };
   task.run = [run] {
-    State::Persistent held;
-    held.id = run->id;
-    held.sms = run->grid.ctas;
-    held.waits = run->launch.wait_flags != nullptr;
-    held.what = run->what;
-    S().persistent.emplace(run->where, held);
+    S().sms_held[run->where] += run->holds;
     if (run->launch.release_flags != nullptr) {  // from now on its output is being written
       auto& runs = Releasing();
       runs.erase(

@@ -260,6 +260,13 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   const auto process_of = [&](int r) {
     return static_cast<int32_t>(desc.table.processes[static_cast<size_t>(r)]);
   };
+  // late_rank: per call, how many other ranks have returned from it.
+  const int calls_per_rank =
+      in.chunks_per_call.empty() ? in.calls : static_cast<int>(in.chunks_per_call.size());
+  std::mutex returned_mu;
+  std::condition_variable returned_cv;
+  std::vector<int> returned(static_cast<size_t>(std::max(calls_per_rank, 0)), 0);
+  const int others = nranks - 1 - (in.skip_rank >= 0 && in.skip_rank != in.late_rank ? 1 : 0);
   std::vector<std::thread> threads;
   for (int r = 0; r < nranks; ++r) board->Start(process_of(r));
   // Every rank's thread is a HostThread before any makes a call: the fake calls a wait a
@@ -322,7 +329,13 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       cuda::CudaSite& site = own ? *own : shared_site;
       const int calls =
           in.chunks_per_call.empty() ? in.calls : static_cast<int>(in.chunks_per_call.size());
+      int counted = 0;  // calls counted in `returned`
       for (int c = 0; c < calls && statuses[r].empty(); ++c) {
+        if (r == in.late_rank && c >= in.late_from) {  // after its peers' call c
+          std::unique_lock<std::mutex> lock(returned_mu);
+          returned_cv.wait_for(lock, std::chrono::seconds(20),
+                               [&] { return returned[static_cast<size_t>(c)] >= others; });
+        }
         if (!in.chunks_per_call.empty())
           problem.chunks = in.chunks_per_call[static_cast<size_t>(c)] + (r == in.skew_rank);
         // As XLA runs a thunk: the handler's work on other streams must be joined into
@@ -335,6 +348,17 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
         Status status = call_site.Enqueue(caller, problem, io, xla);
         EndHandler(xla, "CudaSite::Enqueue (rank " + std::to_string(r) + ")");
         if (!status.ok()) statuses[r] = status.ToString();
+        if (r != in.late_rank) {
+          std::lock_guard<std::mutex> lock(returned_mu);
+          ++returned[static_cast<size_t>(c)];
+          ++counted;
+          returned_cv.notify_all();
+        }
+      }
+      if (r != in.late_rank) {  // a failed rank makes no more calls: they count as returned
+        std::lock_guard<std::mutex> lock(returned_mu);
+        for (int c = counted; c < calls; ++c) ++returned[static_cast<size_t>(c)];
+        returned_cv.notify_all();
       }
       if (in.capture) {
         cudaGraph_t graph = nullptr;
@@ -348,6 +372,9 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       if (flag != nullptr) *flag = 1;
   }
   out->drained = Drain();
+  // One more pass of the watchdog, as its thread makes one every 20 ms: it drops the calls the
+  // GPU finished and reads the fault records of fired fused calls now done.
+  cuda::AdvanceWatchdogClock(std::chrono::milliseconds(20));
   out->ys.clear();
   out->x_gathered.clear();
   for (int r = 0; r < nranks; ++r) {

@@ -53,6 +53,11 @@ struct PlayedCalls {
   std::vector<int64_t> chunks_per_call;
   int skew_rank = -1;  // this rank disagrees on the call (one more chunk)
   int skip_rank = -1;  // this rank never makes the call
+  // This rank is late from call `late_from` on: it starts each such call only once every other
+  // rank has returned from it (bounded: 20 s of real time), so that its peers' calls are
+  // enqueued — and wait for it on the GPU — while it sets its own up.
+  int late_rank = -1;
+  int late_from = 0;
   int64_t timeout_ms = 120000;
   bool capture = false;  // XLA captures its streams into a CUDA graph (a command buffer)
   // XLA's stream of every rank first waits for a flag the host raises only

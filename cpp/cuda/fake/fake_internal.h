@@ -11,6 +11,7 @@
 #include <nccl.h>
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -38,10 +39,12 @@ struct FakeTask {
   // that waits for its peers: an NCCL group) until this returns true; the
   // stream's next task waits for it, other streams' do not.
   std::function<bool()> done;
-  bool sms = false;  // a kernel: it needs SMs, which a persistent kernel may hold
-  // A kernel's SM budget (its launch names it: the SMs its grid is sized to): it may start
-  // beside a persistent kernel that waits for nothing and leaves that many free; 0: it
-  // starts only once no persistent kernel holds the device's SMs (fake_queues.cc).
+  bool sms = false;         // a kernel: it needs a free SM to start
+  bool persistent = false;  // a persistent kernel (the fused GEMM): holds SMs while it runs ...
+  int holds_sms = 0;        // ... this many (its launch's sm_count): it starts once they are free
+  // A kernel's SM budget (its launch names it: the SMs its grid is sized to, those a persistent
+  // kernel beside it leaves); 0: none. One that finds fewer free beside a persistent kernel when
+  // it could start is reported (fake_queues.cc): it would no longer overlap that kernel.
   int sm_budget = 0;
   bool budget_reported = false;   // its lack of SMs was reported
   cudaEvent_t records = nullptr;  // the event this task records, if any
@@ -240,21 +243,17 @@ struct State {
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
-  // The persistent kernels running (the fused GEMM), by (played process, device): the SMs its
-  // CTAs hold, and whether it waits for flags. One that waits is taken to hold the whole
-  // device (CUDA does not promise that another kernel runs beside it: docs/gpu-internals.md §5,
-  // rule 1); one that waits for nothing leaves the rest to kernels with an SM budget.
-  struct Persistent {
-    uint64_t id = 0;
-    int sms = 0;
-    bool waits = false;
-    std::string what;
-  };
-  std::multimap<std::pair<int, int>, Persistent> persistent;
-  uint64_t next_persistent = 1;
+  // Per (played process, device): the SMs persistent kernels running there hold.
+  std::map<std::pair<int, int>, int> sms_held;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
   std::map<std::tuple<int, int, const void*>, int> shared_grants;
+  // The GPUs' clock for device-side time (the fused GEMM's bounded waits): moves with the time
+  // the fake lets pass while stuck (Config::pass_time steps, in Drain and in host waits).
+  int64_t gpu_ns = 0;
 };
+
+// Config::pass_time(step) and the GPUs' clock with it (gpu_ns). Without S().mu held.
+void PassTime(std::chrono::milliseconds step);
 
 // The one fake world (never destroyed: handler threads may run late).
 State& S();
@@ -290,6 +289,9 @@ bool RunUntil(const std::function<bool()>& until);
 // CUDA_DEVICE_MAX_CONNECTIONS as the driver reads it).
 void ResetQueues();
 int ConnectionsFromEnvironment();
+// Whether a persistent kernel (the fused GEMM) enqueued on `device` of played process `process`
+// has not finished (queued or running). Requires S().mu.
+bool PersistentKernelPending(int process, int device);
 // Maps a new stream onto one of its device's work queues (round-robin).
 void MapOntoQueue(CUstream_st* st);
 jo::DType FromCuda(int32_t type, bool* ok);

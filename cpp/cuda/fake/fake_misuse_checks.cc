@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -186,6 +187,89 @@ Status LateCall(bool finish, LateCallOutcome* out) {
   out->gen_freed_with_clique = weak_gen.expired();
   cudaEventDestroy(events->started);
   cudaEventDestroy(events->done);
+  cudaStreamDestroy(xla);
+  out->errors = Errors();
+  return OkStatus();
+}
+
+Status WatchdogQueryRace(WatchdogQueryRaceOutcome* out) {
+  Config config;
+  config.devices = 1;
+  ResetExecutorAndFake(config);
+  const cuda::DriverApi* drv = nullptr;
+  JO_CHECK(cuda::LoadDriver(&drv));
+  auto clique = std::make_shared<cuda::CudaClique>(CliqueKey{4243, 0, 0}, Transport::kP2p,
+                                                   std::vector<int>{0}, std::vector<int64_t>{0});
+  auto gen = std::make_shared<cuda::Generation>();
+  cudaSetDevice(0);
+  cudaStream_t xla = nullptr;
+  cudaStreamCreateWithFlags(&xla, cudaStreamNonBlocking);
+  auto* flag = static_cast<uint32_t*>(Malloc(0, 4));
+  // A call stuck on a flag, and another behind it.
+  const auto stuck_call = [&](int64_t epoch) {
+    auto events = std::make_shared<cuda::CallEvents>();
+    cudaEventCreateWithFlags(&events->started, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&events->done, cudaEventDisableTiming);
+    cudaEventRecord(events->started, xla);
+    drv->cuStreamWaitValue32(reinterpret_cast<CUstream>(xla), reinterpret_cast<CUdeviceptr>(flag),
+                             1, CU_STREAM_WAIT_VALUE_GEQ);
+    cudaEventRecord(events->done, xla);
+    cuda::WatchedCall call;
+    call.clique = clique;
+    call.device = 0;
+    call.events = events;
+    call.epoch = epoch;
+    call.gen = gen;
+    call.op = "query_race";
+    call.timeout = std::chrono::seconds(100);  // never fired here
+    return call;
+  };
+  cuda::Watch(stuck_call(1));
+  cuda::WatchedCall next = stuck_call(2);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool inside = false, released = false;
+  std::thread::id pass_thread;
+  SetEventQueryHook([&](cudaEvent_t) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (std::this_thread::get_id() != pass_thread || inside) return;
+    inside = true;
+    cv.notify_all();
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return released; });
+  });
+  std::thread pass([&] {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      pass_thread = std::this_thread::get_id();
+    }
+    cuda::AdvanceWatchdogClock(std::chrono::milliseconds(40));  // one pass: it queries
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(20), [&] { return inside; });
+    out->query_blocked = inside;
+  }
+  std::atomic<bool> watched{false};
+  std::thread handler([&] {
+    cuda::Watch(std::move(next));
+    watched = true;
+  });
+  const auto bound = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (!watched && std::chrono::steady_clock::now() < bound)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  out->watch_waited = !watched;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+    cv.notify_all();
+  }
+  pass.join();
+  handler.join();
+  SetEventQueryHook(nullptr);
+  *flag = 1;
+  Drain();
+  cuda::AdvanceWatchdogClock(std::chrono::milliseconds(40));  // the finished calls are dropped
+  clique.reset();
   cudaStreamDestroy(xla);
   out->errors = Errors();
   return OkStatus();
@@ -480,9 +564,14 @@ std::map<std::string, std::string> MisuseChecks() {
   //    the peer's data arrives, on any number of work queues (rule 1);
   //  * kProducerFirst: that kernel ordered before the fused GEMM by a stream dependency (an
   //    event), as the multicast programs order their own stores (the control; enqueued first
-  //    without the event, it might still start after the kernel on another work queue).
-  enum class Fused { kOutgoingFirst, kKernelFirst, kProducerAfter, kProducerFirst };
-  auto fused_pair = [&](Fused how) {
+  //    without the event, it might still start after the kernel on another work queue);
+  //  * kCopy2DAfter: kKernelFirst with the outgoing copy a 2-D one (cudaMemcpy2DAsync): CUDA
+  //    documents no copy engine for it, and run as a kernel it would wait for the SMs the fused
+  //    GEMM holds (kKernelFirst on separate work queues is its control: a 1-D copy).
+  enum class Fused { kOutgoingFirst, kKernelFirst, kProducerAfter, kProducerFirst, kCopy2DAfter };
+  // sm_count: the SMs each fused GEMM holds (every SM of the fake's H100 by default; fewer is
+  // the loopback's share of a device).
+  auto fused_pair = [&](Fused how, int sm_count = 132) {
     const cuda::DriverApi* drv = nullptr;
     (void)cuda::LoadDriver(&drv);
     if (drv == nullptr) return;
@@ -522,7 +611,7 @@ std::map<std::string, std::string> MisuseChecks() {
       f.epoch = 1;
       f.timeout_ns = int64_t{1} << 40;
       f.fault = static_cast<cuda::FusedGemmFault*>(Malloc(d, sizeof(cuda::FusedGemmFault)));
-      f.sm_count = 132;
+      f.sm_count = sm_count;
       add[d].dtype = DType::kBF16;
       add[d].dst = x[d];
       add[d].src = x[d];
@@ -538,7 +627,12 @@ std::map<std::string, std::string> MisuseChecks() {
     }
     auto outgoing = [&](int d) {
       cudaSetDevice(d);
-      cudaMemcpyAsync(a[1 - d] + d * shard, x[d], shard, cudaMemcpyDefault, s1[d]);
+      if (how == Fused::kCopy2DAfter) {  // the shard's rows, one pitched copy
+        cudaMemcpy2DAsync(a[1 - d] + d * shard, kK * es, x[d], kK * es, kK * es, kRows,
+                          cudaMemcpyDefault, s1[d]);
+      } else {
+        cudaMemcpyAsync(a[1 - d] + d * shard, x[d], shard, cudaMemcpyDefault, s1[d]);
+      }
       drv->cuStreamWriteValue32(
           reinterpret_cast<CUstream>(s1[d]),
           reinterpret_cast<CUdeviceptr>(static_cast<uint32_t*>(flags[1 - d]) + d), 1,
@@ -557,6 +651,7 @@ std::map<std::string, std::string> MisuseChecks() {
           kernel(d);
           break;
         case Fused::kKernelFirst:
+        case Fused::kCopy2DAfter:
           kernel(d);
           outgoing(d);
           break;
@@ -611,12 +706,21 @@ std::map<std::string, std::string> MisuseChecks() {
   check(
       "fused GEMM after its own outgoing copy (control)",
       [&] { fused_pair(Fused::kOutgoingFirst); }, 1);
+  check("a 2-D peer copy behind the fused GEMM", [&] { fused_pair(Fused::kCopy2DAfter); }, 8);
+  check(
+      "a 1-D peer copy behind the fused GEMM (control)", [&] { fused_pair(Fused::kKernelFirst); },
+      8);
   check(
       "a kernel the fused GEMM waits for, queued behind it",
       [&] { fused_pair(Fused::kProducerAfter); }, 8);
   check(
       "a kernel the fused GEMM waits for, before it (control)",
       [&] { fused_pair(Fused::kProducerFirst); }, 8);
+  // A persistent kernel holds the SMs of its launch (sm_count), not the device's others: a
+  // kernel behind it on the SMs it leaves free runs (the loopback's ranks share a device so).
+  check(
+      "a kernel the fused GEMM waits for, queued behind it on SMs it leaves free (control)",
+      [&] { fused_pair(Fused::kProducerAfter, 66); }, 8);
   ResetExecutorAndFake(Config());
   return out;
 }

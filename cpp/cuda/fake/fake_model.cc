@@ -191,7 +191,7 @@ void Reset(const Config& config) {
   s.errors.clear();
   s.counters.clear();
   s.sticky.clear();
-  s.persistent.clear();
+  s.sms_held.clear();
   s.shared_grants.clear();
   s.config = config;
   s.rng.seed(config.seed);
@@ -210,6 +210,8 @@ std::map<std::string, int64_t> Counters() {
   return S().counters;
 }
 
+constexpr size_t kFullPoisonBytes = size_t{4} << 20;
+
 void* Malloc(int device, size_t bytes, int fill) {
   Lock lock(S().mu);
   State& s = S();
@@ -226,7 +228,16 @@ void* Malloc(int device, size_t bytes, int fill) {
     Fail("fake: out of host memory");
     return nullptr;
   }
-  std::memset(mem, fill, bytes);
+  // Poisoned, all of it up to kFullPoisonBytes; of a larger allocation (the executor's cuBLASLt
+  // workspaces: 32 MiB per stream, whose contents the fake's cuBLASLt never reads) its first and
+  // last kFullPoisonBytes / 2 only: touching every page of each would make a set-up of the fake
+  // take longer than its tests' 200 ms timeouts. Its middle is zero, or an earlier user's data.
+  if (bytes <= kFullPoisonBytes) {
+    std::memset(mem, fill, bytes);
+  } else {
+    std::memset(mem, fill, kFullPoisonBytes / 2);
+    std::memset(mem + bytes - kFullPoisonBytes / 2, fill, kFullPoisonBytes / 2);
+  }
   s.malloced.insert(mem);
   s.allocs[reinterpret_cast<uintptr_t>(mem)] = Alloc{bytes, device, false, 0, mem};
   return mem;

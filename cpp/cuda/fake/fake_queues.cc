@@ -38,35 +38,31 @@ std::vector<std::deque<CUstream_st*>>& QueuesOf(const CUstream_st* st) {
 
 void Complete(CUstream_st* s) { ++s->completed; }
 
-// Whether kernel `task` finds the SMs it needs on `where` (no persistent kernel holds them, or
-// one that waits for nothing leaves its budget free); reports a budgeted kernel that would start
-// now but finds too few SMs beside such a kernel.
+// SMs of a device no persistent kernel holds.
+int FreeSms(const std::pair<int, int>& where) {
+  const auto held = S().sms_held.find(where);
+  return S().config.sms - (held == S().sms_held.end() ? 0 : held->second);
+}
+
+// Whether kernel `task` finds the SMs it needs on `where` (a persistent kernel holds the SMs
+// of its launch until it ends; a kernel needs one free SM, a persistent one all it holds).
+// Reports, once, a kernel with an SM budget that could start now beside a persistent kernel
+// but finds fewer SMs free than its grid is sized to: its blocks would wait for that kernel.
 bool SmsFor(FakeTask& task, const std::pair<int, int>& where) {
-  State& s = S();
   if (!task.sms) return true;
-  const auto [lo, hi] = s.persistent.equal_range(where);
-  if (lo == hi) return true;
-  if (task.sm_budget <= 0) return false;
-  int held = 0;
-  for (auto it = lo; it != hi; ++it) {
-    if (it->second.waits) return false;  // it holds the device (rule 1)
-    held += it->second.sms;
-  }
-  const int free = s.config.sms - held;
-  if (free >= task.sm_budget) {
-    // Counted where it starts (Step), not here: Step asks before it picks.
-    return true;
-  }
-  if (!task.budget_reported && task.ready()) {
+  State& s = S();
+  const int free = FreeSms(where);
+  const bool beside = free < s.config.sms;  // a persistent kernel holds some of them
+  if (beside && task.sm_budget > free && !task.budget_reported && task.ready()) {
     task.budget_reported = true;
-    Fail(task.what + " is sized to " + std::to_string(task.sm_budget) + " SMs, but " +
-         lo->second.what + " beside it leaves " + std::to_string(free) + " of the device's " +
-         std::to_string(s.config.sms) +
+    Fail(task.what + " is sized to " + std::to_string(task.sm_budget) +
+         " SMs, but the persistent kernel beside it leaves " + std::to_string(free) +
+         " of the device's " + std::to_string(s.config.sms) +
          " free: its blocks wait for that kernel to end (the GPU distributes a grid's blocks to "
          "SMs with available capacity: CUDA programming guide, \"Hardware Implementation\"), "
          "so it no longer overlaps it. Launch the persistent kernel on sm_count = SMs - budget");
   }
-  return false;
+  return free >= std::max(task.holds_sms, 1);
 }
 
 // One step of the GPU: completes a kernel in flight or starts a queue head.
@@ -106,7 +102,7 @@ bool Step(bool random) {
     queue.pop_front();
     FakeTask task = std::move(st->tasks.front());
     st->tasks.pop_front();
-    if (task.sms && s.persistent.count({st->process, st->device}) > 0)
+    if (task.sms && !task.persistent && FreeSms({st->process, st->device}) < s.config.sms)
       ++s.counters["kernels beside a persistent kernel"];  // for tests: the overlap happened
     task.run();
     if (task.done) {
@@ -140,13 +136,11 @@ std::string DeadlockReport() {
       const auto& queue = queues[q];
       if (queue.empty()) continue;
       const CUstream_st* head = queue.front();
-      const bool no_sms = head->tasks.front().sms && s.persistent.count(where) > 0;
-      const bool budget = head->tasks.front().sm_budget > 0;
+      const FakeTask& front = head->tasks.front();
+      const bool no_sms = front.sms && FreeSms(where) < std::max(front.holds_sms, 1);
       text += " [device " + std::to_string(where.second) + " queue " + std::to_string(q) + ": " +
               Describe(head) + " blocked at " + head->tasks.front().what +
-              (no_sms ? budget ? " (a kernel: a persistent kernel holds the SMs of its budget)"
-                               : " (a kernel: a persistent kernel holds every SM)"
-                      : "") +
+              (no_sms ? " (a kernel: a persistent kernel holds every SM it needs)" : "") +
               (head->running ? " (behind its " + head->running->what + " in flight)" : "");
       if (queue.size() > 1) {
         // The first task behind the head from another stream: what the shared queue holds up.
@@ -183,8 +177,8 @@ void DropWork(int device) {
     if (device >= 0 && where.second != device) continue;
     for (auto& queue : queues) queue.clear();
   }
-  for (auto it = s.persistent.begin(); it != s.persistent.end();)
-    it = device >= 0 && it->first.second != device ? std::next(it) : s.persistent.erase(it);
+  for (auto it = s.sms_held.begin(); it != s.sms_held.end();)
+    it = device >= 0 && it->first.second != device ? std::next(it) : s.sms_held.erase(it);
 }
 
 }  // namespace
@@ -215,6 +209,16 @@ void ResetQueues() {
 int Connections() {
   Lock lock(S().mu);
   return S().connections;
+}
+
+bool PersistentKernelPending(int process, int device) {
+  for (const auto& st : S().streams) {
+    if (st->process != process || st->device != device) continue;
+    if (st->running && st->running->persistent) return true;
+    for (const FakeTask& task : st->tasks)
+      if (task.persistent) return true;
+  }
+  return false;
 }
 
 void MapOntoQueue(CUstream_st* st) {
@@ -264,6 +268,16 @@ bool RunUntil(const std::function<bool()>& until) {
   return true;
 }
 
+void PassTime(std::chrono::milliseconds step) {
+  std::function<void(std::chrono::milliseconds)> pass_time;
+  {
+    Lock lock(S().mu);
+    S().gpu_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(step).count();
+    pass_time = S().config.pass_time;
+  }
+  if (pass_time) pass_time(step);
+}
+
 bool Drain() {
   std::unique_lock<std::recursive_mutex> lock(S().mu);
   State& s = S();
@@ -275,9 +289,8 @@ bool Drain() {
     if (grace.count() > 0) {
       const auto step = std::min(kStep, grace);
       grace -= step;
-      const auto pass_time = s.config.pass_time;
       lock.unlock();  // the host's reaction (the watchdog) calls into the fake
-      pass_time(step);
+      PassTime(step);
       lock.lock();
       continue;
     }

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <iterator>
+#include <mutex>
 
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_waits.h"
@@ -59,8 +61,9 @@ cudaError_t cudaSetDevice(int d) {
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   jo::fake::Jitter();
   Count("cudaMalloc");
-  // It waits for every queue of the device (fake_waits.cc).
-  if (!jo::fake::WaitForDevice(t_device, "cudaMalloc")) return cudaErrorMemoryAllocation;
+  // It waits for every queue of the device and of the devices that map its memory
+  // (fake_waits.cc).
+  if (!jo::fake::WaitForMemoryOf(t_device, "cudaMalloc")) return cudaErrorMemoryAllocation;
   // Real cudaMalloc memory is not zeroed: poison it.
   *p = jo::fake::Malloc(t_device, bytes, 0x5A);
   return cudaSuccess;
@@ -75,8 +78,9 @@ cudaError_t cudaFree(void* p) {
       Count("cudaFree");
       if (const jo::fake::Alloc* a = jo::fake::Find(p, 1)) device = a->device;
     }
-    // It waits for every queue of the device (fake_waits.cc).
-    if (device >= 0 && !jo::fake::WaitForDevice(device, "cudaFree")) return cudaErrorUnknown;
+    // It waits for every queue of the device and of the devices that map its memory
+    // (fake_waits.cc).
+    if (device >= 0 && !jo::fake::WaitForMemoryOf(device, "cudaFree")) return cudaErrorUnknown;
   }
   Lock lock(S().mu);
   auto it = S().allocs.find(reinterpret_cast<uintptr_t>(p));
@@ -261,7 +265,23 @@ cudaError_t cudaEventDestroy(cudaEvent_t) {
 }
 
 // A host query sees the GPU as far as it could have run on the event's device.
+namespace {
+std::mutex g_query_hook_mu;
+std::function<void(cudaEvent_t)> g_query_hook;
+}  // namespace
+
+void jo::fake::SetEventQueryHook(std::function<void(cudaEvent_t)> hook) {
+  std::lock_guard<std::mutex> lock(g_query_hook_mu);
+  g_query_hook = std::move(hook);
+}
+
 cudaError_t cudaEventQuery(cudaEvent_t e) {
+  std::function<void(cudaEvent_t)> hook;
+  {
+    std::lock_guard<std::mutex> lock(g_query_hook_mu);
+    hook = g_query_hook;
+  }
+  if (hook) hook(e);
   Lock lock(S().mu);
   Count("cudaEventQuery");
   bool known = false;
@@ -493,6 +513,20 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
       !jo::fake::CheckAccess(src, sspan, s->device, "cudaMemcpy2DAsync src") ||
       !jo::fake::CheckAccess(dst, dspan, s->device, "cudaMemcpy2DAsync dst"))
     return RtFail(cudaErrorInvalidValue, "cudaMemcpy2DAsync");
+  // A 2-D copy to or from a peer's memory while a fused GEMM of the device holds every SM:
+  // CUDA documents no copy engine for cudaMemcpy2DAsync (nor says it never runs as a kernel),
+  // and one run as a kernel would wait for the SMs while the peers' fused GEMMs wait for its
+  // data (docs/gpu-internals.md §5, rule 1). The executor copies such blocks 1-D, a copy per batch.
+  const jo::fake::Alloc* from = jo::fake::Find(src, sspan);
+  const jo::fake::Alloc* to = jo::fake::Find(dst, dspan);
+  const bool peer =
+      (from != nullptr && from->device != s->device) || (to != nullptr && to->device != s->device);
+  if (peer && jo::fake::PersistentKernelPending(s->process, s->device))
+    return RtFail(cudaErrorInvalidValue,
+                  "cudaMemcpy2DAsync of peer memory on device " + std::to_string(s->device) +
+                      " behind the fused GEMM, which holds every SM: CUDA documents no copy "
+                      "engine for a 2-D copy, and one run as a kernel would wait for the SMs "
+                      "while the peers' fused GEMMs wait for its data (use 1-D copies)");
   jo::fake::Push(
       s, "cudaMemcpy2DAsync", [] { return true; },
       [=] {

@@ -159,8 +159,13 @@ class HostThread {
 };
 // Whether functions are loaded lazily (after Reset; Config::module_loading).
 bool LazyLoading();
+// Tests: `hook` runs at the start of every cudaEventQuery, on the querying thread, without the
+// fake's lock (it may block there: a query "may block", CUDA driver API, "API synchronization
+// behavior"). Empty: none.
+void SetEventQueryHook(std::function<void(cudaEvent_t)> hook);
 // Host memory of the fake device allocation (for the test driver).
-void* Malloc(int device, size_t bytes, int fill = 0);  // every byte `fill`
+void* Malloc(int device, size_t bytes,
+             int fill = 0);  // `fill`: all of it up to 4 MiB, else its ends
 
 // For fake_kernels.cc.
 void Fail(const std::string& text);

@@ -173,6 +173,30 @@ std::map<std::string, std::string> WaitMisuseChecks() {
       cudaMalloc(&p, 64);
     });
   });
+  // With peer access on, device 0's memory is mapped into device 1: allocating or freeing it
+  // waits for device 1's queues too (the control: the same without peer access).
+  auto peer_mapped = [&](bool peer_access, bool free) {
+    void* p = Malloc(0, 64);
+    if (peer_access) {
+      cudaSetDevice(1);
+      cudaDeviceEnablePeerAccess(0, 0);
+    }
+    behind_a_wait(1, false, [&] {
+      cudaSetDevice(0);
+      if (free) {
+        cudaFree(p);
+      } else {
+        cudaMalloc(&p, 64);
+      }
+    });
+  };
+  for (const bool free : {false, true}) {
+    const std::string api = free ? "cudaFree" : "cudaMalloc";
+    check(api + " of memory a peer maps, behind the peer's wait only this thread would satisfy",
+          [&] { peer_mapped(true, free); });
+    check(api + " of memory no peer maps, behind another device's wait (control)",
+          [&] { peer_mapped(false, free); });
+  }
   // A page-locked allocation waits for the device like cudaMalloc (implicit synchronization).
   check_pair("cudaMallocHost", [&](bool raise_first) {
     behind_a_wait(0, raise_first, [] {
@@ -401,6 +425,39 @@ std::map<std::string, std::string> WaitMisuseChecks() {
   };
   for (const auto& [api, call] : refused)
     check(api + " on the enqueue path", [&, call = call] { on_the_enqueue_path(call); });
+  // cuBLASLt's kernel for a matmul: the fake takes the call's form to select it (in or out of
+  // place, each matrix's alignment: fake_cublaslt.cc), so a warm-up in another form leaves the
+  // call's kernel to load — with lazy loading, on the enqueue path, where it is refused.
+  enum class Form { kSame, kLessAligned, kOutOfPlace };
+  auto after_a_warm_up = [&](Form form) {
+    cudaSetDevice(0);
+    cublasLtHandle_t h = nullptr;
+    cublasLtCreate(&h);
+    cublasLtMatmulDesc_t d = nullptr;
+    cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasLtMatrixLayout_t l = nullptr;
+    cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, 4, 4, 64);  // ld 256 bytes: the pointers decide
+    const cublasLtMatmulHeuristicResult_t r = FirstAlgo(h, d, l, l, l, l, 16);
+    auto* a = static_cast<std::byte*>(Malloc(0, 4096));  // page-aligned
+    auto* c = static_cast<std::byte*>(Malloc(0, 4096));
+    auto* out = static_cast<std::byte*>(Malloc(0, 4096));
+    const float one = 1.0f;
+    // The warm-up, at set-up: in place, every pointer 256-byte aligned.
+    cublasLtMatmul(h, d, &one, a, l, a, l, &one, out, l, out, l, &r.algo, nullptr, 0, StreamOn(0));
+    Drain();
+    on_the_enqueue_path([&](cudaStream_t xla) {
+      const std::byte* a_call = form == Form::kLessAligned ? a + 16 : a;
+      const std::byte* c_call = form == Form::kOutOfPlace ? c : out;
+      cublasLtMatmul(h, d, &one, a_call, l, a, l, &one, c_call, l, out, l, &r.algo, nullptr, 0,
+                     xla);
+    });
+  };
+  check("cuBLASLt matmul less aligned than its warm-up on the enqueue path",
+        [&] { after_a_warm_up(Form::kLessAligned); });
+  check("cuBLASLt matmul out of place after an in-place warm-up on the enqueue path",
+        [&] { after_a_warm_up(Form::kOutOfPlace); });
+  check("cuBLASLt matmul in its warm-up's form on the enqueue path (control)",
+        [&] { after_a_warm_up(Form::kSame); });
   check("error strings, ncclGroupStart/End and the current device on the enqueue path (control)",
         [&] {
           on_the_enqueue_path([](cudaStream_t) {
@@ -437,15 +494,26 @@ Status GemmSetUpRace(GemmSetUpRaceOutcome* out) {
     return g;
   };
   const cuda::ErrorContext ctx;
+  // The rank's pool (clique_state.h) in the executor: here the test's own buffers.
+  const auto buffers = [](const cuda::GemmArgs& g) {
+    cuda::GemmBuffers b;
+    b.workspace = Malloc(0, cuda::kGemmWorkspaceBytes);
+    b.warm_workspace = Malloc(0, cuda::kGemmWorkspaceBytes);
+    b.warm_bytes = cuda::WarmUpBytes(g);
+    b.warm = Malloc(0, b.warm_bytes);
+    return b;
+  };
   cudaSetDevice(0);
   cudaStream_t xla = StreamOn(0);
   cudaEvent_t started = nullptr;
   cudaEventCreateWithFlags(&started, cudaEventDisableTiming);
   const cuda::GemmArgs ready = gemm(4);
   bool warmed = false;
-  JO_CHECK(cuda::PrepareLtMatmul(0, ready, xla, ctx, &warmed));
+  const cuda::GemmBuffers ready_buffers = buffers(ready);
+  JO_CHECK(cuda::PrepareLtMatmul(0, ready, ready_buffers, ctx, &warmed));
   if (!Drain()) return Internal("GemmSetUpRace: the warm-up did not drain");
   const cuda::GemmArgs fresh = gemm(64);
+  const cuda::GemmBuffers fresh_buffers = buffers(fresh);
   const CUdeviceptr flag = PendingWait(0);  // device 0 now waits for the flag
   std::atomic<bool> registered{false}, enqueued{false};
   Status set_up_status, enqueue_status;
@@ -458,7 +526,7 @@ Status GemmSetUpRace(GemmSetUpRaceOutcome* out) {
     cudaSetDevice(0);
     BeginHandler(xla);
     cudaEventRecord(started, xla);  // the handler's first enqueue
-    enqueue_status = cuda::LtMatmul(0, ready, xla, ctx);
+    enqueue_status = cuda::LtMatmul(0, ready, xla, ready_buffers.workspace, ctx);
     if (enqueue_status.ok()) enqueue_status = cuda::JoinWarmUps(0, xla, ctx);
     enqueued = true;
     EndHandler(xla, "the enqueue");
@@ -467,9 +535,8 @@ Status GemmSetUpRace(GemmSetUpRaceOutcome* out) {
   while (!registered) std::this_thread::yield();
   std::thread set_up([&] {
     HostThread host;
-    cudaStream_t mine = StreamOn(0);
     bool w = false;
-    set_up_status = cuda::PrepareLtMatmul(0, fresh, mine, ctx, &w);
+    set_up_status = cuda::PrepareLtMatmul(0, fresh, fresh_buffers, ctx, &w);
   });
   const auto bound = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (!enqueued && std::chrono::steady_clock::now() < bound)

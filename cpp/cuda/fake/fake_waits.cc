@@ -6,7 +6,14 @@
 //    introduction; "Asynchronous Concurrent Execution", implicit synchronization: a device
 //    memory allocation between two commands keeps them from running concurrently). NCCL
 //    issue #549 and pull request #564 show the same for cuMemFree inside ncclCommAbort,
-//    blocked behind a kernel that never ends. The VMM calls that give memory back
+//    blocked behind a kernel that never ends. With peer access on, a device's memory is
+//    mapped into its peers: "on success all allocations from peerContext will immediately be
+//    accessible by the current context" (CUDA driver API, cuCtxEnablePeerAccess; the runtime's
+//    cudaDeviceEnablePeerAccess "Enables direct access to memory allocations on a peer
+//    device"), new ones included. Nothing in the references says that mapping a new
+//    allocation into a peer, or unmapping a freed one, does not wait for that peer's work, so
+//    the fake assumes it does: a cudaMalloc or cudaFree of device d's memory also waits for
+//    every queue of every device with peer access to d. The VMM calls that give memory back
 //    (cuMemUnmap, cuMemRelease) are modelled the same way: the driver API reference does
 //    not promise that they do not wait, so the fake assumes they do.
 //  * Lazy loading: "CUDA Runtime will only call cuModuleGetFunction() when a kernel is
@@ -61,6 +68,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <vector>
 
 #include "cuda/fake/fake_internal.h"
 
@@ -154,9 +162,8 @@ bool WaitUntil(const std::function<bool()>& done, const std::string& what, bool 
         const auto step = std::min(kStep, grace);
         grace -= step;
         g_passing = true;
-        const auto pass_time = S().config.pass_time;
         lock.unlock();
-        pass_time(step);
+        PassTime(step);
         lock.lock();
         g_passing = false;
         lock.unlock();
@@ -273,6 +280,29 @@ bool WaitForDevice(int device, const std::string& call, bool settle) {
                    call + " on device " + std::to_string(device) +
                        " (it waits for every work queue of the device)",
                    settle);
+}
+
+bool WaitForMemoryOf(int device, const std::string& call) {
+  std::vector<int> mappers;  // devices with peer access to `device`: its memory is in theirs
+  {
+    Lock lock(S().mu);
+    for (const auto& [from, to] : S().peer_enabled)
+      if (to == device && from != device) mappers.push_back(from);
+  }
+  std::vector<std::function<bool()>> conditions{DeviceWorkBefore(device)};
+  std::string also;
+  for (int d : mappers) {
+    conditions.push_back(DeviceWorkBefore(d));
+    also += (also.empty() ? " and of device " : ", ") + std::to_string(d);
+  }
+  const std::function<bool()> done = [conditions] {
+    for (const auto& condition : conditions)
+      if (!condition()) return false;
+    return true;
+  };
+  return WaitUntil(done, call + " on device " + std::to_string(device) +
+                             " (it waits for every work queue of the device" + also +
+                             (mappers.empty() ? "" : ", which maps its memory: peer access") + ")");
 }
 
 bool WaitForTask(cudaStream_t s, int64_t seq, const std::string& call) {

@@ -23,6 +23,10 @@ namespace jo::fake {
 // `settle`: see fake_waits.cc (threads that are not a rank's, e.g. concurrent aborts).
 bool WaitForDevice(int device, const std::string& call, bool settle = false);
 
+// cudaMalloc and cudaFree of `device`'s memory: WaitForDevice, and the same for every device
+// with peer access to `device` (its memory is mapped into theirs). See fake_waits.cc.
+bool WaitForMemoryOf(int device, const std::string& call);
+
 // What WaitForDevice waits for: every task enqueued on `device` (of this thread's played
 // process) before now has completed, or was dropped. Without the lock held.
 std::function<bool()> DeviceWorkBefore(int device);

@@ -12,8 +12,6 @@
 namespace jo::cuda {
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
-
 // A dtype's cuBLASLt matrix type (core/kinds.h, the cublaslt column).
 cudaDataType_t LtType(DType dtype) {
   switch (dtype) {
@@ -77,23 +75,6 @@ using Layout = LtHandle<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
 using Pref = LtHandle<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
 using Handle = LtHandle<cublasLtHandle_t, cublasLtDestroy>;
 
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  int device = -1;
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) {
-      int prev = 0;
-      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
-        (void)cudaFree(ptr);
-        (void)cudaSetDevice(prev);
-      }
-    }
-  }
-};
-
 size_t RoundUp256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // One cuBLASLt matmul of one shape, ready to run: its descriptors and the
@@ -112,15 +93,15 @@ using MatmulKey =
 
 // Two locks, so that the enqueue path never waits for a set-up that waits for the device
 // (docs/gpu-internals.md §1): `set_up_mu` serialises the device's set-ups (PrepareLtMatmul) and is
-// held across their calls that may wait for the device (cudaMalloc, cudaFree, cublasLtCreate, the
-// heuristic, the warm-up's matmul and its lazy kernel load); the enqueue path (LtMatmul,
-// JoinWarmUps) never takes it. `mu` guards what both paths share: the maps, the handle and the
-// warm-up event; it is held only for look-ups and insertions and, on the enqueue path, across
-// the non-blocking calls that use what it guards (a plan's FP8 scale update and its matmul,
-// cudaStreamWaitEvent), never across a call that may wait for the device. cuBLASLt's handle is
-// shared by both paths ("The library is thread safe and its functions can be called from
-// multiple host threads, even with the same handle", cuBLAS docs, "Thread Safety"); a plan is
-// used only once it is in `plans`, and never changed by a set-up after that.
+// held across their calls that may wait for the device (cublasLtCreate, the heuristic, the
+// warm-up's matmul and its lazy kernel load); the enqueue path (LtMatmul, JoinWarmUps) never takes
+// it. `mu` guards what both paths share: the plans, the handle and the warm-up event; it is held
+// only for look-ups and insertions and, on the enqueue path, across the non-blocking calls that use
+// what it guards (a plan's FP8 scale update and its matmul, cudaStreamWaitEvent), never across a
+// call that may wait for the device. cuBLASLt's handle is shared by both paths ("The library is
+// thread safe and its functions can be called from multiple host threads, even with the same
+// handle", cuBLAS docs, "Thread Safety"); a plan is used only once it is in `plans`, and never
+// changed by a set-up after that. No device memory here: the callers' (GemmBuffers).
 struct DeviceCache {
   std::mutex set_up_mu;
   std::mutex mu;
@@ -129,13 +110,9 @@ struct DeviceCache {
   cudaEvent_t warmed = nullptr;  // recorded after the last warm-up (under mu)
   // Under mu.
   std::map<MatmulKey, std::unique_ptr<MatmulPlan>> plans;
-  std::map<cudaStream_t, std::unique_ptr<DeviceBuffer>> workspaces;
-  // Under set_up_mu only. Where each new plan runs once at set-up (WarmUp): a private stream
-  // and buffers.
+  // Under set_up_mu only. Where each new plan runs once at set-up (WarmUp): a private stream.
   int arch = -1;  // compute capability as 10 * major + minor, once asked
   cudaStream_t warm_stream = nullptr;
-  std::unique_ptr<DeviceBuffer> warm;
-  size_t warm_bytes = 0;
   DeviceCache() = default;
   DeviceCache(const DeviceCache&) = delete;
   DeviceCache& operator=(const DeviceCache&) = delete;
@@ -209,7 +186,7 @@ Status MakeMatmulPlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c,
                                                  &no_transpose, sizeof(no_transpose)));
   if (fp8) {
     JO_CHECK(SetScales(*plan, g.a_scale, g.w_scale, ctx));
-    const int8_t fast_accum = 0;  // keep the f32 accumulation (gemm.h)
+    const int8_t fast_accum = 0;  // keep the periodic promotion (gemm.h)
     JO_CUBLAS_CHECK(
         &ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                              &fast_accum, sizeof(fast_accum)));
@@ -226,7 +203,7 @@ Status MakeMatmulPlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c,
   JO_CHECK(MakeLayout(&plan->c, out, g.n, g.m, c_ld, batch, c_bs, ctx));
   JO_CHECK(MakeLayout(&plan->d, out, g.n, g.m, g.d_ld, batch, g.d_bs, ctx));
   JO_CUBLAS_CHECK(&ctx, cublasLtMatmulPreferenceCreate(&plan->pref.value));
-  const uint64_t ws = kWorkspaceBytes;
+  const uint64_t ws = kGemmWorkspaceBytes;
   JO_CUBLAS_CHECK(&ctx,
                   cublasLtMatmulPreferenceSetAttribute(
                       plan->pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
@@ -300,51 +277,58 @@ size_t Span(int64_t batch, int64_t bs, int64_t rows, int64_t ld, int64_t cols) {
   return static_cast<size_t>((batch - 1) * bs + (rows - 1) * ld + cols);
 }
 
-// The cuBLASLt workspace of `stream` (one per stream: matmuls of two streams may run at once),
-// nullptr if it has none yet. Requires cache.mu.
-void* WorkspaceLocked(DeviceCache& cache, cudaStream_t stream) {
-  const auto it = cache.workspaces.find(stream);
-  return it == cache.workspaces.end() ? nullptr : it->second->ptr;
-}
-
-// Set-up (requires cache.set_up_mu, not cache.mu): makes `stream`'s workspace if it has none;
-// the allocation, which waits for the device, runs without cache.mu.
-Status MakeWorkspace(DeviceCache& cache, int device, cudaStream_t stream, const ErrorContext& ctx,
-                     void** out) {
-  {
-    std::lock_guard<std::mutex> lock(cache.mu);
-    *out = WorkspaceLocked(cache, stream);
-  }
-  if (*out != nullptr) return OkStatus();
-  auto buffer = std::make_unique<DeviceBuffer>();
-  buffer->device = device;
-  JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, kWorkspaceBytes));
-  *out = buffer->ptr;
-  std::lock_guard<std::mutex> lock(cache.mu);
-  cache.workspaces[stream] = std::move(buffer);  // set-ups are serialised: none made it meanwhile
-  return OkStatus();
-}
-
-// Runs a new plan once, at set-up, on a private stream and private buffers of its shapes
-// (their contents do not matter): cuBLASLt loads an algorithm's kernel at its first matmul on
-// a device, and with lazy loading (CUDA's default) loading "might require context
-// synchronization" (CUDA programming guide, "Lazy Loading", potential hazards) — which must
-// not happen once the call has enqueued work that other ranks' work may wait for. NCCL loads
-// its kernels at init for the same reason (ncclInitKernelsForDevice). Requires
-// cache.set_up_mu, not cache.mu.
-Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const GemmArgs& g,
-              int64_t c_bs, int64_t c_ld, bool accumulate, const ErrorContext& ctx) {
+// Where a warm-up's operands go in GemmBuffers::warm: W, the program's a, C (out of place only),
+// D and the two FP8 scales, each region 256-byte aligned with room for the offset that gives
+// its matrix the call's alignment (PlaceAt).
+struct WarmLayout {
+  size_t w = 0, a = 0, c = 0, d = 0, scales = 0, bytes = 0;
+};
+WarmLayout WarmLayoutOf(const GemmArgs& g, bool out_of_place, int64_t c_bs, int64_t c_ld) {
   const bool fp8 = IsFp8Gemm(g);
   const size_t w_es = static_cast<size_t>(DTypeSize(g.w_type));
   const size_t a_es = static_cast<size_t>(DTypeSize(g.a_type));
   const size_t out_es = static_cast<size_t>(DTypeSize(g.out_type));
-  const size_t w_bytes =
-      RoundUp256((fp8 ? Span(1, 0, g.n, g.w_ld, g.k) : Span(1, 0, g.k, g.w_ld, g.n)) * w_es);
-  const size_t a_bytes = RoundUp256(Span(g.batch, g.a_bs, g.m, g.a_ld, g.k) * a_es);
-  const size_t d_bytes =
-      RoundUp256(Span(g.batch, std::max(g.d_bs, c_bs), g.m, std::max(g.d_ld, c_ld), g.n) * out_es);
-  const size_t scale_bytes = fp8 ? 256 : 0;  // the two scales' slots
-  const size_t need = w_bytes + a_bytes + d_bytes + scale_bytes;
+  WarmLayout l;
+  size_t at = 0;
+  const auto region = [&](size_t bytes) {
+    const size_t begin = at;
+    at += RoundUp256(bytes) + 256;  // + the offset PlaceAt may add
+    return begin;
+  };
+  l.w = region((fp8 ? Span(1, 0, g.n, g.w_ld, g.k) : Span(1, 0, g.k, g.w_ld, g.n)) * w_es);
+  l.a = region(Span(g.batch, g.a_bs, g.m, g.a_ld, g.k) * a_es);
+  if (out_of_place) l.c = region(Span(g.batch, c_bs, g.m, c_ld, g.n) * out_es);
+  l.d = region(Span(g.batch, g.d_bs, g.m, g.d_ld, g.n) * out_es);
+  l.scales = fp8 ? region(8) : at;
+  l.bytes = at;
+  return l;
+}
+
+// A pointer into a 256-byte aligned region whose alignment is exactly `align` (<= 256): what
+// the call's matrix has, so that a warm-up runs the kernel the call will.
+std::byte* PlaceAt(std::byte* region, uint32_t align) { return region + (align % 256); }
+
+// Runs a new plan once, at set-up, on a private stream and the caller's warm-up buffers (their
+// contents do not matter): cuBLASLt loads an algorithm's kernel at its first matmul on a
+// device, and with lazy loading (CUDA's default) loading "might require context
+// synchronization" (CUDA programming guide, "Lazy Loading", potential hazards) — which must not
+// happen once the call has enqueued work that other ranks' work may wait for. NCCL loads its
+// kernels at init for the same reason (ncclInitKernelsForDevice). The warm-up has the call's
+// form: out of place (C apart from D) when the call is, and every matrix at the alignment the
+// call's has (pointer, leading dimension and batch stride as the call's): what selects the
+// kernel cuBLASLt runs for an algorithm is not documented, so nothing of the call's form may
+// differ. Requires cache.set_up_mu, not cache.mu.
+Status WarmUp(DeviceCache& cache, const MatmulPlan& plan, const GemmArgs& g, const void* c,
+              int64_t c_bs, int64_t c_ld, bool accumulate, const Alignments& al,
+              const GemmBuffers& buffers, const ErrorContext& ctx) {
+  const bool fp8 = IsFp8Gemm(g);
+  const bool out_of_place = c != g.d;
+  const WarmLayout layout = WarmLayoutOf(g, out_of_place, c_bs, c_ld);
+  if (buffers.warm == nullptr || buffers.warm_workspace == nullptr ||
+      buffers.warm_bytes < layout.bytes)
+    return Internal(ctx.Describe() + ": the GEMM's warm-up buffers (" +
+                    std::to_string(buffers.warm_bytes) + " bytes) are smaller than its " +
+                    std::to_string(layout.bytes) + " bytes (the rank's pool, clique_state.h)");
   if (cache.warm_stream == nullptr)
     JO_CUDA_CHECK(&ctx, cudaStreamCreateWithFlags(&cache.warm_stream, cudaStreamNonBlocking));
   if (cache.warmed == nullptr) {
@@ -353,27 +337,20 @@ Status WarmUp(DeviceCache& cache, int device, const MatmulPlan& plan, const Gemm
     std::lock_guard<std::mutex> lock(cache.mu);
     cache.warmed = warmed;
   }
-  if (cache.warm_bytes < need) {
-    cache.warm.reset();  // set-up: nothing of this call is enqueued yet
-    auto buffer = std::make_unique<DeviceBuffer>();
-    buffer->device = device;
-    JO_CUDA_CHECK(&ctx, cudaMalloc(&buffer->ptr, need));
-    cache.warm = std::move(buffer);
-    cache.warm_bytes = need;
-  }
-  void* ws = nullptr;
-  JO_CHECK(MakeWorkspace(cache, device, cache.warm_stream, ctx, &ws));
-  std::byte* base = static_cast<std::byte*>(cache.warm->ptr);
-  void* d = base + w_bytes + a_bytes;
+  std::byte* base = static_cast<std::byte*>(buffers.warm);
+  std::byte* w = PlaceAt(base + layout.w, al.a);  // cuBLASLt's A is W (the layout mapping)
+  std::byte* a = PlaceAt(base + layout.a, al.b);
+  std::byte* d = PlaceAt(base + layout.d, al.d);
+  std::byte* c_place = out_of_place ? PlaceAt(base + layout.c, al.c) : d;
   if (fp8) {  // valid device pointers (their values do not matter); the call sets its own
-    std::byte* scales = base + w_bytes + a_bytes + d_bytes;
+    std::byte* scales = base + layout.scales;
     JO_CHECK(SetScales(plan, scales, scales + 4, ctx));
   }
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
-  JO_CUBLAS_CHECK(&ctx, cublasLtMatmul(cache.handle.value, plan.desc.value, &alpha, base,
-                                       plan.a.value, base + w_bytes, plan.b.value, &beta, d,
-                                       plan.c.value, d, plan.d.value, &plan.heuristic.algo, ws,
+  JO_CUBLAS_CHECK(&ctx, cublasLtMatmul(cache.handle.value, plan.desc.value, &alpha, w, plan.a.value,
+                                       a, plan.b.value, &beta, c_place, plan.c.value, d,
+                                       plan.d.value, &plan.heuristic.algo, buffers.warm_workspace,
                                        plan.heuristic.workspaceSize, cache.warm_stream));
   std::lock_guard<std::mutex> lock(cache.mu);  // JoinWarmUps waits for the newest record
   JO_CUDA_CHECK(&ctx, cudaEventRecord(cache.warmed, cache.warm_stream));
@@ -425,11 +402,13 @@ Status ShapeOf(const GemmArgs& g, const ErrorContext& ctx, GemmShape* out) {
 }  // namespace
 
 // Set-up, under the device's set_up_mu: everything that may wait for the device runs here,
-// with cache.mu taken only to look up and insert.
-Status PrepareLtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx,
-                       bool* warmed) {
+// with cache.mu taken only to look up and insert. Allocates nothing (GemmBuffers).
+Status PrepareLtMatmul(int device, const GemmArgs& g, const GemmBuffers& buffers,
+                       const ErrorContext& ctx, bool* warmed) {
   GemmShape shape;
   JO_CHECK(ShapeOf(g, ctx, &shape));
+  if (buffers.workspace == nullptr)
+    return Internal(ctx.Describe() + ": a GEMM without a workspace (the rank's pool)");
   DeviceCache& cache = CacheOf(device);
   std::lock_guard<std::mutex> set_up(cache.set_up_mu);
   if (IsFp8Gemm(g)) JO_CHECK(CheckFp8Gemm(cache, device, g, shape.al, ctx));
@@ -439,8 +418,6 @@ Status PrepareLtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const
     std::lock_guard<std::mutex> lock(cache.mu);
     cache.handle.value = handle;
   }
-  void* ws = nullptr;
-  JO_CHECK(MakeWorkspace(cache, device, stream, ctx, &ws));
   {
     std::lock_guard<std::mutex> lock(cache.mu);
     if (cache.plans.count(shape.key) > 0) return OkStatus();
@@ -448,24 +425,30 @@ Status PrepareLtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const
   auto fresh = std::make_unique<MatmulPlan>();
   JO_CHECK(
       MakeMatmulPlan(cache.handle.value, g, shape.c, shape.c_bs, shape.c_ld, ctx, fresh.get()));
-  JO_CHECK(WarmUp(cache, device, *fresh, g, shape.c_bs, shape.c_ld, shape.accumulate, ctx));
+  JO_CHECK(WarmUp(cache, *fresh, g, shape.c, shape.c_bs, shape.c_ld, shape.accumulate, shape.al,
+                  buffers, ctx));
   if (warmed != nullptr) *warmed = true;
   std::lock_guard<std::mutex> lock(cache.mu);
   cache.plans[shape.key] = std::move(fresh);
   return OkStatus();
 }
 
+size_t WarmUpBytes(const GemmArgs& g) {
+  const bool out_of_place = g.c != nullptr;  // a set c: the call may be out of place
+  return WarmLayoutOf(g, out_of_place, g.c_bs, g.c_ld).bytes;
+}
+
 // The enqueue path: cache.mu only, never set_up_mu.
-Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, const ErrorContext& ctx) {
+Status LtMatmul(int device, const GemmArgs& g, cudaStream_t stream, void* ws,
+                const ErrorContext& ctx) {
   GemmShape shape;
   JO_CHECK(ShapeOf(g, ctx, &shape));
   DeviceCache& cache = CacheOf(device);
   std::lock_guard<std::mutex> lock(cache.mu);
   const auto it = cache.plans.find(shape.key);
-  void* ws = WorkspaceLocked(cache, stream);
   if (it == cache.plans.end() || ws == nullptr)
     return Internal(ctx.Describe() +
-                    ": GEMM enqueued without its set-up (PrepareLtMatmul on this stream)");
+                    ": GEMM enqueued without its set-up (PrepareLtMatmul, a workspace)");
   const MatmulPlan& plan = *it->second;
   // The scales of this GEMM (an all-gather's chunk names its shard's): a host-side update of
   // the descriptor, read by the matmul below (cache.mu is held across both).
@@ -488,8 +471,7 @@ Status JoinWarmUps(int device, cudaStream_t stream, const ErrorContext& ctx) {
 }
 
 void ReleaseGemmCaches() {
-  // Freed after g_mu is released: their cudaFree may wait for the device, and CacheOf, which an
-  // enqueue takes, needs g_mu.
+  // Destroyed after g_mu is released: CacheOf, which an enqueue takes, needs g_mu.
   std::map<int, std::unique_ptr<DeviceCache>> gone;
   {
     std::lock_guard<std::mutex> lock(g_mu);

@@ -36,18 +36,26 @@
 // CUBLASLT_MATMUL_DESC_B_SCALE_POINTER := x's (the chunk's shard's) scale and
 // A_SCALE_POINTER := w's, device float32 pointers set before every matmul (a
 // shard's GEMM names its own); CUBLASLT_MATMUL_DESC_FAST_ACCUM = 0, so the
-// products are "periodically promoted to a higher precision" (the f32
-// accumulation the ops promise; fast accumulation would be faster and less
-// accurate). Every pointer, leading dimension and batch stride 16-byte aligned,
+// tensor cores' sums are "periodically promoted to a higher precision"
+// (fast accumulation would be faster and less accurate). That is not float32
+// accumulation: between promotions (an interval cuBLASLt does not document)
+// the FP8 tensor cores of compute capability 8.9 and 9.0 keep about 14 bits,
+// truncating, per step of 16 or 32 products (cpp/cuda/fake/fp8_accumulator.h
+// cites the sources and is what the fake computes; the selftest's bound,
+// _selftest.fp8_accumulation, derives its FP8 term from it). Every pointer,
+// leading dimension and batch stride 16-byte aligned,
 // k a multiple of 16 ("pointers and matrix dimension must support 16-byte
 // alignment"), compute capability 8.9 or newer: refused at prepare otherwise.
 //
 // C and D may differ only with identical layouts (cuBLASLt's out-of-place
 // rule); the executor copies C into D first otherwise.
 //
-// Handles, descriptors, heuristic results and workspaces are cached per
-// device (and per stream for the workspace) and shape. Set-ups of a device
-// are serialised by a lock the enqueue path never takes (gemm.cc, DeviceCache).
+// Handles, descriptors and heuristic results are cached per device and shape.
+// Set-ups of a device are serialised by a lock the enqueue path never takes
+// (gemm.cc, DeviceCache). Device memory — the workspaces and the warm-up's
+// buffers — is the caller's (GemmBuffers): allocating or freeing waits for the
+// device and for every peer that maps its memory, so it is made where no peer
+// can be waiting for this rank (the rank's pool, clique_state.h), never here.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -84,13 +92,33 @@ struct GemmArgs {
   int64_t d_bs = 0, d_ld = 0;
 };
 
-// Makes everything the GEMM needs on `stream` (handle, workspace, plan) and
-// enqueues nothing on it: the executor's prepare phase, so that enqueueing
-// cannot fail half-way for want of a plan. A new plan runs once on a private
-// stream and private buffers (a warm-up: cuBLASLt loads its kernel at its first
-// matmul on a device, which with lazy loading may wait for the device); then
-// `*warmed` is set, and the call must JoinWarmUps before it returns.
-Status PrepareLtMatmul(int device, const GemmArgs& args, cudaStream_t stream,
+// The cuBLASLt workspace of one stream (cuBLAS's recommendation for Hopper).
+constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+
+// The device memory a GEMM uses, the caller's: the workspace of the stream the
+// matmul runs on, and the warm-up's workspace and operands (WarmUpBytes).
+struct GemmBuffers {
+  void* workspace = nullptr;       // kGemmWorkspaceBytes
+  void* warm_workspace = nullptr;  // kGemmWorkspaceBytes
+  void* warm = nullptr;            // 256-byte aligned
+  size_t warm_bytes = 0;
+};
+
+// What the warm-up of a GEMM of these shapes needs in GemmBuffers::warm: its
+// operands in the call's own layouts, C apart from D when `args.c` is set (an
+// out-of-place call; the pointers are not read), each placed at the alignment
+// the call's matrix has.
+size_t WarmUpBytes(const GemmArgs& args);
+
+// Makes everything the GEMM needs (handle, plan) and enqueues nothing on the
+// call's streams: the executor's prepare phase, so that enqueueing cannot fail
+// half-way for want of a plan. A new plan runs once on a private stream
+// (a warm-up: cuBLASLt loads its kernel at its first matmul on a device,
+// which with lazy loading may wait for the device), in the call's form — out
+// of place when the call is, every matrix at the alignment the call's has —
+// on `buffers.warm`; then `*warmed` is set, and the call must JoinWarmUps
+// before it returns.
+Status PrepareLtMatmul(int device, const GemmArgs& args, const GemmBuffers& buffers,
                        const ErrorContext& ctx, bool* warmed);
 
 // Orders `stream` after every warm-up of the device so far: a handler leaves no
@@ -98,13 +126,14 @@ Status PrepareLtMatmul(int device, const GemmArgs& args, cudaStream_t stream,
 // (cudaStreamWaitEvent).
 Status JoinWarmUps(int device, cudaStream_t stream, const ErrorContext& ctx);
 
-// Runs the GEMM on `stream` of the current device; PrepareLtMatmul must have made it on
-// `stream` (an Internal error otherwise). Takes only the cache's look-up lock, which no set-up
-// holds across a call that may wait for the device: a thread enqueueing never waits for
-// another thread's set-up (gemm.cc, DeviceCache).
-Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
+// Runs the GEMM on `stream` of the current device with `workspace` (kGemmWorkspaceBytes, the
+// stream's); PrepareLtMatmul must have made its plan (an Internal error otherwise). Takes only
+// the cache's look-up lock, which no set-up holds across a call that may wait for the device:
+// a thread enqueueing never waits for another thread's set-up (gemm.cc, DeviceCache).
+Status LtMatmul(int device, const GemmArgs& args, cudaStream_t stream, void* workspace,
+                const ErrorContext& ctx);
 
-// Frees every cached handle and workspace (tests and process exit).
+// Frees every cached handle and plan (tests and process exit).
 void ReleaseGemmCaches();
 
 // Whether a GEMM of these operand types is an FP8 one (then both are fp8).
