@@ -3,13 +3,14 @@
 The fake runs the kernel as docs/gpu-internals.md §5 and ``cpp/cuda/fake/fake_fused_gemm.cc``
 describe: persistent CTAs taking their units of work in the stock scheduler's order, each tile
 waiting for its blocks' flags and computed with the reference GEMM, rows read before their flag
-poisoned (NaN, and a misuse recorded), the kernel holding its SMs while it runs (the whole device
-when it waits for flags). The results are checked bit for bit against an emulation of the
-program's arithmetic in NumPy (each product in float32, K in order, rounded once; the
-reduce-scatter's sum of every rank's partial in rank order, in float32, rounded once), over a grid
-of shapes whose tiles straddle chunks and shards, with several units of work per CTA, with one and
-with eight work queues. The reduce-scatter's reduction runs beside the kernel, on the SMs it
-leaves, and reads no block of it before its release (else the fake reports it).
+poisoned (NaN, and a misuse recorded), the kernel holding the SMs of its launch while it runs
+(every SM, but those a release-only kernel leaves to the reduction beside it). The results are
+checked bit for bit against an emulation of the program's arithmetic in NumPy (each product in
+float32, K in order, rounded once; the reduce-scatter's sum of every rank's partial in rank
+order, in float32, rounded once), over a grid of shapes whose tiles straddle chunks and shards,
+with several units of work per CTA, with one and with eight work queues. The reduce-scatter's
+reduction runs beside the kernel, on the SMs it leaves, and reads no block of it before its
+release (else the fake reports it).
 """
 
 from __future__ import annotations

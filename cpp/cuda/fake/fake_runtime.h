@@ -178,12 +178,12 @@ int StreamDevice(cudaStream_t stream);  // -1: unknown stream
 // false if `mc` is not a multicast mapping.
 bool MulticastTargets(const void* mc, size_t bytes, std::vector<std::byte*>* out);
 void Enqueue(cudaStream_t stream, const std::string& what, std::function<void()> run);
-// A kernel: like Enqueue, but it needs SMs, so it does not start while a
-// persistent kernel (the fused GEMM) holds them — unless it has an SM budget
-// (`sm_budget` > 0: the SMs its grid is sized to) and a persistent kernel that
-// waits for nothing left that many free, beside which it may start. A kernel
-// with a budget that finds fewer SMs free beside such a kernel is reported: it
-// would wait for the kernel to end, and what it does would no longer overlap it.
+// A kernel: like Enqueue, but it needs a free SM, so it does not start while
+// persistent kernels (the fused GEMM) hold every SM of its device. With an SM
+// budget (`sm_budget` > 0: the SMs its grid is sized to, those a release-only
+// fused GEMM leaves it), finding fewer free beside a persistent kernel when it
+// could start is reported: its blocks would wait for that kernel to end, and
+// what it does would no longer overlap it.
 void EnqueueKernel(cudaStream_t stream, const std::string& what, std::function<void()> run,
                    int sm_budget = 0);
 // Whether [p, p + bytes) reads rows of a running fused GEMM's output whose block it has
