@@ -92,9 +92,15 @@ def _model(args: argparse.Namespace) -> int:
               "(docs/performance.md §2.6, docs/gpu-internals.md §5): the executors' own fused "
               "programs, which the ops pick on compute capability 9.0 GPUs; the kernel itself is "
               "compiled and checked without a GPU, never run on one.")
+    overlapped = sim.overlapped_table(preset, cases)
+    if overlapped:
+        print(f"\nGEMM + reduce-scatter with the copies and the reduction beside the GEMM "
+              f"(docs/performance.md §2.8; the chooser never picks it: no such program runs):\n"
+              f"{sim.format_overlapped_table(overlapped)}")
     fp8_rows = sim.projection_table([preset], sim.FP8_CASES)
-    print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at the FP8 peak, AG moves one byte "
-          f"per element):\n{sim.format_table(fp8_rows, markdown=False)}\n"
+    print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at its FP8 fit, AG moves one byte "
+          f"per element; the reasons under the table say what is measured, what "
+          f"extrapolated):\n{sim.format_table(fp8_rows, markdown=False)}\n"
           "The native FP8 plans need the executors' FP8 GEMMs (jo.info(); on GPUs "
           "compiled-only here); without them the ops pick among xla and ring.")
     print(f"\nDecode shapes, GEMM + all-reduce (latency, not bandwidth):\n"

@@ -58,8 +58,8 @@ AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_ar"
 OPS = _kinds.names(_kinds.OPS)
 AR_ALGORITHMS = _kinds.AR_ALGORITHMS
 # Device-kind substrings of the GPUs that have a built-in preset.
-_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("B200", "b200"),
-                   ("A100", "a100"), ("A800", "a800"))
+_DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("GB200", "gb200-nvl72"),
+                   ("B200", "b200"), ("A100", "a100"), ("A800", "a800"))
 _CHUNK_OPTIONS = (1, 2, 4, 8)
 
 

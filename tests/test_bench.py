@@ -63,6 +63,11 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert re.search(r"² h100 RS std: xla \(unfused\) projects 1\.00x vs xla; published fused "
                      r"at this shape: 1\.55x TD-RS5 \(h800\); 0\.84x F8/8192 \(h100, loss\)", out)
     assert "the executors' own fused programs, which the ops pick" in out
+    # RS std as the overlapped GEMM+RS, labelled a projection of a program not built, never
+    # picked
+    assert "PROJECTION of a program not built yet (sim.reduction.overlapped" in out
+    assert "the chooser never picks it: no such program runs" in out
+    assert re.search(r"\nRS std +\d+ +\d+ +\d\.\d\d +\d\.\d\d .*sub-chunk", out), out
     # a projection outside the preset's calibrated range is marked, with the reason
     assert "* h100 AG decode: outside the calibrated range" in out
     assert "* h100 AG std:" not in out
@@ -72,11 +77,13 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
         assert re.search(rf"AR decode M{m} .* / native \w+ one-shot chunks=1\n", out), out
         assert f"AR decode M{m}: xla: the best fused plan costs" in out
     assert "native: one-shot: 1 transfer step(s) instead of 14" in out
-    # FP8 rows of the standard shapes, marked as having no FP8 measurement behind them
+    # FP8 rows of the standard shapes, marked with what is measured (the FP8 GEMM alone) and
+    # what extrapolated (no published FP8 call)
     assert "FP8 (e4m3 operands, bfloat16 output" in out
     for case in ("AG std fp8", "RS std fp8", "AG flux fp8", "RS flux fp8"):
-        assert f"* h100 {case}: outside the calibrated range (extrapolated): no FP8 " \
-               "measurement" in out, case
+        assert f"* h100 {case}: outside the calibrated range (extrapolated): fp8 GEMM alone " \
+               "measured" in out, case
+        assert "the fp8 call extrapolated" in out
     png = tmp_path / "gantt-h100.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

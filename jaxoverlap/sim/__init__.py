@@ -7,6 +7,7 @@ unfused path). ``sim.published`` checks it against published measurements and
 ``sim.calibrate`` fits a preset to measured points. See docs/performance.md.
 """
 
+from jaxoverlap.sim import allreduce, families, launch, reduction
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import SimulationError, Span, Timeline, simulate_programs
 from jaxoverlap.sim.fit import (
@@ -43,13 +44,19 @@ from jaxoverlap.sim.report import (
     Case,
     decode_table,
     format_decode_table,
+    format_overlapped_table,
     format_table,
     gantt,
     markdown_decode_table,
+    overlapped_table,
     projection_table,
 )
 
 __all__ = [
+    "allreduce",
+    "families",
+    "launch",
+    "reduction",
     "MODEL_LABEL",
     "OPS",
     "PRESETS",
@@ -58,7 +65,9 @@ __all__ = [
     "STANDARD_CASES",
     "decode_table",
     "format_decode_table",
+    "format_overlapped_table",
     "markdown_decode_table",
+    "overlapped_table",
     "Candidate",
     "Case",
     "Choice",

@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(published.markdown_inputs_table())
         print()
+        print(published.markdown_one_launch_table())
+        print()
+        print(published.markdown_overlapped_table())
+        print()
+        print(published.markdown_designs_table())
+        print()
         print(published.markdown_table())
     else:
         json.dump(PRESETS[a.name].to_dict(), sys.stdout, indent=2, sort_keys=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 from jaxoverlap.sim import model
 from jaxoverlap.sim.model import Shape
-from jaxoverlap.sim.presets import FP8_DTYPES, Preset, canonical_dtype
+from jaxoverlap.sim.presets import FP8_DTYPES, Preset, canonical_dtype, gemm_class
 
 # A projection this close to a calibrated range's ends still counts as inside it.
 _SLACK = 1.25
@@ -42,6 +42,23 @@ def _check(ranges: dict[str, tuple[float, float]], key: str, value: float, what:
     return []
 
 
+def low_precision(p: Preset, dtype: str, block_scaled: bool = False) -> list[str]:
+    """What is measured and what extrapolated in a projection with ``dtype`` operands other
+    than 16-bit ([] for 16-bit): the GEMM alone (fitted to that class's published GEMMs, or the
+    16-bit fit at the class's peak) and the call (no published FP8 serial or fused call)."""
+    if canonical_dtype(dtype) not in FP8_DTYPES:
+        return []
+    cls = gemm_class(dtype, block_scaled)
+    if p.gemm_fit(cls).measured:
+        gemm = (f"{cls} GEMM alone measured (fitted to published {cls} GEMMs on this GPU: the "
+                "preset's gemm_classes source)")
+    else:
+        gemm = (f"{cls} GEMM alone extrapolated (no {cls} GEMM measured on {p.name}: the "
+                "16-bit fit at the FP8 peak)")
+    return [f"{gemm}; the {cls} call extrapolated (no published {cls} serial or overlapped "
+            "call: the BF16 mechanisms with the bytes and GEMM of fp8 operands)"]
+
+
 def outside_calibrated(p: Preset, op: str, shape: Shape, dtype: str, nranks: int) -> list[str]:
     """Why this call's projection is outside the preset's calibrated range ([] = inside)."""
     if not p.calibrated:
@@ -49,8 +66,6 @@ def outside_calibrated(p: Preset, op: str, shape: Shape, dtype: str, nranks: int
                 "extrapolated from its sources"]
     flop = 2.0 * shape.batch * nranks * shape.rows * shape.n * shape.k
     nbytes = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
-    fp8 = ([f"no FP8 measurement: the {dtype} GEMM runs at the datasheet's FP8 peak times the "
-            "BF16 fit's efficiency"] if canonical_dtype(dtype) in FP8_DTYPES else [])
-    return fp8 + (_check(p.calibrated, "gemm_flop", flop, "GEMM", "FLOP")
+    return low_precision(p, dtype) + (_check(p.calibrated, "gemm_flop", flop, "GEMM", "FLOP")
             + _check(p.calibrated, "collective_bytes", nbytes, "collective", "bytes")
             + _check(p.calibrated, op, flop, f"fused {op}", "FLOP"))

@@ -27,18 +27,19 @@ memory (the copy engine takes no SMs, but its traffic still interferes).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import fused, model
+from jaxoverlap.sim import allreduce, fused, launch, model, reduction
 from jaxoverlap.sim.presets import Preset
 
 Program = dict[str, Any]
 COMPUTE_KINDS = ("Gemm", "Add", "FusedGemm", "Reduce")
-TRANSFER_KINDS = ("Copy", "Send", "Recv", "McStore", "McReduce")
+TRANSFER_KINDS = ("Copy", "Send", "Recv", "McStore", "McReduce", "AllReduce")
 
 
 class SimulationError(RuntimeError):
@@ -86,12 +87,13 @@ class _Activity:
     on_done: Callable[[], None]
     rank: int = -1  # compute: whose SMs
     ports: tuple[tuple[str, int], ...] = ()  # transfer: ("out"|"in", rank)
-    sm_user: tuple[str, tuple[int, ...]] | None = None  # ("nccl"|"mc", ranks whose SMs)
+    # ("nccl"|"mc", ranks whose SMs[, how many: a kernel's own budget, else the preset's])
+    sm_user: tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], int] | None = None
     memory: tuple[int, ...] = ()  # transfer: ranks whose HBM each payload byte passes
     payload_per_wire: float = 1.0  # transfer: payload bytes per wire byte
-    cap: float = float("inf")  # transfer: its own top rate (wire bytes/s); memory: bytes/s
-    spare: int = 0  # compute (a fused GEMM): SMs it leaves to SM-based transfers beside it
-    streams_memory: bool = False  # a memory-bound kernel: `remaining` bytes of HBM at `cap`
+    cap: float = float("inf")  # transfer: its own top rate (wire bytes/s)
+    spared: int = 0  # compute: SMs it leaves to other kernels (a fused GEMM's spare_sms)
+    hbm: float = 0.0  # compute at a fixed pace (a reduction): its HBM bytes/s; rate always 1
     rate: float = 0.0
 
 
@@ -123,6 +125,8 @@ class _Engine:
         # per rank: the SMs its fused GEMM leaves to the kernels sized to them (Op::sms)
         self.spare = [max((fused.spare_sms(preset, op) for op in pr["ops"]
                            if op["kind"] == "FusedGemm"), default=0) for pr in programs]
+        self.all_reduces: dict[int, int] = {}  # rank -> AllReduce ops it started
+        self.all_reduce_waiting: dict[int, list[Callable[[], None]]] = {}  # k-th: arrived
         self.spans: list[Span] = []
         self.cap = preset.link_gbps * 1e9
         fork = preset.event_latency_us * model.US
@@ -150,10 +154,11 @@ class _Engine:
         self.reached[key] = self.now
 
     def budget(self, rank: int, op: dict[str, Any]) -> int:
-        """The SMs a kernel's grid is sized to: those its rank's fused GEMM leaves it, at most
-        ``Op::sms``; 0: the whole device."""
-        most = int(op.get("sms", 0))
-        return min(most, self.spare[rank]) if most > 0 else 0
+        """The SMs a kernel's grid is sized to: ``Op::sms``, at most those its rank's fused GEMM
+        leaves it (as the CUDA executor sizes it; a program without one, made by hand: its
+        own); 0: the whole device."""
+        most = int(op.get("sms", 0) or 0)
+        return min(most, self.spare[rank]) if most > 0 and self.spare[rank] > 0 else most
 
     def elem(self, rank: int) -> int:
         return int(self.programs[rank]["elem_bytes"])
@@ -169,20 +174,16 @@ class _Engine:
 
     def transfer(self, transport: str, nbytes: int, ports: tuple[tuple[str, int], ...],
                  memory: tuple[int, ...], sm_user: tuple[str, tuple[int, ...]] | None,
-                 on_done: Callable[[], None], hops: int = 1, sms: int = 0) -> None:
+                 on_done: Callable[[], None], hops: int = 1) -> None:
         """Fixed start and size ramp first (no bandwidth used), then the fluid transfer.
 
         A payload byte costs link / transport-rate wire bytes (protocol overhead); one
         transfer moves at most ``model.transfer_gbps`` (NCCL send/recv: fewer channels
-        than a ring collective). ``hops`` > 1: a ring collective's pipeline. ``sms`` > 0: a
-        kernel sized to that many SMs (the reduction beside a fused GEMM), at most
-        ``model.reduction_gbps`` of them.
+        than a ring collective). ``hops`` > 1: a ring collective's pipeline.
         """
         per_wire = self.p.transport_gbps(transport) / self.p.link_gbps
         wire_bytes = nbytes / per_wire
         single = model.transfer_gbps(self.p, transport, collective=hops > 1)
-        if sms:
-            single = min(single, model.reduction_gbps(self.p, sms))
         cap = single * 1e9 / per_wire
 
         def start() -> None:
@@ -249,15 +250,22 @@ class _Engine:
         elif kind == "Add":
             self.activities.append(_Activity(model.elementwise_time(p, op["bytes"], 3), done,
                                              rank=r))
-        elif kind == "Reduce":  # N sources read, the sum written: HBM traffic on its SMs
-            moved = (len(op["sources"]) + 1) * op["bytes"]
-            cap = model.reduction_gbps(p, self.budget(r, op)) * 1e9
-            self.at(self.now + p.gemm_overhead_us * model.US,
-                    lambda: self.activities.append(_Activity(
-                        moved, done, rank=r, memory=(r,), cap=cap, streams_memory=True)))
         elif kind == "FusedGemm":
-            run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done)
+            run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done,
+                             p.sms - fused.kernel_sms(p, op))
             self.at(self.now + run.plan.overhead, lambda: self.fused.append(run))
+        elif kind == "Reduce":  # N partials in one pass on its SM budget (sim.reduction)
+            sources = op["sources"] or ()
+            remote = any(src["rank"] != r for src in sources)
+            t = reduction.reduction_time(p, len(sources), op["bytes"],
+                                         self.budget(r, op) or None, remote)
+            start_s = p.ar_start_us * model.US
+            hbm = (len(sources) + 1) * op["bytes"] / max(t - start_s, 1e-12)
+            sms = reduction.reduction_sms(p, self.budget(r, op))
+            self.at(self.now + start_s, lambda: self.activities.append(_Activity(
+                t - start_s, done, rank=r, sm_user=("reduce", (r,), sms), hbm=hbm)))
+        elif kind == "AllReduce":  # one kernel on every rank: its flag rounds join them
+            self.all_reduce(key, op, done)
         elif kind == "Copy":
             dst = op["d"]["rank"] if op["d"]["buf"] == "WORKSPACE" else r
             if dst == r:  # local copy: HBM traffic on the copy engine
@@ -273,11 +281,29 @@ class _Engine:
                           done)
         elif kind == "McReduce":  # every peer's memory is read, the switch reduces
             peers = tuple(q for q in range(self.n) if q != r)
+            sms = self.budget(r, op) or p.mc_sms  # the SMs a fused GEMM leaves it, or mc_sms
             self.transfer(self.carrier(r, "multicast"), op["bytes"],
-                          (("in", r), *(("out", q) for q in peers)), (r, *peers), ("mc", (r,)),
-                          done, sms=self.budget(r, op))
+                          (("in", r), *(("out", q) for q in peers)), (r, *peers),
+                          ("mc", (r,), sms), done)
         else:
             raise SimulationError(f"rank {r}: op kind {kind!r} has no cost model")
+
+    def all_reduce(self, key: tuple[int, int], op: dict[str, Any],
+                   done: Callable[[], None]) -> None:
+        """A one-launch all-reduce (``sim.allreduce.kernel_time``): its first flag round waits
+        for every rank's kernel, so all ranks' k-th AllReduce end together, one kernel time
+        after the last arrives."""
+        r = key[0]
+        pr = self.programs[r]
+        k = self.all_reduces.get(r, 0)
+        self.all_reduces[r] = k + 1
+        waiting = self.all_reduce_waiting.setdefault(k, [])
+        waiting.append(done)
+        if len(waiting) == self.n:
+            t = allreduce.kernel_time(self.p, pr["algorithm"], pr["transport"], self.n,
+                                      op["bytes"])
+            for finish in self.all_reduce_waiting.pop(k):
+                self.at(self.now + t, finish)
 
     def post_group(self, key: tuple[int, int]) -> None:
         """Posts every op of the Send/Recv group at the stream's position (one ncclGroup)."""
@@ -333,25 +359,30 @@ class _Engine:
         for a in self.activities:
             for port in a.ports:
                 count[port] = count.get(port, 0) + 1
-        users: set[tuple[str, int]] = set()
+        users: dict[tuple[str, int], int] = {}
         for a in self.activities:
             if a.sm_user:
-                for q in a.sm_user[1]:
-                    users.add((a.sm_user[0], q))
-        for what, q in users:
-            taken[q] += self.p.nccl_sms if what == "nccl" else self.p.mc_sms
+                what, ranks, *budget = a.sm_user
+                sms = (budget[0] if budget else
+                       self.p.nccl_sms if what == "nccl" else self.p.mc_sms)
+                for q in ranks:  # one NCCL / multicast kernel per rank; reductions add up
+                    key = (what, q) if what != "reduce" else (what, q, id(a))
+                    users[key] = max(users.get(key, 0), sms)
+        for key, sms in users.items():
+            taken[key[1]] += sms
         for a in self.activities:
             if a.ports:
                 a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
                 for q in a.memory:
                     traffic[q] += a.rate * a.payload_per_wire
-            elif a.streams_memory:
-                a.rate = a.cap
-                traffic[a.rank] += a.rate
         for a in self.activities:
-            if not a.ports and not a.streams_memory:
-                # a fused GEMM that leaves SMs: SM-based transfers there take those first
-                a.rate = model.compute_rate(self.p, max(0, taken[a.rank] - a.spare),
+            if a.hbm:  # a reduction: memory-bound at its own pace, its bytes slow the others
+                traffic[a.rank] += a.hbm
+        for a in self.activities:
+            if a.hbm:
+                a.rate = 1.0
+            elif not a.ports:
+                a.rate = model.compute_rate(self.p, max(0, taken[a.rank] - a.spared),
                                             traffic[a.rank])
 
     def run(self) -> Timeline:
@@ -380,7 +411,7 @@ class _Engine:
             done = []
             for a in self.activities:
                 a.remaining -= a.rate * dt
-                scale = 1e-3 if a.ports or a.streams_memory else 1e-15  # bytes / seconds
+                scale = 1e-3 if a.ports else 1e-15  # bytes / seconds
                 if a is finishing or a.remaining <= scale:
                     done.append(a)
             for a in done:
@@ -396,7 +427,12 @@ class _Engine:
             raise SimulationError(f"unmatched send/recv: {sorted(self.posted)}")
         join = self.p.event_latency_us * model.US  # XLA's stream waits on the comm streams
         end = max((s.end + (join if s.stream > 0 else 0.0) for s in self.spans), default=0.0)
-        total = max(end, model.host_time(self.p, self.programs))
+        if all(allreduce.base_algorithm(pr.get("algorithm")) for pr in self.programs):
+            # a one-launch all-reduce's call is captured and replayed (sim.launch): no host
+            # enqueue per call, each of its ops a replayed node
+            total = end + launch.replay(self.p, max(len(pr["ops"]) for pr in self.programs))
+        else:
+            total = max(end, model.host_time(self.p, self.programs))
         return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
 
 
@@ -413,12 +449,14 @@ class _FusedGemm:
     """
 
     def __init__(self, engine: _Engine, rank: int, plan: fused.TilePlan,
-                 on_done: Callable[[], None]):
-        self.e, self.rank, self.plan = engine, rank, plan
+                 on_done: Callable[[], None], spared: int = 0):
+        self.e, self.rank, self.plan, self.spared = engine, rank, plan, spared
         self.on_done = on_done
         self.left = sum(lane.units for lane in plan.lanes)
         self.block_left = list(plan.block_units)
         self.stalled: list[tuple[int, int, int, int]] = []  # (lane, first unit, end, run)
+        # each lane's runs are consecutive: their starts, to find a unit's run by bisection
+        self.starts = [[run.start for run in lane.runs] for lane in plan.lanes]
         for i, lane in enumerate(plan.lanes):
             self.queue(i, 0, lane.ctas)
 
@@ -426,10 +464,12 @@ class _FusedGemm:
         """Units [a, b) of `lane` (one per CTA) wait for their runs' blocks."""
         runs = self.plan.lanes[lane].runs
         b = min(b, self.plan.lanes[lane].units)
-        for i, run in enumerate(runs):
-            lo, hi = max(a, run.start), min(b, run.end)
+        i = max(0, bisect.bisect_right(self.starts[lane], a) - 1)
+        while i < len(runs) and runs[i].start < b:
+            lo, hi = max(a, runs[i].start), min(b, runs[i].end)
             if lo < hi:
                 self.stalled.append((lane, lo, hi, i))
+            i += 1
 
     def ready(self, block: int) -> bool:
         t = self.e.flags.get((self.rank, self.plan.wait_flags + block))
@@ -444,7 +484,7 @@ class _FusedGemm:
             self.stalled.remove(c)
             self.e.activities.append(_Activity(self.plan.tile_seconds,
                                                lambda c=c: self.stored(*c), rank=self.rank,
-                                               spare=self.plan.spare))
+                                               spared=self.spared))
         return bool(started)
 
     def stored(self, lane: int, a: int, b: int, run_index: int) -> None:

@@ -4,8 +4,10 @@ Five kinds of points, each fitting the parameters only it can see, in this order
 
 * ``CollectivePoint`` (one collective alone, by size): per transport the
   asymptotic bandwidth and the per-hop ramp. ``model.collective_time`` is linear
-  in the square roots: sqrt(t - latency) = sqrt(ramp) sqrt(N-1) + sqrt(bus_bytes / B),
-  so this is a non-negative linear least-squares fit (relative errors).
+  in the square roots: sqrt(t - fixed) = sqrt(ramp) sqrt(steps) + sqrt(bus_bytes / B),
+  so this is a non-negative linear least-squares fit (relative errors); with NCCL
+  rings of two step counts (all-reduces next to all-gathers), the fixed part —
+  a per-call latency and a per-step one — is searched around it.
 * ``GemmPoint`` (one GEMM alone) and ``SerialPoint`` (an unfused call, whose
   collective is now known): the fastest GEMM point becomes the best shape; the
   efficiency there, ``gemm_k_half`` and ``gemm_overhead_us`` are fitted to all of them.
@@ -27,11 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import confidence, model
+from jaxoverlap.sim import confidence, families, model
 from jaxoverlap.sim.engine import simulate_programs
+from jaxoverlap.sim.families import margin  # noqa: F401  (the margin rule, re-exported)
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.plan import Candidate, baseline_times, simulate
-from jaxoverlap.sim.presets import Preset, canonical_dtype, load_preset
+from jaxoverlap.sim.presets import FP8_TILES, Preset, gemm_class, load_preset
 
 US = model.US
 
@@ -46,6 +49,12 @@ class GemmPoint:
     seconds: float
     dtype: str = "bfloat16"
     batch: int = 1
+    block_scaled: bool = False  # fp8 operands with 1x32 block scales (MXFP8)
+
+    @property
+    def cls(self) -> str:
+        """The operand class it measures (``presets.GEMM_CLASSES``)."""
+        return gemm_class(self.dtype, self.block_scaled)
 
 
 @dataclass(frozen=True)
@@ -123,51 +132,70 @@ def _minimize(f: Callable[[float], float], lo: float, hi: float) -> float:
 def _achieved(p: Preset, g: GemmPoint) -> float:
     """Fraction of peak the point reached while busy (its per-kernel cost removed)."""
     busy = max(g.seconds - p.gemm_overhead_us * US, 1e-12)
-    return (2.0 * g.batch * g.m * g.n * g.k / busy
-            / (p.peak_tflops[canonical_dtype(g.dtype)] * 1e12))
+    return 2.0 * g.batch * g.m * g.n * g.k / busy / (p.peak(g.dtype) * 1e12)
 
 
 def _gemm_seconds(p: Preset, g: GemmPoint | SerialPoint) -> float:
     if isinstance(g, GemmPoint):
-        return model.gemm_time(p, g.dtype, g.batch, g.m, g.n, g.k)
+        return model.gemm_time(p, g.dtype, g.batch, g.m, g.n, g.k, block_scaled=g.block_scaled)
     t_gemm, t_comm = baseline_times(g.op, g.shape, g.dtype, g.nranks, p, g.transport)
     return t_gemm + t_comm
 
 
 def fit_gemm(p: Preset, points: Sequence[GemmPoint], serial: Sequence[SerialPoint] = ()
              ) -> Preset:
-    """Best shape = the fastest GEMM point; then the efficiency there, ``gemm_k_half`` and
-    ``gemm_overhead_us`` fitted to every point (GEMMs alone, and unfused calls whose
-    collective is already fitted), as many of the three as there are points.
+    """Per operand class (``presets.GEMM_CLASSES``) of the points: best shape = the class's
+    fastest point; then the efficiency there and the K curve (``k_half``) fitted to every point
+    of the class — for 16-bit GEMMs also ``gemm_overhead_us``, with the unfused calls whose
+    collective is already fitted — as many parameters as the points can tell apart. A class
+    other than 16-bit keeps its tiles (FP8: ``presets.FP8_TILES`` when it had no fit) and the
+    16-bit per-kernel cost.
 
     The fit minimises the sum of the fourth powers of the log errors: close to the
     worst error, which is what the model is held to (and what its margin derives
     from), yet smooth.
     """
-    if not points:
-        return p
+    for cls in sorted({g.cls for g in points}, key=lambda c: c != "16bit"):
+        mine = [g for g in points if g.cls == cls]
+        for _ in range(3):  # the best shape depends on the per-kernel cost the fit moves
+            best = max(mine, key=lambda g: _achieved(p, g))
+            p = _fit_gemm_class(p, cls, mine, serial if cls == "16bit" else ())
+            if max(mine, key=lambda g: _achieved(p, g)) == best:
+                break
+    return p
+
+
+def _fit_gemm_class(p: Preset, cls: str, points: Sequence[GemmPoint],
+                    serial: Sequence[SerialPoint]) -> Preset:
     best = max(points, key=lambda g: _achieved(p, g))
-    p = p.replace(gemm_efficiency=_achieved(p, best), gemm_best_shape=(best.m, best.n, best.k))
+    tiles = p.gemm_fit(cls).tiles if cls == "16bit" or cls in p.gemm_classes else FP8_TILES
+    p = p.with_gemm_fit(cls, efficiency=_achieved(p, best), best_shape=(best.m, best.n, best.k),
+                        tiles=tiles)
     every: list[GemmPoint | SerialPoint] = [*points, *serial]
     # One parameter per ~2 points: the efficiency always, the K curve from 3 points, the
-    # per-kernel cost from 5 (fewer points cannot tell them apart).
-    names = ("gemm_efficiency", "gemm_k_half", "gemm_overhead_us")[
-        :1 + (len(every) >= 3) + (len(every) >= 5)]
+    # per-kernel cost from 5 (fewer points cannot tell them apart); 16-bit only for the last.
+    names = ("efficiency", "k_half", "overhead")[
+        :1 + (len(every) >= 3) + (len(every) >= 5 and cls == "16bit")]
     from scipy.optimize import minimize
 
     def preset(x: Sequence[float]) -> Preset:
-        return p.replace(**dict(zip(names, (float(v) for v in x), strict=False)))
+        values = dict(zip(names, (float(v) for v in x), strict=False))
+        q = p.with_gemm_fit(cls, **{k: v for k, v in values.items() if k != "overhead"})
+        return q.replace(gemm_overhead_us=values["overhead"]) if "overhead" in values else q
 
     def cost(x: Sequence[float]) -> float:
         q = preset(x)
         return sum(_log_error(_gemm_seconds(q, g), g.seconds) ** 4 for g in every)
 
+    now = p.gemm_fit(cls)
+    current = {"efficiency": now.efficiency, "k_half": now.k_half,
+               "overhead": p.gemm_overhead_us}
     bounds = [(1e-6, 1.0), (0.0, 16384.0), (0.0, 1000.0)][:len(names)]
-    start = [min(max(getattr(p, n), lo), hi) for n, (lo, hi) in zip(names, bounds, strict=True)]
+    start = [min(max(current[n], lo), hi) for n, (lo, hi) in zip(names, bounds, strict=True)]
     x = minimize(cost, start, method="Nelder-Mead", bounds=bounds,
                  options={"xatol": 1e-4, "fatol": 1e-16, "maxiter": 4000}).x
-    digits = {"gemm_efficiency": 4, "gemm_k_half": 1, "gemm_overhead_us": 2}
-    return p.replace(**{n: round(float(v), digits[n]) for n, v in zip(names, x, strict=True)})
+    digits = {"efficiency": 4, "k_half": 1, "overhead": 2}
+    return preset([round(float(v), digits[n]) for n, v in zip(names, x, strict=True)])
 
 
 def fit_one_shot(p: Preset, points: Sequence[tuple[int, float]]) -> Preset:
@@ -183,34 +211,110 @@ def fit_one_shot(p: Preset, points: Sequence[tuple[int, float]]) -> Preset:
     return p.replace(mc_latency_us=round(_minimize(cost, 0.0, 50.0), 2))
 
 
-def fit_collectives(p: Preset, points: Sequence[CollectivePoint]) -> Preset:
+def _fit_ramp_and_rate(p: Preset, pts: Sequence[CollectivePoint], transport: str,
+                       fixed_s: Callable[[CollectivePoint], float]
+                       ) -> tuple[float, float] | None:
+    """(ramp seconds per hop, bytes/s) of ``pts`` given each point's unhidden fixed seconds:
+    sqrt(t - fixed) = sqrt(ramp) sqrt(steps) + sqrt(bus_bytes / B) is linear in the two
+    square roots (non-negative least squares in relative error). None: one size only."""
     from scipy.optimize import nnls
 
+    rows, rhs = [], []
+    for c in pts:
+        bus = model.op_spec(c.op).bus_factor(c.nranks) * c.nbytes
+        y = math.sqrt(max(c.seconds - fixed_s(c), 1e-12))
+        w = 1.0 / y  # relative error in sqrt(t) ~ half the relative error in t
+        rows.append([w * math.sqrt(model.ring_steps(c.op, c.nranks)), w * math.sqrt(bus)])
+        rhs.append(1.0)
+    sizes = {(model.ring_steps(c.op, c.nranks), model.op_spec(c.op).bus_factor(c.nranks) * c.nbytes)
+             for c in pts}
+    if len(sizes) < 2:
+        return None
+    a, b = nnls(np.array(rows), np.array(rhs))[0]
+    return (a * a, 1.0 / (b * b)) if b > 0 else None
+
+
+def fit_one_launch(p: Preset, points: Sequence[tuple[str, str, int, int, float]]) -> Preset:
+    """``ar_start_us`` and ``ar_flag_us`` fitted to (algorithm, transport, nranks, bytes,
+    seconds) of one-launch all-reduces (``sim.allreduce.kernel_time``), in log error. A one-shot
+    pays two flag rounds and its start, so points of one algorithm cannot tell the two apart
+    alone: their ranks' and sizes' spread does, weakly (the start is bounded at 0)."""
+    from scipy.optimize import minimize
+
+    from jaxoverlap.sim import allreduce
+
+    if not points:
+        return p
+
+    def cost(x: Sequence[float]) -> float:
+        if min(x) < 0:
+            return 1e9
+        q = p.replace(ar_start_us=float(x[0]), ar_flag_us=float(x[1]))
+        return sum(_log_error(allreduce.kernel_time(q, a, t, n, b), s) ** 2
+                   for a, t, n, b, s in points)
+
+    x = min((minimize(cost, x0, method="Nelder-Mead",
+                      options={"xatol": 1e-5, "fatol": 1e-14, "maxiter": 4000})
+             for x0 in ([2.0, 1.5], [0.5, 3.0])), key=lambda r: r.fun).x
+    return p.replace(ar_start_us=round(float(x[0]), 2), ar_flag_us=round(float(x[1]), 2))
+
+
+def _fit_nccl_fixed(p: Preset, pts: Sequence[CollectivePoint], lat: float, step: float
+                    ) -> tuple[float, float]:
+    """(per-call, per-step) seconds of NCCL's unhidden latency: an outer search over the two,
+    the linear ramp-and-rate fit inside, minimising the 4th power of the log errors."""
+    from scipy.optimize import minimize
+
+    def cost(x: Sequence[float]) -> float:
+        got = (_fit_ramp_and_rate(
+            p, pts, "nccl", lambda c: (x[0] + x[1] * model.ring_steps(c.op, c.nranks)) * US)
+            if min(x) >= 0 else None)
+        if got is None:
+            return 1e9
+        ramp, rate = got
+        q = p.replace(nccl_latency_us=x[0], nccl_step_us=x[1], nccl_ramp_us=ramp / US,
+                      nccl_gbps=rate / 1e9)
+        return sum(_log_error(model.collective_time(q, "nccl", c.nranks, c.nbytes, c.op),
+                              c.seconds) ** 4 for c in pts)
+
+    x = minimize(cost, [lat / US, max(step / US, 0.5)], method="Nelder-Mead",
+                 options={"xatol": 1e-4, "fatol": 1e-14, "maxiter": 4000}).x
+    return float(x[0]) * US, float(x[1]) * US
+
+
+def fit_collectives(p: Preset, points: Sequence[CollectivePoint]) -> Preset:
+    """Per transport, the asymptotic bandwidth and the per-hop ramp (``_fit_ramp_and_rate``);
+    for NCCL, when the points have rings of different step counts (all-gathers or
+    reduce-scatters of N-1 steps and all-reduces of 2(N-1)), also the per-call latency and
+    the unhidden latency per step (``model.transport_step``), which only such points tell
+    apart: an outer search over the two, the linear fit inside, minimising the 4th power of
+    the log errors (close to the worst error)."""
     changes: dict[str, float] = {}
     for transport in sorted({c.transport for c in points}):
         pts = [c for c in points if c.transport == transport]
-        lat = model.transport_latency(p, transport)
-        rows, rhs = [], []
-        for c in pts:
-            bus = model.op_spec(c.op).bus_factor(c.nranks) * c.nbytes
-            y = math.sqrt(max(c.seconds - lat, 1e-12))
-            w = 1.0 / y  # relative error in sqrt(t) ~ half the relative error in t
-            rows.append([w * math.sqrt(c.nranks - 1), w * math.sqrt(bus)])
-            rhs.append(1.0)
-        sizes = {(c.nranks, model.op_spec(c.op).bus_factor(c.nranks) * c.nbytes) for c in pts}
-        a, b = nnls(np.array(rows), np.array(rhs))[0] if len(sizes) > 1 else (None, None)
         keys = _kinds.transport(transport).preset
         ramp_key, bw_key = keys.ramp_us, keys.gbps
-        if a is None or b <= 0:  # one size: keep the ramp, solve the bandwidth (mean)
+        lat, step = model.transport_latency(p, transport), model.transport_step(p, transport)
+        if transport == "nccl" and len({model.ring_steps(c.op, c.nranks) for c in pts}) > 1:
+            lat, step = _fit_nccl_fixed(p, pts, lat, step)
+            changes["nccl_latency_us"] = round(lat / US, 3)
+            changes["nccl_step_us"] = round(step / US, 3)
+        got = _fit_ramp_and_rate(
+            p, pts, transport,
+            lambda c: lat + step * model.ring_steps(c.op, c.nranks))  # noqa: B023
+        if got is None:  # one size: keep the ramp, solve the bandwidth (geometric mean)
             rates = []
             for c in pts:
-                ramp = getattr(p, ramp_key) * US * (c.nranks - 1)
-                x = (math.sqrt(max(c.seconds - lat, 1e-12)) - math.sqrt(ramp)) ** 2
+                steps = model.ring_steps(c.op, c.nranks)
+                ramp = getattr(p, ramp_key) * US * steps
+                left = max(c.seconds - lat - step * steps, 1e-12)
+                x = (math.sqrt(left) - math.sqrt(ramp)) ** 2
                 rates.append(model.op_spec(c.op).bus_factor(c.nranks) * c.nbytes / max(x, 1e-12))
             changes[bw_key] = round(float(np.exp(np.mean(np.log(rates)))) / 1e9, 1)
             continue
-        changes[ramp_key] = round(float(a * a) / US, 3)
-        changes[bw_key] = round(float(1.0 / (b * b)) / 1e9, 1)
+        ramp, rate = got
+        changes[ramp_key] = round(float(ramp) / US, 3)
+        changes[bw_key] = round(float(rate) / 1e9, 1)
     if "nccl_gbps" in changes and p.nccl_p2p_gbps:  # send/recv keeps its ratio to the ring
         changes["nccl_p2p_gbps"] = round(p.nccl_p2p_gbps * changes["nccl_gbps"] / p.nccl_gbps, 1)
     return p.replace(**changes)
@@ -280,21 +384,6 @@ def fused_error(p: Preset, points: Sequence[FusedPoint]) -> list[tuple[float, fl
     return out
 
 
-def margin(serial_errors: Sequence[float], fused_ratios: Sequence[float]) -> float:
-    """The fallback margin from the model's measured errors.
-
-    ``serial_errors``: model / measured - 1 of unfused calls (what the model can be
-    checked against); ``fused_ratios``: measured / model of fused calls (> 1: the model
-    was optimistic). A plan must be predicted faster than the unfused path by more than
-    the model's worst serial error, and by more than its worst optimism on fused calls
-    (1 - 1/ratio: how much slower the fused call really was, relative to its
-    prediction), so that a predicted gain inside the model's error is not acted on.
-    """
-    worst_serial = max((abs(e) for e in serial_errors), default=0.0)
-    worst_fused = max(fused_ratios, default=1.0)
-    return round(max(worst_serial, 1.0 - 1.0 / max(worst_fused, 1.0)), 3)
-
-
 def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
     if not points:
         return p
@@ -310,11 +399,14 @@ def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
     p = p.replace(**{k: round(getattr(p, k), 2) for k in FUSED_PATH_COSTS})
     ratios = fused_error(p, points)
     serial = [s for _, s in ratios if s is not None]
-    gains = dict(p.min_gain)
+    by_family: dict[str, list[float]] = {}
+    for (ratio, _), f in zip(ratios, points, strict=True):
+        by_family.setdefault(families.family(f.op, f.candidate), []).append(ratio)
+    own = families.derived(serial, by_family)
+    gains = {**p.min_gain, **own}
     measured = {f.op for f in points}
-    for op in sorted(measured):
-        gains[op] = margin(serial, [r for (r, _), f in zip(ratios, points, strict=True)
-                                    if f.op == op])
+    for op in measured:  # the op's fallback: the largest of its measured families
+        gains[op] = max(m for fam, m in own.items() if fam.startswith(op + ":"))
     if "matmul_ar" not in measured:  # the GEMM+RS ring then an all-gather: the larger margin
         gains["matmul_ar"] = max(gains.get("ag_matmul", 0.0), gains.get("matmul_rs", 0.0))
     return p.replace(min_gain=gains)

@@ -32,7 +32,7 @@ from typing import Any
 
 from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 from jaxoverlap.sim import model
-from jaxoverlap.sim.presets import Preset, canonical_dtype
+from jaxoverlap.sim.presets import Preset, canonical_dtype, gemm_class
 
 OPS, TRANSPORTS, DTYPES, ALIGN = FUSED_OPS, FUSED_TRANSPORTS, FUSED_DTYPES, FUSED_ALIGN
 
@@ -112,7 +112,6 @@ class TilePlan:
     block_units: tuple[int, ...]  # units touching each block (a block is released at 0)
     wait_flags: int  # block b waits for own flag wait_flags + b (-1: no waits)
     release_flags: int  # block b's tiles stored: own flag release_flags + b (-1: none)
-    spare: int = 0  # SMs it leaves to the kernels of the rank's other streams
 
     @property
     def alone(self) -> float:
@@ -168,21 +167,20 @@ def _lanes(shards: int, chunks: int, shard_rows: int, sequence: tuple[int, ...],
 def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
     """The FusedGemm ``op`` (a program op of ``_host.build_program``) on preset ``p``."""
     f = op["fused"]
-    tm, tn = p.fused_gemm_tile
+    tm, tn = kernel_tile(p, dtype)
     chunks, shard_rows = f["chunks"], f["shard_rows"]
     waited = tuple(f["wait_flags"] >= 0 and b // chunks != f["ready_shard"]
                    for b in range(f["shards"] * chunks))
+    sms = kernel_sms(p, op)
     lanes, block_units = _lanes(f["shards"], chunks, shard_rows, tuple(f["sequence"]),
                                 f["order"] == "last_arrival", waited, tm,
-                                math.ceil(op["n"] / tn), op["batch"], p.sms - spare_sms(p, op))
-    busy = kernel_busy(p, dtype, op["batch"], op["m"], op["n"], op["k"])
-    m_tiles, n_tiles = math.ceil(op["m"] / tm), math.ceil(op["n"] / tn)
-    # one tile's time: the whole GEMM's on every SM over its waves there (a kernel that leaves
-    # SMs to the reduction beside it runs the same tiles on fewer CTAs: more waves)
-    _, ctas = grid(m_tiles, n_tiles, op["batch"], p.sms)
-    waves = math.ceil(m_tiles * n_tiles * op["batch"] / ctas)
-    return TilePlan(lanes, busy / p.fused_gemm_rate / waves, p.gemm_overhead_us * model.US,
-                    block_units, f["wait_flags"], f["release_flags"], spare_sms(p, op))
+                                math.ceil(op["n"] / tn), op["batch"], sms)
+    busy = kernel_busy(p, dtype, op["batch"], op["m"], op["n"], op["k"], sms=sms)
+    tiles = math.ceil(op["m"] / tm) * math.ceil(op["n"] / tn) * op["batch"]
+    ctas = sum(lane.ctas for lane in lanes)
+    return TilePlan(lanes, busy / p.fused_gemm_rate / math.ceil(tiles / ctas),
+                    p.gemm_overhead_us * model.US, block_units, f["wait_flags"],
+                    f["release_flags"])
 
 
 def spare(m_tiles: int, n_tiles: int, batch: int, sms: int, most: int) -> int:
@@ -214,11 +212,30 @@ def spare_sms(p: Preset, op: dict[str, Any]) -> int:
                         min(most, p.sms // 4)))
 
 
+def kernel_sms(p: Preset, op: dict[str, Any]) -> int:
+    """The SMs the FusedGemm ``op`` runs on: the GPU's, less those it leaves to the rank's
+    other streams (a reduction beside a release-only kernel: ``spare_sms``, as many of
+    ``fused["spare_sms"]`` as the CUDA executor leaves)."""
+    spare = int(op["fused"].get("spare_sms", 0) or 0)
+    if not 0 <= spare < p.sms:
+        raise ValueError(f"spare_sms: expected 0..{p.sms - 1} on preset {p.name!r}, got {spare}")
+    return p.sms - spare_sms(p, op)
+
+
 def kernel_busy(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
-                accumulate: bool = False) -> float:
+                accumulate: bool = False, sms: int | None = None) -> float:
     """Seconds of tile work of the fused GEMM over all ``m`` rows at cuBLAS's speed for its
     tile shape: the model's GEMM with the kernel's one tile and no split-K (one wave
-    quantisation for the whole GEMM), less the per-kernel cost. The kernel's own speed
-    relative to that is ``Preset.fused_gemm_rate``."""
-    t, _, _ = model.gemm_plan(p, dtype, batch, m, n, k, accumulate, (p.fused_gemm_tile,))
+    quantisation for the whole GEMM), less the per-kernel cost; on ``sms`` of the SMs when
+    it leaves the others to another kernel (their share of the peak, their waves). The
+    kernel's own speed relative to that is ``Preset.fused_gemm_rate``."""
+    t, _, _ = model.gemm_plan(p, dtype, batch, m, n, k, accumulate, (kernel_tile(p, dtype),),
+                              sms=sms)
     return t - p.gemm_overhead_us * model.US
+
+
+def kernel_tile(p: Preset, dtype: str) -> tuple[int, int]:
+    """The fused kernel's CTA tile (M, N) for ``dtype`` operands: the class's own
+    (``GemmFit.fused_tile``: an FP8 kernel with promotion runs 128 x 128 x 128 tiles) or the
+    preset's ``fused_gemm_tile``."""
+    return p.gemm_fit(gemm_class(dtype)).fused_tile or p.fused_gemm_tile

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes, output_dtype
+from jaxoverlap.sim.presets import Preset, canonical_dtype, dtype_bytes, gemm_class, output_dtype
 
 US = 1e-6
 
@@ -113,7 +113,8 @@ def _configs(tiles: tuple[tuple[int, int], ...], sms: int, min_split_k: int, bat
     return tuple((useful, splits) for splits, useful in sorted(best.items()))
 
 
-def quantisation(p: Preset, batch: int, m: int, n: int, k: int) -> tuple[tuple[float, int], ...]:
+def quantisation(p: Preset, batch: int, m: int, n: int, k: int, cls: str = "16bit"
+                 ) -> tuple[tuple[float, int], ...]:
     """Tile and wave quantisation: (useful fraction of the SM-time, K splits) per choice.
 
     A GEMM runs as output tiles, one per SM at a time, in waves: a partial tile costs
@@ -125,7 +126,7 @@ def quantisation(p: Preset, batch: int, m: int, n: int, k: int) -> tuple[tuple[f
     persistent fused kernel schedules every chunk's tiles in one grid and does not pay
     it per chunk.
     """
-    return _configs(p.gemm_tiles, p.sms, p.gemm_min_split_k, batch, m, n, k)
+    return _configs(p.gemm_fit(cls).tiles, p.sms, p.gemm_min_split_k, batch, m, n, k)
 
 
 def _shape(halves: tuple[float, float, float], useful: float, splits: int, m: int, n: int,
@@ -136,11 +137,13 @@ def _shape(halves: tuple[float, float, float], useful: float, splits: int, m: in
 
 @functools.lru_cache(maxsize=1 << 16)
 def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: tuple[int, int],
-          accumulate: bool, kernel_tiles: tuple[tuple[int, int], ...] | None = None
-          ) -> tuple[float, float, int]:
+          accumulate: bool, kernel_tiles: tuple[tuple[int, int], ...] | None = None,
+          used: int | None = None) -> tuple[float, float, int]:
     peak, efficiency, best_shape, halves, tiles, sms, min_split_k, hbm = key
     ref = max(_shape(halves, u, s, *best_shape)
               for u, s in _configs(tiles, sms, min_split_k, 1, *best_shape))
+    if used is not None:  # the GEMM on `used` of the SMs: their share of the peak, their waves
+        peak, sms = peak * used / sms, used
     flops = 2.0 * batch * m * n * k
     elem_in, elem_out = elem     # bytes per element of a and w, of d (and c)
     base_bytes = (elem_in * (batch * m * k + k * n)
@@ -159,8 +162,8 @@ def _plan(key: tuple, batch: int, m: int, n: int, k: int, elem: tuple[int, int],
 
 
 def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
-              accumulate: bool = False, kernel_tiles: tuple[tuple[int, int], ...] | None = None
-              ) -> tuple[float, float, int]:
+              accumulate: bool = False, kernel_tiles: tuple[tuple[int, int], ...] | None = None,
+              block_scaled: bool = False, sms: int | None = None) -> tuple[float, float, int]:
     """(seconds, efficiency, K splits) of the fastest way to run d = a @ w (+ c) alone.
 
     Per tile/split choice: the roofline of FLOPs at ``gemm_efficiency`` scaled by the
@@ -171,14 +174,23 @@ def gemm_plan(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
     once, D, C when accumulating, split-K partials); plus a fixed cost per kernel
     (``gemm_overhead_us``: launch, first-wave ramp, drain). ``kernel_tiles``: a kernel
     that has only these tiles and no split-K (the fused GEMM), priced against the same
-    best-shape figure.
+    best-shape figure. The efficiency, best shape, K curve and tiles are those of the operands'
+    class (``Preset.gemm_fit``: FP8 GEMMs have their own fit, and their CUTLASS kernels K tiles
+    of 128, twice the 16-bit ones); ``block_scaled``: fp8 operands with 1x32 block scales
+    (MXFP8). ``sms``: the GEMM runs on that many of the GPU's SMs (another kernel holds the
+    rest): their share of the peak, waves of that many tiles, the best shape's figure and the
+    HBM still the whole GPU's.
     """
     dtype = canonical_dtype(dtype)
-    key = (p.peak(dtype) * 1e12, p.gemm_efficiency, p.gemm_best_shape,
-           (p.gemm_m_half, p.gemm_n_half, p.gemm_k_half), p.gemm_tiles, p.sms,
+    fit = p.gemm_fit(gemm_class(dtype, block_scaled))
+    key = (p.peak(dtype) * 1e12, fit.efficiency, fit.best_shape,
+           (p.gemm_m_half, p.gemm_n_half, fit.k_half), fit.tiles, p.sms,
            p.gemm_min_split_k, p.hbm_gbps * 1e9)
     elem = (dtype_bytes(dtype), dtype_bytes(output_dtype(dtype)))
-    t, eff, splits = _plan(key, batch, m, n, k, elem, bool(accumulate), kernel_tiles)
+    if sms is not None and not 0 < sms <= p.sms:
+        raise ValueError(f"sms: expected 1..{p.sms} (the preset's SMs), got {sms}")
+    used = None if sms is None or sms == p.sms else int(sms)
+    t, eff, splits = _plan(key, batch, m, n, k, elem, bool(accumulate), kernel_tiles, used)
     return t + p.gemm_overhead_us * US, eff, splits
 
 
@@ -188,21 +200,11 @@ def gemm_efficiency(p: Preset, m: int, n: int, k: int, batch: int = 1) -> float:
 
 
 def gemm_time(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
-              accumulate: bool = False) -> float:
+              accumulate: bool = False, block_scaled: bool = False) -> float:
     """Seconds for d = a @ w (+ c) alone on the GPU (``gemm_plan``)."""
     if batch * m * n * k == 0:
         return 0.0
-    return gemm_plan(p, dtype, batch, m, n, k, accumulate)[0]
-
-
-def reduction_gbps(p: Preset, sms: int = 0) -> float:
-    """HBM bytes per second a memory-bound kernel (the reduce-scatter's sum of N partials, or
-    a load-reduce through the switch) moves on ``sms`` SMs: ``reduce_sm_gbps`` each, at most
-    the memory's bandwidth; 0 SMs: the whole device. A reduction streams its bytes, so what
-    bounds it on few SMs is how many each SM keeps in flight."""
-    if sms <= 0:
-        return p.hbm_gbps
-    return min(p.hbm_gbps, sms * p.reduce_sm_gbps)
+    return gemm_plan(p, dtype, batch, m, n, k, accumulate, block_scaled=block_scaled)[0]
 
 
 def elementwise_time(p: Preset, nbytes: int, passes: int) -> float:
@@ -234,6 +236,17 @@ def transport_latency(p: Preset, transport: str) -> float:
     return getattr(p, _kinds.transport(transport).preset.latency_us) * US
 
 
+def transport_step(p: Preset, transport: str) -> float:
+    """Latency of one ring step (hop) that no chunking hides: a step cannot start before the
+    previous rank's first data of it has arrived (a flag handoff over the link). NCCL's own
+    cost model has this form, a base latency plus steps x a per-hop latency
+    (NVIDIA/nccl src/graph/tuning.cc, ``baseLat`` + ``nsteps * hwLat``); it is what makes a
+    small all-reduce (2(N-1) steps) cost ~20 us on 8xH100 where an all-gather of 2 MiB
+    (N-1 steps) costs about as much. NCCL transfers only: the copy engine and multicast
+    kernels have no ring."""
+    return p.nccl_step_us * US if transport == "nccl" else 0.0
+
+
 def transport_ramp(p: Preset, transport: str) -> float:
     """Per-hop pipeline overhead of a transport (the ``ramp`` of ``pipelined_time``)."""
     return getattr(p, _kinds.transport(transport).preset.ramp_us) * US
@@ -253,13 +266,15 @@ def transfer_gbps(p: Preset, transport: str, collective: bool = False) -> float:
 def transfer_fill(p: Preset, transport: str, nbytes: float, hops: int = 1) -> float:
     """Seconds a transfer of ``nbytes`` alone spends beyond bytes / its top rate.
 
-    ``latency + pipelined_time(hops * ramp, x) - x``, x = nbytes / ``transfer_gbps``:
-    the engine charges it before the bytes flow (it uses no link capacity), so that a
-    transfer alone takes exactly latency + (sqrt(hops * ramp) + sqrt(x))^2.
+    ``latency + hops * step + pipelined_time(hops * ramp, x) - x``, x = nbytes /
+    ``transfer_gbps``: the engine charges it before the bytes flow (it uses no link
+    capacity), so that a transfer alone takes exactly latency + hops * step +
+    (sqrt(hops * ramp) + sqrt(x))^2.
     """
     x = nbytes / (transfer_gbps(p, transport, collective=hops > 1) * 1e9)
     ramp = hops * transport_ramp(p, transport)
-    return transport_latency(p, transport) + pipelined_time(ramp, x) - x
+    return (transport_latency(p, transport) + hops * transport_step(p, transport)
+            + pipelined_time(ramp, x) - x)
 
 
 def one_shot_all_reduce_time(p: Preset, nbytes: int) -> float:
@@ -289,18 +304,22 @@ def collective_time(p: Preset, transport: str, nranks: int, total_bytes: int,
     """The standalone collective of ``op``'s unfused path moving S = total_bytes.
 
     A ring over N ranks is a pipeline of ``ring_steps`` hops (NCCL's ring algorithm), so
-    t = latency + pipelined_time(steps * ramp, bus_factor * S / B), B the
-    transport's asymptotic bus bandwidth (nccl-tests busbw). This is what makes NCCL's
+    t = latency + steps * step + pipelined_time(steps * ramp, bus_factor * S / B), B the
+    transport's asymptotic bus bandwidth (nccl-tests busbw), ``step`` the latency of a
+    hop that no chunking hides (``transport_step``). The ramp is what makes NCCL's
     bandwidth ramp with message size: on 8xH100 the bus bandwidth is 91 GB/s at 2 MiB
     and 305 GB/s at 128 MiB (NVIDIA/Megatron-LM PR #5596), ~360 GB/s at several GB
-    (NVIDIA/nccl-tests #212, #326). Every rank must move bus_factor * S through its
-    own port whatever the schedule, so no program moves the data faster in the engine.
+    (NVIDIA/nccl-tests #212, #326); the steps are what make a small all-reduce cost
+    21-28 us (pytorch/helion#245, vllm-project/vllm#24111). Every rank must move
+    bus_factor * S through its own port whatever the schedule, so no program moves the
+    data faster in the engine.
     """
     if nranks <= 1:
         return 0.0
     x = op_spec(op).bus_factor(nranks) * total_bytes / (p.transport_gbps(transport) * 1e9)
-    return (transport_latency(p, transport)
-            + pipelined_time(ring_steps(op, nranks) * transport_ramp(p, transport), x))
+    steps = ring_steps(op, nranks)
+    return (transport_latency(p, transport) + steps * transport_step(p, transport)
+            + pipelined_time(steps * transport_ramp(p, transport), x))
 
 
 def ring_steps(op: str, nranks: int) -> int:
@@ -349,5 +368,6 @@ def host_time(p: Preset, programs: Sequence[dict[str, Any]]) -> float:
     the host enqueues, so a call takes at least this long: the cost of many small
     chunks that a single fused kernel does not pay.
     """
-    most = max((len(pr["ops"]) for pr in programs), default=0)
-    return (p.host_call_us + most * p.host_op_us) * US
+    from jaxoverlap.sim.launch import host_enqueue
+
+    return host_enqueue(p, max((len(pr["ops"]) for pr in programs), default=0))

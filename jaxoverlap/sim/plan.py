@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from jaxoverlap import _kinds
+from jaxoverlap.sim import families, model, reduction
 from jaxoverlap.sim import fused as fused_path
-from jaxoverlap.sim import model
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
 from jaxoverlap.sim.model import Shape
@@ -184,6 +184,7 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     if op not in OPS:
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
     p = load_preset(preset)
+    p.check_group(nranks)
     dtype = canonical_dtype(dtype)
     c = candidate or Candidate()
     t_gemm, t_comm_xla = baseline_times(op, shape, dtype, nranks, p)
@@ -206,10 +207,10 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     def alone(o: dict) -> float:  # one compute op with every SM, as the engine costs it
         if o["kind"] == "Add":
             return model.elementwise_time(p, o["bytes"], 3)
-        if o["kind"] == "Reduce":  # N sources read, the sum written
-            return model.elementwise_time(p, o["bytes"], len(o["sources"]) + 1)
         if o["kind"] == "FusedGemm":
             return fused_path.tile_plan(p, dtype, o).alone
+        if o["kind"] == "Reduce":
+            return reduction.reduction_time(p, len(o["sources"]), o["bytes"], o.get("sms"))
         t = model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
         return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
 
@@ -283,8 +284,10 @@ class Choice:
     best: SimResult
     table: list[SimResult]
     outside: list[str] = field(default_factory=list)
-    min_gain: float = 0.0
+    min_gain: float = 0.0  # the margin that decided: the pick's family's, or (xla kept) the
+    # fastest plan's
     unfused: bool = True  # the unfused path was allowed to win
+    margins: dict[str, float] = field(default_factory=dict)  # per family in the table
 
     @property
     def candidate(self) -> Candidate:
@@ -303,6 +306,9 @@ class Choice:
         if self.unfused:
             lines.append(f"fallback margin: a plan must be predicted {self.min_gain:.0%} "
                          "faster than xla (the model's measured error)")
+            if len(set(self.margins.values())) > 1:
+                lines.append("  per family: " + ", ".join(
+                    f"{f} {m:.0%}" for f, m in sorted(self.margins.items())))
         else:
             lines.append("a fused impl was asked for: the fastest fused plan, even if slower "
                          "than xla")
@@ -318,29 +324,36 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
 
     The unfused ``xla`` path is always among the candidates and wins unless a
     plan is predicted at least ``min_gain`` faster (a fraction; default the
-    preset's margin for ``op``, derived from the model's measured error against
-    published measurements, ``sim.published.fallback_margin``): never slower by
-    choice. Ties keep the earlier (simpler) candidate. ``unfused=False``: the caller
+    preset's margin for the plan's family, ``sim.families``, derived from the model's
+    measured error against the published designs closest to that family,
+    ``sim.published.fallback_margins``): never slower by choice. Ties keep the earlier
+    (simpler) candidate. ``unfused=False``: the caller
     has fixed a fused impl, so the fastest of ``cands`` is picked (the xla path is
     still simulated, for the log, but never picked).
     """
     p = load_preset(preset)
-    min_gain = p.margin(op) if min_gain is None else min_gain
     cands = (list(cands) if cands is not None
              else candidates(p, nranks, shape, op=op, dtype=dtype))
     if not any(c.impl == "xla" for c in cands):
         cands.insert(0, Candidate("xla", None))
     table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]
     xla = next(r for r in table if r.candidate.impl == "xla")
+    outside = outside_calibrated(p, op, shape, dtype, nranks)
     if not unfused:
         fused = [r for r in table if r.candidate.impl != "xla"]
         if not fused:
             raise ValueError("choose(unfused=False) needs at least one fused candidate")
         best = min(fused, key=lambda r: r.t_fused)
-        return Choice(best, table, outside_calibrated(p, op, shape, dtype, nranks), 0.0,
-                      unfused=False)
+        return Choice(best, table, outside, 0.0, unfused=False)
+    margins = {f: (p.margin(op, f) if min_gain is None else min_gain)
+               for f in {families.family(op, r.candidate) for r in table} - {""}}
     best = xla
     for r in table:
-        if r.t_fused < best.t_fused and r.t_fused <= xla.t_fused * (1 - min_gain):
+        f = families.family(op, r.candidate)
+        if f and r.t_fused < best.t_fused and r.t_fused <= xla.t_fused * (1 - margins[f]):
             best = r
-    return Choice(best, table, outside_calibrated(p, op, shape, dtype, nranks), min_gain)
+    plans = [r for r in table if r.candidate.impl != "xla"]
+    decider = best if best is not xla else min(plans, key=lambda r: r.t_fused, default=None)
+    applied = (margins[families.family(op, decider.candidate)] if decider is not None
+               else (p.margin(op) if min_gain is None else min_gain))
+    return Choice(best, table, outside, applied, margins=margins)

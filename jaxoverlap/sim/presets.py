@@ -38,6 +38,43 @@ def dtype_bytes(dtype: str) -> int:
     return _kinds.dtype(canonical_dtype(dtype)).bytes
 
 
+# The operand classes whose GEMMs a preset prices with a fit of their own (``Preset.gemm_fit``):
+# "16bit" (bfloat16, float16, and float32 through TF32: the preset's gemm_* fields), "fp8" (e4m3 /
+# e5m2 with tensor- or row-wise scales, accumulation promoted to FP32), "mxfp8" (e4m3 with 1x32
+# e8m0 block scales, Blackwell's block-scaled MMA).
+GEMM_CLASSES = ("16bit", "fp8", "mxfp8")
+
+
+# The output tiles of the FP8 GEMMs a library chooses among on Hopper: K tiles of 128 (twice the
+# 16-bit kernels' 64), M x N of 64 x 128 ... 128 x 256 (pytorch/FBGEMM fbgemm_gpu/experimental/
+# gen_ai/src/quantize/cutlass_extensions/f8f8bf16_rowwise.cu, its sm90 shape heuristic).
+FP8_TILES = ((128, 256), (128, 128), (64, 256), (64, 128))
+
+
+def gemm_class(dtype: str, block_scaled: bool = False) -> str:
+    """The operand class of a GEMM of ``dtype`` operands (``GEMM_CLASSES``)."""
+    if canonical_dtype(dtype) in FP8_DTYPES:
+        return "mxfp8" if block_scaled else "fp8"
+    if block_scaled:
+        raise ValueError(f"block_scaled: only fp8 operands have block scales, got {dtype!r}")
+    return "16bit"
+
+
+@dataclass(frozen=True)
+class GemmFit:
+    """How fast one operand class's GEMMs run on a machine (``model.gemm_plan``): the fraction of
+    the dense peak reached at ``best_shape`` (m, n, k), the K curve's half point, the output tiles
+    the library chooses among, and whether any of it was fitted to measurements of that class
+    (``measured``; else it is the 16-bit fit carried over to the class's peak)."""
+
+    efficiency: float
+    best_shape: tuple[int, int, int]
+    k_half: float
+    tiles: tuple[tuple[int, int], ...]
+    measured: bool
+    fused_tile: tuple[int, int] | None = None  # a fused kernel's CTA tile for this class
+
+
 def output_dtype(dtype: str) -> str:
     """What a GEMM of ``dtype`` operands writes: bfloat16 for fp8 (the ops' default
     ``preferred_element_type``, what FP8 training recipes use), else the operands' dtype."""
@@ -51,23 +88,53 @@ def output_dtype(dtype: str) -> str:
 # each fit re-run on the other's result gives back its own numbers.
 
 # The h100's GEMM, NCCL and interference numbers (sim.published.fit_h100).
-H100_FIT = dict(gemm_efficiency=0.7884, gemm_k_half=807.9, gemm_overhead_us=8.72,
-                nccl_gbps=375.5, nccl_ramp_us=0.451, interference=1.343, nccl_sms=39)
+H100_FIT = dict(gemm_efficiency=0.7878, gemm_k_half=984.8, gemm_overhead_us=9.05,
+                nccl_gbps=385.0, nccl_ramp_us=0.275, nccl_latency_us=0.0, nccl_step_us=1.121,
+                interference=1.153, nccl_sms=42)
 # The fused path's per-step costs, shared by every preset (sim.published.fit_fixed_costs).
-FUSED_PATH_FIT = dict(ce_latency_us=16.92, ce_ramp_us=6.78, signal_latency_us=6.78,
-                      event_latency_us=6.78, host_op_us=6.78, host_call_us=33.8)
+FUSED_PATH_FIT = dict(ce_latency_us=16.5, ce_ramp_us=6.61, signal_latency_us=6.61,
+                      event_latency_us=6.61, host_op_us=6.61, host_call_us=33.0)
 # A multicast kernel's start (sim.published.fit_one_shot): published one-shot all-reduces of
 # small messages on 8xH100, less the fused path's flag round.
-ONE_SHOT_FIT = dict(mc_latency_us=1.87)
-# The fused GEMM (docs/gpu-internals.md §5): CUTLASS's stock sm90 kernel with 128x256 CTA tiles; its
-# speed alone relative to cuBLAS's at the same shape is an assumption from the published fused GEMMs
-# alone (sim.published.FUSED_GEMMS_ALONE; the source below says which).
+ONE_SHOT_FIT = dict(mc_latency_us=2.15)
+# A one-launch all-reduce kernel's start and one flag round across the clique (sim.allreduce,
+# fitted by sim.published.fit_one_launch to the lean published one-shot kernels on H100).
+ONE_LAUNCH_FIT = dict(ar_start_us=2.14, ar_flag_us=1.26)
+# FP8 GEMMs on the H100 die (sim.published_gemms.fit_fp8): their own efficiency and K curve.
+H100_FP8_FIT = dict(efficiency=0.7457, best_shape=(4096, 7168, 16384), k_half=432.6,
+                    tiles=FP8_TILES, fused_tile=(128, 128))
+# The B200's 16-bit, FP8 and MXFP8 GEMMs (sim.published_gemms.fit_b200).
+B200_FIT = dict(gemm_efficiency=0.6471, gemm_best_shape=(3072, 3072, 3072), gemm_k_half=1257.8,
+                gemm_overhead_us=0.0)
+B200_CLASSES = {
+    "fp8": dict(efficiency=0.5282, best_shape=(8192, 8192, 8192), k_half=3136.4, tiles=FP8_TILES),
+    "mxfp8": dict(efficiency=0.61, best_shape=(8192, 8192, 4096), k_half=8710.8,
+                  tiles=FP8_TILES),
+}
+# The fused GEMM (docs/gpu-internals.md §5): CUTLASS's stock sm90 kernel with 128x256 CTA tiles;
+# its speed alone relative to cuBLAS's at the same shape is an assumption from the published fused
+# GEMMs alone (sim.published.FUSED_GEMMS_ALONE; the source below says which).
 FUSED_GEMM = dict(fused_gemm_rate=0.975, fused_gemm_tile=(128, 256))
-# The chooser's margins per op (sim.published.fallback_margin): the model's worst serial
-# error, and for GEMM+RS on the h100 its optimism against Flux's published losses (F8);
-# GEMM+AR (no published row) the larger of the two.
-MARGINS = {"h100": {"ag_matmul": 0.076, "matmul_rs": 0.372, "matmul_ar": 0.372},
-           "other": {"ag_matmul": 0.076, "matmul_rs": 0.076, "matmul_ar": 0.076}}
+# The chooser's margins per program family (sim.published.fallback_margins, sim.families): the
+# model's worst serial error (8%), and its worst optimism on the published designs closest to
+# each family on that machine. On the h100: GEMM+RS chunked rings against PyTorch's decomposed
+# async-TP (kraken PR #19: 38%), release-only fused GEMM+RS against Flux's and Triton-
+# distributed's losses (51.6%), one-launch one-shot all-reduces against the lean published ones
+# (22.3%); families with no comparison, and each op's key, the largest derived (68.2%: the
+# published one-launch two-shot kernels run up to 3x what the lean mechanism prices).
+_H100_MARGINS = {"ag_matmul:chunked": 0.08, "ag_matmul:fused": 0.08, "matmul_rs:chunked": 0.38,
+                 "matmul_rs:fused": 0.516, "matmul_ar:one_launch:one_shot": 0.223}
+_H100_LARGEST = 0.682
+_FAMILY_KEYS = ("ag_matmul:chunked", "ag_matmul:fused", "matmul_rs:chunked", "matmul_rs:fused",
+                "matmul_rs:overlapped", "matmul_ar:chunked", "matmul_ar:one_shot",
+                "matmul_ar:one_launch:one_shot", "matmul_ar:one_launch:two_shot",
+                "ag_matmul", "matmul_rs", "matmul_ar")
+MARGINS = {
+    "h100": {k: _H100_MARGINS.get(k, _H100_LARGEST) for k in _FAMILY_KEYS},
+    "other": dict.fromkeys(_FAMILY_KEYS, 0.08),
+}
+# GB200: the h100's, but one-launch one-shot against the one published on GB200 (tokenspeed).
+MARGINS["gb200-nvl72"] = {**MARGINS["h100"], "matmul_ar:one_launch:one_shot": 0.558}
 
 
 @dataclass(frozen=True)
@@ -108,8 +175,9 @@ class Preset:
     gemm_overhead_us: float = H100_FIT["gemm_overhead_us"]  # per kernel: launch, ramp, drain
     # Transfers: t = latency + (sqrt(hops * ramp) + sqrt(bytes / bandwidth))^2.
     nccl_p2p_gbps: float | None = None  # one NCCL send/recv's top rate (None: nccl_gbps)
-    nccl_latency_us: float = 4.0  # per NCCL call / send-recv group (launch, rendezvous)
+    nccl_latency_us: float = H100_FIT["nccl_latency_us"]  # per NCCL call / send-recv group
     nccl_ramp_us: float = H100_FIT["nccl_ramp_us"]  # per hop
+    nccl_step_us: float = H100_FIT["nccl_step_us"]  # per ring step, unhidden (model.transport_step)
     ce_latency_us: float = FUSED_PATH_FIT["ce_latency_us"]  # per copy: launch, DMA start
     ce_ramp_us: float = FUSED_PATH_FIT["ce_ramp_us"]
     mc_latency_us: float = ONE_SHOT_FIT["mc_latency_us"]  # per multicast kernel
@@ -119,21 +187,43 @@ class Preset:
     # Ops running together (model.compute_rate).
     nccl_sms: int = H100_FIT["nccl_sms"]  # SMs a running NCCL kernel takes from the GEMM
     mc_sms: int = 16  # SMs a running multicast kernel takes (assumption)
-    # HBM bandwidth one SM of a memory-bound kernel moves (a reduction sized to the SMs a fused
-    # GEMM leaves it: model.reduction_gbps).
-    reduce_sm_gbps: float = 28.0
     interference: float = H100_FIT["interference"]  # slowdown per unit of HBM bandwidth moved
-    # The host enqueues every op of a call (model.host_time).
+    # The host enqueues every op of a call (model.host_time); a call captured in a command
+    # buffer (CUDA graph) enqueues none at replay, its nodes cost graph_node_us each on the GPU
+    # (sim.launch).
     host_op_us: float = FUSED_PATH_FIT["host_op_us"]
     host_call_us: float = FUSED_PATH_FIT["host_call_us"]
+    graph_node_us: float = 0.58
+    # One-launch all-reduce kernels (sim.allreduce): the kernel's start, one flag round across
+    # the clique, and SMs' loads from peers' memory over the links (None: the line rate).
+    ar_start_us: float = ONE_LAUNCH_FIT["ar_start_us"]
+    ar_flag_us: float = ONE_LAUNCH_FIT["ar_flag_us"]
+    p2p_load_gbps: float | None = None
+    # A reduction kernel summing N partials (sim.reduction): what one SM streams, and the
+    # fraction of HBM a whole-grid reduction reaches.
+    reduce_sm_gbps: float = 28.0
+    reduce_efficiency: float = 0.85
+    # Where the group's GPUs sit: GPUs per node (one OS instance) and per NVLink domain (the
+    # model prices one domain, full bisection). A group spanning nodes inside the domain (GB200
+    # NVL72's trays) reaches peers' memory only through fabric handles with IMEX
+    # (docs/multiprocess.md), which p2p and multicast then need.
+    gpus_per_node: int = 8
+    nvlink_domain: int = 8
     # The fused GEMM (sim.fused): one persistent GEMM waiting on per-block flags. Its code is
     # sm_90a, which runs on compute capability 9.0 alone (docs/gpu-internals.md §5); None: unknown,
     # the fused path is not offered.
     compute_capability: tuple[int, int] | None = None
     fused_gemm_rate: float = FUSED_GEMM["fused_gemm_rate"]  # its speed alone / cuBLAS's
     fused_gemm_tile: tuple[int, int] = FUSED_GEMM["fused_gemm_tile"]  # its CTA tile (M, N)
-    # The chooser's fallback margin per op: a plan must be predicted this much faster
-    # than the unfused path (derived from the model's measured error, sim.published).
+    # GEMMs of the other operand classes (GEMM_CLASSES), each fitted to its own published
+    # throughputs: {"fp8": {"efficiency", "best_shape", "k_half", "tiles", "fused_tile"}, ...}.
+    # A class absent here is priced with the 16-bit fit at its own peak (extrapolated: the
+    # confidence check says so). Read through ``gemm_fit``.
+    gemm_classes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The chooser's fallback margins: a plan must be predicted this much faster than the unfused
+    # path, per program family (sim.families) and per op for a family not listed (derived from
+    # the model's measured error against the published designs closest to each family,
+    # sim.published.fallback_margins).
     min_gain: dict[str, float] = field(default_factory=lambda: dict(MARGINS["h100"]))
     # Where the model was checked against measurements on this machine: ranges of
     # "gemm_flop" (one call's GEMM), "collective_bytes" (S) and, per op, the GEMM
@@ -152,6 +242,18 @@ class Preset:
         object.__setattr__(self, "calibrated", {k: (float(v[0]), float(v[1]))
                                                 for k, v in self.calibrated.items()})
         object.__setattr__(self, "min_gain", {k: float(v) for k, v in self.min_gain.items()})
+        classes = {}
+        for name, fit in self.gemm_classes.items():
+            if name not in GEMM_CLASSES[1:]:
+                raise ValueError(f"gemm_classes: unknown class {name!r}; known: "
+                                 f"{GEMM_CLASSES[1:]}")
+            fit = dict(fit)
+            fit["best_shape"] = tuple(int(v) for v in fit["best_shape"])
+            fit["tiles"] = tuple((int(a), int(b)) for a, b in fit["tiles"])
+            if fit.get("fused_tile") is not None:
+                fit["fused_tile"] = tuple(int(v) for v in fit["fused_tile"])
+            classes[name] = fit
+        object.__setattr__(self, "gemm_classes", classes)
 
     def peak(self, dtype: str) -> float:
         """The dense peak (TFLOP/s) of a GEMM of ``dtype`` operands."""
@@ -160,10 +262,38 @@ class Preset:
             return self.peak_tflops.get(row.peak, self.peak_tflops["bfloat16"])
         return self.peak_tflops[row.peak]
 
-    def margin(self, op: str) -> float:
-        """The fallback margin for ``op``; an op without one gets the largest the preset has
-        (none at all: the largest derived for a built-in)."""
+    def gemm_fit(self, cls: str) -> GemmFit:
+        """The GEMM fit of operand class ``cls`` (``GEMM_CLASSES``): its own where the preset has
+        one, else the 16-bit fit (``measured`` False for a non-16-bit class then)."""
+        if cls not in GEMM_CLASSES:
+            raise ValueError(f"gemm class: expected one of {GEMM_CLASSES}, got {cls!r}")
+        own = self.gemm_classes.get(cls)
+        if own is None:
+            return GemmFit(self.gemm_efficiency, self.gemm_best_shape, self.gemm_k_half,
+                           self.gemm_tiles, cls == "16bit", self.fused_gemm_tile)
+        return GemmFit(float(own["efficiency"]), own["best_shape"], float(own["k_half"]),
+                       own["tiles"], True, own.get("fused_tile"))
+
+    def with_gemm_fit(self, cls: str, **params: Any) -> Preset:
+        """A copy whose class ``cls`` has ``params`` (efficiency, best_shape, k_half, tiles,
+        fused_tile) replaced; "16bit" maps to the gemm_* fields."""
+        if cls == "16bit":
+            names = {"efficiency": "gemm_efficiency", "best_shape": "gemm_best_shape",
+                     "k_half": "gemm_k_half", "tiles": "gemm_tiles",
+                     "fused_tile": "fused_gemm_tile"}
+            return self.replace(**{names[k]: v for k, v in params.items()})
+        now = self.gemm_fit(cls)
+        fit = {"efficiency": now.efficiency, "best_shape": now.best_shape, "k_half": now.k_half,
+               "tiles": now.tiles, "fused_tile": now.fused_tile, **params}
+        return self.replace(gemm_classes={**self.gemm_classes, cls: fit})
+
+    def margin(self, op: str, family: str | None = None) -> float:
+        """The fallback margin for plans of ``family`` (``sim.families.FAMILIES``), else for
+        ``op``; neither listed: the largest the preset has (none at all: the largest derived
+        for a built-in)."""
         largest = max(self.min_gain.values(), default=max(MARGINS["h100"].values()))
+        if family and family in self.min_gain:
+            return self.min_gain[family]
         return self.min_gain.get(op, largest)
 
     @property
@@ -171,6 +301,30 @@ class Preset:
         """Whether the fused GEMM runs on this machine: compute capability 9.0 (Hopper) only;
         Blackwell and Ampere keep the chunked path."""
         return self.compute_capability == (9, 0)
+
+    def spans_nodes(self, nranks: int) -> bool:
+        """Whether a tensor-parallel group of ``nranks`` spans several nodes of the domain."""
+        return nranks > self.gpus_per_node
+
+    def transport_needs(self, nranks: int) -> dict[str, str]:
+        """What each transport needs beyond the preset's hardware for a group of ``nranks``
+        (empty: nothing): across nodes, p2p and multicast reach peers' buffers through CUDA
+        fabric handles, which need the IMEX service and a channel (docs/multiprocess.md)."""
+        if not self.spans_nodes(nranks):
+            return {}
+        need = ("CUDA fabric handles across nodes: the IMEX service and an IMEX channel the job "
+                "may open (docs/multiprocess.md)")
+        return {t: need for t in self.transports if t != "nccl"}
+
+    def check_group(self, nranks: int) -> None:
+        """Raises when ``nranks`` GPUs do not fit the preset's NVLink domain (the model prices
+        one domain: its links, not a network between domains)."""
+        if nranks > self.nvlink_domain:
+            raise ValueError(
+                f"nranks={nranks}: preset {self.name!r} models one NVLink domain of "
+                f"{self.nvlink_domain} GPUs; a tensor-parallel group across domains crosses the "
+                "network, which the model does not price (use a group of at most "
+                f"{self.nvlink_domain}, or a preset of a larger domain such as gb200-nvl72)")
 
     @property
     def transports(self) -> tuple[str, ...]:
@@ -248,11 +402,6 @@ _FUSED_RATE = ("assumption from published fused GEMMs alone against cuBLAS at th
                "sm90 kernel with 128x256 tiles (docs/gpu-internals.md §5), taken at the low end "
                "of the large-tile ratios. Never measured: refit on a GPU")
 _FUSED_TILE = "docs/gpu-internals.md §5: the fused GEMM's CTA tile, 128 x 256 x 64"
-_REDUCE_SM = ("assumption: Triton-distributed reduces on 15-16 SMs of an H800, "
-              "'16 are enough ... The reduction kernel bandwidth is not a bottleneck if it "
-              "exceeds 450GB' (ByteDance-Seed/Triton-distributed, python/triton_dist/kernels/"
-              "nvidia/reduce_scatter.py): at least 450/16 = 28 GB/s per SM, taken as the rate. "
-              "Never measured here: refit on a GPU")
 _NCCL_FRACTION = H100_FIT["nccl_gbps"] / 450.0
 _NCCL_P2P_FRACTION = 180.0 / 450.0
 _CE_FRACTION = 380.0 / 450.0
@@ -262,23 +411,24 @@ def _flop(m: int, n: int, k: int) -> float:
     return 2.0 * m * n * k
 
 
-_GIB, _MIB = 1 << 30, 1 << 20
+_GIB, _MIB, _KIB = 1 << 30, 1 << 20, 1 << 10
 # The ranges covered by each machine's published rows (sim.published.calibrated_ranges).
 _ONE_FLUX_SHAPE = {"gemm_flop": (_flop(4096, 6144, 12288),) * 2,
                    "collective_bytes": (96.0 * _MIB,) * 2,
                    "ag_matmul": (_flop(4096, 6144, 12288),) * 2,
                    "matmul_rs": (_flop(4096, 6144, 12288),) * 2}
 _CALIBRATED = {
-    "h100": {"gemm_flop": (_flop(1024, 8192, 3584), _flop(32768, 7168, 8192)),
-             "collective_bytes": (2.0 * _MIB, 8.0 * _GIB),
+    "h100": {"gemm_flop": (_flop(1, 12288, 5376), _flop(32768, 7168, 8192)),
+             "collective_bytes": (16.0 * _KIB, 8.0 * _GIB),
              "ag_matmul": (_flop(1024, 7168, 8192), _flop(32768, 7168, 8192)),
-             "matmul_rs": (_flop(1024, 8192, 3584), _flop(32768, 8192, 3584))},
+             "matmul_rs": (_flop(4096, 4096, 1024), _flop(8192, 8192, 14784))},
     "h800": {"gemm_flop": (_flop(8192, 1376, 4096), _flop(8192, 6656, 16384)),
              "collective_bytes": (96.0 * _MIB,) * 2,
              "ag_matmul": (_flop(8192, 1376, 4096), _flop(8192, 6656, 16384)),
              "matmul_rs": (_flop(8192, 4096, 1376), _flop(4096, 6144, 12288))},
     "a800": _ONE_FLUX_SHAPE,
     "pcie8": _ONE_FLUX_SHAPE,
+    "b200": {"gemm_flop": (_flop(1024, 2048, 1024), _flop(16384, 16384, 16384))},
 }
 
 
@@ -296,8 +446,35 @@ _HOPPER = dict(
     gemm_best_shape=(2048, 2048, 13312),
     hbm_gbps=3350.0,
     mc_ramp_us=H100_FIT["nccl_ramp_us"],
+    gemm_classes={"fp8": H100_FP8_FIT},
     **{k: v for k, v in H100_FIT.items() if k != "nccl_gbps"},  # rates: _per_link
 )
+_SHARED_SOURCES = {
+    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's custom all-reduce of 2 KiB "
+                     "and 16 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang PR #2904, "
+                     "whose 'data size' counts float32 elements), less signal_latency_us",
+    "nccl_step_us": _NCCL_FIT + "; with the all-reduces of 16 KiB-1 MiB on 8xH100 of "
+                    "ByteDance-Seed/Triton-distributed#57 and vllm-project/vllm PR #24111 "
+                    "(21-32 us); the form, a per-call latency plus a latency per ring step, is "
+                    "NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc)",
+    "graph_node_us": "ahrefs/ocannl#488: a replayed CUDA graph costs ~0.58 us per kernel node "
+                     "(RTX 5070 Ti, CUDA 13; no datacenter-GPU number published: an assumption)",
+    "ar_start_us": "fitted (sim.published.fit_one_launch) with ar_flag_us to the lean one-launch "
+                   "one-shot all-reduces on H100: vLLM's ca_1stage in CUDA graphs (vllm-project/"
+                   "vllm PR #24111, tp 6/8, 0.5-1 MiB) and sglang's one-launch kernel (sgl-project/"
+                   "sglang PR #2904, tp 2/4/8, 2-128 KiB)",
+    "ar_flag_us": "fitted with ar_start_us (see there)",
+    "p2p_load_gbps": "None: SM loads from peers reach the line rate (vllm-project/vllm PR #24111: "
+                     "a one-shot of 1 MiB on 8xH100 reads 7 MiB from peers in ~16 us, "
+                     "~450 GB/s)",
+    "reduce_sm_gbps": "ByteDance-Seed/Triton-distributed python/triton_dist/kernels/nvidia/"
+                      "reduce_scatter.py: 16 SMs suffice for a reduction at H800's 450 GB/s "
+                      "(>= 28 GB/s per SM); an assumption for other GPUs",
+    "reduce_efficiency": "pytorch/pytorch PR #191803: a Triton reduction of stacked partials "
+                         "reaches 82-88% of HBM peak (torch.sum 23-43% at the same traffic)",
+    "gpus_per_node": "an HGX board: 8 GPUs per node and per NVLink domain",
+    "nvlink_domain": "an HGX board: 8 GPUs per node and per NVLink domain",
+}
 _HOPPER_SOURCES = {
     "compute_capability": _CC.format("H100, H800, H200: 9.0"),
     "fused_gemm_rate": _FUSED_RATE,
@@ -312,6 +489,12 @@ _HOPPER_SOURCES = {
                        "GEMMs of the other rows run a few % slower",
     "gemm_k_half": _GEMM_FIT,
     "gemm_overhead_us": _GEMM_FIT,
+    "gemm_classes": "fp8: fitted (sim.published_gemms.fit_fp8) to DeepGEMM's FP8 GEMMs at M 4096 "
+                    "on H800 (deepseek-ai/DeepGEMM README, the H100 die), with the FP8 tiles of "
+                    "pytorch/FBGEMM's sm90 rowwise kernels (K tile 128); the fused FP8 kernel's "
+                    "tile 128x128x128 (CUTLASS's sm90 FP8 mainloop with promotion); checked "
+                    "against vllm-project/vllm PR #49363 (H100, M 1-128) and pytorch/FBGEMM PR "
+                    "#2546 (H100 500 W)",
     "gemm_tiles": "128x256 is the top Hopper GEMM config in bytedance/flux#100's tuning logs "
                   "(tile_shape=(128,256,64)); 256x128, 128x128 and 64-row tiles are the "
                   "CUTLASS sm90 alternatives (assumed equally efficient)",
@@ -324,11 +507,60 @@ _HOPPER_SOURCES = {
     "interference": _INTERFERENCE_FIT,
     "nccl_sms": _INTERFERENCE_FIT,
     "latencies": _FIXED_FIT,
-    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
-                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
-                     "PR #2904), less signal_latency_us",
     "min_gain": _MARGIN,
-    "reduce_sm_gbps": _REDUCE_SM,
+}
+
+_NCCL_SM100_OVER_SM90 = 40.1 / 20.6  # NCCL's per-link NVLink bandwidths (src/graph/topo.h)
+_BLACKWELL = dict(
+    sms=148,
+    compute_capability=(10, 0),
+    hbm_gbps=8000.0,
+    **B200_FIT,
+    gemm_classes=B200_CLASSES,
+    link_gbps=900.0,
+    nccl_gbps=round(H100_FIT["nccl_gbps"] * _NCCL_SM100_OVER_SM90, 1),
+    nccl_p2p_gbps=round(180.0 * _NCCL_SM100_OVER_SM90, 1),
+    p2p_gbps=770.0,
+    multicast_gbps=round(H100_FIT["nccl_gbps"] * _NCCL_SM100_OVER_SM90, 1),
+    nccl_ramp_us=H100_FIT["nccl_ramp_us"],
+    nccl_latency_us=H100_FIT["nccl_latency_us"],
+    nccl_step_us=H100_FIT["nccl_step_us"],
+    mc_ramp_us=H100_FIT["nccl_ramp_us"],
+    interference=H100_FIT["interference"],
+    nccl_sms=H100_FIT["nccl_sms"],
+)
+_B200_GEMM_FIT = _FITTED.format("fit_b200", "pytorch/ao PR #2427's square BF16 matmuls on a B200 "
+                                "(2048^3-8192^3: 63-67% of peak; MAMF's best-of-search 1745 "
+                                "TFLOP/s is held out as a check)")
+_BLACKWELL_SOURCES = {
+    "sms": "B200: 148 SMs (datasheet)",
+    "compute_capability": _CC.format("B200 10.0 (no fused GEMM: sm_90a code does not run on "
+                                     "it, docs/gpu-internals.md §5)"),
+    "hbm_gbps": "NVIDIA B200 datasheet, 8 TB/s",
+    "gemm_efficiency": _B200_GEMM_FIT,
+    "gemm_best_shape": _B200_GEMM_FIT,
+    "gemm_k_half": _B200_GEMM_FIT,
+    "gemm_overhead_us": _B200_GEMM_FIT + " (0: that harness times kernels back to back; the "
+                        "h100's 9 us would put 2048^3 above the peak)",
+    "gemm_classes": _FITTED.format("fit_b200", "FP8: NVIDIA/TransformerEngine#1747 (8192^3, "
+                                   "2377 TFLOP/s), pytorch/helion PR #2756 (torch._scaled_mm "
+                                   "4096^3 ~1860), vllm-project/vllm PR #19566 (M 128-512, N "
+                                   "6144, K 4096); MXFP8: flashinfer-ai/flashinfer PR #2464 "
+                                   "(CUTLASS mm_mxfp8, 790-3201 TFLOP/s); the FP8 tiles assumed "
+                                   "as Hopper's"),
+    "link_gbps": "NVLink5: 1.8 TB/s bidirectional -> 900 per direction (datasheet)",
+    "nccl_gbps": "derived: the fitted h100's rate x NCCL's own SM100 / SM90 NVLink bandwidth per "
+                 "link (NVIDIA/nccl src/graph/topo.h: 40.1 / 20.6 GB/s); no AG/RS-by-size "
+                 "table published for 8xB200 (an 8xB200 node's NVLS all-reduce reaches 830+ "
+                 "GB/s busbw, NVIDIA/nccl#1807)",
+    "nccl_p2p_gbps": "derived as nccl_gbps from the h100's send/recv cap (NVIDIA/nccl-tests#268)",
+    "p2p_gbps": "Azure/AI-benchmarking-guide#7: nvbandwidth's p2p on a GB200 node ~770 GB/s per "
+                "direction (the same NVLink5 and GPU)",
+    "multicast_gbps": "assumption: NVLS at the NCCL rate",
+    "nccl_ramp_us": _AS_H100, "nccl_latency_us": _AS_H100,
+    "interference": _AS_H100, "nccl_sms": _AS_H100,
+    "latencies": _FIXED_FIT,
+    "min_gain": "as h100 (no published call on this machine)",
 }
 
 PRESETS: dict[str, Preset] = {
@@ -343,7 +575,7 @@ PRESETS: dict[str, Preset] = {
             min_gain=MARGINS["h100"],
             calibrated=_CALIBRATED["h100"],
             description="The reference machine: HGX H100, where most published rows ran.",
-            sources={**_HOPPER_SOURCES,
+            sources={**_SHARED_SOURCES, **_HOPPER_SOURCES,
                      "link_gbps": "NVLink4 450 GB/s per direction (NVIDIA/nccl-tests#212, "
                                   "maintainer: '450GB/s is the line rate')",
                      "calibrated": "the h100 rows of sim.published"},
@@ -357,7 +589,7 @@ PRESETS: dict[str, Preset] = {
             min_gain=MARGINS["other"],
             calibrated=_CALIBRATED["h800"],
             description="H100 compute with the export NVLink: 400 GB/s bidirectional.",
-            sources={**_HOPPER_SOURCES,
+            sources={**_SHARED_SOURCES, **_HOPPER_SOURCES,
                      "peak_tflops": "the H100 die: same SMs and tensor cores",
                      "link_gbps": "NVLink 400 GB/s bidirectional -> 200 per direction "
                                   "(bytedance/flux README 'Performance', 8xH800)",
@@ -374,7 +606,7 @@ PRESETS: dict[str, Preset] = {
             multicast_gbps=H100_FIT["nccl_gbps"],
             min_gain=MARGINS["h100"],
             description="H100 compute and NVLink with faster HBM3e.",
-            sources={**_HOPPER_SOURCES,
+            sources={**_SHARED_SOURCES, **_HOPPER_SOURCES,
                      "peak_tflops": "same Hopper die as H100 (NVIDIA H200 datasheet)",
                      "hbm_gbps": "NVIDIA H200 datasheet, 4.8 TB/s",
                      "link_gbps": "NVLink4, 450 GB/s per direction (as H100)",
@@ -399,7 +631,7 @@ PRESETS: dict[str, Preset] = {
             nccl_sms=24,
             min_gain=MARGINS["h100"],
             description="No multicast: multimem needs sm_90.",
-            sources={
+            sources={**_SHARED_SOURCES,
                 "peak_tflops": "NVIDIA A100 datasheet: 312 TFLOP/s BF16 dense, TF32 156; no FP8 "
                                "tensor cores (sm_80): FP8 GEMMs run dequantized, at the BF16 "
                                "rate",
@@ -417,9 +649,6 @@ PRESETS: dict[str, Preset] = {
                 "interference": _AS_H100,
                 "nccl_sms": "assumption: fewer NCCL channels than on H100",
                 "latencies": _FIXED_FIT,
-    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
-                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
-                     "PR #2904), less signal_latency_us",
                 "min_gain": "as h100 (no published row on this machine)",
             },
         ),
@@ -442,7 +671,7 @@ PRESETS: dict[str, Preset] = {
             min_gain=MARGINS["other"],
             calibrated=_CALIBRATED["a800"],
             description="A100 compute with the export NVLink: 400 GB/s bidirectional.",
-            sources={
+            sources={**_SHARED_SOURCES,
                 "peak_tflops": "the A100 die (NVIDIA A800 datasheet); no FP8 tensor cores",
                 "compute_capability": "the A100 die: 8.0 (no fused GEMM: sm_90a only)",
                 "gemm_efficiency": f"{_MAMF}: A100 SXM 271.2 TFLOP/s (the same die)",
@@ -455,9 +684,6 @@ PRESETS: dict[str, Preset] = {
                 "multicast_gbps": "multimem PTX needs sm_90+ -> unsupported",
                 "interference": _AS_H100,
                 "latencies": _FIXED_FIT,
-    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
-                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
-                     "PR #2904), less signal_latency_us",
                 "min_gain": _MARGIN,
                 "calibrated": "the a800 rows of sim.published",
             },
@@ -465,45 +691,44 @@ PRESETS: dict[str, Preset] = {
         Preset(
             name="b200",
             gpu="B200, HGX 8-GPU, NVLink5 via NVSwitch",
-            sms=148,
-            compute_capability=(10, 0),
+            **_BLACKWELL,
             peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0,
                          "float8": 4500.0},
-            gemm_efficiency=0.776,
-            gemm_best_shape=(1792, 16128, 3072),
-            gemm_k_half=H100_FIT["gemm_k_half"],
-            gemm_overhead_us=H100_FIT["gemm_overhead_us"],
-            hbm_gbps=8000.0,
-            **_per_link(900.0),
-            multicast_gbps=round(900.0 * _NCCL_FRACTION, 1),
-            nccl_ramp_us=H100_FIT["nccl_ramp_us"],
-            mc_ramp_us=H100_FIT["nccl_ramp_us"],
-            interference=H100_FIT["interference"],
-            nccl_sms=H100_FIT["nccl_sms"],
             min_gain=MARGINS["h100"],
+            calibrated=_CALIBRATED["b200"],
             description="Blackwell: twice H100's NVLink, ~2.3x its dense BF16.",
-            sources={
-                "peak_tflops": "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU; "
-                               "FP8 72 PFLOP/s per 8 GPUs with sparsity -> 4.5 dense per GPU",
-                "gemm_efficiency": f"{_MAMF}: B200 SXM 1745 TFLOP/s = 77.6% at "
-                                   "1792x16128x3072",
-                "gemm_k_half": _AS_H100, "gemm_overhead_us": _AS_H100,
-                "sms": "B200: 148 SMs (datasheet)",
-                "compute_capability": _CC.format("B200 10.0 (no fused GEMM: sm_90a code does "
-                                                 "not run on it, docs/gpu-internals.md §5)"),
-                "hbm_gbps": "NVIDIA B200 datasheet, 8 TB/s",
-                "link_gbps": "NVLink5: 1.8 TB/s bidirectional -> 900 per direction (datasheet)",
-                "nccl_gbps": _LINE.format(H100_FIT["nccl_gbps"]) + "; an 8xB200 node reaches "
-                             "830+ GB/s all-reduce busbw with NVLS (NVIDIA/nccl#1807)",
-                "nccl_p2p_gbps": _LINE.format(180.0), "p2p_gbps": _LINE.format(380.0),
-                "multicast_gbps": "assumption: NVLS at the NCCL rate",
-                "interference": _AS_H100, "nccl_sms": _AS_H100,
-                "latencies": _FIXED_FIT,
-    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
-                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
-                     "PR #2904), less signal_latency_us",
-                "min_gain": "as h100 (no published row on this machine)",
-            },
+            sources={**_SHARED_SOURCES, **_BLACKWELL_SOURCES,
+                     "peak_tflops": "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per "
+                                    "GPU; FP8 72 PFLOP/s per 8 GPUs with sparsity -> 4.5 "
+                                    "dense per GPU (MXFP8 at the FP8 rate)"},
+        ),
+        Preset(
+            name="gb200-nvl72",
+            gpu="GB200 NVL72: B200 at 1200 W, 4 per compute tray, 72 in one NVLink5 domain",
+            **{**_BLACKWELL, "gpus_per_node": 4, "nvlink_domain": 72},
+            peak_tflops={"bfloat16": 2500.0, "float16": 2500.0, "float32": 1250.0,
+                         "float8": 5000.0},
+            min_gain=MARGINS["gb200-nvl72"],
+            description="Tensor-parallel groups across compute trays over multi-node NVLink: "
+                        "p2p and multicast through fabric handles (IMEX).",
+            sources={**_SHARED_SOURCES, **_BLACKWELL_SOURCES,
+                     "peak_tflops": "NVIDIA GB200 NVL72 datasheet: 360 PFLOP/s dense FP16/BF16 "
+                                    "and 720 FP8 per 72 GPUs with sparsity halved -> 2.5 and 5.0 "
+                                    "dense per GPU (the B200 at 1200 W)",
+                     "gemm_efficiency": "assumed as the b200's fit (the same die at a higher "
+                                        "power limit): no published GB200 GEMM rows",
+                     "gemm_classes": "assumed as the b200's fits",
+                     "p2p_gbps": "Azure/AI-benchmarking-guide#7: nvbandwidth's p2p on a GB200 "
+                                 "node ~770 GB/s per direction (inside a tray; across trays "
+                                 "the same NVLink switches: assumed equal)",
+                     "gpus_per_node": "a GB200 NVL72 compute tray: 2 Grace CPUs, 4 B200 GPUs, "
+                                      "one OS instance (NVIDIA GB200 NVL72 datasheet)",
+                     "nvlink_domain": "72 GPUs on one NVLink switch system, 1.8 TB/s per GPU "
+                                      "(NVIDIA GB200 NVL72 datasheet); coreweave/nccl-tests PR "
+                                      "#43 measured all-reduce busbw 835-847 GB/s over all 72",
+                     "transports": "p2p and multicast across trays need CUDA fabric handles "
+                                   "and IMEX (docs/multiprocess.md); Preset.transport_needs says "
+                                   "so per group"},
         ),
         Preset(
             name="pcie8",
@@ -527,7 +752,7 @@ PRESETS: dict[str, Preset] = {
             min_gain=MARGINS["other"],
             calibrated=_CALIBRATED["pcie8"],
             description="A PCIe-only box: the 8xL20 of bytedance/flux docs/performance.md.",
-            sources={
+            sources={**_SHARED_SOURCES,
                 "peak_tflops": "NVIDIA L20 datasheet: 119.5 TFLOP/s FP16/BF16 dense; FP8: "
                                "assumption, twice that (Ada's FP8 tensor-core rate is twice "
                                "its FP16 rate, NVIDIA Ada Lovelace architecture whitepaper)",
@@ -547,9 +772,6 @@ PRESETS: dict[str, Preset] = {
                 "nccl_ramp_us": "assumption",
                 "interference": _AS_H100,
                 "latencies": _FIXED_FIT,
-    "mc_latency_us": "fitted (sim.published.fit_one_shot) to vLLM's one-shot custom all-reduce "
-                     "of 512 B and 4 KiB on H100, tp 2/4/8 (the table of sgl-project/sglang "
-                     "PR #2904), less signal_latency_us",
                 "min_gain": _MARGIN,
                 "calibrated": "the pcie8 rows of sim.published",
             },

@@ -86,8 +86,10 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
                  ) -> list[dict[str, object]]:
     """Decode shapes (M 1-256): latency, not bandwidth. Per case: the xla path (GEMM, then
     NCCL's ring all-reduce: 2(N-1) steps), the best two-shot and one-shot native plans, what
-    the chooser picks with impl="auto" and with impl="native", and why."""
-    from jaxoverlap.sim import model
+    the chooser picks with impl="auto" and with impl="native", and why; and what the fastest
+    one-launch all-reduce kernel would cost captured in a command buffer (``sim.allreduce``,
+    ``sim.launch``: a kernel the executors do not run yet)."""
+    from jaxoverlap.sim import allreduce, launch, model
 
     p = load_preset(preset)
     rows: list[dict[str, object]] = []
@@ -115,9 +117,16 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
         else:
             why = f"{auto.best.candidate.label}: {1 - auto.best.t_fused / xla.t_xla:.0%} " \
                   f"below xla (margin {auto.min_gain:.0%})"
+        nbytes = case.m * case.n * (4 if case.dtype == "float32" else 2)
+        # the one-shot: the family the lean published kernels fit (the two-shot's published
+        # kernels run up to 3x what the mechanism prices: its margin says so)
+        kernel, algorithm, transport = allreduce.best(p, case.nranks, nbytes,
+                                                      algorithms=("one_shot",))
         rows.append({
             "preset": p.name, "case": case.label, "m": case.m,
-            "bytes": case.m * case.n * (4 if case.dtype == "float32" else 2),
+            "bytes": nbytes,
+            "t_one_launch_us": launch.call_time(p, kernel, 1, captured=True) * 1e6,
+            "one_launch": f"{algorithm.replace('_', '-')} {transport}",
             "t_xla_us": xla.t_xla * 1e6, "t_comm_us": xla.t_comm_xla * 1e6,
             "t_two_shot_us": best_of["two_shot"].t_fused * 1e6 if best_of["two_shot"] else None,
             "t_one_shot_us": best_of["one_shot"].t_fused * 1e6 if best_of["one_shot"] else None,
@@ -133,27 +142,82 @@ def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
         return "—" if v is None else f"{v:.1f}"
 
     lines = [MODEL_LABEL, f"{'case':<16} {'y bytes':>9} {'xla µs':>8} {'AR µs':>7} "
-             f"{'2-shot µs':>10} {'1-shot µs':>10}  pick (auto) / pick (native)"]
+             f"{'2-shot µs':>10} {'1-shot µs':>10} {'1-launch 1-shot':>15}  "
+             "pick (auto) / pick (native)"]
     for r in rows:
         lines.append(f"{r['case']:<16} {r['bytes']:>9} {us(r['t_xla_us']):>8} "
                      f"{us(r['t_comm_us']):>7} {us(r['t_two_shot_us']):>10} "
-                     f"{us(r['t_one_shot_us']):>10}  {r['pick']} / {r['native_pick']}")
+                     f"{us(r['t_one_shot_us']):>10} {us(r['t_one_launch_us']):>15}  "
+                     f"{r['pick']} / {r['native_pick']}")
     for r in rows:
         lines.append(f"  {r['case']}: {r['why']}; native: {r['why_native']}"
                      + (" (outside the calibrated range)" if r["outside"] else ""))
+    lines.append("  1-launch 1-shot: a one-shot all-reduce in one kernel, captured in a command "
+                 "buffer (" + ", ".join(f"{r['case'].split()[-1]} {r['one_launch']}"
+                                        for r in rows)
+                 + "): a model of a kernel the executors do not run yet (docs/performance.md)")
     return "\n".join(lines)
 
 
-def markdown_decode_table(preset: str | Preset = "h100") -> str:
-    """The decode table of docs/performance.md (the same numbers as ``bench --model``)."""
+OVERLAPPED_LABEL = ("PROJECTION of a program not built yet (sim.reduction.overlapped: GEMM+RS "
+                    "whose copies and reduction overlap the GEMM), not a measurement")
+
+
+def overlapped_table(preset: str | Preset, cases: Sequence[Case] = STANDARD_CASES
+                     ) -> list[dict[str, object]]:
+    """The GEMM+RS cases (16-bit, over p2p) priced as the overlapped design of
+    ``sim.reduction.overlapped``: xla's time, the projection's, its parts and its design."""
+    from jaxoverlap.sim import reduction
+    from jaxoverlap.sim.plan import baseline_times
+
+    p = load_preset(preset)
+    rows: list[dict[str, object]] = []
+    if not p.p2p_gbps:
+        return rows
+    for case in cases:
+        if case.op != "matmul_rs" or canonical_dtype(case.dtype) in FP8_DTYPES:
+            continue
+        t_gemm, t_comm = baseline_times(case.op, case.shape, case.dtype, case.nranks, p)
+        o = reduction.overlapped(p, case.dtype, 1, case.m, case.n, case.k, case.nranks)
+        xla = t_gemm + t_comm
+        design = (f"{o.chunks} sub-chunk(s), reduction on {o.sms} SMs beside the GEMM" if o.sms
+                  else f"{o.chunks} sub-chunk(s), copies beside the GEMM, one reduction after")
+        rows.append({"preset": p.name, "case": case.label, "t_xla_us": xla * 1e6,
+                     "t_us": o.seconds * 1e6, "vs_xla": xla / o.seconds,
+                     "ideal": xla / max(t_gemm, t_comm), "gemm_us": o.gemm * 1e6,
+                     "copies_us": o.copies * 1e6, "tail_us": o.tail * 1e6, "design": design,
+                     "published": case.published()})
+    return rows
+
+
+def format_overlapped_table(rows: Sequence[dict[str, object]]) -> str:
+    """The overlapped GEMM+RS projections as text, labelled a projection."""
+    lines = [OVERLAPPED_LABEL,
+             f"{'case':<12} {'xla µs':>8} {'proj. µs':>9} {'vs xla':>7} {'ideal':>6} "
+             f"{'GEMM µs':>8} {'copies µs':>10} {'tail µs':>8}  design"]
+    for r in rows:
+        lines.append(f"{r['case']:<12} {r['t_xla_us']:>8.0f} {r['t_us']:>9.0f} "
+                     f"{r['vs_xla']:>7.2f} {r['ideal']:>6.2f} {r['gemm_us']:>8.0f} "
+                     f"{r['copies_us']:>10.0f} {r['tail_us']:>8.0f}  {r['design']}")
+    for r in rows:
+        lines.append(f"  {r['case']}: published fused at this shape: {r['published']}")
+    return "\n".join(lines)
+
+
+def markdown_decode_table(preset: str | Preset = "h100",
+                          rows: Sequence[dict[str, object]] | None = None) -> str:
+    """The decode table of docs/performance.md (the same numbers as ``bench --model``);
+    ``rows``: ``decode_table(preset)`` when already computed."""
     def us(v: object) -> str:
         return "—" if v is None else f"{v:.1f}"
 
     lines = ["| M | y bytes | xla µs | NCCL all-reduce µs | best two-shot µs | best one-shot µs "
-             "| auto picks | native picks |", "|---|---|---|---|---|---|---|---|"]
-    for r in decode_table(preset):
+             "| one-launch one-shot µs (not built) | auto picks | native picks |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows if rows is not None else decode_table(preset):
         lines.append(f"| {r['m']} | {r['bytes']} | {us(r['t_xla_us'])} | {us(r['t_comm_us'])} "
-                     f"| {us(r['t_two_shot_us'])} | {us(r['t_one_shot_us'])} | {r['pick']} "
+                     f"| {us(r['t_two_shot_us'])} | {us(r['t_one_shot_us'])} "
+                     f"| {us(r['t_one_launch_us'])} ({r['one_launch']}) | {r['pick']} "
                      f"| {r['native_pick']} |")
     return "\n".join(lines)
 
@@ -222,10 +286,10 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> st
 
 def preset_table(presets: Iterable[str | Preset] = tuple(PRESETS)) -> str:
     """The presets' main numbers as a markdown table (docs/performance.md §3)."""
-    lines = ["| preset | GPU / fabric | dense BF16 TFLOP/s | best-shape eff | HBM | link | "
-             "NCCL ring | NCCL send/recv | CE p2p | multicast | fused GEMM (CC) | "
-             "margin AG / RS |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | GPU / fabric | dense BF16 TFLOP/s | best-shape eff | FP8 eff | HBM | "
+             "link | NCCL ring | NCCL send/recv | CE p2p | multicast | fused GEMM (CC) | "
+             "margin AG chunked / fused, RS chunked / fused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def rate(v: float | None, none: str) -> str:
         return f"{v:g}" if v else none
 
@@ -234,12 +298,17 @@ def preset_table(presets: Iterable[str | Preset] = tuple(PRESETS)) -> str:
         shape = "x".join(map(str, p.gemm_best_shape))
         cc = ".".join(map(str, p.compute_capability)) if p.compute_capability else "?"
         fused = f"{p.fused_gemm_rate:g}x cuBLAS ({cc})" if p.fused_gemm else f"no ({cc})"
+        fp8 = p.gemm_fit("fp8")
+        fp8_eff = (f"{fp8.efficiency:.3f} (fitted)" if fp8.measured and "float8" in p.peak_tflops
+                   else "16-bit's (extrapolated)" if "float8" in p.peak_tflops else "— (no FP8)")
+        margins = " / ".join(f"{p.margin(op, f'{op}:{kind}'):.1%}"
+                             for op in ("ag_matmul", "matmul_rs") for kind in ("chunked", "fused"))
         lines.append(
             f"| `{p.name}` | {p.gpu} | {p.peak_tflops['bfloat16']:g} | "
-            f"{p.gemm_efficiency:.3f} at {shape} | {p.hbm_gbps:g} | {p.link_gbps:g} | "
-            f"{p.nccl_gbps:g} | {rate(p.nccl_p2p_gbps, '—')} | {rate(p.p2p_gbps, 'no')} | "
-            f"{rate(p.multicast_gbps, 'no')} | {fused} | "
-            f"{p.margin('ag_matmul'):.1%} / {p.margin('matmul_rs'):.1%} |")
+            f"{p.gemm_efficiency:.3f} at {shape} | {fp8_eff} | {p.hbm_gbps:g} | "
+            f"{p.link_gbps:g} | {p.nccl_gbps:g} | {rate(p.nccl_p2p_gbps, '—')} | "
+            f"{rate(p.p2p_gbps, 'no')} | {rate(p.multicast_gbps, 'no')} | {fused} | "
+            f"{margins} |")
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ TOY = sim.Preset(
     gemm_efficiency=1.0, hbm_gbps=1e12, link_gbps=10.0, nccl_gbps=5.0, p2p_gbps=10.0,
     multicast_gbps=10.0, gemm_m_half=0.0, gemm_n_half=0.0, gemm_k_half=0.0, gemm_tiles=(),
     gemm_overhead_us=0.0, nccl_latency_us=3.0, ce_latency_us=5.0, mc_latency_us=1.0,
-    nccl_ramp_us=0.0, ce_ramp_us=0.0, mc_ramp_us=0.0, signal_latency_us=2.0,
+    nccl_ramp_us=0.0, nccl_step_us=0.0, ce_ramp_us=0.0, mc_ramp_us=0.0, signal_latency_us=2.0,
     event_latency_us=0.0, nccl_sms=25, mc_sms=10, interference=0.0, host_op_us=0.0,
     host_call_us=0.0)
 

@@ -15,13 +15,26 @@ AG = sim.Shape.from_global(8192, 8192, 3584, 8)
 RS = sim.Shape.from_global(8192, 3584, 8192, 8)
 
 
-def test_an_fp8_gemm_runs_at_the_fp8_peak_where_there_is_one():
+def test_an_fp8_gemm_runs_at_its_own_fit_of_the_fp8_peak():
+    """FP8 GEMMs are priced by their own fit (published FP8 GEMMs), not the BF16 efficiency at
+    the FP8 peak: at the fit's best shape they reach its efficiency of the FP8 peak, and an
+    8192^3 GEMM's FP8 / BF16 speed ratio lands in what pytorch/FBGEMM PR #2546 measured on one
+    H100 (1.88-2.09x; the FP8 rows of the h100-hbm2e check it shape by shape)."""
+    fp8 = H100.gemm_fit("fp8")
+    assert fp8.measured and fp8.tiles == sim.presets.FP8_TILES and fp8.fused_tile == (128, 128)
+    m, n, k = fp8.best_shape
+    assert model.gemm_plan(H100, "float8_e4m3fn", 1, m, n, k)[1] == pytest.approx(fp8.efficiency)
+    assert fp8.efficiency != H100.gemm_efficiency
     big = (1, 8192, 8192, 8192)                      # compute-bound
     bf16, f8 = (model.gemm_time(H100, d, *big) for d in ("bfloat16", "float8_e4m3fn"))
-    overhead = H100.gemm_overhead_us * 1e-6
-    assert (bf16 - overhead) / (f8 - overhead) == pytest.approx(
-        H100.peak_tflops["float8"] / H100.peak_tflops["bfloat16"], rel=1e-6)
+    assert 1.85 < bf16 / f8 < 2.10
     assert sim.get_preset("h100").peak("e5m2") == 1979.0
+    # without a fit of its own a class is the 16-bit fit at its peak, and says so
+    bare = H100.replace(gemm_classes={})
+    assert not bare.gemm_fit("fp8").measured
+    overhead = H100.gemm_overhead_us * 1e-6
+    bf16, f8 = (model.gemm_time(bare, d, *big) for d in ("bfloat16", "float8_e4m3fn"))
+    assert (bf16 - overhead) / (f8 - overhead) == pytest.approx(2.0, rel=2e-3)
     a100 = sim.get_preset("a100")                    # no FP8 tensor cores: the BF16 rate
     assert "float8" not in a100.peak_tflops and a100.peak("fp8") == a100.peak_tflops["bfloat16"]
     assert model.gemm_time(a100, "float8_e4m3fn", *big) == pytest.approx(
@@ -60,7 +73,10 @@ def test_ag_moves_one_byte_per_element_the_reductions_their_bfloat16_output():
 def test_fp8_projections_are_marked_and_never_fused():
     choice = sim.choose("ag_matmul", AG, "float8_e4m3fn", 8, H100)
     assert not any(r.candidate.fused for r in choice.table)
-    assert any("no FP8 measurement" in why for why in choice.outside)
+    assert any("fp8 GEMM alone measured" in why and "fp8 call extrapolated" in why
+               for why in choice.outside)
+    pcie = sim.outside_calibrated(sim.get_preset("pcie8"), "ag_matmul", AG, "fp8", 8)
+    assert any("fp8 GEMM alone extrapolated" in why for why in pcie)
     bf16 = sim.choose("ag_matmul", AG, "bfloat16", 8, H100)
     assert choice.table[0].t_gemm < 0.55 * bf16.table[0].t_gemm      # xla's GEMM: ~half
     with pytest.raises(ValueError, match="the fused GEMM is compiled for"):

@@ -266,7 +266,7 @@ def test_standard_ag_h100_picks_fused_near_the_published_fused_kernels():
     choice = sim.choose("ag_matmul", AG_STD, "bf16", 8, "h100")
     best = choice.best
     assert best.candidate.fused and "fused" in best.candidate.label, choice.format()
-    assert 1 + H100.margin("ag_matmul") < best.speedup_vs_xla <= 1.05 * 1.36
+    assert 1 + H100.margin("ag_matmul", "ag_matmul:fused") < best.speedup_vs_xla <= 1.05 * 1.36
     chunked = min((r for r in choice.table if r.candidate.impl == "native"
                    and not r.candidate.fused), key=lambda r: r.t_fused)
     assert best.t_fused < chunked.t_fused
@@ -282,13 +282,18 @@ def test_standard_ag_h100_picks_fused_near_the_published_fused_kernels():
 @pytest.mark.slow  # two choices at the standard shape: seconds
 def test_standard_rs_h100_keeps_unfused():
     """RS std is F8/8192's shape on F8's machine, where Flux's fused GEMM+RS lost (0.84x): the
-    h100's GEMM+RS margin, derived from that disagreement, keeps the unfused path. The fused
-    GEMM+RS pays its reduction after the kernel (over p2p: a copy and 7 adds of the own block),
-    so the fastest plan there is chunked or fused within a few percent of each other."""
+    h100's margins for the fused GEMM+RS (derived from that and Triton-distributed's losses,
+    the designs closest to it) and for the chunked ring (from PyTorch's decomposed async-TP)
+    keep the unfused path. The fused GEMM+RS pays its reduction after the kernel (over p2p: a
+    copy and 7 adds of the own block), so the fastest plan there is chunked or fused within a
+    few percent of each other."""
     choice = sim.choose("matmul_rs", RS_STD, "bf16", 8, "h100")
-    fastest = min(choice.table, key=lambda r: r.t_fused)
-    assert fastest.speedup_vs_xla < 1 / (1 - H100.margin("matmul_rs"))
+    for r in choice.table:
+        if r.candidate.impl != "xla":
+            family = sim.families.family("matmul_rs", r.candidate)
+            assert r.speedup_vs_xla < 1 / (1 - H100.margin("matmul_rs", family)), r.candidate
     assert choice.candidate.impl == "xla"
+    fastest = min(choice.table, key=lambda r: r.t_fused)
     best_fused = min((r for r in choice.table if r.candidate.fused), key=lambda r: r.t_fused)
     assert 1.0 < best_fused.speedup_vs_xla, best_fused
     assert best_fused.speedup_vs_xla >= 0.95 * fastest.speedup_vs_xla, (best_fused, fastest)

@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 from jaxoverlap import sim
-from jaxoverlap.sim import fit, fused, published
+from jaxoverlap.sim import allreduce, families, fit, fused, published, published_gemms
 
 # The performance model: no JAX.
 pytestmark = pytest.mark.jax_independent
@@ -35,32 +35,59 @@ def inputs():
     return published.evaluate_inputs()
 
 
-def test_every_model_input_is_within_10_percent(inputs):
-    bad = [(r.id, f"{r.error:+.1%}") for r in inputs if abs(r.error) > TOLERANCE]
+def test_every_model_input_is_within_its_tolerance(inputs):
+    """GEMMs, concurrency and kernels within 10%; NCCL by size within 15% (the published times
+    disagree among themselves by about that much); the held-out all-reduces within 25%."""
+    bad = [(r.id, f"{r.error:+.1%}") for r in inputs if abs(r.error) > published.input_tolerance(r)]
     assert not bad, bad
-    assert len(inputs) == (len(published.GEMMS) + len(published.COLLECTIVES) + 3
+    assert {r.kind for r in inputs if abs(r.error) > TOLERANCE and not r.held_out} <= {
+        "collective", "gemm-blackwell"}
+    assert len(inputs) == (len(published_gemms.ALL) + len(published.COLLECTIVES) + 3
+                           + len(published.NCCL_ALL_REDUCES_HELD_OUT)
                            + len(published.ONE_SHOT_ALL_REDUCES))
 
 
+def test_a_small_nccl_all_reduce_costs_its_ring_steps(inputs):
+    """The published NCCL all-reduces of 16 KiB - 1 MiB on 8xH100 take 21-32 us; the model's
+    per-step latency reproduces them (it priced 16 KiB at 11.8 us without it)."""
+    small = [r for r in inputs if r.id.startswith(("TD57-AR", "VL24111-AR")) and not r.held_out]
+    assert len(small) == len(published.NCCL_ALL_REDUCES) == 9
+    assert all(abs(r.error) <= 0.15 for r in small), [(r.id, r.error) for r in small]
+    h100 = sim.get_preset("h100")
+    assert 18e-6 < sim.collective_time(h100, "nccl", 8, 16 << 10, "matmul_ar") < 24e-6
+
+
 @pytest.mark.slow  # the model on every published row: seconds
-def test_serial_times_and_their_parts_are_within_10_percent(calls):
+def test_serial_times_and_their_parts_are_within_tolerance(calls):
     checked = 0
     for r in calls:
-        for what, err in (("serial", r.serial_error), ("GEMM", r.gemm_error),
-                          ("comm", r.comm_error)):
+        held = published.INPUT_TOLERANCE["held out"] if r.row.held_out else None
+        for what, err, tol in (("serial", r.serial_error, held or TOLERANCE),
+                               ("GEMM", r.gemm_error, TOLERANCE),
+                               ("comm", r.comm_error, published.INPUT_TOLERANCE["collective"])):
             if err is not None:
-                assert abs(err) <= TOLERANCE, (r.row.id, what, f"{err:+.1%}")
+                assert abs(err) <= tol, (r.row.id, what, f"{err:+.1%}")
                 checked += 1
     assert checked >= 40
 
 
 @pytest.mark.slow  # the model on every published row: seconds
-def test_our_speedup_never_beats_the_best_published_by_more_than_5_percent(calls):
+def test_the_closest_program_never_beats_the_published_design_by_more_than_5_percent(calls):
+    """Each published design against our program closest to it (sim.families.DESIGNS): our
+    projected speedup no more than 5% above the published one, except the rows of DISAGREES —
+    exactly the rows that disagree, each a published loss our closest program does not
+    reproduce (whose optimism then sets that family's margin)."""
     over = {r.row.id for r in calls if r.overshoot > OVERSHOOT}
     assert over == set(published.DISAGREES), sorted(over ^ set(published.DISAGREES))
     for r in calls:
-        if r.row.id not in published.DISAGREES:
-            assert r.overshoot <= OVERSHOOT, (r.row.id, r.speedup, r.row.published_speedup)
+        assert r.family == families.family(r.row.op, r.closest.candidate)
+        target = families.DESIGNS[r.row.design].family
+        if published.machine(r.row.machine).fused_gemm or not target.endswith(":fused"):
+            assert r.family == target, (r.row.id, r.family, target)  # the design's own family
+        else:  # the fused kernel does not run there: the fastest plan, an upper-bound check
+            assert r.closest is r.best_native, r.row.id
+        if r.row.id in published.DISAGREES:
+            assert r.row.loss, r.row.id  # a disagreement is a published loss we call a gain
 
 
 @pytest.mark.slow  # the model on every published row: seconds
@@ -130,6 +157,9 @@ def test_docs_show_the_generated_tables():
     text = DOC.read_text()
     assert published.markdown_table() in text
     assert published.markdown_inputs_table() in text
+    assert published.markdown_designs_table() in text
+    assert published.markdown_one_launch_table() in text
+    assert published.markdown_overlapped_table() in text
     assert sim.format_table(sim.projection_table(["h100"])) in text
     assert sim.format_table(sim.projection_table(["h100"], sim.FP8_CASES)) in text
     assert sim.report.preset_table() in text
@@ -142,13 +172,65 @@ def _close(fitted, preset, keys, rel=5e-3):
 
 def test_the_h100_numbers_are_the_fit_of_its_rows():
     h100 = sim.get_preset("h100")
-    _close(published.fit_h100(h100), h100,
-           ("gemm_efficiency", "gemm_k_half", "gemm_overhead_us", "nccl_gbps", "nccl_ramp_us",
-            "interference", "nccl_sms"))
-    # every NVLink preset takes the same protocol fractions of its line rate
-    for name in ("h800", "a100", "a800", "b200"):
+    fitted = published.fit_h100(h100)
+    _close(fitted, h100, ("gemm_efficiency", "gemm_k_half", "gemm_overhead_us", "nccl_gbps",
+                          "nccl_ramp_us", "interference", "nccl_sms", "nccl_step_us"))
+    assert fitted.nccl_latency_us == pytest.approx(h100.nccl_latency_us, abs=0.05)
+    # every NVLink4/3 preset takes the same protocol fractions of its line rate; Blackwell's
+    # NCCL the h100's times NCCL's own SM100 / SM90 per-link bandwidth (src/graph/topo.h)
+    for name in ("h800", "a100", "a800"):
         p = sim.get_preset(name)
         assert p.nccl_gbps == pytest.approx(p.link_gbps * h100.nccl_gbps / 450.0, abs=0.06)
+    for name in ("b200", "gb200-nvl72"):
+        p = sim.get_preset(name)
+        assert p.nccl_gbps == pytest.approx(h100.nccl_gbps * 40.1 / 20.6, abs=0.06)
+        assert p.p2p_gbps == 770.0  # nvbandwidth on a GB200 node (Azure/AI-benchmarking-guide#7)
+
+
+def test_the_fp8_and_blackwell_gemm_rates_are_the_fits_of_their_rows():
+    """The FP8 class on the H100 die and the B200's 16-bit / FP8 / MXFP8 classes are the fits of
+    published_gemms' rows; GB200 assumes the B200's (no published GB200 GEMM)."""
+    h100 = sim.get_preset("h100")
+    bare = h100.replace(gemm_classes={})
+    fitted = published_gemms.fit_fp8(bare).gemm_fit("fp8")
+    assert fitted.best_shape == h100.gemm_fit("fp8").best_shape
+    for key in ("efficiency", "k_half"):
+        assert getattr(fitted, key) == pytest.approx(getattr(h100.gemm_fit("fp8"), key), rel=5e-3)
+    b200 = sim.get_preset("b200")
+    refit = published_gemms.fit_b200(b200.replace(gemm_classes={}, gemm_overhead_us=9.0))
+    _close(refit, b200, ("gemm_efficiency", "gemm_k_half"), rel=1e-2)
+    assert refit.gemm_best_shape == b200.gemm_best_shape
+    assert refit.gemm_overhead_us == pytest.approx(b200.gemm_overhead_us, abs=0.05)
+    for cls in ("fp8", "mxfp8"):
+        a, b = refit.gemm_fit(cls), b200.gemm_fit(cls)
+        assert a.best_shape == b.best_shape and a.measured and b.measured, cls
+        assert a.efficiency == pytest.approx(b.efficiency, rel=1e-2), cls
+    gb = sim.get_preset("gb200-nvl72")
+    assert gb.gemm_classes == b200.gemm_classes and gb.gemm_efficiency == b200.gemm_efficiency
+    for name in ("h800", "h200"):  # the same die as the h100
+        assert sim.get_preset(name).gemm_classes == h100.gemm_classes
+
+
+def test_the_one_launch_kernel_costs_are_the_fit_of_the_lean_one_shots():
+    """ar_start_us and ar_flag_us fit the lean one-launch one-shots (each within 30%: the two
+    harnesses disagree by about that at one size); the published two-shot kernels, held out,
+    take longer than the lean mechanism prices — how much is the margin of that family."""
+    h100 = sim.get_preset("h100")
+    _close(published.fit_one_launch(h100.replace(ar_start_us=5.0, ar_flag_us=5.0)), h100,
+           ("ar_start_us", "ar_flag_us"), rel=2e-2)
+    for r in published.ONE_LAUNCH_ALL_REDUCES:
+        t = allreduce.kernel_time(published.machine(r.machine), r.algorithm, r.transport,
+                                  r.nranks, r.nbytes) * 1e6
+        if not r.held_out:
+            assert abs(t / r.us - 1) <= 0.30, (r.id, t, r.us)
+        elif r.algorithm == "two_shot":
+            assert t < r.us, r.id  # optimistic against every published two-shot
+    worst = max(r.us * 1e-6 / allreduce.kernel_time(published.machine(r.machine), r.algorithm,
+                                                     r.transport, r.nranks, r.nbytes)
+                for r in published.ONE_LAUNCH_ALL_REDUCES
+                if r.algorithm == "two_shot" and r.machine == "h100")
+    assert h100.margin("matmul_ar", "matmul_ar:one_launch:two_shot") == pytest.approx(
+        1 - 1 / worst, abs=1e-3)
 
 
 def test_the_pcie8_numbers_are_the_fit_of_its_rows():
@@ -168,21 +250,31 @@ def test_the_fused_path_costs_are_the_fit_of_the_decomposed_program():
 
 
 @pytest.mark.slow  # the model on every published row: seconds
-def test_the_margins_are_derived_from_the_measured_error():
-    for name in ("h100", "h800", "a800", "pcie8"):
+def test_the_margins_are_derived_per_family_from_the_measured_error():
+    """Every preset's margins are those its published comparisons give, family by family; a
+    family without one takes the largest (conservative), a preset without published calls the
+    h100's (its own one-launch comparisons on GB200 excepted)."""
+    for name in sim.PRESETS:
         p = sim.get_preset(name)
-        for op in sim.OPS:
-            assert p.margin(op) == pytest.approx(published.fallback_margin(name, op),
-                                                 abs=1e-3), (name, op)
+        derived = published.fallback_margins(name)
+        assert set(p.min_gain) == set(derived) == set(families.FAMILIES) | set(sim.OPS), name
+        for key, value in derived.items():
+            assert p.min_gain[key] == pytest.approx(value, abs=1e-3), (name, key)
     h100 = sim.get_preset("h100")
-    for name in ("h200", "a100", "b200"):  # no published row: the h100's
+    # the losses of the designs closest to each GEMM+RS family set its margin, not one per op
+    assert h100.margin("matmul_rs", "matmul_rs:fused") > h100.margin("matmul_rs",
+                                                                       "matmul_rs:chunked")
+    assert h100.margin("ag_matmul", "ag_matmul:fused") < 0.1
+    # the overlapped GEMM+RS (no program, no published comparison yet): conservative
+    assert h100.margin("matmul_rs", "matmul_rs:overlapped") == max(h100.min_gain.values())
+    for name in ("h200", "a100", "b200"):
         assert sim.get_preset(name).min_gain == h100.min_gain
 
 
 def test_the_calibrated_ranges_are_those_of_the_rows():
-    for name in ("h100", "h800", "a800", "pcie8"):
+    for name in ("h100", "h800", "a800", "pcie8", "b200"):
         assert sim.get_preset(name).calibrated == published.calibrated_ranges(name), name
-    for name in ("h200", "a100", "b200"):
+    for name in ("h200", "a100", "gb200-nvl72"):
         assert sim.get_preset(name).calibrated == {}
 
 
@@ -193,6 +285,9 @@ def test_projections_outside_the_calibrated_range_are_marked():
     reasons = sim.outside_calibrated(sim.get_preset("h100"), "ag_matmul", huge, "bf16", 8)
     assert any("above the measured" in r for r in reasons)
     b200 = sim.outside_calibrated(sim.get_preset("b200"), "ag_matmul", std, "bf16", 8)
-    assert b200 and "no published or measured point" in b200[0]
+    assert b200 == ["no measured collective on this machine",
+                    "no measured fused ag_matmul on this machine"]  # its GEMMs are measured
+    gb200 = sim.outside_calibrated(sim.get_preset("gb200-nvl72"), "ag_matmul", std, "bf16", 8)
+    assert gb200 and "no published or measured point" in gb200[0]
     choice = sim.choose("ag_matmul", std, "bf16", 8, "b200")
     assert "OUTSIDE THE CALIBRATED RANGE" in choice.format()

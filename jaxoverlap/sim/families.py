@@ -1,0 +1,166 @@
+"""Program families, the published designs closest to each, and each family's margin.
+
+A *family* is a kind of program whose mechanism the model prices one way: the chunked programs
+(separate GEMMs per block, ordered by flags), the fused ones (one persistent GEMM waiting on or
+releasing per-block flags), the one-launch all-reduce kernels... How well the model reproduces
+the published results of the designs closest to a family is how far its projections for that
+family can be trusted, so the automatic choice needs a predicted gain above that family's own
+margin (``margins``), not one margin per op: a published loss of Flux's fused GEMM+RS speaks
+against our fused GEMM+RS, not against our chunked ring.
+
+``DESIGNS`` names each published design by its mechanism (where the partials live, who moves
+and who reduces them, what is exposed after the GEMM: the sources' own code, cited), and the
+family of ours closest to it; docs/performance.md §4 shows the table. A family with no
+published comparison on a machine gets a conservative margin: the largest derived there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FAMILIES: dict[str, str] = {
+    "ag_matmul:chunked": "AG+GEMM, chunked: a GEMM per shard or sub-chunk after its transfer "
+                         "(native, not fused; impl='ring' too)",
+    "ag_matmul:fused": "AG+GEMM, fused: one persistent GEMM whose tiles wait on per-block flags",
+    "matmul_rs:chunked": "GEMM+RS, chunked ring: each step's GEMM accumulates onto the partial "
+                         "received, the sum folded into the GEMMs' epilogues",
+    "matmul_rs:fused": "GEMM+RS, release-only fused: one persistent GEMM releases each "
+                       "destination's partial; the copies and the owner's reduction (a copy and "
+                       "N-1 adds over p2p, a load-reduce over multicast) after the kernel",
+    "matmul_rs:overlapped": "GEMM+RS whose reduction overlaps the GEMM (not built yet)",
+    "matmul_ar:chunked": "GEMM+AR, two-shot: a chunked reduce-scatter ring, then an all-gather",
+    "matmul_ar:one_shot": "GEMM+AR, one-shot over host-enqueued copies or stores",
+    "matmul_ar:one_launch:one_shot": "all-reduce in one kernel launch, one-shot (not built yet)",
+    "matmul_ar:one_launch:two_shot": "all-reduce in one kernel launch, two-shot (not built yet)",
+}
+
+
+def family(op: str, candidate: Any) -> str:
+    """The family of a ``sim.Candidate`` of ``op`` (the xla path has none: "")."""
+    if candidate.impl == "xla":
+        return ""
+    if op == "matmul_ar":
+        from jaxoverlap.sim.allreduce import base_algorithm
+
+        if kernel := base_algorithm(candidate.algorithm):
+            return f"matmul_ar:one_launch:{kernel}"
+        return "matmul_ar:one_shot" if candidate.algorithm == "one_shot" else "matmul_ar:chunked"
+    return f"{op}:{'fused' if candidate.fused else 'chunked'}"
+
+
+@dataclass(frozen=True)
+class Design:
+    """A published design: its mechanism in a line, the family of ours closest to it."""
+
+    name: str
+    family: str
+    mechanism: str
+    source: str
+
+
+DESIGNS: dict[str, Design] = {d.name: d for d in (
+    Design("flux-ag", "ag_matmul:fused",
+           "copy-engine all-gather; a CUTLASS GEMM whose tiles wait on the shards' signals",
+           "bytedance/flux README, docs/design.md"),
+    Design("symm-mem-ag", "ag_matmul:fused",
+           "copy-engine pulls; a persistent Triton GEMM waiting on per-shard flags",
+           "yifuwang/symm-mem-recipes README"),
+    Design("triton-dist-ag", "ag_matmul:fused",
+           "a persistent GEMM waiting on per-block flags of a copy-engine or SM all-gather",
+           "ByteDance-Seed/Triton-distributed README"),
+    Design("multicast-ag", "ag_matmul:chunked",
+           "a multicast all-gather, then one GEMM (separate kernels)",
+           "pytorch/pytorch PR #143160"),
+    Design("decomposed-ag", "ag_matmul:chunked",
+           "PyTorch's decomposed AG+GEMM: copy-engine copies and a GEMM per shard on two "
+           "alternating streams", "pytorch/pytorch PR #143160"),
+    Design("flux-rs", "matmul_rs:fused",
+           "Hopper, fuse_reduction=False: the GEMM kernel's extra warps TMA-pull peers' tiles "
+           "into a local reduce buffer; after a barrier a separate torch sum over the N "
+           "stacked partials",
+           "bytedance/flux src/gemm_rs/sm90_reduce_scatter_utils.hpp, "
+           "ths_op/gemm_reduce_scatter.cc"),
+    Design("triton-dist-rs", "matmul_rs:fused",
+           "intra-node: a persistent GEMM on every SM stores its partial locally; the copy "
+           "engine pushes each destination's block once its tiles are stored; after a barrier "
+           "one whole-grid kernel reduces the N partials",
+           "ByteDance-Seed/Triton-distributed python/triton_dist/kernels/nvidia/"
+           "gemm_reduce_scatter.py, reduce_scatter.py"),
+    Design("kraken-ce-rs", "matmul_rs:fused",
+           "as triton-dist-rs: a persistent GEMM, per-destination counters, copy-engine pushes, "
+           "a tail reduction kernel",
+           "meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py"),
+    Design("async-tp-rs", "matmul_rs:chunked",
+           "PyTorch async-TP (decomposed): a cuBLAS GEMM per destination on two streams, "
+           "copy-engine pulls, a torch sum of the stacked partials after",
+           "pytorch/pytorch torch/distributed/_symmetric_memory fused_matmul_reduce_scatter"),
+    Design("te-ring-rs", "matmul_rs:chunked",
+           "TransformerEngine ring exchange: a GEMM chunk per destination, copy-engine sends, "
+           "the chunks reduced after", "NVIDIA/TransformerEngine comm_gemm_overlap.cpp"),
+    Design("cutlass-distgemm-rs", "matmul_rs:chunked",
+           "CUTLASS Distributed GEMM, ReduceScatter1D_TilingA_RotatingC: a ring whose GEMM "
+           "epilogues read the neighbour's partial (the sum folded into the epilogue)",
+           "NVIDIA/cutlass include/cutlass/experimental/distributed"),
+    Design("te-pipeline-rs", "matmul_rs:overlapped",
+           "TransformerEngine pipeline: 4 GEMM chunks on S - 16 SMs, a 16-SM reduce-scatter "
+           "kernel (SM loads of peers' buffers) overlapping the next chunk; the last on all SMs",
+           "NVIDIA/TransformerEngine comm_gemm_overlap.cpp, userbuffers.cu"),
+    Design("thunderkittens-rs", "matmul_rs:overlapped",
+           "a persistent GEMM that TMA store-adds each finished tile into its owner's output "
+           "(no staging buffer, the adds in bf16 at the destination)",
+           "HazyResearch/ThunderKittens kernels/parallel/gemm_rs/gemm_rs_h100.cu"),
+    Design("lean-one-shot", "matmul_ar:one_launch:one_shot",
+           "one kernel: a flag round, every rank loads the peers' inputs and sums, a flag round",
+           "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_1stage)"),
+    Design("torch-symm-mem-two-shot", "matmul_ar:one_launch:two_shot",
+           "one kernel: a reduce-scatter (peers' loads or multimem.ld_reduce) and an all-gather "
+           "between barriers on every block", "pytorch/pytorch CUDASymmetricMemoryOps.cu"),
+    Design("vllm-two-stage", "matmul_ar:one_launch:two_shot",
+           "one kernel: a reduce-scatter into a registered buffer, a barrier, an all-gather",
+           "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_2stage)"),
+    Design("nvls-one-shot-norm", "matmul_ar:one_launch:one_shot",
+           "one kernel: multimem stores and load-reduce fused with residual add and RMSNorm",
+           "lightseekorg/tokenspeed PR #860"),
+)}
+
+
+def check_designs() -> None:
+    """Every design's family is a known family (an import-time check in the tests)."""
+    unknown = sorted({d.family for d in DESIGNS.values()} - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"designs name unknown families {unknown}")
+
+
+def margin(serial_errors: Sequence[float], fused_ratios: Sequence[float]) -> float:
+    """The fallback margin from the model's measured errors.
+
+    ``serial_errors``: model / measured - 1 of unfused calls (what the model can be
+    checked against); ``fused_ratios``: measured / model of fused calls (> 1: the model
+    was optimistic). A plan must be predicted faster than the unfused path by more than
+    the model's worst serial error, and by more than its worst optimism on fused calls
+    (1 - 1/ratio: how much slower the fused call really was, relative to its
+    prediction), so that a predicted gain inside the model's error is not acted on.
+    """
+    worst_serial = max((abs(e) for e in serial_errors), default=0.0)
+    worst_fused = max(fused_ratios, default=1.0)
+    return round(max(worst_serial, 1.0 - 1.0 / max(worst_fused, 1.0)), 3)
+
+
+def derived(serial_errors: Iterable[float], optimism: Mapping[str, Iterable[float]]
+            ) -> dict[str, float]:
+    """Each family's margin from its own comparisons (``margin``: the model's worst serial
+    error, and its worst optimism — published / model time, or our speedup over the published
+    one — on that family's designs); families without a comparison are absent."""
+    serial = list(serial_errors)
+    return {f: margin(serial, ratios) for f, r in optimism.items() if (ratios := list(r))}
+
+
+def complete(known: Mapping[str, float]) -> dict[str, float]:
+    """Every family's margin: its own where ``known`` has it, else the largest known
+    (conservative); each op's key too (the fallback for a family a preset does not list)."""
+    largest = max(known.values(), default=0.0)
+    out = {f: known.get(f, largest) for f in FAMILIES}
+    out.update({op: largest for op in ("ag_matmul", "matmul_rs", "matmul_ar")})
+    return out

@@ -1,0 +1,45 @@
+"""What a call costs the host, and what capturing it in a command buffer saves.
+
+The executors enqueue every op of a call from the host: a per-call cost (the FFI handler, the
+clique and program look-up, ``Preset.host_call_us``) and one per op (a kernel, a copy, a stream
+memory op, an event: ``Preset.host_op_us``). In a loop of calls the GPU cannot run faster than
+the host enqueues, so a call takes at least that long (``model.host_time``): what makes a
+16-op decode program cost ~140 us on the host whatever its bytes.
+
+XLA captures runs of command-buffer-compatible operations into command buffers (CUDA graphs)
+and replays them; a replayed call runs none of its handler's host code (openxla/xla
+``command_buffer_thunk.cc``: the handler runs again only when a buffer address changes). Its
+ops then cost only their GPU time plus ``Preset.graph_node_us`` per node (the replay's
+per-node cost, ahrefs/ocannl#488). ``call_time`` prices a call both ways; a program whose
+handler is registered command-buffer compatible is priced ``captured=True``.
+"""
+
+from __future__ import annotations
+
+from jaxoverlap.sim.presets import Preset
+
+US = 1e-6
+
+
+def host_enqueue(p: Preset, ops: int, calls: int = 1) -> float:
+    """Seconds the host spends enqueueing ``calls`` calls of ``ops`` ops each (not captured)."""
+    return calls * (p.host_call_us + ops * p.host_op_us) * US
+
+
+def replay(p: Preset, nodes: int) -> float:
+    """GPU seconds a replayed command buffer adds for ``nodes`` captured operations."""
+    return nodes * p.graph_node_us * US
+
+
+def call_time(p: Preset, gpu_seconds: float, ops: int, captured: bool = False) -> float:
+    """One call in a loop of calls: its GPU time, bounded below by the host's enqueue of its
+    ``ops`` when launched from the host; captured, the GPU time plus the replay of its nodes
+    (no host work per call)."""
+    if captured:
+        return gpu_seconds + replay(p, ops)
+    return max(gpu_seconds, host_enqueue(p, ops))
+
+
+def captured_saving(p: Preset, gpu_seconds: float, ops: int) -> float:
+    """Seconds per call that capturing saves (0 when the GPU, not the host, bounds the call)."""
+    return call_time(p, gpu_seconds, ops) - call_time(p, gpu_seconds, ops, captured=True)

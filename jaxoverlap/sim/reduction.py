@@ -1,0 +1,174 @@
+"""The mechanisms of a GEMM + reduce-scatter whose reduction overlaps the GEMM (a model of
+programs not built yet), each a function a program's ops can be priced with.
+
+Published designs that win at GEMM+RS keep the GEMM on most SMs and reduce each block of
+partials as soon as every rank has released it (docs/performance.md §4's table of designs). Their
+parts, each priced here from its own source:
+
+* **a GEMM on fewer SMs** (``gemm_time_on_sms``): the persistent GEMM leaves ``s`` SMs to a
+  reduction kernel (TransformerEngine's ``sm_count - num_comm_sm``, Triton-distributed's
+  ``NUM_SMS - num_rs_sms``): the same kernel with S - s SMs' share of the peak and its waves of
+  S - s tiles; HBM is shared, so a memory-bound GEMM loses less;
+* **a reduction kernel** (``reduction_time``): it reads N partials of a block — its own from HBM,
+  the peers' from HBM after a copy or straight over the links — and writes the block once (one
+  pass of N reads and one write, not N - 1 pairwise adds: ``pairwise_adds_time`` prices those),
+  at ``Preset.reduce_sm_gbps`` per SM up to ``Preset.reduce_efficiency`` of HBM (or the link
+  rate for peers' partials);
+* **interference**: the reduction's and the transfers' bytes slow the GEMM next to them
+  (``model.compute_rate``, as for every compute op next to transfers);
+* **the tail**: after the GEMM's last tile, one block's transfer and reduction
+  (``tail_time``), not the whole output's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxoverlap.sim import model
+from jaxoverlap.sim.presets import Preset, dtype_bytes, output_dtype
+
+US = 1e-6
+
+
+def gemm_time_on_sms(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, sms: int,
+                     accumulate: bool = False) -> float:
+    """Seconds for d = a @ w on ``sms`` of the GPU's SMs (the rest busy with another kernel):
+    the peak scaled by ``sms / p.sms`` and the tile waves on ``sms`` SMs (``model.gemm_plan``);
+    the HBM bandwidth is shared, not scaled."""
+    if batch * m * n * k == 0:
+        return 0.0
+    return model.gemm_plan(p, dtype, batch, m, n, k, accumulate, sms=sms)[0]
+
+
+def reduction_rate(p: Preset, sms: int | None = None, remote: bool = False) -> float:
+    """Bytes/s a reduction kernel on ``sms`` SMs (None or 0: as many as it needs) streams:
+    ``sms x reduce_sm_gbps``, at most ``reduce_efficiency`` of HBM, or the link rate when it
+    reads peers' memory."""
+    sms = p.sms if not sms else sms
+    if not 0 < sms <= p.sms:
+        raise ValueError(f"sms: expected 1..{p.sms} (the preset's SMs), got {sms}")
+    cap = (p.p2p_load_gbps or p.link_gbps) if remote else p.reduce_efficiency * p.hbm_gbps
+    return min(sms * p.reduce_sm_gbps, cap) * 1e9
+
+
+def reduction_sms(p: Preset, sms: int | None = None) -> int:
+    """The SMs a reduction kernel holds: its budget, or (None or 0) the fewest that reach its
+    HBM cap (more would only wait on memory)."""
+    if sms:
+        return min(int(sms), p.sms)
+    return min(p.sms, math.ceil(p.reduce_efficiency * p.hbm_gbps / p.reduce_sm_gbps))
+
+
+def reduction_time(p: Preset, sources: int, block_bytes: float, sms: int | None = None,
+                   remote: bool = False) -> float:
+    """One kernel summing ``sources`` partials of ``block_bytes`` into one block (a program's
+    ``Reduce`` op: its ``sources`` and ``sms``, 0 = the whole GPU): ``sources`` reads and one
+    write in one pass (``remote``: the sources but one read over the links from peers' memory,
+    the own one and the write in HBM), plus a kernel's fixed cost (``gemm_overhead_us``)."""
+    if sources < 1 or block_bytes < 0:
+        raise ValueError(f"sources >= 1 and block_bytes >= 0 expected, got {sources}, "
+                         f"{block_bytes}")
+    overhead = p.ar_start_us * US
+    if not remote:
+        return (sources + 1) * block_bytes / reduction_rate(p, sms) + overhead
+    over_links = (sources - 1) * block_bytes / reduction_rate(p, sms, remote=True)
+    in_hbm = 2 * block_bytes / reduction_rate(p, sms)
+    return max(over_links, in_hbm) + overhead
+
+
+def pairwise_adds_time(p: Preset, nranks: int, block_bytes: float) -> float:
+    """Today's reduction after the release-only fused GEMM+RS over p2p: a copy of the own
+    partial and N - 1 adds of a received one, each its own kernel (2 + 3(N - 1) passes)."""
+    return (model.elementwise_time(p, int(block_bytes), 2)
+            + (nranks - 1) * model.elementwise_time(p, int(block_bytes), 3))
+
+
+def tail_time(p: Preset, transport: str, nranks: int, block_bytes: float,
+              sms: int | None = None) -> float:
+    """What an overlapped GEMM+RS exposes after its GEMM's last tile: the last block's transfer
+    (its fixed start and bytes, ``model.transfer_fill``) and its reduction."""
+    x = block_bytes / (model.transfer_gbps(p, transport) * 1e9)
+    return (model.transfer_fill(p, transport, block_bytes) + x
+            + reduction_time(p, nranks, block_bytes, sms))
+
+
+def sms_for(p: Preset, nranks: int, block_bytes: float, seconds: float) -> int:
+    """The fewest SMs whose reduction of one block (N partials in HBM) fits in ``seconds``
+    (the time the GEMM takes per block): the reduction keeps pace with the GEMM."""
+    if seconds <= p.ar_start_us * US:
+        return p.sms
+    need = (nranks + 1) * block_bytes / (seconds - p.ar_start_us * US)
+    return min(p.sms, max(1, math.ceil(need / (p.reduce_sm_gbps * 1e9))))
+
+
+# The SM budgets and sub-chunk counts a projection tries: the executors cap a kernel's budget at
+# 32 SMs (a program holds it on every GPU it runs on); 0: no reduction beside the GEMM, one
+# reduction on every SM after it.
+SM_BUDGETS = (0, 8, 16, 24, 32)
+CHUNKS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Overlapped:
+    """A projection of one GEMM+RS whose transfers (and reduction) overlap the GEMM."""
+
+    seconds: float
+    sms: int  # the reduction's SMs beside the GEMM (0: one reduction after it, every SM)
+    chunks: int  # sub-chunks per destination block
+    gemm: float  # the GEMM on the SMs it keeps, slowed by the bytes moved beside it
+    copies: float  # the comm stream's copies of every peer's sub-chunks, back to back
+    reductions: float  # the reduction stream's kernels, back to back (sms 0: the one after)
+    tail: float  # exposed after the GEMM: the last sub-chunk's copy and reduction
+
+
+def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: int,
+               transport: str = "p2p", sms: int | None = None, chunks: int | None = None
+               ) -> Overlapped:
+    """A projection (of a program not built yet: label it so) of d = a @ w over ``m`` rows
+    whose N output blocks are reduce-scattered while the GEMM runs, from this module's
+    mechanisms: the GEMM on ``p.sms - sms`` SMs (at ``fused_gemm_rate``) releasing each
+    destination's sub-chunk, copies moving them (one comm stream: each copy its fixed start
+    and bytes), and a one-pass reduction of the N partials of each sub-chunk on ``sms`` SMs
+    beside the GEMM, the last sub-chunk's copy and reduction (on every SM: the GEMM is done,
+    as TransformerEngine's pipelined reduce-scatter runs its last chunk) exposed after it.
+    ``sms`` 0: no reduction beside the GEMM, the GEMM on every SM and one reduction of the
+    whole block on every SM after it (the copies still overlap). The streams overlap, so the
+    call takes the longest plus what is exposed; the GEMM is slowed by the copies' and the
+    reductions' HBM bytes (``model.compute_rate``). ``sms`` / ``chunks`` None: the fastest
+    of ``SM_BUDGETS`` / ``CHUNKS``."""
+    if transport != "p2p":
+        raise ValueError(f"transport: the projection prices copy-engine copies ('p2p'), got "
+                         f"{transport!r}")
+    p.check_group(nranks)
+    if m % nranks:
+        raise ValueError(f"m={m}: the reduce-scatter splits the rows into {nranks} blocks")
+    out = batch * m * n * dtype_bytes(output_dtype(dtype))
+    block = out / nranks
+    best: Overlapped | None = None
+    for s in (sms,) if sms is not None else SM_BUDGETS:
+        for c in (chunks,) if chunks else CHUNKS:
+            sub = block / c
+            alone = (gemm_time_on_sms(p, dtype, batch, m, n, k, p.sms - s)
+                     - p.gemm_overhead_us * US) / p.fused_gemm_rate
+            # through this GPU's HBM while the GEMM runs: the N-1 blocks copied out (read) and
+            # in (written), and beside it the N partials of its own block read, the sum written
+            beside = (nranks + 1) * block if s else 0.0
+            moved = 2 * (nranks - 1) * block + beside
+            gemm = alone / model.compute_rate(p, 0, moved / max(alone, 1e-12))
+            copy = model.transfer_fill(p, transport, sub) + sub / (
+                model.transfer_gbps(p, transport) * 1e9)
+            copies = (nranks - 1) * c * copy
+            if s:
+                reductions = c * reduction_time(p, nranks, sub, s)
+                tail = copy + reduction_time(p, nranks, sub)
+                busy = max(gemm, copies, reductions)
+            else:
+                reductions = reduction_time(p, nranks, block)
+                tail = copy + reductions
+                busy = max(gemm, copies)
+            t = p.gemm_overhead_us * US + busy + tail
+            if best is None or t < best.seconds:
+                best = Overlapped(t, s, c, gemm, copies, reductions, tail)
+    assert best is not None
+    return best

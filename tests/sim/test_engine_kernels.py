@@ -1,0 +1,140 @@
+"""The engine's ops of the programs that reduce beside a fused GEMM and all-reduce in one
+launch (``Reduce``, a ``FusedGemm`` leaving SMs, ``AllReduce``), on timelines computed by hand
+from programs written out op by op (the op dicts of ``_host.build_program``)."""
+
+import types
+
+import pytest
+
+from jaxoverlap import sim
+from jaxoverlap.sim import fused
+
+pytestmark = pytest.mark.jax_independent
+
+US = 1e-6
+# Round numbers: 1 TFLOP/s on 100 SMs, no shape effects or kernel cost; a reduction SM streams
+# 10 GB/s up to 0.5 of a 1000 GB/s HBM; links of 10 GB/s; a queued kernel starts in 2 us, a flag
+# round 1 us; no interference and no host cost unless a test switches them on.
+TOY = sim.Preset(
+    name="toy", gpu="toy", sms=100,
+    peak_tflops={"bfloat16": 1.0, "float16": 1.0, "float32": 1.0},
+    gemm_efficiency=1.0, hbm_gbps=1000.0, link_gbps=10.0, nccl_gbps=5.0, p2p_gbps=10.0,
+    multicast_gbps=10.0, gemm_m_half=0.0, gemm_n_half=0.0, gemm_k_half=0.0, gemm_tiles=(),
+    gemm_overhead_us=0.0, nccl_latency_us=3.0, ce_latency_us=5.0, mc_latency_us=1.0,
+    nccl_ramp_us=0.0, nccl_step_us=0.0, ce_ramp_us=0.0, mc_ramp_us=0.0, signal_latency_us=2.0,
+    event_latency_us=0.0, nccl_sms=25, mc_sms=10, interference=0.0, host_op_us=0.0,
+    host_call_us=0.0, graph_node_us=0.0, reduce_sm_gbps=10.0, reduce_efficiency=0.5,
+    ar_start_us=2.0, ar_flag_us=1.0)
+
+
+def op(kind, stream=0, **kw):
+    return {"kind": kind, "stream": stream, "text": kind, **kw}
+
+
+def gemm(m, n, k, stream=0):
+    return op("Gemm", stream, batch=1, m=m, n=n, k=k, accumulate=False, bytes=2 * m * n)
+
+
+def reduce_op(nbytes, sources, sms, stream=1, rank=0):
+    return op("Reduce", stream, bytes=nbytes, sms=sms,
+              sources=[{"buf": "WORKSPACE", "rank": s} for s in sources],
+              d={"buf": "Y", "rank": rank})
+
+
+def program(rank, ops, streams=2, **kw):
+    return {"rank": rank, "num_streams": streams, "ops": ops, "dtype": "bf16",
+            "transport": "p2p", "algorithm": "two_shot", **kw}
+
+
+def test_a_reduce_reads_its_sources_once_on_its_sm_budget():
+    block = 1_000_000
+    # 8 local partials: 9 passes of the block at 16 SMs x 10 GB/s (below the HBM cap of 500)
+    tl = sim.simulate_programs([program(0, [reduce_op(block, [0] * 8, 16)])], TOY)
+    assert tl.total == pytest.approx(2 * US + 9 * block / 160e9)
+    # no budget (0): as many SMs as reach the cap, 0.5 x 1000 GB/s
+    tl = sim.simulate_programs([program(0, [reduce_op(block, [0] * 8, 0)])], TOY)
+    assert tl.total == pytest.approx(2 * US + 9 * block / 500e9)
+    # peers' partials read over the links: 7 blocks at 10 GB/s bound it
+    tl = sim.simulate_programs([program(0, [reduce_op(block, range(8), 16)])], TOY)
+    assert tl.total == pytest.approx(2 * US + 7 * block / 10e9)
+
+
+def test_a_reduce_takes_its_sms_and_its_bytes_slow_the_gemm_beside_it():
+    m = n = k = 1000
+    g = 2 * m * n * k / 1e12  # the GEMM alone: 2 ms
+    block = 1_000_000
+    d = 9 * block / 250e9  # the reduction on 25 SMs: 36 us
+    progs = [program(0, [gemm(m, n, k), reduce_op(block, [0] * 8, 25)])]
+    tl = sim.simulate_programs(progs, TOY)
+    # from 2 us to 2 us + d the GEMM runs on 75 of the 100 SMs
+    assert tl.total == pytest.approx(g + 0.25 * d)
+    # and with interference its HBM traffic (9 blocks in d) slows the GEMM further
+    p = TOY.replace(interference=1.0)
+    tl = sim.simulate_programs(progs, p)
+    rate = 0.75 / (1 + 250e9 / 1000e9)
+    assert tl.total == pytest.approx(g + (1 - rate) * d)
+
+
+def test_a_fused_gemm_leaving_sms_runs_on_the_rest():
+    m, n, k = 128 * 20, 256 * 10, 1024  # 200 tiles of 128 x 256: 2 waves on 100, 4 on 50
+    flops = 2 * m * n * k
+    assert fused.kernel_busy(TOY, "bf16", 1, m, n, k) == pytest.approx(flops / 1e12)
+    assert fused.kernel_busy(TOY, "bf16", 1, m, n, k, sms=50) == pytest.approx(2 * flops / 1e12)
+    f = {"shards": 1, "chunks": 1, "shard_rows": m, "sequence": [0], "order": "arrival",
+         "wait_flags": -1, "ready_shard": 0, "writers": [], "release_flags": -1}
+    fop = op("FusedGemm", batch=1, m=m, n=n, k=k, accumulate=False, bytes=2 * m * n, fused=f)
+    assert fused.kernel_sms(TOY, fop) == 100
+    # the SMs it leaves are the CUDA executor's (fused_tiles.h SpareSms): at most a quarter of
+    # the device, as many as cost its 2 waves no third: with 200 tiles even 2 do (ceil(200/98)
+    # = 3), so it leaves the least, 2
+    assert fused.kernel_sms(TOY, {**fop, "fused": {**f, "spare_sms": 50}}) == 98
+    with pytest.raises(ValueError, match="spare_sms"):
+        fused.kernel_sms(TOY, {**fop, "fused": {**f, "spare_sms": 100}})
+    rate = TOY.fused_gemm_rate
+    alone = sim.simulate_programs([program(0, [fop], streams=1)], TOY).total
+    assert alone == pytest.approx(flops / 1e12 / rate)
+    # 120 tiles: 2 waves on 100 SMs (100 CTAs) and on 76 (76 CTAs): it leaves 24
+    m = 128 * 12
+    flops = 2 * m * n * k
+    spared = op("FusedGemm", batch=1, m=m, n=n, k=k, accumulate=False, bytes=2 * m * n,
+                fused={**f, "shard_rows": m, "spare_sms": 50})
+    assert fused.kernel_sms(TOY, spared) == 76
+    # a reduction asking for 25 SMs beside it gets the 24 it left, taken from those, not from it
+    tl = sim.simulate_programs([program(0, [spared, reduce_op(1_000_000, [0] * 8, 25)])], TOY)
+    assert tl.total == pytest.approx(
+        fused.kernel_busy(TOY, "bf16", 1, m, n, k, sms=76) / rate)
+
+
+def test_all_reduce_kernels_end_together_one_kernel_after_the_last_arrives():
+    nbytes = 1 << 20
+    m = n = k = 1000
+    g = 2 * m * n * k / 1e12
+    progs = [program(r, ([gemm(m, n, k)] if r == 1 else []) + [op("AllReduce", bytes=nbytes)],
+                     streams=1, algorithm="one_shot_kernel") for r in range(2)]
+    tl = sim.simulate_programs(progs, TOY)
+    kernel = (2 + 2 * 1) * US + nbytes / 10e9  # start, two flag rounds, one peer's bytes
+    assert tl.total == pytest.approx(g + kernel)
+    ends = [max(s.end for s in tl.of(r) if s.kind == "AllReduce") for r in range(2)]
+    assert ends[0] == pytest.approx(ends[1])
+    # two-shot: three flag rounds, 2(N-1)/N of the bytes
+    progs = [{**pr, "algorithm": "two_shot_kernel"} for pr in progs]
+    tl = sim.simulate_programs(progs, TOY)
+    assert tl.total == pytest.approx(g + 5 * US + nbytes / 10e9)
+
+
+def test_a_one_launch_call_is_priced_captured():
+    # with host costs, a host-enqueued call is bound by the host; a one-launch call is
+    # replayed from a command buffer: its ops' nodes instead (sim.launch)
+    p = TOY.replace(host_call_us=30.0, host_op_us=5.0, graph_node_us=0.5)
+    nbytes = 1 << 16
+    ops = [op("AllReduce", bytes=nbytes)]
+    kernel = 4 * US + nbytes / 10e9
+    captured = [program(r, ops, streams=1, algorithm="one_shot_kernel") for r in range(2)]
+    assert sim.simulate_programs(captured, p).total == pytest.approx(kernel + 0.5 * US)
+    enqueued = [{**pr, "algorithm": "one_shot"} for pr in captured]
+    assert sim.simulate_programs(enqueued, p).total == pytest.approx(35 * US)
+    # its family (the margin the automatic choice will need for it): a one-launch one-shot
+    kernel = types.SimpleNamespace(impl="native", algorithm="one_shot_kernel", fused=False)
+    assert sim.families.family("matmul_ar", kernel) == "matmul_ar:one_launch:one_shot"
+    assert sim.families.family("matmul_ar", types.SimpleNamespace(
+        impl="native", algorithm="one_shot", fused=False)) == "matmul_ar:one_shot"

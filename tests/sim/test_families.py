@@ -1,0 +1,79 @@
+"""Program families and their margins (sim.families), and the presets' topology (GB200 NVL72)."""
+
+import pytest
+
+from jaxoverlap import sim
+from jaxoverlap.sim import families, published
+
+# The performance model: no JAX.
+pytestmark = pytest.mark.jax_independent
+
+H100 = sim.get_preset("h100")
+RS = sim.Shape.from_global(8192, 3584, 8192, 8)
+
+
+def test_every_published_row_names_a_design_of_a_known_family():
+    families.check_designs()
+    assert {r.design for r in published.CALLS} <= set(families.DESIGNS)
+    for d in families.DESIGNS.values():
+        assert d.family in families.FAMILIES and d.mechanism and d.source, d.name
+    c = sim.Candidate
+    assert families.family("matmul_rs", c("native", "p2p", 1, False, fused=True)) == \
+        "matmul_rs:fused"
+    assert families.family("matmul_rs", c("ring", None)) == "matmul_rs:chunked"
+    assert families.family("matmul_ar", c("native", "p2p", 1, False, "one_shot")) == \
+        "matmul_ar:one_shot"
+    assert families.family("ag_matmul", c("xla", None)) == ""
+
+
+def test_each_family_gets_its_own_margin_and_the_rest_a_conservative_one():
+    serial = [0.05, -0.03]
+    own = families.derived(serial, {"matmul_rs:fused": [0.9, 1.25], "ag_matmul:fused": [0.98],
+                                    "ag_matmul:chunked": []})
+    assert own == {"matmul_rs:fused": 0.2, "ag_matmul:fused": 0.05}  # no comparison: absent
+    full = families.complete(own)
+    assert set(full) == set(families.FAMILIES) | {"ag_matmul", "matmul_rs", "matmul_ar"}
+    assert full["ag_matmul:chunked"] == full["matmul_rs:overlapped"] == full["ag_matmul"] == 0.2
+
+
+def test_the_chooser_applies_the_margin_of_each_plans_family():
+    """A family with a small margin is picked where a faster plan of a family with a large one
+    is not: the margin belongs to the family, not the op."""
+    fused = sim.Candidate("native", "p2p", 1, False, fused=True)
+    chunked = sim.Candidate("native", "p2p", 2, True)
+    cands = [sim.Candidate("xla", None), chunked, fused]
+    table = {r.candidate: r for r in sim.choose("matmul_rs", RS, "bf16", 8, H100, cands).table}
+    gain = {c: table[c].speedup_vs_xla for c in (chunked, fused)}
+    assert min(gain.values()) > 1.0
+    low = min(gain.values()) - 1.0
+    for trusted in (chunked, fused):
+        other = fused if trusted is chunked else chunked
+        fam = families.family("matmul_rs", trusted)
+        p = H100.replace(min_gain={**H100.min_gain, fam: low / 2,
+                                   families.family("matmul_rs", other): 0.9})
+        choice = sim.choose("matmul_rs", RS, "bf16", 8, p, cands)
+        assert choice.candidate == trusted, choice.format()
+        assert choice.min_gain == low / 2 and "per family" in choice.format()
+    # the h100's own margins keep RS std unfused (both families' designs lost on H100)
+    assert sim.choose("matmul_rs", RS, "bf16", 8, H100, cands).candidate.impl == "xla"
+
+
+def test_gb200_groups_span_trays_through_fabric_handles():
+    gb = sim.get_preset("gb200-nvl72")
+    assert (gb.gpus_per_node, gb.nvlink_domain) == (4, 72)
+    assert gb.transports == ("nccl", "p2p", "multicast")
+    assert gb.transport_needs(4) == {}
+    needs = gb.transport_needs(8)
+    assert set(needs) == {"p2p", "multicast"} and all("IMEX" in v for v in needs.values())
+    assert H100.transport_needs(8) == {} and not H100.spans_nodes(8)
+    # the model prices one NVLink domain: a 16-GPU group on an HGX board is refused by name
+    with pytest.raises(ValueError, match="nranks=16.*NVLink domain of 8"):
+        sim.simulate("ag_matmul", sim.Shape(1, 64, 1024, 1024), "bf16", 16, H100)
+    r = sim.simulate("ag_matmul", sim.Shape(1, 64, 1024, 1024), "bf16", 16, gb,
+                     sim.Candidate("native", "p2p", 1, True))
+    assert r.t_fused > 0
+    # GB200's GPUs: the B200's fits at the 1200 W part's peaks
+    b200 = sim.get_preset("b200")
+    assert gb.peak_tflops["bfloat16"] == 2500.0 and b200.peak_tflops["bfloat16"] == 2250.0
+    assert sim.gemm_time(gb, "bf16", 1, 8192, 8192, 8192) < sim.gemm_time(b200, "bf16", 1, 8192,
+                                                                           8192, 8192)
