@@ -240,7 +240,6 @@ def lm1b_nnx(args, impl: str | None, mesh):
 
 
 def wmt(args, impl: str | None, mesh):
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -288,10 +287,10 @@ def wmt(args, impl: str | None, mesh):
 
     if impl is None:
         return jax.jit(predict), params, None
-    abstract = jax.eval_shape(models.Transformer(config).init, jax.random.key(0),
-                              jax.ShapeDtypeStruct(inputs_shape, jnp.int32),
-                              jax.ShapeDtypeStruct(targets_shape, jnp.int32))
-    specs = nn.get_partition_spec(abstract)["params"]   # the layers' own names: mesh axes
+    abstract_inputs = (jax.ShapeDtypeStruct(inputs_shape, jnp.int32),
+                       jax.ShapeDtypeStruct(targets_shape, jnp.int32))
+    specs = jl.partition_specs(models.Transformer(config), jax.random.key(0),  # the layers'
+                               *abstract_inputs)["params"]                    # own layout
     placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     return jax.jit(predict), placed, None
 

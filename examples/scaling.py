@@ -17,7 +17,11 @@ something even on a noisy machine. Results go to ``--out`` (default
 
 Devices: the accelerators when JAX finds some (GPUs), else ``--host-devices``
 CPU devices. On a CPU the host devices share the cores, so the table shows
-that everything runs, not the GPU gain.
+that everything runs, not the GPU gain. Next to it, labelled as such, the
+performance model's projection of the same block (same shapes, dtype, tp and
+impls) on 8-GPU H100 and B200 machines (``--project``; ``jaxoverlap.sim``,
+``sim.mlp_block``), and of one block of a 70B-parameter model's size for scale:
+what to expect on GPUs, not a measurement.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ def _parse(argv):
     p.add_argument("--out", type=Path, default=Path("results"),
                    help="directory for scaling.json and scaling.png")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--project", nargs="*", default=["h100", "b200"], metavar="PRESET",
+                   help="hardware presets to project the same block on (the performance "
+                        "model; none: --project with no value)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--host-devices", type=int, default=8,
                    help="host devices to create when no accelerator is present")
@@ -126,6 +133,65 @@ def _plot(results: list[dict], rows_list: list[int], meta: dict, path: Path) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# For scale: one MLP block of a 70B-parameter model (Llama 2 70B's hidden and ffn widths)
+# over a sequence of 8192 tokens in bfloat16, tp 8.
+_GPU_SIZED = dict(tp=8, batch=1, rows=8192, hidden=8192, ffn=28672, dtype="bfloat16")
+
+
+def _project(args, configs: list[tuple[int, int]], impls: list[str]) -> list[dict]:
+    """The model's projection of the timed block on each ``--project`` preset, printed under
+    the measured table and returned for the JSON (empty without presets)."""
+    if not args.project or not configs or not impls:
+        return []
+    from jaxoverlap import sim
+
+    presets = [sim.load_preset(name) for name in args.project]
+    block = dict(batch=args.batch, hidden=args.hidden, ffn=args.ffn, dtype=args.dtype,
+                 sequence_parallel=args.sequence_parallel)
+    rows: list[dict] = []
+    for preset in presets:
+        for tp, n in sorted(set(configs)):
+            for impl in impls:
+                p = sim.mlp_block(preset, impl, tp=tp, rows=n, **block)
+                rows.append(dict(preset=preset.name, tp=tp, rows=n, impl=impl,
+                                 ms=p.seconds * 1e3, calls=[list(c) for c in p.calls]))
+    sized = dict(_GPU_SIZED, sequence_parallel=args.sequence_parallel)
+    big = [dict(preset=preset.name, impl=impl, gpu_sized=sized,
+                ms=sim.mlp_block(preset, impl, **sized).seconds * 1e3)
+           for preset in presets for impl in impls]
+    for r in rows + big:
+        base = next(b["ms"] for b in rows + big if b["preset"] == r["preset"]
+                    and b.get("tp") == r.get("tp") and b.get("rows") == r.get("rows")
+                    and b["impl"] == "xla") if "xla" in impls else None
+        r["speedup_vs_xla"] = base / r["ms"] if base else None
+
+    def table(entries: list[dict], label) -> None:
+        names = [p.name for p in presets]
+        print("".join(f"{n + ' ms':>12} {'vs xla':>7}" for n in names))
+        keys = sorted({label(e) for e in entries}, key=lambda k: (k[0], k[1], impls.index(k[2])))
+        for key in keys:
+            cells = []
+            for name in names:
+                e = next(e for e in entries if label(e) == key and e["preset"] == name)
+                ratio = f"{e['speedup_vs_xla']:.2f}" if e["speedup_vs_xla"] else "-"
+                cells.append(f"{e['ms']:>12.3f} {ratio:>7}")
+            print(f"{key[0]:>4} {key[1]:>7} {key[2]:>8}" + "".join(cells))
+
+    print(f"\n{sim.MODEL_LABEL}: the same block (shapes, {args.dtype}, tp, impls) on "
+          + " and ".join(f"8x {p.name} ({p.gpu})" for p in presets)
+          + "; native: the model's plan per call")
+    print(f"{'tp':>4} {'rows':>7} {'impl':>8}", end="")
+    table(rows, lambda e: (e["tp"], e["rows"], e["impl"]))
+    print(f"\nfor scale, {sim.MODEL_LABEL}: one block of a 70B model's size (batch 1, rows "
+          f"{_GPU_SIZED['rows']}, hidden {_GPU_SIZED['hidden']}, ffn {_GPU_SIZED['ffn']}, "
+          f"bfloat16, tp 8)")
+    print(f"{'tp':>4} {'rows':>7} {'impl':>8}", end="")
+    table(big, lambda e: (8, _GPU_SIZED["rows"], e["impl"]))
+    print("At the demo's sizes each call is a few microseconds of work: latency decides, and "
+          "the unfused path wins; the gain comes with size (docs/performance.md).")
+    return rows + big
 
 
 def _missing(*modules: str) -> list[str]:
@@ -233,10 +299,14 @@ def main(argv=None) -> int:
     for impl, reason in reasons:
         print(f"skipped {impl}: {reason}")
 
+    timed = {r["impl"] for r in results}
+    projection = _project(args, [(r["tp"], r["rows"]) for r in results],
+                          [i for i in args.impls if i in timed and i in ("xla", "ring", "native")])
+
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "scaling.json"
-    json_path.write_text(json.dumps(dict(meta=meta, results=results, skipped=skipped),
-                                    indent=2) + "\n")
+    json_path.write_text(json.dumps(dict(meta=meta, results=results, skipped=skipped,
+                                         projection=projection), indent=2) + "\n")
     print(f"\nwrote {json_path}")
     if results and not args.no_plot and _missing("matplotlib"):
         print("scaling.png skipped: matplotlib is not installed (pip install matplotlib)")

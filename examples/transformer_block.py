@@ -58,7 +58,12 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jaxoverlap as jo
-    from jaxoverlap.flax.linen import ColumnParallelDense, ParallelMLP, RowParallelDense
+    from jaxoverlap.flax.linen import (
+        ColumnParallelDense,
+        ParallelMLP,
+        RowParallelDense,
+        partition_specs,
+    )
 
     if args.hidden % args.heads:
         print(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
@@ -136,8 +141,8 @@ def main(argv=None) -> int:
 
     mesh = jax.make_mesh((args.dp, args.tp), ("dp", "tp"))
     with jax.set_mesh(mesh):
-        # Place the checkpoint by the layers' own partitioning metadata.
-        specs = nn.get_partition_spec(jax.eval_shape(parallel.init, jax.random.key(0), x))
+        # Place the checkpoint (the plain model's tree) in the layers' own layout.
+        specs = partition_specs(parallel, jax.random.key(0), x)
         placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
                               params, specs)
         x_spec = P("dp", "tp" if args.sequence_parallel else None, None)

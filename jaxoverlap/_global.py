@@ -14,7 +14,10 @@ axis types:
   so a data or FSDP axis that only XLA knows about passes through.
 * **Otherwise** (Explicit axes, whose types carry every layout): one ``shard_map`` whose specs
   come from x's type; the inputs are resharded to them first (``shard_map`` checks rather than
-  reshards there).
+  reshards there). ``ring`` calls alike in all that (the same layer's calls in every block of a
+  model) share one trace and one lowering (a ``jit`` of the call, cached by JAX): unrolled
+  rings cost the most to trace. Native calls must not: each lowers on its own, where its site
+  key is taken (``_native/site_key.py``).
 """
 
 from __future__ import annotations
@@ -51,10 +54,12 @@ def run(call: Call, mesh, x, w, *, want_gathered: bool = False, scales: tuple = 
     call = dataclasses.replace(call, local=local)
     if uses_propagation(mesh):
         return _partition.call(call, mesh, x, w, want_gathered=want_gathered, scales=scales)
-    return _shard_mapped(call, mesh, x, w, want_gathered, scales)
+    if local.plan is not None and local.plan.impl == "ring":
+        return _shared(call, mesh, want_gathered, x, w, tuple(scales))
+    return _shard_mapped(call, mesh, want_gathered, x, w, tuple(scales))
 
 
-def _shard_mapped(call: Call, mesh, x, w, want_gathered: bool, scales: tuple):
+def _shard_mapped(call: Call, mesh, want_gathered: bool, x, w, scales: tuple):
     x_spec, w_spec, out_specs = layouts(call, spec_entries(x, mesh))
     out = out_specs if want_gathered else out_specs[0]
     # The gathered x is the same on every rank of `axis_name`, but the type
@@ -65,3 +70,8 @@ def _shard_mapped(call: Call, mesh, x, w, want_gathered: bool, scales: tuple):
                        check_vma=not want_gathered)
     return fn(place(x, mesh, x_spec), place(w, mesh, w_spec),
               tuple(place(s, mesh, P()) for s in scales))
+
+
+# One trace and one lowering per distinct ring call (JAX caches a jit's by its static arguments
+# and the operands' types): in a model, every block's call of one layer is that call.
+_shared = jax.jit(_shard_mapped, static_argnums=(0, 1, 2))

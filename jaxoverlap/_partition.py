@@ -29,7 +29,11 @@ uses it the same way, see github.com/NVIDIA/TransformerEngine,
 
 Settings read at trace time (``jo.config``, ``jax.default_matmul_precision``)
 travel in the per-device function to the partition callback, which runs when
-XLA compiles the program.
+XLA compiles the program. So does where the call is: the partitioner lowers each
+call in a module of its own, in which identical calls (the Q, K and V projections
+of one input) look alike; a native call there is named by the provenance of its w
+in the program's own module (``_native/site_key.py``), taken by the primitive that
+wraps the ``custom_partitioning`` one (``_located_p``) where it lowers.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core, dispatch
+from jax._src.interpreters import mlir
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -54,6 +60,7 @@ from jaxoverlap._layout import (
     open_layouts,
     without_axis,
 )
+from jaxoverlap._native.site_key import provenance
 from jaxoverlap._xla import local_matmul, scale_product
 
 # ---------------------------------------------------------------- the rules
@@ -65,7 +72,7 @@ def _factors(call: Call, row: str, last: str) -> str:
                     for d in range(call.ndim))
 
 
-def sharding_rule(call: Call, mesh, value_types, result_types) -> str:
+def sharding_rule(call: Call, where: str, mesh, value_types, result_types) -> str:
     """The Shardy rule: pass-through dims shared by x and the outputs; tp dims tied together.
 
     The row dims and the contraction dims that are not split over
@@ -73,7 +80,7 @@ def sharding_rule(call: Call, mesh, value_types, result_types) -> str:
     across them (an FSDP axis on a kernel's other dim must not leak onto the
     activations). The fp8 scales (scalars) have no factor.
     """
-    del mesh, result_types
+    del where, mesh, result_types
     scalars = ", " * (len(value_types) - 2)
     if call.kind == AG:      # y's columns are w's (split over tp); the gathered x is free
         return (f"{_factors(call, 'r', 'k')}, q n{scalars} -> {_factors(call, 's', 'n')}, "
@@ -102,8 +109,9 @@ def _manual(mesh: Mesh):
     return jax.sharding.use_abstract_mesh(manual)
 
 
-def _body(call: Call, x, w, *scales):
+def _body(call: Call, where: str, x, w, *scales):
     """The op's meaning on global arrays: what fixes the output types, and XLA's fallback."""
+    del where
     y = local_matmul(x, w, call.local.out_dtype, scale_product(scales), call.local.precision)
     return (y, x) if call.kind == AG else (y,)
 
@@ -115,13 +123,14 @@ def _check_mesh(call: Call, mesh, sharding) -> None:
             f"{call.axis_name!r}; pass mesh= or use jax.set_mesh(mesh) around jit.")
 
 
-def _partition(call: Call, mesh, arg_shapes, result_shape):
+def _partition(call: Call, where: str, mesh, arg_shapes, result_shape):
     del result_shape
     _check_mesh(call, mesh, arg_shapes[0].sharding)
     x_spec, w_spec, out_specs = layouts(call, tuple(arg_shapes[0].sharding.spec))
 
     def lower(x, w, *scales):
-        with _manual(mesh):
+        # The call's place in the program, in the name stack of its native calls' site keys.
+        with _manual(mesh), jax.named_scope(f"jaxoverlap.w.{where}"):
             out = call.local(x, w, want_gathered=True, scales=scales)
         return out if call.kind == AG else (out,)
 
@@ -131,8 +140,30 @@ def _partition(call: Call, mesh, arg_shapes, result_shape):
             (named(x_spec), named(w_spec), *scalars))
 
 
-_primitive = custom_partitioning(_body, static_argnums=(0,))
+_primitive = custom_partitioning(_body, static_argnums=(0, 1))
 _primitive.def_partition(partition=_partition, sharding_rule=sharding_rule)
+
+
+# The custom_partitioning call, wrapped so that it lowers where the provenance of its w in the
+# program can be taken (the partitioner's own module of the call has none: site_key.py).
+_located_p = core.Primitive("jaxoverlap_partitioned")
+_located_p.multiple_results = True
+dispatch.prim_requires_devices_during_lowering.add(_located_p)  # as custom_partitioning's
+
+
+def _located_abstract_eval(*avals, call: Call):
+    outs = jax.eval_shape(lambda *a: _body(call, "", *a), *avals)
+    return [core.ShapedArray(o.shape, o.dtype) for o in outs]
+
+
+def _located_lowering(ctx, *args, call: Call):
+    where = provenance(ctx, args[1:2]).hex()
+    return mlir.lower_fun(lambda *a: _primitive(call, where, *a), multiple_results=True)(
+        ctx, *args)
+
+
+_located_p.def_abstract_eval(_located_abstract_eval)
+mlir.register_lowering(_located_p, _located_lowering, cacheable=False)  # per call: its own w
 
 
 def _grad_body(call: Call, a, b, w):
@@ -194,7 +225,7 @@ def _apply(call: Call, mesh, x, w, scales: tuple = ()):
     """One primitive call, its input and outputs pinned to the tensor-parallel layout."""
     x_open, out_open = open_layouts(call)
     x = lax.with_sharding_constraint(x, NamedSharding(mesh, x_open))
-    outs = _primitive(call, x, w, *scales)
+    outs = _located_p.bind(x, w, *scales, call=call)
     return tuple(lax.with_sharding_constraint(o, NamedSharding(mesh, s))
                  for o, s in zip(outs, out_open, strict=True))
 

@@ -44,11 +44,13 @@ def test_scaling_writes_table_json_and_plot(tmp_path, capsys):
     code = _load("scaling").main([
         "--tp", "2", "4", "16", "--rows", "16", "32", "--batch", "1", "--hidden", "8",
         "--ffn", "32", "--warmup", "1", "--repeats", "2", "--impls", "xla", "ring", "native",
-        "--out", str(tmp_path), "--no-progress",
+        "--out", str(tmp_path), "--no-progress", "--project", "h100",
     ])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "median ms" in out and "speedup vs xla" in out
+    # Next to the measured table, the same block projected on a GPU, labelled as a model.
+    assert "MODEL PROJECTION (jaxoverlap.sim), not a measurement: the same block" in out
     report = json.loads((tmp_path / "scaling.json").read_text())
     timed = {(r["tp"], r["rows"], r["impl"]) for r in report["results"]}
     assert {(tp, rows, impl) for tp in (2, 4) for rows in (16, 32)
@@ -64,8 +66,33 @@ def test_scaling_writes_table_json_and_plot(tmp_path, capsys):
     assert "only 8 devices" in reasons[(16, 16, "xla")]
     assert all((tp, rows, impl) in timed | set(reasons) for tp in (2, 4, 16)
                for rows in (16, 32) for impl in ("xla", "ring", "native"))
+    projected = {(r["tp"], r["rows"], r["impl"]): r for r in report["projection"]
+                 if r["preset"] == "h100" and "tp" in r}
+    assert timed <= set(projected)
+    for (tp, rows, _), r in projected.items():
+        assert r["ms"] > 0 and len(r["calls"]) == 4, r      # AG, RS forward; RS, AG backward
+        xla = projected[(tp, rows, "xla")]["ms"]
+        assert r["speedup_vs_xla"] == pytest.approx(xla / r["ms"])
+    assert any("gpu_sized" in r for r in report["projection"])
     png = (tmp_path / "scaling.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_compile_time_compiles_stock_and_converted_side_by_side(tmp_path, capsys):
+    """The benchmark runs and reports a ratio per program (its numbers are not checked here:
+    performance targets live in the benchmark, not in tests)."""
+    path = tmp_path / "compile.json"
+    code = _load("compile_time").main(["--layers", "1", "--impls", "native", "--repeats", "1",
+                                       "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(path.read_text())["results"]
+    assert {(r["axes"], r["program"]) for r in report} == {
+        (axes, p) for axes in ("auto", "explicit") for p in ("stock", "native")}
+    for r in report:
+        assert r["lower_cpu_s"] > 0 and r["compile_cpu_s"] > 0, r
+        assert (r["ratio"] == 1.0) == (r["program"] == "stock"), r
+    assert "largest ratio to stock" in out
 
 
 @pytest.mark.parametrize("flags", [

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
-from jaxoverlap.flax.linen import ParallelMLP, ParallelMultiHeadDotProductAttention
+from jaxoverlap.flax.linen import ParallelMLP, ParallelMultiHeadDotProductAttention, partition_specs
 
 B, S, H, F = 4, 16, 32, 64
 
@@ -104,7 +104,7 @@ def test_layers_split_the_flops_over_data_and_tensor(sequence_parallel, impl):
     mesh = dp_tp_mesh(names=("data", "tp"))
     model = ParallelMLP(F, sequence_parallel=sequence_parallel, impl=impl)
     x = rand(0, (B, S, H), jnp.float32)
-    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), x))["params"]
+    specs = partition_specs(model, jax.random.key(0), x)["params"]
     params = jax.jit(model.init, out_shardings=jax.tree.map(
         lambda s: NamedSharding(mesh, s), {"params": specs}))(jax.random.key(0), x)["params"]
     params = nn.unbox(params)
@@ -179,7 +179,7 @@ def test_self_attention_is_one_gather_and_one_scatter_each_way():
                         argnums=(0, 1))
 
     reference = dot_flops(jax.jit(loss(ref)).lower(params, x).compile().as_text())
-    specs = nn.get_partition_spec(jax.eval_shape(ours.init, jax.random.key(0), x, mask=mask))
+    specs = partition_specs(ours, jax.random.key(0), x, mask=mask)
     placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
     text = jax.jit(loss(ours)).lower(
         placed, jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))).compile().as_text()

@@ -2,7 +2,9 @@
 
 #include "core/deadline.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -152,6 +154,26 @@ UniqueFd::~UniqueFd() {
   if (fd_ >= 0) close(fd_);
 }
 
+namespace {
+std::mutex hidden_mu;
+int hidden_depth = 0;      // HiddenFromPeers alive now
+bool hidden_made = false;  // the first one made this process non-dumpable
+}  // namespace
+
+HiddenFromPeers::HiddenFromPeers() {
+  std::lock_guard<std::mutex> lock(hidden_mu);
+  if (hidden_depth++ > 0) return;
+  // 0 or 2 (a set-user-ID program's): already refused to peers without CAP_SYS_PTRACE.
+  hidden_made = prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 1 && prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0;
+}
+
+HiddenFromPeers::~HiddenFromPeers() {
+  std::lock_guard<std::mutex> lock(hidden_mu);
+  if (--hidden_depth > 0 || !hidden_made) return;
+  (void)prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
+  hidden_made = false;
+}
+
 UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) close(fd_);
@@ -185,18 +207,73 @@ Status DupFromProcess(int pid, int fd, UniqueFd* out) {
 #endif
 }
 
-Status FdServer::Start(const std::string& name, const std::vector<int>& fds,
-                       const std::vector<int>& allowed_pids, std::chrono::milliseconds timeout,
-                       std::unique_ptr<FdServer>* out) {
-  JO_REQUIRE(!fds.empty() && fds.size() <= kMaxFds, "FdServer: expected 1.." +
+Status ParkedFds::Park(std::vector<UniqueFd> fds, ParkedFds* out) {
+  JO_REQUIRE(!fds.empty() && fds.size() <= kMaxFds, "ParkedFds: expected 1.." +
                                                         std::to_string(kMaxFds) + " fds, got " +
                                                         std::to_string(fds.size()));
+  int ends[2];
+  if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, ends) != 0)
+    return Status(Code::kResource, Errno("socketpair (to park a descriptor)"));
+  UniqueFd sender(ends[0]), queue(ends[1]);
+  std::vector<int> raw;
+  for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+  if (!SendWithFds(sender.get(), 'p', raw.data(), raw.size()))
+    return Status(Code::kResource, Errno("sendmsg (to park a descriptor)"));
+  out->queue_ = std::move(queue);
+  out->count_ = fds.size();
+  return OkStatus();  // `fds` and `sender` close here: the queue holds the only references
+}
+
+Status ParkedFds::ParkCopies(const std::vector<int>& fds, ParkedFds* out) {
+  HiddenFromPeers hidden;
+  std::vector<UniqueFd> copies;
+  for (int fd : fds) {
+    copies.emplace_back(fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (copies.back().get() < 0)
+      return Status(Code::kInvalidArgument, Errno("dup of fd " + std::to_string(fd)));
+  }
+  return Park(std::move(copies), out);
+}
+
+Status ParkedFds::Take(std::vector<UniqueFd>* out) {
+  JO_REQUIRE(count_ > 0, "ParkedFds: nothing parked");
+  char byte = 0;
+  bool truncated = false;
+  JO_CHECK(ReceiveWithFds(queue_.get(), "a parked descriptor", &byte, out, &truncated));
+  JO_REQUIRE(out->size() == count_ && !truncated, "ParkedFds: " + std::to_string(out->size()) +
+                                                      " descriptors came back, " +
+                                                      std::to_string(count_) + " were parked");
+  queue_ = UniqueFd();
+  count_ = 0;
+  return OkStatus();
+}
+
+namespace {
+
+// Sends the parked fds with one byte and parks them again. False if the send
+// failed (they stay parked) or they could not be parked again (then empty).
+bool SendParked(int conn, char byte, ParkedFds* parked) {
+  HiddenFromPeers hidden;
+  std::vector<UniqueFd> fds;
+  if (!parked->Take(&fds).ok()) return false;
+  std::vector<int> raw;
+  for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+  const bool sent = SendWithFds(conn, byte, raw.data(), raw.size());
+  (void)ParkedFds::Park(std::move(fds), parked);
+  return sent;
+}
+
+}  // namespace
+
+Status FdServer::Start(const std::string& name, ParkedFds fds, const std::vector<int>& allowed_pids,
+                       std::chrono::milliseconds timeout, std::unique_ptr<FdServer>* out) {
+  JO_REQUIRE(fds.count() > 0, "FdServer: nothing to serve");
   UniqueFd listener;
   JO_CHECK(Listen(name, static_cast<int>(allowed_pids.size()) + 4, &listener));
   std::unique_ptr<FdServer> server(new FdServer());
   server->name_ = name;
   server->listener_ = std::move(listener);
-  server->fds_ = fds;
+  server->fds_ = std::move(fds);
   server->pending_ = allowed_pids;
   server->deadline_ = DeadlineAfter(timeout);
   try {
@@ -229,7 +306,7 @@ void FdServer::Serve() {
     if (!AcceptOwnUser(listener_.get(), Remaining(deadline_), &conn, &pid)) continue;
     auto it = std::find(pending_.begin(), pending_.end(), pid);
     if (it == pending_.end()) continue;  // not a peer we expect: drop
-    if (SendWithFds(conn.get(), 'j', fds_.data(), fds_.size())) pending_.erase(it);
+    if (SendParked(conn.get(), 'j', &fds_)) pending_.erase(it);
   }
   result_ = OkStatus();
 }
@@ -321,11 +398,17 @@ Status SegmentServer::Instance(SegmentServer** out) {
   return OkStatus();
 }
 
-uint64_t SegmentServer::Offer(UniqueFd fd, std::vector<int> pids, int uses) {
+Status SegmentServer::Offer(UniqueFd fd, std::vector<int> pids, int uses, uint64_t* token) {
+  Offered offer{ParkedFds(), std::move(pids), uses};
+  if (uses > 0) {
+    std::vector<UniqueFd> one;
+    one.push_back(std::move(fd));
+    JO_CHECK(ParkedFds::Park(std::move(one), &offer.fd));
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t token = next_token_++;
-  if (uses > 0) offered_[token] = Offered{std::move(fd), std::move(pids), uses};
-  return token;
+  *token = next_token_++;
+  if (uses > 0) offered_[*token] = std::move(offer);
+  return OkStatus();
 }
 
 void SegmentServer::Withdraw(uint64_t token) {
@@ -374,7 +457,7 @@ void SegmentServer::Answer(int conn, int pid) {
     (void)SendByte(conn, 'n', -1);
     return;
   }
-  if (!SendByte(conn, 'y', it->second.fd.get())) return;
+  if (!SendParked(conn, 'y', &it->second.fd)) return;
   // Each peer takes its copy once.
   it->second.pids.erase(std::find(it->second.pids.begin(), it->second.pids.end(), pid));
   if (--it->second.uses <= 0 || it->second.pids.empty()) offered_.erase(it);

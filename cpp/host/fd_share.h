@@ -17,6 +17,13 @@
 //   our uid; the client accepts fds only from the owner's pid, of our uid. An
 //   abstract name is first come, first served: whoever bound it first (a
 //   squatter) gets no fd from us and gives us none.
+//
+// A segment's descriptor waiting to be handed out is parked (ParkedFds): in
+// flight in a socket's queue, in no fd table, so that no other process of the
+// user can reopen it through /proc/<pid>/fd (which takes only read-level
+// ptrace access, docs/multiprocess.md §3). It is in a process's table only
+// while it is created, mapped, or sent, and then the process is not dumpable
+// (HiddenFromPeers), which refuses that access too.
 #pragma once
 
 #include <atomic>
@@ -57,13 +64,49 @@ class UniqueFd {
 // A duplicate of `fd` of process `pid` in this process.
 Status DupFromProcess(int pid, int fd, UniqueFd* out);
 
+// While one lives (in any thread), this process is not dumpable (prctl
+// PR_SET_DUMPABLE 0; restored when the last one goes, if it was 1). Ptrace
+// access checks then refuse every process without CAP_SYS_PTRACE, read-level
+// ones included (ptrace(2), "Ptrace access mode checking": a target whose
+// dumpable attribute is not 1), and /proc/<pid>/fd is governed by such a
+// check (proc(5)): nobody of the same user can reopen this process's
+// descriptors meanwhile. Held for as long as a segment's descriptor is in the
+// fd table: created and mapped, received and mapped, taken out and sent.
+class HiddenFromPeers {
+ public:
+  HiddenFromPeers();
+  ~HiddenFromPeers();
+  HiddenFromPeers(const HiddenFromPeers&) = delete;
+  HiddenFromPeers& operator=(const HiddenFromPeers&) = delete;
+};
+
+// Descriptors held in flight: sent with SCM_RIGHTS into the receive queue of
+// a socket whose sending end is closed, and closed here. They are in no fd
+// table of this process (a socket cannot be reopened through its /proc link),
+// until Take brings them back, to be handed out and parked again.
+class ParkedFds {
+ public:
+  ParkedFds() = default;
+  // Parks `fds` (1..64 of them; they are closed here).
+  static Status Park(std::vector<UniqueFd> fds, ParkedFds* out);
+  // Parks duplicates of `fds` (the caller keeps its own).
+  static Status ParkCopies(const std::vector<int>& fds, ParkedFds* out);
+  // The descriptors, back in this process's table; leaves this empty.
+  Status Take(std::vector<UniqueFd>* out);
+  size_t count() const { return count_; }
+
+ private:
+  UniqueFd queue_;  // the receiving end
+  size_t count_ = 0;
+};
+
 class FdServer {
  public:
   // Listens on the abstract socket `name` and, on a background thread, sends
-  // `fds` to each of `allowed_pids` once, until all are served or `timeout`.
-  static Status Start(const std::string& name, const std::vector<int>& fds,
-                      const std::vector<int>& allowed_pids, std::chrono::milliseconds timeout,
-                      std::unique_ptr<FdServer>* out);
+  // the `fds` to each of `allowed_pids` once, until all are served or
+  // `timeout`; between hand-outs they are parked.
+  static Status Start(const std::string& name, ParkedFds fds, const std::vector<int>& allowed_pids,
+                      std::chrono::milliseconds timeout, std::unique_ptr<FdServer>* out);
   ~FdServer();  // stops and joins
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
@@ -75,7 +118,7 @@ class FdServer {
   void Serve();
   std::string name_;
   UniqueFd listener_;
-  std::vector<int> fds_;
+  ParkedFds fds_;
   std::vector<int> pending_;  // pids still to serve
   std::chrono::steady_clock::time_point deadline_;
   std::atomic<bool> stop_{false};
@@ -104,14 +147,14 @@ class SegmentServer {
 
   const std::string& name() const { return name_; }
   // Serves `fd` to each of `pids` (at most `uses` times in all) under the
-  // returned token, until then or Withdraw.
-  uint64_t Offer(UniqueFd fd, std::vector<int> pids, int uses);
+  // returned token, until then or Withdraw; parked in between.
+  Status Offer(UniqueFd fd, std::vector<int> pids, int uses, uint64_t* token);
   void Withdraw(uint64_t token);
-  size_t offers() const;  // for tests: fds still held
+  size_t offers() const;  // for tests: fds still held (parked)
 
  private:
   struct Offered {
-    UniqueFd fd;
+    ParkedFds fd;
     std::vector<int> pids;
     int uses = 0;
   };

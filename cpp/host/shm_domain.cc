@@ -503,15 +503,19 @@ Status ShmDomain::OpenSite(int64_t site, size_t bytes, Clock::time_point deadlin
         return status;
       }
       std::unique_ptr<ShmSegment> segment;
-      UniqueFd fd;
-      JO_CHECK(ShmSegment::Create(bytes, what, &segment, &fd));
-      init(segment->data(), *this, site, arg);
-      std::vector<int> peers;
-      for (int32_t i = 0; i < nprocs(); ++i)
-        if (processes_[i] != process_) peers.push_back(process_slot(i)->pid.load());
-      SegmentServer* server = nullptr;
-      JO_CHECK(SegmentServer::Instance(&server));
-      const uint64_t offered = server->Offer(std::move(fd), peers, nprocs() - 1);
+      uint64_t offered = 0;
+      {
+        HiddenFromPeers hidden;  // until its fd is parked (or closed)
+        UniqueFd fd;
+        JO_CHECK(ShmSegment::Create(bytes, what, &segment, &fd));
+        init(segment->data(), *this, site, arg);
+        std::vector<int> peers;
+        for (int32_t i = 0; i < nprocs(); ++i)
+          if (processes_[i] != process_) peers.push_back(process_slot(i)->pid.load());
+        SegmentServer* server = nullptr;
+        JO_CHECK(SegmentServer::Instance(&server));
+        JO_CHECK(server->Offer(std::move(fd), peers, nprocs() - 1, &offered));
+      }
       free->site = site;
       free->incarnation = ++header()->incarnations;
       free->holders = 1;
@@ -537,16 +541,20 @@ Status ShmDomain::OpenSite(int64_t site, size_t bytes, Clock::time_point deadlin
                  std::to_string(bytes) + " (do all processes run the same calls at this site?)");
   const ProcessSlot* slot = process_slot(creator);
   const std::string server = Text(slot->server, kServerBytes);
-  UniqueFd fd;
-  Status fetched = FetchFd(server, slot->pid.load(), token, deadline, &fd);
+  std::unique_ptr<ShmSegment> segment;
+  Status fetched;
+  {
+    HiddenFromPeers hidden;  // while its fd is in this process's table
+    UniqueFd fd;
+    fetched = FetchFd(server, slot->pid.load(), token, deadline, &fd);
+    if (fetched.ok()) JO_CHECK(ShmSegment::Map(fd.get(), bytes, what, &segment));
+  }
   if (!fetched.ok()) {
     JO_CHECK(CheckPeers(during));  // a creator that exited is named as such
     return Status(fetched.code(), during + ": fetching " + what + " from process " +
                                       std::to_string(processes_[creator]) + ": " +
                                       fetched.message());
   }
-  std::unique_ptr<ShmSegment> segment;
-  JO_CHECK(ShmSegment::Map(fd.get(), bytes, what, &segment));
   LocalSite& mine = sites_[site];
   mine.segment = std::move(segment);
   mine.incarnation = incarnation;

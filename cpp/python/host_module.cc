@@ -384,17 +384,49 @@ nb::list TakeCalls() {
   return out;
 }
 
-// The leader's control segment, as an fd the caller passes on and closes.
-int ShmDomainCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
-                    int32_t process, int64_t attempt) {
+// Descriptors parked out of this process's fd table (host/fd_share.h), for Python.
+struct ParkedHandle {
+  jo::host::ParkedFds parked;
+  size_t Count() const { return parked.count(); }
+  // The descriptors, owned by the caller (close them with os.close); leaves this empty.
+  std::vector<int> Take() {
+    std::vector<jo::host::UniqueFd> fds;
+    ThrowIfError(parked.Take(&fds));
+    std::vector<int> out;
+    for (auto& fd : fds) out.push_back(fd.release());
+    return out;
+  }
+};
+
+// The leader's control segment, parked: served to the other processes (_fd_serve) without
+// ever being in this process's fd table.
+ParkedHandle* ShmDomainCreate(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                              int32_t process, int64_t attempt) {
+  jo::host::HiddenFromPeers hidden;  // until the fd is parked
   jo::host::UniqueFd fd;
   ThrowIfError(jo::host::CreateShmDomain(key, group, rank_process, process, attempt, &fd));
-  return fd.release();
+  std::vector<jo::host::UniqueFd> one;
+  one.push_back(std::move(fd));
+  auto handle = std::make_unique<ParkedHandle>();
+  ThrowIfError(jo::host::ParkedFds::Park(std::move(one), &handle->parked));
+  return handle.release();
 }
 
 void ShmDomainAttach(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
                      int32_t process, int64_t attempt, int fd) {
   ThrowIfError(jo::host::AttachShmDomain(key, group, rank_process, process, attempt, fd));
+}
+
+// Receives the leader's control segment from `_fd_serve` @name of `owner_pid` and attaches
+// to it; its fd is in this process's table only in between.
+void ShmDomainReceive(int64_t key, int64_t group, const std::vector<int32_t>& rank_process,
+                      int32_t process, int64_t attempt, const std::string& name, int owner_pid,
+                      int64_t timeout_ms) {
+  jo::host::HiddenFromPeers hidden;  // while the fd is in this process's table
+  std::vector<jo::host::UniqueFd> fds;
+  ThrowIfError(jo::host::ReceiveFds(name, 1, owner_pid, jo::Millis(timeout_ms), &fds));
+  ThrowIfError(
+      jo::host::AttachShmDomain(key, group, rank_process, process, attempt, fds.front().get()));
 }
 
 // How many segment fds this process's server still holds for its peers.
@@ -422,12 +454,19 @@ struct FdServerHandle {
   }
 };
 
+FdServerHandle* FdServeParked(const std::string& name, ParkedHandle* fds,
+                              const std::vector<int>& allowed_pids, int64_t timeout_ms) {
+  auto handle = std::make_unique<FdServerHandle>();
+  ThrowIfError(jo::host::FdServer::Start(name, std::move(fds->parked), allowed_pids,
+                                         jo::Millis(timeout_ms), &handle->server));
+  return handle.release();
+}
+
 FdServerHandle* FdServe(const std::string& name, const std::vector<int>& fds,
                         const std::vector<int>& allowed_pids, int64_t timeout_ms) {
-  auto handle = std::make_unique<FdServerHandle>();
-  ThrowIfError(
-      jo::host::FdServer::Start(name, fds, allowed_pids, jo::Millis(timeout_ms), &handle->server));
-  return handle.release();
+  ParkedHandle copies;
+  ThrowIfError(jo::host::ParkedFds::ParkCopies(fds, &copies.parked));
+  return FdServeParked(name, &copies, allowed_pids, timeout_ms);
 }
 
 std::vector<int> FdReceive(const std::string& name, size_t count, int owner_pid,
@@ -489,24 +528,39 @@ NB_MODULE(_host, m) {
   m.def("note_lowering", &jo::NoteLowering, nb::arg("site_key"),
         "The native call `site_key` was lowered: its next instance belongs to a new program "
         "(core/call.h CallSite).");
+  nb::class_<ParkedHandle>(m, "_ParkedFds")
+      .def_prop_ro("count", &ParkedHandle::Count)
+      .def("take", &ParkedHandle::Take,
+           "The parked fds, back in this process's table and owned by the caller.");
   m.def("_shm_domain_create", &ShmDomainCreate, nb::arg("clique_key"), nb::arg("group"),
         nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"),
-        "Leader: creates and registers the domain of a group spanning processes; returns an fd "
-        "of its control segment (a memfd) for the other processes; the caller closes it.");
+        nb::rv_policy::take_ownership,
+        "Leader: creates and registers the domain of a group spanning processes; returns its "
+        "control segment (a memfd) parked, for _fd_serve to hand to the other processes.");
   m.def("_shm_domain_attach", &ShmDomainAttach, nb::arg("clique_key"), nb::arg("group"),
         nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"), nb::arg("fd"),
         "Other processes: maps the leader's control segment `fd` (checked) and registers the "
         "domain; the caller keeps and closes `fd`.");
+  m.def("_shm_domain_receive", &ShmDomainReceive, nb::arg("clique_key"), nb::arg("group"),
+        nb::arg("rank_process"), nb::arg("process"), nb::arg("attempt"), nb::arg("name"),
+        nb::arg("owner_pid"), nb::arg("timeout_ms"), nb::call_guard<nb::gil_scoped_release>(),
+        "Other processes: receives the leader's control segment (its _fd_serve @name, of "
+        "owner_pid) and maps it as _shm_domain_attach does; the fd is closed at once.");
   m.def("_segment_offers", &SegmentOffers,
-        "How many shared-memory fds this process still holds for peers to fetch.");
+        "How many shared-memory fds this process still holds (parked) for peers to fetch.");
   nb::class_<FdServerHandle>(m, "_FdServer")
       .def("finish", &FdServerHandle::Finish, nb::call_guard<nb::gil_scoped_release>(),
            "Waits until every expected peer fetched the fds (or the deadline): raises if not.");
   m.def("_fd_dup_from_process", &FdDupFromProcess, nb::arg("pid"), nb::arg("fd"),
         "pidfd_getfd: a new fd in this process duplicating `fd` of process `pid`.");
+  m.def("_fd_serve", &FdServeParked, nb::arg("name"), nb::arg("fds"), nb::arg("allowed_pids"),
+        nb::arg("timeout_ms"), nb::rv_policy::take_ownership,
+        "Serves the parked `fds` (taken from the object) over the abstract Unix socket `name` "
+        "to each of `allowed_pids` once.");
   m.def("_fd_serve", &FdServe, nb::arg("name"), nb::arg("fds"), nb::arg("allowed_pids"),
         nb::arg("timeout_ms"), nb::rv_policy::take_ownership,
-        "Serves `fds` over the abstract Unix socket `name` to each of `allowed_pids` once.");
+        "Serves copies of `fds` (parked between hand-outs; the caller keeps its own) over the "
+        "abstract Unix socket `name` to each of `allowed_pids` once.");
   m.def("_fd_receive", &FdReceive, nb::arg("name"), nb::arg("count"), nb::arg("owner_pid"),
         nb::arg("timeout_ms"), nb::call_guard<nb::gil_scoped_release>(),
         "Receives `count` fds from `_fd_serve`.");

@@ -20,7 +20,8 @@ Two layers:
 Host clique protocol (once per mesh-axis group per process, when a call lowers: from the native
 primitive's lowering rule; docs/multiprocess.md §3 has the whole story):
 
-0. every other process publishes its pid under ``.../pid/<process>``;
+0. every other process publishes its pid (with its machine and namespaces) under
+   ``.../pid/<process>``;
 1. the leader (the process of rank 0) takes the next attempt number from an atomic counter in
    the store, creates the group's control segment (a memfd: no name anyone could open),
    collects the others' pids, serves the segment's fd to exactly those pids on an abstract
@@ -35,6 +36,10 @@ primitive's lowering rule; docs/multiprocess.md §3 has the whole story):
    the verdict ``.../<attempt>/result``, which every process waits for: a failure is raised
    everywhere, the segment is marked broken, and the next trace bootstraps anew.
 
+While the leader waits for a process whose pid it knows, and a process for the leader's
+verdict, it watches that process (a pidfd, :class:`_Peers`): one that exits is reported at
+once, by name and pid, not at the deadline.
+
 From then on ranks talk through shared memory only (``cpp/host/shm_domain.h``: each call site
 gets its own clique in the group's domain at its first call, its segment's fd passed between
 the processes by their segment servers, ``cpp/host/fd_share.h``). The host executor learns which
@@ -47,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -67,7 +73,18 @@ _generations: dict[tuple[str, str], int] = {}
 
 
 class BootstrapError(RuntimeError):
-    """A process did not answer in time, or the processes disagree on a clique."""
+    """A process did not answer in time, or the processes disagree on a clique.
+
+    ``timed_out``: a wait on the store reached its deadline (the message names who did not
+    answer)."""
+
+    timed_out = False
+
+
+def _timed_out(message: str) -> BootstrapError:
+    error = BootstrapError(message)
+    error.timed_out = True
+    return error
 
 
 def client() -> Any | None:
@@ -124,7 +141,7 @@ def _get(key: str, deadline: float, who: str, what: str) -> bytes:
     except Exception as e:  # noqa: BLE001
         text = str(e)
         if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
-            raise BootstrapError(
+            raise _timed_out(
                 f"jaxoverlap: {who} did not answer within the timeout ({what}; key {key!r}). "
                 f"Is that process still running the same program, and did it reach the same "
                 f"jaxoverlap call? (JAXOVERLAP_TIMEOUT_S / timeout_s set the deadline)") from e
@@ -401,6 +418,66 @@ def ensure_host_clique(host: Any, clique_key: int, group: int, rank_process: Seq
 # joins an attempt older than that: its leader key may still be in the store).
 _attempts_seen: dict[str, int] = {}
 
+# How often a bootstrap wait looks at the peers it waits for (docs/multiprocess.md §3).
+_WATCH_S = 0.2
+
+
+class _Peers:
+    """Peer processes of this machine and pid namespace, watched while a bootstrap waits for
+    them: one that exits ends the wait at once, naming it, not at the deadline.
+
+    A pidfd per process (``pidfd_open``, Linux >= 5.3), taken when its pid is learnt: it
+    refers to that very process, never to a later one reusing the pid, and becomes readable
+    when it exits. Peers whose pid means nothing here (another machine or namespace, which
+    the bootstrap refuses anyway) and kernels without pidfds are not watched: their waits
+    end at the deadline, as before.
+    """
+
+    def __init__(self) -> None:
+        self._pidfds: dict[int, tuple[int, int | None]] = {}   # process -> (pid, pidfd)
+
+    def watch(self, process: int, pid: int) -> None:
+        try:
+            fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            fd = None                  # gone already
+        except (OSError, AttributeError):
+            return
+        self._pidfds[process] = (pid, fd)
+
+    def gone(self) -> list[tuple[int, int]]:
+        """(process, pid) of every watched process that has exited."""
+        fds = [fd for _, fd in self._pidfds.values() if fd is not None]
+        ready = set(select.select(fds, [], [], 0)[0]) if fds else set()
+        return [(p, pid) for p, (pid, fd) in sorted(self._pidfds.items())
+                if fd is None or fd in ready]
+
+    def close(self) -> None:
+        for _, fd in self._pidfds.values():
+            if fd is not None:
+                os.close(fd)
+        self._pidfds.clear()
+
+
+def _get_watched(key: str, deadline: float, who: str, what: str, peers: _Peers,
+                 gone: Any) -> bytes:
+    """``_get`` that also ends, with ``gone(exited)``'s error, as soon as a watched peer
+    exits (``exited``: its (process, pid) pairs)."""
+    while True:
+        try:
+            return _get(key, min(deadline, time.monotonic() + _WATCH_S), who, what)
+        except BootstrapError as e:
+            if not e.timed_out:
+                raise
+            if exited := peers.gone():
+                raise gone(exited) from None
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _named(exited: list[tuple[int, int]]) -> str:
+    return ", ".join(f"process {p} (pid {pid})" for p, pid in exited)
+
 
 def _ensure_host_clique(host: Any, clique_key: int, group: int, table: list[int],
                         timeout_s: float) -> bool:
@@ -442,24 +519,39 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
     if attempt > 1:
         _delete(_host_key(cid, attempt - 1))
     _attempts_seen[cid] = attempt
-    fd = host._shm_domain_create(clique_key, group, table, me, attempt)
+    # The control segment's fd is parked, in no fd table (cpp/host/fd_share.h ParkedFds): no
+    # other process of the user can reopen it through /proc/<pid>/fd while it waits.
+    parked = host._shm_domain_create(clique_key, group, table, me, attempt)
     server = None
+    peers = _Peers()
+
+    def died(exited: list[tuple[int, int]]) -> BootstrapError:
+        return BootstrapError(
+            f"jaxoverlap: {_named(exited)} exited during the bootstrap of host clique {cid} "
+            f"(rank table {table}), before it attached to the shared memory; this is its "
+            f"leader, process {me}. Every process of the job must reach the same native "
+            "calls: see why that process ended (its own output).")
+
     try:
         missing, errors, pids = [], [], []
         for p in sorted(set(table)):
             if p == me:
                 continue
             try:
-                pids.append(int(_get(_host_key(cid, "pid", p), deadline, f"process {p}",
-                                     f"attach to the shared memory of host clique {cid}")))
+                entry = json.loads(_get(_host_key(cid, "pid", p), deadline, f"process {p}",
+                                        f"attach to the shared memory of host clique {cid}"))
             except BootstrapError as e:
                 missing.append(p)
                 errors.append(str(e))
                 deadline = time.monotonic() + 0.01  # only collect who else is missing
+                continue
+            pids.append(int(entry["pid"]))
+            if (entry["machine"], entry["namespaces"]) == (machine_id(), namespaces()):
+                peers.watch(p, int(entry["pid"]))
         if not missing:
             # Bound before its name is published; it serves exactly these pids (SO_PEERCRED).
             socket_name = f"jaxoverlap-{os.getpid()}-{secrets.token_hex(16)}"
-            server = host._fd_serve(socket_name, [fd], pids,
+            server = host._fd_serve(socket_name, parked, pids,
                                     timeout_ms(max(0.1, deadline - time.monotonic())))
             _set_overwrite(_host_key(cid, "leader"), json.dumps(
                 {"attempt": attempt, "socket": socket_name, "pid": os.getpid(),
@@ -469,9 +561,13 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
             if p == me or missing:
                 continue
             try:
-                answer = _get(_host_key(cid, attempt, "attached", p), deadline, f"process {p}",
-                              f"attach to the shared memory of host clique {cid}")
+                answer = _get_watched(_host_key(cid, attempt, "attached", p), deadline,
+                                      f"process {p}",
+                                      f"attach to the shared memory of host clique {cid}",
+                                      peers, died)
             except BootstrapError as e:
+                if not e.timed_out:
+                    raise
                 missing.append(p)
                 errors.append(str(e))
                 deadline = time.monotonic() + 0.01  # only collect who else is missing
@@ -496,23 +592,42 @@ def _lead_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int
             pass
         _delete(_host_key(cid, "leader"))
         host._forget_domain(clique_key, group)
-        del server  # stops serving
-        os.close(fd)
+        del server, parked  # stops serving; drops the segment's last reference here
         raise
-    _set(_host_key(cid, attempt, "result"), b"ok")
-    try:
-        server.finish()  # every process answered ok: each has its copy already
     finally:
-        os.close(fd)
+        peers.close()
+    _set(_host_key(cid, attempt, "result"), b"ok")
+    server.finish()  # every process answered ok: each has its copy already
 
 
 def _follow_host_bootstrap(host: Any, clique_key: int, group: int, table: list[int], cid: str,
                            deadline: float) -> None:
     """Every other process: join the leader's newest attempt, answer, await the verdict."""
-    me, leader = jax.process_index(), table[0]
-    # The leader serves the control segment to the pids it reads here, and to no other.
-    _set_overwrite(_host_key(cid, "pid", me), str(os.getpid()).encode())
+    me = jax.process_index()
+    # The leader serves the control segment to the pids it reads here, and to no other, and
+    # watches those of its machine and pid namespace (an exit ends its wait at once).
+    _set_overwrite(_host_key(cid, "pid", me), json.dumps(
+        {"pid": os.getpid(), "machine": machine_id(), "namespaces": namespaces()}).encode())
     what = f"leader (rank 0) of host clique {cid} publishing its shared memory"
+    peers = _Peers()
+    try:
+        _follow(host, clique_key, group, table, cid, deadline, what, peers)
+    finally:
+        peers.close()
+
+
+def _follow(host: Any, clique_key: int, group: int, table: list[int], cid: str,
+            deadline: float, what: str, peers: _Peers) -> None:
+    """The follower's attempts, watching the leader (``peers``) once its pid is known."""
+    me, leader = jax.process_index(), table[0]
+
+    def died(exited: list[tuple[int, int]]) -> BootstrapError:
+        host._forget_domain(clique_key, group)
+        return BootstrapError(
+            f"jaxoverlap: {_named(exited)}, the leader of host clique {cid}, exited during "
+            f"its bootstrap (before it confirmed that every process attached); this is "
+            f"process {me}. See why that process ended (its own output).")
+
     while True:
         info = json.loads(_poll(_host_key(cid, "leader"), deadline, f"process {leader}", what,
                                 lambda raw: json.loads(raw)["attempt"]
@@ -540,28 +655,27 @@ def _follow_host_bootstrap(host: Any, clique_key: int, group: int, table: list[i
                 "one container, or with the pid and network namespaces shared.")
         else:
             remaining = max(0.1, deadline - time.monotonic())
+            peers.close()
+            peers.watch(leader, int(info["pid"]))
             try:
                 # The leader listens before it publishes: only a leader that gave this attempt
-                # up is silent, and then a newer attempt follows.
-                (fd,) = host._fd_receive(info["socket"], 1, int(info["pid"]),
-                                         timeout_ms(min(remaining, 10.0)))
+                # up is silent, and then a newer attempt follows (unless it has exited). The
+                # segment's fd is received, mapped and closed in one call.
+                host._shm_domain_receive(clique_key, group, table, me, attempt, info["socket"],
+                                         int(info["pid"]), timeout_ms(min(remaining, 10.0)))
             except RuntimeError as e:
+                if exited := peers.gone():
+                    raise died(exited) from e
                 if "nobody listens" in str(e) and time.monotonic() < deadline:
                     continue
                 problem = f"jaxoverlap: process {me}: {e}"
-            else:
-                try:
-                    host._shm_domain_attach(clique_key, group, table, me, attempt, fd)
-                except RuntimeError as e:
-                    problem = f"jaxoverlap: process {me}: {e}"
-                finally:
-                    os.close(fd)
         _set(_host_key(cid, attempt, "attached", me),
              b"ok" if problem is None else problem.encode())
         if problem is not None:
             raise BootstrapError(problem)
-        verdict = _get(_host_key(cid, attempt, "result"), deadline, f"process {leader}",
-                       f"leader of host clique {cid} confirming that every process attached")
+        verdict = _get_watched(
+            _host_key(cid, attempt, "result"), deadline, f"process {leader}",
+            f"leader of host clique {cid} confirming that every process attached", peers, died)
         if verdict != b"ok":
             host._forget_domain(clique_key, group)
             raise BootstrapError(f"jaxoverlap: the bootstrap of host clique {cid} failed (its "

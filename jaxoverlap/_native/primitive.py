@@ -142,7 +142,7 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
             layouts = [None, (0, 1), None, None]
     rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False,
                                 operand_layouts=layouts)
-    key = site_key(ctx, naming(plan, call, x_aval))
+    key = site_key(ctx, naming(plan, call, x_aval), (w,), (x,))
     # Its next instance in XLA belongs to a new program (cpp/core/call.h, CallSite).
     runtime.note_lowering(platform, key)
     return rule(ctx, *operands, **attributes(plan, call, x_aval, key))

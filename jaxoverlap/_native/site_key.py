@@ -10,29 +10,48 @@ would shift every later site. The key is a hash of
 * the lowered module's name and the call's name stack (which program, where in it),
 * the call's clique key (mesh, axis, transport, rank table) and its attributes,
 * the types of x and w and of the results (y's dtype, an x_gathered),
-* and the call's ordinal among the native calls with all of the above in this lowering
-  (the Q, K and V projections of one input differ only there),
+* where w comes from (:func:`provenance`: the computation that makes it, op by op back to
+  the program's parameters), so that calls alike in everything else — the Q, K and V
+  projections of one input, whose kernels are different parameters, forward and backward —
+  are told apart by the weight they multiply, not by the order a process traced them in (a
+  loop over a ``set`` runs in another order in every process: Python's hash seed). Not x's:
+  a backward pass builds the same cotangent differently when the forward pass added its
+  terms in another order, so x's provenance would follow that order,
+* and the call's ordinal among the native calls with all of the above in this lowering: calls
+  multiplying one weight (a layer applied twice), told apart by the order of the trace as
+  before (docs/native.md §7); from the second such call on, also where x comes from, so that
+  calls traced in another order in another process find no peer rather than a wrong one (x's
+  provenance cannot name every call: where x is an argument of a function not yet called,
+  only its place is known, and a ``shard_map``'s places follow the trace),
 
 none of which depends on what else a process compiled. The native primitive's lowering is not
 cached by JAX (``cacheable=False`` where it is registered), so every call of a program gets its
-own ordinal. What JAX still lowers once and XLA repeats (a nested jit called twice) carries one
+own key. What JAX still lowers once and XLA repeats (a nested jit called twice) carries one
 key; the C++ side tells those instances apart in the order XLA instantiates them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from jax._src.interpreters import mlir
+
+ir = mlir.ir
 
 _lock = threading.Lock()
 # Per module being lowered (the MLIR module of its ModuleContext, which every rule context of
 # that lowering shares): how many calls with each description it has had so far. Weakly keyed,
 # so the counts live and die with the module.
 _ordinals: weakref.WeakKeyDictionary[Any, dict[bytes, int]] = weakref.WeakKeyDictionary()
+# Per module being lowered: the provenance digest of every value met so far.
+_digests: weakref.WeakKeyDictionary[Any, dict[Any, bytes]] = weakref.WeakKeyDictionary()
+_CALLERS = "callers"  # the memo's entry for: function name -> the func.call ops calling it
 
 
 def _module_name(module_context: Any) -> str:
@@ -42,20 +61,188 @@ def _module_name(module_context: Any) -> str:
     return mlir.ir.StringAttr(attributes["sym_name"]).value
 
 
-def site_key(ctx: Any, naming: dict[str, Any]) -> int:
+def site_key(ctx: Any, naming: dict[str, Any], operands: Sequence[Any] = (),
+             inputs: Sequence[Any] = ()) -> int:
     """The site key of the native call lowering in ``ctx`` (a nonzero signed 64-bit int).
 
     ``naming``: everything the call is besides where it lowers and its types, its clique key
     among them (``attributes.naming``: op, axis, transport, chunks, ...; not its timeout, which
-    a process may set differently).
+    a process may set differently); ``operands``: the MLIR values whose provenance names the
+    call (the native lowering gives w); ``inputs``: those whose provenance a call alike to an
+    earlier one of this lowering adds to its key (the native lowering gives x).
     """
     avals = tuple((tuple(a.shape), str(a.dtype)) for a in (*ctx.avals_in[:2], *ctx.avals_out))
     described = repr((_module_name(ctx.module_context), str(ctx.name_stack), avals,
-                      sorted((k, repr(v)) for k, v in naming.items())))
+                      sorted((k, repr(v)) for k, v in naming.items()),
+                      provenance(ctx, operands).hex()))
     digest = hashlib.blake2b(described.encode(), digest_size=16).digest()
     with _lock:
         counts = _ordinals.setdefault(ctx.module_context.module, {})
         ordinal = counts.get(digest, 0)
         counts[digest] = ordinal + 1
-    key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little"), digest_size=8).digest()
+    # A second and later alike call also carries its input's provenance: processes that traced
+    # alike calls in other orders then find no peer for them (a timeout naming the sites), never
+    # a peer that computes something else.
+    checked = provenance(ctx, inputs) if ordinal else b""
+    key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little") + checked,
+                                digest_size=8).digest()
     return int.from_bytes(key_bytes, "little", signed=True) or 1
+
+
+# ---------------------------------------------------------------- where a value comes from
+
+
+def provenance(ctx: Any, values: Sequence[Any]) -> bytes:
+    """A digest of the computation that makes ``values`` (MLIR values of the module ``ctx``
+    lowers), the same in every process that lowers the same program, whatever order it traced
+    it in.
+
+    A value is digested from how it is made: an op's name, its attributes and the digests of
+    its operands; a parameter of a function by its place. Where the order of a list follows
+    the trace (the operands and results of a ``shard_map``, which autodiff fills with
+    residuals in the order it met them), the place in the list does not count: an argument of
+    a region is the operand it brings in, a result of a ``shard_map`` or of a function call
+    the value its body returns there. Locations are left out, and so is whatever a process
+    numbers or names for itself: the id in a ``custom_partitioning`` call's backend config, the
+    counter in a function's name, a native call's timeout (only its site key counts). Digests
+    are kept per module, so the program is walked once however many calls ask.
+    """
+    module = ctx.module_context.module
+    with _lock:
+        memo = _digests.setdefault(module, {})
+        return hashlib.blake2b(b"".join(_digest(v, memo, module) for v in values),
+                               digest_size=16).digest()
+
+
+def _digest(value: Any, memo: dict[Any, bytes], module: Any) -> bytes:
+    stack = [value]
+    while stack:
+        v = stack[-1]
+        if v in memo:
+            stack.pop()
+            continue
+        node, deps = _node(v, module)
+        missing = [d for d in deps if d not in memo]
+        if missing:
+            stack.extend(missing)
+            continue
+        stack.pop()
+        memo[v] = hashlib.blake2b(node + b"".join(memo[d] for d in deps),
+                                  digest_size=16).digest()
+    return memo[value]
+
+
+def _node(value: Any, module: Any) -> tuple[bytes, list[Any]]:
+    """What makes ``value`` locally, and the values it is made from."""
+    if isinstance(value, ir.BlockArgument):
+        number = value.arg_number
+        parent = value.owner.owner
+        kind = parent.operation.name
+        if kind == "func.func":
+            name = ir.StringAttr(parent.attributes["sym_name"]).value
+            callers = _callers(module).get(name, [])
+            if len(callers) == 1:  # a function called once is its caller's operands
+                return b"in a function called once", [list(callers[0].operands)[number]]
+            return f"arg {_symbol(name)} {number}".encode(), []
+        operands = list(parent.operands)
+        brought = [operands[number]] if number < len(operands) else []
+        return f"in {kind}".encode(), brought
+    op = value.owner
+    kind = op.operation.name
+    result = ir.OpResult(value).result_number
+    if kind == "sdy.manual_computation":
+        returned = _returned(op, result)
+        if returned is not None:
+            return b"out sdy.manual_computation", [returned]
+    if kind == "func.call":
+        callee = _callee(module, op)
+        returned = _returned(callee, result) if callee is not None else None
+        if returned is not None:
+            return f"call {_symbol(op.attributes['callee'])}".encode(), [returned,
+                                                                         *op.operands]
+    return f"{kind} {result} {_attributes(op)}".encode(), list(op.operands)
+
+
+def _callers(module: Any) -> dict[str, list[Any]]:
+    """Every function of ``module`` by name: the ``func.call`` ops that call it (walked once
+    per module, then kept with its digests)."""
+    memo = _digests.setdefault(module, {})
+    if _CALLERS not in memo:
+        found: dict[str, list[Any]] = {}
+        stack = [module.operation]
+        while stack:
+            op = stack.pop()
+            if op.operation.name == "func.call":
+                found.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value,
+                                 []).append(op)
+            for region in op.regions:
+                for block in region.blocks:
+                    stack.extend(block.operations)
+        memo[_CALLERS] = found
+    return memo[_CALLERS]
+
+
+def _returned(op: Any, result: int) -> Any:
+    """The value the body of ``op`` (a function, a shard_map) returns as its ``result``."""
+    try:
+        terminator = list(op.regions[0].blocks[0].operations)[-1]
+        return list(terminator.operands)[result]
+    except (IndexError, AttributeError):
+        return None
+
+
+def _callee(module: Any, call: Any) -> Any:
+    try:
+        name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        return ir.SymbolTable(module.operation)[name]
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _attributes(op: Any) -> str:
+    target = ""
+    if "call_target_name" in op.attributes:
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+    parts = []
+    attributes = op.attributes
+    for i in range(len(attributes)):
+        named = attributes[i]          # a NamedAttribute (iteration gives names or pairs)
+        name, attr = named.name, named.attr
+        if name == "backend_config" and target == "CustomSPMDPartitioning":
+            continue  # the id of a per-process Python object
+        if target.startswith("jaxoverlap") and name == "mhlo.backend_config":
+            parts.append(f"site {ir.DictAttr(attr)['site_key']}")  # not the timeout
+            continue
+        if name in ("callee", "sym_name"):
+            parts.append(f"{name}={_symbol(attr)}")
+        elif _is(attr, ir.DenseResourceElementsAttr):
+            parts.append(f"{name}={attr.type}")  # the resource's name is a counter's
+        elif _is(attr, ir.DenseElementsAttr):    # a constant's values: by digest
+            parts.append(f"{name}={attr.type}:{_data_digest(attr)}")
+        else:
+            parts.append(f"{name}={attr}")
+    return ";".join(parts)
+
+
+def _is(attr: Any, kind: Any) -> bool:
+    """Whether ``attr`` is a ``kind`` (MLIR's Python bindings downcast attributes, or offer
+    ``kind.isinstance``, depending on their version)."""
+    if isinstance(attr, kind):
+        return True
+    test = getattr(kind, "isinstance", None)
+    return bool(test(attr)) if test is not None else False
+
+
+def _data_digest(attr: Any) -> str:
+    try:
+        data = np.asarray(ir.DenseElementsAttr(attr)).tobytes()
+    except (TypeError, ValueError, RuntimeError):  # a type NumPy lacks: its text
+        data = str(attr).encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _symbol(attr: Any) -> str:
+    """A function's name without the number JAX appends to tell same-named functions apart
+    (``_where_3``): it counts what this process lowered first."""
+    text = str(attr).strip('"@')
+    return re.sub(r"_\d+$", "", text)

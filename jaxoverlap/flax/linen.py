@@ -11,8 +11,10 @@ or ``nn.with_partitioning`` keeps the user's names (``nn.get_partition_spec``
 reports them; the user's logical rules place the parameter). When rules are in
 force (``nn.logical_axis_rules`` or the box's own) or the names are mesh axes,
 the layer checks that they split the right dim over ``axis_name`` and raises
-naming the rule to add otherwise. An unannotated initialiser gets the layer's
-own ``nn.Partitioned`` names:
+naming the rule to add otherwise. An unannotated initialiser gives a plain
+array, as Flax's layer does (the variables' tree is the stock layer's, so
+path-keyed checkpoints load either way), laid out on the mesh when one is known
+as it is made (the layer's own layout, which :func:`partition_specs` reports):
 
 ==========================  ===========================  ====================
 layer                       kernel                       bias
@@ -41,6 +43,7 @@ local shards), and with no mesh at all as the plain Flax layer (so
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import logging
@@ -72,6 +75,7 @@ __all__ = [
     "ParallelMultiHeadDotProductAttention",
     "RowParallelDense",
     "RowParallelDenseGeneral",
+    "partition_specs",
 ]
 
 
@@ -90,7 +94,9 @@ def _param(module: nn.Module, layer: str, kind: str, name: str, init: Callable,
     The initialiser sees the flat shape ``(prod(shape[:n_in]), prod(shape[n_in:]))``
     (``n_in`` = 0: ``(prod(shape),)``), as in ``nn.DenseGeneral``, so the values
     equal Flax's for the same key. A user's box stays as written; an
-    unannotated value gets ``tp_dim`` split over ``axis_name``.
+    unannotated value stays a plain array, as Flax's, laid out with ``tp_dim``
+    split over ``axis_name`` (boxed with those names only for
+    :func:`partition_specs`).
     """
     own = _common.own_names(len(shape), tp_dim, axis_name)
 
@@ -105,12 +111,48 @@ def _param(module: nn.Module, layer: str, kind: str, name: str, init: Callable,
         value = jnp.reshape(value, shape)
         if own is None:
             return value
+        value = _common.place_value(value, own, axis_name, mesh)
         # No mesh in the box: flax would then constrain every nn.unbox to it,
         # which fails under Explicit axes; the value is placed here instead.
-        return nn.Partitioned(_common.place_value(value, own, axis_name, mesh), names=own)
+        return nn.Partitioned(value, names=own) if _REPORT_OWN.get() else value
 
     boxed = module.param(name, init_fn, shape, module.param_dtype, unbox=False)
     return _checked_value(layer, kind, name, boxed, shape, n_in, tp_dim, axis_name)
+
+
+# Set only while partition_specs traces an init: the unannotated parameters are boxed with
+# the layers' own names there, so that Flax's nn.get_partition_spec reports them.
+_REPORT_OWN: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxoverlap_report_own",
+                                                                   default=False)
+
+
+def partition_specs(module: nn.Module, *init_args: Any, **init_kwargs: Any) -> Any:
+    """The partition specs of ``module.init(*init_args, **init_kwargs)``'s variables, as
+    ``nn.get_partition_spec`` gives them, with these layers' own layout where the user gave
+    no metadata: column kernel ``(None, axis_name)``, column bias ``(axis_name,)``, row
+    kernel ``(axis_name, None)`` (the general layers: ``axis_name`` on the split dim).
+
+    The variables themselves are Flax's plain arrays there (the stock tree); this is the
+    layout as specs, e.g. for ``jax.shard_map``'s ``in_specs`` or ``jit``'s
+    ``out_shardings``. The user's ``nn.with_logical_partitioning`` names stay logical names
+    (``nn.logical_to_mesh_sharding`` resolves them). Abstract (``jax.eval_shape``): no mesh
+    needed, nothing computed::
+
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.ones((2, 8, 4))                       # [B, S, H]
+      >>> specs = partition_specs(ParallelMLP(features=16), jax.random.key(0), x)["params"]
+      >>> from jax.sharding import PartitionSpec as P
+      >>> specs["up"]["kernel"] == P(None, "tp") and specs["down"]["kernel"] == P("tp", None)
+      True
+    """
+    token = _REPORT_OWN.set(True)
+    try:
+        # A new function each time: no cached trace made without the boxes is reused.
+        abstract = jax.eval_shape(lambda *a, **k: module.init(*a, **k), *init_args,
+                                  **init_kwargs)
+    finally:
+        _REPORT_OWN.reset(token)
+    return nn.get_partition_spec(abstract)
 
 
 def _raw(box: meta.AxisMetadata):
@@ -269,14 +311,16 @@ class ColumnParallelDense(_ParallelLinear):
     Example usage::
 
       >>> import jax, jax.numpy as jnp
-      >>> import flax.linen as nn
+      >>> from jax.sharding import PartitionSpec as P
       >>> from jaxoverlap.flax.linen import ColumnParallelDense
       >>> mesh = jax.make_mesh((4,), ("tp",))
       >>> layer = ColumnParallelDense(features=16, mesh=mesh)
       >>> x = jnp.ones((2, 8, 4))                       # [B, S, H]
       >>> variables = layer.init(jax.random.key(0), x)
-      >>> jax.tree.map(jnp.shape, nn.unbox(variables))
+      >>> jax.tree.map(jnp.shape, variables)            # nn.Dense's tree, plain arrays
       {'params': {'bias': (16,), 'kernel': (4, 16)}}
+      >>> variables["params"]["kernel"].sharding.spec == P(None, "tp")
+      True
       >>> jax.jit(layer.apply)(variables, x).shape
       (2, 8, 16)
 
@@ -344,13 +388,12 @@ class RowParallelDense(_ParallelLinear):
     Example usage::
 
       >>> import jax, jax.numpy as jnp
-      >>> import flax.linen as nn
       >>> from jaxoverlap.flax.linen import RowParallelDense
       >>> mesh = jax.make_mesh((4,), ("tp",))
       >>> layer = RowParallelDense(features=4, mesh=mesh)
       >>> h = jnp.ones((2, 8, 16))                      # [B, S, F]
       >>> variables = layer.init(jax.random.key(0), h)
-      >>> jax.tree.map(jnp.shape, nn.unbox(variables))
+      >>> jax.tree.map(jnp.shape, variables)
       {'params': {'bias': (4,), 'kernel': (16, 4)}}
       >>> jax.jit(layer.apply)(variables, h).shape
       (2, 8, 4)
@@ -451,7 +494,7 @@ class ColumnParallelDenseGeneral(_ParallelDenseGeneral):
       >>> qkv = ColumnParallelDenseGeneral(features=(8, 2), mesh=mesh)
       >>> x = jnp.ones((2, 8, 16))
       >>> variables = qkv.init(jax.random.key(0), x)
-      >>> variables["params"]["kernel"].value.shape
+      >>> variables["params"]["kernel"].shape           # a plain array, as Flax's
       (16, 8, 2)
       >>> jax.jit(qkv.apply)(variables, x).shape
       (2, 8, 8, 2)
@@ -503,13 +546,12 @@ class ParallelMLP(nn.Module):
     Example usage::
 
       >>> import jax, jax.numpy as jnp
-      >>> import flax.linen as nn
       >>> from jaxoverlap.flax.linen import ParallelMLP
       >>> mesh = jax.make_mesh((4,), ("tp",))
       >>> mlp = ParallelMLP(features=32, mesh=mesh)
       >>> x = jnp.ones((2, 8, 4))
       >>> variables = mlp.init(jax.random.key(0), x)
-      >>> jax.tree.map(jnp.shape, nn.unbox(variables))["params"]["up"]
+      >>> jax.tree.map(jnp.shape, variables)["params"]["up"]
       {'bias': (32,), 'kernel': (4, 32)}
       >>> jax.jit(mlp.apply)(variables, x).shape
       (2, 8, 4)
@@ -630,7 +672,7 @@ class ParallelMultiHeadDotProductAttention(_NamedLikeFlax, nn.Module):
       >>> attn = ParallelMultiHeadDotProductAttention(num_heads=8, qkv_features=16, mesh=mesh)
       >>> x = jnp.ones((2, 8, 16))
       >>> variables = attn.init(jax.random.key(0), x)
-      >>> variables["params"]["query"]["kernel"].value.shape
+      >>> variables["params"]["query"]["kernel"].shape
       (16, 8, 2)
       >>> jax.jit(attn.apply)(variables, x).shape
       (2, 8, 16)

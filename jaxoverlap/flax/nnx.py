@@ -12,19 +12,20 @@ from ``nnx.with_partitioning``) with an ``out_sharding`` are kept as written, so
 ``nnx.get_partition_spec`` reports the user's names and the user's logical
 rules apply; when they can be resolved (logical rules in force, or mesh axis
 names) the layer checks that they split the right dim over ``axis_name`` and
-raises naming the rule to add otherwise. Without them the layer adds its own:
-column kernel ``(None, axis_name)`` (``axis_name`` on the first output feature
-dim), column bias ``(axis_name, ...)``, row kernel ``(axis_name, ...)``, row
-bias replicated. Built under a mesh (``mesh=`` or ``jax.set_mesh``) the params
-are placed at once (Flax's eager sharding); without one they are built
-unplaced, with the metadata kept.
+raises naming the rule to add otherwise. Without them the params are plain
+``nnx.Param``s, as the nnx layer's (the state's tree is the stock layer's), and
+built under a mesh (``mesh=`` or ``jax.set_mesh``) their values are placed at
+once in the layer's own layout: column kernel ``(None, axis_name)``
+(``axis_name`` on the first output feature dim), column bias ``(axis_name,
+...)``, row kernel ``(axis_name, ...)``, row bias replicated;
+:func:`partition_specs` reports it as specs.
 
 Semantics are those of ``jaxoverlap.flax.linen`` (see there): batch-first
 ``[..., S, features]`` inputs; ``sequence_parallel=True`` gives all-gather +
 GEMM / GEMM + reduce-scatter, ``False`` Megatron's f/g pair. Global arrays under
 ``jit`` with a mesh, local shards inside the user's ``jax.shard_map`` (then the
 state holds local shards, e.g. ``nnx.split`` the model and give the state to
-``shard_map`` with ``in_specs=nnx.get_partition_spec(state)``), or no mesh at
+``shard_map`` with ``in_specs=partition_specs(model)``), or no mesh at
 all, where the layers compute what the nnx layers compute.
 """
 
@@ -47,6 +48,7 @@ from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import fp8
 from jaxoverlap.flax import _common
@@ -64,6 +66,7 @@ __all__ = [
     "ParallelMultiHeadAttention",
     "RowParallelLinear",
     "RowParallelLinearGeneral",
+    "partition_specs",
 ]
 
 _SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -82,7 +85,10 @@ def _param(layer: str, kind: str, name: str, init: Callable, key, shape: tuple[i
     """An ``nnx.Param`` made as ``nnx.LinearGeneral`` makes it; the user's sharding kept.
 
     The initialiser sees the flat shape (``nnx.LinearGeneral``'s), so the
-    values equal Flax's for the same key.
+    values equal Flax's for the same key. Without the user's sharding the param
+    carries the user's other metadata only, as the stock layer's does, and its
+    value is placed with ``tp_dim`` split over ``axis_name`` where the mesh is
+    known (outside shard_map).
     """
     flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))) if n_in else \
         (int(np.prod(shape)),)
@@ -103,16 +109,45 @@ def _param(layer: str, kind: str, name: str, init: Callable, key, shape: tuple[i
             tp_dim = 0 if tp_dim < n_in else 1
         _check(layer, kind, source, names, given.get("sharding_rules"), tp_dim, axis_name, mesh)
         return nnx.Param(value, **user)
-    metadata = {k: v for k, v in user.items() if k not in _SHARDING_KEYS}
     names = _common.own_names(len(shape), tp_dim, axis_name)
-    if names is not None:
-        metadata["out_sharding"] = names
-        if mesh is not None:
-            metadata["mesh"] = mesh
-        # Eager placement needs a mesh with the axis, outside shard_map.
-        if not tp_known or _common.tp_size_if_bound(axis_name) is not None:
-            metadata["eager_sharding"] = False
-    return nnx.Param(value, **metadata)
+    if names is not None and tp_known:
+        value = _common.place_value(value, names, axis_name, mesh)
+    return nnx.Param(value, **{k: v for k, v in user.items() if k not in _SHARDING_KEYS})
+
+
+def _has_sharding(variable: nnx.Variable) -> bool:
+    metadata = variable.get_metadata()
+    return any(metadata.get(k) for k in _SHARDING_KEYS)
+
+
+def partition_specs(node: Any) -> nnx.State:
+    """``nnx.get_partition_spec(nnx.state(node))`` with these layers' own layout where the
+    user gave no sharding metadata: column kernel ``(None, axis_name)``, column bias
+    ``(axis_name,)``, row kernel ``(axis_name, None)`` (the general layers: ``axis_name``
+    on the split dim), row bias replicated.
+
+    The params themselves carry no such metadata (the stock tree); this is their layout as
+    specs, e.g. the ``in_specs`` of a ``jax.shard_map`` taking ``nnx.state(node)``. The
+    user's own sharding names are reported as written (logical names stay logical)::
+
+      >>> from flax import nnx
+      >>> from jax.sharding import PartitionSpec as P
+      >>> specs = partition_specs(ParallelMLP(4, 16, rngs=nnx.Rngs(0)))
+      >>> specs["up"]["kernel"].get_value() == P(None, "tp")
+      True
+    """
+    specs = nnx.get_partition_spec(nnx.state(node))
+    for path, module in nnx.iter_modules(node):
+        if not isinstance(module, _ParallelLinear):
+            continue
+        at = specs
+        for key in path:
+            at = at[key]
+        for name, names in module.own_layout().items():
+            variable = getattr(module, name)
+            if variable is not None and not _has_sharding(variable):
+                at[name] = at[name].replace(P(*names) if names is not None else P())
+    return specs
 
 
 def _check(layer: str, kind: str, source: str, names: tuple[Any, ...], local_rules: Any,
@@ -265,6 +300,17 @@ class _ParallelLinear(nnx.Module):
         self.impl = impl
         self.mesh = mesh
 
+    def own_layout(self) -> dict[str, tuple[Any, ...] | None]:
+        """The layout of each param without the user's sharding: names per dim (None:
+        replicated)."""
+        n_in, n_out = len(_tuple(self.in_features)), len(_tuple(self.out_features))
+        column = self._kind == COLUMN
+        layout = {"kernel": _common.own_names(n_in + n_out, n_in if column else 0,
+                                              self.axis_name)}
+        if self.bias is not None:
+            layout["bias"] = _common.own_names(n_out, 0 if column else None, self.axis_name)
+        return layout
+
     def _local_shapes(self, layer: str, in_f: tuple[int, ...], out_f: tuple[int, ...]):
         """(in, out) feature shapes of the kernel this call sees: local shards inside shard_map."""
         n = _common.tp_size_if_bound(self.axis_name)
@@ -291,7 +337,7 @@ class _ParallelLinear(nnx.Module):
             raise ValueError(
                 f"{layer}: inside shard_map over {self.axis_name!r} the kernel must be the "
                 f"local shard of shape {local_in + local_out}, got {tuple(kernel.shape)}. Pass "
-                "the state with in_specs=nnx.get_partition_spec(state).")
+                "the state with in_specs=jaxoverlap.flax.nnx.partition_specs(model).")
         got = tuple(inputs.shape[inputs.ndim - n_contract:])
         if got != local_in:
             what = f"inputs.shape[-1]={got[-1]}" if n_contract == 1 else \
@@ -471,7 +517,7 @@ class ColumnParallelLinear(_Linear):
       >>> layer.kernel.shape, y.shape
       ((4, 16), (2, 8, 16))
       >>> from jax.sharding import PartitionSpec as P
-      >>> nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == P(None, "tp")
+      >>> layer.kernel.sharding.spec == P(None, "tp")   # placed; a plain nnx.Param
       True
 
     Args:
@@ -522,10 +568,10 @@ class RowParallelLinear(_Linear):
 
       >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
-      >>> from jaxoverlap.flax.nnx import RowParallelLinear
+      >>> from jaxoverlap.flax.nnx import RowParallelLinear, partition_specs
       >>> layer = RowParallelLinear(16, 4, rngs=nnx.Rngs(0))   # no mesh yet: unplaced
       >>> from jax.sharding import PartitionSpec as P
-      >>> nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value() == P("tp", None)
+      >>> partition_specs(layer)["kernel"].get_value() == P("tp", None)
       True
       >>> mesh = jax.make_mesh((4,), ("tp",))
       >>> nnx.jit(lambda m, h: m(h))(

@@ -8,6 +8,7 @@ unfused path). ``sim.published`` checks it against published measurements and
 """
 
 from jaxoverlap.sim import allreduce, families, launch, reduction
+from jaxoverlap.sim.block import BlockProjection, mlp_block
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import SimulationError, Span, Timeline, simulate_programs
 from jaxoverlap.sim.fit import (
@@ -53,6 +54,7 @@ from jaxoverlap.sim.report import (
 )
 
 __all__ = [
+    "BlockProjection",
     "allreduce",
     "families",
     "launch",
@@ -89,6 +91,7 @@ __all__ = [
     "collective_time",
     "format_table",
     "gantt",
+    "mlp_block",
     "gemm_efficiency",
     "gemm_time",
     "get_preset",

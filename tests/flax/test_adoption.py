@@ -147,7 +147,7 @@ def test_linen_abstract_init_and_apply_need_no_mesh(ours, theirs, shape):
 
 def test_nnx_abstract_init_needs_no_mesh():
     abstract = nnx.eval_shape(lambda: jn.ParallelMLP(H, F, rngs=nnx.Rngs(0)))
-    specs = nnx.get_partition_spec(nnx.state(abstract))
+    specs = jn.partition_specs(abstract)
     assert specs["up"]["kernel"].get_value() == P(None, "tp")
     assert abstract.down.kernel.shape == (F, H)
     attn = nnx.eval_shape(lambda: jn.ParallelMultiHeadAttention(8, H, 32, rngs=nnx.Rngs(0)))

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from flax_helpers import assert_tree_close, mesh_named, x_spec
 from helpers import dp_tp_mesh, put, rand, tp_mesh
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap.flax import linen as jl
@@ -73,10 +73,13 @@ def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
                      mesh=None if explicit else mesh))
     with _mesh_scope(mesh, explicit):
         own = ours.init(jax.random.key(1), x)       # same initial values as Flax's
-        assert_tree_close(nn.unbox(own), params, jnp.float32, "initial parameters")
-        specs = nn.get_partition_spec(own)["params"]
+        assert_tree_close(own, params, jnp.float32, "initial parameters")
+        specs = jl.partition_specs(ours, jax.random.key(1), x)["params"]
         assert specs["q"] == {"kernel": P(None, "tp", None), "bias": P("tp", None)}
         assert specs["o"] == {"kernel": P("tp", None, None), "bias": P()}
+        # Plain arrays (nn.DenseGeneral's tree), laid out as those specs say.
+        assert own["params"]["q"]["kernel"].sharding.is_equivalent_to(
+            NamedSharding(mesh, specs["q"]["kernel"]), 3)
         got = _grads(ours.apply, params, put(x, mesh, x_spec(mesh, sequence_parallel)))
     assert_tree_close(got, _grads(ref.apply, params, x), jnp.float32, "y, loss, grads")
 
@@ -102,8 +105,8 @@ def test_linen_attention_matches_flax(mesh_name, sequence_parallel, dropout):
     params = ref.init(jax.random.key(0), x, mask=mask)
     with _mesh_scope(mesh, explicit):
         own = ours.init(jax.random.key(0), x, mask=mask)
-        assert_tree_close(nn.unbox(own), params, jnp.float32, "initial parameters")
-        specs = nn.get_partition_spec(own)
+        assert_tree_close(own, params, jnp.float32, "initial parameters")
+        specs = jl.partition_specs(ours, jax.random.key(0), x, mask=mask)
         placed = jax.tree.map(lambda a, s: put(a, mesh, s), params, specs)
         got = _grads(apply(ours), placed, put(x, mesh, x_spec(mesh, sequence_parallel)))
     assert_tree_close(got, _grads(apply(ref), params, x), jnp.float32, "y, loss, grads")
@@ -178,7 +181,7 @@ def test_nnx_attention_matches_flax(mesh_name, sequence_parallel, dropout, kv_he
         # Same initial values as Flax's, and the heads split over tp.
         assert_tree_close(nnx.to_pure_dict(nnx.state(ours, nnx.Param)),
                           nnx.to_pure_dict(nnx.state(ref, nnx.Param)), jnp.float32, "init")
-        specs = nnx.get_partition_spec(nnx.state(ours))
+        specs = jn.partition_specs(ours)
         assert specs["query"]["kernel"].get_value() == P(None, "tp", None)
         assert specs["out"]["kernel"].get_value() == P("tp", None, None)
         got = run(ours, put(x, mesh, x_spec(mesh, sequence_parallel)))

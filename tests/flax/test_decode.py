@@ -86,14 +86,14 @@ def test_linen_decode_matches_flax(mesh_name, sequence_parallel, impl, batch):
     with _mesh_scope(mesh, explicit):
         x_in = put(x, mesh, P(dp, "tp" if sequence_parallel else None))
         variables = jax.jit(ours.init)(jax.random.key(0), x_in)
-        assert_tree_close(nn.unbox(variables["params"]), expected["params"], jnp.float32,
+        assert_tree_close(variables["params"], expected["params"], jnp.float32,
                           "initial parameters")
         cache = variables["cache"]
         assert jax.tree.map(jnp.shape, cache) == jax.tree.map(jnp.shape, expected["cache"])
         for name in ("cached_key", "cached_value"):
             assert _heads_per_device(cache[name]) == HEADS // TP, name
         params = jax.tree.map(lambda a, s: put(a, mesh, s), expected["params"],
-                              nn.get_partition_spec(variables)["params"])
+                              jl.partition_specs(ours, jax.random.key(0), x_in)["params"])
         step = jax.jit(lambda v, t: ours.apply(v, t, mutable=["cache"]))
         token = put(x[:, :1], mesh, P(dp))
         _assert_step_collectives(step.lower({"params": params, "cache": cache}, token)
@@ -124,7 +124,7 @@ def test_linen_decode_inside_shard_map():
     ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
     ours = jl.ParallelMultiHeadDotProductAttention(num_heads=HEADS, decode=True, impl="ring")
     expected = ref.init(jax.random.key(0), x)
-    specs = nn.get_partition_spec(ours.init(jax.random.key(0), x))["params"]
+    specs = jl.partition_specs(ours, jax.random.key(0), x)["params"]
     cache_specs = {"cached_key": P(None, None, "tp"), "cached_value": P(None, None, "tp"),
                    "cache_index": P()}
     for check_vma in (True, False):

@@ -27,7 +27,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _megatron, _xla
-from jaxoverlap.flax.linen import ColumnParallelDense, ParallelMLP, RowParallelDense
+from jaxoverlap.flax.linen import (
+    ColumnParallelDense,
+    ParallelMLP,
+    RowParallelDense,
+    partition_specs,
+)
 
 
 class ReferenceMLP(nn.Module):
@@ -67,10 +72,10 @@ def reference(params, x, target, use_bias=True, features=F):
 
 
 def specs_of(model, x, mesh=None):
-    """The layers' partition specs, from Flax's own tools (an abstract init, under a mesh)."""
+    """The layers' partition specs (an abstract init, under a mesh), as
+    ``nn.get_partition_spec`` would give them if the parameters were boxed."""
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        abstract = jax.eval_shape(model.init, jax.random.key(0), x)
-    return nn.get_partition_spec(abstract)
+        return partition_specs(model, jax.random.key(0), x)
 
 
 def setup(use_bias=True, features=F):

@@ -25,7 +25,12 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap.flax import linen as jo_linen
-from jaxoverlap.flax.nnx import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from jaxoverlap.flax.nnx import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    RowParallelLinear,
+    partition_specs,
+)
 
 
 class ReferenceMLP(nnx.Module):
@@ -69,7 +74,7 @@ def load(model: nnx.Module, ref: nnx.Module, mesh=None) -> None:
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(ref)))
     if mesh is not None:
-        specs = nnx.get_partition_spec(state)
+        specs = partition_specs(model)
         state = jax.tree.map(lambda a, s: put(a, mesh, s), state, specs)
     nnx.update(model, state)
 
@@ -103,7 +108,7 @@ def test_mlp_inside_users_shard_map(check_vma, sequence_parallel):
     xs = x_spec(mesh, sequence_parallel)
 
     def wrap(apply, state):
-        return jax.shard_map(apply, mesh=mesh, in_specs=(nnx.get_partition_spec(state), xs),
+        return jax.shard_map(apply, mesh=mesh, in_specs=(partition_specs(model), xs),
                              out_specs=xs, check_vma=check_vma)
 
     got = value_and_grads(model, put(x, mesh, xs), target, wrap)
@@ -141,9 +146,9 @@ def test_nnx_and_linen_agree_with_copied_params(sequence_parallel):
 @pytest.mark.slow
 def test_partition_specs_and_placement():
     def specs(layer):
-        return {k: v.get_value() for k, v in nnx.get_partition_spec(nnx.state(layer)).items()}
+        return {k: v.get_value() for k, v in partition_specs(layer).items()}
 
-    # Without a mesh: unplaced, metadata kept.
+    # Without a mesh: unplaced; the layout is the layer's own.
     col = ColumnParallelLinear(H, F, axis_name="model", rngs=nnx.Rngs(0))
     assert specs(col) == {"kernel": P(None, "model"), "bias": P("model")}
     row = RowParallelLinear(F, H, axis_name="model", rngs=nnx.Rngs(0))

@@ -12,12 +12,14 @@ there before, and those whose names carry the unique ``JAXOVERLAP_SHM_TAG`` the 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -111,6 +113,39 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 _PORT_TAKEN = ("Address already in use", "Failed to add port", "Failed to bind")
 
+# linux/securebits.h, linux/prctl.h, linux/capability.h
+_SECURE_NOROOT = 0b11 | 0b1100 | 0b100000  # noroot, no_setuid_fixup, keep_caps: set and locked
+_PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 24, 28, 38
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _without_privileges() -> None:
+    """In a child before it executes: keeps its uid (root's too) but drops every capability,
+    for good (securebits: execve grants none back). What stays is an ordinary process of that
+    uid: it may do to the other processes of the uid what the same user may, and no more."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+    if os.geteuid() == 0 or _capabilities("CapEff"):
+        check(libc.prctl(_PR_SET_SECUREBITS, _SECURE_NOROOT, 0, 0, 0), "PR_SET_SECUREBITS")
+        for cap in range(64):
+            libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)   # EINVAL past the last one
+        header = ctypes.create_string_buffer(struct.pack("Ii", _CAPABILITY_VERSION_3, 0))
+        data = ctypes.create_string_buffer(24)           # two empty cap_user_data_t
+        check(libc.capset(header, data), "capset")
+    check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+
+
+def _capabilities(field: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1], 16)
+    return 0
+
 
 def run(
     scenario: str,
@@ -120,20 +155,26 @@ def run(
     timeout_s: float = 150.0,
     env: dict[str, str] | None = None,
     expect_success: bool = True,
+    unprivileged: bool = False,
+    process_env: Any = None,
 ) -> list[Proc]:
     """Runs ``worker.py scenario`` in ``nprocs`` processes; returns their ``Proc`` records.
 
     Raises ``HarnessError`` when the deadline passes (the children are killed), when
     ``expect_success`` and a child failed, or when a shared-memory segment is left behind.
     If the coordinator's port was taken between choosing and binding it (the machine is
-    shared), the job is started once more on another port.
+    shared), the job is started once more on another port. ``unprivileged``: the children
+    run without any capability (as root too: still uid 0, but an ordinary user's process).
+    ``process_env(process_id)``: more environment for that process (e.g. its own hash seed).
     """
+    args = (scenario, nprocs, devices, params, timeout_s, env, expect_success, unprivileged,
+            process_env)
     try:
-        return _run_once(scenario, nprocs, devices, params, timeout_s, env, expect_success)
+        return _run_once(*args)
     except HarnessError as e:
         if not any(text in str(e) for text in _PORT_TAKEN):
             raise
-    return _run_once(scenario, nprocs, devices, params, timeout_s, env, expect_success)
+    return _run_once(*args)
 
 
 def _run_once(
@@ -144,6 +185,8 @@ def _run_once(
     timeout_s: float = 150.0,
     env: dict[str, str] | None = None,
     expect_success: bool = True,
+    unprivileged: bool = False,
+    process_env: Any = None,
 ) -> list[Proc]:
     tag = f"jotest{os.getpid()}x{next(_runs)}"
     port = free_port()
@@ -167,9 +210,11 @@ def _run_once(
     try:
         for pid in range(nprocs):
             out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-            child_env = dict(base, JO_MP_PROCESS_ID=str(pid))
+            child_env = dict(base, JO_MP_PROCESS_ID=str(pid),
+                             **(process_env(pid) if process_env is not None else {}))
             proc = subprocess.Popen(argv, env=child_env, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_without_privileges if unprivileged else None)
             children.append((proc, out, err, time.monotonic()))
         deadline = start + timeout_s
         while len(ended) < nprocs:

@@ -2,8 +2,9 @@
 
 What another local user or process, a squatter or a corrupted segment can do to a clique spanning
 processes, and that each is refused. A domain is made through the same bindings the bootstrap
-uses (``_shm_domain_create`` gives the leader's control segment as an fd, ``_shm_domain_attach``
-maps one received from it); a real job with a same-user watcher is in test_multiprocess.py.
+uses (``_shm_domain_create`` gives the leader's control segment parked, out of the fd table:
+``take()`` brings it back as an fd; ``_shm_domain_attach`` maps one received from it); a real
+job with a same-user watcher is in test_multiprocess.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 def domain():
     """A domain of 2 ranks in processes 0 (here) and 1 (nobody): its key and control fd."""
     key = secrets.randbits(62)
-    fd = host._shm_domain_create(key, 0, [0, 1], 0, 1)
+    (fd,) = host._shm_domain_create(key, 0, [0, 1], 0, 1).take()
     yield key, fd
     host._forget_domain(key, 0)
     os.close(fd)
@@ -67,12 +68,38 @@ def test_segments_have_no_name_and_are_private_reserved_and_sealed(domain):
         os.ftruncate(fd, st.st_size // 2)
     before = sorted(os.listdir("/dev/shm"))
     key2 = secrets.randbits(62)
-    fd2 = host._shm_domain_create(key2, 0, [0, 1], 0, 1)
+    (fd2,) = host._shm_domain_create(key2, 0, [0, 1], 0, 1).take()
     try:
         assert sorted(os.listdir("/dev/shm")) == before
     finally:
         host._forget_domain(key2, 0)
         os.close(fd2)
+
+
+def _segments_held() -> list[str]:
+    """This process's open descriptors of jaxoverlap segments, as /proc/self/fd shows them."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [link for link in links if link.startswith("/memfd:jaxoverlap ")]
+
+
+def test_a_segment_waiting_to_be_handed_out_is_in_no_fd_table():
+    """Parked: nothing in /proc/<pid>/fd reopens it (the same user's read-level access)."""
+    key = secrets.randbits(62)
+    held = _segments_held()
+    parked = host._shm_domain_create(key, 0, [0, 1], 0, 1)
+    try:
+        assert parked.count == 1 and _segments_held() == held
+        (fd,) = parked.take()                      # back for a hand-out: now it is there
+        assert len(_segments_held()) == len(held) + 1 and parked.count == 0
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+        os.close(fd)
+    finally:
+        host._forget_domain(key, 0)
 
 
 def test_a_segment_that_is_not_a_sealed_private_memfd_of_ours_is_refused(domain, tmp_path):

@@ -1,31 +1,29 @@
 """A process of the job's user that is not part of the job, looking for the job's shared memory.
 
 Usage: ``watcher.py PID,PID,...`` (the job's processes); prints ``watching``, scans until a line
-arrives on stdin, then prints one JSON report. Started by worker.py's ``watched`` scenario.
-
-It stands for another process of the same user without ptrace rights over the job (what Yama's
-``ptrace_scope`` 1 gives a non-ancestor): it restricts itself with Landlock, which refuses
-ptrace-mode access to processes outside its sandbox, whatever the user (when the kernel has
-Landlock). Run as root, it is started in a user namespace of its own (``JO_WATCHER_USERNS=1``),
-so it is root without root's privileges over the job: no capability over processes outside its
-namespace, hence no ptrace access to the job's (which hold capabilities it lacks). Over and
-over, it tries
+arrives on stdin, then prints one JSON report. Started by worker.py's ``watched`` scenario in a
+session of its own (``setsid``): a child of a job process, not an ancestor of any, with the
+job's uid and capabilities (none, when the harness drops them: see harness.run's
+``unprivileged``). It never ptraces, nor uses anything that needs ptrace's attach-level access
+(``/proc/<pid>/mem``, ``pidfd_getfd``, ``process_vm_readv``): those read any memory of a process
+and are outside the model (docs/multiprocess.md §3). What it does use is what the same user
+may do without that: read-level access, by which ``/proc/<pid>/fd/N`` reopens whatever a job
+process holds open. Over and over, it tries
 
 * every name in /dev/shm that was not there when it started, and every name with "jaxoverlap",
   opened read-write — but the names of other test jobs running on this machine at the same time
   (with a harness tag, ``jotest<pid>x<run>``, that is not this job's ``JAXOVERLAP_SHM_TAG``):
   they cannot be this job's, whose names would carry its tag or none;
-* /proc/<pid>/fd/* (the memfds), /proc/<pid>/map_files/* (the mappings) and /proc/<pid>/mem of
-  each job process, and pidfd_getfd on their fds;
+* /proc/<pid>/fd/* of each job process that is a memfd (or names jaxoverlap or /dev/shm),
+  opened read-write, and /proc/<pid>/map_files/* (the mappings);
 * every abstract Unix socket named like the job's fd servers, asking for fds.
 
-Whatever it could open or receive is in the report, by path.
+Whatever it could open or receive is in the report, by path, with its own and the job
+processes' uids and effective capabilities (what makes it a peer of the same user).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import re
@@ -35,29 +33,16 @@ import struct
 import sys
 import time
 
-LANDLOCK_ACCESS_FS_MAKE_BLOCK = 1 << 11
-SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_RESTRICT_SELF = 444, 446
-SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438
-PR_SET_NO_NEW_PRIVS = 38
 
-libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-libc.syscall.restype = ctypes.c_long
-
-
-def landlock() -> str:
-    """Sandboxes this process (handling one unrelated right: every file access stays allowed,
-    but ptrace-mode access to processes outside the sandbox is refused). Returns "" or why not."""
-    attr = struct.pack("Q", LANDLOCK_ACCESS_FS_MAKE_BLOCK)
-    buf = ctypes.create_string_buffer(attr)
-    ruleset = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), 0)
-    if ruleset < 0:
-        return f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}"
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        return f"prctl(NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}"
-    if libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
-        return f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}"
-    os.close(ruleset)
-    return ""
+def credentials(pid: int | str) -> dict[str, str]:
+    """uid and effective capabilities of process ``pid`` (from /proc/<pid>/status)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("Uid", "CapEff"):
+                out[key] = value.split()[0]
+    return out
 
 
 class Report:
@@ -66,6 +51,7 @@ class Report:
         self.tries: dict[str, int] = {}
         self.refusals: dict[str, str] = {}
         self.others: set[str] = set()  # names of other test jobs, left alone
+        self.seen: set[str] = set()    # what /proc/<pid>/{fd,map_files} of the job showed
 
     def tried(self, kind: str, error: OSError | None = None) -> None:
         self.tries[kind] = self.tries.get(kind, 0) + 1
@@ -121,21 +107,8 @@ def scan_proc(report: Report, pids: list[int]) -> None:
                     report.tried(f"proc_{sub}", e)
                     continue
                 if "memfd:" in target or "jaxoverlap" in target or "/dev/shm" in target:
+                    report.seen.add(f"{pid} {sub}: {target}")
                     try_open(report, f"proc_{sub}", path)
-        try_open(report, "proc_mem", f"/proc/{pid}/mem", os.O_RDONLY)
-        pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
-        if pidfd < 0:
-            continue
-        for target_fd in range(3, 64):
-            got = libc.syscall(SYS_PIDFD_GETFD, pidfd, target_fd, 0)
-            if got >= 0:
-                link = os.readlink(f"/proc/self/fd/{got}")
-                if "memfd:" in link:
-                    report.got(f"pidfd_getfd({pid}, {target_fd}) -> {link}", "pidfd_getfd")
-                os.close(got)
-            report.tried("pidfd_getfd", None if got >= 0 else OSError(
-                ctypes.get_errno(), os.strerror(ctypes.get_errno())))
-        os.close(pidfd)
 
 
 def job_sockets() -> list[str]:
@@ -172,10 +145,10 @@ def ask_socket(report: Report, name: str) -> None:
 
 def main() -> int:
     pids = [int(p) for p in sys.argv[1].split(",")]
-    sandbox = landlock()
     before = set(os.listdir("/dev/shm")) - {n for n in os.listdir("/dev/shm") if "canary" in n}
     report = Report()
     sockets: set[str] = set()
+    job = {pid: credentials(pid) for pid in pids}
     print("watching", flush=True)
     start = time.monotonic()
     rounds = 0
@@ -186,16 +159,14 @@ def main() -> int:
             sockets.add(name)
             ask_socket(report, name)
         rounds += 1
-        time.sleep(0.01)
+        time.sleep(0.002)
     sys.stdin.readline()
     print(json.dumps({
         "opened": report.opened, "tries": report.tries, "refusals": report.refusals,
         "sockets": sorted(sockets), "others": sorted(report.others), "rounds": rounds,
-        "seconds": time.monotonic() - start,
-        # What takes its ptrace rights over the job away.
-        "no_ptrace": (["landlock"] if not sandbox else [])
-        + (["user namespace"] if os.environ.get("JO_WATCHER_USERNS") == "1" else []),
-        "landlock": sandbox or "on", "uid": os.getuid(), "euid": os.geteuid(),
+        "seen": sorted(report.seen), "seconds": time.monotonic() - start,
+        "me": credentials("self"), "job": {str(p): c for p, c in job.items()},
+        "parent": os.getppid(), "session_leader": os.getsid(0) == os.getpid(),
     }), flush=True)
     return 0
 

@@ -10,6 +10,7 @@ from the same seeded inputs in every process.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -428,6 +429,43 @@ def bootstrap_missing(timeout_s: float) -> dict[str, Any]:
     os._exit(0)
 
 
+def bootstrap_death(role: str, timeout_s: float) -> dict[str, Any]:
+    """Process 1 dies in the middle of the bootstrap of a clique it is the ``role`` of (the
+    devices are ordered so that rank 0, the leader, is process 0's or process 1's): as a
+    follower after publishing its pid, as the leader after every process attached and before
+    its verdict. Process 0 (the coordinator, which stays) reports its error and how long it
+    took, leaving without jax.distributed's shutdown barrier."""
+    from jaxoverlap._executors import bootstrap, runtime
+
+    n = len(jax.devices())
+    order = list(range(n)) if role == "follower" else list(reversed(range(n)))
+    mesh = mesh_of((n,), ("tp",), order)
+    x = global_array(np.ones((4, 8)), mesh, P("tp", None), "float32")
+    w = global_array(np.ones((8, 4)), mesh, P(None, "tp"), "float32")
+    if jax.process_index() == 1:
+        if role == "follower":   # its pid is published: die instead of fetching the segment
+            runtime.load_host()._shm_domain_receive = lambda *a, **k: os._exit(7)
+        else:                    # every process attached: die instead of giving the verdict
+            publish = bootstrap._set
+
+            def _set(key: str, value: bytes) -> None:
+                if key.endswith("/result"):
+                    os._exit(7)
+                publish(key, value)
+
+            bootstrap._set = _set
+    start = time.monotonic()
+    try:
+        with jo.config(timeout_s=timeout_s):
+            jax.jit(lambda x, w: jo.ag_matmul(x, w, "tp", impl="native", mesh=mesh))(x, w)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the error is what this scenario reports
+        error = f"{type(e).__name__}: {e}"
+    result = {"error": error, "elapsed_s": time.monotonic() - start}
+    print("JO_MP_RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
+
+
 def bootstrap_retry(timeout_s: float) -> dict[str, Any]:
     """Process 1 reaches the first native call late: the leader's bootstrap fails naming it.
     Process 0 then simply calls again (a re-trace, as after any trace-time error) and the
@@ -658,10 +696,12 @@ def _open_sites() -> int:
 
 def watched(iterations: int) -> dict[str, Any]:
     """A job that keeps making call sites (new shapes, compiled, run, dropped) while a process
-    of the same user that is not part of it (watcher.py, started here) looks for its shared
-    memory: in /dev/shm, through /proc, and at its Unix sockets. Returns what the watcher
-    reports. A canary the watcher must find proves it looks: a named segment in /dev/shm
-    (what jaxoverlap's segments were), mode 0600, made here."""
+    of the same user that is not part of it (watcher.py, started here in a session of its
+    own) looks for its shared memory: in /dev/shm, through /proc/<pid>/fd, and at its Unix
+    sockets. Returns what the watcher reports. Two canaries the watcher must find prove that it
+    looks: a named segment in /dev/shm (what jaxoverlap's segments were), mode 0600, and a
+    memfd that process 0 keeps open all along (what a segment's descriptor would be while a
+    process holds it)."""
     import gc
     import subprocess
 
@@ -673,20 +713,18 @@ def watched(iterations: int) -> dict[str, Any]:
     pids = bootstrap.allgather_bytes("watched", "pids", str(os.getpid()).encode(),
                                      processes=list(range(jax.process_count())), timeout_s=60)
     canary = f"/dev/shm/jaxoverlap-{os.environ['JAXOVERLAP_SHM_TAG']}-canary"
-    watcher = None
+    watcher = held = None
     if me == 0:
         fd = os.open(canary, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.write(fd, b"canary")
         os.close(fd)
+        held = os.memfd_create("jaxoverlap-canary-memfd")
+        os.ftruncate(held, 4096)
         argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                              "watcher.py"), ",".join(p.decode() for p in
                                                                      pids.values())]
-        env = dict(os.environ)
-        if os.geteuid() == 0:  # as root, the watcher is root without its privileges
-            argv = ["unshare", "--user", "--map-root-user", *argv]
-            env["JO_WATCHER_USERNS"] = "1"
         watcher = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, env=env)
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert watcher.stdout.readline().strip() == "watching", watcher.stderr.read()
     bootstrap.allgather_bytes("watched", "started", b"1",
                               processes=list(range(jax.process_count())), timeout_s=60)
@@ -702,6 +740,7 @@ def watched(iterations: int) -> dict[str, Any]:
     if watcher is not None:
         out, err = watcher.communicate(input="stop\n", timeout=60)
         os.unlink(canary)
+        os.close(held)
         report = json.loads(out.strip().splitlines()[-1])
         report["stderr"] = err[-2000:]
     return {"watcher": report}
@@ -797,6 +836,92 @@ def small_dev_shm() -> dict[str, Any]:
     fs = os.statvfs("/dev/shm")
     return {"checked": True, "site_bytes": 2 * n * per_rank,
             "dev_shm_bytes": fs.f_blocks * fs.f_frsize}
+
+
+def set_order(transports: list[str],
+              forms: tuple[str, ...] = ("shard_map", "global")) -> dict[str, Any]:
+    """Identical calls traced in another order per process: a loop over a ``set`` of names
+    (each process has its own hash seed, so its own order) makes, for each name, an
+    ag_matmul of one input and a matmul_rs of that name's own partials, native, inside a
+    ``shard_map`` body and on global arrays under Auto axes, forward and backward. Every shard
+    must equal the float64 reference: calls are matched across processes by what they
+    compute, not by the order a process traced them in. Returns the order this process
+    traced and the wrong shards per transport and form."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    names = {"query", "key", "value"}
+    order = list(names)                       # this process's own order
+    b, s, k, f = 2, 4 * n, 16, 8 * n
+    x64 = values(90, (b, s, k), "float32")
+    w64 = {nm: values(91 + i, (k, f), "float32") for i, nm in enumerate(sorted(names))}
+    v64 = {nm: values(95 + i, (f, k), "float32") for i, nm in enumerate(sorted(names))}
+    x = global_array(x64, mesh, P(None, "tp", None), "float32")
+    ws = {nm: global_array(w, mesh, P(None, "tp"), "float32") for nm, w in w64.items()}
+    vs = {nm: global_array(v, mesh, P("tp", None), "float32") for nm, v in v64.items()}
+    ref = {nm: (x64 @ w64[nm]) @ v64[nm] for nm in names}
+    dx_ref = sum((np.ones_like(ref[nm]) @ v64[nm].T) @ w64[nm].T for nm in names)
+    wrong: dict[str, int] = {}
+    for transport in transports:
+        kw = dict(impl="native", transport=transport)
+
+        def layer(x, ws, vs, shard, kw=kw):
+            out = {}
+            for nm in names:                  # a set: each process its own order
+                o = {} if shard else {"mesh": mesh}
+                h = jo.ag_matmul(x, ws[nm], "tp", axis=1, **kw, **o)
+                out[nm] = jo.matmul_rs(h, vs[nm], "tp", axis=1, **kw, **o)
+            return out
+
+        inside = jax.shard_map(functools.partial(layer, shard=True), mesh=mesh,
+                               in_specs=(P(None, "tp", None), P(None, "tp"), P("tp", None)),
+                               out_specs=P(None, "tp", None))
+        made = {"shard_map": inside, "global": functools.partial(layer, shard=False)}
+        for form in forms:
+            fn = made[form]
+            with jax.set_mesh(mesh):
+                ys = jax.jit(fn)(x, ws, vs)
+                dx = jax.jit(jax.grad(lambda x, ws, vs, fn=fn: sum(
+                    jnp.sum(y) for y in fn(x, ws, vs).values())))(x, ws, vs)
+            bad = sum(_wrong_shards(ys[nm], ref[nm], "float32") for nm in names)
+            wrong[f"{transport}/{form}"] = bad + _wrong_shards(dx, dx_ref, "float32")
+    return {"order": order, "wrong": wrong}
+
+
+def set_order_one_weight(transport: str) -> dict[str, Any]:
+    """One kernel applied to the results of a ``set`` of others (each process its own order)
+    inside a ``shard_map``, native: a matmul_rs makes the input, then for each name an
+    ag_matmul of it by that name's kernel and a matmul_rs of the result by one shared kernel.
+    The last calls are alike but for their input, which the trace's order names
+    (docs/native.md §7). Returns the order, and the wrong shards or the error."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    names = {"query", "key", "value"}
+    b, s, k, f = 2, 4 * n, 16, 8 * n
+    x64, u64 = values(90, (b, s, f), "float32"), values(89, (f, k), "float32")
+    w64 = {nm: values(91 + i, (k, f), "float32") for i, nm in enumerate(sorted(names))}
+    v64 = values(95, (f, k), "float32")
+    x = global_array(x64, mesh, P(None, None, "tp"), "float32")
+    u = global_array(u64, mesh, P("tp", None), "float32")
+    ws = {nm: global_array(w, mesh, P(None, "tp"), "float32") for nm, w in w64.items()}
+    v = global_array(v64, mesh, P("tp", None), "float32")
+    kw = dict(impl="native", transport=transport)
+
+    def layer(x, u, ws, v):
+        x = jo.matmul_rs(x, u, "tp", axis=1, **kw)
+        return {nm: jo.matmul_rs(jo.ag_matmul(x, ws[nm], "tp", axis=1, **kw), v, "tp", axis=1,
+                                 **kw) for nm in names}   # a set: each process its own order
+
+    fn = jax.shard_map(layer, mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None),
+                                                   P(None, "tp"), P("tp", None)),
+                       out_specs=P(None, "tp", None))
+    try:
+        with jax.set_mesh(mesh):
+            ys = jax.jit(fn)(x, u, ws, v)
+            wrong = sum(_wrong_shards(ys[nm], ((x64 @ u64) @ w64[nm]) @ v64, "float32")
+                        for nm in names)
+        return {"order": list(names), "wrong": wrong, "error": None}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"order": list(names), "wrong": None, "error": f"{type(e).__name__}: {e}"}
 
 
 def qkv(transports: list[str], steps: int = 30, skew_s: float = 0.02, backward: bool = True,
@@ -1169,6 +1294,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "fp8": fp8,
     "fused": fused,
     "qkv": qkv,
+    "set_order": set_order,
+    "set_order_one_weight": set_order_one_weight,
     "small_dev_shm": small_dev_shm,
     "chief_aot": chief_aot,
     "many_sites": many_sites,
@@ -1178,6 +1305,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "mixed": mixed,
     "peer_loss": peer_loss,
     "bootstrap_missing": bootstrap_missing,
+    "bootstrap_death": bootstrap_death,
     "exchange": exchange,
     "cuda_nccl_id": cuda_nccl_id,
     "disagree": disagree,

@@ -17,11 +17,12 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import testing_ext
 from helpers import put, rand, tp_mesh
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
@@ -67,6 +68,59 @@ def test_site_keys_name_the_call_not_the_compile():
     assert SITE_KEY.findall(again.lower(x, *ws).as_text()) == keys
     g, x2, ws2 = _qkv(mesh, shape=(8, 24))  # other types: other sites
     assert not set(SITE_KEY.findall(g.lower(x2, *ws2).as_text())) & set(keys)
+
+
+def _keys_by_weight(order: str) -> dict[str, str]:
+    """The site key of each of three alike ag_matmul calls made inside a shard_map in
+    ``order``, by the name of the kernel it multiplies."""
+    mesh = tp_mesh(kind=AxisType.Explicit)
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("tp", None)))
+    ws = {n: jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(
+        mesh, P(None, "tp"))) for n in "qkv"}
+    f = jax.jit(jax.shard_map(
+        lambda x, ws: {n: jo.ag_matmul(x, ws[n], "tp", impl="native", transport="p2p")
+                       for n in order}, mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    # jit flattens the dict in sorted order (k, q, v): the body's %arg5, %arg6, %arg7
+    calls = re.findall(r"custom_call @jaxoverlap_ag_matmul\(%\w+, %arg(\d+),.*?site_key = "
+                       r"(-?\d+)", f.lower(x, ws).as_text())
+    return {"kqv"[int(a) - 5]: k for a, k in calls}
+
+
+def test_alike_calls_are_named_by_their_weight_not_the_trace_order():
+    """A loop over a set traces Q, K and V in another order in every process (its hash seed):
+    each call's site key follows the kernel it multiplies, not its place in the trace
+    (across real processes: test_multiprocess.py)."""
+    first, second = _keys_by_weight("qkv"), _keys_by_weight("kvq")
+    assert len(first) == 3 and len(set(first.values())) == 3 and first == second, (first,
+                                                                                   second)
+
+
+def _keys_by_input(order: str) -> dict[str, str]:
+    """The site key of each of three ag_matmul calls of one kernel on three inputs made inside
+    a shard_map in ``order``, by the name of its input."""
+    mesh = tp_mesh(kind=AxisType.Explicit)
+    xs = {n: jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(
+        mesh, P("tp", None))) for n in "qkv"}
+    w = jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh, P(None, "tp")))
+    f = jax.jit(jax.shard_map(
+        lambda xs, w: {n: jo.ag_matmul(xs[n], w, "tp", impl="native", transport="p2p")
+                       for n in order}, mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    # jit flattens the dict in sorted order (k, q, v): the body's %arg4, %arg5, %arg6
+    calls = re.findall(r"custom_call @jaxoverlap_ag_matmul\(%arg(\d+), .*?site_key = "
+                       r"(-?\d+)", f.lower(xs, w).as_text())
+    return {"kqv"[int(a) - 4]: k for a, k in calls}
+
+
+def test_calls_of_one_weight_in_another_order_share_only_the_first_key():
+    """One kernel on the inputs of a set: the trace's order names the calls, and from the
+    second on their inputs too, so two orders share no key but the first call's (whose
+    program then fails on the others rather than pairing them wrongly)."""
+    first, again, other = _keys_by_input("qkv"), _keys_by_input("qkv"), _keys_by_input("kvq")
+    assert len(set(first.values())) == 3 and first == again, (first, again)
+    assert set(first.values()) & set(other.values()) == {first["q"]} == {other["k"]}, (first,
+                                                                                       other)
 
 
 def test_instances_of_one_lowered_call_are_different_sites():
