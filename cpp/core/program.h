@@ -76,6 +76,8 @@ enum class OpKind : int32_t {
                 // releasing per row block (Op::fused; docs/gpu-internals.md §5)
   kReduce,      // d <- the sum of Op::sources in list order, accumulated in float32 and
                 // rounded once to d's dtype: an N-way reduction in one pass
+  kAllReduce,   // d <- the sum over every rank of its d, in place, in rank order (f32, rounded
+                // once): matmul_ar's one-launch kernel algorithms (docs/gpu-internals.md §7)
 };
 const char* OpKindName(OpKind kind);
 

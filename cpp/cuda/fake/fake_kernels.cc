@@ -243,6 +243,9 @@ struct HostKernel {
   void (*run)(FakeOps&, const Geometry&, const Thread&);
   // A Reduce: its parameter is a ReduceGeometry, its threads run this instead of `run`.
   void (*run_reduce)(FakeOps&, const ReduceGeometry&, const Thread&) = nullptr;
+  // A kernel with a launch of its own (the one-launch all-reduce, fake_allreduce.cc): called by
+  // cudaLaunchKernel once the checks every launch shares passed.
+  KernelLaunch launch = nullptr;
 };
 
 template <class Body>
@@ -412,6 +415,16 @@ const void* FusedFunction(DType dtype) {
   static const HostKernel bf16{"FusedGemm", "FusedGemm<bf16>", "fused", McSide::kNone, 0, nullptr};
   static const HostKernel f16{"FusedGemm", "FusedGemm<f16>", "fused", McSide::kNone, 0, nullptr};
   return Register(dtype == DType::kBF16 ? &bf16 : &f16);
+}
+
+const void* RegisterKernel(const std::string& op, const std::string& name, const char* family,
+                           KernelLaunch launch) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (const HostKernel* h : Known())
+    if (h->name == name) return h;
+  auto* k = new HostKernel{op, name, family, McSide::kNone, 0, nullptr, launch};
+  Known().push_back(k);
+  return k;
 }
 
 std::string FunctionName(const void* function) {
@@ -674,7 +687,8 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   using jo::fake::Fail;
   jo::fake::Count("cudaLaunchKernel");
   const HostKernel* k = jo::fake::Find(func);
-  if (k == nullptr || (k->run == nullptr && k->run_reduce == nullptr) || args == nullptr ||
+  if (k == nullptr || (k->run == nullptr && k->run_reduce == nullptr && k->launch == nullptr) ||
+      args == nullptr ||
       args[0] == nullptr) {
     Fail(
         "cudaLaunchKernel: not a kernel of this build launched with cudaLaunchKernel, or no "
@@ -695,6 +709,12 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   }
   if (const cudaError_t sticky = jo::fake::StickyError(device); sticky != cudaSuccess)
     return sticky;
+  if (k->launch != nullptr) {
+    jo::fake::KernelVariant v;
+    if (const cudaError_t code = jo::fake::Variant(k, device, &v); code != cudaSuccess) return code;
+    if (!jo::fake::LoadFunction(device, k->name, "cudaLaunchKernel")) return cudaErrorUnknown;
+    return k->launch(k->name, v.ptx_version, grid, block, args, shared, stream);
+  }
   // The launch configuration the kernels are built for (__launch_bounds__(kThreads)),
   // within the documented grid limits (y, z <= 65535).
   if (block.x != static_cast<unsigned>(jo::cuda::kernel::kThreads) || block.y != 1 ||
