@@ -422,7 +422,7 @@ const void* RegisterKernel(const std::string& op, const std::string& name, const
   std::lock_guard<std::mutex> lock(g_mu);
   for (const HostKernel* h : Known())
     if (h->name == name) return h;
-  auto* k = new HostKernel{op, name, family, McSide::kNone, 0, nullptr, launch};
+  auto* k = new HostKernel{op, name, family, McSide::kNone, 0, nullptr, nullptr, launch};
   Known().push_back(k);
   return k;
 }
@@ -688,8 +688,7 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   jo::fake::Count("cudaLaunchKernel");
   const HostKernel* k = jo::fake::Find(func);
   if (k == nullptr || (k->run == nullptr && k->run_reduce == nullptr && k->launch == nullptr) ||
-      args == nullptr ||
-      args[0] == nullptr) {
+      args == nullptr || args[0] == nullptr) {
     Fail(
         "cudaLaunchKernel: not a kernel of this build launched with cudaLaunchKernel, or no "
         "arguments");
