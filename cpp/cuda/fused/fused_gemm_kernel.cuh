@@ -93,6 +93,15 @@ __device__ __forceinline__ void FenceProxyAsyncGlobal() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// Orders this thread's writes through one virtual alias of a memory before
+// accesses through another (PTX ISA, memory consistency model, "proxies":
+// fence.proxy.alias; CUDA Programming Guide, "Virtual Aliasing Support": writes
+// through one alias are otherwise not guaranteed visible through another before
+// the writing grid completes). A GEMM + reduce-scatter's partial is stored
+// through this rank's own address and read by peers through the multicast
+// address (multimem.ld_reduce) while this grid still runs.
+__device__ __forceinline__ void FenceProxyAlias() { asm volatile("fence.proxy.alias;" ::: "memory"); }
+
 // Waits until every bulk (TMA) store this thread committed has completed —
 // its writes made, not just its shared-memory source read.
 __device__ __forceinline__ void WaitBulkStoresComplete() {
@@ -226,6 +235,7 @@ class FlagReleaseEpilogue : public Extended<Stock, BlockRelease> {
     if (release_.flags != nullptr && thread_idx / cutlass::NumThreadsPerWarp == 0) {
       WaitBulkStoresComplete();
       FenceProxyAsyncGlobal();
+      FenceProxyAlias();  // the partial may be read through the multicast alias
       __syncwarp();
       if (thread_idx == 0) Release(static_cast<int32_t>(cute::get<0>(tile_coord_mnkl)));
     }
@@ -353,6 +363,7 @@ struct FusedGemm {
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
   static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
+  static_assert(cute::size<1>(TileShape{}) == fused::kTileCols);
 };
 
 // The kernel as cudaFuncGetAttributes / cudaFuncSetAttribute take it, and the
