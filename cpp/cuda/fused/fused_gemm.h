@@ -42,10 +42,18 @@
 
 namespace jo::cuda {
 
+// The element types of a fused GEMM: A's (x), B's (w) and D's (y). One
+// instantiation per triple core/kinds.h's FusedServes accepts: a 16-bit type
+// for all three, or an FP8 pair with its output (JO_FUSED_FP8).
+struct FusedTypes {
+  DType a = DType::kBF16, b = DType::kBF16, d = DType::kBF16;
+};
+
 // The fused GEMM's arguments: its launch (fused_gemm_launch.h), whose tile
-// order CheckFusedGemm makes from `sequence` and `key`, and the element type.
+// order CheckFusedGemm makes from `sequence` and `key`, and the element types.
+// FP8: B is K-major (B^T, n x k row-major) and `scales` are set.
 struct FusedGemmArgs : fused_kernel::Launch {
-  DType dtype = DType::kBF16;         // A, B and D: kBF16 or kF16
+  FusedTypes types;
   const int32_t* sequence = nullptr;  // every block once, in arrival / departure order
   fused::OrderKey key = fused::OrderKey::kLastArrival;
 };
@@ -60,18 +68,18 @@ inline size_t FusedStateBytes(int32_t blocks) {
 // (`args->order`): once per call, at prepare; LaunchFusedGemm relies on both.
 Status CheckFusedGemm(FusedGemmArgs* args);
 
-// Loads the kernel for `dtype` on the current device and gives it its shared
+// Loads the kernel for `types` on the current device and gives it its shared
 // memory; fails, naming the GPU, on one that cannot run it (anything but
 // sm_90). Call it at set-up, never while other work the GPU must finish
 // depends on this thread: with lazy loading (the default since CUDA 12.2) a
 // kernel's first use loads its module, which may wait for the device (CUDA
 // programming guide, "Lazy Loading", potential hazards).
-Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx);
+Status PrepareFusedGemm(const FusedTypes& types, const ErrorContext& ctx);
 
 // Enqueues the fused GEMM of `args`, as CheckFusedGemm passed and completed
 // them, on `stream` (after zeroing the counters, when it releases). Fails,
 // enqueueing nothing, when PrepareFusedGemm has not run for this device and
-// dtype. Calls nothing that waits for the device: it runs on the enqueue path.
+// these types. Calls nothing that waits for the device: it runs on the enqueue path.
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // Forgets which devices PrepareFusedGemm prepared (tests: the fake's devices
