@@ -53,7 +53,9 @@ from jax.sharding import NamedSharding
 
 from jaxoverlap import _kinds, _layout, _megatron, _optional, ops
 from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
+from jaxoverlap._config import config, current_config
 from jaxoverlap._fp8_dtypes import OUT_DTYPES
+from jaxoverlap._fused_gemm import fused_dtype_reason
 from jaxoverlap._layout import AG, AR, RS, F
 
 if _optional.missing("flax"):
@@ -320,11 +322,11 @@ def _forward(c: _Call, x, w, scaling):
     kw = dict(x_scale=sx, w_scale=sw, preferred_element_type=out, mesh=c.mesh,
               **_op_options(c, c.kind))
     if c.kind == AG:
-        y, qx = ops.ag_matmul(qx, qw, c.axis_name, return_gathered=True, **kw)
+        y, qx = _op(ops.ag_matmul, qx, qw, c.axis_name, return_gathered=True, **kw)
         if c.local and scaling is None:   # the gathered x's shards each have their scale
             sx = lax.all_gather(jnp.reshape(sx, ()), c.axis_name)
     elif c.kind == RS:
-        y = ops.matmul_rs(qx, qw, c.axis_name, **kw)
+        y = _op(ops.matmul_rs, qx, qw, c.axis_name, **kw)
     elif c.kind == AR:
         y = ops.matmul_ar(qx, qw, c.axis_name, **kw)
     else:  # Megatron's f: a local GEMM on the replicated x
@@ -336,6 +338,20 @@ def _forward(c: _Call, x, w, scaling):
     state = None if scaling is None else (scaling.output_grad_scale,
                                           scaling.output_grad_amax_history)
     return y, (qx, qw, sx, sw, state, new)
+
+
+def _op(op, qx, qw, axis_name: str, **kw):
+    """``op`` on the fp8 operands. Under ``jo.config(fused=True)`` the fused GEMM runs where it
+    has an instantiation for these element types (``_kinds.FUSED_FP8``: the AG+GEMM's e4m3 x
+    e4m3 and e5m2 x e4m3) and the chunked path runs the others (the GEMM + reduce-scatter
+    here): the fp8 types are the recipe's choice, not the caller's, so no error asks the
+    caller to drop ``fused``."""
+    name = op.__name__
+    if current_config().fused and fused_dtype_reason(
+            name, qx.dtype, qw.dtype, kw["preferred_element_type"]) is not None:
+        with config(fused=False):
+            return op(qx, qw, axis_name, **kw)
+    return op(qx, qw, axis_name, **kw)
 
 
 def _backward(c: _Call, res, dy):
@@ -364,16 +380,16 @@ def _backward(c: _Call, res, dy):
     x_sharding, w_sharding = (c.layouts[0], c.layouts[1]) if c.layouts else (None, None)
     row_scales, row_axis = None, 0
     if c.kind == AG:        # AG+GEMM's backward: fp8 GEMM + reduce-scatter
-        dx = ops.matmul_rs(qg, qw.T, c.axis_name, x_scale=sg, w_scale=sw,
-                           **kw, **_op_options(c, RS))
+        dx = _op(ops.matmul_rs, qg, qw.T, c.axis_name, x_scale=sg, w_scale=sw,
+                 **kw, **_op_options(c, RS))
         a, b = qx, qg
         if jnp.ndim(sx) == 1 and sx.shape[0] > 1:   # the gathered x's shards' own scales
             row_scales, row_axis, scale = sx, dict(c.options)["axis"], sg
         else:
             scale = sx * sg
     elif c.kind == RS:      # GEMM+RS's backward: the e5m2 gradient all-gathered, GEMM
-        dx, qg_all = ops.ag_matmul(qg, qw.T, c.axis_name, x_scale=sg, w_scale=sw,
-                                   return_gathered=True, **kw, **_op_options(c, AG))
+        dx, qg_all = _op(ops.ag_matmul, qg, qw.T, c.axis_name, x_scale=sg, w_scale=sw,
+                         return_gathered=True, **kw, **_op_options(c, AG))
         a, b = qx, qg_all
         if c.local and g_state is None:   # each gathered gradient shard has its scale
             row_scales = lax.all_gather(jnp.reshape(sg, ()), c.axis_name)

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.linen import fp8_ops
-from helpers import native_calls, put, rand, tp_mesh
+from helpers import assert_close, native_calls, put, rand, tp_mesh
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+import jaxoverlap as jo
 from jaxoverlap import fp8
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -216,6 +217,53 @@ def test_delayed_scaling_needs_typed_shard_map_to_differentiate():
     dx, dw, _ = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(x, w1, state,
                                                                              False)
     assert dx.shape == x.shape and bool(jnp.all(jnp.isfinite(dw)))
+
+
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_fused_gemm_asked_for_runs_the_recipes_ag_gemms(delayed):
+    """jo.config(fused=True) under the recipe: the AG+GEMMs (the forward's e4m3 x e4m3 and
+    GEMM+RS's backward, e5m2 x e4m3, both to bfloat16) run the fused program; the FP8
+    GEMM + reduce-scatter, which the fused GEMM is not built for, runs chunked instead of
+    raising. The fused AG+GEMM's y is the xla impl's (within bfloat16's tolerance); the loss
+    and every gradient (the new FP8 state too) are the chunked program's, bit for bit. (Against
+    xla the gradients differ by a few e5m2 steps: xla reduces GEMM+RS's partial sums in
+    bfloat16, the executors in float32, and the e5m2 quantization of the next gradient
+    magnifies that rounding.)"""
+    mesh = tp_mesh(N)
+    x = rand(0, (2, 8 * N, 16), jnp.bfloat16)
+    w1, w2 = (rand(i, shape, jnp.bfloat16) * 0.3 for i, shape in ((1, (16, 8 * N)),
+                                                                   (2, (8 * N, 16))))
+    state = fp8.DelayedScaling.init(16) if delayed else None
+
+    def loss(impl):
+        kw = dict(axis=1, impl=impl) | ({} if impl == "xla" else dict(transport="p2p"))
+
+        def body(x, w1, w2, s1, s2):
+            h = fp8.ag_matmul(x, w1, "tp", scaling=s1, **kw)
+            return fp8.matmul_rs(h, w2, "tp", scaling=s2, **kw), h
+
+        def f(*args):
+            y, h = jax.shard_map(body, mesh=mesh, out_specs=(P(None, "tp"), P(None, None, "tp")),
+                                 in_specs=(P(None, "tp"), P(None, "tp"), P("tp"), P(), P()))(*args)
+            return jnp.sum(jnp.sin(y.astype(jnp.float32))), h
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4) if delayed else (0, 1, 2),
+                                          has_aux=True))
+
+    args = (x, w1, w2, state, state)
+    with jo.config(fused=True):
+        text = loss("native").lower(*args).as_text()
+        ours = loss("native")(*args)
+    calls = {(op, fused) for op, fused in
+             re.findall(r"@jaxoverlap_(\w+)\(.*?fused = (\w+)", text)}
+    assert calls == {("ag_matmul", "true"), ("matmul_rs", "false")}, calls
+    assert text.count("fused = true") == 2 and text.count("fused = false") == 2
+    with jo.config(fused=False):
+        chunked = loss("native")(*args)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(chunked), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (_, h), _ = ours
+    (_, h_xla), _ = loss("xla")(*args)
+    assert_close(h, np.asarray(h_xla, np.float64), jnp.bfloat16)
 
 
 @pytest.mark.slow

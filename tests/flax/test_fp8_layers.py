@@ -29,10 +29,11 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 from flax_helpers import B, F, H, S, loss_of, mesh_named, x_spec
-from helpers import dp_tp_mesh, put, rand, tp_mesh
+from helpers import assert_close, dp_tp_mesh, put, rand, tp_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxoverlap as jo
 from jaxoverlap import fp8
 from jaxoverlap.flax import linen as jl
 from jaxoverlap.flax import nnx as jn
@@ -142,6 +143,40 @@ def test_linen_dense_runs_the_recipe_fused():
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=RTOL,
                                atol=RTOL * float(jnp.abs(y_ref).max()))
     assert _fp8_gathers(text) == {"f8E4M3FN"}
+
+
+@pytest.mark.parametrize("recipe", [dict(dot_general_cls=nn.Fp8DotGeneralOp),
+                                    dict(dot_general=fp8.dot_general)],
+                         ids=["delayed", "current"])
+def test_linen_mlp_asked_to_run_fused_does(recipe):
+    """jo.config(fused=True) with Flax's FP8 recipe (bfloat16 computation, sequence parallel):
+    the column layer's AG+GEMM (e4m3 x e4m3) and the row layer's backward AG+GEMM (e5m2 x
+    e4m3) run the fused program, the FP8 GEMM + reduce-scatters (no fused build) chunked; the
+    loss and gradients are the xla impl's within bfloat16's tolerance. Rows of whole 16-byte
+    units: H = 16 fp8, F / 4 = 8 bfloat16."""
+    mesh = tp_mesh(4, kind=AxisType.Explicit)
+    x = rand(3, (2, 32, 16), jnp.bfloat16)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for impl in ("native", "xla"):
+            par = jl.ParallelMLP(32, sequence_parallel=True, dtype=jnp.bfloat16, impl=impl,
+                                 **recipe)
+            variables = par.init(jax.random.key(0), x)
+            with jax.set_mesh(mesh), jo.config(fused=impl == "native" or None):
+                placed = jax.device_put(nn.unbox(variables), jax.tree.map(
+                    lambda s: NamedSharding(mesh, s), nn.get_partition_spec(variables)))
+                xs = put(x, mesh, P(None, "tp"))
+                step = jax.jit(jax.value_and_grad(lambda v, x, par=par: jnp.sum(jnp.sin(
+                    par.apply(v, x).astype(jnp.float32))), argnums=(0, 1)))
+                out[impl] = step(placed, xs)
+                if impl == "native":
+                    text = step.lower(placed, xs).as_text()
+    calls = set(re.findall(r"@jaxoverlap_(\w+)\(.*?fused = (\w+)", text))
+    assert calls == {("ag_matmul", "true"), ("matmul_rs", "false")}, calls
+    assert text.count("fused = true") == 2 and text.count("fused = false") == 2
+    for a, b in zip(jax.tree.leaves(out["native"]), jax.tree.leaves(out["xla"]), strict=True):
+        assert_close(a, np.asarray(b, np.float64), jnp.bfloat16)
 
 
 @pytest.mark.slow
