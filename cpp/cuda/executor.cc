@@ -420,8 +420,14 @@ class Enqueuer {
                   cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, a_.device));
     if (a_.device_share > 1)  // the loopback: an even share (clusters of two CTAs)
       f.sm_count = std::max(2, f.sm_count / a_.device_share / 2 * 2);
+    int major = 0, minor = 0;  // the kernel (and its tile order's unit) is the device's
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a_.device));
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a_.device));
+    f.kernel = FusedKernelFor(major, minor);
     JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
-    return PrepareFusedGemm(f.dtype, a_.ctx);
+    return PrepareFusedGemm(f.dtype, f.kernel, a_.ctx);
   }
 
   Status Exec(const Op& op, const Step& step) {

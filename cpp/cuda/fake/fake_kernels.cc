@@ -359,6 +359,12 @@ const void* FusedFunction(DType dtype) {
   return Register(dtype == DType::kBF16 ? &bf16 : &f16);
 }
 
+const void* FusedFunctionSm100() {
+  static const HostKernel bf16{
+      "FusedGemmSm100", "FusedGemmSm100<bf16>", "fused_sm100", McSide::kNone, 0, nullptr};
+  return Register(&bf16);
+}
+
 std::string FunctionName(const void* function) {
   const HostKernel* k = Find(function);
   return k == nullptr ? std::string("?") : k->name;

@@ -622,7 +622,7 @@ std::map<std::string, std::string> MisuseChecks() {
       // Set-up: the arguments checked (the tile order made) and the kernels loaded before
       // anything is enqueued.
       (void)cuda::CheckFusedGemm(&f);
-      (void)cuda::PrepareFusedGemm(DType::kBF16, ctx);
+      (void)cuda::PrepareFusedGemm(DType::kBF16, cuda::FusedKernel::kSm90, ctx);
       (void)cuda::PrepareBlockKernel(cuda::BlockKernel::kAdd, add[d], ctx);
     }
     auto outgoing = [&](int d) {

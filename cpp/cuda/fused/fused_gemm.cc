@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace jo::cuda {
@@ -53,12 +54,60 @@ Status CheckMatrix(const char* name, const void* ptr, int64_t ld, int64_t batch_
 }
 
 std::mutex g_prepared_mu;
-std::map<std::pair<int, DType>, bool>& Prepared() {
-  static auto* prepared = new std::map<std::pair<int, DType>, bool>();
+using PreparedKey = std::tuple<int, DType, FusedKernel>;  // device, dtype, kernel
+std::map<PreparedKey, bool>& Prepared() {
+  static auto* prepared = new std::map<PreparedKey, bool>();
   return *prepared;
 }
 
+const char* KernelName(FusedKernel kernel) {
+  switch (kernel) {
+    case FusedKernel::kSm90:
+      return "sm_90a";
+    case FusedKernel::kSm100:
+      return "sm_100a";
+    case FusedKernel::kNone:
+      break;
+  }
+  return "none";
+}
+
+// The kernel for (kernel, dtype), or null when it has no such instantiation.
+const void* FunctionOf(FusedKernel kernel, DType dtype) {
+  if (kernel == FusedKernel::kSm90)
+    return dtype == DType::kBF16 ? fused_kernel::FunctionBF16() : fused_kernel::FunctionF16();
+  if (kernel == FusedKernel::kSm100 && dtype == DType::kBF16)
+    return fused_kernel::FunctionSm100BF16();
+  return nullptr;
+}
+
+int SharedBytesOf(FusedKernel kernel, DType dtype) {
+  if (kernel == FusedKernel::kSm100) return fused_kernel::SharedBytesSm100BF16();
+  return dtype == DType::kBF16 ? fused_kernel::SharedBytesBF16() : fused_kernel::SharedBytesF16();
+}
+
+Status NotThisGpu(FusedKernel kernel, int device, int major, int minor, const ErrorContext& ctx) {
+  return Status(Code::kInvalidArgument,
+                ctx.Describe() +
+                    ": the fused GEMM is sm_90a code for compute capability 9.0 "
+                    "(H100, H200, GH200) and sm_100a code for 10.0 (B200, GB200; "
+                    "bfloat16 only); GPU " +
+                    std::to_string(device) + " is " + std::to_string(major) + "." +
+                    std::to_string(minor) + " (the call was prepared for " + KernelName(kernel) +
+                    "): take the chunked path (jo.config(fused=False))");
+}
+
 }  // namespace
+
+FusedKernel FusedKernelFor(int cc_major, int cc_minor) {
+  if (cc_major == 9 && cc_minor == 0) return FusedKernel::kSm90;
+  if (cc_major == 10 && cc_minor == 0) return FusedKernel::kSm100;
+  return FusedKernel::kNone;
+}
+
+int32_t MmaPairOf(FusedKernel kernel) {
+  return kernel == FusedKernel::kSm100 ? fused_kernel::kSm100MmaPair : 1;
+}
 
 Status CheckFusedGemm(FusedGemmArgs* args) {
   const FusedGemmArgs& a = *args;
@@ -94,13 +143,18 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   if (a.sm_count < 2)
     return Bad("sm_count must be >= 2: the SMs the kernel holds, in clusters of 2");
   if (a.sequence == nullptr) return Bad("no block sequence (arrival or departure order)");
-  const fused::OrderError e = fused::MakeTileOrder(
-      fused::Tiling{a.blocks, fused::kTileRows}, a.sequence, a.blocks.count(), a.key, &args->order);
+  if (a.kernel == FusedKernel::kSm100 && a.dtype != DType::kBF16)
+    return Bad(std::string("the sm_100a kernel is compiled for bfloat16 only, not ") +
+               DTypeName(a.dtype) + ": take the chunked path (jo.config(fused=False))");
+  // The order is over the kernel's MMA tiles (sm100: two CTA tiles, fused_tiles.h CtaTileAt).
+  const fused::OrderError e =
+      fused::MakeTileOrder(fused::Tiling{a.blocks, MmaPairOf(a.kernel) * fused::kTileRows},
+                           a.sequence, a.blocks.count(), a.key, &args->order);
   if (e != fused::OrderError::kOk) return Bad(OrderErrorText(e));
   return OkStatus();
 }
 
-Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx) {
+Status PrepareFusedGemm(DType dtype, FusedKernel kernel, const ErrorContext& ctx) {
   if (!Row(dtype).fused)
     return Bad(std::string("dtype ") + DTypeName(dtype) +
                " is not one the fused GEMM is compiled for (" +
@@ -109,31 +163,26 @@ Status PrepareFusedGemm(DType dtype, const ErrorContext& ctx) {
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {
     std::lock_guard<std::mutex> lock(g_prepared_mu);
-    if (Prepared().count({device, dtype}) != 0) return OkStatus();
+    if (Prepared().count({device, dtype, kernel}) != 0) return OkStatus();
   }
-  const bool bf16 = dtype == DType::kBF16;
-  const void* kernel = bf16 ? fused_kernel::FunctionBF16() : fused_kernel::FunctionF16();
+  int major = 0, minor = 0;
+  JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const void* function = FunctionOf(kernel, dtype);
+  if (kernel != FusedKernelFor(major, minor) || function == nullptr)
+    return NotThisGpu(kernel, device, major, minor, ctx);
   // It references the kernel: with lazy loading, that loads it here, at set-up.
   cudaFuncAttributes attr{};
-  const cudaError_t code = cudaFuncGetAttributes(&attr, kernel);
+  const cudaError_t code = cudaFuncGetAttributes(&attr, function);
   if (code == cudaErrorNoKernelImageForDevice || code == cudaErrorInvalidDeviceFunction) {
     (void)cudaGetLastError();
-    int major = 0, minor = 0;
-    (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    return Status(Code::kInvalidArgument, ctx.Describe() +
-                                              ": the fused GEMM is sm_90a code and runs on compute "
-                                              "capability 9.0 GPUs only (H100, H200, GH200); GPU " +
-                                              std::to_string(device) + " is " +
-                                              std::to_string(major) + "." + std::to_string(minor) +
-                                              ": take the chunked path (jo.config(fused=False))");
+    return NotThisGpu(kernel, device, major, minor, ctx);
   }
   if (code != cudaSuccess) return CudaFailure(code, "cudaFuncGetAttributes", &ctx);
-  JO_CUDA_CHECK(&ctx, cudaFuncSetAttribute(
-                          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          bf16 ? fused_kernel::SharedBytesBF16() : fused_kernel::SharedBytesF16()));
+  JO_CUDA_CHECK(&ctx, cudaFuncSetAttribute(function, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           SharedBytesOf(kernel, dtype)));
   std::lock_guard<std::mutex> lock(g_prepared_mu);
-  Prepared()[{device, dtype}] = true;
+  Prepared()[{device, dtype, kernel}] = true;
   return OkStatus();
 }
 
@@ -147,11 +196,13 @@ Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const Err
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {
     std::lock_guard<std::mutex> lock(g_prepared_mu);
-    if (Prepared().count({device, args.dtype}) == 0)
+    if (Prepared().count({device, args.dtype, args.kernel}) == 0)
       return Status(Code::kInternal, ctx.Describe() +
                                          ": the fused GEMM was not prepared on device " +
-                                         std::to_string(device) + " (PrepareFusedGemm)");
+                                         std::to_string(device) + " for " +
+                                         KernelName(args.kernel) + " (PrepareFusedGemm)");
   }
+  if (args.kernel == FusedKernel::kSm100) return fused_kernel::LaunchSm100BF16(args, stream, ctx);
   if (args.dtype == DType::kBF16) return fused_kernel::LaunchBF16(args, stream, ctx);
   return fused_kernel::LaunchF16(args, stream, ctx);
 }
