@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     selftest.add_argument("--fake", action="store_true", help="run the CUDA executor against "
                           "the host-side fake of CUDA/NCCL/cuBLASLt instead (no GPU needed; "
                           "honours CUDA_DEVICE_MAX_CONNECTIONS)")
+    selftest.add_argument("--graph", action="store_true", help="with --fake: only the rows "
+                          "whose call XLA may capture (matmul_ar's kernel algorithms), each "
+                          "captured into a CUDA graph and replayed; the others are skipped with "
+                          "the reason")
     selftest.add_argument("--loopback", metavar="N", type=int,
                           help="run N ranks' p2p programs (and FP8, fused) on ONE GPU: a first "
                           "contact that needs one GPU (with --fake: on the host-side fake)")
@@ -32,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxoverlap._selftest import main as selftest_main
 
         return selftest_main(quick=args.quick, fake=args.fake, report=args.report,
-                             loopback=args.loopback)
+                             graph=args.graph, loopback=args.loopback)
     if args.command == "info":
         from jaxoverlap._info import format_info, info
 

@@ -18,7 +18,8 @@ from jaxoverlap import _kinds
 
 IMPLS = ("auto", "xla", "ring", "native")
 TRANSPORTS = ("auto", *_kinds.names(_kinds.TRANSPORTS))
-AR_ALGORITHMS = ("auto", *sorted(_kinds.AR_ALGORITHMS))  # matmul_ar's algorithm=
+# matmul_ar's algorithm= (the kernel ones: docs/gpu-internals.md §7)
+AR_ALGORITHMS = ("auto", *sorted(_kinds.AR_ALGORITHMS))
 LOG_LEVELS = ("warning", "info", "debug")
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -71,18 +71,29 @@ OPS: tuple[Op, ...] = (
        transpose="matmul", layout=Layout(x="last", w=0, y=None)),
 )
 
-# matmul_ar's algorithms (docs/native.md §3): the first is the default where it applies.
-AR_ALGORITHMS: tuple[str, ...] = ("two_shot", "one_shot")
-
-
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    native: ClassVar = ("id", "name")
+    """One of matmul_ar's algorithms (docs/native.md §3). ``splits_rows``: x's rows split into
+    N blocks (the two-shot ring's: rows divisible by N; else every rank has them all);
+    ``kernel``: the all-reduce is one kernel launch whose flags and sequence numbers live on
+    the device (docs/gpu-internals.md §7), so the call replays — over a transport with peer
+    memory only (not ``"messages"``)."""
+
+    native: ClassVar = ("id", "name", "splits_rows", "kernel")
     id: int
     name: str
+    splits_rows: bool
+    kernel: bool
 
 
-ALGORITHMS: tuple[Algorithm, ...] = tuple(Algorithm(i, a) for i, a in enumerate(AR_ALGORITHMS))
+# The first is the default where it applies.
+ALGORITHMS: tuple[Algorithm, ...] = (
+    Algorithm(0, "two_shot", splits_rows=True, kernel=False),
+    Algorithm(1, "one_shot", splits_rows=False, kernel=False),
+    Algorithm(2, "one_shot_kernel", splits_rows=False, kernel=True),
+    Algorithm(3, "two_shot_kernel", splits_rows=False, kernel=True),
+)
+AR_ALGORITHMS: tuple[str, ...] = tuple(a.name for a in ALGORITHMS)
 
 # ---------------------------------------------------------------- transports
 
@@ -235,6 +246,11 @@ def transport(name: str) -> Transport:
     return _by_name(TRANSPORTS, "transport", name)
 
 
+def ar_algorithm(name: str) -> Algorithm:
+    """matmul_ar's algorithm named ``name``."""
+    return _by_name(ALGORITHMS, "algorithm", name)
+
+
 def dtype(name) -> DType:
     """The dtype of ``name``: JAX's name (or a NumPy dtype: its ``.name``), the short one, or
     an alias."""
@@ -309,7 +325,7 @@ def canonical_problem(op_name: str, x_shape, w_shape, axis: int, nranks: int,
     if axis != 0:
         raise bad(f"attribute axis expected 0, got {axis}")
     total = math.prod(xd[:-1])
-    one_shot = algorithm == "one_shot"
+    one_shot = not ar_algorithm(algorithm).splits_rows  # one-shot and the kernels
     if not one_shot and total % nranks:
         raise bad(f"operand x expected rows (the product of all dims but the last, {total}) "
                   f"divisible by axis_size {nranks}")

@@ -53,7 +53,14 @@ from jaxoverlap._executors import capabilities, runtime
 from jaxoverlap._executors.call import NativeCall, describe
 from jaxoverlap._executors.capabilities import NativeUnavailableError
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
+from jaxoverlap._fp8_dtypes import out_dtype as fp8_out_dtype
 from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
+from jaxoverlap._one_launch import (
+    KERNEL_ALGORITHMS,
+    KERNEL_TRANSPORTS,
+    fits,
+    splits_rows,
+)
 
 # The ops with logic of their own here (the others' is the tables', _kinds).
 AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_ar"
@@ -188,6 +195,9 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
     fused = settings.fused if r.op in FUSED_OPS and n > 1 else False
     if fused:
         impl = _check_fused(r.op, impl, transport, x, w)
+    kernel = r.algorithm in KERNEL_ALGORITHMS
+    if kernel:
+        impl = _check_kernel(r.algorithm, impl, transport)
     forced_native = impl == "native" or (impl == "auto" and explicit_transport is not None)
     if impl == "auto" and not forced_native:
         _warn_gpu_fallback(r.op)
@@ -206,6 +216,10 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
         # Asked for: the transport is the plan's, so that the call runs fused or fails to
         # resolve it (a model's pick leaves "auto" to fall back to the chunked path).
         transport = picked.transport if picked is not None else _fused_transport(r.op)
+    if kernel and transport is None and impl == "native":
+        # Asked for: likewise, one the kernel runs with (a model's pick leaves "auto": where it
+        # resolves to nccl the call runs the one-shot program of separate ops).
+        transport = picked.transport if picked is not None else _kernel_transport(r.algorithm)
     plan = OpPlan(
         op=r.op,
         impl=impl,
@@ -223,11 +237,13 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
         out_dtype=r.out_dtype,
         fused=fused_plan,
     )
+    if plan.impl == "native" and plan.algorithm in KERNEL_ALGORITHMS:
+        _check_kernel_fits(plan, x, w)
     if plan.impl == "native" and isinstance(mesh, jax.sharding.Mesh):
         platform = capabilities.executor_platform(mesh.devices.flat[0].platform)
         plan = dataclasses.replace(plan, call=describe(
             mesh, r.axis_name, platform, plan.transport, plan.preferred, jax.process_index(),
-            plan.fused))
+            plan.fused, plan.algorithm))
     if log:
         logger.debug("%s x=%s%s w=%s: %s", r.op, jnp.dtype(x.dtype).name, tuple(x.shape),
                      jnp.dtype(w.dtype).name, plan.describe())
@@ -254,6 +270,10 @@ def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
                          f"impl.")
     rows = math.prod(x.shape[:-1])
     splits = rows % n == 0
+    if r.algorithm in KERNEL_ALGORITHMS and asked == "ring":
+        raise ValueError(f"{r.op}: algorithm={r.algorithm!r} is one kernel of the native "
+                         f"executor (docs/gpu.md §6), but impl='ring'. Use impl='native' (or "
+                         f"'auto'), or algorithm='one_shot'.")
     if r.algorithm == "two_shot" and not splits:
         raise ValueError(
             f"{r.op}: algorithm='two_shot' splits the rows of x (every dim but the last: {rows} "
@@ -262,9 +282,9 @@ def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
             f"the rows to a multiple of {n}.")
     if r.algorithm is not None:
         algorithms: tuple[str, ...] = (r.algorithm,)
-    else:
-        algorithms = AR_ALGORITHMS if splits else ("one_shot",)
-    if algorithms[0] == "one_shot":
+    else:  # the first is the pick without a model; a model weighs them all
+        algorithms = ("two_shot",) * splits + ("one_shot", *KERNEL_ALGORITHMS)
+    if not splits_rows(algorithms[0]):
         return rows, "rows of x (every dim but the last; one-shot takes them all)", algorithms
     return rows // n, (f"rows of each rank's block (x's {rows} rows, every dim but the last, "
                        f"over the {n} ranks of {r.axis_name!r})"), algorithms
@@ -307,6 +327,49 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
         raise NativeUnavailableError(f"{op}: {where}, but {reason}. Drop fused (the chunked "
                                      "path runs everywhere).")
     return "native"
+
+
+def _check_kernel(algorithm: str, impl: str, transport: str | None) -> str:
+    """The impl of a call that asked for a kernel algorithm, or the error saying why it cannot
+    have it."""
+    if impl == "xla":  # (impl='ring' is refused with the rows, _rows)
+        raise ValueError(f"matmul_ar: algorithm={algorithm!r} is one kernel of the native "
+                         f"executor (docs/gpu.md §6), but impl='xla'. Use impl='native' (or "
+                         f"'auto'), or drop algorithm=.")
+    if transport is not None and transport not in KERNEL_TRANSPORTS:
+        raise ValueError(f"matmul_ar: algorithm={algorithm!r} with transport={transport!r}: the "
+                         f"kernel writes into its peers' memory, so it runs over "
+                         f"{KERNEL_TRANSPORTS}, not nccl. Use one of those, or "
+                         f"algorithm='one_shot'.")
+    return "native" if impl == "auto" else impl
+
+
+def _check_kernel_fits(plan: OpPlan, x, w) -> None:
+    """A kernel algorithm's y must fit the kernel's fixed area over every transport the call
+    may run it with (``_one_launch.fits``); the error says what to use instead."""
+    y_bytes = math.prod(x.shape[:-1]) * w.shape[-1] * fp8_out_dtype(x, plan.out_dtype).itemsize
+    transports = (plan.transport,) if plan.transport in KERNEL_TRANSPORTS else KERNEL_TRANSPORTS
+    for transport in transports:
+        if not fits(transport, plan.algorithm, plan.axis_size, y_bytes):
+            raise ValueError(
+                f"matmul_ar: algorithm={plan.algorithm!r} moves y ({y_bytes} bytes per rank) "
+                f"through one fixed area per rank, which {plan.axis_size} ranks' y of this "
+                f"size over {transport} does not fit (docs/gpu.md §6). Use algorithm="
+                f"'two_shot' or 'one_shot' (or None) for calls this large.")
+
+
+def _kernel_transport(algorithm: str) -> str:
+    """The transport of a kernel algorithm asked for without a model: the one rule's pick
+    among the kernel's transports that this process's devices offer."""
+    platform = capabilities.current_platform()
+    try:
+        return capabilities.resolve_transport(
+            platform, "auto", None, spans_processes=False,
+            local_ordinals=capabilities.local_ordinals(platform), among=KERNEL_TRANSPORTS)
+    except NativeUnavailableError as err:
+        raise NativeUnavailableError(
+            f"matmul_ar: algorithm={algorithm!r}, but neither transport the kernel runs with "
+            f"({KERNEL_TRANSPORTS}) is available here ({err})") from None
 
 
 def _fused_transport(op: str) -> str:

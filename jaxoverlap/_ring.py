@@ -42,6 +42,7 @@ from jax import lax
 
 from jaxoverlap._fp8_dtypes import out_dtype
 from jaxoverlap._invariant import mark_invariant
+from jaxoverlap._one_launch import splits_rows
 from jaxoverlap._plan import OpPlan
 from jaxoverlap._xla import local_matmul, scale_product
 
@@ -125,9 +126,9 @@ def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> j
 
 def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
     """y = psum(x @ w): the reduce-scatter ring over x's rows, then a ring all-gather of the
-    reduced blocks (one-shot: every partial to every rank); typed invariant over the axis,
-    as psum's result."""
-    if plan.algorithm == "one_shot":
+    reduced blocks (one-shot, and the kernel algorithms, which are native only: every partial
+    to every rank); typed invariant over the axis, as psum's result."""
+    if not splits_rows(plan.algorithm):
         return _one_shot(x, w, plan, scales)
     n = plan.axis_size
     rows = x.shape[:-1]

@@ -67,6 +67,15 @@ VARIANTS = ((1, False), (2, False), (4, True))  # (chunks, bidirectional); chunk
 # "op/algorithm": matmul_ar's one-shot, on rows that do not split over the ranks (a decode step)
 OPS = (*_kinds.names(_kinds.OPS),
        *(f"{op}/one_shot" for op in _kinds.names(_kinds.OPS, one_shot=True)))
+# matmul_ar's kernel algorithms (one GEMM + ONE all-reduce kernel, docs/gpu-internals.md §7):
+# rows of the fake only, each call captured into a CUDA graph and replayed REPLAYS times with new
+# inputs (a rank launching late), over the transports the kernel runs with.
+KERNEL_OPS = tuple(f"matmul_ar/{a}" for a in _kinds.names(_kinds.ALGORITHMS, kernel=True))
+KERNEL_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism != "messages")
+REPLAYS = 3
+# Why the other programs are not captured (docs/gpu.md §6): `selftest --fake --graph` skips them.
+NOT_REPLAYABLE = ("host-side epochs in what the call enqueues (flag values, workspace halves): "
+                  "a replay would reuse the capture's (docs/gpu.md §6)")
 # Unit roundoff of each dtype (half the distance from 1 to the next number).
 UNIT_ROUNDOFF = {d.name: d.roundoff for d in _kinds.DTYPES}
 # FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
@@ -340,11 +349,17 @@ def rank_products(np, op: str, xs, ws, rows: int) -> list[tuple[Any, Any]]:
             for r in range(len(xs))]
 
 
+def _all_rows(algorithm: str) -> bool:
+    """matmul_ar's algorithms that take every row (one-shot and the kernels): their rows are a
+    decode step's, not N blocks."""
+    return bool(algorithm) and not _kinds.ar_algorithm(algorithm).splits_rows
+
+
 def _row_inputs(np, op: str, n: int, shape, dtype: str,
-                fp8: tuple[str, str, str] | None) -> dict[str, Any]:
+                fp8: tuple[str, str, str] | None, replays: int = 0) -> dict[str, Any]:
     """One case's inputs for ``n`` ranks, as the CUDA executor's handler receives them (an fp8
     w K-major, [nw, k]: docs/gpu-internals.md §6), and per rank the float64 factors of its exact
-    result."""
+    result; ``replays``: that many more x per rank (w the same), each with its factors."""
     import ml_dtypes
 
     batch_dims, rows, k, nw = shape
@@ -353,9 +368,9 @@ def _row_inputs(np, op: str, n: int, shape, dtype: str,
     x_dtype, w_dtype, out_dtype = fp8 or (dtype, dtype, dtype)
     rng = np.random.default_rng(1)
     op, _, algorithm = op.partition("/")
-    if algorithm == "one_shot":
+    if _all_rows(algorithm):
         rows = rows * n + 1  # the canonical one-shot problem: all rows, not N blocks
-    x_rows = rows if _kinds.op(op).rows == "gather" or algorithm == "one_shot" else rows * n
+    x_rows = rows if _kinds.op(op).rows == "gather" or _all_rows(algorithm) else rows * n
     spread = 3.0 if fp8 else 1.0  # fp8 values over a few binades
     xs = [(rng.standard_normal((batch, x_rows, k)) * spread).astype(np.float32)
           .astype(np_dtypes[x_dtype]) for _ in range(n)]
@@ -376,9 +391,15 @@ def _row_inputs(np, op: str, n: int, shape, dtype: str,
     # transport, chunks, bidirectional and fused: the caller's
     problem = dict(op=op, nranks=n, batch=batch, rows=rows, k=k, n=nw, dtype=x_dtype,
                    w_dtype=w_dtype, out_dtype=out_dtype, algorithm=algorithm or "two_shot")
+    if replays and fp8:
+        raise ValueError("replayed rows have no fp8 operands (their x is its own reference)")
+    again = [[rng.standard_normal((batch, x_rows, k)).astype(np.float32)
+              .astype(np_dtypes[x_dtype]) for _ in range(n)] for _ in range(replays)]
     return dict(problem=problem, op=op, k=k, out_dtype=out_dtype,
                 out_np=np_dtypes[out_dtype], xs=[x.tobytes() for x in xs], ws=w_bytes,
-                scales=scales, refs=rank_products(np, op, xs_ref, ws_ref, rows), fp8=bool(fp8))
+                scales=scales, refs=rank_products(np, op, xs_ref, ws_ref, rows), fp8=bool(fp8),
+                replays=[([x.tobytes() for x in r], rank_products(np, op, r, ws_ref, rows))
+                         for r in again])
 
 
 def _row_verdict(np, n: int, case: dict[str, Any], ys, problems: list[str]) -> tuple[bool, str]:
@@ -404,23 +425,35 @@ FAKE_B200 = {"cc_major": 10, "cc_minor": 0, "sms": 148}
 
 def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
               fp8: tuple[str, str, str] | None = None, fused=False,
-              device: dict | None = None) -> tuple[bool, str]:
+              replays: int = 0, device: dict | None = None) -> tuple[bool, str]:
     """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
     the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
-    scales; ``fused``: the fused GEMM's program; ``device``: the fake GPU's Config fields
-    (default: an H100-like 9.0)."""
+    scales; ``fused``: the fused GEMM's program; ``replays``: after the call, each rank's
+    thread captures it into a CUDA graph, launched that many times with new x (rank 1 last,
+    once the others ran as far as they could), every launch checked against its own inputs;
+    ``device``: the fake GPU's Config fields (default: an H100-like 9.0)."""
     n = FAKE_RANKS
-    case = _row_inputs(np, op, n, shape, dtype, fp8)
+    case = _row_inputs(np, op, n, shape, dtype, fp8, replays=replays)
     # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
     fake.reset(fake.Config(**device) if device else fake.Config())
     problem = dict(case["problem"], transport=transport, chunks=chunks,
                    bidirectional=bidirectional, fused=fused)
+    played = dict(capture=True, replays=replays, replay_late_rank=1,
+                  replay_xs=[xs for xs, _ in case["replays"]]) if replays else {}
     out = fake.run(problem, xs=case["xs"], ws=case["ws"], devices=list(range(n)),
-                   **case["scales"])
+                   **case["scales"], **played)
     problems = [*fake.errors()[:2], *[s for s in out["statuses"] if s][:2]]
     if not out["drained"] and not problems:
         problems.append("the fake GPU did not drain")
-    return _row_verdict(np, n, case, out["ys"], problems)
+    if replays and not problems and out["replay_drained"] != [True] * replays:
+        problems.append(f"a replay did not drain: {out['replay_drained']}")
+    verdict = _row_verdict(np, n, case, out["ys"], problems)
+    for i, ys in enumerate(out.get("replay_ys", []) if verdict[0] else []):
+        ok, detail = _row_verdict(np, n, dict(case, refs=case["replays"][i][1]), ys, [])
+        verdict = (ok, detail if ok else f"replay {i + 1}: {detail}")
+        if not ok:
+            break
+    return verdict
 
 
 def _loopback_row(module, np, n: int, op, transport, dtype, shape, chunks, bidirectional,
@@ -563,8 +596,10 @@ def _cliques(describe) -> list[str]:
         return [f"(could not describe the cliques: {e})"]
 
 
-def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
-    """The selftest's table through the CUDA executor on the host-side fake (if built)."""
+def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -> None:
+    """The selftest's table through the CUDA executor on the host-side fake (if built), and
+    the kernel algorithms' rows, each call captured and replayed. ``graph``: only the rows
+    whose program replays; the others are skipped with the reason (docs/gpu.md §6)."""
     try:
         from jaxoverlap._executors import runtime
 
@@ -597,17 +632,29 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS) -> None:
     cases += [(op, transport, "bfloat16", None, SHAPES[0], variant, True, FAKE_B200)
               for op, transport, variant in itertools.product(
                   [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS, variants)]
+    if graph:
+        print(f"  ({len(cases)} rows skipped: their programs do not replay yet: "
+              f"{NOT_REPLAYABLE})")
+        cases = []
+    # The kernel algorithms: one chunk (the kernel has none), captured and replayed.
+    cases += [(op, transport, dtype, None, shape, (1, False), False, None)
+              for op, transport, dtype, shape
+              in itertools.product(KERNEL_OPS, KERNEL_TRANSPORTS, dtypes, shapes)]
     try:
         for op, transport, dtype, fp8, shape, (chunks, bidi), fused, device in cases:
-            dims = (*shape[0], shape[1] * FAKE_RANKS + op.endswith("one_shot"), shape[2])
+            kernel = op in KERNEL_OPS
+            dims = (*shape[0], shape[1] * FAKE_RANKS + _all_rows(op.partition("/")[2]),
+                    shape[2])
             gpu = " on a fake B200 (sm_100a)" if device else ""
             name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
                     f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
-                    f"{' fused' if fused else ''} (CUDA executor on the host-side fake{gpu})")
+                    f"{' fused' if fused else ''}"
+                    f"{f' captured, {REPLAYS} replays' if kernel else ''}"
+                    f" (CUDA executor on the host-side fake{gpu})")
             table.start(name, cliques=_cuda_fake.cliques)
             start = time.perf_counter()
             ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi,
-                                   fp8, fused, device)
+                                   fp8, fused, replays=REPLAYS if kernel else 0, device=device)
             table.add(name, ok, detail, time.perf_counter() - start, cliques=_cuda_fake.cliques)
     finally:
         _cuda_fake.reset()
@@ -777,8 +824,9 @@ def _report_header(caps: dict[str, Any], fake: bool) -> dict[str, Any]:
 
 
 def fake_main(quick: bool = False, report: str | None = None,
-              row_deadline: float | None = None) -> int:
-    """``selftest --fake``: the whole table on the CUDA executor against the host-side fake."""
+              row_deadline: float | None = None, graph: bool = False) -> int:
+    """``selftest --fake``: the whole table on the CUDA executor against the host-side fake
+    (``graph``: only the rows whose call is captured and replayed)."""
     from jaxoverlap._version import __version__
 
     print(f"jaxoverlap {__version__} selftest on the host-side CUDA fake (no GPU is used)")
@@ -786,11 +834,12 @@ def fake_main(quick: bool = False, report: str | None = None,
           f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '')!s}"
           "; unset: the driver's 8), NCCL's serialisation per communicator, and the kernels' "
           "per-element code compiled for the host; it proves nothing about a GPU's timing.")
-    print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; "
-          f"transports: {', '.join(_kinds.names(_kinds.TRANSPORTS))}")
+    print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; transports: "
+          f"{', '.join(_kinds.names(_kinds.TRANSPORTS))}; captured and replayed {REPLAYS} times: "
+          f"{', '.join(KERNEL_OPS)} over {', '.join(KERNEL_TRANSPORTS)}")
     table = Table(report=(report, _report_header(_gpu_table(), fake=True)) if report else None,
                   deadline_s=row_deadline or row_deadline_s())
-    _fake_rows(table, quick=quick, ops=OPS)
+    _fake_rows(table, quick=quick, ops=OPS, graph=graph)
     status = table.summary(" (CUDA executor on the fake)")
     if report:
         print(f"report written to {report}")
@@ -798,15 +847,20 @@ def fake_main(quick: bool = False, report: str | None = None,
 
 
 def main(quick: bool = False, fake: bool = False, report: str | None = None,
-         row_deadline: float | None = None, loopback: int | None = None) -> int:
+         row_deadline: float | None = None, loopback: int | None = None,
+         graph: bool = False) -> int:
     """The selftest. ``report``: the JSON report's path (rewritten after every row);
     ``row_deadline``: seconds a row may take before the process is called hung (default
-    ``row_deadline_s()``); ``loopback``: N ranks on one GPU instead (``loopback_main``)."""
+    ``row_deadline_s()``); ``loopback``: N ranks on one GPU instead (``loopback_main``);
+    ``graph`` (with ``fake``): only the rows whose call replays."""
+    if graph and not fake:
+        raise ValueError("selftest: --graph captures the calls on the CUDA fake only (a GPU "
+                         "run through XLA's command buffers is not written yet); add --fake")
     if loopback is not None:
         return loopback_main(loopback, fake=fake, quick=quick, report=report,
                              row_deadline=row_deadline)
     if fake:
-        return fake_main(quick=quick, report=report, row_deadline=row_deadline)
+        return fake_main(quick=quick, report=report, row_deadline=row_deadline, graph=graph)
     caps = _gpu_table()
     gpus = caps.get("devices", [])
     if not gpus:

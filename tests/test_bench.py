@@ -73,10 +73,13 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert "* h100 AG std:" not in out
     # decode shapes (GEMM + all-reduce, M 1-256): latency, the picks and why
     assert "Decode shapes, GEMM + all-reduce (latency, not bandwidth)" in out
-    for m in (1, 16, 64, 256):
-        assert re.search(rf"AR decode M{m} .* / native \w+ one-shot chunks=1\n", out), out
-        assert f"AR decode M{m}: xla: the best fused plan costs" in out
-    assert "native: one-shot: 1 transfer step(s) instead of 14" in out
+    for m in (1, 16, 64):  # the one-launch one-shot program over p2p, captured
+        assert re.search(rf"AR decode M{m} .* native p2p one-launch one-shot chunks=1 / native "
+                         rf"\w+ one-launch \w+-shot chunks=1\n", out), out
+        assert f"AR decode M{m}: native p2p one-launch one-shot chunks=1: " in out
+    assert re.search(r"AR decode M256 .* xla \(unfused\) / native", out), out
+    assert "AR decode M256: xla: the best native plan" in out
+    assert "captured: no host enqueue per call" in out
     # FP8 rows of the standard shapes, marked with what is measured (the FP8 GEMM alone) and
     # what extrapolated (no published FP8 call)
     assert "FP8 (e4m3 operands, bfloat16 output" in out

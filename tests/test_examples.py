@@ -228,3 +228,27 @@ def test_decode_reports_different_tokens(capsys, monkeypatch):
     assert code == 1, out
     assert re.search(r"swapped, xla\s+[0-9.]+\s+DIFFERENT", out), out
     assert "DIFFERENT: the tokens or logits (--rtol 0.0001) of xla differ" in out
+
+
+def test_decode_with_a_gpu_preset_runs_the_one_launch_all_reduce(capsys, monkeypatch):
+    """With an H100 preset the model picks matmul_ar's one-launch one-shot program (the GEMM
+    and one all-reduce kernel: algorithm 2) for the decode steps' GEMM + all-reduce; the host
+    executor runs its semantics, and the swapped lm1b still decodes the original's tokens."""
+    import flax.linen as nn
+    import jax
+
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    example = _load("decode")
+    code = example.main(["--model", "lm1b", "--length", "8", "--repeats", "1", "--batch", "4",
+                         "--layers", "1", "--impls", "native"])
+    out = capsys.readouterr().out
+    assert code == 0 and "OK: every impl generates the original model's tokens" in out, out
+    assert re.search(r"swapped, native\s+[0-9.]+\s+equal\s+[0-9.e-]+\n", out), out
+    args = example._parse(["--model", "lm1b", "--length", "8", "--batch", "4", "--layers", "1"])
+    mesh = example.flax_lm1b.make_mesh(args)
+    generate, params, rules = example.BUILDERS["lm1b"](args, "native", mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        text = generate.lower(params, jax.numpy.asarray(example.inputs_of(args))).compile()
+    calls = [line for line in text.as_text().splitlines()
+             if 'custom_call_target="jaxoverlap_matmul_ar"' in line]
+    assert len(calls) == 2 and all("algorithm = 2 : i32" in line for line in calls), calls

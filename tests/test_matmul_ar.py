@@ -385,7 +385,7 @@ def test_argument_errors_name_the_argument():
         jo.matmul_ar(X, W, "tp", axis=0, mesh=mesh)  # no axis: every dim but the last is a row
     with pytest.raises(ValueError, match=r"algorithm='three_shot' is not a GEMM \+ all-reduce "
                                          r"algorithm; use one of \('auto', 'one_shot', "
-                                         r"'two_shot'\)"):
+                                         r"'one_shot_kernel', 'two_shot', 'two_shot_kernel'\)"):
         jo.matmul_ar(X, W, "tp", algorithm="three_shot", mesh=mesh)
     with pytest.raises(ValueError, match=r"algorithm='one_shot' applies to the fused impls "
                                          r"\('ring', 'native'\), but impl='xla'"):
@@ -479,3 +479,96 @@ def test_one_shot_on_global_arrays_and_its_plan():
         mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())).lower(
             x, w).as_text()
     assert "jaxoverlap_matmul_ar" in hlo and "algorithm = 1 : i32" in hlo
+
+
+# ---------------------------------------------------------------- the kernel algorithms
+# (one GEMM + ONE all-reduce kernel on GPUs, docs/gpu-internals.md §7; the host executor runs
+# the kernel's semantics: the same program, an AllReduce op)
+
+KERNELS = _kinds.names(_kinds.ALGORITHMS, kernel=True)
+KERNEL_CASES = [(t, a) for t in ("p2p", "multicast") for a in KERNELS]
+
+
+@pytest.mark.parametrize("transport,algorithm", KERNEL_CASES)
+def test_kernel_algorithms_match_psum_on_every_rank_bit_for_bit(transport, algorithm):
+    """N 2..8, rows that split into N blocks and rows that do not (one: a decode step), every
+    dtype; every rank's y is the same bits."""
+    for n, rows, dtype in ((2, (1,), jnp.float32), (3, (2, 3), jnp.bfloat16),
+                           (5, (1, 1), jnp.float16), (8, (1,), jnp.float32),
+                           (8, (2, 8), jnp.bfloat16)):
+        x, w = _case(n, dtype, rows=rows, seed=n)
+        fn = jax.jit(jax.shard_map(
+            lambda x, w: jo.matmul_ar(x, w, "tp", impl="native", transport=transport,
+                                      algorithm=algorithm)[None],
+            mesh=tp_mesh(n), in_specs=(spec_on(x.ndim, -1), P("tp", None)), out_specs=P("tp"),
+            check_vma=False))
+        copies = np.asarray(fn(x, w).astype(jnp.float32))
+        for r in range(n):
+            np.testing.assert_array_equal(copies[r], copies[0], err_msg=f"N={n} rank {r}")
+        assert_close(copies[0].astype(dtype), f64(x) @ f64(w), dtype)
+
+
+def _late(x, seconds: tuple[float, ...]):
+    """Exactly ``x``, after a host callback that sleeps ``seconds[rank]`` on the rank's own
+    thread: the ranks reach the next call at uneven speeds (call inside shard_map)."""
+    import time
+
+    def nap(value, r):
+        time.sleep(seconds[int(r)])
+        return value
+
+    held = lax.stop_gradient(x)
+    napped = jax.pure_callback(nap, jax.ShapeDtypeStruct(x.shape, x.dtype), held,
+                               lax.axis_index("tp"))
+    return x + (napped - held)
+
+
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+def test_kernel_calls_in_flight_at_uneven_speeds_forward_and_backward(transport):
+    """A decode step's program: two kernel calls (one of each algorithm) and a one-shot one in
+    one program, run three times back to back, the ranks reaching them at uneven speeds (a
+    different rank late each time), forward and backward under remat, typed invariant."""
+    n = 4
+    x = rand(50, (1, 3, 8), jnp.float32)  # 3 rows on 4 ranks
+    w1, w2 = rand(51, (8, 6), jnp.float32), rand(52, (8, 6), jnp.float32)
+
+    def program(seconds):
+        def three(x, w1, w2):
+            x = _late(x, seconds)
+            a = jo.matmul_ar(x, w1, "tp", impl="native", transport=transport,
+                             algorithm="one_shot_kernel")
+            b = jo.matmul_ar(x, w2, "tp", impl="native", transport=transport,
+                             algorithm="two_shot_kernel")
+            c = jo.matmul_ar(x, w1, "tp", impl="native", transport=transport,
+                             algorithm="one_shot")
+            return jnp.sum(a * b) + jnp.sum(c ** 2)
+
+        return jax.jit(jax.value_and_grad(jax.shard_map(
+            jax.checkpoint(three), mesh=tp_mesh(n),
+            in_specs=(P(None, None, "tp"), P("tp", None), P("tp", None)), out_specs=P()),
+            argnums=(0, 1, 2)))
+
+    ref = jax.value_and_grad(jax.shard_map(
+        lambda x, w1, w2: jnp.sum(lax.psum(x @ w1, "tp") * lax.psum(x @ w2, "tp"))
+        + jnp.sum(lax.psum(x @ w1, "tp") ** 2), mesh=tp_mesh(n),
+        in_specs=(P(None, None, "tp"), P("tp", None), P("tp", None)), out_specs=P()),
+        argnums=(0, 1, 2))(x, w1, w2)
+    for late in range(3):
+        seconds = tuple(0.03 if r == late else 0.002 * r for r in range(n))
+        value, grads = program(seconds)(x, w1, w2)
+        assert_close(value, f64(ref[0]), jnp.float32)
+        for g, e in zip(grads, ref[1], strict=True):
+            assert_close(g, f64(e), jnp.float32)
+
+
+def test_kernel_algorithms_are_refused_where_they_cannot_run():
+    x, w = _case(4, jnp.float32, rows=(1,))
+    for kw, match in ((dict(impl="xla"), "impl='xla'"), (dict(impl="ring"), "impl='ring'"),
+                      (dict(impl="native", transport="nccl"), "not nccl")):
+        with pytest.raises(ValueError, match=match):
+            _run(x, w, 4, algorithm="one_shot_kernel", **kw)
+    # One-shot over p2p: 8 slots of y in one 8 MiB half; 2 MiB of f32 y per rank do not fit
+    # (the executor refuses the same: cpp/core/allreduce_layout.h).
+    x, w = _case(8, jnp.float32, rows=(64,), nw=8192)
+    with pytest.raises(ValueError, match=r"2097152 bytes per rank.*Use algorithm='two_shot'"):
+        _run(x, w, 8, impl="native", transport="p2p", algorithm="one_shot_kernel")

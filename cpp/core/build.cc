@@ -1,5 +1,7 @@
 #include "core/build.h"
 
+#include "core/allreduce_layout.h"
+
 #include <algorithm>
 #include <string>
 
@@ -56,8 +58,24 @@ Status BuildProgram(const Problem& q, Program* program) {
              op + ": return_gathered applies to " +
                  kinds::Names(kOps, [](const OpRow& o) { return o.gathered; }) + " only");
   JO_REQUIRE(row->one_shot || q.algorithm == ArAlgorithm::kTwoShot,
-             op + ": the one-shot algorithm applies to " +
+             op + ": the one-shot and kernel algorithms apply to " +
                  kinds::Names(kOps, [](const OpRow& o) { return o.one_shot; }) + " only");
+  if (OneLaunch(q.algorithm)) {
+    JO_REQUIRE(!Row(q.transport).messages(),
+               op + ": the kernel algorithm " + ArAlgorithmName(q.algorithm) +
+                   " writes into its peers' memory: transport " +
+                   kinds::Names(kTransports, [](const TransportRow& t) { return !t.messages(); }) +
+                   ", not " + TransportName(q.transport));
+    const int64_t y_bytes = q.batch * q.rows * q.cols * DTypeSize(q.out_dtype);
+    JO_REQUIRE(q.nranks <= allreduce::kMaxRanks &&
+                   allreduce::Fits(q.transport == Transport::kMulticast,
+                                   q.algorithm == ArAlgorithm::kTwoShotKernel, q.nranks, y_bytes),
+               op + ": the kernel algorithm " + ArAlgorithmName(q.algorithm) + " moves at most " +
+                   std::to_string(allreduce::kAreaBytes) + " bytes per rank and call (" +
+                   std::to_string(y_bytes) + " bytes of y from " + std::to_string(q.nranks) +
+                   " ranks do not fit; at most " + std::to_string(allreduce::kMaxRanks) +
+                   " ranks): use algorithm='two_shot' or 'one_shot'");
+  }
   JO_CHECK(CheckDTypes(q));
   if (q.fused) {
     JO_REQUIRE(
@@ -84,8 +102,9 @@ Status BuildProgram(const Problem& q, Program* program) {
 
   *program = Program();
   program->problem = q;
-  program->chunks = std::min<int64_t>(q.chunks, q.rows);
-  if (!Row(q.transport).ring() || q.algorithm == ArAlgorithm::kOneShot) {
+  // The kernel algorithms are one GEMM and one kernel: no sub-chunks.
+  program->chunks = OneLaunch(q.algorithm) ? 1 : std::min<int64_t>(q.chunks, q.rows);
+  if (!Row(q.transport).ring() || !SplitsRows(q.algorithm)) {
     // Multicast and one-shot have no ring: every transfer is one hop.
     program->cw_steps = q.nranks - 1;
     program->ccw_steps = 0;

@@ -30,6 +30,11 @@
 // (one McReduce per sub-chunk). Each rank receives (N-1) partials of all of
 // y (the two-shot algorithm moves 2(N-1)/N of y), in one hop instead of
 // 2(N-1): the latency-bound choice for small M.
+//
+// Kernel algorithms (one_shot_kernel, two_shot_kernel; p2p and multicast): the
+// GEMM of all rows into Y, then one AllReduce op — on the GPU one kernel launch
+// whose flags and sequence numbers live on the device (docs/gpu-internals.md §7), so
+// the call is two launches and can be captured into a CUDA graph.
 #include <vector>
 
 #include "core/build_internal.h"
@@ -282,12 +287,33 @@ Status BuildOneShot(Program* p, Emitter& e) {
   return OkStatus();
 }
 
+// The kernel algorithms: the GEMM of all rows into Y, then ONE AllReduce of Y in place (the
+// one-launch kernel on the GPU, docs/gpu-internals.md §7; its data and flags are the kernel's own
+// area there). What the program declares is the host executor's: a slot per rank for each rank's
+// copy of y in every workspace, and a flag per writer.
+Status BuildKernel(Program* p, Emitter& e) {
+  const Problem& q = p->problem;
+  const int64_t P = q.batch, M = q.rows, Nw = q.cols;
+  p->workspace_elems = q.nranks * P * M * Nw;
+  p->num_flags = q.nranks;
+  const Ref x{BufId::kX, q.rank, 0, M * q.k, q.k};
+  const Ref y{BufId::kY, q.rank, 0, M * Nw, Nw};
+  Op& gemm = e.Gemm(0, x, y, nullptr, P, M);
+  gemm.shard = q.rank;
+  gemm.sub = 0;
+  Op& all = e.Block(OpKind::kAllReduce, 0, Ref{}, y, P, M, Nw);
+  all.shard = q.rank;
+  all.sub = 0;
+  return OkStatus();
+}
+
 }  // namespace
 
 Status BuildMatmulAr(Program* p) {
   const Problem& q = p->problem;
   Emitter e(p);
   if (q.nranks == 1) return BuildSingleRank(p, e);
+  if (OneLaunch(q.algorithm)) return BuildKernel(p, e);
   if (q.algorithm == ArAlgorithm::kOneShot) return BuildOneShot(p, e);
   if (Row(q.transport).mechanism == Mechanism::kMulticast) return BuildMulticast(p, e);
   std::vector<int32_t> reduced;

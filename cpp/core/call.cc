@@ -184,7 +184,7 @@ Status CanonicalProblem(const Problem& base, const std::vector<int64_t>& xd,
       if (axis != 0) return bad("attribute axis expected 0, got " + std::to_string(axis));
       int64_t total = 1;
       for (size_t i = 0; i + 1 < xd.size(); ++i) total *= xd[i];
-      const bool one_shot = base.algorithm == ArAlgorithm::kOneShot;
+      const bool one_shot = !SplitsRows(base.algorithm);  // one-shot and the kernels
       if (!one_shot && total % n != 0)
         return bad("operand x expected rows (the product of all dims but the last, " +
                    std::to_string(total) + ") divisible by axis_size " + std::to_string(n));
@@ -208,7 +208,7 @@ OperandRows OperandRowsOf(const Problem& q) {
       out = {all, q.rows, 0};
       break;
     case RowsRule::kAll: {  // every row on both sides (one-shot: rows are all of them)
-      const int64_t rows = q.algorithm == ArAlgorithm::kOneShot ? q.rows : all;
+      const int64_t rows = SplitsRows(q.algorithm) ? all : q.rows;
       out = {rows, rows, 0};
       break;
     }

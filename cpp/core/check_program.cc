@@ -214,6 +214,17 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
         JO_CHECK(CheckFused(p, op));
         break;
+      case OpKind::kAllReduce:
+        // All of y, in place, dense (the kernel sees it as one run of elements); the host
+        // executor's slots: a rank's copy of y from each rank, and a flag per writer.
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        if (op.d.buf != BufId::kY || op.d.offset != 0 || op.d.ld != op.n ||
+            op.d.batch_stride != op.m * op.n || op.batch * op.m * op.n != sizes.y ||
+            p.workspace_elems < nranks * sizes.y || p.num_flags < nranks)
+          return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                          std::to_string(q.rank) + ": " + ToString(op) +
+                          ": reduces all of Y, dense, with a workspace slot and a flag per rank");
+        break;
     }
   }
   return OkStatus();

@@ -17,6 +17,7 @@ namespace {
 bool IsNccl(OpKind kind) { return kind == OpKind::kSend || kind == OpKind::kRecv; }
 
 using Message = std::tuple<int32_t, int32_t, int32_t>;  // (sender, receiver, tag)
+constexpr int32_t kAllReduceTag = -1;  // an AllReduce's "messages" (NCCL tags are >= 0)
 
 // One rank of the play.
 struct Player {
@@ -117,6 +118,22 @@ class Play {
       if (first.kind == OpKind::kFusedGemm && first.fused.release_flags >= 0)
         for (int32_t b = 0; b < first.fused.rows.count(); ++b)
           new_flags_.insert({r, first.fused.release_flags + b});
+      if (first.kind == OpKind::kAllReduce) {
+        // The one-launch all-reduce: a kernel that completes once every rank launched its own
+        // (it waits for every peer's flags), a rendezvous like an NCCL group with every peer.
+        Launched group;
+        group.rank = r;
+        group.stream = first.stream;
+        for (int32_t peer = 0; peer < me.program.problem.nranks; ++peer) {
+          if (peer == r) continue;
+          group.sends.emplace_back(r, peer, kAllReduceTag);
+          group.recvs.emplace_back(peer, r, kAllReduceTag);
+          new_sends_.emplace(r, peer, kAllReduceTag);
+          new_recvs_.emplace(peer, r, kAllReduceTag);
+        }
+        me.in_flight[static_cast<size_t>(first.stream)] = true;
+        launched_.push_back(std::move(group));
+      }
       if (IsNccl(first.kind)) {
         Launched group;
         group.rank = r;
@@ -162,7 +179,7 @@ class Play {
       for (size_t s = 0; s < me.queues.size(); ++s) {
         if (me.queues[s].empty() && !me.in_flight[s]) continue;
         std::string what = me.in_flight[s]
-                               ? "an NCCL group its peers never match"
+                               ? "an NCCL group or AllReduce its peers never match"
                                : ToString(me.program.ops[static_cast<size_t>(
                                      me.units[static_cast<size_t>(me.queues[s].front())].begin)]);
         where += "; rank " + std::to_string(r) + " stream " + std::to_string(s) + ": " + what;

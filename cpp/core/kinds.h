@@ -91,10 +91,25 @@ namespace jo {
 // multicast, is load-reduced by every rank), which sums all of them itself:
 // (N-1) partials per rank, but one round of transfers, whatever N — the
 // latency bound, for small calls. Rows need not split into N blocks.
-// X(enum, id, name)
-#define JO_AR_ALGORITHMS(X)  \
-  X(kTwoShot, 0, "two_shot") \
-  X(kOneShot, 1, "one_shot")
+//
+// The kernel algorithms do the same in ONE kernel launch after the GEMM (the
+// AllReduce op; docs/gpu-internals.md §7): its flags and sequence numbers live
+// on the device, so the call can be captured into a CUDA graph and replayed.
+// One-shot kernel: every rank's partial to every rank (p2p pushes, or
+// multicast's load-reduce); two-shot kernel: a reduce-scatter and an
+// all-gather of N slices of y inside the kernel. Rows need not split (the
+// kernel splits y's elements); only over transports with peer memory (not
+// kMessages).
+// X(enum, id, name, splits_rows, kernel)
+//   splits_rows  x's rows split into N blocks (the two-shot ring's canonical
+//                problem: rows divisible by N); else every rank has them all
+//   kernel       one kernel launch with device-side sequence numbers (an
+//                AllReduce op): the call replays
+#define JO_AR_ALGORITHMS(X)                            \
+  X(kTwoShot, 0, "two_shot", true, false)              \
+  X(kOneShot, 1, "one_shot", false, false)             \
+  X(kOneShotKernel, 2, "one_shot_kernel", false, true) \
+  X(kTwoShotKernel, 3, "two_shot_kernel", false, true)
 
 // ---- what the lists generate ----------------------------------------------
 
@@ -172,6 +187,7 @@ struct DTypeRow {
 struct ArAlgorithmRow {
   ArAlgorithm algorithm;
   const char* name;
+  bool splits_rows, kernel;
 };
 
 #define JO_OP_ROW(e, id, name, collective, communicates, rows, fused, gathered, one_shot, ...) \
@@ -187,7 +203,8 @@ inline constexpr TransportRow kTransports[] = {JO_TRANSPORTS(JO_TRANSPORT_ROW)};
   {DType::e, name, short_name, bytes, fp8, out, fused},
 inline constexpr DTypeRow kDTypes[] = {JO_DTYPES(JO_DTYPE_ROW)};
 #undef JO_DTYPE_ROW
-#define JO_AR_ALGORITHM_ROW(e, id, name) {ArAlgorithm::e, name},
+#define JO_AR_ALGORITHM_ROW(e, id, name, splits_rows, kernel) \
+  {ArAlgorithm::e, name, splits_rows, kernel},
 inline constexpr ArAlgorithmRow kArAlgorithms[] = {JO_AR_ALGORITHMS(JO_AR_ALGORITHM_ROW)};
 #undef JO_AR_ALGORITHM_ROW
 
@@ -279,6 +296,7 @@ constexpr const ArAlgorithmRow* RowOf(ArAlgorithm algorithm) {
 constexpr const OpRow& Row(Collective op) { return *RowOf(op); }
 constexpr const TransportRow& Row(Transport transport) { return *RowOf(transport); }
 constexpr const DTypeRow& Row(DType dtype) { return *RowOf(dtype); }
+constexpr const ArAlgorithmRow& Row(ArAlgorithm algorithm) { return *RowOf(algorithm); }
 
 // Names ("?" outside the table); a dtype's is the programs' short name ("bf16").
 template <typename Kind>
@@ -295,6 +313,11 @@ inline const char* DTypeName(DType dtype) {
 }
 
 inline int64_t DTypeSize(DType dtype) { return Row(dtype).bytes; }
+// Whether the algorithm splits x's rows into N blocks (the two-shot ring's).
+inline bool SplitsRows(ArAlgorithm algorithm) { return Row(algorithm).splits_rows; }
+// Whether the all-reduce is one kernel launch with device-side sequence
+// numbers (an AllReduce op): the call replays.
+inline bool OneLaunch(ArAlgorithm algorithm) { return Row(algorithm).kernel; }
 inline bool IsFp8(DType dtype) { return Row(dtype).fp8; }
 
 // Parsers: a member by its name (a dtype by JAX's name or the short one).

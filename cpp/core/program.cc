@@ -102,6 +102,8 @@ const char* OpKindName(OpKind kind) {
       return "StreamWait";
     case OpKind::kFusedGemm:
       return "FusedGemm";
+    case OpKind::kAllReduce:
+      return "AllReduce";
   }
   return "?";
 }
@@ -162,6 +164,10 @@ std::string ToString(const Op& op) {
       for (int32_t b : f.sequence) out << " " << b;
       break;
     }
+    case OpKind::kAllReduce:
+      out << "d=" << ToString(op.d) << " <- sum over ranks, " << op.batch << "x" << op.m << "x"
+          << op.n << ", one launch";
+      break;
   }
   if (op.shard >= 0) out << " shard=" << op.shard << "." << op.sub;
   out << ")";
@@ -196,8 +202,8 @@ std::string ToString(const Program& p) {
 }
 
 int64_t BlockBytes(const Program& p, const Op& op) {
-  const bool writes =
-      op.kind == OpKind::kRecv || op.kind == OpKind::kGemm || op.kind == OpKind::kFusedGemm;
+  const bool writes = op.kind == OpKind::kRecv || op.kind == OpKind::kGemm ||
+                      op.kind == OpKind::kFusedGemm || op.kind == OpKind::kAllReduce;
   const BufId buf = writes ? op.d.buf : op.a.buf;
   return op.batch * op.m * op.n * ElemBytes(p.problem, buf);
 }
@@ -212,6 +218,16 @@ int64_t RemoteBytes(const Program& p, const Op& op) {
     case OpKind::kSend:
     case OpKind::kMcStore:
       return bytes;
+    case OpKind::kAllReduce: {
+      // One-shot: the whole partial to every peer; two-shot: the peers' slices of it, then the
+      // own reduced slice to every peer (core/allreduce_layout.h; the slices of y's elements).
+      const int64_t n = p.problem.nranks;
+      if (p.problem.algorithm == ArAlgorithm::kOneShotKernel) return (n - 1) * bytes;
+      const int64_t es = ElemBytes(p.problem, op.d.buf), elems = bytes / es;
+      const int64_t r = p.problem.rank;
+      const int64_t own = elems * (r + 1) / n - elems * r / n;
+      return ((elems - own) + (n - 1) * own) * es;
+    }
     default:
       return 0;
   }

@@ -74,6 +74,8 @@ enum class OpKind : int32_t {
   kStreamWait,  // this stream waits for event `id`
   kFusedGemm,   // one persistent GEMM over every row block: d[b] = a[b] @ b, waiting or
                 // releasing per row block (Op::fused; docs/gpu-internals.md §5)
+  kAllReduce,   // d <- the sum over every rank of its d, in place, in rank order (f32, rounded
+                // once): matmul_ar's one-launch kernel algorithms (docs/gpu-internals.md §7)
 };
 const char* OpKindName(OpKind kind);
 

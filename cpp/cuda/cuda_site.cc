@@ -1,6 +1,7 @@
 #include "cuda/cuda_site.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <map>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "core/deadline.h"
+#include "core/hash.h"
 #include "core/log.h"
 #include "cuda/clique/cuda_bootstrap.h"
 #include "cuda/executor.h"
@@ -105,8 +107,22 @@ std::vector<std::pair<int32_t, int32_t>> WaitedFlags(const Program& program) {
 
 CudaSite::CudaSite(CallDesc desc, CallSite site) : desc_(std::move(desc)), site_(std::move(site)) {}
 
+namespace {
+
+// What the kernel compares with its peers' flags: the call's signature (site included), hashed
+// to 32 bits, never 0 (a zeroed flag's).
+uint32_t DeviceSignature(const std::string& signature) {
+  uint64_t h = 0x9e3779b97f4a7c15ULL;
+  for (unsigned char c : signature) h = Mix64(h ^ c);
+  const auto out = static_cast<uint32_t>(h ^ (h >> 32));
+  return out == 0 ? 1 : out;
+}
+
+}  // namespace
+
 Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCall* out) {
   JO_CHECK(PlaceCall(desc_, problem, site_.id(), caller, &out->call));
+  out->device_signature = DeviceSignature(out->call.signature);
   JO_CHECK(IssueOrder(out->call.program.problem, &out->issue));
   out->waits = WaitedFlags(out->call.program);
   JO_CHECK(PoolNeedsOf(out->call.program.problem, &out->pool_needs));
@@ -137,20 +153,34 @@ Status CudaSite::BindCall(const Caller& caller, const Problem& problem, BoundCal
 
 namespace {
 
-// The handlers are not command-buffer compatible (no FFI traits): XLA must
-// not capture them into a CUDA graph, whose replays would skip the host side
-// (epochs, the agreement check, the watchdog). Refuse rather than record.
-Status RefuseCapture(cudaStream_t stream, const char* op) {
+std::atomic<bool> g_capture_any{false};  // AllowCapturingAnyCallForTests
+
+// Whether XLA is capturing its stream into a CUDA graph (a command buffer: the handler of a
+// command-buffer compatible target runs under capture when XLA records it).
+Status Capturing(cudaStream_t stream, bool* capturing) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
   JO_CUDA_CHECK(nullptr, cudaStreamGetCaptureInfo(stream, &capture, &id));
-  if (capture == cudaStreamCaptureStatusNone) return OkStatus();
-  return Status(Code::kInvalidArgument,
-                std::string(op) +
-                    ": XLA's stream is being captured into a CUDA graph (a command buffer); "
-                    "jaxoverlap's GPU calls cannot run inside one (their host side would not "
-                    "replay). Run without command buffers for them, e.g. "
-                    "XLA_FLAGS=--xla_gpu_enable_command_buffer= (empty list)");
+  *capturing = capture != cudaStreamCaptureStatusNone;
+  return OkStatus();
+}
+
+// A program with host-side epochs baked into what it enqueues (the flag values, the workspace
+// half) must not be captured: its replays would skip the host side (epochs, the agreement
+// check, the watchdog) and reuse the epoch of the capture. Its targets are registered without
+// the command-buffer trait; should XLA capture it anyway, refuse rather than record.
+Status RefuseCapture(const char* op, const Problem& problem) {
+  return Status(
+      Code::kInvalidArgument,
+      std::string(op) + " (" + TransportName(problem.transport) +
+          (problem.op == Collective::kMatmulAr
+               ? std::string(", ") + ArAlgorithmName(problem.algorithm)
+               : std::string()) +
+          "): XLA's stream is being captured into a CUDA graph (a command buffer), "
+          "but this program's host side would not replay (docs/gpu-internals.md §7 lists what "
+          "can be replayed: matmul_ar's one_shot_kernel and two_shot_kernel). Run "
+          "without command buffers for it, e.g. XLA_FLAGS=--xla_gpu_enable_command_buffer= "
+          "(empty list)");
 }
 
 }  // namespace
@@ -164,11 +194,15 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
     }
   } leave{gate};
   const char* op = CollectiveName(problem.op);
+  const bool one_launch = OneLaunch(problem.algorithm) && problem.nranks > 1;
+  bool capturing = false;
+  JO_CHECK(Capturing(stream, &capturing));
   // Before the call takes an epoch: every rank refuses alike, the clique stays usable.
-  JO_CHECK(RefuseCapture(stream, op));
+  if (capturing && !one_launch && !g_capture_any) return RefuseCapture(op, problem);
   std::shared_ptr<const BoundCall> bound;
   JO_CHECK(
       bound_.Get(caller, [&](BoundCall* out) { return BindCall(caller, problem, out); }, &bound));
+  if (one_launch) return EnqueueOneLaunch(caller, *bound, io, stream, capturing);
   const Program& program = bound->call.program;
   CudaClique& clique = *bound->clique;
   ErrorContext ctx;
@@ -254,6 +288,97 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   if (status.code() == Code::kTimeout && Row(problem.transport).messages()) clique.AbortComms();
   return status;
 }
+
+Status CudaSite::EnqueueOneLaunch(const Caller& caller, const BoundCall& bound,
+                                  const CallBuffers& io, cudaStream_t stream, bool capturing) {
+  const Program& program = bound.call.program;
+  CudaClique& clique = *bound.clique;
+  ErrorContext ctx;
+  ctx.op = CollectiveName(program.problem.op);
+  ctx.rank = program.problem.rank;
+  ctx.clique = clique.name();
+  JO_CHECK(clique.CheckNotBroken(ctx.Describe()));
+  std::shared_ptr<const KernelArea> area;
+  RankResources* resources = nullptr;
+  std::shared_ptr<const RankPool> pool;
+  {
+    std::lock_guard<std::mutex> lock(bound.setup_mu);
+    if (!bound.area) {
+      // Set-up: an epoch of the clique (every rank's first execution of this site comes at the
+      // same place in its calls), the agreement check, and the kernel area (made once).
+      if (capturing)
+        return InvalidArgument(
+            ctx.Describe() + ": the first execution of this call on GPU " +
+            std::to_string(caller.device) +
+            " is under CUDA-graph capture, but it sets up buffers (allocation cannot be "
+            "captured); XLA runs an executable once before it captures it, so this is not "
+            "XLA's order: run the call once outside the capture first");
+      const int64_t epoch = clique.NextEpoch(ctx.rank);
+      const std::string where = ctx.Describe() + " epoch " + std::to_string(epoch);
+      Reservation reserved;
+      Status status = clique.Agree(where, ctx.rank, epoch, bound.call.signature);
+      if (status.ok())
+        status = clique.Reserve(program, CallNeeds{}, bound.pool_needs, epoch, ctx, &reserved,
+                                /*kernel_area=*/true);
+      if (!status.ok()) {
+        if (status.code() != Code::kAborted) clique.Break(status);
+        return status;
+      }
+      bound.area = reserved.area;
+      bound.resources = reserved.resources;
+      // Kept by the call: an outgrown snapshot's memory stays allocated until teardown, so the
+      // addresses a captured call baked in stay valid (clique_state.h RankPool).
+      bound.pool = reserved.pool;
+      WatchKernelArea(bound.clique, bound.area, Millis(desc_.timeout_ms));
+    }
+    area = bound.area;
+    resources = bound.resources;
+    pool = bound.pool;
+  }
+  RunArgs run;
+  run.program = &program;
+  run.order = &bound.issue;
+  run.device = static_cast<int>(caller.device);
+  run.stream = stream;
+  run.epoch = 0;  // nothing of the call depends on an epoch
+  run.gen = area->gen.get();
+  run.resources = resources;
+  run.pool = pool.get();
+  run.io = io;
+  run.ctx = ctx;
+  run.timeout = Millis(desc_.timeout_ms);
+  run.area = area.get();
+  run.signature = bound.device_signature;
+  std::unique_ptr<PreparedCall> prepared;
+  Status status = PrepareProgram(run, &prepared);
+  // A new cuBLASLt plan's warm-up runs on a stream of its own and is joined into XLA's stream:
+  // under capture that join would be a dependency on work outside the graph.
+  if (status.ok() && capturing && prepared->WarmedUp()) {
+    prepared->Abandon();
+    status = InvalidArgument(ctx.Describe() +
+                             ": a new GEMM plan (new buffer alignments) is being made while XLA "
+                             "captures this call; run it once outside the capture first");
+  }
+  // Eager: a `done` event after the call, so that teardown waits for it (never under capture:
+  // a captured event cannot be queried).
+  std::shared_ptr<const CallEvents> events;
+  if (status.ok() && !capturing) status = resources->TakeEvents(ctx, &events);
+  bool enqueued = false;
+  if (status.ok()) status = prepared->Execute({}, &enqueued);
+  if (enqueued && events) {
+    const cudaError_t recorded = cudaEventRecord(events->done, stream);
+    if (recorded == cudaSuccess) {
+      resources->SetLast(events);
+    } else if (status.ok()) {
+      status = CudaFailure(recorded, "cudaEventRecord(done)", &ctx);
+    }
+  }
+  if (enqueued && capturing) clique.NoteCaptured();
+  if (!status.ok() && status.code() != Code::kAborted) clique.Break(status);
+  return status;
+}
+
+void AllowCapturingAnyCallForTests(bool allow) { g_capture_any = allow; }
 
 std::string DescribeCudaCliques() {
   std::string out;

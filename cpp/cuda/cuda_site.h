@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,13 +64,31 @@ class CudaSite {
     bool nccl = false;
     PoolNeeds pool_needs;           // what each local rank's pool must hold (clique_state.h)
     int32_t fused_wait_flags = -1;  // a fused GEMM that waits: its first block's flag (-1: none)
+    // The kernel algorithms (one AllReduce op: docs/gpu-internals.md §7): the signature the kernel
+    // checks against its peers' (a hash of `call.signature`), and what the call's first execution
+    // on this GPU set up — the clique's kernel area, the rank's resources — once, under setup_mu.
+    uint32_t device_signature = 0;
+    mutable std::mutex setup_mu;
+    mutable std::shared_ptr<const KernelArea> area;
+    mutable RankResources* resources = nullptr;
+    mutable std::shared_ptr<const RankPool> pool;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
+  // A call of the kernel algorithms: no epoch, no agreement and no watch of its own (it would
+  // not replay): its first execution on a GPU sets it up (an epoch of the clique, as every call
+  // of a clique takes, in the same order on every rank), then every execution, eager or under
+  // capture, enqueues the GEMM and the kernel, whose sequence numbers live on the device.
+  Status EnqueueOneLaunch(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
+                          cudaStream_t stream, bool capturing);
 
   const CallDesc desc_;
   const CallSite site_;
   PerDevice<BoundCall> bound_;
 };
+
+// Tests only (the fake's misuse check of a host-side epoch baked into a graph): a capturing
+// stream is not refused for any program, so that one that does not replay can be recorded.
+void AllowCapturingAnyCallForTests(bool allow);
 
 // One line per live clique (for info()).
 std::string DescribeCudaCliques();

@@ -7,10 +7,12 @@
 #include <vector>
 
 #include "core/build.h"
+#include "core/deadline.h"
 #include "core/signature_cache.h"
 #include "cuda/base/driver.h"
 #include "cuda/fused/fused_gemm.h"
 #include "cuda/gemm/gemm.h"
+#include "cuda/kernels/allreduce_launch.h"
 #include "cuda/kernels/kernels.h"
 #include "cuda/transport/nccl_comms.h"
 
@@ -84,6 +86,7 @@ struct Step {
   void* workspace = nullptr;    // Gemm: its stream's cuBLASLt workspace (the rank's pool)
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
   size_t fused = 0;             // FusedGemm: its arguments, the Enqueuer's fused_[fused]
+  size_t allreduce = 0;         // AllReduce: its launch, the Enqueuer's allreduce_[allreduce]
   CUdeviceptr flag = 0;         // Signal, Wait
   cudaEvent_t event = nullptr;  // Record, StreamWait
   ncclComm_t comm = nullptr;    // Send, Recv (set by Execute, from the caller's lease)
@@ -124,6 +127,8 @@ class Enqueuer {
     }
     return OkStatus();
   }
+
+  bool WarmedUp() const { return warmed_; }
 
   void Abandon() {
     if (warmed_ && cudaSetDevice(a_.device) == cudaSuccess)
@@ -292,6 +297,8 @@ class Enqueuer {
         return OkStatus();
       case OpKind::kFusedGemm:
         return PrepareFused(op, step);
+      case OpKind::kAllReduce:
+        return PrepareAllReduceOp(op, step);
       case OpKind::kSend:
       case OpKind::kRecv: {
         const bool send = op.kind == OpKind::kSend;
@@ -406,8 +413,7 @@ class Enqueuer {
       f.wait_flags =
           reinterpret_cast<const uint32_t*>(a_.gen->Flag(rank, a_.epoch, blocks.wait_flags, rank));
       f.ready_shard = blocks.ready_shard;
-      f.timeout_ns =
-          2 * std::chrono::duration_cast<std::chrono::nanoseconds>(a_.timeout).count() + 1000000000;
+      f.timeout_ns = 2 * TimeoutNs(a_.timeout) + 1000000000;  // saturated: cannot overflow
       f.fault = reinterpret_cast<FusedGemmFault*>(state);
     }
     if (blocks.release_flags >= 0) {
@@ -428,6 +434,35 @@ class Enqueuer {
     f.kernel = FusedKernelFor(major, minor);
     JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
     return PrepareFusedGemm(f.dtype, f.kernel, a_.ctx);
+  }
+
+  // The one-launch all-reduce: every address from the clique's fixed kernel area, half 0 (the
+  // kernel picks the half of its sequence number), so what is enqueued is the same every call.
+  Status PrepareAllReduceOp(const Op& op, Step* step) {
+    const Problem& q = p_.problem;
+    const KernelArea* area = a_.area;
+    JO_ASSERT(area != nullptr && area->gen != nullptr &&
+              area->faults.size() == static_cast<size_t>(q.nranks) &&
+              area->faults[static_cast<size_t>(q.rank)] != nullptr);
+    AllReduceCall call;
+    call.dtype = BufDType(q, op.d.buf);
+    call.multicast = q.transport == Transport::kMulticast;
+    call.two_shot = q.algorithm == ArAlgorithm::kTwoShotKernel;
+    call.nranks = q.nranks;
+    call.rank = q.rank;
+    call.y = Resolve(op.d);
+    call.bytes = BlockBytes(p_, op);
+    for (int32_t j = 0; j < q.nranks; ++j) {
+      call.area.push_back(call.multicast && j != q.rank ? nullptr
+                                                        : area->gen->Workspace(j, 0, q.rank));
+      call.state.push_back(reinterpret_cast<uint32_t*>(area->gen->Flag(j, 0, 0, q.rank)));
+    }
+    call.mc = area->gen->MulticastAddress(0);
+    call.fault = static_cast<kernel::ar::Fault*>(area->faults[static_cast<size_t>(q.rank)]->ptr);
+    call.signature = a_.signature;
+    call.timeout_ns = TimeoutNs(a_.timeout);  // saturated (inf: 2^62 ms)
+    step->allreduce = allreduce_.size();
+    return PrepareAllReduce(call, a_.device, a_.ctx, &allreduce_.emplace_back());
   }
 
   Status Exec(const Op& op, const Step& step) {
@@ -476,6 +511,8 @@ class Enqueuer {
           JO_CUDA_CHECK(ctx_, cudaMemsetAsync(fused.fault, 0, sizeof(FusedGemmFault), step.stream));
         return LaunchFusedGemm(fused, step.stream, a_.ctx);
       }
+      case OpKind::kAllReduce:
+        return LaunchAllReduce(allreduce_[step.allreduce], step.stream, a_.ctx);
       case OpKind::kSend:
       case OpKind::kRecv:
         break;  // issued as groups
@@ -583,6 +620,7 @@ class Enqueuer {
   unsigned wait_flags_ = CU_STREAM_WAIT_VALUE_GEQ;  // WaitValueFlags of the device
   std::vector<Step> steps_;
   std::vector<FusedGemmArgs> fused_;  // the FusedGemm steps' (not in Step: 520-byte tile orders)
+  std::vector<PreparedAllReduce> allreduce_;  // the AllReduce steps
   bool warmed_ = false;     // a new cuBLASLt plan ran its warm-up in Prepare: join it first
   bool has_fused_ = false;  // the program has a FusedGemm
 };
@@ -595,6 +633,8 @@ Status PreparedCall::Execute(const std::vector<ncclComm_t>& comms, bool* enqueue
 }
 
 void PreparedCall::Abandon() { enqueuer_->Abandon(); }
+
+bool PreparedCall::WarmedUp() const { return enqueuer_->WarmedUp(); }
 
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
   auto enqueuer = std::make_unique<Enqueuer>(args);

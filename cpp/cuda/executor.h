@@ -14,6 +14,8 @@
 //   Record      cudaEventRecord          StreamWait   cudaStreamWaitEvent
 //   FusedGemm   the persistent CUTLASS GEMM (fused_gemm.h; compute capability 9.0 only:
 //               refused at prepare elsewhere), its tiles waiting for or releasing flags
+//   AllReduce   the one-launch all-reduce kernel (kernels/allreduce_launch.h) on the clique's
+//               fixed kernel area: no epoch in what it enqueues
 // Program stream 0 is XLA's stream; streams 1.. are the rank's own
 // (high-priority, non-blocking). They are forked from XLA's stream with an
 // event at the start and joined back into it at the end, so XLA sees one
@@ -77,6 +79,10 @@ struct RunArgs {
   // its share of the SMs, so that every rank's can run at once, as each would on a GPU of its
   // own (one that held every SM would wait for flags that the others, unable to start, raise).
   int32_t device_share = 1;
+  // AllReduce: the clique's kernel area and the call's signature (what every rank's call must
+  // agree on, checked on the device).
+  const KernelArea* area = nullptr;
+  uint32_t signature = 0;
 };
 
 class Enqueuer;
@@ -103,6 +109,10 @@ class PreparedCall {
   // (new cuBLASLt plans' warm-ups, on a private stream) is still ordered before XLA's next op,
   // as all work a handler starts is (best effort).
   void Abandon();
+
+  // Whether preparing started a new cuBLASLt plan's warm-up, which Execute joins into XLA's
+  // stream first.
+  bool WarmedUp() const;
 
  private:
   friend Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out);

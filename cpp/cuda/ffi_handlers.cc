@@ -4,9 +4,16 @@
 // table from its device ordinal; the scale operands stay on the device:
 // cuBLASLt reads them).
 // instantiate makes the call site's state (a CudaSite); execute decodes and
-// checks the operands and enqueues the call on XLA's stream. Not
-// command-buffer compatible (no traits): a call must never be captured and
-// replayed without its host side. Nothing throws across this boundary.
+// checks the operands and enqueues the call on XLA's stream. Nothing throws
+// across this boundary.
+//
+// Two execute handlers, the same code: one without traits, for the programs
+// whose host side must run at every call (host-side epochs in what they
+// enqueue: a replay would reuse the epoch of the capture), and one
+// command-buffer compatible (XLA FFI's kCmdBufferCompatible, compiled into the
+// handler: XLA reads it from the handler's metadata), for the programs that
+// replay: matmul_ar's kernel algorithms, whose flags and sequence numbers live
+// on the device (docs/gpu-internals.md §7). The lowering picks the target.
 #include "cuda/ffi_handlers.h"
 
 #include <cuda_runtime_api.h>
@@ -62,9 +69,30 @@ XLA_FFI_DEFINE_HANDLER(kInstantiate, ffi_call::Instantiate<CudaSite>, ffi_call::
 XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
                        ffi_call::BindResults(ffi_call::BindOperands<CudaSite>(
                            ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())));
+XLA_FFI_DEFINE_HANDLER(kExecuteReplayable, Execute,
+                       ffi_call::BindResults(ffi_call::BindOperands<CudaSite>(
+                           ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_Error* InstantiateHandler(XLA_FFI_CallFrame* frame) { return kInstantiate(frame); }
 XLA_FFI_Error* ExecuteHandler(XLA_FFI_CallFrame* frame) { return kExecute(frame); }
+XLA_FFI_Error* ExecuteReplayableHandler(XLA_FFI_CallFrame* frame) {
+  return kExecuteReplayable(frame);
+}
+
+uint32_t HandlerTraits(XLA_FFI_Handler* handler) {
+  XLA_FFI_Metadata metadata{};
+  metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension extension{};
+  extension.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  extension.extension_base.type = XLA_FFI_Extension_Metadata;
+  extension.metadata = &metadata;
+  XLA_FFI_CallFrame frame{};
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.extension_start = &extension.extension_base;
+  if (handler(&frame) != nullptr) return ~0u;  // cannot happen with these struct sizes
+  return metadata.traits;
+}
 void* SiteTypeId() { return &SiteState::id; }
 const void* SiteTypeInfo() { return &SiteState::type_info; }
 

@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "cuda/base/device_memory.h"
 #include "cuda/base/driver.h"
+#include "cuda/kernels/allreduce_body.h"
 
 namespace jo::cuda {
 namespace {
@@ -21,6 +22,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(20);
 constexpr auto kFlagRead = std::chrono::milliseconds(500);  // bound on reading the flags
+
+// A clique to break, found under the lock, broken after it.
+struct Breaking {
+  std::shared_ptr<CudaClique> clique;
+  std::string text;
+};
 
 struct Entry {
   std::deque<WatchedCall> calls;  // pending, oldest first
@@ -46,6 +53,16 @@ class Watchdog {
                  std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(mu_);
     aborts_.push_back({std::move(comms), std::move(clique), Now() + timeout, timeout});
+    StartThread();
+    cv_.notify_all();
+  }
+
+  void AddArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
+               std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const WatchedArea& w : areas_)
+      if (!w.area.owner_before(area) && !area.owner_before(w.area)) return;
+    areas_.push_back({std::move(clique), std::move(area), timeout});
     StartThread();
     cv_.notify_all();
   }
@@ -108,7 +125,9 @@ class Watchdog {
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return !entries_.empty() || !aborts_.empty() || !faults_.empty(); });
+      cv_.wait(lock, [&] {
+        return !entries_.empty() || !aborts_.empty() || !faults_.empty() || !areas_.empty();
+      });
       Pass(lock);
       cv_.wait_for(lock, kPoll);
     }
@@ -138,6 +157,75 @@ class Watchdog {
     }
   }
 
+  // The kernel areas' fault records (host memory the kernels write: read, never waited for).
+  // Each rank's fault is reported once (a rank that gave up makes its peers give up too: each
+  // says why); the area is watched until every rank of this process has reported.
+  void PassAreas(std::vector<std::shared_ptr<const void>>* held, std::vector<Breaking>* breaks) {
+    for (auto it = areas_.begin(); it != areas_.end();) {
+      std::shared_ptr<CudaClique> clique = it->clique.lock();
+      std::shared_ptr<const KernelArea> area = it->area.lock();
+      if (!clique || !area) {
+        it = areas_.erase(it);
+        continue;
+      }
+      held->push_back(clique);
+      held->push_back(area);
+      it->reported.resize(area->faults.size(), false);
+      bool all = true;
+      for (size_t r = 0; r < area->faults.size(); ++r) {
+        if (area->faults[r] == nullptr || it->reported[r]) continue;
+        std::string text =
+            DescribeFault(*clique, static_cast<int32_t>(r), area->faults[r]->ptr, it->timeout);
+        if (text.empty()) {
+          all = false;
+          continue;
+        }
+        it->reported[r] = true;
+        breaks->push_back({clique, std::move(text)});
+      }
+      it = all ? areas_.erase(it) : it + 1;
+    }
+  }
+
+  static std::string DescribeFault(const CudaClique& clique, int32_t rank, const void* record,
+                                   std::chrono::milliseconds timeout) {
+    const auto* words = static_cast<const volatile uint32_t*>(record);
+    const uint32_t code = words[0];
+    if (code == 0) return "";
+    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before it
+    kernel::ar::Fault f{};
+    f.code = code;
+    f.round = words[1], f.block = words[2], f.writer = words[3];
+    f.seq = words[4], f.seen = words[5], f.signature = words[6], f.seen_signature = words[7];
+    const size_t w = f.writer;
+    const bool elsewhere = w < clique.devices().size() && clique.devices()[w] < 0;
+    std::string text = "matmul_ar one-launch all-reduce, rank " + std::to_string(rank) + " (" +
+                       clique.name() + "), call " + std::to_string(f.seq) +
+                       " of the kernel, block " + std::to_string(f.block) + ", round " +
+                       std::to_string(f.round) + ": ";
+    const std::string who =
+        "rank " + std::to_string(f.writer) +
+        (elsewhere ? " (process " + std::to_string(clique.processes()[w]) + ")" : "");
+    if (f.code == static_cast<uint32_t>(kernel::ar::FaultCode::kDisagree)) {
+      text += "ranks disagree: " + who +
+              " made a different call at the same point, or split y differently (signature " +
+              std::to_string(f.seen_signature) + ", here " + std::to_string(f.signature) + ")";
+    } else if (f.code == static_cast<uint32_t>(kernel::ar::FaultCode::kPeerBroken)) {
+      text += who + " gave up (its flag says so, at call " + std::to_string(f.seen) +
+              "): its data are invalid, so this rank gave up too";
+    } else {
+      char seconds[32];
+      std::snprintf(seconds, sizeof(seconds), "%.1f",
+                    std::chrono::duration<double>(timeout).count());
+      text += "the flag from " + who + " did not reach this call within " + seconds +
+              " s (it is at " + std::to_string(f.seen) +
+              "): the peer did not arrive (ranks disagree on the calls, or a peer failed)";
+    }
+    return text +
+           ". The kernel gave up; its results and every later one-launch all-reduce's on "
+           "this rank are invalid; the clique is broken.";
+  }
+
   // One look at every rank's oldest pending call: done ones are dropped, late ones fired; at the
   // fault records of fired fused calls now done; and at the aborts started. The calls to look at
   // are taken under mu_ and queried without it (a CUDA query may block, and every handler's Watch
@@ -147,6 +235,16 @@ class Watchdog {
   void Pass(std::unique_lock<std::mutex>& lock) {
     std::vector<std::shared_ptr<const void>> held;
     PassAborts(&held);
+    std::vector<Breaking> breaks;
+    PassAreas(&held, &breaks);
+    if (!breaks.empty()) {
+      lock.unlock();
+      for (const Breaking& b : breaks) {
+        JO_WARN(b.text);
+        b.clique->Break(Status(Code::kTimeout, b.text));
+      }
+      lock.lock();
+    }
     struct Look {
       Key key;
       WatchedCall call;
@@ -438,6 +536,13 @@ class Watchdog {
     std::chrono::milliseconds timeout;
   };
   std::vector<WatchedAborts> aborts_;
+  struct WatchedArea {
+    std::weak_ptr<CudaClique> clique;
+    std::weak_ptr<const KernelArea> area;
+    std::chrono::milliseconds timeout;
+    std::vector<bool> reported = {};  // per rank: its fault was reported
+  };
+  std::vector<WatchedArea> areas_;
   // Fired calls with a fused GEMM whose fault record is to be read once they are done.
   struct Fault {
     WatchedCall call;
@@ -459,6 +564,11 @@ Watchdog& Instance() {
 }  // namespace
 
 void Watch(WatchedCall call) { Instance().Add(std::move(call)); }
+
+void WatchKernelArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
+                     std::chrono::milliseconds timeout) {
+  Instance().AddArea(std::move(clique), std::move(area), timeout);
+}
 
 void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
                  std::chrono::milliseconds timeout) {

@@ -89,6 +89,15 @@ void Watch(WatchedCall call);
 void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
                  std::chrono::milliseconds timeout);
 
+// The one-launch all-reduce (docs/gpu-internals.md §7) has no call of its own to watch (a replayed
+// call runs no host code): its kernel bounds its waits itself and records why it gave up in the
+// clique's kernel area (a fault record per local rank, page-locked host memory). The watchdog
+// reads those records on every pass while the clique lives (plain host reads: nothing
+// enqueued); the first fault found is reported with JO_WARN and breaks the clique. Registering
+// an area again is a no-op.
+void WatchKernelArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
+                     std::chrono::milliseconds timeout);
+
 // For info() and tests: number of ranks with pending calls.
 int PendingWatches();
 

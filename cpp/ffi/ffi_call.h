@@ -165,6 +165,11 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
                             return r.algorithm == ArAlgorithm::kTwoShot || op_row->one_shot;
                           }) +
                " for " + op + ", got " + std::to_string(a.algorithm));
+  if (OneLaunch(algorithm_row->algorithm) && transport_row->messages())
+    return bad("attribute algorithm " + std::to_string(a.algorithm) + " (" + algorithm_row->name +
+               ": one kernel writing into its peers' memory) expects transport " +
+               kinds::Names(kTransports, [](const TransportRow& r) { return !r.messages(); }) +
+               ", not " + transport_row->name);
   if (a.fused && (!op_row->fused || !transport_row->fused))
     return bad("attribute fused applies to " +
                kinds::Names(

@@ -217,6 +217,8 @@ class Run {
       }
       case OpKind::kFusedGemm:
         return FusedGemm(op);
+      case OpKind::kAllReduce:
+        return AllReduce(op);
       case OpKind::kSignal:
         return clique_.Signal(ctx_, op.peer, op.id);
       case OpKind::kWait:
@@ -357,6 +359,37 @@ class Run {
       if (f.release_flags >= 0)
         JO_CHECK(clique_.Signal(ctx_, p_.problem.rank, f.release_flags + b));
     }
+    return OkStatus();
+  }
+
+  // The one-launch all-reduce's semantics (docs/gpu-internals.md §7): y to every peer's workspace
+  // slot of this rank, a flag to each, every peer's flag, then y = the N ranks' partials summed in
+  // rank order in f32, rounded once (the p2p kernel's order; multicast's load-reduce sums in
+  // f32 too, in the switch's order).
+  Status AllReduce(const Op& op) {
+    const Problem& q = p_.problem;
+    const int32_t r = q.rank, n = q.nranks;
+    const DType dt = BufDType(q, op.d.buf);
+    const int64_t elems = op.batch * op.m * op.n;
+    const size_t bytes = static_cast<size_t>(elems * ElemBytes(q, op.d.buf));
+    std::byte* y = Resolve(op.d);
+    JO_ASSERT(y != nullptr);
+    const auto slot = [&](int32_t owner, int32_t writer) {
+      return clique_.Workspace(owner, epoch_) + writer * bytes;
+    };
+    for (int32_t k = 1; k < n; ++k) {
+      const int32_t peer = (r + k) % n;
+      std::memcpy(slot(peer, r), y, bytes);
+      JO_CHECK(clique_.Signal(ctx_, peer, r));
+    }
+    for (int32_t k = 1; k < n; ++k) JO_CHECK(clique_.WaitFlag(ctx_, (r + k) % n, (r + k) % n));
+    MarkReady(op.stream);
+    std::vector<float> sum(static_cast<size_t>(elems), 0.0f);
+    for (int32_t j = 0; j < n; ++j) {
+      const std::byte* part = j == r ? y : slot(r, j);
+      for (int64_t i = 0; i < elems; ++i) sum[static_cast<size_t>(i)] += LoadElement(dt, part, i);
+    }
+    for (int64_t i = 0; i < elems; ++i) StoreElement(dt, y, i, sum[static_cast<size_t>(i)]);
     return OkStatus();
   }
 

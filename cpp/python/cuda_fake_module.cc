@@ -79,6 +79,9 @@ void BindConfig(nb::module_& m) {
         "The fatbinary's variants per kernel family; None: this build's.");
   field("fused_flag_shift", &Config::fused_flag_shift,
         "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
+  field("allreduce_misuse", &Config::allreduce_misuse,
+        "Tests: the one-launch all-reduce's phases run wrongly: 'release_early' or "
+        "'read_early' (fake_allreduce.cc); 'rank0_gives_up': rank 0's waits time out at once.");
   cls.def(
       "__init__",
       [setters](Config* self, nb::kwargs kwargs) {
@@ -138,6 +141,19 @@ void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
     field("timeout_ms", &Played::timeout_ms);
     field("capture", &Played::capture);
     field("hold_ms", &Played::hold_ms);
+    field("replays", &Played::replays);
+    (*s)["replay_xs"] = [](Played& p, nb::handle value) {
+      for (nb::handle per_rank : value) {
+        std::vector<std::string>& replay = p.replay_xs.emplace_back();
+        for (nb::handle b : per_rank) {
+          const nb::bytes data = nb::cast<nb::bytes>(b);
+          replay.emplace_back(data.c_str(), data.size());
+        }
+      }
+    };
+    field("replay_late_rank", &Played::replay_late_rank);
+    field("y_offsets", &Played::y_offsets);
+    field("capture_any", &Played::capture_any);
     field("late_rank", &Played::late_rank);
     field("late_from", &Played::late_from);
     return s;
@@ -191,6 +207,14 @@ nb::dict Run(const nb::dict& problem, const nb::kwargs& kwargs) {
   out["x_gathered"] = gs;
   out["statuses"] = st;
   out["drained"] = outcome.drained;
+  nb::list replay_ys;
+  for (const auto& per_rank : outcome.replay_ys) {
+    nb::list one;
+    for (const std::string& y : per_rank) one.append(nb::bytes(y.data(), y.size()));
+    replay_ys.append(one);
+  }
+  out["replay_ys"] = replay_ys;
+  out["replay_drained"] = outcome.replay_drained;
   return out;
 }
 
@@ -330,7 +354,11 @@ NB_MODULE(_cuda_fake, m) {
         "of a call site of its own; none: one site shared by every rank); calls, "
         "chunks_per_call (per call, its chunks: a call site per number of chunks); skew_rank, "
         "skip_rank, timeout_ms, capture, hold_ms; late_rank (that rank starts each call from "
-        "late_from on only once the others have returned from it).");
+        "late_from on only once the others have returned from it); capture: then each rank's "
+        "thread captures one more call into a graph, launched `replays` times (replay_xs[i]: x "
+        "per rank before replay i; replay_late_rank: launched once the others ran as far as "
+        "they can; capture_any: record a program that does not replay); y_offsets (per rank: "
+        "y that many bytes into its allocation) -> replay_ys, replay_drained.");
   m.def("fp8_tensor_core", &Fp8TensorCore, nb::arg("arch"),
         "The FP8 accumulator the fake models for compute capability `arch` (10 * major + "
         "minor): block, fraction_bits, promotion (cpp/cuda/fake/fp8_accumulator.h).");

@@ -32,16 +32,39 @@ namespace {
 
 using jo::python::Encapsulate;
 
-// name -> {stage: capsule} (platform CUDA); every target runs the same handler
-// (the `op` attribute tells the ops apart).
+// The targets (platform CUDA) and their execute handlers: one per op of the
+// table, each running the same code (the `op` attribute tells the ops apart),
+// and jaxoverlap_cuda_replayable, whose handler is command-buffer compatible,
+// for the programs that replay (ffi_handlers.cc).
+struct Target {
+  std::string name;
+  XLA_FFI_Handler* execute;
+};
+std::vector<Target> Targets() {
+  std::vector<Target> out;
+  for (const jo::OpRow& row : jo::kOps)
+    out.push_back({std::string("jaxoverlap_cuda_") + row.name, jo::cuda::ExecuteHandler});
+  out.push_back({"jaxoverlap_cuda_replayable", jo::cuda::ExecuteReplayableHandler});
+  return out;
+}
+
+// name -> {stage: capsule}.
 nb::dict Registrations() {
   nb::dict out;
-  for (const jo::OpRow& row : jo::kOps) {
+  for (const Target& target : Targets()) {
     nb::dict stages;
     stages["instantiate"] = Encapsulate(jo::cuda::InstantiateHandler);
-    stages["execute"] = Encapsulate(jo::cuda::ExecuteHandler);
-    out[(std::string("jaxoverlap_cuda_") + row.name).c_str()] = stages;
+    stages["execute"] = Encapsulate(target.execute);
+    out[target.name.c_str()] = stages;
   }
+  return out;
+}
+
+// name -> the traits its execute handler reports to XLA (its metadata).
+nb::dict HandlerTraits() {
+  nb::dict out;
+  for (const Target& target : Targets())
+    out[target.name.c_str()] = jo::cuda::HandlerTraits(target.execute);
   return out;
 }
 
@@ -189,6 +212,9 @@ NB_MODULE(_cuda, m) {
   m.def("registrations", &Registrations,
         "FFI target name -> {stage: handler capsule} (platform CUDA).");
   m.def("types", &Types, "FFI type name -> {'type_id', 'type_info'} capsules (platform CUDA).");
+  m.def("handler_traits", &HandlerTraits,
+        "FFI target name -> the traits its execute handler reports to XLA (1: command-buffer "
+        "compatible).");
   m.def("capabilities", &Capabilities,
         "GPUs, driver/runtime/NCCL/cuBLAS versions, peer access, multicast (never raises).");
   m.def("set_process_index", &jo::SetProcessIndex, nb::arg("index"),

@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/allreduce_layout.h"
 #include "core/build.h"
 #include "core/check_program.h"
 #include "core/deadline.h"
@@ -193,7 +194,8 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   const bool has_a = gemm || op.kind == jo::OpKind::kAdd || op.kind == jo::OpKind::kCopy ||
                      op.kind == jo::OpKind::kSend || op.kind == jo::OpKind::kMcStore ||
                      op.kind == jo::OpKind::kMcReduce;
-  const bool has_d = has_a ? op.kind != jo::OpKind::kSend : op.kind == jo::OpKind::kRecv;
+  const bool has_d = has_a ? op.kind != jo::OpKind::kSend
+                           : op.kind == jo::OpKind::kRecv || op.kind == jo::OpKind::kAllReduce;
   d["a"] = has_a ? nb::object(RefDict(op.a)) : nb::none();
   d["b"] = gemm ? nb::object(RefDict(op.b)) : nb::none();
   d["c"] = op.accumulate ? nb::object(RefDict(op.c)) : nb::none();
@@ -293,7 +295,7 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     jo::Op op;
     const std::string kind = nb::cast<std::string>(o["kind"]);
     bool known = false;
-    for (int k = 0; k <= static_cast<int>(jo::OpKind::kFusedGemm); ++k)
+    for (int k = 0; k <= static_cast<int>(jo::OpKind::kAllReduce); ++k)
       if (kind == jo::OpKindName(static_cast<jo::OpKind>(k)))
         op.kind = static_cast<jo::OpKind>(k), known = true;
     if (!known) throw nb::value_error(("unknown op kind '" + kind + "'").c_str());
@@ -499,6 +501,19 @@ NB_MODULE(_host, m) {
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
         "output columns (w's); dtype: x's (a name of the kinds' dtypes: kinds()), w_dtype and "
         "out_dtype default to it.");
+  m.def(
+      "allreduce_fits",
+      [](const std::string& transport, const std::string& algorithm, int nranks, int64_t bytes) {
+        const jo::Transport t = jo::python::ParseTransportArg("transport", transport);
+        const jo::ArAlgorithm a = jo::python::ParseAlgorithmArg("algorithm", algorithm);
+        return jo::OneLaunch(a) && !jo::Row(t).messages() &&
+               jo::allreduce::Fits(t == jo::Transport::kMulticast,
+                                   a == jo::ArAlgorithm::kTwoShotKernel, nranks, bytes);
+      },
+      nb::arg("transport"), nb::arg("algorithm"), nb::arg("nranks"), nb::arg("bytes"),
+      "Whether a one-launch all-reduce (a kernel algorithm over a transport with peer memory) "
+      "of y's `bytes` over `nranks` ranks fits the kernel's area (core/allreduce_layout.h): "
+      "the plan offers the kernel algorithms only then.");
   m.def("check_program", &CheckProgramDict, nb::arg("program"),
         "Checks a program dict (as build_program returns it): every operand inside its buffer, "
         "every peer, flag, event and stream in range; raises ValueError naming the op.");

@@ -86,6 +86,8 @@ nb::dict KindsDict(const OpRow (&op_rows)[NOps], const TransportRow (&transport_
     nb::dict d;
     d["id"] = static_cast<int>(r.algorithm);
     d["name"] = r.name;
+    d["splits_rows"] = r.splits_rows;
+    d["kernel"] = r.kernel;
     algorithms.append(d);
   }
   nb::dict out;

@@ -117,7 +117,11 @@ std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& tran
                                   int32_t nranks, int32_t rank, int64_t rows, int64_t chunks,
                                   bool bidirectional, bool return_gathered, bool fused) {
   jo::Problem q;
-  q.op = jo::python::ParseOpArg("op", op);
+  // "matmul_ar/<algorithm>": matmul_ar with that algorithm.
+  const size_t slash = op.find('/');
+  q.op = jo::python::ParseOpArg("op", op.substr(0, slash));
+  if (slash != std::string::npos)
+    q.algorithm = jo::python::ParseAlgorithmArg("algorithm", op.substr(slash + 1));
   q.transport = jo::python::ParseTransportArg("transport", transport);
   q.nranks = nranks;
   q.rank = rank;
@@ -143,7 +147,8 @@ void BindFusedTiles(nb::module_& m) {
   m.def("issue_order", &IssueOrderOf, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
         nb::arg("rank"), nb::arg("rows"), nb::arg("chunks"), nb::arg("bidirectional"),
         nb::arg("return_gathered"), nb::arg("fused"),
-        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8): the index of "
+        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8; op "
+        "'matmul_ar/<algorithm>' for matmul_ar): the index of "
         "each unit's first op in the program (build_program's), in issue order.");
   m.def("fused_grid", &Grid, nb::arg("m_tiles"), nb::arg("n_tiles"), nb::arg("batch"),
         nb::arg("sm_count"),

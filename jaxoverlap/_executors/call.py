@@ -5,8 +5,9 @@ where it knows that mesh (global arrays), else by the native primitive's lowerin
 always does. Everything downstream — the bootstrap of cliques spanning processes, the custom
 call's attributes, the C++ handler's placement — reads this record and nothing else. The
 transport is decided here, once per call: ``transport="auto"`` becomes a transport through the
-one rule (``capabilities.resolve_transport``), and whether the call runs the fused GEMM follows
-from it (the plan asks; the transport must be one the fused GEMM runs with).
+one rule (``capabilities.resolve_transport``), and whether the call runs the fused GEMM, or
+matmul_ar's one-launch kernel, follows from it (the plan asks; the transport must be one the
+kernel runs with).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from jaxoverlap._executors import capabilities
 from jaxoverlap._fused_gemm import FUSED_TRANSPORTS
+from jaxoverlap._one_launch import KERNEL_ALGORITHMS, KERNEL_TRANSPORTS, without_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,15 @@ class NativeCall:
     # Runs the fused GEMM (one persistent GEMM waiting on per-block flags,
     # docs/gpu-internals.md §5).
     fused: bool = False
+    # matmul_ar's algorithm as the call runs it: a kernel algorithm (docs/gpu-internals.md §7)
+    # only over a transport the kernel runs with, else the one-shot program of separate ops.
+    algorithm: str = "two_shot"
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the call may be captured into a command buffer and replayed (docs/gpu.md
+        §12): its handler is then the command-buffer compatible one."""
+        return self.algorithm in KERNEL_ALGORITHMS
 
     def groups(self) -> list[tuple[Rank, ...]]:
         """The cliques: one per group of the other mesh axes, ranks in axis order."""
@@ -61,10 +72,12 @@ class NativeCall:
 
 
 def describe(mesh, axis_name: str, platform: str, requested: str,
-             preferred: str | None, process: int, fused: bool = False) -> NativeCall:
+             preferred: str | None, process: int, fused: bool = False,
+             algorithm: str = "two_shot") -> NativeCall:
     """The call over ``axis_name`` of ``mesh`` (concrete, or abstract: no rank table), for the
     process ``process``; ``requested`` and ``preferred`` are the plan's transport and the
-    performance model's pick for ``"auto"``, ``fused`` the plan's fused GEMM.
+    performance model's pick for ``"auto"``, ``fused`` the plan's fused GEMM, ``algorithm``
+    matmul_ar's (a kernel algorithm whose transport resolves to nccl runs one-shot).
 
     A plan the model picked fused leaves the transport to the call (``auto``), which may resolve
     to nccl (a clique spanning processes): that call runs the chunked program. A fused plan
@@ -83,7 +96,9 @@ def describe(mesh, axis_name: str, platform: str, requested: str,
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     key = int.from_bytes(digest, "little", signed=True)
     return NativeCall(platform, axis_name, axis_size, table, transport, key,
-                      fused=fused and transport in FUSED_TRANSPORTS)
+                      fused=fused and transport in FUSED_TRANSPORTS,
+                      algorithm=algorithm if transport in KERNEL_TRANSPORTS
+                      else without_kernel(algorithm))
 
 
 def ranks(mesh, axis_name: str) -> tuple[Rank, ...]:

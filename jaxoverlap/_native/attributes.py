@@ -90,9 +90,11 @@ SCHEMA: tuple[Attribute, ...] = (
               lambda plan, call, x: plan.bidirectional),
     Attribute("tf32", "bool", "float32 GEMMs may use TF32 (the precision allows it; false "
               "for half types)", lambda plan, call, x: _tf32(plan, x)),
-    Attribute("algorithm", "int32_t", "matmul_ar's algorithm: its id in the kinds' table "
-              "(two-shot, 0, for the ops without one-shot)",
-              lambda plan, call, x: _kinds.AR_ALGORITHMS.index(plan.algorithm)),
+    Attribute("algorithm", "int32_t", "matmul_ar's algorithm as the call runs it (a kernel one "
+              "only over a transport with peer memory): its id in the kinds' table (two-shot, "
+              "0, for the ops without one-shot)",
+              lambda plan, call, x: _kinds.AR_ALGORITHMS.index(
+                  call.algorithm if plan.op == "matmul_ar" else plan.algorithm)),
     Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (the fused "
               "column of the ops and transports; docs/gpu-internals.md §5)",
               lambda plan, call, x: call.fused),

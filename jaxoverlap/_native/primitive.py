@@ -44,6 +44,9 @@ _TARGETS = {
     "cpu": {op.name: f"jaxoverlap_{op.name}" for op in _kinds.OPS},
     "cuda": {op.name: f"jaxoverlap_cuda_{op.name}" for op in _kinds.OPS},
 }
+# The command-buffer compatible target (cpp/cuda/ffi_handlers.cc), for calls that replay; CPU
+# has no command buffers.
+_REPLAYABLE = {"cuda": "jaxoverlap_cuda_replayable"}
 
 # ---------------------------------------------------------------- the primitive
 
@@ -126,7 +129,7 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
     if call is None or (call.platform, call.ranks) != (platform, ranks(mesh, plan.axis_name)):
         # Described once, here, unless the plan was made knowing this very mesh.
         call = describe(mesh, plan.axis_name, platform, plan.transport, plan.preferred,
-                        jax.process_index(), plan.fused)
+                        jax.process_index(), plan.fused, plan.algorithm)
     assert call.axis_size == plan.axis_size, (call.axis_size, plan.axis_size)
     runtime.register(platform)
     if call.spans_processes:
@@ -140,7 +143,9 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
             # it: XLA makes the transposed copy before the call (fused into w's producer where
             # it can), docs/gpu-internals.md §6.
             layouts = [None, (0, 1), None, None]
-    rule = jax.ffi.ffi_lowering(_TARGETS[platform][plan.op], has_side_effect=False,
+    # A call that replays (docs/gpu-internals.md §7) goes to the command-buffer compatible target.
+    target = _REPLAYABLE.get(platform) if call.replayable else None
+    rule = jax.ffi.ffi_lowering(target or _TARGETS[platform][plan.op], has_side_effect=False,
                                 operand_layouts=layouts)
     key = site_key(ctx, naming(plan, call, x_aval), (w,), (x,))
     # Its next instance in XLA belongs to a new program (cpp/core/call.h, CallSite).

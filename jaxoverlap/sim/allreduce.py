@@ -1,4 +1,5 @@
-"""One-launch all-reduce kernels (a model of kernels the executors do not run yet).
+"""One-launch all-reduce kernels (matmul_ar's one_shot_kernel / two_shot_kernel; never run on
+a GPU).
 
 A small all-reduce in one kernel launch: its flags (device-side counters) and its data movement
 inside, no host-enqueued copies or stream memory ops. What such a kernel costs, per algorithm

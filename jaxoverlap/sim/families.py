@@ -32,8 +32,8 @@ FAMILIES: dict[str, str] = {
     "matmul_rs:overlapped": "GEMM+RS whose reduction overlaps the GEMM (not built yet)",
     "matmul_ar:chunked": "GEMM+AR, two-shot: a chunked reduce-scatter ring, then an all-gather",
     "matmul_ar:one_shot": "GEMM+AR, one-shot over host-enqueued copies or stores",
-    "matmul_ar:one_launch:one_shot": "all-reduce in one kernel launch, one-shot (not built yet)",
-    "matmul_ar:one_launch:two_shot": "all-reduce in one kernel launch, two-shot (not built yet)",
+    "matmul_ar:one_launch:one_shot": "all-reduce in one kernel launch, one-shot (one_shot_kernel)",
+    "matmul_ar:one_launch:two_shot": "all-reduce in one kernel launch, two-shot (two_shot_kernel)",
 }
 
 

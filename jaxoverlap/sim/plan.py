@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import families, model, reduction
+from jaxoverlap.sim import allreduce, families, model, reduction
 from jaxoverlap.sim import fused as fused_path
 from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
@@ -68,7 +68,8 @@ class Candidate:
         if self.impl == "xla":
             return "xla (unfused)"
         bidi = " bidi" if self.bidirectional else ""
-        shot = " one-shot" if self.algorithm == "one_shot" else ""
+        shot = {"one_shot": " one-shot", "one_shot_kernel": " one-launch one-shot",
+                "two_shot_kernel": " one-launch two-shot"}.get(self.algorithm, "")
         if self.impl == "ring":
             return f"ring{shot}{bidi}"
         fused = " fused" if self.fused else ""
@@ -139,6 +140,16 @@ class SimResult:
             "t_gemm_us": round(self.t_gemm * 1e6, 1),
             "t_comm_us": round(self.t_comm * 1e6, 1),
         }
+
+
+def _kernel_fits(transport: str, algorithm: str, nranks: int, shape: Shape,
+                 dtype: str | None) -> bool:
+    """Whether a one-launch all-reduce of the call's y fits the kernel's fixed area (the
+    executors refuse the rest: ``_one_launch.fits``)."""
+    from jaxoverlap._one_launch import fits
+
+    out = _kinds.dtype(output_dtype(canonical_dtype(dtype or "bfloat16"))).bytes
+    return fits(transport, algorithm, nranks, shape.batch * shape.rows * shape.n * out)
 
 
 @functools.lru_cache(maxsize=512)
@@ -262,6 +273,11 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
                         out.append(Candidate("native", t, c, b))
             if "one_shot" in algorithms:
                 out.append(Candidate("native", t, 1, False, "one_shot"))
+            # matmul_ar's one-launch kernels: the GEMM and ONE all-reduce kernel, replayed from
+            # a command buffer (sim.allreduce, sim.launch), where y fits the kernel's area
+            out += [Candidate("native", t, 1, False, a) for a in algorithms
+                    if allreduce.base_algorithm(a) and t in allreduce.TRANSPORTS
+                    and _kernel_fits(t, a, nranks, shape, dtype)]
         for t in allowed if fused else ():
             ops = (op,) if op else fused_path.OPS
             if any(fused_path.why_not(p, o, t, dtype=dtype, k=shape.k, n=shape.n) for o in ops):

@@ -37,7 +37,7 @@ def problem(op: str, transport: str, n: int, *, batch: int = 2, rows: int = 3, k
 def x_rows(p: dict) -> int:
     """Rows of each rank's x in a problem (by its op's rows rule): the local shard, or the N
     blocks, or for a one-shot all of them."""
-    one_shot = p.get("algorithm", "two_shot") == "one_shot"
+    one_shot = not _kinds.ar_algorithm(p.get("algorithm", "two_shot")).splits_rows
     gather = _kinds.op(p["op"]).rows == "gather"
     return p["rows"] if gather or one_shot else p["rows"] * p["nranks"]
 

@@ -79,6 +79,36 @@ def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
     assert "jaxoverlap_cuda_ag_matmul" in text  # the backward of matmul_rs is an ag_matmul
 
 
+# XLA FFI's XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE (xla/ffi/api/c_api.h).
+COMMAND_BUFFER_COMPATIBLE = 1
+
+
+def test_only_the_calls_that_replay_are_command_buffer_compatible(gpu_lowering, cuda):
+    """matmul_ar's kernel algorithms lower to jaxoverlap_cuda_replayable, whose execute
+    handler reports XLA FFI's command-buffer trait in its metadata (what XLA reads when it
+    decides to capture a custom call); every other program goes to the op's own target, which
+    reports none (docs/gpu.md §6)."""
+    traits = cuda.handler_traits()
+    assert traits["jaxoverlap_cuda_replayable"] & COMMAND_BUFFER_COMPATIBLE
+    for op in _kinds.names(_kinds.OPS):
+        assert not traits[f"jaxoverlap_cuda_{op}"] & COMMAND_BUFFER_COMPATIBLE, op
+    mesh = tp_mesh(4)
+    x = jnp.ones((1, 32), jnp.bfloat16)  # a decode step: one row
+    w = jnp.ones((32, 8), jnp.bfloat16)
+    for algorithm, transport, target in (
+            ("one_shot_kernel", "p2p", "jaxoverlap_cuda_replayable"),
+            ("two_shot_kernel", "multicast", "jaxoverlap_cuda_replayable"),
+            ("one_shot", "p2p", "jaxoverlap_cuda_matmul_ar")):
+        text = _lower(jax.shard_map(
+            lambda a, b, algorithm=algorithm, transport=transport: jo.matmul_ar(
+                a, b, "tp", impl="native", transport=transport, algorithm=algorithm),
+            mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()), x, w)
+        calls = [line for line in text.splitlines() if "custom_call @jaxoverlap" in line]
+        assert len(calls) == 1 and f"@{target}(" in calls[0], (algorithm, calls)
+        ids = _kinds.AR_ALGORITHMS.index(algorithm)
+        assert f"algorithm = {ids} : i32" in calls[0], calls[0]
+
+
 def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch, cuda):
     monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8, multicast=False))
     mesh = tp_mesh(4, kind=AxisType.Explicit)

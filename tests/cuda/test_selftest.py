@@ -73,9 +73,11 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
     assert report["versions"]["jax"] and report["versions"]["jaxoverlap"]
     assert "fake" in report["topology"]
     # quick: 4 ops (ag_matmul, matmul_rs, matmul_ar two-shot and one-shot) x 3 transports,
-    # the FP8 rows: 3 ops x 3 transports of e4m3 x e4m3 -> bfloat16, and the fused GEMM's
-    # 2 ops x 2 transports (p2p, multicast) on a 9.0 and on a 10.0 (sm100 kernel) fake device
-    assert len(report["rows"]) == 29 and all(r["passed"] for r in report["rows"])
+    # the FP8 rows: 3 ops x 3 transports of e4m3 x e4m3 -> bfloat16, the fused GEMM's
+    # 2 ops x 2 transports (p2p, multicast) on a 9.0 and on a 10.0 (sm100 kernel) fake device,
+    # and matmul_ar's 2 kernel algorithms x 2 transports (p2p, multicast), captured and replayed
+    assert len(report["rows"]) == 33 and all(r["passed"] for r in report["rows"])
+    assert sum("captured, 3 replays" in r["name"] for r in report["rows"]) == 4
     assert sum("e4m3 x e4m3 -> bfloat16" in r["name"] for r in report["rows"]) == 9
     assert sum(" fused " in r["name"] for r in report["rows"]) == 8
     assert sum("fake B200 (sm_100a)" in r["name"] for r in report["rows"]) == 4
@@ -138,11 +140,11 @@ def test_selftest_report_is_written_when_a_row_hangs(tmp_path):
         import time
         from jaxoverlap import _selftest
         real, calls = _selftest._fake_row, []
-        def row(*args):
+        def row(*args, **kw):
             calls.append(args)
             if len(calls) == 2:
                 time.sleep(600)  # hangs
-            return real(*args)
+            return real(*args, **kw)
         _selftest._fake_row = row
         raise SystemExit(_selftest.main(quick=True, fake=True, report={str(path)!r},
                                         row_deadline=2.0))
@@ -158,3 +160,25 @@ def test_selftest_report_is_written_when_a_row_hangs(tmp_path):
     assert hung["row"] == second["name"] and "in row" in hung["traceback"], hung  # the sleep
     assert any("clique" in line for line in hung["cliques"]), hung
     assert report["versions"]["jaxoverlap"] and report["running"] is None
+
+
+@pytest.mark.parametrize("connections", ["1", "8"])
+def test_selftest_graph_on_the_fake_replays_every_kernel_row(capsys, monkeypatch, connections):
+    """``selftest --fake --graph`` (quick): every row whose call replays (matmul_ar's kernel
+    algorithms over p2p and multicast) captured and replayed with new inputs, each launch
+    checked; the others skipped with the reason; 1 and 8 work queues."""
+    from .conftest import require_module
+
+    require_module("_cuda_fake")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
+    assert main(quick=True, fake=True, graph=True) == 0
+    out = capsys.readouterr().out
+    for op in _selftest.KERNEL_OPS:
+        for transport in ("p2p", "multicast"):
+            assert any(line.startswith(f"  PASS  {op:9s} {transport:9s}")
+                       and "captured, 3 replays" in line for line in out.splitlines()), (op,
+                                                                                         transport)
+    assert "rows skipped: their programs do not replay yet" in out
+    assert "4/4 passed" in out and "FAIL " not in out
+    with pytest.raises(ValueError, match="add --fake"):
+        main(quick=True, graph=True)

@@ -47,13 +47,59 @@ def fused_blocks(program, op):
     return out
 
 
+def all_reduce_ops(program, op):
+    """An AllReduce (matmul_ar's kernel algorithms) as the block-level ops of its semantics on
+    the program's declared workspace (what the host executor runs): y pushed into slot `rank`
+    of every peer's workspace and the peer's flag `rank` raised; then every peer's flag; then
+    the slots summed into y. On the GPU the kernel does the same in its own area, with its
+    own flags (docs/gpu-internals.md §7)."""
+    n, r = program["nranks"], program["rank"]
+    elems = op["batch"] * op["m"] * op["n"]
+    y = {**op["d"], "ld": elems, "batch_stride": elems}  # y is dense: one run of elements
+    dense = {"batch": 1, "m": 1, "n": elems, "k": 0, "accumulate": False}
+
+    def slot(owner, writer):
+        return {"buf": "WORKSPACE", "rank": owner, "offset": writer * elems,
+                "batch_stride": elems, "ld": elems}
+
+    out = []
+    for k in range(1, n):
+        peer = (r + k) % n
+        out.append({**dense, "kind": "Copy", "stream": op["stream"], "a": y, "d": slot(peer, r),
+                    "text": f"{op['text']} push to {peer}"})
+        out.append({**dense, "kind": "Signal", "stream": op["stream"], "peer": peer, "id": r,
+                    "text": f"{op['text']} flag of {peer}"})
+    for k in range(1, n):
+        writer = (r + k) % n
+        out.append({**dense, "kind": "Wait", "stream": op["stream"], "peer": writer, "id": writer,
+                    "text": f"{op['text']} wait for {writer}"})
+    for j in range(n):
+        if j != r:
+            out.append({**dense, "kind": "Add", "stream": op["stream"], "a": slot(r, j), "d": y,
+                        "text": f"{op['text']} sum of {j}"})
+    return out
+
+
+def _expanded(program, op):
+    """The block-level ops an op stands for (a FusedGemm's, an AllReduce's), else itself."""
+    if op["kind"] == "FusedGemm":
+        return fused_blocks(program, op)
+    if op["kind"] == "AllReduce":
+        return all_reduce_ops(program, op)
+    return [op]
+
+
+def _block_ops(program):
+    """The program's ops with every AllReduce as its block-level ops (a FusedGemm kept whole:
+    its checks look at its blocks themselves)."""
+    return [part for op in program["ops"]
+            for part in (all_reduce_ops(program, op) if op["kind"] == "AllReduce" else [op])]
+
+
 def _streams(program):
     streams = [[] for _ in range(program["num_streams"])]
     for op in program["ops"]:
-        if op["kind"] == "FusedGemm":
-            streams[op["stream"]] += fused_blocks(program, op)
-        else:
-            streams[op["stream"]].append(op)
+        streams[op["stream"]] += _expanded(program, op)
     return streams
 
 
@@ -185,7 +231,8 @@ def _accesses(program, op):
 def buffer_sizes(program):
     """Elements of each buffer of one rank's call (the workspace per parity)."""
     local = program["batch"] * program["rows"]
-    one_shot = program.get("algorithm") == "one_shot"  # AR one-shot: rows are all of them
+    # AR one-shot and the kernel algorithms: the rows are all of them (not N blocks).
+    one_shot = program.get("algorithm", "two_shot") != "two_shot"
     gathered = local if one_shot else local * program["nranks"]
     rule = _kinds.op(program["op"]).rows  # gather: x one shard; scatter: y one block; all
     return {
@@ -230,7 +277,7 @@ def check_bounds(program):
     the executors check in C++ before running a program)."""
     sizes = buffer_sizes(program)
     nranks = program["nranks"]
-    for op in program["ops"]:
+    for op in _block_ops(program):
         where = f"rank {program['rank']}: {op['text']}"
         if not 0 <= op["stream"] < program["num_streams"]:
             raise ScheduleError(f"{where}: stream out of range")
@@ -267,7 +314,7 @@ def check_dtypes(program):
     dtypes = program["buffer_dtypes"]
     x, w, y = program["dtype"], program["w_dtype"], program["out_dtype"]
     scales = ("XSCALE", "WSCALE", "SCRATCH_SCALES", "WORKSPACE_SCALES")
-    for op in program["ops"]:
+    for op in _block_ops(program):
         where = f"rank {program['rank']}: {op['text']}"
         kind = op["kind"]
         if kind == "Gemm":

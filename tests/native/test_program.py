@@ -14,6 +14,7 @@ import testing_ext
 from jaxoverlap import _kinds
 from jaxoverlap._executors.runtime import load_host
 
+from . import schedule_check
 from .schedule_check import (
     ScheduleError,
     buffer_sizes,
@@ -534,6 +535,69 @@ def test_out_of_range_ids_are_refused():
             host.check_program(broken)
         with pytest.raises(ScheduleError, match=f"{what} out of range"):
             check_bounds(broken)
+
+
+# ---- the kernel algorithms (one launch: docs/gpu-internals.md §7) --------------------------
+
+KERNELS = ("matmul_ar/one_shot_kernel", "matmul_ar/two_shot_kernel")
+
+
+def test_kernel_programs_are_a_gemm_and_one_all_reduce():
+    """matmul_ar's kernel algorithms: the GEMM of all rows into y, then one AllReduce of y in
+    place (no comm stream, no event, no chunks); both checkers accept them, and the clique is
+    deadlock-free and race-free over three calls (the AllReduce checked as its host semantics:
+    schedule_check.all_reduce_ops)."""
+    for op, transport, n, dtypes in grid(KERNELS, FUSED_TRANSPORTS, [1, 2, 3, 8], [F32, FP8]):
+        with case(op, transport, n, dtypes):
+            programs = clique(op, transport, n, batch=1, rows=3, k=2, n_out=4, chunks=3,
+                              **dtypes)
+            for p in programs:
+                kinds = [o["kind"] for o in p["ops"]]
+                assert kinds == (["Gemm", "AllReduce"] if n > 1 else ["Gemm"])
+                assert (p["num_streams"], p["num_events"], p["chunks"]) == (1, 0, 1)
+                gemm = p["ops"][0]
+                assert (gemm["m"], gemm["d"]["buf"]) == (3, "Y")
+                host.check_program(p)
+                check_bounds(p)
+                check_dtypes(p)
+            check_race_free(programs, calls=3)
+
+
+def test_kernel_algorithms_refuse_nccl_and_calls_past_their_area():
+    with pytest.raises(ValueError, match="p2p or multicast, not nccl"):
+        build("matmul_ar/one_shot_kernel", "nccl", 4, 0)
+    # One-shot over p2p: 8 slots of all of y in 8 MiB: 1 MiB of y fits, 2 MiB do not.
+    assert host.allreduce_fits("p2p", "one_shot_kernel", 8, 1 << 20)
+    assert not host.allreduce_fits("p2p", "one_shot_kernel", 8, 2 << 20)
+    assert host.allreduce_fits("p2p", "two_shot_kernel", 8, 3 << 20)
+    assert host.allreduce_fits("multicast", "one_shot_kernel", 8, 8 << 20)
+    with pytest.raises(ValueError, match="moves at most 8388608 bytes"):
+        build("matmul_ar/one_shot_kernel", "p2p", 8, 0, batch=1, rows=64, k=8, n_out=8192)
+
+
+def test_the_race_checker_catches_an_all_reduce_reading_before_its_flags():
+    programs = clique(KERNELS[0], "p2p", 4, batch=1, rows=3, k=2, n_out=2)
+    check_race_free(programs, calls=2)
+    real = schedule_check.all_reduce_ops
+
+    def without_waits(program, op):
+        return [o for o in real(program, op) if o["kind"] != "Wait"]
+
+    schedule_check.all_reduce_ops = without_waits
+    try:
+        with pytest.raises(ScheduleError, match="race|no write of its call"):
+            check_race_free(programs, calls=2)
+    finally:
+        schedule_check.all_reduce_ops = real
+
+
+def test_the_issue_order_of_the_kernel_algorithms_completes_with_one_work_queue():
+    testing = testing_ext.load()
+    for op, transport, n in grid(KERNELS, FUSED_TRANSPORTS, [2, 3, 8]):
+        with case(op, transport, n):
+            orders = [testing.issue_order(op, transport, n, r, 3, 1, False, False, False)
+                      for r in range(n)]
+            assert orders == [[0, 1]] * n  # the GEMM, then the kernel
 
 
 # ---- the fused programs (docs/gpu-internals.md §5) -----------------------------------------

@@ -245,7 +245,7 @@ def test_all_reduce_one_shot_for_small_m_two_shot_for_large():
         for m, algorithm in ((1, "one_shot"), (64, "one_shot"), (32768, "two_shot")):
             shape = sim.Shape(1, m, 1024, 8192)
             cands = sim.candidates("h100", 8, shape, impls=("native",), transports=(transport,),
-                                   op="matmul_ar")
+                                   op="matmul_ar", algorithms=("two_shot", "one_shot"))
             assert {c.algorithm for c in cands} == ({"one_shot"} if m % 8 else
                                                     {"one_shot", "two_shot"})
             pick = sim.choose("matmul_ar", shape, "bf16", 8, "h100", cands, unfused=False)
@@ -262,3 +262,24 @@ def test_a_small_all_reduce_pays_its_ring_steps():
     t = [sim.model.collective_time(H100, "nccl", n, small, "matmul_ar") for n in (2, 4, 8)]
     assert t[0] < t[1] < t[2]
     assert sim.model.one_shot_all_reduce_time(H100, small) < t[2]
+
+
+def test_the_one_launch_programs_are_offered_where_the_kernel_runs_and_picked_for_decode():
+    """matmul_ar's kernel algorithms (GEMM + one AllReduce kernel, priced captured) are
+    candidates over p2p and multicast only, and only while y fits the kernel's area (one-shot
+    over p2p: N slots of y in 8 MiB); at decode sizes on 8xH100 the automatic choice takes the
+    one-shot one, past its family's margin; at M 256 it keeps xla."""
+    kernels = {"one_shot_kernel", "two_shot_kernel"}
+    for transport in _kinds.names(_kinds.TRANSPORTS):
+        cands = sim.candidates("h100", 8, sim.Shape(1, 1, 1024, 8192), impls=("native",),
+                               transports=(transport,), op="matmul_ar")
+        offered = {c.algorithm for c in cands} & kernels
+        assert offered == (set() if transport == "nccl" else kernels), transport
+    big = sim.candidates("h100", 8, sim.Shape(1, 128, 1024, 8192), impls=("native",),
+                         transports=("p2p",), op="matmul_ar")  # 2 MiB of bf16 y per rank
+    assert {c.algorithm for c in big} & kernels == {"two_shot_kernel"}
+    for m, want in ((1, "one_shot_kernel"), (16, "one_shot_kernel"), (64, "one_shot_kernel"),
+                    (256, None)):
+        pick = sim.choose("matmul_ar", sim.Shape(1, m, 1024, 8192), "bf16", 8, "h100")
+        got = pick.best.candidate
+        assert (got.algorithm if got.impl == "native" else None) == want, (m, pick.format())

@@ -121,6 +121,14 @@ std::shared_ptr<const CallEvents> RankResources::Last() const {
   return last_;
 }
 
+Status RankResources::TakeEvents(const ErrorContext& ctx,
+                                 std::shared_ptr<const CallEvents>* events) {
+  DeviceGuard guard;
+  JO_CUDA_CHECK(&ctx, cudaSetDevice(device));
+  if (!call_events) call_events = std::make_shared<EventPool>();
+  return call_events->Take(ctx, events);
+}
+
 Status RankResources::MakeSetup(const ErrorContext& ctx) {
   if (setup != nullptr) return OkStatus();
   DeviceGuard guard;

@@ -85,6 +85,16 @@ struct Generation {
   mutable std::map<int32_t, std::shared_ptr<const CallEvents>> first_use_;
 };
 
+// The one-launch all-reduce's fixed area (core/allreduce_layout.h; docs/gpu-internals.md §7): a
+// generation whose workspace halves are the kernel's data halves and whose flags are the ranks'
+// state words, made once per clique (zero-filled) and never replaced — a captured call keeps
+// these addresses for as long as its executable lives — and, per local rank, the kernel's fault
+// record in page-locked host memory, which the watchdog reads.
+struct KernelArea {
+  std::shared_ptr<Generation> gen;
+  std::vector<std::unique_ptr<PinnedHost>> faults;  // per rank (this process's ranks)
+};
+
 // What a call needs of each local rank's pool: the largest need of any rank's program (every
 // rank makes the same calls, so every local rank's pool grows to it at the same epoch).
 struct PoolNeeds {
@@ -132,6 +142,8 @@ struct RankResources {
   // before the call's first enqueue; nothing here allocates device memory: GrowPool does).
   Status Reserve(const Program& program, const ErrorContext& ctx,
                  std::shared_ptr<const CallEvents>* events);
+  // The events of a call that reserves nothing else (a one-launch all-reduce's execution).
+  Status TakeEvents(const ErrorContext& ctx, std::shared_ptr<const CallEvents>* events);
   // The pool: scratch, the fused GEMM's state, the cuBLASLt workspaces and warm-up buffers (and,
   // transport nccl, the connect buffer). Allocating or freeing device memory waits for the
   // device and for every peer that maps its memory (peer access), whose queued work may wait for

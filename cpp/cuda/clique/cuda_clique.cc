@@ -2,10 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <thread>
 
+#include "core/allreduce_layout.h"
+#include "core/deadline.h"
 #include "core/log.h"
+#include "cuda/kernels/allreduce_body.h"
 #include "cuda/transport/transports.h"
 #include "cuda/watchdog.h"
 
@@ -98,6 +102,29 @@ CudaClique::~CudaClique() {
     std::lock_guard<std::mutex> lock(deferred_mu_);
     Leak(std::move(generations_), std::move(state_.ranks), std::move(deferred_));
   }
+  // A captured one-launch all-reduce may be replayed by a graph we cannot wait for.
+  if (kernel_area_ && (!idle || captured_)) KeepForever(std::move(kernel_area_));
+}
+
+Status CudaClique::NewKernelArea(int64_t epoch, const ErrorContext& ctx,
+                                 std::shared_ptr<KernelArea>* out) {
+  auto area = std::make_shared<KernelArea>();
+  const int64_t words = allreduce::StateWords(nranks());
+  JO_CHECK(NewGeneration(epoch, allreduce::kAreaBytes, static_cast<int32_t>((words + 1) / 2), ctx,
+                         &area->gen));
+  area->faults.resize(state_.ranks.size());
+  for (size_t r = 0; r < state_.ranks.size(); ++r) {
+    if (state_.ranks[r]->device < 0) continue;
+    DeviceGuard guard;
+    JO_CUDA_CHECK(&ctx, cudaSetDevice(state_.ranks[r]->device));
+    JO_CHECK(AllocPinned(sizeof(kernel::ar::Fault), ctx, &area->faults[r]));
+    std::memset(area->faults[r]->ptr, 0, sizeof(kernel::ar::Fault));
+  }
+  JO_INFO(ctx.Describe() + ": the one-launch all-reduce's area from epoch " +
+          std::to_string(epoch) + ": 2 x " + std::to_string(allreduce::kAreaBytes) + " bytes and " +
+          std::to_string(words) + " state words per rank");
+  *out = std::move(area);
+  return OkStatus();
 }
 
 void CudaClique::DeferRelease(std::shared_ptr<const Generation> gen) {
@@ -167,11 +194,11 @@ void CudaClique::TakePast(std::vector<std::shared_ptr<const Generation>>* out) {
 
 Status CudaClique::Reserve(const Program& program, const CallNeeds& needs,
                            const PoolNeeds& pool_needs, int64_t epoch, const ErrorContext& ctx,
-                           Reservation* out) {
+                           Reservation* out, bool kernel_area) {
   Status status;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    status = ReserveLocked(lock, program, needs, pool_needs, epoch, ctx, out);
+    status = ReserveLocked(lock, program, needs, pool_needs, epoch, ctx, out, kernel_area);
     // Broken before the lock is released: a rank next in line must not start a set-up (an
     // exchange with the peers) that the failing one will never join.
     if (!status.ok() && status.code() != Code::kAborted) Break(status);
@@ -218,7 +245,7 @@ Status CudaClique::ConnectPeers(const Program& program, const ErrorContext& ctx,
 
 Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
                                  const CallNeeds& needs, const PoolNeeds& pool_needs, int64_t epoch,
-                                 const ErrorContext& ctx, Reservation* out) {
+                                 const ErrorContext& ctx, Reservation* out, bool kernel_area) {
   const int32_t rank = program.problem.rank;
   const int64_t ws_bytes = needs.workspace_bytes;
   // NCCL moves the data itself: its programs signal and wait on no flag.
@@ -229,8 +256,8 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // here (bounded) and Describe answers.
   while (!connected_) {
     if (connecting_) {
-      const bool done = made_.wait_for(lock, state_.timeout,
-                                       [&] { return !connecting_ || !BrokenReason().empty(); });
+      const bool done = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+                                         [&] { return !connecting_ || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!done)
         return Status(Code::kTimeout, ctx.Describe() +
@@ -256,9 +283,9 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // Bounded by the timeout, but never below kLocalSetUp: what is waited for is a local thread's
   // allocations (every local rank's pool), not a peer, and a loaded host may take a while.
   while (freeing_ >= 0 && epoch >= freeing_) {
-    const bool freed =
-        made_.wait_for(lock, std::max<std::chrono::milliseconds>(state_.timeout, kLocalSetUp),
-                       [&] { return freeing_ < 0 || !BrokenReason().empty(); });
+    const bool freed = made_.wait_until(
+        lock, DeadlineAfter(std::max<std::chrono::milliseconds>(state_.timeout, kLocalSetUp)),
+        [&] { return freeing_ < 0 || !BrokenReason().empty(); });
     JO_CHECK(CheckNotBroken(ctx.Describe()));
     if (!freed)
       return Status(Code::kTimeout,
@@ -303,7 +330,9 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
       JO_CHECK(grown);  // Reserve breaks the clique before the lock is released
     }
   }
-  for (;;) {
+  // The one-launch all-reduce's set-up needs no buffers of a generation: it takes none; the
+  // kernel area below is its.
+  for (bool none = kernel_area && ws_bytes == 0 && flags == 0; !none;) {
     // The newest generation valid at this epoch (see clique_state.h).
     std::shared_ptr<Generation> use;
     for (auto it = generations_.rbegin(); it != generations_.rend(); ++it)
@@ -321,8 +350,8 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
                       " needs more workspace than a later epoch already set up: ranks disagree "
                       "on the call sequence");
     if (making_ >= 0) {  // another rank is making it: wait (bounded), then look again
-      const bool made = made_.wait_for(lock, state_.timeout,
-                                       [&] { return making_ < 0 || !BrokenReason().empty(); });
+      const bool made = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+                                         [&] { return making_ < 0 || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!made)
         return Status(Code::kTimeout, ctx.Describe() + ": new buffers for epoch " +
@@ -346,6 +375,33 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     made_.notify_all();
     JO_CHECK(status);
   }
+  // The kernel area: made once, by the first rank to need it, without the lock (its
+  // allocation waits for the devices, its handles for the peers) while the others wait here,
+  // before any of them enqueues this epoch — a generation's discipline (above).
+  while (kernel_area && !kernel_area_) {
+    if (making_area_) {
+      const bool made = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+                                         [&] { return !making_area_ || !BrokenReason().empty(); });
+      JO_CHECK(CheckNotBroken(ctx.Describe()));
+      if (!made)
+        return Status(Code::kTimeout, ctx.Describe() +
+                                          ": the one-launch all-reduce's area (another rank "
+                                          "makes it) was not set up within JAXOVERLAP_TIMEOUT_S");
+      continue;
+    }
+    for (const auto& res : state_.ranks)
+      if (res->device >= 0) JO_CHECK(res->MakeSetup(ctx));
+    making_area_ = true;
+    lock.unlock();
+    std::shared_ptr<KernelArea> made;
+    const Status status = NewKernelArea(epoch, ctx, &made);
+    lock.lock();
+    making_area_ = false;
+    if (status.ok()) kernel_area_ = std::move(made);
+    made_.notify_all();
+    JO_CHECK(status);
+  }
+  if (kernel_area) out->area = kernel_area_;
   out->resources = state_.ranks[rank].get();
   out->pool = out->resources->Pool();
   if (!out->resources->PoolCovers(pool_needs))  // grown by this epoch's first reserver
@@ -388,6 +444,9 @@ std::string CudaClique::Describe() const {
     out += ", workspace 2 x " + std::to_string(generations_.back()->workspace_bytes) +
            " bytes per rank (" + std::to_string(generations_.size()) + " generation(s) live, " +
            std::to_string(freed_) + " freed)";
+  if (kernel_area_)
+    out += ", one-launch all-reduce area 2 x " + std::to_string(allreduce::kAreaBytes) +
+           " bytes per rank" + (captured_ ? " (captured into a graph)" : "");
   return out;
 }
 

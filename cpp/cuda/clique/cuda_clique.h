@@ -31,6 +31,7 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -55,6 +56,7 @@ struct Reservation {
   RankResources* resources = nullptr;
   std::shared_ptr<const RankPool> pool;      // the rank's pooled memory, as grown for the call
   std::shared_ptr<const CallEvents> events;  // the call's own started/done events
+  std::shared_ptr<const KernelArea> area;    // asked for (kernel_area): the clique's kernel area
 };
 
 class CudaClique : public Clique {
@@ -83,8 +85,17 @@ class CudaClique : public Clique {
   // `program` (without the lock). Everything here may wait for the GPU: it
   // runs before the call's first enqueue (docs/gpu-internals.md §1, "What may
   // run on the enqueue path"). A failure breaks the clique.
+  // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu-internals.md §7): also
+  // makes the clique's kernel area if it has none yet (clique_state.h KernelArea), at this
+  // epoch, with the discipline of a new generation.
   Status Reserve(const Program& program, const CallNeeds& needs, const PoolNeeds& pool_needs,
-                 int64_t epoch, const ErrorContext& ctx, Reservation* out);
+                 int64_t epoch, const ErrorContext& ctx, Reservation* out,
+                 bool kernel_area = false);
+
+  // A one-launch all-reduce of this clique was captured into a CUDA graph: its replays are
+  // GPU work no event of ours tracks, so teardown keeps the kernel area (never frees it under a
+  // replay that may still run).
+  void NoteCaptured() { captured_ = true; }
 
   // Transport nccl: leases `rank`'s communicators (nccl_comms.h), kAborted once they were
   // aborted (naming the clique's failure when it broke); other transports: nothing. Taken just
@@ -120,7 +131,9 @@ class CudaClique : public Clique {
  private:
   Status ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
                        const CallNeeds& needs, const PoolNeeds& pool_needs, int64_t epoch,
-                       const ErrorContext& ctx, Reservation* out);
+                       const ErrorContext& ctx, Reservation* out, bool kernel_area);
+  // Makes the kernel area (WITHOUT the lock, like a generation).
+  Status NewKernelArea(int64_t epoch, const ErrorContext& ctx, std::shared_ptr<KernelArea>* out);
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
                        const ErrorContext& ctx, std::shared_ptr<Generation>* out);
@@ -146,6 +159,9 @@ class CudaClique : public Clique {
   bool connecting_ = false;  // a rank is connecting the transport, without the lock
   std::vector<std::shared_ptr<Generation>> generations_;  // newest last
   int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
+  std::shared_ptr<KernelArea> kernel_area_;  // made once, never replaced
+  bool making_area_ = false;                 // a rank makes it, without the lock
+  std::atomic<bool> captured_{false};        // NoteCaptured
   // The newest epoch a local rank has reserved, and the one whose first reserver frees past
   // generations and grows the pools now, without the lock (-1: none): ranks at it or later
   // wait.

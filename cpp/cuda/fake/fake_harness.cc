@@ -23,6 +23,7 @@
 #include "cuda/base/driver.h"
 #include "cuda/clique/cuda_bootstrap.h"
 #include "cuda/cuda_site.h"
+#include "cuda/fake/fake_internal.h"
 #include "cuda/fused/fused_gemm.h"
 #include "cuda/gemm/gemm.h"
 #include "cuda/kernels/kernels.h"
@@ -193,7 +194,10 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
     const int dev = static_cast<int>(in.devices[r]);
     x[r] = Malloc(dev, x_elems * xs);
     w[r] = Malloc(dev, w_elems * ws);
-    y[r] = Malloc(dev, y_elems * ys, 0x7F);  // unwritten output shows up as huge values
+    const size_t y_offset =
+        in.y_offsets.empty() ? 0 : static_cast<size_t>(in.y_offsets.at(static_cast<size_t>(r)));
+    y[r] = Malloc(dev, y_elems * ys + y_offset, 0x7F);  // unwritten output shows huge values
+    if (y[r] != nullptr) y[r] = static_cast<std::byte*>(y[r]) + y_offset;
     if (q.return_gathered) g[r] = Malloc(dev, g_elems * xs, 0x7F);
     x_scale[r] = Malloc(dev, sizeof(float));
     w_scale[r] = Malloc(dev, sizeof(float));
@@ -260,6 +264,8 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   const auto process_of = [&](int r) {
     return static_cast<int32_t>(desc.table.processes[static_cast<size_t>(r)]);
   };
+  std::vector<cudaGraphExec_t> execs(static_cast<size_t>(nranks), nullptr);  // capture
+  cuda::AllowCapturingAnyCallForTests(in.capture_any);
   // late_rank: per call, how many other ranks have returned from it.
   const int calls_per_rank =
       in.chunks_per_call.empty() ? in.calls : static_cast<int>(in.chunks_per_call.size());
@@ -301,8 +307,6 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
         statuses[r] = "stream creation failed";
         return;
       }
-      // tests: XLA captures this stream into a CUDA graph (a command buffer).
-      if (in.capture) (void)cudaStreamBeginCapture(xla, cudaStreamCaptureModeThreadLocal);
       const cuda::DriverApi* drv = nullptr;
       if (in.hold_ms > 0 && cuda::LoadDriver(&drv).ok()) {
         holds[static_cast<size_t>(r)] = static_cast<uint32_t*>(Malloc(dev, 4));
@@ -360,9 +364,23 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
         for (int c = counted; c < calls; ++c) ++returned[static_cast<size_t>(c)];
         returned_cv.notify_all();
       }
-      if (in.capture) {
+      // XLA records one more call into a command buffer (the handler runs under capture).
+      if (in.capture && statuses[r].empty()) {
+        if (cudaStreamBeginCapture(xla, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+          statuses[r] = "cudaStreamBeginCapture failed";
+          return;
+        }
+        BeginHandler(xla);
+        const Status status = site.Enqueue(caller, problem, io, xla);
+        EndHandler(xla, "CudaSite::Enqueue under capture (rank " + std::to_string(r) + ")");
         cudaGraph_t graph = nullptr;
-        (void)cudaStreamEndCapture(xla, &graph);
+        const cudaError_t ended = cudaStreamEndCapture(xla, &graph);
+        if (!status.ok()) {
+          statuses[r] = status.ToString();
+        } else if (ended != cudaSuccess ||
+                   cudaGraphInstantiate(&execs[static_cast<size_t>(r)], graph, 0) != cudaSuccess) {
+          statuses[r] = "capture or instantiation failed";
+        }
       }
     });
   for (auto& t : threads) t.join();
@@ -373,7 +391,8 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   }
   out->drained = Drain();
   // One more pass of the watchdog, as its thread makes one every 20 ms: it drops the calls the
-  // GPU finished and reads the fault records of fired fused calls now done.
+  // GPU finished and reads the fault records of fired fused calls now done, and what a kernel
+  // recorded while the GPU ran (a one-launch all-reduce that gave up).
   cuda::AdvanceWatchdogClock(std::chrono::milliseconds(20));
   out->ys.clear();
   out->x_gathered.clear();
@@ -382,6 +401,43 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
     out->x_gathered.push_back(
         q.return_gathered ? std::string(static_cast<const char*>(g[r]), g_elems * xs) : "");
   }
+  out->replay_ys.clear();
+  out->replay_drained.clear();
+  const bool captured = std::all_of(statuses.begin(), statuses.end(),
+                                    [](const std::string& st) { return st.empty(); });
+  for (int i = 0; in.capture && captured && i < in.replays; ++i) {
+    if (static_cast<size_t>(i) < in.replay_xs.size())
+      for (int r = 0; r < nranks; ++r) {
+        const std::string& bytes = in.replay_xs[static_cast<size_t>(i)][static_cast<size_t>(r)];
+        if (bytes.size() != x_elems * xs) return InvalidArgument("replay_xs: wrong byte size");
+        std::memcpy(x[r], bytes.data(), bytes.size());  // the GPU is idle: drained
+      }
+    const auto launch = [&](int r) {
+      SetPlayedProcess(process_of(r));
+      const int dev = static_cast<int>(in.devices[static_cast<size_t>(r)]);
+      if (cudaSetDevice(dev) != cudaSuccess ||
+          cudaGraphLaunch(execs[static_cast<size_t>(r)], XlaStream(process_of(r), dev)) !=
+              cudaSuccess)
+        statuses[r] = "cudaGraphLaunch failed (replay " + std::to_string(i) + ")";
+    };
+    for (int r = 0; r < nranks; ++r)
+      if (r != in.replay_late_rank) launch(r);
+    if (in.replay_late_rank >= 0 && in.replay_late_rank < nranks) {
+      {
+        Lock lock(S().mu);
+        (void)RunUntil([] { return false; });  // as far as the others can go alone
+      }
+      launch(in.replay_late_rank);
+    }
+    SetPlayedProcess(0);
+    out->replay_drained.push_back(Drain());
+    cuda::AdvanceWatchdogClock(std::chrono::milliseconds(20));
+    std::vector<std::string> ys_now;
+    for (int r = 0; r < nranks; ++r)
+      ys_now.emplace_back(static_cast<const char*>(y[r]), y_elems * ys);
+    out->replay_ys.push_back(std::move(ys_now));
+  }
+  cuda::AllowCapturingAnyCallForTests(false);
   out->statuses = std::move(statuses);
   return OkStatus();
 }

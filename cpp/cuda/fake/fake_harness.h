@@ -59,7 +59,22 @@ struct PlayedCalls {
   int late_rank = -1;
   int late_from = 0;
   int64_t timeout_ms = 120000;
-  bool capture = false;  // XLA captures its streams into a CUDA graph (a command buffer)
+  // XLA records the call into a command buffer (a CUDA graph) and replays it: after the `calls`
+  // ordinary executions, each rank's thread captures one more call of the site on its stream
+  // (the handler runs under capture), and the graphs are then launched `replays` times, the
+  // x of replay i being replay_xs[i] (per rank; none: x unchanged) — XLA replays with the same
+  // buffers, new contents. replay_late_rank >= 0: each replay launches every other rank's graph
+  // and lets the fake GPU run as far as it can before launching that rank's. capture_any: the
+  // handler records even a program that does not replay (it refuses otherwise): the misuse
+  // check of a host-side epoch baked into a graph.
+  bool capture = false;
+  int replays = 0;
+  std::vector<std::vector<std::string>> replay_xs;
+  int replay_late_rank = -1;
+  // Tests: rank r's y starts y_offsets[r] bytes into its allocation ([]: 0 for all), as an
+  // output buffer less aligned than XLA's.
+  std::vector<int64_t> y_offsets;
+  bool capture_any = false;
   // XLA's stream of every rank first waits for a flag the host raises only
   // after the watchdog's clock moved on by hold_ms (earlier work the GPU is
   // still busy with).
@@ -67,10 +82,12 @@ struct PlayedCalls {
 };
 
 struct PlayedOutcome {
-  std::vector<std::string> ys;          // per rank: y, bytes
-  std::vector<std::string> x_gathered;  // per rank (ag_matmul with return_gathered)
-  std::vector<std::string> statuses;    // per rank: "" or the error text
-  bool drained = false;                 // false: the fake's GPU deadlocked
+  std::vector<std::string> ys;                      // per rank: y, bytes
+  std::vector<std::string> x_gathered;              // per rank (ag_matmul with return_gathered)
+  std::vector<std::string> statuses;                // per rank: "" or the error text
+  bool drained = false;                             // false: the fake's GPU deadlocked
+  std::vector<std::vector<std::string>> replay_ys;  // per replay, per rank: y
+  std::vector<bool> replay_drained;                 // per replay
 };
 
 // InvalidArgument when the inputs do not fit the problem; the calls' own

@@ -61,6 +61,18 @@ struct CUstream_st {
   // Stream capture (cudaStreamBeginCapture): work is recorded, not run.
   uint64_t capture = 0;  // 0: not capturing
 };
+// A CUDA graph made by a stream capture (fake_graphs.cc): the tasks recorded on the capture's
+// origin stream, each run again, as recorded, by every launch of an executable made from it.
+struct CUgraph_st {
+  uint64_t capture = 0;
+  int process = 0, device = 0;
+  const CUstream_st* origin = nullptr;  // the stream the capture began on
+  std::vector<FakeTask> tasks;
+  std::string other_stream;  // a task recorded on another stream (joined the capture): not modelled
+};
+struct CUgraphExec_st {
+  CUgraph_st graph;  // the graph as instantiated (later changes to the graph do not reach it)
+};
 struct CUevent_st {
   int device = 0;
   int64_t recorded = 0;                         // records enqueued
@@ -237,13 +249,17 @@ struct State {
   std::map<std::pair<int, int>, std::vector<std::deque<CUstream_st*>>> queues;
   std::map<std::pair<int, int>, int> streams_made;  // streams created (round-robin onto queues)
   uint64_t next_capture = 1;
+  std::map<uint64_t, CUgraph_st*> capturing;  // capture id -> the graph it records into
+  std::vector<std::unique_ptr<CUgraph_st>> graphs;
+  std::vector<std::unique_ptr<CUgraphExec_st>> graph_execs;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
   // Per (played process, device): the SMs persistent kernels running there hold.
   std::map<std::pair<int, int>, int> sms_held;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).
   std::map<std::tuple<int, int, const void*>, int> shared_grants;
-  // The GPUs' clock for device-side time (the fused GEMM's bounded waits): moves with the time
-  // the fake lets pass while stuck (Config::pass_time steps, in Drain and in host waits).
+  // The GPUs' clock for device-side time (%globaltimer: the fused GEMM's and the one-launch
+  // all-reduce's bounded waits): moves with the time the fake lets pass while stuck
+  // (Config::pass_time steps, in Drain and in host waits).
   int64_t gpu_ns = 0;
 };
 
@@ -276,6 +292,8 @@ bool StreamOk(cudaStream_t s, const char* what);
 // `s` is capturing.
 void Push(cudaStream_t s, FakeTask task);
 void Push(cudaStream_t s, std::string what, std::function<bool()> ready, std::function<void()> run);
+// A task enqueued on a capturing stream: recorded into the capture's graph (fake_graphs.cc).
+void RecordIntoCapture(cudaStream_t s, FakeTask task);
 // Lets the fake GPU run, without choosing at random, until `until` holds or
 // nothing more can run (a host poll or synchronisation: the real GPU runs
 // meanwhile). Returns `until()`.

@@ -222,6 +222,9 @@ struct HostKernel {
   McSide mc;
   int bytes;
   void (*run)(FakeOps&, const Geometry&, const Thread&);
+  // A kernel with a launch of its own (the one-launch all-reduce, fake_allreduce.cc): called by
+  // cudaLaunchKernel once the checks every launch shares passed.
+  KernelLaunch launch = nullptr;
 };
 
 template <class Body>
@@ -363,6 +366,16 @@ const void* FusedFunctionSm100() {
   static const HostKernel bf16{
       "FusedGemmSm100", "FusedGemmSm100<bf16>", "fused_sm100", McSide::kNone, 0, nullptr};
   return Register(&bf16);
+}
+
+const void* RegisterKernel(const std::string& op, const std::string& name, const char* family,
+                           KernelLaunch launch) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (const HostKernel* h : Known())
+    if (h->name == name) return h;
+  auto* k = new HostKernel{op, name, family, McSide::kNone, 0, nullptr, launch};
+  Known().push_back(k);
+  return k;
 }
 
 std::string FunctionName(const void* function) {
@@ -520,7 +533,8 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   using jo::fake::Fail;
   jo::fake::Count("cudaLaunchKernel");
   const HostKernel* k = jo::fake::Find(func);
-  if (k == nullptr || k->run == nullptr || args == nullptr || args[0] == nullptr) {
+  if (k == nullptr || (k->run == nullptr && k->launch == nullptr) || args == nullptr ||
+      args[0] == nullptr) {
     Fail(
         "cudaLaunchKernel: not a kernel of this build launched with cudaLaunchKernel, or no "
         "arguments");
@@ -540,6 +554,12 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   }
   if (const cudaError_t sticky = jo::fake::StickyError(device); sticky != cudaSuccess)
     return sticky;
+  if (k->launch != nullptr) {
+    jo::fake::KernelVariant v;
+    if (const cudaError_t code = jo::fake::Variant(k, device, &v); code != cudaSuccess) return code;
+    if (!jo::fake::LoadFunction(device, k->name, "cudaLaunchKernel")) return cudaErrorUnknown;
+    return k->launch(k->name, v.ptx_version, grid, block, args, shared, stream);
+  }
   // The launch configuration the kernels are built for (__launch_bounds__(kThreads)),
   // within the documented grid limits (y, z <= 65535).
   if (block.x != static_cast<unsigned>(jo::cuda::kernel::kThreads) || block.y != 1 ||

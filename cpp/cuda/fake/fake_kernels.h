@@ -3,6 +3,8 @@
 // shared kernel bodies (cuda/kernels/kernel_body.h) over the grid.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <map>
 #include <string>
@@ -45,6 +47,18 @@ bool FunctionRuns(const void* function, int device);
 // current device of this thread's played process (fake_fused_gemm.cc keeps it, and checks it at
 // the fused launch).
 void NoteSharedMemoryGrant(const void* function, int bytes);
+
+// A kernel with a launch of its own (the one-launch all-reduce, fake_allreduce.cc):
+// cudaFuncGetAttributes knows it (a variant of kernel family `family`), and cudaLaunchKernel
+// hands it to `launch` once the checks every launch shares (stream, device, sticky error, the
+// variant, lazy loading) passed, with the variant's ptxVersion. Registered once per name.
+using KernelLaunch = cudaError_t (*)(const std::string& name, int ptx_version, dim3 grid,
+                                     dim3 block, void** args, size_t shared, cudaStream_t stream);
+const void* RegisterKernel(const std::string& op, const std::string& name, const char* family,
+                           KernelLaunch launch);
+
+// Forgets which rank made the data of each area address visible (fake_allreduce.cc; Reset).
+void ForgetAllReduceMemory();
 
 // Per-access record of kernel executions while tracing is on (tests).
 struct KernelAccess {

@@ -173,6 +173,11 @@ void Reset(const Config& config) {
   for (const auto& [base, bytes] : s.pinned)
     (void)::munmap(reinterpret_cast<void*>(base), PageRound(bytes));
   s.pinned.clear();
+  s.gpu_ns = 0;
+  ForgetAllReduceMemory();
+  s.capturing.clear();
+  s.graph_execs.clear();
+  s.graphs.clear();
   s.streams.clear();
   s.events.clear();
   s.peer_enabled.clear();

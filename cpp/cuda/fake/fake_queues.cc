@@ -204,7 +204,10 @@ void MapOntoQueue(CUstream_st* st) {
 }
 
 void Push(cudaStream_t s, FakeTask task) {
-  if (s->capture != 0) return;  // recorded into the capture's graph, not run now
+  if (s->capture != 0) {  // recorded into the capture's graph, not run now (fake_graphs.cc)
+    RecordIntoCapture(s, std::move(task));
+    return;
+  }
   ++s->enqueued;
   s->clock[s] = s->enqueued;
   if (t_touched != nullptr) (*t_touched)[s] = {s->enqueued, task.what};

@@ -200,28 +200,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t) {
   return cudaSuccess;
 }
 
-// Stream capture: begun and ended by the caller; work on a capturing stream
-// is recorded into the graph, not run (Push drops it here).
-cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
-  Count("cudaStreamBeginCapture");
-  Lock lock(S().mu);
-  if (!jo::fake::StreamOk(s, "cudaStreamBeginCapture") || s->capture != 0)
-    return RtFail(cudaErrorIllegalState, "cudaStreamBeginCapture");
-  s->capture = S().next_capture++;
-  return cudaSuccess;
-}
-
-cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
-  Count("cudaStreamEndCapture");
-  Lock lock(S().mu);
-  if (!jo::fake::StreamOk(s, "cudaStreamEndCapture") || s->capture == 0)
-    return RtFail(cudaErrorIllegalState, "cudaStreamEndCapture");
-  const uint64_t capture = s->capture;
-  for (auto& st : S().streams)
-    if (st->capture == capture) st->capture = 0;
-  if (graph != nullptr) *graph = nullptr;  // the fake keeps no graphs
-  return cudaSuccess;
-}
+// Stream capture and graphs: fake_graphs.cc.
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
   Count("cudaStreamIsCapturing");

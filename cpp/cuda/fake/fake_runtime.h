@@ -128,6 +128,12 @@ struct Config {
   // Tests: the fused GEMM's kernel waits for the flag of block b + this
   // instead of block b (a broken tile -> flag mapping; fake_fused_gemm.cc).
   int fused_flag_shift = 0;
+  // Tests: the one-launch all-reduce's phases run wrongly (fake_allreduce.cc): "release_early"
+  // (a thread releases its flags before its block's barrier after the stores), "read_early" (a
+  // thread reads its peers' data before its block's barrier after the acquires);
+  // "rank0_gives_up": rank 0's waits never see a flag and time out at once (its peers are on
+  // time).
+  std::string allreduce_misuse;
 };
 
 void Reset(const Config& config);  // forgets everything (no live objects may remain in use)

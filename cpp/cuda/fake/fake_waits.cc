@@ -111,9 +111,9 @@ const std::set<std::string>& EnqueuePathCalls() {
       "cublasLtGetStatusName", "cublasLtGetStatusString", "ncclGroupStart", "ncclGroupEnd",
       "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaMemcpy2DAsync",
       "cudaMemsetAsync", "cudaLaunchKernel", "cudaLaunchKernelEx", "AddBlock", "McStore",
-      "McReduce", "cublasLtMatmul", "cublasLtMatmulDescSetAttribute", "cuStreamWriteValue32",
-      "cuStreamWaitValue32", "cuStreamWaitValue32(FLUSH)", "ncclSend", "ncclRecv",
-      "ncclCommGetAsyncError", "cudaEventQuery",
+      "McReduce", "AllReduce", "cublasLtMatmul", "cublasLtMatmulDescSetAttribute",
+      "cuStreamWriteValue32", "cuStreamWaitValue32", "cuStreamWaitValue32(FLUSH)", "ncclSend",
+      "ncclRecv", "ncclCommGetAsyncError", "cudaEventQuery",
       // Listed, never observed: CUTLASS's
       // calls inside the fused launch, which
       // the fake replaces as a whole

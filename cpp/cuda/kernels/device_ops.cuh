@@ -156,6 +156,31 @@ struct DeviceOps {
   __device__ __forceinline__ void FenceReleaseSys() const {
     asm volatile("fence.acq_rel.sys;" ::: "memory");
   }
+
+  // The one-launch all-reduce's flags (allreduce_body.h): a release store and an acquire load at
+  // system scope (PTX ISA, "ld", "st": .acquire / .release with .sys, sm_70+), a relaxed
+  // system-scope store (the fault record, in page-locked host memory), a first-writer claim of
+  // the rank's broken word (atomicCAS: the kernels of one GPU only, device scope), and the GPU's
+  // nanosecond clock (PTX ISA, "Special Registers": %globaltimer).
+  __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) const {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+  }
+  __device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) const {
+    asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  }
+  __device__ __forceinline__ void StoreRelaxedSys(uint32_t* p, uint32_t v) const {
+    asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  }
+  __device__ __forceinline__ bool Claim(uint32_t* word) const {
+    return atomicCAS(word, 0u, 1u) == 0u;
+  }
+  __device__ __forceinline__ int64_t GlobalNs() const {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return static_cast<int64_t>(t);
+  }
 };
 
 // Every kernel: one block-walking body, run by each thread with its coordinates.

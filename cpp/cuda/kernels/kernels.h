@@ -49,6 +49,9 @@ bool MulticastBlockOk(const BlockArgs& args);
 // at the launch, which may wait for the device). Nothing is enqueued.
 enum class BlockKernel { kAdd, kMcStore, kMcReduce };
 Status PrepareBlockKernel(BlockKernel kind, const BlockArgs& args, const ErrorContext& ctx);
+// The same for any kernel of this build: loads it once per device and, for a multimem kernel
+// (`multimem` names it; null for another), checks the variant the device runs has multimem.
+Status PrepareKernel(const void* kernel, const char* multimem, const ErrorContext& ctx);
 
 Status LaunchAddBlock(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 Status LaunchMcStore(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);

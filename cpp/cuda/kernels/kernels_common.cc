@@ -235,6 +235,10 @@ bool MulticastBlockOk(const BlockArgs& a) {
 
 int AccessBytes(const BlockArgs& a, bool multimem) { return MakeLaunch(a, multimem).bytes; }
 
+Status PrepareKernel(const void* kernel, const char* multimem, const ErrorContext& ctx) {
+  return LoadKernel(kernel, multimem, ctx);
+}
+
 void ForgetKernelVerdicts() {
   std::lock_guard<std::mutex> lock(g_verdicts_mu);
   Verdicts().clear();
