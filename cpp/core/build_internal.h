@@ -1,6 +1,7 @@
 // Helpers shared by the builders (not part of the core's interface).
 #pragma once
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -110,6 +111,9 @@ JO_OPS(JO_DECLARE_BUILD)
 
 // One rank (RS and AR alike): y = x @ w, sub-chunk by sub-chunk.
 Status BuildSingleRank(Program* program, Emitter& e);
+
+// The fused GEMM + reduce-scatter, p2p and multicast (build_rs_fused.cc).
+Status BuildRsFused(Program* program, Emitter& e);
 
 // Where the reduce-scatter ring leaves row block `rank` of the sum: at row
 // `y_row0` of each batch of `y_rows` rows of Y (RS: {0, rows}; AR: {rank *

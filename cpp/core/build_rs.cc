@@ -16,7 +16,6 @@ namespace jo::internal {
 namespace {
 
 Status BuildMulticast(Program* p, Emitter& e);
-Status BuildRsScatter(Program* p, Emitter& e);
 
 }  // namespace
 
@@ -37,8 +36,8 @@ Status BuildMatmulRs(Program* p) {
   const Problem& q = p->problem;
   Emitter e(p);
   if (q.nranks == 1) return BuildSingleRank(p, e);
+  if (q.fused) return BuildRsFused(p, e);
   if (Row(q.transport).mechanism == Mechanism::kMulticast) return BuildMulticast(p, e);
-  if (q.fused) return BuildRsScatter(p, e);
   return BuildRsRing(p, e, RsTarget{0, q.rows}, nullptr);
 }
 
@@ -184,35 +183,6 @@ Status BuildRsRing(Program* p, Emitter& e, const RsTarget& target, std::vector<i
 
 namespace {
 
-// The fused GEMM of GEMM + reduce-scatter and the comm stream behind it. The
-// GEMM computes every destination's partial (rows of x block j -> rows of `d`
-// block j) in the order r-1, r-2, ..., the own block last (at each step every
-// rank sends to a different one; the own partial never leaves), and releases
-// own flag N*C + j*C + s once sub-chunk s of block j is stored. Stream 1 waits
-// for each release of a block j != r and calls forward(j, s), which passes the
-// partial on to rank j.
-template <typename Forward>
-void FusedPartials(Program* p, const Geometry& g, Emitter& e, const Ref& d, Forward forward) {
-  const int32_t release = static_cast<int32_t>(g.N * g.C);
-  p->num_flags = 2 * release;
-  std::vector<int32_t> order;
-  for (int32_t t = 0; t < g.N; ++t) order.push_back(Mod(g.r - 1 - t, g.N));
-  FusedBlocks f;
-  f.rows = fused::RowBlocks{g.N, static_cast<int32_t>(g.C), g.R};
-  f.key = fused::OrderKey::kFirstDeparture;
-  for (int32_t j : order)
-    for (int64_t s = 0; s < g.C; ++s) f.sequence.push_back(static_cast<int32_t>(j * g.C + s));
-  f.release_flags = release;
-  e.FusedGemm(0, Ref{BufId::kX, g.r, 0, g.N * g.R * g.K, g.K}, d, g.P, std::move(f));
-  for (int32_t j : order) {
-    if (j == g.r) continue;
-    for (int64_t s = 0; s < g.C; ++s) {
-      e.Wait(1, g.r, static_cast<int32_t>(release + j * g.C + s));
-      forward(j, s);
-    }
-  }
-}
-
 Status BuildMulticast(Program* p, Emitter& e) {
   const Geometry g = MakeGeometry(p);
   // Partials of every block land in the own workspace [P, N*R, Nw]; the
@@ -223,57 +193,17 @@ Status BuildMulticast(Program* p, Emitter& e) {
     return Ref{BufId::kWorkspace, g.r, (block * g.R + g.begin(s)) * g.Nw, g.N * g.R * g.Nw, g.Nw};
   };
   auto flag = [&](int32_t writer, int64_t s) { return static_cast<int32_t>(writer * g.C + s); };
-  if (p->problem.fused) {
-    // The fused GEMM releases each partial; the comm stream passes the
-    // release on to the block's owner.
-    FusedPartials(p, g, e, part(0, 0),
-                  [&](int32_t block, int64_t s) { e.Signal(1, block, flag(g.r, s)); });
-  } else {
-    for (int32_t t = 0; t < g.N; ++t) {
-      const int32_t block = Mod(g.r - 1 - t, g.N);  // own block last
-      for (int64_t s = 0; s < g.C; ++s) {
-        Label(e.Gemm(0, g.x(block, s), part(block, s), nullptr, g.P, g.rows(s)), block, s);
-        if (block != g.r) e.Signal(0, block, flag(g.r, s));
-      }
+  for (int32_t t = 0; t < g.N; ++t) {
+    const int32_t block = Mod(g.r - 1 - t, g.N);  // own block last
+    for (int64_t s = 0; s < g.C; ++s) {
+      Label(e.Gemm(0, g.x(block, s), part(block, s), nullptr, g.P, g.rows(s)), block, s);
+      if (block != g.r) e.Signal(0, block, flag(g.r, s));
     }
   }
   for (int64_t s = 0; s < g.C; ++s) {
     for (int32_t peer = 0; peer < g.N; ++peer)
       if (peer != g.r) e.Wait(0, peer, flag(peer, s));
     Label(e.Block(OpKind::kMcReduce, 0, part(g.r, s), g.y(s), g.P, g.rows(s), g.Nw), g.r, s);
-  }
-  return OkStatus();
-}
-
-Status BuildRsScatter(Program* p, Emitter& e) {
-  const Geometry g = MakeGeometry(p);
-  // The fused GEMM computes every destination's partial into SCRATCH [P, N*R,
-  // Nw] and releases each one (own flag N*C + j*C + s) once it is stored; it
-  // waits for nothing, so it cannot deadlock. The comm stream copies partial j
-  // into slot r of rank j's workspace ([N slots of P, R, Nw]) and raises rank
-  // j's flag r*C + s. After the GEMM, rank r sums its own partial and the N-1
-  // slots it received, in rank order (the same rounding as a ring: one per add).
-  p->workspace_elems = g.N * g.P * g.R * g.Nw;
-  p->scratch_elems = g.P * g.N * g.R * g.Nw;
-  auto partial = [&](int32_t j, int64_t s) {
-    return Ref{BufId::kScratch, g.r, (j * g.R + g.begin(s)) * g.Nw, g.N * g.R * g.Nw, g.Nw};
-  };
-  auto received = [&](int32_t owner, int32_t sender, int64_t s) {
-    return g.slot(BufId::kWorkspace, owner, sender, s);
-  };
-  auto flag = [&](int32_t sender, int64_t s) { return static_cast<int32_t>(sender * g.C + s); };
-  FusedPartials(p, g, e, partial(0, 0), [&](int32_t j, int64_t s) {
-    Label(e.Block(OpKind::kCopy, 1, partial(j, s), received(j, g.r, s), g.P, g.rows(s), g.Nw), j,
-          s);
-    e.Signal(1, j, flag(g.r, s));
-  });
-  for (int64_t s = 0; s < g.C; ++s) {
-    Label(e.Block(OpKind::kCopy, 0, partial(g.r, s), g.y(s), g.P, g.rows(s), g.Nw), g.r, s);
-    for (int32_t i = 0; i < g.N; ++i) {
-      if (i == g.r) continue;
-      e.Wait(0, i, flag(i, s));
-      Label(e.Block(OpKind::kAdd, 0, received(g.r, i, s), g.y(s), g.P, g.rows(s), g.Nw), g.r, s);
-    }
   }
   return OkStatus();
 }

@@ -132,6 +132,11 @@ Status CheckFused(const Program& p, const Op& op) {
   }
   if (f.release_flags >= 0 && f.release_flags + count > p.num_flags)
     return bad("its releases name flags out of range");
+  if (f.spare_sms < 0 || f.spare_sms > kMaxKernelSms || (f.spare_sms > 0 && f.wait_flags >= 0))
+    return bad(
+        "only a kernel that waits for nothing leaves SMs to others (rule 1 of "
+        "docs/gpu-internals.md §5), and at most " +
+        std::to_string(kMaxKernelSms));
   fused::TileOrder order;
   if (fused::MakeTileOrder(fused::Tiling{f.rows, fused::kTileRows}, f.sequence.data(), count, f.key,
                            &order) != fused::OrderError::kOk)
@@ -214,6 +219,21 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
         JO_CHECK(CheckFused(p, op));
         break;
+      case OpKind::kReduce: {
+        JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        const DType sum = BufDType(q, op.d.buf);
+        if (op.sources.empty() || op.sources.size() > static_cast<size_t>(kMaxReduceSources) ||
+            IsFp8(sum) || IsScales(op.d.buf))
+          return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                          std::to_string(q.rank) + ": " + ToString(op) + ": a Reduce sums 1 to " +
+                          std::to_string(kMaxReduceSources) +
+                          " blocks in float32 or the output type, never fp8 or scales");
+        for (const Ref& src : op.sources) {
+          JO_CHECK(CheckRef(p, op, "source", src, op.batch, op.m, op.n, sizes));
+          JO_CHECK(CheckDType(p, op, "source", src, sum));
+        }
+        break;
+      }
       case OpKind::kAllReduce:
         // All of y, in place, dense (the kernel sees it as one run of elements); the host
         // executor's slots: a rank's copy of y from each rank, and a flag per writer.
@@ -226,6 +246,11 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
                           ": reduces all of Y, dense, with a workspace slot and a flag per rank");
         break;
     }
+    if (op.sms < 0 || op.sms > kMaxKernelSms)
+      return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                      std::to_string(q.rank) + ": " + ToString(op) + ": an SM budget of " +
+                      std::to_string(op.sms) + " is outside [0, " + std::to_string(kMaxKernelSms) +
+                      "]");
   }
   return OkStatus();
 }

@@ -39,6 +39,8 @@ namespace jo::fused {
 // The rows of the kernel's CTA tile (cuda/fused/fused_gemm_kernel.cuh asserts it):
 // the tiles the rows are cut into.
 inline constexpr int64_t kTileRows = 128;
+// Its CTA tile's N: the columns a tile covers.
+inline constexpr int64_t kTileCols = 256;
 
 // `shards` shards of `shard_rows` rows, each split into `chunks` sub-chunks
 // as the program builders split them (build_internal.h SubBegin: sub-chunk c
@@ -193,6 +195,23 @@ struct PersistentGrid {
     *m_slot = static_cast<int32_t>(2 * (pair / n_tiles) + r % 2);
   }
 };
+
+// The SMs a fused GEMM that waits for nothing leaves to the reduction beside it, on a device of
+// `device_sms` SMs: the most, up to `most`, it can leave without taking another wave of its
+// persistent grid (a kernel on fewer SMs runs the same tiles on fewer CTAs, and a wave more is
+// a tile's time more for every CTA); when even two SMs cost a wave, two. Even: the grid is
+// clusters of two, an odd SM would stay idle. 0 when `most` is (nothing to leave).
+JO_FUSED_FN int32_t SpareSms(int64_t m_tiles, int64_t n_tiles, int64_t batch, int32_t device_sms,
+                             int32_t most) {
+  if (most < 2) return 0;
+  const PersistentGrid full = PersistentGrid::Make(m_tiles, n_tiles, batch, device_sms);
+  const int64_t waves = (full.work() + full.ctas - 1) / full.ctas;
+  for (int32_t spare = most - most % 2; spare > 2; spare -= 2) {
+    const PersistentGrid g = PersistentGrid::Make(m_tiles, n_tiles, batch, device_sms - spare);
+    if (g.ctas >= 2 && (g.work() + g.ctas - 1) / g.ctas == waves) return spare;
+  }
+  return 2;
+}
 
 // Why MakeTileOrder refused (kOk: it did not).
 enum class OrderError : int32_t {

@@ -1,6 +1,7 @@
 #include "core/issue_order.h"
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -42,9 +43,18 @@ class Play {
   explicit Play(std::vector<Player> players) : p_(std::move(players)) {}
 
   Status Run() {
-    for (;; ++round_) {
+    for (;;) {
       bool progress = false;
       for (size_t r = 0; r < p_.size(); ++r) progress |= IssueWhatCanRun(static_cast<int32_t>(r));
+      // A fused GEMM's releases come one block per round after its issue, in its order: what
+      // waits for a later block is issued later, so work that needs only early blocks (the
+      // reduction of a reduce-scatter's first round) is not queued behind it.
+      ++round_;
+      while (!releases_.empty() && releases_.begin()->first <= round_) {
+        new_flags_.insert(releases_.begin()->second);
+        releases_.erase(releases_.begin());
+        progress = true;
+      }
       // The round's effects reach the peers.
       flags_.insert(new_flags_.begin(), new_flags_.end());
       sends_.insert(new_sends_.begin(), new_sends_.end());
@@ -111,13 +121,14 @@ class Play {
       const Op& first = me.program.ops[static_cast<size_t>(unit.begin)];
       me.queues[static_cast<size_t>(first.stream)].pop_front();
       me.order.push_back(unit);
-      me.rounds.push_back(round_);
+      me.rounds.push_back(static_cast<int32_t>(round_));
       issued = true;
       if (first.kind == OpKind::kRecord) me.recorded.insert(first.id);
       if (first.kind == OpKind::kSignal) new_flags_.insert({first.peer, first.id});
       if (first.kind == OpKind::kFusedGemm && first.fused.release_flags >= 0)
-        for (int32_t b = 0; b < first.fused.rows.count(); ++b)
-          new_flags_.insert({r, first.fused.release_flags + b});
+        for (size_t k = 0; k < first.fused.sequence.size(); ++k)
+          releases_.emplace(round_ + 1 + static_cast<int64_t>(k),
+                            std::make_pair(r, first.fused.release_flags + first.fused.sequence[k]));
       if (first.kind == OpKind::kAllReduce) {
         // The one-launch all-reduce: a kernel that completes once every rank launched its own
         // (it waits for every peer's flags), a rendezvous like an NCCL group with every peer.
@@ -165,7 +176,7 @@ class Play {
   }
 
   bool Done() const {
-    if (!launched_.empty()) return false;
+    if (!launched_.empty() || !releases_.empty()) return false;
     for (const Player& player : p_)
       for (const auto& queue : player.queues)
         if (!queue.empty()) return false;
@@ -190,10 +201,11 @@ class Play {
   }
 
   std::vector<Player> p_;
-  int32_t round_ = 0;
   std::set<std::pair<int32_t, int32_t>> flags_, new_flags_;  // (rank whose flag, id)
   std::set<Message> sends_, recvs_, new_sends_, new_recvs_;  // launched
   std::vector<Launched> launched_;
+  int64_t round_ = 0;  // the rounds played so far (a round: every rank issues what it can)
+  std::multimap<int64_t, std::pair<int32_t, int32_t>> releases_;  // round -> (rank, flag)
 };
 
 }  // namespace

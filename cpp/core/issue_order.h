@@ -28,8 +28,9 @@
 // its flag raised, a StreamWait its event recorded, a FusedGemm every flag
 // its kernel waits for raised (so everything those flags depend on is
 // enqueued before it, on every rank: the kernel holds every SM and never
-// waits for work behind it; its releases count as raised once it is
-// issued), an NCCL group is
+// waits for work behind it; its releases count as raised one block per
+// round after it is issued, in its order, so that what needs only its first
+// blocks is issued before what waits for its last), an NCCL group is
 // launched (and the rest of its stream waits until its peers have launched
 // the matching group: NCCL send/recv are rendezvous), everything else only
 // needs the ops before it on its stream. Peers' effects become visible at

@@ -102,6 +102,8 @@ const char* OpKindName(OpKind kind) {
       return "StreamWait";
     case OpKind::kFusedGemm:
       return "FusedGemm";
+    case OpKind::kReduce:
+      return "Reduce";
     case OpKind::kAllReduce:
       return "AllReduce";
   }
@@ -133,6 +135,13 @@ std::string ToString(const Op& op) {
     case OpKind::kMcReduce:
       out << "d=" << ToString(op.d) << " <- a=" << ToString(op.a) << ", " << op.batch << "x" << op.m
           << "x" << op.n;
+      if (op.sms > 0) out << ", on " << op.sms << " SMs";
+      break;
+    case OpKind::kReduce:
+      out << "d=" << ToString(op.d) << " <- sum of";
+      for (const Ref& src : op.sources) out << " " << ToString(src);
+      out << ", " << op.batch << "x" << op.m << "x" << op.n;
+      if (op.sms > 0) out << ", on " << op.sms << " SMs";
       break;
     case OpKind::kSend:
       out << "to=" << op.peer << " a=" << ToString(op.a) << ", " << op.batch << "x" << op.m << "x"
@@ -160,6 +169,7 @@ std::string ToString(const Op& op) {
       if (f.wait_flags >= 0)
         out << ", waits for flag " << f.wait_flags << "+b (ready shard " << f.ready_shard << ")";
       if (f.release_flags >= 0) out << ", releases flag " << f.release_flags << "+b";
+      if (f.spare_sms > 0) out << ", leaves " << f.spare_sms << " SMs";
       out << ", order";
       for (int32_t b : f.sequence) out << " " << b;
       break;
@@ -203,7 +213,8 @@ std::string ToString(const Program& p) {
 
 int64_t BlockBytes(const Program& p, const Op& op) {
   const bool writes = op.kind == OpKind::kRecv || op.kind == OpKind::kGemm ||
-                      op.kind == OpKind::kFusedGemm || op.kind == OpKind::kAllReduce;
+                      op.kind == OpKind::kFusedGemm || op.kind == OpKind::kReduce ||
+                      op.kind == OpKind::kAllReduce;
   const BufId buf = writes ? op.d.buf : op.a.buf;
   return op.batch * op.m * op.n * ElemBytes(p.problem, buf);
 }

@@ -74,10 +74,20 @@ enum class OpKind : int32_t {
   kStreamWait,  // this stream waits for event `id`
   kFusedGemm,   // one persistent GEMM over every row block: d[b] = a[b] @ b, waiting or
                 // releasing per row block (Op::fused; docs/gpu-internals.md §5)
+  kReduce,      // d <- the sum of Op::sources in list order, accumulated in float32 and
+                // rounded once to d's dtype: an N-way reduction in one pass
   kAllReduce,   // d <- the sum over every rank of its d, in place, in rank order (f32, rounded
                 // once): matmul_ar's one-launch kernel algorithms (docs/gpu-internals.md §7)
 };
 const char* OpKindName(OpKind kind);
+
+// The most blocks one Reduce sums (the kernel takes their addresses as its
+// parameters: cuda/kernels/kernel_body.h ReduceGeometry).
+inline constexpr int32_t kMaxReduceSources = 64;
+// The largest SM budget a program may name (Op::sms, FusedBlocks::spare_sms):
+// a program holds it on every GPU it runs on, so it stays well below any
+// fused-GEMM GPU's SM count (132 on an H100 SXM).
+inline constexpr int32_t kMaxKernelSms = 32;
 
 // The row blocks of a FusedGemm and what the kernel does at each. Its m rows
 // are `rows.shards` shards of `rows.shard_rows`, each split into
@@ -99,6 +109,12 @@ struct FusedBlocks {
   // Releases (GEMM + reduce-scatter): own flag release_flags + b is raised
   // once every tile touching block b is stored.
   int32_t release_flags = -1;  // -1: no releases
+  // The most SMs the kernel leaves free for the kernels of the rank's other
+  // streams (the reduction of released blocks, sized to them: Op::sms); how
+  // many on a device is fused_tiles.h SpareSms (as many as cost it no wave).
+  // Only a kernel that waits for nothing may leave SMs to others without a
+  // deadlock risk, and it needs none for correctness: docs/gpu-internals.md §5.
+  int32_t spare_sms = 0;
 
   bool Waits(int32_t block) const { return wait_flags >= 0 && rows.Shard(block) != ready_shard; }
 };
@@ -120,6 +136,13 @@ struct Op {
   Ref a_scale, b_scale;
   bool a_scaled = false, b_scaled = false;
   FusedBlocks fused;  // FusedGemm only
+  // Reduce: the blocks summed (batch x m x n each, of d's dtype), in the order
+  // the sum takes them: the same order gives every executor the same bits.
+  std::vector<Ref> sources;
+  // A kernel's SM budget (Add, McReduce, Reduce): its grid is sized to the SMs
+  // the program's fused GEMM leaves free (FusedBlocks::spare_sms), at most
+  // this many; 0: as many as its block needs (the whole device).
+  int32_t sms = 0;
 };
 
 // The problem one call solves, in canonical form (docs/native.md §1), with w

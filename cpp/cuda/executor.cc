@@ -82,6 +82,7 @@ struct Step {
   std::byte* src = nullptr;     // Copy, Send; Gemm: C when it must be copied into D first
   std::byte* dst = nullptr;     // Copy, Recv
   BlockArgs block;              // Add, McStore, McReduce
+  ReduceArgs reduce;            // Reduce
   GemmArgs gemm;                // Gemm
   void* workspace = nullptr;    // Gemm: its stream's cuBLASLt workspace (the rank's pool)
   bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
@@ -118,6 +119,20 @@ class Enqueuer {
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
                         " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
     for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
+    // The SMs a fused GEMM leaves to the reduction beside it: as many as cost its persistent
+    // grid no wave (fused_tiles.h SpareSms) on the SMs it may use (KernelSms), at most
+    // FusedBlocks::spare_sms and a quarter of those (only the fake's small devices have fewer
+    // than 4 x 8), at least one; the kernels sized to them (Op::sms) take the same number.
+    // jaxoverlap/sim/fused.py spare_sms mirrors it.
+    for (const Op& op : p_.ops)
+      if (op.kind == OpKind::kFusedGemm && op.fused.spare_sms > 0) {
+        int32_t sms = 0;
+        JO_CHECK(KernelSms(&sms));
+        const int64_t m_tiles = (op.m + fused::kTileRows - 1) / fused::kTileRows;
+        const int64_t n_tiles = (op.n + fused::kTileCols - 1) / fused::kTileCols;
+        spare_sms_ = std::max(1, fused::SpareSms(m_tiles, n_tiles, op.batch, sms,
+                                                 std::min(op.fused.spare_sms, sms / 4)));
+      }
     steps_.resize(p_.ops.size());
     for (size_t i = 0; i < p_.ops.size(); ++i) {
       const Status status = PrepareOp(p_.ops[i], &steps_[i]);
@@ -297,6 +312,23 @@ class Enqueuer {
         return OkStatus();
       case OpKind::kFusedGemm:
         return PrepareFused(op, step);
+      case OpKind::kReduce: {
+        ReduceArgs& r = step->reduce;
+        r.dtype = BufDType(p_.problem, op.d.buf);  // every source's too (CheckProgram)
+        r.dst = Resolve(op.d);
+        JO_ASSERT(r.dst != nullptr);
+        r.batch = op.batch;
+        r.m = op.m;
+        r.n = op.n;
+        r.dst_batch_stride = op.d.batch_stride;
+        r.dst_ld = op.d.ld;
+        for (const Ref& src : op.sources) {
+          r.sources.push_back({Resolve(src), src.batch_stride, src.ld});
+          JO_ASSERT(r.sources.back().ptr != nullptr);
+        }
+        r.sms = Budget(op);
+        return PrepareReduce(r, a_.ctx);
+      }
       case OpKind::kAllReduce:
         return PrepareAllReduceOp(op, step);
       case OpKind::kSend:
@@ -422,10 +454,10 @@ class Enqueuer {
           reinterpret_cast<uint32_t*>(a_.gen->Flag(rank, a_.epoch, blocks.release_flags, rank));
       f.counters = reinterpret_cast<uint32_t*>(state + sizeof(FusedGemmFault));
     }
-    JO_CUDA_CHECK(ctx_,
-                  cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, a_.device));
-    if (a_.device_share > 1)  // the loopback: an even share (clusters of two CTAs)
-      f.sm_count = std::max(2, f.sm_count / a_.device_share / 2 * 2);
+    // A release-only kernel leaves the reduction beside it the SMs the program reserved for
+    // it (FusedBlocks::spare_sms, as Prepare bounded them; its kernels are sized to them).
+    JO_CHECK(KernelSms(&f.sm_count));
+    if (blocks.spare_sms > 0) f.sm_count -= spare_sms_;
     int major = 0, minor = 0;  // the kernel (and its tile order's unit) is the device's
     JO_CUDA_CHECK(ctx_,
                   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a_.device));
@@ -483,6 +515,8 @@ class Enqueuer {
         return LaunchMcStore(step.block, step.stream, a_.ctx);
       case OpKind::kMcReduce:
         return LaunchMcReduce(step.block, step.stream, a_.ctx);
+      case OpKind::kReduce:
+        return LaunchReduce(step.reduce, step.stream, a_.ctx);
       case OpKind::kSignal:
         // Default flags: the write is fenced after every prior write of the stream.
         JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(step.stream),
@@ -520,6 +554,21 @@ class Enqueuer {
     return Internal("unknown op kind");
   }
 
+  // The SMs a kernel's grid is sized to: those the program's fused GEMM leaves it (0: the
+  // whole device).
+  // The SMs a fused GEMM of this rank may use: the device's, or in the loopback (ranks
+  // sharing one GPU) an even share of them (clusters of two CTAs).
+  Status KernelSms(int32_t* sms) {
+    int device_sms = 0;
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, a_.device));
+    *sms = device_sms;
+    if (a_.device_share > 1) *sms = std::max(2, device_sms / a_.device_share / 2 * 2);
+    return OkStatus();
+  }
+
+  int32_t Budget(const Op& op) const { return op.sms > 0 ? std::min(op.sms, spare_sms_) : 0; }
+
   BlockArgs Block(const Op& op, const void* src, const Ref& s, void* dst, const Ref& d) const {
     BlockArgs b;
     b.dtype = BufDType(p_.problem, s.buf);  // d's too (CheckProgram)
@@ -532,6 +581,7 @@ class Enqueuer {
     b.src_ld = s.ld;
     b.dst_batch_stride = d.batch_stride;
     b.dst_ld = d.ld;
+    b.sms = Budget(op);
     return b;
   }
 
@@ -623,6 +673,7 @@ class Enqueuer {
   std::vector<PreparedAllReduce> allreduce_;  // the AllReduce steps
   bool warmed_ = false;     // a new cuBLASLt plan ran its warm-up in Prepare: join it first
   bool has_fused_ = false;  // the program has a FusedGemm
+  int32_t spare_sms_ = 0;   // the SMs the fused GEMM leaves to the kernels beside it
 };
 
 PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}

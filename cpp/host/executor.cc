@@ -217,6 +217,8 @@ class Run {
       }
       case OpKind::kFusedGemm:
         return FusedGemm(op);
+      case OpKind::kReduce:
+        return Reduce(op);
       case OpKind::kAllReduce:
         return AllReduce(op);
       case OpKind::kSignal:
@@ -288,6 +290,31 @@ class Run {
           float sum = reduce_all ? 0.0f : LoadElement(dt, dst, di);
           for (const std::byte* src : srcs) sum += LoadElement(dt, src, si);
           StoreElement(dt, dst, di, sum);
+        }
+    return OkStatus();
+  }
+
+  // Reduce: d = the sum of the sources in their order, accumulated in f32 and
+  // rounded once to d's dtype (the output type, CheckProgram), as the kernel
+  // sums them (cuda/kernels/kernel_body.h ReduceBody).
+  Status Reduce(const Op& op) {
+    const DType dt = BufDType(p_.problem, op.d.buf);
+    std::byte* dst = Resolve(op.d);
+    JO_ASSERT(dst != nullptr);
+    std::vector<const std::byte*> srcs;
+    for (const Ref& ref : op.sources) {
+      srcs.push_back(Resolve(ref));
+      JO_ASSERT(srcs.back() != nullptr);
+    }
+    for (int64_t b = 0; b < op.batch; ++b)
+      for (int64_t i = 0; i < op.m; ++i)
+        for (int64_t j = 0; j < op.n; ++j) {
+          float sum = 0.0f;
+          for (size_t k = 0; k < srcs.size(); ++k) {
+            const Ref& ref = op.sources[k];
+            sum += LoadElement(dt, srcs[k], b * ref.batch_stride + i * ref.ld + j);
+          }
+          StoreElement(dt, dst, b * op.d.batch_stride + i * op.d.ld + j, sum);
         }
     return OkStatus();
   }

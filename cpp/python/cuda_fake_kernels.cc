@@ -7,12 +7,14 @@
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/program.h"
@@ -177,6 +179,37 @@ nb::dict RunBlock(const std::string& kind, const std::string& dtype, int64_t bat
   return out;
 }
 
+// One Reduce through the real launcher: dst (device 0, given whole) at dst_offset <- the sum
+// of `sources`, each (its buffer whole, batch stride, ld, offset), sized to `sms` SMs.
+nb::dict RunReduce(const std::string& dtype, int64_t batch, int64_t m, int64_t n, int64_t dst_bs,
+                   int64_t dst_ld, int64_t dst_offset, const nb::bytes& dst,
+                   const std::vector<std::tuple<nb::bytes, int64_t, int64_t, int64_t>>& sources,
+                   int32_t sms, bool trace) {
+  jo::cuda::ReduceArgs a;
+  a.dtype = DTypeOf(dtype);
+  const int64_t es = jo::DTypeSize(a.dtype);
+  std::byte* dst_mem = Device(0, dst);
+  a.dst = dst_mem + dst_offset * es;
+  a.batch = batch, a.m = m, a.n = n, a.dst_batch_stride = dst_bs, a.dst_ld = dst_ld;
+  for (const auto& [contents, bs, ld, offset] : sources)
+    a.sources.push_back({Device(0, contents) + offset * es, bs, ld});
+  a.sms = sms;
+  cudaStream_t s = StreamOn(0);
+  jo::fake::TraceKernels(trace);
+  jo::cuda::ErrorContext ctx;
+  ctx.op = "run_reduce";
+  jo::Status status = jo::cuda::PrepareReduce(a, ctx);
+  if (status.ok()) status = jo::cuda::LaunchReduce(a, s, ctx);
+  const bool drained = jo::fake::Drain();
+  nb::dict out;
+  out["status"] = status.ok() ? nb::none() : nb::object(nb::str(status.ToString().c_str()));
+  out["drained"] = drained;
+  out["traces"] = TracesOut();
+  jo::fake::TraceKernels(false);
+  out["dst"] = nb::bytes(reinterpret_cast<const char*>(dst_mem), dst.size());
+  return out;
+}
+
 // The deliberate misuse: a multimem kernel launched (bypassing the launcher's
 // variant check) on a device whose variant of it was compiled without multimem.
 // Install such images first (reset(kernel_images=...)). What each later call
@@ -233,6 +266,11 @@ void BindFakeKernels(nb::module_& m) {
         nb::arg("dst") = nb::none(), nb::arg("memory") = std::vector<nb::bytes>{},
         nb::arg("trace") = false,
         "One block through the real launcher and the shared kernel bodies on the fake.");
+  m.def("run_reduce", &RunReduce, nb::arg("dtype"), nb::arg("batch"), nb::arg("m"), nb::arg("n"),
+        nb::arg("dst_bs"), nb::arg("dst_ld"), nb::arg("dst_offset"), nb::arg("dst"),
+        nb::arg("sources"), nb::arg("sms") = 0, nb::arg("trace") = false,
+        "One Reduce (d <- the sum of its sources) through the real launcher and the shared "
+        "kernel body on the fake.");
   m.def("trap_check", &TrapCheck,
         "Launches a multimem kernel whose variant lacks multimem; what every later call answers.");
 }

@@ -394,6 +394,10 @@ NB_MODULE(_cuda_fake, m) {
   m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
         "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
         "what the fake recorded for each.");
+  m.def("reduce_misuse_checks", &jo::fake::ReduceMisuseChecks,
+        "The fused GEMM + reduce-scatter's reduction beside the kernel: a block read before its "
+        "release, a reduction sized to SMs the kernel does not leave (and the control): what the "
+        "fake recorded for each.");
   m.def("fp8_misuse_checks", &jo::fake::Fp8MisuseChecks,
         "One deliberate misuse (and controls) per cuBLASLt FP8 rule the fake models: what the "
         "fake recorded for each.");

@@ -153,6 +153,7 @@ nb::dict FusedDict(const jo::FusedBlocks& f) {
   d["ready_shard"] = f.ready_shard;
   d["writers"] = f.writers;
   d["release_flags"] = f.release_flags;
+  d["spare_sms"] = f.spare_sms;
   return d;
 }
 
@@ -171,6 +172,8 @@ jo::FusedBlocks FusedFromDict(nb::handle d) {
   f.ready_shard = nb::cast<int32_t>(d["ready_shard"]);
   f.writers = nb::cast<std::vector<int32_t>>(d["writers"]);
   f.release_flags = nb::cast<int32_t>(d["release_flags"]);
+  const nb::dict fd = nb::cast<nb::dict>(d);
+  f.spare_sms = fd.contains("spare_sms") ? nb::cast<int32_t>(fd["spare_sms"]) : 0;
   return f;
 }
 
@@ -203,6 +206,12 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   d["a_scale"] = op.a_scaled ? nb::object(RefDict(op.a_scale)) : nb::none();
   d["b_scale"] = op.b_scaled ? nb::object(RefDict(op.b_scale)) : nb::none();
   if (op.kind == jo::OpKind::kFusedGemm) d["fused"] = FusedDict(op.fused);
+  const bool reduce = op.kind == jo::OpKind::kReduce;
+  if (reduce) d["d"] = RefDict(op.d);
+  nb::list sources;  // Reduce: the blocks summed, in order
+  for (const jo::Ref& src : op.sources) sources.append(RefDict(src));
+  d["sources"] = reduce ? nb::object(sources) : nb::none();
+  d["sms"] = op.sms;
   d["text"] = jo::ToString(op);
   return d;
 }
@@ -320,6 +329,10 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     if (op.a_scaled) op.a_scale = RefFromDict(od["a_scale"]);
     if (op.b_scaled) op.b_scale = RefFromDict(od["b_scale"]);
     if (op.kind == jo::OpKind::kFusedGemm) op.fused = FusedFromDict(o["fused"]);
+    if (od.contains("sources") && !od["sources"].is_none())
+      for (nb::handle src : nb::cast<nb::list>(od["sources"]))
+        op.sources.push_back(RefFromDict(src));
+    op.sms = od.contains("sms") ? nb::cast<int32_t>(od["sms"]) : 0;
     p.ops.push_back(op);
   }
   return p;

@@ -154,6 +154,9 @@ void BindFusedTiles(nb::module_& m) {
         nb::arg("sm_count"),
         "PersistentGrid::Make: the persistent CTAs, the M slots, and (batch, M slot, N tile) of "
         "every unit of work in order.");
+  m.def("fused_spare_sms", &jo::fused::SpareSms, nb::arg("m_tiles"), nb::arg("n_tiles"),
+        nb::arg("batch"), nb::arg("device_sms"), nb::arg("most"),
+        "SpareSms: the SMs a release-only fused GEMM leaves to the reduction beside it.");
   m.def("fused_mapping", &Mapping, nb::arg("shards"), nb::arg("chunks"), nb::arg("shard_rows"),
         nb::arg("tile_rows"),
         "core/fused_tiles.h for one shape: each block's rows [begin, end), the block of every "

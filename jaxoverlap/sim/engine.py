@@ -122,6 +122,9 @@ class _Engine:
         self.seq = 0
         self.activities: list[_Activity] = []
         self.fused: list[_FusedGemm] = []  # running fused GEMMs (their stalled tiles)
+        # per rank: the SMs its fused GEMM leaves to the kernels sized to them (Op::sms)
+        self.spare = [max((fused.spare_sms(preset, op) for op in pr["ops"]
+                           if op["kind"] == "FusedGemm"), default=0) for pr in programs]
         self.all_reduces: dict[int, int] = {}  # rank -> AllReduce ops it started
         self.all_reduce_waiting: dict[int, list[Callable[[], None]]] = {}  # k-th: arrived
         self.spans: list[Span] = []
@@ -149,6 +152,13 @@ class _Engine:
         self.pos[key] += count
         self.busy[key] = False
         self.reached[key] = self.now
+
+    def budget(self, rank: int, op: dict[str, Any]) -> int:
+        """The SMs a kernel's grid is sized to: ``Op::sms``, at most those its rank's fused GEMM
+        leaves it (as the CUDA executor sizes it; a program without one, made by hand: its
+        own); 0: the whole device."""
+        most = int(op.get("sms", 0) or 0)
+        return min(most, self.spare[rank]) if most > 0 and self.spare[rank] > 0 else most
 
     def elem(self, rank: int) -> int:
         return int(self.programs[rank]["elem_bytes"])
@@ -247,11 +257,11 @@ class _Engine:
         elif kind == "Reduce":  # N partials in one pass on its SM budget (sim.reduction)
             sources = op["sources"] or ()
             remote = any(src["rank"] != r for src in sources)
-            t = reduction.reduction_time(p, len(sources), op["bytes"], op.get("sms") or None,
-                                         remote)
+            t = reduction.reduction_time(p, len(sources), op["bytes"],
+                                         self.budget(r, op) or None, remote)
             start_s = p.ar_start_us * model.US
             hbm = (len(sources) + 1) * op["bytes"] / max(t - start_s, 1e-12)
-            sms = reduction.reduction_sms(p, op.get("sms"))
+            sms = reduction.reduction_sms(p, self.budget(r, op))
             self.at(self.now + start_s, lambda: self.activities.append(_Activity(
                 t - start_s, done, rank=r, sm_user=("reduce", (r,), sms), hbm=hbm)))
         elif kind == "AllReduce":  # one kernel on every rank: its flag rounds join them
@@ -271,7 +281,7 @@ class _Engine:
                           done)
         elif kind == "McReduce":  # every peer's memory is read, the switch reduces
             peers = tuple(q for q in range(self.n) if q != r)
-            sms = op.get("sms") or p.mc_sms  # a budget (the SMs a fused GEMM leaves) or mc_sms
+            sms = self.budget(r, op) or p.mc_sms  # the SMs a fused GEMM leaves it, or mc_sms
             self.transfer(self.carrier(r, "multicast"), op["bytes"],
                           (("in", r), *(("out", q) for q in peers)), (r, *peers),
                           ("mc", (r,), sms), done)

@@ -47,6 +47,11 @@ def family(op: str, candidate: Any) -> str:
         if kernel := base_algorithm(candidate.algorithm):
             return f"matmul_ar:one_launch:{kernel}"
         return "matmul_ar:one_shot" if candidate.algorithm == "one_shot" else "matmul_ar:chunked"
+    if op == "matmul_rs" and candidate.fused and (candidate.transport == "multicast"
+                                                  or candidate.chunks > 1):
+        # the fused program's reduction of sub-chunk s runs beside the kernel's later rounds
+        # (core/build_rs_fused.cc); over p2p with one sub-chunk it runs after the kernel
+        return "matmul_rs:overlapped"
     return f"{op}:{'fused' if candidate.fused else 'chunked'}"
 
 

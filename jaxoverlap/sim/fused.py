@@ -197,13 +197,43 @@ def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
                     f["release_flags"])
 
 
+def spare(m_tiles: int, n_tiles: int, batch: int, sms: int, most: int) -> int:
+    """The SMs a fused GEMM that waits for nothing leaves to the reduction beside it:
+    ``fused_tiles.h`` ``SpareSms`` (the most, up to ``most``, that cost its persistent grid no
+    wave; two when even two do; even: clusters of two)."""
+    if most < 2:
+        return 0
+
+    def waves(on: int) -> int | None:
+        _, ctas = grid(m_tiles, n_tiles, batch, on)
+        return -(-(m_tiles + m_tiles % 2) * n_tiles * batch // ctas) if ctas >= 2 else None
+
+    full = waves(sms)
+    for s in range(most - most % 2, 2, -2):
+        if waves(sms - s) == full:
+            return s
+    return 2
+
+
+def spare_sms(p: Preset, op: dict[str, Any]) -> int:
+    """The SMs the FusedGemm ``op`` leaves on preset ``p``, as the CUDA executor picks them:
+    ``spare`` up to ``FusedBlocks::spare_sms`` and a quarter of the device's, at least one."""
+    most = int(op["fused"].get("spare_sms", 0))
+    if most <= 0:
+        return 0
+    tm, tn = p.fused_gemm_tile
+    return max(1, spare(math.ceil(op["m"] / tm), math.ceil(op["n"] / tn), op["batch"], p.sms,
+                        min(most, p.sms // 4)))
+
+
 def kernel_sms(p: Preset, op: dict[str, Any]) -> int:
     """The SMs the FusedGemm ``op`` runs on: the GPU's, less those it leaves to the rank's
-    other streams (``fused["spare_sms"]``: a reduction beside a release-only kernel)."""
+    other streams (a reduction beside a release-only kernel: ``spare_sms``, as many of
+    ``fused["spare_sms"]`` as the CUDA executor leaves)."""
     spare = int(op["fused"].get("spare_sms", 0) or 0)
     if not 0 <= spare < p.sms:
         raise ValueError(f"spare_sms: expected 0..{p.sms - 1} on preset {p.name!r}, got {spare}")
-    return p.sms - spare
+    return p.sms - spare_sms(p, op)
 
 
 def kernel_busy(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,

@@ -120,11 +120,11 @@ FUSED_GEMM = dict(fused_gemm_rate=0.975, fused_gemm_tile=(128, 256))
 # model's worst serial error (8%), and its worst optimism on the published designs closest to
 # each family on that machine. On the h100: GEMM+RS chunked rings against PyTorch's decomposed
 # async-TP (kraken PR #19: 38%), release-only fused GEMM+RS against Flux's and Triton-
-# distributed's losses (51.6%), one-launch one-shot all-reduces against the lean published ones
+# distributed's losses (34.2%), one-launch one-shot all-reduces against the lean published ones
 # (22.3%); families with no comparison, and each op's key, the largest derived (68.2%: the
 # published one-launch two-shot kernels run up to 3x what the lean mechanism prices).
 _H100_MARGINS = {"ag_matmul:chunked": 0.08, "ag_matmul:fused": 0.08, "matmul_rs:chunked": 0.38,
-                 "matmul_rs:fused": 0.516, "matmul_ar:one_launch:one_shot": 0.223}
+                 "matmul_rs:fused": 0.342, "matmul_ar:one_launch:one_shot": 0.223}
 _H100_LARGEST = 0.682
 _FAMILY_KEYS = ("ag_matmul:chunked", "ag_matmul:fused", "matmul_rs:chunked", "matmul_rs:fused",
                 "matmul_rs:overlapped", "matmul_ar:chunked", "matmul_ar:one_shot",

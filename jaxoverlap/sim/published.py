@@ -219,14 +219,14 @@ DISAGREES: dict[str, str] = {
     **{f"F8/{m}": "Flux's fused GEMM+RS (in-kernel pulls into a reduce buffer, then a torch sum "
                   "of the stacked partials) loses on 8xH100 at every M of this user's run, while "
                   "the model projects our release-only fused GEMM+RS, the closest program, to "
-                  "gain from M 2048; Triton-distributed's GEMM+RS at nearly this shape on 8xH100 "
+                  "gain from M 4096; Triton-distributed's GEMM+RS at nearly this shape on 8xH100 "
                   "gains 1.23x (TDH-8), and Flux itself gains on H800 (F2). Likely Flux's own "
                   "transfers: the same user's tuning logs (bytedance/flux#100) time Flux's "
                   "GEMM+RS at M 32768, N 8192, K 1024 at 4595 us, a reduce-scatter of 512 MiB at "
                   "~100 GB/s bus bandwidth where NCCL reaches ~360. Not a mechanism of our "
                   "programs, so nothing is fitted to it; the fused GEMM+RS family's margin on "
                   "the h100 takes it in."
-       for m in _F7_M if m >= 2048},
+       for m in _F7_M if m >= 4096},
     **{f"TDH-s{tp}": "Triton-distributed's overlapped GEMM+RS at 34-69 GFLOP per rank: the PR "
                      "itself says the persistent kernel's fixed overhead (TMA descriptors, "
                      "barriers, signals) exceeds the overlap there, and adds a fallback to "
@@ -235,12 +235,6 @@ DISAGREES: dict[str, str] = {
                      "where the design lost, and the fused family's margin on the h100 takes in "
                      "the ratio."
        for tp in (8, 4)},
-    **{f"KR-CE/{m}": "kraken's copy-engine persistent GEMM+RS (the same design as Triton-"
-                     "distributed's) loses at M_g 512-1024 (N 4096, K 14336 per rank: 7.5-15 "
-                     "GFLOP per rank) where our release-only fused GEMM+RS projects a smaller loss "
-                     "or break-even: the same fixed costs of that design the model does not "
-                     "price; the fused family's margin takes it in."
-       for m in (512, 1024)},
     **{f"KR-ATP/{m}": "PyTorch's async-TP GEMM+RS (decomposed: a cuBLAS GEMM per destination from "
                       "Python, copy-engine pulls, a torch sum of the stacked partials) loses "
                       "0.22-0.56x at M_g 512-2048; our chunked ring, the closest program, also "

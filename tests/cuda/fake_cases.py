@@ -132,11 +132,10 @@ def _fused_expected(op, transport, xs, ws, rows, dtype):
     out = []
     for r in range(n):
         partial = [_gemm(xs[i][:, r * rows:(r + 1) * rows], ws[i], dtype) for i in range(n)]
-        y = partial[r]  # the own partial, then the received ones in rank order
-        for i in range(n):
-            if i != r:
-                y = (y.astype(np.float32) + partial[i].astype(np.float32)).astype(DTYPES[dtype])
-        out.append(y)
+        acc = np.zeros(partial[0].shape, np.float32)  # every rank's partial in rank order, in
+        for i in range(n):                             # float32, rounded once (the Reduce)
+            acc = acc + partial[i].astype(np.float32)
+        out.append(acc.astype(DTYPES[dtype]))
     return out
 
 

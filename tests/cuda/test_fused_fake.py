@@ -3,11 +3,14 @@
 The fake runs the kernel as docs/gpu-internals.md §5 and ``cpp/cuda/fake/fake_fused_gemm.cc``
 describe: persistent CTAs taking their units of work in the stock scheduler's order, each tile
 waiting for its blocks' flags and computed with the reference GEMM, rows read before their flag
-poisoned (NaN, and a misuse recorded), the kernel holding every SM while it runs. The results are
+poisoned (NaN, and a misuse recorded), the kernel holding the SMs of its launch while it runs
+(every SM, but those a release-only kernel leaves to the reduction beside it). The results are
 checked bit for bit against an emulation of the program's arithmetic in NumPy (each product in
-float32, K in order, rounded once; the reduce-scatter's sums in its order, rounded after each add),
-over a grid of shapes whose tiles straddle chunks and shards, with several units of work per CTA,
-with one and with eight work queues.
+float32, K in order, rounded once; the reduce-scatter's sum of every rank's partial in rank
+order, in float32, rounded once), over a grid of shapes whose tiles straddle chunks and shards,
+with several units of work per CTA, with one and with eight work queues. The reduce-scatter's
+reduction runs beside the kernel, on the SMs it leaves, and reads no block of it before its
+release (else the fake reports it).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ GRID = [
 def test_the_fused_programs_are_exact_on_the_fake(fake, op, transport):
     """Every grid case, with 1 and 8 work queues and with 132, 6 and 4 SMs (several units of
     work per CTA: the static striding), both 16-bit types, and three calls back to back (both
-    parities of the workspace and flags)."""
+    parities of the workspace and flags). No kernel runs beside a fused GEMM that waits (AG), nor
+    a reduction sized to the whole device (the p2p reduce-scatter's one sub-chunk)."""
     for i, ((n, batch, rows, k, nw, chunks, bidi), connections) in enumerate(
             itertools.product(GRID, (1, 8))):
         dtype = ("bfloat16", "float16")[i % 2]
@@ -54,9 +58,40 @@ def test_the_fused_programs_are_exact_on_the_fake(fake, op, transport):
         try:
             check_fused(fake, out, op, transport, xs, ws, rows, dtype, gathered)
             assert fake.counters().get("cudaLaunchKernelEx") == 3 * n  # one kernel per call
+            if op == "ag_matmul" or (transport == "p2p" and chunks == 1):
+                assert fake.counters().get("kernels beside a persistent kernel") is None
         except AssertionError as e:
             e.add_note(f"in the case {(n, batch, rows, k, nw, chunks, bidi, connections, sms)}")
             raise
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+def test_the_reduction_runs_beside_the_fused_gemm(fake, transport, connections):
+    """GEMM + RS with 4 sub-chunks of 4 M tiles each (the fake computes a tile per step): the
+    reductions of the first rounds start while the kernel still computes later ones, on the SMs
+    it left them (with 1 work queue too: core/issue_order issues a reduction before the copies
+    that wait for the kernel's later blocks), and the result is exact."""
+    fake.reset(fake.Config(connections=connections, sms=8, seed=5))
+    args = dict(batch=1, rows=2048, k=8, nw=264, dtype="bfloat16", chunks=4, bidirectional=False)
+    out, xs, ws = run_fused(fake, "matmul_rs", transport, 4, **args)
+    check_fused(fake, out, "matmul_rs", transport, xs, ws, 2048, "bfloat16")
+    assert fake.counters().get("kernels beside a persistent kernel", 0) > 0
+
+
+@pytest.mark.parametrize(("rows", "sms"), [(512, 48), (4096, 62)])
+def test_the_fused_gemm_leaves_the_reduction_the_sms_that_cost_it_no_wave(fake, rows, sms):
+    """On a 64-SM device the executor leaves the reduction beside the fused GEMM + RS at most 16
+    SMs (a quarter of 64), as many as cost the persistent grid no wave (fused_tiles.h SpareSms).
+    N = 2, 264 columns (2 N tiles): 512 rows a block are 8 M tiles, 16 units of work, one wave on
+    any 48 SMs: it leaves 16; 4096 rows are 64 M tiles, 128 units, 2 waves on 64 SMs (64 CTAs)
+    but 3 on 60 or fewer (at most 60 CTAs): it leaves the least, 2."""
+    fake.reset(fake.Config(sms=64, seed=7))
+    out, xs, ws = run_fused(fake, "matmul_rs", "p2p", 2, batch=1, rows=rows, k=8, nw=264,
+                            dtype="bfloat16", chunks=2, bidirectional=False)
+    check_fused(fake, out, "matmul_rs", "p2p", xs, ws, rows, "bfloat16")
+    launched = {k: v for k, v in fake.counters().items() if k.startswith("fused GEMM on")}
+    assert launched == {f"fused GEMM on {sms} SMs": 2}, launched
 
 
 def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):
@@ -143,3 +178,24 @@ def test_the_fused_flags_are_checked_by_the_poison(fake, cc):
     fake.reset(fake.Config(seed=3, cc_major=cc[0], cc_minor=cc[1]))
     out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
     check_fused(fake, out, "ag_matmul", "p2p", xs, ws, 96, "bfloat16")
+
+
+def test_the_fake_fails_loudly_on_a_misused_reduction(fake):
+    """The reduction beside a fused GEMM that releases its output (docs/gpu-internals.md §5):
+    reading a block before its release — by a kernel or by the copy engine — and a reduction
+    sized to SMs the kernel does not leave (launched on every SM) are reported; after the
+    release, on the SMs the kernel leaves, nothing is (the control)."""
+    caught = fake.reduce_misuse_checks()
+    assert caught == {
+        "a reduction beside the fused GEMM, after its release, on the SMs it leaves (control)": "",
+        "a block reduced before its release": caught["a block reduced before its release"],
+        "a block copied out before its release": caught["a block copied out before its release"],
+        "a reduction sized to SMs the fused GEMM does not leave":
+            caught["a reduction sized to SMs the fused GEMM does not leave"],
+    }
+    for name in ("a block reduced before its release", "a block copied out before its release"):
+        assert "whose release flag is not at the epoch yet" in caught[name], caught[name]
+    assert "kernel Reduce<bf16" in caught["a block reduced before its release"]
+    assert "cudaMemcpyAsync read" in caught["a block copied out before its release"]
+    sms = caught["a reduction sized to SMs the fused GEMM does not leave"]
+    assert "is sized to 2 SMs" in sms and "leaves 0 of the device's 8 free" in sms, sms

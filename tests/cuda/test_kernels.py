@@ -1,8 +1,8 @@
 """The device kernels' own code, run in CI on the fake.
 
-Each thread of AddBlock, McStore and McReduce runs ``cpp/cuda/kernels/kernel_body.h`` — on a GPU
-compiled by nvcc, here compiled by the host compiler and run by the fake for every thread of the
-grid, with only the GPU-only instructions (global loads/stores, multimem, fences, bf16/f16
+Each thread of AddBlock, Reduce, McStore and McReduce runs ``cpp/cuda/kernels/kernel_body.h`` —
+on a GPU compiled by nvcc, here compiled by the host compiler and run by the fake for every thread
+of the grid, with only the GPU-only instructions (global loads/stores, multimem, fences, bf16/f16
 conversion) behind the fake's ``FakeOps``. ``run_block`` goes through the real launchers
 (``kernels_common.cc``: access width, geometry in accesses, grid), so what is checked here is the
 index math, vector widths and offsets the GPU would run. The fake also models which compiled
@@ -203,6 +203,49 @@ def test_each_thread_does_what_grid_stride_assigns_it(fake, shape):
     cols = n // 4
     _check_grid_stride(trace, batch, m, cols, dbs // 4, dld // 4, 16, "s")
     assert trace["grid"][1] <= 2048 and trace["grid"][2] <= 2048
+
+
+# (dtype, batch, m, n, dst (bs, ld, offset), sources [(bs, ld, offset)], sms, access bytes):
+# the fused GEMM + RS's sum of N partials — the kernel's rows (ld N*R*n... here any strides) and
+# the received slots — in the widest access every address divides; 0 SMs: the whole device.
+REDUCE_CASES = [
+    ("bfloat16", 2, 3, 16, (48, 16, 0), [(96, 16, 0), (48, 16, 0), (48, 16, 48 * 2)], 0, 16),
+    ("bfloat16", 2, 3, 16, (64, 16, 8), [(96, 16, 16), (48, 16, 0)], 2, 16),
+    ("float16", 1, 4, 12, (48, 12, 0), [(48, 12, 0), (64, 16, 0), (64, 16, 4), (48, 12, 0)], 1,
+     8),
+    ("float16", 1, 2, 5, (10, 5, 1), [(10, 5, 0), (10, 5, 3)], 0, 2),
+    ("float32", 3, 2, 8, (16, 8, 0), [(16, 8, 0)] * 8, 0, 16),
+    ("float32", 1, 300, 8, (2400, 8, 0), [(4800, 16, 0), (2400, 8, 0)], 1, 16),
+]
+
+
+@pytest.mark.parametrize("case", REDUCE_CASES, ids=lambda c: f"{c[0]}-{len(c[5])}x-sms{c[6]}")
+def test_reduce_sums_its_sources_in_order_in_float32(fake, case):
+    """d <- the sum of the sources in their order, in float32, rounded once; every destination
+    access stored once by the thread grid-stride assigns it, after loading each source at the
+    same (batch, row, column); the grid at most 16 blocks per SM of its budget."""
+    dtype, batch, m, n, (dbs, dld, doff), sources, sms, width = case
+    rng = np.random.default_rng(7)
+    srcs = [_random(rng, dtype, _extent(batch, m, n, bs, ld, off)) for bs, ld, off in sources]
+    dst = _random(rng, dtype, _extent(batch, m, n, dbs, dld, doff))
+    out = fake.run_reduce(dtype, batch, m, n, dbs, dld, doff, dst.tobytes(),
+                          [(x.tobytes(), bs, ld, off) for x, (bs, ld, off)
+                           in zip(srcs, sources, strict=True)], sms=sms, trace=True)
+    assert out["status"] is None and out["drained"], (out["status"], fake.errors())
+    assert fake.errors() == []
+    acc = np.zeros((batch, m, n), np.float32)
+    for x, (bs, ld, off) in zip(srcs, sources, strict=True):
+        acc = acc + x[_index(batch, m, n, bs, ld, off)].astype(np.float32)
+    want = dst.copy()
+    want[_index(batch, m, n, dbs, dld, doff)] = acc.astype(DTYPES[dtype])
+    np.testing.assert_array_equal(_bits(np.frombuffer(out["dst"], DTYPES[dtype])), _bits(want))
+    (trace,) = out["traces"]
+    assert {a[7] for a in trace["accesses"]} == {width}
+    gx, gy, gz = trace["grid"]
+    assert sms == 0 or gx * gy * gz <= 16 * sms
+    loads = collections.Counter((a[0], a[1], a[2], a[3]) for a in trace["accesses"] if a[4] == "l")
+    stores = collections.Counter((a[0], a[1], a[2], a[3]) for a in trace["accesses"] if a[4] == "s")
+    assert {t: loads[t] for t in stores} == {t: len(sources) * c for t, c in stores.items()}
 
 
 def test_long_rows_grid_stride_in_x(fake):

@@ -57,10 +57,10 @@ def _dump(cuda, *args) -> str:
 
 
 def _family(symbol: str) -> str | None:
-    if "AddBody" in symbol:
-        return "add"
     if "McStoreBody" in symbol or "McReduceBody" in symbol:
         return "multimem"
+    if "AddBody" in symbol or "ReduceBody" in symbol:  # compiled together (kernels.cu)
+        return "add"
     if "FlagWaitMainloop" in symbol:  # the fused GEMM (docs/gpu-internals.md §5)
         return "fused_sm100" if "SM100_MMA" in symbol else "fused"
     return None
@@ -153,3 +153,20 @@ def test_sm80_code_has_no_multimem(cuda):
     assert "LDGMC" not in _dump(cuda, "-sass", "-arch", "sm_80")
     elf = [b for arch, b in _sections(_dump(cuda, "-elf"), "elf") if arch == "sm_80"]
     assert elf and not any("McStoreBody" in b or "McReduceBody" in b for b in elf)
+
+
+def test_the_reduce_kernels_load_and_store_16_bytes_per_access(cuda):
+    """The fused GEMM + RS's reduction (kernel_body.h ReduceBody) in the sm_90 SASS: every element
+    type's 16-byte variant moves each source and the result as one 128-bit access (LDG.E.128,
+    STG.E.128) and adds in float32 (FADD); it has no fence or atomic: what it reads is ordered by
+    its stream's flag waits (docs/gpu-internals.md §5), not by device-side acquires."""
+    sass = _dump(cuda, "-sass", "-arch", "sm_90")
+    bodies = {}
+    for part in re.split(r"\n\s+Function : ", sass)[1:]:
+        name, body = part.split("\n", 1)
+        if "10ReduceBody" in name and "Li16E" in name:  # not McReduceBody
+            bodies[name] = body
+    assert len(bodies) == 3, sorted(bodies)  # f32, bf16, f16
+    for name, body in bodies.items():
+        assert "LDG.E.128" in body and "STG.E.128" in body and "FADD" in body, name
+        assert "MEMBAR" not in body and "ATOM" not in body and "RED." not in body, name

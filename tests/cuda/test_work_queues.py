@@ -24,6 +24,8 @@ import random
 
 import pytest
 
+from jaxoverlap import _kinds
+
 from .fake_cases import OPS, TRANSPORTS, check, check_fused, run_case, run_fused
 
 # The CUDA executor on its fake, driven directly: no JAX.
@@ -68,6 +70,31 @@ def test_every_fused_program_completes_through_the_work_queues(fake, connections
         except AssertionError as e:
             e.add_note(f"in the case {(op, transport, chunks, bidirectional)}")
             raise
+
+
+@pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS, fused=True))
+def test_the_fused_rs_with_ranks_at_uneven_speeds(fake, transport):
+    """The fused GEMM + reduce-scatter (its reduction beside the kernel, on the SMs it leaves: 8
+    SMs a device, so it leaves 2) with the ranks' host threads at uneven speeds (``host_jitter``,
+    two seeds), 1 and 8 work queues, N 2, 3 and 8, chunks 1..4, two calls each back to back on
+    one clique: exact every time, no misuse reported, and reductions ran beside the kernels."""
+    beside = 0
+    for n, connections, seed in itertools.product((2, 3, 8), (1, 8), (1, 2)):
+        fake.reset(fake.Config(connections=connections, seed=seed, host_jitter=seed, sms=8))
+        # N = 2: two N tiles and 8 M tiles a block, long enough for a reduction to start beside
+        # the kernel (the fake computes a tile per step); the others small, for their orders
+        rows, nw = (512, 264) if n == 2 else (64, 8)
+        for chunks in random.Random(10 * seed + n).sample(range(1, 5), 4):
+            out, xs, ws = run_fused(fake, "matmul_rs", transport, n, batch=1, rows=rows, k=8,
+                                    nw=nw, dtype="bfloat16", chunks=chunks, bidirectional=False,
+                                    calls=2, seed=seed)
+            try:
+                check_fused(fake, out, "matmul_rs", transport, xs, ws, rows, "bfloat16")
+            except AssertionError as e:
+                e.add_note(f"N={n}, {connections} work queue(s), seed {seed}, chunks={chunks}")
+                raise
+        beside += fake.counters().get("kernels beside a persistent kernel", 0)
+    assert beside > 0
 
 
 # The same grid with the ranks' host threads at uneven speeds (``host_jitter``: seeded pauses at

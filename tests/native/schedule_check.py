@@ -225,6 +225,10 @@ def _accesses(program, op):
         for owner in range(n):
             add(op["a"], op["n"], False, owner)
         add(op["d"], op["n"], True)
+    elif kind == "Reduce":
+        for src in op["sources"]:
+            add(src, op["n"], False)
+        add(op["d"], op["n"], True)
     return acc
 
 
@@ -268,6 +272,9 @@ def _blocks(op):
         return [("a", op["a"], b, m, n)]
     if kind == "Recv":
         return [("d", op["d"], b, m, n)]
+    if kind == "Reduce":
+        return [("d", op["d"], b, m, n)] + [(f"source {i}", ref, b, m, n)
+                                            for i, ref in enumerate(op["sources"])]
     return []
 
 
@@ -335,6 +342,13 @@ def check_dtypes(program):
                 raise ScheduleError(f"{where}: moves {a} into {d}")
             if kind in ("Add", "McReduce") and (d.startswith("f8") or op["d"]["buf"] in scales):
                 raise ScheduleError(f"{where}: sums {d} ({op['d']['buf']})")
+        elif kind == "Reduce":
+            d = dtypes[op["d"]["buf"]]
+            if d.startswith("f8") or op["d"]["buf"] in scales:
+                raise ScheduleError(f"{where}: sums {d} ({op['d']['buf']})")
+            for src in op["sources"]:
+                if dtypes[src["buf"]] != d:
+                    raise ScheduleError(f"{where}: sums {dtypes[src['buf']]} into {d}")
 
 
 def check_race_free(programs, calls=1, parities=2):

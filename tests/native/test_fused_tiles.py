@@ -198,6 +198,34 @@ def test_tile_order_refuses_more_runs_than_the_kernel_parameters_hold():
         tiles_ext.fused_order(100, 1, 1, 1, _never_continuing(100), "last_arrival")
 
 
+def test_the_spare_sms_cost_no_wave_and_the_model_leaves_the_same():
+    """SpareSms (what a release-only fused GEMM leaves to the reduction beside it): the most,
+    up to ``most``, that keep the persistent grid's number of waves; two when even two cost one;
+    always even. ``jaxoverlap.sim.fused.spare`` mirrors it exactly."""
+    from jaxoverlap.sim import fused as model
+
+    def waves(m_tiles, n_tiles, batch, sms):
+        g = tiles_ext.fused_grid(m_tiles, n_tiles, batch, sms)
+        return -(-len(g["units"]) // g["ctas"])
+
+    assert tiles_ext.fused_spare_sms(64, 32, 1, 132, 16) == 4  # 2048 tiles: 16 waves on 128
+    assert tiles_ext.fused_spare_sms(256, 32, 1, 132, 16) == 2  # 8192: 63 waves, 64 on 130
+    assert tiles_ext.fused_spare_sms(4, 1, 1, 132, 16) == 16  # 4 tiles: any 16 are free
+    for m_tiles, n_tiles, batch, sms, most in itertools.product(
+            (1, 3, 32, 64, 65), (1, 14, 32), (1, 2), (8, 78, 132), (0, 2, 5, 16)):
+        got = tiles_ext.fused_spare_sms(m_tiles, n_tiles, batch, sms, most)
+        assert got == model.spare(m_tiles, n_tiles, batch, sms, most)
+        if most < 2:
+            assert got == 0
+            continue
+        assert got % 2 == 0 and 2 <= got <= most
+        full = waves(m_tiles, n_tiles, batch, sms)
+        if got > 2:
+            assert waves(m_tiles, n_tiles, batch, sms - got) == full
+        for more in range(got + 2, min(most, sms - 2) + 1, 2):  # the most that keeps the waves
+            assert waves(m_tiles, n_tiles, batch, sms - more) > full
+
+
 def test_mapping_refuses_invalid_row_blocks():
     with pytest.raises(ValueError, match="shard_rows >= chunks"):
         tiles_ext.fused_mapping(2, 4, 3, 16)  # a sub-chunk without rows
@@ -232,7 +260,8 @@ def test_the_persistent_grid_is_the_stock_schedulers_and_the_models():
 
 def test_the_fused_programs_orders_are_tile_orders():
     """Every fused program's block order makes a tile order the kernel's parameters hold (AG: the
-    local shard first; RS: destinations r-1, r-2, ..., the own block last)."""
+    local shard first; RS: rounds of sub-chunks, p2p's destinations r-1, r-2, ..., the own
+    block last, multicast's 0, 1, ..., N-1 on every rank)."""
     for n, chunks, rows in itertools.product(NS, CHUNKS, SHARD_ROWS):
         for op, transport in itertools.product(("ag_matmul", "matmul_rs"), ("p2p", "multicast")):
             rank = n // 2
@@ -242,6 +271,9 @@ def test_the_fused_programs_orders_are_tile_orders():
             f = kernel["fused"]
             got = tiles_ext.fused_order(n, f["chunks"], rows, 128, f["sequence"], f["order"])
             assert 1 <= got["runs"] <= 64
-            first = f["sequence"][:f["chunks"]]
-            owner = rank if op == "ag_matmul" else (rank - 1) % n
-            assert [b // f["chunks"] for b in first] == [owner] * f["chunks"]
+            c = f["chunks"]
+            if op == "ag_matmul":
+                assert [b // c for b in f["sequence"][:c]] == [rank] * c
+            else:
+                dests = [(rank - 1 - t) % n for t in range(n)] if transport == "p2p" else range(n)
+                assert f["sequence"] == [d * c + s for s in range(c) for d in dests]

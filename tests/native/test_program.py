@@ -672,28 +672,74 @@ def test_fused_ag_order_is_the_local_shard_then_arrivals():
                 assert s0[0]["kind"] == first and _kernel(p)["a"]["buf"] == "WORKSPACE"
 
 
-def test_fused_rs_releases_destinations_own_last_and_scatters_n_minus_1_partials():
-    """GEMM + RS: the kernel releases destinations r-1, r-2, ..., its own block last; over p2p
-    each rank copies exactly N-1 partials (each to its owner's slot: (N-1)/N of its partials),
-    then sums its own and the N-1 received in rank order after the kernel."""
+def test_fused_rs_reduces_each_sub_chunk_beside_the_kernel():
+    """GEMM + RS: the kernel releases C rounds, round s taking sub-chunk s of every destination
+    (p2p: r-1, r-2, ..., its own last; multicast: 0, 1, ..., N-1 on every rank, so that all
+    ranks release a sub-chunk together); over p2p each rank copies exactly N-1 partials (each to
+    its owner's slot: (N-1)/N of its partials), alternating between streams 1 and 2 so that
+    one copy's start overlaps another's bytes. The last stream (p2p: 3; multicast, which
+    copies nothing: 2) reduces the own block sub-chunk by
+    sub-chunk once every rank's partial of it is in — p2p: one Reduce of the N partials in rank
+    order; multicast: one load-reduce — each sized to the SMs the kernel leaves, except the one
+    whose input the kernel releases last, which runs after it on the whole device."""
     batch, rows, n_out = 2, 3, 8
-    for transport, n, chunks in grid(FUSED_TRANSPORTS, [2, 3, 4, 8], [1, 3]):
+    for transport, n, chunks in grid(FUSED_TRANSPORTS, [2, 3, 4, 8], [1, 2, 3]):
         for r, p in enumerate(fused_clique("matmul_rs", transport, n, chunks=chunks)):
             with case(transport, n, chunks, r):
                 f = _kernel(p)["fused"]
                 c = f["chunks"]
-                dests = [(r - 1 - t) % n for t in range(n)]
-                assert f["sequence"] == [d * c + s for d in dests for s in range(c)]
+                mc = transport == "multicast"
+                reducer = 2 if mc else 3
+                dests = list(range(n)) if mc else [(r - 1 - t) % n for t in range(n)]
+                assert f["sequence"] == [d * c + s for s in range(c) for d in dests]
                 assert f["order"] == "first_departure"
+                spare = f["spare_sms"]
+                assert (spare > 0) == (mc or c > 1)
                 remote = sum(o["remote_bytes"] for o in p["ops"])
-                if transport == "p2p":
-                    assert remote == (n - 1) * batch * rows * n_out * 2
-                    adds = [o for o in p["ops"] if o["kind"] == "Add"]
-                    assert all(o["stream"] == 0 for o in adds) and len(adds) == (n - 1) * c
-                    sources = [o["a"]["offset"] // (batch * rows * n_out) for o in adds[:n - 1]]
-                    assert sources == [i for i in range(n) if i != r]  # rank order
-                else:
-                    assert remote == 0  # the owners load-reduce through the switch
+                assert remote == (0 if mc else (n - 1) * batch * rows * n_out * 2)
+                sums = [o for o in p["ops"] if o["kind"] in ("Reduce", "McReduce", "Add")]
+                assert [(o["kind"], o["stream"], o["shard"], o["sub"]) for o in sums] == [
+                    ("McReduce" if mc else "Reduce", reducer, r, s) for s in range(c)]
+                copies = [o for o in p["ops"] if o["kind"] == "Copy" and o["stream"] != 0]
+                assert [o["stream"] for o in copies] == [1 + i % 2 for i in range(len(copies))]
+                last = f["sequence"][-1]
+                for s, o in enumerate(sums):
+                    tail = last == r * c + s  # its input is the kernel's last release
+                    assert o["sms"] == (0 if tail else spare), o["text"]
+                    assert o["d"]["buf"] == "Y"
+                    if not mc:  # rank order: rank i's partial of this block, the own in scratch
+                        assert [(src["buf"], src["rank"]) for src in o["sources"]] == [
+                            ("SCRATCH", r) if i == r else ("WORKSPACE", r) for i in range(n)]
+                # before each sum, its stream waits for the own release and every peer's flag
+                s2 = [o for o in p["ops"] if o["stream"] == reducer]
+                for s in range(c):
+                    at = s2.index(sums[s])
+                    waits = {(o["peer"], o["id"]) for o in s2[:at] if o["kind"] == "Wait"}
+                    assert (r, f["release_flags"] + r * c + s) in waits
+                    assert {(i, i * c + s) for i in range(n) if i != r} <= waits
+
+
+def test_a_reduction_before_its_last_release_is_a_race():
+    """The race checker sees a reduction that does not wait for the kernel's release of the own
+    partial (p2p: the Reduce reads the kernel's rows; multicast: the load-reduce reads every
+    rank's), or for a peer's flag (the slot its copy writes, or its partial in the switch)."""
+    for transport in FUSED_TRANSPORTS:
+        programs = fused_clique("matmul_rs", transport, 4, chunks=2)
+        check_race_free(programs)
+        reducer = 2 if transport == "multicast" else 3
+        own = copy.deepcopy(programs)
+        f = _kernel(own[1])["fused"]
+        own[1]["ops"] = [o for o in own[1]["ops"] if not (
+            o["stream"] == reducer and o["kind"] == "Wait" and o["id"] >= f["release_flags"])]
+        check_deadlock_free(own)
+        with pytest.raises(ScheduleError, match="race|no write of its call"):
+            check_race_free(own)
+        peer = copy.deepcopy(programs)
+        peer[1]["ops"] = [o for o in peer[1]["ops"] if not (
+            o["stream"] == reducer and o["kind"] == "Wait" and o["peer"] == 2)]
+        check_deadlock_free(peer)
+        with pytest.raises(ScheduleError, match="race|no write of its call"):
+            check_race_free(peer)
 
 
 def test_fused_refusals_name_the_reason():

@@ -43,6 +43,10 @@ std::map<std::string, std::string> WaitMisuseChecks();
 // cuBLASLt's FP8 rules (fake_fp8_checks.cc), likewise; tests/cuda/test_fp8.py.
 std::map<std::string, std::string> Fp8MisuseChecks();
 
+// The reduction beside a release-only fused GEMM (fake_reduce_checks.cc), likewise;
+// tests/cuda/test_fused_fake.py.
+std::map<std::string, std::string> ReduceMisuseChecks();
+
 // The watchdog's NcclComms::Abort racing an enqueue, as NcclComms orders
 // them (fake_misuse_checks.cc): an "enqueue" thread takes rank 0's lease
 // (hold_lease) or takes the communicators and drops the lease at once (the

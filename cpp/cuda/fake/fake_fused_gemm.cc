@@ -14,11 +14,16 @@
 //    halves' rows is at the epoch;
 //  * its CTAs are persistent and hold the launch's sm_count SMs (every SM of the
 //    device, but in the loopback, which shares them among the ranks of one
-//    GPU) until the last one ends: no other kernel of the device (a block
+//    GPU, and for a release-only kernel, which leaves some to the reduction
+//    beside it) until the last one ends: no other kernel of the device (a block
 //    kernel, a cuBLASLt matmul, an NCCL group, another fused GEMM) that finds
 //    no SM free starts meanwhile (fake_queues.cc); copies and stream memory
 //    operations still run. A kernel that needs SMs queued behind it while the
 //    kernel waits for it deadlocks, as the GPU may (docs/gpu-internals.md §5, rule 1);
+//  * its output is released block by block: until a block's release flag is at
+//    the epoch, a kernel, a copy or a multicast load-reduce that reads the
+//    block's rows is a misuse (reported by ReadsUnreleased's callers), however
+//    much of the block the tiles stored so far;
 //  * CTA c takes the units of work c, c + ctas, ... (PersistentGrid), each one
 //    output tile computed with the reference GEMM (f32 accumulation in K order,
 //    rounded once: the fake cuBLASLt's arithmetic) once every flag of its
@@ -69,7 +74,7 @@ constexpr int kSharedBytes = kMaxSharedBytesPerBlock;
 // device needs its own; without it the launch fails on the GPU (the call's error breaks the
 // clique), which the fake refuses as a misuse.
 constexpr int kSharedBytesWithoutOptIn = 48 * 1024;
-constexpr int64_t kTileCols = 256;  // the CTA tile's N (fused_gemm_kernel.cuh)
+using fused::kTileCols;  // the CTA tile's N (fused_gemm_kernel.cuh)
 
 struct FusedRun {
   DType dtype = DType::kBF16;
@@ -221,6 +226,35 @@ bool Poll(FusedRun& r) {
   return true;
 }
 
+// The release-only kernels that run or are queued (their output is checked against reads).
+std::vector<std::weak_ptr<FusedRun>>& Releasing() {
+  static auto* runs = new std::vector<std::weak_ptr<FusedRun>>();
+  return *runs;
+}
+
+// The first unreleased block a read of [p, p + bytes) touches in `r`'s output, or -1.
+int32_t UnreleasedBlock(const FusedRun& r, const std::byte* p, size_t bytes) {
+  const Launch& l = r.launch;
+  const auto* d = static_cast<const std::byte*>(l.d);
+  const int64_t es = static_cast<int64_t>(ElemBytes(r.dtype));
+  const int64_t bs = l.batch > 1 ? l.d_batch_stride : 0;
+  const int64_t span = ((l.batch - 1) * bs + (l.m - 1) * l.ldd + l.n) * es;
+  if (p + bytes <= d || p >= d + span) return -1;
+  const int64_t lo = std::max<int64_t>(0, (p - d) / es);
+  const int64_t hi = std::min<int64_t>(span / es, (p + bytes - d + es - 1) / es);
+  for (int64_t e = lo; e < hi;) {
+    const int64_t batch = bs > 0 ? e / bs : 0;
+    const int64_t rest = e - batch * bs, row = rest / l.ldd, col = rest % l.ldd;
+    if (batch < l.batch && row < l.m && col < l.n) {
+      const int32_t block = l.blocks.BlockOf(row);
+      if (!AtEpoch(l.release_flags[block], l.epoch)) return block;
+    }
+    e = row + 1 < l.m ? batch * bs + (row + 1) * l.ldd : (batch + 1) * bs;
+    if (bs == 0 && row + 1 >= l.m) break;
+  }
+  return -1;
+}
+
 bool Span(const void* p, size_t bytes, const std::string& what) {
   return CheckRange(p, bytes, what.c_str());
 }
@@ -276,6 +310,9 @@ cudaError_t LaunchFused(DType dtype, int32_t pair, const Launch& l, cudaStream_t
     if (zeroed != cudaSuccess) return zeroed;
   }
   Lock lock(S().mu);
+  // For tests: the SMs the launch was given (the executor's, less those it left to the
+  // reduction beside it).
+  ++S().counters["fused GEMM on " + std::to_string(l.sm_count) + " SMs"];
   auto run = std::make_shared<FusedRun>();
   run->dtype = dtype;
   run->pair = pair;
@@ -300,13 +337,46 @@ cudaError_t LaunchFused(DType dtype, int32_t pair, const Launch& l, cudaStream_t
   task.persistent = true;
   task.holds_sms = run->holds;
   task.ready = [] { return true; };
-  task.run = [run] { S().sms_held[run->where] += run->holds; };
+  task.run = [run] {
+    S().sms_held[run->where] += run->holds;
+    if (run->launch.release_flags != nullptr) {  // from now on its output is being written
+      auto& runs = Releasing();
+      runs.erase(
+          std::remove_if(runs.begin(), runs.end(), [](const auto& w) { return w.expired(); }),
+          runs.end());
+      runs.push_back(run);
+    }
+  };
   task.done = [run] { return Poll(*run); };
   Push(stream, std::move(task));
   return cudaSuccess;
 }
 
 }  // namespace
+
+bool ReadsUnreleased(const void* p, size_t bytes, std::string* what) {
+  Lock lock(S().mu);
+  for (const auto& weak : Releasing()) {
+    const std::shared_ptr<FusedRun> run = weak.lock();
+    if (run == nullptr || run->left == 0) continue;  // gone or done: everything released
+    const int32_t block = UnreleasedBlock(*run, static_cast<const std::byte*>(p), bytes);
+    if (block < 0) continue;
+    *what = "rows of block " + std::to_string(block) + " of the output of " + run->what +
+            ", whose release flag is not at the epoch yet";
+    return true;
+  }
+  return false;
+}
+
+void CheckReleased(const void* p, size_t bytes, const std::string& reader, bool* reported) {
+  if (*reported) return;
+  std::string what;
+  if (!ReadsUnreleased(p, bytes, &what)) return;
+  *reported = true;
+  Fail(reader + " read " + what +
+       ": a block of a fused GEMM that releases its output is complete only at its release "
+       "(docs/gpu-internals.md §5); wait for the flag first");
+}
 
 void NoteSharedMemoryGrant(const void* function, int bytes) {
   const int device = CurrentDevice();

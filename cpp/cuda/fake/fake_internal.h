@@ -42,6 +42,11 @@ struct FakeTask {
   bool sms = false;         // a kernel: it needs a free SM to start
   bool persistent = false;  // a persistent kernel (the fused GEMM): holds SMs while it runs ...
   int holds_sms = 0;        // ... this many (its launch's sm_count): it starts once they are free
+  // A kernel's SM budget (its launch names it: the SMs its grid is sized to, those a persistent
+  // kernel beside it leaves); 0: none. One that finds fewer free beside a persistent kernel when
+  // it could start is reported (fake_queues.cc): it would no longer overlap that kernel.
+  int sm_budget = 0;
+  bool budget_reported = false;   // its lack of SMs was reported
   cudaEvent_t records = nullptr;  // the event this task records, if any
   ncclComm_t comm = nullptr;      // the communicator of an NCCL group, if any
 };

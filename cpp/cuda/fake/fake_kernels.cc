@@ -63,6 +63,7 @@ namespace {
 
 using cuda::kernel::Elem;
 using cuda::kernel::Geometry;
+using cuda::kernel::ReduceGeometry;
 using cuda::kernel::Thread;
 using cuda::kernel::Vec;
 
@@ -84,8 +85,11 @@ struct Execution {
   size_t mc_bytes = 0;
   char mc_region = 0;  // 'd' or 's'
   std::vector<std::byte*> targets;
+  // A Reduce's sources (their spans; src above is unused).
+  std::vector<std::pair<const std::byte*, size_t>> sources;
   Thread thread{};
   KernelTrace* trace = nullptr;
+  bool unreleased_reported = false;  // a read of a fused GEMM's unreleased output, reported
 };
 
 // The arithmetic types (kF8 blocks are only stored as bits: no body converts them).
@@ -102,13 +106,14 @@ class FakeOps {
     const auto* b = static_cast<const std::byte*>(p);
     Aligned(b, kBytes, "load");
     char region = 0;
-    if (In(b, kBytes, run_->src, run_->src_bytes))
+    if (In(b, kBytes, run_->src, run_->src_bytes) || InSources(b, kBytes))
       region = 's';
     else if (In(b, kBytes, run_->dst, run_->dst_bytes))
       region = 'd';
     else
       throw Faulted{cudaErrorIllegalAddress,
                     "load of " + std::to_string(kBytes) + " bytes outside the block"};
+    CheckReleased(b, kBytes, "kernel " + run_->kernel, &run_->unreleased_reported);
     Note('l', region, b, kBytes);
     Vec<kBytes> v{};
     std::memcpy(v.word, b, kBytes);
@@ -157,6 +162,7 @@ class FakeOps {
     constexpr int kLanes = kBytes / cuda::kernel::ElemBytes(kElem);
     float sum[kLanes] = {};
     for (const std::byte* t : run_->targets) {
+      CheckReleased(t + offset, kBytes, "kernel " + run_->kernel, &run_->unreleased_reported);
       Vec<kBytes> part{};
       std::memcpy(part.word, t + offset, kBytes);
       for (int i = 0; i < kLanes; ++i)
@@ -175,6 +181,11 @@ class FakeOps {
  private:
   static bool In(const std::byte* p, size_t bytes, const std::byte* lo, size_t span) {
     return lo != nullptr && p >= lo && p + bytes <= lo + span;
+  }
+  bool InSources(const std::byte* p, size_t bytes) const {
+    for (const auto& [lo, span] : run_->sources)
+      if (In(p, bytes, lo, span)) return true;
+    return false;
   }
 
   // The device code has multimem only when compiled for compute_90 or newer;
@@ -202,10 +213,18 @@ class FakeOps {
     const std::byte* base = region == 0                 ? p
                             : region == run_->mc_region ? run_->mc
                             : region == 'd'             ? run_->dst
-                                                        : run_->src;
+                            : run_->src != nullptr      ? run_->src
+                                                        : SourceBase(p);
     const Thread& t = run_->thread;
     run_->trace->accesses.push_back(
         {t.block_x, t.block_y, t.block_z, t.thread, op, region, p - base, bytes});
+  }
+
+  // The first byte of the Reduce source `p` lies in (trace offsets count from it).
+  const std::byte* SourceBase(const std::byte* p) const {
+    for (const auto& [lo, span] : run_->sources)
+      if (In(p, 1, lo, span)) return lo;
+    return p;
   }
 
   Execution* run_;
@@ -216,12 +235,14 @@ class FakeOps {
 enum class McSide { kNone, kDst, kSrc };
 
 struct HostKernel {
-  std::string op;      // "AddBlock", "McStore", "McReduce" (counted per launch)
+  std::string op;      // "AddBlock", "Reduce", "McStore", "McReduce" (counted per launch)
   std::string name;    // op<element type, access width>
   std::string family;  // "add" or "multimem": a key of the kernel images
   McSide mc;
   int bytes;
   void (*run)(FakeOps&, const Geometry&, const Thread&);
+  // A Reduce: its parameter is a ReduceGeometry, its threads run this instead of `run`.
+  void (*run_reduce)(FakeOps&, const ReduceGeometry&, const Thread&) = nullptr;
   // A kernel with a launch of its own (the one-launch all-reduce, fake_allreduce.cc): called by
   // cudaLaunchKernel once the checks every launch shares passed.
   KernelLaunch launch = nullptr;
@@ -275,6 +296,40 @@ const void* For(Elem e, int bytes, const char* name, const char* family, McSide 
     case Elem::kF8:  // stored as bits only (kernel_body.h)
       if constexpr (std::is_same_v<Body<Elem::kF8, 4>, cuda::kernel::McStoreBody<Elem::kF8, 4>>)
         return Pick<Body, Elem::kF8>(bytes, name, family, mc);
+      return nullptr;
+  }
+  return nullptr;
+}
+
+template <Elem kElem, int kBytes>
+void RunReduceBody(FakeOps& ops, const ReduceGeometry& g, const Thread& t) {
+  cuda::kernel::RunReduceThread<cuda::kernel::ReduceBody<kElem, kBytes>>(ops, g, t);
+}
+
+template <Elem kElem, int kBytes>
+const HostKernel* MakeReduce() {
+  static const HostKernel k{
+      "Reduce",
+      std::string("Reduce<") + ElemName(kElem) + ", " + std::to_string(kBytes) + " bytes>",
+      "add",
+      McSide::kNone,
+      kBytes,
+      nullptr,
+      &RunReduceBody<kElem, kBytes>};
+  return &k;
+}
+
+template <Elem kElem>
+const void* PickReduce(int bytes) {
+  switch (bytes) {
+    case 16:
+      return MakeReduce<kElem, 16>();
+    case 8:
+      return MakeReduce<kElem, 8>();
+    case 4:
+      return MakeReduce<kElem, 4>();
+    case 2:
+      if constexpr (cuda::kernel::ElemBytes(kElem) == 2) return MakeReduce<kElem, 2>();
       return nullptr;
   }
   return nullptr;
@@ -373,7 +428,7 @@ const void* RegisterKernel(const std::string& op, const std::string& name, const
   std::lock_guard<std::mutex> lock(g_mu);
   for (const HostKernel* h : Known())
     if (h->name == name) return h;
-  auto* k = new HostKernel{op, name, family, McSide::kNone, 0, nullptr, launch};
+  auto* k = new HostKernel{op, name, family, McSide::kNone, 0, nullptr, nullptr, launch};
   Known().push_back(k);
   return k;
 }
@@ -439,6 +494,19 @@ namespace jo::cuda::kernel {
 const void* AddKernel(Elem e, int bytes) {
   return fake::Register(fake::For<AddBody>(e, bytes, "AddBlock", "add", fake::McSide::kNone));
 }
+const void* ReduceKernel(Elem e, int bytes) {
+  switch (e) {
+    case Elem::kF32:
+      return fake::Register(fake::PickReduce<Elem::kF32>(bytes));
+    case Elem::kBF16:
+      return fake::Register(fake::PickReduce<Elem::kBF16>(bytes));
+    case Elem::kF16:
+      return fake::Register(fake::PickReduce<Elem::kF16>(bytes));
+    case Elem::kF8:  // nothing sums fp8 (kernel_body.h)
+      return nullptr;
+  }
+  return nullptr;
+}
 const void* McStoreKernel(Elem e, int bytes) {
   return fake::Register(
       fake::For<McStoreBody>(e, bytes, "McStore", "multimem", fake::McSide::kDst));
@@ -459,6 +527,98 @@ size_t SpanBytes(const jo::cuda::kernel::Geometry& g, bool src, int bytes) {
   const int64_t bs = src ? g.src_batch_stride : g.dst_batch_stride;
   const int64_t ld = src ? g.src_ld : g.dst_ld;
   return static_cast<size_t>(((g.batch - 1) * bs + (g.rows - 1) * ld + g.cols) * bytes);
+}
+
+// Every thread of the grid runs `body` (the kernel's per-thread code), in block order; a trap or
+// a fault poisons the device, as the GPU's sticky errors do; traced while tracing is on.
+template <class Body>
+void RunGrid(const HostKernel* k, const std::shared_ptr<jo::fake::Execution>& run, dim3 grid,
+             int device, const std::string& variant, Body body) {
+  jo::fake::KernelTrace trace;
+  {
+    std::lock_guard<std::mutex> lock(jo::fake::g_mu);
+    if (jo::fake::g_tracing) run->trace = &trace;
+  }
+  trace.kernel = k->name;
+  trace.variant = variant;
+  trace.grid[0] = grid.x, trace.grid[1] = grid.y, trace.grid[2] = grid.z;
+  trace.block[0] = jo::cuda::kernel::kThreads, trace.block[1] = trace.block[2] = 1;
+  jo::fake::FakeOps ops(run.get());
+  try {
+    for (uint32_t bz = 0; bz < grid.z; ++bz)
+      for (uint32_t by = 0; by < grid.y; ++by)
+        for (uint32_t bx = 0; bx < grid.x; ++bx)
+          for (uint32_t tx = 0; tx < static_cast<uint32_t>(jo::cuda::kernel::kThreads); ++tx) {
+            run->thread = jo::cuda::kernel::Thread{
+                bx,     by,     bz, grid.x,
+                grid.y, grid.z, tx, static_cast<uint32_t>(jo::cuda::kernel::kThreads)};
+            body(ops, run->thread);
+          }
+  } catch (const jo::fake::Trapped&) {
+    jo::fake::Poison(device, cudaErrorIllegalInstruction,
+                     k->name + " trapped on device " + std::to_string(device) + " (" +
+                         jo::fake::Sm(jo::fake::DeviceArch(device)) + ", running " + variant +
+                         "): multimem in code compiled for less than compute_90 is __trap()");
+  } catch (const jo::fake::Faulted& f) {
+    jo::fake::Poison(device, f.code, k->name + ": " + f.what);
+  }
+  if (run->trace != nullptr) {
+    run->trace = nullptr;
+    std::lock_guard<std::mutex> lock(jo::fake::g_mu);
+    jo::fake::Traces().push_back(std::move(trace));
+  }
+}
+
+// cudaLaunchKernel of a Reduce: its destination and each of its sources inside their
+// allocations, a grid no larger than its SM budget holds, then the grid in stream order.
+cudaError_t LaunchReduce(const HostKernel* k, dim3 grid, void** args, cudaStream_t stream,
+                         int device, const jo::fake::KernelVariant& v) {
+  using jo::fake::Fail;
+  const auto g = std::make_shared<jo::cuda::kernel::ReduceGeometry>(
+      *static_cast<const jo::cuda::kernel::ReduceGeometry*>(args[0]));  // copied at launch
+  if (g->batch < 1 || g->rows < 1 || g->cols < 1 || g->count < 1 ||
+      g->count > jo::cuda::kernel::kMaxReduceSources || g->sms < 0) {
+    Fail("cudaLaunchKernel " + k->name + ": empty block, or no or too many sources");
+    return cudaErrorInvalidValue;
+  }
+  const int64_t blocks = int64_t{grid.x} * grid.y * grid.z;
+  if (g->sms > 0 && blocks > g->sms * jo::cuda::kBlocksPerSm) {
+    Fail("cudaLaunchKernel " + k->name + ": a grid of " + std::to_string(blocks) +
+         " blocks does not fit the " + std::to_string(g->sms) + " SMs it is sized to");
+    return cudaErrorInvalidConfiguration;
+  }
+  if (!jo::fake::LoadFunction(device, k->name, "cudaLaunchKernel")) return cudaErrorUnknown;
+  auto run = std::make_shared<jo::fake::Execution>();
+  run->kernel = k->name;
+  run->ptx_version = v.ptx_version;
+  const auto span = [&](int64_t bs, int64_t ld) {
+    return static_cast<size_t>(((g->batch - 1) * bs + (g->rows - 1) * ld + g->cols) * k->bytes);
+  };
+  run->dst = static_cast<std::byte*>(g->dst);
+  run->dst_bytes = span(g->dst_batch_stride, g->dst_ld);
+  const std::string what = "kernel " + k->name;
+  bool ok = jo::fake::CheckRange(g->dst, run->dst_bytes, (what + " destination").c_str());
+  for (int32_t i = 0; i < g->count; ++i) {
+    const jo::cuda::kernel::ReduceSource& src = g->src[i];
+    run->sources.emplace_back(static_cast<const std::byte*>(src.ptr),
+                              span(src.batch_stride, src.ld));
+    ok =
+        ok && jo::fake::CheckRange(src.ptr, run->sources.back().second, (what + " source").c_str());
+  }
+  if (!ok) {
+    Fail("cudaLaunchKernel " + k->name + ": a block outside its allocations");
+    return cudaErrorInvalidValue;
+  }
+  jo::fake::EnqueueKernel(
+      stream, k->name,
+      [k, run, g, grid, device, variant = v.image] {
+        RunGrid(k, run, grid, device, variant,
+                [&](jo::fake::FakeOps& ops, const jo::cuda::kernel::Thread& t) {
+                  k->run_reduce(ops, *g, t);
+                });
+      },
+      g->sms);
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -533,8 +693,8 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   using jo::fake::Fail;
   jo::fake::Count("cudaLaunchKernel");
   const HostKernel* k = jo::fake::Find(func);
-  if (k == nullptr || (k->run == nullptr && k->launch == nullptr) || args == nullptr ||
-      args[0] == nullptr) {
+  if (k == nullptr || (k->run == nullptr && k->run_reduce == nullptr && k->launch == nullptr) ||
+      args == nullptr || args[0] == nullptr) {
     Fail(
         "cudaLaunchKernel: not a kernel of this build launched with cudaLaunchKernel, or no "
         "arguments");
@@ -573,11 +733,17 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   }
   jo::fake::KernelVariant v;
   if (const cudaError_t code = jo::fake::Variant(k, device, &v); code != cudaSuccess) return code;
+  if (k->run_reduce != nullptr) return LaunchReduce(k, grid, args, stream, device, v);
   // The kernel parameter is copied at launch, as CUDA does.
   const jo::cuda::kernel::Geometry g = *static_cast<const jo::cuda::kernel::Geometry*>(args[0]);
-  if (g.batch < 1 || g.rows < 1 || g.cols < 1) {
+  if (g.batch < 1 || g.rows < 1 || g.cols < 1 || g.sms < 0) {
     Fail("cudaLaunchKernel " + k->name + ": empty block");
     return cudaErrorInvalidValue;
+  }
+  if (g.sms > 0 && int64_t{grid.x} * grid.y * grid.z > g.sms * jo::cuda::kBlocksPerSm) {
+    Fail("cudaLaunchKernel " + k->name + ": a grid larger than the " + std::to_string(g.sms) +
+         " SMs it is sized to hold");
+    return cudaErrorInvalidConfiguration;
   }
   // With lazy loading, the first launch on a device loads the kernel (fake_waits.cc).
   if (!jo::fake::LoadFunction(device, k->name, "cudaLaunchKernel")) return cudaErrorUnknown;
@@ -613,40 +779,13 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
          "mapping");
     return cudaErrorInvalidValue;
   }
-  jo::fake::EnqueueKernel(stream, k->name, [k, run, g, grid, device, variant = v.image] {
-    jo::fake::KernelTrace trace;
-    {
-      std::lock_guard<std::mutex> lock(jo::fake::g_mu);
-      if (jo::fake::g_tracing) run->trace = &trace;
-    }
-    trace.kernel = k->name;
-    trace.variant = variant;
-    trace.grid[0] = grid.x, trace.grid[1] = grid.y, trace.grid[2] = grid.z;
-    trace.block[0] = jo::cuda::kernel::kThreads, trace.block[1] = trace.block[2] = 1;
-    jo::fake::FakeOps ops(run.get());
-    try {
-      for (uint32_t bz = 0; bz < grid.z; ++bz)
-        for (uint32_t by = 0; by < grid.y; ++by)
-          for (uint32_t bx = 0; bx < grid.x; ++bx)
-            for (uint32_t tx = 0; tx < static_cast<uint32_t>(jo::cuda::kernel::kThreads); ++tx) {
-              run->thread = jo::cuda::kernel::Thread{
-                  bx,     by,     bz, grid.x,
-                  grid.y, grid.z, tx, static_cast<uint32_t>(jo::cuda::kernel::kThreads)};
-              k->run(ops, g, run->thread);
-            }
-    } catch (const jo::fake::Trapped&) {
-      jo::fake::Poison(device, cudaErrorIllegalInstruction,
-                       k->name + " trapped on device " + std::to_string(device) + " (" +
-                           jo::fake::Sm(jo::fake::DeviceArch(device)) + ", running " + variant +
-                           "): multimem in code compiled for less than compute_90 is __trap()");
-    } catch (const jo::fake::Faulted& f) {
-      jo::fake::Poison(device, f.code, k->name + ": " + f.what);
-    }
-    if (run->trace != nullptr) {
-      run->trace = nullptr;
-      std::lock_guard<std::mutex> lock(jo::fake::g_mu);
-      jo::fake::Traces().push_back(std::move(trace));
-    }
-  });
+  jo::fake::EnqueueKernel(
+      stream, k->name,
+      [k, run, g, grid, device, variant = v.image] {
+        RunGrid(
+            k, run, grid, device, variant,
+            [&](jo::fake::FakeOps& ops, const jo::cuda::kernel::Thread& t) { k->run(ops, g, t); });
+      },
+      g.sms);
   return cudaSuccess;
 }

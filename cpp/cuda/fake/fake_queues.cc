@@ -44,6 +44,27 @@ int FreeSms(const std::pair<int, int>& where) {
   return S().config.sms - (held == S().sms_held.end() ? 0 : held->second);
 }
 
+// Whether kernel `task` finds the SMs it needs on `where` (a persistent kernel holds the SMs
+// of its launch until it ends; a kernel needs one free SM, a persistent one all it holds).
+// Reports, once, a kernel with an SM budget that could start now beside a persistent kernel
+// but finds fewer SMs free than its grid is sized to: its blocks would wait for that kernel.
+bool SmsFor(FakeTask& task, const std::pair<int, int>& where) {
+  if (!task.sms) return true;
+  State& s = S();
+  const int free = FreeSms(where);
+  const bool beside = free < s.config.sms;  // a persistent kernel holds some of them
+  if (beside && task.sm_budget > free && !task.budget_reported && task.ready()) {
+    task.budget_reported = true;
+    Fail(task.what + " is sized to " + std::to_string(task.sm_budget) +
+         " SMs, but the persistent kernel beside it leaves " + std::to_string(free) +
+         " of the device's " + std::to_string(s.config.sms) +
+         " free: its blocks wait for that kernel to end (the GPU distributes a grid's blocks to "
+         "SMs with available capacity: CUDA programming guide, \"Hardware Implementation\"), "
+         "so it no longer overlaps it. Launch the persistent kernel on sm_count = SMs - budget");
+  }
+  return free >= std::max(task.holds_sms, 1);
+}
+
 // One step of the GPU: completes a kernel in flight or starts a queue head.
 // `random`: pick among the possible steps with the seeded generator (Drain),
 // else the first (host polls: no generator draws that depend on thread timing).
@@ -58,9 +79,9 @@ bool Step(bool random) {
       for (auto& queue : queues) {
         if (queue.empty()) continue;
         CUstream_st* head = queue.front();
-        const FakeTask& next = head->tasks.front();
-        if (next.sms && FreeSms(where) < std::max(next.holds_sms, 1)) continue;  // no SM for it
-        if (!head->running && next.ready()) starting.push_back(head);
+        FakeTask& next = head->tasks.front();
+        if (head->running || !SmsFor(next, where)) continue;  // no SM free for it
+        if (next.ready()) starting.push_back(head);
       }
     }
     const size_t options = finishing.size() + starting.size();
@@ -81,6 +102,8 @@ bool Step(bool random) {
     queue.pop_front();
     FakeTask task = std::move(st->tasks.front());
     st->tasks.pop_front();
+    if (task.sms && !task.persistent && FreeSms({st->process, st->device}) < s.config.sms)
+      ++s.counters["kernels beside a persistent kernel"];  // for tests: the overlap happened
     task.run();
     if (task.done) {
       st->running = std::make_unique<FakeTask>(std::move(task));
@@ -230,11 +253,13 @@ void Enqueue(cudaStream_t s, const std::string& what, std::function<void()> run)
   Push(s, what, [] { return true; }, std::move(run));
 }
 
-void EnqueueKernel(cudaStream_t s, const std::string& what, std::function<void()> run) {
+void EnqueueKernel(cudaStream_t s, const std::string& what, std::function<void()> run,
+                   int sm_budget) {
   Lock lock(S().mu);
   FakeTask task;
   task.what = what;
   task.sms = true;
+  task.sm_budget = sm_budget;
   task.ready = [] { return true; };
   task.run = std::move(run);
   Push(s, std::move(task));

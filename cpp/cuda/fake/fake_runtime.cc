@@ -468,7 +468,13 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
       !jo::fake::CheckAccess(src, bytes, s->device, "cudaMemcpyAsync src") ||
       !jo::fake::CheckAccess(dst, bytes, s->device, "cudaMemcpyAsync dst"))
     return RtFail(cudaErrorInvalidValue, "cudaMemcpyAsync");
-  jo::fake::Push(s, "cudaMemcpyAsync", [] { return true; }, [=] { std::memmove(dst, src, bytes); });
+  jo::fake::Push(
+      s, "cudaMemcpyAsync", [] { return true; },
+      [=] {
+        bool reported = false;  // a copy of a fused GEMM's output before its release
+        jo::fake::CheckReleased(src, bytes, "cudaMemcpyAsync", &reported);
+        std::memmove(dst, src, bytes);
+      });
   return cudaSuccess;
 }
 
@@ -503,9 +509,13 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
   jo::fake::Push(
       s, "cudaMemcpy2DAsync", [] { return true; },
       [=] {
-        for (size_t r = 0; r < height; ++r)
+        bool reported = false;  // a copy of a fused GEMM's output before its release
+        for (size_t r = 0; r < height; ++r) {
+          jo::fake::CheckReleased(static_cast<const char*>(src) + r * spitch, width,
+                                  "cudaMemcpy2DAsync", &reported);
           std::memmove(static_cast<char*>(dst) + r * dpitch,
                        static_cast<const char*>(src) + r * spitch, width);
+        }
       });
   return cudaSuccess;
 }

@@ -184,9 +184,19 @@ int StreamDevice(cudaStream_t stream);  // -1: unknown stream
 // false if `mc` is not a multicast mapping.
 bool MulticastTargets(const void* mc, size_t bytes, std::vector<std::byte*>* out);
 void Enqueue(cudaStream_t stream, const std::string& what, std::function<void()> run);
-// A kernel: like Enqueue, but it needs SMs, so it does not start while a
-// persistent kernel (the fused GEMM) holds them.
-void EnqueueKernel(cudaStream_t stream, const std::string& what, std::function<void()> run);
+// A kernel: like Enqueue, but it needs a free SM, so it does not start while
+// persistent kernels (the fused GEMM) hold every SM of its device. With an SM
+// budget (`sm_budget` > 0: the SMs its grid is sized to, those a release-only
+// fused GEMM leaves it), finding fewer free beside a persistent kernel when it
+// could start is reported: its blocks would wait for that kernel to end, and
+// what it does would no longer overlap it.
+void EnqueueKernel(cudaStream_t stream, const std::string& what, std::function<void()> run,
+                   int sm_budget = 0);
+// Whether [p, p + bytes) reads rows of a running fused GEMM's output whose block it has
+// not released yet (fake_fused_gemm.cc); `*what` then says which.
+bool ReadsUnreleased(const void* p, size_t bytes, std::string* what);
+// Records, once per `*reported`, the misuse of reading before the release.
+void CheckReleased(const void* p, size_t bytes, const std::string& reader, bool* reported);
 void Count(const char* api);
 
 // Sticky errors (a kernel that trapped or faulted): the device's context is

@@ -110,7 +110,7 @@ const std::set<std::string>& EnqueuePathCalls() {
       "cudaGetErrorString", "cuGetErrorString", "ncclGetErrorString", "ncclGetLastError",
       "cublasLtGetStatusName", "cublasLtGetStatusString", "ncclGroupStart", "ncclGroupEnd",
       "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaMemcpy2DAsync",
-      "cudaMemsetAsync", "cudaLaunchKernel", "cudaLaunchKernelEx", "AddBlock", "McStore",
+      "cudaMemsetAsync", "cudaLaunchKernel", "cudaLaunchKernelEx", "AddBlock", "Reduce", "McStore",
       "McReduce", "AllReduce", "cublasLtMatmul", "cublasLtMatmulDescSetAttribute",
       "cuStreamWriteValue32", "cuStreamWaitValue32", "cuStreamWaitValue32(FLUSH)", "ncclSend",
       "ncclRecv", "ncclCommGetAsyncError", "cudaEventQuery",

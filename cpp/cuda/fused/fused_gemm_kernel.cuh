@@ -103,6 +103,7 @@ class FlagReleaseEpilogue : public Extended<Stock, BlockRelease> {
     if (release_.flags != nullptr && thread_idx / cutlass::NumThreadsPerWarp == 0) {
       WaitBulkStoresComplete();
       FenceProxyAsyncGlobal();
+      FenceProxyAlias();  // the partial may be read through the multicast alias
       __syncwarp();
       if (thread_idx == 0)
         ReleaseTileRows<kTileRows>(release_, static_cast<int32_t>(cute::get<0>(tile_coord_mnkl)));
@@ -221,6 +222,7 @@ struct FusedGemm {
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
   static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
+  static_assert(cute::size<1>(TileShape{}) == fused::kTileCols);
 };
 
 // The kernel as cudaFuncGetAttributes / cudaFuncSetAttribute take it, and the

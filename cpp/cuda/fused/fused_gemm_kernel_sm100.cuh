@@ -249,6 +249,7 @@ struct Config {
   // The flags are per CTA tile of fused::kTileRows rows, the order per MMA tile.
   static_assert(cute::size<0>(typename Kernel::CtaShape_MNK{}) == fused::kTileRows);
   static_assert(cute::size<0>(MmaTileShape{}) == kPair * fused::kTileRows);
+  static_assert(cute::size<1>(MmaTileShape{}) == fused::kTileCols);
 };
 
 using BF16 = Config<cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::bfloat16_t,

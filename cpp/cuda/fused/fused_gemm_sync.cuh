@@ -68,6 +68,17 @@ __device__ __forceinline__ void FenceProxyAsyncGlobal() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// Orders this thread's writes through one virtual alias of a memory before
+// accesses through another (PTX ISA, memory consistency model, "proxies":
+// fence.proxy.alias; CUDA Programming Guide, "Virtual Aliasing Support": writes
+// through one alias are otherwise not guaranteed visible through another before
+// the writing grid completes). A GEMM + reduce-scatter's partial is stored
+// through this rank's own address and read by peers through the multicast
+// address (multimem.ld_reduce) while this grid still runs.
+__device__ __forceinline__ void FenceProxyAlias() {
+  asm volatile("fence.proxy.alias;" ::: "memory");
+}
+
 // Waits until every bulk (TMA) store this thread committed has completed —
 // its writes made, not just its shared-memory source read.
 __device__ __forceinline__ void WaitBulkStoresComplete() {
@@ -184,6 +195,7 @@ __device__ __forceinline__ void ReleaseAfterStores(const BlockRelease& r, int32_
   if (r.flags == nullptr) return;
   WaitBulkStoresComplete();
   FenceProxyAsyncGlobal();
+  FenceProxyAlias();  // the partial may be read through the multicast alias
   __syncwarp();
   if (cute::elect_one_sync()) ReleaseTileRows<kTileRows>(r, tile);
 }

@@ -192,4 +192,14 @@ __global__ void __launch_bounds__(kThreads) Kernel(Geometry g) {
                          threadIdx.x, blockDim.x});
 }
 
+// The reduction kernel (ReduceBody): the same per-thread walk over the destination, its
+// sources in the parameters.
+template <class Body>
+__global__ void __launch_bounds__(kThreads) ReduceEntry(ReduceGeometry g) {
+  DeviceOps ops;
+  RunReduceThread<Body>(ops, g,
+                        Thread{blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z,
+                               threadIdx.x, blockDim.x});
+}
+
 }  // namespace jo::cuda::kernel

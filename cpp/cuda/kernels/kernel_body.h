@@ -91,6 +91,9 @@ struct Geometry {
   int64_t batch, rows, cols;
   int64_t src_batch_stride, src_ld;
   int64_t dst_batch_stride, dst_ld;
+  // The SMs the grid is sized to (0: the whole device). The kernel does not read it: the
+  // launch states it, for the fake's model of the SMs a persistent kernel leaves free.
+  int32_t sms = 0;
 };
 
 // The loop every kernel runs: each access of the block exactly once, by the
@@ -179,5 +182,75 @@ struct McReduceBody {
     ops.template Store<kBytes>(d, ops.template MultimemLoadReduce<kElem, kBytes>(mc));
   }
 };
+
+// ---- Reduce: d <- the sum of N blocks, in one pass ----
+
+// The most blocks one reduction sums: their addresses are the kernel's
+// parameters (core/program.h kMaxReduceSources, which kernels_common.cc holds
+// equal to it). 64 sources of 24 bytes keep the parameters far below the
+// 4 KB CUDA allows every kernel.
+inline constexpr int kMaxReduceSources = 64;
+
+// One source of a reduction, in accesses.
+struct ReduceSource {
+  const void* ptr;
+  int64_t batch_stride, ld;
+};
+
+// A batched-strided destination block and its `count` sources, all in
+// accesses of the same width (the launcher picks one every address divides).
+struct ReduceGeometry {
+  void* dst;
+  int64_t batch, rows, cols;
+  int64_t dst_batch_stride, dst_ld;
+  int32_t count;
+  int32_t sms;  // as Geometry::sms
+  ReduceSource src[kMaxReduceSources];
+};
+
+// Reduce: each access of d is the sum of the sources' accesses at the same
+// (batch, row, column), in source order, accumulated in `Acc` (float: one
+// rounding per add in float32) and rounded once to the element type. The
+// accumulator is a parameter: FP8 GEMMs reduce 16-bit or float32 partials the
+// same way.
+template <Elem kElem, int kAccessBytes, class Acc = float>
+struct ReduceBody {
+  static constexpr int kBytes = kAccessBytes;
+  static constexpr int kLanes = kBytes / ElemBytes(kElem);
+  static_assert(kLanes >= 1 && kElem != Elem::kF8, "whole elements, never fp8 sums");
+  template <class Ops>
+  JO_KERNEL_FN static void Access(Ops& ops, const ReduceGeometry& g, char* d, int64_t b, int64_t r,
+                                  int64_t j) {
+    Acc sum[kLanes];
+    for (int i = 0; i < kLanes; ++i) sum[i] = Acc(0);
+    for (int32_t k = 0; k < g.count; ++k) {
+      const ReduceSource& src = g.src[k];
+      const Vec<kBytes> v = ops.template Load<kBytes>(
+          static_cast<const char*>(src.ptr) + (b * src.batch_stride + r * src.ld + j) * kBytes);
+      for (int i = 0; i < kLanes; ++i)
+        sum[i] += static_cast<Acc>(ops.template ToFloat<kElem>(GetLane<kElem>(v, i)));
+    }
+    Vec<kBytes> out;
+    for (int w = 0; w < Vec<kBytes>::kWords; ++w) out.word[w] = 0;
+    for (int i = 0; i < kLanes; ++i)
+      SetLane<kElem>(&out, i, ops.template FromFloat<kElem>(static_cast<float>(sum[i])));
+    ops.template Store<kBytes>(d, out);
+  }
+};
+
+// Every access of the destination exactly once, by the thread whose (z, y, x)
+// coordinates it falls on grid-stride (as RunThread walks a block).
+template <class Body, class Ops>
+JO_KERNEL_FN void RunReduceThread(Ops& ops, const ReduceGeometry& g, const Thread& t) {
+  constexpr int64_t kBytes = Body::kBytes;
+  char* const dst = static_cast<char*>(g.dst);
+  const int64_t first = static_cast<int64_t>(t.block_x) * t.threads + t.thread;
+  const int64_t step = static_cast<int64_t>(t.grid_x) * t.threads;
+  for (int64_t b = t.block_z; b < g.batch; b += t.grid_z)
+    for (int64_t r = t.block_y; r < g.rows; r += t.grid_y) {
+      char* const d = dst + (b * g.dst_batch_stride + r * g.dst_ld) * kBytes;
+      for (int64_t j = first; j < g.cols; j += step) Body::Access(ops, g, d + j * kBytes, b, r, j);
+    }
+}
 
 }  // namespace jo::cuda::kernel

@@ -14,6 +14,8 @@ namespace jo::cuda::kernel {
 
 // AddBlock: bytes in {16, 8, 4} and, for 16-bit elements, 2.
 const void* AddKernel(Elem elem, int bytes);
+// Reduce (d <- the sum of N blocks): bytes in {16, 8, 4} and, for 16-bit elements, 2.
+const void* ReduceKernel(Elem elem, int bytes);
 // Multimem kernels: bytes in {16, 8, 4}.
 const void* McStoreKernel(Elem elem, int bytes);
 const void* McReduceKernel(Elem elem, int bytes);

@@ -26,6 +26,10 @@
 #endif
 
 namespace jo::cuda {
+
+static_assert(kernel::kMaxReduceSources == kMaxReduceSources,
+              "the Reduce kernel takes as many sources as a program may name");
+
 namespace {
 
 using kernel::Elem;
@@ -102,12 +106,70 @@ BlockLaunch MakeLaunch(const BlockArgs& a, bool multimem) {
   }
   if (p.bytes == 0) return p;
   const int64_t per = p.bytes / DTypeSize(a.dtype);  // elements per access
-  p.g = Geometry{a.dst,          a.src,          s.batch,        s.rows,        s.cols / per,
-                 s.src_bs / per, s.src_ld / per, s.dst_bs / per, s.dst_ld / per};
-  const int64_t x = std::min((p.g.cols + kernel::kThreads - 1) / kernel::kThreads, kMaxBlocks);
-  const int64_t z = std::min({p.g.batch, std::max<int64_t>(1, kMaxBlocks / x), kMaxGridYZ});
-  const int64_t y = std::min({p.g.rows, std::max<int64_t>(1, kMaxBlocks / (x * z)), kMaxGridYZ});
-  p.grid = dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
+  p.g = Geometry{a.dst,          a.src,          s.batch,        s.rows,         s.cols / per,
+                 s.src_bs / per, s.src_ld / per, s.dst_bs / per, s.dst_ld / per, a.sms};
+  p.grid = BlockGrid(p.g.cols, p.g.rows, p.g.batch, a.sms);
+  return p;
+}
+
+// A Reduce in accesses: the widest width every address, row length and stride of the
+// destination and of every source divides, with rows (and batches) merged where all of
+// them lie back to back.
+struct ReduceLaunch {
+  int bytes = 0;
+  kernel::ReduceGeometry g{};
+  dim3 grid;
+};
+
+ReduceLaunch MakeReduceLaunch(const ReduceArgs& a) {
+  ReduceLaunch p;
+  int64_t batch = a.batch, rows = a.m, cols = a.n;
+  bool dense_rows = a.dst_ld == a.n, dense_batches = true;
+  for (const ReduceArgs::Source& src : a.sources) dense_rows = dense_rows && src.ld == a.n;
+  if (rows == 1 || dense_rows) {
+    cols *= rows;
+    rows = 1;
+  }
+  const auto batch_dense = [&](int64_t bs) { return bs == cols; };
+  dense_batches = rows == 1 && batch_dense(a.dst_batch_stride);
+  for (const ReduceArgs::Source& src : a.sources)
+    dense_batches = dense_batches && batch_dense(src.batch_stride);
+  const bool merge_batches = batch == 1 || dense_batches;
+  if (merge_batches) {
+    cols *= batch;
+    batch = 1;
+  }
+  const int64_t es = DTypeSize(a.dtype);
+  const auto fits = [&](int64_t bytes, const void* ptr, int64_t ld, int64_t bs) {
+    const auto divides = [&](int64_t elems) { return elems * es % bytes == 0; };
+    return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0 && divides(cols) &&
+           (rows == 1 || divides(ld)) && (batch == 1 || divides(bs));
+  };
+  for (int bytes : {16, 8, 4, 2}) {
+    bool ok = bytes >= es && fits(bytes, a.dst, a.dst_ld, a.dst_batch_stride);
+    for (const ReduceArgs::Source& src : a.sources)
+      ok = ok && fits(bytes, src.ptr, src.ld, src.batch_stride);
+    if (ok) {
+      p.bytes = bytes;
+      break;
+    }
+  }
+  if (p.bytes == 0) return p;
+  const int64_t per = p.bytes / es;  // elements per access
+  p.g.dst = a.dst;
+  p.g.batch = batch;
+  p.g.rows = rows;
+  p.g.cols = cols / per;
+  p.g.dst_batch_stride = merge_batches ? 0 : a.dst_batch_stride / per;
+  p.g.dst_ld = rows == 1 ? p.g.cols : a.dst_ld / per;
+  p.g.count = static_cast<int32_t>(a.sources.size());
+  p.g.sms = a.sms;
+  for (size_t k = 0; k < a.sources.size(); ++k) {
+    const ReduceArgs::Source& src = a.sources[k];
+    p.g.src[k] = kernel::ReduceSource{src.ptr, merge_batches ? 0 : src.batch_stride / per,
+                                      rows == 1 ? p.g.cols : src.ld / per};
+  }
+  p.grid = BlockGrid(p.g.cols, p.g.rows, p.g.batch, a.sms);
   return p;
 }
 
@@ -178,6 +240,22 @@ Status Launch(const void* k, const BlockLaunch& p, cudaStream_t stream, const Er
 }
 
 bool Empty(const BlockArgs& a) { return a.batch <= 0 || a.m <= 0 || a.n <= 0; }
+
+// The Reduce kernel for `a` (null: nothing to launch) and its launch.
+Status ReduceKernelFor(const ReduceArgs& a, const ErrorContext& ctx, const void** k,
+                       ReduceLaunch* p) {
+  *k = nullptr;
+  if (a.sources.empty() || a.sources.size() > static_cast<size_t>(kernel::kMaxReduceSources))
+    return Status(Code::kInternal, ctx.Describe() + ": a Reduce sums 1 to " +
+                                       std::to_string(kernel::kMaxReduceSources) + " blocks, not " +
+                                       std::to_string(a.sources.size()));
+  if (a.batch <= 0 || a.m <= 0 || a.n <= 0) return OkStatus();
+  *p = MakeReduceLaunch(a);
+  JO_ASSERT(p->bytes >= DTypeSize(a.dtype));  // the element size always fits
+  *k = kernel::ReduceKernel(ElemOf(a.dtype), p->bytes);
+  JO_ASSERT(*k != nullptr);
+  return OkStatus();
+}
 
 // The multimem kernel for `a` (null: nothing to launch), after the pairing rule.
 Status MultimemKernel(const char* what, const void* (*table)(Elem, int), const BlockArgs& a,
@@ -251,6 +329,31 @@ Status LaunchAddBlock(const BlockArgs& a, cudaStream_t stream, const ErrorContex
   const void* k = kernel::AddKernel(ElemOf(a.dtype), p.bytes);
   JO_ASSERT(k != nullptr);
   return Launch(k, p, stream, ctx);
+}
+
+Status LaunchReduce(const ReduceArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
+  const void* k = nullptr;
+  ReduceLaunch p;
+  JO_CHECK(ReduceKernelFor(a, ctx, &k, &p));
+  if (k == nullptr) return OkStatus();
+  void* args[] = {&p.g};
+  JO_CUDA_CHECK(&ctx, cudaLaunchKernel(k, p.grid, dim3(kernel::kThreads), args, 0, stream));
+  return OkStatus();
+}
+
+Status PrepareReduce(const ReduceArgs& a, const ErrorContext& ctx) {
+  const void* k = nullptr;
+  ReduceLaunch p;
+  JO_CHECK(ReduceKernelFor(a, ctx, &k, &p));
+  return k == nullptr ? OkStatus() : LoadKernel(k, nullptr, ctx);
+}
+
+dim3 BlockGrid(int64_t cols, int64_t rows, int64_t batch, int32_t sms) {
+  const int64_t most = sms > 0 ? std::min(kMaxBlocks, sms * kBlocksPerSm) : kMaxBlocks;
+  const int64_t x = std::min((cols + kernel::kThreads - 1) / kernel::kThreads, most);
+  const int64_t z = std::min({batch, std::max<int64_t>(1, most / x), kMaxGridYZ});
+  const int64_t y = std::min({rows, std::max<int64_t>(1, most / (x * z)), kMaxGridYZ});
+  return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
 }
 
 Status LaunchMcStore(const BlockArgs& a, cudaStream_t stream, const ErrorContext& ctx) {
