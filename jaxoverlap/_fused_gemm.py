@@ -15,7 +15,10 @@ FUSED_OPS = _kinds.names(_kinds.OPS, fused=True)
 # Never nccl: a persistent kernel holding every SM while an NCCL kernel waits for SMs can
 # deadlock (docs/gpu-internals.md §5, rule 1).
 FUSED_TRANSPORTS = _kinds.names(_kinds.TRANSPORTS, fused=True)
-FUSED_DTYPES = _kinds.names(_kinds.DTYPES, fused=True)  # the kernel's instantiations
+FUSED_DTYPES = _kinds.names(_kinds.DTYPES, fused=True)  # 16-bit: x, w and y alike
+# FP8: one instantiation per (x, w, y) triple (``_kinds.FUSED_FP8``), for the all-gather only
+# (a GEMM + reduce-scatter program with scales is not built).
+FUSED_FP8_OPS = _kinds.names(_kinds.OPS, fused=True, gathered=True)
 FUSED_ALIGN = 8  # elements: rows of whole 16-byte units (TMA loads and stores), 16-bit types
 
 
@@ -26,13 +29,32 @@ class FusedKernel:
     tile; the tile order is over MMA tiles, cpp/core/fused_tiles.h CtaTileAt)."""
 
     image: str
-    dtypes: tuple[str, ...]
+    dtypes: tuple[str, ...]  # x's (FP8: those of the ``_kinds.FUSED_FP8`` triples)
     mma_pair: int
 
 
 # By compute capability (cpp/cuda/fused/fused_gemm.cc FusedKernelFor): arch-specific code runs
 # on exactly its architecture, so 10.3 (B300) and 12.0 run neither.
+_FP8_XS = tuple(dict.fromkeys(t.x for t in _kinds.FUSED_FP8))  # the FP8 kernels are sm90 only
 FUSED_KERNELS: dict[tuple[int, int], FusedKernel] = {
-    (9, 0): FusedKernel("sm_90a", FUSED_DTYPES, 1),
+    (9, 0): FusedKernel("sm_90a", FUSED_DTYPES + _FP8_XS, 1),
     (10, 0): FusedKernel("sm_100a", ("bfloat16",), 2),
 }
+
+
+def fused_dtype_reason(op: str, x, w, y) -> str | None:
+    """Why the fused GEMM has no instantiation for x, w and y of these dtypes in ``op`` (None
+    if it has): ``cpp/core/build.cc``'s refusal."""
+    x, w, y = (_kinds.dtype(d).name for d in (x, w, y))
+    if not _kinds.fused_serves(x, w, y):
+        return (f"the fused GEMM is compiled for {_kinds.fused_listing()}, not x {x} with w "
+                f"{w} and y {y} (the chunked path runs them)")
+    if _kinds.dtype(x).fp8 and op not in FUSED_FP8_OPS:
+        return f"the fused FP8 GEMM serves {FUSED_FP8_OPS} only, not {op}"
+    return None
+
+
+def fused_align(dtype) -> int:
+    """Elements of ``dtype`` in one 16-byte unit: the fused GEMM's rows (x's k, y's columns)
+    are whole units (TMA)."""
+    return 16 // _kinds.dtype(dtype).bytes

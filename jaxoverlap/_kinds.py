@@ -210,6 +210,41 @@ DTYPES: tuple[DType, ...] = (
           peak="float8", roundoff=2.0**-3),
 )
 
+
+@dataclasses.dataclass(frozen=True)
+class FusedFp8:
+    """An FP8 triple the fused GEMM is compiled for (``cpp/core/kinds.h`` ``JO_FUSED_FP8``): x's,
+    w's and y's dtypes. A 16-bit dtype is fused for x, w and y alike (``DType.fused``); FP8 is
+    one instantiation per triple, each ~30 CPU-s of compile, so only these."""
+
+    native: ClassVar = ("x", "w", "y")
+    x: str
+    w: str
+    y: str
+
+
+FUSED_FP8: tuple[FusedFp8, ...] = (
+    FusedFp8("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),  # the FP8 recipes' forward
+    FusedFp8("float8_e5m2", "float8_e4m3fn", "bfloat16"),  # their gradient's dy @ w^T
+)
+
+
+def fused_serves(x, w, y) -> bool:
+    """Whether the fused GEMM is compiled for x, w and y of these dtypes (names or NumPy
+    dtypes): a 16-bit dtype for all three, or a ``FUSED_FP8`` triple."""
+    x, w, y = (dtype(d).name for d in (x, w, y))
+    if dtype(x).fused:
+        return w == x and y == x
+    return FusedFp8(x, w, y) in FUSED_FP8
+
+
+def fused_listing() -> str:
+    """What the fused GEMM is compiled for, for errors."""
+    sixteen = listing(names(DTYPES, fused=True), "and")
+    fp8 = ", ".join(f"{t.x} x {t.w} -> {t.y}" for t in FUSED_FP8)
+    return f"{sixteen} (x, w and y alike); {fp8}"
+
+
 # ---------------------------------------------------------------- looking rows up
 
 

@@ -54,7 +54,7 @@ from jaxoverlap._executors.call import NativeCall, describe
 from jaxoverlap._executors.capabilities import NativeUnavailableError
 from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
 from jaxoverlap._fp8_dtypes import out_dtype as fp8_out_dtype
-from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
+from jaxoverlap._fused_gemm import FUSED_OPS, FUSED_TRANSPORTS, fused_align, fused_dtype_reason
 from jaxoverlap._one_launch import (
     KERNEL_ALGORITHMS,
     KERNEL_TRANSPORTS,
@@ -194,7 +194,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
         settings.transport if settings.transport != "auto" else None)
     fused = settings.fused if r.op in FUSED_OPS and n > 1 else False
     if fused:
-        impl = _check_fused(r.op, impl, transport, x, w)
+        impl = _check_fused(r.op, impl, transport, x, w, r.out_dtype)
     kernel = r.algorithm in KERNEL_ALGORITHMS
     if kernel:
         impl = _check_kernel(r.algorithm, impl, transport)
@@ -204,7 +204,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
     if is_fp8(gemm_dtype(x, w)) and not forced_native:
         _say_fp8_dequantized(r.op)
     picked = _model_pick(r.op, x, w, n, r.axis, rows, impl, forced_native, transport, chunks,
-                         bidirectional, settings.preset, algorithms, fused)
+                         bidirectional, settings.preset, algorithms, fused, r.out_dtype)
     if picked is not None:
         impl = picked.impl
         chunks = picked.chunks if chunks is None else chunks
@@ -291,24 +291,28 @@ def _rows(r: Request, x, n: int) -> tuple[int, str, tuple[str, ...]]:
 
 
 def fused_reason(op: str, x_dtype, w_dtype, k: int, cols: int,
-                 platform: str | None = None) -> str | None:
+                 platform: str | None = None, out_dtype=None) -> str | None:
     """Why the fused GEMM cannot run this call here (None if it can): the executors' own
     refusals (``cpp/core/build.cc``; the CUDA executor refuses GPUs other than compute
-    capability 9.0 and 10.0, and dtypes 10.0's kernel lacks, when it prepares the call)."""
+    capability 9.0 and 10.0, and dtypes 10.0's kernel lacks, when it prepares the call).
+    ``out_dtype``: y's (None: x's)."""
     if op not in FUSED_OPS:
         return f"the fused GEMM serves {FUSED_OPS}, not {op}"
-    names = (jnp.dtype(x_dtype).name, jnp.dtype(w_dtype).name)
-    if names[0] != names[1] or names[0] not in FUSED_DTYPES:
-        return (f"the fused GEMM is compiled for {FUSED_DTYPES} (x, w and y alike), not x "
-                f"{names[0]} with w {names[1]} (fp8 takes the chunked path)")
-    if k % FUSED_ALIGN or cols % FUSED_ALIGN:
+    x, w = jnp.dtype(x_dtype).name, jnp.dtype(w_dtype).name
+    y = x if out_dtype is None else jnp.dtype(out_dtype).name
+    reason = fused_dtype_reason(op, x, w, y)
+    if reason is not None:
+        return reason
+    k_unit, cols_unit = fused_align(x), fused_align(y)
+    if k % k_unit or cols % cols_unit:
+        units = str(k_unit) if k_unit == cols_unit else f"{k_unit} and {cols_unit}"
         return (f"the fused GEMM loads and stores rows of whole 16-byte units: x's last dim "
-                f"({k}) and w's ({cols}) must be multiples of {FUSED_ALIGN}")
-    return capabilities.fused_device_reason(platform or capabilities.current_platform(),
-                                            names[0])
+                f"({k}) and w's ({cols}) must be multiples of {units}")
+    return capabilities.fused_device_reason(platform or capabilities.current_platform(), x)
 
 
-def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
+def _check_fused(op: str, impl: str, transport: str | None, x, w,
+                 out_dtype: str | None = None) -> str:
     """The impl of a call that asked for the fused GEMM (``jo.config(fused=True)``), or the
     error saying why it cannot have it."""
     where = "jo.config(fused=True) / JAXOVERLAP_FUSED=1"
@@ -321,7 +325,7 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w) -> str:
             "(a persistent kernel holding every SM while an NCCL kernel waits for SMs can "
             "deadlock; docs/gpu-internals.md §5). Use transport in "
             f"{FUSED_TRANSPORTS}, or drop fused.")
-    reason = (fused_reason(op, x.dtype, w.dtype, x.shape[-1], w.shape[-1])
+    reason = (fused_reason(op, x.dtype, w.dtype, x.shape[-1], w.shape[-1], out_dtype=out_dtype)
               or native_reason(x.dtype, w.dtype))
     if reason is not None:
         raise NativeUnavailableError(f"{op}: {where}, but {reason}. Drop fused (the chunked "
@@ -488,7 +492,7 @@ def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
 
 
 def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,
-                bidirectional, preset, algorithms, fused):
+                bidirectional, preset, algorithms, fused, out_dtype=None):
     """The performance model's candidate for what the caller left open, or None.
 
     None means no model applies (no preset: host devices by default) or nothing
@@ -517,7 +521,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
         fused_mode = "only"
         transports = tuple(t for t in transports if t in FUSED_TRANSPORTS)
     elif fused is None and native_ok and fused_reason(op, x.dtype, w.dtype, x.shape[-1],
-                                                      w.shape[-1]) is None:
+                                                      w.shape[-1], out_dtype=out_dtype) is None:
         fused_mode = "allowed"
     else:
         fused_mode = "no"

@@ -55,7 +55,7 @@ import traceback
 from typing import Any
 
 from jaxoverlap import _kinds
-from jaxoverlap._fused_gemm import FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
+from jaxoverlap._fused_gemm import FUSED_DTYPES, FUSED_FP8_OPS, FUSED_OPS, FUSED_TRANSPORTS
 
 SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per rank)
     ((), 8, 64, 32),
@@ -85,6 +85,8 @@ FP8_DTYPES = (("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
               ("float8_e5m2", "float8_e4m3fn", "float16"))
 FP8_SHAPE = ((2,), 4, 48, 24)
 FP8_OPS = _kinds.names(_kinds.OPS)
+# The fused GEMM's FP8 rows: its (x, w, y) instantiations (``_kinds.FUSED_FP8``) on FP8_SHAPE.
+FUSED_FP8_DTYPES = tuple((t.x, t.w, t.y) for t in _kinds.FUSED_FP8)
 # The FP8 tensor cores' accumulator, as the CUDA fake computes an FP8 GEMM
 # (cpp/cuda/fake/fp8_accumulator.h, which cites the sources): per compute capability, the products
 # added in one step together with the running sum (block) and the fraction bits kept — every
@@ -632,6 +634,9 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
     cases += [(op, transport, "bfloat16", None, SHAPES[0], variant, True, FAKE_B200)
               for op, transport, variant in itertools.product(
                   [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS, variants)]
+    # ... and its FP8 instantiations (the all-gather; sm90 only), the variants alternating
+    cases += [(*c, None) for c in _fused_fp8_cases([o for o in FUSED_FP8_OPS if o in ops],
+                                                   FUSED_TRANSPORTS, quick)]
     if graph:
         print(f"  ({len(cases)} rows skipped: their programs do not replay yet: "
               f"{NOT_REPLAYABLE})")
@@ -660,6 +665,15 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
         _cuda_fake.reset()
 
 
+def _fused_fp8_cases(ops, transports, quick: bool) -> list[tuple]:
+    """The fused GEMM's FP8 rows (cases as ``_fake_rows`` lists them): each instantiation (one
+    in quick) in each op and transport, on FP8_SHAPE, the variants alternating."""
+    fp8s = FUSED_FP8_DTYPES[:1] if quick else FUSED_FP8_DTYPES
+    return [(op, transport, fp8[2], fp8, FP8_SHAPE, VARIANTS[1 + (i + j) % 2], True)
+            for (i, fp8), (j, op), transport
+            in itertools.product(enumerate(fp8s), enumerate(ops), transports)]
+
+
 def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | None,
                    fp8_why: str | None, device: int = 0, fake=None) -> None:
     """The selftest's rows of the transports one GPU serves (``LOOPBACK_TRANSPORTS``: FP8 and the
@@ -684,6 +698,9 @@ def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | N
                   for op, transport, dtype, variant in itertools.product(
                       FUSED_OPS, [t for t in transports if t in FUSED_TRANSPORTS],
                       FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
+    if fused_why is None and fp8_why is None:
+        cases += _fused_fp8_cases(
+            FUSED_FP8_OPS, [t for t in transports if t in FUSED_TRANSPORTS], quick)
     where = f"(loopback: {n} ranks on GPU {device}{', host-side fake' if fake else ''})"
     for op, transport, dtype, fp8, shape, (chunks, bidi), fused in cases:
         dims = (*shape[0], shape[1] * n + op.endswith("one_shot"), shape[2])

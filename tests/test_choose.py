@@ -266,9 +266,9 @@ def test_fp8_picks_follow_the_model_among_what_the_executors_run(monkeypatch):
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     e4, e5, bf16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 
-    def plan(x_dtype, w_dtype, rows=4096, **request):
+    def plan(x_dtype, w_dtype, rows=4096, out_dtype="bfloat16", **request):
         """AG+GEMM's plan for x [rows, 8192] per rank, w [8192, 3584], over 8 ranks."""
-        r = planning.Request.now("ag_matmul", "tp", out_dtype="bfloat16", **request)
+        r = planning.Request.now("ag_matmul", "tp", out_dtype=out_dtype, **request)
         return planning.make(r, jax.ShapeDtypeStruct((rows, 8192), x_dtype),
                              jax.ShapeDtypeStruct((8192, 3584), w_dtype), 8)
 
@@ -282,7 +282,9 @@ def test_fp8_picks_follow_the_model_among_what_the_executors_run(monkeypatch):
         p = plan(*dtypes)
         assert (p.impl, p.preferred, p.chunks, p.bidirectional) == (
             "native", best.transport, best.chunks, best.bidirectional), dtypes
-    assert plan(e4, e4, rows=1024).impl == "xla"     # AG std fp8: docs/performance.md's row
+    std = plan(e4, e4, rows=1024)                   # AG std fp8: docs/performance.md's row
+    assert (std.impl, std.fused) == ("native", True)
+    assert not plan(e4, e4, rows=1024, out_dtype="float32").fused  # no e4m3 -> f32 kernel
     # On Hopper GPUs (injected): the CUDA executor's pairings only.
     monkeypatch.setattr(runtime, "cuda_error", lambda: None)
     monkeypatch.setattr(capabilities, "current_platform", lambda: "cuda")

@@ -122,14 +122,26 @@ def test_a_gpu_without_fp8_gemms_says_once_that_xla_dequantizes(monkeypatch, cap
     assert len(said) == 1 and "XLA dequantizes" in said[0], said
 
 
-def test_the_fused_gemm_asked_for_with_fp8_says_it_is_16_bit_only(arrays):
-    """jo.config(fused=True) with an fp8 operand: the fused GEMM is compiled for bfloat16 and
-    float16 alike in x and w; the error says so and names the way out (the chunked path)."""
+def test_the_fused_gemm_asked_for_with_fp8_names_what_it_is_compiled_for(arrays):
+    """jo.config(fused=True) with fp8 operands: the fused GEMM is compiled for bfloat16 and
+    float16 alike in x and w, and for e4m3 x e4m3 and e5m2 x e4m3 with a bfloat16 y
+    (``_kinds.FUSED_FP8``), on rows of whole 16-byte units; every other call's error says what
+    is compiled and names the way out (the chunked path)."""
     x, w, w16 = arrays
+    w5 = w.astype(jnp.float8_e5m2)
     with jo.config(fused=True):
         with pytest.raises(jo.NativeUnavailableError,
-                           match=r"compiled for .*not x float8_e4m3fn with w float8_e4m3fn.*"
-                                 r"Drop fused"):
+                           match=r"compiled for .*e4m3fn -> bfloat16.*not x float8_e4m3fn with "
+                                 r"w float8_e5m2.*Drop fused"):
+            jo.ag_matmul(x, w5, "tp", mesh=tp_mesh(2), impl="native", transport="p2p",
+                         x_scale=ONE, w_scale=ONE)
+        with pytest.raises(jo.NativeUnavailableError,
+                           match=r"not x float8_e4m3fn with w float8_e4m3fn and y float32"):
+            jo.ag_matmul(x, w, "tp", mesh=tp_mesh(2), impl="native", transport="p2p",
+                         x_scale=ONE, w_scale=ONE, preferred_element_type=jnp.float32)
+        # a built pairing, but x's rows (16 fp8 elements) are one 16-byte unit and w's 4
+        # columns of bfloat16 y are not
+        with pytest.raises(jo.NativeUnavailableError, match=r"must be multiples of 16 and 8"):
             jo.ag_matmul(x, w, "tp", mesh=tp_mesh(2), impl="native", transport="p2p",
                          x_scale=ONE, w_scale=ONE)
         with pytest.raises(jo.NativeUnavailableError, match=r"not x bfloat16 with w float8"):

@@ -89,15 +89,24 @@ Status BuildProgram(const Problem& q, Program* program) {
                    "docs/gpu-internals.md §5). Use " +
                    kinds::Names(kTransports, [](const TransportRow& t) { return t.fused; }) +
                    ", or the chunked path");
-    JO_REQUIRE(Row(q.x_dtype).fused && q.w_dtype == q.x_dtype && q.out_dtype == q.x_dtype,
-               op + ": the fused GEMM is compiled for " +
-                   kinds::Names(
-                       kDTypes, [](const DTypeRow& d) { return d.fused; }, " and ") +
-                   " (x, w and y alike); " + DTypesName(q) + " takes the chunked path");
-    JO_REQUIRE(q.k % 8 == 0 && q.cols % 8 == 0,
-               op + ": the fused GEMM loads and stores rows of whole 16-byte units (TMA): k (" +
-                   std::to_string(q.k) + ") and the output columns (" + std::to_string(q.cols) +
-                   ") must be multiples of 8; take the chunked path");
+    JO_REQUIRE(FusedServes(q.x_dtype, q.w_dtype, q.out_dtype),
+               op + ": the fused GEMM is compiled for " + FusedServedNames() + "; " +
+                   DTypesName(q) + " takes the chunked path");
+    // FP8 serves the all-gather only: its GEMM + reduce-scatter would scale x's rows by one
+    // scale, a launch the kernel has (Fp8Scales::x_stride 0) but no program makes yet.
+    JO_REQUIRE(!IsFp8(q.x_dtype) || row->gathered,
+               op + ": the fused FP8 GEMM serves " +
+                   kinds::Names(kOps, [](const OpRow& o) { return o.fused && o.gathered; }) +
+                   " only; " + DTypesName(q) + " " + op + " takes the chunked path");
+    const int64_t k_unit = 16 / DTypeSize(q.x_dtype), cols_unit = 16 / DTypeSize(q.out_dtype);
+    JO_REQUIRE(
+        q.k % k_unit == 0 && q.cols % cols_unit == 0,
+        op + ": the fused GEMM loads and stores rows of whole 16-byte units (TMA): k (" +
+            std::to_string(q.k) + ") and the output columns (" + std::to_string(q.cols) +
+            ") must be multiples of " +
+            (k_unit == cols_unit ? std::to_string(k_unit)
+                                 : std::to_string(k_unit) + " and " + std::to_string(cols_unit)) +
+            "; take the chunked path");
   }
 
   *program = Program();

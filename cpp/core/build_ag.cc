@@ -9,8 +9,10 @@
 // An fp8 x moves as fp8, and each shard's float32 scale travels with it: one
 // more 1-element transfer per shard and hop, next to the shard's first
 // sub-chunk (in its NCCL group; before its flag on p2p and multicast), into
-// the shard's scale slot; the shard's GEMMs read that slot. (The fused GEMM
-// is 16-bit only: no scales.)
+// the shard's scale slot; the shard's GEMMs read that slot. The fused GEMM
+// (fp8: the pairs core/kinds.h JO_FUSED_FP8 lists) reads every shard's slot,
+// each row its own shard's, so the own scale joins the slots before it
+// starts (p2p: a copy beside the own shard's; multicast stores it there).
 #include <utility>
 #include <vector>
 
@@ -129,7 +131,8 @@ struct Ag {
         f.writers[static_cast<size_t>(flag(a.shard, s))] = writer(a);
       }
     const Ref gathered{BufId::kWorkspace, r, 0, N * R * K, K};
-    e.FusedGemm(0, gathered, Ref{BufId::kY, r, 0, N * R * Nw, Nw}, P, std::move(f));
+    Op& op = e.FusedGemm(0, gathered, Ref{BufId::kY, r, 0, N * R * Nw, Nw}, P, std::move(f));
+    if (scaled) op.a_scale = Emitter::ScaleRef(BufId::kWorkspaceScales, r, 0);  // shard s: slot s
     if (q.return_gathered)
       e.Block(OpKind::kCopy, 0, gathered, Ref{BufId::kXGathered, r, 0, N * R * K, K}, P, N * R, K);
   }
@@ -194,11 +197,16 @@ void PeerCopies(Ag& g) {
   Program* p = g.p;
   p->workspace_elems = g.P * g.N * g.R * g.K;
   if (g.scaled) p->workspace_scales = g.N;
-  // Fused: the local shard joins the others in the own workspace first (copy engine).
+  // Fused: the local shard joins the others in the own workspace first (copy engine),
+  // and its scale the others' scale slots (no peer writes the own slot).
   if (g.fused)
     for (int64_t s = 0; s < g.C; ++s) {
       const Ref own = g.g_ref(BufId::kWorkspace, g.r, g.r, s);
       Ag::Label(g.e.Block(OpKind::kCopy, 0, g.x_ref(s), own, g.P, g.rows(s), g.K), g.r, s);
+      if (g.scaled && s == 0)
+        Ag::Label(g.e.Block(OpKind::kCopy, 0, Emitter::ScaleRef(BufId::kXScale, g.r, 0),
+                            Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, g.r), 1, 1, 1),
+                  g.r, s);
     }
   for (int32_t dir = 0; dir < 2; ++dir) {
     const int32_t stream = 1 + dir;

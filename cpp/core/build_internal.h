@@ -82,8 +82,9 @@ class Emitter {
     }
     return op;
   }
-  // One persistent GEMM over every row block of `blocks` (m = blocks.rows.rows();
-  // 16-bit operands only: no scales).
+  // One persistent GEMM over every row block of `blocks` (m = blocks.rows.rows()).
+  // fp8 operands: w's scale, and x's as the caller sets it (an all-gather's:
+  // the shards' scale slots).
   Op& FusedGemm(int32_t stream, const Ref& a, const Ref& d, int64_t batch, FusedBlocks blocks) {
     Op& op = Gemm(stream, a, d, nullptr, batch, blocks.rows.rows());
     op.kind = OpKind::kFusedGemm;

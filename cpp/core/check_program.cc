@@ -217,6 +217,11 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.k, sizes));
         JO_CHECK(CheckRef(p, op, "b", op.b, 1, op.k, op.n, sizes));
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
+        // fp8: a_scale is slot 0 of the shards' scale slots (shard s's: slot s).
+        JO_CHECK(CheckScale(p, op, "a_scale", op.a_scaled, op.a_scale, q.x_dtype, sizes));
+        if (op.a_scaled)
+          JO_CHECK(CheckRef(p, op, "a_scale", op.a_scale, 1, op.fused.rows.shards, 1, sizes));
+        JO_CHECK(CheckScale(p, op, "b_scale", op.b_scaled, op.b_scale, q.w_dtype, sizes));
         JO_CHECK(CheckFused(p, op));
         break;
       case OpKind::kReduce: {

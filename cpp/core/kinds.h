@@ -320,6 +320,41 @@ inline bool SplitsRows(ArAlgorithm algorithm) { return Row(algorithm).splits_row
 inline bool OneLaunch(ArAlgorithm algorithm) { return Row(algorithm).kernel; }
 inline bool IsFp8(DType dtype) { return Row(dtype).fp8; }
 
+// The fused GEMM's FP8 instantiations (cpp/cuda/fused/fused_gemm_<x><w>_<y>.cu), one row per
+// (x, w, y) it is compiled for: X(x, w, y). e4m3 x e4m3 -> bf16 is the forward of the FP8
+// recipes (TransformerEngine's, Flax's), e5m2 x e4m3 -> bf16 the gradient's dy @ w^T. Every
+// other FP8 triple takes the chunked path (each instantiation costs ~30 CPU-s of CI compile).
+#define JO_FUSED_FP8(X)      \
+  X(kF8E4M3, kF8E4M3, kBF16) \
+  X(kF8E5M2, kF8E4M3, kBF16)
+
+// Whether the fused GEMM is compiled for x, w and y of these dtypes: a 16-bit dtype (the
+// dtypes' `fused` column) for all three, or a row of JO_FUSED_FP8.
+constexpr bool FusedServes(DType x, DType w, DType y) {
+  if (Row(x).fused) return w == x && y == x;
+#define JO_FUSED_FP8_MATCH(a, b, d) \
+  if (x == DType::a && w == DType::b && y == DType::d) return true;
+  JO_FUSED_FP8(JO_FUSED_FP8_MATCH)
+#undef JO_FUSED_FP8_MATCH
+  return false;
+}
+
+// What the fused GEMM is compiled for, for error messages: "bf16 and f16 (x, w and y alike);
+// f8e4m3fn x f8e4m3fn -> bf16, ...".
+inline std::string FusedServedNames() {
+  std::string out = kinds::Names(
+                        kDTypes, [](const DTypeRow& d) { return d.fused; }, " and ") +
+                    " (x, w and y alike)";
+  const char* sep = "; ";
+#define JO_FUSED_FP8_NAME(a, b, d)                                                                 \
+  out += std::string(sep) + Row(DType::a).short_name + " x " + Row(DType::b).short_name + " -> " + \
+         Row(DType::d).short_name;                                                                 \
+  sep = ", ";
+  JO_FUSED_FP8(JO_FUSED_FP8_NAME)
+#undef JO_FUSED_FP8_NAME
+  return out;
+}
+
 // Parsers: a member by its name (a dtype by JAX's name or the short one).
 inline std::optional<Collective> ParseCollective(std::string_view name) {
   return kinds::Parse(kOps, &OpRow::op, name);

@@ -132,7 +132,9 @@ struct Op {
   int32_t sub = -1;     // which sub-chunk of that shard
   // Gemm of fp8 operands: d = (a * a_scale) @ (W * b_scale), the scales float32
   // single elements (a's: its shard's, for an all-gather); an operand that is
-  // not fp8 has no scale (a_scaled / b_scaled false: 1).
+  // not fp8 has no scale (a_scaled / b_scaled false: 1). FusedGemm of fp8
+  // operands: a_scale is slot 0 of one scale slot per shard of its rows (shard
+  // s's rows take slot a_scale.offset + s).
   Ref a_scale, b_scale;
   bool a_scaled = false, b_scaled = false;
   FusedBlocks fused;  // FusedGemm only

@@ -419,7 +419,8 @@ class Enqueuer {
     step->fused = fused_.size();
     FusedGemmArgs& f = fused_.emplace_back();
     const FusedBlocks& blocks = op.fused;
-    f.dtype = p_.problem.x_dtype;  // x, w and y alike (BuildProgram)
+    const Problem& q = p_.problem;
+    f.types = {q.x_dtype, q.w_dtype, q.out_dtype};  // one BuildProgram's FusedServes accepts
     f.batch = op.batch;
     f.m = op.m;
     f.n = op.n;
@@ -429,6 +430,17 @@ class Enqueuer {
     f.a_batch_stride = op.a.batch_stride;
     f.b = Resolve(op.b);
     f.ldb = op.b.ld;
+    if (IsFp8(q.w_dtype)) {
+      // An fp8 w arrives K-major, [cols, k] row-major: B^T, as the FP8 kernel takes it.
+      JO_ASSERT(op.b.buf == BufId::kW && op.b.offset == 0 && op.b.ld == q.cols);
+      f.ldb = q.k;
+    }
+    if (op.a_scaled) {  // the shards' scale slots: shard s's at slot s
+      f.scales.x = reinterpret_cast<const float*>(Resolve(op.a_scale));
+      f.scales.x_stride = 1;
+    }
+    if (op.b_scaled) f.scales.w = reinterpret_cast<const float*>(Resolve(op.b_scale));
+    JO_ASSERT(op.a_scaled == op.b_scaled && op.a_scaled == IsFp8(q.x_dtype));
     f.d = Resolve(op.d);
     f.ldd = op.d.ld;
     f.d_batch_stride = op.d.batch_stride;
@@ -465,7 +477,7 @@ class Enqueuer {
                   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a_.device));
     f.kernel = FusedKernelFor(major, minor);
     JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
-    return PrepareFusedGemm(f.dtype, f.kernel, a_.ctx);
+    return PrepareFusedGemm(f.types, f.kernel, a_.ctx);
   }
 
   // The one-launch all-reduce: every address from the clique's fixed kernel area, half 0 (the

@@ -370,8 +370,8 @@ class Run {
   }
 
   // The fused GEMM's semantics, block by block in its order: wait for the
-  // block's flag, multiply its rows, release it (the kernel does the same
-  // tile by tile: docs/gpu-internals.md §5).
+  // block's flag, multiply its rows (fp8: scaled by their shard's scale),
+  // release it (the kernel does the same tile by tile: docs/gpu-internals.md §5).
   Status FusedGemm(const Op& op) {
     const FusedBlocks& f = op.fused;
     Op rows = op;  // the plain GEMM of one block's rows (without the fused plan)
@@ -382,6 +382,8 @@ class Run {
       rows.m = f.rows.End(b) - f.rows.Begin(b);
       rows.a.offset = op.a.offset + f.rows.Begin(b) * op.a.ld;
       rows.d.offset = op.d.offset + f.rows.Begin(b) * op.d.ld;
+      // fp8: the block's rows take their shard's scale slot (check_program.cc).
+      if (op.a_scaled) rows.a_scale.offset = op.a_scale.offset + f.rows.Shard(b);
       JO_CHECK(Gemm(rows));
       if (f.release_flags >= 0)
         JO_CHECK(clique_.Signal(ctx_, p_.problem.rank, f.release_flags + b));

@@ -79,6 +79,9 @@ void BindConfig(nb::module_& m) {
         "The fatbinary's variants per kernel family; None: this build's.");
   field("fused_flag_shift", &Config::fused_flag_shift,
         "Tests: the fused GEMM waits for the flag of block b + this (an off-by-one mapping).");
+  field("fused_scale_shard_shift", &Config::fused_scale_shard_shift,
+        "Tests: the FP8 fused GEMM scales each row by the scale of the shard this many after "
+        "its own (a tile with the wrong shard's scale).");
   field("allreduce_misuse", &Config::allreduce_misuse,
         "Tests: the one-launch all-reduce's phases run wrongly: 'release_early' or "
         "'read_early' (fake_allreduce.cc); 'rank0_gives_up': rank 0's waits time out at once.");

@@ -90,7 +90,19 @@ nb::dict KindsDict(const OpRow (&op_rows)[NOps], const TransportRow (&transport_
     d["kernel"] = r.kernel;
     algorithms.append(d);
   }
+  nb::list fused_fp8;  // this build's (JO_FUSED_FP8), by JAX's dtype names
+#define JO_FUSED_FP8_DICT(a, b, y) \
+  {                                \
+    nb::dict d;                    \
+    d["x"] = Row(DType::a).name;   \
+    d["w"] = Row(DType::b).name;   \
+    d["y"] = Row(DType::y).name;   \
+    fused_fp8.append(d);           \
+  }
+  JO_FUSED_FP8(JO_FUSED_FP8_DICT)
+#undef JO_FUSED_FP8_DICT
   nb::dict out;
+  out["fused_fp8"] = fused_fp8;
   out["ops"] = ops;
   out["transports"] = transports;
   out["dtypes"] = dtypes;

@@ -33,9 +33,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from jaxoverlap._fused_gemm import FUSED_ALIGN, FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
+from jaxoverlap import _kinds
+from jaxoverlap._fused_gemm import (
+    FUSED_ALIGN,
+    FUSED_DTYPES,
+    FUSED_FP8_OPS,
+    FUSED_OPS,
+    FUSED_TRANSPORTS,
+    fused_align,
+)
 from jaxoverlap.sim import model
-from jaxoverlap.sim.presets import Preset, canonical_dtype, gemm_class
+from jaxoverlap.sim.presets import Preset, canonical_dtype, gemm_class, output_dtype
 
 OPS, TRANSPORTS, DTYPES, ALIGN = FUSED_OPS, FUSED_TRANSPORTS, FUSED_DTYPES, FUSED_ALIGN
 
@@ -46,6 +54,10 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
     refusals (``cpp/core/build.cc``, the CUDA executor's prepare) and the preset's GPU.
 
     ``dtype``, ``k`` and ``n`` (the per-rank K and output columns) are checked when given.
+    An fp8 ``dtype`` is priced as the model's FP8 programs run it (x and w of it, y bfloat16:
+    ``sim.plan.programs``), so it is offered where that triple is an instantiation
+    (``_kinds.FUSED_FP8``: e4m3) in an all-gather; the planning rule (``_plan.fused_reason``)
+    checks the call's own w and y before it asks.
     """
     if op not in OPS or algorithm != "two_shot":
         return f"the fused GEMM serves {OPS}, not {op!r} ({algorithm})"
@@ -58,12 +70,20 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
         return (f"preset {p.name!r} (compute capability {p.compute_capability}): the fused "
                 "GEMM is sm_90a code for compute capability 9.0 (Hopper) and sm_100a code for "
                 "10.0 (B200, GB200), each running on its architecture only")
+    k_unit = n_unit = ALIGN
+    if dtype is not None and canonical_dtype(dtype) not in DTYPES:
+        name = canonical_dtype(dtype)
+        if _kinds.FusedFp8(name, name, output_dtype(name)) not in _kinds.FUSED_FP8:
+            return f"dtype {dtype}: the fused GEMM is compiled for {_kinds.fused_listing()}"
+        if op not in FUSED_FP8_OPS:
+            return f"dtype {dtype}: the fused FP8 GEMM serves {FUSED_FP8_OPS} only, not {op!r}"
+        k_unit, n_unit = fused_align(name), fused_align(output_dtype(name))
     if dtype is not None and canonical_dtype(dtype) not in kernel.dtypes:
         return (f"dtype {dtype}: the fused GEMM is compiled for {kernel.dtypes} (its "
                 f"{kernel.image} build)")
-    if (k is not None and k % ALIGN) or (n is not None and n % ALIGN):
+    if (k is not None and k % k_unit) or (n is not None and n % n_unit):
         return (f"k={k}, n={n}: the fused GEMM loads and stores rows of whole 16-byte units "
-                f"(multiples of {ALIGN} elements)")
+                f"(multiples of {k_unit} and {n_unit} elements)")
     return ""
 
 

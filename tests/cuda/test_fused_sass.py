@@ -1,12 +1,19 @@
-"""The fused GEMM as built (``cpp/cuda/fused/fused_gemm_kernel.cuh`` for sm_90a,
-``fused_gemm_kernel_sm100.cuh`` for sm_100a; their flag protocol ``fused_gemm_sync.cuh``), read
-back from ``_cuda``'s fatbinary with cuobjdump (as ``test_multimem.py`` does): no GPU runs it
-here, so what it does is checked in its machine code (SASS), per kernel (sm_90a bf16 and f16,
-sm_100a bf16):
+"""The fused GEMM as built (``cpp/cuda/fused/fused_gemm_kernel.cuh`` for sm_90a, its FP8 form
+``fused_gemm_fp8.cuh``, ``fused_gemm_kernel_sm100.cuh`` for sm_100a; their flag protocol
+``fused_gemm_sync.cuh``), read back from ``_cuda``'s fatbinary with cuobjdump (as
+``test_multimem.py`` does): no GPU runs it here, so what it does is checked in its machine code
+(SASS), per kernel (sm_90a bf16, f16, and the FP8 instantiations e4m3 x e4m3 -> bf16 and
+e5m2 x e4m3 -> bf16; sm_100a bf16):
 
 * the stock CUTLASS mainloop's tensor-core instructions are there and pipelined
-  (``HGMMA.64x256x16.F32.BF16``, ``HGMMA.64x256x16.F32`` for f16; not every one waiting for
-  itself, which is what a build without ``-DNDEBUG`` gives: ptxas serialises wgmma);
+  (``HGMMA.64x256x16.F32.BF16``, ``HGMMA.64x256x16.F32`` for f16; sm_90's FP8 wgmma assembles
+  to ``QGMMA.64x128x32.F32.E4M3.E4M3`` / ``.E5M2.E4M3``; not every one waiting for itself,
+  which is what a build without ``-DNDEBUG`` gives: ptxas serialises wgmma);
+* FP8: the promotion of CUTLASS's FP8 mainloop (not fast accumulation): in the mainloop, a wait
+  for every wgmma (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) followed, before the next wgmma, by one
+  ``FADD`` per accumulator register a thread holds of a 64 x N wgmma (64 for N = 128): the
+  tensor cores' sum added into the float32 accumulators; and the epilogue's scale loads
+  (``ld.relaxed.gpu``: ``LDG.E.STRONG.GPU``) between the mainloop and the first TMA store;
 * sm_100a: the stock tcgen05 mainloop with 2-SM MMA (``UTCHMMA.2CTA``: bf16 and f16 share the
   opcode, their types are in the instruction descriptor the kernel moves into the register the
   MMA reads as ``idesc[...]``, decoded per ``cute/arch/mma_sm100_desc.hpp``), its commit
@@ -46,10 +53,14 @@ import pytest
 from .test_multimem import _cuobjdump, _dump, _sections
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL = "FlagWaitMainloop"  # in the mangled name of both fused kernels
-# dtype: (its MMA atom in the mangled name, its tensor-core opcode: f16 inputs have no suffix)
-DTYPES = {"bf16": ("F32BF16BF16", "HGMMA.64x256x16.F32.BF16"),
-          "f16": ("F32F16F16", "HGMMA.64x256x16.F32")}
+KERNEL = "FlagWaitMainloop"  # in the mangled name of every fused kernel
+# kernel: (its MMA atom in the mangled name, its tensor-core opcode, a regular expression: f16
+# inputs have no suffix; FP8 is QGMMA, K 32 per instruction, the 128-column tile's N)
+DTYPES = {"bf16": ("F32BF16BF16", r"HGMMA\.64x256x16\.F32\.BF16"),
+          "f16": ("F32F16F16", r"HGMMA\.64x256x16\.F32"),
+          "e4m3_bf16": ("F32E4M3E4M3", r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3"),
+          "e5m2e4m3_bf16": ("F32E5M2E4M3", r"QGMMA\.64x128x32\.F32\.E5M2\.E4M3")}
+FP8 = [d for d, (_, opcode) in DTYPES.items() if opcode.startswith("QGMMA")]
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
 
@@ -89,14 +100,54 @@ def _loops(code):
     return out
 
 
+def _is_mma(text: str, dtype: str) -> bool:
+    return re.fullmatch(DTYPES[dtype][1], text.split(" ")[0]) is not None
+
+
 def tensor_core_problems(code, dtype) -> list[str]:
-    opcode = DTYPES[dtype][1]
-    hgmma = [t for _, t in code if t.split(" ")[0] == opcode]
-    if not hgmma:
-        return [f"no {opcode}: the stock tensor-core mainloop is missing"]
-    if all("gsb0" in t for t in hgmma):
-        return ["every HGMMA waits for itself (gsb0): the wgmma pipeline is serialised "
+    mma = [t for _, t in code if _is_mma(t, dtype)]
+    if not mma:
+        return [f"no {DTYPES[dtype][1]}: the stock tensor-core mainloop is missing"]
+    if all("gsb0" in t for t in mma):
+        return ["every wgmma waits for itself (gsb0): the wgmma pipeline is serialised "
                 "(ptxas does this to a build without -DNDEBUG)"]
+    return []
+
+
+def promotion_problems(code, dtype) -> list[str]:
+    """FP8: a wait for every wgmma, then (before the next one) an FADD per accumulator register
+    of a 64 x 128 wgmma a thread holds (64 x 128 / 128 threads): CUTLASS's promotion
+    (``GmmaFP8Accumulation::promote_core``). The fast-accumulation mainloop has neither."""
+    mma = [a for a, t in code if _is_mma(t, dtype)]
+    if not mma:
+        return ["no tensor-core instruction"]
+    registers = 64 * 128 // 128
+    body = [(a, t) for a, t in code if min(mma) <= a <= max(mma) + 0x1000]
+    for i, (_, t) in enumerate(body):
+        if t != "WARPGROUP.DEPBAR.LE gsb0, 0x0":
+            continue
+        fadds = 0
+        for _, later in body[i + 1:]:
+            if later.startswith("WARPGROUP.ARRIVE") or _is_mma(later, dtype):
+                break
+            fadds += later.startswith("FADD ")
+        if fadds >= registers:
+            return []
+    return [f"no promotion: no wait for every wgmma followed by {registers} FADDs before the "
+            "next wgmma in the mainloop"]
+
+
+def scale_load_problems(code, dtype) -> list[str]:
+    """FP8: the epilogue's scale loads (ld.relaxed.gpu: w's and one per row the thread stores)
+    between the mainloop and the first TMA store."""
+    mma = [a for a, t in code if _is_mma(t, dtype)]
+    stores = [a for a, t in code if t.startswith("UTMASTG")]
+    if not mma or not stores:
+        return ["no tensor-core instruction or no TMA store (UTMASTG)"]
+    loads = [a for a, t in code if max(mma) < a < min(stores) and t.startswith("LDG.E.STRONG.GPU")]
+    if len(loads) < 2:
+        return ["fewer than two LDG.E.STRONG.GPU (w's scale, a row's) between the mainloop and "
+                "the first UTMASTG"]
     return []
 
 
@@ -148,12 +199,15 @@ def release_problems(code) -> list[str]:
 
 
 CHECKS = {"tensor cores": tensor_core_problems, "acquire spin": acquire_spin_problems,
-          "release": release_problems}
+          "release": release_problems, "promotion": promotion_problems,
+          "scale loads": scale_load_problems}
+BY_DTYPE = ("tensor cores", "promotion", "scale loads")  # the checks that take the dtype
+FP8_ONLY = ("promotion", "scale loads")
 
 
 def _problems(code, dtype) -> dict[str, list[str]]:
-    return {name: (check(code, dtype) if name == "tensor cores" else check(code))
-            for name, check in CHECKS.items()}
+    return {name: (check(code, dtype) if name in BY_DTYPE else check(code))
+            for name, check in CHECKS.items() if dtype in FP8 or name not in FP8_ONLY}
 
 
 # ---- sm_100a ---------------------------------------------------------------------------------
@@ -217,13 +271,15 @@ def fused_sass(cuda):
     return _fused(_dump(cuda, "-sass", "-arch", "sm_90a"))
 
 
-def test_both_fused_kernels_are_in_the_module(fused_sass):
-    assert sorted(fused_sass) == ["bf16", "f16"]
+def test_every_fused_kernel_is_in_the_module(fused_sass):
+    assert sorted(fused_sass) == sorted(DTYPES)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_fused_kernel_sass(fused_sass, dtype):
-    assert _problems(fused_sass[dtype], dtype) == {name: [] for name in CHECKS}
+    problems = _problems(fused_sass[dtype], dtype)
+    assert problems == {name: [] for name in problems}
+    assert set(problems) == set(CHECKS) - (set() if dtype in FP8 else set(FP8_ONLY))
 
 
 def test_fused_kernels_are_arch_specific_cubins_without_ptx(cuda):

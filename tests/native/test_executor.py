@@ -617,6 +617,47 @@ def test_fp8_every_op_with_per_rank_scales(transport):
             check_fp8(n, transport, dtypes, chunks, bidir, seed=i)
 
 
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+def test_fp8_fused_all_gather_with_per_shard_scales(transport):
+    """The fused FP8 all-gather (one FusedGemm reading every shard's scale slot; the own scale
+    copied into its slot on p2p) on the host executor, each FP8 instantiation, per-rank scales,
+    N 2..8, chunks, both directions: within one rounding of y of the float64 product of the
+    dequantized operands, as the chunked program (a wrong shard's scale misses it: below)."""
+    from jaxoverlap import _kinds
+
+    cases = [(2, 1, False), (4, 2, True), (8, 1, True)]
+    for i, (n, chunks, bidir) in enumerate(cases):
+        t = _kinds.FUSED_FP8[i % len(_kinds.FUSED_FP8)]
+        x_dtype, w_dtype, out = t.x, t.w, t.y
+        with case_note(transport, n, chunks, bidir, (x_dtype, w_dtype, out)):
+            mesh = tp_mesh(n)
+            sx, sx_np = rank_scales(x_dtype, n, 0.5)
+            sw, sw_np = rank_scales(w_dtype, n, 1.25)
+            k, rows = 32, 2 * chunks
+            x = rand(i, (1, n * rows, k), x_dtype, scale=3)
+            w = rand(i + 1, (k, 16 * n), w_dtype, scale=3)
+            fields = dict(transport=transport, chunks=chunks, bidirectional=bidir, fused=True,
+                          timeout_s=60.0, out_dtype=out)
+
+            def body(x, w, sx, sw, fields=fields):
+                return native_shard.ag_matmul(x, w, axis=1, x_scale=sx[0], w_scale=sw[0],
+                                              **fields)
+
+            f = jax.jit(jax.shard_map(
+                body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P("tp"), P("tp")),
+                out_specs=P(None, None, "tp")))
+            y = f(x, w, sx, sw)
+            assert y.dtype == jnp.dtype(out)
+            x64, w64 = f64(x), f64(w)
+            x_deq = np.concatenate([dequantized(x64[:, j * rows:(j + 1) * rows], sx_np[j])
+                                    for j in range(n)], axis=1)
+            got = np.asarray(y.astype(jnp.float32), np.float64)
+            for r in range(n):
+                w_deq = dequantized(w64[:, r * 16:(r + 1) * 16], sw_np[r])
+                within_bound("ag_matmul", got[..., r * 16:(r + 1) * 16], x_deq @ w_deq, out, n,
+                             k, x_deq, w_deq)
+
+
 def test_fp8_a_wrong_shard_scale_would_be_caught():
     """The check above is sensitive to the scales' travel: every rank using its own x scale
     for every shard (what a program that did not move them would do) misses the bound."""

@@ -70,9 +70,17 @@ def test_ag_moves_one_byte_per_element_the_reductions_their_bfloat16_output():
     assert {o["kind"] for pr in ranks for o in pr["ops"] if o.get("a_scale")} == {"Gemm"}
 
 @pytest.mark.slow
-def test_fp8_projections_are_marked_and_never_fused():
+def test_fp8_projections_are_marked_and_fused_only_in_the_all_gather():
+    """The fused FP8 GEMM exists for the all-gather only (``_kinds.FUSED_FP8``): its plans are
+    priced there, on the FP8 class's fitted rate and fused tile; GEMM + RS has none."""
     choice = sim.choose("ag_matmul", AG, "float8_e4m3fn", 8, H100)
-    assert not any(r.candidate.fused for r in choice.table)
+    fused = [r for r in choice.table if r.candidate.fused]
+    assert fused and {r.candidate.transport for r in fused} == {"p2p", "multicast"}
+    rs = sim.choose("matmul_rs", RS, "float8_e4m3fn", 8, H100)
+    assert not any(r.candidate.fused for r in rs.table)
+    with pytest.raises(ValueError, match="the fused FP8 GEMM serves"):
+        sim.simulate("matmul_rs", RS, "fp8", 8, H100, sim.Candidate("native", "p2p", 1, False,
+                                                                    fused=True))
     assert any("fp8 GEMM alone measured" in why and "fp8 call extrapolated" in why
                for why in choice.outside)
     pcie = sim.outside_calibrated(sim.get_preset("pcie8"), "ag_matmul", AG, "fp8", 8)
@@ -80,8 +88,8 @@ def test_fp8_projections_are_marked_and_never_fused():
     bf16 = sim.choose("ag_matmul", AG, "bfloat16", 8, H100)
     assert choice.table[0].t_gemm < 0.55 * bf16.table[0].t_gemm      # xla's GEMM: ~half
     with pytest.raises(ValueError, match="the fused GEMM is compiled for"):
-        sim.simulate("ag_matmul", AG, "fp8", 8, H100, sim.Candidate("native", "p2p", 1, True,
-                                                                    fused=True))
+        sim.simulate("ag_matmul", AG, "float32", 8, H100,
+                     sim.Candidate("native", "p2p", 1, True, fused=True))
     rows = sim.projection_table(["h100"], sim.FP8_CASES)
     assert {r["case"] for r in rows} == {"AG std fp8", "RS std fp8", "AG flux fp8",
                                          "RS flux fp8"}

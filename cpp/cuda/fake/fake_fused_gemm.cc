@@ -39,6 +39,16 @@
 //    stuck) records the first such flag in the fault record and gives up, and so
 //    does every later wait of the launch, at once: the kernel ends, its results
 //    garbage (rows read before their flag: NaN, not a misuse then).
+//  * FP8 (fused_gemm_fp8.cuh): 128-column tiles, B read K-major (B^T), each
+//    output element accumulated as Hopper's FP8 tensor cores do
+//    (fp8_accumulator.h), promoted into float32 every promotion_interval x 32
+//    elements of K as CUTLASS's FP8 mainloop does, then scaled by its row's
+//    shard's scale times w's (the product rounded to float32 first), rounded
+//    once to D's type. A row reads its shard's scale slot, which the programs
+//    fill before the shard's first flag: reading the slot of a shard none of
+//    whose flags is at the epoch (but the ready shard's) is a misuse, and reads
+//    NaN. Config::fused_scale_shard_shift makes row i take shard (shard(i) +
+//    shift)'s scale (a tile with the wrong shard's scale).
 // One tile per poll of the kernel, so the other streams interleave with it.
 // The launch as a whole is replaced: CUTLASS's own host calls inside it
 // (cudaGetDriverEntryPoint[ByVersion], cuTensorMapEncodeTiled for A, B and D)
@@ -56,6 +66,7 @@
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_kernels.h"
 #include "cuda/fake/fake_waits.h"
+#include "cuda/fake/fp8_accumulator.h"
 #include "cuda/fused/fused_gemm_launch.h"
 
 namespace jo::fake {
@@ -74,10 +85,20 @@ constexpr int kSharedBytes = kMaxSharedBytesPerBlock;
 // device needs its own; without it the launch fails on the GPU (the call's error breaks the
 // clique), which the fake refuses as a misuse.
 constexpr int kSharedBytesWithoutOptIn = 48 * 1024;
-using fused::kTileCols;  // the CTA tile's N (fused_gemm_kernel.cuh)
+// The CTA tile's N: fused::kTileCols for 16-bit operands (fused_gemm_kernel.cuh), 128 for
+// FP8 (fused_gemm_fp8.cuh).
+using fused::kTileCols;
+constexpr int64_t kFp8TileCols = 128;
+
+// The element types of an instantiation: A, B and D.
+struct Types {
+  DType a, b, d;
+};
 
 struct FusedRun {
-  DType dtype = DType::kBF16;
+  Types types{DType::kBF16, DType::kBF16, DType::kBF16};
+  bool fp8 = false;
+  int64_t tile_cols = kTileCols;
   int32_t pair = 1;  // CTA tiles per MMA tile (sm100: 2)
   Launch launch;
   fused::PersistentGrid grid;
@@ -85,6 +106,7 @@ struct FusedRun {
   std::vector<int64_t> next;  // per CTA: its next unit of work
   int64_t left = 0;           // units not done
   int32_t shift = 0;          // Config::fused_flag_shift
+  int32_t scale_shift = 0;    // Config::fused_scale_shard_shift
   size_t turn = 0;            // the CTA polled first next time
   int device = 0;
   std::pair<int, int> where;  // (played process, device): whose SMs it holds ...
@@ -158,16 +180,56 @@ bool TileReady(FusedRun& r, size_t cta, int32_t tile) {
 
 size_t ElemBytes(DType dtype) { return static_cast<size_t>(DTypeSize(dtype)); }
 
-// D[l][tile rows][n tile] = A @ B with f32 accumulation; rows not yet in place read as NaN.
+int MinExponent(DType fp8) { return fp8 == DType::kF8E5M2 ? kE5M2MinExponent : kE4M3MinExponent; }
+
+// The dequantization scale of row i (FP8): its shard's slot (or, with
+// Config::fused_scale_shard_shift, another shard's) times w's, rounded to
+// float32. A slot is written before the first flag of its shard (build_ag.cc):
+// one read while no flag of the shard is at the epoch (and not the ready
+// shard's, in place before the launch) is a misuse and reads NaN.
+float RowScale(FusedRun& r, int64_t i) {
+  const Launch& l = r.launch;
+  const int32_t shards = l.blocks.shards;
+  int32_t shard = static_cast<int32_t>(i / l.blocks.shard_rows);
+  shard = ((shard + r.scale_shift) % shards + shards) % shards;
+  bool there = l.wait_flags == nullptr || shard == l.ready_shard || l.scales.x_stride == 0;
+  for (int32_t c = 0; c < l.blocks.chunks && !there; ++c)
+    there = AtEpoch(l.wait_flags[shard * l.blocks.chunks + c], l.epoch);
+  if (!there) {
+    if (!r.poisoned_reported && !r.gave_up) {
+      r.poisoned_reported = true;
+      Fail(r.what + ": a tile read the scale of shard " + std::to_string(shard) +
+           " before any flag of the shard reached the epoch (its slot is poisoned: NaN)");
+    }
+    return std::nanf("");
+  }
+  return l.scales.x[shard * l.scales.x_stride] * *l.scales.w;
+}
+
+// One output element of an FP8 launch, before its scale: the K products of row i of A and
+// row j of B^T, accumulated as Hopper's FP8 tensor cores do, promoted every
+// promotion_interval wgmmas (32 elements of K each).
+float Fp8Dot(const FusedRun& r, const std::byte* a, int64_t i, int64_t j) {
+  const Launch& l = r.launch;
+  Fp8TensorCore core = Fp8TensorCoreOf(90);  // the kernel is sm_90a code
+  core.promotion = 32 * static_cast<int>(l.scales.promotion_interval);
+  Fp8Accumulator acc(core, MinExponent(r.types.a), MinExponent(r.types.b));
+  for (int64_t p = 0; p < l.k; ++p)
+    acc.Add(LoadElement(r.types.a, a, i * l.lda + p), LoadElement(r.types.b, l.b, j * l.ldb + p));
+  return acc.Result();
+}
+
+// D[l][tile rows][n tile] = A @ B with f32 accumulation (FP8: Hopper's accumulator, each row
+// scaled); rows not yet in place read as NaN.
 void ComputeTile(FusedRun& r, int32_t l_idx, int32_t tile, int32_t n_tile) {
   const Launch& l = r.launch;
-  const int64_t row0 = tile * fused::kTileRows, col0 = n_tile * kTileCols;
+  const int64_t row0 = tile * fused::kTileRows, col0 = n_tile * r.tile_cols;
   const int64_t rows = std::min<int64_t>(fused::kTileRows, l.m - row0);
-  const int64_t cols = std::min<int64_t>(kTileCols, l.n - col0);
+  const int64_t cols = std::min<int64_t>(r.tile_cols, l.n - col0);
   const auto* a = static_cast<const std::byte*>(l.a) +
-                  static_cast<size_t>(l_idx * l.a_batch_stride) * ElemBytes(r.dtype);
+                  static_cast<size_t>(l_idx * l.a_batch_stride) * ElemBytes(r.types.a);
   auto* d = static_cast<std::byte*>(l.d) +
-            static_cast<size_t>(l_idx * l.d_batch_stride) * ElemBytes(r.dtype);
+            static_cast<size_t>(l_idx * l.d_batch_stride) * ElemBytes(r.types.d);
   for (int64_t i = row0; i < row0 + rows; ++i) {
     const int32_t block = l.blocks.BlockOf(i);
     const bool there = Arrived(r, block);
@@ -176,11 +238,19 @@ void ComputeTile(FusedRun& r, int32_t l_idx, int32_t tile, int32_t n_tile) {
       Fail(r.what + ": a tile read rows of block " + std::to_string(block) +
            " before its flag reached the epoch (the rows are poisoned: NaN)");
     }
+    if (r.fp8) {
+      const float scale = RowScale(r, i);
+      for (int64_t j = col0; j < col0 + cols; ++j)
+        StoreElement(r.types.d, d, i * l.ldd + j,
+                     there ? Fp8Dot(r, a, i, j) * scale : std::nanf(""));
+      continue;
+    }
     for (int64_t j = col0; j < col0 + cols; ++j) {
       float acc = 0.0f;
       for (int64_t p = 0; p < l.k; ++p)
-        acc += LoadElement(r.dtype, a, i * l.lda + p) * LoadElement(r.dtype, l.b, p * l.ldb + j);
-      StoreElement(r.dtype, d, i * l.ldd + j, there ? acc : std::nanf(""));
+        acc +=
+            LoadElement(r.types.a, a, i * l.lda + p) * LoadElement(r.types.b, l.b, p * l.ldb + j);
+      StoreElement(r.types.d, d, i * l.ldd + j, there ? acc : std::nanf(""));
     }
   }
 }
@@ -236,7 +306,7 @@ std::vector<std::weak_ptr<FusedRun>>& Releasing() {
 int32_t UnreleasedBlock(const FusedRun& r, const std::byte* p, size_t bytes) {
   const Launch& l = r.launch;
   const auto* d = static_cast<const std::byte*>(l.d);
-  const int64_t es = static_cast<int64_t>(ElemBytes(r.dtype));
+  const int64_t es = static_cast<int64_t>(ElemBytes(r.types.d));
   const int64_t bs = l.batch > 1 ? l.d_batch_stride : 0;
   const int64_t span = ((l.batch - 1) * bs + (l.m - 1) * l.ldd + l.n) * es;
   if (p + bytes <= d || p >= d + span) return -1;
@@ -259,9 +329,11 @@ bool Span(const void* p, size_t bytes, const std::string& what) {
   return CheckRange(p, bytes, what.c_str());
 }
 
-cudaError_t LaunchFused(DType dtype, int32_t pair, const Launch& l, cudaStream_t stream) {
+cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaStream_t stream) {
   Count("cudaLaunchKernelEx");
-  const void* function = pair == 1 ? FusedFunction(dtype) : FusedFunctionSm100();
+  const void* function =
+      pair == 1 ? FusedFunction(types.a, types.b, types.d) : FusedFunctionSm100();
+  const bool fp8 = IsFp8(types.a);
   const std::string name = FunctionName(function);
   const int device = StreamDevice(stream);
   if (device < 0 || device != CurrentDevice()) {
@@ -288,15 +360,22 @@ cudaError_t LaunchFused(DType dtype, int32_t pair, const Launch& l, cudaStream_t
       return cudaErrorInvalidValue;
     }
   }
-  const size_t es = ElemBytes(dtype);
   const auto span = [](int64_t batch, int64_t batch_stride, int64_t rows, int64_t ld,
                        int64_t cols) {
     return static_cast<size_t>((batch - 1) * batch_stride + (rows - 1) * ld + cols);
   };
   const int32_t blocks = l.blocks.count();
-  bool ok = Span(l.a, span(l.batch, l.a_batch_stride, l.m, l.lda, l.k) * es, name + " A") &&
-            Span(l.b, span(1, 0, l.k, l.ldb, l.n) * es, name + " B") &&
-            Span(l.d, span(l.batch, l.d_batch_stride, l.m, l.ldd, l.n) * es, name + " D");
+  const size_t b_span = fp8 ? span(1, 0, l.n, l.ldb, l.k) : span(1, 0, l.k, l.ldb, l.n);
+  bool ok =
+      Span(l.a, span(l.batch, l.a_batch_stride, l.m, l.lda, l.k) * ElemBytes(types.a),
+           name + " A") &&
+      Span(l.b, b_span * ElemBytes(types.b), name + " B") &&
+      Span(l.d, span(l.batch, l.d_batch_stride, l.m, l.ldd, l.n) * ElemBytes(types.d), name + " D");
+  if (fp8)
+    ok = ok &&
+         Span(l.scales.x, ((l.blocks.shards - 1) * l.scales.x_stride + 1) * sizeof(float),
+              name + " x scales") &&
+         Span(l.scales.w, sizeof(float), name + " w scale");
   if (l.wait_flags != nullptr)
     ok = ok && Span(l.wait_flags, blocks * sizeof(uint32_t), name + " wait flags") &&
          Span(l.fault, sizeof(cuda::FusedGemmFault), name + " fault record");
@@ -314,17 +393,20 @@ cudaError_t LaunchFused(DType dtype, int32_t pair, const Launch& l, cudaStream_t
   // reduction beside it).
   ++S().counters["fused GEMM on " + std::to_string(l.sm_count) + " SMs"];
   auto run = std::make_shared<FusedRun>();
-  run->dtype = dtype;
+  run->types = types;
+  run->fp8 = fp8;
+  run->tile_cols = fp8 ? kFp8TileCols : kTileCols;
   run->pair = pair;
   run->launch = l;
   run->m_tiles = (l.m + fused::kTileRows - 1) / fused::kTileRows;
-  run->grid = fused::PersistentGrid::Make(run->m_tiles, (l.n + kTileCols - 1) / kTileCols, l.batch,
-                                          l.sm_count);
+  run->grid = fused::PersistentGrid::Make(run->m_tiles, (l.n + run->tile_cols - 1) / run->tile_cols,
+                                          l.batch, l.sm_count);
   run->next.resize(static_cast<size_t>(run->grid.ctas));
   run->waiting_since.assign(run->next.size(), -1);
   for (size_t c = 0; c < run->next.size(); ++c) run->next[c] = static_cast<int64_t>(c);
   run->left = run->grid.work();
   run->shift = S().config.fused_flag_shift;
+  run->scale_shift = S().config.fused_scale_shard_shift;
   run->device = device;
   run->where = {stream->process, device};
   run->holds = std::max(1, std::min(l.sm_count, S().config.sms));
@@ -388,15 +470,21 @@ void NoteSharedMemoryGrant(const void* function, int bytes) {
 
 namespace jo::cuda::fused_kernel {
 
-const void* FunctionBF16() { return fake::FusedFunction(DType::kBF16); }
-const void* FunctionF16() { return fake::FusedFunction(DType::kF16); }
-int SharedBytesBF16() { return fake::kSharedBytes; }
-int SharedBytesF16() { return fake::kSharedBytes; }
+// Function<Name>, SharedBytes<Name> and Launch<Name> of one instantiation (fused_gemm_launch.h).
+#define JO_FAKE_FUSED_INSTANCE(Name, A, B, D)                                                  \
+  const void* Function##Name() { return fake::FusedFunction(DType::A, DType::B, DType::D); }   \
+  int SharedBytes##Name() { return fake::kSharedBytes; }                                       \
+  Status Launch##Name(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {    \
+    JO_CUDA_CHECK(&ctx, fake::LaunchFused({DType::A, DType::B, DType::D}, 1, launch, stream)); \
+    return OkStatus();                                                                         \
+  }
 
-Status LaunchBF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
-  JO_CUDA_CHECK(&ctx, fake::LaunchFused(DType::kBF16, 1, launch, stream));
-  return OkStatus();
-}
+JO_FAKE_FUSED_INSTANCE(BF16, kBF16, kBF16, kBF16)
+JO_FAKE_FUSED_INSTANCE(F16, kF16, kF16, kF16)
+JO_FAKE_FUSED_INSTANCE(E4M3_BF16, kF8E4M3, kF8E4M3, kBF16)
+JO_FAKE_FUSED_INSTANCE(E5M2E4M3_BF16, kF8E5M2, kF8E4M3, kBF16)
+#undef JO_FAKE_FUSED_INSTANCE
+
 const void* FunctionSm100BF16() { return fake::FusedFunctionSm100(); }
 int SharedBytesSm100BF16() { return fake::kSharedBytes; }
 
@@ -409,12 +497,8 @@ Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorCon
                                        std::to_string(launch.order.tiles) + " tiles, not one per " +
                                        std::to_string(mma_rows) + "-row MMA tile of " +
                                        std::to_string(launch.m) + " rows (CheckFusedGemm)");
-  JO_CUDA_CHECK(&ctx, fake::LaunchFused(DType::kBF16, kSm100MmaPair, launch, stream));
-  return OkStatus();
-}
-
-Status LaunchF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
-  JO_CUDA_CHECK(&ctx, fake::LaunchFused(DType::kF16, 1, launch, stream));
+  JO_CUDA_CHECK(&ctx, fake::LaunchFused({DType::kBF16, DType::kBF16, DType::kBF16}, kSm100MmaPair,
+                                        launch, stream));
   return OkStatus();
 }
 

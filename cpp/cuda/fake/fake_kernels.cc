@@ -45,9 +45,11 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -410,11 +412,20 @@ cudaError_t Variant(const HostKernel* k, int device, KernelVariant* v) {
 
 }  // namespace
 
-const void* FusedFunction(DType dtype) {
-  // A handle with no body: launched only by the fused GEMM's own launch (fake_fused_gemm.cc).
-  static const HostKernel bf16{"FusedGemm", "FusedGemm<bf16>", "fused", McSide::kNone, 0, nullptr};
-  static const HostKernel f16{"FusedGemm", "FusedGemm<f16>", "fused", McSide::kNone, 0, nullptr};
-  return Register(dtype == DType::kBF16 ? &bf16 : &f16);
+const void* FusedFunction(DType a, DType b, DType d) {
+  // A handle with no body per instantiation: launched only by the fused GEMM's own launch
+  // (fake_fused_gemm.cc). Handles live as long as the process (Known() keeps them).
+  static std::mutex mu;
+  static auto* handles = new std::map<std::tuple<DType, DType, DType>, HostKernel*>();
+  std::lock_guard<std::mutex> lock(mu);
+  HostKernel*& k = (*handles)[{a, b, d}];
+  if (k == nullptr) {
+    const std::string types =
+        a == b && b == d ? std::string(DTypeName(a))
+                         : std::string(DTypeName(a)) + " x " + DTypeName(b) + " -> " + DTypeName(d);
+    k = new HostKernel{"FusedGemm", "FusedGemm<" + types + ">", "fused", McSide::kNone, 0, nullptr};
+  }
+  return Register(k);
 }
 
 const void* FusedFunctionSm100() {

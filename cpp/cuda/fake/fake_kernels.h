@@ -35,10 +35,10 @@ bool SelectKernelVariant(const std::vector<std::string>& images, int arch, Kerne
 // guide, "Compute Capabilities").
 inline constexpr int kMaxSharedBytesPerBlock = 232448;
 
-// The fused GEMM's kernel for `dtype` (fake_fused_gemm.cc runs it): a handle
-// cudaFuncGetAttributes and cudaFuncSetAttribute take, of the kernel family
-// "fused"; its name; whether `device` runs a variant of it.
-const void* FusedFunction(DType dtype);
+// The fused GEMM's kernel for A, B and D of these types (fake_fused_gemm.cc
+// runs it): a handle cudaFuncGetAttributes and cudaFuncSetAttribute take, of
+// the kernel family "fused"; its name; whether `device` runs a variant of it.
+const void* FusedFunction(DType a, DType b, DType d);
 // The sm100 fused GEMM's (bf16), of the kernel family "fused_sm100".
 const void* FusedFunctionSm100();
 std::string FunctionName(const void* function);

@@ -594,7 +594,7 @@ std::map<std::string, std::string> MisuseChecks() {
       x[d] = Malloc(d, shard, 0x3c);
       flags[d] = Malloc(d, 8);
       cuda::FusedGemmArgs& f = args[d];
-      f.dtype = DType::kBF16;
+      f.types = {DType::kBF16, DType::kBF16, DType::kBF16};
       f.m = 2 * kRows;
       f.n = kN;
       f.k = kK;
@@ -622,7 +622,7 @@ std::map<std::string, std::string> MisuseChecks() {
       // Set-up: the arguments checked (the tile order made) and the kernels loaded before
       // anything is enqueued.
       (void)cuda::CheckFusedGemm(&f);
-      (void)cuda::PrepareFusedGemm(DType::kBF16, cuda::FusedKernel::kSm90, ctx);
+      (void)cuda::PrepareFusedGemm(f.types, cuda::FusedKernel::kSm90, ctx);
       (void)cuda::PrepareBlockKernel(cuda::BlockKernel::kAdd, add[d], ctx);
     }
     auto outgoing = [&](int d) {

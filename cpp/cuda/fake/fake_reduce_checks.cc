@@ -46,7 +46,7 @@ std::map<std::string, std::string> ReduceMisuseChecks() {
     cudaStream_t gemm = StreamOn(0), reduce = StreamOn(0);
     static const int32_t kSequence[2] = {0, 1};
     cuda::FusedGemmArgs f;
-    f.dtype = DType::kBF16;
+    f.types = {DType::kBF16, DType::kBF16, DType::kBF16};
     f.m = 2 * kRows;
     f.n = kN;
     f.k = kK;
@@ -65,7 +65,7 @@ std::map<std::string, std::string> ReduceMisuseChecks() {
     f.epoch = 1;
     f.sm_count = how == How::kNoSms ? config.sms : config.sms - 2;
     (void)cuda::CheckFusedGemm(&f);
-    (void)cuda::PrepareFusedGemm(DType::kBF16, cuda::FusedKernel::kSm90, ctx);
+    (void)cuda::PrepareFusedGemm(f.types, cuda::FusedKernel::kSm90, ctx);
     cuda::ReduceArgs r;
     r.dtype = DType::kBF16;
     r.dst = Malloc(0, kRows * kN * kEs);

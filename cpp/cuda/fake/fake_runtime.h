@@ -128,6 +128,10 @@ struct Config {
   // Tests: the fused GEMM's kernel waits for the flag of block b + this
   // instead of block b (a broken tile -> flag mapping; fake_fused_gemm.cc).
   int fused_flag_shift = 0;
+  // Tests: the FP8 fused GEMM scales row i by the scale of shard shard(i) +
+  // this (mod the shards) instead of its own (a tile with the wrong shard's
+  // scale; fake_fused_gemm.cc).
+  int fused_scale_shard_shift = 0;
   // Tests: the one-launch all-reduce's phases run wrongly (fake_allreduce.cc): "release_early"
   // (a thread releases its flags before its block's barrier after the stores), "read_early" (a
   // thread reads its peers' data before its block's barrier after the acquires);

@@ -53,10 +53,68 @@ Status CheckMatrix(const char* name, const void* ptr, int64_t ld, int64_t batch_
   return OkStatus();
 }
 
+// One instantiation (fused_gemm_launch.h): the kernel, its shared memory, its launch.
+struct Instance {
+  FusedKernel kernel;
+  FusedTypes types;
+  const void* (*function)();
+  int (*shared_bytes)();
+  Status (*launch)(const fused_kernel::Launch&, cudaStream_t, const ErrorContext&);
+};
+
+// Every instantiation built; FusedServes (core/kinds.h) accepts exactly the sm90
+// triples, sm100 serves bf16 only (tests/cuda/test_fused_sass.py finds each
+// kernel in the built module).
+const Instance kInstances[] = {
+    {FusedKernel::kSm90,
+     {DType::kBF16, DType::kBF16, DType::kBF16},
+     fused_kernel::FunctionBF16,
+     fused_kernel::SharedBytesBF16,
+     fused_kernel::LaunchBF16},
+    {FusedKernel::kSm90,
+     {DType::kF16, DType::kF16, DType::kF16},
+     fused_kernel::FunctionF16,
+     fused_kernel::SharedBytesF16,
+     fused_kernel::LaunchF16},
+    {FusedKernel::kSm90,
+     {DType::kF8E4M3, DType::kF8E4M3, DType::kBF16},
+     fused_kernel::FunctionE4M3_BF16,
+     fused_kernel::SharedBytesE4M3_BF16,
+     fused_kernel::LaunchE4M3_BF16},
+    {FusedKernel::kSm90,
+     {DType::kF8E5M2, DType::kF8E4M3, DType::kBF16},
+     fused_kernel::FunctionE5M2E4M3_BF16,
+     fused_kernel::SharedBytesE5M2E4M3_BF16,
+     fused_kernel::LaunchE5M2E4M3_BF16},
+    {FusedKernel::kSm100,
+     {DType::kBF16, DType::kBF16, DType::kBF16},
+     fused_kernel::FunctionSm100BF16,
+     fused_kernel::SharedBytesSm100BF16,
+     fused_kernel::LaunchSm100BF16},
+};
+
+const Instance* Find(const FusedTypes& t, FusedKernel kernel) {
+  for (const Instance& i : kInstances)
+    if (i.kernel == kernel && i.types.a == t.a && i.types.b == t.b && i.types.d == t.d) return &i;
+  return nullptr;
+}
+
+bool Compiled(const FusedTypes& t) {
+  return Find(t, FusedKernel::kSm90) != nullptr || Find(t, FusedKernel::kSm100) != nullptr;
+}
+
+std::string TypesName(const FusedTypes& t) {
+  return std::string(DTypeName(t.a)) + " x " + DTypeName(t.b) + " -> " + DTypeName(t.d);
+}
+
+Status NotCompiled(const FusedTypes& t) {
+  return Bad(TypesName(t) + " is not one the fused GEMM is compiled for (" + FusedServedNames() +
+             "): take the chunked path");
+}
+
 std::mutex g_prepared_mu;
-using PreparedKey = std::tuple<int, DType, FusedKernel>;  // device, dtype, kernel
-std::map<PreparedKey, bool>& Prepared() {
-  static auto* prepared = new std::map<PreparedKey, bool>();
+std::map<std::pair<int, const void*>, bool>& Prepared() {  // (device, kernel function)
+  static auto* prepared = new std::map<std::pair<int, const void*>, bool>();
   return *prepared;
 }
 
@@ -70,20 +128,6 @@ const char* KernelName(FusedKernel kernel) {
       break;
   }
   return "none";
-}
-
-// The kernel for (kernel, dtype), or null when it has no such instantiation.
-const void* FunctionOf(FusedKernel kernel, DType dtype) {
-  if (kernel == FusedKernel::kSm90)
-    return dtype == DType::kBF16 ? fused_kernel::FunctionBF16() : fused_kernel::FunctionF16();
-  if (kernel == FusedKernel::kSm100 && dtype == DType::kBF16)
-    return fused_kernel::FunctionSm100BF16();
-  return nullptr;
-}
-
-int SharedBytesOf(FusedKernel kernel, DType dtype) {
-  if (kernel == FusedKernel::kSm100) return fused_kernel::SharedBytesSm100BF16();
-  return dtype == DType::kBF16 ? fused_kernel::SharedBytesBF16() : fused_kernel::SharedBytesF16();
 }
 
 Status NotThisGpu(FusedKernel kernel, int device, int major, int minor, const ErrorContext& ctx) {
@@ -111,10 +155,8 @@ int32_t MmaPairOf(FusedKernel kernel) {
 
 Status CheckFusedGemm(FusedGemmArgs* args) {
   const FusedGemmArgs& a = *args;
-  if (!Row(a.dtype).fused)
-    return Bad(std::string("dtype ") + DTypeName(a.dtype) +
-               " is not one the fused GEMM is compiled for (" +
-               kinds::Names(kDTypes, [](const DTypeRow& d) { return d.fused; }) + ")");
+  if (!Compiled(a.types)) return NotCompiled(a.types);
+  const bool fp8 = IsFp8(a.types.a);
   if (a.batch < 1 || a.m < 1 || a.n < 1 || a.k < 1 || a.batch > kMaxInt32 || a.m > kMaxInt32 ||
       a.n > kMaxInt32 || a.k > kMaxInt32)
     return Bad("batch, m, n and k must be in [1, 2^31)");
@@ -123,10 +165,29 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
                std::to_string(a.blocks.shard_rows) + " rows in " + std::to_string(a.blocks.chunks) +
                " chunks) must cover the m = " + std::to_string(a.m) +
                " rows, with at least one row per chunk");
-  const int64_t elem = DTypeSize(a.dtype);
-  JO_CHECK(CheckMatrix("a", a.a, a.lda, a.a_batch_stride, a.m, a.k, a.batch, elem));
-  JO_CHECK(CheckMatrix("b", a.b, a.ldb, 0, a.k, a.n, 1, elem));
-  JO_CHECK(CheckMatrix("d", a.d, a.ldd, a.d_batch_stride, a.m, a.n, a.batch, elem));
+  JO_CHECK(CheckMatrix("a", a.a, a.lda, a.a_batch_stride, a.m, a.k, a.batch, DTypeSize(a.types.a)));
+  if (fp8)  // K-major: B^T, n x k
+    JO_CHECK(CheckMatrix("b", a.b, a.ldb, 0, a.n, a.k, 1, DTypeSize(a.types.b)));
+  else
+    JO_CHECK(CheckMatrix("b", a.b, a.ldb, 0, a.k, a.n, 1, DTypeSize(a.types.b)));
+  JO_CHECK(CheckMatrix("d", a.d, a.ldd, a.d_batch_stride, a.m, a.n, a.batch, DTypeSize(a.types.d)));
+  if (fp8) {
+    const fused_kernel::Fp8Scales& s = a.scales;
+    if (a.k * DTypeSize(a.types.a) % 16 != 0 || a.n * DTypeSize(a.types.d) % 16 != 0)
+      return Bad("FP8: k and n must fill whole 16-byte rows (TMA): k a multiple of 16, n of " +
+                 std::to_string(16 / DTypeSize(a.types.d)));
+    if (s.x == nullptr || !Aligned(s.x, 4) || s.w == nullptr || !Aligned(s.w, 4))
+      return Bad("FP8 needs scales.x and scales.w: float32 device pointers, 4-byte aligned");
+    if (s.x_stride != 0 && s.x_stride != 1)
+      return Bad("scales.x_stride must be 1 (a scale per shard) or 0 (one for every row)");
+    // CUTLASS's FP8 mainloop: the interval counts wgmmas, 4 per 128-deep K tile, and
+    // promotes when the count equals it (0 would never promote before the end).
+    if (s.promotion_interval == 0 || s.promotion_interval % 4 != 0)
+      return Bad(
+          "scales.promotion_interval must be a positive multiple of 4 (wgmmas of 32 "
+          "elements of K; 4: every 128 elements), got " +
+          std::to_string(s.promotion_interval));
+  }
   if (a.wait_flags != nullptr) {
     if (!Aligned(a.wait_flags, 4)) return Bad("wait_flags must be 4-byte aligned");
     if (a.fault == nullptr || !Aligned(a.fault, 4))
@@ -143,9 +204,10 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   if (a.sm_count < 2)
     return Bad("sm_count must be >= 2: the SMs the kernel holds, in clusters of 2");
   if (a.sequence == nullptr) return Bad("no block sequence (arrival or departure order)");
-  if (a.kernel == FusedKernel::kSm100 && a.dtype != DType::kBF16)
-    return Bad(std::string("the sm_100a kernel is compiled for bfloat16 only, not ") +
-               DTypeName(a.dtype) + ": take the chunked path (jo.config(fused=False))");
+  if (a.kernel != FusedKernel::kNone && Find(a.types, a.kernel) == nullptr)  // kNone: at prepare
+    return Bad(std::string("the ") + KernelName(a.kernel) + " kernel is not compiled for " +
+               TypesName(a.types) +
+               " (sm_100a: bfloat16 only): take the chunked path (jo.config(fused=False))");
   // The order is over the kernel's MMA tiles (sm100: two CTA tiles, fused_tiles.h CtaTileAt).
   const fused::OrderError e =
       fused::MakeTileOrder(fused::Tiling{a.blocks, MmaPairOf(a.kernel) * fused::kTileRows},
@@ -154,23 +216,21 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   return OkStatus();
 }
 
-Status PrepareFusedGemm(DType dtype, FusedKernel kernel, const ErrorContext& ctx) {
-  if (!Row(dtype).fused)
-    return Bad(std::string("dtype ") + DTypeName(dtype) +
-               " is not one the fused GEMM is compiled for (" +
-               kinds::Names(kDTypes, [](const DTypeRow& d) { return d.fused; }) + ")");
+Status PrepareFusedGemm(const FusedTypes& types, FusedKernel kernel, const ErrorContext& ctx) {
+  if (!Compiled(types)) return NotCompiled(types);
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
-  {
+  const Instance* instance = Find(types, kernel);
+  if (instance != nullptr) {
     std::lock_guard<std::mutex> lock(g_prepared_mu);
-    if (Prepared().count({device, dtype, kernel}) != 0) return OkStatus();
+    if (Prepared().count({device, instance->function()}) != 0) return OkStatus();
   }
   int major = 0, minor = 0;
   JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  const void* function = FunctionOf(kernel, dtype);
-  if (kernel != FusedKernelFor(major, minor) || function == nullptr)
+  if (kernel != FusedKernelFor(major, minor) || instance == nullptr)
     return NotThisGpu(kernel, device, major, minor, ctx);
+  const void* function = instance->function();
   // It references the kernel: with lazy loading, that loads it here, at set-up.
   cudaFuncAttributes attr{};
   const cudaError_t code = cudaFuncGetAttributes(&attr, function);
@@ -180,9 +240,9 @@ Status PrepareFusedGemm(DType dtype, FusedKernel kernel, const ErrorContext& ctx
   }
   if (code != cudaSuccess) return CudaFailure(code, "cudaFuncGetAttributes", &ctx);
   JO_CUDA_CHECK(&ctx, cudaFuncSetAttribute(function, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           SharedBytesOf(kernel, dtype)));
+                                           instance->shared_bytes()));
   std::lock_guard<std::mutex> lock(g_prepared_mu);
-  Prepared()[{device, dtype, kernel}] = true;
+  Prepared()[{device, function}] = true;
   return OkStatus();
 }
 
@@ -192,19 +252,19 @@ void ForgetFusedGemmPreparation() {
 }
 
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx) {
+  const Instance* instance = Find(args.types, args.kernel);
+  if (instance == nullptr) return NotCompiled(args.types);
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {
     std::lock_guard<std::mutex> lock(g_prepared_mu);
-    if (Prepared().count({device, args.dtype, args.kernel}) == 0)
+    if (Prepared().count({device, instance->function()}) == 0)
       return Status(Code::kInternal, ctx.Describe() +
                                          ": the fused GEMM was not prepared on device " +
                                          std::to_string(device) + " for " +
                                          KernelName(args.kernel) + " (PrepareFusedGemm)");
   }
-  if (args.kernel == FusedKernel::kSm100) return fused_kernel::LaunchSm100BF16(args, stream, ctx);
-  if (args.dtype == DType::kBF16) return fused_kernel::LaunchBF16(args, stream, ctx);
-  return fused_kernel::LaunchF16(args, stream, ctx);
+  return instance->launch(args, stream, ctx);
 }
 
 }  // namespace jo::cuda

@@ -53,11 +53,19 @@ FusedKernel FusedKernelFor(int cc_major, int cc_minor);
 // The kernel's MMA tile in CTA tiles of fused::kTileRows rows: its tile order's unit.
 int32_t MmaPairOf(FusedKernel kernel);
 
+// The element types of a fused GEMM: A's (x), B's (w) and D's (y). One sm90
+// instantiation per triple core/kinds.h's FusedServes accepts: a 16-bit type
+// for all three, or an FP8 pair with its output (JO_FUSED_FP8); sm100: bf16 only.
+struct FusedTypes {
+  DType a = DType::kBF16, b = DType::kBF16, d = DType::kBF16;
+};
+
 // The fused GEMM's arguments: its launch (fused_gemm_launch.h), whose tile
-// order CheckFusedGemm makes from `sequence` and `key`, the element type and
+// order CheckFusedGemm makes from `sequence` and `key`, the element types and
 // the kernel (FusedKernelFor the device's compute capability).
+// FP8: B is K-major (B^T, n x k row-major) and `scales` are set.
 struct FusedGemmArgs : fused_kernel::Launch {
-  DType dtype = DType::kBF16;  // A, B and D: kBF16 or kF16 (kSm100: kBF16 only)
+  FusedTypes types;
   FusedKernel kernel = FusedKernel::kSm90;
   const int32_t* sequence = nullptr;  // every block once, in arrival / departure order
   fused::OrderKey key = fused::OrderKey::kLastArrival;
@@ -73,19 +81,19 @@ inline size_t FusedStateBytes(int32_t blocks) {
 // (`args->order`): once per call, at prepare; LaunchFusedGemm relies on both.
 Status CheckFusedGemm(FusedGemmArgs* args);
 
-// Loads `kernel` for `dtype` on the current device and gives it its shared
+// Loads `kernel` for `types` on the current device and gives it its shared
 // memory; fails, naming the GPU, on one that cannot run it (`kernel` is not
 // FusedKernelFor its compute capability, or has no instantiation for
-// `dtype`). Call it at set-up, never while other work the GPU must finish
+// `types`). Call it at set-up, never while other work the GPU must finish
 // depends on this thread: with lazy loading (the default since CUDA 12.2) a
 // kernel's first use loads its module, which may wait for the device (CUDA
 // programming guide, "Lazy Loading", potential hazards).
-Status PrepareFusedGemm(DType dtype, FusedKernel kernel, const ErrorContext& ctx);
+Status PrepareFusedGemm(const FusedTypes& types, FusedKernel kernel, const ErrorContext& ctx);
 
 // Enqueues the fused GEMM of `args`, as CheckFusedGemm passed and completed
 // them, on `stream` (after zeroing the counters, when it releases). Fails,
-// enqueueing nothing, when PrepareFusedGemm has not run for this device, dtype
-// and kernel. Calls nothing that waits for the device: it runs on the enqueue path.
+// enqueueing nothing, when PrepareFusedGemm has not run for this device, these
+// types and kernel. Calls nothing that waits for the device: it runs on the enqueue path.
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // Forgets which devices PrepareFusedGemm prepared (tests: the fake's devices

@@ -11,7 +11,8 @@
 //    (a wait past its time records a FusedGemmFault and gives up) — then the
 //    warp syncs and fences the generic proxy against the async proxy
 //    (fence.proxy.async.global) that the TMA loads use. Any stock sm90 TMA
-//    mainloop fits (bf16/f16 today; the FP8 one has the same load()).
+//    mainloop fits: the 16-bit one here, the FP8 one (same load()) in
+//    fused_gemm_fp8.cuh.
 //  * FlagReleaseEpilogue<Stock>: after the stock store() of a tile, the warp
 //    that issued its TMA stores waits until they are complete
 //    (cp.async.bulk.wait_group 0, not the stock .read form, which only frees
@@ -194,10 +195,9 @@ namespace jo::cuda::fused_kernel {
 
 // ---- the kernel ----
 
-// One tile shape per element type: 128 x 256 x 64 CTA tiles, clusters of
-// 2 x 1 (B multicast to both CTAs), f32 accumulation, no C operand. An FP8
-// instantiation (float_e4m3_t / float_e5m2_t) needs B K-major (ColumnMajor
-// here: W transposed), which FP8 wgmma requires, and a scale in the epilogue.
+// The 16-bit kernel: 128 x 256 x 64 CTA tiles, clusters of 2 x 1 (B
+// multicast to both CTAs), f32 accumulation, no C operand. (FP8, with B
+// K-major and the scales in the epilogue: fused_gemm_fp8.cuh.)
 template <class Element>
 struct FusedGemm {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
@@ -239,11 +239,11 @@ int SharedBytesAs() {
   return static_cast<int>(FusedGemm<Element>::Kernel::SharedStorageSize);
 }
 
-// Enqueues the kernel (the arguments were checked by CheckFusedGemm, the
-// kernel loaded by PrepareFusedGemm on this device).
-template <class Element>
-Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
-  using Gemm = FusedGemm<Element>;
+// The arguments every instantiation shares: the problem, A's pointer and
+// strides, D's, the waits, the releases and the tile order (the caller adds
+// B, the epilogue's own arguments and the device).
+template <class Gemm>
+typename Gemm::Kernel::Arguments CommonArguments(const Launch& a) {
   using Kernel = typename Gemm::Kernel;
   using Mainloop = typename Kernel::CollectiveMainloop;
   using Epilogue = typename Kernel::CollectiveEpilogue;
@@ -253,25 +253,29 @@ Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
   args.mode = cutlass::gemm::GemmUniversalMode::kBatched;
   args.problem_shape = {static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k),
                         static_cast<int>(a.batch)};
-  args.mainloop.ptr_A = static_cast<const Element*>(a.a);
+  args.mainloop.ptr_A = static_cast<const typename Mainloop::ElementA*>(a.a);
   args.mainloop.dA = typename Mainloop::StrideA{a.lda, Int<1>{}, a.a_batch_stride};
-  args.mainloop.ptr_B = static_cast<const Element*>(a.b);
-  args.mainloop.dB = typename Mainloop::StrideB{Int<1>{}, a.ldb, 0};  // B is every batch's
   args.mainloop.extension =
       RowWait{a.blocks, a.wait_flags, a.ready_shard, a.epoch, a.timeout_ns, a.fault};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
   args.epilogue.ptr_C = nullptr;
-  args.epilogue.ptr_D = static_cast<Element*>(a.d);
+  args.epilogue.ptr_D = static_cast<typename Epilogue::ElementD*>(a.d);
   args.epilogue.dD = typename Epilogue::StrideD{a.ldd, Int<1>{}, a.d_batch_stride};
   const int64_t n_tiles = (a.n + cute::size<1>(typename Gemm::TileShape{}) - 1) /
                           cute::size<1>(typename Gemm::TileShape{});
   args.epilogue.extension = BlockRelease{a.blocks, a.release_flags, a.counters, a.epoch,
                                          static_cast<int32_t>(n_tiles * a.batch)};
-  JO_CUDA_CHECK(&ctx, cudaGetDevice(&args.hw_info.device_id));
   args.hw_info.sm_count = a.sm_count;
   args.scheduler.order = a.order;
+  return args;
+}
 
+// Enqueues the kernel (the arguments were checked by CheckFusedGemm, the
+// kernel loaded by PrepareFusedGemm on this device).
+template <class Gemm>
+Status Enqueue(const Launch& a, typename Gemm::Kernel::Arguments args, cudaStream_t stream,
+               const ErrorContext& ctx) {
+  using Kernel = typename Gemm::Kernel;
+  JO_CUDA_CHECK(&ctx, cudaGetDevice(&args.hw_info.device_id));
   if (!Kernel::can_implement(args))
     return Status(Code::kInvalidArgument,
                   ctx.Describe() + ": CUTLASS cannot run the fused GEMM on this problem (" +
@@ -297,6 +301,19 @@ Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
   config.numAttrs = 1;
   JO_CUDA_CHECK(&ctx, cudaLaunchKernelEx(&config, &cutlass::device_kernel<Kernel>, params));
   return OkStatus();
+}
+
+// The 16-bit launch: B row-major (k x n), D = A @ B.
+template <class Element>
+Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
+  using Gemm = FusedGemm<Element>;
+  using Mainloop = typename Gemm::Kernel::CollectiveMainloop;
+  typename Gemm::Kernel::Arguments args = CommonArguments<Gemm>(a);
+  args.mainloop.ptr_B = static_cast<const Element*>(a.b);
+  args.mainloop.dB = typename Mainloop::StrideB{cute::Int<1>{}, a.ldb, 0};  // B is every batch's
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  return Enqueue<Gemm>(a, args, stream, ctx);
 }
 
 }  // namespace jo::cuda::fused_kernel

@@ -1,5 +1,6 @@
-// What the fused GEMM's instantiations (fused_gemm_{bf16,f16}.cu, or the
-// fake's model of them: fake/fake_fused_gemm.cc) are handed: one launch whose
+// What the fused GEMM's instantiations (fused_gemm_{bf16,f16}.cu, the FP8
+// ones fused_gemm_e4m3_bf16.cu and fused_gemm_e5m2e4m3_bf16.cu, or the fake's
+// model of them: fake/fake_fused_gemm.cc) are handed: one launch whose
 // arguments fused_gemm.cc has checked, with its tile order made. Apart from
 // fused_gemm.h so that the CUTLASS instantiations, the slowest objects of the
 // build, depend on nothing but this, the tile mapping and the status types.
@@ -26,10 +27,34 @@ struct FusedGemmFault {
 
 namespace fused_kernel {
 
+// The FP8 dequantization of a launch with 8-bit operands (ignored by the
+// 16-bit instantiations): D[l][i][j] = (A[l] @ B)[i][j] * (x[shard(i)] * w),
+// shard(i) = i / shard_rows (RowBlocks: shard s holds rows s*shard_rows..), the
+// product of the two scales rounded to float32 first, then the product with the
+// float32 accumulator, rounded once to D's type. Each row takes its own
+// shard's scale, so a tile whose rows straddle two shards is scaled right.
+struct Fp8Scales {
+  // x's dequantization scales (float32, device memory): shard s's at
+  // x[s * x_stride]. All-gather: the shards' scale slots (x_stride 1); a
+  // launch whose rows share one scale (GEMM + reduce-scatter: the rows are
+  // this rank's x): x_stride 0.
+  const float* x = nullptr;
+  int64_t x_stride = 1;
+  const float* w = nullptr;  // w's dequantization scale (float32, one element)
+  // CUTLASS's FP8 mainloop adds the tensor cores' partial sums into float32
+  // registers every `promotion_interval` wgmma instructions (each 32 deep in
+  // K for 8-bit operands): 4, CUTLASS's default, is every 128 elements of K. A
+  // multiple of 4 (the wgmmas per 128-deep K tile); a value past k / 32 never
+  // promotes before the end (fast accumulation's numerics, not its speed).
+  uint32_t promotion_interval = 4;
+};
+
 // D[l] (m x n) = A[l] (m x k) @ B (k x n), row-major, B shared by every l
 // (fused_gemm.h says what each flag argument means). Leading dimensions and
 // batch strides in elements; TMA needs every pointer 16-byte aligned and
-// every stride a multiple of 16 bytes.
+// every stride a multiple of 16 bytes. FP8 (both operands 8-bit): B is given
+// K-major, as FP8 wgmma requires — B^T (n x k) row-major, ldb its row stride
+// (>= k) — and D is scaled by `scales`.
 struct Launch {
   int64_t batch = 1, m = 0, n = 0, k = 0;
   const void* a = nullptr;
@@ -48,6 +73,7 @@ struct Launch {
   FusedGemmFault* fault = nullptr;  // required when waiting
   uint32_t* counters = nullptr;     // CounterBytes(blocks), zeroed by the launch (releases only)
   int32_t sm_count = 0;             // persistent CTAs (clusters of 2): the SMs it holds
+  Fp8Scales scales;                 // FP8 only
 
   // The counters' size: a tile counter per block.
   static size_t CounterBytes(int32_t blocks) {
@@ -61,16 +87,24 @@ struct Launch {
 // per CTA tile of fused::kTileRows rows.
 inline constexpr int32_t kSm100MmaPair = 2;
 
-// One instantiation per element type. Function*: the kernel, as
-// cudaFuncGetAttributes and cudaFuncSetAttribute take it; SharedBytes*: the
-// dynamic shared memory it needs; Launch*: enqueues the launch on `stream`
-// (the counters' zero-fill, then the kernel).
+// One instantiation per element type (FP8: per A x B -> D triple). Function*:
+// the kernel, as cudaFuncGetAttributes and cudaFuncSetAttribute take it;
+// SharedBytes*: the dynamic shared memory it needs; Launch*: enqueues the
+// launch on `stream` (the counters' zero-fill, then the kernel).
 const void* FunctionBF16();
-const void* FunctionF16();
 int SharedBytesBF16();
-int SharedBytesF16();
 Status LaunchBF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+const void* FunctionF16();
+int SharedBytesF16();
 Status LaunchF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+// e4m3 x e4m3 -> bf16
+const void* FunctionE4M3_BF16();
+int SharedBytesE4M3_BF16();
+Status LaunchE4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+// e5m2 x e4m3 -> bf16: dy @ w^T, the backward's dx
+const void* FunctionE5M2E4M3_BF16();
+int SharedBytesE5M2E4M3_BF16();
+Status LaunchE5M2E4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
 // sm_100a (B200, GB200): bf16 (fused_gemm_kernel_sm100.cuh). The launch
 // refuses an order not made over kSm100MmaPair-tile MMA tiles.
 const void* FunctionSm100BF16();
