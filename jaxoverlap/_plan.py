@@ -19,12 +19,14 @@ caller asked for (a :class:`Request`; ``None`` leaves a choice open), the ``jo.c
   calibrated range.
 * **The fused GEMM** (``ag_matmul`` and ``matmul_rs`` over ``p2p`` or ``multicast``: one
   persistent GEMM waiting on per-block flags, docs/gpu-internals.md §5) is one of the model's
-  candidates wherever the executor runs it: compute capability 9.0 GPUs (the CUDA executor), and CPU
-  (the host executor, which runs its semantics) once a preset is configured.
+  candidates wherever the executor runs it: compute capability 9.0 GPUs and, bfloat16 only, 10.0
+  (the CUDA executor), and CPU (the host executor, which runs its semantics) once a preset is
+  configured.
   ``jo.config(fused=True)`` / ``JAXOVERLAP_FUSED=1`` asks for it for ``ag_matmul`` and ``matmul_rs``
   (among the fused plans only, or, without a model, over the best transport the devices offer),
   ``fused=False`` never takes it; asking for it where it cannot run (``nccl``, float32, a GPU other
-  than compute capability 9.0, rows that are not whole 16-byte units) is a clear error.
+  than compute capability 9.0 or 10.0, float16 on 10.0, rows that are not whole 16-byte units) is
+  a clear error.
 * **Otherwise, the simple defaults.** Host devices (CPU) have no preset by default: there
   ``impl="auto"`` is ``"xla"`` (host devices share the cores and nothing overlaps), one chunk,
   both ring directions when N > 2, two-shot where the rows split. Asking for ``"native"`` (or a
@@ -292,7 +294,8 @@ def fused_reason(op: str, x_dtype, w_dtype, k: int, cols: int,
                  platform: str | None = None, out_dtype=None) -> str | None:
     """Why the fused GEMM cannot run this call here (None if it can): the executors' own
     refusals (``cpp/core/build.cc``; the CUDA executor refuses GPUs other than compute
-    capability 9.0 when it prepares the call). ``out_dtype``: y's (None: x's)."""
+    capability 9.0 and 10.0, and dtypes 10.0's kernel lacks, when it prepares the call).
+    ``out_dtype``: y's (None: x's)."""
     if op not in FUSED_OPS:
         return f"the fused GEMM serves {FUSED_OPS}, not {op}"
     x, w = jnp.dtype(x_dtype).name, jnp.dtype(w_dtype).name
@@ -305,7 +308,7 @@ def fused_reason(op: str, x_dtype, w_dtype, k: int, cols: int,
         units = str(k_unit) if k_unit == cols_unit else f"{k_unit} and {cols_unit}"
         return (f"the fused GEMM loads and stores rows of whole 16-byte units: x's last dim "
                 f"({k}) and w's ({cols}) must be multiples of {units}")
-    return capabilities.fused_device_reason(platform or capabilities.current_platform())
+    return capabilities.fused_device_reason(platform or capabilities.current_platform(), x)
 
 
 def _check_fused(op: str, impl: str, transport: str | None, x, w,

@@ -27,8 +27,10 @@ host executor), plus a few rows of the CUDA executor on the fake (if built).
 the host-side fake of CUDA, NCCL and cuBLASLt, on any machine: the executor's
 host code, its enqueue order through ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues
 (read from the environment as the driver does), NCCL's per-communicator
-serialisation and the kernels' own per-element code, compared with float64.
-It checks what decides hangs and wrong results, not a GPU's speed.
+serialisation and the kernels' own per-element code, compared with float64;
+the fused GEMM's rows also on a B200-like fake device (compute capability 10.0:
+the sm100 kernel's tile-level model, bfloat16). It checks what decides hangs and
+wrong results, not a GPU's speed.
 
 ``--loopback N`` (with or without ``--fake``): the rows of the peer-copy transports (p2p; FP8 and
 the fused GEMM's included, where the GPU runs them) with N ranks on ONE GPU, through the executor
@@ -419,17 +421,23 @@ def _row_verdict(np, n: int, case: dict[str, Any], ys, problems: list[str]) -> t
     return not problems, "; ".join(problems) or details[-1]
 
 
+# A B200-like fake device for the sm100 fused GEMM's rows: compute capability 10.0, 148 SMs.
+FAKE_B200 = {"cc_major": 10, "cc_minor": 0, "sms": 148}
+
+
 def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
               fp8: tuple[str, str, str] | None = None, fused=False,
-              replays: int = 0) -> tuple[bool, str]:
+              replays: int = 0, device: dict | None = None) -> tuple[bool, str]:
     """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
     the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
     scales; ``fused``: the fused GEMM's program; ``replays``: after the call, each rank's
     thread captures it into a CUDA graph, launched that many times with new x (rank 1 last,
-    once the others ran as far as they could), every launch checked against its own inputs."""
+    once the others ran as far as they could), every launch checked against its own inputs;
+    ``device``: the fake GPU's Config fields (default: an H100-like 9.0)."""
     n = FAKE_RANKS
     case = _row_inputs(np, op, n, shape, dtype, fp8, replays=replays)
-    fake.reset()  # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
+    # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
+    fake.reset(fake.Config(**device) if device else fake.Config())
     problem = dict(case["problem"], transport=transport, chunks=chunks,
                    bidirectional=bidirectional, fused=fused)
     played = dict(capture=True, replays=replays, replay_late_rank=1,
@@ -617,34 +625,41 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
                   enumerate(fp8s), enumerate(o for o in FP8_OPS if o in ops),
                   _kinds.names(_kinds.TRANSPORTS))]
     # The fused GEMM (docs/gpu-internals.md §5): its ops, transports and dtypes, on the first shape
-    cases += [(op, transport, dtype, None, SHAPES[0], variant, True)
+    cases = [(*c, None) for c in cases]
+    cases += [(op, transport, dtype, None, SHAPES[0], variant, True, None)
               for op, transport, dtype, variant in itertools.product(
                   [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS,
                   FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
-    # ... and its FP8 instantiations (the all-gather), the variants alternating
-    cases += _fused_fp8_cases([o for o in FUSED_FP8_OPS if o in ops], FUSED_TRANSPORTS, quick)
+    # ... and its sm100 kernel (bfloat16 only) on a B200-like fake device
+    cases += [(op, transport, "bfloat16", None, SHAPES[0], variant, True, FAKE_B200)
+              for op, transport, variant in itertools.product(
+                  [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS, variants)]
+    # ... and its FP8 instantiations (the all-gather; sm90 only), the variants alternating
+    cases += [(*c, None) for c in _fused_fp8_cases([o for o in FUSED_FP8_OPS if o in ops],
+                                                   FUSED_TRANSPORTS, quick)]
     if graph:
         print(f"  ({len(cases)} rows skipped: their programs do not replay yet: "
               f"{NOT_REPLAYABLE})")
         cases = []
     # The kernel algorithms: one chunk (the kernel has none), captured and replayed.
-    cases += [(op, transport, dtype, None, shape, (1, False), False)
+    cases += [(op, transport, dtype, None, shape, (1, False), False, None)
               for op, transport, dtype, shape
               in itertools.product(KERNEL_OPS, KERNEL_TRANSPORTS, dtypes, shapes)]
     try:
-        for op, transport, dtype, fp8, shape, (chunks, bidi), fused in cases:
+        for op, transport, dtype, fp8, shape, (chunks, bidi), fused, device in cases:
             kernel = op in KERNEL_OPS
             dims = (*shape[0], shape[1] * FAKE_RANKS + _all_rows(op.partition("/")[2]),
                     shape[2])
+            gpu = " on a fake B200 (sm_100a)" if device else ""
             name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
                     f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
                     f"{' fused' if fused else ''}"
                     f"{f' captured, {REPLAYS} replays' if kernel else ''}"
-                    f" (CUDA executor on the host-side fake)")
+                    f" (CUDA executor on the host-side fake{gpu})")
             table.start(name, cliques=_cuda_fake.cliques)
             start = time.perf_counter()
             ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi,
-                                   fp8, fused, replays=REPLAYS if kernel else 0)
+                                   fp8, fused, replays=REPLAYS if kernel else 0, device=device)
             table.add(name, ok, detail, time.perf_counter() - start, cliques=_cuda_fake.cliques)
     finally:
         _cuda_fake.reset()

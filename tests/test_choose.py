@@ -141,16 +141,22 @@ def test_fused_asked_for_takes_a_fused_plan_or_says_why_not(monkeypatch):
         _plan(jo.ag_matmul, (64, 32), (32, 64))
 
 
-def test_fused_asked_for_on_a_gpu_other_than_hopper_is_refused(monkeypatch):
-    """The device check itself (the CUDA executor refuses the same GPUs when it prepares)."""
-    monkeypatch.setattr(capabilities, "gpu_table", lambda: {"devices": [
-        {"ordinal": 0, "compute_capability": [9, 0]},
-        {"ordinal": 1, "compute_capability": [10, 0]}]})
+def test_fused_asked_for_on_a_gpu_other_than_hopper_or_b200_is_refused(monkeypatch):
+    """The device check itself (the CUDA executor refuses the same GPUs when it prepares):
+    9.0 runs the sm_90a kernel, 10.0 the sm_100a one (bfloat16 only), 10.3 and 8.0 neither."""
+    def gpus(*ccs):
+        monkeypatch.setattr(capabilities, "gpu_table", lambda: {"devices": [
+            {"ordinal": i, "compute_capability": list(cc)} for i, cc in enumerate(ccs)]})
+    gpus((9, 0), (10, 3))
     reason = capabilities.fused_device_reason("cuda")
-    assert reason is not None and "[1]" in reason and "compute capability 9.0" in reason
-    monkeypatch.setattr(capabilities, "gpu_table", lambda: {"devices": [
-        {"ordinal": 0, "compute_capability": [9, 0]}]})
+    assert reason is not None and "[1]" in reason and "10.0" in reason
+    gpus((9, 0), (10, 0))
     assert capabilities.fused_device_reason("cuda") is None
+    assert capabilities.fused_device_reason("cuda", "bfloat16") is None
+    reason = capabilities.fused_device_reason("cuda", "float16")
+    assert reason is not None and "[1]" in reason and "bfloat16 only" in reason
+    gpus((8, 0))
+    assert "[0]" in capabilities.fused_device_reason("cuda")
     assert capabilities.fused_device_reason("cpu") is None
 
 

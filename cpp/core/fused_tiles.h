@@ -128,6 +128,17 @@ struct TileOrder {
   }
 };
 
+// The CTA tile at slot `slot` of the order when one MMA tile spans `pair`
+// CTA tiles of kTileRows rows (sm100's 2-SM MMA: pair = 2, the two CTAs of a
+// cluster computing one 256-row tile, CTA v holding its rows v*128..; else
+// 1). The order was made over MMA tiles (MakeTileOrder with tile_rows =
+// pair * kTileRows), so the two halves of an MMA tile stay together, in
+// consecutive slots of one cluster. A slot past the last tile stays out of
+// range.
+JO_FUSED_FN int32_t CtaTileAt(const TileOrder& order, int32_t slot, int32_t pair) {
+  return pair * order.TileAt(slot / pair) + slot % pair;
+}
+
 // Where the persistent CTAs go: the stock sm90 scheduler's assignment
 // (CUTLASS 4.2, PersistentTileSchedulerSm90 on StaticPersistentTileScheduler,
 // tile_scheduler_params.h) with the arguments the kernel gives it: clusters of
@@ -140,6 +151,16 @@ struct TileOrder {
 // bounds, touching no block). The kernel runs CUTLASS's own code; the fake and
 // the model (jaxoverlap/sim/fused.py) use this mirror of it, which
 // tests/native/test_fused_tiles.py checks is a permutation of the work.
+//
+// The sm100 kernel (cuda/fused/fused_gemm_kernel_sm100.cuh) runs CUTLASS's static
+// persistent scheduler (StaticPersistentTileScheduler100, sm100_static_tile_
+// scheduler.hpp on static_tile_scheduler.hpp), whose assignment with the same
+// arguments (clusters of 2 x 1, raster along N, swizzle 1, the same
+// PersistentTileSchedulerSm90Params grid heuristic) is this one, with M slots
+// in CTA tiles: 1-SM MMA, slot s holds TileOrder::TileAt(s); 2-SM MMA, the
+// cluster's two CTAs are the two halves of one 256-row MMA tile and slot s
+// holds CtaTileAt(order, s, 2). m_slots is the same in both (the M tiles of
+// 128 rows rounded up to whole clusters = 2 x the 256-row MMA tiles).
 struct PersistentGrid {
   int32_t m_slots = 0;  // M tiles rounded up to whole clusters (2)
   int32_t n_tiles = 0;

@@ -470,8 +470,14 @@ class Enqueuer {
     // it (FusedBlocks::spare_sms, as Prepare bounded them; its kernels are sized to them).
     JO_CHECK(KernelSms(&f.sm_count));
     if (blocks.spare_sms > 0) f.sm_count -= spare_sms_;
+    int major = 0, minor = 0;  // the kernel (and its tile order's unit) is the device's
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a_.device));
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a_.device));
+    f.kernel = FusedKernelFor(major, minor);
     JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
-    return PrepareFusedGemm(f.types, a_.ctx);
+    return PrepareFusedGemm(f.types, f.kernel, a_.ctx);
   }
 
   // The one-launch all-reduce: every address from the clique's fixed kernel area, half 0 (the

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxoverlap import _kinds
 from jaxoverlap._executors import bootstrap, runtime
 from jaxoverlap._fp8_dtypes import is_fp8
+from jaxoverlap._fused_gemm import FUSED_KERNELS
 
 
 class NativeUnavailableError(ValueError):
@@ -250,11 +251,12 @@ def resolve_transport(platform: str, requested: str, preferred: str | None, *,
     return requested
 
 
-def fused_device_reason(platform: str) -> str | None:
+def fused_device_reason(platform: str, dtype: str | None = None) -> str | None:
     """Why this process's devices of ``platform`` cannot run the fused GEMM (None: they can).
 
-    The host executor runs its semantics on CPU; on GPUs it is sm_90a code, which runs on
-    compute capability 9.0 only (docs/gpu-internals.md §5): every GPU of the process must be one.
+    The host executor runs its semantics on CPU; on GPUs the kernel is sm_90a code for compute
+    capability 9.0 and sm_100a code (bfloat16 only) for 10.0 (``_fused_gemm.FUSED_KERNELS``):
+    every GPU of the process must run one, for ``dtype`` when given.
     """
     if platform not in GPU_PLATFORMS:
         return None if platform == "cpu" else f"no fused GEMM on platform {platform!r}"
@@ -262,10 +264,17 @@ def fused_device_reason(platform: str) -> str | None:
     devices = caps.get("devices", [])
     if not devices:
         return f"no usable GPU ({caps.get('error')})"
-    other = [d["ordinal"] for d in devices if tuple(d["compute_capability"]) != (9, 0)]
+    kernels = {d["ordinal"]: FUSED_KERNELS.get(tuple(d["compute_capability"])) for d in devices}
+    other = [o for o, k in kernels.items() if k is None]
     if other:
-        return (f"GPU(s) {other} are not compute capability 9.0: the fused GEMM is sm_90a code "
-                "(H100, H200, GH200 only)")
+        return (f"GPU(s) {other} are neither compute capability 9.0 nor 10.0: the fused GEMM is "
+                "sm_90a code (H100, H200, GH200) and sm_100a code (B200, GB200)")
+    if dtype is not None:
+        lacking = {o: k for o, k in kernels.items() if k is not None and dtype not in k.dtypes}
+        if lacking:
+            (kernel, *_) = lacking.values()
+            return (f"GPU(s) {list(lacking)} run the {kernel.image} fused GEMM, compiled for "
+                    f"{' and '.join(kernel.dtypes)} only, not {dtype}")
     return None
 
 

@@ -18,7 +18,10 @@ play a ``FusedGemm`` tile by tile (``tile_plan``, ``engine.py``):
   M slots mapped through the tile order of ``cpp/core/fused_tiles.h`` (``PersistentGrid``
   there; ``grid`` below mirrors it and ``tests/native/test_fused_tiles.py`` holds the two to
   each other). The two CTAs of a cluster always take the two M slots of a pair, so the grid is
-  two *lanes* (even and odd M slots) of static striding each;
+  two *lanes* (even and odd M slots) of static striding each. The sm100 build (2-SM MMA,
+  ``FusedKernel.mma_pair`` 2) strides the same grid, but a cluster's two CTAs are the two
+  halves of one 256-row MMA tile, ordered over MMA tiles (``CtaTileAt``): one lane of
+  ``ctas / 2`` clusters whose units are 256-row tiles, each waiting for both halves' rows;
 * its row blocks and their flags: those of the op (a tile touching several blocks waits
   for, or feeds, all of them).
 """
@@ -62,9 +65,11 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
         return (f"transport {transport!r}: the fused GEMM runs only with {TRANSPORTS}; a "
                 "persistent kernel holding every SM while an NCCL kernel waits for SMs can "
                 "deadlock (docs/gpu-internals.md §5)")
-    if not p.fused_gemm:
+    kernel = p.fused_kernel
+    if kernel is None:
         return (f"preset {p.name!r} (compute capability {p.compute_capability}): the fused "
-                "GEMM is sm_90a code and runs on compute capability 9.0 (Hopper) only")
+                "GEMM is sm_90a code for compute capability 9.0 (Hopper) and sm_100a code for "
+                "10.0 (B200, GB200), each running on its architecture only")
     k_unit = n_unit = ALIGN
     if dtype is not None and canonical_dtype(dtype) not in DTYPES:
         name = canonical_dtype(dtype)
@@ -73,6 +78,9 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
         if op not in FUSED_FP8_OPS:
             return f"dtype {dtype}: the fused FP8 GEMM serves {FUSED_FP8_OPS} only, not {op!r}"
         k_unit, n_unit = fused_align(name), fused_align(output_dtype(name))
+    if dtype is not None and canonical_dtype(dtype) not in kernel.dtypes:
+        return (f"dtype {dtype}: the fused GEMM is compiled for {kernel.dtypes} (its "
+                f"{kernel.image} build)")
     if (k is not None and k % k_unit) or (n is not None and n % n_unit):
         return (f"k={k}, n={n}: the fused GEMM loads and stores rows of whole 16-byte units "
                 f"(multiples of {k_unit} and {n_unit} elements)")
@@ -141,35 +149,42 @@ class TilePlan:
 @functools.lru_cache(maxsize=4096)
 def _lanes(shards: int, chunks: int, shard_rows: int, sequence: tuple[int, ...],
            last_arrival: bool, waited: tuple[bool, ...], tile_rows: int, n_tiles: int,
-           batch: int, sms: int) -> tuple[tuple[Lane, ...], tuple[int, ...]]:
+           batch: int, sms: int, pair: int = 1) -> tuple[tuple[Lane, ...], tuple[int, ...]]:
     """The lanes of one fused GEMM: the tile order of ``cpp/core/fused_tiles.h``
     (``MakeTileOrder``: tiles by the position, in ``sequence``, of the last block they read or
-    the first they feed, then by index) through the persistent grid."""
+    the first they feed, then by index) through the persistent grid. ``pair`` 2 (2-SM MMA):
+    the order is over MMA tiles of two CTA tiles, which one cluster computes as one unit."""
+    if pair not in (1, 2):
+        raise ValueError(f"pair: expected 1 or 2 CTA tiles per MMA tile, got {pair}")
+
     def begin(b: int) -> int:
         shard, sub = divmod(b, chunks)
         return shard * shard_rows + shard_rows * sub // chunks
 
     blocks = shards * chunks
     rows = shards * shard_rows
-    m_tiles = math.ceil(rows / tile_rows)
+    unit_rows = pair * tile_rows  # the order's tiles: MMA tiles
+    m_units = math.ceil(rows / unit_rows)
     spans = [(begin(b), begin(b + 1) if b + 1 < blocks else rows) for b in range(blocks)]
     position = {b: i for i, b in enumerate(sequence)}
     order = []
-    for t in range(m_tiles):
-        lo, hi = t * tile_rows, min((t + 1) * tile_rows, rows)
+    for t in range(m_units):
+        lo, hi = t * unit_rows, min((t + 1) * unit_rows, rows)
         touched = tuple(b for b, (s, e) in enumerate(spans) if s < hi and lo < e)
         keys = [position[b] for b in touched]
         order.append((max(keys) if last_arrival else min(keys), t, touched))
     order.sort()
-    m_slots, ctas = grid(m_tiles, n_tiles, batch, sms)
+    m_slots, ctas = grid(math.ceil(rows / tile_rows), n_tiles, batch, sms)
     block_units = [0] * blocks
     lanes = []
-    for parity in (0, 1):
+    # 1-SM MMA: two lanes, the even and odd M slots; 2-SM MMA: one lane of clusters, each unit
+    # both M slots of a pair (one MMA tile).
+    for slots in ((range(0, m_slots, 2), range(1, m_slots, 2)) if pair == 1
+                  else (range(m_slots // 2),)):
         runs: list[Run] = []
-        slots = range(parity, m_slots, 2)
         for batch_index in range(batch):
             for q, slot in enumerate(slots):
-                touched = order[slot][2] if slot < m_tiles else ()
+                touched = order[slot][2] if slot < m_units else ()
                 start = (batch_index * len(slots) + q) * n_tiles
                 if runs and runs[-1].touched == touched and runs[-1].end == start:
                     runs[-1] = Run(runs[-1].start, start + n_tiles, touched, runs[-1].waits)
@@ -190,12 +205,13 @@ def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
     waited = tuple(f["wait_flags"] >= 0 and b // chunks != f["ready_shard"]
                    for b in range(f["shards"] * chunks))
     sms = kernel_sms(p, op)
+    pair = p.fused_kernel.mma_pair if p.fused_kernel else 1
     lanes, block_units = _lanes(f["shards"], chunks, shard_rows, tuple(f["sequence"]),
                                 f["order"] == "last_arrival", waited, tm,
-                                math.ceil(op["n"] / tn), op["batch"], sms)
+                                math.ceil(op["n"] / tn), op["batch"], sms, pair)
     busy = kernel_busy(p, dtype, op["batch"], op["m"], op["n"], op["k"], sms=sms)
     tiles = math.ceil(op["m"] / tm) * math.ceil(op["n"] / tn) * op["batch"]
-    ctas = sum(lane.ctas for lane in lanes)
+    ctas = sum(lane.ctas for lane in lanes) * pair  # a 2-SM unit: one CTA tile's time per CTA
     return TilePlan(lanes, busy / p.fused_gemm_rate / math.ceil(tiles / ctas),
                     p.gemm_overhead_us * model.US, block_units, f["wait_flags"],
                     f["release_flags"])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxoverlap import _kinds
+from jaxoverlap._fused_gemm import FUSED_KERNELS, FusedKernel
 
 DTYPES = _kinds.names(_kinds.DTYPES)
 FP8_DTYPES = _kinds.names(_kinds.DTYPES, fp8=True)
@@ -210,8 +211,9 @@ class Preset:
     gpus_per_node: int = 8
     nvlink_domain: int = 8
     # The fused GEMM (sim.fused): one persistent GEMM waiting on per-block flags. Its code is
-    # sm_90a, which runs on compute capability 9.0 alone (docs/gpu-internals.md §5); None: unknown,
-    # the fused path is not offered.
+    # sm_90a for compute capability 9.0 and sm_100a (bfloat16, 2-SM MMA) for 10.0, each running
+    # on its architecture alone (docs/gpu-internals.md §5, _fused_gemm.FUSED_KERNELS); None:
+    # unknown, the fused path is not offered.
     compute_capability: tuple[int, int] | None = None
     fused_gemm_rate: float = FUSED_GEMM["fused_gemm_rate"]  # its speed alone / cuBLAS's
     fused_gemm_tile: tuple[int, int] = FUSED_GEMM["fused_gemm_tile"]  # its CTA tile (M, N)
@@ -298,9 +300,14 @@ class Preset:
 
     @property
     def fused_gemm(self) -> bool:
-        """Whether the fused GEMM runs on this machine: compute capability 9.0 (Hopper) only;
-        Blackwell and Ampere keep the chunked path."""
-        return self.compute_capability == (9, 0)
+        """Whether the fused GEMM runs on this machine: compute capability 9.0 (Hopper, sm_90a)
+        or 10.0 (B200/GB200, sm_100a); other GPUs keep the chunked path."""
+        return self.fused_kernel is not None
+
+    @property
+    def fused_kernel(self) -> FusedKernel | None:
+        """The fused GEMM build this machine runs (None: none)."""
+        return FUSED_KERNELS.get(self.compute_capability) if self.compute_capability else None
 
     def spans_nodes(self, nranks: int) -> bool:
         """Whether a tensor-parallel group of ``nranks`` spans several nodes of the domain."""
@@ -534,8 +541,14 @@ _B200_GEMM_FIT = _FITTED.format("fit_b200", "pytorch/ao PR #2427's square BF16 m
                                 "TFLOP/s is held out as a check)")
 _BLACKWELL_SOURCES = {
     "sms": "B200: 148 SMs (datasheet)",
-    "compute_capability": _CC.format("B200 10.0 (no fused GEMM: sm_90a code does not run on "
-                                     "it, docs/gpu-internals.md §5)"),
+    "compute_capability": _CC.format("B200 10.0 (the fused GEMM's sm_100a build, bfloat16: "
+                                     "2-SM MMA on 256x256 tiles of two 128x256 CTA tiles, the "
+                                     "static persistent scheduler on every SM; "
+                                     "docs/gpu-internals.md §5)"),
+    "fused_gemm_rate": "as h100 (" + _FUSED_RATE + "); the sm_100a kernel has never run: an "
+                       "assumption on top, priced on the fitted B200 GEMM rates",
+    "fused_gemm_tile": "docs/gpu-internals.md §5: the sm_100a kernel's CTA tile, 128 x 256 "
+                       "(each CTA of a 2-SM pair: 256 x 256 MMA tiles)",
     "hbm_gbps": "NVIDIA B200 datasheet, 8 TB/s",
     "gemm_efficiency": _B200_GEMM_FIT,
     "gemm_best_shape": _B200_GEMM_FIT,

@@ -19,13 +19,15 @@ def test_imports_and_reports_build(cuda):
     info = cuda.build_info()
     assert info["cuda_runtime_linkage"] == "static"
     assert info["transports"] == _kinds.names(_kinds.TRANSPORTS)
-    # No arch-specific (sm_90a) code but the fused GEMM's, which runs on compute capability 9.0
-    # only and is refused elsewhere (docs/gpu-internals.md §5): the others must run on newer GPUs.
-    assert info["kernel_images"] == {"add": ("sm_80", "sm_90", "compute_90"),
+    # No arch-specific (sm_90a, sm_100a) code but the fused GEMM's, which runs on compute
+    # capability 9.0 and 10.0 only and is refused elsewhere (docs/gpu-internals.md §5): the
+    # others must run on newer GPUs (sm_100 cubins for B200/B300, compute_90 PTX beyond).
+    assert info["kernel_images"] == {"add": ("sm_80", "sm_90", "compute_90", "sm_100"),
                                      "fused": ("sm_90a",),
-                                     "multimem": ("sm_90", "compute_90")}
-    assert info["kernels"] == ("add: sm_80 sm_90 compute_90; fused: sm_90a; "
-                               "multimem: sm_90 compute_90")
+                                     "fused_sm100": ("sm_100a",),
+                                     "multimem": ("sm_90", "compute_90", "sm_100")}
+    assert info["kernels"] == ("add: sm_80 sm_90 compute_90 sm_100; fused: sm_90a; "
+                               "fused_sm100: sm_100a; multimem: sm_90 compute_90 sm_100")
     assert info["nccl_headers"].startswith("2.")
 
 

@@ -110,10 +110,48 @@ def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):
     assert fake.counters().get("cudaLaunchKernelEx") is None  # the chunked run: no fused GEMM
 
 
-@pytest.mark.parametrize("cc", [(8, 0), (10, 0), (12, 0)])
-def test_a_gpu_other_than_compute_capability_9_0_refuses_the_fused_call_at_prepare(fake, cc):
-    """The sm_90a kernel has no image for it: the call fails before anything is enqueued, naming
-    the GPU and the way out; the clique is broken, nothing is left on the GPU."""
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_the_sm100_kernel_on_a_fake_b200_is_exact(fake, op):
+    """A B200-like fake device (10.0, 148 SMs, and fewer: several units of work per cluster)
+    runs the sm_100a build: its tile order over 256-row MMA tiles, each cluster's two CTAs the
+    two halves of one, neither computed before both halves' rows arrived. bfloat16 (its only
+    instantiation), p2p and multicast, 1 and 8 work queues, three calls back to back."""
+    for i, (case, transport) in enumerate(itertools.product(GRID, ("p2p", "multicast"))):
+        n, batch, rows, k, nw, chunks, bidi = case
+        sms = (148, 6, 4)[i % 3]
+        fake.reset(fake.Config(cc_major=10, cc_minor=0, connections=(1, 8)[i % 2], sms=sms,
+                               seed=i + 1))
+        gathered = op == "ag_matmul" and i % 2 == 0
+        out, xs, ws = run_fused(fake, op, transport, n, batch=batch, rows=rows, k=k, nw=nw,
+                                dtype="bfloat16", chunks=chunks, bidirectional=bidi,
+                                gathered=gathered, calls=3, seed=i)
+        try:
+            check_fused(fake, out, op, transport, xs, ws, rows, "bfloat16", gathered)
+            assert fake.counters().get("cudaLaunchKernelEx") == 3 * n
+        except AssertionError as e:
+            e.add_note(f"in the case {(case, transport, sms)}")
+            raise
+
+
+def test_the_sm100_kernel_refuses_float16_at_prepare(fake):
+    """The sm_100a build is bfloat16 only: float16 on a 10.0 GPU fails before anything is
+    enqueued, naming the way out."""
+    fake.reset(fake.Config(cc_major=10, cc_minor=0))
+    out, _, _ = run_fused(fake, "ag_matmul", "p2p", 2, batch=1, rows=8, k=8, nw=8,
+                          dtype="float16", chunks=1, bidirectional=False)
+    for status in out["statuses"]:
+        assert status is not None and "bfloat16 only" in status, status
+        assert "chunked path" in status
+    assert out["drained"]
+    assert fake.counters().get("cudaLaunchKernelEx") is None
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (10, 3), (12, 0)])
+def test_a_gpu_other_than_compute_capability_9_0_or_10_0_refuses_the_fused_call_at_prepare(
+        fake, cc):
+    """Neither the sm_90a nor the sm_100a kernel has an image for it: the call fails before
+    anything is enqueued, naming the GPU and the way out; the clique is broken, nothing is left
+    on the GPU."""
     fake.reset(fake.Config(cc_major=cc[0], cc_minor=cc[1]))
     out, _, _ = run_fused(fake, "ag_matmul", "p2p", 2, batch=1, rows=8, k=8, nw=8,
                           dtype="bfloat16", chunks=1, bidirectional=False)
@@ -124,18 +162,20 @@ def test_a_gpu_other_than_compute_capability_9_0_refuses_the_fused_call_at_prepa
     assert fake.counters().get("cudaLaunchKernelEx") is None
 
 
-def test_the_fused_flags_are_checked_by_the_poison(fake):
+@pytest.mark.parametrize("cc", [(9, 0), (10, 0)])
+def test_the_fused_flags_are_checked_by_the_poison(fake, cc):
     """A kernel waiting for the flag of the next block instead of its own (an off-by-one mapping,
     Config.fused_flag_shift) reads rows before they arrived: they are poisoned, the result has
-    NaN and the fake names the read. With the right mapping: exact (the control)."""
+    NaN and the fake names the read. With the right mapping: exact (the control). Both
+    kernels (10.0: the sm100 one, waiting per half of a 2-SM pair)."""
     args = dict(batch=1, rows=96, k=16, nw=16, dtype="bfloat16", chunks=2, bidirectional=False)
-    fake.reset(fake.Config(fused_flag_shift=1, seed=3))
+    fake.reset(fake.Config(fused_flag_shift=1, seed=3, cc_major=cc[0], cc_minor=cc[1]))
     out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
     errors = fake.errors()
     assert any("read rows of block" in e and "before its flag" in e for e in errors), errors
     assert any(np.isnan(np.frombuffer(y, ml_dtypes.bfloat16).astype(np.float32)).any()
                for y in out["ys"])
-    fake.reset(fake.Config(seed=3))
+    fake.reset(fake.Config(seed=3, cc_major=cc[0], cc_minor=cc[1]))
     out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
     check_fused(fake, out, "ag_matmul", "p2p", xs, ws, 96, "bfloat16")
 

@@ -1,8 +1,9 @@
-"""The fused GEMM as built (``cpp/cuda/fused/fused_gemm_kernel.cuh``, its FP8 form
-``fused_gemm_fp8.cuh``), read back from ``_cuda``'s fatbinary with cuobjdump (as
+"""The fused GEMM as built (``cpp/cuda/fused/fused_gemm_kernel.cuh`` for sm_90a, its FP8 form
+``fused_gemm_fp8.cuh``, ``fused_gemm_kernel_sm100.cuh`` for sm_100a; their flag protocol
+``fused_gemm_sync.cuh``), read back from ``_cuda``'s fatbinary with cuobjdump (as
 ``test_multimem.py`` does): no GPU runs it here, so what it does is checked in its machine code
-(SASS), per kernel (bf16, f16, and the FP8 instantiations e4m3 x e4m3 -> bf16 and
-e5m2 x e4m3 -> bf16):
+(SASS), per kernel (sm_90a bf16, f16, and the FP8 instantiations e4m3 x e4m3 -> bf16 and
+e5m2 x e4m3 -> bf16; sm_100a bf16):
 
 * the stock CUTLASS mainloop's tensor-core instructions are there and pipelined
   (``HGMMA.64x256x16.F32.BF16``, ``HGMMA.64x256x16.F32`` for f16; sm_90's FP8 wgmma assembles
@@ -13,10 +14,17 @@ e5m2 x e4m3 -> bf16):
   ``FADD`` per accumulator register a thread holds of a 64 x N wgmma (64 for N = 128): the
   tensor cores' sum added into the float32 accumulators; and the epilogue's scale loads
   (``ld.relaxed.gpu``: ``LDG.E.STRONG.GPU``) between the mainloop and the first TMA store;
-* before the first TMA load (``UTMALDG``): a spin — a loop with ``NANOSLEEP`` and the global
-  timer (its bound) — around an acquire at system scope (``ld.acquire.sys`` assembles to
-  ``LDG.E.STRONG.SYS`` followed by ``CCTL.IVALL``; a relaxed load has no ``CCTL.IVALL``), then
-  the proxy fence ``FENCE.VIEW.ASYNC.G`` (``fence.proxy.async.global``) before the load;
+* sm_100a: the stock tcgen05 mainloop with 2-SM MMA (``UTCHMMA.2CTA``: bf16 and f16 share the
+  opcode, their types are in the instruction descriptor the kernel moves into the register the
+  MMA reads as ``idesc[...]``, decoded per ``cute/arch/mma_sm100_desc.hpp``), its commit
+  (``UTCBAR.2CTA``), the tensor-memory allocation (``UTCATOMSWS.2CTA.FIND_AND_SET``), the
+  accumulator loads (``LDTM``), 2-SM TMA loads (``UTMALDG.*.2CTA``), and no device asserts
+  (``CALL.ABS.NOINC``: a build without ``-DNDEBUG``);
+* before the first TMA load (``UTMALDG``): a spin — a loop with ``NANOSLEEP`` (exactly:
+  ``NANOSLEEP.SYNCS`` is the stock mbarrier wait's back-off) and the global timer (its bound) —
+  around an acquire at system scope (``ld.acquire.sys`` assembles to ``LDG.E.STRONG.SYS``
+  followed by ``CCTL.IVALL``; a relaxed load has no ``CCTL.IVALL``), then the proxy fence
+  ``FENCE.VIEW.ASYNC.G`` (``fence.proxy.async.global``) before the load;
 * after the epilogue's last TMA store (``UTMASTG``): the store wait
   (``cp.async.bulk.wait_group 0``: ``DEPBAR.LE SB0, 0x0`` then ``CCTL.IVALL``; the stock
   ``.read`` form has no ``CCTL.IVALL``), the proxy fence, then the release at system scope
@@ -25,7 +33,7 @@ e5m2 x e4m3 -> bf16):
 "Before" and "after" are in address order: the producer's and the epilogue's code are laid
 out as they run (a wait, then the loads; the stores, then the release). Each check was shown
 to fail on a build of the kernel without its feature: ``test_each_check_fails_without_its_feature``
-rebuilds those variants (about 35 CPU-seconds each, so it runs only when
+rebuilds those variants of each kernel (35 to 90 CPU-seconds each, so it runs only when
 ``JAXOVERLAP_SASS_VARIANTS=1``).
 """
 
@@ -70,12 +78,12 @@ def _functions(sass: str) -> dict[str, list[tuple[int, str]]]:
     return out
 
 
-def _fused(sass: str) -> dict[str, list[tuple[int, str]]]:
+def _fused(sass: str, dtypes=DTYPES) -> dict[str, list[tuple[int, str]]]:
     """The fused kernels of a dump, by dtype."""
     kernels = {}
     for name, code in _functions(sass).items():
         if KERNEL in name:
-            (dtype,) = [d for d, (mangled, _) in DTYPES.items() if mangled in name]
+            (dtype,) = [d for d, (mangled, _) in dtypes.items() if re.search(mangled, name)]
             assert dtype not in kernels, f"two {dtype} fused kernels"
             kernels[dtype] = code
     return kernels
@@ -156,7 +164,7 @@ def acquire_spin_problems(code) -> list[str]:
 
     def bounded_spin(lo, hi):
         body = [t for a, t in code if lo <= a <= hi]
-        return any(t.startswith("NANOSLEEP") for t in body) and any(
+        return any(re.match(r"NANOSLEEP(?!\.SYNCS)\b", t) for t in body) and any(
             "SR_GLOBALTIMER" in t for t in body)
 
     spins = [a for a in acquires
@@ -202,6 +210,62 @@ def _problems(code, dtype) -> dict[str, list[str]]:
             for name, check in CHECKS.items() if dtype in FP8 or name not in FP8_ONLY}
 
 
+# ---- sm_100a ---------------------------------------------------------------------------------
+
+# dtype: (regex over the mangled name, expected instruction-descriptor fields)
+SM100_DTYPES = {"bf16": (r"10bfloat16_t.*SM100_MMA_F16BF16_2x1SM_SS", {"a_format": 1,
+                                                                        "b_format": 1})}
+SM100_PARTS = [("2-SM MMA (tcgen05.mma.cta_group::2)", r"^UTCHMMA\.2CTA\b"),
+               ("its commit to an mbarrier (tcgen05.commit)", r"^UTCBAR\.2CTA\b"),
+               ("the TMEM allocation (tcgen05.alloc)", r"^UTCATOMSWS\.2CTA\.FIND_AND_SET\b"),
+               ("the accumulator's loads (tcgen05.ld)", r"^LDTM\.x\d+\b"),
+               ("2-SM TMA loads", r"^UTMALDG\.\dD\.2CTA\b")]
+# cute/arch/mma_sm100_desc.hpp InstrDescriptor: {field: (lowest bit, bits)}. Both 16-bit kinds:
+# f32 accumulator, A K-major, B MN-major (row-major), N 256, M 256 (the 2-SM MMA tile).
+IDESC_FIELDS = {"c_format": (4, 2), "a_format": (7, 3), "b_format": (10, 3), "a_major": (15, 1),
+                "b_major": (16, 1), "n_dim": (17, 6), "m_dim": (24, 5)}
+IDESC_COMMON = {"c_format": 1, "a_major": 0, "b_major": 1, "n_dim": 256 >> 3, "m_dim": 256 >> 4}
+
+
+def sm100_tensor_core_problems(code, dtype) -> list[str]:
+    problems = [f"no {what} ({regex})" for what, regex in SM100_PARTS
+                if not any(re.search(regex, t) for _, t in code)]
+    regs = {r for _, t in code if t.startswith("UTCHMMA")
+            for r in re.findall(r"idesc\[(UR\d+)\]", t)}
+    values = {int(m.group(2), 16) for _, t in code
+              for m in [re.match(r"^UMOV (UR\d+), 0x([0-9a-f]+)$", t)] if m and m.group(1) in regs}
+    decoded = [{k: (v >> lo) & ((1 << n) - 1) for k, (lo, n) in IDESC_FIELDS.items()}
+               for v in values]
+    want = {**IDESC_COMMON, **SM100_DTYPES[dtype][1]}
+    if not any(d == want for d in decoded):
+        problems.append(f"no UTCHMMA instruction descriptor for {dtype} ({want}); found {decoded}")
+    if any(t.startswith("CALL.ABS.NOINC") for _, t in code):
+        problems.append("device asserts (CALL.ABS.NOINC to __assertfail): built without -DNDEBUG")
+    return problems
+
+
+SM100_CHECKS = {"tensor cores": sm100_tensor_core_problems, "acquire spin": acquire_spin_problems,
+                "release": release_problems}
+
+
+def _sm100_problems(code, dtype) -> dict[str, list[str]]:
+    return {name: (check(code, dtype) if name == "tensor cores" else check(code))
+            for name, check in SM100_CHECKS.items()}
+
+
+@pytest.fixture(scope="module")
+def fused_sm100_sass(cuda):
+    return _fused(_dump(cuda, "-sass", "-arch", "sm_100a"), SM100_DTYPES)
+
+
+def test_the_sm100_fused_kernel_is_in_the_module(fused_sm100_sass):
+    assert sorted(fused_sm100_sass) == ["bf16"]
+
+
+def test_fused_sm100_kernel_sass(fused_sm100_sass):
+    assert _sm100_problems(fused_sm100_sass["bf16"], "bf16") == {n: [] for n in SM100_CHECKS}
+
+
 @pytest.fixture(scope="module")
 def fused_sass(cuda):
     return _fused(_dump(cuda, "-sass", "-arch", "sm_90a"))
@@ -218,28 +282,40 @@ def test_fused_kernel_sass(fused_sass, dtype):
     assert set(problems) == set(CHECKS) - (set() if dtype in FP8 else set(FP8_ONLY))
 
 
-def test_fused_kernels_are_sm90a_cubins_without_ptx(cuda):
-    """sm_90a code runs on sm_90 only and its PTX cannot be JIT-compiled for newer GPUs: the
-    fused kernels ship as sm_90a cubins, nothing else (other GPUs keep the chunked path)."""
+def test_fused_kernels_are_arch_specific_cubins_without_ptx(cuda):
+    """Arch-specific code runs on its architecture only and its PTX cannot be JIT-compiled for
+    newer GPUs: the sm90 kernels ship as sm_90a cubins, the sm100 one as an sm_100a cubin,
+    nothing else (other GPUs keep the chunked path)."""
     elf = _sections(_dump(cuda, "-elf"), "elf")
-    archs = {arch for arch, body in elf if KERNEL in body}
-    assert archs == {"sm_90a"}
+    archs = {(arch, "SM100_MMA" in body) for arch, body in elf if KERNEL in body}
+    assert archs == {("sm_90a", False), ("sm_100a", True)}
     assert all(KERNEL not in body for _, body in _sections(_dump(cuda, "-ptx"), "ptx"))
 
 
 # ---- each check against a build without its feature ----------------------------------------
 
-KERNEL_SOURCE = "cpp/cuda/fused/fused_gemm_kernel.cuh"
-# name: (check that must fail, [(text in KERNEL_SOURCE, replacement)], drop -DNDEBUG)
+SOURCES = ("cpp/cuda/fused/fused_gemm_sync.cuh", "cpp/cuda/fused/fused_gemm_kernel.cuh")
+# kernel: (its object and source in the build, its checks, its dtypes)
+KERNELS = {
+    "sm90": ("jo_cuda_fused_gemm.dir/fused/fused_gemm_bf16.cu.o", "fused_gemm_bf16.cu",
+             _problems, DTYPES),
+    "sm100": ("jo_cuda_fused_gemm_sm100.dir/fused/fused_gemm_sm100_bf16.cu.o",
+              "fused_gemm_sm100_bf16.cu", _sm100_problems, SM100_DTYPES),
+}
+_WAIT = "  if (cute::elect_one_sync()) WaitForTileRows<kTileRows>(w, tile);\n"
+# name: (check that must fail, [(text in SOURCES, replacement)] or {kernel: [...]}, drop -DNDEBUG)
 VARIANTS = {
-    "no wait": ("acquire spin", [("    if (wait.flags != nullptr) {\n      if (cute::",
-                                  "    if (false) {\n      if (cute::")], False),
+    "no wait": ("acquire spin", [(_WAIT, "")], False),
     "relaxed wait": ("acquire spin", [("ld.acquire.sys.global.u32", "ld.relaxed.sys.global.u32")],
                      False),
     "no proxy fence before the loads": (
-        "acquire spin", [("      FenceProxyAsyncGlobal();  // every lane", "      // every lane")],
+        "acquire spin", [("  __syncwarp();\n  FenceProxyAsyncGlobal();\n}", "  __syncwarp();\n}")],
         False),
-    "no store wait": ("release", [("      WaitBulkStoresComplete();\n", "")], False),
+    "no store wait": ("release", {
+        "sm90": [("      WaitBulkStoresComplete();\n      FenceProxyAsyncGlobal();",
+                  "      FenceProxyAsyncGlobal();")],
+        "sm100": [("  if (r.flags == nullptr) return;\n  WaitBulkStoresComplete();\n",
+                   "  if (r.flags == nullptr) return;\n")]}, False),
     "store wait .read": ("release", [("cp.async.bulk.wait_group 0;",
                                       "cp.async.bulk.wait_group.read 0;")], False),
     "relaxed release": ("release", [("st.release.sys.global.u32", "st.relaxed.sys.global.u32")],
@@ -256,23 +332,27 @@ def _build_dir() -> Path:
     return Path(found[0]).parents[2]
 
 
-def _compile_variant(build: Path, tmp: Path, name: str, edits, drop_ndebug: bool) -> str:
-    """The bf16 kernel built by the build's own nvcc command from an edited copy of cpp/."""
-    obj = "cpp/cuda/CMakeFiles/jo_cuda_fused_gemm.dir/fused/fused_gemm_bf16.cu.o"
+def _compile_variant(build: Path, tmp: Path, kernel: str, name: str, edits,
+                     drop_ndebug: bool) -> str:
+    """The kernel's bf16 object built by the build's own nvcc command from an edited copy of
+    cpp/ (each edit's text once in SOURCES)."""
+    obj, source = KERNELS[kernel][:2]
+    obj = f"cpp/cuda/CMakeFiles/{obj}"
     command = subprocess.run(["ninja", "-C", str(build), "-t", "commands", obj],
                              capture_output=True, text=True, check=True).stdout.splitlines()[-1]
-    src = tmp / name.replace(" ", "_") / "cpp"
+    src = tmp / f"{kernel}_{name.replace(' ', '_')}" / "cpp"
     for part in ("core", "cuda"):
         for f in (ROOT / "cpp" / part).rglob("*.[hc]*"):
             copy = src / f.relative_to(ROOT / "cpp")
             copy.parent.mkdir(parents=True, exist_ok=True)
             copy.write_text(f.read_text())
-    kernel = src / Path(KERNEL_SOURCE).relative_to("cpp")
-    text = kernel.read_text()
+    files = {f: (src / Path(f).relative_to("cpp")).read_text() for f in SOURCES}
     for old, new in edits:
-        assert text.count(old) == 1, f"{name}: {old!r} is not once in {KERNEL_SOURCE}"
-        text = text.replace(old, new)
-    kernel.write_text(text)
+        (where,) = [f for f, text in files.items() if old in text]
+        assert files[where].count(old) == 1, f"{name}: {old!r} is not once in {where}"
+        files[where] = files[where].replace(old, new)
+    for f, text in files.items():
+        (src / Path(f).relative_to("cpp")).write_text(text)
     args = shlex.split(command)
     args = [a for a in args if not (drop_ndebug and a == "-DNDEBUG")]
     out = src.parent / "k.o"
@@ -281,23 +361,30 @@ def _compile_variant(build: Path, tmp: Path, name: str, edits, drop_ndebug: bool
     args = [f"-I{src}" if a == f"-I{ROOT}/cpp/cuda/.." else a for a in args]
     assert f"-I{src}" in args, f"the build's include of cpp/ is not in: {command}"
     args[args.index("-o") + 1] = str(out)
-    args[args.index("-c") + 1] = str(src / "cuda" / "fused" / "fused_gemm_bf16.cu")
+    args[args.index("-c") + 1] = str(src / "cuda" / "fused" / source)
     subprocess.run(args, cwd=build, check=True, capture_output=True, text=True)
     return subprocess.run([_cuobjdump(), "-sass", str(out)], capture_output=True, text=True,
                           check=True).stdout
 
 
 @pytest.mark.skipif(os.environ.get("JAXOVERLAP_SASS_VARIANTS") != "1",
-                    reason="rebuilds 7 variants of the fused kernel (about 35 CPU-seconds each): "
+                    reason="rebuilds 7 variants of each fused kernel (35 to 90 CPU-seconds each): "
                            "set JAXOVERLAP_SASS_VARIANTS=1 to run it")
-def test_each_check_fails_without_its_feature(tmp_path):
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_each_check_fails_without_its_feature(tmp_path, kernel):
     build = _build_dir()
+    problems_of, dtypes = KERNELS[kernel][2:]
+
+    def edits(spec):
+        return spec.get(kernel, []) if isinstance(spec, dict) else spec
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         dumps = dict(zip(VARIANTS, pool.map(
-            lambda item: _compile_variant(build, tmp_path, item[0], item[1][1], item[1][2]),
+            lambda item: _compile_variant(build, tmp_path, kernel, item[0], edits(item[1][1]),
+                                          item[1][2]),
             VARIANTS.items()), strict=True))
     for name, (failing, _, _) in VARIANTS.items():
-        (code,) = _fused(dumps[name]).values()
-        problems = _problems(code, "bf16")
-        assert problems[failing], f"{name}: the {failing} check did not notice"
+        (code,) = _fused(dumps[name], dtypes).values()
+        problems = problems_of(code, "bf16")
+        assert problems[failing], f"{kernel}, {name}: the {failing} check did not notice"
         assert all(not p for check, p in problems.items() if check != failing), (name, problems)

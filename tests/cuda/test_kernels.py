@@ -327,7 +327,7 @@ def test_the_variant_a_device_runs(fake, images, cc, want):
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_multicast_runs_on_blackwell(fake, op, dtype):
-    """A fake B200 (10.0) runs the multimem kernels from this build's compute_90 PTX."""
+    """A fake B200 (10.0) runs the multimem kernels from this build's sm_100 cubin."""
     fake.reset(fake.Config(cc_major=10))
     out, xs, ws = run_case(fake, op, "multicast", 4, rows=4, chunks=2, dtype=dtype)
     check(fake, out, op, xs, ws, 4, dtype)

@@ -6,8 +6,8 @@ Reads the fatbinary of the built ``_cuda`` module with cuobjdump (from the
 * that it holds exactly the variants the build recorded (``build_info()["kernel_images"]``,
   which the fake's model of variant selection uses), so the fake never models a binary we do
   not ship;
-* that the multimem kernels have code that runs on sm_90 (an sm_90 cubin) and on sm_100 and
-  later (compute_90 PTX, which the driver JIT-compiles there), with no arch-specific (sm_90a)
+* that the multimem kernels have code that runs on sm_90 and sm_100 (cubins) and later
+  (compute_90 PTX, which the driver JIT-compiles there), with no arch-specific (sm_90a)
   code and nothing compiled for less than sm_90 — such a variant would ``__trap()``;
 * that the multimem instructions, in their 16-byte vector forms (and the integer .b32/.b64
   stores that move fp8 shards as bits), and the release fences are in that code, so a refactor
@@ -62,7 +62,7 @@ def _family(symbol: str) -> str | None:
     if "AddBody" in symbol or "ReduceBody" in symbol:  # compiled together (kernels.cu)
         return "add"
     if "FlagWaitMainloop" in symbol:  # the fused GEMM (docs/gpu-internals.md §5)
-        return "fused"
+        return "fused_sm100" if "SM100_MMA" in symbol else "fused"
     return None
 
 
@@ -99,6 +99,7 @@ def test_the_fatbinary_holds_what_the_build_recorded(cuda, fatbin):
 def test_multimem_code_runs_on_sm90_and_later_and_nowhere_else(fatbin):
     images = fatbin["multimem"]
     assert "sm_90" in images, "no sm_90 cubin of the multimem kernels"
+    assert "sm_100" in images, "no sm_100 cubin: a B200 would JIT-compile the PTX at load"
     assert "compute_90" in images, "no compute_90 PTX: an sm_100 GPU could not run them"
     for image in images:
         number = int(re.match(r"(?:sm|compute)_(\d+)", image).group(1))
@@ -108,9 +109,9 @@ def test_multimem_code_runs_on_sm90_and_later_and_nowhere_else(fatbin):
 
 @pytest.mark.parametrize(("cc", "image", "jit"), [
     ((9, 0), "sm_90", False),        # H100/H200: the cubin
-    ((10, 0), "compute_90", True),   # B200: the driver JIT-compiles the compute_90 PTX
-    ((10, 3), "compute_90", True),   # B300
-    ((12, 0), "compute_90", True),   # RTX PRO 6000 Blackwell
+    ((10, 0), "sm_100", False),      # B200: the sm_100 cubin
+    ((10, 3), "sm_100", False),      # B300: a cubin runs on its major revision, higher minors too
+    ((12, 0), "compute_90", True),   # RTX PRO 6000 Blackwell: the driver JIT-compiles the PTX
 ])
 def test_the_built_variants_run_multimem_on(fake, fatbin, cc, image, jit):
     got = fake.kernel_variant("multimem", *cc, images=fatbin)

@@ -1,9 +1,10 @@
 """The fused path in the model (``sim.fused``): one persistent GEMM waiting on per-block flags.
 
-Where it is offered (Hopper presets, p2p and multicast, never nccl, the kernel's dtypes and row
-alignment), that the simulator plays the executors' own fused programs, the persistent kernel's
-tiles on timelines computable by hand (the stock scheduler's static striding in two lanes,
-stalls, releases), and what it changes at the standard shapes.
+Where it is offered (Hopper presets, and B200 presets for bf16 with the sm100 kernel; p2p and
+multicast, never nccl, the kernel's dtypes and row alignment), that the simulator plays the
+executors' own fused programs, the persistent kernel's tiles on timelines computable by hand
+(the stock scheduler's static striding in two lanes, or one lane of 2-SM clusters; stalls,
+releases), and what it changes at the standard shapes.
 """
 
 from __future__ import annotations
@@ -50,10 +51,23 @@ def test_offered_on_hopper_with_p2p_and_multicast_only(name):
     assert not fused_cands(p, sim.Shape(1, 1024, 1024, 8192), "matmul_ar")
 
 
-@pytest.mark.parametrize("name", ["a100", "a800", "b200", "pcie8"])
-def test_never_offered_where_the_sm90a_kernel_does_not_run(name):
+@pytest.mark.parametrize("name", ["b200", "gb200-nvl72"])
+def test_offered_on_b200_for_bf16_only(name):
+    """Compute capability 10.0 runs the sm_100a build, bfloat16 only."""
     p = sim.get_preset(name)
-    assert not p.fused_gemm and p.compute_capability not in (None, (9, 0))
+    assert p.compute_capability == (10, 0) and p.fused_gemm and p.fused_kernel.mma_pair == 2
+    for op, shape in (("ag_matmul", AG_STD), ("matmul_rs", RS_STD)):
+        cands = fused_cands(p, shape, op, dtype="bf16")
+        assert {c.transport for c in cands} == {"p2p", "multicast"}, (name, op)
+        assert not fused_cands(p, shape, op, dtype="f16")
+    assert "sm_100a" in fused.why_not(p, "ag_matmul", "p2p", dtype="float16")
+    assert fused.why_not(p, "ag_matmul", "p2p", dtype="bfloat16") == ""
+
+
+@pytest.mark.parametrize("name", ["a100", "a800", "pcie8"])
+def test_never_offered_where_neither_kernel_runs(name):
+    p = sim.get_preset(name)
+    assert not p.fused_gemm and p.compute_capability not in (None, (9, 0), (10, 0))
     for op, shape in (("ag_matmul", AG_STD), ("matmul_rs", RS_STD)):
         assert not fused_cands(p, shape, op)
         assert sim.choose(op, shape, "bf16", 8, p).candidate.fused is False
@@ -176,6 +190,28 @@ def test_a_block_is_released_when_its_last_tile_is_stored():
     tl = run_kernel(0.0, releases=True)
     (wait,) = [s for s in tl.of(0, 1) if s.kind == "Wait"]
     assert wait.end == pytest.approx(2 * TAU)
+
+
+TOY_B200 = TOY.replace(name="toy-blackwell", compute_capability=(10, 0))
+
+
+@pytest.mark.parametrize(("flag_at", "end"), [
+    # 2-SM MMA: the order is over 256-row MMA tiles (0, 1 of A; 2 straddles A and B; 3, 4 of
+    # B), one lane of 2 clusters: cluster 0 takes tiles 0, 2, 4, cluster 1 tiles 1, 3, each in
+    # one CTA tile's time (both CTAs at once). Tile 2 waits for B, for its upper half's rows.
+    (0.5, 3.0),   # B arrived before tile 2 starts: the kernel alone
+    (1.5, 3.5),   # both clusters wait 0.5 TAU (tiles 2 and 3), cluster 0 carries it to the end
+    (4.0, 6.0),   # comm-bound: cluster 0 runs tiles 2 and 4 after the arrival
+])
+def test_the_sm100_kernel_plays_one_lane_of_256_row_tiles(flag_at, end):
+    plan = fused.tile_plan(TOY_B200, "bfloat16", kernel_program()[0]["ops"][0])
+    assert [(lane.units, lane.ctas) for lane in plan.lanes] == [(5, 2)]
+    assert plan.alone == pytest.approx(3 * TAU)
+    # the MMA tile straddling the shards waits for B (the sm90 CTA tile of rows 512-639 not)
+    (lane,) = plan.lanes
+    assert [run.waits for run in lane.runs if run.start <= 2 < run.end] == [(1,)]
+    p = TOY_B200.replace(signal_latency_us=flag_at * TAU / US)
+    assert sim.simulate_programs(kernel_program(), p).total == pytest.approx(end * TAU)
 
 
 def test_the_fused_rate_scales_the_tile_work():

@@ -4,7 +4,14 @@
 // what is modelled here is what the executor and the other streams can see of
 // it, from the same tile mapping (core/fused_tiles.h):
 //  * it is sm_90a code: cudaFuncGetAttributes finds no image for any other
-//    device (the kernel family "fused", fake_kernels.cc);
+//    device (the kernel family "fused", fake_kernels.cc); the sm100 kernel is
+//    sm_100a code (family "fused_sm100"), bf16 only;
+//  * the sm100 kernel computes each 256-row MMA tile with the two CTAs of a
+//    cluster (2-SM MMA, fused_gemm_kernel_sm100.cuh): its order is over MMA
+//    tiles and CTA slot s holds CTA tile CtaTileAt(order, s, 2); each CTA waits
+//    for its own 128 rows, but the pair's MMA reads both halves, so neither
+//    half is computed (nor stored, nor released) before every flag of both
+//    halves' rows is at the epoch;
 //  * its CTAs are persistent and hold the launch's sm_count SMs (every SM of the
 //    device, but in the loopback, which shares them among the ranks of one
 //    GPU, and for a release-only kernel, which leaves some to the reduction
@@ -92,6 +99,7 @@ struct FusedRun {
   Types types{DType::kBF16, DType::kBF16, DType::kBF16};
   bool fp8 = false;
   int64_t tile_cols = kTileCols;
+  int32_t pair = 1;  // CTA tiles per MMA tile (sm100: 2)
   Launch launch;
   fused::PersistentGrid grid;
   int64_t m_tiles = 0;
@@ -134,11 +142,25 @@ int32_t MissingFlag(const FusedRun& r, int32_t tile) {
   return -1;
 }
 
-// Whether CTA `cta` starts tile `tile`: every flag it waits for is at the epoch, or the launch
-// gave up waiting (its own timeout, or an earlier wait's: recorded in the fault record).
+// The first flag the MMA tile holding CTA tile `tile` waits for that is not at the epoch (-1:
+// none): its own rows', then (2-SM MMA) the other half's.
+int32_t MissingFlagOfPair(const FusedRun& r, int32_t tile) {
+  const int32_t own = MissingFlag(r, tile);
+  if (own >= 0) return own;
+  const int32_t first = tile - tile % r.pair;
+  for (int32_t t = first; t < first + r.pair && t < r.m_tiles; ++t) {
+    const int32_t missing = t == tile ? -1 : MissingFlag(r, t);
+    if (missing >= 0) return missing;
+  }
+  return -1;
+}
+
+// Whether CTA `cta` starts tile `tile`: every flag its MMA tile waits for is at the epoch, or
+// the launch gave up waiting (its own timeout, or an earlier wait's: recorded in the fault
+// record).
 bool TileReady(FusedRun& r, size_t cta, int32_t tile) {
   if (r.gave_up) return true;
-  const int32_t missing = MissingFlag(r, tile);
+  const int32_t missing = MissingFlagOfPair(r, tile);
   if (missing < 0) {
     r.waiting_since[cta] = -1;
     return true;
@@ -257,7 +279,7 @@ bool Poll(FusedRun& r) {
     if (unit >= r.grid.work()) continue;
     int32_t l_idx = 0, slot = 0, n_tile = 0;
     r.grid.At(unit, &l_idx, &slot, &n_tile);
-    const int32_t tile = r.launch.order.TileAt(slot);
+    const int32_t tile = fused::CtaTileAt(r.launch.order, slot, r.pair);
     if (tile < r.m_tiles) {
       if (!TileReady(r, c, tile)) continue;  // this CTA spins; the others go on
       ComputeTile(r, l_idx, tile, n_tile);
@@ -307,9 +329,10 @@ bool Span(const void* p, size_t bytes, const std::string& what) {
   return CheckRange(p, bytes, what.c_str());
 }
 
-cudaError_t LaunchFused(const Types& types, const Launch& l, cudaStream_t stream) {
+cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaStream_t stream) {
   Count("cudaLaunchKernelEx");
-  const void* function = FusedFunction(types.a, types.b, types.d);
+  const void* function =
+      pair == 1 ? FusedFunction(types.a, types.b, types.d) : FusedFunctionSm100();
   const bool fp8 = IsFp8(types.a);
   const std::string name = FunctionName(function);
   const int device = StreamDevice(stream);
@@ -373,6 +396,7 @@ cudaError_t LaunchFused(const Types& types, const Launch& l, cudaStream_t stream
   run->types = types;
   run->fp8 = fp8;
   run->tile_cols = fp8 ? kFp8TileCols : kTileCols;
+  run->pair = pair;
   run->launch = l;
   run->m_tiles = (l.m + fused::kTileRows - 1) / fused::kTileRows;
   run->grid = fused::PersistentGrid::Make(run->m_tiles, (l.n + run->tile_cols - 1) / run->tile_cols,
@@ -447,12 +471,12 @@ void NoteSharedMemoryGrant(const void* function, int bytes) {
 namespace jo::cuda::fused_kernel {
 
 // Function<Name>, SharedBytes<Name> and Launch<Name> of one instantiation (fused_gemm_launch.h).
-#define JO_FAKE_FUSED_INSTANCE(Name, A, B, D)                                                \
-  const void* Function##Name() { return fake::FusedFunction(DType::A, DType::B, DType::D); } \
-  int SharedBytes##Name() { return fake::kSharedBytes; }                                     \
-  Status Launch##Name(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {  \
-    JO_CUDA_CHECK(&ctx, fake::LaunchFused({DType::A, DType::B, DType::D}, launch, stream));  \
-    return OkStatus();                                                                       \
+#define JO_FAKE_FUSED_INSTANCE(Name, A, B, D)                                                  \
+  const void* Function##Name() { return fake::FusedFunction(DType::A, DType::B, DType::D); }   \
+  int SharedBytes##Name() { return fake::kSharedBytes; }                                       \
+  Status Launch##Name(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {    \
+    JO_CUDA_CHECK(&ctx, fake::LaunchFused({DType::A, DType::B, DType::D}, 1, launch, stream)); \
+    return OkStatus();                                                                         \
   }
 
 JO_FAKE_FUSED_INSTANCE(BF16, kBF16, kBF16, kBF16)
@@ -460,5 +484,22 @@ JO_FAKE_FUSED_INSTANCE(F16, kF16, kF16, kF16)
 JO_FAKE_FUSED_INSTANCE(E4M3_BF16, kF8E4M3, kF8E4M3, kBF16)
 JO_FAKE_FUSED_INSTANCE(E5M2E4M3_BF16, kF8E5M2, kF8E4M3, kBF16)
 #undef JO_FAKE_FUSED_INSTANCE
+
+const void* FunctionSm100BF16() { return fake::FusedFunctionSm100(); }
+int SharedBytesSm100BF16() { return fake::kSharedBytes; }
+
+// As the real launch (fused_gemm_kernel_sm100.cuh LaunchAs), it refuses an order not made over
+// its 256-row MMA tiles before enqueueing anything.
+Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+  const int64_t mma_rows = kSm100MmaPair * fused::kTileRows;
+  if (launch.order.tiles != (launch.m + mma_rows - 1) / mma_rows)
+    return Status(Code::kInternal, ctx.Describe() + ": the sm_100a fused GEMM's tile order has " +
+                                       std::to_string(launch.order.tiles) + " tiles, not one per " +
+                                       std::to_string(mma_rows) + "-row MMA tile of " +
+                                       std::to_string(launch.m) + " rows (CheckFusedGemm)");
+  JO_CUDA_CHECK(&ctx, fake::LaunchFused({DType::kBF16, DType::kBF16, DType::kBF16}, kSm100MmaPair,
+                                        launch, stream));
+  return OkStatus();
+}
 
 }  // namespace jo::cuda::fused_kernel

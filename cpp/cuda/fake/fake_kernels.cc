@@ -428,6 +428,12 @@ const void* FusedFunction(DType a, DType b, DType d) {
   return Register(k);
 }
 
+const void* FusedFunctionSm100() {
+  static const HostKernel bf16{
+      "FusedGemmSm100", "FusedGemmSm100<bf16>", "fused_sm100", McSide::kNone, 0, nullptr};
+  return Register(&bf16);
+}
+
 const void* RegisterKernel(const std::string& op, const std::string& name, const char* family,
                            KernelLaunch launch) {
   std::lock_guard<std::mutex> lock(g_mu);

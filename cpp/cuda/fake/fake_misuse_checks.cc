@@ -622,7 +622,7 @@ std::map<std::string, std::string> MisuseChecks() {
       // Set-up: the arguments checked (the tile order made) and the kernels loaded before
       // anything is enqueued.
       (void)cuda::CheckFusedGemm(&f);
-      (void)cuda::PrepareFusedGemm(f.types, ctx);
+      (void)cuda::PrepareFusedGemm(f.types, cuda::FusedKernel::kSm90, ctx);
       (void)cuda::PrepareBlockKernel(cuda::BlockKernel::kAdd, add[d], ctx);
     }
     auto outgoing = [&](int d) {

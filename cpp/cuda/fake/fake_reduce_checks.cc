@@ -65,7 +65,7 @@ std::map<std::string, std::string> ReduceMisuseChecks() {
     f.epoch = 1;
     f.sm_count = how == How::kNoSms ? config.sms : config.sms - 2;
     (void)cuda::CheckFusedGemm(&f);
-    (void)cuda::PrepareFusedGemm(f.types, ctx);
+    (void)cuda::PrepareFusedGemm(f.types, cuda::FusedKernel::kSm90, ctx);
     cuda::ReduceArgs r;
     r.dtype = DType::kBF16;
     r.dst = Malloc(0, kRows * kN * kEs);

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace jo::cuda {
@@ -54,37 +55,52 @@ Status CheckMatrix(const char* name, const void* ptr, int64_t ld, int64_t batch_
 
 // One instantiation (fused_gemm_launch.h): the kernel, its shared memory, its launch.
 struct Instance {
+  FusedKernel kernel;
   FusedTypes types;
   const void* (*function)();
   int (*shared_bytes)();
   Status (*launch)(const fused_kernel::Launch&, cudaStream_t, const ErrorContext&);
 };
 
-// Every instantiation built; FusedServes (core/kinds.h) accepts exactly these triples
-// (tests/cuda/test_fused_sass.py finds each kernel in the built module).
+// Every instantiation built; FusedServes (core/kinds.h) accepts exactly the sm90
+// triples, sm100 serves bf16 only (tests/cuda/test_fused_sass.py finds each
+// kernel in the built module).
 const Instance kInstances[] = {
-    {{DType::kBF16, DType::kBF16, DType::kBF16},
+    {FusedKernel::kSm90,
+     {DType::kBF16, DType::kBF16, DType::kBF16},
      fused_kernel::FunctionBF16,
      fused_kernel::SharedBytesBF16,
      fused_kernel::LaunchBF16},
-    {{DType::kF16, DType::kF16, DType::kF16},
+    {FusedKernel::kSm90,
+     {DType::kF16, DType::kF16, DType::kF16},
      fused_kernel::FunctionF16,
      fused_kernel::SharedBytesF16,
      fused_kernel::LaunchF16},
-    {{DType::kF8E4M3, DType::kF8E4M3, DType::kBF16},
+    {FusedKernel::kSm90,
+     {DType::kF8E4M3, DType::kF8E4M3, DType::kBF16},
      fused_kernel::FunctionE4M3_BF16,
      fused_kernel::SharedBytesE4M3_BF16,
      fused_kernel::LaunchE4M3_BF16},
-    {{DType::kF8E5M2, DType::kF8E4M3, DType::kBF16},
+    {FusedKernel::kSm90,
+     {DType::kF8E5M2, DType::kF8E4M3, DType::kBF16},
      fused_kernel::FunctionE5M2E4M3_BF16,
      fused_kernel::SharedBytesE5M2E4M3_BF16,
      fused_kernel::LaunchE5M2E4M3_BF16},
+    {FusedKernel::kSm100,
+     {DType::kBF16, DType::kBF16, DType::kBF16},
+     fused_kernel::FunctionSm100BF16,
+     fused_kernel::SharedBytesSm100BF16,
+     fused_kernel::LaunchSm100BF16},
 };
 
-const Instance* Find(const FusedTypes& t) {
+const Instance* Find(const FusedTypes& t, FusedKernel kernel) {
   for (const Instance& i : kInstances)
-    if (i.types.a == t.a && i.types.b == t.b && i.types.d == t.d) return &i;
+    if (i.kernel == kernel && i.types.a == t.a && i.types.b == t.b && i.types.d == t.d) return &i;
   return nullptr;
+}
+
+bool Compiled(const FusedTypes& t) {
+  return Find(t, FusedKernel::kSm90) != nullptr || Find(t, FusedKernel::kSm100) != nullptr;
 }
 
 std::string TypesName(const FusedTypes& t) {
@@ -97,16 +113,49 @@ Status NotCompiled(const FusedTypes& t) {
 }
 
 std::mutex g_prepared_mu;
-std::map<std::pair<int, const void*>, bool>& Prepared() {
+std::map<std::pair<int, const void*>, bool>& Prepared() {  // (device, kernel function)
   static auto* prepared = new std::map<std::pair<int, const void*>, bool>();
   return *prepared;
 }
 
+const char* KernelName(FusedKernel kernel) {
+  switch (kernel) {
+    case FusedKernel::kSm90:
+      return "sm_90a";
+    case FusedKernel::kSm100:
+      return "sm_100a";
+    case FusedKernel::kNone:
+      break;
+  }
+  return "none";
+}
+
+Status NotThisGpu(FusedKernel kernel, int device, int major, int minor, const ErrorContext& ctx) {
+  return Status(Code::kInvalidArgument,
+                ctx.Describe() +
+                    ": the fused GEMM is sm_90a code for compute capability 9.0 "
+                    "(H100, H200, GH200) and sm_100a code for 10.0 (B200, GB200; "
+                    "bfloat16 only); GPU " +
+                    std::to_string(device) + " is " + std::to_string(major) + "." +
+                    std::to_string(minor) + " (the call was prepared for " + KernelName(kernel) +
+                    "): take the chunked path (jo.config(fused=False))");
+}
+
 }  // namespace
+
+FusedKernel FusedKernelFor(int cc_major, int cc_minor) {
+  if (cc_major == 9 && cc_minor == 0) return FusedKernel::kSm90;
+  if (cc_major == 10 && cc_minor == 0) return FusedKernel::kSm100;
+  return FusedKernel::kNone;
+}
+
+int32_t MmaPairOf(FusedKernel kernel) {
+  return kernel == FusedKernel::kSm100 ? fused_kernel::kSm100MmaPair : 1;
+}
 
 Status CheckFusedGemm(FusedGemmArgs* args) {
   const FusedGemmArgs& a = *args;
-  if (Find(a.types) == nullptr) return NotCompiled(a.types);
+  if (!Compiled(a.types)) return NotCompiled(a.types);
   const bool fp8 = IsFp8(a.types.a);
   if (a.batch < 1 || a.m < 1 || a.n < 1 || a.k < 1 || a.batch > kMaxInt32 || a.m > kMaxInt32 ||
       a.n > kMaxInt32 || a.k > kMaxInt32)
@@ -155,42 +204,45 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   if (a.sm_count < 2)
     return Bad("sm_count must be >= 2: the SMs the kernel holds, in clusters of 2");
   if (a.sequence == nullptr) return Bad("no block sequence (arrival or departure order)");
-  const fused::OrderError e = fused::MakeTileOrder(
-      fused::Tiling{a.blocks, fused::kTileRows}, a.sequence, a.blocks.count(), a.key, &args->order);
+  if (a.kernel != FusedKernel::kNone && Find(a.types, a.kernel) == nullptr)  // kNone: at prepare
+    return Bad(std::string("the ") + KernelName(a.kernel) + " kernel is not compiled for " +
+               TypesName(a.types) +
+               " (sm_100a: bfloat16 only): take the chunked path (jo.config(fused=False))");
+  // The order is over the kernel's MMA tiles (sm100: two CTA tiles, fused_tiles.h CtaTileAt).
+  const fused::OrderError e =
+      fused::MakeTileOrder(fused::Tiling{a.blocks, MmaPairOf(a.kernel) * fused::kTileRows},
+                           a.sequence, a.blocks.count(), a.key, &args->order);
   if (e != fused::OrderError::kOk) return Bad(OrderErrorText(e));
   return OkStatus();
 }
 
-Status PrepareFusedGemm(const FusedTypes& types, const ErrorContext& ctx) {
-  const Instance* instance = Find(types);
-  if (instance == nullptr) return NotCompiled(types);
+Status PrepareFusedGemm(const FusedTypes& types, FusedKernel kernel, const ErrorContext& ctx) {
+  if (!Compiled(types)) return NotCompiled(types);
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
-  const void* kernel = instance->function();
-  {
+  const Instance* instance = Find(types, kernel);
+  if (instance != nullptr) {
     std::lock_guard<std::mutex> lock(g_prepared_mu);
-    if (Prepared().count({device, kernel}) != 0) return OkStatus();
+    if (Prepared().count({device, instance->function()}) != 0) return OkStatus();
   }
+  int major = 0, minor = 0;
+  JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (kernel != FusedKernelFor(major, minor) || instance == nullptr)
+    return NotThisGpu(kernel, device, major, minor, ctx);
+  const void* function = instance->function();
   // It references the kernel: with lazy loading, that loads it here, at set-up.
   cudaFuncAttributes attr{};
-  const cudaError_t code = cudaFuncGetAttributes(&attr, kernel);
+  const cudaError_t code = cudaFuncGetAttributes(&attr, function);
   if (code == cudaErrorNoKernelImageForDevice || code == cudaErrorInvalidDeviceFunction) {
     (void)cudaGetLastError();
-    int major = 0, minor = 0;
-    (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    return Status(Code::kInvalidArgument, ctx.Describe() +
-                                              ": the fused GEMM is sm_90a code and runs on compute "
-                                              "capability 9.0 GPUs only (H100, H200, GH200); GPU " +
-                                              std::to_string(device) + " is " +
-                                              std::to_string(major) + "." + std::to_string(minor) +
-                                              ": take the chunked path (jo.config(fused=False))");
+    return NotThisGpu(kernel, device, major, minor, ctx);
   }
   if (code != cudaSuccess) return CudaFailure(code, "cudaFuncGetAttributes", &ctx);
-  JO_CUDA_CHECK(&ctx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  JO_CUDA_CHECK(&ctx, cudaFuncSetAttribute(function, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            instance->shared_bytes()));
   std::lock_guard<std::mutex> lock(g_prepared_mu);
-  Prepared()[{device, kernel}] = true;
+  Prepared()[{device, function}] = true;
   return OkStatus();
 }
 
@@ -200,7 +252,7 @@ void ForgetFusedGemmPreparation() {
 }
 
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx) {
-  const Instance* instance = Find(args.types);
+  const Instance* instance = Find(args.types, args.kernel);
   if (instance == nullptr) return NotCompiled(args.types);
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
@@ -209,7 +261,8 @@ Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const Err
     if (Prepared().count({device, instance->function()}) == 0)
       return Status(Code::kInternal, ctx.Describe() +
                                          ": the fused GEMM was not prepared on device " +
-                                         std::to_string(device) + " (PrepareFusedGemm)");
+                                         std::to_string(device) + " for " +
+                                         KernelName(args.kernel) + " (PrepareFusedGemm)");
   }
   return instance->launch(args, stream, ctx);
 }

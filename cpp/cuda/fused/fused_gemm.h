@@ -25,8 +25,12 @@
 // at once — so the kernel always finishes; its results are then garbage and
 // the caller must read `*fault` (device memory) and report.
 //
-// Runs on sm_90 (H100/H200/GH200) only: the kernel is sm_90a code, which no
-// other GPU can run (docs/gpu-internals.md §5). Compiled in CI; never run on a GPU here.
+// Two kernels, one flag protocol (fused_gemm_sync.cuh): sm_90a code for
+// compute capability 9.0 (H100/H200/GH200; fused_gemm_kernel.cuh) and sm_100a
+// code for 10.0 (B200/GB200; fused_gemm_kernel_sm100.cuh, bf16 only, 2-SM MMA:
+// its tile order is over 256-row MMA tiles). Arch-specific code runs on
+// exactly its architecture, so no other GPU can run either (docs/gpu-internals.md
+// §5). Compiled in CI; never run on a GPU here.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -42,18 +46,27 @@
 
 namespace jo::cuda {
 
-// The element types of a fused GEMM: A's (x), B's (w) and D's (y). One
+// Which fused GEMM kernel runs on a GPU: the sm90 one on compute capability
+// 9.0, the sm100 one on 10.0, none elsewhere.
+enum class FusedKernel { kNone, kSm90, kSm100 };
+FusedKernel FusedKernelFor(int cc_major, int cc_minor);
+// The kernel's MMA tile in CTA tiles of fused::kTileRows rows: its tile order's unit.
+int32_t MmaPairOf(FusedKernel kernel);
+
+// The element types of a fused GEMM: A's (x), B's (w) and D's (y). One sm90
 // instantiation per triple core/kinds.h's FusedServes accepts: a 16-bit type
-// for all three, or an FP8 pair with its output (JO_FUSED_FP8).
+// for all three, or an FP8 pair with its output (JO_FUSED_FP8); sm100: bf16 only.
 struct FusedTypes {
   DType a = DType::kBF16, b = DType::kBF16, d = DType::kBF16;
 };
 
 // The fused GEMM's arguments: its launch (fused_gemm_launch.h), whose tile
-// order CheckFusedGemm makes from `sequence` and `key`, and the element types.
+// order CheckFusedGemm makes from `sequence` and `key`, the element types and
+// the kernel (FusedKernelFor the device's compute capability).
 // FP8: B is K-major (B^T, n x k row-major) and `scales` are set.
 struct FusedGemmArgs : fused_kernel::Launch {
   FusedTypes types;
+  FusedKernel kernel = FusedKernel::kSm90;
   const int32_t* sequence = nullptr;  // every block once, in arrival / departure order
   fused::OrderKey key = fused::OrderKey::kLastArrival;
 };
@@ -68,18 +81,19 @@ inline size_t FusedStateBytes(int32_t blocks) {
 // (`args->order`): once per call, at prepare; LaunchFusedGemm relies on both.
 Status CheckFusedGemm(FusedGemmArgs* args);
 
-// Loads the kernel for `types` on the current device and gives it its shared
-// memory; fails, naming the GPU, on one that cannot run it (anything but
-// sm_90). Call it at set-up, never while other work the GPU must finish
+// Loads `kernel` for `types` on the current device and gives it its shared
+// memory; fails, naming the GPU, on one that cannot run it (`kernel` is not
+// FusedKernelFor its compute capability, or has no instantiation for
+// `types`). Call it at set-up, never while other work the GPU must finish
 // depends on this thread: with lazy loading (the default since CUDA 12.2) a
 // kernel's first use loads its module, which may wait for the device (CUDA
 // programming guide, "Lazy Loading", potential hazards).
-Status PrepareFusedGemm(const FusedTypes& types, const ErrorContext& ctx);
+Status PrepareFusedGemm(const FusedTypes& types, FusedKernel kernel, const ErrorContext& ctx);
 
 // Enqueues the fused GEMM of `args`, as CheckFusedGemm passed and completed
 // them, on `stream` (after zeroing the counters, when it releases). Fails,
-// enqueueing nothing, when PrepareFusedGemm has not run for this device and
-// these types. Calls nothing that waits for the device: it runs on the enqueue path.
+// enqueueing nothing, when PrepareFusedGemm has not run for this device, these
+// types and kernel. Calls nothing that waits for the device: it runs on the enqueue path.
 Status LaunchFusedGemm(const FusedGemmArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 
 // Forgets which devices PrepareFusedGemm prepared (tests: the fake's devices

@@ -51,126 +51,9 @@
 #include "core/status.h"
 #include "cuda/base/check.h"
 #include "cuda/fused/fused_gemm_launch.h"
+#include "cuda/fused/fused_gemm_sync.cuh"
 
 namespace jo::cuda::fused_kernel {
-
-// ---- the PTX the extensions add ----
-
-__device__ __forceinline__ uint32_t LoadAcquireSys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint32_t LoadRelaxedGpu(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StoreReleaseSys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t AddAcqRelGpu(uint32_t* p, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
-  return old;
-}
-
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Orders this thread's generic-proxy accesses of global memory with its
-// async-proxy (TMA) ones.
-__device__ __forceinline__ void FenceProxyAsyncGlobal() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-// Orders this thread's writes through one virtual alias of a memory before
-// accesses through another (PTX ISA, memory consistency model, "proxies":
-// fence.proxy.alias; CUDA Programming Guide, "Virtual Aliasing Support": writes
-// through one alias are otherwise not guaranteed visible through another before
-// the writing grid completes). A GEMM + reduce-scatter's partial is stored
-// through this rank's own address and read by peers through the multicast
-// address (multimem.ld_reduce) while this grid still runs.
-__device__ __forceinline__ void FenceProxyAlias() { asm volatile("fence.proxy.alias;" ::: "memory"); }
-
-// Waits until every bulk (TMA) store this thread committed has completed —
-// its writes made, not just its shared-memory source read.
-__device__ __forceinline__ void WaitBulkStoresComplete() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-// A stock collective whose Arguments and Params carry one more member,
-// `extension` (what the kernel passes through to the collective untouched).
-template <class Stock, class Extension>
-class Extended : public Stock {
- public:
-  struct Arguments : Stock::Arguments {
-    Extension extension;
-  };
-  struct Params : Stock::Params {
-    Extension extension;
-  };
-
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
-                                        void* workspace) {
-    return Params{Stock::to_underlying_arguments(problem_shape, args, workspace), args.extension};
-  }
-
-  using Stock::Stock;
-};
-
-// ---- waits (all-gather + GEMM) ----
-
-struct RowWait {
-  fused::RowBlocks blocks;
-  const uint32_t* flags = nullptr;  // null: the launch waits for nothing
-  int32_t ready_shard = -1;
-  uint32_t epoch = 0;
-  int64_t timeout_ns = 0;
-  FusedGemmFault* fault = nullptr;
-};
-
-// Spins until `flag` reaches the epoch (cyclically). False when it gave up:
-// its own time ran out (recorded in the fault, first one only) or an earlier
-// wait of the launch already gave up.
-__device__ __forceinline__ bool WaitFlag(const RowWait& w, int32_t block) {
-  const uint32_t* flag = w.flags + block;
-  const uint64_t start = GlobalTimerNs();
-  uint32_t sleep_ns = 32;
-  for (;;) {
-    const uint32_t seen = LoadAcquireSys(flag);
-    if (static_cast<int32_t>(seen - w.epoch) >= 0) return true;
-    if (LoadRelaxedGpu(&w.fault->timed_out) != 0) return false;
-    if (GlobalTimerNs() - start > static_cast<uint64_t>(w.timeout_ns)) {
-      if (atomicCAS(&w.fault->timed_out, 0u, 1u) == 0u) {
-        w.fault->flag = static_cast<uint32_t>(block);
-        w.fault->seen = seen;
-        w.fault->epoch = w.epoch;
-        __threadfence_system();
-      }
-      return false;
-    }
-    __nanosleep(sleep_ns);
-    if (sleep_ns < 1024) sleep_ns *= 2;
-  }
-}
-
-template <int kTileRows>
-__device__ __forceinline__ void WaitForTileRows(const RowWait& w, int32_t tile) {
-  const fused::Range blocks = fused::Tiling{w.blocks, kTileRows}.BlocksOf(tile);
-  for (int32_t b = blocks.first; b <= blocks.last; ++b)
-    if (w.blocks.Shard(b) != w.ready_shard && !WaitFlag(w, b)) return;
-}
 
 template <class Stock>
 class FlagWaitMainloop : public Extended<Stock, RowWait> {
@@ -184,26 +67,12 @@ class FlagWaitMainloop : public Extended<Stock, RowWait> {
   CUTLASS_DEVICE void load(Params const& params, Pipeline pipeline, PipelineState state,
                            LoadInputs const& load_inputs, BlockCoord const& blk_coord,
                            Rest&&... rest) {
-    const RowWait& wait = params.extension;
-    if (wait.flags != nullptr) {
-      if (cute::elect_one_sync())
-        WaitForTileRows<kTileRows>(wait, static_cast<int32_t>(cute::get<0>(blk_coord)));
-      __syncwarp();
-      FenceProxyAsyncGlobal();  // every lane: whichever one the stock load elects issues the TMA
-    }
+    WaitBeforeLoads<kTileRows>(params.extension, static_cast<int32_t>(cute::get<0>(blk_coord)));
     Stock::load(params, pipeline, state, load_inputs, blk_coord, std::forward<Rest>(rest)...);
   }
 };
 
 // ---- releases (GEMM + reduce-scatter) ----
-
-struct BlockRelease {
-  fused::RowBlocks blocks;
-  uint32_t* flags = nullptr;     // null: the launch releases nothing
-  uint32_t* counters = nullptr;  // one per block, zero at the launch
-  uint32_t epoch = 0;
-  int32_t tiles_per_m = 1;  // tiles sharing an M index: N tiles x batch
-};
 
 template <class Stock>
 class FlagReleaseEpilogue : public Extended<Stock, BlockRelease> {
@@ -237,23 +106,13 @@ class FlagReleaseEpilogue : public Extended<Stock, BlockRelease> {
       FenceProxyAsyncGlobal();
       FenceProxyAlias();  // the partial may be read through the multicast alias
       __syncwarp();
-      if (thread_idx == 0) Release(static_cast<int32_t>(cute::get<0>(tile_coord_mnkl)));
+      if (thread_idx == 0)
+        ReleaseTileRows<kTileRows>(release_, static_cast<int32_t>(cute::get<0>(tile_coord_mnkl)));
     }
     return next;
   }
 
  private:
-  CUTLASS_DEVICE void Release(int32_t tile) const {
-    const fused::Tiling tiling{release_.blocks, kTileRows};
-    const fused::Range blocks = tiling.BlocksOf(tile);
-    for (int32_t b = blocks.first; b <= blocks.last; ++b) {
-      const uint32_t expected = static_cast<uint32_t>(tiling.TilesOf(b).size()) *
-                                static_cast<uint32_t>(release_.tiles_per_m);
-      if (AddAcqRelGpu(release_.counters + b, 1u) + 1u == expected)
-        StoreReleaseSys(release_.flags + b, release_.epoch);
-    }
-  }
-
   BlockRelease release_;
 };
 

@@ -81,6 +81,12 @@ struct Launch {
   }
 };
 
+// The sm100 instantiations compute one MMA tile with two CTAs (2-SM MMA, 256
+// rows): the tile order is made over tiles of kSm100MmaPair * fused::kTileRows
+// rows (fused_tiles.h CtaTileAt); the flags are still waited for and released
+// per CTA tile of fused::kTileRows rows.
+inline constexpr int32_t kSm100MmaPair = 2;
+
 // One instantiation per element type (FP8: per A x B -> D triple). Function*:
 // the kernel, as cudaFuncGetAttributes and cudaFuncSetAttribute take it;
 // SharedBytes*: the dynamic shared memory it needs; Launch*: enqueues the
@@ -99,6 +105,11 @@ Status LaunchE4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorCon
 const void* FunctionE5M2E4M3_BF16();
 int SharedBytesE5M2E4M3_BF16();
 Status LaunchE5M2E4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+// sm_100a (B200, GB200): bf16 (fused_gemm_kernel_sm100.cuh). The launch
+// refuses an order not made over kSm100MmaPair-tile MMA tiles.
+const void* FunctionSm100BF16();
+int SharedBytesSm100BF16();
+Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
 
 }  // namespace fused_kernel
 }  // namespace jo::cuda

@@ -21,6 +21,9 @@
 #ifndef JO_FUSED_KERNEL_IMAGES
 #error "JO_FUSED_KERNEL_IMAGES (the fused GEMM's cubins) comes from CMakeLists.txt"
 #endif
+#ifndef JO_FUSED_SM100_KERNEL_IMAGES
+#error "JO_FUSED_SM100_KERNEL_IMAGES (the sm100 fused GEMM's cubins) comes from CMakeLists.txt"
+#endif
 
 namespace jo::cuda {
 
@@ -382,7 +385,8 @@ const std::map<std::string, std::vector<std::string>>& KernelImages() {
   static const auto* images = new std::map<std::string, std::vector<std::string>>{
       {"add", Words(JO_ADD_KERNEL_IMAGES)},
       {"multimem", Words(JO_MULTIMEM_KERNEL_IMAGES)},
-      {"fused", Words(JO_FUSED_KERNEL_IMAGES)}};
+      {"fused", Words(JO_FUSED_KERNEL_IMAGES)},
+      {"fused_sm100", Words(JO_FUSED_SM100_KERNEL_IMAGES)}};
   return *images;
 }
 
