@@ -200,7 +200,9 @@ Status RunLoopback(const LoopbackCalls& in, const LoopbackHooks& hooks, Loopback
   }
 
   std::vector<std::string> statuses(static_cast<size_t>(n));
-  std::vector<bool> recorded(static_cast<size_t>(n), false);
+  // Written by the ranks' threads at once: one byte each (std::vector<bool> packs its elements
+  // into shared words, so concurrent writes to different ranks' flags race and can lose one).
+  std::vector<unsigned char> recorded(static_cast<size_t>(n), 0);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
@@ -231,7 +233,7 @@ Status RunLoopback(const LoopbackCalls& in, const LoopbackHooks& hooks, Loopback
         if (!called.ok()) status = called.ToString();
       }
       recorded[static_cast<size_t>(r)] =
-          cudaEventRecord(done[static_cast<size_t>(r)], xla) == cudaSuccess;
+          cudaEventRecord(done[static_cast<size_t>(r)], xla) == cudaSuccess ? 1 : 0;
     });
     if (!in.ordered) threads.back().join();  // tests: one rank after the other (loopback.h)
   }
@@ -243,7 +245,7 @@ Status RunLoopback(const LoopbackCalls& in, const LoopbackHooks& hooks, Loopback
                         std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(10));
   bool completed = true;
   for (int r = 0; r < n; ++r) {
-    if (!recorded[static_cast<size_t>(r)]) {
+    if (recorded[static_cast<size_t>(r)] == 0) {
       completed = false;
       continue;
     }
