@@ -215,11 +215,13 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
     if fused_plan and fused and transport is None:
         # Asked for: the transport is the plan's, so that the call runs fused or fails to
         # resolve it (a model's pick leaves "auto" to fall back to the chunked path).
-        transport = picked.transport if picked is not None else _fused_transport(r.op)
+        transport = picked.transport if picked is not None else _unmodelled_transport(
+            FUSED_TRANSPORTS, f"{r.op}: jo.config(fused=True) asks for the fused GEMM")
     if kernel and transport is None and impl == "native":
         # Asked for: likewise, one the kernel runs with (a model's pick leaves "auto": where it
         # resolves to nccl the call runs the one-shot program of separate ops).
-        transport = picked.transport if picked is not None else _kernel_transport(r.algorithm)
+        transport = picked.transport if picked is not None else _unmodelled_transport(
+            KERNEL_TRANSPORTS, f"matmul_ar: algorithm={r.algorithm!r} asks for its kernel")
     plan = OpPlan(
         op=r.op,
         impl=impl,
@@ -362,32 +364,19 @@ def _check_kernel_fits(plan: OpPlan, x, w) -> None:
                 f"'two_shot' or 'one_shot' (or None) for calls this large.")
 
 
-def _kernel_transport(algorithm: str) -> str:
-    """The transport of a kernel algorithm asked for without a model: the one rule's pick
-    among the kernel's transports that this process's devices offer."""
+def _unmodelled_transport(among: tuple[str, ...], what: str) -> str:
+    """The transport of a kernel or fused call asked for without a model: the one rule's pick
+    among ``among`` (the transports its program runs with) that this process's devices offer;
+    ``what`` names the call and the program in the error."""
     platform = capabilities.current_platform()
     try:
         return capabilities.resolve_transport(
             platform, "auto", None, spans_processes=False,
-            local_ordinals=capabilities.local_ordinals(platform), among=KERNEL_TRANSPORTS)
+            local_ordinals=capabilities.local_ordinals(platform), among=among)
     except NativeUnavailableError as err:
         raise NativeUnavailableError(
-            f"matmul_ar: algorithm={algorithm!r}, but neither transport the kernel runs with "
-            f"({KERNEL_TRANSPORTS}) is available here ({err})") from None
-
-
-def _fused_transport(op: str) -> str:
-    """The transport of a fused call asked for without a model: the one rule's pick among the
-    fused GEMM's transports that this process's devices offer."""
-    platform = capabilities.current_platform()
-    try:
-        return capabilities.resolve_transport(
-            platform, "auto", None, spans_processes=False,
-            local_ordinals=capabilities.local_ordinals(platform), among=FUSED_TRANSPORTS)
-    except NativeUnavailableError as err:
-        raise NativeUnavailableError(
-            f"{op}: jo.config(fused=True), but neither transport the fused GEMM runs with "
-            f"({FUSED_TRANSPORTS}) is available here ({err})") from None
+            f"{what}, but neither transport it runs with ({among}) is available here "
+            f"({err})") from None
 
 
 def native_reason(x_dtype, w_dtype=None) -> str | None:

@@ -50,6 +50,7 @@
 #include "core/fused_tiles.h"
 #include "core/status.h"
 #include "cuda/base/check.h"
+#include "cuda/fused/fused_gemm_enqueue.cuh"
 #include "cuda/fused/fused_gemm_launch.h"
 #include "cuda/fused/fused_gemm_sync.cuh"
 
@@ -237,70 +238,6 @@ const void* FunctionAs() {
 template <class Element>
 int SharedBytesAs() {
   return static_cast<int>(FusedGemm<Element>::Kernel::SharedStorageSize);
-}
-
-// The arguments every instantiation shares: the problem, A's pointer and
-// strides, D's, the waits, the releases and the tile order (the caller adds
-// B, the epilogue's own arguments and the device).
-template <class Gemm>
-typename Gemm::Kernel::Arguments CommonArguments(const Launch& a) {
-  using Kernel = typename Gemm::Kernel;
-  using Mainloop = typename Kernel::CollectiveMainloop;
-  using Epilogue = typename Kernel::CollectiveEpilogue;
-  using cute::Int;
-
-  typename Kernel::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kBatched;
-  args.problem_shape = {static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k),
-                        static_cast<int>(a.batch)};
-  args.mainloop.ptr_A = static_cast<const typename Mainloop::ElementA*>(a.a);
-  args.mainloop.dA = typename Mainloop::StrideA{a.lda, Int<1>{}, a.a_batch_stride};
-  args.mainloop.extension =
-      RowWait{a.blocks, a.wait_flags, a.ready_shard, a.epoch, a.timeout_ns, a.fault};
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.ptr_D = static_cast<typename Epilogue::ElementD*>(a.d);
-  args.epilogue.dD = typename Epilogue::StrideD{a.ldd, Int<1>{}, a.d_batch_stride};
-  const int64_t n_tiles = (a.n + cute::size<1>(typename Gemm::TileShape{}) - 1) /
-                          cute::size<1>(typename Gemm::TileShape{});
-  args.epilogue.extension = BlockRelease{a.blocks, a.release_flags, a.counters, a.epoch,
-                                         static_cast<int32_t>(n_tiles * a.batch)};
-  args.hw_info.sm_count = a.sm_count;
-  args.scheduler.order = a.order;
-  return args;
-}
-
-// Enqueues the kernel (the arguments were checked by CheckFusedGemm, the
-// kernel loaded by PrepareFusedGemm on this device).
-template <class Gemm>
-Status Enqueue(const Launch& a, typename Gemm::Kernel::Arguments args, cudaStream_t stream,
-               const ErrorContext& ctx) {
-  using Kernel = typename Gemm::Kernel;
-  JO_CUDA_CHECK(&ctx, cudaGetDevice(&args.hw_info.device_id));
-  if (!Kernel::can_implement(args))
-    return Status(Code::kInvalidArgument,
-                  ctx.Describe() + ": CUTLASS cannot run the fused GEMM on this problem (" +
-                      std::to_string(a.m) + " x " + std::to_string(a.n) + " x " +
-                      std::to_string(a.k) + ", batch " + std::to_string(a.batch) + ")");
-  JO_ASSERT(Kernel::get_workspace_size(args) == 0);  // the stock parts need none here
-  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
-
-  if (a.release_flags != nullptr)
-    JO_CUDA_CHECK(&ctx,
-                  cudaMemsetAsync(a.counters, 0, Launch::CounterBytes(a.blocks.count()), stream));
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = cute::size<0>(typename Gemm::ClusterShape{});
-  cluster.val.clusterDim.y = cute::size<1>(typename Gemm::ClusterShape{});
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = Kernel::get_grid_shape(params);
-  config.blockDim = Kernel::get_block_shape();
-  config.dynamicSmemBytes = Kernel::SharedStorageSize;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  JO_CUDA_CHECK(&ctx, cudaLaunchKernelEx(&config, &cutlass::device_kernel<Kernel>, params));
-  return OkStatus();
 }
 
 // The 16-bit launch: B row-major (k x n), D = A @ B.

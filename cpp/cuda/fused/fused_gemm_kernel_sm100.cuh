@@ -55,6 +55,7 @@
 #include "core/fused_tiles.h"
 #include "core/status.h"
 #include "cuda/base/check.h"
+#include "cuda/fused/fused_gemm_enqueue.cuh"
 #include "cuda/fused/fused_gemm_launch.h"
 #include "cuda/fused/fused_gemm_sync.cuh"
 
@@ -267,8 +268,8 @@ int SharedBytesAs() {
   return static_cast<int>(Gemm::Kernel::SharedStorageSize);
 }
 
-// Enqueues the kernel (the arguments were checked by CheckFusedGemm, the
-// kernel loaded by PrepareFusedGemm on this device).
+// The 2-SM launch: the tile order must be over MMA tiles; B row-major (k x n),
+// D = A @ B; enqueued as every fused GEMM is (fused_gemm_enqueue.cuh).
 template <class Gemm>
 Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
   static_assert(Gemm::kPair == kSm100MmaPair, "the host makes the order over 2-SM MMA tiles");
@@ -279,61 +280,14 @@ Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
                                        std::to_string(a.order.tiles) + " tiles, not one per " +
                                        std::to_string(kMmaRows) + "-row MMA tile of " +
                                        std::to_string(a.m) + " rows (CheckFusedGemm)");
-  using Kernel = typename Gemm::Kernel;
-  using Mainloop = typename Kernel::CollectiveMainloop;
-  using Epilogue = typename Kernel::CollectiveEpilogue;
-  using cute::Int;
-
-  typename Kernel::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kBatched;
-  args.problem_shape = {static_cast<int>(a.m), static_cast<int>(a.n), static_cast<int>(a.k),
-                        static_cast<int>(a.batch)};
-  using StoredA = cute::remove_cvref_t<decltype(*args.mainloop.ptr_A)>;
+  using Mainloop = typename Gemm::Kernel::CollectiveMainloop;
+  typename Gemm::Kernel::Arguments args = CommonArguments<Gemm>(a);
   using StoredB = cute::remove_cvref_t<decltype(*args.mainloop.ptr_B)>;
-  args.mainloop.ptr_A = static_cast<const StoredA*>(a.a);
-  args.mainloop.dA = typename Mainloop::StrideA{a.lda, Int<1>{}, a.a_batch_stride};
   args.mainloop.ptr_B = static_cast<const StoredB*>(a.b);
-  args.mainloop.dB = typename Mainloop::StrideB{Int<1>{}, a.ldb, 0};  // B is every batch's
-  args.mainloop.extension =
-      RowWait{a.blocks, a.wait_flags, a.ready_shard, a.epoch, a.timeout_ns, a.fault};
+  args.mainloop.dB = typename Mainloop::StrideB{cute::Int<1>{}, a.ldb, 0};  // B is every batch's
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.ptr_D = static_cast<typename Gemm::ElementD*>(a.d);
-  args.epilogue.dD = typename Epilogue::StrideD{a.ldd, Int<1>{}, a.d_batch_stride};
-  constexpr int kTileCols = cute::size<1>(typename Gemm::MmaTileShape{});
-  const int64_t n_tiles = (a.n + kTileCols - 1) / kTileCols;
-  args.epilogue.extension = BlockRelease{a.blocks, a.release_flags, a.counters, a.epoch,
-                                         static_cast<int32_t>(n_tiles * a.batch)};
-  JO_CUDA_CHECK(&ctx, cudaGetDevice(&args.hw_info.device_id));
-  args.hw_info.sm_count = a.sm_count;
-  args.scheduler.order = a.order;
-
-  if (!Kernel::can_implement(args))
-    return Status(Code::kInvalidArgument,
-                  ctx.Describe() + ": CUTLASS cannot run the fused GEMM on this problem (" +
-                      std::to_string(a.m) + " x " + std::to_string(a.n) + " x " +
-                      std::to_string(a.k) + ", batch " + std::to_string(a.batch) + ")");
-  JO_ASSERT(Kernel::get_workspace_size(args) == 0);  // the stock parts need none here
-  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
-
-  if (a.release_flags != nullptr)
-    JO_CUDA_CHECK(&ctx,
-                  cudaMemsetAsync(a.counters, 0, Launch::CounterBytes(a.blocks.count()), stream));
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = cute::size<0>(typename Gemm::ClusterShape{});
-  cluster.val.clusterDim.y = cute::size<1>(typename Gemm::ClusterShape{});
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = Kernel::get_grid_shape(params);
-  config.blockDim = Kernel::get_block_shape();
-  config.dynamicSmemBytes = Kernel::SharedStorageSize;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  JO_CUDA_CHECK(&ctx, cudaLaunchKernelEx(&config, &cutlass::device_kernel<Kernel>, params));
-  return OkStatus();
+  return Enqueue<Gemm>(a, args, stream, ctx);
 }
 
 }  // namespace jo::cuda::fused_kernel::sm100
