@@ -130,8 +130,9 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
            "barrier", "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_1stage)"),
     Design("trt-one-shot", "matmul_ar:one_launch:one_shot:p2p",
            "one kernel: the input copied into the shared buffer, ONE barrier, every rank loads "
-           "the peers' buffers and sums", "sgl-project/sglang PR #2904 (TensorRT-LLM's "
-           "oneShotAllReduceKernel, cpp/tensorrt_llm/kernels/customAllReduceKernels.cu)"),
+           "the peers' buffers and sums",
+           "sgl-project/sglang sgl-kernel/src/sgl-kernel/csrc/trt_reduce_internal.cu "
+           "(oneShotAllReduceKernel, from TensorRT-LLM)"),
     Design("torch-symm-mem-multimem", "matmul_ar:one_launch:two_shot:multicast",
            "a copy in, one kernel: a barrier, multimem.ld_reduce and multimem.st of the own "
            "slice, a barrier; a copy out", "pytorch/pytorch CUDASymmetricMemoryOps.cu "

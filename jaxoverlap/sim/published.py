@@ -394,9 +394,10 @@ ONE_LAUNCH_KERNELS: dict[str, allreduce.Mechanism] = {
     # every rank loads the N inputs in place (registered graph buffers) and writes its output
     # (own input read, output written: 2 S), an end barrier.
     "vllm-one-stage": allreduce.Mechanism("one_shot", "p2p", 2, local_fixed=2.0),
-    # TensorRT-LLM's oneShotAllReduceKernel as sglang vendored it (sgl-kernel trt_reduce): the
-    # input copied into the shared buffer inside the kernel (2 S), ONE block barrier, the N
-    # buffers loaded and summed into the output (own read, output written: 2 S).
+    # TensorRT-LLM's oneShotAllReduceKernel as sglang vendored it (sgl-project/sglang
+    # sgl-kernel/src/sgl-kernel/csrc/trt_reduce_internal.cu): the input copied into the shared
+    # buffer inside the kernel (2 S), ONE block barrier, the N buffers loaded and summed into
+    # the output (own read, output written: 2 S).
     "trt-one-shot": allreduce.Mechanism("one_shot", "p2p", 1, local_fixed=4.0),
     # vLLM's SymmMemCommunicator.all_reduce (vllm/distributed/device_communicators/symm_mem.py):
     # a copy of the input into the symmetric buffer, PyTorch's in-place kernel, a copy out (two
