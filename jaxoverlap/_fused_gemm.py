@@ -16,9 +16,8 @@ FUSED_OPS = _kinds.names(_kinds.OPS, fused=True)
 # deadlock (docs/gpu-internals.md §5, rule 1).
 FUSED_TRANSPORTS = _kinds.names(_kinds.TRANSPORTS, fused=True)
 FUSED_DTYPES = _kinds.names(_kinds.DTYPES, fused=True)  # 16-bit: x, w and y alike
-# FP8: one instantiation per (x, w, y) triple (``_kinds.FUSED_FP8``), for the all-gather only
-# (a GEMM + reduce-scatter program with scales is not built).
-FUSED_FP8_OPS = _kinds.names(_kinds.OPS, fused=True, gathered=True)
+# FP8: one instantiation per (x, w, y) triple (``_kinds.FUSED_FP8``), for every fused op: the
+# all-gather's rows take their shard's scale, the GEMM + reduce-scatter's the rank's one.
 FUSED_ALIGN = 8  # elements: rows of whole 16-byte units (TMA loads and stores), 16-bit types
 
 
@@ -49,8 +48,6 @@ def fused_dtype_reason(op: str, x, w, y) -> str | None:
     if not _kinds.fused_serves(x, w, y):
         return (f"the fused GEMM is compiled for {_kinds.fused_listing()}, not x {x} with w "
                 f"{w} and y {y} (the chunked path runs them)")
-    if _kinds.dtype(x).fp8 and op not in FUSED_FP8_OPS:
-        return f"the fused FP8 GEMM serves {FUSED_FP8_OPS} only, not {op}"
     return None
 
 

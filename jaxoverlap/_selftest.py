@@ -55,7 +55,7 @@ import traceback
 from typing import Any
 
 from jaxoverlap import _kinds
-from jaxoverlap._fused_gemm import FUSED_DTYPES, FUSED_FP8_OPS, FUSED_OPS, FUSED_TRANSPORTS
+from jaxoverlap._fused_gemm import FUSED_DTYPES, FUSED_OPS, FUSED_TRANSPORTS
 
 SHAPES = (  # (batch dims before the sequence axis, rows per rank, K, Nw per rank)
     ((), 8, 64, 32),
@@ -634,8 +634,8 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
     cases += [(op, transport, "bfloat16", None, SHAPES[0], variant, True, FAKE_B200)
               for op, transport, variant in itertools.product(
                   [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS, variants)]
-    # ... and its FP8 instantiations (the all-gather; sm90 only), the variants alternating
-    cases += [(*c, None) for c in _fused_fp8_cases([o for o in FUSED_FP8_OPS if o in ops],
+    # ... and its FP8 instantiations (sm90 only), the variants alternating
+    cases += [(*c, None) for c in _fused_fp8_cases([o for o in FUSED_OPS if o in ops],
                                                    FUSED_TRANSPORTS, quick)]
     if graph:
         print(f"  ({len(cases)} rows skipped: their programs do not replay yet: "
@@ -700,7 +700,7 @@ def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | N
                       FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
     if fused_why is None and fp8_why is None:
         cases += _fused_fp8_cases(
-            FUSED_FP8_OPS, [t for t in transports if t in FUSED_TRANSPORTS], quick)
+            FUSED_OPS, [t for t in transports if t in FUSED_TRANSPORTS], quick)
     where = f"(loopback: {n} ranks on GPU {device}{', host-side fake' if fake else ''})"
     for op, transport, dtype, fp8, shape, (chunks, bidi), fused in cases:
         dims = (*shape[0], shape[1] * n + op.endswith("one_shot"), shape[2])

@@ -269,11 +269,11 @@ def test_fp8_picks_follow_the_model_among_what_the_executors_run(monkeypatch):
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     e4, e5, bf16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 
-    def plan(x_dtype, w_dtype, rows=4096, out_dtype="bfloat16", **request):
-        """AG+GEMM's plan for x [rows, 8192] per rank, w [8192, 3584], over 8 ranks."""
+    def plan(x_dtype, w_dtype, rows=4096, out_dtype="bfloat16", k=8192, n=3584, **request):
+        """AG+GEMM's plan for x [rows, k] per rank, w [k, n], over 8 ranks."""
         r = planning.Request.now("ag_matmul", "tp", out_dtype=out_dtype, **request)
-        return planning.make(r, jax.ShapeDtypeStruct((rows, 8192), x_dtype),
-                             jax.ShapeDtypeStruct((8192, 3584), w_dtype), 8)
+        return planning.make(r, jax.ShapeDtypeStruct((rows, k), x_dtype),
+                             jax.ShapeDtypeStruct((k, n), w_dtype), 8)
 
     shape = sim.Shape(1, 4096, 8192, 3584)          # M = 32768: FP8 leaves room to overlap
     best = sim.choose("ag_matmul", shape, "float8_e4m3fn", 8, "h100",
@@ -285,9 +285,9 @@ def test_fp8_picks_follow_the_model_among_what_the_executors_run(monkeypatch):
         p = plan(*dtypes)
         assert (p.impl, p.preferred, p.chunks, p.bidirectional) == (
             "native", best.transport, best.chunks, best.bidirectional), dtypes
-    std = plan(e4, e4, rows=1024)                   # AG std fp8: docs/performance.md's row
-    assert (std.impl, std.fused) == ("native", True)
-    assert not plan(e4, e4, rows=1024, out_dtype="float32").fused  # no e4m3 -> f32 kernel
+    flux = dict(rows=512, k=12288, n=6144)          # AG flux fp8: docs/performance.md's row
+    assert (plan(e4, e4, **flux).impl, plan(e4, e4, **flux).fused) == ("native", True)
+    assert not plan(e4, e4, out_dtype="float32", **flux).fused  # no e4m3 -> f32 kernel
     # On Hopper GPUs (injected): the CUDA executor's pairings only.
     monkeypatch.setattr(runtime, "cuda_error", lambda: None)
     monkeypatch.setattr(capabilities, "current_platform", lambda: "cuda")

@@ -92,12 +92,6 @@ Status BuildProgram(const Problem& q, Program* program) {
     JO_REQUIRE(FusedServes(q.x_dtype, q.w_dtype, q.out_dtype),
                op + ": the fused GEMM is compiled for " + FusedServedNames() + "; " +
                    DTypesName(q) + " takes the chunked path");
-    // FP8 serves the all-gather only: its GEMM + reduce-scatter would scale x's rows by one
-    // scale, a launch the kernel has (Fp8Scales::x_stride 0) but no program makes yet.
-    JO_REQUIRE(!IsFp8(q.x_dtype) || row->gathered,
-               op + ": the fused FP8 GEMM serves " +
-                   kinds::Names(kOps, [](const OpRow& o) { return o.fused && o.gathered; }) +
-                   " only; " + DTypesName(q) + " " + op + " takes the chunked path");
     const int64_t k_unit = 16 / DTypeSize(q.x_dtype), cols_unit = 16 / DTypeSize(q.out_dtype);
     JO_REQUIRE(
         q.k % k_unit == 0 && q.cols % cols_unit == 0,

@@ -100,6 +100,7 @@ Status BuildRsFused(Program* p, Emitter& e) {
     f.sequence.push_back(static_cast<int32_t>(part.block * C + part.sub));
   f.release_flags = release;
   f.spare_sms = overlaps ? kReductionSms : 0;
+  f.x_scale_stride = 0;  // fp8: x is this rank's own, one scale for every row (Emitter::Gemm's)
   e.FusedGemm(0, Ref{BufId::kX, r, 0, N * R * K, K}, partial(0, 0), P, std::move(f));
 
   // Streams 1 (and 2): each released partial of another owner goes on to it. p2p copies

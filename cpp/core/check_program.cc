@@ -217,10 +217,16 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.k, sizes));
         JO_CHECK(CheckRef(p, op, "b", op.b, 1, op.k, op.n, sizes));
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));
-        // fp8: a_scale is slot 0 of the shards' scale slots (shard s's: slot s).
+        // fp8: a_scale is slot 0 of the shards' scale slots (shard s's: slot s), or the one
+        // scale of every row (x_scale_stride 0).
         JO_CHECK(CheckScale(p, op, "a_scale", op.a_scaled, op.a_scale, q.x_dtype, sizes));
+        if (op.fused.x_scale_stride != 0 && op.fused.x_scale_stride != 1)
+          return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                          std::to_string(q.rank) + ": " + ToString(op) +
+                          ": x_scale_stride is 1 (a scale per shard) or 0 (one for every row)");
         if (op.a_scaled)
-          JO_CHECK(CheckRef(p, op, "a_scale", op.a_scale, 1, op.fused.rows.shards, 1, sizes));
+          JO_CHECK(CheckRef(p, op, "a_scale", op.a_scale, 1,
+                            op.fused.x_scale_stride == 0 ? 1 : op.fused.rows.shards, 1, sizes));
         JO_CHECK(CheckScale(p, op, "b_scale", op.b_scaled, op.b_scale, q.w_dtype, sizes));
         JO_CHECK(CheckFused(p, op));
         break;

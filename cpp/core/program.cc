@@ -170,6 +170,10 @@ std::string ToString(const Op& op) {
         out << ", waits for flag " << f.wait_flags << "+b (ready shard " << f.ready_shard << ")";
       if (f.release_flags >= 0) out << ", releases flag " << f.release_flags << "+b";
       if (f.spare_sms > 0) out << ", leaves " << f.spare_sms << " SMs";
+      if (op.a_scaled)
+        out << ", a_scale=" << ToString(op.a_scale)
+            << (f.x_scale_stride == 0 ? " (every row)" : "+shard");
+      if (op.b_scaled) out << ", b_scale=" << ToString(op.b_scale);
       out << ", order";
       for (int32_t b : f.sequence) out << " " << b;
       break;

@@ -115,6 +115,10 @@ struct FusedBlocks {
   // Only a kernel that waits for nothing may leave SMs to others without a
   // deadlock risk, and it needs none for correctness: docs/gpu-internals.md §5.
   int32_t spare_sms = 0;
+  // fp8: block b's rows take x's scale slot a_scale.offset + rows.Shard(b) * x_scale_stride:
+  // 1 when each shard has its own scale (all-gather: the gathered shards), 0 when every row
+  // has the rank's one scale (GEMM + reduce-scatter: x is the rank's own activation).
+  int32_t x_scale_stride = 1;
 
   bool Waits(int32_t block) const { return wait_flags >= 0 && rows.Shard(block) != ready_shard; }
 };
@@ -134,7 +138,8 @@ struct Op {
   // single elements (a's: its shard's, for an all-gather); an operand that is
   // not fp8 has no scale (a_scaled / b_scaled false: 1). FusedGemm of fp8
   // operands: a_scale is slot 0 of one scale slot per shard of its rows (shard
-  // s's rows take slot a_scale.offset + s).
+  // s's rows take slot a_scale.offset + s), or, with FusedBlocks::x_scale_stride
+  // 0, the one scale of all its rows.
   Ref a_scale, b_scale;
   bool a_scaled = false, b_scaled = false;
   FusedBlocks fused;  // FusedGemm only

@@ -435,9 +435,9 @@ class Enqueuer {
       JO_ASSERT(op.b.buf == BufId::kW && op.b.offset == 0 && op.b.ld == q.cols);
       f.ldb = q.k;
     }
-    if (op.a_scaled) {  // the shards' scale slots: shard s's at slot s
+    if (op.a_scaled) {  // the shards' scale slots (shard s's at slot s), or one for all rows
       f.scales.x = reinterpret_cast<const float*>(Resolve(op.a_scale));
-      f.scales.x_stride = 1;
+      f.scales.x_stride = blocks.x_scale_stride;
     }
     if (op.b_scaled) f.scales.w = reinterpret_cast<const float*>(Resolve(op.b_scale));
     JO_ASSERT(op.a_scaled == op.b_scaled && op.a_scaled == IsFp8(q.x_dtype));

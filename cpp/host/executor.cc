@@ -382,8 +382,8 @@ class Run {
       rows.m = f.rows.End(b) - f.rows.Begin(b);
       rows.a.offset = op.a.offset + f.rows.Begin(b) * op.a.ld;
       rows.d.offset = op.d.offset + f.rows.Begin(b) * op.d.ld;
-      // fp8: the block's rows take their shard's scale slot (check_program.cc).
-      if (op.a_scaled) rows.a_scale.offset = op.a_scale.offset + f.rows.Shard(b);
+      // fp8: the block's rows take their shard's scale slot, or all the one (check_program.cc).
+      if (op.a_scaled) rows.a_scale.offset = op.a_scale.offset + f.rows.Shard(b) * f.x_scale_stride;
       JO_CHECK(Gemm(rows));
       if (f.release_flags >= 0)
         JO_CHECK(clique_.Signal(ctx_, p_.problem.rank, f.release_flags + b));

@@ -141,7 +141,8 @@ nb::dict RefDict(const jo::Ref& ref) {
 
 // A FusedGemm's row blocks (core/program.h FusedBlocks): shards x chunks
 // blocks of the rows, their order, waits (flag wait_flags + b, -1: none) and
-// releases (flag release_flags + b, -1: none).
+// releases (flag release_flags + b, -1: none), fp8 x's scale slot per shard
+// (x_scale_stride 1) or one for all rows (0).
 nb::dict FusedDict(const jo::FusedBlocks& f) {
   nb::dict d;
   d["shards"] = f.rows.shards;
@@ -154,6 +155,7 @@ nb::dict FusedDict(const jo::FusedBlocks& f) {
   d["writers"] = f.writers;
   d["release_flags"] = f.release_flags;
   d["spare_sms"] = f.spare_sms;
+  d["x_scale_stride"] = f.x_scale_stride;
   return d;
 }
 
@@ -174,6 +176,7 @@ jo::FusedBlocks FusedFromDict(nb::handle d) {
   f.release_flags = nb::cast<int32_t>(d["release_flags"]);
   const nb::dict fd = nb::cast<nb::dict>(d);
   f.spare_sms = fd.contains("spare_sms") ? nb::cast<int32_t>(fd["spare_sms"]) : 0;
+  f.x_scale_stride = fd.contains("x_scale_stride") ? nb::cast<int32_t>(fd["x_scale_stride"]) : 1;
   return f;
 }
 

@@ -267,7 +267,10 @@ class _Engine:
         elif kind == "AllReduce":  # one kernel on every rank: its flag rounds join them
             self.all_reduce(key, op, done)
         elif kind == "Copy":
-            dst = op["d"]["rank"] if op["d"]["buf"] == "WORKSPACE" else r
+            # the symmetric workspace, elements or scale slots, is the peers' memory too: a
+            # copy into another rank's is a peer copy (an fp8 shard's scale is one, 4 bytes)
+            peer_memory = op["d"]["buf"] in ("WORKSPACE", "WORKSPACE_SCALES")
+            dst = op["d"]["rank"] if peer_memory else r
             if dst == r:  # local copy: HBM traffic on the copy engine
                 self.at(self.now + model.elementwise_time(p, op["bytes"], 2), done)
             else:

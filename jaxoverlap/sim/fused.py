@@ -37,7 +37,6 @@ from jaxoverlap import _kinds
 from jaxoverlap._fused_gemm import (
     FUSED_ALIGN,
     FUSED_DTYPES,
-    FUSED_FP8_OPS,
     FUSED_OPS,
     FUSED_TRANSPORTS,
     fused_align,
@@ -56,7 +55,7 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
     ``dtype``, ``k`` and ``n`` (the per-rank K and output columns) are checked when given.
     An fp8 ``dtype`` is priced as the model's FP8 programs run it (x and w of it, y bfloat16:
     ``sim.plan.programs``), so it is offered where that triple is an instantiation
-    (``_kinds.FUSED_FP8``: e4m3) in an all-gather; the planning rule (``_plan.fused_reason``)
+    (``_kinds.FUSED_FP8``: e4m3); the planning rule (``_plan.fused_reason``)
     checks the call's own w and y before it asks.
     """
     if op not in OPS or algorithm != "two_shot":
@@ -75,8 +74,6 @@ def why_not(p: Preset, op: str, transport: str | None, algorithm: str = "two_sho
         name = canonical_dtype(dtype)
         if _kinds.FusedFp8(name, name, output_dtype(name)) not in _kinds.FUSED_FP8:
             return f"dtype {dtype}: the fused GEMM is compiled for {_kinds.fused_listing()}"
-        if op not in FUSED_FP8_OPS:
-            return f"dtype {dtype}: the fused FP8 GEMM serves {FUSED_FP8_OPS} only, not {op!r}"
         k_unit, n_unit = fused_align(name), fused_align(output_dtype(name))
     if dtype is not None and canonical_dtype(dtype) not in kernel.dtypes:
         return (f"dtype {dtype}: the fused GEMM is compiled for {kernel.dtypes} (its "

@@ -1,4 +1,5 @@
-"""The fused FP8 all-gather + GEMM on the CUDA executor and the fake's tile-level FP8 kernel.
+"""The fused FP8 all-gather + GEMM and GEMM + reduce-scatter on the CUDA executor and the
+fake's tile-level FP8 kernel.
 
 The fake runs ``fused_gemm_fp8.cuh`` as ``cpp/cuda/fake/fake_fused_gemm.cc`` describes it:
 128 x 128 tiles, w read K-major, Hopper's FP8 accumulator (``fp8_accumulator.h``) promoted into
@@ -66,6 +67,25 @@ def _case(fake, transport, dtypes, n, rows, k, nw, chunks, bidi, seed, calls=1):
     return out, expected
 
 
+def _rs_case(fake, transport, dtypes, n, rows, k, nw, chunks, seed):
+    """One fused FP8 GEMM + reduce-scatter on fresh small-integer inputs: (outcome, expected
+    ys). Each partial (|sum| <= 4k <= 256 times a power of two) is exact in bf16, their float32
+    sum too, so y is the float64 sum rounded once."""
+    x_dtype, w_dtype, y_dtype = dtypes
+    rng = np.random.default_rng(seed)
+    xs = [rng.integers(-2, 3, (1, n * rows, k)).astype(np.float32).astype(NP[x_dtype])
+          for _ in range(n)]
+    ws = [rng.integers(-2, 3, (k, nw)).astype(np.float32).astype(NP[w_dtype]) for _ in range(n)]
+    sx, sw = _scales(n)
+    p = problem("matmul_rs", transport, n, batch=1, rows=rows, k=k, nw=nw, dtype=x_dtype,
+                w_dtype=w_dtype, out_dtype=y_dtype, chunks=chunks, bidirectional=False,
+                fused=True)
+    out = play(fake, p, xs, [np.ascontiguousarray(w.T) for w in ws], x_scales=sx, w_scales=sw)
+    total = sum((x.astype(np.float64) * a) @ (w.astype(np.float64) * b)
+                for x, w, a, b in zip(xs, ws, sx, sw, strict=True))
+    return out, [total[:, r * rows:(r + 1) * rows].astype(NP[y_dtype]) for r in range(n)]
+
+
 def _mismatch(out, expected, y_dtype) -> str:
     """"" when every rank's y is bit for bit the expected one, else what differs."""
     for r, (y, want) in enumerate(zip(out["ys"], expected, strict=True)):
@@ -94,6 +114,27 @@ def test_the_fused_fp8_all_gather_is_exact_on_the_fake(fake, transport):
             assert fake.counters().get("cudaLaunchKernelEx") == 2 * n  # fused: one per call
         except AssertionError as e:
             e.add_note(f"in the case {(n, rows, k, nw, chunks, bidi, connections, dtypes)}")
+            raise
+
+
+@pytest.mark.parametrize("transport", ["p2p", "multicast"])
+def test_the_fused_fp8_gemm_reduce_scatter_is_exact_on_the_fake(fake, transport):
+    """The overlapped FP8 GEMM + reduce-scatter: one release-only FP8 kernel per rank whose
+    rows all take the rank's one x scale (a distinct power of two per rank), its bf16 partials
+    reduced beside it (p2p: copies and a Reduce; multicast: McReduce) as each block is
+    released; every grid case (blocks straddling 128-row tiles, two N tiles), each
+    instantiation, on a full and a 6-SM device: bit for bit."""
+    for i, (n, rows, k, nw, chunks, _) in enumerate(GRID):
+        dtypes = FUSED_FP8[i % len(FUSED_FP8)]
+        fake.reset(fake.Config(connections=(1, 8)[i % 2], sms=(132, 6)[i % 2], seed=i + 1))
+        out, expected = _rs_case(fake, transport, dtypes, n, rows, k, nw, chunks, seed=i)
+        try:
+            assert out["statuses"] == [None] * n, out["statuses"]
+            assert out["drained"] and fake.errors() == [], fake.errors()
+            assert _mismatch(out, expected, dtypes[2]) == ""
+            assert fake.counters().get("cudaLaunchKernelEx") == n  # fused: one per rank
+        except AssertionError as e:
+            e.add_note(f"in the case {(n, rows, k, nw, chunks, dtypes)}")
             raise
 
 
@@ -142,11 +183,10 @@ def test_a_tile_with_the_wrong_shards_scale_is_caught(fake):
 
 def test_fp8_fused_calls_the_kernel_is_not_built_for_are_refused(fake):
     """x e4m3 with w e5m2, or a float32 y: no instantiation (``_kinds.FUSED_FP8``); the call
-    fails when its program is built, naming what is compiled and the way out. The fused FP8
-    GEMM + reduce-scatter is not built either."""
+    fails when its program is built, naming what is compiled and the way out, in either op."""
     for dtypes, op in [(("float8_e4m3fn", "float8_e5m2", "bfloat16"), "ag_matmul"),
                        (("float8_e4m3fn", "float8_e4m3fn", "float32"), "ag_matmul"),
-                       (("float8_e4m3fn", "float8_e4m3fn", "bfloat16"), "matmul_rs")]:
+                       (("float8_e4m3fn", "float8_e5m2", "bfloat16"), "matmul_rs")]:
         p = problem(op, "p2p", 2, batch=1, rows=8, k=32, nw=16, dtype=dtypes[0],
                     w_dtype=dtypes[1], out_dtype=dtypes[2], chunks=1, bidirectional=False,
                     fused=True)

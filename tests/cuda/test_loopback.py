@@ -90,10 +90,10 @@ def test_selftest_loopback_on_the_fake(fake, tmp_path):
     rows = report["rows"]
     assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
     assert all(" p2p " in r["name"] and "loopback: 4 ranks on GPU 0" in r["name"] for r in rows)
-    # the fused GEMM's 2 ops and its FP8 all-gather (e4m3 x e4m3 -> bfloat16), on p2p
-    assert sum(" fused" in r["name"] for r in rows) == 3
-    assert sum(" fused" in r["name"] and "e4m3 x e4m3" in r["name"] for r in rows) == 1
-    assert sum("e4m3 x e4m3" in r["name"] for r in rows) == 4  # 3 ops chunked, AG fused
+    # the fused GEMM's 2 ops in bfloat16 and in FP8 (e4m3 x e4m3 -> bfloat16), on p2p
+    assert sum(" fused" in r["name"] for r in rows) == 4
+    assert sum(" fused" in r["name"] and "e4m3 x e4m3" in r["name"] for r in rows) == 2
+    assert sum("e4m3 x e4m3" in r["name"] for r in rows) == 5  # 3 ops chunked, 2 fused
     assert set(report["loopback"]["not_covered"]) == {"nccl", "multicast", "between GPUs"}
     with pytest.raises(ValueError, match="at least 2 ranks"):
         _selftest.main(fake=True, loopback=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jaxoverlap import _kinds, _selftest
@@ -47,9 +49,11 @@ def test_selftest_on_the_fake_honours_the_work_queue_setting(capsys, monkeypatch
     for op in _selftest.OPS:
         for transport in _kinds.names(_kinds.TRANSPORTS):
             assert f"PASS  {op:9s} {transport:9s}" in out
-    # the fused GEMM's 2 ops x 2 transports, and its FP8 all-gather (e4m3 x e4m3) x 2 transports
-    assert out.count(" fused (CUDA executor on the host-side fake)") == 6
-    assert out.count("e4m3 x e4m3 -> bfloat16 2x16x48 chunks=2 fused (CUDA executor") == 2
+    # the fused GEMM's 2 ops x 2 transports, in bfloat16 and in FP8 (e4m3 x e4m3)
+    assert out.count(" fused (CUDA executor on the host-side fake)") == 8
+    for op in _selftest.FUSED_OPS:
+        assert len(re.findall(rf"PASS  {op} +\w+ +e4m3 x e4m3 -> bfloat16 2x16x48 chunks=\d"
+                              r"( bidi)? fused \(CUDA executor", out)) == 2, op
     # the sm100 kernel's rows (bfloat16) on a B200-like fake device
     assert out.count(" fused (CUDA executor on the host-side fake on a fake B200 (sm_100a))") == 4
     fake.reset()
@@ -77,12 +81,12 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
     # quick: 4 ops (ag_matmul, matmul_rs, matmul_ar two-shot and one-shot) x 3 transports,
     # the FP8 rows: 3 ops x 3 transports of e4m3 x e4m3 -> bfloat16, the fused GEMM's
     # 2 ops x 2 transports (p2p, multicast) on a 9.0 and on a 10.0 (sm100 kernel) fake device,
-    # its FP8 all-gather x 2 transports (9.0), and matmul_ar's 2 kernel algorithms x 2
+    # its 2 FP8 ops x 2 transports (9.0), and matmul_ar's 2 kernel algorithms x 2
     # transports (p2p, multicast), captured and replayed
-    assert len(report["rows"]) == 35 and all(r["passed"] for r in report["rows"])
+    assert len(report["rows"]) == 37 and all(r["passed"] for r in report["rows"])
     assert sum("captured, 3 replays" in r["name"] for r in report["rows"]) == 4
-    assert sum("e4m3 x e4m3 -> bfloat16" in r["name"] for r in report["rows"]) == 11
-    assert sum(" fused " in r["name"] for r in report["rows"]) == 10
+    assert sum("e4m3 x e4m3 -> bfloat16" in r["name"] for r in report["rows"]) == 13
+    assert sum(" fused " in r["name"] for r in report["rows"]) == 12
     assert sum("fake B200 (sm_100a)" in r["name"] for r in report["rows"]) == 4
     assert all(r["seconds"] >= 0 and "of the bound" in r["detail"] for r in report["rows"])
     assert report["first_error"] is None

@@ -618,11 +618,13 @@ def test_fp8_every_op_with_per_rank_scales(transport):
 
 
 @pytest.mark.parametrize("transport", ["p2p", "multicast"])
-def test_fp8_fused_all_gather_with_per_shard_scales(transport):
+def test_fp8_fused_with_per_shard_and_per_rank_scales(transport):
     """The fused FP8 all-gather (one FusedGemm reading every shard's scale slot; the own scale
-    copied into its slot on p2p) on the host executor, each FP8 instantiation, per-rank scales,
-    N 2..8, chunks, both directions: within one rounding of y of the float64 product of the
-    dequantized operands, as the chunked program (a wrong shard's scale misses it: below)."""
+    copied into its slot on p2p) and GEMM + reduce-scatter (every row of a rank's x takes its
+    one scale; the partials in y's dtype, summed in float32) on the host executor, each FP8
+    instantiation, per-rank scales, N 2..8, chunks, both directions: within one rounding of y
+    (the reduction's too) of the float64 product of the dequantized operands, as the chunked
+    program (a wrong shard's scale misses it: below)."""
     from jaxoverlap import _kinds
 
     cases = [(2, 1, False), (4, 2, True), (8, 1, True)]
@@ -656,6 +658,28 @@ def test_fp8_fused_all_gather_with_per_shard_scales(transport):
                 w_deq = dequantized(w64[:, r * 16:(r + 1) * 16], sw_np[r])
                 within_bound("ag_matmul", got[..., r * 16:(r + 1) * 16], x_deq @ w_deq, out, n,
                              k, x_deq, w_deq)
+
+            # GEMM + reduce-scatter: sum_r (x_r * sx_r) @ (w_r * sw_r), x_r and w_r the rank's
+            # slices of the contraction
+            x = rand(i + 2, (1, n * rows, k * n), x_dtype, scale=3)
+            w = rand(i + 3, (k * n, 16), w_dtype, scale=3)
+            x64, w64 = f64(x), f64(w)
+            x_deq = np.concatenate([dequantized(x64[..., r * k:(r + 1) * k], sx_np[r])
+                                    for r in range(n)], axis=-1)
+            w_deq = np.concatenate([dequantized(w64[r * k:(r + 1) * k], sw_np[r])
+                                    for r in range(n)])
+
+            def rs_body(x, w, sx, sw, fields=fields):
+                return native_shard.matmul_rs(x, w, axis=1, x_scale=sx[0], w_scale=sw[0],
+                                              **fields)
+
+            rs = jax.jit(jax.shard_map(
+                rs_body, mesh=mesh, in_specs=(P(None, None, "tp"), P("tp"), P("tp"), P("tp")),
+                out_specs=P(None, "tp")))
+            y = rs(x, w, sx, sw)
+            assert y.dtype == jnp.dtype(out)
+            within_bound("matmul_rs", np.asarray(y.astype(jnp.float32), np.float64),
+                         x_deq @ w_deq, out, n, k, x_deq, w_deq)
 
 
 def test_fp8_a_wrong_shard_scale_would_be_caught():

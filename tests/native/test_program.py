@@ -755,6 +755,28 @@ def test_fused_refusals_name_the_reason():
         host.build_program("matmul_rs", "p2p", 4, 0, 1, 4, 8, 12, "bfloat16", fused=True)
 
 
+def test_the_fused_fp8_reduce_scatter_scales_every_row_by_the_ranks_one_scale():
+    """The fused FP8 GEMM + reduce-scatter: x is the rank's own, so its FusedGemm reads one
+    scale (x_scale_stride 0: XSCALE's one slot) for every row block, the all-gather's reads
+    the shards' slots (1); a per-shard read of the one scale reaches past XSCALE, and a stride
+    outside {0, 1} is refused."""
+    kw = (4, 1, 1, 8, 32, 16, "float8_e4m3fn", 2, False, False)
+    rs = host.build_program("matmul_rs", "p2p", *kw, w_dtype="float8_e4m3fn",
+                            out_dtype="bfloat16", fused=True)
+    ag = host.build_program("ag_matmul", "p2p", *kw, w_dtype="float8_e4m3fn",
+                            out_dtype="bfloat16", fused=True)
+    (fused,) = (o for o in rs["ops"] if o["kind"] == "FusedGemm")
+    assert fused["fused"]["x_scale_stride"] == 0 and fused["a_scale"]["buf"] == "XSCALE"
+    assert [o["fused"]["x_scale_stride"] for o in ag["ops"] if o["kind"] == "FusedGemm"] == [1]
+    for stride, match in [(1, "operand a_scale .* reaches element 4 of a XSCALE buffer of 1"),
+                          (2, "x_scale_stride is 1 .* or 0")]:
+        broken = copy.deepcopy(rs)
+        next(o for o in broken["ops"] if o["kind"] == "FusedGemm")["fused"][
+            "x_scale_stride"] = stride
+        with pytest.raises(ValueError, match=match):
+            host.check_program(broken)
+
+
 def test_the_fused_checks_refuse_broken_kernels():
     """check_program refuses a FusedGemm that both waits and releases, whose order is not
     every block once, or whose writers do not match its waits; the race checker sees a kernel

@@ -70,17 +70,22 @@ def test_ag_moves_one_byte_per_element_the_reductions_their_bfloat16_output():
     assert {o["kind"] for pr in ranks for o in pr["ops"] if o.get("a_scale")} == {"Gemm"}
 
 @pytest.mark.slow
-def test_fp8_projections_are_marked_and_fused_only_in_the_all_gather():
-    """The fused FP8 GEMM exists for the all-gather only (``_kinds.FUSED_FP8``): its plans are
-    priced there, on the FP8 class's fitted rate and fused tile; GEMM + RS has none."""
+def test_fp8_projections_are_marked_and_fused_in_both_ops():
+    """The fused FP8 GEMM serves AG+GEMM and GEMM+RS (``_kinds.FUSED_FP8``): its plans are
+    priced in both, on the FP8 class's fitted rate and fused tile; GEMM+RS's fused program
+    moves and reduces the bfloat16 partials, as in bfloat16, next to a GEMM of half the time."""
     choice = sim.choose("ag_matmul", AG, "float8_e4m3fn", 8, H100)
     fused = [r for r in choice.table if r.candidate.fused]
     assert fused and {r.candidate.transport for r in fused} == {"p2p", "multicast"}
     rs = sim.choose("matmul_rs", RS, "float8_e4m3fn", 8, H100)
-    assert not any(r.candidate.fused for r in rs.table)
-    with pytest.raises(ValueError, match="the fused FP8 GEMM serves"):
-        sim.simulate("matmul_rs", RS, "fp8", 8, H100, sim.Candidate("native", "p2p", 1, False,
-                                                                    fused=True))
+    rs_bf16 = sim.choose("matmul_rs", RS, "bfloat16", 8, H100)
+    for transport, chunks in (("p2p", 1), ("multicast", 2)):
+        c = sim.Candidate("native", transport, chunks, False, fused=True)
+        f8, bf16 = (sim.simulate("matmul_rs", RS, d, 8, H100, c) for d in ("fp8", "bfloat16"))
+        # the same partials' bytes on the wire; the kernel at the FP8 rate
+        assert f8.t_wire == bf16.t_wire and f8.t_compute < 0.6 * bf16.t_compute
+        assert any(r.candidate == c for r in rs.table) and any(
+            r.candidate == c for r in rs_bf16.table)
     assert any("fp8 GEMM alone measured" in why and "fp8 call extrapolated" in why
                for why in choice.outside)
     pcie = sim.outside_calibrated(sim.get_preset("pcie8"), "ag_matmul", AG, "fp8", 8)

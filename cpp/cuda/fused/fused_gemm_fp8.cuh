@@ -42,7 +42,9 @@
 // mbarrier.try_wait (acquire.cta by default) carry that order to the
 // consumer threads, so the scale load, issued after that wait, is after the
 // scale's write in causality order. The ready shard's scale (not waited for)
-// is written before the kernel starts, in stream order. The load is a strong
+// is written before the kernel starts, in stream order, and so is the one
+// scale of a GEMM + reduce-scatter's rows (x_stride 0: x is the rank's own, its
+// scale an input of the call). The load is a strong
 // relaxed load at GPU scope (ld.relaxed.gpu: LDG.E.STRONG.GPU, not cached in
 // L1), so no stale line of an earlier tile can answer it.
 #pragma once
