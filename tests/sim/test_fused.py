@@ -52,16 +52,17 @@ def test_offered_on_hopper_with_p2p_and_multicast_only(name):
 
 
 @pytest.mark.parametrize("name", ["b200", "gb200-nvl72"])
-def test_offered_on_b200_for_bf16_only(name):
-    """Compute capability 10.0 runs the sm_100a build, bfloat16 only."""
+def test_offered_on_b200_for_16_bit_types_only(name):
+    """Compute capability 10.0 runs the sm_100a build, 16-bit only (no FP8 instantiation)."""
     p = sim.get_preset(name)
     assert p.compute_capability == (10, 0) and p.fused_gemm and p.fused_kernel.mma_pair == 2
     for op, shape in (("ag_matmul", AG_STD), ("matmul_rs", RS_STD)):
-        cands = fused_cands(p, shape, op, dtype="bf16")
-        assert {c.transport for c in cands} == {"p2p", "multicast"}, (name, op)
-        assert not fused_cands(p, shape, op, dtype="f16")
-    assert "sm_100a" in fused.why_not(p, "ag_matmul", "p2p", dtype="float16")
-    assert fused.why_not(p, "ag_matmul", "p2p", dtype="bfloat16") == ""
+        for dtype in ("bf16", "f16"):
+            cands = fused_cands(p, shape, op, dtype=dtype)
+            assert {c.transport for c in cands} == {"p2p", "multicast"}, (name, op, dtype)
+    assert not fused_cands(p, AG_STD, "ag_matmul", dtype="float8_e4m3fn")
+    assert "sm_100a" in fused.why_not(p, "ag_matmul", "p2p", dtype="float8_e4m3fn")
+    assert fused.why_not(p, "ag_matmul", "p2p", dtype="float16") == ""
 
 
 def test_the_sm100_kernel_rate_is_the_published_persistent_2sm_gemm_over_cublas():

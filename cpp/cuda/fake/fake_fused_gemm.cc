@@ -5,7 +5,7 @@
 // it, from the same tile mapping (core/fused_tiles.h):
 //  * it is sm_90a code: cudaFuncGetAttributes finds no image for any other
 //    device (the kernel family "fused", fake_kernels.cc); the sm100 kernel is
-//    sm_100a code (family "fused_sm100"), bf16 only;
+//    sm_100a code (family "fused_sm100"), bf16 and f16;
 //  * the sm100 kernel computes each 256-row MMA tile with the two CTAs of a
 //    cluster (2-SM MMA, fused_gemm_kernel_sm100.cuh): its order is over MMA
 //    tiles and CTA slot s holds CTA tile CtaTileAt(order, s, 2); each CTA waits
@@ -342,7 +342,7 @@ bool Span(const void* p, size_t bytes, const std::string& what) {
 cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaStream_t stream) {
   Count("cudaLaunchKernelEx");
   const void* function =
-      pair == 1 ? FusedFunction(types.a, types.b, types.d) : FusedFunctionSm100();
+      pair == 1 ? FusedFunction(types.a, types.b, types.d) : FusedFunctionSm100(types.a);
   const bool fp8 = IsFp8(types.a);
   const std::string name = FunctionName(function);
   const int device = StreamDevice(stream);
@@ -496,21 +496,33 @@ JO_FAKE_FUSED_INSTANCE(E4M3_BF16, kF8E4M3, kF8E4M3, kBF16)
 JO_FAKE_FUSED_INSTANCE(E5M2E4M3_BF16, kF8E5M2, kF8E4M3, kBF16)
 #undef JO_FAKE_FUSED_INSTANCE
 
-const void* FunctionSm100BF16() { return fake::FusedFunctionSm100(); }
-int SharedBytesSm100BF16() { return fake::kSharedBytes; }
+namespace {
 
 // As the real launch (fused_gemm_kernel_sm100.cuh LaunchAs), it refuses an order not made over
 // its 256-row MMA tiles before enqueueing anything.
-Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+Status LaunchSm100(DType dtype, const Launch& launch, cudaStream_t stream,
+                   const ErrorContext& ctx) {
   const int64_t mma_rows = kSm100MmaPair * fused::kTileRows;
   if (launch.order.tiles != (launch.m + mma_rows - 1) / mma_rows)
     return Status(Code::kInternal, ctx.Describe() + ": the sm_100a fused GEMM's tile order has " +
                                        std::to_string(launch.order.tiles) + " tiles, not one per " +
                                        std::to_string(mma_rows) + "-row MMA tile of " +
                                        std::to_string(launch.m) + " rows (CheckFusedGemm)");
-  JO_CUDA_CHECK(&ctx, fake::LaunchFused({DType::kBF16, DType::kBF16, DType::kBF16}, kSm100MmaPair,
-                                        launch, stream));
+  JO_CUDA_CHECK(&ctx, fake::LaunchFused({dtype, dtype, dtype}, kSm100MmaPair, launch, stream));
   return OkStatus();
+}
+
+}  // namespace
+
+const void* FunctionSm100BF16() { return fake::FusedFunctionSm100(DType::kBF16); }
+int SharedBytesSm100BF16() { return fake::kSharedBytes; }
+Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+  return LaunchSm100(DType::kBF16, launch, stream, ctx);
+}
+const void* FunctionSm100F16() { return fake::FusedFunctionSm100(DType::kF16); }
+int SharedBytesSm100F16() { return fake::kSharedBytes; }
+Status LaunchSm100F16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+  return LaunchSm100(DType::kF16, launch, stream, ctx);
 }
 
 }  // namespace jo::cuda::fused_kernel
