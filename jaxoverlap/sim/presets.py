@@ -99,8 +99,9 @@ FUSED_PATH_FIT = dict(ce_latency_us=16.5, ce_ramp_us=6.61, signal_latency_us=6.6
 # small messages on 8xH100, less the fused path's flag round.
 ONE_SHOT_FIT = dict(mc_latency_us=2.15)
 # A one-launch all-reduce kernel's start and one flag round across the clique (sim.allreduce,
-# fitted by sim.published.fit_one_launch to the lean published one-shot kernels on H100).
-ONE_LAUNCH_FIT = dict(ar_start_us=2.14, ar_flag_us=1.26)
+# fitted by sim.published.fit_one_launch to the lean published one-shot kernels on H100, each
+# priced by its own mechanism: vLLM's two-barrier one-stage kernel, sglang's one-barrier one).
+ONE_LAUNCH_FIT = dict(ar_start_us=2.51, ar_flag_us=1.88)
 # FP8 GEMMs on the H100 die (sim.published_gemms.fit_fp8): their own efficiency and K curve.
 H100_FP8_FIT = dict(efficiency=0.7457, best_shape=(4096, 7168, 16384), k_half=432.6,
                     tiles=FP8_TILES, fused_tile=(128, 128))
@@ -127,22 +128,26 @@ SM100_FUSED_GEMM_RATE = SM100_PERSISTENT_UTILIZATION / SM100_CUBLAS_UTILIZATION
 # model's worst serial error (8%), and its worst optimism on the published designs closest to
 # each family on that machine. On the h100: GEMM+RS chunked rings against PyTorch's decomposed
 # async-TP (kraken PR #19: 38%), release-only fused GEMM+RS against Flux's and Triton-
-# distributed's losses (34.2%), one-launch one-shot all-reduces against the lean published ones
-# (22.3%); families with no comparison, and each op's key, the largest derived (68.2%: the
-# published one-launch two-shot kernels run up to 3x what the lean mechanism prices).
+# distributed's losses (34.2%); the one-launch all-reduces against the published kernels of
+# their mechanism, each priced by its own: one-shot over p2p against vLLM's one-stage and
+# sglang's one-shot (25.0%), two-shot over multicast against PyTorch's multimem_all_reduce_
+# (15.9%); families with no comparison, and each op's key, the largest derived (66.1%: vLLM's
+# two-stage kernel on 8 GPUs runs 2.95x what its mechanism prices, the two-shot p2p family's).
 _H100_MARGINS = {"ag_matmul:chunked": 0.08, "ag_matmul:fused": 0.08, "matmul_rs:chunked": 0.38,
-                 "matmul_rs:fused": 0.342, "matmul_ar:one_launch:one_shot": 0.223}
-_H100_LARGEST = 0.682
+                 "matmul_rs:fused": 0.342, "matmul_ar:one_launch:one_shot:p2p": 0.25,
+                 "matmul_ar:one_launch:two_shot:multicast": 0.159}
+_H100_LARGEST = 0.661
 _FAMILY_KEYS = ("ag_matmul:chunked", "ag_matmul:fused", "matmul_rs:chunked", "matmul_rs:fused",
                 "matmul_rs:overlapped", "matmul_ar:chunked", "matmul_ar:one_shot",
-                "matmul_ar:one_launch:one_shot", "matmul_ar:one_launch:two_shot",
+                "matmul_ar:one_launch:one_shot:p2p", "matmul_ar:one_launch:one_shot:multicast",
+                "matmul_ar:one_launch:two_shot:p2p", "matmul_ar:one_launch:two_shot:multicast",
                 "ag_matmul", "matmul_rs", "matmul_ar")
 MARGINS = {
     "h100": {k: _H100_MARGINS.get(k, _H100_LARGEST) for k in _FAMILY_KEYS},
     "other": dict.fromkeys(_FAMILY_KEYS, 0.08),
 }
-# GB200: the h100's, but one-launch one-shot against the one published on GB200 (tokenspeed).
-MARGINS["gb200-nvl72"] = {**MARGINS["h100"], "matmul_ar:one_launch:one_shot": 0.558}
+# GB200: the h100's, but the multicast one-shot against the one published on GB200 (tokenspeed).
+MARGINS["gb200-nvl72"] = {**MARGINS["h100"], "matmul_ar:one_launch:one_shot:multicast": 0.583}
 
 
 @dataclass(frozen=True)
@@ -474,9 +479,10 @@ _SHARED_SOURCES = {
     "graph_node_us": "ahrefs/ocannl#488: a replayed CUDA graph costs ~0.58 us per kernel node "
                      "(RTX 5070 Ti, CUDA 13; no datacenter-GPU number published: an assumption)",
     "ar_start_us": "fitted (sim.published.fit_one_launch) with ar_flag_us to the lean one-launch "
-                   "one-shot all-reduces on H100: vLLM's ca_1stage in CUDA graphs (vllm-project/"
-                   "vllm PR #24111, tp 6/8, 0.5-1 MiB) and sglang's one-launch kernel (sgl-project/"
-                   "sglang PR #2904, tp 2/4/8, 2-128 KiB)",
+                   "one-shot all-reduces on H100, each priced by its own mechanism: vLLM's "
+                   "two-barrier ca_1stage in CUDA graphs (vllm-project/vllm PR #24111, tp 4/6/8, "
+                   "0.5-1 MiB) and sglang's one-barrier kernel (sgl-project/sglang PR #2904, "
+                   "tp 2/4/8, 2-128 KiB)",
     "ar_flag_us": "fitted with ar_start_us (see there)",
     "p2p_load_gbps": "None: SM loads from peers reach the line rate (vllm-project/vllm PR #24111: "
                      "a one-shot of 1 MiB on 8xH100 reads 7 MiB from peers in ~16 us, "
