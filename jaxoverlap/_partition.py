@@ -19,11 +19,13 @@ uses it the same way, see github.com/NVIDIA/TransformerEngine,
   handed (``Call.local``): the op on local shards, the very code that runs
   inside ``shard_map`` (as TransformerEngine's outer primitive partitions into
   its inner one, ``transformer_engine/jax/cpp_extensions/base.py``);
-* autodiff is a ``custom_vjp`` over the primitives: AG+GEMM's backward is a
-  GEMM+RS primitive and vice versa (f and g likewise). The weight gradient is a
-  primitive of its own that reduces over the batch's mesh axes: a
-  reduce-scatter onto the kernel's own layout for the axes that also shard the
-  kernel (FSDP), an all-reduce for the others (data parallel). A call with fp8
+* autodiff is a ``custom_vjp`` over the primitives: a call's backward pass is one
+  primitive (XLA calls the partitioner back once per instance of a primitive, so
+  one and not two per call) computing dx by the transposed call (AG+GEMM's
+  backward is a GEMM+RS and vice versa, f and g likewise) and the weight
+  gradient, reduced over the batch's mesh axes: a reduce-scatter onto the
+  kernel's own layout for the axes that also shard the kernel (FSDP), an
+  all-reduce for the others (data parallel). A call with fp8
   operands takes their per-tensor scales as two more (replicated, scalar)
   operands and has no backward pass (``jaxoverlap.fp8`` differentiates FP8).
 
@@ -92,11 +94,18 @@ def sharding_rule(call: Call, where: str, mesh, value_types, result_types) -> st
     return f"{_factors(call, '', 'f')}, f m{scalars} -> {_factors(call, '', 'n')}"
 
 
-def _grad_rule(call: Call, mesh, value_types, result_types) -> str:
-    """Weight gradient ``(a, b, w) -> dw``: a and b share their leading dims, dw is w's."""
-    del mesh, value_types, result_types
-    lead = " ".join(f"b{d}" for d in range(call.ndim - 1))
-    return f"{lead} k, {lead} n, p q -> p q"
+def backward_rule(call: Call, where: str, mesh, value_types, result_types) -> str:
+    """The backward pass ``(dy, wᵀ, x, w) -> (dx, dw)``: the transposed call's rule on dy, wᵀ
+    and dx; x (the gathered x of AG+GEMM) shares dy's pass-through dims, which dw's product
+    contracts; dw is w's (its factors ``o p``). x's row and last dims get factors of their
+    own, as the transposed call's free dims do: the partition callback asks for their layout."""
+    del where, mesh, value_types, result_types
+    t = call.transposed()
+    dy_wt_dx = sharding_rule(t, "", None, (None, None), None).split(" -> ")
+    if t.kind == AG:         # the transposed call's gathered dy is not an output here
+        dy_wt_dx[1] = dy_wt_dx[1].split(", ")[0]
+    x = _factors(call, "u", "v")
+    return f"{dy_wt_dx[0]}, {x}, o p -> {dy_wt_dx[1]}, o p"
 
 
 # ---------------------------------------------------------------- per device
@@ -151,14 +160,16 @@ _located_p.multiple_results = True
 dispatch.prim_requires_devices_during_lowering.add(_located_p)  # as custom_partitioning's
 
 
-def _located_abstract_eval(*avals, call: Call):
-    outs = jax.eval_shape(lambda *a: _body(call, "", *a), *avals)
+def _located_abstract_eval(*avals, call: Call, backward: bool):
+    outs = jax.eval_shape(lambda *a: (_backward_body if backward else _body)(call, "", *a),
+                          *avals)
     return [core.ShapedArray(o.shape, o.dtype) for o in outs]
 
 
-def _located_lowering(ctx, *args, call: Call):
+def _located_lowering(ctx, *args, call: Call, backward: bool):
     where = provenance(ctx, args[1:2]).hex()
-    return mlir.lower_fun(lambda *a: _primitive(call, where, *a), multiple_results=True)(
+    primitive = _backward if backward else _primitive
+    return mlir.lower_fun(lambda *a: primitive(call, where, *a), multiple_results=True)(
         ctx, *args)
 
 
@@ -166,29 +177,34 @@ _located_p.def_abstract_eval(_located_abstract_eval)
 mlir.register_lowering(_located_p, _located_lowering, cacheable=False)  # per call: its own w
 
 
-def _grad_body(call: Call, a, b, w):
-    dims = tuple(range(a.ndim - 1))
-    dw = lax.dot_general(a, b, ((dims, dims), ((), ())), preferred_element_type=jnp.float32)
-    return dw.astype(w.dtype)
+def _backward_body(call: Call, where: str, dy, wt, x, w):
+    """The backward pass's meaning on global arrays (its output types, XLA's fallback)."""
+    del where
+    t = call.transposed().local
+    dx = local_matmul(dy, wt, t.out_dtype, None, t.precision)
+    dims = tuple(range(x.ndim - 1))
+    dw = lax.dot_general(x, dy, ((dims, dims), ((), ())), preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype)
 
 
-def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
-    """``aᵀ·b`` reduced over the batch's mesh axes, scattered onto w's own layout where it can.
+def _backward_partition(call: Call, where: str, mesh, arg_shapes, result_shape):
+    """dx by the transposed call, and ``xᵀ·dy`` reduced over the batch's mesh axes, scattered
+    onto w's own layout where it can, in one per-device function.
 
-    The mesh axes on a's leading (contracted) dims are the batch's: each device
-    sums its share, then the partial sums are reduce-scattered over the axes
-    that also split w's other dim (FSDP: dw lands on the kernel's layout) and
-    all-reduced over the rest (data parallel).
+    The mesh axes on dy's pass-through dims are the batch's: each device sums its share of
+    the weight gradient, then the partial sums are reduce-scattered over the axes that also
+    split w's other dim (FSDP: dw lands on the kernel's layout) and all-reduced over the rest
+    (data parallel). GEMM+RS's backward gathers dy for dx (AG+GEMM) and reuses it for dw.
     """
     del result_shape
-    a_shape, _, w_shape = arg_shapes
-    _check_mesh(call, mesh, a_shape.sharding)
+    dy_shape, _, x_shape, w_shape = arg_shapes
+    _check_mesh(call, mesh, dy_shape.sharding)
+    t = call.transposed()
+    dy_spec, wt_spec, out_specs = layouts(t, tuple(dy_shape.sharding.spec))
     tp = call.axis_name
     column = call.kind in (AG, F)            # dw [k, n] is split over tp on n, else on k
     tp_dim, other = (1, 0) if column else (0, 1)
-    a_spec = tuple(a_shape.sharding.spec)
-    lead = [without_axis(a_spec[d] if d < len(a_spec) else None, tp)
-            for d in range(call.ndim - 1)]
+    lead = [without_axis(dy_spec[d], tp) for d in range(call.ndim - 1)]
     batch_axes = [axis for entry in lead for axis in entry_axes(entry)]
     w_spec = tuple(w_shape.sharding.spec)
     w_other = entry_axes(w_spec[other] if other < len(w_spec) else None)
@@ -198,24 +214,26 @@ def _grad_partition(call: Call, mesh, arg_shapes, result_shape):
     dw_spec[tp_dim] = tp
     dw_spec[other] = (scatter if len(scatter) > 1 else scatter[0]) if scatter else None
 
-    def lower(a, b, w):
+    def lower(dy, wt, x, w):
         del w                                       # an operand for its layout only
-        with _manual(mesh):
-            dw = call.local.weight_grad(a, b, jnp.float32)
+        with _manual(mesh), jax.named_scope(f"jaxoverlap.w.{where}"):
+            out = t.local(dy, wt, want_gathered=True)
+            dx, dy_full = out if t.kind == AG else (out, dy)
+            dw = call.local.weight_grad(x, dy_full, jnp.float32)
             if reduce:
                 dw = lax.psum(dw, reduce)
             if scatter:
                 dw = lax.psum_scatter(dw, scatter, scatter_dimension=other, tiled=True)
-            return dw.astype(w_shape.dtype)
+            return dx, dw.astype(w_shape.dtype)
 
     named = functools.partial(NamedSharding, mesh)
-    return (mesh, lower, named(P(*dw_spec)),
-            (named(P(*lead, None if column else tp)), named(P(*lead, tp if column else None)),
+    return (mesh, lower, (named(out_specs[0]), named(P(*dw_spec))),
+            (named(dy_spec), named(wt_spec), named(P(*lead, None if column else tp)),
              named(w_shape.sharding.spec)))
 
 
-_grad_primitive = custom_partitioning(_grad_body, static_argnums=(0,))
-_grad_primitive.def_partition(partition=_grad_partition, sharding_rule=_grad_rule)
+_backward = custom_partitioning(_backward_body, static_argnums=(0, 1))
+_backward.def_partition(partition=_backward_partition, sharding_rule=backward_rule)
 
 
 # ---------------------------------------------------------------- global entry + autodiff
@@ -225,7 +243,7 @@ def _apply(call: Call, mesh, x, w, scales: tuple = ()):
     """One primitive call, its input and outputs pinned to the tensor-parallel layout."""
     x_open, out_open = open_layouts(call)
     x = lax.with_sharding_constraint(x, NamedSharding(mesh, x_open))
-    outs = _located_p.bind(x, w, *scales, call=call)
+    outs = _located_p.bind(x, w, *scales, call=call, backward=False)
     return tuple(lax.with_sharding_constraint(o, NamedSharding(mesh, s))
                  for o, s in zip(outs, out_open, strict=True))
 
@@ -247,13 +265,16 @@ def _call_bwd(call, mesh, want_gathered, res, ct):
     if scales:
         raise no_gradient(call.kind)
     dy, dgathered = ct if want_gathered else (ct, None)
-    if call.kind == RS:           # GEMM+RS's backward: all_gather(dY) @ Wᵀ, reusing gathered dY
-        dx, dy_full = _apply(call.transposed(), mesh, dy, w.T)
-        return dx, _grad_primitive(call, x_full, dy_full, w), ()
-    (dx, *_) = _apply(call.transposed(), mesh, dy, w.T)
+    # One primitive for dx (AG+GEMM's backward is a GEMM+RS and vice versa, f and g likewise)
+    # and dw: one partitioning callback per call's backward pass instead of two.
+    t = call.transposed()
+    dy_open, (dx_open, *_) = open_layouts(t)
+    dy = lax.with_sharding_constraint(dy, NamedSharding(mesh, dy_open))
+    dx, dw = _located_p.bind(dy, w.T, x_full, w, call=call, backward=True)
+    dx = lax.with_sharding_constraint(dx, NamedSharding(mesh, dx_open))
     if dgathered is not None:
         dx = dx + dgathered
-    return dx, _grad_primitive(call, x_full, dy, w), ()
+    return dx, dw, ()
 
 
 _call.defvjp(_call_fwd, _call_bwd)
