@@ -33,11 +33,12 @@ class FusedKernel:
 
 
 # By compute capability (cpp/cuda/fused/fused_gemm.cc FusedKernelFor): arch-specific code runs
-# on exactly its architecture, so 10.3 (B300) and 12.0 run neither.
+# on exactly its architecture, so 10.3 (B300) and 12.0 run neither. The sm100 one is built for
+# the 16-bit types only (no FP8).
 _FP8_XS = tuple(dict.fromkeys(t.x for t in _kinds.FUSED_FP8))  # the FP8 kernels are sm90 only
 FUSED_KERNELS: dict[tuple[int, int], FusedKernel] = {
     (9, 0): FusedKernel("sm_90a", FUSED_DTYPES + _FP8_XS, 1),
-    (10, 0): FusedKernel("sm_100a", ("bfloat16",), 2),
+    (10, 0): FusedKernel("sm_100a", FUSED_DTYPES, 2),
 }
 
 

@@ -19,13 +19,13 @@ caller asked for (a :class:`Request`; ``None`` leaves a choice open), the ``jo.c
   calibrated range.
 * **The fused GEMM** (``ag_matmul`` and ``matmul_rs`` over ``p2p`` or ``multicast``: one
   persistent GEMM waiting on per-block flags, docs/gpu-internals.md §5) is one of the model's
-  candidates wherever the executor runs it: compute capability 9.0 GPUs and, bfloat16 only, 10.0
+  candidates wherever the executor runs it: compute capability 9.0 GPUs and, 16-bit only, 10.0
   (the CUDA executor), and CPU (the host executor, which runs its semantics) once a preset is
   configured.
   ``jo.config(fused=True)`` / ``JAXOVERLAP_FUSED=1`` asks for it for ``ag_matmul`` and ``matmul_rs``
   (among the fused plans only, or, without a model, over the best transport the devices offer),
   ``fused=False`` never takes it; asking for it where it cannot run (``nccl``, float32, a GPU other
-  than compute capability 9.0 or 10.0, float16 on 10.0, rows that are not whole 16-byte units) is
+  than compute capability 9.0 or 10.0, FP8 on 10.0, rows that are not whole 16-byte units) is
   a clear error.
 * **Otherwise, the simple defaults.** Host devices (CPU) have no preset by default: there
   ``impl="auto"`` is ``"xla"`` (host devices share the cores and nothing overlaps), one chunk,

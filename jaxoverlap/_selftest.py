@@ -29,7 +29,7 @@ host code, its enqueue order through ``CUDA_DEVICE_MAX_CONNECTIONS`` work queues
 (read from the environment as the driver does), NCCL's per-communicator
 serialisation and the kernels' own per-element code, compared with float64;
 the fused GEMM's rows also on a B200-like fake device (compute capability 10.0:
-the sm100 kernel's tile-level model, bfloat16). It checks what decides hangs and
+the sm100 kernel's tile-level model, 16-bit). It checks what decides hangs and
 wrong results, not a GPU's speed.
 
 ``--loopback N`` (with or without ``--fake``): the rows of the peer-copy transports (p2p; FP8 and
@@ -630,10 +630,11 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
               for op, transport, dtype, variant in itertools.product(
                   [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS,
                   FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
-    # ... and its sm100 kernel (bfloat16 only) on a B200-like fake device
-    cases += [(op, transport, "bfloat16", None, SHAPES[0], variant, True, FAKE_B200)
-              for op, transport, variant in itertools.product(
-                  [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS, variants)]
+    # ... and its sm100 kernel (16-bit only) on a B200-like fake device
+    cases += [(op, transport, dtype, None, SHAPES[0], variant, True, FAKE_B200)
+              for op, transport, dtype, variant in itertools.product(
+                  [o for o in FUSED_OPS if o in ops], FUSED_TRANSPORTS,
+                  FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
     # ... and its FP8 instantiations (sm90 only), the variants alternating
     cases += [(*c, None) for c in _fused_fp8_cases([o for o in FUSED_OPS if o in ops],
                                                    FUSED_TRANSPORTS, quick)]

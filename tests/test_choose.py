@@ -143,7 +143,7 @@ def test_fused_asked_for_takes_a_fused_plan_or_says_why_not(monkeypatch):
 
 def test_fused_asked_for_on_a_gpu_other_than_hopper_or_b200_is_refused(monkeypatch):
     """The device check itself (the CUDA executor refuses the same GPUs when it prepares):
-    9.0 runs the sm_90a kernel, 10.0 the sm_100a one (bfloat16 only), 10.3 and 8.0 neither."""
+    9.0 runs the sm_90a kernel, 10.0 the sm_100a one (16-bit only), 10.3 and 8.0 neither."""
     def gpus(*ccs):
         monkeypatch.setattr(capabilities, "gpu_table", lambda: {"devices": [
             {"ordinal": i, "compute_capability": list(cc)} for i, cc in enumerate(ccs)]})
@@ -153,8 +153,9 @@ def test_fused_asked_for_on_a_gpu_other_than_hopper_or_b200_is_refused(monkeypat
     gpus((9, 0), (10, 0))
     assert capabilities.fused_device_reason("cuda") is None
     assert capabilities.fused_device_reason("cuda", "bfloat16") is None
-    reason = capabilities.fused_device_reason("cuda", "float16")
-    assert reason is not None and "[1]" in reason and "bfloat16 only" in reason
+    assert capabilities.fused_device_reason("cuda", "float16") is None
+    reason = capabilities.fused_device_reason("cuda", "float8_e4m3fn")
+    assert reason is not None and "[1]" in reason and "bfloat16 and float16 only" in reason
     gpus((8, 0))
     assert "[0]" in capabilities.fused_device_reason("cuda")
     assert capabilities.fused_device_reason("cpu") is None

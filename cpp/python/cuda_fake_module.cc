@@ -82,6 +82,9 @@ void BindConfig(nb::module_& m) {
   field("fused_scale_shard_shift", &Config::fused_scale_shard_shift,
         "Tests: the FP8 fused GEMM scales each row by the scale of the shard this many after "
         "its own (a tile with the wrong shard's scale).");
+  field("fused_pair_leader_waits_only", &Config::fused_pair_leader_waits_only,
+        "Tests: the sm100 fused GEMM's 2-SM pairs wait in the leader CTA only, for its own "
+        "rows; the peer CTA loads its half unwaited.");
   field("allreduce_misuse", &Config::allreduce_misuse,
         "Tests: the one-launch all-reduce's phases run wrongly: 'release_early' or "
         "'read_early' (fake_allreduce.cc); 'rank0_gives_up': rank 0's waits time out at once.");

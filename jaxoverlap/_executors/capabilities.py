@@ -255,7 +255,7 @@ def fused_device_reason(platform: str, dtype: str | None = None) -> str | None:
     """Why this process's devices of ``platform`` cannot run the fused GEMM (None: they can).
 
     The host executor runs its semantics on CPU; on GPUs the kernel is sm_90a code for compute
-    capability 9.0 and sm_100a code (bfloat16 only) for 10.0 (``_fused_gemm.FUSED_KERNELS``):
+    capability 9.0 and sm_100a code (16-bit types only) for 10.0 (``_fused_gemm.FUSED_KERNELS``):
     every GPU of the process must run one, for ``dtype`` when given.
     """
     if platform not in GPU_PLATFORMS:

@@ -65,14 +65,17 @@ def test_the_fused_programs_are_exact_on_the_fake(fake, op, transport):
             raise
 
 
-@pytest.mark.parametrize("connections", [1, 8])
-@pytest.mark.parametrize("transport", ["p2p", "multicast"])
-def test_the_reduction_runs_beside_the_fused_gemm(fake, transport, connections):
+@pytest.mark.parametrize(("transport", "connections", "cc"),
+                         [("p2p", 1, (9, 0)), ("p2p", 8, (9, 0)), ("multicast", 1, (9, 0)),
+                          ("multicast", 8, (9, 0)), ("p2p", 1, (10, 0)), ("multicast", 8, (10, 0))])
+def test_the_reduction_runs_beside_the_fused_gemm(fake, transport, connections, cc):
     """GEMM + RS with 4 sub-chunks of 4 M tiles each (the fake computes a tile per step): the
     reductions of the first rounds start while the kernel still computes later ones, on the SMs
     it left them (with 1 work queue too: core/issue_order issues a reduction before the copies
-    that wait for the kernel's later blocks), and the result is exact."""
-    fake.reset(fake.Config(connections=connections, sms=8, seed=5))
+    that wait for the kernel's later blocks), and the result is exact. Both kernels (10.0: the
+    sm100 one, each 2-SM pair releasing its halves' blocks)."""
+    fake.reset(fake.Config(connections=connections, sms=8, seed=5, cc_major=cc[0],
+                           cc_minor=cc[1]))
     args = dict(batch=1, rows=2048, k=8, nw=264, dtype="bfloat16", chunks=4, bidirectional=False)
     out, xs, ws = run_fused(fake, "matmul_rs", transport, 4, **args)
     check_fused(fake, out, "matmul_rs", transport, xs, ws, 2048, "bfloat16")
@@ -114,36 +117,25 @@ def test_the_fused_gemm_agrees_with_the_chunked_gemms_bit_for_bit(fake):
 def test_the_sm100_kernel_on_a_fake_b200_is_exact(fake, op):
     """A B200-like fake device (10.0, 148 SMs, and fewer: several units of work per cluster)
     runs the sm_100a build: its tile order over 256-row MMA tiles, each cluster's two CTAs the
-    two halves of one, neither computed before both halves' rows arrived. bfloat16 (its only
-    instantiation), p2p and multicast, 1 and 8 work queues, three calls back to back."""
+    two halves of one, neither computed before both halves' rows arrived. Its two instantiations
+    alternating (bfloat16, float16), p2p and multicast, 1 and 8 work queues, three calls back to
+    back."""
     for i, (case, transport) in enumerate(itertools.product(GRID, ("p2p", "multicast"))):
         n, batch, rows, k, nw, chunks, bidi = case
         sms = (148, 6, 4)[i % 3]
         fake.reset(fake.Config(cc_major=10, cc_minor=0, connections=(1, 8)[i % 2], sms=sms,
                                seed=i + 1))
         gathered = op == "ag_matmul" and i % 2 == 0
+        dtype = ("bfloat16", "float16")[i // 2 % 2]
         out, xs, ws = run_fused(fake, op, transport, n, batch=batch, rows=rows, k=k, nw=nw,
-                                dtype="bfloat16", chunks=chunks, bidirectional=bidi,
+                                dtype=dtype, chunks=chunks, bidirectional=bidi,
                                 gathered=gathered, calls=3, seed=i)
         try:
-            check_fused(fake, out, op, transport, xs, ws, rows, "bfloat16", gathered)
+            check_fused(fake, out, op, transport, xs, ws, rows, dtype, gathered)
             assert fake.counters().get("cudaLaunchKernelEx") == 3 * n
         except AssertionError as e:
-            e.add_note(f"in the case {(case, transport, sms)}")
+            e.add_note(f"in the case {(case, transport, dtype, sms)}")
             raise
-
-
-def test_the_sm100_kernel_refuses_float16_at_prepare(fake):
-    """The sm_100a build is bfloat16 only: float16 on a 10.0 GPU fails before anything is
-    enqueued, naming the way out."""
-    fake.reset(fake.Config(cc_major=10, cc_minor=0))
-    out, _, _ = run_fused(fake, "ag_matmul", "p2p", 2, batch=1, rows=8, k=8, nw=8,
-                          dtype="float16", chunks=1, bidirectional=False)
-    for status in out["statuses"]:
-        assert status is not None and "bfloat16 only" in status, status
-        assert "chunked path" in status
-    assert out["drained"]
-    assert fake.counters().get("cudaLaunchKernelEx") is None
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (10, 3), (12, 0)])
@@ -176,6 +168,26 @@ def test_the_fused_flags_are_checked_by_the_poison(fake, cc):
     assert any(np.isnan(np.frombuffer(y, ml_dtypes.bfloat16).astype(np.float32)).any()
                for y in out["ys"])
     fake.reset(fake.Config(seed=3, cc_major=cc[0], cc_minor=cc[1]))
+    out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
+    check_fused(fake, out, "ag_matmul", "p2p", xs, ws, 96, "bfloat16")
+
+
+def test_a_2sm_pair_whose_peer_does_not_wait_is_caught(fake):
+    """The both-halves rule of the sm100 kernel's 2-SM pairs: each CTA of a pair loads its own
+    128 rows of the 256-row MMA tile, so each must wait for its own rows. A kernel waiting in
+    the leader CTA only (Config.fused_pair_leader_waits_only) lets the peer read its half before
+    it arrived: poisoned rows, NaN in the result, and the fake names the read. 96 rows per
+    shard: the leader's rows 0-127 are shards 0 and 1, the peer's 128-255 shards 1 and 2, so a
+    rank receiving shard 2 last reads it early. With both waiting: exact (the control)."""
+    args = dict(batch=1, rows=96, k=16, nw=16, dtype="bfloat16", chunks=2, bidirectional=False)
+    b200 = dict(cc_major=10, cc_minor=0, sms=8, seed=3)
+    fake.reset(fake.Config(fused_pair_leader_waits_only=True, **b200))
+    out, _, _ = run_fused(fake, "ag_matmul", "p2p", 4, **args)
+    errors = fake.errors()
+    assert any("read rows of block" in e and "before its flag" in e for e in errors), errors
+    assert any(np.isnan(np.frombuffer(y, ml_dtypes.bfloat16).astype(np.float32)).any()
+               for y in out["ys"])
+    fake.reset(fake.Config(**b200))
     out, xs, ws = run_fused(fake, "ag_matmul", "p2p", 4, **args)
     check_fused(fake, out, "ag_matmul", "p2p", xs, ws, 96, "bfloat16")
 

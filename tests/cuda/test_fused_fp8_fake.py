@@ -199,3 +199,16 @@ def test_fp8_fused_calls_the_kernel_is_not_built_for_are_refused(fake):
             if out["statuses"][0]:
                 raise ValueError(out["statuses"][0])
         assert "fused" in str(info.value)
+
+
+def test_the_sm100_kernel_refuses_fp8_at_prepare(fake):
+    """The sm_100a build has no FP8 instantiation: an FP8 fused call on a 10.0 GPU fails before
+    anything is enqueued, naming what it is built for and the way out."""
+    fake.reset(fake.Config(cc_major=10, cc_minor=0))
+    out, _ = _case(fake, "p2p", ("float8_e4m3fn", "float8_e4m3fn", "bfloat16"), 2, rows=8, k=32,
+                   nw=16, chunks=1, bidi=False, seed=0)
+    for status in out["statuses"]:
+        assert status is not None and "bfloat16 and float16 only" in status, status
+        assert "chunked path" in status
+    assert out["drained"]
+    assert fake.counters().get("cudaLaunchKernelEx") is None

@@ -3,7 +3,7 @@
 ``fused_gemm_sync.cuh``), read back from ``_cuda``'s fatbinary with cuobjdump (as
 ``test_multimem.py`` does): no GPU runs it here, so what it does is checked in its machine code
 (SASS), per kernel (sm_90a bf16, f16, and the FP8 instantiations e4m3 x e4m3 -> bf16 and
-e5m2 x e4m3 -> bf16; sm_100a bf16):
+e5m2 x e4m3 -> bf16; sm_100a bf16 and f16):
 
 * the stock CUTLASS mainloop's tensor-core instructions are there and pipelined
   (``HGMMA.64x256x16.F32.BF16``, ``HGMMA.64x256x16.F32`` for f16; sm_90's FP8 wgmma assembles
@@ -214,7 +214,8 @@ def _problems(code, dtype) -> dict[str, list[str]]:
 
 # dtype: (regex over the mangled name, expected instruction-descriptor fields)
 SM100_DTYPES = {"bf16": (r"10bfloat16_t.*SM100_MMA_F16BF16_2x1SM_SS", {"a_format": 1,
-                                                                        "b_format": 1})}
+                                                                        "b_format": 1}),
+                "f16": (r"6half_t.*SM100_MMA_F16BF16_2x1SM_SS", {"a_format": 0, "b_format": 0})}
 SM100_PARTS = [("2-SM MMA (tcgen05.mma.cta_group::2)", r"^UTCHMMA\.2CTA\b"),
                ("its commit to an mbarrier (tcgen05.commit)", r"^UTCBAR\.2CTA\b"),
                ("the TMEM allocation (tcgen05.alloc)", r"^UTCATOMSWS\.2CTA\.FIND_AND_SET\b"),
@@ -258,12 +259,13 @@ def fused_sm100_sass(cuda):
     return _fused(_dump(cuda, "-sass", "-arch", "sm_100a"), SM100_DTYPES)
 
 
-def test_the_sm100_fused_kernel_is_in_the_module(fused_sm100_sass):
-    assert sorted(fused_sm100_sass) == ["bf16"]
+def test_the_sm100_fused_kernels_are_in_the_module(fused_sm100_sass):
+    assert sorted(fused_sm100_sass) == sorted(SM100_DTYPES)
 
 
-def test_fused_sm100_kernel_sass(fused_sm100_sass):
-    assert _sm100_problems(fused_sm100_sass["bf16"], "bf16") == {n: [] for n in SM100_CHECKS}
+@pytest.mark.parametrize("dtype", sorted(SM100_DTYPES))
+def test_fused_sm100_kernel_sass(fused_sm100_sass, dtype):
+    assert _sm100_problems(fused_sm100_sass[dtype], dtype) == {n: [] for n in SM100_CHECKS}
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,20 @@
 // it, from the same tile mapping (core/fused_tiles.h):
 //  * it is sm_90a code: cudaFuncGetAttributes finds no image for any other
 //    device (the kernel family "fused", fake_kernels.cc); the sm100 kernel is
-//    sm_100a code (family "fused_sm100"), bf16 only;
+//    sm_100a code (family "fused_sm100"), bf16 and f16;
 //  * the sm100 kernel computes each 256-row MMA tile with the two CTAs of a
 //    cluster (2-SM MMA, fused_gemm_kernel_sm100.cuh): its order is over MMA
 //    tiles and CTA slot s holds CTA tile CtaTileAt(order, s, 2); each CTA waits
 //    for its own 128 rows, but the pair's MMA reads both halves, so neither
 //    half is computed (nor stored, nor released) before every flag of both
-//    halves' rows is at the epoch;
+//    halves' rows is at the epoch. Both CTAs must wait: each loads its own
+//    half of A into its own shared memory (the MMA of cta_group::2 reads its
+//    operands from both CTAs' shared memory: PTX ISA, "tcgen05.mma", the
+//    .cta_group::2 form issued by one CTA of the pair for both), so the
+//    leader's wait covers its own rows only. With the test knob
+//    Config::fused_pair_leader_waits_only the peer loads unwaited (the pair's
+//    MMA starts once the leader's rows are in place): a peer half read before
+//    its rows arrived is poisoned and reported as every early read is;
 //  * its CTAs are persistent and hold the launch's sm_count SMs (every SM of the
 //    device, but in the loopback, which shares them among the ranks of one
 //    GPU, and for a release-only kernel, which leaves some to the reduction
@@ -103,11 +110,12 @@ struct FusedRun {
   Launch launch;
   fused::PersistentGrid grid;
   int64_t m_tiles = 0;
-  std::vector<int64_t> next;  // per CTA: its next unit of work
-  int64_t left = 0;           // units not done
-  int32_t shift = 0;          // Config::fused_flag_shift
-  int32_t scale_shift = 0;    // Config::fused_scale_shard_shift
-  size_t turn = 0;            // the CTA polled first next time
+  std::vector<int64_t> next;       // per CTA: its next unit of work
+  int64_t left = 0;                // units not done
+  int32_t shift = 0;               // Config::fused_flag_shift
+  int32_t scale_shift = 0;         // Config::fused_scale_shard_shift
+  bool leader_waits_only = false;  // Config::fused_pair_leader_waits_only
+  size_t turn = 0;                 // the CTA polled first next time
   int device = 0;
   std::pair<int, int> where;  // (played process, device): whose SMs it holds ...
   int holds = 0;              // ... this many: the launch's sm_count (CTAs persist on them)
@@ -143,11 +151,13 @@ int32_t MissingFlag(const FusedRun& r, int32_t tile) {
 }
 
 // The first flag the MMA tile holding CTA tile `tile` waits for that is not at the epoch (-1:
-// none): its own rows', then (2-SM MMA) the other half's.
+// none): its own rows', then (2-SM MMA) the other half's; with only the leader waiting
+// (Config::fused_pair_leader_waits_only), the leader's rows only.
 int32_t MissingFlagOfPair(const FusedRun& r, int32_t tile) {
+  const int32_t first = tile - tile % r.pair;
+  if (r.pair > 1 && r.leader_waits_only) return MissingFlag(r, first);
   const int32_t own = MissingFlag(r, tile);
   if (own >= 0) return own;
-  const int32_t first = tile - tile % r.pair;
   for (int32_t t = first; t < first + r.pair && t < r.m_tiles; ++t) {
     const int32_t missing = t == tile ? -1 : MissingFlag(r, t);
     if (missing >= 0) return missing;
@@ -332,7 +342,7 @@ bool Span(const void* p, size_t bytes, const std::string& what) {
 cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaStream_t stream) {
   Count("cudaLaunchKernelEx");
   const void* function =
-      pair == 1 ? FusedFunction(types.a, types.b, types.d) : FusedFunctionSm100();
+      pair == 1 ? FusedFunction(types.a, types.b, types.d) : FusedFunctionSm100(types.a);
   const bool fp8 = IsFp8(types.a);
   const std::string name = FunctionName(function);
   const int device = StreamDevice(stream);
@@ -407,6 +417,7 @@ cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaS
   run->left = run->grid.work();
   run->shift = S().config.fused_flag_shift;
   run->scale_shift = S().config.fused_scale_shard_shift;
+  run->leader_waits_only = S().config.fused_pair_leader_waits_only;
   run->device = device;
   run->where = {stream->process, device};
   run->holds = std::max(1, std::min(l.sm_count, S().config.sms));
@@ -485,21 +496,33 @@ JO_FAKE_FUSED_INSTANCE(E4M3_BF16, kF8E4M3, kF8E4M3, kBF16)
 JO_FAKE_FUSED_INSTANCE(E5M2E4M3_BF16, kF8E5M2, kF8E4M3, kBF16)
 #undef JO_FAKE_FUSED_INSTANCE
 
-const void* FunctionSm100BF16() { return fake::FusedFunctionSm100(); }
-int SharedBytesSm100BF16() { return fake::kSharedBytes; }
+namespace {
 
 // As the real launch (fused_gemm_kernel_sm100.cuh LaunchAs), it refuses an order not made over
 // its 256-row MMA tiles before enqueueing anything.
-Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+Status LaunchSm100(DType dtype, const Launch& launch, cudaStream_t stream,
+                   const ErrorContext& ctx) {
   const int64_t mma_rows = kSm100MmaPair * fused::kTileRows;
   if (launch.order.tiles != (launch.m + mma_rows - 1) / mma_rows)
     return Status(Code::kInternal, ctx.Describe() + ": the sm_100a fused GEMM's tile order has " +
                                        std::to_string(launch.order.tiles) + " tiles, not one per " +
                                        std::to_string(mma_rows) + "-row MMA tile of " +
                                        std::to_string(launch.m) + " rows (CheckFusedGemm)");
-  JO_CUDA_CHECK(&ctx, fake::LaunchFused({DType::kBF16, DType::kBF16, DType::kBF16}, kSm100MmaPair,
-                                        launch, stream));
+  JO_CUDA_CHECK(&ctx, fake::LaunchFused({dtype, dtype, dtype}, kSm100MmaPair, launch, stream));
   return OkStatus();
+}
+
+}  // namespace
+
+const void* FunctionSm100BF16() { return fake::FusedFunctionSm100(DType::kBF16); }
+int SharedBytesSm100BF16() { return fake::kSharedBytes; }
+Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+  return LaunchSm100(DType::kBF16, launch, stream, ctx);
+}
+const void* FunctionSm100F16() { return fake::FusedFunctionSm100(DType::kF16); }
+int SharedBytesSm100F16() { return fake::kSharedBytes; }
+Status LaunchSm100F16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx) {
+  return LaunchSm100(DType::kF16, launch, stream, ctx);
 }
 
 }  // namespace jo::cuda::fused_kernel

@@ -428,10 +428,12 @@ const void* FusedFunction(DType a, DType b, DType d) {
   return Register(k);
 }
 
-const void* FusedFunctionSm100() {
+const void* FusedFunctionSm100(DType dtype) {
   static const HostKernel bf16{
       "FusedGemmSm100", "FusedGemmSm100<bf16>", "fused_sm100", McSide::kNone, 0, nullptr};
-  return Register(&bf16);
+  static const HostKernel f16{
+      "FusedGemmSm100", "FusedGemmSm100<f16>", "fused_sm100", McSide::kNone, 0, nullptr};
+  return Register(dtype == DType::kF16 ? &f16 : &bf16);
 }
 
 const void* RegisterKernel(const std::string& op, const std::string& name, const char* family,

@@ -39,8 +39,9 @@ inline constexpr int kMaxSharedBytesPerBlock = 232448;
 // runs it): a handle cudaFuncGetAttributes and cudaFuncSetAttribute take, of
 // the kernel family "fused"; its name; whether `device` runs a variant of it.
 const void* FusedFunction(DType a, DType b, DType d);
-// The sm100 fused GEMM's (bf16), of the kernel family "fused_sm100".
-const void* FusedFunctionSm100();
+// The sm100 fused GEMM's for a 16-bit type (A, B and D alike), of the kernel
+// family "fused_sm100".
+const void* FusedFunctionSm100(DType dtype);
 std::string FunctionName(const void* function);
 bool FunctionRuns(const void* function, int device);
 // cudaFuncSetAttribute(function, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) on the

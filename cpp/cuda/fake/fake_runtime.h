@@ -132,6 +132,10 @@ struct Config {
   // this (mod the shards) instead of its own (a tile with the wrong shard's
   // scale; fake_fused_gemm.cc).
   int fused_scale_shard_shift = 0;
+  // Tests: the sm100 fused GEMM's 2-SM pairs wait only in the leader CTA, for its
+  // own 128 rows; the peer CTA loads its half of the MMA tile without waiting
+  // (fake_fused_gemm.cc: the pair's both-halves rule broken).
+  bool fused_pair_leader_waits_only = false;
   // Tests: the one-launch all-reduce's phases run wrongly (fake_allreduce.cc): "release_early"
   // (a thread releases its flags before its block's barrier after the stores), "read_early" (a
   // thread reads its peers' data before its block's barrier after the acquires);

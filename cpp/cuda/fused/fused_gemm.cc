@@ -63,7 +63,7 @@ struct Instance {
 };
 
 // Every instantiation built; FusedServes (core/kinds.h) accepts exactly the sm90
-// triples, sm100 serves bf16 only (tests/cuda/test_fused_sass.py finds each
+// triples, sm100 serves the 16-bit ones (tests/cuda/test_fused_sass.py finds each
 // kernel in the built module).
 const Instance kInstances[] = {
     {FusedKernel::kSm90,
@@ -91,6 +91,11 @@ const Instance kInstances[] = {
      fused_kernel::FunctionSm100BF16,
      fused_kernel::SharedBytesSm100BF16,
      fused_kernel::LaunchSm100BF16},
+    {FusedKernel::kSm100,
+     {DType::kF16, DType::kF16, DType::kF16},
+     fused_kernel::FunctionSm100F16,
+     fused_kernel::SharedBytesSm100F16,
+     fused_kernel::LaunchSm100F16},
 };
 
 const Instance* Find(const FusedTypes& t, FusedKernel kernel) {
@@ -135,7 +140,7 @@ Status NotThisGpu(FusedKernel kernel, int device, int major, int minor, const Er
                 ctx.Describe() +
                     ": the fused GEMM is sm_90a code for compute capability 9.0 "
                     "(H100, H200, GH200) and sm_100a code for 10.0 (B200, GB200; "
-                    "bfloat16 only); GPU " +
+                    "bfloat16 and float16); GPU " +
                     std::to_string(device) + " is " + std::to_string(major) + "." +
                     std::to_string(minor) + " (the call was prepared for " + KernelName(kernel) +
                     "): take the chunked path (jo.config(fused=False))");
@@ -207,7 +212,8 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   if (a.kernel != FusedKernel::kNone && Find(a.types, a.kernel) == nullptr)  // kNone: at prepare
     return Bad(std::string("the ") + KernelName(a.kernel) + " kernel is not compiled for " +
                TypesName(a.types) +
-               " (sm_100a: bfloat16 only): take the chunked path (jo.config(fused=False))");
+               " (sm_100a: bfloat16 and float16 only): take the chunked path "
+               "(jo.config(fused=False))");
   // The order is over the kernel's MMA tiles (sm100: two CTA tiles, fused_tiles.h CtaTileAt).
   const fused::OrderError e =
       fused::MakeTileOrder(fused::Tiling{a.blocks, MmaPairOf(a.kernel) * fused::kTileRows},

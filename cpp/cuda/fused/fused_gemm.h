@@ -27,7 +27,7 @@
 //
 // Two kernels, one flag protocol (fused_gemm_sync.cuh): sm_90a code for
 // compute capability 9.0 (H100/H200/GH200; fused_gemm_kernel.cuh) and sm_100a
-// code for 10.0 (B200/GB200; fused_gemm_kernel_sm100.cuh, bf16 only, 2-SM MMA:
+// code for 10.0 (B200/GB200; fused_gemm_kernel_sm100.cuh, bf16 and f16, 2-SM MMA:
 // its tile order is over 256-row MMA tiles). Arch-specific code runs on
 // exactly its architecture, so no other GPU can run either (docs/gpu-internals.md
 // §5). Compiled in CI; never run on a GPU here.
@@ -55,7 +55,7 @@ int32_t MmaPairOf(FusedKernel kernel);
 
 // The element types of a fused GEMM: A's (x), B's (w) and D's (y). One sm90
 // instantiation per triple core/kinds.h's FusedServes accepts: a 16-bit type
-// for all three, or an FP8 pair with its output (JO_FUSED_FP8); sm100: bf16 only.
+// for all three, or an FP8 pair with its output (JO_FUSED_FP8); sm100: the 16-bit ones.
 struct FusedTypes {
   DType a = DType::kBF16, b = DType::kBF16, d = DType::kBF16;
 };

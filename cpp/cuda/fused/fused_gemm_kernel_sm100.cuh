@@ -257,6 +257,10 @@ using BF16 = Config<cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::bfloat16_
                     cutlass::arch::OpClassTensorOp, cute::Shape<cute::_256, cute::_256, cute::_64>,
                     cutlass::gemm::KernelTmaWarpSpecialized2SmSm100,
                     cutlass::epilogue::TmaWarpSpecialized2Sm>;
+using F16 = Config<cutlass::half_t, cutlass::half_t, cutlass::half_t,
+                   cutlass::arch::OpClassTensorOp, cute::Shape<cute::_256, cute::_256, cute::_64>,
+                   cutlass::gemm::KernelTmaWarpSpecialized2SmSm100,
+                   cutlass::epilogue::TmaWarpSpecialized2Sm>;
 
 template <class Gemm>
 const void* FunctionAs() {

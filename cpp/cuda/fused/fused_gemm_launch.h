@@ -105,11 +105,14 @@ Status LaunchE4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorCon
 const void* FunctionE5M2E4M3_BF16();
 int SharedBytesE5M2E4M3_BF16();
 Status LaunchE5M2E4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
-// sm_100a (B200, GB200): bf16 (fused_gemm_kernel_sm100.cuh). The launch
-// refuses an order not made over kSm100MmaPair-tile MMA tiles.
+// sm_100a (B200, GB200): bf16 and f16 (fused_gemm_kernel_sm100.cuh). The
+// launch refuses an order not made over kSm100MmaPair-tile MMA tiles.
 const void* FunctionSm100BF16();
 int SharedBytesSm100BF16();
 Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+const void* FunctionSm100F16();
+int SharedBytesSm100F16();
+Status LaunchSm100F16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
 
 }  // namespace fused_kernel
 }  // namespace jo::cuda
