@@ -81,7 +81,7 @@ def test_fused_points_recover_the_fixed_costs_and_set_the_margin():
     assert all(0.0 <= fitted.min_gain[k] < 0.01 for k in measured)
     assert fitted.min_gain["matmul_ar"] == max(fitted.min_gain["ag_matmul"],
                                                fitted.min_gain["matmul_rs"])
-    assert fitted.min_gain["matmul_rs:fused"] == BASE.min_gain["matmul_rs:fused"] > 0.3
+    assert fitted.min_gain["matmul_rs:fused"] == BASE.min_gain["matmul_rs:fused"] > 0.1
     assert fitted.margin("matmul_rs", "matmul_rs:chunked") < 0.01
     # the preset records the range it was calibrated on
     assert set(fitted.calibrated) >= {"gemm_flop", "collective_bytes", "ag_matmul",
