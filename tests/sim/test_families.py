@@ -65,14 +65,12 @@ def test_the_chooser_applies_the_margin_of_each_plans_family():
 
 def test_the_overlapped_gemm_rs_is_picked_where_its_designs_win():
     """On the h100 the overlapped GEMM+RS (multicast: the reduction beside the GEMM) is picked
-    at RS std no more than 5% above the best published result at that shape (TD-RS5, 1.55x)
-    and at Flux's RS shape; at Triton-distributed's small shape (PR #166: 0.52x at TP8) it is
-    not: its margin comes from the copy-engine designs it is built from."""
-    for shape, low, high in ((RS, 1.15, 1.05 * 1.55),
-                             (sim.Shape.from_global(4096, 6144, 12288, 8), 1.10, 1.05 * 1.51)):
-        choice = sim.choose("matmul_rs", shape, "bf16", 8, H100)
-        assert families.family("matmul_rs", choice.candidate) == "matmul_rs:overlapped"
-        assert low <= choice.best.speedup_vs_xla <= high, choice.format()
+    at Flux's RS shape (published there: 1.51x on 8xH800, F2; RS std: test_model); at
+    Triton-distributed's small shape (PR #166: 0.52x at TP8) it is not: its margin comes from
+    the copy-engine designs it is built from."""
+    choice = sim.choose("matmul_rs", sim.Shape.from_global(4096, 6144, 12288, 8), "bf16", 8, H100)
+    assert families.family("matmul_rs", choice.candidate) == "matmul_rs:overlapped"
+    assert 1.10 <= choice.best.speedup_vs_xla <= 1.05 * 1.51, choice.format()
     small = sim.choose("matmul_rs", sim.Shape.from_global(4096, 1024, 4096, 8), "bf16", 8, H100)
     assert small.candidate.impl == "xla", small.format()
 
