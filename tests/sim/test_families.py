@@ -14,6 +14,11 @@ RS = sim.Shape.from_global(8192, 3584, 8192, 8)
 
 def test_every_published_row_names_a_design_of_a_known_family():
     families.check_designs()
+    # the overlapped GEMM+RS answers to its own designs and to those it is built from, never to
+    # Flux's (pulls by the GEMM kernel's warps: no program of ours has them)
+    assert families.checked_by("matmul_rs:overlapped") == {
+        "te-pipeline-rs", "thunderkittens-rs", "triton-dist-rs", "kraken-ce-rs"}
+    assert "flux-rs" in families.checked_by("matmul_rs:fused")
     assert {r.design for r in published.CALLS} <= set(families.DESIGNS)
     for d in families.DESIGNS.values():
         assert d.family in families.FAMILIES and d.mechanism and d.source, d.name

@@ -94,6 +94,11 @@ def test_margin_from_errors():
     # a fused call 25% slower than predicted: 1 - 1/1.25 = 20%
     assert fit.margin([0.05], [1.25, 0.9]) == pytest.approx(0.2)
     assert fit.margin([], []) == 0.0
+    # rounded up, never down: a plan projected 1.1428x where its design lost (TDH-s4's ratio,
+    # a loss counted as no gain) needs 1 - 1/1.1428 = 12.49% and gets 12.5%, so that plan
+    # (t = xla / 1.1428 > xla x (1 - 0.125)) stays unfused
+    assert fit.margin([0.0], [1.1428]) == 0.125 > 1 - 1 / 1.1428
+    assert fit.margin([0.0], [1.1432]) == 0.126
 
 
 def test_pipelined_time_is_the_best_chunk_count():
