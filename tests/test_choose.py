@@ -233,14 +233,17 @@ def _ar_plan(x_shape, w_shape, **kw):
 
 
 def test_matmul_ar_algorithm_is_the_models_pick(monkeypatch):
-    """Decode shapes on 8xH100: impl='auto' takes the one-launch one-shot program over p2p (the
+    """Decode shapes on 8xH100: impl='auto' takes the model's pick, a one-launch program (the
     GEMM and one all-reduce kernel, captured: the host-enqueued plans are host-bound there);
     impl='native' takes the model's fastest native plan, a one-launch kernel for small M and
     the two-shot ring for large; an explicit algorithm is kept."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     transports = capabilities.offered_transports("cpu")
     plan = _ar_plan((8, 8 * 1024), (8 * 1024, 8192), impl="auto")
-    assert (plan.impl, plan.algorithm, plan.preferred) == ("native", "one_shot_kernel", "p2p")
+    pick = sim.choose("matmul_ar", sim.Shape(1, 8, 1024, 8192), "bfloat16", 8, "h100").best
+    assert pick.candidate.algorithm.endswith("_kernel"), pick.candidate.label
+    assert (plan.impl, plan.algorithm, plan.preferred) == (
+        "native", pick.candidate.algorithm, pick.candidate.transport)
     for m, want in ((8, "_kernel"), (65536, "two_shot"), (1, "_kernel")):
         plan = _ar_plan((m, 8 * 1024), (8 * 1024, 8192), impl="native")
         shape = sim.Shape(1, m, 1024, 8192)

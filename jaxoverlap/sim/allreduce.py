@@ -1,37 +1,80 @@
 """One-launch all-reduce kernels (matmul_ar's one_shot_kernel / two_shot_kernel; never run on
-a GPU).
+a GPU), ours and the published ones, each priced by its mechanism.
 
 A small all-reduce in one kernel launch: its flags (device-side counters) and its data movement
-inside, no host-enqueued copies or stream memory ops. What such a kernel costs, per algorithm
-and transport, is what a program's ``AllReduceKernel`` op (one launch: algorithm, transport,
-bytes) will be priced with:
+inside, no host-enqueued copies or stream memory ops. A ``Mechanism`` says what such a kernel
+does per call, and ``mechanism_time`` what that costs:
 
 * its **start**, ``Preset.ar_start_us`` (the launch reaching the SMs in a stream that is
   already running: a queued kernel or a replayed graph node);
 * **flag rounds**, ``Preset.ar_flag_us`` each: every rank raises a flag in every peer's memory
-  (``st.release.sys``) and waits for the peers' (``ld.acquire.sys``). A one-shot needs two
-  (peers' inputs ready; peers done reading, so the buffer may be reused: PyTorch's symmetric-
-  memory kernels' barriers before and after, vLLM's ``cross_device_reduce_1stage``), a two-shot
-  three (before, between its reduce-scatter and its all-gather, after);
-* its **bytes** on the busiest port, at the transport's rate: SM loads from peers' memory over
-  the links (``p2p``: ``Preset.p2p_load_gbps``, default the line rate) or the switch's
-  ``multimem`` load-reduce and store (``multicast``: ``Preset.multicast_gbps``).
+  (``st.release.sys``) and waits for the peers' (``ld.acquire.sys``);
+* its **bytes** on the busiest port, at the transport's rate: SM loads from (or stores to)
+  peers' memory over the links (``p2p``: ``Preset.p2p_load_gbps``, default the line rate) or
+  the switch's ``multimem`` load-reduce and store (``multicast``: ``Preset.multicast_gbps``);
+* its **local bytes** through the GPU's own memory (copies into and out of the area the peers
+  see, the reduction's reads of pushed partials), at ``Preset.hbm_gbps``;
+* **copy kernels** a call launches besides the all-reduce (a wrapper's copy of the input into a
+  registered buffer and of the result out): a start and 2 S through HBM each.
 
-``ar_start_us`` and ``ar_flag_us`` are fitted to the leanest published one-launch one-shot
-kernels on H100 (``sim.published.fit_one_launch``); the published two-shot kernels (PyTorch's
-symmetric-memory ones, vLLM's two-stage) take 1.5-2.5x longer than this prices a two-shot: their
-barriers cost more than one lean flag round, and docs/performance.md §4 shows by how much. The
-margin a one-launch plan needs before the automatic choice takes it comes from these
-comparisons (``sim.families``).
+``OURS`` is what our kernels do as built (cpp/cuda/kernels/allreduce_body.h): one flag round for
+a one-shot (double-buffered halves make an exit barrier unnecessary), two for a two-shot.
+``sim.published.ONE_LAUNCH_KERNELS`` describes the published kernels the same way, read from
+their code; ``ar_start_us`` and ``ar_flag_us`` are fitted to the leanest of them
+(``sim.published.fit_one_launch``: vLLM's two-barrier one-stage kernel and sglang's one-barrier
+one), the others are held out, and how optimistic the model is on each design sets the margin of
+the family of ours closest to it (``sim.families``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from jaxoverlap.sim.presets import Preset
 
 US = 1e-6
 ALGORITHMS = ("one_shot", "two_shot")
 TRANSPORTS = ("p2p", "multicast")
+
+
+def _check(algorithm: str, transport: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport: expected one of {TRANSPORTS} (a one-launch kernel moves "
+                         f"its own bytes), got {transport!r}")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """What one call of a one-launch all-reduce does (see the module docstring)."""
+
+    algorithm: str  # "one_shot" / "two_shot": the port bytes (``port_bytes``)
+    transport: str  # "p2p" (SM loads / stores of peers' memory) / "multicast" (multimem)
+    rounds: int  # flag rounds (barriers across the clique) per call
+    local_per_rank: float = 0.0  # bytes through the own HBM inside the kernel: this x N x S ...
+    local_fixed: float = 0.0  # ... plus this x S
+    copy_kernels: int = 0  # separate copy kernels per call (a start and 2 S through HBM each)
+
+    def __post_init__(self) -> None:
+        _check(self.algorithm, self.transport)
+
+
+# Ours as built (cpp/cuda/kernels/allreduce_body.h; docs/gpu-internals.md §7):
+#   one-shot p2p: push y into slot r of every area (y read once), one round, sum the N slots
+#     (N S read) into y (S written): (N + 2) S local;
+#   one-shot multicast: copy y into the own area (2 S), one round, multimem.ld_reduce into y
+#     (S written): 3 S;
+#   two-shot p2p: push the slices (S read), one round, reduce the own slice (S read), write and
+#     push it, one round, copy the other slices from the result area (2 S): 4 S;
+#   two-shot multicast: copy y into the own area (2 S), one round, ld_reduce + multimem.st of
+#     the own slice, one round, copy the result area into y (2 S): 4 S.
+OURS: dict[tuple[str, str], Mechanism] = {
+    ("one_shot", "p2p"): Mechanism("one_shot", "p2p", 1, local_per_rank=1.0, local_fixed=2.0),
+    ("one_shot", "multicast"): Mechanism("one_shot", "multicast", 1, local_fixed=3.0),
+    ("two_shot", "p2p"): Mechanism("two_shot", "p2p", 2, local_fixed=4.0),
+    ("two_shot", "multicast"): Mechanism("two_shot", "multicast", 2, local_fixed=4.0),
+}
 
 
 def base_algorithm(name: str | None) -> str | None:
@@ -44,17 +87,24 @@ def base_algorithm(name: str | None) -> str | None:
     return None
 
 
-def flag_rounds(algorithm: str) -> int:
-    """Flag rounds of one call: a one-shot two, a two-shot three (see the module docstring)."""
-    _check(algorithm, "p2p")
-    return 2 if algorithm == "one_shot" else 3
+def ours(algorithm: str, transport: str) -> Mechanism:
+    """The mechanism of our kernel of ``algorithm`` (``_kernel`` suffix accepted) over
+    ``transport``."""
+    algorithm = algorithm.removesuffix("_kernel")
+    _check(algorithm, transport)
+    return OURS[(algorithm, transport)]
+
+
+def flag_rounds(algorithm: str, transport: str = "p2p") -> int:
+    """Flag rounds of one call of our kernel: a one-shot one, a two-shot two."""
+    return ours(algorithm, transport).rounds
 
 
 def port_bytes(algorithm: str, transport: str, nranks: int, nbytes: float) -> float:
     """Bytes through the busiest port direction of one GPU for an all-reduce of ``nbytes``.
 
-    one-shot p2p: every rank loads the N-1 peers' inputs (ingress, and as much egress serving
-    them); two-shot p2p: a reduce-scatter and an all-gather of (N-1)/N of the input each;
+    one-shot p2p: every rank's input reaches the N-1 peers (pulled or pushed: (N-1) S in and
+    out); two-shot p2p: a reduce-scatter and an all-gather of (N-1)/N of the input each;
     one-shot multicast: every rank load-reduces the whole input from the multicast address, so
     the switch reads each GPU's copy once per rank (egress N x); two-shot multicast: each rank
     load-reduces its 1/N (its memory read once per slice: egress S) and stores the result to
@@ -76,19 +126,30 @@ def rate_gbps(p: Preset, transport: str) -> float:
     return p.transport_gbps("multicast")
 
 
+def mechanism_time(p: Preset, m: Mechanism, nranks: int, nbytes: float) -> float:
+    """Seconds of one call of a one-launch all-reduce working as ``m`` over ``nranks`` GPUs,
+    ``nbytes`` per rank, on a running stream: start + flag rounds + port bytes + local bytes
+    (+ its copy kernels)."""
+    if nranks <= 1:
+        return 0.0
+    p.check_group(nranks)
+    s = float(nbytes)
+    hbm = p.hbm_gbps * 1e9
+    local = (m.local_per_rank * nranks + m.local_fixed) * s
+    copies = m.copy_kernels * (p.ar_start_us * US + 2.0 * s / hbm)
+    return ((p.ar_start_us + m.rounds * p.ar_flag_us) * US
+            + port_bytes(m.algorithm, m.transport, nranks, s) / (rate_gbps(p, m.transport) * 1e9)
+            + local / hbm + copies)
+
+
 def kernel_time(p: Preset, algorithm: str, transport: str, nranks: int, nbytes: float) -> float:
-    """Seconds of one one-launch all-reduce of ``nbytes`` per rank over ``nranks`` GPUs, on a
-    running stream (captured, or queued behind other work): start + flag rounds + bytes.
+    """Seconds of one call of our one-launch all-reduce (``OURS``) of ``nbytes`` per rank over
+    ``nranks`` GPUs, on a running stream (captured, or queued behind other work).
 
     A program's ``AllReduce`` op is priced with this (``sim.engine``): its program's
     ``algorithm`` (``one_shot_kernel`` / ``two_shot_kernel``, or the bare names) and
     ``transport``, the op's ``bytes``."""
-    if nranks <= 1:
-        return 0.0
-    p.check_group(nranks)
-    algorithm = algorithm.removesuffix("_kernel")
-    return ((p.ar_start_us + flag_rounds(algorithm) * p.ar_flag_us) * US
-            + port_bytes(algorithm, transport, nranks, nbytes) / (rate_gbps(p, transport) * 1e9))
+    return mechanism_time(p, ours(algorithm, transport), nranks, nbytes)
 
 
 def best(p: Preset, nranks: int, nbytes: float, transports: tuple[str, ...] | None = None,
@@ -100,10 +161,3 @@ def best(p: Preset, nranks: int, nbytes: float, transports: tuple[str, ...] | No
     return min((kernel_time(p, a, t, nranks, nbytes), a, t)
                for a in algorithms for t in offered)
 
-
-def _check(algorithm: str, transport: str) -> None:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport: expected one of {TRANSPORTS} (a one-launch kernel moves "
-                         f"its own bytes), got {transport!r}")

@@ -36,8 +36,15 @@ FAMILIES: dict[str, str] = {
                             "p2p with sub-chunks)",
     "matmul_ar:chunked": "GEMM+AR, two-shot: a chunked reduce-scatter ring, then an all-gather",
     "matmul_ar:one_shot": "GEMM+AR, one-shot over host-enqueued copies or stores",
-    "matmul_ar:one_launch:one_shot": "all-reduce in one kernel launch, one-shot (one_shot_kernel)",
-    "matmul_ar:one_launch:two_shot": "all-reduce in one kernel launch, two-shot (two_shot_kernel)",
+    "matmul_ar:one_launch:one_shot:p2p": "all-reduce in one kernel launch, one-shot "
+                                         "(one_shot_kernel): peers' memory over the links",
+    "matmul_ar:one_launch:one_shot:multicast": "all-reduce in one kernel launch, one-shot "
+                                               "(one_shot_kernel): multimem load-reduce",
+    "matmul_ar:one_launch:two_shot:p2p": "all-reduce in one kernel launch, two-shot "
+                                         "(two_shot_kernel): peers' memory over the links",
+    "matmul_ar:one_launch:two_shot:multicast": "all-reduce in one kernel launch, two-shot "
+                                               "(two_shot_kernel): multimem load-reduce and "
+                                               "store",
 }
 
 
@@ -49,7 +56,9 @@ def family(op: str, candidate: Any) -> str:
         from jaxoverlap.sim.allreduce import base_algorithm
 
         if kernel := base_algorithm(candidate.algorithm):
-            return f"matmul_ar:one_launch:{kernel}"
+            # peer loads and multimem are different mechanisms, with published designs of their
+            # own: a family each
+            return f"matmul_ar:one_launch:{kernel}:{candidate.transport}"
         return "matmul_ar:one_shot" if candidate.algorithm == "one_shot" else "matmul_ar:chunked"
     if op == "matmul_rs" and candidate.fused and (candidate.transport == "multicast"
                                                   or candidate.chunks > 1):
@@ -120,16 +129,28 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
            "a persistent GEMM that TMA store-adds each finished tile into its owner's output "
            "(no staging buffer, the adds in bf16 at the destination)",
            "HazyResearch/ThunderKittens kernels/parallel/gemm_rs/gemm_rs_h100.cu"),
-    Design("lean-one-shot", "matmul_ar:one_launch:one_shot",
-           "one kernel: a flag round, every rank loads the peers' inputs and sums, a flag round",
-           "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_1stage)"),
-    Design("torch-symm-mem-two-shot", "matmul_ar:one_launch:two_shot",
-           "one kernel: a reduce-scatter (peers' loads or multimem.ld_reduce) and an all-gather "
-           "between barriers on every block", "pytorch/pytorch CUDASymmetricMemoryOps.cu"),
-    Design("vllm-two-stage", "matmul_ar:one_launch:two_shot",
-           "one kernel: a reduce-scatter into a registered buffer, a barrier, an all-gather",
+    Design("vllm-one-stage", "matmul_ar:one_launch:one_shot:p2p",
+           "one kernel: a barrier, every rank loads the peers' inputs in place and sums, a "
+           "barrier", "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_1stage)"),
+    Design("trt-one-shot", "matmul_ar:one_launch:one_shot:p2p",
+           "one kernel: the input copied into the shared buffer, ONE barrier, every rank loads "
+           "the peers' buffers and sums",
+           "sgl-project/sglang sgl-kernel/src/sgl-kernel/csrc/trt_reduce_internal.cu "
+           "(oneShotAllReduceKernel, from TensorRT-LLM)"),
+    Design("torch-symm-mem-multimem", "matmul_ar:one_launch:two_shot:multicast",
+           "a copy in, one kernel: a barrier, multimem.ld_reduce and multimem.st of the own "
+           "slice, a barrier; a copy out", "pytorch/pytorch CUDASymmetricMemoryOps.cu "
+           "(multimem_all_reduce_), vllm/distributed/device_communicators/symm_mem.py"),
+    Design("torch-symm-mem-two-shot", "matmul_ar:one_launch:two_shot:p2p",
+           "a copy in, one kernel: a barrier, the own slice loaded from every peer, reduced and "
+           "stored into every peer, a barrier; a copy out",
+           "pytorch/pytorch CUDASymmetricMemoryOps.cu (two_shot_all_reduce_), "
+           "vllm/distributed/device_communicators/symm_mem.py"),
+    Design("vllm-two-stage", "matmul_ar:one_launch:two_shot:p2p",
+           "one kernel: a barrier, a reduce-scatter into a registered buffer, a barrier, an "
+           "all-gather",
            "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_2stage)"),
-    Design("nvls-one-shot-norm", "matmul_ar:one_launch:one_shot",
+    Design("nvls-one-shot-norm", "matmul_ar:one_launch:one_shot:multicast",
            "one kernel: multimem stores and load-reduce fused with residual add and RMSNorm",
            "lightseekorg/tokenspeed PR #860"),
 )}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxoverlap import _kinds
-from jaxoverlap.sim import confidence, families, model
+from jaxoverlap.sim import allreduce, confidence, families, model
 from jaxoverlap.sim.engine import simulate_programs
 from jaxoverlap.sim.families import margin  # noqa: F401  (the margin rule, re-exported)
 from jaxoverlap.sim.model import Shape
@@ -234,14 +234,13 @@ def _fit_ramp_and_rate(p: Preset, pts: Sequence[CollectivePoint], transport: str
     return (a * a, 1.0 / (b * b)) if b > 0 else None
 
 
-def fit_one_launch(p: Preset, points: Sequence[tuple[str, str, int, int, float]]) -> Preset:
-    """``ar_start_us`` and ``ar_flag_us`` fitted to (algorithm, transport, nranks, bytes,
-    seconds) of one-launch all-reduces (``sim.allreduce.kernel_time``), in log error. A one-shot
-    pays two flag rounds and its start, so points of one algorithm cannot tell the two apart
-    alone: their ranks' and sizes' spread does, weakly (the start is bounded at 0)."""
+def fit_one_launch(p: Preset, points: Sequence[tuple[allreduce.Mechanism, int, int, float]]
+                   ) -> Preset:
+    """``ar_start_us`` and ``ar_flag_us`` fitted to (``sim.allreduce.Mechanism``, nranks, bytes,
+    seconds) of one-launch all-reduces (``sim.allreduce.mechanism_time``), in log error. Kernels
+    of one barrier count cannot tell a start from a flag round; kernels of one round and of two
+    can."""
     from scipy.optimize import minimize
-
-    from jaxoverlap.sim import allreduce
 
     if not points:
         return p
@@ -250,8 +249,8 @@ def fit_one_launch(p: Preset, points: Sequence[tuple[str, str, int, int, float]]
         if min(x) < 0:
             return 1e9
         q = p.replace(ar_start_us=float(x[0]), ar_flag_us=float(x[1]))
-        return sum(_log_error(allreduce.kernel_time(q, a, t, n, b), s) ** 2
-                   for a, t, n, b, s in points)
+        return sum(_log_error(allreduce.mechanism_time(q, m, n, b), s) ** 2
+                   for m, n, b, s in points)
 
     x = min((minimize(cost, x0, method="Nelder-Mead",
                       options={"xatol": 1e-5, "fatol": 1e-14, "maxiter": 4000})

@@ -99,8 +99,9 @@ FUSED_PATH_FIT = dict(ce_latency_us=16.5, ce_ramp_us=6.61, signal_latency_us=6.6
 # small messages on 8xH100, less the fused path's flag round.
 ONE_SHOT_FIT = dict(mc_latency_us=2.15)
 # A one-launch all-reduce kernel's start and one flag round across the clique (sim.allreduce,
-# fitted by sim.published.fit_one_launch to the lean published one-shot kernels on H100).
-ONE_LAUNCH_FIT = dict(ar_start_us=2.14, ar_flag_us=1.26)
+# fitted by sim.published.fit_one_launch to the lean published one-shot kernels on H100, each
+# priced by its own mechanism: vLLM's two-barrier one-stage kernel, sglang's one-barrier one).
+ONE_LAUNCH_FIT = dict(ar_start_us=2.51, ar_flag_us=1.88)
 # FP8 GEMMs on the H100 die (sim.published_gemms.fit_fp8): their own efficiency and K curve.
 H100_FP8_FIT = dict(efficiency=0.7457, best_shape=(4096, 7168, 16384), k_half=432.6,
                     tiles=FP8_TILES, fused_tile=(128, 128))
@@ -121,17 +122,21 @@ FUSED_GEMM = dict(fused_gemm_rate=0.975, fused_gemm_tile=(128, 256))
 # each family on that machine (a published loss counted as no gain), rounded up. On the h100:
 # release-only fused GEMM+RS against Flux's losses (18%), the overlapped GEMM+RS against
 # Triton-distributed's and kraken's copy-engine GEMM+RS, whose parts it is built from (12.5%:
-# TDH-s4), one-launch one-shot all-reduces against the lean published ones (22.4%); families
-# with no comparison, and each op's key, the largest derived (68.2%: the published one-launch
-# two-shot kernels run up to 3x what the lean mechanism prices). On the h800 the overlapped
+# TDH-s4); the one-launch all-reduces against the published kernels of their mechanism, each
+# priced by its own: one-shot over p2p against vLLM's one-stage and sglang's one-shot (25.1%),
+# two-shot over multicast against PyTorch's multimem_all_reduce_ (16.0%); families with no
+# comparison, and each op's key, the largest derived (66.2%: vLLM's two-stage kernel on 8 GPUs
+# runs 2.95x what its mechanism prices, the two-shot p2p family's). On the h800 the overlapped
 # GEMM+RS against Triton-distributed's chart (23.4%), and so every family without a comparison.
 _H100_MARGINS = {"ag_matmul:chunked": 0.081, "ag_matmul:fused": 0.081,
                  "matmul_rs:chunked": 0.081, "matmul_rs:fused": 0.18,
-                 "matmul_rs:overlapped": 0.125, "matmul_ar:one_launch:one_shot": 0.224}
-_H100_LARGEST = 0.682
+                 "matmul_rs:overlapped": 0.125, "matmul_ar:one_launch:one_shot:p2p": 0.251,
+                 "matmul_ar:one_launch:two_shot:multicast": 0.16}
+_H100_LARGEST = 0.662
 _FAMILY_KEYS = ("ag_matmul:chunked", "ag_matmul:fused", "matmul_rs:chunked", "matmul_rs:fused",
                 "matmul_rs:overlapped", "matmul_ar:chunked", "matmul_ar:one_shot",
-                "matmul_ar:one_launch:one_shot", "matmul_ar:one_launch:two_shot",
+                "matmul_ar:one_launch:one_shot:p2p", "matmul_ar:one_launch:one_shot:multicast",
+                "matmul_ar:one_launch:two_shot:p2p", "matmul_ar:one_launch:two_shot:multicast",
                 "ag_matmul", "matmul_rs", "matmul_ar")
 _H800_MARGINS = {"ag_matmul:fused": 0.081, "matmul_rs:fused": 0.081}
 MARGINS = {
@@ -139,8 +144,8 @@ MARGINS = {
     "h800": {k: _H800_MARGINS.get(k, 0.234) for k in _FAMILY_KEYS},
     "other": dict.fromkeys(_FAMILY_KEYS, 0.081),
 }
-# GB200: the h100's, but one-launch one-shot against the one published on GB200 (tokenspeed).
-MARGINS["gb200-nvl72"] = {**MARGINS["h100"], "matmul_ar:one_launch:one_shot": 0.559}
+# GB200: the h100's, but the multicast one-shot against the one published on GB200 (tokenspeed).
+MARGINS["gb200-nvl72"] = {**MARGINS["h100"], "matmul_ar:one_launch:one_shot:multicast": 0.583}
 
 
 @dataclass(frozen=True)
@@ -472,9 +477,10 @@ _SHARED_SOURCES = {
     "graph_node_us": "ahrefs/ocannl#488: a replayed CUDA graph costs ~0.58 us per kernel node "
                      "(RTX 5070 Ti, CUDA 13; no datacenter-GPU number published: an assumption)",
     "ar_start_us": "fitted (sim.published.fit_one_launch) with ar_flag_us to the lean one-launch "
-                   "one-shot all-reduces on H100: vLLM's ca_1stage in CUDA graphs (vllm-project/"
-                   "vllm PR #24111, tp 6/8, 0.5-1 MiB) and sglang's one-launch kernel (sgl-project/"
-                   "sglang PR #2904, tp 2/4/8, 2-128 KiB)",
+                   "one-shot all-reduces on H100, each priced by its own mechanism: vLLM's "
+                   "two-barrier ca_1stage in CUDA graphs (vllm-project/vllm PR #24111, tp 4/6/8, "
+                   "0.5-1 MiB) and sglang's one-barrier kernel (sgl-project/sglang PR #2904, "
+                   "tp 2/4/8, 2-128 KiB)",
     "ar_flag_us": "fitted with ar_start_us (see there)",
     "p2p_load_gbps": "None: SM loads from peers reach the line rate (vllm-project/vllm PR #24111: "
                      "a one-shot of 1 MiB on 8xH100 reads 7 MiB from peers in ~16 us, "

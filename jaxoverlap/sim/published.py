@@ -347,67 +347,128 @@ ONE_SHOT_ALL_REDUCES: tuple[OneShotRow, ...] = tuple(
 @dataclass(frozen=True)
 class OneLaunchRow:
     """A published all-reduce in one kernel launch (its flags on the device), timed on a
-    running stream: replayed in a CUDA graph, or launched back to back (``sim.allreduce``)."""
+    running stream: replayed in a CUDA graph, or launched back to back (``sim.allreduce``).
+    ``design`` names its kernel (``ONE_LAUNCH_KERNELS``: what it does per call)."""
 
     id: str
     source: str
     machine: str
-    algorithm: str  # "one_shot" / "two_shot"
-    transport: str  # "p2p" (SM loads of peers' buffers) / "multicast" (multimem)
+    design: str
     nranks: int
     nbytes: int
     us: float
-    held_out: bool = False  # a check: a heavier implementation, or another machine
+    held_out: bool = False  # a check: not in the fit of ar_start_us / ar_flag_us
     note: str = ""
 
+    @property
+    def mechanism(self) -> allreduce.Mechanism:
+        return ONE_LAUNCH_KERNELS[self.design]
+
+    @property
+    def algorithm(self) -> str:
+        return self.mechanism.algorithm
+
+    @property
+    def transport(self) -> str:
+        return self.mechanism.transport
+
+
+# What each published one-launch kernel does per call, read from its code (sim.allreduce's
+# terms: flag rounds, port bytes by algorithm and transport, bytes through the own HBM in S
+# units, separate copy kernels). families.DESIGNS names each and the family of ours closest.
+ONE_LAUNCH_KERNELS: dict[str, allreduce.Mechanism] = {
+    # vllm-project/vllm csrc/custom_all_reduce.cuh cross_device_reduce_1stage: a start barrier,
+    # every rank loads the N inputs in place (registered graph buffers) and writes its output
+    # (own input read, output written: 2 S), an end barrier.
+    "vllm-one-stage": allreduce.Mechanism("one_shot", "p2p", 2, local_fixed=2.0),
+    # TensorRT-LLM's oneShotAllReduceKernel as sglang vendored it (sgl-project/sglang
+    # sgl-kernel/src/sgl-kernel/csrc/trt_reduce_internal.cu): the input copied into the shared
+    # buffer inside the kernel (2 S), ONE block barrier, the N buffers loaded and summed into
+    # the output (own read, output written: 2 S).
+    "trt-one-shot": allreduce.Mechanism("one_shot", "p2p", 1, local_fixed=4.0),
+    # vLLM's SymmMemCommunicator.all_reduce (vllm/distributed/device_communicators/symm_mem.py):
+    # a copy of the input into the symmetric buffer, PyTorch's in-place kernel, a copy out (two
+    # copy kernels); multimem_all_reduce_ (pytorch/pytorch CUDASymmetricMemoryOps.cu): a
+    # barrier, multimem.ld_reduce + multimem.st of the own slice, a barrier.
+    "torch-symm-mem-multimem": allreduce.Mechanism("two_shot", "multicast", 2, copy_kernels=2),
+    # the same wrapper around two_shot_all_reduce_ (two_shot_all_reduce_kernel_inplace): a
+    # barrier, the own slice loaded from every peer, reduced and stored into every peer, a
+    # barrier.
+    "torch-symm-mem-two-shot": allreduce.Mechanism("two_shot", "p2p", 2, copy_kernels=2),
+    # cross_device_reduce_2stage: a start barrier, the own slice reduced into a registered
+    # buffer (S/N), a release/acquire barrier, every slice loaded into the output (S), no end
+    # barrier.
+    "vllm-two-stage": allreduce.Mechanism("two_shot", "p2p", 2, local_fixed=1.0),
+    # ⚠ its code not read: priced as our one-shot over multicast.
+    "nvls-one-shot-norm": allreduce.OURS[("one_shot", "multicast")],
+}
 
 VLLM24111_AR = "vllm-project/vllm PR #24111 (CUDA graphs of 10 calls, H100)"
+VLLM42324_AR = ("vllm-project/vllm PR #42324 (the same harness; ⚠ SM 9.0 inferred: the table "
+                "before its 'SM 10.0 / B200' heading, 8 GPUs)")
 SGL2904_AR = "sgl-project/sglang PR #2904 (sglang's one-launch kernel, H100, back to back)"
 TOKENSPEED860 = "lightseekorg/tokenspeed PR #860 (GB200, 8 GPUs on 2 trays)"
 _CA1 = "vLLM's cross_device_reduce_1stage (custom all-reduce, forced one-stage)"
 _SGL = ("sglang's one-launch kernel (TensorRT-LLM's, input copied inside the kernel) in a loop of "
         "5000 launches: the GPU's time per call once the launch queue is full; 'data size' in "
         "float32 elements; one-shot at these sizes (⚠ its size threshold is not published)")
-_MM = "⚠ PyTorch's multimem_all_reduce_ (symmetric memory): heavier barriers than one flag round"
-_TS = "⚠ PyTorch's two_shot_all_reduce_ (symmetric memory): heavier barriers than one flag round"
-_CA2 = "⚠ vLLM's cross_device_reduce_2stage, forced two-stage: its barriers cost more"
+_MM = "PyTorch's multimem_all_reduce_ behind vLLM's copies in and out"
+_TS = "PyTorch's two_shot_all_reduce_ behind vLLM's copies in and out"
+_CA2 = ("⚠ vLLM's cross_device_reduce_2stage, forced two-stage: 25 µs at 0.5 MiB on 8 GPUs, "
+        "15 on 6 (the same code; nothing the model prices differs by that much)")
 _TOK = ("⚠ NVLS one-shot fused with residual add and RMSNorm, hidden 7168 bf16, across two "
         "compute trays; median of 5 x 50 calls")
 
 
-def _launch_rows(prefix: str, source: str, machine: str, algorithm: str, transport: str,
-                 nranks: int, sizes_kib: Sequence[float], times: Sequence[float],
-                 held_out: bool, note: str) -> tuple[OneLaunchRow, ...]:
-    return tuple(OneLaunchRow(f"{prefix}-{nranks}x{kib:g}K", source, machine, algorithm,
-                              transport, nranks, int(kib * KiB), us, held_out, note)
+def _launch_rows(prefix: str, source: str, machine: str, design: str, nranks: int,
+                 sizes_kib: Sequence[float], times: Sequence[float], held_out: bool,
+                 note: str) -> tuple[OneLaunchRow, ...]:
+    return tuple(OneLaunchRow(f"{prefix}-{nranks}x{kib:g}K", source, machine, design, nranks,
+                              int(kib * KiB), us, held_out, note)
                  for kib, us in zip(sizes_kib, times, strict=True))
 
 
 _MIB6 = (512, 1024, 1536, 2048, 3072, 4096)
-# The lean one-shot kernels (fitted: sim.published.fit_one_launch), then the checks.
+_MIB4 = (512, 1024, 2048, 4096)
+# The two lean one-shot kernels (fitted: sim.published.fit_one_launch), then the checks.
 ONE_LAUNCH_ALL_REDUCES: tuple[OneLaunchRow, ...] = (
-    *_launch_rows("VL24111-1s", VLLM24111_AR, "h100", "one_shot", "p2p", 8, (512, 1024),
+    *_launch_rows("VL24111-1s", VLLM24111_AR, "h100", "vllm-one-stage", 8, (512, 1024),
                   (13.0, 20.0), False, _CA1),
-    *_launch_rows("VL24111-1s", VLLM24111_AR, "h100", "one_shot", "p2p", 6, (512, 1024),
+    *_launch_rows("VL24111-1s", VLLM24111_AR, "h100", "vllm-one-stage", 6, (512, 1024),
                   (13.0, 21.0), False, _CA1),
-    *_launch_rows("VL24111-1s", VLLM24111_AR, "h100", "one_shot", "p2p", 4, (512, 1024),
+    *_launch_rows("VL24111-1s", VLLM24111_AR, "h100", "vllm-one-stage", 4, (512, 1024),
                   (10.0, 15.0), False, _CA1),
     *(row for n, times in ((2, (3.7, 3.9, 4.5)), (4, (4.8, 3.7, 4.8)), (8, (5.9, 5.7, 7.8)))
-      for row in _launch_rows("SGL2904-1s", SGL2904_AR, "h100", "one_shot", "p2p", n,
+      for row in _launch_rows("SGL2904-1s", SGL2904_AR, "h100", "trt-one-shot", n,
                               (2, 16, 128), times, False, _SGL)),
-    *_launch_rows("VL24111-mm", VLLM24111_AR, "h100", "two_shot", "multicast", 8, _MIB6,
+    *_launch_rows("VL24111-mm", VLLM24111_AR, "h100", "torch-symm-mem-multimem", 8, _MIB6,
                   (16.0, 17.0, 19.0, 20.0, 23.0, 26.0), True, _MM),
-    *_launch_rows("VL24111-mm", VLLM24111_AR, "h100", "two_shot", "multicast", 4, _MIB6,
+    *_launch_rows("VL24111-mm", VLLM24111_AR, "h100", "torch-symm-mem-multimem", 6, _MIB4,
+                  (13.0, 16.0, 21.0, 31.0), True, _MM),
+    *_launch_rows("VL24111-mm", VLLM24111_AR, "h100", "torch-symm-mem-multimem", 4, _MIB6,
                   (16.0, 18.0, 21.0, 23.0, 28.0, 33.0), True, _MM),
-    *_launch_rows("VL24111-2s", VLLM24111_AR, "h100", "two_shot", "p2p", 8, _MIB6,
+    *_launch_rows("VL42324-mm", VLLM42324_AR, "h100", "torch-symm-mem-multimem", 8, _MIB6,
+                  (11.0, 14.0, 16.0, 18.0, 23.0, 27.0), True, "⚠ " + _MM),
+    *_launch_rows("VL24111-2s", VLLM24111_AR, "h100", "torch-symm-mem-two-shot", 8, _MIB6,
                   (23.0, 24.0, 24.0, 25.0, 26.0, 35.0), True, _TS),
-    *_launch_rows("VL24111-2s", VLLM24111_AR, "h100", "two_shot", "p2p", 4, _MIB6,
+    *_launch_rows("VL24111-2s", VLLM24111_AR, "h100", "torch-symm-mem-two-shot", 6, _MIB4,
+                  (17.0, 21.0, 29.0, 41.0), True, _TS),
+    *_launch_rows("VL24111-2s", VLLM24111_AR, "h100", "torch-symm-mem-two-shot", 4, _MIB6,
                   (18.0, 19.0, 19.0, 23.0, 25.0, 29.0), True, _TS),
-    *_launch_rows("VL24111-ca2", VLLM24111_AR, "h100", "two_shot", "p2p", 8, _MIB6[:4],
+    *_launch_rows("VL42324-2s", VLLM42324_AR, "h100", "torch-symm-mem-two-shot", 8, _MIB6,
+                  (15.0, 17.0, 19.0, 22.0, 29.0, 37.0), True, "⚠ " + _TS),
+    *_launch_rows("VL24111-ca2", VLLM24111_AR, "h100", "vllm-two-stage", 8, _MIB6[:4],
                   (25.0, 26.0, 27.0, 28.0), True, _CA2),
-    *_launch_rows("TS860-1s", TOKENSPEED860, "gb200-nvl72", "one_shot", "multicast", 8,
+    *_launch_rows("VL24111-ca2", VLLM24111_AR, "h100", "vllm-two-stage", 6, _MIB4,
+                  (15.0, 17.0, 26.0, 37.0), True, _CA2),
+    *_launch_rows("TS860-1s", TOKENSPEED860, "gb200-nvl72", "nvls-one-shot-norm", 8,
                   (14, 112, 896, 1792), (10.9, 10.9, 19.1, 29.4), True, _TOK),
 )
+
+
+def one_launch_time(row: OneLaunchRow) -> float:
+    """The model's seconds for a published one-launch all-reduce, priced by its own mechanism."""
+    return allreduce.mechanism_time(machine(row.machine), row.mechanism, row.nranks, row.nbytes)
 
 
 # ---- the fits behind the presets ------------------------------------------------------------
@@ -453,9 +514,11 @@ def fit_one_shot(p: Preset) -> Preset:
 
 
 def fit_one_launch(p: Preset) -> Preset:
-    """``ar_start_us`` and ``ar_flag_us`` (``sim.allreduce.kernel_time``) from the lean
-    one-launch one-shot all-reduces of ``p``'s machine (the rows not held out)."""
-    return fit.fit_one_launch(p, [(r.algorithm, r.transport, r.nranks, r.nbytes, r.us * 1e-6)
+    """``ar_start_us`` and ``ar_flag_us`` (``sim.allreduce.mechanism_time``) from the lean
+    one-launch one-shot all-reduces of ``p``'s machine (the rows not held out), each priced by
+    its own kernel's mechanism: vLLM's two-barrier one-stage kernel and sglang's one-barrier
+    one tell a kernel's start from a flag round."""
+    return fit.fit_one_launch(p, [(r.mechanism, r.nranks, r.nbytes, r.us * 1e-6)
                                   for r in ONE_LAUNCH_ALL_REDUCES
                                   if r.machine == p.name and not r.held_out])
 
@@ -728,9 +791,8 @@ def optimism(machine_name: str) -> dict[str, list[float]]:
                 out.setdefault(fam, []).append(r.optimism(ours))
     for row in ONE_LAUNCH_ALL_REDUCES:
         if row.machine in machines:
-            t = allreduce.kernel_time(machine(row.machine), row.algorithm, row.transport,
-                                      row.nranks, row.nbytes)
-            out.setdefault(f"matmul_ar:one_launch:{row.algorithm}", []).append(row.us * 1e-6 / t)
+            out.setdefault(families.DESIGNS[row.design].family, []).append(
+                row.us * 1e-6 / one_launch_time(row))
     if "h100-hbm2e" in machines:
         (ratio, _), = fit.fused_error(machine("h100-hbm2e"), [DECOMPOSED])
         out.setdefault("ag_matmul:chunked", []).append(ratio)
@@ -838,10 +900,9 @@ def markdown_designs_table() -> str:
                     key = f"{fam} ({r.row.machine})"
                     also[key] = max(also.get(key, 0.0), r.optimism(ours))
         checks = ", ".join(f"{k} {v:.2f}" for k, v in sorted(also.items())) or "—"
-        ratios += [row.us * 1e-6 / allreduce.kernel_time(machine(row.machine), row.algorithm,
-                                                         row.transport, row.nranks, row.nbytes)
-                   for row in ONE_LAUNCH_ALL_REDUCES if _launch_design(row) == d.name]
-        ids += [row.id for row in ONE_LAUNCH_ALL_REDUCES if _launch_design(row) == d.name]
+        ratios += [row.us * 1e-6 / one_launch_time(row)
+                   for row in ONE_LAUNCH_ALL_REDUCES if row.design == d.name]
+        ids += [row.id for row in ONE_LAUNCH_ALL_REDUCES if row.design == d.name]
         if d.name == "decomposed-ag":
             ids.append("P4's decomposed (fit)")
             (ratio, _), = fit.fused_error(machine("h100-hbm2e"), [DECOMPOSED])
@@ -851,14 +912,6 @@ def markdown_designs_table() -> str:
         lines.append(f"| {d.name} | {d.mechanism} | {d.family} | {shown} | {worst} | "
                      f"{checks} | {d.source} |")
     return "\n".join(lines)
-
-
-def _launch_design(row: OneLaunchRow) -> str:
-    """The design of a published one-launch all-reduce (its id's prefix)."""
-    return {"VL24111-1s": "lean-one-shot", "SGL2904-1s": "lean-one-shot",
-            "VL24111-mm": "torch-symm-mem-two-shot", "VL24111-2s": "torch-symm-mem-two-shot",
-            "VL24111-ca2": "vllm-two-stage", "TS860-1s": "nvls-one-shot-norm"}[
-                row.id.rsplit("-", 1)[0]]
 
 
 # The published GEMM+RS designs whose mechanism ``sim.reduction.overlapped`` prices with no
@@ -912,15 +965,18 @@ def markdown_overlapped_table(machines: Sequence[str] = ("h100", "h800")) -> str
 
 def markdown_one_launch_table() -> str:
     """The one-launch all-reduce kernels against the model (``sim.allreduce``)."""
-    lines = ["| id | machine | algorithm, transport | GPUs | size | model µs | published µs | "
-             "error | fitted | source |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| id | machine | design: algorithm, transport, rounds, copy kernels | GPUs | size | "
+             "model µs | published µs | error | fitted | source |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ONE_LAUNCH_ALL_REDUCES:
-        t = allreduce.kernel_time(machine(r.machine), r.algorithm, r.transport, r.nranks,
-                                  r.nbytes) * 1e6
+        t = one_launch_time(r) * 1e6
+        m = r.mechanism
         mark = " ⚠" if "⚠" in r.note else ""
-        lines.append(f"| {r.id}{mark} | {r.machine} | {r.algorithm.replace('_', '-')}, "
-                     f"{r.transport} | {r.nranks} | {_size(r.nbytes)} | {t:.1f} | {r.us:.1f} | "
-                     f"{t / r.us - 1:+.0%} | {'—' if r.held_out else 'yes'} | {r.source} |")
+        lines.append(f"| {r.id}{mark} | {r.machine} | {r.design}: "
+                     f"{m.algorithm.replace('_', '-')}, {m.transport}, {m.rounds}, "
+                     f"{m.copy_kernels} | {r.nranks} | {_size(r.nbytes)} | {t:.1f} | "
+                     f"{r.us:.1f} | {t / r.us - 1:+.0%} | {'—' if r.held_out else 'yes'} | "
+                     f"{r.source} |")
     return "\n".join(lines)
 
 

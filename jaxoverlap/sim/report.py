@@ -89,7 +89,7 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
     the chooser picks with impl="auto" and with impl="native", and why; and what the fastest
     one-launch all-reduce kernel costs captured in a command buffer (``sim.allreduce``,
     ``sim.launch``), and the best of the executors' one-launch programs (GEMM + that kernel)."""
-    from jaxoverlap.sim import allreduce, launch, model
+    from jaxoverlap.sim import allreduce, families, launch, model
 
     p = load_preset(preset)
     rows: list[dict[str, object]] = []
@@ -112,8 +112,8 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
         steps = 1 if c.algorithm == "one_shot" else 2 * (case.nranks - 1)
         if kernel_alg:
             why_native = (f"the GEMM and ONE {kernel_alg.replace('_', '-')} all-reduce kernel "
-                          f"({allreduce.flag_rounds(kernel_alg)} flag rounds), captured: no "
-                          f"host enqueue per call")
+                          f"({_rounds(allreduce.flag_rounds(kernel_alg, c.transport))}), "
+                          f"captured: no host enqueue per call")
         else:
             why_native = (f"{c.algorithm.replace('_', '-')}: {steps} transfer step(s)"
                           + (f" instead of {2 * (case.nranks - 1)}" if steps == 1 else
@@ -133,8 +133,16 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
             why = f"{auto.best.candidate.label}: {1 - auto.best.t_fused / xla.t_xla:.0%} " \
                   f"below xla (margin {auto.min_gain:.0%})"
         nbytes = case.m * case.n * (4 if case.dtype == "float32" else 2)
-        # the one-shot: the family the lean published kernels fit (the two-shot's published
-        # kernels run up to 3x what the mechanism prices: its margin says so)
+        picked = auto.best.candidate
+        if auto.best.candidate.impl == "native" and allreduce.base_algorithm(picked.algorithm):
+            # the pick's all-reduce part: its kernel alone, captured, against NCCL's
+            part = launch.call_time(p, allreduce.kernel_time(
+                p, picked.algorithm, picked.transport, case.nranks, nbytes), 1,
+                captured=True)
+            why += (f", its all-reduce kernel {part * 1e6:.1f} µs = "
+                    f"{part / xla.t_comm_xla:.2f}x NCCL's; the margin of "
+                    f"{families.family(case.op, picked)} (docs/performance.md §5)")
+        # the one-shot: the family the lean published kernels fit
         kernel, algorithm, transport = allreduce.best(p, case.nranks, nbytes,
                                                       algorithms=("one_shot",))
         rows.append({
@@ -150,6 +158,29 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
             "why": why, "why_native": why_native, "outside": auto.outside,
         })
     return rows
+
+
+def _rounds(n: int) -> str:
+    return f"{n} flag round{'s' if n != 1 else ''}"
+
+
+def _one_shot_checks(rows: Sequence[dict[str, object]]) -> list[str]:
+    """Our one-shot kernel against the published one-stage kernel at its sizes (TP8), priced
+    alike (alone, on a running stream)."""
+    from jaxoverlap.sim import allreduce, published
+
+    names = {str(r["preset"]) for r in rows}
+    out = []
+    for row in published.ONE_LAUNCH_ALL_REDUCES:
+        if row.design != "vllm-one-stage" or row.nranks != 8 or row.machine not in names:
+            continue
+        p = load_preset(row.machine)
+        ours = allreduce.kernel_time(p, "one_shot", "p2p", 8, row.nbytes) * 1e6
+        theirs = published.one_launch_time(row) * 1e6
+        out.append(f"one-shot p2p kernel at {row.nbytes >> 10} KiB, 8 GPUs: ours {ours:.1f} µs, "
+                   f"vLLM's one-stage {theirs:.1f} µs by the model, {row.us:.1f} published "
+                   f"({row.id})")
+    return out
 
 
 def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
@@ -174,6 +205,7 @@ def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
     lines.append("  1-launch 1-shot: the one-shot all-reduce kernel alone, captured ("
                  + ", ".join(f"{r['case'].split()[-1]} {r['one_launch']}" for r in rows)
                  + "; docs/performance.md)")
+    lines.extend(f"  {line}" for line in _one_shot_checks(rows))
     return "\n".join(lines)
 
 

@@ -112,14 +112,15 @@ def test_all_reduce_kernels_end_together_one_kernel_after_the_last_arrives():
     progs = [program(r, ([gemm(m, n, k)] if r == 1 else []) + [op("AllReduce", bytes=nbytes)],
                      streams=1, algorithm="one_shot_kernel") for r in range(2)]
     tl = sim.simulate_programs(progs, TOY)
-    kernel = (2 + 2 * 1) * US + nbytes / 10e9  # start, two flag rounds, one peer's bytes
+    # start, one flag round, one peer's bytes; (N + 2) S through HBM (push, sum of the slots)
+    kernel = (2 + 1) * US + nbytes / 10e9 + 4 * nbytes / 1e12
     assert tl.total == pytest.approx(g + kernel)
     ends = [max(s.end for s in tl.of(r) if s.kind == "AllReduce") for r in range(2)]
     assert ends[0] == pytest.approx(ends[1])
-    # two-shot: three flag rounds, 2(N-1)/N of the bytes
+    # two-shot: two flag rounds, 2(N-1)/N of the bytes, 4 S through HBM
     progs = [{**pr, "algorithm": "two_shot_kernel"} for pr in progs]
     tl = sim.simulate_programs(progs, TOY)
-    assert tl.total == pytest.approx(g + 5 * US + nbytes / 10e9)
+    assert tl.total == pytest.approx(g + 4 * US + nbytes / 10e9 + 4 * nbytes / 1e12)
 
 
 def test_a_one_launch_call_is_priced_captured():
@@ -128,13 +129,17 @@ def test_a_one_launch_call_is_priced_captured():
     p = TOY.replace(host_call_us=30.0, host_op_us=5.0, graph_node_us=0.5)
     nbytes = 1 << 16
     ops = [op("AllReduce", bytes=nbytes)]
-    kernel = 4 * US + nbytes / 10e9
+    kernel = 3 * US + nbytes / 10e9 + 4 * nbytes / 1e12
     captured = [program(r, ops, streams=1, algorithm="one_shot_kernel") for r in range(2)]
     assert sim.simulate_programs(captured, p).total == pytest.approx(kernel + 0.5 * US)
     enqueued = [{**pr, "algorithm": "one_shot"} for pr in captured]
     assert sim.simulate_programs(enqueued, p).total == pytest.approx(35 * US)
     # its family (the margin the automatic choice will need for it): a one-launch one-shot
-    kernel = types.SimpleNamespace(impl="native", algorithm="one_shot_kernel", fused=False)
-    assert sim.families.family("matmul_ar", kernel) == "matmul_ar:one_launch:one_shot"
+    # over its transport (peer loads and multimem are families of their own)
+    for transport in ("p2p", "multicast"):
+        kernel = types.SimpleNamespace(impl="native", algorithm="one_shot_kernel", fused=False,
+                                       transport=transport)
+        assert sim.families.family("matmul_ar", kernel) == (
+            f"matmul_ar:one_launch:one_shot:{transport}")
     assert sim.families.family("matmul_ar", types.SimpleNamespace(
         impl="native", algorithm="one_shot", fused=False)) == "matmul_ar:one_shot"

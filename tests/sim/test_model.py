@@ -274,7 +274,8 @@ def test_the_one_launch_programs_are_offered_where_the_kernel_runs_and_picked_fo
     """matmul_ar's kernel algorithms (GEMM + one AllReduce kernel, priced captured) are
     candidates over p2p and multicast only, and only while y fits the kernel's area (one-shot
     over p2p: N slots of y in 8 MiB); at decode sizes on 8xH100 the automatic choice takes the
-    one-shot one, past its family's margin; at M 256 it keeps xla."""
+    one-shot over p2p at M 1 and the two-shot over multicast from M 16 on, each past its own
+    family's margin (PyTorch's multimem_all_reduce_ is that family's published design)."""
     kernels = {"one_shot_kernel", "two_shot_kernel"}
     for transport in _kinds.names(_kinds.TRANSPORTS):
         cands = sim.candidates("h100", 8, sim.Shape(1, 1, 1024, 8192), impls=("native",),
@@ -284,8 +285,10 @@ def test_the_one_launch_programs_are_offered_where_the_kernel_runs_and_picked_fo
     big = sim.candidates("h100", 8, sim.Shape(1, 128, 1024, 8192), impls=("native",),
                          transports=("p2p",), op="matmul_ar")  # 2 MiB of bf16 y per rank
     assert {c.algorithm for c in big} & kernels == {"two_shot_kernel"}
-    for m, want in ((1, "one_shot_kernel"), (16, "one_shot_kernel"), (64, "one_shot_kernel"),
-                    (256, None)):
+    for m, want in ((1, ("one_shot_kernel", "p2p")), (16, ("two_shot_kernel", "multicast")),
+                    (64, ("two_shot_kernel", "multicast")),
+                    (256, ("two_shot_kernel", "multicast"))):
         pick = sim.choose("matmul_ar", sim.Shape(1, m, 1024, 8192), "bf16", 8, "h100")
         got = pick.best.candidate
-        assert (got.algorithm if got.impl == "native" else None) == want, (m, pick.format())
+        assert got.impl == "native" and (got.algorithm, got.transport) == want, (
+            m, pick.format())
