@@ -94,8 +94,9 @@ def _model(args: argparse.Namespace) -> int:
               "compiled and checked without a GPU, never run on one.")
     overlapped = sim.overlapped_table(preset, cases)
     if overlapped:
-        print(f"\nGEMM + reduce-scatter with the copies and the reduction beside the GEMM "
-              f"(docs/performance.md §2.8; the chooser never picks it: no such program runs):\n"
+        print(f"\nGEMM + reduce-scatter as the copy-engine designs run it (Triton-distributed, "
+              f"kraken: docs/performance.md §2.8; a check of the parts our overlapped program "
+              f"is priced with, not a plan the chooser picks):\n"
               f"{sim.format_overlapped_table(overlapped)}")
     fp8_rows = sim.projection_table([preset], sim.FP8_CASES)
     print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at its FP8 fit, AG moves one byte "

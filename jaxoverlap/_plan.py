@@ -13,9 +13,9 @@ caller asked for (a :class:`Request`; ``None`` leaves a choice open), the ``jo.c
   kind — whatever the caller left open (``impl="auto"``, ``chunks=None``,
   ``bidirectional=None``, ``transport="auto"``, ``algorithm=None``) is picked by simulating
   every candidate plan the machine supports (``jaxoverlap.sim``), the unfused ``"xla"`` path
-  included: a fused plan must be predicted faster by more than the preset's margin for the op
-  (derived from the model's measured error, docs/performance.md §5) to be chosen, so the model
-  does not make a call slower by choice. The debug log marks projections outside the preset's
+  included: a plan must be predicted faster by more than the preset's margin for its program
+  family (derived from the model's measured error, docs/performance.md §5) to be chosen, so the
+  model does not make a call slower by choice. The debug log marks projections outside the preset's
   calibrated range.
 * **The fused GEMM** (``ag_matmul`` and ``matmul_rs`` over ``p2p`` or ``multicast``: one
   persistent GEMM waiting on per-block flags, docs/gpu-internals.md §5) is one of the model's

@@ -56,29 +56,35 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert "MODEL PROJECTION" in out and "not a measurement" in out
     assert "AG std" in out and "<- pick" in out
     # the fused plan at AG std, its projection next to the published fused kernels there;
-    # RS std is F8/8192's shape on F8's machine (a published loss): unfused
+    # RS std: the overlapped GEMM+RS (its margin from the copy-engine designs it is built from,
+    # not Flux's loss there: F8/8192's design pulls in the GEMM kernel), no more than 5% above
+    # the best published at that shape
     ag = re.search(r"² h100 AG std: native \w+ fused chunks=\d+( bidi)? projects (\d\.\d\d)x vs "
                    r"xla; published fused at this shape: .*1\.36x P2/8192 \(h100-hbm2e\)", out)
     assert ag and 1.076 < float(ag.group(2)) <= 1.05 * 1.36, out
-    assert re.search(r"² h100 RS std: xla \(unfused\) projects 1\.00x vs xla; published fused "
-                     r"at this shape: 1\.55x TD-RS5 \(h800\); 0\.84x F8/8192 \(h100, loss\)", out)
+    rs = re.search(r"² h100 RS std: native multicast fused chunks=\d+ projects (\d\.\d\d)x vs "
+                   r"xla; published fused at this shape: 1\.55x TD-RS5 \(h800\); 0\.84x F8/8192 "
+                   r"\(h100, loss\)", out)
+    assert rs and 1.15 <= float(rs.group(1)) <= 1.05 * 1.55, out
     assert "the executors' own fused programs, which the ops pick" in out
-    # RS std as the overlapped GEMM+RS, labelled a projection of a program not built, never
-    # picked
-    assert "PROJECTION of a program not built yet (sim.reduction.overlapped" in out
-    assert "the chooser never picks it: no such program runs" in out
+    # RS std as the copy-engine designs run it, labelled a projection of their mechanism
+    assert "PROJECTION of a published design's mechanism, not of our program" in out
+    assert "not a plan the chooser picks" in out
     assert re.search(r"\nRS std +\d+ +\d+ +\d\.\d\d +\d\.\d\d .*sub-chunk", out), out
     # a projection outside the preset's calibrated range is marked, with the reason
     assert "* h100 AG decode: outside the calibrated range" in out
     assert "* h100 AG std:" not in out
     # decode shapes (GEMM + all-reduce, M 1-256): latency, the picks and why
     assert "Decode shapes, GEMM + all-reduce (latency, not bandwidth)" in out
-    for m in (1, 16, 64):  # the one-launch one-shot program over p2p, captured
-        assert re.search(rf"AR decode M{m} .* native p2p one-launch one-shot chunks=1 / native "
+    for m in (1, 16, 64, 256):  # a one-launch program, captured, picked by auto and native
+        assert re.search(rf"AR decode M{m} .* native \w+ one-launch \w+-shot chunks=1 / native "
                          rf"\w+ one-launch \w+-shot chunks=1\n", out), out
-        assert f"AR decode M{m}: native p2p one-launch one-shot chunks=1: " in out
-    assert re.search(r"AR decode M256 .* xla \(unfused\) / native", out), out
-    assert "AR decode M256: xla: the best native plan" in out
+        # the all-reduce part at most 0.6x NCCL's: published single-kernel all-reduces run at
+        # about 0.45-0.6x NCCL's in the same harness at these sizes (vLLM PRs #24111, #42324)
+        why = re.search(rf"AR decode M{m}: native \w+ one-launch \w+-shot chunks=1: \d+% below "
+                        rf"xla \(margin \d+%\), its all-reduce kernel [\d.]+ µs = ([\d.]+)x "
+                        rf"NCCL's", out)
+        assert why and float(why.group(1)) <= 0.6, out
     assert "captured: no host enqueue per call" in out
     # FP8 rows of the standard shapes, marked with what is measured (the FP8 GEMM alone) and
     # what extrapolated (no published FP8 call)

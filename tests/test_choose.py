@@ -60,9 +60,10 @@ def test_no_preset_on_host_devices_keeps_the_simple_defaults(monkeypatch):
 
 @pytest.mark.parametrize("op,shapes,sim_op,preset,impl", [
     (jo.ag_matmul, AG_STD, "ag_matmul", "h100", "native"),
-    # published fused GEMM+RS lost on 8xH100 (bytedance/flux#90): the h100's derived
-    # GEMM+RS margin keeps the unfused path; on 8xH800 published GEMM+RS gains
-    (jo.matmul_rs, RS_STD, "matmul_rs", "h100", "xla"),
+    # on 8xH100 the fused GEMM+RS reducing beside the kernel gains more than its family's
+    # margin (from the copy-engine designs it is built from, Triton-distributed PR #166:
+    # 1.23x at nearly this shape); on 8xH800 published GEMM+RS gains too
+    (jo.matmul_rs, RS_STD, "matmul_rs", "h100", "native"),
     (jo.matmul_rs, RS_STD, "matmul_rs", "h800", "native"),
 ])
 def test_standard_shape_picks_the_models_plan(monkeypatch, op, shapes, sim_op, preset, impl):
@@ -116,7 +117,7 @@ def test_fused_asked_for_takes_a_fused_plan_or_says_why_not(monkeypatch):
     offered; and a clear error where the fused GEMM cannot run."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     with jo.config(fused=True):
-        plan = _plan(jo.matmul_rs, *RS_STD)  # the model alone keeps RS std unfused on h100
+        plan = _plan(jo.matmul_rs, *RS_STD)
         assert (plan.impl, plan.fused) == ("native", True)
         assert plan.transport in ("p2p", "multicast")
         tiny = _plan(jo.ag_matmul, (64, 32), (32, 64))

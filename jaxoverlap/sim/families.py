@@ -16,6 +16,7 @@ published comparison on a machine gets a conservative margin: the largest derive
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,10 @@ FAMILIES: dict[str, str] = {
     "matmul_rs:fused": "GEMM+RS, release-only fused: one persistent GEMM releases each "
                        "destination's partial; the copies and the owner's reduction (a copy and "
                        "N-1 adds over p2p, a load-reduce over multicast) after the kernel",
-    "matmul_rs:overlapped": "GEMM+RS whose reduction overlaps the GEMM (not built yet)",
+    "matmul_rs:overlapped": "GEMM+RS whose reduction overlaps the GEMM: the persistent GEMM "
+                            "releases each block in rounds of sub-chunks, a reduction kernel on "
+                            "the SMs it leaves sums the block from every rank (multicast, or "
+                            "p2p with sub-chunks)",
     "matmul_ar:chunked": "GEMM+AR, two-shot: a chunked reduce-scatter ring, then an all-gather",
     "matmul_ar:one_shot": "GEMM+AR, one-shot over host-enqueued copies or stores",
     "matmul_ar:one_launch:one_shot:p2p": "all-reduce in one kernel launch, one-shot "
@@ -152,11 +156,34 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
 )}
 
 
+# Published designs that check a family of ours besides the designs closest to it: those whose
+# mechanisms its program is built from. The overlapped GEMM+RS is the release-only persistent
+# GEMM (per-block flags, the next rank's block first), its blocks moved by copies or loaded by a
+# multicast load-reduce, each summed in one N-input pass (sim.reduction) — the parts of
+# Triton-distributed's and kraken's copy-engine GEMM+RS, which only run the reduction after the
+# GEMM instead of beside it; the designs closest to it (TransformerEngine's pipeline,
+# ThunderKittens) published no GEMM+RS times. Flux's Hopper GEMM+RS is not among them: its
+# transfers are pulls by the GEMM kernel's own warps, a mechanism none of our programs has.
+BUILT_FROM: dict[str, tuple[str, ...]] = {
+    "matmul_rs:overlapped": ("triton-dist-rs", "kraken-ce-rs"),
+}
+
+
 def check_designs() -> None:
-    """Every design's family is a known family (an import-time check in the tests)."""
+    """Every design's family is a known family, every BUILT_FROM entry a family and designs
+    (an import-time check in the tests)."""
     unknown = sorted({d.family for d in DESIGNS.values()} - set(FAMILIES))
     if unknown:
         raise ValueError(f"designs name unknown families {unknown}")
+    for fam, names in BUILT_FROM.items():
+        if fam not in FAMILIES or not set(names) <= set(DESIGNS):
+            raise ValueError(f"BUILT_FROM[{fam!r}] names an unknown family or design: {names}")
+
+
+def checked_by(fam: str) -> set[str]:
+    """The published designs a family answers to: those closest to it, and those its program
+    is built from (``BUILT_FROM``)."""
+    return {d.name for d in DESIGNS.values() if d.family == fam} | set(BUILT_FROM.get(fam, ()))
 
 
 def margin(serial_errors: Sequence[float], fused_ratios: Sequence[float]) -> float:
@@ -171,7 +198,9 @@ def margin(serial_errors: Sequence[float], fused_ratios: Sequence[float]) -> flo
     """
     worst_serial = max((abs(e) for e in serial_errors), default=0.0)
     worst_fused = max(fused_ratios, default=1.0)
-    return round(max(worst_serial, 1.0 - 1.0 / max(worst_fused, 1.0)), 3)
+    # rounded up: a margin never below the error it covers (the chooser's test is t <= xla x
+    # (1 - margin), so the row that sets it must stay on the unfused side)
+    return math.ceil(max(worst_serial, 1.0 - 1.0 / max(worst_fused, 1.0)) * 1000 - 1e-9) / 1000
 
 
 def derived(serial_errors: Iterable[float], optimism: Mapping[str, Iterable[float]]

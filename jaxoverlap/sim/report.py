@@ -209,14 +209,17 @@ def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-OVERLAPPED_LABEL = ("PROJECTION of a program not built yet (sim.reduction.overlapped: GEMM+RS "
-                    "whose copies and reduction overlap the GEMM), not a measurement")
+OVERLAPPED_LABEL = ("PROJECTION of a published design's mechanism, not of our program "
+                    "(sim.reduction.overlapped: copy-engine copies beside the persistent GEMM, "
+                    "the reduction beside or after it), not a measurement")
 
 
 def overlapped_table(preset: str | Preset, cases: Sequence[Case] = STANDARD_CASES
                      ) -> list[dict[str, object]]:
-    """The GEMM+RS cases (16-bit, over p2p) priced as the overlapped design of
-    ``sim.reduction.overlapped``: xla's time, the projection's, its parts and its design."""
+    """The GEMM+RS cases (16-bit, over p2p) priced as the design of
+    ``sim.reduction.overlapped`` (Triton-distributed's and kraken's copy-engine GEMM+RS when
+    its reduction runs after the GEMM: the parts the overlapped program is built from, checked
+    against their published calls): xla's time, the projection's, its parts and its design."""
     from jaxoverlap.sim import reduction
     from jaxoverlap.sim.plan import baseline_times
 

@@ -81,7 +81,7 @@ def test_fused_points_recover_the_fixed_costs_and_set_the_margin():
     assert all(0.0 <= fitted.min_gain[k] < 0.01 for k in measured)
     assert fitted.min_gain["matmul_ar"] == max(fitted.min_gain["ag_matmul"],
                                                fitted.min_gain["matmul_rs"])
-    assert fitted.min_gain["matmul_rs:fused"] == BASE.min_gain["matmul_rs:fused"] > 0.3
+    assert fitted.min_gain["matmul_rs:fused"] == BASE.min_gain["matmul_rs:fused"] > 0.1
     assert fitted.margin("matmul_rs", "matmul_rs:chunked") < 0.01
     # the preset records the range it was calibrated on
     assert set(fitted.calibrated) >= {"gemm_flop", "collective_bytes", "ag_matmul",
@@ -94,6 +94,11 @@ def test_margin_from_errors():
     # a fused call 25% slower than predicted: 1 - 1/1.25 = 20%
     assert fit.margin([0.05], [1.25, 0.9]) == pytest.approx(0.2)
     assert fit.margin([], []) == 0.0
+    # rounded up, never down: a plan projected 1.1428x where its design lost (TDH-s4's ratio,
+    # a loss counted as no gain) needs 1 - 1/1.1428 = 12.49% and gets 12.5%, so that plan
+    # (t = xla / 1.1428 > xla x (1 - 0.125)) stays unfused
+    assert fit.margin([0.0], [1.1428]) == 0.125 > 1 - 1 / 1.1428
+    assert fit.margin([0.0], [1.1432]) == 0.126
 
 
 def test_pipelined_time_is_the_best_chunk_count():

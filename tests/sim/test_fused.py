@@ -351,23 +351,21 @@ def test_standard_ag_h100_picks_fused_near_the_published_fused_kernels():
 
 
 @pytest.mark.slow  # two choices at the standard shape: seconds
-def test_standard_rs_h100_keeps_unfused():
+def test_standard_rs_h100_picks_the_fused_program_reducing_beside_the_kernel():
     """RS std is F8/8192's shape on F8's machine, where Flux's fused GEMM+RS lost (0.84x): the
-    h100's margins for the fused GEMM+RS (derived from that and Triton-distributed's losses,
-    the designs closest to it) and for the chunked ring (from PyTorch's decomposed async-TP)
-    keep the unfused path. The fused GEMM+RS pays its reduction after the kernel (over p2p: a
-    copy and 7 adds of the own block), so the fastest plan there is chunked or fused within a
-    few percent of each other."""
+    release-only fused GEMM+RS, the program closest to Flux's design (its reduction after the
+    kernel: over p2p a copy and 7 adds of the own block), stays below the margin that loss sets.
+    The fused program that reduces each round beside the kernel (multicast) answers to the
+    copy-engine designs it is built from (Triton-distributed: 1.23x at nearly this shape on
+    8xH100, PR #166) and is picked: the fastest plan, above its family's margin."""
     choice = sim.choose("matmul_rs", RS_STD, "bf16", 8, "h100")
-    for r in choice.table:
-        if r.candidate.impl != "xla":
-            family = sim.families.family("matmul_rs", r.candidate)
-            assert r.speedup_vs_xla < 1 / (1 - H100.margin("matmul_rs", family)), r.candidate
-    assert choice.candidate.impl == "xla"
     fastest = min(choice.table, key=lambda r: r.t_fused)
-    best_fused = min((r for r in choice.table if r.candidate.fused), key=lambda r: r.t_fused)
-    assert 1.0 < best_fused.speedup_vs_xla, best_fused
-    assert best_fused.speedup_vs_xla >= 0.95 * fastest.speedup_vs_xla, (best_fused, fastest)
+    assert choice.best is fastest and fastest.candidate.fused, choice.format()
+    assert fastest.candidate.transport == "multicast"
+    assert sim.families.family("matmul_rs", fastest.candidate) == "matmul_rs:overlapped"
+    for r in choice.table:
+        if sim.families.family("matmul_rs", r.candidate) == "matmul_rs:fused":
+            assert r.speedup_vs_xla < 1 / (1 - H100.margin("matmul_rs", "matmul_rs:fused"))
 
 
 def test_the_fused_time_never_beats_its_kernel_alone_nor_the_ideal():

@@ -111,14 +111,20 @@ def test_standard_shape_h100_projection():
     assert 0.3 < best.overlap_efficiency <= 1.0
     assert len(choice.table) == len(sim.candidates(H100, 8, STANDARD["ag_matmul"]))
     assert best.t_fused == min(r.t_fused for r in choice.table)
-    # RS: the model projects a gain, but less than the margin of the plan's family (published
-    # GEMM+RS designs closest to each lost on H100): the unfused path stays
+    # RS: the fused program reducing beside the kernel gains more than its family's margin
+    # and is picked; the release-only one gains less than its own (Flux's loss at this shape)
     choice = sim.choose("matmul_rs", STANDARD["matmul_rs"], "bf16", 8, "h100")
-    fastest = min(choice.table, key=lambda r: r.t_fused)
-    assert fastest.candidate.impl == "native" and 1.0 < fastest.speedup_vs_xla
-    family = sim.families.family("matmul_rs", fastest.candidate)
-    assert fastest.speedup_vs_xla < 1 / (1 - H100.margin("matmul_rs", family))
-    assert choice.candidate.impl == "xla", choice.format()
+    best = choice.best
+    family = sim.families.family("matmul_rs", best.candidate)
+    assert family == "matmul_rs:overlapped", choice.format()
+    assert 1 / (1 - H100.margin("matmul_rs", family)) < best.speedup_vs_xla <= best.ideal_speedup
+    # at least 1.15x, and no more than 5% above the best published at this shape (TD-RS5, 1.55x
+    # on 8xH800; ByteDance-Seed/Triton-distributed README)
+    assert 1.15 <= best.speedup_vs_xla <= 1.05 * 1.55
+    assert best.t_fused == min(r.t_fused for r in choice.table)
+    release = next(r for r in choice.table
+                   if sim.families.family("matmul_rs", r.candidate) == "matmul_rs:fused")
+    assert 1.0 < release.speedup_vs_xla < 1 / (1 - H100.margin("matmul_rs", "matmul_rs:fused"))
 
 
 def test_chooser_falls_back_to_unfused_for_tiny_gemms():

@@ -91,16 +91,26 @@ def test_the_closest_program_never_beats_the_published_design_by_more_than_5_per
 
 
 @pytest.mark.slow  # the model on every published row: seconds
-def test_every_published_loss_keeps_the_unfused_path(calls):
+def test_every_published_loss_is_a_loss_of_the_program_closest_to_its_design(calls):
+    """A published loss comes out as a loss (a projection below 1) of our program closest to the
+    design that measured it, the rows of DISAGREES excepted; the chooser never picks a plan of a
+    family that answers to that design (its closest family, or one built from its mechanisms:
+    families.checked_by) at a published loss. A plan of a family without the design's mechanism
+    may be picked there (F8, Flux's pulls by the GEMM's warps: the overlapped GEMM+RS)."""
     losses = [r for r in calls if r.row.loss]
-    assert {r.row.id for r in losses} >= {"F7/1024", "F8/1024", "F8/2048", "F8/32768"}
+    assert {r.row.id for r in losses} >= {"F7/1024", "F8/1024", "F8/2048", "F8/32768", "TDH-s8",
+                                          "TDH-s4", "KR-CE/512", "KR-CE/1024", "KR-ATP/2048"}
     for r in losses:
-        assert r.pick.candidate.impl == "xla", (r.row.id, r.pick.candidate)
-        assert not r.pick.candidate.fused
-        if r.row.id not in published.DISAGREES:  # the mechanisms alone predict the loss
-            assert r.speedup < 1.0 + r.margin, (r.row.id, r.speedup)
-            if r.best_fused is not None:
-                assert r.best_fused.speedup_vs_xla < 1.0 + r.margin, r.row.id
+        if r.row.id not in published.DISAGREES:
+            assert r.closest.speedup_vs_xla < 1.0, (r.row.id, r.closest.speedup_vs_xla)
+        picked = families.family(r.row.op, r.pick.candidate)
+        assert picked == "" or r.row.design not in families.checked_by(picked), (
+            r.row.id, r.pick.candidate)
+    # below the crossover Triton-distributed measured (PR #166: 100 GFLOP per rank), where
+    # every published design lost, nothing is fused
+    for r in losses:
+        if 2.0 * r.row.m * r.row.n * r.row.k < 1e11:
+            assert r.pick.candidate.impl == "xla", (r.row.id, r.pick.candidate)
 
 
 @pytest.mark.slow  # the model on every published row: seconds
@@ -120,7 +130,7 @@ def test_fused_plans_against_the_published_fused_kernels(calls):
         # the design's own family where it is one of our fused ones (a release-only fused
         # GEMM+RS is not held to an overlapped design's result, nor the reverse)
         ours = r.closest if r.closest.candidate.fused else r.best_fused
-        ratio = ours.speedup_vs_xla / (r.row.published_speedup + r.row.reading_error)
+        ratio = r.optimism(ours)  # a published loss counts as no gain
         assert ratio <= OVERSHOOT or r.row.id in published.DISAGREES, (r.row.id, ratio)
         assert r.best_native.t_fused <= r.best_fused.t_fused
         assert r.rate is not None
@@ -283,8 +293,16 @@ def test_the_margins_are_derived_per_family_from_the_measured_error():
     assert h100.margin("matmul_rs", "matmul_rs:fused") != h100.margin("matmul_rs",
                                                                         "matmul_rs:chunked")
     assert h100.margin("ag_matmul", "ag_matmul:fused") < 0.1
-    # the overlapped GEMM+RS (no program, no published comparison yet): conservative
-    assert h100.margin("matmul_rs", "matmul_rs:overlapped") == max(h100.min_gain.values())
+    # the overlapped GEMM+RS answers to the copy-engine designs it is built from, on 8xH100
+    # Triton-distributed's TDH-s4: 0.72x published (a loss: no gain), ours projected ~1.14x
+    built = [r.optimism(ours) for r in published.evaluate() if r.row.machine == "h100"
+             for fam, ours in r.built if fam == "matmul_rs:overlapped"]
+    assert {r.row.design for r in published.evaluate() if r.built} == {"triton-dist-rs",
+                                                                       "kraken-ce-rs"}
+    assert h100.margin("matmul_rs", "matmul_rs:overlapped") == pytest.approx(
+        max(1 - 1 / max(built), 0.08), abs=1e-3)
+    assert 0.08 < h100.margin("matmul_rs", "matmul_rs:overlapped") < h100.margin(
+        "matmul_rs", "matmul_rs:fused")
     for name in ("h200", "a100", "b200"):
         assert sim.get_preset(name).min_gain == h100.min_gain
 
