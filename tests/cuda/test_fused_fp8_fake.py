@@ -46,13 +46,20 @@ def _scales(n: int) -> tuple[list[float], list[float]]:
     return [2.0 ** (r - 2) for r in range(n)], [2.0 ** -(r % 3) for r in range(n)]
 
 
+def _inputs(dtypes, n, x_rows, k, nw, seed):
+    """Per rank: small-integer x [1, x_rows, k] and w [k, nw] in their FP8 dtypes."""
+    x_dtype, w_dtype, _ = dtypes
+    rng = np.random.default_rng(seed)
+    xs = [rng.integers(-2, 3, (1, x_rows, k)).astype(np.float32).astype(NP[x_dtype])
+          for _ in range(n)]
+    ws = [rng.integers(-2, 3, (k, nw)).astype(np.float32).astype(NP[w_dtype]) for _ in range(n)]
+    return xs, ws
+
+
 def _case(fake, transport, dtypes, n, rows, k, nw, chunks, bidi, seed, calls=1):
     """One fused FP8 all-gather on fresh small-integer inputs: (outcome, expected ys)."""
     x_dtype, w_dtype, y_dtype = dtypes
-    rng = np.random.default_rng(seed)
-    xs = [rng.integers(-2, 3, (1, rows, k)).astype(np.float32).astype(NP[x_dtype])
-          for _ in range(n)]
-    ws = [rng.integers(-2, 3, (k, nw)).astype(np.float32).astype(NP[w_dtype]) for _ in range(n)]
+    xs, ws = _inputs(dtypes, n, rows, k, nw, seed)
     sx, sw = _scales(n)
     p = problem("ag_matmul", transport, n, batch=1, rows=rows, k=k, nw=nw, dtype=x_dtype,
                 w_dtype=w_dtype, out_dtype=y_dtype, chunks=chunks, bidirectional=bidi,
@@ -72,10 +79,7 @@ def _rs_case(fake, transport, dtypes, n, rows, k, nw, chunks, seed):
     ys). Each partial (|sum| <= 4k <= 256 times a power of two) is exact in bf16, their float32
     sum too, so y is the float64 sum rounded once."""
     x_dtype, w_dtype, y_dtype = dtypes
-    rng = np.random.default_rng(seed)
-    xs = [rng.integers(-2, 3, (1, n * rows, k)).astype(np.float32).astype(NP[x_dtype])
-          for _ in range(n)]
-    ws = [rng.integers(-2, 3, (k, nw)).astype(np.float32).astype(NP[w_dtype]) for _ in range(n)]
+    xs, ws = _inputs(dtypes, n, n * rows, k, nw, seed)
     sx, sw = _scales(n)
     p = problem("matmul_rs", transport, n, batch=1, rows=rows, k=k, nw=nw, dtype=x_dtype,
                 w_dtype=w_dtype, out_dtype=y_dtype, chunks=chunks, bidirectional=False,
