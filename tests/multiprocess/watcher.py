@@ -48,6 +48,7 @@ def credentials(pid: int | str) -> dict[str, str]:
 class Report:
     def __init__(self) -> None:
         self.opened: dict[str, str] = {}  # path -> how
+        self.targets: dict[str, str] = {}  # path -> what the opened descriptor is
         self.tries: dict[str, int] = {}
         self.refusals: dict[str, str] = {}
         self.others: set[str] = set()  # names of other test jobs, left alone
@@ -58,8 +59,9 @@ class Report:
         if error is not None:
             self.refusals.setdefault(kind, f"{type(error).__name__}: {error.strerror}")
 
-    def got(self, path: str, how: str) -> None:
+    def got(self, path: str, how: str, target: str) -> None:
         self.opened.setdefault(path, how)
+        self.targets.setdefault(path, target)
 
 
 def try_open(report: Report, kind: str, path: str, flags: int = os.O_RDWR) -> None:
@@ -69,8 +71,11 @@ def try_open(report: Report, kind: str, path: str, flags: int = os.O_RDWR) -> No
         report.tried(kind, e)
         return
     report.tried(kind)
-    report.got(path, kind)
-    os.close(fd)
+    try:  # what was opened, read from this process's own descriptor (no race with the job's)
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+    report.got(path, kind, target)
 
 
 # The tag the test harness gives each job it runs (harness.py), in every name that job makes.
@@ -162,7 +167,8 @@ def main() -> int:
         time.sleep(0.002)
     sys.stdin.readline()
     print(json.dumps({
-        "opened": report.opened, "tries": report.tries, "refusals": report.refusals,
+        "opened": report.opened, "targets": report.targets, "tries": report.tries,
+        "refusals": report.refusals,
         "sockets": sorted(sockets), "others": sorted(report.others), "rounds": rounds,
         "seen": sorted(report.seen), "seconds": time.monotonic() - start,
         "me": credentials("self"), "job": {str(p): c for p, c in job.items()},
