@@ -65,38 +65,21 @@ struct Instance {
 // Every instantiation built; FusedServes (core/kinds.h) accepts exactly the sm90
 // triples, sm100 serves the 16-bit ones (tests/cuda/test_fused_sass.py finds each
 // kernel in the built module).
+#define JO_INSTANCE(kernel, a, b, d, Name) \
+  {FusedKernel::kernel,                    \
+   {DType::a, DType::b, DType::d},         \
+   fused_kernel::Function##Name,           \
+   fused_kernel::SharedBytes##Name,        \
+   fused_kernel::Launch##Name}
 const Instance kInstances[] = {
-    {FusedKernel::kSm90,
-     {DType::kBF16, DType::kBF16, DType::kBF16},
-     fused_kernel::FunctionBF16,
-     fused_kernel::SharedBytesBF16,
-     fused_kernel::LaunchBF16},
-    {FusedKernel::kSm90,
-     {DType::kF16, DType::kF16, DType::kF16},
-     fused_kernel::FunctionF16,
-     fused_kernel::SharedBytesF16,
-     fused_kernel::LaunchF16},
-    {FusedKernel::kSm90,
-     {DType::kF8E4M3, DType::kF8E4M3, DType::kBF16},
-     fused_kernel::FunctionE4M3_BF16,
-     fused_kernel::SharedBytesE4M3_BF16,
-     fused_kernel::LaunchE4M3_BF16},
-    {FusedKernel::kSm90,
-     {DType::kF8E5M2, DType::kF8E4M3, DType::kBF16},
-     fused_kernel::FunctionE5M2E4M3_BF16,
-     fused_kernel::SharedBytesE5M2E4M3_BF16,
-     fused_kernel::LaunchE5M2E4M3_BF16},
-    {FusedKernel::kSm100,
-     {DType::kBF16, DType::kBF16, DType::kBF16},
-     fused_kernel::FunctionSm100BF16,
-     fused_kernel::SharedBytesSm100BF16,
-     fused_kernel::LaunchSm100BF16},
-    {FusedKernel::kSm100,
-     {DType::kF16, DType::kF16, DType::kF16},
-     fused_kernel::FunctionSm100F16,
-     fused_kernel::SharedBytesSm100F16,
-     fused_kernel::LaunchSm100F16},
+    JO_INSTANCE(kSm90, kBF16, kBF16, kBF16, BF16),
+    JO_INSTANCE(kSm90, kF16, kF16, kF16, F16),
+    JO_INSTANCE(kSm90, kF8E4M3, kF8E4M3, kBF16, E4M3_BF16),
+    JO_INSTANCE(kSm90, kF8E5M2, kF8E4M3, kBF16, E5M2E4M3_BF16),
+    JO_INSTANCE(kSm100, kBF16, kBF16, kBF16, Sm100BF16),
+    JO_INSTANCE(kSm100, kF16, kF16, kF16, Sm100F16),
 };
+#undef JO_INSTANCE
 
 const Instance* Find(const FusedTypes& t, FusedKernel kernel) {
   for (const Instance& i : kInstances)

@@ -87,32 +87,24 @@ struct Launch {
 // per CTA tile of fused::kTileRows rows.
 inline constexpr int32_t kSm100MmaPair = 2;
 
-// One instantiation per element type (FP8: per A x B -> D triple). Function*:
-// the kernel, as cudaFuncGetAttributes and cudaFuncSetAttribute take it;
-// SharedBytes*: the dynamic shared memory it needs; Launch*: enqueues the
-// launch on `stream` (the counters' zero-fill, then the kernel).
-const void* FunctionBF16();
-int SharedBytesBF16();
-Status LaunchBF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
-const void* FunctionF16();
-int SharedBytesF16();
-Status LaunchF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
-// e4m3 x e4m3 -> bf16
-const void* FunctionE4M3_BF16();
-int SharedBytesE4M3_BF16();
-Status LaunchE4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
-// e5m2 x e4m3 -> bf16: dy @ w^T, the backward's dx
-const void* FunctionE5M2E4M3_BF16();
-int SharedBytesE5M2E4M3_BF16();
-Status LaunchE5M2E4M3_BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+// One instantiation per element type (FP8: per A x B -> D triple), defined in
+// its own .cu file. Function<Name>: the kernel, as cudaFuncGetAttributes and
+// cudaFuncSetAttribute take it; SharedBytes<Name>: the dynamic shared memory
+// it needs; Launch<Name>: enqueues the launch on `stream` (the counters'
+// zero-fill, then the kernel).
+#define JO_FUSED_GEMM_DECLARE(Name) \
+  const void* Function##Name();     \
+  int SharedBytes##Name();          \
+  Status Launch##Name(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+JO_FUSED_GEMM_DECLARE(BF16)
+JO_FUSED_GEMM_DECLARE(F16)
+JO_FUSED_GEMM_DECLARE(E4M3_BF16)      // e4m3 x e4m3 -> bf16
+JO_FUSED_GEMM_DECLARE(E5M2E4M3_BF16)  // e5m2 x e4m3 -> bf16: dy @ w^T, the backward's dx
 // sm_100a (B200, GB200): bf16 and f16 (fused_gemm_kernel_sm100.cuh). The
 // launch refuses an order not made over kSm100MmaPair-tile MMA tiles.
-const void* FunctionSm100BF16();
-int SharedBytesSm100BF16();
-Status LaunchSm100BF16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
-const void* FunctionSm100F16();
-int SharedBytesSm100F16();
-Status LaunchSm100F16(const Launch& launch, cudaStream_t stream, const ErrorContext& ctx);
+JO_FUSED_GEMM_DECLARE(Sm100BF16)
+JO_FUSED_GEMM_DECLARE(Sm100F16)
+#undef JO_FUSED_GEMM_DECLARE
 
 }  // namespace fused_kernel
 }  // namespace jo::cuda
