@@ -5,7 +5,10 @@ development install, so little is recompiled; it has the CUDA extension when thi
 and installed with its dependencies alone into a new venv outside the source tree: no flax,
 optax, matplotlib or rich, and no NCCL/cuBLAS wheels. Every command then either works or says
 in one line what to install, never a traceback. jax is pinned to the version running here, so
-pip takes the copy it already has rather than resolving a new one.
+pip takes the copy it already has rather than resolving a new one. The venv is made without a
+pip of its own (this interpreter's pip installs into it: ``pip --python``) and the install
+skips compiling every file to bytecode (Python compiles what a command imports): what is
+installed is the same, in a quarter of the time.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
+                   timeout=300)
     python = root / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel),
-                    f"jax=={jax.__version__}", f"jaxlib=={jaxlib.__version__}"],
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                    "--no-compile", str(wheel), f"jax=={jax.__version__}",
+                    f"jaxlib=={jaxlib.__version__}"],
                    env=_env(), check=True, timeout=1200)
     return python
 
