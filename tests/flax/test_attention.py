@@ -46,6 +46,35 @@ def _grads(apply, params, *inputs):
 # ---------------------------------------------------------------- linen
 
 
+_REFERENCES: dict = {}
+
+
+def _reference(key, compute):
+    """Flax's own layer's result, computed once per ``key`` (what it depends on) for the
+    cases that compare with it; the parallel layer runs anew in every case."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = compute()
+    return _REFERENCES[key]
+
+
+class _LinenPair(nn.Module):
+    column: type
+    row: type
+    kw: dict
+
+    @nn.compact
+    def __call__(self, x):
+        h = self.column(features=(HEADS, 2), name="q", **self.kw)(x)
+        return self.row(features=E, axis=(-2, -1), name="o", **self.kw)(jnp.tanh(h))
+
+
+def _dense_general_reference():
+    """The nn.DenseGeneral pair's parameters and (y, loss, grads)."""
+    x, ref = rand(0, (B, S, E)), _LinenPair(nn.DenseGeneral, nn.DenseGeneral, {})
+    params = ref.init(jax.random.key(1), x)
+    return params, _grads(ref.apply, params, x)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["dp2_tp4_explicit", "tp4_auto"])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
@@ -54,21 +83,9 @@ def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
     projections are, against the same nn.DenseGeneral pair."""
     mesh = mesh_named(mesh_name)
     explicit = mesh_name.endswith("explicit")
-
-    class Pair(nn.Module):
-        column: type
-        row: type
-        kw: dict
-
-        @nn.compact
-        def __call__(self, x):
-            h = self.column(features=(HEADS, 2), name="q", **self.kw)(x)
-            return self.row(features=E, axis=(-2, -1), name="o", **self.kw)(jnp.tanh(h))
-
     x = rand(0, (B, S, E))
-    ref = Pair(nn.DenseGeneral, nn.DenseGeneral, {})
-    params = ref.init(jax.random.key(1), x)
-    ours = Pair(jl.ColumnParallelDenseGeneral, jl.RowParallelDenseGeneral,
+    params, want = _reference("dense_general", _dense_general_reference)
+    ours = _LinenPair(jl.ColumnParallelDenseGeneral, jl.RowParallelDenseGeneral,
                 dict(sequence_parallel=sequence_parallel, impl="ring",
                      mesh=None if explicit else mesh))
     with _mesh_scope(mesh, explicit):
@@ -81,7 +98,7 @@ def test_linen_general_layers_match_dense_general(mesh_name, sequence_parallel):
         assert own["params"]["q"]["kernel"].sharding.is_equivalent_to(
             NamedSharding(mesh, specs["q"]["kernel"]), 3)
         got = _grads(ours.apply, params, put(x, mesh, x_spec(mesh, sequence_parallel)))
-    assert_tree_close(got, _grads(ref.apply, params, x), jnp.float32, "y, loss, grads")
+    assert_tree_close(got, want, jnp.float32, "y, loss, grads")
 
 
 @pytest.mark.slow
@@ -102,14 +119,18 @@ def test_linen_attention_matches_flax(mesh_name, sequence_parallel, dropout):
     def apply(model):
         return lambda p, x: model.apply(p, x, mask=mask, rngs=rngs)
 
-    params = ref.init(jax.random.key(0), x, mask=mask)
+    def reference():
+        params = ref.init(jax.random.key(0), x, mask=mask)
+        return params, _grads(apply(ref), params, x)
+
+    params, want = _reference(("linen attention", dropout), reference)
     with _mesh_scope(mesh, explicit):
         own = ours.init(jax.random.key(0), x, mask=mask)
         assert_tree_close(own, params, jnp.float32, "initial parameters")
         specs = jl.partition_specs(ours, jax.random.key(0), x, mask=mask)
         placed = jax.tree.map(lambda a, s: put(a, mesh, s), params, specs)
         got = _grads(apply(ours), placed, put(x, mesh, x_spec(mesh, sequence_parallel)))
-    assert_tree_close(got, _grads(apply(ref), params, x), jnp.float32, "y, loss, grads")
+    assert_tree_close(got, want, jnp.float32, "y, loss, grads")
 
 
 @pytest.mark.slow
@@ -162,7 +183,6 @@ def test_nnx_attention_matches_flax(mesh_name, sequence_parallel, dropout, kv_he
     mask = nnx.make_causal_mask(np.ones((B, S)))
     kw = dict(num_kv_heads=kv_heads, dropout_rate=dropout, deterministic=dropout == 0.0,
               decode=False)
-    ref = nnx.MultiHeadAttention(HEADS, E, **kw, rngs=nnx.Rngs(0))
     call = dict(mask=mask)
 
     def run(model, x):        # a fresh dropout stream inside the traced function, for both
@@ -174,18 +194,23 @@ def test_nnx_attention_matches_flax(mesh_name, sequence_parallel, dropout, kv_he
         y, value, (g_params, g_x) = _grads(apply, params, x)
         return y, value, (nnx.to_pure_dict(g_params), g_x)
 
+    def reference():
+        ref = nnx.MultiHeadAttention(HEADS, E, **kw, rngs=nnx.Rngs(0))
+        return nnx.to_pure_dict(nnx.state(ref, nnx.Param)), run(ref, x)
+
+    ref_params, want = _reference(("nnx attention", dropout, kv_heads), reference)
     with _mesh_scope(mesh, explicit):
         ours = jn.ParallelMultiHeadAttention(
             HEADS, E, **kw, sequence_parallel=sequence_parallel, impl="ring",
             mesh=None if explicit else mesh, rngs=nnx.Rngs(0))
         # Same initial values as Flax's, and the heads split over tp.
-        assert_tree_close(nnx.to_pure_dict(nnx.state(ours, nnx.Param)),
-                          nnx.to_pure_dict(nnx.state(ref, nnx.Param)), jnp.float32, "init")
+        assert_tree_close(nnx.to_pure_dict(nnx.state(ours, nnx.Param)), ref_params,
+                          jnp.float32, "init")
         specs = jn.partition_specs(ours)
         assert specs["query"]["kernel"].get_value() == P(None, "tp", None)
         assert specs["out"]["kernel"].get_value() == P("tp", None, None)
         got = run(ours, put(x, mesh, x_spec(mesh, sequence_parallel)))
-    assert_tree_close(got, run(ref, x), jnp.float32, "y, loss, grads")
+    assert_tree_close(got, want, jnp.float32, "y, loss, grads")
 
 
 class _Pair(nnx.Module):
