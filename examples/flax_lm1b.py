@@ -86,6 +86,7 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="global batch")
     p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks of the model")
     p.add_argument("--rtol", type=float, default=1e-4,
                    help="largest relative loss difference accepted (float32)")
     p.add_argument("--host-devices", type=int, default=8,
@@ -191,7 +192,7 @@ def linen_losses(args, swap: bool) -> list[float]:
         rules = LINEN_RULES + SWAP_RULES
     config = models.TransformerConfig(
         vocab_size=64, output_vocab_size=64, emb_dim=32, num_heads=4, qkv_dim=32,
-        mlp_dim=64, num_layers=2, max_len=args.seq, dropout_rate=0.1,
+        mlp_dim=64, num_layers=args.layers, max_len=args.seq, dropout_rate=0.1,
         attention_dropout_rate=0.1, deterministic=False)
     # The fields utils.setup_initial_state reads from the training config.
     train_config = types.SimpleNamespace(per_device_batch_size=args.batch,
@@ -248,7 +249,7 @@ def nnx_losses(args, swap: bool) -> list[float]:
         }, "flax_lm1b_nnx_models_tp")
     config = models.TransformerConfig(
         vocab_size=64, output_vocab_size=64, emb_dim=32, num_heads=4, qkv_dim=32,
-        mlp_dim=64, num_layers=2, max_len=args.seq, dropout_rate=0.1,
+        mlp_dim=64, num_layers=args.layers, max_len=args.seq, dropout_rate=0.1,
         attention_dropout_rate=0.1, axis_rules=default.Config().axis_rules)
     mesh = make_mesh(args)
     data_sharding = NamedSharding(mesh, P("data"))
