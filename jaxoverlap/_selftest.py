@@ -855,10 +855,13 @@ def fake_main(quick: bool = False, report: str | None = None,
     from jaxoverlap._version import __version__
 
     print(f"jaxoverlap {__version__} selftest on the host-side CUDA fake (no GPU is used)")
+    queues, loading = (os.environ.get(v) for v in ("CUDA_DEVICE_MAX_CONNECTIONS",
+                                                    "CUDA_MODULE_LOADING"))
     print("Runs the CUDA executor's host code, its enqueue order through the fake's work queues "
-          f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '')!s}"
-          "; unset: the driver's 8), NCCL's serialisation per communicator, and the kernels' "
-          "per-element code compiled for the host; it proves nothing about a GPU's timing.")
+          f"({f'CUDA_DEVICE_MAX_CONNECTIONS={queues}' if queues else 'the driver default: 8'};"
+          f" module loading {f'CUDA_MODULE_LOADING={loading}' if loading else 'lazy, the default'}"
+          "), NCCL's serialisation per communicator, and the kernels' per-element code compiled "
+          "for the host; it proves nothing about a GPU's timing.")
     print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; transports: "
           f"{', '.join(_kinds.names(_kinds.TRANSPORTS))}; captured and replayed {REPLAYS} times: "
           f"{', '.join(KERNEL_OPS)} over {', '.join(KERNEL_TRANSPORTS)}")
