@@ -17,12 +17,16 @@ would shift every later site. The key is a hash of
   loop over a ``set`` runs in another order in every process: Python's hash seed). Not x's:
   a backward pass builds the same cotangent differently when the forward pass added its
   terms in another order, so x's provenance would follow that order,
-* and the call's ordinal among the native calls with all of the above in this lowering: calls
-  multiplying one weight (a layer applied twice), told apart by the order of the trace as
-  before (docs/native.md §7); from the second such call on, also where x comes from, so that
-  calls traced in another order in another process find no peer rather than a wrong one (x's
-  provenance cannot name every call: where x is an argument of a function not yet called,
-  only its place is known, and a ``shard_map``'s places follow the trace),
+* and, where calls are alike in all of the above (one weight applied to several inputs),
+  where x comes from too, and the call's ordinal among the calls with the same x (they compute
+  the same thing). A module with such calls is keyed again once it is whole (``_settle``, on
+  JAX's monitoring event that the module is lowered, before it compiles): while a function's
+  body lowers, its caller does not exist yet, so a parameter of it is known only by its place,
+  which for a ``shard_map``'s cotangents follows the trace; the whole module traces every
+  value back to the program's parameters, whose places are the pytree's (a dict flattens in
+  sorted key order), so a loop over a ``set`` pairs its calls by what they multiply. Where the
+  event does not come (a module lowered outside ``jit``), the first alike call keeps the key
+  of what it is and the next ones carry x's provenance as it was while they lowered,
 
 none of which depends on what else a process compiled. The native primitive's lowering is not
 cached by JAX (``cacheable=False`` where it is registered), so every call of a program gets its
