@@ -213,8 +213,7 @@ def test_calls_of_one_weight_traced_in_another_order_per_process_are_matched_by_
     such calls are keyed by where their input comes from (docs/native.md §4), so every
     transport pairs them right (a call without its peers would fail at the short timeout).
     Forward only: the backward pass still waits for peers (docs/native.md §7)."""
-    procs = harness.run("set_order_one_weight", 3, 1,
-                        params={"transports": TRANSPORTS, "backward": False},
+    procs = harness.run("set_order_one_weight", 3, 1, params={"transports": TRANSPORTS},
                         timeout_s=300, env={"JAXOVERLAP_TIMEOUT_S": "20"},
                         process_env=lambda pid: {"PYTHONHASHSEED": str(2 * pid + 1)})
     results = [p.result() for p in procs]

@@ -887,14 +887,12 @@ def set_order(transports: list[str],
     return {"order": order, "wrong": wrong}
 
 
-def set_order_one_weight(transports: list[str], backward: bool = True) -> dict[str, Any]:
+def set_order_one_weight(transports: list[str]) -> dict[str, Any]:
     """One kernel applied to the results of a ``set`` of others (each process its own order)
-    inside a ``shard_map``, native, forward and backward: a matmul_rs makes the input, then
-    for each name an ag_matmul of it by that name's kernel and a matmul_rs of the result by
-    one shared kernel. The last calls are alike but for their input; every shard of the
-    results and of the gradients (of x and of the shared kernel, each name's output weighted
-    by its own factor) must equal the float64 reference. Returns the order, and the wrong
-    shards per transport or the error."""
+    inside a ``shard_map``, native: a matmul_rs makes the input, then for each name an
+    ag_matmul of it by that name's kernel and a matmul_rs of the result by one shared kernel.
+    The last calls are alike but for their input; every shard must equal the float64
+    reference. Returns the order, and the wrong shards per transport or the error."""
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     names = {"query", "key", "value"}
@@ -902,15 +900,10 @@ def set_order_one_weight(transports: list[str], backward: bool = True) -> dict[s
     x64, u64 = values(90, (b, s, f), "float32"), values(89, (f, k), "float32")
     w64 = {nm: values(91 + i, (k, f), "float32") for i, nm in enumerate(sorted(names))}
     v64 = values(95, (f, k), "float32")
-    scale = {nm: float(i + 1) for i, nm in enumerate(sorted(names))}
     x = global_array(x64, mesh, P(None, None, "tp"), "float32")
     u = global_array(u64, mesh, P("tp", None), "float32")
     ws = {nm: global_array(w, mesh, P(None, "tp"), "float32") for nm, w in w64.items()}
     v = global_array(v64, mesh, P("tp", None), "float32")
-    h64 = {nm: (x64 @ u64) @ w64[nm] for nm in names}
-    dx_ref = sum(scale[nm] * np.ones((b, s, k)) @ v64.T @ w64[nm].T @ u64.T for nm in names)
-    dv_ref = sum(scale[nm] * np.einsum("bsf,bsk->fk", h64[nm], np.ones((b, s, k)))
-                 for nm in names)
     wrong: dict[str, int] = {}
     for transport in transports:
         kw = dict(impl="native", transport=transport)
@@ -924,21 +917,11 @@ def set_order_one_weight(transports: list[str], backward: bool = True) -> dict[s
         fn = jax.shard_map(layer, mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None),
                                                        P(None, "tp"), P("tp", None)),
                            out_specs=P(None, "tp", None))
-
-        def loss(x, u, ws, v, fn=fn):
-            ys = fn(x, u, ws, v)
-            return sum(scale[nm] * jnp.sum(ys[nm]) for nm in names)
-
         try:
             with jax.set_mesh(mesh):
                 ys = jax.jit(fn)(x, u, ws, v)
-            wrong[transport] = sum(_wrong_shards(ys[nm], h64[nm] @ v64, "float32")
-                                   for nm in names)
-            if backward:
-                with jax.set_mesh(mesh):
-                    dx, dv = jax.jit(jax.grad(loss, argnums=(0, 3)))(x, u, ws, v)
-                wrong[transport] += (_wrong_shards(dx, dx_ref, "float32")
-                                     + _wrong_shards(dv, dv_ref, "float32"))
+            wrong[transport] = sum(_wrong_shards(ys[nm], ((x64 @ u64) @ w64[nm]) @ v64,
+                                                 "float32") for nm in names)
         except Exception as e:  # noqa: BLE001 - reported to the test
             return {"order": list(names), "wrong": None, "error": f"{type(e).__name__}: {e}"}
     return {"order": list(names), "wrong": wrong, "error": None}
