@@ -24,6 +24,7 @@ from jaxoverlap._fused_gemm import FUSED_KERNELS, FusedKernel
 
 DTYPES = _kinds.names(_kinds.DTYPES)
 FP8_DTYPES = _kinds.names(_kinds.DTYPES, fp8=True)
+_TRANSPORT_NAMES = frozenset(_kinds.names(_kinds.TRANSPORTS))
 
 
 def canonical_dtype(dtype: str) -> str:
@@ -357,7 +358,7 @@ class Preset:
         return tuple(t.name for t in _kinds.TRANSPORTS if getattr(self, t.preset.gbps))
 
     def transport_gbps(self, transport: str) -> float:
-        known = transport in _kinds.names(_kinds.TRANSPORTS)
+        known = transport in _TRANSPORT_NAMES
         bw = getattr(self, _kinds.transport(transport).preset.gbps) if known else None
         if not bw:
             raise ValueError(f"preset {self.name!r} does not support transport {transport!r} "
