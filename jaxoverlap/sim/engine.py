@@ -128,6 +128,7 @@ class _Engine:
         self.activities: list[_Activity] = []
         self.rates_stale = False  # the activities changed since set_rates
         self.transports: dict[tuple[str, bool], tuple[float, float]] = {}  # see transfer
+        self.carriers: dict[tuple[int, str], str] = {}  # see carrier
         self.gemm_times: dict[tuple[Any, ...], float] = {}  # the ranks' GEMMs share shapes
         self.fused: list[_FusedGemm] = []  # running fused GEMMs (their stalled tiles)
         # per rank: the SMs its fused GEMM leaves to the kernels sized to them (Op::sms)
@@ -187,10 +188,15 @@ class _Engine:
         """The transport whose rates a transfer of ``mechanism`` (what its op kind does: a
         peer copy, a multicast store or load-reduce, a Send/Recv) is charged at: the program's
         own transport where it has that mechanism, else the first that does (``_kinds``)."""
-        own = self.programs[rank].get("transport")
-        if own is not None and _kinds.transport(own).mechanism == mechanism:
-            return own
-        return next(t.name for t in _kinds.TRANSPORTS if t.mechanism == mechanism)
+        found = self.carriers.get((rank, mechanism))
+        if found is None:  # once per rank and mechanism: thousands of transfers ask
+            own = self.programs[rank].get("transport")
+            if own is not None and _kinds.transport(own).mechanism == mechanism:
+                found = own
+            else:
+                found = next(t.name for t in _kinds.TRANSPORTS if t.mechanism == mechanism)
+            self.carriers[(rank, mechanism)] = found
+        return found
 
     def transfer(self, transport: str, nbytes: int, ports: tuple[tuple[str, int], ...],
                  memory: tuple[int, ...], sm_user: tuple[str, tuple[int, ...]] | None,
@@ -390,11 +396,17 @@ class _Engine:
         count: dict[tuple[str, int], int] = {}
         taken = [0] * self.n
         traffic = [0.0] * self.n  # payload bytes/s through each rank's memory
-        for a in self.activities:
-            for port in a.ports:
-                count[port] = count.get(port, 0) + 1
         users: dict[tuple[str, int], int] = {}
+        transfers, paced, computes = [], [], []
         for a in self.activities:
+            if a.ports:
+                transfers.append(a)
+                for port in a.ports:
+                    count[port] = count.get(port, 0) + 1
+            if a.hbm:  # a reduction: memory-bound at its own pace, its bytes slow the others
+                paced.append(a)
+            elif not a.ports:
+                computes.append(a)
             if a.sm_user:
                 what, ranks, *budget = a.sm_user
                 sms = (budget[0] if budget else
@@ -404,24 +416,20 @@ class _Engine:
                     users[key] = max(users.get(key, 0), sms)
         for key, sms in users.items():
             taken[key[1]] += sms
-        for a in self.activities:
-            if a.ports:
-                a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
-                for q in a.memory:
-                    traffic[q] += a.rate * a.payload_per_wire
-        for a in self.activities:
-            if a.hbm:  # a reduction: memory-bound at its own pace, its bytes slow the others
-                traffic[a.rank] += a.hbm
+        for a in transfers:
+            a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
+            for q in a.memory:
+                traffic[q] += a.rate * a.payload_per_wire
+        for a in paced:
+            traffic[a.rank] += a.hbm
+            a.rate = 1.0
         compute: dict[tuple[int, int], float] = {}  # (rank, spared) -> rate: one per kind
-        for a in self.activities:
-            if a.hbm:
-                a.rate = 1.0
-            elif not a.ports:
-                rate = compute.get((a.rank, a.spared))
-                if rate is None:
-                    rate = compute[(a.rank, a.spared)] = model.compute_rate(
-                        self.p, max(0, taken[a.rank] - a.spared), traffic[a.rank])
-                a.rate = rate
+        for a in computes:
+            rate = compute.get((a.rank, a.spared))
+            if rate is None:
+                rate = compute[(a.rank, a.spared)] = model.compute_rate(
+                    self.p, max(0, taken[a.rank] - a.spared), traffic[a.rank])
+            a.rate = rate
 
     def run(self) -> Timeline:
         while True:
@@ -499,7 +507,7 @@ class _FusedGemm:
         self.left = sum(lane.units for lane in plan.lanes)
         self.block_left = list(plan.block_units)
         self.stalled: list[tuple[int, int, int, int]] = []  # (lane, first unit, end, run)
-        self.idle_at: tuple[float, int] | None = None  # (now, version) of a poll that started none
+        self.idle_at: tuple[float, int] | None = None  # (now, version) of the last poll
         # each lane's runs are consecutive: their starts, to find a unit's run by bisection
         self.starts = [[run.start for run in lane.runs] for lane in plan.lanes]
         # each run's flags to wait for, as keys of the engine's flags
@@ -534,8 +542,7 @@ class _FusedGemm:
         for c in started:
             e.add(_Activity(self.plan.tile_seconds, lambda c=c: self.stored(*c), rank=self.rank,
                             spared=self.spared))
-        if not started:
-            self.idle_at = (e.now, e.version[self.rank])
+        self.idle_at = (e.now, e.version[self.rank])  # none of the rest can start until then
         return bool(started)
 
     def stored(self, lane: int, a: int, b: int, run_index: int) -> None:
