@@ -28,8 +28,10 @@ memory (the copy engine takes no SMs, but its traffic still interferes).
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -573,4 +575,21 @@ def simulate_programs(programs: Sequence[Program], preset: Preset,
 
     ``gemm_extra_passes``: extra HBM passes over each GEMM's output (impl="ring").
     """
-    return _Engine(programs, preset, gemm_extra_passes).run()
+    with _cyclic_gc_paused():
+        return _Engine(programs, preset, gemm_extra_passes).run()
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """A run allocates up to hundreds of thousands of short-lived objects (activities, their
+    callbacks, spans) and reference counting frees them all; the cyclic collector, triggered
+    by the allocations alone, finds nothing to free yet scans the process's live objects each
+    time (a fifth of ``sim.published.evaluate()``'s time). Paused for the run, as ``timeit``
+    does; it resumes (if it was on) when the run ends or raises. Results do not depend on it."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
