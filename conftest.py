@@ -17,13 +17,50 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # grid runs in `make test`.
 import pytest  # noqa: E402
 
+# `--each-value-once` (CI's oldest-jax leg, .ci/run) keeps, of a parametrized test, only the cases
+# that bring a parameter value no earlier case of that test had: every impl, transport, dtype,
+# shape... still runs at least once, not every combination of them a second time.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--each-value-once", action="store_true",
+                     help="of a parametrized test, run only the cases that bring a parameter "
+                          "value its earlier cases did not have")
+
+
+def _function(item) -> tuple[str, str]:
+    return item.nodeid.split("::")[0], getattr(item, "originalname", item.name)
+
+
+def _values(item) -> frozenset[tuple[str, str]]:
+    """The case's parameter values, each alone (one value of a row of several parameters counts
+    for itself), told apart by their repr."""
+    return frozenset((name, repr(value)) for name, value in item.callspec.params.items())
+
+
+def each_value_once(cases) -> list[bool]:
+    """Of ``cases`` ((function, values) in collection order), which to keep: a case whose values
+    all appeared in earlier kept cases of its function is dropped."""
+    covered: dict = {}
+    keep = []
+    for function, values in cases:
+        had = covered.setdefault(function, set())
+        keep.append(not values <= had)
+        had |= values
+    return keep
+
 
 def pytest_collection_modifyitems(config, items):
     seen: set[tuple[str, str]] = set()
     for item in items:
         if getattr(item, "callspec", None) is None:
             continue
-        function = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        function = _function(item)
         if function in seen:
             item.add_marker(pytest.mark.slow)
         seen.add(function)
+    if config.getoption("each_value_once"):
+        keep = each_value_once((_function(i), _values(i)) if hasattr(i, "callspec")
+                               else ((i.nodeid,), frozenset({("", "")})) for i in items)
+        config.hook.pytest_deselected(items=[i for i, k in zip(items, keep, strict=True) if not k])
+        items[:] = [i for i, k in zip(items, keep, strict=True) if k]

@@ -14,6 +14,7 @@ order is id order: an id is the custom call's attribute value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import ClassVar
@@ -289,11 +290,16 @@ def ar_algorithm(name: str) -> Algorithm:
 def dtype(name) -> DType:
     """The dtype of ``name``: JAX's name (or a NumPy dtype: its ``.name``), the short one, or
     an alias."""
-    text = str(getattr(name, "name", name))
-    for row in DTYPES:
-        if text in (row.name, row.short, *row.aliases):
-            return row
-    raise ValueError(f"dtype: expected one of {', '.join(names(DTYPES))}; got {name!r}")
+    row = _dtype_by_text(str(getattr(name, "name", name)))
+    if row is None:
+        raise ValueError(f"dtype: expected one of {', '.join(names(DTYPES))}; got {name!r}")
+    return row
+
+
+@functools.cache
+def _dtype_by_text(text: str) -> DType | None:
+    """The row a dtype's text names (cached: the performance model asks millions of times)."""
+    return next((r for r in DTYPES if text in (r.name, r.short, *r.aliases)), None)
 
 
 # ---------------------------------------------------------------- the rows rule

@@ -676,7 +676,8 @@ def _fused_fp8_cases(ops, transports, quick: bool) -> list[tuple]:
 
 
 def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | None,
-                   fp8_why: str | None, device: int = 0, fake=None) -> None:
+                   fp8_why: str | None, device: int = 0, fake=None,
+                   fused_fp8_why: str | None = None) -> None:
     """The selftest's rows of the transports one GPU serves (``LOOPBACK_TRANSPORTS``: FP8 and the
     fused GEMM's included, where the GPU runs them) with ``n`` ranks on GPU ``device``
     (``module.loopback_run``), on one clique per transport."""
@@ -699,7 +700,7 @@ def _loopback_rows(table: Table, module, n: int, quick: bool, fused_why: str | N
                   for op, transport, dtype, variant in itertools.product(
                       FUSED_OPS, [t for t in transports if t in FUSED_TRANSPORTS],
                       FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)]
-    if fused_why is None and fp8_why is None:
+    if fused_why is None and fp8_why is None and fused_fp8_why is None:
         cases += _fused_fp8_cases(
             FUSED_OPS, [t for t in transports if t in FUSED_TRANSPORTS], quick)
     where = f"(loopback: {n} ranks on GPU {device}{', host-side fake' if fake else ''})"
@@ -749,7 +750,7 @@ def loopback_main(n: int, fake: bool = False, quick: bool = False, report: str |
             print(f"  the CUDA executor on the fake is not built: {e}")
             return 1
         module.reset(module.Config(devices=1))
-        fused_why = fp8_why = None
+        fused_why = fp8_why = fused_fp8_why = None
         fake_module = module
     else:
         gpus = caps.get("devices", [])
@@ -760,6 +761,9 @@ def loopback_main(n: int, fake: bool = False, quick: bool = False, report: str |
         module = runtime.load_cuda()
         fused_why = capabilities.fused_device_reason("gpu")
         fp8_why = capabilities.gpu_fp8_reason(caps, *FP8_DTYPES[0][:2], devices=[0])
+        # the fused GEMM's FP8 instantiations are sm_90a code: a 10.0 GPU runs its 16-bit rows
+        fused_fp8_why = next(filter(None, (capabilities.fused_device_reason("gpu", x) for x in
+                                           dict.fromkeys(t[0] for t in FUSED_FP8_DTYPES))), None)
         fake_module = None
         print(f"GPU 0: {gpus[0].get('name')}; driver {caps.get('cuda_driver')}, "
               f"cuBLAS {caps.get('cublas')}")
@@ -767,13 +771,16 @@ def loopback_main(n: int, fake: bool = False, quick: bool = False, report: str |
         skipped["fused"] = fused_why
     if fp8_why:
         skipped["fp8"] = fp8_why
+    if fused_fp8_why and not fused_why and not fp8_why:
+        skipped["fused FP8"] = fused_fp8_why
     header = dict(_report_header(caps, fake=fake), loopback=_loopback_report(n, 0, skipped))
     if fake:
         header["topology"] = dict(fake=f"1 fake GPU (sm_90) for {n} ranks")
     table = Table(report=(report, header) if report else None,
                   deadline_s=row_deadline or row_deadline_s())
     try:
-        _loopback_rows(table, module, n, quick, fused_why, fp8_why, fake=fake_module)
+        _loopback_rows(table, module, n, quick, fused_why, fp8_why, fake=fake_module,
+                       fused_fp8_why=fused_fp8_why)
     finally:
         if fake:
             module.reset()
@@ -848,10 +855,13 @@ def fake_main(quick: bool = False, report: str | None = None,
     from jaxoverlap._version import __version__
 
     print(f"jaxoverlap {__version__} selftest on the host-side CUDA fake (no GPU is used)")
+    queues, loading = (os.environ.get(v) for v in ("CUDA_DEVICE_MAX_CONNECTIONS",
+                                                    "CUDA_MODULE_LOADING"))
     print("Runs the CUDA executor's host code, its enqueue order through the fake's work queues "
-          f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '')!s}"
-          "; unset: the driver's 8), NCCL's serialisation per communicator, and the kernels' "
-          "per-element code compiled for the host; it proves nothing about a GPU's timing.")
+          f"({f'CUDA_DEVICE_MAX_CONNECTIONS={queues}' if queues else 'the driver default: 8'};"
+          f" module loading {f'CUDA_MODULE_LOADING={loading}' if loading else 'lazy, the default'}"
+          "), NCCL's serialisation per communicator, and the kernels' per-element code compiled "
+          "for the host; it proves nothing about a GPU's timing.")
     print(f"ranks: {FAKE_RANKS}; ops: {', '.join(OPS)}; transports: "
           f"{', '.join(_kinds.names(_kinds.TRANSPORTS))}; captured and replayed {REPLAYS} times: "
           f"{', '.join(KERNEL_OPS)} over {', '.join(KERNEL_TRANSPORTS)}")

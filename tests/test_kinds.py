@@ -10,6 +10,8 @@ to the Python tables only is refused the same way.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 
 import pytest
 import testing_ext
@@ -17,6 +19,7 @@ import testing_ext
 from jaxoverlap import _kinds
 from jaxoverlap._executors import runtime
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 KINDS = {"ops": _kinds.OPS, "transports": _kinds.TRANSPORTS, "dtypes": _kinds.DTYPES,
          "algorithms": _kinds.ALGORITHMS, "fused_fp8": _kinds.FUSED_FP8}
 
@@ -125,3 +128,33 @@ def test_the_model_and_the_executors_make_one_canonical_problem(host):
             assert (shape.batch, shape.rows, shape.k, shape.n) == (
                 native["batch"], native["rows"], native["k"], native["n"])
     assert seen["ok"] > 100 and seen["error"] > 100, seen
+
+
+# docs/native.md §8: where each list of the files a new member touches starts and ends, and how
+# many files it may name (a new member is meant to cost a row, not a tour of the tree).
+HOW_TO_ADD = {"a transport": ("**How to add a transport.**", "With a mechanism of its own", 10),
+              "an op": ("**How to add an op**", "The builder's declaration", 14),
+              "a dtype": ("**How to add a dtype:**", "Its size, names", 6)}
+
+
+def how_to_add(text: str) -> dict[str, list[str]]:
+    """The file each numbered item of each list names (its first quoted path)."""
+    out = {}
+    for kind, (start, end, _) in HOW_TO_ADD.items():
+        section = text[text.index(start):]
+        out[kind] = re.findall(r"^\d+\. `([^`]+)`", section[:section.index(end)], flags=re.M)
+    return out
+
+
+def test_the_how_to_add_lists_name_files_of_the_tree_within_their_bounds():
+    """Each list names at most its bound of files, every one in the tree (a placeholder's
+    folder), so that a file moved or renamed leaves no list naming what is gone. That every
+    file such a change touched is on its list, or no longer needed, §8 checks against the
+    history."""
+    lists = how_to_add((ROOT / "docs" / "native.md").read_text())
+    for kind, (_, _, bound) in HOW_TO_ADD.items():
+        files = lists[kind]
+        assert 0 < len(files) <= bound, (kind, files)
+        gone = [f for f in files if not (ROOT / f).parent.is_dir()
+                or ("<" not in f and not (ROOT / f).is_file())]
+        assert gone == [], (kind, gone)

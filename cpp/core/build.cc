@@ -68,7 +68,7 @@ Status BuildProgram(const Problem& q, Program* program) {
                    ", not " + TransportName(q.transport));
     const int64_t y_bytes = q.batch * q.rows * q.cols * DTypeSize(q.out_dtype);
     JO_REQUIRE(q.nranks <= allreduce::kMaxRanks &&
-                   allreduce::Fits(q.transport == Transport::kMulticast,
+                   allreduce::Fits(Row(q.transport).mechanism == Mechanism::kMulticast,
                                    q.algorithm == ArAlgorithm::kTwoShotKernel, q.nranks, y_bytes),
                op + ": the kernel algorithm " + ArAlgorithmName(q.algorithm) + " moves at most " +
                    std::to_string(allreduce::kAreaBytes) + " bytes per rank and call (" +

@@ -490,7 +490,7 @@ class Enqueuer {
               area->faults[static_cast<size_t>(q.rank)] != nullptr);
     AllReduceCall call;
     call.dtype = BufDType(q, op.d.buf);
-    call.multicast = q.transport == Transport::kMulticast;
+    call.multicast = Row(q.transport).mechanism == Mechanism::kMulticast;
     call.two_shot = q.algorithm == ArAlgorithm::kTwoShotKernel;
     call.nranks = q.nranks;
     call.rank = q.rank;

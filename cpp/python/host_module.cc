@@ -523,7 +523,7 @@ NB_MODULE(_host, m) {
         const jo::Transport t = jo::python::ParseTransportArg("transport", transport);
         const jo::ArAlgorithm a = jo::python::ParseAlgorithmArg("algorithm", algorithm);
         return jo::OneLaunch(a) && !jo::Row(t).messages() &&
-               jo::allreduce::Fits(t == jo::Transport::kMulticast,
+               jo::allreduce::Fits(jo::Row(t).mechanism == jo::Mechanism::kMulticast,
                                    a == jo::ArAlgorithm::kTwoShotKernel, nranks, bytes);
       },
       nb::arg("transport"), nb::arg("algorithm"), nb::arg("nranks"), nb::arg("bytes"),

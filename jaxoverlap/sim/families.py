@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxoverlap import _kinds
+
 FAMILIES: dict[str, str] = {
     "ag_matmul:chunked": "AG+GEMM, chunked: a GEMM per shard or sub-chunk after its transfer "
                          "(native, not fused; impl='ring' too)",
@@ -60,8 +62,9 @@ def family(op: str, candidate: Any) -> str:
             # own: a family each
             return f"matmul_ar:one_launch:{kernel}:{candidate.transport}"
         return "matmul_ar:one_shot" if candidate.algorithm == "one_shot" else "matmul_ar:chunked"
-    if op == "matmul_rs" and candidate.fused and (candidate.transport == "multicast"
-                                                  or candidate.chunks > 1):
+    if op == "matmul_rs" and candidate.fused and (
+            _kinds.transport(candidate.transport).mechanism == "multicast"
+            or candidate.chunks > 1):
         # the fused program's reduction of sub-chunk s runs beside the kernel's later rounds
         # (core/build_rs_fused.cc); over p2p with one sub-chunk it runs after the kernel
         return "matmul_rs:overlapped"
