@@ -18,6 +18,15 @@ NS = [1, 2, 4, 8]
 # (shape of x per rank before the contraction dim, axis): rank-2, batch-first, sequence-first.
 LAYOUTS = [((4,), 0), ((2, 4), 1), ((4, 3), 0)]
 RING_OPTIONS = [(c, b) for c, b in itertools.product([1, 2], [False, True])]
+LAYOUT_IDS = ["2d", "batch_first", "seq_first"]
+# The ring's schedule depends on N, the layout and the ring options: their whole grid. The dtype
+# changes what is added, not when: it rotates through the grid so that each dtype meets every
+# N, layout and option (every pair of values), not every triple of them again.
+RING_GRID = [pytest.param(n, DTYPES[(i + j + c) % len(DTYPES)], layout, chunks, bidirectional,
+                          id=f"{(chunks, bidirectional)}-{LAYOUT_IDS[j]}-{n}-"
+                             f"{jnp.dtype(DTYPES[(i + j + c) % len(DTYPES)]).name}")
+             for c, (chunks, bidirectional) in enumerate(RING_OPTIONS)
+             for j, layout in enumerate(LAYOUTS) for i, n in enumerate(NS)]
 
 
 def _ag_case(n, dtype, layout, **kw):
@@ -54,7 +63,7 @@ def _rs_case(n, dtype, layout, **kw):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["2d", "batch_first", "seq_first"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 def test_xla_matches_reference(n, dtype, layout):
     y, ref = _ag_case(n, dtype, layout, impl="xla")
     assert y.dtype == dtype
@@ -64,20 +73,14 @@ def test_xla_matches_reference(n, dtype, layout):
     assert_close(y, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["2d", "batch_first", "seq_first"])
-@pytest.mark.parametrize("chunks,bidirectional", RING_OPTIONS, ids=lambda v: str(v))
+@pytest.mark.parametrize("n,dtype,layout,chunks,bidirectional", RING_GRID)
 def test_ring_ag_matches_reference(n, dtype, layout, chunks, bidirectional):
     y, ref = _ag_case(n, dtype, layout, impl="ring", chunks=chunks, bidirectional=bidirectional)
     assert y.dtype == dtype and y.shape == ref.shape
     assert_close(y, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["2d", "batch_first", "seq_first"])
-@pytest.mark.parametrize("chunks,bidirectional", RING_OPTIONS, ids=lambda v: str(v))
+@pytest.mark.parametrize("n,dtype,layout,chunks,bidirectional", RING_GRID)
 def test_ring_rs_matches_reference(n, dtype, layout, chunks, bidirectional):
     y, ref = _rs_case(n, dtype, layout, impl="ring", chunks=chunks, bidirectional=bidirectional)
     assert y.dtype == dtype and y.shape == ref.shape

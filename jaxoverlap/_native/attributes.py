@@ -145,7 +145,7 @@ def naming(plan: OpPlan, call: NativeCall, x) -> dict[str, Any]:
 
 def attributes(plan: OpPlan, call: NativeCall, x, site_key: int) -> dict[str, Any]:
     """The custom call's attributes for ``plan``, described by ``call``, on operand ``x``, with
-    the call's ``site_key`` (``site_key.site_key`` where it lowers; nonzero): one per
+    the call's ``site_key`` (``site_key.lower_keyed`` where it lowers; nonzero): one per
     :data:`SCHEMA` entry, in its order, each of its exact C++ type."""
     return {a.name: ENCODERS[a.ctype](site_key if a.value is None else a.value(plan, call, x))
             for a in SCHEMA}

@@ -24,6 +24,8 @@ docs/gpu-internals.md §6).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._executors import bootstrap, capabilities, runtime
 from jaxoverlap._executors.call import describe, ranks
 from jaxoverlap._native.attributes import attributes, naming
-from jaxoverlap._native.site_key import site_key
+from jaxoverlap._native.site_key import lower_keyed
 from jaxoverlap._plan import AG, AR, RS, OpPlan
 
 _TARGETS = {
@@ -147,10 +149,15 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
     target = _REPLAYABLE.get(platform) if call.replayable else None
     rule = jax.ffi.ffi_lowering(target or _TARGETS[platform][plan.op], has_side_effect=False,
                                 operand_layouts=layouts)
-    key = site_key(ctx, naming(plan, call, x_aval), (w,), (x,))
-    # Its next instance in XLA belongs to a new program (cpp/core/call.h, CallSite).
-    runtime.note_lowering(platform, key)
-    return rule(ctx, *operands, **attributes(plan, call, x_aval, key))
+
+    def note(key: int) -> None:  # its next instance in XLA belongs to a new program (CallSite)
+        runtime.note_lowering(platform, key)
+
+    def emit(key: int) -> Sequence[Any]:
+        note(key)
+        return rule(ctx, *operands, **attributes(plan, call, x_aval, key))
+
+    return lower_keyed(ctx, naming(plan, call, x_aval), (w,), (x,), emit, note)
 
 
 # Not cached: every native call of a program lowers on its own and gets its own site key

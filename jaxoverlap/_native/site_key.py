@@ -17,12 +17,16 @@ would shift every later site. The key is a hash of
   loop over a ``set`` runs in another order in every process: Python's hash seed). Not x's:
   a backward pass builds the same cotangent differently when the forward pass added its
   terms in another order, so x's provenance would follow that order,
-* and the call's ordinal among the native calls with all of the above in this lowering: calls
-  multiplying one weight (a layer applied twice), told apart by the order of the trace as
-  before (docs/native.md §7); from the second such call on, also where x comes from, so that
-  calls traced in another order in another process find no peer rather than a wrong one (x's
-  provenance cannot name every call: where x is an argument of a function not yet called,
-  only its place is known, and a ``shard_map``'s places follow the trace),
+* and, where calls are alike in all of the above (one weight applied to several inputs),
+  where x comes from too, and the call's ordinal among the calls with the same x (they compute
+  the same thing). A module with such calls is keyed again once it is whole (``_settle``, on
+  JAX's monitoring event that the module is lowered, before it compiles): while a function's
+  body lowers, its caller does not exist yet, so a parameter of it is known only by its place,
+  which for a ``shard_map``'s cotangents follows the trace; the whole module traces every
+  value back to the program's parameters, whose places are the pytree's (a dict flattens in
+  sorted key order), so a loop over a ``set`` pairs its calls by what they multiply. Where the
+  event does not come (a module lowered outside ``jit``), the first alike call keeps the key
+  of what it is and the next ones carry x's provenance as it was while they lowered,
 
 none of which depends on what else a process compiled. The native primitive's lowering is not
 cached by JAX (``cacheable=False`` where it is registered), so every call of a program gets its
@@ -36,22 +40,30 @@ import hashlib
 import re
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax._src.interpreters import mlir
 
+from jaxoverlap._native.attributes import SCHEMA
+
 ir = mlir.ir
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 # Per module being lowered (the MLIR module of its ModuleContext, which every rule context of
-# that lowering shares): how many calls with each description it has had so far. Weakly keyed,
-# so the counts live and die with the module.
-_ordinals: weakref.WeakKeyDictionary[Any, dict[bytes, int]] = weakref.WeakKeyDictionary()
+# that lowering shares): its native calls so far. Weakly keyed: they live and die with it.
+_lowerings: weakref.WeakKeyDictionary[Any, _Lowering] = weakref.WeakKeyDictionary()
 # Per module being lowered: the provenance digest of every value met so far.
 _digests: weakref.WeakKeyDictionary[Any, dict[Any, bytes]] = weakref.WeakKeyDictionary()
+# What a native call computes, of its backend config: not its site key or timeout.
+_COMPUTES = frozenset(a.name for a in SCHEMA if a.names_site and a.value is not None)
 _CALLERS = "callers"  # the memo's entry for: function name -> the func.call ops calling it
+# JAX records it on the lowering thread once a program's module is whole, before it compiles
+# (jax/_src/interpreters/pxla.py, around ``mlir.lower_jaxpr_to_module``).
+_MODULE_DONE = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_thread = threading.local()  # .pending: the modules this thread lowers with alike calls
 
 
 def _module_name(module_context: Any) -> str:
@@ -61,32 +73,129 @@ def _module_name(module_context: Any) -> str:
     return mlir.ir.StringAttr(attributes["sym_name"]).value
 
 
-def site_key(ctx: Any, naming: dict[str, Any], operands: Sequence[Any] = (),
-             inputs: Sequence[Any] = ()) -> int:
-    """The site key of the native call lowering in ``ctx`` (a nonzero signed 64-bit int).
+class _Lowering:
+    """The native calls of one module being lowered: by the key each was lowered with, what
+    names it (less w's provenance) and whom to tell of a new key; how many calls each
+    description and (description, input provenance) has had so far."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, tuple[tuple[Any, ...], Callable[[int], None]]] = {}
+        self.seen: dict[tuple[bytes, bytes], int] = {}
+        self.alike = False  # some description has several calls
+
+    def keyed(self, digest: bytes, source: bytes) -> int:
+        """The key of the next call of ``digest`` whose input's provenance is ``source``
+        (b"": a lone call's): calls with the same input compute the same thing, told apart
+        by their order."""
+        ordinal = self.seen.get((digest, source), 0)
+        self.seen[digest, source] = ordinal + 1
+        return _key(digest, source, ordinal)
+
+
+def lower_keyed(ctx: Any, naming: dict[str, Any], operands: Sequence[Any],
+                inputs: Sequence[Any], emit: Callable[[int], Sequence[Any]],
+                note: Callable[[int], None]) -> Sequence[Any]:
+    """Lowers the native call in ``ctx`` with its site key (a nonzero signed 64-bit int):
+    ``emit(key)`` makes the custom call and returns its results.
 
     ``naming``: everything the call is besides where it lowers and its types, its clique key
     among them (``attributes.naming``: op, axis, transport, chunks, ...; not its timeout, which
     a process may set differently); ``operands``: the MLIR values whose provenance names the
-    call (the native lowering gives w); ``inputs``: those whose provenance a call alike to an
-    earlier one of this lowering adds to its key (the native lowering gives x).
+    call (the native lowering gives w); ``inputs``: those whose provenance tells apart calls
+    alike in all of that (the native lowering gives x); ``note(key)``: told of every key the
+    call is given.
+
+    A lone call is keyed by what it is, and so is the first of alike calls (one weight on
+    several inputs) while it lowers; the next ones also by their input's provenance. Once the
+    whole module is lowered, a module with alike calls is keyed again (:func:`_settle`).
     """
     avals = tuple((tuple(a.shape), str(a.dtype)) for a in (*ctx.avals_in[:2], *ctx.avals_out))
-    described = repr((_module_name(ctx.module_context), str(ctx.name_stack), avals,
-                      sorted((k, repr(v)) for k, v in naming.items()),
-                      provenance(ctx, operands).hex()))
-    digest = hashlib.blake2b(described.encode(), digest_size=16).digest()
+    described = (_module_name(ctx.module_context), str(ctx.name_stack), avals,
+                 sorted((k, repr(v)) for k, v in naming.items()))
+    digest = _describe(described, provenance(ctx, operands))
+    module = ctx.module_context.module
     with _lock:
-        counts = _ordinals.setdefault(ctx.module_context.module, {})
-        ordinal = counts.get(digest, 0)
-        counts[digest] = ordinal + 1
-    # A second and later alike call also carries its input's provenance: processes that traced
-    # alike calls in other orders then find no peer for them (a timeout naming the sites), never
-    # a peer that computes something else.
-    checked = provenance(ctx, inputs) if ordinal else b""
-    key_bytes = hashlib.blake2b(digest + ordinal.to_bytes(8, "little") + checked,
+        lowering = _lowerings.setdefault(module, _Lowering())
+        key = lowering.keyed(digest, b"")
+        if key != _key(digest, b"", 0):  # a second or later alike call
+            key = lowering.keyed(digest, provenance(ctx, inputs))
+            if not lowering.alike:
+                lowering.alike = True
+                pending = getattr(_thread, "pending", None)
+                if pending is None:
+                    pending = _thread.pending = weakref.WeakSet()
+                pending.add(module)
+        lowering.calls[key] = (described, note)
+    note(key)
+    return emit(key)
+
+
+def _settle(module: Any) -> None:
+    """Keys again every native call of ``module``, now whole: by what it is, and where several
+    calls are alike (one weight on several inputs), by their input's provenance too — through
+    every function's caller, which is made only after the function's body lowered, and through
+    the functions JAX inlined. The same in every process, whatever order each traced the calls
+    in: a ``shard_map``'s cotangents come in the trace's order, and only the caller says which
+    is which."""
+    with _lock:
+        lowering = _lowerings.pop(module, None)
+        _digests.pop(module, None)  # the callers are all made now: walk afresh
+    if lowering is None:
+        return
+    found = []  # (op, what names it, note) of every native call of the module, in order
+    stack = [module.operation]
+    while stack:
+        op = stack.pop()
+        for region in reversed(op.regions):
+            for block in reversed(list(region.blocks)):
+                stack.extend(reversed(list(block.operations)))
+        if "mhlo.backend_config" in op.attributes and "call_target_name" in op.attributes:
+            config = op.attributes["mhlo.backend_config"]
+            if _is(config, ir.DictAttr) and "site_key" in ir.DictAttr(config):
+                key = ir.IntegerAttr(ir.DictAttr(config)["site_key"]).value
+                if key in lowering.calls:
+                    found.append((op, *lowering.calls[key]))
+    digests = [_describe(described, _provenance(module, [list(op.operands)[1]]))
+               for op, described, _ in found]
+    counts: dict[bytes, int] = {}
+    for digest in digests:
+        counts[digest] = counts.get(digest, 0) + 1
+    settled = _Lowering()
+    for (op, _, note), digest in zip(found, digests, strict=True):
+        source = _provenance(module, [list(op.operands)[0]]) if counts[digest] > 1 else b""
+        key = settled.keyed(digest, source)
+        _set_key(op, key)
+        note(key)
+
+
+def _on_event(event: str, duration: float, **kwargs: Any) -> None:
+    """JAX's monitoring hook: a module was lowered on this thread; its alike calls settle."""
+    if event != _MODULE_DONE:
+        return
+    pending = getattr(_thread, "pending", None)
+    while pending:
+        _settle(pending.pop())
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def _describe(described: tuple[Any, ...], source: bytes) -> bytes:
+    return hashlib.blake2b(repr((*described, source.hex())).encode(), digest_size=16).digest()
+
+
+def _key(digest: bytes, source: bytes, ordinal: int) -> int:
+    key_bytes = hashlib.blake2b(digest + source + ordinal.to_bytes(8, "little"),
                                 digest_size=8).digest()
     return int.from_bytes(key_bytes, "little", signed=True) or 1
+
+
+def _set_key(op: Any, key: int) -> None:
+    """Sets the site key in the backend config of the custom call ``op``."""
+    config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+    entries = {config[i].name: config[i].attr for i in range(len(config))}
+    entries["site_key"] = ir.IntegerAttr.get(ir.IntegerAttr(entries["site_key"]).type, key)
+    op.attributes["mhlo.backend_config"] = ir.DictAttr.get(entries, context=op.context)
 
 
 # ---------------------------------------------------------------- where a value comes from
@@ -107,7 +216,10 @@ def provenance(ctx: Any, values: Sequence[Any]) -> bytes:
     counter in a function's name, a native call's timeout (only its site key counts). Digests
     are kept per module, so the program is walked once however many calls ask.
     """
-    module = ctx.module_context.module
+    return _provenance(ctx.module_context.module, values)
+
+
+def _provenance(module: Any, values: Sequence[Any]) -> bytes:
     with _lock:
         memo = _digests.setdefault(module, {})
         return hashlib.blake2b(b"".join(_digest(v, memo, module) for v in values),
@@ -211,7 +323,9 @@ def _attributes(op: Any) -> str:
         if name == "backend_config" and target == "CustomSPMDPartitioning":
             continue  # the id of a per-process Python object
         if target.startswith("jaxoverlap") and name == "mhlo.backend_config":
-            parts.append(f"site {ir.DictAttr(attr)['site_key']}")  # not the timeout
+            config = ir.DictAttr(attr)  # what the call computes: not its site key or timeout
+            parts.extend(f"{config[i].name}={config[i].attr}" for i in range(len(config))
+                         if config[i].name in _COMPUTES)
             continue
         if name in ("callee", "sym_name"):
             parts.append(f"{name}={_symbol(attr)}")

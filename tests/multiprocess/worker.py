@@ -887,12 +887,12 @@ def set_order(transports: list[str],
     return {"order": order, "wrong": wrong}
 
 
-def set_order_one_weight(transport: str) -> dict[str, Any]:
+def set_order_one_weight(transports: list[str]) -> dict[str, Any]:
     """One kernel applied to the results of a ``set`` of others (each process its own order)
     inside a ``shard_map``, native: a matmul_rs makes the input, then for each name an
     ag_matmul of it by that name's kernel and a matmul_rs of the result by one shared kernel.
-    The last calls are alike but for their input, which the trace's order names
-    (docs/native.md §7). Returns the order, and the wrong shards or the error."""
+    The last calls are alike but for their input; every shard must equal the float64
+    reference. Returns the order, and the wrong shards per transport or the error."""
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     names = {"query", "key", "value"}
@@ -904,24 +904,27 @@ def set_order_one_weight(transport: str) -> dict[str, Any]:
     u = global_array(u64, mesh, P("tp", None), "float32")
     ws = {nm: global_array(w, mesh, P(None, "tp"), "float32") for nm, w in w64.items()}
     v = global_array(v64, mesh, P("tp", None), "float32")
-    kw = dict(impl="native", transport=transport)
+    wrong: dict[str, int] = {}
+    for transport in transports:
+        kw = dict(impl="native", transport=transport)
 
-    def layer(x, u, ws, v):
-        x = jo.matmul_rs(x, u, "tp", axis=1, **kw)
-        return {nm: jo.matmul_rs(jo.ag_matmul(x, ws[nm], "tp", axis=1, **kw), v, "tp", axis=1,
-                                 **kw) for nm in names}   # a set: each process its own order
+        def layer(x, u, ws, v, kw=kw):
+            x = jo.matmul_rs(x, u, "tp", axis=1, **kw)
+            return {nm: jo.matmul_rs(jo.ag_matmul(x, ws[nm], "tp", axis=1, **kw), v, "tp",
+                                     axis=1, **kw)
+                    for nm in names}   # a set: each process its own order
 
-    fn = jax.shard_map(layer, mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None),
-                                                   P(None, "tp"), P("tp", None)),
-                       out_specs=P(None, "tp", None))
-    try:
-        with jax.set_mesh(mesh):
-            ys = jax.jit(fn)(x, u, ws, v)
-            wrong = sum(_wrong_shards(ys[nm], ((x64 @ u64) @ w64[nm]) @ v64, "float32")
-                        for nm in names)
-        return {"order": list(names), "wrong": wrong, "error": None}
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        return {"order": list(names), "wrong": None, "error": f"{type(e).__name__}: {e}"}
+        fn = jax.shard_map(layer, mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None),
+                                                       P(None, "tp"), P("tp", None)),
+                           out_specs=P(None, "tp", None))
+        try:
+            with jax.set_mesh(mesh):
+                ys = jax.jit(fn)(x, u, ws, v)
+            wrong[transport] = sum(_wrong_shards(ys[nm], ((x64 @ u64) @ w64[nm]) @ v64,
+                                                 "float32") for nm in names)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return {"order": list(names), "wrong": None, "error": f"{type(e).__name__}: {e}"}
+    return {"order": list(names), "wrong": wrong, "error": None}
 
 
 def qkv(transports: list[str], steps: int = 30, skew_s: float = 0.02, backward: bool = True,
