@@ -28,8 +28,10 @@ memory (the copy engine takes no SMs, but its traffic still interferes).
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +83,7 @@ class Timeline:
                 if s.rank == rank and (stream is None or s.stream == stream)]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Activity:
     remaining: float  # compute: seconds at full speed; transfer: wire bytes
     on_done: Callable[[], None]
@@ -117,10 +119,19 @@ class _Engine:
         self.now = 0.0
         self.flags: dict[tuple[int, int], float] = {}  # (rank, flag) -> visible at
         self.events: dict[tuple[int, int], float] = {}
+        # per rank, bumped by every write to its flags or events: a stream or a fused GEMM that
+        # could not move at (now, its rank's version) cannot move until one of them changes
+        # (the run loop skips it)
+        self.version = [0] * self.n
+        self.blocked: dict[tuple[int, int], tuple[float, int]] = {}  # stream -> (now, version)
         self.posted: dict[tuple[str, int, int, int], Callable[[], None]] = {}
         self.heap: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = 0
         self.activities: list[_Activity] = []
+        self.rates_stale = False  # the activities changed since set_rates
+        self.transports: dict[tuple[str, bool], tuple[float, float]] = {}  # see transfer
+        self.carriers: dict[tuple[int, str], str] = {}  # see carrier
+        self.gemm_times: dict[tuple[Any, ...], float] = {}  # the ranks' GEMMs share shapes
         self.fused: list[_FusedGemm] = []  # running fused GEMMs (their stalled tiles)
         # per rank: the SMs its fused GEMM leaves to the kernels sized to them (Op::sms)
         self.spare = [max((fused.spare_sms(preset, op) for op in pr["ops"]
@@ -144,14 +155,26 @@ class _Engine:
         self.spans.append(Span(key[0], key[1], idx, op["kind"], op["text"], start, self.now,
                                op.get("chunk", -1), op.get("sub", -1)))
 
+    def add(self, activity: _Activity) -> None:
+        self.activities.append(activity)
+        self.rates_stale = True
+
+    def raise_flag(self, key: tuple[int, int], t: float) -> None:
+        """Flag ``key`` (rank, flag) becomes visible at ``t``; the loop wakes then."""
+        self.flags[key] = t
+        self.version[key[0]] += 1
+        self.at(t, lambda: None)
+
     def release(self, key: tuple[int, int]) -> None:
         self.busy[key] = False
         self.reached[key] = self.now
+        self.blocked.pop(key, None)
 
     def finish(self, key: tuple[int, int], count: int = 1) -> None:
         self.pos[key] += count
         self.busy[key] = False
         self.reached[key] = self.now
+        self.blocked.pop(key, None)
 
     def budget(self, rank: int, op: dict[str, Any]) -> int:
         """The SMs a kernel's grid is sized to: ``Op::sms``, at most those its rank's fused GEMM
@@ -167,10 +190,15 @@ class _Engine:
         """The transport whose rates a transfer of ``mechanism`` (what its op kind does: a
         peer copy, a multicast store or load-reduce, a Send/Recv) is charged at: the program's
         own transport where it has that mechanism, else the first that does (``_kinds``)."""
-        own = self.programs[rank].get("transport")
-        if own is not None and _kinds.transport(own).mechanism == mechanism:
-            return own
-        return next(t.name for t in _kinds.TRANSPORTS if t.mechanism == mechanism)
+        found = self.carriers.get((rank, mechanism))
+        if found is None:  # once per rank and mechanism: thousands of transfers ask
+            own = self.programs[rank].get("transport")
+            if own is not None and _kinds.transport(own).mechanism == mechanism:
+                found = own
+            else:
+                found = next(t.name for t in _kinds.TRANSPORTS if t.mechanism == mechanism)
+            self.carriers[(rank, mechanism)] = found
+        return found
 
     def transfer(self, transport: str, nbytes: int, ports: tuple[tuple[str, int], ...],
                  memory: tuple[int, ...], sm_user: tuple[str, tuple[int, ...]] | None,
@@ -181,14 +209,17 @@ class _Engine:
         transfer moves at most ``model.transfer_gbps`` (NCCL send/recv: fewer channels
         than a ring collective). ``hops`` > 1: a ring collective's pipeline.
         """
-        per_wire = self.p.transport_gbps(transport) / self.p.link_gbps
+        rates = self.transports.get((transport, hops > 1))
+        if rates is None:  # a few transports per call, thousands of transfers: computed once
+            per_wire = self.p.transport_gbps(transport) / self.p.link_gbps
+            single = model.transfer_gbps(self.p, transport, collective=hops > 1)
+            rates = self.transports[(transport, hops > 1)] = (per_wire, single * 1e9 / per_wire)
+        per_wire, cap = rates
         wire_bytes = nbytes / per_wire
-        single = model.transfer_gbps(self.p, transport, collective=hops > 1)
-        cap = single * 1e9 / per_wire
 
         def start() -> None:
-            self.activities.append(_Activity(wire_bytes, on_done, ports=ports, sm_user=sm_user,
-                                             memory=memory, payload_per_wire=per_wire, cap=cap))
+            self.add(_Activity(wire_bytes, on_done, ports=ports, sm_user=sm_user, memory=memory,
+                               payload_per_wire=per_wire, cap=cap))
         self.at(self.now + model.transfer_fill(self.p, transport, nbytes, hops), start)
 
     # ---- one stream ----------------------------------------------------------------------
@@ -203,23 +234,25 @@ class _Engine:
             if kind == "Wait":
                 t = self.flags.get((r, op["id"]))
                 if t is None or t > self.now:
+                    self.blocked[key] = (self.now, self.version[r])
                     return moved
                 self.span(key, idx, op, start)
                 self.finish(key)
             elif kind == "StreamWait":
                 t = self.events.get((r, op["id"]))
                 if t is None or t + self.p.event_latency_us * model.US > self.now:
+                    self.blocked[key] = (self.now, self.version[r])
                     return moved
                 self.span(key, idx, op, start)
                 self.finish(key)
             elif kind == "Signal":
-                t = self.now + self.p.signal_latency_us * model.US
-                self.flags[(op["peer"], op["id"])] = t
-                self.at(t, lambda: None)  # wake the loop when it becomes visible
+                self.raise_flag((op["peer"], op["id"]),
+                                self.now + self.p.signal_latency_us * model.US)
                 self.span(key, idx, op, start)
                 self.finish(key)
             elif kind == "Record":
                 self.events[(r, op["id"])] = self.now
+                self.version[r] += 1
                 if self.p.event_latency_us:
                     self.at(self.now + self.p.event_latency_us * model.US, lambda: None)
                 self.span(key, idx, op, start)
@@ -242,14 +275,15 @@ class _Engine:
 
         dtype = self.programs[r]["dtype"]
         if kind == "Gemm":
-            t = model.gemm_time(p, dtype, op["batch"], op["m"], op["n"], op["k"],
-                                bool(op.get("accumulate")))
+            shape = (dtype, op["batch"], op["m"], op["n"], op["k"], bool(op.get("accumulate")))
+            t = self.gemm_times.get(shape)
+            if t is None:
+                t = self.gemm_times[shape] = model.gemm_time(p, *shape)
             if self.extra:
                 t += model.elementwise_time(p, op["bytes"], self.extra)
-            self.activities.append(_Activity(t, done, rank=r))
+            self.add(_Activity(t, done, rank=r))
         elif kind == "Add":
-            self.activities.append(_Activity(model.elementwise_time(p, op["bytes"], 3), done,
-                                             rank=r))
+            self.add(_Activity(model.elementwise_time(p, op["bytes"], 3), done, rank=r))
         elif kind == "FusedGemm":
             run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done,
                              p.sms - fused.kernel_sms(p, op))
@@ -262,7 +296,7 @@ class _Engine:
             start_s = p.ar_start_us * model.US
             hbm = (len(sources) + 1) * op["bytes"] / max(t - start_s, 1e-12)
             sms = reduction.reduction_sms(p, self.budget(r, op))
-            self.at(self.now + start_s, lambda: self.activities.append(_Activity(
+            self.at(self.now + start_s, lambda: self.add(_Activity(
                 t - start_s, done, rank=r, sm_user=("reduce", (r,), sms), hbm=hbm)))
         elif kind == "AllReduce":  # one kernel on every rank: its flag rounds join them
             self.all_reduce(key, op, done)
@@ -355,15 +389,26 @@ class _Engine:
 
     # ---- the fluid part ------------------------------------------------------------------
     def set_rates(self) -> None:
-        """Transfers share their ports; compute ops then run at model.compute_rate."""
+        """Transfers share their ports; compute ops then run at model.compute_rate.
+
+        The rates depend only on which activities run: recomputed when that changed."""
+        if not self.rates_stale:
+            return
+        self.rates_stale = False
         count: dict[tuple[str, int], int] = {}
         taken = [0] * self.n
         traffic = [0.0] * self.n  # payload bytes/s through each rank's memory
-        for a in self.activities:
-            for port in a.ports:
-                count[port] = count.get(port, 0) + 1
         users: dict[tuple[str, int], int] = {}
+        transfers, paced, computes = [], [], []
         for a in self.activities:
+            if a.ports:
+                transfers.append(a)
+                for port in a.ports:
+                    count[port] = count.get(port, 0) + 1
+            if a.hbm:  # a reduction: memory-bound at its own pace, its bytes slow the others
+                paced.append(a)
+            elif not a.ports:
+                computes.append(a)
             if a.sm_user:
                 what, ranks, *budget = a.sm_user
                 sms = (budget[0] if budget else
@@ -373,20 +418,20 @@ class _Engine:
                     users[key] = max(users.get(key, 0), sms)
         for key, sms in users.items():
             taken[key[1]] += sms
-        for a in self.activities:
-            if a.ports:
-                a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
-                for q in a.memory:
-                    traffic[q] += a.rate * a.payload_per_wire
-        for a in self.activities:
-            if a.hbm:  # a reduction: memory-bound at its own pace, its bytes slow the others
-                traffic[a.rank] += a.hbm
-        for a in self.activities:
-            if a.hbm:
-                a.rate = 1.0
-            elif not a.ports:
-                a.rate = model.compute_rate(self.p, max(0, taken[a.rank] - a.spared),
-                                            traffic[a.rank])
+        for a in transfers:
+            a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
+            for q in a.memory:
+                traffic[q] += a.rate * a.payload_per_wire
+        for a in paced:
+            traffic[a.rank] += a.hbm
+            a.rate = 1.0
+        compute: dict[tuple[int, int], float] = {}  # (rank, spared) -> rate: one per kind
+        for a in computes:
+            rate = compute.get((a.rank, a.spared))
+            if rate is None:
+                rate = compute[(a.rank, a.spared)] = model.compute_rate(
+                    self.p, max(0, taken[a.rank] - a.spared), traffic[a.rank])
+            a.rate = rate
 
     def run(self) -> Timeline:
         while True:
@@ -394,7 +439,9 @@ class _Engine:
             while progress:
                 progress = False
                 for key in self.streams:
-                    if not self.busy[key] and self.advance(key):
+                    if (not self.busy[key]
+                            and self.blocked.get(key) != (self.now, self.version[key[0]])
+                            and self.advance(key)):
                         progress = True
                 for run in list(self.fused):
                     if run.poll():
@@ -405,21 +452,25 @@ class _Engine:
             t_next = self.heap[0][0] if self.heap else float("inf")
             finishing: _Activity | None = None
             for a in self.activities:
-                if a.rate > 0 and self.now + a.remaining / a.rate < t_next:
-                    t_next, finishing = self.now + a.remaining / a.rate, a
+                if a.rate > 0:
+                    t = self.now + a.remaining / a.rate
+                    if t < t_next:
+                        t_next, finishing = t, a
             if t_next == float("inf"):
                 break
             dt = t_next - self.now
             self.now = t_next
             done = []
+            running = []
             for a in self.activities:
                 a.remaining -= a.rate * dt
                 scale = 1e-3 if a.ports else 1e-15  # bytes / seconds
-                if a is finishing or a.remaining <= scale:
-                    done.append(a)
-            for a in done:
-                self.activities.remove(a)
-                a.on_done()
+                (done if a is finishing or a.remaining <= scale else running).append(a)
+            if done:
+                self.activities = running
+                self.rates_stale = True
+                for a in done:
+                    a.on_done()
             while self.heap and self.heap[0][0] <= self.now:
                 heapq.heappop(self.heap)[2]()
         blocked = [f"rank {k[0]} stream {k[1]}: {ops[self.pos[k]][1]['text']}"
@@ -458,8 +509,12 @@ class _FusedGemm:
         self.left = sum(lane.units for lane in plan.lanes)
         self.block_left = list(plan.block_units)
         self.stalled: list[tuple[int, int, int, int]] = []  # (lane, first unit, end, run)
+        self.idle_at: tuple[float, int] | None = None  # (now, version) of the last poll
         # each lane's runs are consecutive: their starts, to find a unit's run by bisection
         self.starts = [[run.start for run in lane.runs] for lane in plan.lanes]
+        # each run's flags to wait for, as keys of the engine's flags
+        self.waits = [[tuple((rank, plan.wait_flags + b) for b in run.waits) for run in lane.runs]
+                      for lane in plan.lanes]
         for i, lane in enumerate(plan.lanes):
             self.queue(i, 0, lane.ctas)
 
@@ -467,6 +522,7 @@ class _FusedGemm:
         """Units [a, b) of `lane` (one per CTA) wait for their runs' blocks."""
         runs = self.plan.lanes[lane].runs
         b = min(b, self.plan.lanes[lane].units)
+        self.idle_at = None
         i = max(0, bisect.bisect_right(self.starts[lane], a) - 1)
         while i < len(runs) and runs[i].start < b:
             lo, hi = max(a, runs[i].start), min(b, runs[i].end)
@@ -474,20 +530,21 @@ class _FusedGemm:
                 self.stalled.append((lane, lo, hi, i))
             i += 1
 
-    def ready(self, block: int) -> bool:
-        t = self.e.flags.get((self.rank, self.plan.wait_flags + block))
-        return t is not None and t <= self.e.now
-
     def poll(self) -> bool:
         """Starts every stalled cohort whose blocks arrived; True if any started."""
-        lanes = self.plan.lanes
-        started = [c for c in self.stalled
-                   if all(self.ready(b) for b in lanes[c[0]].runs[c[3]].waits)]
+        e = self.e
+        if self.idle_at == (e.now, e.version[self.rank]):  # nothing it waits on changed
+            return False
+        flags, now, never = e.flags, e.now, float("inf")
+        started, stalled = [], []
+        for c in self.stalled:
+            ready = all(flags.get(flag, never) <= now for flag in self.waits[c[0]][c[3]])
+            (started if ready else stalled).append(c)
+        self.stalled = stalled
         for c in started:
-            self.stalled.remove(c)
-            self.e.activities.append(_Activity(self.plan.tile_seconds,
-                                               lambda c=c: self.stored(*c), rank=self.rank,
-                                               spared=self.spared))
+            e.add(_Activity(self.plan.tile_seconds, lambda c=c: self.stored(*c), rank=self.rank,
+                            spared=self.spared))
+        self.idle_at = (e.now, e.version[self.rank])  # none of the rest can start until then
         return bool(started)
 
     def stored(self, lane: int, a: int, b: int, run_index: int) -> None:
@@ -508,9 +565,8 @@ class _FusedGemm:
         if self.plan.release_flags < 0:
             return
         e = self.e
-        t = e.now + e.p.signal_latency_us * model.US
-        e.flags[(self.rank, self.plan.release_flags + block)] = t
-        e.at(t, lambda: None)
+        e.raise_flag((self.rank, self.plan.release_flags + block),
+                     e.now + e.p.signal_latency_us * model.US)
 
 
 def simulate_programs(programs: Sequence[Program], preset: Preset,
@@ -519,4 +575,21 @@ def simulate_programs(programs: Sequence[Program], preset: Preset,
 
     ``gemm_extra_passes``: extra HBM passes over each GEMM's output (impl="ring").
     """
-    return _Engine(programs, preset, gemm_extra_passes).run()
+    with _cyclic_gc_paused():
+        return _Engine(programs, preset, gemm_extra_passes).run()
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """A run allocates up to hundreds of thousands of short-lived objects (activities, their
+    callbacks, spans) and reference counting frees them all; the cyclic collector, triggered
+    by the allocations alone, finds nothing to free yet scans the process's live objects each
+    time (a fifth of ``sim.published.evaluate()``'s time). Paused for the run, as ``timeit``
+    does; it resumes (if it was on) when the run ends or raises. Results do not depend on it."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()

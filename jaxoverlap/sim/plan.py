@@ -215,6 +215,8 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
     timeline = simulate_programs(ranks, p, gemm_extra_passes=extra)
     _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
+    gemms: dict[tuple[int, ...], float] = {}  # the ranks' GEMMs share shapes: priced once
+
     def alone(o: dict) -> float:  # one compute op with every SM, as the engine costs it
         if o["kind"] == "Add":
             return model.elementwise_time(p, o["bytes"], 3)
@@ -222,7 +224,10 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
             return fused_path.tile_plan(p, dtype, o).alone
         if o["kind"] == "Reduce":
             return reduction.reduction_time(p, len(o["sources"]), o["bytes"], o.get("sms"))
-        t = model.gemm_time(p, dtype, o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
+        shape = (o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
+        t = gemms.get(shape)
+        if t is None:
+            t = gemms[shape] = model.gemm_time(p, dtype, *shape)
         return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
 
     t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in COMPUTE_KINDS)

@@ -1,6 +1,7 @@
 """The event engine on timelines computable by hand (real programs where possible)."""
 
 import copy
+import gc
 import math
 
 import pytest
@@ -125,6 +126,25 @@ def test_a_missing_signal_deadlocks():
     broken[1]["ops"] = [o for o in broken[1]["ops"] if o["kind"] != "Signal"]
     with pytest.raises(sim.SimulationError, match="deadlock"):
         sim.simulate_programs(broken, TOY)
+
+
+def test_a_run_leaves_the_cyclic_garbage_collector_as_it_found_it():
+    """The engine pauses the collector while it runs (engine._cyclic_gc_paused): on again
+    after a run and after a deadlock, still off if the caller had switched it off."""
+    progs = clique("ag_matmul", "p2p", 2, 8, 16, 16)
+    broken = copy.deepcopy(progs)
+    broken[1]["ops"] = [o for o in broken[1]["ops"] if o["kind"] != "Signal"]
+    was_on = gc.isenabled()
+    try:
+        for on in (True, False):
+            gc.enable() if on else gc.disable()
+            sim.simulate_programs(progs, TOY)
+            assert gc.isenabled() == on
+            with pytest.raises(sim.SimulationError, match="deadlock"):
+                sim.simulate_programs(broken, TOY)
+            assert gc.isenabled() == on
+    finally:
+        gc.enable() if was_on else gc.disable()
 
 
 @pytest.mark.parametrize("transport", _kinds.names(_kinds.TRANSPORTS))
