@@ -7,12 +7,14 @@ to the output dtype. The scales travel as a pair ``(x_scale, w_scale)`` of float
 (shape ``()``), 1.0 for an operand that is not fp8; calls without fp8 operands carry none
 (``()``), and run exactly as before FP8 existed.
 
-Block scales (MXFP8, the OCP Microscaling format: https://www.opencompute.org/documents/
-ocp-microscaling-formats-mx-v1-0-spec-final-pdf): instead, one ``float8_e8m0fnu`` scale (a
-power of two) per :data:`BLOCK` consecutive elements along the contraction dim K, laid out as
-``jax.nn.scaled_matmul``'s scales are: the operand's shape with K divided by 32 (x ``[...,
-rows, K/32]``, w ``[K/32, N]``). Both operands fp8, both block-scaled; the pair is then two
-e8m0 arrays (:func:`block_scaled`).
+Block scales (MXFP8, the OCP Microscaling format v1.0,
+https://www.opencompute.org/documents/ocp-microscaling-formats-mx-v1-0-spec-final-pdf): instead,
+one ``float8_e8m0fnu`` scale (a power of two) per :data:`BLOCK` consecutive elements along the
+contraction dim K, laid out as ``jax.nn.scaled_matmul``'s scales are: the operand's shape with
+K divided by 32 (x ``[..., rows, K/32]``, w ``[K/32, N]``). Both operands fp8, both
+block-scaled; the pair is then two e8m0 arrays (:func:`block_scaled`). No native executor
+takes them (``_plan.BLOCK_SCALED_REASON``): the ``xla`` and ``ring`` impls dequantize each
+block to float32 and multiply in float32.
 
 The ops with fp8 operands are a forward building block: a gradient with respect to fp8 values
 means nothing (quantization has no derivative). Training goes through ``jaxoverlap.fp8``,
@@ -31,7 +33,7 @@ FP8_DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES, fp8=T
 # default, as an FP8 GEMM writes in training recipes (TransformerEngine, Flax).
 OUT_DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES, out=True))
 DEFAULT_OUT = jnp.dtype(jnp.bfloat16)
-# MXFP8's block: one e8m0 scale per 32 consecutive elements along K (OCP MX v1.0, §5.3).
+# MXFP8's block: one e8m0 scale per 32 consecutive elements along K (OCP MX v1.0, MXFP8).
 BLOCK = 32
 SCALE_DTYPE = jnp.dtype(jnp.float8_e8m0fnu)
 

@@ -83,6 +83,15 @@ def ag_matmul(
     (one of ``ops.OUT_DTYPES``; default bfloat16). The gather moves the fp8 bytes, each
     shard's scale alongside; the gathered x is fp8. Not differentiable (use
     ``jaxoverlap.fp8``).
+
+    MXFP8 (block scales): x and w fp8 and ``x_scale`` / ``w_scale`` ``float8_e8m0fnu`` arrays
+    laid out as ``jax.nn.scaled_matmul``'s, one power-of-two scale per 32 consecutive
+    elements of K: ``x_scale`` ``[..., rows, K/32]``, ``w_scale`` ``[K/32, Nw]`` (inside
+    ``shard_map`` this rank's shards': x's rows, w's columns); K a multiple of 32. The real
+    value is ``x.astype(float32) * repeat(x_scale.astype(float32), 32, axis=-1)``. Each
+    shard's scales travel with its rows. ``xla`` and ``ring`` only (``native`` raises
+    ``NativeUnavailableError``; ``auto`` picks among them), which dequantize per block; not
+    differentiable.
     """
     op = "ag_matmul"
     _check_axis_name(op, axis_name)
@@ -124,7 +133,9 @@ def matmul_rs(
 
     FP8 operands as in :func:`ag_matmul`: each rank's partial is ``(x * x_scale) @ (w *
     w_scale)`` with its own scales (no scale travels), accumulated in float32 and reduced in
-    float32 or ``preferred_element_type``, never in fp8.
+    float32 or ``preferred_element_type``, never in fp8. MXFP8 block scales as in
+    :func:`ag_matmul` (``x_scale`` ``[..., S, Kf/32]``, ``w_scale`` ``[Kf/32, Nw]``: this rank's
+    slice of K's blocks; on global arrays K a multiple of 32·N), dequantizing this rank's partial.
     """
     op = "matmul_rs"
     _check_axis_name(op, axis_name)
@@ -180,7 +191,7 @@ def matmul_ar(
     GEMMs, dx = dy @ wᵀ and dw = xᵀ·dy, with no communication under
     ``check_vma=True``; under ``check_vma=False`` each rank's share of the cotangent
     is summed first, as JAX's transpose of ``psum`` does there. ``precision`` as in
-    :func:`ag_matmul`. FP8 operands as in :func:`matmul_rs`.
+    :func:`ag_matmul`. FP8 operands, and MXFP8 block scales, as in :func:`matmul_rs`.
     """
     op = "matmul_ar"
     _check_axis_name(op, axis_name)
