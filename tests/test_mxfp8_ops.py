@@ -12,6 +12,7 @@ block scales; AG+GEMM's scales travel with x's rows. No native executor takes bl
 
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -217,15 +218,30 @@ def test_misuse_is_a_clear_error(kwargs, error, match):
         _call(**kwargs)
 
 
-def test_auto_leaves_the_native_path_out(monkeypatch):
-    """With a hardware preset the model weighs the native plans for per-tensor fp8; with block
-    scales it picks among xla and ring only, and fused=True is the native error."""
+def test_auto_leaves_the_native_path_out(monkeypatch, caplog):
+    """Where the h100 preset's model picks the native path for per-tensor fp8 (GEMM+RS, 8192³
+    over 8 ranks), block scales make it pick among xla and ring, saying why in the debug log;
+    fused=True is the native error."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
+    m = k = 8192
+    shapes = (jax.ShapeDtypeStruct((m, k), E4), jax.ShapeDtypeStruct((k, k), E4))
+    blocks = (jax.ShapeDtypeStruct((m, k // 32), E8), jax.ShapeDtypeStruct((k // 32, k), E8))
+    tensor = (jax.ShapeDtypeStruct((), F32),) * 2
+
+    def lowered(op, scales):
+        fn = jax.shard_map(lambda x, w, xs, ws: op(x, w, "tp", x_scale=xs, w_scale=ws),
+                           mesh=tp_mesh(8), in_specs=(P(),) * 4, out_specs=P(),
+                           check_vma=False)
+        return jax.jit(fn).lower(*shapes, *scales).as_text()
+
+    for op in (jo.matmul_rs,):  # (one op: the rule is the plan's, the same for every op)
+        assert "custom_call @jaxoverlap_" in lowered(op, tensor)   # per tensor: native
+        with caplog.at_level(logging.DEBUG, logger="jaxoverlap"):
+            assert "custom_call @jaxoverlap_" not in lowered(op, blocks)
+        assert any(op.__name__ in r.message and "no native executor has a block-scaled GEMM"
+                   in r.message for r in caplog.records)
     x, w = rand(0, (64, 64), E4), rand(1, (64, 64), E4)
-    for op in (jo.ag_matmul, jo.matmul_rs, jo.matmul_ar):
-        text = _call(op, x, w, x_scale=jnp.ones((64, 2), E8),
-                     w_scale=jnp.ones((2, 64), E8)).as_text()
-        assert "jaxoverlap_" not in text.replace("jaxoverlap.", "")  # no native custom call
     with jo.config(fused=True), pytest.raises(jo.NativeUnavailableError, match="fused=True"):
         _call(jo.matmul_rs, x, w, x_scale=jnp.ones((64, 2), E8), w_scale=jnp.ones((2, 64), E8))
 
