@@ -25,6 +25,7 @@ high-precision inputs and weights, as Flax's FP8 recipe does.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxoverlap import _kinds
 
@@ -65,6 +66,42 @@ def dequantize_blocks(a, scale, axis: int):
     """``a`` in float32, each run of :data:`BLOCK` elements along ``axis`` (K) times its e8m0
     scale: exact wherever float32 holds the value (an e4m3 significand times a power of two)."""
     return a.astype(jnp.float32) * jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=axis)
+
+
+def quantize_blocks(a, q_dtype, axis: int):
+    """``a`` as MXFP8: ``(q, scale)``, ``q`` in ``q_dtype`` (e4m3 or e5m2) and ``scale`` one e8m0
+    power of two per :data:`BLOCK` consecutive elements along ``axis`` (``a``'s shape with that
+    dim divided by 32), the conversion of the OCP MX spec v1.0, §6.3 (as
+    https://github.com/microsoft/microxcaling ``mx/mx_ops.py`` ``_quantize_mx`` computes it):
+
+    * the block's shared exponent is ``floor(log2(amax)) - emax`` (``emax``: the exponent of
+      the element type's largest normal, 8 for e4m3, 15 for e5m2), clamped to e8m0's
+      ``[-127, 127]`` (a block of zeros takes -127; one with an inf or NaN a NaN scale);
+    * each element is divided by ``2**exponent`` (exact: times ``2**-exponent``) and rounded
+      to nearest even in ``q_dtype``, saturating at its largest finite value (the block's
+      largest element keeps its exponent, so only its top significands saturate).
+
+    TransformerEngine and ``jax.nn.scaled_matmul``'s quantizer round the scale up instead
+    (``amax / max`` to the next power of two: nothing saturates, one bit less for the rest);
+    this is the spec's rule. ``a.shape[axis]`` must be a multiple of 32 (the caller says how to
+    fix it)."""
+    axis = axis % a.ndim
+    assert a.shape[axis] % BLOCK == 0, (a.shape, axis)
+    q_dtype = jnp.dtype(q_dtype)
+    info = jnp.finfo(q_dtype)
+    emax, top = int(info.maxexp) - 1, float(info.max)
+    v = a.astype(jnp.float32)
+    blocks = v.reshape(v.shape[:axis] + (v.shape[axis] // BLOCK, BLOCK) + v.shape[axis + 1:])
+    amax = jnp.max(jnp.abs(blocks), axis=axis + 1)
+    _, e = jnp.frexp(amax)                      # amax = m * 2**e, m in [0.5, 1): floor(log2) = e-1
+    exponent = jnp.clip(e - 1 - emax, -127, 127)
+    exponent = jnp.where(amax == 0, -127, exponent)
+    raw = jnp.where(jnp.isfinite(amax), exponent + 127, 255).astype(jnp.uint8)
+    scale = lax.bitcast_convert_type(raw, SCALE_DTYPE)
+    # 2**-exponent from its bits (a normal float32: a finite amax gives exponent <= 127 - emax)
+    inverse = lax.bitcast_convert_type(((127 - exponent) << 23).astype(jnp.int32), jnp.float32)
+    q = jnp.clip(v * jnp.repeat(inverse, BLOCK, axis=axis), -top, top).astype(q_dtype)
+    return q, scale
 
 
 def out_dtype(x, out: str | None):

@@ -15,7 +15,7 @@ fp8, the same for both) and
 * passes the gradients straight through the quantization to ``x`` and ``w`` (the derivative
   of the dequantized value with respect to the high-precision one is taken to be 1).
 
-Two ways to get the scales:
+Three ways to get the scales:
 
 * **Delayed scaling** (``scaling=DelayedScaling(...)``): Flax's recipe and variables
   (``flax.linen.Fp8DotGeneralOp``, https://flax.readthedocs.io/en/latest/guides/quantization/
@@ -31,6 +31,10 @@ Two ways to get the scales:
   rank scales its own shard: no rank waits for an amax all-reduce before the gather, and each
   shard travels with its own scale. On global arrays the scales are per tensor (XLA reduces
   the amax of the whole array first, as TransformerEngine does).
+* **MXFP8** (``scaling=MXFP8BlockScaling()``): e4m3 with one e8m0 scale per 32 elements
+  along the dim each GEMM contracts (OCP MX v1.0), every tensor quantized once per GEMM it
+  enters, the gradient too (e4m3 by default, as TransformerEngine's recipe); through the ops'
+  block scales, so on their ``xla`` and ``ring`` impls only (:class:`MXFP8BlockScaling`).
 
 :func:`dot_general` is current scaling as a ``lax.dot_general`` replacement on one device (for
 ``nn.Dense(dot_general=...)`` / ``nnx.Linear(dot_general=...)``): the parallel layers given it
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -54,7 +59,7 @@ from jax.sharding import NamedSharding
 from jaxoverlap import _kinds, _layout, _megatron, _optional, ops
 from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
 from jaxoverlap._config import config, current_config
-from jaxoverlap._fp8_dtypes import OUT_DTYPES
+from jaxoverlap._fp8_dtypes import BLOCK, OUT_DTYPES, dequantize_blocks, quantize_blocks
 from jaxoverlap._fused_gemm import fused_dtype_reason
 from jaxoverlap._layout import AG, AR, RS, F
 
@@ -65,8 +70,8 @@ if _optional.missing("flax"):
 
 from flax.linen import fp8_ops  # noqa: E402 - after the check that says what to install
 
-__all__ = ["E4M3", "E5M2", "DelayedScaling", "ag_matmul", "copy_matmul", "dot_general",
-           "matmul_ar", "matmul_rs"]
+__all__ = ["E4M3", "E5M2", "DelayedScaling", "MXFP8BlockScaling", "ag_matmul", "copy_matmul",
+           "dot_general", "matmul_ar", "matmul_rs"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)   # activations and weights (forward)
 E5M2 = jnp.dtype(jnp.float8_e5m2)     # gradients (backward)
@@ -98,23 +103,86 @@ class DelayedScaling(NamedTuple):
         return cls(scale, history, scale, history, scale, history)
 
 
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """MXFP8 (the OCP Microscaling format v1.0, https://www.opencompute.org/documents/
+    ocp-microscaling-formats-mx-v1-0-spec-final-pdf): e4m3 elements with one e8m0 scale per 32
+    consecutive elements along the dim each GEMM contracts, computed from those 32 values
+    (``_fp8_dtypes.quantize_blocks``, the spec's §6.3). No state, no amax reduction: a block
+    never straddles two ranks' shards, so every rank quantizes its own.
+
+    As TransformerEngine's ``MXFP8BlockScaling`` recipe
+    (https://nvidia.github.io/TransformerEngine/features/low_precision_training/mxfp8/
+    mxfp8.html), each tensor is quantized twice from its high-precision values, once per
+    contraction dim it meets: x along K (the forward) and along its rows (dw = xᵀ·dy); w along
+    K (the forward) and along N (dx = dy·wᵀ); the output gradient along N (dx) and along its
+    rows (dw). ``grad_dtype``: the gradient's element type, e4m3 by default as there (e5m2 is
+    TransformerEngine's ``HYBRID`` format).
+
+    Give it as ``scaling=`` to this module's functions, or as ``dot_general=`` to the Flax
+    layers (an instance is also a one-device ``lax.dot_general`` replacement under the same
+    recipe). Every dim a GEMM contracts must be a multiple of 32 (as in TransformerEngine, no
+    padding): K; and when differentiated, N (per rank where it is split) and the rows, dim -2
+    (per rank where they are split); the error names the dim.
+    """
+
+    grad_dtype: Any = E4M3
+
+    def __post_init__(self) -> None:
+        try:
+            dtype = jnp.dtype(self.grad_dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in (E4M3, E5M2):
+            raise TypeError(f"MXFP8BlockScaling: grad_dtype={self.grad_dtype!r} must be "
+                            "jnp.float8_e4m3fn (the default) or jnp.float8_e5m2.")
+        object.__setattr__(self, "grad_dtype", dtype)
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None):
+        """``lax.dot_general(lhs, rhs, ...)`` under this recipe on one device, for the form
+        the layers use: lhs's last dim contracted with the first of a 2-d rhs, no batch dims.
+        ``precision`` is ignored (an fp8 GEMM has one)."""
+        del precision
+        name = "jaxoverlap.fp8.MXFP8BlockScaling"
+        if out_sharding is not None:
+            raise ValueError(f"{name}: out_sharding is not supported; lay the result out "
+                             "afterwards.")
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        dims = jax.tree.map(int, dimension_numbers)
+        dims = tuple(tuple(tuple(d) for d in pair) for pair in dims)
+        if rhs.ndim != 2 or lhs.ndim < 2 or dims != _last_first(lhs):
+            raise ValueError(
+                f"{name}: as a dot_general it multiplies lhs [..., rows, K] by rhs [K, N] "
+                "(dimension_numbers=(((lhs.ndim - 1,), (0,)), ((), ())), what the layers "
+                f"pass); got lhs {lhs.shape}, rhs {rhs.shape}, "
+                f"dimension_numbers={dims}. Reshape to that form.")
+        _check_inputs(name, lhs, rhs)
+        y = _mx(_Call(_DOT, "", jnp.dtype(lhs.dtype).name, (), None, mx=self), lhs, rhs)
+        return y.astype(preferred_element_type or lhs.dtype)
+
+
+# What ``scaling=`` takes: delayed, block (MXFP8), or None for current scaling.
+Scaling = DelayedScaling | MXFP8BlockScaling | None
+
+
 # ---------------------------------------------------------------- the public functions
 
 
 def ag_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
-              scaling: DelayedScaling | None = None, axis: int = 0, impl: str = "auto",
+              scaling: Scaling = None, axis: int = 0, impl: str = "auto",
               transport: str | None = None, chunks: int | None = None,
               bidirectional: bool | None = None, mesh: jax.sharding.Mesh | None = None):
     """``jo.ag_matmul(x, w, ...)`` in FP8, differentiable: x and w quantized to e4m3 (the
     all-gather moves fp8), e5m2 gradients, straight-through to x and w. y has x's dtype.
-    ``scaling``: Flax's delayed-scaling state, or None for current scaling (module
-    docstring)."""
+    ``scaling``: Flax's delayed-scaling state, :class:`MXFP8BlockScaling`, or None for current
+    scaling (module docstring)."""
     return _call(AG, x, w, axis_name, scaling, mesh, axis=axis, impl=impl,
                  transport=transport, chunks=chunks, bidirectional=bidirectional)
 
 
 def matmul_rs(x: jax.Array, w: jax.Array, axis_name: str, *,
-              scaling: DelayedScaling | None = None, axis: int = 0, impl: str = "auto",
+              scaling: Scaling = None, axis: int = 0, impl: str = "auto",
               transport: str | None = None, chunks: int | None = None,
               bidirectional: bool | None = None, mesh: jax.sharding.Mesh | None = None):
     """``jo.matmul_rs(x, w, ...)`` in FP8, differentiable (as :func:`ag_matmul`); the
@@ -124,7 +192,7 @@ def matmul_rs(x: jax.Array, w: jax.Array, axis_name: str, *,
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, axis_name: str, *,
-              scaling: DelayedScaling | None = None, impl: str = "auto",
+              scaling: Scaling = None, impl: str = "auto",
               transport: str | None = None, chunks: int | None = None,
               bidirectional: bool | None = None, algorithm: str | None = None,
               mesh: jax.sharding.Mesh | None = None):
@@ -135,7 +203,7 @@ def matmul_ar(x: jax.Array, w: jax.Array, axis_name: str, *,
 
 
 def copy_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
-                scaling: DelayedScaling | None = None, mesh: jax.sharding.Mesh | None = None):
+                scaling: Scaling = None, mesh: jax.sharding.Mesh | None = None):
     """Megatron's f around an FP8 matmul (the column layer without sequence parallelism): x
     replicated over ``axis_name``, w split on its columns; x's gradient is all-reduced (in
     x's dtype). No collective moves fp8 here."""
@@ -174,7 +242,8 @@ class _Call:
     ``mesh`` is None on local shards (``axis_name`` bound); ``typed``: inside a
     ``check_vma=True`` shard_map; ``x_type`` / ``w_type``: the inputs' varying axes there.
     Under Explicit mesh axes ``layouts`` holds the shardings the plain dots give their
-    results (dx as x, dw as w, f's y as the layout says).
+    results (dx as x, dw as w, f's y as the layout says). ``mx``: the MXFP8 recipe, if that
+    is the scaling.
     """
 
     kind: str
@@ -186,14 +255,14 @@ class _Call:
     x_type: frozenset = frozenset()
     w_type: frozenset = frozenset()
     layouts: tuple | None = None
+    mx: MXFP8BlockScaling | None = None
 
     @property
     def local(self) -> bool:
         return self.mesh is None
 
 
-def _call(kind: str, x, w, axis_name: str, scaling: DelayedScaling | None, mesh, **options):
-    name = f"jaxoverlap.fp8.{'copy_matmul' if kind == F else kind}"
+def _check_inputs(name: str, x, w) -> None:
     for arg, a in (("x", x), ("w", w)):
         if not hasattr(a, "dtype") or jnp.dtype(a.dtype) not in _HIGH:
             raise TypeError(f"{name}: {arg} must be a {_kinds.listing(d.name for d in _HIGH)} "
@@ -202,7 +271,13 @@ def _call(kind: str, x, w, axis_name: str, scaling: DelayedScaling | None, mesh,
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
         raise TypeError(f"{name}: x.dtype={jnp.dtype(x.dtype).name} and "
                         f"w.dtype={jnp.dtype(w.dtype).name} differ; cast one of them.")
-    if scaling is not None:
+
+
+def _call(kind: str, x, w, axis_name: str, scaling, mesh, **options):
+    name = f"jaxoverlap.fp8.{'copy_matmul' if kind == F else kind}"
+    _check_inputs(name, x, w)
+    mx = scaling if isinstance(scaling, MXFP8BlockScaling) else None
+    if scaling is not None and mx is None:
         _check_scaling(name, scaling)
     options = {k: v for k, v in options.items() if v is not None}
     if "axis" in options:
@@ -210,7 +285,7 @@ def _call(kind: str, x, w, axis_name: str, scaling: DelayedScaling | None, mesh,
     if bound_axis_size(axis_name) is not None:
         typed = check_vma_active()
         c = _Call(kind, axis_name, jnp.dtype(x.dtype).name, tuple(sorted(options.items())),
-                  None, typed, varying_axes(x), varying_axes(w))
+                  None, typed, varying_axes(x), varying_axes(w), mx=mx)
     else:
         mesh = _layout.resolve_mesh(name, axis_name, mesh, x, w)
         layouts = None
@@ -222,14 +297,17 @@ def _call(kind: str, x, w, axis_name: str, scaling: DelayedScaling | None, mesh,
             x, w = _layout.place(x, mesh, x_spec), _layout.place(w, mesh, w_spec)
             layouts = tuple(NamedSharding(mesh, spec) for spec in (x_spec, w_spec, y_spec))
         c = _Call(kind, axis_name, jnp.dtype(x.dtype).name, tuple(sorted(options.items())),
-                  mesh, layouts=layouts)
+                  mesh, layouts=layouts, mx=mx)
+    if mx is not None:
+        return _mx(c, x, w)
     return _fp8(c, x, w, scaling)
 
 
 def _check_scaling(name: str, s: Any) -> None:
     if not isinstance(s, DelayedScaling):
         raise TypeError(f"{name}: scaling={type(s).__name__} must be a "
-                        "jaxoverlap.fp8.DelayedScaling (Flax's FP8 variables) or None (current "
+                        "jaxoverlap.fp8.DelayedScaling (Flax's FP8 variables), a "
+                        "jaxoverlap.fp8.MXFP8BlockScaling() (block scales) or None (current "
                         "scaling).")
     for field, value in zip(s._fields, s, strict=True):
         if not hasattr(value, "dtype"):
@@ -481,3 +559,142 @@ def _current_dot_bwd(dims, out, in_dtypes, res, g):
 
 
 _current_dot.defvjp(_current_dot_fwd, _current_dot_bwd)
+
+
+# ---------------------------------------------------------------- MXFP8: block scales
+
+_DOT = "dot"   # MXFP8BlockScaling as a dot_general on one device: no collective
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mx(c: _Call, x, w):
+    return _mx_forward(c, x, w, residuals=False)[0]
+
+
+def _mx_op(op, qx, qw, axis_name: str, **kw):
+    """``op`` on block-scaled operands: the ``xla`` or ``ring`` impl (no native executor and no
+    fused GEMM takes block scales; the recipe, not the caller, chose them, so a ``fused=True``
+    config runs them unfused rather than raising)."""
+    if current_config().fused:
+        with config(fused=False):
+            return op(qx, qw, axis_name, **kw)
+    return op(qx, qw, axis_name, **kw)
+
+
+def _mx_forward(c: _Call, x, w, residuals: bool):
+    """y from x and w quantized along K; with ``residuals`` (differentiated) also the copies
+    the backward GEMMs take: x along its rows, w along N."""
+    _check_blocks(c, x, w, grad=residuals)
+    qx, sx = _mx_quantize(c, x, E4M3, x.ndim - 1)
+    qw, sw = _mx_quantize(c, w, E4M3, 0)
+    out = jnp.dtype(c.dtype)
+    kw = dict(x_scale=sx, w_scale=sw, preferred_element_type=out, mesh=c.mesh,
+              **_op_options(c, c.kind))
+    if c.kind == AG:
+        y = _mx_op(ops.ag_matmul, qx, qw, c.axis_name, **kw)
+    elif c.kind == RS:
+        y = _mx_op(ops.matmul_rs, qx, qw, c.axis_name, **kw)
+    elif c.kind == AR:
+        y = _mx_op(ops.matmul_ar, qx, qw, c.axis_name, **kw)
+    else:  # Megatron's f (a local GEMM on the replicated x), or one device
+        if c.kind == F and c.local:
+            qx = _megatron.copy_to_tp(qx, c.axis_name, c.typed and c.axis_name in c.w_type)
+        y = _block_dot(c, (qx, sx, qx.ndim - 1), (qw, sw, 0), _last_first(qx),
+                       c.layouts and c.layouts[2]).astype(out)
+    if not residuals:
+        return y, None
+    return y, (_mx_quantize(c, x, E4M3, x.ndim - 2), _mx_quantize(c, w, E4M3, 1))
+
+
+def _mx_backward(c: _Call, res, dy):
+    (qx, sx), (qw, sw) = res        # x blocked along its rows, w along N
+    if c.kind == AR and c.local and not c.typed:
+        dy = lax.psum(dy, c.axis_name)   # as in _backward: the shares of the replicated y's
+    g = c.mx.grad_dtype
+    qg, sg = _mx_quantize(c, dy, g, dy.ndim - 1)        # dx = dy·wᵀ contracts over N
+    qgr, sgr = _mx_quantize(c, dy, g, dy.ndim - 2)      # dw = xᵀ·dy over the rows
+    qwt, swt = qw.T, sw.T                               # wᵀ [N, K], blocks along N
+    x_dtype = w_dtype = jnp.dtype(c.dtype)
+    x_sharding, w_sharding = (c.layouts[0], c.layouts[1]) if c.layouts else (None, None)
+    kw = dict(x_scale=sg, w_scale=swt, preferred_element_type=x_dtype, mesh=c.mesh)
+    if c.kind == AG:        # dx: GEMM + reduce-scatter; dw needs every rank's rows of x
+        dx = _mx_op(ops.matmul_rs, qg, qwt, c.axis_name, **kw, **_op_options(c, RS))
+        if c.local:
+            qx, sx = (lax.all_gather(a, c.axis_name, axis=dict(c.options)["axis"], tiled=True)
+                      for a in (qx, sx))
+    elif c.kind == RS:      # dx: all-gather + GEMM; dw needs every rank's rows of dy
+        dx = _mx_op(ops.ag_matmul, qg, qwt, c.axis_name, **kw, **_op_options(c, AG))
+        if c.local:
+            qgr, sgr = (lax.all_gather(a, c.axis_name, axis=dict(c.options)["axis"], tiled=True)
+                        for a in (qgr, sgr))
+    else:                   # AR, f, one device: both GEMMs are local
+        dx = _block_dot(c, (qg, sg, qg.ndim - 1), (qwt, swt, 0), _last_first(qg),
+                        x_sharding).astype(x_dtype)
+    lead = tuple(range(qx.ndim - 1))
+    dw = _block_dot(c, (qx, sx, qx.ndim - 2), (qgr, sgr, qgr.ndim - 2),
+                    ((lead, lead), ((), ())), w_sharding).astype(w_dtype)
+    if c.local and c.kind != _DOT:
+        dx, dw = match_varying(dx, c.x_type), match_varying(dw, c.w_type)
+    return dx, dw
+
+
+_mx.defvjp(lambda c, x, w: _mx_forward(c, x, w, residuals=True), _mx_backward)
+
+
+def _mx_quantize(c: _Call, a, q_dtype, axis: int):
+    """``quantize_blocks``; on global arrays under Explicit mesh axes under Auto ones inside,
+    the values and scales laid out as ``a`` (a dim whose blocks do not split evenly: whole)."""
+    if c.local or not _layout.is_explicit(c.mesh):
+        return quantize_blocks(a, q_dtype, axis)
+    spec = list(jax.typeof(a).sharding.spec) + [None] * a.ndim
+    spec = spec[:a.ndim]
+    blocks = a.shape[axis] // BLOCK
+    if spec[axis] is not None:
+        names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+        if blocks % math.prod(c.mesh.shape[n] for n in names):
+            spec[axis] = None
+    q_sharding = NamedSharding(c.mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.sharding.auto_axes(lambda a: quantize_blocks(a, q_dtype, axis),
+                                  out_sharding=(q_sharding, q_sharding))(a)
+
+
+def _block_dot(c: _Call, a: tuple, b: tuple, dims, sharding):
+    """A GEMM of block-scaled operands ``(fp8 values, e8m0 scales, the blocks' axis)``: each
+    dequantized per block to float32 (exact), multiplied in float32 (as the ops' ``xla`` impl
+    does); placed as :func:`_dot` places its GEMMs."""
+    def dot(qa, sa, qb, sb):
+        return lax.dot_general(dequantize_blocks(qa, sa, a[2]), dequantize_blocks(qb, sb, b[2]),
+                               dims, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    if sharding is not None and not c.local:
+        return jax.sharding.auto_axes(dot, out_sharding=sharding)(a[0], a[1], b[0], b[1])
+    return dot(a[0], a[1], b[0], b[1])
+
+
+def _check_blocks(c: _Call, x, w, grad: bool) -> None:
+    """Every dim a GEMM of the recipe contracts is whole blocks of 32 (on local shards, this
+    rank's; the ops check how global arrays split): K always; differentiated, also N (dx)
+    and the rows (dw)."""
+    name = "jaxoverlap.fp8 (MXFP8BlockScaling)"
+    if x.ndim < 2:
+        raise ValueError(f"{name}: x has shape {x.shape}; MXFP8 needs x [..., rows, K] (its "
+                         "rows are blocked for the weight gradient). Add a leading dim.")
+    where = "this rank's " if c.local and c.kind != _DOT else ""
+    checks = [(x.shape[-1], f"K, {where}x.shape[-1]", "the forward GEMM contracts over it",
+               "pad x's features and w's rows with zeros")]
+    if grad:
+        checks.append((w.shape[1], f"N, {where}w.shape[1]", "dx = dy·wᵀ contracts over it",
+                       "pad w's columns with zeros"))
+        rows, what = x.shape[-2], f"the rows, {where}x.shape[-2]"
+        if c.kind == RS and c.local and dict(c.options)["axis"] == x.ndim - 2:
+            rows //= bound_axis_size(c.axis_name)
+            what = "the rows of this rank's output gradient, x.shape[-2] / ranks"
+        checks.append((rows, what, "dw = xᵀ·dy contracts over them",
+                       "pad the sequence with zero rows (they add nothing to dw)"))
+    for size, what, why, fix in checks:
+        if size % BLOCK:
+            raise ValueError(f"{name}: {what} = {size} is not a multiple of {BLOCK}: MXFP8 "
+                             f"scales blocks of {BLOCK} along every dim a GEMM contracts and "
+                             f"{why}. Fix: {fix} to a multiple of {BLOCK}, or use per-tensor "
+                             "scaling (scaling=None or a DelayedScaling).")
