@@ -27,7 +27,8 @@ row          ``jaxoverlap.matmul_rs``    ``jaxoverlap.matmul_ar``
 
 Flax's FP8 recipe (``dot_general_cls=nn.Fp8DotGeneralOp`` or
 ``nn.Fp8DirectDotGeneralOp``, nnx's ``jaxoverlap.flax.nnx.Fp8DotGeneral``, or
-current scaling with ``dot_general=jaxoverlap.fp8.dot_general``) runs fused
+current scaling with ``dot_general=jaxoverlap.fp8.dot_general``), and MXFP8
+(``dot_general=jaxoverlap.fp8.MXFP8BlockScaling()``) run fused
 (:class:`Fp8Recipe`, ``jaxoverlap.fp8``): the collectives move fp8, the
 scale bookkeeping is Flax's. Any other ``dot_general`` (quantisation libraries)
 cannot run inside the fused ops: the layer then runs the unfused computation
@@ -206,7 +207,8 @@ def say_once(layer: str, message: str, level: int = logging.WARNING) -> None:
 class Fp8Recipe:
     """Flax's FP8 recipe, run by the fused ops (``jaxoverlap.fp8``): delayed scaling with
     the layer's state (a ``jaxoverlap.fp8.DelayedScaling`` of its variables' values, whose
-    gradient is the new state), or current scaling (``scaling`` None)."""
+    gradient is the new state), current scaling (``scaling`` None), or MXFP8 (a
+    ``jaxoverlap.fp8.MXFP8BlockScaling``)."""
 
     scaling: Any = None
 

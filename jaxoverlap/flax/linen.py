@@ -263,6 +263,8 @@ class _ParallelLinear(_NamedLikeFlax, nn.Module):
                 dot = _common.choose_dot_general(layer, dot, "dot_general_cls was given")
         elif self.dot_general is fp8.dot_general:
             dot, recipe = fp8.dot_general, _common.Fp8Recipe()
+        elif isinstance(self.dot_general, fp8.MXFP8BlockScaling):
+            dot, recipe = self.dot_general, _common.Fp8Recipe(self.dot_general)
         else:
             dot = _common.choose_dot_general(layer, self.dot_general)
         return _common.Matmul(layer=layer, kind=self._kind, axis_name=self.axis_name,
@@ -338,7 +340,8 @@ class ColumnParallelDense(_ParallelLinear):
       promote_dtype: function to promote the dtype of the arrays to the desired
         dtype (as in ``nn.Dense``).
       dot_general: a custom ``dot_general``; the layer then runs unfused with it
-        (``jaxoverlap.fp8.dot_general``, FP8 with current scaling, runs fused).
+        (``jaxoverlap.fp8.dot_general``, FP8 with current scaling, and a
+        ``jaxoverlap.fp8.MXFP8BlockScaling()``, MXFP8, run fused).
       dot_general_cls: a module class whose instance is the ``dot_general``: Flax's
         ``nn.Fp8DotGeneralOp`` / ``nn.Fp8DirectDotGeneralOp`` run fused (Flax's FP8
         recipe, its variables kept); others (quantisation) unfused.

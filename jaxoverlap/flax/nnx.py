@@ -366,6 +366,8 @@ class _ParallelLinear(nnx.Module):
             recipe = _common.Fp8Recipe(self.dot_general.scaling())
         elif self.dot_general is fp8.dot_general:
             recipe = _common.Fp8Recipe()
+        elif isinstance(self.dot_general, fp8.MXFP8BlockScaling):
+            recipe = _common.Fp8Recipe(self.dot_general)
         if recipe is not None and reason is None:
             dot = self.dot_general         # Flax's FP8 recipe, fused (without a mesh: as is)
         elif self.dot_general_cls is not None:
@@ -534,8 +536,8 @@ class ColumnParallelLinear(_Linear):
       bias_init: initializer function for the bias.
       dot_general: a custom ``dot_general`` (quantisation); the layer then runs the
         unfused computation with it, and says so once. Flax's FP8 recipe runs fused:
-        :class:`Fp8DotGeneral` (delayed scaling) or ``jaxoverlap.fp8.dot_general``
-        (current scaling).
+        :class:`Fp8DotGeneral` (delayed scaling), ``jaxoverlap.fp8.dot_general``
+        (current scaling) or a ``jaxoverlap.fp8.MXFP8BlockScaling()`` (MXFP8).
       promote_dtype: function to promote the dtype of the arrays to the desired
         dtype; takes a tuple ``(inputs, kernel, bias)`` and a ``dtype`` keyword.
       preferred_element_type: the dot's accumulation and output dtype; one other
