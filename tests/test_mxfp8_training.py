@@ -85,8 +85,8 @@ def _vjp_case(op, x_split: int, w_split: int, y_split: int, shapes, impl: str, g
     def spec(split, ndim):
         return P(*(("tp" if d == split else None) for d in range(ndim)))
 
-    kw = dict(axis=1, impl=impl, **opts) if op in (fp8.ag_matmul, fp8.matmul_rs) else dict(
-        impl=impl, **opts)
+    kw = {fp8.ag_matmul: dict(axis=1, impl=impl, **opts), fp8.matmul_rs: dict(
+        axis=1, impl=impl, **opts), fp8.matmul_ar: dict(impl=impl, **opts)}.get(op, {})
     f = jax.shard_map(lambda x, w: op(x, w, "tp", scaling=recipe, **kw), mesh=mesh,
                       in_specs=(spec(x_split, 3), spec(w_split, 2)),
                       out_specs=spec(y_split, 3))
@@ -114,8 +114,8 @@ CASES = [("ring", E4, dict(chunks=2, bidirectional=True)), ("xla", E5, {})]
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1].name}")
 def test_forward_and_gradients_are_the_reference(case):
     """AG+GEMM (backward: GEMM+RS, and x's rows gathered blocked along them), GEMM+RS
-    (backward: AG+GEMM, and the gradient's rows gathered) and GEMM+AR: y, dx and dw. Rows and
-    N per rank are whole blocks of 32."""
+    (backward: AG+GEMM, and the gradient's rows gathered), GEMM+AR and Megatron's f (local
+    GEMMs): y, dx and dw. Rows and N per rank are whole blocks of 32."""
     impl, grad_dtype, opts = case
     # AG: x [1, 64, 32] rows split, w [32, 64] columns split; y [1, 64, 64] columns split.
     _vjp_case(fp8.ag_matmul, 1, 1, 2, ((1, 64, 32), (32, 64), (1, 64, 64)), impl,
@@ -125,6 +125,10 @@ def test_forward_and_gradients_are_the_reference(case):
               grad_dtype, opts)
     # AR: x [1, 32, 64] K split, w [64, 32] rows split; y replicated.
     _vjp_case(fp8.matmul_ar, 2, 0, None, ((1, 32, 64), (64, 32), (1, 32, 32)), impl,
+              grad_dtype, opts)
+    # Megatron's f: x [1, 32, 32] replicated (its gradient summed over the ranks), w [32, 64]
+    # columns split; y columns split.
+    _vjp_case(fp8.copy_matmul, None, 1, 2, ((1, 32, 32), (32, 64), (1, 32, 64)), impl,
               grad_dtype, opts)
 
 
