@@ -163,14 +163,14 @@ class MXFP8BlockScaling:
 
 
 # What ``scaling=`` takes: delayed, block (MXFP8), or None for current scaling.
-Scaling = DelayedScaling | MXFP8BlockScaling | None
+_Scaling = DelayedScaling | MXFP8BlockScaling | None
 
 
 # ---------------------------------------------------------------- the public functions
 
 
 def ag_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
-              scaling: Scaling = None, axis: int = 0, impl: str = "auto",
+              scaling: _Scaling = None, axis: int = 0, impl: str = "auto",
               transport: str | None = None, chunks: int | None = None,
               bidirectional: bool | None = None, mesh: jax.sharding.Mesh | None = None):
     """``jo.ag_matmul(x, w, ...)`` in FP8, differentiable: x and w quantized to e4m3 (the
@@ -182,7 +182,7 @@ def ag_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
 
 
 def matmul_rs(x: jax.Array, w: jax.Array, axis_name: str, *,
-              scaling: Scaling = None, axis: int = 0, impl: str = "auto",
+              scaling: _Scaling = None, axis: int = 0, impl: str = "auto",
               transport: str | None = None, chunks: int | None = None,
               bidirectional: bool | None = None, mesh: jax.sharding.Mesh | None = None):
     """``jo.matmul_rs(x, w, ...)`` in FP8, differentiable (as :func:`ag_matmul`); the
@@ -192,7 +192,7 @@ def matmul_rs(x: jax.Array, w: jax.Array, axis_name: str, *,
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, axis_name: str, *,
-              scaling: Scaling = None, impl: str = "auto",
+              scaling: _Scaling = None, impl: str = "auto",
               transport: str | None = None, chunks: int | None = None,
               bidirectional: bool | None = None, algorithm: str | None = None,
               mesh: jax.sharding.Mesh | None = None):
@@ -203,7 +203,7 @@ def matmul_ar(x: jax.Array, w: jax.Array, axis_name: str, *,
 
 
 def copy_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
-                scaling: Scaling = None, mesh: jax.sharding.Mesh | None = None):
+                scaling: _Scaling = None, mesh: jax.sharding.Mesh | None = None):
     """Megatron's f around an FP8 matmul (the column layer without sequence parallelism): x
     replicated over ``axis_name``, w split on its columns; x's gradient is all-reduced (in
     x's dtype). No collective moves fp8 here."""
