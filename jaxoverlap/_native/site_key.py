@@ -48,6 +48,7 @@ import numpy as np
 from jax._src.interpreters import mlir
 
 from jaxoverlap._native.attributes import SCHEMA
+from jaxoverlap._native.call_order import order_calls
 
 ir = mlir.ir
 
@@ -161,11 +162,19 @@ def _settle(module: Any) -> None:
     for digest in digests:
         counts[digest] = counts.get(digest, 0) + 1
     settled = _Lowering()
+    blocks: list[tuple[Any, list[tuple[Any, int]]]] = []  # each block's calls, with their keys
     for (op, _, note), digest in zip(found, digests, strict=True):
         source = _provenance(module, [list(op.operands)[0]]) if counts[digest] > 1 else b""
         key = settled.keyed(digest, source)
         _set_key(op, key)
         note(key)
+        block = op.operation.block
+        mine = next((calls for b, calls in blocks if b == block), None)
+        if mine is None:
+            blocks.append((block, mine := []))
+        mine.append((op, key))
+    for _, calls in blocks:
+        order_calls(calls)
 
 
 def _on_event(event: str, duration: float, **kwargs: Any) -> None:

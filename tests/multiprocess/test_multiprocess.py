@@ -210,9 +210,9 @@ def test_identical_calls_traced_in_another_order_per_process_are_matched_by_what
 
 def test_calls_of_one_weight_traced_in_another_order_per_process_are_matched_by_their_input():
     """One kernel applied to the results of a set of others, each process its own order:
-    such calls are keyed by where their input comes from (docs/native.md §4), so every
-    transport pairs them right (a call without its peers would fail at the short timeout).
-    Forward only: the backward pass still waits for peers (docs/native.md §7)."""
+    such calls are keyed by where their input comes from, and the calls of each block run in
+    the order of their keys (docs/native.md §4), so every transport pairs them right, forward
+    and backward (a call without its peers would fail at the short timeout)."""
     procs = harness.run("set_order_one_weight", 3, 1, params={"transports": TRANSPORTS},
                         timeout_s=300, env={"JAXOVERLAP_TIMEOUT_S": "20"},
                         process_env=lambda pid: {"PYTHONHASHSEED": str(2 * pid + 1)})

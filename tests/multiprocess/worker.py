@@ -887,12 +887,15 @@ def set_order(transports: list[str],
     return {"order": order, "wrong": wrong}
 
 
-def set_order_one_weight(transports: list[str]) -> dict[str, Any]:
+def set_order_one_weight(transports: list[str], backward: bool = True) -> dict[str, Any]:
     """One kernel applied to the results of a ``set`` of others (each process its own order)
     inside a ``shard_map``, native: a matmul_rs makes the input, then for each name an
     ag_matmul of it by that name's kernel and a matmul_rs of the result by one shared kernel.
-    The last calls are alike but for their input; every shard must equal the float64
-    reference. Returns the order, and the wrong shards per transport or the error."""
+    The last calls are alike but for their input; so are, in the backward pass, the three
+    ag_matmul calls of the shared kernel on one cotangent, whose results each process feeds
+    to the calls of the names in its own order. Every shard of the outputs and of the
+    gradient of x must equal the float64 reference. Returns the order, and the wrong shards
+    per transport or the error."""
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     names = {"query", "key", "value"}
@@ -920,8 +923,15 @@ def set_order_one_weight(transports: list[str]) -> dict[str, Any]:
         try:
             with jax.set_mesh(mesh):
                 ys = jax.jit(fn)(x, u, ws, v)
+                if backward:
+                    dx = jax.jit(jax.grad(lambda x, u, ws, v, fn=fn: sum(
+                        jnp.sum(y) for y in fn(x, u, ws, v).values())))(x, u, ws, v)
             wrong[transport] = sum(_wrong_shards(ys[nm], ((x64 @ u64) @ w64[nm]) @ v64,
                                                  "float32") for nm in names)
+            if backward:
+                ones = np.ones((b, s, k))
+                dx_ref = sum(((ones @ v64.T) @ w64[nm].T) for nm in names) @ u64.T
+                wrong[transport] += _wrong_shards(dx, dx_ref, "float32")
         except Exception as e:  # noqa: BLE001 - reported to the test
             return {"order": list(names), "wrong": None, "error": f"{type(e).__name__}: {e}"}
     return {"order": list(names), "wrong": wrong, "error": None}
