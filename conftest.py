@@ -39,11 +39,15 @@ def _values(item) -> frozenset[tuple[str, str]]:
 
 
 def each_value_once(cases) -> list[bool]:
-    """Of ``cases`` ((function, values) in collection order), which to keep: a case whose values
-    all appeared in earlier kept cases of its function is dropped."""
+    """Of ``cases`` ((function, values) in collection order; values None: not parametrized),
+    which to keep: a case whose values all appeared in earlier kept cases of its function is
+    dropped."""
     covered: dict = {}
     keep = []
     for function, values in cases:
+        if values is None:
+            keep.append(True)
+            continue
         had = covered.setdefault(function, set())
         keep.append(not values <= had)
         had |= values
@@ -60,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         seen.add(function)
     if config.getoption("each_value_once"):
-        keep = each_value_once((_function(i), _values(i)) if hasattr(i, "callspec")
-                               else ((i.nodeid,), frozenset({("", "")})) for i in items)
+        keep = each_value_once((_function(i), _values(i) if hasattr(i, "callspec") else None)
+                               for i in items)
         config.hook.pytest_deselected(items=[i for i, k in zip(items, keep, strict=True) if not k])
         items[:] = [i for i, k in zip(items, keep, strict=True) if k]

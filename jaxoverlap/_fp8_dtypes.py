@@ -7,6 +7,15 @@ to the output dtype. The scales travel as a pair ``(x_scale, w_scale)`` of float
 (shape ``()``), 1.0 for an operand that is not fp8; calls without fp8 operands carry none
 (``()``), and run exactly as before FP8 existed.
 
+Block scales (MXFP8, the OCP Microscaling format v1.0,
+https://www.opencompute.org/documents/ocp-microscaling-formats-mx-v1-0-spec-final-pdf): instead,
+one ``float8_e8m0fnu`` scale (a power of two) per :data:`BLOCK` consecutive elements along the
+contraction dim K, laid out as ``jax.nn.scaled_matmul``'s scales are: the operand's shape with
+K divided by 32 (x ``[..., rows, K/32]``, w ``[K/32, N]``). Both operands fp8, both
+block-scaled; the pair is then two e8m0 arrays (:func:`block_scaled`). No native executor
+takes them (``_plan.BLOCK_SCALED_REASON``): the ``xla`` and ``ring`` impls dequantize each
+block to float32 and multiply in float32.
+
 The ops with fp8 operands are a forward building block: a gradient with respect to fp8 values
 means nothing (quantization has no derivative). Training goes through ``jaxoverlap.fp8``,
 whose own rule quantizes the gradients (e5m2) and passes them straight through to the
@@ -24,6 +33,9 @@ FP8_DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES, fp8=T
 # default, as an FP8 GEMM writes in training recipes (TransformerEngine, Flax).
 OUT_DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES, out=True))
 DEFAULT_OUT = jnp.dtype(jnp.bfloat16)
+# MXFP8's block: one e8m0 scale per 32 consecutive elements along K (OCP MX v1.0, MXFP8).
+BLOCK = 32
+SCALE_DTYPE = jnp.dtype(jnp.float8_e8m0fnu)
 
 
 def is_fp8(dtype) -> bool:
@@ -42,6 +54,17 @@ def gemm_dtype(x, w):
         if is_fp8(a.dtype):
             return jnp.dtype(a.dtype)
     return jnp.dtype(x.dtype)
+
+
+def block_scaled(scales: tuple) -> bool:
+    """Whether a call's ``(x_scale, w_scale)`` are block scales (e8m0 arrays)."""
+    return bool(scales) and jnp.dtype(scales[0].dtype) == SCALE_DTYPE
+
+
+def dequantize_blocks(a, scale, axis: int):
+    """``a`` in float32, each run of :data:`BLOCK` elements along ``axis`` (K) times its e8m0
+    scale: exact wherever float32 holds the value (an e4m3 significand times a power of two)."""
+    return a.astype(jnp.float32) * jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=axis)
 
 
 def out_dtype(x, out: str | None):

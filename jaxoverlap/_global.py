@@ -28,6 +28,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _partition
+from jaxoverlap._fp8_dtypes import block_scaled
 from jaxoverlap._layout import (
     Call,
     check_shapes,
@@ -41,12 +42,13 @@ from jaxoverlap._layout import (
 
 def run(call: Call, mesh, x, w, *, want_gathered: bool = False, scales: tuple = ()):
     """``call`` on global ``x``, ``w`` over ``mesh``; ``scales``: the fp8 operands'
-    per-tensor ``(x_scale, w_scale)`` (float32 scalars, the same on every device), or ``()``.
+    per-tensor ``(x_scale, w_scale)`` (float32 scalars, the same on every device), their block
+    scales (e8m0 arrays laid out as x and w, K/32 for K: split as x and w are), or ``()``.
 
     Returns y, or (y, gathered x) for ``ag_matmul`` with ``want_gathered``.
     """
     assert call.local is not None, call
-    check_shapes(call, x, w, mesh)
+    check_shapes(call, x, w, mesh, block_scaled(scales))
     # Under Auto axes propagation places the other mesh axes later, when XLA partitions the
     # program; a device whose shards then differ from these makes its own plan for them.
     entries = None if uses_propagation(mesh) else spec_entries(x, mesh)
@@ -65,11 +67,13 @@ def _shard_mapped(call: Call, mesh, want_gathered: bool, x, w, scales: tuple):
     # The gathered x is the same on every rank of `axis_name`, but the type
     # system cannot prove it for a gather built from ppermutes or a custom call,
     # so that output is declared replicated with the check off.
+    # Block scales are split as their operands; per-tensor ones are replicated.
+    scale_specs = (x_spec, w_spec) if block_scaled(scales) else tuple(P() for _ in scales)
     fn = jax.shard_map(lambda x, w, scales: call.local(x, w, want_gathered, scales), mesh=mesh,
-                       in_specs=(x_spec, w_spec, tuple(P() for _ in scales)), out_specs=out,
+                       in_specs=(x_spec, w_spec, scale_specs), out_specs=out,
                        check_vma=not want_gathered)
     return fn(place(x, mesh, x_spec), place(w, mesh, w_spec),
-              tuple(place(s, mesh, P()) for s in scales))
+              tuple(place(s, mesh, spec) for s, spec in zip(scales, scale_specs, strict=True)))
 
 
 # One trace and one lowering per distinct ring call (JAX caches a jit's by its static arguments

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _kinds
 from jaxoverlap._compat import context_mesh
+from jaxoverlap._fp8_dtypes import BLOCK
 from jaxoverlap._plan import AG, AR, RS
 
 __all__ = [
@@ -229,10 +230,16 @@ def _check_divisible(op: str, name: str, size: int, n: int, axis_name: Any, what
         )
 
 
-def check_shapes(call: Call, x, w, mesh) -> None:
-    """The global shapes split evenly over ``axis_name`` where the layouts split them."""
+def check_shapes(call: Call, x, w, mesh, block_scaled: bool = False) -> None:
+    """The global shapes split evenly over ``axis_name`` where the layouts split them;
+    ``block_scaled``: K's slices hold whole blocks of block scales (MXFP8, 32 elements)."""
     op, n, tp = call.kind, mesh.shape[call.axis_name], call.axis_name
     layout = LAYOUTS[call.kind]
+    if block_scaled and layout.w != 1 and x.shape[-1] % (BLOCK * n):
+        raise ValueError(
+            f"{op}: x.shape[-1]={x.shape[-1]} contraction features split over the {n} ranks of "
+            f"mesh axis {tp!r} must give each rank whole blocks of {BLOCK} (one block scale each, "
+            f"MXFP8): pad K to a multiple of {BLOCK * n} with zeros.")
     if "row" in (layout.x, layout.y):
         _check_divisible(op, f"x.shape[{call.axis}]", x.shape[call.axis], n, tp, "rows on `axis`")
     if layout.w == 1:

@@ -27,7 +27,8 @@ uses it the same way, see github.com/NVIDIA/TransformerEngine,
   kernel's own layout for the axes that also shard the kernel (FSDP), an
   all-reduce for the others (data parallel). A call with fp8
   operands takes their per-tensor scales as two more (replicated, scalar)
-  operands and has no backward pass (``jaxoverlap.fp8`` differentiates FP8).
+  operands, or their block scales (MXFP8) laid out as x and w, and has no backward pass
+  (``jaxoverlap.fp8`` differentiates FP8).
 
 Settings read at trace time (``jo.config``, ``jax.default_matmul_precision``)
 travel in the per-device function to the partition callback, which runs when
@@ -47,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core, dispatch
 from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -63,7 +65,7 @@ from jaxoverlap._layout import (
     without_axis,
 )
 from jaxoverlap._native.site_key import provenance
-from jaxoverlap._xla import local_matmul, scale_product
+from jaxoverlap._xla import local_matmul, scaled_matmul
 
 # ---------------------------------------------------------------- the rules
 
@@ -80,18 +82,25 @@ def sharding_rule(call: Call, where: str, mesh, value_types, result_types) -> st
     The row dims and the contraction dims that are not split over
     ``axis_name`` get factors of their own, so propagation carries nothing
     across them (an FSDP axis on a kernel's other dim must not leak onto the
-    activations). The fp8 scales (scalars) have no factor.
+    activations). The per-tensor fp8 scales (scalars) have no factor; block scales share
+    their operand's factors but K's (K/32 long: a factor of their own, ``g``, ``h``).
     """
     del where, mesh, result_types
-    scalars = ", " * (len(value_types) - 2)
+    scales = ", " * (len(value_types) - 2)
+    blocks = len(value_types) > 2 and ir.RankedTensorType(value_types[2]).rank > 0
     if call.kind == AG:      # y's columns are w's (split over tp); the gathered x is free
-        return (f"{_factors(call, 'r', 'k')}, q n{scalars} -> {_factors(call, 's', 'n')}, "
+        if blocks:
+            scales = f", {_factors(call, 'r', 'g')}, h n"
+        return (f"{_factors(call, 'r', 'k')}, q n{scales} -> {_factors(call, 's', 'n')}, "
                 f"{_factors(call, 't', 'c')}")
+    row = "r" if call.kind == RS else ""
+    if blocks:               # x's features' blocks are w's rows' (split over tp)
+        scales = f", {_factors(call, row, 'g')}, g m"
     if call.kind == RS:      # x's features are w's rows (split over tp)
-        return f"{_factors(call, 'r', 'f')}, f m{scalars} -> {_factors(call, 's', 'n')}"
+        return f"{_factors(call, 'r', 'f')}, f m{scales} -> {_factors(call, 's', 'n')}"
     if call.kind == F:
-        return f"{_factors(call, '', 'k')}, q n{scalars} -> {_factors(call, '', 'n')}"
-    return f"{_factors(call, '', 'f')}, f m{scalars} -> {_factors(call, '', 'n')}"
+        return f"{_factors(call, '', 'k')}, q n{scales} -> {_factors(call, '', 'n')}"
+    return f"{_factors(call, '', 'f')}, f m{scales} -> {_factors(call, '', 'n')}"
 
 
 def backward_rule(call: Call, where: str, mesh, value_types, result_types) -> str:
@@ -121,7 +130,7 @@ def _manual(mesh: Mesh):
 def _body(call: Call, where: str, x, w, *scales):
     """The op's meaning on global arrays: what fixes the output types, and XLA's fallback."""
     del where
-    y = local_matmul(x, w, call.local.out_dtype, scale_product(scales), call.local.precision)
+    y = scaled_matmul(x, w, scales, call.local.out_dtype, call.local.precision)
     return (y, x) if call.kind == AG else (y,)
 
 
@@ -144,9 +153,12 @@ def _partition(call: Call, where: str, mesh, arg_shapes, result_shape):
         return out if call.kind == AG else (out,)
 
     named = functools.partial(NamedSharding, mesh)
-    scalars = tuple(named(P()) for _ in arg_shapes[2:])
+    # Block scales are split as their operands; per-tensor ones are replicated.
+    blocks = len(arg_shapes) > 2 and arg_shapes[2].ndim > 0
+    scales = (named(x_spec), named(w_spec)) if blocks else tuple(
+        named(P()) for _ in arg_shapes[2:])
     return (mesh, lower, tuple(map(named, out_specs)),
-            (named(x_spec), named(w_spec), *scalars))
+            (named(x_spec), named(w_spec), *scales))
 
 
 _primitive = custom_partitioning(_body, static_argnums=(0, 1))

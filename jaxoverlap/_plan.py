@@ -83,7 +83,8 @@ class Request:
     matmul, which has no plan); ``axis`` is normalised (0 for ``matmul_ar``, whose rows are
     every dim of x but the last); ``precision`` is ``_precision.normalize``'d (Megatron's f:
     as given, ``lax.dot_general``'s); ``out_dtype``: y's dtype name for fp8 operands (None:
-    x's).
+    x's); ``block_scaled``: the fp8 operands carry block scales (MXFP8), which no native
+    executor takes (:data:`BLOCK_SCALED_REASON`).
     """
 
     op: str
@@ -98,6 +99,7 @@ class Request:
     precision: str | None = None
     default_precision: str | None = None
     out_dtype: str | None = None
+    block_scaled: bool = False
 
     @classmethod
     def now(cls, op: str, axis_name: str, **args: Any) -> Request:
@@ -193,9 +195,12 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
     transport = explicit_transport or (
         settings.transport if settings.transport != "auto" else None)
     fused = settings.fused if r.op in FUSED_OPS and n > 1 else False
+    kernel = r.algorithm in KERNEL_ALGORITHMS
+    if r.block_scaled:
+        _check_block_scaled(r.op, impl, explicit_transport, fused, kernel)
+        fused = False
     if fused:
         impl = _check_fused(r.op, impl, transport, x, w, r.out_dtype)
-    kernel = r.algorithm in KERNEL_ALGORITHMS
     if kernel:
         impl = _check_kernel(r.algorithm, impl, transport)
     forced_native = impl == "native" or (impl == "auto" and explicit_transport is not None)
@@ -204,7 +209,8 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
     if is_fp8(gemm_dtype(x, w)) and not forced_native:
         _say_fp8_dequantized(r.op)
     picked = _model_pick(r.op, x, w, n, r.axis, rows, impl, forced_native, transport, chunks,
-                         bidirectional, settings.preset, algorithms, fused, r.out_dtype)
+                         bidirectional, settings.preset, algorithms, fused, r.out_dtype,
+                         native=not r.block_scaled)
     if picked is not None:
         impl = picked.impl
         chunks = picked.chunks if chunks is None else chunks
@@ -333,6 +339,31 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w,
         raise NativeUnavailableError(f"{op}: {where}, but {reason}. Drop fused (the chunked "
                                      "path runs everywhere).")
     return "native"
+
+
+# Why a block-scaled (MXFP8) call never runs native: what impl="native" raises and what
+# impl="auto" logs when it picks among xla and ring.
+BLOCK_SCALED_REASON = ("no native executor has a block-scaled GEMM yet (neither the CUDA "
+                       "executor's cuBLASLt GEMMs nor its fused kernels take e8m0 block scales, "
+                       "and the host executor mirrors them)")
+
+
+def _check_block_scaled(op: str, impl: str, transport: str | None, fused, kernel: bool) -> None:
+    """A call with block scales (MXFP8) runs on ``xla`` or ``ring``: asking for the native
+    path (``impl``, a ``transport``, the fused GEMM, a kernel algorithm) is an error naming
+    the reason and the fix; ``impl="auto"`` leaves native out, and says so in the debug log."""
+    asked = ("impl='native'" if impl == "native" else
+             f"transport={transport!r}" if transport is not None else
+             "jo.config(fused=True) / JAXOVERLAP_FUSED=1" if fused else
+             "a kernel algorithm" if kernel else None)
+    if asked is None:
+        logger.debug("%s with block scales (MXFP8): impl=%r picks among 'xla' and 'ring': %s.",
+                     op, impl, BLOCK_SCALED_REASON)
+        return
+    raise NativeUnavailableError(
+        f"{op}: {asked} asks for the native path, but the operands carry block scales "
+        f"(float8_e8m0fnu, MXFP8) and {BLOCK_SCALED_REASON}. Use impl='ring' or impl='xla' "
+        "(or 'auto', which picks among them), or float32 per-tensor scales for the native path.")
 
 
 def _check_kernel(algorithm: str, impl: str, transport: str | None) -> str:
@@ -481,12 +512,13 @@ def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
 
 
 def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,
-                bidirectional, preset, algorithms, fused, out_dtype=None):
+                bidirectional, preset, algorithms, fused, out_dtype=None, native: bool = True):
     """The performance model's candidate for what the caller left open, or None.
 
     None means no model applies (no preset: host devices by default) or nothing
     is left open; the simple defaults then hold. ``fused``: True, the fused plans only;
-    False, none; None, wherever the executor runs them.
+    False, none; None, wherever the executor runs them. ``native``: False leaves the native
+    plans out (block scales, :data:`BLOCK_SCALED_REASON`).
     """
     mesh = jax.sharding.get_abstract_mesh()
     device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
@@ -496,7 +528,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
         return None                      # xla/ring asked for: nothing for the model to pick
     dtype = gemm_dtype(x, w)
-    native_ok = native_reason(x.dtype, w.dtype) is None
+    native_ok = native and native_reason(x.dtype, w.dtype) is None
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error
     if forced_native:

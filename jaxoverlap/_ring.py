@@ -29,7 +29,9 @@ sooner.
 FP8 operands (``scales`` = this rank's ``(x_scale, w_scale)``): AG+GEMM's pieces travel
 as fp8 bytes with their shard's scale alongside (one float32 in the same ``ppermute``),
 and each piece's GEMM applies its own; the reductions apply this rank's scales to its
-partials, which travel and add in the output dtype (float32 adds), never in fp8.
+partials, which travel and add in the output dtype (float32 adds), never in fp8. Block scales
+(MXFP8): each piece of x travels with its rows of x's e8m0 scales in the same ``ppermute``; the
+reductions slice x's scales with its rows.
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxoverlap._fp8_dtypes import out_dtype
+from jaxoverlap._fp8_dtypes import block_scaled, out_dtype
 from jaxoverlap._invariant import mark_invariant
 from jaxoverlap._one_launch import splits_rows
 from jaxoverlap._plan import OpPlan
-from jaxoverlap._xla import local_matmul, scale_product
+from jaxoverlap._xla import block_product, local_matmul, scale_product, scaled_matmul
 
 
 def _shift(x: jax.Array, plan: OpPlan, by: int) -> jax.Array:
@@ -98,19 +100,26 @@ def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan, want_gathered: bool,
     gathered_shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 :]
     gathered = jnp.zeros(gathered_shape, x.dtype) if want_gathered else None
     pieces = _split(x, plan)
-    if scales:  # each piece travels with its shard's x_scale
+    blocks = block_scaled(scales)
+    if blocks:  # each piece travels with its rows of x's block scales
+        pieces = list(zip(pieces, _split(scales[0], plan), strict=True))
+    elif scales:  # each piece travels with its shard's x_scale
         pieces = [(piece, scales[0]) for piece in pieces]
 
     def consume(state, pieces, shard):
         y, gathered = state
         for k, piece in enumerate(pieces):
-            scale = None
-            if scales:
+            if blocks:
                 piece, x_scale = piece
-                scale = x_scale * scales[1]
+                product = block_product(piece, w, x_scale, scales[1]).astype(out)
+            else:
+                scale = None
+                if scales:
+                    piece, x_scale = piece
+                    scale = x_scale * scales[1]
+                product = local_matmul(piece, w, out, scale)
             start = shard * rows + k * piece_rows
-            y = lax.dynamic_update_slice_in_dim(y, local_matmul(piece, w, out, scale), start,
-                                                axis)
+            y = lax.dynamic_update_slice_in_dim(y, product, start, axis)
             if gathered is not None:
                 gathered = lax.dynamic_update_slice_in_dim(gathered, piece, start, axis)
         return y, gathered
@@ -133,6 +142,8 @@ def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> j
     n = plan.axis_size
     rows = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])          # every dim but the last is a row
+    if block_scaled(scales):                   # x's block scales, row for row
+        scales = (scales[0].reshape(-1, scales[0].shape[-1]), scales[1])
     block = flat.shape[0] // n
     piece_rows = block // plan.chunks
     rows_plan = dataclasses.replace(plan, axis=0)
@@ -153,7 +164,7 @@ def _one_shot(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> j
     gets the same bits."""
     n = plan.axis_size
     out = out_dtype(x, plan.out_dtype)
-    partial = local_matmul(x, w, out, scale_product(scales))
+    partial = scaled_matmul(x, w, scales, out)
     # by_shift[i] came from rank (rank - i) mod N
     by_shift = [partial] + [lax.ppermute(partial, plan.axis_name,
                                          [(j, (j + i) % n) for j in range(n)])
@@ -175,11 +186,15 @@ def _reduce_scatter(x: jax.Array, w: jax.Array, plan: OpPlan,
     rank = lax.axis_index(plan.axis_name)
     forward_hops, backward_hops = _ring_lengths(plan)
     out = out_dtype(x, plan.out_dtype)
-    scale = scale_product(scales)
+    blocks = block_scaled(scales)
+    scale = None if blocks else scale_product(scales)
 
     def partial(chunk, k):
         start = chunk * rows + k * piece_rows
         block = lax.dynamic_slice_in_dim(x, start, piece_rows, axis)
+        if blocks:  # its rows of x's block scales
+            return block_product(block, w, lax.dynamic_slice_in_dim(scales[0], start,
+                                                                     piece_rows, axis), scales[1])
         y = lax.dot_general(
             block, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )

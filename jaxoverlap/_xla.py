@@ -3,6 +3,9 @@
 This is what the fused paths are checked against and timed against. With fp8 operands the
 collectives move what they moved before: the all-gather the fp8 x (its shards' scales, one
 float32 each, gathered alongside), the reductions the partial products in the output dtype.
+Block scales (MXFP8) are gathered with x's rows, e8m0 as they are; each GEMM dequantizes its
+operands per block (``_fp8_dtypes.dequantize_blocks``) and multiplies them in float32: the
+reference, not a block-scaled GEMM.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxoverlap._fp8_dtypes import out_dtype
+from jaxoverlap._fp8_dtypes import block_scaled, dequantize_blocks, out_dtype
 from jaxoverlap._plan import OpPlan
 
 
@@ -25,6 +28,23 @@ def local_matmul(x: jax.Array, w: jax.Array, out=None, scale=None,
     if scale is not None:
         y = y * scale
     return y.astype(x.dtype if out is None else out)
+
+
+def block_product(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                  precision=None) -> jax.Array:
+    """``x @ w`` of block-scaled fp8 operands in float32: each dequantized per block of K
+    (x's scales ``[..., rows, K/32]``, w's ``[K/32, N]``), then multiplied."""
+    xd, wd = dequantize_blocks(x, x_scale, x.ndim - 1), dequantize_blocks(w, w_scale, 0)
+    return lax.dot_general(xd, wd, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def scaled_matmul(x: jax.Array, w: jax.Array, scales: tuple, out, precision=None) -> jax.Array:
+    """This rank's ``x @ w`` with its ``scales`` (none, per-tensor or block), rounded once to
+    ``out``."""
+    if block_scaled(scales):
+        return block_product(x, w, *scales, precision).astype(out)
+    return local_matmul(x, w, out, scale_product(scales), precision)
 
 
 def per_row(values, rows: int, axis: int, ndim: int):
@@ -42,6 +62,9 @@ def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan,
     if not scales:
         return local_matmul(gathered, w, out), gathered
     x_scale, w_scale = scales
+    if block_scaled(scales):  # x's block scales are gathered with its rows
+        every = lax.all_gather(x_scale, plan.axis_name, axis=plan.axis, tiled=True)
+        return block_product(gathered, w, every, w_scale).astype(out), gathered
     # The rows of shard r are (x_r * x_scale_r) @ (w * w_scale): each shard's own scale.
     every = lax.all_gather(x_scale, plan.axis_name) * w_scale
     scale = per_row(every, x.shape[plan.axis], plan.axis, x.ndim)
@@ -49,17 +72,14 @@ def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan,
 
 
 def matmul_rs(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
-    return lax.psum_scatter(
-        local_matmul(x, w, out_dtype(x, plan.out_dtype), scale_product(scales)), plan.axis_name,
-        scatter_dimension=plan.axis, tiled=True
-    )
+    return lax.psum_scatter(scaled_matmul(x, w, scales, out_dtype(x, plan.out_dtype)),
+                            plan.axis_name, scatter_dimension=plan.axis, tiled=True)
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, plan: OpPlan, scales: tuple = ()) -> jax.Array:
-    return lax.psum(local_matmul(x, w, out_dtype(x, plan.out_dtype), scale_product(scales)),
-                    plan.axis_name)
+    return lax.psum(scaled_matmul(x, w, scales, out_dtype(x, plan.out_dtype)), plan.axis_name)
 
 
 def scale_product(scales: tuple):
-    """This rank's ``x_scale * w_scale`` (None without fp8)."""
+    """This rank's per-tensor ``x_scale * w_scale`` (None without fp8)."""
     return scales[0] * scales[1] if scales else None

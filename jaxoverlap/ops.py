@@ -30,7 +30,16 @@ from jaxoverlap._config import (
     check_impl,
     check_transport,
 )
-from jaxoverlap._fp8_dtypes import DEFAULT_OUT, FP8_DTYPES, OUT_DTYPES, any_fp8, is_fp8
+from jaxoverlap._fp8_dtypes import (
+    BLOCK,
+    DEFAULT_OUT,
+    FP8_DTYPES,
+    OUT_DTYPES,
+    SCALE_DTYPE,
+    any_fp8,
+    block_scaled,
+    is_fp8,
+)
 from jaxoverlap._local import LocalOp
 from jaxoverlap._plan import Request
 
@@ -74,6 +83,15 @@ def ag_matmul(
     (one of ``ops.OUT_DTYPES``; default bfloat16). The gather moves the fp8 bytes, each
     shard's scale alongside; the gathered x is fp8. Not differentiable (use
     ``jaxoverlap.fp8``).
+
+    MXFP8 (block scales): x and w fp8 and ``x_scale`` / ``w_scale`` ``float8_e8m0fnu`` arrays
+    laid out as ``jax.nn.scaled_matmul``'s, one power-of-two scale per 32 consecutive
+    elements of K: ``x_scale`` ``[..., rows, K/32]``, ``w_scale`` ``[K/32, Nw]`` (inside
+    ``shard_map`` this rank's shards': x's rows, w's columns); K a multiple of 32. The real
+    value is ``x.astype(float32) * repeat(x_scale.astype(float32), 32, axis=-1)``. Each
+    shard's scales travel with its rows. ``xla`` and ``ring`` only (``native`` raises
+    ``NativeUnavailableError``; ``auto`` picks among them), which dequantize per block; not
+    differentiable.
     """
     op = "ag_matmul"
     _check_axis_name(op, axis_name)
@@ -85,7 +103,7 @@ def ag_matmul(
         raise TypeError(f"{op}: return_gathered={return_gathered!r} must be True or False.")
     scales, out = _check_fp8(op, x, w, x_scale, w_scale, preferred_element_type, precision)
     request = Request.now(op, axis_name, axis=axis, precision=precision, out_dtype=out,
-                          **options)
+                          block_scaled=block_scaled(scales), **options)
     return _run(request, x, w, mesh, return_gathered, scales)
 
 
@@ -115,7 +133,9 @@ def matmul_rs(
 
     FP8 operands as in :func:`ag_matmul`: each rank's partial is ``(x * x_scale) @ (w *
     w_scale)`` with its own scales (no scale travels), accumulated in float32 and reduced in
-    float32 or ``preferred_element_type``, never in fp8.
+    float32 or ``preferred_element_type``, never in fp8. MXFP8 block scales as in
+    :func:`ag_matmul` (``x_scale`` ``[..., S, Kf/32]``, ``w_scale`` ``[Kf/32, Nw]``: this rank's
+    slice of K's blocks; on global arrays K a multiple of 32·N), dequantizing this rank's partial.
     """
     op = "matmul_rs"
     _check_axis_name(op, axis_name)
@@ -131,7 +151,7 @@ def matmul_rs(
             f"mesh axis {axis_name!r}; pad the rows to a multiple of {n}."
         )
     request = Request.now(op, axis_name, axis=axis, precision=precision, out_dtype=out,
-                          **options)
+                          block_scaled=block_scaled(scales), **options)
     return _run(request, x, w, mesh, scales=scales)
 
 
@@ -171,7 +191,7 @@ def matmul_ar(
     GEMMs, dx = dy @ wᵀ and dw = xᵀ·dy, with no communication under
     ``check_vma=True``; under ``check_vma=False`` each rank's share of the cotangent
     is summed first, as JAX's transpose of ``psum`` does there. ``precision`` as in
-    :func:`ag_matmul`. FP8 operands as in :func:`matmul_rs`.
+    :func:`ag_matmul`. FP8 operands, and MXFP8 block scales, as in :func:`matmul_rs`.
     """
     op = "matmul_ar"
     _check_axis_name(op, axis_name)
@@ -182,7 +202,7 @@ def matmul_ar(
     precision = _precision.normalize(op, precision)
     scales, out = _check_fp8(op, x, w, x_scale, w_scale, preferred_element_type, precision)
     request = Request.now(op, axis_name, algorithm=algorithm, precision=precision,
-                          out_dtype=out, **options)
+                          out_dtype=out, block_scaled=block_scaled(scales), **options)
     return _run(request, x, w, mesh, scales=scales)
 
 
@@ -262,8 +282,8 @@ def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:
 
 def _check_fp8(op: str, x, w, x_scale: Any, w_scale: Any, preferred_element_type: Any,
                precision: str | None) -> tuple[tuple, str | None]:
-    """The fp8 operands' scales as float32 scalars (``()`` without fp8) and y's dtype name
-    (None: x's). Raises naming the argument and the fix."""
+    """The fp8 operands' scales — float32 scalars, or both e8m0 block scales — (``()`` without
+    fp8) and y's dtype name (None: x's). Raises naming the argument and the fix."""
     fp8 = any_fp8(x, w)
     out = None
     if preferred_element_type is not None:
@@ -292,9 +312,61 @@ def _check_fp8(op: str, x, w, x_scale: Any, w_scale: Any, preferred_element_type
             f"{jnp.dtype(x.dtype).name}, w {jnp.dtype(w.dtype).name}): fp8 GEMMs multiply "
             "the fp8 values themselves. Drop precision= (or pass DEFAULT), or dequantize the "
             "operands to float32 first.")
+    if any(_is_block(s) for s in (x_scale, w_scale)):
+        return _check_block_scales(op, x, w, x_scale, w_scale), (out or DEFAULT_OUT).name
     scales = tuple(_check_scale(op, name, a, scale)
                    for name, a, scale in (("x", x, x_scale), ("w", w, w_scale)))
     return scales, (out or DEFAULT_OUT).name
+
+
+def _is_block(scale: Any) -> bool:
+    return hasattr(scale, "dtype") and jnp.dtype(scale.dtype) == SCALE_DTYPE
+
+
+def _check_block_scales(op: str, x, w, x_scale: Any, w_scale: Any) -> tuple:
+    """Block scales (MXFP8): both operands fp8, both scales e8m0 arrays, one per 32 elements
+    of K laid out as the operand (x ``[..., rows, K/32]``, w ``[K/32, N]``)."""
+    for name, a, arg in (("x", x, "x_scale"), ("w", w, "w_scale")):
+        if not is_fp8(a.dtype):
+            raise TypeError(
+                f"{op}: block scales (float8_e8m0fnu, MXFP8) dequantize fp8 operands only, but "
+                f"{name} is {jnp.dtype(a.dtype).name}. Quantize {name} to "
+                f"{' / '.join(d.name for d in FP8_DTYPES)} with its own block scales {arg}=, "
+                "or pass float32 per-tensor scales.")
+    for arg, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+        dtype = jnp.dtype(scale.dtype) if hasattr(scale, "dtype") else None
+        if dtype is not None and dtype not in (SCALE_DTYPE, jnp.dtype(jnp.float32)):
+            raise TypeError(
+                f"{op}: {arg}.dtype={dtype.name} must be float8_e8m0fnu (block scales, MXFP8, "
+                f"as the other scale is), or float32 for per-tensor scales; pass "
+                f"{arg}.astype(jnp.float8_e8m0fnu).")
+        if not _is_block(scale):
+            got = "missing" if scale is None else (
+                f"{jnp.dtype(scale.dtype).name}" if hasattr(scale, "dtype")
+                else type(scale).__name__)
+            raise TypeError(
+                f"{op}: one scale is block-scaled (float8_e8m0fnu) but {arg} is {got}: block "
+                "and per-tensor scales do not mix. Pass both as float8_e8m0fnu block scales "
+                "(MXFP8), or both as float32 per-tensor scales.")
+    k = x.shape[-1]
+    if k % BLOCK:
+        raise ValueError(
+            f"{op}: block scales cover {BLOCK} consecutive elements of the contraction dim, but "
+            f"x.shape[-1]={k} is not a multiple of {BLOCK}. Pad K (x's last dim, w's first) to "
+            f"a multiple of {BLOCK} with zeros, or use per-tensor scales.")
+    for arg, a, want, layout in (
+            ("x_scale", x, (*x.shape[:-1], k // BLOCK), "[..., rows, K/32]: x's shape, its last "
+             "dim divided by 32"),
+            ("w_scale", w, (k // BLOCK, w.shape[1]), "[K/32, N]: w's shape, its first dim "
+             "divided by 32")):
+        scale = x_scale if arg == "x_scale" else w_scale
+        if tuple(scale.shape) != want:
+            raise ValueError(
+                f"{op}: {arg} has shape {tuple(scale.shape)} but block scales of "
+                f"{arg[0]} {tuple(a.shape)} must have shape {want} ({layout}; one e8m0 scale "
+                f"per {BLOCK} elements of K, as jax.nn.scaled_matmul's; inside shard_map this "
+                "rank's shard's).")
+    return (x_scale, w_scale)
 
 
 def _check_scale(op: str, name: str, a, scale: Any):
@@ -317,12 +389,14 @@ def _check_scale(op: str, name: str, a, scale: Any):
         raise TypeError(f"{op}: {arg} must be a float32 scalar array (or a Python float), got "
                         f"{type(scale).__name__}.")
     if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32):
-        raise TypeError(f"{op}: {arg}.dtype={jnp.dtype(scale.dtype).name} must be float32; "
-                        f"pass {arg}.astype(jnp.float32).")
+        raise TypeError(f"{op}: {arg}.dtype={jnp.dtype(scale.dtype).name} must be float32 (a "
+                        f"per-tensor scale; pass {arg}.astype(jnp.float32)) or float8_e8m0fnu "
+                        "(block scales, MXFP8).")
     if tuple(scale.shape) not in ((), (1,)):
         raise ValueError(
             f"{op}: {arg} has shape {tuple(scale.shape)} but must be a scalar, shape () or "
-            f"(1,): one scale per tensor (inside shard_map, one per rank's shard).")
+            f"(1,): one scale per tensor (inside shard_map, one per rank's shard). Block scales "
+            f"(one per 32 elements of K, MXFP8) are float8_e8m0fnu.")
     return jnp.reshape(scale, ())
 
 

@@ -154,10 +154,10 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
         runtime.note_lowering(platform, key)
 
     def emit(key: int) -> Sequence[Any]:
-        note(key)
         return rule(ctx, *operands, **attributes(plan, call, x_aval, key))
 
-    return lower_keyed(ctx, naming(plan, call, x_aval), (w,), (x,), emit, note)
+    # w (operand 1) names the call; x (operand 0) tells alike calls apart.
+    return lower_keyed(ctx, naming(plan, call, x_aval), operands, (1,), (0,), emit, note)
 
 
 # Not cached: every native call of a program lowers on its own and gets its own site key

@@ -76,11 +76,13 @@ def _module_name(module_context: Any) -> str:
 
 class _Lowering:
     """The native calls of one module being lowered: by the key each was lowered with, what
-    names it (less w's provenance) and whom to tell of a new key; how many calls each
+    names it (less w's provenance), the positions of its operands that name it and tell it
+    apart, and whom to tell of a new key; how many calls each
     description and (description, input provenance) has had so far."""
 
     def __init__(self) -> None:
-        self.calls: dict[int, tuple[tuple[Any, ...], Callable[[int], None]]] = {}
+        self.calls: dict[int, tuple[tuple[Any, ...], Sequence[int], Sequence[int],
+                                    Callable[[int], None]]] = {}
         self.seen: dict[tuple[bytes, bytes], int] = {}
         self.alike = False  # some description has several calls
 
@@ -94,17 +96,18 @@ class _Lowering:
 
 
 def lower_keyed(ctx: Any, naming: dict[str, Any], operands: Sequence[Any],
-                inputs: Sequence[Any], emit: Callable[[int], Sequence[Any]],
+                names: Sequence[int], tells: Sequence[int],
+                emit: Callable[[int], Sequence[Any]],
                 note: Callable[[int], None]) -> Sequence[Any]:
     """Lowers the native call in ``ctx`` with its site key (a nonzero signed 64-bit int):
     ``emit(key)`` makes the custom call and returns its results.
 
     ``naming``: everything the call is besides where it lowers and its types, its clique key
     among them (``attributes.naming``: op, axis, transport, chunks, ...; not its timeout, which
-    a process may set differently); ``operands``: the MLIR values whose provenance names the
-    call (the native lowering gives w); ``inputs``: those whose provenance tells apart calls
-    alike in all of that (the native lowering gives x); ``note(key)``: told of every key the
-    call is given.
+    a process may set differently); ``operands``: the custom call's MLIR operands; ``names``:
+    the positions of those whose provenance names the call (the native lowering gives w's);
+    ``tells``: of those whose provenance tells apart calls alike in all of that (x's);
+    ``note(key)``: told of every key the call is given.
 
     A lone call is keyed by what it is, and so is the first of alike calls (one weight on
     several inputs) while it lowers; the next ones also by their input's provenance. Once the
@@ -113,20 +116,20 @@ def lower_keyed(ctx: Any, naming: dict[str, Any], operands: Sequence[Any],
     avals = tuple((tuple(a.shape), str(a.dtype)) for a in (*ctx.avals_in[:2], *ctx.avals_out))
     described = (_module_name(ctx.module_context), str(ctx.name_stack), avals,
                  sorted((k, repr(v)) for k, v in naming.items()))
-    digest = _describe(described, provenance(ctx, operands))
+    digest = _describe(described, provenance(ctx, [operands[i] for i in names]))
     module = ctx.module_context.module
     with _lock:
         lowering = _lowerings.setdefault(module, _Lowering())
         key = lowering.keyed(digest, b"")
         if key != _key(digest, b"", 0):  # a second or later alike call
-            key = lowering.keyed(digest, provenance(ctx, inputs))
+            key = lowering.keyed(digest, provenance(ctx, [operands[i] for i in tells]))
             if not lowering.alike:
                 lowering.alike = True
                 pending = getattr(_thread, "pending", None)
                 if pending is None:
                     pending = _thread.pending = weakref.WeakSet()
                 pending.add(module)
-        lowering.calls[key] = (described, note)
+        lowering.calls[key] = (described, names, tells, note)
     note(key)
     return emit(key)
 
@@ -143,7 +146,7 @@ def _settle(module: Any) -> None:
         _digests.pop(module, None)  # the callers are all made now: walk afresh
     if lowering is None:
         return
-    found = []  # (op, what names it, note) of every native call of the module, in order
+    found = []  # (op, *its entry in lowering.calls) of every native call of the module, in order
     stack = [module.operation]
     while stack:
         op = stack.pop()
@@ -156,15 +159,17 @@ def _settle(module: Any) -> None:
                 key = ir.IntegerAttr(ir.DictAttr(config)["site_key"]).value
                 if key in lowering.calls:
                     found.append((op, *lowering.calls[key]))
-    digests = [_describe(described, _provenance(module, [list(op.operands)[1]]))
-               for op, described, _ in found]
+    def of(op: Any, positions: Sequence[int]) -> bytes:
+        return _provenance(module, [list(op.operands)[i] for i in positions])
+
+    digests = [_describe(described, of(op, names)) for op, described, names, _, _ in found]
     counts: dict[bytes, int] = {}
     for digest in digests:
         counts[digest] = counts.get(digest, 0) + 1
     settled = _Lowering()
     blocks: list[tuple[Any, list[tuple[Any, int]]]] = []  # each block's calls, with their keys
-    for (op, _, note), digest in zip(found, digests, strict=True):
-        source = _provenance(module, [list(op.operands)[0]]) if counts[digest] > 1 else b""
+    for (op, _, _, tells, note), digest in zip(found, digests, strict=True):
+        source = of(op, tells) if counts[digest] > 1 else b""
         key = settled.keyed(digest, source)
         _set_key(op, key)
         note(key)

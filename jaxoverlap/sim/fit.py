@@ -34,7 +34,7 @@ from jaxoverlap.sim.engine import simulate_programs
 from jaxoverlap.sim.families import margin  # noqa: F401  (the margin rule, re-exported)
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.plan import Candidate, baseline_times, simulate
-from jaxoverlap.sim.presets import FP8_TILES, Preset, gemm_class, load_preset
+from jaxoverlap.sim.presets import FP8_TILES, GEMM_CLASSES, Preset, gemm_class, load_preset
 
 US = model.US
 
@@ -155,7 +155,9 @@ def fit_gemm(p: Preset, points: Sequence[GemmPoint], serial: Sequence[SerialPoin
     worst error, which is what the model is held to (and what its margin derives
     from), yet smooth.
     """
-    for cls in sorted({g.cls for g in points}, key=lambda c: c != "16bit"):
+    # 16-bit first (the others keep its per-kernel cost), the rest in GEMM_CLASSES' order (so
+    # the fitted preset's gemm_classes do not follow the process's hash seed).
+    for cls in sorted({g.cls for g in points}, key=GEMM_CLASSES.index):
         mine = [g for g in points if g.cls == cls]
         for _ in range(3):  # the best shape depends on the per-kernel cost the fit moves
             best = max(mine, key=lambda g: _achieved(p, g))

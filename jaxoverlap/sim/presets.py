@@ -14,7 +14,6 @@ TFLOP/s (dense), latencies in microseconds.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ FP8_DTYPES = _kinds.names(_kinds.DTYPES, fp8=True)
 
 
 # The dtype helpers below are pure and called for every op the model prices: cached.
-@functools.lru_cache(maxsize=256)
 def canonical_dtype(dtype: str) -> str:
     """'bf16' -> 'bfloat16' etc. (a dtype's short name, the executors' in a program's "dtype",
     or an alias: ``_kinds``); raises on anything the executors do not support."""
@@ -39,7 +37,6 @@ def canonical_dtype(dtype: str) -> str:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}") from None
 
 
-@functools.lru_cache(maxsize=256)
 def dtype_bytes(dtype: str) -> int:
     return _kinds.dtype(canonical_dtype(dtype)).bytes
 
@@ -57,7 +54,6 @@ GEMM_CLASSES = ("16bit", "fp8", "mxfp8")
 FP8_TILES = ((128, 256), (128, 128), (64, 256), (64, 128))
 
 
-@functools.lru_cache(maxsize=256)
 def gemm_class(dtype: str, block_scaled: bool = False) -> str:
     """The operand class of a GEMM of ``dtype`` operands (``GEMM_CLASSES``)."""
     if canonical_dtype(dtype) in FP8_DTYPES:
@@ -82,7 +78,6 @@ class GemmFit:
     fused_tile: tuple[int, int] | None = None  # a fused kernel's CTA tile for this class
 
 
-@functools.lru_cache(maxsize=256)
 def output_dtype(dtype: str) -> str:
     """What a GEMM of ``dtype`` operands writes: bfloat16 for fp8 (the ops' default
     ``preferred_element_type``, what FP8 training recipes use), else the operands' dtype."""
