@@ -34,24 +34,23 @@ from jax._src.lib.mlir.dialects import hlo
 
 ir = mlir.ir
 
-# The operand of a host call made to depend on the call before it: coords, int32[2] (x and w
-# carry the provenance that names calls; two integers cost nothing to pass on). GPU calls have
-# no such operand (docs/native.md §7).
-_COORDS = 4
 _EFFECTS = ("stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed",
             "stablehlo.after_all")
 
 
-def order_calls(calls: Sequence[tuple[Any, int]]) -> None:
-    """Chains the native calls ``calls`` ((op, site key), all in one block) in the order of
-    (depth, key), and sorts their block so that it holds. GPU calls: left as they are."""
-    if len(calls) < 2 or any(len(op.operands) <= _COORDS for op, _ in calls):
+def order_calls(calls: Sequence[tuple[Any, int, int | None]]) -> None:
+    """Chains the native calls ``calls`` ((op, site key, the position of its coords operand,
+    or None), all in one block) in the order of (depth, key), and sorts their block so that it
+    holds. Calls without coords (GPU calls): left as they are. Coords (int32[2]) are made to
+    depend on the call before: x and w carry the provenance that names calls, and two integers
+    cost nothing to pass on."""
+    if len(calls) < 2 or any(after is None for _, _, after in calls):
         return
     block = calls[0][0].operation.block
     ops = list(block.operations)[:-1]           # the terminator stays last
     index = {op.operation: i for i, op in enumerate(ops)}
     producers = [_producers(op, index) for op in ops]
-    native = {op.operation for op, _ in calls}
+    native = {op.operation for op, _, _ in calls}
     level: list[int] = []                       # native calls on the longest path to op
     depth: dict[Any, int] = {}
     for i, op in enumerate(ops):                # the block's order is one of its data
@@ -61,17 +60,17 @@ def order_calls(calls: Sequence[tuple[Any, int]]) -> None:
         level.append(before + (1 if op.operation in native else 0))
     chain = sorted(calls, key=lambda c: (depth[c[0].operation], c[1]))
     after: dict[int, list[int]] = {}            # extra edges: op -> ops that must follow it
-    for (first, _), (then, _) in zip(chain, chain[1:], strict=False):
+    for (first, _, _), (then, _, _) in zip(chain, chain[1:], strict=False):
         after.setdefault(index[first.operation], []).append(index[then.operation])
     effects = [i for i, op in enumerate(ops) if _has_effects(op)]
     for a, b in zip(effects, effects[1:], strict=False):
         after.setdefault(a, []).append(b)
     for i in _sorted(len(ops), producers, after):
         ops[i].operation.move_before(block.operations[len(block.operations) - 1])
-    for (first, _), (then, _) in zip(chain, chain[1:], strict=False):
+    for (first, _, _), (then, _, coords) in zip(chain, chain[1:], strict=False):
         with ir.InsertionPoint(then), then.location:
-            gated = _after(list(then.operands)[_COORDS], list(first.results)[0])
-        then.operands[_COORDS] = gated
+            gated = _after(list(then.operands)[coords], list(first.results)[0])
+        then.operands[coords] = gated
 
 
 def _after(coords: Any, result: Any) -> Any:
