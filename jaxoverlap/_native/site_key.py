@@ -77,8 +77,8 @@ def _module_name(module_context: Any) -> str:
 class _Lowering:
     """The native calls of one module being lowered: by the key each was lowered with, what
     names it (less w's provenance), the positions of its operands that name it, tell it
-    apart and can be made to wait for another call, and whom to tell of a new key; how many calls each
-    description and (description, input provenance) has had so far."""
+    apart and can be made to wait for another call, and whom to tell of a new key; how many
+    calls each description and (description, input provenance) has had so far."""
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple[tuple[Any, ...], Sequence[int], Sequence[int],
