@@ -53,7 +53,7 @@ def order_calls(calls: Sequence[tuple[Any, int, int | None]]) -> None:
     native = {op.operation for op, _, _ in calls}
     level: list[int] = []                       # native calls on the longest path to op
     depth: dict[Any, int] = {}
-    for i, op in enumerate(ops):                # the block's order is one of its data
+    for i, op in enumerate(ops):                # SSA order: producers come first
         before = max((level[p] for p in producers[i]), default=0)
         if op.operation in native:
             depth[op.operation] = before
@@ -76,9 +76,10 @@ def order_calls(calls: Sequence[tuple[Any, int, int | None]]) -> None:
 def _after(coords: Any, result: Any) -> Any:
     """``coords`` (int32[2]), bit for bit, but made from ``result`` too: picked out of two
     copies of itself at offset 0 or 2, chosen by a bit of ``result``'s first element. XLA
-    cannot fold it away (coords come from the device's partition id, not a constant), as it
-    would a constant's, and unlike an ``optimization_barrier``, which XLA:CPU removes before it
-    schedules (``OptimizationBarrierExpander`` in its HLO pipeline)."""
+    cannot fold this away (coords come from the device's partition id, not from a constant;
+    x_scale, a constant, would be folded), and an ``optimization_barrier`` would not do:
+    XLA:CPU removes barriers before it schedules (``OptimizationBarrierExpander``, early in its
+    HLO pipeline)."""
     out = ir.RankedTensorType(result.type)
     rank = len(out.shape)
     i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
