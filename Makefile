@@ -39,7 +39,8 @@ PYTEST = JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/pyth
 	$(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # What `make test` runs: everything (SCOPE=all), or SCOPE=jax: only what can differ between jax
 # versions, i.e. the tests not marked jax_independent, each parameter value of a parametrized
-# test once (--each-value-once, conftest.py), and no selftest --fake (which runs no JAX).
+# test once and of a slow one its first case (--each-value-once, conftest.py), and no selftest
+# --fake (which runs no JAX).
 # .ci/run says which CI leg runs which, and why.
 SCOPE ?= all
 TEST_MARKS = $(if $(filter jax,$(SCOPE)),not jax_independent,slow or not slow)

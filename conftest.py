@@ -19,7 +19,9 @@ import pytest  # noqa: E402
 
 # `--each-value-once` (CI's oldest-jax leg, .ci/run) keeps, of a parametrized test, only the cases
 # that bring a parameter value no earlier case of that test had: every impl, transport, dtype,
-# shape... still runs at least once, not every combination of them a second time.
+# shape... still runs at least once, not every combination of them a second time. Of a test its
+# author marked `slow` (an end-to-end run: an example, a model trained or decoded, processes), it
+# keeps the first case only: the quick tests there run each value those cases would select.
 
 
 def pytest_addoption(parser):
@@ -39,22 +41,25 @@ def _values(item) -> frozenset[tuple[str, str]]:
 
 
 def each_value_once(cases) -> list[bool]:
-    """Of ``cases`` ((function, values) in collection order; values None: not parametrized),
-    which to keep: a case whose values all appeared in earlier kept cases of its function is
-    dropped."""
+    """Of ``cases`` ((function, values, slow) in collection order; values None: not
+    parametrized; slow: marked so by its author), which to keep: a case whose values all
+    appeared in earlier kept cases of its function is dropped, and so is every case of a slow
+    test but its first."""
     covered: dict = {}
     keep = []
-    for function, values in cases:
+    for function, values, slow in cases:
         if values is None:
             keep.append(True)
             continue
+        first = function not in covered
         had = covered.setdefault(function, set())
-        keep.append(not values <= had)
+        keep.append(first if slow else not values <= had)
         had |= values
     return keep
 
 
 def pytest_collection_modifyitems(config, items):
+    authored_slow = [i.get_closest_marker("slow") is not None for i in items]
     seen: set[tuple[str, str]] = set()
     for item in items:
         if getattr(item, "callspec", None) is None:
@@ -64,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         seen.add(function)
     if config.getoption("each_value_once"):
-        keep = each_value_once((_function(i), _values(i) if hasattr(i, "callspec") else None)
-                               for i in items)
+        keep = each_value_once((_function(i), _values(i) if hasattr(i, "callspec") else None,
+                                slow) for i, slow in zip(items, authored_slow, strict=True))
         config.hook.pytest_deselected(items=[i for i, k in zip(items, keep, strict=True) if not k])
         items[:] = [i for i, k in zip(items, keep, strict=True) if k]

@@ -51,6 +51,7 @@ def test_bench_no_profile_skips_the_report(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.jax_independent  # the performance model and matplotlib: no JAX runs
 def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     out = _run("--model", "h100", "--cases", "AG std", "RS std", "AG decode", tmp_path=tmp_path)
     assert "MODEL PROJECTION" in out and "not a measurement" in out

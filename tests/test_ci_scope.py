@@ -13,7 +13,7 @@ pytestmark = pytest.mark.jax_independent
 
 def test_each_value_once_keeps_every_value_and_drops_repeated_combinations():
     grid = list(itertools.product(["xla", "ring", "native"], ["f32", "bf16"], [1, 2, 4, 8]))
-    cases = [(("t.py", "f"), frozenset({("impl", i), ("dtype", d), ("n", repr(n))}))
+    cases = [(("t.py", "f"), frozenset({("impl", i), ("dtype", d), ("n", repr(n))}), False)
              for i, d, n in grid]
     keep = each_value_once(cases)
     kept = [c for c, k in zip(grid, keep, strict=True) if k]
@@ -24,6 +24,16 @@ def test_each_value_once_keeps_every_value_and_drops_repeated_combinations():
 
 def test_each_value_once_counts_per_test_function_and_keeps_unparametrized_tests():
     values = frozenset({("impl", "xla")})
-    cases = [(("a.py", "f"), values), (("a.py", "f"), values), (("a.py", "g"), values),
-             (("a.py", "h"), None), (("a.py", "h"), None)]
+    cases = [(("a.py", "f"), values, False), (("a.py", "f"), values, False),
+             (("a.py", "g"), values, False), (("a.py", "h"), None, False),
+             (("a.py", "h"), None, False)]
+    assert each_value_once(cases) == [True, False, True, True, True]
+
+
+def test_each_value_once_keeps_the_first_case_of_a_test_its_author_marked_slow():
+    cases = [(("e.py", "lm1b"), frozenset({("api", "linen")}), True),
+             (("e.py", "lm1b"), frozenset({("api", "nnx")}), True),
+             (("e.py", "quick"), frozenset({("api", "linen")}), False),
+             (("e.py", "quick"), frozenset({("api", "nnx")}), False),
+             (("e.py", "whole"), None, True)]
     assert each_value_once(cases) == [True, False, True, True, True]

@@ -84,6 +84,7 @@ def _one_line(run: subprocess.CompletedProcess) -> str:
     return text
 
 
+@pytest.mark.jax_independent  # what pip installed: no JAX runs
 def test_the_plain_install_has_no_optional_packages(venv, elsewhere):
     code = "import importlib.util as u; print([m for m in ('flax', 'optax', 'matplotlib', " \
            "'rich', 'nvidia') if u.find_spec(m)])"
@@ -102,6 +103,7 @@ def test_info(venv, elsewhere):
         assert "not built" in cuda, cuda
 
 
+@pytest.mark.jax_independent  # the model and the install's extras: no JAX runs
 def test_bench_model_prints_the_table_and_says_the_chart_needs_matplotlib(venv, elsewhere):
     run = _run(venv, "-m", "jaxoverlap", "bench", "--model", "h100", "--cases", "AG std",
                cwd=elsewhere)
@@ -177,6 +179,7 @@ def test_the_flax_layers_name_flax(venv, elsewhere):
     assert "pip install 'jaxoverlap[flax]'" in last
 
 
+@pytest.mark.jax_independent  # the model's CLI: no JAX runs
 def test_the_model_cli(venv, elsewhere):
     run = _run(venv, "-m", "jaxoverlap.sim", "table", "--preset", "h100", cwd=elsewhere)
     assert run.returncode == 0 and "h100" in run.stdout, run.stdout + run.stderr

@@ -15,6 +15,9 @@ constexpr uint32_t kVersion = 3;
 constexpr size_t kSignatureBytes = 192;
 constexpr size_t kAlign = 64;
 constexpr auto kPollSlice = std::chrono::milliseconds(100);
+// The least time ranks must wait for each other unchanged before it counts as
+// a deadlock (ranks that merely run late arrive, and change what they wait for).
+constexpr auto kDeadlockSettle = std::chrono::milliseconds(1000);
 
 size_t RoundUp(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
 int32_t ParityOf(int64_t epoch) { return static_cast<int32_t>(epoch & 1); }
@@ -193,9 +196,27 @@ void ShmClique::Break(const Status& status) { domain_->Break(status); }
 std::string ShmClique::BrokenReason() const { return domain_->BrokenReason(); }
 
 template <typename Pred>
-Status ShmClique::WaitFor(const WaitContext& ctx, Pred pred) {
+Status ShmClique::WaitFor(const WaitContext& ctx, Pred pred, bool for_peers) {
+  const auto start = Clock::now();
   const auto deadline = DeadlineAfter(ctx.timeout);
+  // Ranks that wait for each other in calls none of them can reach stay so:
+  // once the same ranks wait the same way for this long (a twentieth of the
+  // timeout, at least a second, at most a quarter), it is a deadlock.
+  const auto settle = std::min<Clock::duration>(
+      std::max<Clock::duration>(kDeadlockSettle, ctx.timeout / 20), ctx.timeout / 4);
   std::atomic<uint32_t>* bell = domain_->Doorbell(ctx.rank);
+  constexpr int32_t kNotBegun = -2;
+  int32_t record = kNotBegun;
+  std::vector<uint32_t> stamp;
+  auto stuck_since = start;
+  struct EndWait {
+    ShmDomain* domain;
+    int32_t rank;
+    const int32_t* record;
+    ~EndWait() {
+      if (*record != kNotBegun) domain->EndWait(rank, *record);
+    }
+  } end_wait{domain_.get(), ctx.rank, &record};
   while (true) {
     const uint32_t seq = bell->load();
     if (pred()) return OkStatus();
@@ -203,8 +224,42 @@ Status ShmClique::WaitFor(const WaitContext& ctx, Pred pred) {
     JO_CHECK(domain_->CheckPeers(Where(ctx)));
     const auto now = Clock::now();
     if (now >= deadline) return Status(Code::kTimeout, "");
+    if (for_peers && nranks() <= 64) {
+      if (record == kNotBegun)
+        record = domain_->BeginWait(ctx.rank, key().site, ctx.epoch, signature_);
+      uint64_t missing = 0;
+      for (int32_t r = 0; r < nranks(); ++r)
+        if (rank_state(r)->epoch.load() < ctx.epoch) missing |= uint64_t{1} << r;
+      domain_->UpdateWait(ctx.rank, record, missing);
+      std::vector<uint32_t> seen;
+      const std::vector<int32_t> ranks =
+          missing != 0 ? domain_->Stuck(ctx.rank, &seen) : std::vector<int32_t>();
+      if (ranks.empty() || seen != stamp) {
+        stamp = ranks.empty() ? std::vector<uint32_t>() : seen;
+        stuck_since = now;
+      } else if (now - stuck_since >= settle) {
+        return Fail(Deadlock(ctx, ranks));
+      }
+    }
     FutexWait(bell, seq, std::min<Clock::duration>(deadline - now, kPollSlice));
   }
+}
+
+Status ShmClique::Deadlock(const WaitContext& ctx, const std::vector<int32_t>& ranks) const {
+  std::string waits;
+  for (int32_t r : ranks) waits += (waits.empty() ? "" : "; ") + domain_->DescribeWaits(r);
+  return InvalidArgument(
+      Where(ctx) +
+      ": ranks wait for each other in calls that none of them can reach, which can never end "
+      "(" +
+      waits +
+      "): the processes run different calls, or the same calls in different orders. Every "
+      "process must run the same calls in the same order: a call named by something a process "
+      "has of its own (its index, a shape of its own) is another call, and a process traces "
+      "its calls in the order its Python code meets them, so a loop over a set (or anything "
+      "ordered by hash) meets them in another order in every process (each has its own hash "
+      "seed): iterate a list or sorted(...), never a set "
+      "(docs/native.md section 7)");
 }
 
 Status ShmClique::Open(const WaitContext& ctx) {
@@ -363,7 +418,8 @@ Status ShmClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
 Status ShmClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) {
   JO_ASSERT(site_ != nullptr && flag >= 0 && flag < layout_->num_flags);
   std::atomic<int64_t>* value = Flag(ctx.rank, ctx.epoch, flag);
-  Status status = WaitFor(ctx, [&] { return value->load(std::memory_order_acquire) >= ctx.epoch; });
+  Status status =
+      WaitFor(ctx, [&] { return value->load(std::memory_order_acquire) >= ctx.epoch; }, true);
   if (status.code() != Code::kTimeout) return status;
   return Fail(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
                                          " waiting for flag " + std::to_string(flag) +
@@ -405,17 +461,20 @@ Status ShmClique::Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
   std::byte* base = Parity(peer, ctx.epoch);
   auto* entries = reinterpret_cast<MailEntry*>(base + layout_->entries_off);
   const MailEntry* found = nullptr;
-  Status status = WaitFor(ctx, [&] {
-    for (int32_t i = 0; i < layout_->mail_messages; ++i) {
-      const MailEntry& e = entries[i];
-      if (e.ready_epoch.load(std::memory_order_acquire) == ctx.epoch && e.dst == ctx.rank &&
-          e.tag == tag) {
-        found = &e;
-        return true;
-      }
-    }
-    return false;
-  });
+  Status status = WaitFor(
+      ctx,
+      [&] {
+        for (int32_t i = 0; i < layout_->mail_messages; ++i) {
+          const MailEntry& e = entries[i];
+          if (e.ready_epoch.load(std::memory_order_acquire) == ctx.epoch && e.dst == ctx.rank &&
+              e.tag == tag) {
+            found = &e;
+            return true;
+          }
+        }
+        return false;
+      },
+      true);
   if (status.ok()) {
     // The entry was written by the peer: it must lie inside the peer's outbox.
     const int64_t offset = found->offset, bytes = found->bytes;

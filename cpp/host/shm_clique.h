@@ -26,7 +26,11 @@
 // condition after every wake and at least every 100 ms, looking for dead
 // peers (ShmDomain::CheckPeers) and giving up at the deadline with an error
 // naming the clique, epoch, rank, the missing peer with its process, and
-// where that peer is instead (ShmDomain::WhereIs).
+// where that peer is instead (ShmDomain::WhereIs). A wait for peers is also
+// published in the domain, and refused at once, naming every call involved,
+// when the ranks wait for each other in calls none of them can reach (each
+// waits in a call a peer has not started, and that peer waits too): the
+// processes started the same calls in different orders, which no wait ends.
 //
 // Buffer reuse is double-buffering by epoch parity (host_clique.h), which
 // needs each rank to run a site's calls one at a time: a call claims its rank
@@ -90,9 +94,13 @@ class ShmClique : public HostClique {
   Status Open(const WaitContext& ctx);  // maps the site segment (first call)
   // Waits until pred() or the clique breaks, a peer dies or the deadline
   // passes; returns OK, the failure, or kTimeout with an empty message
-  // (the caller words it).
+  // (the caller words it). `for_peers`: a wait for what peers of this call
+  // send, published in the domain (ShmDomain::BeginWait), and refused at once
+  // as a deadlock when the ranks it waits for wait for each other in calls
+  // none of them can reach (ShmDomain::Stuck), unchanged for a while (at least a second).
   template <typename Pred>
-  Status WaitFor(const WaitContext& ctx, Pred pred);
+  Status WaitFor(const WaitContext& ctx, Pred pred, bool for_peers = false);
+  Status Deadlock(const WaitContext& ctx, const std::vector<int32_t>& ranks) const;
   std::atomic<int64_t>* Flag(int32_t owner, int64_t epoch, int32_t flag) const;
   std::byte* Parity(int32_t owner, int64_t epoch) const;  // base of owner's half for `epoch`
 

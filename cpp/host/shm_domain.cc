@@ -22,7 +22,7 @@ namespace jo::host {
 namespace {
 
 constexpr uint64_t kMagic = 0x6e6d646d6873656aULL;  // "jeshmdmn"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;
 constexpr size_t kReasonBytes = 2048;
 constexpr size_t kServerBytes = 108;  // sockaddr_un's sun_path
 constexpr size_t kSignatureBytes = 192;
@@ -81,6 +81,17 @@ struct alignas(kAlign) ShmDomain::RankSlot {
   int64_t site;
   int64_t epoch;
   char signature[kSignatureBytes];
+  // The calls this rank waits in for peers (BeginWait); `wait_seq` changes
+  // with every change of them and is odd while they are being written.
+  struct Wait {
+    int64_t site;  // 0: a free record
+    int64_t epoch;
+    uint64_t missing;  // the ranks that have not started the call
+    char signature[kSignatureBytes];
+  };
+  std::atomic<uint32_t> wait_seq;
+  int32_t overflow;  // waits that found no free record
+  Wait waits[kMaxWaits];
 };
 
 struct ShmDomain::SiteEntry {  // only touched under Header::sites_lock
@@ -632,6 +643,125 @@ std::string ShmDomain::WhereIs(int32_t rank) const {
            std::to_string(epoch) + " of " + SiteName(site) + " ('" + signature + "')";
   }
   return RankName(rank) + " is busy (its state changed while read)";
+}
+
+int32_t ShmDomain::BeginWait(int32_t rank, int64_t site, int64_t epoch,
+                             const std::string& signature) {
+  RankSlot* slot = rank_slot(rank);
+  std::lock_guard<std::mutex> lock(note_mu_);
+  slot->wait_seq.fetch_add(1);
+  int32_t found = -1;
+  for (int32_t i = 0; i < kMaxWaits && found < 0; ++i)
+    if (slot->waits[i].site == 0) found = i;
+  if (found < 0) {
+    ++slot->overflow;
+  } else {
+    RankSlot::Wait& w = slot->waits[found];
+    w.site = site;
+    w.epoch = epoch;
+    w.missing = 0;
+    std::snprintf(w.signature, kSignatureBytes, "%s", signature.c_str());
+  }
+  slot->wait_seq.fetch_add(1);
+  return found;
+}
+
+void ShmDomain::UpdateWait(int32_t rank, int32_t record, uint64_t missing) {
+  if (record < 0) return;
+  RankSlot* slot = rank_slot(rank);
+  std::lock_guard<std::mutex> lock(note_mu_);
+  if (slot->waits[record].missing == missing) return;
+  slot->wait_seq.fetch_add(1);
+  slot->waits[record].missing = missing;
+  slot->wait_seq.fetch_add(1);
+}
+
+void ShmDomain::EndWait(int32_t rank, int32_t record) {
+  RankSlot* slot = rank_slot(rank);
+  std::lock_guard<std::mutex> lock(note_mu_);
+  slot->wait_seq.fetch_add(1);
+  if (record < 0)
+    --slot->overflow;
+  else
+    slot->waits[record] = RankSlot::Wait();
+  slot->wait_seq.fetch_add(1);
+}
+
+namespace {
+
+// One rank's waits as read at one moment.
+struct WaitsSeen {
+  uint32_t seq = 0;
+  bool stuck = false;  // waits somewhere, every wait for peers that have not started it
+  uint64_t waits_for = 0;
+};
+
+}  // namespace
+
+std::vector<int32_t> ShmDomain::Stuck(int32_t rank, std::vector<uint32_t>* stamp) const {
+  const int32_t n = nranks();
+  if (n > 64) return {};  // the masks hold 64 ranks
+  std::vector<WaitsSeen> seen(n);
+  for (int32_t r = 0; r < n; ++r) {
+    const RankSlot* slot = rank_slot(r);
+    bool read = false;
+    for (int attempt = 0; attempt < 8 && !read; ++attempt) {
+      const uint32_t before = slot->wait_seq.load();
+      if (before & 1) continue;
+      WaitsSeen s;
+      s.seq = before;
+      int32_t waits = 0;
+      bool all_missing = slot->overflow == 0;
+      for (const RankSlot::Wait& w : slot->waits) {
+        if (w.site == 0) continue;
+        ++waits;
+        all_missing = all_missing && w.missing != 0;
+        s.waits_for |= w.missing;
+      }
+      s.stuck = waits > 0 && all_missing;
+      if (slot->wait_seq.load() != before) continue;
+      seen[r] = s;
+      read = true;
+    }
+    if (!read) return {};  // it is changing: not stuck
+  }
+  // The ranks that wait only for ranks that wait the same way: drop every
+  // rank that waits for one that may still come, until none is left to drop.
+  uint64_t stuck = 0;
+  for (int32_t r = 0; r < n; ++r)
+    if (seen[r].stuck) stuck |= uint64_t{1} << r;
+  for (bool dropped = true; dropped;) {
+    dropped = false;
+    for (int32_t r = 0; r < n; ++r)
+      if ((stuck >> r & 1) && (seen[r].waits_for & ~stuck) != 0) {
+        stuck &= ~(uint64_t{1} << r);
+        dropped = true;
+      }
+  }
+  if (!(stuck >> rank & 1)) return {};
+  std::vector<int32_t> ranks;
+  stamp->clear();
+  for (int32_t r = 0; r < n; ++r)
+    if (stuck >> r & 1) {
+      ranks.push_back(r);
+      stamp->push_back(seen[r].seq);
+    }
+  return ranks;
+}
+
+std::string ShmDomain::DescribeWaits(int32_t rank) const {
+  const RankSlot* slot = rank_slot(rank);
+  std::string out;
+  for (const RankSlot::Wait& w : slot->waits) {
+    if (w.site == 0) continue;
+    std::string peers;
+    for (int32_t r = 0; r < 64 && r < nranks(); ++r)
+      if (w.missing >> r & 1) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
+    out += (out.empty() ? "" : "; ") + RankName(rank) + " waits in call " +
+           std::to_string(w.epoch) + " of " + SiteName(w.site) + " ('" +
+           Text(w.signature, kSignatureBytes) + "') for rank(s) " + peers;
+  }
+  return out;
 }
 
 namespace {

@@ -12,8 +12,9 @@
 // * the CONTROL segment, made by the leader (the process of rank 0) and
 //   passed to the others at bootstrap: the rank table; per process its pid
 //   (for the liveness checks below), the name of its segment server
-//   (host/fd_share.h) and a slot for an error text; per rank its doorbell
-//   and the call it is in (for errors); the domain's broken flag; and the
+//   (host/fd_share.h) and a slot for an error text; per rank its doorbell,
+//   the call it is in (for errors) and the calls it waits in for peers (for
+//   the deadlock check, shm_clique.h); the domain's broken flag; and the
 //   SITE DIRECTORY;
 // * the site directory: an entry per live call site, found by its site id
 //   (open addressing under a process-shared lock: any free entry will do, so
@@ -129,6 +130,24 @@ class ShmDomain {
                 const std::string& signature);
   // "rank 1 (process 1) is in call 3 of site 0x... ('ag_matmul/nccl ...')".
   std::string WhereIs(int32_t rank) const;
+
+  // Waits for peers, published for the deadlock check: BeginWait records that
+  // `rank` waits in call `epoch` of `site` (-1: no room, the rank is then
+  // never counted as stuck), UpdateWait the peers that have not started that
+  // call yet (a mask of ranks), EndWait that the wait is over.
+  int32_t BeginWait(int32_t rank, int64_t site, int64_t epoch, const std::string& signature);
+  void UpdateWait(int32_t rank, int32_t record, uint64_t missing);
+  void EndWait(int32_t rank, int32_t record);
+  // The ranks that wait for each other in calls none of them can reach, with
+  // `rank` among them: every one waits, and every peer that one waits for has
+  // not started that call and waits too (each in a call another has not
+  // started: a cycle of waits that can never end). Empty if there is none.
+  // `stamp` gets what the ranks' waits were then (the check repeats until it
+  // is the same for a while: peers that merely run late change it).
+  std::vector<int32_t> Stuck(int32_t rank, std::vector<uint32_t>* stamp) const;
+  // "rank 0 (process 0) waits in call 1 of site 0x... ('...') for rank(s) 1".
+  std::string DescribeWaits(int32_t rank) const;
+  static constexpr int32_t kMaxWaits = 4;  // waits per rank at once that the check sees
 
   static constexpr int32_t kDefaultCapacity = 4096;
 

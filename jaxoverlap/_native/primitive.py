@@ -156,8 +156,10 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
     def emit(key: int) -> Sequence[Any]:
         return rule(ctx, *operands, **attributes(plan, call, x_aval, key))
 
-    # w (operand 1) names the call; x (operand 0) tells alike calls apart.
-    return lower_keyed(ctx, naming(plan, call, x_aval), operands, (1,), (0,), emit, note)
+    # w (operand 1) names the call; x (operand 0) tells alike calls apart; coords (operand 4,
+    # host calls only) can be made to wait for another call.
+    return lower_keyed(ctx, naming(plan, call, x_aval), operands, (1,), (0,),
+                       4 if len(operands) > 4 else None, emit, note)
 
 
 # Not cached: every native call of a program lowers on its own and gets its own site key

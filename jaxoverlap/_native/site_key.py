@@ -48,6 +48,7 @@ import numpy as np
 from jax._src.interpreters import mlir
 
 from jaxoverlap._native.attributes import SCHEMA
+from jaxoverlap._native.call_order import order_calls
 
 ir = mlir.ir
 
@@ -75,13 +76,13 @@ def _module_name(module_context: Any) -> str:
 
 class _Lowering:
     """The native calls of one module being lowered: by the key each was lowered with, what
-    names it (less w's provenance), the positions of its operands that name it and tell it
-    apart, and whom to tell of a new key; how many calls each
-    description and (description, input provenance) has had so far."""
+    names it (less w's provenance), the positions of its operands that name it, tell it
+    apart and can be made to wait for another call, and whom to tell of a new key; how many
+    calls each description and (description, input provenance) has had so far."""
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple[tuple[Any, ...], Sequence[int], Sequence[int],
-                                    Callable[[int], None]]] = {}
+                                    int | None, Callable[[int], None]]] = {}
         self.seen: dict[tuple[bytes, bytes], int] = {}
         self.alike = False  # some description has several calls
 
@@ -95,7 +96,7 @@ class _Lowering:
 
 
 def lower_keyed(ctx: Any, naming: dict[str, Any], operands: Sequence[Any],
-                names: Sequence[int], tells: Sequence[int],
+                names: Sequence[int], tells: Sequence[int], after: int | None,
                 emit: Callable[[int], Sequence[Any]],
                 note: Callable[[int], None]) -> Sequence[Any]:
     """Lowers the native call in ``ctx`` with its site key (a nonzero signed 64-bit int):
@@ -106,6 +107,8 @@ def lower_keyed(ctx: Any, naming: dict[str, Any], operands: Sequence[Any],
     a process may set differently); ``operands``: the custom call's MLIR operands; ``names``:
     the positions of those whose provenance names the call (the native lowering gives w's);
     ``tells``: of those whose provenance tells apart calls alike in all of that (x's);
+    ``after``: the position of an operand that can be made to depend on another call, to put
+    the calls of a block in one order (``call_order``; the host calls' coords), or None;
     ``note(key)``: told of every key the call is given.
 
     A lone call is keyed by what it is, and so is the first of alike calls (one weight on
@@ -128,7 +131,7 @@ def lower_keyed(ctx: Any, naming: dict[str, Any], operands: Sequence[Any],
                 if pending is None:
                     pending = _thread.pending = weakref.WeakSet()
                 pending.add(module)
-        lowering.calls[key] = (described, names, tells, note)
+        lowering.calls[key] = (described, names, tells, after, note)
     note(key)
     return emit(key)
 
@@ -161,16 +164,24 @@ def _settle(module: Any) -> None:
     def of(op: Any, positions: Sequence[int]) -> bytes:
         return _provenance(module, [list(op.operands)[i] for i in positions])
 
-    digests = [_describe(described, of(op, names)) for op, described, names, _, _ in found]
+    digests = [_describe(described, of(op, names)) for op, described, names, _, _, _ in found]
     counts: dict[bytes, int] = {}
     for digest in digests:
         counts[digest] = counts.get(digest, 0) + 1
     settled = _Lowering()
-    for (op, _, _, tells, note), digest in zip(found, digests, strict=True):
+    blocks: list[tuple[Any, list[tuple[Any, int, int | None]]]] = []  # each block's calls
+    for (op, _, _, tells, after, note), digest in zip(found, digests, strict=True):
         source = of(op, tells) if counts[digest] > 1 else b""
         key = settled.keyed(digest, source)
         _set_key(op, key)
         note(key)
+        block = op.operation.block
+        mine = next((calls for b, calls in blocks if b == block), None)
+        if mine is None:
+            blocks.append((block, mine := []))
+        mine.append((op, key, after))
+    for _, calls in blocks:
+        order_calls(calls)
 
 
 def _on_event(event: str, duration: float, **kwargs: Any) -> None:

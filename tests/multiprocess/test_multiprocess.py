@@ -210,9 +210,9 @@ def test_identical_calls_traced_in_another_order_per_process_are_matched_by_what
 
 def test_calls_of_one_weight_traced_in_another_order_per_process_are_matched_by_their_input():
     """One kernel applied to the results of a set of others, each process its own order:
-    such calls are keyed by where their input comes from (docs/native.md §4), so every
-    transport pairs them right (a call without its peers would fail at the short timeout).
-    Forward only: the backward pass still waits for peers (docs/native.md §7)."""
+    such calls are keyed by where their input comes from, and the calls of each block run in
+    the order of their keys (docs/native.md §4), so every transport pairs them right, forward
+    and backward (a call without its peers would fail at the short timeout)."""
     procs = harness.run("set_order_one_weight", 3, 1, params={"transports": TRANSPORTS},
                         timeout_s=300, env={"JAXOVERLAP_TIMEOUT_S": "20"},
                         process_env=lambda pid: {"PYTHONHASHSEED": str(2 * pid + 1)})
@@ -221,6 +221,27 @@ def test_calls_of_one_weight_traced_in_another_order_per_process_are_matched_by_
     for r in results:
         assert r["error"] is None and set(r["wrong"]) == set(TRANSPORTS), r
         assert set(r["wrong"].values()) == {0}, r
+
+
+def test_calls_started_in_another_order_per_process_fail_at_once_naming_the_cause():
+    """Two processes start the same two native calls in opposite orders (each makes its
+    second call wait for its first), every transport: every process fails within a few
+    seconds of a 20 s timeout, naming both calls, the different orders and the fix. A rank
+    that merely runs late (process 1 sleeps 1.5 s before a call while process 0 waits in it,
+    longer than the check lets ranks settle: 1 s at this timeout) is no deadlock: that run is
+    right."""
+    procs = harness.run("order_mismatch", 2, 1, params={"transports": TRANSPORTS,
+                                                        "slow_s": 1.5},
+                        timeout_s=300, env={"JAXOVERLAP_TIMEOUT_S": "20"})
+    for p in procs:
+        r = p.result()
+        assert r["wrong"] == 0 and r["slow_run_s"] >= 1.5, r
+        assert set(r["errors"]) == set(TRANSPORTS), r
+        for transport, (error, seconds) in r["errors"].items():
+            assert seconds < 10, (transport, seconds, error)
+            assert "ranks wait for each other in calls that none of them can reach" in error
+            assert "or the same calls in different orders" in error, error
+            assert "never a set" in error and error.count("waits in call 1 of site") == 2, error
 
 
 @pytest.mark.parametrize("nprocs", [3])
@@ -258,15 +279,18 @@ def test_harness_reports_failures_and_removes_leftover_segments():
     assert not os.path.exists(os.path.join(harness.SHM_DIR, untagged.group()))
 
 
-def test_processes_that_run_different_calls_fail_at_the_timeout_naming_both_sites():
+def test_processes_that_run_different_calls_fail_before_the_timeout_naming_both_sites():
     """Process 1 calls with another contraction size: another call, so another call site, and
-    each process waits in its own. The timeout (4 s) names the site and call this process is
-    in, and where the missing peer is instead."""
-    procs = harness.run("disagree", 2, 1, params={"timeout_s": 4.0}, timeout_s=120)
-    errors = [p.result()["error"] for p in procs]
-    for error in errors:
-        assert error is not None and "timeout after 4.000 s" in error, errors
-        assert "missing peer rank(s)" in error and "is in call 1 of site 0x" in error, errors
+    each process waits in its own for a peer that waits in another: refused once that has
+    lasted a second, well before the timeout (8 s), naming this process's call and the
+    peer's."""
+    procs = harness.run("disagree", 2, 1, params={"timeout_s": 8.0}, timeout_s=120)
+    results = [p.result() for p in procs]
+    for r in results:
+        error = r["error"]
+        assert error is not None and r["elapsed_s"] < 6, results
+        assert "ranks wait for each other in calls that none of them can reach" in error, error
+        assert "the processes run different calls" in error, error
         # Both calls named: this process's and the peer's.
         assert "[1,2,8]x2" in error and "[1,2,16]x2" in error, error
 

@@ -498,7 +498,8 @@ def bootstrap_retry(timeout_s: float) -> dict[str, Any]:
 
 def disagree(timeout_s: float) -> dict[str, Any]:
     """Process 1 calls with another contraction size: another call, so another call site. Each
-    process waits in its own site until the timeout, which names where the missing peer is."""
+    process waits in its own site for a peer that waits in another, which is refused before
+    the timeout, naming both calls."""
     mesh = mesh_of((len(jax.devices()),), ("tp",))
     k = 8 if jax.process_index() == 0 else 16
     x = global_array(np.ones((4, k)), mesh, P("tp", None), "float32")
@@ -887,12 +888,15 @@ def set_order(transports: list[str],
     return {"order": order, "wrong": wrong}
 
 
-def set_order_one_weight(transports: list[str]) -> dict[str, Any]:
+def set_order_one_weight(transports: list[str], backward: bool = True) -> dict[str, Any]:
     """One kernel applied to the results of a ``set`` of others (each process its own order)
     inside a ``shard_map``, native: a matmul_rs makes the input, then for each name an
     ag_matmul of it by that name's kernel and a matmul_rs of the result by one shared kernel.
-    The last calls are alike but for their input; every shard must equal the float64
-    reference. Returns the order, and the wrong shards per transport or the error."""
+    The last calls are alike but for their input; so are, in the backward pass, the three
+    ag_matmul calls of the shared kernel on one cotangent, whose results each process feeds
+    to the calls of the names in its own order. Every shard of the outputs and of the
+    gradient of x must equal the float64 reference. Returns the order, and the wrong shards
+    per transport or the error."""
     n = len(jax.devices())
     mesh = mesh_of((n,), ("tp",))
     names = {"query", "key", "value"}
@@ -920,11 +924,77 @@ def set_order_one_weight(transports: list[str]) -> dict[str, Any]:
         try:
             with jax.set_mesh(mesh):
                 ys = jax.jit(fn)(x, u, ws, v)
+                if backward:
+                    dx = jax.jit(jax.grad(lambda x, u, ws, v, fn=fn: sum(
+                        jnp.sum(y) for y in fn(x, u, ws, v).values())))(x, u, ws, v)
             wrong[transport] = sum(_wrong_shards(ys[nm], ((x64 @ u64) @ w64[nm]) @ v64,
                                                  "float32") for nm in names)
+            if backward:
+                ones = np.ones((b, s, k))
+                dx_ref = sum(((ones @ v64.T) @ w64[nm].T) for nm in names) @ u64.T
+                wrong[transport] += _wrong_shards(dx, dx_ref, "float32")
         except Exception as e:  # noqa: BLE001 - reported to the test
             return {"order": list(names), "wrong": None, "error": f"{type(e).__name__}: {e}"}
     return {"order": list(names), "wrong": wrong, "error": None}
+
+
+def order_mismatch(transports: list[str], slow_s: float) -> dict[str, Any]:
+    """Two native calls of other kernels on one input, inside a shard_map. First in one order
+    everywhere, with process 1 sleeping ``slow_s`` before the second call while process 0
+    waits in it: that must run, right. Then, per transport, in another order per process
+    (each makes its second call wait for its first one's result, as a program traced in
+    another order would): that must fail at once, not at the timeout. Returns the slow run's
+    wrong shards and time, and per transport the error and the seconds until it came."""
+    n = len(jax.devices())
+    mesh = mesh_of((n,), ("tp",))
+    me = jax.process_index()
+    b, s, k, f = 2, 4 * n, 16, 8 * n
+    x64 = values(80, (b, s, k), "float32")
+    w64 = [values(81 + i, (k, f), "float32") for i in range(2)]
+    x = global_array(x64, mesh, P(None, "tp", None), "float32")
+    ws = [global_array(w, mesh, P(None, "tp"), "float32") for w in w64]
+    specs = dict(mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp"), P(None, "tp")),
+                 out_specs=(P(None, None, "tp"), P(None, None, "tp")))
+
+    def after(x, y):  # x, but made after y (0 * a float XLA cannot fold)
+        return x + 0 * y[:1, :1, :1]
+
+    def slow(x):
+        def host(a):
+            if me == 1:
+                time.sleep(slow_s)
+            return a
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def run(transport: str, mismatched: bool) -> tuple[Any, Any]:
+        kw = dict(impl="native", transport=transport)
+
+        def body(x, w0, w1):
+            if not mismatched:
+                a = jo.ag_matmul(x, w0, "tp", axis=1, **kw)
+                return a, jo.ag_matmul(slow(after(x, a)), w1, "tp", axis=1, **kw)
+            if me == 0:
+                a = jo.ag_matmul(x, w0, "tp", axis=1, **kw)
+                return a, jo.ag_matmul(after(x, a), w1, "tp", axis=1, **kw)
+            c = jo.ag_matmul(x, w1, "tp", axis=1, **kw)
+            return jo.ag_matmul(after(x, c), w0, "tp", axis=1, **kw), c
+
+        with jax.set_mesh(mesh):
+            return jax.jit(jax.shard_map(body, **specs))(x, *ws)
+
+    start = time.monotonic()
+    ys = run(transports[0], False)
+    wrong = sum(_wrong_shards(y, x64 @ w, "float32") for y, w in zip(ys, w64, strict=True))
+    slow_run = time.monotonic() - start
+    errors: dict[str, Any] = {}
+    for transport in transports:
+        start = time.monotonic()
+        try:
+            jax.block_until_ready(run(transport, True))
+            errors[transport] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors[transport] = [f"{type(e).__name__}: {e}", time.monotonic() - start]
+    return {"wrong": wrong, "slow_run_s": slow_run, "errors": errors}
 
 
 def qkv(transports: list[str], steps: int = 30, skew_s: float = 0.02, backward: bool = True,
@@ -1299,6 +1369,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "qkv": qkv,
     "set_order": set_order,
     "set_order_one_weight": set_order_one_weight,
+    "order_mismatch": order_mismatch,
     "small_dev_shm": small_dev_shm,
     "chief_aot": chief_aot,
     "many_sites": many_sites,

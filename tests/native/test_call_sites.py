@@ -121,6 +121,43 @@ def test_calls_of_one_weight_are_named_by_their_input_not_the_trace_order():
     assert len(set(first.values())) == 3 and first == again == other, (first, other)
 
 
+def _backward_calls(order: str) -> list[tuple[bool, str]]:
+    """The native calls of the gradient of one kernel applied to the results of ``order``'s
+    kernels inside a shard_map, in the order of the lowered text: (whether its coords come
+    out of a dynamic_slice, its site key)."""
+    mesh = tp_mesh(kind=AxisType.Explicit)
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("tp", None)))
+    ws = {n: jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(
+        mesh, P(None, "tp"))) for n in "qkv"}
+    v = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("tp", None)))
+    kw = {"impl": "native", "transport": "p2p"}
+    layer = jax.shard_map(
+        lambda x, ws, v: {n: jo.matmul_rs(jo.ag_matmul(x, ws[n], "tp", **kw), v, "tp", **kw)
+                          for n in order}, mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+    grad = jax.jit(jax.grad(lambda x, ws, v: sum(jnp.sum(y) for y in layer(x, ws, v).values())))
+    text = grad.lower(x, ws, v).as_text()
+    sliced = set(re.findall(r"(%[\w#]+) = stablehlo.dynamic_slice", text))
+    return [(c in sliced, k) for c, k in re.findall(
+        r"custom_call @jaxoverlap_\w+\(%[\w#]+, %[\w#]+, %[\w#]+, %[\w#]+, (%[\w#]+)\)"
+        r".*?site_key = (-?\d+)", text)]
+
+
+def test_calls_of_a_block_with_alike_calls_run_in_the_order_of_their_keys():
+    """The backward pass of one kernel on the results of a set's kernels: whatever order the
+    trace met them in, the block's native calls come in one order, each made to wait for the
+    one before it (its coords depend on that call's result, docs/native.md §4), so every
+    process starts them in the same order."""
+    first, other = _backward_calls("qkv"), _backward_calls("kvq")
+    keys = [int(k) for _, k in first]
+    assert len(keys) == 6 and keys == [int(k) for _, k in other], (first, other)
+    # after the first, every call's coords come out of a dynamic_slice made from the last
+    assert [gated for gated, _ in first] == [False] + [True] * 5, first
+    # calls alike in depth are in the order of their keys: the three ag_matmul of one kernel
+    # on the one cotangent lead
+    assert keys[:3] == sorted(keys[:3]), keys
+
+
 def test_instances_of_one_lowered_call_are_different_sites():
     """A nested jit called three times is lowered once (one site key) and inlined three times
     by XLA; the three instances get three site ids, and each its own clique."""
