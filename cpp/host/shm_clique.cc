@@ -200,10 +200,13 @@ Status ShmClique::WaitFor(const WaitContext& ctx, Pred pred, bool for_peers) {
   const auto start = Clock::now();
   const auto deadline = DeadlineAfter(ctx.timeout);
   // Ranks that wait for each other in calls none of them can reach stay so:
-  // once the same ranks wait the same way for this long (a twentieth of the
-  // timeout, at least a second, at most a quarter), it is a deadlock.
+  // once the same ranks wait the same way for this long (an eighth of the
+  // timeout, at least a second, at most a quarter), it is a deadlock. Long
+  // enough that two independent calls XLA runs at once, started in mirror
+  // order by two ranks each still busy before its other call, are not taken
+  // for one (docs/native.md §5).
   const auto settle = std::min<Clock::duration>(
-      std::max<Clock::duration>(kDeadlockSettle, ctx.timeout / 20), ctx.timeout / 4);
+      std::max<Clock::duration>(kDeadlockSettle, ctx.timeout / 8), ctx.timeout / 4);
   std::atomic<uint32_t>* bell = domain_->Doorbell(ctx.rank);
   constexpr int32_t kNotBegun = -2;
   int32_t record = kNotBegun;

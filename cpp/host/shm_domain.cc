@@ -719,6 +719,10 @@ std::vector<int32_t> ShmDomain::Stuck(int32_t rank, std::vector<uint32_t>* stamp
         s.waits_for |= w.missing;
       }
       s.stuck = waits > 0 && all_missing;
+      // A sequence lock's reader: the plain reads above happen before the
+      // re-check (an acquire fence; the writer's increments are read-modify-
+      // writes, which order its stores after the first).
+      std::atomic_thread_fence(std::memory_order_acquire);
       if (slot->wait_seq.load() != before) continue;
       seen[r] = s;
       read = true;
@@ -744,6 +748,7 @@ std::vector<int32_t> ShmDomain::Stuck(int32_t rank, std::vector<uint32_t>* stamp
   for (int32_t r = 0; r < n; ++r)
     if (stuck >> r & 1) {
       ranks.push_back(r);
+      stamp->push_back(static_cast<uint32_t>(r));  // which ranks, and each one's record
       stamp->push_back(seen[r].seq);
     }
   return ranks;

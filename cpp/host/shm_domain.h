@@ -142,7 +142,7 @@ class ShmDomain {
   // `rank` among them: every one waits, and every peer that one waits for has
   // not started that call and waits too (each in a call another has not
   // started: a cycle of waits that can never end). Empty if there is none.
-  // `stamp` gets what the ranks' waits were then (the check repeats until it
+  // `stamp` gets which ranks and what their waits were then (the check repeats until it
   // is the same for a while: peers that merely run late change it).
   std::vector<int32_t> Stuck(int32_t rank, std::vector<uint32_t>* stamp) const;
   // "rank 0 (process 0) waits in call 1 of site 0x... ('...') for rank(s) 1".

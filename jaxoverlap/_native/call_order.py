@@ -47,9 +47,15 @@ def order_calls(calls: Sequence[tuple[Any, int, int | None]]) -> None:
     if len(calls) < 2 or any(after is None for _, _, after in calls):
         return
     block = calls[0][0].operation.block
-    ops = list(block.operations)[:-1]           # the terminator stays last
+    *ops, terminator = list(block.operations)   # the terminator stays last
     index = {op.operation: i for i, op in enumerate(ops)}
     producers = [_producers(op, index) for op in ops]
+    # Ops with side effects keep their order: an edge from each to the next, counted as data
+    # in the depth too, so that the chain below follows every path between calls (a call
+    # feeding a print that precedes a callback feeding another call) and makes no cycle.
+    effects = [i for i, op in enumerate(ops) if _has_effects(op)]
+    for a, b in zip(effects, effects[1:], strict=False):
+        producers[b] = sorted({*producers[b], a})
     native = {op.operation for op, _, _ in calls}
     level: list[int] = []                       # native calls on the longest path to op
     depth: dict[Any, int] = {}
@@ -58,24 +64,31 @@ def order_calls(calls: Sequence[tuple[Any, int, int | None]]) -> None:
         if op.operation in native:
             depth[op.operation] = before
         level.append(before + (1 if op.operation in native else 0))
+    # A call can wait only on a result with an element in it: a call whose results are all
+    # empty is passed over as the one to wait on (the next call waits on the one before it).
     chain = sorted(calls, key=lambda c: (depth[c[0].operation], c[1]))
+    pairs = []                                  # (call, the result the next call waits on)
+    last = None
+    for op, _, coords in chain:
+        if last is not None:
+            pairs.append((last, op, coords))
+        filled = next((r for r in op.results if _size(r) > 0), None)
+        if filled is not None:
+            last = (op, filled)
     after: dict[int, list[int]] = {}            # extra edges: op -> ops that must follow it
-    for (first, _, _), (then, _, _) in zip(chain, chain[1:], strict=False):
+    for (first, _), then, _ in pairs:
         after.setdefault(index[first.operation], []).append(index[then.operation])
-    effects = [i for i, op in enumerate(ops) if _has_effects(op)]
-    for a, b in zip(effects, effects[1:], strict=False):
-        after.setdefault(a, []).append(b)
     for i in _sorted(len(ops), producers, after):
-        ops[i].operation.move_before(block.operations[len(block.operations) - 1])
-    for (first, _, _), (then, _, coords) in zip(chain, chain[1:], strict=False):
+        ops[i].operation.move_before(terminator)
+    for (_, result), then, coords in pairs:
         with ir.InsertionPoint(then), then.location:
-            gated = _after(list(then.operands)[coords], list(first.results)[0])
+            gated = _after(list(then.operands)[coords], result)
         then.operands[coords] = gated
 
 
 def _after(coords: Any, result: Any) -> Any:
-    """``coords`` (int32[2]), bit for bit, but made from ``result`` too: picked out of two
-    copies of itself at offset 0 or 2, chosen by a bit of ``result``'s first element. XLA
+    """``coords`` (int32[2]), bit for bit, but made from ``result`` (not empty) too: picked out
+    of two copies of itself at offset 0 or 2, chosen by a bit of ``result``'s first element. XLA
     cannot fold this away (coords come from the device's partition id, not from a constant;
     x_scale, a constant, would be folded), and an ``optimization_barrier`` would not do:
     XLA:CPU removes barriers before it schedules (``OptimizationBarrierExpander``, early in its
@@ -94,6 +107,10 @@ def _after(coords: Any, result: Any) -> Any:
     offset = hlo.AddOp(bit, bit).result                # 0 or 2
     pair = hlo.ConcatenateOp([coords, coords], 0).result
     return hlo.DynamicSliceOp(pair, [offset], [2]).result
+
+
+def _size(value: Any) -> int:
+    return int(np.prod(ir.RankedTensorType(value.type).shape, dtype=np.int64))
 
 
 def _producers(op: Any, index: dict[Any, int]) -> list[int]:

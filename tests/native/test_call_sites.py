@@ -158,6 +158,39 @@ def test_calls_of_a_block_with_alike_calls_run_in_the_order_of_their_keys():
     assert keys[:3] == sorted(keys[:3]), keys
 
 
+def test_alike_calls_around_side_effects_and_with_empty_results_run_right():
+    """Two cases the order must survive: a call feeding a print that precedes an unordered
+    callback feeding the other call (the side effects keep their order, so the chain follows
+    that path: it made a cycle when the depth counted data alone), and alike calls whose
+    results hold no element (nothing to wait on: they are passed over as the one to wait on).
+    Each program lowers and runs right."""
+    from jax.experimental import io_callback
+
+    mesh = tp_mesh(4, kind=AxisType.Explicit)
+    x1 = put(rand(31, (8, 16)), mesh, P("tp", None))
+    x2 = put(rand(32, (8, 16)), mesh, P("tp", None))
+    w = put(rand(33, (16, 8)), mesh, P(None, "tp"))
+
+    def body(x1, x2, w):
+        b = jo.ag_matmul(x2 * 3, w, "tp", impl="native")
+        jax.debug.print("{}", b.sum() * 0)
+        z = io_callback(lambda v: np.asarray(v) * 2, jax.ShapeDtypeStruct(x1.shape, x1.dtype),
+                        x1, ordered=False)
+        return jo.ag_matmul(z, w, "tp", impl="native"), b
+
+    specs = dict(mesh=mesh, in_specs=(P("tp", None),) * 2 + (P(None, "tp"),),
+                 out_specs=(P(None, "tp"),) * 2)
+    a, b = jax.jit(jax.shard_map(body, **specs))(x1, x2, w)
+    x1_, x2_, w_ = (np.asarray(v, np.float64) for v in (x1, x2, w))
+    np.testing.assert_allclose(np.asarray(a), 2 * x1_ @ w_, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(b), 3 * x2_ @ w_, rtol=1e-5, atol=1e-5)
+    empty = put(np.zeros((16, 0), np.float32), mesh, P(None, "tp"))
+    ys = jax.jit(jax.shard_map(lambda a, b, w: (jo.ag_matmul(a, w, "tp", impl="native"),
+                                                 jo.ag_matmul(b, w, "tp", impl="native")),
+                               **specs))(x1, x2, empty)
+    assert [y.shape for y in ys] == [(8, 0), (8, 0)]
+
+
 def test_instances_of_one_lowered_call_are_different_sites():
     """A nested jit called three times is lowered once (one site key) and inlined three times
     by XLA; the three instances get three site ids, and each its own clique."""
