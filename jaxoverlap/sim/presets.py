@@ -670,11 +670,12 @@ _GB200_CITED = {
     "p2p_gbps": "measured on GB200: Azure/AI-benchmarking-guide#7, nvbandwidth's p2p on a GB200 "
                 "node ~770 GB/s per direction (inside a tray; across trays: transports)",
     "nccl_gbps": "extrapolated from b200 (" + _BLACKWELL_SOURCES["nccl_gbps"].split(";")[0]
-                 + "): no all-gather or reduce-scatter by size published on GB200; its measured "
-                 "all-reduces reach the 8xB200's NVLS 830+ GB/s bus bandwidth (NVIDIA/nccl#1807) "
-                 "across trays too: 835-847 GB/s over all 72 at 4-8 GiB (coreweave/nccl-tests PR "
-                 "#43), 811 GB/s on 8 GPUs on 2 trays over multi-node NVLink "
-                 "(lixueduan.com/posts/ai/13-gb200-mnnvl-nccl-test)",
+                 + "): no all-gather or reduce-scatter by size published on GB200; what is "
+                 "measured there reaches the 8xB200's NVLS all-reduce, 830+ GB/s bus bandwidth "
+                 "(NVIDIA/nccl#1807), across trays too: an all-reduce over all 72, 835-847 GB/s "
+                 "at 4-8 GiB (coreweave/nccl-tests PR #43); an NCCL test on 8 GPUs on 2 trays "
+                 "over multi-node NVLink, 811 GB/s (lixueduan.com/posts/ai/"
+                 "13-gb200-mnnvl-nccl-test)",
     "transports": _GB200_TRAYS,
 }
 _EXTRAPOLATED = "extrapolated from b200 (not measured on GB200): {}"
