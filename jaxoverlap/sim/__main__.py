@@ -15,7 +15,7 @@ import sys
 
 from jaxoverlap import _optional
 from jaxoverlap.sim.plan import choose
-from jaxoverlap.sim.presets import PRESETS, load_preset
+from jaxoverlap.sim.presets import ALIASES, PRESETS, get_preset, load_preset
 from jaxoverlap.sim.report import STANDARD_CASES, format_table, gantt, projection_table
 
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", default="plan.png")
     g.add_argument("--ranks", default="0,1", help="comma-separated ranks to draw")
     pr = sub.add_parser("preset", help="print a preset as JSON")
-    pr.add_argument("name", choices=sorted(PRESETS))
+    pr.add_argument("name", choices=sorted([*PRESETS, *ALIASES]))
     sub.add_parser("published", help="the model against published measurements (markdown, "
                                      "the tables of docs/performance.md)")
     a = ap.parse_args(argv)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(published.markdown_table())
     else:
-        json.dump(PRESETS[a.name].to_dict(), sys.stdout, indent=2, sort_keys=True)
+        json.dump(get_preset(a.name).to_dict(), sys.stdout, indent=2, sort_keys=True)
         print()
     return 0
 

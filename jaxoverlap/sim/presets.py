@@ -604,6 +604,93 @@ _BLACKWELL_SOURCES = {
     "min_gain": "as h100 (no published call on this machine)",
 }
 
+_B200 = Preset(
+    name="b200",
+    gpu="B200, HGX 8-GPU, NVLink5 via NVSwitch",
+    **_BLACKWELL,
+    peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0, "float8": 4500.0},
+    min_gain=MARGINS["h100"],
+    calibrated=_CALIBRATED["b200"],
+    description="Blackwell: twice H100's NVLink, ~2.3x its dense BF16.",
+    sources={**_SHARED_SOURCES, **_BLACKWELL_SOURCES,
+             "peak_tflops": "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU; FP8 72 "
+                            "PFLOP/s per 8 GPUs with sparsity -> 4.5 dense per GPU (MXFP8 at the "
+                            "FP8 rate)"},
+)
+
+# ---- GB200 NVL72: the b200 where a public source says otherwise -------------------------------
+# The same Blackwell GPU (compute capability 10.0, 148 SMs, NVLink5 at 1.8 TB/s, 8 TB/s HBM3e) at
+# a higher power limit, 4 to a compute tray, 72 in one NVLink domain. Every field that differs
+# from the b200's is here with the public source that says so (tests/sim/test_published.py
+# checks these are the only differences); every other number is the b200's, and its source says
+# whether GB200 itself measured or specified it (_GB200_CITED) or it is extrapolated from the
+# b200 (_EXTRAPOLATED).
+_GB200_DATASHEET = ("NVIDIA GB200 NVL72 datasheet (nvidia.com/en-us/data-center/gb200-nvl72, "
+                    "specifications: the rack's and one Blackwell GPU's, beside the HGX B200's)")
+GB200_DIFFERENCES: dict[str, tuple[Any, str]] = {
+    "peak_tflops": (
+        {"bfloat16": 2500.0, "float16": 2500.0, "float32": 1250.0, "float8": 5000.0},
+        f"{_GB200_DATASHEET}: 360 PFLOP/s FP16/BF16, 720 FP8, 180 TF32 per 72 GPUs with "
+        "sparsity; one GPU 5 / 10 / 2.5 PFLOP/s sparse -> 2.5 / 5.0 / 1.25 dense, at a TDP "
+        "configurable up to 1,200 W (the HGX B200's GPU: 4.5 / 9 PFLOP/s sparse at up to 1,000 "
+        "W); MXFP8 at the FP8 rate"),
+    "gpus_per_node": (
+        4, f"{_GB200_DATASHEET}: 72 GPUs and 36 Grace CPUs in 18 compute trays, each tray 2 GB200 "
+           "superchips (2 Grace, 4 GPUs) under one OS; mlcommons/inference_results_v6.1 closed/"
+           "Crusoe/systems/GB200-NVL72_GB200-186GB_aarch64x16_Dynamo.json: 4 accelerators per "
+           "node"),
+    "nvlink_domain": (
+        72, f"{_GB200_DATASHEET}: 72 GPUs on one NVLink switch system, 1.8 TB/s per GPU to every "
+            "other, 130 TB/s in all (nine NVLink switch trays: NVIDIA Mission Control docs, "
+            "'NVLink Switch Integration')"),
+    "min_gain": (
+        MARGINS["gb200-nvl72"],
+        "derived: sim.published.fallback_margins with GB200's own published calls, the one-shot "
+        "multicast all-reduces of lightseekorg/tokenspeed PR #860 (8 GPUs on 2 trays): 58.3% for "
+        "that family; every other family as the h100's (nothing else published on GB200)"),
+    "calibrated": (
+        {}, "nothing measured on GB200 itself that the model is fitted to: the b200's GEMM range "
+            "is a B200's (sim.published.calibrated_ranges('gb200-nvl72') is empty; tokenspeed's "
+            "GB200 rows set a margin)"),
+}
+_GB200_TRAYS = ("a tensor-parallel group of 8 spans two compute trays; the NVLink path is the one "
+                "inside a tray: every NVLink port of every GPU, those of one tray included, ends "
+                "on the rack's NVLink switches (inside a 4-GPU tray nvidia-smi shows 'NV18 via "
+                "NVSwitch': mlcommons/inference_results_v6.1 closed/Crusoe/systems/"
+                "GB200-NVL72_GB200-186GB_aarch64x16_Dynamo.json), so the model prices the same "
+                "rates and latencies. What differs across trays is software: p2p and multicast "
+                "reach peers' buffers only through CUDA fabric handles with IMEX "
+                "(docs/multiprocess.md; Preset.transport_needs says so per group)")
+# Numbers equal to the b200's that GB200 itself specifies or measured.
+_GB200_CITED = {
+    "link_gbps": f"{_GB200_DATASHEET}: NVLink5, 1.8 TB/s bidirectional per GPU -> 900 per "
+                 "direction",
+    "hbm_gbps": f"{_GB200_DATASHEET}: 576 TB/s HBM3e for 72 GPUs -> 8 TB/s per GPU",
+    "compute_capability": _CC.format("GB200 10.0 (the sm_100a fused GEMM, as the b200)"),
+    "p2p_gbps": "measured on GB200: Azure/AI-benchmarking-guide#7, nvbandwidth's p2p on a GB200 "
+                "node ~770 GB/s per direction (inside a tray; across trays: transports)",
+    "nccl_gbps": "extrapolated from b200 (" + _BLACKWELL_SOURCES["nccl_gbps"].split(";")[0]
+                 + "): no all-gather or reduce-scatter by size published on GB200; what is "
+                 "measured there reaches the 8xB200's NVLS all-reduce, 830+ GB/s bus bandwidth "
+                 "(NVIDIA/nccl#1807), across trays too: an all-reduce over all 72, 835-847 GB/s "
+                 "at 4-8 GiB (coreweave/nccl-tests PR #43); an NCCL test on 8 GPUs on 2 trays "
+                 "over multi-node NVLink, 811 GB/s (lixueduan.com/posts/ai/"
+                 "13-gb200-mnnvl-nccl-test)",
+    "transports": _GB200_TRAYS,
+}
+_EXTRAPOLATED = "extrapolated from b200 (not measured on GB200): {}"
+_GB200 = _B200.replace(
+    name="gb200-nvl72",
+    gpu="GB200 NVL72: B200 at 1200 W, 4 per compute tray, 72 in one NVLink5 domain",
+    description="Tensor-parallel groups across compute trays over multi-node NVLink: p2p and "
+                "multicast through fabric handles (IMEX).",
+    sources={**{k: _EXTRAPOLATED.format(v) for k, v in _B200.sources.items()},
+             **_GB200_CITED, **{k: why for k, (_, why) in GB200_DIFFERENCES.items()}},
+    **{k: value for k, (value, _) in GB200_DIFFERENCES.items()},
+)
+# Other names a preset is known by (get_preset, load_preset, bench --model).
+ALIASES = {"gb200": "gb200-nvl72"}
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -729,48 +816,8 @@ PRESETS: dict[str, Preset] = {
                 "calibrated": "the a800 rows of sim.published",
             },
         ),
-        Preset(
-            name="b200",
-            gpu="B200, HGX 8-GPU, NVLink5 via NVSwitch",
-            **_BLACKWELL,
-            peak_tflops={"bfloat16": 2250.0, "float16": 2250.0, "float32": 1125.0,
-                         "float8": 4500.0},
-            min_gain=MARGINS["h100"],
-            calibrated=_CALIBRATED["b200"],
-            description="Blackwell: twice H100's NVLink, ~2.3x its dense BF16.",
-            sources={**_SHARED_SOURCES, **_BLACKWELL_SOURCES,
-                     "peak_tflops": "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per "
-                                    "GPU; FP8 72 PFLOP/s per 8 GPUs with sparsity -> 4.5 "
-                                    "dense per GPU (MXFP8 at the FP8 rate)"},
-        ),
-        Preset(
-            name="gb200-nvl72",
-            gpu="GB200 NVL72: B200 at 1200 W, 4 per compute tray, 72 in one NVLink5 domain",
-            **{**_BLACKWELL, "gpus_per_node": 4, "nvlink_domain": 72},
-            peak_tflops={"bfloat16": 2500.0, "float16": 2500.0, "float32": 1250.0,
-                         "float8": 5000.0},
-            min_gain=MARGINS["gb200-nvl72"],
-            description="Tensor-parallel groups across compute trays over multi-node NVLink: "
-                        "p2p and multicast through fabric handles (IMEX).",
-            sources={**_SHARED_SOURCES, **_BLACKWELL_SOURCES,
-                     "peak_tflops": "NVIDIA GB200 NVL72 datasheet: 360 PFLOP/s dense FP16/BF16 "
-                                    "and 720 FP8 per 72 GPUs with sparsity halved -> 2.5 and 5.0 "
-                                    "dense per GPU (the B200 at 1200 W)",
-                     "gemm_efficiency": "assumed as the b200's fit (the same die at a higher "
-                                        "power limit): no published GB200 GEMM rows",
-                     "gemm_classes": "assumed as the b200's fits",
-                     "p2p_gbps": "Azure/AI-benchmarking-guide#7: nvbandwidth's p2p on a GB200 "
-                                 "node ~770 GB/s per direction (inside a tray; across trays "
-                                 "the same NVLink switches: assumed equal)",
-                     "gpus_per_node": "a GB200 NVL72 compute tray: 2 Grace CPUs, 4 B200 GPUs, "
-                                      "one OS instance (NVIDIA GB200 NVL72 datasheet)",
-                     "nvlink_domain": "72 GPUs on one NVLink switch system, 1.8 TB/s per GPU "
-                                      "(NVIDIA GB200 NVL72 datasheet); coreweave/nccl-tests PR "
-                                      "#43 measured all-reduce busbw 835-847 GB/s over all 72",
-                     "transports": "p2p and multicast across trays need CUDA fabric handles "
-                                   "and IMEX (docs/multiprocess.md); Preset.transport_needs says "
-                                   "so per group"},
-        ),
+        _B200,
+        _GB200,
         Preset(
             name="pcie8",
             gpu="8x L20 48GB, PCIe Gen4 x16, no NVLink",
@@ -822,10 +869,11 @@ PRESETS: dict[str, Preset] = {
 
 
 def get_preset(name: str) -> Preset:
-    """A built-in preset by name (case-insensitive)."""
-    key = name.lower()
+    """A built-in preset by name or alias (``ALIASES``; case-insensitive)."""
+    key = ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; built-in: {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; built-in: {sorted(PRESETS)} (aliases: "
+                         f"{ALIASES})")
     return PRESETS[key]
 
 
@@ -834,9 +882,10 @@ def load_preset(spec: str | os.PathLike[str] | Preset) -> Preset:
     if isinstance(spec, Preset):
         return spec
     s = os.fspath(spec)
-    if s.lower() in PRESETS:
-        return PRESETS[s.lower()]
+    if s.lower() in PRESETS or s.lower() in ALIASES:
+        return get_preset(s)
     if os.path.exists(s):
         with open(s) as f:
             return Preset.from_dict(json.load(f))
-    raise ValueError(f"preset {s!r}: not a built-in ({sorted(PRESETS)}) nor an existing file")
+    raise ValueError(f"preset {s!r}: not a built-in ({sorted(PRESETS)}, aliases {sorted(ALIASES)}) "
+                     "nor an existing file")

@@ -10,12 +10,13 @@ shows the tables this very code generates.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
 
 from jaxoverlap import sim
-from jaxoverlap.sim import families, fit, fused, published, published_gemms
+from jaxoverlap.sim import families, fit, fused, presets, published, published_gemms
 
 # The performance model: no JAX.
 pytestmark = pytest.mark.jax_independent
@@ -305,6 +306,38 @@ def test_the_margins_are_derived_per_family_from_the_measured_error():
         "matmul_rs", "matmul_rs:fused")
     for name in ("h200", "a100", "b200"):
         assert sim.get_preset(name).min_gain == h100.min_gain
+
+
+def test_gb200_is_the_b200_but_where_a_public_source_says_otherwise():
+    """GB200 NVL72 differs from the b200 in exactly the fields of GB200_DIFFERENCES, each at the
+    value its cited source states; every other number's source says whether GB200 itself
+    specified or measured it, else that it is extrapolated from the b200."""
+    b200, gb = sim.get_preset("b200"), sim.get_preset("gb200")
+    assert gb is sim.get_preset("gb200-nvl72") is sim.load_preset("GB200")
+    differs = {f.name for f in dataclasses.fields(gb)
+               if getattr(gb, f.name) != getattr(b200, f.name)}
+    assert differs - {"name", "gpu", "description", "sources"} == set(presets.GB200_DIFFERENCES)
+    # the datasheet's rack figures with sparsity (PFLOP/s for 72 GPUs), halved for dense
+    assert gb.peak_tflops == {"bfloat16": 360e3 / 72 / 2, "float16": 360e3 / 72 / 2,
+                              "float32": 180e3 / 72 / 2, "float8": 720e3 / 72 / 2}
+    assert (gb.gpus_per_node, gb.nvlink_domain) == (72 // 18, 72)  # 18 trays, one domain
+    assert gb.calibrated == published.calibrated_ranges("gb200-nvl72") == {}
+    assert {k for k, v in gb.min_gain.items() if v != b200.min_gain[k]} == {
+        "matmul_ar:one_launch:one_shot:multicast"}  # tokenspeed's GB200 rows, the only ones
+    for key, text in gb.sources.items():
+        if key in presets.GB200_DIFFERENCES or key in differs:
+            assert not text.startswith("extrapolated"), key
+        else:
+            assert text.startswith("extrapolated from b200") or "GB200" in text, key
+    # a group of 8 spans two trays: the same switch path, so the same price; only the transports'
+    # needs (fabric handles) differ from a group inside one node
+    one_node = gb.replace(gpus_per_node=8)
+    shape = sim.Shape.from_global(8192, 8192, 3584, 8)
+    for cand in (sim.Candidate("native", "p2p", 1, True, fused=True),
+                 sim.Candidate("native", "multicast", 2), sim.Candidate("native", "nccl", 2)):
+        assert (sim.simulate("ag_matmul", shape, "bf16", 8, gb, cand).t_fused
+                == sim.simulate("ag_matmul", shape, "bf16", 8, one_node, cand).t_fused)
+    assert set(gb.transport_needs(8)) == {"p2p", "multicast"} and one_node.transport_needs(8) == {}
 
 
 def test_the_calibrated_ranges_are_those_of_the_rows():
