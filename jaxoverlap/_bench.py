@@ -87,6 +87,9 @@ def _model(args: argparse.Namespace) -> int:
     print(f"{sim.MODEL_LABEL} — preset {preset.name} ({preset.gpu})")
     rows = sim.projection_table([preset], cases)
     print(sim.format_table(rows, markdown=False))
+    for nranks in sorted({c.nranks for c in cases}):
+        for transport, need in preset.transport_needs(nranks).items():
+            print(f"TP{nranks} spans {preset.name}'s nodes: {transport} needs {need}.")
     if any(r["fused"] for r in rows):
         print("A plan named `fused` runs ONE persistent GEMM waiting on per-block flags "
               "(docs/performance.md §2.6, docs/gpu-internals.md §5): the executors' own fused "
