@@ -216,7 +216,7 @@ DTYPES: tuple[DType, ...] = (
 class FusedFp8:
     """An FP8 triple the fused GEMM is compiled for (``cpp/core/kinds.h`` ``JO_FUSED_FP8``): x's,
     w's and y's dtypes. A 16-bit dtype is fused for x, w and y alike (``DType.fused``); FP8 is
-    one instantiation per triple, each ~30 CPU-s of compile, so only these."""
+    one instantiation per triple, each ~40-90 CPU-s of compile, so only these."""
 
     native: ClassVar = ("x", "w", "y")
     x: str
@@ -226,6 +226,8 @@ class FusedFp8:
 
 FUSED_FP8: tuple[FusedFp8, ...] = (
     FusedFp8("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),  # the FP8 recipes' forward
+    FusedFp8("float8_e4m3fn", "float8_e4m3fn", "float16"),  # the same, a float16 model's
+    FusedFp8("float8_e4m3fn", "float8_e4m3fn", "float32"),  # the same, a float32 model's
     FusedFp8("float8_e5m2", "float8_e4m3fn", "bfloat16"),  # their gradient's dy @ w^T
 )
 

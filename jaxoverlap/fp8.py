@@ -420,8 +420,9 @@ def _forward(c: _Call, x, w, scaling):
 
 def _op(op, qx, qw, axis_name: str, **kw):
     """``op`` on the fp8 operands. Under ``jo.config(fused=True)`` the fused GEMM runs where it
-    has an instantiation for these element types (``_kinds.FUSED_FP8``: e4m3 x e4m3 and e5m2 x
-    e4m3 to bfloat16, in the AG+GEMM and the GEMM + reduce-scatter) and the chunked path runs
+    has an instantiation for these element types (``_kinds.FUSED_FP8``: e4m3 x e4m3 to bfloat16,
+    float16 and float32, e5m2 x e4m3 to bfloat16, in the AG+GEMM and the GEMM + reduce-scatter)
+    and the chunked path runs
     the others: the fp8 types are the recipe's choice, not the caller's, so no error asks the
     caller to drop ``fused``."""
     name = op.__name__

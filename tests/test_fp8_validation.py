@@ -7,7 +7,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import rand, tp_mesh
+from helpers import assert_close, rand, tp_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap as jo
@@ -124,21 +124,38 @@ def test_a_gpu_without_fp8_gemms_says_once_that_xla_dequantizes(monkeypatch, cap
 
 def test_the_fused_gemm_asked_for_with_fp8_names_what_it_is_compiled_for(arrays):
     """jo.config(fused=True) with fp8 operands: the fused GEMM is compiled for bfloat16 and
-    float16 alike in x and w, and for e4m3 x e4m3 and e5m2 x e4m3 with a bfloat16 y
-    (``_kinds.FUSED_FP8``), on rows of whole 16-byte units; every other call's error says what
-    is compiled and names the way out (the chunked path)."""
+    float16 alike in x and w, for e4m3 x e4m3 with a bfloat16, float16 or float32 y and for
+    e5m2 x e4m3 with a bfloat16 y (``_kinds.FUSED_FP8``), on rows of whole 16-byte units; every
+    other call's error says what is compiled and names the way out (the chunked path)."""
     x, w, w16 = arrays
     w5 = w.astype(jnp.float8_e5m2)
     with jo.config(fused=True):
         with pytest.raises(jo.NativeUnavailableError,
-                           match=r"compiled for .*e4m3fn -> bfloat16.*not x float8_e4m3fn with "
+                           match=r"compiled for .*e4m3fn -> bfloat16.*e4m3fn -> float16.*"
+                                 r"e4m3fn -> float32.*not x float8_e4m3fn with "
                                  r"w float8_e5m2.*Drop fused"):
             jo.ag_matmul(x, w5, "tp", mesh=tp_mesh(2), impl="native", transport="p2p",
                          x_scale=ONE, w_scale=ONE)
         with pytest.raises(jo.NativeUnavailableError,
-                           match=r"not x float8_e4m3fn with w float8_e4m3fn and y float32"):
+                           match=r"not x float8_e5m2 with w float8_e4m3fn and y float32"):
+            jo.ag_matmul(x.astype(jnp.float8_e5m2), w, "tp", mesh=tp_mesh(2), impl="native",
+                         transport="p2p", x_scale=ONE, w_scale=ONE,
+                         preferred_element_type=jnp.float32)
+        # e4m3 x e4m3 to float16 and float32 are built: y's 4 columns per rank are half a
+        # float16 unit, refused as the rows' units only; a float32 unit, so that call runs the
+        # fused program, the xla impl's result within float32's tolerance
+        with pytest.raises(jo.NativeUnavailableError, match=r"must be multiples of 16 and 8"):
             jo.ag_matmul(x, w, "tp", mesh=tp_mesh(2), impl="native", transport="p2p",
-                         x_scale=ONE, w_scale=ONE, preferred_element_type=jnp.float32)
+                         x_scale=ONE, w_scale=ONE, preferred_element_type=jnp.float16)
+        f32 = jax.jit(lambda x, w: jo.ag_matmul(
+            x, w, "tp", mesh=tp_mesh(2), impl="native", transport="p2p", x_scale=ONE,
+            w_scale=ONE, preferred_element_type=jnp.float32))
+        assert "fused = true" in f32.lower(x, w).compile().as_text()
+        y = f32(x, w)
+    assert y.dtype == jnp.float32
+    assert_close(y, _ag(x, w, x_scale=ONE, w_scale=ONE, preferred_element_type=jnp.float32),
+                 jnp.float32)
+    with jo.config(fused=True):
         # a built pairing, but x's rows (16 fp8 elements) are one 16-byte unit and w's 4
         # columns of bfloat16 y are not
         with pytest.raises(jo.NativeUnavailableError, match=r"must be multiples of 16 and 8"):

@@ -2,8 +2,8 @@
 ``fused_gemm_fp8.cuh``, ``fused_gemm_kernel_sm100.cuh`` for sm_100a; their flag protocol
 ``fused_gemm_sync.cuh``), read back from ``_cuda``'s fatbinary with cuobjdump (as
 ``test_multimem.py`` does): no GPU runs it here, so what it does is checked in its machine code
-(SASS), per kernel (sm_90a bf16, f16, and the FP8 instantiations e4m3 x e4m3 -> bf16 and
-e5m2 x e4m3 -> bf16; sm_100a bf16 and f16):
+(SASS), per kernel (sm_90a bf16, f16, and the FP8 instantiations e4m3 x e4m3 -> bf16, f16
+and f32 and e5m2 x e4m3 -> bf16; sm_100a bf16 and f16):
 
 * the stock CUTLASS mainloop's tensor-core instructions are there and pipelined
   (``HGMMA.64x256x16.F32.BF16``, ``HGMMA.64x256x16.F32`` for f16; sm_90's FP8 wgmma assembles
@@ -54,12 +54,26 @@ from .test_multimem import _cuobjdump, _dump, _sections
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = "FlagWaitMainloop"  # in the mangled name of every fused kernel
-# kernel: (its MMA atom in the mangled name, its tensor-core opcode, a regular expression: f16
-# inputs have no suffix; FP8 is QGMMA, K 32 per instruction, the 128-column tile's N)
+
+
+def _fp8(atom: str, d: str) -> str:
+    """An FP8 kernel's mangled name: its MMA atom (the mainloop comes first), then its
+    epilogue's element D between the two strides of CollectiveEpilogue<..., void, StrideC, D,
+    StrideD, fusion::Sm90TreeVisitor<...>> (Itanium ABI: S<id>_ a substitution, f float)."""
+    return rf"{atom}.*EvS[0-9A-Z]*_{d}S[0-9A-Z]*_NS[0-9A-Z]*_6fusion15Sm90TreeVisitor"
+
+
+# kernel: (a regular expression over its mangled name: its MMA atom, for FP8 also y's type;
+# its tensor-core opcode, a regular expression: f16 inputs have no suffix; FP8 is QGMMA, K 32
+# per instruction, the 128-column tile's N, whatever y)
+E4M3 = r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3"
 DTYPES = {"bf16": ("F32BF16BF16", r"HGMMA\.64x256x16\.F32\.BF16"),
           "f16": ("F32F16F16", r"HGMMA\.64x256x16\.F32"),
-          "e4m3_bf16": ("F32E4M3E4M3", r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3"),
-          "e5m2e4m3_bf16": ("F32E5M2E4M3", r"QGMMA\.64x128x32\.F32\.E5M2\.E4M3")}
+          "e4m3_bf16": (_fp8("F32E4M3E4M3", "NS_10bfloat16_tE"), E4M3),
+          "e4m3_f16": (_fp8("F32E4M3E4M3", "NS_6half_tE"), E4M3),
+          "e4m3_f32": (_fp8("F32E4M3E4M3", "f"), E4M3),
+          "e5m2e4m3_bf16": (_fp8("F32E5M2E4M3", "NS_10bfloat16_tE"),
+                            r"QGMMA\.64x128x32\.F32\.E5M2\.E4M3")}
 FP8 = [d for d, (_, opcode) in DTYPES.items() if opcode.startswith("QGMMA")]
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")

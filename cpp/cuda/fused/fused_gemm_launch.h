@@ -1,5 +1,5 @@
 // What the fused GEMM's instantiations (fused_gemm_{bf16,f16}.cu, the FP8
-// ones fused_gemm_e4m3_bf16.cu and fused_gemm_e5m2e4m3_bf16.cu, or the fake's
+// ones fused_gemm_e4m3_{bf16,f16,f32}.cu and fused_gemm_e5m2e4m3_bf16.cu, or the fake's
 // model of them: fake/fake_fused_gemm.cc) are handed: one launch whose
 // arguments fused_gemm.cc has checked, with its tile order made. Apart from
 // fused_gemm.h so that the CUTLASS instantiations, the slowest objects of the
@@ -99,6 +99,8 @@ inline constexpr int32_t kSm100MmaPair = 2;
 JO_FUSED_GEMM_DECLARE(BF16)
 JO_FUSED_GEMM_DECLARE(F16)
 JO_FUSED_GEMM_DECLARE(E4M3_BF16)      // e4m3 x e4m3 -> bf16
+JO_FUSED_GEMM_DECLARE(E4M3_F16)       // e4m3 x e4m3 -> f16
+JO_FUSED_GEMM_DECLARE(E4M3_F32)       // e4m3 x e4m3 -> f32
 JO_FUSED_GEMM_DECLARE(E5M2E4M3_BF16)  // e5m2 x e4m3 -> bf16: dy @ w^T, the backward's dx
 // sm_100a (B200, GB200): bf16 and f16 (fused_gemm_kernel_sm100.cuh). The
 // launch refuses an order not made over kSm100MmaPair-tile MMA tiles.
