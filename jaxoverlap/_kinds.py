@@ -216,7 +216,7 @@ DTYPES: tuple[DType, ...] = (
 class FusedFp8:
     """An FP8 triple the fused GEMM is compiled for (``cpp/core/kinds.h`` ``JO_FUSED_FP8``): x's,
     w's and y's dtypes. A 16-bit dtype is fused for x, w and y alike (``DType.fused``); FP8 is
-    one instantiation per triple, each ~40-90 CPU-s of compile, so only these."""
+    one instantiation per triple, each ~30 CPU-s of compile, so only these."""
 
     native: ClassVar = ("x", "w", "y")
     x: str
