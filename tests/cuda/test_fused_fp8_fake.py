@@ -75,8 +75,8 @@ def _case(fake, transport, dtypes, n, rows, k, nw, chunks, bidi, seed, calls=1):
 
 def _rs_case(fake, transport, dtypes, n, rows, k, nw, chunks, seed):
     """One fused FP8 GEMM + reduce-scatter on fresh small-integer inputs: (outcome, expected
-    ys). Each partial (|sum| <= 4k <= 256 times a power of two) is exact in bf16, their float32
-    sum too, so y is the float64 sum rounded once."""
+    ys). Each partial (|sum| <= 4k <= 256 times a power of two, at most 2^13) is exact in bf16,
+    f16 and f32, their float32 sum too, so y is the float64 sum rounded once."""
     x_dtype, w_dtype, y_dtype = dtypes
     xs, ws = _inputs(dtypes, n, n * rows, k, nw, seed)
     sx, sw = _scales(n)
