@@ -289,7 +289,8 @@ def test_fp8_picks_follow_the_model_among_what_the_executors_run(monkeypatch):
             "native", best.transport, best.chunks, best.bidirectional), dtypes
     flux = dict(rows=512, k=12288, n=6144)          # AG flux fp8: docs/performance.md's row
     assert (plan(e4, e4, **flux).impl, plan(e4, e4, **flux).fused) == ("native", True)
-    assert not plan(e4, e4, out_dtype="float32", **flux).fused  # no e4m3 -> f32 kernel
+    assert plan(e4, e4, out_dtype="float32", **flux).fused      # the e4m3 -> f32 kernel
+    assert not plan(e5, e4, out_dtype="float32", **flux).fused  # no e5m2 x e4m3 -> f32 one
     # On Hopper GPUs (injected): the CUDA executor's pairings only.
     monkeypatch.setattr(runtime, "cuda_error", lambda: None)
     monkeypatch.setattr(capabilities, "current_platform", lambda: "cuda")
