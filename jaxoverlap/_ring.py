@@ -46,7 +46,7 @@ from jaxoverlap._fp8_dtypes import block_scaled, out_dtype
 from jaxoverlap._invariant import mark_invariant
 from jaxoverlap._one_launch import splits_rows
 from jaxoverlap._plan import OpPlan
-from jaxoverlap._xla import block_product, local_matmul, scale_product, scaled_matmul
+from jaxoverlap._xla import block_product, scale_product, scaled_matmul
 
 
 def _shift(x: jax.Array, plan: OpPlan, by: int) -> jax.Array:
@@ -109,15 +109,11 @@ def ag_matmul(x: jax.Array, w: jax.Array, plan: OpPlan, want_gathered: bool,
     def consume(state, pieces, shard):
         y, gathered = state
         for k, piece in enumerate(pieces):
-            if blocks:
+            piece_scales = ()
+            if scales:  # the piece's own x scale (block or per-tensor) with w's
                 piece, x_scale = piece
-                product = block_product(piece, w, x_scale, scales[1]).astype(out)
-            else:
-                scale = None
-                if scales:
-                    piece, x_scale = piece
-                    scale = x_scale * scales[1]
-                product = local_matmul(piece, w, out, scale)
+                piece_scales = (x_scale, scales[1])
+            product = scaled_matmul(piece, w, piece_scales, out)
             start = shard * rows + k * piece_rows
             y = lax.dynamic_update_slice_in_dim(y, product, start, axis)
             if gathered is not None:
