@@ -99,6 +99,10 @@ class _Activity:
     rate: float = 0.0
 
 
+def _nothing() -> None:
+    """A wake-up: the loop looks again at that time."""
+
+
 class _Engine:
     def __init__(self, programs: Sequence[Program], preset: Preset, gemm_extra_passes: int = 0,
                  block_scaled: bool = False):
@@ -117,6 +121,7 @@ class _Engine:
             for i, op in enumerate(pr["ops"]):
                 self.streams[(pr["rank"], op["stream"])].append((i, op))
         self.pos = dict.fromkeys(self.streams, 0)
+        self.finished = 0  # streams that ran their last op
         self.busy = dict.fromkeys(self.streams, False)
         self.reached = dict.fromkeys(self.streams, 0.0)
         self.now = 0.0
@@ -143,6 +148,8 @@ class _Engine:
         self.all_reduce_waiting: dict[int, list[Callable[[], None]]] = {}  # k-th: arrived
         self.spans: list[Span] = []
         self.cap = preset.link_gbps * 1e9
+        self.event_latency = preset.event_latency_us * model.US
+        self.signal_latency = preset.signal_latency_us * model.US
         fork = preset.event_latency_us * model.US
         for key in self.streams:
             if key[1] > 0 and fork > 0:  # comm streams wait for the fork event
@@ -166,7 +173,7 @@ class _Engine:
         """Flag ``key`` (rank, flag) becomes visible at ``t``; the loop wakes then."""
         self.flags[key] = t
         self.version[key[0]] += 1
-        self.at(t, lambda: None)
+        self.at(t, _nothing)
 
     def release(self, key: tuple[int, int]) -> None:
         self.busy[key] = False
@@ -175,6 +182,8 @@ class _Engine:
 
     def finish(self, key: tuple[int, int], count: int = 1) -> None:
         self.pos[key] += count
+        if self.pos[key] == len(self.streams[key]):
+            self.finished += 1
         self.busy[key] = False
         self.reached[key] = self.now
         self.blocked.pop(key, None)
@@ -229,38 +238,38 @@ class _Engine:
     def advance(self, key: tuple[int, int]) -> bool:
         """Runs the stream as far as it can at ``now``; True if anything happened."""
         ops = self.streams[key]
+        pos, busy, now = self.pos, self.busy, self.now
         moved = False
         r = key[0]
-        while self.pos[key] < len(ops) and not self.busy[key]:
-            idx, op = ops[self.pos[key]]
-            kind, start = op["kind"], self.reached[key]
+        while pos[key] < len(ops) and not busy[key]:
+            idx, op = ops[pos[key]]
+            kind = op["kind"]
             if kind == "Wait":
                 t = self.flags.get((r, op["id"]))
-                if t is None or t > self.now:
-                    self.blocked[key] = (self.now, self.version[r])
+                if t is None or t > now:
+                    self.blocked[key] = (now, self.version[r])
                     return moved
-                self.span(key, idx, op, start)
+                self.span(key, idx, op, self.reached[key])
                 self.finish(key)
             elif kind == "StreamWait":
                 t = self.events.get((r, op["id"]))
-                if t is None or t + self.p.event_latency_us * model.US > self.now:
-                    self.blocked[key] = (self.now, self.version[r])
+                if t is None or t + self.event_latency > now:
+                    self.blocked[key] = (now, self.version[r])
                     return moved
-                self.span(key, idx, op, start)
+                self.span(key, idx, op, self.reached[key])
                 self.finish(key)
             elif kind == "Signal":
-                self.raise_flag((op["peer"], op["id"]),
-                                self.now + self.p.signal_latency_us * model.US)
-                self.span(key, idx, op, start)
+                self.raise_flag((op["peer"], op["id"]), now + self.signal_latency)
+                self.span(key, idx, op, self.reached[key])
                 self.finish(key)
             elif kind == "Record":
-                self.events[(r, op["id"])] = self.now
+                self.events[(r, op["id"])] = now
                 self.version[r] += 1
                 if self.p.event_latency_us:
-                    self.at(self.now + self.p.event_latency_us * model.US, lambda: None)
-                self.span(key, idx, op, start)
+                    self.at(now + self.event_latency, _nothing)
+                self.span(key, idx, op, self.reached[key])
                 self.finish(key)
-            elif kind in ("Send", "Recv"):
+            elif kind == "Send" or kind == "Recv":
                 self.post_group(key)
             else:
                 self.start_work(key, idx, op)
@@ -418,16 +427,22 @@ class _Engine:
             elif not a.ports:
                 computes.append(a)
             if a.sm_user:
-                what, ranks, *budget = a.sm_user
-                sms = (budget[0] if budget else
+                what, ranks = a.sm_user[0], a.sm_user[1]
+                sms = (a.sm_user[2] if len(a.sm_user) > 2 else
                        self.p.nccl_sms if what == "nccl" else self.p.mc_sms)
                 for q in ranks:  # one NCCL / multicast kernel per rank; reductions add up
                     key = (what, q) if what != "reduce" else (what, q, id(a))
                     users[key] = max(users.get(key, 0), sms)
         for key, sms in users.items():
             taken[key[1]] += sms
+        cap = self.cap
         for a in transfers:
-            a.rate = min(a.cap, *(self.cap / count[port] for port in a.ports))
+            rate = a.cap  # the smallest of its own cap and its ports' shares
+            for port in a.ports:
+                share = cap / count[port]
+                if share < rate:
+                    rate = share
+            a.rate = rate
             for q in a.memory:
                 traffic[q] += a.rate * a.payload_per_wire
         for a in paced:
@@ -442,45 +457,61 @@ class _Engine:
             a.rate = rate
 
     def run(self) -> Timeline:
+        # the loop runs hundreds of thousands of times per call: what it reads is bound once
+        busy, blocked, version, heap = self.busy, self.blocked, self.version, self.heap
+        ends = {key: len(ops) for key, ops in self.streams.items()}
+        live = list(self.streams)  # the streams with ops left, in the order they are scanned
+        finished = self.finished
+        never = float("inf")
         while True:
+            if finished != self.finished:  # a finished stream never moves again: not scanned
+                finished = self.finished
+                live = [key for key in live if self.pos[key] < ends[key]]
             progress = True
             while progress:
                 progress = False
-                for key in self.streams:
-                    if (not self.busy[key]
-                            and self.blocked.get(key) != (self.now, self.version[key[0]])
-                            and self.advance(key)):
+                now = self.now
+                for key in live:
+                    if busy[key]:
+                        continue
+                    seen = blocked.get(key)  # could not move at (now, its rank's version)
+                    if seen is not None and seen[0] == now and seen[1] == version[key[0]]:
+                        continue
+                    if self.advance(key):
                         progress = True
-                for run in list(self.fused):
+                for run in self.fused:  # polling starts tiles; only a callback ends a run
                     if run.poll():
                         progress = True
-            if not self.activities and not self.heap:
+            activities = self.activities
+            if not activities and not heap:
                 break
             self.set_rates()
-            t_next = self.heap[0][0] if self.heap else float("inf")
+            now = self.now
+            t_next = heap[0][0] if heap else never
             finishing: _Activity | None = None
-            for a in self.activities:
+            for a in activities:
                 if a.rate > 0:
-                    t = self.now + a.remaining / a.rate
+                    t = now + a.remaining / a.rate
                     if t < t_next:
                         t_next, finishing = t, a
-            if t_next == float("inf"):
+            if t_next == never:
                 break
-            dt = t_next - self.now
-            self.now = t_next
+            dt = t_next - now
+            self.now = now = t_next
             done = []
-            running = []
-            for a in self.activities:
+            for a in activities:
                 a.remaining -= a.rate * dt
                 scale = 1e-3 if a.ports else 1e-15  # bytes / seconds
-                (done if a is finishing or a.remaining <= scale else running).append(a)
+                if a is finishing or a.remaining <= scale:
+                    done.append(a)
             if done:
-                self.activities = running
+                ended = {id(a) for a in done}
+                self.activities = [a for a in activities if id(a) not in ended]
                 self.rates_stale = True
                 for a in done:
                     a.on_done()
-            while self.heap and self.heap[0][0] <= self.now:
-                heapq.heappop(self.heap)[2]()
+            while heap and heap[0][0] <= now:
+                heapq.heappop(heap)[2]()
         blocked = [f"rank {k[0]} stream {k[1]}: {ops[self.pos[k]][1]['text']}"
                    for k, ops in self.streams.items() if self.pos[k] < len(ops)]
         if blocked:
@@ -543,12 +574,18 @@ class _FusedGemm:
         e = self.e
         if self.idle_at == (e.now, e.version[self.rank]):  # nothing it waits on changed
             return False
-        flags, now, never = e.flags, e.now, float("inf")
-        started, stalled = [], []
+        flags, now, waits = e.flags, e.now, self.waits
+        started = []
         for c in self.stalled:
-            ready = all(flags.get(flag, never) <= now for flag in self.waits[c[0]][c[3]])
-            (started if ready else stalled).append(c)
-        self.stalled = stalled
+            for flag in waits[c[0]][c[3]]:  # every block it waits for arrived?
+                t = flags.get(flag)
+                if t is None or t > now:
+                    break
+            else:
+                started.append(c)
+        if started:  # equal cohorts wait for the same blocks: all of them started
+            begun = set(started)
+            self.stalled = [c for c in self.stalled if c not in begun]
         for c in started:
             e.add(_Activity(self.plan.tile_seconds, lambda c=c: self.stored(*c), rank=self.rank,
                             spared=self.spared))
