@@ -622,17 +622,20 @@ def simulate_programs(programs: Sequence[Program], preset: Preset,
     ``block_scaled``: the fp8 operands carry block scales, and each GEMM is the ring's
     dequantize-then-multiply (``model.dequantized_gemm_time``).
     """
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         return _Engine(programs, preset, gemm_extra_passes, block_scaled).run()
 
 
 @contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
+def cyclic_gc_paused() -> Iterator[None]:
     """A run allocates up to hundreds of thousands of short-lived objects (activities, their
     callbacks, spans) and reference counting frees them all; the cyclic collector, triggered
     by the allocations alone, finds nothing to free yet scans the process's live objects each
     time (a fifth of ``sim.published.evaluate()``'s time). Paused for the run, as ``timeit``
-    does; it resumes (if it was on) when the run ends or raises. Results do not depend on it."""
+    does; it resumes (if it was on) when the run ends or raises. Results do not depend on it.
+    Also a decorator: ``sim.plan`` pauses it for a whole projection (building the programs
+    allocates as much again) and a whole choice, so that it scans between choices, not
+    between the runs of one."""
     was_on = gc.isenabled()
     gc.disable()
     try:

@@ -16,7 +16,7 @@ from jaxoverlap import _kinds
 from jaxoverlap.sim import allreduce, families, model, reduction
 from jaxoverlap.sim import fused as fused_path
 from jaxoverlap.sim.confidence import outside_calibrated
-from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
+from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, cyclic_gc_paused, simulate_programs
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.presets import (
     FP8_DTYPES,
@@ -194,6 +194,7 @@ def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
     return t_gemm, model.collective_time(preset, transport, nranks, s, op)
 
 
+@cyclic_gc_paused()
 def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
              candidate: Candidate | None = None, return_gathered: bool = False,
              block_scaled: bool = False) -> SimResult:
@@ -362,6 +363,7 @@ class Choice:
         return "\n".join(lines)
 
 
+@cyclic_gc_paused()
 def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
            cands: Sequence[Candidate] | None = None, min_gain: float | None = None,
            unfused: bool = True, block_scaled: bool = False) -> Choice:

@@ -129,7 +129,7 @@ def test_a_missing_signal_deadlocks():
 
 
 def test_a_run_leaves_the_cyclic_garbage_collector_as_it_found_it():
-    """The engine pauses the collector while it runs (engine._cyclic_gc_paused): on again
+    """The engine pauses the collector while it runs (engine.cyclic_gc_paused): on again
     after a run and after a deadlock, still off if the caller had switched it off."""
     progs = clique("ag_matmul", "p2p", 2, 8, 16, 16)
     broken = copy.deepcopy(progs)
@@ -142,6 +142,26 @@ def test_a_run_leaves_the_cyclic_garbage_collector_as_it_found_it():
             assert gc.isenabled() == on
             with pytest.raises(sim.SimulationError, match="deadlock"):
                 sim.simulate_programs(broken, TOY)
+            assert gc.isenabled() == on
+    finally:
+        gc.enable() if was_on else gc.disable()
+
+
+def test_a_projection_and_a_choice_leave_the_collector_as_they_found_it():
+    """sim.simulate and sim.choose pause the collector for all of their runs: on again after
+    them and after they raise, still off if the caller had switched it off."""
+    shape = sim.Shape(1, 64, 128, 128)
+    was_on = gc.isenabled()
+    try:
+        for on in (True, False):
+            gc.enable() if on else gc.disable()
+            sim.simulate("ag_matmul", shape, "bfloat16", 2, "h100", sim.Candidate("native", "p2p"))
+            sim.choose("ag_matmul", shape, "bfloat16", 2, "h100")
+            assert gc.isenabled() == on
+            with pytest.raises(ValueError, match="nranks=16"):
+                sim.simulate("ag_matmul", shape, "bfloat16", 16, "h100")
+            with pytest.raises(ValueError, match="op: expected"):
+                sim.choose("no_such_op", shape, "bfloat16", 2, "h100")
             assert gc.isenabled() == on
     finally:
         gc.enable() if was_on else gc.disable()
