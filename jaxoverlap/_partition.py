@@ -53,6 +53,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap import _partitioner
 from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import (
     AG,
@@ -181,8 +182,11 @@ def _located_abstract_eval(*avals, call: Call, backward: bool):
 def _located_lowering(ctx, *args, call: Call, backward: bool):
     where = provenance(ctx, args[1:2]).hex()
     primitive = _backward if backward else _primitive
-    return mlir.lower_fun(lambda *a: primitive(call, where, *a), multiple_results=True)(
+    outs = mlir.lower_fun(lambda *a: primitive(call, where, *a), multiple_results=True)(
         ctx, *args)
+    # One partitioning per distinct call, not per instance (_partitioner).
+    _partitioner.adopt(outs[0].owner)
+    return outs
 
 
 _located_p.def_abstract_eval(_located_abstract_eval)
