@@ -8,29 +8,26 @@ for each of its layers' calls (9 ms an instance for ``xla``, 22 ms for ``ring``,
 
 The ops' calls (``_partition``) are retargeted here instead: their custom call names a
 partitioner of this module (:data:`TARGET`, registered with XLA as JAX registers its own),
-which hands an instance to JAX's callback once per distinct signature — the primitive and
-its static arguments, the mesh, the platform, JAX's trace-time settings, and the shapes and
-shardings of the operands and results that propagation chose — and gives every later
-instance of that signature the module and shardings the first one got. XLA still converts
-and inlines a module per instance; the Python work is done once per signature.
+which hands an instance to JAX's callback once per distinct signature — the primitive
+(forward or backward pass) and its call, the mesh, the platform, JAX's trace-time settings,
+and the shapes and shardings of the operands and results that propagation chose — and gives
+every later instance of that signature the module and shardings the first one got. XLA still
+converts and inlines a module per instance; the Python work is done once per signature.
 
-Two things are never shared:
+A per-device function that lowers a native call is never shared: each native call is named
+and registered where it lowers (``_native/site_key.py``, docs/native.md §4), so every instance
+lowers on its own. Elsewhere the call's place in the program (``where``, a static argument)
+only names the per-device function's ops, so an instance may carry another's name.
 
-* a per-device function that lowers a native call: each native call is named and registered
-  where it lowers (``_native/site_key.py``, docs/native.md §4), so every instance lowers on its
-  own (the call's place in the program, ``where``, is in its static arguments; elsewhere it
-  only names the per-device function's ops, so an instance may carry another's name);
-* the callbacks' registry key: a call's ``backend_config`` names it by a digest of what it is
-  (its static arguments, mesh, platforms and types), not by the id of a Python object as
-  JAX's own does, so that the program's text, and JAX's persistent compilation cache key
-  made from it, are the same in every process.
+A call keeps JAX's ``backend_config`` (the key of its callbacks: a per-process object id, as
+for JAX's own target), so a program with these calls is compiled by every process that runs
+it, as before: a native call's group is set up where it lowers (docs/multiprocess.md).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import hashlib
 import threading
 from typing import Any
 
@@ -48,39 +45,23 @@ TARGET = jax_cp._CUSTOM_PARTITIONING_CALL_NAME + "_jaxoverlap"
 _SIGNATURES = 1024          # partitions kept (a model has a few dozen distinct calls)
 
 _lock = threading.Lock()
-_jax_keys: dict[bytes, tuple[bytes, Any]] = {}      # our name -> (JAX's key, what it names)
 _partitions: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 
 def adopt(op: Any) -> None:
-    """Retargets the custom call that JAX's ``custom_partitioning`` lowering just made (its
-    ``backend_config``: the key of the instance's callbacks) to this module's partitioner,
-    named by what it is. Anything else (the body lowered in place, as on one device) is left
+    """Retargets the custom call that JAX's ``custom_partitioning`` lowering just made to this
+    module's partitioner. Anything else (the body lowered in place, as on one device) is left
     alone."""
     op = op.operation if hasattr(op, "operation") else op
-    if op.name != "stablehlo.custom_call" or ir.StringAttr(
-            op.attributes["call_target_name"]).value != jax_cp._CUSTOM_PARTITIONING_CALL_NAME:
-        return
-    jax_key = ir.StringAttr(op.attributes["backend_config"]).value.encode()
-    info = jax_cp._sharding_callbacks[jax_key]
-    types = tuple(str(v.type) for v in op.operands) + tuple(str(r.type) for r in op.results)
-    what = (info.partition, info.static_args, info.mesh, tuple(info.module_context.platforms),
-            types)
-    name = hashlib.blake2b(repr(what[1:]).encode(), digest_size=16).hexdigest().encode()
-    with _lock:
-        known = _jax_keys.get(name)
-        if known is not None and known[1] != what:   # a repr shared by two calls: never
-            name += b"." + jax_key                   # mix them up
-        _jax_keys[name] = (jax_key, what)
-    op.attributes["call_target_name"] = ir.StringAttr.get(TARGET)
-    op.attributes["backend_config"] = ir.StringAttr.get(name.decode())
+    if op.name == "stablehlo.custom_call" and ir.StringAttr(
+            op.attributes["call_target_name"]).value == jax_cp._CUSTOM_PARTITIONING_CALL_NAME:
+        op.attributes["call_target_name"] = ir.StringAttr.get(TARGET)
 
 
 def _partition(arg_shapes, arg_shardings, result_shape, result_sharding, backend_string: bytes):
     """XLA's partition callback: JAX's, once per signature (see the module docstring)."""
-    jax_key = _jax_keys[bytes(backend_string)][0]
-    info = jax_cp._sharding_callbacks[jax_key]
-    call, where = info.static_args
+    info = jax_cp._sharding_callbacks[backend_string]
+    call = info.static_args[0]         # not `where` (below)
     signature = (info.partition, call, info.mesh, tuple(info.module_context.platforms),
                  jax_config.trace_context(), tuple(map(str, arg_shapes)),
                  tuple(map(repr, arg_shardings)), str(result_shape), repr(result_sharding))
@@ -91,7 +72,7 @@ def _partition(arg_shapes, arg_shardings, result_shape, result_sharding, backend
             return done
     before = native.lowered()
     done = jax_cp._custom_partitioning_partition(arg_shapes, arg_shardings, result_shape,
-                                                 result_sharding, jax_key)
+                                                 result_sharding, backend_string)
     if native.lowered() == before:     # no native call in it: `where` named its ops only
         with _lock:
             _partitions[signature] = done
@@ -100,22 +81,12 @@ def _partition(arg_shapes, arg_shardings, result_shape, result_sharding, backend
     return done
 
 
-def _propagate_user_sharding(user_sharding, shape, backend_string: bytes):
-    return jax_cp._custom_partitioning_propagate_user_sharding(
-        user_sharding, shape, _jax_keys[bytes(backend_string)][0])
-
-
-def _infer_sharding_from_operands(arg_shapes, arg_shardings, result_shape,
-                                  backend_string: bytes):
-    return jax_cp._custom_partitioning_infer_sharding_from_operands(
-        arg_shapes, arg_shardings, result_shape, _jax_keys[bytes(backend_string)][0])
-
-
 # Registered as JAX registers its own (for the CPU and every plugin backend).
 _register = functools.partial(
     xla_client.register_custom_call_partitioner, name=TARGET,
-    prop_user_sharding=_propagate_user_sharding, partition=_partition,
-    infer_sharding_from_operands=_infer_sharding_from_operands,
+    prop_user_sharding=jax_cp._custom_partitioning_propagate_user_sharding,
+    partition=_partition,
+    infer_sharding_from_operands=jax_cp._custom_partitioning_infer_sharding_from_operands,
     can_side_effecting_have_replicated_sharding=True)
 _register()
 xla_bridge.register_plugin_callbacks(_register)
