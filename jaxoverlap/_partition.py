@@ -36,7 +36,10 @@ XLA compiles the program. So does where the call is: the partitioner lowers each
 call in a module of its own, in which identical calls (the Q, K and V projections
 of one input) look alike; a native call there is named by the provenance of its w
 in the program's own module (``_native/site_key.py``), taken by the primitive that
-wraps the ``custom_partitioning`` one (``_located_p``) where it lowers.
+wraps the ``custom_partitioning`` one (``_located_p``) where it lowers. That primitive
+also hands the call to ``_partitioner``, whose partition callback makes a per-device module
+once per distinct call, where XLA would call back once per instance (a layer's calls in every
+block of a model).
 """
 
 from __future__ import annotations

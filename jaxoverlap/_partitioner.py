@@ -4,7 +4,8 @@ XLA's SPMD partitioner calls back into Python for every instance of a ``custom_p
 primitive, and JAX's callback (``jax/_src/custom_partitioning.py``,
 ``_custom_partitioning_partition``) runs the op's partition rule, traces the per-device
 function and lowers it into a module of its own, each time: a model of L layers pays L times
-for each of its layers' calls (9 ms an instance for ``xla``, 22 ms for ``ring``, on a CPU).
+for each of its layers' calls (5–6 ms of CPU time an instance for ``xla``, 12–16 ms for
+``ring``, with jax 0.12 on a CPU: docs/performance.md §9).
 
 The ops' calls (``_partition``) are retargeted here instead: their custom call names a
 partitioner of this module (:data:`TARGET`, registered with XLA as JAX registers its own),
