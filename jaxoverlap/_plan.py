@@ -553,7 +553,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
             tuple(c for c in _CHUNK_OPTIONS if rows_per_shard % c == 0)
             if chunks is None else (chunks,),
             (False, True) if bidirectional is None else (bidirectional,), algorithms,
-            fused_mode)
+            fused_mode, block_scaled=not native)  # native is left out for block scales only
     except (ValueError, OSError) as err:
         raise ValueError(f"{op}: the performance model (preset={preset!r}) failed: {err}") from err
 
@@ -561,11 +561,12 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
 @functools.lru_cache(maxsize=512)
 def _model_choice(op: str, shape: Any, dtype: str, n: int, preset: str, impls: tuple,
                   transports: tuple, chunks: tuple, bidirectional: tuple, algorithms: tuple,
-                  fused: str = "no"):
+                  fused: str = "no", block_scaled: bool = False):
     """The model's pick among the allowed plans (cached per call-site signature);
     ``algorithms``: matmul_ar's allowed algorithms; ``fused``: "no" (no fused plan), "allowed"
     (the fused plans too, where the preset's GPU runs them: ``sim.fused.why_not``) or "only"
-    (asked for: the fused plans only)."""
+    (asked for: the fused plans only); ``block_scaled``: fp8 operands with block scales, which
+    the xla and ring impls dequantize and multiply in float32 (the model prices that)."""
     from jaxoverlap import sim
 
     cands = [
@@ -582,7 +583,7 @@ def _model_choice(op: str, shape: Any, dtype: str, n: int, preset: str, impls: t
                          f"{sim.fused.why_not(p, op, transports[0] if transports else None)}")
     # impl="native" (or a transport, or fused) asked for: pick among the native plans only
     choice = sim.choose(op, shape, dtype, n, preset, cands, unfused="xla" in impls
-                        and fused != "only")
+                        and fused != "only", block_scaled=block_scaled)
     logger.debug("%s %s on %s, N=%d (model, not a measurement):\n%s", op, shape, preset, n,
                  choice.format())
     return choice.candidate

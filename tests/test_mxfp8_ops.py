@@ -220,8 +220,9 @@ def test_misuse_is_a_clear_error(kwargs, error, match):
 
 def test_auto_leaves_the_native_path_out(monkeypatch, caplog):
     """Where the h100 preset's model picks the native path for per-tensor fp8 (GEMM+RS, 8192³
-    over 8 ranks), block scales make it pick among xla and ring, saying why in the debug log;
-    fused=True is the native error."""
+    over 8 ranks), block scales make it pick among xla and ring, saying why in the debug log,
+    where the model says it priced their dequantize-then-multiply; fused=True is the native
+    error."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
     m = k = 8192
@@ -241,6 +242,9 @@ def test_auto_leaves_the_native_path_out(monkeypatch, caplog):
             assert "custom_call @jaxoverlap_" not in lowered(op, blocks)
         assert any(op.__name__ in r.message and "no native executor has a block-scaled GEMM"
                    in r.message for r in caplog.records)
+        # the model is told: it prices the xla and ring GEMMs as they dequantize (float32)
+        assert any("dequantizes its operands and multiplies in float32" in r.message
+                   for r in caplog.records)
     x, w = rand(0, (64, 64), E4), rand(1, (64, 64), E4)
     with jo.config(fused=True), pytest.raises(jo.NativeUnavailableError, match="fused=True"):
         _call(jo.matmul_rs, x, w, x_scale=jnp.ones((64, 2), E8), w_scale=jnp.ones((2, 64), E8))

@@ -235,22 +235,21 @@ Status ShmClique::WaitFor(const WaitContext& ctx, Pred pred, bool for_peers) {
         if (rank_state(r)->epoch.load() < ctx.epoch) missing |= uint64_t{1} << r;
       domain_->UpdateWait(ctx.rank, record, missing);
       std::vector<uint32_t> seen;
+      std::string waits;
       const std::vector<int32_t> ranks =
-          missing != 0 ? domain_->Stuck(ctx.rank, &seen) : std::vector<int32_t>();
+          missing != 0 ? domain_->Stuck(ctx.rank, &seen, &waits) : std::vector<int32_t>();
       if (ranks.empty() || seen != stamp) {
         stamp = ranks.empty() ? std::vector<uint32_t>() : seen;
         stuck_since = now;
       } else if (now - stuck_since >= settle) {
-        return Fail(Deadlock(ctx, ranks));
+        return Fail(Deadlock(ctx, waits));
       }
     }
     FutexWait(bell, seq, std::min<Clock::duration>(deadline - now, kPollSlice));
   }
 }
 
-Status ShmClique::Deadlock(const WaitContext& ctx, const std::vector<int32_t>& ranks) const {
-  std::string waits;
-  for (int32_t r : ranks) waits += (waits.empty() ? "" : "; ") + domain_->DescribeWaits(r);
+Status ShmClique::Deadlock(const WaitContext& ctx, const std::string& waits) const {
   return InvalidArgument(
       Where(ctx) +
       ": ranks wait for each other in calls that none of them can reach, which can never end "

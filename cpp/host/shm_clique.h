@@ -100,7 +100,8 @@ class ShmClique : public HostClique {
   // none of them can reach (ShmDomain::Stuck), unchanged for a while (at least a second).
   template <typename Pred>
   Status WaitFor(const WaitContext& ctx, Pred pred, bool for_peers = false);
-  Status Deadlock(const WaitContext& ctx, const std::vector<int32_t>& ranks) const;
+  // `waits`: the cycle's waits as ShmDomain::Stuck read them.
+  Status Deadlock(const WaitContext& ctx, const std::string& waits) const;
   std::atomic<int64_t>* Flag(int32_t owner, int64_t epoch, int32_t flag) const;
   std::byte* Parity(int32_t owner, int64_t epoch) const;  // base of owner's half for `epoch`
 

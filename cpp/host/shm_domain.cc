@@ -694,13 +694,24 @@ struct WaitsSeen {
   uint32_t seq = 0;
   bool stuck = false;  // waits somewhere, every wait for peers that have not started it
   uint64_t waits_for = 0;
+  std::string described;  // the waits as read, for the error (a peer may end them later)
 };
 
 }  // namespace
 
-std::vector<int32_t> ShmDomain::Stuck(int32_t rank, std::vector<uint32_t>* stamp) const {
+std::vector<int32_t> ShmDomain::Stuck(int32_t rank, std::vector<uint32_t>* stamp,
+                                      std::string* described) const {
   const int32_t n = nranks();
   if (n > 64) return {};  // the masks hold 64 ranks
+  // "rank 0 (process 0) waits in call 1 of site 0x... ('...') for rank(s) 1".
+  auto describe = [this](int32_t rank, const RankSlot::Wait& w) {
+    std::string peers;
+    for (int32_t r = 0; r < 64 && r < nranks(); ++r)
+      if (w.missing >> r & 1) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
+    return RankName(rank) + " waits in call " + std::to_string(w.epoch) + " of " +
+           SiteName(w.site) + " ('" + Text(w.signature, kSignatureBytes) + "') for rank(s) " +
+           peers;
+  };
   std::vector<WaitsSeen> seen(n);
   for (int32_t r = 0; r < n; ++r) {
     const RankSlot* slot = rank_slot(r);
@@ -717,6 +728,7 @@ std::vector<int32_t> ShmDomain::Stuck(int32_t rank, std::vector<uint32_t>* stamp
         ++waits;
         all_missing = all_missing && w.missing != 0;
         s.waits_for |= w.missing;
+        s.described += (s.described.empty() ? "" : "; ") + describe(r, w);
       }
       s.stuck = waits > 0 && all_missing;
       // A sequence lock's reader: the plain reads above happen before the
@@ -745,28 +757,15 @@ std::vector<int32_t> ShmDomain::Stuck(int32_t rank, std::vector<uint32_t>* stamp
   if (!(stuck >> rank & 1)) return {};
   std::vector<int32_t> ranks;
   stamp->clear();
+  described->clear();
   for (int32_t r = 0; r < n; ++r)
     if (stuck >> r & 1) {
       ranks.push_back(r);
       stamp->push_back(static_cast<uint32_t>(r));  // which ranks, and each one's record
       stamp->push_back(seen[r].seq);
+      *described += (described->empty() ? "" : "; ") + seen[r].described;
     }
   return ranks;
-}
-
-std::string ShmDomain::DescribeWaits(int32_t rank) const {
-  const RankSlot* slot = rank_slot(rank);
-  std::string out;
-  for (const RankSlot::Wait& w : slot->waits) {
-    if (w.site == 0) continue;
-    std::string peers;
-    for (int32_t r = 0; r < 64 && r < nranks(); ++r)
-      if (w.missing >> r & 1) peers += (peers.empty() ? "" : ", ") + std::to_string(r);
-    out += (out.empty() ? "" : "; ") + RankName(rank) + " waits in call " +
-           std::to_string(w.epoch) + " of " + SiteName(w.site) + " ('" +
-           Text(w.signature, kSignatureBytes) + "') for rank(s) " + peers;
-  }
-  return out;
 }
 
 namespace {

@@ -143,10 +143,12 @@ class ShmDomain {
   // not started that call and waits too (each in a call another has not
   // started: a cycle of waits that can never end). Empty if there is none.
   // `stamp` gets which ranks and what their waits were then (the check repeats until it
-  // is the same for a while: peers that merely run late change it).
-  std::vector<int32_t> Stuck(int32_t rank, std::vector<uint32_t>* stamp) const;
-  // "rank 0 (process 0) waits in call 1 of site 0x... ('...') for rank(s) 1".
-  std::string DescribeWaits(int32_t rank) const;
+  // is the same for a while: peers that merely run late change it), `described` those
+  // waits as read then ("rank 0 (process 0) waits in call 1 of site 0x... ('...') for
+  // rank(s) 1; ..."): the error names them all, though a peer that gave up first has
+  // cleared its own by the time the error is written.
+  std::vector<int32_t> Stuck(int32_t rank, std::vector<uint32_t>* stamp,
+                             std::string* described) const;
   static constexpr int32_t kMaxWaits = 4;  // waits per rank at once that the check sees
 
   static constexpr int32_t kDefaultCapacity = 4096;

@@ -42,12 +42,19 @@ def _check(ranges: dict[str, tuple[float, float]], key: str, value: float, what:
     return []
 
 
-def low_precision(p: Preset, dtype: str, block_scaled: bool = False) -> list[str]:
+def low_precision(p: Preset, dtype: str, block_scaled: bool = False,
+                  dequantized: bool = False) -> list[str]:
     """What is measured and what extrapolated in a projection with ``dtype`` operands other
     than 16-bit ([] for 16-bit): the GEMM alone (fitted to that class's published GEMMs, or the
-    16-bit fit at the class's peak) and the call (no published FP8 serial or fused call)."""
+    16-bit fit at the class's peak) and the call (no published FP8 serial or fused call).
+    ``dequantized``: block-scaled operands as the xla and ring impls multiply them, dequantized
+    to float32 (``model.dequantized_gemm_time``)."""
     if canonical_dtype(dtype) not in FP8_DTYPES:
         return []
+    if dequantized:
+        return ["block-scaled fp8 (MXFP8) on the xla and ring impls: each GEMM dequantizes its "
+                "operands and multiplies in float32, priced as a TF32 GEMM (the 16-bit fit at "
+                "the float32 peak) after a memory pass; no published call of that kind"]
     cls = gemm_class(dtype, block_scaled)
     if p.gemm_fit(cls).measured:
         gemm = (f"{cls} GEMM alone measured (fitted to published {cls} GEMMs on this GPU: the "
@@ -59,13 +66,16 @@ def low_precision(p: Preset, dtype: str, block_scaled: bool = False) -> list[str
             "call: the BF16 mechanisms with the bytes and GEMM of fp8 operands)"]
 
 
-def outside_calibrated(p: Preset, op: str, shape: Shape, dtype: str, nranks: int) -> list[str]:
-    """Why this call's projection is outside the preset's calibrated range ([] = inside)."""
+def outside_calibrated(p: Preset, op: str, shape: Shape, dtype: str, nranks: int,
+                       block_scaled: bool = False) -> list[str]:
+    """Why this call's projection is outside the preset's calibrated range ([] = inside);
+    ``block_scaled``: fp8 operands with block scales, dequantized by the xla and ring impls."""
     if not p.calibrated:
         return [f"preset {p.name!r} has no published or measured point: every number is "
                 "extrapolated from its sources"]
     flop = 2.0 * shape.batch * nranks * shape.rows * shape.n * shape.k
     nbytes = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
-    return low_precision(p, dtype) + (_check(p.calibrated, "gemm_flop", flop, "GEMM", "FLOP")
+    return (low_precision(p, dtype, dequantized=block_scaled)
+            + _check(p.calibrated, "gemm_flop", flop, "GEMM", "FLOP")
             + _check(p.calibrated, "collective_bytes", nbytes, "collective", "bytes")
             + _check(p.calibrated, op, flop, f"fused {op}", "FLOP"))

@@ -100,9 +100,12 @@ class _Activity:
 
 
 class _Engine:
-    def __init__(self, programs: Sequence[Program], preset: Preset, gemm_extra_passes: int = 0):
+    def __init__(self, programs: Sequence[Program], preset: Preset, gemm_extra_passes: int = 0,
+                 block_scaled: bool = False):
         self.p = preset
         self.extra = gemm_extra_passes
+        self.block_scaled = block_scaled
+        self.dequantized_w: set[int] = set()  # ranks whose float32 copy of w is made
         self.n = len(programs)
         if [pr["rank"] for pr in programs] != list(range(self.n)):
             raise SimulationError("programs must be ranks 0..N-1 of one call, in order")
@@ -276,9 +279,14 @@ class _Engine:
         dtype = self.programs[r]["dtype"]
         if kind == "Gemm":
             shape = (dtype, op["batch"], op["m"], op["n"], op["k"], bool(op.get("accumulate")))
-            t = self.gemm_times.get(shape)
-            if t is None:
-                t = self.gemm_times[shape] = model.gemm_time(p, *shape)
+            if self.block_scaled:  # dequantize, then multiply in float32; w once per rank
+                t = model.dequantized_gemm_time(p, *shape[1:],
+                                                dequantize_w=r not in self.dequantized_w)
+                self.dequantized_w.add(r)
+            else:
+                t = self.gemm_times.get(shape)
+                if t is None:
+                    t = self.gemm_times[shape] = model.gemm_time(p, *shape)
             if self.extra:
                 t += model.elementwise_time(p, op["bytes"], self.extra)
             self.add(_Activity(t, done, rank=r))
@@ -570,13 +578,15 @@ class _FusedGemm:
 
 
 def simulate_programs(programs: Sequence[Program], preset: Preset,
-                      gemm_extra_passes: int = 0) -> Timeline:
+                      gemm_extra_passes: int = 0, block_scaled: bool = False) -> Timeline:
     """Simulates one call given every rank's program (rank order); raises on deadlock.
 
-    ``gemm_extra_passes``: extra HBM passes over each GEMM's output (impl="ring").
+    ``gemm_extra_passes``: extra HBM passes over each GEMM's output (impl="ring");
+    ``block_scaled``: the fp8 operands carry block scales, and each GEMM is the ring's
+    dequantize-then-multiply (``model.dequantized_gemm_time``).
     """
     with _cyclic_gc_paused():
-        return _Engine(programs, preset, gemm_extra_passes).run()
+        return _Engine(programs, preset, gemm_extra_passes, block_scaled).run()
 
 
 @contextlib.contextmanager

@@ -207,6 +207,28 @@ def gemm_time(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
     return gemm_plan(p, dtype, batch, m, n, k, accumulate, block_scaled=block_scaled)[0]
 
 
+def dequantized_gemm_time(p: Preset, batch: int, m: int, n: int, k: int,
+                          accumulate: bool = False, dequantize_w: bool = True) -> float:
+    """Seconds for d = a @ w of block-scaled fp8 operands (MXFP8: 1x32 e8m0 scales) as the
+    ``xla`` and ``ring`` impls compute it: not a block-scaled GEMM but their reference
+    (``_xla.block_product``), each operand dequantized to float32 (its fp8 elements and scales
+    read, float32 written), a float32 dot (TF32 at JAX's default matmul precision: the preset's
+    float32 peak with the 16-bit fit, A and W read at four bytes), its float32 product rounded
+    to the output dtype (bfloat16: four bytes read, two written). The dequantization and the
+    rounding are priced as one memory-bound pass, as written; XLA may fuse them into the dot's
+    operand loads and epilogue, which saves that pass (about a tenth of the dot's time at the
+    standard shapes). ``dequantize_w`` False: w's float32 copy is already made (the ring's
+    steps dequantize the same w with the same scales; XLA's common-subexpression elimination,
+    openxla/xla ``xla/service/hlo_cse.cc``, computes it once per call)."""
+    if batch * m * n * k == 0:
+        return 0.0
+    elements = batch * m * k + (k * n if dequantize_w else 0)
+    nbytes = (elements * (1 + 4) + elements // 32  # fp8 and e8m0 scales read, float32 written
+              + batch * m * n * (4 + 2))           # the float32 product read, bfloat16 written
+    return (gemm_time(p, "float32", batch, m, n, k, accumulate)
+            + elementwise_time(p, nbytes, 1))
+
+
 def elementwise_time(p: Preset, nbytes: int, passes: int) -> float:
     """A memory-bound kernel touching ``passes`` x ``nbytes`` of HBM (Add: 3, local copy: 2)."""
     return passes * nbytes / (p.hbm_gbps * 1e9) + p.gemm_overhead_us * US

@@ -19,6 +19,7 @@ from jaxoverlap.sim.confidence import outside_calibrated
 from jaxoverlap.sim.engine import COMPUTE_KINDS, Span, simulate_programs
 from jaxoverlap.sim.model import Shape
 from jaxoverlap.sim.presets import (
+    FP8_DTYPES,
     Preset,
     canonical_dtype,
     load_preset,
@@ -180,25 +181,38 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
 
 
 def baseline_times(op: str, shape: Shape, dtype: str, nranks: int,
-                   preset: Preset, transport: str = "nccl") -> tuple[float, float]:
-    """(T_gemm of the whole unchunked GEMM, T_comm of the standalone collective)."""
+                   preset: Preset, transport: str = "nccl",
+                   block_scaled: bool = False) -> tuple[float, float]:
+    """(T_gemm of the whole unchunked GEMM, T_comm of the standalone collective);
+    ``block_scaled``: the GEMM is the xla impl's dequantize-then-multiply."""
     # AG: gathered rows; RS: full rows of the local x; AR: all rows
     m = shape.rows if _kinds.op(op).rows == "all" else nranks * shape.rows
-    t_gemm = model.gemm_time(preset, dtype, shape.batch, m, shape.n, shape.k)
+    t_gemm = (model.dequantized_gemm_time(preset, shape.batch, m, shape.n, shape.k)
+              if block_scaled else model.gemm_time(preset, dtype, shape.batch, m, shape.n,
+                                                   shape.k))
     s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
     return t_gemm, model.collective_time(preset, transport, nranks, s, op)
 
 
 def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
-             candidate: Candidate | None = None, return_gathered: bool = False) -> SimResult:
-    """Projects one call of ``candidate`` (default: native nccl, 1 chunk) on ``preset``."""
+             candidate: Candidate | None = None, return_gathered: bool = False,
+             block_scaled: bool = False) -> SimResult:
+    """Projects one call of ``candidate`` (default: native nccl, 1 chunk) on ``preset``.
+
+    ``block_scaled``: the fp8 operands carry 1x32 block scales (MXFP8), which only the xla and
+    ring impls take; their GEMMs dequantize and multiply in float32
+    (``model.dequantized_gemm_time``), their transfers move what the fp8 call moves."""
     if op not in OPS:
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
     p = load_preset(preset)
     p.check_group(nranks)
     dtype = canonical_dtype(dtype)
     c = candidate or Candidate()
-    t_gemm, t_comm_xla = baseline_times(op, shape, dtype, nranks, p)
+    if block_scaled and (dtype not in FP8_DTYPES or c.impl == "native"):
+        raise ValueError(f"block_scaled: block scales are for fp8 operands on the xla and ring "
+                         f"impls (no native executor takes them); got dtype {dtype!r}, "
+                         f"candidate {c.label!r}")
+    t_gemm, t_comm_xla = baseline_times(op, shape, dtype, nranks, p, block_scaled=block_scaled)
     s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
     if c.impl == "xla":
         return SimResult(op, shape, dtype, nranks, p.name, c, t_gemm + t_comm_xla, t_gemm,
@@ -213,7 +227,7 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     ranks = programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
                      return_gathered, c.algorithm, c.fused)
     extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
-    timeline = simulate_programs(ranks, p, gemm_extra_passes=extra)
+    timeline = simulate_programs(ranks, p, gemm_extra_passes=extra, block_scaled=block_scaled)
     _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
     gemms: dict[tuple[int, ...], float] = {}  # the ranks' GEMMs share shapes: priced once
 
@@ -227,11 +241,21 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
         shape = (o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
         t = gemms.get(shape)
         if t is None:
-            t = gemms[shape] = model.gemm_time(p, dtype, *shape)
+            t = gemms[shape] = (model.dequantized_gemm_time(p, *shape, dequantize_w=False)
+                                if block_scaled else model.gemm_time(p, dtype, *shape))
         return t + (model.elementwise_time(p, o["bytes"], extra) if extra else 0.0)
 
-    t_compute = max(sum(alone(o) for o in pr["ops"] if o["kind"] in COMPUTE_KINDS)
-                    for pr in ranks)
+    def rank_alone(pr: dict) -> float:
+        gemm = [o for o in pr["ops"] if o["kind"] == "Gemm"]
+        w_once = 0.0  # block scales: the rank's first GEMM also dequantizes w (the engine's)
+        if block_scaled and gemm:
+            o = gemm[0]
+            args = (o["batch"], o["m"], o["n"], o["k"], bool(o["accumulate"]))
+            w_once = (model.dequantized_gemm_time(p, *args)
+                      - model.dequantized_gemm_time(p, *args, dequantize_w=False))
+        return w_once + sum(alone(o) for o in pr["ops"] if o["kind"] in COMPUTE_KINDS)
+
+    t_compute = max(rank_alone(pr) for pr in ranks)
     return SimResult(op, shape, dtype, nranks, p.name, c, timeline.total, t_gemm, t_comm,
                      t_comm_xla, t_compute, model.collective_floor(p, transport, nranks, s, op),
                      timeline.spans, max(pr["num_streams"] for pr in ranks))
@@ -340,7 +364,7 @@ class Choice:
 
 def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
            cands: Sequence[Candidate] | None = None, min_gain: float | None = None,
-           unfused: bool = True) -> Choice:
+           unfused: bool = True, block_scaled: bool = False) -> Choice:
     """Predicts each candidate and picks the fastest.
 
     The unfused ``xla`` path is always among the candidates and wins unless a
@@ -350,16 +374,20 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     ``sim.published.fallback_margins``): never slower by choice. Ties keep the earlier
     (simpler) candidate. ``unfused=False``: the caller
     has fixed a fused impl, so the fastest of ``cands`` is picked (the xla path is
-    still simulated, for the log, but never picked).
+    still simulated, for the log, but never picked). ``block_scaled``: fp8 operands with
+    block scales (MXFP8), which only the xla and ring impls take (``simulate``); by default
+    their plans are the candidates.
     """
     p = load_preset(preset)
     cands = (list(cands) if cands is not None
-             else candidates(p, nranks, shape, op=op, dtype=dtype))
+             else candidates(p, nranks, shape, op=op, dtype=dtype,
+                             impls=("xla", "ring") if block_scaled else IMPLS))
     if not any(c.impl == "xla" for c in cands):
         cands.insert(0, Candidate("xla", None))
-    table = [simulate(op, shape, dtype, nranks, p, c) for c in cands]
+    table = [simulate(op, shape, dtype, nranks, p, c, block_scaled=block_scaled)
+             for c in cands]
     xla = next(r for r in table if r.candidate.impl == "xla")
-    outside = outside_calibrated(p, op, shape, dtype, nranks)
+    outside = outside_calibrated(p, op, shape, dtype, nranks, block_scaled)
     if not unfused:
         fused = [r for r in table if r.candidate.impl != "xla"]
         if not fused:

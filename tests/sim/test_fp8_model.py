@@ -99,3 +99,33 @@ def test_fp8_projections_are_marked_and_fused_in_both_ops():
     assert {r["case"] for r in rows} == {"AG std fp8", "RS std fp8", "AG flux fp8",
                                          "RS flux fp8"}
     assert all(r["published"].startswith("—") for r in rows)
+
+
+def test_block_scaled_calls_are_priced_as_the_xla_and_ring_impls_compute_them():
+    """Block-scaled fp8 (MXFP8) runs on xla and ring only, each GEMM dequantizing its operands
+    to float32 and multiplying in float32 (``_xla.block_product``): at TF32, the preset's float32
+    peak, a quarter of the FP8 peak on H100 (datasheet: 494.7 vs 1979 TFLOP/s), not the FP8
+    GEMM's rate; the gathered bytes stay fp8's. A native plan of such a call is refused."""
+    fp8 = sim.simulate("ag_matmul", AG, "float8_e4m3fn", 8, H100, sim.Candidate("xla", None))
+    blocks = sim.simulate("ag_matmul", AG, "float8_e4m3fn", 8, H100, sim.Candidate("xla", None),
+                          block_scaled=True)
+    tf32 = model.gemm_time(H100, "float32", 1, 8192, 3584, 8192)
+    assert blocks.t_gemm > tf32 > 3.5 * fp8.t_gemm
+    assert blocks.t_comm_xla == fp8.t_comm_xla
+    # the dequantization: a memory pass over the fp8 operands read and their float32 copies
+    # written (w's once: the ring's steps share it), the float32 product rounded to bfloat16
+    once = model.dequantized_gemm_time(H100, 1, 1024, 3584, 8192)
+    again = model.dequantized_gemm_time(H100, 1, 1024, 3584, 8192, dequantize_w=False)
+    w_bytes = 8192 * 3584 * (1 + 4) + 8192 * 3584 // 32
+    assert once - again == pytest.approx(w_bytes / (H100.hbm_gbps * 1e9), rel=1e-6)
+    ring = sim.simulate("ag_matmul", AG, "fp8", 8, H100, sim.Candidate("ring", None, 1, True),
+                        block_scaled=True)
+    assert ring.t_compute > blocks.t_gemm  # eight float32 GEMMs of 1024 rows, one w copy
+    choice = sim.choose("ag_matmul", AG, "fp8", 8, H100, block_scaled=True)
+    assert {r.candidate.impl for r in choice.table} == {"xla", "ring"}
+    assert any("dequantizes its operands and multiplies in float32" in why
+               for why in choice.outside)
+    for dtype, c in (("fp8", sim.Candidate("native", "p2p", 1, True)),
+                     ("bfloat16", sim.Candidate("xla", None))):
+        with pytest.raises(ValueError, match="block_scaled: block scales are for fp8 operands"):
+            sim.simulate("ag_matmul", AG, dtype, 8, H100, c, block_scaled=True)
