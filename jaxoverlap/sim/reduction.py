@@ -18,6 +18,11 @@ parts, each priced here from its own source:
   (``model.compute_rate``, as for every compute op next to transfers);
 * **the tail**: after the GEMM's last tile, one block's transfer and reduction
   (``tail_time``), not the whole output's.
+
+Two published designs are priced from these parts, as projections of *their* mechanisms (not
+our programs; ``sim.published`` compares their rows with them): ``overlapped``, the copy-engine
+GEMM+RS of Triton-distributed and kraken, and ``pulled``, Flux's Hopper GEMM+RS, whose GEMM
+kernel's own warps pull the peers' tiles and whose sum runs after it in ATen.
 """
 
 from __future__ import annotations
