@@ -99,7 +99,9 @@ def _model(args: argparse.Namespace) -> int:
     if overlapped:
         print(f"\nGEMM + reduce-scatter as the copy-engine designs run it (Triton-distributed, "
               f"kraken: docs/performance.md §2.8; a check of the parts our overlapped program "
-              f"is priced with, not a plan the chooser picks):\n"
+              f"is priced with, not a plan the chooser picks), and under each case Flux's "
+              f"Hopper design by its mechanism (§2.8, the program §4 compares Flux's rows "
+              f"with):\n"
               f"{sim.format_overlapped_table(overlapped)}")
     fp8_rows = sim.projection_table([preset], sim.FP8_CASES)
     print(f"\nFP8 (e4m3 operands, bfloat16 output; the GEMM at its FP8 fit, AG moves one byte "

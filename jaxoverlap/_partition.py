@@ -36,7 +36,10 @@ XLA compiles the program. So does where the call is: the partitioner lowers each
 call in a module of its own, in which identical calls (the Q, K and V projections
 of one input) look alike; a native call there is named by the provenance of its w
 in the program's own module (``_native/site_key.py``), taken by the primitive that
-wraps the ``custom_partitioning`` one (``_located_p``) where it lowers.
+wraps the ``custom_partitioning`` one (``_located_p``) where it lowers. That primitive
+also hands the call to ``_partitioner``, whose partition callback makes a per-device module
+once per distinct call, where XLA would call back once per instance (a layer's calls in every
+block of a model).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxoverlap import _partitioner
 from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import (
     AG,
@@ -181,8 +185,11 @@ def _located_abstract_eval(*avals, call: Call, backward: bool):
 def _located_lowering(ctx, *args, call: Call, backward: bool):
     where = provenance(ctx, args[1:2]).hex()
     primitive = _backward if backward else _primitive
-    return mlir.lower_fun(lambda *a: primitive(call, where, *a), multiple_results=True)(
+    outs = mlir.lower_fun(lambda *a: primitive(call, where, *a), multiple_results=True)(
         ctx, *args)
+    # One partitioning per distinct call, not per instance (_partitioner).
+    _partitioner.adopt(outs[0].owner)
+    return outs
 
 
 _located_p.def_abstract_eval(_located_abstract_eval)

@@ -111,8 +111,19 @@ def _lowering_mesh(ctx, axis_name: str, platform: str):
     return mesh
 
 
+_lowered = 0  # native calls this process has lowered (lowered())
+
+
+def lowered() -> int:
+    """How many native calls this process has lowered: a global-array call's per-device
+    function that lowered one lowers again at every instance (``_partitioner``)."""
+    return _lowered
+
+
 def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered: bool):
     del return_gathered  # the results say it
+    global _lowered
+    _lowered += 1
     platforms = tuple(ctx.module_context.platforms)
     if len(platforms) != 1:
         raise ValueError(f"jaxoverlap native ops lower for one platform at a time, got "

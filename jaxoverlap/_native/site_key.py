@@ -336,8 +336,8 @@ def _attributes(op: Any) -> str:
     for i in range(len(attributes)):
         named = attributes[i]          # a NamedAttribute (iteration gives names or pairs)
         name, attr = named.name, named.attr
-        if name == "backend_config" and target == "CustomSPMDPartitioning":
-            continue  # the id of a per-process Python object
+        if name == "backend_config" and target.startswith("CustomSPMDPartitioning"):
+            continue  # the id of a per-process Python object (JAX's target or _partitioner's)
         if target.startswith("jaxoverlap") and name == "mhlo.backend_config":
             config = ir.DictAttr(attr)  # what the call computes: not its site key or timeout
             parts.extend(f"{config[i].name}={config[i].attr}" for i in range(len(config))

@@ -129,7 +129,8 @@ SM100_FUSED_GEMM_RATE = SM100_PERSISTENT_UTILIZATION / SM100_CUBLAS_UTILIZATION
 # The chooser's margins per program family (sim.published.fallback_margins, sim.families): the
 # model's worst serial error (8.1%), and its worst optimism on the published designs that check
 # each family on that machine (a published loss counted as no gain), rounded up. On the h100:
-# release-only fused GEMM+RS against Flux's losses (18%), the overlapped GEMM+RS against
+# release-only fused GEMM+RS against Flux's losses, Flux's design priced by its own mechanism
+# (12.3%: F8/1024, sim.reduction.pulled), the overlapped GEMM+RS against
 # Triton-distributed's and kraken's copy-engine GEMM+RS, whose parts it is built from (12.5%:
 # TDH-s4); the one-launch all-reduces against the published kernels of their mechanism, each
 # priced by its own: one-shot over p2p against vLLM's one-stage and sglang's one-shot (25.1%),
@@ -138,7 +139,7 @@ SM100_FUSED_GEMM_RATE = SM100_PERSISTENT_UTILIZATION / SM100_CUBLAS_UTILIZATION
 # runs 2.95x what its mechanism prices, the two-shot p2p family's). On the h800 the overlapped
 # GEMM+RS against Triton-distributed's chart (23.4%), and so every family without a comparison.
 _H100_MARGINS = {"ag_matmul:chunked": 0.081, "ag_matmul:fused": 0.081,
-                 "matmul_rs:chunked": 0.081, "matmul_rs:fused": 0.18,
+                 "matmul_rs:chunked": 0.081, "matmul_rs:fused": 0.123,
                  "matmul_rs:overlapped": 0.125, "matmul_ar:one_launch:one_shot:p2p": 0.251,
                  "matmul_ar:one_launch:two_shot:multicast": 0.16}
 _H100_LARGEST = 0.662

@@ -18,6 +18,11 @@ parts, each priced here from its own source:
   (``model.compute_rate``, as for every compute op next to transfers);
 * **the tail**: after the GEMM's last tile, one block's transfer and reduction
   (``tail_time``), not the whole output's.
+
+Two published designs are priced from these parts, as projections of *their* mechanisms (not
+our programs; ``sim.published`` compares their rows with them): ``overlapped``, the copy-engine
+GEMM+RS of Triton-distributed and kraken, and ``pulled``, Flux's Hopper GEMM+RS, whose GEMM
+kernel's own warps pull the peers' tiles and whose sum runs after it in ATen.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxoverlap.sim import model
+from jaxoverlap.sim import fused, model
 from jaxoverlap.sim.presets import Preset, dtype_bytes, output_dtype
 
 US = 1e-6
@@ -172,3 +177,64 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
                 best = Overlapped(t, s, c, gemm, copies, reductions, tail)
     assert best is not None
     return best
+
+
+# ATen's reduction of stacked partials (``torch.sum`` over [N, M/N, cols]) reaches 23-43% of
+# HBM peak on these shapes, a dedicated Triton kernel 82-88% at the same traffic: ATen's
+# reduce_kernel is instruction-bound for an extent of 2-8 (pytorch/pytorch PR #191803). The
+# projection takes the middle of the published range; the ends bound it.
+STACKED_SUM_HBM = (0.23, 0.43)
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A projection of Flux's Hopper GEMM+RS (``pulled``): its parts, in seconds."""
+
+    seconds: float
+    gemm: float  # the persistent GEMM on every SM, slowed by the pulled bytes beside it
+    pulls: float  # the N - 1 peers' tiles of the own block over the links
+    last: float  # exposed after the GEMM: the last wave's pulls
+    barrier: float  # the barrier before the sum (one flag round)
+    sum: float  # the separate stacked sum of the N partials of the own block
+
+
+def pulled(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: int,
+           sum_efficiency: float | None = None) -> Pulled:
+    """A projection (of a published design, not of our programs: label it so) of Flux's
+    Hopper GEMM+RS with ``fuse_reduction=False`` (bytedance/flux @19831ca,
+    ``src/gemm_rs/sm90_gemm_tma_warpspecialized_cooperative_reduce_scatter.hpp``,
+    ``sm90_reduce_scatter_utils.hpp``, ``ths_op/gemm_reduce_scatter.cc``):
+
+    * a CUTLASS cooperative persistent GEMM on every SM (at ``fused_gemm_rate``) whose
+      producer warp group carries a fetch warp and a reduce warp: for each tile a CTA computes,
+      the fetch warp waits on the source rank's flag of the same tile of *this* rank's rows and
+      TMA-loads it from that peer, the reduce warp copies it into a local reduce buffer
+      [M, cols]. The M blocks are XOR-swizzled by rank (``tile_mappings.hpp``), so the peer
+      computes that tile at the same time: each pull waits about one tile, the pulls (N - 1
+      blocks over the links) run beside the GEMM and only the last wave's are exposed;
+    * their bytes slow the GEMM (``model.compute_rate``): the whole partial read by its owners'
+      fetches and the whole reduce buffer written, 2 x the output through this GPU's HBM;
+    * after the kernel a barrier (one flag round) and a separate ATen ``buffer.sum(0)`` over
+      [N, M/N, cols]: N reads and one write of the block at ``sum_efficiency`` of HBM
+      (``STACKED_SUM_HBM``; None: the middle of the published range), plus a kernel's start.
+
+    Nothing here is fitted to Flux's published times."""
+    p.check_group(nranks)
+    if m % nranks:
+        raise ValueError(f"m={m}: the reduce-scatter splits the rows into {nranks} blocks")
+    lo, hi = STACKED_SUM_HBM
+    eff = (lo + hi) / 2 if sum_efficiency is None else sum_efficiency
+    if not 0 < eff <= 1:
+        raise ValueError(f"sum_efficiency: expected a fraction of HBM in (0, 1], got {eff}")
+    out = batch * m * n * dtype_bytes(output_dtype(dtype))
+    block = out / nranks
+    alone = fused.kernel_busy(p, dtype, batch, m, n, k) / p.fused_gemm_rate
+    gemm = alone / model.compute_rate(p, 0, 2 * out / max(alone, 1e-12))
+    link = (p.p2p_load_gbps or p.link_gbps) * 1e9
+    pulls = (nranks - 1) * block / link
+    tm, tn = fused.kernel_tile(p, dtype)
+    last = min(p.sms * tm * tn * dtype_bytes(output_dtype(dtype)), block) / link
+    barrier = p.signal_latency_us * US
+    total_sum = (nranks + 1) * block / (eff * p.hbm_gbps * 1e9) + p.ar_start_us * US
+    t = p.gemm_overhead_us * US + max(gemm, pulls) + last + barrier + total_sum
+    return Pulled(t, gemm, pulls, last, barrier, total_sum)

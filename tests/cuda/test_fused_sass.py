@@ -52,6 +52,8 @@ import pytest
 
 from .test_multimem import _cuobjdump, _dump, _sections
 
+pytestmark = pytest.mark.jax_independent  # the built binary read back: no JAX
+
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = "FlagWaitMainloop"  # in the mangled name of every fused kernel
 

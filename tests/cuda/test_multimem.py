@@ -30,6 +30,8 @@ import pytest
 from .conftest import REQUIRED
 from .fake_cases import check, run_case
 
+pytestmark = pytest.mark.jax_independent  # the built binary read back, the fake: no JAX
+
 
 def _cuobjdump() -> str:
     try:
