@@ -12,8 +12,12 @@ partitioner of this module (:data:`TARGET`, registered with XLA as JAX registers
 which hands an instance to JAX's callback once per distinct signature — the primitive
 (forward or backward pass) and its call, the mesh, the platform, JAX's trace-time settings,
 and the shapes and shardings of the operands and results that propagation chose — and gives
-every later instance of that signature the module and shardings the first one got. XLA still
-converts and inlines a module per instance; the Python work is done once per signature.
+every later instance of that signature in the same program the module and shardings the first
+one got. XLA still converts and inlines a module per instance; the Python work is done once
+per signature. Only within one program (one lowering's module context): another program
+partitions its calls afresh, so nothing a process changes between two compilations (the
+per-device function's code included) can reach it through a module made for the other. The
+last program's context is held until the next one comes (its identity is the key).
 
 A per-device function that lowers a native call is never shared: each native call is named
 and registered where it lowers (``_native/site_key.py``, docs/native.md §4), so every instance
@@ -27,7 +31,6 @@ it, as before: a native call's group is set up where it lowers (docs/multiproces
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 from typing import Any
@@ -43,10 +46,9 @@ from jaxoverlap._native import primitive as native
 # JAX's target name, suffixed: a reader (or a tool) of the lowered program still sees a
 # custom-partitioned call.
 TARGET = jax_cp._CUSTOM_PARTITIONING_CALL_NAME + "_jaxoverlap"
-_SIGNATURES = 1024          # partitions kept (a model has a few dozen distinct calls)
-
 _lock = threading.Lock()
-_partitions: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_program: Any = None                 # the module context of the program _partitions serves
+_partitions: dict[Any, Any] = {}     # its partitions by signature
 
 
 def adopt(op: Any) -> None:
@@ -60,25 +62,26 @@ def adopt(op: Any) -> None:
 
 
 def _partition(arg_shapes, arg_shardings, result_shape, result_sharding, backend_string: bytes):
-    """XLA's partition callback: JAX's, once per signature (see the module docstring)."""
+    """XLA's partition callback: JAX's, once per signature of a program (module docstring)."""
+    global _program, _partitions
     info = jax_cp._sharding_callbacks[backend_string]
     call = info.static_args[0]         # not `where` (below)
     signature = (info.partition, call, info.mesh, tuple(info.module_context.platforms),
                  jax_config.trace_context(), tuple(map(str, arg_shapes)),
                  tuple(map(repr, arg_shardings)), str(result_shape), repr(result_sharding))
+    program = info.module_context      # one lowering's: the program these instances are of
     with _lock:
-        done = _partitions.get(signature)
-        if done is not None:
-            _partitions.move_to_end(signature)
-            return done
+        done = _partitions.get(signature) if program is _program else None
+    if done is not None:
+        return done
     before = native.lowered()
     done = jax_cp._custom_partitioning_partition(arg_shapes, arg_shardings, result_shape,
                                                  result_sharding, backend_string)
     if native.lowered() == before:     # no native call in it: `where` named its ops only
         with _lock:
+            if program is not _program:  # another program's instances: start afresh
+                _program, _partitions = program, {}
             _partitions[signature] = done
-            while len(_partitions) > _SIGNATURES:
-                _partitions.popitem(last=False)
     return done
 
 
