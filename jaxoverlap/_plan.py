@@ -210,7 +210,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
         _say_fp8_dequantized(r.op)
     picked = _model_pick(r.op, x, w, n, r.axis, rows, impl, forced_native, transport, chunks,
                          bidirectional, settings.preset, algorithms, fused, r.out_dtype,
-                         native=not r.block_scaled)
+                         block_scaled=r.block_scaled)
     if picked is not None:
         impl = picked.impl
         chunks = picked.chunks if chunks is None else chunks
@@ -512,13 +512,15 @@ def canonical_shape(op: str, x_shape: tuple, w_shape: tuple, axis: int, n: int):
 
 
 def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transport, chunks,
-                bidirectional, preset, algorithms, fused, out_dtype=None, native: bool = True):
+                bidirectional, preset, algorithms, fused, out_dtype=None,
+                block_scaled: bool = False):
     """The performance model's candidate for what the caller left open, or None.
 
     None means no model applies (no preset: host devices by default) or nothing
     is left open; the simple defaults then hold. ``fused``: True, the fused plans only;
-    False, none; None, wherever the executor runs them. ``native``: False leaves the native
-    plans out (block scales, :data:`BLOCK_SCALED_REASON`).
+    False, none; None, wherever the executor runs them. ``block_scaled``: fp8 operands with
+    block scales, which no native plan takes (:data:`BLOCK_SCALED_REASON`) and the model prices
+    as the xla and ring impls compute them.
     """
     mesh = jax.sharding.get_abstract_mesh()
     device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
@@ -528,7 +530,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
         return None                      # xla/ring asked for: nothing for the model to pick
     dtype = gemm_dtype(x, w)
-    native_ok = native and native_reason(x.dtype, w.dtype) is None
+    native_ok = not block_scaled and native_reason(x.dtype, w.dtype) is None
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error
     if forced_native:
@@ -553,7 +555,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
             tuple(c for c in _CHUNK_OPTIONS if rows_per_shard % c == 0)
             if chunks is None else (chunks,),
             (False, True) if bidirectional is None else (bidirectional,), algorithms,
-            fused_mode, block_scaled=not native)  # native is left out for block scales only
+            fused_mode, block_scaled=block_scaled)
     except (ValueError, OSError) as err:
         raise ValueError(f"{op}: the performance model (preset={preset!r}) failed: {err}") from err
 
