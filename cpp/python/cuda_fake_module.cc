@@ -147,6 +147,7 @@ void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
     field("timeout_ms", &Played::timeout_ms);
     field("capture", &Played::capture);
     field("hold_ms", &Played::hold_ms);
+    field("setup_pause_ms", &Played::setup_pause_ms);
     field("replays", &Played::replays);
     (*s)["replay_xs"] = [](Played& p, nb::handle value) {
       for (nb::handle per_rank : value) {
@@ -359,8 +360,9 @@ NB_MODULE(_cuda_fake, m) {
         "rank (empty: 1); devices, processes, hosts; clique_key, site_keys (per rank, the key "
         "of a call site of its own; none: one site shared by every rank); calls, "
         "chunks_per_call (per call, its chunks: a call site per number of chunks); skew_rank, "
-        "skip_rank, timeout_ms, capture, hold_ms; late_rank (that rank starts each call from "
-        "late_from on only once the others have returned from it); capture: then each rank's "
+        "skip_rank, timeout_ms, capture, hold_ms, setup_pause_ms (real time the first event "
+        "poll of a set-up pauses); late_rank (that rank starts each call from late_from on only "
+        "once the others have returned from it); capture: then each rank's "
         "thread captures one more call into a graph, launched `replays` times (replay_xs[i]: x "
         "per rank before replay i; replay_late_rank: launched once the others ran as far as "
         "they can; capture_any: record a program that does not replay); y_offsets (per rank: "

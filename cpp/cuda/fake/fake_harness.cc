@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -273,6 +274,12 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   std::condition_variable returned_cv;
   std::vector<int> returned(static_cast<size_t>(std::max(calls_per_rank, 0)), 0);
   const int others = nranks - 1 - (in.skip_rank >= 0 && in.skip_rank != in.late_rank ? 1 : 0);
+  std::atomic<bool> paused{false};
+  if (in.setup_pause_ms > 0)
+    SetEventQueryHook([&](cudaEvent_t) {
+      if (!paused.exchange(true))
+        std::this_thread::sleep_for(std::chrono::milliseconds(in.setup_pause_ms));
+    });
   std::vector<std::thread> threads;
   for (int r = 0; r < nranks; ++r) board->Start(process_of(r));
   // Every rank's thread is a HostThread before any makes a call: the fake calls a wait a
@@ -384,6 +391,7 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
       }
     });
   for (auto& t : threads) t.join();
+  SetEventQueryHook(nullptr);
   if (in.hold_ms > 0) {
     cuda::AdvanceWatchdogClock(std::chrono::milliseconds(in.hold_ms));
     for (uint32_t* flag : holds)

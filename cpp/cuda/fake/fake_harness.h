@@ -79,6 +79,9 @@ struct PlayedCalls {
   // after the watchdog's clock moved on by hold_ms (earlier work the GPU is
   // still busy with).
   int64_t hold_ms = 0;
+  // A rank whose set-up is slow (a loaded host): the first cudaEventQuery of any rank's thread
+  // (a set-up's poll of its zero-fill or connection) pauses this long, in real time.
+  int64_t setup_pause_ms = 0;
 };
 
 struct PlayedOutcome {
