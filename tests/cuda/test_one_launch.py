@@ -182,6 +182,21 @@ def test_a_missing_peer_is_reported_by_the_watchdog(fake, transport):
     assert "BROKEN" in fake.cliques()
 
 
+def test_a_slow_local_set_up_does_not_break_the_clique(fake):
+    """The first rank to need the kernel area makes it while the other local ranks wait; its
+    allocations and zero-fill wait for the GPUs, so on a loaded host it may take longer than a
+    short JAXOVERLAP_TIMEOUT_S (here its zero-fill poll pauses 600 ms of real time; the timeout
+    is 200 ms). The others wait for a local thread, not a peer: they must outlast it (the
+    timeout + 2 s), not give up and break the clique. Rank 2 missing, every other rank then
+    makes both calls and its kernel gives up on rank 2, as in the watchdog test above."""
+    fake.reset(fake.Config(grace_ms=5000))
+    out, _, _ = _run(fake, "p2p", "one_shot_kernel", 4, calls=2, timeout_ms=200, skip_rank=2,
+                     setup_pause_ms=600)
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    assert "the flag from rank 2 did not reach this call" in fake.last_warning()
+
+
 @pytest.mark.parametrize("misuse,message", [
     ("release_early", "without making it visible"),
     ("read_early", "before acquiring that flag"),

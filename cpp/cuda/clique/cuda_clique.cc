@@ -43,8 +43,22 @@ void Leak(std::vector<std::shared_ptr<Generation>> generations,
 
 std::atomic<int> g_live{0};
 
-// The least a rank waits for another local rank's growth of the pools (ReserveLocked).
+// The least a rank waits for another local rank's growth of the pools (ReserveLocked), and what
+// it waits beyond the timeout for another local rank's making of the connection, a generation or
+// the kernel area: the work of a thread of this process (allocations that wait for the GPUs,
+// zero-fills), not of a peer, which a loaded host may take a while over.
 constexpr std::chrono::milliseconds kLocalSetUp(2000);
+
+// The deadline of a wait for what another local rank makes (the connection, a generation, the
+// kernel area). The maker's own waits for the peers (the exchanges, NCCL's creation) are each
+// bounded by the timeout and break the clique when they fail, which ends this wait with that
+// reason; the rest of the maker's work is local. So this wait gets kLocalSetUp beyond the
+// timeout: with the timeout alone, a local rank that takes longer than it to allocate (a short
+// timeout, a loaded host) broke the clique although every peer was there, and on a missing peer
+// the waiters' deadlines raced the maker's, naming a timeout of theirs instead of the peer.
+Clock::time_point LocalMakerDeadline(std::chrono::milliseconds timeout) {
+  return DeadlineAfter(kLocalSetUp, DeadlineAfter(timeout));
+}
 
 }  // namespace
 
@@ -256,13 +270,13 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // here (bounded) and Describe answers.
   while (!connected_) {
     if (connecting_) {
-      const bool done = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+      const bool done = made_.wait_until(lock, LocalMakerDeadline(state_.timeout),
                                          [&] { return !connecting_ || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!done)
         return Status(Code::kTimeout, ctx.Describe() +
                                           ": the clique's connection (another rank sets it up) "
-                                          "did not complete within JAXOVERLAP_TIMEOUT_S");
+                                          "did not complete within JAXOVERLAP_TIMEOUT_S + 2 s");
       continue;
     }
     connecting_ = true;
@@ -350,13 +364,13 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
                       " needs more workspace than a later epoch already set up: ranks disagree "
                       "on the call sequence");
     if (making_ >= 0) {  // another rank is making it: wait (bounded), then look again
-      const bool made = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+      const bool made = made_.wait_until(lock, LocalMakerDeadline(state_.timeout),
                                          [&] { return making_ < 0 || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!made)
         return Status(Code::kTimeout, ctx.Describe() + ": new buffers for epoch " +
                                           std::to_string(epoch) +
-                                          " were not set up within JAXOVERLAP_TIMEOUT_S");
+                                          " were not set up within JAXOVERLAP_TIMEOUT_S + 2 s");
       continue;
     }
     // Make it, without the lock: its zero-fill waits for the GPU and its
@@ -380,13 +394,14 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
   // before any of them enqueues this epoch — a generation's discipline (above).
   while (kernel_area && !kernel_area_) {
     if (making_area_) {
-      const bool made = made_.wait_until(lock, DeadlineAfter(state_.timeout),
+      const bool made = made_.wait_until(lock, LocalMakerDeadline(state_.timeout),
                                          [&] { return !making_area_ || !BrokenReason().empty(); });
       JO_CHECK(CheckNotBroken(ctx.Describe()));
       if (!made)
-        return Status(Code::kTimeout, ctx.Describe() +
-                                          ": the one-launch all-reduce's area (another rank "
-                                          "makes it) was not set up within JAXOVERLAP_TIMEOUT_S");
+        return Status(Code::kTimeout,
+                      ctx.Describe() +
+                          ": the one-launch all-reduce's area (another rank "
+                          "makes it) was not set up within JAXOVERLAP_TIMEOUT_S + 2 s");
       continue;
     }
     for (const auto& res : state_.ranks)
