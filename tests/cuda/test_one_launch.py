@@ -175,6 +175,7 @@ def test_a_missing_peer_is_reported_by_the_watchdog(fake, transport):
     fake.reset(fake.Config(grace_ms=5000))
     out, _, _ = _run(fake, transport, "one_shot_kernel", 4, calls=2, timeout_ms=1000,
                      skip_rank=2)
+    assert out["statuses"] == [None] * 4, out["statuses"]  # every call made (set up in time)
     assert out["drained"] and fake.errors() == [], fake.errors()
     warning = fake.last_warning()
     assert "one-launch all-reduce" in warning and "the flag from rank 2" in warning
