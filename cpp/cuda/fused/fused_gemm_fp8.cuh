@@ -269,8 +269,7 @@ Status Fp8LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx
 }  // namespace jo::cuda::fused_kernel
 
 // Defines fused_kernel::Function<Name>, SharedBytes<Name> and Launch<Name>
-// (fused_gemm_launch.h) for one FP8 triple: one use per .cu file, so the
-// instantiations compile in parallel.
+// (fused_gemm_launch.h) for one FP8 triple (its line in fused_gemm_sm90_fp8.cu).
 #define JO_FUSED_GEMM_FP8_INSTANCE(Name, A, B, D)                                           \
   namespace jo::cuda::fused_kernel {                                                        \
   const void* Function##Name() { return Fp8FunctionAs<A, B, D>(); }                         \

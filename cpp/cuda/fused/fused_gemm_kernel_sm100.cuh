@@ -297,8 +297,8 @@ Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
 }  // namespace jo::cuda::fused_kernel::sm100
 
 // Defines fused_kernel::FunctionSm100<Name>, SharedBytesSm100<Name> and
-// LaunchSm100<Name> (fused_gemm_launch.h) for one configuration: one use per
-// .cu file, so the instantiations compile in parallel.
+// LaunchSm100<Name> (fused_gemm_launch.h) for one configuration (its line in
+// fused_gemm_sm100.cu).
 #define JO_FUSED_GEMM_SM100_INSTANCE(Name)                                                       \
   namespace jo::cuda::fused_kernel {                                                             \
   const void* FunctionSm100##Name() { return sm100::FunctionAs<sm100::Name>(); }                 \
