@@ -233,7 +233,8 @@ struct FusedGemmFp8 {
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
-  static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
+  static_assert(cute::size<0>(TileShape{}) == fused::kSm90Fp8Tile.rows);
+  static_assert(cute::size<1>(TileShape{}) == fused::kSm90Fp8Tile.cols);
   // The promotion interval counts wgmma instructions (K 32 each for 8-bit
   // operands) and must be a multiple of those of one K tile (the mainloop's
   // can_implement): the default, every 128 elements of K, is.

@@ -222,8 +222,8 @@ struct FusedGemm {
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
-  static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
-  static_assert(cute::size<1>(TileShape{}) == fused::kTileCols);
+  static_assert(cute::size<0>(TileShape{}) == fused::kSm90Tile.rows);
+  static_assert(cute::size<1>(TileShape{}) == fused::kSm90Tile.cols);
 };
 
 // The kernel as cudaFuncGetAttributes / cudaFuncSetAttribute take it, and the

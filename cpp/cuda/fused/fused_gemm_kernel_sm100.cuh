@@ -247,10 +247,13 @@ struct Config {
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder<kPair>>;
 
-  // The flags are per CTA tile of fused::kTileRows rows, the order per MMA tile.
-  static_assert(cute::size<0>(typename Kernel::CtaShape_MNK{}) == fused::kTileRows);
-  static_assert(cute::size<0>(MmaTileShape{}) == kPair * fused::kTileRows);
-  static_assert(cute::size<1>(MmaTileShape{}) == fused::kTileCols);
+  // The flags are per CTA tile of fused::kTileRows rows, the order per MMA tile, the
+  // persistent grid per CTA tile (each CTA's half of an MMA tile).
+  static_assert(cute::size<0>(typename Kernel::CtaShape_MNK{}) == fused::kSm100Tile.rows);
+  static_assert(cute::size<1>(typename Kernel::CtaShape_MNK{}) == fused::kSm100Tile.cols);
+  static_assert(cute::size<0>(MmaTileShape{}) == kPair * fused::kSm100Tile.rows);
+  static_assert(cute::size<1>(MmaTileShape{}) == fused::kSm100Tile.cols);
+  static_assert(fused::CtaTileOf(kPair, false).cols == fused::kSm100Tile.cols);
 };
 
 using BF16 = Config<cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::bfloat16_t,
