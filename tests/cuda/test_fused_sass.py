@@ -352,8 +352,8 @@ def _build_dir() -> Path:
 
 def _compile_variant(build: Path, tmp: Path, kernel: str, name: str, edits,
                      drop_ndebug: bool) -> str:
-    """The kernel's 16-bit family's object (bf16 and f16) built by the build's own nvcc command from an edited copy of
-    cpp/ (each edit's text once in SOURCES)."""
+    """The kernel's 16-bit family's object (bf16 and f16) built by the build's own nvcc
+    command from an edited copy of cpp/ (each edit's text once in SOURCES)."""
     obj, source = KERNELS[kernel][:2]
     obj = f"cpp/cuda/CMakeFiles/{obj}"
     command = subprocess.run(["ninja", "-C", str(build), "-t", "commands", obj],
