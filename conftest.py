@@ -2,8 +2,18 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# The suite compiles thousands of small programs on XLA:CPU and runs each on a few rows: LLVM's
+# optimizer is most of their compile time and buys nothing at that size. At LLVM -O0 (XLA's own
+# HLO passes unchanged) the suite takes a quarter less. What can change is rounding where LLVM
+# would fuse a multiply and an add into one FMA (XLA:CPU's target options allow it: xla/service/
+# cpu/cpu_compiler.cc, CompilerTargetOptions): the tests' bounds are for rounding, and a program
+# compared with another was compiled alike. Processes the tests start inherit it (the examples,
+# multi-process runs), except where a test stands for a user's shell (tests/test_first_contact.py).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(
+    (_flags, "" if "--xla_backend_optimization_level" in _flags else TEST_XLA_FLAGS,
+     "--xla_force_host_platform_device_count=8")
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

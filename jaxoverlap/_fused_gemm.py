@@ -23,22 +23,38 @@ FUSED_ALIGN = 8  # elements: rows of whole 16-byte units (TMA loads and stores),
 
 @dataclass(frozen=True)
 class FusedKernel:
-    """One build of the kernel: its image, the dtypes it is instantiated for, and its MMA tile in
+    """One build of the kernel: its image, the dtypes it is instantiated for, its MMA tile in
     CTA tiles of 128 rows (2 on sm100: 2-SM MMA, two CTAs of a cluster computing a 256-row
-    tile; the tile order is over MMA tiles, cpp/core/fused_tiles.h CtaTileAt)."""
+    tile; the tile order is over MMA tiles, cpp/core/fused_tiles.h CtaTileAt), and the CTA tile
+    (rows, columns of y) its persistent grid is made of, for 16-bit operands and for FP8 (None:
+    no FP8 build). The tiles are ``fused_tiles.h`` ``CtaTileOf``'s (tests/native/
+    test_fused_tiles.py holds them equal): they set the grid's waves, so how many SMs a fused
+    GEMM + reduce-scatter leaves to its reduction (``SpareSms``)."""
 
     image: str
     dtypes: tuple[str, ...]  # x's (FP8: those of the ``_kinds.FUSED_FP8`` triples)
     mma_pair: int
+    tile: tuple[int, int]
+    fp8_tile: tuple[int, int] | None
+
+    def tile_for(self, dtype) -> tuple[int, int] | None:
+        """The CTA tile of x of ``dtype`` (None: not built for it)."""
+        row = _kinds.dtype(dtype)
+        if row.name not in self.dtypes:
+            return None
+        return self.fp8_tile if row.fp8 else self.tile
 
 
 # By compute capability (cpp/cuda/fused/fused_gemm.cc FusedKernelFor): arch-specific code runs
 # on exactly its architecture, so 10.3 (B300) and 12.0 run neither. The sm100 one is built for
 # the 16-bit types only (no FP8).
 _FP8_XS = tuple(dict.fromkeys(t.x for t in _kinds.FUSED_FP8))  # the FP8 kernels are sm90 only
+# Tiles: sm_90a 128 x 256 x 64 (16-bit) and 128 x 128 x 128 (FP8, CUTLASS's promoting FP8
+# mainloop); sm_100a 256 x 256 x 64 MMA tiles, each CTA of the pair a 128 x 256 half.
 FUSED_KERNELS: dict[tuple[int, int], FusedKernel] = {
-    (9, 0): FusedKernel("sm_90a", FUSED_DTYPES + _FP8_XS, 1),
-    (10, 0): FusedKernel("sm_100a", FUSED_DTYPES, 2),
+    (9, 0): FusedKernel("sm_90a", FUSED_DTYPES + _FP8_XS, 1, tile=(128, 256),
+                        fp8_tile=(128, 128)),
+    (10, 0): FusedKernel("sm_100a", FUSED_DTYPES, 2, tile=(128, 256), fp8_tile=None),
 }
 
 

@@ -36,11 +36,34 @@
 
 namespace jo::fused {
 
-// The rows of the kernel's CTA tile (cuda/fused/fused_gemm_kernel.cuh asserts it):
-// the tiles the rows are cut into.
+// The rows of every fused kernel's CTA tile: the tiles the rows are cut into.
 inline constexpr int64_t kTileRows = 128;
-// Its CTA tile's N: the columns a tile covers.
-inline constexpr int64_t kTileCols = 256;
+
+// A CTA tile of D: the unit of work of a kernel's persistent grid (PersistentGrid below,
+// m_tiles x n_tiles of them). One definition per kernel, which the kernels' static_asserts
+// hold their tile shapes to, the fake computes with, and the CUDA executor counts waves with
+// (SpareSms); jaxoverlap/_fused_gemm.py FUSED_KERNELS mirrors it (tests/native/
+// test_fused_tiles.py reads both).
+struct CtaTile {
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+// sm_90a, bfloat16 / float16 (cuda/fused/fused_gemm_kernel.cuh): 128 x 256 x 64.
+inline constexpr CtaTile kSm90Tile{kTileRows, 256};
+// sm_90a, FP8 (cuda/fused/fused_gemm_fp8.cuh): 128 x 128 x 128, CUTLASS's promoting FP8
+// mainloop. Half the columns of the 16-bit tile: twice the N tiles.
+inline constexpr CtaTile kSm90Fp8Tile{kTileRows, 128};
+// sm_100a, bfloat16 / float16 (cuda/fused/fused_gemm_kernel_sm100.cuh): 2-SM MMA tiles of
+// 256 x 256 x 64, each CTA of a cluster's pair computing a 128 x 256 half; the grid strides
+// over those halves (PersistentGrid's M slots are CTA tiles), so its units are the sm_90a
+// 16-bit kernel's.
+inline constexpr CtaTile kSm100Tile{kTileRows, 256};
+
+// The CTA tile of the kernel whose MMA tile spans `pair` CTA tiles (2: sm_100a, 1: sm_90a)
+// for 8-bit operands (`fp8`; sm_90a only) or 16-bit ones.
+JO_FUSED_FN constexpr CtaTile CtaTileOf(int32_t pair, bool fp8) {
+  return pair == 2 ? kSm100Tile : fp8 ? kSm90Fp8Tile : kSm90Tile;
+}
 
 // `shards` shards of `shard_rows` rows, each split into `chunks` sub-chunks
 // as the program builders split them (build_internal.h SubBegin: sub-chunk c

@@ -320,11 +320,11 @@ inline bool SplitsRows(ArAlgorithm algorithm) { return Row(algorithm).splits_row
 inline bool OneLaunch(ArAlgorithm algorithm) { return Row(algorithm).kernel; }
 inline bool IsFp8(DType dtype) { return Row(dtype).fp8; }
 
-// The fused GEMM's FP8 instantiations (cpp/cuda/fused/fused_gemm_<x><w>_<y>.cu), one row per
+// The fused GEMM's FP8 instantiations (cpp/cuda/fused/fused_gemm_sm90_fp8.cu), one row per
 // (x, w, y) it is compiled for: X(x, w, y). e4m3 x e4m3 -> bf16 is the forward of the FP8
 // recipes (TransformerEngine's, Flax's), -> f16 and -> f32 the same forward for a model kept
 // in those dtypes, e5m2 x e4m3 -> bf16 the gradient's dy @ w^T. Every other FP8 triple takes
-// the chunked path (each instantiation costs ~30 CPU-s of CI compile).
+// the chunked path (each instantiation costs ~10 CPU-s of CI compile).
 #define JO_FUSED_FP8(X)      \
   X(kF8E4M3, kF8E4M3, kBF16) \
   X(kF8E4M3, kF8E4M3, kF16)  \

@@ -122,14 +122,18 @@ class Enqueuer {
     // The SMs a fused GEMM leaves to the reduction beside it: as many as cost its persistent
     // grid no wave (fused_tiles.h SpareSms) on the SMs it may use (KernelSms), at most
     // FusedBlocks::spare_sms and a quarter of those (only the fake's small devices have fewer
-    // than 4 x 8), at least one; the kernels sized to them (Op::sms) take the same number.
-    // jaxoverlap/sim/fused.py spare_sms mirrors it.
+    // than 4 x 8), at least one; the kernels sized to them (Op::sms) take the same number. The
+    // grid is of the CTA tiles of the kernel this device and these operands run (CtaTileOf:
+    // FP8's are half as wide). jaxoverlap/sim/fused.py spare_sms mirrors it.
     for (const Op& op : p_.ops)
       if (op.kind == OpKind::kFusedGemm && op.fused.spare_sms > 0) {
         int32_t sms = 0;
         JO_CHECK(KernelSms(&sms));
-        const int64_t m_tiles = (op.m + fused::kTileRows - 1) / fused::kTileRows;
-        const int64_t n_tiles = (op.n + fused::kTileCols - 1) / fused::kTileCols;
+        FusedKernel kernel = FusedKernel::kNone;
+        JO_CHECK(DeviceFusedKernel(&kernel));
+        const fused::CtaTile tile = fused::CtaTileOf(MmaPairOf(kernel), IsFp8(p_.problem.x_dtype));
+        const int64_t m_tiles = (op.m + tile.rows - 1) / tile.rows;
+        const int64_t n_tiles = (op.n + tile.cols - 1) / tile.cols;
         spare_sms_ = std::max(1, fused::SpareSms(m_tiles, n_tiles, op.batch, sms,
                                                  std::min(op.fused.spare_sms, sms / 4)));
       }
@@ -470,13 +474,8 @@ class Enqueuer {
     // it (FusedBlocks::spare_sms, as Prepare bounded them; its kernels are sized to them).
     JO_CHECK(KernelSms(&f.sm_count));
     if (blocks.spare_sms > 0) f.sm_count -= spare_sms_;
-    int major = 0, minor = 0;  // the kernel (and its tile order's unit) is the device's
-    JO_CUDA_CHECK(ctx_,
-                  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a_.device));
-    JO_CUDA_CHECK(ctx_,
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a_.device));
-    f.kernel = FusedKernelFor(major, minor);
-    JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
+    JO_CHECK(DeviceFusedKernel(&f.kernel));  // the kernel (and its tile order's unit)
+    JO_CHECK(CheckFusedGemm(&f));            // and its tile order made, once
     return PrepareFusedGemm(f.types, f.kernel, a_.ctx);
   }
 
@@ -576,6 +575,17 @@ class Enqueuer {
                   cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, a_.device));
     *sms = device_sms;
     if (a_.device_share > 1) *sms = std::max(2, device_sms / a_.device_share / 2 * 2);
+    return OkStatus();
+  }
+
+  // The fused GEMM kernel of the device: its compute capability's (FusedKernelFor).
+  Status DeviceFusedKernel(FusedKernel* kernel) {
+    int major = 0, minor = 0;
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a_.device));
+    JO_CUDA_CHECK(ctx_,
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a_.device));
+    *kernel = FusedKernelFor(major, minor);
     return OkStatus();
   }
 

@@ -154,6 +154,15 @@ void BindFusedTiles(nb::module_& m) {
         nb::arg("sm_count"),
         "PersistentGrid::Make: the persistent CTAs, the M slots, and (batch, M slot, N tile) of "
         "every unit of work in order.");
+  m.def(
+      "fused_cta_tile",
+      [](int32_t pair, bool fp8) {
+        const jo::fused::CtaTile t = jo::fused::CtaTileOf(pair, fp8);
+        return std::make_tuple(t.rows, t.cols);
+      },
+      nb::arg("pair"), nb::arg("fp8"),
+      "CtaTileOf: (rows, cols) of the CTA tile the kernel of MMA pair `pair` (2: sm_100a, 1: "
+      "sm_90a) schedules for 8-bit (`fp8`) or 16-bit operands.");
   m.def("fused_spare_sms", &jo::fused::SpareSms, nb::arg("m_tiles"), nb::arg("n_tiles"),
         nb::arg("batch"), nb::arg("device_sms"), nb::arg("most"),
         "SpareSms: the SMs a release-only fused GEMM leaves to the reduction beside it.");

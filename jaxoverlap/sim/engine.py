@@ -142,7 +142,7 @@ class _Engine:
         self.gemm_times: dict[tuple[Any, ...], float] = {}  # the ranks' GEMMs share shapes
         self.fused: list[_FusedGemm] = []  # running fused GEMMs (their stalled tiles)
         # per rank: the SMs its fused GEMM leaves to the kernels sized to them (Op::sms)
-        self.spare = [max((fused.spare_sms(preset, op) for op in pr["ops"]
+        self.spare = [max((fused.spare_sms(preset, pr["dtype"], op) for op in pr["ops"]
                            if op["kind"] == "FusedGemm"), default=0) for pr in programs]
         self.all_reduces: dict[int, int] = {}  # rank -> AllReduce ops it started
         self.all_reduce_waiting: dict[int, list[Callable[[], None]]] = {}  # k-th: arrived
@@ -303,7 +303,7 @@ class _Engine:
             self.add(_Activity(model.elementwise_time(p, op["bytes"], 3), done, rank=r))
         elif kind == "FusedGemm":
             run = _FusedGemm(self, r, fused.tile_plan(p, dtype, op), done,
-                             p.sms - fused.kernel_sms(p, op))
+                             p.sms - fused.kernel_sms(p, dtype, op))
             self.at(self.now + run.plan.overhead, lambda: self.fused.append(run))
         elif kind == "Reduce":  # N partials in one pass on its SM budget (sim.reduction)
             sources = op["sources"] or ()

@@ -201,7 +201,7 @@ def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
     chunks, shard_rows = f["chunks"], f["shard_rows"]
     waited = tuple(f["wait_flags"] >= 0 and b // chunks != f["ready_shard"]
                    for b in range(f["shards"] * chunks))
-    sms = kernel_sms(p, op)
+    sms = kernel_sms(p, dtype, op)
     pair = p.fused_kernel.mma_pair if p.fused_kernel else 1
     lanes, block_units = _lanes(f["shards"], chunks, shard_rows, tuple(f["sequence"]),
                                 f["order"] == "last_arrival", waited, tm,
@@ -232,25 +232,27 @@ def spare(m_tiles: int, n_tiles: int, batch: int, sms: int, most: int) -> int:
     return 2
 
 
-def spare_sms(p: Preset, op: dict[str, Any]) -> int:
-    """The SMs the FusedGemm ``op`` leaves on preset ``p``, as the CUDA executor picks them:
-    ``spare`` up to ``FusedBlocks::spare_sms`` and a quarter of the device's, at least one."""
+def spare_sms(p: Preset, dtype: str, op: dict[str, Any]) -> int:
+    """The SMs the FusedGemm ``op`` of ``dtype`` operands leaves on preset ``p``, as the CUDA
+    executor picks them: ``spare`` up to ``FusedBlocks::spare_sms`` and a quarter of the
+    device's, at least one, over the grid of the kernel's own CTA tiles (``kernel_tile``: an
+    FP8 kernel's are half as wide, twice the N tiles)."""
     most = int(op["fused"].get("spare_sms", 0))
     if most <= 0:
         return 0
-    tm, tn = p.fused_gemm_tile
+    tm, tn = kernel_tile(p, dtype)
     return max(1, spare(math.ceil(op["m"] / tm), math.ceil(op["n"] / tn), op["batch"], p.sms,
                         min(most, p.sms // 4)))
 
 
-def kernel_sms(p: Preset, op: dict[str, Any]) -> int:
-    """The SMs the FusedGemm ``op`` runs on: the GPU's, less those it leaves to the rank's
-    other streams (a reduction beside a release-only kernel: ``spare_sms``, as many of
-    ``fused["spare_sms"]`` as the CUDA executor leaves)."""
+def kernel_sms(p: Preset, dtype: str, op: dict[str, Any]) -> int:
+    """The SMs the FusedGemm ``op`` of ``dtype`` operands runs on: the GPU's, less those it
+    leaves to the rank's other streams (a reduction beside a release-only kernel:
+    ``spare_sms``, as many of ``fused["spare_sms"]`` as the CUDA executor leaves)."""
     spare = int(op["fused"].get("spare_sms", 0) or 0)
     if not 0 <= spare < p.sms:
         raise ValueError(f"spare_sms: expected 0..{p.sms - 1} on preset {p.name!r}, got {spare}")
-    return p.sms - spare_sms(p, op)
+    return p.sms - spare_sms(p, dtype, op)
 
 
 def kernel_busy(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
@@ -266,7 +268,10 @@ def kernel_busy(p: Preset, dtype: str, batch: int, m: int, n: int, k: int,
 
 
 def kernel_tile(p: Preset, dtype: str) -> tuple[int, int]:
-    """The fused kernel's CTA tile (M, N) for ``dtype`` operands: the class's own
-    (``GemmFit.fused_tile``: an FP8 kernel with promotion runs 128 x 128 x 128 tiles) or the
-    preset's ``fused_gemm_tile``."""
-    return p.gemm_fit(gemm_class(dtype)).fused_tile or p.fused_gemm_tile
+    """The fused kernel's CTA tile (M, N) for ``dtype`` operands: that of the kernel the
+    preset's GPU runs (``FusedKernel.tile_for``, the executors' ``CtaTileOf``: sm_90a's FP8
+    kernel runs 128 x 128, its 16-bit one and sm_100a's 128 x 256); where none runs for
+    ``dtype``, the preset's (the class's ``GemmFit.fused_tile``, else ``fused_gemm_tile``)."""
+    kernel = p.fused_kernel
+    own = kernel.tile_for(canonical_dtype(dtype)) if kernel is not None else None
+    return own or p.gemm_fit(gemm_class(dtype)).fused_tile or p.fused_gemm_tile

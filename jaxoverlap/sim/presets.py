@@ -75,7 +75,9 @@ class GemmFit:
     k_half: float
     tiles: tuple[tuple[int, int], ...]
     measured: bool
-    fused_tile: tuple[int, int] | None = None  # a fused kernel's CTA tile for this class
+    # a fused GEMM's CTA tile for this class where the GPU runs no kernel of ours for it
+    # (sim.fused.kernel_tile: ours have their own, _fused_gemm.FUSED_KERNELS)
+    fused_tile: tuple[int, int] | None = None
 
 
 def output_dtype(dtype: str) -> str:
@@ -106,7 +108,7 @@ ONE_SHOT_FIT = dict(mc_latency_us=2.15)
 ONE_LAUNCH_FIT = dict(ar_start_us=2.51, ar_flag_us=1.88)
 # FP8 GEMMs on the H100 die (sim.published_gemms.fit_fp8): their own efficiency and K curve.
 H100_FP8_FIT = dict(efficiency=0.7457, best_shape=(4096, 7168, 16384), k_half=432.6,
-                    tiles=FP8_TILES, fused_tile=(128, 128))
+                    tiles=FP8_TILES)
 # The B200's 16-bit, FP8 and MXFP8 GEMMs (sim.published_gemms.fit_b200).
 B200_FIT = dict(gemm_efficiency=0.6471, gemm_best_shape=(3072, 3072, 3072), gemm_k_half=1257.8,
                 gemm_overhead_us=0.0)
@@ -236,7 +238,9 @@ class Preset:
     # unknown, the fused path is not offered.
     compute_capability: tuple[int, int] | None = None
     fused_gemm_rate: float = FUSED_GEMM["fused_gemm_rate"]  # its speed alone / cuBLAS's
-    fused_gemm_tile: tuple[int, int] = FUSED_GEMM["fused_gemm_tile"]  # its CTA tile (M, N)
+    # its CTA tile (M, N) where the GPU runs no kernel of ours (sim.fused.kernel_tile: ours
+    # have their own, _fused_gemm.FUSED_KERNELS; the Flux projection, sim.reduction.pulled)
+    fused_gemm_tile: tuple[int, int] = FUSED_GEMM["fused_gemm_tile"]
     # GEMMs of the other operand classes (GEMM_CLASSES), each fitted to its own published
     # throughputs: {"fp8": {"efficiency", "best_shape", "k_half", "tiles", "fused_tile"}, ...}.
     # A class absent here is priced with the 16-bit fit at its own peak (extrapolated: the

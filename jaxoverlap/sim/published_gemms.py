@@ -132,9 +132,8 @@ ALL: tuple[GemmRow, ...] = (*GEMMS, *FP8_GEMMS, *FP8_CHECKS, *B200_GEMMS)
 
 def fit_fp8(p: Preset) -> Preset:
     """The FP8 class's efficiency and K curve on the H100 die from ``FP8_GEMMS`` (the fused
-    kernel's FP8 tile: a promoted CUTLASS sm90 FP8 kernel runs 128 x 128 x 128)."""
-    q = fit.fit_gemm(p, [g.point() for g in FP8_GEMMS])
-    return q.with_gemm_fit("fp8", fused_tile=(128, 128))
+    kernel's FP8 tile is the kernel's own: ``_fused_gemm.FUSED_KERNELS``)."""
+    return fit.fit_gemm(p, [g.point() for g in FP8_GEMMS])
 
 
 def fit_b200(p: Preset) -> Preset:

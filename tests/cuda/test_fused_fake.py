@@ -82,14 +82,17 @@ def test_the_reduction_runs_beside_the_fused_gemm(fake, transport, connections, 
     assert fake.counters().get("kernels beside a persistent kernel", 0) > 0
 
 
-@pytest.mark.parametrize(("rows", "sms"), [(512, 48), (4096, 62)])
-def test_the_fused_gemm_leaves_the_reduction_the_sms_that_cost_it_no_wave(fake, rows, sms):
+@pytest.mark.parametrize(("rows", "sms", "cc"),
+                         [(512, 48, (9, 0)), (4096, 62, (9, 0)), (512, 48, (10, 0))])
+def test_the_fused_gemm_leaves_the_reduction_the_sms_that_cost_it_no_wave(fake, rows, sms, cc):
     """On a 64-SM device the executor leaves the reduction beside the fused GEMM + RS at most 16
     SMs (a quarter of 64), as many as cost the persistent grid no wave (fused_tiles.h SpareSms).
     N = 2, 264 columns (2 N tiles): 512 rows a block are 8 M tiles, 16 units of work, one wave on
     any 48 SMs: it leaves 16; 4096 rows are 64 M tiles, 128 units, 2 waves on 64 SMs (64 CTAs)
-    but 3 on 60 or fewer (at most 60 CTAs): it leaves the least, 2."""
-    fake.reset(fake.Config(sms=64, seed=7))
+    but 3 on 60 or fewer (at most 60 CTAs): it leaves the least, 2. The sm_100a kernel (10.0)
+    strides the same grid of 128 x 256 CTA tiles, each CTA a half of a 2-SM MMA tile
+    (fused_tiles.h kSm100Tile). The FP8 kernel's own tile: test_fused_fp8_fake.py."""
+    fake.reset(fake.Config(sms=64, seed=7, cc_major=cc[0], cc_minor=cc[1]))
     out, xs, ws = run_fused(fake, "matmul_rs", "p2p", 2, batch=1, rows=rows, k=8, nw=264,
                             dtype="bfloat16", chunks=2, bidirectional=False)
     check_fused(fake, out, "matmul_rs", "p2p", xs, ws, rows, "bfloat16")

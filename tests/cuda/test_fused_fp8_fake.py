@@ -142,6 +142,23 @@ def test_the_fused_fp8_gemm_reduce_scatter_is_exact_on_the_fake(fake, transport)
             raise
 
 
+def test_the_fused_fp8_gemm_leaves_the_sms_its_own_tile_grid_spares(fake):
+    """The release-only FP8 kernel's persistent grid is of its own 128 x 128 tiles
+    (fused_tiles.h CtaTileOf), and the executor leaves the reduction beside it the SMs that cost
+    that grid no wave (SpareSms, at most a quarter of the 64). N = 2, 4096 rows (32 M tiles) x
+    256 columns: 64 units of 128 x 128, one wave on 64 SMs, two on any 60 or fewer, so it leaves
+    the least, 2 (the 16-bit tile's 32 units of 128 x 256 would fit one wave on 48 and leave
+    16); the result is exact."""
+    fake.reset(fake.Config(sms=64, seed=7))
+    dtypes = FUSED_FP8[0]
+    out, expected = _rs_case(fake, "p2p", dtypes, 2, rows=2048, k=16, nw=256, chunks=2, seed=3)
+    assert out["statuses"] == [None, None], out["statuses"]
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    assert _mismatch(out, expected, dtypes[2]) == ""
+    launched = {k: v for k, v in fake.counters().items() if k.startswith("fused GEMM on")}
+    assert launched == {"fused GEMM on 62 SMs": 2}, launched
+
+
 def test_the_fused_fp8_kernel_accumulates_as_hopper_with_promotion(fake):
     """Every row of x and column of w is [128, 1, 1, ..., 1] over K = 256, scales 1: the exact
     sum is 2^14 + 255, bf16 16640. Hopper's FP8 tensor cores keep 14 bits per block of 32

@@ -177,6 +177,13 @@ def run(
     return _run_once(*args)
 
 
+def _xla_flags(devices: int) -> str:
+    """The suite's XLA flags (conftest.py) with this run's count of host devices per process."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def _run_once(
     scenario: str,
     nprocs: int,
@@ -193,7 +200,7 @@ def _run_once(
     base = dict(os.environ)
     base.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=_xla_flags(devices),
         JO_MP_COORDINATOR=f"127.0.0.1:{port}",
         JO_MP_NUM_PROCESSES=str(nprocs),
         JAXOVERLAP_SHM_TAG=tag,

@@ -277,3 +277,21 @@ def test_the_fused_programs_orders_are_tile_orders():
             else:
                 dests = [(rank - 1 - t) % n for t in range(n)] if transport == "p2p" else range(n)
                 assert f["sequence"] == [d * c + s for s in range(c) for d in dests]
+
+
+def test_each_kernels_cta_tile_is_one_definition_on_both_sides():
+    """``fused_tiles.h`` ``CtaTileOf`` (the tile the kernels' static_asserts hold their shapes
+    to, the fake computes with and the CUDA executor counts SpareSms's waves over) and
+    ``_fused_gemm.FUSED_KERNELS`` (the performance model's) give every kernel the same tile,
+    for 16-bit operands and for FP8 where the kernel has an FP8 build; and the sm_90a FP8
+    kernel's is not its 16-bit one's (half as wide), so one tile for every kernel fails here."""
+    from jaxoverlap._fused_gemm import FUSED_KERNELS
+
+    for cc, kernel in FUSED_KERNELS.items():
+        assert tiles_ext.fused_cta_tile(kernel.mma_pair, False) == kernel.tile, cc
+        if kernel.fp8_tile is not None:
+            assert tiles_ext.fused_cta_tile(kernel.mma_pair, True) == kernel.fp8_tile, cc
+    assert tiles_ext.fused_cta_tile(1, True) == (128, 128)
+    assert tiles_ext.fused_cta_tile(1, False) == (128, 256)
+    assert FUSED_KERNELS[(9, 0)].tile_for("float8_e4m3fn") == (128, 128)
+    assert FUSED_KERNELS[(10, 0)].tile_for("float8_e4m3fn") is None  # no sm_100a FP8 build

@@ -83,13 +83,13 @@ def test_a_fused_gemm_leaving_sms_runs_on_the_rest():
     f = {"shards": 1, "chunks": 1, "shard_rows": m, "sequence": [0], "order": "arrival",
          "wait_flags": -1, "ready_shard": 0, "writers": [], "release_flags": -1}
     fop = op("FusedGemm", batch=1, m=m, n=n, k=k, accumulate=False, bytes=2 * m * n, fused=f)
-    assert fused.kernel_sms(TOY, fop) == 100
+    assert fused.kernel_sms(TOY, "bf16", fop) == 100
     # the SMs it leaves are the CUDA executor's (fused_tiles.h SpareSms): at most a quarter of
     # the device, as many as cost its 2 waves no third: with 200 tiles even 2 do (ceil(200/98)
     # = 3), so it leaves the least, 2
-    assert fused.kernel_sms(TOY, {**fop, "fused": {**f, "spare_sms": 50}}) == 98
+    assert fused.kernel_sms(TOY, "bf16", {**fop, "fused": {**f, "spare_sms": 50}}) == 98
     with pytest.raises(ValueError, match="spare_sms"):
-        fused.kernel_sms(TOY, {**fop, "fused": {**f, "spare_sms": 100}})
+        fused.kernel_sms(TOY, "bf16", {**fop, "fused": {**f, "spare_sms": 100}})
     rate = TOY.fused_gemm_rate
     alone = sim.simulate_programs([program(0, [fop], streams=1)], TOY).total
     assert alone == pytest.approx(flops / 1e12 / rate)
@@ -98,7 +98,7 @@ def test_a_fused_gemm_leaving_sms_runs_on_the_rest():
     flops = 2 * m * n * k
     spared = op("FusedGemm", batch=1, m=m, n=n, k=k, accumulate=False, bytes=2 * m * n,
                 fused={**f, "shard_rows": m, "spare_sms": 50})
-    assert fused.kernel_sms(TOY, spared) == 76
+    assert fused.kernel_sms(TOY, "bf16", spared) == 76
     # a reduction asking for 25 SMs beside it gets the 24 it left, taken from those, not from it
     tl = sim.simulate_programs([program(0, [spared, reduce_op(1_000_000, [0] * 8, 25)])], TOY)
     assert tl.total == pytest.approx(

@@ -4,7 +4,7 @@ executors' own FP8 programs (each shard's scale moved with it)."""
 import pytest
 
 from jaxoverlap import sim
-from jaxoverlap.sim import model
+from jaxoverlap.sim import fused, model
 from jaxoverlap.sim import plan as sim_plan
 
 # The performance model: no JAX.
@@ -21,7 +21,7 @@ def test_an_fp8_gemm_runs_at_its_own_fit_of_the_fp8_peak():
     8192^3 GEMM's FP8 / BF16 speed ratio lands in what pytorch/FBGEMM PR #2546 measured on one
     H100 (1.88-2.09x; the FP8 rows of the h100-hbm2e check it shape by shape)."""
     fp8 = H100.gemm_fit("fp8")
-    assert fp8.measured and fp8.tiles == sim.presets.FP8_TILES and fp8.fused_tile == (128, 128)
+    assert fp8.measured and fp8.tiles == sim.presets.FP8_TILES
     m, n, k = fp8.best_shape
     assert model.gemm_plan(H100, "float8_e4m3fn", 1, m, n, k)[1] == pytest.approx(fp8.efficiency)
     assert fp8.efficiency != H100.gemm_efficiency
@@ -129,3 +129,17 @@ def test_block_scaled_calls_are_priced_as_the_xla_and_ring_impls_compute_them():
                      ("bfloat16", sim.Candidate("xla", None))):
         with pytest.raises(ValueError, match="block_scaled: block scales are for fp8 operands"):
             sim.simulate("ag_matmul", AG, dtype, 8, H100, c, block_scaled=True)
+
+
+def test_an_fp8_fused_gemm_leaves_the_sms_its_own_tile_grid_spares():
+    """The SMs a release-only fused GEMM leaves to its reduction follow the waves of the
+    kernel's own CTA tiles (``fused_tiles.h`` ``CtaTileOf``): 8192 x 256 is 64 tiles of
+    128 x 256 for bfloat16 (one wave on any 64 SMs: it leaves the most, 16 of 132) but 128
+    tiles of 128 x 128 for FP8 (one wave on 128 SMs, two on 116: it leaves 132 - 128 = 4)."""
+    op = {"kind": "FusedGemm", "batch": 1, "m": 8192, "n": 256, "k": 1024,
+          "fused": {"spare_sms": 16}}
+    assert fused.kernel_tile(H100, "float8_e4m3fn") == (128, 128)
+    assert fused.spare_sms(H100, "bfloat16", op) == 16
+    assert fused.spare_sms(H100, "float8_e4m3fn", op) == 4
+    assert fused.spare_sms(H100, "f8e4m3fn", op) == 4  # a program's short name
+    assert fused.kernel_sms(H100, "float8_e4m3fn", op) == 128

@@ -92,10 +92,6 @@ constexpr int kSharedBytes = kMaxSharedBytesPerBlock;
 // device needs its own; without it the launch fails on the GPU (the call's error breaks the
 // clique), which the fake refuses as a misuse.
 constexpr int kSharedBytesWithoutOptIn = 48 * 1024;
-// The CTA tile's N: fused::kTileCols for 16-bit operands (fused_gemm_kernel.cuh), 128 for
-// FP8 (fused_gemm_fp8.cuh).
-using fused::kTileCols;
-constexpr int64_t kFp8TileCols = 128;
 
 // The element types of an instantiation: A, B and D.
 struct Types {
@@ -105,8 +101,8 @@ struct Types {
 struct FusedRun {
   Types types{DType::kBF16, DType::kBF16, DType::kBF16};
   bool fp8 = false;
-  int64_t tile_cols = kTileCols;
-  int32_t pair = 1;  // CTA tiles per MMA tile (sm100: 2)
+  int64_t tile_cols = fused::kSm90Tile.cols;  // the kernel's CTA tile's (fused::CtaTileOf)
+  int32_t pair = 1;                           // CTA tiles per MMA tile (sm100: 2)
   Launch launch;
   fused::PersistentGrid grid;
   int64_t m_tiles = 0;
@@ -405,7 +401,7 @@ cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaS
   auto run = std::make_shared<FusedRun>();
   run->types = types;
   run->fp8 = fp8;
-  run->tile_cols = fp8 ? kFp8TileCols : kTileCols;
+  run->tile_cols = fused::CtaTileOf(pair, fp8).cols;
   run->pair = pair;
   run->launch = l;
   run->m_tiles = (l.m + fused::kTileRows - 1) / fused::kTileRows;

@@ -233,7 +233,8 @@ struct FusedGemmFp8 {
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
-  static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
+  static_assert(cute::size<0>(TileShape{}) == fused::kSm90Fp8Tile.rows);
+  static_assert(cute::size<1>(TileShape{}) == fused::kSm90Fp8Tile.cols);
   // The promotion interval counts wgmma instructions (K 32 each for 8-bit
   // operands) and must be a multiple of those of one K tile (the mainloop's
   // can_implement): the default, every 128 elements of K, is.
@@ -269,8 +270,7 @@ Status Fp8LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx
 }  // namespace jo::cuda::fused_kernel
 
 // Defines fused_kernel::Function<Name>, SharedBytes<Name> and Launch<Name>
-// (fused_gemm_launch.h) for one FP8 triple: one use per .cu file, so the
-// instantiations compile in parallel.
+// (fused_gemm_launch.h) for one FP8 triple (its line in fused_gemm_sm90_fp8.cu).
 #define JO_FUSED_GEMM_FP8_INSTANCE(Name, A, B, D)                                           \
   namespace jo::cuda::fused_kernel {                                                        \
   const void* Function##Name() { return Fp8FunctionAs<A, B, D>(); }                         \

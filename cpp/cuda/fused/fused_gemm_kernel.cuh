@@ -222,8 +222,8 @@ struct FusedGemm {
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder>;
-  static_assert(cute::size<0>(TileShape{}) == fused::kTileRows);
-  static_assert(cute::size<1>(TileShape{}) == fused::kTileCols);
+  static_assert(cute::size<0>(TileShape{}) == fused::kSm90Tile.rows);
+  static_assert(cute::size<1>(TileShape{}) == fused::kSm90Tile.cols);
 };
 
 // The kernel as cudaFuncGetAttributes / cudaFuncSetAttribute take it, and the
@@ -256,8 +256,7 @@ Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
 }  // namespace jo::cuda::fused_kernel
 
 // Defines fused_kernel::Function<Name>, SharedBytes<Name> and Launch<Name>
-// (fused_gemm_launch.h) for one element type: one use per .cu file, so the
-// instantiations compile in parallel.
+// (fused_gemm_launch.h) for one element type (its line in fused_gemm_sm90.cu).
 #define JO_FUSED_GEMM_INSTANCE(Name, Element)                                               \
   namespace jo::cuda::fused_kernel {                                                        \
   const void* Function##Name() { return FunctionAs<Element>(); }                            \

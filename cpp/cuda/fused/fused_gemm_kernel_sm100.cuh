@@ -247,10 +247,13 @@ struct Config {
                                            FlagWaitMainloop<StockMainloop>,
                                            FlagReleaseEpilogue<StockEpilogue>, ArrivalOrder<kPair>>;
 
-  // The flags are per CTA tile of fused::kTileRows rows, the order per MMA tile.
-  static_assert(cute::size<0>(typename Kernel::CtaShape_MNK{}) == fused::kTileRows);
-  static_assert(cute::size<0>(MmaTileShape{}) == kPair * fused::kTileRows);
-  static_assert(cute::size<1>(MmaTileShape{}) == fused::kTileCols);
+  // The flags are per CTA tile of fused::kTileRows rows, the order per MMA tile, the
+  // persistent grid per CTA tile (each CTA's half of an MMA tile).
+  static_assert(cute::size<0>(typename Kernel::CtaShape_MNK{}) == fused::kSm100Tile.rows);
+  static_assert(cute::size<1>(typename Kernel::CtaShape_MNK{}) == fused::kSm100Tile.cols);
+  static_assert(cute::size<0>(MmaTileShape{}) == kPair * fused::kSm100Tile.rows);
+  static_assert(cute::size<1>(MmaTileShape{}) == fused::kSm100Tile.cols);
+  static_assert(fused::CtaTileOf(kPair, false).cols == fused::kSm100Tile.cols);
 };
 
 using BF16 = Config<cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::bfloat16_t,
@@ -297,8 +300,8 @@ Status LaunchAs(const Launch& a, cudaStream_t stream, const ErrorContext& ctx) {
 }  // namespace jo::cuda::fused_kernel::sm100
 
 // Defines fused_kernel::FunctionSm100<Name>, SharedBytesSm100<Name> and
-// LaunchSm100<Name> (fused_gemm_launch.h) for one configuration: one use per
-// .cu file, so the instantiations compile in parallel.
+// LaunchSm100<Name> (fused_gemm_launch.h) for one configuration (its line in
+// fused_gemm_sm100.cu).
 #define JO_FUSED_GEMM_SM100_INSTANCE(Name)                                                       \
   namespace jo::cuda::fused_kernel {                                                             \
   const void* FunctionSm100##Name() { return sm100::FunctionAs<sm100::Name>(); }                 \

@@ -1,9 +1,8 @@
-// What the fused GEMM's instantiations (fused_gemm_{bf16,f16}.cu, the FP8
-// ones fused_gemm_e4m3_{bf16,f16,f32}.cu and fused_gemm_e5m2e4m3_bf16.cu, or the fake's
-// model of them: fake/fake_fused_gemm.cc) are handed: one launch whose
-// arguments fused_gemm.cc has checked, with its tile order made. Apart from
-// fused_gemm.h so that the CUTLASS instantiations, the slowest objects of the
-// build, depend on nothing but this, the tile mapping and the status types.
+// What the fused GEMM's instantiations (fused_gemm_sm90.cu, fused_gemm_sm90_fp8.cu and
+// fused_gemm_sm100.cu, or the fake's model of them: fake/fake_fused_gemm.cc) are handed: one launch
+// whose arguments fused_gemm.cc has checked, with its tile order made. Apart from fused_gemm.h so
+// that the CUTLASS instantiations, the slowest objects of the build, depend on nothing but this,
+// the tile mapping and the status types.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -87,11 +86,10 @@ struct Launch {
 // per CTA tile of fused::kTileRows rows.
 inline constexpr int32_t kSm100MmaPair = 2;
 
-// One instantiation per element type (FP8: per A x B -> D triple), defined in
-// its own .cu file. Function<Name>: the kernel, as cudaFuncGetAttributes and
-// cudaFuncSetAttribute take it; SharedBytes<Name>: the dynamic shared memory
-// it needs; Launch<Name>: enqueues the launch on `stream` (the counters'
-// zero-fill, then the kernel).
+// One instantiation per element type (FP8: per A x B -> D triple), defined by
+// its line in its kernel family's .cu file. Function<Name>: the kernel, as cudaFuncGetAttributes
+// and cudaFuncSetAttribute take it; SharedBytes<Name>: the dynamic shared memory it needs;
+// Launch<Name>: enqueues the launch on `stream` (the counters' zero-fill, then the kernel).
 #define JO_FUSED_GEMM_DECLARE(Name) \
   const void* Function##Name();     \
   int SharedBytes##Name();          \
