@@ -119,6 +119,7 @@ class Enqueuer {
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
                         " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
     for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
+    if (has_fused_) JO_CHECK(DeviceFusedKernel(&fused_kernel_));
     // The SMs a fused GEMM leaves to the reduction beside it: as many as cost its persistent
     // grid no wave (fused_tiles.h SpareSms) on the SMs it may use (KernelSms), at most
     // FusedBlocks::spare_sms and a quarter of those (only the fake's small devices have fewer
@@ -129,9 +130,8 @@ class Enqueuer {
       if (op.kind == OpKind::kFusedGemm && op.fused.spare_sms > 0) {
         int32_t sms = 0;
         JO_CHECK(KernelSms(&sms));
-        FusedKernel kernel = FusedKernel::kNone;
-        JO_CHECK(DeviceFusedKernel(&kernel));
-        const fused::CtaTile tile = fused::CtaTileOf(MmaPairOf(kernel), IsFp8(p_.problem.x_dtype));
+        const fused::CtaTile tile =
+            fused::CtaTileOf(MmaPairOf(fused_kernel_), IsFp8(p_.problem.x_dtype));
         const int64_t m_tiles = (op.m + tile.rows - 1) / tile.rows;
         const int64_t n_tiles = (op.n + tile.cols - 1) / tile.cols;
         spare_sms_ = std::max(1, fused::SpareSms(m_tiles, n_tiles, op.batch, sms,
@@ -474,8 +474,8 @@ class Enqueuer {
     // it (FusedBlocks::spare_sms, as Prepare bounded them; its kernels are sized to them).
     JO_CHECK(KernelSms(&f.sm_count));
     if (blocks.spare_sms > 0) f.sm_count -= spare_sms_;
-    JO_CHECK(DeviceFusedKernel(&f.kernel));  // the kernel (and its tile order's unit)
-    JO_CHECK(CheckFusedGemm(&f));            // and its tile order made, once
+    f.kernel = fused_kernel_;      // the kernel (and its tile order's unit)
+    JO_CHECK(CheckFusedGemm(&f));  // and its tile order made, once
     return PrepareFusedGemm(f.types, f.kernel, a_.ctx);
   }
 
@@ -696,6 +696,7 @@ class Enqueuer {
   bool warmed_ = false;     // a new cuBLASLt plan ran its warm-up in Prepare: join it first
   bool has_fused_ = false;  // the program has a FusedGemm
   int32_t spare_sms_ = 0;   // the SMs the fused GEMM leaves to the kernels beside it
+  FusedKernel fused_kernel_ = FusedKernel::kNone;  // the device's (with has_fused_)
 };
 
 PreparedCall::PreparedCall(std::unique_ptr<Enqueuer> enqueuer) : enqueuer_(std::move(enqueuer)) {}

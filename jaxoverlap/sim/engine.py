@@ -150,7 +150,7 @@ class _Engine:
         self.cap = preset.link_gbps * 1e9
         self.event_latency = preset.event_latency_us * model.US
         self.signal_latency = preset.signal_latency_us * model.US
-        fork = preset.event_latency_us * model.US
+        fork = self.event_latency
         for key in self.streams:
             if key[1] > 0 and fork > 0:  # comm streams wait for the fork event
                 self.busy[key] = True
@@ -265,7 +265,7 @@ class _Engine:
             elif kind == "Record":
                 self.events[(r, op["id"])] = now
                 self.version[r] += 1
-                if self.p.event_latency_us:
+                if self.event_latency:
                     self.at(now + self.event_latency, _nothing)
                 self.span(key, idx, op, self.reached[key])
                 self.finish(key)
@@ -459,14 +459,13 @@ class _Engine:
     def run(self) -> Timeline:
         # the loop runs hundreds of thousands of times per call: what it reads is bound once
         busy, blocked, version, heap = self.busy, self.blocked, self.version, self.heap
-        ends = {key: len(ops) for key, ops in self.streams.items()}
         live = list(self.streams)  # the streams with ops left, in the order they are scanned
         finished = self.finished
         never = float("inf")
         while True:
             if finished != self.finished:  # a finished stream never moves again: not scanned
                 finished = self.finished
-                live = [key for key in live if self.pos[key] < ends[key]]
+                live = [key for key in live if self.pos[key] < len(self.streams[key])]
             progress = True
             while progress:
                 progress = False

@@ -8,8 +8,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxoverlap import _kinds
+from jaxoverlap.sim import reduction
 from jaxoverlap.sim.model import Shape
-from jaxoverlap.sim.plan import SimResult, choose, programs
+from jaxoverlap.sim.plan import SimResult, baseline_times, choose, programs
 from jaxoverlap.sim.presets import FP8_DTYPES, PRESETS, Preset, canonical_dtype, load_preset
 
 MODEL_LABEL = "MODEL PROJECTION (jaxoverlap.sim), not a measurement"
@@ -220,9 +221,6 @@ def overlapped_table(preset: str | Preset, cases: Sequence[Case] = STANDARD_CASE
     ``sim.reduction.overlapped`` (Triton-distributed's and kraken's copy-engine GEMM+RS when
     its reduction runs after the GEMM: the parts the overlapped program is built from, checked
     against their published calls): xla's time, the projection's, its parts and its design."""
-    from jaxoverlap.sim import reduction
-    from jaxoverlap.sim.plan import baseline_times
-
     p = load_preset(preset)
     rows: list[dict[str, object]] = []
     if not p.p2p_gbps:
@@ -251,8 +249,6 @@ def overlapped_table(preset: str | Preset, cases: Sequence[Case] = STANDARD_CASE
 def format_overlapped_table(rows: Sequence[dict[str, object]]) -> str:
     """The overlapped GEMM+RS projections as text, labelled a projection; under each case,
     Flux's Hopper design priced by its own mechanism where its GEMM runs."""
-    from jaxoverlap.sim import reduction
-
     lines = [OVERLAPPED_LABEL,
              f"{'case':<12} {'xla µs':>8} {'proj. µs':>9} {'vs xla':>7} {'ideal':>6} "
              f"{'GEMM µs':>8} {'copies µs':>10} {'tail µs':>8}  design"]
