@@ -396,7 +396,10 @@ def fit_fused(p: Preset, points: Sequence[FusedPoint]) -> Preset:
     def cost(s: float) -> float:
         return sum(math.log(r) ** 2 for r, _ in fused_error(scaled(s), points))
 
-    p = scaled(_minimize(cost, 0.0, 20.0))
+    best = _minimize(cost, 0.0, 20.0)
+    if cost(1.0) <= cost(best) + 1e-12:  # the calls do not see these costs (the GPU bounds them)
+        best = 1.0
+    p = scaled(best)
     p = p.replace(**{k: round(getattr(p, k), 2) for k in FUSED_PATH_COSTS})
     ratios = fused_error(p, points)
     serial = [s for _, s in ratios if s is not None]
