@@ -97,7 +97,7 @@ def test_fused_points_the_gpu_bounds_leave_the_host_costs_alone():
     assert r.t_fused > model.host_time(BASE, [{"ops": [None] * 40}])  # ~30 ops: GPU-bound
     fitted = sim.calibrate(BASE, fused=[sim.FusedPoint("ag_matmul", shape, "bf16", 8, c,
                                                        r.t_fused, r.t_xla)])
-    for key in ("host_op_us", "host_call_us"):
+    for key in fit.FUSED_PATH_COSTS:
         assert getattr(fitted, key) == getattr(BASE, key), key
 
 
