@@ -537,8 +537,8 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     None means no model applies (no preset: host devices by default) or nothing
     is left open; the simple defaults then hold. ``fused``: True, the fused plans only;
     False, none; None, wherever the executor runs them. ``block_scaled``: fp8 operands with
-    block scales, which no GPU's native plan takes (:data:`BLOCK_SCALED_REASON`) and the model
-    prices as the xla and ring impls compute them.
+    block scales, which no GPU's native plan takes (:data:`BLOCK_SCALED_REASON`): the model
+    picks among xla and ring, priced as they compute them.
     """
     mesh = jax.sharding.get_abstract_mesh()
     device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
@@ -548,8 +548,13 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
         return None                      # xla/ring asked for: nothing for the model to pick
     dtype = gemm_dtype(x, w)
-    native_ok = native_reason(x.dtype, w.dtype) is None and not (
-        block_scaled and block_scaled_reason(capabilities.current_platform()) is not None)
+    native_ok = native_reason(x.dtype, w.dtype) is None
+    if block_scaled and native_ok:
+        # The presets are GPUs, whose executor takes no block scales (the host executor's
+        # native path is a CPU emulation, never priced).
+        logger.debug("%s with block scales (MXFP8): the model (preset %r) picks among 'xla' "
+                     "and 'ring': %s.", op, preset, BLOCK_SCALED_REASON)
+        native_ok = False
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error
     if forced_native:

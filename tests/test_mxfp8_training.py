@@ -1,4 +1,5 @@
-"""``jaxoverlap.fp8.MXFP8BlockScaling``: the MXFP8 recipe trained through the ops (xla, ring).
+"""``jaxoverlap.fp8.MXFP8BlockScaling``: the MXFP8 recipe trained through the ops (xla, ring,
+and native on the host executor).
 
 The reference is written here with numpy alone, from the OCP MX spec v1.0 §6.3
 (https://www.opencompute.org/documents/ocp-microscaling-formats-mx-v1-0-spec-final-pdf): per
@@ -108,7 +109,9 @@ def _vjp_case(op, x_split: int, w_split: int, y_split: int, shapes, impl: str, g
 
 
 # (impl, gradient dtype, the ops' options): the first runs in the quick loop.
-CASES = [("ring", E4, dict(chunks=2, bidirectional=True)), ("xla", E5, {})]
+CASES = [("ring", E4, dict(chunks=2, bidirectional=True)), ("xla", E5, {}),
+         ("native", E5, dict(transport="p2p", chunks=2)),   # the host executor
+         ("native", E4, dict(transport="nccl"))]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1].name}")
