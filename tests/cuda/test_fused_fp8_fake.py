@@ -55,14 +55,15 @@ def _inputs(dtypes, n, x_rows, k, nw, seed):
     return xs, ws
 
 
-def _case(fake, transport, dtypes, n, rows, k, nw, chunks, bidi, seed, calls=1):
-    """One fused FP8 all-gather on fresh small-integer inputs: (outcome, expected ys)."""
+def _case(fake, transport, dtypes, n, rows, k, nw, chunks, bidi, seed, calls=1, fused=True):
+    """One FP8 all-gather (fused, or chunked: a cuBLASLt GEMM per sub-chunk, exact too on these
+    inputs) on fresh small-integer inputs: (outcome, expected ys)."""
     x_dtype, w_dtype, y_dtype = dtypes
     xs, ws = _inputs(dtypes, n, rows, k, nw, seed)
     sx, sw = _scales(n)
     p = problem("ag_matmul", transport, n, batch=1, rows=rows, k=k, nw=nw, dtype=x_dtype,
                 w_dtype=w_dtype, out_dtype=y_dtype, chunks=chunks, bidirectional=bidi,
-                fused=True)
+                fused=fused)
     out = play(fake, p, xs, [np.ascontiguousarray(w.T) for w in ws], calls=calls, x_scales=sx,
                w_scales=sw)
     # |sums| <= 4k < 2^10: exact in the accumulator; the scales' products are powers of two.
@@ -118,6 +119,28 @@ def test_the_fused_fp8_all_gather_is_exact_on_the_fake(fake, transport):
             assert fake.counters().get("cudaLaunchKernelEx") == 2 * n  # fused: one per call
         except AssertionError as e:
             e.add_note(f"in the case {(n, rows, k, nw, chunks, bidi, connections, dtypes)}")
+            raise
+
+
+def test_the_p2p_fp8_all_gather_at_uneven_speeds_is_exact(fake):
+    """The p2p FP8 all-gather, chunked and fused, whose scales cross on streams of their own
+    beside the shards' data, each released by its shard's first flag only once it has landed
+    (core/build_ag.cc): the ranks' host threads at uneven speeds (``host_jitter``), 1 and 8 work
+    queues, every grid case (N 2..8, 1..3 chunks, both directions), two calls back to back:
+    every row scaled by its own shard's scale (distinct powers of two), bit for bit."""
+    for i, ((n, rows, k, nw, chunks, bidi), fused) in enumerate(
+            itertools.product(GRID, (False, True))):
+        connections = (1, 8)[(i + i // 2) % 2]  # each program with 1 and with 8 queues
+        dtypes = ("float8_e4m3fn", "float8_e4m3fn", "bfloat16")  # cuBLASLt's and the kernel's
+        fake.reset(fake.Config(connections=connections, seed=i + 1, host_jitter=1 + i % 3))
+        out, expected = _case(fake, "p2p", dtypes, n, rows, k, nw, chunks, not bidi, seed=i,
+                              calls=2, fused=fused)
+        try:
+            assert out["statuses"] == [None] * n, out["statuses"]
+            assert out["drained"] and fake.errors() == [], fake.errors()
+            assert _mismatch(out, expected, dtypes[2]) == ""
+        except AssertionError as e:
+            e.add_note(f"in the case {(n, rows, k, nw, chunks, not bidi, connections, fused)}")
             raise
 
 

@@ -40,6 +40,9 @@ def fused_blocks(program, op):
                 "text": f"{op['text']} block {b}"}
         part["a"] = {**op["a"], "offset": op["a"]["offset"] + begin * op["a"]["ld"]}
         part["d"] = {**op["d"], "offset": op["d"]["offset"] + begin * op["d"]["ld"]}
+        if op.get("a_scale") is not None:  # fp8: the block's rows take their shard's slot
+            part["a_scale"] = {**op["a_scale"], "offset": op["a_scale"]["offset"]
+                               + shard * f["x_scale_stride"]}
         out.append(part)
         if f["release_flags"] >= 0:
             out.append({"kind": "Signal", "stream": op["stream"], "id": f["release_flags"] + b,

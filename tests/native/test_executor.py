@@ -683,6 +683,55 @@ def test_fp8_fused_with_per_shard_and_per_rank_scales(transport):
                          x_deq @ w_deq, out, n, k, x_deq, w_deq)
 
 
+def test_fp8_p2p_all_gathers_are_exact_with_ranks_late():
+    """The p2p FP8 all-gather, chunked and fused, one- and bidirectional, 1 and 3 chunks, its
+    scales on streams of their own beside the shards' data (core/build_ag.cc): four calls in one
+    program, each late on different ranks (a GEMM chain before it), twice. Small integers under
+    power-of-two scales distinct per shard make every product and sum exact, so each row must
+    be its own shard's, scaled by its own shard's scale, bit for bit."""
+    from jax import lax
+
+    n, rows, k = 8, 6, 32
+    calls = [(False, 3, False), (False, 1, True), (True, 1, False), (True, 3, True)]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.integers(-2, 3, (1, n * rows, k)), jnp.float8_e4m3fn)
+    w = jnp.asarray(rng.integers(-2, 3, (k, 16 * n)), jnp.float8_e4m3fn)
+    sx_np = np.asarray([2.0 ** (r - 3) for r in range(n)], np.float32)
+    sw_np = np.asarray([2.0 ** -(r % 3) for r in range(n)], np.float32)
+    big = rand(21, (192, 192)) / 16
+
+    def late(t, r, j):
+        def slow(t):
+            acc = big
+            for _ in range(3):
+                acc = jnp.tanh(acc @ big)
+            return t + (0.0 * acc[0, 0]).astype(t.dtype)
+        return lax.cond(r % 3 == j % 3, slow, lambda t: t, t)
+
+    def body(x, w, sx, sw):
+        r = lax.axis_index("tp")
+        return tuple(native_shard.ag_matmul(
+            late(x, r, j), w, axis=1, x_scale=sx[0], w_scale=sw[0], transport="p2p",
+            chunks=chunks, bidirectional=bidir, fused=fused, timeout_s=60.0,
+            out_dtype="bfloat16") for j, (fused, chunks, bidir) in enumerate(calls))
+
+    f = jax.jit(jax.shard_map(body, mesh=tp_mesh(n),
+                              in_specs=(P(None, "tp"), P(None, "tp"), P("tp"), P("tp")),
+                              out_specs=(P(None, None, "tp"),) * len(calls)))
+    x64, w64 = f64(x), f64(w)
+    gathered = np.concatenate([x64[:, j * rows:(j + 1) * rows] * sx_np[j] for j in range(n)],
+                              axis=1)
+    want = np.concatenate([gathered @ (w64[:, r * 16:(r + 1) * 16] * sw_np[r])
+                           for r in range(n)], axis=-1)
+    for i in range(2):
+        for (fused, chunks, bidir), y in zip(calls, f(x, w, jnp.asarray(sx_np),
+                                                        jnp.asarray(sw_np)), strict=True):
+            assert y.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(f64(y), want,
+                                          err_msg=f"run {i}, fused={fused} chunks={chunks} "
+                                                  f"bidirectional={bidir}")
+
+
 def test_fp8_a_wrong_shard_scale_would_be_caught():
     """The check above is sensitive to the scales' travel: every rank using its own x scale
     for every shard (what a program that did not move them would do) misses the bound."""

@@ -340,13 +340,17 @@ def test_block_scales_travel_with_every_sub_chunk():
                 host.check_program(p)
                 check_bounds(p)
                 check_dtypes(p)
-                data = {(o["kind"], o["shard"], o["sub"], o["stream"]): o for o in p["ops"]
+                def key(o):  # a transfer: what it moves, to or from whom
+                    return (o["kind"], o["shard"], o["sub"], o["peer"],
+                            o["d"]["rank"] if o["d"] else None)
+
+                data = {key(o): o for o in p["ops"]
                         if o["kind"] in ("Copy", "Send", "Recv", "McStore") and o["stream"] > 0
                         and o["n"] == k}  # the transfers (the compute stream's copies: x's own)
                 moved = _scale_ops(p)
                 assert len(moved) == len(data), (len(moved), len(data))
                 for o in moved:
-                    twin = data[(o["kind"], o["shard"], o["sub"], o["stream"])]
+                    twin = data[key(o)]
                     assert (o["m"], o["n"], o["bytes"]) == (twin["m"], k // 32, twin["bytes"] // 32)
                     for role in ("a", "d"):
                         if o[role] is not None and twin[role] is not None:
@@ -394,6 +398,83 @@ def test_block_scaled_programs_refuse_what_they_cannot_be():
             host.build_program("ag_matmul", "p2p", 2, 0, 1, 4, args["k"], 2, args["dtype"], 1,
                                False, False, w_dtype=args["w_dtype"],
                                out_dtype=args["out_dtype"], fused=fused, block_scaled=True)
+
+
+def _happens_before_on_rank(program, first, then):
+    """Whether op `first` precedes op `then` on their rank (indices into the program): stream
+    order and Record -> StreamWait, transitively (the only orders a rank's own streams have)."""
+    ops = program["ops"]
+    after = {i: [] for i in range(len(ops))}
+    last, recorded = {}, {}
+    for i, o in enumerate(ops):
+        if o["stream"] in last:
+            after[last[o["stream"]]].append(i)
+        last[o["stream"]] = i
+        if o["kind"] == "Record":
+            recorded[o["id"]] = i
+        elif o["kind"] == "StreamWait":
+            after[recorded[o["id"]]].append(i)
+    seen, todo = {first}, [first]
+    while todo:
+        for j in after[todo.pop()]:
+            if j == then:
+                return True
+            if j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return False
+
+
+def _scale_joins(program):
+    """The StreamWaits by which a data stream waits for a scale copy's event."""
+    ops = program["ops"]
+    recorded = {o["id"]: o["stream"] for o in ops if o["kind"] == "Record"}
+    scale_streams = {o["stream"] for o in _scale_ops(program)}
+    return [i for i, o in enumerate(ops)
+            if o["kind"] == "StreamWait" and recorded[o["id"]] in scale_streams]
+
+
+def test_p2p_scale_copies_run_beside_the_data_and_before_their_shards_flag():
+    """On p2p a shard's scale crosses on a stream of its own per direction (no data copy, no
+    signal there: its copy's start is off the ring's path), and the flag that releases the
+    shard's first sub-chunk to the peer comes after it (the data stream joins its event): no
+    peer reads a scale slot before the scale is in it. Without the joins, the race checker
+    sees the peers' GEMMs (chunked) and the fused kernel's blocks read the slots unordered."""
+    for n, chunks, bidir, fused in grid([1, 2, 3, 8], [1, 3], [False, True], [False, True]):
+        with case(n, chunks, bidir, fused):
+            programs = [host.build_program("ag_matmul", "p2p", n, r, 1, 3, 16, 8,
+                                           "float8_e4m3fn", chunks, bidir, False,
+                                           w_dtype="float8_e4m3fn", out_dtype="bfloat16",
+                                           fused=fused) for r in range(n)]
+            for r, p in enumerate(programs):
+                ops = p["ops"]
+                sent = [i for i, o in enumerate(ops) if o in _scale_ops(p) and o["d"]["rank"] != r]
+                assert len(sent) == (p["cw_steps"] + p["ccw_steps"] if n > 1 else 0)
+                data = {o["stream"] for o in ops
+                        if o["kind"] in ("Copy", "Signal") and o not in _scale_ops(p)}
+                assert not data & {ops[i]["stream"] for i in sent}
+                for i in sent:
+                    peer, shard = ops[i]["d"]["rank"], ops[i]["shard"]
+                    (flag,) = [j for j, o in enumerate(ops) if o["kind"] == "Signal"
+                               and o["peer"] == peer and o["id"] == shard * p["chunks"]]
+                    assert _happens_before_on_rank(p, i, flag), ops[i]["text"]
+            check_race_free(programs)
+            if n == 1:
+                continue
+            unjoined = copy.deepcopy(programs)
+            for r, p in enumerate(unjoined):
+                joins = set(_scale_joins(p))
+                assert len(joins) == p["cw_steps"] + p["ccw_steps"]
+                p["ops"] = [o for i, o in enumerate(p["ops"]) if i not in joins]
+                for i, o in enumerate(p["ops"]):
+                    if o in _scale_ops(p) and o["d"]["rank"] != r:
+                        (flag,) = [j for j, s in enumerate(p["ops"]) if s["kind"] == "Signal"
+                                   and s["peer"] == o["d"]["rank"]
+                                   and s["id"] == o["shard"] * p["chunks"]]
+                        assert not _happens_before_on_rank(p, i, flag)
+            check_deadlock_free(unjoined)
+            with pytest.raises(ScheduleError, match="'WORKSPACE_SCALES'"):  # a race or a stale read
+                check_race_free(unjoined)
 
 
 def test_fp8_dtype_rules_are_checked_by_both_checkers():
