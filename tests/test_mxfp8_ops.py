@@ -128,7 +128,7 @@ def test_matmul_rs_and_ar(case):
 def test_global_arrays():
     """Outside shard_map, under Explicit and Auto mesh axes with data parallel on the batch: the
     block scales are split as their operands (x's rows or K's blocks, w's columns or K's
-    blocks); several calls in one jitted program."""
+    blocks); several calls in one jitted program, the AG+GEMM on the host executor too."""
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     k = 128                                       # 32 per rank of tp: one block each for RS/AR
     x, h = rand(5, (4, 8, k), E4, scale=3.0), rand(6, (4, 8, k), E4, scale=3.0)
@@ -146,15 +146,18 @@ def test_global_arrays():
                                  **common),
                     jo.matmul_rs(h, wr, "tp", axis=1, impl="xla", x_scale=hs, w_scale=wrs,
                                  **common),
-                    jo.matmul_ar(h, wr, "tp", impl="ring", x_scale=hs, w_scale=wrs, **common))
+                    jo.matmul_ar(h, wr, "tp", impl="ring", x_scale=hs, w_scale=wrs, **common),
+                    jo.ag_matmul(x, wc, "tp", axis=1, impl="native", x_scale=xs, w_scale=wcs,
+                                 **common))
 
         rows, feats = P("dp", "tp"), P("dp", None, "tp")
         with jax.set_mesh(mesh):
-            y, z, a = jax.jit(f)(put(x, mesh, rows), put(xs, mesh, rows), put(h, mesh, feats),
+            y, z, a, yn = jax.jit(f)(put(x, mesh, rows), put(xs, mesh, rows), put(h, mesh, feats),
                                  put(hs, mesh, feats), put(w, mesh, P(None, "tp")),
                                  put(ws, mesh, P(None, "tp")), put(w, mesh, P("tp", None)),
                                  put(ws, mesh, P("tp", None)))
-        assert_fp8_exact(y, xd @ wd, np.abs(xd) @ np.abs(wd), F32, k=k)
+        for got in (y, yn):
+            assert_fp8_exact(got, xd @ wd, np.abs(xd) @ np.abs(wd), F32, k=k)
         for got in (z, a):
             assert_fp8_exact(got, hd @ wd, np.abs(hd) @ np.abs(wd), F32, k=k)
 
