@@ -92,13 +92,22 @@ Status CheckScale(const Program& p, const Op& op, const char* role, bool scaled,
   return scaled ? CheckRef(p, op, role, ref, 1, 1, 1, sizes) : OkStatus();
 }
 
-// A Gemm's block scales (MXFP8): both set, in scale buffers, a's covering its
-// batch x m rows and w's all of w, k/32 per row.
+// A Gemm's block scales (MXFP8): both set, a's the scale rows beside its rows
+// (BlockScalesOf: a starts at a row of whole k), covering its batch x m rows,
+// and w's all of w (WSCALE), k/32 per row.
 Status CheckBlockScales(const Program& p, const Op& op, const BufferSizes& sizes) {
-  if (!op.a_scaled || !op.b_scaled || !IsScales(op.a_scale.buf) || op.b_scale.buf != BufId::kWScale)
-    return Internal(std::string(CollectiveName(p.problem.op)) + " program of rank " +
-                    std::to_string(p.problem.rank) + ": " + ToString(op) +
-                    ": a block-scaled GEMM names a's scale rows and w's scales (WSCALE)");
+  const Problem& q = p.problem;
+  const Ref beside = BlockScalesOf(q, op.a);
+  const bool whole_rows =
+      op.a.offset % q.k == 0 && op.a.ld % q.k == 0 && op.a.batch_stride % q.k == 0;
+  if (!op.a_scaled || !op.b_scaled || !whole_rows || op.a_scale.buf != beside.buf ||
+      op.a_scale.rank != beside.rank || op.a_scale.offset != beside.offset ||
+      op.a_scale.ld != beside.ld || op.a_scale.batch_stride != beside.batch_stride ||
+      op.b_scale.buf != BufId::kWScale || op.b_scale.offset != 0 || op.b_scale.ld != q.cols)
+    return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                    std::to_string(q.rank) + ": " + ToString(op) +
+                    ": a block-scaled GEMM reads the scale rows beside a's rows (" +
+                    ToString(beside) + ") and all of w's (WSCALE)");
   const int64_t kb = KBlocks(p.problem);
   JO_CHECK(CheckRef(p, op, "a_scale", op.a_scale, op.batch, op.m, kb, sizes));
   return CheckRef(p, op, "b_scale", op.b_scale, 1, kb, op.n, sizes);

@@ -387,6 +387,19 @@ def test_race_checker_catches_block_scales_that_did_not_travel(transport):
         check_race_free(broken)
 
 
+def test_a_gemm_reading_other_rows_scales_is_refused():
+    """A block-scaled GEMM whose a_scale names scale rows other than its own rows' (another
+    sub-chunk's) stays inside the buffer, so only the scales-beside-rows rule refuses it."""
+    p = build("ag_matmul", "nccl", 2, 0, rows=4, k=64, chunks=2, **MX)
+    host.check_program(p)
+    i = next(i for i, o in enumerate(p["ops"]) if o["kind"] == "Gemm" and o["sub"] == 1)
+    broken = copy.deepcopy(p)
+    broken["ops"][i]["a_scale"]["offset"] -= 2 * 2        # sub-chunk 0's rows (2 rows x k/32)
+    check_bounds(broken)
+    with pytest.raises(ValueError, match="scale rows beside a's rows"):
+        host.check_program(broken)
+
+
 def test_block_scaled_programs_refuse_what_they_cannot_be():
     """k not whole blocks of 32, an operand not fp8, or the fused GEMM: refused naming why."""
     for kw, match in ((dict(k=48), "multiple of 32"),
