@@ -31,7 +31,7 @@ from jax import lax
 
 from jaxoverlap import _megatron, _plan, _precision, _ring, _xla
 from jaxoverlap._compat import bound_axis_size, check_vma_active, match_varying, varying_axes
-from jaxoverlap._fp8_dtypes import block_scaled, no_gradient
+from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import AG, AR, RS, TRANSPOSE, F
 from jaxoverlap._native import primitive as native
 from jaxoverlap._plan import OpPlan, Request
@@ -168,9 +168,9 @@ def _run_ar(x, w, plan: OpPlan, scales: tuple = ()):
 
 
 def _native_scales(scales: tuple) -> dict:
-    """The native primitive's scale arguments (none without fp8: they default to 1.0); block
-    scales never get here (``_plan`` keeps them off the native path)."""
-    assert not block_scaled(scales), "block scales on the native path"
+    """The native primitive's scale arguments (none without fp8: they default to 1.0):
+    float32 scalars, or block scales (e8m0, MXFP8), which only the host executor takes
+    (``_plan`` keeps them off the CUDA executor)."""
     return dict(x_scale=scales[0], w_scale=scales[1]) if scales else {}
 
 

@@ -83,8 +83,8 @@ class Request:
     matmul, which has no plan); ``axis`` is normalised (0 for ``matmul_ar``, whose rows are
     every dim of x but the last); ``precision`` is ``_precision.normalize``'d (Megatron's f:
     as given, ``lax.dot_general``'s); ``out_dtype``: y's dtype name for fp8 operands (None:
-    x's); ``block_scaled``: the fp8 operands carry block scales (MXFP8), which no native
-    executor takes (:data:`BLOCK_SCALED_REASON`).
+    x's); ``block_scaled``: the fp8 operands carry block scales (MXFP8), which the host
+    executor takes and the CUDA executor does not (:data:`BLOCK_SCALED_REASON`).
     """
 
     op: str
@@ -198,7 +198,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
     kernel = r.algorithm in KERNEL_ALGORITHMS
     if r.block_scaled:
         _check_block_scaled(r.op, impl, explicit_transport, fused, kernel)
-        fused = False
+        fused = False  # never a fused plan: the chunked one (BLOCK_SCALED_FUSED_REASON)
     if fused:
         impl = _check_fused(r.op, impl, transport, x, w, r.out_dtype)
     if kernel:
@@ -341,28 +341,46 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w,
     return "native"
 
 
-# Why a block-scaled (MXFP8) call never runs native: what impl="native" raises and what
-# impl="auto" logs when it picks among xla and ring.
-BLOCK_SCALED_REASON = ("no native executor has a block-scaled GEMM yet (neither the CUDA "
-                       "executor's cuBLASLt GEMMs nor its fused kernels take e8m0 block scales, "
-                       "and the host executor mirrors them)")
+# Why a block-scaled (MXFP8) call does not run on the CUDA executor: what impl="native" on a
+# GPU raises and what impl="auto" logs there when it picks among xla and ring. The host
+# executor takes block scales (the dequantize-then-multiply reference, exactly).
+BLOCK_SCALED_REASON = ("the CUDA executor has no block-scaled GEMM yet (its cuBLASLt GEMMs are "
+                       "not set up with e8m0 block scales; only the host executor, on CPU, "
+                       "takes them)")
+# Why no fused plan takes block scales: the chunked native plan runs them instead.
+BLOCK_SCALED_FUSED_REASON = ("the fused GEMM's kernels are 16-bit and per-tensor FP8 only (no "
+                             "block-scaled MMA), so a block-scaled call takes the chunked "
+                             "native path")
+
+
+def block_scaled_reason(platform: str) -> str | None:
+    """Why the native executor of ``platform`` cannot take block scales (None: it can)."""
+    return BLOCK_SCALED_REASON if platform in capabilities.GPU_PLATFORMS else None
 
 
 def _check_block_scaled(op: str, impl: str, transport: str | None, fused, kernel: bool) -> None:
-    """A call with block scales (MXFP8) runs on ``xla`` or ``ring``: asking for the native
-    path (``impl``, a ``transport``, the fused GEMM, a kernel algorithm) is an error naming
-    the reason and the fix; ``impl="auto"`` leaves native out, and says so in the debug log."""
+    """A call with block scales (MXFP8) runs on ``xla``, ``ring`` or the host executor's native
+    path: asking for the fused GEMM, or for the native path on a GPU (``impl``, a
+    ``transport``, a kernel algorithm), is an error naming the reason and the fix;
+    ``impl="auto"`` leaves what cannot run out, and says so in the debug log."""
+    if fused:
+        raise NativeUnavailableError(
+            f"{op}: jo.config(fused=True) / JAXOVERLAP_FUSED=1 asks for the fused GEMM, but the "
+            f"operands carry block scales (float8_e8m0fnu, MXFP8) and "
+            f"{BLOCK_SCALED_FUSED_REASON}. Drop fused (the chunked path runs the call).")
+    reason = block_scaled_reason(capabilities.current_platform())
+    if reason is None:
+        return
     asked = ("impl='native'" if impl == "native" else
              f"transport={transport!r}" if transport is not None else
-             "jo.config(fused=True) / JAXOVERLAP_FUSED=1" if fused else
              "a kernel algorithm" if kernel else None)
     if asked is None:
         logger.debug("%s with block scales (MXFP8): impl=%r picks among 'xla' and 'ring': %s.",
-                     op, impl, BLOCK_SCALED_REASON)
+                     op, impl, reason)
         return
     raise NativeUnavailableError(
         f"{op}: {asked} asks for the native path, but the operands carry block scales "
-        f"(float8_e8m0fnu, MXFP8) and {BLOCK_SCALED_REASON}. Use impl='ring' or impl='xla' "
+        f"(float8_e8m0fnu, MXFP8) and {reason}. Use impl='ring' or impl='xla' "
         "(or 'auto', which picks among them), or float32 per-tensor scales for the native path.")
 
 
@@ -519,8 +537,8 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     None means no model applies (no preset: host devices by default) or nothing
     is left open; the simple defaults then hold. ``fused``: True, the fused plans only;
     False, none; None, wherever the executor runs them. ``block_scaled``: fp8 operands with
-    block scales, which no native plan takes (:data:`BLOCK_SCALED_REASON`) and the model prices
-    as the xla and ring impls compute them.
+    block scales, which no GPU's native plan takes (:data:`BLOCK_SCALED_REASON`): the model
+    picks among xla and ring, priced as they compute them.
     """
     mesh = jax.sharding.get_abstract_mesh()
     device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
@@ -530,7 +548,13 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     if preset is None or not open_choice or impl not in ("auto", "native") or n == 1:
         return None                      # xla/ring asked for: nothing for the model to pick
     dtype = gemm_dtype(x, w)
-    native_ok = not block_scaled and native_reason(x.dtype, w.dtype) is None
+    native_ok = native_reason(x.dtype, w.dtype) is None
+    if block_scaled and native_ok:
+        # The presets are GPUs, whose executor takes no block scales (the host executor's
+        # native path is a CPU emulation, never priced).
+        logger.debug("%s with block scales (MXFP8): the model (preset %r) picks among 'xla' "
+                     "and 'ring': %s.", op, preset, BLOCK_SCALED_REASON)
+        native_ok = False
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error
     if forced_native:

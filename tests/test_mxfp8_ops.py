@@ -6,8 +6,9 @@ of two, per 32 consecutive elements of the contraction dim K, laid out as
 reference is written here with numpy alone: the scales are made as raw e8m0 bytes (exponent +
 127) and decoded as ``2.0 ** (byte - 127)``, repeated over their 32 elements, multiplied into
 the operands in float64, then the product. Inside shard_map each rank passes its own shard's
-block scales; AG+GEMM's scales travel with x's rows. No native executor takes block scales:
-``impl="native"`` raises, ``impl="auto"`` picks among xla and ring.
+block scales; AG+GEMM's scales travel with x's rows. On CPU the host executor takes them
+(``impl="native"``, every transport and algorithm), exactly; the CUDA executor does not: on a
+GPU ``impl="native"`` raises, and ``impl="auto"`` picks among xla and ring.
 """
 
 from __future__ import annotations
@@ -54,12 +55,16 @@ CASES = [
     ("ring", E4, E4, 4, dict(chunks=2, bidirectional=True)),
     ("xla", E4, E4, 4, {}),
     ("ring", E5, E4, 2, dict(chunks=1, bidirectional=False)),
+    ("native", E4, E4, 4, dict(transport="p2p", chunks=2, bidirectional=True)),
+    ("native", E5, E4, 2, dict(transport="nccl")),
+    ("native", E4, E5, 4, dict(transport="multicast", chunks=2)),
 ]
 
 
 def _ids(case) -> str:
     impl, xd, wd, n, opts = case
-    return f"{impl}-{xd.name}-{wd.name}-N{n}" + "".join(f"-{k}{int(v)}" for k, v in opts.items())
+    return f"{impl}-{xd.name}-{wd.name}-N{n}" + "".join(
+        f"-{v}" if isinstance(v, str) else f"-{k}{int(v)}" for k, v in opts.items())
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
@@ -107,13 +112,13 @@ def test_matmul_rs_and_ar(case):
     def f(x, w, xs, ws):
         common = dict(impl=impl, x_scale=xs, w_scale=ws, preferred_element_type=F32, **opts)
         ys = [jo.matmul_rs(x, w, "tp", axis=1, **common), jo.matmul_ar(x, w, "tp", **common)]
-        if impl == "ring":
+        if impl != "xla":
             ys.append(jo.matmul_ar(x, w, "tp", algorithm="one_shot", **common))
         return tuple(ys)
 
     k_spec = P(None, None, "tp")
     outs = sharded(f, n, (k_spec, P("tp"), k_spec, P("tp")),
-                   (P(None, "tp"),) + (P(),) * (2 if impl == "ring" else 1), x, w, xs, ws)
+                   (P(None, "tp"),) + (P(),) * (1 if impl == "xla" else 2), x, w, xs, ws)
     xd, wd = real(x, xv, 2), real(w, wv, 0)
     for got in outs:
         assert_fp8_exact(got, xd @ wd, np.abs(xd) @ np.abs(wd), F32, k=n * kf)
@@ -123,7 +128,7 @@ def test_matmul_rs_and_ar(case):
 def test_global_arrays():
     """Outside shard_map, under Explicit and Auto mesh axes with data parallel on the batch: the
     block scales are split as their operands (x's rows or K's blocks, w's columns or K's
-    blocks); several calls in one jitted program."""
+    blocks); several calls in one jitted program, the AG+GEMM on the host executor too."""
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
     k = 128                                       # 32 per rank of tp: one block each for RS/AR
     x, h = rand(5, (4, 8, k), E4, scale=3.0), rand(6, (4, 8, k), E4, scale=3.0)
@@ -141,17 +146,100 @@ def test_global_arrays():
                                  **common),
                     jo.matmul_rs(h, wr, "tp", axis=1, impl="xla", x_scale=hs, w_scale=wrs,
                                  **common),
-                    jo.matmul_ar(h, wr, "tp", impl="ring", x_scale=hs, w_scale=wrs, **common))
+                    jo.matmul_ar(h, wr, "tp", impl="ring", x_scale=hs, w_scale=wrs, **common),
+                    jo.ag_matmul(x, wc, "tp", axis=1, impl="native", x_scale=xs, w_scale=wcs,
+                                 **common))
 
         rows, feats = P("dp", "tp"), P("dp", None, "tp")
         with jax.set_mesh(mesh):
-            y, z, a = jax.jit(f)(put(x, mesh, rows), put(xs, mesh, rows), put(h, mesh, feats),
+            y, z, a, yn = jax.jit(f)(put(x, mesh, rows), put(xs, mesh, rows), put(h, mesh, feats),
                                  put(hs, mesh, feats), put(w, mesh, P(None, "tp")),
                                  put(ws, mesh, P(None, "tp")), put(w, mesh, P("tp", None)),
                                  put(ws, mesh, P("tp", None)))
-        assert_fp8_exact(y, xd @ wd, np.abs(xd) @ np.abs(wd), F32, k=k)
+        for got in (y, yn):
+            assert_fp8_exact(got, xd @ wd, np.abs(xd) @ np.abs(wd), F32, k=k)
         for got in (z, a):
             assert_fp8_exact(got, hd @ wd, np.abs(hd) @ np.abs(wd), F32, k=k)
+
+
+# ---------------------------------------------------------------- the host executor, exactly
+
+
+def _integers(key: int, shape, dtype) -> jax.Array:
+    """fp8 values that are small integers (|v| <= 8): with scales 2^0..2^2 every product and
+    every partial sum of a GEMM with K <= 128 is an integer below 2^24, exact in float32 in
+    any order, so the dequantize-then-multiply reference has one answer, bit for bit."""
+    values = np.random.default_rng(200 + key).integers(-8, 9, size=shape).astype(np.float32)
+    return jnp.asarray(values).astype(dtype)
+
+
+def _small_scales(key: int, shape) -> tuple[jax.Array, np.ndarray]:
+    raw = (np.random.default_rng(300 + key).integers(0, 3, size=shape) + 127).astype(np.uint8)
+    return jnp.asarray(raw.view(ml_dtypes.float8_e8m0fnu)), 2.0 ** (raw.astype(np.float64) - 127)
+
+
+def _late(x, seconds: tuple[float, ...]):
+    """Exactly ``x``, after a host callback sleeping ``seconds[rank]`` on the rank's thread:
+    the ranks reach the calls that follow at uneven speeds."""
+    import time
+
+    def nap(value, r):
+        time.sleep(seconds[int(r)])
+        return value
+
+    return jax.pure_callback(nap, jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                             jax.lax.axis_index("tp"))
+
+
+@pytest.mark.parametrize("transport", ["p2p", "nccl", "multicast"])
+def test_native_calls_equal_the_reference_exactly(transport):
+    """The host executor (impl="native"): AG+GEMM (chunked, bidirectional, the gathered x
+    returned), GEMM+RS, and GEMM+AR with every algorithm the transport runs, all in flight in
+    one program, the ranks reaching them at uneven speeds (a different rank late each run):
+    each y is the numpy dequantize-then-multiply reference, bit for bit."""
+    n, rows, k, cols = 4, 4, 64, 2
+    x = _integers(0, (2, n * rows, k), E4)
+    w = _integers(1, (k, n * cols), E5)
+    xs, xv = _small_scales(0, (2, n * rows, k // 32))
+    ws, wv = _small_scales(1, (k // 32, n * cols))
+    xk = _integers(2, (2, 2 * n, n * k), E4)                  # RS / AR: K split over the ranks
+    wk = _integers(3, (n * k, cols), E4)
+    xks, xkv = _small_scales(2, (2, 2 * n, n * k // 32))
+    wks, wkv = _small_scales(3, (n * k // 32, cols))
+    algorithms = ["two_shot", "one_shot"] + (
+        ["one_shot_kernel", "two_shot_kernel"] if transport != "nccl" else [])
+
+    def program(seconds):
+        def f(x, w, xs, ws, xk, wk, xks, wks):
+            x, xk = _late(x, seconds), _late(xk, seconds)
+            common = dict(impl="native", transport=transport)
+            y, gathered = jo.ag_matmul(x, w, "tp", axis=1, x_scale=xs, w_scale=ws, chunks=2,
+                                       bidirectional=True, return_gathered=True,
+                                       preferred_element_type=F32, **common)
+            z = jo.matmul_rs(xk, wk, "tp", axis=1, x_scale=xks, w_scale=wks, chunks=2,
+                             preferred_element_type=F32, **common)
+            ars = [jo.matmul_ar(xk, wk, "tp", x_scale=xks, w_scale=wks, algorithm=a,
+                                preferred_element_type=F32, **common) for a in algorithms]
+            return y, gathered, z, *ars
+
+        rows_spec, k_spec = P(None, "tp"), P(None, None, "tp")
+        return jax.jit(jax.shard_map(
+            f, mesh=tp_mesh(n), check_vma=False,
+            in_specs=(rows_spec, P(None, "tp"), rows_spec, P(None, "tp"), k_spec, P("tp"),
+                      k_spec, P("tp")),
+            out_specs=(P(None, None, "tp"), P(), P(None, "tp")) + (P(),) * len(algorithms)))
+
+    want_y = real(x, xv, 2) @ real(w, wv, 0)
+    want_k = real(xk, xkv, 2) @ real(wk, wkv, 0)
+    for late in range(2):
+        seconds = tuple(0.03 if r == late else 0.002 * r for r in range(n))
+        y, gathered, z, *ars = program(seconds)(x, w, xs, ws, xk, wk, xks, wks)
+        np.testing.assert_array_equal(np.asarray(y, np.float64), want_y)
+        assert gathered.dtype == x.dtype
+        np.testing.assert_array_equal(np.asarray(gathered, np.float32), np.asarray(x, np.float32))
+        np.testing.assert_array_equal(np.asarray(z, np.float64), want_k)
+        for a, got in zip(algorithms, ars, strict=True):
+            np.testing.assert_array_equal(np.asarray(got, np.float64), want_k, err_msg=a)
 
 
 # ---------------------------------------------------------------- on the wire
@@ -208,21 +296,36 @@ E8 = jnp.float8_e8m0fnu
     (dict(w_scale=jnp.float32(1.0)), TypeError,
      r"w_scale is float32: block and per-tensor scales do not mix"),
     (dict(w_scale=None), TypeError, r"w_scale is missing: block and per-tensor"),
-    (dict(impl="native"), jo.NativeUnavailableError,
-     r"impl='native' .* block scales .* no native executor has a block-scaled GEMM .* "
-     r"Use impl='ring' or impl='xla'"),
-    (dict(transport="p2p"), jo.NativeUnavailableError, r"transport='p2p' asks for the native"),
 ])
-def test_misuse_is_a_clear_error(kwargs, error, match):
+@pytest.mark.parametrize("impl", ["auto", "native"])
+def test_misuse_is_a_clear_error(kwargs, error, match, impl):
+    """The ops check block scales before any impl is picked: the native path (the host
+    executor) refuses misshapen ones with the same errors as the others."""
     with pytest.raises(error, match=match):
+        _call(impl=impl, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(impl="native"), r"impl='native' .* block scales .* the CUDA executor has no "
+     r"block-scaled GEMM .* Use impl='ring' or impl='xla'"),
+    (dict(transport="p2p"), r"transport='p2p' asks for the native"),
+])
+def test_the_cuda_executor_is_not_asked_for_block_scales(monkeypatch, kwargs, match):
+    """On a GPU the native path is the CUDA executor, which takes no block scales (its
+    cuBLASLt GEMMs are not set up for them): asking for it is a clear error before lowering.
+    (No GPU here: the plan is made for a traced GPU platform.)"""
+    from jaxoverlap._executors import capabilities
+
+    monkeypatch.setattr(capabilities, "current_platform", lambda: "cuda")
+    with pytest.raises(jo.NativeUnavailableError, match=match):
         _call(**kwargs)
 
 
 def test_auto_leaves_the_native_path_out(monkeypatch, caplog):
     """Where the h100 preset's model picks the native path for per-tensor fp8 (GEMM+RS, 8192³
-    over 8 ranks), block scales make it pick among xla and ring, saying why in the debug log,
-    where the model says it priced their dequantize-then-multiply; fused=True is the native
-    error."""
+    over 8 ranks), block scales make it pick among xla and ring (the preset's GPU executor
+    takes none), saying why in the debug log, where the model says it priced their
+    dequantize-then-multiply; fused=True is an error naming why no fused GEMM takes them."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
     m = k = 8192
@@ -240,13 +343,14 @@ def test_auto_leaves_the_native_path_out(monkeypatch, caplog):
         assert "custom_call @jaxoverlap_" in lowered(op, tensor)   # per tensor: native
         with caplog.at_level(logging.DEBUG, logger="jaxoverlap"):
             assert "custom_call @jaxoverlap_" not in lowered(op, blocks)
-        assert any(op.__name__ in r.message and "no native executor has a block-scaled GEMM"
+        assert any(op.__name__ in r.message and "the CUDA executor has no block-scaled GEMM"
                    in r.message for r in caplog.records)
         # the model is told: it prices the xla and ring GEMMs as they dequantize (float32)
         assert any("dequantizes its operands and multiplies in float32" in r.message
                    for r in caplog.records)
     x, w = rand(0, (64, 64), E4), rand(1, (64, 64), E4)
-    with jo.config(fused=True), pytest.raises(jo.NativeUnavailableError, match="fused=True"):
+    with jo.config(fused=True), pytest.raises(jo.NativeUnavailableError,
+                                              match="fused=True.*16-bit and per-tensor FP8"):
         _call(jo.matmul_rs, x, w, x_scale=jnp.ones((64, 2), E8), w_scale=jnp.ones((2, 64), E8))
 
 

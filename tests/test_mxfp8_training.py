@@ -1,4 +1,5 @@
-"""``jaxoverlap.fp8.MXFP8BlockScaling``: the MXFP8 recipe trained through the ops (xla, ring).
+"""``jaxoverlap.fp8.MXFP8BlockScaling``: the MXFP8 recipe trained through the ops (xla, ring,
+and native on the host executor).
 
 The reference is written here with numpy alone, from the OCP MX spec v1.0 §6.3
 (https://www.opencompute.org/documents/ocp-microscaling-formats-mx-v1-0-spec-final-pdf): per
@@ -108,7 +109,9 @@ def _vjp_case(op, x_split: int, w_split: int, y_split: int, shapes, impl: str, g
 
 
 # (impl, gradient dtype, the ops' options): the first runs in the quick loop.
-CASES = [("ring", E4, dict(chunks=2, bidirectional=True)), ("xla", E5, {})]
+CASES = [("ring", E4, dict(chunks=2, bidirectional=True)), ("xla", E5, {}),
+         ("native", E5, dict(transport="p2p", chunks=2)),   # the host executor
+         ("native", E4, dict(transport="nccl"))]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1].name}")
@@ -178,6 +181,40 @@ def test_a_training_step_is_the_reference_models():
         r1, r2 = (r1 - lr * d1).astype(np.float32), (r2 - lr * d2).astype(np.float32)
         np.testing.assert_allclose(f64(w1), r1, rtol=0, atol=1e-5 * np.abs(r1).max())
         np.testing.assert_allclose(f64(w2), r2, rtol=0, atol=1e-5 * np.abs(r2).max())
+
+
+@pytest.mark.slow
+def test_linen_layer_runs_the_recipe_natively_on_the_host_executor():
+    """A RowParallelDense (GEMM+RS forward, AG+GEMM backward) given the recipe and
+    impl="native" on global Explicit arrays: the host executor runs its block-scaled calls
+    (the program's custom calls carry e8m0 operands), y and the gradients are the reference's."""
+    from helpers import native_calls
+
+    mesh = tp_mesh(N, kind=AxisType.Explicit)
+    x, dy = rand(9, (1, 64, 64)), rand(10, (1, 64, 32))
+    layer = jl.RowParallelDense(32, use_bias=False, impl="native",
+                                dot_general=fp8.MXFP8BlockScaling())
+    variables = layer.init(jax.random.key(1), x)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(nn.unbox(variables), jax.tree.map(
+            lambda s: jax.NamedSharding(mesh, s), nn.get_partition_spec(variables)))
+        xs = put(x, mesh, P(None, None, "tp"))
+
+        def loss(v, x):
+            y = layer.apply(v, x)
+            return jnp.sum(y * dy), y
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        (_, y), (dv, dx) = step(placed, xs)
+        calls = native_calls(step.lower(placed, xs).as_text())
+    assert calls and all("f8E8M0FNU" in operands for _, operands, _ in calls), calls
+    w = f64(variables["params"]["kernel"])
+    xq, wq = qdq(x, E4, 2), qdq(w, E4, 0)
+    gq, wqn, xr, gr = qdq(dy, E4, 2), qdq(w, E4, 1), qdq(x, E4, 1), qdq(dy, E4, 1)
+    assert_equal_to_reference(y, xq @ wq, np.abs(xq) @ np.abs(wq))
+    assert_equal_to_reference(dx, gq @ wqn.T, np.abs(gq) @ np.abs(wqn.T))
+    assert_equal_to_reference(dv["params"]["kernel"], np.einsum("bsk,bsn->kn", xr, gr),
+                              np.einsum("bsk,bsn->kn", np.abs(xr), np.abs(gr)))
 
 
 def test_linen_layer_takes_the_recipe():

@@ -77,6 +77,17 @@ Status BuildProgram(const Problem& q, Program* program) {
                    " ranks): use algorithm='two_shot' or 'one_shot'");
   }
   JO_CHECK(CheckDTypes(q));
+  if (q.block_scaled) {
+    JO_REQUIRE(IsFp8(q.x_dtype) && IsFp8(q.w_dtype),
+               op + ": block scales (MXFP8) dequantize fp8 operands: x and w must both be fp8 (" +
+                   DTypesName(q) + ")");
+    JO_REQUIRE(q.k % kScaleBlock == 0, op + ": block scales cover " + std::to_string(kScaleBlock) +
+                                           " elements of k each: k must be a multiple of " +
+                                           std::to_string(kScaleBlock) + ", got " +
+                                           std::to_string(q.k));
+    JO_REQUIRE(!q.fused, op + ": the fused GEMM takes no block scales (MXFP8): its kernels are "
+                              "16-bit and per-tensor FP8 only; take the chunked path");
+  }
   if (q.fused) {
     JO_REQUIRE(
         row->fused,

@@ -14,6 +14,12 @@
 // (fp8: the pairs core/kinds.h JO_FUSED_FP8 lists) reads every shard's slot,
 // each row its own shard's, so the own scale joins the slots before it
 // starts (p2p: a copy beside the own shard's; multicast stores it there).
+//
+// Block scales (MXFP8, core/program.h BufId): each sub-chunk's scale rows
+// ([rows, k/32] e8m0) travel with its data rows, by the same mechanism, into
+// the gathered scale layout (NCCL: in the same group; p2p and multicast:
+// before its flag); each GEMM reads the scales beside its rows. No fused GEMM
+// takes them (BuildProgram refuses).
 #include <utility>
 #include <vector>
 
@@ -41,8 +47,9 @@ struct Ag {
         K(q.k),
         Nw(q.cols),
         C(program->chunks),
-        // fp8 x: each shard's scale travels with it.
-        scaled(IsFp8(q.x_dtype)),
+        // fp8 x: each shard's scale travels with it (block scales: each sub-chunk's).
+        scaled(IsFp8(q.x_dtype) && !q.block_scaled),
+        blocks(q.block_scaled),
         // Fused: the kernel reads every shard from the own workspace [P, N*R, K].
         fused(q.fused && q.nranks > 1) {
     const int32_t steps = p->cw_steps > p->ccw_steps ? p->cw_steps : p->ccw_steps;
@@ -57,7 +64,7 @@ struct Ag {
   Emitter e;
   const int32_t N, r;
   const int64_t P, R, K, Nw, C;
-  const bool scaled, fused;
+  const bool scaled, blocks, fused;
   std::vector<Arrival> arrivals;  // the other shards, in the order they arrive
 
   int64_t rows(int64_t sub) const { return SubRows(R, C, sub); }
@@ -86,6 +93,19 @@ struct Ag {
   }
   int32_t scale_tag(int32_t dir, int32_t shard) const {
     return static_cast<int32_t>(2 * N * C + dir * N + shard);
+  }
+  // Block scales: the scale rows beside a block of data rows, and their tag.
+  Ref scales_of(const Ref& data) const { return BlockScalesOf(q, data); }
+  int32_t block_scale_tag(int32_t dir, int32_t shard, int64_t sub) const {
+    return static_cast<int32_t>(2 * N * C + tag(dir, shard, sub));
+  }
+  // Moves sub-chunk s's block scales as `kind` moves its data from `src` to
+  // `dst` (the data's refs; null: a Send's destination, a Recv's source).
+  Op& MoveScales(OpKind kind, int32_t stream, const Ref* src, const Ref* dst, int32_t shard,
+                 int64_t s) {
+    return Label(e.Block(kind, stream, src != nullptr ? scales_of(*src) : Ref{},
+                         dst != nullptr ? scales_of(*dst) : Ref{}, P, rows(s), KBlocks(q)),
+                 shard, s);
   }
   int32_t prev_of(int32_t dir) const { return Mod(dir == 0 ? r - 1 : r + 1, N); }
   int32_t next_of(int32_t dir) const { return Mod(dir == 0 ? r + 1 : r - 1, N); }
@@ -147,6 +167,7 @@ void Messages(Ag& g) {
   const BufId gbuf = returned ? BufId::kXGathered : BufId::kScratch;
   if (!returned) p->scratch_elems = g.P * g.N * g.R * g.K;
   if (g.scaled) p->scratch_scales = g.N;
+  if (g.blocks) p->scratch_scales = g.P * g.N * g.R * KBlocks(g.q);
   std::vector<int32_t> arrived(g.N * g.C, -1);  // event per (shard, sub)
   for (int32_t dir = 0; dir < 2; ++dir) {
     const int32_t stream = 1 + dir;
@@ -161,12 +182,22 @@ void Messages(Ag& g) {
         send.id = g.tag(dir, send_shard, s);
         send.bundle = bundle;
         Ag::Label(send, send_shard, s);
-        Op& recv = g.e.Block(OpKind::kRecv, stream, Ref{}, g.g_ref(gbuf, g.r, recv_shard, s), g.P,
-                             g.rows(s), g.K);
+        const Ref dst = g.g_ref(gbuf, g.r, recv_shard, s);
+        Op& recv = g.e.Block(OpKind::kRecv, stream, Ref{}, dst, g.P, g.rows(s), g.K);
         recv.peer = g.prev_of(dir);
         recv.id = g.tag(dir, recv_shard, s);
         recv.bundle = bundle;
         Ag::Label(recv, recv_shard, s);
+        if (g.blocks) {  // the sub-chunk's block scales, in its group
+          Op& send_scales = g.MoveScales(OpKind::kSend, stream, &src, nullptr, send_shard, s);
+          send_scales.peer = send.peer;
+          send_scales.id = g.block_scale_tag(dir, send_shard, s);
+          send_scales.bundle = bundle;
+          Op& recv_scales = g.MoveScales(OpKind::kRecv, stream, nullptr, &dst, recv_shard, s);
+          recv_scales.peer = recv.peer;
+          recv_scales.id = g.block_scale_tag(dir, recv_shard, s);
+          recv_scales.bundle = bundle;
+        }
         if (g.scaled && s == 0) {  // the shard's scale, in its first sub-chunk's group
           Op& send_scale =
               g.e.Block(OpKind::kSend, stream, g.held_scale(send_shard), Ref{}, 1, 1, 1);
@@ -198,6 +229,7 @@ void PeerCopies(Ag& g) {
   Program* p = g.p;
   p->workspace_elems = g.P * g.N * g.R * g.K;
   if (g.scaled) p->workspace_scales = g.N;
+  if (g.blocks) p->workspace_scales = g.P * g.N * g.R * KBlocks(g.q);
   // Fused: the local shard joins the others in the own workspace first (copy engine),
   // and its scale the others' scale slots (no peer writes the own slot).
   if (g.fused)
@@ -214,7 +246,8 @@ void PeerCopies(Ag& g) {
   // engine's, whatever the size) stays off the ring's path. The scale stream waits
   // for the shard's flag itself (a fork by event would cost an op and an event's
   // latency more), and the flag that releases the sub-chunk waits for the scale's
-  // event, so no peer reads the slot before the scale is in it.
+  // event, so no peer reads the slot before the scale is in it. Block scales
+  // (MXFP8) cross the same way, beside every sub-chunk: its scale rows.
   const int32_t dirs = p->ccw_steps > 0 ? 2 : 1;
   for (int32_t dir = 0; dir < 2; ++dir) {
     const int32_t stream = 1 + dir;
@@ -222,27 +255,25 @@ void PeerCopies(Ag& g) {
     for (int32_t t = 0; t < g.dir_steps(dir); ++t) {
       const int32_t shard = Mod(dir == 0 ? g.r - t : g.r + t, g.N);
       for (int64_t s = 0; s < g.C; ++s) {
+        const Ref src = t == 0 ? g.x_ref(s) : g.g_ref(BufId::kWorkspace, g.r, shard, s);
+        const Ref dst = g.g_ref(BufId::kWorkspace, g.next_of(dir), shard, s);
         int32_t scale_sent = -1;
-        if (g.scaled && s == 0) {  // the shard's scale, before its first flag
+        if ((g.scaled && s == 0) || g.blocks) {  // the shard's scale, before its flag
           if (t > 0) g.e.Wait(scale_stream, g.prev_of(dir), g.flag(shard, s));
-          Ag::Label(
-              g.e.Block(OpKind::kCopy, scale_stream,
-                        t == 0 ? Emitter::ScaleRef(BufId::kXScale, g.r, 0)
-                               : Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, shard),
-                        Emitter::ScaleRef(BufId::kWorkspaceScales, g.next_of(dir), shard), 1, 1, 1),
-              shard, s);
+          if (g.blocks)
+            g.MoveScales(OpKind::kCopy, scale_stream, &src, &dst, shard, s);
+          else
+            Ag::Label(g.e.Block(OpKind::kCopy, scale_stream,
+                                t == 0 ? Emitter::ScaleRef(BufId::kXScale, g.r, 0)
+                                       : Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, shard),
+                                Emitter::ScaleRef(BufId::kWorkspaceScales, g.next_of(dir), shard),
+                                1, 1, 1),
+                      shard, s);
           scale_sent = g.e.NewEvent();
           g.e.Record(scale_stream, scale_sent);
         }
-        Ref src = g.x_ref(s);
-        if (t > 0) {
-          g.e.Wait(stream, g.prev_of(dir), g.flag(shard, s));
-          src = g.g_ref(BufId::kWorkspace, g.r, shard, s);
-        }
-        Ag::Label(
-            g.e.Block(OpKind::kCopy, stream, src,
-                      g.g_ref(BufId::kWorkspace, g.next_of(dir), shard, s), g.P, g.rows(s), g.K),
-            shard, s);
+        if (t > 0) g.e.Wait(stream, g.prev_of(dir), g.flag(shard, s));
+        Ag::Label(g.e.Block(OpKind::kCopy, stream, src, dst, g.P, g.rows(s), g.K), shard, s);
         if (scale_sent >= 0) g.e.StreamWait(stream, scale_sent);
         g.e.Signal(stream, g.next_of(dir), g.flag(shard, s));
       }
@@ -265,10 +296,12 @@ void Multicast(Ag& g) {
   Program* p = g.p;
   p->workspace_elems = g.P * g.N * g.R * g.K;
   if (g.scaled) p->workspace_scales = g.N;
+  if (g.blocks) p->workspace_scales = g.P * g.N * g.R * KBlocks(g.q);
   for (int64_t s = 0; s < g.C; ++s) {
-    Ag::Label(g.e.Block(OpKind::kMcStore, 1, g.x_ref(s), g.g_ref(BufId::kWorkspace, g.r, g.r, s),
-                        g.P, g.rows(s), g.K),
-              g.r, s);
+    const Ref src = g.x_ref(s), dst = g.g_ref(BufId::kWorkspace, g.r, g.r, s);
+    Ag::Label(g.e.Block(OpKind::kMcStore, 1, src, dst, g.P, g.rows(s), g.K), g.r, s);
+    if (g.blocks)  // the sub-chunk's block scales, before its flag
+      g.MoveScales(OpKind::kMcStore, 1, &src, &dst, g.r, s);
     if (g.scaled && s == 0)  // the own scale, before the first flag
       Ag::Label(g.e.Block(OpKind::kMcStore, 1, Emitter::ScaleRef(BufId::kXScale, g.r, 0),
                           Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, g.r), 1, 1, 1),

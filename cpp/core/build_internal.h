@@ -70,6 +70,13 @@ class Emitter {
     op.m = m;
     op.n = q.cols;
     op.k = q.k;
+    // Block scales: a's rows' own, beside them (core/program.h BufId), and w's.
+    if (q.block_scaled) {
+      op.a_scaled = op.b_scaled = true;
+      op.a_scale = BlockScalesOf(q, a);
+      op.b_scale = Ref{BufId::kWScale, q.rank, 0, 0, q.cols};
+      return op;
+    }
     // fp8 operands: this rank's own scales (an all-gather's GEMM on a received
     // shard names that shard's scale instead).
     if (IsFp8(q.x_dtype)) {

@@ -72,8 +72,10 @@ Status Place(const RankTable& table, const Caller& caller, const char* op, Place
 struct CallBuffers {
   const void* x = nullptr;
   const void* w = nullptr;
-  const void* x_scale = nullptr;  // float32, one element: x's dequantization scale
-  const void* w_scale = nullptr;  // float32, one element: w's
+  // float32, one element: x's / w's dequantization scale; block scales (Problem::block_scaled):
+  // e8m0 bytes laid out as x (k/32 per row) and as w ([k/32, cols]).
+  const void* x_scale = nullptr;
+  const void* w_scale = nullptr;
   void* y = nullptr;
   void* x_gathered = nullptr;  // ag_matmul with return_gathered
 };

@@ -92,6 +92,27 @@ Status CheckScale(const Program& p, const Op& op, const char* role, bool scaled,
   return scaled ? CheckRef(p, op, role, ref, 1, 1, 1, sizes) : OkStatus();
 }
 
+// A Gemm's block scales (MXFP8): both set, a's the scale rows beside its rows
+// (BlockScalesOf: a starts at a row of whole k), covering its batch x m rows,
+// and w's all of w (WSCALE), k/32 per row.
+Status CheckBlockScales(const Program& p, const Op& op, const BufferSizes& sizes) {
+  const Problem& q = p.problem;
+  const Ref beside = BlockScalesOf(q, op.a);
+  const bool whole_rows =
+      op.a.offset % q.k == 0 && op.a.ld % q.k == 0 && op.a.batch_stride % q.k == 0;
+  if (!op.a_scaled || !op.b_scaled || !whole_rows || op.a_scale.buf != beside.buf ||
+      op.a_scale.rank != beside.rank || op.a_scale.offset != beside.offset ||
+      op.a_scale.ld != beside.ld || op.a_scale.batch_stride != beside.batch_stride ||
+      op.b_scale.buf != BufId::kWScale || op.b_scale.offset != 0 || op.b_scale.ld != q.cols)
+    return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                    std::to_string(q.rank) + ": " + ToString(op) +
+                    ": a block-scaled GEMM reads the scale rows beside a's rows (" +
+                    ToString(beside) + ") and all of w's (WSCALE)");
+  const int64_t kb = KBlocks(p.problem);
+  JO_CHECK(CheckRef(p, op, "a_scale", op.a_scale, op.batch, op.m, kb, sizes));
+  return CheckRef(p, op, "b_scale", op.b_scale, 1, kb, op.n, sizes);
+}
+
 Status CheckId(const Program& p, const Op& op, const char* what, int64_t value, int64_t limit) {
   if (value >= 0 && value < limit) return OkStatus();
   return Internal(std::string(CollectiveName(p.problem.op)) + " program of rank " +
@@ -157,6 +178,10 @@ BufferSizes BufferSizes::Of(const Program& p) {
   s.scratch = p.scratch_elems;
   s.workspace = p.workspace_elems;
   s.x_scale = s.w_scale = 1;
+  if (q.block_scaled) {  // one e8m0 scale per 32 elements of k, laid out as the operand
+    s.x_scale = q.batch * rows.x * KBlocks(q);
+    s.w_scale = KBlocks(q) * q.cols;
+  }
   s.scratch_scales = p.scratch_scales;
   s.workspace_scales = p.workspace_scales;
   return s;
@@ -177,6 +202,10 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckDType(p, op, "b", op.b, q.w_dtype));
         if (op.accumulate) JO_CHECK(CheckDType(p, op, "c", op.c, q.out_dtype));
         JO_CHECK(CheckDType(p, op, "d", op.d, q.out_dtype));
+        if (q.block_scaled) {
+          JO_CHECK(CheckBlockScales(p, op, sizes));
+          break;
+        }
         JO_CHECK(CheckScale(p, op, "a_scale", op.a_scaled, op.a_scale, q.x_dtype, sizes));
         JO_CHECK(CheckScale(p, op, "b_scale", op.b_scaled, op.b_scale, q.w_dtype, sizes));
         break;
@@ -214,6 +243,10 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         JO_CHECK(CheckId(p, op, "event", op.id, p.num_events));
         break;
       case OpKind::kFusedGemm:
+        if (q.block_scaled)
+          return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                          std::to_string(q.rank) + ": " + ToString(op) +
+                          ": no fused GEMM takes block scales");
         JO_CHECK(CheckRef(p, op, "a", op.a, op.batch, op.m, op.k, sizes));
         JO_CHECK(CheckRef(p, op, "b", op.b, 1, op.k, op.n, sizes));
         JO_CHECK(CheckRef(p, op, "d", op.d, op.batch, op.m, op.n, sizes));

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace jo {
 namespace {
@@ -178,6 +179,19 @@ void ToF32(DType dtype, const void* src, int64_t ld, int64_t rows, int64_t cols,
 void FromF32(DType dtype, const float* src, int64_t rows, int64_t cols, void* dst, int64_t ld) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) StoreElement(dtype, dst, i * ld + j, src[i * cols + j]);
+}
+
+float E8m0ToF32(uint8_t bits) {
+  return bits == 0xff ? std::numeric_limits<float>::quiet_NaN()
+                      : std::ldexp(1.0f, static_cast<int>(bits) - 127);
+}
+
+void ApplyBlockScales(float* block, int64_t rows, int64_t cols, const uint8_t* scales, int64_t ld,
+                      bool along_rows) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      block[i * cols + j] *= E8m0ToF32(along_rows ? scales[(i / kScaleBlock) * ld + j]
+                                                  : scales[i * ld + j / kScaleBlock]);
 }
 
 }  // namespace jo

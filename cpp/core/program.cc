@@ -46,9 +46,17 @@ DType BufDType(const Problem& q, BufId buf) {
     case BufId::kWScale:
     case BufId::kScratchScales:
     case BufId::kWorkspaceScales:
-      return DType::kF32;
+      return q.block_scaled ? DType::kF8E4M3 : DType::kF32;  // e8m0 bytes: see BufId
   }
   return DType::kF32;
+}
+
+Ref BlockScalesOf(const Problem& q, const Ref& a) {
+  BufId buf = BufId::kXScale;
+  if (a.buf == BufId::kScratch || a.buf == BufId::kXGathered) buf = BufId::kScratchScales;
+  if (a.buf == BufId::kWorkspace) buf = BufId::kWorkspaceScales;
+  const int64_t kb = KBlocks(q);
+  return Ref{buf, a.rank, a.offset / q.k * kb, a.batch_stride / q.k * kb, a.ld / q.k * kb};
 }
 
 std::string DTypesName(const Problem& q) {
@@ -68,12 +76,14 @@ int64_t ScalesOffset(const Program& p, BufId scales) {
 
 int64_t WorkspaceBytes(const Program& p) {
   if (p.workspace_scales == 0) return p.workspace_elems * ElemBytes(p.problem, BufId::kWorkspace);
-  return ScalesOffset(p, BufId::kWorkspaceScales) + p.workspace_scales * 4;
+  return ScalesOffset(p, BufId::kWorkspaceScales) +
+         p.workspace_scales * ElemBytes(p.problem, BufId::kWorkspaceScales);
 }
 
 int64_t ScratchBytes(const Program& p) {
   if (p.scratch_scales == 0) return p.scratch_elems * ElemBytes(p.problem, BufId::kScratch);
-  return ScalesOffset(p, BufId::kScratchScales) + p.scratch_scales * 4;
+  return ScalesOffset(p, BufId::kScratchScales) +
+         p.scratch_scales * ElemBytes(p.problem, BufId::kScratchScales);
 }
 
 const char* OpKindName(OpKind kind) {
@@ -195,8 +205,9 @@ std::string Summary(const Program& p) {
   if (Row(q.op).one_shot) out << " " << ArAlgorithmName(q.algorithm);
   out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
       << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " cols=" << q.cols
-      << " dtype=" << DTypesName(q) << (q.fused ? " fused" : "") << " chunks=" << p.chunks
-      << " steps(cw,ccw)=(" << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
+      << " dtype=" << DTypesName(q) << (q.fused ? " fused" : "")
+      << (q.block_scaled ? " block-scaled" : "") << " chunks=" << p.chunks << " steps(cw,ccw)=("
+      << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
       << " ops=" << p.ops.size() << " workspace_elems=" << p.workspace_elems
       << " scratch_elems=" << p.scratch_elems;
   if (p.workspace_scales > 0) out << " workspace_scales=" << p.workspace_scales;

@@ -38,6 +38,16 @@ namespace jo {
 // receives) or WorkspaceScales (symmetric, peers write it: p2p pushes,
 // multicast stores), one slot per shard. The executors keep the scale slots
 // in the same memory as Scratch / Workspace, after the data (ScalesOffset).
+//
+// Block scales (Problem::block_scaled, MXFP8): the scale buffers instead hold
+// one e8m0 byte per kScaleBlock elements along k, laid out as their operand
+// with k divided by kScaleBlock (XScale [batch, rows, k/32], WScale [k/32,
+// cols]), and an all-gather moves each sub-chunk's scale rows with its data
+// rows, into the gathered layout [batch, nranks*rows, k/32] of ScratchScales
+// (NCCL) or WorkspaceScales (p2p, multicast). A GEMM's a_scale mirrors its a
+// (BlockScalesOf). The scales are only moved and read by the GEMMs, never
+// summed, so BufDType names them by a 1-byte kind that moves bytes
+// (kF8E4M3: NCCL moves it as ncclUint8); no kinds row is e8m0.
 enum class BufId : int32_t {
   kX = 0,
   kW,
@@ -183,7 +193,15 @@ struct Problem {
   // AG and RS over p2p or multicast: the compute stream runs ONE persistent
   // GEMM (FusedGemm) instead of a GEMM per row block (docs/gpu-internals.md §5).
   bool fused = false;
+  // x and w are fp8 with e8m0 block scales, one per kScaleBlock elements of k
+  // (MXFP8, OCP MX v1.0), instead of one float32 scale each (see BufId).
+  bool block_scaled = false;
 };
+
+// MXFP8's block: one e8m0 scale per 32 consecutive elements along k.
+inline constexpr int64_t kScaleBlock = 32;
+// Block scales per row of x (and rows of w's scales): k / kScaleBlock.
+inline int64_t KBlocks(const Problem& q) { return q.k / kScaleBlock; }
 
 struct Program {
   Problem problem;
@@ -201,7 +219,8 @@ struct Program {
 };
 
 // The dtype of the elements of `buf` in a call of `q`: x's for X and
-// XGathered, w's for W, the output type for Y, float32 for the scales; Scratch
+// XGathered, w's for W, the output type for Y, float32 for the scales (block
+// scales: a 1-byte kind, see BufId); Scratch
 // and Workspace hold what the program moves: x's shards (all-gather) or
 // partial sums in the output type (reduce-scatter, all-reduce).
 DType BufDType(const Problem& q, BufId buf);
@@ -217,6 +236,12 @@ int64_t ScalesOffset(const Program& program, BufId scales);
 // elements, then scale slots.
 int64_t WorkspaceBytes(const Program& program);
 int64_t ScratchBytes(const Program& program);
+
+// Block scales: where the scales of the rows a Ref `a` of x's data names lie,
+// the same rows in the scale buffer of a's buffer (X: XScale; Scratch and
+// XGathered: ScratchScales; Workspace: WorkspaceScales), k/32 per row. `a`
+// starts at a row (offset, ld and batch stride multiples of k).
+Ref BlockScalesOf(const Problem& q, const Ref& a);
 
 std::string ToString(const Ref& ref);
 std::string ToString(const Op& op);

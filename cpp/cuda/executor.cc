@@ -710,7 +710,21 @@ void PreparedCall::Abandon() { enqueuer_->Abandon(); }
 
 bool PreparedCall::WarmedUp() const { return enqueuer_->WarmedUp(); }
 
+namespace {
+// Block scales (MXFP8) are not taken here: the GEMMs would need cuBLASLt's block-scaled
+// mode (CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0, CUDA 12.8+, sm_100), which this executor
+// does not set up. The host executor and the xla and ring impls take them.
+Status RefuseBlockScales(const Problem& q) {
+  if (!q.block_scaled) return OkStatus();
+  return InvalidArgument(std::string(CollectiveName(q.op)) +
+                         ": the CUDA executor takes no block scales (MXFP8, float8_e8m0fnu "
+                         "x_scale / w_scale): its cuBLASLt GEMMs are not set up for block-scaled "
+                         "operands. Use impl='xla' or impl='ring', or float32 per-tensor scales");
+}
+}  // namespace
+
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
+  JO_CHECK(RefuseBlockScales(args.program->problem));
   auto enqueuer = std::make_unique<Enqueuer>(args);
   JO_CHECK(enqueuer->Prepare());
   out->reset(new PreparedCall(std::move(enqueuer)));
@@ -724,6 +738,7 @@ Status PoolNeedsOf(const Problem& q, PoolNeeds* out) {
     *out = *hit;
     return OkStatus();
   }
+  JO_CHECK(RefuseBlockScales(q));
   PoolNeeds needs;
   if (Row(q.transport).messages() && q.nranks > 1) needs.connect_ranks = q.nranks;
   for (int32_t r = 0; r < q.nranks; ++r) {

@@ -10,7 +10,8 @@
 // operands); x_gathered x's. x_scale and w_scale are float32 of shape () or
 // (1,), always passed (1.0 when the operand is not fp8, whose scale no GEMM
 // reads): the real value of an fp8 operand is element * scale, and an
-// all-gather applies each shard's own. A handler never reads a scale on the
+// all-gather applies each shard's own. Or both are e8m0 block scales (MXFP8:
+// CheckBlockScales). A handler never reads a scale on the
 // host (the CUDA executor hands device pointers to cuBLASLt). The attributes
 // are JO_CALL_ATTRS below; docs/native.md §6 says what each means. The rank
 // table is empty only for a CPU call in one process whose mesh was abstract
@@ -234,6 +235,44 @@ inline Status CheckScale(const char* op, const char* name, const ffi::AnyBuffer&
   return OkStatus();
 }
 
+// Block scales (MXFP8): x_scale and w_scale e8m0, laid out as x and w with the
+// contraction dim divided by 32 (x_scale: x's shape, its last dim k/32;
+// w_scale [k/32, cols]), both operands fp8. Sets q->block_scaled.
+inline Status CheckBlockScales(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                               const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w_scale,
+                               Problem* q) {
+  const auto bad = [&](const std::string& text) {
+    return InvalidArgument(std::string(op) + ": " + text);
+  };
+  if (x_scale.element_type() != ffi::DataType::F8E8M0FNU ||
+      w_scale.element_type() != ffi::DataType::F8E8M0FNU)
+    return bad(
+        "operands x_scale and w_scale expected both float8_e8m0fnu (block scales) or both "
+        "float32 scalars");
+  if (!IsFp8(q->x_dtype) || !IsFp8(q->w_dtype))
+    return bad(
+        "block scales (float8_e8m0fnu) dequantize fp8 operands: x and w must both be fp8, "
+        "got " +
+        DTypesName(*q));
+  std::vector<int64_t> want = DimsOf(x.dimensions());
+  const std::vector<int64_t> w_dims = DimsOf(w.dimensions());
+  const int64_t k = want.empty() ? 0 : want.back();
+  if (k % kScaleBlock != 0 || w_dims.size() != 2)
+    return bad("block scales cover " + std::to_string(kScaleBlock) +
+               " elements of the contraction dim: x's last dim must be a multiple of " +
+               std::to_string(kScaleBlock) + ", got x " + Dims(x.dimensions()));
+  want.back() = k / kScaleBlock;
+  if (DimsOf(x_scale.dimensions()) != want)
+    return bad("operand x_scale (block scales) expected shape " + DimsText(want) + ", got " +
+               Dims(x_scale.dimensions()));
+  const std::vector<int64_t> w_want = {k / kScaleBlock, w_dims[1]};
+  if (DimsOf(w_scale.dimensions()) != w_want)
+    return bad("operand w_scale (block scales) expected shape " + DimsText(w_want) + ", got " +
+               Dims(w_scale.dimensions()));
+  q->block_scaled = true;
+  return OkStatus();
+}
+
 // Checks the operands against the call and gives its canonical problem
 // (CanonicalProblem: everything but the rank) and buffers.
 inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
@@ -258,11 +297,16 @@ inline Status DecodeOperands(const CallDesc& d, const ffi::AnyBuffer& x, const f
                kinds::Names(kDTypes, [](const DTypeRow& r) { return r.out; }));
   if (x_gathered != nullptr && x_gathered->element_type() != x.element_type())
     return bad("result x_gathered expected the dtype of x");
-  JO_CHECK(CheckScale(op, "x_scale", x_scale));
-  JO_CHECK(CheckScale(op, "w_scale", w_scale));
   q->x_dtype = *x_dtype;
   q->w_dtype = *w_dtype;
   q->out_dtype = *out;
+  if (x_scale.element_type() == ffi::DataType::F8E8M0FNU ||
+      w_scale.element_type() == ffi::DataType::F8E8M0FNU) {
+    JO_CHECK(CheckBlockScales(op, x, w, x_scale, w_scale, q));
+  } else {
+    JO_CHECK(CheckScale(op, "x_scale", x_scale));
+    JO_CHECK(CheckScale(op, "w_scale", w_scale));
+  }
   JO_CHECK(CheckDTypes(*q));
   if (x_gathered != nullptr && !Row(q->op).gathered)
     return bad(std::string(op) + " has one result");

@@ -54,7 +54,8 @@ class Run {
     const int64_t scales_at =
         p_.workspace_scales > 0 ? ScalesOffset(p_, BufId::kWorkspaceScales) : have;
     sizes.workspace = std::min(have, scales_at) / ElemBytes(q, BufId::kWorkspace);
-    sizes.workspace_scales = std::max<int64_t>(0, have - scales_at) / 4;
+    sizes.workspace_scales =
+        std::max<int64_t>(0, have - scales_at) / ElemBytes(q, BufId::kWorkspaceScales);
     if (io_.x_gathered == nullptr) sizes.x_gathered = 0;
     JO_CHECK(CheckProgram(p_, sizes));
     try {
@@ -62,6 +63,9 @@ class Run {
       if (q.w_dtype != DType::kF32) {  // W in f32 once per call (fp8: unscaled, exact)
         w32_.resize(static_cast<size_t>(q.k * q.cols));
         ToF32(q.w_dtype, io_.w, q.cols, q.k, q.cols, w32_.data());
+        if (q.block_scaled)  // block scales: dequantized, each 32 rows of a column by its scale
+          ApplyBlockScales(w32_.data(), q.k, q.cols, static_cast<const uint8_t*>(io_.w_scale),
+                           q.cols, /*along_rows=*/true);
       }
     } catch (const std::bad_alloc&) {
       return Status(Code::kResource, std::string(ctx_.op) + ": host scratch allocation failed");
@@ -322,7 +326,10 @@ class Run {
   // d = alpha * a @ W (+ c), alpha the product of the fp8 operands' scales: an
   // fp8 value times an fp8 or 16-bit one is exact in f32, so this is the GEMM of
   // the dequantized operands up to where two f32 roundings fall. Accumulated in
-  // f32 (OpenBLAS sgemm), rounded once to the output type.
+  // f32 (OpenBLAS sgemm), rounded once to the output type. Block scales (MXFP8):
+  // a's rows and W (once per call) dequantized block by block, exactly (an fp8
+  // value times a power of two), then multiplied: the dequantize-then-multiply
+  // reference.
   Status Gemm(const Op& op) {
     const Problem& q = p_.problem;
     std::byte* a = Resolve(op.a);
@@ -331,9 +338,11 @@ class Run {
     const std::byte* w = Resolve(op.b);
     JO_ASSERT(a != nullptr && d != nullptr && w != nullptr && (c != nullptr || !op.accumulate));
     float alpha = 1.0f;
+    const std::byte* a_blocks = q.block_scaled ? Resolve(op.a_scale) : nullptr;
+    JO_ASSERT(!q.block_scaled || a_blocks != nullptr);
     for (const auto& [scaled, ref] :
          {std::pair{op.a_scaled, op.a_scale}, {op.b_scaled, op.b_scale}}) {
-      if (!scaled) continue;
+      if (!scaled || q.block_scaled) continue;
       const std::byte* scale = Resolve(ref);
       JO_ASSERT(scale != nullptr);
       alpha *= LoadElement(DType::kF32, scale, 0);
@@ -361,6 +370,10 @@ class Run {
               reinterpret_cast<float*>(db), op.d.ld);
       } else {
         ToF32(q.x_dtype, ab, op.a.ld, op.m, op.k, a32.data());
+        if (a_blocks != nullptr)
+          ApplyBlockScales(a32.data(), op.m, op.k,
+                           reinterpret_cast<const uint8_t*>(a_blocks) + b * op.a_scale.batch_stride,
+                           op.a_scale.ld, /*along_rows=*/false);
         if (cb != nullptr) ToF32(q.out_dtype, cb, op.c.ld, op.m, op.n, d32.data());
         Sgemm(op.m, op.n, op.k, alpha, a32.data(), op.k, w32, ldw, beta, d32.data(), op.n);
         FromF32(q.out_dtype, d32.data(), op.m, op.n, db, op.d.ld);

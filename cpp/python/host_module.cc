@@ -223,7 +223,8 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
                           int64_t batch, int64_t rows, int64_t k, int64_t cols,
                           const std::string& dtype, int64_t chunks, bool bidirectional,
                           bool return_gathered, const std::string& algorithm,
-                          const std::string& w_dtype, const std::string& out_dtype, bool fused) {
+                          const std::string& w_dtype, const std::string& out_dtype, bool fused,
+                          bool block_scaled) {
   nb::dict problem;
   problem["op"] = op;
   problem["transport"] = transport;
@@ -241,6 +242,7 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   problem["w_dtype"] = w_dtype;
   problem["out_dtype"] = out_dtype;
   problem["fused"] = fused;
+  problem["block_scaled"] = block_scaled;
   const jo::Program p = Build(jo::python::ProblemFromDict(problem));
   nb::dict out = jo::python::ProblemDict(p.problem);
   out["elem_bytes"] = jo::DTypeSize(p.problem.x_dtype);
@@ -513,10 +515,12 @@ NB_MODULE(_host, m) {
         nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
         nb::arg("return_gathered") = false, nb::arg("algorithm") = "two_shot",
         nb::arg("w_dtype") = "", nb::arg("out_dtype") = "", nb::arg("fused") = false,
+        nb::arg("block_scaled") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
         "output columns (w's); dtype: x's (a name of the kinds' dtypes: kinds()), w_dtype and "
-        "out_dtype default to it.");
+        "out_dtype default to it; block_scaled: fp8 x and w with e8m0 block scales (MXFP8, "
+        "k a multiple of 32).");
   m.def(
       "allreduce_fits",
       [](const std::string& transport, const std::string& algorithm, int nranks, int64_t bytes) {

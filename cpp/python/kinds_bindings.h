@@ -115,7 +115,7 @@ inline nb::dict KindsDict() { return KindsDict(kOps, kTransports, kDTypes, kArAl
 
 // A problem from a dict with the keys of ProblemDict (n: the output columns;
 // dtype: x's, w_dtype and out_dtype default to it; rank, chunks,
-// bidirectional, return_gathered, algorithm, tf32 and fused may be left out).
+// bidirectional, return_gathered, algorithm, tf32, fused and block_scaled may be left out).
 inline Problem ProblemFromDict(const nb::dict& d) {
   const auto get = [&](const char* key, auto fallback) {
     using T = decltype(fallback);
@@ -143,6 +143,7 @@ inline Problem ProblemFromDict(const nb::dict& d) {
   q.algorithm = ParseAlgorithmArg("algorithm", get("algorithm", std::string("two_shot")));
   q.tf32 = get("tf32", false);
   q.fused = get("fused", false);
+  q.block_scaled = get("block_scaled", false);
   return q;
 }
 
@@ -166,6 +167,7 @@ inline nb::dict ProblemDict(const Problem& q) {
   d["algorithm"] = ArAlgorithmName(q.algorithm);
   d["tf32"] = q.tf32;
   d["fused"] = q.fused;
+  d["block_scaled"] = q.block_scaled;
   return d;
 }
 

@@ -115,7 +115,8 @@ nb::dict Grid(int64_t m_tiles, int64_t n_tiles, int64_t batch, int32_t sm_count)
 // each unit, in order (the fused GEMM's rule is checked against it).
 std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& transport,
                                   int32_t nranks, int32_t rank, int64_t rows, int64_t chunks,
-                                  bool bidirectional, bool return_gathered, bool fused) {
+                                  bool bidirectional, bool return_gathered, bool fused,
+                                  bool block_scaled) {
   jo::Problem q;
   // "matmul_ar/<algorithm>": matmul_ar with that algorithm.
   const size_t slash = op.find('/');
@@ -133,6 +134,13 @@ std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& tran
   q.bidirectional = bidirectional;
   q.return_gathered = return_gathered;
   q.fused = fused;
+  if (block_scaled) {  // MXFP8: e4m3 operands with k of two blocks of 32
+    q.x_dtype = q.w_dtype = jo::DType::kF8E4M3;
+    q.k = 64;
+    q.cols = 2;
+    q.batch = 2;
+    q.block_scaled = true;
+  }
   std::vector<jo::IssueUnit> order;
   const jo::Status status = jo::IssueOrder(q, &order);
   if (!status.ok()) throw nb::value_error(status.ToString().c_str());
@@ -146,8 +154,9 @@ std::vector<int32_t> IssueOrderOf(const std::string& op, const std::string& tran
 void BindFusedTiles(nb::module_& m) {
   m.def("issue_order", &IssueOrderOf, nb::arg("op"), nb::arg("transport"), nb::arg("nranks"),
         nb::arg("rank"), nb::arg("rows"), nb::arg("chunks"), nb::arg("bidirectional"),
-        nb::arg("return_gathered"), nb::arg("fused"),
-        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8; op "
+        nb::arg("return_gathered"), nb::arg("fused"), nb::arg("block_scaled") = false,
+        "core/issue_order.h for one rank of a bf16 call (batch 1, k and cols 8; block_scaled: "
+        "e4m3 with block scales, batch 2, k 64, cols 2; op "
         "'matmul_ar/<algorithm>' for matmul_ar): the index of "
         "each unit's first op in the program (build_program's), in issue order.");
   m.def("fused_grid", &Grid, nb::arg("m_tiles"), nb::arg("n_tiles"), nb::arg("batch"),

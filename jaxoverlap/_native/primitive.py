@@ -16,8 +16,10 @@ CPU, the host executor; ``jaxoverlap_cuda_*`` on GPU, the CUDA executor) with th
 FP8: x and w may be float8 (``capabilities.FP8_DTYPES``), each with its float32 dequantization
 scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(float32) *
 x_scale``). The scales are always operands of the custom call (1.0 for an operand that is not
-fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). On GPUs an fp8 w
-is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major,
+fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). Block scales
+(MXFP8) are e8m0 arrays instead, x's ``[..., rows, K/32]`` and w's ``[K/32, N]``; the host
+executor takes them, the CUDA executor refuses them (``_plan.BLOCK_SCALED_REASON``). On GPUs
+an fp8 w is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major,
 docs/gpu-internals.md §6).
 """
 
@@ -208,7 +210,8 @@ def _coords(axis_name: str):
 
 
 def _scale(name: str, scale):
-    """The float32 scalar operand of a dequantization scale (1.0 when None).
+    """The operand of a dequantization scale: a float32 scalar (1.0 when None), or e8m0 block
+    scales as they are (MXFP8, laid out as their operand with K divided by 32).
 
     The executors apply a scale to an fp8 operand only (an all-gather moves it only with fp8
     shards): the ops pass 1.0 for an operand that is not fp8 (``_fp8_dtypes``), and so must
@@ -217,6 +220,8 @@ def _scale(name: str, scale):
     if scale is None:
         return jnp.ones((), jnp.float32)
     scale = jnp.asarray(scale)
+    if jnp.dtype(scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):
+        return scale
     assert jnp.dtype(scale.dtype) == jnp.float32 and scale.size == 1, (name, scale)
     return jnp.reshape(scale, ())
 

@@ -200,8 +200,9 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
              block_scaled: bool = False) -> SimResult:
     """Projects one call of ``candidate`` (default: native nccl, 1 chunk) on ``preset``.
 
-    ``block_scaled``: the fp8 operands carry 1x32 block scales (MXFP8), which only the xla and
-    ring impls take; their GEMMs dequantize and multiply in float32
+    ``block_scaled``: the fp8 operands carry 1x32 block scales (MXFP8), which on a GPU only the
+    xla and ring impls take (the CUDA executor does not; the host executor's native path is a
+    CPU emulation, not modelled); their GEMMs dequantize and multiply in float32
     (``model.dequantized_gemm_time``), their transfers move what the fp8 call moves."""
     if op not in OPS:
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
@@ -211,7 +212,7 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     c = candidate or Candidate()
     if block_scaled and (dtype not in FP8_DTYPES or c.impl == "native"):
         raise ValueError(f"block_scaled: block scales are for fp8 operands on the xla and ring "
-                         f"impls (no native executor takes them); got dtype {dtype!r}, "
+                         f"impls (the CUDA executor takes none); got dtype {dtype!r}, "
                          f"candidate {c.label!r}")
     t_gemm, t_comm_xla = baseline_times(op, shape, dtype, nranks, p, block_scaled=block_scaled)
     s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
@@ -377,7 +378,7 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     (simpler) candidate. ``unfused=False``: the caller
     has fixed a fused impl, so the fastest of ``cands`` is picked (the xla path is
     still simulated, for the log, but never picked). ``block_scaled``: fp8 operands with
-    block scales (MXFP8), which only the xla and ring impls take (``simulate``); by default
+    block scales (MXFP8), which on a GPU only the xla and ring impls take (``simulate``); by default
     their plans are the candidates.
     """
     p = load_preset(preset)

@@ -34,7 +34,8 @@ FP8 = [("float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
 
 
 def fp8_case(fake, op, transport, n, dtypes, *, batch=2, rows=4, k=32, nw=16, chunks=1,
-             bidirectional=False, return_gathered=False, calls=1, seed=0, **run):
+             bidirectional=False, return_gathered=False, calls=1, seed=0, block_scaled=False,
+             **run):
     """Runs one call per rank: x and w of `dtypes`, every rank with its own scales; returns the
     outcome and, per rank, the float64 factors of its exact result (dequantized in float32)."""
     x_dtype, w_dtype, out = dtypes
@@ -46,7 +47,7 @@ def fp8_case(fake, op, transport, n, dtypes, *, batch=2, rows=4, k=32, nw=16, ch
     sw = [np.float32(1.25 - 0.1 * r) for r in range(n)]
     p = problem(op, transport, n, batch=batch, rows=rows, k=k, nw=nw, dtype=x_dtype,
                 chunks=chunks, bidirectional=bidirectional, return_gathered=return_gathered,
-                w_dtype=w_dtype, out_dtype=out)
+                w_dtype=w_dtype, out_dtype=out, **({"block_scaled": True} if block_scaled else {}))
     # an fp8 w arrives K-major: [nw, k] row-major (cuda/gemm/gemm.h)
     result = play(fake, p, xs, [np.ascontiguousarray(w.T) for w in ws], calls=calls, x_scales=sx,
                   w_scales=sw, **run)
@@ -270,3 +271,13 @@ def test_the_selftest_fp8_rows_need_the_fp8_accumulation_term(fake, monkeypatch)
                 assert not ok and "of the bound" in detail, (op, fp8, detail)
             old.append(ok)
     assert old.count(False) == 5
+
+
+def test_block_scales_are_refused_at_prepare(fake):
+    """Block scales (MXFP8): the CUDA executor has no block-scaled GEMM (cuBLASLt's
+    VEC32_UE8M0 scale mode is not set up), so every rank gets an error saying so before
+    anything is enqueued, never a GEMM that reads e8m0 bytes as float32 scales."""
+    fake.reset()
+    out, _, _ = fp8_case(fake, "ag_matmul", "p2p", 2, FP8[0], k=64, block_scaled=True)
+    assert all(s and "takes no block scales" in s for s in out["statuses"]), out["statuses"]
+    assert fake.errors() == [] and fake.counters().get("cublasLtMatmul", 0) == 0

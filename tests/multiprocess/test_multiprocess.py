@@ -76,6 +76,14 @@ def test_native_fp8_across_processes():
     assert all(len(p.result()["checked"]) == 3 * len(TRANSPORTS) for p in procs)
 
 
+def test_native_mxfp8_across_processes():
+    """Block scales (MXFP8) on the host executor with cliques spanning processes (2 x 2
+    devices): each sub-chunk's e8m0 scale rows cross processes with its rows, on every
+    transport, and every rank's y is the reference bit for bit."""
+    procs = harness.run("mxfp8", 2, 2, params={"transports": TRANSPORTS})
+    assert all(p.result()["checked"] == list(TRANSPORTS) for p in procs)
+
+
 def test_mixed_meshes_interleaved_ring_and_growth():
     """A ring alternating processes, dp x tp with tp inside / across processes, growing shapes,
     and a user's own shard_map (refused without the concrete mesh, right under jax.set_mesh)."""

@@ -213,6 +213,54 @@ def fp8(transports: list[str]) -> dict[str, Any]:
     return {"checked": done}
 
 
+def mxfp8(transports: list[str]) -> dict[str, Any]:
+    """Block-scaled (MXFP8) AG+GEMM through the ops' native path over a tp mesh of every device
+    (cliques spanning processes: each sub-chunk's e8m0 scale rows cross them with its fp8
+    rows), chunked and bidirectional, on every transport: equal to the numpy
+    dequantize-then-multiply reference bit for bit (small integers and scales 2^0..2^2: every
+    float32 sum is exact)."""
+    import ml_dtypes
+
+    mesh = mesh_of((len(jax.devices()),), ("tp",))
+    n = len(jax.devices())
+    rng = np.random.default_rng(6)
+    rows, k, nw = 4, 64, 2
+    e4 = jnp.float8_e4m3fn
+    x = rng.integers(-8, 9, size=(2, rows * n, k)).astype(np.float32)
+    w = rng.integers(-8, 9, size=(k, nw * n)).astype(np.float32)
+    xe = (rng.integers(0, 3, size=(2, rows * n, k // 32)) + 127).astype(np.uint8)
+    we = (rng.integers(0, 3, size=(k // 32, nw * n)) + 127).astype(np.uint8)
+    ref = ((x * np.repeat(2.0 ** (xe.astype(np.float64) - 127), 32, 2))
+           @ (w * np.repeat(2.0 ** (we.astype(np.float64) - 127), 32, 0)))
+
+    def put(a, spec):
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                            lambda idx: jnp.asarray(a[idx]))
+
+    rows_spec = P(None, "tp")
+    args = (put(x.astype(ml_dtypes.float8_e4m3fn), rows_spec),
+            put(w.astype(ml_dtypes.float8_e4m3fn), P(None, "tp")),
+            put(xe.view(ml_dtypes.float8_e8m0fnu), rows_spec),
+            put(we.view(ml_dtypes.float8_e8m0fnu), P(None, "tp")))
+    assert args[0].dtype == e4
+    done = []
+    for transport in transports:
+        def local(x, w, xs, ws, transport=transport):
+            return jo.ag_matmul(x, w, "tp", axis=1, impl="native", transport=transport,
+                                chunks=2, bidirectional=True, x_scale=xs, w_scale=ws,
+                                preferred_element_type=jnp.float32)
+
+        y = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rows_spec, P(None, "tp"),
+                                                              rows_spec, P(None, "tp")),
+                                  out_specs=P(None, None, "tp")))(*args)
+        assert y.addressable_shards
+        for shard in y.addressable_shards:
+            got = np.asarray(shard.data, np.float64)
+            assert np.array_equal(got, ref[shard.index]), (transport, shard.index)
+        done.append(transport)
+    return {"checked": done}
+
+
 def fused(transports: list[str], calls: int = 5) -> dict[str, Any]:
     """The fused GEMM's programs (JAXOVERLAP_FUSED=1) of both ops over a tp mesh of every device,
     bfloat16 with 16-byte rows: the host executor runs them block by block on a clique in shared
@@ -1365,6 +1413,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "portable": portable,
     "native": native,
     "fp8": fp8,
+    "mxfp8": mxfp8,
     "fused": fused,
     "qkv": qkv,
     "set_order": set_order,

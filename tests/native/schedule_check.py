@@ -92,6 +92,15 @@ def _expanded(program, op):
     return [op]
 
 
+def _scale_blocks(program, op):
+    """(role, ref, batch, rows, cols) of a GEMM's scales: one float32 slot each, or, block-scaled
+    (MXFP8), a's scale rows beside its rows and all of w's, k/32 per row."""
+    kb = program["k"] // 32
+    shapes = {"a_scale": (op["batch"], op["m"], kb), "b_scale": (1, kb, op["n"])}
+    return [(role, op[role], *(shapes[role] if program.get("block_scaled") else (1, 1, 1)))
+            for role in ("a_scale", "b_scale") if op.get(role) is not None]
+
+
 def _block_ops(program):
     """The program's ops with every AllReduce as its block-level ops (a FusedGemm kept whole:
     its checks look at its blocks themselves)."""
@@ -205,9 +214,8 @@ def _accesses(program, op):
         add(op["a"], op["k"], False)
         if op["accumulate"]:
             add(op["c"], op["n"], False)
-        for scale in (op.get("a_scale"), op.get("b_scale")):  # fp8: one float32 slot each
-            if scale is not None:
-                add_block(scale, 1, 1, 1, False)
+        for _, scale, batch, rows, cols in _scale_blocks(program, op):
+            add_block(scale, batch, rows, cols, False)
         add(op["d"], op["n"], True)
     elif kind == "Add":
         add(op["a"], op["n"], False)
@@ -249,15 +257,17 @@ def buffer_sizes(program):
         "XGATHERED": gathered * program["k"] if program["return_gathered"] else 0,
         "SCRATCH": program["scratch_elems"],
         "WORKSPACE": program["workspace_elems"],
-        # fp8: the scale operands (one float32 each) and the moved shards' scale slots.
-        "XSCALE": 1,
-        "WSCALE": 1,
+        # fp8: the scale operands (one float32 each; block scales: their operand's shape with k
+        # divided by 32) and the moved shards' scale slots.
+        "XSCALE": (1 if not program.get("block_scaled") else
+                   (local if rule == "gather" else gathered) * (program["k"] // 32)),
+        "WSCALE": 1 if not program.get("block_scaled") else program["k"] // 32 * program["n"],
         "SCRATCH_SCALES": program.get("scratch_scales", 0),
         "WORKSPACE_SCALES": program.get("workspace_scales", 0),
     }
 
 
-def _blocks(op):
+def _blocks(program, op):
     """(role, ref, batch, rows, cols) of every block an op touches."""
     b, m, n, k = op["batch"], op["m"], op["n"], op["k"]
     kind = op["kind"]
@@ -265,10 +275,7 @@ def _blocks(op):
         out = [("a", op["a"], b, m, k), ("b", op["b"], 1, k, n), ("d", op["d"], b, m, n)]
         if op["accumulate"]:
             out.append(("c", op["c"], b, m, n))
-        for role in ("a_scale", "b_scale"):
-            if op.get(role) is not None:
-                out.append((role, op[role], 1, 1, 1))
-        return out
+        return out + _scale_blocks(program, op)
     if kind in ("Add", "Copy", "McStore", "McReduce"):
         return [("a", op["a"], b, m, n), ("d", op["d"], b, m, n)]
     if kind == "Send":
@@ -291,7 +298,7 @@ def check_bounds(program):
         where = f"rank {program['rank']}: {op['text']}"
         if not 0 <= op["stream"] < program["num_streams"]:
             raise ScheduleError(f"{where}: stream out of range")
-        for role, ref, batch, rows, cols in _blocks(op):
+        for role, ref, batch, rows, cols in _blocks(program, op):
             if ref["offset"] < 0 or ref["batch_stride"] < 0 or ref["ld"] < cols:
                 raise ScheduleError(f"{where}: operand {role} has a negative offset or stride, "
                                     f"or ld < {cols}")

@@ -41,12 +41,18 @@ F32 = {}
 FP8 = dict(dtype="float8_e4m3fn", w_dtype="float8_e5m2", out_dtype="bfloat16")
 
 
+# Block scales (MXFP8): fp8 x and w with e8m0 scales, one per 32 elements of k.
+MX = dict(dtype="float8_e4m3fn", w_dtype="float8_e4m3fn", out_dtype="bfloat16",
+          block_scaled=True)
+
+
 def build(op, transport, n, rank, *, batch=2, rows=6, k=5, n_out=3, dtype="float32", chunks=1,
-          bidirectional=False, return_gathered=False, w_dtype="", out_dtype=""):
+          bidirectional=False, return_gathered=False, w_dtype="", out_dtype="",
+          block_scaled=False):
     op, _, algorithm = op.partition("/")
     return host.build_program(op, transport, n, rank, batch, rows, k, n_out, dtype, chunks,
                               bidirectional, return_gathered, algorithm=algorithm or "two_shot",
-                              w_dtype=w_dtype, out_dtype=out_dtype)
+                              w_dtype=w_dtype, out_dtype=out_dtype, block_scaled=block_scaled)
 
 
 def clique(op, transport, n, **kw):
@@ -315,6 +321,97 @@ def test_race_checker_catches_a_scale_that_did_not_travel(transport):
     check_deadlock_free(broken)
     with pytest.raises(ScheduleError, match="no write of its call"):
         check_race_free(broken)
+
+
+def test_block_scales_travel_with_every_sub_chunk():
+    """MXFP8: an all-gather moves each sub-chunk's e8m0 scale rows ([rows, k/32]) by the same
+    mechanism as its data rows, into the same rows of the gathered scale layout, before the
+    flag (p2p, multicast) or in the same NCCL group; every GEMM reads the scale rows beside its
+    own rows and all of w's. GEMM + RS / AR move no scales. Every such clique is deadlock- and
+    race-free (also two calls back to back: both workspace parities), in bounds for both
+    checkers, and drains through one work queue per device in the executors' issue order."""
+    testing = testing_ext.load()
+    k = 64
+    for transport, (n, chunks, bidir) in grid(TRANSPORTS, [(1, 2, False), (2, 1, False),
+                                                           (3, 2, True), (4, 2, False)]):
+        with case(transport, n, chunks, bidir):
+            programs = clique("ag_matmul", transport, n, rows=4, k=k, n_out=2, chunks=chunks,
+                              bidirectional=bidir, return_gathered=True, **MX)
+            for p in programs:
+                host.check_program(p)
+                check_bounds(p)
+                check_dtypes(p)
+                def key(o):  # a transfer: what it moves, to or from whom
+                    return (o["kind"], o["shard"], o["sub"], o["peer"],
+                            o["d"]["rank"] if o["d"] else None)
+
+                data = {key(o): o for o in p["ops"]
+                        if o["kind"] in ("Copy", "Send", "Recv", "McStore") and o["stream"] > 0
+                        and o["n"] == k}  # the transfers (the compute stream's copies: x's own)
+                moved = _scale_ops(p)
+                assert len(moved) == len(data), (len(moved), len(data))
+                for o in moved:
+                    twin = data[key(o)]
+                    assert (o["m"], o["n"], o["bytes"]) == (twin["m"], k // 32, twin["bytes"] // 32)
+                    for role in ("a", "d"):
+                        if o[role] is not None and twin[role] is not None:
+                            assert o[role]["offset"] * 32 == twin[role]["offset"]
+                            assert o[role]["rank"] == twin[role]["rank"]
+                for g in (o for o in p["ops"] if o["kind"] == "Gemm"):
+                    assert g["a_scale"]["offset"] * 32 == g["a"]["offset"]
+                    assert g["a_scale"]["ld"] * 32 == g["a"]["ld"]
+                    assert (g["b_scale"]["buf"], g["b_scale"]["ld"]) == ("WSCALE", 2)
+            check_deadlock_free(programs)
+            check_race_free(programs, calls=2)
+            orders = [testing.issue_order("ag_matmul", transport, n, r, 4, chunks, bidir, True,
+                                          False, block_scaled=True) for r in range(n)]
+            assert _one_queue(programs, orders)
+    for op in ("matmul_rs", "matmul_ar", ONE_SHOT):
+        p = build(op, "p2p", 4, 1, rows=4, k=k, chunks=2, **MX)
+        assert not _scale_ops(p) and p["workspace_scales"] == p["scratch_scales"] == 0
+        assert {(g["a_scale"]["buf"], g["b_scale"]["buf"]) for g in p["ops"]
+                if g["kind"] == "Gemm"} == {("XSCALE", "WSCALE")}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_race_checker_catches_block_scales_that_did_not_travel(transport):
+    """Drop the moves of one sub-chunk's block scales: the schedule completes, but a GEMM reads
+    scale rows no op of its call wrote."""
+    programs = clique("ag_matmul", transport, 4, rows=4, k=64, n_out=2, chunks=2, **MX)
+    check_race_free(programs)
+    broken = copy.deepcopy(programs)
+    for p in broken:
+        p["ops"] = [o for o in p["ops"]
+                    if not (o in _scale_ops(p) and (o["shard"], o["sub"]) == (1, 1))]
+    check_deadlock_free(broken)
+    with pytest.raises(ScheduleError, match="no write of its call"):
+        check_race_free(broken)
+
+
+def test_a_gemm_reading_other_rows_scales_is_refused():
+    """A block-scaled GEMM whose a_scale names scale rows other than its own rows' (another
+    sub-chunk's) stays inside the buffer, so only the scales-beside-rows rule refuses it."""
+    p = build("ag_matmul", "nccl", 2, 0, rows=4, k=64, chunks=2, **MX)
+    host.check_program(p)
+    i = next(i for i, o in enumerate(p["ops"]) if o["kind"] == "Gemm" and o["sub"] == 1)
+    broken = copy.deepcopy(p)
+    broken["ops"][i]["a_scale"]["offset"] -= 2 * 2        # sub-chunk 0's rows (2 rows x k/32)
+    check_bounds(broken)
+    with pytest.raises(ValueError, match="scale rows beside a's rows"):
+        host.check_program(broken)
+
+
+def test_block_scaled_programs_refuse_what_they_cannot_be():
+    """k not whole blocks of 32, an operand not fp8, or the fused GEMM: refused naming why."""
+    for kw, match in ((dict(k=48), "multiple of 32"),
+                      (dict(k=64, dtype="bfloat16"), "must both be fp8"),
+                      (dict(k=64, fused=True), "fused GEMM takes no block scales")):
+        fused = kw.pop("fused", False)
+        args = {**MX, **kw}
+        with pytest.raises(ValueError, match=match):
+            host.build_program("ag_matmul", "p2p", 2, 0, 1, 4, args["k"], 2, args["dtype"], 1,
+                               False, False, w_dtype=args["w_dtype"],
+                               out_dtype=args["out_dtype"], fused=fused, block_scaled=True)
 
 
 def _happens_before_on_rank(program, first, then):
