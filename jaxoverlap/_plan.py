@@ -341,12 +341,15 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w,
     return "native"
 
 
-# Why a block-scaled (MXFP8) call does not run on the CUDA executor: what impl="native" on a
-# GPU raises and what impl="auto" logs there when it picks among xla and ring. The host
-# executor takes block scales (the dequantize-then-multiply reference, exactly).
-BLOCK_SCALED_REASON = ("the CUDA executor has no block-scaled GEMM yet (its cuBLASLt GEMMs are "
-                       "not set up with e8m0 block scales; only the host executor, on CPU, "
-                       "takes them)")
+# Why a block-scaled (MXFP8) call does not run natively on a GPU: what impl="native" there
+# raises and what impl="auto" logs when it picks among xla and ring. The host executor takes
+# block scales (the dequantize-then-multiply reference, exactly); the CUDA executor's
+# block-scaled cuBLASLt GEMMs (compute capability 10.x) take them in cuBLAS's tiled layout,
+# which the lowering does not make yet (docs/gpu-internals.md §6).
+BLOCK_SCALED_REASON = ("the native GPU path does not hand block scales to the CUDA executor yet "
+                       "(its block-scaled cuBLASLt GEMMs take them in cuBLAS's 128x4-tiled "
+                       "layout, which the lowering does not make; only the host executor, on "
+                       "CPU, takes them natively)")
 # Why no fused plan takes block scales: the chunked native plan runs them instead.
 BLOCK_SCALED_FUSED_REASON = ("the fused GEMM's kernels are 16-bit and per-tensor FP8 only (no "
                              "block-scaled MMA), so a block-scaled call takes the chunked "

@@ -18,7 +18,7 @@ scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(f
 x_scale``). The scales are always operands of the custom call (1.0 for an operand that is not
 fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). Block scales
 (MXFP8) are e8m0 arrays instead, x's ``[..., rows, K/32]`` and w's ``[K/32, N]``; the host
-executor takes them, the CUDA executor refuses them (``_plan.BLOCK_SCALED_REASON``). On GPUs
+executor takes them; on GPUs the plan does not bind them (``_plan.BLOCK_SCALED_REASON``). On GPUs
 an fp8 w is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major,
 docs/gpu-internals.md §6).
 """
