@@ -301,10 +301,12 @@ def tiled(scales):
 
 
 def mx_case(fake, op, transport, n, *, batch=1, rows=128, k=128, nw=128, chunks=1,
-            bidirectional=False, seed=0, **run):
+            bidirectional=False, seed=0, tile=None, **run):
     """One block-scaled call per rank: e4m3 x and w, per-rank random e8m0 block scales (x's one
-    per row and 32 of k, w's one per 32 of k and column) handed over tiled; returns the outcome
-    and, per rank, the float64 factors of its exact result (each block dequantized)."""
+    per row and 32 of k, w's one per 32 of k and column) handed over tiled (``tile``: a
+    function of x's and w's uint8 scales in the ops' shapes giving the bytes to hand over;
+    None: ``tiled``); returns the outcome and, per rank, the float64 factors of its exact
+    result (each block dequantized)."""
     rng = np.random.default_rng(seed)
     x_rows = rows if op == "ag_matmul" else rows * n
     xs = [(rng.standard_normal((batch, x_rows, k)) * 3).astype(NP["float8_e4m3fn"])
@@ -314,9 +316,14 @@ def mx_case(fake, op, transport, n, *, batch=1, rows=128, k=128, nw=128, chunks=
     sw = [rng.integers(120, 135, (k // 32, nw), dtype=np.uint8) for _ in range(n)]
     p = problem(op, transport, n, batch=batch, rows=rows, k=k, nw=nw, dtype=MX[0], chunks=chunks,
                 bidirectional=bidirectional, w_dtype=MX[1], out_dtype=MX[2], block_scaled=True)
+    if tile is None:
+        def tile(x_scale, w_scale):
+            return (tiled(x_scale.reshape(-1, k // 32)).tobytes(),
+                    tiled(np.ascontiguousarray(w_scale.T)).tobytes())
+    handed = [tile(a, b) for a, b in zip(sx, sw, strict=True)]
     result = play(fake, p, xs, [np.ascontiguousarray(w.T) for w in ws],
-                  x_block_scales=[tiled(s.reshape(-1, k // 32)).tobytes() for s in sx],
-                  w_block_scales=[tiled(np.ascontiguousarray(s.T)).tobytes() for s in sw], **run)
+                  x_block_scales=[h[0] for h in handed], w_block_scales=[h[1] for h in handed],
+                  **run)
     xd = [x.astype(np.float64) * np.repeat(np.exp2(s.astype(np.float64) - 127), 32, axis=-1)
           for x, s in zip(xs, sx, strict=True)]
     wd = [w.astype(np.float64) * np.repeat(np.exp2(s.astype(np.float64) - 127), 32, axis=0)
