@@ -73,10 +73,12 @@ def test_bench_model_prints_the_projection_and_a_gantt_chart(tmp_path):
     assert "not a plan the chooser picks" in out
     assert re.search(r"\nRS std +\d+ +\d+ +\d\.\d\d +\d\.\d\d .*sub-chunk", out), out
     # and Flux's Hopper design by its own mechanism at F8/8192's shape, where Flux lost 0.84x:
-    # the model projects a gain (published.DISAGREES says what it leaves unexplained)
+    # the model projects a gain with the middle of the published stacked sums, about none with
+    # the slowest (published.DISAGREES says what it leaves unexplained)
     flux = re.search(r"Flux's Hopper design \(sim\.reduction\.pulled\): (\d\.\d\d)x "
                      r"\((\d\.\d\d)-(\d\.\d\d)x with its stacked sum at 23%-43% of HBM\)", out)
-    assert flux and 1.0 < float(flux.group(2)) < float(flux.group(1)) < float(flux.group(3)), out
+    assert flux and 0.95 < float(flux.group(2)) < float(flux.group(1)) < float(flux.group(3)), out
+    assert float(flux.group(1)) > 1.0, out
     # a projection outside the preset's calibrated range is marked, with the reason
     assert "* h100 AG decode: outside the calibrated range" in out
     assert "* h100 AG std:" not in out

@@ -241,12 +241,15 @@ def pipelined_time(ramp: float, x: float) -> float:
     """(sqrt(ramp) + sqrt(x))^2 seconds to move ``x`` seconds' worth of bytes in chunks.
 
     A transfer is cut into c chunks that flow through a pipeline of d stages (the hops
-    of a ring; inside one hop the DMA read, the link, the remote write), each chunk
-    paying a fixed overhead alpha per stage: T(c) = (c + d - 1) (alpha + x / c). The
-    best c gives T = (sqrt(ramp) + sqrt(x))^2 with ramp = (d - 1) alpha — the classic
-    pipelined-broadcast result (e.g. Sanders, Speck, Traeff, "Two-tree algorithms for
-    full bandwidth broadcast, reduction and scan", Parallel Computing 35, 2009). The
-    effective bandwidth ramps with size: x / T = 1 / (1 + sqrt(ramp / x))^2.
+    of a ring, each forwarding a chunk once it has it), each chunk paying a fixed overhead
+    alpha per stage: T(c) = (c + d - 1) (alpha + x / c). The best c gives T = (sqrt(ramp)
+    + sqrt(x))^2 with ramp = (d - 1) alpha — the classic pipelined-broadcast result (e.g.
+    Sanders, Speck, Traeff, "Two-tree algorithms for full bandwidth broadcast, reduction and
+    scan", Parallel Computing 35, 2009). The effective bandwidth ramps with size: x / T =
+    1 / (1 + sqrt(ramp / x))^2. It is the form of software that forwards in chunks (NCCL's
+    ring); one copy-engine copy is pipelined in hardware at packet granularity, not in
+    chunks a program pays for: its ramp is 0 (``Preset.ce_ramp_us``) and it takes its
+    start plus bytes / rate.
     """
     if x <= 0:
         return ramp
@@ -291,7 +294,8 @@ def transfer_fill(p: Preset, transport: str, nbytes: float, hops: int = 1) -> fl
     ``latency + hops * step + pipelined_time(hops * ramp, x) - x``, x = nbytes /
     ``transfer_gbps``: the engine charges it before the bytes flow (it uses no link
     capacity), so that a transfer alone takes exactly latency + hops * step +
-    (sqrt(hops * ramp) + sqrt(x))^2.
+    (sqrt(hops * ramp) + sqrt(x))^2. ``hops`` > 1 only where a program forwards (NCCL's
+    ring collective); a copy-engine copy, ramp 0, takes latency + x.
     """
     x = nbytes / (transfer_gbps(p, transport, collective=hops > 1) * 1e9)
     ramp = hops * transport_ramp(p, transport)

@@ -88,24 +88,33 @@ def output_dtype(dtype: str) -> str:
 
 
 # ---- what the fits of sim.published give (tests/sim/test_published.py re-fits them) ---------
-# The h100 fit (its interference uses the copy engine's start and ramp) and the fused-path
-# fit (on a machine derived from the h100) depend on each other: these are their fixed point,
-# each fit re-run on the other's result gives back its own numbers.
+# The h100 fit (its interference uses the copy engine's start) and the host-enqueue fit (on a
+# machine derived from the h100) depend on each other: these are their fixed point, each fit
+# re-run on the other's result gives back its own numbers.
 
 # The h100's GEMM, NCCL and interference numbers (sim.published.fit_h100).
 H100_FIT = dict(gemm_efficiency=0.7878, gemm_k_half=984.8, gemm_overhead_us=9.05,
                 nccl_gbps=385.0, nccl_ramp_us=0.275, nccl_latency_us=0.0, nccl_step_us=1.121,
-                interference=1.153, nccl_sms=42)
-# The fused path's per-step costs, shared by every preset (sim.published.fit_fixed_costs).
-FUSED_PATH_FIT = dict(ce_latency_us=16.5, ce_ramp_us=6.61, signal_latency_us=6.61,
-                      event_latency_us=6.61, host_op_us=6.61, host_call_us=33.0)
-# A multicast kernel's start (sim.published.fit_one_shot): published one-shot all-reduces of
-# small messages on 8xH100, less the fused path's flag round.
-ONE_SHOT_FIT = dict(mc_latency_us=2.15)
+                interference=1.488, nccl_sms=36)
 # A one-launch all-reduce kernel's start and one flag round across the clique (sim.allreduce,
 # fitted by sim.published.fit_one_launch to the lean published one-shot kernels on H100, each
 # priced by its own mechanism: vLLM's two-barrier one-stage kernel, sglang's one-barrier one).
 ONE_LAUNCH_FIT = dict(ar_start_us=2.51, ar_flag_us=1.88)
+# A copy-engine copy on the GPU (docs/performance.md §2.2): its start, the per-copy time of
+# NVIDIA/cuda-samples p2pBandwidthLatencyTest's latency matrix (1.8-2.3 us a 16-byte peer write,
+# NVIDIA/cuda-samples#230), and no size ramp: the same test's five back-to-back 160 MB copies
+# reach 371-377 GB/s on HGX H100 (NVIDIA/nccl#1264), the rate itself (a DMA copy is pipelined
+# in hardware, not in software chunks). A flag or an event a stream waits on: one device-side
+# flag round (the one-launch fit's), not fitted to any call of ours.
+DEVICE_COSTS = dict(ce_latency_us=2.0, ce_ramp_us=0.0,
+                    signal_latency_us=ONE_LAUNCH_FIT["ar_flag_us"],
+                    event_latency_us=ONE_LAUNCH_FIT["ar_flag_us"])
+# The host's enqueue of a call's ops (sim.published.fit_fixed_costs): the decomposed AG+GEMM of
+# PyTorch's eager Python lies on the host bound, so it measures this and nothing of the device.
+HOST_FIT = dict(host_op_us=9.08, host_call_us=45.3)
+# A multicast kernel's start (sim.published.fit_one_shot): published one-shot all-reduces of
+# small messages on 8xH100, less one flag round.
+ONE_SHOT_FIT = dict(mc_latency_us=6.88)
 # FP8 GEMMs on the H100 die (sim.published_gemms.fit_fp8): their own efficiency and K curve.
 H100_FP8_FIT = dict(efficiency=0.7457, best_shape=(4096, 7168, 16384), k_half=432.6,
                     tiles=FP8_TILES)
@@ -131,18 +140,20 @@ SM100_FUSED_GEMM_RATE = SM100_PERSISTENT_UTILIZATION / SM100_CUBLAS_UTILIZATION
 # The chooser's margins per program family (sim.published.fallback_margins, sim.families): the
 # model's worst serial error (8.1%), and its worst optimism on the published designs that check
 # each family on that machine (a published loss counted as no gain), rounded up. On the h100:
-# release-only fused GEMM+RS against Flux's losses, Flux's design priced by its own mechanism
-# (12.3%: F8/1024, sim.reduction.pulled), the overlapped GEMM+RS against
-# Triton-distributed's and kraken's copy-engine GEMM+RS, whose parts it is built from (12.5%:
+# release-only fused GEMM+RS against Flux's losses, by Flux's design priced by its own mechanism
+# (sim.reduction.pulled) and by our plan of the family, the more optimistic (20.2%: F8/4096,
+# ours), the overlapped GEMM+RS against
+# Triton-distributed's and kraken's copy-engine GEMM+RS, whose parts it is built from (15.2%:
 # TDH-s4); the one-launch all-reduces against the published kernels of their mechanism, each
 # priced by its own: one-shot over p2p against vLLM's one-stage and sglang's one-shot (25.1%),
 # two-shot over multicast against PyTorch's multimem_all_reduce_ (16.0%); families with no
 # comparison, and each op's key, the largest derived (66.2%: vLLM's two-stage kernel on 8 GPUs
-# runs 2.95x what its mechanism prices, the two-shot p2p family's). On the h800 the overlapped
-# GEMM+RS against Triton-distributed's chart (23.4%), and so every family without a comparison.
+# runs 2.95x what its mechanism prices, the two-shot p2p family's). On the h800 Triton-
+# distributed's GEMM+RS chart against our release-only fused plan (27.3%: TD-RS3) and the
+# overlapped GEMM+RS built from it (22.4%), and so every family without a comparison.
 _H100_MARGINS = {"ag_matmul:chunked": 0.081, "ag_matmul:fused": 0.081,
-                 "matmul_rs:chunked": 0.081, "matmul_rs:fused": 0.123,
-                 "matmul_rs:overlapped": 0.125, "matmul_ar:one_launch:one_shot:p2p": 0.251,
+                 "matmul_rs:chunked": 0.081, "matmul_rs:fused": 0.202,
+                 "matmul_rs:overlapped": 0.152, "matmul_ar:one_launch:one_shot:p2p": 0.251,
                  "matmul_ar:one_launch:two_shot:multicast": 0.16}
 _H100_LARGEST = 0.662
 _FAMILY_KEYS = ("ag_matmul:chunked", "ag_matmul:fused", "matmul_rs:chunked", "matmul_rs:fused",
@@ -150,10 +161,10 @@ _FAMILY_KEYS = ("ag_matmul:chunked", "ag_matmul:fused", "matmul_rs:chunked", "ma
                 "matmul_ar:one_launch:one_shot:p2p", "matmul_ar:one_launch:one_shot:multicast",
                 "matmul_ar:one_launch:two_shot:p2p", "matmul_ar:one_launch:two_shot:multicast",
                 "ag_matmul", "matmul_rs", "matmul_ar")
-_H800_MARGINS = {"ag_matmul:fused": 0.081, "matmul_rs:fused": 0.081}
+_H800_MARGINS = {"ag_matmul:fused": 0.081, "matmul_rs:overlapped": 0.224}
 MARGINS = {
     "h100": {k: _H100_MARGINS.get(k, _H100_LARGEST) for k in _FAMILY_KEYS},
-    "h800": {k: _H800_MARGINS.get(k, 0.234) for k in _FAMILY_KEYS},
+    "h800": {k: _H800_MARGINS.get(k, 0.273) for k in _FAMILY_KEYS},
     "other": dict.fromkeys(_FAMILY_KEYS, 0.081),
 }
 # GB200: the h100's, but the multicast one-shot against the one published on GB200 (tokenspeed).
@@ -201,12 +212,12 @@ class Preset:
     nccl_latency_us: float = H100_FIT["nccl_latency_us"]  # per NCCL call / send-recv group
     nccl_ramp_us: float = H100_FIT["nccl_ramp_us"]  # per hop
     nccl_step_us: float = H100_FIT["nccl_step_us"]  # per ring step, unhidden (model.transport_step)
-    ce_latency_us: float = FUSED_PATH_FIT["ce_latency_us"]  # per copy: launch, DMA start
-    ce_ramp_us: float = FUSED_PATH_FIT["ce_ramp_us"]
+    ce_latency_us: float = DEVICE_COSTS["ce_latency_us"]  # per copy: its DMA start on the GPU
+    ce_ramp_us: float = DEVICE_COSTS["ce_ramp_us"]  # per hop (0: a copy is pipelined in hardware)
     mc_latency_us: float = ONE_SHOT_FIT["mc_latency_us"]  # per multicast kernel
     mc_ramp_us: float = H100_FIT["nccl_ramp_us"]
-    signal_latency_us: float = FUSED_PATH_FIT["signal_latency_us"]  # Signal -> peer's Wait
-    event_latency_us: float = FUSED_PATH_FIT["event_latency_us"]  # Record -> StreamWait; fork, join
+    signal_latency_us: float = DEVICE_COSTS["signal_latency_us"]  # Signal -> peer's Wait
+    event_latency_us: float = DEVICE_COSTS["event_latency_us"]  # Record -> StreamWait; fork, join
     # Ops running together (model.compute_rate).
     nccl_sms: int = H100_FIT["nccl_sms"]  # SMs a running NCCL kernel takes from the GEMM
     mc_sms: int = 16  # SMs a running multicast kernel takes (assumption)
@@ -214,8 +225,8 @@ class Preset:
     # The host enqueues every op of a call (model.host_time); a call captured in a command
     # buffer (CUDA graph) enqueues none at replay, its nodes cost graph_node_us each on the GPU
     # (sim.launch).
-    host_op_us: float = FUSED_PATH_FIT["host_op_us"]
-    host_call_us: float = FUSED_PATH_FIT["host_call_us"]
+    host_op_us: float = HOST_FIT["host_op_us"]
+    host_call_us: float = HOST_FIT["host_call_us"]
     graph_node_us: float = 0.58
     # One-launch all-reduce kernels (sim.allreduce): the kernel's start, one flag round across
     # the clique, and SMs' loads from peers' memory over the links (None: the line rate).
@@ -413,11 +424,16 @@ _NCCL_FIT = _FITTED.format("fit_h100", "NVIDIA/Megatron-LM PR #5596 (AG/RS at 2-
                            "the 360-370 GB/s plateau of NVIDIA/nccl-tests #212/#326")
 _INTERFERENCE_FIT = _FITTED.format("fit_h100", "pytorch/pytorch PR #172714 (an 8192^3 GEMM next "
                                    "to an all-gather: sequential, copy-engine, NCCL kernels)")
-_FIXED_FIT = _FITTED.format("fit_fixed_costs", "the decomposed (chunked, copy-engine) AG+GEMM "
-                            "of pytorch/pytorch PR #143160, 354 us, the published program "
-                            "closest to ours; one common scale on these costs (their ratios are "
-                            "assumptions). PyTorch eager dispatch is in that number, so they "
-                            "may overstate a C++ executor's: refit with bench --calibrate")
+_FIXED_FIT = ("device: a copy-engine copy's start 2 us and no size ramp (NVIDIA/cuda-samples "
+              "p2pBandwidthLatencyTest: 1.8-2.3 us a peer copy, NVIDIA/cuda-samples#230; five "
+              "160 MB copies at 371-377 GB/s on HGX H100, NVIDIA/nccl#1264), a flag or event "
+              "wait one device-side flag round (ar_flag_us, sim.published.fit_one_launch); "
+              "host: host_op_us and host_call_us " + _FITTED.format(
+                  "fit_fixed_costs", "the decomposed (chunked, copy-engine) AG+GEMM of "
+                  "pytorch/pytorch PR #143160, 354 us, whose eager Python lies on the host bound "
+                  "(one common scale on the two, their ratio an assumption); PyTorch's eager "
+                  "dispatch is in that number, so they may overstate a C++ executor's: refit "
+                  "with bench --calibrate"))
 _NCCL_P2P = ("NVIDIA/nccl-tests#268: sendrecv_perf between NVLink H100s plateaus ~180 GB/s "
              "(nvbandwidth 260), far below the ring collectives' ~360 (#326)")
 _LINE = "assumption: the fitted h100's fraction of the line rate ({:.0f}/450 GB/s)"

@@ -211,25 +211,46 @@ DECOMPOSED = fit.FusedPoint("ag_matmul", Shape.from_global(2048, 8192, 3584, 8),
 # Rows where the program closest to the published design (the design's own mechanism where the
 # model prices it, ``DESIGN_MECHANISMS``; else our closest plan) projects a gain the design did
 # not measure (beyond the 5% allowed; a published loss counts as no gain, CallResult.optimism),
-# with why; the test requires this list to be exactly the rows that disagree. Each is a published
-# loss the model does not reproduce: it is optimistic about that design there, and the margin of
-# the family of ours closest to it (fallback_margins) is derived from exactly these ratios,
-# which keeps that family unfused wherever its projected gain is within them.
+# with why; the test requires this list to be exactly the rows that disagree. The model is
+# optimistic about that design there, and the margin of the family of ours closest to it
+# (fallback_margins) is derived from exactly these ratios, which keeps that family unfused
+# wherever its projected gain is within them.
+_CE_DEVICE = ("priced with a copy-engine copy's device cost (a 2 us start, no size ramp: "
+              "docs/performance.md §2.2) and device-side flags and events")
 DISAGREES: dict[str, str] = {
+    "F1": "our fused AG+GEMM " + _CE_DEVICE + " projects 7% above Flux's copy-engine AG+GEMM "
+          "on 8xH800 (1.60x against 1.49x); nothing in the model explains it, and nothing is "
+          "fitted to it: as a margin (6.5%) it is under the fused AG family's 8.1% (the serial "
+          "error), which therefore keeps that family unfused wherever it projects less",
+    **{f"TD-AG{i}": "our fused AG+GEMM " + _CE_DEVICE + " projects 5-6% above Triton-"
+                    "distributed's chart on 8xH800 (read off, its ±0.03 already counted); as "
+                    "a margin under the fused AG family's 8.1%, nothing fitted to it"
+       for i in (2, 3)},
+    **{f"TD-RS{i}": "Triton-distributed's GEMM+RS chart on 8xH800 priced by its own mechanism "
+                    "(sim.reduction.overlapped, its Python-issued waits and copies at the host's "
+                    "fitted cost) projects 1.37-1.44x where it gained 1.06-1.09x; the same "
+                    "mechanism is within 6% of its larger-K rows (TD-RS4, TD-RS5). Which of its "
+                    "modes the chart ran is not stated (ByteDance-Seed/Triton-distributed#105)"
+       for i in (1, 2, 3)},
+    "TDH-s4": "Triton-distributed's GEMM+RS at TP 4 on a small shape (PR #166: 0.72x, a loss) "
+              "priced by its own mechanism projects 1.09x: the host bound counts its waits, "
+              "copies, GEMM, barrier and reduction (11 ops), while the PR names a fixed "
+              "overhead below 100 GFLOP per rank that exceeds the overlap, larger than those; "
+              "at TP 8 (TDH-s8) the same count reproduces the loss",
     **{f"F8/{m}": "Flux's Hopper GEMM+RS priced by its own mechanism (sim.reduction.pulled: the "
-                  "GEMM kernel's warps pull the peers' tiles into a reduce buffer beside the "
-                  "GEMM, then a barrier and a torch sum of the stacked partials at 23-43% of "
-                  "HBM) projects 1.01-1.17x at every M of this user's 8xH100 run, where Flux "
-                  "measured 0.80-0.98x; the same mechanism reproduces Flux's 8xH800 gain "
-                  "within 12% (F2). What the mechanism leaves unexplained is the data movement "
-                  "on that machine: the same user's tuning logs (bytedance/flux#100) time Flux's "
-                  "GEMM+RS at M 8192, N 8192, K 1024 at 990 us: after its ~0.33 ms GEMM and a "
-                  "~0.15 ms sum, 0.5-0.84 ms (as the pulls overlap the GEMM or not) to pull 7/8 "
-                  "of a 128 MiB output, 140-230 GB/s where the links carry 450 and NCCL ~360; "
+                  "GEMM kernel's warps pull the peers' tiles into a reduce buffer beside the GEMM,"
+                  " then a barrier and a torch sum of the stacked partials at 23-43% of HBM) "
+                  "projects 1.05-1.15x at M 1024-8192 of this user's 8xH100 run (1.04 above), "
+                  "where Flux measured 0.80-0.98x; the same mechanism reproduces Flux's 8xH800 "
+                  "gain within 12% (F2). What the mechanism leaves unexplained is the data "
+                  "movement on that machine: the same user's tuning logs (bytedance/flux#100) time"
+                  " Flux's GEMM+RS at M 8192, N 8192, K 1024 at 990 us: after its ~0.33 ms GEMM "
+                  "and a ~0.15 ms sum, 0.5-0.84 ms (as the pulls overlap the GEMM or not) to pull "
+                  "7/8 of a 128 MiB output, 140-230 GB/s where the links carry 450 and NCCL ~360; "
                   "Triton-distributed's GEMM+RS at nearly this shape on 8xH100 gains 1.23x "
-                  "(TDH-8). Nothing is fitted to it; "
-                  "the release-only fused GEMM+RS family's margin on the h100 takes it in."
-       for m in _F7_M},
+                  "(TDH-8). Nothing is fitted to it; the release-only fused GEMM+RS family's "
+                  "margin on the h100 takes it in."
+       for m in _F7_M[:4]},
 }
 
 
@@ -499,9 +520,10 @@ def fit_pcie8(base: Preset) -> Preset:
 
 
 def fit_fixed_costs(p: Preset) -> Preset:
-    """The fused path's per-step costs from the published decomposed AG+GEMM (P4's PR).
-
-    Fitted on the machine of that row (``h100-hbm2e``); the presets take the result.
+    """The host's enqueue costs (``fit.FUSED_PATH_COSTS``) from the published decomposed AG+GEMM
+    (P4's PR): PyTorch's eager program lies on the host bound, so it measures those and none of
+    the device's costs (``presets.DEVICE_COSTS``). Fitted on the machine of that row
+    (``h100-hbm2e``); the presets take the result.
     """
     return fit.fit_fused(p, [DECOMPOSED])
 
@@ -796,14 +818,18 @@ MARGIN_MACHINES = {"h100": ("h100", "h100-hbm2e")}
 def optimism(machine_name: str) -> dict[str, list[float]]:
     """Per family (``sim.families``), how much the model was optimistic against each published
     design closest to it on this machine: for a call, the closest plan's speedup over the
-    published one (``CallResult.overshoot``; > 1: optimistic); for a one-launch all-reduce,
+    published one (``CallResult.overshoot``; > 1: optimistic; where the design is priced by its
+    own mechanism, the more optimistic of that and our closest plan); for a one-launch all-reduce,
     published time / model time; for the decomposed AG+GEMM the fixed costs are fitted to,
     measured / model."""
     machines = MARGIN_MACHINES.get(machine_name, (machine_name,))
     out: dict[str, list[float]] = {}
     for r in evaluate():
         if r.row.machine in machines:
-            out.setdefault(r.family, []).append(r.overshoot)
+            # a design priced by its own mechanism checks that mechanism and our plan of its
+            # family alike: the family's margin covers the more optimistic of the two
+            out.setdefault(r.family, []).append(
+                r.overshoot if r.projected is None else max(r.overshoot, r.optimism(r.closest)))
             for fam, ours in r.built:  # the families built from this design's mechanisms
                 out.setdefault(fam, []).append(r.optimism(ours))
     for row in ONE_LAUNCH_ALL_REDUCES:

@@ -17,7 +17,10 @@ parts, each priced here from its own source:
 * **interference**: the reduction's and the transfers' bytes slow the GEMM next to them
   (``model.compute_rate``, as for every compute op next to transfers);
 * **the tail**: after the GEMM's last tile, one block's transfer and reduction
-  (``tail_time``), not the whole output's.
+  (``tail_time``), not the whole output's;
+* **the host's enqueue**: the published copy-engine designs issue every copy and the stream
+  wait before it from eager Python (``HOST_OPS_PER_COPY``), so a call cannot run faster than
+  the host enqueues them (``sim.launch.host_enqueue``, as for our own programs).
 
 Two published designs are priced from these parts, as projections of *their* mechanisms (not
 our programs; ``sim.published`` compares their rows with them): ``overlapped``, the copy-engine
@@ -30,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxoverlap.sim import fused, model
+from jaxoverlap.sim import fused, launch, model
 from jaxoverlap.sim.presets import Preset, dtype_bytes, output_dtype
 
 US = 1e-6
@@ -112,6 +115,12 @@ def sms_for(p: Preset, nranks: int, block_bytes: float, seconds: float) -> int:
 # reduction on every SM after it.
 SM_BUDGETS = (0, 8, 16, 24, 32)
 CHUNKS = (1, 2, 4, 8)
+# Host-issued ops of the published copy-engine designs: per destination (the own one included)
+# a cuStreamWaitValue32 on the GEMM's flag and a copy_, from Python (ByteDance-Seed/
+# Triton-distributed python/triton_dist/kernels/nvidia/reduce_scatter.py ``intra_node_scatter``,
+# meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py
+# ``copy_engine_scatter``); per call the GEMM, the barrier and the reduction kernel.
+HOST_OPS_PER_COPY, HOST_OPS_PER_CALL = 2, 3
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,9 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
     whole block on every SM after it (the copies still overlap). The streams overlap, so the
     call takes the longest plus what is exposed; the GEMM is slowed by the copies' and the
     reductions' HBM bytes (``model.compute_rate``). ``sms`` / ``chunks`` None: the fastest
-    of ``SM_BUDGETS`` / ``CHUNKS``."""
+    of ``SM_BUDGETS`` / ``CHUNKS``. The call takes at least the host's enqueue of the designs'
+    Python-issued waits and copies (``HOST_OPS_PER_COPY`` per destination and sub-chunk, the
+    own one included, ``HOST_OPS_PER_CALL`` more) at the preset's host costs."""
     if transport != "p2p":
         raise ValueError(f"transport: the projection prices copy-engine copies ('p2p'), got "
                          f"{transport!r}")
@@ -172,7 +183,9 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
                 reductions = reduction_time(p, nranks, block)
                 tail = copy + reductions
                 busy = max(gemm, copies)
-            t = p.gemm_overhead_us * US + busy + tail
+            device = p.gemm_overhead_us * US + busy + tail
+            t = max(device, launch.host_enqueue(
+                p, HOST_OPS_PER_COPY * nranks * c + HOST_OPS_PER_CALL))
             if best is None or t < best.seconds:
                 best = Overlapped(t, s, c, gemm, copies, reductions, tail)
     assert best is not None

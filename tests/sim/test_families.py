@@ -59,29 +59,38 @@ def test_the_chooser_applies_the_margin_of_each_plans_family():
         choice = sim.choose("matmul_rs", RS, "bf16", 8, p, cands)
         assert choice.candidate == trusted, choice.format()
         assert choice.min_gain == low / 2 and "per family" in choice.format()
-    # the h100's own margins: the release-only fused GEMM+RS answers to Flux's design priced by
-    # its own mechanism (sim.reduction.pulled: 1.01-1.17x projected where Flux lost on 8xH100,
-    # F8), the chunked ring to PyTorch's async-TP (its losses reproduced: the serial error); at
-    # RS std the fused plan, the faster, clears its family's larger margin and is picked, and
-    # with that margin raised to what our own plan projects it is not
+    # the h100's own margins: the release-only fused GEMM+RS answers to Flux's losses on 8xH100
+    # (F8), by Flux's design priced by its own mechanism (sim.reduction.pulled) and by our plan
+    # of that family there, the more optimistic; the chunked ring to PyTorch's async-TP (its
+    # losses reproduced: the serial error). At RS std the fused plan is the faster but its
+    # projection is within what our own plan of its family projects at Flux's losses: the
+    # chunked ring, above its own margin, is picked; with the fused family's margin below its
+    # gain the fused plan is
     choice = sim.choose("matmul_rs", RS, "bf16", 8, H100, cands)
     assert table[fused].t_fused < table[chunked].t_fused
     assert H100.margin("matmul_rs", "matmul_rs:fused") > H100.margin("matmul_rs",
                                                                      "matmul_rs:chunked")
-    assert choice.candidate == fused, choice.format()
-    strict = H100.replace(min_gain={**H100.min_gain,
-                                    "matmul_rs:fused": 1 - 1 / gain[fused] + 1e-3})
-    assert sim.choose("matmul_rs", RS, "bf16", 8, strict, cands).candidate == chunked
+    assert 1 - 1 / gain[fused] <= H100.margin("matmul_rs", "matmul_rs:fused")
+    assert choice.candidate == chunked, choice.format()
+    lax = H100.replace(min_gain={**H100.min_gain,
+                                 "matmul_rs:fused": 1 - 1 / gain[fused] - 1e-3})
+    assert sim.choose("matmul_rs", RS, "bf16", 8, lax, cands).candidate == fused
 
 
-def test_the_overlapped_gemm_rs_is_picked_where_its_designs_win():
-    """On the h100 the overlapped GEMM+RS (multicast: the reduction beside the GEMM) is picked
-    at Flux's RS shape (published there: 1.51x on 8xH800, F2; RS std: test_model); at
-    Triton-distributed's small shape (PR #166: 0.52x at TP8) it is not: its margin comes from
-    the copy-engine designs it is built from."""
+def test_the_overlapped_gemm_rs_is_held_to_the_margin_its_designs_give():
+    """On the h100 the overlapped GEMM+RS (multicast: the reduction beside the GEMM) is the
+    fastest plan at Flux's RS shape (published there: 1.51x on 8xH800, F2; RS std: test_model)
+    and is picked exactly when its projection clears its family's margin, which comes from the
+    copy-engine designs it is built from (Triton-distributed's TDH-s4, a published loss); at
+    Triton-distributed's small shape (PR #166: 0.52x at TP8) it is not picked."""
     choice = sim.choose("matmul_rs", sim.Shape.from_global(4096, 6144, 12288, 8), "bf16", 8, H100)
-    assert families.family("matmul_rs", choice.candidate) == "matmul_rs:overlapped"
-    assert 1.10 <= choice.best.speedup_vs_xla <= 1.05 * 1.51, choice.format()
+    fastest = min((r for r in choice.table if r.candidate.impl == "native"),
+                  key=lambda r: r.t_fused)
+    assert families.family("matmul_rs", fastest.candidate) == "matmul_rs:overlapped"
+    assert 1.10 <= fastest.speedup_vs_xla <= 1.05 * 1.51, choice.format()
+    margin = H100.margin("matmul_rs", "matmul_rs:overlapped")
+    picked = families.family("matmul_rs", choice.candidate) == "matmul_rs:overlapped"
+    assert picked == (1 - 1 / fastest.speedup_vs_xla > margin), choice.format()
     small = sim.choose("matmul_rs", sim.Shape.from_global(4096, 1024, 4096, 8), "bf16", 8, H100)
     assert small.candidate.impl == "xla", small.format()
 

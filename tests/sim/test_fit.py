@@ -88,6 +88,19 @@ def test_fused_points_recover_the_fixed_costs_and_set_the_margin():
                                       "matmul_rs"}
 
 
+def test_fused_points_the_gpu_bounds_leave_the_host_costs_alone():
+    """A call whose GPU time exceeds the host's enqueue does not see the host's costs: the fit
+    keeps them (any scale up to the host bound fits it equally)."""
+    shape = sim.Shape.from_global(8192, 8192, 3584, 8)
+    c = sim.Candidate("native", "p2p", 1, True, fused=True)
+    r = sim.simulate("ag_matmul", shape, "bf16", 8, BASE, c)
+    assert r.t_fused > model.host_time(BASE, [{"ops": [None] * 40}])  # ~30 ops: GPU-bound
+    fitted = sim.calibrate(BASE, fused=[sim.FusedPoint("ag_matmul", shape, "bf16", 8, c,
+                                                       r.t_fused, r.t_xla)])
+    for key in fit.FUSED_PATH_COSTS:
+        assert getattr(fitted, key) == getattr(BASE, key), key
+
+
 def test_margin_from_errors():
     # serial errors of +-5%: a plan must be predicted 5% faster
     assert fit.margin([0.05, -0.03], [1.0]) == 0.05

@@ -295,6 +295,7 @@ def test_the_first_remote_block_and_static_striding(m, k, n, exposed):
     the call is the local copy and the kernel alone, plus the first block's arrival when the
     CTAs that wait for it are among those with the most units."""
     fast = H100.replace(link_gbps=1e7, p2p_gbps=1e7, ce_latency_us=20.0, ce_ramp_us=0.0,
+                        signal_latency_us=6.61, event_latency_us=6.61,
                         interference=0.0, host_op_us=0.0, host_call_us=0.0)
     r = sim.simulate("ag_matmul", sim.Shape.from_global(m, k, n, 8), "bf16", 8, fast,
                      sim.Candidate("native", "p2p", 1, False, fused=True))
@@ -344,10 +345,10 @@ def test_standard_ag_h100_picks_fused_near_the_published_fused_kernels():
     # robust to the assumed kernel rate: the lowest published large-tile ratio keeps it
     low = sim.choose("ag_matmul", AG_STD, "bf16", 8, H100.replace(fused_gemm_rate=0.90))
     assert low.best.candidate.fused
-    # every Hopper preset picks it; the others cannot
+    # every Hopper preset picks it; a GPU without a fused kernel cannot
     for name in ("h200", "h800"):
         assert sim.choose("ag_matmul", AG_STD, "bf16", 8, name).candidate.fused, name
-    assert not sim.choose("ag_matmul", AG_STD, "bf16", 8, "b200").candidate.fused
+    assert not sim.choose("ag_matmul", AG_STD, "bf16", 8, "a100").candidate.fused  # no kernel
 
 
 @pytest.mark.slow  # two choices at the standard shape: seconds
