@@ -14,7 +14,8 @@ contraction dim K, laid out as ``jax.nn.scaled_matmul``'s scales are: the operan
 K divided by 32 (x ``[..., rows, K/32]``, w ``[K/32, N]``). Both operands fp8, both
 block-scaled; the pair is then two e8m0 arrays (:func:`block_scaled`). The ``xla`` and
 ``ring`` impls dequantize each block to float32 and multiply in float32, and so does the host
-executor (``native`` on CPU); the CUDA executor takes none (``_plan.BLOCK_SCALED_REASON``).
+executor (``native`` on CPU); the CUDA executor's block-scaled cuBLASLt GEMMs on compute
+capability 10.x take them in cuBLAS's tiled layout (``_plan.BLOCK_SCALED_REASON``).
 
 The ops with fp8 operands are a forward building block: a gradient with respect to fp8 values
 means nothing (quantization has no derivative). Training goes through ``jaxoverlap.fp8``,

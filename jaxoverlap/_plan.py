@@ -84,7 +84,8 @@ class Request:
     every dim of x but the last); ``precision`` is ``_precision.normalize``'d (Megatron's f:
     as given, ``lax.dot_general``'s); ``out_dtype``: y's dtype name for fp8 operands (None:
     x's); ``block_scaled``: the fp8 operands carry block scales (MXFP8), which the host
-    executor takes and the CUDA executor does not (:data:`BLOCK_SCALED_REASON`).
+    executor takes and the CUDA executor on compute capability 10.x only
+    (:data:`BLOCK_SCALED_REASON`), in whole 128x4 tiles (``_check_block_tiles``).
     """
 
     op: str
@@ -247,6 +248,9 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
     )
     if plan.impl == "native" and plan.algorithm in KERNEL_ALGORITHMS:
         _check_kernel_fits(plan, x, w)
+    if (r.block_scaled and plan.impl == "native"
+            and capabilities.current_platform() in capabilities.GPU_PLATFORMS):
+        _check_block_tiles(plan, x, w)
     if plan.impl == "native" and isinstance(mesh, jax.sharding.Mesh):
         platform = capabilities.executor_platform(mesh.devices.flat[0].platform)
         plan = dataclasses.replace(plan, call=describe(
@@ -341,12 +345,16 @@ def _check_fused(op: str, impl: str, transport: str | None, x, w,
     return "native"
 
 
-# Why a block-scaled (MXFP8) call does not run on the CUDA executor: what impl="native" on a
-# GPU raises and what impl="auto" logs there when it picks among xla and ring. The host
-# executor takes block scales (the dequantize-then-multiply reference, exactly).
-BLOCK_SCALED_REASON = ("the CUDA executor has no block-scaled GEMM yet (its cuBLASLt GEMMs are "
-                       "not set up with e8m0 block scales; only the host executor, on CPU, "
-                       "takes them)")
+# Why a block-scaled (MXFP8) call does not run natively on these GPUs: what impl="native"
+# there raises and what impl="auto" logs when it picks among xla and ring. The host executor
+# takes block scales (the dequantize-then-multiply reference, exactly); the CUDA executor's
+# block-scaled cuBLASLt GEMMs need compute capability 10.x (docs/gpu-internals.md §6).
+BLOCK_SCALED_REASON = ("the CUDA executor's block-scaled GEMMs are cuBLASLt's VEC32_UE8M0 mode, "
+                       "on compute capability 10.x only (B200, GB200); Hopper and the others "
+                       "have no block-scaled cuBLASLt GEMM")
+# The model prices no native block-scaled call: with a preset, auto picks among xla and ring.
+BLOCK_SCALED_MODEL_REASON = ("the performance model prices no native block-scaled GEMM (ask "
+                             "for impl='native' on compute capability 10.x GPUs)")
 # Why no fused plan takes block scales: the chunked native plan runs them instead.
 BLOCK_SCALED_FUSED_REASON = ("the fused GEMM's kernels are 16-bit and per-tensor FP8 only (no "
                              "block-scaled MMA), so a block-scaled call takes the chunked "
@@ -354,8 +362,44 @@ BLOCK_SCALED_FUSED_REASON = ("the fused GEMM's kernels are 16-bit and per-tensor
 
 
 def block_scaled_reason(platform: str) -> str | None:
-    """Why the native executor of ``platform`` cannot take block scales (None: it can)."""
-    return BLOCK_SCALED_REASON if platform in capabilities.GPU_PLATFORMS else None
+    """Why the native executor of ``platform`` cannot take block scales (None: it can): on
+    GPUs, unless every GPU of the capability table is compute capability 10.x."""
+    if platform not in capabilities.GPU_PLATFORMS:
+        return None
+    devices = capabilities.gpu_table().get("devices") or []
+    others = sorted({"sm_{}{}".format(*d["compute_capability"]) for d in devices
+                     if tuple(d["compute_capability"])[0] != 10})
+    if devices and not others:
+        return None
+    return BLOCK_SCALED_REASON + (f" (here: {', '.join(others)})" if others else "")
+
+
+def _check_block_tiles(plan: OpPlan, x, w) -> None:
+    """A native block-scaled call on a GPU: every GEMM of its program (rank 0's; the GEMMs'
+    shapes are the same on every rank and transport) must be whole 128x4 tiles of scales —
+    its rows (a sub-chunk's), its columns and k multiples of 128 (docs/gpu-internals.md §6) —
+    or the CUDA executor refuses it when it prepares; the error says so here first."""
+    if runtime.host_error() is not None:
+        return  # the executor's own check at prepare stands
+    host = runtime.load_host()
+    c = host.canonical_problem(plan.op, list(x.shape), list(w.shape), plan.axis,
+                               plan.axis_size, plan.algorithm)
+    program = host.build_program(
+        plan.op, plan.transport if plan.transport != "auto" else "nccl", plan.axis_size, 0,
+        c["batch"], c["rows"], c["k"], c["n"], dtype=jnp.dtype(x.dtype).name,
+        chunks=plan.chunks, bidirectional=plan.bidirectional, algorithm=plan.algorithm,
+        w_dtype=jnp.dtype(w.dtype).name, out_dtype=fp8_out_dtype(x, plan.out_dtype).name,
+        block_scaled=True)
+    bad = sorted({(g["m"], g["n"], g["k"]) for g in program["ops"]
+                  if g["kind"] == "Gemm" and any(v % 128 for v in (g["m"], g["n"], g["k"]))})
+    if bad:
+        raise NativeUnavailableError(
+            f"{plan.op}: impl='native' with block scales (MXFP8) on a GPU: cuBLASLt's block "
+            f"scales are 128x4-tiled (cuBLAS docs, \"1D Block Scaling Factors Layout\"), and "
+            f"the CUDA executor moves and reads whole tiles only, so every GEMM's rows (a "
+            f"sub-chunk's: rows per shard / chunks={plan.chunks}), output columns and K must be "
+            f"multiples of 128; this call's GEMMs are (m, n, k) {bad}. Change the shapes or "
+            f"chunks, or use impl='xla' or impl='ring'.")
 
 
 def _check_block_scaled(op: str, impl: str, transport: str | None, fused, kernel: bool) -> None:
@@ -537,8 +581,9 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     None means no model applies (no preset: host devices by default) or nothing
     is left open; the simple defaults then hold. ``fused``: True, the fused plans only;
     False, none; None, wherever the executor runs them. ``block_scaled``: fp8 operands with
-    block scales, which no GPU's native plan takes (:data:`BLOCK_SCALED_REASON`): the model
-    picks among xla and ring, priced as they compute them.
+    block scales, whose native GEMMs the model does not price
+    (:data:`BLOCK_SCALED_MODEL_REASON`): it picks among xla and ring, priced as they compute
+    them.
     """
     mesh = jax.sharding.get_abstract_mesh()
     device_kind = getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
@@ -553,7 +598,7 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
         # The presets are GPUs, whose executor takes no block scales (the host executor's
         # native path is a CPU emulation, never priced).
         logger.debug("%s with block scales (MXFP8): the model (preset %r) picks among 'xla' "
-                     "and 'ring': %s.", op, preset, BLOCK_SCALED_REASON)
+                     "and 'ring': %s.", op, preset, BLOCK_SCALED_MODEL_REASON)
         native_ok = False
     if forced_native and not native_ok:
         return None                      # _resolve_impl raises the clear error

@@ -306,13 +306,13 @@ def test_misuse_is_a_clear_error(kwargs, error, match, impl):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(impl="native"), r"impl='native' .* block scales .* the CUDA executor has no "
-     r"block-scaled GEMM .* Use impl='ring' or impl='xla'"),
+    (dict(impl="native"), r"impl='native' .* block scales .* VEC32_UE8M0 mode, on compute "
+     r"capability 10.x only .* Use impl='ring' or impl='xla'"),
     (dict(transport="p2p"), r"transport='p2p' asks for the native"),
 ])
 def test_the_cuda_executor_is_not_asked_for_block_scales(monkeypatch, kwargs, match):
-    """On a GPU the native path is the CUDA executor, which takes no block scales (its
-    cuBLASLt GEMMs are not set up for them): asking for it is a clear error before lowering.
+    """On a GPU the native path is the CUDA executor, whose block-scaled GEMMs need compute
+    capability 10.x (none known here): asking for it is a clear error before lowering.
     (No GPU here: the plan is made for a traced GPU platform.)"""
     from jaxoverlap._executors import capabilities
 
@@ -323,8 +323,8 @@ def test_the_cuda_executor_is_not_asked_for_block_scales(monkeypatch, kwargs, ma
 
 def test_auto_leaves_the_native_path_out(monkeypatch, caplog):
     """Where the h100 preset's model picks the native path for per-tensor fp8 (GEMM+RS, 8192³
-    over 8 ranks), block scales make it pick among xla and ring (the preset's GPU executor
-    takes none), saying why in the debug log, where the model says it priced their
+    over 8 ranks), block scales make it pick among xla and ring (the model prices no native
+    block-scaled GEMM), saying why in the debug log, where the model says it priced their
     dequantize-then-multiply; fused=True is an error naming why no fused GEMM takes them."""
     monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
     monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
@@ -343,7 +343,7 @@ def test_auto_leaves_the_native_path_out(monkeypatch, caplog):
         assert "custom_call @jaxoverlap_" in lowered(op, tensor)   # per tensor: native
         with caplog.at_level(logging.DEBUG, logger="jaxoverlap"):
             assert "custom_call @jaxoverlap_" not in lowered(op, blocks)
-        assert any(op.__name__ in r.message and "the CUDA executor has no block-scaled GEMM"
+        assert any(op.__name__ in r.message and "prices no native block-scaled GEMM"
                    in r.message for r in caplog.records)
         # the model is told: it prices the xla and ring GEMMs as they dequantize (float32)
         assert any("dequantizes its operands and multiplies in float32" in r.message

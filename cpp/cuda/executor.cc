@@ -79,18 +79,19 @@ ncclDataType_t NcclType(DType dtype) {
 // One op, checked and resolved: what Execute hands to the API.
 struct Step {
   cudaStream_t stream = nullptr;
-  std::byte* src = nullptr;     // Copy, Send; Gemm: C when it must be copied into D first
-  std::byte* dst = nullptr;     // Copy, Recv
-  BlockArgs block;              // Add, McStore, McReduce
-  ReduceArgs reduce;            // Reduce
-  GemmArgs gemm;                // Gemm
-  void* workspace = nullptr;    // Gemm: its stream's cuBLASLt workspace (the rank's pool)
-  bool copy_c = false;          // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
-  size_t fused = 0;             // FusedGemm: its arguments, the Enqueuer's fused_[fused]
-  size_t allreduce = 0;         // AllReduce: its launch, the Enqueuer's allreduce_[allreduce]
-  CUdeviceptr flag = 0;         // Signal, Wait
-  cudaEvent_t event = nullptr;  // Record, StreamWait
-  ncclComm_t comm = nullptr;    // Send, Recv (set by Execute, from the caller's lease)
+  std::byte* src = nullptr;       // Copy, Send; Gemm: C when it must be copied into D first
+  std::byte* dst = nullptr;       // Copy, Recv
+  BlockArgs block;                // Add, McStore, McReduce
+  ReduceArgs reduce;              // Reduce
+  GemmArgs gemm;                  // Gemm
+  std::vector<GemmArgs> batches;  // Gemm, block-scaled over batches not back to back: one each
+  void* workspace = nullptr;      // Gemm: its stream's cuBLASLt workspace (the rank's pool)
+  bool copy_c = false;            // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
+  size_t fused = 0;               // FusedGemm: its arguments, the Enqueuer's fused_[fused]
+  size_t allreduce = 0;           // AllReduce: its launch, the Enqueuer's allreduce_[allreduce]
+  CUdeviceptr flag = 0;           // Signal, Wait
+  cudaEvent_t event = nullptr;    // Record, StreamWait
+  ncclComm_t comm = nullptr;      // Send, Recv (set by Execute, from the caller's lease)
 };
 
 }  // namespace
@@ -378,6 +379,8 @@ class Enqueuer {
     if (op.a_scaled) g.a_scale = Resolve(op.a_scale);
     if (op.b_scaled) g.w_scale = Resolve(op.b_scale);
     JO_ASSERT((g.a_scale != nullptr) == op.a_scaled && (g.w_scale != nullptr) == op.b_scaled);
+    // Block scales (MXFP8): e8m0 bytes in cuBLAS's tiled layout (gemm.h), the rows' own.
+    g.block_scaled = q.block_scaled;
     g.d = Resolve(op.d);
     g.d_bs = op.d.batch_stride;
     g.d_ld = op.d.ld;
@@ -410,6 +413,23 @@ class Enqueuer {
     buffers.warm = a_.pool->warm;
     buffers.warm_bytes = a_.pool->warm_bytes;
     step->workspace = buffers.workspace;
+    if (g.block_scaled && g.batch > 1) {
+      // cuBLASLt's block scales have no batch stride (gemm.h): one call per batch, each with
+      // its batch's rows and the scale rows beside them.
+      const int64_t es = DTypeSize(g.a_type), os = DTypeSize(g.out_type);
+      for (int64_t b = 0; b < g.batch; ++b) {
+        GemmArgs one = g;
+        one.batch = 1;
+        one.a = static_cast<const std::byte*>(g.a) + b * g.a_bs * es;
+        one.a_scale = static_cast<const std::byte*>(g.a_scale) + b * op.a_scale.batch_stride;
+        one.d = static_cast<std::byte*>(g.d) + b * g.d_bs * os;
+        if (g.c != nullptr) one.c = static_cast<const std::byte*>(g.c) + b * g.c_bs * os;
+        one.a_bs = one.d_bs = one.c_bs = 0;
+        JO_CHECK(PrepareLtMatmul(a_.device, one, buffers, a_.ctx, &warmed_));
+        step->batches.push_back(one);
+      }
+      return OkStatus();
+    }
     return PrepareLtMatmul(a_.device, g, buffers, a_.ctx, &warmed_);
   }
 
@@ -517,6 +537,9 @@ class Enqueuer {
           JO_CHECK(CopyBlock(copy, step.src, op.c, static_cast<std::byte*>(step.gemm.d), op.d,
                              step.stream));
         }
+        for (const GemmArgs& one : step.batches)
+          JO_CHECK(LtMatmul(a_.device, one, step.stream, step.workspace, a_.ctx));
+        if (!step.batches.empty()) return OkStatus();
         return LtMatmul(a_.device, step.gemm, step.stream, step.workspace, a_.ctx);
       case OpKind::kAdd:
         return LaunchAddBlock(step.block, step.stream, a_.ctx);
@@ -710,21 +733,7 @@ void PreparedCall::Abandon() { enqueuer_->Abandon(); }
 
 bool PreparedCall::WarmedUp() const { return enqueuer_->WarmedUp(); }
 
-namespace {
-// Block scales (MXFP8) are not taken here: the GEMMs would need cuBLASLt's block-scaled
-// mode (CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0, CUDA 12.8+, sm_100), which this executor
-// does not set up. The host executor and the xla and ring impls take them.
-Status RefuseBlockScales(const Problem& q) {
-  if (!q.block_scaled) return OkStatus();
-  return InvalidArgument(std::string(CollectiveName(q.op)) +
-                         ": the CUDA executor takes no block scales (MXFP8, float8_e8m0fnu "
-                         "x_scale / w_scale): its cuBLASLt GEMMs are not set up for block-scaled "
-                         "operands. Use impl='xla' or impl='ring', or float32 per-tensor scales");
-}
-}  // namespace
-
 Status PrepareProgram(const RunArgs& args, std::unique_ptr<PreparedCall>* out) {
-  JO_CHECK(RefuseBlockScales(args.program->problem));
   auto enqueuer = std::make_unique<Enqueuer>(args);
   JO_CHECK(enqueuer->Prepare());
   out->reset(new PreparedCall(std::move(enqueuer)));
@@ -738,7 +747,6 @@ Status PoolNeedsOf(const Problem& q, PoolNeeds* out) {
     *out = *hit;
     return OkStatus();
   }
-  JO_CHECK(RefuseBlockScales(q));
   PoolNeeds needs;
   if (Row(q.transport).messages() && q.nranks > 1) needs.connect_ranks = q.nranks;
   for (int32_t r = 0; r < q.nranks; ++r) {
@@ -758,6 +766,7 @@ Status PoolNeedsOf(const Problem& q, PoolNeeds* out) {
       g.a_type = q.x_dtype;
       g.w_type = q.w_dtype;
       g.out_type = q.out_dtype;
+      g.block_scaled = q.block_scaled;
       g.batch = op.batch;
       g.m = op.m;
       g.n = op.n;

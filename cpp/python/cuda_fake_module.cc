@@ -131,6 +131,8 @@ void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
     };
     bytes("xs", &Played::xs);
     bytes("ws", &Played::ws);
+    bytes("x_block_scales", &Played::x_block_scales);
+    bytes("w_block_scales", &Played::w_block_scales);
     field("x_scales", &Played::x_scales);
     field("w_scales", &Played::w_scales);
     field("devices", &Played::devices);

@@ -18,7 +18,8 @@ scale (``x_scale``, ``w_scale``: this rank's own; the real value is ``x.astype(f
 x_scale``). The scales are always operands of the custom call (1.0 for an operand that is not
 fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). Block scales
 (MXFP8) are e8m0 arrays instead, x's ``[..., rows, K/32]`` and w's ``[K/32, N]``; the host
-executor takes them, the CUDA executor refuses them (``_plan.BLOCK_SCALED_REASON``). On GPUs
+executor takes them as they are; on GPUs (compute capability 10.x) they are handed over in
+cuBLAS's 128x4-tiled layout (``tiled_block_scales``, chosen where the program lowers). On GPUs
 an fp8 w is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major,
 docs/gpu-internals.md §6).
 """
@@ -236,9 +237,35 @@ def _bind(x, w, plan: OpPlan, return_gathered: bool = False, x_scale=None, w_sca
     # The precision the GEMMs use, resolved now: None defers to JAX's default matmul precision,
     # which is the one in force here, not where the program lowers.
     plan = dataclasses.replace(plan, precision=_precision.effective(plan.precision))
-    return native_p.bind(x, w, _scale("x_scale", x_scale), _scale("w_scale", w_scale),
-                         _coords(plan.axis_name), plan=plan,
+    x_scale, w_scale = _scale("x_scale", x_scale), _scale("w_scale", w_scale)
+    if jnp.dtype(x_scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):
+        # Block scales: the CUDA executor's GEMMs read them in cuBLAS's tiled layout, the host
+        # executor's as they are; which one runs is known where the program lowers.
+        x_scale, w_scale = lax.platform_dependent(
+            x_scale, w_scale, cuda=tiled_block_scales, default=lambda xs, ws: (xs, ws))
+    return native_p.bind(x, w, x_scale, w_scale, _coords(plan.axis_name), plan=plan,
                          return_gathered=bool(return_gathered))
+
+
+def _tiled(scales):
+    """``[..., rows, blocks]`` e8m0 scales, each 128-row group in cuBLAS's 128x4-tiled layout
+    (docs/gpu-internals.md §6): tiles of 128 rows by 4 blocks in row-of-tiles order, rows r,
+    r + 32, r + 64 and r + 96 of a tile side by side in 16 bytes. A group of 128 whole rows
+    keeps its bytes' place, so the programs move the tiles as rows. Not whole tiles: as they
+    are (the plan and the executor refuse such GEMMs)."""
+    *lead, rows, blocks = scales.shape
+    if rows % 128 or blocks % 4:
+        return scales
+    tiles = jnp.swapaxes(scales.reshape(*lead, rows // 128, 128, blocks // 4, 4), -3, -2)
+    tiles = tiles.reshape(*lead, rows // 128, blocks // 4, 4, 32, 4)
+    return jnp.swapaxes(tiles, -3, -2).reshape(scales.shape)
+
+
+def tiled_block_scales(x_scale, w_scale):
+    """The block scales as the CUDA executor takes them: x's ``[..., rows, K/32]`` tiled over
+    its rows; w's ``[K/32, N]`` as the tiled ``[N, K/32]`` of the K-major w (cuBLASLt's A), in
+    an array of w_scale's shape."""
+    return _tiled(x_scale), _tiled(w_scale.T).reshape(w_scale.shape)
 
 
 def ag_matmul(x, w, plan: OpPlan, return_gathered: bool = False, *, x_scale=None,

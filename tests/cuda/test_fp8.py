@@ -207,8 +207,18 @@ FP8_MISUSES = {
     "scale pointers on a bf16 gemm": "scale pointers set on a GEMM without FP8 matrices",
     # the executor's choice (cuda/gemm/gemm.h): no fast accumulation
     "fp8 fast accumulation": "fast accumulation",
+    # MXFP8 (cuBLAS docs, cublasLtMatmul: "Scaling Modes Support Overview", "1D Block Scaling
+    # Factors Layout"): Blackwell only, both matrices, FP8 ones, device pointers to the padded
+    # tiled tensors, 16-byte aligned
+    "mxfp8 gemm on sm_90": "need compute capability 10.0 or newer",
+    "mxfp8 block scales on B only": "on one of A and B only",
+    "mxfp8 block scales on a bf16 gemm": "block scales on a GEMM without FP8 matrices",
+    "mxfp8 block scales not 16-byte aligned": "not 16-byte aligned",
+    "mxfp8 block scales without their padded tile": "cublasLtMatmul scale pointer",
+    "mxfp8 block scales without a scale pointer": "without a scale pointer",
 }
-FP8_CONTROLS = {"fp8 gemm as the executor makes it (control)", "fp8 gemm on sm_89 (control)"}
+FP8_CONTROLS = {"fp8 gemm as the executor makes it (control)", "fp8 gemm on sm_89 (control)",
+                "mxfp8 gemm as the executor makes it (control)"}
 
 
 def test_the_fake_enforces_cublaslt_fp8_rules(fake):
@@ -273,11 +283,100 @@ def test_the_selftest_fp8_rows_need_the_fp8_accumulation_term(fake, monkeypatch)
     assert old.count(False) == 5
 
 
-def test_block_scales_are_refused_at_prepare(fake):
-    """Block scales (MXFP8): the CUDA executor has no block-scaled GEMM (cuBLASLt's
-    VEC32_UE8M0 scale mode is not set up), so every rank gets an error saying so before
-    anything is enqueued, never a GEMM that reads e8m0 bytes as float32 scales."""
-    fake.reset()
-    out, _, _ = fp8_case(fake, "ag_matmul", "p2p", 2, FP8[0], k=64, block_scaled=True)
-    assert all(s and "takes no block scales" in s for s in out["statuses"]), out["statuses"]
+# MXFP8 (block scales) on a B200-like fake device: the executor's cuBLASLt GEMMs in the
+# VEC32_UE8M0 scale mode, the scales in cuBLAS's 128x4-tiled layout (cuda/gemm/gemm.h).
+MX = ("float8_e4m3fn", "float8_e4m3fn", "bfloat16")
+
+
+def tiled(scales):
+    """A [rows, k/32] e8m0 matrix in cuBLAS's 1D block scaling factors layout
+    (docs.nvidia.com/cuda/cublas/index.html#d-block-scaling-factors-layout): tiles of 128 rows by
+    4 blocks in row-of-tiles order, a tile's rows r and r + 32, r + 64, r + 96 side by side in
+    16 bytes. Written as reshapes here, apart from the fake's offset formula."""
+    rows, blocks = scales.shape
+    if rows % 128 or blocks % 4:  # not whole tiles: as they are (calls refused at prepare)
+        return scales.reshape(-1)
+    tiles = scales.reshape(rows // 128, 128, blocks // 4, 4).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(tiles.reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3)).reshape(-1)
+
+
+def mx_case(fake, op, transport, n, *, batch=1, rows=128, k=128, nw=128, chunks=1,
+            bidirectional=False, seed=0, tile=None, **run):
+    """One block-scaled call per rank: e4m3 x and w, per-rank random e8m0 block scales (x's one
+    per row and 32 of k, w's one per 32 of k and column) handed over tiled (``tile``: a
+    function of x's and w's uint8 scales in the ops' shapes giving the bytes to hand over;
+    None: ``tiled``); returns the outcome and, per rank, the float64 factors of its exact
+    result (each block dequantized)."""
+    rng = np.random.default_rng(seed)
+    x_rows = rows if op == "ag_matmul" else rows * n
+    xs = [(rng.standard_normal((batch, x_rows, k)) * 3).astype(NP["float8_e4m3fn"])
+          for _ in range(n)]
+    ws = [(rng.standard_normal((k, nw)) * 3).astype(NP["float8_e4m3fn"]) for _ in range(n)]
+    sx = [rng.integers(120, 135, (batch, x_rows, k // 32), dtype=np.uint8) for _ in range(n)]
+    sw = [rng.integers(120, 135, (k // 32, nw), dtype=np.uint8) for _ in range(n)]
+    p = problem(op, transport, n, batch=batch, rows=rows, k=k, nw=nw, dtype=MX[0], chunks=chunks,
+                bidirectional=bidirectional, w_dtype=MX[1], out_dtype=MX[2], block_scaled=True)
+    if tile is None:
+        def tile(x_scale, w_scale):
+            return (tiled(x_scale.reshape(-1, k // 32)).tobytes(),
+                    tiled(np.ascontiguousarray(w_scale.T)).tobytes())
+    handed = [tile(a, b) for a, b in zip(sx, sw, strict=True)]
+    result = play(fake, p, xs, [np.ascontiguousarray(w.T) for w in ws],
+                  x_block_scales=[h[0] for h in handed], w_block_scales=[h[1] for h in handed],
+                  **run)
+    xd = [x.astype(np.float64) * np.repeat(np.exp2(s.astype(np.float64) - 127), 32, axis=-1)
+          for x, s in zip(xs, sx, strict=True)]
+    wd = [w.astype(np.float64) * np.repeat(np.exp2(s.astype(np.float64) - 127), 32, axis=0)
+          for w, s in zip(ws, sw, strict=True)]
+    if op == "ag_matmul":
+        gathered = np.concatenate(xd, axis=1)
+        return result, [(gathered, w) for w in wd]
+    xk, wk = np.concatenate(xd, axis=2), np.concatenate(wd, axis=0)
+    return result, [(xk if op == "matmul_ar" else xk[:, r * rows:(r + 1) * rows], wk)
+                    for r in range(n)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_mxfp8_every_op_matches_the_dequantized_reference(fake, transport):
+    """Block-scaled calls on a B200-like fake device (compute capability 10.0): each GEMM reads
+    the tiled scale rows beside its rows (an all-gather's travelled with their shard), within
+    the bound of the fake's Blackwell FP8 accumulator of the float64 product of the
+    block-dequantized operands. matmul_ar's GEMMs are matmul_rs's (no scale moves; its
+    reductions add bf16 partials as any call's do): on one transport, for time. Two batches not
+    back to back (one cuBLASLt call each): ``test_lowering.py``'s case through JAX's tiling."""
+    ops = ("ag_matmul", "matmul_rs", *(("matmul_ar",) if transport == "p2p" else ()))
+    for op in ops:
+        fake.reset(fake.Config(**_selftest.FAKE_B200))
+        out, factors = mx_case(fake, op, transport, 2, seed=len(op))
+        try:
+            check_fp8(fake, op, out, factors, MX, 2, 128)
+        except AssertionError as e:
+            e.add_note(f"in the case {(op, transport)}")
+            raise
+        assert fake.counters()["cublasLtMatmul"] > 0
+
+
+@pytest.mark.slow
+def test_mxfp8_all_gather_chunked_both_directions(fake):
+    """Sub-chunks of 128 rows (256 per shard, 2 chunks), both ring directions, every transport:
+    each sub-chunk's tiles travel and are read beside its rows."""
+    for key, transport in enumerate(TRANSPORTS, 60):
+        fake.reset(fake.Config(**_selftest.FAKE_B200, seed=key))
+        out, factors = mx_case(fake, "ag_matmul", transport, 2, rows=256, chunks=2,
+                               bidirectional=True, clique_key=key, seed=key)
+        check_fp8(fake, "ag_matmul", out, factors, MX, 2, 128)
+
+
+@pytest.mark.parametrize("device,rows,k,reason", [
+    ({}, 128, 128, "Hopper has no block-scaled cuBLASLt GEMM"),
+    (dict(_selftest.FAKE_B200), 64, 128, "multiples of 128"),
+    (dict(_selftest.FAKE_B200), 128, 64, "multiples of 128"),
+])
+def test_mxfp8_gemms_the_gpu_or_layout_cannot_take_fail_at_prepare(fake, device, rows, k, reason):
+    """Block scales on an H100-like device, or a GEMM that is not whole 128x4 tiles of scales
+    (rows per sub-chunk, k): every rank gets an error naming the rule at prepare, before
+    anything is enqueued; the fake sees no misuse."""
+    fake.reset(fake.Config(**device))
+    out, _ = mx_case(fake, "matmul_rs", "p2p", 2, rows=rows, k=k)
+    assert all(s and reason in s for s in out["statuses"]), out["statuses"]
     assert fake.errors() == [] and fake.counters().get("cublasLtMatmul", 0) == 0

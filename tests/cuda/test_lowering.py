@@ -189,3 +189,64 @@ def test_fp8_the_gpus_cannot_run_is_refused_when_lowering(cuda):
     # Ada (sm_89) has FP8 GEMMs.
     assert "jaxoverlap_cuda_ag_matmul" in _fp8_lowering(jnp.float8_e4m3fn, jnp.float8_e4m3fn,
                                                         table(n=8, cc=(8, 9), name="L40S"))
+
+
+def _mx_lowering(caps, rows=256, k=128, cols=128, chunks=1):
+    """The custom call of a block-scaled (MXFP8) ag_matmul asked for natively, lowered for
+    CUDA on GPUs of ``caps``: 4 ranks, ``rows`` per shard, w ``[k, cols]`` per rank."""
+    mesh = tp_mesh(4)
+    e4, e8 = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+
+    def local(a, b, sa, sb):
+        return jo.ag_matmul(a, b, "tp", x_scale=sa, w_scale=sb, impl="native", transport="nccl",
+                            chunks=chunks, preferred_element_type=jnp.bfloat16)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"), P(None, "tp")),
+                       out_specs=P(None, "tp"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capabilities, "gpu_table", lambda: caps)
+        patch.setattr(capabilities, "current_platform", lambda: "cuda")
+        return _lower(fn, jnp.ones((4 * rows, k), e4), jnp.ones((k, 4 * cols), e4),
+                      jnp.ones((4 * rows, k // 32), e8), jnp.ones((k // 32, 4 * cols), e8))
+
+
+def test_mxfp8_lowers_on_compute_capability_10_with_tiled_scales(cuda):
+    """On B200-like GPUs a block-scaled call lowers to the CUDA custom call with its e8m0 scale
+    operands in their own shapes, rearranged into cuBLAS's tiled layout before it (the CPU
+    lowering leaves them as they are: the host executor's layout)."""
+    text = _mx_lowering(table(n=8, cc=(10, 0), name="B200"))
+    call = next(line for line in text.splitlines() if "jaxoverlap_cuda_ag_matmul" in line)
+    assert ("(tensor<256x128xf8E4M3FN>, tensor<128x128xf8E4M3FN>, tensor<256x4xf8E8M0FNU>, "
+            "tensor<4x128xf8E8M0FNU>) -> tensor<1024x128xbf16>") in call.split(":")[-1], call
+    tiling = [line for line in text.splitlines() if "transpose" in line and "E8M0" in line]
+    assert len(tiling) >= 3, tiling  # x's two swaps, w's transpose and swaps
+
+
+def test_mxfp8_the_gpus_or_shapes_cannot_take_are_refused_when_planned(cuda):
+    """Block scales on H100s (no block-scaled cuBLASLt GEMM), or GEMMs that are not whole 128x4
+    tiles of scales (a sub-chunk of 64 rows; k 64): a clear error naming the rule before the
+    call lowers, never the executor's refusal on the GPU."""
+    b200 = table(n=8, cc=(10, 0), name="B200")
+    for caps, kwargs, reason in [(table(n=8), {}, r"compute capability 10.x only .*sm_90"),
+                                 (b200, dict(chunks=4), r"multiples of 128.*\(64, 128, 128\)"),
+                                 (b200, dict(k=64), r"multiples of 128.*\(256, 128, 64\)")]:
+        with pytest.raises(capabilities.NativeUnavailableError, match=reason):
+            _mx_lowering(caps, **kwargs)
+
+
+def test_mxfp8_scales_tiled_by_the_lowering_give_the_reference_on_the_fake(fake):
+    """The lowering's rearrangement (``primitive.tiled_block_scales``, run by JAX here) hands
+    the CUDA executor scales it reads right: on a B200-like fake, an all-gather over two batches
+    with them equals the block-dequantized reference within the FP8 bound."""
+    from jaxoverlap import _selftest
+
+    from .test_fp8 import MX, check_fp8, mx_case
+
+    def tile(sx, sw):
+        tx, tw = primitive.tiled_block_scales(jnp.asarray(sx).view(jnp.float8_e8m0fnu),
+                                              jnp.asarray(sw).view(jnp.float8_e8m0fnu))
+        return np.asarray(tx).view(np.uint8).tobytes(), np.asarray(tw).view(np.uint8).tobytes()
+
+    fake.reset(fake.Config(**_selftest.FAKE_B200))
+    out, factors = mx_case(fake, "ag_matmul", "p2p", 2, batch=2, tile=tile)
+    check_fp8(fake, "ag_matmul", out, factors, MX, 2, 128)

@@ -20,6 +20,20 @@
 //    only ("If set for an unsupported matrix data, scale, and compute type
 //    combination, calling cublasLtMatmul() will return CUBLAS_INVALID_VALUE");
 //  * FAST_ACCUM: only 0 (the executor's choice) is modeled.
+//  * Block scaling (MXFP8; cublasLtMatmulDescAttributes_t: CUBLASLT_MATMUL_DESC_A_SCALE_MODE /
+//    B_SCALE_MODE, cublasLtMatmulMatrixScale_t; the cublasLtMatmul section's "Scaling Modes
+//    Support Overview" and "1D Block Scaling Factors Layout",
+//    docs.nvidia.com/cuda/cublas/index.html#d-block-scaling-factors-layout): modes SCALAR_32F
+//    (the default) and VEC32_UE8M0 are modeled ("a dedicated scaling factor stored as an 8-bit
+//    ... CUDA_R_8F_UE8M0 value for each 32-element block in the innermost dimension",
+//    cublasLt.h). VEC32_UE8M0 is for FP8 A and B (the scale pointers' rule above), on both A
+//    and B (the overview's MXFP8 row scales both), on Blackwell (compute capability 10.0 and
+//    newer: block-scaled MMA is a fifth-generation tensor core instruction, PTX ISA
+//    tcgen05.mma ... .block_scale, sm_100a). Its scale tensor is the 128x4-tiled layout:
+//    op(A)'s rows (B's columns) the outer dimension padded to 128, K/32 blocks the inner one
+//    padded to 4; tile (r/128, j/4) of 512 bytes in row-of-tiles order, element (r, j) at
+//    (r % 32) * 16 + (r % 128 / 32) * 4 + j % 4 within it; "starting addresses must be 16-byte
+//    aligned". Batched block-scaled GEMMs are not modeled.
 // The reference GEMM multiplies in float32 and accumulates in float32 in K
 // order — except FP8 GEMMs, which accumulate as the device's FP8 tensor cores
 // do (fp8_accumulator.h: a truncating block FMA, promoted into float32 every
@@ -125,6 +139,18 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
     std::memcpy(
         attr == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER ? &it->second.a_scale : &it->second.b_scale,
         buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  if ((attr == CUBLASLT_MATMUL_DESC_A_SCALE_MODE || attr == CUBLASLT_MATMUL_DESC_B_SCALE_MODE) &&
+      size == sizeof(int32_t)) {
+    int32_t mode;
+    std::memcpy(&mode, buf, sizeof(mode));
+    if (mode != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F &&
+        mode != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0) {
+      Fail("cuBLASLt: scale mode " + std::to_string(mode) + " is not modeled by the fake");
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    (attr == CUBLASLT_MATMUL_DESC_A_SCALE_MODE ? it->second.a_mode : it->second.b_mode) = mode;
     return CUBLAS_STATUS_SUCCESS;
   }
   if (attr == CUBLASLT_MATMUL_DESC_FAST_ACCUM && size == sizeof(int8_t)) {
@@ -362,6 +388,40 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
       return CUBLAS_STATUS_INVALID_VALUE;
     }
   }
+  const bool blocks = dsc.a_mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 ||
+                      dsc.b_mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+  if (blocks) {
+    // The header's rule (scale pointers "for an unsupported matrix data, scale, scale mode, and
+    // compute type combination ... CUBLAS_INVALID_VALUE"): 1x32 e8m0 block scales are the MX
+    // formats' (FP8 A and B), on both matrices, and read from device memory.
+    if (!fp8) {
+      Fail("cublasLtMatmul: VEC32_UE8M0 block scales on a GEMM without FP8 matrices");
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if (dsc.a_mode != dsc.b_mode) {
+      Fail(
+          "cublasLtMatmul: VEC32_UE8M0 block scales on one of A and B only (the MXFP8 "
+          "row of the scaling modes overview block-scales both)");
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    const int arch = jo::fake::DeviceArch(s->device);
+    if (arch < 100) {
+      Fail("cublasLtMatmul: VEC32_UE8M0 block scales on device " + std::to_string(s->device) +
+           " (sm_" + std::to_string(arch) +
+           "): block-scaled GEMMs need compute capability 10.0 or newer");
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    if (dsc.a_scale == nullptr || dsc.b_scale == nullptr) {
+      Fail("cublasLtMatmul: VEC32_UE8M0 block scales without a scale pointer");
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if (reinterpret_cast<uintptr_t>(dsc.a_scale) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(dsc.b_scale) % 16 != 0)
+      return fail(
+          "a block scale tensor's starting address is not 16-byte aligned (1D Block "
+          "Scaling Factors Layout)");
+    if (la.batch > 1) return fail("batched block-scaled GEMMs are not modeled");
+  }
   // FAST_TF32 is a compute type for float32 matrices ("CUBLAS_COMPUTE_32F_FAST_TF32 ... for
   // 32-bit input and output matrices", cuBLAS docs, cublasComputeType_t).
   if (tf32 && (ta_type != jo::DType::kF32 || td_type != jo::DType::kF32))
@@ -405,11 +465,17 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   if (fp8 && ((dsc.transa == CUBLAS_OP_N ? m : k) * es[0] % 16 != 0 ||
               (dsc.transb == CUBLAS_OP_N ? k : n) * es[1] % 16 != 0 || m * es[2] % 16 != 0))
     return fail("FP8 with matrix dimensions that are not multiples of 16 bytes");
-  // The scales: device float32 values the kernel reads (null: 1).
-  for (const void* scale : {dsc.a_scale, dsc.b_scale})
+  // The scales: device float32 values the kernel reads (null: 1), or block scale tensors of
+  // the tiled layout, every padded tile (outer rows to 128, K blocks to 4).
+  const uint64_t k_tiles = (k + 127) / 128;
+  const auto tiled_bytes = [&](uint64_t outer) { return (outer + 127) / 128 * k_tiles * 512; };
+  for (int i = 0; i < 2; ++i) {
+    const void* scale = i == 0 ? dsc.a_scale : dsc.b_scale;
+    const size_t bytes = blocks ? tiled_bytes(i == 0 ? m : n) : sizeof(float);
     if (scale != nullptr &&
-        !jo::fake::CheckAccess(scale, sizeof(float), s->device, "cublasLtMatmul scale pointer"))
+        !jo::fake::CheckAccess(scale, bytes, s->device, "cublasLtMatmul scale pointer"))
       return CUBLAS_STATUS_INVALID_VALUE;
+  }
   (void)workspace;
   (void)workspace_bytes;
   const float fa = *static_cast<const float*>(alpha), fb = *static_cast<const float*>(beta);
@@ -440,7 +506,14 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     };
     // Read now: the scale may be what an earlier task of this stream received.
     const float scale =
-        (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
+        blocks ? 1.0f
+               : (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
+    // Block scales: the e8m0 exponent of (outer row r, K block j) in the tiled layout.
+    const auto block_exponent = [&](const float* tensor, uint64_t r, uint64_t j) {
+      const uint64_t at =
+          ((r / 128) * k_tiles + j / 4) * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 + j % 4;
+      return static_cast<int>(reinterpret_cast<const uint8_t*>(tensor)[at]);
+    };
     std::vector<float> out(m * n);
     for (int64_t bt = 0; bt < la.batch; ++bt) {
       for (uint64_t i = 0; i < m; ++i)
@@ -452,7 +525,15 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
                 ta == CUBLAS_OP_N ? at(ta_type, A, la, bt, i, p) : at(ta_type, A, la, bt, p, i);
             const float bv =
                 tb == CUBLAS_OP_N ? at(tb_type, B, lb, bt, p, j) : at(tb_type, B, lb, bt, j, p);
-            if (fp8) {
+            if (blocks) {  // 2^(e - 127) each; e = 0xFF is NaN
+              const int ea = block_exponent(a_scale, i, p / 32);
+              const int eb = block_exponent(b_scale, j, p / 32);
+              if (ea == 0xFF || eb == 0xFF) {
+                fp8_acc.Add(std::nanf(""), bv);
+              } else {
+                fp8_acc.AddScaled(av, bv, ea + eb - 254);
+              }
+            } else if (fp8) {
               fp8_acc.Add(av, bv);
             } else {
               acc += tf32 ? jo::fake::ToTf32(av) * jo::fake::ToTf32(bv) : av * bv;

@@ -36,7 +36,30 @@ struct Fp8Gemm {
   int64_t ld = 32;  // of A and B
   bool host_scale = false;
   int8_t fast_accum = 0;
+  // MXFP8: A's and B's scale modes (VEC32_UE8M0: block scales in the 128x4-tiled layout),
+  // and what a check breaks of their tensors.
+  int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  size_t scale_misalign = 0;  // bytes added to B's block scale pointer
+  bool short_scales = false;  // B's tensor only its 16 rows' bytes, not the padded tile's
+  bool null_scales = false;   // no scale pointers
 };
+
+bool Blocks(const Fp8Gemm& g) {
+  return g.a_mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 ||
+         g.b_mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+}
+
+// The e8m0 exponent a check gives (outer row r, K block j) of A (0) or B (1), and where the
+// 128x4-tiled layout keeps it (cuBLAS docs, "1D Block Scaling Factors Layout"; k below 128:
+// one tile along K).
+int BlockExponent(int operand, uint64_t r, uint64_t j) {
+  return 127 + static_cast<int>((r * (operand == 0 ? 3 : 5) + j * 7) % 5) - 2;
+}
+size_t TiledOffset(uint64_t r, uint64_t j) {
+  return static_cast<size_t>((r / 128) * 512 + (j / 4) * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 +
+                             j % 4);
+}
 
 constexpr uint64_t kM = 16, kN = 16;  // the GEMM's m (our n) and n (our m)
 
@@ -68,6 +91,24 @@ double RunFp8Gemm(const Fp8Gemm& g) {
   auto* b = static_cast<uint8_t*>(Malloc(0, b_bytes));
   auto* dst = static_cast<uint16_t*>(Malloc(0, kM * kN * 4));
   auto* scales = static_cast<float*>(Malloc(0, 16));
+  // Block scales: A's and B's tiled tensors, one padded tile each (512 bytes), at 16-byte
+  // aligned starts; a short one holds only its 16 rows' bytes.
+  auto* block_a = static_cast<uint8_t*>(Malloc(0, 512));
+  auto* block_b = static_cast<uint8_t*>(Malloc(0, g.short_scales ? 16 : 512 + 32));
+  const bool blocks = Blocks(g);
+  if (blocks) {
+    for (uint64_t r = 0; r < 16; ++r)
+      for (uint64_t j = 0; j < (g.k + 31) / 32; ++j) {
+        block_a[TiledOffset(r, j)] = static_cast<uint8_t>(BlockExponent(0, r, j));
+        if (!g.short_scales)
+          block_b[g.scale_misalign + TiledOffset(r, j)] =
+              static_cast<uint8_t>(BlockExponent(1, r, j));
+      }
+    cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &g.a_mode,
+                                   sizeof(g.a_mode));
+    cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &g.b_mode,
+                                   sizeof(g.b_mode));
+  }
   static float host_scales[2];
   const DType at = g.a_type == CUDA_R_8F_E5M2 ? DType::kF8E5M2 : DType::kF8E4M3;
   const DType bt = g.b_type == CUDA_R_8F_E4M3 ? DType::kF8E4M3 : DType::kF8E5M2;
@@ -76,8 +117,13 @@ double RunFp8Gemm(const Fp8Gemm& g) {
   for (size_t i = 0; i < b_bytes; ++i) b[i] = static_cast<uint8_t>((i * 53 + 5) % 0x70);
   scales[0] = host_scales[0] = 0.75f;  // A's (W's)
   scales[1] = host_scales[1] = 2.5f;   // B's (x's)
-  const float* sa = g.host_scale ? &host_scales[0] : &scales[0];
-  const float* sb = g.host_scale ? &host_scales[1] : &scales[1];
+  const void* sa = g.host_scale ? &host_scales[0] : &scales[0];
+  const void* sb = g.host_scale ? &host_scales[1] : &scales[1];
+  if (blocks) {
+    sa = block_a;
+    sb = block_b + g.scale_misalign;
+  }
+  if (g.null_scales) sa = sb = nullptr;
   cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa));
   cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb));
   const float one = 1.0f, zero = 0.0f;
@@ -92,6 +138,13 @@ double RunFp8Gemm(const Fp8Gemm& g) {
         ref += static_cast<double>(LoadElement(at, a, static_cast<int64_t>(q + i * g.ld))) *
                LoadElement(bt, b, static_cast<int64_t>(q + j * g.ld));
       ref *= 0.75 * 2.5;
+      if (blocks) {  // each block's products times its two scales
+        ref = 0.0;
+        for (uint64_t q = 0; q < g.k; ++q)
+          ref += static_cast<double>(LoadElement(at, a, static_cast<int64_t>(q + i * g.ld))) *
+                 LoadElement(bt, b, static_cast<int64_t>(q + j * g.ld)) *
+                 std::ldexp(1.0, BlockExponent(0, i, q / 32) + BlockExponent(1, j, q / 32) - 254);
+      }
       const double got = LoadElement(DType::kBF16, dst, static_cast<int64_t>(i + j * kM));
       worst = std::max(worst, std::fabs(got - ref) / (std::fabs(ref) + 1e-30));
     }
@@ -157,6 +210,42 @@ std::map<std::string, std::string> Fp8MisuseChecks() {
     g.ld = 32;
     return g;
   }());
+  // MXFP8 (cuBLAS docs, cublasLtMatmul: "Scaling Modes Support Overview", "1D Block Scaling
+  // Factors Layout"; cublasLt.h, cublasLtMatmulMatrixScale_t), the executor's GEMM on sm_100
+  // with VEC32_UE8M0 on both matrices, k two blocks of 32.
+  Fp8Gemm mx;
+  mx.a_type = mx.b_type = CUDA_R_8F_E4M3;
+  mx.a_mode = mx.b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+  mx.k = mx.ld = 64;
+  check("mxfp8 gemm as the executor makes it (control)", mx, 100);
+  // Block-scaled MMA is Blackwell's (compute capability 10.0 on): Hopper has none.
+  check("mxfp8 gemm on sm_90", mx, 90);
+  // The MXFP8 row scales both matrices.
+  Fp8Gemm one_side = mx;
+  one_side.a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  check("mxfp8 block scales on B only", one_side, 100);
+  // Block scales are for FP8 matrices (the scale pointers' rule, cublasLt.h).
+  check(
+      "mxfp8 block scales on a bf16 gemm",
+      [&] {
+        Fp8Gemm g = mx;
+        g.a_type = g.b_type = CUDA_R_16BF;
+        g.transa = CUBLAS_OP_N;
+        g.null_scales = true;
+        return g;
+      }(),
+      100);
+  // "starting addresses must be 16-byte aligned".
+  Fp8Gemm misaligned = mx;
+  misaligned.scale_misalign = 4;
+  check("mxfp8 block scales not 16-byte aligned", misaligned, 100);
+  // The tensor covers the padded tiles: 128 rows by 4 blocks, not only the matrix's 16 rows.
+  Fp8Gemm short_scales = mx;
+  short_scales.short_scales = true;
+  check("mxfp8 block scales without their padded tile", short_scales, 100);
+  Fp8Gemm null_scales = mx;
+  null_scales.null_scales = true;
+  check("mxfp8 block scales without a scale pointer", null_scales, 100);
   return out;
 }
 

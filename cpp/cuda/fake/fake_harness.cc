@@ -189,6 +189,17 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
   for (const auto* scales : {&in.x_scales, &in.w_scales})
     if (!scales->empty() && static_cast<int>(scales->size()) != nranks)
       return InvalidArgument("x_scales/w_scales: one per rank, or none");
+  // Block scales: one e8m0 byte per 32 of k, as many as the operand's rows (w's: columns).
+  const size_t x_blocks = q.block_scaled ? x_elems / 32 : 0;
+  const size_t w_blocks = q.block_scaled ? w_elems / 32 : 0;
+  if (q.block_scaled) {
+    if (static_cast<int>(in.x_block_scales.size()) != nranks ||
+        static_cast<int>(in.w_block_scales.size()) != nranks)
+      return InvalidArgument("x_block_scales/w_block_scales: one per rank for block scales");
+    for (int r = 0; r < nranks; ++r)
+      if (in.x_block_scales[r].size() != x_blocks || in.w_block_scales[r].size() != w_blocks)
+        return InvalidArgument("x_block_scales/w_block_scales: wrong byte size");
+  }
   std::vector<void*> x(nranks), w(nranks), y(nranks), g(nranks, nullptr);
   std::vector<void*> x_scale(nranks), w_scale(nranks);
   for (int r = 0; r < nranks; ++r) {
@@ -200,8 +211,8 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
     y[r] = Malloc(dev, y_elems * ys + y_offset, 0x7F);  // unwritten output shows huge values
     if (y[r] != nullptr) y[r] = static_cast<std::byte*>(y[r]) + y_offset;
     if (q.return_gathered) g[r] = Malloc(dev, g_elems * xs, 0x7F);
-    x_scale[r] = Malloc(dev, sizeof(float));
-    w_scale[r] = Malloc(dev, sizeof(float));
+    x_scale[r] = Malloc(dev, q.block_scaled ? x_blocks : sizeof(float));
+    w_scale[r] = Malloc(dev, q.block_scaled ? w_blocks : sizeof(float));
     if (x[r] == nullptr || w[r] == nullptr || y[r] == nullptr ||
         (q.return_gathered && g[r] == nullptr) || x_scale[r] == nullptr || w_scale[r] == nullptr)
       return Status(Code::kResource, "fake: out of host memory for the calls' buffers");
@@ -209,8 +220,13 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
     std::memcpy(w[r], in.ws[r].data(), w_elems * ws);
     const float sx = in.x_scales.empty() ? 1.0f : in.x_scales[r];
     const float sw = in.w_scales.empty() ? 1.0f : in.w_scales[r];
-    std::memcpy(x_scale[r], &sx, sizeof(float));
-    std::memcpy(w_scale[r], &sw, sizeof(float));
+    if (q.block_scaled) {
+      std::memcpy(x_scale[r], in.x_block_scales[r].data(), x_blocks);
+      std::memcpy(w_scale[r], in.w_block_scales[r].data(), w_blocks);
+    } else {
+      std::memcpy(x_scale[r], &sx, sizeof(float));
+      std::memcpy(w_scale[r], &sw, sizeof(float));
+    }
   }
   auto board = std::make_shared<Board>();
   if (in.processes && !Row(q.transport).messages()) {

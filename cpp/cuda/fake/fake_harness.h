@@ -34,6 +34,9 @@ struct PlayedCalls {
   // (float32 device scalars; empty: 1).
   std::vector<std::string> xs, ws;
   std::vector<float> x_scales, w_scales;
+  // Per rank, a block-scaled problem's (Problem::block_scaled): x's and w's e8m0 block scale
+  // bytes as the CUDA executor takes them (cuBLAS's 128x4-tiled layout, cuda/gemm/gemm.h).
+  std::vector<std::string> x_block_scales, w_block_scales;
   std::vector<int64_t> devices;  // per rank: its device (ordinal in its played process)
   // Per rank: the played process it belongs to (none: all in process 0). A
   // clique spanning played processes is one clique object per process, as in

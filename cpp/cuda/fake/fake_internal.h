@@ -194,6 +194,10 @@ struct Desc {
   const void* a_scale = nullptr;
   const void* b_scale = nullptr;
   int8_t fast_accum = 0;  // CUBLASLT_MATMUL_DESC_FAST_ACCUM
+  // CUBLASLT_MATMUL_DESC_A_SCALE_MODE / B_SCALE_MODE (cublasLtMatmulMatrixScale_t): SCALAR_32F
+  // (the default) or VEC32_UE8M0 (block scales, fake_cublaslt.cc).
+  int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
 };
 struct Layout {
   int32_t type = -1;

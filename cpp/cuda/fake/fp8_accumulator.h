@@ -84,12 +84,17 @@ class Fp8Accumulator {
   Fp8Accumulator(const Fp8TensorCore& core, int a_min_exponent, int b_min_exponent)
       : core_(core), a_min_(a_min_exponent), b_min_(b_min_exponent) {}
 
-  void Add(float a, float b) {
+  void Add(float a, float b) { AddScaled(a, b, 0); }
+
+  // a * b * 2^shift: an MXFP8 product, its operands' e8m0 block scales 2^shift together
+  // (their exponents added: the block FMA aligns the dequantized products).
+  void AddScaled(float a, float b, int shift) {
     if (!std::isfinite(a) || !std::isfinite(b)) non_finite_ = true;
-    naive_ += a * b;
+    naive_ += static_cast<float>(static_cast<double>(a) * b * std::ldexp(1.0, shift));
     if (a != 0.0f && b != 0.0f) {
-      products_[count_] = static_cast<double>(a) * static_cast<double>(b);  // exact
-      exponents_[count_] = Exponent(a, a_min_) + Exponent(b, b_min_);
+      products_[count_] = static_cast<double>(a) * static_cast<double>(b) *
+                          std::ldexp(1.0, shift);  // exact (|shift| <= 254: a double's range)
+      exponents_[count_] = Exponent(a, a_min_) + Exponent(b, b_min_) + shift;
       ++count_;
     }
     if (++in_block_ == core_.block) Step();

@@ -86,7 +86,8 @@ struct MatmulPlan {
   cublasLtMatmulHeuristicResult_t heuristic{};
 };
 
-// types (x2, +1 with TF32), batch, m, n, k, lds, strides, beta != 0, alignments.
+// types (x2, +1 with TF32; x2, +1 block-scaled), batch, m, n, k, lds, strides, beta != 0,
+// alignments.
 using MatmulKey =
     std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
@@ -185,6 +186,15 @@ Status MakeMatmulPlan(cublasLtHandle_t handle, const GemmArgs& g, const void* c,
                   cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_TRANSB,
                                                  &no_transpose, sizeof(no_transpose)));
   if (fp8) {
+    if (g.block_scaled) {  // both operands' scales 1x32 e8m0 blocks (gemm.h)
+      const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+      JO_CUBLAS_CHECK(
+          &ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                               &mode, sizeof(mode)));
+      JO_CUBLAS_CHECK(
+          &ctx, cublasLtMatmulDescSetAttribute(plan->desc.value, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                               &mode, sizeof(mode)));
+    }
     JO_CHECK(SetScales(*plan, g.a_scale, g.w_scale, ctx));
     const int8_t fast_accum = 0;  // keep the periodic promotion (gemm.h)
     JO_CUBLAS_CHECK(
@@ -269,6 +279,27 @@ Status CheckFp8Gemm(DeviceCache& cache, int device, const GemmArgs& g, const Ali
         std::to_string(al.a) + ", " + std::to_string(al.b) + ", " + std::to_string(al.c) + ", " +
         std::to_string(al.d) + " bytes (W, x, C, D)");
   if (g.a_scale == nullptr || g.w_scale == nullptr) return bad("a scale pointer is missing");
+  if (!g.block_scaled) return OkStatus();
+  // MXFP8 (gemm.h): Blackwell data-centre GPUs only, whole 128x4 tiles, one matrix a call.
+  if (cache.arch / 10 != 10)
+    return bad("GPU " + std::to_string(device) + " is sm_" + std::to_string(cache.arch) +
+               "; block-scaled (MXFP8) GEMMs are cuBLASLt's VEC32_UE8M0 mode on compute "
+               "capability 10.x (B200, GB200: the block-scaled tcgen05 MMA); Hopper has no "
+               "block-scaled cuBLASLt GEMM. Use impl='xla' or impl='ring', or float32 "
+               "per-tensor scales");
+  if (g.m % 128 != 0 || g.n % 128 != 0 || g.k % 128 != 0)
+    return bad(
+        "cuBLASLt's block scales are 128x4-tiled (cuBLAS docs, \"1D Block Scaling Factors "
+        "Layout\": 128 rows by 4 blocks of 32 along k); the CUDA executor moves and reads "
+        "whole tiles only, so every block-scaled GEMM's rows (a sub-chunk's: rows per shard / "
+        "chunks), its output columns and k must be multiples of 128. Change the shapes or "
+        "chunks, or use impl='xla'");
+  if (g.batch != 1) return Internal(ctx.Describe() + ": a batched block-scaled GEMM (gemm.h)");
+  if (reinterpret_cast<uintptr_t>(g.a_scale) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(g.w_scale) % 16 != 0)
+    return bad(
+        "a block scale tensor is not 16-byte aligned (cuBLAS docs, \"1D Block Scaling "
+        "Factors Layout\")");
   return OkStatus();
 }
 
@@ -299,7 +330,13 @@ WarmLayout WarmLayoutOf(const GemmArgs& g, bool out_of_place, int64_t c_bs, int6
   l.a = region(Span(g.batch, g.a_bs, g.m, g.a_ld, g.k) * a_es);
   if (out_of_place) l.c = region(Span(g.batch, c_bs, g.m, c_ld, g.n) * out_es);
   l.d = region(Span(g.batch, g.d_bs, g.m, g.d_ld, g.n) * out_es);
-  l.scales = fp8 ? region(8) : at;
+  // The scales: two float32, or the block scale tensors (one byte per 32 of k, each padded
+  // to a 16-byte start).
+  l.scales =
+      fp8 ? region(g.block_scaled
+                       ? static_cast<size_t>(((g.batch * g.m + g.n) * g.k / 32 + 32 + 15) / 16 * 16)
+                       : 8)
+          : at;
   l.bytes = at;
   return l;
 }
@@ -344,7 +381,10 @@ Status WarmUp(DeviceCache& cache, const MatmulPlan& plan, const GemmArgs& g, con
   std::byte* c_place = out_of_place ? PlaceAt(base + layout.c, al.c) : d;
   if (fp8) {  // valid device pointers (their values do not matter); the call sets its own
     std::byte* scales = base + layout.scales;
-    JO_CHECK(SetScales(plan, scales, scales + 4, ctx));
+    // The program's a's scales first, W's after them (16-byte aligned: gemm.h).
+    const size_t a_bytes =
+        g.block_scaled ? static_cast<size_t>((g.batch * g.m * g.k / 32 + 15) / 16 * 16) : 4;
+    JO_CHECK(SetScales(plan, scales, scales + a_bytes, ctx));
   }
   const float alpha = 1.0f;
   const float beta = accumulate ? 1.0f : 0.0f;
@@ -378,7 +418,7 @@ Status ShapeOf(const GemmArgs& g, const ErrorContext& ctx, GemmShape* out) {
   out->al = AlignmentsOf(g, out->c, out->c_bs, out->c_ld);
   const int types = (static_cast<int>(g.a_type) * 8 + static_cast<int>(g.w_type)) * 8 +
                     static_cast<int>(g.out_type);
-  out->key = MatmulKey{types * 2 + (g.tf32 ? 1 : 0),
+  out->key = MatmulKey{(types * 2 + (g.tf32 ? 1 : 0)) * 2 + (g.block_scaled ? 1 : 0),
                        g.batch,
                        g.m,
                        g.n,

@@ -47,6 +47,21 @@
 // k a multiple of 16 ("pointers and matrix dimension must support 16-byte
 // alignment"), compute capability 8.9 or newer: refused at prepare otherwise.
 //
+// MXFP8 (block_scaled: e4m3 x e4m3 with 1x32 e8m0 block scales): both
+// CUBLASLT_MATMUL_DESC_A_SCALE_MODE and B_SCALE_MODE := VEC32_UE8M0 and the scale
+// pointers name e8m0 tensors in cuBLAS's 128x4-tiled layout ("1D Block Scaling
+// Factors Layout", docs.nvidia.com/cuda/cublas/index.html#d-block-scaling-factors-layout):
+// per operand, the outer dimension (W's n, the program's a's m) in tiles of 128, K/32
+// blocks in tiles of 4, a tile 512 contiguous bytes, tiles in row-of-tiles order. So 128
+// whole rows of an operand's scales are one contiguous run, as they are in the row-major
+// [rows, k/32] layout: a sub-chunk's scale rows travel as bytes whichever layout they hold,
+// and the tiled bytes of a 128-row group sit where its row-major bytes would. What is not
+// padded here is refused at prepare: m, n and k multiples of 128 (no padded tile), one
+// matrix per cuBLASLt call (a batched block-scaled GEMM names no scale batch stride: the
+// executor runs its batches one by one), the scale pointers 16-byte aligned (the layout
+// section's rule), compute capability 10.x (Blackwell data-centre GPUs: the block-scaled
+// tcgen05 MMA; Hopper has no block-scaled cuBLASLt GEMM; 12.x is not taken, never seen).
+//
 // C and D may differ only with identical layouts (cuBLASLt's out-of-place
 // rule); the executor copies C into D first otherwise.
 //
@@ -83,9 +98,11 @@ struct GemmArgs {
   int64_t a_bs = 0, a_ld = 0;
   const void* w = nullptr;
   int64_t w_ld = 0;  // fp8: K-major W, [n, k] row-major: w_ld >= k
-  // fp8: device pointers to the float32 dequantization scales of a and W.
+  // fp8: device pointers to the float32 dequantization scales of a and W; block_scaled:
+  // to their e8m0 block scale tensors, each in the 128x4-tiled layout (above).
   const void* a_scale = nullptr;
   const void* w_scale = nullptr;
+  bool block_scaled = false;
   const void* c = nullptr;  // nullptr: beta = 0
   int64_t c_bs = 0, c_ld = 0;
   void* d = nullptr;
