@@ -729,9 +729,15 @@ def evaluate_call(row: CallRow) -> CallResult:
     peers = natives
     if design.issued_from_python:
         q = launch.issued_from_python(p if theirs is None else p.replace(fused_gemm_rate=theirs))
+        wanted = {design.family} | {f for f, ds in families.BUILT_FROM.items() if row.design in ds}
+        if any(families.family(row.op, r.candidate) == design.family for r in natives):
+            natives_wanted = [r for r in natives
+                              if families.family(row.op, r.candidate) in wanted]
+        else:  # no plan of its family here: compared with our fastest of all
+            natives_wanted = natives
         peers = [simulate(row.op, row.shape, row.dtype, row.nranks,
                           q if r.candidate.fused else launch.issued_from_python(p), r.candidate)
-                 for r in natives]
+                 for r in natives_wanted]
     mine = [r for r in peers if families.family(row.op, r.candidate) == design.family]
     closest = min(mine, key=lambda r: r.t_fused) if mine else min(peers,
                                                                     key=lambda r: r.t_fused)
