@@ -93,8 +93,8 @@ def _model(args: argparse.Namespace) -> int:
     if any(r["fused"] for r in rows):
         print("A plan named `fused` runs ONE persistent GEMM waiting on per-block flags "
               "(docs/performance.md §2.6, docs/gpu-internals.md §5): the executors' own fused "
-              "programs, which the ops pick on compute capability 9.0 GPUs; the kernel itself is "
-              "compiled and checked without a GPU, never run on one.")
+              "programs, which the ops pick on compute capability 9.0 (sm_90a) and 10.0 (sm_100a) "
+              "GPUs; the kernels are compiled and checked without a GPU, never run on one.")
     overlapped = sim.overlapped_table(preset, cases)
     if overlapped:
         print(f"\nGEMM + reduce-scatter as the copy-engine designs run it (Triton-distributed, "

@@ -3,11 +3,11 @@
 On a machine with GPUs: runs ``ag_matmul``, ``matmul_rs`` and ``matmul_ar`` with
 ``impl="native"`` for every transport the GPUs offer, every dtype and a few shapes
 (with chunks and bidirectional rings), plus ``matmul_ar``'s one-shot on a decode
-step's single row, plus (compute capability 9.0 GPUs only) the fused GEMM's programs
-of ``ag_matmul`` and ``matmul_rs`` over ``p2p`` and ``multicast``, and compares each with a
-float64 product
-of the same (rounded) inputs, within a bound derived from the dtype, the number
-of ranks and the contraction length (``bound``). Prints a pass/fail table; the
+step's single row, plus (where the GPU runs the fused GEMM: compute capability 9.0, and
+10.0 for 16-bit dtypes) the fused GEMM's programs of ``ag_matmul`` and ``matmul_rs`` over
+``p2p`` and ``multicast``, and compares each with a float64 product of the same (rounded)
+inputs, within a bound derived from the dtype, the number of ranks and the contraction length
+(``bound``). Prints a pass/fail table; the
 exit status is 0 only if every row passed. ``--report FILE`` also writes what a
 bug report needs: versions, topology, every row's result and time, and the first
 error with the state of the cliques — rewritten after every row, so that a run
