@@ -27,6 +27,7 @@ docs/gpu-internals.md §6).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,6 +141,16 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
                                              w_aval.dtype)
         if reason is not None:
             raise capabilities.NativeUnavailableError(f"jaxoverlap {plan.op}: {reason}")
+        if jnp.dtype(ctx.avals_in[2].dtype) == jnp.dtype(jnp.float8_e8m0fnu):
+            # The scales must have gone over tiled (tiled_block_scales): never hand the
+            # executor row-major bytes it would read as tiles.
+            bad = block_scales_untileable(plan, x_aval.shape, w_aval.shape)
+            if bad is not None:
+                raise capabilities.NativeUnavailableError(
+                    f"jaxoverlap {plan.op}: block scales (MXFP8) on a GPU go over in cuBLAS's "
+                    f"128x4 tiles, so each GEMM's rows, K and w's columns must be multiples of "
+                    f"128; x {tuple(x_aval.shape)}, w {tuple(w_aval.shape)} give {bad}. "
+                    f"Change the shapes, or use impl='xla' or impl='ring'.")
     mesh = _lowering_mesh(ctx, plan.axis_name, platform)
     call = plan.call
     if call is None or (call.platform, call.ranks) != (platform, ranks(mesh, plan.axis_name)):
@@ -247,25 +258,54 @@ def _bind(x, w, plan: OpPlan, return_gathered: bool = False, x_scale=None, w_sca
                          return_gathered=bool(return_gathered))
 
 
+def gemm_rows(plan: OpPlan, x_shape: Sequence[int]) -> int:
+    """Rows of x one GEMM unit of the program takes (before sub-chunks), as ``CanonicalProblem``
+    (cpp/core/call.cc) derives them: x is ``[pre..., s, post..., k]`` with s on ``axis``; an
+    all-gather's shard has ``s * prod(post)`` rows per batch, a reduce-scatter's block
+    ``s / N * prod(post)``; matmul_ar's rows are every dim but the last (split in N blocks by
+    the algorithms that split rows)."""
+    post = math.prod(x_shape[plan.axis + 1:-1])
+    s = x_shape[plan.axis]
+    if plan.op == AG:
+        return s * post
+    if plan.op == RS:
+        return s // plan.axis_size * post
+    total = math.prod(x_shape[:-1])
+    return total // plan.axis_size if _kinds.ar_algorithm(plan.algorithm).splits_rows else total
+
+
+def block_scales_untileable(plan: OpPlan, x_shape: Sequence[int], w_shape: Sequence[int]):
+    """Why the block scales of a call cannot go over in whole 128x4 tiles (None: they can):
+    its GEMM units' rows (``gemm_rows``), K and w's columns must be multiples of 128."""
+    dims = {"rows per GEMM (as the program splits x)": gemm_rows(plan, x_shape),
+            "K": x_shape[-1], "w's columns": w_shape[-1]}
+    bad = [f"{name} {v}" for name, v in dims.items() if v % 128]
+    return ", ".join(bad) if bad else None
+
+
 def _tiled(scales):
-    """``[..., rows, blocks]`` e8m0 scales, each 128-row group in cuBLAS's 128x4-tiled layout
-    (docs/gpu-internals.md §6): tiles of 128 rows by 4 blocks in row-of-tiles order, rows r,
-    r + 32, r + 64 and r + 96 of a tile side by side in 16 bytes. A group of 128 whole rows
-    keeps its bytes' place, so the programs move the tiles as rows. Not whole tiles: as they
-    are (the plan and the executor refuse such GEMMs)."""
-    *lead, rows, blocks = scales.shape
-    if rows % 128 or blocks % 4:
-        return scales
-    tiles = jnp.swapaxes(scales.reshape(*lead, rows // 128, 128, blocks // 4, 4), -3, -2)
-    tiles = tiles.reshape(*lead, rows // 128, blocks // 4, 4, 32, 4)
+    """``[rows, blocks]`` e8m0 scales in cuBLAS's 128x4-tiled layout (docs/gpu-internals.md
+    §6): tiles of 128 rows by 4 blocks in row-of-tiles order, rows r, r + 32, r + 64 and r + 96
+    of a tile side by side in 16 bytes. A group of 128 whole rows keeps its bytes' place, so
+    the programs move the tiles as rows."""
+    rows, blocks = scales.shape
+    tiles = jnp.swapaxes(scales.reshape(rows // 128, 128, blocks // 4, 4), -3, -2)
+    tiles = tiles.reshape(rows // 128, blocks // 4, 4, 32, 4)
     return jnp.swapaxes(tiles, -3, -2).reshape(scales.shape)
 
 
 def tiled_block_scales(x_scale, w_scale):
-    """The block scales as the CUDA executor takes them: x's ``[..., rows, K/32]`` tiled over
-    its rows; w's ``[K/32, N]`` as the tiled ``[N, K/32]`` of the K-major w (cuBLASLt's A), in
-    an array of w_scale's shape."""
-    return _tiled(x_scale), _tiled(w_scale.T).reshape(w_scale.shape)
+    """The block scales as the CUDA executor takes them: x's ``[..., K/32]`` tiled over all its
+    rows flattened (every dim but the last: the program's rows, batches back to back; when a
+    GEMM unit's rows are whole tiles, as ``block_scales_untileable`` demands, these are the
+    bytes of tiling each unit); w's ``[K/32, N]`` as the tiled ``[N, K/32]`` of the K-major w
+    (cuBLASLt's A), in an array of w_scale's shape. Not whole tiles: as they are, for the
+    CUDA lowering refuses such calls (``_lower``)."""
+    blocks = x_scale.shape[-1]
+    flat = x_scale.reshape(-1, blocks)
+    if flat.shape[0] % 128 or blocks % 4 or w_scale.shape[1] % 128:
+        return x_scale, w_scale
+    return _tiled(flat).reshape(x_scale.shape), _tiled(w_scale.T).reshape(w_scale.shape)
 
 
 def ag_matmul(x, w, plan: OpPlan, return_gathered: bool = False, *, x_scale=None,

@@ -250,3 +250,84 @@ def test_mxfp8_scales_tiled_by_the_lowering_give_the_reference_on_the_fake(fake)
     fake.reset(fake.Config(**_selftest.FAKE_B200))
     out, factors = mx_case(fake, "ag_matmul", "p2p", 2, batch=2, tile=tile)
     check_fp8(fake, "ag_matmul", out, factors, MX, 2, 128)
+
+
+def _mx_lowering_3d(caps, op, x_shape, k=128, cols=128, n=2, platform="cuda"):
+    """A block-scaled ``op`` on x of per-rank shape ``x_shape`` (axis 0 sharded, trailing dims
+    kept) asked for natively, lowered for CUDA on GPUs of ``caps`` (two-shot for matmul_ar);
+    ``platform``: where the call is planned (a CPU plan makes no tile check of its own)."""
+    mesh = tp_mesh(n)
+    e4, e8 = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+    call = {"ag_matmul": jo.ag_matmul, "matmul_rs": jo.matmul_rs, "matmul_ar": jo.matmul_ar}[op]
+    w_spec = P(None, "tp") if op == "ag_matmul" else P("tp", None)
+
+    def local(a, b, sa, sb):
+        return call(a, b, "tp", x_scale=sa, w_scale=sb, impl="native", transport="nccl",
+                    preferred_element_type=jnp.bfloat16)
+
+    x_spec = P("tp") if op == "ag_matmul" else P(None, *[None] * (len(x_shape) - 2), "tp")
+    out_spec = {"ag_matmul": P(None, *[None] * (len(x_shape) - 2), "tp"), "matmul_rs": P("tp"),
+                "matmul_ar": P()}[op]
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, x_spec, w_spec),
+                       out_specs=out_spec)
+    if op == "ag_matmul":
+        xg = (n * x_shape[0], *x_shape[1:-1], k)
+        wg = (k, n * cols)
+    else:
+        xg = (*x_shape[:-1], n * k)
+        wg = (n * k, cols)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capabilities, "gpu_table", lambda: caps)
+        patch.setattr(capabilities, "current_platform", lambda: platform)
+        return _lower(fn, jnp.ones(xg, e4), jnp.ones(wg, e4),
+                      jnp.ones((*xg[:-1], xg[-1] // 32), e8),
+                      jnp.ones((wg[0] // 32, wg[1]), e8))
+
+
+def test_mxfp8_scales_of_a_3d_x_are_tiled_over_the_programs_rows(cuda):
+    """x with more than two dims (its last but one not a multiple of 128, the rows a GEMM takes
+    whole tiles: matmul_ar's every dim but the last, split in two; an all-gather's or
+    reduce-scatter's s * prod(post)): x's scales are tiled too, not only w's."""
+    for op, x_shape in [("matmul_ar", (4, 64, 128)), ("ag_matmul", (64, 2, 128)),
+                        ("matmul_rs", (128, 2, 128))]:
+        text = _mx_lowering_3d(table(n=8, cc=(10, 0), name="B200"), op, x_shape)
+        assert f"jaxoverlap_cuda_{op}" in text
+        tiling = [line for line in text.splitlines() if "transpose" in line and "E8M0" in line]
+        assert len(tiling) >= 5, (op, tiling)  # x's two swaps, w's transpose and two swaps
+
+
+def test_mxfp8_scales_that_cannot_be_tiled_are_refused_when_lowering_for_cuda(cuda):
+    """A call planned where no tile check runs (on the CPU) but lowered for CUDA, whose GEMMs
+    take 64 rows (matmul_ar [2, 64, 128] per rank, two-shot on two ranks): a clear error when it
+    lowers, never row-major scales the executor would read as tiles."""
+    with pytest.raises(capabilities.NativeUnavailableError,
+                       match=r"rows per GEMM \(as the program splits x\) 64"):
+        _mx_lowering_3d(table(n=8, cc=(10, 0), name="B200"), "matmul_ar", (2, 64, 128),
+                        platform="cpu")
+
+
+def test_mxfp8_scales_of_a_3d_x_tiled_by_the_lowering_give_the_reference_on_the_fake(fake):
+    """x with more than two dims whose last but one is not a multiple of 128 (matmul_ar's
+    [4, 64, K] per rank, two-shot on two ranks; an all-gather's and a reduce-scatter's
+    [s, 2, K] on axis 0): the lowering tiles the scales over the program's rows (the executor's
+    GEMMs take 128 of them, batches merged), so the CUDA executor reads them right on a
+    B200-like fake."""
+    from jaxoverlap import _selftest
+
+    from .test_fp8 import MX, check_fp8, mx_case
+
+    for op, x_shape in [("matmul_ar", (4, 64)), ("ag_matmul", (64, 2)), ("matmul_rs", (128, 2))]:
+        def tile(sx, sw, x_shape=x_shape):
+            tx, tw = primitive.tiled_block_scales(
+                jnp.asarray(sx.reshape(*x_shape, -1)).view(jnp.float8_e8m0fnu),
+                jnp.asarray(sw).view(jnp.float8_e8m0fnu))
+            return (np.asarray(tx).view(np.uint8).tobytes(),
+                    np.asarray(tw).view(np.uint8).tobytes())
+
+        fake.reset(fake.Config(**_selftest.FAKE_B200))
+        out, factors = mx_case(fake, op, "p2p", 2, tile=tile, seed=len(op))
+        try:
+            check_fp8(fake, op, out, factors, MX, 2, 128)
+        except AssertionError as e:
+            e.add_note(f"in the case {(op, x_shape)}")
+            raise
