@@ -15,6 +15,7 @@ has run on a GPU.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -358,13 +359,38 @@ def test_mxfp8_every_op_matches_the_dequantized_reference(fake, transport):
 
 @pytest.mark.slow
 def test_mxfp8_all_gather_chunked_both_directions(fake):
-    """Sub-chunks of 128 rows (256 per shard, 2 chunks), both ring directions, every transport:
-    each sub-chunk's tiles travel and are read beside its rows."""
+    """Sub-chunks of 128 rows (256 per shard, 2 chunks), both ring directions (three ranks: one
+    step each way), every transport: each sub-chunk's tiles travel and are read beside its
+    rows."""
     for key, transport in enumerate(TRANSPORTS, 60):
         fake.reset(fake.Config(**_selftest.FAKE_B200, seed=key))
-        out, factors = mx_case(fake, "ag_matmul", transport, 2, rows=256, chunks=2,
+        out, factors = mx_case(fake, "ag_matmul", transport, 3, rows=256, chunks=2,
                                bidirectional=True, clique_key=key, seed=key)
-        check_fp8(fake, "ag_matmul", out, factors, MX, 2, 128)
+        check_fp8(fake, "ag_matmul", out, factors, MX, 3, 128)
+
+
+def test_mxfp8_several_tiles_along_k_and_n(fake):
+    """K = 256 and W's n = 256 (two tiles of 4 blocks along K, two of 128 along n): the
+    documented row-of-tiles order across tiles, through the executor on a B200-like fake."""
+    fake.reset(fake.Config(**_selftest.FAKE_B200))
+    out, factors = mx_case(fake, "matmul_rs", "p2p", 2, k=256, nw=256, seed=7)
+    check_fp8(fake, "matmul_rs", out, factors, MX, 2, 256)
+
+
+def test_mxfp8_scales_handed_over_row_major_miss_the_bound(fake):
+    """The negative of the tiled layout: the same call with x's and w's scales handed over
+    row-major (untiled) runs (the fake cannot tell bytes apart) but misses the bound by far,
+    so the cases above would catch a lost tiling."""
+    fake.reset(fake.Config(**_selftest.FAKE_B200))
+
+    def row_major(x_scale, w_scale):
+        return x_scale.tobytes(), np.ascontiguousarray(w_scale.T).tobytes()
+
+    out, factors = mx_case(fake, "matmul_rs", "p2p", 2, tile=row_major, seed=3)
+    with pytest.raises(AssertionError, match="of the bound") as missed:
+        check_fp8(fake, "matmul_rs", out, factors, MX, 2, 128)
+    times = float(re.search(r"\(([0-9.]+) of the bound\)", str(missed.value)).group(1))
+    assert times > 10, str(missed.value)  # by far, not by a rounding
 
 
 @pytest.mark.parametrize("device,rows,k,reason", [

@@ -56,9 +56,11 @@ bool Blocks(const Fp8Gemm& g) {
 int BlockExponent(int operand, uint64_t r, uint64_t j) {
   return 127 + static_cast<int>((r * (operand == 0 ? 3 : 5) + j * 7) % 5) - 2;
 }
-size_t TiledOffset(uint64_t r, uint64_t j) {
-  return static_cast<size_t>((r / 128) * 512 + (j / 4) * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 +
-                             j % 4);
+// Element (r, j) of a tiled scale tensor with `k_tiles` tiles of 4 blocks per row of tiles
+// (cuBLAS docs, "1D Block Scaling Factors Layout"; fake_cublaslt.cc reads it so).
+size_t TiledOffset(uint64_t r, uint64_t j, uint64_t k_tiles) {
+  return static_cast<size_t>(((r / 128) * k_tiles + j / 4) * 512 + (r % 32) * 16 +
+                             (r % 128 / 32) * 4 + j % 4);
 }
 
 constexpr uint64_t kM = 16, kN = 16;  // the GEMM's m (our n) and n (our m)
@@ -97,11 +99,12 @@ double RunFp8Gemm(const Fp8Gemm& g) {
   auto* block_b = static_cast<uint8_t*>(Malloc(0, g.short_scales ? 16 : 512 + 32));
   const bool blocks = Blocks(g);
   if (blocks) {
+    const uint64_t k_tiles = ((g.k + 31) / 32 + 3) / 4;  // 1: one padded tile each
     for (uint64_t r = 0; r < 16; ++r)
       for (uint64_t j = 0; j < (g.k + 31) / 32; ++j) {
-        block_a[TiledOffset(r, j)] = static_cast<uint8_t>(BlockExponent(0, r, j));
+        block_a[TiledOffset(r, j, k_tiles)] = static_cast<uint8_t>(BlockExponent(0, r, j));
         if (!g.short_scales)
-          block_b[g.scale_misalign + TiledOffset(r, j)] =
+          block_b[g.scale_misalign + TiledOffset(r, j, k_tiles)] =
               static_cast<uint8_t>(BlockExponent(1, r, j));
       }
     cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &g.a_mode,
