@@ -19,7 +19,8 @@ x_scale``). The scales are always operands of the custom call (1.0 for an operan
 fp8), so the call has one shape; y's dtype is ``plan.out_dtype`` (None: x's). Block scales
 (MXFP8) are e8m0 arrays instead, x's ``[..., rows, K/32]`` and w's ``[K/32, N]``; the host
 executor takes them as they are; on GPUs (compute capability 10.x) they are handed over in
-cuBLAS's 128x4-tiled layout (``tiled_block_scales``, chosen where the program lowers). On GPUs
+cuBLAS's 128x4-tiled layout over the program's rows (``tiled_block_scales``, chosen where the
+program lowers; the CUDA lowering refuses scales that are not whole tiles). On GPUs
 an fp8 w is asked of XLA in K-major layout (cuBLASLt's FP8 GEMMs take both operands K-major,
 docs/gpu-internals.md §6).
 """
