@@ -73,15 +73,12 @@ def family(op: str, candidate: Any) -> str:
 
 @dataclass(frozen=True)
 class Design:
-    """A published design: its mechanism in a line, the family of ours closest to it, and
-    whether its ops are issued one by one from eager Python (its published times then include
-    Python's dispatch of each op, which our executors' C++ does not pay: ``sim.launch``)."""
+    """A published design: its mechanism in a line, the family of ours closest to it."""
 
     name: str
     family: str
     mechanism: str
     source: str
-    issued_from_python: bool = False
 
 
 DESIGNS: dict[str, Design] = {d.name: d for d in (
@@ -90,20 +87,16 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
            "bytedance/flux README, docs/design.md"),
     Design("symm-mem-ag", "ag_matmul:fused",
            "copy-engine pulls; a persistent Triton GEMM waiting on per-shard flags",
-           "yifuwang/symm-mem-recipes README",
-           # all_gather_with_progress: a copy_ and a stream_write_value32 per shard in a loop
-           issued_from_python=True),
+           "yifuwang/symm-mem-recipes README"),
     Design("triton-dist-ag", "ag_matmul:fused",
            "a persistent GEMM waiting on per-block flags of a copy-engine or SM all-gather",
-           "ByteDance-Seed/Triton-distributed README",
-           # cp_engine_producer_all_gather_*: a copy_ and a cuStreamWriteValue32 per peer
-           issued_from_python=True),
+           "ByteDance-Seed/Triton-distributed README"),
     Design("multicast-ag", "ag_matmul:chunked",
            "a multicast all-gather, then one GEMM (separate kernels)",
-           "pytorch/pytorch PR #143160", issued_from_python=True),
+           "pytorch/pytorch PR #143160"),
     Design("decomposed-ag", "ag_matmul:chunked",
            "PyTorch's decomposed AG+GEMM: copy-engine copies and a GEMM per shard on two "
-           "alternating streams", "pytorch/pytorch PR #143160", issued_from_python=True),
+           "alternating streams", "pytorch/pytorch PR #143160"),
     Design("flux-rs", "matmul_rs:fused",
            "Hopper, fuse_reduction=False: the GEMM kernel's extra warps TMA-pull peers' tiles "
            "into a local reduce buffer; after a barrier a separate torch sum over the N "
@@ -115,18 +108,15 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
            "engine pushes each destination's block once its tiles are stored; after a barrier "
            "one whole-grid kernel reduces the N partials",
            "ByteDance-Seed/Triton-distributed python/triton_dist/kernels/nvidia/"
-           "gemm_reduce_scatter.py, reduce_scatter.py",
-           issued_from_python=True),  # intra_node_scatter: a wait and a copy_ per destination
+           "gemm_reduce_scatter.py, reduce_scatter.py"),
     Design("kraken-ce-rs", "matmul_rs:fused",
            "as triton-dist-rs: a persistent GEMM, per-destination counters, copy-engine pushes, "
            "a tail reduction kernel",
-           "meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py",
-           issued_from_python=True),  # copy_engine_scatter: as Triton-distributed's
+           "meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py"),
     Design("async-tp-rs", "matmul_rs:chunked",
            "PyTorch async-TP (decomposed): a cuBLAS GEMM per destination on two streams, "
            "copy-engine pulls, a torch sum of the stacked partials after",
-           "pytorch/pytorch torch/distributed/_symmetric_memory fused_matmul_reduce_scatter",
-           issued_from_python=True),  # _pipelined_produce_and_all2all: Python per step
+           "pytorch/pytorch torch/distributed/_symmetric_memory fused_matmul_reduce_scatter"),
     Design("te-ring-rs", "matmul_rs:chunked",
            "TransformerEngine ring exchange: a GEMM chunk per destination, copy-engine sends, "
            "the chunks reduced after", "NVIDIA/TransformerEngine comm_gemm_overlap.cpp"),

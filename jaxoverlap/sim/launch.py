@@ -1,13 +1,10 @@
 """What a call costs the host, and what capturing it in a command buffer saves.
 
 The executors enqueue every op of a call from the host: a per-call cost (the FFI handler, the
-clique and program look-up, ``Preset.host_call_us``) and one CUDA driver call per op (a kernel,
-a copy, a stream memory op, an event: ``Preset.host_op_us``). In a loop of calls the GPU cannot
-run faster than the host enqueues, so a call takes at least that long (``model.host_time``).
-Published designs that issue their ops from eager Python (PyTorch's decomposed AG+GEMM,
-Triton-distributed's and kraken's copy-engine GEMM+RS) pay Python's per-op dispatch instead
-(``Preset.python_op_us``, ``python_call_us``): ``python_enqueue``, and ``issued_from_python``
-to run such a program through the engine.
+clique and program look-up, ``Preset.host_call_us``) and one per op (a kernel, a copy, a stream
+memory op, an event: ``Preset.host_op_us``). In a loop of calls the GPU cannot run faster than
+the host enqueues, so a call takes at least that long (``model.host_time``): what makes a
+16-op decode program cost ~140 us on the host whatever its bytes.
 
 XLA captures runs of command-buffer-compatible operations into command buffers (CUDA graphs)
 and replays them; a replayed call runs none of its handler's host code (openxla/xla
@@ -27,17 +24,6 @@ US = 1e-6
 def host_enqueue(p: Preset, ops: int, calls: int = 1) -> float:
     """Seconds the host spends enqueueing ``calls`` calls of ``ops`` ops each (not captured)."""
     return calls * (p.host_call_us + ops * p.host_op_us) * US
-
-
-def python_enqueue(p: Preset, ops: int, calls: int = 1) -> float:
-    """Seconds eager Python spends issuing ``calls`` calls of ``ops`` ops each."""
-    return calls * (p.python_call_us + ops * p.python_op_us) * US
-
-
-def issued_from_python(p: Preset) -> Preset:
-    """``p`` with its host's enqueue Python's: a program the engine prices as ours, issued op by
-    op from eager Python (a published design's)."""
-    return p.replace(host_op_us=p.python_op_us, host_call_us=p.python_call_us)
 
 
 def replay(p: Preset, nodes: int) -> float:

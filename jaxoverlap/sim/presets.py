@@ -109,17 +109,9 @@ ONE_LAUNCH_FIT = dict(ar_start_us=2.51, ar_flag_us=1.88)
 DEVICE_COSTS = dict(ce_latency_us=2.0, ce_ramp_us=0.0,
                     signal_latency_us=ONE_LAUNCH_FIT["ar_flag_us"],
                     event_latency_us=ONE_LAUNCH_FIT["ar_flag_us"])
-# Python issuing a call's ops from eager mode (sim.published.fit_fixed_costs): the decomposed
-# AG+GEMM of PyTorch's eager Python lies on the host bound, so it measures this and nothing of
-# the device. Only the published designs that issue their ops from Python pay it.
-PYTHON_FIT = dict(python_op_us=9.08, python_call_us=45.3)
-# Our executors issuing a call's ops from C++ (sim.launch.host_enqueue): one CUDA driver call per
-# op, its host time what nsys measured of llama.cpp's server (CUDA 12.9, medians: 1.55 us over
-# 1,055,137 cudaLaunchKernel calls, cuLaunchKernel 1.61 over 68, cudaEventRecord 1.40 over 101;
-# iohub.github.io/2025/07/14/nsys-analysis-llamacpp), one figure for every op kind (device
-# copies and stream memory operations are not itemised there: an assumption); the call's own
-# cost (the FFI handler, the clique and program look-up) is measured nowhere: an assumption.
-DRIVER_COSTS = dict(host_op_us=1.6, host_call_us=5.0)
+# The host's enqueue of a call's ops (sim.published.fit_fixed_costs): the decomposed AG+GEMM of
+# PyTorch's eager Python lies on the host bound, so it measures this and nothing of the device.
+HOST_FIT = dict(host_op_us=9.08, host_call_us=45.3)
 # A multicast kernel's start (sim.published.fit_one_shot): published one-shot all-reduces of
 # small messages on 8xH100, less one flag round.
 ONE_SHOT_FIT = dict(mc_latency_us=6.88)
@@ -230,14 +222,11 @@ class Preset:
     nccl_sms: int = H100_FIT["nccl_sms"]  # SMs a running NCCL kernel takes from the GEMM
     mc_sms: int = 16  # SMs a running multicast kernel takes (assumption)
     interference: float = H100_FIT["interference"]  # slowdown per unit of HBM bandwidth moved
-    # Our executors enqueue every op of a call from the host, one driver call each
-    # (model.host_time); a call captured in a command buffer (CUDA graph) enqueues none at
-    # replay, its nodes cost graph_node_us each on the GPU (sim.launch). The published designs
-    # that issue their ops from eager Python pay python_op_us and python_call_us instead.
-    host_op_us: float = DRIVER_COSTS["host_op_us"]
-    host_call_us: float = DRIVER_COSTS["host_call_us"]
-    python_op_us: float = PYTHON_FIT["python_op_us"]
-    python_call_us: float = PYTHON_FIT["python_call_us"]
+    # The host enqueues every op of a call (model.host_time); a call captured in a command
+    # buffer (CUDA graph) enqueues none at replay, its nodes cost graph_node_us each on the GPU
+    # (sim.launch).
+    host_op_us: float = HOST_FIT["host_op_us"]
+    host_call_us: float = HOST_FIT["host_call_us"]
     graph_node_us: float = 0.58
     # One-launch all-reduce kernels (sim.allreduce): the kernel's start, one flag round across
     # the clique, and SMs' loads from peers' memory over the links (None: the line rate).
@@ -439,15 +428,12 @@ _FIXED_FIT = ("device: a copy-engine copy's start 2 us and no size ramp (NVIDIA/
               "p2pBandwidthLatencyTest: 1.8-2.3 us a peer copy, NVIDIA/cuda-samples#230; five "
               "160 MB copies at 371-377 GB/s on HGX H100, NVIDIA/nccl#1264), a flag or event "
               "wait one device-side flag round (ar_flag_us, sim.published.fit_one_launch); "
-              "our executors' host: host_op_us 1.6 us a driver call (nsys medians, CUDA 12.9: "
-              "cudaLaunchKernel 1.55 us over 1,055,137 calls, cuLaunchKernel 1.61, "
-              "cudaEventRecord 1.40; iohub.github.io/2025/07/14/nsys-analysis-llamacpp; copies "
-              "and stream memory operations assumed alike), host_call_us 5 us (the FFI handler "
-              "and look-ups: an assumption; refit both with bench --calibrate); Python-issued "
-              "designs' host: python_op_us and python_call_us " + _FITTED.format(
+              "host: host_op_us and host_call_us " + _FITTED.format(
                   "fit_fixed_costs", "the decomposed (chunked, copy-engine) AG+GEMM of "
                   "pytorch/pytorch PR #143160, 354 us, whose eager Python lies on the host bound "
-                  "(one common scale on the two, their ratio an assumption)"))
+                  "(one common scale on the two, their ratio an assumption); PyTorch's eager "
+                  "dispatch is in that number, so they may overstate a C++ executor's: refit "
+                  "with bench --calibrate"))
 _NCCL_P2P = ("NVIDIA/nccl-tests#268: sendrecv_perf between NVLink H100s plateaus ~180 GB/s "
              "(nvbandwidth 260), far below the ring collectives' ~360 (#326)")
 _LINE = "assumption: the fitted h100's fraction of the line rate ({:.0f}/450 GB/s)"

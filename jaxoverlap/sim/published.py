@@ -28,7 +28,6 @@ from jaxoverlap.sim import (
     families,
     fit,
     fused,
-    launch,
     model,
     published_gemms,
     reduction,
@@ -520,27 +519,13 @@ def fit_pcie8(base: Preset) -> Preset:
                                          r.comm_us * 1e-6) for r in rows])
 
 
-PYTHON_COSTS = ("python_op_us", "python_call_us")
-
-
 def fit_fixed_costs(p: Preset) -> Preset:
-    """Eager Python's enqueue costs (``PYTHON_COSTS``) from the published decomposed AG+GEMM
+    """The host's enqueue costs (``fit.FUSED_PATH_COSTS``) from the published decomposed AG+GEMM
     (P4's PR): PyTorch's eager program lies on the host bound, so it measures those and none of
-    the device's costs (``presets.DEVICE_COSTS``), nor our executors' driver calls. Our program
-    of its kind is priced issued from Python (``launch.issued_from_python``) and
-    ``fit.fit_fused`` fits its host costs. Fitted on the machine of that row (``h100-hbm2e``);
-    the presets take the result.
+    the device's costs (``presets.DEVICE_COSTS``). Fitted on the machine of that row
+    (``h100-hbm2e``); the presets take the result.
     """
-    q = fit.fit_fused(launch.issued_from_python(p), [DECOMPOSED])
-    return p.replace(python_op_us=q.host_op_us, python_call_us=q.host_call_us)
-
-
-def decomposed_ratio() -> float:
-    """P4's decomposed AG+GEMM: its published time over our program of its kind, issued from
-    eager Python as it was, on its machine."""
-    (ratio, _), = fit.fused_error(launch.issued_from_python(machine("h100-hbm2e")),
-                                  [DECOMPOSED])
-    return ratio
+    return fit.fit_fused(p, [DECOMPOSED])
 
 
 def fit_one_shot(p: Preset) -> Preset:
@@ -706,9 +691,7 @@ def evaluate_call(row: CallRow) -> CallResult:
     family closest to it (``sim.families.DESIGNS``) where the machine runs that family;
     elsewhere (the fused kernels on A800 and L20, where the sm_90a kernel does not run) with
     our fastest plan, the published result an upper bound for it. The comparison counts for
-    the family of ours closest to the design (its margin). A design that issues its ops from
-    eager Python (``Design.issued_from_python``) is compared with our plans issued the same way
-    (``launch.issued_from_python``); the pick is ours as our executors issue it."""
+    the family of ours closest to the design (its margin)."""
     p = machine(row.machine)
     choice = choose(row.op, row.shape, row.dtype, row.nranks, p)
     natives = [r for r in choice.table if r.candidate.impl == "native"]
@@ -722,28 +705,12 @@ def evaluate_call(row: CallRow) -> CallResult:
                      default=None)
     rate = None if best_fused is None else (theirs or p.fused_gemm_rate)
     best = min(natives, key=lambda r: r.t_fused)
-    design = families.DESIGNS[row.design]
-    # our plans as the design is compared with them: issued as it issues its ops, so that the
-    # row checks the device's mechanisms and not Python's dispatch against our driver calls
-    # (each host cost has its own source: sim.launch)
-    peers = natives
-    if design.issued_from_python:
-        q = launch.issued_from_python(p if theirs is None else p.replace(fused_gemm_rate=theirs))
-        wanted = {design.family} | {f for f, ds in families.BUILT_FROM.items() if row.design in ds}
-        if any(families.family(row.op, r.candidate) == design.family for r in natives):
-            natives_wanted = [r for r in natives
-                              if families.family(row.op, r.candidate) in wanted]
-        else:  # no plan of its family here: compared with our fastest of all
-            natives_wanted = natives
-        peers = [simulate(row.op, row.shape, row.dtype, row.nranks,
-                          q if r.candidate.fused else launch.issued_from_python(p), r.candidate)
-                 for r in natives_wanted]
-    mine = [r for r in peers if families.family(row.op, r.candidate) == design.family]
-    closest = min(mine, key=lambda r: r.t_fused) if mine else min(peers,
-                                                                    key=lambda r: r.t_fused)
+    target = families.DESIGNS[row.design].family
+    mine = [r for r in natives if families.family(row.op, r.candidate) == target]
+    closest = min(mine, key=lambda r: r.t_fused) if mine else best
     built = []
     for fam, designs in families.BUILT_FROM.items():
-        theirs_too = [r for r in peers if families.family(row.op, r.candidate) == fam]
+        theirs_too = [r for r in natives if families.family(row.op, r.candidate) == fam]
         if row.design in designs and theirs_too:
             built.append((fam, min(theirs_too, key=lambda r: r.t_fused)))
     return CallResult(row, xla, best, choice.best, choice.min_gain, rate, best_fused, closest,
@@ -870,7 +837,8 @@ def optimism(machine_name: str) -> dict[str, list[float]]:
             out.setdefault(families.DESIGNS[row.design].family, []).append(
                 row.us * 1e-6 / one_launch_time(row))
     if "h100-hbm2e" in machines:
-        out.setdefault("ag_matmul:chunked", []).append(decomposed_ratio())
+        (ratio, _), = fit.fused_error(machine("h100-hbm2e"), [DECOMPOSED])
+        out.setdefault("ag_matmul:chunked", []).append(ratio)
     return out
 
 
@@ -981,7 +949,8 @@ def markdown_designs_table() -> str:
         ids += [row.id for row in ONE_LAUNCH_ALL_REDUCES if row.design == d.name]
         if d.name == "decomposed-ag":
             ids.append("P4's decomposed (fit)")
-            ratios.append(decomposed_ratio())
+            (ratio, _), = fit.fused_error(machine("h100-hbm2e"), [DECOMPOSED])
+            ratios.append(ratio)
         shown = ", ".join(ids[:4]) + (f" … ({len(ids)})" if len(ids) > 4 else "") or "—"
         worst = f"{max(ratios):.2f}" if ratios else "—"
         own = DESIGN_MECHANISMS.get(d.name)

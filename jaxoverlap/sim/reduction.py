@@ -20,8 +20,7 @@ parts, each priced here from its own source:
   (``tail_time``), not the whole output's;
 * **the host's enqueue**: the published copy-engine designs issue every copy and the stream
   wait before it from eager Python (``HOST_OPS_PER_COPY``), so a call cannot run faster than
-  Python issues them (``sim.launch.python_enqueue``: eager Python's per-op cost, fitted to
-  PyTorch's decomposed AG+GEMM, not our executors' driver calls).
+  the host enqueues them (``sim.launch.host_enqueue``, as for our own programs).
 
 Two published designs are priced from these parts, as projections of *their* mechanisms (not
 our programs; ``sim.published`` compares their rows with them): ``overlapped``, the copy-engine
@@ -153,7 +152,7 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
     reductions' HBM bytes (``model.compute_rate``). ``sms`` / ``chunks`` None: the fastest
     of ``SM_BUDGETS`` / ``CHUNKS``. The call takes at least the host's enqueue of the designs'
     Python-issued waits and copies (``HOST_OPS_PER_COPY`` per destination and sub-chunk, the
-    own one included, ``HOST_OPS_PER_CALL`` more) at the preset's Python-issued costs."""
+    own one included, ``HOST_OPS_PER_CALL`` more) at the preset's host costs."""
     if transport != "p2p":
         raise ValueError(f"transport: the projection prices copy-engine copies ('p2p'), got "
                          f"{transport!r}")
@@ -185,7 +184,7 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
                 tail = copy + reductions
                 busy = max(gemm, copies)
             device = p.gemm_overhead_us * US + busy + tail
-            t = max(device, launch.python_enqueue(
+            t = max(device, launch.host_enqueue(
                 p, HOST_OPS_PER_COPY * nranks * c + HOST_OPS_PER_CALL))
             if best is None or t < best.seconds:
                 best = Overlapped(t, s, c, gemm, copies, reductions, tail)

@@ -163,8 +163,7 @@ def test_chooser_follows_the_model():
         return min(table, key=lambda r: r.t_fused).candidate
 
     ch_fast = fastest(NO_LATENCY)
-    ch_slow = fastest(H100.replace(ce_latency_us=100.0, nccl_latency_us=100.0,
-                                   mc_latency_us=100.0))
+    ch_slow = fastest(H100.replace(ce_latency_us=100.0, nccl_latency_us=100.0))
     assert ch_fast.chunks > ch_slow.chunks
 
 
