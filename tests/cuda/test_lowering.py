@@ -237,7 +237,9 @@ def test_mxfp8_the_gpus_or_shapes_cannot_take_are_refused_when_planned(cuda):
 def test_mxfp8_scales_tiled_by_the_lowering_give_the_reference_on_the_fake(fake):
     """The lowering's rearrangement (``primitive.tiled_block_scales``, run by JAX here) hands
     the CUDA executor scales it reads right: on a B200-like fake, an all-gather over two batches
-    with them equals the block-dequantized reference within the FP8 bound."""
+    with them, and a reduce-scatter with K = 256 and w's n = 256 (two tiles along K and along
+    n: JAX's cross-tile order against the fake's own reading), equal the block-dequantized
+    reference within the FP8 bound."""
     from jaxoverlap import _selftest
 
     from .test_fp8 import MX, check_fp8, mx_case
@@ -250,6 +252,9 @@ def test_mxfp8_scales_tiled_by_the_lowering_give_the_reference_on_the_fake(fake)
     fake.reset(fake.Config(**_selftest.FAKE_B200))
     out, factors = mx_case(fake, "ag_matmul", "p2p", 2, batch=2, tile=tile)
     check_fp8(fake, "ag_matmul", out, factors, MX, 2, 128)
+    fake.reset(fake.Config(**_selftest.FAKE_B200))
+    out, factors = mx_case(fake, "matmul_rs", "p2p", 2, k=256, nw=256, tile=tile, seed=7)
+    check_fp8(fake, "matmul_rs", out, factors, MX, 2, 256)
 
 
 def _mx_lowering_3d(caps, op, x_shape, k=128, cols=128, n=2, platform="cuda"):
