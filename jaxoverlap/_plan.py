@@ -52,7 +52,7 @@ from jaxoverlap._config import Settings, configure_logging, current_config, logg
 from jaxoverlap._executors import capabilities, runtime
 from jaxoverlap._executors.call import NativeCall, describe
 from jaxoverlap._executors.capabilities import NativeUnavailableError
-from jaxoverlap._fp8_dtypes import FP8_DTYPES, gemm_dtype, is_fp8
+from jaxoverlap._fp8_dtypes import FP8_DTYPES, SCALE_TILE_ROWS, gemm_dtype, is_fp8
 from jaxoverlap._fp8_dtypes import out_dtype as fp8_out_dtype
 from jaxoverlap._fused_gemm import FUSED_OPS, FUSED_TRANSPORTS, fused_align, fused_dtype_reason
 from jaxoverlap._one_launch import (
@@ -390,8 +390,8 @@ def _check_block_tiles(plan: OpPlan, x, w) -> None:
         chunks=plan.chunks, bidirectional=plan.bidirectional, algorithm=plan.algorithm,
         w_dtype=jnp.dtype(w.dtype).name, out_dtype=fp8_out_dtype(x, plan.out_dtype).name,
         block_scaled=True)
-    bad = sorted({(g["m"], g["n"], g["k"]) for g in program["ops"]
-                  if g["kind"] == "Gemm" and any(v % 128 for v in (g["m"], g["n"], g["k"]))})
+    bad = sorted({(g["m"], g["n"], g["k"]) for g in program["ops"] if g["kind"] == "Gemm"
+                  and any(v % SCALE_TILE_ROWS for v in (g["m"], g["n"], g["k"]))})
     if bad:
         raise NativeUnavailableError(
             f"{plan.op}: impl='native' with block scales (MXFP8) on a GPU: cuBLASLt's block "

@@ -28,7 +28,6 @@ docs/gpu-internals.md §6).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from jaxoverlap import _kinds, _precision
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._executors import bootstrap, capabilities, runtime
 from jaxoverlap._executors.call import describe, ranks
+from jaxoverlap._fp8_dtypes import SCALE_TILE_ROWS
 from jaxoverlap._native.attributes import attributes, naming
 from jaxoverlap._native.site_key import lower_keyed
 from jaxoverlap._plan import AG, AR, RS, OpPlan
@@ -259,28 +259,15 @@ def _bind(x, w, plan: OpPlan, return_gathered: bool = False, x_scale=None, w_sca
                          return_gathered=bool(return_gathered))
 
 
-def gemm_rows(plan: OpPlan, x_shape: Sequence[int]) -> int:
-    """Rows of x one GEMM unit of the program takes (before sub-chunks), as ``CanonicalProblem``
-    (cpp/core/call.cc) derives them: x is ``[pre..., s, post..., k]`` with s on ``axis``; an
-    all-gather's shard has ``s * prod(post)`` rows per batch, a reduce-scatter's block
-    ``s / N * prod(post)``; matmul_ar's rows are every dim but the last (split in N blocks by
-    the algorithms that split rows)."""
-    post = math.prod(x_shape[plan.axis + 1:-1])
-    s = x_shape[plan.axis]
-    if plan.op == AG:
-        return s * post
-    if plan.op == RS:
-        return s // plan.axis_size * post
-    total = math.prod(x_shape[:-1])
-    return total // plan.axis_size if _kinds.ar_algorithm(plan.algorithm).splits_rows else total
-
-
 def block_scales_untileable(plan: OpPlan, x_shape: Sequence[int], w_shape: Sequence[int]):
     """Why the block scales of a call cannot go over in whole 128x4 tiles (None: they can):
-    its GEMM units' rows (``gemm_rows``), K and w's columns must be multiples of 128."""
-    dims = {"rows per GEMM (as the program splits x)": gemm_rows(plan, x_shape),
-            "K": x_shape[-1], "w's columns": w_shape[-1]}
-    bad = [f"{name} {v}" for name, v in dims.items() if v % 128]
+    its GEMM units' rows (before sub-chunks: the canonical problem's, ``_kinds``), K and w's
+    columns must be multiples of ``SCALE_TILE_ROWS``."""
+    rows = _kinds.canonical_problem(plan.op, x_shape, w_shape, plan.axis, plan.axis_size,
+                                    plan.algorithm).rows
+    dims = {"rows per GEMM (as the program splits x)": rows, "K": x_shape[-1],
+            "w's columns": w_shape[-1]}
+    bad = [f"{name} {v}" for name, v in dims.items() if v % SCALE_TILE_ROWS]
     return ", ".join(bad) if bad else None
 
 
@@ -290,8 +277,9 @@ def _tiled(scales):
     of a tile side by side in 16 bytes. A group of 128 whole rows keeps its bytes' place, so
     the programs move the tiles as rows."""
     rows, blocks = scales.shape
-    tiles = jnp.swapaxes(scales.reshape(rows // 128, 128, blocks // 4, 4), -3, -2)
-    tiles = tiles.reshape(rows // 128, blocks // 4, 4, 32, 4)
+    t = SCALE_TILE_ROWS
+    tiles = jnp.swapaxes(scales.reshape(rows // t, t, blocks // 4, 4), -3, -2)
+    tiles = tiles.reshape(rows // t, blocks // 4, 4, t // 4, 4)
     return jnp.swapaxes(tiles, -3, -2).reshape(scales.shape)
 
 
@@ -304,7 +292,7 @@ def tiled_block_scales(x_scale, w_scale):
     CUDA lowering refuses such calls (``_lower``)."""
     blocks = x_scale.shape[-1]
     flat = x_scale.reshape(-1, blocks)
-    if flat.shape[0] % 128 or blocks % 4 or w_scale.shape[1] % 128:
+    if flat.shape[0] % SCALE_TILE_ROWS or blocks % 4 or w_scale.shape[1] % SCALE_TILE_ROWS:
         return x_scale, w_scale
     return _tiled(flat).reshape(x_scale.shape), _tiled(w_scale.T).reshape(w_scale.shape)
 
