@@ -37,8 +37,9 @@ OUT_DTYPES = tuple(jnp.dtype(name) for name in _kinds.names(_kinds.DTYPES, out=T
 DEFAULT_OUT = jnp.dtype(jnp.bfloat16)
 # MXFP8's block: one e8m0 scale per 32 consecutive elements along K (OCP MX v1.0, MXFP8).
 BLOCK = 32
-# cuBLASLt's tile of block scales: 128 rows (or columns of w) by 4 blocks (cuBLAS docs, "1D
-# Block Scaling Factors Layout"); the CUDA executor moves and reads whole tiles only.
+# cuBLASLt's tile of block scales: 128 rows (or columns of w) by 4 blocks, i.e. 128 of K
+# (cuBLAS docs, "1D Block Scaling Factors Layout"; cpp/cuda/gemm/block_scales.h); the CUDA
+# executor moves and reads whole tiles only.
 SCALE_TILE_ROWS = 128
 SCALE_DTYPE = jnp.dtype(jnp.float8_e8m0fnu)
 

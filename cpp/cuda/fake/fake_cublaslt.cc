@@ -47,6 +47,7 @@
 #include "cuda/fake/fake_internal.h"
 #include "cuda/fake/fake_waits.h"
 #include "cuda/fake/fp8_accumulator.h"
+#include "cuda/gemm/block_scales.h"
 
 namespace jo::fake {
 
@@ -467,8 +468,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
     return fail("FP8 with matrix dimensions that are not multiples of 16 bytes");
   // The scales: device float32 values the kernel reads (null: 1), or block scale tensors of
   // the tiled layout, every padded tile (outer rows to 128, K blocks to 4).
-  const uint64_t k_tiles = (k + 127) / 128;
-  const auto tiled_bytes = [&](uint64_t outer) { return (outer + 127) / 128 * k_tiles * 512; };
+  using jo::cuda::kScaleTileBytes;
+  using jo::cuda::kScaleTileRows;
+  const uint64_t k_tiles = (k + kScaleTileRows - 1) / kScaleTileRows;
+  const auto tiled_bytes = [&](uint64_t outer) {
+    return (outer + kScaleTileRows - 1) / kScaleTileRows * k_tiles * kScaleTileBytes;
+  };
   for (int i = 0; i < 2; ++i) {
     const void* scale = i == 0 ? dsc.a_scale : dsc.b_scale;
     const size_t bytes = blocks ? tiled_bytes(i == 0 ? m : n) : sizeof(float);
@@ -510,8 +515,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
                : (a_scale != nullptr ? *a_scale : 1.0f) * (b_scale != nullptr ? *b_scale : 1.0f);
     // Block scales: the e8m0 exponent of (outer row r, K block j) in the tiled layout.
     const auto block_exponent = [&](const float* tensor, uint64_t r, uint64_t j) {
-      const uint64_t at =
-          ((r / 128) * k_tiles + j / 4) * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 + j % 4;
+      const size_t at = jo::cuda::TiledScaleOffset(r, j, k_tiles);
       return static_cast<int>(reinterpret_cast<const uint8_t*>(tensor)[at]);
     };
     std::vector<float> out(m * n);

@@ -19,6 +19,7 @@
 #include "cuda/fake/fake_checks.h"
 #include "cuda/fake/fake_harness.h"
 #include "cuda/fake/fake_runtime.h"
+#include "cuda/gemm/block_scales.h"
 
 namespace jo::fake {
 namespace {
@@ -56,12 +57,6 @@ bool Blocks(const Fp8Gemm& g) {
 int BlockExponent(int operand, uint64_t r, uint64_t j) {
   return 127 + static_cast<int>((r * (operand == 0 ? 3 : 5) + j * 7) % 5) - 2;
 }
-// Element (r, j) of a tiled scale tensor with `k_tiles` tiles of 4 blocks per row of tiles
-// (cuBLAS docs, "1D Block Scaling Factors Layout"; fake_cublaslt.cc reads it so).
-size_t TiledOffset(uint64_t r, uint64_t j, uint64_t k_tiles) {
-  return static_cast<size_t>(((r / 128) * k_tiles + j / 4) * 512 + (r % 32) * 16 +
-                             (r % 128 / 32) * 4 + j % 4);
-}
 
 constexpr uint64_t kM = 16, kN = 16;  // the GEMM's m (our n) and n (our m)
 
@@ -95,16 +90,18 @@ double RunFp8Gemm(const Fp8Gemm& g) {
   auto* scales = static_cast<float*>(Malloc(0, 16));
   // Block scales: A's and B's tiled tensors, one padded tile each (512 bytes), at 16-byte
   // aligned starts; a short one holds only its 16 rows' bytes.
-  auto* block_a = static_cast<uint8_t*>(Malloc(0, 512));
-  auto* block_b = static_cast<uint8_t*>(Malloc(0, g.short_scales ? 16 : 512 + 32));
+  auto* block_a = static_cast<uint8_t*>(Malloc(0, jo::cuda::kScaleTileBytes));
+  auto* block_b =
+      static_cast<uint8_t*>(Malloc(0, g.short_scales ? 16 : jo::cuda::kScaleTileBytes + 32));
   const bool blocks = Blocks(g);
   if (blocks) {
     const uint64_t k_tiles = ((g.k + 31) / 32 + 3) / 4;  // 1: one padded tile each
     for (uint64_t r = 0; r < 16; ++r)
       for (uint64_t j = 0; j < (g.k + 31) / 32; ++j) {
-        block_a[TiledOffset(r, j, k_tiles)] = static_cast<uint8_t>(BlockExponent(0, r, j));
+        block_a[jo::cuda::TiledScaleOffset(r, j, k_tiles)] =
+            static_cast<uint8_t>(BlockExponent(0, r, j));
         if (!g.short_scales)
-          block_b[g.scale_misalign + TiledOffset(r, j, k_tiles)] =
+          block_b[g.scale_misalign + jo::cuda::TiledScaleOffset(r, j, k_tiles)] =
               static_cast<uint8_t>(BlockExponent(1, r, j));
       }
     cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &g.a_mode,

@@ -9,6 +9,8 @@
 #include <string>
 #include <tuple>
 
+#include "cuda/gemm/block_scales.h"
+
 namespace jo::cuda {
 namespace {
 
@@ -287,7 +289,7 @@ Status CheckFp8Gemm(DeviceCache& cache, int device, const GemmArgs& g, const Ali
                "capability 10.x (B200, GB200: the block-scaled tcgen05 MMA); Hopper has no "
                "block-scaled cuBLASLt GEMM. Use impl='xla' or impl='ring', or float32 "
                "per-tensor scales");
-  if (g.m % 128 != 0 || g.n % 128 != 0 || g.k % 128 != 0)
+  if (g.m % kScaleTileRows != 0 || g.n % kScaleTileRows != 0 || g.k % kScaleTileRows != 0)
     return bad(
         "cuBLASLt's block scales are 128x4-tiled (cuBLAS docs, \"1D Block Scaling Factors "
         "Layout\": 128 rows by 4 blocks of 32 along k); the CUDA executor moves and reads "
