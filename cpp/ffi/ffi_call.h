@@ -257,7 +257,11 @@ inline Status CheckBlockScales(const char* op, const ffi::AnyBuffer& x, const ff
   std::vector<int64_t> want = DimsOf(x.dimensions());
   const std::vector<int64_t> w_dims = DimsOf(w.dimensions());
   const int64_t k = want.empty() ? 0 : want.back();
-  if (k % kScaleBlock != 0 || w_dims.size() != 2)
+  if (w_dims.size() != 2)
+    return bad("block scales need w as a [K, N] matrix (w_scale is [K/" +
+               std::to_string(kScaleBlock) + ", N]): operand w must be 2-D, got w " +
+               Dims(w.dimensions()) + "; reshape it to [K, N]");
+  if (k % kScaleBlock != 0)
     return bad("block scales cover " + std::to_string(kScaleBlock) +
                " elements of the contraction dim: x's last dim must be a multiple of " +
                std::to_string(kScaleBlock) + ", got x " + Dims(x.dimensions()));
