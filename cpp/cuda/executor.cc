@@ -434,8 +434,10 @@ class Enqueuer {
   }
 
   // The fused GEMM (fused_gemm.h): checked, its tile order made and its
-  // kernel loaded here, so a GPU that cannot run it (anything but compute
-  // capability 9.0) refuses the call before anything is enqueued. Its waits
+  // kernel loaded here, so a GPU that cannot run it (FusedKernelFor: sm_90a
+  // code for compute capability 9.0, 16-bit or per-tensor FP8; sm_100a for
+  // 10.0, 16-bit only; anything else none) refuses the call before anything
+  // is enqueued. Its waits
   // give up only well after the watchdog reported the call (twice the call's
   // timeout), so that a missing peer is reported by the watchdog, which names
   // it, and the kernel still always ends.
