@@ -403,10 +403,11 @@ def _check_block_tiles(plan: OpPlan, x, w) -> None:
 
 
 def _check_block_scaled(op: str, impl: str, transport: str | None, fused, kernel: bool) -> None:
-    """A call with block scales (MXFP8) runs on ``xla``, ``ring`` or the host executor's native
-    path: asking for the fused GEMM, or for the native path on a GPU (``impl``, a
-    ``transport``, a kernel algorithm), is an error naming the reason and the fix;
-    ``impl="auto"`` leaves what cannot run out, and says so in the debug log."""
+    """A call with block scales (MXFP8) runs on ``xla``, ``ring`` or the native path of the host
+    executor or of the CUDA executor on compute capability 10.x (``block_scaled_reason``; its
+    tiles: ``_check_block_tiles``): asking for the fused GEMM, or for the native path on other
+    GPUs (``impl``, a ``transport``, a kernel algorithm), is an error naming the reason and the
+    fix; ``impl="auto"`` leaves what cannot run out, and says so in the debug log."""
     if fused:
         raise NativeUnavailableError(
             f"{op}: jo.config(fused=True) / JAXOVERLAP_FUSED=1 asks for the fused GEMM, but the "
@@ -595,8 +596,8 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     dtype = gemm_dtype(x, w)
     native_ok = native_reason(x.dtype, w.dtype) is None
     if block_scaled and native_ok:
-        # The presets are GPUs, whose executor takes no block scales (the host executor's
-        # native path is a CPU emulation, never priced).
+        # The model prices no native block-scaled call (the host executor's, or the CUDA
+        # executor's on compute capability 10.x in whole tiles): xla and ring only.
         logger.debug("%s with block scales (MXFP8): the model (preset %r) picks among 'xla' "
                      "and 'ring': %s.", op, preset, BLOCK_SCALED_MODEL_REASON)
         native_ok = False

@@ -573,9 +573,10 @@ def _mx(c: _Call, x, w):
 
 
 def _mx_op(op, qx, qw, axis_name: str, **kw):
-    """``op`` on block-scaled operands: the ``xla`` or ``ring`` impl (no native executor and no
-    fused GEMM takes block scales; the recipe, not the caller, chose them, so a ``fused=True``
-    config runs them unfused rather than raising)."""
+    """``op`` on block-scaled operands, on the impl the config asks for: ``xla``, ``ring`` or
+    ``native`` (the host executor; the CUDA executor on compute capability 10.x, whole 128x4
+    tiles, refused otherwise). No fused GEMM takes block scales; the recipe, not the caller,
+    chose them, so a ``fused=True`` config runs them unfused rather than raising."""
     if current_config().fused:
         with config(fused=False):
             return op(qx, qw, axis_name, **kw)

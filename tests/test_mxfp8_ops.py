@@ -7,8 +7,10 @@ reference is written here with numpy alone: the scales are made as raw e8m0 byte
 127) and decoded as ``2.0 ** (byte - 127)``, repeated over their 32 elements, multiplied into
 the operands in float64, then the product. Inside shard_map each rank passes its own shard's
 block scales; AG+GEMM's scales travel with x's rows. On CPU the host executor takes them
-(``impl="native"``, every transport and algorithm), exactly; the CUDA executor does not: on a
-GPU ``impl="native"`` raises, and ``impl="auto"`` picks among xla and ring.
+(``impl="native"``, every transport and algorithm), exactly; the CUDA executor takes them on
+compute capability 10.x in whole 128x4 tiles (refused otherwise, and on Hopper:
+tests/cuda/test_lowering.py, tests/cuda/test_fp8.py), and ``impl="auto"`` picks among xla and
+ring, as the model prices no native block-scaled call.
 """
 
 from __future__ import annotations

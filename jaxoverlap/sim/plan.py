@@ -200,10 +200,11 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
              block_scaled: bool = False) -> SimResult:
     """Projects one call of ``candidate`` (default: native nccl, 1 chunk) on ``preset``.
 
-    ``block_scaled``: the fp8 operands carry 1x32 block scales (MXFP8), which on a GPU only the
-    xla and ring impls take (the CUDA executor does not; the host executor's native path is a
-    CPU emulation, not modelled); their GEMMs dequantize and multiply in float32
-    (``model.dequantized_gemm_time``), their transfers move what the fp8 call moves."""
+    ``block_scaled``: the fp8 operands carry 1x32 block scales (MXFP8). The model prices them
+    on the xla and ring impls only, whose GEMMs dequantize and multiply in float32
+    (``model.dequantized_gemm_time``) and whose transfers move what the fp8 call moves; a
+    native block-scaled call (the host executor's, or the CUDA executor's cuBLASLt GEMMs on
+    compute capability 10.x in whole 128x4 tiles) is not priced, so it is refused here."""
     if op not in OPS:
         raise ValueError(f"op: expected one of {OPS}, got {op!r}")
     p = load_preset(preset)
@@ -211,9 +212,9 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     dtype = canonical_dtype(dtype)
     c = candidate or Candidate()
     if block_scaled and (dtype not in FP8_DTYPES or c.impl == "native"):
-        raise ValueError(f"block_scaled: block scales are for fp8 operands on the xla and ring "
-                         f"impls (the CUDA executor takes none); got dtype {dtype!r}, "
-                         f"candidate {c.label!r}")
+        raise ValueError(f"block_scaled: block scales are for fp8 operands, and the model "
+                         f"prices them on the xla and ring impls only (no native block-scaled "
+                         f"call); got dtype {dtype!r}, candidate {c.label!r}")
     t_gemm, t_comm_xla = baseline_times(op, shape, dtype, nranks, p, block_scaled=block_scaled)
     s = model.collective_bytes(op, nranks, shape.batch, shape.rows, shape.k, shape.n, dtype)
     if c.impl == "xla":
@@ -378,8 +379,8 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     (simpler) candidate. ``unfused=False``: the caller
     has fixed a fused impl, so the fastest of ``cands`` is picked (the xla path is
     still simulated, for the log, but never picked). ``block_scaled``: fp8 operands with
-    block scales (MXFP8), which on a GPU only the xla and ring impls take (``simulate``); by default
-    their plans are the candidates.
+    block scales (MXFP8), which the model prices on the xla and ring impls only (``simulate``);
+    by default their plans are the candidates.
     """
     p = load_preset(preset)
     cands = (list(cands) if cands is not None

@@ -127,7 +127,8 @@ def test_block_scaled_calls_are_priced_as_the_xla_and_ring_impls_compute_them():
                for why in choice.outside)
     for dtype, c in (("fp8", sim.Candidate("native", "p2p", 1, True)),
                      ("bfloat16", sim.Candidate("xla", None))):
-        with pytest.raises(ValueError, match="block_scaled: block scales are for fp8 operands"):
+        with pytest.raises(ValueError, match="block_scaled: block scales are for fp8 operands, "
+                                             "and the model prices them on the xla and ring"):
             sim.simulate("ag_matmul", AG, dtype, 8, H100, c, block_scaled=True)
 
 
