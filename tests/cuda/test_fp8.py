@@ -342,11 +342,10 @@ def test_mxfp8_every_op_matches_the_dequantized_reference(fake, transport):
     """Block-scaled calls on a B200-like fake device (compute capability 10.0): each GEMM reads
     the tiled scale rows beside its rows (an all-gather's travelled with their shard), within
     the bound of the fake's Blackwell FP8 accumulator of the float64 product of the
-    block-dequantized operands. matmul_ar's GEMMs are matmul_rs's (no scale moves; its
-    reductions add bf16 partials as any call's do): on one transport, for time. Two batches not
-    back to back (one cuBLASLt call each): ``test_lowering.py``'s case through JAX's tiling."""
-    ops = ("ag_matmul", "matmul_rs", *(("matmul_ar",) if transport == "p2p" else ()))
-    for op in ops:
+    block-dequantized operands; matmul_ar's GEMMs read their scales in place (no scale moves;
+    its reductions add bf16 partials as any call's do). Two batches not back to back (one
+    cuBLASLt call each): ``test_lowering.py``'s case through JAX's tiling."""
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
         fake.reset(fake.Config(**_selftest.FAKE_B200))
         out, factors = mx_case(fake, op, transport, 2, seed=len(op))
         try:
