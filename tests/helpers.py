@@ -109,6 +109,21 @@ def absent(x, rank: int, enabled=lambda: True, axis_name: str = "tp"):
     return x + (waited - held)  # exactly x, but ordered after the callback
 
 
+def late(t, r, j, big):
+    """``t``, late on the ranks ``r`` with ``r % 3 == j % 3``: behind a chain of real GEMMs on
+    ``big`` (ones XLA cannot fold away), so that the devices see the calls of one program
+    become ready in different orders (call inside shard_map, ``r`` the axis index)."""
+    from jax import lax
+
+    def slow(t):
+        acc = big
+        for _ in range(3):
+            acc = jnp.tanh(acc @ big)
+        return t + (0.0 * acc[0, 0]).astype(t.dtype)
+
+    return lax.cond(r % 3 == j % 3, slow, lambda t: t, t)
+
+
 # ---- fp8 operands and the formula they are checked against ---------------------------------
 
 # The unit roundoff of each output dtype: one rounding moves a value v by at most u * |v|.

@@ -183,6 +183,12 @@ def test_a_training_step_is_the_reference_models():
         np.testing.assert_allclose(f64(w2), r2, rtol=0, atol=1e-5 * np.abs(r2).max())
 
 
+def _placed(variables, mesh):
+    """A linen layer's variables unboxed and placed as their partitioning metadata says."""
+    return jax.device_put(nn.unbox(variables), jax.tree.map(
+        lambda s: jax.NamedSharding(mesh, s), nn.get_partition_spec(variables)))
+
+
 @pytest.mark.slow
 def test_linen_layer_runs_the_recipe_natively_on_the_host_executor():
     """A RowParallelDense (GEMM+RS forward, AG+GEMM backward) given the recipe and
@@ -196,8 +202,7 @@ def test_linen_layer_runs_the_recipe_natively_on_the_host_executor():
                                 dot_general=fp8.MXFP8BlockScaling())
     variables = layer.init(jax.random.key(1), x)
     with jax.set_mesh(mesh):
-        placed = jax.device_put(nn.unbox(variables), jax.tree.map(
-            lambda s: jax.NamedSharding(mesh, s), nn.get_partition_spec(variables)))
+        placed = _placed(variables, mesh)
         xs = put(x, mesh, P(None, None, "tp"))
 
         def loss(v, x):
@@ -230,8 +235,7 @@ def test_linen_layer_takes_the_recipe():
                                    dot_general=fp8.MXFP8BlockScaling())
     variables = layer.init(jax.random.key(0), x)
     with jax.set_mesh(mesh):
-        placed = jax.device_put(nn.unbox(variables), jax.tree.map(
-            lambda s: jax.NamedSharding(mesh, s), nn.get_partition_spec(variables)))
+        placed = _placed(variables, mesh)
         xs = put(x, mesh, P(None, "tp"))
 
         def loss(v, x):

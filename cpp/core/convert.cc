@@ -1,5 +1,6 @@
 #include "core/convert.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -182,8 +183,14 @@ void FromF32(DType dtype, const float* src, int64_t rows, int64_t cols, void* ds
 }
 
 float E8m0ToF32(uint8_t bits) {
-  return bits == 0xff ? std::numeric_limits<float>::quiet_NaN()
-                      : std::ldexp(1.0f, static_cast<int>(bits) - 127);
+  // Every e8m0 value decoded once: the host GEMMs scale each element of their operands.
+  static const std::array<float, 256> kValues = [] {
+    std::array<float, 256> values{};
+    for (int e = 0; e < 255; ++e) values[e] = std::ldexp(1.0f, e - 127);
+    values[255] = std::numeric_limits<float>::quiet_NaN();
+    return values;
+  }();
+  return kValues[bits];
 }
 
 void ApplyBlockScales(float* block, int64_t rows, int64_t cols, const uint8_t* scales, int64_t ld,

@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import native_shard
-from helpers import absent, f64, rand, tp_mesh
+from helpers import absent, f64, late, rand, tp_mesh
 from jaxoverlap._executors.runtime import load_host
 
 STALL = {"on": False}
@@ -185,20 +185,10 @@ def test_three_independent_calls_with_identical_shapes(transport, op):
         {inputs}
         big = rand(21, (256, 256)) / 16
 
-        def late(t, r, j):
-            # Input j is late on ranks r % 3 == j (a real dot XLA cannot fold away), so
-            # devices see the three calls become ready in different orders.
-            def slow(t):
-                acc = big
-                for _ in range(3):
-                    acc = jnp.tanh(acc @ big)
-                return t + 0.0 * acc[0, 0]
-            return lax.cond(r % 3 == j, slow, lambda t: t, t)
-
         def body(a, b, c, w, z):
             r = lax.axis_index("tp")
             a = a + lax.psum(z[0], "tp")     # an XLA collective in front of one call
-            ts = [late(t, r, j) for j, t in enumerate((a, b, c))]
+            ts = [late(t, r, j, big) for j, t in enumerate((a, b, c))]
             return tuple({call} for t in ts)
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs={in_specs},
@@ -236,18 +226,10 @@ def test_three_fused_rs_calls_in_flight_at_uneven_speeds(transport):
         zero = jnp.zeros((n, 2, n * 16, 8), jnp.bfloat16)
         big = rand(21, (256, 256)) / 16
 
-        def late(t, r, j):
-            def slow(t):
-                acc = big
-                for _ in range(3):
-                    acc = jnp.tanh(acc @ big)
-                return t + (0.0 * acc[0, 0]).astype(t.dtype)
-            return lax.cond(r % 3 == j, slow, lambda t: t, t)
-
         def body(a, b, c, w, z):
             r = lax.axis_index("tp")
             a = a + lax.psum(z[0], "tp")
-            return tuple(native_shard.matmul_rs(late(t, r, j), w, axis_name="tp", axis=1,
+            return tuple(native_shard.matmul_rs(late(t, r, j, big), w, axis_name="tp", axis=1,
                                                 transport="{transport}", chunks=2,
                                                 fused=True, timeout_s=20.0)
                          for j, t in enumerate((a, b, c)))
