@@ -9,11 +9,11 @@
 // An fp8 x moves as fp8, and each shard's float32 scale travels with it: one
 // more 1-element transfer per shard and hop, next to the shard's first
 // sub-chunk (in its NCCL group; before its flag on p2p and multicast; on p2p
-// beside the shard's copy, on a stream of its own), into the shard's scale
-// slot; the shard's GEMMs read that slot. The fused GEMM
-// (fp8: the pairs core/kinds.h JO_FUSED_FP8 lists) reads every shard's slot,
-// each row its own shard's, so the own scale joins the slots before it
-// starts (p2p: a copy beside the own shard's; multicast stores it there).
+// on the shard's own stream, just before its data), into the shard's scale
+// slot; the shard's GEMMs read that slot. The fused GEMM (fp8: the pairs
+// core/kinds.h JO_FUSED_FP8 lists) reads every shard's slot, each row its own
+// shard's, so the own scale joins the slots before it starts (p2p: a copy
+// beside the own shard's; multicast stores it there).
 //
 // Block scales (MXFP8, core/program.h BufId): each sub-chunk's scale rows
 // ([rows, k/32] e8m0) travel with its data rows, by the same mechanism, into
@@ -241,40 +241,32 @@ void PeerCopies(Ag& g) {
                             Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, g.r), 1, 1, 1),
                   g.r, s);
     }
-  // An fp8 shard's scale crosses on a stream of its own per direction (after the
-  // data streams), beside the shard's first sub-chunk: its copy's start (a copy
-  // engine's, whatever the size) stays off the ring's path. The scale stream waits
-  // for the shard's flag itself (a fork by event would cost an op and an event's
-  // latency more), and the flag that releases the sub-chunk waits for the scale's
-  // event, so no peer reads the slot before the scale is in it. Block scales
-  // (MXFP8) cross the same way, beside every sub-chunk: its scale rows.
-  const int32_t dirs = p->ccw_steps > 0 ? 2 : 1;
+  // An fp8 shard's scale crosses on the data stream, with the shard's first
+  // sub-chunk: after the stream's wait for the shard's flag, the scale's copy
+  // into the next rank's slot, then the data's copy, then the flag. Stream
+  // order completes both copies before the flag's write starts, so no peer
+  // reads the slot before the scale is in it, at one op per hop (a stream of
+  // its own would cost a Wait, a Record and a StreamWait more: host enqueue).
+  // Block scales (MXFP8) cross the same way, before every sub-chunk's data:
+  // its scale rows.
   for (int32_t dir = 0; dir < 2; ++dir) {
     const int32_t stream = 1 + dir;
-    const int32_t scale_stream = 1 + dirs + dir;
     for (int32_t t = 0; t < g.dir_steps(dir); ++t) {
       const int32_t shard = Mod(dir == 0 ? g.r - t : g.r + t, g.N);
       for (int64_t s = 0; s < g.C; ++s) {
         const Ref src = t == 0 ? g.x_ref(s) : g.g_ref(BufId::kWorkspace, g.r, shard, s);
         const Ref dst = g.g_ref(BufId::kWorkspace, g.next_of(dir), shard, s);
-        int32_t scale_sent = -1;
-        if ((g.scaled && s == 0) || g.blocks) {  // the shard's scale, before its flag
-          if (t > 0) g.e.Wait(scale_stream, g.prev_of(dir), g.flag(shard, s));
-          if (g.blocks)
-            g.MoveScales(OpKind::kCopy, scale_stream, &src, &dst, shard, s);
-          else
-            Ag::Label(g.e.Block(OpKind::kCopy, scale_stream,
-                                t == 0 ? Emitter::ScaleRef(BufId::kXScale, g.r, 0)
-                                       : Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, shard),
-                                Emitter::ScaleRef(BufId::kWorkspaceScales, g.next_of(dir), shard),
-                                1, 1, 1),
-                      shard, s);
-          scale_sent = g.e.NewEvent();
-          g.e.Record(scale_stream, scale_sent);
-        }
         if (t > 0) g.e.Wait(stream, g.prev_of(dir), g.flag(shard, s));
+        if (g.blocks)
+          g.MoveScales(OpKind::kCopy, stream, &src, &dst, shard, s);
+        else if (g.scaled && s == 0)
+          Ag::Label(
+              g.e.Block(OpKind::kCopy, stream,
+                        t == 0 ? Emitter::ScaleRef(BufId::kXScale, g.r, 0)
+                               : Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, shard),
+                        Emitter::ScaleRef(BufId::kWorkspaceScales, g.next_of(dir), shard), 1, 1, 1),
+              shard, s);
         Ag::Label(g.e.Block(OpKind::kCopy, stream, src, dst, g.P, g.rows(s), g.K), shard, s);
-        if (scale_sent >= 0) g.e.StreamWait(stream, scale_sent);
         g.e.Signal(stream, g.next_of(dir), g.flag(shard, s));
       }
     }

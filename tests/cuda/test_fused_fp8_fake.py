@@ -123,11 +123,11 @@ def test_the_fused_fp8_all_gather_is_exact_on_the_fake(fake, transport):
 
 
 def test_the_p2p_fp8_all_gather_at_uneven_speeds_is_exact(fake):
-    """The p2p FP8 all-gather, chunked and fused, whose scales cross on streams of their own
-    beside the shards' data, each released by its shard's first flag only once it has landed
-    (core/build_ag.cc): the ranks' host threads at uneven speeds (``host_jitter``), 1 and 8 work
-    queues, every grid case (N 2..8, 1..3 chunks, both directions), two calls back to back:
-    every row scaled by its own shard's scale (distinct powers of two), bit for bit."""
+    """The p2p FP8 all-gather, chunked and fused, whose scales cross on the shards' own
+    streams ahead of their data, each released by its shard's first flag only once it has
+    landed (core/build_ag.cc): the ranks' host threads at uneven speeds (``host_jitter``), 1
+    and 8 work queues, every grid case (N 2..8, 1..3 chunks, both directions), two calls back
+    to back: every row scaled by its own shard's scale (distinct powers of two), bit for bit."""
     for i, ((n, rows, k, nw, chunks, bidi), fused) in enumerate(
             itertools.product(GRID, (False, True))):
         connections = (1, 8)[(i + i // 2) % 2]  # each program with 1 and with 8 queues

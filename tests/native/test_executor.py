@@ -685,7 +685,7 @@ def test_fp8_fused_with_per_shard_and_per_rank_scales(transport):
 
 def test_fp8_p2p_all_gathers_are_exact_with_ranks_late():
     """The p2p FP8 all-gather, chunked and fused, one- and bidirectional, 1 and 3 chunks, its
-    scales on streams of their own beside the shards' data (core/build_ag.cc): four calls in one
+    scales on the shards' own streams ahead of their data (core/build_ag.cc): four calls in one
     program, each late on different ranks (a GEMM chain before it), twice. Small integers under
     power-of-two scales distinct per shard make every product and sum exact, so each row must
     be its own shard's, scaled by its own shard's scale, bit for bit."""

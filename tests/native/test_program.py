@@ -414,81 +414,77 @@ def test_block_scaled_programs_refuse_what_they_cannot_be():
                                out_dtype=args["out_dtype"], fused=fused, block_scaled=True)
 
 
-def _happens_before_on_rank(program, first, then):
-    """Whether op `first` precedes op `then` on their rank (indices into the program): stream
-    order and Record -> StreamWait, transitively (the only orders a rank's own streams have)."""
-    ops = program["ops"]
-    after = {i: [] for i in range(len(ops))}
-    last, recorded = {}, {}
-    for i, o in enumerate(ops):
-        if o["stream"] in last:
-            after[last[o["stream"]]].append(i)
-        last[o["stream"]] = i
-        if o["kind"] == "Record":
-            recorded[o["id"]] = i
-        elif o["kind"] == "StreamWait":
-            after[recorded[o["id"]]].append(i)
-    seen, todo = {first}, [first]
-    while todo:
-        for j in after[todo.pop()]:
-            if j == then:
-                return True
-            if j not in seen:
-                seen.add(j)
-                todo.append(j)
-    return False
+def _p2p_fp8(n, chunks, bidir, fused, dtype="float8_e4m3fn"):
+    """A p2p all-gather clique (x [3, 16] per rank); ``dtype`` of both operands."""
+    return [host.build_program("ag_matmul", "p2p", n, r, 1, 3, 16, 8, dtype, chunks, bidir,
+                               False, w_dtype=dtype, out_dtype="bfloat16", fused=fused)
+            for r in range(n)]
 
 
-def _scale_joins(program):
-    """The StreamWaits by which a data stream waits for a scale copy's event."""
-    ops = program["ops"]
-    recorded = {o["id"]: o["stream"] for o in ops if o["kind"] == "Record"}
-    scale_streams = {o["stream"] for o in _scale_ops(program)}
-    return [i for i, o in enumerate(ops)
-            if o["kind"] == "StreamWait" and recorded[o["id"]] in scale_streams]
+def _flag_of(program, scale_copy):
+    """The index of the Signal that releases a scale copy's shard (its first sub-chunk) to the
+    peer the copy writes to."""
+    (flag,) = [j for j, o in enumerate(program["ops"]) if o["kind"] == "Signal"
+               and o["peer"] == scale_copy["d"]["rank"]
+               and o["id"] == scale_copy["shard"] * program["chunks"]]
+    return flag
 
 
-def test_p2p_scale_copies_run_beside_the_data_and_before_their_shards_flag():
-    """On p2p a shard's scale crosses on a stream of its own per direction (no data copy, no
-    signal there: its copy's start is off the ring's path), and the flag that releases the
-    shard's first sub-chunk to the peer comes after it (the data stream joins its event): no
-    peer reads a scale slot before the scale is in it. Without the joins, the race checker
-    sees the peers' GEMMs (chunked) and the fused kernel's blocks read the slots unordered."""
+def test_p2p_scale_copies_ride_the_data_stream_before_their_shards_flag():
+    """On p2p a shard's scale crosses on its first sub-chunk's own stream, after that stream's
+    wait for the shard's flag (it forwards the slot the previous rank filled) and before the
+    flag that releases the shard to the next rank: stream order alone keeps a peer from reading
+    the slot before the scale is in it, at one op per hop (the same streams and events as the
+    16-bit program, which moves no scale). Moved after the flag, or before the wait, the race
+    checker sees a slot read unordered with its write (the peers' GEMMs, chunked; the fused
+    kernel's blocks) or a forward of a slot not yet filled."""
     for n, chunks, bidir, fused in grid([1, 2, 3, 8], [1, 3], [False, True], [False, True]):
         with case(n, chunks, bidir, fused):
-            programs = [host.build_program("ag_matmul", "p2p", n, r, 1, 3, 16, 8,
-                                           "float8_e4m3fn", chunks, bidir, False,
-                                           w_dtype="float8_e4m3fn", out_dtype="bfloat16",
-                                           fused=fused) for r in range(n)]
-            for r, p in enumerate(programs):
+            programs = _p2p_fp8(n, chunks, bidir, fused)
+            plain = _p2p_fp8(n, chunks, bidir, fused, dtype="bfloat16")
+            for r, (p, q) in enumerate(zip(programs, plain, strict=True)):
                 ops = p["ops"]
                 sent = [i for i, o in enumerate(ops) if o in _scale_ops(p) and o["d"]["rank"] != r]
-                assert len(sent) == (p["cw_steps"] + p["ccw_steps"] if n > 1 else 0)
-                data = {o["stream"] for o in ops
-                        if o["kind"] in ("Copy", "Signal") and o not in _scale_ops(p)}
-                assert not data & {ops[i]["stream"] for i in sent}
+                hops = p["cw_steps"] + p["ccw_steps"] if n > 1 else 0
+                assert len(sent) == hops
+                own = 1 if fused and n > 1 else 0  # the fused prologue's copy of the own scale
+                assert len(ops) == len(q["ops"]) + hops + own
+                assert (p["num_streams"], p["num_events"]) == (q["num_streams"], q["num_events"])
                 for i in sent:
-                    peer, shard = ops[i]["d"]["rank"], ops[i]["shard"]
-                    (flag,) = [j for j, o in enumerate(ops) if o["kind"] == "Signal"
-                               and o["peer"] == peer and o["id"] == shard * p["chunks"]]
-                    assert _happens_before_on_rank(p, i, flag), ops[i]["text"]
+                    o, flag = ops[i], _flag_of(p, ops[i])
+                    assert o["stream"] == ops[flag]["stream"] > 0, o["text"]
+                    between = [x for x in ops[i + 1:flag] if x["stream"] == o["stream"]]
+                    assert [x["kind"] for x in between] == ["Copy"], o["text"]  # the shard's
+                    assert (between[0]["shard"], between[0]["sub"]) == (o["shard"], 0)
+                    if o["a"]["buf"] == "WORKSPACE_SCALES":  # forwarded: after the flag's wait
+                        before = [x for x in ops[:i] if x["stream"] == o["stream"]][-1]
+                        assert (before["kind"], before["id"]) == ("Wait", o["shard"] * chunks)
+                    else:
+                        assert (o["a"]["buf"], o["shard"]) == ("XSCALE", r)
             check_race_free(programs)
             if n == 1:
                 continue
-            unjoined = copy.deepcopy(programs)
-            for r, p in enumerate(unjoined):
-                joins = set(_scale_joins(p))
-                assert len(joins) == p["cw_steps"] + p["ccw_steps"]
-                p["ops"] = [o for i, o in enumerate(p["ops"]) if i not in joins]
-                for i, o in enumerate(p["ops"]):
-                    if o in _scale_ops(p) and o["d"]["rank"] != r:
-                        (flag,) = [j for j, s in enumerate(p["ops"]) if s["kind"] == "Signal"
-                                   and s["peer"] == o["d"]["rank"]
-                                   and s["id"] == o["shard"] * p["chunks"]]
-                        assert not _happens_before_on_rank(p, i, flag)
-            check_deadlock_free(unjoined)
-            with pytest.raises(ScheduleError, match="'WORKSPACE_SCALES'"):  # a race or a stale read
-                check_race_free(unjoined)
+            for late in (True, False):  # after the flag; before the wait
+                broken = copy.deepcopy(programs)
+                moved = 0
+                for r, p in enumerate(broken):
+                    ops = p["ops"]
+                    for o in [o for o in _scale_ops(p) if o["d"]["rank"] != r]:
+                        if not late and o["a"]["buf"] != "WORKSPACE_SCALES":
+                            continue  # the first hop's copy has no wait to precede
+                        i = next(i for i, x in enumerate(ops) if x is o)
+                        if late:
+                            ops.insert(_flag_of(p, o), ops.pop(i))  # just after the flag
+                        else:
+                            wait = max(j for j in range(i) if ops[j]["stream"] == o["stream"])
+                            ops.insert(wait, ops.pop(i))
+                        moved += 1
+                if moved == 0:  # no hop forwards (one step a way): nothing to move before a wait
+                    assert not late and max(p["cw_steps"], p["ccw_steps"]) == 1
+                    continue
+                check_deadlock_free(broken)
+                with pytest.raises(ScheduleError, match="'WORKSPACE_SCALES'"):  # race or stale
+                    check_race_free(broken)
 
 
 def test_fp8_dtype_rules_are_checked_by_both_checkers():

@@ -101,6 +101,22 @@ def test_fp8_projections_are_marked_and_fused_in_both_ops():
     assert all(r["published"].startswith("—") for r in rows)
 
 
+def test_the_fused_fp8_all_gather_is_priced_by_its_gpu_not_its_enqueue():
+    """Each shard's scale crosses on its data stream (core/build_ag.cc): the fused p2p FP8
+    AG+GEMM at AG std is the bfloat16 program plus one op a hop (7) and the own scale's copy,
+    so the host's enqueue of it (45.3 µs + 9.08 µs an op, §2.5) stays well under the GPU's time
+    and the projection ends where the fused kernel ends. A scale stream of its own (a Wait, a
+    Record and a StreamWait more a hop: 48 ops, 481 µs) made the host the bound."""
+    c = sim.Candidate("native", "p2p", 1, True, fused=True)
+    ops = {d: len(sim_plan.programs("ag_matmul", "p2p", 8, AG, d, 1, True, False,
+                                    fused=True)[0]["ops"]) for d in ("fp8", "bf16")}
+    assert ops["fp8"] == ops["bf16"] + 7 + 1
+    r = sim.simulate("ag_matmul", AG, "fp8", 8, H100, c)
+    host = (H100.host_call_us + ops["fp8"] * H100.host_op_us) * 1e-6
+    kernel_end = max(s.end for s in r.spans if s.kind == "FusedGemm")
+    assert host < 0.8 * r.t_fused and r.t_fused == pytest.approx(kernel_end)
+
+
 def test_block_scaled_calls_are_priced_as_the_xla_and_ring_impls_compute_them():
     """Block-scaled fp8 (MXFP8) runs on xla and ring only, each GEMM dequantizing its operands
     to float32 and multiplying in float32 (``_xla.block_product``): at TF32, the preset's float32
