@@ -131,7 +131,7 @@ class TilePlan:
 
     lanes: tuple[Lane, ...]
     tile_seconds: float  # one tile on one CTA at full speed
-    overhead: float  # the kernel's launch, first-wave ramp and drain
+    overhead: float  # the state's zero-fill (fill_seconds), the launch, first-wave ramp, drain
     block_units: tuple[int, ...]  # units touching each block (a block is released at 0)
     wait_flags: int  # block b waits for own flag wait_flags + b (-1: no waits)
     release_flags: int  # block b's tiles stored: own flag release_flags + b (-1: none)
@@ -210,8 +210,17 @@ def tile_plan(p: Preset, dtype: str, op: dict[str, Any]) -> TilePlan:
     tiles = math.ceil(op["m"] / tm) * math.ceil(op["n"] / tn) * op["batch"]
     ctas = sum(lane.ctas for lane in lanes) * pair  # a 2-SM unit: one CTA tile's time per CTA
     return TilePlan(lanes, busy / p.fused_gemm_rate / math.ceil(tiles / ctas),
-                    p.gemm_overhead_us * model.US, block_units, f["wait_flags"],
-                    f["release_flags"])
+                    fill_seconds(p, op) + p.gemm_overhead_us * model.US, block_units,
+                    f["wait_flags"], f["release_flags"])
+
+
+def fill_seconds(p: Preset, op: dict[str, Any]) -> float:
+    """GPU seconds before the kernel of ``op`` starts on its stream: a fused GEMM that waits or
+    releases first zero-fills its per-call state (``model.fused_state_fill``: a few bytes by
+    ``cudaMemsetAsync``), a kernel of no bytes on a running stream, priced at a kernel's start
+    there (``ar_start_us``, the one-launch fit's, as every reduction kernel's; an nsys trace of
+    4-byte memsets on an H100 shows them at 1.1-1.8 us of GPU time, NVIDIA/Fuser PR #5742)."""
+    return p.ar_start_us * model.US if model.fused_state_fill(op) else 0.0
 
 
 def spare(m_tiles: int, n_tiles: int, batch: int, sms: int, most: int) -> int:

@@ -392,8 +392,26 @@ def host_time(p: Preset, programs: Sequence[dict[str, Any]]) -> float:
     stream memory op, an event) after a fixed per-call cost (the FFI handler, the
     clique and program look-up). In a loop of calls the GPU cannot run faster than
     the host enqueues, so a call takes at least this long: the cost of many small
-    chunks that a single fused kernel does not pay.
+    chunks that a single fused kernel does not pay. Counted with ``host_ops``.
     """
     from jaxoverlap.sim.launch import host_enqueue
 
-    return host_enqueue(p, max((len(pr["ops"]) for pr in programs), default=0))
+    return host_enqueue(p, max((host_ops(pr) for pr in programs), default=0))
+
+
+def host_ops(program: dict[str, Any]) -> int:
+    """The operations the host enqueues for one rank's program: one per op, and one more per
+    fused GEMM that waits or releases, whose launch first zero-fills its per-call state with a
+    ``cudaMemsetAsync`` on its stream (the fault record it waits with, or the tile counters it
+    releases with: ``cpp/cuda/executor.cc`` ``Exec``, ``cpp/cuda/fused/fused_gemm_enqueue.cuh``
+    ``Enqueue``)."""
+    return len(program["ops"]) + sum(1 for op in program["ops"] if fused_state_fill(op))
+
+
+def fused_state_fill(op: dict[str, Any]) -> bool:
+    """Whether the fused GEMM ``op`` zero-fills its per-call state before its kernel: a wait
+    needs a fresh fault record, a release zeroed tile counters."""
+    if op.get("kind") != "FusedGemm":
+        return False
+    f = op["fused"]
+    return f["wait_flags"] >= 0 or f["release_flags"] >= 0

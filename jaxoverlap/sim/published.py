@@ -235,8 +235,10 @@ DISAGREES: dict[str, str] = {
     "TDH-s4": "Triton-distributed's GEMM+RS at TP 4 on a small shape (PR #166: 0.72x, a loss) "
               "priced by its own mechanism projects 1.09x: the host bound counts its waits, "
               "copies, GEMM, barrier and reduction (11 ops), while the PR names a fixed "
-              "overhead below 100 GFLOP per rank that exceeds the overlap, larger than those; "
-              "at TP 8 (TDH-s8) the same count reproduces the loss",
+              "overhead below 100 GFLOP per rank that exceeds the overlap, larger than those "
+              "(its call also runs a second barrier across ranks and two fills, the counters' "
+              "and the flags' reset, which the count leaves out: gemm_rs_op at the PR's "
+              "commit); at TP 8 (TDH-s8) the same count reproduces the loss",
     **{f"F8/{m}": "Flux's Hopper GEMM+RS priced by its own mechanism (sim.reduction.pulled: the "
                   "GEMM kernel's warps pull the peers' tiles into a reduce buffer beside the GEMM,"
                   " then a barrier and a torch sum of the stacked partials at 23-43% of HBM) "

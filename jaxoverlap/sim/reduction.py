@@ -119,7 +119,9 @@ CHUNKS = (1, 2, 4, 8)
 # a cuStreamWaitValue32 on the GEMM's flag and a copy_, from Python (ByteDance-Seed/
 # Triton-distributed python/triton_dist/kernels/nvidia/reduce_scatter.py ``intra_node_scatter``,
 # meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py
-# ``copy_engine_scatter``); per call the GEMM, the barrier and the reduction kernel.
+# ``copy_engine_scatter``); per call the GEMM, the barrier and the reduction kernel. A lower
+# bound: Triton-distributed's call (``gemm_rs_op``, ``reduce_scatter_2d_op``) also zero-fills its
+# tile counters, runs a second barrier after the copies and resets its flags with a fill.
 HOST_OPS_PER_COPY, HOST_OPS_PER_CALL = 2, 3
 
 

@@ -94,7 +94,7 @@ def test_fused_points_the_gpu_bounds_leave_the_host_costs_alone():
     shape = sim.Shape.from_global(8192, 8192, 3584, 8)
     c = sim.Candidate("native", "p2p", 1, True, fused=True)
     r = sim.simulate("ag_matmul", shape, "bf16", 8, BASE, c)
-    assert r.t_fused > model.host_time(BASE, [{"ops": [None] * 40}])  # ~30 ops: GPU-bound
+    assert r.t_fused > model.host_time(BASE, [{"ops": [{}] * 40}])  # ~30 ops: GPU-bound
     fitted = sim.calibrate(BASE, fused=[sim.FusedPoint("ag_matmul", shape, "bf16", 8, c,
                                                        r.t_fused, r.t_xla)])
     for key in fit.FUSED_PATH_COSTS:

@@ -172,7 +172,7 @@ TOY = sim.Preset(
     gemm_efficiency=1.0, hbm_gbps=1e12, link_gbps=10.0, nccl_gbps=5.0, p2p_gbps=10.0,
     multicast_gbps=10.0, gemm_k_half=0.0, gemm_tiles=(), gemm_overhead_us=0.0,
     signal_latency_us=0.0, event_latency_us=0.0, interference=0.0, host_op_us=0.0,
-    host_call_us=0.0)
+    host_call_us=0.0, ar_start_us=0.0)
 K = 1024
 TAU = 4 * 2 * 128 * 256 * K / 1e12  # one 128x256 tile on one of the 4 SMs
 
@@ -227,6 +227,24 @@ def test_a_block_is_released_when_its_last_tile_is_stored():
     assert wait.end == pytest.approx(2 * TAU)
 
 
+@pytest.mark.parametrize("releases", [False, True])
+def test_the_kernel_starts_after_the_zero_fill_of_its_state(releases):
+    """A fused GEMM that waits zero-fills its fault record, one that releases its tile
+    counters, by a cudaMemsetAsync on its stream before the kernel (cpp/cuda/executor.cc,
+    fused_gemm_enqueue.cuh): one kernel start of GPU time before the tiles, one more operation
+    for the host to enqueue."""
+    fill = 0.25 * TAU
+    tl = sim.simulate_programs(kernel_program(releases), TOY.replace(ar_start_us=fill / US))
+    (kernel,) = [s for s in tl.spans if s.kind == "FusedGemm"]
+    assert kernel.start == 0.0 and kernel.end == pytest.approx(fill + 3 * TAU)
+    (program,) = kernel_program(releases)
+    assert sim.model.host_ops(program) == len(program["ops"]) + 1
+    neither = dict(program["ops"][0], fused=dict(program["ops"][0]["fused"], wait_flags=-1,
+                                                  release_flags=-1))
+    assert fused.fill_seconds(TOY.replace(ar_start_us=1.0), neither) == 0.0
+    assert sim.model.host_ops({"ops": [neither]}) == 1
+
+
 TOY_B200 = TOY.replace(name="toy-blackwell", compute_capability=(10, 0))
 
 
@@ -272,9 +290,10 @@ def test_one_kernel_pays_one_quantisation_and_one_launch():
     c = sim.simulate("ag_matmul", AG_STD, "bf16", 8, FREE, sim.Candidate("native", "p2p", 1))
     t_gemm = sim.gemm_time(FREE, "bf16", 1, 8192, 3584, 8192)
     overhead = FREE.gemm_overhead_us * US
+    fill = FREE.ar_start_us * US  # the zero-fill of its fault record, a kernel before it
     (copy,) = [s for s in f.spans if s.rank == 0 and s.stream == 0 and s.kind == "Copy"]
     assert copy.start == 0.0
-    kernel = overhead + (t_gemm - overhead) / FREE.fused_gemm_rate
+    kernel = fill + overhead + (t_gemm - overhead) / FREE.fused_gemm_rate
     assert f.t_fused == pytest.approx(copy.end + kernel, rel=1e-3)
     assert f.t_compute == pytest.approx(kernel, rel=1e-3)
     assert c.t_fused > f.t_fused and c.t_compute > 8 * sim.gemm_time(FREE, "bf16", 1, 1024,
@@ -305,7 +324,8 @@ def test_the_first_remote_block_and_static_striding(m, k, n, exposed):
     # the first remote block (shard 7 on rank 0) is visible one flag latency after the Signal
     signal = next(s for s in r.spans if s.rank == 7 and s.kind == "Signal")
     first = signal.end + fast.signal_latency_us * US
-    overhead = fast.gemm_overhead_us * US
+    # before the first tile: the zero-fill of the fault record, then the launch
+    overhead = (fast.ar_start_us + fast.gemm_overhead_us) * US
     if exposed:
         assert kernel.end == pytest.approx(first + r.t_compute - overhead, rel=1e-9)
         assert first > copy.end + overhead
