@@ -521,8 +521,8 @@ class _Engine:
         end = max((s.end + (join if s.stream > 0 else 0.0) for s in self.spans), default=0.0)
         if all(allreduce.base_algorithm(pr.get("algorithm")) for pr in self.programs):
             # a one-launch all-reduce's call is captured and replayed (sim.launch): no host
-            # enqueue per call, each of its ops a replayed node
-            total = end + launch.replay(self.p, max(len(pr["ops"]) for pr in self.programs))
+            # enqueue per call, each operation it issues a replayed node
+            total = end + launch.replay(self.p, max(model.host_ops(pr) for pr in self.programs))
         else:
             total = max(end, model.host_time(self.p, self.programs))
         return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
