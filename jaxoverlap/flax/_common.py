@@ -392,6 +392,21 @@ def general_forward(m: Matmul, x, kernel, bias, n_contract: int, *, out_sharding
     return constrain_output(m, y, out_sharding, x)
 
 
+def _interleave(blocks: list, sizes: list[int]):
+    """``blocks [..., s_i]`` side by side on their last dim (``[..., sum(s_i)]`` once flattened).
+
+    Blocks of one size (an attention's query, key and value) are stacked on a new
+    axis, the same values in the same order: XLA:CPU fuses that concatenate with
+    its operands' reshapes into a loop kernel, and alike fusions share one compiled
+    kernel, where a concatenate on the last dim stays a kernel of its own, compiled
+    at every call (docs/performance.md §9). Blocks of different sizes (fewer key and
+    value heads than query heads) are concatenated.
+    """
+    if len(set(sizes)) == 1:
+        return jnp.stack(blocks, axis=-2)
+    return jnp.concatenate(blocks, axis=-1)
+
+
 def fused_columns(m: Matmul, x, kernels: list, biases: list):
     """Several column-parallel projections of one input ``x [..., S, K]`` in one multiply.
 
@@ -413,11 +428,11 @@ def fused_columns(m: Matmul, x, kernels: list, biases: list):
     # [K, H, *rest] -> [K, n, H/n, *rest] -> [K, n, H/n * prod(rest)]: the split dim stays major.
     blocks = [k.reshape((k_dim, n, k.shape[1] // n) + k.shape[2:]).reshape((k_dim, n, s))
               for k, s in zip(kernels, sizes, strict=True)]
-    kernel = jnp.concatenate(blocks, axis=-1).reshape((k_dim, n * sum(sizes)))
+    kernel = _interleave(blocks, sizes).reshape((k_dim, n * sum(sizes)))
     bias = None
     if biases[0] is not None:
-        bias = jnp.concatenate([b.reshape((n, b.shape[0] // n) + b.shape[1:]).reshape((n, s))
-                                for b, s in zip(biases, sizes, strict=True)], axis=-1)
+        bias = _interleave([b.reshape((n, b.shape[0] // n) + b.shape[1:]).reshape((n, s))
+                            for b, s in zip(biases, sizes, strict=True)], sizes)
         bias = bias.reshape(-1)
     y = forward(m, x, kernel, bias)
     lead = y.shape[:-1]
