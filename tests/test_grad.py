@@ -66,8 +66,11 @@ def test_grads_match_reference(impl, n, axis, dtype):
         assert_close(g, ref, dtype)
 
 
+FUSED_N, FUSED_AXIS = 4, 1  # test_fused_grads_equal_xla_grads' ranks and sharded axis
+
+
 def _fused_grads_inputs():
-    """x, w1, w2 of test_fused_grads_equal_xla_grads (4 ranks, sharded on axis 1)."""
+    """x, w1, w2 of test_fused_grads_equal_xla_grads."""
     return (rand(13, (2, 8, 8), jnp.float32), rand(14, (8, 8), jnp.float32),
             rand(15, (8, 8), jnp.float32))
 
@@ -76,14 +79,15 @@ def _fused_grads_inputs():
 def xla_grads():
     """The xla impl's gradients at those inputs: the same program for every case, compiled and
     run once rather than once a case."""
-    return jax.jit(jax.grad(_mlp("xla", 4, 1), argnums=(0, 1, 2)))(*_fused_grads_inputs())
+    xla = jax.grad(_mlp("xla", FUSED_N, FUSED_AXIS), argnums=(0, 1, 2))
+    return jax.jit(xla)(*_fused_grads_inputs())
 
 
 @pytest.mark.parametrize("impl,transport", [("ring", None), ("native", "nccl"),
                                             ("native", "p2p"), ("native", "multicast")])
 @pytest.mark.parametrize("chunks,bidirectional", [(1, False), (2, True), (2, False)])
 def test_fused_grads_equal_xla_grads(impl, transport, chunks, bidirectional, xla_grads):
-    n, axis = 4, 1
+    n, axis = FUSED_N, FUSED_AXIS
     x, w1, w2 = _fused_grads_inputs()
     extra = {"transport": transport} if transport else {}
     ring = jax.grad(_mlp(impl, n, axis, chunks=chunks, bidirectional=bidirectional, **extra),
