@@ -227,18 +227,15 @@ DISAGREES: dict[str, str] = {
                     "a margin under the fused AG family's 8.1%, nothing fitted to it"
        for i in (2, 3)},
     **{f"TD-RS{i}": "Triton-distributed's GEMM+RS chart on 8xH800 priced by its own mechanism "
-                    "(sim.reduction.overlapped, its Python-issued waits and copies at the host's "
-                    "fitted cost) projects 1.37-1.44x where it gained 1.06-1.09x; the same "
-                    "mechanism is within 6% of its larger-K rows (TD-RS4, TD-RS5). Which of its "
-                    "modes the chart ran is not stated (ByteDance-Seed/Triton-distributed#105)"
+                    "(sim.reduction.overlapped, the ops its Python issues at the host's fitted "
+                    "cost) projects 1.34-1.41x where it gained 1.06-1.09x; the same mechanism "
+                    "is within 4% of its larger-K rows (TD-RS4, TD-RS5). The host's enqueue "
+                    "explains none of it: PR #166's 32 ops a call take 336 us, less than the "
+                    "GPU's 398-451; the 42 of the chart's release (reduction.HOST_OPS) would "
+                    "bind at TD-RS3 only (1.32x). "
+                    "Which of its modes the chart ran is not stated "
+                    "(ByteDance-Seed/Triton-distributed#105)"
        for i in (1, 2, 3)},
-    "TDH-s4": "Triton-distributed's GEMM+RS at TP 4 on a small shape (PR #166: 0.72x, a loss) "
-              "priced by its own mechanism projects 1.09x: the host bound counts its waits, "
-              "copies, GEMM, barrier and reduction (11 ops), while the PR names a fixed "
-              "overhead below 100 GFLOP per rank that exceeds the overlap, larger than those "
-              "(its call also runs a second barrier across ranks and two fills, the counters' "
-              "and the flags' reset, which the count leaves out: gemm_rs_op at the PR's "
-              "commit); at TP 8 (TDH-s8) the same count reproduces the loss",
     **{f"F8/{m}": "Flux's Hopper GEMM+RS priced by its own mechanism (sim.reduction.pulled: the "
                   "GEMM kernel's warps pull the peers' tiles into a reduce buffer beside the GEMM,"
                   " then a barrier and a torch sum of the stacked partials at 23-43% of HBM) "
@@ -964,14 +961,16 @@ def markdown_designs_table() -> str:
 
 
 # The published GEMM+RS designs whose mechanism ``sim.reduction.overlapped`` prices with no
-# reduction beside the GEMM (sms 0): a persistent GEMM on every SM releasing each destination's
-# block, copy-engine copies beside it, one reduction of the N partials after (families.DESIGNS).
+# reduction beside the GEMM (sms 0) and no sub-chunks (chunks 1): a persistent GEMM on every SM
+# releasing each destination's block, one copy-engine copy of it beside the GEMM, one reduction
+# of the N partials after (families.DESIGNS).
 OVERLAPPED_DESIGNS = ("triton-dist-rs", "kraken-ce-rs")
 # Flux's Hopper GEMM+RS (fuse_reduction=False): the GEMM kernel's own warps pull the peers' tiles
 # into a reduce buffer, a separate torch sum after (``sim.reduction.pulled``).
 PULLED_DESIGNS = ("flux-rs",)
 # Each design whose own mechanism the model prices, and the function that prices it.
-DESIGN_MECHANISMS = {**{d: "sim.reduction.overlapped (sms 0)" for d in OVERLAPPED_DESIGNS},
+DESIGN_MECHANISMS = {**{d: "sim.reduction.overlapped (sms 0, chunks 1)"
+                        for d in OVERLAPPED_DESIGNS},
                      **{d: "sim.reduction.pulled" for d in PULLED_DESIGNS}}
 
 
@@ -987,7 +986,10 @@ def design_projection(row: CallRow, sum_efficiency: float | None = None) -> floa
         return None
     t_gemm, t_comm = baseline_times(row.op, row.shape, row.dtype, row.nranks, p)
     if row.design in OVERLAPPED_DESIGNS:
-        t = reduction.overlapped(p, row.dtype, 1, row.m, row.n, row.k, row.nranks, sms=0).seconds
+        # as the design's code runs it: one copy of each destination's whole block
+        # (reduction.HOST_OPS), the reduction after the GEMM
+        t = reduction.overlapped(p, row.dtype, 1, row.m, row.n, row.k, row.nranks, sms=0,
+                                 chunks=1, design=row.design).seconds
     else:
         rate = kernel_rate(row, p)
         q = p if rate is None else p.replace(fused_gemm_rate=rate)

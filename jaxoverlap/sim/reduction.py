@@ -18,9 +18,10 @@ parts, each priced here from its own source:
   (``model.compute_rate``, as for every compute op next to transfers);
 * **the tail**: after the GEMM's last tile, one block's transfer and reduction
   (``tail_time``), not the whole output's;
-* **the host's enqueue**: the published copy-engine designs issue every copy and the stream
-  wait before it from eager Python (``HOST_OPS_PER_COPY``), so a call cannot run faster than
-  the host enqueues them (``sim.launch.host_enqueue``, as for our own programs).
+* **the host's enqueue**: the published copy-engine designs issue every copy, the stream wait
+  before it, and their fills, barriers, stream-to-stream waits and kernels from eager Python
+  (``HOST_OPS``, counted per design from its code), so a call cannot run faster than the host
+  enqueues them (``sim.launch.host_enqueue``, as for our own programs).
 
 Two published designs are priced from these parts, as projections of *their* mechanisms (not
 our programs; ``sim.published`` compares their rows with them): ``overlapped``, the copy-engine
@@ -115,14 +116,48 @@ def sms_for(p: Preset, nranks: int, block_bytes: float, seconds: float) -> int:
 # reduction on every SM after it.
 SM_BUDGETS = (0, 8, 16, 24, 32)
 CHUNKS = (1, 2, 4, 8)
-# Host-issued ops of the published copy-engine designs: per destination (the own one included)
-# a cuStreamWaitValue32 on the GEMM's flag and a copy_, from Python (ByteDance-Seed/
-# Triton-distributed python/triton_dist/kernels/nvidia/reduce_scatter.py ``intra_node_scatter``,
-# meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py
-# ``copy_engine_scatter``); per call the GEMM, the barrier and the reduction kernel. A lower
-# bound: Triton-distributed's call (``gemm_rs_op``, ``reduce_scatter_2d_op``) also zero-fills its
-# tile counters, runs a second barrier after the copies and resets its flags with a fill.
-HOST_OPS_PER_COPY, HOST_OPS_PER_CALL = 2, 3
+
+
+@dataclass(frozen=True)
+class HostOps:
+    """The GPU operations (kernels, fills, barriers, stream waits, copies, events) one call of a
+    published copy-engine GEMM+RS enqueues from eager Python, counted from its source: two per
+    destination (the own one included) and sub-chunk, a stream wait on the GEMM's flag and the
+    copy, and ``per_call`` more."""
+
+    per_call: int
+    per_copy: int = 2
+
+    def count(self, nranks: int, chunks: int = 1) -> int:
+        """The ops of one call over ``nranks`` ranks, each destination's block in ``chunks``."""
+        return self.per_copy * nranks * chunks + self.per_call
+
+
+# Each design's host-issued ops per call, as its code runs one call (one node, the default
+# persistent mode; a torch ``wait_stream`` is an event record and a stream wait on it, two ops;
+# allocations from torch's caching allocator and Triton's descriptor scratch issue none):
+#
+# * Triton-distributed at PR #166's commit (019bd59f, ByteDance-Seed/Triton-distributed
+#   python/triton_dist/kernels/nvidia/gemm_reduce_scatter.py ``gemm_rs_op``, reduce_scatter.py
+#   ``reduce_scatter_2d_op``, ``reduce_scatter_multi_node``, ``reduce_scatter_for_each_node``,
+#   ``intra_node_scatter``): per destination a ``cuStreamWaitValue64`` and a
+#   ``cudaMemcpyAsync``; per call 16: ``rs_stream.wait_stream`` (2), the tile counters'
+#   ``torch.zeros`` (a fill), the persistent GEMM, ``nvshmem_barrier_all_on_stream`` before the
+#   scatter, ``reduction_stream.wait_stream`` in ``reduce_scatter_multi_node`` (2), a second
+#   ``nvshmem_barrier_all_on_stream`` after the copies, ``reduction_stream.wait_stream`` again
+#   (2), the reduction kernel (``ring_reduce_tma``), ``stream.wait_stream(reduction_stream)``
+#   (2), ``reset_barriers`` (a fill of the flags), ``current_stream.wait_stream`` (2). The
+#   release its H800 chart came with (9ce6c2f1, ``gemm_rs_multi_node_persistent_op``) issues
+#   more (26 a call: a third barrier, a second reduction kernel, a flag write and a wait, a
+#   third stream): for those rows the count is a lower bound;
+# * kraken at PR #19's commit (4dda71d, meta-pytorch/kraken
+#   kraken/reduce_scatter_fusion/gemm_reduce_scatter_ce_persistent.py
+#   ``gemm_reduce_scatter_ce_persistent``, ``copy_engine_scatter``): per destination a
+#   ``cuStreamWaitValue32`` and a ``copy_``; per call 9: ``backend_stream.wait_stream`` (2),
+#   two ``torch.zeros`` (the progress counters and the signal pad: fills), the persistent GEMM
+#   (its TMA descriptors cached on the host), ``current_stream().wait_stream`` (2), the
+#   symmetric memory's ``barrier()`` (a kernel) and the reduction kernel.
+HOST_OPS = {"triton-dist-rs": HostOps(per_call=16), "kraken-ce-rs": HostOps(per_call=9)}
 
 
 @dataclass(frozen=True)
@@ -139,8 +174,8 @@ class Overlapped:
 
 
 def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: int,
-               transport: str = "p2p", sms: int | None = None, chunks: int | None = None
-               ) -> Overlapped:
+               transport: str = "p2p", sms: int | None = None, chunks: int | None = None, *,
+               design: str) -> Overlapped:
     """A projection (of a program not built yet: label it so) of d = a @ w over ``m`` rows
     whose N output blocks are reduce-scattered while the GEMM runs, from this module's
     mechanisms: the GEMM on ``p.sms - sms`` SMs (at ``fused_gemm_rate``) releasing each
@@ -152,9 +187,13 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
     whole block on every SM after it (the copies still overlap). The streams overlap, so the
     call takes the longest plus what is exposed; the GEMM is slowed by the copies' and the
     reductions' HBM bytes (``model.compute_rate``). ``sms`` / ``chunks`` None: the fastest
-    of ``SM_BUDGETS`` / ``CHUNKS``. The call takes at least the host's enqueue of the designs'
-    Python-issued waits and copies (``HOST_OPS_PER_COPY`` per destination and sub-chunk, the
-    own one included, ``HOST_OPS_PER_CALL`` more) at the preset's host costs."""
+    of ``SM_BUDGETS`` / ``CHUNKS``. The call takes at least the host's enqueue of the ops
+    ``design``'s Python issues (``HOST_OPS``: its waits and copies per destination and
+    sub-chunk, the own one included, and its fills, barriers, stream waits and kernels per
+    call) at the preset's host costs."""
+    if design not in HOST_OPS:
+        raise ValueError(f"design: one of {sorted(HOST_OPS)} (whose host ops are counted), got "
+                         f"{design!r}")
     if transport != "p2p":
         raise ValueError(f"transport: the projection prices copy-engine copies ('p2p'), got "
                          f"{transport!r}")
@@ -186,8 +225,7 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
                 tail = copy + reductions
                 busy = max(gemm, copies)
             device = p.gemm_overhead_us * US + busy + tail
-            t = max(device, launch.host_enqueue(
-                p, HOST_OPS_PER_COPY * nranks * c + HOST_OPS_PER_CALL))
+            t = max(device, launch.host_enqueue(p, HOST_OPS[design].count(nranks, c)))
             if best is None or t < best.seconds:
                 best = Overlapped(t, s, c, gemm, copies, reductions, tail)
     assert best is not None

@@ -212,7 +212,11 @@ def format_decode_table(rows: Sequence[dict[str, object]]) -> str:
 
 OVERLAPPED_LABEL = ("PROJECTION of a published design's mechanism, not of our program "
                     "(sim.reduction.overlapped: copy-engine copies beside the persistent GEMM, "
-                    "the reduction beside or after it), not a measurement")
+                    "the reduction beside or after it, the host ops of Triton-distributed's "
+                    "call), not a measurement")
+# The design whose host-issued ops (``reduction.HOST_OPS``) the table's projection counts: of
+# the two copy-engine designs, the one that issues more per call.
+OVERLAPPED_DESIGN = "triton-dist-rs"
 
 
 def overlapped_table(preset: str | Preset, cases: Sequence[Case] = STANDARD_CASES
@@ -229,7 +233,8 @@ def overlapped_table(preset: str | Preset, cases: Sequence[Case] = STANDARD_CASE
         if case.op != "matmul_rs" or canonical_dtype(case.dtype) in FP8_DTYPES:
             continue
         t_gemm, t_comm = baseline_times(case.op, case.shape, case.dtype, case.nranks, p)
-        o = reduction.overlapped(p, case.dtype, 1, case.m, case.n, case.k, case.nranks)
+        o = reduction.overlapped(p, case.dtype, 1, case.m, case.n, case.k, case.nranks,
+                                 design=OVERLAPPED_DESIGN)
         xla = t_gemm + t_comm
         design = (f"{o.chunks} sub-chunk(s), reduction on {o.sms} SMs beside the GEMM" if o.sms
                   else f"{o.chunks} sub-chunk(s), copies beside the GEMM, one reduction after")
