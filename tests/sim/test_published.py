@@ -303,7 +303,7 @@ def test_the_margins_are_derived_per_family_from_the_measured_error():
                                                                         "matmul_rs:chunked")
     assert h100.margin("ag_matmul", "ag_matmul:fused") < 0.1
     # the overlapped GEMM+RS answers to the copy-engine designs it is built from, on 8xH100
-    # Triton-distributed's TDH-s4: 0.72x published (a loss: no gain), ours projected ~1.14x
+    # Triton-distributed's TDH-s4: 0.72x published (a loss: no gain), ours projected ~1.16x
     built = [r.optimism(ours) for r in published.evaluate() if r.row.machine == "h100"
              for fam, ours in r.built if fam == "matmul_rs:overlapped"]
     assert {r.row.design for r in published.evaluate() if r.built} == {"triton-dist-rs",
