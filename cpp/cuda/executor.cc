@@ -336,6 +336,10 @@ class Enqueuer {
       }
       case OpKind::kAllReduce:
         return PrepareAllReduceOp(op, step);
+      case OpKind::kResetFlags:
+        return InvalidArgument(a_.ctx.Describe() +
+                               ": a replayable program (its flags reset by their reader) runs on "
+                               "the host executor only so far");
       case OpKind::kSend:
       case OpKind::kRecv: {
         const bool send = op.kind == OpKind::kSend;
@@ -583,6 +587,8 @@ class Enqueuer {
       }
       case OpKind::kAllReduce:
         return LaunchAllReduce(allreduce_[step.allreduce], step.stream, a_.ctx);
+      case OpKind::kResetFlags:
+        break;  // refused by PrepareOp
       case OpKind::kSend:
       case OpKind::kRecv:
         break;  // issued as groups
