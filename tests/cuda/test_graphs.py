@@ -81,19 +81,20 @@ def test_a_captured_three_stream_call_with_host_side_epochs_is_wrong_from_its_se
     assert all("this program's host side would not replay" in s for s in refused["statuses"])
 
 
-def _replayable_case(fake, connections, n, chunks, bidirectional):
-    fake.reset(fake.Config(connections=connections, seed=n))
-    p = problem("ag_matmul", "p2p", n, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
-                fused=True, chunks=chunks, bidirectional=bidirectional, replayable=True)
+def _replayable_case(fake, connections, n, chunks, bidirectional, late):
+    fake.reset(fake.Config(connections=connections, seed=10 * n + chunks))
+    p = problem("ag_matmul", "p2p", n, batch=2, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, chunks=chunks, bidirectional=bidirectional, replayable=True,
+                return_gathered=True)
     xs, ws = inputs(p, 0)
     ws = [ws[0]] * n
-    replay_xs = [inputs(p, seed)[0] for seed in (1, 2, 3, 4)]
-    out = play(fake, p, xs, ws, calls=2, capture=True, replays=4,
-               replay_xs=[[x.tobytes() for x in r] for r in replay_xs], replay_late_rank=1)
+    replay_xs = [inputs(p, seed)[0] for seed in (1, 2, 3)]
+    out = play(fake, p, xs, ws, calls=2, capture=True, replays=3,
+               replay_xs=[[x.tobytes() for x in r] for r in replay_xs], replay_late_rank=late)
     w = ws[0].astype(np.float64)
 
-    def right(ys, x):
-        want = np.concatenate([s[0] for s in x]).astype(np.float64) @ w
+    def right(ys, x):  # x [batch, rows, k] per rank: the gathered rows are every rank's
+        want = np.concatenate(x, axis=1).astype(np.float64) @ w
         return [np.allclose(np.frombuffer(y, NP["bfloat16"]).astype(np.float64)
                             .reshape(want.shape), want, rtol=2e-2, atol=2e-2) for y in ys]
 
@@ -107,17 +108,21 @@ def test_a_captured_replayable_fused_ag_replayed_k_times_gives_k_right_answers(f
     """The replayable program (docs/gpu-internals.md §8: flag values 1, reset by their reader,
     an acknowledgement per ring direction, buffers of its own) through the CUDA executor: two
     ordinary calls back to back, then the call captured into a graph on every rank and launched
-    four times with new inputs, rank 1 last — every call and every replay right, with one and
-    eight work queues. The same case as the epoch program above, which is wrong from its
-    second replay."""
-    for n, chunks, bidir in ((2, 1, False), (3, 2, False), (4, 2, True), (4, 1, False)):
-        out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir)
-        case = (n, chunks, bidir)
-        assert out["statuses"] == [None] * n, (case, out["statuses"])
-        assert out["drained"] and out["replay_drained"] == [True] * 4, case
-        assert fake.errors() == [], (case, fake.errors())
-        assert eager == [True] * n, case
-        assert replays == [[True] * n] * 4, (case, replays)
+    three times with new inputs, the last rank launching last — every call and every replay
+    right, N 2-8, chunks 1-4, both directions, two batches, the gathered x returned, with one
+    and eight work queues. The epoch program in the same case (above) is wrong from its second
+    replay."""
+    for n in range(2, 9):
+        for chunks in (1, 2, 3, 4):
+            for bidir in (False, True):
+                out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir,
+                                                       late=n - 1)
+                case = (n, chunks, bidir)
+                assert out["statuses"] == [None] * n, (case, out["statuses"])
+                assert out["drained"] and out["replay_drained"] == [True] * 3, case
+                assert fake.errors() == [], (case, fake.errors())
+                assert eager == [True] * n, case
+                assert replays == [[True] * n] * 3, (case, replays)
 
 
 def test_a_replayable_calls_first_execution_under_capture_is_refused(fake):
