@@ -73,6 +73,11 @@ OPS = (*_kinds.names(_kinds.OPS),
 KERNEL_OPS = tuple(f"matmul_ar/{a}" for a in _kinds.names(_kinds.ALGORITHMS, kernel=True))
 KERNEL_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism != "messages")
 REPLAYS = 3
+# The replayable programs (docs/gpu-internals.md §8): the fused all-gather over p2p, built with
+# acknowledged flags of constant value, rows of the fake only, captured and replayed like the
+# kernel algorithms' (XLA does not ask for this program yet: docs/gpu.md §6).
+REPLAYABLE_OPS = ("ag_matmul",)
+REPLAYABLE_TRANSPORTS = ("p2p",)
 # Why the other programs are not captured (docs/gpu.md §6): `selftest --fake --graph` skips them.
 NOT_REPLAYABLE = ("host-side epochs in what the call enqueues (flag values, workspace halves): "
                   "a replay would reuse the capture's (docs/gpu.md §6)")
@@ -427,19 +432,21 @@ FAKE_B200 = {"cc_major": 10, "cc_minor": 0, "sms": 148}
 
 def _fake_row(fake, np, op, transport, dtype, shape, chunks, bidirectional,
               fp8: tuple[str, str, str] | None = None, fused=False,
-              replays: int = 0, device: dict | None = None) -> tuple[bool, str]:
+              replays: int = 0, device: dict | None = None,
+              replayable: bool = False) -> tuple[bool, str]:
     """One case through the CUDA executor on the fake, against a float64 reference. ``fp8``:
     the (x, w, y) dtypes of an FP8 row (``dtype`` is then y's), each rank with its own
     scales; ``fused``: the fused GEMM's program; ``replays``: after the call, each rank's
     thread captures it into a CUDA graph, launched that many times with new x (rank 1 last,
     once the others ran as far as they could), every launch checked against its own inputs;
-    ``device``: the fake GPU's Config fields (default: an H100-like 9.0)."""
+    ``device``: the fake GPU's Config fields (default: an H100-like 9.0); ``replayable``: the
+    program built to be replayed (docs/gpu-internals.md §8)."""
     n = FAKE_RANKS
     case = _row_inputs(np, op, n, shape, dtype, fp8, replays=replays)
     # CUDA_DEVICE_MAX_CONNECTIONS from the environment, as the driver reads it
     fake.reset(fake.Config(**device) if device else fake.Config())
     problem = dict(case["problem"], transport=transport, chunks=chunks,
-                   bidirectional=bidirectional, fused=fused)
+                   bidirectional=bidirectional, fused=fused, replayable=replayable)
     played = dict(capture=True, replays=replays, replay_late_rank=1,
                   replay_xs=[xs for xs, _ in case["replays"]]) if replays else {}
     out = fake.run(problem, xs=case["xs"], ws=case["ws"], devices=list(range(n)),
@@ -646,21 +653,30 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
     cases += [(op, transport, dtype, None, shape, (1, False), False, None)
               for op, transport, dtype, shape
               in itertools.product(KERNEL_OPS, KERNEL_TRANSPORTS, dtypes, shapes)]
+    # The fused all-gather's replayable program (docs/gpu-internals.md §8), captured and replayed.
+    replayable = [(op, transport, dtype, None, SHAPES[0], variant, True, None)
+                  for op, transport, dtype, variant in itertools.product(
+                      REPLAYABLE_OPS, REPLAYABLE_TRANSPORTS,
+                      FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)
+                  if op in ops]
     try:
-        for op, transport, dtype, fp8, shape, (chunks, bidi), fused, device in cases:
-            kernel = op in KERNEL_OPS
+        for row, (op, transport, dtype, fp8, shape, (chunks, bidi), fused, device) in enumerate(
+                cases + replayable):
+            replay = row >= len(cases)
+            captured = op in KERNEL_OPS or replay
             dims = (*shape[0], shape[1] * FAKE_RANKS + _all_rows(op.partition("/")[2]),
                     shape[2])
             gpu = " on a fake B200 (sm_100a)" if device else ""
             name = (f"{op:9s} {transport:9s} {_dtypes_name(dtype, fp8)} "
                     f"{'x'.join(map(str, dims))} chunks={chunks}{' bidi' if bidi else ''}"
-                    f"{' fused' if fused else ''}"
-                    f"{f' captured, {REPLAYS} replays' if kernel else ''}"
+                    f"{' fused' if fused else ''}{' replayable' if replay else ''}"
+                    f"{f' captured, {REPLAYS} replays' if captured else ''}"
                     f" (CUDA executor on the host-side fake{gpu})")
             table.start(name, cliques=_cuda_fake.cliques)
             start = time.perf_counter()
             ok, detail = _fake_row(_cuda_fake, np, op, transport, dtype, shape, chunks, bidi,
-                                   fp8, fused, replays=REPLAYS if kernel else 0, device=device)
+                                   fp8, fused, replays=REPLAYS if captured else 0,
+                                   device=device, replayable=replay)
             table.add(name, ok, detail, time.perf_counter() - start, cliques=_cuda_fake.cliques)
     finally:
         _cuda_fake.reset()

@@ -113,6 +113,14 @@ Status BuildProgram(const Problem& q, Program* program) {
                                  : std::to_string(k_unit) + " and " + std::to_string(cols_unit)) +
             "; take the chunked path");
   }
+  // A replayable program's sequencing (acknowledged flags of constant value, core/program.h)
+  // is built for the fused all-gather's p2p ring only so far (docs/gpu.md §6 lists the rest).
+  JO_REQUIRE(
+      !q.replayable || (q.op == Collective::kAgMatmul && q.transport == Transport::kP2p && q.fused),
+      op +
+          ": a replayable program (no host-side epoch in what it enqueues) is built for "
+          "ag_matmul over p2p with the fused GEMM only, not " +
+          op + " over " + TransportName(q.transport) + (q.fused ? " fused" : " chunked"));
 
   *program = Program();
   program->problem = q;

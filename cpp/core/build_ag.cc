@@ -224,6 +224,37 @@ void Messages(Ag& g) {
     }
 }
 
+// A replayable program's end (core/program.h Problem::replayable; the argument:
+// docs/gpu-internals.md §8). Its flags hold 0 or 1, so every flag a rank waited
+// on is reset by that rank once nothing waits on it any more, and a writer must
+// not push call s+1 into a reader that has not consumed call s: each reader,
+// once its last read of the workspace its ring neighbour wrote (the fused GEMM,
+// the gathered copy, its own forwarding copies) and its reset are done, raises
+// ack flag N*C + dir on that neighbour (prev_of(dir)); each comm stream ends by
+// waiting for its next rank's ack and resetting it. The call (the executor's
+// join) ends after that wait, so the next call's pushes come after the reader
+// consumed this one.
+void Acknowledge(Ag& g) {
+  const auto ack = [&](int32_t dir) { return static_cast<int32_t>(g.N * g.C + dir); };
+  std::vector<int32_t> forwarded;  // per direction with steps: its stream's reads are done
+  for (int32_t dir = 0; dir < 2; ++dir) {
+    if (g.dir_steps(dir) == 0) continue;
+    const int32_t stream = 1 + dir, done = g.e.NewEvent();
+    g.e.Record(stream, done);
+    forwarded.push_back(done);
+    g.e.Wait(stream, g.next_of(dir), ack(dir));
+    g.e.Reset(stream, ack(dir), 1);
+  }
+  for (int32_t done : forwarded) g.e.StreamWait(0, done);
+  // Every flag this rank waited on: every shard's but its own (it never arrives).
+  const int32_t own = g.flag(g.r, 0), count = static_cast<int32_t>(g.C);
+  if (own > 0) g.e.Reset(0, 0, own);
+  if (own + count < g.N * g.C)
+    g.e.Reset(0, own + count, static_cast<int32_t>(g.N * g.C) - own - count);
+  for (int32_t dir = 0; dir < 2; ++dir)
+    if (g.dir_steps(dir) > 0) g.e.Signal(0, g.prev_of(dir), ack(dir));
+}
+
 // p2p: push each sub-chunk into the next rank's workspace, then raise its flag.
 void PeerCopies(Ag& g) {
   Program* p = g.p;
@@ -273,6 +304,7 @@ void PeerCopies(Ag& g) {
   }
   if (g.fused) {
     g.FusedGemm([&](const Arrival& a) { return g.prev_of(a.dir); });
+    if (g.q.replayable) Acknowledge(g);
     return;
   }
   for (const Arrival& a : g.arrivals)
@@ -326,7 +358,8 @@ Status BuildAgMatmul(Program* p) {
   Ag g(p);
   g.Local();
   if (g.N == 1) return OkStatus();
-  p->num_flags = static_cast<int32_t>(g.N * g.C);
+  // Replayable: two more, the acknowledgements of the two directions (Acknowledge).
+  p->num_flags = static_cast<int32_t>(g.N * g.C) + (p->problem.replayable ? 2 : 0);
   switch (Row(p->problem.transport).mechanism) {
     case Mechanism::kMessages:
       Messages(g);

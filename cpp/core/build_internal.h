@@ -45,6 +45,12 @@ class Emitter {
     op.peer = writer;
     op.id = flag;
   }
+  // Own flags [first, first + count) <- 0 (replayable programs).
+  void Reset(int32_t stream, int32_t first, int32_t count) {
+    Op& op = Add(OpKind::kResetFlags, stream);
+    op.id = first;
+    op.n = count;
+  }
   // Block ops (Copy, Add, Send, Recv, McStore, McReduce): batch x rows x cols.
   Op& Block(OpKind kind, int32_t stream, const Ref& src, const Ref& dst, int64_t batch,
             int64_t rows, int64_t cols) {

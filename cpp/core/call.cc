@@ -329,7 +329,8 @@ std::string CallSignature(const Problem& q) {
          std::to_string(q.batch) + "," + std::to_string(q.rows) + "," + std::to_string(q.k) + "]x" +
          std::to_string(q.cols) + " " + DTypesName(q) + " chunks=" + std::to_string(q.chunks) +
          (q.bidirectional ? " bidirectional" : "") + (q.return_gathered ? " gathered" : "") +
-         (q.fused ? " fused" : "") + (q.block_scaled ? " block-scaled" : "");
+         (q.fused ? " fused" : "") + (q.block_scaled ? " block-scaled" : "") +
+         (q.replayable ? " replayable" : "");
 }
 
 void LogPlanOnce(const Program& program, const CliqueKey& key, const char* executor) {

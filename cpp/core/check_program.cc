@@ -1,5 +1,6 @@
 #include "core/check_program.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -165,6 +166,156 @@ Status CheckFused(const Program& p, const Op& op) {
   return OkStatus();
 }
 
+// Happens-before between the ops of one rank's program: stream order and
+// Record -> StreamWait (a StreamWait waits for the Record of its event).
+class RankOrder {
+ public:
+  // False when a StreamWait's event is never recorded before it can run.
+  bool Make(const Program& p) {
+    const size_t streams = static_cast<size_t>(p.num_streams);
+    std::vector<std::vector<size_t>> ops(streams);
+    for (size_t i = 0; i < p.ops.size(); ++i)
+      ops[static_cast<size_t>(p.ops[i].stream)].push_back(i);
+    std::vector<std::vector<int64_t>> clock(streams, std::vector<int64_t>(streams, 0));
+    std::vector<size_t> next(streams, 0);
+    std::vector<std::vector<int64_t>> recorded(static_cast<size_t>(p.num_events));
+    clocks_.assign(p.ops.size(), {});
+    stream_.resize(p.ops.size());
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (size_t s = 0; s < streams; ++s)
+        for (; next[s] < ops[s].size(); ++next[s], progress = true) {
+          const size_t i = ops[s][next[s]];
+          const Op& op = p.ops[i];
+          if (op.kind == OpKind::kStreamWait) {
+            const auto& event = recorded[static_cast<size_t>(op.id)];
+            if (event.empty()) break;
+            for (size_t t = 0; t < streams; ++t) clock[s][t] = std::max(clock[s][t], event[t]);
+          }
+          ++clock[s][s];
+          clocks_[i] = clock[s];
+          stream_[i] = s;
+          if (op.kind == OpKind::kRecord) recorded[static_cast<size_t>(op.id)] = clock[s];
+        }
+    }
+    for (size_t s = 0; s < streams; ++s)
+      if (next[s] < ops[s].size()) return false;
+    return true;
+  }
+  // Op i happens before op j.
+  bool Before(size_t i, size_t j) const {
+    return i != j && clocks_[i][stream_[i]] <= clocks_[j][stream_[i]];
+  }
+
+ private:
+  std::vector<std::vector<int64_t>> clocks_;
+  std::vector<size_t> stream_;
+};
+
+// A replayable program's sequencing (core/program.h Problem::replayable;
+// docs/gpu-internals.md §8), what this rank alone can show:
+//  1. only ops whose sequencing is argued there (no NCCL, multicast, one-launch
+//     all-reduce or releasing fused GEMM);
+//  2. every flag the rank waits on (a Wait, a fused GEMM's block) is reset by
+//     exactly one ResetFlags, after every wait on it, and a ResetFlags resets
+//     only flags the rank waited on: the next call's signal finds it 0;
+//  3. every write into a peer p (a push into its workspace, a Signal) on a
+//     stream is either after a wait for a flag p raised (p is in this call, so
+//     it finished the last one, reads and resets included), or the stream ends
+//     with a wait for p's flag after its last write to p (p's acknowledgement:
+//     the next call's writes come after p consumed this one).
+Status CheckReplayable(const Program& p) {
+  const Problem& q = p.problem;
+  const auto bad = [&](const std::string& what) {
+    return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                    std::to_string(q.rank) + " (replayable): " + what);
+  };
+  RankOrder order;
+  if (!order.Make(p)) return bad("a StreamWait waits for an event no op before it records");
+  struct FlagWait {
+    size_t op;
+    int32_t writer;
+  };
+  std::vector<std::vector<FlagWait>> waits(static_cast<size_t>(p.num_flags));
+  std::vector<int> resets(static_cast<size_t>(p.num_flags), 0);
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    const Op& op = p.ops[i];
+    switch (op.kind) {
+      case OpKind::kSend:
+      case OpKind::kRecv:
+      case OpKind::kMcStore:
+      case OpKind::kMcReduce:
+      case OpKind::kAllReduce:
+        return bad(ToString(op) + ": its sequencing across replays is not argued");
+      case OpKind::kFusedGemm:
+        if (op.fused.release_flags >= 0)
+          return bad(ToString(op) + ": a releasing fused GEMM's sequencing is not argued");
+        for (int32_t b = 0; b < op.fused.rows.count(); ++b)
+          if (op.fused.Waits(b))
+            waits[static_cast<size_t>(op.fused.wait_flags + b)].push_back(
+                {i, op.fused.writers[static_cast<size_t>(b)]});
+        break;
+      case OpKind::kWait:
+        waits[static_cast<size_t>(op.id)].push_back({i, op.peer});
+        break;
+      default:
+        break;
+    }
+  }
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    const Op& op = p.ops[i];
+    if (op.kind != OpKind::kResetFlags) continue;
+    for (int32_t f = op.id; f < op.id + op.n; ++f) {
+      const auto& mine = waits[static_cast<size_t>(f)];
+      if (mine.empty())
+        return bad(ToString(op) + ": resets flag " + std::to_string(f) +
+                   ", which it never waited on");
+      for (const FlagWait& w : mine)
+        if (!order.Before(w.op, i))
+          return bad(ToString(op) + ": resets flag " + std::to_string(f) + " not after its wait " +
+                     ToString(p.ops[w.op]) + " (that wait could then miss its signal)");
+      ++resets[static_cast<size_t>(f)];
+    }
+  }
+  for (size_t f = 0; f < resets.size(); ++f)
+    if (!waits[f].empty() && resets[f] != 1)
+      return bad("flag " + std::to_string(f) + " is waited on and reset " +
+                 std::to_string(resets[f]) +
+                 " times, not once: the next call's signal would find it raised, or lose it");
+  // Rule 3: the peer each op writes into (-1: none).
+  const auto written = [&](const Op& op) {
+    if (op.kind == OpKind::kSignal && op.peer != q.rank) return op.peer;
+    const bool symmetric = op.d.buf == BufId::kWorkspace || op.d.buf == BufId::kWorkspaceScales;
+    if (op.kind == OpKind::kCopy && symmetric && op.d.rank != q.rank) return op.d.rank;
+    return -1;
+  };
+  const auto waits_for = [&](int32_t writer, const auto& pred) {
+    for (const auto& flag : waits)
+      for (const FlagWait& w : flag)
+        if (w.writer == writer && pred(w.op)) return true;
+    return false;
+  };
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    const int32_t peer = written(p.ops[i]);
+    if (peer < 0) continue;
+    if (waits_for(peer, [&](size_t w) { return order.Before(w, i); })) continue;
+    // The stream's last write to this peer, then a wait for the peer's flag after it.
+    size_t last = i;
+    for (size_t j = i + 1; j < p.ops.size(); ++j)
+      if (p.ops[j].stream == p.ops[i].stream && written(p.ops[j]) == peer) last = j;
+    const bool acked = waits_for(peer, [&](size_t w) {
+      return p.ops[w].stream == p.ops[i].stream && order.Before(last, w);
+    });
+    if (!acked)
+      return bad(ToString(p.ops[i]) + " on stream " + std::to_string(p.ops[i].stream) +
+                 " writes into rank " + std::to_string(peer) +
+                 " with no acknowledgement: no wait for that rank's flag before it, and none "
+                 "after the stream's last write to it (the next call could overwrite what that "
+                 "rank has not read yet)");
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 BufferSizes BufferSizes::Of(const Program& p) {
@@ -187,7 +338,7 @@ BufferSizes BufferSizes::Of(const Program& p) {
   return s;
 }
 
-Status CheckProgram(const Program& p, const BufferSizes& sizes) {
+Status CheckProgram(const Program& p, const BufferSizes& sizes, bool sequencing) {
   const Problem& q = p.problem;
   const int32_t nranks = q.nranks;
   for (const Op& op : p.ops) {
@@ -278,6 +429,8 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
         }
         break;
       }
+      case OpKind::kResetFlags:
+        break;  // below
       case OpKind::kAllReduce:
         // All of y, in place, dense (the kernel sees it as one run of elements); the host
         // executor's slots: a rank's copy of y from each rank, and a flag per writer.
@@ -290,13 +443,24 @@ Status CheckProgram(const Program& p, const BufferSizes& sizes) {
                           ": reduces all of Y, dense, with a workspace slot and a flag per rank");
         break;
     }
+    if (op.kind == OpKind::kResetFlags) {
+      JO_CHECK(CheckId(p, op, "flag", op.id, p.num_flags));
+      if (op.n < 1 || op.id + op.n > p.num_flags)
+        return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                        std::to_string(q.rank) + ": " + ToString(op) +
+                        ": resets flags outside [0, " + std::to_string(p.num_flags) + ")");
+      if (!q.replayable)
+        return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
+                        std::to_string(q.rank) + ": " + ToString(op) +
+                        ": only a replayable program resets flags (epoch flags only grow)");
+    }
     if (op.sms < 0 || op.sms > kMaxKernelSms)
       return Internal(std::string(CollectiveName(q.op)) + " program of rank " +
                       std::to_string(q.rank) + ": " + ToString(op) + ": an SM budget of " +
                       std::to_string(op.sms) + " is outside [0, " + std::to_string(kMaxKernelSms) +
                       "]");
   }
-  return OkStatus();
+  return q.replayable && sequencing ? CheckReplayable(p) : OkStatus();
 }
 
 }  // namespace jo

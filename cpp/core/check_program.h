@@ -26,6 +26,9 @@ struct BufferSizes {
   static BufferSizes Of(const Program& program);  // workspace = program.workspace_elems
 };
 
-Status CheckProgram(const Program& program, const BufferSizes& sizes);
+// A replayable program (Problem::replayable) must also keep the sequencing
+// rules that make replaying it safe (check_program.cc CheckReplayable; `sequencing`
+// false skips them: only the misuse tests, which show what they prevent).
+Status CheckProgram(const Program& program, const BufferSizes& sizes, bool sequencing = true);
 
 }  // namespace jo

@@ -116,6 +116,8 @@ const char* OpKindName(OpKind kind) {
       return "Reduce";
     case OpKind::kAllReduce:
       return "AllReduce";
+    case OpKind::kResetFlags:
+      return "ResetFlags";
   }
   return "?";
 }
@@ -192,6 +194,9 @@ std::string ToString(const Op& op) {
       out << "d=" << ToString(op.d) << " <- sum over ranks, " << op.batch << "x" << op.m << "x"
           << op.n << ", one launch";
       break;
+    case OpKind::kResetFlags:
+      out << "flags=[" << op.id << ", " << op.id + op.n << ") <- 0";
+      break;
   }
   if (op.shard >= 0) out << " shard=" << op.shard << "." << op.sub;
   out << ")";
@@ -206,10 +211,10 @@ std::string Summary(const Program& p) {
   out << " transport=" << TransportName(q.transport) << " rank=" << q.rank << "/" << q.nranks
       << " batch=" << q.batch << " rows=" << q.rows << " k=" << q.k << " cols=" << q.cols
       << " dtype=" << DTypesName(q) << (q.fused ? " fused" : "")
-      << (q.block_scaled ? " block-scaled" : "") << " chunks=" << p.chunks << " steps(cw,ccw)=("
-      << p.cw_steps << "," << p.ccw_steps << ") streams=" << p.num_streams
-      << " ops=" << p.ops.size() << " workspace_elems=" << p.workspace_elems
-      << " scratch_elems=" << p.scratch_elems;
+      << (q.replayable ? " replayable" : "") << (q.block_scaled ? " block-scaled" : "")
+      << " chunks=" << p.chunks << " steps(cw,ccw)=(" << p.cw_steps << "," << p.ccw_steps
+      << ") streams=" << p.num_streams << " ops=" << p.ops.size()
+      << " workspace_elems=" << p.workspace_elems << " scratch_elems=" << p.scratch_elems;
   if (p.workspace_scales > 0) out << " workspace_scales=" << p.workspace_scales;
   if (p.scratch_scales > 0) out << " scratch_scales=" << p.scratch_scales;
   return out.str();

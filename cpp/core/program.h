@@ -78,8 +78,10 @@ enum class OpKind : int32_t {
   kRecv,        // receive block from `peer` into d (matched by tag)
   kMcStore,     // multicast store: a -> Workspace of EVERY rank at d.offset
   kMcReduce,    // multicast load-reduce: d <- sum over every rank r of Workspace(r) at a.offset
-  kSignal,      // set flag `id` of `peer` to the call's epoch (after all prior ops of the stream)
-  kWait,        // wait until own flag `id` >= the call's epoch; `peer` is the expected writer
+  kSignal,      // set flag `id` of `peer` to the call's epoch (after all prior ops of the stream);
+                // replayable: to 1
+  kWait,        // wait until own flag `id` >= the call's epoch (replayable: >= 1); `peer` is the
+                // expected writer
   kRecord,      // record event `id` on this stream
   kStreamWait,  // this stream waits for event `id`
   kFusedGemm,   // one persistent GEMM over every row block: d[b] = a[b] @ b, waiting or
@@ -88,6 +90,8 @@ enum class OpKind : int32_t {
                 // rounded once to d's dtype: an N-way reduction in one pass
   kAllReduce,   // d <- the sum over every rank of its d, in place, in rank order (f32, rounded
                 // once): matmul_ar's one-launch kernel algorithms (docs/gpu-internals.md §7)
+  kResetFlags,  // own flags [id, id + n) <- 0, after all prior ops of the stream: a replayable
+                // program's reader consuming what it waited for (Problem::replayable)
 };
 const char* OpKindName(OpKind kind);
 
@@ -196,6 +200,14 @@ struct Problem {
   // x and w are fp8 with e8m0 block scales, one per kScaleBlock elements of k
   // (MXFP8, OCP MX v1.0), instead of one float32 scale each (see BufId).
   bool block_scaled = false;
+  // Every call of the program enqueues the same work, so a captured call can be
+  // replayed (docs/gpu-internals.md §8): a Signal writes 1 and a Wait waits for
+  // >= 1, whatever the call's number; one workspace region (no parity halves);
+  // each reader resets the flags it waited on (ResetFlags) and then raises an
+  // acknowledgement flag on its writer, which each writer's comm stream waits
+  // for (and resets) at the end of its call. AG over p2p, fused, only
+  // (BuildProgram refuses the rest).
+  bool replayable = false;
 };
 
 // MXFP8's block: one e8m0 scale per 32 consecutive elements along k.
@@ -210,8 +222,8 @@ struct Program {
   int32_t ccw_steps = 0;    // ring transfer steps counter-clockwise (to rank-1)
   int32_t num_streams = 1;  // stream 0 is compute (XLA's stream on GPU)
   int32_t num_events = 0;
-  int32_t num_flags = 0;         // flags per parity per rank
-  int64_t workspace_elems = 0;   // symmetric workspace per parity per rank
+  int32_t num_flags = 0;         // flags per parity per rank (replayable: parity 0's only)
+  int64_t workspace_elems = 0;   // symmetric workspace per parity per rank (replayable: 0's)
   int64_t scratch_elems = 0;     // private scratch per rank
   int64_t workspace_scales = 0;  // WorkspaceScales slots per parity per rank
   int64_t scratch_scales = 0;    // ScratchScales slots per rank

@@ -72,6 +72,9 @@ class CudaSite {
     mutable std::shared_ptr<const KernelArea> area;
     mutable RankResources* resources = nullptr;
     mutable std::shared_ptr<const RankPool> pool;
+    // A replayable program (docs/gpu-internals.md §8): its own buffers (CudaClique::ReplayArea),
+    // made at its first execution on this GPU, under setup_mu.
+    mutable std::shared_ptr<const Generation> replay;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
   // A call of the kernel algorithms: no epoch, no agreement and no watch of its own (it would
@@ -80,6 +83,10 @@ class CudaSite {
   // capture, enqueues the GEMM and the kernel, whose sequence numbers live on the device.
   Status EnqueueOneLaunch(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
                           cudaStream_t stream, bool capturing);
+  // A replayable program (the fused all-gather over p2p, docs/gpu-internals.md §8): likewise no
+  // epoch, agreement or watch per call; its first execution on a GPU sets up its own buffers.
+  Status EnqueueReplayable(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
+                           cudaStream_t stream, bool capturing);
 
   const CallDesc desc_;
   const CallSite site_;

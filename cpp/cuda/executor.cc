@@ -79,19 +79,20 @@ ncclDataType_t NcclType(DType dtype) {
 // One op, checked and resolved: what Execute hands to the API.
 struct Step {
   cudaStream_t stream = nullptr;
-  std::byte* src = nullptr;       // Copy, Send; Gemm: C when it must be copied into D first
-  std::byte* dst = nullptr;       // Copy, Recv
-  BlockArgs block;                // Add, McStore, McReduce
-  ReduceArgs reduce;              // Reduce
-  GemmArgs gemm;                  // Gemm
-  std::vector<GemmArgs> batches;  // Gemm, block-scaled over batches not back to back: one each
-  void* workspace = nullptr;      // Gemm: its stream's cuBLASLt workspace (the rank's pool)
-  bool copy_c = false;            // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
-  size_t fused = 0;               // FusedGemm: its arguments, the Enqueuer's fused_[fused]
-  size_t allreduce = 0;           // AllReduce: its launch, the Enqueuer's allreduce_[allreduce]
-  CUdeviceptr flag = 0;           // Signal, Wait
-  cudaEvent_t event = nullptr;    // Record, StreamWait
-  ncclComm_t comm = nullptr;      // Send, Recv (set by Execute, from the caller's lease)
+  std::byte* src = nullptr;        // Copy, Send; Gemm: C when it must be copied into D first
+  std::byte* dst = nullptr;        // Copy, Recv
+  BlockArgs block;                 // Add, McStore, McReduce
+  ReduceArgs reduce;               // Reduce
+  GemmArgs gemm;                   // Gemm
+  std::vector<GemmArgs> batches;   // Gemm, block-scaled over batches not back to back: one each
+  void* workspace = nullptr;       // Gemm: its stream's cuBLASLt workspace (the rank's pool)
+  bool copy_c = false;             // Gemm: bring C into D first (cuBLASLt's out-of-place rule)
+  size_t fused = 0;                // FusedGemm: its arguments, the Enqueuer's fused_[fused]
+  size_t allreduce = 0;            // AllReduce: its launch, the Enqueuer's allreduce_[allreduce]
+  CUdeviceptr flag = 0;            // Signal, Wait
+  std::vector<CUdeviceptr> flags;  // ResetFlags
+  cudaEvent_t event = nullptr;     // Record, StreamWait
+  ncclComm_t comm = nullptr;       // Send, Recv (set by Execute, from the caller's lease)
 };
 
 }  // namespace
@@ -119,6 +120,10 @@ class Enqueuer {
       if (issued[i] != 1)
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
                         " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
+    // A replayable program enqueues the same work every call: no epoch (half 0 of its own
+    // buffers, values 1: CudaSite::EnqueueReplayable).
+    if (p_.problem.replayable && p_.problem.nranks > 1 && (a_.epoch != 0 || a_.area != nullptr))
+      return Internal(a_.ctx.Describe() + ": a replayable program runs at epoch 0");
     for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
     if (has_fused_) JO_CHECK(DeviceFusedKernel(&fused_kernel_));
     // The SMs a fused GEMM leaves to the reduction beside it: as many as cost its persistent
@@ -245,6 +250,12 @@ class Enqueuer {
     return first;
   }
 
+  // The value a Signal writes and a wait waits for: the call's epoch, or 1 for a replayable
+  // program (run at epoch 0: half 0's flags and workspace; docs/gpu-internals.md §8).
+  cuuint32_t FlagValue() const {
+    return p_.problem.replayable ? 1u : static_cast<cuuint32_t>(a_.epoch);
+  }
+
   // Bytes of one element of `buf` (core/program.h, BufDType).
   int64_t Es(BufId buf) const { return ElemBytes(p_.problem, buf); }
 
@@ -336,6 +347,13 @@ class Enqueuer {
       }
       case OpKind::kAllReduce:
         return PrepareAllReduceOp(op, step);
+      case OpKind::kResetFlags:
+        // Only a replayable program resets flags (CheckProgram); its flags are half 0's.
+        JO_ASSERT(p_.problem.replayable && a_.epoch == 0 && op.id >= 0 &&
+                  op.id + op.n <= a_.gen->num_flags);
+        for (int32_t f = op.id; f < op.id + op.n; ++f)
+          step->flags.push_back(a_.gen->Flag(p_.problem.rank, 0, f, p_.problem.rank));
+        return OkStatus();
       case OpKind::kSend:
       case OpKind::kRecv: {
         const bool send = op.kind == OpKind::kSend;
@@ -473,7 +491,7 @@ class Enqueuer {
     f.blocks = blocks.rows;
     f.sequence = blocks.sequence.data();
     f.key = blocks.key;
-    f.epoch = static_cast<uint32_t>(a_.epoch);
+    f.epoch = FlagValue();
     const int32_t rank = p_.problem.rank;
     JO_ASSERT(a_.pool->fused_state != nullptr &&
               a_.pool->fused_bytes >= FusedStateBytes(blocks.rows.count()));
@@ -555,16 +573,15 @@ class Enqueuer {
         return LaunchReduce(step.reduce, step.stream, a_.ctx);
       case OpKind::kSignal:
         // Default flags: the write is fenced after every prior write of the stream.
-        JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(step.stream),
-                                                     step.flag, static_cast<cuuint32_t>(a_.epoch),
-                                                     CU_STREAM_WRITE_VALUE_DEFAULT));
+        JO_CU_CHECK(ctx_,
+                    drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(step.stream), step.flag,
+                                               FlagValue(), CU_STREAM_WRITE_VALUE_DEFAULT));
         return OkStatus();
       case OpKind::kWait:
         // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
         // FLUSH where the device has it: the data before the flag are remote writes too.
-        JO_CU_CHECK(ctx_,
-                    drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(step.stream), step.flag,
-                                              static_cast<cuuint32_t>(a_.epoch), wait_flags_));
+        JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(step.stream),
+                                                    step.flag, FlagValue(), wait_flags_));
         return OkStatus();
       case OpKind::kRecord:
         JO_CUDA_CHECK(ctx_, cudaEventRecord(step.event, step.stream));
@@ -583,6 +600,14 @@ class Enqueuer {
       }
       case OpKind::kAllReduce:
         return LaunchAllReduce(allreduce_[step.allreduce], step.stream, a_.ctx);
+      case OpKind::kResetFlags:
+        // The reader lowers what it waited on, after its waits (stream order and the program's
+        // StreamWaits, docs/gpu-internals.md §8); the next write of the stream (its
+        // acknowledgement) is fenced after these by cuStreamWriteValue32's default barrier.
+        for (const CUdeviceptr flag : step.flags)
+          JO_CU_CHECK(ctx_, drv_->cuStreamWriteValue32(reinterpret_cast<CUstream>(step.stream),
+                                                       flag, 0, CU_STREAM_WRITE_VALUE_DEFAULT));
+        return OkStatus();
       case OpKind::kSend:
       case OpKind::kRecv:
         break;  // issued as groups

@@ -41,8 +41,17 @@ class ThreadGroup {
 
 class Run {
  public:
-  Run(const Program& p, HostClique& clique, const WaitContext& ctx, const CallBuffers& io)
-      : p_(p), clique_(clique), epoch_(ctx.epoch), io_(io), ctx_(ctx), events_(p.num_events, 0) {}
+  Run(const Program& p, HostClique& clique, const WaitContext& ctx, const CallBuffers& io,
+      bool check_sequencing)
+      : check_sequencing_(check_sequencing),
+        p_(p),
+        clique_(clique),
+        epoch_(ctx.epoch),
+        io_(io),
+        ctx_(ctx),
+        events_(p.num_events, 0) {
+    ctx_.replayable = p.problem.replayable;  // its flags' values and slots (host_clique.h)
+  }
 
   Status Execute() {
     // The program against the buffers this call really has (the clique's
@@ -57,7 +66,7 @@ class Run {
     sizes.workspace_scales =
         std::max<int64_t>(0, have - scales_at) / ElemBytes(q, BufId::kWorkspaceScales);
     if (io_.x_gathered == nullptr) sizes.x_gathered = 0;
-    JO_CHECK(CheckProgram(p_, sizes));
+    JO_CHECK(CheckProgram(p_, sizes, check_sequencing_));
     try {
       scratch_.assign(static_cast<size_t>(ScratchBytes(p_)), std::byte{0});
       if (q.w_dtype != DType::kF32) {  // W in f32 once per call (fp8: unscaled, exact)
@@ -169,8 +178,8 @@ class Run {
 
   std::byte* Resolve(const Ref& ref) {
     return jo::Resolve(
-        p_, io_, scratch_.data(), [&](int32_t rank) { return clique_.Workspace(rank, epoch_); },
-        ref);
+        p_, io_, scratch_.data(),
+        [&](int32_t rank) { return clique_.Workspace(rank, SlotEpoch(ctx_)); }, ref);
   }
 
   Status Exec(const Op& op) {
@@ -229,6 +238,8 @@ class Run {
         return clique_.Signal(ctx_, op.peer, op.id);
       case OpKind::kWait:
         return clique_.WaitFlag(ctx_, op.peer, op.id);
+      case OpKind::kResetFlags:
+        return clique_.ResetFlags(ctx_, op.id, static_cast<int32_t>(op.n));
       case OpKind::kRecord: {
         {
           std::lock_guard<std::mutex> lock(mu_);
@@ -435,6 +446,7 @@ class Run {
     return OkStatus();
   }
 
+  const bool check_sequencing_;
   const Program& p_;
   HostClique& clique_;
   const int64_t epoch_;
@@ -455,7 +467,13 @@ class Run {
 
 Status RunProgram(const Program& program, HostClique& clique, const WaitContext& ctx,
                   const CallBuffers& io) {
-  Run run(program, clique, ctx, io);
+  Run run(program, clique, ctx, io, /*check_sequencing=*/true);
+  return run.Execute();
+}
+
+Status RunProgramUnsequenced(const Program& program, HostClique& clique, const WaitContext& ctx,
+                             const CallBuffers& io) {
+  Run run(program, clique, ctx, io, /*check_sequencing=*/false);
   return run.Execute();
 }
 

@@ -22,4 +22,9 @@ namespace jo::host {
 Status RunProgram(const Program& program, HostClique& clique, const WaitContext& ctx,
                   const CallBuffers& io);
 
+// The misuse tests only: runs a replayable program without its sequencing
+// rules checked (core/check_program.h), to show what breaking them does.
+Status RunProgramUnsequenced(const Program& program, HostClique& clique, const WaitContext& ctx,
+                             const CallBuffers& io);
+
 }  // namespace jo::host

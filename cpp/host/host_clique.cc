@@ -45,6 +45,15 @@ std::vector<std::shared_ptr<HostClique>> SiteCliques::List() const {
   return out;
 }
 
+Status RaisedFlag(const WaitContext& ctx, int32_t peer, int32_t flag) {
+  return Internal(std::string(ctx.op) + " (rank " + std::to_string(ctx.rank) + ", call " +
+                  std::to_string(ctx.epoch) + ", replayable): signals flag " +
+                  std::to_string(flag) + " of rank " + std::to_string(peer) +
+                  ", which is still raised: that rank has not consumed (and reset) the last "
+                  "call's signal, so a writer ran a call ahead of its reader (a missing "
+                  "acknowledgement; docs/gpu-internals.md §8)");
+}
+
 std::string HostClique::Where(const WaitContext& ctx) const {
   return std::string(ctx.op) + " (" + name() + ", rank " + std::to_string(ctx.rank) + ", epoch " +
          std::to_string(ctx.epoch) + ")";
@@ -201,10 +210,14 @@ std::byte* LocalClique::Workspace(int32_t owner, int64_t epoch) {
 Status LocalClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
   JO_CHECK(CheckNotBroken(Where(ctx)));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     JO_ASSERT(peer >= 0 && peer < nranks() && flag >= 0 && flag < num_flags_);
-    int64_t& value = flags_[peer][Parity(ctx.epoch) * num_flags_ + flag];
-    value = std::max(value, ctx.epoch);
+    int64_t& value = flags_[peer][Parity(SlotEpoch(ctx)) * num_flags_ + flag];
+    if (ctx.replayable && value != 0) {
+      lock.unlock();
+      return Fail(RaisedFlag(ctx, peer, flag));
+    }
+    value = std::max(value, FlagValue(ctx));
   }
   cv_.notify_all();
   return OkStatus();
@@ -213,18 +226,27 @@ Status LocalClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
 Status LocalClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) {
   std::unique_lock<std::mutex> lock(mu_);
   JO_ASSERT(flag >= 0 && flag < num_flags_);
-  const size_t index = static_cast<size_t>(Parity(ctx.epoch) * num_flags_ + flag);
+  const size_t index = static_cast<size_t>(Parity(SlotEpoch(ctx)) * num_flags_ + flag);
+  const int64_t want = FlagValue(ctx);
   cv_.wait_until(lock, DeadlineAfter(ctx.timeout),
-                 [&] { return flags_[ctx.rank][index] >= ctx.epoch || !BrokenReason().empty(); });
-  if (flags_[ctx.rank][index] >= ctx.epoch) return OkStatus();
+                 [&] { return flags_[ctx.rank][index] >= want || !BrokenReason().empty(); });
+  if (flags_[ctx.rank][index] >= want) return OkStatus();
   const int64_t has = flags_[ctx.rank][index];
   lock.unlock();
   JO_CHECK(CheckNotBroken(Where(ctx)));
   return Fail(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
-                                         " waiting for flag " + std::to_string(flag) +
-                                         " (has epoch " + std::to_string(has) + ", needs " +
-                                         std::to_string(ctx.epoch) + ") from rank " +
-                                         std::to_string(writer) + ": " + Missing(ctx, writer)));
+                                         " waiting for flag " + std::to_string(flag) + " (has " +
+                                         std::to_string(has) + ", needs " + std::to_string(want) +
+                                         ") from rank " + std::to_string(writer) + ": " +
+                                         Missing(ctx, writer)));
+}
+
+Status LocalClique::ResetFlags(const WaitContext& ctx, int32_t first, int32_t count) {
+  JO_CHECK(CheckNotBroken(Where(ctx)));
+  std::lock_guard<std::mutex> lock(mu_);
+  JO_ASSERT(ctx.replayable && first >= 0 && count >= 0 && first + count <= num_flags_);
+  std::fill_n(flags_[ctx.rank].begin() + first, count, 0);  // parity 0's
+  return OkStatus();
 }
 
 Status LocalClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,

@@ -2,7 +2,9 @@
 //
 // * Flags: per rank, 2 parities x num_flags int64 values. Signal sets a
 //   peer's flag to the call's epoch; Wait blocks until the own flag is >= the
-//   epoch. Flags are never reset (epochs only grow).
+//   epoch. Flags are never reset (epochs only grow), except a replayable
+//   call's (WaitContext::replayable: parity 0's, values 0 and 1, reset by
+//   their reader).
 // * Workspace: per rank, 2 parities x workspace bytes (symmetric: every rank
 //   has the same layout), on the heap.
 // * Mailbox: Send deposits a copy keyed by (epoch, src, dst, tag); Recv takes
@@ -49,7 +51,17 @@ struct WaitContext {
   int32_t rank = 0;
   int64_t epoch = 0;
   std::chrono::milliseconds timeout{0};
+  // A replayable program's call (core/program.h Problem::replayable): its
+  // flags and workspace are parity 0's whatever the epoch, a Signal writes 1
+  // (and finds the flag 0: else its reader has not consumed the last call), a
+  // WaitFlag waits for >= 1, and the reader resets them (ResetFlags).
+  bool replayable = false;
 };
+
+// The flag value a call signals and waits for, and the epoch whose parity its
+// flags and workspace are: the call's epoch, or 1 and 0 for a replayable call.
+inline int64_t FlagValue(const WaitContext& ctx) { return ctx.replayable ? 1 : ctx.epoch; }
+inline int64_t SlotEpoch(const WaitContext& ctx) { return ctx.replayable ? 0 : ctx.epoch; }
 
 // The transport state of one clique as the host executor sees it. Two
 // implementations: LocalClique (below: every rank is a thread of this
@@ -82,6 +94,8 @@ class HostClique : public Clique {
 
   virtual Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag) = 0;
   virtual Status WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) = 0;
+  // Own flags [first, first + count) <- 0 (replayable calls only).
+  virtual Status ResetFlags(const WaitContext& ctx, int32_t first, int32_t count) = 0;
   virtual Status Send(const WaitContext& ctx, int32_t peer, int32_t tag,
                       std::vector<std::byte> data) = 0;
   virtual Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,
@@ -92,6 +106,9 @@ class HostClique : public Clique {
   // "ag_matmul (clique ..., rank 2, epoch 5)": how errors name a waiter.
   virtual std::string Where(const WaitContext& ctx) const;
 };
+
+// The error of a replayable call's Signal that finds the flag still raised.
+Status RaisedFlag(const WaitContext& ctx, int32_t peer, int32_t flag);
 
 // The live cliques of this process's call sites. A clique lives while a call
 // site uses it (its plans hold it; calls in flight too), not longer. A clique
@@ -123,6 +140,7 @@ class LocalClique : public HostClique {
   int64_t WorkspaceBytes() const override;
   Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag) override;
   Status WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) override;
+  Status ResetFlags(const WaitContext& ctx, int32_t first, int32_t count) override;
   Status Send(const WaitContext& ctx, int32_t peer, int32_t tag,
               std::vector<std::byte> data) override;
   Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,

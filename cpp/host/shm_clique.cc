@@ -409,9 +409,11 @@ Status ShmClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
   if (domain_->broken()) return BrokenStatus(ctx);
   JO_ASSERT(site_ != nullptr && peer >= 0 && peer < nranks() && flag >= 0 &&
             flag < layout_->num_flags);
-  std::atomic<int64_t>* value = Flag(peer, ctx.epoch, flag);
+  std::atomic<int64_t>* value = Flag(peer, SlotEpoch(ctx), flag);
+  const int64_t signal = FlagValue(ctx);
   int64_t seen = value->load();
-  while (seen < ctx.epoch && !value->compare_exchange_weak(seen, ctx.epoch)) {
+  if (ctx.replayable && seen != 0) return Fail(RaisedFlag(ctx, peer, flag));
+  while (seen < signal && !value->compare_exchange_weak(seen, signal)) {
   }
   domain_->Ring(peer);
   return OkStatus();
@@ -419,15 +421,24 @@ Status ShmClique::Signal(const WaitContext& ctx, int32_t peer, int32_t flag) {
 
 Status ShmClique::WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) {
   JO_ASSERT(site_ != nullptr && flag >= 0 && flag < layout_->num_flags);
-  std::atomic<int64_t>* value = Flag(ctx.rank, ctx.epoch, flag);
+  std::atomic<int64_t>* value = Flag(ctx.rank, SlotEpoch(ctx), flag);
+  const int64_t want = FlagValue(ctx);
   Status status =
-      WaitFor(ctx, [&] { return value->load(std::memory_order_acquire) >= ctx.epoch; }, true);
+      WaitFor(ctx, [&] { return value->load(std::memory_order_acquire) >= want; }, true);
   if (status.code() != Code::kTimeout) return status;
   return Fail(Status(Code::kTimeout, Where(ctx) + ": timeout after " + Seconds(ctx.timeout) +
-                                         " waiting for flag " + std::to_string(flag) +
-                                         " (has epoch " + std::to_string(value->load()) +
-                                         ", needs " + std::to_string(ctx.epoch) + ") from " +
+                                         " waiting for flag " + std::to_string(flag) + " (has " +
+                                         std::to_string(value->load()) + ", needs " +
+                                         std::to_string(want) + ") from " +
                                          domain_->RankName(writer) + ": " + Missing(ctx, writer)));
+}
+
+Status ShmClique::ResetFlags(const WaitContext& ctx, int32_t first, int32_t count) {
+  if (domain_->broken()) return BrokenStatus(ctx);
+  JO_ASSERT(site_ != nullptr && ctx.replayable && first >= 0 && count >= 0 &&
+            first + count <= layout_->num_flags);
+  for (int32_t f = first; f < first + count; ++f) Flag(ctx.rank, 0, f)->store(0);
+  return OkStatus();
 }
 
 Status ShmClique::Send(const WaitContext& ctx, int32_t peer, int32_t tag,

@@ -74,6 +74,7 @@ class ShmClique : public HostClique {
   int64_t WorkspaceBytes() const override;
   Status Signal(const WaitContext& ctx, int32_t peer, int32_t flag) override;
   Status WaitFlag(const WaitContext& ctx, int32_t writer, int32_t flag) override;
+  Status ResetFlags(const WaitContext& ctx, int32_t first, int32_t count) override;
   Status Send(const WaitContext& ctx, int32_t peer, int32_t tag,
               std::vector<std::byte> data) override;
   Status Recv(const WaitContext& ctx, int32_t peer, int32_t tag,

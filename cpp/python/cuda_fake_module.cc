@@ -408,6 +408,9 @@ NB_MODULE(_cuda_fake, m) {
         "The fused GEMM + reduce-scatter's reduction beside the kernel: a block read before its "
         "release, a reduction sized to SMs the kernel does not leave (and the control): what the "
         "fake recorded for each.");
+  m.def("graph_checks", &jo::fake::GraphChecks,
+        "Stream capture of two streams and graph replay: a misuse (a fork not joined back) and "
+        "the controls; what the fake recorded for each.");
   m.def("fp8_misuse_checks", &jo::fake::Fp8MisuseChecks,
         "One deliberate misuse (and controls) per cuBLASLt FP8 rule the fake models: what the "
         "fake recorded for each.");

@@ -224,7 +224,7 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
                           const std::string& dtype, int64_t chunks, bool bidirectional,
                           bool return_gathered, const std::string& algorithm,
                           const std::string& w_dtype, const std::string& out_dtype, bool fused,
-                          bool block_scaled) {
+                          bool block_scaled, bool replayable) {
   nb::dict problem;
   problem["op"] = op;
   problem["transport"] = transport;
@@ -243,6 +243,7 @@ nb::dict BuildProgramDict(const std::string& op, const std::string& transport, i
   problem["out_dtype"] = out_dtype;
   problem["fused"] = fused;
   problem["block_scaled"] = block_scaled;
+  problem["replayable"] = replayable;
   const jo::Program p = Build(jo::python::ProblemFromDict(problem));
   nb::dict out = jo::python::ProblemDict(p.problem);
   out["elem_bytes"] = jo::DTypeSize(p.problem.x_dtype);
@@ -309,7 +310,7 @@ jo::Program ProgramFromDict(const nb::dict& d) {
     jo::Op op;
     const std::string kind = nb::cast<std::string>(o["kind"]);
     bool known = false;
-    for (int k = 0; k <= static_cast<int>(jo::OpKind::kAllReduce); ++k)
+    for (int k = 0; k <= static_cast<int>(jo::OpKind::kResetFlags); ++k)
       if (kind == jo::OpKindName(static_cast<jo::OpKind>(k)))
         op.kind = static_cast<jo::OpKind>(k), known = true;
     if (!known) throw nb::value_error(("unknown op kind '" + kind + "'").c_str());
@@ -515,12 +516,12 @@ NB_MODULE(_host, m) {
         nb::arg("dtype") = "float32", nb::arg("chunks") = 1, nb::arg("bidirectional") = false,
         nb::arg("return_gathered") = false, nb::arg("algorithm") = "two_shot",
         nb::arg("w_dtype") = "", nb::arg("out_dtype") = "", nb::arg("fused") = false,
-        nb::arg("block_scaled") = false,
+        nb::arg("block_scaled") = false, nb::arg("replayable") = false,
         "The program of one rank as a dict: header fields, 'ops' (list of op dicts, each with "
         "its stream; per-stream order is list order) and 'text' (printable form). n: the "
         "output columns (w's); dtype: x's (a name of the kinds' dtypes: kinds()), w_dtype and "
         "out_dtype default to it; block_scaled: fp8 x and w with e8m0 block scales (MXFP8, "
-        "k a multiple of 32).");
+        "k a multiple of 32); replayable: the same work every call (core/program.h).");
   m.def(
       "allreduce_fits",
       [](const std::string& transport, const std::string& algorithm, int nranks, int64_t bytes) {

@@ -144,6 +144,7 @@ inline Problem ProblemFromDict(const nb::dict& d) {
   q.tf32 = get("tf32", false);
   q.fused = get("fused", false);
   q.block_scaled = get("block_scaled", false);
+  q.replayable = get("replayable", false);
   return q;
 }
 
@@ -168,6 +169,7 @@ inline nb::dict ProblemDict(const Problem& q) {
   d["tf32"] = q.tf32;
   d["fused"] = q.fused;
   d["block_scaled"] = q.block_scaled;
+  d["replayable"] = q.replayable;
   return d;
 }
 

@@ -281,6 +281,7 @@ nb::dict UnbalancedKinds() {
 }  // namespace
 
 void BindFusedTiles(nb::module_& m);  // testing_fused_tiles.cc
+void BindReplay(nb::module_& m);      // testing_replay.cc
 
 NB_MODULE(jaxoverlap_testing, m) {
   m.doc() = "jaxoverlap test helpers (not installed).";
@@ -305,4 +306,5 @@ NB_MODULE(jaxoverlap_testing, m) {
   m.def("busy_worker", &BusyWorker, nb::arg("seconds"),
         "A host worker that keeps using process-wide state for `seconds`.");
   BindFusedTiles(m);
+  BindReplay(m);
 }

@@ -156,6 +156,9 @@ def check_deadlock_free(programs):
                         flags[(op["peer"], op["id"])] = r
                     elif kind == "Record":
                         events.add((r, op["id"]))
+                    elif kind == "ResetFlags":  # a replayable program's reader consuming
+                        for f in range(op["id"], op["id"] + op["n"]):
+                            flags.pop((r, f), None)
                     elif kind == "Send":
                         key = (r, op["peer"], op["id"])
                         if key in mailbox:
@@ -316,6 +319,9 @@ def check_bounds(program):
             raise ScheduleError(f"{where}: flag out of range")
         if op["kind"] in ("Record", "StreamWait") and not 0 <= op["id"] < program["num_events"]:
             raise ScheduleError(f"{where}: event out of range")
+        if op["kind"] == "ResetFlags" and not (
+                op["n"] >= 1 and 0 <= op["id"] and op["id"] + op["n"] <= program["num_flags"]):
+            raise ScheduleError(f"{where}: flags out of range")
         if op["kind"] == "FusedGemm":
             for part in fused_blocks(program, op):
                 if part["kind"] in ("Wait", "Signal") and not (
@@ -373,6 +379,14 @@ def check_race_free(programs, calls=1, parities=2):
     write, a write of the same call (no stale or uninitialized data). With calls > 1
     this checks the epoch-parity double-buffering across calls (`parities=1` models a
     single buffer, which tests use to show that double-buffering is needed).
+
+    A replayable program (``program["replayable"]``, core/program.h) is played as the GPU
+    replays it: one workspace region whatever the call, and flags that hold 0 or 1 with no
+    call number in them. A Signal raises its flag (ScheduleError if it is still raised: its
+    reader has not consumed the last call, and the signal would be lost), a Wait waits for it
+    to be raised and takes the raising Signal's clock (ScheduleError if that Signal was of
+    another call: the wait would let stale or early data through), a ResetFlags lowers flags
+    (ScheduleError if one is not raised: a reset not after its wait).
     """
     for program in programs:
         check_bounds(program)
@@ -388,6 +402,8 @@ def check_race_free(programs, calls=1, parities=2):
     pos = {key: (0, 0) for key in sid}  # (call, op index)
     finished = {}  # (rank, call) -> [clock of each stream at its end of that call]
     signals, records, sends = {}, {}, {}
+    replayable = bool(programs[0].get("replayable"))
+    raised = {}  # replayable: (rank, flag) -> (clock of the raising Signal, its call, text)
     log = {}  # element key -> [(clock, stream id, is_write, call, text)]
 
     def join(clock, other):
@@ -396,6 +412,8 @@ def check_race_free(programs, calls=1, parities=2):
                 clock[i] = v
 
     def key_of(owner, buf, element, call):
+        if buf in _SYMMETRIC and replayable:  # one region, every call
+            return (owner, buf, 0, element)
         if buf in _SYMMETRIC:  # symmetric memory: shared across calls of one parity
             return (owner, buf, (call + 1) % parities, element)
         return (owner, buf, call, element)  # per-call buffers
@@ -424,7 +442,16 @@ def check_race_free(programs, calls=1, parities=2):
                 op = ops[k]
                 epoch = call + 1
                 kind = op["kind"]
-                if kind == "Wait":
+                text = f"call {call} rank {r} stream {s}: {op['text']}"
+                if kind == "Wait" and replayable:
+                    got = raised.get((r, op["id"]))
+                    if got is None:
+                        break
+                    if got[1] != call:
+                        raise ScheduleError(f"{text} is satisfied by call {got[1]}'s signal: "
+                                            f"{got[2]}")
+                    join(clock, got[0])
+                elif kind == "Wait":
                     got = signals.get((r, epoch, op["id"]))
                     if got is None:
                         break
@@ -439,13 +466,24 @@ def check_race_free(programs, calls=1, parities=2):
                     join(clock, sends[(epoch, op["peer"], r, op["id"])])
                 clock[i] += 1
                 snapshot = list(clock)
-                if kind == "Signal":
+                if kind == "Signal" and replayable:
+                    if (op["peer"], op["id"]) in raised:
+                        raise ScheduleError(
+                            f"{text} signals a flag still raised by "
+                            f"{raised[(op['peer'], op['id'])][2]} (its reader has not consumed "
+                            "that call: the signal is lost)")
+                    raised[(op["peer"], op["id"])] = (snapshot, call, text)
+                elif kind == "ResetFlags":
+                    for f in range(op["id"], op["id"] + op["n"]):
+                        if raised.pop((r, f), None) is None:
+                            raise ScheduleError(f"{text} resets flag {f}, which is not raised "
+                                                "(a reset not after its wait)")
+                elif kind == "Signal":
                     signals[(op["peer"], epoch, op["id"])] = snapshot
                 elif kind == "Record":
                     records[(r, call, op["id"])] = snapshot
                 elif kind == "Send":
                     sends[(epoch, r, op["peer"], op["id"])] = snapshot
-                text = f"call {call} rank {r} stream {s}: {op['text']}"
                 for owner, buf, elements, write in _accesses(programs[r], op):
                     for e in elements:
                         log.setdefault(key_of(owner, buf, e, call), []).append(

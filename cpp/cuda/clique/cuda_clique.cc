@@ -118,6 +118,47 @@ CudaClique::~CudaClique() {
   }
   // A captured one-launch all-reduce may be replayed by a graph we cannot wait for.
   if (kernel_area_ && (!idle || captured_)) KeepForever(std::move(kernel_area_));
+  // Likewise a captured replayable program's buffers: kept, never freed under a replay.
+  if (!replay_areas_.empty() && (!idle || captured_)) {
+    static auto* kept = new std::vector<std::shared_ptr<Generation>>;  // never destroyed
+    for (auto& [site, gen] : replay_areas_) kept->push_back(std::move(gen));
+  }
+}
+
+Status CudaClique::ReplayArea(int64_t site, int64_t epoch, int64_t workspace_bytes,
+                              int32_t num_flags, const ErrorContext& ctx,
+                              std::shared_ptr<const Generation>* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    JO_CHECK(CheckNotBroken(ctx.Describe()));
+    const auto it = replay_areas_.find(site);
+    if (it != replay_areas_.end()) {
+      *out = it->second;
+      return OkStatus();
+    }
+    if (making_replay_) {
+      const bool made = made_.wait_until(lock, LocalMakerDeadline(state_.timeout), [&] {
+        return !making_replay_ || !BrokenReason().empty();
+      });
+      if (!made)
+        return Status(Code::kTimeout,
+                      ctx.Describe() +
+                          ": a replayable program's buffers (another rank makes "
+                          "them) were not set up within JAXOVERLAP_TIMEOUT_S + 2 s");
+      continue;
+    }
+    for (const auto& res : state_.ranks)
+      if (res->device >= 0) JO_CHECK(res->MakeSetup(ctx));
+    making_replay_ = true;
+    lock.unlock();
+    std::shared_ptr<Generation> made;
+    const Status status = NewGeneration(epoch, workspace_bytes, num_flags, ctx, &made);
+    lock.lock();
+    making_replay_ = false;
+    if (status.ok()) replay_areas_[site] = std::move(made);
+    made_.notify_all();
+    JO_CHECK(status);
+  }
 }
 
 Status CudaClique::NewKernelArea(int64_t epoch, const ErrorContext& ctx,
@@ -208,11 +249,12 @@ void CudaClique::TakePast(std::vector<std::shared_ptr<const Generation>>* out) {
 
 Status CudaClique::Reserve(const Program& program, const CallNeeds& needs,
                            const PoolNeeds& pool_needs, int64_t epoch, const ErrorContext& ctx,
-                           Reservation* out, bool kernel_area) {
+                           Reservation* out, bool kernel_area, bool generation) {
   Status status;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    status = ReserveLocked(lock, program, needs, pool_needs, epoch, ctx, out, kernel_area);
+    status =
+        ReserveLocked(lock, program, needs, pool_needs, epoch, ctx, out, kernel_area, generation);
     // Broken before the lock is released: a rank next in line must not start a set-up (an
     // exchange with the peers) that the failing one will never join.
     if (!status.ok() && status.code() != Code::kAborted) Break(status);
@@ -259,7 +301,8 @@ Status CudaClique::ConnectPeers(const Program& program, const ErrorContext& ctx,
 
 Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
                                  const CallNeeds& needs, const PoolNeeds& pool_needs, int64_t epoch,
-                                 const ErrorContext& ctx, Reservation* out, bool kernel_area) {
+                                 const ErrorContext& ctx, Reservation* out, bool kernel_area,
+                                 bool generation) {
   const int32_t rank = program.problem.rank;
   const int64_t ws_bytes = needs.workspace_bytes;
   // NCCL moves the data itself: its programs signal and wait on no flag.
@@ -345,8 +388,8 @@ Status CudaClique::ReserveLocked(std::unique_lock<std::mutex>& lock, const Progr
     }
   }
   // The one-launch all-reduce's set-up needs no buffers of a generation: it takes none; the
-  // kernel area below is its.
-  for (bool none = kernel_area && ws_bytes == 0 && flags == 0; !none;) {
+  // kernel area below is its. Nor does a replayable program's (its own: ReplayArea).
+  for (bool none = (kernel_area || !generation) && ws_bytes == 0 && flags == 0; !none;) {
     // The newest generation valid at this epoch (see clique_state.h).
     std::shared_ptr<Generation> use;
     for (auto it = generations_.rbegin(); it != generations_.rend(); ++it)

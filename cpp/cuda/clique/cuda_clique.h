@@ -35,6 +35,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -88,9 +89,20 @@ class CudaClique : public Clique {
   // `kernel_area`: the call runs the one-launch all-reduce (docs/gpu-internals.md §7): also
   // makes the clique's kernel area if it has none yet (clique_state.h KernelArea), at this
   // epoch, with the discipline of a new generation.
+  // `generation` false (a replayable program's set-up, which has buffers of its own:
+  // ReplayArea): no generation either.
   Status Reserve(const Program& program, const CallNeeds& needs, const PoolNeeds& pool_needs,
-                 int64_t epoch, const ErrorContext& ctx, Reservation* out,
-                 bool kernel_area = false);
+                 int64_t epoch, const ErrorContext& ctx, Reservation* out, bool kernel_area = false,
+                 bool generation = true);
+
+  // A replayable program's own buffers (docs/gpu-internals.md §8): a generation of
+  // `workspace_bytes` per half and `num_flags` flags per half (its programs use half 0), made
+  // once per call site `site` — no epoch-based call and no other site touches it, and its
+  // flags start at 0 — at the site's set-up `epoch` by the first local rank to ask, the others
+  // waiting, with a generation's discipline; kept until teardown (a captured call keeps its
+  // addresses).
+  Status ReplayArea(int64_t site, int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
+                    const ErrorContext& ctx, std::shared_ptr<const Generation>* out);
 
   // A one-launch all-reduce of this clique was captured into a CUDA graph: its replays are
   // GPU work no event of ours tracks, so teardown keeps the kernel area (never frees it under a
@@ -131,7 +143,8 @@ class CudaClique : public Clique {
  private:
   Status ReserveLocked(std::unique_lock<std::mutex>& lock, const Program& program,
                        const CallNeeds& needs, const PoolNeeds& pool_needs, int64_t epoch,
-                       const ErrorContext& ctx, Reservation* out, bool kernel_area);
+                       const ErrorContext& ctx, Reservation* out, bool kernel_area,
+                       bool generation);
   // Makes the kernel area (WITHOUT the lock, like a generation).
   Status NewKernelArea(int64_t epoch, const ErrorContext& ctx, std::shared_ptr<KernelArea>* out);
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
@@ -161,7 +174,9 @@ class CudaClique : public Clique {
   int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
   std::shared_ptr<KernelArea> kernel_area_;  // made once, never replaced
   bool making_area_ = false;                 // a rank makes it, without the lock
-  std::atomic<bool> captured_{false};        // NoteCaptured
+  std::map<int64_t, std::shared_ptr<Generation>> replay_areas_;  // ReplayArea, by call site
+  bool making_replay_ = false;         // a rank makes one, without the lock
+  std::atomic<bool> captured_{false};  // NoteCaptured
   // The newest epoch a local rank has reserved, and the one whose first reserver frees past
   // generations and grows the pools now, without the lock (-1: none): ranks at it or later
   // wait.

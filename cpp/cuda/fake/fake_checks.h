@@ -43,6 +43,10 @@ std::map<std::string, std::string> WaitMisuseChecks();
 // cuBLASLt's FP8 rules (fake_fp8_checks.cc), likewise; tests/cuda/test_fp8.py.
 std::map<std::string, std::string> Fp8MisuseChecks();
 
+// Stream capture of several streams and graph replay (fake_graph_checks.cc), likewise;
+// tests/cuda/test_fake.py.
+std::map<std::string, std::string> GraphChecks();
+
 // The reduction beside a release-only fused GEMM (fake_reduce_checks.cc), likewise;
 // tests/cuda/test_fused_fake.py.
 std::map<std::string, std::string> ReduceMisuseChecks();

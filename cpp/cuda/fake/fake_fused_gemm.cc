@@ -426,7 +426,13 @@ cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaS
   task.persistent = true;
   task.holds_sms = run->holds;
   task.ready = [] { return true; };
-  task.run = [run] {
+  // Each start runs the launch from its beginning (a graph replays the task: fake_graphs.cc),
+  // on progress of its own; `run` is the launch as enqueued.
+  const std::shared_ptr<const FusedRun> launched = run;
+  auto current = std::make_shared<std::shared_ptr<FusedRun>>();
+  task.run = [launched, current] {
+    auto run = std::make_shared<FusedRun>(*launched);
+    *current = run;
     S().sms_held[run->where] += run->holds;
     if (run->launch.release_flags != nullptr) {  // from now on its output is being written
       auto& runs = Releasing();
@@ -436,7 +442,7 @@ cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaS
       runs.push_back(run);
     }
   };
-  task.done = [run] { return Poll(*run); };
+  task.done = [current] { return Poll(**current); };
   Push(stream, std::move(task));
   return cudaSuccess;
 }

@@ -66,17 +66,31 @@ struct CUstream_st {
   // Stream capture (cudaStreamBeginCapture): work is recorded, not run.
   uint64_t capture = 0;  // 0: not capturing
 };
-// A CUDA graph made by a stream capture (fake_graphs.cc): the tasks recorded on the capture's
-// origin stream, each run again, as recorded, by every launch of an executable made from it.
+// A CUDA graph made by a stream capture (fake_graphs.cc): the nodes recorded on the capture's
+// streams (its origin and the streams that joined it), in the order they were recorded, each
+// with the stream it was recorded on; an event record or wait inside the capture is a node too
+// (the edges between the streams). Every launch of an executable made from it runs each node
+// again, as recorded.
 struct CUgraph_st {
   uint64_t capture = 0;
   int process = 0, device = 0;
   const CUstream_st* origin = nullptr;  // the stream the capture began on
-  std::vector<FakeTask> tasks;
-  std::string other_stream;  // a task recorded on another stream (joined the capture): not modelled
+  struct Node {
+    enum Kind { kTask, kRecord, kWait };
+    Kind kind = kTask;
+    const CUstream_st* stream = nullptr;  // the capturing stream it was recorded on
+    int event = -1;                       // kRecord, kWait: the capture's record it names
+    FakeTask task;                        // kTask
+  };
+  std::vector<Node> nodes;
+  int records = 0;  // event records made in the capture (Node::event < records)
 };
 struct CUgraphExec_st {
   CUgraph_st graph;  // the graph as instantiated (later changes to the graph do not reach it)
+  // Made at the first launch, kept for later ones: a stream for each captured stream but the
+  // origin (whose nodes run on the launch's stream), an event for each record of the capture.
+  std::map<const CUstream_st*, CUstream_st*> lanes;
+  std::vector<CUevent_st*> events;
 };
 struct CUevent_st {
   int device = 0;
@@ -84,6 +98,7 @@ struct CUevent_st {
   int64_t completed = 0;                        // records executed
   std::map<const CUstream_st*, int64_t> clock;  // of the last record
   uint64_t captured = 0;                        // last recorded into this stream capture (0: none)
+  int captured_record = -1;                     // ... as that capture's record number
   bool abandoned = false;                       // its last record was dropped by a deadlock
 };
 struct ncclComm {
@@ -303,6 +318,14 @@ void Push(cudaStream_t s, FakeTask task);
 void Push(cudaStream_t s, std::string what, std::function<bool()> ready, std::function<void()> run);
 // A task enqueued on a capturing stream: recorded into the capture's graph (fake_graphs.cc).
 void RecordIntoCapture(cudaStream_t s, FakeTask task);
+// An event record on a capturing stream, and a capturing stream's wait for an event recorded
+// in its capture: nodes of the capture's graph, the edges between its streams (fake_graphs.cc).
+void RecordEventIntoCapture(cudaEvent_t e, cudaStream_t s);
+void WaitIntoCapture(cudaStream_t s, cudaEvent_t e);
+// What cudaEventRecord / cudaStreamWaitEvent enqueue on a stream that is not capturing, without
+// the calls' checks and counts (fake_runtime.cc): a graph launch's replay of those nodes too.
+void RecordEvent(cudaEvent_t e, cudaStream_t s);
+void WaitEvent(cudaStream_t s, cudaEvent_t e);
 // Lets the fake GPU run, without choosing at random, until `until` holds or
 // nothing more can run (a host poll or synchronisation: the real GPU runs
 // meanwhile). Returns `until()`.

@@ -285,21 +285,41 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     return RtFail(cudaErrorInvalidResourceHandle,
                   "cudaEventRecord: event and stream on different devices");
   if (s->capture != 0) {  // a node of the capture's graph
-    e->captured = s->capture;
+    jo::fake::RecordEventIntoCapture(e, s);
     return cudaSuccess;
   }
+  jo::fake::RecordEvent(e, s);
+  return cudaSuccess;
+}
+
+namespace jo::fake {
+
+void RecordEvent(cudaEvent_t e, cudaStream_t s) {
   const int64_t seq = ++e->recorded;
   e->captured = 0;
+  e->captured_record = -1;
   e->abandoned = false;
   FakeTask task;
   task.what = "cudaEventRecord";
   task.ready = [] { return true; };
   task.run = [e, seq] { e->completed = std::max(e->completed, seq); };
   task.records = e;
-  jo::fake::Push(s, std::move(task));
+  Push(s, std::move(task));
   e->clock = s->clock;  // what this record is ordered after (itself included)
-  return cudaSuccess;
 }
+
+void WaitEvent(cudaStream_t s, cudaEvent_t e) {
+  const int64_t target = e->recorded;  // the record enqueued before this call
+  if (target == 0)
+    Fail("cudaStreamWaitEvent on an event never recorded (a no-op on a GPU: a missing dependency)");
+  Push(s, "cudaStreamWaitEvent", [e, target] { return e->completed >= target; }, [] {});
+  for (const auto& [st, seq] : e->clock) {  // ordered after everything before the record
+    int64_t& mine = s->clock[st];
+    if (seq > mine) mine = seq;
+  }
+}
+
+}  // namespace jo::fake
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
   Lock lock(S().mu);
@@ -307,21 +327,23 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
   if (!jo::fake::StreamOk(s, "cudaStreamWaitEvent") || flags != 0)
     return RtFail(cudaErrorInvalidValue, "cudaStreamWaitEvent");
   if (e->captured != 0 && s->capture == 0) {
+    if (s->device != e->device)
+      return RtFail(cudaErrorInvalidValue,
+                    "cudaStreamWaitEvent: a stream of another device joining a capture is not "
+                    "modelled");
     s->capture = e->captured;  // waiting on a captured event joins the capture
+    jo::fake::WaitIntoCapture(s, e);
     return cudaSuccess;
   }
   if (s->capture != 0 && e->captured != s->capture)
     return RtFail(cudaErrorStreamCaptureIsolation,
                   "cudaStreamWaitEvent: a capturing stream waits on an event recorded outside "
                   "its capture");
-  const int64_t target = e->recorded;  // the record enqueued before this call
-  if (target == 0)
-    Fail("cudaStreamWaitEvent on an event never recorded (a no-op on a GPU: a missing dependency)");
-  jo::fake::Push(s, "cudaStreamWaitEvent", [e, target] { return e->completed >= target; }, [] {});
-  for (const auto& [st, seq] : e->clock) {  // ordered after everything before the record
-    int64_t& mine = s->clock[st];
-    if (seq > mine) mine = seq;
+  if (s->capture != 0) {  // an edge between two streams of the capture
+    jo::fake::WaitIntoCapture(s, e);
+    return cudaSuccess;
   }
+  jo::fake::WaitEvent(s, e);
   return cudaSuccess;
 }
 

@@ -37,7 +37,9 @@
 //  * stream capture: work on a capturing stream is recorded, not run; host
 //    queries of a capturing stream or of an event recorded in a capture are
 //    errors (CUDA programming guide, "CUDA Graphs", stream capture:
-//    prohibited operations).
+//    prohibited operations); a stream waiting on a captured event joins the
+//    capture, and a graph launch replays every captured stream's nodes on a
+//    stream of its own, with the capture's event edges (fake_graphs.cc).
 //  * SMs: a kernel (block kernels, cuBLASLt matmuls, NCCL groups) does not
 //    start while a persistent kernel (the fused GEMM, fake_fused_gemm.cc)
 //    holds the device's SMs; copies and stream memory operations need none.

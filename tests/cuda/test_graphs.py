@@ -1,0 +1,135 @@
+"""The fake's stream capture of several streams and its graph replay (cpp/cuda/fake/fake_graphs.cc):
+a stream that waits on an event recorded in a capture joins it, the capture's records and waits
+are the graph's edges, every joined stream must be joined back before the capture ends, and a
+launch runs each captured stream's nodes on a stream of its own, so that the branches run
+concurrently as they did when captured (CUDA programming guide, "CUDA Graphs", "Cross-stream
+Dependencies and Events"). Then a program of three streams (the fused all-gather over p2p)
+captured through the CUDA executor and replayed: right once, and, with its host-side epochs baked
+in, wrong from its second replay — why only a program without them may be captured
+(docs/gpu-internals.md §8)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .fake_cases import NP, inputs, play, problem
+
+pytestmark = pytest.mark.jax_independent
+
+GRAPH_CHECKS = {
+    # s1 copies and raises a flag, s0 (which waits for the flag, recorded ahead of it) copies on:
+    # three launches, each with new data, each right; a one-stream replay would wait forever
+    "a graph of two streams launched three times (control)": "",
+    "a forked stream not joined back before the capture ends":
+        "was not joined back into the origin stream",
+    # the replay enqueues the nodes in their recorded order, as the capture's streams would have
+    # been: with one work queue the wait blocks the queue ahead of its write, as uncaptured
+    "one work queue, a wait recorded ahead of its write":
+        "deadlock: no work queue can progress (CUDA_DEVICE_MAX_CONNECTIONS=1",
+}
+
+
+def test_graph_checks(fake):
+    got = fake.graph_checks()
+    assert set(got) == set(GRAPH_CHECKS)
+    for name, want in GRAPH_CHECKS.items():
+        if want:
+            assert want in got[name], (name, got[name])
+        else:
+            assert got[name] == "", (name, got[name])
+
+
+def _fused_ag_replays(fake, connections):
+    fake.reset(fake.Config(connections=connections))
+    n = 4
+    p = problem("ag_matmul", "p2p", n, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, chunks=2, bidirectional=True)
+    xs, ws = inputs(p, 0)
+    ws = [ws[0]] * n  # one w, so that every rank's y is the gathered x times it
+    replay_xs = [inputs(p, seed)[0] for seed in (1, 2, 3)]
+    out = play(fake, p, xs, ws, calls=1, capture=True, replays=3,
+               replay_xs=[[x.tobytes() for x in r] for r in replay_xs], replay_late_rank=1,
+               capture_any=True)
+    w = ws[0].astype(np.float64)
+    right = []
+    for ys, x in zip(out["replay_ys"], replay_xs, strict=True):
+        want = np.concatenate([s[0] for s in x]).astype(np.float64) @ w
+        right.append([np.allclose(np.frombuffer(y, NP["bfloat16"]).astype(np.float64)
+                                  .reshape(want.shape), want, rtol=2e-2, atol=2e-2) for y in ys])
+    return out, right
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+def test_a_captured_three_stream_call_with_host_side_epochs_is_wrong_from_its_second_replay(
+        fake, connections):
+    """The fused all-gather over p2p (compute stream and two comm streams, forked from and joined
+    into XLA's stream) recorded into a graph on every rank through the test seam that lets any
+    call be captured, then launched three times with new inputs, rank 1 last. The first replay
+    is right on every rank: the graph's three streams run as recorded, with their flags between
+    the ranks. From the second on its waits are satisfied by the flags of the first (the epoch
+    baked in) and the ranks multiply stale shards. Without the seam the handler refuses it."""
+    out, right = _fused_ag_replays(fake, connections)
+    assert out["statuses"] == [None] * 4 and out["replay_drained"] == [True] * 3
+    assert right[0] == [True] * 4, right
+    assert not any(right[1]) and not any(right[2]), right
+    fake.reset()
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True)
+    xs, ws = inputs(p, 0)
+    refused = play(fake, p, xs, ws, calls=1, capture=True, replays=1)
+    assert all("this program's host side would not replay" in s for s in refused["statuses"])
+
+
+def _replayable_case(fake, connections, n, chunks, bidirectional, late):
+    fake.reset(fake.Config(connections=connections, seed=10 * n + chunks))
+    p = problem("ag_matmul", "p2p", n, batch=2, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, chunks=chunks, bidirectional=bidirectional, replayable=True,
+                return_gathered=True)
+    xs, ws = inputs(p, 0)
+    ws = [ws[0]] * n
+    replay_xs = [inputs(p, seed)[0] for seed in (1, 2, 3)]
+    out = play(fake, p, xs, ws, calls=2, capture=True, replays=3,
+               replay_xs=[[x.tobytes() for x in r] for r in replay_xs], replay_late_rank=late)
+    w = ws[0].astype(np.float64)
+
+    def right(ys, x):  # x [batch, rows, k] per rank: the gathered rows are every rank's
+        want = np.concatenate(x, axis=1).astype(np.float64) @ w
+        return [np.allclose(np.frombuffer(y, NP["bfloat16"]).astype(np.float64)
+                            .reshape(want.shape), want, rtol=2e-2, atol=2e-2) for y in ys]
+
+    return out, right(out["ys"], xs), [right(ys, x) for ys, x in
+                                       zip(out["replay_ys"], replay_xs, strict=True)]
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+def test_a_captured_replayable_fused_ag_replayed_k_times_gives_k_right_answers(fake,
+                                                                              connections):
+    """The replayable program (docs/gpu-internals.md §8: flag values 1, reset by their reader,
+    an acknowledgement per ring direction, buffers of its own) through the CUDA executor: two
+    ordinary calls back to back, then the call captured into a graph on every rank and launched
+    three times with new inputs, the last rank launching last — every call and every replay
+    right, N 2-8, chunks 1-4, both directions, two batches, the gathered x returned, with one
+    and eight work queues. The epoch program in the same case (above) is wrong from its second
+    replay."""
+    for n in range(2, 9):
+        for chunks in (1, 2, 3, 4):
+            for bidir in (False, True):
+                out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir,
+                                                       late=n - 1)
+                case = (n, chunks, bidir)
+                assert out["statuses"] == [None] * n, (case, out["statuses"])
+                assert out["drained"] and out["replay_drained"] == [True] * 3, case
+                assert fake.errors() == [], (case, fake.errors())
+                assert eager == [True] * n, case
+                assert replays == [[True] * n] * 3, (case, replays)
+
+
+def test_a_replayable_calls_first_execution_under_capture_is_refused(fake):
+    """Its set-up allocates its buffers, which a capture cannot hold: refused with the reason
+    (XLA runs an executable once before it records it)."""
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, replayable=True)
+    xs, ws = inputs(p, 0)
+    out = play(fake, p, xs, ws, calls=0, capture=True, replays=1)
+    assert all("under CUDA-graph capture" in s for s in out["statuses"]), out["statuses"]
