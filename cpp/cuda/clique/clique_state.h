@@ -90,9 +90,13 @@ struct Generation {
 // state words, made once per clique (zero-filled) and never replaced — a captured call keeps
 // these addresses for as long as its executable lives — and, per local rank, the kernel's fault
 // record in page-locked host memory, which the watchdog reads.
+// A replayable program's own buffers (CudaClique::ReplayArea, docs/gpu-internals.md §8) are the
+// same shape: a generation (its programs use half 0) and, per local rank, the fault record of
+// its bounded flag waits (kernels/flag_wait_body.h fw::Fault); `replay` says which record it is.
 struct KernelArea {
   std::shared_ptr<Generation> gen;
   std::vector<std::unique_ptr<PinnedHost>> faults;  // per rank (this process's ranks)
+  bool replay = false;  // the records are fw::Faults (a replayable program's), not ar::Faults
 };
 
 // What a call needs of each local rank's pool: the largest need of any rank's program (every
