@@ -406,6 +406,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
         "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
         "what the fake recorded for each.");
+  m.def("flag_wait_misuse_checks", &jo::fake::FlagWaitMisuseChecks,
+        "The bounded flag-wait kernel: launches the fake refuses, a wait that gives up (its "
+        "record) and the control: what the fake recorded for each.");
   m.def("reduce_misuse_checks", &jo::fake::ReduceMisuseChecks,
         "The fused GEMM + reduce-scatter's reduction beside the kernel: a block read before its "
         "release, a reduction sized to SMs the kernel does not leave (and the control): what the "

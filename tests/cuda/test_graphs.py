@@ -194,3 +194,20 @@ def test_a_forwarding_wait_is_still_unbounded(fake):
     assert not out["drained"]
     assert any(e.startswith("deadlock") and "cuStreamWaitValue32" in e for e in fake.errors()), \
         fake.errors()
+
+
+def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
+    """The bounded flag-wait kernel on the fake (cpp/cuda/kernels/flag_wait_body.h): a flag
+    raised on another stream ends the wait, the record untouched (control); a flag never raised
+    ends it after its timeout on the GPUs' clock with the record written (flag, writer, value
+    seen, value waited for); launches it cannot run as built are refused — a fault record not in
+    page-locked host memory (the watchdog reads it with host loads while the kernel runs), a
+    launch that is not one thread, a timeout of 0 (it would give up at once), a flag no device
+    reaches."""
+    got = fake.flag_wait_misuse_checks()
+    assert got["a flag raised on another stream (control)"] == "", got
+    assert got["a flag never raised"] == "record: code 1 flag 7 writer 3 seen 0 value 1", got
+    assert "not in page-locked host memory" in got["a fault record in device memory"], got
+    assert "one block of one thread" in got["a launch of two threads"], got
+    assert "timeout_ns <= 0" in got["a timeout of 0"], got
+    assert "not inside one device allocation" in got["a flag in pageable host memory"], got
