@@ -536,7 +536,7 @@ class Watchdog {
     cudaStream_t side = nullptr;
     if (gen != nullptr && gen->num_flags > 0 && LoadDriver(&drv).ok() &&
         cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
-      for (int32_t i = 0; i < 2 * gen->num_flags; ++i)
+      for (int32_t i = 0; i < gen->halves * gen->num_flags; ++i)
         (void)drv->cuStreamWriteValue32(
             reinterpret_cast<CUstream>(side),
             gen->Flag(c.rank, i / gen->num_flags, i % gen->num_flags, c.rank),

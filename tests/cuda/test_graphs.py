@@ -10,6 +10,11 @@ in, wrong from its second replay — why only a program without them may be capt
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -211,3 +216,30 @@ def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
     assert "one block of one thread" in got["a launch of two threads"], got
     assert "timeout_ns <= 0" in got["a timeout of 0"], got
     assert "not inside one device allocation" in got["a flag in pageable host memory"], got
+
+
+_ONE_HALF = """
+import jaxoverlap._cuda_fake as fake
+from tests.cuda.fake_cases import inputs, play, problem
+fake.reset(fake.Config())
+for replayable in (False, True):
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, replayable=replayable)
+    xs, ws = inputs(p, 0)
+    out = play(fake, p, xs, ws, calls=1, clique_key=5 + replayable)
+    assert out["statuses"] == [None, None], out["statuses"]
+"""
+
+
+def test_the_replay_area_is_one_half():
+    """A replayable program runs at epoch 0 only, so its own buffers are one half (the plain
+    program's generations are two, by epoch parity): the set-up's log line says how many halves
+    it allocated (JAXOVERLAP_LOG=info, read once per process: a process of its own)."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _ONE_HALF], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAXOVERLAP_LOG": "info"})
+    assert done.returncode == 0, done.stderr
+    made = [line for line in done.stderr.splitlines() if "new buffers from epoch" in line]
+    assert len(made) == 2, done.stderr
+    assert "clique 0x0000000000000005" in made[0] and "workspace 2 x 512 bytes" in made[0]
+    assert "clique 0x0000000000000006" in made[1] and "workspace 1 x 512 bytes" in made[1]

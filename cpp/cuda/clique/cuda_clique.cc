@@ -154,7 +154,7 @@ Status CudaClique::ReplayArea(int64_t site, int64_t epoch, int64_t workspace_byt
     lock.unlock();
     auto made = std::make_shared<KernelArea>();
     made->replay = true;
-    Status status = NewGeneration(epoch, workspace_bytes, num_flags, ctx, &made->gen);
+    Status status = NewGeneration(epoch, workspace_bytes, num_flags, ctx, &made->gen, /*halves=*/1);
     // The fault records of its bounded flag waits (kernels/flag_wait_body.h), zeroed.
     made->faults.resize(state_.ranks.size());
     for (size_t r = 0; status.ok() && r < state_.ranks.size(); ++r) {
@@ -204,10 +204,12 @@ void CudaClique::DeferRelease(std::shared_ptr<const Generation> gen) {
 }
 
 Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                                 const ErrorContext& ctx, std::shared_ptr<Generation>* out) {
+                                 const ErrorContext& ctx, std::shared_ptr<Generation>* out,
+                                 int32_t halves) {
   DeviceGuard guard;
   auto gen = std::make_shared<Generation>();
   gen->since_epoch = epoch;
+  gen->halves = halves;
   gen->workspace_bytes = RoundUp(static_cast<size_t>(workspace_bytes), 256);  // halves aligned
   gen->num_flags = num_flags;
   const Status made = OpsOf(state_.transport).alloc_buffers(state_, gen.get(), ctx);
@@ -216,8 +218,8 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
     if (!AwaitSetup(state_, ctx).ok()) Leak({std::move(gen)}, {});
     return made;
   }
-  JO_INFO(ctx.Describe() + ": new buffers from epoch " + std::to_string(epoch) +
-          ": workspace 2 x " + std::to_string(gen->workspace_bytes) + " bytes, " +
+  JO_INFO(ctx.Describe() + ": new buffers from epoch " + std::to_string(epoch) + ": workspace " +
+          std::to_string(halves) + " x " + std::to_string(gen->workspace_bytes) + " bytes, " +
           std::to_string(num_flags) + " flags per rank");
   *out = std::move(gen);
   return OkStatus();

@@ -149,8 +149,10 @@ class CudaClique : public Clique {
   // Makes the kernel area (WITHOUT the lock, like a generation).
   Status NewKernelArea(int64_t epoch, const ErrorContext& ctx, std::shared_ptr<KernelArea>* out);
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
+  // `halves`: 2 (epoch parities), or 1 (a replayable program's, run at epoch 0).
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                       const ErrorContext& ctx, std::shared_ptr<Generation>* out);
+                       const ErrorContext& ctx, std::shared_ptr<Generation>* out,
+                       int32_t halves = 2);
   // Transport nccl: connects the rank's communicators to the peers `program` sends to and
   // receives from, those not connected yet (NcclComms::Connect); called WITHOUT the lock.
   Status ConnectPeers(const Program& program, const ErrorContext& ctx, RankResources* res);
