@@ -208,7 +208,7 @@ def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
     seen, value waited for); launches it cannot run as built are refused — a fault record not in
     page-locked host memory (the watchdog reads it with host loads while the kernel runs), a
     launch that is not one thread, a timeout of 0 (it would give up at once), a flag no device
-    reaches."""
+    reaches. A wait on a rank that gave up before ends at once."""
     got = fake.flag_wait_misuse_checks()
     assert got["a flag raised on another stream (control)"] == "", got
     assert got["a flag never raised"] == "record: code 1 flag 7 writer 3 seen 0 value 1", got
@@ -216,6 +216,10 @@ def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
     assert "one block of one thread" in got["a launch of two threads"], got
     assert "timeout_ns <= 0" in got["a timeout of 0"], got
     assert "not inside one device allocation" in got["a flag in pageable host memory"], got
+    # a rank whose record is written already: the wait ends at once (drained with a timeout far
+    # past the fake's grace), the record as it was
+    assert got["a flag never raised, on a rank that gave up before"] == \
+        "record: code 1 flag 0 writer 0 seen 0 value 0", got
 
 
 _ONE_HALF = """

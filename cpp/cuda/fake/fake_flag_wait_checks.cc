@@ -22,7 +22,15 @@ namespace jo::fake {
 std::map<std::string, std::string> FlagWaitMisuseChecks() {
   namespace fw = cuda::kernel::fw;
   std::map<std::string, std::string> out;
-  enum class How { kControl, kNeverRaised, kDeviceRecord, kTwoThreads, kNoTimeout, kHostFlag };
+  enum class How {
+    kControl,
+    kNeverRaised,
+    kDeviceRecord,
+    kTwoThreads,
+    kNoTimeout,
+    kHostFlag,
+    kGaveUpBefore
+  };
   auto run = [&](const std::string& name, How how) {
     Config config;
     config.devices = 1;
@@ -35,20 +43,25 @@ std::map<std::string, std::string> FlagWaitMisuseChecks() {
     fw::Fault* pinned = nullptr;
     (void)cudaMallocHost(reinterpret_cast<void**>(&pinned), sizeof(fw::Fault));
     *pinned = fw::Fault{};
+    if (how == How::kGaveUpBefore) pinned->code = pinned->claim = 1;  // an earlier wait gave up
     fw::Args a;
     static uint32_t host_word = 0;  // pageable host memory: no device reaches it
     a.flag = how == How::kHostFlag ? &host_word : flag;
     a.value = 1;
     a.flag_id = 7;
     a.writer = 3;
-    a.timeout_ns = how == How::kNoTimeout ? 0 : 1000000000;  // 1 s of the GPUs' clock
+    // 1 s of the GPUs' clock; a rank that gave up before: far past the fake's grace, so only
+    // ending at once drains
+    a.timeout_ns = how == How::kNoTimeout      ? 0
+                   : how == How::kGaveUpBefore ? int64_t{1} << 50
+                                               : 1000000000;
     a.fault =
         how == How::kDeviceRecord ? static_cast<fw::Fault*>(Malloc(0, sizeof(fw::Fault))) : pinned;
     cudaStream_t waiting = StreamOn(0), raising = StreamOn(0);
     void* params[] = {&a};
     const dim3 threads(how == How::kTwoThreads ? 2 : 1);
     (void)cudaLaunchKernel(cuda::kernel::FlagWaitKernel(), dim3(1), threads, params, 0, waiting);
-    if (how != How::kNeverRaised)
+    if (how != How::kNeverRaised && how != How::kGaveUpBefore)
       (void)drv->cuStreamWriteValue32(reinterpret_cast<CUstream>(raising),
                                       reinterpret_cast<CUdeviceptr>(flag), 1,
                                       CU_STREAM_WRITE_VALUE_DEFAULT);
@@ -69,6 +82,7 @@ std::map<std::string, std::string> FlagWaitMisuseChecks() {
   run("a launch of two threads", How::kTwoThreads);
   run("a timeout of 0", How::kNoTimeout);
   run("a flag in pageable host memory", How::kHostFlag);
+  run("a flag never raised, on a rank that gave up before", How::kGaveUpBefore);
   ResetExecutorAndFake(Config());
   return out;
 }
