@@ -130,7 +130,7 @@ std::string ToString(const Ref& ref) {
   return out.str();
 }
 
-std::string ToString(const Op& op) {
+std::string ToString(const Op& op, bool replayable) {
   std::ostringstream out;
   out << OpKindName(op.kind) << "(";
   switch (op.kind) {
@@ -164,10 +164,10 @@ std::string ToString(const Op& op) {
           << op.n << " tag=" << op.id << " bundle=" << op.bundle;
       break;
     case OpKind::kSignal:
-      out << "peer=" << op.peer << " flag=" << op.id << " = epoch";
+      out << "peer=" << op.peer << " flag=" << op.id << (replayable ? " = 1" : " = epoch");
       break;
     case OpKind::kWait:
-      out << "flag=" << op.id << " >= epoch, writer=" << op.peer;
+      out << "flag=" << op.id << (replayable ? " >= 1" : " >= epoch") << ", writer=" << op.peer;
       break;
     case OpKind::kRecord:
     case OpKind::kStreamWait:
@@ -226,7 +226,7 @@ std::string ToString(const Program& p) {
   for (int32_t s = 0; s < p.num_streams; ++s) {
     out << "  stream " << s << (s == 0 ? " (compute)" : " (comm)") << ":\n";
     for (const Op& op : p.ops)
-      if (op.stream == s) out << "    " << ToString(op) << "\n";
+      if (op.stream == s) out << "    " << ToString(op, p.problem.replayable) << "\n";
   }
   return out.str();
 }

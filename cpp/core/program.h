@@ -256,7 +256,9 @@ int64_t ScratchBytes(const Program& program);
 Ref BlockScalesOf(const Problem& q, const Ref& a);
 
 std::string ToString(const Ref& ref);
-std::string ToString(const Op& op);
+// `replayable`: the op of a replayable program, whose Signals write 1 and Waits wait for >= 1
+// (no epoch: docs/gpu-internals.md §8).
+std::string ToString(const Op& op, bool replayable = false);
 std::string ToString(const Program& program);  // one op per line, grouped by stream
 std::string Summary(const Program& program);   // one line: op, transport, shape, chunks
 

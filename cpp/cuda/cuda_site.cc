@@ -389,7 +389,7 @@ Status CudaSite::EnqueueReplayable(const Caller& caller, const BoundCall& bound,
   ctx.rank = program.problem.rank;
   ctx.clique = clique.name();
   JO_CHECK(clique.CheckNotBroken(ctx.Describe()));
-  std::shared_ptr<const Generation> buffers;
+  std::shared_ptr<const KernelArea> buffers;
   RankResources* resources = nullptr;
   std::shared_ptr<const RankPool> pool;
   {
@@ -412,7 +412,7 @@ Status CudaSite::EnqueueReplayable(const Caller& caller, const BoundCall& bound,
       if (status.ok())
         status = clique.Reserve(program, CallNeeds{}, bound.pool_needs, epoch, ctx, &reserved,
                                 /*kernel_area=*/false, /*generation=*/false);
-      std::shared_ptr<const Generation> made;
+      std::shared_ptr<const KernelArea> made;
       if (status.ok())
         status = clique.ReplayArea(bound.call.clique.site, epoch, bound.call.needs.workspace_bytes,
                                    bound.call.needs.num_flags, ctx, &made);
@@ -423,6 +423,9 @@ Status CudaSite::EnqueueReplayable(const Caller& caller, const BoundCall& bound,
       bound.replay = std::move(made);
       bound.resources = reserved.resources;
       bound.pool = reserved.pool;  // kept: a captured call's addresses stay valid
+      // Its acknowledgement waits are bounded kernels that record why they gave up: watched
+      // while the clique lives, eager calls and replays alike (a replay runs no host code).
+      WatchKernelArea(bound.clique, bound.replay, Millis(desc_.timeout_ms));
     }
     buffers = bound.replay;
     resources = bound.resources;
@@ -434,7 +437,9 @@ Status CudaSite::EnqueueReplayable(const Caller& caller, const BoundCall& bound,
   run.device = static_cast<int>(caller.device);
   run.stream = stream;
   run.epoch = 0;  // nothing of the call depends on an epoch: half 0, flag values 1
-  run.gen = buffers.get();
+  run.gen = buffers->gen.get();
+  run.wait_fault =
+      static_cast<kernel::fw::Fault*>(buffers->faults[static_cast<size_t>(ctx.rank)]->ptr);
   run.resources = resources;
   run.pool = pool.get();
   run.io = io;

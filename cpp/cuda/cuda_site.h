@@ -72,9 +72,10 @@ class CudaSite {
     mutable std::shared_ptr<const KernelArea> area;
     mutable RankResources* resources = nullptr;
     mutable std::shared_ptr<const RankPool> pool;
-    // A replayable program (docs/gpu-internals.md §8): its own buffers (CudaClique::ReplayArea),
-    // made at its first execution on this GPU, under setup_mu.
-    mutable std::shared_ptr<const Generation> replay;
+    // A replayable program (docs/gpu-internals.md §8): its own buffers and its flag waits'
+    // fault records (CudaClique::ReplayArea), made at its first execution on this GPU, under
+    // setup_mu, and watched from then on (WatchKernelArea).
+    mutable std::shared_ptr<const KernelArea> replay;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
   // A call of the kernel algorithms: no epoch, no agreement and no watch of its own (it would
@@ -84,7 +85,8 @@ class CudaSite {
   Status EnqueueOneLaunch(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
                           cudaStream_t stream, bool capturing);
   // A replayable program (the fused all-gather over p2p, docs/gpu-internals.md §8): likewise no
-  // epoch, agreement or watch per call; its first execution on a GPU sets up its own buffers.
+  // epoch, agreement or watch per call; its first execution on a GPU sets up its own buffers
+  // and the standing watch of its flag waits' fault records.
   Status EnqueueReplayable(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
                            cudaStream_t stream, bool capturing);
 

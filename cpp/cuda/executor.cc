@@ -13,6 +13,7 @@
 #include "cuda/fused/fused_gemm.h"
 #include "cuda/gemm/gemm.h"
 #include "cuda/kernels/allreduce_launch.h"
+#include "cuda/kernels/flag_wait_table.h"
 #include "cuda/kernels/kernels.h"
 #include "cuda/transport/nccl_comms.h"
 
@@ -90,6 +91,8 @@ struct Step {
   size_t fused = 0;                // FusedGemm: its arguments, the Enqueuer's fused_[fused]
   size_t allreduce = 0;            // AllReduce: its launch, the Enqueuer's allreduce_[allreduce]
   CUdeviceptr flag = 0;            // Signal, Wait
+  const void* bounded = nullptr;   // Wait: the bounded flag-wait kernel (flag_wait_body.h)
+  kernel::fw::Args wait;           // ... its arguments
   std::vector<CUdeviceptr> flags;  // ResetFlags
   cudaEvent_t event = nullptr;     // Record, StreamWait
   ncclComm_t comm = nullptr;       // Send, Recv (set by Execute, from the caller's lease)
@@ -119,7 +122,8 @@ class Enqueuer {
     for (size_t i = 0; i < issued.size(); ++i)
       if (issued[i] != 1)
         return Internal(a_.ctx.Describe() + ": the issue order lists op " + std::to_string(i) +
-                        " " + std::to_string(issued[i]) + " times: " + ToString(p_.ops[i]));
+                        " " + std::to_string(issued[i]) +
+                        " times: " + ToString(p_.ops[i], p_.problem.replayable));
     // A replayable program enqueues the same work every call: no epoch (half 0 of its own
     // buffers, values 1: CudaSite::EnqueueReplayable).
     if (p_.problem.replayable && p_.problem.nranks > 1 && (a_.epoch != 0 || a_.area != nullptr))
@@ -145,9 +149,12 @@ class Enqueuer {
       }
     steps_.resize(p_.ops.size());
     for (size_t i = 0; i < p_.ops.size(); ++i) {
-      const Status status = PrepareOp(p_.ops[i], &steps_[i]);
+      Status status = PrepareOp(p_.ops[i], &steps_[i]);
+      if (status.ok() && p_.ops[i].kind == OpKind::kWait && TailWait(i))
+        status = PrepareBoundedWait(p_.ops[i], &steps_[i]);
       if (!status.ok())
-        return Status(status.code(), status.message() + "; while preparing " + ToString(p_.ops[i]) +
+        return Status(status.code(), status.message() + "; while preparing " +
+                                         ToString(p_.ops[i], p_.problem.replayable) +
                                          " on stream " + std::to_string(p_.ops[i].stream));
     }
     return OkStatus();
@@ -191,8 +198,9 @@ class Enqueuer {
           IsNccl(op.kind) ? NcclGroup(unit) : Exec(op, steps_[static_cast<size_t>(unit.begin)]);
       if (a_.gate != nullptr) a_.gate->After(u);
       if (!status.ok())
-        status = Status(status.code(), status.message() + "; while enqueueing " + ToString(op) +
-                                           " on stream " + std::to_string(op.stream));
+        status = Status(status.code(), status.message() + "; while enqueueing " +
+                                           ToString(op, p_.problem.replayable) + " on stream " +
+                                           std::to_string(op.stream));
     }
     // Once forked, always joined: XLA's stream must not run ahead of work
     // that still reads x or writes y, even when enqueueing failed half-way.
@@ -248,6 +256,39 @@ class Enqueuer {
         first = CudaFailure(code, "join of the comm streams into XLA's stream", ctx_);
     }
     return first;
+  }
+
+  // A replayable program's wait that ends its stream (only ResetFlags after it: the
+  // acknowledgement wait of docs/gpu-internals.md §8). It runs as the bounded flag-wait kernel,
+  // which needs an SM: nothing of this call waits for it but the join, so it may wait for the
+  // SMs the fused GEMM holds (§5, rule 1), and the next call's work, the next fused GEMM
+  // included, comes after the join. Not the forwarding waits: the forwarded copies behind them
+  // are what the peers' fused GEMMs wait for, so a wait kernel there could wait forever for an
+  // SM a waiting fused GEMM holds (rule 1); they stay cuStreamWaitValue32, unbounded.
+  bool TailWait(size_t i) const {
+    if (!p_.problem.replayable || p_.problem.nranks < 2) return false;
+    for (size_t j = i + 1; j < p_.ops.size(); ++j)
+      if (p_.ops[j].stream == p_.ops[i].stream && p_.ops[j].kind != OpKind::kResetFlags)
+        return false;
+    return true;
+  }
+
+  Status PrepareBoundedWait(const Op& op, Step* step) {
+    if (a_.wait_fault == nullptr)
+      return Internal(a_.ctx.Describe() +
+                      ": a replayable program's bounded wait has no fault record");
+    const void* k = kernel::FlagWaitKernel();
+    JO_ASSERT(k != nullptr);
+    JO_CHECK(PrepareKernel(k, nullptr, a_.ctx));
+    step->bounded = k;  // looked up here: nothing but enqueueing on the enqueue path
+    kernel::fw::Args& w = step->wait;
+    w.flag = reinterpret_cast<const uint32_t*>(step->flag);
+    w.value = FlagValue();
+    w.flag_id = op.id;
+    w.writer = op.peer;
+    w.timeout_ns = TimeoutNs(a_.timeout);  // saturated (inf: 2^62 ms)
+    w.fault = a_.wait_fault;
+    return OkStatus();
   }
 
   // The value a Signal writes and a wait waits for: the call's epoch, or 1 for a replayable
@@ -578,6 +619,13 @@ class Enqueuer {
                                                FlagValue(), CU_STREAM_WRITE_VALUE_DEFAULT));
         return OkStatus();
       case OpKind::kWait:
+        if (step.bounded != nullptr) {  // flag_wait_body.h: one thread, ld.acquire.sys, bounded
+          kernel::fw::Args args = step.wait;
+          void* params[] = {&args};
+          JO_CUDA_CHECK(ctx_,
+                        cudaLaunchKernel(step.bounded, dim3(1), dim3(1), params, 0, step.stream));
+          return OkStatus();
+        }
         // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.
         // FLUSH where the device has it: the data before the flag are remote writes too.
         JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(step.stream),

@@ -45,6 +45,7 @@
 #include "core/status.h"
 #include "cuda/base/check.h"
 #include "cuda/clique/clique_state.h"
+#include "cuda/kernels/flag_wait_body.h"
 
 namespace jo::cuda {
 
@@ -83,6 +84,8 @@ struct RunArgs {
   // agree on, checked on the device).
   const KernelArea* area = nullptr;
   uint32_t signature = 0;
+  // A replayable program: the rank's fault record of its bounded flag waits (its ReplayArea's).
+  kernel::fw::Fault* wait_fault = nullptr;
 };
 
 class Enqueuer;

@@ -174,8 +174,10 @@ class Watchdog {
       bool all = true;
       for (size_t r = 0; r < area->faults.size(); ++r) {
         if (area->faults[r] == nullptr || it->reported[r]) continue;
-        std::string text =
-            DescribeFault(*clique, static_cast<int32_t>(r), area->faults[r]->ptr, it->timeout);
+        std::string text = area->replay ? DescribeWaitFault(*clique, static_cast<int32_t>(r),
+                                                            area->faults[r]->ptr, it->timeout)
+                                        : DescribeFault(*clique, static_cast<int32_t>(r),
+                                                        area->faults[r]->ptr, it->timeout);
         if (text.empty()) {
           all = false;
           continue;
@@ -224,6 +226,29 @@ class Watchdog {
     return text +
            ". The kernel gave up; its results and every later one-launch all-reduce's on "
            "this rank are invalid; the clique is broken.";
+  }
+
+  // A replayable program's bounded flag wait that gave up (kernels/flag_wait_body.h): "" while
+  // the record is empty.
+  static std::string DescribeWaitFault(const CudaClique& clique, int32_t rank, const void* record,
+                                       std::chrono::milliseconds timeout) {
+    const auto* words = static_cast<const volatile uint32_t*>(record);
+    const uint32_t code = words[0];
+    if (code == 0) return "";
+    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before it
+    const uint32_t flag = words[2], writer = words[3], seen = words[4], value = words[5];
+    const size_t w = writer;
+    const bool elsewhere = w < clique.devices().size() && clique.devices()[w] < 0;
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(timeout).count());
+    return "replayable ag_matmul, rank " + std::to_string(rank) + " (" + clique.name() +
+           "): its wait for flag " + std::to_string(flag) + " from rank " + std::to_string(writer) +
+           (elsewhere ? " (process " + std::to_string(clique.processes()[w]) + ")" : "") +
+           " (its acknowledgement) did not see " + std::to_string(value) + " within " + seconds +
+           " s (it is " + std::to_string(seen) +
+           "): the peer did not arrive (ranks disagree on the calls, or a peer failed). The wait "
+           "gave up; this call's results and every later replay's on this rank are invalid; the "
+           "clique is broken.";
   }
 
   // One look at every rank's oldest pending call: done ones are dropped, late ones fired; at the
@@ -511,7 +536,7 @@ class Watchdog {
     cudaStream_t side = nullptr;
     if (gen != nullptr && gen->num_flags > 0 && LoadDriver(&drv).ok() &&
         cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
-      for (int32_t i = 0; i < 2 * gen->num_flags; ++i)
+      for (int32_t i = 0; i < gen->halves * gen->num_flags; ++i)
         (void)drv->cuStreamWriteValue32(
             reinterpret_cast<CUstream>(side),
             gen->Flag(c.rank, i / gen->num_flags, i % gen->num_flags, c.rank),

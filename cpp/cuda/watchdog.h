@@ -94,7 +94,9 @@ void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
 // clique's kernel area (a fault record per local rank, page-locked host memory). The watchdog
 // reads those records on every pass while the clique lives (plain host reads: nothing
 // enqueued); the first fault found is reported with JO_WARN and breaks the clique. Registering
-// an area again is a no-op.
+// an area again is a no-op. A replayable program's buffers (CudaClique::ReplayArea,
+// KernelArea::replay) are watched the same way: their records are its bounded flag waits'
+// (kernels/flag_wait_body.h), reported naming the rank, the flag and the peer that raises it.
 void WatchKernelArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
                      std::chrono::milliseconds timeout);
 

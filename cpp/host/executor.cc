@@ -136,8 +136,9 @@ class Run {
         current_[static_cast<size_t>(stream)] = nullptr;
       }
       if (!status.ok()) {
-        status = Status(status.code(), status.message() + "; during " + ToString(op) +
-                                           " on stream " + std::to_string(stream));
+        status = Status(status.code(), status.message() + "; during " +
+                                           ToString(op, p_.problem.replayable) + " on stream " +
+                                           std::to_string(stream));
         Fail(status);
         return status;
       }

@@ -161,6 +161,7 @@ void SetPlayed(jo::fake::PlayedCalls& played, const nb::kwargs& kwargs) {
       }
     };
     field("replay_late_rank", &Played::replay_late_rank);
+    field("replay_skip_rank", &Played::replay_skip_rank);
     field("y_offsets", &Played::y_offsets);
     field("capture_any", &Played::capture_any);
     field("late_rank", &Played::late_rank);
@@ -367,7 +368,8 @@ NB_MODULE(_cuda_fake, m) {
         "once the others have returned from it); capture: then each rank's "
         "thread captures one more call into a graph, launched `replays` times (replay_xs[i]: x "
         "per rank before replay i; replay_late_rank: launched once the others ran as far as "
-        "they can; capture_any: record a program that does not replay); y_offsets (per rank: "
+        "they can; replay_skip_rank: not launched in the last replay; capture_any: record a "
+        "program that does not replay); y_offsets (per rank: "
         "y that many bytes into its allocation) -> replay_ys, replay_drained.");
   m.def("fp8_tensor_core", &Fp8TensorCore, nb::arg("arch"),
         "The FP8 accumulator the fake models for compute capability `arch` (10 * major + "
@@ -404,6 +406,9 @@ NB_MODULE(_cuda_fake, m) {
   m.def("wait_misuse_checks", &jo::fake::WaitMisuseChecks,
         "One deliberate misuse (and control) per rule about host calls that wait for the GPU: "
         "what the fake recorded for each.");
+  m.def("flag_wait_misuse_checks", &jo::fake::FlagWaitMisuseChecks,
+        "The bounded flag-wait kernel: launches the fake refuses, a wait that gives up (its "
+        "record) and the control: what the fake recorded for each.");
   m.def("reduce_misuse_checks", &jo::fake::ReduceMisuseChecks,
         "The fused GEMM + reduce-scatter's reduction beside the kernel: a block read before its "
         "release, a reduction sized to SMs the kernel does not leave (and the control): what the "

@@ -215,7 +215,7 @@ nb::dict OpDict(const jo::Program& p, const jo::Op& op) {
   for (const jo::Ref& src : op.sources) sources.append(RefDict(src));
   d["sources"] = reduce ? nb::object(sources) : nb::none();
   d["sms"] = op.sms;
-  d["text"] = jo::ToString(op);
+  d["text"] = jo::ToString(op, p.problem.replayable);
   return d;
 }
 

@@ -10,6 +10,11 @@ in, wrong from its second replay — why only a program without them may be capt
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -133,3 +138,112 @@ def test_a_replayable_calls_first_execution_under_capture_is_refused(fake):
     xs, ws = inputs(p, 0)
     out = play(fake, p, xs, ws, calls=0, capture=True, replays=1)
     assert all("under CUDA-graph capture" in s for s in out["statuses"]), out["statuses"]
+
+
+def _dead_peer(fake, replayed, timeout_ms=1000):
+    """N 2, the replayable program; rank 1 never makes the call (eager), or does not launch its
+    graph in the second replay (replayed)."""
+    fake.reset(fake.Config(grace_ms=6000))
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, replayable=True)
+    xs, ws = inputs(p, 0)
+    if replayed:
+        return play(fake, p, xs, ws, calls=1, capture=True, replays=2, replay_skip_rank=1,
+                    timeout_ms=timeout_ms)
+    return play(fake, p, xs, ws, calls=1, skip_rank=1, timeout_ms=timeout_ms)
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+def test_a_peer_that_never_comes_ends_the_acknowledgement_wait_and_is_reported(fake, replayed):
+    """The replayable program's acknowledgement wait is the bounded flag-wait kernel
+    (cpp/cuda/kernels/flag_wait_body.h): rank 1 never comes, so rank 0's fused GEMM gives up on
+    its shard (its own bound) and its acknowledgement wait gives up after the call's timeout
+    (the GPUs' clock), records the flag and the peer in the rank's fault record, and the
+    watchdog's standing watch of the replay area reports it and breaks the clique: no hang,
+    eagerly and in a replay (which runs no host code). Control: the same calls with rank 1
+    present — nothing reported, the clique whole."""
+    out = _dead_peer(fake, replayed)
+    assert out["statuses"] == [None, None], out["statuses"]
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    if replayed:
+        assert out["replay_drained"] == [True, True], out["replay_drained"]
+    warning = fake.last_warning()
+    assert "replayable ag_matmul, rank 0" in warning, warning
+    assert "its wait for flag 2 from rank 1 (its acknowledgement) did not see 1 within 1.0 s" \
+        in warning, warning
+    assert "BROKEN" in fake.cliques()
+    # control: every rank present
+    fake.reset(fake.Config(grace_ms=6000))
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, replayable=True)
+    xs, ws = inputs(p, 0)
+    before = fake.last_warning()
+    out = play(fake, p, xs, ws, calls=1, capture=replayed, replays=2 if replayed else 0,
+               timeout_ms=1000)
+    assert out["drained"] and fake.errors() == [] and out["statuses"] == [None, None]
+    assert fake.last_warning() == before
+    assert "BROKEN" not in fake.cliques()
+
+
+def test_a_forwarding_wait_is_still_unbounded(fake):
+    """What is not bounded yet (docs/gpu-internals.md §8, "A dead peer"): N 4 one way, rank 2
+    never calls; rank 3's comm stream forwards rank 2's shard to rank 0 behind a
+    cuStreamWaitValue32, which no bound ends — after the fused GEMMs gave up (their own bound)
+    the fake's GPU still cannot progress past it (it calls that a deadlock). When the forwarding
+    waits are bounded this test must change."""
+    fake.reset(fake.Config(grace_ms=6000))
+    p = problem("ag_matmul", "p2p", 4, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, replayable=True)
+    xs, ws = inputs(p, 0)
+    out = play(fake, p, xs, ws, calls=1, skip_rank=2, timeout_ms=1000)
+    assert not out["drained"]
+    assert any(e.startswith("deadlock") and "cuStreamWaitValue32" in e for e in fake.errors()), \
+        fake.errors()
+
+
+def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
+    """The bounded flag-wait kernel on the fake (cpp/cuda/kernels/flag_wait_body.h): a flag
+    raised on another stream ends the wait, the record untouched (control); a flag never raised
+    ends it after its timeout on the GPUs' clock with the record written (flag, writer, value
+    seen, value waited for); launches it cannot run as built are refused — a fault record not in
+    page-locked host memory (the watchdog reads it with host loads while the kernel runs), a
+    launch that is not one thread, a timeout of 0 (it would give up at once), a flag no device
+    reaches. A wait on a rank that gave up before ends at once."""
+    got = fake.flag_wait_misuse_checks()
+    assert got["a flag raised on another stream (control)"] == "", got
+    assert got["a flag never raised"] == "record: code 1 flag 7 writer 3 seen 0 value 1", got
+    assert "not in page-locked host memory" in got["a fault record in device memory"], got
+    assert "one block of one thread" in got["a launch of two threads"], got
+    assert "timeout_ns <= 0" in got["a timeout of 0"], got
+    assert "not inside one device allocation" in got["a flag in pageable host memory"], got
+    # a rank whose record is written already: the wait ends at once (drained with a timeout far
+    # past the fake's grace), the record as it was
+    assert got["a flag never raised, on a rank that gave up before"] == \
+        "record: code 1 flag 0 writer 0 seen 0 value 0", got
+
+
+_ONE_HALF = """
+import jaxoverlap._cuda_fake as fake
+from tests.cuda.fake_cases import inputs, play, problem
+fake.reset(fake.Config())
+for replayable in (False, True):
+    p = problem("ag_matmul", "p2p", 2, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
+                fused=True, replayable=replayable)
+    xs, ws = inputs(p, 0)
+    out = play(fake, p, xs, ws, calls=1, clique_key=5 + replayable)
+    assert out["statuses"] == [None, None], out["statuses"]
+"""
+
+
+def test_the_replay_area_is_one_half():
+    """A replayable program runs at epoch 0 only, so its own buffers are one half (the plain
+    program's generations are two, by epoch parity): the set-up's log line says how many halves
+    it allocated (JAXOVERLAP_LOG=info, read once per process: a process of its own)."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _ONE_HALF], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAXOVERLAP_LOG": "info"})
+    assert done.returncode == 0, done.stderr
+    made = [line for line in done.stderr.splitlines() if "new buffers from epoch" in line]
+    assert len(made) == 2, done.stderr
+    assert "clique 0x0000000000000005" in made[0] and "workspace 2 x 512 bytes" in made[0]
+    assert "clique 0x0000000000000006" in made[1] and "workspace 1 x 512 bytes" in made[1]

@@ -62,7 +62,9 @@ def test_replayable_is_the_program_plus_its_acknowledgement(dtypes, gathered):
             assert p["num_flags"] == plain["num_flags"] + 2 == n * c + 2
             added = ("ResetFlags", "Record", "StreamWait")
             body = [o for o in p["ops"] if o["kind"] not in added and o not in acks(p)]
-            assert [o["text"] for o in body] == [o["text"] for o in plain["ops"]]
+            # the same ops; its flags hold 1 where the plain program's hold the epoch
+            assert [o["text"].replace(" = 1)", " = epoch)").replace(">= 1,", ">= epoch,")
+                    for o in body] == [o["text"] for o in plain["ops"]]
             waited = sorted(f for f in range(n * c) if f // c != r)
             resets = [o for o in p["ops"] if o["kind"] == "ResetFlags"]
             reset = sorted(f for o in resets if o["stream"] == 0
@@ -81,6 +83,17 @@ def test_replayable_is_the_program_plus_its_acknowledgement(dtypes, gathered):
                 assert mine[-3:] == ["Record", "Wait", "ResetFlags"]
             assert [o["kind"] for o in p["ops"] if o["stream"] == 0][-len(dirs):] == \
                 ["Signal"] * len(dirs)
+
+
+def test_the_program_text_says_what_the_flags_hold():
+    """A replayable program's Signals write 1 and its waits wait for >= 1 (no epoch): its text
+    says so; the plain program's says epoch."""
+    p, plain = build(4, 1), build(4, 1, replayable=False)
+    signals = [o["text"] for o in p["ops"] if o["kind"] in ("Signal", "Wait")]
+    assert signals and all("epoch" not in t for t in signals), signals
+    assert any(" = 1)" in t for t in signals) and any(">= 1," in t for t in signals), signals
+    assert "epoch" not in p["text"].split("\n", 1)[1]
+    assert all("epoch" in o["text"] for o in plain["ops"] if o["kind"] in ("Signal", "Wait"))
 
 
 @pytest.mark.parametrize("bidir", [False, True])

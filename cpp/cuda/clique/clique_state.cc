@@ -10,6 +10,7 @@
 namespace jo::cuda {
 
 std::byte* Generation::Workspace(int32_t rank, int64_t epoch, int32_t viewer) const {
+  if (halves == 1) epoch = 0;  // one half (a replayable program's, run at epoch 0)
   const size_t parity = static_cast<size_t>(epoch % 2) * static_cast<size_t>(workspace_bytes);
   if (multicast) return reinterpret_cast<std::byte*>(multicast->unicast[rank]) + parity;
   if (workspace[rank]) return static_cast<std::byte*>(workspace[rank]->ptr) + parity;
@@ -22,6 +23,7 @@ std::byte* Generation::MulticastAddress(int64_t epoch) const {
 }
 
 CUdeviceptr Generation::Flag(int32_t rank, int64_t epoch, int32_t id, int32_t viewer) const {
+  if (halves == 1) epoch = 0;  // one half (a replayable program's, run at epoch 0)
   const int64_t index = (epoch % 2) * num_flags + id;
   void* base = flags[rank] ? flags[rank]->ptr : remote[viewer][rank].flags;
   return reinterpret_cast<CUdeviceptr>(static_cast<uint32_t*>(base) + index);
@@ -247,17 +249,18 @@ Status AllocLocalBuffers(CliqueState& s, Generation* gen, bool with_workspace,
     std::unique_ptr<DeviceAlloc> flags;
     if (gen->num_flags > 0)
       JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
-                           static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx,
-                           &flags));
+                           static_cast<size_t>(gen->halves * gen->num_flags) * sizeof(uint32_t),
+                           ctx, &flags));
     gen->flags.push_back(std::move(flags));
     std::unique_ptr<PinnedHost> read;
     if (gen->num_flags > 0)
-      JO_CHECK(AllocPinned(static_cast<size_t>(2 * gen->num_flags) * sizeof(uint32_t), ctx, &read));
+      JO_CHECK(AllocPinned(static_cast<size_t>(gen->halves * gen->num_flags) * sizeof(uint32_t),
+                           ctx, &read));
     gen->flag_reads.push_back(std::move(read));
     if (with_workspace) {
       std::unique_ptr<DeviceAlloc> ws;
       JO_CHECK(AllocShared(s, static_cast<int32_t>(r),
-                           static_cast<size_t>(2 * gen->workspace_bytes), ctx, &ws));
+                           static_cast<size_t>(gen->halves * gen->workspace_bytes), ctx, &ws));
       gen->workspace.push_back(std::move(ws));
     }
   }

@@ -53,12 +53,15 @@ struct Generation {
   int64_t since_epoch = 0;
   int64_t workspace_bytes = 0;  // per parity per rank
   int32_t num_flags = 0;        // per parity per rank
+  // Halves (parities) allocated: 2, or 1 for a replayable program's buffers (CudaClique::
+  // ReplayArea), which run at epoch 0 only.
+  int32_t halves = 2;
   // This process's ranks' buffers (null for another process's rank).
   std::vector<std::unique_ptr<DeviceAlloc>> workspace;  // per rank (nccl, p2p)
-  std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: 2 * num_flags uint32
+  std::vector<std::unique_ptr<DeviceAlloc>> flags;      // per rank: halves * num_flags uint32
   std::unique_ptr<MulticastRegion> multicast;           // multicast transport
   // Per rank (this process's, with flags): page-locked host memory the watchdog reads the
-  // rank's flags into (2 * num_flags uint32).
+  // rank's flags into (halves * num_flags uint32).
   std::vector<std::unique_ptr<PinnedHost>> flag_reads;
   // Cliques spanning processes: other processes' ranks' buffers as local rank
   // `viewer` addresses them, remote[viewer][rank]; `mappings` owns them.
@@ -90,9 +93,13 @@ struct Generation {
 // state words, made once per clique (zero-filled) and never replaced — a captured call keeps
 // these addresses for as long as its executable lives — and, per local rank, the kernel's fault
 // record in page-locked host memory, which the watchdog reads.
+// A replayable program's own buffers (CudaClique::ReplayArea, docs/gpu-internals.md §8) are the
+// same shape: a generation (its programs use half 0) and, per local rank, the fault record of
+// its bounded flag waits (kernels/flag_wait_body.h fw::Fault); `replay` says which record it is.
 struct KernelArea {
   std::shared_ptr<Generation> gen;
   std::vector<std::unique_ptr<PinnedHost>> faults;  // per rank (this process's ranks)
+  bool replay = false;  // the records are fw::Faults (a replayable program's), not ar::Faults
 };
 
 // What a call needs of each local rank's pool: the largest need of any rank's program (every

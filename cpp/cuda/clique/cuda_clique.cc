@@ -10,6 +10,7 @@
 #include "core/deadline.h"
 #include "core/log.h"
 #include "cuda/kernels/allreduce_body.h"
+#include "cuda/kernels/flag_wait_body.h"
 #include "cuda/transport/transports.h"
 #include "cuda/watchdog.h"
 
@@ -120,14 +121,14 @@ CudaClique::~CudaClique() {
   if (kernel_area_ && (!idle || captured_)) KeepForever(std::move(kernel_area_));
   // Likewise a captured replayable program's buffers: kept, never freed under a replay.
   if (!replay_areas_.empty() && (!idle || captured_)) {
-    static auto* kept = new std::vector<std::shared_ptr<Generation>>;  // never destroyed
-    for (auto& [site, gen] : replay_areas_) kept->push_back(std::move(gen));
+    static auto* kept = new std::vector<std::shared_ptr<KernelArea>>;  // never destroyed
+    for (auto& [site, area] : replay_areas_) kept->push_back(std::move(area));
   }
 }
 
 Status CudaClique::ReplayArea(int64_t site, int64_t epoch, int64_t workspace_bytes,
                               int32_t num_flags, const ErrorContext& ctx,
-                              std::shared_ptr<const Generation>* out) {
+                              std::shared_ptr<const KernelArea>* out) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     JO_CHECK(CheckNotBroken(ctx.Describe()));
@@ -151,8 +152,22 @@ Status CudaClique::ReplayArea(int64_t site, int64_t epoch, int64_t workspace_byt
       if (res->device >= 0) JO_CHECK(res->MakeSetup(ctx));
     making_replay_ = true;
     lock.unlock();
-    std::shared_ptr<Generation> made;
-    const Status status = NewGeneration(epoch, workspace_bytes, num_flags, ctx, &made);
+    auto made = std::make_shared<KernelArea>();
+    made->replay = true;
+    Status status = NewGeneration(epoch, workspace_bytes, num_flags, ctx, &made->gen, /*halves=*/1);
+    // The fault records of its bounded flag waits (kernels/flag_wait_body.h), zeroed.
+    made->faults.resize(state_.ranks.size());
+    for (size_t r = 0; status.ok() && r < state_.ranks.size(); ++r) {
+      if (state_.ranks[r]->device < 0) continue;
+      DeviceGuard guard;
+      const cudaError_t set = cudaSetDevice(state_.ranks[r]->device);
+      status = set == cudaSuccess ? AllocPinned(sizeof(kernel::fw::Fault), ctx, &made->faults[r])
+                                  : CudaFailure(set, "cudaSetDevice", &ctx);
+      if (status.ok()) std::memset(made->faults[r]->ptr, 0, sizeof(kernel::fw::Fault));
+    }
+    // Zero-fills of the generation may still be queued: free it only after them.
+    if (!status.ok() && made->gen && !AwaitSetup(state_, ctx).ok())
+      Leak({std::move(made->gen)}, {});
     lock.lock();
     making_replay_ = false;
     if (status.ok()) replay_areas_[site] = std::move(made);
@@ -189,10 +204,12 @@ void CudaClique::DeferRelease(std::shared_ptr<const Generation> gen) {
 }
 
 Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                                 const ErrorContext& ctx, std::shared_ptr<Generation>* out) {
+                                 const ErrorContext& ctx, std::shared_ptr<Generation>* out,
+                                 int32_t halves) {
   DeviceGuard guard;
   auto gen = std::make_shared<Generation>();
   gen->since_epoch = epoch;
+  gen->halves = halves;
   gen->workspace_bytes = RoundUp(static_cast<size_t>(workspace_bytes), 256);  // halves aligned
   gen->num_flags = num_flags;
   const Status made = OpsOf(state_.transport).alloc_buffers(state_, gen.get(), ctx);
@@ -201,8 +218,8 @@ Status CudaClique::NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t
     if (!AwaitSetup(state_, ctx).ok()) Leak({std::move(gen)}, {});
     return made;
   }
-  JO_INFO(ctx.Describe() + ": new buffers from epoch " + std::to_string(epoch) +
-          ": workspace 2 x " + std::to_string(gen->workspace_bytes) + " bytes, " +
+  JO_INFO(ctx.Describe() + ": new buffers from epoch " + std::to_string(epoch) + ": workspace " +
+          std::to_string(halves) + " x " + std::to_string(gen->workspace_bytes) + " bytes, " +
           std::to_string(num_flags) + " flags per rank");
   *out = std::move(gen);
   return OkStatus();

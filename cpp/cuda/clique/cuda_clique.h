@@ -96,13 +96,14 @@ class CudaClique : public Clique {
                  bool generation = true);
 
   // A replayable program's own buffers (docs/gpu-internals.md §8): a generation of
-  // `workspace_bytes` per half and `num_flags` flags per half (its programs use half 0), made
-  // once per call site `site` — no epoch-based call and no other site touches it, and its
-  // flags start at 0 — at the site's set-up `epoch` by the first local rank to ask, the others
-  // waiting, with a generation's discipline; kept until teardown (a captured call keeps its
-  // addresses).
+  // `workspace_bytes` per half and `num_flags` flags per half (its programs use half 0), and
+  // per local rank the zeroed fault record of its bounded flag waits (page-locked host memory),
+  // made once per call site `site` — no epoch-based call and no other site touches them, and
+  // the flags start at 0 — at the site's set-up `epoch` by the first local rank to ask, the
+  // others waiting, with a generation's discipline; kept until teardown (a captured call keeps
+  // its addresses).
   Status ReplayArea(int64_t site, int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                    const ErrorContext& ctx, std::shared_ptr<const Generation>* out);
+                    const ErrorContext& ctx, std::shared_ptr<const KernelArea>* out);
 
   // A one-launch all-reduce of this clique was captured into a CUDA graph: its replays are
   // GPU work no event of ours tracks, so teardown keeps the kernel area (never frees it under a
@@ -148,8 +149,10 @@ class CudaClique : public Clique {
   // Makes the kernel area (WITHOUT the lock, like a generation).
   Status NewKernelArea(int64_t epoch, const ErrorContext& ctx, std::shared_ptr<KernelArea>* out);
   // Makes a generation valid from `epoch`; called WITHOUT the lock.
+  // `halves`: 2 (epoch parities), or 1 (a replayable program's, run at epoch 0).
   Status NewGeneration(int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                       const ErrorContext& ctx, std::shared_ptr<Generation>* out);
+                       const ErrorContext& ctx, std::shared_ptr<Generation>* out,
+                       int32_t halves = 2);
   // Transport nccl: connects the rank's communicators to the peers `program` sends to and
   // receives from, those not connected yet (NcclComms::Connect); called WITHOUT the lock.
   Status ConnectPeers(const Program& program, const ErrorContext& ctx, RankResources* res);
@@ -174,7 +177,7 @@ class CudaClique : public Clique {
   int64_t making_ = -1;  // the epoch a generation is being made for, without the lock
   std::shared_ptr<KernelArea> kernel_area_;  // made once, never replaced
   bool making_area_ = false;                 // a rank makes it, without the lock
-  std::map<int64_t, std::shared_ptr<Generation>> replay_areas_;  // ReplayArea, by call site
+  std::map<int64_t, std::shared_ptr<KernelArea>> replay_areas_;  // ReplayArea, by call site
   bool making_replay_ = false;         // a rank makes one, without the lock
   std::atomic<bool> captured_{false};  // NoteCaptured
   // The newest epoch a local rank has reserved, and the one whose first reserver frees past

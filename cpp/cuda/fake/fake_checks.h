@@ -51,6 +51,10 @@ std::map<std::string, std::string> GraphChecks();
 // tests/cuda/test_fused_fake.py.
 std::map<std::string, std::string> ReduceMisuseChecks();
 
+// The bounded flag-wait kernel's launches the fake refuses, and its wait given up and recorded
+// (fake_flag_wait_checks.cc): check name -> the first error, or the fault record it wrote.
+std::map<std::string, std::string> FlagWaitMisuseChecks();
+
 // The watchdog's NcclComms::Abort racing an enqueue, as NcclComms orders
 // them (fake_misuse_checks.cc): an "enqueue" thread takes rank 0's lease
 // (hold_lease) or takes the communicators and drops the lease at once (the

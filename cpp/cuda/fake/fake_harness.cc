@@ -444,8 +444,9 @@ Status PlayCalls(const PlayedCalls& in, PlayedOutcome* out) {
               cudaSuccess)
         statuses[r] = "cudaGraphLaunch failed (replay " + std::to_string(i) + ")";
     };
+    const bool last = i + 1 == in.replays;
     for (int r = 0; r < nranks; ++r)
-      if (r != in.replay_late_rank) launch(r);
+      if (r != in.replay_late_rank && !(last && r == in.replay_skip_rank)) launch(r);
     if (in.replay_late_rank >= 0 && in.replay_late_rank < nranks) {
       {
         Lock lock(S().mu);

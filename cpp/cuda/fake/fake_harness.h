@@ -74,6 +74,8 @@ struct PlayedCalls {
   int replays = 0;
   std::vector<std::vector<std::string>> replay_xs;
   int replay_late_rank = -1;
+  // This rank does not launch its graph in the last replay (a peer that never comes).
+  int replay_skip_rank = -1;
   // Tests: rank r's y starts y_offsets[r] bytes into its allocation ([]: 0 for all), as an
   // output buffer less aligned than XLA's.
   std::vector<int64_t> y_offsets;

@@ -111,7 +111,7 @@ const std::set<std::string>& EnqueuePathCalls() {
       "cublasLtGetStatusName", "cublasLtGetStatusString", "ncclGroupStart", "ncclGroupEnd",
       "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyAsync", "cudaMemcpy2DAsync",
       "cudaMemsetAsync", "cudaLaunchKernel", "cudaLaunchKernelEx", "AddBlock", "Reduce", "McStore",
-      "McReduce", "AllReduce", "cublasLtMatmul", "cublasLtMatmulDescSetAttribute",
+      "McReduce", "AllReduce", "FlagWait", "cublasLtMatmul", "cublasLtMatmulDescSetAttribute",
       "cuStreamWriteValue32", "cuStreamWaitValue32", "cuStreamWaitValue32(FLUSH)", "ncclSend",
       "ncclRecv", "ncclCommGetAsyncError", "cudaEventQuery",
       // Listed, never observed: CUTLASS's

@@ -170,6 +170,18 @@ struct DeviceOps {
   __device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) const {
     asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
   }
+  // The bounded flag wait's (flag_wait_body.h): 32-bit flags, acquire at system scope, and a
+  // relaxed system-scope read of its fault record (page-locked host memory).
+  __device__ __forceinline__ uint32_t LoadAcquireSys32(const uint32_t* p) const {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
+  __device__ __forceinline__ uint32_t LoadRelaxedSys32(const uint32_t* p) const {
+    uint32_t v;
+    asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
   __device__ __forceinline__ void StoreRelaxedSys(uint32_t* p, uint32_t v) const {
     asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
   }

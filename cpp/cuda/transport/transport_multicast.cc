@@ -30,7 +30,7 @@ Status AllocMulticast(CliqueState& s, Generation* gen, const ErrorContext& ctx) 
   mc_prop.numDevices = static_cast<unsigned>(n);
   mc_prop.handleTypes = s.handles == Handles::kFabric ? CU_MEM_HANDLE_TYPE_FABRIC
                                                       : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  mc_prop.size = static_cast<size_t>(2 * gen->workspace_bytes);
+  mc_prop.size = static_cast<size_t>(gen->halves * gen->workspace_bytes);
   // Sizes rounded to the MINIMUM granularities: that is what cuMulticastCreate,
   // cuMulticastBindMem and cuMemCreate require ("must be a multiple of" them,
   // cuda.h); RECOMMENDED is only "for best performance" and may be far larger,
