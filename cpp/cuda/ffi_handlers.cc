@@ -13,7 +13,10 @@
 // command-buffer compatible (XLA FFI's kCmdBufferCompatible, compiled into the
 // handler: XLA reads it from the handler's metadata), for the programs that
 // replay: matmul_ar's kernel algorithms, whose flags and sequence numbers live
-// on the device (docs/gpu-internals.md §7). The lowering picks the target.
+// on the device (docs/gpu-internals.md §7), and the programs built replayable
+// (the `replayable` attribute: Problem::replayable, docs/gpu-internals.md §8).
+// The lowering picks the target; each handler refuses a call whose program
+// asks for the other (ffi_call.h CheckTarget).
 #include "cuda/ffi_handlers.h"
 
 #include <cuda_runtime_api.h>
@@ -35,9 +38,11 @@ namespace {
 // The instantiate-stage state type ("jaxoverlap_cuda_call_site", platform CUDA).
 using SiteState = ffi_call::SiteState<CudaSite>;
 
-Status Run(cudaStream_t stream, int32_t device, CudaSite& site, const ffi::AnyBuffer& x,
-           const ffi::AnyBuffer& w, const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w_scale,
-           const ffi::AnyBuffer& y, const ffi::AnyBuffer* gathered) {
+Status Run(bool command_buffer_compatible, cudaStream_t stream, int32_t device, CudaSite& site,
+           const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer& x_scale,
+           const ffi::AnyBuffer& w_scale, const ffi::AnyBuffer& y, const ffi::AnyBuffer* gathered) {
+  // The target the call came through is the one its program asks for (ffi_call.h CheckTarget).
+  JO_CHECK(ffi_call::CheckTarget(site.desc(), command_buffer_compatible));
   Problem problem;
   CallBuffers io;
   JO_CHECK(
@@ -49,13 +54,16 @@ Status Run(cudaStream_t stream, int32_t device, CudaSite& site, const ffi::AnyBu
   return site.Enqueue(caller, problem, io, stream);
 }
 
+// kCompatible: the handler is jaxoverlap_cuda_replayable's (the command-buffer trait).
+template <bool kCompatible>
 ffi::Error Execute(cudaStream_t stream, int32_t device, SiteState* state, ffi::AnyBuffer x,
                    ffi::AnyBuffer w, ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale,
                    ffi::Result<ffi::AnyBuffer> y,
                    std::optional<ffi::Result<ffi::AnyBuffer>> x_gathered) {
   const ffi::AnyBuffer* gathered = x_gathered.has_value() ? &**x_gathered : nullptr;
   try {  // bad_alloc and friends never cross the FFI boundary
-    return ffi_call::ToFfi(Run(stream, device, state->site, x, w, x_scale, w_scale, *y, gathered));
+    return ffi_call::ToFfi(
+        Run(kCompatible, stream, device, state->site, x, w, x_scale, w_scale, *y, gathered));
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("jaxoverlap: ") + e.what());
   } catch (...) {
@@ -66,10 +74,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, SiteState* state, ffi::A
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kInstantiate, ffi_call::Instantiate<CudaSite>, ffi_call::BindInstantiate());
-XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
+XLA_FFI_DEFINE_HANDLER(kExecute, Execute<false>,
                        ffi_call::BindResults(ffi_call::BindOperands<CudaSite>(
                            ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())));
-XLA_FFI_DEFINE_HANDLER(kExecuteReplayable, Execute,
+XLA_FFI_DEFINE_HANDLER(kExecuteReplayable, Execute<true>,
                        ffi_call::BindResults(ffi_call::BindOperands<CudaSite>(
                            ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
                        {ffi::Traits::kCmdBufferCompatible});

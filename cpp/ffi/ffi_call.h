@@ -64,6 +64,7 @@ namespace ffi = xla::ffi;
   X(bool, tf32)                           \
   X(int32_t, algorithm)                   \
   X(bool, fused)                          \
+  X(bool, replayable)                     \
   X(int64_t, timeout_ms)                  \
   X(ffi::Span<const int64_t>, processes)  \
   X(ffi::Span<const int64_t>, device_ids) \
@@ -195,6 +196,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   q.tf32 = a.tf32;
   q.algorithm = algorithm_row->algorithm;
   q.fused = a.fused;
+  q.replayable = a.replayable;  // the builder refuses what it cannot build so (BuildProgram)
   out->axis = a.axis;
   out->clique_key = a.clique_key;
   out->site_key = a.site_key;
@@ -204,6 +206,44 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
   out->table.device_ids.assign(a.device_ids.begin(), a.device_ids.end());
   out->table.ordinals.assign(a.ordinals.begin(), a.ordinals.end());
   return OkStatus();
+}
+
+// Whether a call's program replays: every call enqueues the same work, so XLA may capture the
+// call into a command buffer and replay it (docs/gpu.md §6). matmul_ar's one-launch kernel
+// algorithms (flags and sequence numbers on the device) and the programs built replayable
+// (Problem::replayable); a call of one rank takes the ordinary path whatever it asks
+// (CudaSite::Enqueue), so it never does. jaxoverlap/_executors/call.py NativeCall.replays is
+// the lowering's side of this rule.
+inline bool Replays(const Problem& q) {
+  return q.nranks > 1 && (OneLaunch(q.algorithm) || q.replayable);
+}
+
+// The CUDA handlers' check of the target a call came through: a call that replays through
+// jaxoverlap_cuda_replayable (command-buffer compatible: XLA may capture it), every other through
+// its op's target (XLA never captures it). A mismatch is a program lowered by another rule than
+// this library's (or a custom call written by hand): refused before anything runs, naming both.
+inline Status CheckTarget(const CallDesc& desc, bool command_buffer_compatible) {
+  const Problem& q = desc.problem;
+  const bool replays = Replays(q);
+  if (replays == command_buffer_compatible) return OkStatus();
+  const std::string op = CollectiveName(q.op);
+  const std::string what = "transport " + std::string(TransportName(q.transport)) + ", algorithm " +
+                           ArAlgorithmName(q.algorithm) + ", replayable " +
+                           (q.replayable ? "true" : "false") + ", " + std::to_string(q.nranks) +
+                           " ranks";
+  if (command_buffer_compatible)
+    return InvalidArgument(
+        op +
+        ": this call came through jaxoverlap_cuda_replayable, the command-buffer "
+        "compatible target, but its program does not replay (" +
+        what +
+        "): XLA could capture it and replay host-side epochs. Its target is jaxoverlap_cuda_" + op +
+        "; lower the program again with this version of jaxoverlap");
+  return InvalidArgument(op + ": this call's program replays (" + what +
+                         ") but it came through jaxoverlap_cuda_" + op +
+                         ", which is not command-buffer compatible; its target is "
+                         "jaxoverlap_cuda_replayable. Lower the program again with this version "
+                         "of jaxoverlap");
 }
 
 // The dtype of an XLA buffer type (core/kinds.h, the ffi column); nullopt for

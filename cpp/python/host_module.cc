@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -275,6 +276,58 @@ void ThrowIfError(const jo::Status& status) {
   if (!status.ok()) throw std::runtime_error(status.ToString());
 }
 
+// Why the builder does not build `problem` (a dict as ProblemFromDict takes it) replayable, ""
+// when it does: the one word on which calls replay (BuildProgram's acceptance, core/build.cc),
+// asked by the lowering and the performance model alike.
+std::string ReplayRefusal(const nb::dict& problem) {
+  jo::Problem q = jo::python::ProblemFromDict(problem);
+  q.replayable = true;
+  jo::Program program;
+  const jo::Status status = jo::BuildProgram(q, &program);
+  return status.ok() ? std::string() : status.message();
+}
+
+// An attribute's value from Python, of its exact C++ type (ffi_call.h CallAttrs); strings and
+// spans point into `keep`, which outlives the decoding.
+struct AttrStorage {
+  std::deque<std::string> strings;
+  std::deque<std::vector<int64_t>> spans;
+};
+template <typename T>
+void AttrFromPy(nb::handle value, T* out, AttrStorage&) {
+  *out = nb::cast<T>(value);
+}
+void AttrFromPy(nb::handle value, std::string_view* out, AttrStorage& keep) {
+  *out = keep.strings.emplace_back(nb::cast<std::string>(value));
+}
+void AttrFromPy(nb::handle value, xla::ffi::Span<const int64_t>* out, AttrStorage& keep) {
+  const std::vector<int64_t>& v = keep.spans.emplace_back(nb::cast<std::vector<int64_t>>(value));
+  *out = xla::ffi::Span<const int64_t>(v.data(), v.size());
+}
+
+// A native call's attributes (name -> value, as the lowering emits them) decoded as the CUDA
+// handlers decode them (ffi_call.h DecodeDesc), then checked against the target the call came
+// through (CheckTarget: command_buffer_compatible for jaxoverlap_cuda_replayable): the problem
+// the handler runs (no shapes: its operands give them). ValueError with the handler's text.
+nb::dict DecodeCallDict(const nb::dict& attrs, bool command_buffer_compatible) {
+  jo::ffi_call::CallAttrs a;
+  AttrStorage keep;
+  std::string missing;
+#define JO_ATTR_FROM_PY(type, name)          \
+  if (attrs.contains(#name))                 \
+    AttrFromPy(attrs[#name], &a.name, keep); \
+  else                                       \
+    missing += std::string(missing.empty() ? "" : ", ") + #name;
+  JO_CALL_ATTRS(JO_ATTR_FROM_PY)
+#undef JO_ATTR_FROM_PY
+  if (!missing.empty()) throw nb::value_error(("attributes missing: " + missing).c_str());
+  jo::CallDesc desc;
+  jo::Status status = jo::ffi_call::DecodeDesc(a, &desc);
+  if (status.ok()) status = jo::ffi_call::CheckTarget(desc, command_buffer_compatible);
+  if (!status.ok()) throw nb::value_error(status.message().c_str());
+  return jo::python::ProblemDict(desc.problem);
+}
+
 // The inverse of BuildProgramDict (what check_program takes back).
 jo::Ref RefFromDict(nb::handle d) {
   jo::Ref ref;
@@ -522,6 +575,13 @@ NB_MODULE(_host, m) {
         "output columns (w's); dtype: x's (a name of the kinds' dtypes: kinds()), w_dtype and "
         "out_dtype default to it; block_scaled: fp8 x and w with e8m0 block scales (MXFP8, "
         "k a multiple of 32); replayable: the same work every call (core/program.h).");
+  m.def("replay_refusal", &ReplayRefusal, nb::arg("problem"),
+        "Why the program builder does not build `problem` (a dict of build_program's keys) "
+        "replayable (core/program.h Problem::replayable), '' when it does: which calls replay.");
+  m.def("decode_call", &DecodeCallDict, nb::arg("attributes"), nb::arg("command_buffer_compatible"),
+        "A native call's attributes decoded as the CUDA handlers decode them, checked against "
+        "the target it came through (command_buffer_compatible: jaxoverlap_cuda_replayable): "
+        "the problem its handler runs, without shapes; ValueError with the handler's text.");
   m.def(
       "allreduce_fits",
       [](const std::string& transport, const std::string& algorithm, int nranks, int64_t bytes) {

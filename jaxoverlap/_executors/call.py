@@ -7,7 +7,8 @@ call's attributes, the C++ handler's placement — reads this record and nothing
 transport is decided here, once per call: ``transport="auto"`` becomes a transport through the
 one rule (``capabilities.resolve_transport``), and whether the call runs the fused GEMM, or
 matmul_ar's one-launch kernel, follows from it (the plan asks; the transport must be one the
-kernel runs with).
+kernel runs with). Whether a GPU call's program is built replayable is the program builder's
+word, asked where the call lowers (``replay``, ``_native.primitive``).
 """
 
 from __future__ import annotations
@@ -54,12 +55,17 @@ class NativeCall:
     # matmul_ar's algorithm as the call runs it: a kernel algorithm (docs/gpu-internals.md §7)
     # only over a transport the kernel runs with, else the one-shot program of separate ops.
     algorithm: str = "two_shot"
+    # Its program is built replayable (Problem::replayable: the `replayable` attribute), as the
+    # builder says where the GPU call lowers and its shapes are known (``replay``); never on CPU.
+    replayable: bool = False
 
     @property
-    def replayable(self) -> bool:
-        """Whether the call may be captured into a command buffer and replayed (docs/gpu.md
-        §12): its handler is then the command-buffer compatible one."""
-        return self.algorithm in KERNEL_ALGORITHMS
+    def replays(self) -> bool:
+        """Whether the call may be captured into a command buffer and replayed (docs/gpu.md §6):
+        a kernel algorithm's or a program built replayable, of more than one rank. Its GPU
+        handler is then the command-buffer compatible one, which refuses any other call and
+        the other handlers it (``cpp/ffi/ffi_call.h`` ``Replays``, ``CheckTarget``)."""
+        return self.axis_size > 1 and (self.algorithm in KERNEL_ALGORITHMS or self.replayable)
 
     def groups(self) -> list[tuple[Rank, ...]]:
         """The cliques: one per group of the other mesh axes, ranks in axis order."""

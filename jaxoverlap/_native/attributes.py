@@ -98,6 +98,10 @@ SCHEMA: tuple[Attribute, ...] = (
     Attribute("fused", "bool", "one persistent GEMM waiting on per-block flags (the fused "
               "column of the ops and transports; docs/gpu-internals.md §5)",
               lambda plan, call, x: call.fused),
+    Attribute("replayable", "bool", "the program is built replayable: the same work every "
+              "call, no host-side epoch (as the program builder accepts it where the GPU call "
+              "lowers; never on CPU); the call then comes through jaxoverlap_cuda_replayable "
+              "(docs/gpu.md §6)", lambda plan, call, x: call.replayable),
     Attribute("timeout_ms", "int64_t", "milliseconds any wait of the call may take",
               lambda plan, call, x: timeout_ms(plan.timeout_s), names_site=False),
     Attribute("processes", "ffi::Span<const int64_t>", "the rank table, in (group, rank) "

@@ -40,7 +40,7 @@ from jax.interpreters import batching
 
 from jaxoverlap import _kinds, _precision
 from jaxoverlap._compat import varying_axes, with_varying
-from jaxoverlap._executors import bootstrap, capabilities, runtime
+from jaxoverlap._executors import bootstrap, capabilities, replay, runtime
 from jaxoverlap._executors.call import describe, ranks
 from jaxoverlap._fp8_dtypes import SCALE_TILE_ROWS
 from jaxoverlap._native.attributes import attributes, naming
@@ -171,8 +171,12 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
             # it: XLA makes the transposed copy before the call (fused into w's producer where
             # it can), docs/gpu-internals.md §6.
             layouts = [None, (0, 1), None, None]
-    # A call that replays (docs/gpu-internals.md §7) goes to the command-buffer compatible target.
-    target = _REPLAYABLE.get(platform) if call.replayable else None
+    if platform == "cuda":
+        # Built replayable where the program builder builds it so (docs/gpu-internals.md §8).
+        call = dataclasses.replace(call, replayable=_builds_replayable(ctx, plan, call))
+    # A call that replays (docs/gpu.md §6: a kernel algorithm's, docs/gpu-internals.md §7, or a
+    # program built replayable) goes to the command-buffer compatible target.
+    target = _REPLAYABLE.get(platform) if call.replays else None
     rule = jax.ffi.ffi_lowering(target or _TARGETS[platform][plan.op], has_side_effect=False,
                                 operand_layouts=layouts)
 
@@ -186,6 +190,22 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
     # host calls only) can be made to wait for another call.
     return lower_keyed(ctx, naming(plan, call, x_aval), operands, (1,), (0,),
                        4 if len(operands) > 4 else None, emit, note)
+
+
+def _builds_replayable(ctx, plan: OpPlan, call) -> bool:
+    """Whether the program builder builds this GPU call's program replayable
+    (``replay.builds_replayable``), on its canonical problem as the handler makes it from its
+    operands (``_kinds.canonical_problem``)."""
+    x, w, x_scale = ctx.avals_in[:3]
+    shapes = _kinds.canonical_problem(plan.op, x.shape, w.shape, plan.axis, plan.axis_size,
+                                      call.algorithm)
+    return replay.builds_replayable(
+        plan.op, call.transport, plan.axis_size, shapes.batch, shapes.rows, shapes.k, shapes.n,
+        jnp.dtype(x.dtype).name, w_dtype=jnp.dtype(w.dtype).name,
+        out_dtype=jnp.dtype(ctx.avals_out[0].dtype).name, chunks=int(plan.chunks),
+        bidirectional=bool(plan.bidirectional), return_gathered=len(ctx.avals_out) > 1,
+        algorithm=call.algorithm, fused=call.fused,
+        block_scaled=jnp.dtype(x_scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu))
 
 
 # Not cached: every native call of a program lowers on its own and gets its own site key

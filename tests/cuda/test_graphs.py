@@ -87,10 +87,19 @@ def test_a_captured_three_stream_call_with_host_side_epochs_is_wrong_from_its_se
 
 
 def _replayable_case(fake, connections, n, chunks, bidirectional, late):
-    fake.reset(fake.Config(connections=connections, seed=10 * n + chunks))
     p = problem("ag_matmul", "p2p", n, batch=2, rows=8, k=16, nw=16, dtype="bfloat16",
                 fused=True, chunks=chunks, bidirectional=bidirectional, replayable=True,
                 return_gathered=True)
+    return replayed_all_gather(fake, p, connections, late)
+
+
+def replayed_all_gather(fake, p, connections, late):
+    """An all-gather problem ``p`` (bfloat16, one w) played on a fresh fake: two ordinary calls
+    back to back, then captured on every rank and launched three times with new inputs, rank
+    ``late`` last. (What the fake gave back, every rank's eager y right, per replay every
+    rank's y right.)"""
+    n = p["nranks"]
+    fake.reset(fake.Config(connections=connections, seed=10 * n + p["chunks"]))
     xs, ws = inputs(p, 0)
     ws = [ws[0]] * n
     replay_xs = [inputs(p, seed)[0] for seed in (1, 2, 3)]

@@ -14,6 +14,8 @@ platform itself.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,22 +85,36 @@ def test_matmul_rs_and_the_backward_pass_lower_too(gpu_lowering):
 COMMAND_BUFFER_COMPATIBLE = 1
 
 
+REPLAYABLE_TARGET = "jaxoverlap_cuda_replayable"
+
+
+def _builder_replays(problem: dict) -> bool:
+    """The program builder's word: does it build this problem replayable (core/build.cc)?"""
+    from jaxoverlap._executors.runtime import load_host
+
+    return load_host().replay_refusal(problem) == ""
+
+
 def test_only_the_calls_that_replay_are_command_buffer_compatible(gpu_lowering, cuda):
     """matmul_ar's kernel algorithms lower to jaxoverlap_cuda_replayable, whose execute
     handler reports XLA FFI's command-buffer trait in its metadata (what XLA reads when it
-    decides to capture a custom call); every other program goes to the op's own target, which
-    reports none (docs/gpu.md §6)."""
+    decides to capture a custom call); the one-shot program of separate ops goes there only if
+    the program builder builds it replayable, else to the op's own target, which reports none
+    (docs/gpu.md §6)."""
     traits = cuda.handler_traits()
-    assert traits["jaxoverlap_cuda_replayable"] & COMMAND_BUFFER_COMPATIBLE
+    assert traits[REPLAYABLE_TARGET] & COMMAND_BUFFER_COMPATIBLE
     for op in _kinds.names(_kinds.OPS):
         assert not traits[f"jaxoverlap_cuda_{op}"] & COMMAND_BUFFER_COMPATIBLE, op
     mesh = tp_mesh(4)
     x = jnp.ones((1, 32), jnp.bfloat16)  # a decode step: one row
     w = jnp.ones((32, 8), jnp.bfloat16)
+    one_shot = dict(op="matmul_ar", transport="p2p", nranks=4, batch=1, rows=1, k=8, n=8,
+                    dtype="bfloat16", algorithm="one_shot")
     for algorithm, transport, target in (
-            ("one_shot_kernel", "p2p", "jaxoverlap_cuda_replayable"),
-            ("two_shot_kernel", "multicast", "jaxoverlap_cuda_replayable"),
-            ("one_shot", "p2p", "jaxoverlap_cuda_matmul_ar")):
+            ("one_shot_kernel", "p2p", REPLAYABLE_TARGET),
+            ("two_shot_kernel", "multicast", REPLAYABLE_TARGET),
+            ("one_shot", "p2p", REPLAYABLE_TARGET if _builder_replays(one_shot)
+             else "jaxoverlap_cuda_matmul_ar")):
         text = _lower(jax.shard_map(
             lambda a, b, algorithm=algorithm, transport=transport: jo.matmul_ar(
                 a, b, "tp", impl="native", transport=transport, algorithm=algorithm),
@@ -107,6 +123,133 @@ def test_only_the_calls_that_replay_are_command_buffer_compatible(gpu_lowering, 
         assert len(calls) == 1 and f"@{target}(" in calls[0], (algorithm, calls)
         ids = _kinds.AR_ALGORITHMS.index(algorithm)
         assert f"algorithm = {ids} : i32" in calls[0], calls[0]
+
+
+def _value(text: str):
+    """One attribute of the lowered custom call (MLIR text) as Python: bool, int, str, or the
+    list of an i64 array (a splat ``dense<v> : tensor<Nxi64>`` repeated N times)."""
+    if text in ("true", "false"):
+        return text == "true"
+    if text.startswith('"'):
+        return text[1:-1]
+    array = re.fullmatch(r"dense<(.*)> : tensor<(\d+)xi64>", text)
+    if array:
+        body, size = array.group(1), int(array.group(2))
+        if body.startswith("["):
+            return [int(v) for v in body[1:-1].split(",")]
+        return [int(body)] * size
+    return int(re.fullmatch(r"(-?\d+) : i(?:32|64)", text).group(1))
+
+
+def _native_call(text: str) -> tuple[str, dict]:
+    """The one native custom call of a lowered program: its target and its attributes."""
+    calls = [line for line in text.splitlines() if "custom_call @jaxoverlap" in line]
+    assert len(calls) == 1, calls
+    target = re.search(r"custom_call @(\w+)\(", calls[0]).group(1)
+    config = re.search(r"mhlo\.backend_config = \{(.*?)\}, operand_layouts", calls[0]).group(1)
+    entries = (entry.split(" = ", 1) for entry in re.split(r", (?=\w+ = )", config))
+    return target, {name: _value(value) for name, value in entries}
+
+
+# Every op over every transport, chunked and (where it runs) fused, on 4 ranks: (op, local x,
+# local w, x's and w's specs, y's spec, matmul_ar's algorithm).
+_OPS = {
+    "ag_matmul": ((8, 32), (32, 16), (P("tp"), P(None, "tp")), P(None, "tp")),
+    "matmul_rs": ((32, 32), (32, 16), (P(None, "tp"), P("tp", None)), P("tp")),
+    "matmul_ar": ((16, 32), (32, 16), (P(None, "tp"), P("tp", None)), P()),
+}
+_ROUTED = [(op, t, fused) for op in _OPS for t in _kinds.names(_kinds.TRANSPORTS)
+           for fused in (False, True)
+           if not fused or (_kinds.op(op).fused and _kinds.transport(t).fused)]
+
+
+def _lower_plan(op: str, transport: str, fused: bool, chunks: int = 2,
+                bidirectional: bool = False, return_gathered: bool = False):
+    """The GPU lowering of one native call of ``op`` through the primitive (4 ranks, bf16,
+    the shapes of ``_OPS`` per rank): (its target, its attributes, its canonical problem as
+    the handler makes it from its operands)."""
+    x_shape, w_shape, specs, out = _OPS[op]
+    mesh = tp_mesh(4)
+    plan = OpPlan(op=op, impl="native", axis_name="tp", axis=0, axis_size=4, chunks=chunks,
+                  bidirectional=bidirectional, transport=transport, fused=fused)
+    run = {"ag_matmul": lambda a, b: primitive.ag_matmul(a, b, plan, return_gathered),
+           "matmul_rs": lambda a, b: primitive.matmul_rs(a, b, plan),
+           "matmul_ar": lambda a, b: primitive.matmul_ar(a, b, plan)}[op]
+    outs = (out, P("tp")) if return_gathered else out
+    fn = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=outs)
+    global_x = tuple(d * 4 if s == "tp" else d for d, s in
+                     zip(x_shape, tuple(specs[0]) + (None,) * 2, strict=False))
+    global_w = tuple(d * 4 if s == "tp" else d for d, s in
+                     zip(w_shape, tuple(specs[1]) + (None,) * 2, strict=False))
+    target, attrs = _native_call(_lower(fn, jnp.ones(global_x, jnp.bfloat16),
+                                        jnp.ones(global_w, jnp.bfloat16)))
+    shapes = _kinds.canonical_problem(op, x_shape, w_shape, 0, 4)
+    problem = dict(op=op, transport=transport, nranks=4, batch=shapes.batch, rows=shapes.rows,
+                   k=shapes.k, n=shapes.n, dtype="bfloat16", chunks=chunks,
+                   bidirectional=bidirectional, return_gathered=return_gathered,
+                   fused=fused and transport in ("p2p", "multicast"))
+    return target, attrs, problem
+
+
+@pytest.mark.parametrize(("op", "transport", "fused"), _ROUTED)
+def test_a_call_replays_where_the_program_builder_builds_it_so(gpu_lowering, op, transport,
+                                                                fused):
+    """The `replayable` attribute is the program builder's acceptance of the call's problem
+    (core/build.cc; never a list of the lowering's), and a call built replayable comes through
+    jaxoverlap_cuda_replayable, every other through its op's target. Fixed by design: a call
+    over nccl never replays (NCCL's own calls capture, ours take host-side epochs); the fused
+    all-gather over p2p does (its replayable program, docs/gpu-internals.md §8). The rest
+    follow the builder, so they stay true as it learns more programs. The handlers' decoding of
+    the lowered attributes (ffi_call.h DecodeDesc, CheckTarget) gives the problem the attribute
+    says, takes the target the call lowered to and refuses the other one, naming both."""
+    from jaxoverlap._executors.runtime import load_host
+
+    target, attrs, problem = _lower_plan(op, transport, fused)
+    expected = _builder_replays(problem)
+    if transport == "nccl":
+        assert not expected
+    if (op, transport, fused) == ("ag_matmul", "p2p", True):
+        assert expected
+    assert attrs["replayable"] is expected, (attrs, problem)
+    assert target == (REPLAYABLE_TARGET if expected else f"jaxoverlap_cuda_{op}"), target
+    host = load_host()
+    decoded = host.decode_call(attrs, target == REPLAYABLE_TARGET)
+    assert decoded["replayable"] is expected and decoded["fused"] == problem["fused"]
+    assert (decoded["op"], decoded["transport"], decoded["nranks"]) == (op, transport, 4)
+    with pytest.raises(ValueError, match="(?i)lower the program again") as refused:
+        host.decode_call(attrs, target != REPLAYABLE_TARGET)
+    assert REPLAYABLE_TARGET in str(refused.value) and f"jaxoverlap_cuda_{op}" in str(
+        refused.value)
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+def test_a_call_routed_replayable_is_right_eager_captured_and_replayed_on_the_fake(
+        gpu_lowering, fake, connections):
+    """End to end on the fake: the fused all-gather over p2p as it lowers (4 ranks, 2 chunks,
+    both directions, the gathered x returned) comes through jaxoverlap_cuda_replayable; its
+    attributes decoded as its handler decodes them, through that target, give the problem it
+    runs, which the CUDA executor plays as test_graphs plays the replayable program (CudaSite::
+    Enqueue, what the handler calls): two calls, then captured on every rank and launched three
+    times with new inputs, the last rank last — every call and every replay right, with one
+    and eight work queues."""
+    from jaxoverlap._executors.runtime import load_host
+
+    from .fake_cases import problem
+    from .test_graphs import replayed_all_gather
+
+    target, attrs, lowered = _lower_plan("ag_matmul", "p2p", True, chunks=2,
+                                         bidirectional=True, return_gathered=True)
+    assert target == REPLAYABLE_TARGET and attrs["replayable"] is True
+    runs = load_host().decode_call(attrs, True)
+    p = problem(runs["op"], runs["transport"], runs["nranks"], batch=lowered["batch"],
+                rows=lowered["rows"], k=lowered["k"], nw=lowered["n"], dtype="bfloat16",
+                chunks=runs["chunks"], bidirectional=runs["bidirectional"], fused=runs["fused"],
+                replayable=runs["replayable"], return_gathered=True)
+    assert p["replayable"] and p["fused"] and p["bidirectional"] and p["chunks"] == 2
+    out, eager, replays = replayed_all_gather(fake, p, connections, late=3)
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    assert out["drained"] and out["replay_drained"] == [True] * 3 and fake.errors() == []
+    assert eager == [True] * 4 and replays == [[True] * 4] * 3, (eager, replays)
 
 
 def test_explicit_transport_the_gpus_lack_is_an_error_when_lowering(monkeypatch, cuda):
