@@ -73,10 +73,12 @@ class Span:
 
 @dataclass
 class Timeline:
-    """The raw outcome of a simulation: end time and every op's span."""
+    """The raw outcome of a simulation: end time and every op's span; ``captured``: the call
+    was priced captured in a command buffer (``launch.replays``), not enqueued by the host."""
 
     total: float
     spans: list[Span] = field(default_factory=list)
+    captured: bool = False
 
     def of(self, rank: int, stream: int | None = None) -> list[Span]:
         return [s for s in self.spans
@@ -120,6 +122,23 @@ class _Engine:
                 self.streams[(pr["rank"], s)] = []
             for i, op in enumerate(pr["ops"]):
                 self.streams[(pr["rank"], op["stream"])].append((i, op))
+        # A replayable program's wait that ends its stream (only ResetFlags after it: the
+        # acknowledgement wait) is a kernel, the bounded flag-wait (cpp/cuda/executor.cc
+        # TailWait): (rank, op index) of each; it ends no sooner than a kernel's start after its
+        # stream reached it. Its need of an SM the rank's fused GEMM may hold is not priced: it
+        # waits for an acknowledgement its reader raises after its own fused GEMM ended.
+        self.wait_kernels = {(r, ops[i][0]) for (r, st), ops in self.streams.items()
+                             if programs[r].get("replayable") and self.n > 1
+                             for i in range(len(ops)) if ops[i][1]["kind"] == "Wait"
+                             and all(o["kind"] == "ResetFlags" for _, o in ops[i + 1:])}
+        # A call whose every program replays is priced captured (launch.replays): no host
+        # enqueue, and each op a replayed node of graph_node_us (launch.replay) on its stream —
+        # a graph launch runs each captured stream's nodes on a stream of its own (CUDA
+        # programming guide, "CUDA Graphs"), so the nodes of a stream beside the GEMM cost the
+        # call only where they lie on its longest path. A stream of one op after another (the
+        # one-launch all-reduce's) pays every node, as launch.call_time(captured=True) does.
+        self.captured = all(launch.replays(pr, self.n) for pr in programs)
+        self.node_seconds = launch.replay(preset, 1) if self.captured else 0.0
         self.pos = dict.fromkeys(self.streams, 0)
         self.finished = 0  # streams that ran their last op
         self.busy = dict.fromkeys(self.streams, False)
@@ -244,11 +263,27 @@ class _Engine:
         while pos[key] < len(ops) and not busy[key]:
             idx, op = ops[pos[key]]
             kind = op["kind"]
+            if self.node_seconds:  # a replayed node starts its op
+                ready = self.reached[key] + self.node_seconds * model.op_nodes(op)
+                if ready > now:
+                    self.at(ready, _nothing)
+                    self.blocked[key] = (now, self.version[r])
+                    return moved
             if kind == "Wait":
                 t = self.flags.get((r, op["id"]))
+                if t is not None and (r, idx) in self.wait_kernels:  # its kernel's start first
+                    t = max(t, self.reached[key] + self.p.ar_start_us * model.US)
+                    if t > now:
+                        self.at(t, _nothing)
                 if t is None or t > now:
                     self.blocked[key] = (now, self.version[r])
                     return moved
+                self.span(key, idx, op, self.reached[key])
+                self.finish(key)
+            elif kind == "ResetFlags":  # its own flags lowered (a stream write each), in order
+                for f in range(op["id"], op["id"] + op["n"]):
+                    self.flags.pop((r, f), None)
+                self.version[r] += 1
                 self.span(key, idx, op, self.reached[key])
                 self.finish(key)
             elif kind == "StreamWait":
@@ -519,13 +554,11 @@ class _Engine:
             raise SimulationError(f"unmatched send/recv: {sorted(self.posted)}")
         join = self.p.event_latency_us * model.US  # XLA's stream waits on the comm streams
         end = max((s.end + (join if s.stream > 0 else 0.0) for s in self.spans), default=0.0)
-        if all(allreduce.base_algorithm(pr.get("algorithm")) for pr in self.programs):
-            # a one-launch all-reduce's call is captured and replayed (sim.launch): no host
-            # enqueue per call, each operation it issues a replayed node
-            total = end + launch.replay(self.p, max(model.host_ops(pr) for pr in self.programs))
-        else:
-            total = max(end, model.host_time(self.p, self.programs))
-        return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)))
+        # captured (a one-launch all-reduce's call, or one built replayable: sim.launch): its
+        # replayed nodes are in the spans, no host enqueue per call
+        total = end if self.captured else max(end, model.host_time(self.p, self.programs))
+        return Timeline(total, sorted(self.spans, key=lambda s: (s.rank, s.stream, s.start)),
+                        self.captured)
 
 
 class _FusedGemm:

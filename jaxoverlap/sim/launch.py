@@ -11,14 +11,37 @@ and replays them; a replayed call runs none of its handler's host code (openxla/
 ``command_buffer_thunk.cc``: the handler runs again only when a buffer address changes). Its
 ops then cost only their GPU time plus ``Preset.graph_node_us`` per node (the replay's
 per-node cost, ahrefs/ocannl#488). ``call_time`` prices a call both ways; a program whose
-handler is registered command-buffer compatible is priced ``captured=True``.
+handler is registered command-buffer compatible is priced ``captured=True``: one whose every
+rank's program replays (:func:`replays`), as the lowering routes it.
+
+Whether XLA captures such a call: its default ``--xla_gpu_enable_command_buffer`` set holds
+``CUSTOM_CALL`` (openxla/xla ``xla/debug_options_flags.cc``), and a custom call whose FFI handler
+carries the command-buffer trait is a command (``command_buffer_conversion_pass.cc``,
+``IsConvertible``); a run of commands is captured when it has at least
+``--xla_gpu_graph_min_graph_size`` of them, 5 by default. So the model assumes XLA's defaults and
+a call among at least four other capturable operations (a decoder layer's fusions and GEMMs): a
+call alone in its program, or with command buffers turned off, runs eagerly and costs
+``call_time(..., captured=False)`` (docs/gpu.md §6, docs/performance.md §2.5).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from jaxoverlap import _kinds
 from jaxoverlap.sim.presets import Preset
 
 US = 1e-6
+
+
+def replays(program: dict[str, Any], nranks: int) -> bool:
+    """Whether one rank's program (``_host.build_program``'s dict) of a call of ``nranks`` ranks
+    replays, so that the call is routed to the command-buffer compatible target and priced
+    captured: a one-launch kernel algorithm's, or a program built replayable, of more than one
+    rank (the handlers' rule, ``cpp/ffi/ffi_call.h`` ``Replays``)."""
+    algorithm = program.get("algorithm") or "two_shot"
+    return nranks > 1 and (_kinds.ar_algorithm(algorithm).kernel
+                           or bool(program.get("replayable")))
 
 
 def host_enqueue(p: Preset, ops: int, calls: int = 1) -> float:

@@ -400,12 +400,22 @@ def host_time(p: Preset, programs: Sequence[dict[str, Any]]) -> float:
 
 
 def host_ops(program: dict[str, Any]) -> int:
-    """The operations the host enqueues for one rank's program: one per op, and one more per
+    """The operations the host enqueues for one rank's program (a captured call replays as many
+    nodes, ``launch.replay``): one per op, and one more per
     fused GEMM that waits or releases, whose launch first zero-fills its per-call state with a
     ``cudaMemsetAsync`` on its stream (the fault record it waits with, or the tile counters it
     releases with: ``cpp/cuda/executor.cc`` ``Exec``, ``cpp/cuda/fused/fused_gemm_enqueue.cuh``
-    ``Enqueue``)."""
-    return len(program["ops"]) + sum(1 for op in program["ops"] if fused_state_fill(op))
+    ``Enqueue``); a ResetFlags op of a replayable program is one ``cuStreamWriteValue32`` per
+    flag it lowers (``cpp/cuda/executor.cc``)."""
+    return sum(op_nodes(op) for op in program["ops"])
+
+
+def op_nodes(op: dict[str, Any]) -> int:
+    """The operations the host enqueues for one op (``host_ops``), or the nodes it is in a
+    captured call."""
+    if op.get("kind") == "ResetFlags":
+        return max(int(op["n"]), 1)
+    return 2 if fused_state_fill(op) else 1
 
 
 def fused_state_fill(op: dict[str, Any]) -> bool:

@@ -101,6 +101,9 @@ class SimResult:
     t_wire: float = 0.0
     spans: list[Span] = field(default_factory=list, repr=False)
     num_streams: int = 1
+    # priced captured in a command buffer: its program replays, so XLA may capture the call
+    # (sim.launch; docs/gpu.md §6), no host enqueue per call
+    captured: bool = False
 
     @property
     def t_unfused(self) -> float:
@@ -158,7 +161,11 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
              bidirectional: bool, return_gathered: bool,
              algorithm: str = "two_shot", fused: bool = False) -> tuple[dict, ...]:
     """Every rank's program (cached: the simulator only reads them); ``fused``: the fused
-    programs, whose compute stream runs one persistent GEMM (``sim.fused``)."""
+    programs, whose compute stream runs one persistent GEMM (``sim.fused``). Built replayable
+    where the program builder builds the problem so, as the lowering asks it
+    (``_executors.replay``): the program the call runs, priced as built (its acknowledgements,
+    resets and wait kernels) and captured (``launch.replays``)."""
+    from jaxoverlap._executors import replay
     from jaxoverlap._executors.runtime import load_host
 
     dtype = canonical_dtype(dtype)
@@ -171,12 +178,13 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
     host = load_host()
     # fp8: x and w of the GEMMs' dtype, y bfloat16 (output_dtype): what the executors run,
     # the fp8 shards and their scales moved by AG+GEMM, the bfloat16 partials reduced
+    fields = dict(w_dtype=dtype, out_dtype=output_dtype(dtype), chunks=chunks,
+                  bidirectional=bidirectional, return_gathered=return_gathered,
+                  algorithm=algorithm, fused=fused)
+    replayable = replay.builds_replayable(op, transport, nranks, shape.batch, rows, shape.k,
+                                          shape.n, dtype, **fields)
     return tuple(host.build_program(op, transport, nranks, r, shape.batch, rows, shape.k,
-                                    shape.n, dtype=dtype, w_dtype=dtype,
-                                    out_dtype=output_dtype(dtype), chunks=chunks,
-                                    bidirectional=bidirectional,
-                                    return_gathered=return_gathered, algorithm=algorithm,
-                                    fused=fused)
+                                    shape.n, dtype=dtype, replayable=replayable, **fields)
                  for r in range(nranks))
 
 
@@ -261,7 +269,8 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
     t_compute = max(rank_alone(pr) for pr in ranks)
     return SimResult(op, shape, dtype, nranks, p.name, c, timeline.total, t_gemm, t_comm,
                      t_comm_xla, t_compute, model.collective_floor(p, transport, nranks, s, op),
-                     timeline.spans, max(pr["num_streams"] for pr in ranks))
+                     timeline.spans, max(pr["num_streams"] for pr in ranks),
+                     timeline.captured)
 
 
 def candidates(preset: Preset | str, nranks: int, shape: Shape,

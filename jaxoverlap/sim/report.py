@@ -121,7 +121,9 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
                              ", the bytes each rank moves 2(N-1)/N of y instead of N-1 "
                              "partials"))
         xla = auto.table[0]
-        if auto.best.candidate.impl == "xla" and kernel_alg:
+        if not kernel_alg and fused.captured:  # a program built replayable (launch.replays)
+            why_native += ", priced captured (its program replays: no host enqueue per call)"
+        if auto.best.candidate.impl == "xla" and (kernel_alg or fused.captured):
             why = (f"xla: the best native plan ({c.label}, captured) costs "
                    f"{fused.t_fused * 1e6:.0f} µs against the GEMM and NCCL's all-reduce "
                    f"{xla.t_xla * 1e6:.0f} µs, less than the margin {auto.min_gain:.0%} below")
@@ -308,17 +310,28 @@ def projection_table(presets: Iterable[str | Preset] = tuple(PRESETS),
                 "t_plan_us": b.t_fused * 1e6, "vs_xla": b.speedup_vs_xla,
                 "speedup": b.speedup, "overlap_eff": b.overlap_efficiency,
                 "ideal": b.ideal_speedup, "fused": b.candidate.fused,
+                "priced": _priced(b),
                 "published": case.published(), "ref": case.ref,
                 "outside": choice.outside,
             })
     return rows
 
 
+def _priced(r: SimResult) -> str:
+    """How a pick's call is priced: ``captured`` (its program replays, so XLA may capture it in
+    a command buffer: no host enqueue per call, ``sim.launch``), ``eager`` (the host enqueues
+    its every op, which may bound it), or ``xla`` (XLA's own ops)."""
+    if r.candidate.impl != "native":
+        return "xla" if r.candidate.impl == "xla" else "eager"
+    return "captured" if r.captured else "eager"
+
+
 def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> str:
     """The projection table; a case outside its preset's calibrated range is marked "*"
     (text: with the reasons under the table)."""
     cols = [("preset", "preset"), ("case", "case"), ("shape", "shape (per-rank K/N)"),
-            ("t_xla_us", "xla µs"), ("plan", "chosen plan"), ("t_plan_us", "plan µs"),
+            ("t_xla_us", "xla µs"), ("plan", "chosen plan"), ("priced", "priced³"),
+            ("t_plan_us", "plan µs"),
             ("vs_xla", "vs xla"), ("speedup", "speedup¹"), ("overlap_eff", "overlap eff¹"),
             ("ideal", "ideal¹"), ("outside", "calibrated"),
             ("published", "published fused, same shape²")]
@@ -344,13 +357,21 @@ def format_table(rows: Sequence[dict[str, object]], markdown: bool = True) -> st
             lines.append("  ".join(f"{fmt(k, r[k]):>14}" for k, _ in cols))
         for r in rows:
             lines.append(f"² {r['preset']} {r['case']}: {r['plan']} projects "
-                         f"{r['vs_xla']:.2f}x vs xla; published fused at this shape: "
-                         f"{r['published']}")
+                         f"{r['vs_xla']:.2f}x vs xla{_PRICED_WHY[str(r['priced'])]}; published "
+                         f"fused at this shape: {r['published']}")
+        lines.append("³ captured: the pick's program replays, so XLA may capture its call in a "
+                     "command buffer (its default set holds custom calls; a run of at least 5 "
+                     "commands): priced with no host enqueue, a replayed node per op "
+                     "(docs/gpu.md §6); eager: the host enqueues every op")
         for r in rows:
             if r["outside"]:
                 lines.append(f"* {r['preset']} {r['case']}: outside the calibrated range "
                              f"(extrapolated): {'; '.join(r['outside'])}")
     return "\n".join(lines)
+
+
+_PRICED_WHY = {"captured": ", priced captured (its program replays)",
+               "eager": ", priced eager (the host enqueues its ops)", "xla": ""}
 
 
 def preset_table(presets: Iterable[str | Preset] = tuple(PRESETS)) -> str:

@@ -115,3 +115,4 @@ def test_the_lowered_call_carries_exactly_the_schema(dtype):
     for a in SCHEMA:
         assert re.fullmatch(MLIR_TYPE[a.ctype], entries[a.name]), (a.name, entries[a.name])
     assert entries["tf32"] == ("true" if dtype == jnp.float32 else "false")
+    assert entries["replayable"] == "false"  # CPU calls: no command buffers, never replayable

@@ -161,3 +161,57 @@ def test_block_scaled_gemms_dequantize_w_once_per_rank():
     plain = sim.simulate_programs([program(0, ops, streams=1, dtype="f8e4m3fn")], TOY)
     assert plain.total == pytest.approx(2 * 20 * US)  # per-tensor scales: no pass (TOY has no
     # FP8 peak: its FP8 GEMMs run at the BF16 rate, here float32's)
+
+
+def _replayable_pair(replayable=True):
+    """Two ranks of a replayable program, written out: each rank's comm stream signals its
+    shard to its peer (flag 0) and ends with the acknowledgement wait (flag 1) and its reset;
+    the compute stream waits for the shard, runs a GEMM, resets flag 0 and acknowledges."""
+    def rank(r):
+        peer = 1 - r
+        return program(r, [
+            op("Signal", 1, peer=peer, id=0),
+            op("Wait", 0, id=0, peer=peer),
+            gemm(1000, 1000, 1000),  # 2 ms at 1 TFLOP/s
+            op("ResetFlags", 0, id=0, n=1),
+            op("Signal", 0, peer=peer, id=1),
+            op("Wait", 1, id=1, peer=peer),
+            op("ResetFlags", 1, id=1, n=3),  # three flags lowered: three nodes
+        ], nranks=2, replayable=replayable)
+    return [rank(0), rank(1)]
+
+
+def test_a_replayable_program_is_priced_as_built_and_captured():
+    """A call whose every program replays (sim.launch.replays) is priced captured: no host
+    enqueue, each op one replayed node (graph_node_us; a ResetFlags one per flag) on its own
+    stream before it starts, so the comm stream's nodes beside the GEMM cost nothing; its
+    acknowledgement wait (the comm stream's last Wait, only ResetFlags after it) is the bounded
+    flag-wait kernel, ending no sooner than a kernel's start after its stream reached it
+    (timelines by hand below). The same programs not replayable: the host's enqueue bounds
+    them, no nodes."""
+    node, start = 0.5, 2.0
+    p = TOY.replace(graph_node_us=node, host_op_us=1000.0, host_call_us=0.0, ar_start_us=start,
+                    signal_latency_us=2.0)
+    tl = sim.simulate_programs(_replayable_pair(), p)
+    assert tl.captured
+    # comm: Signal at 0.5 (visible 2.5); compute: Wait reached 0, its node to 0.5, the flag at
+    # 2.5; the GEMM's node to 3.0, the GEMM to 2003; the reset's node to 2003.5, the Signal's to
+    # 2004 (visible 2006); comm: its Wait reached at 0.5, node to 1.0, its kernel's start to
+    # 3.0, the acknowledgement at 2006; the reset's three nodes to 2007.5
+    spans = {(s.rank, s.stream, s.kind): s for s in tl.spans}
+    gemm_span = spans[(0, 0, "Gemm")]
+    assert gemm_span.start == pytest.approx(3.0 * US) and gemm_span.end == pytest.approx(2003 * US)
+    assert spans[(0, 1, "Wait")].end == pytest.approx(2006 * US)
+    assert tl.total == pytest.approx(2007.5 * US)
+    # its kernel's start bounds the wait when the acknowledgement comes first
+    quick = [program(r, [op("Signal", 0, peer=1 - r, id=1), op("Wait", 1, id=1, peer=1 - r),
+                         op("ResetFlags", 1, id=1, n=1)], nranks=2, replayable=True)
+             for r in range(2)]
+    tl = sim.simulate_programs(quick, p.replace(ar_start_us=10.0))
+    # Signal's node to 0.5 (visible 2.5); the Wait reached at 0: its node (to 0.5) is part of
+    # its kernel's start (to 10.0), not added to it; the reset's node to 10.5
+    assert tl.total == pytest.approx(10.5 * US)
+    # not replayable: eager, the host's enqueue of its ops (7 + 2 more for the 3-flag reset)
+    eager = sim.simulate_programs(_replayable_pair(replayable=False), p)
+    assert not eager.captured and eager.total == pytest.approx(9 * 1000.0 * US)
+    assert sim.model.host_ops(_replayable_pair()[0]) == 9

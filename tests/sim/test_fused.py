@@ -139,10 +139,20 @@ def _stream0(program):
     return [o for o in program["ops"] if o["stream"] == 0]
 
 
+def _moves(program):
+    """The comm streams' ops of a program, as they move data and flags (not the text, which
+    says a flag's value: the epoch, or 1 in a replayable program)."""
+    return [{k: v for k, v in o.items() if k != "text"} for o in program["ops"]
+            if o["stream"] > 0]
+
+
 def test_the_model_plays_the_executors_fused_programs():
-    """The simulator's fused programs are ``_host.build_program(..., fused=True)``; AG's comm
-    streams are the chunked programs', and its host enqueues fewer ops (one kernel where the
-    chunked program has a wait and a GEMM per block)."""
+    """The simulator's fused programs are ``_host.build_program(..., fused=True)``, built
+    replayable where the program builder builds them so (as the lowering asks it: the program
+    the call runs); AG's comm streams are the chunked programs', and its host enqueues fewer ops
+    (one kernel where the chunked program has a wait and a GEMM per block) — a replayable one's
+    comm streams end with the acknowledgement (a Record for the compute stream, then the wait for
+    the reader's acknowledgement and its reset)."""
     host = load_host()
     for op, transport, chunks, bidi in (("ag_matmul", "p2p", 2, True),
                                         ("ag_matmul", "multicast", 1, False),
@@ -150,17 +160,29 @@ def test_the_model_plays_the_executors_fused_programs():
                                         ("matmul_rs", "multicast", 1, False)):
         shape = AG_STD if op == "ag_matmul" else RS_STD
         got = programs(op, transport, 8, shape, "bfloat16", chunks, bidi, False, fused=True)
+        problem = dict(op=op, transport=transport, nranks=8, batch=1, rows=shape.rows,
+                       k=shape.k, n=shape.n, dtype="bfloat16", chunks=chunks,
+                       bidirectional=bidi, fused=True)
+        replayable = host.replay_refusal(problem) == ""
+        if (op, transport) == ("ag_matmul", "p2p"):  # the builder's replayable program
+            assert replayable
         assert list(got) == [host.build_program(op, transport, 8, r, 1, shape.rows, shape.k,
                                                 shape.n, dtype="bfloat16", chunks=chunks,
-                                                bidirectional=bidi, fused=True)
+                                                bidirectional=bidi, fused=True,
+                                                replayable=replayable)
                              for r in range(8)]
         chunked = programs(op, transport, 8, shape, "bfloat16", chunks, bidi, False)
         for f, c in zip(got, chunked, strict=True):
             assert [o["kind"] for o in _stream0(f)].count("FusedGemm") == 1
             if op == "ag_matmul":  # the same transfers, fewer ops
                 assert len(f["ops"]) < len(c["ops"])
-                assert ([o for o in f["ops"] if o["stream"] > 0 and o["kind"] != "Record"]
-                        == [o for o in c["ops"] if o["stream"] > 0])
+                moves = [o for o in _moves(f) if o["kind"] != "Record"]
+                if f["replayable"]:  # each comm stream's acknowledgement: its wait, its reset
+                    tails = [i for i, o in enumerate(moves) if o["kind"] == "ResetFlags"]
+                    assert tails and all(moves[i - 1]["kind"] == "Wait" for i in tails)
+                    moves = [o for i, o in enumerate(moves)
+                             if i not in tails and i + 1 not in tails]
+                assert moves == _moves(c)
 
 
 # ---- the kernel, tile by tile, on timelines computable by hand --------------------------------
@@ -278,7 +300,7 @@ def test_the_fused_rate_scales_the_tile_work():
 FREE = H100.replace(link_gbps=1e7, p2p_gbps=1e7, multicast_gbps=1e7, nccl_gbps=1e7,
                     nccl_p2p_gbps=1e7, ce_latency_us=0.0, ce_ramp_us=0.0, mc_latency_us=0.0,
                     mc_ramp_us=0.0, signal_latency_us=0.0, event_latency_us=0.0,
-                    interference=0.0, host_op_us=0.0, host_call_us=0.0)
+                    interference=0.0, host_op_us=0.0, host_call_us=0.0, graph_node_us=0.0)
 
 
 def test_one_kernel_pays_one_quantisation_and_one_launch():
@@ -315,14 +337,16 @@ def test_the_first_remote_block_and_static_striding(m, k, n, exposed):
     CTAs that wait for it are among those with the most units."""
     fast = H100.replace(link_gbps=1e7, p2p_gbps=1e7, ce_latency_us=20.0, ce_ramp_us=0.0,
                         signal_latency_us=6.61, event_latency_us=6.61,
-                        interference=0.0, host_op_us=0.0, host_call_us=0.0)
+                        interference=0.0, host_op_us=0.0, host_call_us=0.0, graph_node_us=0.0)
     r = sim.simulate("ag_matmul", sim.Shape.from_global(m, k, n, 8), "bf16", 8, fast,
                      sim.Candidate("native", "p2p", 1, False, fused=True))
     (copy,) = [s for s in r.spans if s.rank == 0 and s.stream == 0 and s.kind == "Copy"]
     (kernel,) = [s for s in r.spans if s.rank == 0 and s.kind == "FusedGemm"]
     assert kernel.start == pytest.approx(copy.end)
     # the first remote block (shard 7 on rank 0) is visible one flag latency after the Signal
-    signal = next(s for s in r.spans if s.rank == 7 and s.kind == "Signal")
+    # (its comm stream's first: the replayable program's compute stream signals only its
+    # acknowledgement, after the kernel)
+    signal = next(s for s in r.spans if s.rank == 7 and s.stream > 0 and s.kind == "Signal")
     first = signal.end + fast.signal_latency_us * US
     # before the first tile: the zero-fill of the fault record, then the launch
     overhead = (fast.ar_start_us + fast.gemm_overhead_us) * US
