@@ -125,7 +125,7 @@ class Enqueuer {
                         " " + std::to_string(issued[i]) +
                         " times: " + ToString(p_.ops[i], p_.problem.replayable));
     // A replayable program enqueues the same work every call: no epoch (half 0 of its own
-    // buffers, values 1: CudaSite::EnqueueReplayable).
+    // buffers, values 1: CudaSite::EnqueueReplaying).
     if (p_.problem.replayable && p_.problem.nranks > 1 && (a_.epoch != 0 || a_.area != nullptr))
       return Internal(a_.ctx.Describe() + ": a replayable program runs at epoch 0");
     for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
