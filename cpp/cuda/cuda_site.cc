@@ -364,8 +364,9 @@ Status CudaSite::EnqueueReplaying(const Caller& caller, const BoundCall& bound,
     run.area = area.get();
     run.signature = bound.device_signature;
   } else {
-    run.wait_fault =
-        static_cast<kernel::fw::Fault*>(area->faults[static_cast<size_t>(ctx.rank)]->ptr);
+    const size_t rank = static_cast<size_t>(ctx.rank);
+    run.wait_fault = static_cast<kernel::fw::Fault*>(area->faults[rank]->ptr);
+    run.fused_fault = static_cast<FusedGemmFault*>(area->fused_faults[rank]->ptr);
     const std::vector<int>& ordinals = bound.call.place.ordinals;
     run.device_share = static_cast<int32_t>(
         std::max<std::ptrdiff_t>(1, std::count(ordinals.begin(), ordinals.end(), run.device)));

@@ -36,6 +36,23 @@ std::string Seconds(std::chrono::milliseconds timeout) {
   return text;
 }
 
+// A fault record a kernel writes in page-locked host memory (its fields, a system fence, then
+// its word `ready`: flag_wait_body.h, allreduce_body.h, fused_gemm_sync.cuh), read while the
+// kernel may still write it: false while that word is 0, else its `n` words. Atomic loads,
+// `ready`'s with acquire, so that the fields read are the ones written before it (C++: an
+// acquire load that reads a value stored after a release fence synchronizes with it; the GPU's
+// side is a fence then a strong store, PTX ISA "Release and Acquire Patterns"; 4-byte aligned
+// accesses to host memory from the device are single accesses for the host, CUDA programming
+// guide).
+bool ReadRecord(const void* record, uint32_t* words, int n, int ready = 0) {
+  const auto* at = static_cast<const uint32_t*>(record);
+  words[ready] = __atomic_load_n(&at[ready], __ATOMIC_ACQUIRE);
+  if (words[ready] == 0) return false;
+  for (int i = 0; i < n; ++i)
+    if (i != ready) words[i] = __atomic_load_n(&at[i], __ATOMIC_RELAXED);
+  return true;
+}
+
 // "rank 3", or "rank 3 (process 1)" for a rank of another process.
 std::string RankName(const CudaClique& clique, size_t rank) {
   const bool elsewhere = rank < clique.devices().size() && clique.devices()[rank] < 0;
@@ -188,9 +205,15 @@ class Watchdog {
         if (area->faults[r] == nullptr || it->reported[r]) continue;
         const int32_t rank = static_cast<int32_t>(r);
         const void* record = area->faults[r]->ptr;
-        std::string text = area->replay
-                               ? DescribeWaitFault(*clique, it->op, rank, record, it->timeout)
-                               : DescribeFault(*clique, rank, record, it->timeout);
+        std::string text;
+        if (!area->replay) {
+          text = DescribeFault(*clique, rank, record, it->timeout);
+        } else {
+          text = DescribeWaitFault(*clique, it->op, rank, record, it->timeout);
+          if (text.empty() && r < area->fused_faults.size() && area->fused_faults[r] != nullptr)
+            text =
+                DescribeFusedFault(*clique, it->op, rank, area->fused_faults[r]->ptr, it->timeout);
+        }
         if (text.empty()) {
           all = false;
           continue;
@@ -204,12 +227,10 @@ class Watchdog {
 
   static std::string DescribeFault(const CudaClique& clique, int32_t rank, const void* record,
                                    std::chrono::milliseconds timeout) {
-    const auto* words = static_cast<const volatile uint32_t*>(record);
-    const uint32_t code = words[0];
-    if (code == 0) return "";
-    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before it
+    uint32_t words[8];
+    if (!ReadRecord(record, words, 8)) return "";
     kernel::ar::Fault f{};
-    f.code = code;
+    f.code = words[0];
     f.round = words[1], f.block = words[2], f.writer = words[3];
     f.seq = words[4], f.seen = words[5], f.signature = words[6], f.seen_signature = words[7];
     std::string text = "matmul_ar one-launch all-reduce, rank " + std::to_string(rank) + " (" +
@@ -239,18 +260,36 @@ class Watchdog {
   static std::string DescribeWaitFault(const CudaClique& clique, const std::string& op,
                                        int32_t rank, const void* record,
                                        std::chrono::milliseconds timeout) {
-    const auto* words = static_cast<const volatile uint32_t*>(record);
-    const uint32_t code = words[0];
-    if (code == 0) return "";
-    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before it
+    uint32_t words[6];
+    if (!ReadRecord(record, words, 6)) return "";
     const uint32_t flag = words[2], writer = words[3], seen = words[4], value = words[5];
     return "replayable " + op + ", rank " + std::to_string(rank) + " (" + clique.name() +
            "): its wait for flag " + std::to_string(flag) + " from " + RankName(clique, writer) +
            " did not see " + std::to_string(value) + " within " + Seconds(timeout) + " s (it is " +
            std::to_string(seen) +
            "): the peer did not arrive (ranks disagree on the calls, or a peer failed). The wait "
-           "gave up; this call's results and every later replay's on this rank are invalid; the "
+           "gave up and trapped: the GPU's context has a sticky error, so no later work of this "
+           "rank runs and every later CUDA call of the process on that GPU fails with it; the "
            "clique is broken.";
+  }
+
+  // A replayable program's fused GEMM that gave up waiting and trapped (fused_gemm_sync.cuh,
+  // Launch::trap): "" while the record is empty.
+  static std::string DescribeFusedFault(const CudaClique& clique, const std::string& op,
+                                        int32_t rank, const void* record,
+                                        std::chrono::milliseconds timeout) {
+    static_assert(sizeof(FusedGemmFault) == 5 * sizeof(uint32_t), "FusedGemmFault's words");
+    uint32_t words[5];
+    if (!ReadRecord(record, words, 5, /*ready=*/4)) return "";
+    const uint32_t block = words[1], seen = words[2], value = words[3];
+    return "replayable " + op + ", rank " + std::to_string(rank) + " (" + clique.name() +
+           "): its fused GEMM's wait for row block " + std::to_string(block) +
+           " did not see its flag reach " + std::to_string(value) + " within " +
+           Seconds(2 * timeout + std::chrono::seconds(1)) + " s (it is " + std::to_string(seen) +
+           "): the peer that pushes that block did not arrive (ranks disagree on the calls, or "
+           "a peer failed). The GEMM gave up and trapped: the GPU's context has a sticky "
+           "error, so no later work of this rank runs and every later CUDA call of the process "
+           "on that GPU fails with it; the clique is broken.";
   }
 
   // One look at every rank's oldest pending call: done ones are dropped, late ones fired; at the
