@@ -448,7 +448,7 @@ bool Poll(Launch& l, const Kernel& k) {
       if (b.phase >= Body::kPhases) --l.left;
     }
   } catch (const Faulted& f) {
-    Poison(l.device, f.code, l.name + ": " + f.what);
+    PoisonWhenPolled(l.device, f.code, l.name + ": " + f.what);  // not from inside this poll
     return true;
   }
   if (l.left > 0) return false;
