@@ -203,8 +203,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   std::shared_ptr<const BoundCall> bound;
   JO_CHECK(
       bound_.Get(caller, [&](BoundCall* out) { return BindCall(caller, problem, out); }, &bound));
-  if (one_launch) return EnqueueOneLaunch(caller, *bound, io, stream, capturing);
-  if (replayable) return EnqueueReplayable(caller, *bound, io, stream, capturing);
+  if (one_launch || replayable) return EnqueueReplaying(caller, *bound, io, stream, capturing);
   const Program& program = bound->call.program;
   CudaClique& clique = *bound->clique;
   ErrorContext ctx;
@@ -291,9 +290,10 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   return status;
 }
 
-Status CudaSite::EnqueueOneLaunch(const Caller& caller, const BoundCall& bound,
+Status CudaSite::EnqueueReplaying(const Caller& caller, const BoundCall& bound,
                                   const CallBuffers& io, cudaStream_t stream, bool capturing) {
   const Program& program = bound.call.program;
+  const bool one_launch = OneLaunch(program.problem.algorithm);
   CudaClique& clique = *bound.clique;
   ErrorContext ctx;
   ctx.op = CollectiveName(program.problem.op);
@@ -307,7 +307,8 @@ Status CudaSite::EnqueueOneLaunch(const Caller& caller, const BoundCall& bound,
     std::lock_guard<std::mutex> lock(bound.setup_mu);
     if (!bound.area) {
       // Set-up: an epoch of the clique (every rank's first execution of this site comes at the
-      // same place in its calls), the agreement check, and the kernel area (made once).
+      // same place in its calls), the agreement check, the rank's pool and resources, and the
+      // call's area (made once per site).
       if (capturing)
         return InvalidArgument(
             ctx.Describe() + ": the first execution of this call on GPU " +
@@ -319,19 +320,28 @@ Status CudaSite::EnqueueOneLaunch(const Caller& caller, const BoundCall& bound,
       const std::string where = ctx.Describe() + " epoch " + std::to_string(epoch);
       Reservation reserved;
       Status status = clique.Agree(where, ctx.rank, epoch, bound.call.signature);
+      // The kernel algorithms share the clique's kernel area; a replayable program has buffers
+      // of its own (no generation of the clique's).
       if (status.ok())
         status = clique.Reserve(program, CallNeeds{}, bound.pool_needs, epoch, ctx, &reserved,
-                                /*kernel_area=*/true);
+                                /*kernel_area=*/one_launch, /*generation=*/one_launch);
+      std::shared_ptr<const KernelArea> made = reserved.area;
+      if (status.ok() && !one_launch)
+        status = clique.ReplayArea(bound.call.clique.site, epoch, bound.call.needs.workspace_bytes,
+                                   bound.call.needs.num_flags, ctx, &made);
       if (!status.ok()) {
         if (status.code() != Code::kAborted) clique.Break(status);
         return status;
       }
-      bound.area = reserved.area;
+      bound.area = std::move(made);
       bound.resources = reserved.resources;
       // Kept by the call: an outgrown snapshot's memory stays allocated until teardown, so the
       // addresses a captured call baked in stay valid (clique_state.h RankPool).
       bound.pool = reserved.pool;
-      WatchKernelArea(bound.clique, bound.area, Millis(desc_.timeout_ms));
+      // What the area's kernels record when they give up (the all-reduce kernel's, the flag
+      // waits'): watched while the clique lives, eager calls and replays alike (a replay runs
+      // no host code).
+      WatchKernelArea(bound.clique, bound.area, Millis(desc_.timeout_ms), ctx.op);
     }
     area = bound.area;
     resources = bound.resources;
@@ -342,15 +352,25 @@ Status CudaSite::EnqueueOneLaunch(const Caller& caller, const BoundCall& bound,
   run.order = &bound.issue;
   run.device = static_cast<int>(caller.device);
   run.stream = stream;
-  run.epoch = 0;  // nothing of the call depends on an epoch
+  run.epoch = 0;  // nothing of the call depends on an epoch (a replayable program's: half 0,
+                  // flag values 1)
   run.gen = area->gen.get();
   run.resources = resources;
   run.pool = pool.get();
   run.io = io;
   run.ctx = ctx;
   run.timeout = Millis(desc_.timeout_ms);
-  run.area = area.get();
-  run.signature = bound.device_signature;
+  if (one_launch) {
+    run.area = area.get();
+    run.signature = bound.device_signature;
+  } else {
+    const size_t rank = static_cast<size_t>(ctx.rank);
+    run.wait_fault = static_cast<kernel::fw::Fault*>(area->faults[rank]->ptr);
+    run.fused_fault = static_cast<FusedGemmFault*>(area->fused_faults[rank]->ptr);
+    const std::vector<int>& ordinals = bound.call.place.ordinals;
+    run.device_share = static_cast<int32_t>(
+        std::max<std::ptrdiff_t>(1, std::count(ordinals.begin(), ordinals.end(), run.device)));
+  }
   std::unique_ptr<PreparedCall> prepared;
   Status status = PrepareProgram(run, &prepared);
   // A new cuBLASLt plan's warm-up runs on a stream of its own and is joined into XLA's stream:
@@ -363,99 +383,6 @@ Status CudaSite::EnqueueOneLaunch(const Caller& caller, const BoundCall& bound,
   }
   // Eager: a `done` event after the call, so that teardown waits for it (never under capture:
   // a captured event cannot be queried).
-  std::shared_ptr<const CallEvents> events;
-  if (status.ok() && !capturing) status = resources->TakeEvents(ctx, &events);
-  bool enqueued = false;
-  if (status.ok()) status = prepared->Execute({}, &enqueued);
-  if (enqueued && events) {
-    const cudaError_t recorded = cudaEventRecord(events->done, stream);
-    if (recorded == cudaSuccess) {
-      resources->SetLast(events);
-    } else if (status.ok()) {
-      status = CudaFailure(recorded, "cudaEventRecord(done)", &ctx);
-    }
-  }
-  if (enqueued && capturing) clique.NoteCaptured();
-  if (!status.ok() && status.code() != Code::kAborted) clique.Break(status);
-  return status;
-}
-
-Status CudaSite::EnqueueReplayable(const Caller& caller, const BoundCall& bound,
-                                   const CallBuffers& io, cudaStream_t stream, bool capturing) {
-  const Program& program = bound.call.program;
-  CudaClique& clique = *bound.clique;
-  ErrorContext ctx;
-  ctx.op = CollectiveName(program.problem.op);
-  ctx.rank = program.problem.rank;
-  ctx.clique = clique.name();
-  JO_CHECK(clique.CheckNotBroken(ctx.Describe()));
-  std::shared_ptr<const KernelArea> buffers;
-  RankResources* resources = nullptr;
-  std::shared_ptr<const RankPool> pool;
-  {
-    std::lock_guard<std::mutex> lock(bound.setup_mu);
-    if (!bound.replay) {
-      // Set-up: an epoch of the clique (every rank's first execution of this site comes at the
-      // same place in its calls), the agreement check, the rank's pool and resources, and the
-      // program's own buffers (made once per site).
-      if (capturing)
-        return InvalidArgument(
-            ctx.Describe() + ": the first execution of this call on GPU " +
-            std::to_string(caller.device) +
-            " is under CUDA-graph capture, but it sets up buffers (allocation cannot be "
-            "captured); XLA runs an executable once before it captures it, so this is not "
-            "XLA's order: run the call once outside the capture first");
-      const int64_t epoch = clique.NextEpoch(ctx.rank);
-      const std::string where = ctx.Describe() + " epoch " + std::to_string(epoch);
-      Reservation reserved;
-      Status status = clique.Agree(where, ctx.rank, epoch, bound.call.signature);
-      if (status.ok())
-        status = clique.Reserve(program, CallNeeds{}, bound.pool_needs, epoch, ctx, &reserved,
-                                /*kernel_area=*/false, /*generation=*/false);
-      std::shared_ptr<const KernelArea> made;
-      if (status.ok())
-        status = clique.ReplayArea(bound.call.clique.site, epoch, bound.call.needs.workspace_bytes,
-                                   bound.call.needs.num_flags, ctx, &made);
-      if (!status.ok()) {
-        if (status.code() != Code::kAborted) clique.Break(status);
-        return status;
-      }
-      bound.replay = std::move(made);
-      bound.resources = reserved.resources;
-      bound.pool = reserved.pool;  // kept: a captured call's addresses stay valid
-      // Its acknowledgement waits are bounded kernels that record why they gave up: watched
-      // while the clique lives, eager calls and replays alike (a replay runs no host code).
-      WatchKernelArea(bound.clique, bound.replay, Millis(desc_.timeout_ms));
-    }
-    buffers = bound.replay;
-    resources = bound.resources;
-    pool = bound.pool;
-  }
-  RunArgs run;
-  run.program = &program;
-  run.order = &bound.issue;
-  run.device = static_cast<int>(caller.device);
-  run.stream = stream;
-  run.epoch = 0;  // nothing of the call depends on an epoch: half 0, flag values 1
-  run.gen = buffers->gen.get();
-  run.wait_fault =
-      static_cast<kernel::fw::Fault*>(buffers->faults[static_cast<size_t>(ctx.rank)]->ptr);
-  run.resources = resources;
-  run.pool = pool.get();
-  run.io = io;
-  run.ctx = ctx;
-  run.timeout = Millis(desc_.timeout_ms);
-  const std::vector<int>& ordinals = bound.call.place.ordinals;
-  run.device_share = static_cast<int32_t>(
-      std::max<std::ptrdiff_t>(1, std::count(ordinals.begin(), ordinals.end(), run.device)));
-  std::unique_ptr<PreparedCall> prepared;
-  Status status = PrepareProgram(run, &prepared);
-  if (status.ok() && capturing && prepared->WarmedUp()) {
-    prepared->Abandon();
-    status = InvalidArgument(ctx.Describe() +
-                             ": a new GEMM plan (new buffer alignments) is being made while XLA "
-                             "captures this call; run it once outside the capture first");
-  }
   std::shared_ptr<const CallEvents> events;
   if (status.ok() && !capturing) status = resources->TakeEvents(ctx, &events);
   bool enqueued = false;

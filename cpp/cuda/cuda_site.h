@@ -65,30 +65,26 @@ class CudaSite {
     PoolNeeds pool_needs;           // what each local rank's pool must hold (clique_state.h)
     int32_t fused_wait_flags = -1;  // a fused GEMM that waits: its first block's flag (-1: none)
     // The kernel algorithms (one AllReduce op: docs/gpu-internals.md §7): the signature the kernel
-    // checks against its peers' (a hash of `call.signature`), and what the call's first execution
-    // on this GPU set up — the clique's kernel area, the rank's resources — once, under setup_mu.
+    // checks against its peers' (a hash of `call.signature`).
     uint32_t device_signature = 0;
+    // A call that replays (EnqueueReplaying): what its first execution on this GPU set up, once,
+    // under setup_mu — its area (the kernel algorithms': the clique's kernel area; a replayable
+    // program's, docs/gpu-internals.md §8: its own buffers and its flag waits' fault records,
+    // CudaClique::ReplayArea), watched from then on (WatchKernelArea), and the rank's resources.
     mutable std::mutex setup_mu;
     mutable std::shared_ptr<const KernelArea> area;
     mutable RankResources* resources = nullptr;
     mutable std::shared_ptr<const RankPool> pool;
-    // A replayable program (docs/gpu-internals.md §8): its own buffers and its flag waits'
-    // fault records (CudaClique::ReplayArea), made at its first execution on this GPU, under
-    // setup_mu, and watched from then on (WatchKernelArea).
-    mutable std::shared_ptr<const KernelArea> replay;
   };
   Status BindCall(const Caller& caller, const Problem& problem, BoundCall* out);
-  // A call of the kernel algorithms: no epoch, no agreement and no watch of its own (it would
-  // not replay): its first execution on a GPU sets it up (an epoch of the clique, as every call
-  // of a clique takes, in the same order on every rank), then every execution, eager or under
-  // capture, enqueues the GEMM and the kernel, whose sequence numbers live on the device.
-  Status EnqueueOneLaunch(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
+  // A call that replays — the kernel algorithms, whose sequence numbers live on the device
+  // (docs/gpu-internals.md §7), and a replayable program (§8): no epoch, agreement or watch per
+  // call (a replay would skip them); its first execution on a GPU sets it up (an epoch of the
+  // clique, as every call of a clique takes, in the same order on every rank; the agreement
+  // check; its area and its standing watch), then every execution, eager or under capture,
+  // enqueues the same work.
+  Status EnqueueReplaying(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
                           cudaStream_t stream, bool capturing);
-  // A replayable program (the fused all-gather over p2p, docs/gpu-internals.md §8): likewise no
-  // epoch, agreement or watch per call; its first execution on a GPU sets up its own buffers
-  // and the standing watch of its flag waits' fault records.
-  Status EnqueueReplayable(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
-                           cudaStream_t stream, bool capturing);
 
   const CallDesc desc_;
   const CallSite site_;

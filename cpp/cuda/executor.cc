@@ -125,7 +125,7 @@ class Enqueuer {
                         " " + std::to_string(issued[i]) +
                         " times: " + ToString(p_.ops[i], p_.problem.replayable));
     // A replayable program enqueues the same work every call: no epoch (half 0 of its own
-    // buffers, values 1: CudaSite::EnqueueReplayable).
+    // buffers, values 1: CudaSite::EnqueueReplaying).
     if (p_.problem.replayable && p_.problem.nranks > 1 && (a_.epoch != 0 || a_.area != nullptr))
       return Internal(a_.ctx.Describe() + ": a replayable program runs at epoch 0");
     for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
@@ -279,7 +279,7 @@ class Enqueuer {
                       ": a replayable program's bounded wait has no fault record");
     const void* k = kernel::FlagWaitKernel();
     JO_ASSERT(k != nullptr);
-    JO_CHECK(PrepareKernel(k, nullptr, a_.ctx));
+    JO_CHECK(PrepareKernel(k, nullptr, a_.ctx, "the bounded flag wait"));
     step->bounded = k;  // looked up here: nothing but enqueueing on the enqueue path
     kernel::fw::Args& w = step->wait;
     w.flag = reinterpret_cast<const uint32_t*>(step->flag);
@@ -544,6 +544,16 @@ class Enqueuer {
       f.ready_shard = blocks.ready_shard;
       f.timeout_ns = 2 * TimeoutNs(a_.timeout) + 1000000000;  // saturated: cannot overflow
       f.fault = reinterpret_cast<FusedGemmFault*>(state);
+      // A replayable call's: a give-up traps (no host gate stops its replays' later work) and
+      // is recorded where the trap leaves it readable, watched standing (docs/gpu-internals.md
+      // §8, "A dead peer").
+      if (p_.problem.replayable && p_.problem.nranks > 1) {
+        if (a_.fused_fault == nullptr)
+          return Internal(a_.ctx.Describe() +
+                          ": a replayable program's fused GEMM has no fault record");
+        f.fault = a_.fused_fault;
+        f.trap = true;
+      }
     }
     if (blocks.release_flags >= 0) {
       JO_ASSERT(blocks.release_flags + blocks.rows.count() <= a_.gen->num_flags);
@@ -642,7 +652,9 @@ class Enqueuer {
       case OpKind::kFusedGemm: {
         // The issue order puts it after everything its flags depend on, on every rank.
         const FusedGemmArgs& fused = fused_[step.fused];
-        if (fused.fault != nullptr)  // a fresh fault record for this call
+        // A fresh fault record for this call; a trapping launch's stays (its first give-up ends
+        // the context's work).
+        if (fused.fault != nullptr && !fused.trap)
           JO_CUDA_CHECK(ctx_, cudaMemsetAsync(fused.fault, 0, sizeof(FusedGemmFault), step.stream));
         return LaunchFusedGemm(fused, step.stream, a_.ctx);
       }

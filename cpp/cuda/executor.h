@@ -45,6 +45,7 @@
 #include "core/status.h"
 #include "cuda/base/check.h"
 #include "cuda/clique/clique_state.h"
+#include "cuda/fused/fused_gemm_launch.h"
 #include "cuda/kernels/flag_wait_body.h"
 
 namespace jo::cuda {
@@ -84,8 +85,10 @@ struct RunArgs {
   // agree on, checked on the device).
   const KernelArea* area = nullptr;
   uint32_t signature = 0;
-  // A replayable program: the rank's fault record of its bounded flag waits (its ReplayArea's).
+  // A replayable program: the rank's fault records (its ReplayArea's, page-locked host memory)
+  // of its bounded flag waits and of its fused GEMM's waits, which then trap when they give up.
   kernel::fw::Fault* wait_fault = nullptr;
+  FusedGemmFault* fused_fault = nullptr;
 };
 
 class Enqueuer;

@@ -29,6 +29,37 @@ struct Breaking {
   std::string text;
 };
 
+// "12.0": a timeout as the messages give it, in seconds.
+std::string Seconds(std::chrono::milliseconds timeout) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f", std::chrono::duration<double>(timeout).count());
+  return text;
+}
+
+// A fault record a kernel writes in page-locked host memory (its fields, a system fence, then
+// its word `ready`: flag_wait_body.h, allreduce_body.h, fused_gemm_sync.cuh), read while the
+// kernel may still write it: false while that word is 0, else its `n` words. Atomic loads,
+// `ready`'s with acquire, so that the fields read are the ones written before it (C++: an
+// acquire load that reads a value stored after a release fence synchronizes with it; the GPU's
+// side is a fence then a strong store, PTX ISA "Release and Acquire Patterns"; 4-byte aligned
+// accesses to host memory from the device are single accesses for the host, CUDA programming
+// guide).
+bool ReadRecord(const void* record, uint32_t* words, int n, int ready = 0) {
+  const auto* at = static_cast<const uint32_t*>(record);
+  words[ready] = __atomic_load_n(&at[ready], __ATOMIC_ACQUIRE);
+  if (words[ready] == 0) return false;
+  for (int i = 0; i < n; ++i)
+    if (i != ready) words[i] = __atomic_load_n(&at[i], __ATOMIC_RELAXED);
+  return true;
+}
+
+// "rank 3", or "rank 3 (process 1)" for a rank of another process.
+std::string RankName(const CudaClique& clique, size_t rank) {
+  const bool elsewhere = rank < clique.devices().size() && clique.devices()[rank] < 0;
+  return "rank " + std::to_string(rank) +
+         (elsewhere ? " (process " + std::to_string(clique.processes()[rank]) + ")" : "");
+}
+
 struct Entry {
   std::deque<WatchedCall> calls;  // pending, oldest first
   bool front_started = false;     // calls.front()'s `started` event was seen complete ...
@@ -58,11 +89,11 @@ class Watchdog {
   }
 
   void AddArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
-               std::chrono::milliseconds timeout) {
+               std::chrono::milliseconds timeout, std::string op) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const WatchedArea& w : areas_)
       if (!w.area.owner_before(area) && !area.owner_before(w.area)) return;
-    areas_.push_back({std::move(clique), std::move(area), timeout});
+    areas_.push_back({std::move(clique), std::move(area), timeout, std::move(op)});
     StartThread();
     cv_.notify_all();
   }
@@ -147,10 +178,8 @@ class Watchdog {
         ++it;
         continue;
       }
-      char seconds[32];
-      std::snprintf(seconds, sizeof(seconds), "%.1f",
-                    std::chrono::duration<double>(it->timeout).count());
-      JO_WARN(it->clique + ": ncclCommAbort of " + running + " has not returned after " + seconds +
+      JO_WARN(it->clique + ": ncclCommAbort of " + running + " has not returned after " +
+              Seconds(it->timeout) +
               " s: it frees device memory, which waits for the device's other work (NCCL issue "
               "#549); left running, the clique stays broken (python -m jaxoverlap info names it)");
       it = aborts_.erase(it);
@@ -174,10 +203,17 @@ class Watchdog {
       bool all = true;
       for (size_t r = 0; r < area->faults.size(); ++r) {
         if (area->faults[r] == nullptr || it->reported[r]) continue;
-        std::string text = area->replay ? DescribeWaitFault(*clique, static_cast<int32_t>(r),
-                                                            area->faults[r]->ptr, it->timeout)
-                                        : DescribeFault(*clique, static_cast<int32_t>(r),
-                                                        area->faults[r]->ptr, it->timeout);
+        const int32_t rank = static_cast<int32_t>(r);
+        const void* record = area->faults[r]->ptr;
+        std::string text;
+        if (!area->replay) {
+          text = DescribeFault(*clique, rank, record, it->timeout);
+        } else {
+          text = DescribeWaitFault(*clique, it->op, rank, record, it->timeout);
+          if (text.empty() && r < area->fused_faults.size() && area->fused_faults[r] != nullptr)
+            text =
+                DescribeFusedFault(*clique, it->op, rank, area->fused_faults[r]->ptr, it->timeout);
+        }
         if (text.empty()) {
           all = false;
           continue;
@@ -191,23 +227,17 @@ class Watchdog {
 
   static std::string DescribeFault(const CudaClique& clique, int32_t rank, const void* record,
                                    std::chrono::milliseconds timeout) {
-    const auto* words = static_cast<const volatile uint32_t*>(record);
-    const uint32_t code = words[0];
-    if (code == 0) return "";
-    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before it
+    uint32_t words[8];
+    if (!ReadRecord(record, words, 8)) return "";
     kernel::ar::Fault f{};
-    f.code = code;
+    f.code = words[0];
     f.round = words[1], f.block = words[2], f.writer = words[3];
     f.seq = words[4], f.seen = words[5], f.signature = words[6], f.seen_signature = words[7];
-    const size_t w = f.writer;
-    const bool elsewhere = w < clique.devices().size() && clique.devices()[w] < 0;
     std::string text = "matmul_ar one-launch all-reduce, rank " + std::to_string(rank) + " (" +
                        clique.name() + "), call " + std::to_string(f.seq) +
                        " of the kernel, block " + std::to_string(f.block) + ", round " +
                        std::to_string(f.round) + ": ";
-    const std::string who =
-        "rank " + std::to_string(f.writer) +
-        (elsewhere ? " (process " + std::to_string(clique.processes()[w]) + ")" : "");
+    const std::string who = RankName(clique, f.writer);
     if (f.code == static_cast<uint32_t>(kernel::ar::FaultCode::kDisagree)) {
       text += "ranks disagree: " + who +
               " made a different call at the same point, or split y differently (signature " +
@@ -216,10 +246,7 @@ class Watchdog {
       text += who + " gave up (its flag says so, at call " + std::to_string(f.seen) +
               "): its data are invalid, so this rank gave up too";
     } else {
-      char seconds[32];
-      std::snprintf(seconds, sizeof(seconds), "%.1f",
-                    std::chrono::duration<double>(timeout).count());
-      text += "the flag from " + who + " did not reach this call within " + seconds +
+      text += "the flag from " + who + " did not reach this call within " + Seconds(timeout) +
               " s (it is at " + std::to_string(f.seen) +
               "): the peer did not arrive (ranks disagree on the calls, or a peer failed)";
     }
@@ -230,25 +257,39 @@ class Watchdog {
 
   // A replayable program's bounded flag wait that gave up (kernels/flag_wait_body.h): "" while
   // the record is empty.
-  static std::string DescribeWaitFault(const CudaClique& clique, int32_t rank, const void* record,
+  static std::string DescribeWaitFault(const CudaClique& clique, const std::string& op,
+                                       int32_t rank, const void* record,
                                        std::chrono::milliseconds timeout) {
-    const auto* words = static_cast<const volatile uint32_t*>(record);
-    const uint32_t code = words[0];
-    if (code == 0) return "";
-    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before it
+    uint32_t words[6];
+    if (!ReadRecord(record, words, 6)) return "";
     const uint32_t flag = words[2], writer = words[3], seen = words[4], value = words[5];
-    const size_t w = writer;
-    const bool elsewhere = w < clique.devices().size() && clique.devices()[w] < 0;
-    char seconds[32];
-    std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(timeout).count());
-    return "replayable ag_matmul, rank " + std::to_string(rank) + " (" + clique.name() +
-           "): its wait for flag " + std::to_string(flag) + " from rank " + std::to_string(writer) +
-           (elsewhere ? " (process " + std::to_string(clique.processes()[w]) + ")" : "") +
-           " (its acknowledgement) did not see " + std::to_string(value) + " within " + seconds +
-           " s (it is " + std::to_string(seen) +
+    return "replayable " + op + ", rank " + std::to_string(rank) + " (" + clique.name() +
+           "): its wait for flag " + std::to_string(flag) + " from " + RankName(clique, writer) +
+           " did not see " + std::to_string(value) + " within " + Seconds(timeout) + " s (it is " +
+           std::to_string(seen) +
            "): the peer did not arrive (ranks disagree on the calls, or a peer failed). The wait "
-           "gave up; this call's results and every later replay's on this rank are invalid; the "
+           "gave up and trapped: the GPU's context has a sticky error, so no later work of this "
+           "rank runs and every later CUDA call of the process on that GPU fails with it; the "
            "clique is broken.";
+  }
+
+  // A replayable program's fused GEMM that gave up waiting and trapped (fused_gemm_sync.cuh,
+  // Launch::trap): "" while the record is empty.
+  static std::string DescribeFusedFault(const CudaClique& clique, const std::string& op,
+                                        int32_t rank, const void* record,
+                                        std::chrono::milliseconds timeout) {
+    static_assert(sizeof(FusedGemmFault) == 5 * sizeof(uint32_t), "FusedGemmFault's words");
+    uint32_t words[5];
+    if (!ReadRecord(record, words, 5, /*ready=*/4)) return "";
+    const uint32_t block = words[1], seen = words[2], value = words[3];
+    return "replayable " + op + ", rank " + std::to_string(rank) + " (" + clique.name() +
+           "): its fused GEMM's wait for row block " + std::to_string(block) +
+           " did not see its flag reach " + std::to_string(value) + " within " +
+           Seconds(2 * timeout + std::chrono::seconds(1)) + " s (it is " + std::to_string(seen) +
+           "): the peer that pushes that block did not arrive (ranks disagree on the calls, or "
+           "a peer failed). The GEMM gave up and trapped: the GPU's context has a sticky "
+           "error, so no later work of this rank runs and every later CUDA call of the process "
+           "on that GPU fails with it; the clique is broken.";
   }
 
   // One look at every rank's oldest pending call: done ones are dropped, late ones fired; at the
@@ -471,12 +512,9 @@ class Watchdog {
     (void)cudaSetDevice(c.device);
     // Finished since the pass looked: not late after all.
     if (Query(c.events->done) == cudaSuccess) return false;
-    char seconds[32];
-    std::snprintf(seconds, sizeof(seconds), "%.1f",
-                  std::chrono::duration<double>(c.timeout).count());
     std::string text = c.op + " rank " + std::to_string(c.rank) + " (" + clique->name() +
                        ") epoch " + std::to_string(c.epoch) + ": not finished on GPU " +
-                       std::to_string(c.device) + " after " + seconds + " s; ";
+                       std::to_string(c.device) + " after " + Seconds(c.timeout) + " s; ";
     std::vector<uint32_t> flags;
     bool unreadable = false, pending = false;
     // The flags, read into the rank's page-locked buffer (made at set-up: into pageable memory
@@ -501,11 +539,8 @@ class Watchdog {
       if (index < flags.size() &&
           static_cast<int32_t>(flags[index] - static_cast<uint32_t>(c.epoch)) >= 0)
         continue;
-      const size_t w = static_cast<size_t>(writer);
-      const bool elsewhere = clique->devices()[w] < 0;  // a rank of another process
       missing += (missing.empty() ? "" : ", ") + std::string("flag ") + std::to_string(id) +
-                 " from rank " + std::to_string(writer) +
-                 (elsewhere ? " (process " + std::to_string(clique->processes()[w]) + ")" : "") +
+                 " from " + RankName(*clique, static_cast<size_t>(writer)) +
                  (index < flags.size() ? " (is " + std::to_string(flags[index]) + ")" : "");
     }
     if (!missing.empty()) text += "waiting for " + missing + "; ";
@@ -565,6 +600,7 @@ class Watchdog {
     std::weak_ptr<CudaClique> clique;
     std::weak_ptr<const KernelArea> area;
     std::chrono::milliseconds timeout;
+    std::string op;                   // the collective its calls make (a replayable program's)
     std::vector<bool> reported = {};  // per rank: its fault was reported
   };
   std::vector<WatchedArea> areas_;
@@ -591,8 +627,8 @@ Watchdog& Instance() {
 void Watch(WatchedCall call) { Instance().Add(std::move(call)); }
 
 void WatchKernelArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
-                     std::chrono::milliseconds timeout) {
-  Instance().AddArea(std::move(clique), std::move(area), timeout);
+                     std::chrono::milliseconds timeout, std::string op) {
+  Instance().AddArea(std::move(clique), std::move(area), timeout, std::move(op));
 }
 
 void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,

@@ -163,23 +163,37 @@ def _dead_peer(fake, replayed, timeout_ms=1000):
 
 
 @pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
-def test_a_peer_that_never_comes_ends_the_acknowledgement_wait_and_is_reported(fake, replayed):
-    """The replayable program's acknowledgement wait is the bounded flag-wait kernel
-    (cpp/cuda/kernels/flag_wait_body.h): rank 1 never comes, so rank 0's fused GEMM gives up on
-    its shard (its own bound) and its acknowledgement wait gives up after the call's timeout
-    (the GPUs' clock), records the flag and the peer in the rank's fault record, and the
-    watchdog's standing watch of the replay area reports it and breaks the clique: no hang,
-    eagerly and in a replay (which runs no host code). Control: the same calls with rank 1
-    present — nothing reported, the clique whole."""
+def test_a_peer_that_never_comes_makes_the_rank_trap_and_is_reported(fake, replayed):
+    """A replayable call's waits for a peer give up, record why in page-locked host memory and
+    trap (docs/gpu-internals.md §8, "A dead peer"): rank 1 never comes, so rank 0's fused GEMM,
+    waiting for rank 1's shard, gives up on its own bound (twice the timeout plus a second, on
+    the fake GPUs' clock), writes the replay area's fused record and traps — a sticky error: no
+    later work of rank 0 runs, so no later replay pushes into a peer that may still read — or
+    its acknowledgement wait (the call's timeout) does the same first; the watchdog's standing
+    watch reports the record and breaks the clique: no hang, eagerly and in a replay (which runs
+    no host code).
+    Control: the same calls with rank 1 present — nothing reported, the clique whole."""
     out = _dead_peer(fake, replayed)
     assert out["statuses"] == [None, None], out["statuses"]
-    assert out["drained"] and fake.errors() == [], fake.errors()
+    # Which wait gives up first depends on whether the wait kernel found an SM beside the fused
+    # GEMM; on the fake it is the fused GEMM (bound 3 s) for the eager call, the acknowledgement
+    # wait (1 s, after rank 0 pushed its shard) in the replay. The one that gives up traps once
+    # its record is written: device 0's sticky error, its later work dropped.
+    gemm = ("sticky error on device 0: FusedGemm<bf16> (16 x 16 x 16, batch 1) on device 0: a "
+            "wait gave up after its timeout (block 1), recorded why and trapped",
+            "its fused GEMM's wait for row block 1 did not see its flag reach 1 within 3.0 s "
+            "(it is 0)")
+    ack = ("sticky error on device 0: FlagWait (flag 2 from rank 1) on device 0 gave up after "
+           "its timeout, recorded why and trapped",
+           "its wait for flag 2 from rank 1 did not see 1 within 1.0 s (it is 0)")
+    error, reported = ack if replayed else gemm
+    assert out["drained"] and fake.errors() == [error], fake.errors()
     if replayed:
         assert out["replay_drained"] == [True, True], out["replay_drained"]
     warning = fake.last_warning()
     assert "replayable ag_matmul, rank 0" in warning, warning
-    assert "its wait for flag 2 from rank 1 (its acknowledgement) did not see 1 within 1.0 s" \
-        in warning, warning
+    assert reported in warning, warning
+    assert "gave up and trapped: the GPU's context has a sticky error" in warning, warning
     assert "BROKEN" in fake.cliques()
     # control: every rank present
     fake.reset(fake.Config(grace_ms=6000))
@@ -194,20 +208,25 @@ def test_a_peer_that_never_comes_ends_the_acknowledgement_wait_and_is_reported(f
     assert "BROKEN" not in fake.cliques()
 
 
-def test_a_forwarding_wait_is_still_unbounded(fake):
-    """What is not bounded yet (docs/gpu-internals.md §8, "A dead peer"): N 4 one way, rank 2
-    never calls; rank 3's comm stream forwards rank 2's shard to rank 0 behind a
-    cuStreamWaitValue32, which no bound ends — after the fused GEMMs gave up (their own bound)
-    the fake's GPU still cannot progress past it (it calls that a deadlock). When the forwarding
-    waits are bounded this test must change."""
+def test_a_forwarding_wait_that_never_ends_is_ended_by_its_ranks_trap(fake):
+    """What is not bounded by itself (docs/gpu-internals.md §8, "A dead peer"): N 4 one way, rank
+    2 never calls; rank 3's comm stream forwards rank 2's shard to rank 0 behind a
+    cuStreamWaitValue32, which no bound ends. Rank 3's fused GEMM waits for that same shard, gives
+    up on its own bound and traps: the trap ends the device's work, the hung forwarding wait
+    with it (the fake drops a poisoned device's queued work), so every rank drains, each waiting
+    rank reports its record and nothing deadlocks."""
     fake.reset(fake.Config(grace_ms=6000))
     p = problem("ag_matmul", "p2p", 4, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
                 fused=True, replayable=True)
     xs, ws = inputs(p, 0)
     out = play(fake, p, xs, ws, calls=1, skip_rank=2, timeout_ms=1000)
-    assert not out["drained"]
-    assert any(e.startswith("deadlock") and "cuStreamWaitValue32" in e for e in fake.errors()), \
-        fake.errors()
+    assert out["drained"], fake.errors()
+    errors = fake.errors()
+    assert not any(e.startswith("deadlock") for e in errors), errors
+    trapped = sorted(int(e.split("device ")[1].split(":")[0]) for e in errors
+                     if "FusedGemm" in e and "recorded why and trapped" in e)
+    assert trapped == [0, 1, 3], errors  # rank 3 forwards shard 2: its GEMM's trap ends the wait
+    assert "BROKEN" in fake.cliques()
 
 
 def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
@@ -217,18 +236,27 @@ def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
     seen, value waited for); launches it cannot run as built are refused — a fault record not in
     page-locked host memory (the watchdog reads it with host loads while the kernel runs), a
     launch that is not one thread, a timeout of 0 (it would give up at once), a flag no device
-    reaches. A wait on a rank that gave up before ends at once."""
+    reaches, a device that would JIT-compile it (%globaltimer is unspecified there). A wait that
+    gives up traps once its record is written: the device's sticky error, the write queued
+    behind it never runs; two waits of one rank giving up together leave one record, one trap."""
     got = fake.flag_wait_misuse_checks()
-    assert got["a flag raised on another stream (control)"] == "", got
-    assert got["a flag never raised"] == "record: code 1 flag 7 writer 3 seen 0 value 1", got
+    assert got["a flag raised on another stream (control)"] == "after: 5", got
+    trapped = ("sticky error on device 0: FlagWait (flag {}) on device 0 gave up after its "
+               "timeout, recorded why and trapped")
+    assert got["a flag never raised"] == (
+        trapped.format("7 from rank 3") +
+        "; record: code 1 flag 7 writer 3 seen 0 value 1; after: 0"), got
     assert "not in page-locked host memory" in got["a fault record in device memory"], got
     assert "one block of one thread" in got["a launch of two threads"], got
     assert "timeout_ns <= 0" in got["a timeout of 0"], got
     assert "not inside one device allocation" in got["a flag in pageable host memory"], got
-    # a rank whose record is written already: the wait ends at once (drained with a timeout far
-    # past the fake's grace), the record as it was
-    assert got["a flag never raised, on a rank that gave up before"] == \
-        "record: code 1 flag 0 writer 0 seen 0 value 0", got
+    two = got["two waits of one rank that give up together"]
+    assert two.count("sticky error") == 1 and two.endswith("after: 0"), two
+    assert any(two.startswith(trapped.format(f"{f} from rank 3"))
+               and f"record: code 1 flag {f} " in two for f in (7, 9)), two
+    jit = got["a device that would JIT-compile it"]
+    assert "the bounded flag wait bounds its waits with the GPU's %globaltimer" in jit, jit
+    assert "sm_120" in jit and "compute_90" in jit and "build for this GPU" in jit, jit
 
 
 _ONE_HALF = """

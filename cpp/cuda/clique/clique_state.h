@@ -95,10 +95,12 @@ struct Generation {
 // record in page-locked host memory, which the watchdog reads.
 // A replayable program's own buffers (CudaClique::ReplayArea, docs/gpu-internals.md §8) are the
 // same shape: a generation (its programs use half 0) and, per local rank, the fault record of
-// its bounded flag waits (kernels/flag_wait_body.h fw::Fault); `replay` says which record it is.
+// its bounded flag waits (kernels/flag_wait_body.h fw::Fault) and of its fused GEMM's waits
+// (FusedGemmFault); `replay` says which records it has.
 struct KernelArea {
   std::shared_ptr<Generation> gen;
-  std::vector<std::unique_ptr<PinnedHost>> faults;  // per rank (this process's ranks)
+  std::vector<std::unique_ptr<PinnedHost>> faults;        // per rank (this process's ranks)
+  std::vector<std::unique_ptr<PinnedHost>> fused_faults;  // per rank (`replay` only)
   bool replay = false;  // the records are fw::Faults (a replayable program's), not ar::Faults
 };
 

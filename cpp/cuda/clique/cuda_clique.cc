@@ -9,6 +9,7 @@
 #include "core/allreduce_layout.h"
 #include "core/deadline.h"
 #include "core/log.h"
+#include "cuda/fused/fused_gemm_launch.h"
 #include "cuda/kernels/allreduce_body.h"
 #include "cuda/kernels/flag_wait_body.h"
 #include "cuda/transport/transports.h"
@@ -155,15 +156,21 @@ Status CudaClique::ReplayArea(int64_t site, int64_t epoch, int64_t workspace_byt
     auto made = std::make_shared<KernelArea>();
     made->replay = true;
     Status status = NewGeneration(epoch, workspace_bytes, num_flags, ctx, &made->gen, /*halves=*/1);
-    // The fault records of its bounded flag waits (kernels/flag_wait_body.h), zeroed.
+    // The fault records of its bounded flag waits (kernels/flag_wait_body.h) and of its fused
+    // GEMM's waits (fused_gemm_launch.h), zeroed.
     made->faults.resize(state_.ranks.size());
+    made->fused_faults.resize(state_.ranks.size());
     for (size_t r = 0; status.ok() && r < state_.ranks.size(); ++r) {
       if (state_.ranks[r]->device < 0) continue;
       DeviceGuard guard;
       const cudaError_t set = cudaSetDevice(state_.ranks[r]->device);
       status = set == cudaSuccess ? AllocPinned(sizeof(kernel::fw::Fault), ctx, &made->faults[r])
                                   : CudaFailure(set, "cudaSetDevice", &ctx);
-      if (status.ok()) std::memset(made->faults[r]->ptr, 0, sizeof(kernel::fw::Fault));
+      if (status.ok()) status = AllocPinned(sizeof(FusedGemmFault), ctx, &made->fused_faults[r]);
+      if (status.ok()) {
+        std::memset(made->faults[r]->ptr, 0, sizeof(kernel::fw::Fault));
+        std::memset(made->fused_faults[r]->ptr, 0, sizeof(FusedGemmFault));
+      }
     }
     // Zero-fills of the generation may still be queued: free it only after them.
     if (!status.ok() && made->gen && !AwaitSetup(state_, ctx).ok())

@@ -38,6 +38,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -209,7 +210,10 @@ class ArOps {
 
   void FenceProxyAlias() {}
   // fence.acq_rel.sys then a strong store is a release pattern: the thread's own stores go out.
-  void FenceReleaseSys() { Flush(t_->pending, -1); }
+  void FenceReleaseSys() {
+    Flush(t_->pending, -1);
+    std::atomic_thread_fence(std::memory_order_release);  // before the record's code (a host read)
+  }
 
   uint64_t LoadAcquireSys(const uint64_t* p) {
     const auto* at = reinterpret_cast<const std::byte*>(p);
@@ -235,21 +239,18 @@ class ArOps {
     ++S().side_effects;
   }
 
+  // The fault record (page-locked host memory the watchdog reads from another thread while the
+  // kernel may write it): atomic accesses, so the fake has no data race there.
   void StoreRelaxedSys(uint32_t* p, uint32_t v) {
-    auto* at = reinterpret_cast<std::byte*>(p);
-    Check(at, 4, "st.relaxed.sys");
-    std::memcpy(at, &v, 4);
+    Check(reinterpret_cast<std::byte*>(p), 4, "st.relaxed.sys");
+    __atomic_store_n(p, v, __ATOMIC_RELAXED);
   }
 
   bool Claim(uint32_t* word) {
-    auto* at = reinterpret_cast<std::byte*>(word);
-    Check(at, 4, "atomicCAS");
-    uint32_t v = 0;
-    std::memcpy(&v, at, 4);
-    if (v != 0) return false;
-    v = 1;
-    std::memcpy(at, &v, 4);
-    return true;
+    Check(reinterpret_cast<std::byte*>(word), 4, "atomicCAS");
+    uint32_t expected = 0;
+    return __atomic_compare_exchange_n(word, &expected, 1u, false, __ATOMIC_RELAXED,
+                                       __ATOMIC_RELAXED);
   }
 
   int64_t GlobalNs() {
@@ -447,7 +448,7 @@ bool Poll(Launch& l, const Kernel& k) {
       if (b.phase >= Body::kPhases) --l.left;
     }
   } catch (const Faulted& f) {
-    Poison(l.device, f.code, l.name + ": " + f.what);
+    PoisonWhenPolled(l.device, f.code, l.name + ": " + f.what);  // not from inside this poll
     return true;
   }
   if (l.left > 0) return false;

@@ -2,12 +2,14 @@
 // thread runs, one poll each time the fake's GPU looks at the kernel, with the GPU-only
 // operations modelled here. The kernel needs a free SM to start (a persistent kernel beside it
 // may hold them all: the fake's SM model, fake_queues.cc), and its clock is the GPUs' (the time
-// the fake lets pass while stuck): a flag not reached timeout_ns after the first poll gives up
-// and writes the fault record, as the body says. Checked at launch: one block of one thread,
-// the flag in device memory the device may touch, the fault record in page-locked host memory
-// (the watchdog reads it with plain host loads while the kernel may still run).
+// the fake lets pass while stuck): a flag not reached timeout_ns after the first poll gives up,
+// writes the fault record and traps (the device's sticky error), as the body says. Checked at
+// launch: one block of one thread, the flag in device memory the device may touch, the fault
+// record in page-locked host memory (the watchdog reads it from the host while the kernel may
+// still run).
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -22,33 +24,26 @@ namespace {
 
 namespace fw = cuda::kernel::fw;
 
+// The record is page-locked host memory the watchdog reads from another thread while the
+// kernel may write it: atomic accesses (relaxed, and the fence a release fence), so that the
+// fake, like the GPU, has no data race there.
 class WaitOps {
  public:
-  uint32_t LoadAcquireSys32(const uint32_t* p) const { return Read(p); }
-  uint32_t LoadRelaxedSys32(const uint32_t* p) const { return Read(p); }
-  void StoreRelaxedSys(uint32_t* p, uint32_t v) const { std::memcpy(p, &v, 4); }
-  void FenceReleaseSys() const {}  // stores land in program order here
+  uint32_t LoadAcquireSys32(const uint32_t* p) const {
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  }
+  void StoreRelaxedSys(uint32_t* p, uint32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+  void FenceReleaseSys() const { std::atomic_thread_fence(std::memory_order_release); }
   bool Claim(uint32_t* word) const {
-    if (Read(word) != 0) return false;
-    StoreRelaxedSys(word, 1);
-    return true;
+    uint32_t expected = 0;
+    return __atomic_compare_exchange_n(word, &expected, 1u, false, __ATOMIC_RELAXED,
+                                       __ATOMIC_RELAXED);
   }
   int64_t GlobalNs() const { return S().gpu_ns; }
+  void Trap() { trapped = true; }
 
- private:
-  static uint32_t Read(const uint32_t* p) {
-    uint32_t v = 0;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
+  bool trapped = false;
 };
-
-bool Pinned(const void* p, size_t bytes) {
-  const auto at = reinterpret_cast<uintptr_t>(p);
-  for (const auto& [base, size] : S().pinned)
-    if (at >= base && at + bytes <= base + size) return true;
-  return false;
-}
 
 cudaError_t LaunchFlagWait(const std::string& name, int, dim3 grid, dim3 block, void** params,
                            size_t shared, cudaStream_t stream) {
@@ -76,9 +71,14 @@ cudaError_t LaunchFlagWait(const std::string& name, int, dim3 grid, dim3 block, 
   // A fresh state per start: a replayed launch begins again from its copied arguments.
   auto state = std::make_shared<fw::State>();
   task.run = [state] { *state = fw::State{}; };
-  task.done = [state, a] {
+  task.done = [state, a, device, what = task.what] {
     WaitOps ops;
-    return fw::Poll(ops, a, *state);
+    const bool over = fw::Poll(ops, a, *state);
+    // __trap(): a sticky error, the device's queued work dropped (fake_kernels.cc).
+    if (ops.trapped)
+      PoisonWhenPolled(device, cudaErrorIllegalInstruction,
+                       what + " gave up after its timeout, recorded why and trapped");
+    return over;
   };
   Push(stream, std::move(task));
   return cudaSuccess;

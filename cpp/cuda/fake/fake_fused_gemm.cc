@@ -175,11 +175,19 @@ bool TileReady(FusedRun& r, size_t cta, int32_t tile) {
   const Launch& l = r.launch;
   if (l.timeout_ns <= 0 || S().gpu_ns - r.waiting_since[cta] <= l.timeout_ns) return false;
   r.gave_up = true;
-  if (l.fault->timed_out == 0) {
-    l.fault->timed_out = 1;
-    l.fault->flag = static_cast<uint32_t>(missing);
-    l.fault->seen = l.wait_flags[missing];
-    l.fault->epoch = l.epoch;
+  // The record (page-locked host memory when the launch traps, read by the watchdog while the
+  // kernel may write it: atomic stores, `recorded` last with release).
+  uint32_t unclaimed = 0;
+  if (__atomic_compare_exchange_n(&l.fault->timed_out, &unclaimed, 1u, false, __ATOMIC_RELAXED,
+                                  __ATOMIC_RELAXED)) {
+    __atomic_store_n(&l.fault->flag, static_cast<uint32_t>(missing), __ATOMIC_RELAXED);
+    __atomic_store_n(&l.fault->seen, l.wait_flags[missing], __ATOMIC_RELAXED);
+    __atomic_store_n(&l.fault->epoch, l.epoch, __ATOMIC_RELAXED);
+    __atomic_store_n(&l.fault->recorded, 1u, __ATOMIC_RELEASE);
+    if (l.trap)  // __trap(): the device's sticky error, its queued work dropped
+      PoisonWhenPolled(r.device, cudaErrorIllegalInstruction,
+                       r.what + ": a wait gave up after its timeout (block " +
+                           std::to_string(missing) + "), recorded why and trapped");
   }
   return true;
 }
@@ -384,7 +392,13 @@ cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaS
          Span(l.scales.w, sizeof(float), name + " w scale");
   if (l.wait_flags != nullptr)
     ok = ok && Span(l.wait_flags, blocks * sizeof(uint32_t), name + " wait flags") &&
-         Span(l.fault, sizeof(cuda::FusedGemmFault), name + " fault record");
+         (l.trap || Span(l.fault, sizeof(cuda::FusedGemmFault), name + " fault record"));
+  if (l.wait_flags != nullptr && l.trap && !Pinned(l.fault, sizeof(cuda::FusedGemmFault))) {
+    Fail(name +
+         ": a trapping launch's fault record is not in page-locked host memory (after the "
+         "trap the context's device memory cannot be read)");
+    return cudaErrorInvalidValue;
+  }
   if (l.release_flags != nullptr)
     ok = ok && Span(l.release_flags, blocks * sizeof(uint32_t), name + " release flags") &&
          Span(l.counters, Launch::CounterBytes(blocks), name + " counters");

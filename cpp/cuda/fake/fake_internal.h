@@ -277,6 +277,9 @@ struct State {
   std::vector<std::unique_ptr<CUgraph_st>> graphs;
   std::vector<std::unique_ptr<CUgraphExec_st>> graph_execs;
   std::map<int, std::pair<cudaError_t, std::string>> sticky;  // poisoned device -> (error, why)
+  // A kernel that trapped while the GPU polled it (PoisonWhenPolled): its device is poisoned
+  // once the poll is over, not from inside the task being polled (which the poison drops).
+  std::vector<std::tuple<int, cudaError_t, std::string>> traps;
   // Per (played process, device): the SMs persistent kernels running there hold.
   std::map<std::pair<int, int>, int> sms_held;
   // cudaFuncAttributeMaxDynamicSharedMemorySize set per (played process, device, function).

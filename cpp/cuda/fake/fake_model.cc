@@ -248,6 +248,14 @@ void* Malloc(int device, size_t bytes, int fill) {
   return mem;
 }
 
+bool Pinned(const void* p, size_t bytes) {
+  Lock lock(S().mu);
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [base, size] : S().pinned)
+    if (at >= base && at + bytes <= base + size) return true;
+  return false;
+}
+
 bool CheckRange(const void* p, size_t bytes, const char* what) {
   Lock lock(S().mu);
   return CheckAccess(p, bytes, t_device, what);

@@ -75,6 +75,12 @@ bool Step(bool random) {
     const int64_t effects = s.side_effects;
     for (auto& st : s.streams)
       if (st->running && st->running->done()) finishing.push_back(st.get());
+    if (!s.traps.empty()) {  // a polled kernel trapped: its device's work ends here
+      const auto traps = std::move(s.traps);
+      s.traps.clear();
+      for (const auto& [device, code, why] : traps) Poison(device, code, why);
+      return true;
+    }
     for (auto& [where, queues] : s.queues) {
       for (auto& queue : queues) {
         if (queue.empty()) continue;
@@ -188,6 +194,11 @@ void Poison(int device, cudaError_t code, const std::string& why) {
   Fail("sticky error on device " + std::to_string(device) + ": " + why);
   S().sticky.emplace(device, std::make_pair(code, why));
   DropWork(device);  // the context's queued work never runs
+}
+
+void PoisonWhenPolled(int device, cudaError_t code, std::string why) {
+  Lock lock(S().mu);
+  S().traps.emplace_back(device, code, std::move(why));
 }
 
 int ConnectionsFromEnvironment() {

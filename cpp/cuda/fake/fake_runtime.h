@@ -186,6 +186,8 @@ void* Malloc(int device, size_t bytes,
 // For fake_kernels.cc.
 void Fail(const std::string& text);
 bool CheckRange(const void* p, size_t bytes, const char* what);
+// Whether [p, p + bytes) lies in one page-locked host allocation (cudaMallocHost).
+bool Pinned(const void* p, size_t bytes);
 int DeviceArch(int device);  // compute capability major * 10 + minor
 int DeviceSms(int device);   // multiprocessors
 int CurrentDevice();
@@ -213,6 +215,8 @@ void Count(const char* api);
 // dead — its queued work is dropped and every later call on it fails with
 // `code` ("any further CUDA work will return the same error", driver_types.h).
 void Poison(int device, cudaError_t code, const std::string& why);
+// The same from inside a task's poll (FakeTask::done): applied by the GPU's step right after it.
+void PoisonWhenPolled(int device, cudaError_t code, std::string why);
 cudaError_t StickyError(int device);  // cudaSuccess while the context is usable
 
 }  // namespace jo::fake

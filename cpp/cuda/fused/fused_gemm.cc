@@ -181,7 +181,9 @@ Status CheckFusedGemm(FusedGemmArgs* args) {
   if (a.wait_flags != nullptr) {
     if (!Aligned(a.wait_flags, 4)) return Bad("wait_flags must be 4-byte aligned");
     if (a.fault == nullptr || !Aligned(a.fault, 4))
-      return Bad("waiting needs a fault record (device memory, 4-byte aligned)");
+      return Bad(a.trap ? "a trapping launch needs a fault record (page-locked host memory, "
+                          "4-byte aligned)"
+                        : "waiting needs a fault record (device memory, 4-byte aligned)");
     if (a.timeout_ns <= 0) return Bad("waiting needs timeout_ns > 0: no wait may be unbounded");
     if (a.ready_shard < -1 || a.ready_shard >= a.blocks.shards)
       return Bad("ready_shard must be -1 or a shard index");

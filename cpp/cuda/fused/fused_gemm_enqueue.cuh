@@ -37,7 +37,7 @@ typename Gemm::Kernel::Arguments CommonArguments(const Launch& a) {
   args.mainloop.ptr_A = static_cast<const StoredA*>(a.a);
   args.mainloop.dA = typename Mainloop::StrideA{a.lda, Int<1>{}, a.a_batch_stride};
   args.mainloop.extension =
-      RowWait{a.blocks, a.wait_flags, a.ready_shard, a.epoch, a.timeout_ns, a.fault};
+      RowWait{a.blocks, a.wait_flags, a.ready_shard, a.epoch, a.timeout_ns, a.fault, a.trap};
   args.epilogue.ptr_C = nullptr;
   using StoredD = cute::remove_cvref_t<decltype(*args.epilogue.ptr_D)>;
   args.epilogue.ptr_D = static_cast<StoredD*>(a.d);

@@ -18,10 +18,13 @@ namespace jo::cuda {
 
 // What a wait that ran out of time saw (written by the kernel, zero before).
 struct FusedGemmFault {
-  uint32_t timed_out = 0;  // 1: a wait gave up; the results of the launch are wrong
+  uint32_t timed_out = 0;  // 1: a wait gave up (its claim); the results of the launch are wrong
   uint32_t flag = 0;       // the flag (block) it waited for
   uint32_t seen = 0;       // the flag's value when it gave up
   uint32_t epoch = 0;      // the value it waited for
+  uint32_t recorded = 0;   // 1 once the fields above are written (after a system fence): what a
+                           // reader of a record the kernel may still write (a trapping launch's,
+                           // page-locked host memory) looks at first
 };
 
 namespace fused_kernel {
@@ -70,9 +73,13 @@ struct Launch {
   uint32_t epoch = 0;
   int64_t timeout_ns = 0;           // > 0 when waiting
   FusedGemmFault* fault = nullptr;  // required when waiting
-  uint32_t* counters = nullptr;     // CounterBytes(blocks), zeroed by the launch (releases only)
-  int32_t sm_count = 0;             // persistent CTAs (clusters of 2): the SMs it holds
-  Fp8Scales scales;                 // FP8 only
+  // A wait that gives up records why and traps (a replayable call, whose later work no host
+  // gate stops: docs/gpu-internals.md §8): the fault record must then be page-locked host
+  // memory, which stays readable after the trap, and is not zeroed per launch.
+  bool trap = false;
+  uint32_t* counters = nullptr;  // CounterBytes(blocks), zeroed by the launch (releases only)
+  int32_t sm_count = 0;          // persistent CTAs (clusters of 2): the SMs it holds
+  Fp8Scales scales;              // FP8 only
 
   // The counters' size: a tile counter per block.
   static size_t CounterBytes(int32_t blocks) {

@@ -118,6 +118,7 @@ struct RowWait {
   uint32_t epoch = 0;
   int64_t timeout_ns = 0;
   FusedGemmFault* fault = nullptr;
+  bool trap = false;  // a give-up traps once recorded (Launch::trap)
 };
 
 // Spins until `flag` reaches the epoch (cyclically). False when it gave up:
@@ -137,6 +138,13 @@ __device__ __forceinline__ bool WaitFlag(const RowWait& w, int32_t block) {
         w.fault->seen = seen;
         w.fault->epoch = w.epoch;
         __threadfence_system();
+        StoreReleaseSys(&w.fault->recorded, 1u);  // the fields before it
+        // A replayable call: no host gate stops the rank's later work, so the launch ends the
+        // context's (PTX ISA, "trap"; flag_wait_body.h), the record fenced before.
+        if (w.trap) {
+          __threadfence_system();
+          __trap();
+        }
       }
       return false;
     }

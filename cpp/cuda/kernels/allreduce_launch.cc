@@ -83,7 +83,8 @@ Status PrepareAllReduce(const AllReduceCall& call, int device, const ErrorContex
   const void* k = call.multicast ? kernel::AllReduceMulticastKernel(ElemOf(call.dtype), access)
                                  : kernel::AllReducePeerKernel(ElemOf(call.dtype), access);
   JO_ASSERT(k != nullptr);
-  JO_CHECK(PrepareKernel(k, call.multicast ? kMulticastName : nullptr, ctx));
+  JO_CHECK(PrepareKernel(k, call.multicast ? kMulticastName : nullptr, ctx,
+                         "the one-launch all-reduce kernel"));
   kernel::ar::Args& a = out->args;
   a = kernel::ar::Args{};
   a.nranks = call.nranks;

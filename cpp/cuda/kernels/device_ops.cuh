@@ -170,16 +170,10 @@ struct DeviceOps {
   __device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) const {
     asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
   }
-  // The bounded flag wait's (flag_wait_body.h): 32-bit flags, acquire at system scope, and a
-  // relaxed system-scope read of its fault record (page-locked host memory).
+  // The bounded flag wait's (flag_wait_body.h): 32-bit flags, acquire at system scope.
   __device__ __forceinline__ uint32_t LoadAcquireSys32(const uint32_t* p) const {
     uint32_t v;
     asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-  }
-  __device__ __forceinline__ uint32_t LoadRelaxedSys32(const uint32_t* p) const {
-    uint32_t v;
-    asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
   }
   __device__ __forceinline__ void StoreRelaxedSys(uint32_t* p, uint32_t v) const {
@@ -188,6 +182,9 @@ struct DeviceOps {
   __device__ __forceinline__ bool Claim(uint32_t* word) const {
     return atomicCAS(word, 0u, 1u) == 0u;
   }
+  // A wait that gave up (flag_wait_body.h): "Abort execution and generate an interrupt to the
+  // host CPU" (PTX ISA, "trap"); the error is sticky, the context's later work never runs.
+  __device__ __forceinline__ void Trap() const { __trap(); }
   __device__ __forceinline__ int64_t GlobalNs() const {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

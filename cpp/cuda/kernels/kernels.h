@@ -75,8 +75,12 @@ enum class BlockKernel { kAdd, kMcStore, kMcReduce };
 Status PrepareBlockKernel(BlockKernel kind, const BlockArgs& args, const ErrorContext& ctx);
 Status PrepareReduce(const ReduceArgs& args, const ErrorContext& ctx);
 // The same for any kernel of this build: loads it once per device and, for a multimem kernel
-// (`multimem` names it; null for another), checks the variant the device runs has multimem.
-Status PrepareKernel(const void* kernel, const char* multimem, const ErrorContext& ctx);
+// (`multimem` names it; null for another), checks the variant the device runs has multimem;
+// for a kernel whose waits are bounded by %globaltimer (`clocked` names it), that the device
+// runs a cubin of it, not PTX it JIT-compiles (PTX ISA, "Special Registers": the value of
+// %globaltimer is unspecified "when JIT-compiled to other targets"), so the bound holds.
+Status PrepareKernel(const void* kernel, const char* multimem, const ErrorContext& ctx,
+                     const char* clocked = nullptr);
 
 Status LaunchAddBlock(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);
 Status LaunchMcStore(const BlockArgs& args, cudaStream_t stream, const ErrorContext& ctx);

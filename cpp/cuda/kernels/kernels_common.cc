@@ -192,7 +192,11 @@ std::map<std::pair<int, const void*>, std::string>& Verdicts() {
 // cudaFuncGetAttributes reports it: ptxVersion is the virtual architecture the
 // code was compiled from, so below 90 the multimem instructions are absent and the
 // kernel would __trap() — a sticky error that ends the context.
-Status LoadKernel(const void* k, const char* what, const ErrorContext& ctx) {
+// `clocked` (a kernel bounding its waits by %globaltimer, named): refused when the device would
+// JIT-compile it (binaryVersion, the device's then, differs from ptxVersion; a cubin reports the
+// architecture it was compiled for in both), since the ISA leaves the clock unspecified there.
+Status LoadKernel(const void* k, const char* what, const ErrorContext& ctx,
+                  const char* clocked = nullptr) {
   int device = 0;
   JO_CUDA_CHECK(&ctx, cudaGetDevice(&device));
   {
@@ -225,6 +229,18 @@ Status LoadKernel(const void* k, const char* what, const ErrorContext& ctx) {
     verdict += " (kernels built: " + KernelsDescription() + "); use transport='p2p' or 'nccl'";
   } else if (code != cudaSuccess) {
     return CudaFailure(code, "cudaFuncGetAttributes", &ctx);  // not cached: not a verdict
+  }
+  if (verdict.empty() && clocked != nullptr && attr.binaryVersion != attr.ptxVersion) {
+    int major = 0, minor = 0;
+    JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    JO_CUDA_CHECK(&ctx, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    verdict = std::string(clocked) + " bounds its waits with the GPU's %globaltimer, whose value " +
+              "the PTX ISA leaves unspecified in code JIT-compiled for another target, and " +
+              "device " + std::to_string(device) + " (" + Sm(major * 10 + minor) +
+              ") has no cubin of it: it would JIT-compile it from compute_" +
+              std::to_string(attr.ptxVersion) + " (kernels built: " + KernelsDescription() +
+              "); build for this GPU (cpp/cuda/CMakeLists.txt, JO_ADD_KERNEL_ARCHS) or use " +
+              "impl='xla'";
   }
   std::lock_guard<std::mutex> lock(g_verdicts_mu);
   Verdicts()[{device, k}] = verdict;
@@ -313,8 +329,9 @@ bool MulticastBlockOk(const BlockArgs& a) {
 
 int AccessBytes(const BlockArgs& a, bool multimem) { return MakeLaunch(a, multimem).bytes; }
 
-Status PrepareKernel(const void* kernel, const char* multimem, const ErrorContext& ctx) {
-  return LoadKernel(kernel, multimem, ctx);
+Status PrepareKernel(const void* kernel, const char* multimem, const ErrorContext& ctx,
+                     const char* clocked) {
+  return LoadKernel(kernel, multimem, ctx, clocked);
 }
 
 void ForgetKernelVerdicts() {
