@@ -214,16 +214,23 @@ class RankOrder {
 
 // A replayable program's sequencing (core/program.h Problem::replayable;
 // docs/gpu-internals.md §8), what this rank alone can show:
-//  1. only ops whose sequencing is argued there (no NCCL, multicast, one-launch
-//     all-reduce or releasing fused GEMM);
+//  1. only ops whose sequencing is argued there (no NCCL, multicast or one-launch
+//     all-reduce); a releasing fused GEMM raises own flags, which only this
+//     rank waits on (a Wait for the rank's own flag is for one of them);
 //  2. every flag the rank waits on (a Wait, a fused GEMM's block) is reset by
 //     exactly one ResetFlags, after every wait on it, and a ResetFlags resets
 //     only flags the rank waited on: the next call's signal finds it 0;
 //  3. every write into a peer p (a push into its workspace, a Signal) on a
 //     stream is either after a wait for a flag p raised (p is in this call, so
 //     it finished the last one, reads and resets included), or the stream ends
-//     with a wait for p's flag after its last write to p (p's acknowledgement:
-//     the next call's writes come after p consumed this one).
+//     with a wait for p's flag after its last write to p, or the wait is on
+//     another stream after that one's last write to p in the rank's order
+//     (p's acknowledgement: the next call's writes come after p consumed this
+//     one, since the call ends after every wait of its streams);
+//  4. with a fused GEMM that waits, a wait for a peer's flag has only waits,
+//     resets and stream waits after it on its stream: nothing of the call but
+//     its end depends on it, so the bounded wait kernel it runs as may wait
+//     for the SMs the fused GEMM holds (never the other way round).
 Status CheckReplayable(const Program& p) {
   const Problem& q = p.problem;
   const auto bad = [&](const std::string& what) {
@@ -238,6 +245,8 @@ Status CheckReplayable(const Program& p) {
   };
   std::vector<std::vector<FlagWait>> waits(static_cast<size_t>(p.num_flags));
   std::vector<int> resets(static_cast<size_t>(p.num_flags), 0);
+  std::vector<bool> released(static_cast<size_t>(p.num_flags), false);
+  bool waiting_fused = false;
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const Op& op = p.ops[i];
     switch (op.kind) {
@@ -249,7 +258,9 @@ Status CheckReplayable(const Program& p) {
         return bad(ToString(op) + ": its sequencing across replays is not argued");
       case OpKind::kFusedGemm:
         if (op.fused.release_flags >= 0)
-          return bad(ToString(op) + ": a releasing fused GEMM's sequencing is not argued");
+          for (int32_t b = 0; b < op.fused.rows.count(); ++b)
+            released[static_cast<size_t>(op.fused.release_flags + b)] = true;
+        waiting_fused = waiting_fused || op.fused.wait_flags >= 0;
         for (int32_t b = 0; b < op.fused.rows.count(); ++b)
           if (op.fused.Waits(b))
             waits[static_cast<size_t>(op.fused.wait_flags + b)].push_back(
@@ -264,6 +275,19 @@ Status CheckReplayable(const Program& p) {
   }
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const Op& op = p.ops[i];
+    if (op.kind == OpKind::kWait && op.peer == q.rank && !released[static_cast<size_t>(op.id)])
+      return bad(ToString(op) + ": waits for an own flag that no fused GEMM of the rank releases");
+    if (op.kind == OpKind::kWait && op.peer != q.rank && waiting_fused)
+      for (size_t j = i + 1; j < p.ops.size(); ++j) {
+        const Op& after = p.ops[j];
+        if (after.stream == op.stream && after.kind != OpKind::kWait &&
+            after.kind != OpKind::kResetFlags && after.kind != OpKind::kStreamWait)
+          return bad(ToString(op) + " on stream " + std::to_string(op.stream) + " has " +
+                     ToString(after) +
+                     " after it: with a fused GEMM that waits, a wait for a peer's flag must end "
+                     "its stream (its bounded wait kernel could otherwise wait for an SM that "
+                     "the waiting fused GEMM holds while the GEMM waits for what follows it)");
+      }
     if (op.kind != OpKind::kResetFlags) continue;
     for (int32_t f = op.id; f < op.id + op.n; ++f) {
       const auto& mine = waits[static_cast<size_t>(f)];
@@ -303,9 +327,7 @@ Status CheckReplayable(const Program& p) {
     size_t last = i;
     for (size_t j = i + 1; j < p.ops.size(); ++j)
       if (p.ops[j].stream == p.ops[i].stream && written(p.ops[j]) == peer) last = j;
-    const bool acked = waits_for(peer, [&](size_t w) {
-      return p.ops[w].stream == p.ops[i].stream && order.Before(last, w);
-    });
+    const bool acked = waits_for(peer, [&](size_t w) { return order.Before(last, w); });
     if (!acked)
       return bad(ToString(p.ops[i]) + " on stream " + std::to_string(p.ops[i].stream) +
                  " writes into rank " + std::to_string(peer) +

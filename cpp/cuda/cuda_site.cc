@@ -415,7 +415,8 @@ Status CudaSite::EnqueueReplayable(const Caller& caller, const BoundCall& bound,
       std::shared_ptr<const KernelArea> made;
       if (status.ok())
         status = clique.ReplayArea(bound.call.clique.site, epoch, bound.call.needs.workspace_bytes,
-                                   bound.call.needs.num_flags, ctx, &made);
+                                   bound.call.needs.num_flags,
+                                   program.num_flags - program.problem.nranks, ctx, &made);
       if (!status.ok()) {
         if (status.code() != Code::kAborted) clique.Break(status);
         return status;
@@ -423,7 +424,7 @@ Status CudaSite::EnqueueReplayable(const Caller& caller, const BoundCall& bound,
       bound.replay = std::move(made);
       bound.resources = reserved.resources;
       bound.pool = reserved.pool;  // kept: a captured call's addresses stay valid
-      // Its acknowledgement waits are bounded kernels that record why they gave up: watched
+      // Its waits for peers' flags are bounded kernels that record why they gave up: watched
       // while the clique lives, eager calls and replays alike (a replay runs no host code).
       WatchKernelArea(bound.clique, bound.replay, Millis(desc_.timeout_ms));
     }

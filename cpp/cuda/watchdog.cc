@@ -174,7 +174,7 @@ class Watchdog {
       bool all = true;
       for (size_t r = 0; r < area->faults.size(); ++r) {
         if (area->faults[r] == nullptr || it->reported[r]) continue;
-        std::string text = area->replay ? DescribeWaitFault(*clique, static_cast<int32_t>(r),
+        std::string text = area->replay ? DescribeWaitFault(*clique, *area, static_cast<int32_t>(r),
                                                             area->faults[r]->ptr, it->timeout)
                                         : DescribeFault(*clique, static_cast<int32_t>(r),
                                                         area->faults[r]->ptr, it->timeout);
@@ -230,7 +230,8 @@ class Watchdog {
 
   // A replayable program's bounded flag wait that gave up (kernels/flag_wait_body.h): "" while
   // the record is empty.
-  static std::string DescribeWaitFault(const CudaClique& clique, int32_t rank, const void* record,
+  static std::string DescribeWaitFault(const CudaClique& clique, const KernelArea& area,
+                                       int32_t rank, const void* record,
                                        std::chrono::milliseconds timeout) {
     const auto* words = static_cast<const volatile uint32_t*>(record);
     const uint32_t code = words[0];
@@ -241,11 +242,12 @@ class Watchdog {
     const bool elsewhere = w < clique.devices().size() && clique.devices()[w] < 0;
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(timeout).count());
-    return "replayable ag_matmul, rank " + std::to_string(rank) + " (" + clique.name() +
+    const bool ack = area.acks >= 0 && flag >= static_cast<uint32_t>(area.acks);
+    return "replayable " + area.op + ", rank " + std::to_string(rank) + " (" + clique.name() +
            "): its wait for flag " + std::to_string(flag) + " from rank " + std::to_string(writer) +
            (elsewhere ? " (process " + std::to_string(clique.processes()[w]) + ")" : "") +
-           " (its acknowledgement) did not see " + std::to_string(value) + " within " + seconds +
-           " s (it is " + std::to_string(seen) +
+           (ack ? " (its acknowledgement)" : "") + " did not see " + std::to_string(value) +
+           " within " + seconds + " s (it is " + std::to_string(seen) +
            "): the peer did not arrive (ranks disagree on the calls, or a peer failed). The wait "
            "gave up; this call's results and every later replay's on this rank are invalid; the "
            "clique is broken.";

@@ -86,48 +86,85 @@ def test_a_captured_three_stream_call_with_host_side_epochs_is_wrong_from_its_se
     assert all("this program's host side would not replay" in s for s in refused["statuses"])
 
 
-def _replayable_case(fake, connections, n, chunks, bidirectional, late):
+# Every replayable program (docs/gpu-internals.md §8): (op, fused).
+REPLAYABLE = [("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False),
+              ("matmul_rs", True)]
+
+
+def _replayable_problem(op, fused, n, **fields):
+    return problem(op, "p2p", n, batch=fields.pop("batch", 1), rows=8, k=16, nw=16,
+                   dtype="bfloat16", fused=fused, replayable=True, **fields)
+
+
+def _right(op, ys, x, w):
+    """Per rank, whether its y is its inputs' product, computed here in float64: x [batch, rows,
+    k] per rank; the all-gather's y is every rank's rows times w, the reduce-scatter's rank r's
+    block of the sum over ranks of x_i times w."""
+    if op == "ag_matmul":
+        wants = [np.concatenate(x, axis=1).astype(np.float64) @ w] * len(ys)
+    else:
+        rows = x[0].shape[1] // len(x)
+        total = sum(xi.astype(np.float64) for xi in x)  # every rank's w is the one w
+        wants = [total[:, r * rows:(r + 1) * rows] @ w for r in range(len(ys))]
+    # bf16 partials rounded at each ring step: an error of a few ulps of the largest output
+    return [np.allclose(np.frombuffer(y, NP["bfloat16"]).astype(np.float64)
+                        .reshape(want.shape), want, rtol=2e-2,
+                        atol=1.5e-2 * np.abs(want).max())
+            for y, want in zip(ys, wants, strict=True)]
+
+
+def _replayable_case(fake, connections, n, chunks, bidirectional, late, op="ag_matmul",
+                     fused=True):
     fake.reset(fake.Config(connections=connections, seed=10 * n + chunks))
-    p = problem("ag_matmul", "p2p", n, batch=2, rows=8, k=16, nw=16, dtype="bfloat16",
-                fused=True, chunks=chunks, bidirectional=bidirectional, replayable=True,
-                return_gathered=True)
+    p = _replayable_problem(op, fused, n, batch=2, chunks=chunks, bidirectional=bidirectional,
+                            return_gathered=op == "ag_matmul")
     xs, ws = inputs(p, 0)
     ws = [ws[0]] * n
     replay_xs = [inputs(p, seed)[0] for seed in (1, 2, 3)]
     out = play(fake, p, xs, ws, calls=2, capture=True, replays=3,
                replay_xs=[[x.tobytes() for x in r] for r in replay_xs], replay_late_rank=late)
     w = ws[0].astype(np.float64)
+    return out, _right(op, out["ys"], xs, w), [_right(op, ys, x, w) for ys, x in
+                                               zip(out["replay_ys"], replay_xs, strict=True)]
 
-    def right(ys, x):  # x [batch, rows, k] per rank: the gathered rows are every rank's
-        want = np.concatenate(x, axis=1).astype(np.float64) @ w
-        return [np.allclose(np.frombuffer(y, NP["bfloat16"]).astype(np.float64)
-                            .reshape(want.shape), want, rtol=2e-2, atol=2e-2) for y in ys]
 
-    return out, right(out["ys"], xs), [right(ys, x) for ys, x in
-                                       zip(out["replay_ys"], replay_xs, strict=True)]
+def _check_replays(fake, connections, op, fused, cases):
+    for n, chunks, bidir in cases:
+        out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir, late=n - 1,
+                                               op=op, fused=fused)
+        case = (op, fused, n, chunks, bidir)
+        assert out["statuses"] == [None] * n, (case, out["statuses"])
+        assert out["drained"] and out["replay_drained"] == [True] * 3, case
+        assert fake.errors() == [], (case, fake.errors())
+        assert eager == [True] * n, case
+        assert replays == [[True] * n] * 3, (case, replays)
 
 
 @pytest.mark.parametrize("connections", [1, 8])
 def test_a_captured_replayable_fused_ag_replayed_k_times_gives_k_right_answers(fake,
                                                                               connections):
-    """The replayable program (docs/gpu-internals.md §8: flag values 1, reset by their reader,
-    an acknowledgement per ring direction, buffers of its own) through the CUDA executor: two
-    ordinary calls back to back, then the call captured into a graph on every rank and launched
-    three times with new inputs, the last rank launching last — every call and every replay
-    right, N 2-8, chunks 1-4, both directions, two batches, the gathered x returned, with one
-    and eight work queues. The epoch program in the same case (above) is wrong from its second
-    replay."""
-    for n in range(2, 9):
-        for chunks in (1, 2, 3, 4):
-            for bidir in (False, True):
-                out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir,
-                                                       late=n - 1)
-                case = (n, chunks, bidir)
-                assert out["statuses"] == [None] * n, (case, out["statuses"])
-                assert out["drained"] and out["replay_drained"] == [True] * 3, case
-                assert fake.errors() == [], (case, fake.errors())
-                assert eager == [True] * n, case
-                assert replays == [[True] * n] * 3, (case, replays)
+    """The replayable fused all-gather (docs/gpu-internals.md §8: flag values 1, reset by their
+    reader, each rank's shard pushed straight to every peer, an acknowledgement per writer,
+    buffers of its own) through the CUDA executor: two ordinary calls back to back, then the
+    call captured into a graph on every rank and launched three times with new inputs, the last
+    rank launching last — every call and every replay right, N 2-8, chunks 1-4, both
+    directions, two batches, the gathered x returned, with one and eight work queues. The epoch
+    program in the same case (above) is wrong from its second replay."""
+    _check_replays(fake, connections, "ag_matmul", True,
+                   [(n, c, b) for n in range(2, 9) for c in (1, 2, 3, 4) for b in (False, True)])
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+@pytest.mark.parametrize("op, fused", REPLAYABLE[1:],
+                         ids=[f"{op}-{'fused' if f else 'chunked'}" for op, f in REPLAYABLE[1:]])
+def test_every_replayable_program_replayed_k_times_gives_k_right_answers(fake, connections, op,
+                                                                         fused):
+    """The other replayable programs, the same way: the all-gather's ring (its forwarding waits
+    bounded kernels), the reduce-scatter's ring and its fused GEMM (its comm streams waiting for
+    the kernel's own releases, then for peers' flags) — N 2-5, chunks 1-2, both directions,
+    every call and replay right, with one and eight work queues."""
+    _check_replays(fake, connections, op, fused,
+                   [(n, c, b) for n in (2, 3, 4, 5) for c in (1, 2) for b in (False, True)])
 
 
 def test_a_replayable_calls_first_execution_under_capture_is_refused(fake):
@@ -169,7 +206,8 @@ def test_a_peer_that_never_comes_ends_the_acknowledgement_wait_and_is_reported(f
         assert out["replay_drained"] == [True, True], out["replay_drained"]
     warning = fake.last_warning()
     assert "replayable ag_matmul, rank 0" in warning, warning
-    assert "its wait for flag 2 from rank 1 (its acknowledgement) did not see 1 within 1.0 s" \
+    # flag N*C + 1: rank 1's acknowledgement of rank 0 (core/build_internal.h Acknowledge)
+    assert "its wait for flag 3 from rank 1 (its acknowledgement) did not see 1 within 1.0 s" \
         in warning, warning
     assert "BROKEN" in fake.cliques()
     # control: every rank present
@@ -185,20 +223,32 @@ def test_a_peer_that_never_comes_ends_the_acknowledgement_wait_and_is_reported(f
     assert "BROKEN" not in fake.cliques()
 
 
-def test_a_forwarding_wait_is_still_unbounded(fake):
-    """What is not bounded yet (docs/gpu-internals.md §8, "A dead peer"): N 4 one way, rank 2
-    never calls; rank 3's comm stream forwards rank 2's shard to rank 0 behind a
-    cuStreamWaitValue32, which no bound ends — after the fused GEMMs gave up (their own bound)
-    the fake's GPU still cannot progress past it (it calls that a deadlock). When the forwarding
-    waits are bounded this test must change."""
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("op, fused", REPLAYABLE,
+                         ids=[f"{op}-{'fused' if f else 'chunked'}" for op, f in REPLAYABLE])
+def test_every_peer_wait_of_every_replayable_program_is_bounded(fake, op, fused, replayed):
+    """N 4 one way (the rings forward), rank 2 never calls (eager) or never launches its graph
+    (its second replay): every wait of the others for a flag a peer raises — the data waits,
+    the all-gather ring's forwarding waits, the acknowledgements — is the bounded flag-wait
+    kernel, so each gives up after the call's timeout on the GPUs' clock, the watchdog reports a
+    wait that gave up and breaks the clique, and every stream drains: no hang. (The fused
+    all-gather pushes each shard straight to every peer: it has no forwarding wait.)"""
     fake.reset(fake.Config(grace_ms=6000))
-    p = problem("ag_matmul", "p2p", 4, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
-                fused=True, replayable=True)
+    p = _replayable_problem(op, fused, 4)
     xs, ws = inputs(p, 0)
-    out = play(fake, p, xs, ws, calls=1, skip_rank=2, timeout_ms=1000)
-    assert not out["drained"]
-    assert any(e.startswith("deadlock") and "cuStreamWaitValue32" in e for e in fake.errors()), \
-        fake.errors()
+    if replayed:
+        out = play(fake, p, xs, ws, calls=1, capture=True, replays=2, replay_skip_rank=2,
+                   timeout_ms=1000)
+        assert out["replay_drained"] == [True, True], out["replay_drained"]
+    else:
+        out = play(fake, p, xs, ws, calls=1, skip_rank=2, timeout_ms=1000)
+    assert out["statuses"] == [None] * 4, out["statuses"]
+    assert out["drained"] and fake.errors() == [], fake.errors()
+    warning = fake.last_warning()
+    assert f"replayable {op}, rank " in warning and "did not see 1 within 1.0 s" in warning, \
+        warning
+    assert "the clique is broken" in warning, warning
+    assert "BROKEN" in fake.cliques()
 
 
 def test_the_fake_flag_wait_kernel_and_its_misuse(fake):
