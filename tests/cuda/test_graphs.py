@@ -6,7 +6,8 @@ concurrently as they did when captured (CUDA programming guide, "CUDA Graphs", "
 Dependencies and Events"). Then a program of three streams (the fused all-gather over p2p)
 captured through the CUDA executor and replayed: right once, and, with its host-side epochs baked
 in, wrong from its second replay — why only a program without them may be captured
-(docs/gpu-internals.md §8)."""
+(docs/gpu-internals.md §8); then every replayable program (ag_matmul and matmul_rs over p2p,
+chunked and fused) captured and replayed right, and a dead peer at its waits reported."""
 
 from __future__ import annotations
 
