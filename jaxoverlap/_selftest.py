@@ -74,11 +74,11 @@ KERNEL_OPS = tuple(f"matmul_ar/{a}" for a in _kinds.names(_kinds.ALGORITHMS, ker
 KERNEL_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism != "messages")
 REPLAYS = 3
 # The replayable programs (docs/gpu-internals.md §8): every ag_matmul and matmul_rs program over
-# p2p (chunked and fused), built with acknowledged flags of constant value, rows of the fake only,
-# captured and replayed like the kernel algorithms' (XLA does not ask for these programs yet:
-# docs/gpu.md §6). `selftest --fake --graph` runs every row of them replayable.
+# p2p and multicast (chunked and fused), built with acknowledged flags of constant value, rows of
+# the fake only, captured and replayed like the kernel algorithms' (XLA does not ask for these
+# programs yet: docs/gpu.md §6). `selftest --fake --graph` runs every row of them replayable.
 REPLAYABLE_OPS = ("ag_matmul", "matmul_rs")
-REPLAYABLE_TRANSPORTS = ("p2p",)
+REPLAYABLE_TRANSPORTS = ("p2p", "multicast")
 
 
 def _not_replayable(op: str, transport: str) -> str | None:
@@ -89,8 +89,9 @@ def _not_replayable(op: str, transport: str) -> str | None:
     if transport == "nccl":
         return ("nccl: its calls capture, but a dead peer under replay has no bound (no "
                 "per-call watchdog lease runs in a replay)")
-    return ("host-side epochs in what the call enqueues (flag values, workspace halves): a "
-            "replay would reuse the capture's; not built replayable yet")
+    return ("matmul_ar's one_shot / two_shot programs: host-side epochs in what the call "
+            "enqueues (flag values, workspace halves): a replay would reuse the capture's; not "
+            "built replayable yet")
 
 
 # Unit roundoff of each dtype (half the distance from 1 to the next number).

@@ -108,8 +108,10 @@ void Acknowledge(Program* p, Emitter& e, int32_t acks) {
     if (writer[static_cast<size_t>(peer)]) e.Signal(0, peer, acks + q.rank);
   // The stream that waits for peer p's acknowledgement: the compute stream if it wrote into p
   // (it is behind every other stream's record already), else the last stream that did, behind
-  // the records of the others that did. Its joins first, then the waits: after an
-  // acknowledgement wait its stream has only waits and resets (check_program.cc rule 4).
+  // the records of every other stream (so every write of the rank — into p, and into its own
+  // workspace, which a multicast reduction of p reads — comes before the wait). Its joins
+  // first, then the waits: after an acknowledgement wait its stream has only waits and resets
+  // (check_program.cc rule 4).
   std::vector<int32_t> tail(static_cast<size_t>(N), -1);
   std::vector<std::vector<bool>> joined(static_cast<size_t>(streams),
                                         std::vector<bool>(static_cast<size_t>(streams), false));
@@ -117,8 +119,7 @@ void Acknowledge(Program* p, Emitter& e, int32_t acks) {
     const int32_t s = wrote[0][static_cast<size_t>(peer)] ? 0 : last[static_cast<size_t>(peer)];
     tail[static_cast<size_t>(peer)] = s;
     for (int32_t other = 1; other < streams && s > 0; ++other)
-      if (other != s && wrote[static_cast<size_t>(other)][static_cast<size_t>(peer)] &&
-          !joined[static_cast<size_t>(s)][static_cast<size_t>(other)]) {
+      if (other != s && !joined[static_cast<size_t>(s)][static_cast<size_t>(other)]) {
         e.StreamWait(s, done[static_cast<size_t>(other)]);
         joined[static_cast<size_t>(s)][static_cast<size_t>(other)] = true;
       }
@@ -210,12 +211,13 @@ Status BuildProgram(const Problem& q, Program* program) {
             "; take the chunked path");
   }
   // A replayable program's sequencing (acknowledged flags of constant value, core/program.h)
-  // is built for ag_matmul and matmul_rs over p2p so far (docs/gpu.md §6 lists the rest).
+  // is built for ag_matmul and matmul_rs over p2p and multicast so far (docs/gpu.md §6 lists
+  // the rest).
   JO_REQUIRE(!q.replayable || ((q.op == Collective::kAgMatmul || q.op == Collective::kMatmulRs) &&
-                               q.transport == Transport::kP2p),
+                               Row(q.transport).mechanism != Mechanism::kMessages),
              op +
                  ": a replayable program (no host-side epoch in what it enqueues) is built for "
-                 "ag_matmul and matmul_rs over p2p only, not " +
+                 "ag_matmul and matmul_rs over p2p and multicast only, not " +
                  op + " over " + TransportName(q.transport) + (q.fused ? " fused" : " chunked"));
 
   *program = Program();

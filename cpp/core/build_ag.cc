@@ -323,15 +323,16 @@ void Multicast(Ag& g) {
     g.e.StreamWait(0, stored);
     // Arrival order: shards r-1, r-2, ... (multicast has cw_steps = N-1), each from its owner.
     g.FusedGemm([](const Arrival& a) { return a.shard; });
-    return;
-  }
-  for (int32_t t = 1; t < g.N; ++t) {
-    const Arrival a{Mod(g.r - t, g.N), 0};
-    for (int64_t s = 0; s < g.C; ++s) {
-      g.e.Wait(0, a.shard, g.flag(a.shard, s));
-      g.Consume(BufId::kWorkspace, a, s);
+  } else {
+    for (int32_t t = 1; t < g.N; ++t) {
+      const Arrival a{Mod(g.r - t, g.N), 0};
+      for (int64_t s = 0; s < g.C; ++s) {
+        g.e.Wait(0, a.shard, g.flag(a.shard, s));
+        g.Consume(BufId::kWorkspace, a, s);
+      }
     }
   }
+  if (g.q.replayable) Acknowledge(p, g.e, static_cast<int32_t>(g.N * g.C));
 }
 
 }  // namespace

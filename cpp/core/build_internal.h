@@ -129,9 +129,9 @@ JO_OPS(JO_DECLARE_BUILD)
 // every wait of the call is then behind it), resets every flag the rank waited
 // on, and acknowledges each peer it waited on (the writers into its workspace);
 // then, for each peer p the rank wrote into (a push into its workspace, a
-// Signal, a multicast store), the last stream that wrote into p waits for the
-// other such streams' records, for p's acknowledgement, and resets it. Sets
-// Program::num_flags to acks + nranks.
+// Signal, a multicast store), the last stream that wrote into p (the compute
+// stream if it did) waits for the other streams' records, for p's
+// acknowledgement, and resets it. Sets Program::num_flags to acks + nranks.
 void Acknowledge(Program* program, Emitter& e, int32_t acks);
 
 // Pieces shared by GEMM+RS and GEMM+AR (build_rs.cc).

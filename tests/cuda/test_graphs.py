@@ -87,13 +87,15 @@ def test_a_captured_three_stream_call_with_host_side_epochs_is_wrong_from_its_se
     assert all("this program's host side would not replay" in s for s in refused["statuses"])
 
 
-# Every replayable program (docs/gpu-internals.md §8): (op, fused).
-REPLAYABLE = [("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False),
-              ("matmul_rs", True)]
+# Every replayable program (docs/gpu-internals.md §8): (op, transport, fused).
+REPLAYABLE = [(op, transport, fused) for transport in ("p2p", "multicast")
+              for op, fused in (("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False),
+                                ("matmul_rs", True))]
+IDS = [f"{op}-{transport}-{'fused' if fused else 'chunked'}" for op, transport, fused in REPLAYABLE]
 
 
-def _replayable_problem(op, fused, n, **fields):
-    return problem(op, "p2p", n, batch=fields.pop("batch", 1), rows=8, k=16, nw=16,
+def _replayable_problem(op, fused, n, transport="p2p", **fields):
+    return problem(op, transport, n, batch=fields.pop("batch", 1), rows=8, k=16, nw=16,
                    dtype="bfloat16", fused=fused, replayable=True, **fields)
 
 
@@ -115,10 +117,10 @@ def _right(op, ys, x, w):
 
 
 def _replayable_case(fake, connections, n, chunks, bidirectional, late, op="ag_matmul",
-                     fused=True):
+                     fused=True, transport="p2p"):
     fake.reset(fake.Config(connections=connections, seed=10 * n + chunks))
-    p = _replayable_problem(op, fused, n, batch=2, chunks=chunks, bidirectional=bidirectional,
-                            return_gathered=op == "ag_matmul")
+    p = _replayable_problem(op, fused, n, transport, batch=2, chunks=chunks,
+                            bidirectional=bidirectional, return_gathered=op == "ag_matmul")
     xs, ws = inputs(p, 0)
     ws = [ws[0]] * n
     replay_xs = [inputs(p, seed)[0] for seed in (1, 2, 3)]
@@ -129,11 +131,11 @@ def _replayable_case(fake, connections, n, chunks, bidirectional, late, op="ag_m
                                                zip(out["replay_ys"], replay_xs, strict=True)]
 
 
-def _check_replays(fake, connections, op, fused, cases):
+def _check_replays(fake, connections, op, fused, cases, transport="p2p"):
     for n, chunks, bidir in cases:
         out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir, late=n - 1,
-                                               op=op, fused=fused)
-        case = (op, fused, n, chunks, bidir)
+                                               op=op, fused=fused, transport=transport)
+        case = (op, transport, fused, n, chunks, bidir)
         assert out["statuses"] == [None] * n, (case, out["statuses"])
         assert out["drained"] and out["replay_drained"] == [True] * 3, case
         assert fake.errors() == [], (case, fake.errors())
@@ -156,16 +158,18 @@ def test_a_captured_replayable_fused_ag_replayed_k_times_gives_k_right_answers(f
 
 
 @pytest.mark.parametrize("connections", [1, 8])
-@pytest.mark.parametrize("op, fused", REPLAYABLE[1:],
-                         ids=[f"{op}-{'fused' if f else 'chunked'}" for op, f in REPLAYABLE[1:]])
+@pytest.mark.parametrize("op, transport, fused", REPLAYABLE[1:], ids=IDS[1:])
 def test_every_replayable_program_replayed_k_times_gives_k_right_answers(fake, connections, op,
-                                                                         fused):
-    """The other replayable programs, the same way: the all-gather's ring (its forwarding waits
-    bounded kernels), the reduce-scatter's ring and its fused GEMM (its comm streams waiting for
-    the kernel's own releases, then for peers' flags) — N 2-5, chunks 1-2, both directions,
-    every call and replay right, with one and eight work queues."""
+                                                                         transport, fused):
+    """The other replayable programs, the same way: over p2p the all-gather's ring (its
+    forwarding waits bounded kernels), the reduce-scatter's ring and its fused GEMM (its comm
+    streams waiting for the kernel's own releases, then for peers' flags); over multicast both
+    ops chunked and fused (stores through the multicast object, load-reduces of every rank's
+    workspace) — N 2-5, chunks 1-2, both directions, every call and replay right, with one and
+    eight work queues."""
     _check_replays(fake, connections, op, fused,
-                   [(n, c, b) for n in (2, 3, 4, 5) for c in (1, 2) for b in (False, True)])
+                   [(n, c, b) for n in (2, 3, 4, 5) for c in (1, 2) for b in (False, True)],
+                   transport)
 
 
 def test_a_replayable_calls_first_execution_under_capture_is_refused(fake):
@@ -225,9 +229,9 @@ def test_a_peer_that_never_comes_ends_the_acknowledgement_wait_and_is_reported(f
 
 
 @pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
-@pytest.mark.parametrize("op, fused", REPLAYABLE,
-                         ids=[f"{op}-{'fused' if f else 'chunked'}" for op, f in REPLAYABLE])
-def test_every_peer_wait_of_every_replayable_program_is_bounded(fake, op, fused, replayed):
+@pytest.mark.parametrize("op, transport, fused", REPLAYABLE, ids=IDS)
+def test_every_peer_wait_of_every_replayable_program_is_bounded(fake, op, transport, fused,
+                                                                replayed):
     """N 4 one way (the rings forward), rank 2 never calls (eager) or never launches its graph
     (its second replay): every wait of the others for a flag a peer raises — the data waits,
     the all-gather ring's forwarding waits, the acknowledgements — is the bounded flag-wait
@@ -235,7 +239,7 @@ def test_every_peer_wait_of_every_replayable_program_is_bounded(fake, op, fused,
     wait that gave up and breaks the clique, and every stream drains: no hang. (The fused
     all-gather pushes each shard straight to every peer: it has no forwarding wait.)"""
     fake.reset(fake.Config(grace_ms=6000))
-    p = _replayable_problem(op, fused, 4)
+    p = _replayable_problem(op, fused, 4, transport)
     xs, ws = inputs(p, 0)
     if replayed:
         out = play(fake, p, xs, ws, calls=1, capture=True, replays=2, replay_skip_rank=2,

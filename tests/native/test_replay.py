@@ -26,11 +26,11 @@ ROWS, K, COLS = 6, 16, 8
 
 
 def build(n, rank, *, chunks=1, bidirectional=False, replayable=True, op="ag_matmul", fused=True,
-          **kw):
+          transport="p2p", **kw):
     args = dict(dtype="bfloat16", chunks=chunks, bidirectional=bidirectional, fused=fused,
                 replayable=replayable)
     args.update(kw)
-    return host.build_program(op, "p2p", n, rank, 1, ROWS, K, COLS, **args)
+    return host.build_program(op, transport, n, rank, 1, ROWS, K, COLS, **args)
 
 
 def clique(n, **kw):
@@ -49,22 +49,28 @@ def acks(program):
             if o["kind"] in ("Signal", "Wait", "ResetFlags") and o["id"] >= first]
 
 
-# Every replayable program: (op, fused).
-PROGRAMS = [("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False), ("matmul_rs", True)]
-IDS = [f"{op}-{'fused' if fused else 'chunked'}" for op, fused in PROGRAMS]
+# Every replayable program: (op, transport, fused).
+PROGRAMS = [(op, transport, fused) for transport in ("p2p", "multicast")
+            for op, fused in (("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False),
+                              ("matmul_rs", True))]
+IDS = [f"{op}-{transport}-{'fused' if fused else 'chunked'}" for op, transport, fused in PROGRAMS]
 
 
 def _writes(program):
-    """{stream: the peers it writes into (a push into a peer's workspace, a Signal)}."""
+    """{stream: the peers it writes into (a push into a peer's workspace, a Signal, a multicast
+    store: every rank's)}."""
     out = {}
     for o in program["ops"]:
-        peer = -1
-        if o["kind"] == "Signal":
-            peer = o["peer"]
+        peers = []
+        if o["kind"] == "Signal" and o["id"] < first_ack(program):
+            peers = [o["peer"]]
         elif o["kind"] == "Copy" and o["d"]["buf"].startswith("WORKSPACE"):
-            peer = o["d"]["rank"]
-        if peer not in (-1, program["rank"]) and o["id"] < first_ack(program):
-            out.setdefault(o["stream"], set()).add(peer)
+            peers = [o["d"]["rank"]]
+        elif o["kind"] == "McStore":
+            peers = range(program["nranks"])
+        for peer in peers:
+            if peer != program["rank"]:
+                out.setdefault(o["stream"], set()).add(peer)
     return out
 
 
@@ -84,8 +90,8 @@ def _waited(program):
     return flags, writers - {program["rank"]}
 
 
-@pytest.mark.parametrize("op, fused", PROGRAMS, ids=IDS)
-def test_the_acknowledgement_is_one_per_writer_and_reader(op, fused):
+@pytest.mark.parametrize("op, transport, fused", PROGRAMS, ids=IDS)
+def test_the_acknowledgement_is_one_per_writer_and_reader(op, transport, fused):
     """Each program ends the same way (Acknowledge): the compute stream joins the other
     streams, resets exactly the flags the rank waited on and acknowledges each rank it waited
     on (flag first_ack + own rank on that writer); each peer the rank wrote into has its
@@ -93,12 +99,14 @@ def test_the_acknowledgement_is_one_per_writer_and_reader(op, fused):
     end; and a rank's acknowledgements go exactly to the ranks that wrote into it."""
     for n, chunks, bidir in [(n, c, b) for n in (2, 3, 4, 5) for c in (1, 2)
                              for b in (False, True)]:
-        programs = clique(n, op=op, fused=fused, chunks=chunks, bidirectional=bidir)
+        programs = clique(n, op=op, transport=transport, fused=fused, chunks=chunks,
+                          bidirectional=bidir)
         for r, p in enumerate(programs):
             case = (n, chunks, bidir, r)
             first = first_ack(p)
             flags, writers = _waited(p)
-            resets = [o for o in p["ops"] if o["kind"] == "ResetFlags" and o["stream"] == 0]
+            resets = [o for o in p["ops"] if o["kind"] == "ResetFlags" and o["stream"] == 0
+                      and o["id"] < first]
             assert sorted(f for o in resets for f in range(o["id"], o["id"] + o["n"])) == \
                 sorted(flags), case
             signals = sorted(o["peer"] for o in acks(p) if o["kind"] == "Signal")
@@ -118,15 +126,16 @@ def test_the_acknowledgement_is_one_per_writer_and_reader(op, fused):
                 assert (w in writers) == (r in set().union(*_writes(q).values())), (case, w)
 
 
-@pytest.mark.parametrize("op, fused", PROGRAMS[1:], ids=IDS[1:])
-def test_the_body_is_the_plain_program(op, fused):
+@pytest.mark.parametrize("op, transport, fused", PROGRAMS[1:], ids=IDS[1:])
+def test_the_body_is_the_plain_program(op, transport, fused):
     """But for the fused all-gather, the replayable program is the plain one (its flags hold 1
     where the plain one's hold the epoch) followed by its acknowledgement."""
     for n, chunks, bidir in ((2, 1, False), (3, 2, True), (4, 2, False), (5, 1, True)):
         for r in range(n):
-            plain = build(n, r, op=op, fused=fused, chunks=chunks, bidirectional=bidir,
-                          replayable=False)
-            p = build(n, r, op=op, fused=fused, chunks=chunks, bidirectional=bidir)
+            kw = dict(op=op, transport=transport, fused=fused, chunks=chunks,
+                      bidirectional=bidir)
+            plain = build(n, r, replayable=False, **kw)
+            p = build(n, r, **kw)
             body = [o["text"].replace(" = 1)", " = epoch)").replace(">= 1,", ">= epoch,")
                     for o in p["ops"][:len(plain["ops"])]]
             assert body == [o["text"] for o in plain["ops"]], (n, chunks, bidir, r)
@@ -186,26 +195,27 @@ def test_the_program_text_says_what_the_flags_hold():
     assert all("epoch" in o["text"] for o in plain["ops"] if o["kind"] in ("Signal", "Wait"))
 
 
-@pytest.mark.parametrize("op, fused", PROGRAMS, ids=IDS)
-def test_model_replays_several_calls_race_free(op, fused):
+@pytest.mark.parametrize("op, transport, fused", PROGRAMS, ids=IDS)
+def test_model_replays_several_calls_race_free(op, transport, fused):
     """The whole-clique model plays 3 calls of the same programs with one workspace region and
     flags of value 1: no signal finds its flag raised, no wait is satisfied by another call's
-    signal, every read sees its own call's data; both directions."""
-    for n, chunks in ((2, 1), (3, 2), (4, 1), (4, 2), (5, 2)):
+    signal, every read sees its own call's data; N 2, 3, 5, both directions."""
+    for n, chunks in ((2, 1), (3, 2), (5, 2)):
         for bidir in (False, True):
-            programs = clique(n, op=op, fused=fused, chunks=chunks, bidirectional=bidir,
-                              return_gathered=op == "ag_matmul")
+            programs = clique(n, op=op, transport=transport, fused=fused, chunks=chunks,
+                              bidirectional=bidir, return_gathered=op == "ag_matmul")
             check_deadlock_free(programs)
             check_race_free(programs, calls=3)
 
 
-@pytest.mark.parametrize("op, fused", PROGRAMS, ids=IDS)
-def test_model_catches_a_dropped_acknowledgement(op, fused):
+@pytest.mark.parametrize("op, transport, fused", PROGRAMS, ids=IDS)
+def test_model_catches_a_dropped_acknowledgement(op, transport, fused):
     """Without the acks, a writer runs into its next call while its reader still reads this one:
     the model finds the race (or the signal that finds its flag still raised)."""
     for n in (2, 3, 4):
         for bidir in (False, True):
-            programs = clique(n, op=op, fused=fused, chunks=2, bidirectional=bidir)
+            programs = clique(n, op=op, transport=transport, fused=fused, chunks=2,
+                              bidirectional=bidir)
             broken = copy.deepcopy(programs)
             for p in broken:
                 p["ops"] = [o for o in p["ops"] if o not in acks(p)]
@@ -216,10 +226,9 @@ def test_model_catches_a_dropped_acknowledgement(op, fused):
 
 def test_builder_refuses_what_is_not_replayable_yet():
     for op, transport, fused in (("ag_matmul", "nccl", False), ("matmul_rs", "nccl", False),
-                                 ("ag_matmul", "multicast", True),
-                                 ("matmul_rs", "multicast", False), ("matmul_ar", "p2p", False)):
+                                 ("matmul_ar", "p2p", False), ("matmul_ar", "multicast", False)):
         with pytest.raises(ValueError, match="replayable program .* is built for ag_matmul and "
-                                             "matmul_rs over p2p only"):
+                                             "matmul_rs over p2p and multicast only"):
             host.build_program(op, transport, 4, 0, 1, 8, 8, 8, dtype="bfloat16", fused=fused,
                                replayable=True)
 
@@ -301,14 +310,31 @@ def test_check_program_rules_of_the_other_programs():
     _check_fails(early, "a wait for a peer's flag must end its stream")
 
 
-def _replay(n, chunks, bidir, calls, *, op="ag_matmul", fused=True, gathered=False,
-            slow_rank=-1, slow_ms=0, drop_ack=False, seed=0):
+def test_check_program_rules_of_the_multicast_reduction():
+    """Rule 5, each side broken once: a McReduce (it reads every rank's workspace) with its
+    acknowledgements to the peers taken out; a write of the rank's own workspace, which the
+    peers' McReduce reads, moved after its acknowledgement waits."""
+    p = build(4, 1, op="matmul_rs", transport="multicast", fused=False)
+    host.check_program(p)
+    unacked = copy.deepcopy(p)
+    unacked["ops"] = [o for o in p["ops"] if not (o in acks(p) and o["kind"] == "Signal")]
+    _check_fails(unacked, "reads rank 0's workspace with no Signal to that rank after it")
+    late = copy.deepcopy(p)
+    gemm = [o for o in late["ops"] if o["kind"] == "Gemm"][-1]
+    late["ops"].remove(gemm)
+    late["ops"].append(gemm)
+    _check_fails(late, "writes this rank's workspace, which its peers' McReduce reads, with no "
+                       "wait for rank 0's flag after it")
+
+
+def _replay(n, chunks, bidir, calls, *, op="ag_matmul", transport="p2p", fused=True,
+            gathered=False, slow_rank=-1, slow_ms=0, drop_ack=False, seed=0):
     rng = np.random.default_rng(seed)
     x_rows = ROWS if op == "ag_matmul" else n * ROWS
     xs = [[rng.standard_normal((x_rows, K)).astype(BF16) for _ in range(n)]
           for _ in range(calls)]
     w = rng.standard_normal((K, COLS)).astype(BF16)
-    problem = dict(op=op, transport="p2p", nranks=n, batch=1, rows=ROWS, k=K, n=COLS,
+    problem = dict(op=op, transport=transport, nranks=n, batch=1, rows=ROWS, k=K, n=COLS,
                    dtype="bfloat16", chunks=chunks, bidirectional=bidir, fused=fused,
                    replayable=True, return_gathered=gathered)
     out = testing.replay_host(problem, [[x.tobytes() for x in c] for c in xs], w.tobytes(),
@@ -325,15 +351,15 @@ def _want(op, x, w64, r):
 
 
 @pytest.mark.parametrize("bidir", [False, True])
-@pytest.mark.parametrize("op, fused", PROGRAMS, ids=IDS)
-def test_host_runs_the_same_program_call_after_call(op, fused, bidir):
+@pytest.mark.parametrize("op, transport, fused", PROGRAMS, ids=IDS)
+def test_host_runs_the_same_program_call_after_call(op, transport, fused, bidir):
     """Every rank a thread running the SAME program 4 times in a row, at uneven paces (a few
     milliseconds' jitter, and one rank that reads late), so that neighbours are in different
     calls at once: each call's y (and gathered x) is its own inputs' product."""
     gathered = op == "ag_matmul"
     for n, chunks, slow in ((2, 1, -1), (3, 2, 1), (4, 1, 2), (4, 2, 0), (5, 2, 3)):
-        xs, w, out = _replay(n, chunks, bidir, 4, op=op, fused=fused, gathered=gathered,
-                             slow_rank=slow, slow_ms=5, seed=n)
+        xs, w, out = _replay(n, chunks, bidir, 4, op=op, transport=transport, fused=fused,
+                             gathered=gathered, slow_rank=slow, slow_ms=5, seed=n)
         w64 = w.astype(np.float64)
         for c, x in enumerate(xs):
             for r in range(n):
@@ -348,14 +374,15 @@ def test_host_runs_the_same_program_call_after_call(op, fused, bidir):
                     assert np.array_equal(g.view(np.uint16), np.concatenate(x).view(np.uint16))
 
 
-@pytest.mark.parametrize("op, fused", PROGRAMS, ids=IDS)
-def test_host_catches_a_writer_a_call_ahead(op, fused):
+@pytest.mark.parametrize("op, transport, fused", PROGRAMS, ids=IDS)
+def test_host_catches_a_writer_a_call_ahead(op, transport, fused):
     """The acknowledgement taken out (and the sequencing check skipped): a writer whose reader
     reads late runs into its next call and signals a flag its reader has not consumed — the
     host executor refuses that signal (the data under it would be the next call's)."""
-    _, _, out = _replay(4, 1, False, 3, op=op, fused=fused, slow_rank=2, slow_ms=30,
-                        drop_ack=True)
+    _, _, out = _replay(4, 1, False, 3, op=op, transport=transport, fused=fused, slow_rank=2,
+                        slow_ms=30, drop_ack=True)
     errors = [e for call in out["errors"] for e in call if e]
     assert any("which is still raised" in e and "missing acknowledgement" in e for e in errors)
-    _, _, fine = _replay(4, 1, False, 3, op=op, fused=fused, slow_rank=2, slow_ms=30)
+    _, _, fine = _replay(4, 1, False, 3, op=op, transport=transport, fused=fused, slow_rank=2,
+                         slow_ms=30)
     assert all(e == "" for call in fine["errors"] for e in call)
