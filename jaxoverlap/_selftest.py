@@ -73,11 +73,12 @@ OPS = (*_kinds.names(_kinds.OPS),
 KERNEL_OPS = tuple(f"matmul_ar/{a}" for a in _kinds.names(_kinds.ALGORITHMS, kernel=True))
 KERNEL_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism != "messages")
 REPLAYS = 3
-# The replayable programs (docs/gpu-internals.md §8): every ag_matmul and matmul_rs program over
-# p2p and multicast (chunked and fused), built with acknowledged flags of constant value, rows of
-# the fake only, captured and replayed like the kernel algorithms' (XLA does not ask for these
-# programs yet: docs/gpu.md §6). `selftest --fake --graph` runs every row of them replayable.
-REPLAYABLE_OPS = ("ag_matmul", "matmul_rs")
+# The replayable programs (docs/gpu-internals.md §8): every program over p2p and multicast
+# (ag_matmul and matmul_rs chunked and fused, matmul_ar's two_shot and one_shot), built with
+# acknowledged flags of constant value, rows of the fake only, captured and replayed like the
+# kernel algorithms' (XLA does not ask for these programs yet: docs/gpu.md §6). `selftest --fake
+# --graph` runs every row of them replayable.
+REPLAYABLE_OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
 REPLAYABLE_TRANSPORTS = ("p2p", "multicast")
 
 
@@ -86,12 +87,8 @@ def _not_replayable(op: str, transport: str) -> str | None:
     skips it with the reason."""
     if op in REPLAYABLE_OPS and transport in REPLAYABLE_TRANSPORTS:
         return None
-    if transport == "nccl":
-        return ("nccl: its calls capture, but a dead peer under replay has no bound (no "
-                "per-call watchdog lease runs in a replay)")
-    return ("matmul_ar's one_shot / two_shot programs: host-side epochs in what the call "
-            "enqueues (flag values, workspace halves): a replay would reuse the capture's; not "
-            "built replayable yet")
+    return ("nccl: its calls capture, but a dead peer under replay has no bound (no per-call "
+            "watchdog lease runs in a replay)")
 
 
 # Unit roundoff of each dtype (half the distance from 1 to the next number).
@@ -677,7 +674,7 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
                       for op, transport, dtype, variant, fused in itertools.product(
                           REPLAYABLE_OPS, REPLAYABLE_TRANSPORTS,
                           FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants, (False, True))
-                      if op in ops]
+                      if op in ops and (op in FUSED_OPS or not fused)]
     # The kernel algorithms: one chunk (the kernel has none), captured and replayed.
     cases += [(op, transport, dtype, None, shape, (1, False), False, None)
               for op, transport, dtype, shape

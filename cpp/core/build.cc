@@ -211,14 +211,17 @@ Status BuildProgram(const Problem& q, Program* program) {
             "; take the chunked path");
   }
   // A replayable program's sequencing (acknowledged flags of constant value, core/program.h)
-  // is built for ag_matmul and matmul_rs over p2p and multicast so far (docs/gpu.md §6 lists
-  // the rest).
-  JO_REQUIRE(!q.replayable || ((q.op == Collective::kAgMatmul || q.op == Collective::kMatmulRs) &&
-                               Row(q.transport).mechanism != Mechanism::kMessages),
+  // is built for every program over p2p and multicast (docs/gpu.md §6); matmul_ar's kernel
+  // algorithms replay as they are (their sequence lives on the device, §7).
+  JO_REQUIRE(!q.replayable ||
+                 (Row(q.transport).mechanism != Mechanism::kMessages && !OneLaunch(q.algorithm)),
              op +
-                 ": a replayable program (no host-side epoch in what it enqueues) is built for "
-                 "ag_matmul and matmul_rs over p2p and multicast only, not " +
-                 op + " over " + TransportName(q.transport) + (q.fused ? " fused" : " chunked"));
+                 ": a replayable program (no host-side epoch in what it enqueues) is built over "
+                 "p2p and multicast only, and not for the kernel algorithms (they replay as they "
+                 "are), not " +
+                 op + " over " + TransportName(q.transport) +
+                 (OneLaunch(q.algorithm) ? std::string(" ") + ArAlgorithmName(q.algorithm)
+                                         : std::string(q.fused ? " fused" : " chunked")));
 
   *program = Program();
   program->problem = q;

@@ -206,8 +206,8 @@ struct Problem {
   // each reader resets the flags it waited on (ResetFlags) and then raises an
   // acknowledgement flag on each of its writers, which each writer waits for
   // (and resets) at the end of a stream that wrote into that reader
-  // (build_internal.h Acknowledge). AG and RS over p2p and multicast, chunked and
-  // fused, only (BuildProgram refuses the rest).
+  // (build_internal.h Acknowledge). Every program over p2p and multicast but the
+  // kernel algorithms (BuildProgram refuses the rest).
   bool replayable = false;
 };
 

@@ -84,9 +84,9 @@ class CudaSite {
   // capture, enqueues the GEMM and the kernel, whose sequence numbers live on the device.
   Status EnqueueOneLaunch(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
                           cudaStream_t stream, bool capturing);
-  // A replayable program (ag_matmul and matmul_rs over p2p and multicast, docs/gpu-internals.md
-  // §8): likewise no epoch, agreement or watch per call; its first execution on a GPU sets up its
-  // own buffers and the standing watch of its flag waits' fault records.
+  // A replayable program (any program over p2p or multicast, docs/gpu-internals.md §8): likewise no
+  // epoch, agreement or watch per call; its first execution on a GPU sets up its own buffers and
+  // the standing watch of its flag waits' fault records.
   Status EnqueueReplayable(const Caller& caller, const BoundCall& bound, const CallBuffers& io,
                            cudaStream_t stream, bool capturing);
 

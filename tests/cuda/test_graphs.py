@@ -87,24 +87,29 @@ def test_a_captured_three_stream_call_with_host_side_epochs_is_wrong_from_its_se
     assert all("this program's host side would not replay" in s for s in refused["statuses"])
 
 
-# Every replayable program (docs/gpu-internals.md §8): (op, transport, fused).
+# Every replayable program (docs/gpu-internals.md §8): (op[/algorithm], transport, fused).
 REPLAYABLE = [(op, transport, fused) for transport in ("p2p", "multicast")
               for op, fused in (("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False),
-                                ("matmul_rs", True))]
+                                ("matmul_rs", True), ("matmul_ar/two_shot", False),
+                                ("matmul_ar/one_shot", False))]
 IDS = [f"{op}-{transport}-{'fused' if fused else 'chunked'}" for op, transport, fused in REPLAYABLE]
 
 
 def _replayable_problem(op, fused, n, transport="p2p", **fields):
+    op, _, algorithm = op.partition("/")
     return problem(op, transport, n, batch=fields.pop("batch", 1), rows=8, k=16, nw=16,
-                   dtype="bfloat16", fused=fused, replayable=True, **fields)
+                   dtype="bfloat16", fused=fused, replayable=True,
+                   algorithm=algorithm or "two_shot", **fields)
 
 
 def _right(op, ys, x, w):
     """Per rank, whether its y is its inputs' product, computed here in float64: x [batch, rows,
     k] per rank; the all-gather's y is every rank's rows times w, the reduce-scatter's rank r's
-    block of the sum over ranks of x_i times w."""
+    block of the sum over ranks of x_i times w, the all-reduce's all of that sum."""
     if op == "ag_matmul":
         wants = [np.concatenate(x, axis=1).astype(np.float64) @ w] * len(ys)
+    elif op.startswith("matmul_ar"):
+        wants = [sum(xi.astype(np.float64) for xi in x) @ w] * len(ys)
     else:
         rows = x[0].shape[1] // len(x)
         total = sum(xi.astype(np.float64) for xi in x)  # every rank's w is the one w
@@ -165,8 +170,8 @@ def test_every_replayable_program_replayed_k_times_gives_k_right_answers(fake, c
     forwarding waits bounded kernels), the reduce-scatter's ring and its fused GEMM (its comm
     streams waiting for the kernel's own releases, then for peers' flags); over multicast both
     ops chunked and fused (stores through the multicast object, load-reduces of every rank's
-    workspace) — N 2-5, chunks 1-2, both directions, every call and replay right, with one and
-    eight work queues."""
+    workspace); matmul_ar's two_shot and one_shot programs over both — N 2-5, chunks 1-2, both
+    directions, every call and replay right, with one and eight work queues."""
     _check_replays(fake, connections, op, fused,
                    [(n, c, b) for n in (2, 3, 4, 5) for c in (1, 2) for b in (False, True)],
                    transport)
@@ -250,8 +255,8 @@ def test_every_peer_wait_of_every_replayable_program_is_bounded(fake, op, transp
     assert out["statuses"] == [None] * 4, out["statuses"]
     assert out["drained"] and fake.errors() == [], fake.errors()
     warning = fake.last_warning()
-    assert f"replayable {op}, rank " in warning and "did not see 1 within 1.0 s" in warning, \
-        warning
+    assert f"replayable {op.partition('/')[0]}, rank " in warning, warning
+    assert "did not see 1 within 1.0 s" in warning, warning
     assert "the clique is broken" in warning, warning
     assert "BROKEN" in fake.cliques()
 

@@ -6,6 +6,7 @@ model over several calls, and run by the host executor as several calls in fligh
 (docs/gpu-internals.md §8)."""
 
 import copy
+import re
 
 import ml_dtypes
 import numpy as np
@@ -27,8 +28,9 @@ ROWS, K, COLS = 6, 16, 8
 
 def build(n, rank, *, chunks=1, bidirectional=False, replayable=True, op="ag_matmul", fused=True,
           transport="p2p", **kw):
+    op, _, algorithm = op.partition("/")  # matmul_ar/one_shot: its algorithm
     args = dict(dtype="bfloat16", chunks=chunks, bidirectional=bidirectional, fused=fused,
-                replayable=replayable)
+                replayable=replayable, algorithm=algorithm or "two_shot")
     args.update(kw)
     return host.build_program(op, transport, n, rank, 1, ROWS, K, COLS, **args)
 
@@ -49,10 +51,11 @@ def acks(program):
             if o["kind"] in ("Signal", "Wait", "ResetFlags") and o["id"] >= first]
 
 
-# Every replayable program: (op, transport, fused).
+# Every replayable program: (op[/algorithm], transport, fused).
 PROGRAMS = [(op, transport, fused) for transport in ("p2p", "multicast")
             for op, fused in (("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False),
-                              ("matmul_rs", True))]
+                              ("matmul_rs", True), ("matmul_ar/two_shot", False),
+                              ("matmul_ar/one_shot", False))]
 IDS = [f"{op}-{transport}-{'fused' if fused else 'chunked'}" for op, transport, fused in PROGRAMS]
 
 
@@ -211,7 +214,10 @@ def test_model_replays_several_calls_race_free(op, transport, fused):
 @pytest.mark.parametrize("op, transport, fused", PROGRAMS, ids=IDS)
 def test_model_catches_a_dropped_acknowledgement(op, transport, fused):
     """Without the acks, a writer runs into its next call while its reader still reads this one:
-    the model finds the race (or the signal that finds its flag still raised)."""
+    the model finds the race (or the signal that finds its flag still raised). Except in
+    matmul_ar's two-shot ring over p2p both ways at N 3 and 4, where the model finds no race
+    without them (pinned: the acknowledgement is kept there too, for the one argument)."""
+    unfound = set()
     for n in (2, 3, 4):
         for bidir in (False, True):
             programs = clique(n, op=op, transport=transport, fused=fused, chunks=2,
@@ -220,17 +226,25 @@ def test_model_catches_a_dropped_acknowledgement(op, transport, fused):
             for p in broken:
                 p["ops"] = [o for o in p["ops"] if o not in acks(p)]
             check_deadlock_free(broken)  # one call alone still completes
-            with pytest.raises(ScheduleError, match="race|still raised|satisfied by call"):
+            try:
                 check_race_free(broken, calls=3)
+                unfound.add((n, bidir))
+            except ScheduleError as e:
+                assert re.search("race|still raised|satisfied by call", str(e)), e
+    pinned = {(3, True), (4, True)} if (op, transport) == ("matmul_ar/two_shot", "p2p") else set()
+    assert unfound == pinned
 
 
 def test_builder_refuses_what_is_not_replayable_yet():
-    for op, transport, fused in (("ag_matmul", "nccl", False), ("matmul_rs", "nccl", False),
-                                 ("matmul_ar", "p2p", False), ("matmul_ar", "multicast", False)):
-        with pytest.raises(ValueError, match="replayable program .* is built for ag_matmul and "
-                                             "matmul_rs over p2p and multicast only"):
-            host.build_program(op, transport, 4, 0, 1, 8, 8, 8, dtype="bfloat16", fused=fused,
-                               replayable=True)
+    for op, transport, algorithm in (("ag_matmul", "nccl", "two_shot"),
+                                     ("matmul_rs", "nccl", "two_shot"),
+                                     ("matmul_ar", "nccl", "one_shot"),
+                                     ("matmul_ar", "p2p", "one_shot_kernel"),
+                                     ("matmul_ar", "multicast", "two_shot_kernel")):
+        with pytest.raises(ValueError, match="replayable program .* is built over p2p and "
+                                             "multicast only, and not for the kernel algorithms"):
+            host.build_program(op, transport, 4, 0, 1, 8, 8, 8, dtype="bfloat16",
+                               algorithm=algorithm, replayable=True)
 
 
 def _check_fails(program, match):
@@ -330,13 +344,15 @@ def test_check_program_rules_of_the_multicast_reduction():
 def _replay(n, chunks, bidir, calls, *, op="ag_matmul", transport="p2p", fused=True,
             gathered=False, slow_rank=-1, slow_ms=0, drop_ack=False, seed=0):
     rng = np.random.default_rng(seed)
-    x_rows = ROWS if op == "ag_matmul" else n * ROWS
+    op, _, algorithm = op.partition("/")
+    x_rows = ROWS if op == "ag_matmul" or algorithm == "one_shot" else n * ROWS
     xs = [[rng.standard_normal((x_rows, K)).astype(BF16) for _ in range(n)]
           for _ in range(calls)]
     w = rng.standard_normal((K, COLS)).astype(BF16)
     problem = dict(op=op, transport=transport, nranks=n, batch=1, rows=ROWS, k=K, n=COLS,
                    dtype="bfloat16", chunks=chunks, bidirectional=bidir, fused=fused,
-                   replayable=True, return_gathered=gathered)
+                   replayable=True, return_gathered=gathered,
+                   algorithm=algorithm or "two_shot")
     out = testing.replay_host(problem, [[x.tobytes() for x in c] for c in xs], w.tobytes(),
                               slow_rank=slow_rank, slow_ms=slow_ms, drop_ack=drop_ack,
                               timeout_s=20.0)
@@ -347,6 +363,8 @@ def _want(op, x, w64, r):
     """Rank r's y from the call's xs, in float64 (numpy, not the code under test)."""
     if op == "ag_matmul":
         return np.concatenate(x).astype(np.float64) @ w64
+    if op.startswith("matmul_ar"):  # all of the sum
+        return sum(xi.astype(np.float64) for xi in x) @ w64
     return sum(xi.astype(np.float64)[r * ROWS:(r + 1) * ROWS] for xi in x) @ w64
 
 
