@@ -215,8 +215,10 @@ def test_model_replays_several_calls_race_free(op, transport, fused):
 def test_model_catches_a_dropped_acknowledgement(op, transport, fused):
     """Without the acks, a writer runs into its next call while its reader still reads this one:
     the model finds the race (or the signal that finds its flag still raised). Except in
-    matmul_ar's two-shot ring over p2p both ways at N 3 and 4, where the model finds no race
-    without them (pinned: the acknowledgement is kept there too, for the one argument)."""
+    matmul_ar's two-shot ring over p2p both ways at N 3 and 4, where the model finds nothing
+    without them: its data accesses are ordered by the program's own flags, and the model
+    checks flag reuse in the one schedule it plays, not in every interleaving (pinned: the
+    acknowledgement is kept there too, for the one argument)."""
     unfound = set()
     for n in (2, 3, 4):
         for bidir in (False, True):
