@@ -248,19 +248,21 @@ def test_a_peer_that_never_comes_makes_the_rank_trap_and_is_reported(fake, repla
     assert "BROKEN" not in fake.cliques()
 
 
-@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("replayed, connections", [(False, 8), (True, 8), (False, 1)],
+                         ids=["eager", "replayed", "eager-1-queue"])
 @pytest.mark.parametrize("op, transport, fused", REPLAYABLE, ids=IDS)
 def test_every_peer_wait_of_every_replayable_program_is_bounded(fake, op, transport, fused,
-                                                                replayed):
+                                                                replayed, connections):
     """N 4 one way (the rings forward), rank 2 never calls (eager) or never launches its graph
     (its second replay): every wait of the others for a flag a peer raises — the data waits,
     the all-gather ring's forwarding waits, the acknowledgements — is the bounded flag-wait
     kernel and the fused all-gather's block waits have the GEMM's own bound, so each gives up on
     the GPUs' clock, records why and traps (the fake poisons the device: its queued work
     dropped); the watchdog reports a wait that gave up and breaks the clique, and every stream
-    drains: no hang. (The fused all-gather pushes each shard straight to every peer: it has no
-    forwarding wait.)"""
-    fake.reset(fake.Config(grace_ms=6000))
+    drains: no hang — with the driver's default 8 work queues and with one, where a wait the
+    work queue serializes before another stream's work would otherwise hold it. (The fused
+    all-gather pushes each shard straight to every peer: it has no forwarding wait.)"""
+    fake.reset(fake.Config(grace_ms=6000, connections=connections))
     p = _replayable_problem(op, fused, 4, transport)
     xs, ws = inputs(p, 0)
     if replayed:
