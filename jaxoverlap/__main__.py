@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
                           "honours CUDA_DEVICE_MAX_CONNECTIONS)")
     selftest.add_argument("--graph", action="store_true", help="with --fake: only the rows "
                           "whose program replays (matmul_ar's kernel algorithms, which XLA may "
-                          "capture; the fused all-gather's replayable program, which no call "
-                          "asks for yet), each captured into a CUDA graph and replayed; the "
-                          "others are skipped with the reason")
+                          "capture; the replayable p2p and multicast programs of every op, "
+                          "which no call asks for yet), each captured into a CUDA "
+                          "graph and replayed; the others are skipped with the reason")
     selftest.add_argument("--loopback", metavar="N", type=int,
                           help="run N ranks' p2p programs (and FP8, fused) on ONE GPU: a first "
                           "contact that needs one GPU (with --fake: on the host-side fake)")

@@ -73,14 +73,24 @@ OPS = (*_kinds.names(_kinds.OPS),
 KERNEL_OPS = tuple(f"matmul_ar/{a}" for a in _kinds.names(_kinds.ALGORITHMS, kernel=True))
 KERNEL_TRANSPORTS = tuple(t.name for t in _kinds.TRANSPORTS if t.mechanism != "messages")
 REPLAYS = 3
-# The replayable programs (docs/gpu-internals.md §8): the fused all-gather over p2p, built with
+# The replayable programs (docs/gpu-internals.md §8): every program over p2p and multicast
+# (ag_matmul and matmul_rs chunked and fused, matmul_ar's two_shot and one_shot), built with
 # acknowledged flags of constant value, rows of the fake only, captured and replayed like the
-# kernel algorithms' (XLA does not ask for this program yet: docs/gpu.md §6).
-REPLAYABLE_OPS = ("ag_matmul",)
-REPLAYABLE_TRANSPORTS = ("p2p",)
-# Why the other programs are not captured (docs/gpu.md §6): `selftest --fake --graph` skips them.
-NOT_REPLAYABLE = ("host-side epochs in what the call enqueues (flag values, workspace halves): "
-                  "a replay would reuse the capture's (docs/gpu.md §6)")
+# kernel algorithms' (XLA does not ask for these programs yet: docs/gpu.md §6). `selftest --fake
+# --graph` runs every row of them replayable.
+REPLAYABLE_OPS = ("ag_matmul", "matmul_rs", "matmul_ar", "matmul_ar/one_shot")
+REPLAYABLE_TRANSPORTS = ("p2p", "multicast")
+
+
+def _not_replayable(op: str, transport: str) -> str | None:
+    """Why a row's program is not captured (docs/gpu.md §6), or None: `selftest --fake --graph`
+    skips it with the reason."""
+    if op in REPLAYABLE_OPS and transport in REPLAYABLE_TRANSPORTS:
+        return None
+    return ("nccl: its calls capture, but a dead peer under replay has no bound (no per-call "
+            "watchdog lease runs in a replay)")
+
+
 # Unit roundoff of each dtype (half the distance from 1 to the next number).
 UNIT_ROUNDOFF = {d.name: d.roundoff for d in _kinds.DTYPES}
 # FP8 rows: (x, w, y) dtypes, every pairing cuBLASLt's FP8 GEMMs have, each output type; a shape
@@ -398,15 +408,16 @@ def _row_inputs(np, op: str, n: int, shape, dtype: str,
     # transport, chunks, bidirectional and fused: the caller's
     problem = dict(op=op, nranks=n, batch=batch, rows=rows, k=k, n=nw, dtype=x_dtype,
                    w_dtype=w_dtype, out_dtype=out_dtype, algorithm=algorithm or "two_shot")
-    if replays and fp8:
-        raise ValueError("replayed rows have no fp8 operands (their x is its own reference)")
-    again = [[rng.standard_normal((batch, x_rows, k)).astype(np.float32)
+    # a replay's new x per rank (the scale operands stay the call's: fp8 x dequantized by them)
+    again = [[(rng.standard_normal((batch, x_rows, k)) * spread).astype(np.float32)
               .astype(np_dtypes[x_dtype]) for _ in range(n)] for _ in range(replays)]
+    again_ref = [[dequantized(np, x, s) for x, s in zip(r, sx, strict=True)] if fp8 else r
+                 for r in again]
     return dict(problem=problem, op=op, k=k, out_dtype=out_dtype,
                 out_np=np_dtypes[out_dtype], xs=[x.tobytes() for x in xs], ws=w_bytes,
                 scales=scales, refs=rank_products(np, op, xs_ref, ws_ref, rows), fp8=bool(fp8),
-                replays=[([x.tobytes() for x in r], rank_products(np, op, r, ws_ref, rows))
-                         for r in again])
+                replays=[([x.tobytes() for x in r], rank_products(np, op, ref, ws_ref, rows))
+                         for r, ref in zip(again, again_ref, strict=True)])
 
 
 def _row_verdict(np, n: int, case: dict[str, Any], ys, problems: list[str]) -> tuple[bool, str]:
@@ -645,20 +656,29 @@ def _fake_rows(table: Table, quick: bool = True, ops=OPS, graph: bool = False) -
     # ... and its FP8 instantiations (sm90 only), the variants alternating
     cases += [(*c, None) for c in _fused_fp8_cases([o for o in FUSED_OPS if o in ops],
                                                    FUSED_TRANSPORTS, quick)]
+    # The replayable programs (docs/gpu-internals.md §8), captured and replayed: with --graph
+    # every row whose program is built replayable, the others skipped with their reason;
+    # without, their 16-bit rows chunked and fused on the first shape.
     if graph:
-        print(f"  ({len(cases)} rows skipped: their programs do not replay yet: "
-              f"{NOT_REPLAYABLE})")
+        replayable = [c for c in cases if _not_replayable(c[0], c[1]) is None]
+        skipped: dict[str, int] = {}
+        for c in cases:
+            why = _not_replayable(c[0], c[1])
+            if why is not None:
+                skipped[why] = skipped.get(why, 0) + 1
+        for why, count in skipped.items():
+            print(f"  ({count} rows skipped: their programs do not replay yet: {why})")
         cases = []
+    else:
+        replayable = [(op, transport, dtype, None, SHAPES[0], variant, fused, None)
+                      for op, transport, dtype, variant, fused in itertools.product(
+                          REPLAYABLE_OPS, REPLAYABLE_TRANSPORTS,
+                          FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants, (False, True))
+                      if op in ops and (op in FUSED_OPS or not fused)]
     # The kernel algorithms: one chunk (the kernel has none), captured and replayed.
     cases += [(op, transport, dtype, None, shape, (1, False), False, None)
               for op, transport, dtype, shape
               in itertools.product(KERNEL_OPS, KERNEL_TRANSPORTS, dtypes, shapes)]
-    # The fused all-gather's replayable program (docs/gpu-internals.md §8), captured and replayed.
-    replayable = [(op, transport, dtype, None, SHAPES[0], variant, True, None)
-                  for op, transport, dtype, variant in itertools.product(
-                      REPLAYABLE_OPS, REPLAYABLE_TRANSPORTS,
-                      FUSED_DTYPES[:1] if quick else FUSED_DTYPES, variants)
-                  if op in ops]
     try:
         for row, (op, transport, dtype, fp8, shape, (chunks, bidi), fused, device) in enumerate(
                 cases + replayable):

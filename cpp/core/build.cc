@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "core/build_internal.h"
 #include "core/check_program.h"
@@ -36,6 +37,102 @@ Status CheckDTypes(const Problem& q) {
              op + ": the output dtype must be x's or float32" + got);
   return OkStatus();
 }
+
+namespace internal {
+
+void Acknowledge(Program* p, Emitter& e, int32_t acks) {
+  const Problem& q = p->problem;
+  const int32_t N = q.nranks, streams = p->num_streams;
+  // What the program so far waits on (flags, and the peers that raise them) and writes into.
+  std::vector<bool> waited;
+  std::vector<bool> writer(static_cast<size_t>(N), false);
+  const auto waits = [&](int32_t flag, int32_t from) {
+    if (static_cast<size_t>(flag) >= waited.size()) waited.resize(static_cast<size_t>(flag) + 1);
+    waited[static_cast<size_t>(flag)] = true;
+    if (from >= 0 && from != q.rank) writer[static_cast<size_t>(from)] = true;
+  };
+  // last[p]: the last stream that wrote into peer p (-1: none); wrote[s][p]: stream s did.
+  std::vector<int32_t> last(static_cast<size_t>(N), -1);
+  std::vector<std::vector<bool>> wrote(static_cast<size_t>(streams),
+                                       std::vector<bool>(static_cast<size_t>(N), false));
+  const auto writes = [&](int32_t stream, int32_t peer) {
+    if (peer < 0 || peer == q.rank) return;
+    last[static_cast<size_t>(peer)] = stream;
+    wrote[static_cast<size_t>(stream)][static_cast<size_t>(peer)] = true;
+  };
+  for (const Op& op : p->ops) {
+    switch (op.kind) {
+      case OpKind::kWait:
+        waits(op.id, op.peer);
+        break;
+      case OpKind::kFusedGemm:
+        for (int32_t b = 0; b < op.fused.rows.count(); ++b)
+          if (op.fused.Waits(b))
+            waits(op.fused.wait_flags + b, op.fused.writers[static_cast<size_t>(b)]);
+        break;
+      case OpKind::kSignal:
+        writes(op.stream, op.peer);
+        break;
+      case OpKind::kCopy:
+        if (op.d.buf == BufId::kWorkspace || op.d.buf == BufId::kWorkspaceScales)
+          writes(op.stream, op.d.rank);
+        break;
+      case OpKind::kMcStore:  // every rank's workspace
+        for (int32_t peer = 0; peer < N; ++peer) writes(op.stream, peer);
+        break;
+      default:
+        break;
+    }
+  }
+  p->num_flags = acks + N;
+  // Each other stream's work done (its reads of the workspace, its waits), recorded before
+  // its acknowledgement waits: nothing the compute stream's resets and acknowledgements wait
+  // for waits for an acknowledgement, so they never wait round the ring for each other.
+  std::vector<int32_t> done(static_cast<size_t>(streams), -1);
+  for (int32_t s = 1; s < streams; ++s) {
+    done[static_cast<size_t>(s)] = e.NewEvent();
+    e.Record(s, done[static_cast<size_t>(s)]);
+  }
+  for (int32_t s = 1; s < streams; ++s) e.StreamWait(0, done[static_cast<size_t>(s)]);
+  for (size_t f = 0; f < waited.size();) {  // every flag waited on, in runs
+    if (!waited[f]) {
+      ++f;
+      continue;
+    }
+    size_t end = f;
+    while (end < waited.size() && waited[end]) ++end;
+    e.Reset(0, static_cast<int32_t>(f), static_cast<int32_t>(end - f));
+    f = end;
+  }
+  for (int32_t peer = 0; peer < N; ++peer)
+    if (writer[static_cast<size_t>(peer)]) e.Signal(0, peer, acks + q.rank);
+  // The stream that waits for peer p's acknowledgement: the compute stream if it wrote into p
+  // (it is behind every other stream's record already), else the last stream that did, behind
+  // the records of every other stream (so every write of the rank — into p, and into its own
+  // workspace, which a multicast reduction of p reads — comes before the wait). Its joins
+  // first, then the waits: after an acknowledgement wait its stream has only waits and resets
+  // (check_program.cc rule 4).
+  std::vector<int32_t> tail(static_cast<size_t>(N), -1);
+  std::vector<std::vector<bool>> joined(static_cast<size_t>(streams),
+                                        std::vector<bool>(static_cast<size_t>(streams), false));
+  for (int32_t peer = 0; peer < N; ++peer) {
+    const int32_t s = wrote[0][static_cast<size_t>(peer)] ? 0 : last[static_cast<size_t>(peer)];
+    tail[static_cast<size_t>(peer)] = s;
+    for (int32_t other = 1; other < streams && s > 0; ++other)
+      if (other != s && !joined[static_cast<size_t>(s)][static_cast<size_t>(other)]) {
+        e.StreamWait(s, done[static_cast<size_t>(other)]);
+        joined[static_cast<size_t>(s)][static_cast<size_t>(other)] = true;
+      }
+  }
+  for (int32_t peer = 0; peer < N; ++peer) {
+    const int32_t s = tail[static_cast<size_t>(peer)];
+    if (s < 0) continue;
+    e.Wait(s, peer, acks + peer);
+    e.Reset(s, acks + peer, 1);
+  }
+}
+
+}  // namespace internal
 
 Status BuildProgram(const Problem& q, Program* program) {
   const OpRow* row = RowOf(q.op);
@@ -114,13 +211,17 @@ Status BuildProgram(const Problem& q, Program* program) {
             "; take the chunked path");
   }
   // A replayable program's sequencing (acknowledged flags of constant value, core/program.h)
-  // is built for the fused all-gather's p2p ring only so far (docs/gpu.md §6 lists the rest).
-  JO_REQUIRE(
-      !q.replayable || (q.op == Collective::kAgMatmul && q.transport == Transport::kP2p && q.fused),
-      op +
-          ": a replayable program (no host-side epoch in what it enqueues) is built for "
-          "ag_matmul over p2p with the fused GEMM only, not " +
-          op + " over " + TransportName(q.transport) + (q.fused ? " fused" : " chunked"));
+  // is built for every program over p2p and multicast (docs/gpu.md §6); matmul_ar's kernel
+  // algorithms replay as they are (their sequence lives on the device, §7).
+  JO_REQUIRE(!q.replayable ||
+                 (Row(q.transport).mechanism != Mechanism::kMessages && !OneLaunch(q.algorithm)),
+             op +
+                 ": a replayable program (no host-side epoch in what it enqueues) is built over "
+                 "p2p and multicast only, and not for the kernel algorithms (they replay as they "
+                 "are), not " +
+                 op + " over " + TransportName(q.transport) +
+                 (OneLaunch(q.algorithm) ? std::string(" ") + ArAlgorithmName(q.algorithm)
+                                         : std::string(q.fused ? " fused" : " chunked")));
 
   *program = Program();
   program->problem = q;

@@ -224,37 +224,6 @@ void Messages(Ag& g) {
     }
 }
 
-// A replayable program's end (core/program.h Problem::replayable; the argument:
-// docs/gpu-internals.md §8). Its flags hold 0 or 1, so every flag a rank waited
-// on is reset by that rank once nothing waits on it any more, and a writer must
-// not push call s+1 into a reader that has not consumed call s: each reader,
-// once its last read of the workspace its ring neighbour wrote (the fused GEMM,
-// the gathered copy, its own forwarding copies) and its reset are done, raises
-// ack flag N*C + dir on that neighbour (prev_of(dir)); each comm stream ends by
-// waiting for its next rank's ack and resetting it. The call (the executor's
-// join) ends after that wait, so the next call's pushes come after the reader
-// consumed this one.
-void Acknowledge(Ag& g) {
-  const auto ack = [&](int32_t dir) { return static_cast<int32_t>(g.N * g.C + dir); };
-  std::vector<int32_t> forwarded;  // per direction with steps: its stream's reads are done
-  for (int32_t dir = 0; dir < 2; ++dir) {
-    if (g.dir_steps(dir) == 0) continue;
-    const int32_t stream = 1 + dir, done = g.e.NewEvent();
-    g.e.Record(stream, done);
-    forwarded.push_back(done);
-    g.e.Wait(stream, g.next_of(dir), ack(dir));
-    g.e.Reset(stream, ack(dir), 1);
-  }
-  for (int32_t done : forwarded) g.e.StreamWait(0, done);
-  // Every flag this rank waited on: every shard's but its own (it never arrives).
-  const int32_t own = g.flag(g.r, 0), count = static_cast<int32_t>(g.C);
-  if (own > 0) g.e.Reset(0, 0, own);
-  if (own + count < g.N * g.C)
-    g.e.Reset(0, own + count, static_cast<int32_t>(g.N * g.C) - own - count);
-  for (int32_t dir = 0; dir < 2; ++dir)
-    if (g.dir_steps(dir) > 0) g.e.Signal(0, g.prev_of(dir), ack(dir));
-}
-
 // p2p: push each sub-chunk into the next rank's workspace, then raise its flag.
 void PeerCopies(Ag& g) {
   Program* p = g.p;
@@ -280,38 +249,51 @@ void PeerCopies(Ag& g) {
   // its own would cost a Wait, a Record and a StreamWait more: host enqueue).
   // Block scales (MXFP8) cross the same way, before every sub-chunk's data:
   // its scale rows.
+  //
+  // Replayable and fused: no forwarding. Each rank pushes its own shard straight into every
+  // peer's workspace, the nearest first in each direction (step t of direction d goes to the
+  // rank t+1 hops away), so every rank receives the shards in the ring's arrival order and the
+  // fused GEMM's block order is the ring's. A forwarding wait would need, to be bounded, a wait
+  // kernel, and so an SM, while the rank's fused GEMM may hold every SM waiting for the shards
+  // its peers forward the same way (docs/gpu-internals.md §5 rule 1, §8 "A dead peer"); with no
+  // forwarding the comm streams wait only for the acknowledgements at their ends.
+  const bool direct = g.fused && g.q.replayable;
   for (int32_t dir = 0; dir < 2; ++dir) {
     const int32_t stream = 1 + dir;
     for (int32_t t = 0; t < g.dir_steps(dir); ++t) {
-      const int32_t shard = Mod(dir == 0 ? g.r - t : g.r + t, g.N);
+      const int32_t shard = direct ? g.r : Mod(dir == 0 ? g.r - t : g.r + t, g.N);
+      const int32_t to = direct ? Mod(dir == 0 ? g.r + 1 + t : g.r - 1 - t, g.N) : g.next_of(dir);
       for (int64_t s = 0; s < g.C; ++s) {
-        const Ref src = t == 0 ? g.x_ref(s) : g.g_ref(BufId::kWorkspace, g.r, shard, s);
-        const Ref dst = g.g_ref(BufId::kWorkspace, g.next_of(dir), shard, s);
-        if (t > 0) g.e.Wait(stream, g.prev_of(dir), g.flag(shard, s));
+        const bool own = t == 0 || direct;  // pushing the own shard, from x
+        const Ref src = own ? g.x_ref(s) : g.g_ref(BufId::kWorkspace, g.r, shard, s);
+        const Ref dst = g.g_ref(BufId::kWorkspace, to, shard, s);
+        if (!own) g.e.Wait(stream, g.prev_of(dir), g.flag(shard, s));
         if (g.blocks)
           g.MoveScales(OpKind::kCopy, stream, &src, &dst, shard, s);
         else if (g.scaled && s == 0)
-          Ag::Label(
-              g.e.Block(OpKind::kCopy, stream,
-                        t == 0 ? Emitter::ScaleRef(BufId::kXScale, g.r, 0)
-                               : Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, shard),
-                        Emitter::ScaleRef(BufId::kWorkspaceScales, g.next_of(dir), shard), 1, 1, 1),
-              shard, s);
+          Ag::Label(g.e.Block(OpKind::kCopy, stream,
+                              own ? Emitter::ScaleRef(BufId::kXScale, g.r, 0)
+                                  : Emitter::ScaleRef(BufId::kWorkspaceScales, g.r, shard),
+                              Emitter::ScaleRef(BufId::kWorkspaceScales, to, shard), 1, 1, 1),
+                    shard, s);
         Ag::Label(g.e.Block(OpKind::kCopy, stream, src, dst, g.P, g.rows(s), g.K), shard, s);
-        g.e.Signal(stream, g.next_of(dir), g.flag(shard, s));
+        g.e.Signal(stream, to, g.flag(shard, s));
       }
     }
   }
   if (g.fused) {
-    g.FusedGemm([&](const Arrival& a) { return g.prev_of(a.dir); });
-    if (g.q.replayable) Acknowledge(g);
-    return;
+    if (direct)
+      g.FusedGemm([](const Arrival& a) { return a.shard; });
+    else
+      g.FusedGemm([&](const Arrival& a) { return g.prev_of(a.dir); });
+  } else {
+    for (const Arrival& a : g.arrivals)
+      for (int64_t s = 0; s < g.C; ++s) {
+        g.e.Wait(0, g.prev_of(a.dir), g.flag(a.shard, s));
+        g.Consume(BufId::kWorkspace, a, s);
+      }
   }
-  for (const Arrival& a : g.arrivals)
-    for (int64_t s = 0; s < g.C; ++s) {
-      g.e.Wait(0, g.prev_of(a.dir), g.flag(a.shard, s));
-      g.Consume(BufId::kWorkspace, a, s);
-    }
+  if (g.q.replayable) Acknowledge(p, g.e, static_cast<int32_t>(g.N * g.C));
 }
 
 // multicast: store the own shard once through the multicast mapping; every
@@ -341,15 +323,16 @@ void Multicast(Ag& g) {
     g.e.StreamWait(0, stored);
     // Arrival order: shards r-1, r-2, ... (multicast has cw_steps = N-1), each from its owner.
     g.FusedGemm([](const Arrival& a) { return a.shard; });
-    return;
-  }
-  for (int32_t t = 1; t < g.N; ++t) {
-    const Arrival a{Mod(g.r - t, g.N), 0};
-    for (int64_t s = 0; s < g.C; ++s) {
-      g.e.Wait(0, a.shard, g.flag(a.shard, s));
-      g.Consume(BufId::kWorkspace, a, s);
+  } else {
+    for (int32_t t = 1; t < g.N; ++t) {
+      const Arrival a{Mod(g.r - t, g.N), 0};
+      for (int64_t s = 0; s < g.C; ++s) {
+        g.e.Wait(0, a.shard, g.flag(a.shard, s));
+        g.Consume(BufId::kWorkspace, a, s);
+      }
     }
   }
+  if (g.q.replayable) Acknowledge(p, g.e, static_cast<int32_t>(g.N * g.C));
 }
 
 }  // namespace
@@ -358,8 +341,7 @@ Status BuildAgMatmul(Program* p) {
   Ag g(p);
   g.Local();
   if (g.N == 1) return OkStatus();
-  // Replayable: two more, the acknowledgements of the two directions (Acknowledge).
-  p->num_flags = static_cast<int32_t>(g.N * g.C) + (p->problem.replayable ? 2 : 0);
+  p->num_flags = static_cast<int32_t>(g.N * g.C);  // replayable: N more (Acknowledge)
   switch (Row(p->problem.transport).mechanism) {
     case Mechanism::kMessages:
       Messages(g);

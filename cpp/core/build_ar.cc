@@ -314,11 +314,18 @@ Status BuildMatmulAr(Program* p) {
   Emitter e(p);
   if (q.nranks == 1) return BuildSingleRank(p, e);
   if (OneLaunch(q.algorithm)) return BuildKernel(p, e);
-  if (q.algorithm == ArAlgorithm::kOneShot) return BuildOneShot(p, e);
-  if (Row(q.transport).mechanism == Mechanism::kMulticast) return BuildMulticast(p, e);
-  std::vector<int32_t> reduced;
-  JO_CHECK(BuildRsRing(p, e, RsTarget{q.rank * q.rows, q.nranks * q.rows}, &reduced));
-  return BuildRingAllGather(p, e, reduced);
+  if (q.algorithm == ArAlgorithm::kOneShot) {
+    JO_CHECK(BuildOneShot(p, e));
+  } else if (Row(q.transport).mechanism == Mechanism::kMulticast) {
+    JO_CHECK(BuildMulticast(p, e));
+  } else {
+    std::vector<int32_t> reduced;
+    JO_CHECK(BuildRsRing(p, e, RsTarget{q.rank * q.rows, q.nranks * q.rows}, &reduced));
+    JO_CHECK(BuildRingAllGather(p, e, reduced));
+  }
+  // Replayable: the acknowledgements after the data flags (docs/gpu-internals.md §8).
+  if (q.replayable) Acknowledge(p, e, p->num_flags);
+  return OkStatus();
 }
 
 }  // namespace jo::internal

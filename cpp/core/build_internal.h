@@ -121,6 +121,19 @@ class Emitter {
 JO_OPS(JO_DECLARE_BUILD)
 #undef JO_DECLARE_BUILD
 
+// A replayable program's end (core/program.h Problem::replayable; the argument:
+// docs/gpu-internals.md §8), appended once every other op is: flags
+// [acks, acks + nranks) are the acknowledgements, flag acks + p of a rank raised
+// by reader p. Each stream but the compute stream records that its work is done;
+// the compute stream waits for those records (every read of the workspace and
+// every wait of the call is then behind it), resets every flag the rank waited
+// on, and acknowledges each peer it waited on (the writers into its workspace);
+// then, for each peer p the rank wrote into (a push into its workspace, a
+// Signal, a multicast store), the last stream that wrote into p (the compute
+// stream if it did) waits for the other streams' records, for p's
+// acknowledgement, and resets it. Sets Program::num_flags to acks + nranks.
+void Acknowledge(Program* program, Emitter& e, int32_t acks);
+
 // Pieces shared by GEMM+RS and GEMM+AR (build_rs.cc).
 
 // One rank (RS and AR alike): y = x @ w, sub-chunk by sub-chunk.

@@ -36,9 +36,16 @@ Status BuildMatmulRs(Program* p) {
   const Problem& q = p->problem;
   Emitter e(p);
   if (q.nranks == 1) return BuildSingleRank(p, e);
-  if (q.fused) return BuildRsFused(p, e);
-  if (Row(q.transport).mechanism == Mechanism::kMulticast) return BuildMulticast(p, e);
-  return BuildRsRing(p, e, RsTarget{0, q.rows}, nullptr);
+  if (q.fused) {
+    JO_CHECK(BuildRsFused(p, e));
+  } else if (Row(q.transport).mechanism == Mechanism::kMulticast) {
+    JO_CHECK(BuildMulticast(p, e));
+  } else {
+    JO_CHECK(BuildRsRing(p, e, RsTarget{0, q.rows}, nullptr));
+  }
+  // Replayable: the acknowledgements after the data flags (docs/gpu-internals.md §8).
+  if (q.replayable) Acknowledge(p, e, p->num_flags);
+  return OkStatus();
 }
 
 namespace {

@@ -214,16 +214,27 @@ class RankOrder {
 
 // A replayable program's sequencing (core/program.h Problem::replayable;
 // docs/gpu-internals.md §8), what this rank alone can show:
-//  1. only ops whose sequencing is argued there (no NCCL, multicast, one-launch
-//     all-reduce or releasing fused GEMM);
+//  1. only ops whose sequencing is argued there (no NCCL or one-launch
+//     all-reduce); a releasing fused GEMM raises own flags, which only this
+//     rank waits on (a Wait for the rank's own flag is for one of them);
 //  2. every flag the rank waits on (a Wait, a fused GEMM's block) is reset by
 //     exactly one ResetFlags, after every wait on it, and a ResetFlags resets
 //     only flags the rank waited on: the next call's signal finds it 0;
 //  3. every write into a peer p (a push into its workspace, a Signal) on a
 //     stream is either after a wait for a flag p raised (p is in this call, so
 //     it finished the last one, reads and resets included), or the stream ends
-//     with a wait for p's flag after its last write to p (p's acknowledgement:
-//     the next call's writes come after p consumed this one).
+//     with a wait for p's flag after its last write to p, or the wait is on
+//     another stream after that one's last write to p in the rank's order
+//     (p's acknowledgement: the next call's writes come after p consumed this
+//     one, since the call ends after every wait of its streams);
+//  4. with a fused GEMM that waits, a wait for a peer's flag has only waits,
+//     resets and stream waits after it on its stream: nothing of the call but
+//     its end depends on it, so the bounded wait kernel it runs as may wait
+//     for the SMs the fused GEMM holds (never the other way round);
+//  5. a McReduce (it reads every rank's workspace) comes after a wait for every
+//     peer's flag and before a Signal to every peer (its acknowledgement), and
+//     every write of the rank's own workspace, which the peers' McReduce reads,
+//     comes before a wait for every peer's flag (their acknowledgements).
 Status CheckReplayable(const Program& p) {
   const Problem& q = p.problem;
   const auto bad = [&](const std::string& what) {
@@ -238,18 +249,24 @@ Status CheckReplayable(const Program& p) {
   };
   std::vector<std::vector<FlagWait>> waits(static_cast<size_t>(p.num_flags));
   std::vector<int> resets(static_cast<size_t>(p.num_flags), 0);
+  std::vector<bool> released(static_cast<size_t>(p.num_flags), false);
+  bool waiting_fused = false;
+  std::vector<size_t> mc_reads;  // McReduce: reads every rank's workspace
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const Op& op = p.ops[i];
     switch (op.kind) {
       case OpKind::kSend:
       case OpKind::kRecv:
-      case OpKind::kMcStore:
-      case OpKind::kMcReduce:
       case OpKind::kAllReduce:
         return bad(ToString(op) + ": its sequencing across replays is not argued");
+      case OpKind::kMcReduce:
+        mc_reads.push_back(i);
+        break;
       case OpKind::kFusedGemm:
         if (op.fused.release_flags >= 0)
-          return bad(ToString(op) + ": a releasing fused GEMM's sequencing is not argued");
+          for (int32_t b = 0; b < op.fused.rows.count(); ++b)
+            released[static_cast<size_t>(op.fused.release_flags + b)] = true;
+        waiting_fused = waiting_fused || op.fused.wait_flags >= 0;
         for (int32_t b = 0; b < op.fused.rows.count(); ++b)
           if (op.fused.Waits(b))
             waits[static_cast<size_t>(op.fused.wait_flags + b)].push_back(
@@ -264,6 +281,19 @@ Status CheckReplayable(const Program& p) {
   }
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const Op& op = p.ops[i];
+    if (op.kind == OpKind::kWait && op.peer == q.rank && !released[static_cast<size_t>(op.id)])
+      return bad(ToString(op) + ": waits for an own flag that no fused GEMM of the rank releases");
+    if (op.kind == OpKind::kWait && op.peer != q.rank && waiting_fused)
+      for (size_t j = i + 1; j < p.ops.size(); ++j) {
+        const Op& after = p.ops[j];
+        if (after.stream == op.stream && after.kind != OpKind::kWait &&
+            after.kind != OpKind::kResetFlags && after.kind != OpKind::kStreamWait)
+          return bad(ToString(op) + " on stream " + std::to_string(op.stream) + " has " +
+                     ToString(after) +
+                     " after it: with a fused GEMM that waits, a wait for a peer's flag must end "
+                     "its stream (its bounded wait kernel could otherwise wait for an SM that "
+                     "the waiting fused GEMM holds while the GEMM waits for what follows it)");
+      }
     if (op.kind != OpKind::kResetFlags) continue;
     for (int32_t f = op.id; f < op.id + op.n; ++f) {
       const auto& mine = waits[static_cast<size_t>(f)];
@@ -282,12 +312,13 @@ Status CheckReplayable(const Program& p) {
       return bad("flag " + std::to_string(f) + " is waited on and reset " +
                  std::to_string(resets[f]) +
                  " times, not once: the next call's signal would find it raised, or lose it");
-  // Rule 3: the peer each op writes into (-1: none).
-  const auto written = [&](const Op& op) {
-    if (op.kind == OpKind::kSignal && op.peer != q.rank) return op.peer;
+  // Rule 3: whether an op writes into peer `peer`.
+  const auto writes = [&](const Op& op, int32_t peer) {
+    if (peer == q.rank) return false;
+    if (op.kind == OpKind::kSignal) return op.peer == peer;
+    if (op.kind == OpKind::kMcStore) return true;  // every rank's workspace
     const bool symmetric = op.d.buf == BufId::kWorkspace || op.d.buf == BufId::kWorkspaceScales;
-    if (op.kind == OpKind::kCopy && symmetric && op.d.rank != q.rank) return op.d.rank;
-    return -1;
+    return op.kind == OpKind::kCopy && symmetric && op.d.rank == peer;
   };
   const auto waits_for = [&](int32_t writer, const auto& pred) {
     for (const auto& flag : waits)
@@ -295,24 +326,76 @@ Status CheckReplayable(const Program& p) {
         if (w.writer == writer && pred(w.op)) return true;
     return false;
   };
-  for (size_t i = 0; i < p.ops.size(); ++i) {
-    const int32_t peer = written(p.ops[i]);
-    if (peer < 0) continue;
-    if (waits_for(peer, [&](size_t w) { return order.Before(w, i); })) continue;
-    // The stream's last write to this peer, then a wait for the peer's flag after it.
-    size_t last = i;
-    for (size_t j = i + 1; j < p.ops.size(); ++j)
-      if (p.ops[j].stream == p.ops[i].stream && written(p.ops[j]) == peer) last = j;
-    const bool acked = waits_for(peer, [&](size_t w) {
-      return p.ops[w].stream == p.ops[i].stream && order.Before(last, w);
-    });
-    if (!acked)
-      return bad(ToString(p.ops[i]) + " on stream " + std::to_string(p.ops[i].stream) +
-                 " writes into rank " + std::to_string(peer) +
-                 " with no acknowledgement: no wait for that rank's flag before it, and none "
-                 "after the stream's last write to it (the next call could overwrite what that "
-                 "rank has not read yet)");
+  for (size_t i = 0; i < p.ops.size(); ++i)
+    for (int32_t peer = 0; peer < q.nranks; ++peer) {
+      if (!writes(p.ops[i], peer)) continue;
+      if (waits_for(peer, [&](size_t w) { return order.Before(w, i); })) continue;
+      // The stream's last write to this peer, then a wait for the peer's flag after it.
+      size_t last = i;
+      for (size_t j = i + 1; j < p.ops.size(); ++j)
+        if (p.ops[j].stream == p.ops[i].stream && writes(p.ops[j], peer)) last = j;
+      const bool acked = waits_for(peer, [&](size_t w) { return order.Before(last, w); });
+      if (!acked)
+        return bad(ToString(p.ops[i]) + " on stream " + std::to_string(p.ops[i].stream) +
+                   " writes into rank " + std::to_string(peer) +
+                   " with no acknowledgement: no wait for that rank's flag before it, and none "
+                   "after the stream's last write to it (the next call could overwrite what "
+                   "that rank has not read yet)");
+    }
+  // Rule 5: a McReduce reads every rank's workspace: it comes after a wait for a flag of every
+  // peer (what it reads is in place) and before a Signal to every peer (its acknowledgement:
+  // the peer's next writes of the region, its own included, wait for it); and a rank whose
+  // workspace peers read so waits, after its last write of its own workspace, for a flag of
+  // every peer (their acknowledgements).
+  for (size_t i : mc_reads)
+    for (int32_t peer = 0; peer < q.nranks; ++peer) {
+      if (peer == q.rank) continue;
+      bool waited = waits_for(peer, [&](size_t w) { return order.Before(w, i); });
+      bool acked = false;
+      for (size_t j = 0; j < p.ops.size() && !acked; ++j)
+        acked = p.ops[j].kind == OpKind::kSignal && p.ops[j].peer == peer && order.Before(i, j);
+      if (!waited || !acked)
+        return bad(ToString(p.ops[i]) + " reads rank " + std::to_string(peer) + "'s workspace " +
+                   (!waited ? "with no wait for that rank's flag before it"
+                            : "with no Signal to that rank after it (its acknowledgement)"));
+    }
+  // The points after which this rank's own workspace holds what its peers read: every write
+  // of it (a releasing fused GEMM's: each wait for one of its releases, the block then stored).
+  std::vector<size_t> stored;
+  for (size_t j = 0; j < p.ops.size() && !mc_reads.empty(); ++j) {
+    const Op& op = p.ops[j];
+    const bool own = (op.d.buf == BufId::kWorkspace || op.d.buf == BufId::kWorkspaceScales) &&
+                     op.d.rank == q.rank;
+    switch (op.kind) {
+      case OpKind::kGemm:
+      case OpKind::kAdd:
+      case OpKind::kCopy:
+      case OpKind::kReduce:
+      case OpKind::kMcReduce:
+        if (own) stored.push_back(j);
+        break;
+      case OpKind::kMcStore:
+        stored.push_back(j);
+        break;
+      case OpKind::kFusedGemm:
+        if (own && op.fused.release_flags < 0) stored.push_back(j);
+        break;
+      case OpKind::kWait:
+        if (op.peer == q.rank) stored.push_back(j);
+        break;
+      default:
+        break;
+    }
   }
+  for (size_t j : stored)
+    for (int32_t peer = 0; peer < q.nranks; ++peer)
+      if (peer != q.rank && !waits_for(peer, [&](size_t w) { return order.Before(j, w); }))
+        return bad(ToString(p.ops[j]) +
+                   " writes this rank's workspace, which its peers' McReduce reads, with no "
+                   "wait for rank " +
+                   std::to_string(peer) +
+                   "'s flag after it (its acknowledgement: the next call could overwrite what "
+                   "that rank has not read yet)");
   return OkStatus();
 }
 

@@ -204,9 +204,10 @@ struct Problem {
   // replayed (docs/gpu-internals.md §8): a Signal writes 1 and a Wait waits for
   // >= 1, whatever the call's number; one workspace region (no parity halves);
   // each reader resets the flags it waited on (ResetFlags) and then raises an
-  // acknowledgement flag on its writer, which each writer's comm stream waits
-  // for (and resets) at the end of its call. AG over p2p, fused, only
-  // (BuildProgram refuses the rest).
+  // acknowledgement flag on each of its writers, which each writer waits for
+  // (and resets) at the end of a stream that wrote into that reader
+  // (build_internal.h Acknowledge). Every program over p2p and multicast but the
+  // kernel algorithms (BuildProgram refuses the rest).
   bool replayable = false;
 };
 

@@ -328,7 +328,8 @@ Status CudaSite::EnqueueReplaying(const Caller& caller, const BoundCall& bound,
       std::shared_ptr<const KernelArea> made = reserved.area;
       if (status.ok() && !one_launch)
         status = clique.ReplayArea(bound.call.clique.site, epoch, bound.call.needs.workspace_bytes,
-                                   bound.call.needs.num_flags, ctx, &made);
+                                   bound.call.needs.num_flags,
+                                   program.num_flags - program.problem.nranks, ctx, &made);
       if (!status.ok()) {
         if (status.code() != Code::kAborted) clique.Break(status);
         return status;
@@ -341,7 +342,7 @@ Status CudaSite::EnqueueReplaying(const Caller& caller, const BoundCall& bound,
       // What the area's kernels record when they give up (the all-reduce kernel's, the flag
       // waits'): watched while the clique lives, eager calls and replays alike (a replay runs
       // no host code).
-      WatchKernelArea(bound.clique, bound.area, Millis(desc_.timeout_ms), ctx.op);
+      WatchKernelArea(bound.clique, bound.area, Millis(desc_.timeout_ms));
     }
     area = bound.area;
     resources = bound.resources;

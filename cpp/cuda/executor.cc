@@ -93,6 +93,7 @@ struct Step {
   CUdeviceptr flag = 0;            // Signal, Wait
   const void* bounded = nullptr;   // Wait: the bounded flag-wait kernel (flag_wait_body.h)
   kernel::fw::Args wait;           // ... its arguments
+  bool flush = false;              // ... then a cuStreamWaitValue32 of the flag, met: its FLUSH
   std::vector<CUdeviceptr> flags;  // ResetFlags
   cudaEvent_t event = nullptr;     // Record, StreamWait
   ncclComm_t comm = nullptr;       // Send, Recv (set by Execute, from the caller's lease)
@@ -150,7 +151,7 @@ class Enqueuer {
     steps_.resize(p_.ops.size());
     for (size_t i = 0; i < p_.ops.size(); ++i) {
       Status status = PrepareOp(p_.ops[i], &steps_[i]);
-      if (status.ok() && p_.ops[i].kind == OpKind::kWait && TailWait(i))
+      if (status.ok() && p_.ops[i].kind == OpKind::kWait && BoundedWait(i))
         status = PrepareBoundedWait(p_.ops[i], &steps_[i]);
       if (!status.ok())
         return Status(status.code(), status.message() + "; while preparing " +
@@ -258,19 +259,17 @@ class Enqueuer {
     return first;
   }
 
-  // A replayable program's wait that ends its stream (only ResetFlags after it: the
-  // acknowledgement wait of docs/gpu-internals.md §8). It runs as the bounded flag-wait kernel,
-  // which needs an SM: nothing of this call waits for it but the join, so it may wait for the
-  // SMs the fused GEMM holds (§5, rule 1), and the next call's work, the next fused GEMM
-  // included, comes after the join. Not the forwarding waits: the forwarded copies behind them
-  // are what the peers' fused GEMMs wait for, so a wait kernel there could wait forever for an
-  // SM a waiting fused GEMM holds (rule 1); they stay cuStreamWaitValue32, unbounded.
-  bool TailWait(size_t i) const {
-    if (!p_.problem.replayable || p_.problem.nranks < 2) return false;
-    for (size_t j = i + 1; j < p_.ops.size(); ++j)
-      if (p_.ops[j].stream == p_.ops[i].stream && p_.ops[j].kind != OpKind::kResetFlags)
-        return false;
-    return true;
+  // A replayable program's wait for a flag a PEER raises: the bounded flag-wait kernel
+  // (docs/gpu-internals.md §8, "A dead peer"), so a peer that never comes is reported and
+  // breaks the clique instead of hanging the stream. The kernel needs an SM: with a fused GEMM
+  // that waits, such a wait ends its stream (check_program.cc, CheckReplayable rule 4: nothing
+  // of the call but the join depends on it), so it may wait for the SMs the GEMM holds, never
+  // the other way round; a releasing fused GEMM waits for nothing and always ends; cuBLAS
+  // GEMMs and the block kernels end. A wait for the rank's OWN flag (the comm streams of the
+  // fused GEMM + reduce-scatter waiting for its releases) stays cuStreamWaitValue32: the own
+  // kernel raises it or ends on its own bound.
+  bool BoundedWait(size_t i) const {
+    return p_.problem.replayable && p_.problem.nranks > 1 && p_.ops[i].peer != p_.problem.rank;
   }
 
   Status PrepareBoundedWait(const Op& op, Step* step) {
@@ -288,6 +287,12 @@ class Enqueuer {
     w.writer = op.peer;
     w.timeout_ns = TimeoutNs(a_.timeout);  // saturated (inf: 2^62 ms)
     w.fault = a_.wait_fault;
+    // A data flag: its stream then reads what the peer pushed before raising it, which the
+    // kernel's poll does not order by any documented rule ("the device is permitted to reorder
+    // remote writes internally": CUDA driver API, CU_STREAM_WAIT_VALUE_FLUSH), so the kernel is
+    // followed by the stream wait the plain program has, with FLUSH where the device has it —
+    // met by then, it only flushes. An acknowledgement (the last nranks flags) orders no read.
+    step->flush = op.id < p_.num_flags - p_.problem.nranks;
     return OkStatus();
   }
 
@@ -634,6 +639,9 @@ class Enqueuer {
           void* params[] = {&args};
           JO_CUDA_CHECK(ctx_,
                         cudaLaunchKernel(step.bounded, dim3(1), dim3(1), params, 0, step.stream));
+          if (step.flush)
+            JO_CU_CHECK(ctx_, drv_->cuStreamWaitValue32(reinterpret_cast<CUstream>(step.stream),
+                                                        step.flag, FlagValue(), wait_flags_));
           return OkStatus();
         }
         // GEQ is a cyclic comparison, (int32_t)(*addr - epoch) >= 0: epochs may wrap.

@@ -89,11 +89,11 @@ class Watchdog {
   }
 
   void AddArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
-               std::chrono::milliseconds timeout, std::string op) {
+               std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const WatchedArea& w : areas_)
       if (!w.area.owner_before(area) && !area.owner_before(w.area)) return;
-    areas_.push_back({std::move(clique), std::move(area), timeout, std::move(op)});
+    areas_.push_back({std::move(clique), std::move(area), timeout});
     StartThread();
     cv_.notify_all();
   }
@@ -209,10 +209,10 @@ class Watchdog {
         if (!area->replay) {
           text = DescribeFault(*clique, rank, record, it->timeout);
         } else {
-          text = DescribeWaitFault(*clique, it->op, rank, record, it->timeout);
+          text = DescribeWaitFault(*clique, *area, rank, record, it->timeout);
           if (text.empty() && r < area->fused_faults.size() && area->fused_faults[r] != nullptr)
-            text =
-                DescribeFusedFault(*clique, it->op, rank, area->fused_faults[r]->ptr, it->timeout);
+            text = DescribeFusedFault(*clique, area->op, rank, area->fused_faults[r]->ptr,
+                                      it->timeout);
         }
         if (text.empty()) {
           all = false;
@@ -257,16 +257,17 @@ class Watchdog {
 
   // A replayable program's bounded flag wait that gave up (kernels/flag_wait_body.h): "" while
   // the record is empty.
-  static std::string DescribeWaitFault(const CudaClique& clique, const std::string& op,
+  static std::string DescribeWaitFault(const CudaClique& clique, const KernelArea& area,
                                        int32_t rank, const void* record,
                                        std::chrono::milliseconds timeout) {
     uint32_t words[6];
     if (!ReadRecord(record, words, 6)) return "";
     const uint32_t flag = words[2], writer = words[3], seen = words[4], value = words[5];
-    return "replayable " + op + ", rank " + std::to_string(rank) + " (" + clique.name() +
+    const bool ack = area.acks >= 0 && flag >= static_cast<uint32_t>(area.acks);
+    return "replayable " + area.op + ", rank " + std::to_string(rank) + " (" + clique.name() +
            "): its wait for flag " + std::to_string(flag) + " from " + RankName(clique, writer) +
-           " did not see " + std::to_string(value) + " within " + Seconds(timeout) + " s (it is " +
-           std::to_string(seen) +
+           (ack ? " (its acknowledgement)" : "") + " did not see " + std::to_string(value) +
+           " within " + Seconds(timeout) + " s (it is " + std::to_string(seen) +
            "): the peer did not arrive (ranks disagree on the calls, or a peer failed). The wait "
            "gave up and trapped: the GPU's context has a sticky error, so no later work of this "
            "rank runs and every later CUDA call of the process on that GPU fails with it; the "
@@ -600,7 +601,6 @@ class Watchdog {
     std::weak_ptr<CudaClique> clique;
     std::weak_ptr<const KernelArea> area;
     std::chrono::milliseconds timeout;
-    std::string op;                   // the collective its calls make (a replayable program's)
     std::vector<bool> reported = {};  // per rank: its fault was reported
   };
   std::vector<WatchedArea> areas_;
@@ -627,8 +627,8 @@ Watchdog& Instance() {
 void Watch(WatchedCall call) { Instance().Add(std::move(call)); }
 
 void WatchKernelArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
-                     std::chrono::milliseconds timeout, std::string op) {
-  Instance().AddArea(std::move(clique), std::move(area), timeout, std::move(op));
+                     std::chrono::milliseconds timeout) {
+  Instance().AddArea(std::move(clique), std::move(area), timeout);
 }
 
 void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,

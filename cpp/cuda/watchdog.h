@@ -96,10 +96,10 @@ void WatchAborts(std::weak_ptr<const NcclComms> comms, std::string clique,
 // enqueued); the first fault found is reported with JO_WARN and breaks the clique. Registering
 // an area again is a no-op. A replayable program's buffers (CudaClique::ReplayArea,
 // KernelArea::replay) are watched the same way: their records are its bounded flag waits'
-// (kernels/flag_wait_body.h), reported naming the collective (`op`), the rank, the flag and the
-// peer that raises it.
+// (kernels/flag_wait_body.h) and its fused GEMM's (fused_gemm_launch.h), reported naming the
+// collective (KernelArea::op), the rank, the flag and the peer that raises it.
 void WatchKernelArea(std::weak_ptr<CudaClique> clique, std::weak_ptr<const KernelArea> area,
-                     std::chrono::milliseconds timeout, std::string op);
+                     std::chrono::milliseconds timeout);
 
 // For info() and tests: number of ranks with pending calls.
 int PendingWatches();

@@ -44,9 +44,10 @@ class SlowReader : public jo::host::LocalClique {
   const int32_t slow_, slow_ms_;
 };
 
-// The program without its acknowledgement: the ops on the ack flags (N*C and up).
+// The program without its acknowledgement: the ops on the ack flags (the last nranks:
+// build_internal.h Acknowledge).
 void DropAck(jo::Program* p) {
-  const int32_t acks = static_cast<int32_t>(p->problem.nranks * p->chunks);
+  const int32_t acks = p->num_flags - p->problem.nranks;
   std::vector<jo::Op> kept;
   for (const jo::Op& op : p->ops) {
     const bool flag_op = op.kind == jo::OpKind::kSignal || op.kind == jo::OpKind::kWait ||

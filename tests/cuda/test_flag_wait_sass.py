@@ -8,7 +8,7 @@ output, not a proof of the ordering (which rests on the PTX ISA).
 
 * the compute_90 PTX: the flag's ``ld.acquire.sys.global.b32`` on the address of the kernel's
   first parameter word (``Args::flag``), the bound's ``%globaltimer`` and ``nanosleep``, the
-  fault record's ``fence.acq_rel.sys`` before its code, and ``trap`` after it;
+  fault record's ``fence.acq_rel.sys`` before its code, then ``membar.sys`` and ``trap``;
 * the SASS of every cubin built (sm_80, sm_90, sm_100): an acquire of the flag (its address
   loaded from the parameter's first word) inside a loop with a ``NANOSLEEP``, the ``GLOBALTIMER``
   read, the record's four fields stored before a ``MEMBAR.ALL.SYS``, its code (the lowest offset
@@ -102,7 +102,7 @@ def test_ptx_has_the_acquire_the_bound_the_fence_and_the_trap(ptx):
     assert re.search(rf"ld\.acquire\.sys\.global\.b32\s+%r\d+, \[{flag.group(1)}\];", ptx), ptx
     assert "%globaltimer" in ptx and "nanosleep" in ptx, ptx
     code = ptx.rindex("st.relaxed.sys.global.b32")
-    assert ptx.index("fence.acq_rel.sys") < code < ptx.rindex("fence.acq_rel.sys") \
+    assert ptx.index("fence.acq_rel.sys") < code < ptx.rindex("membar.sys") \
         < ptx.index("trap;"), ptx
 
 
@@ -120,7 +120,7 @@ def test_sass_has_the_acquire_in_a_bounded_spin_and_the_record_before_the_trap(s
     text = [t for _, t in code]
     offsets, stored = _record_stores(text)
     fields = [i for off, i in offsets.items() if i != stored]
-    fences = [i for i, t in enumerate(text) if t.startswith("MEMBAR.ALL.SYS")]
+    fences = [i for i, t in enumerate(text) if t.startswith(("MEMBAR.ALL.SYS", "MEMBAR.SC.SYS"))]
     traps = [i for i, t in enumerate(text) if t.startswith("BPT.TRAP")]
     assert any(max(fields) < f < stored for f in fences), \
         f"{arch}: no fence between the fields and the code"

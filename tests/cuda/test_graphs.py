@@ -6,7 +6,8 @@ concurrently as they did when captured (CUDA programming guide, "CUDA Graphs", "
 Dependencies and Events"). Then a program of three streams (the fused all-gather over p2p)
 captured through the CUDA executor and replayed: right once, and, with its host-side epochs baked
 in, wrong from its second replay — why only a program without them may be captured
-(docs/gpu-internals.md §8)."""
+(docs/gpu-internals.md §8); then every replayable program (ag_matmul and matmul_rs over p2p,
+chunked and fused) captured and replayed right, and a dead peer at its waits reported."""
 
 from __future__ import annotations
 
@@ -86,19 +87,53 @@ def test_a_captured_three_stream_call_with_host_side_epochs_is_wrong_from_its_se
     assert all("this program's host side would not replay" in s for s in refused["statuses"])
 
 
-def _replayable_case(fake, connections, n, chunks, bidirectional, late):
-    p = problem("ag_matmul", "p2p", n, batch=2, rows=8, k=16, nw=16, dtype="bfloat16",
-                fused=True, chunks=chunks, bidirectional=bidirectional, replayable=True,
-                return_gathered=True)
-    return replayed_all_gather(fake, p, connections, late)
+# Every replayable program (docs/gpu-internals.md §8): (op[/algorithm], transport, fused).
+REPLAYABLE = [(op, transport, fused) for transport in ("p2p", "multicast")
+              for op, fused in (("ag_matmul", True), ("ag_matmul", False), ("matmul_rs", False),
+                                ("matmul_rs", True), ("matmul_ar/two_shot", False),
+                                ("matmul_ar/one_shot", False))]
+IDS = [f"{op}-{transport}-{'fused' if fused else 'chunked'}" for op, transport, fused in REPLAYABLE]
 
 
-def replayed_all_gather(fake, p, connections, late):
-    """An all-gather problem ``p`` (bfloat16, one w) played on a fresh fake: two ordinary calls
-    back to back, then captured on every rank and launched three times with new inputs, rank
-    ``late`` last. (What the fake gave back, every rank's eager y right, per replay every
-    rank's y right.)"""
-    n = p["nranks"]
+def _replayable_problem(op, fused, n, transport="p2p", **fields):
+    op, _, algorithm = op.partition("/")
+    return problem(op, transport, n, batch=fields.pop("batch", 1), rows=8, k=16, nw=16,
+                   dtype="bfloat16", fused=fused, replayable=True,
+                   algorithm=algorithm or "two_shot", **fields)
+
+
+def _right(op, ys, x, w):
+    """Per rank, whether its y is its inputs' product, computed here in float64: x [batch, rows,
+    k] per rank; the all-gather's y is every rank's rows times w, the reduce-scatter's rank r's
+    block of the sum over ranks of x_i times w, the all-reduce's all of that sum."""
+    if op == "ag_matmul":
+        wants = [np.concatenate(x, axis=1).astype(np.float64) @ w] * len(ys)
+    elif op.startswith("matmul_ar"):
+        wants = [sum(xi.astype(np.float64) for xi in x) @ w] * len(ys)
+    else:
+        rows = x[0].shape[1] // len(x)
+        total = sum(xi.astype(np.float64) for xi in x)  # every rank's w is the one w
+        wants = [total[:, r * rows:(r + 1) * rows] @ w for r in range(len(ys))]
+    # bf16 partials rounded at each ring step: an error of a few ulps of the largest output
+    return [np.allclose(np.frombuffer(y, NP["bfloat16"]).astype(np.float64)
+                        .reshape(want.shape), want, rtol=2e-2,
+                        atol=1.5e-2 * np.abs(want).max())
+            for y, want in zip(ys, wants, strict=True)]
+
+
+def _replayable_case(fake, connections, n, chunks, bidirectional, late, op="ag_matmul",
+                     fused=True, transport="p2p"):
+    p = _replayable_problem(op, fused, n, transport, batch=2, chunks=chunks,
+                            bidirectional=bidirectional, return_gathered=op == "ag_matmul")
+    return replayed(fake, p, connections, late)
+
+
+def replayed(fake, p, connections, late):
+    """A problem ``p`` (bfloat16, one w) played on a fresh fake: two ordinary calls back to
+    back, then captured on every rank and launched three times with new inputs, rank ``late``
+    last. (What the fake gave back, every rank's eager y right, per replay every rank's y
+    right.)"""
+    n, op = p["nranks"], p["op"]
     fake.reset(fake.Config(connections=connections, seed=10 * n + p["chunks"]))
     xs, ws = inputs(p, 0)
     ws = [ws[0]] * n
@@ -106,37 +141,49 @@ def replayed_all_gather(fake, p, connections, late):
     out = play(fake, p, xs, ws, calls=2, capture=True, replays=3,
                replay_xs=[[x.tobytes() for x in r] for r in replay_xs], replay_late_rank=late)
     w = ws[0].astype(np.float64)
+    return out, _right(op, out["ys"], xs, w), [_right(op, ys, x, w) for ys, x in
+                                               zip(out["replay_ys"], replay_xs, strict=True)]
 
-    def right(ys, x):  # x [batch, rows, k] per rank: the gathered rows are every rank's
-        want = np.concatenate(x, axis=1).astype(np.float64) @ w
-        return [np.allclose(np.frombuffer(y, NP["bfloat16"]).astype(np.float64)
-                            .reshape(want.shape), want, rtol=2e-2, atol=2e-2) for y in ys]
 
-    return out, right(out["ys"], xs), [right(ys, x) for ys, x in
-                                       zip(out["replay_ys"], replay_xs, strict=True)]
+def _check_replays(fake, connections, op, fused, cases, transport="p2p"):
+    for n, chunks, bidir in cases:
+        out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir, late=n - 1,
+                                               op=op, fused=fused, transport=transport)
+        case = (op, transport, fused, n, chunks, bidir)
+        assert out["statuses"] == [None] * n, (case, out["statuses"])
+        assert out["drained"] and out["replay_drained"] == [True] * 3, case
+        assert fake.errors() == [], (case, fake.errors())
+        assert eager == [True] * n, case
+        assert replays == [[True] * n] * 3, (case, replays)
 
 
 @pytest.mark.parametrize("connections", [1, 8])
 def test_a_captured_replayable_fused_ag_replayed_k_times_gives_k_right_answers(fake,
                                                                               connections):
-    """The replayable program (docs/gpu-internals.md §8: flag values 1, reset by their reader,
-    an acknowledgement per ring direction, buffers of its own) through the CUDA executor: two
-    ordinary calls back to back, then the call captured into a graph on every rank and launched
-    three times with new inputs, the last rank launching last — every call and every replay
-    right, N 2-8, chunks 1-4, both directions, two batches, the gathered x returned, with one
-    and eight work queues. The epoch program in the same case (above) is wrong from its second
-    replay."""
-    for n in range(2, 9):
-        for chunks in (1, 2, 3, 4):
-            for bidir in (False, True):
-                out, eager, replays = _replayable_case(fake, connections, n, chunks, bidir,
-                                                       late=n - 1)
-                case = (n, chunks, bidir)
-                assert out["statuses"] == [None] * n, (case, out["statuses"])
-                assert out["drained"] and out["replay_drained"] == [True] * 3, case
-                assert fake.errors() == [], (case, fake.errors())
-                assert eager == [True] * n, case
-                assert replays == [[True] * n] * 3, (case, replays)
+    """The replayable fused all-gather (docs/gpu-internals.md §8: flag values 1, reset by their
+    reader, each rank's shard pushed straight to every peer, an acknowledgement per writer,
+    buffers of its own) through the CUDA executor: two ordinary calls back to back, then the
+    call captured into a graph on every rank and launched three times with new inputs, the last
+    rank launching last — every call and every replay right, N 2-8, chunks 1-4, both
+    directions, two batches, the gathered x returned, with one and eight work queues. The epoch
+    program in the same case (above) is wrong from its second replay."""
+    _check_replays(fake, connections, "ag_matmul", True,
+                   [(n, c, b) for n in range(2, 9) for c in (1, 2, 3, 4) for b in (False, True)])
+
+
+@pytest.mark.parametrize("connections", [1, 8])
+@pytest.mark.parametrize("op, transport, fused", REPLAYABLE[1:], ids=IDS[1:])
+def test_every_replayable_program_replayed_k_times_gives_k_right_answers(fake, connections, op,
+                                                                         transport, fused):
+    """The other replayable programs, the same way: over p2p the all-gather's ring (its
+    forwarding waits bounded kernels), the reduce-scatter's ring and its fused GEMM (its comm
+    streams waiting for the kernel's own releases, then for peers' flags); over multicast both
+    ops chunked and fused (stores through the multicast object, load-reduces of every rank's
+    workspace); matmul_ar's two_shot and one_shot programs over both — N 2-5, chunks 1-2, both
+    directions, every call and replay right, with one and eight work queues."""
+    _check_replays(fake, connections, op, fused,
+                   [(n, c, b) for n in (2, 3, 4, 5) for c in (1, 2) for b in (False, True)],
+                   transport)
 
 
 def test_a_replayable_calls_first_execution_under_capture_is_refused(fake):
@@ -183,9 +230,11 @@ def test_a_peer_that_never_comes_makes_the_rank_trap_and_is_reported(fake, repla
             "wait gave up after its timeout (block 1), recorded why and trapped",
             "its fused GEMM's wait for row block 1 did not see its flag reach 1 within 3.0 s "
             "(it is 0)")
-    ack = ("sticky error on device 0: FlagWait (flag 2 from rank 1) on device 0 gave up after "
+    # flag N*C + 1: rank 1's acknowledgement of rank 0 (core/build_internal.h Acknowledge)
+    ack = ("sticky error on device 0: FlagWait (flag 3 from rank 1) on device 0 gave up after "
            "its timeout, recorded why and trapped",
-           "its wait for flag 2 from rank 1 did not see 1 within 1.0 s (it is 0)")
+           "its wait for flag 3 from rank 1 (its acknowledgement) did not see 1 within 1.0 s "
+           "(it is 0)")
     error, reported = ack if replayed else gemm
     assert out["drained"] and fake.errors() == [error], fake.errors()
     if replayed:
@@ -208,24 +257,39 @@ def test_a_peer_that_never_comes_makes_the_rank_trap_and_is_reported(fake, repla
     assert "BROKEN" not in fake.cliques()
 
 
-def test_a_forwarding_wait_that_never_ends_is_ended_by_its_ranks_trap(fake):
-    """What is not bounded by itself (docs/gpu-internals.md §8, "A dead peer"): N 4 one way, rank
-    2 never calls; rank 3's comm stream forwards rank 2's shard to rank 0 behind a
-    cuStreamWaitValue32, which no bound ends. Rank 3's fused GEMM waits for that same shard, gives
-    up on its own bound and traps: the trap ends the device's work, the hung forwarding wait
-    with it (the fake drops a poisoned device's queued work), so every rank drains, each waiting
-    rank reports its record and nothing deadlocks."""
-    fake.reset(fake.Config(grace_ms=6000))
-    p = problem("ag_matmul", "p2p", 4, batch=1, rows=8, k=16, nw=16, dtype="bfloat16",
-                fused=True, replayable=True)
+@pytest.mark.parametrize("replayed, connections", [(False, 8), (True, 8), (False, 1)],
+                         ids=["eager", "replayed", "eager-1-queue"])
+@pytest.mark.parametrize("op, transport, fused", REPLAYABLE, ids=IDS)
+def test_every_peer_wait_of_every_replayable_program_is_bounded(fake, op, transport, fused,
+                                                                replayed, connections):
+    """N 4 one way (the rings forward), rank 2 never calls (eager) or never launches its graph
+    (its second replay): every wait of the others for a flag a peer raises — the data waits,
+    the all-gather ring's forwarding waits, the acknowledgements — is the bounded flag-wait
+    kernel and the fused all-gather's block waits have the GEMM's own bound, so each gives up on
+    the GPUs' clock, records why and traps (the fake poisons the device: its queued work
+    dropped); the watchdog reports a wait that gave up and breaks the clique, and every stream
+    drains: no hang — with the driver's default 8 work queues and with one, where a wait the
+    work queue serializes before another stream's work would otherwise hold it. (The fused
+    all-gather pushes each shard straight to every peer: it has no forwarding wait.)"""
+    fake.reset(fake.Config(grace_ms=6000, connections=connections))
+    p = _replayable_problem(op, fused, 4, transport)
     xs, ws = inputs(p, 0)
-    out = play(fake, p, xs, ws, calls=1, skip_rank=2, timeout_ms=1000)
-    assert out["drained"], fake.errors()
+    if replayed:
+        out = play(fake, p, xs, ws, calls=1, capture=True, replays=2, replay_skip_rank=2,
+                   timeout_ms=1000)
+        assert out["replay_drained"] == [True, True], out["replay_drained"]
+    else:
+        out = play(fake, p, xs, ws, calls=1, skip_rank=2, timeout_ms=1000)
+    assert out["statuses"] == [None] * 4, out["statuses"]
     errors = fake.errors()
-    assert not any(e.startswith("deadlock") for e in errors), errors
-    trapped = sorted(int(e.split("device ")[1].split(":")[0]) for e in errors
-                     if "FusedGemm" in e and "recorded why and trapped" in e)
-    assert trapped == [0, 1, 3], errors  # rank 3 forwards shard 2: its GEMM's trap ends the wait
+    assert out["drained"] and errors, errors
+    # every error is a device that trapped after recording why; none is a deadlock
+    assert all(e.startswith("sticky error on device ") and "recorded why and trapped" in e
+               for e in errors), errors
+    warning = fake.last_warning()
+    assert f"replayable {op.partition('/')[0]}, rank " in warning, warning
+    assert "did not see" in warning and "gave up and trapped" in warning, warning
+    assert "the clique is broken" in warning, warning
     assert "BROKEN" in fake.cliques()
 
 

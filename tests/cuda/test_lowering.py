@@ -235,7 +235,7 @@ def test_a_call_routed_replayable_is_right_eager_captured_and_replayed_on_the_fa
     from jaxoverlap._executors.runtime import load_host
 
     from .fake_cases import problem
-    from .test_graphs import replayed_all_gather
+    from .test_graphs import replayed
 
     target, attrs, lowered = _lower_plan("ag_matmul", "p2p", True, chunks=2,
                                          bidirectional=True, return_gathered=True)
@@ -246,7 +246,7 @@ def test_a_call_routed_replayable_is_right_eager_captured_and_replayed_on_the_fa
                 chunks=runs["chunks"], bidirectional=runs["bidirectional"], fused=runs["fused"],
                 replayable=runs["replayable"], return_gathered=True)
     assert p["replayable"] and p["fused"] and p["bidirectional"] and p["chunks"] == 2
-    out, eager, replays = replayed_all_gather(fake, p, connections, late=3)
+    out, eager, replays = replayed(fake, p, connections, late=3)
     assert out["statuses"] == [None] * 4, out["statuses"]
     assert out["drained"] and out["replay_drained"] == [True] * 3 and fake.errors() == []
     assert eager == [True] * 4 and replays == [[True] * 4] * 3, (eager, replays)

@@ -82,13 +82,15 @@ def test_selftest_report_on_the_fake(tmp_path, monkeypatch, capsys):
     # the FP8 rows: 3 ops x 3 transports of e4m3 x e4m3 -> bfloat16, the fused GEMM's
     # 2 ops x 2 transports (p2p, multicast) on a 9.0 and on a 10.0 (sm100 kernel) fake device,
     # its 2 FP8 ops x 2 transports (9.0), matmul_ar's 2 kernel algorithms x 2 transports (p2p,
-    # multicast), captured and replayed, and the fused all-gather's replayable program (p2p),
-    # captured and replayed
-    assert len(report["rows"]) == 38 and all(r["passed"] for r in report["rows"])
-    assert sum("captured, 3 replays" in r["name"] for r in report["rows"]) == 5
+    # multicast), captured and replayed, and the replayable programs (over p2p and multicast:
+    # ag_matmul and matmul_rs chunked and fused, matmul_ar's two_shot and one_shot), captured
+    # and replayed
+    assert len(report["rows"]) == 49 and all(r["passed"] for r in report["rows"])
+    assert sum("captured, 3 replays" in r["name"] for r in report["rows"]) == 16
     assert sum("e4m3 x e4m3 -> bfloat16" in r["name"] for r in report["rows"]) == 13
-    assert sum(" fused " in r["name"] for r in report["rows"]) == 13  # the replayable one too
-    assert sum(" fused replayable " in r["name"] for r in report["rows"]) == 1
+    assert sum(" fused " in r["name"] for r in report["rows"]) == 16  # 4 replayable ones too
+    assert sum(" replayable " in r["name"] for r in report["rows"]) == 12
+    assert sum(" fused replayable " in r["name"] for r in report["rows"]) == 4
     assert sum("fake B200 (sm_100a)" in r["name"] for r in report["rows"]) == 4
     assert all(r["seconds"] >= 0 and "of the bound" in r["detail"] for r in report["rows"])
     assert report["first_error"] is None
@@ -174,9 +176,10 @@ def test_selftest_report_is_written_when_a_row_hangs(tmp_path):
 @pytest.mark.parametrize("connections", ["1", "8"])
 def test_selftest_graph_on_the_fake_replays_every_kernel_row(capsys, monkeypatch, connections):
     """``selftest --fake --graph`` (quick): every row whose call replays (matmul_ar's kernel
-    algorithms over p2p and multicast, and the fused all-gather's replayable program over p2p)
-    captured and replayed with new inputs, each launch checked; the others skipped with the
-    reason; 1 and 8 work queues."""
+    algorithms over p2p and multicast, and every row over p2p and multicast — chunked, fused,
+    fp8, the B200 fake, matmul_ar's two_shot and one_shot — built replayable) captured and
+    replayed with new inputs, each launch checked; the nccl rows skipped with their reason (no
+    bound on a dead peer under replay); 1 and 8 work queues."""
     from .conftest import require_module
 
     require_module("_cuda_fake")
@@ -188,9 +191,20 @@ def test_selftest_graph_on_the_fake_replays_every_kernel_row(capsys, monkeypatch
             assert any(line.startswith(f"  PASS  {op:9s} {transport:9s}")
                        and "captured, 3 replays" in line for line in out.splitlines()), (op,
                                                                                          transport)
-    assert any(line.startswith("  PASS  ag_matmul p2p ") and "fused replayable captured, 3 "
-               "replays" in line for line in out.splitlines()), out
-    assert "rows skipped: their programs do not replay yet" in out
-    assert "5/5 passed" in out and "FAIL " not in out
+    for op in ("ag_matmul", "matmul_rs"):
+        for transport in ("p2p      ", "multicast"):
+            for kind in (" replayable", " fused replayable"):
+                assert any(line.startswith(f"  PASS  {op} {transport} ")
+                           and f"{kind} captured, 3 replays" in line
+                           for line in out.splitlines()), (op, transport, kind, out)
+    for op in ("matmul_ar ", "matmul_ar/one_shot"):
+        for transport in ("p2p", "multicast"):
+            assert any(line.startswith(f"  PASS  {op}") and f" {transport} " in line
+                       and " replayable captured, 3 replays" in line
+                       for line in out.splitlines()), (op, transport, out)
+    assert not any(line.startswith("  PASS") and "nccl" in line for line in out.splitlines())
+    assert "7 rows skipped: their programs do not replay yet: nccl: " in out
+    assert out.count("rows skipped") == 1
+    assert "30/30 passed" in out and "FAIL " not in out
     with pytest.raises(ValueError, match="add --fake"):
         main(quick=True, graph=True)

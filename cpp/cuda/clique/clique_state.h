@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "core/exchange.h"
@@ -102,6 +103,10 @@ struct KernelArea {
   std::vector<std::unique_ptr<PinnedHost>> faults;        // per rank (this process's ranks)
   std::vector<std::unique_ptr<PinnedHost>> fused_faults;  // per rank (`replay` only)
   bool replay = false;  // the records are fw::Faults (a replayable program's), not ar::Faults
+  // A replayable program's: its op's name and its first acknowledgement flag (the watchdog's
+  // report names them; core/build_internal.h Acknowledge).
+  std::string op;
+  int32_t acks = -1;
 };
 
 // What a call needs of each local rank's pool: the largest need of any rank's program (every

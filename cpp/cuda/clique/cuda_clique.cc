@@ -128,7 +128,7 @@ CudaClique::~CudaClique() {
 }
 
 Status CudaClique::ReplayArea(int64_t site, int64_t epoch, int64_t workspace_bytes,
-                              int32_t num_flags, const ErrorContext& ctx,
+                              int32_t num_flags, int32_t acks, const ErrorContext& ctx,
                               std::shared_ptr<const KernelArea>* out) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -155,6 +155,8 @@ Status CudaClique::ReplayArea(int64_t site, int64_t epoch, int64_t workspace_byt
     lock.unlock();
     auto made = std::make_shared<KernelArea>();
     made->replay = true;
+    made->op = ctx.op;
+    made->acks = acks;
     Status status = NewGeneration(epoch, workspace_bytes, num_flags, ctx, &made->gen, /*halves=*/1);
     // The fault records of its bounded flag waits (kernels/flag_wait_body.h) and of its fused
     // GEMM's waits (fused_gemm_launch.h), zeroed.

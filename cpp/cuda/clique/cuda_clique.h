@@ -102,8 +102,9 @@ class CudaClique : public Clique {
   // the flags start at 0 — at the site's set-up `epoch` by the first local rank to ask, the
   // others waiting, with a generation's discipline; kept until teardown (a captured call keeps
   // its addresses).
+  // `acks`: the program's first acknowledgement flag (KernelArea::acks; its op: ctx.op).
   Status ReplayArea(int64_t site, int64_t epoch, int64_t workspace_bytes, int32_t num_flags,
-                    const ErrorContext& ctx, std::shared_ptr<const KernelArea>* out);
+                    int32_t acks, const ErrorContext& ctx, std::shared_ptr<const KernelArea>* out);
 
   // A one-launch all-reduce of this clique was captured into a CUDA graph: its replays are
   // GPU work no event of ours tracks, so teardown keeps the kernel area (never frees it under a

@@ -34,6 +34,7 @@ class WaitOps {
   }
   void StoreRelaxedSys(uint32_t* p, uint32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
   void FenceReleaseSys() const { std::atomic_thread_fence(std::memory_order_release); }
+  void FenceSys() const { std::atomic_thread_fence(std::memory_order_seq_cst); }
   bool Claim(uint32_t* word) const {
     uint32_t expected = 0;
     return __atomic_compare_exchange_n(word, &expected, 1u, false, __ATOMIC_RELAXED,

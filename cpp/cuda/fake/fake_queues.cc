@@ -212,6 +212,7 @@ int ConnectionsFromEnvironment() {
 
 void ResetQueues() {
   S().queues.clear();
+  S().traps.clear();
   S().streams_made.clear();
   S().connections =
       S().config.connections > 0 ? S().config.connections : ConnectionsFromEnvironment();

@@ -131,7 +131,10 @@ __device__ __forceinline__ bool WaitFlag(const RowWait& w, int32_t block) {
   for (;;) {
     const uint32_t seen = LoadAcquireSys(flag);
     if (static_cast<int32_t>(seen - w.epoch) >= 0) return true;
-    if (LoadRelaxedGpu(&w.fault->timed_out) != 0) return false;
+    // An earlier wait of the launch gave up: go on without waiting. Not read by a trapping
+    // launch, whose record is page-locked host memory (a round trip per poll): the wait that
+    // gave up traps, which ends this one too.
+    if (!w.trap && LoadRelaxedGpu(&w.fault->timed_out) != 0) return false;
     if (GlobalTimerNs() - start > static_cast<uint64_t>(w.timeout_ns)) {
       if (atomicCAS(&w.fault->timed_out, 0u, 1u) == 0u) {
         w.fault->flag = static_cast<uint32_t>(block);

@@ -185,6 +185,7 @@ struct DeviceOps {
   // A wait that gave up (flag_wait_body.h): "Abort execution and generate an interrupt to the
   // host CPU" (PTX ISA, "trap"); the error is sticky, the context's later work never runs.
   __device__ __forceinline__ void Trap() const { __trap(); }
+  __device__ __forceinline__ void FenceSys() const { __threadfence_system(); }
   __device__ __forceinline__ int64_t GlobalNs() const {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -1,6 +1,8 @@
 // The bounded flag wait (flag_wait_body.h): one thread polls until the body says the wait is
-// over (the flag reached, or given up after the call's timeout: the loop always ends). Compiled
-// like the AddBlock kernels, for sm_80 and sm_90 with compute_90 PTX (cpp/cuda/CMakeLists.txt).
+// over (the flag reached), or traps once it gave up after the call's timeout. Compiled like the
+// AddBlock kernels (JO_ADD_KERNEL_ARCHS, cpp/cuda/CMakeLists.txt: sm_80, sm_90 and sm_100
+// cubins, each from its own virtual architecture, and compute_90 PTX, which a newer GPU would
+// JIT-compile — refused there: PrepareKernel's `clocked` check).
 #include "cuda/kernels/device_ops.cuh"
 #include "cuda/kernels/flag_wait_body.h"
 #include "cuda/kernels/flag_wait_table.h"

@@ -35,19 +35,24 @@
 //    acknowledgement (a remote stream memop) is assumed as it was with cuStreamWaitValue32.
 //  * the fault record: its fields are stored before its code, with a fence.acq_rel.sys between
 //    (a release pattern, §"Release and Acquire Patterns": whoever reads the code sees the
-//    fields), and a fence.acq_rel.sys again before the trap; one claim word, atomicCAS, makes
+//    fields), and a fence.sc.sys (__threadfence_system()) before the trap. That the record then
+//    reaches host memory before the trap tears the context down is assumed, not documented:
+//    the ISA defines a fence by its order with later memory operations, and none follows;
+//    if it did not land, XLA still gets the sticky error, without the flag and the peer. One
+//    claim word, atomicCAS, makes
 //    one wait of the rank the writer (the kernels of one GPU: PTX ISA, "Atomicity": overlapping
 //    atomics of a scope that includes each other are performed one after the other; the CUDA
 //    programming guide, "Mapped Memory": atomics on mapped page-locked memory are not atomic
 //    for the host or other devices — one record per rank, one GPU per rank).
 //  * the clock: %globaltimer is "a predefined, 64-bit global nanosecond timer", documented among
 //    the registers meant for NVIDIA's tools, whose value is unspecified "when JIT-compiled to
-//    other targets": the kernel is refused on a GPU it would run JIT-compiled
-//    (kernel::FlagWaitRunsNatively). A flag read before the clock ends the wait, so a flag that
+//    other targets": the kernel is refused on a GPU it would run JIT-compiled (PrepareKernel's
+//    `clocked` check, kernels.h). A flag read before the clock ends the wait, so a flag that
 //    arrived while the kernel was preempted never makes it give up.
 //
 // What only a GPU has is a call on `ops`: LoadAcquireSys32 (ld.acquire.sys.b32),
-// StoreRelaxedSys, FenceReleaseSys, Claim, GlobalNs (%globaltimer) and Trap, as
+// StoreRelaxedSys, FenceReleaseSys (fence.acq_rel.sys), FenceSys (fence.sc.sys), Claim,
+// GlobalNs (%globaltimer) and Trap, as
 // allreduce_body.h names them.
 #pragma once
 
@@ -104,7 +109,7 @@ JO_KERNEL_FN bool Poll(Ops& ops, const Args& a, State& s) {
     ops.StoreRelaxedSys(&a.fault->value, a.value);
     ops.FenceReleaseSys();  // the fields before the code
     ops.StoreRelaxedSys(&a.fault->code, static_cast<uint32_t>(FaultCode::kTimedOut));
-    ops.FenceReleaseSys();  // the record before the trap
+    ops.FenceSys();  // the record before the trap (assumed to land: below)
     ops.Trap();
     return true;
   }

@@ -193,8 +193,11 @@ std::map<std::pair<int, const void*>, std::string>& Verdicts() {
 // code was compiled from, so below 90 the multimem instructions are absent and the
 // kernel would __trap() — a sticky error that ends the context.
 // `clocked` (a kernel bounding its waits by %globaltimer, named): refused when the device would
-// JIT-compile it (binaryVersion, the device's then, differs from ptxVersion; a cubin reports the
-// architecture it was compiled for in both), since the ISA leaves the clock unspecified there.
+// JIT-compile it (binaryVersion, the device's then, differs from ptxVersion). The premise: this
+// build compiles each cubin from its own virtual architecture (JO_ADD_KERNEL_ARCHS "80-real":
+// compute_80 -> sm_80), so a cubin reports one number in both; a cubin compiled from an older
+// virtual architecture would be refused too. The verdict is cached per (device, kernel): a
+// kernel is always prepared with the same `clocked`.
 Status LoadKernel(const void* k, const char* what, const ErrorContext& ctx,
                   const char* clocked = nullptr) {
   int device = 0;
