@@ -128,8 +128,11 @@ class OpPlan:
     (None: x's dtype; set for fp8 operands, whose y is a dtype with ``_kinds``' ``out``); ``fused``:
     the compute stream runs one persistent GEMM waiting on per-block flags (docs/gpu-internals.md
     §5) when the call's transport is one of :data:`FUSED_TRANSPORTS` (``_executors/call.py``);
-    ``call``: the native call described where the plan was made, its transport decided there,
-    when the concrete mesh was known (global arrays); None: the lowering describes it.
+    ``replayable``: the performance model picked the call's replayable program (captured by
+    XLA's command buffers: docs/gpu.md §6) over its plain one; the lowering asks for it where
+    the program builder builds it so (the gate), else the plain program runs; ``call``: the
+    native call described where the plan was made, its transport decided there, when the
+    concrete mesh was known (global arrays); None: the lowering describes it.
     """
 
     op: str
@@ -146,6 +149,7 @@ class OpPlan:
     algorithm: str = "two_shot"
     out_dtype: str | None = None
     fused: bool = False
+    replayable: bool = False
     call: NativeCall | None = None
 
     def for_op(self, op: str) -> OpPlan:
@@ -166,6 +170,7 @@ class OpPlan:
             text += f" out={self.out_dtype}"
         if self.impl == "native":
             text += f" transport={self.transport}" + (" fused" if self.fused else "")
+            text += " replayable" if self.replayable else ""
             if self.preferred is not None:
                 text += f" (model prefers {self.preferred})"
         return text
@@ -245,6 +250,7 @@ def make(request: Request, x, w, axis_size: int, *, log: bool = True,
         else algorithms[0],
         out_dtype=r.out_dtype,
         fused=fused_plan,
+        replayable=picked is not None and picked.replayable,
     )
     if plan.impl == "native" and plan.algorithm in KERNEL_ALGORITHMS:
         _check_kernel_fits(plan, x, w)

@@ -172,8 +172,10 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
             # it can), docs/gpu-internals.md §6.
             layouts = [None, (0, 1), None, None]
     if platform == "cuda":
-        # Built replayable where the program builder builds it so (docs/gpu-internals.md §8).
-        call = dataclasses.replace(call, replayable=_builds_replayable(ctx, plan, call))
+        # Built replayable where the plan asks for it (the model's pick: OpPlan.replayable) and
+        # the program builder builds it so (the gate; docs/gpu-internals.md §8).
+        call = dataclasses.replace(call, replayable=plan.replayable
+                                   and _builds_replayable(ctx, plan, call))
     # A call that replays (docs/gpu.md §6: a kernel algorithm's, docs/gpu-internals.md §7, or a
     # program built replayable) goes to the command-buffer compatible target.
     target = _REPLAYABLE.get(platform) if call.replays else None

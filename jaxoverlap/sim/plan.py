@@ -8,6 +8,7 @@ NCCL collective, then one GEMM) unless a plan beats it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,12 @@ class Candidate:
     """One way to run the call: impl, and for native the transport, chunks, direction, and
     whether the compute stream runs ONE persistent fused GEMM waiting on per-block flags
     (``fused``, ``sim.fused``; chunks then set the flags' row blocks) instead of a GEMM
-    per block."""
+    per block; ``replayable``: its program built replayable (docs/gpu-internals.md §8: flags
+    of value 1 reset by their reader, an acknowledgement per writer, bounded wait kernels), the
+    call routed to the command-buffer compatible target and priced captured (``sim.launch``),
+    where the plain program is priced as the host enqueues it. Which of the two runs is the
+    plan's (the chooser prices both where the program builder builds the replayable one, which
+    stays the gate: :func:`replay_refusal`)."""
 
     impl: str = "native"
     transport: str | None = "nccl"
@@ -49,6 +55,7 @@ class Candidate:
     bidirectional: bool = False
     algorithm: str = "two_shot"  # matmul_ar: "two_shot" or "one_shot"
     fused: bool = False
+    replayable: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -63,6 +70,13 @@ class Candidate:
                 f"{self.transport!r}, algorithm={self.algorithm!r}); never nccl: a persistent "
                 "kernel holding every SM while an NCCL kernel waits for SMs can deadlock "
                 "(docs/gpu-internals.md §5)")
+        if self.replayable and (self.impl != "native" or self.transport == "nccl"
+                                or allreduce.base_algorithm(self.algorithm)):
+            raise ValueError(
+                f"replayable=True needs impl='native' over a transport other than nccl and no "
+                f"one-launch kernel algorithm (got impl={self.impl!r}, transport="
+                f"{self.transport!r}, algorithm={self.algorithm!r}): NCCL programs never "
+                "replay, and the kernel algorithms replay as they are (docs/gpu.md §6)")
 
     @property
     def label(self) -> str:
@@ -74,7 +88,8 @@ class Candidate:
         if self.impl == "ring":
             return f"ring{shot}{bidi}"
         fused = " fused" if self.fused else ""
-        return f"native {self.transport}{fused}{shot} chunks={self.chunks}{bidi}"
+        replay = " replayable" if self.replayable else ""
+        return f"native {self.transport}{fused}{shot} chunks={self.chunks}{bidi}{replay}"
 
 
 @dataclass
@@ -156,18 +171,10 @@ def _kernel_fits(transport: str, algorithm: str, nranks: int, shape: Shape,
     return fits(transport, algorithm, nranks, shape.batch * shape.rows * shape.n * out)
 
 
-@functools.lru_cache(maxsize=512)
-def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
-             bidirectional: bool, return_gathered: bool,
-             algorithm: str = "two_shot", fused: bool = False) -> tuple[dict, ...]:
-    """Every rank's program (cached: the simulator only reads them); ``fused``: the fused
-    programs, whose compute stream runs one persistent GEMM (``sim.fused``). Built replayable
-    where the program builder builds the problem so, as the lowering asks it
-    (``_executors.replay``): the program the call runs, priced as built (its acknowledgements,
-    resets and wait kernels) and captured (``launch.replays``)."""
-    from jaxoverlap._executors import replay
-    from jaxoverlap._executors.runtime import load_host
-
+def _problem(op: str, nranks: int, shape: Shape, dtype: str, chunks: int, bidirectional: bool,
+             return_gathered: bool, algorithm: str, fused: bool) -> tuple[int, str, dict]:
+    """The program's problem as the executors make it: (rows of a block, the GEMMs' dtype, the
+    other fields of ``_host.build_program``)."""
     dtype = canonical_dtype(dtype)
     rows = shape.rows
     if _kinds.op(op).rows == "all" and algorithm == "two_shot":
@@ -175,14 +182,48 @@ def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chu
             raise ValueError(f"the two-shot {op} splits its {rows} rows into {nranks} "
                              "blocks: they do not divide")
         rows //= nranks  # the program's problem: rows per block
-    host = load_host()
     # fp8: x and w of the GEMMs' dtype, y bfloat16 (output_dtype): what the executors run,
     # the fp8 shards and their scales moved by AG+GEMM, the bfloat16 partials reduced
-    fields = dict(w_dtype=dtype, out_dtype=output_dtype(dtype), chunks=chunks,
-                  bidirectional=bidirectional, return_gathered=return_gathered,
-                  algorithm=algorithm, fused=fused)
-    replayable = replay.builds_replayable(op, transport, nranks, shape.batch, rows, shape.k,
-                                          shape.n, dtype, **fields)
+    return rows, dtype, dict(w_dtype=dtype, out_dtype=output_dtype(dtype), chunks=chunks,
+                             bidirectional=bidirectional, return_gathered=return_gathered,
+                             algorithm=algorithm, fused=fused)
+
+
+@functools.lru_cache(maxsize=4096)
+def replay_refusal(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
+                   bidirectional: bool, return_gathered: bool, algorithm: str = "two_shot",
+                   fused: bool = False) -> str:
+    """Why the program builder does not build this plan's program replayable (``""``: it
+    does), asked as the lowering asks it (``_executors.replay``): the gate of a replayable
+    candidate."""
+    from jaxoverlap._executors import replay
+
+    if nranks < 2:
+        return "a call of one rank takes the ordinary path"
+    rows, dtype, fields = _problem(op, nranks, shape, dtype, chunks, bidirectional,
+                                   return_gathered, algorithm, fused)
+    return replay.refusal(op, transport, nranks, shape.batch, rows, shape.k, shape.n, dtype,
+                          **fields)
+
+
+@functools.lru_cache(maxsize=512)
+def programs(op: str, transport: str, nranks: int, shape: Shape, dtype: str, chunks: int,
+             bidirectional: bool, return_gathered: bool,
+             algorithm: str = "two_shot", fused: bool = False,
+             replayable: bool = False) -> tuple[dict, ...]:
+    """Every rank's program (cached: the simulator only reads them); ``fused``: the fused
+    programs, whose compute stream runs one persistent GEMM (``sim.fused``); ``replayable``:
+    the replayable programs (refused with the builder's reason where it does not build them:
+    :func:`replay_refusal`), priced as built (their acknowledgements, resets and wait kernels)
+    and captured (``launch.replays``); else the plain programs, whose host enqueue is priced."""
+    from jaxoverlap._executors.runtime import load_host
+
+    if replayable and (why := replay_refusal(op, transport, nranks, shape, dtype, chunks,
+                                             bidirectional, return_gathered, algorithm, fused)):
+        raise ValueError(f"not built replayable: {why}")
+    rows, dtype, fields = _problem(op, nranks, shape, dtype, chunks, bidirectional,
+                                   return_gathered, algorithm, fused)
+    host = load_host()
     return tuple(host.build_program(op, transport, nranks, r, shape.batch, rows, shape.k,
                                     shape.n, dtype=dtype, replayable=replayable, **fields)
                  for r in range(nranks))
@@ -236,7 +277,7 @@ def simulate(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | st
         raise ValueError(f"candidate {c.label!r}: {why}")
     chunks = 1 if c.impl == "ring" else c.chunks
     ranks = programs(op, transport, nranks, shape, dtype, chunks, c.bidirectional,
-                     return_gathered, c.algorithm, c.fused)
+                     return_gathered, c.algorithm, c.fused, c.replayable)
     extra = RING_EXTRA_PASSES if c.impl == "ring" else 0
     timeline = simulate_programs(ranks, p, gemm_extra_passes=extra, block_scaled=block_scaled)
     _, t_comm = baseline_times(op, shape, dtype, nranks, p, transport)
@@ -278,7 +319,7 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
                impls: Iterable[str] = IMPLS,
                transports: Iterable[str] | None = None, op: str | None = None,
                algorithms: Iterable[str] = ALGORITHMS, fused: bool = True,
-               dtype: str | None = None) -> list[Candidate]:
+               dtype: str | None = None, replayable: bool = True) -> list[Candidate]:
     """Every plan the machine supports, simplest first (ties keep the simplest).
 
     For ``op="matmul_ar"`` also every allowed algorithm: two-shot where the rows split
@@ -288,6 +329,9 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
     and ``multicast``, compute capability 9.0, 16-bit ``dtype`` (when given) and rows of
     whole 16-byte units — after the chunked ones. Over ``multicast``, and for GEMM+RS (whose
     fused program scatters every partial straight to its owner), in one direction only.
+    ``replayable`` (with ``op``): each native plan also with its replayable program, right after
+    the plain one, where the program builder builds it so (:func:`replay_refusal`, on the
+    problem ``simulate`` prices: y alone), so the chooser prices what either would run.
     """
     p = load_preset(preset)
     impls = tuple(impls)
@@ -327,6 +371,17 @@ def candidates(preset: Preset | str, nranks: int, shape: Shape,
             for c in sorted({min(max(1, c), rows) for c in chunk_options}):
                 for b in (directions if ring else (False,)):
                     out.append(Candidate("native", t, c, b, fused=True))
+    if replayable and op is not None and "native" in impls:
+        twins: list[Candidate] = []
+        for c in out:
+            twins.append(c)
+            if (c.impl == "native" and c.transport != "nccl"
+                    and not allreduce.base_algorithm(c.algorithm)
+                    and not replay_refusal(op, c.transport, nranks, shape,
+                                           dtype or "bfloat16", c.chunks, c.bidirectional,
+                                           False, c.algorithm, c.fused)):
+                twins.append(dataclasses.replace(c, replayable=True))
+        out = twins
     return out
 
 

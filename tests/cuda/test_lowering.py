@@ -99,8 +99,10 @@ def test_only_the_calls_that_replay_are_command_buffer_compatible(gpu_lowering, 
     """matmul_ar's kernel algorithms lower to jaxoverlap_cuda_replayable, whose execute
     handler reports XLA FFI's command-buffer trait in its metadata (what XLA reads when it
     decides to capture a custom call); the one-shot program of separate ops goes there only if
-    the program builder builds it replayable, else to the op's own target, which reports none
-    (docs/gpu.md §6)."""
+    its plan asks for the replayable program (the model's pick, OpPlan.replayable) and the
+    program builder builds it so: here no preset applies (host devices lowered for cuda), so no
+    plan asks and it goes to the op's own target, which reports none, though the builder
+    would build it replayable (docs/gpu.md §6)."""
     traits = cuda.handler_traits()
     assert traits[REPLAYABLE_TARGET] & COMMAND_BUFFER_COMPATIBLE
     for op in _kinds.names(_kinds.OPS):
@@ -110,11 +112,11 @@ def test_only_the_calls_that_replay_are_command_buffer_compatible(gpu_lowering, 
     w = jnp.ones((32, 8), jnp.bfloat16)
     one_shot = dict(op="matmul_ar", transport="p2p", nranks=4, batch=1, rows=1, k=8, n=8,
                     dtype="bfloat16", algorithm="one_shot")
+    assert _builder_replays(one_shot)  # the plan's word decides, not the builder's alone
     for algorithm, transport, target in (
             ("one_shot_kernel", "p2p", REPLAYABLE_TARGET),
             ("two_shot_kernel", "multicast", REPLAYABLE_TARGET),
-            ("one_shot", "p2p", REPLAYABLE_TARGET if _builder_replays(one_shot)
-             else "jaxoverlap_cuda_matmul_ar")):
+            ("one_shot", "p2p", "jaxoverlap_cuda_matmul_ar")):
         text = _lower(jax.shard_map(
             lambda a, b, algorithm=algorithm, transport=transport: jo.matmul_ar(
                 a, b, "tp", impl="native", transport=transport, algorithm=algorithm),
@@ -164,14 +166,17 @@ _ROUTED = [(op, t, fused) for op in _OPS for t in _kinds.names(_kinds.TRANSPORTS
 
 
 def _lower_plan(op: str, transport: str, fused: bool, chunks: int = 2,
-                bidirectional: bool = False, return_gathered: bool = False):
+                bidirectional: bool = False, return_gathered: bool = False,
+                replayable: bool = True):
     """The GPU lowering of one native call of ``op`` through the primitive (4 ranks, bf16,
-    the shapes of ``_OPS`` per rank): (its target, its attributes, its canonical problem as
-    the handler makes it from its operands)."""
+    the shapes of ``_OPS`` per rank; ``replayable``: the plan asks for the replayable program):
+    (its target, its attributes, its canonical problem as the handler makes it from its
+    operands)."""
     x_shape, w_shape, specs, out = _OPS[op]
     mesh = tp_mesh(4)
     plan = OpPlan(op=op, impl="native", axis_name="tp", axis=0, axis_size=4, chunks=chunks,
-                  bidirectional=bidirectional, transport=transport, fused=fused)
+                  bidirectional=bidirectional, transport=transport, fused=fused,
+                  replayable=replayable)
     run = {"ag_matmul": lambda a, b: primitive.ag_matmul(a, b, plan, return_gathered),
            "matmul_rs": lambda a, b: primitive.matmul_rs(a, b, plan),
            "matmul_ar": lambda a, b: primitive.matmul_ar(a, b, plan)}[op]
@@ -191,11 +196,16 @@ def _lower_plan(op: str, transport: str, fused: bool, chunks: int = 2,
     return target, attrs, problem
 
 
+@pytest.mark.parametrize("asked", [True, False], ids=["asked", "plain"])
 @pytest.mark.parametrize(("op", "transport", "fused"), _ROUTED)
 def test_a_call_replays_where_the_program_builder_builds_it_so(gpu_lowering, op, transport,
-                                                                fused):
-    """The `replayable` attribute is the program builder's acceptance of the call's problem
-    (core/build.cc; never a list of the lowering's), and a call built replayable comes through
+                                                                fused, asked):
+    """The `replayable` attribute follows the plan (``OpPlan.replayable``, the model's pick
+    between the plain and the replayable program) gated by the program builder's acceptance of
+    the call's problem (core/build.cc; never a list of the lowering's): a plan that does not
+    ask for it lowers the plain program wherever the builder would build the replayable one,
+    and a plan that asks for it gets it only where the builder builds it. A call built
+    replayable comes through
     jaxoverlap_cuda_replayable, every other through its op's target. Fixed by design: a call
     over nccl never replays (NCCL's own calls capture, ours take host-side epochs); the fused
     all-gather over p2p does (its replayable program, docs/gpu-internals.md §8). The rest
@@ -204,12 +214,13 @@ def test_a_call_replays_where_the_program_builder_builds_it_so(gpu_lowering, op,
     says, takes the target the call lowered to and refuses the other one, naming both."""
     from jaxoverlap._executors.runtime import load_host
 
-    target, attrs, problem = _lower_plan(op, transport, fused)
-    expected = _builder_replays(problem)
+    target, attrs, problem = _lower_plan(op, transport, fused, replayable=asked)
+    builds = _builder_replays(problem)
     if transport == "nccl":
-        assert not expected
+        assert not builds
     if (op, transport, fused) == ("ag_matmul", "p2p", True):
-        assert expected
+        assert builds
+    expected = asked and builds
     assert attrs["replayable"] is expected, (attrs, problem)
     assert target == (REPLAYABLE_TARGET if expected else f"jaxoverlap_cuda_{op}"), target
     host = load_host()
