@@ -1,6 +1,8 @@
 """The performance model with fp8 operands: the GEMM at the FP8 peak, half the bytes of x, the
 executors' own FP8 programs (each shard's scale moved with it)."""
 
+import dataclasses
+
 import pytest
 
 from jaxoverlap import sim
@@ -103,26 +105,35 @@ def test_fp8_projections_are_marked_and_fused_in_both_ops():
 
 def test_the_fused_fp8_all_gather_is_priced_by_its_gpu_not_its_enqueue():
     """Each shard's scale crosses on its data stream (core/build_ag.cc): the fused p2p FP8
-    AG+GEMM at AG std is the bfloat16 program plus one op a hop (7) and the own scale's copy.
-    Its program is built replayable (the builder builds the fused all-gather over p2p so), so
-    the call is priced captured: no host enqueue, the GPU's time — the fused kernel, then the
-    acknowledgement round of the replayable program (a reset and a Signal, the writer's wait
-    kernel), one event latency to join. Eager, the host's enqueue of its 47 operations (45.3 µs
-    + 9.08 µs each, §2.5) would be the bound: what capturing it saves."""
+    AG+GEMM at AG std is the bfloat16 program plus one op a hop (7) and the own scale's copy,
+    so the host's enqueue of the plain program (45.3 µs + 9.08 µs an op, §2.5) stays well under
+    the GPU's time and its projection ends where the fused kernel ends. A scale stream of its
+    own (a Wait, a Record and a StreamWait more a hop: 48 ops, 481 µs) made the host the bound.
+    The same plan with its replayable program (the builder builds the fused all-gather over
+    p2p so) is priced captured: no host enqueue, the GPU's time — the fused kernel, then the
+    acknowledgement round (a reset and a Signal, the writer's wait kernel), one event latency
+    to join; eager, the host's enqueue of its ops would bound it."""
     c = sim.Candidate("native", "p2p", 1, True, fused=True)
-    built = {d: sim_plan.programs("ag_matmul", "p2p", 8, AG, d, 1, True, False, fused=True)
-             for d in ("fp8", "bf16")}
-    ops = {d: len(ranks[0]["ops"]) for d, ranks in built.items()}
-    assert ops["fp8"] == ops["bf16"] + 7 + 1
-    assert all(pr["replayable"] for pr in built["fp8"])
+    built = {(d, rep): sim_plan.programs("ag_matmul", "p2p", 8, AG, d, 1, True, False,
+                                         fused=True, replayable=rep)
+             for d in ("fp8", "bf16") for rep in (False, True)}
+    ops = {key: len(ranks[0]["ops"]) for key, ranks in built.items()}
+    assert ops["fp8", False] == ops["bf16", False] + 7 + 1
+    assert not any(pr["replayable"] for pr in built["fp8", False])
+    assert all(pr["replayable"] for pr in built["fp8", True])
     r = sim.simulate("ag_matmul", AG, "fp8", 8, H100, c)
+    assert not r.captured
+    host = (H100.host_call_us + ops["fp8", False] * H100.host_op_us) * 1e-6
+    kernel_end = max(s.end for s in r.spans if s.kind == "FusedGemm")
+    assert host < 0.8 * r.t_fused and r.t_fused == pytest.approx(kernel_end)
+    r = sim.simulate("ag_matmul", AG, "fp8", 8, H100,
+                     dataclasses.replace(c, replayable=True))
     assert r.captured
     kernel_end = max(s.end for s in r.spans if s.kind == "FusedGemm")
     comm_end = max(s.end for s in r.spans if s.stream > 0)
     assert kernel_end < comm_end < r.t_fused
     assert r.t_fused == pytest.approx(comm_end + H100.event_latency_us * 1e-6)
-    host = sim.model.host_time(H100, built["fp8"])
-    assert host > r.t_fused  # eager, the enqueue would bound it
+    assert sim.model.host_time(H100, built["fp8", True]) > r.t_fused  # eager, the bound
 
 
 def test_block_scaled_calls_are_priced_as_the_xla_and_ring_impls_compute_them():

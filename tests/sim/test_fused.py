@@ -147,42 +147,50 @@ def _moves(program):
 
 
 def test_the_model_plays_the_executors_fused_programs():
-    """The simulator's fused programs are ``_host.build_program(..., fused=True)``, built
-    replayable where the program builder builds them so (as the lowering asks it: the program
-    the call runs); AG's comm streams are the chunked programs', and its host enqueues fewer ops
-    (one kernel where the chunked program has a wait and a GEMM per block) — a replayable one's
-    comm streams end with the acknowledgement (a Record for the compute stream, then the wait for
-    the reader's acknowledgement and its reset)."""
+    """The simulator's fused programs are ``_host.build_program(..., fused=True)``, plain or
+    built replayable as the candidate asks (``replayable``; refused where the program builder
+    does not build it so: the gate the lowering applies too); AG's comm streams are the chunked
+    programs' (the plain one's; the replayable one pushes each shard straight to every peer,
+    docs/gpu-internals.md §8), and its host enqueues fewer ops (one kernel where the chunked
+    program has a wait and a GEMM per block) — a replayable one's comm streams end with the
+    acknowledgement (the wait for the reader's acknowledgement, then its reset)."""
     host = load_host()
     for op, transport, chunks, bidi in (("ag_matmul", "p2p", 2, True),
                                         ("ag_matmul", "multicast", 1, False),
                                         ("matmul_rs", "p2p", 2, False),
                                         ("matmul_rs", "multicast", 1, False)):
         shape = AG_STD if op == "ag_matmul" else RS_STD
-        got = programs(op, transport, 8, shape, "bfloat16", chunks, bidi, False, fused=True)
         problem = dict(op=op, transport=transport, nranks=8, batch=1, rows=shape.rows,
                        k=shape.k, n=shape.n, dtype="bfloat16", chunks=chunks,
                        bidirectional=bidi, fused=True)
-        replayable = host.replay_refusal(problem) == ""
+        builds = host.replay_refusal(problem) == ""
         if (op, transport) == ("ag_matmul", "p2p"):  # the builder's replayable program
-            assert replayable
-        assert list(got) == [host.build_program(op, transport, 8, r, 1, shape.rows, shape.k,
-                                                shape.n, dtype="bfloat16", chunks=chunks,
-                                                bidirectional=bidi, fused=True,
-                                                replayable=replayable)
-                             for r in range(8)]
-        chunked = programs(op, transport, 8, shape, "bfloat16", chunks, bidi, False)
-        for f, c in zip(got, chunked, strict=True):
-            assert [o["kind"] for o in _stream0(f)].count("FusedGemm") == 1
-            if op == "ag_matmul":  # the same transfers, fewer ops
-                assert len(f["ops"]) < len(c["ops"])
-                moves = [o for o in _moves(f) if o["kind"] != "Record"]
-                if f["replayable"]:  # each comm stream's acknowledgement: its wait, its reset
-                    tails = [i for i, o in enumerate(moves) if o["kind"] == "ResetFlags"]
-                    assert tails and all(moves[i - 1]["kind"] == "Wait" for i in tails)
-                    moves = [o for i, o in enumerate(moves)
-                             if i not in tails and i + 1 not in tails]
-                assert moves == _moves(c)
+            assert builds
+        if not builds:
+            with pytest.raises(ValueError, match="not built replayable"):
+                programs(op, transport, 8, shape, "bfloat16", chunks, bidi, False, fused=True,
+                         replayable=True)
+        for replayable in (False, True) if builds else (False,):
+            got = programs(op, transport, 8, shape, "bfloat16", chunks, bidi, False,
+                           fused=True, replayable=replayable)
+            assert list(got) == [host.build_program(op, transport, 8, r, 1, shape.rows,
+                                                    shape.k, shape.n, dtype="bfloat16",
+                                                    chunks=chunks, bidirectional=bidi,
+                                                    fused=True, replayable=replayable)
+                                 for r in range(8)]
+            chunked = programs(op, transport, 8, shape, "bfloat16", chunks, bidi, False,
+                               replayable=replayable)  # the chunked program of the same kind
+            for f, c in zip(got, chunked, strict=True):
+                assert f["replayable"] is replayable
+                assert [o["kind"] for o in _stream0(f)].count("FusedGemm") == 1
+                if op == "ag_matmul":  # the same transfers, fewer ops
+                    assert len(f["ops"]) < len(c["ops"])
+                    moves = [o for o in _moves(f) if o["kind"] != "Record"]
+                    if replayable:  # each comm stream's acknowledgement: its wait, its reset
+                        tails = [i for i, o in enumerate(moves) if o["kind"] == "ResetFlags"]
+                        assert tails and all(moves[i - 1]["kind"] == "Wait" for i in tails)
+                    else:  # the replayable one pushes each shard straight to every peer
+                        assert moves == _moves(c)
 
 
 # ---- the kernel, tile by tile, on timelines computable by hand --------------------------------
