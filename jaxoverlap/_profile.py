@@ -249,7 +249,8 @@ def _model(call: dict, preset: str) -> dict[str, Any]:
     shape = sim.Shape(call["batch"], rows, call["k"], call["n"])
     plan = sim.Candidate("native", call["transport"], call["chunks"], call["bidirectional"],
                          algorithm if op.one_shot else "two_shot",
-                         fused=bool(call.get("fused", False)))
+                         fused=bool(call.get("fused", False)),
+                         replayable=bool(call.get("replayable", False)))
     try:
         r = sim.simulate(call["op"], shape, call["dtype"], call["nranks"], preset, plan,
                          return_gathered=call["return_gathered"])
