@@ -40,6 +40,7 @@ from jax.interpreters import batching
 
 from jaxoverlap import _kinds, _precision
 from jaxoverlap._compat import varying_axes, with_varying
+from jaxoverlap._config import logger
 from jaxoverlap._executors import bootstrap, capabilities, replay, runtime
 from jaxoverlap._executors.call import describe, ranks
 from jaxoverlap._fp8_dtypes import SCALE_TILE_ROWS
@@ -174,8 +175,12 @@ def _lower(ctx, x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathered
     if platform == "cuda":
         # Built replayable where the plan asks for it (the model's pick: OpPlan.replayable) and
         # the program builder builds it so (the gate; docs/gpu-internals.md §8).
-        call = dataclasses.replace(call, replayable=plan.replayable
-                                   and _builds_replayable(ctx, plan, call))
+        builds = plan.replayable and _builds_replayable(ctx, plan, call)
+        if plan.replayable and not builds:
+            logger.debug("%s: the plan picked the replayable program, but the program builder "
+                         "does not build this call's (transport %s) so: the plain program runs",
+                         plan.op, call.transport)
+        call = dataclasses.replace(call, replayable=builds)
     # A call that replays (docs/gpu.md §6: a kernel algorithm's, docs/gpu-internals.md §7, or a
     # program built replayable) goes to the command-buffer compatible target.
     target = _REPLAYABLE.get(platform) if call.replays else None
