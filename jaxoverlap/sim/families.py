@@ -73,86 +73,153 @@ def family(op: str, candidate: Any) -> str:
 
 @dataclass(frozen=True)
 class Design:
-    """A published design: its mechanism in a line, the family of ours closest to it."""
+    """A published design: its mechanism in a line, the family of ours closest to it, and how
+    its published times were taken (``timed``): ``"eager"`` (the benchmark's loop enqueues each
+    call from the host), ``"graphs"`` (captured in a CUDA graph and replayed) or ``"unknown"``
+    (no public script behind the numbers), with the evidence (``timed_by``). The published
+    comparison prices our program run the same way (``sim.published.evaluate_call``)."""
 
     name: str
     family: str
     mechanism: str
     source: str
+    timed: str = "unknown"
+    timed_by: str = "no public script behind the published numbers found"
+
+    def __post_init__(self) -> None:
+        if self.timed not in TIMINGS:
+            raise ValueError(f"timed: expected one of {TIMINGS}, got {self.timed!r}")
+
+
+TIMINGS = ("eager", "graphs", "unknown")
 
 
 DESIGNS: dict[str, Design] = {d.name: d for d in (
     Design("flux-ag", "ag_matmul:fused",
            "copy-engine all-gather; a CUTLASS GEMM whose tiles wait on the shards' signals",
-           "bytedance/flux README, docs/design.md"),
+           "bytedance/flux README, docs/design.md",
+           timed="eager",
+           timed_by="test/python/ag_gemm/test_ag_kernel.py perf_flux: a CUDA event pair around "
+                    "each host call; no graph code in the repository"),
     Design("symm-mem-ag", "ag_matmul:fused",
            "copy-engine pulls; a persistent Triton GEMM waiting on per-shard flags",
-           "yifuwang/symm-mem-recipes README"),
+           "yifuwang/symm-mem-recipes README",
+           timed="eager",
+           timed_by="symm_mem_recipes/utils.py benchmark_with_event: an event pair around each "
+                    "call, median of 25"),
     Design("triton-dist-ag", "ag_matmul:fused",
            "a persistent GEMM waiting on per-block flags of a copy-engine or SM all-gather",
-           "ByteDance-Seed/Triton-distributed README"),
+           "ByteDance-Seed/Triton-distributed README",
+           timed="eager",
+           timed_by="python/triton_dist/profiler_utils.py perf_func: one event pair around a host"
+                    " loop of calls (test_ag_gemm.py)"),
     Design("multicast-ag", "ag_matmul:chunked",
            "a multicast all-gather, then one GEMM (separate kernels)",
-           "pytorch/pytorch PR #143160"),
+           "pytorch/pytorch PR #143160",
+           timed="unknown",
+           timed_by="PR #143160 gives numbers and a chart, no script"),
     Design("decomposed-ag", "ag_matmul:chunked",
            "PyTorch's decomposed AG+GEMM: copy-engine copies and a GEMM per shard on two "
-           "alternating streams", "pytorch/pytorch PR #143160"),
+           "alternating streams", "pytorch/pytorch PR #143160",
+           timed="unknown",
+           timed_by="PR #143160 gives numbers and a chart, no script"),
     Design("flux-rs", "matmul_rs:fused",
            "Hopper, fuse_reduction=False: the GEMM kernel's extra warps TMA-pull peers' tiles "
            "into a local reduce buffer; after a barrier a separate torch sum over the N "
            "stacked partials",
            "bytedance/flux src/gemm_rs/sm90_reduce_scatter_utils.hpp, "
-           "ths_op/gemm_reduce_scatter.cc"),
+           "ths_op/gemm_reduce_scatter.cc",
+           timed="eager",
+           timed_by="test/python/gemm_rs/test_gemm_rs.py perf_flux: a CUDA event pair around each"
+                    " host call"),
     Design("triton-dist-rs", "matmul_rs:fused",
            "intra-node: a persistent GEMM on every SM stores its partial locally; the copy "
            "engine pushes each destination's block once its tiles are stored; after a barrier "
            "one whole-grid kernel reduces the N partials",
            "ByteDance-Seed/Triton-distributed python/triton_dist/kernels/nvidia/"
-           "gemm_reduce_scatter.py, reduce_scatter.py"),
+           "gemm_reduce_scatter.py, reduce_scatter.py",
+           timed="eager",
+           timed_by="python/triton_dist/test/nvidia/test_gemm_rs.py (as merged with PR #166): "
+                    "perf_func, a host loop between two events, no graph option"),
     Design("kraken-ce-rs", "matmul_rs:fused",
            "as triton-dist-rs: a persistent GEMM, per-destination counters, copy-engine pushes, "
            "a tail reduction kernel",
-           "meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py"),
+           "meta-pytorch/kraken kraken/fused/gemm_reduce_scatter_ce_persistent.py",
+           timed="unknown",
+           timed_by="benchmark/benchmark_matmul_reduce_scatter.py is eager (benchmark_with_event,"
+                    " cuda_graph=False), but the published table (PR #19) predates the script's "
+                    "copy-engine backend"),
     Design("async-tp-rs", "matmul_rs:chunked",
            "PyTorch async-TP (decomposed): a cuBLAS GEMM per destination on two streams, "
            "copy-engine pulls, a torch sum of the stacked partials after",
-           "pytorch/pytorch torch/distributed/_symmetric_memory fused_matmul_reduce_scatter"),
+           "pytorch/pytorch torch/distributed/_symmetric_memory fused_matmul_reduce_scatter",
+           timed="eager",
+           timed_by="end-to-end torchtitan training throughput "
+                    "(benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md): torch.compile in its"
+                    " default mode, no CUDA graphs in torchtitan then"),
     Design("te-ring-rs", "matmul_rs:chunked",
            "TransformerEngine ring exchange: a GEMM chunk per destination, copy-engine sends, "
-           "the chunks reduced after", "NVIDIA/TransformerEngine comm_gemm_overlap.cpp"),
+           "the chunks reduced after", "NVIDIA/TransformerEngine comm_gemm_overlap.cpp",
+           timed="eager",
+           timed_by="tests/pytorch/distributed/run_gemm_with_overlap.py: --use-cuda-graphs is "
+                    "opt-in (default off); the repository publishes no times"),
     Design("cutlass-distgemm-rs", "matmul_rs:chunked",
            "CUTLASS Distributed GEMM, ReduceScatter1D_TilingA_RotatingC: a ring whose GEMM "
            "epilogues read the neighbour's partial (the sum folded into the epilogue)",
-           "NVIDIA/cutlass include/cutlass/experimental/distributed"),
+           "NVIDIA/cutlass include/cutlass/experimental/distributed",
+           timed="graphs",
+           timed_by="include/cutlass/experimental/distributed/device/dist_gemm_universal_wrapper."
+                    "hpp: run() is cudaGraphLaunch of a graph built at initialize()"),
     Design("te-pipeline-rs", "matmul_rs:overlapped",
            "TransformerEngine pipeline: 4 GEMM chunks on S - 16 SMs, a 16-SM reduce-scatter "
            "kernel (SM loads of peers' buffers) overlapping the next chunk; the last on all SMs",
-           "NVIDIA/TransformerEngine comm_gemm_overlap.cpp, userbuffers.cu"),
+           "NVIDIA/TransformerEngine comm_gemm_overlap.cpp, userbuffers.cu",
+           timed="eager",
+           timed_by="tests/pytorch/distributed/run_gemm_with_overlap.py: --use-cuda-graphs is "
+                    "opt-in (default off); the repository publishes no times"),
     Design("thunderkittens-rs", "matmul_rs:overlapped",
            "a persistent GEMM that TMA store-adds each finished tile into its owner's output "
            "(no staging buffer, the adds in bf16 at the destination)",
-           "HazyResearch/ThunderKittens kernels/parallel/gemm_rs/gemm_rs_h100.cu"),
+           "HazyResearch/ThunderKittens kernels/parallel/gemm_rs/gemm_rs_h100.cu",
+           timed="eager",
+           timed_by="kernels/parallel/common.py benchmark_no_l2_clear: one event pair around a "
+                    "host loop of 5 calls"),
     Design("vllm-one-stage", "matmul_ar:one_launch:one_shot:p2p",
            "one kernel: a barrier, every rank loads the peers' inputs in place and sums, a "
-           "barrier", "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_1stage)"),
+           "barrier", "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_1stage)",
+           timed="graphs",
+           timed_by="benchmarks/kernels/benchmark_device_communicators.py: 10 all-reduces "
+                    "captured in one CUDA graph, replayed"),
     Design("trt-one-shot", "matmul_ar:one_launch:one_shot:p2p",
            "one kernel: the input copied into the shared buffer, ONE barrier, every rank loads "
            "the peers' buffers and sums",
            "sgl-project/sglang sgl-kernel/src/sgl-kernel/csrc/trt_reduce_internal.cu "
-           "(oneShotAllReduceKernel, from TensorRT-LLM)"),
+           "(oneShotAllReduceKernel, from TensorRT-LLM)",
+           timed="eager",
+           timed_by="sgl-project/sglang PR #2904: 'unit test performance in H100 (without cuda "
+                    "graph)', sgl-kernel/tests/test_trt_reduce.py"),
     Design("torch-symm-mem-multimem", "matmul_ar:one_launch:two_shot:multicast",
            "a copy in, one kernel: a barrier, multimem.ld_reduce and multimem.st of the own "
            "slice, a barrier; a copy out", "pytorch/pytorch CUDASymmetricMemoryOps.cu "
-           "(multimem_all_reduce_), vllm/distributed/device_communicators/symm_mem.py"),
+           "(multimem_all_reduce_), vllm/distributed/device_communicators/symm_mem.py",
+           timed="unknown",
+           timed_by="PyTorch's charts name no script; third-party harnesses differ (vLLM's "
+                    "graphs, kraken's eager)"),
     Design("torch-symm-mem-two-shot", "matmul_ar:one_launch:two_shot:p2p",
            "a copy in, one kernel: a barrier, the own slice loaded from every peer, reduced and "
            "stored into every peer, a barrier; a copy out",
            "pytorch/pytorch CUDASymmetricMemoryOps.cu (two_shot_all_reduce_), "
-           "vllm/distributed/device_communicators/symm_mem.py"),
+           "vllm/distributed/device_communicators/symm_mem.py",
+           timed="unknown",
+           timed_by="PyTorch's charts name no script; third-party harnesses differ (vLLM's "
+                    "graphs, kraken's eager)"),
     Design("vllm-two-stage", "matmul_ar:one_launch:two_shot:p2p",
            "one kernel: a barrier, a reduce-scatter into a registered buffer, a barrier, an "
            "all-gather",
-           "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_2stage)"),
+           "vllm-project/vllm csrc/custom_all_reduce.cuh (cross_device_reduce_2stage)",
+           timed="graphs",
+           timed_by="benchmarks/kernels/benchmark_device_communicators.py: 10 all-reduces "
+                    "captured in one CUDA graph, replayed"),
     Design("nvls-one-shot-norm", "matmul_ar:one_launch:one_shot:multicast",
            "one kernel: multimem stores and load-reduce fused with residual add and RMSNorm",
            "lightseekorg/tokenspeed PR #860"),

@@ -86,8 +86,9 @@ DECODE_CASES: tuple[Case, ...] = tuple(
 def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
                  ) -> list[dict[str, object]]:
     """Decode shapes (M 1-256): latency, not bandwidth. Per case: the xla path (GEMM, then
-    NCCL's ring all-reduce: 2(N-1) steps), the best two-shot and one-shot native plans, what
-    the chooser picks with impl="auto" and with impl="native", and why; and what the fastest
+    NCCL's ring all-reduce: 2(N-1) steps), the best two-shot and one-shot native plans (their
+    plain programs), what the chooser picks with impl="auto" and with impl="native", and why;
+    and what the fastest
     one-launch all-reduce kernel costs captured in a command buffer (``sim.allreduce``,
     ``sim.launch``), and the best of the executors' one-launch programs (GEMM + that kernel)."""
     from jaxoverlap.sim import allreduce, families, launch, model
@@ -97,7 +98,10 @@ def decode_table(preset: str | Preset, cases: Sequence[Case] = DECODE_CASES
     for case in cases:
         auto = choose(case.op, case.shape, case.dtype, case.nranks, p)
         native = [r for r in auto.table if r.candidate.impl == "native"]
-        best_of = {alg: min((r for r in native if r.candidate.algorithm == alg),
+        # the plain programs, as the host enqueues them (their replayable twins are picked only
+        # where these win: sim.choose)
+        best_of = {alg: min((r for r in native if r.candidate.algorithm == alg
+                             and not r.candidate.replayable),
                             key=lambda r: r.t_fused, default=None)
                    for alg in ("two_shot", "one_shot")}
         # the executors' one-launch programs (the GEMM, then one all-reduce kernel; captured)

@@ -1,5 +1,7 @@
 """Program families and their margins (sim.families), and the presets' topology (GB200 NVL72)."""
 
+import dataclasses
+
 import pytest
 
 from jaxoverlap import sim
@@ -114,3 +116,52 @@ def test_gb200_groups_span_trays_through_fabric_handles():
     assert gb.peak_tflops["bfloat16"] == 2500.0 and b200.peak_tflops["bfloat16"] == 2250.0
     assert sim.gemm_time(gb, "bf16", 1, 8192, 8192, 8192) < sim.gemm_time(b200, "bf16", 1, 8192,
                                                                            8192, 8192)
+
+
+def test_a_published_run_is_compared_with_our_program_run_the_way_it_was_timed(monkeypatch):
+    """Every design says how its published times were taken, with the evidence; a row whose
+    design was timed captured in a CUDA graph is compared with our replayable programs, the rest
+    with the plain ones (host-enqueued) — and every GEMM with communication in the set was timed
+    eagerly or unknowably (no captured run checks a capture's saving)."""
+    for d in families.DESIGNS.values():
+        assert d.timed in families.TIMINGS and d.timed_by, d.name
+    gemm_rows = [r for r in published.CALLS if r.op != "matmul_ar"]
+    assert {families.DESIGNS[r.design].timed for r in gemm_rows} <= {"eager", "unknown"}
+    with pytest.raises(ValueError, match="timed: expected one of"):
+        families.Design("x", "ag_matmul:fused", "m", "s", timed="cudagraph")
+    row = next(r for r in gemm_rows if r.id == "TDH-s8")
+    plain = published.evaluate_call.__wrapped__(row)
+    assert not plain.closest.candidate.replayable and not plain.best_native.candidate.replayable
+    design = families.DESIGNS[row.design]
+    monkeypatch.setitem(families.DESIGNS, row.design,
+                        dataclasses.replace(design, timed="graphs"))
+    captured = published.evaluate_call.__wrapped__(row)
+    assert captured.closest.candidate.replayable, captured.closest.candidate
+    assert captured.best_native.candidate.replayable
+    # captured: without the host enqueue that makes the plain programs lose here
+    assert captured.closest.t_fused < plain.closest.t_fused
+
+
+def test_a_replayable_program_is_picked_only_for_a_plan_whose_plain_program_wins():
+    """At Triton-distributed's small GEMM+RS (TDH-s8, a published loss) a replayable program,
+    priced captured, clears the margin alone; its plain program, host-bound, does not: xla.
+    Where plain programs win (P1/8192), the captured twin may be the pick."""
+    small = sim.choose("matmul_rs", sim.Shape.from_global(4096, 1024, 4096, 8), "bf16", 8, H100)
+    xla = small.table[0]
+    assert xla.candidate.impl == "xla" and small.candidate.impl == "xla", small.format()
+    margin = {r.candidate: small.margins[families.family("matmul_rs", r.candidate)]
+              for r in small.table if r.candidate.impl != "xla"}
+    twins = [r for r in small.table if r.candidate.replayable
+             and r.t_fused <= xla.t_fused * (1 - margin[r.candidate])]
+    assert twins, small.format()  # captured alone, they would be picked
+    plain = {r.candidate: r for r in small.table if not r.candidate.replayable}
+    for r in twins:
+        sibling = plain[dataclasses.replace(r.candidate, replayable=False)]
+        assert sibling.t_fused > xla.t_fused * (1 - margin[sibling.candidate]), sibling
+    row = next(r for r in published.CALLS if r.id == "P1/8192")
+    pick = published.evaluate_call(row).pick
+    assert pick.candidate.replayable and pick.captured, pick.candidate
+    choice = sim.choose(row.op, row.shape, row.dtype, row.nranks, published.machine(row.machine))
+    sibling = next(r for r in choice.table
+                   if r.candidate == dataclasses.replace(pick.candidate, replayable=False))
+    assert sibling.t_fused <= choice.table[0].t_fused * (1 - choice.min_gain)
