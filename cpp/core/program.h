@@ -256,6 +256,10 @@ int64_t ScratchBytes(const Program& program);
 // starts at a row (offset, ld and batch stride multiples of k).
 Ref BlockScalesOf(const Problem& q, const Ref& a);
 
+// A replayable program's first acknowledgement flag: its last nranks flags are the
+// acknowledgements, flag AckFlags(p) + r raised by reader r (build.cc Acknowledge).
+inline int32_t AckFlags(const Program& p) { return p.num_flags - p.problem.nranks; }
+
 std::string ToString(const Ref& ref);
 // `replayable`: the op of a replayable program, whose Signals write 1 and Waits wait for >= 1
 // (no epoch: docs/gpu-internals.md §8).

@@ -328,8 +328,7 @@ Status CudaSite::EnqueueReplaying(const Caller& caller, const BoundCall& bound,
       std::shared_ptr<const KernelArea> made = reserved.area;
       if (status.ok() && !one_launch)
         status = clique.ReplayArea(bound.call.clique.site, epoch, bound.call.needs.workspace_bytes,
-                                   bound.call.needs.num_flags,
-                                   program.num_flags - program.problem.nranks, ctx, &made);
+                                   bound.call.needs.num_flags, AckFlags(program), ctx, &made);
       if (!status.ok()) {
         if (status.code() != Code::kAborted) clique.Break(status);
         return status;

@@ -292,7 +292,7 @@ class Enqueuer {
     // remote writes internally": CUDA driver API, CU_STREAM_WAIT_VALUE_FLUSH), so the kernel is
     // followed by the stream wait the plain program has, with FLUSH where the device has it —
     // met by then, it only flushes. An acknowledgement (the last nranks flags) orders no read.
-    step->flush = op.id < p_.num_flags - p_.problem.nranks;
+    step->flush = op.id < AckFlags(p_);
     return OkStatus();
   }
 

@@ -47,7 +47,7 @@ class SlowReader : public jo::host::LocalClique {
 // The program without its acknowledgement: the ops on the ack flags (the last nranks:
 // build_internal.h Acknowledge).
 void DropAck(jo::Program* p) {
-  const int32_t acks = p->num_flags - p->problem.nranks;
+  const int32_t acks = AckFlags(*p);
   std::vector<jo::Op> kept;
   for (const jo::Op& op : p->ops) {
     const bool flag_op = op.kind == jo::OpKind::kSignal || op.kind == jo::OpKind::kWait ||
