@@ -171,11 +171,14 @@ MISUSES = {
     # after PrepareFusedGemm granted it on each device.
     "fused GEMM launched on a device without its shared memory grant":
         "never got cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize)",
+    "a trapping fused GEMM's fault record in device memory":
+        "a trapping launch's fault record is not in page-locked host memory",
 }
 # The same wait/write pair, each stream with a work queue of its own: no misuse (so the rule above
 # is about sharing a queue, not about the pair). The fused GEMM after its outgoing copy, and
 # after the kernel that makes what it sends: no misuse.
 CONTROLS = {"blocked wait, one work queue per stream (control)",
+            "a trapping fused GEMM's fault record in page-locked host memory (control)",
             "fused GEMM after its own outgoing copy (control)",
             "a kernel the fused GEMM waits for, before it (control)",
             "a 1-D peer copy behind the fused GEMM (control)",

@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from .test_fused_sass import _functions, _loops
+from .test_fused_sass import _base, _functions, _loops
 from .test_multimem import _dump, _sections
 
 pytestmark = pytest.mark.jax_independent  # the built binary read back: no JAX
@@ -68,14 +68,6 @@ def _acquires(code, params: int | None = None) -> list[int]:
                 continue
         found.append(code[i][0])
     return found
-
-
-def _base(text: list[str], i: int, reg: str) -> str:
-    """What register ``reg`` holds at instruction ``i``: the parameter word it was last loaded
-    from (``c[0x0][...]``), or the register itself (an address computed from one)."""
-    writes = [u for u in text[:i] if re.match(rf"\S+ {reg},", u)]
-    load = re.search(r"c\[0x0\]\[0x[0-9a-f]+\]", writes[-1]) if writes else None
-    return load.group(0) if load else reg
 
 
 def _record_stores(text: list[str]) -> tuple[dict[int, int], int]:

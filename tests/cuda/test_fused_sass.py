@@ -28,7 +28,11 @@ and f32 and e5m2 x e4m3 -> bf16; sm_100a bf16 and f16):
 * after the epilogue's last TMA store (``UTMASTG``): the store wait
   (``cp.async.bulk.wait_group 0``: ``DEPBAR.LE SB0, 0x0`` then ``CCTL.IVALL``; the stock
   ``.read`` form has no ``CCTL.IVALL``), the proxy fence, then the release at system scope
-  (``st.release.sys``: ``MEMBAR.ALL.SYS`` before ``STG.E.STRONG.SYS``).
+  (``st.release.sys``: ``MEMBAR.ALL.SYS`` before ``STG.E.STRONG.SYS``);
+* a wait that gives up (a replayable call's trap, sm_90a and sm_100a): the compare-and-swap
+  claiming the fault record, its three fields, a system fence, ``recorded`` (strong, system
+  scope), then a system fence and ``BPT.TRAP`` (``trap_problems``; not among the checks the
+  variants below were built against: its control is a made-up sequence missing each part).
 
 "Before" and "after" are in address order: the producer's and the epilogue's code are laid
 out as they run (a wait, then the loads; the stores, then the release). Each check was shown
@@ -103,6 +107,14 @@ def _fused(sass: str, dtypes=DTYPES) -> dict[str, list[tuple[int, str]]]:
             assert dtype not in kernels, f"two {dtype} fused kernels"
             kernels[dtype] = code
     return kernels
+
+
+def _base(text: list[str], i: int, reg: str) -> str:
+    """What register ``reg`` holds at instruction ``i``: the parameter word it was last loaded
+    from (``c[0x0][...]``), or the register itself (an address computed from one)."""
+    writes = [u for u in text[:i] if re.match(rf"\S+ {reg},", u)]
+    load = re.search(r"c\[0x0\]\[0x[0-9a-f]+\]", writes[-1]) if writes else None
+    return load.group(0) if load else reg
 
 
 def _loops(code):
@@ -308,6 +320,112 @@ def test_fused_kernels_are_arch_specific_cubins_without_ptx(cuda):
     archs = {(arch, "SM100_MMA" in body) for arch, body in elf if KERNEL in body}
     assert archs == {("sm_90a", False), ("sm_100a", True)}
     assert all(KERNEL not in body for _, body in _sections(_dump(cuda, "-ptx"), "ptx"))
+
+
+# ---- the replayable call's trap (fused_gemm_sync.cuh WaitFlag, docs/gpu-internals.md §8) ----
+
+# FusedGemmFault (fused_gemm_launch.h): timed_out (the claim) at 0, then flag, seen, epoch, and
+# recorded, stored last with release.
+FAULT_FIELDS, FAULT_RECORDED = (4, 8, 12), 16
+_CLAIM = re.compile(r"ATOMG\.E\.CAS\S* PT, R\d+, (?:desc\[\w+\])?\[(R\d+)(?:\.64)?\]")
+_STORE = re.compile(r"(STG\.E\S*) (?:desc\[\w+\])?\[(R\d+)\.64(?:\+(0x[0-9a-f]+))?\]")
+_SYS_FENCES = ("MEMBAR.SC.SYS", "MEMBAR.ALL.SYS")  # __threadfence_system(), a release's
+
+
+def _fenced_trap(code, start: int) -> bool:
+    """Whether the code from ``start`` reaches BPT.TRAP behind a system fence, with no branch,
+    exit or store first."""
+    fenced = False
+    for _, t in code[start:start + 12]:
+        if t.startswith(_SYS_FENCES):
+            fenced = True
+        elif t.startswith("BPT.TRAP"):
+            return fenced
+        elif t.startswith(("BRA", "EXIT", "RET", "ST", "ATOM")):
+            return False
+    return False
+
+
+def trap_problems(code) -> list[str]:
+    """Each give-up of a wait: the compare-and-swap claiming the record (its address a parameter
+    word, Launch::fault), then the record's three fields to that address, a system fence, the
+    strong system-scope store of ``recorded``, and then — next (sm_100a: a branch skips it when
+    the launch does not trap) or at the target of a branch right after (sm_90a lays it out
+    apart) — a system fence and BPT.TRAP. A regression check of ptxas's output, as
+    test_flag_wait_sass.py's, not a proof of the ordering."""
+    text = [t for _, t in code]
+    claims = [(i, _base(text, i, m.group(1))) for i, t in enumerate(text)
+              for m in [_CLAIM.match(t)] if m]
+    if not claims:
+        return ["no compare-and-swap on a parameter's address (the record's claim, ATOMG.E.CAS)"]
+    where = {a: j for j, (a, _) in enumerate(code)}
+    problems = []
+    for c, word in claims:
+        stores: dict[int, tuple[int, str]] = {}
+        for j in range(c + 1, min(c + 40, len(text))):
+            m = _STORE.match(text[j])
+            if m and _base(text, j, m.group(2)) == word:
+                stores.setdefault(int(m.group(3) or "0", 16), (j, m.group(1)))
+            if FAULT_RECORDED in stores:
+                break
+        if sorted(stores) != sorted((*FAULT_FIELDS, FAULT_RECORDED)):
+            problems.append(f"the claim at {code[c][0]:#x} ({word}) is followed by stores at "
+                            f"{sorted(stores)}, not the record's {FAULT_FIELDS} and "
+                            f"{FAULT_RECORDED}")
+            continue
+        recorded, kind = stores[FAULT_RECORDED]
+        if kind != "STG.E.STRONG.SYS":
+            problems.append(f"recorded is stored with {kind}, not STG.E.STRONG.SYS")
+        last_field = max(stores[f][0] for f in FAULT_FIELDS)
+        if not any(t.startswith(_SYS_FENCES) for t in text[last_field + 1:recorded]):
+            problems.append(f"no system fence between the fields and recorded ({code[c][0]:#x})")
+        starts = [recorded + 1]
+        for j in range(recorded + 1, min(recorded + 6, len(text))):
+            if text[j].startswith("BRA"):
+                target = int(text[j].rsplit("0x", 1)[1], 16)
+                starts += [j + 1] + ([where[target]] if target in where else [])
+        if not any(_fenced_trap(code, s) for s in starts):
+            problems.append(f"no system fence and BPT.TRAP after recorded ({code[recorded][0]:#x})")
+    return problems
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_fused_kernel_traps_after_its_record(fused_sass, dtype):
+    assert trap_problems(fused_sass[dtype]) == []
+
+
+@pytest.mark.parametrize("dtype", sorted(SM100_DTYPES))
+def test_fused_sm100_kernel_traps_after_its_record(fused_sm100_sass, dtype):
+    assert trap_problems(fused_sm100_sass[dtype]) == []
+
+
+# The sm_90a layout: the trap apart, reached by a branch on Launch::trap.
+_TRAPPING = [
+    "LDC.64 R4, c[0x0][0x538]", "ATOMG.E.CAS.STRONG.GPU PT, R6, [R4], R6, R7",
+    "STG.E desc[UR30][R4.64+0x4], R11", "STG.E desc[UR30][R4.64+0x8], R13",
+    "LDC.64 R6, c[0x0][0x538]", "STG.E desc[UR30][R4.64+0xc], R9", "MEMBAR.SC.SYS",
+    "MEMBAR.ALL.SYS", "STG.E.STRONG.SYS desc[UR30][R6.64+0x10], R23", "ULDC.U8 UR4, c[0x0][0x540]",
+    "BRA 0xc0", "EXIT", "MEMBAR.SC.SYS", "BPT.TRAP 0x1"]
+
+
+def test_the_trap_check_fails_without_a_fence_the_record_or_the_trap():
+    """Control for the check itself: the sm_90a layout passes; without the fence before the trap,
+    without the one before recorded, without a field, or without the trap, it does not."""
+    def code(lines):
+        return [(16 * i, t) for i, t in enumerate(lines)]
+
+    def without(text):
+        lines = list(_TRAPPING)
+        lines[len(lines) - 1 - lines[::-1].index(text)] = "NOP"
+        return code(lines)
+
+    assert trap_problems(code(_TRAPPING)) == []
+    assert trap_problems(without("MEMBAR.SC.SYS"))  # the trap's fence
+    assert trap_problems(code([t if not t.startswith("MEMBAR") or i > 8 else "NOP"
+                               for i, t in enumerate(_TRAPPING)]))
+    assert trap_problems(without("STG.E desc[UR30][R4.64+0x8], R13"))
+    assert trap_problems(without("BPT.TRAP 0x1"))
+    assert trap_problems(code(_TRAPPING[:1] + _TRAPPING[2:]))  # no claim
 
 
 # ---- each check against a build without its feature ----------------------------------------

@@ -168,6 +168,22 @@ def test_the_first_execution_under_capture_is_refused(fake):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("algorithm", KERNELS)
+def test_a_gpu_that_would_jit_compile_the_kernel_refuses_it_on_every_rank(fake, algorithm,
+                                                                          transport):
+    """The kernel bounds its waits by %globaltimer, which the PTX ISA leaves unspecified in
+    JIT-compiled code: on a GPU this build has no cubin of it for (sm_120: it would JIT-compile
+    compute_90) every rank's set-up refuses the call, each call, with that reason and what to do
+    instead, and nothing hangs (the same calls on 9.0 run: test_calls_back_to_back_...)."""
+    fake.reset(fake.Config(cc_major=12, cc_minor=0))
+    out, _, _ = _run(fake, transport, algorithm, 2, calls=2)
+    for status in out["statuses"]:
+        assert status is not None and "one-launch all-reduce kernel bounds its waits" in status \
+            and "sm_120" in status and "impl='xla'" in status, out["statuses"]
+    assert out["drained"] and fake.errors() == [], fake.errors()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_missing_peer_is_reported_by_the_watchdog(fake, transport):
     """Rank 2 never calls: every other rank's kernel gives up after the call's timeout on the
     GPU's clock (its waits are bounded), records why in its fault record, and the watchdog

@@ -390,14 +390,16 @@ cudaError_t LaunchFused(const Types& types, int32_t pair, const Launch& l, cudaS
          Span(l.scales.x, ((l.blocks.shards - 1) * l.scales.x_stride + 1) * sizeof(float),
               name + " x scales") &&
          Span(l.scales.w, sizeof(float), name + " w scale");
-  if (l.wait_flags != nullptr)
-    ok = ok && Span(l.wait_flags, blocks * sizeof(uint32_t), name + " wait flags") &&
-         (l.trap || Span(l.fault, sizeof(cuda::FusedGemmFault), name + " fault record"));
-  if (l.wait_flags != nullptr && l.trap && !Pinned(l.fault, sizeof(cuda::FusedGemmFault))) {
-    Fail(name +
-         ": a trapping launch's fault record is not in page-locked host memory (after the "
-         "trap the context's device memory cannot be read)");
-    return cudaErrorInvalidValue;
+  if (l.wait_flags != nullptr) {
+    ok = ok && Span(l.wait_flags, blocks * sizeof(uint32_t), name + " wait flags");
+    if (!l.trap) {
+      ok = ok && Span(l.fault, sizeof(cuda::FusedGemmFault), name + " fault record");
+    } else if (!Pinned(l.fault, sizeof(cuda::FusedGemmFault))) {
+      Fail(name +
+           ": a trapping launch's fault record is not in page-locked host memory (after the "
+           "trap the context's device memory cannot be read)");
+      return cudaErrorInvalidValue;
+    }
   }
   if (l.release_flags != nullptr)
     ok = ok && Span(l.release_flags, blocks * sizeof(uint32_t), name + " release flags") &&

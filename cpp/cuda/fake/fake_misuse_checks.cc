@@ -700,6 +700,46 @@ std::map<std::string, std::string> MisuseChecks() {
     (void)cuda::fused_kernel::LaunchBF16(l, s, ctx);
   };
   check("fused GEMM launched on a device without its shared memory grant", fused_on_device_1);
+  // A trapping fused GEMM (a replayable call's, Launch::trap) records why a wait gave up in
+  // page-locked host memory (cudaMallocHost), which the watchdog reads from the host while the
+  // kernel may still run and which stays readable once the trap (PTX ISA, "trap": "Abort
+  // execution and generate an interrupt to the host CPU") has left the context its sticky
+  // error; a record in device memory is refused at launch. The control: the same launch with
+  // its record page-locked, its flag raised, runs through.
+  auto fused_trap_record = [&](bool pinned) {
+    cuda::ErrorContext ctx;
+    ctx.op = "fused trap record check";
+    constexpr int64_t kN = 8;
+    static const int32_t kOnlyBlock[1] = {0};  // the tile order's sequence
+    cuda::FusedGemmArgs f;
+    f.m = f.n = f.k = kN;
+    f.a = Malloc(0, kN * kN * 2, 0x3c);
+    f.b = Malloc(0, kN * kN * 2, 0x3c);
+    f.d = Malloc(0, kN * kN * 2);
+    f.lda = f.ldb = f.ldd = kN;
+    f.blocks = fused::RowBlocks{1, 1, kN};
+    f.sequence = kOnlyBlock;
+    f.wait_flags = static_cast<const uint32_t*>(Malloc(0, 4, 0x01));  // raised: >= epoch 1
+    f.epoch = 1;
+    f.timeout_ns = int64_t{1} << 40;
+    f.trap = true;
+    void* record = nullptr;
+    if (pinned)
+      (void)cudaMallocHost(&record, sizeof(cuda::FusedGemmFault));
+    else
+      record = Malloc(0, sizeof(cuda::FusedGemmFault));
+    f.fault = static_cast<cuda::FusedGemmFault*>(record);
+    f.sm_count = 132;
+    (void)cuda::CheckFusedGemm(&f);
+    (void)cuda::PrepareFusedGemm(f.types, cuda::FusedKernel::kSm90, ctx);
+    cudaStream_t s = StreamOn(0);
+    (void)cuda::LaunchFusedGemm(f, s, ctx);
+    (void)cudaStreamSynchronize(s);
+    if (pinned) (void)cudaFreeHost(record);
+  };
+  check("a trapping fused GEMM's fault record in device memory", [&] { fused_trap_record(false); });
+  check("a trapping fused GEMM's fault record in page-locked host memory (control)",
+        [&] { fused_trap_record(true); });
   check(
       "fused GEMM enqueued before its own outgoing copy", [&] { fused_pair(Fused::kKernelFirst); },
       1);
