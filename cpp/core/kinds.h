@@ -316,7 +316,8 @@ inline int64_t DTypeSize(DType dtype) { return Row(dtype).bytes; }
 // Whether the algorithm splits x's rows into N blocks (the two-shot ring's).
 inline bool SplitsRows(ArAlgorithm algorithm) { return Row(algorithm).splits_rows; }
 // Whether the all-reduce is one kernel launch with device-side sequence
-// numbers (an AllReduce op): the call replays. A replayable program's: Replays (core/program.h).
+// numbers (an AllReduce op): the call replays. A program built replayable:
+// RunsReplayableProgram (core/program.h).
 inline bool OneLaunch(ArAlgorithm algorithm) { return Row(algorithm).kernel; }
 inline bool IsFp8(DType dtype) { return Row(dtype).fp8; }
 

@@ -216,10 +216,11 @@ inline constexpr int64_t kScaleBlock = 32;
 // Block scales per row of x (and rows of w's scales): k / kScaleBlock.
 inline int64_t KBlocks(const Problem& q) { return q.k / kScaleBlock; }
 
-// Whether a call of `q` runs as a replayable program (docs/gpu-internals.md §8). Not a single
+// Whether a call of `q` runs a program built replayable (docs/gpu-internals.md §8). Not a single
 // rank's: its program is its own GEMM (build_rs.cc BuildSingleRank, build_ag.cc BuildAgMatmul),
-// no flag and no peer, so it has none of the sequencing `replayable` asks for.
-inline bool Replays(const Problem& q) { return q.replayable && q.nranks > 1; }
+// no flag and no peer, so it has none of the sequencing `replayable` asks for. Whether the call
+// replays at all (a one-launch kernel algorithm's too) is the handlers' ffi_call::Replays.
+inline bool RunsReplayableProgram(const Problem& q) { return q.replayable && q.nranks > 1; }
 
 struct Program {
   Problem problem;

@@ -195,7 +195,7 @@ Status CudaSite::Enqueue(const Caller& caller, const Problem& problem, const Cal
   } leave{gate};
   const char* op = CollectiveName(problem.op);
   const bool one_launch = OneLaunch(problem.algorithm) && problem.nranks > 1;
-  const bool replayable = Replays(problem);
+  const bool replayable = RunsReplayableProgram(problem);
   bool capturing = false;
   JO_CHECK(Capturing(stream, &capturing));
   // Before the call takes an epoch: every rank refuses alike, the clique stays usable.

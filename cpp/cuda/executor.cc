@@ -127,7 +127,7 @@ class Enqueuer {
                         " times: " + ToString(p_.ops[i], p_.problem.replayable));
     // A replayable program enqueues the same work every call: no epoch (half 0 of its own
     // buffers, values 1: CudaSite::EnqueueReplaying).
-    if (Replays(p_.problem) && (a_.epoch != 0 || a_.area != nullptr))
+    if (RunsReplayableProgram(p_.problem) && (a_.epoch != 0 || a_.area != nullptr))
       return Internal(a_.ctx.Describe() + ": a replayable program runs at epoch 0");
     for (const Op& op : p_.ops) has_fused_ = has_fused_ || op.kind == OpKind::kFusedGemm;
     if (has_fused_) JO_CHECK(DeviceFusedKernel(&fused_kernel_));
@@ -269,7 +269,7 @@ class Enqueuer {
   // fused GEMM + reduce-scatter waiting for its releases) stays cuStreamWaitValue32: the own
   // kernel raises it or ends on its own bound.
   bool BoundedWait(size_t i) const {
-    return Replays(p_.problem) && p_.ops[i].peer != p_.problem.rank;
+    return RunsReplayableProgram(p_.problem) && p_.ops[i].peer != p_.problem.rank;
   }
 
   Status PrepareBoundedWait(const Op& op, Step* step) {
@@ -552,7 +552,7 @@ class Enqueuer {
       // A replayable call's: a give-up traps (no host gate stops its replays' later work) and
       // is recorded where the trap leaves it readable, watched standing (docs/gpu-internals.md
       // §8, "A dead peer").
-      if (Replays(p_.problem)) {
+      if (RunsReplayableProgram(p_.problem)) {
         if (a_.fused_fault == nullptr)
           return Internal(a_.ctx.Describe() +
                           ": a replayable program's fused GEMM has no fault record");

@@ -215,7 +215,7 @@ inline Status DecodeDesc(const CallAttrs& a, CallDesc* out) {
 // (CudaSite::Enqueue), so it never does. jaxoverlap/_executors/call.py NativeCall.replays is
 // the lowering's side of this rule.
 inline bool Replays(const Problem& q) {
-  return q.nranks > 1 && (OneLaunch(q.algorithm) || q.replayable);
+  return (q.nranks > 1 && OneLaunch(q.algorithm)) || RunsReplayableProgram(q);
 }
 
 // The CUDA handlers' check of the target a call came through: a call that replays through

@@ -127,6 +127,22 @@ def test_only_the_calls_that_replay_are_command_buffer_compatible(gpu_lowering, 
         assert f"algorithm = {ids} : i32" in calls[0], calls[0]
 
 
+def test_a_call_of_one_rank_never_goes_to_the_command_buffer_compatible_target(gpu_lowering):
+    """A call of one rank takes the executor's ordinary path whatever it asks (its program is its
+    own GEMM: CudaSite::Enqueue), and that path refuses capture: so it lowers to its op's own
+    target, never to jaxoverlap_cuda_replayable, a kernel algorithm's or a replayable plan's."""
+    mesh = tp_mesh(1)
+    x = jnp.ones((1, 32), jnp.bfloat16)
+    w = jnp.ones((32, 8), jnp.bfloat16)
+    for algorithm, transport in (("one_shot_kernel", "p2p"), ("two_shot_kernel", "multicast")):
+        text = _lower(jax.shard_map(
+            lambda a, b, algorithm=algorithm, transport=transport: jo.matmul_ar(
+                a, b, "tp", impl="native", transport=transport, algorithm=algorithm),
+            mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()), x, w)
+        calls = [line for line in text.splitlines() if "custom_call @jaxoverlap" in line]
+        assert len(calls) == 1 and "@jaxoverlap_cuda_matmul_ar(" in calls[0], (algorithm, calls)
+
+
 def _value(text: str):
     """One attribute of the lowered custom call (MLIR text) as Python: bool, int, str, or the
     list of an i64 array (a splat ``dense<v> : tensor<Nxi64>`` repeated N times)."""
