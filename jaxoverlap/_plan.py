@@ -616,6 +616,20 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
     transports = ((transport,) if transport else
                   capabilities.offered_transports(capabilities.current_platform())) \
         if native_ok else ()
+    # The kernels bounded by the GPU's clock run only from a cubin of the GPU's architecture
+    # (capabilities.clocked_kernel_reason): where it lacks one, the model offers neither the
+    # one-launch kernels over that transport nor the replayable programs (whose flag wait is
+    # one), unless the call asked for a kernel algorithm itself (the executor then refuses it,
+    # saying why).
+    platform = capabilities.current_platform()
+    asked_kernel = len(algorithms) == 1 and algorithms[0] in KERNEL_ALGORITHMS
+    refused = {f: why for f in dict.fromkeys(capabilities.CLOCKED_KERNELS.values())
+               if (why := capabilities.clocked_kernel_reason(platform, f))}
+    no_kernel_over = () if asked_kernel else tuple(
+        t for t in transports if capabilities.CLOCKED_KERNELS.get(t) in refused)
+    replays = capabilities.FLAG_WAIT_KERNELS not in refused
+    for why in refused.values():
+        logger.debug("%s: %s; the model picks among the other plans.", op, why)
     if fused:
         fused_mode = "only"
         transports = tuple(t for t in transports if t in FUSED_TRANSPORTS)
@@ -631,7 +645,8 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
             tuple(c for c in _CHUNK_OPTIONS if rows_per_shard % c == 0)
             if chunks is None else (chunks,),
             (False, True) if bidirectional is None else (bidirectional,), algorithms,
-            fused_mode, block_scaled=block_scaled)
+            fused_mode, block_scaled=block_scaled, no_kernel_over=no_kernel_over,
+            replays=replays)
     except (ValueError, OSError) as err:
         raise ValueError(f"{op}: the performance model (preset={preset!r}) failed: {err}") from err
 
@@ -639,21 +654,26 @@ def _model_pick(op, x, w, n, axis, rows_per_shard, impl, forced_native, transpor
 @functools.lru_cache(maxsize=512)
 def _model_choice(op: str, shape: Any, dtype: str, n: int, preset: str, impls: tuple,
                   transports: tuple, chunks: tuple, bidirectional: tuple, algorithms: tuple,
-                  fused: str = "no", block_scaled: bool = False):
+                  fused: str = "no", block_scaled: bool = False, no_kernel_over: tuple = (),
+                  replays: bool = True):
     """The model's pick among the allowed plans (cached per call-site signature);
     ``algorithms``: matmul_ar's allowed algorithms; ``fused``: "no" (no fused plan), "allowed"
     (the fused plans too, where the preset's GPU runs them: ``sim.fused.why_not``) or "only"
     (asked for: the fused plans only); ``block_scaled``: fp8 operands with block scales, which
-    the xla and ring impls dequantize and multiply in float32 (the model prices that)."""
+    the xla and ring impls dequantize and multiply in float32 (the model prices that);
+    ``no_kernel_over``: transports whose one-launch kernels these GPUs would refuse;
+    ``replays``: whether they run the replayable programs (their flag wait)."""
     from jaxoverlap import sim
 
     cands = [
         c for c in sim.candidates(preset, n, shape, chunk_options=_CHUNK_OPTIONS, impls=impls,
                                   transports=transports or None, op=op, algorithms=algorithms,
                                   fused=fused != "no", dtype=dtype)
-        if (c.impl == "xla" and fused != "only")
-        or (c.chunks in chunks and c.bidirectional in bidirectional
-            and (c.fused or fused != "only"))
+        if ((c.impl == "xla" and fused != "only")
+            or (c.chunks in chunks and c.bidirectional in bidirectional
+                and (c.fused or fused != "only")))
+        and not (c.algorithm in KERNEL_ALGORITHMS and c.transport in no_kernel_over)
+        and (replays or not c.replayable)
     ]
     if fused == "only" and not any(c.fused for c in cands):
         p = sim.load_preset(preset)

@@ -278,6 +278,45 @@ def fused_device_reason(platform: str, dtype: str | None = None) -> str | None:
     return None
 
 
+# The kernels whose waits are bounded by the GPU's %globaltimer — the flag wait of a replayable
+# program, matmul_ar's one-launch all-reduce — run only from a cubin, never JIT-compiled from
+# PTX (whose %globaltimer the PTX ISA leaves unspecified): the executor refuses them at set-up
+# (cpp/cuda/kernels/kernels_common.cc PrepareKernel). Over p2p (and the flag wait) they are the
+# "add" kernels' code, over multicast the "multimem" kernels' (the build's kernel_images).
+CLOCKED_KERNELS = {"p2p": "add", "multicast": "multimem"}
+FLAG_WAIT_KERNELS = "add"
+
+
+def _runs_cubin(image: str, cc: tuple[int, int]) -> bool:
+    """Whether a device of compute capability ``cc`` runs the cubin ``image`` ("sm_90",
+    "sm_100", "sm_90a"): one of the same major and a minor no larger, and an arch-specific
+    ("a") one only on its own (CUDA C++ Programming Guide, "Binary Compatibility")."""
+    digits = image.removeprefix("sm_").rstrip("abf")
+    major, minor = int(digits[:-1]), int(digits[-1])
+    if image[-1] in "abf":
+        return (major, minor) == cc
+    return major == cc[0] and minor <= cc[1]
+
+
+def clocked_kernel_reason(platform: str, family: str) -> str | None:
+    """Why the clock-bounded kernels of the kernel ``family`` (:data:`CLOCKED_KERNELS`) would
+    be refused on this process's GPUs of ``platform`` (None: every GPU has a cubin of it that
+    it runs, or the platform has no such kernels)."""
+    if platform not in GPU_PLATFORMS or runtime.cuda_error() is not None:
+        return None
+    devices = gpu_table().get("devices", [])
+    images = tuple(runtime.load_cuda().build_info()["kernel_images"].get(family, ()))
+    cubins = [i for i in images if i.startswith("sm_")]
+    lacking = sorted({"sm_{}{}".format(*d["compute_capability"]) for d in devices
+                      if not any(_runs_cubin(i, tuple(d["compute_capability"])) for i in cubins)})
+    if not lacking:
+        return None
+    return (f"GPU(s) of {', '.join(lacking)} have no cubin of the {family} kernels (built: "
+            f"{', '.join(images) or 'none'}): the kernels that bound their waits with the GPU's "
+            "clock (a replayable program's flag wait, matmul_ar's one-launch all-reduce) would "
+            "be JIT-compiled from PTX, which the executor refuses")
+
+
 def offered_transports(platform: str) -> tuple[str, ...]:
     """Transports that can serve calls among this process's devices of ``platform``.
 

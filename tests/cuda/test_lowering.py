@@ -506,3 +506,49 @@ def test_mxfp8_scales_of_a_3d_x_tiled_by_the_lowering_give_the_reference_on_the_
         except AssertionError as e:
             e.add_note(f"in the case {(op, x_shape)}")
             raise
+
+
+def _plan_traced(monkeypatch, op_fn, x_shape, w_shape, specs, out_spec) -> OpPlan:
+    """The plan a call of 8 ranks gets where it is traced (``_plan.make``, spied on)."""
+    from jaxoverlap import _plan as planning
+
+    seen: list[OpPlan] = []
+    real = planning.make
+    monkeypatch.setattr(planning, "make", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    fn = jax.shard_map(op_fn, mesh=tp_mesh(8), in_specs=specs, out_specs=out_spec)
+    jax.jit(fn).trace(jax.ShapeDtypeStruct(x_shape, jnp.bfloat16),
+                      jax.ShapeDtypeStruct(w_shape, jnp.bfloat16))
+    return seen[0]
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (10, 0), (12, 0)], ids=["sm_90", "sm_100", "sm_120"])
+def test_auto_offers_the_clock_bounded_kernels_only_where_the_gpus_run_their_cubins(
+        monkeypatch, cuda, caplog, cc):
+    """A decode step's matmul_ar with a preset (h100): the model picks a one-launch all-reduce
+    kernel where the GPUs have a cubin of it (the build's sm_90 and sm_100 ones, an sm_100
+    cubin running on 10.x), and where they would JIT-compile it from PTX (sm_120: the executor
+    refuses a kernel bounded by %globaltimer there) it picks among the other plans, saying why,
+    and asks for no replayable program either (its flag wait is such a kernel)."""
+    monkeypatch.setattr(capabilities, "gpu_table", lambda: table(n=8, cc=cc, name="GPU"))
+    monkeypatch.setattr(capabilities, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(capabilities, "offered_transports",
+                        lambda platform: _kinds.names(_kinds.TRANSPORTS))
+    monkeypatch.setenv("JAXOVERLAP_PRESET", "h100")
+    monkeypatch.setenv("JAXOVERLAP_LOG", "debug")
+    runs_cubins = cc != (12, 0)
+    assert (capabilities.clocked_kernel_reason("cuda", "add") is None) == runs_cubins
+    with caplog.at_level("DEBUG", logger="jaxoverlap"):
+        plan = _plan_traced(
+            monkeypatch, lambda a, b: jo.matmul_ar(a, b, "tp"), (8, 8 * 1024),
+            (8 * 1024, 8192), (P(None, "tp"), P("tp", None)), P())
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert (plan.algorithm in ("one_shot_kernel", "two_shot_kernel")) == runs_cubins, plan
+    assert ("sm_120 have no cubin of the add kernels" in text) == (not runs_cubins), text
+    if not runs_cubins:
+        assert not plan.replayable and "JIT-compiled from PTX" in text
+        # asked for by name, the kernel stays the call's: the executor refuses it at set-up,
+        # naming the cause (test_one_launch.py, the sm_120 refusal)
+        asked = _plan_traced(
+            monkeypatch, lambda a, b: jo.matmul_ar(a, b, "tp", algorithm="one_shot_kernel"),
+            (8, 8 * 1024), (8 * 1024, 8192), (P(None, "tp"), P("tp", None)), P())
+        assert asked.algorithm == "one_shot_kernel", asked
