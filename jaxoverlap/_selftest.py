@@ -88,7 +88,9 @@ def _not_replayable(op: str, transport: str) -> str | None:
     if op in REPLAYABLE_OPS and transport in REPLAYABLE_TRANSPORTS:
         return None
     return ("nccl: its calls capture, but a dead peer under replay has no bound (no per-call "
-            "watchdog lease runs in a replay)")
+            "watchdog lease runs in a replay), NCCL requires every rank to capture an operation "
+            "alike where XLA decides per process, and NCCL's guide warns that capture with "
+            "several GPUs per process may deadlock (docs/gpu.md §6)")
 
 
 # Unit roundoff of each dtype (half the distance from 1 to the next number).

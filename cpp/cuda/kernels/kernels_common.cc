@@ -242,8 +242,9 @@ Status LoadKernel(const void* k, const char* what, const ErrorContext& ctx,
               "device " + std::to_string(device) + " (" + Sm(major * 10 + minor) +
               ") has no cubin of it: it would JIT-compile it from compute_" +
               std::to_string(attr.ptxVersion) + " (kernels built: " + KernelsDescription() +
-              "); build for this GPU (cpp/cuda/CMakeLists.txt, JO_ADD_KERNEL_ARCHS) or use " +
-              "impl='xla'";
+              "); build for this GPU (cpp/cuda/CMakeLists.txt, JO_ADD_KERNEL_ARCHS), or run " +
+              "without it: matmul_ar's algorithm='one_shot' or 'two_shot' (separate ops), " +
+              "impl='auto' (which leaves these kernels out on such GPUs) or impl='xla'";
   }
   std::lock_guard<std::mutex> lock(g_verdicts_mu);
   Verdicts()[{device, k}] = verdict;
