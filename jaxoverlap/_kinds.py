@@ -289,6 +289,14 @@ def ar_algorithm(name: str) -> Algorithm:
     return _by_name(ALGORITHMS, "algorithm", name)
 
 
+def call_replays(algorithm: str, replayable: bool, nranks: int) -> bool:
+    """Whether a call may be captured into a command buffer and replayed (docs/gpu.md §6): a
+    one-launch kernel algorithm's, or a program built replayable, of more than one rank. The
+    one rule of the lowering's routing (``NativeCall.replays``) and the model's pricing
+    (``sim.launch.replays``); the handlers hold the same (``cpp/ffi/ffi_call.h`` ``Replays``)."""
+    return nranks > 1 and (ar_algorithm(algorithm).kernel or replayable)
+
+
 def dtype(name) -> DType:
     """The dtype of ``name``: JAX's name (or a NumPy dtype: its ``.name``), the short one, or
     an alias."""

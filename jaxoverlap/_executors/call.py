@@ -19,9 +19,10 @@ import hashlib
 import jax
 import numpy as np
 
+from jaxoverlap import _kinds
 from jaxoverlap._executors import capabilities
 from jaxoverlap._fused_gemm import FUSED_TRANSPORTS
-from jaxoverlap._one_launch import KERNEL_ALGORITHMS, KERNEL_TRANSPORTS, without_kernel
+from jaxoverlap._one_launch import KERNEL_TRANSPORTS, without_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +62,11 @@ class NativeCall:
 
     @property
     def replays(self) -> bool:
-        """Whether the call may be captured into a command buffer and replayed (docs/gpu.md §6):
-        a kernel algorithm's or a program built replayable, of more than one rank. Its GPU
-        handler is then the command-buffer compatible one, which refuses any other call and
-        the other handlers it (``cpp/ffi/ffi_call.h`` ``Replays``, ``CheckTarget``)."""
-        return self.axis_size > 1 and (self.algorithm in KERNEL_ALGORITHMS or self.replayable)
+        """Whether the call may be captured into a command buffer and replayed
+        (``_kinds.call_replays``). Its GPU handler is then the command-buffer compatible one,
+        which refuses any other call and the other handlers it (``cpp/ffi/ffi_call.h``
+        ``CheckTarget``)."""
+        return _kinds.call_replays(self.algorithm, self.replayable, self.axis_size)
 
     def groups(self) -> list[tuple[Rank, ...]]:
         """The cliques: one per group of the other mesh axes, ranks in axis order."""

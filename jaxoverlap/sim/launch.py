@@ -37,11 +37,9 @@ US = 1e-6
 def replays(program: dict[str, Any], nranks: int) -> bool:
     """Whether one rank's program (``_host.build_program``'s dict) of a call of ``nranks`` ranks
     replays, so that the call is routed to the command-buffer compatible target and priced
-    captured: a one-launch kernel algorithm's, or a program built replayable, of more than one
-    rank (the handlers' rule, ``cpp/ffi/ffi_call.h`` ``Replays``)."""
-    algorithm = program.get("algorithm") or "two_shot"
-    return nranks > 1 and (_kinds.ar_algorithm(algorithm).kernel
-                           or bool(program.get("replayable")))
+    captured (``_kinds.call_replays``)."""
+    return _kinds.call_replays(program.get("algorithm") or "two_shot",
+                               bool(program.get("replayable")), nranks)
 
 
 def host_enqueue(p: Preset, ops: int, calls: int = 1) -> float:

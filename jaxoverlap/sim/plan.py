@@ -79,6 +79,12 @@ class Candidate:
                 "replay, and the kernel algorithms replay as they are (docs/gpu.md §6)")
 
     @property
+    def plain(self) -> Candidate:
+        """This plan with its plain program (the host enqueues it), the one its margin is
+        judged on."""
+        return dataclasses.replace(self, replayable=False)
+
+    @property
     def label(self) -> str:
         if self.impl == "xla":
             return "xla (unfused)"
@@ -480,7 +486,7 @@ def choose(op: str, shape: Shape, dtype: str, nranks: int, preset: Preset | str,
     for r in table:
         if r.t_fused < best.t_fused and clears(r) and (
                 not r.candidate.replayable
-                or dataclasses.replace(r.candidate, replayable=False) in plain_clears):
+                or r.candidate.plain in plain_clears):
             best = r
     plans = [r for r in table if r.candidate.impl != "xla"]
     decider = best if best is not xla else min(plans, key=lambda r: r.t_fused, default=None)

@@ -18,7 +18,6 @@ something open; ``note`` says what and what we assume.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -687,8 +686,7 @@ def kernel_rate(row: CallRow, p: Preset) -> float | None:
 def _twin(choice: Choice, c: Candidate) -> bool:
     """Whether the chooser's table has ``c``'s plan with its replayable program (then that
     program is the one a captured run compares with)."""
-    return c.replayable or c in {dataclasses.replace(r.candidate, replayable=False)
-                                 for r in choice.table if r.candidate.replayable}
+    return c.replayable or c in {r.candidate.plain for r in choice.table if r.candidate.replayable}
 
 
 @functools.cache
