@@ -51,7 +51,9 @@ def rand(key: int, shape, dtype=jnp.float32, *, scale: float = 1.0,
 
 
 def f64(a) -> np.ndarray:
-    return np.asarray(jnp.asarray(a, jnp.float32), dtype=np.float64)
+    """``a`` in float64, converted on the host (exact from every float dtype; a device array
+    converted on its device would compile a program per shape and sharding)."""
+    return np.asarray(a).astype(np.float64)
 
 
 def spec_on(ndim: int, dim: int, name="tp") -> P:
@@ -63,6 +65,10 @@ def spec_on(ndim: int, dim: int, name="tp") -> P:
 
 
 def put(a, mesh, spec) -> jax.Array:
+    """``a`` placed by ``spec`` over ``mesh``, split on the host (an array on one device split
+    on the devices would compile a slicing program per shape and sharding)."""
+    if isinstance(a, jax.Array) and a.is_fully_addressable:
+        a = np.asarray(a)
     return jax.device_put(a, NamedSharding(mesh, spec))
 
 
@@ -133,7 +139,7 @@ UNIT_ROUNDOFF = {jnp.dtype(jnp.float32): 2.0 ** -24, jnp.dtype(jnp.bfloat16): 2.
 
 def dequantized(a, scale) -> np.ndarray:
     """``a.astype(float32) * scale`` (the real value of an fp8 operand), in float64."""
-    return np.asarray(np.asarray(jnp.asarray(a, jnp.float32)) * np.float32(scale), np.float64)
+    return np.asarray(np.asarray(a).astype(np.float32) * np.float32(scale), np.float64)
 
 
 def assert_fp8_exact(y, ref, magnitude, out_dtype, *, k: int, reductions: int = 0) -> None:

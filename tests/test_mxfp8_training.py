@@ -49,7 +49,7 @@ def qdq(a, q_dtype, axis: int) -> np.ndarray:
 
 
 def f64(a) -> np.ndarray:
-    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    return np.asarray(a).astype(np.float64)
 
 
 def assert_equal_to_reference(got, want, magnitude) -> None:

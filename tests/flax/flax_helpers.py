@@ -52,7 +52,7 @@ def loss_of(y, target):
 
 
 def to_numpy(tree: Any) -> Any:
-    return jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64), tree)
+    return jax.tree.map(lambda a: np.asarray(a).astype(np.float64), tree)
 
 
 def assert_tree_close(actual: Any, expected: Any, dtype, what: str) -> None:
