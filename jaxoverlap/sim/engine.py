@@ -139,6 +139,10 @@ class _Engine:
         # one-launch all-reduce's) pays every node, as launch.call_time(captured=True) does.
         self.captured = all(launch.replays(pr, self.n) for pr in programs)
         self.node_seconds = launch.replay(preset, 1) if self.captured else 0.0
+        # each op's replayed nodes (model.op_nodes), by stream position: a blocked stream asks
+        # again at every step
+        self.nodes = ({key: [model.op_nodes(op) for _, op in ops]
+                       for key, ops in self.streams.items()} if self.node_seconds else {})
         self.pos = dict.fromkeys(self.streams, 0)
         self.finished = 0  # streams that ran their last op
         self.busy = dict.fromkeys(self.streams, False)
@@ -256,15 +260,21 @@ class _Engine:
     # ---- one stream ----------------------------------------------------------------------
     def advance(self, key: tuple[int, int]) -> bool:
         """Runs the stream as far as it can at ``now``; True if anything happened."""
+        # called millions of times per evaluation: what it reads is bound once
         ops = self.streams[key]
-        pos, busy, now = self.pos, self.busy, self.now
+        count = len(ops)
+        pos, busy, now, reached = self.pos, self.busy, self.now, self.reached
+        node_seconds = self.node_seconds
+        nodes = self.nodes.get(key)
+        spans = self.spans
         moved = False
-        r = key[0]
-        while pos[key] < len(ops) and not busy[key]:
-            idx, op = ops[pos[key]]
+        r, stream = key
+        while pos[key] < count and not busy[key]:
+            at = pos[key]
+            idx, op = ops[at]
             kind = op["kind"]
-            if self.node_seconds:  # a replayed node starts its op
-                ready = self.reached[key] + self.node_seconds * model.op_nodes(op)
+            if node_seconds:  # a replayed node starts its op
+                ready = reached[key] + node_seconds * nodes[at]
                 if ready > now:
                     self.at(ready, _nothing)
                     self.blocked[key] = (now, self.version[r])
@@ -272,42 +282,46 @@ class _Engine:
             if kind == "Wait":
                 t = self.flags.get((r, op["id"]))
                 if t is not None and (r, idx) in self.wait_kernels:  # its kernel's start first
-                    t = max(t, self.reached[key] + self.p.ar_start_us * model.US)
+                    t = max(t, reached[key] + self.p.ar_start_us * model.US)
                     if t > now:
                         self.at(t, _nothing)
                 if t is None or t > now:
                     self.blocked[key] = (now, self.version[r])
                     return moved
-                self.span(key, idx, op, self.reached[key])
-                self.finish(key)
             elif kind == "ResetFlags":  # its own flags lowered (a stream write each), in order
+                flags = self.flags
                 for f in range(op["id"], op["id"] + op["n"]):
-                    self.flags.pop((r, f), None)
+                    flags.pop((r, f), None)
                 self.version[r] += 1
-                self.span(key, idx, op, self.reached[key])
-                self.finish(key)
             elif kind == "StreamWait":
                 t = self.events.get((r, op["id"]))
                 if t is None or t + self.event_latency > now:
                     self.blocked[key] = (now, self.version[r])
                     return moved
-                self.span(key, idx, op, self.reached[key])
-                self.finish(key)
             elif kind == "Signal":
                 self.raise_flag((op["peer"], op["id"]), now + self.signal_latency)
-                self.span(key, idx, op, self.reached[key])
-                self.finish(key)
             elif kind == "Record":
                 self.events[(r, op["id"])] = now
                 self.version[r] += 1
                 if self.event_latency:
                     self.at(now + self.event_latency, _nothing)
-                self.span(key, idx, op, self.reached[key])
-                self.finish(key)
             elif kind == "Send" or kind == "Recv":
                 self.post_group(key)
+                moved = True
+                continue
             else:
                 self.start_work(key, idx, op)
+                moved = True
+                continue
+            # a stream op done at once: its span from when the stream reached it (as span()),
+            # then the stream moves on (as finish(); the stream is not busy)
+            spans.append(Span(r, stream, idx, kind, op["text"], reached[key], now,
+                              op.get("chunk", -1), op.get("sub", -1)))
+            pos[key] = at + 1
+            if at + 1 == count:
+                self.finished += 1
+            reached[key] = now
+            self.blocked.pop(key, None)
             moved = True
         return moved
 
@@ -494,6 +508,7 @@ class _Engine:
     def run(self) -> Timeline:
         # the loop runs hundreds of thousands of times per call: what it reads is bound once
         busy, blocked, version, heap = self.busy, self.blocked, self.version, self.heap
+        advance = self.advance
         live = list(self.streams)  # the streams with ops left, in the order they are scanned
         finished = self.finished
         never = float("inf")
@@ -511,7 +526,7 @@ class _Engine:
                     seen = blocked.get(key)  # could not move at (now, its rank's version)
                     if seen is not None and seen[0] == now and seen[1] == version[key[0]]:
                         continue
-                    if self.advance(key):
+                    if advance(key):
                         progress = True
                 for run in self.fused:  # polling starts tiles; only a callback ends a run
                     if run.poll():
@@ -533,14 +548,16 @@ class _Engine:
             dt = t_next - now
             self.now = now = t_next
             done = []
+            kept = []
             for a in activities:
                 a.remaining -= a.rate * dt
                 scale = 1e-3 if a.ports else 1e-15  # bytes / seconds
                 if a is finishing or a.remaining <= scale:
                     done.append(a)
+                else:
+                    kept.append(a)
             if done:
-                ended = {id(a) for a in done}
-                self.activities = [a for a in activities if id(a) not in ended]
+                self.activities = kept
                 self.rates_stale = True
                 for a in done:
                     a.on_done()
@@ -591,14 +608,25 @@ class _FusedGemm:
 
     def queue(self, lane: int, a: int, b: int) -> None:
         """Units [a, b) of `lane` (one per CTA) wait for their runs' blocks."""
-        runs = self.plan.lanes[lane].runs
-        b = min(b, self.plan.lanes[lane].units)
+        of = self.plan.lanes[lane]
+        runs, units = of.runs, of.units
+        if b > units:
+            b = units
         self.idle_at = None
-        i = max(0, bisect.bisect_right(self.starts[lane], a) - 1)
-        while i < len(runs) and runs[i].start < b:
-            lo, hi = max(a, runs[i].start), min(b, runs[i].end)
+        i = bisect.bisect_right(self.starts[lane], a) - 1
+        if i < 0:
+            i = 0
+        stalled, count = self.stalled, len(runs)
+        while i < count:  # the runs of [a, b): each cut to it (as max(a, start), min(b, end))
+            run = runs[i]
+            start = run.start
+            if start >= b:
+                break
+            end = run.end
+            lo = a if a >= start else start
+            hi = b if b <= end else end
             if lo < hi:
-                self.stalled.append((lane, lo, hi, i))
+                stalled.append((lane, lo, hi, i))
             i += 1
 
     def poll(self) -> bool:
