@@ -265,7 +265,7 @@ class _Engine:
         count = len(ops)
         pos, busy, now, reached = self.pos, self.busy, self.now, self.reached
         node_seconds = self.node_seconds
-        nodes = self.nodes.get(key)
+        nodes = self.nodes[key] if node_seconds else None
         spans = self.spans
         moved = False
         r, stream = key
@@ -636,16 +636,17 @@ class _FusedGemm:
             return False
         flags, now, waits = e.flags, e.now, self.waits
         started = []
+        rest = []
         for c in self.stalled:
             for flag in waits[c[0]][c[3]]:  # every block it waits for arrived?
                 t = flags.get(flag)
                 if t is None or t > now:
+                    rest.append(c)
                     break
             else:
                 started.append(c)
         if started:  # equal cohorts wait for the same blocks: all of them started
-            begun = set(started)
-            self.stalled = [c for c in self.stalled if c not in begun]
+            self.stalled = rest
         for c in started:
             e.add(_Activity(self.plan.tile_seconds, lambda c=c: self.stored(*c), rank=self.rank,
                             spared=self.spared))
