@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import put, rand, tp_mesh
+from helpers import f64, put, rand, tp_mesh
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -46,10 +46,6 @@ def qdq(a, q_dtype, axis: int) -> np.ndarray:
     scaled = np.clip(blocks / 2.0 ** exponent, -top, top)
     values = scaled.astype(ML[q_dtype]).astype(np.float64) * 2.0 ** exponent
     return np.moveaxis(values.reshape(v.shape), -1, axis)
-
-
-def f64(a) -> np.ndarray:
-    return np.asarray(a).astype(np.float64)
 
 
 def assert_equal_to_reference(got, want, magnitude) -> None:

@@ -683,10 +683,10 @@ def kernel_rate(row: CallRow, p: Preset) -> float | None:
     return fused.kernel_busy(p, row.dtype, 1, m, row.n, row.k) / (target - overhead)
 
 
-def _twin(choice: Choice, c: Candidate) -> bool:
-    """Whether the chooser's table has ``c``'s plan with its replayable program (then that
-    program is the one a captured run compares with)."""
-    return c.replayable or c in {r.candidate.plain for r in choice.table if r.candidate.replayable}
+def _twinned(choice: Choice) -> set[Candidate]:
+    """The plans of the chooser's table that have a replayable twin (then that program is the
+    one a captured run compares with)."""
+    return {r.candidate.plain for r in choice.table if r.candidate.replayable}
 
 
 @functools.cache
@@ -705,8 +705,10 @@ def evaluate_call(row: CallRow) -> CallResult:
     # Every GEMM with its communication in the set was timed eagerly or unknowably, so a
     # capture's saving is checked by no row (docs/performance.md §2.5).
     captured = families.DESIGNS[row.design].timed == "graphs"
+    twinned = _twinned(choice) if captured else set()
     natives = [r for r in choice.table if r.candidate.impl == "native"
-               and r.candidate.replayable == (captured and _twin(choice, r.candidate))]
+               and r.candidate.replayable == (captured and (r.candidate.replayable
+                                                            or r.candidate in twinned))]
     theirs = kernel_rate(row, p)
     if theirs is not None:  # the fused plans with the published kernel's own GEMM rate
         q = p.replace(fused_gemm_rate=theirs)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import dp_tp_mesh, tp_mesh
+from helpers import dp_tp_mesh, f64, tp_mesh
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -52,7 +52,7 @@ def loss_of(y, target):
 
 
 def to_numpy(tree: Any) -> Any:
-    return jax.tree.map(lambda a: np.asarray(a).astype(np.float64), tree)
+    return jax.tree.map(f64, tree)
 
 
 def assert_tree_close(actual: Any, expected: Any, dtype, what: str) -> None:
