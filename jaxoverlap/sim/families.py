@@ -124,14 +124,22 @@ DESIGNS: dict[str, Design] = {d.name: d for d in (
            timed="unknown",
            timed_by="PR #143160 gives numbers and a chart, no script"),
     Design("flux-rs", "matmul_rs:fused",
-           "Hopper, fuse_reduction=False: the GEMM kernel's extra warps TMA-pull peers' tiles "
-           "into a local reduce buffer; after a barrier a separate torch sum over the N "
-           "stacked partials",
+           "Hopper, fuse_reduction=False (from db4ffe0 on; the only mode for bf16): the GEMM "
+           "kernel's extra warps TMA-pull peers' tiles into a reduce buffer of the whole "
+           "output; after the kernel a separate torch sum over the N stacked partials",
            "bytedance/flux src/gemm_rs/sm90_reduce_scatter_utils.hpp, "
            "ths_op/gemm_reduce_scatter.cc",
            timed="eager",
            timed_by="test/python/gemm_rs/test_gemm_rs.py perf_flux: a CUDA event pair around each"
                     " host call"),
+    Design("flux-rs-inkernel", "matmul_rs:fused",
+           "Hopper, the 2024 release: the GEMM kernel's extra warps TMA-pull peers' tiles and "
+           "add them in place (red.global.add) into a buffer of the own block; after the "
+           "kernel a copy of that block",
+           "bytedance/flux @239a13d src/reduce_scatter/sm90_reduce_scatter_utils.hpp, "
+           "ths_op/gemm_reduce_scatter.cc",
+           timed="eager",
+           timed_by="test/test_gemm_rs.py perf_flux: a CUDA event pair around each host call"),
     Design("triton-dist-rs", "matmul_rs:fused",
            "intra-node: a persistent GEMM on every SM stores its partial locally; the copy "
            "engine pushes each destination's block once its tiles are stored; after a barrier "

@@ -239,39 +239,57 @@ def overlapped(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks
 STACKED_SUM_HBM = (0.23, 0.43)
 
 
+# What Flux's Hopper GEMM+RS does with the peers' tiles it pulls, by release of its code:
+# "stacked" (bytedance/flux db4ffe0 and later, ``fuse_reduction=False``, the only mode its
+# constructor takes for bf16): each tile copied into a reduce buffer of the whole output, [M,
+# cols], then ATen's sum over the N stacked partials; "in_kernel" (239a13d, the commit of its
+# README's H800 table): the own tile copied, then each peer's tile added in place
+# (``red.global.add``) into a buffer of the own block only, [M/N, cols], then a copy of it
+# (ATen's sum over a dim of one).
+PULLED_REDUCES = ("stacked", "in_kernel")
+
+
 @dataclass(frozen=True)
 class Pulled:
     """A projection of Flux's Hopper GEMM+RS (``pulled``): its parts, in seconds."""
 
     seconds: float
-    gemm: float  # the persistent GEMM on every SM, slowed by the pulled bytes beside it
+    gemm: float  # the persistent GEMM on every SM, slowed by the bytes moved beside it
     pulls: float  # the N - 1 peers' tiles of the own block over the links
     last: float  # exposed after the GEMM: the last wave's pulls
-    barrier: float  # the barrier before the sum (one flag round)
-    sum: float  # the separate stacked sum of the N partials of the own block
+    sum: float  # after the kernel: the stacked sum of the N partials, or a copy of the block
 
 
 def pulled(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: int,
-           sum_efficiency: float | None = None) -> Pulled:
+           sum_efficiency: float | None = None, reduce: str = "stacked") -> Pulled:
     """A projection (of a published design, not of our programs: label it so) of Flux's
-    Hopper GEMM+RS with ``fuse_reduction=False`` (bytedance/flux @19831ca,
+    Hopper GEMM+RS on one node (bytedance/flux @19831ca,
     ``src/gemm_rs/sm90_gemm_tma_warpspecialized_cooperative_reduce_scatter.hpp``,
-    ``sm90_reduce_scatter_utils.hpp``, ``ths_op/gemm_reduce_scatter.cc``):
+    ``sm90_reduce_scatter_utils.hpp``, ``ths_op/gemm_reduce_scatter.cc``; @239a13d the same
+    files under ``src/reduce_scatter/``):
 
     * a CUTLASS cooperative persistent GEMM on every SM (at ``fused_gemm_rate``) whose
       producer warp group carries a fetch warp and a reduce warp: for each tile a CTA computes,
       the fetch warp waits on the source rank's flag of the same tile of *this* rank's rows and
-      TMA-loads it from that peer, the reduce warp copies it into a local reduce buffer
-      [M, cols]. The M blocks are XOR-swizzled by rank (``tile_mappings.hpp``), so the peer
-      computes that tile at the same time: each pull waits about one tile, the pulls (N - 1
-      blocks over the links) run beside the GEMM and only the last wave's are exposed;
-    * their bytes slow the GEMM (``model.compute_rate``): the whole partial read by its owners'
-      fetches and the whole reduce buffer written, 2 x the output through this GPU's HBM;
-    * after the kernel a barrier (one flag round) and a separate ATen ``buffer.sum(0)`` over
-      [N, M/N, cols]: N reads and one write of the block at ``sum_efficiency`` of HBM
-      (``STACKED_SUM_HBM``; None: the middle of the published range), plus a kernel's start.
+      TMA-loads it from that peer, the reduce warp writes it into a local reduce buffer
+      (``reduce``: ``PULLED_REDUCES``). The M blocks are XOR-swizzled by rank
+      (``tile_mappings.hpp``), so the peer computes that tile at the same time: each pull waits
+      about one tile, the pulls (N - 1 blocks over the links) run beside the GEMM and only the
+      last wave's are exposed;
+    * the bytes through this GPU's HBM beside the GEMM slow it (``model.compute_rate``): the
+      whole partial read by its owners' fetches, and the reduce buffer written: the whole
+      output ("stacked"), or the own block once ("in_kernel": the in-place adds land in L2);
+    * after the kernel no barrier (the host skips it on Hopper with one node:
+      ``GemmRS::forward_barrier``), then ATen's ``sum(0)``: over [N, M/N, cols] ("stacked"),
+      N reads and one write of the block at ``sum_efficiency`` of HBM (``STACKED_SUM_HBM``;
+      None: the middle of the published range), or over a dim of one ("in_kernel"), a copy of
+      the block at ``reduce_efficiency`` of HBM; plus a kernel's start.
 
     Nothing here is fitted to Flux's published times."""
+    if reduce not in PULLED_REDUCES:
+        raise ValueError(f"reduce: one of {PULLED_REDUCES}, got {reduce!r}")
+    if reduce == "in_kernel" and sum_efficiency is not None:
+        raise ValueError("sum_efficiency: the in-kernel design has no stacked sum (None)")
     p.check_group(nranks)
     if m % nranks:
         raise ValueError(f"m={m}: the reduce-scatter splits the rows into {nranks} blocks")
@@ -282,12 +300,16 @@ def pulled(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: in
     out = batch * m * n * dtype_bytes(output_dtype(dtype))
     block = out / nranks
     alone = fused.kernel_busy(p, dtype, batch, m, n, k) / p.fused_gemm_rate
-    gemm = alone / model.compute_rate(p, 0, 2 * out / max(alone, 1e-12))
+    beside = 2 * out if reduce == "stacked" else out + block
+    gemm = alone / model.compute_rate(p, 0, beside / max(alone, 1e-12))
     link = (p.p2p_load_gbps or p.link_gbps) * 1e9
     pulls = (nranks - 1) * block / link
     tm, tn = fused.kernel_tile(p, dtype)
     last = min(p.sms * tm * tn * dtype_bytes(output_dtype(dtype)), block) / link
-    barrier = p.signal_latency_us * US
-    total_sum = (nranks + 1) * block / (eff * p.hbm_gbps * 1e9) + p.ar_start_us * US
-    t = p.gemm_overhead_us * US + max(gemm, pulls) + last + barrier + total_sum
-    return Pulled(t, gemm, pulls, last, barrier, total_sum)
+    if reduce == "stacked":
+        after = (nranks + 1) * block / (eff * p.hbm_gbps * 1e9)
+    else:
+        after = 2 * block / (p.reduce_efficiency * p.hbm_gbps * 1e9)
+    total_sum = after + p.ar_start_us * US
+    t = p.gemm_overhead_us * US + max(gemm, pulls) + last + total_sum
+    return Pulled(t, gemm, pulls, last, total_sum)

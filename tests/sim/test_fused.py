@@ -406,7 +406,7 @@ def test_standard_ag_h100_picks_fused_near_the_published_fused_kernels():
 @pytest.mark.slow  # two choices at the standard shape: seconds
 def test_standard_rs_h100_picks_the_fused_program_reducing_beside_the_kernel():
     """RS std is F8/8192's shape on F8's machine, where Flux's fused GEMM+RS lost (0.84x; its
-    mechanism priced by the model: 1.07x, sim.reduction.pulled). The fused program that
+    mechanism priced by the model: 1.05x, sim.reduction.pulled). The fused program that
     reduces each round beside the kernel (multicast) answers to the copy-engine designs it is
     built from (Triton-distributed: 1.23x at nearly this shape on 8xH100, PR #166) and is
     picked: the fastest plan, above its family's margin; the release-only fused GEMM+RS (its

@@ -311,7 +311,7 @@ def test_the_margins_are_derived_per_family_from_the_measured_error():
     assert h100.margin("matmul_rs", "matmul_rs:overlapped") == pytest.approx(
         max(1 - 1 / max(built), 0.08), abs=1e-3)
     # the release-only fused GEMM+RS answers to Flux's design priced by its own mechanism
-    # (sim.reduction.pulled: 1.04-1.15x projected where Flux lost on 8xH100, F8) and to our
+    # (sim.reduction.pulled: 1.04-1.17x projected where Flux lost on 8xH100, F8) and to our
     # plan of that family at the same rows, the more optimistic of the two
     flux = [r for r in published.evaluate()
             if r.row.machine == "h100" and r.row.design == "flux-rs"]
