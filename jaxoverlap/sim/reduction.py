@@ -278,7 +278,9 @@ def pulled(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: in
       last wave's are exposed;
     * the bytes through this GPU's HBM beside the GEMM slow it (``model.compute_rate``): the
       whole partial read by its owners' fetches, and the reduce buffer written: the whole
-      output ("stacked"), or the own block once ("in_kernel": the in-place adds land in L2);
+      output ("stacked"), or the own block once ("in_kernel": the in-place adds land in L2,
+      which holds the block at the published shape, F2's 12 MiB; a block larger than L2
+      would pay its read-modify-writes in HBM, not priced here);
     * after the kernel no barrier (the host skips it on Hopper with one node:
       ``GemmRS::forward_barrier``), then ATen's ``sum(0)``: over [N, M/N, cols] ("stacked"),
       N reads and one write of the block at ``sum_efficiency`` of HBM (``STACKED_SUM_HBM``;
