@@ -1072,7 +1072,8 @@ def markdown_pulled_table(machines: Sequence[str] = ("h100", "h800")) -> str:
     for c in overlapped_checks(machines, tuple(PULLED_DESIGNS)):
         r = c.row
         if PULLED_DESIGNS[r.design] == "stacked":
-            ends = " / ".join(f"{design_projection(r, e):.2f}x" for e in (lo, None, hi))
+            ends = " / ".join(f"{v:.2f}x" for v in (design_projection(r, lo), c.projected,
+                                                     design_projection(r, hi)))
         else:
             ends = f"{c.projected:.2f}x (no stacked sum: a copy of the block)"
         lines.append(f"| {r.id} | {r.machine} | {r.design} | {r.m}, {r.k}, {r.n}, {r.nranks} | "

@@ -302,16 +302,15 @@ def pulled(p: Preset, dtype: str, batch: int, m: int, n: int, k: int, nranks: in
     out = batch * m * n * dtype_bytes(output_dtype(dtype))
     block = out / nranks
     alone = fused.kernel_busy(p, dtype, batch, m, n, k) / p.fused_gemm_rate
-    beside = 2 * out if reduce == "stacked" else out + block
+    if reduce == "stacked":  # the reduce buffer: the whole output; after: the stacked sum
+        beside, after = 2 * out, (nranks + 1) * block / (eff * p.hbm_gbps * 1e9)
+    else:  # the own block, written back once; after: a copy of it
+        beside, after = out + block, 2 * block / (p.reduce_efficiency * p.hbm_gbps * 1e9)
     gemm = alone / model.compute_rate(p, 0, beside / max(alone, 1e-12))
     link = (p.p2p_load_gbps or p.link_gbps) * 1e9
     pulls = (nranks - 1) * block / link
     tm, tn = fused.kernel_tile(p, dtype)
     last = min(p.sms * tm * tn * dtype_bytes(output_dtype(dtype)), block) / link
-    if reduce == "stacked":
-        after = (nranks + 1) * block / (eff * p.hbm_gbps * 1e9)
-    else:
-        after = 2 * block / (p.reduce_efficiency * p.hbm_gbps * 1e9)
     total_sum = after + p.ar_start_us * US
     t = p.gemm_overhead_us * US + max(gemm, pulls) + last + total_sum
     return Pulled(t, gemm, pulls, last, total_sum)
