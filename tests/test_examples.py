@@ -126,6 +126,7 @@ def flax_lm1b():
     ["--api", "nnx", "--impl", "ring"],
     ["--api", "nnx", "--no-sequence-parallel"],
 ], ids=["linen-sp", "linen-ring", "nnx-sp-ring", "nnx"])
+@pytest.mark.jax_api
 def test_flax_lm1b_trains_like_flax_after_the_swap(flags, flax_lm1b, capsys):
     """Flax's own lm1b models, original and swapped, through the same set-up and steps.
 
@@ -200,6 +201,7 @@ def test_flax_lm1b_reports_divergence(flax_lm1b, capsys):
     ("wmt", ["xla", "ring", "native"], "4", "greedy"),
     ("wmt", ["xla", "native"], "4", "beam"),
     ("lm1b-nnx", ["ring"], "4", "greedy"), ("lm1b", ["ring", "native"], "1", "greedy")])
+@pytest.mark.jax_api
 def test_decode_generates_the_original_models_tokens(model, impls, batch, search, capsys):
     """Flax's own models (the decoder-only lm1b, linen and nnx; the WMT encoder-decoder),
     swapped, decode token for token as the originals do: greedily, and with the WMT example's

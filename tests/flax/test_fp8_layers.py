@@ -236,6 +236,7 @@ def _train_nnx(model, x, target, steps: int = STEPS):
     return [float(step(model, optimizer, x, target)) for _ in range(steps)]
 
 
+@pytest.mark.jax_api
 @pytest.mark.slow
 @pytest.mark.parametrize("current", [False, True], ids=["delayed", "current"])
 def test_nnx_mlp_trains_like_nnx_fp8_linear(current):

@@ -141,6 +141,7 @@ def test_linen_tree_is_the_stock_tree_after_init_and_a_train_step(metadata):
         assert tp_dims(ours_after) == tp_dims(ours_vars["params"])
 
 
+@pytest.mark.jax_api
 def test_linen_checkpoints_load_both_ways_by_path():
     """A stock checkpoint loads into the converted model and back, with no rename."""
     mesh = mesh_named("tp4_auto")
@@ -216,6 +217,7 @@ def test_nnx_state_is_the_stock_state_after_init_and_a_train_step(metadata):
     assert tp_dims(nnx.state(ours, nnx.Param)) == dims
 
 
+@pytest.mark.jax_api
 def test_nnx_checkpoints_load_both_ways_by_path():
     mesh = mesh_named("dp2_tp4_explicit")
     x = rand(0, (B, S, E))

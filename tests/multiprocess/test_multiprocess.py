@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 TRANSPORTS = list(_kinds.names(_kinds.TRANSPORTS))
 
 
+@pytest.mark.jax_api
 @pytest.mark.parametrize("nprocs,devices", [(2, 2)])
 def test_portable_impls_across_processes(nprocs, devices):
     procs = harness.run("portable", nprocs, devices, params={"impls": ["xla", "ring"]})
@@ -28,6 +29,7 @@ def test_portable_impls_across_processes(nprocs, devices):
         assert len(p.result()["checked"]) == 8, p.stdout
 
 
+@pytest.mark.jax_api
 @pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)])
 def test_native_every_transport_fwd_and_bwd(nprocs, devices):
     """Both ops, forward and gradients, and matmul_ar's one-shot on one row, every transport,
@@ -125,6 +127,7 @@ def _lose_a_peer(mode: str, timeout_s: float) -> list[dict]:
     return results
 
 
+@pytest.mark.jax_api
 @pytest.mark.parametrize("mode", ["exit", "kill"])
 def test_a_dead_peer_is_reported_within_seconds_not_at_the_timeout(mode):
     """A peer that exits between calls, or is killed inside one, is seen dead (its pid) by the
@@ -204,6 +207,7 @@ def test_independent_calls_in_flight_with_rank_skew_are_right(nprocs, devices):
         assert p.result()["wrong"] == {t: 0 for t in TRANSPORTS}, p.stdout
 
 
+@pytest.mark.jax_api
 def test_identical_calls_traced_in_another_order_per_process_are_matched_by_what_they_compute():
     """A loop over a set of names, with a hash seed of its own in each process: each process
     traces the same calls in another order (checked), native on every transport, inside a
@@ -255,6 +259,7 @@ def test_calls_started_in_another_order_per_process_fail_at_once_naming_the_caus
             assert all(f"rank {r} (process {r}) waits in call 1" in error for r in (0, 1)), error
 
 
+@pytest.mark.jax_api
 @pytest.mark.parametrize("nprocs", [3])
 def test_exchange_api_bytes_through_the_store(nprocs):
     """allgather / broadcast / CUDA-handle exchange keyed by clique id, their timeout, fds (also
@@ -306,6 +311,7 @@ def test_processes_that_run_different_calls_fail_before_the_timeout_naming_both_
         assert "[1,2,8]x2" in error and "[1,2,16]x2" in error, error
 
 
+@pytest.mark.jax_api
 def test_a_chiefs_extra_compiles_shift_no_call_site():
     """The chief alone AOT-compiles an eval step (to log its memory), keeps another AOT program,
     compiles on a background thread; the processes compile two programs in opposite orders; the
@@ -402,6 +408,7 @@ def test_an_executable_whose_calls_never_lowered_here_fails_at_once_naming_why(t
         assert result["elapsed_s"] < 10.0, result
 
 
+@pytest.mark.jax_api
 def test_a_program_from_the_persistent_compilation_cache_runs_right(tmp_path):
     """The second job loads a user's shard_map program from JAX's persistent cache (nothing
     new written): it lowers there all the same (the cache key is the lowered program), so its
