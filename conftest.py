@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 # run: an example, a model trained or decoded, processes), the first case, and only where the
 # test is also marked `jax_api`: it crosses a JAX interface the quick tests do not reach (processes
 # joined through jax.distributed's key-value store, call sites matched across processes, the
-# persistent compilation cache, jax.checkpoint, Flax's training and decoding loops, checkpoints).
+# persistent compilation cache, Flax's own training and decoding loops, checkpoints).
 # The other slow tests run JAX through the interfaces the quick tests run: the newest-jax leg runs
 # them.
 
