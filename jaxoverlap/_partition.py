@@ -57,6 +57,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _partitioner
+from jaxoverlap._batching import map_over_batch
 from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import (
     AG,
@@ -194,6 +195,7 @@ def _located_lowering(ctx, *args, call: Call, backward: bool):
 
 _located_p.def_abstract_eval(_located_abstract_eval)
 mlir.register_lowering(_located_p, _located_lowering, cacheable=False)  # per call: its own w
+map_over_batch(_located_p)
 
 
 def _backward_body(call: Call, where: str, dy, wt, x, w):

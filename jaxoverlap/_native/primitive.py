@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core
 from jax._src.interpreters import mlir
-from jax.interpreters import batching
 
 from jaxoverlap import _kinds, _precision
+from jaxoverlap._batching import map_over_batch
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._config import logger
 from jaxoverlap._executors import bootstrap, capabilities, replay, runtime
@@ -87,17 +87,7 @@ def _abstract_eval(x, w, x_scale, w_scale, coords, *, plan: OpPlan, return_gathe
 native_p.def_abstract_eval(_abstract_eval)
 
 
-def _batch(args, dims, **params):
-    """vmap: one native call per batch element, in order (a collective cannot fuse them)."""
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True)
-                if d is not batching.not_mapped)
-    front = [jnp.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped
-             else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
-    outs = lax.map(lambda xw: tuple(native_p.bind(*xw, **params)), tuple(front))
-    return list(outs), [0] * len(outs)
-
-
-batching.primitive_batchers[native_p] = _batch
+map_over_batch(native_p)
 
 
 def _lowering_mesh(ctx, axis_name: str, platform: str):
