@@ -16,6 +16,7 @@ from jax._src.interpreters import mlir
 from jax.interpreters import batching
 
 from jaxoverlap._compat import varying_axes, with_varying
+from jaxoverlap._transforms import differentiable_once
 
 invariant_p = core.Primitive("jaxoverlap_invariant")
 
@@ -32,3 +33,4 @@ invariant_p.def_abstract_eval(
 mlir.register_lowering(invariant_p, lambda ctx, x, *, axis_name: [x])
 batching.primitive_batchers[invariant_p] = lambda args, dims, *, axis_name: (
     invariant_p.bind(args[0], axis_name=axis_name), dims[0])
+differentiable_once(invariant_p, lambda axis_name: ("matmul_ar with impl='ring'", "impl='xla'"))

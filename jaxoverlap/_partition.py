@@ -57,7 +57,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import _partitioner
-from jaxoverlap._batching import map_over_batch
 from jaxoverlap._fp8_dtypes import no_gradient
 from jaxoverlap._layout import (
     AG,
@@ -70,6 +69,7 @@ from jaxoverlap._layout import (
     without_axis,
 )
 from jaxoverlap._native.site_key import provenance
+from jaxoverlap._transforms import differentiable_once, map_over_batch
 from jaxoverlap._xla import local_matmul, scaled_matmul
 
 # ---------------------------------------------------------------- the rules
@@ -196,6 +196,9 @@ def _located_lowering(ctx, *args, call: Call, backward: bool):
 _located_p.def_abstract_eval(_located_abstract_eval)
 mlir.register_lowering(_located_p, _located_lowering, cacheable=False)  # per call: its own w
 map_over_batch(_located_p)
+differentiable_once(_located_p, lambda call, backward: (
+    f"{call.kind} on global arrays over Auto mesh axes",
+    "impl='xla' over Explicit mesh axes (jax.make_mesh's default)"))
 
 
 def _backward_body(call: Call, where: str, dy, wt, x, w):

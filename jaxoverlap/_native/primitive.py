@@ -38,7 +38,6 @@ from jax._src import core
 from jax._src.interpreters import mlir
 
 from jaxoverlap import _kinds, _precision
-from jaxoverlap._batching import map_over_batch
 from jaxoverlap._compat import varying_axes, with_varying
 from jaxoverlap._config import logger
 from jaxoverlap._executors import bootstrap, capabilities, replay, runtime
@@ -47,6 +46,7 @@ from jaxoverlap._fp8_dtypes import SCALE_TILE_ROWS
 from jaxoverlap._native.attributes import attributes, naming
 from jaxoverlap._native.site_key import lower_keyed
 from jaxoverlap._plan import AG, AR, RS, OpPlan
+from jaxoverlap._transforms import differentiable_once, map_over_batch
 
 _TARGETS = {
     "cpu": {op.name: f"jaxoverlap_{op.name}" for op in _kinds.OPS},
@@ -88,6 +88,9 @@ native_p.def_abstract_eval(_abstract_eval)
 
 
 map_over_batch(native_p)
+differentiable_once(native_p, lambda plan, **_: (
+    f"{plan.op} with impl='native'",
+    "impl='xla' or impl='ring'" if plan.op != "matmul_ar" else "impl='xla'"))
 
 
 def _lowering_mesh(ctx, axis_name: str, platform: str):

@@ -1,5 +1,7 @@
-"""The ops under jax.vmap (a batch of independent problems, e.g. per-example gradients): every
-impl, native on every transport, against the float64 reference of each problem alone."""
+"""The ops under JAX's transformations: jax.vmap (a batch of independent problems, e.g.
+per-example gradients), every impl and native on every transport, against the float64
+reference of each problem alone; second derivatives where an impl takes them, a clear error
+where it does not."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, f64, rand, spec_on, tp_mesh
+from jax.sharding import AxisType
 
 import jaxoverlap as jo
 from jaxoverlap import _kinds
@@ -64,3 +67,32 @@ def test_per_example_gradients_inside_shard_map(impl, transport):
         y = h @ f64(w2)
         assert_close(g1[b], xb.T @ (y @ f64(w2).T), jnp.float32)
         assert_close(g2[b], h.T @ y, jnp.float32)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("impl", ["xla", "ring", "native"])
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_second_derivatives_or_a_clear_error(op, impl, kind):
+    """The Hessian of sum((x w)^2) / 2 in w is (x^T x) (x) I: from xla, and ring's AG and RS,
+    over Explicit mesh axes; native's calls, ring's all-reduce and every call over Auto axes
+    refuse it naming what takes it."""
+    mesh = tp_mesh(4, kind=kind)
+    x, w = rand(6, (8, 4)), rand(7, (4, 8))
+
+    def f(w):
+        return 0.5 * jnp.sum(OPS[op](x, w, "tp", mesh=mesh, impl=impl) ** 2)
+
+    with jax.set_mesh(mesh):
+        if kind == AxisType.Auto:
+            with pytest.raises(NotImplementedError, match=rf"{op} on global arrays over Auto "
+                               r"mesh axes is differentiable once .* over Explicit mesh axes"):
+                jax.hessian(f)(w)
+            return
+        if impl == "native" or (impl == "ring" and op == "matmul_ar"):
+            with pytest.raises(NotImplementedError, match=rf"{op} with impl='{impl}' is "
+                               r"differentiable once .* use impl='xla'"):
+                jax.hessian(f)(w)
+            return
+        h = jax.jit(jax.hessian(f))(w)
+    want = np.einsum("ik,jl->ijkl", f64(x).T @ f64(x), np.eye(8))  # d2f / dw_ij dw_kl
+    assert_close(h, want, jnp.float32)
