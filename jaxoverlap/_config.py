@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import numbers
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -60,7 +61,8 @@ def check_transport(transport: Any, where: str = "transport") -> str | None:
 def check_chunks(chunks: Any, where: str = "chunks") -> int | None:
     if chunks is None:
         return None
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    # any integer type (numpy's are numbers.Integral, its bool_ is not), never a bool
+    if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral) or chunks < 1:
         raise ValueError(f"{where}={chunks!r} must be a positive int (or None for automatic).")
     return int(chunks)
 

@@ -271,6 +271,7 @@ def _check_inputs(name: str, x, w) -> None:
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
         raise TypeError(f"{name}: x.dtype={jnp.dtype(x.dtype).name} and "
                         f"w.dtype={jnp.dtype(w.dtype).name} differ; cast one of them.")
+    ops.check_not_empty(name, x, w)  # before its scales: the amax of nothing is undefined
 
 
 def _call(kind: str, x, w, axis_name: str, scaling, mesh, **options):

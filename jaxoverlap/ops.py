@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoverlap import _global, _kinds, _layout, _precision
-from jaxoverlap._compat import bound_axis_size
+from jaxoverlap._compat import bound_axis_size, match_varying, varying_axes
 from jaxoverlap._config import (
     check_algorithm,
     check_bidirectional,
@@ -222,6 +222,8 @@ def copy_matmul(x: jax.Array, w: jax.Array, axis_name: str, *, precision: Any = 
 def _run(request: Request, x, w, mesh, want_gathered: bool = False, scales: tuple = ()):
     """The call on local shards (``axis_name`` bound) or on global arrays; ``scales``: the
     fp8 operands' ``(x_scale, w_scale)``, float32 scalars (``()`` without fp8)."""
+    if x.size == 0 or x.shape[-1] == 0:
+        return _empty(request, x, w, want_gathered)
     local = LocalOp(request)
     if bound_axis_size(request.axis_name) is not None:
         return local(x, w, want_gathered, scales)
@@ -232,12 +234,45 @@ def _run(request: Request, x, w, mesh, want_gathered: bool = False, scales: tupl
     return _global.run(call, mesh, x, w, want_gathered=want_gathered, scales=scales)
 
 
+def _empty(request: Request, x, w, want_gathered: bool):
+    """The call's result where x holds no element or K is 0: zeros (an empty sum) of the
+    shapes the call would give, with nothing moved (XLA's collectives refuse a zero-size dim
+    and the executors a zero K). Inside shard_map the shapes are this rank's (the op's rows
+    rule) and y varies over the axes of x and w, as a call's result does."""
+    n = bound_axis_size(request.axis_name) or 1
+    rows = list(x.shape[:-1])
+    if request.op == _layout.AG:
+        rows[request.axis] *= n
+    elif request.op == _layout.RS:
+        rows[request.axis] //= n
+    dtype = request.out_dtype or x.dtype
+    y = jnp.zeros((*rows, w.shape[1]), dtype)
+    gathered = jnp.zeros((*rows, x.shape[-1]), x.dtype)
+    if n > 1:
+        axes = varying_axes(x) | varying_axes(w)
+        if request.op == _layout.AR:  # the same sum on every rank, as psum's
+            axes -= {request.axis_name}
+        y, gathered = match_varying(y, axes), match_varying(gathered, varying_axes(x))
+    return (y, gathered) if want_gathered else y
+
+
 # ---------------------------------------------------------------- checks
 
 
 def _check_array(op: str, name: str, a: Any) -> None:
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}.")
+
+
+def check_not_empty(op: str, x, w) -> None:
+    """jaxoverlap.fp8's refusal of a zero-size operand, by name, before it computes a scale
+    (the amax of nothing is undefined)."""
+    for name, a in (("x", x), ("w", w)):
+        if 0 in a.shape:
+            raise ValueError(
+                f"{op}: {name} has a zero-size dim (x {tuple(x.shape)}, w {tuple(w.shape)}): "
+                "there is nothing to quantize. Skip the call for an empty batch (the shapes "
+                "are static under jit: `if x.size:`).")
 
 
 def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:

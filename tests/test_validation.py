@@ -101,6 +101,15 @@ def test_chunks_must_divide_rows():
         jo.ag_matmul(X, W, "tp", impl="ring", chunks=3, mesh=tp_mesh(4))
     with pytest.raises(ValueError, match="chunks=0 must be a positive int"):
         jo.ag_matmul(X, W, "tp", impl="ring", chunks=0, mesh=tp_mesh(4))
+    for bad in (np.bool_(True), 2.0, np.int64(0)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            jo.ag_matmul(X, W, "tp", impl="ring", chunks=bad, mesh=tp_mesh(4))
+
+
+def test_chunks_may_be_a_numpy_integer():
+    y = jo.ag_matmul(X, W, "tp", impl="ring", chunks=np.int64(2), mesh=tp_mesh(2))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(X) @ np.asarray(W), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs])
@@ -188,3 +197,35 @@ def test_mesh_of_the_wrong_type_is_named_inside_shard_map_too(op):
         op(X, W, "tp", mesh="tp")
     with pytest.raises(TypeError, match="mesh='tp' must be a jax.sharding.Mesh"):
         _inside(lambda x, w: op(x, w, "tp", mesh="tp"))(X, W)
+
+
+@pytest.mark.parametrize("op", [jo.ag_matmul, jo.matmul_rs, jo.matmul_ar])
+@pytest.mark.parametrize("x_shape,w_shape", [((0, 4), (4, 8)), ((8, 0), (0, 8)),
+                                             ((4, 0, 4), (4, 8)), ((0, 0), (0, 8))],
+                         ids=["no_rows", "no_k", "empty_batch", "nothing"])
+def test_an_empty_operand_gives_the_empty_sum_on_every_impl(op, x_shape, w_shape):
+    """No rows (or no batch): an empty y; K = 0: y of zeros (the empty sum), as x @ w gives;
+    not XLA's verifier error (xla), a ZeroDivisionError (ring) or a runtime error (native).
+    Global arrays, and inside shard_map (each rank's rows by the op's rule)."""
+    x, w = jnp.ones(x_shape), jnp.ones(w_shape)
+    want = np.ones(x_shape) @ np.ones(w_shape)
+    n = 4
+    local_rows = {"ag_matmul": n, "matmul_rs": 1, "matmul_ar": 1}[op.__name__]
+    for impl in ("xla", "ring", "native"):
+        y = op(x, w, "tp", mesh=tp_mesh(n), impl=impl)
+        assert y.shape == want.shape and not np.asarray(y).any()
+        inside = jax.jit(jax.shard_map(lambda x, w, impl=impl: op(x, w, "tp", impl=impl),
+                                       mesh=tp_mesh(n),
+                                       in_specs=(P(), P()), out_specs=P(), check_vma=False))
+        y = inside(x, w)
+        rows = list(want.shape[:-1])
+        rows[0] = rows[0] * local_rows if op is not jo.matmul_rs else rows[0] // n
+        assert y.shape == (*rows, want.shape[-1]) and not np.asarray(y).any()
+
+
+def test_a_zero_size_operand_is_named_before_fp8_scaling():
+    """jaxoverlap.fp8 names it before computing a scale (the amax of nothing)."""
+    from jaxoverlap import fp8
+
+    with pytest.raises(ValueError, match=r"jaxoverlap.fp8.ag_matmul: x has a zero-size dim"):
+        fp8.ag_matmul(jnp.ones((0, 64)), jnp.ones((64, 8)), "tp", mesh=tp_mesh(4))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -380,13 +381,16 @@ def general_forward(m: Matmul, x, kernel, bias, n_contract: int, *, out_sharding
     ``features[0]``, a row layer the first contracted dim, so flattening keeps
     the split dim major and the reshapes move no data.
     """
+    # Sizes written out, not -1: an empty batch (a zero-size dim) leaves -1 undetermined.
     features = kernel.shape[n_contract:]
-    x2 = x.reshape(x.shape[: x.ndim - n_contract] + (-1,))
-    k2 = kernel.reshape((x2.shape[-1], -1))
-    b2 = None if bias is None else bias.reshape(-1)
+    x2 = x.reshape(x.shape[: x.ndim - n_contract] + (math.prod(x.shape[x.ndim - n_contract:]),))
+    k2 = kernel.reshape((x2.shape[-1], math.prod(features)))
+    b2 = None if bias is None else bias.reshape(math.prod(bias.shape))
     y = forward(m, x2, k2, b2)
     if m.kind == COLUMN:     # the first feature dim may be a local shard
-        y = y.reshape(y.shape[:-1] + (-1,) + tuple(features[1:]))
+        rest = math.prod(features[1:])
+        first = y.shape[-1] // rest if rest else features[0]
+        y = y.reshape(y.shape[:-1] + (first,) + tuple(features[1:]))
     else:
         y = y.reshape(y.shape[:-1] + tuple(features))
     return constrain_output(m, y, out_sharding, x)

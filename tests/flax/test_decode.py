@@ -323,6 +323,33 @@ def test_rows_that_do_not_split_run_without_sequence_parallelism(mesh_name, capl
     assert_tree_close(y, want, jnp.float32, "nnx, one token")
 
 
+@pytest.mark.parametrize("mesh_name", ["tp4_auto", "dp2_tp4_explicit"])
+@pytest.mark.parametrize("shape", [(0, 8, E), (4, 0, E)], ids=["no_examples", "no_tokens"])
+def test_an_empty_batch_gives_flax_s_result(mesh_name, shape):
+    """An empty batch (no examples, or no tokens) on global arrays: Flax's empty output and
+    zero gradients, linen and nnx (a reshape to -1 could not size an empty batch)."""
+    mesh = mesh_named(mesh_name)
+    explicit = mesh_name.endswith("explicit")
+    x = jnp.ones(shape)
+    ref = _MLP(nn.Dense, nn.Dense, {})
+    params = ref.init(jax.random.key(0), rand(3, (4, 8, E)))
+    ours = _MLP(jl.ColumnParallelDense, jl.RowParallelDense,
+                dict(impl="native", mesh=None if explicit else mesh))
+
+    def loss(model):
+        return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2)))
+
+    with _mesh_scope(mesh, explicit):
+        got = loss(ours)(params, put(x, mesh, P("dp" if explicit else None)))
+        y = jax.jit(ours.apply)(params, put(x, mesh, P("dp" if explicit else None)))
+    assert y.shape == ref.apply(params, x).shape
+    assert_tree_close(got, loss(ref)(params, x), jnp.float32, "loss, grads")
+    with jax.set_mesh(mesh):
+        column = jn.ColumnParallelLinear(E, 32, mesh=None if explicit else mesh,
+                                         rngs=nnx.Rngs(0))
+        assert nnx.jit(lambda c, x: c(x))(column, x).shape == shape[:-1] + (32,)
+
+
 def test_all_reduce_rows_that_do_not_split_run_one_shot():
     """GEMM + all-reduce (Megatron g) with impl='ring': rows per device that split into N
     blocks run the two-shot ring; rows that do not (2 tokens over dp=2 and tp=4) run the
