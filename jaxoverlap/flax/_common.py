@@ -251,6 +251,14 @@ def fused(m: Matmul, x, kernel, mesh: Any):
     """The fused multiply: the ops on local shards (mesh None) or on global arrays, under
     Flax's FP8 recipe (``jaxoverlap.fp8``) when the layer has one."""
     seq = x.ndim - 2
+    if m.fp8 is None and any(jnp.dtype(a.dtype) in ops.FP8_DTYPES for a in (x, kernel)):
+        raise TypeError(
+            f"{m.layer}: the inputs or kernel are {jnp.dtype(x.dtype).name} / "
+            f"{jnp.dtype(kernel.dtype).name} (dtype= or param_dtype= an fp8 type): an fp8 "
+            "multiply needs scales, which a plain dtype does not carry. Train in FP8 with "
+            "Flax's recipe (linen: dot_general_cls=nn.Fp8DotGeneralOp; nnx: "
+            "dot_general=jaxoverlap.flax.nnx.Fp8DotGeneral()), "
+            "which these layers run fused (jaxoverlap.fp8).")
     if m.fp8 is None:
         lib, kw = ops, dict(precision=m.precision, mesh=mesh)
     else:

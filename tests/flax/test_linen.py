@@ -262,6 +262,8 @@ def test_misuse_raises_naming_the_argument():
         ColumnParallelDense(F / 2, mesh=mesh).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="rank >= 2"):
         ColumnParallelDense(F, mesh=mesh).init(jax.random.key(0), rand(0, (H,)))
+    with pytest.raises(TypeError, match=r"float8_e4m3fn .* needs scales.*Fp8DotGeneralOp"):
+        ColumnParallelDense(F, dtype=jnp.float8_e4m3fn, mesh=mesh).init(jax.random.key(0), x)
     # A stored layout that disagrees with the layer's (e.g. a row checkpoint in a column layer).
     variables = ColumnParallelDense(F, mesh=mesh).init(jax.random.key(0), x)
     variables["params"]["kernel"] = nn.Partitioned(unbox(variables)["params"]["kernel"],
