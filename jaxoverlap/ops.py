@@ -225,7 +225,13 @@ def _run(request: Request, x, w, mesh, want_gathered: bool = False, scales: tupl
     if x.size == 0 or x.shape[-1] == 0:
         return _empty(request, x, w, want_gathered)
     local = LocalOp(request)
-    if bound_axis_size(request.axis_name) is not None:
+    if (n := bound_axis_size(request.axis_name)) is not None:
+        if mesh is not None and dict(mesh.shape).get(request.axis_name) != n:
+            raise ValueError(
+                f"{request.op}: mesh= has {dict(mesh.shape)}, but inside this shard_map "
+                f"axis_name {request.axis_name!r} has {n} devices: inside shard_map the op runs "
+                "over the shard_map's mesh. Drop mesh= (it is for global arrays), or pass the "
+                "shard_map's mesh.")
         return local(x, w, want_gathered, scales)
     mesh = _layout.resolve_mesh(request.op, request.axis_name, mesh, x, w)
     call = _layout.Call(kind=request.op, axis_name=request.axis_name, ndim=x.ndim,

@@ -229,3 +229,13 @@ def test_a_zero_size_operand_is_named_before_fp8_scaling():
 
     with pytest.raises(ValueError, match=r"jaxoverlap.fp8.ag_matmul: x has a zero-size dim"):
         fp8.ag_matmul(jnp.ones((0, 64)), jnp.ones((64, 8)), "tp", mesh=tp_mesh(4))
+
+
+def test_a_mesh_that_is_not_the_shard_maps_is_named():
+    """Inside shard_map the op runs over the shard_map's mesh; a mesh= whose axis differs
+    (another size, or no such axis) was ignored without a word."""
+    for other in (tp_mesh(2), tp_mesh(4, name="model")):
+        with pytest.raises(ValueError, match=r"mesh= has .* inside this shard_map axis_name "
+                                             r"'tp' has 4 devices.*Drop mesh="):
+            _inside(lambda x, w, other=other: jo.ag_matmul(x, w, "tp", mesh=other))(X, W)
+    _inside(lambda x, w: jo.ag_matmul(x, w, "tp", mesh=tp_mesh(4)))(X, W)  # its own: fine
