@@ -271,7 +271,12 @@ def _check_inputs(name: str, x, w) -> None:
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
         raise TypeError(f"{name}: x.dtype={jnp.dtype(x.dtype).name} and "
                         f"w.dtype={jnp.dtype(w.dtype).name} differ; cast one of them.")
-    ops.check_not_empty(name, x, w)  # before its scales: the amax of nothing is undefined
+    for arg, a in (("x", x), ("w", w)):  # before the scales: the amax of nothing is undefined
+        if 0 in a.shape:
+            raise ValueError(
+                f"{name}: {arg} has a zero-size dim (x {tuple(x.shape)}, w {tuple(w.shape)}): "
+                "there is nothing to quantize. Skip the call for an empty batch (the shapes "
+                "are static under jit: `if x.size:`).")
 
 
 def _call(kind: str, x, w, axis_name: str, scaling, mesh, **options):

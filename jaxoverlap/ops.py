@@ -245,7 +245,8 @@ def _empty(request: Request, x, w, want_gathered: bool):
     shapes the call would give, with nothing moved (XLA's collectives refuse a zero-size dim
     and the executors a zero K). Inside shard_map the shapes are this rank's (the op's rows
     rule) and y varies over the axes of x and w, as a call's result does."""
-    n = bound_axis_size(request.axis_name) or 1
+    bound = bound_axis_size(request.axis_name)
+    n = bound or 1
     rows = list(x.shape[:-1])
     if request.op == _layout.AG:
         rows[request.axis] *= n
@@ -254,7 +255,7 @@ def _empty(request: Request, x, w, want_gathered: bool):
     dtype = request.out_dtype or x.dtype
     y = jnp.zeros((*rows, w.shape[1]), dtype)
     gathered = jnp.zeros((*rows, x.shape[-1]), x.dtype)
-    if n > 1:
+    if bound is not None:
         axes = varying_axes(x) | varying_axes(w)
         if request.op == _layout.AR:  # the same sum on every rank, as psum's
             axes -= {request.axis_name}
@@ -268,17 +269,6 @@ def _empty(request: Request, x, w, want_gathered: bool):
 def _check_array(op: str, name: str, a: Any) -> None:
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}.")
-
-
-def check_not_empty(op: str, x, w) -> None:
-    """jaxoverlap.fp8's refusal of a zero-size operand, by name, before it computes a scale
-    (the amax of nothing is undefined)."""
-    for name, a in (("x", x), ("w", w)):
-        if 0 in a.shape:
-            raise ValueError(
-                f"{op}: {name} has a zero-size dim (x {tuple(x.shape)}, w {tuple(w.shape)}): "
-                "there is nothing to quantize. Skip the call for an empty batch (the shapes "
-                "are static under jit: `if x.size:`).")
 
 
 def _check_operands(op: str, x: Any, w: Any, axis: Any) -> int:
