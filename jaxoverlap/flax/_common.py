@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 from jaxoverlap import _layout, _megatron, fp8, ops
 from jaxoverlap._compat import bound_axis_size, context_mesh, varying_axes
 from jaxoverlap._config import check_impl, logger
+from jaxoverlap._fp8_dtypes import any_fp8
 
 COLUMN = "column"
 ROW = "row"
@@ -251,7 +252,7 @@ def fused(m: Matmul, x, kernel, mesh: Any):
     """The fused multiply: the ops on local shards (mesh None) or on global arrays, under
     Flax's FP8 recipe (``jaxoverlap.fp8``) when the layer has one."""
     seq = x.ndim - 2
-    if m.fp8 is None and any(jnp.dtype(a.dtype) in ops.FP8_DTYPES for a in (x, kernel)):
+    if m.fp8 is None and any_fp8(x, kernel):
         raise TypeError(
             f"{m.layer}: the inputs or kernel are {jnp.dtype(x.dtype).name} / "
             f"{jnp.dtype(kernel.dtype).name} (dtype= or param_dtype= an fp8 type): an fp8 "
