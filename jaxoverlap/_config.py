@@ -47,13 +47,14 @@ _scoped: contextvars.ContextVar[Settings] = contextvars.ContextVar(
 
 
 def check_impl(impl: Any, where: str = "impl") -> str:
-    if impl not in IMPLS:
+    # a str first: `in` compares an array elementwise, whose truth value numpy refuses
+    if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"{where}={impl!r} is not an implementation; use one of {IMPLS}.")
     return impl
 
 
 def check_transport(transport: Any, where: str = "transport") -> str | None:
-    if transport is not None and transport not in TRANSPORTS:
+    if transport is not None and (not isinstance(transport, str) or transport not in TRANSPORTS):
         raise ValueError(f"{where}={transport!r} is not a transport; use one of {TRANSPORTS}.")
     return transport
 

@@ -51,6 +51,15 @@ def test_a_scale_of_the_wrong_shape_or_dtype_is_named(arrays):
     assert _ag(x, w, x_scale=1.0, w_scale=jnp.ones((1,), jnp.float32)).dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("bad", [2.0**200, float("inf"), float("nan"), -(10**40)])
+def test_a_python_scale_float32_cannot_hold_is_named(arrays, bad):
+    """A Python number beyond float32's range would become inf (nan: stays nan) without a
+    word: refused by name."""
+    x, w, _ = arrays
+    with pytest.raises(ValueError, match=r"x_scale=.* is not a finite float32"):
+        _ag(x, w, x_scale=bad, w_scale=ONE)
+
+
 def test_precision_highest_and_output_dtypes(arrays):
     x, w, w16 = arrays
     with pytest.raises(ValueError, match=r"precision=HIGHEST.*fp8"):

@@ -129,6 +129,11 @@ def test_unknown_impl_and_transport():
         jo.ag_matmul(X, W, "tp", impl="fast", mesh=tp_mesh(4))
     with pytest.raises(ValueError, match="transport='nvlink' is not a transport"):
         jo.ag_matmul(X, W, "tp", transport="nvlink", mesh=tp_mesh(4))
+    # not a str: named too, not numpy's "truth value of an array is ambiguous"
+    with pytest.raises(ValueError, match=r"impl=array\(\['xla', 'ring'\].* is not an impl"):
+        jo.ag_matmul(X, W, "tp", impl=np.array(["xla", "ring"]), mesh=tp_mesh(4))
+    with pytest.raises(ValueError, match=r"transport=\['p2p'\] is not a transport"):
+        jo.ag_matmul(X, W, "tp", impl="native", transport=["p2p"], mesh=tp_mesh(4))
 
 
 def test_transport_with_portable_impl():

@@ -75,6 +75,14 @@ def check_features(layer: str, name: str, value: Any) -> int:
     return value
 
 
+def check_feature_dims(layer: str, name: str, dims: tuple[Any, ...]) -> None:
+    """A general layer's feature dims: at least one (the tensor axis splits the first output
+    dim, or the first contracted one)."""
+    if len(dims) == 0:
+        raise ValueError(f"{layer}: {name}=() has no dim; give at least one, e.g. {name}=(64,) "
+                         "(the tensor-parallel split needs a dim to split).")
+
+
 def check_common(layer: str, *, axis_name: Any, sequence_parallel: Any, impl: Any,
                  use_bias: Any, kernel_init: Any, bias_init: Any, mesh: Any) -> None:
     """Checks the arguments every layer takes; raises naming the argument."""

@@ -277,6 +277,7 @@ class _ParallelLinear(_NamedLikeFlax, nn.Module):
         layer = type(self).__name__
         self._check_fields(layer)
         _common.check_input(layer, inputs, n_contract + 1)
+        _common.check_feature_dims(layer, "features", features)
         for f in features:
             _common.check_features(layer, "features", f)
         contracted = tuple(inputs.shape[inputs.ndim - n_contract:])

@@ -257,6 +257,7 @@ class _ParallelLinear(nnx.Module):
         bias_metadata: Mapping[str, Any],
     ) -> None:
         for name, sizes in (("in_features", in_features), ("out_features", out_features)):
+            _common.check_feature_dims(layer, name, sizes)
             for size in sizes:
                 _common.check_features(layer, name, size)
         _common.check_common(layer, axis_name=axis_name, sequence_parallel=sequence_parallel,

@@ -29,8 +29,10 @@ from jax.sharding import PartitionSpec as P
 from jaxoverlap import _megatron, _xla
 from jaxoverlap.flax.linen import (
     ColumnParallelDense,
+    ColumnParallelDenseGeneral,
     ParallelMLP,
     RowParallelDense,
+    RowParallelDenseGeneral,
     partition_specs,
 )
 
@@ -262,6 +264,9 @@ def test_misuse_raises_naming_the_argument():
         ColumnParallelDense(F / 2, mesh=mesh).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="rank >= 2"):
         ColumnParallelDense(F, mesh=mesh).init(jax.random.key(0), rand(0, (H,)))
+    for general in (ColumnParallelDenseGeneral, RowParallelDenseGeneral):  # no IndexError
+        with pytest.raises(ValueError, match=r"features=\(\) has no dim"):
+            general(features=(), mesh=mesh).init(jax.random.key(0), x)
     with pytest.raises(TypeError, match=r"float8_e4m3fn .* needs scales.*Fp8DotGeneralOp"):
         ColumnParallelDense(F, dtype=jnp.float8_e4m3fn, mesh=mesh).init(jax.random.key(0), x)
     # A stored layout that disagrees with the layer's (e.g. a row checkpoint in a column layer).

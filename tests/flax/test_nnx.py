@@ -27,8 +27,10 @@ from jax.sharding import PartitionSpec as P
 from jaxoverlap.flax import linen as jo_linen
 from jaxoverlap.flax.nnx import (
     ColumnParallelLinear,
+    ColumnParallelLinearGeneral,
     ParallelMLP,
     RowParallelLinear,
+    RowParallelLinearGeneral,
     partition_specs,
 )
 
@@ -183,6 +185,9 @@ def test_misuse_raises_naming_the_argument():
         ColumnParallelLinear(8.0, F, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="rngs"):
         ColumnParallelLinear(H, F, rngs=None)
+    for general in (ColumnParallelLinearGeneral, RowParallelLinearGeneral):
+        with pytest.raises(ValueError, match=r"out_features=\(\) has no dim"):
+            general(H, (), mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="impl='fast'"):
         ColumnParallelLinear(H, F, impl="fast", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="kernel_metadata"):
