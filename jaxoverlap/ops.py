@@ -416,10 +416,15 @@ def _check_scale(op: str, name: str, a, scale: Any):
             f"float32 dequantization scale (the real value is {name}.astype(float32) * {arg}; "
             f"inside shard_map this rank's shard's), e.g. {arg}=jnp.float32(1.0).")
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        if not math.isfinite(scale) or abs(scale) > float(jnp.finfo(jnp.float32).max):
-            raise ValueError(f"{op}: {arg}={scale!r} is not a finite float32 (its largest is "
-                             f"{float(jnp.finfo(jnp.float32).max):.3e}): the product would be "
-                             "inf or nan. Pass the scale that dequantizes the fp8 values.")
+        largest = float(jnp.finfo(jnp.float32).max)
+        try:
+            value = float(scale)
+        except OverflowError:  # an int beyond any float's range
+            value = math.inf
+        if not math.isfinite(value) or abs(value) > largest:
+            raise ValueError(f"{op}: {arg}={value!r} is not a finite float32 (its largest is "
+                             f"{largest:.3e}): the product would be inf or nan. Pass the scale "
+                             "that dequantizes the fp8 values.")
         return jnp.asarray(scale, jnp.float32)
     if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
         raise TypeError(f"{op}: {arg} must be a float32 scalar array (or a Python float), got "

@@ -51,7 +51,7 @@ def test_a_scale_of_the_wrong_shape_or_dtype_is_named(arrays):
     assert _ag(x, w, x_scale=1.0, w_scale=jnp.ones((1,), jnp.float32)).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("bad", [2.0**200, float("inf"), float("nan"), -(10**40)])
+@pytest.mark.parametrize("bad", [2.0**200, float("inf"), float("nan"), -(10**40), 10**400])
 def test_a_python_scale_float32_cannot_hold_is_named(arrays, bad):
     """A Python number beyond float32's range would become inf (nan: stays nan) without a
     word: refused by name."""
