@@ -401,6 +401,9 @@ def _check_block_scales(op: str, x, w, x_scale: Any, w_scale: Any) -> tuple:
     return (x_scale, w_scale)
 
 
+_FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)  # a Python scale above it would become inf
+
+
 def _check_scale(op: str, name: str, a, scale: Any):
     """``scale`` of operand ``name`` as a float32 scalar (1.0 if ``a`` is not fp8)."""
     arg = f"{name}_scale"
@@ -416,15 +419,14 @@ def _check_scale(op: str, name: str, a, scale: Any):
             f"float32 dequantization scale (the real value is {name}.astype(float32) * {arg}; "
             f"inside shard_map this rank's shard's), e.g. {arg}=jnp.float32(1.0).")
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        largest = float(jnp.finfo(jnp.float32).max)
         try:
             value = float(scale)
         except OverflowError:  # an int beyond any float's range
             value = math.inf
-        if not math.isfinite(value) or abs(value) > largest:
+        if not abs(value) <= _FLOAT32_MAX:  # nan compares false too
             raise ValueError(f"{op}: {arg}={value!r} is not a finite float32 (its largest is "
-                             f"{largest:.3e}): the product would be inf or nan. Pass the scale "
-                             "that dequantizes the fp8 values.")
+                             f"{_FLOAT32_MAX:.3e}): the product would be inf or nan. Pass the "
+                             "scale that dequantizes the fp8 values.")
         return jnp.asarray(scale, jnp.float32)
     if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
         raise TypeError(f"{op}: {arg} must be a float32 scalar array (or a Python float), got "
