@@ -32,12 +32,9 @@ ON_FRESH := $(shell [ -f $(STAMP)ON ] && [ -z "$$(find $(SOURCES) -newer $(STAMP
 
 CPP_SOURCES = $(shell git ls-files 'cpp/*.cc' 'cpp/*.h' 'cpp/*.cu' 2>/dev/null)
 
-# The tests run in one worker per core and one more (pytest-xdist), each file's tests in one
-# worker (a module's fixtures are made once); JOBS=1 runs them in this process. The extra worker
-# takes the cores the tests leave while they wait (pip in a new venv, processes for their peers,
-# the fake's seeded pauses): on 2 cores the whole suite took 770 s with 3 workers against 841 s
-# with 2, run back to back.
-JOBS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# The tests run on every core (pytest-xdist), each file's tests in one worker (a module's
+# fixtures are made once); JOBS=1 runs them in this process.
+JOBS ?= auto
 PYTEST = JAXOVERLAP_REQUIRE_CUDA=$(if $(filter ON,$(CUDA)),1,0) $(VENV)/bin/python -m pytest -q \
 	$(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # What `make test` runs: everything (SCOPE=all), or SCOPE=jax: only what can differ between jax
